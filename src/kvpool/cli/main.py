@@ -1,0 +1,36 @@
+"""`kvpool` command line: one module per command, dispatched through a plain dict.
+
+Each command module exposes `add_arguments(parser)` and `run(args) -> int`. Modules keep
+their heavy imports (torch, models) inside `run`, so `kvpool --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# command name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "bench": ("kvpool.cli.bench", "benchmarks: pool, engine, dsv4"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvpool", description="kvpool: a KV-cache system for LLM inference")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module_name, help_text) in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        command_parser = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(command_parser)
+        command_parser.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Chained block hashes for prefix caching.
+
+A full block's hash is H(parent hash || the block's token ids || extra keys). The first
+block's parent is a root hash of the cache descriptor and the tenant salt, so a different
+model version, layout or tenant changes every hash down the chain. Token ids are hashed in
+a fixed binary layout (little-endian uint32), never a pickle, so hashes are stable across
+processes and machines. xxh3_128 is the default; sha256 is selectable where a
+collision-resistant hash matters (multi-tenant caches). Whatever the algorithm, the pool
+compares stored token bytes on every hit (the collision guard).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+from typing import Callable, Sequence
+
+import xxhash
+
+# array('I') is the platform's unsigned int; kvpool needs exactly 4 little-endian bytes.
+assert array("I").itemsize == 4, "kvpool hashes token ids as 4-byte unsigned ints"
+_BIG_ENDIAN = sys.byteorder == "big"
+TOKEN_BYTES = 4
+
+
+def token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian uint32 bytes (ValueError for ids outside [0, 2**32))."""
+    try:
+        packed = array("I", token_ids)
+    except OverflowError:
+        bad = next(t for t in token_ids if not 0 <= t < 2**32)
+        raise ValueError(f"token id {bad} is outside [0, 2**32)") from None
+    if _BIG_ENDIAN:
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+HASH_ALGOS: dict[str, Callable[[bytes], bytes]] = {
+    "xxh3_128": xxhash.xxh3_128_digest,
+    "sha256": _sha256,
+}
+
+
+class BlockHasher:
+    """Computes root and chained block hashes with one algorithm."""
+
+    __slots__ = ("algo", "digest")
+
+    def __init__(self, algo: str = "xxh3_128") -> None:
+        if algo not in HASH_ALGOS:
+            raise ValueError(f"unknown hash algorithm {algo!r}; choose one of {sorted(HASH_ALGOS)}")
+        self.algo = algo
+        self.digest: Callable[[bytes], bytes] = HASH_ALGOS[algo]
+
+    def root(self, descriptor_key: bytes, tenant_salt: str = "") -> bytes:
+        """The parent hash of a request's first block: descriptor and tenant salt."""
+        salt = tenant_salt.encode()
+        # Length prefixes keep (descriptor, salt) pairs from colliding by concatenation.
+        return self.digest(
+            b"kvpool-root\x00"
+            + len(descriptor_key).to_bytes(4, "little") + descriptor_key
+            + len(salt).to_bytes(4, "little") + salt
+        )
+
+    def chain(self, parent: bytes, block_token_bytes: bytes, extra: bytes = b"") -> bytes:
+        """Hash of one full block given its parent's hash.
+
+        The parent digest has a fixed size and a pool's blocks all hold the same number of
+        tokens, so `parent || tokens || extra` is unambiguous.
+        """
+        return self.digest(parent + block_token_bytes + extra)
