@@ -1,0 +1,86 @@
+"""Tokenizer and chat template rebuilt from GGUF metadata (no tokenizer.json needed).
+
+GGUF's `gpt2` tokenizer model is a byte-level BPE: `tokenizer.ggml.tokens` are already
+spelled in the byte-to-unicode alphabet and `tokenizer.ggml.merges` are "a b" pairs.
+Control tokens (token_type 3, e.g. `<|im_start|>`) become special added tokens so that
+they are matched whole. The pre-tokenizer follows `tokenizer.ggml.pre`: SmolLM splits
+every digit on its own before the GPT-2 regex (as its original tokenizer.json and
+llama.cpp do).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from kvpool.models.gguf import TokenizerData
+
+CONTROL_TOKEN_TYPE = 3
+USER_DEFINED_TOKEN_TYPE = 4
+# pre-tokenizer kinds that split digits one by one before the GPT-2 byte-level regex
+_INDIVIDUAL_DIGIT_PRES = frozenset({"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"})
+
+
+@dataclass
+class ChatTokenizer:
+    """Encode / decode text and render chat messages with the model's own template."""
+
+    tokenizer: Tokenizer
+    chat_template: str | None
+    bos_token_id: int | None
+    eos_token_id: int | None
+    add_bos_token: bool
+    version: str  # part of the cache descriptor: a different tokenizer must never hit the cache
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if self.add_bos_token and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.id_to_token(token_id) or ""
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The chat template (jinja2, as shipped in the GGUF) applied to `messages`."""
+        if not self.chat_template:
+            raise ValueError("this GGUF has no tokenizer.chat_template; use raw text (--no-chat)")
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+        template = env.from_string(self.chat_template)
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.encode(self.render_chat(messages))
+
+
+def build_tokenizer(data: TokenizerData) -> ChatTokenizer:
+    if data.model != "gpt2":
+        raise ValueError(f"unsupported GGUF tokenizer model {data.model!r}; kvpool builds byte-level BPE ('gpt2')")
+    vocab = {token: index for index, token in enumerate(data.tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in data.merges]
+    tok = Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
+    )
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if data.pre in _INDIVIDUAL_DIGIT_PRES:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"), byte_level]
+        )
+    else:
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    types = data.token_types or (0,) * len(data.tokens)
+    specials = [AddedToken(t, special=True, normalized=False) for t, k in zip(data.tokens, types) if k == CONTROL_TOKEN_TYPE]
+    user = [AddedToken(t, special=False, normalized=False) for t, k in zip(data.tokens, types) if k == USER_DEFINED_TOKEN_TYPE]
+    tok.add_special_tokens(specials)
+    if user:
+        tok.add_tokens(user)
+    version = f"gguf-bpe:{data.pre}:{len(data.tokens)}:{len(data.merges)}"
+    return ChatTokenizer(tok, data.chat_template, data.bos_token_id, data.eos_token_id, data.add_bos_token, version)
