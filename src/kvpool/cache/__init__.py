@@ -1,1 +1,23 @@
-"""kvpool.cache"""
+"""kvpool.cache: per-request cache managers on top of the block pool. Pure Python, no torch."""
+
+from kvpool.cache.manager import (
+    Admission,
+    BlockCopy,
+    CacheDescriptor,
+    KVCacheManager,
+    MMItem,
+    PrefixStats,
+    Reservation,
+)
+from kvpool.pool.block_table import BlockTableCSR
+
+__all__ = [
+    "Admission",
+    "BlockCopy",
+    "BlockTableCSR",
+    "CacheDescriptor",
+    "KVCacheManager",
+    "MMItem",
+    "PrefixStats",
+    "Reservation",
+]

@@ -12,6 +12,7 @@ compares stored token bytes on every hit (the collision guard).
 from __future__ import annotations
 
 import hashlib
+import struct
 import sys
 from array import array
 from typing import Callable, Sequence
@@ -34,6 +35,19 @@ def token_bytes(token_ids: Sequence[int]) -> bytes:
     if _BIG_ENDIAN:
         packed.byteswap()
     return packed.tobytes()
+
+
+def block_packer(block_size: int) -> Callable[[Sequence[int]], bytes]:
+    """A fast `token_bytes` for exactly `block_size` ids (one precompiled struct)."""
+    pack = struct.Struct(f"<{block_size}I").pack
+
+    def pack_block(token_ids: Sequence[int]) -> bytes:
+        try:
+            return pack(*token_ids)
+        except struct.error:
+            return token_bytes(token_ids)  # raises the ValueError naming the bad id
+
+    return pack_block
 
 
 def _sha256(data: bytes) -> bytes:
