@@ -13,6 +13,7 @@ import sys
 # command name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("kvpool.cli.bench", "benchmarks: pool, engine, dsv4"),
+    "plan": ("kvpool.cli.plan", "capacity model, memory ledger and planner"),
 }
 
 

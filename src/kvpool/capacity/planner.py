@@ -1,0 +1,193 @@
+"""The capacity planner: how much KV fits, how many requests, how long a context.
+
+For a model on `num_gpus` GPUs in tensor-parallel groups of `tp` (num_gpus / tp data-
+parallel replicas), every GPU of a group holds its share of the weights and the same
+number of tokens of KV. The ledger (`kvpool.capacity.ledger`) gives the per-GPU pool; a
+request of context L costs `layout.request_bytes(L)` of it (whole blocks of every page
+group plus, for V4, one state block). Then
+
+    max concurrent requests at L = floor(pool / request_bytes(L))  (per replica)
+    max context at n requests     = the largest L with n * request_bytes(L) <= pool
+
+request_bytes is non-decreasing in L, so the second is a binary search. A model whose
+layers are all windowed has bounded request bytes; its context is then limited by the
+model's `max_position_embeddings`, not by memory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvpool.capacity.fragmentation import Fragmentation, measure_fragmentation, sample_lengths
+from kvpool.capacity.kv import KVLayout, kv_layout
+from kvpool.capacity.ledger import Ledger, LedgerAssumptions, build_ledger
+from kvpool.capacity.weights import WeightBytes, weight_bytes
+from kvpool.spec.gpus import GPUSpec
+from kvpool.spec.models import ModelSpec
+
+_MAX_SEARCH_LEN = 1 << 36  # a context beyond any model's positions: "memory is not the limit"
+_MAX_SAMPLED_SEQS = 100_000  # fragmentation is measured on at most this many sampled requests
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: ModelSpec
+    gpu: GPUSpec
+    num_gpus: int
+    tp: int
+    layout: KVLayout
+    weights: WeightBytes
+    ledger: Ledger
+    context_len: int
+    concurrency: int | None  # requests over the whole deployment, if asked
+    max_concurrent_per_replica: int  # at context_len
+    max_context_len: int | None  # at `concurrency`, capped by the model's positions
+    max_context_memory_len: int | None  # memory bound alone (may exceed the model's positions)
+    occupancy: dict[str, float]  # the pool filled with max_concurrent_per_replica requests
+    fragmentation: Fragmentation
+    fragmentation_bytes_per_slot: float
+    length_distribution: str
+    seed: int
+
+    @property
+    def replicas(self) -> int:
+        return self.num_gpus // self.tp
+
+    @property
+    def max_concurrent_requests(self) -> int:
+        return self.max_concurrent_per_replica * self.replicas
+
+    @property
+    def fits(self) -> bool:
+        return self.ledger.pool_bytes > 0 and self.max_concurrent_per_replica > 0
+
+    @property
+    def pool_tokens_at_context(self) -> int:
+        """Tokens of context the pool holds at the planned context length (whole requests)."""
+        return self.max_concurrent_per_replica * self.context_len
+
+
+def max_concurrent(layout: KVLayout, pool_bytes: float, context_len: int) -> int:
+    """Requests of `context_len` tokens that fit in `pool_bytes` on one GPU."""
+    if context_len <= 0:
+        raise ValueError(f"context_len must be positive, got {context_len}")
+    return int(pool_bytes // layout.request_bytes(context_len))
+
+
+def max_context(layout: KVLayout, pool_bytes: float, num_requests: int) -> int:
+    """Largest context L with num_requests * request_bytes(L) <= pool_bytes (0 if none;
+    `_MAX_SEARCH_LEN` when memory never runs out, e.g. only windowed layers)."""
+    if num_requests <= 0:
+        raise ValueError(f"num_requests must be positive, got {num_requests}")
+
+    def fits(n_tokens: int) -> bool:
+        return num_requests * layout.request_bytes(n_tokens) <= pool_bytes
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2  # invariant: fits(lo)
+    while fits(hi):
+        lo, hi = hi, hi * 2
+        if hi > _MAX_SEARCH_LEN:
+            return _MAX_SEARCH_LEN
+    while hi - lo > 1:  # fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def occupancy(layout: KVLayout, pool_bytes: float, context_len: int, num_requests: int) -> dict[str, float]:
+    """Where the pool's bytes go with `num_requests` requests of `context_len` tokens.
+
+    data / quant_scales: the cached entries; alignment_padding: per-layer block round-up;
+    tail_waste: unfilled slots of partial blocks (internal fragmentation); state: V4 state
+    blocks; unused: the rest. The lines sum to pool_bytes.
+    """
+    data = scales = padding = tail = 0.0
+    for g in layout.groups:
+        blocks = g.num_blocks(context_len)
+        entries = g.cached_tokens(context_len) // g.tokens_per_entry
+        data += entries * g.num_layers * g.data_bytes_per_entry
+        scales += entries * g.num_layers * g.scale_bytes_per_entry
+        padding += blocks * g.padding_bytes_per_block
+        tail += blocks * (g.data_bytes_per_block + g.scale_bytes_per_block) - entries * g.num_layers * g.entry_bytes
+    out = {
+        "data": data * num_requests,
+        "quant_scales": scales * num_requests,
+        "alignment_padding": padding * num_requests,
+        "tail_waste": tail * num_requests,
+        "state": float(layout.state_block_bytes * num_requests),
+    }
+    out["unused"] = pool_bytes - sum(out.values())
+    return out
+
+
+def plan(
+    model: ModelSpec,
+    gpu: GPUSpec,
+    num_gpus: int = 1,
+    tp: int = 1,
+    context_len: int | None = None,
+    concurrency: int | None = None,
+    block_size: int | None = None,
+    kv_dtype: str = "auto",
+    indexer_format: str | None = None,
+    weight_dtype: str = "auto",
+    assumptions: LedgerAssumptions = LedgerAssumptions(),
+    length_distribution: str | None = None,
+    seed: int = 0,
+) -> Plan:
+    """Plan `model` on `num_gpus` x `gpu` with TP size `tp`.
+
+    context_len defaults to the model's max_position_embeddings; concurrency (requests over
+    the whole deployment) is optional and sets the max-context question and the sample size
+    of the fragmentation measurement (else the max concurrency found is used).
+    """
+    if num_gpus <= 0 or tp <= 0:
+        raise ValueError(f"num_gpus and tp must be positive, got num_gpus={num_gpus}, tp={tp}")
+    if num_gpus % tp:
+        raise ValueError(f"num_gpus={num_gpus} is not a multiple of tp={tp}")
+    if concurrency is not None and concurrency <= 0:
+        raise ValueError(f"concurrency must be positive, got {concurrency}")
+    ctx = model.max_position_embeddings if context_len is None else context_len
+    if ctx <= 0:
+        raise ValueError(f"context_len must be positive, got {ctx}")
+    layout = kv_layout(model, kv_dtype, block_size, tp, indexer_format)
+    weights = weight_bytes(model, tp, weight_dtype)
+    ledger = build_ledger(model, layout, weights.per_gpu_bytes, gpu.memory_bytes, ctx, assumptions)
+    pool = ledger.pool_bytes
+    per_replica = max_concurrent(layout, pool, ctx)
+
+    replicas = num_gpus // tp
+    max_ctx = max_ctx_mem = None
+    if concurrency is not None:
+        per_replica_requests = math.ceil(concurrency / replicas)
+        max_ctx_mem = max_context(layout, pool, per_replica_requests)
+        max_ctx = min(max_ctx_mem, model.max_position_embeddings)
+
+    num_sampled = min(concurrency or max(per_replica * replicas, 1), _MAX_SAMPLED_SEQS)
+    dist = length_distribution or f"uniform:1:{ctx}"
+    frag = measure_fragmentation(sample_lengths(dist, num_sampled, seed), layout.block_size)
+    # A token slot's bytes in the groups that page token by token (V4's tail lives in state).
+    bytes_per_slot = sum(g.bytes_per_token for g in layout.groups if not g.complete_blocks_only)
+
+    return Plan(
+        model=model,
+        gpu=gpu,
+        num_gpus=num_gpus,
+        tp=tp,
+        layout=layout,
+        weights=weights,
+        ledger=ledger,
+        context_len=ctx,
+        concurrency=concurrency,
+        max_concurrent_per_replica=per_replica,
+        max_context_len=max_ctx,
+        max_context_memory_len=max_ctx_mem,
+        occupancy=occupancy(layout, pool, ctx, per_replica),
+        fragmentation=frag,
+        fragmentation_bytes_per_slot=bytes_per_slot,
+        length_distribution=dist,
+        seed=seed,
+    )

@@ -1,0 +1,80 @@
+"""Weight bytes per GPU: parameter counts x storage format, split by tensor parallelism.
+
+Formats (bytes per parameter):
+- "bf16": every tensor in BF16 (2 B);
+- "fp8": DeepSeek-style block FP8, every linear weight of the layers in E4M3 (1 B) with one
+  fp32 scale per 128 x 128 block (4 / 16384 B); embeddings, head, router and norms BF16;
+- "mxfp4": gpt-oss, routed-expert matrices in MXFP4 (4-bit values + one E8M0 scale byte per
+  32: 0.5 + 1/32 B); everything else BF16 (its `modules_to_not_convert`);
+- "fp4+fp8": DeepSeek-V4, FP4 (MXFP4 layout) routed experts, block FP8 for the other linears.
+"auto" takes the model's own format (its `quantization_config`).
+
+Tensor parallelism shards embeddings (vocab-parallel), the head, attention projections, the
+dense MLP and the experts by the TP size. Kept whole on every rank: norms, biases, router,
+MLA's q_a / kv_a projections, and GQA K/V projections past one head per rank (a TP size
+above the KV-head count replicates those heads, so their projections repeat too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpool.capacity.kv import kv_heads_per_gpu
+from kvpool.spec.models import ModelSpec, ParamCounts, count_parameters
+
+WEIGHT_DTYPES: tuple[str, ...] = ("auto", "bf16", "fp8", "mxfp4", "fp4+fp8")
+
+_FP8_BLOCK = 1 + 4 / (128 * 128)  # E4M3 + an fp32 scale per 128 x 128 block
+_MXFP4 = 0.5 + 1 / 32  # 4-bit value + one E8M0 scale byte per 32 values
+_BF16 = 2.0
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    params: ParamCounts
+    weight_dtype: str
+    total_bytes: float  # the whole model, one copy
+    per_gpu_bytes: float  # one TP rank
+    tp: int
+
+
+def _bytes_per_param(weight_dtype: str) -> dict[str, float]:
+    """Bytes per parameter for each ParamCounts category."""
+    linear = {"bf16": _BF16, "fp8": _FP8_BLOCK, "mxfp4": _BF16, "fp4+fp8": _FP8_BLOCK}[weight_dtype]
+    experts = {"bf16": _BF16, "fp8": _FP8_BLOCK, "mxfp4": _MXFP4, "fp4+fp8": _MXFP4}[weight_dtype]
+    return {
+        "embedding": _BF16,
+        "lm_head": _BF16,
+        "attention": linear,
+        "attention_replicated": linear,
+        "mlp": linear,
+        "experts": experts,
+        "expert_biases": _BF16,
+        "router": _BF16,
+        "norms": _BF16,
+    }
+
+
+def weight_bytes(model: ModelSpec, tp: int = 1, weight_dtype: str = "auto") -> WeightBytes:
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"unknown weight dtype {weight_dtype!r}; known: {list(WEIGHT_DTYPES)}")
+    if tp <= 0:
+        raise ValueError(f"tp must be positive, got {tp}")
+    if model.num_heads % tp:
+        raise ValueError(f"{model.name}: num_attention_heads={model.num_heads} is not divisible by tp={tp}")
+    fmt = model.weight_format if weight_dtype == "auto" else weight_dtype
+    params = count_parameters(model)
+    per_param = _bytes_per_param(fmt)
+    sharded = {"embedding", "lm_head", "attention", "mlp", "experts", "expert_biases"}
+    total = per_gpu = 0.0
+    for category, bytes_per in per_param.items():
+        n = getattr(params, category)
+        total += n * bytes_per
+        per_gpu += n * bytes_per / tp if category in sharded else n * bytes_per
+    if model.attention == "gqa" and tp > 1:
+        # K and V projections: a rank holds kv_heads_per_gpu heads, not num_kv_heads / tp.
+        kv_proj = 2 * model.num_layers * model.hidden_size * model.head_dim
+        exact = kv_proj * kv_heads_per_gpu(model.num_kv_heads, tp)
+        even_split = kv_proj * model.num_kv_heads / tp
+        per_gpu += (exact - even_split) * per_param["attention"]
+    return WeightBytes(params, fmt, total, per_gpu, tp)

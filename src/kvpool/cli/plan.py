@@ -1,0 +1,283 @@
+"""`kvpool plan`: KV bytes, the peak-memory ledger and the capacity plan of a model on GPUs.
+
+    kvpool plan --model deepseek-v4-pro --gpu H200 --num-gpus 8 --tp 8 --context 1048576
+    kvpool plan --config path/to/config.json --memory-gib 80 --context 32768 --json
+    kvpool plan --plot kv.png            # KV bytes vs context for several presets
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from kvpool.capacity.kv import INDEXER_FORMATS, KV_DTYPES, kv_layout
+from kvpool.capacity.ledger import TERMS, LedgerAssumptions
+from kvpool.capacity.planner import Plan, plan
+from kvpool.capacity.weights import WEIGHT_DTYPES
+from kvpool.spec.gpus import GPUS, GPUSpec, custom_gpu, get_gpu
+from kvpool.spec.models import PRESET_NAMES, ModelSpec, load_config_file, load_preset
+
+GIB = 1 << 30
+
+PLOT_MODELS: tuple[str, ...] = (
+    "llama-3.1-8b",
+    "llama-3.1-70b",
+    "gemma-2-9b",
+    "gpt-oss-120b",
+    "deepseek-v3",
+    "deepseek-v3.2",
+    "deepseek-v4-flash",
+    "deepseek-v4-pro",
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--model", help=f"a preset: {', '.join(PRESET_NAMES)}")
+    src.add_argument("--config", help="a Hugging Face config.json (or the folder holding it)")
+    hw = parser.add_mutually_exclusive_group()
+    hw.add_argument("--gpu", default=None, help=f"GPU preset: {', '.join(GPUS)} (default H100)")
+    hw.add_argument("--memory-gib", type=float, default=None, help="GPU memory in GiB instead of a preset")
+    parser.add_argument("--num-gpus", type=int, default=None, help="GPUs in all (default: --tp)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    parser.add_argument("--context", type=int, default=None, help="context length (default: the model's maximum)")
+    parser.add_argument("--concurrency", type=int, default=None, help="concurrent requests over all GPUs")
+    parser.add_argument("--block-size", type=int, default=None, help="tokens per block (default 16 / 64 MLA / 128 V4)")
+    parser.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES, help="KV storage format (default auto)")
+    parser.add_argument("--indexer-format", default=None, choices=INDEXER_FORMATS,
+                        help="V3.2 / V4 indexer-key format (default fp8)")
+    parser.add_argument("--weight-dtype", default="auto", choices=WEIGHT_DTYPES, help="weight format (default auto)")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="running-request limit (default 256)")
+    parser.add_argument("--max-batched-tokens", type=int, default=8192, help="tokens per forward step (default 8192)")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="no CUDA-graph memory in the ledger")
+    parser.add_argument("--lengths", default=None,
+                        help="length distribution for measured fragmentation: uniform:LO:HI, "
+                             "lognormal:MEDIAN:SIGMA or fixed:N (default uniform:1:CONTEXT)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampled lengths (default 0)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw KV bytes vs context length")
+    parser.add_argument("--plot-models", default=None,
+                        help=f"comma-separated presets for --plot (default {','.join(PLOT_MODELS)})")
+
+
+def _load_model(args: argparse.Namespace) -> ModelSpec | None:
+    if args.model:
+        return load_preset(args.model)
+    if args.config:
+        return load_config_file(args.config)
+    return None
+
+
+def _gpu(args: argparse.Namespace) -> GPUSpec:
+    if args.memory_gib is not None:
+        return custom_gpu(args.memory_gib)
+    return get_gpu(args.gpu or "H100")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        model = _load_model(args)
+        if model is None and not args.plot:
+            raise ValueError("give --model NAME or --config PATH (or --plot FILE.png alone)")
+        result = None
+        if model is not None:
+            assumptions = LedgerAssumptions(
+                max_num_batched_tokens=args.max_batched_tokens,
+                max_num_seqs=args.max_num_seqs,
+                cuda_graphs=not args.no_cuda_graphs,
+            )
+            result = plan(
+                model,
+                _gpu(args),
+                num_gpus=args.num_gpus if args.num_gpus is not None else args.tp,
+                tp=args.tp,
+                context_len=args.context,
+                concurrency=args.concurrency,
+                block_size=args.block_size,
+                kv_dtype=args.kv_dtype,
+                indexer_format=args.indexer_format,
+                weight_dtype=args.weight_dtype,
+                assumptions=assumptions,
+                length_distribution=args.lengths,
+                seed=args.seed,
+            )
+        if args.plot:
+            names = args.plot_models.split(",") if args.plot_models else list(PLOT_MODELS)
+            models = [load_preset(n.strip()) for n in names if n.strip()]
+            if model is not None and model.name not in {m.name for m in models}:
+                models.append(model)
+            plot_kv_vs_context(models, args.plot, kv_dtype=args.kv_dtype)
+    except ValueError as e:
+        print(f"kvpool plan: error: {e}", file=sys.stderr)
+        return 2
+    if result is not None:
+        if args.json:
+            print(json.dumps(plan_to_dict(result), indent=2))
+        else:
+            print_plan(result)
+    if args.plot and not args.json:
+        print(f"wrote {args.plot}")
+    return 0 if result is None or result.fits else 1
+
+
+# ---------------------------------------------------------------------------------------
+# JSON
+# ---------------------------------------------------------------------------------------
+
+
+def plan_to_dict(p: Plan) -> dict[str, Any]:
+    """One JSON-ready object; byte counts are per GPU unless a key says otherwise."""
+    # the unsharded model, for whole-model figures
+    whole = kv_layout(p.model, p.layout.kv_dtype, p.layout.block_size, 1, p.layout.indexer_format)
+    frag = p.fragmentation
+    per_slot = p.fragmentation_bytes_per_slot
+    return {
+        "model": p.model.name,
+        "model_type": p.model.model_type,
+        "attention": p.model.attention_label,
+        "num_layers": p.model.num_layers,
+        "params": p.weights.params.total,
+        "weight_dtype": p.weights.weight_dtype,
+        "weight_bytes": p.weights.total_bytes,
+        "gpu": p.gpu.name,
+        "gpu_memory_bytes": p.gpu.memory_bytes,
+        "num_gpus": p.num_gpus,
+        "tp": p.tp,
+        "replicas": p.replicas,
+        "kv_dtype": p.layout.kv_dtype,
+        "block_size": p.layout.block_size,
+        "kv_sharded_by_head": p.layout.sharded_by_head,
+        "kv_bytes_per_token": whole.bytes_per_token,  # whole model, unpadded
+        "kv_bytes_per_token_per_gpu": p.layout.bytes_per_token,
+        "state_bytes_per_request": p.layout.state_bytes_per_request,
+        "context_len": p.context_len,
+        "kv_bytes_at_context": whole.kv_bytes_at_context(p.context_len),  # whole model, one request
+        "kv_bytes_at_context_per_gpu": p.layout.request_bytes(p.context_len),  # paged, padded
+        "kv_pool_bytes_per_gpu": p.ledger.pool_bytes,
+        "max_concurrent_requests": p.max_concurrent_requests,
+        "max_concurrent_requests_per_replica": p.max_concurrent_per_replica,
+        "concurrency": p.concurrency,
+        "max_context_len": p.max_context_len,
+        "max_context_memory_len": p.max_context_memory_len,
+        "max_position_embeddings": p.model.max_position_embeddings,
+        "fits": p.fits,
+        "ledger": p.ledger.as_dict(),
+        "ledger_details": p.ledger.details,
+        "kv_pool_occupancy": p.occupancy,
+        "fragmentation": {
+            "block_size": frag.block_size,
+            "num_seqs": frag.num_seqs,
+            "length_distribution": p.length_distribution,
+            "seed": p.seed,
+            "bound_slots": frag.bound_slots,
+            "expected_slots": frag.expected_slots,
+            "measured_slots": frag.wasted_slots,
+            "measured_rate": frag.rate,
+            "bytes_per_slot_per_gpu": per_slot,
+            "bound_bytes": frag.bound_slots * per_slot,
+            "expected_bytes": frag.expected_slots * per_slot,
+            "measured_bytes": frag.wasted_slots * per_slot,
+        },
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# Tables
+# ---------------------------------------------------------------------------------------
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:,.2f} GiB"
+
+
+def print_plan(p: Plan) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    d = plan_to_dict(p)
+    console = Console(width=100)
+    head = Table(title=f"kvpool plan: {p.model.name} on {p.num_gpus} x {p.gpu.name} "
+                       f"({p.gpu.memory_gib:.1f} GiB), TP {p.tp}", show_header=False)
+    head.add_column(style="bold")
+    head.add_column(justify="right")
+    rows = [
+        ("attention", f"{d['attention']}, {d['num_layers']} layers"),
+        ("parameters / weights", f"{d['params'] / 1e9:,.1f} B / {d['weight_dtype']} {_gib(d['weight_bytes'])}"),
+        ("KV format, block size", f"{d['kv_dtype']}, {d['block_size']} tokens"
+                                  + ("" if d["kv_sharded_by_head"] or p.tp == 1 else " (replicated over TP)")),
+        ("KV bytes / token (model)", f"{d['kv_bytes_per_token']:,.1f} B"),
+        ("KV bytes / token (per GPU)", f"{d['kv_bytes_per_token_per_gpu']:,.1f} B"),
+        ("state bytes / request", f"{d['state_bytes_per_request']:,.0f} B"),
+        (f"KV at {p.context_len:,} tokens (model)", _gib(d["kv_bytes_at_context"])),
+        (f"KV at {p.context_len:,} tokens (per GPU, paged)", _gib(d["kv_bytes_at_context_per_gpu"])),
+    ]
+    for k, v in rows:
+        head.add_row(k, v)
+    console.print(head)
+
+    ledger = Table(title="peak-memory ledger, one GPU (seed 003)")
+    ledger.add_column("term")
+    ledger.add_column("bytes", justify="right")
+    ledger.add_column("share", justify="right")
+    cap = p.ledger.capacity
+    for term in TERMS:
+        ledger.add_row(term, _gib(p.ledger.terms[term]), f"{100 * p.ledger.terms[term] / cap:.1f} %")
+        for sub, value in p.ledger.details.get(term, {}).items():
+            if value:
+                ledger.add_row(f"  {sub}", _gib(value), "", style="dim")
+    ledger.add_row("total (M_peak)", _gib(p.ledger.total), f"{100 * p.ledger.total / cap:.1f} %", style="bold")
+    ledger.add_row("capacity", _gib(cap), "")
+    console.print(ledger)
+
+    out = Table(title="plan", show_header=False)
+    out.add_column(style="bold")
+    out.add_column(justify="right")
+    out.add_row("KV pool per GPU", _gib(p.ledger.pool_bytes))
+    for sub, value in p.occupancy.items():
+        out.add_row(f"  {sub} at {p.context_len:,} tokens", _gib(value), style="dim")
+    out.add_row(f"max concurrent requests at {p.context_len:,} tokens",
+                f"{p.max_concurrent_requests:,} ({p.replicas} replica{'s' if p.replicas > 1 else ''})")
+    if p.concurrency is not None:
+        limit = "" if p.max_context_len == p.max_context_memory_len else " (model limit)"
+        out.add_row(f"max context at {p.concurrency:,} requests", f"{p.max_context_len:,} tokens{limit}")
+    f = d["fragmentation"]
+    out.add_row(f"tail fragmentation, {f['num_seqs']} seqs, q={f['block_size']}",
+                f"bound {f['bound_slots']:,} / expected {f['expected_slots']:,.1f} / "
+                f"measured {f['measured_slots']:,} slots")
+    out.add_row("  measured on", f"{f['length_distribution']}, seed {f['seed']}: rate {100 * f['measured_rate']:.3f} %"
+                + (f", {_gib(f['measured_bytes'])}" if f["bytes_per_slot_per_gpu"] else " (V4: tail lives in state)"))
+    console.print(out)
+    if not p.fits:
+        console.print("[bold red]does not fit: the KV pool cannot hold one request at this context[/]")
+
+
+# ---------------------------------------------------------------------------------------
+# Plot
+# ---------------------------------------------------------------------------------------
+
+
+def plot_kv_vs_context(models: list[ModelSpec], path: str, kv_dtype: str = "auto") -> None:
+    """KV bytes of one request (whole model, unsharded) against context length, log-log."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = [1 << k for k in range(10, 21)]  # 1 Ki .. 1 Mi tokens
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for m in models:
+        layout = kv_layout(m, kv_dtype)
+        ys = [layout.kv_bytes_at_context(c) / GIB for c in contexts]
+        ax.plot(contexts, ys, marker="o", markersize=3, label=f"{m.name} ({layout.kv_dtype})")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("KV cache of one request (GiB, whole model)")
+    ax.set_title("KV bytes vs context length")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=120)
+    plt.close(fig)

@@ -1,0 +1,565 @@
+"""Model specs for capacity planning, read from Hugging Face config.json files.
+
+A `ModelSpec` holds what the capacity model needs from a config: the attention family and
+cache geometry (GQA / MHA / MQA with optional sliding-window layers, MLA latents with an
+optional V3.2 indexer, or a DeepSeek-V4 `DSV4Spec`), and the shapes that fix the weight
+bytes. Presets are the facts of public config.json files, stored as JSON under
+`kvpool/presets/`; `--config PATH` reads any config.json the same way.
+
+Parameter counts (`count_parameters`) are computed from the config, tensor by tensor, the
+way the Hugging Face / reference implementations build the model (no checkpoint needed):
+- embedding: vocab x hidden; lm_head: vocab x hidden unless `tie_word_embeddings`;
+- attention per layer: GQA q (hidden x heads*head_dim), k and v (hidden x kv_heads*head_dim),
+  o (heads*head_dim x hidden), biases where the config asks (`attention_bias`; Qwen2 has
+  q/k/v biases only), q/k RMSNorms (Qwen3, Gemma 3), attention sinks (gpt-oss: one per
+  head). MLA: q_a (hidden x q_lora_rank) + q_a_norm + q_b (q_lora_rank x heads*(nope+rope)),
+  kv_a (hidden x (kv_lora_rank+rope)) + kv_a_norm + kv_b (kv_lora_rank x heads*(nope+v)),
+  o (heads*v x hidden); V3.2 adds the indexer (wq_b, wk, k_norm, weights_proj). q_a and
+  kv_a are counted as `attention_replicated`: tensor-parallel engines keep them whole;
+- MLP: gated (gate, up, down) 3 x hidden x intermediate; MoE layers hold routed experts
+  (3 x hidden x moe_intermediate each, gpt-oss with biases), shared experts and a router
+  (experts x hidden, plus bias / correction bias);
+- norms: 2 RMSNorms of `hidden` per layer (4 for Gemma 2/3) and the final norm.
+MTP (next-token-prediction) layers are not counted: an engine loads them only for
+speculative decoding. DeepSeek-V4 counts the attention tensors of DEEPSEEK_V4.md (wq_a,
+q_norm, wq_b, wkv, kv_norm, wo_a, wo_b, attn_sink, compressors, indexer) plus the MoE facts
+of its config (`_DSV4_MOE_FACTS` when the shipped preset lacks them); the hyper-connection
+(mHC) mixers and hash-routing tables are small and not counted. The sums land on the
+published totals: Llama-3.1-8B 8.03 B, 70B 70.6 B, DeepSeek-V3 671 B, gpt-oss-120b 116.8 B,
+V4-Flash 284 B (tests compare several against transformers' own modules on the meta device).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable
+
+from kvpool.spec import dsv4 as dsv4_spec
+from kvpool.spec.dsv4 import CSA_RATIO, DSV4Spec
+
+
+@dataclass(frozen=True)
+class MLAGeometry:
+    """DeepSeek multi-head latent attention: one cached latent of kv_lora_rank + rope dims."""
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None  # None: a plain q projection (DeepSeek-V2-Lite)
+
+
+@dataclass(frozen=True)
+class IndexerGeometry:
+    """DeepSeek-V3.2's Lightning Indexer: one cached key of `head_dim` per token."""
+
+    num_heads: int
+    head_dim: int
+    topk: int
+
+
+@dataclass(frozen=True)
+class MoEGeometry:
+    num_experts: int
+    num_shared_experts: int
+    expert_intermediate_size: int
+    experts_per_token: int
+    moe_layers: tuple[int, ...]  # indices of the layers whose MLP is MoE
+    expert_bias: bool = False  # gpt-oss experts carry biases
+    router_bias: bool = False  # a router bias / e_score_correction_bias of num_experts
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What capacity planning needs of one model. Build with `from_hf_config`."""
+
+    name: str
+    model_type: str
+    attention: str  # "gqa" (MHA / GQA / MQA, maybe windowed) | "mla" | "dsv4"
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    layer_windows: tuple[int | None, ...]  # per layer: sliding window, or None for full
+    intermediate_size: int
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    weight_format: str  # "bf16" | "fp8" (128x128 block scales) | "mxfp4" (experts) | "fp4+fp8" (V4)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    norms_per_layer: int = 2
+    attention_sinks: bool = False
+    mla: MLAGeometry | None = None
+    indexer: IndexerGeometry | None = None
+    moe: MoEGeometry | None = None
+    dsv4: DSV4Spec | None = None
+
+    def __post_init__(self) -> None:
+        if self.attention not in ("gqa", "mla", "dsv4"):
+            raise ValueError(f"attention must be 'gqa', 'mla' or 'dsv4', got {self.attention!r}")
+        for field in ("num_layers", "hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{self.name}: {field} must be a positive integer, got {value!r}")
+        if len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"{self.name}: {len(self.layer_windows)} layer windows for {self.num_layers} layers")
+        if self.attention == "gqa" and self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"{self.name}: num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}"
+            )
+        if (self.attention == "mla") != (self.mla is not None):
+            raise ValueError(f"{self.name}: MLA geometry is required exactly for attention='mla'")
+        if (self.attention == "dsv4") != (self.dsv4 is not None):
+            raise ValueError(f"{self.name}: a DSV4Spec is required exactly for attention='dsv4'")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe is not None
+
+    @property
+    def attention_label(self) -> str:
+        """MHA / GQA / MQA (+ sliding), MLA, or DeepSeek-V4 CSA/HCA, for tables."""
+        if self.attention == "mla":
+            return "MLA + indexer" if self.indexer else "MLA"
+        if self.attention == "dsv4":
+            return "V4 CSA/HCA"
+        if self.num_kv_heads == 1:
+            base = "MQA"
+        elif self.num_kv_heads == self.num_heads:
+            base = "MHA"
+        else:
+            base = f"GQA-{self.num_kv_heads}"
+        windows = {w for w in self.layer_windows if w is not None}
+        if windows:
+            num_sliding = sum(1 for w in self.layer_windows if w is not None)
+            base += f" ({num_sliding}/{self.num_layers} sliding {max(windows)})"
+        return base
+
+
+# ---------------------------------------------------------------------------------------
+# Parameter counts
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters by category; the categories decide sharding and weight format."""
+
+    embedding: int
+    lm_head: int
+    attention: int  # linear weights sharded by tensor parallelism
+    attention_replicated: int  # MLA q_a / kv_a projections: whole on every TP rank
+    mlp: int  # dense MLP and shared experts (linear weights)
+    experts: int  # routed-expert weight matrices
+    expert_biases: int
+    router: int
+    norms: int  # norms, biases of attention, sinks: small, kept in 16-bit
+
+    @property
+    def total(self) -> int:
+        return (
+            self.embedding + self.lm_head + self.attention + self.attention_replicated + self.mlp
+            + self.experts + self.expert_biases + self.router + self.norms
+        )
+
+
+def count_parameters(spec: ModelSpec) -> ParamCounts:
+    """Parameters of `spec`'s main layers, embeddings and head (MTP layers excluded)."""
+    h, L = spec.hidden_size, spec.num_layers
+    embedding = spec.vocab_size * h
+    lm_head = 0 if spec.tie_word_embeddings else spec.vocab_size * h
+    norms = L * spec.norms_per_layer * h + h  # per-layer norms + the final norm
+    attention = replicated = 0
+    if spec.attention == "gqa":
+        q_width, kv_width = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        attention = L * (h * q_width + 2 * h * kv_width + q_width * h)
+        if spec.qkv_bias:
+            norms += L * (q_width + 2 * kv_width)
+        if spec.o_bias:
+            norms += L * h
+        if spec.qk_norm:
+            norms += L * 2 * spec.head_dim
+        if spec.attention_sinks:
+            norms += L * spec.num_heads
+    elif spec.attention == "mla":
+        attention, replicated, extra_norms = _mla_attention_params(spec)
+        norms += extra_norms
+    else:
+        assert spec.dsv4 is not None
+        attention, extra_norms = _dsv4_attention_params(spec.dsv4)
+        norms += extra_norms
+    mlp = experts = expert_biases = router = 0
+    moe_layers = set(spec.moe.moe_layers) if spec.moe else set()
+    for layer_id in range(L):
+        if layer_id not in moe_layers:
+            mlp += 3 * h * spec.intermediate_size
+            continue
+        assert spec.moe is not None
+        moe = spec.moe
+        per_expert = 3 * h * moe.expert_intermediate_size
+        experts += moe.num_experts * per_expert
+        mlp += moe.num_shared_experts * per_expert
+        if moe.expert_bias:  # gate_up bias 2I + down bias h
+            expert_biases += moe.num_experts * (2 * moe.expert_intermediate_size + h)
+        router += moe.num_experts * h + (moe.num_experts if moe.router_bias else 0)
+    return ParamCounts(embedding, lm_head, attention, replicated, mlp, experts, expert_biases, router, norms)
+
+
+def _mla_attention_params(spec: ModelSpec) -> tuple[int, int, int]:
+    """(TP-sharded linears, replicated linears, norms) of all MLA layers (+ V3.2 indexer)."""
+    mla, h, H = spec.mla, spec.hidden_size, spec.num_heads
+    assert mla is not None
+    qk_head = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    sharded = H * (mla.qk_nope_head_dim + mla.v_head_dim) * mla.kv_lora_rank  # kv_b
+    sharded += H * mla.v_head_dim * h  # o_proj
+    replicated = h * (mla.kv_lora_rank + mla.qk_rope_head_dim)  # kv_a_proj_with_mqa
+    norms = mla.kv_lora_rank  # kv_a_layernorm
+    if mla.q_lora_rank is None:
+        sharded += h * H * qk_head
+    else:
+        replicated += h * mla.q_lora_rank  # q_a_proj
+        sharded += mla.q_lora_rank * H * qk_head  # q_b_proj
+        norms += mla.q_lora_rank  # q_a_layernorm
+    if spec.indexer is not None:
+        idx = spec.indexer
+        q_in = mla.q_lora_rank if mla.q_lora_rank is not None else h
+        replicated += q_in * idx.num_heads * idx.head_dim  # indexer.wq_b
+        replicated += h * idx.head_dim + h * idx.num_heads  # indexer.wk, indexer.weights_proj
+        norms += 2 * idx.head_dim  # indexer.k_norm (LayerNorm: weight + bias)
+    L = spec.num_layers
+    return L * sharded, L * replicated, L * norms
+
+
+def _dsv4_attention_params(v4: DSV4Spec) -> tuple[int, int]:
+    """(linear weights, norms + small tensors) of all V4 attention layers, by reference name."""
+    h, d, H = v4.hidden_size, v4.head_dim, v4.num_heads
+    linear = small = 0
+    for ratio in v4.layer_ratios:
+        linear += h * v4.q_lora_rank + v4.q_lora_rank * H * d  # wq_a, wq_b
+        linear += h * d  # wkv
+        linear += v4.o_groups * (v4.heads_per_group * d) * v4.o_lora_rank  # wo_a (grouped)
+        linear += v4.o_groups * v4.o_lora_rank * h  # wo_b
+        small += v4.q_lora_rank + d + H  # q_norm, kv_norm, attn_sink
+        if ratio == 0:
+            continue
+        coff = v4.coff(ratio)
+        linear += 2 * h * coff * d  # compressor.wkv, compressor.wgate
+        small += ratio * coff * d + d  # compressor.ape, compressor.norm
+        if ratio == CSA_RATIO:
+            di = v4.index_head_dim
+            linear += v4.q_lora_rank * v4.index_n_heads * di + h * v4.index_n_heads  # wq_b, weights_proj
+            linear += 2 * h * coff * di  # indexer.compressor.wkv, wgate
+            small += ratio * coff * di + di  # indexer.compressor.ape, norm
+    return linear, small
+
+
+# ---------------------------------------------------------------------------------------
+# Parsing config.json
+# ---------------------------------------------------------------------------------------
+
+
+def _req(cfg: dict[str, Any], key: str, kind: str) -> Any:
+    if key not in cfg or cfg[key] is None:
+        raise ValueError(f"{kind} config is missing required key {key!r}")
+    return cfg[key]
+
+
+def _layer_windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> tuple[int | None, ...]:
+    """Per-layer sliding window (None = full attention), from `layer_types` or the family rule."""
+    window = cfg.get("sliding_window")
+    if "layer_types" in cfg and cfg["layer_types"] is not None:
+        types = cfg["layer_types"]
+        if len(types) != num_layers:
+            raise ValueError(f"layer_types has {len(types)} entries for num_hidden_layers={num_layers}")
+        out: list[int | None] = []
+        for i, t in enumerate(types):
+            if t == "full_attention":
+                out.append(None)
+            elif t == "sliding_attention":
+                out.append(int(_req(cfg, "sliding_window", model_type)))
+            else:
+                raise ValueError(
+                    f"layer_types[{i}] = {t!r} is a layer kind kvpool does not understand "
+                    "(known: 'full_attention', 'sliding_attention')"
+                )
+        return tuple(out)
+    if model_type == "gemma2":
+        # Gemma 2 alternates local (sliding) and global layers, starting with a local one.
+        w = int(_req(cfg, "sliding_window", model_type))
+        return tuple(w if i % 2 == 0 else None for i in range(num_layers))
+    if model_type == "gemma3_text":
+        w = int(_req(cfg, "sliding_window", model_type))
+        pattern = int(cfg.get("sliding_window_pattern", 6))  # 5 local : 1 global
+        return tuple(w if (i + 1) % pattern else None for i in range(num_layers))
+    if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window") and window:
+        first = int(cfg.get("max_window_layers", num_layers))
+        return tuple(int(window) if i >= first else None for i in range(num_layers))
+    if model_type == "mistral" and window:
+        return (int(window),) * num_layers
+    return (None,) * num_layers
+
+
+def _weight_format(cfg: dict[str, Any]) -> str:
+    quant = cfg.get("quantization_config")
+    if not quant:
+        return "bf16"
+    method = quant.get("quant_method")
+    if method == "fp8":
+        return "fp8"
+    if method == "mxfp4":
+        return "mxfp4"
+    raise ValueError(f"quantization_config.quant_method {method!r} is not one kvpool understands (fp8, mxfp4)")
+
+
+def _parse_gqa(cfg: dict[str, Any], name: str, model_type: str) -> ModelSpec:
+    L = int(_req(cfg, "num_hidden_layers", model_type))
+    h = int(_req(cfg, "hidden_size", model_type))
+    heads = int(_req(cfg, "num_attention_heads", model_type))
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)  # absent: MHA (HF's own default)
+    head_dim = int(cfg.get("head_dim") or h // heads)
+    gemma = model_type in ("gemma2", "gemma3_text")
+    moe = None
+    if model_type == "gpt_oss":
+        num_experts = int(_req(cfg, "num_local_experts", model_type))
+        moe = MoEGeometry(
+            num_experts=num_experts,
+            num_shared_experts=0,
+            # gpt-oss experts: gate_up [h, 2I] + down [I, h]; the 3 x h x I count holds.
+            expert_intermediate_size=int(_req(cfg, "intermediate_size", model_type)),
+            experts_per_token=int(cfg.get("num_experts_per_tok") or _req(cfg, "experts_per_token", model_type)),
+            moe_layers=tuple(range(L)),
+            expert_bias=True,
+            router_bias=True,
+        )
+    bias = bool(cfg.get("attention_bias", False))
+    return ModelSpec(
+        name=name,
+        model_type=model_type,
+        attention="gqa",
+        num_layers=L,
+        hidden_size=h,
+        vocab_size=int(_req(cfg, "vocab_size", model_type)),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        layer_windows=_layer_windows(cfg, model_type, L),
+        intermediate_size=int(_req(cfg, "intermediate_size", model_type)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
+        max_position_embeddings=int(_req(cfg, "max_position_embeddings", model_type)),
+        weight_format=_weight_format(cfg),
+        qkv_bias=bias or model_type == "qwen2",
+        o_bias=bias,
+        qk_norm=model_type in ("qwen3", "gemma3_text"),
+        norms_per_layer=4 if gemma else 2,
+        attention_sinks=model_type == "gpt_oss",
+        moe=moe,
+    )
+
+
+def _parse_mla(cfg: dict[str, Any], name: str, model_type: str) -> ModelSpec:
+    L = int(_req(cfg, "num_hidden_layers", model_type))
+    h = int(_req(cfg, "hidden_size", model_type))
+    heads = int(_req(cfg, "num_attention_heads", model_type))
+    mla = MLAGeometry(
+        kv_lora_rank=int(_req(cfg, "kv_lora_rank", model_type)),
+        qk_rope_head_dim=int(_req(cfg, "qk_rope_head_dim", model_type)),
+        qk_nope_head_dim=int(_req(cfg, "qk_nope_head_dim", model_type)),
+        v_head_dim=int(_req(cfg, "v_head_dim", model_type)),
+        q_lora_rank=None if cfg.get("q_lora_rank") is None else int(cfg["q_lora_rank"]),
+    )
+    indexer = None
+    if "index_topk" in cfg or model_type == "deepseek_v32":
+        indexer = IndexerGeometry(
+            num_heads=int(_req(cfg, "index_n_heads", model_type)),
+            head_dim=int(_req(cfg, "index_head_dim", model_type)),
+            topk=int(_req(cfg, "index_topk", model_type)),
+        )
+    moe = None
+    if cfg.get("n_routed_experts"):
+        first_dense = int(cfg.get("first_k_dense_replace", 0))
+        freq = int(cfg.get("moe_layer_freq", 1))
+        moe = MoEGeometry(
+            num_experts=int(cfg["n_routed_experts"]),
+            num_shared_experts=int(cfg.get("n_shared_experts") or 0),
+            expert_intermediate_size=int(_req(cfg, "moe_intermediate_size", model_type)),
+            experts_per_token=int(_req(cfg, "num_experts_per_tok", model_type)),
+            moe_layers=tuple(i for i in range(L) if i >= first_dense and i % freq == 0),
+            router_bias=cfg.get("topk_method") == "noaux_tc",  # e_score_correction_bias
+        )
+    return ModelSpec(
+        name=name,
+        model_type=model_type,
+        attention="mla",
+        num_layers=L,
+        hidden_size=h,
+        vocab_size=int(_req(cfg, "vocab_size", model_type)),
+        num_heads=heads,
+        num_kv_heads=1,  # one latent per token, shared by all heads
+        head_dim=mla.kv_lora_rank + mla.qk_rope_head_dim,
+        layer_windows=(None,) * L,
+        intermediate_size=int(_req(cfg, "intermediate_size", model_type)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(_req(cfg, "max_position_embeddings", model_type)),
+        weight_format=_weight_format(cfg),
+        mla=mla,
+        indexer=indexer,
+        moe=moe,
+    )
+
+
+# MoE facts of the V4 config.json files that the shipped V4 presets (which carry only the
+# attention / cache keys) do not repeat. Used only for the weights line of the ledger.
+_DSV4_MOE_FACTS: dict[str, dict[str, int]] = {
+    "deepseek-v4-flash": {"n_routed_experts": 256, "n_shared_experts": 1, "moe_intermediate_size": 2048,
+                          "num_experts_per_tok": 6},
+    "deepseek-v4-pro": {"n_routed_experts": 384, "n_shared_experts": 1, "moe_intermediate_size": 3072,
+                        "num_experts_per_tok": 6},
+}
+
+
+def _parse_dsv4(cfg: dict[str, Any], name: str, model_type: str) -> ModelSpec:
+    v4 = DSV4Spec.from_config(cfg, name=name)
+    facts = {**_DSV4_MOE_FACTS.get(name, {}), **{k: cfg[k] for k in _DSV4_MOE_FACTS["deepseek-v4-pro"] if k in cfg}}
+    moe = None
+    if "n_routed_experts" in facts:
+        moe = MoEGeometry(
+            num_experts=int(facts["n_routed_experts"]),
+            num_shared_experts=int(facts.get("n_shared_experts", 0)),
+            expert_intermediate_size=int(_req(facts, "moe_intermediate_size", model_type)),
+            experts_per_token=int(_req(facts, "num_experts_per_tok", model_type)),
+            moe_layers=tuple(range(v4.num_layers)),  # every V4 layer is MoE (no dense prefix)
+        )
+    return ModelSpec(
+        name=name,
+        model_type=model_type,
+        attention="dsv4",
+        num_layers=v4.num_layers,
+        hidden_size=v4.hidden_size,
+        vocab_size=int(_req(cfg, "vocab_size", model_type)),
+        num_heads=v4.num_heads,
+        num_kv_heads=1,
+        head_dim=v4.head_dim,
+        layer_windows=(None,) * v4.num_layers,
+        intermediate_size=int(cfg.get("intermediate_size") or facts.get("moe_intermediate_size", 0) or 1),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=v4.max_position_embeddings,
+        weight_format="fp4+fp8",  # FP4 routed experts, FP8 (128x128 blocks) elsewhere
+        moe=moe,
+        dsv4=v4,
+    )
+
+
+# model_type -> parser: a plain dict, the single place that lists what kvpool understands.
+_PARSERS: dict[str, Callable[[dict[str, Any], str, str], ModelSpec]] = {
+    "llama": _parse_gqa,
+    "mistral": _parse_gqa,
+    "qwen2": _parse_gqa,
+    "qwen3": _parse_gqa,
+    "gemma2": _parse_gqa,
+    "gemma3_text": _parse_gqa,
+    "gpt_oss": _parse_gqa,
+    "deepseek_v2": _parse_mla,
+    "deepseek_v3": _parse_mla,
+    "deepseek_v32": _parse_mla,
+    "deepseek_v4": _parse_dsv4,
+}
+
+_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "GptOssForCausalLM": "gpt_oss",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+    "DeepseekV32ForCausalLM": "deepseek_v32",
+    "DeepseekV4ForCausalLM": "deepseek_v4",
+}
+
+KNOWN_MODEL_TYPES: tuple[str, ...] = tuple(sorted(_PARSERS))
+
+
+def from_hf_config(cfg: dict[str, Any], name: str | None = None) -> ModelSpec:
+    """A ModelSpec from a config.json dict.
+
+    ValueError naming the key when a required key is missing, and naming the model kind
+    when `model_type` / `architectures` is one kvpool does not understand.
+    """
+    if not isinstance(cfg, dict):
+        raise ValueError(f"a config must be a JSON object, got {type(cfg).__name__}")
+    if cfg.get("model_type") == "gemma3" and isinstance(cfg.get("text_config"), dict):
+        # Multimodal Gemma 3: the language model's facts live in text_config.
+        cfg = {"model_type": "gemma3_text", **cfg["text_config"]}
+    model_type = cfg.get("model_type")
+    architectures = cfg.get("architectures") or []
+    if model_type is None:
+        known = [_ARCHITECTURES[a] for a in architectures if a in _ARCHITECTURES]
+        if not known:
+            raise ValueError(
+                "config is missing required key 'model_type' and names no architecture kvpool knows "
+                f"(architectures={architectures}); known model types: {list(KNOWN_MODEL_TYPES)}"
+            )
+        model_type = known[0]
+    if model_type not in _PARSERS:
+        raise ValueError(
+            f"unknown model kind: model_type {model_type!r} (architectures={architectures}) is not one kvpool "
+            f"understands; known model types: {list(KNOWN_MODEL_TYPES)}"
+        )
+    return _PARSERS[model_type](cfg, name or str(cfg.get("_name_or_path") or model_type), model_type)
+
+
+# ---------------------------------------------------------------------------------------
+# Presets and files
+# ---------------------------------------------------------------------------------------
+
+PRESET_NAMES: tuple[str, ...] = (
+    "smollm2-135m",
+    "llama-3.1-8b",
+    "llama-3.1-70b",
+    "qwen3-8b",
+    "qwen3-32b",
+    "gemma-2-9b",
+    "gpt-oss-120b",
+    "deepseek-v3",
+    "deepseek-v3.2",
+) + dsv4_spec.PRESET_NAMES
+
+
+def load_preset_config(name: str) -> dict[str, Any]:
+    key = name.lower()
+    if key not in PRESET_NAMES:
+        raise ValueError(f"unknown model preset {name!r}; known: {list(PRESET_NAMES)}")
+    if key in dsv4_spec.PRESET_NAMES:
+        return dsv4_spec.load_preset_config(key)
+    text = resources.files("kvpool").joinpath("presets", f"{key}.json").read_text(encoding="utf-8")
+    return json.loads(text)
+
+
+def load_preset(name: str) -> ModelSpec:
+    """The ModelSpec of a shipped preset (case-insensitive name, e.g. "Llama-3.1-8B")."""
+    return from_hf_config(load_preset_config(name), name=name.lower())
+
+
+def load_config_file(path: str | Path) -> ModelSpec:
+    """A ModelSpec from a config.json on disk; the file's parent folder names the model."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"config file {str(path)!r} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"config file {str(path)!r} is not valid JSON: {e}") from None
+    default_name = path.parent.name if path.name == "config.json" and path.parent.name else path.stem
+    name = str(cfg.get("_name_or_path") or default_name) if isinstance(cfg, dict) else default_name
+    return from_hf_config(cfg, name=name)
