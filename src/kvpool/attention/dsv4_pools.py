@@ -1,0 +1,124 @@
+"""The torch tensors behind the V4 Classical and State pools (ids live in cache/dsv4.py).
+
+Classical pool, per compressed layer (SWA-only layers have none), indexed by the block id
+the core BlockPool hands out:
+  main [num_blocks, span // ratio, head_dim]          complete CSA / HCA entries
+  idx  [num_blocks, span // 4, index_head_dim]         CSA indexer keys (CSA layers only)
+A block is written once, whole, when its span completes; afterwards it is read-only.
+
+State pool, per layer, indexed by a state slot. Slots [0, num_state_blocks) are request
+state blocks; slots [num_state_blocks, num_state_blocks + num_checkpoints) hold state
+checkpoints taken at classical block boundaries (a checkpoint is a slot-to-slot copy).
+  ring       [slots, n_win, head_dim]      SWA window; token p in row p % n_win
+  comp_kv    [slots, coff*ratio, coff*d]   compressor tail, fp32 (DEEPSEEK_V4.md §3)
+  comp_score [slots, coff*ratio, coff*d]
+  idx_kv / idx_score [slots, 2*4, 2*index_head_dim]   indexer compressor tail (CSA)
+  tail_main  [slots, span // ratio, d]     complete entries of the unfinished span
+  tail_idx   [slots, span // 4, index_head_dim]
+The tail entries are the request's own: an entry of an unfinished classical block never
+enters the Classical pool (the block would not be immutable yet).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvpool.spec.dsv4 import CSA_RATIO, DSV4Spec
+
+
+@dataclass
+class LayerState:
+    ring: Tensor
+    comp_kv: Tensor | None = None
+    comp_score: Tensor | None = None
+    idx_kv: Tensor | None = None
+    idx_score: Tensor | None = None
+    tail_main: Tensor | None = None
+    tail_idx: Tensor | None = None
+
+    def tensors(self) -> list[Tensor]:
+        return [t for t in (self.ring, self.comp_kv, self.comp_score, self.idx_kv, self.idx_score,
+                            self.tail_main, self.tail_idx) if t is not None]
+
+
+@dataclass
+class LayerClassical:
+    main: Tensor | None = None
+    idx: Tensor | None = None
+
+
+class DSV4Pools:
+    """Classical and State tensors for every layer of one model, fp32 by default."""
+
+    def __init__(
+        self,
+        spec: DSV4Spec,
+        num_classical_blocks: int,
+        num_state_blocks: int,
+        num_checkpoints: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if num_classical_blocks <= 0 or num_state_blocks <= 0 or num_checkpoints < 0:
+            raise ValueError(
+                f"need positive block counts, got classical={num_classical_blocks}, "
+                f"state={num_state_blocks}, checkpoints={num_checkpoints}"
+            )
+        self.spec = spec
+        self.num_classical_blocks = num_classical_blocks
+        self.num_state_blocks = num_state_blocks
+        self.num_checkpoints = num_checkpoints
+        self.num_slots = num_state_blocks + num_checkpoints
+        d, di, span, slots = spec.head_dim, spec.index_head_dim, spec.span, self.num_slots
+        kw = {"dtype": dtype, "device": device}
+        f32 = {"dtype": torch.float32, "device": device}  # compressor state is always fp32
+        self.state: list[LayerState] = []
+        self.classical: list[LayerClassical] = []
+        for ratio in spec.layer_ratios:
+            st = LayerState(ring=torch.zeros(slots, spec.window, d, **kw))
+            cl = LayerClassical()
+            if ratio:
+                coff = spec.coff(ratio)
+                st.comp_kv = torch.zeros(slots, coff * ratio, coff * d, **f32)
+                st.comp_score = torch.zeros(slots, coff * ratio, coff * d, **f32)
+                st.tail_main = torch.zeros(slots, span // ratio, d, **kw)
+                cl.main = torch.zeros(num_classical_blocks, span // ratio, d, **kw)
+            if ratio == CSA_RATIO:
+                st.idx_kv = torch.zeros(slots, 2 * CSA_RATIO, 2 * di, **f32)
+                st.idx_score = torch.zeros(slots, 2 * CSA_RATIO, 2 * di, **f32)
+                st.tail_idx = torch.zeros(slots, span // CSA_RATIO, di, **kw)
+                cl.idx = torch.zeros(num_classical_blocks, span // CSA_RATIO, di, **kw)
+            self.state.append(st)
+            self.classical.append(cl)
+
+    def reset_state(self, slot: int) -> None:
+        """A fresh state block: empty ring, and compressor rows at score -inf / value 0, which
+        is exactly block 0's missing "previous block" in the overlapping compressor."""
+        for st in self.state:
+            st.ring[slot].zero_()
+            for kv, score in ((st.comp_kv, st.comp_score), (st.idx_kv, st.idx_score)):
+                if kv is not None and score is not None:
+                    kv[slot].zero_()
+                    score[slot].fill_(float("-inf"))
+            for t in (st.tail_main, st.tail_idx):
+                if t is not None:
+                    t[slot].zero_()
+
+    def copy_state(self, src_slot: int, dst_slot: int) -> None:
+        """Checkpoint (request slot -> checkpoint slot) or restore (the other way)."""
+        for st in self.state:
+            for t in st.tensors():
+                t[dst_slot].copy_(t[src_slot])
+
+    def classical_block_bytes(self) -> int:
+        """Actual bytes of one classical block over all layers."""
+        return sum(
+            t[0].numel() * t.element_size() for cl in self.classical for t in (cl.main, cl.idx) if t is not None
+        )
+
+    def state_block_bytes(self) -> int:
+        """Actual bytes of one state block over all layers (tail entries included)."""
+        return sum(t[0].numel() * t.element_size() for st in self.state for t in st.tensors())

@@ -1,0 +1,143 @@
+"""Runs a V4-architecture model on the dual pool: cache manager (ids) + pools (tensors).
+
+`DSV4PagedRunner` is the glue the tests, `kvpool verify dsv4`, the benchmark and the engine
+use: admit a request (restoring its state after a prefix hit), run a batch of chunks of
+any sizes (prefill, chunked prefill, decode), append sampled tokens, release.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from kvpool.attention.dsv4_paged import ChunkPlan
+from kvpool.attention.dsv4_pools import DSV4Pools
+from kvpool.cache.dsv4 import DSV4Admission, DSV4CacheManager, DSV4Reservation, RestoreMethod
+from kvpool.models.tiny_dsv4 import TinyDSV4
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Logits of every token a request computed in the step: [num_tokens, vocab] fp32."""
+
+    request_id: str
+    start: int
+    logits: Tensor
+
+
+class DSV4PagedRunner:
+    def __init__(
+        self,
+        model: TinyDSV4,
+        num_classical_blocks: int,
+        num_state_blocks: int,
+        *,
+        restore: RestoreMethod = "recompute",
+        num_checkpoints: int = 0,
+        enable_prefix_caching: bool = True,
+        replay_chunk: int = 256,
+    ) -> None:
+        self.model = model
+        self.spec = model.spec
+        self.pools = DSV4Pools(model.spec, num_classical_blocks, num_state_blocks, num_checkpoints)
+        descriptor = f"{model.spec.name}|seed={model.seed}|span={model.spec.span}|fp32".encode()
+        self.cache = DSV4CacheManager(
+            model.spec, num_classical_blocks, num_state_blocks, descriptor_key=descriptor,
+            enable_prefix_caching=enable_prefix_caching, restore=restore, num_checkpoints=num_checkpoints,
+        )
+        self.replay_chunk = replay_chunk
+        self.num_replayed_tokens = 0  # tokens recomputed by prefix-hit restores (for reports)
+
+    # ----- requests -------------------------------------------------------------------
+
+    def add_request(self, request_id: str, token_ids: Sequence[int], *, tenant_salt: str = "") -> DSV4Admission | None:
+        """Admit and restore the state of any prefix hit; None when no state block is free."""
+        adm = self.cache.admit(request_id, token_ids, tenant_salt=tenant_salt)
+        if adm is None:
+            return None
+        self.pools.reset_state(adm.state_slot)
+        if adm.restore == "checkpoint":
+            assert adm.checkpoint_slot is not None
+            self.pools.copy_state(adm.checkpoint_slot, adm.state_slot)
+        elif adm.restore == "recompute":
+            self._replay(adm, list(token_ids))
+        return adm
+
+    def _replay(self, adm: DSV4Admission, token_ids: list[int]) -> None:
+        """Recompute tokens [replay_start, P) on top of the hit's cached entries (§6)."""
+        table = adm.block_ids
+        pos = adm.replay_start
+        while pos < adm.num_cached_tokens:
+            n = min(self.replay_chunk, adm.num_cached_tokens - pos)
+            plan = ChunkPlan(pos, n, adm.state_slot, table, (), replay=True, valid_from=adm.replay_start)
+            self.model.forward_paged(token_ids[pos:pos + n], [plan], self.pools)
+            pos += n
+        self.num_replayed_tokens += adm.num_cached_tokens - adm.replay_start
+
+    def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
+        self.cache.append_token_ids(request_id, token_ids)
+
+    def release(self, request_id: str) -> bool:
+        return self.cache.release(request_id)
+
+    def num_computed_tokens(self, request_id: str) -> int:
+        return self.cache.num_computed_tokens(request_id)
+
+    # ----- steps ----------------------------------------------------------------------
+
+    def step(self, work: Sequence[tuple[str, int]]) -> list[StepResult] | None:
+        """Compute `num_tokens` more tokens for each (request_id, num_tokens); the tokens must
+        already be in the request (prompt or appended). None when the classical pool cannot
+        hold the step (nothing changes)."""
+        reservations: list[DSV4Reservation] = []
+        for request_id, num_tokens in work:
+            res = self.cache.reserve(request_id, num_tokens)
+            if res is None:
+                for done in reservations:
+                    self.cache.unreserve(done.request_id)
+                return None
+            reservations.append(res)
+        logits = self._run(reservations)
+        for res in reservations:
+            self.cache.commit(res.request_id)
+        return [StepResult(r.request_id, r.start, lg) for r, lg in zip(reservations, logits)]
+
+    def _run(self, reservations: list[DSV4Reservation]) -> list[Tensor]:
+        """Forward passes for the reservations. A chunk is cut at its checkpoint positions
+        (the state must be snapshot exactly there); any cut gives the same state."""
+        span = self.spec.span
+        cursor = {r.request_id: r.start for r in reservations}
+        pieces: dict[str, list[Tensor]] = {r.request_id: [] for r in reservations}
+        while True:
+            plans, ids, owners = [], [], []
+            for r in reservations:
+                pos, end = cursor[r.request_id], r.start + r.num_tokens
+                if pos >= end:
+                    continue
+                stop = min([end] + [p for p, _ in r.checkpoints if p > pos])
+                token_ids = self.cache.token_ids(r.request_id)
+                plans.append(ChunkPlan(
+                    pos, stop - pos, r.state_slot, r.block_ids[: pos // span],
+                    r.block_ids[pos // span: stop // span],
+                ))
+                ids.extend(token_ids[pos:stop])
+                owners.append(r)
+            if not plans:
+                break
+            out = self.model.forward_paged(ids, plans, self.pools)
+            offset = 0
+            for r, plan in zip(owners, plans):
+                pieces[r.request_id].append(out[offset:offset + plan.num_tokens])
+                offset += plan.num_tokens
+                stop = plan.start + plan.num_tokens
+                cursor[r.request_id] = stop
+                for position, slot in r.checkpoints:
+                    if position == stop:
+                        self.pools.copy_state(r.state_slot, slot)
+        return [torch.cat(pieces[r.request_id]) for r in reservations]
+
+    def check_integrity(self) -> None:
+        self.cache.check_integrity()
