@@ -250,13 +250,25 @@ class KVCacheManager:
             parent = block_hash
         return hit_blocks, hit_hashes
 
-    def lookup_prefix(self, token_ids: Sequence[int], *, tenant_salt: str = "", mm_items: Sequence[MMItem] = ()) -> int:
+    def lookup_prefix(
+        self,
+        token_ids: Sequence[int],
+        *,
+        tenant_salt: str = "",
+        mm_items: Sequence[MMItem] = (),
+        descriptor: CacheDescriptor | None = None,
+    ) -> int:
         """How many tokens of `token_ids` admit() would find cached now (changes nothing)."""
-        req = self._new_request("<lookup>", token_ids, tenant_salt, mm_items)
+        req = self._new_request("<lookup>", token_ids, tenant_salt, mm_items, descriptor)
         return len(self._lookup(req)[0]) * self.block_size
 
     def _new_request(
-        self, request_id: str, token_ids: Sequence[int], tenant_salt: str, mm_items: Sequence[MMItem]
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        tenant_salt: str,
+        mm_items: Sequence[MMItem],
+        descriptor: CacheDescriptor | None,
     ) -> _Request:
         if len(token_ids) == 0:
             raise ValueError(f"request {request_id!r} has an empty prompt")
@@ -264,7 +276,8 @@ class KVCacheManager:
         for item in items:
             if item.start < 0 or item.length <= 0 or item.start + item.length > len(token_ids):
                 raise ValueError(f"multimodal item {item} lies outside the prompt of {len(token_ids)} tokens")
-        req = _Request(request_id, list(token_ids), self.hasher.root(self._descriptor_key, tenant_salt), items)
+        descriptor_key = self._descriptor_key if descriptor is None else descriptor.key()
+        req = _Request(request_id, list(token_ids), self.hasher.root(descriptor_key, tenant_salt), items)
         req.prompt_bytes = token_bytes(req.token_ids)
         return req
 
@@ -278,15 +291,17 @@ class KVCacheManager:
         *,
         tenant_salt: str = "",
         mm_items: Sequence[MMItem] = (),
+        descriptor: CacheDescriptor | None = None,
     ) -> Admission | None:
         """Admit a request: take its cached prefix and reserve `num_new_tokens` more slots.
 
-        `num_new_tokens` defaults to the rest of the prompt. All or nothing: None means the
+        `num_new_tokens` defaults to the rest of the prompt. `descriptor` overrides the
+        manager's for this request (another adapter, say). All or nothing: None means the
         pool cannot hold it now, and nothing changed.
         """
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already admitted")
-        req = self._new_request(request_id, token_ids, tenant_salt, mm_items)
+        req = self._new_request(request_id, token_ids, tenant_salt, mm_items, descriptor)
         hit_blocks, hit_hashes = self._lookup(req)
         num_cached = len(hit_blocks) * self.block_size
         if num_new_tokens is None:
