@@ -1,0 +1,25 @@
+"""Contiguous reference attention: no cache, full recompute. The oracle for the paged path."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One sequence, all positions: q [T, H, D], k / v [T, KVH, D] -> [T, H, D].
+
+    GQA by repeating each KV head for its H / KVH query heads (the plainest form)."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+    return out.transpose(0, 1)
+
+
+def reference_logits(model, token_ids: list[int]) -> torch.Tensor:
+    """Logits [T, vocab] of one sequence by full recompute through `causal_attention`."""
+    ids = torch.tensor(token_ids, dtype=torch.long, device=model.device)
+    positions = torch.arange(len(token_ids), device=model.device)
+    hidden = model.forward(ids, positions, lambda layer, q, k, v: causal_attention(q, k, v))
+    return model.logits(hidden)

@@ -1,0 +1,106 @@
+"""Llama forward in plain torch, over a flat batch of tokens from many sequences.
+
+The model does not know about caches: each layer hands its q / k / v to an `attend`
+callback (the contiguous reference, or the paged path that writes K/V into the block
+pool and reads it back through the block tables). Weights come from `models.gguf`
+with Q/K rows already un-permuted, so RoPE here is the rotate-half form of HF Llama.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from kvpool.models.gguf import GGUFModel, LlamaConfig
+
+
+class Attend(Protocol):
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [N, num_heads, head_dim], k / v [N, num_kv_heads, head_dim] (RoPE applied),
+        for the N flat tokens of the step -> attention output [N, num_heads, head_dim]."""
+        ...
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # x [N, hidden]; computed in fp32 as HF does
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return x * torch.rsqrt(variance + eps) * weight
+
+
+class LlamaModel:
+    """Fused weights: wqkv [(H + 2 KVH) * D, hidden] and w_gate_up [2 * I, hidden], so a
+    layer is 4 matmuls (fewer kernel launches: decode at batch 1 is overhead-bound)."""
+
+    def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], device: str | torch.device = "cpu"):
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = weights["embed"].dtype
+        w = {k: v.to(self.device) for k, v in weights.items()}
+        self.embed = w["embed"]  # [vocab, hidden]
+        self.norm = w["norm"]
+        self.lm_head = w["lm_head"]  # [vocab, hidden] (tied to embed in SmolLM2)
+        self.layers: list[dict[str, torch.Tensor]] = []
+        for i in range(config.num_layers):
+            p = f"layers.{i}."
+            self.layers.append(
+                {
+                    "attn_norm": w[p + "attn_norm"],
+                    "ffn_norm": w[p + "ffn_norm"],
+                    "wqkv": torch.cat([w[p + "q"], w[p + "k"], w[p + "v"]], dim=0).contiguous(),
+                    "wo": w[p + "o"],
+                    "w_gate_up": torch.cat([w[p + "gate"], w[p + "up"]], dim=0).contiguous(),
+                    "w_down": w[p + "down"],
+                }
+            )
+        # RoPE tables (rotate-half): cos / sin [max_position, head_dim], fp32
+        d = config.head_dim
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        t = torch.arange(config.max_position, dtype=torch.float64)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = emb.cos().to(torch.float32).to(self.device)
+        self.sin = emb.sin().to(torch.float32).to(self.device)
+
+    @classmethod
+    def from_gguf(cls, model: GGUFModel, device: str | torch.device = "cpu") -> LlamaModel:
+        return cls(model.config, model.weights, device)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x [N, heads, D]; cos / sin [N, 1, D]
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """token_ids, positions: [N] int64 (flat tokens of the step) -> hidden [N, hidden]."""
+        cfg = self.config
+        if int(positions.max()) >= cfg.max_position:
+            raise ValueError(f"position {int(positions.max())} exceeds the model's context {cfg.max_position}")
+        n = token_ids.shape[0]
+        h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        cos = self.cos[positions].unsqueeze(1).to(self.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(self.dtype)
+        x = self.embed[token_ids]
+        for i, layer in enumerate(self.layers):
+            hs = _rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+            qkv = F.linear(hs, layer["wqkv"])
+            q = qkv[:, : h * d].view(n, h, d)
+            k = qkv[:, h * d : (h + kvh) * d].view(n, kvh, d)
+            v = qkv[:, (h + kvh) * d :].view(n, kvh, d)
+            q = self._rope(q, cos, sin)
+            k = self._rope(k, cos, sin)
+            attn = attend(i, q, k, v.contiguous())
+            x = x + F.linear(attn.reshape(n, h * d), layer["wo"])
+            hs = _rms_norm(x, layer["ffn_norm"], cfg.rms_norm_eps)
+            gate_up = F.linear(hs, layer["w_gate_up"])
+            gate, up = gate_up.chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer["w_down"])
+        return _rms_norm(x, self.norm, cfg.rms_norm_eps)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [M, hidden] -> logits [M, vocab] in fp32."""
+        return F.linear(hidden, self.lm_head).float()

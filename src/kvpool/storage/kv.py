@@ -1,0 +1,74 @@
+"""Paged K/V tensors behind the block pool.
+
+Layout per layer: K and V each [num_blocks, kv_heads, block_size, head_dim]. One block of
+one head is a contiguous [block_size, head_dim] matrix, so attention can multiply blocks
+where they lie (a batched matmul over blocks) instead of first gathering a contiguous
+copy of every sequence (see attention/paged.py). All layers live in one tensor
+[num_layers, num_blocks, kv_heads, block_size, head_dim] so a copy-on-write copy of a
+block is one indexed copy for all layers at once.
+
+Slots are never read before they are written (the attention masks positions past a
+sequence's length), but the tensors start zeroed so that a masked slot can never carry
+a NaN into a masked-out product.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from kvpool.cache import BlockCopy
+
+
+class PagedKVStorage:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
+        shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+
+    @property
+    def bytes_per_block(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * self.k.element_size()
+
+    @property
+    def num_bytes(self) -> int:
+        return self.bytes_per_block * self.num_blocks
+
+    def write(self, layer: int, block_idx: torch.Tensor, offset_idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the step's new K/V. block_idx, offset_idx: [N] int64 (slot = block * bs + offset);
+        k, v: [N, kv_heads, head_dim]."""
+        self.k[layer][block_idx, :, offset_idx] = k
+        self.v[layer][block_idx, :, offset_idx] = v
+
+    def apply_copies(self, copies: Sequence[BlockCopy]) -> None:
+        """Copy-on-write: block src -> dst in every layer, in the order the manager recorded."""
+        if not copies:
+            return
+        src = torch.tensor([c.src for c in copies], dtype=torch.long, device=self.k.device)
+        dst = torch.tensor([c.dst for c in copies], dtype=torch.long, device=self.k.device)
+        # Chained copies (a -> b then b -> c) would need order; the manager never chains
+        # within one step, but copy one by one if a destination is also a source.
+        if set(src.tolist()) & set(dst.tolist()):
+            for c in copies:
+                self.k[:, c.dst] = self.k[:, c.src]
+                self.v[:, c.dst] = self.v[:, c.src]
+            return
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
