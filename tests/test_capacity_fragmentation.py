@@ -1,0 +1,56 @@
+"""Internal fragmentation: seed 003's bound n(q-1), expectation n(q-1)/2, and measured."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool.capacity.fragmentation import (
+    fragmentation_bound,
+    fragmentation_expectation,
+    measure_fragmentation,
+    sample_lengths,
+)
+
+
+def test_bound_and_expectation() -> None:
+    assert fragmentation_bound(10, 16) == 150
+    assert fragmentation_expectation(10, 16) == 75.0
+    assert fragmentation_bound(3, 1) == 0  # one-token blocks never waste
+    with pytest.raises(ValueError):
+        fragmentation_bound(1, 0)
+
+
+def test_measured_by_hand() -> None:
+    f = measure_fragmentation([16, 17, 31, 1], 16)
+    assert f.allocated_slots == 16 + 32 + 32 + 16
+    assert f.useful_slots == 65 and f.wasted_slots == 31
+    assert f.bound_slots == 60 and f.expected_slots == 30
+    assert f.rate == pytest.approx(1 - 65 / 96)
+    assert measure_fragmentation([], 16).rate == 0.0
+
+
+def test_the_bound_is_reached_and_never_exceeded() -> None:
+    worst = measure_fragmentation([1 + 16 * k for k in range(50)], 16)  # every tail holds one token
+    assert worst.wasted_slots == worst.bound_slots
+    aligned = measure_fragmentation([16 * k for k in range(1, 50)], 16)
+    assert aligned.wasted_slots == 0
+    for seed in range(5):
+        f = measure_fragmentation(sample_lengths("lognormal:900:1.2", 300, seed), 64)
+        assert 0 <= f.wasted_slots <= f.bound_slots
+
+
+def test_uniform_lengths_measure_close_to_the_expectation() -> None:
+    f = measure_fragmentation(sample_lengths("uniform:1:100000", 20_000, seed=7), 16)
+    assert f.wasted_slots == pytest.approx(f.expected_slots, rel=0.03)
+
+
+def test_sampling_is_seeded() -> None:
+    a = sample_lengths("uniform:1:1000", 50, seed=1)
+    assert a == sample_lengths("uniform:1:1000", 50, seed=1)
+    assert a != sample_lengths("uniform:1:1000", 50, seed=2)
+    assert all(1 <= n <= 1000 for n in a)
+    assert sample_lengths("fixed:33", 3) == [33, 33, 33]
+    assert min(sample_lengths("lognormal:10:3", 1000)) >= 1
+    for bad in ("normal:1:2", "uniform:5", "uniform:9:1", "fixed:x"):
+        with pytest.raises(ValueError):
+            sample_lengths(bad, 4)

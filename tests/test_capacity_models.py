@@ -1,0 +1,160 @@
+"""Model presets from config.json facts, parameter counts, weight bytes and config errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvpool.capacity.weights import weight_bytes
+from kvpool.spec.gpus import GPUS, custom_gpu, get_gpu
+from kvpool.spec.models import (
+    PRESET_NAMES,
+    count_parameters,
+    from_hf_config,
+    load_config_file,
+    load_preset,
+    load_preset_config,
+)
+
+
+def test_every_preset_loads() -> None:
+    for name in PRESET_NAMES:
+        model = load_preset(name)
+        assert count_parameters(model).total > 0
+    assert load_preset("Llama-3.1-8B").name == "llama-3.1-8b"  # names are case-insensitive
+    with pytest.raises(ValueError, match="unknown model preset"):
+        load_preset("llama-9")
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "llama-3.1-8b", "qwen3-8b", "gemma-2-9b", "gpt-oss-120b",
+                                  "deepseek-v3"])
+def test_parameter_count_matches_transformers(name: str) -> None:
+    """Independent reference: transformers builds the model on the meta device and counts."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    cfg = load_preset_config(name)
+    hf_config = transformers.AutoConfig.for_model(**cfg)
+    with torch.device("meta"):
+        hf_model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    expected = sum(p.numel() for p in hf_model.parameters())
+    # DeepSeek's e_score_correction_bias is a buffer there, a (router) parameter here
+    expected += sum(b.numel() for n, b in hf_model.named_buffers() if n.endswith("e_score_correction_bias"))
+    assert count_parameters(load_preset(name)).total == expected
+
+
+def test_parameter_counts_land_on_published_totals() -> None:
+    def billions(name: str) -> float:
+        return count_parameters(load_preset(name)).total / 1e9
+
+    assert billions("llama-3.1-8b") == pytest.approx(8.03, abs=0.01)
+    assert billions("llama-3.1-70b") == pytest.approx(70.55, abs=0.01)
+    assert billions("deepseek-v3") == pytest.approx(671.0, rel=1e-3)
+    assert billions("gpt-oss-120b") == pytest.approx(116.83, abs=0.01)
+    assert billions("deepseek-v4-flash") == pytest.approx(284, rel=0.01)
+    assert billions("deepseek-v4-pro") == pytest.approx(1600, rel=0.03)  # "1.6T" (rounded; MTP excluded)
+
+
+def test_weight_bytes_by_format_and_tp() -> None:
+    llama = load_preset("llama-3.1-8b")
+    w = weight_bytes(llama)
+    assert w.total_bytes == 2 * w.params.total == w.per_gpu_bytes
+    # TP 2: everything but the norms is split in two
+    w2 = weight_bytes(llama, tp=2)
+    norms = 2 * w.params.norms
+    assert w2.per_gpu_bytes == pytest.approx((w.total_bytes - norms) / 2 + norms)
+    # FP8 (block 128 x 128 scales) on the linears only: embeddings and head stay BF16
+    w8 = weight_bytes(llama, weight_dtype="fp8")
+    p = w.params
+    linear = p.attention + p.mlp
+    assert w8.total_bytes == pytest.approx(linear * (1 + 4 / 16384) + 2 * (p.embedding + p.lm_head + p.norms))
+    # gpt-oss: MXFP4 experts (4.25 bits) -> about 65 GB, as its checkpoint
+    assert weight_bytes(load_preset("gpt-oss-120b")).total_bytes / 1e9 == pytest.approx(65.2, abs=0.5)
+    # TP 16 on 8 KV heads: K/V projections are replicated past one head per rank
+    w70 = load_preset("llama-3.1-70b")
+    one_head_kv_proj = 2 * 80 * 8192 * 128 * 2  # one head's k and v projections, BF16, all layers
+    norms70 = 2 * weight_bytes(w70).params.norms  # replicated at any TP size
+    # tp 16 holds a whole head where an even split would give half of one
+    extra = weight_bytes(w70, tp=16).per_gpu_bytes - (weight_bytes(w70, tp=8).per_gpu_bytes - norms70) / 2 - norms70
+    assert extra == pytest.approx(one_head_kv_proj / 2)
+    with pytest.raises(ValueError, match="not divisible by tp"):
+        weight_bytes(llama, tp=3)
+
+
+def test_missing_required_key_names_the_key(tmp_path: Path) -> None:
+    cfg = load_preset_config("llama-3.1-8b")
+    del cfg["num_hidden_layers"]
+    with pytest.raises(ValueError, match="'num_hidden_layers'"):
+        from_hf_config(cfg)
+    mla = load_preset_config("deepseek-v3")
+    del mla["kv_lora_rank"]
+    with pytest.raises(ValueError, match="'kv_lora_rank'"):
+        from_hf_config(mla)
+    v32 = load_preset_config("deepseek-v3.2")
+    del v32["index_head_dim"]
+    with pytest.raises(ValueError, match="'index_head_dim'"):
+        from_hf_config(v32)
+    v4 = load_preset_config("deepseek-v4-pro")
+    del v4["compress_ratios"]
+    with pytest.raises(ValueError, match="'compress_ratios'"):
+        from_hf_config(v4)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({k: v for k, v in cfg.items() if k != "vocab_size"} | {"num_hidden_layers": 2}))
+    with pytest.raises(ValueError, match="'vocab_size'"):
+        load_config_file(path)
+
+
+def test_unknown_model_kind_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="unknown model kind.*'mamba'"):
+        from_hf_config({"model_type": "mamba", "architectures": ["MambaForCausalLM"], "hidden_size": 768})
+    with pytest.raises(ValueError, match="'model_type'"):
+        from_hf_config({"architectures": ["RwkvForCausalLM"], "hidden_size": 768})
+    # no model_type, but a known architecture: accepted
+    cfg = load_preset_config("llama-3.1-8b")
+    del cfg["model_type"]
+    assert from_hf_config(cfg).model_type == "llama"
+    # a layer kind the capacity model does not understand
+    bad = load_preset_config("gpt-oss-120b")
+    bad["layer_types"] = ["linear_attention"] * 36
+    with pytest.raises(ValueError, match="'linear_attention'"):
+        from_hf_config(bad)
+    with pytest.raises(ValueError, match="quant_method 'awq'"):
+        from_hf_config(load_preset_config("llama-3.1-8b") | {"quantization_config": {"quant_method": "awq"}})
+
+
+def test_config_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        load_config_file(tmp_path / "nope.json")
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_config_file(broken)
+    folder = tmp_path / "Qwen3-8B"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(load_preset_config("qwen3-8b")))
+    model = load_config_file(folder)
+    assert model.name == "Qwen3-8B" and model.qk_norm
+
+
+def test_sliding_patterns() -> None:
+    assert load_preset("gemma-2-9b").layer_windows[:4] == (4096, None, 4096, None)
+    assert load_preset("gpt-oss-120b").layer_windows[:2] == (128, None)
+    gemma3 = {"model_type": "gemma3_text", "num_hidden_layers": 12, "hidden_size": 1152, "num_attention_heads": 4,
+              "num_key_value_heads": 1, "head_dim": 256, "intermediate_size": 6912, "vocab_size": 262144,
+              "max_position_embeddings": 32768, "sliding_window": 512, "sliding_window_pattern": 6}
+    windows = from_hf_config(gemma3).layer_windows
+    assert [w is None for w in windows] == [False] * 5 + [True] + [False] * 5 + [True]
+    assert all(w is None for w in load_preset("qwen3-8b").layer_windows)  # use_sliding_window: false
+
+
+def test_gpu_presets() -> None:
+    assert set(GPUS) == {"H100", "H200", "B200"}
+    assert get_gpu("h200").memory_bytes == 143_771 * (1 << 20)
+    assert get_gpu("H100").memory_gib == pytest.approx(79.65, abs=0.01)
+    assert get_gpu("B200").hbm_bandwidth_bytes_per_s == 8e12
+    assert custom_gpu(80).memory_bytes == 80 << 30
+    with pytest.raises(ValueError, match="unknown GPU"):
+        get_gpu("A100")
+    with pytest.raises(ValueError, match="positive"):
+        custom_gpu(0)
