@@ -446,8 +446,7 @@ class KVCacheManager:
         refcounts = pool._refcounts
         hashes = pool._hashes
         copies: list[BlockCopy] = []
-        for request_id in request_ids:
-            req = requests[request_id]
+        for req in map(requests.__getitem__, request_ids):
             nc = req.num_computed
             if nc < req.num_reserved:
                 continue  # its slot is already reserved
@@ -456,10 +455,12 @@ class KVCacheManager:
             else:
                 # [0, nc) computed | the tail block holds position nc: it must be ours to write.
                 tail = req.block_ids[-1]
-                if refcounts[tail] > 1 or hashes[tail] is not None:
-                    copy = self._prepare_tail(req, refcounts[tail] > 1, pool.allocate(refcounts[tail] > 1) or [])
-                    if copy is not None:
-                        copies.append(copy)
+                if refcounts[tail] > 1:  # shared: copy-on-write
+                    copy = self._prepare_tail(req, True, pool.allocate(1))  # type: ignore[arg-type]
+                    assert copy is not None
+                    copies.append(copy)
+                elif hashes[tail] is not None:  # ours, but published (after a rollback)
+                    pool.unregister(tail)
             req.num_reserved = nc + 1
         if copies:
             self._pending_copies.extend(copies)
@@ -467,17 +468,17 @@ class KVCacheManager:
 
     def commit_decode(self, request_ids: Sequence[str], next_token_ids: Sequence[int]) -> None:
         """Commit one computed token per request and append each one's sampled next token."""
+        if len(request_ids) != len(next_token_ids):
+            raise ValueError(f"{len(request_ids)} requests but {len(next_token_ids)} next tokens")
         bs = self.block_size
-        requests = self._requests
         caching = self.enable_prefix_caching
-        for request_id, next_token_id in zip(request_ids, next_token_ids, strict=True):
-            req = requests[request_id]
+        for req, next_token_id in zip(map(self._requests.__getitem__, request_ids), next_token_ids):
             nc = req.num_computed + 1
             token_ids = req.token_ids
             if nc > req.num_reserved or nc > len(token_ids):
                 raise ValueError(
-                    f"request {request_id!r}: commit of position {nc - 1} without a reserved slot "
-                    f"or a known token id"
+                    f"request {req.request_id!r}: commit of position {nc - 1} without a reserved "
+                    f"slot or a known token id"
                 )
             req.num_computed = nc
             token_ids.append(next_token_id)
