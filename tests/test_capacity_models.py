@@ -158,3 +158,14 @@ def test_gpu_presets() -> None:
         get_gpu("A100")
     with pytest.raises(ValueError, match="positive"):
         custom_gpu(0)
+
+
+def test_v4_config_needs_its_moe_facts_for_the_weights() -> None:
+    cfg = load_preset_config("deepseek-v4-flash")
+    assert from_hf_config(cfg, name="deepseek-v4-flash").moe is not None  # facts supplied by name
+    with pytest.raises(ValueError, match="'n_routed_experts'"):
+        from_hf_config(cfg, name="my-v4")
+    cfg |= {"n_routed_experts": 8, "n_shared_experts": 1, "moe_intermediate_size": 64, "num_experts_per_tok": 2}
+    model = from_hf_config(cfg, name="my-v4")
+    assert model.moe is not None and model.moe.num_experts == 8
+    assert count_parameters(model).experts == 43 * 8 * 3 * 4096 * 64

@@ -189,7 +189,11 @@ def plan_to_dict(p: Plan) -> dict[str, Any]:
 
 
 def _gib(x: float) -> str:
-    return f"{x / GIB:,.2f} GiB"
+    """Bytes in the largest unit that keeps the figure >= 1 (GiB, MiB, KiB, B)."""
+    for unit, size in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(x) >= size:
+            return f"{x / size:,.2f} {unit}"
+    return f"{x:,.0f} B"
 
 
 def print_plan(p: Plan) -> None:
@@ -235,19 +239,26 @@ def print_plan(p: Plan) -> None:
     out.add_column(style="bold")
     out.add_column(justify="right")
     out.add_row("KV pool per GPU", _gib(p.ledger.pool_bytes))
+    n = p.max_concurrent_per_replica
+    out.add_row(f"  filled with {n:,} requests of {p.context_len:,} tokens", "", style="dim")
     for sub, value in p.occupancy.items():
-        out.add_row(f"  {sub} at {p.context_len:,} tokens", _gib(value), style="dim")
+        out.add_row(f"    {sub}", _gib(value), style="dim")
     out.add_row(f"max concurrent requests at {p.context_len:,} tokens",
                 f"{p.max_concurrent_requests:,} ({p.replicas} replica{'s' if p.replicas > 1 else ''})")
     if p.concurrency is not None:
         limit = "" if p.max_context_len == p.max_context_memory_len else " (model limit)"
         out.add_row(f"max context at {p.concurrency:,} requests", f"{p.max_context_len:,} tokens{limit}")
     f = d["fragmentation"]
-    out.add_row(f"tail fragmentation, {f['num_seqs']} seqs, q={f['block_size']}",
-                f"bound {f['bound_slots']:,} / expected {f['expected_slots']:,.1f} / "
-                f"measured {f['measured_slots']:,} slots")
-    out.add_row("  measured on", f"{f['length_distribution']}, seed {f['seed']}: rate {100 * f['measured_rate']:.3f} %"
-                + (f", {_gib(f['measured_bytes'])}" if f["bytes_per_slot_per_gpu"] else " (V4: tail lives in state)"))
+    out.add_row(f"tail fragmentation, {f['num_seqs']:,} seqs, q = {f['block_size']}", "")
+    per_slot = f["bytes_per_slot_per_gpu"]
+    for label, slots in (("bound n(q-1)", f["bound_slots"]), ("expected n(q-1)/2", f["expected_slots"]),
+                         ("measured", f["measured_slots"])):
+        text = f"{slots:,.0f} slots" + (f" = {_gib(slots * per_slot)}" if per_slot else "")
+        out.add_row(f"  {label}", text)
+    out.add_row("  measured on", f"{f['length_distribution']}, seed {f['seed']}")
+    out.add_row("  measured rate 1 - useful/allocated", f"{100 * f['measured_rate']:.3f} %")
+    if not per_slot:
+        out.add_row("  (V4: a request's unfinished tail lives in its state block)", "")
     console.print(out)
     if not p.fits:
         console.print("[bold red]does not fit: the KV pool cannot hold one request at this context[/]")

@@ -49,9 +49,8 @@ def get_gpu(name: str) -> GPUSpec:
 
 
 def custom_gpu(memory_gib: float, name: str | None = None) -> GPUSpec:
-    """A GPU of `memory_gib` GiB (for --memory-gib); bandwidth unknown, so taken as 1 B/s-free."""
+    """A GPU of `memory_gib` GiB (for --memory-gib). Its bandwidth is unknown and set to inf:
+    bandwidth does not enter the capacity plan, and inf invents no number."""
     if memory_gib <= 0:
         raise ValueError(f"memory_gib must be positive, got {memory_gib}")
-    # Bandwidth does not enter the capacity plan; inf keeps any time estimate at zero rather
-    # than inventing a number.
     return GPUSpec(name or f"{memory_gib:g} GiB", int(memory_gib * GIB), float("inf"))

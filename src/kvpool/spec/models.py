@@ -427,15 +427,16 @@ _DSV4_MOE_FACTS: dict[str, dict[str, int]] = {
 def _parse_dsv4(cfg: dict[str, Any], name: str, model_type: str) -> ModelSpec:
     v4 = DSV4Spec.from_config(cfg, name=name)
     facts = {**_DSV4_MOE_FACTS.get(name, {}), **{k: cfg[k] for k in _DSV4_MOE_FACTS["deepseek-v4-pro"] if k in cfg}}
-    moe = None
-    if "n_routed_experts" in facts:
-        moe = MoEGeometry(
-            num_experts=int(facts["n_routed_experts"]),
-            num_shared_experts=int(facts.get("n_shared_experts", 0)),
-            expert_intermediate_size=int(_req(facts, "moe_intermediate_size", model_type)),
-            experts_per_token=int(_req(facts, "num_experts_per_tok", model_type)),
-            moe_layers=tuple(range(v4.num_layers)),  # every V4 layer is MoE (no dense prefix)
-        )
+    if "n_routed_experts" not in facts:
+        # Every V4 layer is MoE; without the expert facts the weights line would be fiction.
+        raise ValueError(f"{model_type} config is missing required key 'n_routed_experts'")
+    moe = MoEGeometry(
+        num_experts=int(facts["n_routed_experts"]),
+        num_shared_experts=int(facts.get("n_shared_experts", 0)),
+        expert_intermediate_size=int(_req(facts, "moe_intermediate_size", model_type)),
+        experts_per_token=int(_req(facts, "num_experts_per_tok", model_type)),
+        moe_layers=tuple(range(v4.num_layers)),  # every V4 layer is MoE (no dense prefix)
+    )
     return ModelSpec(
         name=name,
         model_type=model_type,
@@ -447,7 +448,7 @@ def _parse_dsv4(cfg: dict[str, Any], name: str, model_type: str) -> ModelSpec:
         num_kv_heads=1,
         head_dim=v4.head_dim,
         layer_windows=(None,) * v4.num_layers,
-        intermediate_size=int(cfg.get("intermediate_size") or facts.get("moe_intermediate_size", 0) or 1),
+        intermediate_size=moe.expert_intermediate_size,  # no dense MLP layers in V4
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=v4.max_position_embeddings,
         weight_format="fp4+fp8",  # FP4 routed experts, FP8 (128x128 blocks) elsewhere
