@@ -113,6 +113,29 @@ class DSV4Pools:
             for t in st.tensors():
                 t[dst_slot].copy_(t[src_slot])
 
+    def live_state(self, slot: int, num_tokens: int) -> list[dict[str, Tensor]]:
+        """Per layer, the parts of a state block that a history of `num_tokens` tokens defines
+        (other rows are stale and never read): the ring rows of the last min(L, n_win) tokens
+        in position order, the compressor rows still pending, the unfinished span's entries."""
+        spec, n_win, span = self.spec, self.spec.window, self.spec.span
+        out: list[dict[str, Tensor]] = []
+        ring_rows = torch.arange(max(0, num_tokens - n_win), num_tokens) % n_win
+        for ratio, st in zip(spec.layer_ratios, self.state):
+            live: dict[str, Tensor] = {"ring": st.ring[slot, ring_rows]}
+            if ratio:
+                # overlap: [0, ratio) previous block (placeholder before block 0) + partial rows
+                num_rows = (ratio if ratio == CSA_RATIO else 0) + num_tokens % ratio
+                num_tail = num_tokens // ratio - (num_tokens // span) * (span // ratio)
+                assert st.comp_kv is not None and st.comp_score is not None and st.tail_main is not None
+                live.update(comp_kv=st.comp_kv[slot, :num_rows], comp_score=st.comp_score[slot, :num_rows],
+                            tail_main=st.tail_main[slot, :num_tail])
+                if ratio == CSA_RATIO:
+                    assert st.idx_kv is not None and st.idx_score is not None and st.tail_idx is not None
+                    live.update(idx_kv=st.idx_kv[slot, :num_rows], idx_score=st.idx_score[slot, :num_rows],
+                                tail_idx=st.tail_idx[slot, :num_tail])
+            out.append(live)
+        return out
+
     def classical_block_bytes(self) -> int:
         """Actual bytes of one classical block over all layers."""
         return sum(

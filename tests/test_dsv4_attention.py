@@ -1,0 +1,216 @@
+"""V4 attention math against hand computations, and the visibility rules, targeted."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvpool.attention.dsv4_ops import (
+    DSV4AttnWeights,
+    apply_rope,
+    output_projection,
+    rope_freqs,
+    sink_attention,
+    stable_topk,
+)
+from kvpool.attention.dsv4_paged import ChunkPlan, _compress_chunk, paged_attention
+from kvpool.attention.dsv4_pools import DSV4Pools
+from kvpool.attention.dsv4_reference import compress_all_blocks, reference_attention
+from kvpool.models.tiny_dsv4 import TinyDSV4
+from kvpool.spec.dsv4 import YarnScaling
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # 2 shared cores: one intra-op thread is faster for these tiny matrices
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def model() -> TinyDSV4:
+    return TinyDSV4(seed=0)
+
+
+def test_rope_is_interleaved_pairs_on_last_dims() -> None:
+    freqs = torch.tensor([0.5, 0.25], dtype=torch.float64)
+    x = torch.tensor([[7.0, 1.0, 0.0, 0.0, 1.0]])  # dim 0 is not rotated; pairs (1,2), (3,4)
+    out = apply_rope(x, torch.tensor([3]), freqs)
+    a0, a1 = 3 * 0.5, 3 * 0.25
+    expected = [7.0, math.cos(a0), math.sin(a0), -math.sin(a1), math.cos(a1)]
+    assert out[0].tolist() == pytest.approx(expected, abs=1e-6)
+    back = apply_rope(out, torch.tensor([3]), freqs, inverse=True)
+    assert torch.allclose(back, x, atol=1e-6)
+
+
+def test_yarn_frequencies() -> None:
+    # rope_dim 64, theta 160000, original 65536: correction dims floor(15.45) = 15 and ceil(24.71) = 25
+    yarn = YarnScaling(factor=16, original_max_position_embeddings=65536, beta_fast=32, beta_slow=1)
+    plain = rope_freqs(64, 160000, None)
+    scaled = rope_freqs(64, 160000, yarn)
+    assert plain[3].item() == pytest.approx(160000 ** (-6 / 64))
+    assert torch.equal(scaled[:16], plain[:16])  # fast pairs keep their frequency
+    assert torch.allclose(scaled[25:], plain[25:] / 16)  # slow pairs are interpolated by the factor
+    mid = 20  # ramp (20 - 15) / (25 - 15) = 0.5 -> halfway between the two
+    assert scaled[mid].item() == pytest.approx(plain[mid].item() / 16 * 0.5 + plain[mid].item() * 0.5)
+
+
+def test_sink_is_in_the_denominator_only() -> None:
+    q = torch.tensor([[[1.0, 0.0]]])  # [n=1, H=1, d=2]
+    keys = torch.tensor([[1.0, 0.0], [2.0, 1.0]])  # z = [1, 2] at scale 1
+    sink = torch.tensor([0.5])
+    out = sink_attention(q, keys, torch.tensor([[True, True]]), sink, 1.0)
+    denom = math.exp(1) + math.exp(2) + math.exp(0.5)
+    p = [math.exp(1) / denom, math.exp(2) / denom]
+    assert out[0, 0].tolist() == pytest.approx([p[0] * 1 + p[1] * 2, p[1] * 1], abs=1e-6)
+    masked = sink_attention(q, keys, torch.tensor([[True, False]]), sink, 1.0)
+    assert masked[0, 0, 0].item() == pytest.approx(math.exp(1) / (math.exp(1) + math.exp(0.5)), abs=1e-6)
+
+
+def test_stable_topk_breaks_ties_by_lower_index() -> None:
+    scores = torch.tensor([[0.0, 3.0, 0.0, 3.0, 0.0], [0.0, 3.0, 0.0, 3.0, 0.0]])
+    idx, valid = stable_topk(scores, torch.tensor([5, 3]), 3)
+    assert idx[0].tolist() == [1, 3, 0]
+    assert idx[1].tolist() == [1, 0, 2]  # entries 3, 4 are not visible to row 1
+    assert valid.tolist() == [[True, True, True], [True, True, True]]
+    idx, valid = stable_topk(scores, torch.tensor([2, 0]), 3)
+    assert idx[0, :2].tolist() == [1, 0] and valid.tolist() == [[True, True, False], [False, False, False]]
+    # many exact zeros (all heads negative): the lowest indices win, whatever the width
+    wide = torch.zeros(1, 1000)
+    wide[0, 700] = -1.0
+    assert stable_topk(wide, torch.tensor([1000]), 4)[0].tolist() == [[0, 1, 2, 3]]
+
+
+def _hand_entry(kv, score, block: int, ratio: int, width: int, overlap: bool) -> torch.Tensor:
+    """Entry `block` by explicit loops over channels and rows (before norm and RoPE)."""
+    out = torch.zeros(width)
+    for ch in range(width):
+        rows = []  # (score, value)
+        if overlap and block > 0:
+            rows += [(score[p][ch], kv[p][ch]) for p in range((block - 1) * ratio, block * ratio)]
+        half = width if overlap else 0
+        rows += [(score[p][half + ch], kv[p][half + ch]) for p in range(block * ratio, (block + 1) * ratio)]
+        m = max(s for s, _ in rows)
+        z = sum(math.exp(s - m) for s, _ in rows)
+        out[ch] = sum(math.exp(s - m) / z * v for s, v in rows)
+    return out
+
+
+@pytest.mark.parametrize("ratio,overlap", [(4, True), (8, False)])
+def test_compressor_pooling_by_hand(ratio: int, overlap: bool) -> None:
+    g = torch.Generator().manual_seed(5)
+    width, num_tokens = 6, 3 * ratio + 1
+    coff = 2 if overlap else 1
+    kv = torch.randn(num_tokens, coff * width, generator=g)
+    score = torch.randn(num_tokens, coff * width, generator=g)
+    ones = torch.ones(width)
+    no_rope = torch.zeros(1, dtype=torch.float64)  # one pair at frequency 0 = identity rotation
+    entries = compress_all_blocks(kv, score, ratio, width, ones, 1e-6, no_rope)
+    assert entries.shape == (3, width)
+    for block in range(3):
+        hand = _hand_entry(kv.tolist(), score.tolist(), block, ratio, width, overlap)
+        hand = hand * torch.rsqrt(hand.pow(2).mean() + 1e-6)
+        assert torch.allclose(entries[block], hand, atol=1e-5)
+    # The decode-state path (token by token through the state rows) pools the same entries.
+    rows = coff * ratio
+    kv_state = torch.zeros(rows, coff * width)
+    score_state = torch.full((rows, coff * width), float("-inf"))
+    streamed = [
+        _compress_chunk(kv_state, score_state, kv[p:p + 1], score[p:p + 1], ratio, width, p, p + 1, ones, 1e-6, no_rope)
+        for p in range(num_tokens)
+    ]
+    assert torch.allclose(torch.cat(streamed), entries, atol=1e-6)
+
+
+def test_grouped_output_projection(model: TinyDSV4) -> None:
+    spec, w = model.spec, model.attn[2]
+    o = torch.randn(3, spec.num_heads, spec.head_dim, generator=torch.Generator().manual_seed(2))
+    pos = torch.tensor([0, 5, 9])
+    out = output_projection(spec, w, o, pos, torch.zeros(spec.rope_head_dim // 2, dtype=torch.float64))
+    heads_per_group = spec.num_heads // spec.o_groups
+    parts = []
+    for g in range(spec.o_groups):  # group g: heads [g*hpg, (g+1)*hpg), rows of wo_a [g*R, (g+1)*R)
+        og = o[:, g * heads_per_group:(g + 1) * heads_per_group].reshape(3, -1)
+        parts.append(og @ w.wo_a[g * spec.o_lora_rank:(g + 1) * spec.o_lora_rank].T)
+    assert torch.allclose(out, torch.cat(parts, dim=1) @ w.wo_b.T, atol=1e-5)
+
+
+def test_official_parameter_names(model: TinyDSV4) -> None:
+    names = {k for k in model.state_dict if k.startswith("layers.2.attn.")}  # a CSA layer
+    expected = {f"layers.2.attn.{n}" for n in (
+        "wq_a.weight", "q_norm.weight", "wq_b.weight", "wkv.weight", "kv_norm.weight", "wo_a.weight",
+        "wo_b.weight", "attn_sink", "compressor.wkv.weight", "compressor.wgate.weight", "compressor.ape",
+        "compressor.norm.weight", "indexer.wq_b.weight", "indexer.weights_proj.weight",
+        "indexer.compressor.wkv.weight", "indexer.compressor.wgate.weight", "indexer.compressor.ape",
+        "indexer.compressor.norm.weight",
+    )}
+    assert names == expected
+    assert not any(k.startswith("layers.3.attn.indexer") for k in model.state_dict)  # HCA: no indexer
+    assert not any(k.startswith("layers.0.attn.compressor") for k in model.state_dict)  # SWA-only
+    with pytest.raises(KeyError, match="layers.2.attn.attn_sink"):
+        sd = {k: v for k, v in model.state_dict.items() if k != "layers.2.attn.attn_sink"}
+        DSV4AttnWeights.from_state_dict(sd, "layers.2.attn.", 4)
+
+
+def _layer_outputs(model: TinyDSV4, layer: int, w: DSV4AttnWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(oracle, paged token-by-token) outputs of one layer for inputs x [T, hidden]."""
+    ref = reference_attention(model.spec, layer, w, x)
+    pools = DSV4Pools(model.spec, 4, 1)
+    pools.reset_state(0)
+    table: list[int] = []
+    outs = []
+    for t in range(x.shape[0]):
+        new = (len(table),) if (t + 1) % model.spec.span == 0 else ()
+        outs.append(paged_attention(model.spec, layer, w, x[t:t + 1], [ChunkPlan(t, 1, 0, tuple(table), new)], pools))
+        table += list(new)
+    return ref, torch.cat(outs)
+
+
+def _perturbed_compressor(w: DSV4AttnWeights) -> DSV4AttnWeights:
+    c = w.compressor
+    assert c is not None
+    changed = type(c)(c.wkv + 0.5, c.wgate, c.ape, c.norm)
+    return DSV4AttnWeights(**{**w.__dict__, "compressor": changed})
+
+
+@pytest.mark.parametrize("layer,ratio", [(2, 4), (3, 128)])
+def test_entry_j_invisible_until_its_block_completes(model: TinyDSV4, layer: int, ratio: int) -> None:
+    """Entry j is visible to query t iff j < (t + 1) // ratio: changing only the compressor's
+    values leaves every query before the first block's last token untouched, and changes the
+    query at that token (which already sees entry 0), in the oracle and the paged path."""
+    num_tokens = ratio + 1
+    x = torch.randn(num_tokens, model.spec.hidden_size, generator=torch.Generator().manual_seed(7))
+    w = model.attn[layer]
+    base_ref, base_paged = _layer_outputs(model, layer, w, x)
+    new_ref, new_paged = _layer_outputs(model, layer, _perturbed_compressor(w), x)
+    for base, new in ((base_ref, new_ref), (base_paged, new_paged)):
+        assert torch.equal(base[: ratio - 1], new[: ratio - 1])  # t <= ratio - 2: (t + 1) // ratio == 0
+        assert (base[ratio - 1] - new[ratio - 1]).abs().max() > 1e-3  # t = ratio - 1 sees entry 0
+        assert (base[ratio] - new[ratio]).abs().max() > 1e-3
+    assert (base_ref - base_paged).abs().max() <= 1e-5
+
+
+def test_window_is_the_last_n_win_tokens(model: TinyDSV4) -> None:
+    """On an SWA-only layer query t reads positions max(0, t - 127) .. t, nothing older."""
+    n_win = model.spec.window
+    t = n_win + 5
+    x = torch.randn(t + 1, model.spec.hidden_size, generator=torch.Generator().manual_seed(8))
+    base = reference_attention(model.spec, 0, model.attn[0], x)
+    old = x.clone()
+    old[t - n_win] += 1.0  # just outside query t's window
+    assert torch.equal(reference_attention(model.spec, 0, model.attn[0], old)[t], base[t])
+    edge = x.clone()
+    edge[t - n_win + 1] += 1.0  # the oldest position inside it
+    assert (reference_attention(model.spec, 0, model.attn[0], edge)[t] - base[t]).abs().max() > 1e-4
+
+
+def test_oracle_is_causal(model: TinyDSV4) -> None:
+    ids = torch.randint(0, 256, (140,), generator=torch.Generator().manual_seed(9)).tolist()
+    full = model.reference_logits(ids)
+    for t in (2, 126, 129):  # inside a CSA block, inside the first HCA block, after it
+        changed = ids[: t + 1] + [(i + 1) % 256 for i in ids[t + 1:]]
+        assert torch.equal(model.reference_logits(changed)[: t + 1], full[: t + 1])
