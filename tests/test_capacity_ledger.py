@@ -138,3 +138,21 @@ def test_ledger_counts_scales_padding_and_graphs() -> None:
     layout = kv_layout(v4, tp=8)
     ledger = build_ledger(v4, layout, 0.0, 1 << 40, 1 << 20)
     assert ledger.details["kv_pool"]["block_tables"] == 256 * 3 * 8192 * 4 + 8192 * 8
+
+
+def test_expert_parallel_with_data_parallel_attention() -> None:
+    v4 = load_preset("deepseek-v4-pro")
+    h200 = get_gpu("H200")
+    tp8 = plan(v4, h200, num_gpus=8, tp=8, context_len=1 << 20)
+    dp_ep = plan(v4, h200, num_gpus=8, tp=1, context_len=1 << 20, expert_parallel=True)
+    # experts split 8 ways, everything else whole on each GPU
+    w = dp_ep.weights
+    expert_bytes = w.params.experts * (0.5 + 1 / 32)
+    assert w.per_gpu_bytes == pytest.approx(w.total_bytes - expert_bytes + expert_bytes / 8)
+    assert dp_ep.replicas == 8
+    assert dp_ep.max_concurrent_requests == 8 * dp_ep.max_concurrent_per_replica
+    # the latent is replicated under TP, so 8 separate pools hold more requests than one TP-8 group
+    assert dp_ep.max_concurrent_requests > tp8.max_concurrent_requests
+    assert dp_ep.ledger.details["transient"]["ep_all_to_all"] > 0
+    with pytest.raises(ValueError, match="MoE"):
+        plan(load_preset("llama-3.1-8b"), h200, num_gpus=8, tp=1, expert_parallel=True)

@@ -24,7 +24,8 @@ assumption a named field (defaults below) that the CLI can change:
 - transient: copy-on-write reserve (one block of every group per running request: a fork
   must copy its shared tail before either side appends) and communication staging for
   TP > 1: an out-of-place all-reduce buffer of the largest activation (tokens x hidden)
-  plus `nccl_buffer_bytes` of NCCL channel buffers.
+  plus `nccl_buffer_bytes` of NCCL channel buffers; with expert parallelism, all-to-all
+  dispatch / combine buffers (2 x tokens x top-k x hidden).
 - kv_pool: the blocks themselves (data, quantization scales, alignment padding, V4 state)
   and the block tables (int32, `max_num_seqs` x blocks of the longest request, per group)
   plus per-step slot mappings (int64 per batched token). Block tables are counted before the
@@ -33,7 +34,6 @@ assumption a named field (defaults below) that the CLI can change:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from kvpool.capacity.kv import KVLayout
@@ -115,14 +115,21 @@ def _widest_intermediate(model: ModelSpec, tp: int) -> int:
     return max(attn, mlp, h)
 
 
-def forward_activation_bytes(model: ModelSpec, tp: int, num_tokens: int, activation_bytes: int) -> dict[str, float]:
-    """Activations of one forward of `num_tokens` tokens on one rank: dense part and MoE caches."""
+def forward_activation_bytes(
+    model: ModelSpec, tp: int, num_tokens: int, activation_bytes: int, expert_parallel: bool = False
+) -> dict[str, float]:
+    """Activations of one forward of `num_tokens` tokens on one rank: dense part and MoE caches.
+
+    Under expert parallelism a rank's experts are whole (not TP-split) and, with balanced
+    routing, receive as many token-expert pairs as the rank sent: tokens x top-k.
+    """
     h = model.hidden_size
     dense = num_tokens * activation_bytes * (3 * h + _widest_intermediate(model, tp))
     moe = 0.0
     if model.moe is not None:
         n = model.moe.expert_intermediate_size
-        moe = num_tokens * model.moe.experts_per_token * activation_bytes * (3 * n / tp + h)
+        expert_split = 1 if expert_parallel else tp
+        moe = num_tokens * model.moe.experts_per_token * activation_bytes * (3 * n / expert_split + h)
     return {"activations": float(dense), "moe_buffers": float(moe)}
 
 
@@ -133,6 +140,7 @@ def build_ledger(
     capacity: int,
     max_model_len: int,
     assumptions: LedgerAssumptions = LedgerAssumptions(),
+    ep: int | None = None,
 ) -> Ledger:
     """The ledger with the KV pool sized to what the other terms leave.
 
@@ -144,13 +152,14 @@ def build_ledger(
     tp = layout.tp
     T, S = a.max_num_batched_tokens, a.max_num_seqs
 
-    fwd = forward_activation_bytes(model, tp, T, a.activation_bytes)
+    expert_parallel = ep is not None and ep > 1 and model.moe is not None
+    fwd = forward_activation_bytes(model, tp, T, a.activation_bytes, expert_parallel)
     logits = 2.0 * S * model.vocab_size * 4  # fp32 logits + probabilities, full vocab per row
     workspace = {**fwd, "sampler_logits": logits}
 
     graph: dict[str, float] = {}
     if a.cuda_graphs:
-        graph_fwd = forward_activation_bytes(model, tp, S, a.activation_bytes)
+        graph_fwd = forward_activation_bytes(model, tp, S, a.activation_bytes, expert_parallel)
         graph = {
             "captured_activations": graph_fwd["activations"] + graph_fwd["moe_buffers"],
             "graph_bookkeeping": float(a.num_graph_captures * a.graph_bytes_per_capture),
@@ -160,6 +169,13 @@ def build_ledger(
         "cow_reserve": float(S * a.cow_blocks_per_seq * layout.bytes_per_block_all_groups),
         "comm_staging": float(T * model.hidden_size * a.activation_bytes + a.nccl_buffer_bytes) if tp > 1 else 0.0,
     }
+    if expert_parallel:
+        assert model.moe is not None
+        # all-to-all dispatch and combine buffers: tokens x top-k x hidden, each way, + NCCL
+        transient["ep_all_to_all"] = float(
+            2 * T * model.moe.experts_per_token * model.hidden_size * a.activation_bytes
+            + (a.nccl_buffer_bytes if tp == 1 else 0)
+        )
 
     num_kv_tensors = sum(g.num_layers for g in layout.groups) + (1 if layout.state_bytes_per_request else 0)
     allocator = {

@@ -137,12 +137,16 @@ def plan(
     assumptions: LedgerAssumptions = LedgerAssumptions(),
     length_distribution: str | None = None,
     seed: int = 0,
+    expert_parallel: bool = False,
 ) -> Plan:
     """Plan `model` on `num_gpus` x `gpu` with TP size `tp`.
 
     context_len defaults to the model's max_position_embeddings; concurrency (requests over
     the whole deployment) is optional and sets the max-context question and the sample size
     of the fragmentation measurement (else the max concurrency found is used).
+    expert_parallel splits the routed experts over all `num_gpus` GPUs while attention runs
+    in num_gpus / tp data-parallel replicas, each with its own KV pool (DeepSeek-style EP +
+    DP attention); without it experts are split over the TP group like other weights.
     """
     if num_gpus <= 0 or tp <= 0:
         raise ValueError(f"num_gpus and tp must be positive, got num_gpus={num_gpus}, tp={tp}")
@@ -153,9 +157,12 @@ def plan(
     ctx = model.max_position_embeddings if context_len is None else context_len
     if ctx <= 0:
         raise ValueError(f"context_len must be positive, got {ctx}")
+    if expert_parallel and model.moe is None:
+        raise ValueError(f"{model.name} has no experts to split: expert parallelism needs a MoE model")
+    ep = num_gpus if expert_parallel else None
     layout = kv_layout(model, kv_dtype, block_size, tp, indexer_format)
-    weights = weight_bytes(model, tp, weight_dtype)
-    ledger = build_ledger(model, layout, weights.per_gpu_bytes, gpu.memory_bytes, ctx, assumptions)
+    weights = weight_bytes(model, tp, weight_dtype, ep)
+    ledger = build_ledger(model, layout, weights.per_gpu_bytes, gpu.memory_bytes, ctx, assumptions, ep)
     pool = ledger.pool_bytes
     per_replica = max_concurrent(layout, pool, ctx)
 

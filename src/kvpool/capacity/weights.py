@@ -13,6 +13,8 @@ Tensor parallelism shards embeddings (vocab-parallel), the head, attention proje
 dense MLP and the experts by the TP size. Kept whole on every rank: norms, biases, router,
 MLA's q_a / kv_a projections, and GQA K/V projections past one head per rank (a TP size
 above the KV-head count replicates those heads, so their projections repeat too).
+With expert parallelism (`ep`), routed experts are split over the EP group instead
+(DeepSeek-style serving: data-parallel attention, experts over all GPUs).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class WeightBytes:
     total_bytes: float  # the whole model, one copy
     per_gpu_bytes: float  # one TP rank
     tp: int
+    ep: int | None = None
 
 
 def _bytes_per_param(weight_dtype: str) -> dict[str, float]:
@@ -55,7 +58,11 @@ def _bytes_per_param(weight_dtype: str) -> dict[str, float]:
     }
 
 
-def weight_bytes(model: ModelSpec, tp: int = 1, weight_dtype: str = "auto") -> WeightBytes:
+def weight_bytes(model: ModelSpec, tp: int = 1, weight_dtype: str = "auto", ep: int | None = None) -> WeightBytes:
+    """Weight bytes of `model`; with `ep`, routed experts are split over `ep` GPUs (expert
+    parallelism) instead of over the TP group."""
+    if ep is not None and ep <= 0:
+        raise ValueError(f"ep must be positive, got {ep}")
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"unknown weight dtype {weight_dtype!r}; known: {list(WEIGHT_DTYPES)}")
     if tp <= 0:
@@ -70,11 +77,14 @@ def weight_bytes(model: ModelSpec, tp: int = 1, weight_dtype: str = "auto") -> W
     for category, bytes_per in per_param.items():
         n = getattr(params, category)
         total += n * bytes_per
-        per_gpu += n * bytes_per / tp if category in sharded else n * bytes_per
+        if category in ("experts", "expert_biases") and ep is not None:
+            per_gpu += n * bytes_per / ep
+        else:
+            per_gpu += n * bytes_per / tp if category in sharded else n * bytes_per
     if model.attention == "gqa" and tp > 1:
         # K and V projections: a rank holds kv_heads_per_gpu heads, not num_kv_heads / tp.
         kv_proj = 2 * model.num_layers * model.hidden_size * model.head_dim
         exact = kv_proj * kv_heads_per_gpu(model.num_kv_heads, tp)
         even_split = kv_proj * model.num_kv_heads / tp
         per_gpu += (exact - even_split) * per_param["attention"]
-    return WeightBytes(params, fmt, total, per_gpu, tp)
+    return WeightBytes(params, fmt, total, per_gpu, tp, ep)

@@ -43,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-gpus", type=int, default=None, help="GPUs in all (default: --tp)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     parser.add_argument("--context", type=int, default=None, help="context length (default: the model's maximum)")
+    parser.add_argument("--ep", action="store_true",
+                        help="expert parallelism over all GPUs, attention in num-gpus/tp data-parallel replicas")
     parser.add_argument("--concurrency", type=int, default=None, help="concurrent requests over all GPUs")
     parser.add_argument("--block-size", type=int, default=None, help="tokens per block (default 16 / 64 MLA / 128 V4)")
     parser.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES, help="KV storage format (default auto)")
@@ -102,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
                 assumptions=assumptions,
                 length_distribution=args.lengths,
                 seed=args.seed,
+                expert_parallel=args.ep,
             )
         if args.plot:
             names = args.plot_models.split(",") if args.plot_models else list(PLOT_MODELS)
@@ -145,6 +148,7 @@ def plan_to_dict(p: Plan) -> dict[str, Any]:
         "gpu_memory_bytes": p.gpu.memory_bytes,
         "num_gpus": p.num_gpus,
         "tp": p.tp,
+        "ep": p.weights.ep,
         "replicas": p.replicas,
         "kv_dtype": p.layout.kv_dtype,
         "block_size": p.layout.block_size,
@@ -202,8 +206,9 @@ def print_plan(p: Plan) -> None:
 
     d = plan_to_dict(p)
     console = Console(width=100)
+    parallel = f"TP {p.tp}" + (f", EP {p.weights.ep}" if p.weights.ep else "")
     head = Table(title=f"kvpool plan: {p.model.name} on {p.num_gpus} x {p.gpu.name} "
-                       f"({p.gpu.memory_gib:.1f} GiB), TP {p.tp}", show_header=False)
+                       f"({p.gpu.memory_gib:.1f} GiB), {parallel}", show_header=False)
     head.add_column(style="bold")
     head.add_column(justify="right")
     rows = [
