@@ -213,7 +213,8 @@ def print_plan(p: Plan) -> None:
     head.add_column(justify="right")
     rows = [
         ("attention", f"{d['attention']}, {d['num_layers']} layers"),
-        ("parameters / weights", f"{d['params'] / 1e9:,.1f} B / {d['weight_dtype']} {_gib(d['weight_bytes'])}"),
+        ("parameters, weights (model)",
+         f"{d['params'] / 1e9:,.1f} billion, {d['weight_dtype']} {_gib(d['weight_bytes'])}"),
         ("KV format, block size", f"{d['kv_dtype']}, {d['block_size']} tokens"
                                   + ("" if d["kv_sharded_by_head"] or p.tp == 1 else " (replicated over TP)")),
         ("KV bytes / token (model)", f"{d['kv_bytes_per_token']:,.1f} B"),
@@ -286,12 +287,18 @@ def plot_kv_vs_context(models: list[ModelSpec], path: str, kv_dtype: str = "auto
     for m in models:
         layout = kv_layout(m, kv_dtype)
         ys = [layout.kv_bytes_at_context(c) / GIB for c in contexts]
-        ax.plot(contexts, ys, marker="o", markersize=3, label=f"{m.name} ({layout.kv_dtype})")
+        # solid within the model's max_position_embeddings, dashed beyond (extrapolated)
+        inside = [i for i, c in enumerate(contexts) if c <= m.max_position_embeddings]
+        last = inside[-1] if inside else 0
+        (line,) = ax.plot(contexts[: last + 1], ys[: last + 1], marker="o", markersize=3,
+                          label=f"{m.name} ({layout.kv_dtype})")
+        if last + 1 < len(contexts):
+            ax.plot(contexts[last:], ys[last:], linestyle="--", color=line.get_color(), alpha=0.6)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("KV cache of one request (GiB, whole model)")
-    ax.set_title("KV bytes vs context length")
+    ax.set_title("KV bytes vs context length (dashed: past the model's max positions)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
