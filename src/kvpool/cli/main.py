@@ -14,6 +14,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("kvpool.cli.bench", "benchmarks: pool, engine, dsv4"),
     "plan": ("kvpool.cli.plan", "capacity model, memory ledger and planner"),
+    "verify": ("kvpool.cli.verify", "verification matrices: dsv4 (paged dual pool vs contiguous oracle)"),
 }
 
 
