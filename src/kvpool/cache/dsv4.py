@@ -302,6 +302,25 @@ class DSV4CacheManager:
         req.pending = None
         req.pending_hashes, req.pending_token_bytes = [], []
 
+    def fork(self, parent_id: str, child_id: str) -> int | None:
+        """A child sharing the parent's classical blocks (refcount + 1) with its own state
+        block, into which the model copies the parent's state. Returns the child's state
+        slot, or None (nothing changed) when no state block is free."""
+        parent = self._get(parent_id)
+        if child_id in self._requests:
+            raise ValueError(f"request {child_id!r} already exists")
+        if parent.pending is not None:
+            raise ValueError(f"request {parent_id!r} has an uncommitted reservation; fork after commit")
+        if not self._free_states:
+            return None
+        self.pool.incref(parent.block_ids)
+        slot = self._free_states.popleft()
+        self._requests[child_id] = _Request(
+            child_id, list(parent.token_ids), parent.root, slot, parent.num_computed,
+            list(parent.block_ids), list(parent.block_hashes),
+        )
+        return slot
+
     # ----- release ------------------------------------------------------------------------
 
     def release(self, request_id: str) -> bool:

@@ -8,7 +8,7 @@ any sizes (prefill, chunked prefill, decode), append sampled tokens, release.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 from torch import Tensor
@@ -141,3 +141,135 @@ class DSV4PagedRunner:
 
     def check_integrity(self) -> None:
         self.cache.check_integrity()
+
+
+class DSV4Admitted(NamedTuple):
+    """Same fields as kvpool.engine.runner.Admitted (models/ does not import the engine)."""
+
+    num_cached_tokens: int
+    num_scheduled_tokens: int
+
+
+class DSV4EngineRunner:
+    """The engine's ModelRunner protocol (kvpool.engine.runner) for a V4-architecture model on
+    the dual pool, so the same scheduler runs it: admit (with prefix hit + state restore),
+    reserve, execute, commit, fork, release. Chunks are duck-typed ScheduledChunk objects
+    (seq_id, token_ids, start, needs_logits). `fork` raises RuntimeError when no state block
+    is free (a V4 child needs its own state block; size num_state_blocks >= max_num_seqs)."""
+
+    def __init__(
+        self,
+        model: TinyDSV4,
+        num_classical_blocks: int = 64,
+        num_state_blocks: int = 16,
+        *,
+        restore: RestoreMethod = "recompute",
+        num_checkpoints: int = 0,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        self.runner = DSV4PagedRunner(
+            model, num_classical_blocks, num_state_blocks, restore=restore,
+            num_checkpoints=num_checkpoints, enable_prefix_caching=enable_prefix_caching,
+        )
+        self.cache = self.runner.cache
+        span = model.spec.span
+        self.vocab_size = model.vocab_size
+        # The unfinished span lives in the state block, so one sequence holds up to
+        # num_classical_blocks full spans plus span - 1 tokens.
+        self.capacity_tokens = num_classical_blocks * span + span - 1
+        self.max_model_len = min(model.spec.max_position_embeddings, self.capacity_tokens)
+
+    def admit(self, seq_id: str, token_ids: Sequence[int], max_new_tokens: int) -> DSV4Admitted | None:
+        if max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+        adm = self.runner.add_request(seq_id, token_ids)
+        if adm is None:
+            return None
+        n = min(max_new_tokens, len(token_ids) - adm.num_cached_tokens)
+        if self.cache.reserve(seq_id, n) is None:
+            self.cache.release(seq_id)  # all or nothing
+            return None
+        return DSV4Admitted(adm.num_cached_tokens, n)
+
+    def reserve(self, seq_id: str, num_new_tokens: int) -> bool:
+        return self.cache.reserve(seq_id, num_new_tokens) is not None
+
+    def append_tokens(self, seq_id: str, token_ids: Sequence[int]) -> None:
+        self.cache.append_token_ids(seq_id, token_ids)
+
+    def execute(self, chunks: Sequence[object]) -> Tensor:
+        """Logits [num chunks with needs_logits, vocab] fp32, in chunk order."""
+        reservations = []
+        for c in chunks:
+            res = self.cache._get(c.seq_id).pending  # type: ignore[attr-defined]
+            assert res is not None, f"sequence {c.seq_id!r} has no reservation"  # type: ignore[attr-defined]
+            assert res.start == c.start and res.num_tokens == len(c.token_ids), "chunk != reservation"  # type: ignore[attr-defined]
+            reservations.append(res)
+        logits = self.runner._run(reservations)
+        rows = [lg[-1] for c, lg in zip(chunks, logits) if c.needs_logits]  # type: ignore[attr-defined]
+        if not rows:
+            return torch.zeros(0, self.vocab_size)
+        return torch.stack(rows)
+
+    def commit(self, seq_id: str, num_tokens: int) -> None:
+        res = self.cache._get(seq_id).pending
+        if res is None or res.num_tokens != num_tokens:
+            raise ValueError(f"commit of {num_tokens} tokens for {seq_id!r} does not match its reservation")
+        self.cache.commit(seq_id)
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        slot = self.cache.fork(parent_id, child_id)
+        if slot is None:
+            raise RuntimeError(f"no free V4 state block for fork {parent_id!r} -> {child_id!r}")
+        self.runner.pools.copy_state(self.cache.state_slot(parent_id), slot)
+
+    def release(self, seq_id: str, reason: str) -> None:
+        if reason not in ("finish", "cancel", "preempt"):
+            raise ValueError(f"unknown release reason {reason!r}")
+        self.cache.release(seq_id)
+
+    def num_computed_tokens(self, seq_id: str) -> int:
+        return self.cache.num_computed_tokens(seq_id)
+
+    def check_integrity(self) -> None:
+        self.cache.check_integrity()
+
+    def cache_stats(self) -> dict[str, float]:
+        pools, cache = self.runner.pools, self.cache
+        return {
+            "kv_capacity_tokens": self.capacity_tokens,
+            "classical_blocks": cache.pool.num_blocks,
+            "classical_blocks_used": cache.pool.num_blocks - cache.num_free_blocks,
+            "classical_block_span": self.runner.spec.span,
+            "classical_block_bytes": pools.classical_block_bytes(),
+            "state_blocks": cache.num_state_blocks,
+            "state_blocks_used": cache.num_state_blocks - cache.num_free_state_blocks,
+            "state_block_bytes": pools.state_block_bytes(),
+            "replayed_tokens": self.runner.num_replayed_tokens,
+        }
+
+
+def build_tiny_dsv4_engine(
+    *,
+    seed: int = 0,
+    num_classical_blocks: int = 64,
+    num_state_blocks: int = 16,
+    max_num_batched_tokens: int = 512,
+    max_num_seqs: int = 16,
+    restore: RestoreMethod = "recompute",
+    enable_prefix_caching: bool = True,
+    record_logits: bool = False,
+) -> object:
+    """An Engine running the tiny V4 model (token ids in, token ids out; no tokenizer, no EOS).
+
+    The import of the engine is local: models/ sits below engine/ in the layering, and only
+    this convenience builder (called by the CLI) needs it."""
+    from kvpool.engine.engine import Engine
+
+    runner = DSV4EngineRunner(
+        TinyDSV4(seed=seed), num_classical_blocks, max(num_state_blocks, max_num_seqs),
+        restore=restore, num_checkpoints=8 if restore == "checkpoint" else 0,
+        enable_prefix_caching=enable_prefix_caching,
+    )
+    return Engine(runner, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                  record_logits=record_logits)
