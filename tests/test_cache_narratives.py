@@ -330,8 +330,10 @@ def test_bad_input_gets_clear_errors_and_changes_nothing():
         m.admit("neg", [1, -1])
     with pytest.raises(ValueError, match="append_token_ids first"):
         m.reserve("a", 1)
-    with pytest.raises(ValueError, match="commit of 1 tokens, 0 reserved"):
-        m.commit("a", 1)
+    with pytest.raises(ValueError, match="only 10 token ids are known"):
+        m.commit("a", 1)  # block 2 is writable to its end, but token 10 is unknown
+    with pytest.raises(ValueError, match="commit of 3 tokens, 2 reserved"):
+        m.commit("a", 3)
     with pytest.raises(ValueError, match="rollback to 11"):
         m.rollback("a", 11)
     with pytest.raises(KeyError, match="unknown request"):
@@ -350,6 +352,9 @@ def test_check_integrity_names_the_broken_invariant():
     with pytest.raises(AssertionError, match="invariant 1"):
         m.check_integrity()
     m.pool._refcounts[0] -= 1
-    m._requests["a"].num_computed = 11
+    m._requests["a"].num_computed = 13  # past the reserved blocks
     with pytest.raises(AssertionError, match="invariant 5"):
+        m.check_integrity()
+    m._requests["a"].num_computed = 11  # within the blocks, past the known tokens
+    with pytest.raises(AssertionError, match="invariant 6"):
         m.check_integrity()

@@ -4,11 +4,14 @@ One request's token positions, against its block table (bs = block_size):
 
   [0, num_cached)            blocks found in the prefix cache at admission (shared, read-only)
   [num_cached, num_computed) KV written and committed by this request
-  [num_computed, num_reserved) slots reserved for the step in flight: exclusive blocks only
+  [num_computed, num_reserved) writable slots: blocks exclusive to this request, unpublished
   [num_reserved, ...)        no slots yet
 
-`len(block_ids) == ceil(num_reserved / bs)` always: a block-table change and the token
-counts move together (invariant 5). Every operation checks first and mutates after, so a
+Reservations are block-granular: a block this request may write is writable to its end, so
+`num_reserved` is a multiple of bs and the decode path needs work only at block boundaries
+(a fresh block) or on a shared tail (copy-on-write). `len(block_ids) == num_reserved / bs`
+for a request with a writable tail, `ceil(num_reserved / bs)` in general: a block-table
+change and the token counts move together (invariant 5). Every operation checks first and mutates after, so a
 call that returns None (out of blocks) or raises leaves no trace (invariant 7).
 
 Pure Python: the storage layer applies the copy-on-write copies this class records
@@ -186,14 +189,14 @@ class KVCacheManager:
 
     def csr(self, request_ids: Sequence[str], num_tokens: Sequence[int] | None = None) -> BlockTableCSR:
         """The batch's block tables in CSR form, each covering `num_tokens[i]` tokens
-        (default: everything reserved, i.e. the KV readable after the step in flight)."""
+        (default: the computed tokens; pass computed + in-flight for the step's attention)."""
         bs = self.block_size
         indptr = [0]
         indices: list[int] = []
         last_block_len: list[int] = []
         for i, request_id in enumerate(request_ids):
             req = self._get(request_id)
-            n = req.num_reserved if num_tokens is None else num_tokens[i]
+            n = req.num_computed if num_tokens is None else num_tokens[i]
             if n > req.num_reserved:
                 raise ValueError(f"request {request_id!r}: {n} tokens, only {req.num_reserved} reserved")
             num_blocks = -(-n // bs)
@@ -311,8 +314,7 @@ class KVCacheManager:
                 f"num_new_tokens={num_new_tokens} outside [0, {len(req.token_ids) - num_cached}] "
                 f"({len(req.token_ids)} prompt tokens, {num_cached} cached)"
             )
-        num_reserved = num_cached + num_new_tokens
-        num_new_blocks = self.blocks_needed(num_reserved) - len(hit_blocks)
+        num_new_blocks = self.blocks_needed(num_cached + num_new_tokens) - len(hit_blocks)
         # Hit blocks that sit in the free queue count as free but are about to be taken.
         num_revived = sum(1 for b in hit_blocks if self.pool.refcount(b) == 0)
         if num_new_blocks > self.pool.num_free - num_revived:
@@ -323,7 +325,7 @@ class KVCacheManager:
         req.block_ids = hit_blocks + new_blocks
         req.block_hashes = hit_hashes
         req.num_computed = num_cached
-        req.num_reserved = num_reserved
+        req.num_reserved = len(req.block_ids) * self.block_size
         self._requests[request_id] = req
         self.stats.num_queried_tokens += len(req.token_ids)
         self.stats.num_hit_tokens += num_cached
@@ -384,7 +386,8 @@ class KVCacheManager:
                 copies.append(copy)
                 self._pending_copies.append(copy)
         req.block_ids.extend(new_blocks)
-        req.num_reserved = max(req.num_reserved, end)
+        if num_new_tokens:
+            req.num_reserved = len(req.block_ids) * self.block_size
         return Reservation(new_blocks, copies)
 
     def append_token_ids(self, request_id: str, token_ids: Iterable[int]) -> None:
@@ -398,6 +401,11 @@ class KVCacheManager:
             raise ValueError(
                 f"request {request_id!r}: commit of {num_tokens} tokens, "
                 f"{req.num_reserved - req.num_computed} reserved"
+            )
+        if req.num_computed + num_tokens > len(req.token_ids):
+            raise ValueError(
+                f"request {request_id!r}: commit up to position {req.num_computed + num_tokens}, "
+                f"but only {len(req.token_ids)} token ids are known (append_token_ids first)"
             )
         req.num_computed += num_tokens
         if self.enable_prefix_caching and len(req.block_hashes) < req.num_computed // self.block_size:
@@ -452,6 +460,7 @@ class KVCacheManager:
                 continue  # its slot is already reserved
             if nc % bs == 0:
                 req.block_ids.append(pool.allocate(1)[0])  # type: ignore[index]
+                req.num_reserved = nc + bs
             else:
                 # [0, nc) computed | the tail block holds position nc: it must be ours to write.
                 tail = req.block_ids[-1]
@@ -461,7 +470,7 @@ class KVCacheManager:
                     copies.append(copy)
                 elif hashes[tail] is not None:  # ours, but published (after a rollback)
                     pool.unregister(tail)
-            req.num_reserved = nc + 1
+                req.num_reserved = len(req.block_ids) * bs
         if copies:
             self._pending_copies.extend(copies)
         return copies
@@ -496,13 +505,24 @@ class KVCacheManager:
     # ---- fork, rollback, release -----------------------------------------------------
 
     def fork(self, parent_id: str, child_id: str) -> None:
-        """A child that shares every computed block of the parent (refcounts + 1)."""
+        """A child that shares every computed block of the parent (refcounts + 1).
+
+        The shared tail becomes read-only for both: the parent's writable slots past its
+        computed end are given up (blocks wholly past it are released), and each side
+        copies the tail on its next write.
+        """
         parent = self._get(parent_id)
         if child_id in self._requests:
             raise ValueError(f"request {child_id!r} already exists")
-        child = _Request(child_id, parent.token_ids[:parent.num_computed], parent.root_hash, parent.mm_items)
-        child.prompt_bytes = parent.prompt_bytes[:parent.num_computed * TOKEN_BYTES]
-        shared = parent.block_ids[:self.blocks_needed(parent.num_computed)]
+        nc = parent.num_computed
+        keep = self.blocks_needed(nc)
+        released = parent.block_ids[keep:]
+        del parent.block_ids[keep:]
+        self.pool.decref(reversed(released))
+        parent.num_reserved = nc
+        child = _Request(child_id, parent.token_ids[:nc], parent.root_hash, parent.mm_items)
+        child.prompt_bytes = parent.prompt_bytes[:nc * TOKEN_BYTES]
+        shared = parent.block_ids
         self.pool.incref(shared)
         child.block_ids = list(shared)
         child.num_computed = child.num_reserved = parent.num_computed
