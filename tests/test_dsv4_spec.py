@@ -119,3 +119,15 @@ def test_small_config_and_roundtrip() -> None:
     assert DSV4Spec.from_config(spec.to_dict(), name="small") == spec
     with pytest.raises(Exception):
         spec.window = 3  # type: ignore[misc]  # frozen
+
+
+def test_actual_pool_tensors_match_the_spec_bytes() -> None:
+    from kvpool.attention.dsv4_pools import DSV4Pools
+    from kvpool.models.tiny_dsv4 import TinyDSV4
+
+    spec = TinyDSV4().spec
+    pools = DSV4Pools(spec, 2, 1)
+    assert pools.classical_block_bytes() == spec.classical_bytes_per_block("float32")
+    assert pools.state_block_bytes() == spec.storage_state_bytes_per_request("float32")
+    # by hand: 2 CSA layers x 32 x (32 + 16) x 4 B + 1 HCA layer x 1 x 32 x 4 B
+    assert spec.classical_bytes_per_block("float32") == 2 * 32 * 48 * 4 + 32 * 4

@@ -50,6 +50,7 @@ def byte_report() -> dict[str, dict[str, float]]:
             "state_bytes_per_request": spec.state_bytes_per_request(),
             "state_bytes_per_request_with_mtp": spec.state_bytes_per_request(include_mtp=True),
             "state_bytes_per_request_bf16_swa": spec.state_bytes_per_request("bfloat16"),
+            "state_bytes_kvpool_fp32_storage": spec.storage_state_bytes_per_request("float32"),
             "classical_gib_at_1m_tokens": spec.classical_bytes_per_token(indexer_format="fp8") * 2**20 / 2**30,
         }
     return report
@@ -103,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
         vals = "".join(f"{bytes_[name][key]:>20,.2f}" if isinstance(bytes_[name][key], float)
                        else f"{bytes_[name][key]:>20,}" for name in bytes_)
         print(f"{key:44s}{vals}")
+    print("(state_bytes_kvpool_fp32_storage: kvpool's own fp32 state block = fp32 ring + fp32 compressor "
+          "tails + room for the unfinished span's entries)")
     if timing:
         print(f"\ntiny-dsv4 decode step (fp32, CPU, 1 thread, {args.steps} steps, median of {args.repeats})")
         print(f"{'context':>8}  {'paged ms/step':>14}  {'oracle ms/step':>15}  {'oracle/paged':>12}")

@@ -329,8 +329,19 @@ class DSV4Spec:
     def state_bytes_per_request(
         self, dtype: str = SERVING, include_mtp: bool = False, compressor_dtype: str = "float32"
     ) -> float:
-        """One state block: SWA ring (in `dtype`) + compressor tails (fp32)."""
+        """One state block: SWA ring (in `dtype`) + compressor tails (fp32), as DEEPSEEK_V4.md §5."""
         return self.swa_state_bytes(dtype, include_mtp) + self.compressor_state_bytes(include_mtp, compressor_dtype)
+
+    def tail_entry_bytes(self, dtype: str = SERVING, indexer_format: str | None = None) -> float:
+        """Room for the complete entries of the unfinished span (span/ratio main entries per
+        compressed layer, + span/4 indexer keys on CSA layers). kvpool keeps them in the state
+        block, so that the Classical pool only ever holds whole, immutable spans; §5's state
+        figures do not include them (at most span/ratio - 1 are live at a time)."""
+        return self.classical_bytes_per_block(dtype, indexer_format)
+
+    def storage_state_bytes_per_request(self, dtype: str = "float32") -> float:
+        """kvpool's actual state block in a storage dtype: ring + fp32 compressor tails + tail entries."""
+        return self.swa_state_bytes(dtype) + self.compressor_state_bytes() + self.tail_entry_bytes(dtype)
 
     def to_dict(self) -> dict[str, Any]:
         """A config.json-style dict that `from_config` reads back to an equal spec."""
