@@ -70,3 +70,40 @@ def test_parallel_samples_fork_the_state() -> None:
     assert a == b  # greedy children of one forked state agree
     _assert_greedy_matches_oracle(engine.runner.runner.model, prompt, a)  # type: ignore[attr-defined]
     engine.runner.check_integrity()
+
+
+def _generate_args(**kw: object):
+    import argparse
+
+    base = dict(prompt="5,17,42,99", no_chat=True, max_tokens=6, temperature=0.0, top_p=1.0, top_k=0, seed=0,
+                num_blocks=16, json=True, model="tiny-dsv4")
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_generate_tiny_dsv4_token_ids(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from kvpool.cli import generate_dsv4
+
+    assert generate_dsv4.run(_generate_args()) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prompt_tokens"] == 4 and len(out["token_ids"]) == 6
+    _assert_greedy_matches_oracle(TinyDSV4(seed=0), [5, 17, 42, 99], out["token_ids"])
+    with pytest.raises(SystemExit, match="--no-chat"):
+        generate_dsv4.run(_generate_args(no_chat=False))
+    with pytest.raises(SystemExit, match="token ids"):
+        generate_dsv4.run(_generate_args(prompt="hello"))
+    with pytest.raises(SystemExit, match=r"\[0, 256\)"):
+        generate_dsv4.run(_generate_args(prompt="1,999"))
+
+
+def test_kvpool_generate_command_runs_tiny_dsv4(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from kvpool.cli.main import COMMANDS, main
+
+    if "generate" not in COMMANDS:
+        pytest.skip("the engine's `kvpool generate` command is not registered yet")
+    assert main(["generate", "5,17,42,99", "--model", "tiny-dsv4", "--no-chat", "--json", "--max-tokens", "6"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    _assert_greedy_matches_oracle(TinyDSV4(seed=0), [5, 17, 42, 99], out["token_ids"])

@@ -1,0 +1,63 @@
+"""`kvpool generate --model tiny-dsv4 --no-chat`: the tiny V4 model through the engine.
+
+The tiny model has no tokenizer: the prompt is token ids ("5,17,42" or "5 17 42"), and the
+output is token ids. It runs on the Classical + State dual pool under the same scheduler
+as the Llama path (`kvpool.models.dsv4_runner.DSV4EngineRunner`). `kvpool.cli.generate`
+hands over to `run` here when `--model tiny-dsv4`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+MODEL_NAME = "tiny-dsv4"
+
+
+def parse_token_ids(text: str, vocab_size: int) -> list[int]:
+    parts = [p for p in re.split(r"[,\s]+", text.strip()) if p]
+    try:
+        ids = [int(p) for p in parts]
+    except ValueError:
+        raise ValueError(f"{MODEL_NAME} takes token ids (e.g. \"5,17,42\"), got {text!r}") from None
+    if not ids:
+        raise ValueError(f"{MODEL_NAME}: the prompt has no token ids")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{MODEL_NAME}: token ids must lie in [0, {vocab_size}), got {bad}")
+    return ids
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvpool.engine.sampling import SamplingParams
+    from kvpool.models.dsv4_runner import build_tiny_dsv4_engine
+    from kvpool.models.tiny_dsv4 import TINY_DSV4_CONFIG
+
+    if not getattr(args, "no_chat", False):
+        raise SystemExit(f"{MODEL_NAME} has no tokenizer or chat template: pass --no-chat and token ids")
+    try:
+        prompt_ids = parse_token_ids(args.prompt, TINY_DSV4_CONFIG["vocab_size"])
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+    )
+    engine = build_tiny_dsv4_engine(num_classical_blocks=max(1, getattr(args, "num_blocks", 64)))
+    rid = engine.add_request(prompt_ids, params)  # type: ignore[attr-defined]
+    while engine.has_unfinished():  # type: ignore[attr-defined]
+        engine.step()  # type: ignore[attr-defined]
+    out = engine.output(rid)  # type: ignore[attr-defined]
+    completion = out.completions[0]
+    if args.json:
+        print(json.dumps({
+            "model": MODEL_NAME,
+            "token_ids": completion.token_ids,
+            "text": "",
+            "prompt_tokens": len(prompt_ids),
+            "cached_tokens": out.num_cached_tokens,
+            "finish_reason": completion.finish_reason,
+        }))
+    else:
+        print(" ".join(str(t) for t in completion.token_ids))
+    return 0
