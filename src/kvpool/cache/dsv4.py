@@ -152,6 +152,10 @@ class DSV4CacheManager:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
 
+    def pending_reservation(self, request_id: str) -> DSV4Reservation | None:
+        """The reserved, not yet committed step of a request, if any."""
+        return self._get(request_id).pending
+
     def num_new_blocks(self, request_id: str, num_new_tokens: int) -> int:
         """Classical blocks a step of `num_new_tokens` more tokens would take."""
         req = self._get(request_id)

@@ -100,12 +100,12 @@ class DSV4PagedRunner:
                     self.cache.unreserve(done.request_id)
                 return None
             reservations.append(res)
-        logits = self._run(reservations)
+        logits = self.run_reservations(reservations)
         for res in reservations:
             self.cache.commit(res.request_id)
         return [StepResult(r.request_id, r.start, lg) for r, lg in zip(reservations, logits)]
 
-    def _run(self, reservations: list[DSV4Reservation]) -> list[Tensor]:
+    def run_reservations(self, reservations: list[DSV4Reservation]) -> list[Tensor]:
         """Forward passes for the reservations. A chunk is cut at its checkpoint positions
         (the state must be snapshot exactly there); any cut gives the same state."""
         span = self.spec.span
@@ -201,18 +201,18 @@ class DSV4EngineRunner:
         """Logits [num chunks with needs_logits, vocab] fp32, in chunk order."""
         reservations = []
         for c in chunks:
-            res = self.cache._get(c.seq_id).pending  # type: ignore[attr-defined]
+            res = self.cache.pending_reservation(c.seq_id)  # type: ignore[attr-defined]
             assert res is not None, f"sequence {c.seq_id!r} has no reservation"  # type: ignore[attr-defined]
             assert res.start == c.start and res.num_tokens == len(c.token_ids), "chunk != reservation"  # type: ignore[attr-defined]
             reservations.append(res)
-        logits = self.runner._run(reservations)
+        logits = self.runner.run_reservations(reservations)
         rows = [lg[-1] for c, lg in zip(chunks, logits) if c.needs_logits]  # type: ignore[attr-defined]
         if not rows:
             return torch.zeros(0, self.vocab_size)
         return torch.stack(rows)
 
     def commit(self, seq_id: str, num_tokens: int) -> None:
-        res = self.cache._get(seq_id).pending
+        res = self.cache.pending_reservation(seq_id)
         if res is None or res.num_tokens != num_tokens:
             raise ValueError(f"commit of {num_tokens} tokens for {seq_id!r} does not match its reservation")
         self.cache.commit(seq_id)
