@@ -13,6 +13,8 @@ import sys
 # command name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("kvpool.cli.bench", "benchmarks: pool, engine, dsv4"),
+    "generate": ("kvpool.cli.generate", "generate text with SmolLM2-135M (or --model GGUF) on the paged cache"),
+    "run": ("kvpool.cli.run", "the main job: a chat workload through the engine, then the performance report"),
     "plan": ("kvpool.cli.plan", "capacity model, memory ledger and planner"),
     "verify": ("kvpool.cli.verify", "verification matrices: dsv4 (paged dual pool vs contiguous oracle)"),
 }

@@ -97,7 +97,7 @@ class LlamaRunner:
     def used_tokens(self) -> tuple[int, int]:
         """(tokens held by live sequences, slots in their blocks): for fragmentation."""
         m = self.manager
-        held = sum(m.num_reserved_tokens(r) for r in m.request_ids)
+        held = sum(m.num_computed_tokens(r) for r in m.request_ids)
         slots = sum(len(m.block_ids(r)) for r in m.request_ids) * self.block_size
         return held, slots
 
