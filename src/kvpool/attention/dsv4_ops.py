@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvpool.spec.dsv4 import CSA_RATIO, DSV4Spec, LayerKind, YarnScaling
+from kvpool.spec.dsv4 import CSA_RATIO, DSV4Spec, YarnScaling
 
 
 # ----- norms -------------------------------------------------------------------------
@@ -331,7 +331,3 @@ def output_projection(spec: DSV4Spec, w: DSV4AttnWeights, o: Tensor, positions: 
     wo_a = w.wo_a.view(g, spec.o_lora_rank, -1)  # each group's own slice of wo_a
     o = torch.einsum("ngd,grd->ngr", o, wo_a)
     return o.flatten(1) @ w.wo_b.T
-
-
-def layer_kind(spec: DSV4Spec, layer_id: int) -> LayerKind:
-    return spec.layer_kinds[layer_id]
