@@ -1,0 +1,200 @@
+"""`kvpool bench engine`: the engine against transformers, measured side by side in one run.
+
+  1. decode throughput, batch 1 (64-token prompt) and batch 16 (prompts of 16-136 tokens),
+     N new tokens each, fp32, ours vs transformers `generate` on the same GGUF;
+  2. TTFT of a request whose 1,000-token system prompt is cached, against cold;
+  3. paged against contiguous decode attention at batch 16 and 4k context.
+Timings on a shared CPU are noisy: run it on an idle machine for README figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+
+from kvpool.cli.generate import add_model_arguments
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16, help="engine block size")
+    parser.add_argument("--attn-block-size", type=int, default=256, help="block size for the attention comparison")
+    parser.add_argument("--attn-context", type=int, default=4096)
+    parser.add_argument("--attn-batch", type=int, default=16)
+    parser.add_argument("--skip-hf", action="store_true", help="skip the transformers side (no ratios for part 1)")
+    parser.add_argument("--parts", default="decode,ttft,attention", help="comma list of parts to run")
+    parser.add_argument("--json", action="store_true")
+    add_model_arguments(parser)
+
+
+def _timeit(fn, repeat: int = 10) -> float:
+    fn()
+    fn()
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / repeat)
+    return best
+
+
+def bench_attention(batch: int, context: int, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from kvpool.attention.paged import decode_attention, plan_step
+
+    torch.manual_seed(0)
+    g = num_heads // num_kv_heads
+    nb = context // block_size
+    num_blocks = batch * nb
+    k_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim)
+    v_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim)
+    # each sequence's blocks are scattered over the pool (a random permutation)
+    perm = torch.randperm(num_blocks).view(batch, nb).tolist()
+    indptr = [i * nb for i in range(batch + 1)]
+    indices = [b for row in perm for b in row]
+    q = torch.randn(batch, num_heads, head_dim)
+    scale = head_dim**-0.5
+    # the contiguous cache the same K/V would occupy: [B, KVH, T, D]
+    idx = torch.tensor(indices).view(batch, nb)
+    k_contig = k_cache[idx].permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, context, head_dim).contiguous()
+    v_contig = v_cache[idx].permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, context, head_dim).contiguous()
+    qf = q.view(batch, num_kv_heads, g, head_dim)  # GQA folded into rows, as the paged path does
+
+    def contiguous():
+        return F.scaled_dot_product_attention(qf, k_contig, v_contig)
+
+    results = {}
+    ref = contiguous().reshape(batch, num_heads, head_dim)
+    for name, allow_view in (("paged_view", True), ("paged_gather", False)):
+        plan = plan_step(
+            [1] * batch, [context] * batch, [0] * batch, indptr, indices, block_size, g, torch.device("cpu"),
+            allow_range_view=allow_view,
+        ).decode  # fmt: skip
+        out = decode_attention(q, k_cache, v_cache, plan, scale)
+        assert (out - ref).abs().max().item() < 1e-4, "paged attention disagrees with contiguous SDPA"
+        results[name] = _timeit(lambda plan=plan: decode_attention(q, k_cache, v_cache, plan, scale))
+
+    def gather_then_sdpa():
+        k = k_cache.index_select(0, idx.view(-1)).view(batch, nb, num_kv_heads, block_size, head_dim)
+        v = v_cache.index_select(0, idx.view(-1)).view(batch, nb, num_kv_heads, block_size, head_dim)
+        k = k.permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, context, head_dim)
+        v = v.permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, context, head_dim)
+        return F.scaled_dot_product_attention(qf, k, v)
+
+    results["plain_gather_sdpa"] = _timeit(gather_then_sdpa)
+    results["contiguous_sdpa"] = _timeit(contiguous)
+    c = results["contiguous_sdpa"]
+    return {
+        "batch": batch, "context": context, "block_size": block_size,
+        **{f"{k}_ms": round(v * 1e3, 3) for k, v in results.items()},
+        "paged_over_contiguous": round(results["paged_view"] / c, 3),
+        "paged_gather_over_contiguous": round(results["paged_gather"] / c, 3),
+        "plain_gather_sdpa_over_contiguous": round(results["plain_gather_sdpa"] / c, 3),
+    }  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvpool.engine.build import build_engine, load_model
+    from kvpool.engine.sampling import SamplingParams
+    from kvpool.models.gguf import default_gguf_path
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    parts = set(args.parts.split(","))
+    report: dict = {"threads": torch.get_num_threads(), "dtype": "fp32"}
+    loaded = load_model(args.model, device="cpu")
+    cfg = loaded.model.config
+    rng = random.Random(0)
+
+    if "attention" in parts:
+        report["attention"] = bench_attention(
+            args.attn_batch, args.attn_context, args.attn_block_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        )
+
+    if "ttft" in parts:
+        system = [rng.randrange(100, 49000) for _ in range(1000)]
+        engine = build_engine(loaded, num_blocks=256, block_size=args.block_size, max_num_batched_tokens=2048)
+        params = SamplingParams(max_tokens=1, ignore_eos=True)
+
+        def ttft(prompt: list[int]) -> tuple[float, int]:
+            rid = engine.add_request(prompt, params)
+            t0 = time.perf_counter()
+            while engine.has_unfinished():
+                engine.step()
+            return time.perf_counter() - t0, engine.output(rid).num_cached_tokens
+
+        ttft(system[:64])  # warm-up
+        cold, _ = ttft(system + [rng.randrange(100, 49000) for _ in range(20)])
+        warm, cached = ttft(system + [rng.randrange(100, 49000) for _ in range(20)])
+        report["ttft"] = {
+            "system_prompt_tokens": 1000, "cold_ms": round(cold * 1e3, 1), "cached_ms": round(warm * 1e3, 1),
+            "cached_tokens": cached, "speedup": round(cold / warm, 2),
+        }  # fmt: skip
+
+    if "decode" in parts:
+        n = args.new_tokens
+        batches = {
+            "batch1": [[rng.randrange(100, 49000) for _ in range(64)]],
+            "batch16": [[rng.randrange(100, 49000) for _ in range(16 + 8 * i)] for i in range(16)],  # 16..136
+        }
+        hf = None
+        if not args.skip_hf:
+            import transformers
+
+            path = args.model or default_gguf_path()
+            hf = transformers.AutoModelForCausalLM.from_pretrained(
+                os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+            )
+            hf.eval()
+        decode = {}
+        for name, prompts in batches.items():
+            engine = build_engine(loaded, num_blocks=512, block_size=args.block_size, max_num_batched_tokens=1024, max_num_seqs=32)
+            params = SamplingParams(max_tokens=n, ignore_eos=True)
+            engine.generate([prompts[0][:8]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+            t0 = time.perf_counter()
+            engine.generate(prompts, params)
+            ours = len(prompts) * n / (time.perf_counter() - t0)
+            entry = {"ours_tok_s": round(ours, 2), "ours_ms_per_step": round(len(prompts) / ours * 1e3, 1)}
+            if hf is not None:
+                width = max(len(p) for p in prompts)
+                ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
+                mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+                with torch.no_grad():
+                    hf.generate(ids[:, -8:], attention_mask=mask[:, -8:], max_new_tokens=2, do_sample=False, pad_token_id=0)
+                    t0 = time.perf_counter()
+                    hf.generate(
+                        ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+                        pad_token_id=0,
+                    )  # fmt: skip
+                theirs = len(prompts) * n / (time.perf_counter() - t0)
+                entry.update({"transformers_tok_s": round(theirs, 2), "speedup": round(ours / theirs, 2)})
+            decode[name] = entry
+        report["decode"] = decode
+
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"kvpool bench engine (fp32, {report['threads']} threads)")
+    table.add_column("part")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for part in ("decode", "ttft", "attention"):
+        section = report.get(part)
+        if not section:
+            continue
+        flat = {f"{k}.{kk}": vv for k, v in section.items() for kk, vv in v.items()} if part == "decode" else section
+        for key, value in flat.items():
+            table.add_row(part, key, str(value))
+    Console().print(table)
+    return 0
