@@ -1,0 +1,42 @@
+"""`kvpool generate --json` and `kvpool run --json` end to end (small workloads)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from kvpool.cli.main import main
+
+RUN_KEYS = {
+    "kv_capacity_tokens", "kv_capacity_bytes", "block_size", "fragmentation", "prefix_hit_rate", "alloc_latency_us",
+    "read_bandwidth_gbps", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "throughput_tok_s",
+    "goodput_req_s", "preemptions", "num_requests",
+}  # fmt: skip
+
+
+def test_generate_json(capsys):
+    threads = torch.get_num_threads()
+    try:
+        assert main(["generate", "What is the capital of France?", "--json", "--max-tokens", "16", "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"token_ids", "text", "prompt_tokens", "cached_tokens"}
+    assert "Paris" in out["text"] and 0 < len(out["token_ids"]) <= 16
+    assert out["prompt_tokens"] > 20 and out["cached_tokens"] == 0
+
+
+def test_run_json_report(capsys):
+    threads = torch.get_num_threads()
+    try:
+        args = ["run", "--json", "--num-requests", "4", "--num-long", "1", "--max-tokens", "4", "--threads", "1"]
+        assert main(args) == 0
+    finally:
+        torch.set_num_threads(threads)
+    report = json.loads(capsys.readouterr().out)
+    assert RUN_KEYS <= set(report)
+    assert report["num_requests"] == 4 * 2 + 1  # two turns per conversation + the long prompt
+    assert report["prefix_hit_rate"] > 0  # shared system prompts and follow-up turns hit the cache
+    assert report["kv_capacity_tokens"] == report["num_blocks"] * report["block_size"]
+    assert 0 <= report["fragmentation"] < 1
