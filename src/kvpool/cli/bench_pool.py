@@ -122,7 +122,8 @@ def trace_t2(hash_algo: str) -> dict[str, float]:
 def measure(repeats: int, hash_algo: str) -> dict[str, float | str | int]:
     runs = [trace_t1(hash_algo) | trace_t2(hash_algo) for _ in range(repeats)]
     result: dict[str, float | str | int] = {
-        key: round(statistics.median(run[key] for run in runs), 1) for key in runs[0]
+        key: round(statistics.median(run[key] for run in runs), 3 if key.endswith("_us_per_request") else 1)
+        for key in runs[0]
     }
     result["hash_algo"] = hash_algo
     result["repeats"] = repeats
@@ -160,6 +161,6 @@ def run(args: argparse.Namespace) -> int:
         if key in ("hash_algo", "repeats"):
             continue
         target = TARGETS.get(key)
-        table.add_row(key, f"{value:,.1f}", f"<= {target:g}" if target else "")
+        table.add_row(key, f"{value:,.3g}" if value < 10 else f"{value:,.1f}", f"<= {target:g}" if target else "")
     Console().print(table)
     return 0
