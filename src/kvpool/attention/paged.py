@@ -156,6 +156,8 @@ def decode_attention(
     b, h, d = q.shape
     kvh = kb.shape[1]
     g = h // kvh
+    if b == 1:
+        return _decode_one(q, kb, vb, plan.bias, scale)
     # queries of each block's owner, the dummy owner (row b) reads zeros: [P, KVH, D, G]
     q_pad = torch.zeros(b + 1, kvh, g, d, dtype=q.dtype, device=q.device)
     q_pad[:b] = q.view(b, kvh, g, d) * scale
@@ -170,6 +172,26 @@ def decode_attention(
     block_out = torch.matmul(probs.transpose(-1, -2), vb)  # [P, KVH, G, D]
     out = torch.zeros(b + 1, kvh, g, d, dtype=q.dtype, device=q.device).index_add_(0, plan.owner, block_out)
     return (out[:b] / denom[:b].unsqueeze(-1)).view(b, h, d)
+
+
+def _decode_one(
+    q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, bias: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One decode sequence: every block read is its own (blocks of a range view that it
+    does not read are all -inf in `bias`), so one softmax over (block, slot) and no
+    per-owner scatter: q [1, H, D], kb / vb [P, KVH, bs, D], bias [P, 1, bs, 1] -> [1, H, D].
+
+    Half the kernel launches of the general path; at batch 1 launches, not bytes, are
+    what attention costs."""
+    _, h, d = q.shape
+    kvh = kb.shape[1]
+    g = h // kvh
+    qg = (q.view(kvh, g, d) * scale).transpose(-1, -2)  # [KVH, D, G]
+    scores = torch.matmul(kb, qg) + bias  # [P, KVH, bs, G]; -inf past the length
+    probs = torch.exp(scores - scores.amax(dim=(0, 2), keepdim=True))
+    denom = probs.sum(dim=(0, 2))  # [KVH, G]
+    out = torch.matmul(probs.transpose(-1, -2), vb).sum(0)  # [KVH, G, D]
+    return (out / denom.unsqueeze(-1)).view(1, h, d)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PrefillPlan) -> torch.Tensor:

@@ -24,14 +24,19 @@ class Attend(Protocol):
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # x [N, hidden]; computed in fp32 as HF does
-    variance = x.pow(2).mean(-1, keepdim=True)
-    return x * torch.rsqrt(variance + eps) * weight
+    # x [N, hidden] -> x / rms(x) * weight, one fused op (HF computes the same in fp32)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 class LlamaModel:
-    """Fused weights: wqkv [(H + 2 KVH) * D, hidden] and w_gate_up [2 * I, hidden], so a
-    layer is 4 matmuls (fewer kernel launches: decode at batch 1 is overhead-bound)."""
+    """Fused weights stored transposed, [in, out]: wqkv [hidden, (H + 2 KVH) * D],
+    wo [H * D, hidden], w_gate_up [hidden, 2 * I], w_down [I, hidden], lm_head [hidden, vocab].
+
+    A layer is 4 matmuls `x @ w`. The [in, out] layout matters on CPU: for the few rows of a
+    decode batch (M = 2..64), MKL multiplies x [M, in] @ w [in, out] 2-5x faster than
+    F.linear's x @ w[out, in].T (measured on this project's 2-core machines: M = 16,
+    [3072, 576]: 0.38 ms against 1.9 ms), while large prefill batches run at the same speed.
+    At batch 1 both are bound by reading the fp32 weights from memory."""
 
     def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], device: str | torch.device = "cpu"):
         self.config = config
@@ -40,7 +45,7 @@ class LlamaModel:
         w = {k: v.to(self.device) for k, v in weights.items()}
         self.embed = w["embed"]  # [vocab, hidden]
         self.norm = w["norm"]
-        self.lm_head = w["lm_head"]  # [vocab, hidden] (tied to embed in SmolLM2)
+        self.lm_head = w["lm_head"].t().contiguous()  # [hidden, vocab] (tied to embed in SmolLM2)
         self.layers: list[dict[str, torch.Tensor]] = []
         for i in range(config.num_layers):
             p = f"layers.{i}."
@@ -48,10 +53,10 @@ class LlamaModel:
                 {
                     "attn_norm": w[p + "attn_norm"],
                     "ffn_norm": w[p + "ffn_norm"],
-                    "wqkv": torch.cat([w[p + "q"], w[p + "k"], w[p + "v"]], dim=0).contiguous(),
-                    "wo": w[p + "o"],
-                    "w_gate_up": torch.cat([w[p + "gate"], w[p + "up"]], dim=0).contiguous(),
-                    "w_down": w[p + "down"],
+                    "wqkv": torch.cat([w[p + "q"], w[p + "k"], w[p + "v"]], dim=0).t().contiguous(),
+                    "wo": w[p + "o"].t().contiguous(),
+                    "w_gate_up": torch.cat([w[p + "gate"], w[p + "up"]], dim=0).t().contiguous(),
+                    "w_down": w[p + "down"].t().contiguous(),
                 }
             )
         # RoPE tables (rotate-half): cos / sin [max_position, head_dim], fp32
@@ -86,21 +91,20 @@ class LlamaModel:
         x = self.embed[token_ids]
         for i, layer in enumerate(self.layers):
             hs = _rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-            qkv = F.linear(hs, layer["wqkv"])
-            q = qkv[:, : h * d].view(n, h, d)
-            k = qkv[:, h * d : (h + kvh) * d].view(n, kvh, d)
+            qkv = hs @ layer["wqkv"]  # [N, (H + 2 KVH) * D]
+            # RoPE on q and k together: [N, H + KVH, D]
+            qk = self._rope(qkv[:, : (h + kvh) * d].view(n, h + kvh, d), cos, sin)
+            q, k = qk[:, :h], qk[:, h:]
             v = qkv[:, (h + kvh) * d :].view(n, kvh, d)
-            q = self._rope(q, cos, sin)
-            k = self._rope(k, cos, sin)
             attn = attend(i, q, k, v.contiguous())
-            x = x + F.linear(attn.reshape(n, h * d), layer["wo"])
+            x = x + attn.reshape(n, h * d) @ layer["wo"]
             hs = _rms_norm(x, layer["ffn_norm"], cfg.rms_norm_eps)
-            gate_up = F.linear(hs, layer["w_gate_up"])
+            gate_up = hs @ layer["w_gate_up"]
             gate, up = gate_up.chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer["w_down"])
+            x = x + (F.silu(gate) * up) @ layer["w_down"]
         return _rms_norm(x, self.norm, cfg.rms_norm_eps)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [M, hidden] -> logits [M, vocab] in fp32."""
-        return F.linear(hidden, self.lm_head).float()
+        return (hidden @ self.lm_head).float()
