@@ -1,21 +1,28 @@
 """Paged attention over the block pool, for a mixed batch of prefill chunks and decodes.
 
-The K/V of layer l are `k_cache`, `v_cache` [num_blocks, kv_heads, block_size, head_dim]
-(storage/kv.py). A step's plan (`plan_step`) is built once from the CSR block tables and
-reused by every layer.
+Layout (storage/kv.py), per layer and block:
+    k_cache [num_blocks, kv_heads, head_dim, block_size]   K stored transposed per block
+    v_cache [num_blocks, kv_heads, block_size, head_dim]
+A step's plan (`plan_step`) is built once from the CSR block tables and reused by every
+layer.
 
-Decode tokens (one query each) use block-wise attention: every block the batch reads is
-multiplied, where it lies, with the query of the sequence that owns it; a segment softmax
-over each sequence's blocks (max and sum gathered with index_reduce / index_add) joins the
-blocks. GQA folds the H / KVH query heads of one KV head into the rows of one matmul,
-so each K/V block is read once for its whole group:
+Decode tokens (one query each) read the pool in place, wherever their blocks lie, through
+`F.embedding_bag(mode="sum", per_sample_weights=...)`: a weighted sum of indexed rows,
+which reads rows where they are (no gather copy) and is vectorised and multithreaded.
+Both halves of attention are such sums once K is stored transposed:
 
-    scores [P, KVH, bs, G] = K_blocks [P, KVH, bs, D] @ q_owner [P, KVH, D, G]
+    scores[b, h, blk, :] = sum_d q[b, h, d] * K^T[blk, kvh, d, :]   rows of K^T: [bs]
+    out[b, h, :]         = sum_t p[b, h, t] * V[blk(t), kvh, slot(t), :]   rows of V: [D]
 
-When the batch's blocks fill most of a contiguous id range of the pool and no block is
-read twice, the blocks are taken as a view of that range (no gather copy at all; blocks in
-the range the batch does not read get a dummy owner and are masked). Otherwise they are
-gathered with one index_select. Either way no per-sequence contiguous K/V is built.
+One bag per (sequence, query head, block) for the scores, one per (sequence, query head)
+for the output; a softmax over each sequence's padded score row joins them. The GQA
+group re-reads a KV head's rows G times, from cache. Cost: the bytes of the K/V read
+once, so paging costs about what contiguous SDPA costs, whatever the block order.
+
+Short contexts take `decode_attention_padded` instead (gather the batch's blocks into a
+padded [B, KVH, T, D], one masked SDPA): for a few KiB per sequence, kernel count, not
+bytes, is what costs. `plan_step` chooses by the padded context length
+(`PADDED_MAX_CONTEXT`, measured with `kvpool bench engine --parts attention`).
 
 Prefill chunks (several queries, causal within the chunk) gather their own blocks into a
 contiguous [KVH, T, D] and call SDPA with the offset-causal mask; prefill is compute-bound,
@@ -30,8 +37,9 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-# Take a view of the pool range when at least this fraction of its blocks is read.
-RANGE_DENSITY = 0.75
+# Decode batches whose longest context fits in this many tokens take the padded-gather
+# path; longer ones the in-place bag path. Measured on the 2-core machine (see the bench).
+PADDED_MAX_CONTEXT = 512
 
 
 @dataclass
@@ -43,13 +51,32 @@ class PrefillPlan:
 
 
 @dataclass
+class BagPlan:
+    """In-place decode through embedding_bag. B decode sequences, nb = max blocks per sequence."""
+
+    k_rows: torch.Tensor  # [B * H * sum(nb_b) * D] int64: rows of k_cache.view(-1, bs)
+    k_offsets: torch.Tensor  # [B * H * nb + 1] int64: bag (b, h, j) is empty for j >= nb_b (padding)
+    q_rows: torch.Tensor  # [B * H * sum(nb_b)] int64: row of q.view(B * H, D) weighting each real bag
+    v_rows: torch.Tensor  # [B * H * sum(nb_b) * bs] int64: rows of v_cache.view(-1, D)
+    v_offsets: torch.Tensor  # [B * H + 1] int64: bag (b, h) holds the slots of b's blocks
+    p_index: torch.Tensor | None  # [len(v_rows)] int64 into probs.view(-1); None when no padding
+
+
+@dataclass
+class PaddedPlan:
+    """Gather into a padded contiguous K/V, then one SDPA. nb = max blocks per sequence."""
+
+    block_ids: torch.Tensor  # [B * nb] int64: each sequence's blocks, padded with its first block
+
+
+@dataclass
 class DecodePlan:
     rows: torch.Tensor  # [B] int64: rows of the flat batch holding decode queries
     num_seqs: int
-    blocks: torch.Tensor | None  # [P] int64 block ids to gather, or None when range_lo is used
-    range_lo: int  # with blocks None: blocks [range_lo, range_lo + P) of the pool, as a view
-    owner: torch.Tensor  # [P] int64: owning decode sequence (num_seqs = dummy, discarded)
-    bias: torch.Tensor  # [P, 1, bs, 1] fp: 0 for readable slots, -inf past the owner's length
+    max_blocks: int  # nb: blocks of the longest decode sequence
+    bias: torch.Tensor  # [B, 1, 1, nb * bs] fp: 0 for readable slots, -inf past each length
+    bags: BagPlan | None  # exactly one of bags / padded is set
+    padded: PaddedPlan | None
 
 
 @dataclass
@@ -67,13 +94,19 @@ def plan_step(
     indptr: Sequence[int],
     indices: Sequence[int],
     block_size: int,
-    group: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
     device: torch.device,
     dtype: torch.dtype = torch.float32,
-    allow_range_view: bool = True,
+    decode_path: str = "auto",
 ) -> StepPlan:
     """q_lens[i] new tokens of sequence i sit at positions [ctx_lens[i] - q_lens[i], ctx_lens[i]);
-    sequence i's blocks are indices[indptr[i]:indptr[i+1]] and cover its ctx_lens[i] tokens."""
+    sequence i's blocks are indices[indptr[i]:indptr[i+1]] and cover its ctx_lens[i] tokens.
+    decode_path: "auto" (by PADDED_MAX_CONTEXT), "bags" or "padded"."""
+    if decode_path not in ("auto", "bags", "padded"):
+        raise ValueError(f"decode_path must be 'auto', 'bags' or 'padded', got {decode_path!r}")
+    group = num_heads // num_kv_heads
     slots = torch.tensor(slot_mapping, dtype=torch.long)
     block_idx = (slots // block_size).to(device)
     offset_idx = (slots % block_size).to(device)
@@ -102,106 +135,115 @@ def plan_step(
         row += q_len
     decode = None
     if decode_rows:
-        pairs_block: list[int] = []
-        pairs_owner: list[int] = []
-        pairs_len: list[int] = []
-        for j, i in enumerate(decode_seqs):
-            blocks = indices[indptr[i] : indptr[i + 1]]
-            ctx_len = ctx_lens[i]
-            for b, block_id in enumerate(blocks):
-                pairs_block.append(block_id)
-                pairs_owner.append(j)
-                pairs_len.append(min(block_size, ctx_len - b * block_size))
-        num_seqs = len(decode_rows)
-        lo, hi = min(pairs_block), max(pairs_block) + 1
-        unique = len(set(pairs_block)) == len(pairs_block)
-        if allow_range_view and unique and len(pairs_block) >= RANGE_DENSITY * (hi - lo):
-            # One entry per block of the range [lo, hi); unread blocks get the dummy owner.
-            owner = [num_seqs] * (hi - lo)
-            valid = [0] * (hi - lo)
-            for block_id, j, n in zip(pairs_block, pairs_owner, pairs_len):
-                owner[block_id - lo] = j
-                valid[block_id - lo] = n
-            blocks_t = None
-            range_lo = lo
+        tables = [indices[indptr[i] : indptr[i + 1]] for i in decode_seqs]
+        lens = torch.tensor([ctx_lens[i] for i in decode_seqs], dtype=torch.long)
+        b = len(decode_seqs)
+        nb = max(len(t) for t in tables)
+        # [B, 1, 1, nb * bs]: slot t of sequence b readable iff t < len_b (pad blocks: never)
+        bias = torch.zeros(b, 1, 1, nb * block_size, dtype=dtype)
+        bias.masked_fill_((torch.arange(nb * block_size)[None, :] >= lens[:, None]).view(b, 1, 1, -1), float("-inf"))
+        use_bags = decode_path == "bags" or (decode_path == "auto" and nb * block_size > PADDED_MAX_CONTEXT)
+        bags = padded = None
+        if use_bags:
+            bags = _plan_bags(tables, nb, block_size, num_heads, num_kv_heads, head_dim, device)
         else:
-            owner, valid = pairs_owner, pairs_len
-            blocks_t = torch.tensor(pairs_block, dtype=torch.long, device=device)
-            range_lo = 0
-        valid_t = torch.tensor(valid, dtype=torch.long)
-        bias = torch.zeros(len(valid), 1, block_size, 1, dtype=dtype)
-        bias.masked_fill_((torch.arange(block_size)[None, :] >= valid_t[:, None]).view(len(valid), 1, block_size, 1), float("-inf"))
+            ids = [t[j] if j < len(t) else t[0] for t in tables for j in range(nb)]
+            padded = PaddedPlan(torch.tensor(ids, dtype=torch.long, device=device))
         decode = DecodePlan(
-            torch.tensor(decode_rows, dtype=torch.long, device=device),
-            num_seqs,
-            blocks_t,
-            range_lo,
-            torch.tensor(owner, dtype=torch.long, device=device),
-            bias.to(device),
+            torch.tensor(decode_rows, dtype=torch.long, device=device), b, nb, bias.to(device), bags, padded
         )
     return StepPlan(block_idx, offset_idx, decode, prefills)
+
+
+def _plan_bags(
+    tables: list[Sequence[int]], nb: int, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+    device: torch.device,
+) -> BagPlan:  # fmt: skip
+    """Row indices of every bag, built with tensor ops (a 4k-context batch has ~10^6 rows)."""
+    b, h, kvh, d, bs = len(tables), num_heads, num_kv_heads, head_dim, block_size
+    g = h // kvh
+    counts = torch.tensor([len(t) for t in tables], dtype=torch.long)  # nb_b
+    table = torch.zeros(b, nb, dtype=torch.long)  # [B, nb]: block ids, 0 past nb_b
+    for i, t in enumerate(tables):
+        table[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+    # bags (b, h, j) of the padded grid [B, H, nb]; real iff j < nb_b. nonzero keeps (b, h, j) order.
+    real = (torch.arange(nb)[None, :] < counts[:, None])[:, None, :].expand(b, h, nb)
+    seq, head, j = real.nonzero(as_tuple=True)  # [num real bags] each
+    base = table[seq, j] * kvh + head // g  # block * KVH + kvh
+    k_rows = (base * d)[:, None] + torch.arange(d)  # K^T rows [block, kvh, 0..D)
+    k_offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(real.reshape(-1).long() * d, 0)])
+    q_rows = seq * h + head
+    v_rows = (base * bs)[:, None] + torch.arange(bs)  # V rows [block, kvh, 0..bs)
+    v_offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum((counts * bs).repeat_interleave(h), 0)])
+    p_index = None
+    if int(counts.min()) < nb:
+        # probs [B, H, nb * bs] in (b, h, j, slot) order: keep the slots of real blocks only
+        p_index = ((((seq * h + head) * nb + j) * bs)[:, None] + torch.arange(bs)).reshape(-1).to(device)
+    return BagPlan(
+        k_rows.reshape(-1).to(device), k_offsets.to(device), q_rows.to(device), v_rows.reshape(-1).to(device),
+        v_offsets.to(device), p_index,
+    )  # fmt: skip
 
 
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan, scale: float
 ) -> torch.Tensor:
-    """q [B, H, D] (one query per decode sequence) -> [B, H, D], reading the pool in place."""
-    num_blocks_read = plan.owner.shape[0]
-    if plan.blocks is None:
-        kb = k_cache[plan.range_lo : plan.range_lo + num_blocks_read]  # a view: no copy
-        vb = v_cache[plan.range_lo : plan.range_lo + num_blocks_read]
-    else:
-        kb = k_cache.index_select(0, plan.blocks)
-        vb = v_cache.index_select(0, plan.blocks)
-    b, h, d = q.shape
-    kvh = kb.shape[1]
-    g = h // kvh
-    if b == 1:
-        return _decode_one(q, kb, vb, plan.bias, scale)
-    # queries of each block's owner, the dummy owner (row b) reads zeros: [P, KVH, D, G]
-    q_pad = torch.zeros(b + 1, kvh, g, d, dtype=q.dtype, device=q.device)
-    q_pad[:b] = q.view(b, kvh, g, d) * scale
-    q_owner = q_pad[plan.owner].transpose(-1, -2)
-    scores = torch.matmul(kb, q_owner) + plan.bias  # [P, KVH, bs, G]
-    block_max = scores.amax(dim=2)  # [P, KVH, G]; -inf for dummy blocks
-    seq_max = torch.full((b + 1, kvh, g), float("-inf"), dtype=q.dtype, device=q.device)
-    seq_max.scatter_reduce_(0, plan.owner.view(-1, 1, 1).expand_as(block_max), block_max, "amax")
-    seq_max = torch.nan_to_num(seq_max, neginf=0.0)  # dummy row only: keeps exp finite
-    probs = torch.exp(scores - seq_max[plan.owner].unsqueeze(2))  # [P, KVH, bs, G]
-    denom = torch.zeros(b + 1, kvh, g, dtype=q.dtype, device=q.device).index_add_(0, plan.owner, probs.sum(2))
-    block_out = torch.matmul(probs.transpose(-1, -2), vb)  # [P, KVH, G, D]
-    out = torch.zeros(b + 1, kvh, g, d, dtype=q.dtype, device=q.device).index_add_(0, plan.owner, block_out)
-    return (out[:b] / denom[:b].unsqueeze(-1)).view(b, h, d)
+    """q [B, H, D] (one query per decode sequence) -> [B, H, D].
+    k_cache [num_blocks, KVH, D, bs], v_cache [num_blocks, KVH, bs, D]."""
+    if plan.bags is not None:
+        return decode_attention_bags(q, k_cache, v_cache, plan, scale)
+    return decode_attention_padded(q, k_cache, v_cache, plan, scale)
 
 
-def _decode_one(
-    q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, bias: torch.Tensor, scale: float
+def decode_attention_bags(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan, scale: float
 ) -> torch.Tensor:
-    """One decode sequence: every block read is its own (blocks of a range view that it
-    does not read are all -inf in `bias`), so one softmax over (block, slot) and no
-    per-owner scatter: q [1, H, D], kb / vb [P, KVH, bs, D], bias [P, 1, bs, 1] -> [1, H, D].
+    """In place, any block order: two embedding_bag sums and one softmax (module docstring)."""
+    bags = plan.bags
+    assert bags is not None
+    b, h, d = q.shape
+    bs = v_cache.shape[2]
+    weights = (q.reshape(b * h, d) * scale).index_select(0, bags.q_rows).view(-1)  # [real bags * D]
+    scores = F.embedding_bag(
+        bags.k_rows, k_cache.view(-1, bs), bags.k_offsets, mode="sum", per_sample_weights=weights,
+        include_last_offset=True,
+    )  # [B * H * nb, bs]; pad bags are zeros  # fmt: skip
+    scores = scores.view(b, h, plan.max_blocks * bs) + plan.bias.view(b, 1, -1)
+    probs = torch.softmax(scores, dim=-1).view(-1)  # [B * H * nb * bs]
+    if bags.p_index is not None:
+        probs = probs.index_select(0, bags.p_index)
+    out = F.embedding_bag(
+        bags.v_rows, v_cache.view(-1, d), bags.v_offsets, mode="sum", per_sample_weights=probs,
+        include_last_offset=True,
+    )  # [B * H, D]  # fmt: skip
+    return out.view(b, h, d)
 
-    Half the kernel launches of the general path; at batch 1 launches, not bytes, are
-    what attention costs."""
-    _, h, d = q.shape
-    kvh = kb.shape[1]
-    g = h // kvh
-    qg = (q.view(kvh, g, d) * scale).transpose(-1, -2)  # [KVH, D, G]
-    scores = torch.matmul(kb, qg) + bias  # [P, KVH, bs, G]; -inf past the length
-    probs = torch.exp(scores - scores.amax(dim=(0, 2), keepdim=True))
-    denom = probs.sum(dim=(0, 2))  # [KVH, G]
-    out = torch.matmul(probs.transpose(-1, -2), vb).sum(0)  # [KVH, G, D]
-    return (out / denom.unsqueeze(-1)).view(1, h, d)
+
+def decode_attention_padded(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan, scale: float
+) -> torch.Tensor:
+    """Gather each sequence's blocks (padded to the longest) into [B, KVH, nb * bs, D], one SDPA
+    with the plan's key mask. GQA folded into rows: queries [B, KVH, G, D]."""
+    padded = plan.padded
+    assert padded is not None
+    b, h, d = q.shape
+    _, kvh, bs, _ = v_cache.shape
+    nb = plan.max_blocks
+    # k: [B * nb, KVH, D, bs] -> [B, KVH, nb, bs, D]; v: [B * nb, KVH, bs, D] -> [B, KVH, nb, bs, D]
+    k = k_cache.index_select(0, padded.block_ids).view(b, nb, kvh, d, bs).permute(0, 2, 1, 4, 3).reshape(b, kvh, nb * bs, d)
+    v = v_cache.index_select(0, padded.block_ids).view(b, nb, kvh, bs, d).transpose(1, 2).reshape(b, kvh, nb * bs, d)
+    out = F.scaled_dot_product_attention(q.view(b, kvh, h // kvh, d), k, v, attn_mask=plan.bias, scale=scale)
+    return out.view(b, h, d)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PrefillPlan) -> torch.Tensor:
     """q [q_len, H, D] of one chunk -> [q_len, H, D]; keys gathered from the chunk's blocks."""
     q_len, h, d = q.shape
-    kvh, bs = k_cache.shape[1], k_cache.shape[2]
+    _, kvh, bs, _ = v_cache.shape
     g = h // kvh
     nb = plan.block_ids.shape[0]
-    # [nb, KVH, bs, D] -> [KVH, nb * bs, D] -> first ctx_len keys
-    k = k_cache.index_select(0, plan.block_ids).transpose(0, 1).reshape(kvh, nb * bs, d)[:, : plan.ctx_len]
+    # k: [nb, KVH, D, bs] -> [KVH, nb * bs, D]; v: [nb, KVH, bs, D] -> [KVH, nb * bs, D]; first ctx_len keys
+    k = k_cache.index_select(0, plan.block_ids).permute(1, 0, 3, 2).reshape(kvh, nb * bs, d)[:, : plan.ctx_len]
     v = v_cache.index_select(0, plan.block_ids).transpose(0, 1).reshape(kvh, nb * bs, d)[:, : plan.ctx_len]
     # fold the G query heads of each KV head into rows: [KVH, G * q_len, D], rows ordered (g, i)
     qf = q.view(q_len, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * q_len, d)

@@ -43,6 +43,9 @@ def _timeit(fn, repeat: int = 10) -> float:
 
 
 def bench_attention(batch: int, context: int, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> dict:
+    """Decode attention at `batch` x `context`, every sequence's blocks scattered over the pool
+    (a random permutation: no sequence owns a run of consecutive ids), against SDPA over the
+    same K/V laid out contiguously [B, KVH, T, D]."""
     import torch
     import torch.nn.functional as F
 
@@ -52,9 +55,8 @@ def bench_attention(batch: int, context: int, block_size: int, num_heads: int, n
     g = num_heads // num_kv_heads
     nb = context // block_size
     num_blocks = batch * nb
-    k_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim)
+    k_cache = torch.randn(num_blocks, num_kv_heads, head_dim, block_size)  # K^T per block (storage/kv.py)
     v_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim)
-    # each sequence's blocks are scattered over the pool (a random permutation)
     perm = torch.randperm(num_blocks).view(batch, nb).tolist()
     indptr = [i * nb for i in range(batch + 1)]
     indices = [b for row in perm for b in row]
@@ -62,7 +64,7 @@ def bench_attention(batch: int, context: int, block_size: int, num_heads: int, n
     scale = head_dim**-0.5
     # the contiguous cache the same K/V would occupy: [B, KVH, T, D]
     idx = torch.tensor(indices).view(batch, nb)
-    k_contig = k_cache[idx].permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, context, head_dim).contiguous()
+    k_contig = k_cache[idx].permute(0, 2, 1, 4, 3).reshape(batch, num_kv_heads, context, head_dim).contiguous()
     v_contig = v_cache[idx].permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, context, head_dim).contiguous()
     qf = q.view(batch, num_kv_heads, g, head_dim)  # GQA folded into rows, as the paged path does
 
@@ -71,31 +73,21 @@ def bench_attention(batch: int, context: int, block_size: int, num_heads: int, n
 
     results = {}
     ref = contiguous().reshape(batch, num_heads, head_dim)
-    for name, allow_view in (("paged_view", True), ("paged_gather", False)):
+    for name, path in (("paged_bags", "bags"), ("paged_padded", "padded")):
         plan = plan_step(
-            [1] * batch, [context] * batch, [0] * batch, indptr, indices, block_size, g, torch.device("cpu"),
-            allow_range_view=allow_view,
+            [1] * batch, [context] * batch, [0] * batch, indptr, indices, block_size, num_heads, num_kv_heads,
+            head_dim, torch.device("cpu"), decode_path=path,
         ).decode  # fmt: skip
         out = decode_attention(q, k_cache, v_cache, plan, scale)
         assert (out - ref).abs().max().item() < 1e-4, "paged attention disagrees with contiguous SDPA"
         results[name] = _timeit(lambda plan=plan: decode_attention(q, k_cache, v_cache, plan, scale))
-
-    def gather_then_sdpa():
-        k = k_cache.index_select(0, idx.view(-1)).view(batch, nb, num_kv_heads, block_size, head_dim)
-        v = v_cache.index_select(0, idx.view(-1)).view(batch, nb, num_kv_heads, block_size, head_dim)
-        k = k.permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, context, head_dim)
-        v = v.permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, context, head_dim)
-        return F.scaled_dot_product_attention(qf, k, v)
-
-    results["plain_gather_sdpa"] = _timeit(gather_then_sdpa)
     results["contiguous_sdpa"] = _timeit(contiguous)
     c = results["contiguous_sdpa"]
     return {
-        "batch": batch, "context": context, "block_size": block_size,
+        "batch": batch, "context": context, "block_size": block_size, "blocks": "scattered",
         **{f"{k}_ms": round(v * 1e3, 3) for k, v in results.items()},
-        "paged_over_contiguous": round(results["paged_view"] / c, 3),
-        "paged_gather_over_contiguous": round(results["paged_gather"] / c, 3),
-        "plain_gather_sdpa_over_contiguous": round(results["plain_gather_sdpa"] / c, 3),
+        "paged_over_contiguous": round(results["paged_bags"] / c, 3),
+        "padded_gather_over_contiguous": round(results["paged_padded"] / c, 3),
     }  # fmt: skip
 
 

@@ -22,7 +22,7 @@ class LlamaRunner:
         descriptor: CacheDescriptor,
         *,
         enable_prefix_caching: bool = True,
-        allow_range_view: bool = True,
+        decode_path: str = "auto",
     ):
         cfg = model.config
         self.model = model
@@ -34,9 +34,9 @@ class LlamaRunner:
         self.vocab_size = cfg.vocab_size
         self.capacity_tokens = num_blocks * block_size
         self.max_model_len = min(cfg.max_position, self.capacity_tokens)
-        self.allow_range_view = allow_range_view
+        self.decode_path = decode_path  # "auto", "bags" or "padded" (attention/paged.py)
         self.scale = cfg.head_dim**-0.5
-        self.last_plan_used_view = False
+        self.last_decode_path: str | None = None  # the path the last step's decodes took
 
     # ---- cache bookkeeping (pure Python, through the manager) ---------------------
 
@@ -125,12 +125,13 @@ class LlamaRunner:
             if c.needs_logits:
                 logit_rows.append(len(token_ids) - 1)
         csr = m.csr([c.seq_id for c in chunks], ctx_lens)
-        group = self.model.config.num_heads // self.model.config.num_kv_heads
+        cfg = self.model.config
         plan = plan_step(
-            q_lens, ctx_lens, slot_mapping, csr.indptr, csr.indices, self.block_size, group, device,
-            self.model.dtype, self.allow_range_view,
+            q_lens, ctx_lens, slot_mapping, csr.indptr, csr.indices, self.block_size, cfg.num_heads,
+            cfg.num_kv_heads, cfg.head_dim, device, self.model.dtype, self.decode_path,
         )  # fmt: skip
-        self.last_plan_used_view = plan.decode is not None and plan.decode.blocks is None
+        if plan.decode is not None:
+            self.last_decode_path = "bags" if plan.decode.bags is not None else "padded"
         storage = self.storage
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

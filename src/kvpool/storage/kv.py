@@ -1,11 +1,11 @@
 """Paged K/V tensors behind the block pool.
 
-Layout per layer: K and V each [num_blocks, kv_heads, block_size, head_dim]. One block of
-one head is a contiguous [block_size, head_dim] matrix, so attention can multiply blocks
-where they lie (a batched matmul over blocks) instead of first gathering a contiguous
-copy of every sequence (see attention/paged.py). All layers live in one tensor
-[num_layers, num_blocks, kv_heads, block_size, head_dim] so a copy-on-write copy of a
-block is one indexed copy for all layers at once.
+Layout per layer: K [num_blocks, kv_heads, head_dim, block_size] (transposed per block),
+V [num_blocks, kv_heads, block_size, head_dim]. Decode attention is then two weighted sums
+of indexed rows, q-weighted rows of K^T for the scores and p-weighted rows of V for the
+output, which `F.embedding_bag` computes reading the blocks where they lie, in any order
+(see attention/paged.py). All layers live in one tensor [num_layers, num_blocks, ...] so a
+copy-on-write copy of a block is one indexed copy for all layers at once.
 
 Slots are never read before they are written (the attention masks positions past a
 sequence's length), but the tensors start zeroed so that a masked slot can never carry
@@ -34,9 +34,8 @@ class PagedKVStorage:
     ):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
-        shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = torch.zeros(num_layers, num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype, device=device)
+        self.v = torch.zeros(num_layers, num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=device)
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -54,7 +53,7 @@ class PagedKVStorage:
     def write(self, layer: int, block_idx: torch.Tensor, offset_idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the step's new K/V. block_idx, offset_idx: [N] int64 (slot = block * bs + offset);
         k, v: [N, kv_heads, head_dim]."""
-        self.k[layer][block_idx, :, offset_idx] = k
+        self.k[layer][block_idx, :, :, offset_idx] = k  # [N, KVH, D]: separated indices go first
         self.v[layer][block_idx, :, offset_idx] = v
 
     def apply_copies(self, copies: Sequence[BlockCopy]) -> None:

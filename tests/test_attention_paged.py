@@ -1,0 +1,76 @@
+"""Decode attention paths (in-place bags, padded gather) against contiguous SDPA.
+
+Each sequence's blocks are scattered over the pool (random ids, not a dense range), lengths
+differ (pad blocks and partial last blocks), and every path must equal the plain
+per-sequence SDPA over the same keys to fp32 tolerance.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvpool.attention.paged import PADDED_MAX_CONTEXT, decode_attention, plan_step
+
+H, KVH, D = 9, 3, 64
+
+
+def scattered_batch(lens: list[int], block_size: int, num_blocks: int, seed: int):
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    need = [-(-n // block_size) for n in lens]
+    ids = rng.sample(range(num_blocks), sum(need))
+    indptr = [0]
+    for n in need:
+        indptr.append(indptr[-1] + n)
+    k_cache = torch.randn(num_blocks, KVH, D, block_size)  # K^T per block
+    v_cache = torch.randn(num_blocks, KVH, block_size, D)
+    q = torch.randn(len(lens), H, D)
+    return q, k_cache, v_cache, indptr, ids
+
+
+def reference(q, k_cache, v_cache, indptr, ids, lens, scale):
+    outs = []
+    for i, n in enumerate(lens):
+        blocks = torch.tensor(ids[indptr[i] : indptr[i + 1]])
+        k = k_cache[blocks].permute(1, 0, 3, 2).reshape(KVH, -1, D)[:, :n].repeat_interleave(H // KVH, 0)
+        v = v_cache[blocks].transpose(0, 1).reshape(KVH, -1, D)[:, :n].repeat_interleave(H // KVH, 0)
+        outs.append(F.scaled_dot_product_attention(q[i][:, None], k, v, scale=scale)[:, 0])
+    return torch.stack(outs)
+
+
+def run_path(q, k_cache, v_cache, indptr, ids, lens, block_size, path):
+    b = len(lens)
+    plan = plan_step([1] * b, lens, [0] * b, indptr, ids, block_size, H, KVH, D, torch.device("cpu"), decode_path=path)
+    return plan.decode, decode_attention(q, k_cache, v_cache, plan.decode, D**-0.5)
+
+
+@pytest.mark.parametrize("path", ["bags", "padded"])
+@pytest.mark.parametrize(
+    "lens, block_size",
+    [([1], 16), ([37], 16), ([5, 40, 16, 17, 1, 100], 16), ([64, 64, 64], 16), ([300, 7, 129], 8), ([33, 80], 32)],
+)
+def test_decode_paths_match_contiguous_sdpa_on_scattered_blocks(lens, block_size, path):
+    q, k_cache, v_cache, indptr, ids = scattered_batch(lens, block_size, num_blocks=64, seed=len(lens) + block_size)
+    plan, out = run_path(q, k_cache, v_cache, indptr, ids, lens, block_size, path)
+    assert (plan.bags is not None) == (path == "bags")
+    ref = reference(q, k_cache, v_cache, indptr, ids, lens, D**-0.5)
+    assert (out - ref).abs().max().item() <= 1e-5
+
+
+def test_auto_choice_takes_each_side_of_the_threshold():
+    bs = 16
+    for lens, expect in (([PADDED_MAX_CONTEXT, 3], "padded"), ([PADDED_MAX_CONTEXT + 1, 3], "bags")):
+        q, k_cache, v_cache, indptr, ids = scattered_batch(lens, bs, num_blocks=80, seed=3)
+        plan, out = run_path(q, k_cache, v_cache, indptr, ids, lens, bs, "auto")
+        assert ("bags" if plan.bags is not None else "padded") == expect
+        ref = reference(q, k_cache, v_cache, indptr, ids, lens, D**-0.5)
+        assert (out - ref).abs().max().item() <= 1e-5
+
+
+def test_bad_decode_path_is_a_clear_error():
+    with pytest.raises(ValueError, match="decode_path"):
+        plan_step([1], [1], [0], [0, 1], [0], 16, H, KVH, D, torch.device("cpu"), decode_path="fast")
