@@ -22,13 +22,7 @@ from kvpool.models.tiny_dsv4 import TinyDSV4
 from kvpool.spec.dsv4 import YarnScaling
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # 2 shared cores: one intra-op thread is faster for these tiny matrices
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,7 @@ from kvpool.models.dsv4_runner import DSV4EngineRunner, build_tiny_dsv4_engine
 from kvpool.models.tiny_dsv4 import TinyDSV4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _prompts() -> list[list[int]]:

@@ -15,12 +15,7 @@ from kvpool.models.dsv4_verify import TOLERANCE, ClassicalPoolWatcher, Verifier
 from kvpool.models.tiny_dsv4 import TinyDSV4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
