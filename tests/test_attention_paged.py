@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvpool.attention.paged import PADDED_MAX_CONTEXT, decode_attention, plan_step
+from kvpool.attention.paged import decode_attention, plan_step
 
 H, KVH, D = 9, 3, 64
 
@@ -59,16 +59,6 @@ def test_decode_paths_match_contiguous_sdpa_on_scattered_blocks(lens, block_size
     assert (plan.bags is not None) == (path == "bags")
     ref = reference(q, k_cache, v_cache, indptr, ids, lens, D**-0.5)
     assert (out - ref).abs().max().item() <= 1e-5
-
-
-def test_auto_choice_takes_each_side_of_the_threshold():
-    bs = 16
-    for lens, expect in (([PADDED_MAX_CONTEXT, 3], "padded"), ([PADDED_MAX_CONTEXT + 1, 3], "bags")):
-        q, k_cache, v_cache, indptr, ids = scattered_batch(lens, bs, num_blocks=80, seed=3)
-        plan, out = run_path(q, k_cache, v_cache, indptr, ids, lens, bs, "auto")
-        assert ("bags" if plan.bags is not None else "padded") == expect
-        ref = reference(q, k_cache, v_cache, indptr, ids, lens, D**-0.5)
-        assert (out - ref).abs().max().item() <= 1e-5
 
 
 def test_bad_decode_path_is_a_clear_error():

@@ -192,3 +192,23 @@ def test_stop_string_and_eos(loaded):
     assert "Paris" in out.text
     cut = e.generate([prompt], SamplingParams(max_tokens=30, stop=("Paris",)))[0].completions[0]
     assert cut.finish_reason == "stop" and "Paris" not in cut.text and out.text.startswith(cut.text)
+
+
+@pytest.mark.parametrize("decode_path", ["bags", "padded"])
+def test_decode_paths_on_scattered_blocks_match_reference(loaded, decode_path):
+    # Short requests finish first and free blocks between the others' blocks, so sequences
+    # hold non-consecutive blocks (e.g. [2, 3, 4, 11] and [16, 24]), not a dense id range.
+    e = build_engine(loaded, num_blocks=40, block_size=4, max_num_batched_tokens=64, record_logits=True)
+    e.runner.decode_path = decode_path
+    early = [
+        e.add_request(rand_prompt(n, 10 + n), SamplingParams(max_tokens=m, ignore_eos=True))
+        for n, m in ((6, 2), (9, 12), (5, 3), (11, 10))
+    ]
+    for _ in range(4):
+        e.step()
+    late = [e.add_request(rand_prompt(n, 20 + n), SamplingParams(max_tokens=6, ignore_eos=True)) for n in (13, 3, 22)]
+    finish_all(e)
+    assert e.runner.last_decode_path == decode_path
+    assert e.runner.manager.num_free_blocks == 40
+    for rid in early + late:
+        check_logits(loaded, e, rid)

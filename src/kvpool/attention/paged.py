@@ -19,10 +19,11 @@ for the output; a softmax over each sequence's padded score row joins them. The 
 group re-reads a KV head's rows G times, from cache. Cost: the bytes of the K/V read
 once, so paging costs about what contiguous SDPA costs, whatever the block order.
 
-Short contexts take `decode_attention_padded` instead (gather the batch's blocks into a
-padded [B, KVH, T, D], one masked SDPA): for a few KiB per sequence, kernel count, not
-bytes, is what costs. `plan_step` chooses by the padded context length
-(`PADDED_MAX_CONTEXT`, measured with `kvpool bench engine --parts attention`).
+`decode_attention_padded` is the plain twin (gather the batch's blocks into a padded
+[B, KVH, T, D], one masked SDPA), selectable with decode_path="padded". Measured at batch
+16, block size 16, scattered blocks, 1 thread: bags 0.18 / 0.34 / 1.0 / 7.9 ms against
+padded 0.57 / 1.2 / 3.9 / 54 ms at contexts 64 / 140 / 512 / 2048, so no short-context
+threshold: the bags are faster at every length (`kvpool bench engine --parts attention`).
 
 Prefill chunks (several queries, causal within the chunk) gather their own blocks into a
 contiguous [KVH, T, D] and call SDPA with the offset-causal mask; prefill is compute-bound,
@@ -36,10 +37,6 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
-
-# Decode batches whose longest context fits in this many tokens take the padded-gather
-# path; longer ones the in-place bag path. Measured on the 2-core machine (see the bench).
-PADDED_MAX_CONTEXT = 512
 
 
 @dataclass
@@ -99,13 +96,13 @@ def plan_step(
     head_dim: int,
     device: torch.device,
     dtype: torch.dtype = torch.float32,
-    decode_path: str = "auto",
+    decode_path: str = "bags",
 ) -> StepPlan:
     """q_lens[i] new tokens of sequence i sit at positions [ctx_lens[i] - q_lens[i], ctx_lens[i]);
     sequence i's blocks are indices[indptr[i]:indptr[i+1]] and cover its ctx_lens[i] tokens.
-    decode_path: "auto" (by PADDED_MAX_CONTEXT), "bags" or "padded"."""
-    if decode_path not in ("auto", "bags", "padded"):
-        raise ValueError(f"decode_path must be 'auto', 'bags' or 'padded', got {decode_path!r}")
+    decode_path: "bags" (in place) or "padded" (gather, then SDPA: the plain twin)."""
+    if decode_path not in ("bags", "padded"):
+        raise ValueError(f"decode_path must be 'bags' or 'padded', got {decode_path!r}")
     group = num_heads // num_kv_heads
     slots = torch.tensor(slot_mapping, dtype=torch.long)
     block_idx = (slots // block_size).to(device)
@@ -142,9 +139,8 @@ def plan_step(
         # [B, 1, 1, nb * bs]: slot t of sequence b readable iff t < len_b (pad blocks: never)
         bias = torch.zeros(b, 1, 1, nb * block_size, dtype=dtype)
         bias.masked_fill_((torch.arange(nb * block_size)[None, :] >= lens[:, None]).view(b, 1, 1, -1), float("-inf"))
-        use_bags = decode_path == "bags" or (decode_path == "auto" and nb * block_size > PADDED_MAX_CONTEXT)
         bags = padded = None
-        if use_bags:
+        if decode_path == "bags":
             bags = _plan_bags(tables, nb, block_size, num_heads, num_kv_heads, head_dim, device)
         else:
             ids = [t[j] if j < len(t) else t[0] for t in tables for j in range(nb)]

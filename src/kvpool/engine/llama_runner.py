@@ -22,7 +22,7 @@ class LlamaRunner:
         descriptor: CacheDescriptor,
         *,
         enable_prefix_caching: bool = True,
-        decode_path: str = "auto",
+        decode_path: str = "bags",
     ):
         cfg = model.config
         self.model = model
@@ -34,7 +34,7 @@ class LlamaRunner:
         self.vocab_size = cfg.vocab_size
         self.capacity_tokens = num_blocks * block_size
         self.max_model_len = min(cfg.max_position, self.capacity_tokens)
-        self.decode_path = decode_path  # "auto", "bags" or "padded" (attention/paged.py)
+        self.decode_path = decode_path  # "bags" or "padded" (attention/paged.py)
         self.scale = cfg.head_dim**-0.5
         self.last_decode_path: str | None = None  # the path the last step's decodes took
 
