@@ -53,7 +53,8 @@ class BagPlan:
 
     k_rows: torch.Tensor  # [B * H * sum(nb_b) * D] int64: rows of k_cache.view(-1, bs)
     k_offsets: torch.Tensor  # [B * H * nb + 1] int64: bag (b, h, j) is empty for j >= nb_b (padding)
-    q_rows: torch.Tensor  # [B * H * sum(nb_b)] int64: row of q.view(B * H, D) weighting each real bag
+    q_rows: torch.Tensor | None  # [B * H * sum(nb_b)] int64: row of q.view(B * H, D) weighting each
+    # real bag; None when no sequence is padded (every row then weights nb bags in a row)
     v_rows: torch.Tensor  # [B * H * sum(nb_b) * bs] int64: rows of v_cache.view(-1, D)
     v_offsets: torch.Tensor  # [B * H + 1] int64: bag (b, h) holds the slots of b's blocks
     p_index: torch.Tensor | None  # [len(v_rows)] int64 into probs.view(-1); None when no padding
@@ -168,7 +169,7 @@ def _plan_bags(
     base = table[seq, j] * kvh + head // g  # block * KVH + kvh
     k_rows = (base * d)[:, None] + torch.arange(d)  # K^T rows [block, kvh, 0..D)
     k_offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(real.reshape(-1).long() * d, 0)])
-    q_rows = seq * h + head
+    q_rows = seq * h + head if int(counts.min()) < nb else None
     v_rows = (base * bs)[:, None] + torch.arange(bs)  # V rows [block, kvh, 0..bs)
     v_offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum((counts * bs).repeat_interleave(h), 0)])
     p_index = None
@@ -176,7 +177,8 @@ def _plan_bags(
         # probs [B, H, nb * bs] in (b, h, j, slot) order: keep the slots of real blocks only
         p_index = ((((seq * h + head) * nb + j) * bs)[:, None] + torch.arange(bs)).reshape(-1).to(device)
     return BagPlan(
-        k_rows.reshape(-1).to(device), k_offsets.to(device), q_rows.to(device), v_rows.reshape(-1).to(device),
+        k_rows.reshape(-1).to(device), k_offsets.to(device), None if q_rows is None else q_rows.to(device),
+        v_rows.reshape(-1).to(device),
         v_offsets.to(device), p_index,
     )  # fmt: skip
 
@@ -199,20 +201,22 @@ def decode_attention_bags(
     assert bags is not None
     b, h, d = q.shape
     bs = v_cache.shape[2]
-    weights = (q.reshape(b * h, d) * scale).index_select(0, bags.q_rows).view(-1)  # [real bags * D]
-    scores = F.embedding_bag(
-        bags.k_rows, k_cache.view(-1, bs), bags.k_offsets, mode="sum", per_sample_weights=weights,
-        include_last_offset=True,
-    )  # [B * H * nb, bs]; pad bags are zeros  # fmt: skip
-    scores = scores.view(b, h, plan.max_blocks * bs) + plan.bias.view(b, 1, -1)
+    nb = plan.max_blocks
+    if bags.q_rows is None:  # one kernel: scale and repeat each row for its nb bags
+        weights = torch.mul(q.reshape(b * h, 1, d).expand(b * h, nb, d), scale).view(-1)
+    else:
+        weights = (q.reshape(b * h, d) * scale).index_select(0, bags.q_rows).view(-1)  # [real bags * D]
+    # torch.embedding_bag is what F.embedding_bag calls after its argument checks (~2 us a
+    # call, 60 calls a step); arguments: scale_grad_by_freq, mode 0 = sum, sparse,
+    # per_sample_weights, include_last_offset. The plan built the indices, so they are valid.
+    scores = torch.embedding_bag(k_cache.view(-1, bs), bags.k_rows, bags.k_offsets, False, 0, False, weights, True)[0]
+    # scores [B * H * nb, bs]; pad bags are zeros, masked by the bias
+    scores = scores.view(b, h, nb * bs) + plan.bias.view(b, 1, -1)
     probs = torch.softmax(scores, dim=-1).view(-1)  # [B * H * nb * bs]
     if bags.p_index is not None:
         probs = probs.index_select(0, bags.p_index)
-    out = F.embedding_bag(
-        bags.v_rows, v_cache.view(-1, d), bags.v_offsets, mode="sum", per_sample_weights=probs,
-        include_last_offset=True,
-    )  # [B * H, D]  # fmt: skip
-    return out.view(b, h, d)
+    out = torch.embedding_bag(v_cache.view(-1, d), bags.v_rows, bags.v_offsets, False, 0, False, probs, True)[0]
+    return out.view(b, h, d)  # [B * H, D] -> [B, H, D]
 
 
 def decode_attention_padded(
@@ -251,6 +255,8 @@ def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan, scale: float
 ) -> torch.Tensor:
     """q [N, H, D] for the flat step -> [N, H, D]. K/V of this step must already be written."""
+    if plan.decode is not None and not plan.prefills:  # decodes only: rows are 0..N-1
+        return decode_attention(q, k_cache, v_cache, plan.decode, scale)
     out = torch.empty_like(q)
     if plan.decode is not None:
         out[plan.decode.rows] = decode_attention(q[plan.decode.rows], k_cache, v_cache, plan.decode, scale)

@@ -133,9 +133,10 @@ class LlamaRunner:
         if plan.decode is not None:
             self.last_decode_path = "bags" if plan.decode.bags is not None else "padded"
         storage = self.storage
+        write_index = storage.write_index(plan.block_idx, plan.offset_idx)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            storage.write(layer, plan.block_idx, plan.offset_idx, k, v)
+            storage.write(layer, write_index, k, v)
             return paged_attention(q, storage.k[layer], storage.v[layer], plan, self.scale)
 
         ids_t = torch.tensor(token_ids, dtype=torch.long, device=device)

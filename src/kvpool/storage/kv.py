@@ -14,11 +14,16 @@ a NaN into a masked-out product.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
 from kvpool.cache import BlockCopy
+
+
+class WriteIndex(NamedTuple):
+    k_pos: torch.Tensor  # [N * KVH * D] int64: positions in k[layer].view(-1), (token, head, dim) order
+    v_pos: torch.Tensor  # [N * KVH * D] int64: positions in v[layer].view(-1)
 
 
 class PagedKVStorage:
@@ -50,11 +55,24 @@ class PagedKVStorage:
     def num_bytes(self) -> int:
         return self.bytes_per_block * self.num_blocks
 
-    def write(self, layer: int, block_idx: torch.Tensor, offset_idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store the step's new K/V. block_idx, offset_idx: [N] int64 (slot = block * bs + offset);
-        k, v: [N, kv_heads, head_dim]."""
-        self.k[layer][block_idx, :, :, offset_idx] = k  # [N, KVH, D]: separated indices go first
-        self.v[layer][block_idx, :, offset_idx] = v
+    def write_index(self, block_idx: torch.Tensor, offset_idx: torch.Tensor) -> WriteIndex:
+        """Flat element positions, within one layer, of N new tokens' K and V; built once per
+        step and used by every layer. block_idx, offset_idx: [N] int64 (slot = block * bs + offset)."""
+        kvh, d, bs = self.num_kv_heads, self.head_dim, self.block_size
+        base = block_idx.view(-1, 1, 1) * kvh + torch.arange(kvh, device=block_idx.device).view(1, -1, 1)  # [N, KVH, 1]
+        dims = torch.arange(d, device=block_idx.device).view(1, 1, -1)
+        off = offset_idx.view(-1, 1, 1)
+        # K^T [block, kvh, d, slot]: ((block * KVH + h) * D + d) * bs + slot
+        k_pos = ((base * d + dims) * bs + off).reshape(-1)
+        # V [block, kvh, slot, d]: ((block * KVH + h) * bs + slot) * D + d
+        v_pos = ((base * bs + off) * d + dims).reshape(-1)
+        return WriteIndex(k_pos, v_pos)
+
+    def write(self, layer: int, index: WriteIndex, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the step's new K/V, k, v: [N, kv_heads, head_dim], at `write_index`'s positions.
+        One index_copy_ of a flat view per tensor (cheaper than a 4-D index_put)."""
+        self.k[layer].view(-1).index_copy_(0, index.k_pos, k.reshape(-1))
+        self.v[layer].view(-1).index_copy_(0, index.v_pos, v.reshape(-1))
 
     def apply_copies(self, copies: Sequence[BlockCopy]) -> None:
         """Copy-on-write: block src -> dst in every layer, in the order the manager recorded."""
