@@ -128,7 +128,6 @@ def run(args: argparse.Namespace) -> int:
     with Progress(transient=True, disable=args.json) as progress:
         task = progress.add_task("serving", total=total)
         while engine.has_unfinished():
-            chunks = None
             t0 = time.perf_counter()
             finished = engine.step()
             step_time += time.perf_counter() - t0
@@ -136,8 +135,9 @@ def run(args: argparse.Namespace) -> int:
             if slots:
                 frag_samples.append(1 - held / slots)
             # KV bytes attention read this step: every sequence reads its whole context.
+            # Divided by the whole step time (weights included) this is the effective KV
+            # read rate of serving, not the attention kernel's peak bandwidth.
             bytes_read += sum(s.num_computed for s in engine.running) * kv_bytes_per_token
-            del chunks
             for rid in finished:
                 done += 1
                 progress.advance(task)
