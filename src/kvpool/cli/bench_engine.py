@@ -3,7 +3,8 @@
   1. decode throughput, batch 1 (64-token prompt) and batch 16 (prompts of 16-136 tokens),
      N new tokens each, fp32, ours vs transformers `generate` on the same GGUF;
   2. TTFT of a request whose 1,000-token system prompt is cached, against cold;
-  3. paged against contiguous decode attention at batch 16 and 4k context.
+  3. paged against contiguous decode attention at batch 16 and 4k context, every sequence's
+     blocks scattered over the pool (block size 256, plus the ratio at block sizes 16 and 64).
 Timings on a shared CPU are noisy: run it on an idle machine for README figures.
 """
 
@@ -30,22 +31,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
 
 
-def _timeit(fn, repeat: int = 10) -> float:
+def _timeit(fn, repeat: int = 40) -> float:
+    """Best single call of `repeat`: on a shared 2-core machine, other work only adds time."""
     fn()
     fn()
     best = float("inf")
-    for _ in range(3):
+    for _ in range(repeat):
         t0 = time.perf_counter()
-        for _ in range(repeat):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / repeat)
+        fn()
+        best = min(best, time.perf_counter() - t0)
     return best
 
 
-def bench_attention(batch: int, context: int, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> dict:
+def bench_attention(
+    batch: int, context: int, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int, twin: bool = True
+) -> dict:
     """Decode attention at `batch` x `context`, every sequence's blocks scattered over the pool
     (a random permutation: no sequence owns a run of consecutive ids), against SDPA over the
-    same K/V laid out contiguously [B, KVH, T, D]."""
+    same K/V laid out contiguously [B, KVH, T, D]. twin: also time the padded-gather twin."""
     import torch
     import torch.nn.functional as F
 
@@ -73,7 +76,7 @@ def bench_attention(batch: int, context: int, block_size: int, num_heads: int, n
 
     results = {}
     ref = contiguous().reshape(batch, num_heads, head_dim)
-    for name, path in (("paged_bags", "bags"), ("paged_padded", "padded")):
+    for name, path in (("paged_bags", "bags"), ("paged_padded", "padded"))[: 2 if twin else 1]:
         plan = plan_step(
             [1] * batch, [context] * batch, [0] * batch, indptr, indices, block_size, num_heads, num_kv_heads,
             head_dim, torch.device("cpu"), decode_path=path,
@@ -83,12 +86,14 @@ def bench_attention(batch: int, context: int, block_size: int, num_heads: int, n
         results[name] = _timeit(lambda plan=plan: decode_attention(q, k_cache, v_cache, plan, scale))
     results["contiguous_sdpa"] = _timeit(contiguous)
     c = results["contiguous_sdpa"]
-    return {
+    report = {
         "batch": batch, "context": context, "block_size": block_size, "blocks": "scattered",
         **{f"{k}_ms": round(v * 1e3, 3) for k, v in results.items()},
         "paged_over_contiguous": round(results["paged_bags"] / c, 3),
-        "padded_gather_over_contiguous": round(results["paged_padded"] / c, 3),
     }  # fmt: skip
+    if twin:
+        report["padded_gather_over_contiguous"] = round(results["paged_padded"] / c, 3)
+    return report
 
 
 def run(args: argparse.Namespace) -> int:
@@ -107,9 +112,14 @@ def run(args: argparse.Namespace) -> int:
     rng = random.Random(0)
 
     if "attention" in parts:
-        report["attention"] = bench_attention(
-            args.attn_batch, args.attn_context, args.attn_block_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        )
+        shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        report["attention"] = bench_attention(args.attn_batch, args.attn_context, args.attn_block_size, *shape)
+        # smaller blocks: more, shorter K^T rows per bag (16 floats at block size 16)
+        report["attention"]["paged_over_contiguous_by_block_size"] = {
+            bs: bench_attention(args.attn_batch, args.attn_context, bs, *shape, twin=False)["paged_over_contiguous"]
+            for bs in (16, 64)
+            if bs != args.attn_block_size
+        }
 
     if "ttft" in parts:
         system = [rng.randrange(100, 49000) for _ in range(1000)]
