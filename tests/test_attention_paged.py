@@ -64,3 +64,13 @@ def test_decode_paths_match_contiguous_sdpa_on_scattered_blocks(lens, block_size
 def test_bad_decode_path_is_a_clear_error():
     with pytest.raises(ValueError, match="decode_path"):
         plan_step([1], [1], [0], [0, 1], [0], 16, H, KVH, D, torch.device("cpu"), decode_path="fast")
+
+
+def test_bag_indices_are_int32_unless_a_row_id_would_overflow():
+    small = plan_step([1], [20], [0], [0, 2], [3, 9], 16, H, KVH, D, torch.device("cpu")).decode.bags
+    assert small.k_rows.dtype == small.v_offsets.dtype == torch.int32
+    assert small.k_rows[:D].tolist() == [3 * KVH * D + i for i in range(D)]  # block 3, head 0
+    # K^T rows of block 12M: (12M * KVH + kvh) * D > 2^31
+    big = plan_step([1], [20], [0], [0, 2], [3, 12_000_000], 16, H, KVH, D, torch.device("cpu")).decode.bags
+    assert big.k_rows.dtype == big.k_offsets.dtype == torch.int64
+    assert int(big.k_rows.max()) == (12_000_000 * KVH + KVH - 1) * D + D - 1

@@ -51,12 +51,14 @@ class PrefillPlan:
 class BagPlan:
     """In-place decode through embedding_bag. B decode sequences, nb = max blocks per sequence."""
 
-    k_rows: torch.Tensor  # [B * H * sum(nb_b) * D] int64: rows of k_cache.view(-1, bs)
-    k_offsets: torch.Tensor  # [B * H * nb + 1] int64: bag (b, h, j) is empty for j >= nb_b (padding)
+    # Row indices and offsets are int32 when every value fits (half the index bytes; at block
+    # size 16 the K^T rows are 64 bytes, so index traffic is not small), else int64.
+    k_rows: torch.Tensor  # [B * H * sum(nb_b) * D] int32/64: rows of k_cache.view(-1, bs)
+    k_offsets: torch.Tensor  # [B * H * nb + 1] int32/64: bag (b, h, j) is empty for j >= nb_b (padding)
     q_rows: torch.Tensor | None  # [B * H * sum(nb_b)] int64: row of q.view(B * H, D) weighting each
     # real bag; None when no sequence is padded (every row then weights nb bags in a row)
-    v_rows: torch.Tensor  # [B * H * sum(nb_b) * bs] int64: rows of v_cache.view(-1, D)
-    v_offsets: torch.Tensor  # [B * H + 1] int64: bag (b, h) holds the slots of b's blocks
+    v_rows: torch.Tensor  # [B * H * sum(nb_b) * bs] int32/64: rows of v_cache.view(-1, D)
+    v_offsets: torch.Tensor  # [B * H + 1] int32/64: bag (b, h) holds the slots of b's blocks
     p_index: torch.Tensor | None  # [len(v_rows)] int64 into probs.view(-1); None when no padding
 
 
@@ -176,10 +178,12 @@ def _plan_bags(
     if int(counts.min()) < nb:
         # probs [B, H, nb * bs] in (b, h, j, slot) order: keep the slots of real blocks only
         p_index = ((((seq * h + head) * nb + j) * bs)[:, None] + torch.arange(bs)).reshape(-1).to(device)
+    # largest row id or offset: rows of the pool's blocks up to the highest id read, bag sizes
+    bound = max((int(table.max()) + 1) * kvh * max(d, bs), b * h * nb * max(d, bs))
+    idx = torch.int32 if bound < 2**31 else torch.long
     return BagPlan(
-        k_rows.reshape(-1).to(device), k_offsets.to(device), None if q_rows is None else q_rows.to(device),
-        v_rows.reshape(-1).to(device),
-        v_offsets.to(device), p_index,
+        k_rows.reshape(-1).to(device, idx), k_offsets.to(device, idx), None if q_rows is None else q_rows.to(device),
+        v_rows.reshape(-1).to(device, idx), v_offsets.to(device, idx), p_index,
     )  # fmt: skip
 
 
