@@ -22,8 +22,10 @@ once, so paging costs about what contiguous SDPA costs, whatever the block order
 `decode_attention_padded` is the plain twin (gather the batch's blocks into a padded
 [B, KVH, T, D], one masked SDPA), selectable with decode_path="padded". Measured at batch
 16, block size 16, scattered blocks, 1 thread: bags 0.18 / 0.34 / 1.0 / 7.9 ms against
-padded 0.57 / 1.2 / 3.9 / 54 ms at contexts 64 / 140 / 512 / 2048, so no short-context
-threshold: the bags are faster at every length (`kvpool bench engine --parts attention`).
+padded 0.57 / 1.2 / 3.9 / 54 ms at contexts 64 / 140 / 512 / 2048, so there is no
+short-context threshold: the bags are faster at every length. At 4k context, batch 16,
+2 threads, against SDPA on a contiguous cache: 0.94-1.02x at block size 256, ~1.0x at 64,
+~1.3x at 16 (64-byte K^T rows: per-index work shows); `kvpool bench engine --parts attention`.
 
 Prefill chunks (several queries, causal within the chunk) gather their own blocks into a
 contiguous [KVH, T, D] and call SDPA with the offset-causal mask; prefill is compute-bound,

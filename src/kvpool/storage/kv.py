@@ -27,6 +27,10 @@ class WriteIndex(NamedTuple):
 
 
 class PagedKVStorage:
+    # The per-block layout, for a cache descriptor's layout_id: bytes are not interchangeable
+    # with the former [block, head, slot, dim] K.
+    LAYOUT = "k:[block,head,dim,slot] v:[block,head,slot,dim]"
+
     def __init__(
         self,
         num_layers: int,
