@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvpool.attention.paged import decode_attention, plan_step
+from kvpool.attention.paged import decode_attention, plan_step, prefill_attention
 
 H, KVH, D = 9, 3, 64
 
@@ -74,3 +74,22 @@ def test_bag_indices_are_int32_unless_a_row_id_would_overflow():
     big = plan_step([1], [20], [0], [0, 2], [3, 12_000_000], 16, H, KVH, D, torch.device("cpu")).decode.bags
     assert big.k_rows.dtype == big.k_offsets.dtype == torch.int64
     assert int(big.k_rows.max()) == (12_000_000 * KVH + KVH - 1) * D + D - 1
+
+
+@pytest.mark.parametrize("q_len, ctx_len", [(37, 37), (12, 37), (2, 16)])
+def test_prefill_chunk_matches_causal_sdpa(q_len, ctx_len):
+    # start 0 takes is_causal, a chunk after a prefix the explicit offset-causal mask
+    bs = 8
+    _, k_cache, v_cache, indptr, ids = scattered_batch([ctx_len], bs, num_blocks=32, seed=q_len)
+    q = torch.randn(q_len, H, D)
+    plan = plan_step([q_len], [ctx_len], list(range(q_len)), indptr, ids, bs, H, KVH, D, torch.device("cpu"))
+    (chunk,) = plan.prefills
+    assert (chunk.mask is None) == (q_len == ctx_len)
+    out = prefill_attention(q, k_cache, v_cache, chunk)
+    blocks = torch.tensor(ids)
+    k = k_cache[blocks].permute(1, 0, 3, 2).reshape(KVH, -1, D)[:, :ctx_len].repeat_interleave(H // KVH, 0)
+    v = v_cache[blocks].transpose(0, 1).reshape(KVH, -1, D)[:, :ctx_len].repeat_interleave(H // KVH, 0)
+    start = ctx_len - q_len
+    mask = torch.arange(ctx_len)[None, :] <= torch.arange(start, ctx_len)[:, None]
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask).transpose(0, 1)
+    assert (out - ref).abs().max().item() <= 1e-5

@@ -46,7 +46,8 @@ class PrefillPlan:
     rows: slice  # the chunk's query rows in the flat batch
     block_ids: torch.Tensor  # [num_blocks] int64: the blocks covering [0, ctx_len)
     ctx_len: int  # keys [0, ctx_len) are readable after this step's write
-    mask: torch.Tensor  # [G * q_len, ctx_len] bool: query (g, i) at position start + i sees keys <= it
+    mask: torch.Tensor | None  # [q_len, ctx_len] bool: query i at position start + i sees keys <= it;
+    # None when the chunk starts at position 0 (plain causal: SDPA's is_causal)
 
 
 @dataclass
@@ -108,7 +109,6 @@ def plan_step(
     decode_path: "bags" (in place) or "padded" (gather, then SDPA: the plain twin)."""
     if decode_path not in ("bags", "padded"):
         raise ValueError(f"decode_path must be 'bags' or 'padded', got {decode_path!r}")
-    group = num_heads // num_kv_heads
     slots = torch.tensor(slot_mapping, dtype=torch.long)
     block_idx = (slots // block_size).to(device)
     offset_idx = (slots % block_size).to(device)
@@ -124,15 +124,12 @@ def plan_step(
             decode_seqs.append(i)
         else:
             start = ctx_len - q_len
-            pos = torch.arange(start, ctx_len)
-            causal = torch.arange(ctx_len)[None, :] <= pos[:, None]  # [q_len, ctx_len]
+            mask = None
+            if start > 0:  # is_causal aligns the diagonal top-left: wrong past a prefix
+                pos = torch.arange(start, ctx_len)
+                mask = (torch.arange(ctx_len)[None, :] <= pos[:, None]).to(device)  # [q_len, ctx_len]
             prefills.append(
-                PrefillPlan(
-                    slice(row, row + q_len),
-                    torch.tensor(blocks, dtype=torch.long, device=device),
-                    ctx_len,
-                    causal.repeat(group, 1).to(device),
-                )
+                PrefillPlan(slice(row, row + q_len), torch.tensor(blocks, dtype=torch.long, device=device), ctx_len, mask)
             )
         row += q_len
     decode = None
@@ -246,15 +243,18 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """q [q_len, H, D] of one chunk -> [q_len, H, D]; keys gathered from the chunk's blocks."""
     q_len, h, d = q.shape
     _, kvh, bs, _ = v_cache.shape
-    g = h // kvh
     nb = plan.block_ids.shape[0]
     # k: [nb, KVH, D, bs] -> [KVH, nb * bs, D]; v: [nb, KVH, bs, D] -> [KVH, nb * bs, D]; first ctx_len keys
     k = k_cache.index_select(0, plan.block_ids).permute(1, 0, 3, 2).reshape(kvh, nb * bs, d)[:, : plan.ctx_len]
     v = v_cache.index_select(0, plan.block_ids).transpose(0, 1).reshape(kvh, nb * bs, d)[:, : plan.ctx_len]
-    # fold the G query heads of each KV head into rows: [KVH, G * q_len, D], rows ordered (g, i)
-    qf = q.view(q_len, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * q_len, d)
-    out = F.scaled_dot_product_attention(qf, k, v, attn_mask=plan.mask)
-    return out.view(kvh, g, q_len, d).permute(2, 0, 1, 3).reshape(q_len, h, d)
+    # 4-D inputs with enable_gqa (query head h reads KV head h // G): CPU SDPA then takes
+    # its flash kernel. 3-D inputs with the G query heads folded into rows and the mask
+    # repeated G times fell back to the math path: 58 -> 16 ms a layer at 1,020 tokens,
+    # 10 ms with is_causal.
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k[None], v[None], attn_mask=plan.mask, is_causal=plan.mask is None, enable_gqa=True
+    )  # [1, H, q_len, D]
+    return out[0].transpose(0, 1)
 
 
 def paged_attention(
