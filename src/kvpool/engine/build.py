@@ -14,6 +14,7 @@ from kvpool.engine.llama_runner import LlamaRunner
 from kvpool.models.gguf import GGUFModel, load_gguf
 from kvpool.models.llama import LlamaModel
 from kvpool.models.tokenizer import ChatTokenizer, build_tokenizer
+from kvpool.storage.kv import PagedKVStorage
 
 
 @dataclass
@@ -50,7 +51,7 @@ def descriptor_for(loaded: LoadedModel, block_size: int) -> CacheDescriptor:
         weights_version=loaded.weights_version,
         tokenizer_version=loaded.tokenizer.version,
         template_version=xxhash.xxh3_64_hexdigest((loaded.tokenizer.chat_template or "").encode()),
-        layout_id=f"L{cfg.num_layers}:kvh{cfg.num_kv_heads}:d{cfg.head_dim}:bs{block_size}:[block,head,slot,dim]:{dtype}",
+        layout_id=f"L{cfg.num_layers}:kvh{cfg.num_kv_heads}:d{cfg.head_dim}:bs{block_size}:{PagedKVStorage.LAYOUT}:{dtype}",
         rope_id=f"rope-half:theta{cfg.rope_theta}",
     )
 
