@@ -12,8 +12,9 @@ from kvpool.cli.main import main
 def test_bench_pool_json(capsys):
     assert main(["bench", "pool", "--json", "--repeats", "1"]) == 0
     result = json.loads(capsys.readouterr().out)
-    for key in ("decode_step_us_per_request", "block_op_ns", "hash_ns", "prefix_lookup_ns", "hash_plus_lookup_ns"):
+    for key in ("decode_step_us_per_request", "block_op_ns", "hash_ns", "hash_plus_lookup_ns"):
         assert result[key] > 0, key
+    assert 0 <= result["prefix_lookup_ns"] <= result["hash_plus_lookup_ns"]
     assert result["hash_algo"] == "xxh3_128"
 
 
