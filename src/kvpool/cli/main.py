@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # command name -> (module, one-line help)
@@ -32,8 +33,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. A caller's mistake (a bad value, a missing file) is reported as one
+    line naming the problem, exit status 2; KVPOOL_TRACEBACK=1 shows the traceback too."""
     args = build_parser().parse_args(argv)
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except (ValueError, FileNotFoundError) as error:
+        if os.environ.get("KVPOOL_TRACEBACK"):
+            raise
+        print(f"kvpool {args.command}: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
