@@ -1,10 +1,10 @@
 """kvpool.cache: per-request cache managers on top of the block pool. Pure Python, no torch."""
 
-from kvpool.cache.manager import (
+from kvpool.cache.manager import KVCacheManager
+from kvpool.cache.types import (
     Admission,
     BlockCopy,
     CacheDescriptor,
-    KVCacheManager,
     MMItem,
     PrefixStats,
     Reservation,

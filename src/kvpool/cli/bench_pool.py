@@ -25,7 +25,7 @@ import json
 import statistics
 import time
 
-from kvpool.cache.manager import CacheDescriptor, KVCacheManager
+from kvpool.cache import CacheDescriptor, KVCacheManager
 from kvpool.pool.block_pool import BlockPool
 from kvpool.pool.hashing import TOKEN_BYTES, token_bytes
 
