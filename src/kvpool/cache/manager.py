@@ -177,10 +177,10 @@ class KVCacheManager:
         parent = req.root_hash
         hit_blocks: list[int] = []
         hit_hashes: list[bytes] = []
-        for i in range(max_blocks):
-            chunk = prompt_bytes[i * width:(i + 1) * width]
+        for start in range(0, max_blocks * width, width):
+            chunk = prompt_bytes[start:start + width]
             if mm_items:
-                block_hash = digest(parent + chunk + self._extra_keys(mm_items, i))
+                block_hash = digest(parent + chunk + self._extra_keys(mm_items, start // width))
             else:
                 block_hash = digest(parent + chunk)
             block_id = index.get(block_hash)
@@ -203,7 +203,7 @@ class KVCacheManager:
         descriptor: CacheDescriptor | None = None,
     ) -> int:
         """How many tokens of `token_ids` admit() would find cached now (changes nothing)."""
-        req = self._new_request("<lookup>", token_ids, tenant_salt, mm_items, descriptor)
+        req = self._new_request("<lookup>", token_ids, tenant_salt, mm_items, descriptor, copy=False)
         return len(self._lookup(req)[0]) * self.block_size
 
     def _new_request(
@@ -213,6 +213,7 @@ class KVCacheManager:
         tenant_salt: str,
         mm_items: Sequence[MMItem],
         descriptor: CacheDescriptor | None,
+        copy: bool = True,
     ) -> _Request:
         if len(token_ids) == 0:
             raise ValueError(f"request {request_id!r} has an empty prompt")
@@ -221,7 +222,9 @@ class KVCacheManager:
             if item.start < 0 or item.length <= 0 or item.start + item.length > len(token_ids):
                 raise ValueError(f"multimodal item {item} lies outside the prompt of {len(token_ids)} tokens")
         descriptor_key = self._descriptor_key if descriptor is None else descriptor.key()
-        req = _Request(request_id, list(token_ids), self.hasher.root(descriptor_key, tenant_salt), items)
+        # A lookup only reads the ids; an admitted request owns (and later extends) a copy.
+        ids = list(token_ids) if copy or not isinstance(token_ids, list) else token_ids
+        req = _Request(request_id, ids, self.hasher.root(descriptor_key, tenant_salt), items)
         req.prompt_bytes = token_bytes(req.token_ids)
         return req
 
