@@ -130,10 +130,6 @@ class DSV4CacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free
 
-    @property
-    def num_stored_checkpoints(self) -> int:
-        return len(self._checkpoints)
-
     def block_ids(self, request_id: str) -> list[int]:
         return list(self._get(request_id).block_ids)
 

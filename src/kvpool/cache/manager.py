@@ -283,9 +283,9 @@ class KVCacheManager:
         cow = False
         offset = req.num_computed % bs
         if offset and num_new_tokens and req.num_reserved == req.num_computed:
-            # The write starts inside an existing block. A shared block is copied first; an
-            # exclusive block still registered (possible after a rollback) must not change
-            # under its hash either, so it is unregistered instead (no copy needed).
+            # The write starts inside an existing block. A shared block is copied first (one
+            # more block); an exclusive block still registered (possible after a rollback)
+            # needs no block: _prepare_tail unregisters it before it changes under its hash.
             tail = req.block_ids[req.num_computed // bs]
             if self.pool.refcount(tail) > 1:
                 cow = True

@@ -62,11 +62,6 @@ class Plan:
     def fits(self) -> bool:
         return self.ledger.pool_bytes > 0 and self.max_concurrent_per_replica > 0
 
-    @property
-    def pool_tokens_at_context(self) -> int:
-        """Tokens of context the pool holds at the planned context length (whole requests)."""
-        return self.max_concurrent_per_replica * self.context_len
-
 
 def max_concurrent(layout: KVLayout, pool_bytes: float, context_len: int) -> int:
     """Requests of `context_len` tokens that fit in `pool_bytes` on one GPU."""

@@ -145,7 +145,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.repeats <= 0:
-        raise SystemExit(f"--repeats must be positive, got {args.repeats}")
+        raise ValueError(f"--repeats must be positive, got {args.repeats}")
     result = measure(args.repeats, args.hash_algo)
     if args.json:
         print(json.dumps(result))

@@ -70,10 +70,6 @@ SMALL_DSV4_CONFIG: dict[str, Any] = {
 }
 
 
-def tiny_config(**overrides: Any) -> dict[str, Any]:
-    return {**TINY_DSV4_CONFIG, **overrides}
-
-
 class TinyDSV4:
     """Seeded random V4-architecture model. `state_dict` uses the official names."""
 

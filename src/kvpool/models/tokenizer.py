@@ -42,9 +42,6 @@ class ChatTokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def token_text(self, token_id: int) -> str:
-        return self.tokenizer.id_to_token(token_id) or ""
-
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The chat template (jinja2, as shipped in the GGUF) applied to `messages`."""
         if not self.chat_template:

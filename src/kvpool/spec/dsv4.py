@@ -66,7 +66,6 @@ REQUIRED_KEYS: tuple[str, ...] = (
 PRESET_NAMES: tuple[str, ...] = ("deepseek-v4-flash", "deepseek-v4-pro")
 
 SERVING = "serving"
-INDEXER_SERVING_FORMATS: tuple[str, ...] = ("fp8", "mxfp4")
 
 
 class LayerKind(enum.Enum):
