@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpool.attention.paged import decode_attention, plan_step, prefill_attention
+from kvpool.kernels import cpu_kernels
 
 H, KVH, D = 9, 3, 64
 
@@ -44,11 +45,18 @@ def reference(q, k_cache, v_cache, indptr, ids, lens, scale):
 
 def run_path(q, k_cache, v_cache, indptr, ids, lens, block_size, path):
     b = len(lens)
-    plan = plan_step([1] * b, lens, [0] * b, indptr, ids, block_size, H, KVH, D, torch.device("cpu"), decode_path=path)
+    kernels = None
+    if path == "native":
+        kernels = cpu_kernels()
+        if kernels is None:
+            pytest.skip("the C kernels did not build here")
+    plan = plan_step(
+        [1] * b, lens, [0] * b, indptr, ids, block_size, H, KVH, D, torch.device("cpu"), decode_path=path, kernels=kernels
+    )
     return plan.decode, decode_attention(q, k_cache, v_cache, plan.decode, D**-0.5)
 
 
-@pytest.mark.parametrize("path", ["bags", "padded"])
+@pytest.mark.parametrize("path", ["native", "bags", "padded"])
 @pytest.mark.parametrize(
     "lens, block_size",
     [([1], 16), ([37], 16), ([5, 40, 16, 17, 1, 100], 16), ([64, 64, 64], 16), ([300, 7, 129], 8), ([33, 80], 32)],
@@ -64,6 +72,8 @@ def test_decode_paths_match_contiguous_sdpa_on_scattered_blocks(lens, block_size
 def test_bad_decode_path_is_a_clear_error():
     with pytest.raises(ValueError, match="decode_path"):
         plan_step([1], [1], [0], [0, 1], [0], 16, H, KVH, D, torch.device("cpu"), decode_path="fast")
+    with pytest.raises(ValueError, match="needs the CPU kernels"):
+        plan_step([1], [1], [0], [0, 1], [0], 16, H, KVH, D, torch.device("cpu"), decode_path="native")
 
 
 def test_bag_indices_are_int32_unless_a_row_id_would_overflow():

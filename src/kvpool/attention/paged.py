@@ -19,6 +19,11 @@ for the output; a softmax over each sequence's padded score row joins them. The 
 group re-reads a KV head's rows G times, from cache. Cost: the bytes of the K/V read
 once, so paging costs about what contiguous SDPA costs, whatever the block order.
 
+`decode_path="native"` runs the same decode in C (kernels/cpu.c, when it builds): per
+(sequence, KV head) one pass over the blocks for the G query heads, scores vectorised over
+a K^T row's slots, the output over a V row's dims. It reads the same bytes as the bags
+with no per-index dispatch and no padding, and is the engine's default on fp32 CPU.
+
 `decode_attention_padded` is the plain twin (gather the batch's blocks into a padded
 [B, KVH, T, D], one masked SDPA), selectable with decode_path="padded". Measured at batch
 16, block size 16, scattered blocks, 1 thread: bags 0.18 / 0.34 / 1.0 / 7.9 ms against
@@ -35,10 +40,15 @@ so that copy is a small part of its time.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from kvpool.kernels import CpuKernels
+
+DECODE_PATHS = ("native", "bags", "padded")
 
 
 @dataclass
@@ -73,17 +83,30 @@ class PaddedPlan:
 
 
 @dataclass
+class NativePlan:
+    """The decode sequences' CSR block tables for the C kernel (kernels/cpu.c)."""
+
+    kernels: CpuKernels
+    indptr: torch.Tensor  # [B + 1] int64: sequence b's blocks are blocks[indptr[b]:indptr[b + 1]]
+    blocks: torch.Tensor  # [nnz] int64
+    ctx_lens: torch.Tensor  # [B] int64: keys [0, ctx_len) readable, this step's included
+
+
+@dataclass
 class DecodePlan:
     rows: torch.Tensor  # [B] int64: rows of the flat batch holding decode queries
     num_seqs: int
     max_blocks: int  # nb: blocks of the longest decode sequence
-    bias: torch.Tensor  # [B, 1, 1, nb * bs] fp: 0 for readable slots, -inf past each length
-    bags: BagPlan | None  # exactly one of bags / padded is set
+    bias: torch.Tensor | None  # [B, 1, 1, nb * bs] fp: 0 for readable slots, -inf past each length
+    # (None on the native path, which reads exactly ctx_len keys)
+    bags: BagPlan | None  # exactly one of native / bags / padded is set
     padded: PaddedPlan | None
+    native: NativePlan | None = None
 
 
 @dataclass
 class StepPlan:
+    slots: torch.Tensor  # [N] int64: each new token's slot, block * bs + offset
     block_idx: torch.Tensor  # [N] int64: block of each new token's slot
     offset_idx: torch.Tensor  # [N] int64: offset of each new token's slot
     decode: DecodePlan | None
@@ -103,15 +126,24 @@ def plan_step(
     device: torch.device,
     dtype: torch.dtype = torch.float32,
     decode_path: str = "bags",
+    kernels: CpuKernels | None = None,
 ) -> StepPlan:
     """q_lens[i] new tokens of sequence i sit at positions [ctx_lens[i] - q_lens[i], ctx_lens[i]);
     sequence i's blocks are indices[indptr[i]:indptr[i+1]] and cover its ctx_lens[i] tokens.
-    decode_path: "bags" (in place) or "padded" (gather, then SDPA: the plain twin)."""
-    if decode_path not in ("bags", "padded"):
-        raise ValueError(f"decode_path must be 'bags' or 'padded', got {decode_path!r}")
+    decode_path: "native" (the C kernel, needs `kernels`), "bags" (in place through
+    embedding_bag) or "padded" (gather, then SDPA: the plain twin)."""
+    if decode_path not in DECODE_PATHS:
+        raise ValueError(f"decode_path must be one of {DECODE_PATHS}, got {decode_path!r}")
+    if decode_path == "native" and kernels is None:
+        raise ValueError("decode_path 'native' needs the CPU kernels (kvpool.kernels.cpu_kernels())")
     slots = torch.tensor(slot_mapping, dtype=torch.long)
-    block_idx = (slots // block_size).to(device)
-    offset_idx = (slots % block_size).to(device)
+    if decode_path == "native" and not any(q != 1 for q in q_lens):
+        # decodes only (the common step): the kernels take slots; skip the block / offset split
+        block_idx = offset_idx = slots
+    else:
+        block_idx = (slots // block_size).to(device)
+        offset_idx = (slots % block_size).to(device)
+    slots = slots.to(device)
     prefills: list[PrefillPlan] = []
     decode_rows: list[int] = []
     decode_seqs: list[int] = []
@@ -133,7 +165,21 @@ def plan_step(
             )
         row += q_len
     decode = None
-    if decode_rows:
+    if decode_rows and decode_path == "native":
+        assert kernels is not None
+        tables = [indices[indptr[i] : indptr[i + 1]] for i in decode_seqs]
+        sub_indptr = [0]
+        for t in tables:
+            sub_indptr.append(sub_indptr[-1] + len(t))
+        native = NativePlan(
+            kernels,
+            torch.tensor(sub_indptr, dtype=torch.long),
+            torch.tensor([blk for t in tables for blk in t], dtype=torch.long),
+            torch.tensor([ctx_lens[i] for i in decode_seqs], dtype=torch.long),
+        )
+        rows = torch.tensor(decode_rows, dtype=torch.long)
+        decode = DecodePlan(rows, len(decode_seqs), max(len(t) for t in tables), None, None, None, native)
+    elif decode_rows:
         tables = [indices[indptr[i] : indptr[i + 1]] for i in decode_seqs]
         lens = torch.tensor([ctx_lens[i] for i in decode_seqs], dtype=torch.long)
         b = len(decode_seqs)
@@ -150,7 +196,7 @@ def plan_step(
         decode = DecodePlan(
             torch.tensor(decode_rows, dtype=torch.long, device=device), b, nb, bias.to(device), bags, padded
         )
-    return StepPlan(block_idx, offset_idx, decode, prefills)
+    return StepPlan(slots, block_idx, offset_idx, decode, prefills)
 
 
 def _plan_bags(
@@ -191,6 +237,10 @@ def decode_attention(
 ) -> torch.Tensor:
     """q [B, H, D] (one query per decode sequence) -> [B, H, D].
     k_cache [num_blocks, KVH, D, bs], v_cache [num_blocks, KVH, bs, D]."""
+    if plan.native is not None:
+        rows = torch.arange(q.shape[0])  # q holds exactly the decode rows, in order
+        n = plan.native
+        return n.kernels.decode_attention(q, rows, n.indptr, n.blocks, n.ctx_lens, k_cache, v_cache, scale, torch.empty_like(q))
     if plan.bags is not None:
         return decode_attention_bags(q, k_cache, v_cache, plan, scale)
     return decode_attention_padded(q, k_cache, v_cache, plan, scale)
@@ -261,10 +311,16 @@ def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan, scale: float
 ) -> torch.Tensor:
     """q [N, H, D] for the flat step -> [N, H, D]. K/V of this step must already be written."""
-    if plan.decode is not None and not plan.prefills:  # decodes only: rows are 0..N-1
-        return decode_attention(q, k_cache, v_cache, plan.decode, scale)
-    out = torch.empty_like(q)
-    if plan.decode is not None:
+    d = plan.decode
+    if d is not None and d.native is not None:  # the kernel reads q's rows and writes out's in place
+        out = torch.empty_like(q)
+        n = d.native
+        n.kernels.decode_attention(q, d.rows, n.indptr, n.blocks, n.ctx_lens, k_cache, v_cache, scale, out)
+    elif d is not None and not plan.prefills:  # decodes only: rows are 0..N-1
+        return decode_attention(q, k_cache, v_cache, d, scale)
+    else:
+        out = torch.empty_like(q)
+    if d is not None and d.native is None:
         out[plan.decode.rows] = decode_attention(q[plan.decode.rows], k_cache, v_cache, plan.decode, scale)
     for p in plan.prefills:
         out[p.rows] = prefill_attention(q[p.rows], k_cache, v_cache, p)

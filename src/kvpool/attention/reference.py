@@ -17,9 +17,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return out.transpose(0, 1)
 
 
-def reference_logits(model, token_ids: list[int]) -> torch.Tensor:
-    """Logits [T, vocab] of one sequence by full recompute through `causal_attention`."""
+def reference_logits(model, token_ids: list[int], fused: bool = True) -> torch.Tensor:
+    """Logits [T, vocab] of one sequence by full recompute through `causal_attention`.
+
+    fused: the model's own math between the attentions (its C kernels when it has them),
+    so that a comparison with the engine isolates the cache and paged attention. The
+    fused and plain layer math differ by rounding (~1 ulp an op), which 30 layers turn
+    into up to ~1e-3 on the logits; tests/test_kernels.py bounds that separately."""
     ids = torch.tensor(token_ids, dtype=torch.long, device=model.device)
     positions = torch.arange(len(token_ids), device=model.device)
-    hidden = model.forward(ids, positions, lambda layer, q, k, v: causal_attention(q, k, v))
+    hidden = model.forward(ids, positions, lambda layer, q, k, v: causal_attention(q, k, v), fused=fused)
     return model.logits(hidden)

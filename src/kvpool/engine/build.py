@@ -11,6 +11,7 @@ import xxhash
 from kvpool.cache import CacheDescriptor
 from kvpool.engine.engine import Engine
 from kvpool.engine.llama_runner import LlamaRunner
+from kvpool.kernels import cpu_kernels
 from kvpool.models.gguf import GGUFModel, load_gguf
 from kvpool.models.llama import LlamaModel
 from kvpool.models.tokenizer import ChatTokenizer, build_tokenizer
@@ -38,9 +39,13 @@ def file_fingerprint(path: str) -> str:
 
 
 def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, device: str | None = None) -> LoadedModel:
+    """The GGUF's weights, tokenizer and fingerprint. On fp32 CPU the model runs the C kernels
+    (kvpool.kernels) when they build; KVPOOL_NATIVE=0 keeps the plain torch path."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     g = load_gguf(path, dtype)
-    return LoadedModel(g, LlamaModel.from_gguf(g, device), build_tokenizer(g.tokenizer), file_fingerprint(g.path))
+    kernels = cpu_kernels() if torch.device(device).type == "cpu" and dtype == torch.float32 else None
+    model = LlamaModel.from_gguf(g, device, kernels)
+    return LoadedModel(g, model, build_tokenizer(g.tokenizer), file_fingerprint(g.path))
 
 
 def descriptor_for(loaded: LoadedModel, block_size: int) -> CacheDescriptor:

@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-from kvpool.attention.paged import paged_attention, plan_step
+from kvpool.attention.paged import StepPlan, paged_attention, plan_step, prefill_attention
 from kvpool.cache import CacheDescriptor, KVCacheManager
 from kvpool.engine.runner import Admitted, ScheduledChunk
 from kvpool.models.llama import LlamaModel
@@ -22,19 +22,22 @@ class LlamaRunner:
         descriptor: CacheDescriptor,
         *,
         enable_prefix_caching: bool = True,
-        decode_path: str = "bags",
+        decode_path: str | None = None,
     ):
+        """decode_path: "native" / "bags" / "padded" (attention/paged.py); None picks "native"
+        when the model runs the C kernels, else "bags"."""
         cfg = model.config
         self.model = model
         self.manager = KVCacheManager(num_blocks, block_size, descriptor, enable_prefix_caching=enable_prefix_caching)
         self.storage = PagedKVStorage(
-            cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, model.dtype, model.device
-        )
+            cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, model.dtype, model.device,
+            model.kernels,
+        )  # fmt: skip
         self.block_size = block_size
         self.vocab_size = cfg.vocab_size
         self.capacity_tokens = num_blocks * block_size
         self.max_model_len = min(cfg.max_position, self.capacity_tokens)
-        self.decode_path = decode_path  # "bags" or "padded" (attention/paged.py)
+        self.decode_path = decode_path or ("native" if model.kernels is not None else "bags")
         self.scale = cfg.head_dim**-0.5
         self.last_decode_path: str | None = None  # the path the last step's decodes took
 
@@ -128,16 +131,21 @@ class LlamaRunner:
         cfg = self.model.config
         plan = plan_step(
             q_lens, ctx_lens, slot_mapping, csr.indptr, csr.indices, self.block_size, cfg.num_heads,
-            cfg.num_kv_heads, cfg.head_dim, device, self.model.dtype, self.decode_path,
+            cfg.num_kv_heads, cfg.head_dim, device, self.model.dtype, self.decode_path, self.model.kernels,
         )  # fmt: skip
         if plan.decode is not None:
-            self.last_decode_path = "bags" if plan.decode.bags is not None else "padded"
+            d = plan.decode
+            self.last_decode_path = "native" if d.native is not None else "bags" if d.bags is not None else "padded"
         storage = self.storage
-        write_index = storage.write_index(plan.block_idx, plan.offset_idx)
+        k_layers, v_layers, scale = storage.k_layers, storage.v_layers, self.scale
+        if storage.kernels is not None and (plan.decode is None or plan.decode.native is not None):
+            attend = NativeAttend(storage, plan, scale)
+        else:
+            write_index = storage.write_index(plan.block_idx, plan.offset_idx)
 
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            storage.write(layer, write_index, k, v)
-            return paged_attention(q, storage.k[layer], storage.v[layer], plan, self.scale)
+            def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                storage.write(layer, write_index, k, v)
+                return paged_attention(q, k_layers[layer], v_layers[layer], plan, scale)
 
         ids_t = torch.tensor(token_ids, dtype=torch.long, device=device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=device)
@@ -145,3 +153,66 @@ class LlamaRunner:
         if all_logits:
             return self.model.logits(hidden)
         return self.model.logits(hidden[logit_rows])
+
+
+class NativeAttend:
+    """The runner's attend on the C kernels: write the step's K/V into the pool, decode
+    attention straight from it, prefill chunks through SDPA (attention/paged.py).
+
+    The fused forward hands the same q / k / v views to every layer, so they are checked
+    once (through the checked kernel methods, on the first layer) and every other layer
+    calls the C functions on the addresses kept from that check. The returned tensor is
+    one buffer for the step, valid until the next call."""
+
+    def __init__(self, storage: PagedKVStorage, plan: StepPlan, scale: float):
+        assert storage.kernels is not None
+        self.storage, self.plan, self.scale = storage, plan, scale
+        self.kernels = storage.kernels
+        self._bound: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._out: torch.Tensor | None = None
+        self._k_ptrs = [t.data_ptr() for t in storage.k_layers]
+        self._v_ptrs = [t.data_ptr() for t in storage.v_layers]
+
+    def _bind(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Check q / k / v on layer 0's pool through the checked methods (which also run it)."""
+        st, plan = self.storage, self.plan
+        st.kernels.write_kv(k, v, plan.slots, st.k_layers[0], st.v_layers[0])  # type: ignore[union-attr]
+        out = torch.empty(q.shape, dtype=q.dtype)
+        d = plan.decode
+        if d is not None:
+            n = d.native
+            assert n is not None
+            self.kernels.decode_attention(q, d.rows, n.indptr, n.blocks, n.ctx_lens, st.k_layers[0], st.v_layers[0], self.scale, out)
+        self._bound, self._out = (q, k, v), out
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        st, plan = self.storage, self.plan
+        bound = self._bound
+        if bound is None or bound[0] is not q or bound[1] is not k or bound[2] is not v:
+            if layer != 0:  # not the fused forward's shared views: the checked path, every layer
+                st.write_slots(layer, plan.slots, k, v)
+                return paged_attention(q, st.k_layers[layer], st.v_layers[layer], plan, self.scale)
+            self._bind(q, k, v)
+        else:
+            lib, d = self.kernels.lib, plan.decode
+            kvh, hd = k.shape[1], k.shape[2]
+            kp, vp = self._k_ptrs[layer], self._v_ptrs[layer]
+            rc = lib.kv_write(
+                k.data_ptr(), v.data_ptr(), k.shape[0], k.stride(0), kvh, hd, plan.slots.data_ptr(), st.block_size,
+                st.num_blocks, kp, vp,
+            )  # fmt: skip
+            assert rc == 0, "slots were checked on layer 0"
+            if d is not None:
+                n = d.native
+                assert n is not None and self._out is not None
+                rc = lib.kv_decode_attention(
+                    q.data_ptr(), q.stride(0), q.shape[0], d.rows.data_ptr(), d.num_seqs, n.indptr.data_ptr(),
+                    n.blocks.shape[0], n.blocks.data_ptr(), n.ctx_lens.data_ptr(), kp, vp, st.num_blocks, q.shape[1],
+                    kvh, hd, st.block_size, self.scale, self._out.data_ptr(), self._out.stride(0),
+                )  # fmt: skip
+                assert rc == 0, "the plan was checked on layer 0"
+        out = self._out
+        assert out is not None
+        for p in plan.prefills:
+            out[p.rows] = prefill_attention(q[p.rows], st.k_layers[layer], st.v_layers[layer], p)
+        return out

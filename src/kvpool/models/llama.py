@@ -8,12 +8,15 @@ with Q/K rows already un-permuted, so RoPE here is the rotate-half form of HF Ll
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from kvpool.models.gguf import GGUFModel, LlamaConfig
+
+if TYPE_CHECKING:
+    from kvpool.kernels import CpuKernels
 
 
 class Attend(Protocol):
@@ -36,29 +39,43 @@ class LlamaModel:
     decode batch (M = 2..64), MKL multiplies x [M, in] @ w [in, out] 2-5x faster than
     F.linear's x @ w[out, in].T (measured on this project's 2-core machines: M = 16,
     [3072, 576]: 0.38 ms against 1.9 ms), while large prefill batches run at the same speed.
-    At batch 1 both are bound by reading the fp32 weights from memory."""
+    At batch 1 both are bound by reading the fp32 weights from memory.
 
-    def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], device: str | torch.device = "cpu"):
+    kernels: the C kernels (kvpool.kernels); on fp32 CPU the forward then runs the work
+    between matmuls as fused calls (`_forward_fused`) instead of ~15 torch ops a layer."""
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        weights: dict[str, torch.Tensor],
+        device: str | torch.device = "cpu",
+        kernels: CpuKernels | None = None,
+    ):
         self.config = config
         self.device = torch.device(device)
         self.dtype = weights["embed"].dtype
+        fused = kernels is not None and self.dtype == torch.float32 and self.device.type == "cpu"
+        self.kernels = kernels if fused else None
         w = {k: v.to(self.device) for k, v in weights.items()}
         self.embed = w["embed"]  # [vocab, hidden]
-        self.norm = w["norm"]
+        self.norm = w["norm"].contiguous()
         self.lm_head = w["lm_head"].t().contiguous()  # [hidden, vocab] (tied to embed in SmolLM2)
         self.layers: list[dict[str, torch.Tensor]] = []
         for i in range(config.num_layers):
             p = f"layers.{i}."
             self.layers.append(
                 {
-                    "attn_norm": w[p + "attn_norm"],
-                    "ffn_norm": w[p + "ffn_norm"],
+                    "attn_norm": w[p + "attn_norm"].contiguous(),
+                    "ffn_norm": w[p + "ffn_norm"].contiguous(),
                     "wqkv": torch.cat([w[p + "q"], w[p + "k"], w[p + "v"]], dim=0).t().contiguous(),
                     "wo": w[p + "o"].t().contiguous(),
                     "w_gate_up": torch.cat([w[p + "gate"], w[p + "up"]], dim=0).t().contiguous(),
                     "w_down": w[p + "down"].t().contiguous(),
                 }
             )
+        # the norm weights' addresses for the fused forward: they never move
+        self._norm_ptrs = [layer["attn_norm"].data_ptr() for layer in self.layers] + [self.norm.data_ptr()]
+        self._ffn_norm_ptrs = [layer["ffn_norm"].data_ptr() for layer in self.layers]
         # RoPE tables (rotate-half): cos / sin [max_position, head_dim], fp32
         d = config.head_dim
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
@@ -72,8 +89,8 @@ class LlamaModel:
         self.sin_signed = sin.to(torch.float32).to(self.device)
 
     @classmethod
-    def from_gguf(cls, model: GGUFModel, device: str | torch.device = "cpu") -> LlamaModel:
-        return cls(model.config, model.weights, device)
+    def from_gguf(cls, model: GGUFModel, device: str | torch.device = "cpu", kernels: CpuKernels | None = None) -> LlamaModel:
+        return cls(model.config, model.weights, device, kernels)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
         """Rotate-half RoPE, x [N, heads, D]; cos, sin_signed [N, 1, D]:
@@ -84,11 +101,14 @@ class LlamaModel:
         return torch.addcmul(x * cos, swapped, sin_signed)
 
     @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
-        """token_ids, positions: [N] int64 (flat tokens of the step) -> hidden [N, hidden]."""
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attend: Attend, fused: bool = True) -> torch.Tensor:
+        """token_ids, positions: [N] int64 (flat tokens of the step) -> hidden [N, hidden].
+        fused=False forces the plain torch path even when the kernels are loaded (the oracle's)."""
         cfg = self.config
         if int(positions.max()) >= cfg.max_position:
             raise ValueError(f"position {int(positions.max())} exceeds the model's context {cfg.max_position}")
+        if fused and self.kernels is not None:
+            return self._forward_fused(token_ids, positions, attend)
         n = token_ids.shape[0]
         h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         cos = self.cos[positions].unsqueeze(1).to(self.dtype)
@@ -109,7 +129,67 @@ class LlamaModel:
             x = x + (F.silu(gate) * up) @ layer["w_down"]
         return _rms_norm(x, self.norm, cfg.rms_norm_eps)
 
+    def _forward_fused(self, token_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """The same layers with the C kernels between the matmuls, into buffers made once per
+        step: a layer is 4 matmuls (out=) and 4 calls, x += o fused into the next norm.
+            hs = norm(x); qkv = hs @ wqkv; rope(q, k) in place; attn = attend(q, k, v)
+            x += attn @ wo; hs = norm(x); act = silu(gate) * up; x += act @ w_down
+        The kernels run unchecked (`kernels.lib`) on buffers made here, all contiguous fp32;
+        positions were range-checked by `forward`. q / k / v are the same views of the qkv
+        buffer for every layer, so an attend can validate them once per step.
+
+        A single token runs its matmuls as two rows, the second all zeros (`_rows`)."""
+        cfg, lib = self.config, self.kernels.lib  # type: ignore[union-attr]
+        n = token_ids.shape[0]
+        m = _rows(n)  # matmul rows: [0, n) the step's tokens | [n, m) zero padding
+        h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        hidden, inter, eps = cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps
+        positions = positions.to(torch.long).contiguous()
+        if int(positions.min()) < 0:
+            raise ValueError(f"negative position {int(positions.min())}")
+        x = self.embed[token_ids]  # [N, hidden], a fresh tensor: the residual stream
+        new = torch.zeros if m > n else torch.empty  # padding rows stay zero (finite) throughout
+        hs, delta = new(m, hidden), new(m, hidden)
+        qkv = new(m, (h + 2 * kvh) * d)
+        attn_rows = new(m, h * d)
+        gate_up = new(m, 2 * inter)
+        act = new(m, inter)
+        q = qkv[:n, : h * d].view(n, h, d)
+        k = qkv[:n, h * d : (h + kvh) * d].view(n, kvh, d)
+        v = qkv[:n, (h + kvh) * d :].view(n, kvh, d)
+        xp, hsp, dp, qkvp, gup, actp = (t.data_ptr() for t in (x, hs, delta, qkv, gate_up, act))
+        posp, cosp, sinp = positions.data_ptr(), self.cos.data_ptr(), self.sin_signed.data_ptr()
+        norms = self._norm_ptrs  # attn_norm of each layer, then the final norm
+        lib.kv_add_rms_norm(xp, None, norms[0], hsp, n, hidden, eps)
+        for i, layer in enumerate(self.layers):
+            torch.mm(hs, layer["wqkv"], out=qkv)
+            lib.kv_rope(qkvp, n, qkv.shape[1], h + kvh, d, posp, cosp, sinp, cfg.max_position)
+            attn = attend(i, q, k, v).reshape(n, h * d)
+            if m > n:
+                attn_rows[:n] = attn
+                attn = attn_rows
+            torch.mm(attn, layer["wo"], out=delta)
+            lib.kv_add_rms_norm(xp, dp, self._ffn_norm_ptrs[i], hsp, n, hidden, eps)
+            torch.mm(hs, layer["w_gate_up"], out=gate_up)
+            lib.kv_silu_mul(gup, actp, n, inter)
+            torch.mm(act, layer["w_down"], out=delta)
+            lib.kv_add_rms_norm(xp, dp, norms[i + 1], hsp, n, hidden, eps)  # x += delta; next layer's norm
+        return hs[:n]
+
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [M, hidden] -> logits [M, vocab] in fp32."""
-        return (hidden @ self.lm_head).float()
+        """hidden [M, hidden] -> logits [M, vocab] in fp32. One row runs as two (`_rows`)."""
+        m = hidden.shape[0]
+        if _rows(m) > m:
+            hidden = torch.cat([hidden, hidden.new_zeros(_rows(m) - m, hidden.shape[1])])
+        return (hidden @ self.lm_head)[:m].float()
+
+
+def _rows(n: int) -> int:
+    """Rows to give a matmul for n tokens. MKL multiplies one row (GEMV) in another order
+    than several (GEMM): ~1e-4 apart at SmolLM2's hidden sizes, which the model's massive
+    residual activations (|x| ~ 2.5e4 at layer 15) carry to the logits. A token decoded
+    alone then got other logits than the same token in a batch or a full recompute. Two
+    rows (the second zeros) take the GEMM path at the same cost, since a decode matmul
+    is bound by reading the weights: rows are then computed alike whatever the batch."""
+    return max(n, 2)

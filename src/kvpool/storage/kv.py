@@ -14,11 +14,14 @@ a NaN into a masked-out product.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import torch
 
 from kvpool.cache import BlockCopy
+
+if TYPE_CHECKING:
+    from kvpool.kernels import CpuKernels
 
 
 class WriteIndex(NamedTuple):
@@ -40,11 +43,18 @@ class PagedKVStorage:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        kernels: CpuKernels | None = None,
     ):
+        """kernels: the C kernels (kvpool.kernels), used by `write` when the pool is fp32 on CPU."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
         self.k = torch.zeros(num_layers, num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype, device=device)
         self.v = torch.zeros(num_layers, num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=device)
+        # per-layer views, made once (indexing self.k[layer] costs a view per call)
+        self.k_layers = list(self.k.unbind(0))
+        self.v_layers = list(self.v.unbind(0))
+        native = kernels is not None and dtype == torch.float32 and self.k.device.type == "cpu"
+        self.kernels = kernels if native else None
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -75,8 +85,14 @@ class PagedKVStorage:
     def write(self, layer: int, index: WriteIndex, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the step's new K/V, k, v: [N, kv_heads, head_dim], at `write_index`'s positions.
         One index_copy_ of a flat view per tensor (cheaper than a 4-D index_put)."""
-        self.k[layer].view(-1).index_copy_(0, index.k_pos, k.reshape(-1))
-        self.v[layer].view(-1).index_copy_(0, index.v_pos, v.reshape(-1))
+        self.k_layers[layer].view(-1).index_copy_(0, index.k_pos, k.reshape(-1))
+        self.v_layers[layer].view(-1).index_copy_(0, index.v_pos, v.reshape(-1))
+
+    def write_slots(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The native twin of `write`: k, v [N, kv_heads, head_dim] (rows may be strided views of
+        one qkv row) stored at slots [N] int64 by the C kernel. Needs `self.kernels`."""
+        assert self.kernels is not None, "write_slots needs the CPU kernels"
+        self.kernels.write_kv(k, v, slots, self.k_layers[layer], self.v_layers[layer])
 
     def apply_copies(self, copies: Sequence[BlockCopy]) -> None:
         """Copy-on-write: block src -> dst in every layer, in the order the manager recorded."""

@@ -1,0 +1,264 @@
+/* Fused fp32 CPU kernels for the Llama decode path (kvpool/kernels/__init__.py builds and
+ * loads this file with the machine's C compiler; each function has a torch twin there).
+ *
+ * Why they exist: at batch 1 a SmolLM2-135M step reads ~540 MB of fp32 weights (~23 ms at
+ * this machine's ~23 GB/s), and everything between the matmuls is microseconds of work
+ * behind ~5-30 us of dispatch per torch op: F.rms_norm alone is ~25 us a call, 61 calls a
+ * step. One C call per fused step costs ~3 us through ctypes.
+ *
+ * Conventions: every tensor is fp32 (indices int64), rows may be strided (row_stride in
+ * elements), everything else is contiguous. Single-threaded: torch's matmuls own the
+ * cores, and these loops are short. No -ffast-math (IEEE results, NaN kept): reductions
+ * vectorise through explicit lane arrays instead, and exp is the Cephes polynomial below,
+ * written so it vectorises.
+ * Functions that index the pool return 0, or a negative code for a bad index (nothing
+ * written); the Python side turns that into an error.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 16
+
+/* exp(x), within 1 ulp for x in [-87.3, 88] (clamped to that range: softmax arguments are
+ * <= 0, and silu(g) = g / (1 + exp(-g)) needs no more). Cephes expf: x = n ln2 + r,
+ * |r| <= ln2 / 2, exp(r) by a degree-7 polynomial, 2^n through the exponent bits. No
+ * branches, libm calls or type-punning unions, so that GCC vectorises the loops calling it
+ * (with -fno-trapping-math: the clamps are then selects, not control flow). */
+static inline float exp_poly(float x) {
+    x = x < -87.33654f ? -87.33654f : x;
+    x = x > 88.0f ? 88.0f : x;
+    int32_t ni = (int32_t)(x * 1.44269504088896341f + 128.5f) - 128; /* floor(x log2(e) + 1/2) */
+    float n = (float)ni;
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = (ni + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+static float sum_squares(const float *x, int64_t n) {
+    float acc[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] += x[i + l] * x[i + l];
+    float s = 0.0f;
+    for (int l = 0; l < LANES; l++) s += acc[l];
+    for (; i < n; i++) s += x[i] * x[i];
+    return s;
+}
+
+static float sum_values(const float *x, int64_t n) {
+    float acc[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] += x[i + l];
+    float s = 0.0f;
+    for (int l = 0; l < LANES; l++) s += acc[l];
+    for (; i < n; i++) s += x[i];
+    return s;
+}
+
+static float max_value(const float *x, int64_t n) { /* n >= 1 */
+    float acc[LANES];
+    for (int l = 0; l < LANES; l++) acc[l] = x[0];
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] = x[i + l] > acc[l] ? x[i + l] : acc[l];
+    float m = acc[0];
+    for (int l = 1; l < LANES; l++) m = acc[l] > m ? acc[l] : m;
+    for (; i < n; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+/* x [n, hidden] (+)= delta [n, hidden] (when delta is not NULL), then
+ * out [n, hidden] = x / sqrt(mean(x^2) + eps) * w: the residual add fused with the next norm. */
+void kv_add_rms_norm(float *x, const float *delta, const float *w, float *out, int64_t n, int64_t hidden, float eps) {
+    for (int64_t r = 0; r < n; r++) {
+        float *xr = x + r * hidden;
+        if (delta) {
+            const float *dr = delta + r * hidden;
+            for (int64_t i = 0; i < hidden; i++) xr[i] += dr[i];
+        }
+        float inv = 1.0f / sqrtf(sum_squares(xr, hidden) / (float)hidden + eps);
+        float *o = out + r * hidden;
+        for (int64_t i = 0; i < hidden; i++) o[i] = (xr[i] * inv) * w[i];
+    }
+}
+
+/* Rotate-half RoPE in place on the first `heads` heads of each row of x [n, row_stride]:
+ * v = v * cos + [v2 | v1] * sin_signed, cos / sin_signed [max_position, d] (sin_signed is
+ * [-sin | +sin]), row r at position pos[r]. Returns -1 (nothing rotated) for a position
+ * outside [0, max_position). */
+int kv_rope(float *x, int64_t n, int64_t row_stride, int64_t heads, int64_t d, const int64_t *pos,
+            const float *cos_table, const float *sin_table, int64_t max_position) {
+    int64_t half = d / 2;
+    for (int64_t r = 0; r < n; r++)
+        if (pos[r] < 0 || pos[r] >= max_position) return -1;
+    for (int64_t r = 0; r < n; r++) {
+        const float *c = cos_table + pos[r] * d;
+        const float *s = sin_table + pos[r] * d;
+        for (int64_t h = 0; h < heads; h++) {
+            float *v = x + r * row_stride + h * d;
+            for (int64_t i = 0; i < half; i++) {
+                float a = v[i], b = v[i + half];
+                v[i] = a * c[i] + b * s[i];
+                v[i + half] = b * c[i + half] + a * s[i + half];
+            }
+        }
+    }
+    return 0;
+}
+
+/* Store n tokens' K / V, rows of k and v [n, kvh, d] (row stride in elements), into the
+ * layer's pool at slots[r] = block * bs + offset:
+ *   k_cache [num_blocks, kvh, d, bs]  (K^T per block)     v_cache [num_blocks, kvh, bs, d]
+ * Returns -1 (nothing written) if a slot lies outside the pool. */
+int kv_write(const float *k, const float *v, int64_t n, int64_t row_stride, int64_t kvh, int64_t d,
+             const int64_t *slots, int64_t bs, int64_t num_blocks, float *k_cache, float *v_cache) {
+    for (int64_t r = 0; r < n; r++)
+        if (slots[r] < 0 || slots[r] >= num_blocks * bs) return -1;
+    for (int64_t r = 0; r < n; r++) {
+        int64_t block = slots[r] / bs, off = slots[r] % bs;
+        for (int64_t h = 0; h < kvh; h++) {
+            const float *kr = k + r * row_stride + h * d;
+            float *kb = k_cache + (block * kvh + h) * d * bs + off;
+            for (int64_t i = 0; i < d; i++) kb[i * bs] = kr[i];
+            memcpy(v_cache + ((block * kvh + h) * bs + off) * d, v + r * row_stride + h * d, (size_t)d * sizeof(float));
+        }
+    }
+    return 0;
+}
+
+/* 8-float vectors (GCC / clang vector extensions: AVX on x86, NEON on ARM). Used where
+ * the auto-vectoriser keeps sums in memory; the unaligned type loads any float address. */
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
+static inline v8 load8(const float *p) { return *(const v8u *)p; }
+static inline void store8(float *p, v8 x) { *(v8u *)p = x; }
+
+/* Scores of one block: s[t] = sum_i q[i] K^T[i, t] for t < bs, kt [d, bs]. In 16-slot
+ * strips, the sums in registers: eight accumulators (two halves x i mod 4) so that
+ * the FMAs overlap instead of waiting on each other. Block sizes that are not a multiple
+ * of 16 take the plain loop. */
+static void block_scores(const float *restrict q, const float *restrict kt, int64_t d, int64_t bs, float *restrict s) {
+    if (bs % 16 != 0) {
+        for (int64_t t = 0; t < bs; t++) s[t] = 0.0f;
+        for (int64_t i = 0; i < d; i++)
+            for (int64_t t = 0; t < bs; t++) s[t] += q[i] * kt[i * bs + t];
+        return;
+    }
+    for (int64_t t0 = 0; t0 < bs; t0 += 16) {
+        v8 lo[4] = {0}, hi[4] = {0};
+        const float *k = kt + t0;
+        int64_t i = 0;
+        for (; i + 4 <= d; i += 4)
+            for (int u = 0; u < 4; u++) {
+                lo[u] += q[i + u] * load8(k + (i + u) * bs);
+                hi[u] += q[i + u] * load8(k + (i + u) * bs + 8);
+            }
+        for (; i < d; i++) {
+            lo[0] += q[i] * load8(k + i * bs);
+            hi[0] += q[i] * load8(k + i * bs + 8);
+        }
+        store8(s + t0, (lo[0] + lo[1]) + (lo[2] + lo[3]));
+        store8(s + t0 + 8, (hi[0] + hi[1]) + (hi[2] + hi[3]));
+    }
+}
+
+/* o[i] += sum_t p[t] V[t, i] for t < slots, v [bs, d]: 64-dim strips held in registers
+ * across the block's slots (the plain loop would load and store o for every slot). */
+static void block_weighted_sum(const float *restrict p, const float *restrict v, int64_t slots, int64_t d,
+                               float *restrict o) {
+    int64_t i0 = 0;
+    for (; i0 + 64 <= d; i0 += 64) {
+        v8 acc[8] = {0};
+        for (int64_t t = 0; t < slots; t++)
+            for (int u = 0; u < 8; u++) acc[u] += p[t] * load8(v + t * d + i0 + 8 * u);
+        for (int u = 0; u < 8; u++) store8(o + i0 + 8 * u, load8(o + i0 + 8 * u) + acc[u]);
+    }
+    for (int64_t t = 0; t < slots; t++)
+        for (int64_t i = i0; i < d; i++) o[i] += p[t] * v[t * d + i];
+}
+
+/* Decode attention, one query per sequence, straight from the pool in any block order.
+ * Sequence b: query row rows[b] of q [*, q_row_stride] holding H heads of d; its blocks
+ * blocks[indptr[b] .. indptr[b+1]) cover keys [0, ctx_lens[b]); output row rows[b] of
+ * out [*, out_row_stride]. GQA: query heads [kh * G, kh * G + G) read KV head kh, so each
+ * K^T row (bs floats) and V row (d floats) is loaded once for its G heads.
+ *   scores[g, t] = scale * sum_i q[g, i] K^T[block(t), kh, i, slot(t)]     (vector over slots)
+ *   out[g, :]    = sum_t softmax(scores[g])[t] V[block(t), kh, slot(t), :]  (vector over d)
+ * Returns -1 for a block id outside the pool, -2 for a table that does not cover its
+ * context, -3 when out of memory, -4 for a query row outside [0, num_rows); nothing is
+ * written then. */
+int kv_decode_attention(const float *q, int64_t q_row_stride, int64_t num_rows, const int64_t *rows, int64_t num_seqs,
+                        const int64_t *indptr, int64_t nnz, const int64_t *blocks, const int64_t *ctx_lens,
+                        const float *restrict k_cache, const float *restrict v_cache, int64_t num_blocks, int64_t heads,
+                        int64_t kvh, int64_t d, int64_t bs, float scale, float *restrict out, int64_t out_row_stride) {
+    int64_t g_size = heads / kvh, width = 0;
+    if (indptr[0] != 0 || indptr[num_seqs] != nnz) return -2;
+    for (int64_t b = 0; b < num_seqs; b++) {
+        if (rows[b] < 0 || rows[b] >= num_rows) return -4;
+        if (indptr[b + 1] < indptr[b]) return -2;
+        int64_t nb = indptr[b + 1] - indptr[b];
+        if (ctx_lens[b] <= 0 || nb * bs < ctx_lens[b] || (nb - 1) * bs >= ctx_lens[b]) return -2;
+        for (int64_t j = indptr[b]; j < indptr[b + 1]; j++)
+            if (blocks[j] < 0 || blocks[j] >= num_blocks) return -1;
+        if (nb * bs > width) width = nb * bs;
+    }
+    float *restrict scores = malloc((size_t)(g_size * width + g_size * d) * sizeof(float));
+    if (!scores) return -3;
+    float *restrict qs = scores + g_size * width; /* the G scaled queries of one KV head */
+    for (int64_t b = 0; b < num_seqs; b++) {
+        const int64_t *table = blocks + indptr[b];
+        int64_t nb = indptr[b + 1] - indptr[b], len = ctx_lens[b];
+        for (int64_t kh = 0; kh < kvh; kh++) {
+            const float *qh = q + rows[b] * q_row_stride + kh * g_size * d;
+            for (int64_t x = 0; x < g_size * d; x++) qs[x] = qh[x] * scale;
+            for (int64_t j = 0; j < nb; j++) {
+                const float *kt = k_cache + (table[j] * kvh + kh) * d * bs; /* [d, bs] */
+                for (int64_t g = 0; g < g_size; g++) block_scores(qs + g * d, kt, d, bs, scores + g * width + j * bs);
+            }
+            for (int64_t g = 0; g < g_size; g++) {
+                float *s = scores + g * width;
+                float m = max_value(s, len);
+                for (int64_t t = 0; t < len; t++) s[t] = exp_poly(s[t] - m);
+                float inv = 1.0f / sum_values(s, len);
+                for (int64_t t = 0; t < len; t++) s[t] *= inv;
+                float *o = out + rows[b] * out_row_stride + (kh * g_size + g) * d;
+                for (int64_t i = 0; i < d; i++) o[i] = 0.0f;
+                for (int64_t j = 0; j < nb; j++) {
+                    const float *vb = v_cache + (table[j] * kvh + kh) * bs * d; /* [bs, d] */
+                    int64_t slots = len - j * bs < bs ? len - j * bs : bs;
+                    block_weighted_sum(s + j * bs, vb, slots, d, o);
+                }
+            }
+        }
+    }
+    free(scores);
+    return 0;
+}
+
+/* out [n, inter] = silu(gate) * up for gate_up [n, 2 * inter] = [gate | up] per row. */
+void kv_silu_mul(const float *restrict gate_up, float *restrict out, int64_t n, int64_t inter) {
+    for (int64_t r = 0; r < n; r++) {
+        const float *g = gate_up + r * 2 * inter, *u = g + inter;
+        float *o = out + r * inter;
+        for (int64_t i = 0; i < inter; i++) {
+            /* e = exp(-|g|) in (0, 1]: silu(g) = g / (1 + exp(-g)) = g * (g >= 0 ? 1 : e) / (1 + e).
+             * The plain form lets GCC divide by exp(88) for clamped lanes of every vector,
+             * making subnormals that cost ~100 cycles each. */
+            float e = exp_poly(-fabsf(g[i]));
+            o[i] = g[i] * (g[i] >= 0.0f ? 1.0f : e) / (1.0f + e) * u[i];
+        }
+    }
+}

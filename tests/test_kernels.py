@@ -1,0 +1,170 @@
+"""The C kernels (kvpool/kernels/cpu.c) against their torch twins, their errors, their build.
+
+Each kernel is compared with the torch ops the plain path runs, on shapes that are not
+multiples of the kernels' vector widths (tails) and rows that are strided views. The fused
+model as a whole is compared with the plain torch model at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvpool.kernels import KernelBuildError, build, cpu_kernels
+from kvpool.storage.kv import PagedKVStorage
+
+K = cpu_kernels()
+pytestmark = pytest.mark.skipif(K is None, reason="the C kernels did not build here")
+
+
+@pytest.mark.parametrize("hidden", [1, 7, 33, 576])
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm_matches_torch(hidden, with_delta):
+    torch.manual_seed(hidden)
+    x = torch.randn(5, hidden) * 30
+    delta = torch.randn(5, hidden) * 30 if with_delta else None
+    w = torch.randn(hidden)
+    expect_x = x + delta if with_delta else x.clone()
+    expect = F.rms_norm(expect_x, (hidden,), w, 1e-5)
+    out = torch.empty_like(x)
+    K.add_rms_norm(x, delta, w, out, 1e-5)
+    torch.testing.assert_close(x, expect_x, rtol=0, atol=0)  # the residual add is one rounding, as in torch
+    torch.testing.assert_close(out, expect, rtol=2e-6, atol=1e-6)
+
+
+def rope_reference(x: torch.Tensor, pos: torch.Tensor, d: int, theta: float = 10000.0) -> torch.Tensor:
+    """HF Llama's rotate-half RoPE, written out: x [N, heads, d]."""
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = pos.double()[:, None] * inv[None, :]
+    cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None, :].float()
+    sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None, :].float()
+    rot = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1)
+    return x * cos + rot * sin
+
+
+def rope_tables(max_pos: int, d: int, theta: float = 10000.0):
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    emb = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv)
+    emb = torch.cat([emb, emb], -1)
+    sin = emb.sin()
+    sin[:, : d // 2] *= -1
+    return emb.cos().float(), sin.float()
+
+
+def test_rope_rotates_the_first_heads_of_strided_rows_in_place():
+    torch.manual_seed(0)
+    n, d, rotated, total = 4, 64, 12, 15  # q + k heads rotated, v heads left alone
+    qkv = torch.randn(n, total * d + 5)[:, : total * d]  # strided rows: stride total * d + 5
+    before = qkv.clone()
+    pos = torch.tensor([0, 7, 300, 1999])
+    cos, sin = rope_tables(2048, d)
+    K.rope(qkv, rotated, d, pos, cos, sin)
+    expect = rope_reference(before[:, : rotated * d].view(n, rotated, d), pos, d)
+    torch.testing.assert_close(qkv[:, : rotated * d].view(n, rotated, d), expect, rtol=1e-5, atol=1e-5)
+    assert torch.equal(qkv[:, rotated * d :], before[:, rotated * d :])
+
+
+def test_rope_rejects_a_position_outside_its_table_and_changes_nothing():
+    cos, sin = rope_tables(16, 8)
+    x = torch.randn(2, 16)
+    before = x.clone()
+    with pytest.raises(ValueError, match="outside the RoPE table"):
+        K.rope(x, 2, 8, torch.tensor([3, 16]), cos, sin)
+    assert torch.equal(x, before)
+    with pytest.raises(TypeError, match="int64"):
+        K.rope(x, 2, 8, torch.tensor([3, 4], dtype=torch.int32), cos, sin)
+
+
+def test_write_kv_matches_the_torch_write_and_rejects_a_slot_outside_the_pool():
+    torch.manual_seed(1)
+    layers, blocks, bs, kvh, d = 2, 6, 4, 3, 8
+    a = PagedKVStorage(layers, blocks, bs, kvh, d)
+    b = PagedKVStorage(layers, blocks, bs, kvh, d, kernels=K)
+    qkv = torch.randn(5, (3 + 2 * kvh) * d)  # k and v are strided views of one row, as in the model
+    k = qkv[:, 3 * d : (3 + kvh) * d].view(5, kvh, d)
+    v = qkv[:, (3 + kvh) * d :].view(5, kvh, d)
+    slots = torch.tensor([0, 5, 23, 9, 14])  # scattered, last slot of the last block included
+    a.write(1, a.write_index(slots // bs, slots % bs), k, v)
+    b.write_slots(1, slots, k, v)
+    assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v) and a.k.abs().sum() > 0
+    before = (b.k.clone(), b.v.clone())
+    with pytest.raises(ValueError, match="outside the pool"):
+        b.write_slots(0, torch.tensor([0, 5, 24, 9, 14]), k, v)
+    assert torch.equal(b.k, before[0]) and torch.equal(b.v, before[1])
+
+
+def test_decode_attention_rejects_bad_tables_before_writing():
+    kc, vc = torch.randn(4, 1, 8, 4), torch.randn(4, 1, 4, 8)
+    q, out = torch.randn(1, 2, 8), torch.zeros(1, 2, 8)
+    rows, ctx = torch.tensor([0]), torch.tensor([6])
+
+    def call(blocks, indptr=(0, 2), ctx_lens=ctx, rows=rows):
+        K.decode_attention(q, rows, torch.tensor(indptr), torch.tensor(blocks), ctx_lens, kc, vc, 1.0, out)
+
+    with pytest.raises(ValueError, match="block id lies outside the pool"):
+        call([1, 4])
+    with pytest.raises(ValueError, match="does not cover exactly"):
+        call([1, 2], ctx_lens=torch.tensor([9]))  # 2 blocks of 4 hold at most 8
+    with pytest.raises(ValueError, match="does not cover exactly"):
+        call([1, 2, 3], indptr=(0, 3))  # a third block for 6 tokens
+    with pytest.raises(ValueError, match="query row"):
+        call([1, 2], rows=torch.tensor([1]))
+    assert not out.any()
+    call([1, 2])
+    assert out.abs().sum() > 0
+
+
+@pytest.mark.parametrize("inter", [1, 15, 1536])
+def test_silu_mul_matches_torch_including_extremes(inter):
+    torch.manual_seed(inter)
+    gate_up = torch.randn(3, 2 * inter) * 6
+    extremes = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 20.0, -20.0, 87.0, -87.0, 100.0, -100.0, 1e4, -1e4])
+    gate_up[0, : min(inter, len(extremes))] = extremes[:inter]
+    out = torch.empty(3, inter)
+    K.silu_mul(gate_up, out)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(out, F.silu(gate) * up, rtol=2e-6, atol=1e-30)
+
+
+def test_silu_mul_keeps_nan():
+    gate_up = torch.tensor([[float("nan"), 1.0, 2.0, float("nan")]])
+    out = torch.empty(1, 2)
+    K.silu_mul(gate_up, out)
+    assert out.isnan().all()
+
+
+def test_checked_methods_reject_wrong_dtypes_and_layouts():
+    with pytest.raises(TypeError, match="float32"):
+        K.add_rms_norm(torch.randn(2, 4, dtype=torch.float64), None, torch.randn(4), torch.empty(2, 4), 1e-5)
+    with pytest.raises(ValueError, match="contiguous"):
+        K.silu_mul(torch.randn(8, 2).t(), torch.empty(2, 4))
+    with pytest.raises(ValueError, match="shapes"):
+        K.add_rms_norm(torch.randn(2, 4), None, torch.randn(5), torch.empty(2, 4), 1e-5)
+
+
+def test_build_is_cached_and_a_failing_compiler_is_a_clear_error(tmp_path, monkeypatch):
+    first = build(tmp_path)
+    mtime = first.stat().st_mtime_ns
+    assert build(tmp_path) == first and first.stat().st_mtime_ns == mtime  # no second compile
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    with pytest.raises(KernelBuildError, match="failed to build"):
+        build(tmp_path / "other")
+    assert not any((tmp_path / "other").glob("*.so"))  # no half-written library left behind
+
+
+def test_kvpool_native_switch():
+    code = "from kvpool.kernels import cpu_kernels; print(cpu_kernels() is None)"
+    env = {**os.environ, "KVPOOL_NATIVE": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
+    env["KVPOOL_NATIVE"] = "yes"
+    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "KVPOOL_NATIVE must be 0, 1 or unset" in bad.stderr
+    env.update(KVPOOL_NATIVE="1", CC="false", KVPOOL_CACHE_DIR=os.path.join(env.get("TMPDIR", "/tmp"), "kvpool-none"))
+    forced = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert forced.returncode != 0 and "KernelBuildError" in forced.stderr
