@@ -168,3 +168,12 @@ def test_kvpool_native_switch():
     env.update(KVPOOL_NATIVE="1", CC="false", KVPOOL_CACHE_DIR=os.path.join(env.get("TMPDIR", "/tmp"), "kvpool-none"))
     forced = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert forced.returncode != 0 and "KernelBuildError" in forced.stderr
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")
+def test_one_openmp_runtime_in_the_process():
+    # the kernels' libgomp.so.1 must resolve to the copy torch loaded: two runtimes would
+    # mean two thread pools spinning against each other on the same cores
+    maps = open("/proc/self/maps").read()
+    paths = {line.split()[-1] for line in maps.splitlines() if "libgomp" in line}
+    assert len(paths) <= 1, paths

@@ -7,8 +7,10 @@
  * step. One C call per fused step costs ~3 us through ctypes.
  *
  * Conventions: every tensor is fp32 (indices int64), rows may be strided (row_stride in
- * elements), everything else is contiguous. Single-threaded: torch's matmuls own the
- * cores, and these loops are short. No -ffast-math (IEEE results, NaN kept): reductions
+ * elements), everything else is contiguous. Work large enough to pay for waking threads
+ * (long decode contexts, prefill chunks) runs on torch's own OpenMP pool: built with
+ * -fopenmp, this library needs libgomp.so.1, and the loader hands it the copy that torch
+ * already loaded (same soname), so there is one pool and one thread count. No -ffast-math (IEEE results, NaN kept): reductions
  * vectorise through explicit lane arrays instead, and exp is the Cephes polynomial below,
  * written so it vectorises.
  * Functions that index the pool return 0, or a negative code for a bad index (nothing
@@ -20,6 +22,8 @@
 #include <string.h>
 
 #define LANES 16
+/* Below this many multiply-adds a call stays on one thread: waking the pool costs more. */
+#define PARALLEL_MIN_WORK (1 << 18)
 
 /* exp(x), within 1 ulp for x in [-87.3, 88] (clamped to that range: softmax arguments are
  * <= 0, and silu(g) = g / (1 + exp(-g)) needs no more). Cephes expf: x = n ln2 + r,
@@ -83,6 +87,7 @@ static float max_value(const float *x, int64_t n) { /* n >= 1 */
 /* x [n, hidden] (+)= delta [n, hidden] (when delta is not NULL), then
  * out [n, hidden] = x / sqrt(mean(x^2) + eps) * w: the residual add fused with the next norm. */
 void kv_add_rms_norm(float *x, const float *delta, const float *w, float *out, int64_t n, int64_t hidden, float eps) {
+#pragma omp parallel for schedule(static) if (n * hidden >= PARALLEL_MIN_WORK)
     for (int64_t r = 0; r < n; r++) {
         float *xr = x + r * hidden;
         if (delta) {
@@ -215,13 +220,22 @@ int kv_decode_attention(const float *q, int64_t q_row_stride, int64_t num_rows, 
             if (blocks[j] < 0 || blocks[j] >= num_blocks) return -1;
         if (nb * bs > width) width = nb * bs;
     }
-    float *restrict scores = malloc((size_t)(g_size * width + g_size * d) * sizeof(float));
-    if (!scores) return -3;
-    float *restrict qs = scores + g_size * width; /* the G scaled queries of one KV head */
-    for (int64_t b = 0; b < num_seqs; b++) {
-        const int64_t *table = blocks + indptr[b];
-        int64_t nb = indptr[b + 1] - indptr[b], len = ctx_lens[b];
-        for (int64_t kh = 0; kh < kvh; kh++) {
+    /* One work item per (sequence, KV head), shared over torch's OpenMP threads when there
+     * is enough of it: the pool of libgomp.so.1 that torch loaded, not a second one. */
+    int64_t total = 0;
+    for (int64_t b = 0; b < num_seqs; b++) total += ctx_lens[b];
+    int failed = 0;
+#pragma omp parallel if (total * heads * d >= PARALLEL_MIN_WORK) reduction(| : failed)
+    {
+        float *restrict scores = malloc((size_t)(g_size * width + g_size * d) * sizeof(float));
+        if (!scores) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < num_seqs * kvh; item++) {
+            if (!scores) continue;
+            float *restrict qs = scores + g_size * width; /* the G scaled queries of one KV head */
+            int64_t b = item / kvh, kh = item % kvh;
+            const int64_t *table = blocks + indptr[b];
+            int64_t nb = indptr[b + 1] - indptr[b], len = ctx_lens[b];
             const float *qh = q + rows[b] * q_row_stride + kh * g_size * d;
             for (int64_t x = 0; x < g_size * d; x++) qs[x] = qh[x] * scale;
             for (int64_t j = 0; j < nb; j++) {
@@ -243,13 +257,14 @@ int kv_decode_attention(const float *q, int64_t q_row_stride, int64_t num_rows, 
                 }
             }
         }
+        free(scores);
     }
-    free(scores);
-    return 0;
+    return failed ? -3 : 0;
 }
 
 /* out [n, inter] = silu(gate) * up for gate_up [n, 2 * inter] = [gate | up] per row. */
 void kv_silu_mul(const float *restrict gate_up, float *restrict out, int64_t n, int64_t inter) {
+#pragma omp parallel for schedule(static) if (n * inter >= PARALLEL_MIN_WORK)
     for (int64_t r = 0; r < n; r++) {
         const float *g = gate_up + r * 2 * inter, *u = g + inter;
         float *o = out + r * inter;

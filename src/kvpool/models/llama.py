@@ -136,27 +136,22 @@ class LlamaModel:
             x += attn @ wo; hs = norm(x); act = silu(gate) * up; x += act @ w_down
         The kernels run unchecked (`kernels.lib`) on buffers made here, all contiguous fp32;
         positions were range-checked by `forward`. q / k / v are the same views of the qkv
-        buffer for every layer, so an attend can validate them once per step.
-
-        A single token runs its matmuls as two rows, the second all zeros (`_rows`)."""
+        buffer for every layer, so an attend can validate them once per step."""
         cfg, lib = self.config, self.kernels.lib  # type: ignore[union-attr]
         n = token_ids.shape[0]
-        m = _rows(n)  # matmul rows: [0, n) the step's tokens | [n, m) zero padding
         h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         hidden, inter, eps = cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps
         positions = positions.to(torch.long).contiguous()
         if int(positions.min()) < 0:
             raise ValueError(f"negative position {int(positions.min())}")
         x = self.embed[token_ids]  # [N, hidden], a fresh tensor: the residual stream
-        new = torch.zeros if m > n else torch.empty  # padding rows stay zero (finite) throughout
-        hs, delta = new(m, hidden), new(m, hidden)
-        qkv = new(m, (h + 2 * kvh) * d)
-        attn_rows = new(m, h * d)
-        gate_up = new(m, 2 * inter)
-        act = new(m, inter)
-        q = qkv[:n, : h * d].view(n, h, d)
-        k = qkv[:n, h * d : (h + kvh) * d].view(n, kvh, d)
-        v = qkv[:n, (h + kvh) * d :].view(n, kvh, d)
+        hs, delta = torch.empty_like(x), torch.empty_like(x)
+        qkv = x.new_empty(n, (h + 2 * kvh) * d)
+        gate_up = x.new_empty(n, 2 * inter)
+        act = x.new_empty(n, inter)
+        q = qkv[:, : h * d].view(n, h, d)
+        k = qkv[:, h * d : (h + kvh) * d].view(n, kvh, d)
+        v = qkv[:, (h + kvh) * d :].view(n, kvh, d)
         xp, hsp, dp, qkvp, gup, actp = (t.data_ptr() for t in (x, hs, delta, qkv, gate_up, act))
         posp, cosp, sinp = positions.data_ptr(), self.cos.data_ptr(), self.sin_signed.data_ptr()
         norms = self._norm_ptrs  # attn_norm of each layer, then the final norm
@@ -164,32 +159,16 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             torch.mm(hs, layer["wqkv"], out=qkv)
             lib.kv_rope(qkvp, n, qkv.shape[1], h + kvh, d, posp, cosp, sinp, cfg.max_position)
-            attn = attend(i, q, k, v).reshape(n, h * d)
-            if m > n:
-                attn_rows[:n] = attn
-                attn = attn_rows
-            torch.mm(attn, layer["wo"], out=delta)
+            attn = attend(i, q, k, v)
+            torch.mm(attn.reshape(n, h * d), layer["wo"], out=delta)
             lib.kv_add_rms_norm(xp, dp, self._ffn_norm_ptrs[i], hsp, n, hidden, eps)
             torch.mm(hs, layer["w_gate_up"], out=gate_up)
             lib.kv_silu_mul(gup, actp, n, inter)
             torch.mm(act, layer["w_down"], out=delta)
             lib.kv_add_rms_norm(xp, dp, norms[i + 1], hsp, n, hidden, eps)  # x += delta; next layer's norm
-        return hs[:n]
+        return hs
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [M, hidden] -> logits [M, vocab] in fp32. One row runs as two (`_rows`)."""
-        m = hidden.shape[0]
-        if _rows(m) > m:
-            hidden = torch.cat([hidden, hidden.new_zeros(_rows(m) - m, hidden.shape[1])])
-        return (hidden @ self.lm_head)[:m].float()
-
-
-def _rows(n: int) -> int:
-    """Rows to give a matmul for n tokens. MKL multiplies one row (GEMV) in another order
-    than several (GEMM): ~1e-4 apart at SmolLM2's hidden sizes, which the model's massive
-    residual activations (|x| ~ 2.5e4 at layer 15) carry to the logits. A token decoded
-    alone then got other logits than the same token in a batch or a full recompute. Two
-    rows (the second zeros) take the GEMM path at the same cost, since a decode matmul
-    is bound by reading the weights: rows are then computed alike whatever the batch."""
-    return max(n, 2)
+        """hidden [M, hidden] -> logits [M, vocab] in fp32."""
+        return (hidden @ self.lm_head).float()
