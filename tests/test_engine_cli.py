@@ -40,3 +40,16 @@ def test_run_json_report(capsys):
     assert report["prefix_hit_rate"] > 0  # shared system prompts and follow-up turns hit the cache
     assert report["kv_capacity_tokens"] == report["num_blocks"] * report["block_size"]
     assert 0 <= report["fragmentation"] < 1
+
+
+def test_bench_attention_times_every_path_after_checking_it():
+    # bench_attention asserts each paged path equals contiguous SDPA before timing it
+    from kvpool.cli.bench_engine import bench_attention
+    from kvpool.kernels import cpu_kernels
+
+    report = bench_attention(2, 64, 16, 9, 3, 64)
+    paths = {"paged_bags_ms", "paged_padded_ms", "contiguous_sdpa_ms"}
+    if cpu_kernels() is not None:
+        paths.add("paged_native_ms")
+    assert paths <= set(report) and all(report[p] > 0 for p in paths)
+    assert report["engine_path"] == ("native" if cpu_kernels() is not None else "bags")

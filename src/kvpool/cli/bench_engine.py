@@ -48,11 +48,16 @@ def bench_attention(
 ) -> dict:
     """Decode attention at `batch` x `context`, every sequence's blocks scattered over the pool
     (a random permutation: no sequence owns a run of consecutive ids), against SDPA over the
-    same K/V laid out contiguously [B, KVH, T, D]. twin: also time the padded-gather twin."""
+    same K/V laid out contiguously [B, KVH, T, D]. Paths: the C kernel (the engine's, when it
+    builds) and the embedding_bag path; twin: also the padded-gather twin.
+    paged_over_contiguous is the engine's path (native when built, else bags)."""
     import torch
     import torch.nn.functional as F
 
     from kvpool.attention.paged import decode_attention, plan_step
+    from kvpool.kernels import cpu_kernels
+
+    kernels = cpu_kernels()
 
     torch.manual_seed(0)
     g = num_heads // num_kv_heads
@@ -76,10 +81,12 @@ def bench_attention(
 
     results = {}
     ref = contiguous().reshape(batch, num_heads, head_dim)
-    for name, path in (("paged_bags", "bags"), ("paged_padded", "padded"))[: 2 if twin else 1]:
+    paths = [("paged_native", "native")] if kernels is not None else []
+    paths += [("paged_bags", "bags")] + ([("paged_padded", "padded")] if twin else [])
+    for name, path in paths:
         plan = plan_step(
             [1] * batch, [context] * batch, [0] * batch, indptr, indices, block_size, num_heads, num_kv_heads,
-            head_dim, torch.device("cpu"), decode_path=path,
+            head_dim, torch.device("cpu"), decode_path=path, kernels=kernels,
         ).decode  # fmt: skip
         out = decode_attention(q, k_cache, v_cache, plan, scale)
         assert (out - ref).abs().max().item() < 1e-4, "paged attention disagrees with contiguous SDPA"
@@ -89,7 +96,9 @@ def bench_attention(
     report = {
         "batch": batch, "context": context, "block_size": block_size, "blocks": "scattered",
         **{f"{k}_ms": round(v * 1e3, 3) for k, v in results.items()},
-        "paged_over_contiguous": round(results["paged_bags"] / c, 3),
+        "engine_path": "native" if kernels is not None else "bags",
+        "paged_over_contiguous": round(results["paged_native" if kernels is not None else "paged_bags"] / c, 3),
+        "bags_over_contiguous": round(results["paged_bags"] / c, 3),
     }  # fmt: skip
     if twin:
         report["padded_gather_over_contiguous"] = round(results["paged_padded"] / c, 3)
@@ -108,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
     parts = set(args.parts.split(","))
     report: dict = {"threads": torch.get_num_threads(), "dtype": "fp32"}
     loaded = load_model(args.model, device="cpu")
+    report["kernels"] = "native" if loaded.model.kernels is not None else "torch"
     cfg = loaded.model.config
     rng = random.Random(0)
 
@@ -187,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"kvpool bench engine (fp32, {report['threads']} threads)")
+    table = Table(title=f"kvpool bench engine (fp32, {report['threads']} threads, {report['kernels']} kernels)")
     table.add_column("part")
     table.add_column("metric")
     table.add_column("value", justify="right")
