@@ -12,6 +12,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 import torch.nn.functional as F
 
@@ -177,3 +179,43 @@ def test_one_openmp_runtime_in_the_process():
     maps = open("/proc/self/maps").read()
     paths = {line.split()[-1] for line in maps.splitlines() if "libgomp" in line}
     assert len(paths) <= 1, paths
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    kvh=st.integers(1, 3),
+    group=st.integers(1, 4),
+    d=st.sampled_from([8, 16, 40, 64, 80, 128]),
+    bs=st.sampled_from([1, 3, 8, 16, 32, 48]),
+    lens=st.lists(st.integers(1, 70), min_size=1, max_size=4),
+    seed=st.integers(0, 2**16),
+)
+def test_native_decode_attention_matches_sdpa_for_any_shape(kvh, group, d, bs, lens, seed):
+    # head dims off the 64-wide register strip, block sizes off the 16-slot strip, MHA
+    # (group 1), lengths on and off block boundaries; blocks scattered over the pool
+    gen = torch.Generator().manual_seed(seed)
+    h = kvh * group
+    need = [-(-n // bs) for n in lens]
+    num_blocks = sum(need) + 3
+    ids = torch.randperm(num_blocks, generator=gen)[: sum(need)].tolist()
+    indptr = [0]
+    for n in need:
+        indptr.append(indptr[-1] + n)
+    k_cache = torch.randn(num_blocks, kvh, d, bs, generator=gen)
+    v_cache = torch.randn(num_blocks, kvh, bs, d, generator=gen)
+    rows = torch.tensor([2 * i + 1 for i in range(len(lens))])  # queries on odd rows of a taller q
+    q = torch.randn(2 * len(lens) + 1, h, d, generator=gen)
+    out = torch.full_like(q, 7.0)
+    scale = d**-0.5
+    K.decode_attention(
+        q, rows, torch.tensor(indptr), torch.tensor(ids), torch.tensor(lens), k_cache, v_cache, scale, out
+    )
+    for i, n in enumerate(lens):
+        blocks = torch.tensor(ids[indptr[i] : indptr[i + 1]])
+        k = k_cache[blocks].permute(1, 0, 3, 2).reshape(kvh, -1, d)[:, :n].repeat_interleave(group, 0)
+        v = v_cache[blocks].transpose(0, 1).reshape(kvh, -1, d)[:, :n].repeat_interleave(group, 0)
+        ref = F.scaled_dot_product_attention(q[int(rows[i])][:, None], k, v, scale=scale)[:, 0]
+        torch.testing.assert_close(out[int(rows[i])], ref, rtol=1e-5, atol=1e-5)
+    untouched = torch.ones(len(q), dtype=torch.bool)
+    untouched[rows] = False
+    assert (out[untouched] == 7.0).all()  # rows that hold no decode query are not written
