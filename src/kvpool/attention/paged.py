@@ -137,12 +137,8 @@ def plan_step(
     if decode_path == "native" and kernels is None:
         raise ValueError("decode_path 'native' needs the CPU kernels (kvpool.kernels.cpu_kernels())")
     slots = torch.tensor(slot_mapping, dtype=torch.long)
-    if decode_path == "native" and not any(q != 1 for q in q_lens):
-        # decodes only (the common step): the kernels take slots; skip the block / offset split
-        block_idx = offset_idx = slots
-    else:
-        block_idx = (slots // block_size).to(device)
-        offset_idx = (slots % block_size).to(device)
+    block_idx = (slots // block_size).to(device)
+    offset_idx = (slots % block_size).to(device)
     slots = slots.to(device)
     prefills: list[PrefillPlan] = []
     decode_rows: list[int] = []

@@ -49,12 +49,13 @@ _SIGNATURES = {
     "kv_write": (ctypes.c_int, [_p, _p, _i, _i, _i, _i, _p, _i, _i, _p, _p]),
     "kv_decode_attention": (ctypes.c_int, [_p, _i, _i, _p, _i, _p, _i, _p, _p, _p, _p, _i, _i, _i, _i, _i, _f, _p, _i]),
     "kv_silu_mul": (None, [_p, _p, _i, _i]),
+    "kv_openmp": (ctypes.c_int, []),
 }
 _ATTENTION_ERRORS = {
     -1: "a block id lies outside the pool",
     -2: "a block table does not cover exactly its context length",
     -3: "out of memory for the score buffer",
-    -4: "a query row lies outside q",
+    -4: "a query row lies outside q, or the rows are not strictly increasing",
 }
 
 
@@ -73,7 +74,9 @@ def _cpu_id() -> str:
     """The CPU's model and feature flags: -march=native code is only valid on such a CPU."""
     try:
         text = Path("/proc/cpuinfo").read_text()
-        lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
+        # x86: model name / flags; ARM: Features / CPU implementer / CPU part
+        keys = ("model name", "flags", "Features", "CPU implementer", "CPU part", "CPU architecture")
+        lines = [ln for ln in text.splitlines() if ln.startswith(keys)]
         return "\n".join(sorted(set(lines)))
     except OSError:
         return platform.processor() or platform.machine()
@@ -94,11 +97,17 @@ def build(cache_dir: str | Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, *OPENMP, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
-        if done.returncode != 0:  # no OpenMP here (clang without libomp): one thread
-            done = subprocess.run([cc, *FLAGS, "-Wno-unknown-pragmas", "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise KernelBuildError(f"{cc} failed to build {SOURCE.name}:\n{done.stderr.strip()}")
+        with_omp = subprocess.run([cc, *FLAGS, *OPENMP, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
+        if with_omp.returncode != 0:  # no OpenMP here (clang without libomp): one thread
+            plain = subprocess.run(
+                [cc, *FLAGS, "-Wno-unknown-pragmas", "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True
+            )
+            if plain.returncode != 0:
+                raise KernelBuildError(
+                    f"{cc} failed to build {SOURCE.name}:\n{plain.stderr.strip()}\n"
+                    f"(with {' '.join(OPENMP)}:\n{with_omp.stderr.strip()})"
+                )
+        os.chmod(tmp, 0o755)  # mkstemp made it private; a shared cache dir serves other users too
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -114,8 +123,8 @@ def _check(t: torch.Tensor, name: str) -> None:
 
 
 def _check_index(t: torch.Tensor, name: str) -> None:
-    if t.dtype != torch.int64 or t.device.type != "cpu" or not t.is_contiguous():
-        raise TypeError(f"{name} must be a contiguous int64 CPU tensor, got {t.dtype} on {t.device}")
+    if t.dtype != torch.int64 or t.device.type != "cpu" or not t.is_contiguous() or t.dim() != 1:
+        raise TypeError(f"{name} must be a contiguous 1-D int64 CPU tensor, got {t.dtype} {tuple(t.shape)} on {t.device}")
 
 
 class CpuKernels:
@@ -134,6 +143,7 @@ class CpuKernels:
             fn.restype = restype
             fn.argtypes = argtypes
         self.lib = lib
+        self.openmp = bool(lib.kv_openmp())  # built with -fopenmp: large calls use torch's thread pool
 
     def add_rms_norm(
         self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor, eps: float
@@ -159,9 +169,11 @@ class CpuKernels:
         (rows may be strided). positions [N] int64; cos / sin_signed [max_position, head_dim] ([-sin | sin])."""
         _check(x, "x")
         _check_index(positions, "positions")
+        if x.dim() != 2 or head_dim <= 0 or head_dim % 2:
+            raise ValueError(f"x must be 2-D [N, row] and head_dim even, got {tuple(x.shape)} and {head_dim}")
         for t, name in ((cos, "cos"), (sin_signed, "sin_signed")):
             _check(t, name)
-            if not t.is_contiguous() or t.shape[1] != head_dim:
+            if not t.is_contiguous() or t.dim() != 2 or t.shape[1] != head_dim:
                 raise ValueError(f"{name} must be a contiguous [max_position, {head_dim}] table")
         n = x.shape[0]
         if x.shape[1] < num_heads * head_dim or positions.shape != (n,):
@@ -183,6 +195,8 @@ class CpuKernels:
         for t, name in ((k, "k"), (v, "v"), (k_cache, "k_cache"), (v_cache, "v_cache")):
             _check(t, name)
         _check_index(slots, "slots")
+        if k.dim() != 3 or k_cache.dim() != 4:
+            raise ValueError(f"k / v must be [N, KVH, D] and the pools 4-D, got {tuple(k.shape)}, {tuple(k_cache.shape)}")
         n, kvh, d = k.shape
         num_blocks, _, _, bs = k_cache.shape
         if v.shape != k.shape or k.stride() != v.stride() or k.stride(1) != d or slots.shape != (n,):
@@ -209,6 +223,8 @@ class CpuKernels:
             _check(t, name)
         for t, name in ((rows, "rows"), (indptr, "indptr"), (blocks, "blocks"), (ctx_lens, "ctx_lens")):
             _check_index(t, name)
+        if q.dim() != 3 or k_cache.dim() != 4:
+            raise ValueError(f"q must be [N, H, D] and the pools 4-D, got {tuple(q.shape)}, {tuple(k_cache.shape)}")
         n, h, d = q.shape
         num_blocks, kvh, _, bs = k_cache.shape
         b = rows.shape[0]

@@ -21,6 +21,17 @@
 #include <stdlib.h>
 #include <string.h>
 
+#ifdef _OPENMP
+#include <omp.h>
+static int64_t max_threads(int parallel) { return parallel ? omp_get_max_threads() : 1; }
+static int64_t thread_id(void) { return omp_get_thread_num(); }
+int kv_openmp(void) { return 1; }
+#else
+static int64_t max_threads(int parallel) { (void)parallel; return 1; }
+static int64_t thread_id(void) { return 0; }
+int kv_openmp(void) { return 0; }
+#endif
+
 #define LANES 16
 /* Below this many multiply-adds a call stays on one thread: waking the pool costs more. */
 #define PARALLEL_MIN_WORK (1 << 18)
@@ -203,17 +214,20 @@ static void block_weighted_sum(const float *restrict p, const float *restrict v,
  *   scores[g, t] = scale * sum_i q[g, i] K^T[block(t), kh, i, slot(t)]     (vector over slots)
  *   out[g, :]    = sum_t softmax(scores[g])[t] V[block(t), kh, slot(t), :]  (vector over d)
  * Returns -1 for a block id outside the pool, -2 for a table that does not cover its
- * context, -3 when out of memory, -4 for a query row outside [0, num_rows); nothing is
- * written then. */
+ * context, -3 when out of memory, -4 for a query row outside [0, num_rows) or rows not
+ * strictly increasing; nothing is written then. */
 int kv_decode_attention(const float *q, int64_t q_row_stride, int64_t num_rows, const int64_t *rows, int64_t num_seqs,
                         const int64_t *indptr, int64_t nnz, const int64_t *blocks, const int64_t *ctx_lens,
                         const float *restrict k_cache, const float *restrict v_cache, int64_t num_blocks, int64_t heads,
                         int64_t kvh, int64_t d, int64_t bs, float scale, float *restrict out, int64_t out_row_stride) {
     int64_t g_size = heads / kvh, width = 0;
+    /* the whole table first: blocks[] is read only within [0, nnz) */
     if (indptr[0] != 0 || indptr[num_seqs] != nnz) return -2;
+    for (int64_t b = 0; b < num_seqs; b++)
+        if (indptr[b + 1] < indptr[b] || indptr[b + 1] > nnz) return -2;
     for (int64_t b = 0; b < num_seqs; b++) {
-        if (rows[b] < 0 || rows[b] >= num_rows) return -4;
-        if (indptr[b + 1] < indptr[b]) return -2;
+        /* strictly increasing rows: no two sequences (threads) write one output row */
+        if (rows[b] < 0 || rows[b] >= num_rows || (b > 0 && rows[b] <= rows[b - 1])) return -4;
         int64_t nb = indptr[b + 1] - indptr[b];
         if (ctx_lens[b] <= 0 || nb * bs < ctx_lens[b] || (nb - 1) * bs >= ctx_lens[b]) return -2;
         for (int64_t j = indptr[b]; j < indptr[b + 1]; j++)
@@ -224,15 +238,18 @@ int kv_decode_attention(const float *q, int64_t q_row_stride, int64_t num_rows, 
      * is enough of it: the pool of libgomp.so.1 that torch loaded, not a second one. */
     int64_t total = 0;
     for (int64_t b = 0; b < num_seqs; b++) total += ctx_lens[b];
-    int failed = 0;
-#pragma omp parallel if (total * heads * d >= PARALLEL_MIN_WORK) reduction(| : failed)
+    int parallel = total * heads * d >= PARALLEL_MIN_WORK;
+    int64_t per_thread = g_size * width + g_size * d; /* scores, then the G scaled queries */
+    /* every thread's buffer allocated before any output is written: an allocation failure
+     * leaves out untouched */
+    float *buffers = malloc((size_t)(max_threads(parallel) * per_thread) * sizeof(float));
+    if (!buffers) return -3;
+#pragma omp parallel if (parallel)
     {
-        float *restrict scores = malloc((size_t)(g_size * width + g_size * d) * sizeof(float));
-        if (!scores) failed = 1;
+        float *restrict scores = buffers + thread_id() * per_thread;
+        float *restrict qs = scores + g_size * width;
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < num_seqs * kvh; item++) {
-            if (!scores) continue;
-            float *restrict qs = scores + g_size * width; /* the G scaled queries of one KV head */
             int64_t b = item / kvh, kh = item % kvh;
             const int64_t *table = blocks + indptr[b];
             int64_t nb = indptr[b + 1] - indptr[b], len = ctx_lens[b];
@@ -257,9 +274,9 @@ int kv_decode_attention(const float *q, int64_t q_row_stride, int64_t num_rows, 
                 }
             }
         }
-        free(scores);
     }
-    return failed ? -3 : 0;
+    free(buffers);
+    return 0;
 }
 
 /* out [n, inter] = silu(gate) * up for gate_up [n, 2 * inter] = [gate | up] per row. */
