@@ -236,7 +236,8 @@ def decode_attention(
     if plan.native is not None:
         rows = torch.arange(q.shape[0])  # q holds exactly the decode rows, in order
         n = plan.native
-        return n.kernels.decode_attention(q, rows, n.indptr, n.blocks, n.ctx_lens, k_cache, v_cache, scale, torch.empty_like(q))
+        out = torch.empty_like(q)
+        return n.kernels.decode_attention(q, rows, n.indptr, n.blocks, n.ctx_lens, k_cache, v_cache, scale, out)
     if plan.bags is not None:
         return decode_attention_bags(q, k_cache, v_cache, plan, scale)
     return decode_attention_padded(q, k_cache, v_cache, plan, scale)

@@ -182,7 +182,8 @@ class NativeAttend:
         if d is not None:
             n = d.native
             assert n is not None
-            self.kernels.decode_attention(q, d.rows, n.indptr, n.blocks, n.ctx_lens, st.k_layers[0], st.v_layers[0], self.scale, out)
+            k0, v0 = st.k_layers[0], st.v_layers[0]
+            self.kernels.decode_attention(q, d.rows, n.indptr, n.blocks, n.ctx_lens, k0, v0, self.scale, out)
         self._bound, self._out = (q, k, v), out
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -85,7 +85,7 @@ def _cpu_id() -> str:
 def build(cache_dir: str | Path | None = None) -> Path:
     """Compile cpu.c (once per source / compiler / CPU) and return the shared library's path."""
     cc = _compiler()
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     source = SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS + OPENMP).encode(), version.encode(), _cpu_id().encode()]))
     root = Path(cache_dir or os.environ.get("KVPOOL_CACHE_DIR") or Path.home() / ".cache" / "kvpool")
@@ -97,10 +97,14 @@ def build(cache_dir: str | Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)
     os.close(fd)
     try:
-        with_omp = subprocess.run([cc, *FLAGS, *OPENMP, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
+        cmd = [cc, *FLAGS, *OPENMP, "-o", tmp, str(SOURCE), "-lm"]
+        with_omp = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if with_omp.returncode != 0:  # no OpenMP here (clang without libomp): one thread
             plain = subprocess.run(
-                [cc, *FLAGS, "-Wno-unknown-pragmas", "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True
+                [cc, *FLAGS, "-Wno-unknown-pragmas", "-o", tmp, str(SOURCE), "-lm"],
+                capture_output=True,
+                text=True,
+                check=False,
             )
             if plain.returncode != 0:
                 raise KernelBuildError(
@@ -124,7 +128,9 @@ def _check(t: torch.Tensor, name: str) -> None:
 
 def _check_index(t: torch.Tensor, name: str) -> None:
     if t.dtype != torch.int64 or t.device.type != "cpu" or not t.is_contiguous() or t.dim() != 1:
-        raise TypeError(f"{name} must be a contiguous 1-D int64 CPU tensor, got {t.dtype} {tuple(t.shape)} on {t.device}")
+        raise TypeError(
+            f"{name} must be a contiguous 1-D int64 CPU tensor, got {t.dtype} {tuple(t.shape)} on {t.device}"
+        )
 
 
 class CpuKernels:
@@ -150,13 +156,17 @@ class CpuKernels:
     ) -> torch.Tensor:
         """x [N, hidden] += delta [N, hidden] (in place, when given); out [N, hidden] = RMSNorm(x) * weight.
         All contiguous; out may not alias x."""
-        for t, name in ((x, "x"), (weight, "weight"), (out, "out")) + (((delta, "delta"),) if delta is not None else ()):
+        for t, name in ((x, "x"), (weight, "weight"), (out, "out")) + (
+            ((delta, "delta"),) if delta is not None else ()
+        ):
             _check(t, name)
             if not t.is_contiguous():
                 raise ValueError(f"{name} must be contiguous")
         n, hidden = x.shape
         if out.shape != x.shape or weight.shape != (hidden,) or (delta is not None and delta.shape != x.shape):
-            raise ValueError(f"shapes do not match: x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)}")
+            raise ValueError(
+                f"shapes do not match: x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)}"
+            )
         dptr = delta.data_ptr() if delta is not None else None
         self.lib.kv_add_rms_norm(x.data_ptr(), dptr, weight.data_ptr(), out.data_ptr(), n, hidden, eps)
         return out
@@ -177,7 +187,9 @@ class CpuKernels:
                 raise ValueError(f"{name} must be a contiguous [max_position, {head_dim}] table")
         n = x.shape[0]
         if x.shape[1] < num_heads * head_dim or positions.shape != (n,):
-            raise ValueError(f"x {tuple(x.shape)} / positions {tuple(positions.shape)} do not hold {num_heads} heads of {head_dim}")
+            raise ValueError(
+                f"x {tuple(x.shape)} / positions {tuple(positions.shape)} do not hold {num_heads} heads of {head_dim}"
+            )
         if sin_signed.shape != cos.shape:
             raise ValueError(f"cos {tuple(cos.shape)} and sin_signed {tuple(sin_signed.shape)} differ")
         rc = self.lib.kv_rope(
@@ -196,13 +208,17 @@ class CpuKernels:
             _check(t, name)
         _check_index(slots, "slots")
         if k.dim() != 3 or k_cache.dim() != 4:
-            raise ValueError(f"k / v must be [N, KVH, D] and the pools 4-D, got {tuple(k.shape)}, {tuple(k_cache.shape)}")
+            raise ValueError(
+                f"k / v must be [N, KVH, D] and the pools 4-D, got {tuple(k.shape)}, {tuple(k_cache.shape)}"
+            )
         n, kvh, d = k.shape
         num_blocks, _, _, bs = k_cache.shape
         if v.shape != k.shape or k.stride() != v.stride() or k.stride(1) != d or slots.shape != (n,):
             raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} / slots {tuple(slots.shape)} do not match")
         if k_cache.shape != (num_blocks, kvh, d, bs) or v_cache.shape != (num_blocks, kvh, bs, d):
-            raise ValueError(f"pool shapes {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not match k {tuple(k.shape)}")
+            raise ValueError(
+                f"pool shapes {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not match k {tuple(k.shape)}"
+            )
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("k_cache and v_cache must be contiguous")
         rc = self.lib.kv_write(
@@ -231,7 +247,9 @@ class CpuKernels:
         if out.shape != q.shape or q.stride(1) != d or out.stride(1) != d or h % kvh:
             raise ValueError(f"q {tuple(q.shape)} / out {tuple(out.shape)} do not fit {kvh} KV heads of {d}")
         if k_cache.shape != (num_blocks, kvh, d, bs) or v_cache.shape != (num_blocks, kvh, bs, d):
-            raise ValueError(f"pool shapes {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not match q {tuple(q.shape)}")
+            raise ValueError(
+                f"pool shapes {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not match q {tuple(q.shape)}"
+            )
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("k_cache and v_cache must be contiguous")
         if indptr.shape != (b + 1,) or ctx_lens.shape != (b,) or blocks.dim() != 1:
@@ -251,7 +269,9 @@ class CpuKernels:
         _check(out, "out")
         n, inter = out.shape
         if gate_up.shape != (n, 2 * inter) or not (gate_up.is_contiguous() and out.is_contiguous()):
-            raise ValueError(f"gate_up {tuple(gate_up.shape)} / out {tuple(out.shape)} must be contiguous [N, 2I] / [N, I]")
+            raise ValueError(
+                f"gate_up {tuple(gate_up.shape)} / out {tuple(out.shape)} must be contiguous [N, 2I] / [N, I]"
+            )
         self.lib.kv_silu_mul(gate_up.data_ptr(), out.data_ptr(), n, inter)
         return out
 

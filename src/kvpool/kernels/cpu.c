@@ -10,9 +10,9 @@
  * elements), everything else is contiguous. Work large enough to pay for waking threads
  * (long decode contexts, prefill chunks) runs on torch's own OpenMP pool: built with
  * -fopenmp, this library needs libgomp.so.1, and the loader hands it the copy that torch
- * already loaded (same soname), so there is one pool and one thread count. No -ffast-math (IEEE results, NaN kept): reductions
- * vectorise through explicit lane arrays instead, and exp is the Cephes polynomial below,
- * written so it vectorises.
+ * already loaded (same soname), so there is one pool and one thread count. No -ffast-math
+ * (IEEE results, NaN kept): reductions vectorise through explicit lane arrays instead, and
+ * exp is the Cephes polynomial below, written so it vectorises.
  * Functions that index the pool return 0, or a negative code for a bad index (nothing
  * written); the Python side turns that into an error.
  */

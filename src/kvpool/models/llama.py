@@ -89,7 +89,9 @@ class LlamaModel:
         self.sin_signed = sin.to(torch.float32).to(self.device)
 
     @classmethod
-    def from_gguf(cls, model: GGUFModel, device: str | torch.device = "cpu", kernels: CpuKernels | None = None) -> LlamaModel:
+    def from_gguf(
+        cls, model: GGUFModel, device: str | torch.device = "cpu", kernels: CpuKernels | None = None
+    ) -> LlamaModel:
         return cls(model.config, model.weights, device, kernels)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -101,7 +103,9 @@ class LlamaModel:
         return torch.addcmul(x * cos, swapped, sin_signed)
 
     @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attend: Attend, fused: bool = True) -> torch.Tensor:
+    def forward(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, attend: Attend, fused: bool = True
+    ) -> torch.Tensor:
         """token_ids, positions: [N] int64 (flat tokens of the step) -> hidden [N, hidden].
         fused=False forces the plain torch path even when the kernels are loaded (the oracle's)."""
         cfg = self.config
