@@ -67,6 +67,27 @@ def test_parallel_samples_fork_the_state() -> None:
     engine.runner.check_integrity()
 
 
+def test_parallel_samples_without_a_free_state_block_wait_and_recompute() -> None:
+    # 4 samples, 2 state blocks: the fork finds room for one child; the other two take
+    # their first token from the shared prompt logits, wait, and are recomputed through
+    # the prefix cache once a sample finishes. Greedy: all four must equal the oracle.
+    model = TinyDSV4(seed=0)
+    runner = DSV4EngineRunner(model, num_classical_blocks=8, num_state_blocks=2)
+    engine = Engine(runner, max_num_batched_tokens=256, max_num_seqs=4)
+    forks: list[bool] = []
+    fork = runner.fork
+    runner.fork = lambda parent, child: forks.append(fork(parent, child)) or forks[-1]  # type: ignore[method-assign]
+    prompt = _prompts()[1]
+    (out,) = engine.generate([prompt], SamplingParams(max_tokens=6, n=4, temperature=0.0))
+    assert forks == [True, False, False]  # the parent holds one state block, one child the other
+    assert len(out.completions) == 4
+    for c in out.completions:
+        assert c.finish_reason == "length"
+        _assert_greedy_matches_oracle(model, prompt, c.token_ids)
+    runner.check_integrity()
+    assert runner.cache.num_free_state_blocks == 2 and runner.cache.num_free_blocks == 8
+
+
 def _generate_args(**kw: object):
     import argparse
 

@@ -271,9 +271,15 @@ class Engine:
                 req.forked = True
                 for j in range(1, req.params.n):
                     child = SequenceState(f"{req.request_id}/{j}", req, j, list(seq.token_ids), seq.num_computed, True)
-                    self.runner.fork(seq.seq_id, child.seq_id)
+                    if self.runner.fork(seq.seq_id, child.seq_id):
+                        self.running.append(child)
+                    else:
+                        # No cache state of its own to be had now (a V4 state block): the child
+                        # takes its first token from these logits, then waits like a preempted
+                        # sequence and is admitted through the prefix cache when room frees up.
+                        child.in_runner, child.num_computed = False, 0
+                        self.waiting.appendleft(child)
                     req.seqs.append(child)
-                    self.running.append(child)
                     family.append(child)
             for s in family:
                 self._accept_token(s, seq_logits, now)
@@ -313,5 +319,5 @@ class Engine:
                     ids = ids[:-1]
                 seq.text = self.decode_text(ids)
             self._finish(seq, reason)
-        else:
+        elif seq.in_runner:  # a waiting sequence hands over all its tokens when admitted
             self.runner.append_tokens(seq.seq_id, [token])

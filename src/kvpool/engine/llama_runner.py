@@ -64,8 +64,9 @@ class LlamaRunner:
     def commit(self, seq_id: str, num_tokens: int) -> None:
         self.manager.commit(seq_id, num_tokens)
 
-    def fork(self, parent_id: str, child_id: str) -> None:
-        self.manager.fork(parent_id, child_id)
+    def fork(self, parent_id: str, child_id: str) -> bool:
+        self.manager.fork(parent_id, child_id)  # shares blocks: never needs a free one
+        return True
 
     def release(self, seq_id: str, reason: str) -> None:
         if reason == "finish":

@@ -57,8 +57,10 @@ class ModelRunner(Protocol):
         """The next `num_tokens` tokens of the sequence have their KV written."""
         ...
 
-    def fork(self, parent_id: str, child_id: str) -> None:
-        """A child sharing every computed token of the parent (copy-on-write on write)."""
+    def fork(self, parent_id: str, child_id: str) -> bool:
+        """A child sharing every computed token of the parent (copy-on-write on write).
+        False (nothing changed) when the child cannot get the cache state of its own that
+        it needs (a V4 state block); the engine then recomputes it like a preempted sequence."""
         ...
 
     def release(self, seq_id: str, reason: str) -> None:

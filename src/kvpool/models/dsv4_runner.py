@@ -154,8 +154,9 @@ class DSV4EngineRunner:
     """The engine's ModelRunner protocol (kvpool.engine.runner) for a V4-architecture model on
     the dual pool, so the same scheduler runs it: admit (with prefix hit + state restore),
     reserve, execute, commit, fork, release. Chunks are duck-typed ScheduledChunk objects
-    (seq_id, token_ids, start, needs_logits). `fork` raises RuntimeError when no state block
-    is free (a V4 child needs its own state block; size num_state_blocks >= max_num_seqs)."""
+    (seq_id, token_ids, start, needs_logits). `fork` returns False when no state block is
+    free (a V4 child needs its own): the engine then queues the child, which is admitted
+    later through the prefix cache like a preempted sequence."""
 
     def __init__(
         self,
@@ -217,11 +218,12 @@ class DSV4EngineRunner:
             raise ValueError(f"commit of {num_tokens} tokens for {seq_id!r} does not match its reservation")
         self.cache.commit(seq_id)
 
-    def fork(self, parent_id: str, child_id: str) -> None:
+    def fork(self, parent_id: str, child_id: str) -> bool:
         slot = self.cache.fork(parent_id, child_id)
         if slot is None:
-            raise RuntimeError(f"no free V4 state block for fork {parent_id!r} -> {child_id!r}")
+            return False
         self.runner.pools.copy_state(self.cache.state_slot(parent_id), slot)
+        return True
 
     def release(self, seq_id: str, reason: str) -> None:
         if reason not in ("finish", "cancel", "preempt"):
