@@ -21,7 +21,7 @@ from kvpool.kernels import KernelBuildError, build, cpu_kernels
 from kvpool.storage.kv import PagedKVStorage
 
 K = cpu_kernels()
-pytestmark = pytest.mark.skipif(K is None, reason="the C kernels did not build here")
+pytestmark = pytest.mark.skipif(K is None, reason="the C kernels are off (KVPOOL_NATIVE=0) or did not build here")
 
 
 @pytest.mark.parametrize("hidden", [1, 7, 33, 576])
