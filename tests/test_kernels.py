@@ -96,7 +96,7 @@ def test_write_kv_matches_the_torch_write_and_rejects_a_slot_outside_the_pool():
     k = qkv[:, 3 * d : (3 + kvh) * d].view(5, kvh, d)
     v = qkv[:, (3 + kvh) * d :].view(5, kvh, d)
     slots = torch.tensor([0, 5, 23, 9, 14])  # scattered, last slot of the last block included
-    a.write(1, a.write_index(slots // bs, slots % bs), k, v)
+    a.write(1, a.write_index(slots), k, v)
     b.write_slots(1, slots, k, v)
     assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v) and a.k.abs().sum() > 0
     before = (b.k.clone(), b.v.clone())
@@ -162,6 +162,9 @@ def test_checked_methods_reject_wrong_dtypes_and_layouts():
         K.silu_mul(torch.randn(8, 2).t(), torch.empty(2, 4))
     with pytest.raises(ValueError, match="shapes"):
         K.add_rms_norm(torch.randn(2, 4), None, torch.randn(5), torch.empty(2, 4), 1e-5)
+    k = torch.randn(1, 2, 8)
+    with pytest.raises(ValueError, match="pool shapes"):  # V laid out like K^T: [block, head, d, slot]
+        K.write_kv(k, k, torch.tensor([0]), torch.zeros(4, 2, 8, 4), torch.zeros(4, 2, 8, 4))
 
 
 def test_build_is_cached_and_a_failing_compiler_is_a_clear_error(tmp_path, monkeypatch):

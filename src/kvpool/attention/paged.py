@@ -107,8 +107,6 @@ class DecodePlan:
 @dataclass
 class StepPlan:
     slots: torch.Tensor  # [N] int64: each new token's slot, block * bs + offset
-    block_idx: torch.Tensor  # [N] int64: block of each new token's slot
-    offset_idx: torch.Tensor  # [N] int64: offset of each new token's slot
     decode: DecodePlan | None
     prefills: list[PrefillPlan]
 
@@ -136,10 +134,7 @@ def plan_step(
         raise ValueError(f"decode_path must be one of {DECODE_PATHS}, got {decode_path!r}")
     if decode_path == "native" and kernels is None:
         raise ValueError("decode_path 'native' needs the CPU kernels (kvpool.kernels.cpu_kernels())")
-    slots = torch.tensor(slot_mapping, dtype=torch.long)
-    block_idx = (slots // block_size).to(device)
-    offset_idx = (slots % block_size).to(device)
-    slots = slots.to(device)
+    slots = torch.tensor(slot_mapping, dtype=torch.long, device=device)
     prefills: list[PrefillPlan] = []
     decode_rows: list[int] = []
     decode_seqs: list[int] = []
@@ -192,7 +187,7 @@ def plan_step(
         decode = DecodePlan(
             torch.tensor(decode_rows, dtype=torch.long, device=device), b, nb, bias.to(device), bags, padded
         )
-    return StepPlan(slots, block_idx, offset_idx, decode, prefills)
+    return StepPlan(slots, decode, prefills)
 
 
 def _plan_bags(

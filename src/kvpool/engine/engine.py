@@ -270,14 +270,15 @@ class Engine:
                 # blocks; the shared tail block is copied on their first write).
                 req.forked = True
                 for j in range(1, req.params.n):
-                    child = SequenceState(f"{req.request_id}/{j}", req, j, list(seq.token_ids), seq.num_computed, True)
-                    if self.runner.fork(seq.seq_id, child.seq_id):
+                    child_id = f"{req.request_id}/{j}"
+                    if self.runner.fork(seq.seq_id, child_id):
+                        child = SequenceState(child_id, req, j, list(seq.token_ids), seq.num_computed, True)
                         self.running.append(child)
                     else:
                         # No cache state of its own to be had now (a V4 state block): the child
                         # takes its first token from these logits, then waits like a preempted
                         # sequence and is admitted through the prefix cache when room frees up.
-                        child.in_runner, child.num_computed = False, 0
+                        child = SequenceState(child_id, req, j, list(seq.token_ids), 0, False)
                         self.waiting.appendleft(child)
                     req.seqs.append(child)
                     family.append(child)

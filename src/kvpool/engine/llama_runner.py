@@ -142,7 +142,7 @@ class LlamaRunner:
         if storage.kernels is not None and (plan.decode is None or plan.decode.native is not None):
             attend = NativeAttend(storage, plan, scale)
         else:
-            write_index = storage.write_index(plan.block_idx, plan.offset_idx)
+            write_index = storage.write_index(plan.slots)
 
             def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                 storage.write(layer, write_index, k, v)

@@ -133,6 +133,21 @@ def _check_index(t: torch.Tensor, name: str) -> None:
         )
 
 
+def _check_pool(k_cache: torch.Tensor, v_cache: torch.Tensor, kvh: int, d: int) -> tuple[int, int]:
+    """One layer's pool: k_cache [num_blocks, kvh, d, bs], v_cache [num_blocks, kvh, bs, d], contiguous
+    fp32 CPU. Returns (num_blocks, bs)."""
+    for t, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+        _check(t, name)
+    if k_cache.dim() != 4:
+        raise ValueError(f"the pools must be 4-D, got {tuple(k_cache.shape)}")
+    num_blocks, _, _, bs = k_cache.shape
+    if k_cache.shape != (num_blocks, kvh, d, bs) or v_cache.shape != (num_blocks, kvh, bs, d):
+        raise ValueError(f"pool shapes {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit {kvh} KV heads of {d}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    return num_blocks, bs
+
+
 class CpuKernels:
     """The loaded library. Methods take torch tensors (shapes in each docstring) and check
     dtype, device and layout; the C side checks every index it follows into the pool.
@@ -204,23 +219,15 @@ class CpuKernels:
     ) -> None:
         """Store k / v [N, KVH, D] (rows may be strided, same stride for both) at slots [N] int64
         (block * bs + offset) of one layer's k_cache [num_blocks, KVH, D, bs] and v_cache [num_blocks, KVH, bs, D]."""
-        for t, name in ((k, "k"), (v, "v"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+        for t, name in ((k, "k"), (v, "v")):
             _check(t, name)
         _check_index(slots, "slots")
-        if k.dim() != 3 or k_cache.dim() != 4:
-            raise ValueError(
-                f"k / v must be [N, KVH, D] and the pools 4-D, got {tuple(k.shape)}, {tuple(k_cache.shape)}"
-            )
+        if k.dim() != 3:
+            raise ValueError(f"k / v must be [N, KVH, D], got {tuple(k.shape)}")
         n, kvh, d = k.shape
-        num_blocks, _, _, bs = k_cache.shape
         if v.shape != k.shape or k.stride() != v.stride() or k.stride(1) != d or slots.shape != (n,):
             raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} / slots {tuple(slots.shape)} do not match")
-        if k_cache.shape != (num_blocks, kvh, d, bs) or v_cache.shape != (num_blocks, kvh, bs, d):
-            raise ValueError(
-                f"pool shapes {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not match k {tuple(k.shape)}"
-            )
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-            raise ValueError("k_cache and v_cache must be contiguous")
+        num_blocks, bs = _check_pool(k_cache, v_cache, kvh, d)
         rc = self.lib.kv_write(
             k.data_ptr(), v.data_ptr(), n, k.stride(0), kvh, d, slots.data_ptr(), bs, num_blocks, k_cache.data_ptr(),
             v_cache.data_ptr(),
@@ -235,23 +242,18 @@ class CpuKernels:
         """One query per sequence: rows[b] of q [N, H, D] and out [N, H, D] (rows may be strided),
         sequence b's blocks blocks[indptr[b]:indptr[b + 1]] cover keys [0, ctx_lens[b]).
         rows / ctx_lens [B], indptr [B + 1], blocks [nnz]: int64. Pool as in write_kv."""
-        for t, name in ((q, "q"), (out, "out"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+        for t, name in ((q, "q"), (out, "out")):
             _check(t, name)
         for t, name in ((rows, "rows"), (indptr, "indptr"), (blocks, "blocks"), (ctx_lens, "ctx_lens")):
             _check_index(t, name)
         if q.dim() != 3 or k_cache.dim() != 4:
             raise ValueError(f"q must be [N, H, D] and the pools 4-D, got {tuple(q.shape)}, {tuple(k_cache.shape)}")
         n, h, d = q.shape
-        num_blocks, kvh, _, bs = k_cache.shape
+        kvh = k_cache.shape[1]
+        num_blocks, bs = _check_pool(k_cache, v_cache, kvh, d)
         b = rows.shape[0]
         if out.shape != q.shape or q.stride(1) != d or out.stride(1) != d or h % kvh:
             raise ValueError(f"q {tuple(q.shape)} / out {tuple(out.shape)} do not fit {kvh} KV heads of {d}")
-        if k_cache.shape != (num_blocks, kvh, d, bs) or v_cache.shape != (num_blocks, kvh, bs, d):
-            raise ValueError(
-                f"pool shapes {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not match q {tuple(q.shape)}"
-            )
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-            raise ValueError("k_cache and v_cache must be contiguous")
         if indptr.shape != (b + 1,) or ctx_lens.shape != (b,) or blocks.dim() != 1:
             raise ValueError(f"indptr {tuple(indptr.shape)} / ctx_lens {tuple(ctx_lens.shape)} do not match {b} rows")
         rc = self.lib.kv_decode_attention(

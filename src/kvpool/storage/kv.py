@@ -69,10 +69,11 @@ class PagedKVStorage:
     def num_bytes(self) -> int:
         return self.bytes_per_block * self.num_blocks
 
-    def write_index(self, block_idx: torch.Tensor, offset_idx: torch.Tensor) -> WriteIndex:
+    def write_index(self, slots: torch.Tensor) -> WriteIndex:
         """Flat element positions, within one layer, of N new tokens' K and V; built once per
-        step and used by every layer. block_idx, offset_idx: [N] int64 (slot = block * bs + offset)."""
+        step and used by every layer. slots: [N] int64, block * bs + offset."""
         kvh, d, bs = self.num_kv_heads, self.head_dim, self.block_size
+        block_idx, offset_idx = slots // self.block_size, slots % self.block_size
         base = block_idx.view(-1, 1, 1) * kvh + torch.arange(kvh, device=block_idx.device).view(1, -1, 1)  # [N, KVH, 1]
         dims = torch.arange(d, device=block_idx.device).view(1, 1, -1)
         off = offset_idx.view(-1, 1, 1)
