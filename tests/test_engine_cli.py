@@ -52,3 +52,15 @@ def test_bench_attention_times_every_path_after_checking_it():
     if cpu_kernels() is not None:
         paths.add("paged_native_ms")
     assert paths <= set(report) and all(report[p] > 0 for p in paths)
+
+
+def test_bench_engine_glue_json(capsys):
+    threads = torch.get_num_threads()
+    try:
+        assert main(["bench", "engine", "--parts", "glue", "--json", "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    glue = json.loads(capsys.readouterr().out)["glue"]
+    assert 500 < glue["weight_mb"] < 600  # SmolLM2-135M's layers + lm_head in fp32
+    timed = ["matmuls_ms", "torch_rms_norm_us", "torch_silu_mul_us", "sample_top_p_ms", "sample_top_p_full_sort_ms"]
+    assert all(glue[k] > 0 for k in timed)

@@ -4,7 +4,9 @@
      N new tokens each, fp32, ours vs transformers `generate` on the same GGUF;
   2. TTFT of a request whose 1,000-token system prompt is cached, against cold;
   3. paged against contiguous decode attention at batch 16 and 4k context, every sequence's
-     blocks scattered over the pool (block size 256, plus the ratio at block sizes 16 and 64).
+     blocks scattered over the pool (block size 256, plus the ratio at block sizes 16 and 64);
+  4. glue: what a batch-1 step is made of. The matmuls alone (the weight-read floor), one
+     call of each torch op against its C kernel, and the sampler's two top-p paths.
 Timings on a shared CPU are noisy: run it on an idle machine for README figures.
 """
 
@@ -26,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attn-context", type=int, default=4096)
     parser.add_argument("--attn-batch", type=int, default=16)
     parser.add_argument("--skip-hf", action="store_true", help="skip the transformers side (no ratios for part 1)")
-    parser.add_argument("--parts", default="decode,ttft,attention", help="comma list of parts to run")
+    parser.add_argument("--parts", default="decode,ttft,attention,glue", help="comma list of parts to run")
     parser.add_argument("--json", action="store_true")
     add_model_arguments(parser)
 
@@ -105,6 +107,62 @@ def bench_attention(
     return report
 
 
+def bench_glue(loaded) -> dict:
+    """Batch 1, one token: the step's matmuls alone, per-call times of the torch ops the C
+    kernels replace (and of the kernels), and sample_token at top-p 0.9 on real logits
+    (nucleus among the first candidates) and on flat ones (the full-sort fallback)."""
+    import torch
+    import torch.nn.functional as F
+
+    from kvpool.engine.sampling import SamplingParams, sample_token
+
+    model = loaded.model
+    cfg = model.config
+    x = torch.randn(1, cfg.hidden_size)
+    act = torch.randn(1, cfg.intermediate_size)
+    attn = torch.randn(1, cfg.num_heads * cfg.head_dim)
+    gate_up = torch.randn(1, 2 * cfg.intermediate_size)
+
+    def matmuls():
+        for layer in model.layers:
+            x @ layer["wqkv"], attn @ layer["wo"], x @ layer["w_gate_up"], act @ layer["w_down"]
+        x @ model.lm_head
+
+    weight_bytes = sum(w.numel() * w.element_size() for layer in model.layers for w in layer.values())
+    weight_bytes += model.lm_head.numel() * model.lm_head.element_size()
+    floor = _timeit(matmuls, repeat=10)
+    report = {
+        "matmuls_ms": round(floor * 1e3, 2), "weight_mb": round(weight_bytes / 1e6, 1),
+        "weight_read_gb_s": round(weight_bytes / floor / 1e9, 1),
+    }  # fmt: skip
+    w = model.layers[0]["attn_norm"]
+    eps = cfg.rms_norm_eps
+    us = {
+        "torch_rms_norm": lambda: F.rms_norm(x, (cfg.hidden_size,), w, eps),
+        "torch_silu_mul": lambda: F.silu(gate_up[:, : cfg.intermediate_size]) * gate_up[:, cfg.intermediate_size :],
+    }
+    kern = model.kernels
+    if kern is not None:
+        out, x2 = torch.empty_like(x), x.clone()
+        xp, wp, op = x2.data_ptr(), w.data_ptr(), out.data_ptr()
+        us["c_add_rms_norm"] = lambda: kern.lib.kv_add_rms_norm(xp, None, wp, op, 1, cfg.hidden_size, eps)
+        us["c_silu_mul"] = lambda: kern.lib.kv_silu_mul(gate_up.data_ptr(), act.data_ptr(), 1, cfg.intermediate_size)
+    report.update({f"{k}_us": round(_timeit(fn, repeat=200) * 1e6, 1) for k, fn in us.items()})
+    ids = loaded.tokenizer.encode_chat([{"role": "user", "content": "Tell me about the sea."}])
+    real = model.logits(model.forward(torch.tensor(ids), torch.arange(len(ids)), _causal))[-1]
+    flat = torch.randn(cfg.vocab_size) * 0.01
+    params = SamplingParams(temperature=0.7, top_p=0.9)
+    report["sample_top_p_ms"] = round(_timeit(lambda: sample_token(real, params, 0, 0), repeat=50) * 1e3, 3)
+    report["sample_top_p_full_sort_ms"] = round(_timeit(lambda: sample_token(flat, params, 0, 0), repeat=50) * 1e3, 3)
+    return report
+
+
+def _causal(layer, q, k, v):
+    from kvpool.attention.reference import causal_attention
+
+    return causal_attention(q, k, v)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -130,6 +188,9 @@ def run(args: argparse.Namespace) -> int:
             for bs in (16, 64)
             if bs != args.attn_block_size
         }
+
+    if "glue" in parts:
+        report["glue"] = bench_glue(loaded)
 
     if "ttft" in parts:
         system = [rng.randrange(100, 49000) for _ in range(1000)]
@@ -201,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
     table.add_column("part")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for part in ("decode", "ttft", "attention"):
+    for part in ("decode", "ttft", "attention", "glue"):
         section = report.get(part)
         if not section:
             continue

@@ -43,7 +43,8 @@ class SamplingParams:
 
 
 # Top-p looks for the nucleus among this many most likely tokens first; the full sort
-# (~4 ms over SmolLM2's 49,152 logits on these machines) runs only when their mass falls short.
+# (~4 ms over SmolLM2's 49,152 logits here, against ~0.3 ms: `kvpool bench engine --parts glue`)
+# runs only when their mass falls short.
 NUCLEUS_CANDIDATES = 256
 
 

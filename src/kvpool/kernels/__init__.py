@@ -1,7 +1,8 @@
 """Fused fp32 CPU kernels for the decode path: `cpu.c`, built on first use, loaded with ctypes.
 
-At batch 1 a step is ~23 ms of weight reads plus ~60 small ops a layer's worth of dispatch
-(F.rms_norm alone costs ~25 us a call on these machines). The kernels fold the work between
+At batch 1 a step is ~22 ms of weight reads plus ~15 small ops a layer's worth of dispatch
+(F.rms_norm alone costs ~17 us a call here; `kvpool bench engine --parts glue` times the
+step's matmuls and these ops against the kernels). The kernels fold the work between
 two matmuls into one call of ~3 us: residual add + RMSNorm, RoPE in place, the K/V write
 into the pool, decode attention straight from the blocks, SiLU * up. Each has a torch twin
 (the code that runs without them) and a test that the two agree (tests/test_kernels.py).

@@ -1,10 +1,10 @@
 /* Fused fp32 CPU kernels for the Llama decode path (kvpool/kernels/__init__.py builds and
  * loads this file with the machine's C compiler; each function has a torch twin there).
  *
- * Why they exist: at batch 1 a SmolLM2-135M step reads ~540 MB of fp32 weights (~23 ms at
- * this machine's ~23 GB/s), and everything between the matmuls is microseconds of work
- * behind ~5-30 us of dispatch per torch op: F.rms_norm alone is ~25 us a call, 61 calls a
- * step. One C call per fused step costs ~3 us through ctypes.
+ * Why they exist: at batch 1 a SmolLM2-135M step reads ~540 MB of fp32 weights (~22 ms at
+ * this machine's ~24 GB/s), and everything between the matmuls is microseconds of work
+ * behind ~5-30 us of dispatch per torch op: F.rms_norm alone is ~17 us a call, 61 calls a
+ * step, against ~2 us for one C call through ctypes (`kvpool bench engine --parts glue`).
  *
  * Conventions: every tensor is fp32 (indices int64), rows may be strided (row_stride in
  * elements), everything else is contiguous. Work large enough to pay for waking threads
