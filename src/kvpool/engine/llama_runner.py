@@ -161,9 +161,9 @@ class NativeAttend:
     attention straight from it, prefill chunks through SDPA (attention/paged.py).
 
     The fused forward hands the same q / k / v views to every layer, so they are checked
-    once (through the checked kernel methods, on the first layer) and every other layer
-    calls the C functions on the addresses kept from that check. The returned tensor is
-    one buffer for the step, valid until the next call."""
+    once (through the checked kernel methods, on the first layer), and the C arguments of
+    every later layer are those of layer 0 with that layer's pool addresses. The returned
+    tensor is one buffer for the step, valid until the next call."""
 
     def __init__(self, storage: PagedKVStorage, plan: StepPlan, scale: float):
         assert storage.kernels is not None
@@ -171,20 +171,32 @@ class NativeAttend:
         self.kernels = storage.kernels
         self._bound: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._out: torch.Tensor | None = None
+        self._write_args: tuple = ()  # kv_write's arguments before the pool's two addresses
+        self._attn_args: tuple[tuple, tuple] | None = None  # kv_decode_attention's, around them
         self._k_ptrs = [t.data_ptr() for t in storage.k_layers]
         self._v_ptrs = [t.data_ptr() for t in storage.v_layers]
 
     def _bind(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Check q / k / v on layer 0's pool through the checked methods (which also run it)."""
+        """Check q / k / v on layer 0's pool through the checked methods (which also run it),
+        then keep the C arguments that every layer shares."""
         st, plan = self.storage, self.plan
-        st.kernels.write_kv(k, v, plan.slots, st.k_layers[0], st.v_layers[0])  # type: ignore[union-attr]
+        k0, v0 = st.k_layers[0], st.v_layers[0]
+        st.write_slots(0, plan.slots, k, v)
         out = torch.empty(q.shape, dtype=q.dtype)
+        n, kvh, hd = k.shape
+        self._write_args = (
+            k.data_ptr(), v.data_ptr(), n, k.stride(0), kvh, hd, plan.slots.data_ptr(), st.block_size, st.num_blocks
+        )  # fmt: skip
         d = plan.decode
         if d is not None:
-            n = d.native
-            assert n is not None
-            k0, v0 = st.k_layers[0], st.v_layers[0]
-            self.kernels.decode_attention(q, d.rows, n.indptr, n.blocks, n.ctx_lens, k0, v0, self.scale, out)
+            nat = d.native
+            assert nat is not None
+            self.kernels.decode_attention(q, d.rows, nat.indptr, nat.blocks, nat.ctx_lens, k0, v0, self.scale, out)
+            self._attn_args = (
+                (q.data_ptr(), q.stride(0), q.shape[0], d.rows.data_ptr(), d.num_seqs, nat.indptr.data_ptr(),
+                 nat.blocks.shape[0], nat.blocks.data_ptr(), nat.ctx_lens.data_ptr()),
+                (st.num_blocks, q.shape[1], kvh, hd, st.block_size, self.scale, out.data_ptr(), out.stride(0)),
+            )  # fmt: skip
         self._bound, self._out = (q, k, v), out
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -196,22 +208,13 @@ class NativeAttend:
                 return paged_attention(q, st.k_layers[layer], st.v_layers[layer], plan, self.scale)
             self._bind(q, k, v)
         else:
-            lib, d = self.kernels.lib, plan.decode
-            kvh, hd = k.shape[1], k.shape[2]
+            lib = self.kernels.lib
             kp, vp = self._k_ptrs[layer], self._v_ptrs[layer]
-            rc = lib.kv_write(
-                k.data_ptr(), v.data_ptr(), k.shape[0], k.stride(0), kvh, hd, plan.slots.data_ptr(), st.block_size,
-                st.num_blocks, kp, vp,
-            )  # fmt: skip
+            rc = lib.kv_write(*self._write_args, kp, vp)
             assert rc == 0, "slots were checked on layer 0"
-            if d is not None:
-                n = d.native
-                assert n is not None and self._out is not None
-                rc = lib.kv_decode_attention(
-                    q.data_ptr(), q.stride(0), q.shape[0], d.rows.data_ptr(), d.num_seqs, n.indptr.data_ptr(),
-                    n.blocks.shape[0], n.blocks.data_ptr(), n.ctx_lens.data_ptr(), kp, vp, st.num_blocks, q.shape[1],
-                    kvh, hd, st.block_size, self.scale, self._out.data_ptr(), self._out.stride(0),
-                )  # fmt: skip
+            if self._attn_args is not None:
+                head, tail = self._attn_args
+                rc = lib.kv_decode_attention(*head, kp, vp, *tail)
                 assert rc == 0, "the plan was checked on layer 0"
         out = self._out
         assert out is not None
