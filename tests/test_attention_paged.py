@@ -51,7 +51,17 @@ def run_path(q, k_cache, v_cache, indptr, ids, lens, block_size, path):
         if kernels is None:
             pytest.skip("the C kernels did not build here")
     plan = plan_step(
-        [1] * b, lens, [0] * b, indptr, ids, block_size, H, KVH, D, torch.device("cpu"), decode_path=path,
+        [1] * b,
+        lens,
+        [0] * b,
+        indptr,
+        ids,
+        block_size,
+        H,
+        KVH,
+        D,
+        torch.device("cpu"),
+        decode_path=path,
         kernels=kernels,
     )
     return plan.decode, decode_attention(q, k_cache, v_cache, plan.decode, D**-0.5)

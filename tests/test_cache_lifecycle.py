@@ -34,8 +34,8 @@ class Lifecycle(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.m = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, CacheDescriptor("prop"))
-        self.slots: dict[int, int] = {}        # physical slot -> token written there
-        self.seq: dict[str, list[int]] = {}    # request -> its token ids (model)
+        self.slots: dict[int, int] = {}  # physical slot -> token written there
+        self.seq: dict[str, list[int]] = {}  # request -> its token ids (model)
         self.next_id = 0
         self.released: list[str] = []
 

@@ -199,9 +199,9 @@ def test_oom_reservation_returns_none_and_changes_nothing():
 
 def test_oom_does_not_take_a_hit_block_that_is_needed():
     m = make(num_blocks=3)
-    prefill(m, "a", A[:5])   # blocks 0 (full, cached), 1
+    prefill(m, "a", A[:5])  # blocks 0 (full, cached), 1
     m.finish("a")
-    prefill(m, "x", [1])     # takes block 2 (unhashed first), free: [1, 0]
+    prefill(m, "x", [1])  # takes block 2 (unhashed first), free: [1, 0]
     # b hits block 0 (cached, free) and needs 2 more blocks: only block 1 is left.
     before = m.pool.free_queue()
     assert m.admit("b", A[:4] + list(range(5))) is None
@@ -292,10 +292,10 @@ def test_decode_batch_path_matches_single_request_calls():
 def test_decode_batch_is_all_or_nothing_and_copies_shared_tails():
     m = make(num_blocks=4)
     prefill(m, "a", [1, 2, 3, 4, 5])  # blocks 0, 1
-    m.fork("a", "b")                    # b shares 0, 1 (1 is a partial tail)
+    m.fork("a", "b")  # b shares 0, 1 (1 is a partial tail)
     m.append_token_ids("a", [6])
     m.append_token_ids("b", [7])
-    prefill(m, "c", [9, 9, 9])          # block 2; 1 block free
+    prefill(m, "c", [9, 9, 9])  # block 2; 1 block free
     before = (m.block_ids("a"), m.block_ids("b"), m.pool.free_queue())
     assert m.reserve_decode(["a", "b"]) is None  # a and b both need a copy of block 1
     assert (m.block_ids("a"), m.block_ids("b"), m.pool.free_queue()) == before
@@ -308,7 +308,7 @@ def test_decode_batch_is_all_or_nothing_and_copies_shared_tails():
 
 def test_csr_export():
     m = make(num_blocks=10)
-    prefill(m, "a", A)          # [0, 1, 2], 10 tokens
+    prefill(m, "a", A)  # [0, 1, 2], 10 tokens
     prefill(m, "b", [5, 6, 7])  # [3], 3 tokens
     csr = m.csr(["a", "b"])
     assert csr.indptr == [0, 3, 4]

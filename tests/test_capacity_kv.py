@@ -12,9 +12,15 @@ ONE_MI = 1 << 20  # "1M tokens"
 
 def _llama_like(num_layers: int, kv_heads: int, head_dim: int, **extra: object) -> dict:
     cfg = {
-        "model_type": "llama", "num_hidden_layers": num_layers, "hidden_size": 4096,
-        "num_attention_heads": 32, "num_key_value_heads": kv_heads, "head_dim": head_dim,
-        "intermediate_size": 11008, "vocab_size": 32000, "max_position_embeddings": 1 << 20,
+        "model_type": "llama",
+        "num_hidden_layers": num_layers,
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": 11008,
+        "vocab_size": 32000,
+        "max_position_embeddings": 1 << 20,
     }
     cfg.update(extra)
     return cfg
@@ -106,8 +112,9 @@ def test_sliding_window_layers_are_bounded_by_the_window() -> None:
 
 
 def test_sliding_window_blocks_follow_the_positions_kept() -> None:
-    g = PageGroup("sliding-128", 1, block_size=16, tokens_per_entry=1, data_bytes_per_entry=4,
-                  scale_bytes_per_entry=0, window=128)
+    g = PageGroup(
+        "sliding-128", 1, block_size=16, tokens_per_entry=1, data_bytes_per_entry=4, scale_bytes_per_entry=0, window=128
+    )
     assert g.num_blocks(0) == 0
     assert g.num_blocks(128) == 8  # positions [0, 127]
     assert g.num_blocks(129) == 9  # [1, 128]: blocks 0..8

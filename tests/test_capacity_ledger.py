@@ -12,14 +12,25 @@ from kvpool.spec.models import count_parameters, from_hf_config, load_preset
 
 # A toy Llama: 2 layers, hidden 64, 4 query / 2 KV heads of 16 dims, MLP 128, vocab 100.
 TOY = {
-    "model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "vocab_size": 100,
-    "max_position_embeddings": 4096, "tie_word_embeddings": False,
+    "model_type": "llama",
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "vocab_size": 100,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
 }
 # Round assumptions so every line can be checked by hand.
 SMALL = LedgerAssumptions(
-    max_num_batched_tokens=16, max_num_seqs=2, cuda_graphs=False, cuda_context_bytes=1 << 20,
-    fragmentation_fraction=0.0, segment_bytes=0,
+    max_num_batched_tokens=16,
+    max_num_seqs=2,
+    cuda_graphs=False,
+    cuda_context_bytes=1 << 20,
+    fragmentation_fraction=0.0,
+    segment_bytes=0,
 )
 TWO_MIB = GPUSpec("toy", 2 << 20, 1e12)
 
@@ -38,8 +49,7 @@ def test_toy_parameters_and_kv_by_hand() -> None:
 
 
 def test_toy_ledger_by_hand() -> None:
-    p = plan(from_hf_config(TOY, name="toy"), TWO_MIB, context_len=64, concurrency=10,
-             block_size=16, assumptions=SMALL)
+    p = plan(from_hf_config(TOY, name="toy"), TWO_MIB, context_len=64, concurrency=10, block_size=16, assumptions=SMALL)
     weights = 2 * 86_848
     # activations: 16 tokens x 2 B x (3 x 64 + widest 3 x 128 of the MLP); logits: 2 x 2 seqs x 100 x 4 B
     workspace = 16 * 2 * (3 * 64 + 384) + 2 * 2 * 100 * 4
@@ -53,8 +63,12 @@ def test_toy_ledger_by_hand() -> None:
     ledger = p.ledger
     assert set(ledger.terms) == set(TERMS)
     assert ledger.terms == {
-        "weights": weights, "kv_pool": pool + block_tables, "workspace": workspace, "graph": 0,
-        "allocator": allocator, "transient": transient,
+        "weights": weights,
+        "kv_pool": pool + block_tables,
+        "workspace": workspace,
+        "graph": 0,
+        "allocator": allocator,
+        "transient": transient,
     }
     assert ledger.free == remaining - pool < 256
     assert ledger.total + ledger.free == ledger.capacity
@@ -83,8 +97,7 @@ def test_planner_searches_are_exact_at_the_edges() -> None:
 
 def test_window_only_context_is_limited_by_the_model() -> None:
     cfg = dict(TOY, model_type="mistral", sliding_window=64)
-    p = plan(from_hf_config(cfg, name="swa"), TWO_MIB, context_len=64, concurrency=2, block_size=16,
-             assumptions=SMALL)
+    p = plan(from_hf_config(cfg, name="swa"), TWO_MIB, context_len=64, concurrency=2, block_size=16, assumptions=SMALL)
     assert p.max_context_memory_len is not None and p.max_context_memory_len > 10**9
     assert p.max_context_len == 4096
 
@@ -131,8 +144,9 @@ def test_ledger_counts_scales_padding_and_graphs() -> None:
     assert occ["quant_scales"] > 0 and occ["alignment_padding"] > 0 and occ["state"] > 0
     assert occ["tail_waste"] == 0  # 1M is a multiple of 128: no partial block
     assert p.ledger.details["transient"]["comm_staging"] > 0  # TP 8
-    no_graphs = plan(v4, get_gpu("H200"), num_gpus=8, tp=8, context_len=1 << 20,
-                     assumptions=LedgerAssumptions(cuda_graphs=False))
+    no_graphs = plan(
+        v4, get_gpu("H200"), num_gpus=8, tp=8, context_len=1 << 20, assumptions=LedgerAssumptions(cuda_graphs=False)
+    )
     assert no_graphs.ledger.terms["graph"] == 0
     assert no_graphs.ledger.pool_bytes > p.ledger.pool_bytes
     layout = kv_layout(v4, tp=8)

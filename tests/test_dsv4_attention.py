@@ -21,7 +21,6 @@ from kvpool.attention.dsv4_reference import compress_all_blocks, reference_atten
 from kvpool.models.tiny_dsv4 import TinyDSV4
 from kvpool.spec.dsv4 import YarnScaling
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -114,7 +113,9 @@ def test_compressor_pooling_by_hand(ratio: int, overlap: bool) -> None:
     kv_state = torch.zeros(rows, coff * width)
     score_state = torch.full((rows, coff * width), float("-inf"))
     streamed = [
-        _compress_chunk(kv_state, score_state, kv[p:p + 1], score[p:p + 1], ratio, width, p, p + 1, ones, 1e-6, no_rope)
+        _compress_chunk(
+            kv_state, score_state, kv[p : p + 1], score[p : p + 1], ratio, width, p, p + 1, ones, 1e-6, no_rope
+        )
         for p in range(num_tokens)
     ]
     assert torch.allclose(torch.cat(streamed), entries, atol=1e-6)
@@ -128,20 +129,36 @@ def test_grouped_output_projection(model: TinyDSV4) -> None:
     heads_per_group = spec.num_heads // spec.o_groups
     parts = []
     for g in range(spec.o_groups):  # group g: heads [g*hpg, (g+1)*hpg), rows of wo_a [g*R, (g+1)*R)
-        og = o[:, g * heads_per_group:(g + 1) * heads_per_group].reshape(3, -1)
-        parts.append(og @ w.wo_a[g * spec.o_lora_rank:(g + 1) * spec.o_lora_rank].T)
+        og = o[:, g * heads_per_group : (g + 1) * heads_per_group].reshape(3, -1)
+        parts.append(og @ w.wo_a[g * spec.o_lora_rank : (g + 1) * spec.o_lora_rank].T)
     assert torch.allclose(out, torch.cat(parts, dim=1) @ w.wo_b.T, atol=1e-5)
 
 
 def test_official_parameter_names(model: TinyDSV4) -> None:
     names = {k for k in model.state_dict if k.startswith("layers.2.attn.")}  # a CSA layer
-    expected = {f"layers.2.attn.{n}" for n in (
-        "wq_a.weight", "q_norm.weight", "wq_b.weight", "wkv.weight", "kv_norm.weight", "wo_a.weight",
-        "wo_b.weight", "attn_sink", "compressor.wkv.weight", "compressor.wgate.weight", "compressor.ape",
-        "compressor.norm.weight", "indexer.wq_b.weight", "indexer.weights_proj.weight",
-        "indexer.compressor.wkv.weight", "indexer.compressor.wgate.weight", "indexer.compressor.ape",
-        "indexer.compressor.norm.weight",
-    )}
+    expected = {
+        f"layers.2.attn.{n}"
+        for n in (
+            "wq_a.weight",
+            "q_norm.weight",
+            "wq_b.weight",
+            "wkv.weight",
+            "kv_norm.weight",
+            "wo_a.weight",
+            "wo_b.weight",
+            "attn_sink",
+            "compressor.wkv.weight",
+            "compressor.wgate.weight",
+            "compressor.ape",
+            "compressor.norm.weight",
+            "indexer.wq_b.weight",
+            "indexer.weights_proj.weight",
+            "indexer.compressor.wkv.weight",
+            "indexer.compressor.wgate.weight",
+            "indexer.compressor.ape",
+            "indexer.compressor.norm.weight",
+        )
+    }
     assert names == expected
     assert not any(k.startswith("layers.3.attn.indexer") for k in model.state_dict)  # HCA: no indexer
     assert not any(k.startswith("layers.0.attn.compressor") for k in model.state_dict)  # SWA-only
@@ -150,7 +167,9 @@ def test_official_parameter_names(model: TinyDSV4) -> None:
         DSV4AttnWeights.from_state_dict(sd, "layers.2.attn.", 4)
 
 
-def _layer_outputs(model: TinyDSV4, layer: int, w: DSV4AttnWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _layer_outputs(
+    model: TinyDSV4, layer: int, w: DSV4AttnWeights, x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(oracle, paged token-by-token) outputs of one layer for inputs x [T, hidden]."""
     ref = reference_attention(model.spec, layer, w, x)
     pools = DSV4Pools(model.spec, 4, 1)
@@ -159,7 +178,7 @@ def _layer_outputs(model: TinyDSV4, layer: int, w: DSV4AttnWeights, x: torch.Ten
     outs = []
     for t in range(x.shape[0]):
         new = (len(table),) if (t + 1) % model.spec.span == 0 else ()
-        outs.append(paged_attention(model.spec, layer, w, x[t:t + 1], [ChunkPlan(t, 1, 0, tuple(table), new)], pools))
+        outs.append(paged_attention(model.spec, layer, w, x[t : t + 1], [ChunkPlan(t, 1, 0, tuple(table), new)], pools))
         table += list(new)
     return ref, torch.cat(outs)
 
@@ -206,5 +225,5 @@ def test_oracle_is_causal(model: TinyDSV4) -> None:
     ids = torch.randint(0, 256, (140,), generator=torch.Generator().manual_seed(9)).tolist()
     full = model.reference_logits(ids)
     for t in (2, 126, 129):  # inside a CSA block, inside the first HCA block, after it
-        changed = ids[: t + 1] + [(i + 1) % 256 for i in ids[t + 1:]]
+        changed = ids[: t + 1] + [(i + 1) % 256 for i in ids[t + 1 :]]
         assert torch.equal(model.reference_logits(changed)[: t + 1], full[: t + 1])

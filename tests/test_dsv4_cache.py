@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.cache.dsv4 import DSV4CacheManager
-from kvpool.spec.dsv4 import DSV4Spec
 from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG
+from kvpool.spec.dsv4 import DSV4Spec
 
 SPEC = DSV4Spec.from_config(SMALL_DSV4_CONFIG)  # span 16, n_win 16, 4 layers
 
@@ -113,8 +113,11 @@ def test_fork_shares_blocks_and_takes_a_state_block() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["admit", "step", "release"]), st.integers(0, 3), st.integers(1, 40)),
-                max_size=40))
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["admit", "step", "release"]), st.integers(0, 3), st.integers(1, 40)), max_size=40
+    )
+)
 def test_lifecycle_keeps_invariants(ops: list[tuple[str, int, int]]) -> None:
     m = DSV4CacheManager(SPEC, 6, 2, restore="checkpoint", num_checkpoints=2)
     for op, who, n in ops:

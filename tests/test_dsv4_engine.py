@@ -10,7 +10,6 @@ from kvpool.engine.sampling import SamplingParams
 from kvpool.models.dsv4_runner import DSV4EngineRunner, build_tiny_dsv4_engine
 from kvpool.models.tiny_dsv4 import TinyDSV4
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -22,7 +21,7 @@ def _prompts() -> list[list[int]]:
 def _assert_greedy_matches_oracle(model: TinyDSV4, prompt: list[int], output: list[int]) -> None:
     # Greedy: token i is the argmax of the oracle's logits at the position before it.
     logits = model.reference_logits(prompt + output[:-1])
-    expected = logits[len(prompt) - 1:].argmax(dim=-1).tolist()
+    expected = logits[len(prompt) - 1 :].argmax(dim=-1).tolist()
     assert output == expected
 
 
@@ -33,7 +32,7 @@ def test_generate_greedy_equals_oracle(restore: str) -> None:
     prompts = _prompts()
     outs = engine.generate(prompts, SamplingParams(max_tokens=12))
     model = engine.runner.runner.model  # type: ignore[attr-defined]
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=True):
         assert len(out.completions[0].token_ids) == 12
         _assert_greedy_matches_oracle(model, prompt, out.completions[0].token_ids)
     engine.runner.check_integrity()
@@ -50,7 +49,7 @@ def test_preemption_under_a_small_classical_pool() -> None:
     engine = Engine(runner, max_num_batched_tokens=256, max_num_seqs=3)
     prompts = _prompts()
     outs = engine.generate(prompts, SamplingParams(max_tokens=60))  # 200 + 60 tokens need 2 blocks alone
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=True):
         _assert_greedy_matches_oracle(model, prompt, out.completions[0].token_ids)
     assert engine.num_preemptions > 0
     runner.check_integrity()
@@ -91,8 +90,18 @@ def test_parallel_samples_without_a_free_state_block_wait_and_recompute() -> Non
 def _generate_args(**kw: object):
     import argparse
 
-    base = dict(prompt="5,17,42,99", no_chat=True, max_tokens=6, temperature=0.0, top_p=1.0, top_k=0, seed=0,
-                num_blocks=16, json=True, model="tiny-dsv4")
+    base = dict(
+        prompt="5,17,42,99",
+        no_chat=True,
+        max_tokens=6,
+        temperature=0.0,
+        top_p=1.0,
+        top_k=0,
+        seed=0,
+        num_blocks=16,
+        json=True,
+        model="tiny-dsv4",
+    )
     return argparse.Namespace(**{**base, **kw})
 
 

@@ -14,7 +14,6 @@ from kvpool.models.dsv4_runner import DSV4PagedRunner
 from kvpool.models.dsv4_verify import TOLERANCE, ClassicalPoolWatcher, Verifier
 from kvpool.models.tiny_dsv4 import TinyDSV4
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -59,14 +58,14 @@ def test_any_chunk_size_writes_the_state_of_token_by_token_decode(verifier: Veri
         assert other.cache.block_ids("r") == by_token.cache.block_ids("r") == [0, 1]
         live_a = by_token.pools.live_state(0, len(ids))
         live_b = other.pools.live_state(0, len(ids))
-        for la, lb in zip(live_a, live_b):
+        for la, lb in zip(live_a, live_b, strict=True):
             assert la.keys() == lb.keys()
             for name in la:
                 a, b = la[name], lb[name]
                 assert a.shape == b.shape, name
                 assert torch.isfinite(a).all() and torch.isfinite(b).all()  # past block 0: no -inf rows
                 assert torch.allclose(a, b, atol=1e-5, rtol=0), name
-        for cl_a, cl_b in zip(by_token.pools.classical, other.pools.classical):
+        for cl_a, cl_b in zip(by_token.pools.classical, other.pools.classical, strict=True):
             for a, b in ((cl_a.main, cl_b.main), (cl_a.idx, cl_b.idx)):
                 if a is not None:
                     assert torch.allclose(a, b, atol=1e-5, rtol=0)
@@ -117,7 +116,7 @@ def test_classical_pool_never_holds_an_incomplete_block(verifier: Verifier) -> N
         assert len(runner.cache.block_ids("r")) == computed // 128
         if computed < 128:  # 127 tokens hold 31 complete CSA entries, all in state, none pooled
             now = [t for cl in runner.pools.classical for t in (cl.main, cl.idx) if t is not None]
-            assert all(torch.equal(a, b) for a, b in zip(now, zero))
+            assert all(torch.equal(a, b) for a, b in zip(now, zero, strict=True))
     assert runner.cache.block_ids("r") == [0]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvpool.spec.dsv4 import REQUIRED_KEYS, DSV4Spec, LayerKind, load_preset, load_preset_config
@@ -33,7 +35,11 @@ def test_pro_layer_pattern() -> None:
     assert spec.num_layers_of(LayerKind.SWA) == 0
     assert spec.mtp_kinds == (LayerKind.SWA,)
     assert (spec.hidden_size, spec.num_heads, spec.o_groups, spec.q_lora_rank, spec.index_topk) == (
-        7168, 128, 16, 1536, 1024,
+        7168,
+        128,
+        16,
+        1536,
+        1024,
     )
 
 
@@ -117,7 +123,7 @@ def test_small_config_and_roundtrip() -> None:
     assert spec.layer_kinds == (LayerKind.SWA, LayerKind.CSA, LayerKind.HCA, LayerKind.CSA)
     assert (spec.hca_ratio, spec.span, spec.window) == (16, 16, 16)
     assert DSV4Spec.from_config(spec.to_dict(), name="small") == spec
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         spec.window = 3  # type: ignore[misc]  # frozen
 
 

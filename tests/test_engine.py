@@ -136,7 +136,7 @@ def test_preempted_request_resumes_with_identical_tokens(loaded):
     ids = [e.add_request(p, params) for p in prompts]
     finish_all(e)
     assert e.num_preemptions > 0
-    for rid, want in zip(ids, expected):
+    for rid, want in zip(ids, expected, strict=True):
         assert e.output(rid).completions[0].token_ids == want
         check_logits(loaded, e, rid)
     assert e.runner.manager.num_free_blocks == 6

@@ -9,16 +9,30 @@ import torch
 from kvpool.cli.main import main
 
 RUN_KEYS = {
-    "kv_capacity_tokens", "kv_capacity_bytes", "block_size", "fragmentation", "prefix_hit_rate", "alloc_latency_us",
-    "read_bandwidth_gbps", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "throughput_tok_s",
-    "goodput_req_s", "preemptions", "num_requests",
-}  # fmt: skip
+    "kv_capacity_tokens",
+    "kv_capacity_bytes",
+    "block_size",
+    "fragmentation",
+    "prefix_hit_rate",
+    "alloc_latency_us",
+    "read_bandwidth_gbps",
+    "ttft_ms_p50",
+    "ttft_ms_p99",
+    "tpot_ms_p50",
+    "tpot_ms_p99",
+    "throughput_tok_s",
+    "goodput_req_s",
+    "preemptions",
+    "num_requests",
+}
 
 
 def test_generate_json(capsys):
     threads = torch.get_num_threads()
     try:
-        assert main(["generate", "What is the capital of France?", "--json", "--max-tokens", "16", "--threads", "1"]) == 0
+        assert (
+            main(["generate", "What is the capital of France?", "--json", "--max-tokens", "16", "--threads", "1"]) == 0
+        )
     finally:
         torch.set_num_threads(threads)
     out = json.loads(capsys.readouterr().out)

@@ -123,14 +123,28 @@ def test_decode_attention_rejects_bad_tables_before_writing():
         call([1, 2], rows=torch.tensor([1]))
     with pytest.raises(ValueError, match="does not cover exactly"):  # indptr past nnz, caught before reading blocks
         K.decode_attention(
-            q.expand(2, 2, 8).contiguous(), torch.tensor([0, 1]), torch.tensor([0, 3, 2]), torch.tensor([1, 2]),
-            torch.tensor([3, 1]), kc, vc, 1.0, torch.zeros(2, 2, 8),
-        )  # fmt: skip
+            q.expand(2, 2, 8).contiguous(),
+            torch.tensor([0, 1]),
+            torch.tensor([0, 3, 2]),
+            torch.tensor([1, 2]),
+            torch.tensor([3, 1]),
+            kc,
+            vc,
+            1.0,
+            torch.zeros(2, 2, 8),
+        )
     with pytest.raises(ValueError, match="strictly increasing"):  # two sequences writing one row
         K.decode_attention(
-            q.expand(2, 2, 8).contiguous(), torch.tensor([0, 0]), torch.tensor([0, 1, 2]), torch.tensor([1, 2]),
-            torch.tensor([3, 3]), kc, vc, 1.0, torch.zeros(2, 2, 8),
-        )  # fmt: skip
+            q.expand(2, 2, 8).contiguous(),
+            torch.tensor([0, 0]),
+            torch.tensor([0, 1, 2]),
+            torch.tensor([1, 2]),
+            torch.tensor([3, 3]),
+            kc,
+            vc,
+            1.0,
+            torch.zeros(2, 2, 8),
+        )
     assert not out.any()
     call([1, 2])
     assert out.abs().sum() > 0

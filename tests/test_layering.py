@@ -25,4 +25,3 @@ def test_cli_help_imports_no_torch():
     code = "import sys\nfrom kvpool.cli.main import build_parser\nbuild_parser()\nprint('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", "a command module imports torch at import time"
-

@@ -57,9 +57,15 @@ def test_config_comes_from_metadata(loaded):
 
 @pytest.mark.parametrize(
     "text",
-    ["Hello, world!", "Ünïcödé 日本語 テスト 🙂 émoji", "  spaces\n\nnew lines\ttabs", "What is 12345 + 678?",
-     "<|im_start|>user\nhi<|im_end|>\n", "it's they'll we've"],
-)  # fmt: skip
+    [
+        "Hello, world!",
+        "Ünïcödé 日本語 テスト 🙂 émoji",
+        "  spaces\n\nnew lines\ttabs",
+        "What is 12345 + 678?",
+        "<|im_start|>user\nhi<|im_end|>\n",
+        "it's they'll we've",
+    ],
+)
 def test_tokenizer_matches_transformers(loaded, hf_tokenizer, text):
     ids = loaded.tokenizer.encode(text)
     assert ids == hf_tokenizer.encode(text, add_special_tokens=False)
@@ -87,12 +93,16 @@ def test_greedy_generation_equals_transformers(loaded, hf_model):
     prompts = [loaded.tokenizer.encode_chat([{"role": "user", "content": c}]) for c in CHATS]
     engine = build_engine(loaded, num_blocks=64, block_size=16, max_num_batched_tokens=256)
     ours = engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
-    for prompt, out in zip(prompts, ours):
+    for prompt, out in zip(prompts, ours, strict=True):
         with torch.no_grad():
             gen = hf_model.generate(
-                torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                eos_token_id=None, pad_token_id=0,
-            )  # fmt: skip
+                torch.tensor([prompt]),
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
         theirs = gen[0, len(prompt) :].tolist()
         assert len(theirs) == NEW_TOKENS
         assert out.completions[0].token_ids == theirs

@@ -20,8 +20,14 @@ def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
 
 def test_json_has_the_required_fields(capsys: pytest.CaptureFixture[str]) -> None:
     out = _json(capsys, "--model", "llama-3.1-8b", "--gpu", "H100", "--context", "8192")
-    for key in ("model", "kv_bytes_per_token", "state_bytes_per_request", "kv_bytes_at_context",
-                "max_concurrent_requests", "ledger"):
+    for key in (
+        "model",
+        "kv_bytes_per_token",
+        "state_bytes_per_request",
+        "kv_bytes_at_context",
+        "max_concurrent_requests",
+        "ledger",
+    ):
         assert key in out
     assert out["model"] == "llama-3.1-8b"
     assert out["kv_bytes_per_token"] == 131_072
@@ -35,8 +41,21 @@ def test_json_has_the_required_fields(capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_json_for_v4_pro_on_8_h200(capsys: pytest.CaptureFixture[str]) -> None:
-    out = _json(capsys, "--model", "deepseek-v4-pro", "--gpu", "H200", "--num-gpus", "8", "--tp", "8",
-                "--context", "1048576", "--concurrency", "16")
+    out = _json(
+        capsys,
+        "--model",
+        "deepseek-v4-pro",
+        "--gpu",
+        "H200",
+        "--num-gpus",
+        "8",
+        "--tp",
+        "8",
+        "--context",
+        "1048576",
+        "--concurrency",
+        "16",
+    )
     assert out["tp"] == 8 and out["replicas"] == 1 and not out["kv_sharded_by_head"]
     assert out["state_bytes_per_request"] > 0
     assert out["kv_bytes_per_token"] == pytest.approx(5511.4, abs=0.1)

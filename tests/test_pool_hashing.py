@@ -35,8 +35,10 @@ def test_hashes_are_stable_across_processes():
         "from kvpool.pool import BlockHasher, token_bytes;"
         "h = BlockHasher(); print(h.chain(h.root(b'd', 's'), token_bytes(range(16))).hex())"
     )
-    runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-            for _ in range(2)}
+    runs = {
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        for _ in range(2)
+    }
     h = BlockHasher()
     assert runs == {h.chain(h.root(b"d", "s"), token_bytes(range(16))).hex() + "\n"}
 

@@ -59,7 +59,9 @@ def test_top_p_beyond_the_candidates_takes_the_full_sort():
     assert len(set(counts) - set(order[:NUCLEUS_CANDIDATES].tolist())) > 0  # drawn past the candidates
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7, top_p=0.9, top_k=40), SamplingParams(temperature=1.3)])
+@pytest.mark.parametrize(
+    "params", [SamplingParams(temperature=0.7, top_p=0.9, top_k=40), SamplingParams(temperature=1.3)]
+)
 def test_a_token_depends_only_on_seed_sample_and_position(params):
     logits = torch.randn(49_152, generator=torch.Generator().manual_seed(1))
     a = [sample_token(logits, params, 2, pos) for pos in range(50)]

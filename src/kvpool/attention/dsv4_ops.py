@@ -24,8 +24,8 @@ from torch import Tensor
 
 from kvpool.spec.dsv4 import CSA_RATIO, DSV4Spec, YarnScaling
 
-
 # ----- norms -------------------------------------------------------------------------
+
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     """RMSNorm over the last dim. x: [..., d] fp32; weight: [d] or None (no weight)."""
@@ -34,6 +34,7 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
 
 
 # ----- RoPE (interleaved pairs, on the LAST rope_dim dims) -----------------------------
+
 
 def rope_freqs(rope_dim: int, theta: float, yarn: YarnScaling | None) -> Tensor:
     """Per-pair angular frequencies [rope_dim // 2] (fp64), YaRN-scaled when `yarn` is set.
@@ -47,8 +48,10 @@ def rope_freqs(rope_dim: int, theta: float, yarn: YarnScaling | None) -> Tensor:
         return freqs
 
     def correction_dim(num_rotations: float) -> float:
-        return rope_dim * math.log(yarn.original_max_position_embeddings / (num_rotations * 2 * math.pi)) / (
-            2 * math.log(theta)
+        return (
+            rope_dim
+            * math.log(yarn.original_max_position_embeddings / (num_rotations * 2 * math.pi))
+            / (2 * math.log(theta))
         )
 
     low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
@@ -90,6 +93,7 @@ def apply_rope(x: Tensor, positions: Tensor, freqs: Tensor, inverse: bool = Fals
 
 
 # ----- weights -------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class CompressorWeights:
@@ -142,7 +146,9 @@ class DSV4AttnWeights:
             return sd[key].to(torch.float32)
 
         def compressor(p: str) -> CompressorWeights:
-            return CompressorWeights(get(p + "wkv.weight"), get(p + "wgate.weight"), get(p + "ape"), get(p + "norm.weight"))
+            return CompressorWeights(
+                get(p + "wkv.weight"), get(p + "wgate.weight"), get(p + "ape"), get(p + "norm.weight")
+            )
 
         return cls(
             wq_a=get("wq_a.weight"),
@@ -185,26 +191,31 @@ def init_attn_state_dict(spec: DSV4Spec, layer_id: int, prefix: str, gen: torch.
     }
     if ratio:
         coff = spec.coff(ratio)
-        sd.update({
-            "compressor.wkv.weight": lin(coff * d, hid),
-            "compressor.wgate.weight": lin(coff * d, hid),
-            "compressor.ape": torch.randn(ratio, coff * d, generator=gen),
-            "compressor.norm.weight": norm(d),
-        })
+        sd.update(
+            {
+                "compressor.wkv.weight": lin(coff * d, hid),
+                "compressor.wgate.weight": lin(coff * d, hid),
+                "compressor.ape": torch.randn(ratio, coff * d, generator=gen),
+                "compressor.norm.weight": norm(d),
+            }
+        )
     if ratio == CSA_RATIO:
         di = spec.index_head_dim
-        sd.update({
-            "indexer.wq_b.weight": lin(spec.index_n_heads * di, spec.q_lora_rank),
-            "indexer.weights_proj.weight": lin(spec.index_n_heads, hid),
-            "indexer.compressor.wkv.weight": lin(2 * di, hid),
-            "indexer.compressor.wgate.weight": lin(2 * di, hid),
-            "indexer.compressor.ape": torch.randn(CSA_RATIO, 2 * di, generator=gen),
-            "indexer.compressor.norm.weight": norm(di),
-        })
+        sd.update(
+            {
+                "indexer.wq_b.weight": lin(spec.index_n_heads * di, spec.q_lora_rank),
+                "indexer.weights_proj.weight": lin(spec.index_n_heads, hid),
+                "indexer.compressor.wkv.weight": lin(2 * di, hid),
+                "indexer.compressor.wgate.weight": lin(2 * di, hid),
+                "indexer.compressor.ape": torch.randn(CSA_RATIO, 2 * di, generator=gen),
+                "indexer.compressor.norm.weight": norm(di),
+            }
+        )
     return {prefix + k: v for k, v in sd.items()}
 
 
 # ----- per-token projections ----------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class TokenProjections:
@@ -255,6 +266,7 @@ def project_tokens(
 
 # ----- compressor pooling --------------------------------------------------------------
 
+
 def pool_entries(
     kv_rows: Tensor, score_rows: Tensor, norm_weight: Tensor, eps: float, first_positions: Tensor, freqs: Tensor
 ) -> Tensor:
@@ -267,7 +279,9 @@ def pool_entries(
     return apply_rope(rms_norm(entries, norm_weight, eps), first_positions, freqs)
 
 
-def overlap_rows(prev_kv: Tensor, cur_kv: Tensor, prev_score: Tensor, cur_score: Tensor, d: int) -> tuple[Tensor, Tensor]:
+def overlap_rows(
+    prev_kv: Tensor, cur_kv: Tensor, prev_score: Tensor, cur_score: Tensor, d: int
+) -> tuple[Tensor, Tensor]:
     """The 2m pooled rows of overlapping blocks: previous block's [0:d] half, current block's [d:2d].
 
     prev_* / cur_*: [num_blocks, m, 2d]. Returns (kv_rows, score_rows), each [num_blocks, 2m, d].
@@ -278,6 +292,7 @@ def overlap_rows(prev_kv: Tensor, cur_kv: Tensor, prev_score: Tensor, cur_score:
 
 
 # ----- indexer --------------------------------------------------------------------------
+
 
 def indexer_scores(idx_q: Tensor, idx_w: Tensor, keys: Tensor) -> Tensor:
     """I[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s]). idx_q [n, H, di], idx_w [n, H],
@@ -304,6 +319,7 @@ def stable_topk(scores: Tensor, num_visible: Tensor, k: int) -> tuple[Tensor, Te
 
 
 # ----- the one softmax with the sink ---------------------------------------------------
+
 
 def sink_attention(q: Tensor, keys: Tensor, valid: Tensor, sink: Tensor, scale: float) -> Tensor:
     """p_j = exp(z_j) / (sum_k exp(z_k) + exp(sink_h)); out = sum_j p_j * kv_j (K = V).

@@ -81,16 +81,31 @@ def paged_attention(
     offset = 0
     for c in chunks:
         sl = slice(offset, offset + c.num_tokens)
-        part = TokenProjections(*(None if f is None else f[sl] for f in (
-            p.q, p.kv, p.comp_kv, p.comp_score, p.idx_q, p.idx_w, p.idx_kv, p.idx_score)))
-        outputs.append(_chunk_attention(spec, ratio, w, part, pools.state[layer_id], pools.classical[layer_id], c, freqs))
+        part = TokenProjections(
+            *(
+                None if f is None else f[sl]
+                for f in (p.q, p.kv, p.comp_kv, p.comp_score, p.idx_q, p.idx_w, p.idx_kv, p.idx_score)
+            )
+        )
+        outputs.append(
+            _chunk_attention(spec, ratio, w, part, pools.state[layer_id], pools.classical[layer_id], c, freqs)
+        )
         offset += c.num_tokens
     return output_projection(spec, w, torch.cat(outputs), positions, freqs)
 
 
 def _compress_chunk(
-    kv_state: Tensor, score_state: Tensor, new_kv: Tensor, new_score: Tensor, ratio: int, width: int,
-    start: int, end: int, norm_weight: Tensor, eps: float, freqs: Tensor,
+    kv_state: Tensor,
+    score_state: Tensor,
+    new_kv: Tensor,
+    new_score: Tensor,
+    ratio: int,
+    width: int,
+    start: int,
+    end: int,
+    norm_weight: Tensor,
+    eps: float,
+    freqs: Tensor,
 ) -> Tensor:
     """Feed positions [start, end) into one compressor's state; return the entries completed.
 
@@ -111,13 +126,16 @@ def _compress_chunk(
             span = slice(0, num_new * ratio)
             cur = slice(ratio, (num_new + 1) * ratio)
             kv_rows, score_rows = overlap_rows(
-                rows_kv[span].view(num_new, ratio, -1), rows_kv[cur].view(num_new, ratio, -1),
-                rows_score[span].view(num_new, ratio, -1), rows_score[cur].view(num_new, ratio, -1), width,
+                rows_kv[span].view(num_new, ratio, -1),
+                rows_kv[cur].view(num_new, ratio, -1),
+                rows_score[span].view(num_new, ratio, -1),
+                rows_score[cur].view(num_new, ratio, -1),
+                width,
             )
             first_positions = torch.arange(first_block, end_block) * ratio
             entries = pool_entries(kv_rows, score_rows, norm_weight, eps, first_positions, freqs)
         # New state: the last complete block's rows, then the partial block's rows.
-        tail = rows_kv[num_new * ratio:], rows_score[num_new * ratio:]
+        tail = rows_kv[num_new * ratio :], rows_score[num_new * ratio :]
     else:
         keep = start % ratio
         rows_kv = torch.cat((kv_state[:keep], new_kv))  # positions first_block * ratio .. end - 1
@@ -127,18 +145,20 @@ def _compress_chunk(
             n = num_new * ratio
             first_positions = torch.arange(first_block, end_block) * ratio
             entries = pool_entries(
-                rows_kv[:n].view(num_new, ratio, -1), rows_score[:n].view(num_new, ratio, -1),
-                norm_weight, eps, first_positions, freqs,
+                rows_kv[:n].view(num_new, ratio, -1),
+                rows_score[:n].view(num_new, ratio, -1),
+                norm_weight,
+                eps,
+                first_positions,
+                freqs,
             )
-        tail = rows_kv[num_new * ratio:], rows_score[num_new * ratio:]
+        tail = rows_kv[num_new * ratio :], rows_score[num_new * ratio :]
     kv_state[: tail[0].shape[0]] = tail[0]
     score_state[: tail[1].shape[0]] = tail[1]
     return entries
 
 
-def _entries_for_chunk(
-    pool: Tensor, tail: Tensor, new_entries: Tensor, ratio: int, span: int, c: ChunkPlan
-) -> Tensor:
+def _entries_for_chunk(pool: Tensor, tail: Tensor, new_entries: Tensor, ratio: int, span: int, c: ChunkPlan) -> Tensor:
     """All entries complete by the chunk's end ([end // ratio, width]), and, outside replay,
     write completed spans to their new classical blocks and the rest to the tail entries.
 
@@ -153,22 +173,30 @@ def _entries_for_chunk(
         assert num_entries <= pooled.shape[0], "replay must stay inside the prefix hit"
         return pooled[:num_entries]
     num_blocks = len(c.block_table)
-    assert num_blocks == c.start // span, f"block table holds {num_blocks} spans, start {c.start} needs {c.start // span}"
+    assert num_blocks == c.start // span, (
+        f"block table holds {num_blocks} spans, start {c.start} needs {c.start // span}"
+    )
     num_tail = c.start // ratio - num_blocks * per_block  # complete entries of the unfinished span
     # [num_blocks * per_block, num_entries): the unfinished span's entries, old then new
     open_entries = torch.cat((tail[:num_tail], new_entries))
     num_done = end // span - num_blocks
     assert num_done == len(c.new_block_ids), f"{num_done} spans complete, {len(c.new_block_ids)} blocks reserved"
     for k, block_id in enumerate(c.new_block_ids):
-        pool[block_id] = open_entries[k * per_block:(k + 1) * per_block]
-    left = open_entries[num_done * per_block:]
+        pool[block_id] = open_entries[k * per_block : (k + 1) * per_block]
+    left = open_entries[num_done * per_block :]
     tail[: left.shape[0]] = left
     return torch.cat((pooled, open_entries))
 
 
 def _chunk_attention(
-    spec: DSV4Spec, ratio: int, w: DSV4AttnWeights, p: TokenProjections, st: LayerState,
-    cl: LayerClassical, c: ChunkPlan, freqs: Tensor,
+    spec: DSV4Spec,
+    ratio: int,
+    w: DSV4AttnWeights,
+    p: TokenProjections,
+    st: LayerState,
+    cl: LayerClassical,
+    c: ChunkPlan,
+    freqs: Tensor,
 ) -> Tensor:
     """One request's chunk at one layer. Returns o [n, heads, head_dim] before the output path."""
     n_win, slot = spec.window, c.state_slot
@@ -189,8 +217,17 @@ def _chunk_attention(
         assert comp is not None and st.comp_kv is not None and st.comp_score is not None
         assert cl.main is not None and st.tail_main is not None
         new_entries = _compress_chunk(
-            st.comp_kv[slot], st.comp_score[slot], p.comp_kv, p.comp_score, ratio, spec.head_dim,
-            start, end, comp.norm, eps, freqs,
+            st.comp_kv[slot],
+            st.comp_score[slot],
+            p.comp_kv,
+            p.comp_score,
+            ratio,
+            spec.head_dim,
+            start,
+            end,
+            comp.norm,
+            eps,
+            freqs,
         )
         entries = _entries_for_chunk(cl.main, st.tail_main[slot], new_entries, ratio, spec.span, c)
         num_visible = (torch.arange(start, end) + 1) // ratio  # entry j visible iff j < (t + 1) // ratio
@@ -199,8 +236,17 @@ def _chunk_attention(
             assert ix is not None and st.idx_kv is not None and st.idx_score is not None
             assert cl.idx is not None and st.tail_idx is not None
             new_keys = _compress_chunk(
-                st.idx_kv[slot], st.idx_score[slot], p.idx_kv, p.idx_score, CSA_RATIO, spec.index_head_dim,
-                start, end, ix.compressor.norm, eps, freqs,
+                st.idx_kv[slot],
+                st.idx_score[slot],
+                p.idx_kv,
+                p.idx_score,
+                CSA_RATIO,
+                spec.index_head_dim,
+                start,
+                end,
+                ix.compressor.norm,
+                eps,
+                freqs,
             )
             idx_keys = _entries_for_chunk(cl.idx, st.tail_idx[slot], new_keys, ratio, spec.span, c)
             if entries.shape[0]:
@@ -218,5 +264,5 @@ def _chunk_attention(
 
     # The chunk's last n_win tokens replace their ring rows (after the reads above).
     first = max(start, end - n_win)
-    ring[torch.arange(first, end) % n_win] = p.kv[first - start:]
+    ring[torch.arange(first, end) % n_win] = p.kv[first - start :]
     return o

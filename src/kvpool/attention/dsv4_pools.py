@@ -40,8 +40,19 @@ class LayerState:
     tail_idx: Tensor | None = None
 
     def tensors(self) -> list[Tensor]:
-        return [t for t in (self.ring, self.comp_kv, self.comp_score, self.idx_kv, self.idx_score,
-                            self.tail_main, self.tail_idx) if t is not None]
+        return [
+            t
+            for t in (
+                self.ring,
+                self.comp_kv,
+                self.comp_score,
+                self.idx_kv,
+                self.idx_score,
+                self.tail_main,
+                self.tail_idx,
+            )
+            if t is not None
+        ]
 
 
 @dataclass
@@ -120,27 +131,31 @@ class DSV4Pools:
         spec, n_win, span = self.spec, self.spec.window, self.spec.span
         out: list[dict[str, Tensor]] = []
         ring_rows = torch.arange(max(0, num_tokens - n_win), num_tokens) % n_win
-        for ratio, st in zip(spec.layer_ratios, self.state):
+        for ratio, st in zip(spec.layer_ratios, self.state, strict=True):
             live: dict[str, Tensor] = {"ring": st.ring[slot, ring_rows]}
             if ratio:
                 # overlap: [0, ratio) previous block (placeholder before block 0) + partial rows
                 num_rows = (ratio if ratio == CSA_RATIO else 0) + num_tokens % ratio
                 num_tail = num_tokens // ratio - (num_tokens // span) * (span // ratio)
                 assert st.comp_kv is not None and st.comp_score is not None and st.tail_main is not None
-                live.update(comp_kv=st.comp_kv[slot, :num_rows], comp_score=st.comp_score[slot, :num_rows],
-                            tail_main=st.tail_main[slot, :num_tail])
+                live.update(
+                    comp_kv=st.comp_kv[slot, :num_rows],
+                    comp_score=st.comp_score[slot, :num_rows],
+                    tail_main=st.tail_main[slot, :num_tail],
+                )
                 if ratio == CSA_RATIO:
                     assert st.idx_kv is not None and st.idx_score is not None and st.tail_idx is not None
-                    live.update(idx_kv=st.idx_kv[slot, :num_rows], idx_score=st.idx_score[slot, :num_rows],
-                                tail_idx=st.tail_idx[slot, :num_tail])
+                    live.update(
+                        idx_kv=st.idx_kv[slot, :num_rows],
+                        idx_score=st.idx_score[slot, :num_rows],
+                        tail_idx=st.tail_idx[slot, :num_tail],
+                    )
             out.append(live)
         return out
 
     def classical_block_bytes(self) -> int:
         """Actual bytes of one classical block over all layers."""
-        return sum(
-            t[0].numel() * t.element_size() for cl in self.classical for t in (cl.main, cl.idx) if t is not None
-        )
+        return sum(t[0].numel() * t.element_size() for cl in self.classical for t in (cl.main, cl.idx) if t is not None)
 
     def state_block_bytes(self) -> int:
         """Actual bytes of one state block over all layers (tail entries included)."""

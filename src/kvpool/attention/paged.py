@@ -39,8 +39,9 @@ so that copy is a small part of its time.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -152,7 +153,9 @@ def plan_step(
                 pos = torch.arange(start, ctx_len)
                 mask = (torch.arange(ctx_len)[None, :] <= pos[:, None]).to(device)  # [q_len, ctx_len]
             prefills.append(
-                PrefillPlan(slice(row, row + q_len), torch.tensor(blocks, dtype=torch.long, device=device), ctx_len, mask)
+                PrefillPlan(
+                    slice(row, row + q_len), torch.tensor(blocks, dtype=torch.long, device=device), ctx_len, mask
+                )
             )
         row += q_len
     decode = None
@@ -191,9 +194,14 @@ def plan_step(
 
 
 def _plan_bags(
-    tables: list[Sequence[int]], nb: int, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+    tables: list[Sequence[int]],
+    nb: int,
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
     device: torch.device,
-) -> BagPlan:  # fmt: skip
+) -> BagPlan:
     """Row indices of every bag, built with tensor ops (a 4k-context batch has ~10^6 rows)."""
     b, h, kvh, d, bs = len(tables), num_heads, num_kv_heads, head_dim, block_size
     g = h // kvh
@@ -218,9 +226,13 @@ def _plan_bags(
     bound = max((int(table.max()) + 1) * kvh * max(d, bs), b * h * nb * max(d, bs))
     idx = torch.int32 if bound < 2**31 else torch.long
     return BagPlan(
-        k_rows.reshape(-1).to(device, idx), k_offsets.to(device, idx), None if q_rows is None else q_rows.to(device),
-        v_rows.reshape(-1).to(device, idx), v_offsets.to(device, idx), p_index,
-    )  # fmt: skip
+        k_rows.reshape(-1).to(device, idx),
+        k_offsets.to(device, idx),
+        None if q_rows is None else q_rows.to(device),
+        v_rows.reshape(-1).to(device, idx),
+        v_offsets.to(device, idx),
+        p_index,
+    )
 
 
 def decode_attention(
@@ -275,7 +287,12 @@ def decode_attention_padded(
     _, kvh, bs, _ = v_cache.shape
     nb = plan.max_blocks
     # k: [B * nb, KVH, D, bs] -> [B, KVH, nb, bs, D]; v: [B * nb, KVH, bs, D] -> [B, KVH, nb, bs, D]
-    k = k_cache.index_select(0, padded.block_ids).view(b, nb, kvh, d, bs).permute(0, 2, 1, 4, 3).reshape(b, kvh, nb * bs, d)
+    k = (
+        k_cache.index_select(0, padded.block_ids)
+        .view(b, nb, kvh, d, bs)
+        .permute(0, 2, 1, 4, 3)
+        .reshape(b, kvh, nb * bs, d)
+    )
     v = v_cache.index_select(0, padded.block_ids).view(b, nb, kvh, bs, d).transpose(1, 2).reshape(b, kvh, nb * bs, d)
     out = F.scaled_dot_product_attention(q.view(b, kvh, h // kvh, d), k, v, attn_mask=plan.bias, scale=scale)
     return out.view(b, h, d)

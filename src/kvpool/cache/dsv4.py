@@ -24,8 +24,9 @@ Per request:  [0, num_blocks * span) classical blocks | [.., num_computed) state
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Literal
 
 from kvpool.pool import BlockHasher, BlockPool, token_bytes
 from kvpool.spec.dsv4 import DSV4Spec
@@ -166,7 +167,7 @@ class DSV4CacheManager:
     # ----- admission ------------------------------------------------------------------
 
     def _chain(self, parent: bytes, token_ids: Sequence[int], k: int) -> tuple[bytes, bytes]:
-        tb = token_bytes(token_ids[k * self.span:(k + 1) * self.span])
+        tb = token_bytes(token_ids[k * self.span : (k + 1) * self.span])
         return self.hasher.chain(parent, tb), tb
 
     def admit(self, request_id: str, token_ids: Sequence[int], *, tenant_salt: str = "") -> DSV4Admission | None:
@@ -253,10 +254,16 @@ class DSV4CacheManager:
             wanted = [(k + first) * self.span for k, h in enumerate(hashes) if h not in self._checkpoints]
             # A long prefill may cross more boundaries than there are slots: keep the latest.
             available = len(self._free_checkpoints) + len(self._checkpoints)
-            for position in wanted[max(0, len(wanted) - available):]:
+            for position in wanted[max(0, len(wanted) - available) :]:
                 checkpoints.append((position, self._take_checkpoint_slot()))
         req.pending = DSV4Reservation(
-            request_id, req.state_slot, start, num_new_tokens, tuple(req.block_ids + new_ids), num_new, tuple(checkpoints)
+            request_id,
+            req.state_slot,
+            start,
+            num_new_tokens,
+            tuple(req.block_ids + new_ids),
+            num_new,
+            tuple(checkpoints),
         )
         req.pending_hashes = hashes
         req.pending_token_bytes = tbs
@@ -274,7 +281,7 @@ class DSV4CacheManager:
         res = req.pending
         if res is None:
             return
-        self.pool.decref(reversed(res.block_ids[len(req.block_ids):]))
+        self.pool.decref(reversed(res.block_ids[len(req.block_ids) :]))
         self._free_checkpoints.extend(slot for _, slot in res.checkpoints)
         req.pending = None
         req.pending_hashes, req.pending_token_bytes = [], []
@@ -286,8 +293,8 @@ class DSV4CacheManager:
         res = req.pending
         if res is None:
             raise ValueError(f"request {request_id!r} has no reservation to commit")
-        new_ids = res.block_ids[len(req.block_ids):]
-        for block_id, block_hash, tb in zip(new_ids, req.pending_hashes, req.pending_token_bytes):
+        new_ids = res.block_ids[len(req.block_ids) :]
+        for block_id, block_hash, tb in zip(new_ids, req.pending_hashes, req.pending_token_bytes, strict=True):
             self.pool.register(block_id, block_hash, tb)
         req.block_ids.extend(new_ids)
         req.block_hashes.extend(req.pending_hashes)
@@ -316,8 +323,13 @@ class DSV4CacheManager:
         self.pool.incref(parent.block_ids)
         slot = self._free_states.popleft()
         self._requests[child_id] = _Request(
-            child_id, list(parent.token_ids), parent.root, slot, parent.num_computed,
-            list(parent.block_ids), list(parent.block_hashes),
+            child_id,
+            list(parent.token_ids),
+            parent.root,
+            slot,
+            parent.num_computed,
+            list(parent.block_ids),
+            list(parent.block_hashes),
         )
         return slot
 

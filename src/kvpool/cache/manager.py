@@ -20,7 +20,7 @@ Pure Python: the storage layer applies the copy-on-write copies this class recor
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from kvpool.cache.types import Admission, BlockCopy, CacheDescriptor, MMItem, PrefixStats, Reservation
 from kvpool.pool.block_pool import BlockPool
@@ -178,7 +178,7 @@ class KVCacheManager:
         hit_blocks: list[int] = []
         hit_hashes: list[bytes] = []
         for start in range(0, max_blocks * width, width):
-            chunk = prompt_bytes[start:start + width]
+            chunk = prompt_bytes[start : start + width]
             if mm_items:
                 block_hash = digest(parent + chunk + self._extra_keys(mm_items, start // width))
             else:
@@ -343,8 +343,7 @@ class KVCacheManager:
         req = self._get(request_id)
         if not 0 <= num_tokens <= req.num_reserved - req.num_computed:
             raise ValueError(
-                f"request {request_id!r}: commit of {num_tokens} tokens, "
-                f"{req.num_reserved - req.num_computed} reserved"
+                f"request {request_id!r}: commit of {num_tokens} tokens, {req.num_reserved - req.num_computed} reserved"
             )
         if req.num_computed + num_tokens > len(req.token_ids):
             raise ValueError(
@@ -364,11 +363,14 @@ class KVCacheManager:
         register = self.pool.register
         for i in range(len(hashes), req.num_computed // bs):
             if (i + 1) * width <= len(prompt_bytes):
-                chunk = prompt_bytes[i * width:(i + 1) * width]
+                chunk = prompt_bytes[i * width : (i + 1) * width]
             else:
-                chunk = self._pack_block(req.token_ids[i * bs:(i + 1) * bs])
-            block_hash = chain(hashes[-1] if hashes else req.root_hash, chunk,
-                               self._extra_keys(req.mm_items, i) if req.mm_items else b"")
+                chunk = self._pack_block(req.token_ids[i * bs : (i + 1) * bs])
+            block_hash = chain(
+                hashes[-1] if hashes else req.root_hash,
+                chunk,
+                self._extra_keys(req.mm_items, i) if req.mm_items else b"",
+            )
             hashes.append(block_hash)
             register(req.block_ids[i], block_hash, chunk)
 
@@ -425,7 +427,7 @@ class KVCacheManager:
             raise ValueError(f"{len(request_ids)} requests but {len(next_token_ids)} next tokens")
         bs = self.block_size
         caching = self.enable_prefix_caching
-        for req, next_token_id in zip(map(self._requests.__getitem__, request_ids), next_token_ids):
+        for req, next_token_id in zip(map(self._requests.__getitem__, request_ids), next_token_ids, strict=True):
             nc = req.num_computed + 1
             token_ids = req.token_ids
             if nc > req.num_reserved or nc > len(token_ids):
@@ -441,7 +443,7 @@ class KVCacheManager:
                     self._register_full_blocks(req)
                     continue
                 # The block just completed: [nc - bs, nc). Inlined _register_full_blocks.
-                chunk = self._pack_block(token_ids[nc - bs:nc])
+                chunk = self._pack_block(token_ids[nc - bs : nc])
                 block_hash = self.hasher.digest((hashes[-1] if hashes else req.root_hash) + chunk)
                 hashes.append(block_hash)
                 self.pool.register(req.block_ids[nc // bs - 1], block_hash, chunk)
@@ -465,7 +467,7 @@ class KVCacheManager:
         self.pool.decref(reversed(released))
         parent.num_reserved = nc
         child = _Request(child_id, parent.token_ids[:nc], parent.root_hash, parent.mm_items)
-        child.prompt_bytes = parent.prompt_bytes[:nc * TOKEN_BYTES]
+        child.prompt_bytes = parent.prompt_bytes[: nc * TOKEN_BYTES]
         shared = parent.block_ids
         self.pool.incref(shared)
         child.block_ids = list(shared)
@@ -489,9 +491,9 @@ class KVCacheManager:
         del req.block_ids[keep:]
         self.pool.decref(reversed(released))
         del req.token_ids[num_computed_tokens:]
-        del req.block_hashes[num_computed_tokens // self.block_size:]
+        del req.block_hashes[num_computed_tokens // self.block_size :]
         req.num_computed = req.num_reserved = num_computed_tokens
-        req.prompt_bytes = req.prompt_bytes[:num_computed_tokens * TOKEN_BYTES]
+        req.prompt_bytes = req.prompt_bytes[: num_computed_tokens * TOKEN_BYTES]
 
     def _release(self, request_id: str) -> bool:
         req = self._requests.pop(request_id, None)

@@ -40,7 +40,7 @@ class MMItem(NamedTuple):
 
 class Admission(NamedTuple):
     num_cached_tokens: int  # tokens whose KV came from the prefix cache
-    num_new_blocks: int     # blocks allocated for the tokens reserved beyond the hit
+    num_new_blocks: int  # blocks allocated for the tokens reserved beyond the hit
 
 
 class BlockCopy(NamedTuple):
@@ -58,7 +58,7 @@ class Reservation(NamedTuple):
 @dataclass
 class PrefixStats:
     num_queried_tokens: int = 0  # prompt tokens looked up at admission
-    num_hit_tokens: int = 0      # of those, found in the cache
+    num_hit_tokens: int = 0  # of those, found in the cache
 
     @property
     def hit_rate(self) -> float:

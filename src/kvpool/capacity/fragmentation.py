@@ -9,8 +9,8 @@ slots and as seed 003's fragmentation rate 1 - useful / allocated.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

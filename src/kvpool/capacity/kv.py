@@ -177,7 +177,7 @@ def _round_up(x: int, multiple: int) -> int:
 
 
 def resolve_kv_dtype(model: ModelSpec, kv_dtype: str) -> str:
-    """"auto" -> the model's usual serving format: BF16 for GQA and DeepSeek-V3; FP8 for
+    """ "auto" -> the model's usual serving format: BF16 for GQA and DeepSeek-V3; FP8 for
     V3.2 (its sparse FlashMLA kernels read the 656 B FP8 format) and V4 (584 B entries)."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"unknown kv dtype {kv_dtype!r}; known: {list(KV_DTYPES)}")
@@ -287,8 +287,18 @@ def _mla_layout(model: ModelSpec, dtype: str, q: int, tp: int, idx_fmt: str, ali
         groups.append(
             PageGroup("indexer-key", model.num_layers, q, 1, idx_data, idx_scales, alignment=alignment, replicated=True)
         )
-    return KVLayout(model.name, dtype, q, tp, tuple(groups), 0.0, False, None, alignment,
-                    idx_fmt if model.indexer is not None else None)
+    return KVLayout(
+        model.name,
+        dtype,
+        q,
+        tp,
+        tuple(groups),
+        0.0,
+        False,
+        None,
+        alignment,
+        idx_fmt if model.indexer is not None else None,
+    )
 
 
 def _dsv4_layout(model: ModelSpec, dtype: str, q: int, tp: int, idx_fmt: str, alignment: int) -> KVLayout:
@@ -313,16 +323,57 @@ def _dsv4_layout(model: ModelSpec, dtype: str, q: int, tp: int, idx_fmt: str, al
     num_csa = v4.num_layers_of(dsv4_spec.LayerKind.CSA)
     num_hca = v4.num_layers_of(dsv4_spec.LayerKind.HCA)
     if num_csa:
-        groups.append(PageGroup("csa-entry", num_csa, q, v4.csa_ratio, entry_data, entry - entry_data,
-                                complete_blocks_only=True, alignment=alignment, replicated=True))
-        groups.append(PageGroup("csa-indexer-key", num_csa, q, v4.csa_ratio, key_data, key - key_data,
-                                complete_blocks_only=True, alignment=alignment, replicated=True))
+        groups.append(
+            PageGroup(
+                "csa-entry",
+                num_csa,
+                q,
+                v4.csa_ratio,
+                entry_data,
+                entry - entry_data,
+                complete_blocks_only=True,
+                alignment=alignment,
+                replicated=True,
+            )
+        )
+        groups.append(
+            PageGroup(
+                "csa-indexer-key",
+                num_csa,
+                q,
+                v4.csa_ratio,
+                key_data,
+                key - key_data,
+                complete_blocks_only=True,
+                alignment=alignment,
+                replicated=True,
+            )
+        )
     if num_hca:
         assert v4.hca_ratio is not None
-        groups.append(PageGroup("hca-entry", num_hca, q, v4.hca_ratio, entry_data, entry - entry_data,
-                                complete_blocks_only=True, alignment=alignment, replicated=True))
+        groups.append(
+            PageGroup(
+                "hca-entry",
+                num_hca,
+                q,
+                v4.hca_ratio,
+                entry_data,
+                entry - entry_data,
+                complete_blocks_only=True,
+                alignment=alignment,
+                replicated=True,
+            )
+        )
     layout = KVLayout(
-        model.name, dtype, q, tp, tuple(groups), v4.state_bytes_per_request(v4_dtype), False, None, alignment,
+        model.name,
+        dtype,
+        q,
+        tp,
+        tuple(groups),
+        v4.state_bytes_per_request(v4_dtype),
+        False,
+        None,
+        alignment,
         idx_fmt if v4_dtype == dsv4_spec.SERVING else None,
     )
     # The groups must add up to the dsv4 module's own classical accounting (one source of truth).
@@ -344,8 +395,13 @@ def cache_spec(model: ModelSpec, kv_dtype: str = "auto", block_size: int | None 
     storage = _STORAGE_DTYPE[dtype]
     if model.attention == "gqa":
         layers = tuple(
-            LayerSpec(AttentionKind.FULL if w is None else AttentionKind.SLIDING_WINDOW,
-                      model.num_kv_heads, model.head_dim, storage, w)
+            LayerSpec(
+                AttentionKind.FULL if w is None else AttentionKind.SLIDING_WINDOW,
+                model.num_kv_heads,
+                model.head_dim,
+                storage,
+                w,
+            )
             for w in model.layer_windows
         )
         return CacheSpec(model.name, layers, q)

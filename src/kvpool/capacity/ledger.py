@@ -211,6 +211,11 @@ def build_ledger(
         "allocator": fixed["allocator"],
         "transient": fixed["transient"],
     }
-    details = {"kv_pool": kv_pool, "workspace": workspace, "graph": graph, "allocator": allocator,
-               "transient": transient}
+    details = {
+        "kv_pool": kv_pool,
+        "workspace": workspace,
+        "graph": graph,
+        "allocator": allocator,
+        "transient": transient,
+    }
     return Ledger(capacity, terms, details)

@@ -129,7 +129,7 @@ def plan(
     kv_dtype: str = "auto",
     indexer_format: str | None = None,
     weight_dtype: str = "auto",
-    assumptions: LedgerAssumptions = LedgerAssumptions(),
+    assumptions: LedgerAssumptions | None = None,
     length_distribution: str | None = None,
     seed: int = 0,
     expert_parallel: bool = False,
@@ -157,6 +157,7 @@ def plan(
     ep = num_gpus if expert_parallel else None
     layout = kv_layout(model, kv_dtype, block_size, tp, indexer_format)
     weights = weight_bytes(model, tp, weight_dtype, ep)
+    assumptions = assumptions if assumptions is not None else LedgerAssumptions()
     ledger = build_ledger(model, layout, weights.per_gpu_bytes, gpu.memory_bytes, ctx, assumptions, ep)
     pool = ledger.pool_bytes
     per_replica = max_concurrent(layout, pool, ctx)

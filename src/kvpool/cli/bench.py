@@ -8,7 +8,10 @@ import importlib
 # bench name -> module exposing add_arguments(parser) and run(args) -> int
 BENCHES: dict[str, tuple[str, str]] = {
     "pool": ("kvpool.cli.bench_pool", "block pool and prefix cache bookkeeping (traces T1, T2)"),
-    "engine": ("kvpool.cli.bench_engine", "engine vs transformers: decode tok/s, cached-prefix TTFT, paged vs contiguous attention"),
+    "engine": (
+        "kvpool.cli.bench_engine",
+        "engine vs transformers: decode tok/s, cached-prefix TTFT, paged vs contiguous attention",
+    ),
     "dsv4": ("kvpool.cli.bench_dsv4", "DeepSeek-V4 dual pool: Flash/Pro bytes, tiny-model paged vs oracle decode"),
 }
 

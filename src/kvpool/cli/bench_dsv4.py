@@ -66,7 +66,9 @@ def timing_report(contexts: list[int], steps: int, repeats: int) -> list[dict[st
     model = TinyDSV4(seed=0)
     rows = []
     for context in contexts:
-        ids = torch.randint(0, model.vocab_size, (context + steps,), generator=torch.Generator().manual_seed(context)).tolist()
+        ids = torch.randint(
+            0, model.vocab_size, (context + steps,), generator=torch.Generator().manual_seed(context)
+        ).tolist()
         paged, oracle = [], []
         for _ in range(repeats):
             runner = DSV4PagedRunner(model, context // model.spec.span + steps // model.spec.span + 2, 1)
@@ -80,8 +82,7 @@ def timing_report(contexts: list[int], steps: int, repeats: int) -> list[dict[st
             model.reference_logits(ids[: context + 1])
             oracle.append(time.perf_counter() - start)
         p, o = statistics.median(paged), statistics.median(oracle)
-        rows.append({"context": context, "paged_ms_per_step": p * 1e3, "oracle_ms_per_step": o * 1e3,
-                     "speedup": o / p})
+        rows.append({"context": context, "paged_ms_per_step": p * 1e3, "oracle_ms_per_step": o * 1e3, "speedup": o / p})
     return rows
 
 
@@ -101,15 +102,21 @@ def run(args: argparse.Namespace) -> int:
     keys = list(next(iter(bytes_.values())))
     print(f"{'':44s}" + "".join(f"{name:>20s}" for name in bytes_))
     for key in keys:
-        vals = "".join(f"{bytes_[name][key]:>20,.2f}" if isinstance(bytes_[name][key], float)
-                       else f"{bytes_[name][key]:>20,}" for name in bytes_)
+        vals = "".join(
+            f"{bytes_[name][key]:>20,.2f}" if isinstance(bytes_[name][key], float) else f"{bytes_[name][key]:>20,}"
+            for name in bytes_
+        )
         print(f"{key:44s}{vals}")
-    print("(state_bytes_kvpool_fp32_storage: kvpool's own fp32 state block = fp32 ring + fp32 compressor "
-          "tails + room for the unfinished span's entries)")
+    print(
+        "(state_bytes_kvpool_fp32_storage: kvpool's own fp32 state block = fp32 ring + fp32 compressor "
+        "tails + room for the unfinished span's entries)"
+    )
     if timing:
         print(f"\ntiny-dsv4 decode step (fp32, CPU, 1 thread, {args.steps} steps, median of {args.repeats})")
         print(f"{'context':>8}  {'paged ms/step':>14}  {'oracle ms/step':>15}  {'oracle/paged':>12}")
         for row in timing:
-            print(f"{row['context']:>8}  {row['paged_ms_per_step']:>14.2f}  {row['oracle_ms_per_step']:>15.2f}  "
-                  f"{row['speedup']:>12.1f}")
+            print(
+                f"{row['context']:>8}  {row['paged_ms_per_step']:>14.2f}  {row['oracle_ms_per_step']:>15.2f}  "
+                f"{row['speedup']:>12.1f}"
+            )
     return 0

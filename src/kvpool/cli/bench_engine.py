@@ -87,21 +87,34 @@ def bench_attention(
     paths += [("paged_bags", "bags")] + ([("paged_padded", "padded")] if twin else [])
     for name, path in paths:
         plan = plan_step(
-            [1] * batch, [context] * batch, [0] * batch, indptr, indices, block_size, num_heads, num_kv_heads,
-            head_dim, torch.device("cpu"), decode_path=path, kernels=kernels,
-        ).decode  # fmt: skip
+            [1] * batch,
+            [context] * batch,
+            [0] * batch,
+            indptr,
+            indices,
+            block_size,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            torch.device("cpu"),
+            decode_path=path,
+            kernels=kernels,
+        ).decode
         out = decode_attention(q, k_cache, v_cache, plan, scale)
         assert (out - ref).abs().max().item() < 1e-4, "paged attention disagrees with contiguous SDPA"
         results[name] = _timeit(lambda plan=plan: decode_attention(q, k_cache, v_cache, plan, scale))
     results["contiguous_sdpa"] = _timeit(contiguous)
     c = results["contiguous_sdpa"]
     report = {
-        "batch": batch, "context": context, "block_size": block_size, "blocks": "scattered",
+        "batch": batch,
+        "context": context,
+        "block_size": block_size,
+        "blocks": "scattered",
         **{f"{k}_ms": round(v * 1e3, 3) for k, v in results.items()},
         "engine_path": "native" if kernels is not None else "bags",
         "paged_over_contiguous": round(results["paged_native" if kernels is not None else "paged_bags"] / c, 3),
         "bags_over_contiguous": round(results["paged_bags"] / c, 3),
-    }  # fmt: skip
+    }
     if twin:
         report["padded_gather_over_contiguous"] = round(results["paged_padded"] / c, 3)
     return report
@@ -132,9 +145,10 @@ def bench_glue(loaded) -> dict:
     weight_bytes += model.lm_head.numel() * model.lm_head.element_size()
     floor = _timeit(matmuls, repeat=10)
     report = {
-        "matmuls_ms": round(floor * 1e3, 2), "weight_mb": round(weight_bytes / 1e6, 1),
+        "matmuls_ms": round(floor * 1e3, 2),
+        "weight_mb": round(weight_bytes / 1e6, 1),
         "weight_read_gb_s": round(weight_bytes / floor / 1e9, 1),
-    }  # fmt: skip
+    }
     w = model.layers[0]["attn_norm"]
     eps = cfg.rms_norm_eps
     us = {
@@ -208,9 +222,12 @@ def run(args: argparse.Namespace) -> int:
         cold, _ = ttft(system + [rng.randrange(100, 49000) for _ in range(20)])
         warm, cached = ttft(system + [rng.randrange(100, 49000) for _ in range(20)])
         report["ttft"] = {
-            "system_prompt_tokens": 1000, "cold_ms": round(cold * 1e3, 1), "cached_ms": round(warm * 1e3, 1),
-            "cached_tokens": cached, "speedup": round(cold / warm, 2),
-        }  # fmt: skip
+            "system_prompt_tokens": 1000,
+            "cold_ms": round(cold * 1e3, 1),
+            "cached_ms": round(warm * 1e3, 1),
+            "cached_tokens": cached,
+            "speedup": round(cold / warm, 2),
+        }
 
     if "decode" in parts:
         n = args.new_tokens
@@ -229,7 +246,9 @@ def run(args: argparse.Namespace) -> int:
             hf.eval()
         decode = {}
         for name, prompts in batches.items():
-            engine = build_engine(loaded, num_blocks=512, block_size=args.block_size, max_num_batched_tokens=1024, max_num_seqs=32)
+            engine = build_engine(
+                loaded, num_blocks=512, block_size=args.block_size, max_num_batched_tokens=1024, max_num_seqs=32
+            )
             params = SamplingParams(max_tokens=n, ignore_eos=True)
             engine.generate([prompts[0][:8]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
             t0 = time.perf_counter()
@@ -241,12 +260,19 @@ def run(args: argparse.Namespace) -> int:
                 ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
                 mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
                 with torch.no_grad():
-                    hf.generate(ids[:, -8:], attention_mask=mask[:, -8:], max_new_tokens=2, do_sample=False, pad_token_id=0)
+                    hf.generate(
+                        ids[:, -8:], attention_mask=mask[:, -8:], max_new_tokens=2, do_sample=False, pad_token_id=0
+                    )
                     t0 = time.perf_counter()
                     hf.generate(
-                        ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+                        ids,
+                        attention_mask=mask,
+                        max_new_tokens=n,
+                        min_new_tokens=n,
+                        do_sample=False,
+                        eos_token_id=None,
                         pad_token_id=0,
-                    )  # fmt: skip
+                    )
                 theirs = len(prompts) * n / (time.perf_counter() - t0)
                 entry.update({"transformers_tok_s": round(theirs, 2), "speedup": round(ours / theirs, 2)})
             decode[name] = entry

@@ -103,7 +103,7 @@ def trace_t2(hash_algo: str) -> dict[str, float]:
             prompt_bytes = token_bytes(prompt)
             parent = root
             for i in range(num_prefix_blocks):
-                parent = digest(parent + prompt_bytes[i * width:(i + 1) * width])
+                parent = digest(parent + prompt_bytes[i * width : (i + 1) * width])
         hash_s = time.perf_counter() - start
 
     # The whole lookup (what admission does): hash, find, compare the stored tokens.

@@ -43,7 +43,9 @@ def run(args: argparse.Namespace) -> int:
     )
     loaded = load_model(args.model)
     tok = loaded.tokenizer
-    prompt_ids = tok.encode(args.prompt) if args.no_chat else tok.encode_chat([{"role": "user", "content": args.prompt}])
+    prompt_ids = (
+        tok.encode(args.prompt) if args.no_chat else tok.encode_chat([{"role": "user", "content": args.prompt}])
+    )
     engine = build_engine(loaded, num_blocks=args.num_blocks, block_size=args.block_size)
     rid = engine.add_request(prompt_ids, params)
     seq = engine.requests[rid].seqs[0]

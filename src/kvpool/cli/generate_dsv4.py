@@ -20,7 +20,7 @@ def parse_token_ids(text: str, vocab_size: int) -> list[int]:
     try:
         ids = [int(p) for p in parts]
     except ValueError:
-        raise ValueError(f"{MODEL_NAME} takes token ids (e.g. \"5,17,42\"), got {text!r}") from None
+        raise ValueError(f'{MODEL_NAME} takes token ids (e.g. "5,17,42"), got {text!r}') from None
     if not ids:
         raise ValueError(f"{MODEL_NAME}: the prompt has no token ids")
     bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -50,14 +50,18 @@ def run(args: argparse.Namespace) -> int:
     out = engine.output(rid)  # type: ignore[attr-defined]
     completion = out.completions[0]
     if args.json:
-        print(json.dumps({
-            "model": MODEL_NAME,
-            "token_ids": completion.token_ids,
-            "text": "",
-            "prompt_tokens": len(prompt_ids),
-            "cached_tokens": out.num_cached_tokens,
-            "finish_reason": completion.finish_reason,
-        }))
+        print(
+            json.dumps(
+                {
+                    "model": MODEL_NAME,
+                    "token_ids": completion.token_ids,
+                    "text": "",
+                    "prompt_tokens": len(prompt_ids),
+                    "cached_tokens": out.num_cached_tokens,
+                    "finish_reason": completion.finish_reason,
+                }
+            )
+        )
     else:
         print(" ".join(str(t) for t in completion.token_ids))
     return 0

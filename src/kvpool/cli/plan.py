@@ -1,8 +1,8 @@
 """`kvpool plan`: KV bytes, the peak-memory ledger and the capacity plan of a model on GPUs.
 
-    kvpool plan --model deepseek-v4-pro --gpu H200 --num-gpus 8 --tp 8 --context 1048576
-    kvpool plan --config path/to/config.json --memory-gib 80 --context 32768 --json
-    kvpool plan --plot kv.png            # KV bytes vs context for several presets
+kvpool plan --model deepseek-v4-pro --gpu H200 --num-gpus 8 --tp 8 --context 1048576
+kvpool plan --config path/to/config.json --memory-gib 80 --context 32768 --json
+kvpool plan --plot kv.png            # KV bytes vs context for several presets
 """
 
 from __future__ import annotations
@@ -43,25 +43,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-gpus", type=int, default=None, help="GPUs in all (default: --tp)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     parser.add_argument("--context", type=int, default=None, help="context length (default: the model's maximum)")
-    parser.add_argument("--ep", action="store_true",
-                        help="expert parallelism over all GPUs, attention in num-gpus/tp data-parallel replicas")
+    parser.add_argument(
+        "--ep",
+        action="store_true",
+        help="expert parallelism over all GPUs, attention in num-gpus/tp data-parallel replicas",
+    )
     parser.add_argument("--concurrency", type=int, default=None, help="concurrent requests over all GPUs")
     parser.add_argument("--block-size", type=int, default=None, help="tokens per block (default 16 / 64 MLA / 128 V4)")
     parser.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES, help="KV storage format (default auto)")
-    parser.add_argument("--indexer-format", default=None, choices=INDEXER_FORMATS,
-                        help="V3.2 / V4 indexer-key format (default fp8)")
+    parser.add_argument(
+        "--indexer-format", default=None, choices=INDEXER_FORMATS, help="V3.2 / V4 indexer-key format (default fp8)"
+    )
     parser.add_argument("--weight-dtype", default="auto", choices=WEIGHT_DTYPES, help="weight format (default auto)")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="running-request limit (default 256)")
     parser.add_argument("--max-batched-tokens", type=int, default=8192, help="tokens per forward step (default 8192)")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="no CUDA-graph memory in the ledger")
-    parser.add_argument("--lengths", default=None,
-                        help="length distribution for measured fragmentation: uniform:LO:HI, "
-                             "lognormal:MEDIAN:SIGMA or fixed:N (default uniform:1:CONTEXT)")
+    parser.add_argument(
+        "--lengths",
+        default=None,
+        help="length distribution for measured fragmentation: uniform:LO:HI, "
+        "lognormal:MEDIAN:SIGMA or fixed:N (default uniform:1:CONTEXT)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled lengths (default 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw KV bytes vs context length")
-    parser.add_argument("--plot-models", default=None,
-                        help=f"comma-separated presets for --plot (default {','.join(PLOT_MODELS)})")
+    parser.add_argument(
+        "--plot-models", default=None, help=f"comma-separated presets for --plot (default {','.join(PLOT_MODELS)})"
+    )
 
 
 def _load_model(args: argparse.Namespace) -> ModelSpec | None:
@@ -207,16 +215,23 @@ def print_plan(p: Plan) -> None:
     d = plan_to_dict(p)
     console = Console(width=100)
     parallel = f"TP {p.tp}" + (f", EP {p.weights.ep}" if p.weights.ep else "")
-    head = Table(title=f"kvpool plan: {p.model.name} on {p.num_gpus} x {p.gpu.name} "
-                       f"({p.gpu.memory_gib:.1f} GiB), {parallel}", show_header=False)
+    head = Table(
+        title=f"kvpool plan: {p.model.name} on {p.num_gpus} x {p.gpu.name} ({p.gpu.memory_gib:.1f} GiB), {parallel}",
+        show_header=False,
+    )
     head.add_column(style="bold")
     head.add_column(justify="right")
     rows = [
         ("attention", f"{d['attention']}, {d['num_layers']} layers"),
-        ("parameters, weights (model)",
-         f"{d['params'] / 1e9:,.1f} billion, {d['weight_dtype']} {_gib(d['weight_bytes'])}"),
-        ("KV format, block size", f"{d['kv_dtype']}, {d['block_size']} tokens"
-                                  + ("" if d["kv_sharded_by_head"] or p.tp == 1 else " (replicated over TP)")),
+        (
+            "parameters, weights (model)",
+            f"{d['params'] / 1e9:,.1f} billion, {d['weight_dtype']} {_gib(d['weight_bytes'])}",
+        ),
+        (
+            "KV format, block size",
+            f"{d['kv_dtype']}, {d['block_size']} tokens"
+            + ("" if d["kv_sharded_by_head"] or p.tp == 1 else " (replicated over TP)"),
+        ),
         ("KV bytes / token (model)", f"{d['kv_bytes_per_token']:,.1f} B"),
         ("KV bytes / token (per GPU)", f"{d['kv_bytes_per_token_per_gpu']:,.1f} B"),
         ("state bytes / request", f"{d['state_bytes_per_request']:,.0f} B"),
@@ -249,16 +264,21 @@ def print_plan(p: Plan) -> None:
     out.add_row(f"  filled with {n:,} requests of {p.context_len:,} tokens", "", style="dim")
     for sub, value in p.occupancy.items():
         out.add_row(f"    {sub}", _gib(value), style="dim")
-    out.add_row(f"max concurrent requests at {p.context_len:,} tokens",
-                f"{p.max_concurrent_requests:,} ({p.replicas} replica{'s' if p.replicas > 1 else ''})")
+    out.add_row(
+        f"max concurrent requests at {p.context_len:,} tokens",
+        f"{p.max_concurrent_requests:,} ({p.replicas} replica{'s' if p.replicas > 1 else ''})",
+    )
     if p.concurrency is not None:
         limit = "" if p.max_context_len == p.max_context_memory_len else " (model limit)"
         out.add_row(f"max context at {p.concurrency:,} requests", f"{p.max_context_len:,} tokens{limit}")
     f = d["fragmentation"]
     out.add_row(f"tail fragmentation, {f['num_seqs']:,} seqs, q = {f['block_size']}", "")
     per_slot = f["bytes_per_slot_per_gpu"]
-    for label, slots in (("bound n(q-1)", f["bound_slots"]), ("expected n(q-1)/2", f["expected_slots"]),
-                         ("measured", f["measured_slots"])):
+    for label, slots in (
+        ("bound n(q-1)", f["bound_slots"]),
+        ("expected n(q-1)/2", f["expected_slots"]),
+        ("measured", f["measured_slots"]),
+    ):
         text = f"{slots:,.0f} slots" + (f" = {_gib(slots * per_slot)}" if per_slot else "")
         out.add_row(f"  {label}", text)
     out.add_row("  measured on", f"{f['length_distribution']}, seed {f['seed']}")
@@ -290,8 +310,9 @@ def plot_kv_vs_context(models: list[ModelSpec], path: str, kv_dtype: str = "auto
         # solid within the model's max_position_embeddings, dashed beyond (extrapolated)
         inside = [i for i, c in enumerate(contexts) if c <= m.max_position_embeddings]
         last = inside[-1] if inside else 0
-        (line,) = ax.plot(contexts[: last + 1], ys[: last + 1], marker="o", markersize=3,
-                          label=f"{m.name} ({layout.kv_dtype})")
+        (line,) = ax.plot(
+            contexts[: last + 1], ys[: last + 1], marker="o", markersize=3, label=f"{m.name} ({layout.kv_dtype})"
+        )
         if last + 1 < len(contexts):
             ax.plot(contexts[last:], ys[last:], linestyle="--", color=line.get_color(), alpha=0.6)
     ax.set_xscale("log", base=2)

@@ -17,10 +17,15 @@ SYSTEM_TOPICS = [
     "a cooking assistant that adapts recipes to what is in the fridge and to dietary needs",
 ]
 QUESTIONS = [
-    "What should I check first?", "Can you give me three options?", "Explain it simply.",
-    "What does it cost?", "How long does it take?", "What is the most common mistake?",
-    "Give me a short plan for tomorrow.", "Which one would you pick and why?",
-]  # fmt: skip
+    "What should I check first?",
+    "Can you give me three options?",
+    "Explain it simply.",
+    "What does it cost?",
+    "How long does it take?",
+    "What is the most common mistake?",
+    "Give me a short plan for tomorrow.",
+    "Which one would you pick and why?",
+]
 FOLLOW_UPS = ["Tell me more about the second point.", "Can you make that shorter?", "Thanks! Anything else?"]
 
 
@@ -64,7 +69,9 @@ def build_workload(tok, args: argparse.Namespace) -> tuple[list[list[dict]], lis
     rng = random.Random(args.seed)
     systems = [
         f"You are {topic}. Answer briefly and concretely. "
-        + " ".join(f"Rule {i + 1}: be accurate, be kind and never invent facts about {topic.split(',')[0]}." for i in range(8))
+        + " ".join(
+            f"Rule {i + 1}: be accurate, be kind and never invent facts about {topic.split(',')[0]}." for i in range(8)
+        )
         for topic in SYSTEM_TOPICS
     ]
     chats = [
@@ -72,7 +79,10 @@ def build_workload(tok, args: argparse.Namespace) -> tuple[list[list[dict]], lis
         for i in range(args.num_requests)
     ]
     filler = "The history of tools is the history of people who wanted to do more with less effort. "
-    long_prompts = [tok.encode_chat([{"role": "user", "content": filler * (40 + 5 * i) + "Summarize this."}]) for i in range(args.num_long)]
+    long_prompts = [
+        tok.encode_chat([{"role": "user", "content": filler * (40 + 5 * i) + "Summarize this."}])
+        for i in range(args.num_long)
+    ]
     return chats, long_prompts
 
 
@@ -91,9 +101,12 @@ def run(args: argparse.Namespace) -> int:
     tok = loaded.tokenizer
     num_blocks = args.num_blocks or num_blocks_for_memory(loaded, args.block_size, parse_bytes(args.kv_memory))
     engine = build_engine(
-        loaded, num_blocks=num_blocks, block_size=args.block_size, max_num_batched_tokens=args.max_batch_tokens,
+        loaded,
+        num_blocks=num_blocks,
+        block_size=args.block_size,
+        max_num_batched_tokens=args.max_batch_tokens,
         max_num_seqs=args.max_seqs,
-    )  # fmt: skip
+    )
     runner = engine.runner
     # Allocation latency: time spent in the cache's admit / reserve calls.
     alloc_times: list[float] = []
@@ -145,7 +158,10 @@ def run(args: argparse.Namespace) -> int:
                     c, turn = conversation_of[rid]
                     if turn + 1 < args.turns:
                         answer = engine.output(rid).completions[0].text
-                        chats[c] += [{"role": "assistant", "content": answer}, {"role": "user", "content": FOLLOW_UPS[turn % 3]}]
+                        chats[c] += [
+                            {"role": "assistant", "content": answer},
+                            {"role": "user", "content": FOLLOW_UPS[turn % 3]},
+                        ]
                         nid = engine.add_request(tok.encode_chat(chats[c]), params, f"chat{c}-t{turn + 1}")
                         conversation_of[nid] = (c, turn + 1)
     wall = time.perf_counter() - t_start
@@ -154,9 +170,10 @@ def run(args: argparse.Namespace) -> int:
     tpots = [o.tpot_s * 1e3 for o in outputs if o.tpot_s is not None]
     num_generated = sum(len(c.token_ids) for o in outputs for c in o.completions)
     good = sum(
-        1 for o in outputs
+        1
+        for o in outputs
         if o.ttft_s is not None and o.ttft_s * 1e3 <= args.slo_ttft_ms and (o.tpot_s or 0) * 1e3 <= args.slo_tpot_ms
-    )  # fmt: skip
+    )
     stats = runner.cache_stats()
     report = {
         "kv_capacity_tokens": int(stats["kv_capacity_tokens"]),
@@ -181,7 +198,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
         return 0
-    table = Table(title=f"kvpool run: {len(outputs)} requests on {stats['num_blocks']:.0f} blocks of {runner.block_size}")
+    table = Table(
+        title=f"kvpool run: {len(outputs)} requests on {stats['num_blocks']:.0f} blocks of {runner.block_size}"
+    )
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in report.items():

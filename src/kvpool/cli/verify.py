@@ -25,8 +25,9 @@ def _lengths(text: str) -> tuple[int, ...]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="target", required=True)
     dsv4 = sub.add_parser("dsv4", help="DeepSeek-V4 Classical + State pools against the contiguous oracle")
-    dsv4.add_argument("--lengths", type=_lengths, default=None,
-                      help="comma-separated prompt lengths; runs only those length cases")
+    dsv4.add_argument(
+        "--lengths", type=_lengths, default=None, help="comma-separated prompt lengths; runs only those length cases"
+    )
     dsv4.add_argument("--json", action="store_true", help="print one JSON object")
     dsv4.add_argument("--seed", type=int, default=0, help="seed of the tiny model's weights")
     dsv4.add_argument("--tolerance", type=float, default=1e-5, help="max abs logit difference to pass")
@@ -41,8 +42,12 @@ def run(args: argparse.Namespace) -> int:
     results = Verifier(seed=args.seed).run(args.lengths, tolerance=args.tolerance)
     if args.json:
         cases = [
-            {"name": r.name, "max_abs_diff": None if math.isnan(r.max_abs_diff) else r.max_abs_diff,
-             "passed": r.passed, **({"detail": r.detail} if r.detail else {})}
+            {
+                "name": r.name,
+                "max_abs_diff": None if math.isnan(r.max_abs_diff) else r.max_abs_diff,
+                "passed": r.passed,
+                **({"detail": r.detail} if r.detail else {}),
+            }
             for r in results
         ]
         print(json.dumps({"cases": cases}))
@@ -50,8 +55,10 @@ def run(args: argparse.Namespace) -> int:
         width = max(len(r.name) for r in results)
         print(f"{'case':<{width}}  {'max abs diff':>12}  pass")
         for r in results:
-            print(f"{r.name:<{width}}  {r.max_abs_diff:>12.3e}  {'yes' if r.passed else 'NO'}"
-                  + (f"  ({r.detail})" if r.detail else ""))
+            print(
+                f"{r.name:<{width}}  {r.max_abs_diff:>12.3e}  {'yes' if r.passed else 'NO'}"
+                + (f"  ({r.detail})" if r.detail else "")
+            )
         num_failed = sum(not r.passed for r in results)
         print(f"{len(results) - num_failed}/{len(results)} passed (tolerance {args.tolerance:g}, fp32)")
     return 0 if all(r.passed for r in results) else 1

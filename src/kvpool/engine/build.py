@@ -81,7 +81,11 @@ def build_engine(
     record_logits: bool = False,
 ) -> Engine:
     runner = LlamaRunner(
-        loaded.model, num_blocks, block_size, descriptor_for(loaded, block_size), enable_prefix_caching=enable_prefix_caching
+        loaded.model,
+        num_blocks,
+        block_size,
+        descriptor_for(loaded, block_size),
+        enable_prefix_caching=enable_prefix_caching,
     )
     tok = loaded.tokenizer
     eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()

@@ -17,8 +17,8 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 
@@ -29,7 +29,7 @@ from kvpool.engine.sampling import SamplingParams, sample_token
 @dataclass
 class SequenceState:
     seq_id: str
-    request: "RequestState"
+    request: RequestState
     sample_index: int
     token_ids: list[int]  # prompt + generated so far
     num_computed: int = 0
@@ -98,7 +98,8 @@ class Engine:
     ):
         if max_num_batched_tokens <= 0 or max_num_seqs <= 0:
             raise ValueError(
-                f"max_num_batched_tokens and max_num_seqs must be positive, got {max_num_batched_tokens}, {max_num_seqs}"
+                f"max_num_batched_tokens and max_num_seqs must be positive, "
+                f"got {max_num_batched_tokens}, {max_num_seqs}"
             )
         self.runner = runner
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -116,7 +117,9 @@ class Engine:
 
     # ---- public API -----------------------------------------------------------------
 
-    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, request_id: str | None = None) -> str:
+    def add_request(
+        self, prompt_ids: Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
         """Queue a request. ValueError (and nothing queued) for an empty or too-long prompt."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -214,7 +217,11 @@ class Engine:
             if not seq.in_runner:
                 break  # it preempted itself: everything after it is gone too
             end = seq.num_computed + n
-            chunks.append(ScheduledChunk(seq.seq_id, seq.token_ids[seq.num_computed : end], seq.num_computed, end == len(seq.token_ids)))
+            chunks.append(
+                ScheduledChunk(
+                    seq.seq_id, seq.token_ids[seq.num_computed : end], seq.num_computed, end == len(seq.token_ids)
+                )
+            )
             budget -= n
             i += 1
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
@@ -232,7 +239,11 @@ class Engine:
             self.running.append(seq)
             n = admitted.num_scheduled_tokens
             end = seq.num_computed + n
-            chunks.append(ScheduledChunk(seq.seq_id, seq.token_ids[seq.num_computed : end], seq.num_computed, end == len(seq.token_ids)))
+            chunks.append(
+                ScheduledChunk(
+                    seq.seq_id, seq.token_ids[seq.num_computed : end], seq.num_computed, end == len(seq.token_ids)
+                )
+            )
             budget -= n
         if not chunks and self.waiting:
             head = self.waiting[0]
@@ -309,7 +320,9 @@ class Engine:
             if hits:
                 stop_text = text[: min(hits)]  # the text ends before the stop string
                 reason = "stop"
-        if reason is None and (len(seq.output_ids) >= params.max_tokens or len(seq.token_ids) >= self.runner.max_model_len):
+        if reason is None and (
+            len(seq.output_ids) >= params.max_tokens or len(seq.token_ids) >= self.runner.max_model_len
+        ):
             reason = "length"
         if reason is not None:
             if stop_text is not None:

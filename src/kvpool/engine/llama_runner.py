@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -30,9 +30,15 @@ class LlamaRunner:
         self.model = model
         self.manager = KVCacheManager(num_blocks, block_size, descriptor, enable_prefix_caching=enable_prefix_caching)
         self.storage = PagedKVStorage(
-            cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, model.dtype, model.device,
+            cfg.num_layers,
+            num_blocks,
+            block_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            model.dtype,
+            model.device,
             model.kernels,
-        )  # fmt: skip
+        )
         self.block_size = block_size
         self.vocab_size = cfg.vocab_size
         self.capacity_tokens = num_blocks * block_size
@@ -131,9 +137,20 @@ class LlamaRunner:
         csr = m.csr([c.seq_id for c in chunks], ctx_lens)
         cfg = self.model.config
         plan = plan_step(
-            q_lens, ctx_lens, slot_mapping, csr.indptr, csr.indices, self.block_size, cfg.num_heads,
-            cfg.num_kv_heads, cfg.head_dim, device, self.model.dtype, self.decode_path, self.model.kernels,
-        )  # fmt: skip
+            q_lens,
+            ctx_lens,
+            slot_mapping,
+            csr.indptr,
+            csr.indices,
+            self.block_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            device,
+            self.model.dtype,
+            self.decode_path,
+            self.model.kernels,
+        )
         if plan.decode is not None:
             d = plan.decode
             self.last_decode_path = "native" if d.native is not None else "bags" if d.bags is not None else "padded"
@@ -185,18 +202,35 @@ class NativeAttend:
         out = torch.empty(q.shape, dtype=q.dtype)
         n, kvh, hd = k.shape
         self._write_args = (
-            k.data_ptr(), v.data_ptr(), n, k.stride(0), kvh, hd, plan.slots.data_ptr(), st.block_size, st.num_blocks
-        )  # fmt: skip
+            k.data_ptr(),
+            v.data_ptr(),
+            n,
+            k.stride(0),
+            kvh,
+            hd,
+            plan.slots.data_ptr(),
+            st.block_size,
+            st.num_blocks,
+        )
         d = plan.decode
         if d is not None:
             nat = d.native
             assert nat is not None
             self.kernels.decode_attention(q, d.rows, nat.indptr, nat.blocks, nat.ctx_lens, k0, v0, self.scale, out)
             self._attn_args = (
-                (q.data_ptr(), q.stride(0), q.shape[0], d.rows.data_ptr(), d.num_seqs, nat.indptr.data_ptr(),
-                 nat.blocks.shape[0], nat.blocks.data_ptr(), nat.ctx_lens.data_ptr()),
+                (
+                    q.data_ptr(),
+                    q.stride(0),
+                    q.shape[0],
+                    d.rows.data_ptr(),
+                    d.num_seqs,
+                    nat.indptr.data_ptr(),
+                    nat.blocks.shape[0],
+                    nat.blocks.data_ptr(),
+                    nat.ctx_lens.data_ptr(),
+                ),
                 (st.num_blocks, q.shape[1], kvh, hd, st.block_size, self.scale, out.data_ptr(), out.stride(0)),
-            )  # fmt: skip
+            )
         self._bound, self._out = (q, k, v), out
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,9 @@ implement this protocol and run under the same scheduler.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol, Sequence
+from typing import NamedTuple, Protocol
 
 import torch
 

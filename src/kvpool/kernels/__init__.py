@@ -143,7 +143,9 @@ def _check_pool(k_cache: torch.Tensor, v_cache: torch.Tensor, kvh: int, d: int) 
         raise ValueError(f"the pools must be 4-D, got {tuple(k_cache.shape)}")
     num_blocks, _, _, bs = k_cache.shape
     if k_cache.shape != (num_blocks, kvh, d, bs) or v_cache.shape != (num_blocks, kvh, bs, d):
-        raise ValueError(f"pool shapes {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit {kvh} KV heads of {d}")
+        raise ValueError(
+            f"pool shapes {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit {kvh} KV heads of {d}"
+        )
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
     return num_blocks, bs
@@ -188,9 +190,14 @@ class CpuKernels:
         return out
 
     def rope(
-        self, x: torch.Tensor, num_heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor,
+        self,
+        x: torch.Tensor,
+        num_heads: int,
+        head_dim: int,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
         sin_signed: torch.Tensor,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Rotate-half RoPE in place on the first num_heads heads of each row of x [N, >= num_heads * head_dim]
         (rows may be strided). positions [N] int64; cos / sin_signed [max_position, head_dim] ([-sin | sin])."""
         _check(x, "x")
@@ -209,9 +216,16 @@ class CpuKernels:
         if sin_signed.shape != cos.shape:
             raise ValueError(f"cos {tuple(cos.shape)} and sin_signed {tuple(sin_signed.shape)} differ")
         rc = self.lib.kv_rope(
-            x.data_ptr(), n, x.stride(0), num_heads, head_dim, positions.data_ptr(), cos.data_ptr(),
-            sin_signed.data_ptr(), cos.shape[0],
-        )  # fmt: skip
+            x.data_ptr(),
+            n,
+            x.stride(0),
+            num_heads,
+            head_dim,
+            positions.data_ptr(),
+            cos.data_ptr(),
+            sin_signed.data_ptr(),
+            cos.shape[0],
+        )
         if rc != 0:
             raise ValueError(f"a position lies outside the RoPE table [0, {cos.shape[0]}): {positions.tolist()}")
 
@@ -230,16 +244,33 @@ class CpuKernels:
             raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} / slots {tuple(slots.shape)} do not match")
         num_blocks, bs = _check_pool(k_cache, v_cache, kvh, d)
         rc = self.lib.kv_write(
-            k.data_ptr(), v.data_ptr(), n, k.stride(0), kvh, d, slots.data_ptr(), bs, num_blocks, k_cache.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            n,
+            k.stride(0),
+            kvh,
+            d,
+            slots.data_ptr(),
+            bs,
+            num_blocks,
+            k_cache.data_ptr(),
             v_cache.data_ptr(),
-        )  # fmt: skip
+        )
         if rc != 0:
             raise ValueError(f"a slot lies outside the pool of {num_blocks} blocks of {bs}: {slots.tolist()}")
 
     def decode_attention(
-        self, q: torch.Tensor, rows: torch.Tensor, indptr: torch.Tensor, blocks: torch.Tensor, ctx_lens: torch.Tensor,
-        k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, out: torch.Tensor,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        q: torch.Tensor,
+        rows: torch.Tensor,
+        indptr: torch.Tensor,
+        blocks: torch.Tensor,
+        ctx_lens: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
         """One query per sequence: rows[b] of q [N, H, D] and out [N, H, D] (rows may be strided),
         sequence b's blocks blocks[indptr[b]:indptr[b + 1]] cover keys [0, ctx_lens[b]).
         rows / ctx_lens [B], indptr [B + 1], blocks [nnz]: int64. Pool as in write_kv."""
@@ -258,10 +289,26 @@ class CpuKernels:
         if indptr.shape != (b + 1,) or ctx_lens.shape != (b,) or blocks.dim() != 1:
             raise ValueError(f"indptr {tuple(indptr.shape)} / ctx_lens {tuple(ctx_lens.shape)} do not match {b} rows")
         rc = self.lib.kv_decode_attention(
-            q.data_ptr(), q.stride(0), n, rows.data_ptr(), b, indptr.data_ptr(), blocks.shape[0], blocks.data_ptr(),
+            q.data_ptr(),
+            q.stride(0),
+            n,
+            rows.data_ptr(),
+            b,
+            indptr.data_ptr(),
+            blocks.shape[0],
+            blocks.data_ptr(),
             ctx_lens.data_ptr(),
-            k_cache.data_ptr(), v_cache.data_ptr(), num_blocks, h, kvh, d, bs, scale, out.data_ptr(), out.stride(0),
-        )  # fmt: skip
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            num_blocks,
+            h,
+            kvh,
+            d,
+            bs,
+            scale,
+            out.data_ptr(),
+            out.stride(0),
+        )
         if rc != 0:
             raise ValueError(f"decode attention: {_ATTENTION_ERRORS.get(rc, f'error {rc}')}")
         return out

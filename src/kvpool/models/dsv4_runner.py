@@ -7,8 +7,9 @@ any sizes (prefill, chunked prefill, decode), append sampled tokens, release.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -45,8 +46,13 @@ class DSV4PagedRunner:
         self.pools = DSV4Pools(model.spec, num_classical_blocks, num_state_blocks, num_checkpoints)
         descriptor = f"{model.spec.name}|seed={model.seed}|span={model.spec.span}|fp32".encode()
         self.cache = DSV4CacheManager(
-            model.spec, num_classical_blocks, num_state_blocks, descriptor_key=descriptor,
-            enable_prefix_caching=enable_prefix_caching, restore=restore, num_checkpoints=num_checkpoints,
+            model.spec,
+            num_classical_blocks,
+            num_state_blocks,
+            descriptor_key=descriptor,
+            enable_prefix_caching=enable_prefix_caching,
+            restore=restore,
+            num_checkpoints=num_checkpoints,
         )
         self.replay_chunk = replay_chunk
         self.num_replayed_tokens = 0  # tokens recomputed by prefix-hit restores (for reports)
@@ -73,7 +79,7 @@ class DSV4PagedRunner:
         while pos < adm.num_cached_tokens:
             n = min(self.replay_chunk, adm.num_cached_tokens - pos)
             plan = ChunkPlan(pos, n, adm.state_slot, table, (), replay=True, valid_from=adm.replay_start)
-            self.model.forward_paged(token_ids[pos:pos + n], [plan], self.pools)
+            self.model.forward_paged(token_ids[pos : pos + n], [plan], self.pools)
             pos += n
         self.num_replayed_tokens += adm.num_cached_tokens - adm.replay_start
 
@@ -103,7 +109,7 @@ class DSV4PagedRunner:
         logits = self.run_reservations(reservations)
         for res in reservations:
             self.cache.commit(res.request_id)
-        return [StepResult(r.request_id, r.start, lg) for r, lg in zip(reservations, logits)]
+        return [StepResult(r.request_id, r.start, lg) for r, lg in zip(reservations, logits, strict=True)]
 
     def run_reservations(self, reservations: list[DSV4Reservation]) -> list[Tensor]:
         """Forward passes for the reservations. A chunk is cut at its checkpoint positions
@@ -119,18 +125,23 @@ class DSV4PagedRunner:
                     continue
                 stop = min([end] + [p for p, _ in r.checkpoints if p > pos])
                 token_ids = self.cache.token_ids(r.request_id)
-                plans.append(ChunkPlan(
-                    pos, stop - pos, r.state_slot, r.block_ids[: pos // span],
-                    r.block_ids[pos // span: stop // span],
-                ))
+                plans.append(
+                    ChunkPlan(
+                        pos,
+                        stop - pos,
+                        r.state_slot,
+                        r.block_ids[: pos // span],
+                        r.block_ids[pos // span : stop // span],
+                    )
+                )
                 ids.extend(token_ids[pos:stop])
                 owners.append(r)
             if not plans:
                 break
             out = self.model.forward_paged(ids, plans, self.pools)
             offset = 0
-            for r, plan in zip(owners, plans):
-                pieces[r.request_id].append(out[offset:offset + plan.num_tokens])
+            for r, plan in zip(owners, plans, strict=True):
+                pieces[r.request_id].append(out[offset : offset + plan.num_tokens])
                 offset += plan.num_tokens
                 stop = plan.start + plan.num_tokens
                 cursor[r.request_id] = stop
@@ -169,8 +180,12 @@ class DSV4EngineRunner:
         enable_prefix_caching: bool = True,
     ) -> None:
         self.runner = DSV4PagedRunner(
-            model, num_classical_blocks, num_state_blocks, restore=restore,
-            num_checkpoints=num_checkpoints, enable_prefix_caching=enable_prefix_caching,
+            model,
+            num_classical_blocks,
+            num_state_blocks,
+            restore=restore,
+            num_checkpoints=num_checkpoints,
+            enable_prefix_caching=enable_prefix_caching,
         )
         self.cache = self.runner.cache
         span = model.spec.span
@@ -207,7 +222,7 @@ class DSV4EngineRunner:
             assert res.start == c.start and res.num_tokens == len(c.token_ids), "chunk != reservation"  # type: ignore[attr-defined]
             reservations.append(res)
         logits = self.runner.run_reservations(reservations)
-        rows = [lg[-1] for c, lg in zip(chunks, logits) if c.needs_logits]  # type: ignore[attr-defined]
+        rows = [lg[-1] for c, lg in zip(chunks, logits, strict=True) if c.needs_logits]  # type: ignore[attr-defined]
         if not rows:
             return torch.zeros(0, self.vocab_size)
         return torch.stack(rows)
@@ -269,9 +284,13 @@ def build_tiny_dsv4_engine(
     from kvpool.engine.engine import Engine
 
     runner = DSV4EngineRunner(
-        TinyDSV4(seed=seed), num_classical_blocks, max(num_state_blocks, max_num_seqs),
-        restore=restore, num_checkpoints=8 if restore == "checkpoint" else 0,
+        TinyDSV4(seed=seed),
+        num_classical_blocks,
+        max(num_state_blocks, max_num_seqs),
+        restore=restore,
+        num_checkpoints=8 if restore == "checkpoint" else 0,
         enable_prefix_caching=enable_prefix_caching,
     )
-    return Engine(runner, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                  record_logits=record_logits)
+    return Engine(
+        runner, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, record_logits=record_logits
+    )

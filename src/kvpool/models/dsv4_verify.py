@@ -9,8 +9,8 @@ assertion fails the case. Used by `kvpool verify dsv4` and by tests/test_dsv4_pa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -127,7 +127,9 @@ class Verifier:
         model = self.small if small else self.model
         span = model.spec.span
         runner = self.runner(
-            model, restore=restore, num_checkpoints=4 if restore == "checkpoint" else 0,
+            model,
+            restore=restore,
+            num_checkpoints=4 if restore == "checkpoint" else 0,
             num_classical_blocks=2 * (num_blocks + 2) + 2,
         )
         a = self.tokens(span * num_blocks + span // 2, seed=20)
@@ -148,7 +150,7 @@ class Verifier:
         assert out_b is not None
         runner.check_integrity()
         diff_a = _diff(out_a[0].logits, self.oracle(model, a))
-        diff_b = _diff(out_b[0].logits, self.oracle(model, b)[adm.num_cached_tokens:])
+        diff_b = _diff(out_b[0].logits, self.oracle(model, b)[adm.num_cached_tokens :])
         return max(diff_a, diff_b)
 
     def shared_decode(self, num_steps: int = 20) -> float:
@@ -242,7 +244,7 @@ class ClassicalPoolWatcher:
             if held and written:
                 snapshot = [t[block_id].clone() for t in tensors]
                 if block_id in self.seen:
-                    if any(not torch.equal(a, b) for a, b in zip(self.seen[block_id], snapshot)):
+                    if any(not torch.equal(a, b) for a, b in zip(self.seen[block_id], snapshot, strict=True)):
                         raise AssertionError(f"classical block {block_id} changed after it was written")
                 else:
                     self.seen[block_id] = snapshot

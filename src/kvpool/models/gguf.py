@@ -21,7 +21,9 @@ import numpy as np
 import torch
 
 # Quantization types we dequantize (through gguf.quants.dequantize) or read as they are.
-SUPPORTED_QUANT_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
+SUPPORTED_QUANT_TYPES = frozenset(
+    {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
+)
 SUPPORTED_ARCHITECTURES = frozenset({"llama"})
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -177,10 +179,16 @@ def load_gguf(path: str | None = None, dtype: torch.dtype = torch.float32) -> GG
             )
 
     rename = {
-        "attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o",
-        "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down",
-        "attn_norm": "attn_norm", "ffn_norm": "ffn_norm",
-    }  # fmt: skip
+        "attn_q": "q",
+        "attn_k": "k",
+        "attn_v": "v",
+        "attn_output": "o",
+        "ffn_gate": "gate",
+        "ffn_up": "up",
+        "ffn_down": "down",
+        "attn_norm": "attn_norm",
+        "ffn_norm": "ffn_norm",
+    }
     weights: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         # dequantize returns the numpy shape, i.e. GGUF dims reversed: [out_features, in_features]

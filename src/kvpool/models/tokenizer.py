@@ -74,8 +74,16 @@ def build_tokenizer(data: TokenizerData) -> ChatTokenizer:
         tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
     types = data.token_types or (0,) * len(data.tokens)
-    specials = [AddedToken(t, special=True, normalized=False) for t, k in zip(data.tokens, types) if k == CONTROL_TOKEN_TYPE]
-    user = [AddedToken(t, special=False, normalized=False) for t, k in zip(data.tokens, types) if k == USER_DEFINED_TOKEN_TYPE]
+    specials = [
+        AddedToken(t, special=True, normalized=False)
+        for t, k in zip(data.tokens, types, strict=True)
+        if k == CONTROL_TOKEN_TYPE
+    ]
+    user = [
+        AddedToken(t, special=False, normalized=False)
+        for t, k in zip(data.tokens, types, strict=True)
+        if k == USER_DEFINED_TOKEN_TYPE
+    ]
     tok.add_special_tokens(specials)
     if user:
         tok.add_tokens(user)

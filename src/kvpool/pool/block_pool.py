@@ -19,7 +19,7 @@ Pure Python integers, no torch: this code also runs inside the serving simulator
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from typing import Iterable
+from collections.abc import Iterable
 
 
 class BlockPool:
@@ -190,7 +190,9 @@ class BlockPool:
             if refcount < 0:
                 raise AssertionError(f"invariant 1 (refcount == holders): block {block_id} has refcount {refcount}")
             if refcount == 0 and block_id not in free_set:
-                raise AssertionError(f"invariant 7 (no partial grab or leak): block {block_id} has refcount 0 but is not free")
+                raise AssertionError(
+                    f"invariant 7 (no partial grab or leak): block {block_id} has refcount 0 but is not free"
+                )
         for block_id in unhashed:
             if self._hashes[block_id] is not None:
                 raise AssertionError(f"pool: unhashed free block {block_id} still has a hash")

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 
 def physical_slot(block_table: Sequence[int], block_size: int, token_pos: int) -> int:

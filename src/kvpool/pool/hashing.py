@@ -15,7 +15,7 @@ import hashlib
 import struct
 import sys
 from array import array
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import xxhash
 
@@ -77,8 +77,10 @@ class BlockHasher:
         # Length prefixes keep (descriptor, salt) pairs from colliding by concatenation.
         return self.digest(
             b"kvpool-root\x00"
-            + len(descriptor_key).to_bytes(4, "little") + descriptor_key
-            + len(salt).to_bytes(4, "little") + salt
+            + len(descriptor_key).to_bytes(4, "little")
+            + descriptor_key
+            + len(salt).to_bytes(4, "little")
+            + salt
         )
 
     def chain(self, parent: bytes, block_token_bytes: bytes, extra: bytes = b"") -> bytes:

@@ -112,8 +112,17 @@ class DSV4Spec:
 
     def __post_init__(self) -> None:
         positive = (
-            "num_layers", "hidden_size", "num_heads", "head_dim", "q_lora_rank", "o_groups",
-            "o_lora_rank", "window", "index_n_heads", "index_head_dim", "index_topk",
+            "num_layers",
+            "hidden_size",
+            "num_heads",
+            "head_dim",
+            "q_lora_rank",
+            "o_groups",
+            "o_lora_rank",
+            "window",
+            "index_n_heads",
+            "index_head_dim",
+            "index_topk",
         )
         for field in positive:
             value = getattr(self, field)
@@ -124,9 +133,7 @@ class DSV4Spec:
                 f"qk_rope_head_dim must be even and in (0, head_dim={self.head_dim}], got {self.rope_head_dim}"
             )
         if self.rope_head_dim > self.index_head_dim:
-            raise ValueError(
-                f"qk_rope_head_dim={self.rope_head_dim} exceeds index_head_dim={self.index_head_dim}"
-            )
+            raise ValueError(f"qk_rope_head_dim={self.rope_head_dim} exceeds index_head_dim={self.index_head_dim}")
         if self.num_heads % self.o_groups:
             raise ValueError(f"num_attention_heads={self.num_heads} is not divisible by o_groups={self.o_groups}")
         if len(self.compress_ratios) < self.num_layers:

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 
 class AttentionKind(enum.Enum):
-    FULL = "full"                  # MHA / GQA / MQA: K and V per KV head
-    SLIDING_WINDOW = "sliding"     # like FULL, but only the last `window` tokens are kept
-    MLA = "mla"                    # one latent (kv_lora_rank + rope dims) per token, K = V source
+    FULL = "full"  # MHA / GQA / MQA: K and V per KV head
+    SLIDING_WINDOW = "sliding"  # like FULL, but only the last `window` tokens are kept
+    MLA = "mla"  # one latent (kv_lora_rank + rope dims) per token, K = V source
 
 
 # bytes per element of the storage dtypes kvpool knows

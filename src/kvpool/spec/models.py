@@ -32,10 +32,11 @@ V4-Flash 284 B (tests compare several against transformers' own modules on the m
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from kvpool.spec import dsv4 as dsv4_spec
 from kvpool.spec.dsv4 import CSA_RATIO, DSV4Spec
@@ -165,8 +166,15 @@ class ParamCounts:
     @property
     def total(self) -> int:
         return (
-            self.embedding + self.lm_head + self.attention + self.attention_replicated + self.mlp
-            + self.experts + self.expert_biases + self.router + self.norms
+            self.embedding
+            + self.lm_head
+            + self.attention
+            + self.attention_replicated
+            + self.mlp
+            + self.experts
+            + self.expert_biases
+            + self.router
+            + self.norms
         )
 
 
@@ -417,10 +425,18 @@ def _parse_mla(cfg: dict[str, Any], name: str, model_type: str) -> ModelSpec:
 # MoE facts of the V4 config.json files that the shipped V4 presets (which carry only the
 # attention / cache keys) do not repeat. Used only for the weights line of the ledger.
 _DSV4_MOE_FACTS: dict[str, dict[str, int]] = {
-    "deepseek-v4-flash": {"n_routed_experts": 256, "n_shared_experts": 1, "moe_intermediate_size": 2048,
-                          "num_experts_per_tok": 6},
-    "deepseek-v4-pro": {"n_routed_experts": 384, "n_shared_experts": 1, "moe_intermediate_size": 3072,
-                        "num_experts_per_tok": 6},
+    "deepseek-v4-flash": {
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "moe_intermediate_size": 2048,
+        "num_experts_per_tok": 6,
+    },
+    "deepseek-v4-pro": {
+        "n_routed_experts": 384,
+        "n_shared_experts": 1,
+        "moe_intermediate_size": 3072,
+        "num_experts_per_tok": 6,
+    },
 }
 
 
