@@ -16,10 +16,10 @@ from kvpool.attention.dsv4_ops import (
     stable_topk,
 )
 from kvpool.attention.dsv4_paged import ChunkPlan, _compress_chunk, paged_attention
-from kvpool.attention.dsv4_pools import DSV4Pools
 from kvpool.attention.dsv4_reference import compress_all_blocks, reference_attention
 from kvpool.models.tiny_dsv4 import TinyDSV4
 from kvpool.spec.dsv4 import YarnScaling
+from kvpool.storage.dsv4 import DSV4Pools
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvpool.engine.dsv4_runner import DSV4EngineRunner, build_tiny_dsv4_engine
 from kvpool.engine.engine import Engine
 from kvpool.engine.sampling import SamplingParams
-from kvpool.models.dsv4_runner import DSV4EngineRunner, build_tiny_dsv4_engine
 from kvpool.models.tiny_dsv4 import TinyDSV4
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpool.models.dsv4_runner import DSV4PagedRunner
-from kvpool.models.dsv4_verify import TOLERANCE, ClassicalPoolWatcher, Verifier
+from kvpool.engine.dsv4_runner import DSV4PagedRunner
 from kvpool.models.tiny_dsv4 import TinyDSV4
+from kvpool.verify.dsv4 import TOLERANCE, ClassicalPoolWatcher, Verifier
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

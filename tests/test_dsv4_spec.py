@@ -128,8 +128,8 @@ def test_small_config_and_roundtrip() -> None:
 
 
 def test_actual_pool_tensors_match_the_spec_bytes() -> None:
-    from kvpool.attention.dsv4_pools import DSV4Pools
     from kvpool.models.tiny_dsv4 import TinyDSV4
+    from kvpool.storage.dsv4 import DSV4Pools
 
     spec = TinyDSV4().spec
     pools = DSV4Pools(spec, 2, 1)

@@ -46,8 +46,8 @@ from kvpool.attention.dsv4_ops import (
     sink_attention,
     stable_topk,
 )
-from kvpool.attention.dsv4_pools import DSV4Pools, LayerClassical, LayerState
 from kvpool.spec.dsv4 import CSA_RATIO, DSV4Spec
+from kvpool.storage.dsv4 import DSV4Pools, LayerClassical, LayerState
 
 
 @dataclass(frozen=True)

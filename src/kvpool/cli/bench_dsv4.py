@@ -59,7 +59,7 @@ def byte_report() -> dict[str, dict[str, float]]:
 def timing_report(contexts: list[int], steps: int, repeats: int) -> list[dict[str, float]]:
     import torch
 
-    from kvpool.models.dsv4_runner import DSV4PagedRunner
+    from kvpool.engine.dsv4_runner import DSV4PagedRunner
     from kvpool.models.tiny_dsv4 import TinyDSV4
 
     torch.set_num_threads(1)

@@ -2,7 +2,7 @@
 
 The tiny model has no tokenizer: the prompt is token ids ("5,17,42" or "5 17 42"), and the
 output is token ids. It runs on the Classical + State dual pool under the same scheduler
-as the Llama path (`kvpool.models.dsv4_runner.DSV4EngineRunner`). `kvpool.cli.generate`
+as the Llama path (`kvpool.engine.dsv4_runner.DSV4EngineRunner`). `kvpool.cli.generate`
 hands over to `run` here when `--model tiny-dsv4`.
 """
 
@@ -30,8 +30,8 @@ def parse_token_ids(text: str, vocab_size: int) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvpool.engine.dsv4_runner import build_tiny_dsv4_engine
     from kvpool.engine.sampling import SamplingParams
-    from kvpool.models.dsv4_runner import build_tiny_dsv4_engine
     from kvpool.models.tiny_dsv4 import TINY_DSV4_CONFIG
 
     if not getattr(args, "no_chat", False):
@@ -44,10 +44,10 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
     )
     engine = build_tiny_dsv4_engine(num_classical_blocks=max(1, getattr(args, "num_blocks", 64)))
-    rid = engine.add_request(prompt_ids, params)  # type: ignore[attr-defined]
-    while engine.has_unfinished():  # type: ignore[attr-defined]
-        engine.step()  # type: ignore[attr-defined]
-    out = engine.output(rid)  # type: ignore[attr-defined]
+    rid = engine.add_request(prompt_ids, params)
+    while engine.has_unfinished():
+        engine.step()
+    out = engine.output(rid)
     completion = out.completions[0]
     if args.json:
         print(

@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from kvpool.models.dsv4_verify import Verifier
+    from kvpool.verify.dsv4 import Verifier
 
     torch.set_num_threads(1)  # tiny matrices: one thread is the fastest and plays well on shared CPUs
     results = Verifier(seed=args.seed).run(args.lengths, tolerance=args.tolerance)

@@ -27,9 +27,9 @@ from torch import Tensor
 
 from kvpool.attention.dsv4_ops import DSV4AttnWeights, init_attn_state_dict, rms_norm
 from kvpool.attention.dsv4_paged import ChunkPlan, paged_attention
-from kvpool.attention.dsv4_pools import DSV4Pools
 from kvpool.attention.dsv4_reference import reference_attention
 from kvpool.spec.dsv4 import DSV4Spec
+from kvpool.storage.dsv4 import DSV4Pools
 
 # config.json of the tiny model: real m = 4, m' = 128, n_win = 128; small widths.
 TINY_DSV4_CONFIG: dict[str, Any] = {

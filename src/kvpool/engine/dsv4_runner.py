@@ -9,15 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from kvpool.attention.dsv4_paged import ChunkPlan
-from kvpool.attention.dsv4_pools import DSV4Pools
 from kvpool.cache.dsv4 import DSV4Admission, DSV4CacheManager, DSV4Reservation, RestoreMethod
+from kvpool.engine.engine import Engine
+from kvpool.engine.runner import Admitted, ScheduledChunk
 from kvpool.models.tiny_dsv4 import TinyDSV4
+from kvpool.storage.dsv4 import DSV4Pools
 
 
 @dataclass(frozen=True)
@@ -154,18 +155,11 @@ class DSV4PagedRunner:
         self.cache.check_integrity()
 
 
-class DSV4Admitted(NamedTuple):
-    """Same fields as kvpool.engine.runner.Admitted (models/ does not import the engine)."""
-
-    num_cached_tokens: int
-    num_scheduled_tokens: int
-
-
 class DSV4EngineRunner:
     """The engine's ModelRunner protocol (kvpool.engine.runner) for a V4-architecture model on
     the dual pool, so the same scheduler runs it: admit (with prefix hit + state restore),
     reserve, execute, commit, fork, release. Chunks are duck-typed ScheduledChunk objects
-    (seq_id, token_ids, start, needs_logits). `fork` returns False when no state block is
+    `fork` returns False when no state block is
     free (a V4 child needs its own): the engine then queues the child, which is admitted
     later through the prefix cache like a preempted sequence."""
 
@@ -195,7 +189,7 @@ class DSV4EngineRunner:
         self.capacity_tokens = num_classical_blocks * span + span - 1
         self.max_model_len = min(model.spec.max_position_embeddings, self.capacity_tokens)
 
-    def admit(self, seq_id: str, token_ids: Sequence[int], max_new_tokens: int) -> DSV4Admitted | None:
+    def admit(self, seq_id: str, token_ids: Sequence[int], max_new_tokens: int) -> Admitted | None:
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
         adm = self.runner.add_request(seq_id, token_ids)
@@ -205,7 +199,7 @@ class DSV4EngineRunner:
         if self.cache.reserve(seq_id, n) is None:
             self.cache.release(seq_id)  # all or nothing
             return None
-        return DSV4Admitted(adm.num_cached_tokens, n)
+        return Admitted(adm.num_cached_tokens, n)
 
     def reserve(self, seq_id: str, num_new_tokens: int) -> bool:
         return self.cache.reserve(seq_id, num_new_tokens) is not None
@@ -213,16 +207,16 @@ class DSV4EngineRunner:
     def append_tokens(self, seq_id: str, token_ids: Sequence[int]) -> None:
         self.cache.append_token_ids(seq_id, token_ids)
 
-    def execute(self, chunks: Sequence[object]) -> Tensor:
+    def execute(self, chunks: Sequence[ScheduledChunk]) -> Tensor:
         """Logits [num chunks with needs_logits, vocab] fp32, in chunk order."""
         reservations = []
         for c in chunks:
-            res = self.cache.pending_reservation(c.seq_id)  # type: ignore[attr-defined]
-            assert res is not None, f"sequence {c.seq_id!r} has no reservation"  # type: ignore[attr-defined]
-            assert res.start == c.start and res.num_tokens == len(c.token_ids), "chunk != reservation"  # type: ignore[attr-defined]
+            res = self.cache.pending_reservation(c.seq_id)
+            assert res is not None, f"sequence {c.seq_id!r} has no reservation"
+            assert res.start == c.start and res.num_tokens == len(c.token_ids), "chunk != reservation"
             reservations.append(res)
         logits = self.runner.run_reservations(reservations)
-        rows = [lg[-1] for c, lg in zip(chunks, logits, strict=True) if c.needs_logits]  # type: ignore[attr-defined]
+        rows = [lg[-1] for c, lg in zip(chunks, logits, strict=True) if c.needs_logits]
         if not rows:
             return torch.zeros(0, self.vocab_size)
         return torch.stack(rows)
@@ -276,13 +270,8 @@ def build_tiny_dsv4_engine(
     restore: RestoreMethod = "recompute",
     enable_prefix_caching: bool = True,
     record_logits: bool = False,
-) -> object:
-    """An Engine running the tiny V4 model (token ids in, token ids out; no tokenizer, no EOS).
-
-    The import of the engine is local: models/ sits below engine/ in the layering, and only
-    this convenience builder (called by the CLI) needs it."""
-    from kvpool.engine.engine import Engine
-
+) -> Engine:
+    """An Engine running the tiny V4 model (token ids in, token ids out; no tokenizer, no EOS)."""
     runner = DSV4EngineRunner(
         TinyDSV4(seed=seed),
         num_classical_blocks,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvpool.models.dsv4_runner import DSV4PagedRunner
+from kvpool.engine.dsv4_runner import DSV4PagedRunner
 from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG, TinyDSV4
 
 TOLERANCE = 1e-5
