@@ -5,17 +5,17 @@ from __future__ import annotations
 import pytest
 
 from kvpool import physical_slot
-from kvpool.cache import BlockCopy, CacheDescriptor, KVCacheManager
+from kvpool.cache import BlockCopy, CacheDescriptor, FullAttentionManager
 from kvpool.pool import BlockPool, to_csr
 
 DESC = CacheDescriptor("tiny-model", weights_version="v1", layout_id="bs4-fp32")
 
 
-def make(num_blocks: int = 10, block_size: int = 4, **kw) -> KVCacheManager:
-    return KVCacheManager(num_blocks, block_size, DESC, **kw)
+def make(num_blocks: int = 10, block_size: int = 4, **kw) -> FullAttentionManager:
+    return FullAttentionManager(num_blocks, block_size, DESC, **kw)
 
 
-def prefill(m: KVCacheManager, request_id: str, tokens: list[int], **kw) -> int:
+def prefill(m: FullAttentionManager, request_id: str, tokens: list[int], **kw) -> int:
     admission = m.admit(request_id, tokens, **kw)
     assert admission is not None
     m.check_integrity()
@@ -102,7 +102,7 @@ def test_descriptor_mismatch_other_model_version_no_hit():
         assert m.lookup_prefix(A, descriptor=other) == 0
     assert m.lookup_prefix(A, descriptor=DESC) == 8
     # The descriptor also flows from a manager built with another one.
-    assert KVCacheManager(10, 4, v2).lookup_prefix(A) == 0
+    assert FullAttentionManager(10, 4, v2).lookup_prefix(A) == 0
 
 
 def test_multimodal_item_identity_is_part_of_the_hash():
@@ -118,7 +118,7 @@ def test_multimodal_item_identity_is_part_of_the_hash():
 
 def test_collision_guard_rejects_a_hash_hit_with_other_tokens():
     m = make()
-    m.hasher.digest = lambda data: b"\x00" * 16  # every block hashes alike: forced collisions
+    m.pool.hasher.digest = lambda data: b"\x00" * 16  # every block hashes alike: forced collisions
     prefill(m, "a", A)
     # Same (colliding) hash, other tokens: the stored token ids differ, so no reuse.
     assert m.lookup_prefix([1, 2, 3, 4, 5, 6, 7, 8, 9]) == 0
@@ -167,7 +167,7 @@ def test_seed_fork_and_writable_tail():
     m.append_token_ids("child", [4])
     reservation = m.reserve("child", 1)
     assert reservation is not None
-    assert reservation.copies == [BlockCopy(src=7, dst=9)]
+    assert reservation.copies == (BlockCopy(src=7, dst=9),) and reservation.new_block_ids == ()
     assert m.take_copies() == [BlockCopy(7, 9)]
     assert m.take_copies() == []
     m.check_integrity()
@@ -177,7 +177,7 @@ def test_seed_fork_and_writable_tail():
     assert (m.pool.refcount(7), m.pool.refcount(9)) == (1, 1)
     # The parent, now exclusive again, writes in place with no copy.
     m.append_token_ids("parent", [5])
-    assert m.reserve("parent", 1) == ([], [])
+    assert m.reserve("parent", 1) == (3, 1, (), (), ())  # start 3, one token, no block, no copy
     m.commit("parent", 1)
     m.check_integrity()
 
@@ -234,7 +234,7 @@ def test_rollback_releases_blocks_past_the_end_and_keeps_a_shared_tail_intact():
     # a writes position 6 into block 1, which b shares: copy-on-write, b is untouched.
     m.append_token_ids("a", [42])
     reservation = m.reserve("a", 1)
-    assert reservation is not None and reservation.copies == [BlockCopy(1, reservation.copies[0].dst)]
+    assert reservation is not None and reservation.copies == (BlockCopy(1, 4),)  # 4: the first unhashed free block
     m.commit("a", 1)
     m.check_integrity()
     assert m.block_ids("b")[:2] == [0, 1]
@@ -247,7 +247,7 @@ def test_rollback_into_an_exclusive_registered_block_unregisters_before_writing(
     m.rollback("a", 6)
     assert m.pool.block_hash(1) is not None  # still valid content until overwritten
     m.append_token_ids("a", [42])
-    assert m.reserve("a", 1) == ([], [])
+    assert m.reserve("a", 1) == (6, 1, (), (), ())
     assert m.pool.block_hash(1) is None  # no longer published: its content will change
     m.check_integrity()
     m.commit("a", 1)
@@ -267,7 +267,7 @@ def test_full_blocks_are_registered_as_they_complete_so_a_running_request_is_hit
     m.check_integrity()
 
 
-def test_decode_batch_path_matches_single_request_calls():
+def test_the_step_path_matches_single_request_calls():
     m1, m2 = make(num_blocks=20), make(num_blocks=20)
     for m in (m1, m2):
         prefill(m, "a", A)
@@ -275,8 +275,8 @@ def test_decode_batch_path_matches_single_request_calls():
         m.append_token_ids("a", [1])
         m.append_token_ids("b", [2])
     for step in range(9):
-        assert m1.reserve_decode(["a", "b"]) is not None
-        m1.commit_decode(["a", "b"], [step, step + 100])
+        assert m1.reserve_step(["a", "b"], [1, 1])
+        m1.commit_step(["a", "b"], [1, 1], [step, step + 100])
         for rid, tok in (("a", step), ("b", step + 100)):
             assert m2.reserve(rid, 1) is not None
             m2.commit(rid, 1)
@@ -289,20 +289,53 @@ def test_decode_batch_path_matches_single_request_calls():
     assert m1.pool.free_queue() == m2.pool.free_queue()
 
 
-def test_decode_batch_is_all_or_nothing_and_copies_shared_tails():
+def test_a_step_is_all_or_nothing_and_copies_shared_tails():
     m = make(num_blocks=4)
     prefill(m, "a", [1, 2, 3, 4, 5])  # blocks 0, 1
     m.fork("a", "b")  # b shares 0, 1 (1 is a partial tail)
     m.append_token_ids("a", [6])
     m.append_token_ids("b", [7])
-    prefill(m, "c", [9, 9, 9])  # block 2; 1 block free
+    prefill(m, "c", [9, 9, 9, 9, 9])  # blocks 2, 3: nothing free
     before = (m.block_ids("a"), m.block_ids("b"), m.pool.free_queue())
-    assert m.reserve_decode(["a", "b"]) is None  # a and b both need a copy of block 1
+    assert m.reserve_step(["a", "b"], [1, 1]) is False  # a must copy block 1 first: no block for it
     assert (m.block_ids("a"), m.block_ids("b"), m.pool.free_queue()) == before
-    m.finish("c")
-    copies = m.reserve_decode(["a", "b"])
-    assert copies == [BlockCopy(1, 3)]  # a copies first; b then holds block 1 alone
+    m.finish("c")  # frees 3 then 2
+    # One copy suffices: a copies block 1, after which b holds it alone and writes in place.
+    assert m.reserve_step(["a", "b"], [1, 1]) is True
+    assert m.take_copies() == [BlockCopy(1, 3)]
     assert m.block_ids("a") == [0, 3] and m.block_ids("b") == [0, 1]
+    assert m.pool.free_queue() == [2]
+    m.check_integrity()
+
+
+def test_a_step_with_a_bad_request_changes_nothing():
+    # Validate every request first, then change anything: "a" sits at a block boundary and
+    # would take a fresh block before the unknown request raised.
+    m = make()
+    prefill(m, "a", A[:8])  # blocks 0, 1 full
+    prefill(m, "b", [5, 6, 7])  # block 2
+    m.append_token_ids("a", [1])
+    m.append_token_ids("b", [2])
+    before = (m.block_ids("a"), m.block_ids("b"), m.pool.free_queue())
+    with pytest.raises(KeyError, match="missing"):
+        m.reserve_step(["a", "missing"], [1, 1])
+    with pytest.raises(ValueError, match="token ids are known"):
+        m.reserve_step(["a", "b"], [1, 2])  # b knows one more token, not two
+    with pytest.raises(ValueError, match="appears twice"):
+        m.reserve_step(["a", "a"], [1, 1])
+    assert (m.block_ids("a"), m.block_ids("b"), m.pool.free_queue()) == before
+    assert m.reserve_step(["a", "b"], [1, 1])
+    assert m.block_ids("a") == [0, 1, 3]
+    # commit_step: a's commit is valid, b's is not (2 tokens, 1 reserved-and-known): neither happens.
+    with pytest.raises(ValueError, match="request 'b': commit of 2 tokens"):
+        m.commit_step(["a", "b"], [1, 2], [10, 11])
+    assert (m.num_computed_tokens("a"), m.num_computed_tokens("b")) == (8, 3)
+    assert (m.token_ids("a"), m.token_ids("b")) == (A[:8] + [1], [5, 6, 7, 2])
+    with pytest.raises(KeyError, match="ghost"):
+        m.commit_step(["a", "ghost"], [1, 1], [10, 11])
+    assert m.num_computed_tokens("a") == 8
+    m.commit_step(["a", "b"], [1, 1], [10, 11])
+    assert (m.num_computed_tokens("a"), m.num_computed_tokens("b")) == (9, 4)
     m.check_integrity()
 
 
@@ -324,16 +357,22 @@ def test_bad_input_gets_clear_errors_and_changes_nothing():
         m.admit("e", [])
     with pytest.raises(ValueError, match="already admitted"):
         m.admit("a", [1])
-    with pytest.raises(ValueError, match="outside"):
-        m.admit("n", [1, 2], 5)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 0"):
+        m.admit("n", [1, 2], -1)
+    with pytest.raises(TypeError, match="descriptor must be a CacheDescriptor"):
+        m.admit("d", [1, 2], descriptor="tiny-model")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="token id -1"):
         m.admit("neg", [1, -1])
     with pytest.raises(ValueError, match="append_token_ids first"):
         m.reserve("a", 1)
-    with pytest.raises(ValueError, match="only 10 token ids are known"):
+    with pytest.raises(ValueError, match="2 reserved, 0 token ids known"):
         m.commit("a", 1)  # block 2 is writable to its end, but token 10 is unknown
-    with pytest.raises(ValueError, match="commit of 3 tokens, 2 reserved"):
+    with pytest.raises(ValueError, match="commit of 3 tokens from position 10: 2 reserved"):
         m.commit("a", 3)
+    with pytest.raises(ValueError, match="-1 tokens outside the reserved"):
+        m.csr(["a"], [-1])
+    with pytest.raises(ValueError, match="13 tokens outside the reserved"):
+        m.csr(["a"], [13])
     with pytest.raises(ValueError, match="rollback to 11"):
         m.rollback("a", 11)
     with pytest.raises(KeyError, match="unknown request"):

@@ -39,7 +39,8 @@ def test_generate_greedy_equals_oracle(restore: str) -> None:
     # a second round reuses the 130- and 200-token prompts' first span from the prefix cache
     again = engine.generate(prompts[1:], SamplingParams(max_tokens=4))
     assert [o.completions[0].token_ids for o in again] == [o.completions[0].token_ids[:4] for o in outs[1:]]
-    assert engine.runner.cache_stats()["state_blocks_used"] == 0
+    usage = engine.runner.usage()
+    assert usage.num_free_state_blocks == usage.num_state_blocks
     engine.runner.check_integrity()
 
 

@@ -4,27 +4,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from kvpool.cli.main import main
-
-RUN_KEYS = {
-    "kv_capacity_tokens",
-    "kv_capacity_bytes",
-    "block_size",
-    "fragmentation",
-    "prefix_hit_rate",
-    "alloc_latency_us",
-    "read_bandwidth_gbps",
-    "ttft_ms_p50",
-    "ttft_ms_p99",
-    "tpot_ms_p50",
-    "tpot_ms_p99",
-    "throughput_tok_s",
-    "goodput_req_s",
-    "preemptions",
-    "num_requests",
-}
 
 
 def test_generate_json(capsys):
@@ -41,19 +24,81 @@ def test_generate_json(capsys):
     assert out["prompt_tokens"] > 20 and out["cached_tokens"] == 0
 
 
-def test_run_json_report(capsys):
+def _run_json(capsys, *args: str) -> dict:
     threads = torch.get_num_threads()
     try:
-        args = ["run", "--json", "--num-requests", "4", "--num-long", "1", "--max-tokens", "4", "--threads", "1"]
-        assert main(args) == 0
+        assert main(["run", "--json", "--threads", "1", *args]) == 0
     finally:
         torch.set_num_threads(threads)
-    report = json.loads(capsys.readouterr().out)
-    assert RUN_KEYS <= set(report)
-    assert report["num_requests"] == 4 * 2 + 1  # two turns per conversation + the long prompt
-    assert report["prefix_hit_rate"] > 0  # shared system prompts and follow-up turns hit the cache
-    assert report["kv_capacity_tokens"] == report["num_blocks"] * report["block_size"]
+    return json.loads(capsys.readouterr().out)
+
+
+def test_run_tiny_dsv4_report_follows_its_definitions(capsys):
+    # 3 conversations over 3 distinct 300-token system prompts + 20-token questions, all
+    # arriving at once and admitted in the first step (960 tokens <= the 1,024 budget):
+    # nothing is cached yet, so first turns hit nothing. Each answer is 4 tokens (the tiny
+    # model has no EOS); a follow-up is 320 + 4 + 12 = 336 tokens, of which the first turn
+    # computed 323: 2 complete 128-token spans, 256 tokens, hit by each of the 3 follow-ups.
+    report = _run_json(
+        capsys,
+        "--model",
+        "tiny-dsv4",
+        "--num-requests",
+        "3",
+        "--turns",
+        "2",
+        "--num-long",
+        "0",
+        "--max-tokens",
+        "4",
+        "--request-rate",
+        "inf",
+        "--max-batch-tokens",
+        "1024",
+        "--slo-ttft-ms",
+        "1e9",
+        "--slo-tpot-ms",
+        "1e9",
+    )
+    assert (report["num_requests"], report["num_finished"], report["num_generated_tokens"]) == (6, 6, 24)
+    assert report["prefix_queried_tokens"] == 3 * 320 + 3 * 336
+    assert report["prefix_hit_tokens"] == 3 * 256
+    assert report["prefix_hit_rate"] == round(768 / 1968, 4)
+    assert report["block_size"] == 128
+    assert report["kv_capacity_tokens"] == report["num_blocks"] * 128 + 127  # + the unfinished span in state
+    assert report["fragmentation"] == 0.0  # a classical block is whole by construction
+    assert report["preemptions"] == 0 and report["interrupted"] is False
+    # every admission takes a state block: it allocates
+    assert report["num_alloc_calls"] >= 6
+    # with SLOs nobody misses, goodput is every request over the wall time
+    assert report["goodput_req_s"] == pytest.approx(6 / report["wall_s"], rel=0.01)
+
+
+def test_run_smollm2_report_follows_its_definitions(capsys):
+    report = _run_json(
+        capsys,
+        "--num-requests",
+        "2",
+        "--turns",
+        "2",
+        "--num-long",
+        "0",
+        "--max-tokens",
+        "4",
+        "--request-rate",
+        "inf",
+        "--slo-ttft-ms",
+        "1e-6",
+    )
+    # 256 MiB of fp32 K/V blocks: 2 (K, V) x 30 layers x 3 KV heads x 64 dims x 4 bytes x 16 slots
+    assert report["num_blocks"] == (256 << 20) // 737_280 == 364
+    assert report["kv_capacity_bytes"] == 364 * 737_280 and report["kv_capacity_tokens"] == 364 * 16
+    assert report["num_requests"] == 4 and report["num_finished"] == 4
+    # the follow-ups hit their own first turns, in whole blocks
+    assert report["prefix_hit_tokens"] > 0 and report["prefix_hit_tokens"] % 16 == 0
+    assert report["prefix_hit_rate"] == round(report["prefix_hit_tokens"] / report["prefix_queried_tokens"], 4)
     assert 0 <= report["fragmentation"] < 1
+    assert report["goodput_req_s"] == 0.0  # nobody meets a TTFT of a nanosecond
 
 
 def test_bench_attention_times_every_path_after_checking_it():

@@ -43,16 +43,41 @@ def test_hashes_are_stable_across_processes():
     assert runs == {h.chain(h.root(b"d", "s"), token_bytes(range(16))).hex() + "\n"}
 
 
-def test_pool_register_first_copy_wins_and_duplicates_free_as_plain_blocks():
+def test_pool_keeps_every_copy_of_a_block_findable():
     pool = BlockPool(4)
+    root = pool.root(b"desc")
+    assert pool.root(b"desc") is root and pool.root(b"desc", "tenant") is not root  # interned
+    t = token_bytes([1, 2])
     a, b = pool.allocate(2)
-    assert pool.register(a, b"h" * 16, b"t")
-    assert not pool.register(b, b"h" * 16, b"t")  # same content computed twice
+    first = pool.register(a, pool.chain(root, t))
+    assert first is not None and first.block_ids == [a]
+    assert pool.register(b, pool.chain(root, t)) is first  # same content computed twice: b joins
+    assert first.block_ids == [a, b]
     pool.decref([b, a])
     assert pool.free_queue() == [2, 3, b, a]
-    assert pool.lookup(b"h" * 16, b"t") == a
-    assert pool.lookup(b"h" * 16, b"other") is None and pool.num_collisions == 1
+    assert pool.match(root, t, len(t), 1).block_ids == [a]  # both free: the first listed copy
+    assert pool.allocate(3) == [2, 3, b]  # b is evicted: a still holds the content
+    assert pool.match(root, t, len(t), 1).block_ids == [a]
     pool.check_integrity()
     assert pool.reset_prefix_cache() == 1
-    assert pool.lookup(b"h" * 16, b"t") is None
+    assert pool.match(root, t, len(t), 1).block_ids == []
+    pool.check_integrity()
+
+
+def test_pool_match_guards_the_parent_and_counts_a_collision():
+    pool = BlockPool(4)
+    pool.hasher.digest = lambda data: b"h" * 16  # every hash alike
+    root = pool.root(b"desc")
+    (a,) = pool.allocate(1)
+    block = pool.register(a, pool.chain(root, token_bytes([1, 2])))
+    assert block is not None
+    # the same tokens after block a (not after the root): the hash hits, the guard refuses
+    prompt = token_bytes([1, 2, 1, 2])
+    hit = pool.match(root, prompt, 8, 2)
+    assert hit.block_ids == [a] and pool.num_collisions == 1
+    assert pool.match(root, prompt, 8, 2, count_collisions=False).block_ids == [a] and pool.num_collisions == 1
+    # a block after a colliding parent cannot be published, nor a block under another root
+    (b,) = pool.allocate(1)
+    assert pool.register(b, pool.chain(block, token_bytes([1, 2]))) is None and pool.num_collisions == 2
+    assert pool.register(b, pool.chain(pool.root(b"other"), token_bytes([1, 2]))) is None
     pool.check_integrity()

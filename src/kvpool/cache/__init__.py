@@ -1,13 +1,20 @@
-"""kvpool.cache: per-request cache managers on top of the block pool. Pure Python, no torch."""
+"""kvpool.cache: per-request cache managers on top of the block pool. Pure Python, no torch.
 
-from kvpool.cache.manager import KVCacheManager
+Every manager implements the contract of `CacheManager` (cache/base.py)."""
+
+from kvpool.cache.base import CacheManager
+from kvpool.cache.dsv4 import DSV4CacheManager
+from kvpool.cache.full import FullAttentionManager
 from kvpool.cache.types import (
     Admission,
     BlockCopy,
     CacheDescriptor,
+    CacheUsage,
     MMItem,
     PrefixStats,
+    ReleaseReason,
     Reservation,
+    StateRestore,
 )
 from kvpool.pool.block_table import BlockTableCSR
 
@@ -16,8 +23,13 @@ __all__ = [
     "BlockCopy",
     "BlockTableCSR",
     "CacheDescriptor",
-    "KVCacheManager",
+    "CacheManager",
+    "CacheUsage",
+    "DSV4CacheManager",
+    "FullAttentionManager",
     "MMItem",
     "PrefixStats",
+    "ReleaseReason",
     "Reservation",
+    "StateRestore",
 ]

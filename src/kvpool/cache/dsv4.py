@@ -1,98 +1,94 @@
 """The DeepSeek-V4 dual-pool cache manager: Classical block ids + State block ids. No torch.
 
 Classical pool: blocks of `span` tokens (a multiple of lcm(m, m')) from the core BlockPool,
-with its refcounts, LRU free queue and prefix hash index. A request of history length
-L = span * q + r holds exactly q classical blocks; a block joins the request (and is hashed
-for prefix caching) only once its whole span is computed, so an incomplete block never
-exists in the pool. Hash chain: root(descriptor, tenant salt) -> chain(parent, span tokens).
+with its refcounts, LRU free queue and prefix index. A request of history length
+L = span * q + r holds exactly q classical blocks; a block joins the request (and is
+published for prefix caching) only once its whole span is computed, so an incomplete block
+never exists in the pool. The prefix chain is the pool's (root: descriptor + tenant salt).
 
 State pool: a fixed number of per-request state blocks (SWA ring + compressor tails + the
-unfinished span's entries), taken at admission and returned at finish / cancel /
-preemption. No free state block -> `admit` returns None and changes nothing (the request
-waits). Optional state checkpoints: `num_checkpoints` extra slots that snapshot a request's
-state at block boundaries, keyed by the boundary block's chained hash (LRU).
+unfinished span's entries), taken at admission and returned at release. No free state
+block -> `admit` returns None and changes nothing (the request waits). Optional state
+checkpoints: `num_checkpoints` extra slots that snapshot a request's state at block
+boundaries, keyed by the boundary block's prefix block (LRU).
 
-Prefix reuse restores the state at span * q exactly (DEEPSEEK_V4.md §6), by one of:
+Prefix reuse restores the state at span * q exactly (DEEPSEEK_V4.md section 6), by one of:
   "checkpoint": the hit is cut to the longest prefix whose boundary has a checkpoint; the
                 model copies the checkpoint slot into the request's state block;
   "recompute":  the model replays tokens [max(0, P - n_win * num_layers), P) on top of the
                 cached entries (nothing written to the Classical pool).
+
+A step is explicit: `reserve` records the pending step (positions, fresh blocks for the
+spans it completes, checkpoint slots to fill), the model runs it, `commit` (of exactly the
+reserved tokens: the state has advanced by them) publishes it, `unreserve` undoes it,
+restoring any checkpoint it pushed out.
 
 Per request:  [0, num_blocks * span) classical blocks | [.., num_computed) state only.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvpool.pool import BlockHasher, BlockPool, token_bytes
+from kvpool.cache.base import CacheManager, check_mm_items, mm_extra_key
+from kvpool.cache.types import (
+    Admission,
+    CacheDescriptor,
+    CacheUsage,
+    MMItem,
+    ReleaseReason,
+    Reservation,
+    StateRestore,
+)
+from kvpool.pool import BlockPool, PrefixBlock
+from kvpool.pool.hashing import TOKEN_BYTES, token_bytes
 from kvpool.spec.dsv4 import DSV4Spec
 
 RestoreMethod = Literal["checkpoint", "recompute"]
 RESTORE_METHODS: tuple[str, ...] = ("checkpoint", "recompute")
 
 
-@dataclass(frozen=True)
-class DSV4Admission:
-    """What the model must do before computing a newly admitted request.
-
-    restore "none": fresh state, compute from token 0. "checkpoint": copy `checkpoint_slot`
-    into `state_slot`. "recompute": replay tokens [replay_start, num_cached_tokens).
-    """
-
-    request_id: str
-    state_slot: int
-    num_cached_tokens: int
-    block_ids: tuple[int, ...]
-    restore: Literal["none", "checkpoint", "recompute"]
-    checkpoint_slot: int | None = None
-    replay_start: int = 0
+@dataclass
+class _Checkpoint:
+    slot: int
+    block: PrefixBlock  # the boundary block whose prefix the snapshot is the state of
+    last_used: int  # LRU stamp
 
 
-@dataclass(frozen=True)
-class DSV4Reservation:
-    """One request's step: positions [start, start + num_tokens).
+@dataclass
+class _Pending:
+    """A reserved, uncommitted step."""
 
-    block_ids: the request's blocks after the step (held ones, then `num_new` fresh ones for
-    the spans completing in this step, to be written whole by the model).
-    checkpoints: (position, checkpoint slot) pairs; after the state reaches `position`
-    (a multiple of span) the model copies it into that slot.
-    """
-
-    request_id: str
-    state_slot: int
-    start: int
-    num_tokens: int
-    block_ids: tuple[int, ...]
-    num_new: int
-    checkpoints: tuple[tuple[int, int], ...] = ()
+    reservation: Reservation
+    chain: list[PrefixBlock]  # prefix blocks of the spans the step completes (caching on)
+    evicted: list[tuple[bytes, _Checkpoint]]  # checkpoints pushed out for its slots (undo restores them)
+    fresh_slots: list[int]  # checkpoint slots it took from the free list
 
 
 @dataclass
 class _Request:
     request_id: str
     token_ids: list[int]
-    root: bytes
+    root: PrefixBlock
     state_slot: int
+    mm_items: tuple[MMItem, ...]
     num_computed: int = 0
     block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)
-    pending: DSV4Reservation | None = None
-    pending_hashes: list[bytes] = field(default_factory=list)
-    pending_token_bytes: list[bytes] = field(default_factory=list)
+    chain: list[PrefixBlock] = field(default_factory=list)
+    pending: _Pending | None = None
 
 
-class DSV4CacheManager:
+class DSV4CacheManager(CacheManager):
     def __init__(
         self,
         spec: DSV4Spec,
         num_classical_blocks: int,
         num_state_blocks: int,
+        descriptor: CacheDescriptor,
         *,
-        descriptor_key: bytes = b"",
         enable_prefix_caching: bool = True,
         restore: RestoreMethod = "recompute",
         num_checkpoints: int = 0,
@@ -106,11 +102,10 @@ class DSV4CacheManager:
             raise ValueError(f"num_checkpoints must be >= 0, got {num_checkpoints}")
         if restore == "checkpoint" and enable_prefix_caching and num_checkpoints == 0:
             raise ValueError("restore='checkpoint' needs num_checkpoints > 0")
+        pool = BlockPool(num_classical_blocks, enable_caching=enable_prefix_caching, hash_algo=hash_algo)
+        super().__init__(pool, spec.span, descriptor)
         self.spec = spec
         self.span = spec.span
-        self.pool = BlockPool(num_classical_blocks, enable_caching=enable_prefix_caching)
-        self.hasher = BlockHasher(hash_algo)
-        self.descriptor_key = descriptor_key
         self.enable_prefix_caching = enable_prefix_caching
         self.restore = restore
         self.num_state_blocks = num_state_blocks
@@ -118,8 +113,8 @@ class DSV4CacheManager:
         self._free_states: deque[int] = deque(range(num_state_blocks))
         # Checkpoint slots follow the state slots: [num_state_blocks, + num_checkpoints).
         self._free_checkpoints: deque[int] = deque(range(num_state_blocks, num_state_blocks + num_checkpoints))
-        self._checkpoints: OrderedDict[bytes, int] = OrderedDict()  # boundary block hash -> slot, LRU
-        self._requests: dict[str, _Request] = {}
+        self._checkpoints: dict[bytes, _Checkpoint] = {}  # boundary block hash -> findable checkpoint
+        self._clock = 0
 
     # ----- queries ------------------------------------------------------------------
 
@@ -127,226 +122,319 @@ class DSV4CacheManager:
     def num_free_state_blocks(self) -> int:
         return len(self._free_states)
 
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free
-
-    def block_ids(self, request_id: str) -> list[int]:
-        return list(self._get(request_id).block_ids)
-
     def state_slot(self, request_id: str) -> int:
         return self._get(request_id).state_slot
 
-    def num_computed_tokens(self, request_id: str) -> int:
-        return self._get(request_id).num_computed
-
-    def num_tokens(self, request_id: str) -> int:
-        return len(self._get(request_id).token_ids)
-
-    def token_ids(self, request_id: str) -> list[int]:
-        return list(self._get(request_id).token_ids)
-
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._requests
-
-    def pending_reservation(self, request_id: str) -> DSV4Reservation | None:
+    def pending_reservation(self, request_id: str) -> Reservation | None:
         """The reserved, not yet committed step of a request, if any."""
-        return self._get(request_id).pending
+        pending = self._get(request_id).pending
+        return None if pending is None else pending.reservation
 
     def num_new_blocks(self, request_id: str, num_new_tokens: int) -> int:
         """Classical blocks a step of `num_new_tokens` more tokens would take."""
         req = self._get(request_id)
         return (req.num_computed + num_new_tokens) // self.span - req.num_computed // self.span
 
-    def _get(self, request_id: str) -> _Request:
-        try:
-            return self._requests[request_id]
-        except KeyError:
-            raise KeyError(f"unknown request {request_id!r}") from None
+    def usage(self) -> CacheUsage:
+        held = {b for req in self._requests.values() for b in req.block_ids}
+        # A classical block is whole by construction: every slot of a held block is useful.
+        return CacheUsage(
+            self.pool.num_blocks,
+            self.pool.num_free,
+            len(held),
+            len(held) * self.span,
+            self.span,
+            self.num_state_blocks,
+            len(self._free_states),
+        )
 
     # ----- admission ------------------------------------------------------------------
 
-    def _chain(self, parent: bytes, token_ids: Sequence[int], k: int) -> tuple[bytes, bytes]:
-        tb = token_bytes(token_ids[k * self.span : (k + 1) * self.span])
-        return self.hasher.chain(parent, tb), tb
+    def _span_bytes(self, req: _Request, k: int) -> bytes:
+        return token_bytes(req.token_ids[k * self.span : (k + 1) * self.span])
 
-    def admit(self, request_id: str, token_ids: Sequence[int], *, tenant_salt: str = "") -> DSV4Admission | None:
-        """Take a state block and the longest usable cached prefix; None if no state block is free.
+    def _extra(self, req: _Request, k: int) -> bytes:
+        return mm_extra_key(req.mm_items, self.span, k) if req.mm_items else b""
 
-        At least one prompt token is always left to compute (its logits are needed).
-        """
-        if request_id in self._requests:
-            raise ValueError(f"request {request_id!r} is already admitted")
-        if not token_ids:
-            raise ValueError(f"request {request_id!r} has no tokens")
+    def _match(self, req: _Request, count_collisions: bool) -> tuple[list[int], list[PrefixBlock]]:
+        if not self.enable_prefix_caching:
+            return [], []
+        max_blocks = (len(req.token_ids) - 1) // self.span  # at least one token left to compute
+        extras = [self._extra(req, k) for k in range(max_blocks)] if req.mm_items else None
+        hit = self.pool.match(
+            req.root,
+            token_bytes(req.token_ids[: max_blocks * self.span]),
+            self.span * TOKEN_BYTES,
+            max_blocks,
+            extras,
+            count_collisions=count_collisions,
+        )
+        block_ids, chain = hit.block_ids, hit.chain
+        if block_ids and self.restore == "checkpoint":
+            # The hit is usable only up to the last boundary whose state is checkpointed.
+            while block_ids and self._findable_checkpoint(chain[-1]) is None:
+                block_ids, chain = block_ids[:-1], chain[:-1]
+        return block_ids, chain
+
+    def _findable_checkpoint(self, block: PrefixBlock) -> _Checkpoint | None:
+        ckpt = self._checkpoints.get(block.block_hash)
+        return ckpt if ckpt is not None and ckpt.block is block else None
+
+    def _new_request(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        tenant_salt: str,
+        mm_items: Sequence[MMItem],
+        descriptor: CacheDescriptor | None,
+        state_slot: int,
+    ) -> _Request:
+        items = check_mm_items(mm_items, len(token_ids))
+        return _Request(request_id, list(token_ids), self._root(tenant_salt, descriptor), state_slot, items)
+
+    def lookup_prefix(
+        self,
+        token_ids: Sequence[int],
+        *,
+        tenant_salt: str = "",
+        mm_items: Sequence[MMItem] = (),
+        descriptor: CacheDescriptor | None = None,
+    ) -> int:
+        if len(token_ids) == 0:
+            raise ValueError("lookup of an empty prompt")
+        req = self._new_request("<lookup>", token_ids, tenant_salt, mm_items, descriptor, -1)
+        return len(self._match(req, count_collisions=False)[0]) * self.span
+
+    def admit(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        max_new_tokens: int | None = None,
+        *,
+        tenant_salt: str = "",
+        mm_items: Sequence[MMItem] = (),
+        descriptor: CacheDescriptor | None = None,
+    ) -> Admission | None:
+        """Take a state block, the longest usable cached prefix and the first step's blocks;
+        None (nothing changed) when no state block or not enough classical blocks are free."""
+        self._check_new(request_id, token_ids, max_new_tokens)
+        req = self._new_request(request_id, token_ids, tenant_salt, mm_items, descriptor, -1)
         if not self._free_states:
             return None
-        root = self.hasher.root(self.descriptor_key, tenant_salt)
-        hits: list[int] = []
-        hashes: list[bytes] = []
-        if self.enable_prefix_caching:
-            parent = root
-            for k in range((len(token_ids) - 1) // self.span):
-                block_hash, tb = self._chain(parent, token_ids, k)
-                block_id = self.pool.lookup(block_hash, tb)
-                if block_id is None:
-                    break
-                hits.append(block_id)
-                hashes.append(block_hash)
-                parent = block_hash
-        checkpoint_slot = None
-        if hits and self.restore == "checkpoint":
-            while hits and hashes[-1] not in self._checkpoints:  # cut to the last checkpointed boundary
-                hits.pop()
-                hashes.pop()
-            if hits:
-                checkpoint_slot = self._checkpoints[hashes[-1]]
-                self._checkpoints.move_to_end(hashes[-1])
-        # Check done; mutate.
-        self.pool.incref(hits)
-        slot = self._free_states.popleft()
+        hits, chain = self._match(req, count_collisions=True)
         num_cached = len(hits) * self.span
-        req = _Request(request_id, list(token_ids), root, slot, num_cached, hits, hashes)
+        rest = len(req.token_ids) - num_cached
+        n = rest if max_new_tokens is None else min(max_new_tokens, rest)
+        num_revived = sum(1 for b in hits if self.pool.refcount(b) == 0)
+        if (num_cached + n) // self.span - len(hits) > self.pool.num_free - num_revived:
+            return None
+        # Checked; mutate.
+        self.pool.incref(hits)
+        req.state_slot = self._free_states.popleft()
+        req.block_ids, req.chain, req.num_computed = hits, chain, num_cached
         self._requests[request_id] = req
+        restore: StateRestore
         if not hits:
-            restore = "none"
+            restore = StateRestore(req.state_slot, "none")
         elif self.restore == "checkpoint":
-            restore = "checkpoint"
+            ckpt = self._findable_checkpoint(chain[-1])
+            assert ckpt is not None
+            self._touch(ckpt)
+            restore = StateRestore(req.state_slot, "checkpoint", ckpt.slot)
         else:
-            restore = "recompute"
-        replay_start = max(0, num_cached - self.spec.window * self.spec.num_layers) if restore == "recompute" else 0
-        return DSV4Admission(request_id, slot, num_cached, tuple(hits), restore, checkpoint_slot, replay_start)
-
-    def append_token_ids(self, request_id: str, token_ids: Sequence[int]) -> None:
-        """Sampled tokens join the sequence; a later step computes them."""
-        self._get(request_id).token_ids.extend(token_ids)
+            replay_start = max(0, num_cached - self.spec.window * self.spec.num_layers)
+            restore = StateRestore(req.state_slot, "recompute", replay_start=replay_start)
+        if n:
+            reservation = self.reserve(request_id, n)
+            assert reservation is not None, "the classical blocks were checked"
+            block_ids = tuple(hits) + reservation.new_block_ids
+        else:
+            block_ids = tuple(hits)
+        self._count_admission(request_id, len(req.token_ids), num_cached)
+        return Admission(num_cached, n, block_ids, restore)
 
     # ----- steps ------------------------------------------------------------------------
 
-    def reserve(self, request_id: str, num_new_tokens: int) -> DSV4Reservation | None:
-        """Blocks for the spans that complete within the next `num_new_tokens` tokens.
-        All or nothing: None (no free classical block) changes nothing."""
-        req = self._get(request_id)
+    def _check_reserve(self, req: _Request, num_new_tokens: int) -> None:
         if req.pending is not None:
-            raise ValueError(f"request {request_id!r} already has an uncommitted reservation")
+            raise ValueError(f"request {req.request_id!r} already has an uncommitted reservation")
         start = req.num_computed
         if num_new_tokens <= 0 or start + num_new_tokens > len(req.token_ids):
             raise ValueError(
-                f"request {request_id!r}: cannot compute {num_new_tokens} tokens from {start}, "
-                f"it has {len(req.token_ids)} tokens"
+                f"request {req.request_id!r}: cannot compute {num_new_tokens} tokens from {start}, "
+                f"it has {len(req.token_ids)} tokens (append_token_ids first)"
             )
-        end = start + num_new_tokens
-        num_new = end // self.span - start // self.span
-        new_ids = self.pool.allocate(num_new) if num_new else []
-        if new_ids is None:
+
+    def reserve(self, request_id: str, num_new_tokens: int) -> Reservation | None:
+        """Blocks for the spans that complete within the next `num_new_tokens` tokens, and
+        checkpoint slots for their boundaries. None (no free classical block): no change."""
+        req = self._get(request_id)
+        self._check_reserve(req, num_new_tokens)
+        start = req.num_computed
+        num_new = (start + num_new_tokens) // self.span - start // self.span
+        if num_new > self.pool.num_free:
             return None
-        hashes: list[bytes] = []
-        tbs: list[bytes] = []
-        parent = req.block_hashes[-1] if req.block_hashes else req.root
-        for k in range(len(req.block_ids), len(req.block_ids) + num_new):
-            block_hash, tb = self._chain(parent, req.token_ids, k)
-            hashes.append(block_hash)
-            tbs.append(tb)
-            parent = block_hash
+        return self._apply_reserve(req, num_new_tokens, num_new)
+
+    def reserve_step(self, request_ids: Sequence[str], num_new_tokens: Sequence[int]) -> bool:
+        if len(request_ids) != len(num_new_tokens):
+            raise ValueError(f"{len(request_ids)} requests but {len(num_new_tokens)} token counts")
+        if len(set(request_ids)) != len(request_ids):
+            raise ValueError(f"a request appears twice in {list(request_ids)}")
+        reqs = [self._get(r) for r in request_ids]
+        num_needed = 0
+        for req, n in zip(reqs, num_new_tokens, strict=True):
+            self._check_reserve(req, n)
+            num_needed += (req.num_computed + n) // self.span - req.num_computed // self.span
+        if num_needed > self.pool.num_free:
+            return False
+        for req, n in zip(reqs, num_new_tokens, strict=True):
+            self._apply_reserve(req, n, (req.num_computed + n) // self.span - req.num_computed // self.span)
+        return True
+
+    def _apply_reserve(self, req: _Request, num_new_tokens: int, num_new: int) -> Reservation:
+        new_ids = self.pool.allocate(num_new)
+        assert new_ids is not None, "the caller checked the free count"
+        chain: list[PrefixBlock] = []
+        if self.enable_prefix_caching:
+            parent = req.chain[-1] if req.chain else req.root
+            for k in range(len(req.block_ids), len(req.block_ids) + num_new):
+                parent = self.pool.chain(parent, self._span_bytes(req, k), self._extra(req, k))
+                chain.append(parent)
         checkpoints: list[tuple[int, int]] = []
+        evicted: list[tuple[bytes, _Checkpoint]] = []
+        fresh: list[int] = []
         if self.restore == "checkpoint" and self.enable_prefix_caching:
             first = len(req.block_ids) + 1
-            wanted = [(k + first) * self.span for k, h in enumerate(hashes) if h not in self._checkpoints]
+            wanted = [(k + first) * self.span for k, b in enumerate(chain) if b.block_hash not in self._checkpoints]
             # A long prefill may cross more boundaries than there are slots: keep the latest.
             available = len(self._free_checkpoints) + len(self._checkpoints)
             for position in wanted[max(0, len(wanted) - available) :]:
-                checkpoints.append((position, self._take_checkpoint_slot()))
-        req.pending = DSV4Reservation(
-            request_id,
-            req.state_slot,
-            start,
-            num_new_tokens,
-            tuple(req.block_ids + new_ids),
-            num_new,
-            tuple(checkpoints),
-        )
-        req.pending_hashes = hashes
-        req.pending_token_bytes = tbs
-        return req.pending
-
-    def _take_checkpoint_slot(self) -> int:
-        if self._free_checkpoints:
-            return self._free_checkpoints.popleft()
-        _, slot = self._checkpoints.popitem(last=False)  # evict the least recently used checkpoint
-        return slot
+                if self._free_checkpoints:
+                    slot = self._free_checkpoints.popleft()
+                    fresh.append(slot)
+                else:  # push out the least recently used checkpoint (undo puts it back)
+                    block_hash = min(self._checkpoints, key=lambda h: self._checkpoints[h].last_used)
+                    ckpt = self._checkpoints.pop(block_hash)
+                    evicted.append((block_hash, ckpt))
+                    slot = ckpt.slot
+                checkpoints.append((position, slot))
+        reservation = Reservation(req.num_computed, num_new_tokens, tuple(new_ids), (), tuple(checkpoints))
+        req.pending = _Pending(reservation, chain, evicted, fresh)
+        return reservation
 
     def unreserve(self, request_id: str) -> None:
-        """Undo an uncommitted reservation (e.g. another request of the batch did not fit)."""
+        """Undo an uncommitted reservation (e.g. another request of the batch did not fit):
+        its blocks and checkpoint slots go back, and every checkpoint it pushed out is
+        findable again, as it was."""
         req = self._get(request_id)
-        res = req.pending
-        if res is None:
+        pending = req.pending
+        if pending is None:
             return
-        self.pool.decref(reversed(res.block_ids[len(req.block_ids) :]))
-        self._free_checkpoints.extend(slot for _, slot in res.checkpoints)
+        self.pool.decref(reversed(pending.reservation.new_block_ids))
+        self._free_checkpoints.extendleft(reversed(pending.fresh_slots))
+        for block_hash, ckpt in pending.evicted:
+            self._checkpoints[block_hash] = ckpt
         req.pending = None
-        req.pending_hashes, req.pending_token_bytes = [], []
 
-    def commit(self, request_id: str) -> None:
-        """The reserved step's tokens are computed: new blocks join the request and are
-        published for prefix caching, checkpoints become findable."""
+    def commit(self, request_id: str, num_tokens: int) -> None:
+        """The reserved step's `num_tokens` tokens are computed (exactly the reserved ones:
+        the state has advanced by them). New blocks join the request and are published for
+        prefix caching, checkpoints become findable."""
         req = self._get(request_id)
-        res = req.pending
-        if res is None:
-            raise ValueError(f"request {request_id!r} has no reservation to commit")
-        new_ids = res.block_ids[len(req.block_ids) :]
-        for block_id, block_hash, tb in zip(new_ids, req.pending_hashes, req.pending_token_bytes, strict=True):
-            self.pool.register(block_id, block_hash, tb)
-        req.block_ids.extend(new_ids)
-        req.block_hashes.extend(req.pending_hashes)
-        boundary_hash = {(k + 1) * self.span: h for k, h in enumerate(req.block_hashes)}
+        self._check_commit(req, num_tokens)
+        self._apply_commit(req)
+
+    def _check_commit(self, req: _Request, num_tokens: int) -> None:
+        if req.pending is None:
+            raise ValueError(f"request {req.request_id!r} has no reservation to commit")
+        if num_tokens != req.pending.reservation.num_tokens:
+            raise ValueError(
+                f"request {req.request_id!r}: commit of {num_tokens} tokens, but the step reserved "
+                f"{req.pending.reservation.num_tokens} (a V4 state advances by whole steps)"
+            )
+
+    def _apply_commit(self, req: _Request) -> None:
+        pending = req.pending
+        assert pending is not None
+        res = pending.reservation
+        parent = req.chain[-1] if req.chain else req.root
+        for k, block in enumerate(pending.chain):  # empty when caching is off
+            if block.parent is not parent:
+                # The previous span was published as a copy that another request computed
+                # first: hang this one under that copy (same content, so the same hash).
+                block = self.pool.chain(parent, block.token_bytes, block.extra)
+            parent = pending.chain[k] = self.pool.register(res.new_block_ids[k], block) or block
+        req.block_ids.extend(res.new_block_ids)
+        req.chain.extend(pending.chain)
         for position, slot in res.checkpoints:
-            block_hash = boundary_hash[position]
-            if block_hash in self._checkpoints:  # another request checkpointed the same prefix first
+            block = req.chain[position // self.span - 1]
+            if block.block_hash in self._checkpoints:  # another request checkpointed the same prefix first
                 self._free_checkpoints.append(slot)
             else:
-                self._checkpoints[block_hash] = slot
+                self._clock += 1
+                self._checkpoints[block.block_hash] = _Checkpoint(slot, block, self._clock)
         req.num_computed += res.num_tokens
         req.pending = None
-        req.pending_hashes, req.pending_token_bytes = [], []
 
-    def fork(self, parent_id: str, child_id: str) -> int | None:
-        """A child sharing the parent's classical blocks (refcount + 1) with its own state
-        block, into which the model copies the parent's state. Returns the child's state
-        slot, or None (nothing changed) when no state block is free."""
+    def commit_step(
+        self, request_ids: Sequence[str], num_tokens: Sequence[int], next_token_ids: Sequence[int | None]
+    ) -> None:
+        if not len(request_ids) == len(num_tokens) == len(next_token_ids):
+            raise ValueError(
+                f"{len(request_ids)} requests, {len(num_tokens)} token counts, {len(next_token_ids)} next tokens"
+            )
+        if len(set(request_ids)) != len(request_ids):
+            raise ValueError(f"a request appears twice in {list(request_ids)}")
+        reqs = [self._get(r) for r in request_ids]
+        for req, n in zip(reqs, num_tokens, strict=True):
+            self._check_commit(req, n)
+        for req, next_token_id in zip(reqs, next_token_ids, strict=True):
+            self._apply_commit(req)
+            if next_token_id is not None:
+                req.token_ids.append(next_token_id)
+
+    def _touch(self, ckpt: _Checkpoint) -> None:
+        self._clock += 1
+        ckpt.last_used = self._clock
+
+    def fork(self, parent_id: str, child_id: str) -> bool:
+        """A child sharing the parent's classical blocks (refcount + 1) and its computed
+        tokens, with its own state block (`state_slot(child_id)`), into which the model
+        copies the parent's state. False (nothing changed) when no state block is free."""
         parent = self._get(parent_id)
         if child_id in self._requests:
             raise ValueError(f"request {child_id!r} already exists")
         if parent.pending is not None:
             raise ValueError(f"request {parent_id!r} has an uncommitted reservation; fork after commit")
         if not self._free_states:
-            return None
+            return False
         self.pool.incref(parent.block_ids)
-        slot = self._free_states.popleft()
-        self._requests[child_id] = _Request(
+        child = _Request(
             child_id,
-            list(parent.token_ids),
+            parent.token_ids[: parent.num_computed],
             parent.root,
-            slot,
+            self._free_states.popleft(),
+            parent.mm_items,
             parent.num_computed,
             list(parent.block_ids),
-            list(parent.block_hashes),
+            list(parent.chain),
         )
-        return slot
+        self._requests[child_id] = child
+        return True
 
     # ----- release ------------------------------------------------------------------------
 
-    def release(self, request_id: str) -> bool:
-        """Finish, cancel or preempt: state block back, classical refs dropped tail-first.
-        A second release of the same request returns False and does nothing."""
-        if request_id not in self._requests:
-            return False
-        self.unreserve(request_id)
-        req = self._requests.pop(request_id)
-        self.pool.decref(reversed(req.block_ids))
-        self._free_states.append(req.state_slot)
-        return True
-
-    finish = cancel = preempt = release
+    def release(self, request_id: str, reason: ReleaseReason = "finish") -> bool:
+        """State block back, an uncommitted step undone, classical refs dropped tail-first."""
+        req = self._requests.get(request_id)
+        if req is not None:
+            self.unreserve(request_id)
+            del self._requests[request_id]
+            self.pool.decref(reversed(req.block_ids))
+            self._free_states.append(req.state_slot)
+        self._note_release(request_id, reason, req is not None)
+        return req is not None
 
     # ----- invariants -----------------------------------------------------------------
 
@@ -355,16 +443,31 @@ class DSV4CacheManager:
         holders = [0] * self.pool.num_blocks
         held_states: list[int] = []
         for req in self._requests.values():
-            ids = req.pending.block_ids if req.pending is not None else req.block_ids
+            rid = req.request_id
+            ids = list(req.block_ids) + (list(req.pending.reservation.new_block_ids) if req.pending else [])
+            if len(set(ids)) != len(ids):
+                raise AssertionError(f"invariant 1: request {rid!r} holds a classical block twice: {ids}")
             for block_id in ids:
                 holders[block_id] += 1
             if len(req.block_ids) != req.num_computed // self.span:
                 raise AssertionError(
-                    f"request {req.request_id}: {len(req.block_ids)} classical blocks for "
-                    f"{req.num_computed} computed tokens (span {self.span}): only complete spans may be pooled"
+                    f"request {rid!r}: {len(req.block_ids)} classical blocks for {req.num_computed} computed "
+                    f"tokens (span {self.span}): only complete spans may be pooled"
                 )
-            if len(req.block_hashes) != len(req.block_ids):
-                raise AssertionError(f"request {req.request_id}: block hashes and block ids differ in length")
+            if req.num_computed > len(req.token_ids):
+                raise AssertionError(
+                    f"invariant 6: request {rid!r} computed {req.num_computed} of {len(req.token_ids)}"
+                )
+            if self.enable_prefix_caching and len(req.chain) != len(req.block_ids):
+                raise AssertionError(f"request {rid!r}: {len(req.chain)} chained blocks for {len(req.block_ids)}")
+            for k, block in enumerate(req.chain):
+                registered = self.pool.prefix_block(req.block_ids[k])
+                if registered is not None and registered is not block:
+                    raise AssertionError(f"request {rid!r}: block {req.block_ids[k]} registered as other content")
+                if block.parent is not (req.chain[k - 1] if k else req.root) or block.token_bytes != self._span_bytes(
+                    req, k
+                ):
+                    raise AssertionError(f"request {rid!r}: chain element {k} is not its own prefix")
             held_states.append(req.state_slot)
         for block_id, count in enumerate(holders):
             if self.pool.refcount(block_id) != count:
@@ -375,8 +478,12 @@ class DSV4CacheManager:
         states = held_states + list(self._free_states)
         if sorted(states) != list(range(self.num_state_blocks)):
             raise AssertionError(f"state blocks leaked or doubled: held {held_states}, free {list(self._free_states)}")
-        pending_ckpt = [slot for r in self._requests.values() if r.pending for _, slot in r.pending.checkpoints]
-        ckpts = list(self._checkpoints.values()) + list(self._free_checkpoints) + pending_ckpt
+        pending = [r.pending for r in self._requests.values() if r.pending is not None]
+        pending_slots = [slot for p in pending for _, slot in p.reservation.checkpoints]
+        ckpts = [c.slot for c in self._checkpoints.values()] + list(self._free_checkpoints) + pending_slots
         expected = list(range(self.num_state_blocks, self.num_state_blocks + self.num_checkpoints))
         if sorted(ckpts) != expected:
             raise AssertionError(f"checkpoint slots leaked or doubled: {sorted(ckpts)}")
+        for block_hash, ckpt in self._checkpoints.items():
+            if ckpt.block.block_hash != block_hash:
+                raise AssertionError(f"checkpoint in slot {ckpt.slot} is filed under another hash")

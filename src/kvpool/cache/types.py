@@ -1,10 +1,13 @@
-"""Value types of the cache layer: the descriptor, and what its calls return."""
+"""Value types of the cache layer: the descriptor, and what the managers' calls return."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
+
+ReleaseReason = Literal["finish", "cancel", "preempt"]
+RELEASE_REASONS: tuple[str, ...] = ("finish", "cancel", "preempt")
 
 
 @dataclass(frozen=True)
@@ -38,11 +41,6 @@ class MMItem(NamedTuple):
     content_hash: str
 
 
-class Admission(NamedTuple):
-    num_cached_tokens: int  # tokens whose KV came from the prefix cache
-    num_new_blocks: int  # blocks allocated for the tokens reserved beyond the hit
-
-
 class BlockCopy(NamedTuple):
     """Copy-on-write: copy block `src` into `dst` before writing into `dst`."""
 
@@ -50,16 +48,69 @@ class BlockCopy(NamedTuple):
     dst: int
 
 
+@dataclass(frozen=True)
+class StateRestore:
+    """How a manager with per-request state (V4's state block) rebuilds it at admission.
+
+    method "none": a fresh state, computed from token 0. "checkpoint": copy
+    `checkpoint_slot` into `state_slot`. "recompute": replay tokens
+    [replay_start, num_cached_tokens) on top of the cached blocks.
+    """
+
+    state_slot: int
+    method: Literal["none", "checkpoint", "recompute"]
+    checkpoint_slot: int | None = None
+    replay_start: int = 0
+
+
+class Admission(NamedTuple):
+    """A request taken in: its cached prefix and its first step's reservation."""
+
+    num_cached_tokens: int  # tokens [0, num_cached) already computed (prefix-cache hit)
+    num_scheduled_tokens: int  # tokens [num_cached, num_cached + n) reserved for the first step
+    block_ids: tuple[int, ...]  # the request's block table after admission: the hit, then new blocks
+    restore: StateRestore | None = None  # managers with per-request state only
+
+
 class Reservation(NamedTuple):
-    new_block_ids: list[int]
-    copies: list[BlockCopy]
+    """Room for positions [start, start + num_tokens) of one request."""
+
+    start: int
+    num_tokens: int
+    new_block_ids: tuple[int, ...]  # blocks appended to the request's table
+    copies: tuple[BlockCopy, ...] = ()  # copy-on-write: each dst replaced its src in the table in place
+    checkpoints: tuple[tuple[int, int], ...] = ()  # (position, slot): snapshot the state there
 
 
 @dataclass
 class PrefixStats:
-    num_queried_tokens: int = 0  # prompt tokens looked up at admission
+    """Prefix-cache counters over first admissions. A request re-admitted after preemption
+    hits its own blocks again: those hits are counted apart, not in the hit rate."""
+
+    num_requests: int = 0
+    num_queried_tokens: int = 0  # prompt tokens looked up at first admission
     num_hit_tokens: int = 0  # of those, found in the cache
+    num_readmissions: int = 0  # admissions after a preemption
+    num_readmitted_hit_tokens: int = 0  # tokens a readmission found cached (recompute saved)
 
     @property
     def hit_rate(self) -> float:
         return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+
+class CacheUsage(NamedTuple):
+    """What a manager holds now, each physical block counted once however many share it."""
+
+    num_blocks: int
+    num_free_blocks: int  # allocatable now (cached free blocks included)
+    num_held_blocks: int  # distinct blocks some request holds
+    num_filled_slots: int  # slots of the held blocks that hold a committed token
+    block_size: int  # tokens per block (V4: the classical block's span)
+    num_state_blocks: int = 0  # per-request state blocks (V4), all
+    num_free_state_blocks: int = 0
+
+    @property
+    def fragmentation(self) -> float:
+        """1 - useful / allocated slots of the held blocks (0 when nothing is held)."""
+        slots = self.num_held_blocks * self.block_size
+        return 1 - self.num_filled_slots / slots if slots else 0.0

@@ -1,13 +1,37 @@
-"""`kvpool run`: the main job. A built-in workload of concurrent chat requests through the
-engine (shared system prompts, multi-turn follow-ups that reuse their own history, a few
-long prompts), then the performance report (seed 003) as a table or one JSON object."""
+"""`kvpool run`: the main job. A built-in workload of chat requests through the engine
+(shared system prompts, multi-turn follow-ups that reuse their own history, a few long
+prompts), arriving over time, then the performance report (seed 003) as a table or one
+JSON object.
+
+Arrivals: first turns and long prompts arrive as a Poisson process of `--request-rate`
+requests per second (seeded; "inf" puts them all at time 0); a follow-up turn arrives when
+the previous turn of its conversation finishes. TTFT counts from a request's arrival.
+
+Everything the report needs comes through the engine (its statistics: steps, preemptions,
+the latency of the runner's allocating calls) and the runner protocol (`cache_stats`,
+`usage`, `kv_read_bytes`), so any model runner serves: `--model tiny-dsv4` runs the same
+workload in token ids on DeepSeek-V4's dual pool.
+
+Figures:
+  fragmentation      1 - committed tokens / slots of the blocks held, each physical block
+                     counted once however many requests share it; averaged over steps
+  alloc_latency_us   p50 / p99 of the runner's admit / reserve calls that took blocks
+                     (a decode inside its block takes none: those are counted apart)
+  read_bandwidth     KV bytes attention read (every sequence reads its whole context each
+                     step) over the whole step time, weights included: the effective KV
+                     read rate of serving, not a kernel's peak
+  goodput_req_s      requests within both SLOs (TTFT and TPOT) per second of wall time
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
+import sys
 import time
+from dataclasses import dataclass, field
 
 from kvpool.cli.generate import add_model_arguments
 
@@ -27,32 +51,90 @@ QUESTIONS = [
     "Which one would you pick and why?",
 ]
 FOLLOW_UPS = ["Tell me more about the second point.", "Can you make that shorter?", "Thanks! Anything else?"]
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-requests", type=int, default=24, help="first-turn conversations")
-    parser.add_argument("--turns", type=int, default=2, help="turns per conversation (follow-ups reuse the history)")
-    parser.add_argument("--num-long", type=int, default=2, help="long single prompts added to the mix")
-    parser.add_argument("--max-tokens", type=int, default=24, help="new tokens per answer")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-memory)")
-    parser.add_argument("--kv-memory", default="256MiB", help="KV cache memory, e.g. 64MiB or 1GiB")
-    parser.add_argument("--max-batch-tokens", type=int, default=256, help="token budget per engine step")
-    parser.add_argument("--max-seqs", type=int, default=16, help="most sequences in one step")
-    parser.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput SLO: time to first token")
-    parser.add_argument("--slo-tpot-ms", type=float, default=500.0, help="goodput SLO: time per output token")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true")
-    add_model_arguments(parser)
+TINY_MODEL = "tiny-dsv4"
 
 
 def parse_bytes(text: str) -> int:
+    """'256MiB', '1GiB', '64mb', '1000000' -> bytes. ValueError naming the text otherwise."""
     units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
     lower = text.strip().lower()
     for unit, factor in units.items():
         if lower.endswith(unit):
-            return int(float(lower[: -len(unit)]) * factor)
-    return int(lower)
+            number, scale = lower[: -len(unit)].strip(), factor
+            break
+    else:
+        number, scale = lower, 1
+    try:
+        value = float(number) * scale
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"--kv-memory must be a positive size such as 256MiB, 1GiB or 64000000, got {text!r}")
+    return int(value)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be a positive number (or inf), got {text!r}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-requests", type=_positive_int, default=24, help="first-turn conversations")
+    parser.add_argument(
+        "--turns", type=_positive_int, default=2, help="turns per conversation (follow-ups reuse the history)"
+    )
+    parser.add_argument("--num-long", type=_non_negative_int, default=2, help="long single prompts added to the mix")
+    parser.add_argument("--max-tokens", type=_positive_int, default=24, help="new tokens per answer")
+    parser.add_argument(
+        "--request-rate",
+        type=_positive_float,
+        default=2.0,
+        help="arrivals per second of first turns and long prompts (Poisson; inf: all at once)",
+    )
+    parser.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block (SmolLM2)")
+    parser.add_argument("--num-blocks", type=_positive_int, default=None, help="KV blocks (default: from --kv-memory)")
+    parser.add_argument(
+        "--kv-memory",
+        default=None,
+        help="KV cache memory, e.g. 64MiB or 1GiB (default: 256MiB for SmolLM2; 16MiB of classical blocks for "
+        "tiny-dsv4, whose state blocks come on top)",
+    )
+    parser.add_argument("--max-batch-tokens", type=_positive_int, default=256, help="token budget per engine step")
+    parser.add_argument("--max-seqs", type=_positive_int, default=16, help="most sequences in one step")
+    parser.add_argument(
+        "--slo-ttft-ms", type=_positive_float, default=1000.0, help="goodput SLO: time to first token, ms"
+    )
+    parser.add_argument(
+        "--slo-tpot-ms", type=_positive_float, default=200.0, help="goodput SLO: time per output token, ms"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the workload, the arrivals and the sampler")
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    add_model_arguments(parser)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -64,9 +146,29 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
-def build_workload(tok, args: argparse.Namespace) -> tuple[list[list[dict]], list[list[int]]]:
-    """First-turn conversations (message lists) and long raw prompts."""
-    rng = random.Random(args.seed)
+# ---- the workload ---------------------------------------------------------------------
+
+
+@dataclass
+class Conversation:
+    """A chat whose turns are prompts of token ids; `history` is what the next turn extends."""
+
+    history: object  # chat messages (SmolLM2) or token ids (tiny-dsv4)
+    turn: int = 0
+
+
+@dataclass
+class Workload:
+    """How prompts are made, for a model with a tokenizer or one of token ids only."""
+
+    first_prompts: list[list[int]]
+    long_prompts: list[list[int]]
+    conversations: list[Conversation]
+    follow_up: object  # (conversation, answer token ids, answer text) -> next prompt ids
+    arrivals: list[float] = field(default_factory=list)  # seconds after the start, first turns then long prompts
+
+
+def chat_workload(tok, args: argparse.Namespace, rng: random.Random) -> Workload:
     systems = [
         f"You are {topic}. Answer briefly and concretely. "
         + " ".join(
@@ -74,8 +176,13 @@ def build_workload(tok, args: argparse.Namespace) -> tuple[list[list[dict]], lis
         )
         for topic in SYSTEM_TOPICS
     ]
-    chats = [
-        [{"role": "system", "content": systems[i % len(systems)]}, {"role": "user", "content": rng.choice(QUESTIONS)}]
+    conversations = [
+        Conversation(
+            [
+                {"role": "system", "content": systems[i % len(systems)]},
+                {"role": "user", "content": rng.choice(QUESTIONS)},
+            ]
+        )
         for i in range(args.num_requests)
     ]
     filler = "The history of tools is the history of people who wanted to do more with less effort. "
@@ -83,23 +190,100 @@ def build_workload(tok, args: argparse.Namespace) -> tuple[list[list[dict]], lis
         tok.encode_chat([{"role": "user", "content": filler * (40 + 5 * i) + "Summarize this."}])
         for i in range(args.num_long)
     ]
-    return chats, long_prompts
+
+    def follow_up(conv: Conversation, answer_ids: list[int], answer_text: str) -> list[int]:
+        message = FOLLOW_UPS[conv.turn % len(FOLLOW_UPS)]
+        conv.history += [{"role": "assistant", "content": answer_text}, {"role": "user", "content": message}]
+        return tok.encode_chat(conv.history)
+
+    return Workload([tok.encode_chat(c.history) for c in conversations], long_prompts, conversations, follow_up)
 
 
-def run(args: argparse.Namespace) -> int:
-    import torch
-    from rich.console import Console
-    from rich.progress import Progress
-    from rich.table import Table
+def id_workload(vocab_size: int, args: argparse.Namespace, rng: random.Random) -> Workload:
+    """The same shape in token ids: 3 shared 300-token system prompts (over two 128-token
+    classical spans each), 20-token questions, 12-token follow-ups, 700-token long prompts."""
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(vocab_size) for _ in range(n)]
+
+    systems = [ids(300) for _ in SYSTEM_TOPICS]
+    conversations = [Conversation(systems[i % len(systems)] + ids(20)) for i in range(args.num_requests)]
+    long_prompts = [ids(700 + 50 * i) for i in range(args.num_long)]
+
+    def follow_up(conv: Conversation, answer_ids: list[int], answer_text: str) -> list[int]:
+        conv.history = list(conv.history) + answer_ids + ids(12)
+        return conv.history
+
+    return Workload([list(c.history) for c in conversations], long_prompts, conversations, follow_up)
+
+
+def poisson_arrivals(n: int, rate: float, rng: random.Random) -> list[float]:
+    if math.isinf(rate):
+        return [0.0] * n
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+# ---- the run ----------------------------------------------------------------------------
+
+
+class Progress:
+    """A live bar on a terminal; otherwise (piped, CI) a line on stderr every few seconds."""
+
+    def __init__(self, total: int, quiet: bool) -> None:
+        self.total, self.done, self.last = total, 0, time.perf_counter()
+        self.bar = None
+        if not quiet and sys.stdout.isatty():
+            from rich.progress import Progress as RichProgress
+
+            self.bar = RichProgress(transient=True)
+            self.task = self.bar.add_task("serving", total=total)
+            self.bar.start()
+
+    def advance(self, n: int, start: float) -> None:
+        self.done += n
+        now = time.perf_counter()
+        if self.bar is not None:
+            self.bar.advance(self.task, n)
+        elif now - self.last >= 5.0 or self.done == self.total:
+            self.last = now
+            print(f"kvpool run: {self.done}/{self.total} requests finished, {now - start:.1f} s", file=sys.stderr)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def build(args: argparse.Namespace):
+    """(engine, workload-making function, model name) for --model."""
+    if args.model == TINY_MODEL:
+        from kvpool.engine.dsv4_runner import DSV4EngineRunner
+        from kvpool.engine.engine import Engine
+        from kvpool.models.tiny_dsv4 import TinyDSV4
+        from kvpool.storage.dsv4 import DSV4Pools
+
+        model = TinyDSV4(seed=args.seed)
+        num_blocks = args.num_blocks
+        if num_blocks is None:
+            block_bytes = DSV4Pools(model.spec, 1, 1).classical_block_bytes()
+            num_blocks = parse_bytes(args.kv_memory or "16MiB") // block_bytes
+            if num_blocks <= 0:
+                raise ValueError(f"--kv-memory {args.kv_memory} holds no classical block of {block_bytes} bytes")
+        runner = DSV4EngineRunner(model, num_blocks, args.max_seqs)
+        engine = Engine(runner, max_num_batched_tokens=args.max_batch_tokens, max_num_seqs=args.max_seqs)
+        return engine, lambda rng: id_workload(model.vocab_size, args, rng), TINY_MODEL
+
+    import os
 
     from kvpool.engine.build import build_engine, load_model, num_blocks_for_memory
-    from kvpool.engine.sampling import SamplingParams
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     loaded = load_model(args.model)
-    tok = loaded.tokenizer
-    num_blocks = args.num_blocks or num_blocks_for_memory(loaded, args.block_size, parse_bytes(args.kv_memory))
+    num_blocks = args.num_blocks or num_blocks_for_memory(
+        loaded, args.block_size, parse_bytes(args.kv_memory or "256MiB")
+    )
     engine = build_engine(
         loaded,
         num_blocks=num_blocks,
@@ -107,103 +291,156 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_batch_tokens,
         max_num_seqs=args.max_seqs,
     )
-    runner = engine.runner
-    # Allocation latency: time spent in the cache's admit / reserve calls.
-    alloc_times: list[float] = []
-    for name in ("admit", "reserve"):
-        method = getattr(runner, name)
+    return engine, lambda rng: chat_workload(loaded.tokenizer, args, rng), os.path.basename(loaded.gguf.path)
 
-        def timed(*a, _method=method, **kw):
-            t0 = time.perf_counter()
-            try:
-                return _method(*a, **kw)
-            finally:
-                alloc_times.append(time.perf_counter() - t0)
 
-        setattr(runner, name, timed)
+def run(args: argparse.Namespace) -> int:
+    import torch
 
-    chats, long_prompts = build_workload(tok, args)
+    from kvpool.engine.sampling import SamplingParams
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.kv_memory is not None:
+        parse_bytes(args.kv_memory)  # a bad size is reported before the model loads
+    quiet = args.json or not sys.stdout.isatty()
+    if quiet:
+        print("kvpool run: loading the model", file=sys.stderr)
+    engine, make_workload, model_name = build(args)
+    rng = random.Random(args.seed)
+    workload = make_workload(rng)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.7, top_p=0.9, seed=args.seed)
-    conversation_of: dict[str, tuple[int, int]] = {}  # request id -> (conversation, turn)
-    for c, messages in enumerate(chats):
-        rid = engine.add_request(tok.encode_chat(messages), params, f"chat{c}-t0")
-        conversation_of[rid] = (c, 0)
-    for i, prompt in enumerate(long_prompts):
-        engine.add_request(prompt, params, f"long{i}")
-    total = len(chats) * args.turns + len(long_prompts)
-
-    kv_bytes_per_token = runner.storage.bytes_per_block / runner.block_size
+    arrivals = poisson_arrivals(len(workload.first_prompts) + len(workload.long_prompts), args.request_rate, rng)
+    pending: list[tuple[float, str, list[int]]] = [
+        (t, f"chat{c}-t0", prompt) for c, (t, prompt) in enumerate(zip(arrivals, workload.first_prompts, strict=False))
+    ]
+    pending += [
+        (t, f"long{i}", prompt)
+        for i, (t, prompt) in enumerate(
+            zip(arrivals[len(workload.first_prompts) :], workload.long_prompts, strict=True)
+        )
+    ]
+    pending.sort(key=lambda item: item[0])
+    conversation_of = {f"chat{c}-t0": c for c in range(len(workload.conversations))}
+    total = len(workload.first_prompts) * args.turns + len(workload.long_prompts)
+    runner = engine.runner
     frag_samples: list[float] = []
-    bytes_read = 0.0
+    bytes_read = 0
     step_time = 0.0
-    done = 0
-    t_start = time.perf_counter()
-    with Progress(transient=True, disable=args.json) as progress:
-        task = progress.add_task("serving", total=total)
-        while engine.has_unfinished():
+    interrupted = False
+    progress = Progress(total, args.json)
+    if quiet:
+        print(f"kvpool run: serving {total} requests on {model_name}", file=sys.stderr)
+    start = time.perf_counter()
+    try:
+        while pending or engine.has_unfinished():
+            now = time.perf_counter()
+            while pending and start + pending[0][0] <= now:
+                t, rid, prompt = pending.pop(0)
+                engine.add_request(prompt, params, rid, arrival_time=start + t)
+            if not engine.has_unfinished():
+                time.sleep(max(0.0, start + pending[0][0] - time.perf_counter()))
+                continue
             t0 = time.perf_counter()
             finished = engine.step()
             step_time += time.perf_counter() - t0
-            held, slots = runner.used_tokens()
-            if slots:
-                frag_samples.append(1 - held / slots)
-            # KV bytes attention read this step: every sequence reads its whole context.
-            # Divided by the whole step time (weights included) this is the effective KV
-            # read rate of serving, not the attention kernel's peak bandwidth.
-            bytes_read += sum(s.num_computed for s in engine.running) * kv_bytes_per_token
+            frag_samples.append(runner.usage().fragmentation)
+            # Every running sequence read its whole context this step (prefills included).
+            bytes_read += sum(runner.kv_read_bytes(s.num_computed) for s in engine.running)
+            progress.advance(len(finished), start)
             for rid in finished:
-                done += 1
-                progress.advance(task)
-                if rid in conversation_of:
-                    c, turn = conversation_of[rid]
-                    if turn + 1 < args.turns:
-                        answer = engine.output(rid).completions[0].text
-                        chats[c] += [
-                            {"role": "assistant", "content": answer},
-                            {"role": "user", "content": FOLLOW_UPS[turn % 3]},
-                        ]
-                        nid = engine.add_request(tok.encode_chat(chats[c]), params, f"chat{c}-t{turn + 1}")
-                        conversation_of[nid] = (c, turn + 1)
-    wall = time.perf_counter() - t_start
+                c = conversation_of.get(rid)
+                if c is None:
+                    continue
+                conv = workload.conversations[c]
+                if conv.turn + 1 < args.turns:
+                    completion = engine.output(rid).completions[0]
+                    prompt = workload.follow_up(conv, completion.token_ids, completion.text)
+                    conv.turn += 1
+                    nid = f"chat{c}-t{conv.turn}"
+                    engine.add_request(prompt, params, nid)
+                    conversation_of[nid] = c
+    except KeyboardInterrupt:
+        interrupted = True
+        for rid in list(engine.requests):
+            engine.abort(rid)
+    finally:
+        progress.close()
+    wall = time.perf_counter() - start
+    report = make_report(engine, args, model_name, wall, step_time, frag_samples, bytes_read, interrupted)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_report(report)
+    if interrupted:
+        print(
+            f"kvpool run: interrupted; the report covers the {report['num_finished']} requests that finished",
+            file=sys.stderr,
+        )
+        return 130
+    return 0
+
+
+def make_report(engine, args, model_name, wall, step_time, frag_samples, bytes_read, interrupted) -> dict:
     outputs = [engine.output(r) for r in engine.requests]
-    ttfts = [o.ttft_s * 1e3 for o in outputs if o.ttft_s is not None]
-    tpots = [o.tpot_s * 1e3 for o in outputs if o.tpot_s is not None]
-    num_generated = sum(len(c.token_ids) for o in outputs for c in o.completions)
+    done = [o for o in outputs if o.completions and all(c.finish_reason in ("stop", "length") for c in o.completions)]
+    ttfts = [o.ttft_s * 1e3 for o in done if o.ttft_s is not None]
+    tpots = [o.tpot_s * 1e3 for o in done if o.tpot_s is not None]
+    latencies = [o.latency_s * 1e3 for o in done if o.latency_s is not None]
+    num_generated = sum(len(c.token_ids) for o in done for c in o.completions)
     good = sum(
         1
-        for o in outputs
+        for o in done
         if o.ttft_s is not None and o.ttft_s * 1e3 <= args.slo_ttft_ms and (o.tpot_s or 0) * 1e3 <= args.slo_tpot_ms
     )
-    stats = runner.cache_stats()
-    report = {
+    stats = engine.runner.cache_stats()
+    alloc_us = [s * 1e6 for s in engine.stats.alloc_call_s]
+    return {
+        "model": model_name,
         "kv_capacity_tokens": int(stats["kv_capacity_tokens"]),
         "kv_capacity_bytes": int(stats["kv_capacity_bytes"]),
-        "block_size": runner.block_size,
-        "num_blocks": num_blocks,
+        "block_size": int(stats["block_size"]),
+        "num_blocks": int(stats["num_blocks"]),
         "fragmentation": round(sum(frag_samples) / len(frag_samples), 4) if frag_samples else 0.0,
-        "prefix_hit_rate": round(runner.manager.stats.hit_rate, 4),
-        "alloc_latency_us": round(sum(alloc_times) / len(alloc_times) * 1e6, 2) if alloc_times else 0.0,
+        "prefix_hit_rate": round(stats["prefix_hit_rate"], 4),
+        "prefix_queried_tokens": int(stats["prefix_queried_tokens"]),
+        "prefix_hit_tokens": int(stats["prefix_hit_tokens"]),
+        "alloc_latency_us_p50": round(percentile(alloc_us, 0.5), 2),
+        "alloc_latency_us_p99": round(percentile(alloc_us, 0.99), 2),
+        "num_alloc_calls": len(alloc_us),
+        "num_noop_alloc_calls": len(engine.stats.noop_call_s),
         "read_bandwidth_gbps": round(bytes_read / step_time / 1e9, 3) if step_time else 0.0,
         "ttft_ms_p50": round(percentile(ttfts, 0.5), 1),
         "ttft_ms_p99": round(percentile(ttfts, 0.99), 1),
         "tpot_ms_p50": round(percentile(tpots, 0.5), 1),
         "tpot_ms_p99": round(percentile(tpots, 0.99), 1),
-        "throughput_tok_s": round(num_generated / wall, 2),
-        "goodput_req_s": round(good / wall, 3),
+        "latency_ms_p50": round(percentile(latencies, 0.5), 1),
+        "latency_ms_p99": round(percentile(latencies, 0.99), 1),
+        "throughput_tok_s": round(num_generated / wall, 2) if wall else 0.0,
+        "goodput_req_s": round(good / wall, 3) if wall else 0.0,
+        "slo_ttft_ms": args.slo_ttft_ms,
+        "slo_tpot_ms": args.slo_tpot_ms,
+        "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
         "preemptions": engine.num_preemptions,
         "num_requests": len(outputs),
+        "num_finished": len(done),
         "num_generated_tokens": num_generated,
-        "wall_s": round(wall, 2),
+        "num_steps": engine.num_steps,
+        "wall_s": round(wall, 3),
+        "interrupted": interrupted,
     }
-    if args.json:
-        print(json.dumps(report))
-        return 0
+
+
+def print_report(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
     table = Table(
-        title=f"kvpool run: {len(outputs)} requests on {stats['num_blocks']:.0f} blocks of {runner.block_size}"
+        title=f"kvpool run: {report['num_finished']} requests on {report['model']}, "
+        f"{report['num_blocks']} blocks of {report['block_size']}"
     )
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in report.items():
         table.add_row(key, str(value))
     Console().print(table)
-    return 0

@@ -15,6 +15,7 @@ from kvpool.kernels import cpu_kernels
 from kvpool.models.gguf import GGUFModel, load_gguf
 from kvpool.models.llama import LlamaModel
 from kvpool.models.tokenizer import ChatTokenizer, build_tokenizer
+from kvpool.spec.layout import CacheSpec
 from kvpool.storage.kv import PagedKVStorage
 
 
@@ -61,9 +62,16 @@ def descriptor_for(loaded: LoadedModel, block_size: int) -> CacheDescriptor:
     )
 
 
-def num_blocks_for_memory(loaded: LoadedModel, block_size: int, kv_memory_bytes: int) -> int:
+def cache_spec_for(loaded: LoadedModel, block_size: int) -> CacheSpec:
+    """The paged K/V layout of the model's cache: what the storage allocates per block."""
     cfg = loaded.model.config
-    per_block = 2 * cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * loaded.model.dtype.itemsize
+    dtype = str(loaded.model.dtype).removeprefix("torch.")
+    name = os.path.basename(loaded.gguf.path)
+    return CacheSpec.uniform(name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, block_size=block_size)
+
+
+def num_blocks_for_memory(loaded: LoadedModel, block_size: int, kv_memory_bytes: int) -> int:
+    per_block = int(cache_spec_for(loaded, block_size).bytes_per_block)
     num_blocks = kv_memory_bytes // per_block
     if num_blocks <= 0:
         raise ValueError(f"KV memory of {kv_memory_bytes} bytes holds no block of {per_block} bytes")

@@ -3,6 +3,7 @@
 `DSV4PagedRunner` is the glue the tests, `kvpool verify dsv4`, the benchmark and the engine
 use: admit a request (restoring its state after a prefix hit), run a batch of chunks of
 any sizes (prefill, chunked prefill, decode), append sampled tokens, release.
+`DSV4EngineRunner` puts it behind the engine's ModelRunner protocol.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import torch
 from torch import Tensor
 
 from kvpool.attention.dsv4_paged import ChunkPlan
-from kvpool.cache.dsv4 import DSV4Admission, DSV4CacheManager, DSV4Reservation, RestoreMethod
+from kvpool.cache import Admission, CacheDescriptor, CacheUsage, DSV4CacheManager, ReleaseReason, Reservation
+from kvpool.cache.dsv4 import RestoreMethod
 from kvpool.engine.engine import Engine
-from kvpool.engine.runner import Admitted, ScheduledChunk
+from kvpool.engine.runner import ScheduledChunk
 from kvpool.models.tiny_dsv4 import TinyDSV4
+from kvpool.spec.dsv4 import CSA_RATIO
 from kvpool.storage.dsv4 import DSV4Pools
 
 
@@ -28,6 +31,17 @@ class StepResult:
     request_id: str
     start: int
     logits: Tensor
+
+
+def descriptor_for(model: TinyDSV4, pools: DSV4Pools) -> CacheDescriptor:
+    spec = model.spec
+    dtype = str(pools.state[0].ring.dtype).removeprefix("torch.")
+    return CacheDescriptor(
+        model_id=spec.name,
+        weights_version=f"seed={model.seed}",
+        layout_id=f"dsv4-dual-pool:span{spec.span}:win{spec.window}:{dtype}",
+        rope_id="dsv4-yarn",
+    )
 
 
 class DSV4PagedRunner:
@@ -45,50 +59,73 @@ class DSV4PagedRunner:
         self.model = model
         self.spec = model.spec
         self.pools = DSV4Pools(model.spec, num_classical_blocks, num_state_blocks, num_checkpoints)
-        descriptor = f"{model.spec.name}|seed={model.seed}|span={model.spec.span}|fp32".encode()
         self.cache = DSV4CacheManager(
             model.spec,
             num_classical_blocks,
             num_state_blocks,
-            descriptor_key=descriptor,
+            descriptor_for(model, self.pools),
             enable_prefix_caching=enable_prefix_caching,
             restore=restore,
             num_checkpoints=num_checkpoints,
         )
         self.replay_chunk = replay_chunk
         self.num_replayed_tokens = 0  # tokens recomputed by prefix-hit restores (for reports)
+        self._replays: list[tuple[str, Admission]] = []  # deferred restores, oldest first
 
     # ----- requests -------------------------------------------------------------------
 
-    def add_request(self, request_id: str, token_ids: Sequence[int], *, tenant_salt: str = "") -> DSV4Admission | None:
-        """Admit and restore the state of any prefix hit; None when no state block is free."""
-        adm = self.cache.admit(request_id, token_ids, tenant_salt=tenant_salt)
+    def add_request(self, request_id: str, token_ids: Sequence[int], *, tenant_salt: str = "") -> Admission | None:
+        """Admit (nothing reserved yet: `step` does that) and restore the state of any prefix
+        hit; None when no state block is free."""
+        return self.admit(request_id, token_ids, 0, tenant_salt=tenant_salt)
+
+    def admit(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        max_new_tokens: int | None,
+        *,
+        tenant_salt: str = "",
+        defer_replay: bool = False,
+    ) -> Admission | None:
+        """The cache's admission (prefix hit, first step reserved), then the state restore.
+        defer_replay: a restore by recompute runs at the start of the next
+        `run_reservations` instead (the engine's admission stays bookkeeping; the replay is
+        compute, done in the step that needs the state)."""
+        adm = self.cache.admit(request_id, token_ids, max_new_tokens, tenant_salt=tenant_salt)
         if adm is None:
             return None
-        self.pools.reset_state(adm.state_slot)
-        if adm.restore == "checkpoint":
-            assert adm.checkpoint_slot is not None
-            self.pools.copy_state(adm.checkpoint_slot, adm.state_slot)
-        elif adm.restore == "recompute":
-            self._replay(adm, list(token_ids))
+        restore = adm.restore
+        assert restore is not None
+        self.pools.reset_state(restore.state_slot)
+        if restore.method == "checkpoint":
+            assert restore.checkpoint_slot is not None
+            self.pools.copy_state(restore.checkpoint_slot, restore.state_slot)
+        elif restore.method == "recompute":
+            if defer_replay:
+                self._replays.append((request_id, adm))
+            else:
+                self._replay(adm, list(token_ids))
         return adm
 
-    def _replay(self, adm: DSV4Admission, token_ids: list[int]) -> None:
-        """Recompute tokens [replay_start, P) on top of the hit's cached entries (§6)."""
-        table = adm.block_ids
-        pos = adm.replay_start
+    def _replay(self, adm: Admission, token_ids: list[int]) -> None:
+        """Recompute tokens [replay_start, P) on top of the hit's cached entries (section 6)."""
+        restore = adm.restore
+        assert restore is not None
+        table = adm.block_ids[: adm.num_cached_tokens // self.spec.span]
+        pos = restore.replay_start
         while pos < adm.num_cached_tokens:
             n = min(self.replay_chunk, adm.num_cached_tokens - pos)
-            plan = ChunkPlan(pos, n, adm.state_slot, table, (), replay=True, valid_from=adm.replay_start)
+            plan = ChunkPlan(pos, n, restore.state_slot, table, (), replay=True, valid_from=restore.replay_start)
             self.model.forward_paged(token_ids[pos : pos + n], [plan], self.pools)
             pos += n
-        self.num_replayed_tokens += adm.num_cached_tokens - adm.replay_start
+        self.num_replayed_tokens += adm.num_cached_tokens - restore.replay_start
 
     def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
         self.cache.append_token_ids(request_id, token_ids)
 
-    def release(self, request_id: str) -> bool:
-        return self.cache.release(request_id)
+    def release(self, request_id: str, reason: ReleaseReason = "finish") -> bool:
+        return self.cache.release(request_id, reason)
 
     def num_computed_tokens(self, request_id: str) -> int:
         return self.cache.num_computed_tokens(request_id)
@@ -99,57 +136,59 @@ class DSV4PagedRunner:
         """Compute `num_tokens` more tokens for each (request_id, num_tokens); the tokens must
         already be in the request (prompt or appended). None when the classical pool cannot
         hold the step (nothing changes)."""
-        reservations: list[DSV4Reservation] = []
-        for request_id, num_tokens in work:
-            res = self.cache.reserve(request_id, num_tokens)
-            if res is None:
-                for done in reservations:
-                    self.cache.unreserve(done.request_id)
-                return None
-            reservations.append(res)
-        logits = self.run_reservations(reservations)
-        for res in reservations:
-            self.cache.commit(res.request_id)
-        return [StepResult(r.request_id, r.start, lg) for r, lg in zip(reservations, logits, strict=True)]
+        ids = [request_id for request_id, _ in work]
+        counts = [n for _, n in work]
+        if not self.cache.reserve_step(ids, counts):
+            return None
+        reservations = [self._pending(request_id) for request_id in ids]
+        logits = self.run_reservations(ids)
+        self.cache.commit_step(ids, counts, [None] * len(ids))
+        return [StepResult(r, res.start, lg) for r, res, lg in zip(ids, reservations, logits, strict=True)]
 
-    def run_reservations(self, reservations: list[DSV4Reservation]) -> list[Tensor]:
-        """Forward passes for the reservations. A chunk is cut at its checkpoint positions
-        (the state must be snapshot exactly there); any cut gives the same state."""
+    def _pending(self, request_id: str) -> Reservation:
+        res = self.cache.pending_reservation(request_id)
+        assert res is not None, f"request {request_id!r} has no reservation"
+        return res
+
+    def run_reservations(self, request_ids: Sequence[str]) -> list[Tensor]:
+        """Forward passes for the requests' pending reservations. A chunk is cut at its
+        checkpoint positions (the state must be snapshot exactly there); any cut gives the
+        same state."""
+        for request_id, adm in self._replays:
+            if request_id in self.cache:  # not released in the meantime
+                self._replay(adm, self.cache.token_ids(request_id))
+        self._replays.clear()
         span = self.spec.span
-        cursor = {r.request_id: r.start for r in reservations}
-        pieces: dict[str, list[Tensor]] = {r.request_id: [] for r in reservations}
+        work = []
+        for request_id in request_ids:
+            res = self._pending(request_id)
+            table = self.cache.block_ids(request_id) + list(res.new_block_ids)
+            work.append((request_id, res, table, self.cache.state_slot(request_id)))
+        cursor = {request_id: res.start for request_id, res, _, _ in work}
+        pieces: dict[str, list[Tensor]] = {request_id: [] for request_id in request_ids}
         while True:
             plans, ids, owners = [], [], []
-            for r in reservations:
-                pos, end = cursor[r.request_id], r.start + r.num_tokens
+            for request_id, res, table, slot in work:
+                pos, end = cursor[request_id], res.start + res.num_tokens
                 if pos >= end:
                     continue
-                stop = min([end] + [p for p, _ in r.checkpoints if p > pos])
-                token_ids = self.cache.token_ids(r.request_id)
-                plans.append(
-                    ChunkPlan(
-                        pos,
-                        stop - pos,
-                        r.state_slot,
-                        r.block_ids[: pos // span],
-                        r.block_ids[pos // span : stop // span],
-                    )
-                )
-                ids.extend(token_ids[pos:stop])
-                owners.append(r)
+                stop = min([end] + [p for p, _ in res.checkpoints if p > pos])
+                plans.append(ChunkPlan(pos, stop - pos, slot, table[: pos // span], table[pos // span : stop // span]))
+                ids.extend(self.cache.token_ids(request_id)[pos:stop])
+                owners.append((request_id, res, slot))
             if not plans:
                 break
             out = self.model.forward_paged(ids, plans, self.pools)
             offset = 0
-            for r, plan in zip(owners, plans, strict=True):
-                pieces[r.request_id].append(out[offset : offset + plan.num_tokens])
+            for (request_id, res, slot), plan in zip(owners, plans, strict=True):
+                pieces[request_id].append(out[offset : offset + plan.num_tokens])
                 offset += plan.num_tokens
                 stop = plan.start + plan.num_tokens
-                cursor[r.request_id] = stop
-                for position, slot in r.checkpoints:
+                cursor[request_id] = stop
+                for position, checkpoint_slot in res.checkpoints:
                     if position == stop:
-                        self.pools.copy_state(r.state_slot, slot)
-        return [torch.cat(pieces[r.request_id]) for r in reservations]
+                        self.pools.copy_state(slot, checkpoint_slot)
+        return [torch.cat(pieces[request_id]) for request_id in request_ids]
 
     def check_integrity(self) -> None:
         self.cache.check_integrity()
@@ -158,8 +197,7 @@ class DSV4PagedRunner:
 class DSV4EngineRunner:
     """The engine's ModelRunner protocol (kvpool.engine.runner) for a V4-architecture model on
     the dual pool, so the same scheduler runs it: admit (with prefix hit + state restore),
-    reserve, execute, commit, fork, release. Chunks are duck-typed ScheduledChunk objects
-    `fork` returns False when no state block is
+    reserve, execute, commit, fork, release. `fork` returns False when no state block is
     free (a V4 child needs its own): the engine then queues the child, which is admitted
     later through the prefix cache like a preempted sequence."""
 
@@ -188,59 +226,72 @@ class DSV4EngineRunner:
         # num_classical_blocks full spans plus span - 1 tokens.
         self.capacity_tokens = num_classical_blocks * span + span - 1
         self.max_model_len = min(model.spec.max_position_embeddings, self.capacity_tokens)
+        self._num_states_taken = 0
 
-    def admit(self, seq_id: str, token_ids: Sequence[int], max_new_tokens: int) -> Admitted | None:
+    def admit(self, seq_id: str, token_ids: Sequence[int], max_new_tokens: int) -> Admission | None:
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
-        adm = self.runner.add_request(seq_id, token_ids)
-        if adm is None:
-            return None
-        n = min(max_new_tokens, len(token_ids) - adm.num_cached_tokens)
-        if self.cache.reserve(seq_id, n) is None:
-            self.cache.release(seq_id)  # all or nothing
-            return None
-        return Admitted(adm.num_cached_tokens, n)
+        adm = self.runner.admit(seq_id, token_ids, max_new_tokens, defer_replay=True)
+        if adm is not None:
+            self._num_states_taken += 1
+        return adm
 
-    def reserve(self, seq_id: str, num_new_tokens: int) -> bool:
-        return self.cache.reserve(seq_id, num_new_tokens) is not None
+    def reserve(self, seq_ids: Sequence[str], num_new_tokens: Sequence[int]) -> bool:
+        return self.cache.reserve_step(seq_ids, num_new_tokens)
 
     def append_tokens(self, seq_id: str, token_ids: Sequence[int]) -> None:
         self.cache.append_token_ids(seq_id, token_ids)
 
     def execute(self, chunks: Sequence[ScheduledChunk]) -> Tensor:
         """Logits [num chunks with needs_logits, vocab] fp32, in chunk order."""
-        reservations = []
         for c in chunks:
-            res = self.cache.pending_reservation(c.seq_id)
-            assert res is not None, f"sequence {c.seq_id!r} has no reservation"
+            res = self.runner._pending(c.seq_id)
             assert res.start == c.start and res.num_tokens == len(c.token_ids), "chunk != reservation"
-            reservations.append(res)
-        logits = self.runner.run_reservations(reservations)
+        logits = self.runner.run_reservations([c.seq_id for c in chunks])
         rows = [lg[-1] for c, lg in zip(chunks, logits, strict=True) if c.needs_logits]
         if not rows:
             return torch.zeros(0, self.vocab_size)
         return torch.stack(rows)
 
-    def commit(self, seq_id: str, num_tokens: int) -> None:
-        res = self.cache.pending_reservation(seq_id)
-        if res is None or res.num_tokens != num_tokens:
-            raise ValueError(f"commit of {num_tokens} tokens for {seq_id!r} does not match its reservation")
-        self.cache.commit(seq_id)
+    def commit(self, seq_ids: Sequence[str], num_tokens: Sequence[int], next_token_ids: Sequence[int | None]) -> None:
+        self.cache.commit_step(seq_ids, num_tokens, next_token_ids)
 
     def fork(self, parent_id: str, child_id: str) -> bool:
-        slot = self.cache.fork(parent_id, child_id)
-        if slot is None:
+        if not self.cache.fork(parent_id, child_id):
             return False
-        self.runner.pools.copy_state(self.cache.state_slot(parent_id), slot)
+        self._num_states_taken += 1
+        self.runner.pools.copy_state(self.cache.state_slot(parent_id), self.cache.state_slot(child_id))
         return True
 
-    def release(self, seq_id: str, reason: str) -> None:
-        if reason not in ("finish", "cancel", "preempt"):
-            raise ValueError(f"unknown release reason {reason!r}")
-        self.cache.release(seq_id)
+    def release(self, seq_id: str, reason: ReleaseReason) -> bool:
+        return self.cache.release(seq_id, reason)
 
     def num_computed_tokens(self, seq_id: str) -> int:
         return self.cache.num_computed_tokens(seq_id)
+
+    def num_allocations(self) -> int:
+        return self.cache.pool.num_allocated + self._num_states_taken
+
+    def kv_read_bytes(self, num_context_tokens: int) -> int:
+        """One query's reads over `num_context_tokens` of history (DEEPSEEK_V4.md sections 2-4):
+        per layer the window (up to n_win entries); on HCA layers every compressed entry; on
+        CSA layers every indexer key and the top-k entries it selects."""
+        spec, pools = self.runner.spec, self.runner.pools
+        total = 0
+        for ratio, st in zip(spec.layer_ratios, pools.state, strict=True):
+            entry = st.ring[0, 0].numel() * st.ring.element_size()
+            total += min(num_context_tokens, spec.window) * entry
+            num_entries = num_context_tokens // ratio if ratio else 0
+            if ratio == CSA_RATIO:
+                assert st.tail_idx is not None
+                key = st.tail_idx[0, 0].numel() * st.tail_idx.element_size()
+                total += num_entries * key + min(num_entries, spec.index_topk) * entry
+            elif ratio:
+                total += num_entries * entry
+        return total
+
+    def usage(self) -> CacheUsage:
+        return self.cache.usage()
 
     def check_integrity(self) -> None:
         self.cache.check_integrity()
@@ -249,13 +300,18 @@ class DSV4EngineRunner:
         pools, cache = self.runner.pools, self.cache
         return {
             "kv_capacity_tokens": self.capacity_tokens,
-            "classical_blocks": cache.pool.num_blocks,
-            "classical_blocks_used": cache.pool.num_blocks - cache.num_free_blocks,
-            "classical_block_span": self.runner.spec.span,
+            "kv_capacity_bytes": pools.classical_block_bytes() * cache.num_blocks
+            + pools.state_block_bytes() * cache.num_state_blocks,
+            "block_size": self.runner.spec.span,
+            "num_blocks": cache.num_blocks,
             "classical_block_bytes": pools.classical_block_bytes(),
             "state_blocks": cache.num_state_blocks,
-            "state_blocks_used": cache.num_state_blocks - cache.num_free_state_blocks,
             "state_block_bytes": pools.state_block_bytes(),
+            "prefix_queried_tokens": cache.stats.num_queried_tokens,
+            "prefix_hit_tokens": cache.stats.num_hit_tokens,
+            "prefix_hit_rate": cache.stats.hit_rate,
+            "readmitted_hit_tokens": cache.stats.num_readmitted_hit_tokens,
+            "hash_collisions": cache.pool.num_collisions,
             "replayed_tokens": self.runner.num_replayed_tokens,
         }
 

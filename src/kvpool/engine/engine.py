@@ -3,10 +3,15 @@
 Each step the scheduler (continuous batching under a token budget):
   1. gives every running sequence its next chunk, in arrival order: one token for a
      decode, up to the remaining budget for a prompt still being prefilled (chunked
-     prefill). When the cache cannot grow, the latest-arrived running sequence is
-     preempted (its cache released; it recomputes later) until the reservation fits;
+     prefill), and reserves room for all of them in one call to the runner. Only when the
+     cache cannot hold that step does it go sequence by sequence, preempting the
+     latest-arrived running sequence (its cache released; it recomputes later) until each
+     reservation fits;
   2. admits waiting sequences in arrival order with the budget left (the runner looks up
      their cached prefix, so only the uncached part is prefilled).
+After the forward it samples every sequence's next token, commits the step's tokens and
+the sampled ones in one call, forks parallel samples off a finished prompt, and releases
+what finished.
 A sequence that fits the pool alone always makes progress (the oldest is never the
 victim of a younger one), so the loop cannot deadlock. The scheduler only asks the runner
 "can this sequence get N more tokens?"; it never sees blocks or tensors.
@@ -19,11 +24,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
 from kvpool.engine.runner import ModelRunner, ScheduledChunk
 from kvpool.engine.sampling import SamplingParams, sample_token
+
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -64,6 +72,18 @@ class RequestState:
     @property
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.seqs) and (self.forked or self.params.n == 1)
+
+
+@dataclass
+class EngineStats:
+    """What the engine measures itself: steps, preemptions, and the latency of the runner's
+    admit / reserve calls, apart for the calls that took blocks from the pools and the ones
+    that took none (a decode inside its block)."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    alloc_call_s: list[float] = field(default_factory=list)  # calls that allocated
+    noop_call_s: list[float] = field(default_factory=list)  # calls that took nothing
 
 
 @dataclass(frozen=True)
@@ -111,16 +131,28 @@ class Engine:
         self.requests: dict[str, RequestState] = {}
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
-        self.num_preemptions = 0
-        self.num_steps = 0
+        self.stats = EngineStats()
         self._ids = itertools.count()
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.stats.num_preemptions
+
+    @property
+    def num_steps(self) -> int:
+        return self.stats.num_steps
 
     # ---- public API -----------------------------------------------------------------
 
     def add_request(
-        self, prompt_ids: Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
     ) -> str:
-        """Queue a request. ValueError (and nothing queued) for an empty or too-long prompt."""
+        """Queue a request. ValueError (and nothing queued) for an empty or too-long prompt.
+        `arrival_time` (on the engine's clock; default: now) is where TTFT counts from."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
@@ -138,7 +170,7 @@ class Engine:
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"request {request_id!r}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
-        req = RequestState(request_id, prompt, params, self.clock())
+        req = RequestState(request_id, prompt, params, self.clock() if arrival_time is None else arrival_time)
         seq = SequenceState(f"{request_id}/0", req, 0, list(prompt))
         req.seqs.append(seq)
         self.requests[request_id] = req
@@ -181,52 +213,86 @@ class Engine:
 
     # ---- scheduling -----------------------------------------------------------------
 
+    def _timed(self, call: Callable[[], _T]) -> _T:
+        """Run a runner call that may allocate; its latency joins the allocating or the no-op calls."""
+        before = self.runner.num_allocations()
+        start = time.perf_counter()
+        result = call()
+        elapsed = time.perf_counter() - start
+        (self.stats.alloc_call_s if self.runner.num_allocations() != before else self.stats.noop_call_s).append(elapsed)
+        return result
+
     def _preempt(self, seq: SequenceState) -> None:
         self.runner.release(seq.seq_id, "preempt")
         seq.in_runner = False
         seq.num_computed = 0
         self.running.remove(seq)
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
+        self.stats.num_preemptions += 1
 
     def _finish(self, seq: SequenceState, reason: str) -> None:
         seq.finish_reason = reason
-        if seq.in_runner:
-            self.runner.release(seq.seq_id, "cancel" if reason == "abort" else "finish")
-            seq.in_runner = False
+        # Also for a sequence that waits (preempted): the runner forgets it, holding nothing.
+        self.runner.release(seq.seq_id, "cancel" if reason == "abort" else "finish")
+        seq.in_runner = False
         if seq in self.running:
             self.running.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
 
-    def schedule(self) -> list[ScheduledChunk]:
+    @staticmethod
+    def _chunk(seq: SequenceState, n: int) -> ScheduledChunk:
+        end = seq.num_computed + n
+        return ScheduledChunk(
+            seq.seq_id, seq.token_ids[seq.num_computed : end], seq.num_computed, end == len(seq.token_ids)
+        )
+
+    def _plan_running(self, budget: int) -> list[tuple[SequenceState, int]]:
+        plan = []
+        for seq in self.running:
+            if budget <= 0:
+                break
+            n = min(len(seq.token_ids) - seq.num_computed, budget)
+            assert n > 0, "a running sequence always has a token to compute"
+            plan.append((seq, n))
+            budget -= n
+        return plan
+
+    def _reserve_with_preemption(self) -> list[tuple[SequenceState, int]]:
+        """The step does not fit: reserve sequence by sequence, in arrival order, preempting
+        the latest-arrived running sequence until each reservation fits."""
         budget = self.max_num_batched_tokens
-        chunks: list[ScheduledChunk] = []
-        preempted = False
+        plan: list[tuple[SequenceState, int]] = []
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(len(seq.token_ids) - seq.num_computed, budget)
-            assert n > 0, "a running sequence always has a token to compute"
-            while not self.runner.reserve(seq.seq_id, n):
-                preempted = True
+            while not self._timed(lambda seq=seq, n=n: self.runner.reserve([seq.seq_id], [n])):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
                     break
             if not seq.in_runner:
                 break  # it preempted itself: everything after it is gone too
-            end = seq.num_computed + n
-            chunks.append(
-                ScheduledChunk(
-                    seq.seq_id, seq.token_ids[seq.num_computed : end], seq.num_computed, end == len(seq.token_ids)
-                )
-            )
+            plan.append((seq, n))
             budget -= n
             i += 1
+        return plan
+
+    def schedule(self) -> list[ScheduledChunk]:
+        plan = self._plan_running(self.max_num_batched_tokens)
+        preempted = False
+        if plan:
+            ids, counts = [s.seq_id for s, _ in plan], [n for _, n in plan]
+            if not self._timed(lambda: self.runner.reserve(ids, counts)):
+                num_preemptions = self.stats.num_preemptions
+                plan = self._reserve_with_preemption()
+                preempted = self.stats.num_preemptions > num_preemptions
+        chunks = [self._chunk(seq, n) for seq, n in plan]
+        budget = self.max_num_batched_tokens - sum(n for _, n in plan)
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            admitted = self.runner.admit(seq.seq_id, seq.token_ids, budget)
+            admitted = self._timed(lambda seq=seq, budget=budget: self.runner.admit(seq.seq_id, seq.token_ids, budget))
             if admitted is None:
                 break
             self.waiting.popleft()
@@ -237,14 +303,8 @@ class Engine:
                 req.first_admitted = True
                 req.num_cached_tokens = min(admitted.num_cached_tokens, req.num_prompt_tokens)
             self.running.append(seq)
-            n = admitted.num_scheduled_tokens
-            end = seq.num_computed + n
-            chunks.append(
-                ScheduledChunk(
-                    seq.seq_id, seq.token_ids[seq.num_computed : end], seq.num_computed, end == len(seq.token_ids)
-                )
-            )
-            budget -= n
+            chunks.append(self._chunk(seq, admitted.num_scheduled_tokens))
+            budget -= admitted.num_scheduled_tokens
         if not chunks and self.waiting:
             head = self.waiting[0]
             raise RuntimeError(
@@ -256,51 +316,73 @@ class Engine:
     # ---- one step -------------------------------------------------------------------
 
     def step(self) -> list[str]:
-        """Schedule, run the model once, sample. Returns the ids of requests finished in this step."""
+        """Schedule, run the model once, sample, commit. Returns the ids of requests finished in this step."""
         chunks = self.schedule()
         if not chunks:
             return []
-        self.num_steps += 1
+        self.stats.num_steps += 1
         logits = self.runner.execute(chunks)
         now = self.clock()
         seqs = {s.seq_id: s for s in self.running}
-        finished: list[str] = []
+        next_token_ids: list[int | None] = [None] * len(chunks)
+        done: list[tuple[SequenceState, str]] = []
+        forks: list[tuple[SequenceState, torch.Tensor]] = []
         row = 0
-        for chunk in chunks:
+        for i, chunk in enumerate(chunks):
             seq = seqs[chunk.seq_id]
-            self.runner.commit(seq.seq_id, len(chunk.token_ids))
             seq.num_computed += len(chunk.token_ids)
             if not chunk.needs_logits:
                 continue
             seq_logits = logits[row]
             row += 1
+            if seq.request.params.n > 1 and not seq.request.forked:
+                forks.append((seq, seq_logits))
+            reason = self._accept_token(seq, seq_logits, now)
+            if reason is None:
+                next_token_ids[i] = seq.token_ids[-1]
+            else:
+                done.append((seq, reason))
+        self.runner.commit([c.seq_id for c in chunks], [len(c.token_ids) for c in chunks], next_token_ids)
+        for parent, parent_logits in forks:
+            self._fork_samples(parent, parent_logits, now, done)
+        for seq, reason in done:
+            self._finish(seq, reason)
+        finished: list[str] = []
+        for seq, _ in done:
             req = seq.request
-            family = [seq]
-            if req.params.n > 1 and not req.forked:
-                # The prompt is computed once: fork the other samples off it (they share its
-                # blocks; the shared tail block is copied on their first write).
-                req.forked = True
-                for j in range(1, req.params.n):
-                    child_id = f"{req.request_id}/{j}"
-                    if self.runner.fork(seq.seq_id, child_id):
-                        child = SequenceState(child_id, req, j, list(seq.token_ids), seq.num_computed, True)
-                        self.running.append(child)
-                    else:
-                        # No cache state of its own to be had now (a V4 state block): the child
-                        # takes its first token from these logits, then waits like a preempted
-                        # sequence and is admitted through the prefix cache when room frees up.
-                        child = SequenceState(child_id, req, j, list(seq.token_ids), 0, False)
-                        self.waiting.appendleft(child)
-                    req.seqs.append(child)
-                    family.append(child)
-            for s in family:
-                self._accept_token(s, seq_logits, now)
             if req.finished and req.finish_time is None:
                 req.finish_time = now
                 finished.append(req.request_id)
         return finished
 
-    def _accept_token(self, seq: SequenceState, logits: torch.Tensor, now: float) -> None:
+    def _fork_samples(
+        self, parent: SequenceState, logits: torch.Tensor, now: float, done: list[tuple[SequenceState, str]]
+    ) -> None:
+        """The prompt is computed once: the other samples fork off it (they share its blocks;
+        the shared tail block is copied on their first write) and take their first token
+        from the same logits."""
+        req = parent.request
+        req.forked = True
+        prompt = parent.token_ids[: parent.num_computed]
+        for j in range(1, req.params.n):
+            child_id = f"{req.request_id}/{j}"
+            if self.runner.fork(parent.seq_id, child_id):
+                child = SequenceState(child_id, req, j, list(prompt), parent.num_computed, True)
+                self.running.append(child)
+            else:
+                # No cache state of its own to be had now (a V4 state block): the child waits
+                # like a preempted sequence and is admitted through the prefix cache later.
+                child = SequenceState(child_id, req, j, list(prompt), 0, False)
+                self.waiting.appendleft(child)
+            req.seqs.append(child)
+            reason = self._accept_token(child, logits, now)
+            if reason is not None:
+                done.append((child, reason))
+            elif child.in_runner:  # a waiting sequence hands over all its tokens when admitted
+                self.runner.append_tokens(child_id, [child.token_ids[-1]])
+
+    def _accept_token(self, seq: SequenceState, logits: torch.Tensor, now: float) -> str | None:
+        """Sample the sequence's next token and append it; the finish reason, if it ends here."""
         req = seq.request
         params = req.params
         position = len(seq.output_ids)
@@ -332,6 +414,4 @@ class Engine:
                 if reason == "stop" and ids and ids[-1] in self.eos_token_ids:
                     ids = ids[:-1]
                 seq.text = self.decode_text(ids)
-            self._finish(seq, reason)
-        elif seq.in_runner:  # a waiting sequence hands over all its tokens when admitted
-            self.runner.append_tokens(seq.seq_id, [token])
+        return reason

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 import torch
 
 from kvpool.attention.paged import StepPlan, paged_attention, plan_step, prefill_attention
-from kvpool.cache import CacheDescriptor, KVCacheManager
-from kvpool.engine.runner import Admitted, ScheduledChunk
+from kvpool.cache import Admission, CacheDescriptor, CacheUsage, FullAttentionManager, ReleaseReason
+from kvpool.engine.runner import ScheduledChunk
 from kvpool.models.llama import LlamaModel
 from kvpool.storage.kv import PagedKVStorage
 
@@ -28,7 +28,9 @@ class LlamaRunner:
         when the model runs the C kernels, else "bags"."""
         cfg = model.config
         self.model = model
-        self.manager = KVCacheManager(num_blocks, block_size, descriptor, enable_prefix_caching=enable_prefix_caching)
+        self.manager = FullAttentionManager(
+            num_blocks, block_size, descriptor, enable_prefix_caching=enable_prefix_caching
+        )
         self.storage = PagedKVStorage(
             cfg.num_layers,
             num_blocks,
@@ -49,67 +51,55 @@ class LlamaRunner:
 
     # ---- cache bookkeeping (pure Python, through the manager) ---------------------
 
-    def admit(self, seq_id: str, token_ids: Sequence[int], max_new_tokens: int) -> Admitted | None:
+    def admit(self, seq_id: str, token_ids: Sequence[int], max_new_tokens: int) -> Admission | None:
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
-        num_cached = self.manager.lookup_prefix(token_ids)
-        n = min(max_new_tokens, len(token_ids) - num_cached)
-        admission = self.manager.admit(seq_id, token_ids, n)
-        if admission is None:
-            return None
-        # The lookup and the admission agree: nothing ran between them.
-        assert admission.num_cached_tokens == num_cached
-        return Admitted(num_cached, n)
+        return self.manager.admit(seq_id, token_ids, max_new_tokens)
 
-    def reserve(self, seq_id: str, num_new_tokens: int) -> bool:
-        return self.manager.reserve(seq_id, num_new_tokens) is not None
+    def reserve(self, seq_ids: Sequence[str], num_new_tokens: Sequence[int]) -> bool:
+        return self.manager.reserve_step(seq_ids, num_new_tokens)
 
     def append_tokens(self, seq_id: str, token_ids: Sequence[int]) -> None:
         self.manager.append_token_ids(seq_id, token_ids)
 
-    def commit(self, seq_id: str, num_tokens: int) -> None:
-        self.manager.commit(seq_id, num_tokens)
+    def commit(self, seq_ids: Sequence[str], num_tokens: Sequence[int], next_token_ids: Sequence[int | None]) -> None:
+        self.manager.commit_step(seq_ids, num_tokens, next_token_ids)
 
     def fork(self, parent_id: str, child_id: str) -> bool:
-        self.manager.fork(parent_id, child_id)  # shares blocks: never needs a free one
-        return True
+        return self.manager.fork(parent_id, child_id)  # shares blocks: never needs a free one
 
-    def release(self, seq_id: str, reason: str) -> None:
-        if reason == "finish":
-            self.manager.finish(seq_id)
-        elif reason == "cancel":
-            self.manager.cancel(seq_id)
-        elif reason == "preempt":
-            self.manager.preempt(seq_id)
-        else:
-            raise ValueError(f"unknown release reason {reason!r}")
+    def release(self, seq_id: str, reason: ReleaseReason) -> bool:
+        return self.manager.release(seq_id, reason)
 
     def num_computed_tokens(self, seq_id: str) -> int:
         return self.manager.num_computed_tokens(seq_id)
+
+    def num_allocations(self) -> int:
+        return self.manager.pool.num_allocated
+
+    def kv_read_bytes(self, num_context_tokens: int) -> int:
+        return num_context_tokens * self.storage.bytes_per_token
+
+    def usage(self) -> CacheUsage:
+        return self.manager.usage()
 
     def check_integrity(self) -> None:
         self.manager.check_integrity()
 
     def cache_stats(self) -> dict[str, float]:
         m = self.manager
-        used_blocks = m.num_blocks - m.num_free_blocks
         return {
             "kv_capacity_tokens": self.capacity_tokens,
             "kv_capacity_bytes": self.storage.num_bytes,
             "block_size": self.block_size,
             "num_blocks": m.num_blocks,
-            "used_blocks": used_blocks,
-            "bytes_per_token": self.storage.bytes_per_block / self.block_size,
+            "bytes_per_token": self.storage.bytes_per_token,
             "prefix_queried_tokens": m.stats.num_queried_tokens,
             "prefix_hit_tokens": m.stats.num_hit_tokens,
+            "prefix_hit_rate": m.stats.hit_rate,
+            "readmitted_hit_tokens": m.stats.num_readmitted_hit_tokens,
+            "hash_collisions": m.pool.num_collisions,
         }
-
-    def used_tokens(self) -> tuple[int, int]:
-        """(tokens held by live sequences, slots in their blocks): for fragmentation."""
-        m = self.manager
-        held = sum(m.num_computed_tokens(r) for r in m.request_ids)
-        slots = sum(len(m.block_ids(r)) for r in m.request_ids) * self.block_size
-        return held, slots
 
     # ---- the forward ---------------------------------------------------------------
 

@@ -1,25 +1,24 @@
 """What the scheduler needs from a model and its cache: the model-runner protocol.
 
-The scheduler (engine/scheduler.py) never sees block ids, tensors or the model's family.
-It asks a runner to admit a sequence (with prefix lookup), to reserve room for N more
-tokens, to execute a batch of token chunks and return logits, to commit computed tokens,
-and to release a sequence (finish, cancel, preempt). A Llama on the paged KV pool
-(engine/llama_runner.py) and a DeepSeek-V4 model on its classical + state pools both
-implement this protocol and run under the same scheduler.
+The scheduler (engine/engine.py) never sees block ids, tensors or the model's family.
+It asks a runner to admit a sequence (with prefix lookup), to reserve room for the next
+tokens of a whole step, to execute the step's token chunks and return logits, to commit
+the computed tokens (with each sequence's sampled next token), and to release a sequence
+(finish, cancel, preempt). A Llama on the paged KV pool (engine/llama_runner.py) and a
+DeepSeek-V4 model on its classical + state pools (engine/dsv4_runner.py) both implement it,
+each over a cache manager of cache/ (whose contract, cache/base.py, this one follows), and
+run under the same scheduler.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import torch
 
-
-class Admitted(NamedTuple):
-    num_cached_tokens: int  # tokens [0, num_cached) already computed (prefix-cache hit)
-    num_scheduled_tokens: int  # tokens [num_cached, num_cached + n) reserved for this step
+from kvpool.cache import Admission, CacheUsage, ReleaseReason
 
 
 @dataclass(frozen=True)
@@ -37,13 +36,14 @@ class ModelRunner(Protocol):
     capacity_tokens: int  # the most tokens a single sequence can hold when it runs alone
     vocab_size: int
 
-    def admit(self, seq_id: str, token_ids: Sequence[int], max_new_tokens: int) -> Admitted | None:
-        """Look up the cached prefix of `token_ids`, take it, and reserve room for up to
-        `max_new_tokens` of the rest (at least 1). None: no room now, nothing changed."""
+    def admit(self, seq_id: str, token_ids: Sequence[int], max_new_tokens: int) -> Admission | None:
+        """Look up the cached prefix of `token_ids`, take it, restore any per-sequence state
+        it needs, and reserve room for up to `max_new_tokens` of the rest (at least 1). None:
+        no room now, nothing changed."""
         ...
 
-    def reserve(self, seq_id: str, num_new_tokens: int) -> bool:
-        """Room for the next `num_new_tokens` tokens of an admitted sequence; all or nothing."""
+    def reserve(self, seq_ids: Sequence[str], num_new_tokens: Sequence[int]) -> bool:
+        """Room for the next num_new_tokens[i] tokens of each admitted sequence; all or nothing."""
         ...
 
     def append_tokens(self, seq_id: str, token_ids: Sequence[int]) -> None:
@@ -51,11 +51,13 @@ class ModelRunner(Protocol):
         ...
 
     def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
-        """Run one step. Returns fp32 logits [num chunks with needs_logits, vocab] in chunk order."""
+        """Run one step. Returns logits [num chunks with needs_logits, vocab] in chunk order:
+        fp32, or fp64 for an fp64 model."""
         ...
 
-    def commit(self, seq_id: str, num_tokens: int) -> None:
-        """The next `num_tokens` tokens of the sequence have their KV written."""
+    def commit(self, seq_ids: Sequence[str], num_tokens: Sequence[int], next_token_ids: Sequence[int | None]) -> None:
+        """The step's tokens have their KV written; each sequence's sampled token (None: no
+        token, or the sequence has finished) joins it."""
         ...
 
     def fork(self, parent_id: str, child_id: str) -> bool:
@@ -64,14 +66,28 @@ class ModelRunner(Protocol):
         it needs (a V4 state block); the engine then recomputes it like a preempted sequence."""
         ...
 
-    def release(self, seq_id: str, reason: str) -> None:
-        """Free the sequence's cache: reason is "finish", "cancel" or "preempt". Once only."""
+    def release(self, seq_id: str, reason: ReleaseReason) -> bool:
+        """Free the sequence's cache: reason is "finish", "cancel" or "preempt". Once only:
+        False for a sequence the runner does not hold."""
         ...
 
     def num_computed_tokens(self, seq_id: str) -> int: ...
 
+    def num_allocations(self) -> int:
+        """Blocks (and per-sequence state blocks) taken from the pools so far. The engine
+        tells the admit / reserve calls that allocated from the ones that took nothing."""
+        ...
+
+    def kv_read_bytes(self, num_context_tokens: int) -> int:
+        """Cache bytes one query over `num_context_tokens` tokens of context reads."""
+        ...
+
+    def usage(self) -> CacheUsage:
+        """What the cache holds now, each physical block counted once."""
+        ...
+
     def check_integrity(self) -> None: ...
 
     def cache_stats(self) -> dict[str, float]:
-        """Capacity / usage figures for the performance report."""
+        """Capacity and prefix-cache figures for the performance report."""
         ...

@@ -174,5 +174,7 @@ class LlamaModel:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [M, hidden] -> logits [M, vocab] in fp32."""
-        return (hidden @ self.lm_head).float()
+        """hidden [M, hidden] -> logits [M, vocab] in fp32 (fp64 for an fp64 model, whose
+        logits are the exactness oracle and must not be rounded to fp32)."""
+        logits = hidden @ self.lm_head
+        return logits if logits.dtype == torch.float64 else logits.float()

@@ -1,7 +1,17 @@
-"""kvpool.pool: block pool, block tables and block hashing. Pure Python, no torch."""
+"""kvpool.pool: block pool, prefix index, block tables and block hashing. Pure Python, no torch."""
 
-from kvpool.pool.block_pool import BlockPool
-from kvpool.pool.block_table import BlockTableCSR, physical_slot, to_csr
+from kvpool.pool.block_pool import BlockPool, PrefixBlock, PrefixMatch
+from kvpool.pool.block_table import BlockTableCSR, physical_slot, slot_mapping, to_csr
 from kvpool.pool.hashing import BlockHasher, token_bytes
 
-__all__ = ["BlockHasher", "BlockPool", "BlockTableCSR", "physical_slot", "to_csr", "token_bytes"]
+__all__ = [
+    "BlockHasher",
+    "BlockPool",
+    "BlockTableCSR",
+    "PrefixBlock",
+    "PrefixMatch",
+    "physical_slot",
+    "slot_mapping",
+    "to_csr",
+    "token_bytes",
+]

@@ -1,52 +1,112 @@
-"""The block pool: block ids, reference counts, the free queue and the prefix hash index.
+"""The block pool: block ids, reference counts, the free queue and the prefix index.
 
 Block states:
-  free       refcount 0, in the free queue (with or without a cached hash)
+  free       refcount 0, in the free queue (with or without a cached prefix block)
   exclusive  refcount 1, held by one block table
   shared     refcount > 1, read-only until copied (copy-on-write is the cache layer's job)
 
 The free queue has two parts, so that eviction order is what prefix caching needs:
-  - unhashed free blocks (never registered, or their hash was dropped): reused first, FIFO;
-  - cached free blocks (they keep their hash until reused): an LRU queue. A hit takes a
+  - unhashed free blocks (never registered, or their registration was dropped): reused
+    first, FIFO;
+  - cached free blocks (they stay findable until reused): an LRU queue. A hit takes a
     block out of the middle in O(1) (an OrderedDict is a C doubly-linked list + dict).
 Freed blocks join the end in the order given; the cache layer frees a request tail-first, so
-a chain's tail is evicted before its head. A cached block keeps its hash until the
+a chain's tail is evicted before its head. A cached block stays registered until the
 allocator hands it out again (lazy eviction).
 
-Pure Python integers, no torch: this code also runs inside the serving simulator.
+The prefix index is the one place where chained block hashes are computed, looked up,
+registered and guarded; every cache manager goes through `root`, `chain`, `match` and
+`register`. A `PrefixBlock` is one block's worth of a prefix: its chained hash, its parent
+(the previous PrefixBlock, or the chain's root: descriptor + tenant salt), its token ids and
+its extra keys (multimodal placement). The index maps a hash to one PrefixBlock, which
+lists every physical block holding that content: two requests that computed the same block
+each keep their copy findable, so evicting one copy never cuts a chain another copy still
+holds. A hit is accepted only when the stored PrefixBlock has exactly the expected parent
+(the same object: the one matched for the previous block), the same token bytes and the
+same extra keys, so by induction the whole prefix, root included, is what the hash covers,
+whatever the hash function does.
+
+Pure Python integers, no torch.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+from kvpool.pool.hashing import BlockHasher
+
+
+class PrefixBlock:
+    """One block of a prefix chain. `block_ids`: the physical blocks registered with this
+    content (empty for a chain element that is not, or no longer, in the index). A root
+    (parent None) stands for the descriptor and tenant salt that every chain starts from."""
+
+    __slots__ = ("block_hash", "parent", "token_bytes", "extra", "block_ids", "__weakref__")
+
+    def __init__(self, block_hash: bytes, parent: PrefixBlock | None, token_bytes: bytes, extra: bytes) -> None:
+        self.block_hash = block_hash
+        self.parent = parent
+        self.token_bytes = token_bytes
+        self.extra = extra
+        self.block_ids: list[int] = []
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    @property
+    def is_live(self) -> bool:
+        """A root, or a block whose content some physical block holds in the index."""
+        return self.parent is None or bool(self.block_ids)
+
+    def __repr__(self) -> str:
+        kind = "root" if self.parent is None else f"blocks={self.block_ids}"
+        return f"PrefixBlock({self.block_hash.hex()[:12]}, {kind})"
+
+
+class PrefixMatch(NamedTuple):
+    """The longest cached run of a prompt's full blocks, in order."""
+
+    block_ids: list[int]  # one physical block per matched prefix block
+    chain: list[PrefixBlock]  # the matched prefix blocks; chain[-1] is the parent of the next
 
 
 class BlockPool:
     __slots__ = (
         "num_blocks",
         "enable_caching",
+        "hasher",
         "_refcounts",
-        "_hashes",
-        "_token_bytes",
+        "_cached",
         "_index",
+        "_roots",
         "_free_unhashed",
         "_free_cached",
         "num_collisions",
+        "num_allocated",
     )
 
-    def __init__(self, num_blocks: int, *, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, *, enable_caching: bool = True, hash_algo: str = "xxh3_128") -> None:
+        """`num_blocks` blocks, all free. `enable_caching=False` keeps the index empty
+        (`register` publishes nothing). `hash_algo`: "xxh3_128" or "sha256" (BlockHasher)."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.hasher = BlockHasher(hash_algo)
         self._refcounts = [0] * num_blocks
-        self._hashes: list[bytes | None] = [None] * num_blocks
-        self._token_bytes: list[bytes | None] = [None] * num_blocks  # the collision guard
-        self._index: dict[bytes, int] = {}  # block hash -> block id
+        self._cached: list[PrefixBlock | None] = [None] * num_blocks  # the content a block is registered as
+        self._index: dict[bytes, PrefixBlock] = {}  # chained hash -> prefix block
+        # Roots are interned, so that "same parent" is an identity test; a root lives as long
+        # as a chain or a request refers to it.
+        self._roots: weakref.WeakValueDictionary[bytes, PrefixBlock] = weakref.WeakValueDictionary()
         self._free_unhashed: deque[int] = deque(range(num_blocks))
         self._free_cached: OrderedDict[int, None] = OrderedDict()
-        self.num_collisions = 0  # hash hits whose stored tokens differed
+        self.num_collisions = 0  # hash hits whose stored content differed (admissions and registrations)
+        self.num_allocated = 0  # blocks handed out by allocate, ever
 
     # ---- queries ---------------------------------------------------------------------
 
@@ -57,14 +117,19 @@ class BlockPool:
 
     @property
     def num_cached(self) -> int:
-        """Blocks registered in the hash index (held or free)."""
-        return len(self._index)
+        """Physical blocks registered in the prefix index (held or free)."""
+        return sum(len(p.block_ids) for p in self._index.values())
 
     def refcount(self, block_id: int) -> int:
         return self._refcounts[block_id]
 
     def block_hash(self, block_id: int) -> bytes | None:
-        return self._hashes[block_id]
+        """The chained hash the block is registered under, or None."""
+        cached = self._cached[block_id]
+        return None if cached is None else cached.block_hash
+
+    def prefix_block(self, block_id: int) -> PrefixBlock | None:
+        return self._cached[block_id]
 
     def free_queue(self) -> list[int]:
         """Free block ids in allocation order: unhashed first, then cached in LRU order."""
@@ -77,6 +142,8 @@ class BlockPool:
 
     def allocate(self, num_blocks: int) -> list[int] | None:
         """Take `num_blocks` blocks with refcount 1, or return None and change nothing."""
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         if num_blocks > len(self._free_unhashed) + len(self._free_cached):
             return None
         unhashed = self._free_unhashed
@@ -86,19 +153,14 @@ class BlockPool:
             block_ids = list(unhashed)
             unhashed.clear()
             for _ in range(num_blocks - len(block_ids)):
-                block_ids.append(self._evict_lru())
+                block_id, _ = self._free_cached.popitem(last=False)
+                self._drop(block_id)  # lazy eviction: the block leaves the index only now
+                block_ids.append(block_id)
         refcounts = self._refcounts
         for block_id in block_ids:
             refcounts[block_id] = 1
+        self.num_allocated += num_blocks
         return block_ids
-
-    def _evict_lru(self) -> int:
-        block_id, _ = self._free_cached.popitem(last=False)
-        # Lazy eviction: the hash leaves the index only now that the block is reused.
-        del self._index[self._hashes[block_id]]  # type: ignore[index]
-        self._hashes[block_id] = None
-        self._token_bytes[block_id] = None
-        return block_id
 
     def incref(self, block_ids: Iterable[int]) -> None:
         """Take one more reference on each block; a cached free block leaves the queue."""
@@ -106,67 +168,156 @@ class BlockPool:
         free_cached = self._free_cached
         for block_id in block_ids:
             if refcounts[block_id] == 0:
-                # Only a cached block can be found again while free (through a hash hit).
-                assert self._hashes[block_id] is not None, f"incref of free unhashed block {block_id}"
+                # Only a cached block can be found again while free (through a prefix hit).
+                assert self._cached[block_id] is not None, f"incref of free unhashed block {block_id}"
                 del free_cached[block_id]
             refcounts[block_id] += 1
 
     def decref(self, block_ids: Iterable[int]) -> None:
         """Drop one reference on each block, in the given order; at zero it becomes free."""
         refcounts = self._refcounts
-        hashes = self._hashes
+        cached = self._cached
         for block_id in block_ids:
             refcount = refcounts[block_id] - 1
             assert refcount >= 0, f"block {block_id} released more often than taken"
             refcounts[block_id] = refcount
             if refcount == 0:
-                if hashes[block_id] is None:
+                if cached[block_id] is None:
                     self._free_unhashed.append(block_id)
                 else:
                     self._free_cached[block_id] = None
 
-    # ---- prefix cache ----------------------------------------------------------------
+    # ---- the prefix chain ------------------------------------------------------------
 
-    def register(self, block_id: int, block_hash: bytes, block_token_bytes: bytes) -> bool:
-        """Publish a full, computed block under its chained hash.
+    def root(self, descriptor_key: bytes, tenant_salt: str = "") -> PrefixBlock:
+        """The start of every chain under this descriptor and tenant (interned)."""
+        preimage = BlockHasher.root_preimage(descriptor_key, tenant_salt)
+        root = self._roots.get(preimage)
+        if root is None:
+            root = PrefixBlock(self.hasher.digest(preimage), None, preimage, b"")
+            self._roots[preimage] = root
+        return root
 
-        Returns False (and registers nothing) when caching is off or another block already
-        holds this hash: two requests computed the same block; the first copy stays cached
-        and the second is freed as an ordinary block.
-        """
-        if not self.enable_caching or block_hash in self._index:
-            return False
+    def chain(self, parent: PrefixBlock, block_token_bytes: bytes, extra: bytes = b"") -> PrefixBlock:
+        """The prefix block after `parent` holding these tokens (not yet registered)."""
+        return PrefixBlock(
+            self.hasher.chain(parent.block_hash, block_token_bytes, extra), parent, block_token_bytes, extra
+        )
+
+    def match(
+        self,
+        root: PrefixBlock,
+        prompt_bytes: bytes,
+        block_width: int,
+        max_blocks: int,
+        extras: Sequence[bytes] | None = None,
+        *,
+        count_collisions: bool = True,
+    ) -> PrefixMatch:
+        """The longest run of cached blocks for `prompt_bytes`, in blocks of `block_width`
+        bytes, at most `max_blocks`. extras[i]: block i's extra keys (None: none at all).
+        Changes nothing but the collision counter (and not that with count_collisions=False)."""
+        digest = self.hasher.digest
+        index = self._index
+        refcounts = self._refcounts
+        parent = root
+        block_ids: list[int] = []
+        chain: list[PrefixBlock] = []
+        for i in range(max_blocks):
+            chunk = prompt_bytes[i * block_width : (i + 1) * block_width]
+            extra = extras[i] if extras is not None else b""
+            found = index.get(digest(parent.block_hash + chunk + extra))
+            if found is None:
+                break
+            if found.parent is not parent or found.token_bytes != chunk or found.extra != extra:
+                # The collision guard. A stored block whose own parent has left the index is
+                # a stale orphan (its prefix was evicted or rewritten first), not a collision.
+                if count_collisions and found.parent is not None and found.parent.is_live:
+                    self.num_collisions += 1
+                break
+            ids = found.block_ids
+            block_id = ids[0]
+            if len(ids) > 1:  # several copies: share one that is held rather than revive a free one
+                block_id = next((b for b in ids if refcounts[b]), block_id)
+            block_ids.append(block_id)
+            chain.append(found)
+            parent = found
+        return PrefixMatch(block_ids, chain)
+
+    def publish(self, block_id: int, parent: PrefixBlock, block_token_bytes: bytes, extra: bytes = b"") -> PrefixBlock:
+        """`chain` and `register` in one call, the decode path's: the prefix block the
+        caller's chain goes on with, registered, or (when it cannot be published) not."""
+        # BlockHasher.chain, inlined: digest(parent hash || tokens || extra).
+        block_hash = self.hasher.digest(parent.block_hash + block_token_bytes + extra)
+        block = PrefixBlock(block_hash, parent, block_token_bytes, extra)
+        if self.enable_caching and block_hash not in self._index and (parent.parent is None or parent.block_ids):
+            assert self._refcounts[block_id] > 0 and self._cached[block_id] is None, f"publish of block {block_id}"
+            # The common case, a new content after a live parent: what `register` does, in short.
+            self._index[block_hash] = block
+            block.block_ids.append(block_id)
+            self._cached[block_id] = block
+            return block
+        return self.register(block_id, block) or block
+
+    def register(self, block_id: int, block: PrefixBlock) -> PrefixBlock | None:
+        """Publish a full, computed, held block as `block`'s content.
+
+        Returns the prefix block it is now findable as: `block` itself, or the equal one
+        already in the index (the block joins its copies). None, and nothing published, when
+        caching is off, when `block`'s parent is not in the index (a chain is findable only
+        from its root), or when another content holds the hash (a collision, counted)."""
+        parent = block.parent
+        if not self.enable_caching or parent is None or not (parent.parent is None or parent.block_ids):
+            return None  # a chain is findable only from its root
         assert self._refcounts[block_id] > 0, f"register of free block {block_id}"
-        assert self._hashes[block_id] is None, f"block {block_id} is already registered"
-        self._index[block_hash] = block_id
-        self._hashes[block_id] = block_hash
-        self._token_bytes[block_id] = block_token_bytes
-        return True
+        assert self._cached[block_id] is None, f"block {block_id} is already registered"
+        found = self._index.get(block.block_hash)
+        if found is not None and found is not block:
+            same = (
+                found.parent is block.parent and found.token_bytes == block.token_bytes and found.extra == block.extra
+            )
+            if same:
+                block = found
+            elif found.parent is not None and not found.parent.is_live:
+                self._forget(found)  # a stale orphan gives way
+            else:
+                self.num_collisions += 1
+                return None
+        if not block.block_ids:
+            self._index[block.block_hash] = block
+        block.block_ids.append(block_id)
+        self._cached[block_id] = block
+        return block
 
     def unregister(self, block_id: int) -> None:
-        """Drop a held block's hash before its owner overwrites it (e.g. after a rollback)."""
-        block_hash = self._hashes[block_id]
-        assert block_hash is not None, f"block {block_id} is not registered"
+        """Drop a held block's registration before its owner overwrites it (after a rollback)."""
+        assert self._cached[block_id] is not None, f"block {block_id} is not registered"
         assert self._refcounts[block_id] == 1, f"unregister of block {block_id} that others hold"
-        del self._index[block_hash]
-        self._hashes[block_id] = None
-        self._token_bytes[block_id] = None
+        self._drop(block_id)
 
-    def lookup(self, block_hash: bytes, block_token_bytes: bytes) -> int | None:
-        """The block cached under `block_hash`, if its stored tokens are exactly these."""
-        block_id = self._index.get(block_hash)
-        if block_id is None:
-            return None
-        if self._token_bytes[block_id] != block_token_bytes:
-            self.num_collisions += 1
-            return None
-        return block_id
+    def _drop(self, block_id: int) -> None:
+        cached = self._cached[block_id]
+        assert cached is not None
+        self._cached[block_id] = None
+        cached.block_ids.remove(block_id)
+        if not cached.block_ids:
+            del self._index[cached.block_hash]
+
+    def _forget(self, block: PrefixBlock) -> None:
+        """Unregister every copy of `block` (its prefix is gone: nobody can reach it)."""
+        for block_id in list(block.block_ids):
+            self._drop(block_id)
+            if block_id in self._free_cached:
+                del self._free_cached[block_id]
+                self._free_unhashed.append(block_id)
 
     def reset_prefix_cache(self) -> int:
-        """Forget every free cached block's hash (e.g. after a weights update); returns how many."""
+        """Forget every free cached block (e.g. after a weights update); returns how many."""
         num_dropped = 0
         while self._free_cached:
-            self._free_unhashed.append(self._evict_lru())
+            block_id, _ = self._free_cached.popitem(last=False)
+            self._drop(block_id)
+            self._free_unhashed.append(block_id)
             num_dropped += 1
         return num_dropped
 
@@ -194,14 +345,20 @@ class BlockPool:
                     f"invariant 7 (no partial grab or leak): block {block_id} has refcount 0 but is not free"
                 )
         for block_id in unhashed:
-            if self._hashes[block_id] is not None:
-                raise AssertionError(f"pool: unhashed free block {block_id} still has a hash")
+            if self._cached[block_id] is not None:
+                raise AssertionError(f"pool: unhashed free block {block_id} is still registered")
         for block_id in cached:
-            if self._hashes[block_id] is None:
-                raise AssertionError(f"pool: cached free block {block_id} has no hash")
-        for block_hash, block_id in self._index.items():
-            if self._hashes[block_id] != block_hash or self._token_bytes[block_id] is None:
-                raise AssertionError(f"pool: hash index entry of block {block_id} is stale")
-        num_hashed = sum(h is not None for h in self._hashes)
-        if num_hashed != len(self._index):
-            raise AssertionError(f"pool: {num_hashed} blocks carry a hash, the index holds {len(self._index)}")
+            if self._cached[block_id] is None:
+                raise AssertionError(f"pool: cached free block {block_id} is not registered")
+        num_registered = 0
+        for block_hash, block in self._index.items():
+            if block.block_hash != block_hash or not block.block_ids or block.parent is None:
+                raise AssertionError(f"pool: index entry {block!r} is stale")
+            if len(set(block.block_ids)) != len(block.block_ids):
+                raise AssertionError(f"pool: {block!r} lists a block twice")
+            for block_id in block.block_ids:
+                if self._cached[block_id] is not block:
+                    raise AssertionError(f"pool: block {block_id} is listed by {block!r} but registered elsewhere")
+            num_registered += len(block.block_ids)
+        if num_registered != sum(c is not None for c in self._cached):
+            raise AssertionError("pool: a block is registered as content that the index does not hold")

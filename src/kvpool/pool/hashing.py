@@ -5,8 +5,9 @@ block's parent is a root hash of the cache descriptor and the tenant salt, so a 
 model version, layout or tenant changes every hash down the chain. Token ids are hashed in
 a fixed binary layout (little-endian uint32), never a pickle, so hashes are stable across
 processes and machines. xxh3_128 is the default; sha256 is selectable where a
-collision-resistant hash matters (multi-tenant caches). Whatever the algorithm, the pool
-compares stored token bytes on every hit (the collision guard).
+collision-resistant hash matters (multi-tenant caches). Whatever the algorithm, the pool's
+prefix index compares what the hash covers on every hit: the parent, the token bytes and
+the extra keys (the collision guard, pool/block_pool.py).
 """
 
 from __future__ import annotations
@@ -71,17 +72,22 @@ class BlockHasher:
         self.algo = algo
         self.digest: Callable[[bytes], bytes] = HASH_ALGOS[algo]
 
-    def root(self, descriptor_key: bytes, tenant_salt: str = "") -> bytes:
-        """The parent hash of a request's first block: descriptor and tenant salt."""
+    @staticmethod
+    def root_preimage(descriptor_key: bytes, tenant_salt: str = "") -> bytes:
+        """The bytes a chain's root stands for: descriptor and tenant salt, length-prefixed
+        so that (descriptor, salt) pairs cannot collide by concatenation."""
         salt = tenant_salt.encode()
-        # Length prefixes keep (descriptor, salt) pairs from colliding by concatenation.
-        return self.digest(
+        return (
             b"kvpool-root\x00"
             + len(descriptor_key).to_bytes(4, "little")
             + descriptor_key
             + len(salt).to_bytes(4, "little")
             + salt
         )
+
+    def root(self, descriptor_key: bytes, tenant_salt: str = "") -> bytes:
+        """The parent hash of a request's first block: descriptor and tenant salt."""
+        return self.digest(self.root_preimage(descriptor_key, tenant_salt))
 
     def chain(self, parent: bytes, block_token_bytes: bytes, extra: bytes = b"") -> bytes:
         """Hash of one full block given its parent's hash.

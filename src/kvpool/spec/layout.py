@@ -20,6 +20,8 @@ class AttentionKind(enum.Enum):
 
 # bytes per element of the storage dtypes kvpool knows
 DTYPE_BYTES: dict[str, float] = {
+    "float64": 8,
+    "fp64": 8,
     "float32": 4,
     "fp32": 4,
     "bfloat16": 2,

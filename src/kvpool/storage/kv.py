@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from kvpool.cache import BlockCopy
+from kvpool.spec.layout import CacheSpec
 
 if TYPE_CHECKING:
     from kvpool.kernels import CpuKernels
@@ -61,10 +62,19 @@ class PagedKVStorage:
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        # The byte accounting is the spec's (spec/layout.py), the same the planner uses.
+        self.spec = CacheSpec.uniform(
+            "paged", num_layers, num_kv_heads, head_dim, str(dtype).removeprefix("torch."), block_size=block_size
+        )
+        assert self.k.nbytes + self.v.nbytes == self.num_bytes, "the tensors disagree with the spec's byte count"
+
+    @property
+    def bytes_per_token(self) -> int:
+        return int(self.spec.bytes_per_token)
 
     @property
     def bytes_per_block(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * self.k.element_size()
+        return int(self.spec.bytes_per_block)
 
     @property
     def num_bytes(self) -> int:

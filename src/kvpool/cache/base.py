@@ -1,0 +1,244 @@
+"""The contract every per-request cache manager implements, and what they share.
+
+A cache manager keeps per-request block tables on one BlockPool and the request lifecycle
+around them; it never touches a tensor. Two implement it: `FullAttentionManager`
+(cache/full.py: paged K/V of full-attention layers, copy-on-write of shared tails) and
+`DSV4CacheManager` (cache/dsv4.py: DeepSeek-V4's immutable Classical pool plus one state
+block per request). The engine's model runners and the tests drive both through these
+methods only.
+
+Lifecycle of a request, and the rules every implementation keeps:
+
+  admit -> (reserve -> [the model writes the reserved positions] -> commit)* -> release
+           append_token_ids whenever sampled tokens join the sequence
+
+- Check, then mutate. A call that returns None (out of blocks or state) or raises leaves
+  every structure exactly as it was; batched calls (`reserve_step`, `commit_step`) validate
+  every request before they change any.
+- `append_token_ids` must precede a `reserve` past the known tokens: a reservation covers
+  positions whose token ids the manager already has (they are hashed when their block
+  completes).
+- Only committed positions are readable; a full block is published to the prefix cache
+  when its last token is committed.
+- A release (finish, cancel, preempt) happens once; a repeat returns False and does nothing.
+  A preempted request that is admitted again is counted apart in `stats`, not in the hit rate.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from kvpool.cache.types import (
+    RELEASE_REASONS,
+    Admission,
+    CacheDescriptor,
+    CacheUsage,
+    MMItem,
+    PrefixStats,
+    ReleaseReason,
+    Reservation,
+)
+from kvpool.pool import BlockPool, PrefixBlock
+
+
+class CacheManager(ABC):
+    """Base of the cache managers. Subclasses keep their requests in `_requests`, objects
+    with at least `request_id`, `token_ids`, `num_computed` and `block_ids`."""
+
+    pool: BlockPool
+    block_size: int  # tokens one block of `pool` covers
+
+    def __init__(self, pool: BlockPool, block_size: int, descriptor: CacheDescriptor) -> None:
+        if not isinstance(descriptor, CacheDescriptor):
+            raise TypeError(f"descriptor must be a CacheDescriptor, got {type(descriptor).__name__}")
+        self.pool = pool
+        self.block_size = block_size
+        self.descriptor = descriptor
+        self._descriptor_key = descriptor.key()
+        self._requests: dict[str, Any] = {}
+        self._preempted: set[str] = set()  # released by preemption, not yet admitted again
+        self.stats = PrefixStats()
+
+    # ---- the contract ----------------------------------------------------------------
+
+    @abstractmethod
+    def lookup_prefix(
+        self,
+        token_ids: Sequence[int],
+        *,
+        tenant_salt: str = "",
+        mm_items: Sequence[MMItem] = (),
+        descriptor: CacheDescriptor | None = None,
+    ) -> int:
+        """How many tokens of `token_ids` `admit` would find cached now. Changes nothing
+        (no counter either)."""
+
+    @abstractmethod
+    def admit(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        max_new_tokens: int | None = None,
+        *,
+        tenant_salt: str = "",
+        mm_items: Sequence[MMItem] = (),
+        descriptor: CacheDescriptor | None = None,
+    ) -> Admission | None:
+        """Take a request in: its longest cached prefix (full blocks, always leaving at least
+        one prompt token to compute, whose logits are needed) and a reservation for the next
+        min(max_new_tokens, rest of the prompt) tokens (default: the whole rest). None when
+        the pool cannot hold that now; nothing changed. `descriptor` overrides the manager's
+        for this request (another adapter, say); a request never hits blocks of another
+        descriptor or tenant salt. ValueError for an id in use, an empty prompt, a bad count."""
+
+    @abstractmethod
+    def reserve(self, request_id: str, num_new_tokens: int) -> Reservation | None:
+        """Room for positions [num_computed, num_computed + num_new_tokens), whose token ids
+        must be known. None when it does not fit; nothing changed."""
+
+    @abstractmethod
+    def reserve_step(self, request_ids: Sequence[str], num_new_tokens: Sequence[int]) -> bool:
+        """`reserve` for a whole step, all or nothing: False (nothing changed) when the step
+        does not fit. The engine's path; the details of each reservation are the manager's
+        (copies to take, checkpoints to write), queried by the model runner."""
+
+    def append_token_ids(self, request_id: str, token_ids: Iterable[int]) -> None:
+        """Sampled tokens join the sequence; a later step computes them."""
+        self._get(request_id).token_ids.extend(token_ids)
+
+    @abstractmethod
+    def commit(self, request_id: str, num_tokens: int) -> None:
+        """The next `num_tokens` reserved positions are written: they become readable, and
+        blocks they complete are published for prefix caching."""
+
+    @abstractmethod
+    def commit_step(
+        self, request_ids: Sequence[str], num_tokens: Sequence[int], next_token_ids: Sequence[int | None]
+    ) -> None:
+        """`commit` for a whole step, then each request's sampled token joins its sequence
+        (None: no token, e.g. a prefill chunk that ends before the prompt does). Validates
+        every request first."""
+
+    @abstractmethod
+    def fork(self, parent_id: str, child_id: str) -> bool:
+        """A child sharing every computed token of the parent. False (nothing changed) when
+        the child cannot get the per-request state of its own that it needs."""
+
+    @abstractmethod
+    def release(self, request_id: str, reason: ReleaseReason = "finish") -> bool:
+        """Free everything the request holds (blocks tail-first, so a chain's tail is evicted
+        before its head). False, and nothing done, for a request already released."""
+
+    @abstractmethod
+    def usage(self) -> CacheUsage:
+        """Blocks held now, each physical block counted once."""
+
+    @abstractmethod
+    def check_integrity(self) -> None:
+        """Assert the lifecycle invariants of ARCHITECTURE.md; AssertionError names the broken one."""
+
+    # ---- shared queries and helpers ----------------------------------------------------
+
+    def finish(self, request_id: str) -> bool:
+        return self.release(request_id, "finish")
+
+    def cancel(self, request_id: str) -> bool:
+        return self.release(request_id, "cancel")
+
+    def preempt(self, request_id: str) -> bool:
+        """Release everything; the engine admits the request again later and recomputes."""
+        return self.release(request_id, "preempt")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return list(self._get(request_id).block_ids)
+
+    def token_ids(self, request_id: str) -> list[int]:
+        return list(self._get(request_id).token_ids)
+
+    def num_tokens(self, request_id: str) -> int:
+        return len(self._get(request_id).token_ids)
+
+    def num_computed_tokens(self, request_id: str) -> int:
+        return self._get(request_id).num_computed
+
+    def _get(self, request_id: str) -> Any:
+        try:
+            return self._requests[request_id]
+        except KeyError:
+            raise KeyError(f"unknown request {request_id!r}") from None
+
+    def _root(self, tenant_salt: str, descriptor: CacheDescriptor | None) -> PrefixBlock:
+        if descriptor is None:
+            return self.pool.root(self._descriptor_key, tenant_salt)
+        if not isinstance(descriptor, CacheDescriptor):
+            raise TypeError(f"descriptor must be a CacheDescriptor, got {type(descriptor).__name__}")
+        return self.pool.root(descriptor.key(), tenant_salt)
+
+    def _check_new(self, request_id: str, token_ids: Sequence[int], max_new_tokens: int | None) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already admitted")
+        if len(token_ids) == 0:
+            raise ValueError(f"request {request_id!r} has an empty prompt")
+        if max_new_tokens is not None and max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+
+    def _count_admission(self, request_id: str, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        stats = self.stats
+        if request_id in self._preempted:
+            self._preempted.discard(request_id)
+            stats.num_readmissions += 1
+            stats.num_readmitted_hit_tokens += num_cached_tokens
+        else:
+            stats.num_requests += 1
+            stats.num_queried_tokens += num_prompt_tokens
+            stats.num_hit_tokens += num_cached_tokens
+
+    def _note_release(self, request_id: str, reason: ReleaseReason, released: bool) -> None:
+        """Keep `_preempted` exact: a preemption marks the request, any other release of it
+        (including a cancel of a preempted request that was never admitted again) clears it."""
+        if reason not in RELEASE_REASONS:
+            raise ValueError(f"unknown release reason {reason!r}; one of {RELEASE_REASONS}")
+        if reason == "preempt" and released:
+            self._preempted.add(request_id)
+        elif reason != "preempt":
+            self._preempted.discard(request_id)
+
+
+def mm_extra_key(mm_items: Sequence[MMItem], block_size: int, block_index: int) -> bytes:
+    """Extra hash key of one block: for every multimodal item that overlaps it, the item's
+    identity and its offset relative to the block's first position (negative when it started
+    in an earlier block). Two prompts with the same placeholder tokens and the same images
+    placed differently inside a block get different keys. b"" when no item overlaps."""
+    lo = block_index * block_size
+    hi = lo + block_size
+    parts = [
+        f"{item.content_hash}@{item.start - lo}"
+        for item in mm_items
+        if item.start < hi and lo < item.start + item.length
+    ]
+    return ("\x00mm:" + "\x00".join(parts)).encode() if parts else b""
+
+
+def check_mm_items(mm_items: Sequence[MMItem], num_tokens: int) -> tuple[MMItem, ...]:
+    items = tuple(MMItem(*item) for item in mm_items)
+    for item in items:
+        if item.start < 0 or item.length <= 0 or item.start + item.length > num_tokens:
+            raise ValueError(f"multimodal item {item} lies outside the prompt of {num_tokens} tokens")
+    return items

@@ -1,0 +1,201 @@
+"""Prefix-cache semantics that vLLM's and SGLang's prefix caches have, as narratives with
+exact block ids: duplicate copies, multimodal placement, the collision guard, all-or-nothing
+batched calls, copies that die with their request, undo, and honest counters."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool.cache import BlockCopy, CacheDescriptor, DSV4CacheManager, FullAttentionManager
+from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG
+from kvpool.spec.dsv4 import DSV4Spec
+
+DESC = CacheDescriptor("tiny-model", weights_version="v1", layout_id="bs4-fp32")
+P8 = [11, 12, 13, 14, 15, 16, 17, 18]  # two blocks of 4
+SPEC = DSV4Spec.from_config(SMALL_DSV4_CONFIG)  # span 16
+
+
+def make(num_blocks: int = 10, **kw) -> FullAttentionManager:
+    return FullAttentionManager(num_blocks, 4, DESC, **kw)
+
+
+def prefill(m, request_id: str, tokens: list[int], **kw) -> int:
+    admission = m.admit(request_id, tokens, **kw)
+    assert admission is not None
+    m.check_integrity()
+    m.commit(request_id, len(tokens) - admission.num_cached_tokens)
+    m.check_integrity()
+    return admission.num_cached_tokens
+
+
+def decode(m, request_id: str, tokens: list[int]) -> None:
+    """The engine's path: one token a step (the token of the step is known already)."""
+    for token in tokens:
+        assert m.reserve_step([request_id], [1])
+        m.commit_step([request_id], [1], [token])
+        m.check_integrity()
+
+
+def constant_hash(m) -> None:
+    m.pool.hasher.digest = lambda data: b"\x00" * 16  # every chain hashes alike
+
+
+def test_a_duplicate_copy_keeps_its_chain_reachable():
+    m = make()
+    assert prefill(m, "a", P8) == 0
+    assert m.block_ids("a") == [0, 1]
+    # b sends the same prompt: block 0 hits; block 1 is computed again (its last token's
+    # logits are needed) into block 2, an identical copy that is findable too.
+    assert prefill(m, "b", P8) == 4
+    assert m.block_ids("b") == [0, 2]
+    assert m.pool.prefix_block(2) is m.pool.prefix_block(1)
+    m.append_token_ids("b", [20])
+    decode(m, "b", [21, 22, 23, 24])  # positions 8..11: a third block, 3
+    assert m.block_ids("b") == [0, 2, 3]
+    # a finishes; its copy of block 1 is evicted by a request that needs every free block.
+    assert m.finish("a")
+    assert m.pool.free_queue() == [4, 5, 6, 7, 8, 9, 1]
+    assert prefill(m, "c", list(range(100, 128))) == 0  # 7 blocks
+    assert m.block_ids("c") == [4, 5, 6, 7, 8, 9, 1]
+    assert m.pool.prefix_block(2).block_ids == [2]  # a's copy is gone; b's remains
+    # b still holds every block of its sequence: a continuation is a full hit of b's copies.
+    continuation = P8 + [20, 21, 22, 23] + [99]
+    assert m.lookup_prefix(continuation) == 12
+    assert m.finish("c")
+    assert prefill(m, "d", continuation) == 12
+    assert m.block_ids("d")[:3] == [0, 2, 3]
+    m.check_integrity()
+
+
+def test_multimodal_placement_inside_a_block_is_part_of_its_key():
+    # Identical placeholder token ids, the same two images, split at another position
+    # inside block 1: [0, 6) + [6, 8) against [0, 5) + [5, 8). Block 1's KV differs.
+    m = make()
+    tokens = [7] * 9
+    prefill(m, "a", tokens, mm_items=[(0, 6, "image-1"), (6, 2, "image-2")])
+    assert m.block_ids("a") == [0, 1, 2]
+    other = [(0, 5, "image-1"), (5, 3, "image-2")]
+    # block 0 holds image-1 at offset 0 in both (same key); block 1 differs: the hit stops.
+    assert m.lookup_prefix(tokens, mm_items=other) == 4
+    assert prefill(m, "b", tokens, mm_items=other) == 4
+    assert m.block_ids("b") == [0, 3, 4]
+    # The same placement shares both blocks.
+    assert m.lookup_prefix(tokens, mm_items=[(0, 6, "image-1"), (6, 2, "image-2")]) == 8
+    m.check_integrity()
+
+
+def test_the_collision_guard_compares_the_parent_the_tokens_and_the_root():
+    m = make()
+    constant_hash(m)
+    x = [1, 2, 3, 4]
+    prefill(m, "a", x + [9])  # block 0 holds X at position 0
+    assert m.block_ids("a") == [0, 1]
+    # X + X + [7]: its block 1 holds the same tokens as block 0 under the same (constant)
+    # hash, but after another parent: its KV comes from other positions. One hit only.
+    assert m.lookup_prefix(x + x + [7]) == 4
+    assert prefill(m, "b", x + x + [7]) == 4
+    assert m.block_ids("b") == [0, 2, 3]
+    # Identical tokens under another tenant salt or another descriptor: no hit at all.
+    assert m.lookup_prefix(x + [9], tenant_salt="tenant-2") == 0
+    assert m.lookup_prefix(x + [9], descriptor=CacheDescriptor("tiny-model", weights_version="v2")) == 0
+    assert m.lookup_prefix(x + [9]) == 4
+    m.check_integrity()
+
+
+def test_the_v4_collision_guard_and_a_table_that_holds_a_block_twice():
+    m = DSV4CacheManager(SPEC, 8, 3, DESC)
+    constant_hash(m)
+    x = list(range(16))  # one span
+    prefill(m, "a", x + [9])
+    assert m.block_ids("a") == [0]
+    assert m.lookup_prefix(x + x + [7]) == 16  # block 1 would be block 0 again: refused
+    assert m.lookup_prefix(x + [9], tenant_salt="tenant-2") == 0
+    adm = m.admit("b", x + x + [7])
+    assert adm is not None and adm.block_ids == (0, 1)  # block 1 is a fresh block for span 1
+    m.check_integrity()
+    # A table holding one block twice (refcounts made to agree) is rejected.
+    req = m._requests["a"]
+    req.block_ids.append(0)
+    req.chain.append(req.chain[0])
+    req.num_computed += 16
+    m.pool.incref([0])
+    with pytest.raises(AssertionError, match="holds a classical block twice"):
+        m.check_integrity()
+
+
+def test_a_queued_copy_dies_with_its_request():
+    m = make(num_blocks=6)
+    prefill(m, "p", [1, 2, 3, 4, 5, 6])  # blocks 0, 1 (1 is a partial tail)
+    m.fork("p", "c")
+    m.append_token_ids("c", [7])
+    assert m.reserve_step(["c"], [1])  # c copies the shared tail 1 into block 2
+    assert m.block_ids("c") == [0, 2]
+    assert m.cancel("c")
+    # Block 2 is free again and goes to another request before any copy is applied.
+    prefill(m, "d", [9, 9, 9, 9, 9])
+    assert m.block_ids("d") == [3, 4]
+    assert prefill(m, "e", [8]) == 0 and m.block_ids("e") == [5]
+    assert prefill(m, "f", [8, 8]) == 0 and m.block_ids("f") == [2]
+    assert m.take_copies() == []  # c's copy would have overwritten f's block 2
+    m.check_integrity()
+
+
+def test_a_rollback_drops_a_queued_copy_into_a_block_it_gives_up():
+    m = make(num_blocks=8)
+    prefill(m, "p", [1, 2, 3, 4, 5, 6])  # blocks 0, 1
+    m.fork("p", "c")
+    m.append_token_ids("c", [7, 8, 9, 10, 11, 12])
+    # positions 6..11: blocks 2 and 3 are taken; the copy of the shared tail 1 goes into the last
+    assert m.reserve("c", 6).copies == (BlockCopy(1, 3),)
+    assert m.block_ids("c") == [0, 3, 2]
+    m.rollback("c", 4)  # back to the first block: blocks 2 and 3 are released
+    assert m.block_ids("c") == [0]
+    assert m.take_copies() == []
+    m.check_integrity()
+
+
+def test_an_undone_v4_reservation_restores_the_checkpoint_it_pushed_out():
+    m = DSV4CacheManager(SPEC, 8, 3, DESC, restore="checkpoint", num_checkpoints=1)
+    a = list(range(100, 117))  # a span and one token
+    prefill(m, "a", a)
+    assert m.admit("probe", a) is not None and m.lookup_prefix(a) == 16  # a's boundary is checkpointed
+    m.release("probe")
+    b = list(range(200, 240))
+    adm = m.admit("b", b, 0)  # admitted, nothing reserved yet
+    assert adm is not None
+    res = m.reserve("b", 16)  # its boundary at 16 takes the only checkpoint slot: a's is pushed out
+    assert res is not None and res.checkpoints == ((16, 3),)
+    assert m.lookup_prefix(a) == 0
+    m.unreserve("b")
+    assert m.lookup_prefix(a) == 16  # undone: a's checkpoint is findable again
+    adm = m.admit("c", a + [5])
+    assert adm is not None and adm.restore is not None
+    assert (adm.num_cached_tokens, adm.restore.method, adm.restore.checkpoint_slot) == (16, "checkpoint", 3)
+    m.check_integrity()
+
+
+def test_a_readmission_after_preemption_is_not_counted_again():
+    m = make()
+    prompt = list(range(30, 40))  # 10 tokens: blocks 0, 1 full
+    prefill(m, "a", prompt)
+    assert (m.stats.num_queried_tokens, m.stats.num_hit_tokens) == (10, 0)
+    assert m.preempt("a")
+    assert prefill(m, "a", prompt) == 8  # its own blocks, still cached
+    assert (m.stats.num_requests, m.stats.num_queried_tokens, m.stats.num_hit_tokens) == (1, 10, 0)
+    assert (m.stats.num_readmissions, m.stats.num_readmitted_hit_tokens) == (1, 8)
+    assert m.stats.hit_rate == 0.0
+    # A preempted request cancelled while it waits leaves no mark behind.
+    assert m.preempt("a") and not m.cancel("a")
+    assert prefill(m, "a", prompt) == 8
+    assert m.stats.num_requests == 2 and m.stats.num_readmissions == 1
+
+
+def test_a_lookup_before_an_admission_counts_a_collision_once():
+    m = make()
+    constant_hash(m)
+    prefill(m, "a", [1, 2, 3, 4, 9])
+    assert m.pool.num_collisions == 0
+    assert m.lookup_prefix([5, 6, 7, 8, 9]) == 0  # a hash hit with other tokens
+    assert m.pool.num_collisions == 0  # a lookup changes nothing
+    assert prefill(m, "b", [5, 6, 7, 8, 9]) == 0
+    assert m.pool.num_collisions == 2  # the admission's miss, and b's block 0 that cannot be published
