@@ -134,6 +134,27 @@ def test_grouped_output_projection(model: TinyDSV4) -> None:
     assert torch.allclose(out, torch.cat(parts, dim=1) @ w.wo_b.T, atol=1e-5)
 
 
+def test_fp32_and_fp64_models_hold_the_same_weights_rounded(model: TinyDSV4) -> None:
+    m64 = TinyDSV4(seed=0, dtype=torch.float64)
+    assert model.dtype == torch.float32 and m64.dtype == torch.float64
+    assert model.state_dict.keys() == m64.state_dict.keys()
+    for name, w64 in m64.state_dict.items():
+        w32 = model.state_dict[name]
+        assert w32.dtype == torch.float32 and w64.dtype == torch.float64
+        assert torch.equal(w32, w64.to(torch.float32)), name  # fp32 = the fp64 draw, rounded
+    # ... and the fp64 draws are not fp32 values: they carry bits that fp32 drops
+    assert not torch.equal(m64.state_dict["embed.weight"], model.state_dict["embed.weight"].double())
+    assert m64.attn[2].indexer is not None and m64.attn[2].indexer.wq_b.dtype == torch.float64
+    twin = model.to(torch.float64)  # the same fp32 weights, held exactly in fp64
+    assert all(torch.equal(twin.state_dict[n], w.double()) for n, w in model.state_dict.items())
+    assert twin.attn[3].compressor is not None and twin.attn[3].compressor.ape.dtype == torch.float64
+    assert twin.reference_logits([1, 2, 3]).dtype == torch.float64
+    with pytest.raises(ValueError, match="bfloat16"):
+        TinyDSV4(dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="float32 model needs pools of its precision"):
+        model.forward_paged([1], [ChunkPlan(0, 1, 0, ())], DSV4Pools(model.spec, 1, 1, dtype=torch.float64))
+
+
 def test_official_parameter_names(model: TinyDSV4) -> None:
     names = {k for k in model.state_dict if k.startswith("layers.2.attn.")}  # a CSA layer
     expected = {

@@ -44,7 +44,7 @@ class DSV4PagedRunner:
     ) -> None:
         self.model = model
         self.spec = model.spec
-        self.pools = DSV4Pools(model.spec, num_classical_blocks, num_state_blocks, num_checkpoints)
+        self.pools = DSV4Pools(model.spec, num_classical_blocks, num_state_blocks, num_checkpoints, dtype=model.dtype)
         descriptor = f"{model.spec.name}|seed={model.seed}|span={model.spec.span}|fp32".encode()
         self.cache = DSV4CacheManager(
             model.spec,
