@@ -10,15 +10,18 @@ import torch
 from kvpool.attention.dsv4_ops import (
     DSV4AttnWeights,
     apply_rope,
+    indexer_scores,
+    init_attn_state_dict,
     output_projection,
+    project_tokens,
     rope_freqs,
     sink_attention,
     stable_topk,
 )
 from kvpool.attention.dsv4_paged import ChunkPlan, _compress_chunk, paged_attention
 from kvpool.attention.dsv4_reference import compress_all_blocks, reference_attention
-from kvpool.models.tiny_dsv4 import TinyDSV4
-from kvpool.spec.dsv4 import YarnScaling
+from kvpool.models.tiny_dsv4 import TINY_DSV4_CONFIG, TinyDSV4
+from kvpool.spec.dsv4 import DSV4Spec, YarnScaling
 from kvpool.storage.dsv4 import DSV4Pools
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -76,6 +79,128 @@ def test_stable_topk_breaks_ties_by_lower_index() -> None:
     wide = torch.zeros(1, 1000)
     wide[0, 700] = -1.0
     assert stable_topk(wide, torch.tensor([1000]), 4)[0].tolist() == [[0, 1, 2, 3]]
+
+
+def test_indexer_scores_by_hand() -> None:
+    # I[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s]) (DEEPSEEK_V4.md §4). Dyadic values:
+    # every product and sum is exact, so the result must be bit-exact.
+    q = torch.tensor([[[1.0, 2.0], [-1.0, 0.5]], [[0.5, -1.0], [2.0, 1.0]]])  # [n=2, H=2, di=2]
+    keys = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, -1.0]])  # [E=3, di=2]
+    w = torch.tensor([[0.5, 2.0], [-1.0, 0.25]])  # [n, H]: a head weight may be negative
+    expected = [
+        # query 0, heads' dots per entry: (1, -1), (2, 0.5), (-3, 0.5)
+        [0.5 * 1 + 2 * 0, 0.5 * 2 + 2 * 0.5, 0.5 * 0 + 2 * 0.5],
+        # query 1: (0.5, 2), (-1, 1), (0.5, -3): entry 0 scores exactly 0 by cancellation
+        [-1 * 0.5 + 0.25 * 2, -1 * 0 + 0.25 * 1, -1 * 0.5 + 0.25 * 0],
+    ]
+    assert indexer_scores(q, w, keys).tolist() == expected == [[0.5, 2.0, 1.0], [0.0, 0.25, -0.5]]
+    # random fp64 values against explicit loops; only the summation order differs (~1e-16)
+    g = torch.Generator().manual_seed(11)
+    n, heads, di, num_entries = 3, 4, 5, 6
+    q = torch.randn(n, heads, di, generator=g, dtype=torch.float64)
+    keys = torch.randn(num_entries, di, generator=g, dtype=torch.float64)
+    w = torch.randn(n, heads, generator=g, dtype=torch.float64)
+    got = indexer_scores(q, w, keys)
+    assert got.dtype == torch.float64 and got.shape == (n, num_entries)
+    num_zero_heads = 0
+    for t in range(n):
+        for e in range(num_entries):
+            total = 0.0
+            for h in range(heads):
+                dot = sum(float(q[t, h, i]) * float(keys[e, i]) for i in range(di))
+                num_zero_heads += dot <= 0
+                total += float(w[t, h]) * max(dot, 0.0)
+            assert abs(float(got[t, e]) - total) <= 1e-12
+    assert 0 < num_zero_heads < n * heads * num_entries  # the relu both clips and passes here
+
+
+def _hand_rms(v: list[float], weight: list[float] | None, eps: float) -> list[float]:
+    r = 1.0 / math.sqrt(sum(x * x for x in v) / len(v) + eps)
+    return [x * r * (1.0 if weight is None else weight[i]) for i, x in enumerate(v)]
+
+
+def _hand_rope(v: list[float], pos: int, freqs: list[float]) -> list[float]:
+    """GPT-J pairs (2i, 2i+1) of the LAST 2 * len(freqs) dims rotated by pos * freqs[i]."""
+    out = list(v)
+    base = len(v) - 2 * len(freqs)
+    for i, f in enumerate(freqs):
+        a, b = v[base + 2 * i], v[base + 2 * i + 1]
+        c, s = math.cos(pos * f), math.sin(pos * f)
+        out[base + 2 * i], out[base + 2 * i + 1] = a * c - b * s, a * s + b * c
+    return out
+
+
+def _hand_linear(weight: torch.Tensor, v: list[float]) -> list[float]:
+    """weight [out, in] (nn.Linear layout) times v, by loops."""
+    return [sum(float(weight[o, i]) * v[i] for i in range(len(v))) for o in range(weight.shape[0])]
+
+
+def _tiny_spec() -> DSV4Spec:
+    cfg = {
+        **TINY_DSV4_CONFIG,
+        "hidden_size": 6,
+        "num_attention_heads": 2,
+        "head_dim": 6,
+        "qk_rope_head_dim": 4,
+        "q_lora_rank": 3,
+        "o_groups": 2,
+        "o_lora_rank": 2,
+        "index_n_heads": 2,
+        "index_head_dim": 6,
+    }
+    return DSV4Spec.from_config(cfg, name="hand")
+
+
+@pytest.mark.parametrize("layer", [0, 2, 3])  # SWA-only, CSA (ratio 4), HCA (ratio 128)
+def test_project_tokens_by_hand(layer: int) -> None:
+    """Every per-token projection of DEEPSEEK_V4.md §2-4, by loops over plain floats, fp64."""
+    spec = _tiny_spec()
+    ratio = spec.layer_ratios[layer]
+    sd = init_attn_state_dict(spec, layer, "", torch.Generator().manual_seed(3))
+    w = DSV4AttnWeights.from_state_dict(sd, "", ratio, torch.float64)
+    x = torch.randn(3, spec.hidden_size, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    positions = torch.tensor([0, 5, 130])  # pos % 4 = 0, 1, 2; pos % 128 = 0, 5, 2
+    freqs = [0.7, 0.2]  # two rotated pairs (rope dim 4) at explicit frequencies
+    p = project_tokens(spec, ratio, w, x, positions, torch.tensor(freqs, dtype=torch.float64))
+    eps, d, heads = spec.rms_norm_eps, spec.head_dim, spec.num_heads
+    di, idx_heads = spec.index_head_dim, spec.index_n_heads
+    assert p.q.shape == (3, heads, d) and p.kv.shape == (3, d) and p.q.dtype == torch.float64
+
+    def close(got: torch.Tensor, expected: list[float]) -> None:
+        # fp64, O(1) values, a few dozen ops each: the loops and torch differ by ~1e-16
+        assert got.tolist() == pytest.approx(expected, abs=1e-12)
+
+    for t, pos in enumerate(positions.tolist()):
+        xt = x[t].tolist()
+        qr = _hand_rms(_hand_linear(w.wq_a, xt), w.q_norm.tolist(), eps)  # rmsnorm(wq_a x), weighted
+        q_all = _hand_linear(w.wq_b, qr)
+        for h in range(heads):  # per-head RMSNorm without weight, then RoPE on the last dims
+            close(p.q[t, h], _hand_rope(_hand_rms(q_all[h * d : (h + 1) * d], None, eps), pos, freqs))
+        close(p.kv[t], _hand_rope(_hand_rms(_hand_linear(w.wkv, xt), w.kv_norm.tolist(), eps), pos, freqs))
+        if ratio == 0:
+            assert p.comp_kv is None and p.comp_score is None and p.idx_q is None and p.idx_w is None
+            continue
+        c = w.compressor
+        assert c is not None and p.comp_kv is not None and p.comp_score is not None
+        coff = 2 if ratio == 4 else 1
+        assert p.comp_kv.shape == (3, coff * d)
+        close(p.comp_kv[t], _hand_linear(c.wkv, xt))  # no norm and no RoPE before pooling
+        gate = _hand_linear(c.wgate, xt)
+        close(p.comp_score[t], [gate[j] + float(c.ape[pos % ratio, j]) for j in range(coff * d)])
+        if ratio != 4:
+            assert p.idx_q is None and p.idx_w is None and p.idx_kv is None and p.idx_score is None
+            continue
+        ix = w.indexer
+        assert ix is not None and p.idx_q is not None and p.idx_w is not None
+        assert p.idx_kv is not None and p.idx_score is not None
+        iq = _hand_linear(ix.wq_b, qr)  # from the same qr, no norm
+        for h in range(idx_heads):
+            close(p.idx_q[t, h], _hand_rope(iq[h * di : (h + 1) * di], pos, freqs))
+        scale = di**-0.5 * idx_heads**-0.5  # 128 ** -0.5 * 64 ** -0.5 in the real model
+        close(p.idx_w[t], [v * scale for v in _hand_linear(ix.weights_proj, xt)])
+        close(p.idx_kv[t], _hand_linear(ix.compressor.wkv, xt))
+        igate = _hand_linear(ix.compressor.wgate, xt)
+        close(p.idx_score[t], [igate[j] + float(ix.compressor.ape[pos % 4, j]) for j in range(2 * di)])
 
 
 def _hand_entry(kv, score, block: int, ratio: int, width: int, overlap: bool) -> torch.Tensor:
