@@ -54,21 +54,23 @@ def test_entry_formats() -> None:
 
 
 def test_classical_bytes_per_token_flash_and_pro() -> None:
+    # Byte counts are integers divided by powers of two (the span): exact in binary floating point on any
+    # CPU (scalar Python arithmetic, no kernel), so they are compared with ==, not a tolerance.
     flash = load_preset("deepseek-v4-flash")
     # 21 CSA x (584 + 132) / 4 + 20 HCA x 584 / 128
-    assert flash.classical_bytes_per_token(indexer_format="fp8") == pytest.approx(21 * 716 / 4 + 20 * 584 / 128)
-    assert flash.classical_bytes_per_token(indexer_format="fp8") == pytest.approx(3850.25)
-    assert flash.classical_bytes_per_token(indexer_format="mxfp4") == pytest.approx(3514.25)
+    assert flash.classical_bytes_per_token(indexer_format="fp8") == 21 * 716 / 4 + 20 * 584 / 128
+    assert flash.classical_bytes_per_token(indexer_format="fp8") == 3850.25
+    assert flash.classical_bytes_per_token(indexer_format="mxfp4") == 3514.25
     pro = load_preset("deepseek-v4-pro")
-    assert pro.classical_bytes_per_token(indexer_format="fp8") == pytest.approx(30 * 716 / 4 + 31 * 584 / 128)
+    assert pro.classical_bytes_per_token(indexer_format="fp8") == 30 * 716 / 4 + 31 * 584 / 128
     assert round(pro.classical_bytes_per_token(indexer_format="fp8") / 1000, 2) == 5.51
     assert round(pro.classical_bytes_per_token(indexer_format="mxfp4") / 1000, 2) == 5.03
     # fp32 storage: 2048 B main, 512 B indexer key
-    assert flash.classical_bytes_per_token("float32") == pytest.approx(21 * (2048 + 512) / 4 + 20 * 2048 / 128)
+    assert flash.classical_bytes_per_token("float32") == 21 * (2048 + 512) / 4 + 20 * 2048 / 128
     # a block of 128 tokens = 128 tokens' worth; a 256-token span is the same per token
-    assert flash.classical_bytes_per_block() == pytest.approx(128 * 3850.25)
+    assert flash.classical_bytes_per_block() == 128 * 3850.25
     wide = load_preset("deepseek-v4-flash", block_span=256)
-    assert wide.span == 256 and wide.classical_bytes_per_token() == pytest.approx(3850.25)
+    assert wide.span == 256 and wide.classical_bytes_per_token() == 3850.25
     assert wide.entries_per_block(2) == 64 and wide.entries_per_block(3) == 2 and wide.entries_per_block(0) == 0
 
 
