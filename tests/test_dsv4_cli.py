@@ -5,23 +5,62 @@ from __future__ import annotations
 import json
 
 import pytest
+from torch import Tensor
 
+import kvpool.attention.dsv4_paged as dsv4_paged
+from kvpool.attention.dsv4_paged import ChunkPlan
 from kvpool.cli.main import main
+from kvpool.verify.dsv4_tolerance import FP32_K, FP32_SELECTION_K, FP64_TOLERANCE
 
 
 def test_verify_lengths_json(capsys: pytest.CaptureFixture[str]) -> None:
+    # default: fp64, every case within the fixed bound (fp64 rounding leaves <= 7e-15)
     assert main(["verify", "dsv4", "--lengths", "1,129,300", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
+    assert out["dtype"] == "fp64"
     assert [c["name"] for c in out["cases"]] == ["prompt_len_1", "prompt_len_129", "prompt_len_300"]
     for case in out["cases"]:
-        assert case["passed"] is True and 0 <= case["max_abs_diff"] <= 1e-5
+        assert case["passed"] is True and case["verdict"] == "pass"
+        assert case["tolerance"] == FP64_TOLERANCE and 0 <= case["max_abs_diff"] <= FP64_TOLERANCE
 
 
-def test_verify_fails_with_nonzero_exit(capsys: pytest.CaptureFixture[str]) -> None:
-    # a tolerance below fp32 rounding makes the 129-token case fail: the command must say so
-    assert main(["verify", "dsv4", "--lengths", "129", "--tolerance", "0"]) == 1
+def test_verify_fp32_derives_its_tolerance(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", "dsv4", "--dtype", "fp32", "--lengths", "129", "--json"]) == 0
+    (case,) = json.loads(capsys.readouterr().out)["cases"]
+    # measured: oracle fp32 error 2.6e-6, paged 1.9e-6 from the oracle, top-k margin 12.5
+    assert 0 < case["reference_error"] < 1e-5
+    assert case["tolerance"] >= FP32_K * case["reference_error"] and case["tolerance"] < 1e-4
+    assert case["max_abs_diff"] <= case["tolerance"] and case["passed"] is True
+    assert case["selection_margin"] > FP32_SELECTION_K
+
+
+def _read_entry_40_from_block_0(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plant one wrong read: CSA main entry 40 comes from block 0, slot 0."""
+    original = dsv4_paged._entries_for_chunk
+
+    def faulty(pool: Tensor, tail: Tensor, new_entries: Tensor, ratio: int, span: int, c: ChunkPlan) -> Tensor:
+        out = original(pool, tail, new_entries, ratio, span, c)
+        if ratio == 4 and out.shape[-1] == pool.shape[-1] == 32 and out.shape[0] > 40:  # main entries, head_dim 32
+            out = out.clone()
+            out[40] = out[0]
+        return out
+
+    monkeypatch.setattr(dsv4_paged, "_entries_for_chunk", faulty)
+
+
+def test_verify_fails_with_nonzero_exit(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # one wrong entry: the command must say so, and --tolerance must be what it judges by
+    _read_entry_40_from_block_0(monkeypatch)
+    assert main(["verify", "dsv4", "--lengths", "129,300"]) == 1
     out = capsys.readouterr().out
-    assert "prompt_len_129" in out and "NO" in out and "0/1 passed" in out
+    assert "prompt_len_300" in out and "NO" in out and "1/2 passed" in out  # 129 has 32 entries: untouched
+    assert main(["verify", "dsv4", "--lengths", "300", "--json"]) == 1
+    (case,) = json.loads(capsys.readouterr().out)["cases"]
+    diff = case["max_abs_diff"]
+    assert case["verdict"] == "fail" and diff > 1e6 * FP64_TOLERANCE  # measured 7.8e-2
+    assert main(["verify", "dsv4", "--lengths", "300", "--tolerance", repr(diff)]) == 0  # diff <= tolerance
+    assert "1/1 passed" in capsys.readouterr().out
+    assert main(["verify", "dsv4", "--lengths", "300", "--tolerance", repr(diff / 2)]) == 1
 
 
 def test_verify_rejects_bad_lengths(capsys: pytest.CaptureFixture[str]) -> None:
@@ -30,13 +69,30 @@ def test_verify_rejects_bad_lengths(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--lengths" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("bad", ["-1", "-1e-9", "nan", "inf"])
+def test_verify_rejects_a_bad_tolerance(capsys: pytest.CaptureFixture[str], bad: str) -> None:
+    assert main(["verify", "dsv4", "--lengths", "1", f"--tolerance={bad}"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # nothing ran
+    assert captured.err == f"kvpool verify: error: --tolerance must be a finite number >= 0, got {float(bad)!r}\n"
+
+
+def test_verify_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["verify", "dsv4", "--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "(default: fp64)" in text and "(default: 0)" in text
+    assert f"fp64 {FP64_TOLERANCE:g}" in text  # the help's figure is the bound in force
+
+
 def test_bench_dsv4_bytes(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "dsv4", "--no-timing", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     flash, pro = out["bytes"]["deepseek-v4-flash"], out["bytes"]["deepseek-v4-pro"]
-    assert flash["classical_bytes_per_token_fp8_indexer"] == pytest.approx(3850.25)
-    assert flash["classical_bytes_per_token_mxfp4_indexer"] == pytest.approx(3514.25)
-    assert pro["classical_bytes_per_token_fp8_indexer"] == pytest.approx(5511.4375)
+    assert flash["classical_bytes_per_token_fp8_indexer"] == 3850.25  # integer / 2**k: exact
+    assert flash["classical_bytes_per_token_mxfp4_indexer"] == 3514.25
+    assert pro["classical_bytes_per_token_fp8_indexer"] == 5511.4375
     assert flash["state_swa_bytes"] == 128 * 584 * 43
     assert out["tiny_decode_timing"] == []
 

@@ -18,11 +18,21 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 130, 200)]
 
 
+MARGIN = 1e-3  # logits; fp32 rounding on this model is ~3e-6 (kvpool verify dsv4 --dtype fp32)
+
+
 def _assert_greedy_matches_oracle(model: TinyDSV4, prompt: list[int], output: list[int]) -> None:
-    # Greedy: token i is the argmax of the oracle's logits at the position before it.
-    logits = model.reference_logits(prompt + output[:-1])
-    expected = logits[len(prompt) - 1 :].argmax(dim=-1).tolist()
-    assert output == expected
+    """Greedy: token i is the argmax of the oracle's logits at the position before it. The
+    oracle runs on the same weights in fp64; wherever its top-2 margin is wider than MARGIN,
+    fp32 rounding on any CPU cannot move the argmax, so the tokens must agree there. At the
+    first position that close to a tie the sequences may part, and the check stops."""
+    logits = model.to(torch.float64).reference_logits(prompt + output[:-1])[len(prompt) - 1 :]
+    top2 = logits.topk(2, dim=-1)
+    for i, token in enumerate(output):
+        if top2.values[i, 0] - top2.values[i, 1] < MARGIN:
+            assert i > 0, "the first token is a near tie: pick another prompt"
+            return
+        assert token == int(top2.indices[i, 0]), f"position {i}: {token} != the oracle's {int(top2.indices[i, 0])}"
 
 
 @pytest.mark.parametrize("restore", ["recompute", "checkpoint"])

@@ -54,21 +54,23 @@ def test_entry_formats() -> None:
 
 
 def test_classical_bytes_per_token_flash_and_pro() -> None:
+    # Byte counts are integers divided by powers of two (the span): exact in binary floating point on any
+    # CPU (scalar Python arithmetic, no kernel), so they are compared with ==, not a tolerance.
     flash = load_preset("deepseek-v4-flash")
     # 21 CSA x (584 + 132) / 4 + 20 HCA x 584 / 128
-    assert flash.classical_bytes_per_token(indexer_format="fp8") == pytest.approx(21 * 716 / 4 + 20 * 584 / 128)
-    assert flash.classical_bytes_per_token(indexer_format="fp8") == pytest.approx(3850.25)
-    assert flash.classical_bytes_per_token(indexer_format="mxfp4") == pytest.approx(3514.25)
+    assert flash.classical_bytes_per_token(indexer_format="fp8") == 21 * 716 / 4 + 20 * 584 / 128
+    assert flash.classical_bytes_per_token(indexer_format="fp8") == 3850.25
+    assert flash.classical_bytes_per_token(indexer_format="mxfp4") == 3514.25
     pro = load_preset("deepseek-v4-pro")
-    assert pro.classical_bytes_per_token(indexer_format="fp8") == pytest.approx(30 * 716 / 4 + 31 * 584 / 128)
+    assert pro.classical_bytes_per_token(indexer_format="fp8") == 30 * 716 / 4 + 31 * 584 / 128
     assert round(pro.classical_bytes_per_token(indexer_format="fp8") / 1000, 2) == 5.51
     assert round(pro.classical_bytes_per_token(indexer_format="mxfp4") / 1000, 2) == 5.03
     # fp32 storage: 2048 B main, 512 B indexer key
-    assert flash.classical_bytes_per_token("float32") == pytest.approx(21 * (2048 + 512) / 4 + 20 * 2048 / 128)
+    assert flash.classical_bytes_per_token("float32") == 21 * (2048 + 512) / 4 + 20 * 2048 / 128
     # a block of 128 tokens = 128 tokens' worth; a 256-token span is the same per token
-    assert flash.classical_bytes_per_block() == pytest.approx(128 * 3850.25)
+    assert flash.classical_bytes_per_block() == 128 * 3850.25
     wide = load_preset("deepseek-v4-flash", block_span=256)
-    assert wide.span == 256 and wide.classical_bytes_per_token() == pytest.approx(3850.25)
+    assert wide.span == 256 and wide.classical_bytes_per_token() == 3850.25
     assert wide.entries_per_block(2) == 64 and wide.entries_per_block(3) == 2 and wide.entries_per_block(0) == 0
 
 
@@ -137,3 +139,34 @@ def test_actual_pool_tensors_match_the_spec_bytes() -> None:
     assert pools.state_block_bytes() == spec.storage_state_bytes_per_request("float32")
     # by hand: 2 CSA layers x 32 x (32 + 16) x 4 B + 1 HCA layer x 1 x 32 x 4 B
     assert spec.classical_bytes_per_block("float32") == 2 * 32 * 48 * 4 + 32 * 4
+
+
+def test_pool_dtypes_and_the_compressor_state_rule() -> None:
+    """Storage follows the pools' dtype; the compressor tails stay fp32 below fp64 storage
+    (DEEPSEEK_V4.md §3) and are fp64 in fp64 pools (a verification run must not round them)."""
+    import torch
+
+    from kvpool.models.tiny_dsv4 import TinyDSV4
+    from kvpool.storage.dsv4 import DSV4Pools
+
+    spec = TinyDSV4().spec
+    fp32 = DSV4Pools(spec, 2, 1)
+    bf16 = DSV4Pools(spec, 2, 1, dtype=torch.bfloat16)
+    fp64 = DSV4Pools(spec, 2, 1, dtype=torch.float64)
+    for pools, storage, compressor in (
+        (fp32, torch.float32, torch.float32),
+        (bf16, torch.bfloat16, torch.float32),
+        (fp64, torch.float64, torch.float64),
+    ):
+        for st in pools.state:
+            assert st.ring.dtype == storage
+            assert all(t.dtype == storage for t in (st.tail_main, st.tail_idx) if t is not None)
+            assert all(
+                t.dtype == compressor for t in (st.comp_kv, st.comp_score, st.idx_kv, st.idx_score) if t is not None
+            )
+        assert all(t.dtype == storage for cl in pools.classical for t in (cl.main, cl.idx) if t is not None)
+    assert bf16.state_block_bytes() == spec.storage_state_bytes_per_request("bfloat16")  # fp32 tails
+    assert bf16.classical_block_bytes() == spec.classical_bytes_per_block("bfloat16")
+    # fp64: every element, compressor tails included, takes 8 bytes instead of 4
+    assert fp64.state_block_bytes() == 2 * fp32.state_block_bytes()
+    assert fp64.classical_block_bytes() == 2 * fp32.classical_block_bytes()

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 attention building blocks, fp32, shared by the oracle and the paged path.
+"""DeepSeek-V4 attention building blocks, shared by the oracle and the paged path.
 
 Only the position-free math lives here (norms, RoPE, the per-channel softmax pooling of a
 compressor, the indexer's scores and stable top-k, the sink softmax, the grouped output
@@ -8,9 +8,14 @@ path (`dsv4_paged.py`, from the Classical and State pools); agreement of those t
 the tests prove. Formulas: shared/design/DEEPSEEK_V4.md sections 2-4.
 
 Weights use the official parameter names and the `[out, in]` layout of nn.Linear, so a
-reference state dict loads by name (`DSV4AttnWeights.from_state_dict`). Exact fp32 mode:
-the FP8 / FP4 fake quantization and the indexer's Hadamard rotation of the official code are
+reference state dict loads by name (`DSV4AttnWeights.from_state_dict`). Exact mode: the
+FP8 / FP4 fake quantization and the indexer's Hadamard rotation of the official code are
 off (the rotation is orthogonal, so it leaves q . k unchanged up to rounding anyway).
+
+Every op computes in the dtype of its inputs, fp32 (the model's mode) or fp64 (the
+verification mode: rounding ~1e-16 instead of ~1e-7, so a single value read from a wrong
+slot stands out by many orders of magnitude); one call never mixes the two. RoPE angles are
+always computed in fp64 and cast.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from kvpool.spec.dsv4 import CSA_RATIO, DSV4Spec, YarnScaling
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
-    """RMSNorm over the last dim. x: [..., d] fp32; weight: [d] or None (no weight)."""
+    """RMSNorm over the last dim. x: [..., d] fp32 / fp64; weight: [d] (x's dtype) or None (no weight)."""
     y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return y * weight if weight is not None else y
 
@@ -75,8 +80,9 @@ def layer_rope_freqs(spec: DSV4Spec, ratio: int) -> Tensor:
 def apply_rope(x: Tensor, positions: Tensor, freqs: Tensor, inverse: bool = False) -> Tensor:
     """Rotate the last 2 * len(freqs) dims of x by position * freq, pairs (2i, 2i+1) (GPT-J).
 
-    x: [n, ..., d] fp32; positions: [n] int64 (one position per leading row); freqs:
-    [rope_dim // 2] fp64. `inverse` rotates by minus the position. Returns a new tensor.
+    x: [n, ..., d] fp32 / fp64; positions: [n] int64 (one position per leading row); freqs:
+    [rope_dim // 2] fp64 (cos / sin are cast to x's dtype). `inverse` rotates by minus the
+    position. Returns a new tensor of x's dtype.
     """
     rope_dim = 2 * freqs.numel()
     angles = positions.to(torch.float64)[:, None] * freqs[None, :]  # [n, rope_dim/2]
@@ -117,7 +123,8 @@ class IndexerWeights:
 
 @dataclass(frozen=True)
 class DSV4AttnWeights:
-    """One V4 attention layer's weights, official names, [out, in] layout, fp32.
+    """One V4 attention layer's weights, official names, [out, in] layout, all in one dtype
+    (fp32, or fp64 for verification).
 
     wq_a [q_lora, hidden], q_norm [q_lora], wq_b [heads*d, q_lora], wkv [d, hidden],
     kv_norm [d], wo_a [o_groups*o_lora, heads*d/o_groups], wo_b [hidden, o_groups*o_lora],
@@ -136,14 +143,16 @@ class DSV4AttnWeights:
     indexer: IndexerWeights | None = None
 
     @classmethod
-    def from_state_dict(cls, sd: dict[str, Tensor], prefix: str, ratio: int) -> DSV4AttnWeights:
-        """Read `prefix + "wq_a.weight"` etc.; KeyError names a missing parameter."""
+    def from_state_dict(
+        cls, sd: dict[str, Tensor], prefix: str, ratio: int, dtype: torch.dtype = torch.float32
+    ) -> DSV4AttnWeights:
+        """Read `prefix + "wq_a.weight"` etc., cast to `dtype`; KeyError names a missing parameter."""
 
         def get(name: str) -> Tensor:
             key = prefix + name
             if key not in sd:
                 raise KeyError(f"missing parameter {key!r}")
-            return sd[key].to(torch.float32)
+            return sd[key].to(dtype)
 
         def compressor(p: str) -> CompressorWeights:
             return CompressorWeights(
@@ -169,15 +178,20 @@ class DSV4AttnWeights:
 
 
 def init_attn_state_dict(spec: DSV4Spec, layer_id: int, prefix: str, gen: torch.Generator) -> dict[str, Tensor]:
-    """Seeded random weights for one layer, official names; scaled so activations stay O(1)."""
+    """Seeded random weights for one layer, official names, fp64 (a caller casts them, so an
+    fp32 and an fp64 model from one seed hold the same weights up to rounding); scaled so
+    activations stay O(1)."""
     ratio = spec.layer_ratios[layer_id]
     d, h, hid = spec.head_dim, spec.num_heads, spec.hidden_size
 
+    def randn(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
     def lin(out_features: int, in_features: int) -> Tensor:
-        return torch.randn(out_features, in_features, generator=gen) / math.sqrt(in_features)
+        return randn(out_features, in_features) / math.sqrt(in_features)
 
     def norm(n: int) -> Tensor:
-        return 1.0 + 0.1 * torch.randn(n, generator=gen)
+        return 1.0 + 0.1 * randn(n)
 
     sd: dict[str, Tensor] = {
         "wq_a.weight": lin(spec.q_lora_rank, hid),
@@ -187,7 +201,7 @@ def init_attn_state_dict(spec: DSV4Spec, layer_id: int, prefix: str, gen: torch.
         "kv_norm.weight": norm(d),
         "wo_a.weight": lin(spec.o_groups * spec.o_lora_rank, h * d // spec.o_groups),
         "wo_b.weight": lin(hid, spec.o_groups * spec.o_lora_rank),
-        "attn_sink": torch.randn(h, generator=gen),
+        "attn_sink": randn(h),
     }
     if ratio:
         coff = spec.coff(ratio)
@@ -195,7 +209,7 @@ def init_attn_state_dict(spec: DSV4Spec, layer_id: int, prefix: str, gen: torch.
             {
                 "compressor.wkv.weight": lin(coff * d, hid),
                 "compressor.wgate.weight": lin(coff * d, hid),
-                "compressor.ape": torch.randn(ratio, coff * d, generator=gen),
+                "compressor.ape": randn(ratio, coff * d),
                 "compressor.norm.weight": norm(d),
             }
         )
@@ -207,7 +221,7 @@ def init_attn_state_dict(spec: DSV4Spec, layer_id: int, prefix: str, gen: torch.
                 "indexer.weights_proj.weight": lin(spec.index_n_heads, hid),
                 "indexer.compressor.wkv.weight": lin(2 * di, hid),
                 "indexer.compressor.wgate.weight": lin(2 * di, hid),
-                "indexer.compressor.ape": torch.randn(CSA_RATIO, 2 * di, generator=gen),
+                "indexer.compressor.ape": randn(CSA_RATIO, 2 * di),
                 "indexer.compressor.norm.weight": norm(di),
             }
         )
@@ -240,7 +254,7 @@ class TokenProjections:
 def project_tokens(
     spec: DSV4Spec, ratio: int, w: DSV4AttnWeights, x: Tensor, positions: Tensor, freqs: Tensor
 ) -> TokenProjections:
-    """x: [n, hidden] fp32 (the layer's normed input); positions: [n] int64."""
+    """x: [n, hidden] in the weights' dtype (the layer's normed input); positions: [n] int64."""
     n = x.shape[0]
     eps = spec.rms_norm_eps
     qr = rms_norm(x @ w.wq_a.T, w.q_norm, eps)  # [n, q_lora]
@@ -271,7 +285,7 @@ def pool_entries(
     kv_rows: Tensor, score_rows: Tensor, norm_weight: Tensor, eps: float, first_positions: Tensor, freqs: Tensor
 ) -> Tensor:
     """Pool blocks of rows into entries: per-channel softmax over rows, weighted sum, RMSNorm,
-    RoPE at the block's first token. kv_rows / score_rows: [num_blocks, rows, d] fp32 (score
+    RoPE at the block's first token. kv_rows / score_rows: [num_blocks, rows, d] (score
     -inf and kv 0 for the missing previous block of block 0); first_positions: [num_blocks].
     Returns [num_blocks, d]."""
     weights = torch.softmax(score_rows, dim=1)
@@ -296,7 +310,7 @@ def overlap_rows(
 
 def indexer_scores(idx_q: Tensor, idx_w: Tensor, keys: Tensor) -> Tensor:
     """I[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s]). idx_q [n, H, di], idx_w [n, H],
-    keys [E, di] -> [n, E] fp32 (visibility is the caller's mask)."""
+    keys [E, di] -> [n, E] in their dtype (visibility is the caller's mask)."""
     dots = torch.einsum("nhd,ed->nhe", idx_q, keys).clamp_min(0)
     return torch.einsum("nhe,nh->ne", dots, idx_w)
 
@@ -304,7 +318,7 @@ def indexer_scores(idx_q: Tensor, idx_w: Tensor, keys: Tensor) -> Tensor:
 def stable_topk(scores: Tensor, num_visible: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Top-k visible entries per row, ties broken by the lower entry index.
 
-    scores: [n, E] fp32; num_visible: [n] int64 (entries [0, num_visible) are visible).
+    scores: [n, E] float; num_visible: [n] int64 (entries [0, num_visible) are visible).
     Returns (indices [n, k'], valid [n, k'] bool) with k' = min(k, E): row i keeps its first
     min(k, num_visible[i]) indices of a stable descending sort over its visible entries.
     """
@@ -326,7 +340,7 @@ def sink_attention(q: Tensor, keys: Tensor, valid: Tensor, sink: Tensor, scale: 
 
     q: [n, H, d]; keys: [n, K, d] (each query's own key list) or [K, d] (one list shared
     by all queries, masked per query); valid: [n, K] bool; sink: [H]. Returns [n, H, d]
-    fp32. A query with no valid key returns 0.
+    in q's dtype. A query with no valid key returns 0.
     """
     shared = keys.dim() == 2
     z = torch.einsum("nhd,kd->nhk" if shared else "nhd,nkd->nhk", q, keys) * scale

@@ -72,7 +72,8 @@ class ChunkPlan:
 def paged_attention(
     spec: DSV4Spec, layer_id: int, w: DSV4AttnWeights, x: Tensor, chunks: list[ChunkPlan], pools: DSV4Pools
 ) -> Tensor:
-    """x: [N, hidden] fp32, the chunks' tokens concatenated in `chunks` order. Returns [N, hidden]."""
+    """x: [N, hidden] (the weights' dtype), the chunks' tokens concatenated in `chunks` order.
+    Returns [N, hidden]."""
     ratio = spec.layer_ratios[layer_id]
     freqs = layer_rope_freqs(spec, ratio)
     positions = torch.cat([torch.arange(c.start, c.start + c.num_tokens) for c in chunks])

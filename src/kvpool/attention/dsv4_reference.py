@@ -12,11 +12,14 @@ paged path (`dsv4_paged.py`) must reproduce these outputs.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from kvpool.attention.dsv4_ops import (
     DSV4AttnWeights,
+    TokenProjections,
     indexer_scores,
     layer_rope_freqs,
     output_projection,
@@ -55,7 +58,7 @@ def compress_all_blocks(
 
 
 def reference_attention(spec: DSV4Spec, layer_id: int, w: DSV4AttnWeights, x: Tensor) -> Tensor:
-    """One V4 attention layer over a whole sequence. x: [T, hidden] fp32 (normed layer input,
+    """One V4 attention layer over a whole sequence. x: [T, hidden] (normed layer input,
     positions 0..T-1). Returns [T, hidden] (after the grouped output projection)."""
     num_tokens = x.shape[0]
     ratio = spec.layer_ratios[layer_id]
@@ -77,13 +80,8 @@ def reference_attention(spec: DSV4Spec, layer_id: int, w: DSV4AttnWeights, x: Te
         num_visible = (positions + 1) // ratio  # [T]: entry j visible iff j < (t + 1) // ratio
         entry_valid = torch.arange(num_entries)[None, :] < num_visible[:, None]  # [T, E]
         if ratio == CSA_RATIO and num_entries:
-            ix = w.indexer
-            assert ix is not None and p.idx_q is not None and p.idx_w is not None
-            assert p.idx_kv is not None and p.idx_score is not None
-            idx_keys = compress_all_blocks(
-                p.idx_kv, p.idx_score, CSA_RATIO, spec.index_head_dim, ix.compressor.norm, spec.rms_norm_eps, freqs
-            )
-            scores = indexer_scores(p.idx_q, p.idx_w, idx_keys)  # [T, E]
+            assert p.idx_q is not None and p.idx_w is not None
+            scores = indexer_scores(p.idx_q, p.idx_w, _indexer_keys(spec, w, p, freqs))  # [T, E]
             top, top_valid = stable_topk(scores, num_visible, spec.index_topk)
             selected = torch.zeros(num_tokens, num_entries, dtype=torch.bool)
             rows = torch.arange(num_tokens)[:, None].expand_as(top)
@@ -94,3 +92,43 @@ def reference_attention(spec: DSV4Spec, layer_id: int, w: DSV4AttnWeights, x: Te
 
     o = sink_attention(p.q, keys, valid, w.attn_sink, spec.head_dim**-0.5)
     return output_projection(spec, w, o, positions, freqs)
+
+
+def _indexer_keys(spec: DSV4Spec, w: DSV4AttnWeights, p: TokenProjections, freqs: Tensor) -> Tensor:
+    """The CSA layer's indexer keys, one per complete block: [T // 4, index_head_dim]."""
+    ix = w.indexer
+    assert ix is not None and p.idx_kv is not None and p.idx_score is not None
+    return compress_all_blocks(
+        p.idx_kv, p.idx_score, CSA_RATIO, spec.index_head_dim, ix.compressor.norm, spec.rms_norm_eps, freqs
+    )
+
+
+@dataclass(frozen=True)
+class IndexerTrace:
+    """What the oracle's Lightning Indexer computed at one CSA layer, for checks of how close
+    its top-k selection is to a tie. dots [T, H, E]: q_idx[t, h] . k_idx[s] before the relu;
+    scores [T, E]: I[t, s] (the values stable_topk ranks); num_visible [T]: entries
+    [0, num_visible[t]) are visible to query t."""
+
+    layer_id: int
+    dots: Tensor
+    scores: Tensor
+    num_visible: Tensor
+
+
+def reference_indexer(spec: DSV4Spec, layer_id: int, w: DSV4AttnWeights, x: Tensor) -> IndexerTrace:
+    """The indexer of CSA layer `layer_id` over a whole sequence (x as in reference_attention),
+    computed exactly as `reference_attention` computes it."""
+    if spec.layer_ratios[layer_id] != CSA_RATIO:
+        raise ValueError(f"layer {layer_id} is not a CSA layer (ratio {spec.layer_ratios[layer_id]})")
+    freqs = layer_rope_freqs(spec, CSA_RATIO)
+    positions = torch.arange(x.shape[0])
+    p = project_tokens(spec, CSA_RATIO, w, x, positions, freqs)
+    assert p.idx_q is not None and p.idx_w is not None
+    keys = _indexer_keys(spec, w, p, freqs)
+    return IndexerTrace(
+        layer_id,
+        torch.einsum("nhd,ed->nhe", p.idx_q, keys),
+        indexer_scores(p.idx_q, p.idx_w, keys),
+        (positions + 1) // CSA_RATIO,
+    )

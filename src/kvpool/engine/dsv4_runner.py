@@ -33,9 +33,9 @@ class StepResult:
     logits: Tensor
 
 
-def descriptor_for(model: TinyDSV4, pools: DSV4Pools) -> CacheDescriptor:
+def descriptor_for(model: TinyDSV4) -> CacheDescriptor:
     spec = model.spec
-    dtype = str(pools.state[0].ring.dtype).removeprefix("torch.")
+    dtype = str(model.dtype).removeprefix("torch.")
     return CacheDescriptor(
         model_id=spec.name,
         weights_version=f"seed={model.seed}",
@@ -58,12 +58,12 @@ class DSV4PagedRunner:
     ) -> None:
         self.model = model
         self.spec = model.spec
-        self.pools = DSV4Pools(model.spec, num_classical_blocks, num_state_blocks, num_checkpoints)
+        self.pools = DSV4Pools(model.spec, num_classical_blocks, num_state_blocks, num_checkpoints, dtype=model.dtype)
         self.cache = DSV4CacheManager(
             model.spec,
             num_classical_blocks,
             num_state_blocks,
-            descriptor_for(model, self.pools),
+            descriptor_for(model),
             enable_prefix_caching=enable_prefix_caching,
             restore=restore,
             num_checkpoints=num_checkpoints,

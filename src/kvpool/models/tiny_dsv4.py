@@ -15,20 +15,26 @@ official checkpoint (`embed`, `layers.{i}.attn.wq_a`, ..., `norm`, `head`).
 Two forwards over the same weights:
 - `reference_logits`: the contiguous oracle, the whole token history, no cache;
 - `forward_paged`: a batch of chunks on the Classical + State pools (`DSV4Pools`).
+
+`dtype` is fp32 (default) or fp64. The weights are always drawn in fp64 from the seeded
+generator and then cast, so `TinyDSV4(seed=s)` and `TinyDSV4(seed=s, dtype=torch.float64)`
+are the same model, the fp32 one with its weights rounded: the fp64 model is the fp32
+model's rounding-free twin (tests use it for exactness checks and to measure fp32 error).
 """
 
 from __future__ import annotations
 
+import copy
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from kvpool.attention.dsv4_ops import DSV4AttnWeights, init_attn_state_dict, rms_norm
 from kvpool.attention.dsv4_paged import ChunkPlan, paged_attention
-from kvpool.attention.dsv4_reference import reference_attention
-from kvpool.spec.dsv4 import DSV4Spec
+from kvpool.attention.dsv4_reference import IndexerTrace, reference_attention, reference_indexer
+from kvpool.spec.dsv4 import CSA_RATIO, DSV4Spec
 from kvpool.storage.dsv4 import DSV4Pools
 
 # config.json of the tiny model: real m = 4, m' = 128, n_win = 128; small widths.
@@ -75,10 +81,23 @@ SMALL_DSV4_CONFIG: dict[str, Any] = {
 }
 
 
-class TinyDSV4:
-    """Seeded random V4-architecture model. `state_dict` uses the official names."""
+DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64)
 
-    def __init__(self, config: dict[str, Any] | None = None, seed: int = 0) -> None:
+
+class ReferenceOutput(NamedTuple):
+    """logits [T, vocab]; indexer: one IndexerTrace per CSA layer, in layer order."""
+
+    logits: Tensor
+    indexer: list[IndexerTrace]
+
+
+class TinyDSV4:
+    """Seeded random V4-architecture model. `state_dict` uses the official names; every
+    weight, activation and logit is in `dtype`."""
+
+    def __init__(self, config: dict[str, Any] | None = None, seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
         cfg = dict(TINY_DSV4_CONFIG if config is None else config)
         self.config = cfg
         self.spec = DSV4Spec.from_config(cfg, name=cfg.get("name", "tiny-dsv4"))
@@ -87,25 +106,45 @@ class TinyDSV4:
         self.vocab_size: int = self.spec.vocab_size
         self.intermediate_size: int = int(cfg.get("intermediate_size", 2 * self.spec.hidden_size))
         self.seed = seed
-        self.state_dict = self._init_weights(seed)
+        self._set_weights(self._init_weights(seed), dtype)
+
+    def _set_weights(self, weights: dict[str, Tensor], dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.state_dict = {name: w.to(dtype) for name, w in weights.items()}
         self.attn = [
-            DSV4AttnWeights.from_state_dict(self.state_dict, f"layers.{i}.attn.", ratio)
+            DSV4AttnWeights.from_state_dict(self.state_dict, f"layers.{i}.attn.", ratio, dtype)
             for i, ratio in enumerate(self.spec.layer_ratios)
         ]
 
+    def to(self, dtype: torch.dtype) -> TinyDSV4:
+        """A new model holding this model's weights cast to `dtype`. fp32 -> fp64 is exact, so
+        `model.to(torch.float64)` is an fp32 model's rounding-free twin: the same weights,
+        fp64 arithmetic (unlike `TinyDSV4(seed=s, dtype=torch.float64)`, whose weights are
+        the unrounded fp64 draws)."""
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+        other = copy.copy(self)
+        other._set_weights(self.state_dict, dtype)
+        return other
+
     def _init_weights(self, seed: int) -> dict[str, Tensor]:
+        """Every weight in fp64 (the caller casts), drawn from one generator in a fixed order."""
         gen = torch.Generator().manual_seed(seed)
         spec, hid, inter = self.spec, self.spec.hidden_size, self.intermediate_size
-        sd: dict[str, Tensor] = {"embed.weight": torch.randn(self.vocab_size, hid, generator=gen)}
+
+        def randn(*shape: int) -> Tensor:
+            return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+        sd: dict[str, Tensor] = {"embed.weight": randn(self.vocab_size, hid)}
         for i in range(spec.num_layers):
             sd.update(init_attn_state_dict(spec, i, f"layers.{i}.attn.", gen))
-            sd[f"layers.{i}.attn_norm.weight"] = 1.0 + 0.1 * torch.randn(hid, generator=gen)
-            sd[f"layers.{i}.ffn_norm.weight"] = 1.0 + 0.1 * torch.randn(hid, generator=gen)
-            sd[f"layers.{i}.ffn.w1.weight"] = torch.randn(inter, hid, generator=gen) / math.sqrt(hid)
-            sd[f"layers.{i}.ffn.w3.weight"] = torch.randn(inter, hid, generator=gen) / math.sqrt(hid)
-            sd[f"layers.{i}.ffn.w2.weight"] = torch.randn(hid, inter, generator=gen) / math.sqrt(inter)
-        sd["norm.weight"] = 1.0 + 0.1 * torch.randn(hid, generator=gen)
-        sd["head.weight"] = torch.randn(self.vocab_size, hid, generator=gen) / math.sqrt(hid)
+            sd[f"layers.{i}.attn_norm.weight"] = 1.0 + 0.1 * randn(hid)
+            sd[f"layers.{i}.ffn_norm.weight"] = 1.0 + 0.1 * randn(hid)
+            sd[f"layers.{i}.ffn.w1.weight"] = randn(inter, hid) / math.sqrt(hid)
+            sd[f"layers.{i}.ffn.w3.weight"] = randn(inter, hid) / math.sqrt(hid)
+            sd[f"layers.{i}.ffn.w2.weight"] = randn(hid, inter) / math.sqrt(inter)
+        sd["norm.weight"] = 1.0 + 0.1 * randn(hid)
+        sd["head.weight"] = randn(self.vocab_size, hid) / math.sqrt(hid)
         return sd
 
     # ----- pieces shared by both forwards ------------------------------------------------
@@ -132,19 +171,33 @@ class TinyDSV4:
 
     @torch.no_grad()
     def reference_logits(self, token_ids: list[int] | Tensor) -> Tensor:
-        """The contiguous oracle: logits [T, vocab] of every position of `token_ids`."""
+        """The contiguous oracle: logits [T, vocab] (in `dtype`) of every position of `token_ids`."""
+        return self._reference(token_ids, None)
+
+    @torch.no_grad()
+    def reference_with_indexer(self, token_ids: list[int] | Tensor) -> ReferenceOutput:
+        """The oracle's logits and its indexer at every CSA layer (IndexerTrace), one forward."""
+        traces: list[IndexerTrace] = []
+        logits = self._reference(token_ids, traces)
+        return ReferenceOutput(logits, traces)
+
+    def _reference(self, token_ids: list[int] | Tensor, traces: list[IndexerTrace] | None) -> Tensor:
         ids = torch.as_tensor(token_ids, dtype=torch.long)
         h = self._embed(ids)
-        for i in range(self.spec.num_layers):
-            h = h + reference_attention(self.spec, i, self.attn[i], self._attn_input(i, h))
-            h = self._ffn(i, h)
+        for i, ratio in enumerate(self.spec.layer_ratios):
+            x = self._attn_input(i, h)
+            if traces is not None and ratio == CSA_RATIO:
+                traces.append(reference_indexer(self.spec, i, self.attn[i], x))
+            h = self._ffn(i, h + reference_attention(self.spec, i, self.attn[i], x))
         return self._logits(h)
 
     @torch.no_grad()
     def forward_paged(self, token_ids: list[int] | Tensor, chunks: list[ChunkPlan], pools: DSV4Pools) -> Tensor:
-        """token_ids: [N], the chunks' tokens concatenated in order. Reads and writes the pools;
-        returns logits [N, vocab]."""
+        """token_ids: [N], the chunks' tokens concatenated in order. Reads and writes the pools
+        (made with this model's dtype); returns logits [N, vocab] in `dtype`."""
         ids = torch.as_tensor(token_ids, dtype=torch.long)
+        if (pools.dtype == torch.float64) != (self.dtype == torch.float64):
+            raise ValueError(f"a {self.dtype} model needs pools of its precision, got {pools.dtype} pools")
         if ids.numel() != sum(c.num_tokens for c in chunks):
             raise ValueError(f"{ids.numel()} token ids for chunks of {sum(c.num_tokens for c in chunks)} tokens")
         h = self._embed(ids)

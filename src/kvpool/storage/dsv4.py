@@ -10,13 +10,17 @@ State pool, per layer, indexed by a state slot. Slots [0, num_state_blocks) are 
 state blocks; slots [num_state_blocks, num_state_blocks + num_checkpoints) hold state
 checkpoints taken at classical block boundaries (a checkpoint is a slot-to-slot copy).
   ring       [slots, n_win, head_dim]      SWA window; token p in row p % n_win
-  comp_kv    [slots, coff*ratio, coff*d]   compressor tail, fp32 (DEEPSEEK_V4.md §3)
+  comp_kv    [slots, coff*ratio, coff*d]   compressor tail, fp32 (DEEPSEEK_V4.md §3; fp64 pools: fp64)
   comp_score [slots, coff*ratio, coff*d]
   idx_kv / idx_score [slots, 2*4, 2*index_head_dim]   indexer compressor tail (CSA)
   tail_main  [slots, span // ratio, d]     complete entries of the unfinished span
   tail_idx   [slots, span // 4, index_head_dim]
 The tail entries are the request's own: an entry of an unfinished classical block never
 enters the Classical pool (the block would not be immutable yet).
+
+dtype: the storage dtype of the ring, the entries and the tail entries. The compressor
+tails are fp32 for fp32 / bf16 / fp16 storage (as the real model keeps them), and fp64 for
+fp64 storage: an fp64 verification run must not round its pending rows to fp32.
 """
 
 from __future__ import annotations
@@ -62,7 +66,8 @@ class LayerClassical:
 
 
 class DSV4Pools:
-    """Classical and State tensors for every layer of one model, fp32 by default."""
+    """Classical and State tensors for every layer of one model, fp32 by default (a model's
+    pools take its dtype: `DSV4Pools(model.spec, ..., dtype=model.dtype)`)."""
 
     def __init__(
         self,
@@ -83,9 +88,13 @@ class DSV4Pools:
         self.num_state_blocks = num_state_blocks
         self.num_checkpoints = num_checkpoints
         self.num_slots = num_state_blocks + num_checkpoints
+        self.dtype = dtype
         d, di, span, slots = spec.head_dim, spec.index_head_dim, spec.span, self.num_slots
         kw = {"dtype": dtype, "device": device}
-        f32 = {"dtype": torch.float32, "device": device}  # compressor state is always fp32
+        # compressor state: fp32, except in fp64 pools (never below the storage precision)
+        comp_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        self.compressor_dtype = comp_dtype
+        comp = {"dtype": comp_dtype, "device": device}
         self.state: list[LayerState] = []
         self.classical: list[LayerClassical] = []
         for ratio in spec.layer_ratios:
@@ -93,13 +102,13 @@ class DSV4Pools:
             cl = LayerClassical()
             if ratio:
                 coff = spec.coff(ratio)
-                st.comp_kv = torch.zeros(slots, coff * ratio, coff * d, **f32)
-                st.comp_score = torch.zeros(slots, coff * ratio, coff * d, **f32)
+                st.comp_kv = torch.zeros(slots, coff * ratio, coff * d, **comp)
+                st.comp_score = torch.zeros(slots, coff * ratio, coff * d, **comp)
                 st.tail_main = torch.zeros(slots, span // ratio, d, **kw)
                 cl.main = torch.zeros(num_classical_blocks, span // ratio, d, **kw)
             if ratio == CSA_RATIO:
-                st.idx_kv = torch.zeros(slots, 2 * CSA_RATIO, 2 * di, **f32)
-                st.idx_score = torch.zeros(slots, 2 * CSA_RATIO, 2 * di, **f32)
+                st.idx_kv = torch.zeros(slots, 2 * CSA_RATIO, 2 * di, **comp)
+                st.idx_score = torch.zeros(slots, 2 * CSA_RATIO, 2 * di, **comp)
                 st.tail_idx = torch.zeros(slots, span // CSA_RATIO, di, **kw)
                 cl.idx = torch.zeros(num_classical_blocks, span // CSA_RATIO, di, **kw)
             self.state.append(st)
