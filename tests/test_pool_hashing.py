@@ -50,9 +50,9 @@ def test_pool_keeps_every_copy_of_a_block_findable():
     t = token_bytes([1, 2])
     a, b = pool.allocate(2)
     first = pool.register(a, pool.chain(root, t))
-    assert first is not None and first.block_ids == [a]
+    assert first is not None and first.block_ids == (a,)
     assert pool.register(b, pool.chain(root, t)) is first  # same content computed twice: b joins
-    assert first.block_ids == [a, b]
+    assert first.block_ids == (a, b)
     pool.decref([b, a])
     assert pool.free_queue() == [2, 3, b, a]
     assert pool.match(root, t, len(t), 1).block_ids == [a]  # both free: the first listed copy

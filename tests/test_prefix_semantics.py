@@ -57,7 +57,7 @@ def test_a_duplicate_copy_keeps_its_chain_reachable():
     assert m.pool.free_queue() == [4, 5, 6, 7, 8, 9, 1]
     assert prefill(m, "c", list(range(100, 128))) == 0  # 7 blocks
     assert m.block_ids("c") == [4, 5, 6, 7, 8, 9, 1]
-    assert m.pool.prefix_block(2).block_ids == [2]  # a's copy is gone; b's remains
+    assert m.pool.prefix_block(2).block_ids == (2,)  # a's copy is gone; b's remains
     # b still holds every block of its sequence: a continuation is a full hit of b's copies.
     continuation = P8 + [20, 21, 22, 23] + [99]
     assert m.lookup_prefix(continuation) == 12

@@ -33,7 +33,7 @@ from kvpool.cache.types import (
     ReleaseReason,
     Reservation,
 )
-from kvpool.pool import BlockPool, BlockTableCSR, PrefixBlock, slot_mapping, to_csr
+from kvpool.pool import BlockPool, BlockTableCSR, PrefixBlock, StepTables, slot_mapping, step_tables, to_csr
 from kvpool.pool.hashing import TOKEN_BYTES, block_packer, token_bytes
 
 
@@ -118,6 +118,19 @@ class FullAttentionManager(CacheManager):
                         f"request {req.request_id!r}: {n} tokens outside the reserved [0, {req.num_reserved}]"
                     )
         return to_csr([req.block_ids for req in reqs], counts, self.block_size)
+
+    def step_tables(self, request_ids: Sequence[str], starts: Sequence[int], ends: Sequence[int]) -> StepTables:
+        """What a step's attention needs, in one pass: the slots of each request's positions
+        [starts[i], ends[i]), and its table over [0, ends[i]). A step continues the computed
+        prefix (starts[i] is the request's computed count) within its reservation."""
+        reqs = [self._get(r) for r in request_ids]
+        for req, start, end in zip(reqs, starts, ends, strict=True):
+            if start != req.num_computed or end > req.num_reserved:
+                raise ValueError(
+                    f"request {req.request_id!r}: positions [{start}, {end}) do not continue its {req.num_computed} "
+                    f"computed tokens within the reserved [0, {req.num_reserved})"
+                )
+        return step_tables([req.block_ids for req in reqs], starts, ends, self.block_size)
 
     def take_copies(self) -> list[BlockCopy]:
         """Pending copy-on-write copies, in the order they were made; the caller applies them
@@ -285,6 +298,7 @@ class FullAttentionManager(CacheManager):
         return self._apply_reserve(req, num_new_tokens, needed, cow)
 
     def _requests_of(self, request_ids: Sequence[str]) -> list[_Request]:
+        """The requests, in order. ValueError for a repeated id, KeyError for an unknown one."""
         if len(set(request_ids)) != len(request_ids):
             raise ValueError(f"a request appears twice in {list(request_ids)}")
         try:
@@ -303,18 +317,22 @@ class FullAttentionManager(CacheManager):
         tokens."""
         if len(request_ids) != len(num_new_tokens):
             raise ValueError(f"{len(request_ids)} requests but {len(num_new_tokens)} token counts")
-        reqs = self._requests_of(request_ids)
-        if not reqs:
+        if not request_ids:
             return True
-        if num_new_tokens.count(1) == len(reqs):  # all decodes: most need nothing at all
-            pending = [req for req in reqs if req.num_computed >= req.num_reserved]
+        if num_new_tokens.count(1) == len(request_ids):  # all decodes: most need nothing at all
+            try:
+                pending = [r for r in map(self._requests.__getitem__, request_ids) if r.num_computed >= r.num_reserved]
+            except KeyError as missing:
+                raise KeyError(f"unknown request {missing.args[0]!r}") from None
             if not pending:
-                return True
+                return True  # a request listed twice inside its reservation is harmless: nothing is taken
+            if len(set(map(id, pending))) != len(pending):
+                raise ValueError(f"a request appears twice in {list(request_ids)}")
             counts: Sequence[int] = [1] * len(pending)
         else:
+            pending, counts = self._requests_of(request_ids), num_new_tokens
             if min(num_new_tokens) < 0:
                 raise ValueError(f"num_new_tokens must be >= 0, got {min(num_new_tokens)}")
-            pending, counts = reqs, num_new_tokens
         bs = self.block_size
         growing: list[tuple[_Request, int]] = []  # (request, fresh blocks): no tail to copy
         tail_writes: list[tuple[_Request, int]] = []  # (request, tokens): the write starts in a read-only tail
@@ -366,10 +384,18 @@ class FullAttentionManager(CacheManager):
         reqs = self._requests_of(request_ids)
         if not reqs:
             return
-        if num_tokens.count(1) == len(reqs):  # all decodes
-            bad = [
-                req for req in reqs if req.num_computed >= req.num_reserved or req.num_computed >= len(req.token_ids)
-            ]
+        decode = num_tokens.count(1) == len(reqs)  # all decodes: the engine's common step
+        if decode:
+            bad = []
+            try:
+                for req in reqs:
+                    nc = req.num_computed
+                    if nc >= req.num_reserved:
+                        bad.append(req)
+                        break
+                    req.token_ids[nc]  # the committed position's token id is known (IndexError if not)
+            except IndexError:
+                bad.append(req)
         else:
             if min(num_tokens) < 0:
                 raise ValueError(f"a commit of {min(num_tokens)} tokens")
@@ -387,6 +413,21 @@ class FullAttentionManager(CacheManager):
             )
         bs = self.block_size
         caching = self.enable_prefix_caching
+        if decode:
+            publish, pack = self.pool.publish, self._pack_block
+            for req, next_token_id in zip(reqs, next_token_ids, strict=True):
+                nc = req.num_computed + 1
+                req.num_computed = nc
+                if nc % bs == 0 and caching:  # the token completed block nc // bs - 1
+                    chain = req.chain
+                    if req.mm_items or len(chain) * bs + bs != nc or nc * TOKEN_BYTES <= len(req.prompt_bytes):
+                        self._register_full_blocks(req)
+                    else:  # _register_full_blocks of one decoded block, inlined: the hot case
+                        chunk = pack(req.token_ids[nc - bs : nc])
+                        chain.append(publish(req.block_ids[nc // bs - 1], chain[-1] if chain else req.root, chunk))
+                if next_token_id is not None:
+                    req.token_ids.append(next_token_id)
+            return
         for req, n, next_token_id in zip(reqs, num_tokens, next_token_ids, strict=True):
             nc = req.num_computed + n
             req.num_computed = nc

@@ -54,22 +54,20 @@ def trace_t1(hash_algo: str) -> dict[str, float]:
     next_tokens = [[(step * 31 + i) % VOCAB for i in range(T1_REQUESTS)] for step in range(T1_STEPS)]
     ones = [1] * T1_REQUESTS
     decode_s = tables_s = 0.0
+    starts = [manager.num_computed_tokens(r) for r in request_ids]
     for step in range(T1_STEPS):
         start = time.perf_counter()
         assert manager.reserve_step(request_ids, ones)
         reserved = time.perf_counter()
-        # What LlamaRunner.execute derives from the manager for a decode step.
-        slots: list[int] = []
-        ctx_lens = []
-        for request_id in request_ids:
-            n = manager.num_computed_tokens(request_id)
-            slots.extend(manager.slot_mapping(request_id, n, n + 1))
-            ctx_lens.append(n + 1)
-        manager.csr(request_ids, ctx_lens)
+        # What LlamaRunner.execute takes from the manager for a decode step.
+        ends = [n + 1 for n in starts]
+        t0 = time.perf_counter()
+        manager.step_tables(request_ids, starts, ends)
         exported = time.perf_counter()
         manager.commit_step(request_ids, ones, next_tokens[step])
         decode_s += (reserved - start) + (time.perf_counter() - exported)
-        tables_s += exported - reserved
+        tables_s += exported - t0
+        starts = ends
     num_new_blocks = manager.pool.num_allocated - allocated_before
     num_registered = manager.pool.num_cached
     for request_id in request_ids:

@@ -110,28 +110,26 @@ class LlamaRunner:
         self.storage.apply_copies(m.take_copies())  # COW copies before anything writes
         token_ids: list[int] = []
         positions: list[int] = []
-        slot_mapping: list[int] = []
         q_lens: list[int] = []
         ctx_lens: list[int] = []
         logit_rows: list[int] = []
         for c in chunks:
             n = len(c.token_ids)
-            assert n > 0 and c.start == m.num_computed_tokens(c.seq_id), "chunks continue the computed prefix"
             token_ids.extend(c.token_ids)
             positions.extend(range(c.start, c.start + n))
-            slot_mapping.extend(m.slot_mapping(c.seq_id, c.start, c.start + n))
             q_lens.append(n)
             ctx_lens.append(c.start + n)
             if c.needs_logits:
                 logit_rows.append(len(token_ids) - 1)
-        csr = m.csr([c.seq_id for c in chunks], ctx_lens)
+        # Validates that each chunk continues its computed prefix within its reservation.
+        tables = m.step_tables([c.seq_id for c in chunks], [c.start for c in chunks], ctx_lens)
         cfg = self.model.config
         plan = plan_step(
             q_lens,
             ctx_lens,
-            slot_mapping,
-            csr.indptr,
-            csr.indices,
+            tables.slots,
+            tables.csr.indptr,
+            tables.csr.indices,
             self.block_size,
             cfg.num_heads,
             cfg.num_kv_heads,

@@ -46,12 +46,16 @@ class PrefixBlock:
 
     __slots__ = ("block_hash", "parent", "token_bytes", "extra", "block_ids", "__weakref__")
 
-    def __init__(self, block_hash: bytes, parent: PrefixBlock | None, token_bytes: bytes, extra: bytes) -> None:
+    def __init__(
+        self, block_hash: bytes, parent: PrefixBlock | None, token_bytes: bytes, extra: bytes, block_ids=()
+    ) -> None:
         self.block_hash = block_hash
         self.parent = parent
         self.token_bytes = token_bytes
         self.extra = extra
-        self.block_ids: list[int] = []
+        # A tuple: one or two copies is the common case, and a tuple of ints is no work for
+        # the garbage collector (the index holds one of these per cached block).
+        self.block_ids: tuple[int, ...] = block_ids
 
     @property
     def is_root(self) -> bool:
@@ -249,14 +253,13 @@ class BlockPool:
         caller's chain goes on with, registered, or (when it cannot be published) not."""
         # BlockHasher.chain, inlined: digest(parent hash || tokens || extra).
         block_hash = self.hasher.digest(parent.block_hash + block_token_bytes + extra)
-        block = PrefixBlock(block_hash, parent, block_token_bytes, extra)
         if self.enable_caching and block_hash not in self._index and (parent.parent is None or parent.block_ids):
             assert self._refcounts[block_id] > 0 and self._cached[block_id] is None, f"publish of block {block_id}"
             # The common case, a new content after a live parent: what `register` does, in short.
-            self._index[block_hash] = block
-            block.block_ids.append(block_id)
+            block = self._index[block_hash] = PrefixBlock(block_hash, parent, block_token_bytes, extra, (block_id,))
             self._cached[block_id] = block
             return block
+        block = PrefixBlock(block_hash, parent, block_token_bytes, extra)
         return self.register(block_id, block) or block
 
     def register(self, block_id: int, block: PrefixBlock) -> PrefixBlock | None:
@@ -285,7 +288,7 @@ class BlockPool:
                 return None
         if not block.block_ids:
             self._index[block.block_hash] = block
-        block.block_ids.append(block_id)
+        block.block_ids += (block_id,)
         self._cached[block_id] = block
         return block
 
@@ -299,13 +302,13 @@ class BlockPool:
         cached = self._cached[block_id]
         assert cached is not None
         self._cached[block_id] = None
-        cached.block_ids.remove(block_id)
+        cached.block_ids = tuple(b for b in cached.block_ids if b != block_id)
         if not cached.block_ids:
             del self._index[cached.block_hash]
 
     def _forget(self, block: PrefixBlock) -> None:
         """Unregister every copy of `block` (its prefix is gone: nobody can reach it)."""
-        for block_id in list(block.block_ids):
+        for block_id in block.block_ids:
             self._drop(block_id)
             if block_id in self._free_cached:
                 del self._free_cached[block_id]
