@@ -1,4 +1,5 @@
-"""`kvpool generate --json` and `kvpool run --json` end to end (small workloads)."""
+"""`kvpool run --json` and `kvpool bench engine` end to end (small workloads); generate is in
+test_generate_cli.py."""
 
 from __future__ import annotations
 
@@ -25,20 +26,6 @@ RUN_KEYS = {
     "preemptions",
     "num_requests",
 }
-
-
-def test_generate_json(capsys):
-    threads = torch.get_num_threads()
-    try:
-        assert (
-            main(["generate", "What is the capital of France?", "--json", "--max-tokens", "16", "--threads", "1"]) == 0
-        )
-    finally:
-        torch.set_num_threads(threads)
-    out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"token_ids", "text", "prompt_tokens", "cached_tokens"}
-    assert "Paris" in out["text"] and 0 < len(out["token_ids"]) <= 16
-    assert out["prompt_tokens"] > 20 and out["cached_tokens"] == 0
 
 
 def test_run_json_report(capsys):
