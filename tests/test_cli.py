@@ -71,3 +71,24 @@ def test_a_real_sigint_exits_130_in_one_line():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=25, env={**os.environ, "PYTHONPATH": src}
     )
     assert (proc.returncode, proc.stderr, proc.stdout) == (130, "kvpool plan: interrupted\n", "")
+
+
+def test_a_bad_model_file_is_named_with_what_is_wrong(tmp_path, capsys):
+    from kvpool.models.gguf import default_gguf_path
+
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (folder / "a.gguf").write_bytes(b"")
+    (tmp_path / "hello.gguf").write_bytes(b"hello")
+    with open(default_gguf_path(), "rb") as f:
+        (tmp_path / "cut.gguf").write_bytes(f.read(2_000_000))  # the header, then the tensor data cut short
+    for name, message in (
+        ("models", f"{folder} is a directory, not a GGUF file; it holds a.gguf"),
+        ("models/a.gguf", f"{folder / 'a.gguf'} is empty, not a GGUF file"),
+        ("hello.gguf", f"{tmp_path / 'hello.gguf'} is not a GGUF file: it starts with b'hell', not b'GGUF'"),
+        ("cut.gguf", f"GGUF file {tmp_path / 'cut.gguf'} is corrupt or truncated: "),
+        ("missing.gguf", f"GGUF file not found: {tmp_path / 'missing.gguf'}"),
+    ):
+        assert main(["generate", "hi", "--model", str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"kvpool generate: error: {message}") and err.count("\n") == 1, err
