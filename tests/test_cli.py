@@ -2,11 +2,93 @@
 
 from __future__ import annotations
 
+import pytest
+
+from kvpool.cli.main import main
+
 
 def test_cli_reports_a_callers_mistake_in_one_line(capsys):
-    from kvpool.cli.main import main
-
     assert main(["generate", "hi", "--model", "/nonexistent/model.gguf"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvpool generate: error: ") and "/nonexistent/model.gguf" in err
     assert "Traceback" not in err
+    # a bench's errors name the bench
+    assert main(["bench", "engine", "--model", "tiny-dsv4"]) == 2
+    assert capsys.readouterr().err.startswith("kvpool bench engine: error: bench engine runs a Llama GGUF")
+
+
+def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys):
+    import kvpool.cli.plan
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kvpool.cli.plan, "run", interrupted)
+    assert main(["plan", "--model", "llama-3.1-8b"]) == 130
+    assert capsys.readouterr().err == "kvpool plan: interrupted\n"
+
+
+def test_help_shows_defaults_and_the_models_generate_takes(monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "250")  # one line per option: no phrase split by the wrapping
+    for argv, shown in (
+        (["generate"], ["(default: 128)", "tiny-dsv4", "kvpool generate and kvpool run also take"]),
+        (["run"], ["(default: 2.0)", "256MiB for SmolLM2", "tiny-dsv4"]),
+        (["plan"], ["(default: 256)", "(default: H100)"]),
+        (["bench", "engine"], ["(default: decode,ttft,attention,glue)", "glue"]),
+        (["bench", "pool"], ["(default: "]),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*argv, "--help"])
+        assert exit_info.value.code == 0
+        out = capsys.readouterr().out
+        assert all(s in out for s in shown), (argv, out)
+        assert "(default: None)" not in out and "(default: False)" not in out
+
+
+def test_a_real_sigint_exits_130_in_one_line():
+    # the command sends itself SIGINT, as Ctrl-C would; Python's own handler is set again in
+    # case this test runs where SIGINT is ignored (a background job of a script)
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import kvpool
+
+    code = (
+        "import os, signal, sys, time\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        "import kvpool.cli.plan as plan\n"
+        "def run(args):\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(30)\n"
+        "plan.run = run\n"
+        "from kvpool.cli.main import main\n"
+        "sys.exit(main(['plan']))\n"
+    )
+    src = str(Path(kvpool.__file__).resolve().parents[1])
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=25, env={**os.environ, "PYTHONPATH": src}
+    )
+    assert (proc.returncode, proc.stderr, proc.stdout) == (130, "kvpool plan: interrupted\n", "")
+
+
+def test_a_bad_model_file_is_named_with_what_is_wrong(tmp_path, capsys):
+    from kvpool.models.gguf import default_gguf_path
+
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (folder / "a.gguf").write_bytes(b"")
+    (tmp_path / "hello.gguf").write_bytes(b"hello")
+    with open(default_gguf_path(), "rb") as f:
+        (tmp_path / "cut.gguf").write_bytes(f.read(2_000_000))  # the header, then the tensor data cut short
+    for name, message in (
+        ("models", f"{folder} is a directory, not a GGUF file; it holds a.gguf"),
+        ("models/a.gguf", f"{folder / 'a.gguf'} is empty, not a GGUF file"),
+        ("hello.gguf", f"{tmp_path / 'hello.gguf'} is not a GGUF file: it starts with b'hell', not b'GGUF'"),
+        ("cut.gguf", f"GGUF file {tmp_path / 'cut.gguf'} is corrupt or truncated: "),
+        ("missing.gguf", f"GGUF file not found: {tmp_path / 'missing.gguf'}"),
+    ):
+        assert main(["generate", "hi", "--model", str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"kvpool generate: error: {message}") and err.count("\n") == 1, err

@@ -1,4 +1,5 @@
-"""`kvpool generate --json` and `kvpool run --json` end to end (small workloads)."""
+"""`kvpool run --json` and `kvpool bench engine` end to end (small workloads); generate is in
+test_generate_cli.py."""
 
 from __future__ import annotations
 
@@ -8,20 +9,6 @@ import pytest
 import torch
 
 from kvpool.cli.main import main
-
-
-def test_generate_json(capsys):
-    threads = torch.get_num_threads()
-    try:
-        assert (
-            main(["generate", "What is the capital of France?", "--json", "--max-tokens", "16", "--threads", "1"]) == 0
-        )
-    finally:
-        torch.set_num_threads(threads)
-    out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"token_ids", "text", "prompt_tokens", "cached_tokens"}
-    assert "Paris" in out["text"] and 0 < len(out["token_ids"]) <= 16
-    assert out["prompt_tokens"] > 20 and out["cached_tokens"] == 0
 
 
 def _run_json(capsys, *args: str) -> dict:
@@ -119,7 +106,25 @@ def test_bench_engine_glue_json(capsys):
         assert main(["bench", "engine", "--parts", "glue", "--json", "--threads", "1"]) == 0
     finally:
         torch.set_num_threads(threads)
-    glue = json.loads(capsys.readouterr().out)["glue"]
+    captured = capsys.readouterr()
+    glue = json.loads(captured.out)["glue"]
+    # stdout is not a terminal here: one progress line per phase on stderr, none on stdout
+    assert captured.err == "bench engine: loading the model ...\nbench engine: glue ...\n"
     assert 500 < glue["weight_mb"] < 600  # SmolLM2-135M's layers + lm_head in fp32
     timed = ["matmuls_ms", "torch_rms_norm_us", "torch_silu_mul_us", "sample_top_p_ms", "sample_top_p_full_sort_ms"]
     assert all(glue[k] > 0 for k in timed)
+
+
+def test_bench_engine_refuses_unknown_parts_and_bad_shapes(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "engine", "--parts", "decode,nonsense"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        "kvpool bench engine: error: argument --parts: unknown 'nonsense' in 'decode,nonsense'; "
+        "choose from decode,ttft,attention,glue\n"
+    )
+    # checked before the model loads
+    assert main(["bench", "engine", "--parts", "attention", "--attn-context", "1000"]) == 2
+    assert "--attn-context 1000 must be a multiple of 256" in capsys.readouterr().err
+    assert main(["bench", "engine", "--model", "tiny-dsv4"]) == 2
+    assert "kvpool bench dsv4" in capsys.readouterr().err

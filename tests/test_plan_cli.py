@@ -105,3 +105,67 @@ def test_errors_are_clear(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     # a model that does not fit exits 1 but still prints its ledger
     assert main(["plan", "--model", "llama-3.1-70b", "--gpu", "H100", "--context", "8192", "--json"]) == 1
     assert json.loads(capsys.readouterr().out)["fits"] is False
+
+
+def test_plot_path_problems_are_one_line_errors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "a_file").write_text("")
+    for target, message in (
+        (tmp_path, f"--plot {tmp_path} is a directory; give a file name, e.g. {tmp_path / 'kv.png'}"),
+        (tmp_path / "missing" / "kv.png", f"the directory {tmp_path / 'missing'} does not exist"),
+        (tmp_path / "a_file" / "kv.png", f"{tmp_path / 'a_file'} is not a directory"),
+    ):
+        assert main(["plan", "--model", "llama-3.1-8b", "--plot", str(target)]) == 2
+        captured = capsys.readouterr()
+        assert captured.err.startswith("kvpool plan: error: --plot ") and message in captured.err
+        assert captured.err.count("\n") == 1 and captured.out == ""  # refused before the plan printed
+    # an unwritable directory (root may write anywhere, so the check is what is simulated)
+    monkeypatch.setattr("kvpool.cli.plan.os.access", lambda path, mode: False)
+    target = tmp_path / "kv.png"
+    assert main(["plan", "--plot", str(target)]) == 2
+    assert capsys.readouterr().err == f"kvpool plan: error: --plot {target}: no permission to write there\n"
+    assert not target.exists()
+
+
+def test_plot_models_must_name_a_preset(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--plot", str(tmp_path / "kv.png"), "--plot-models", " , ,"]) == 2
+    assert capsys.readouterr().err == "kvpool plan: error: --plot-models ' , ,' names no preset\n"
+
+
+def test_context_beyond_the_models_positions_warns_and_still_plans(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", "llama-3.1-8b", "--context", "262144", "--memory-gib", "1000", "--json"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert out["context_len"] == 262_144 and out["max_position_embeddings"] == 131_072
+    assert captured.err == (
+        "kvpool plan: warning: --context 262,144 is beyond llama-3.1-8b's maximum position 131,072 "
+        "(max_position_embeddings); the figures extrapolate\n"
+    )
+    assert main(["plan", "--model", "llama-3.1-8b", "--context", "131072", "--memory-gib", "1000", "--json"]) == 0
+    assert capsys.readouterr().err == ""  # at the maximum: no warning
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--num-gpus", "0", "expected a positive integer, got 0"),
+        ("--tp", "-2", "expected a positive integer, got -2"),
+        ("--context", "0", "expected a positive integer, got 0"),
+        ("--concurrency", "-1", "expected a positive integer, got -1"),
+        ("--block-size", "0", "expected a positive integer, got 0"),
+        ("--max-num-seqs", "0", "expected a positive integer, got 0"),
+        ("--max-batched-tokens", "x", "expected a positive integer, got 'x'"),
+        ("--memory-gib", "inf", "expected a finite positive number, got 'inf'"),
+        ("--memory-gib", "nan", "expected a finite positive number, got 'nan'"),
+        ("--memory-gib", "0", "expected a finite positive number, got '0'"),
+        ("--seed", "-1", "expected an integer >= 0, got -1"),
+    ],
+)
+def test_nonsense_counts_are_refused_at_parse_time(
+    flag: str, value: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--model", "llama-3.1-8b", flag, value])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.endswith(f"kvpool plan: error: argument {flag}: {message}\n")

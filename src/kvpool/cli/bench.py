@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from kvpool.cli.args import HelpFormatter
+
 # bench name -> module exposing add_arguments(parser) and run(args) -> int
 BENCHES: dict[str, tuple[str, str]] = {
     "pool": ("kvpool.cli.bench_pool", "block pool and prefix cache bookkeeping (traces T1, T2)"),
@@ -20,9 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench", required=True)
     for name, (module_name, help_text) in BENCHES.items():
         module = importlib.import_module(module_name)
-        bench_parser = sub.add_parser(name, help=help_text, description=help_text)
+        bench_parser = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
         module.add_arguments(bench_parser)
-        bench_parser.set_defaults(_bench_run=module.run)
+        bench_parser.set_defaults(_bench_run=module.run, _name=f"bench {name}")  # errors say which bench
 
 
 def run(args: argparse.Namespace) -> int:

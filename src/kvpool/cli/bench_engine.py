@@ -14,23 +14,45 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
+import sys
 import time
 
+from kvpool.cli.args import comma_choices, positive_int
 from kvpool.cli.generate import add_model_arguments
+
+# what --parts can pick (run as attention, glue, ttft, decode; printed in this order)
+PARTS: tuple[str, ...] = ("decode", "ttft", "attention", "glue")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=16, help="engine block size")
-    parser.add_argument("--attn-block-size", type=int, default=256, help="block size for the attention comparison")
-    parser.add_argument("--attn-context", type=int, default=4096)
-    parser.add_argument("--attn-batch", type=int, default=16)
+    parser.add_argument("--new-tokens", type=positive_int, default=128, help="new tokens per request in decode")
+    parser.add_argument("--block-size", type=positive_int, default=16, help="engine block size")
+    parser.add_argument(
+        "--attn-block-size", type=positive_int, default=256, help="block size for the attention comparison"
+    )
+    parser.add_argument(
+        "--attn-context", type=positive_int, default=4096, help="context of each sequence in the attention comparison"
+    )
+    parser.add_argument("--attn-batch", type=positive_int, default=16, help="sequences in the attention comparison")
     parser.add_argument("--skip-hf", action="store_true", help="skip the transformers side (no ratios for part 1)")
-    parser.add_argument("--parts", default="decode,ttft,attention,glue", help="comma list of parts to run")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--parts",
+        type=comma_choices(PARTS),
+        default=",".join(PARTS),
+        help=f"comma list of parts to run, from {','.join(PARTS)}",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     add_model_arguments(parser)
+
+
+def _progress(phase: str) -> None:
+    """One line per phase on stderr when stdout is not a terminal (piped, CI), so a run of
+    minutes is not silent; stdout keeps only the JSON or the table."""
+    if not sys.stdout.isatty():
+        print(f"bench engine: {phase} ...", file=sys.stderr, flush=True)
 
 
 def _timeit(fn, repeat: int = 40) -> float:
@@ -184,16 +206,27 @@ def run(args: argparse.Namespace) -> int:
     from kvpool.engine.sampling import SamplingParams
     from kvpool.models.gguf import default_gguf_path
 
+    if args.model == "tiny-dsv4":
+        raise ValueError("bench engine runs a Llama GGUF; the tiny V4 model is benchmarked by kvpool bench dsv4")
+    parts = set(args.parts)
+    # the attention part also runs block sizes 16 and 64 over the same context
+    block_sizes = math.lcm(args.attn_block_size, 16, 64)
+    if "attention" in parts and args.attn_context % block_sizes:
+        raise ValueError(
+            f"--attn-context {args.attn_context} must be a multiple of {block_sizes} "
+            f"(--attn-block-size {args.attn_block_size}, and 16 and 64 for the block-size ratios)"
+        )
     if args.threads:
         torch.set_num_threads(args.threads)
-    parts = set(args.parts.split(","))
     report: dict = {"threads": torch.get_num_threads(), "dtype": "fp32"}
+    _progress("loading the model")
     loaded = load_model(args.model, device="cpu")
     report["kernels"] = "native" if loaded.model.kernels is not None else "torch"
     cfg = loaded.model.config
     rng = random.Random(0)
 
     if "attention" in parts:
+        _progress("attention")
         shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         report["attention"] = bench_attention(args.attn_batch, args.attn_context, args.attn_block_size, *shape)
         # smaller blocks: more, shorter K^T rows per bag (16 floats at block size 16)
@@ -204,9 +237,11 @@ def run(args: argparse.Namespace) -> int:
         }
 
     if "glue" in parts:
+        _progress("glue")
         report["glue"] = bench_glue(loaded)
 
     if "ttft" in parts:
+        _progress("ttft")
         system = [rng.randrange(100, 49000) for _ in range(1000)]
         engine = build_engine(loaded, num_blocks=256, block_size=args.block_size, max_num_batched_tokens=2048)
         params = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -237,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
         }
         hf = None
         if not args.skip_hf:
+            _progress("loading the model into transformers")
             import transformers
 
             path = args.model or default_gguf_path()
@@ -246,6 +282,7 @@ def run(args: argparse.Namespace) -> int:
             hf.eval()
         decode = {}
         for name, prompts in batches.items():
+            _progress(f"decode {name}, kvpool")
             engine = build_engine(
                 loaded, num_blocks=512, block_size=args.block_size, max_num_batched_tokens=1024, max_num_seqs=32
             )
@@ -256,6 +293,7 @@ def run(args: argparse.Namespace) -> int:
             ours = len(prompts) * n / (time.perf_counter() - t0)
             entry = {"ours_tok_s": round(ours, 2), "ours_ms_per_step": round(len(prompts) / ours * 1e3, 1)}
             if hf is not None:
+                _progress(f"decode {name}, transformers")
                 width = max(len(p) for p in prompts)
                 ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
                 mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])

@@ -31,6 +31,7 @@ import statistics
 import time
 
 from kvpool.cache import CacheDescriptor, FullAttentionManager
+from kvpool.cli.args import positive_int
 from kvpool.pool.block_pool import BlockPool
 from kvpool.pool.hashing import TOKEN_BYTES, token_bytes
 
@@ -160,19 +161,9 @@ TARGETS = {
 }
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--repeats", type=_positive_int, default=5, help="runs per figure (median)")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="runs per figure (median)")
     parser.add_argument("--hash", dest="hash_algo", default="xxh3_128", choices=["xxh3_128", "sha256"])
 
 

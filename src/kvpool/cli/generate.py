@@ -5,25 +5,74 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
+
+from kvpool.cli.args import non_negative_int, positive_int
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="a Llama-architecture GGUF (default: the embedded SmolLM2-135M)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    """--model and --threads, shared by generate, run and bench engine."""
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a Llama-architecture GGUF file (default: the embedded SmolLM2-135M); kvpool generate and kvpool "
+        "run also take tiny-dsv4, the tiny DeepSeek-V4 model on its dual pool (token ids in and out; generate "
+        "needs --no-chat with it)",
+    )
+    parser.add_argument(
+        "--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)"
+    )
+
+
+def _prompt(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the prompt is empty")
+    return text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("prompt", help="the user message (or raw text with --no-chat)")
+    parser.add_argument("prompt", type=_prompt, help="the user message (or raw text with --no-chat)")
     parser.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text, without the chat template")
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument(
+        "--max-tokens", type=positive_int, default=128, help="most new tokens; prompt + these must fit the context"
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-blocks", type=int, default=512)
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass, in (0, 1]")
+    parser.add_argument("--top-k", type=non_negative_int, default=0, help="keep the k most likely tokens; 0 = off")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    parser.add_argument("--num-blocks", type=positive_int, default=512, help="KV blocks in the pool")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_model_arguments(parser)
+
+
+def check_context(num_prompt_tokens: int, max_tokens: int, context_len: int, bound: str) -> None:
+    """Refuse a request that cannot get its --max-tokens (as vLLM and OpenAI do) instead of
+    cutting it short at the context. `bound` says what sets `context_len`."""
+    if num_prompt_tokens + max_tokens <= context_len:
+        return
+    room = context_len - num_prompt_tokens
+    fit = f"at most {room} new tokens fit" if room > 0 else "the prompt alone fills it"
+    raise ValueError(
+        f"the prompt has {num_prompt_tokens} tokens and --max-tokens {max_tokens}; "
+        f"the context holds {context_len} tokens ({bound}), so {fit}"
+    )
+
+
+def timings(out: Any) -> dict[str, float | None]:
+    """JSON timing fields of a RequestOutput; None where the engine has no figure (no
+    decode rate for a single token)."""
+    return {
+        "ttft_ms": None if out.ttft_s is None else round(out.ttft_s * 1e3, 2),
+        "tokens_per_s": round(1 / out.tpot_s, 2) if out.tpot_s else None,  # decode rate, after the first token
+        "latency_ms": None if out.latency_s is None else round(out.latency_s * 1e3, 2),
+    }
+
+
+def length_note(max_tokens: int) -> str:
+    """The stderr line for an output cut by the length limit. check_context has made sure
+    that the prompt plus --max-tokens fit the context, so --max-tokens is the limit hit."""
+    return f"kvpool generate: note: the output stopped at --max-tokens {max_tokens}, not at a natural end"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,35 +96,47 @@ def run(args: argparse.Namespace) -> int:
         tok.encode(args.prompt) if args.no_chat else tok.encode_chat([{"role": "user", "content": args.prompt}])
     )
     engine = build_engine(loaded, num_blocks=args.num_blocks, block_size=args.block_size)
+    context_len = engine.runner.max_model_len
+    if context_len < loaded.model.config.max_position:
+        bound = f"--num-blocks {args.num_blocks} x --block-size {args.block_size}"
+    else:
+        bound = "the model's maximum"
+    check_context(len(prompt_ids), args.max_tokens, context_len, bound)
     rid = engine.add_request(prompt_ids, params)
     seq = engine.requests[rid].seqs[0]
     printed = ""
-    while engine.has_unfinished():
-        engine.step()
-        if args.json:
-            continue
-        ids = [t for t in seq.output_ids if t not in engine.eos_token_ids]
-        text = tok.decode(ids)
-        if seq.finish_reason is not None:
-            text = seq.text
-        # hold back an incomplete UTF-8 sequence (shown as U+FFFD) until its next byte arrives
-        if text.startswith(printed) and not text.endswith("\ufffd"):
-            sys.stdout.write(text[len(printed) :])
-            sys.stdout.flush()
-            printed = text
+    try:
+        while engine.has_unfinished():
+            engine.step()
+            if args.json:
+                continue
+            ids = [t for t in seq.output_ids if t not in engine.eos_token_ids]
+            text = tok.decode(ids)
+            if seq.finish_reason is not None:
+                text = seq.text
+            # hold back an incomplete UTF-8 sequence (shown as U+FFFD) until its next byte arrives
+            if text.startswith(printed) and not text.endswith("\ufffd"):
+                sys.stdout.write(text[len(printed) :])
+                sys.stdout.flush()
+                printed = text
+    except KeyboardInterrupt:
+        if printed:
+            sys.stdout.write("\n")  # end the streamed line before main's "interrupted" line
+        raise
     out = engine.output(rid)
     completion = out.completions[0]
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "token_ids": completion.token_ids,
-                    "text": completion.text,
-                    "prompt_tokens": len(prompt_ids),
-                    "cached_tokens": out.num_cached_tokens,
-                }
-            )
-        )
+        report = {
+            "token_ids": completion.token_ids,
+            "text": completion.text,
+            "prompt_tokens": len(prompt_ids),
+            "cached_tokens": out.num_cached_tokens,
+            "finish_reason": completion.finish_reason,
+            **timings(out),
+        }
+        print(json.dumps(report))
     else:
         sys.stdout.write("\n")
+        if completion.finish_reason == "length":
+            print(length_note(args.max_tokens), file=sys.stderr)
     return 0

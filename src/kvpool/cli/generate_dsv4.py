@@ -11,6 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
+
+from kvpool.cli.generate import check_context, length_note, timings
 
 MODEL_NAME = "tiny-dsv4"
 
@@ -30,38 +33,43 @@ def parse_token_ids(text: str, vocab_size: int) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """ValueError (one line from `kvpool generate`) for a caller's mistake: no --no-chat,
+    a prompt that is not token ids, or a prompt + --max-tokens beyond the context."""
     from kvpool.engine.dsv4_runner import build_tiny_dsv4_engine
     from kvpool.engine.sampling import SamplingParams
     from kvpool.models.tiny_dsv4 import TINY_DSV4_CONFIG
 
-    if not getattr(args, "no_chat", False):
-        raise SystemExit(f"{MODEL_NAME} has no tokenizer or chat template: pass --no-chat and token ids")
-    try:
-        prompt_ids = parse_token_ids(args.prompt, TINY_DSV4_CONFIG["vocab_size"])
-    except ValueError as exc:
-        raise SystemExit(str(exc)) from None
+    if not args.no_chat:
+        raise ValueError(f"{MODEL_NAME} has no tokenizer or chat template: pass --no-chat and token ids")
+    prompt_ids = parse_token_ids(args.prompt, TINY_DSV4_CONFIG["vocab_size"])
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
     )
-    engine = build_tiny_dsv4_engine(num_classical_blocks=max(1, getattr(args, "num_blocks", 64)))
+    engine = build_tiny_dsv4_engine(num_classical_blocks=args.num_blocks)
+    context_len = engine.runner.max_model_len
+    if context_len < TINY_DSV4_CONFIG["max_position_embeddings"]:
+        bound = f"the KV cache of --num-blocks {args.num_blocks}"
+    else:
+        bound = "the model's maximum"
+    check_context(len(prompt_ids), args.max_tokens, context_len, bound)
     rid = engine.add_request(prompt_ids, params)
     while engine.has_unfinished():
         engine.step()
     out = engine.output(rid)
     completion = out.completions[0]
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "model": MODEL_NAME,
-                    "token_ids": completion.token_ids,
-                    "text": "",
-                    "prompt_tokens": len(prompt_ids),
-                    "cached_tokens": out.num_cached_tokens,
-                    "finish_reason": completion.finish_reason,
-                }
-            )
-        )
+        report = {
+            "model": MODEL_NAME,
+            "token_ids": completion.token_ids,
+            "text": "",
+            "prompt_tokens": len(prompt_ids),
+            "cached_tokens": out.num_cached_tokens,
+            "finish_reason": completion.finish_reason,
+            **timings(out),
+        }
+        print(json.dumps(report))
     else:
         print(" ".join(str(t) for t in completion.token_ids))
+        if completion.finish_reason == "length":
+            print(length_note(args.max_tokens), file=sys.stderr)
     return 0

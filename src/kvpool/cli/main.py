@@ -11,38 +11,54 @@ import importlib
 import os
 import sys
 
+from kvpool.cli.args import HelpFormatter
+
 # command name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("kvpool.cli.bench", "benchmarks: pool, engine, dsv4"),
-    "generate": ("kvpool.cli.generate", "generate text with SmolLM2-135M (or --model GGUF) on the paged cache"),
+    "generate": (
+        "kvpool.cli.generate",
+        "generate text with SmolLM2-135M (or --model GGUF, or token ids with --model tiny-dsv4) on the paged cache",
+    ),
     "run": ("kvpool.cli.run", "the main job: a chat workload through the engine, then the performance report"),
     "plan": ("kvpool.cli.plan", "capacity model, memory ledger and planner"),
     "verify": ("kvpool.cli.verify", "verification matrices: dsv4 (paged dual pool vs contiguous oracle)"),
 }
 
+# the shell's status for a process ended by SIGINT (128 + 2)
+EXIT_INTERRUPTED = 130
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvpool", description="kvpool: a KV-cache system for LLM inference")
+    parser = argparse.ArgumentParser(
+        prog="kvpool", description="kvpool: a KV-cache system for LLM inference", formatter_class=HelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module_name, help_text) in COMMANDS.items():
         module = importlib.import_module(module_name)
-        command_parser = sub.add_parser(name, help=help_text, description=help_text)
+        command_parser = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
         module.add_arguments(command_parser)
-        command_parser.set_defaults(_run=module.run)
+        command_parser.set_defaults(_run=module.run, _name=name)  # bench sets "bench NAME"
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command. A caller's mistake (a bad value, a missing file) is reported as one
-    line naming the problem, exit status 2; KVPOOL_TRACEBACK=1 shows the traceback too."""
+    line naming the problem, exit status 2; Ctrl-C as one line, status 130.
+    KVPOOL_TRACEBACK=1 shows the traceback instead."""
     args = build_parser().parse_args(argv)
     try:
         return int(args._run(args) or 0)
     except (ValueError, FileNotFoundError) as error:
         if os.environ.get("KVPOOL_TRACEBACK"):
             raise
-        print(f"kvpool {args.command}: error: {error}", file=sys.stderr)
+        print(f"kvpool {args._name}: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if os.environ.get("KVPOOL_TRACEBACK"):
+            raise
+        print(f"kvpool {args._name}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -16,6 +17,7 @@ from kvpool.capacity.kv import INDEXER_FORMATS, KV_DTYPES, kv_layout
 from kvpool.capacity.ledger import TERMS, LedgerAssumptions
 from kvpool.capacity.planner import Plan, plan
 from kvpool.capacity.weights import WEIGHT_DTYPES
+from kvpool.cli.args import non_negative_int, positive_float, positive_int
 from kvpool.spec.gpus import GPUS, GPUSpec, custom_gpu, get_gpu
 from kvpool.spec.models import PRESET_NAMES, ModelSpec, load_config_file, load_preset
 
@@ -38,37 +40,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--model", help=f"a preset: {', '.join(PRESET_NAMES)}")
     src.add_argument("--config", help="a Hugging Face config.json (or the folder holding it)")
     hw = parser.add_mutually_exclusive_group()
-    hw.add_argument("--gpu", default=None, help=f"GPU preset: {', '.join(GPUS)} (default H100)")
-    hw.add_argument("--memory-gib", type=float, default=None, help="GPU memory in GiB instead of a preset")
-    parser.add_argument("--num-gpus", type=int, default=None, help="GPUs in all (default: --tp)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
-    parser.add_argument("--context", type=int, default=None, help="context length (default: the model's maximum)")
+    hw.add_argument("--gpu", default="H100", help=f"GPU preset: {', '.join(GPUS)}")
+    hw.add_argument("--memory-gib", type=positive_float, default=None, help="GPU memory in GiB instead of a preset")
+    parser.add_argument("--num-gpus", type=positive_int, default=None, help="GPUs in all (default: --tp)")
+    parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size")
+    parser.add_argument(
+        "--context", type=positive_int, default=None, help="context length (default: the model's maximum)"
+    )
     parser.add_argument(
         "--ep",
         action="store_true",
         help="expert parallelism over all GPUs, attention in num-gpus/tp data-parallel replicas",
     )
-    parser.add_argument("--concurrency", type=int, default=None, help="concurrent requests over all GPUs")
-    parser.add_argument("--block-size", type=int, default=None, help="tokens per block (default 16 / 64 MLA / 128 V4)")
-    parser.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES, help="KV storage format (default auto)")
+    parser.add_argument("--concurrency", type=positive_int, default=None, help="concurrent requests over all GPUs")
     parser.add_argument(
-        "--indexer-format", default=None, choices=INDEXER_FORMATS, help="V3.2 / V4 indexer-key format (default fp8)"
+        "--block-size", type=positive_int, default=None, help="tokens per block (default: 16, 64 for MLA, 128 for V4)"
     )
-    parser.add_argument("--weight-dtype", default="auto", choices=WEIGHT_DTYPES, help="weight format (default auto)")
-    parser.add_argument("--max-num-seqs", type=int, default=256, help="running-request limit (default 256)")
-    parser.add_argument("--max-batched-tokens", type=int, default=8192, help="tokens per forward step (default 8192)")
+    parser.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES, help="KV storage format")
+    parser.add_argument(
+        "--indexer-format", default=None, choices=INDEXER_FORMATS, help="V3.2 / V4 indexer-key format (default: fp8)"
+    )
+    parser.add_argument("--weight-dtype", default="auto", choices=WEIGHT_DTYPES, help="weight format")
+    parser.add_argument("--max-num-seqs", type=positive_int, default=256, help="running-request limit")
+    parser.add_argument("--max-batched-tokens", type=positive_int, default=8192, help="tokens per forward step")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="no CUDA-graph memory in the ledger")
     parser.add_argument(
         "--lengths",
         default=None,
         help="length distribution for measured fragmentation: uniform:LO:HI, "
-        "lognormal:MEDIAN:SIGMA or fixed:N (default uniform:1:CONTEXT)",
+        "lognormal:MEDIAN:SIGMA or fixed:N (default: uniform:1:CONTEXT)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the sampled lengths (default 0)")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the sampled lengths")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw KV bytes vs context length")
     parser.add_argument(
-        "--plot-models", default=None, help=f"comma-separated presets for --plot (default {','.join(PLOT_MODELS)})"
+        "--plot-models", default=None, help=f"comma-separated presets for --plot (default: {','.join(PLOT_MODELS)})"
     )
 
 
@@ -83,7 +89,32 @@ def _load_model(args: argparse.Namespace) -> ModelSpec | None:
 def _gpu(args: argparse.Namespace) -> GPUSpec:
     if args.memory_gib is not None:
         return custom_gpu(args.memory_gib)
-    return get_gpu(args.gpu or "H100")
+    return get_gpu(args.gpu)
+
+
+def check_plot_path(path: str) -> None:
+    """ValueError naming the problem if a PNG cannot be written at `path`, before minutes of
+    planning and drawing are spent."""
+    if os.path.isdir(path):
+        raise ValueError(f"--plot {path} is a directory; give a file name, e.g. {os.path.join(path, 'kv.png')}")
+    parent = os.path.dirname(path) or "."
+    if not os.path.exists(parent):
+        raise ValueError(f"--plot {path}: the directory {parent} does not exist")
+    if not os.path.isdir(parent):
+        raise ValueError(f"--plot {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"--plot {path}: no permission to write there")
+
+
+def warn_beyond_max_position(model: ModelSpec, context_len: int | None) -> None:
+    """The plan still prints past the model's positions (the KV figures extrapolate), but
+    the user should know that the model was not built for that context."""
+    if context_len is not None and context_len > model.max_position_embeddings:
+        print(
+            f"kvpool plan: warning: --context {context_len:,} is beyond {model.name}'s maximum position "
+            f"{model.max_position_embeddings:,} (max_position_embeddings); the figures extrapolate",
+            file=sys.stderr,
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,8 +122,15 @@ def run(args: argparse.Namespace) -> int:
         model = _load_model(args)
         if model is None and not args.plot:
             raise ValueError("give --model NAME or --config PATH (or --plot FILE.png alone)")
+        plot_names: list[str] = []
+        if args.plot:
+            check_plot_path(args.plot)
+            plot_names = [n.strip() for n in (args.plot_models or ",".join(PLOT_MODELS)).split(",") if n.strip()]
+            if not plot_names:
+                raise ValueError(f"--plot-models {args.plot_models!r} names no preset")
         result = None
         if model is not None:
+            warn_beyond_max_position(model, args.context)
             assumptions = LedgerAssumptions(
                 max_num_batched_tokens=args.max_batched_tokens,
                 max_num_seqs=args.max_num_seqs,
@@ -115,8 +153,7 @@ def run(args: argparse.Namespace) -> int:
                 expert_parallel=args.ep,
             )
         if args.plot:
-            names = args.plot_models.split(",") if args.plot_models else list(PLOT_MODELS)
-            models = [load_preset(n.strip()) for n in names if n.strip()]
+            models = [load_preset(n) for n in plot_names]
             if model is not None and model.name not in {m.name for m in models}:
                 models.append(model)
             plot_kv_vs_context(models, args.plot, kv_dtype=args.kv_dtype)
@@ -323,5 +360,9 @@ def plot_kv_vs_context(models: list[ModelSpec], path: str, kv_dtype: str = "auto
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, format="png", dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(path, format="png", dpi=120)
+    except OSError as e:  # check_plot_path looked first; the disk can still be full or read-only
+        raise ValueError(f"--plot {path}: cannot write: {e.strerror or e}") from e
+    finally:
+        plt.close(fig)

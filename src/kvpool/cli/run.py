@@ -33,6 +33,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from kvpool.cli.args import non_negative_int, positive_float, positive_int, rate
 from kvpool.cli.generate import add_model_arguments
 
 SYSTEM_TOPICS = [
@@ -73,66 +74,38 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not value > 0:  # NaN fails too
-        raise argparse.ArgumentTypeError(f"must be a positive number (or inf), got {text!r}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-requests", type=_positive_int, default=24, help="first-turn conversations")
+    parser.add_argument("--num-requests", type=positive_int, default=24, help="first-turn conversations")
     parser.add_argument(
-        "--turns", type=_positive_int, default=2, help="turns per conversation (follow-ups reuse the history)"
+        "--turns", type=positive_int, default=2, help="turns per conversation (follow-ups reuse the history)"
     )
-    parser.add_argument("--num-long", type=_non_negative_int, default=2, help="long single prompts added to the mix")
-    parser.add_argument("--max-tokens", type=_positive_int, default=24, help="new tokens per answer")
+    parser.add_argument("--num-long", type=non_negative_int, default=2, help="long single prompts added to the mix")
+    parser.add_argument("--max-tokens", type=positive_int, default=24, help="new tokens per answer")
     parser.add_argument(
         "--request-rate",
-        type=_positive_float,
+        type=rate,
         default=2.0,
         help="arrivals per second of first turns and long prompts (Poisson; inf: all at once)",
     )
-    parser.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block (SmolLM2)")
-    parser.add_argument("--num-blocks", type=_positive_int, default=None, help="KV blocks (default: from --kv-memory)")
+    parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (SmolLM2)")
+    parser.add_argument("--num-blocks", type=positive_int, default=None, help="KV blocks (default: from --kv-memory)")
     parser.add_argument(
         "--kv-memory",
         default=None,
         help="KV cache memory, e.g. 64MiB or 1GiB (default: 256MiB for SmolLM2; 16MiB of classical blocks for "
         "tiny-dsv4, whose state blocks come on top)",
     )
-    parser.add_argument("--max-batch-tokens", type=_positive_int, default=256, help="token budget per engine step")
-    parser.add_argument("--max-seqs", type=_positive_int, default=16, help="most sequences in one step")
+    parser.add_argument("--max-batch-tokens", type=positive_int, default=256, help="token budget per engine step")
+    parser.add_argument("--max-seqs", type=positive_int, default=16, help="most sequences in one step")
     parser.add_argument(
-        "--slo-ttft-ms", type=_positive_float, default=1000.0, help="goodput SLO: time to first token, ms"
+        "--slo-ttft-ms", type=positive_float, default=1000.0, help="goodput SLO: time to first token, ms"
     )
     parser.add_argument(
-        "--slo-tpot-ms", type=_positive_float, default=200.0, help="goodput SLO: time per output token, ms"
+        "--slo-tpot-ms", type=positive_float, default=200.0, help="goodput SLO: time per output token, ms"
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the workload, the arrivals and the sampler")
+    parser.add_argument(
+        "--seed", type=non_negative_int, default=0, help="seed of the workload, the arrivals and the sampler"
+    )
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     add_model_arguments(parser)
 

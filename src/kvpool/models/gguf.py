@@ -26,6 +26,10 @@ SUPPORTED_QUANT_TYPES = frozenset(
 )
 SUPPORTED_ARCHITECTURES = frozenset({"llama"})
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_MAGIC = b"GGUF"
+# What gguf's reader and numpy raise on a corrupt or truncated file (an unknown value type,
+# a string that is not UTF-8, an array cut short, a shape that does not match the bytes).
+_PARSE_ERRORS = (ValueError, IndexError, KeyError, TypeError, OverflowError, OSError)
 
 
 @dataclass(frozen=True)
@@ -43,11 +47,6 @@ class LlamaConfig:
     vocab_size: int
     max_position: int
     tie_embeddings: bool
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """fp32 K+V bytes one token occupies across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
 
 
 @dataclass(frozen=True)
@@ -119,7 +118,7 @@ def read_config(reader: Any) -> LlamaConfig:
     names = {t.name for t in reader.tensors}
     vocab = _field(reader, f"{arch}.vocab_size")
     if vocab is None:
-        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+        vocab = len(_require(reader, "tokenizer.ggml.tokens"))
     return LlamaConfig(
         num_layers=int(_require(reader, f"{arch}.block_count")),
         hidden_size=hidden,
@@ -155,22 +154,58 @@ def read_tokenizer(reader: Any) -> TokenizerData:
     )
 
 
+def check_gguf_file(path: str) -> None:
+    """FileNotFoundError for a missing file; ValueError naming the path for a directory,
+    an empty file or one that does not start with the GGUF magic."""
+    if os.path.isdir(path):
+        inside = sorted(n for n in os.listdir(path) if n.endswith(".gguf"))
+        hint = f"; it holds {', '.join(inside[:4])}{', ...' if len(inside) > 4 else ''}" if inside else ""
+        raise ValueError(f"{path} is a directory, not a GGUF file{hint}")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(GGUF_MAGIC))
+    except OSError as e:
+        raise ValueError(f"cannot read GGUF file {path}: {e.strerror or e}") from e
+    if not head:
+        raise ValueError(f"{path} is empty, not a GGUF file")
+    if head != GGUF_MAGIC:
+        raise ValueError(f"{path} is not a GGUF file: it starts with {head!r}, not {GGUF_MAGIC!r}")
+
+
 def load_gguf(path: str | None = None, dtype: torch.dtype = torch.float32) -> GGUFModel:
     """Read and dequantize a Llama GGUF. `path=None` takes the embedded SmolLM2-135M.
 
-    FileNotFoundError for a missing file; ValueError for a non-Llama architecture or an
-    unsupported quantization type (named, with the tensor that uses it).
+    FileNotFoundError for a missing file; ValueError naming the path for anything else that
+    keeps the file from loading: a directory, not a GGUF file, corrupt or truncated data, a
+    non-Llama architecture, missing metadata, or an unsupported quantization type (named,
+    with the tensor that uses it).
     """
     import gguf  # heavy-ish import kept local
 
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
     path = path or default_gguf_path()
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"GGUF file not found: {path}")
-    reader = gguf.GGUFReader(path)
-    config = read_config(reader)
-    tokenizer = read_tokenizer(reader)
+    check_gguf_file(path)
+    try:
+        reader = gguf.GGUFReader(path)
+    except _PARSE_ERRORS as e:
+        raise ValueError(f"GGUF file {path} is corrupt or truncated: {type(e).__name__}: {e}") from e
+    try:
+        config = read_config(reader)
+        tokenizer = read_tokenizer(reader)
+        weights = read_weights(reader, config, dtype)
+        file_type = _field(reader, "general.file_type")
+    except _PARSE_ERRORS as e:
+        raise ValueError(f"GGUF file {path}: {e}") from e
+    return GGUFModel(path, config, tokenizer, weights, str(file_type))
+
+
+def read_weights(reader: Any, config: LlamaConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Dequantize every tensor the model uses into `dtype`, under HF-style names."""
+    import gguf
+
     for tensor in reader.tensors:
         if tensor.tensor_type.name not in SUPPORTED_QUANT_TYPES:
             raise ValueError(
@@ -214,6 +249,5 @@ def load_gguf(path: str | None = None, dtype: torch.dtype = torch.float32) -> GG
         weights["lm_head"] = weights["embed"]
     missing = [n for n in ("embed", "norm", "lm_head") if n not in weights]
     if missing:
-        raise ValueError(f"GGUF {path} lacks tensors {missing}")
-    file_type = _field(reader, "general.file_type")
-    return GGUFModel(path, config, tokenizer, weights, str(file_type))
+        raise ValueError(f"lacks tensors {missing}")
+    return weights

@@ -1,0 +1,82 @@
+"""argparse pieces the commands share: value types that reject nonsense at parse time, and
+the help formatter that shows each option's default.
+
+A `type=` function that raises argparse.ArgumentTypeError makes argparse print the usage
+and one line naming the option and the value, exit status 2, before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def positive_int(text: str) -> int:
+    """An int >= 1 (threads, token counts, blocks, GPUs)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An int >= 0 (seeds, top-k where 0 means off)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite float > 0 (GiB of memory): no nan, no inf."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite positive number, got {text!r}")
+    return value
+
+
+def rate(text: str) -> float:
+    """A float > 0, or inf (a rate of arrivals: inf puts them all at time 0)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number or inf, got {text!r}") from None
+    if not value > 0:  # nan fails too
+        raise argparse.ArgumentTypeError(f"expected a positive number or inf, got {text!r}")
+    return value
+
+
+def comma_choices(choices: tuple[str, ...]):
+    """A type for a comma-separated subset of `choices` ("decode,ttft"), kept in the given
+    order; an unknown or empty entry is an error that lists the valid ones."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        parts = tuple(p.strip() for p in text.split(","))
+        unknown = [p for p in parts if p not in choices]
+        if unknown:
+            raise argparse.ArgumentTypeError(
+                f"unknown {', '.join(repr(p) for p in unknown)} in {text!r}; choose from {','.join(choices)}"
+            )
+        return parts
+
+    return parse
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """ArgumentDefaultsHelpFormatter that leaves out "(default: None)" and the False of a
+    flag: a None default means "see the help text" (which says what happens), and a flag
+    is off unless given."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)

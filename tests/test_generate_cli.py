@@ -1,0 +1,119 @@
+"""`kvpool generate` as a user meets it: JSON fields, the length note, the context check,
+and the values refused at parse time. The SmolLM2 weights are loaded once for the module."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvpool.cli.main import main
+
+
+@pytest.fixture(scope="module")
+def smollm2(one_thread):
+    """The embedded SmolLM2-135M, loaded once; `kvpool generate` gets it from load_model."""
+    from kvpool.engine import build
+
+    loaded = build.load_model()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(build, "load_model", lambda path=None, **kw: loaded)
+        yield loaded
+
+
+def test_generate_json(smollm2, capsys):
+    assert main(["generate", "What is the capital of France?", "--json", "--max-tokens", "16", "--threads", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {
+        "token_ids",
+        "text",
+        "prompt_tokens",
+        "cached_tokens",
+        "finish_reason",
+        "ttft_ms",
+        "tokens_per_s",
+        "latency_ms",
+    }
+    assert "Paris" in out["text"] and 0 < len(out["token_ids"]) < 16
+    assert out["finish_reason"] == "stop"  # the model ended its answer itself, before the limit
+    assert out["prompt_tokens"] > 20 and out["cached_tokens"] == 0
+    assert 0 < out["ttft_ms"] < out["latency_ms"] and out["tokens_per_s"] > 0
+
+
+def test_output_cut_by_max_tokens_says_so(smollm2, capsys):
+    assert main(["generate", "What is the capital of France?", "--json", "--max-tokens", "3", "--threads", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["finish_reason"] == "length" and len(out["token_ids"]) == 3
+    # text mode: the answer on stdout, the note naming the limit on stderr
+    assert main(["generate", "What is the capital of France?", "--max-tokens", "3", "--threads", "1"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == out["text"] + "\n"
+    assert captured.err == "kvpool generate: note: the output stopped at --max-tokens 3, not at a natural end\n"
+
+
+def test_prompt_plus_max_tokens_beyond_the_context_is_refused(smollm2, capsys):
+    # an 8,150-token prompt with --max-tokens 200 used to return 42 tokens without a word
+    prompt = "word " * 8150
+    num_prompt = len(smollm2.tokenizer.encode(prompt))
+    assert 8100 < num_prompt < 8192
+    assert main(["generate", prompt, "--no-chat", "--max-tokens", "200", "--threads", "1"]) == 2
+    assert capsys.readouterr().err == (
+        f"kvpool generate: error: the prompt has {num_prompt} tokens and --max-tokens 200; the context holds "
+        f"8192 tokens (the model's maximum), so at most {8192 - num_prompt} new tokens fit\n"
+    )
+    assert main(["generate", "hi", "--no-chat", "--max-tokens", "100000", "--threads", "1"]) == 2
+    assert "--max-tokens 100000; the context holds 8192 tokens" in capsys.readouterr().err
+    # a small pool bounds the context before the model does, and the message says so
+    assert main(["generate", "hi", "--max-tokens", "64", "--num-blocks", "4", "--threads", "1"]) == 2
+    assert "the context holds 64 tokens (--num-blocks 4 x --block-size 16)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["hi", "--threads", "-1"], "argument --threads: expected a positive integer, got -1"),
+        (["hi", "--threads", "0"], "argument --threads: expected a positive integer, got 0"),
+        (["hi", "--max-tokens", "0"], "argument --max-tokens: expected a positive integer, got 0"),
+        (["hi", "--block-size", "two"], "argument --block-size: expected a positive integer, got 'two'"),
+        (["hi", "--num-blocks", "-3"], "argument --num-blocks: expected a positive integer, got -3"),
+        (["hi", "--top-k", "-1"], "argument --top-k: expected an integer >= 0, got -1"),
+        ([""], "argument prompt: the prompt is empty"),
+        (["  \n"], "argument prompt: the prompt is empty"),
+    ],
+)
+def test_bad_values_are_refused_at_parse_time(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.endswith(f"kvpool generate: error: {message}\n") and "Traceback" not in err
+
+
+def test_threads_is_checked_for_every_command_that_takes_it(capsys):
+    for argv in (["run", "--threads", "-1"], ["bench", "engine", "--threads", "0"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        assert "argument --threads: expected a positive integer" in capsys.readouterr().err
+
+
+def test_tiny_dsv4_reports_finish_reason_timings_and_checks_the_context(capsys):
+    argv = ["generate", "5,17,42,99", "--model", "tiny-dsv4", "--no-chat", "--max-tokens", "3", "--threads", "1"]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["finish_reason"] == "length" and len(out["token_ids"]) == 3  # the tiny model has no EOS
+    assert 0 < out["ttft_ms"] < out["latency_ms"] and out["tokens_per_s"] > 0
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert captured.out == " ".join(map(str, out["token_ids"])) + "\n"
+    assert "stopped at --max-tokens 3" in captured.err
+    # one classical block of 128 tokens + 127 in the state block
+    assert main([*argv[:-4], "--max-tokens", "300", "--num-blocks", "1"]) == 2
+    assert capsys.readouterr().err == (
+        "kvpool generate: error: the prompt has 4 tokens and --max-tokens 300; the context holds 255 tokens "
+        "(the KV cache of --num-blocks 1), so at most 251 new tokens fit\n"
+    )
+    assert main(["generate", "5,17", "--model", "tiny-dsv4"]) == 2
+    assert capsys.readouterr().err == (
+        "kvpool generate: error: tiny-dsv4 has no tokenizer or chat template: pass --no-chat and token ids\n"
+    )
