@@ -310,12 +310,12 @@ def test_native_decode_attention_matches_sdpa_for_any_shape(kernels, kvh, group,
         qi = q[int(rows[i])][:, None]
         exact = F.scaled_dot_product_attention(qi.double(), k.double(), v.double(), scale=scale)[:, 0]
         sdpa_err = (F.scaled_dot_product_attention(qi, k, v, scale=scale)[:, 0].double() - exact).abs().max()
-        # Measured over 1,500 draws of these shapes (3,700 sequences): the kernel's error is
-        # <= 5.5 U max|v|, SDPA's <= 4.1 U max|v|, but their ratio per sequence reaches 9,
+        # Measured over 7,500 draws of these shapes (~18,000 sequences): the kernel's error is
+        # <= 6.7 U max|v|, SDPA's <= 5.7 U max|v|, but their ratio per sequence reaches 9,
         # because SDPA's max error is a noisy figure (exact at times). Hence a floor of 16 U
-        # max|v| (~8 ulps of the largest value; 3x the kernel's worst) and 4x SDPA's error on
-        # top, which widens the bound only for inputs that SDPA finds hard as well. A key or
-        # value read from a wrong slot moves the output by ~1 / n, 1e-2 and more.
+        # max|v| (~8 ulps of the largest value) and 4x SDPA's error on top, which widens the
+        # bound for inputs that SDPA finds hard as well; the worst draw used 1/3 of it. A key
+        # or value read from a wrong slot moves the output by ~1 / n, 1e-2 and more.
         tol = 4 * sdpa_err + 16 * U * v.abs().max()
         assert (out[int(rows[i])].double() - exact).abs().max() <= tol
     untouched = torch.ones(len(q), dtype=torch.bool)
