@@ -198,7 +198,7 @@ def test_fp32_logits_within_transformers_own_fp32_error(loaded, references, fuse
 
 
 def test_greedy_generation_equals_transformers(loaded, hf_model, hf64):
-    """Our engine's greedy tokens (fp32, paged KV cache, C kernels) are transformers' greedy choices.
+    """Our engine's greedy tokens (fp32, paged KV cache, C kernels when loaded) are transformers' choices.
 
     Teacher-forced over the sequence we generated, transformers' fp64 logits give the exact
     greedy choice at every step, and its fp32 logits their fp32 error on the sequence (its
