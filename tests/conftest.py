@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 
@@ -15,3 +17,22 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="session")
+def kernels():
+    """The C kernels (src/kvpool/kernels/cpu.c). They ship with kvpool and setup.sh builds them,
+    so a test that needs them fails, with the compiler's or loader's message, when they do not
+    load. KVPOOL_NATIVE=0 is the one way out: the user switched them off, and those tests skip."""
+    from kvpool.kernels import CpuKernels, KernelBuildError, build, cpu_kernels
+
+    if os.environ.get("KVPOOL_NATIVE") == "0":
+        pytest.skip("KVPOOL_NATIVE=0: the C kernels are switched off")
+    loaded = cpu_kernels()  # KVPOOL_NATIVE=1 raises here when they do not build
+    if loaded is None:  # unset: cpu_kernels() warned and fell back to torch; say why
+        try:
+            CpuKernels(build())
+        except (KernelBuildError, OSError) as e:
+            pytest.fail(f"the C kernels do not load here (KVPOOL_NATIVE=0 runs without them): {e}")
+        pytest.fail("cpu_kernels() returned None, yet cpu.c builds and loads")
+    return loaded

@@ -76,21 +76,34 @@ def test_v4_pro_is_about_2_percent_of_a_bf16_gqa8_baseline() -> None:
     assert 0.015 <= ratio <= 0.025
 
 
-def test_v4_classical_bytes_come_from_the_dsv4_spec() -> None:
+def test_v4_flash_classical_and_state_bytes_by_hand() -> None:
+    # V4-Flash: 43 layers, ratios 0, 0, then 4 / 128 alternating from layer 2: 21 CSA and 20 HCA
+    # layers. An entry is 448 FP8 + 64 x 2 BF16 + 8 scale bytes = 584 B; an indexer key 128 + 4
+    # (FP8) or 64 + 4 (MXFP4). Per token: CSA 21 x (584 + key) / 4, HCA 20 x 584 / 128.
     model = load_preset("deepseek-v4-flash")
-    assert model.dsv4 is not None
-    for fmt in ("fp8", "mxfp4"):
-        layout = kv_layout(model, indexer_format=fmt)
-        assert layout.bytes_per_token == pytest.approx(model.dsv4.classical_bytes_per_token("serving", fmt))
-        assert layout.state_bytes_per_request == model.dsv4.state_bytes_per_request("serving")
+    assert kv_layout(model, indexer_format="fp8").bytes_per_token == 21 * (584 + 132) / 4 + 20 * 584 / 128 == 3850.25
+    assert kv_layout(model, indexer_format="mxfp4").bytes_per_token == 21 * (584 + 68) / 4 + 20 * 584 / 128 == 3514.25
+    # State: the SWA ring, 128 x 584 B every layer, + the fp32 compressor tails, kv and score
+    # buffers of DEEPSEEK_V4.md section 3: CSA 8 x 1024 main + 8 x 256 indexer, HCA 128 x 512.
+    swa = 128 * 584 * 43
+    compressor = 21 * 2 * 4 * (8 * 1024 + 8 * 256) + 20 * 2 * 4 * 128 * 512
+    assert (swa, compressor) == (3_214_336, 12_206_080)  # ~3.2 MB and ~11.6 MiB, as section 5 quotes
+    assert kv_layout(model).state_bytes_per_request == swa + compressor
 
 
 def test_v4_pool_holds_complete_blocks_only() -> None:
+    # V4-Pro: 61 layers, ratios 128, 128, then 4 / 128 alternating: 30 CSA, 31 HCA layers.
+    # A 128-token block, each layer's part aligned to 256 B: CSA 32 x 584 = 18,688 B (73 x 256)
+    # and 32 x 132 = 4,224 -> 4,352 B of indexer keys; HCA 1 x 584 -> 768 B.
     layout = kv_layout(load_preset("deepseek-v4-pro"))
-    state = layout.state_block_bytes
-    assert layout.request_bytes(1) == layout.request_bytes(127) == state  # tail lives in state
-    assert layout.request_bytes(128) == state + layout.bytes_per_block_all_groups
-    assert layout.request_bytes(300) == state + 2 * layout.bytes_per_block_all_groups
+    block = 30 * 18_688 + 30 * 4_352 + 31 * 768
+    # state: SWA 128 x 584 x 61 + fp32 compressor tails (30 CSA x 81,920 + 31 HCA x 524,288)
+    state = 128 * 584 * 61 + 30 * 2 * 4 * (8 * 1024 + 8 * 256) + 31 * 2 * 4 * 128 * 512
+    assert (block, state) == (715_008, 23_270_400)  # the state is 90,900 x 256 B: no padding
+    assert layout.bytes_per_block_all_groups == block and layout.state_block_bytes == state
+    assert layout.request_bytes(1) == layout.request_bytes(127) == state  # the tail lives in state
+    assert layout.request_bytes(128) == state + block
+    assert layout.request_bytes(300) == state + 2 * block
     with pytest.raises(ValueError, match="multiple of lcm"):
         kv_layout(load_preset("deepseek-v4-pro"), block_size=64)
 
@@ -135,23 +148,29 @@ def test_alignment_padding_is_counted() -> None:
 
 
 def test_tp_divides_head_sharded_caches_only() -> None:
-    llama = load_preset("llama-3.1-70b")  # 8 KV heads
-    tp1 = kv_layout(llama, tp=1).bytes_per_token
-    assert kv_layout(llama, tp=8).bytes_per_token == tp1 / 8
-    assert kv_layout(llama, tp=8).sharded_by_head
-    # TP 16 > 8 heads: a head lives on two ranks, so a rank still holds 1/8, not 1/16
+    llama = load_preset("llama-3.1-70b")  # 80 layers, 8 KV heads of 128, BF16
+    assert kv_layout(llama, tp=1).bytes_per_token == 2 * 80 * 8 * 128 * 2 == 327_680
+    tp8 = kv_layout(llama, tp=8)  # one KV head per rank
+    assert tp8.bytes_per_token == 2 * 80 * 1 * 128 * 2 == 40_960 and tp8.sharded_by_head
+    # TP 16 > 8 heads: a head lives on two ranks, so a rank still holds one head, not half
     tp16 = kv_layout(llama, tp=16)
-    assert tp16.bytes_per_token == tp1 / 8 and not tp16.sharded_by_head
+    assert tp16.bytes_per_token == 40_960 and tp16.kv_heads_per_gpu == 1 and not tp16.sharded_by_head
     with pytest.raises(ValueError, match="neither divides"):
         kv_layout(llama, tp=3)
     # MLA latents and V4's shared vector are replicated: every rank stores all of it
-    for name in ("deepseek-v3", "deepseek-v3.2", "deepseek-v4-flash"):
+    for name, per_token in (
+        ("deepseek-v3", 61 * (512 + 64) * 2),  # BF16 latent + rope dims
+        ("deepseek-v3.2", 61 * (656 + 132)),  # FP8 latent format + FP8 indexer key
+        ("deepseek-v4-flash", 3850.25),  # test_v4_flash_classical_and_state_bytes_by_hand
+    ):
         model = load_preset(name)
-        assert kv_layout(model, tp=8).bytes_per_token == kv_layout(model, tp=1).bytes_per_token
-        assert not kv_layout(model, tp=8).sharded_by_head
-    # MQA: one KV head, replicated over TP
+        for tp in (1, 8):
+            layout = kv_layout(model, tp=tp)
+            assert layout.bytes_per_token == per_token and not layout.sharded_by_head, (name, tp)
+    # MQA: one KV head, replicated over TP: 4 layers x K, V x 128 dims x 2 B on every rank
     mqa = from_hf_config(_llama_like(4, 1, 128), name="mqa")
-    assert kv_layout(mqa, tp=4).bytes_per_token == kv_layout(mqa, tp=1).bytes_per_token
+    assert kv_layout(mqa, tp=1).bytes_per_token == kv_layout(mqa, tp=4).bytes_per_token == 4 * 2 * 128 * 2
+    assert not kv_layout(mqa, tp=4).sharded_by_head
     assert [kv_heads_per_gpu(8, t) for t in (1, 2, 4, 8, 16, 32)] == [8, 4, 2, 1, 1, 1]
 
 

@@ -159,9 +159,11 @@ def test_expert_parallel_with_data_parallel_attention() -> None:
     h200 = get_gpu("H200")
     tp8 = plan(v4, h200, num_gpus=8, tp=8, context_len=1 << 20)
     dp_ep = plan(v4, h200, num_gpus=8, tp=1, context_len=1 << 20, expert_parallel=True)
-    # experts split 8 ways, everything else whole on each GPU
+    # experts split 8 ways, everything else whole on each GPU. V4-Pro's routed experts: 61
+    # layers x 384 experts x gate, up, down of 7168 x 3072, in MXFP4 (0.5 + 1/32 B a value)
     w = dp_ep.weights
-    expert_bytes = w.params.experts * (0.5 + 1 / 32)
+    assert w.params.experts == 61 * 384 * 3 * 7168 * 3072 == 1_547_396_186_112
+    expert_bytes = 1_547_396_186_112 * (0.5 + 1 / 32)
     assert w.per_gpu_bytes == pytest.approx(w.total_bytes - expert_bytes + expert_bytes / 8)
     assert dp_ep.replicas == 8
     assert dp_ep.max_concurrent_requests == 8 * dp_ep.max_concurrent_per_replica

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+import transformers
 
 from kvpool.capacity.weights import weight_bytes
 from kvpool.spec.gpus import GPUS, custom_gpu, get_gpu
@@ -32,9 +34,7 @@ def test_every_preset_loads() -> None:
     "name", ["smollm2-135m", "llama-3.1-8b", "qwen3-8b", "gemma-2-9b", "gpt-oss-120b", "deepseek-v3"]
 )
 def test_parameter_count_matches_transformers(name: str) -> None:
-    """Independent reference: transformers builds the model on the meta device and counts."""
-    transformers = pytest.importorskip("transformers")
-    torch = pytest.importorskip("torch")
+    """Independent reference: transformers (a test extra) builds the model on the meta device and counts."""
     cfg = load_preset_config(name)
     hf_config = transformers.AutoConfig.for_model(**cfg)
     with torch.device("meta"):
@@ -58,27 +58,36 @@ def test_parameter_counts_land_on_published_totals() -> None:
 
 
 def test_weight_bytes_by_format_and_tp() -> None:
+    # Llama-3.1-8B: 32 layers, hidden 4096, 32 heads / 8 KV heads of 128, MLP 14336, vocab
+    # 128256, untied head. Linear weights a layer: q, k, v, o 4096 x (4096 + 1024 + 1024 +
+    # 4096) + gate, up, down 3 x 4096 x 14336; norms (2 x 32 + 1) x 4096.
+    linear = 32 * (4096 * (4096 + 1024 + 1024 + 4096) + 3 * 4096 * 14336)
+    embedding = 128_256 * 4096  # and as many in the head
+    norms = (2 * 32 + 1) * 4096
+    assert (linear, 2 * embedding + linear + norms) == (6_979_321_856, 8_030_261_248)
     llama = load_preset("llama-3.1-8b")
     w = weight_bytes(llama)
-    assert w.total_bytes == 2 * w.params.total == w.per_gpu_bytes
-    # TP 2: everything but the norms is split in two
-    w2 = weight_bytes(llama, tp=2)
-    norms = 2 * w.params.norms
-    assert w2.per_gpu_bytes == pytest.approx((w.total_bytes - norms) / 2 + norms)
-    # FP8 (block 128 x 128 scales) on the linears only: embeddings and head stay BF16
-    w8 = weight_bytes(llama, weight_dtype="fp8")
-    p = w.params
-    linear = p.attention + p.mlp
-    assert w8.total_bytes == pytest.approx(linear * (1 + 4 / 16384) + 2 * (p.embedding + p.lm_head + p.norms))
+    assert w.total_bytes == w.per_gpu_bytes == 2 * 8_030_261_248
+    # TP 2: everything but the norms is split in two (8 KV heads: 4 a rank)
+    assert weight_bytes(llama, tp=2).per_gpu_bytes == (8_030_261_248 - norms) * 2 / 2 + norms * 2 == 8_030_527_488
+    # FP8 (one fp32 scale per 128 x 128 block, every dimension a multiple of 128) on the
+    # linears only: embeddings, head and norms stay BF16
+    fp8 = linear + linear * 4 // (128 * 128) + 2 * (2 * embedding + norms)
+    assert weight_bytes(llama, weight_dtype="fp8").total_bytes == fp8 == 9_082_904_576
     # gpt-oss: MXFP4 experts (4.25 bits) -> about 65 GB, as its checkpoint
     assert weight_bytes(load_preset("gpt-oss-120b")).total_bytes / 1e9 == pytest.approx(65.2, abs=0.5)
-    # TP 16 on 8 KV heads: K/V projections are replicated past one head per rank
+    # Llama-3.1-70B: 80 layers, hidden 8192, 64 heads / 8 KV heads of 128, MLP 28672
     w70 = load_preset("llama-3.1-70b")
-    one_head_kv_proj = 2 * 80 * 8192 * 128 * 2  # one head's k and v projections, BF16, all layers
-    norms70 = 2 * weight_bytes(w70).params.norms  # replicated at any TP size
-    # tp 16 holds a whole head where an even split would give half of one
-    extra = weight_bytes(w70, tp=16).per_gpu_bytes - (weight_bytes(w70, tp=8).per_gpu_bytes - norms70) / 2 - norms70
-    assert extra == pytest.approx(one_head_kv_proj / 2)
+    kv_proj = 2 * 80 * 8192 * 8 * 128  # the K and V projections of all layers
+    total70 = 2 * 128_256 * 8192 + 80 * (8192 * (8192 + 1024 + 1024 + 8192) + 3 * 8192 * 28672) + 161 * 8192
+    assert total70 == 70_553_706_496
+    norms70 = 161 * 8192
+    # TP 8: one KV head a rank, an even split of everything but the norms
+    assert weight_bytes(w70, tp=8).per_gpu_bytes == (total70 - norms70) * 2 / 8 + norms70 * 2 == 17_640_734_720
+    # TP 16 on 8 KV heads: a rank holds a whole head's K/V projections (1/8 of them), not half
+    # of one; the rest splits 16 ways
+    tp16 = (total70 - norms70 - kv_proj) * 2 / 16 + kv_proj * 2 / 8 + norms70 * 2
+    assert weight_bytes(w70, tp=16).per_gpu_bytes == tp16 == 8_989_458_432
     with pytest.raises(ValueError, match="not divisible by tp"):
         weight_bytes(llama, tp=3)
 

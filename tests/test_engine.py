@@ -263,13 +263,12 @@ def test_decode_paths_on_scattered_blocks_match_reference(models, decode_path):
         check_logits(models, "fp64", e, rid)
 
 
-def test_fused_layers_match_the_plain_torch_layers(models):
+def test_fused_layers_match_the_plain_torch_layers(models, kernels):
     # Same weights, same contiguous attention; the layers between differ only by rounding
     # (~1 ulp an op, FMA, summation order). Both must stay as close to the fp64 recompute as
     # fp32 rounding allows, and the fused one no farther than the plain one's own error.
     loaded = models["fp32"]
-    if loaded.model.kernels is None:
-        pytest.fail("the C kernels did not build (setup.sh builds them; KVPOOL_NATIVE=0 is not set here)")
+    assert loaded.model.kernels is not None, "the C kernels load (the fixture) but the model does not run them"
     text = "The capital of France is Paris, and the capital of Germany is Berlin. Once upon a time"
     ids = loaded.tokenizer.tokenizer.encode(text).ids
     ref64 = reference_logits(models["fp64"].model, ids)

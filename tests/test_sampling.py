@@ -1,4 +1,13 @@
-"""The sampler: greedy, temperature, top-k and top-p, drawn from a seeded generator."""
+"""The sampler: greedy, temperature, top-k and top-p, drawn from a seeded generator.
+
+No test here can flake: every draw comes from a generator seeded by (seed, sample index,
+position), so the counts are a fixed function of the code (torch's CPU Mersenne Twister is
+the same on every machine; a machine's fp32 rounding of the softmax could move a draw only
+where the uniform lands within ~1e-7 of a cumulative boundary). The frequency bounds are
+still those a correct sampler meets for almost any seed: 5 binomial standard errors
+(a correct sampler misses one with probability ~6e-7; the shares drawn here lie within 1),
+while a wrong distribution, off by 0.04 or more at n = 3000, fails.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +19,16 @@ import torch
 
 from kvpool.engine.sampling import NUCLEUS_CANDIDATES, SamplingParams, sample_token
 
+N = 3000
 
-def draws(logits: torch.Tensor, params: SamplingParams, n: int = 3000) -> Counter:
+
+def draws(logits: torch.Tensor, params: SamplingParams, n: int = N) -> Counter:
     return Counter(sample_token(logits, params, 0, position) for position in range(n))
+
+
+def assert_frequency(counts: Counter, token: int, p: float, n: int = N) -> None:
+    """The share of `token` in n draws is p to within 5 standard errors, sqrt(p (1 - p) / n)."""
+    assert abs(counts[token] / n - p) <= 5 * math.sqrt(p * (1 - p) / n), (token, counts[token] / n, p)
 
 
 def test_greedy_is_the_argmax():
@@ -20,18 +36,20 @@ def test_greedy_is_the_argmax():
     assert sample_token(logits, SamplingParams(), 0, 0) == 1
 
 
-def test_temperature_sampling_follows_the_softmax():
-    logits = torch.log(torch.tensor([0.5, 0.3, 0.2]))
-    counts = draws(logits, SamplingParams(temperature=1.0))
-    for token, p in enumerate([0.5, 0.3, 0.2]):
-        assert abs(counts[token] / 3000 - p) < 0.04  # ~4.5 standard errors at n = 3000
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_temperature_sampling_follows_the_softmax(temperature):
+    probs = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    counts = draws(torch.log(probs).float(), SamplingParams(temperature=temperature))
+    expected = probs ** (1 / temperature) / (probs ** (1 / temperature)).sum()  # 0.5: 0.658, 0.237, 0.105
+    for token, p in enumerate(expected.tolist()):
+        assert_frequency(counts, token, p)
 
 
 def test_top_k_keeps_the_k_most_likely_renormalised():
     logits = torch.log(torch.tensor([0.4, 0.05, 0.3, 0.05, 0.2]))
     counts = draws(logits, SamplingParams(temperature=1.0, top_k=2))
     assert set(counts) == {0, 2}
-    assert abs(counts[0] / 3000 - 0.4 / 0.7) < 0.04
+    assert_frequency(counts, 0, 0.4 / 0.7)
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
@@ -39,7 +57,7 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     probs = torch.tensor([0.5, 0.3, 0.15] + [0.05 / 1000] * 1000)
     counts = draws(torch.log(probs), SamplingParams(temperature=1.0, top_p=0.79))
     assert set(counts) == {0, 1}
-    assert abs(counts[0] / 3000 - 0.5 / 0.8) < 0.04
+    assert_frequency(counts, 0, 0.5 / 0.8)
     # just above 0.8 the third token joins
     assert 2 in draws(torch.log(probs), SamplingParams(temperature=1.0, top_p=0.81))
 
@@ -54,7 +72,10 @@ def test_top_p_beyond_the_candidates_takes_the_full_sort():
     nucleus_size = int((torch.cumsum(probs, 0) - probs < 0.5).sum())
     assert nucleus_size > 10 * NUCLEUS_CANDIDATES
     allowed = set(order[:nucleus_size].tolist())
-    counts = draws(logits, SamplingParams(temperature=1.0, top_p=0.5), n=500)
+    # 100 draws (each sorts all 49,152 probabilities): a sampler ignoring top-p lands in the
+    # lowest half with probability 1/2 a draw, one stopping at the candidates never leaves
+    # them, and a correct one stays among them with probability ~(256 / 24,576)^100
+    counts = draws(logits, SamplingParams(temperature=1.0, top_p=0.5), n=100)
     assert set(counts) <= allowed
     assert len(set(counts) - set(order[:NUCLEUS_CANDIDATES].tolist())) > 0  # drawn past the candidates
 
