@@ -127,3 +127,31 @@ def test_bench_engine_refuses_unknown_parts_and_bad_shapes(capsys):
     assert "--attn-context 1000 must be a multiple of 256" in capsys.readouterr().err
     assert main(["bench", "engine", "--model", "tiny-dsv4"]) == 2
     assert "kvpool bench dsv4" in capsys.readouterr().err
+
+
+def test_ctrl_c_during_run_stops_cleanly_and_reports_what_finished(capsys, monkeypatch):
+    # Ctrl-C arrives during the 30th engine step: the run aborts what is left, prints the
+    # report of the requests that finished and exits 130, without a traceback.
+    from kvpool.engine.engine import Engine
+
+    step = Engine.step
+    calls = []
+
+    def interrupted_step(self):
+        calls.append(1)
+        if len(calls) == 30:
+            raise KeyboardInterrupt
+        return step(self)
+
+    monkeypatch.setattr(Engine, "step", interrupted_step)
+    args = ["run", "--json", "--threads", "1", "--model", "tiny-dsv4", "--num-requests", "6", "--request-rate", "inf"]
+    threads = torch.get_num_threads()
+    try:
+        assert main(args) == 130
+    finally:
+        torch.set_num_threads(threads)
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["interrupted"] is True
+    assert 0 < report["num_finished"] < report["num_requests"]
+    assert "interrupted" in captured.err and "Traceback" not in captured.err

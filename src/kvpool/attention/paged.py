@@ -25,12 +25,11 @@ a K^T row's slots, the output over a V row's dims. It reads the same bytes as th
 with no per-index dispatch and no padding, and is the engine's default on fp32 CPU.
 
 `decode_attention_padded` is the plain twin (gather the batch's blocks into a padded
-[B, KVH, T, D], one masked SDPA), selectable with decode_path="padded". Measured at batch
-16, block size 16, scattered blocks, 1 thread: bags 0.18 / 0.34 / 1.0 / 7.9 ms against
-padded 0.57 / 1.2 / 3.9 / 54 ms at contexts 64 / 140 / 512 / 2048, so there is no
-short-context threshold: the bags are faster at every length. At 4k context, batch 16,
-2 threads, against SDPA on a contiguous cache: 0.94-1.02x at block size 256, ~1.0x at 64,
-~1.3x at 16 (64-byte K^T rows: per-index work shows); `kvpool bench engine --parts attention`.
+[B, KVH, T, D], one masked SDPA), selectable with decode_path="padded": it copies every
+block it reads, so it is the slowest of the three. `kvpool bench engine --parts attention`
+times all three against SDPA on a contiguous cache (the README gives the figures); small
+blocks cost the bags more (a block size of 16 makes 64-byte K^T rows, where per-index
+work shows).
 
 Prefill chunks (several queries, causal within the chunk) gather their own blocks into a
 contiguous [KVH, T, D] and call SDPA with the offset-causal mask; prefill is compute-bound,
@@ -263,8 +262,8 @@ def decode_attention_bags(
         weights = torch.mul(q.reshape(b * h, 1, d).expand(b * h, nb, d), scale).view(-1)
     else:
         weights = (q.reshape(b * h, d) * scale).index_select(0, bags.q_rows).view(-1)  # [real bags * D]
-    # torch.embedding_bag is what F.embedding_bag calls after its argument checks (~2 us a
-    # call, 60 calls a step); arguments: scale_grad_by_freq, mode 0 = sum, sparse,
+    # torch.embedding_bag is what F.embedding_bag calls after its argument checks (two calls
+    # a layer, every step); arguments: scale_grad_by_freq, mode 0 = sum, sparse,
     # per_sample_weights, include_last_offset. The plan built the indices, so they are valid.
     scores = torch.embedding_bag(k_cache.view(-1, bs), bags.k_rows, bags.k_offsets, False, 0, False, weights, True)[0]
     # scores [B * H * nb, bs]; pad bags are zeros, masked by the bias
@@ -308,8 +307,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     v = v_cache.index_select(0, plan.block_ids).transpose(0, 1).reshape(kvh, nb * bs, d)[:, : plan.ctx_len]
     # 4-D inputs with enable_gqa (query head h reads KV head h // G): CPU SDPA then takes
     # its flash kernel. 3-D inputs with the G query heads folded into rows and the mask
-    # repeated G times fell back to the math path: 58 -> 16 ms a layer at 1,020 tokens,
-    # 10 ms with is_causal.
+    # repeated G times fall back to its math path, several times slower; is_causal (a chunk
+    # from position 0) is the fastest case.
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k[None], v[None], attn_mask=plan.mask, is_causal=plan.mask is None, enable_gqa=True
     )  # [1, H, q_len, D]

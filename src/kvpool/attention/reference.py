@@ -22,8 +22,8 @@ def reference_logits(model, token_ids: list[int], fused: bool = True) -> torch.T
 
     fused: the model's own math between the attentions (its C kernels when it has them),
     so that a comparison with the engine isolates the cache and paged attention. The
-    fused and plain layer math differ by rounding (~1 ulp an op), which 30 layers turn
-    into up to ~1e-3 on the logits; tests/test_kernels.py bounds that separately."""
+    fused and plain layer math differ by rounding (~1 ulp an op), which 30 layers carry to
+    the logits; tests/test_engine.py and tests/test_model.py bound both against fp64."""
     ids = torch.tensor(token_ids, dtype=torch.long, device=model.device)
     positions = torch.arange(len(token_ids), device=model.device)
     hidden = model.forward(ids, positions, lambda layer, q, k, v: causal_attention(q, k, v), fused=fused)

@@ -237,7 +237,8 @@ def kv_layout(
 
 def _gqa_layout(model: ModelSpec, dtype: str, q: int, tp: int, alignment: int) -> KVLayout:
     heads = kv_heads_per_gpu(model.num_kv_heads, tp)
-    elem = dtype_bytes(_STORAGE_DTYPE[dtype])
+    # One token's K and V in one layer: the spec's formula (spec/layout.py), per GPU's heads.
+    entry_bytes = LayerSpec(AttentionKind.FULL, heads, model.head_dim, _STORAGE_DTYPE[dtype]).bytes_per_token
     # FP8 E4M3 with one fp32 scale per tensor for K and one for V in each layer (vLLM's "fp8").
     fixed_scales = 8 if dtype == "fp8" else 0
     by_window: dict[int | None, int] = {}
@@ -249,7 +250,7 @@ def _gqa_layout(model: ModelSpec, dtype: str, q: int, tp: int, alignment: int) -
             num_layers=n,
             block_size=q,
             tokens_per_entry=1,
-            data_bytes_per_entry=2 * heads * model.head_dim * elem,  # K and V
+            data_bytes_per_entry=entry_bytes,
             scale_bytes_per_entry=0,
             window=w,
             fixed_scale_bytes=fixed_scales,

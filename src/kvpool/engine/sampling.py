@@ -42,9 +42,9 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-# Top-p looks for the nucleus among this many most likely tokens first; the full sort
-# (~4 ms over SmolLM2's 49,152 logits here, against ~0.3 ms: `kvpool bench engine --parts glue`)
-# runs only when their mass falls short.
+# Top-p looks for the nucleus among this many most likely tokens first; the full sort of
+# every logit (an order of magnitude slower over SmolLM2's 49,152: `kvpool bench engine
+# --parts glue` times both, the README gives the figures) runs only when their mass falls short.
 NUCLEUS_CANDIDATES = 256
 
 

@@ -1,10 +1,10 @@
 """Fused fp32 CPU kernels for the decode path: `cpu.c`, built on first use, loaded with ctypes.
 
-At batch 1 a step is ~22 ms of weight reads plus ~15 small ops a layer's worth of dispatch
-(F.rms_norm alone costs ~17 us a call here; `kvpool bench engine --parts glue` times the
-step's matmuls and these ops against the kernels). The kernels fold the work between
-two matmuls into one call of ~3 us: residual add + RMSNorm, RoPE in place, the K/V write
-into the pool, decode attention straight from the blocks, SiLU * up. Each has a torch twin
+At batch 1 a step is the weight reads of its matmuls plus ~15 small torch ops a layer,
+each paying torch's dispatch (`kvpool bench engine --parts glue` times the step's matmuls
+and these ops against the kernels; the README gives the figures). The kernels fold the
+work between two matmuls into one call: residual add + RMSNorm, RoPE in place, the K/V
+write into the pool, decode attention straight from the blocks, SiLU * up. Each has a torch twin
 (the code that runs without them) and a test that the two agree (tests/test_kernels.py).
 
 Building: the machine's C compiler (`$CC`, else cc / gcc / clang) compiles cpu.c with

@@ -36,9 +36,8 @@ class LlamaModel:
     wo [H * D, hidden], w_gate_up [hidden, 2 * I], w_down [I, hidden], lm_head [hidden, vocab].
 
     A layer is 4 matmuls `x @ w`. The [in, out] layout matters on CPU: for the few rows of a
-    decode batch (M = 2..64), MKL multiplies x [M, in] @ w [in, out] 2-5x faster than
-    F.linear's x @ w[out, in].T (measured on this project's 2-core machines: M = 16,
-    [3072, 576]: 0.38 ms against 1.9 ms), while large prefill batches run at the same speed.
+    decode batch (M = 2..64), MKL multiplies x [M, in] @ w [in, out] several times faster
+    than F.linear's x @ w[out, in].T, while large prefill batches run at the same speed.
     At batch 1 both are bound by reading the fp32 weights from memory.
 
     kernels: the C kernels (kvpool.kernels); on fp32 CPU the forward then runs the work
