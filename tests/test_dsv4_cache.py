@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -207,7 +209,7 @@ class Model:
 OPS = st.sampled_from(["admit", "step", "step", "step", "unreserve", "fork", "release"])
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=int(os.environ.get("KVPOOL_HYPOTHESIS_EXAMPLES", "150")), deadline=None)
 @given(
     restore=st.sampled_from(["recompute", "checkpoint"]),
     ops=st.lists(st.tuples(OPS, st.integers(0, 3), st.integers(1, 40), st.booleans()), min_size=10, max_size=60),
