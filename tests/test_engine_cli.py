@@ -28,24 +28,8 @@ def test_run_tiny_dsv4_report_follows_its_definitions(capsys):
     # computed 323: 2 complete 128-token spans, 256 tokens, hit by each of the 3 follow-ups.
     report = _run_json(
         capsys,
-        "--model",
-        "tiny-dsv4",
-        "--num-requests",
-        "3",
-        "--turns",
-        "2",
-        "--num-long",
-        "0",
-        "--max-tokens",
-        "4",
-        "--request-rate",
-        "inf",
-        "--max-batch-tokens",
-        "1024",
-        "--slo-ttft-ms",
-        "1e9",
-        "--slo-tpot-ms",
-        "1e9",
+        *"--model tiny-dsv4 --num-requests 3 --turns 2 --num-long 0 --max-tokens 4 --request-rate inf".split(),
+        *"--max-batch-tokens 1024 --slo-ttft-ms 1e9 --slo-tpot-ms 1e9".split(),
     )
     assert (report["num_requests"], report["num_finished"], report["num_generated_tokens"]) == (6, 6, 24)
     assert report["prefix_queried_tokens"] == 3 * 320 + 3 * 336
@@ -64,18 +48,7 @@ def test_run_tiny_dsv4_report_follows_its_definitions(capsys):
 def test_run_smollm2_report_follows_its_definitions(capsys):
     report = _run_json(
         capsys,
-        "--num-requests",
-        "2",
-        "--turns",
-        "2",
-        "--num-long",
-        "0",
-        "--max-tokens",
-        "4",
-        "--request-rate",
-        "inf",
-        "--slo-ttft-ms",
-        "1e-6",
+        *"--num-requests 2 --turns 2 --num-long 0 --max-tokens 4 --request-rate inf --slo-ttft-ms 1e-6".split(),
     )
     # 256 MiB of fp32 K/V blocks: 2 (K, V) x 30 layers x 3 KV heads x 64 dims x 4 bytes x 16 slots
     assert report["num_blocks"] == (256 << 20) // 737_280 == 364
