@@ -377,6 +377,8 @@ def test_bad_input_gets_clear_errors_and_changes_nothing():
         m.rollback("a", 11)
     with pytest.raises(KeyError, match="unknown request"):
         m.reserve("zzz", 1)
+    with pytest.raises(ValueError, match="unknown release reason"):
+        m.release("a", "oops")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="num_blocks must be positive"):
         BlockPool(0)
     assert m.block_ids("a") == [0, 1, 2] and m.num_computed_tokens("a") == 10

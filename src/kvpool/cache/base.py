@@ -126,10 +126,25 @@ class CacheManager(ABC):
         """A child sharing every computed token of the parent. False (nothing changed) when
         the child cannot get the per-request state of its own that it needs."""
 
-    @abstractmethod
     def release(self, request_id: str, reason: ReleaseReason = "finish") -> bool:
         """Free everything the request holds (blocks tail-first, so a chain's tail is evicted
-        before its head). False, and nothing done, for a request already released."""
+        before its head). False, and nothing done, for a request already released.
+        ValueError (and nothing done) for a reason not in RELEASE_REASONS."""
+        if reason not in RELEASE_REASONS:
+            raise ValueError(f"unknown release reason {reason!r}; one of {RELEASE_REASONS}")
+        released = self._release(request_id)
+        # `_preempted` stays exact: a preemption marks the request; any other release of it
+        # (a cancel of a preempted request that waits, say) clears the mark.
+        if reason == "preempt" and released:
+            self._preempted.add(request_id)
+        elif reason != "preempt":
+            self._preempted.discard(request_id)
+        return released
+
+    @abstractmethod
+    def _release(self, request_id: str) -> bool:
+        """The manager's part of `release`: free the request's blocks and state; False when it
+        holds none (released already, or never admitted)."""
 
     @abstractmethod
     def usage(self) -> CacheUsage:
@@ -209,16 +224,6 @@ class CacheManager(ABC):
             stats.num_requests += 1
             stats.num_queried_tokens += num_prompt_tokens
             stats.num_hit_tokens += num_cached_tokens
-
-    def _note_release(self, request_id: str, reason: ReleaseReason, released: bool) -> None:
-        """Keep `_preempted` exact: a preemption marks the request, any other release of it
-        (including a cancel of a preempted request that was never admitted again) clears it."""
-        if reason not in RELEASE_REASONS:
-            raise ValueError(f"unknown release reason {reason!r}; one of {RELEASE_REASONS}")
-        if reason == "preempt" and released:
-            self._preempted.add(request_id)
-        elif reason != "preempt":
-            self._preempted.discard(request_id)
 
 
 def mm_extra_key(mm_items: Sequence[MMItem], block_size: int, block_index: int) -> bytes:

@@ -39,7 +39,6 @@ from kvpool.cache.types import (
     CacheDescriptor,
     CacheUsage,
     MMItem,
-    ReleaseReason,
     Reservation,
     StateRestore,
 )
@@ -425,16 +424,16 @@ class DSV4CacheManager(CacheManager):
 
     # ----- release ------------------------------------------------------------------------
 
-    def release(self, request_id: str, reason: ReleaseReason = "finish") -> bool:
+    def _release(self, request_id: str) -> bool:
         """State block back, an uncommitted step undone, classical refs dropped tail-first."""
         req = self._requests.get(request_id)
-        if req is not None:
-            self.unreserve(request_id)
-            del self._requests[request_id]
-            self.pool.decref(reversed(req.block_ids))
-            self._free_states.append(req.state_slot)
-        self._note_release(request_id, reason, req is not None)
-        return req is not None
+        if req is None:
+            return False
+        self.unreserve(request_id)
+        del self._requests[request_id]
+        self.pool.decref(reversed(req.block_ids))
+        self._free_states.append(req.state_slot)
+        return True
 
     # ----- invariants -----------------------------------------------------------------
 

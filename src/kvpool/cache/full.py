@@ -30,7 +30,6 @@ from kvpool.cache.types import (
     CacheDescriptor,
     CacheUsage,
     MMItem,
-    ReleaseReason,
     Reservation,
 )
 from kvpool.pool import BlockPool, BlockTableCSR, PrefixBlock, StepTables, slot_mapping, step_tables, to_csr
@@ -513,13 +512,13 @@ class FullAttentionManager(CacheManager):
             else:
                 del self._pending_copies[req.request_id]
 
-    def release(self, request_id: str, reason: ReleaseReason = "finish") -> bool:
+    def _release(self, request_id: str) -> bool:
         req = self._requests.pop(request_id, None)
-        if req is not None:
-            self.pool.decref(reversed(req.block_ids))  # tail-first: a chain's tail is evicted first
-            self._pending_copies.pop(request_id, None)  # a queued copy dies with its request
-        self._note_release(request_id, reason, req is not None)
-        return req is not None
+        if req is None:
+            return False
+        self.pool.decref(reversed(req.block_ids))  # tail-first: a chain's tail is evicted first
+        self._pending_copies.pop(request_id, None)  # a queued copy dies with its request
+        return True
 
     # ---- invariants ------------------------------------------------------------------
 

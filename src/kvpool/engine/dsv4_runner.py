@@ -125,7 +125,10 @@ class DSV4PagedRunner:
         self.cache.append_token_ids(request_id, token_ids)
 
     def release(self, request_id: str, reason: ReleaseReason = "finish") -> bool:
-        return self.cache.release(request_id, reason)
+        """The cache's release; a restore still waiting to replay goes with it."""
+        released = self.cache.release(request_id, reason)
+        self._replays = [(r, adm) for r, adm in self._replays if r != request_id]
+        return released
 
     def num_computed_tokens(self, request_id: str) -> int:
         return self.cache.num_computed_tokens(request_id)
@@ -154,9 +157,8 @@ class DSV4PagedRunner:
         """Forward passes for the requests' pending reservations. A chunk is cut at its
         checkpoint positions (the state must be snapshot exactly there); any cut gives the
         same state."""
-        for request_id, adm in self._replays:
-            if request_id in self.cache:  # not released in the meantime
-                self._replay(adm, self.cache.token_ids(request_id))
+        for request_id, adm in self._replays:  # released requests left the list (release)
+            self._replay(adm, self.cache.token_ids(request_id))
         self._replays.clear()
         span = self.spec.span
         work = []
@@ -264,7 +266,7 @@ class DSV4EngineRunner:
         return True
 
     def release(self, seq_id: str, reason: ReleaseReason) -> bool:
-        return self.cache.release(seq_id, reason)
+        return self.runner.release(seq_id, reason)
 
     def num_computed_tokens(self, seq_id: str) -> int:
         return self.cache.num_computed_tokens(seq_id)
