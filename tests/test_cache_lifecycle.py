@@ -7,14 +7,18 @@ The model keeps, independently of the manager:
   - every request's block table, built from what the calls return (the admission's table,
     a reservation's new blocks and copies, the copies a step queued) and from the rules
     (a fork shares the parent's computed blocks, a rollback keeps ceil(n / bs) blocks);
-  - what every physical slot holds (the token whose KV was written there).
+  - what every physical slot holds: the tenant and the whole prefix whose last token's KV was
+    written there (the KV of a token depends on every token before it).
 After every step:
   - check_integrity() passes;
   - the manager's tables equal the model's, and every refcount equals the number of model
     tables holding the block; the free count is the pool minus the distinct blocks held;
   - every computed position of every request reads, through its block table, exactly the
-    token the request has at that position. A missing copy-on-write, a wrong prefix hit or
-    a block freed while still read shows up here as a wrong token.
+    prefix the request has up to that position, under its tenant. A missing copy-on-write, a
+    prefix hit on equal tokens after another prefix or under another tenant, or a block
+    freed while still read shows up here as a wrong prefix.
+The same machine runs again with every block hashing alike (a constant digest), where
+only the collision guard stands between a hit and a wrong one.
 
 KVPOOL_HYPOTHESIS_EXAMPLES raises the example count (300 by default, CI's setting).
 """
@@ -47,6 +51,7 @@ class Lifecycle(RuleBasedStateMachine):
         self.m = FullAttentionManager(NUM_BLOCKS, BLOCK_SIZE, CacheDescriptor("prop"))
         self.slots: dict[int, int] = {}  # physical slot -> token written there
         self.seq: dict[str, list[int]] = {}  # request -> its token ids (model)
+        self.tenant: dict[str, str] = {}  # request -> its tenant salt
         self.tables: dict[str, list[int]] = {}  # request -> its block table (model)
         self.next_id = 0
         self.released: list[str] = []
@@ -66,7 +71,7 @@ class Lifecycle(RuleBasedStateMachine):
         """The 'forward': write the tokens [start, end) into the reserved slots."""
         self._apply_copies()
         for pos, slot in zip(range(start, end), self.m.slot_mapping(rid, start, end), strict=True):
-            self.slots[slot] = self.seq[rid][pos]
+            self.slots[slot] = (self.tenant[rid], tuple(self.seq[rid][: pos + 1]))
 
     def _held(self) -> set[int]:
         return {b for table in self.tables.values() for b in table}
@@ -97,14 +102,20 @@ class Lifecycle(RuleBasedStateMachine):
 
     # ---- rules -------------------------------------------------------------------
 
-    @rule(target=requests, base=st.sampled_from(BASES), cut=st.integers(1, 12), suffix=tokens)
-    def admit(self, base, cut, suffix):
+    @rule(
+        target=requests,
+        base=st.sampled_from(BASES),
+        cut=st.integers(1, 12),
+        suffix=tokens,
+        tenant=st.sampled_from(["", "", "t2"]),
+    )
+    def admit(self, base, cut, suffix, tenant):
         prompt = base[:cut] + suffix
         if not prompt:
             return None
         rid = self._new_id()
         free_before = self.m.pool.free_queue()
-        admission = self.m.admit(rid, prompt)
+        admission = self.m.admit(rid, prompt, tenant_salt=tenant)
         if admission is None:
             assert self.m.pool.free_queue() == free_before and rid not in self.m
             return None
@@ -116,6 +127,7 @@ class Lifecycle(RuleBasedStateMachine):
         fresh = table[admission.num_cached_tokens // BLOCK_SIZE :]
         assert not set(fresh) & self._held(), "a fresh block that another table holds"
         self.seq[rid] = list(prompt)
+        self.tenant[rid] = tenant
         self.tables[rid] = table
         self._write(rid, admission.num_cached_tokens, len(prompt))
         self.m.commit(rid, len(prompt) - admission.num_cached_tokens)
@@ -182,6 +194,7 @@ class Lifecycle(RuleBasedStateMachine):
         assert self.m.fork(parent, child) is True
         num_computed = self.m.num_computed_tokens(parent)
         self.seq[child] = self.seq[parent][:num_computed]
+        self.tenant[child] = self.tenant[parent]
         del self.tables[parent][blocks_for(num_computed) :]  # the parent gives up its writable slots
         self.tables[child] = list(self.tables[parent])
         return child
@@ -233,7 +246,7 @@ class Lifecycle(RuleBasedStateMachine):
             n = self.m.num_computed_tokens(rid)
             assert self.m.token_ids(rid)[:n] == self.seq[rid][:n]
             for pos, slot in enumerate(self.m.slot_mapping(rid, 0, n)):
-                assert self.slots.get(slot) == self.seq[rid][pos], (rid, pos, slot)
+                assert self.slots.get(slot) == (self.tenant[rid], tuple(self.seq[rid][: pos + 1])), (rid, pos, slot)
 
     def teardown(self):
         for rid in self.m.request_ids:
@@ -249,3 +262,18 @@ Lifecycle.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestLifecycle = Lifecycle.TestCase
+
+
+class ConstantHashLifecycle(Lifecycle):
+    def __init__(self) -> None:
+        super().__init__()
+        self.m.pool.hasher.digest = lambda data: b"\x00" * 16
+
+
+ConstantHashLifecycle.TestCase.settings = settings(
+    max_examples=max(1, int(os.environ.get("KVPOOL_HYPOTHESIS_EXAMPLES", "300")) // 3),
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestConstantHashLifecycle = ConstantHashLifecycle.TestCase

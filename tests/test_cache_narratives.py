@@ -308,37 +308,6 @@ def test_a_step_is_all_or_nothing_and_copies_shared_tails():
     m.check_integrity()
 
 
-def test_a_step_with_a_bad_request_changes_nothing():
-    # Validate every request first, then change anything: "a" sits at a block boundary and
-    # would take a fresh block before the unknown request raised.
-    m = make()
-    prefill(m, "a", A[:8])  # blocks 0, 1 full
-    prefill(m, "b", [5, 6, 7])  # block 2
-    m.append_token_ids("a", [1])
-    m.append_token_ids("b", [2])
-    before = (m.block_ids("a"), m.block_ids("b"), m.pool.free_queue())
-    with pytest.raises(KeyError, match="missing"):
-        m.reserve_step(["a", "missing"], [1, 1])
-    with pytest.raises(ValueError, match="token ids are known"):
-        m.reserve_step(["a", "b"], [1, 2])  # b knows one more token, not two
-    with pytest.raises(ValueError, match="appears twice"):
-        m.reserve_step(["a", "a"], [1, 1])
-    assert (m.block_ids("a"), m.block_ids("b"), m.pool.free_queue()) == before
-    assert m.reserve_step(["a", "b"], [1, 1])
-    assert m.block_ids("a") == [0, 1, 3]
-    # commit_step: a's commit is valid, b's is not (2 tokens, 1 reserved-and-known): neither happens.
-    with pytest.raises(ValueError, match="request 'b': commit of 2 tokens"):
-        m.commit_step(["a", "b"], [1, 2], [10, 11])
-    assert (m.num_computed_tokens("a"), m.num_computed_tokens("b")) == (8, 3)
-    assert (m.token_ids("a"), m.token_ids("b")) == (A[:8] + [1], [5, 6, 7, 2])
-    with pytest.raises(KeyError, match="ghost"):
-        m.commit_step(["a", "ghost"], [1, 1], [10, 11])
-    assert m.num_computed_tokens("a") == 8
-    m.commit_step(["a", "b"], [1, 1], [10, 11])
-    assert (m.num_computed_tokens("a"), m.num_computed_tokens("b")) == (9, 4)
-    m.check_integrity()
-
-
 def test_csr_export():
     m = make(num_blocks=10)
     prefill(m, "a", A)  # [0, 1, 2], 10 tokens

@@ -7,8 +7,10 @@ import torch
 
 from kvpool.engine.dsv4_runner import DSV4EngineRunner, build_tiny_dsv4_engine
 from kvpool.engine.engine import Engine
+from kvpool.engine.runner import ScheduledChunk
 from kvpool.engine.sampling import SamplingParams
 from kvpool.models.tiny_dsv4 import TinyDSV4
+from kvpool.verify.dsv4_tolerance import derived_fp32_tolerance
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -141,3 +143,31 @@ def test_kvpool_generate_command_runs_tiny_dsv4(capsys: pytest.CaptureFixture[st
     assert main(["generate", "5,17,42,99", "--model", "tiny-dsv4", "--no-chat", "--json", "--max-tokens", "6"]) == 0
     out = json.loads(capsys.readouterr().out)
     _assert_greedy_matches_oracle(TinyDSV4(seed=0), [5, 17, 42, 99], out["token_ids"])
+
+
+def test_a_deferred_restore_leaves_with_its_request() -> None:
+    # b hits a's first span and is restored by recompute, which waits for b's first step;
+    # b is preempted before that step: its replay must not run (nor fail) in c's step, and
+    # b admitted again is restored by its own, new replay.
+    runner = DSV4EngineRunner(TinyDSV4(seed=0), num_classical_blocks=8, num_state_blocks=3)
+    a = _prompts()[1]
+    assert runner.admit("a", a, len(a)) is not None
+    runner.execute([ScheduledChunk("a", a, 0, True)])
+    runner.commit(["a"], [len(a)], [None])
+    b = a[:128] + [1, 2, 3]
+    adm = runner.admit("b", b, 3)
+    assert adm.num_cached_tokens == 128 and adm.restore.method == "recompute"
+    assert list(runner.runner._replays) == ["b"]
+    assert runner.release("b", "preempt")
+    assert not runner.runner._replays
+    assert runner.admit("c", [7, 8, 9], 3) is not None
+    runner.execute([ScheduledChunk("c", [7, 8, 9], 0, True)])
+    runner.commit(["c"], [3], [None])
+    adm = runner.admit("b", b, 3)
+    (logits,) = runner.execute([ScheduledChunk("b", b[128:], 128, True)])
+    model = runner.runner.model
+    ref32, ref64 = model.reference_logits(b)[-1], model.to(torch.float64).reference_logits(b)[-1]
+    tol = derived_fp32_tolerance(float((ref32.double() - ref64).abs().max()), float(ref64.abs().max()))
+    assert float((logits.double() - ref64).abs().max()) <= tol  # a missing or doubled replay is O(0.1)
+    runner.commit(["b"], [3], [None])
+    runner.check_integrity()

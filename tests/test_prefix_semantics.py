@@ -123,6 +123,37 @@ def test_the_v4_collision_guard_and_a_table_that_holds_a_block_twice():
         m.check_integrity()
 
 
+def test_a_step_with_a_bad_request_changes_nothing():
+    # Validate every request first, then change anything: "a" sits at a block boundary and
+    # would take a fresh block before the unknown request raised.
+    m = make()
+    prefill(m, "a", P8)  # blocks 0, 1 full
+    prefill(m, "b", [5, 6, 7])  # block 2
+    m.append_token_ids("a", [1])
+    m.append_token_ids("b", [2])
+    before = (m.block_ids("a"), m.block_ids("b"), m.pool.free_queue())
+    with pytest.raises(KeyError, match="missing"):
+        m.reserve_step(["a", "missing"], [1, 1])
+    with pytest.raises(ValueError, match="token ids are known"):
+        m.reserve_step(["a", "b"], [1, 2])  # b knows one more token, not two
+    with pytest.raises(ValueError, match="appears twice"):
+        m.reserve_step(["a", "a"], [1, 1])
+    assert (m.block_ids("a"), m.block_ids("b"), m.pool.free_queue()) == before
+    assert m.reserve_step(["a", "b"], [1, 1])
+    assert m.block_ids("a") == [0, 1, 3]
+    # commit_step: a's commit is valid, b's is not (2 tokens, 1 reserved-and-known): neither happens.
+    with pytest.raises(ValueError, match="request 'b': commit of 2 tokens"):
+        m.commit_step(["a", "b"], [1, 2], [10, 11])
+    assert (m.num_computed_tokens("a"), m.num_computed_tokens("b")) == (8, 3)
+    assert (m.token_ids("a"), m.token_ids("b")) == (P8 + [1], [5, 6, 7, 2])
+    with pytest.raises(KeyError, match="ghost"):
+        m.commit_step(["a", "ghost"], [1, 1], [10, 11])
+    assert m.num_computed_tokens("a") == 8
+    m.commit_step(["a", "b"], [1, 1], [10, 11])
+    assert (m.num_computed_tokens("a"), m.num_computed_tokens("b")) == (9, 4)
+    m.check_integrity()
+
+
 def test_a_queued_copy_dies_with_its_request():
     m = make(num_blocks=6)
     prefill(m, "p", [1, 2, 3, 4, 5, 6])  # blocks 0, 1 (1 is a partial tail)
@@ -137,6 +168,33 @@ def test_a_queued_copy_dies_with_its_request():
     assert prefill(m, "e", [8]) == 0 and m.block_ids("e") == [5]
     assert prefill(m, "f", [8, 8]) == 0 and m.block_ids("f") == [2]
     assert m.take_copies() == []  # c's copy would have overwritten f's block 2
+    m.check_integrity()
+
+
+def test_a_queued_copy_a_fork_shares_stays_and_copies_keep_their_order():
+    # p writes into its shared tail (copy 1 -> 2 queued), then forks c off, so c's table
+    # holds block 2 too, and c writes into that shared block (copy 2 -> 3, which reads what
+    # the first copy writes). p leaves before the copies are applied: nobody holds block 2
+    # now, but the second copy reads it, so both stay, in the order they were made.
+    m = make()
+    prefill(m, "p", [1, 2, 3, 4, 5, 6])  # blocks 0, 1
+    m.fork("p", "q")  # block 1 is shared
+    m.append_token_ids("p", [7])
+    assert m.reserve("p", 1).copies == (BlockCopy(1, 2),)
+    m.fork("p", "c")
+    assert m.block_ids("c") == [0, 2]
+    m.append_token_ids("c", [8])
+    assert m.reserve("c", 1).copies == (BlockCopy(2, 3),)
+    assert m.release("p")
+    m.check_integrity()
+    assert m.take_copies() == [BlockCopy(1, 2), BlockCopy(2, 3)]
+    # once nobody reads a destination, its copy goes: q forks r and writes (copy 1 -> 4), then
+    # leaves... r holds 4: the copy stays; r leaves too: it is dropped.
+    m.fork("q", "r")
+    m.append_token_ids("r", [9])
+    assert m.reserve("r", 1).copies == (BlockCopy(1, 4),)
+    assert m.release("r")
+    assert m.take_copies() == []
     m.check_integrity()
 
 
@@ -163,11 +221,13 @@ def test_an_undone_v4_reservation_restores_the_checkpoint_it_pushed_out():
     b = list(range(200, 240))
     adm = m.admit("b", b, 0)  # admitted, nothing reserved yet
     assert adm is not None
+    lru = {h: (c.slot, c.last_used) for h, c in m._checkpoints.items()}
     res = m.reserve("b", 16)  # its boundary at 16 takes the only checkpoint slot: a's is pushed out
     assert res is not None and res.checkpoints == ((16, 3),)
     assert m.lookup_prefix(a) == 0
     m.unreserve("b")
     assert m.lookup_prefix(a) == 16  # undone: a's checkpoint is findable again
+    assert {h: (c.slot, c.last_used) for h, c in m._checkpoints.items()} == lru  # with its LRU place
     adm = m.admit("c", a + [5])
     assert adm is not None and adm.restore is not None
     assert (adm.num_cached_tokens, adm.restore.method, adm.restore.checkpoint_slot) == (16, "checkpoint", 3)
@@ -199,3 +259,54 @@ def test_a_lookup_before_an_admission_counts_a_collision_once():
     assert m.pool.num_collisions == 0  # a lookup changes nothing
     assert prefill(m, "b", [5, 6, 7, 8, 9]) == 0
     assert m.pool.num_collisions == 2  # the admission's miss, and b's block 0 that cannot be published
+
+
+def test_an_undo_does_not_revive_a_checkpoint_filed_again_since():
+    # Two checkpoint slots (3, 4). c and d checkpoint their spans; a's reservation pushes out
+    # c's; b recomputes c's prefix (the checkpoint is gone, so nothing is hit) and files it
+    # again, pushing out d's. Undoing a must not put c's old checkpoint back over b's.
+    m = DSV4CacheManager(SPEC, 8, 3, DESC, restore="checkpoint", num_checkpoints=2)
+    c, d = list(range(100, 117)), list(range(200, 217))
+    prefill(m, "c", c)
+    prefill(m, "d", d)
+    assert m.release("c") and m.release("d")
+    assert m.admit("a", list(range(300, 340)), 0) is not None
+    assert m.reserve("a", 16).checkpoints == ((16, 3),)  # c's slot, the least recently used
+    assert m.lookup_prefix(c) == 0
+    assert prefill(m, "b", c + [1]) == 0  # recomputes c's span; files it in d's slot
+    assert m.lookup_prefix(d) == 0 and m.lookup_prefix(c) == 16
+    m.unreserve("a")
+    m.check_integrity()  # no slot leaked or filed twice
+    adm = m.admit("e", c + [2])
+    assert adm.restore.checkpoint_slot == 4  # b's, not the old one
+    m.check_integrity()
+
+
+def test_a_stale_checkpoint_gives_way_to_a_new_one():
+    # x's span is checkpointed; every classical block is then taken, so x's block is evicted
+    # and its checkpoint points at a prefix no longer cached. When y computes the same span
+    # again, a new checkpoint is filed (the stale one's slot is freed) and the prefix hits.
+    m = DSV4CacheManager(SPEC, 2, 3, DESC, restore="checkpoint", num_checkpoints=1)
+    x = list(range(100, 117))
+    prefill(m, "x", x)
+    assert m.release("x") and m.lookup_prefix(x) == 16
+    prefill(m, "big", list(range(500, 533)))  # 2 spans: both blocks, x's is evicted
+    assert m.release("big") and m.lookup_prefix(x) == 0
+    prefill(m, "y", x + [3])
+    assert m.release("y")
+    assert m.lookup_prefix(x + [4]) == 16
+    m.check_integrity()
+
+
+def test_an_undo_gives_back_the_cached_blocks_its_allocation_evicted():
+    m = DSV4CacheManager(SPEC, 2, 3, DESC)
+    a = list(range(100, 133))  # 2 spans
+    prefill(m, "a", a)
+    assert m.release("a")
+    assert m.pool.free_queue() == [1, 0] and m.lookup_prefix(a) == 32
+    assert m.admit("b", list(range(400, 440)), 0) is not None
+    assert m.reserve("b", 32).new_block_ids == (1, 0)  # both evicted
+    assert m.lookup_prefix(a) == 0
+    m.unreserve("b")
+    assert m.pool.free_queue() == [1, 0] and m.lookup_prefix(a) == 32  # as before the reservation
+    m.check_integrity()

@@ -26,6 +26,7 @@ Lifecycle of a request, and the rules every implementation keeps:
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -167,6 +168,10 @@ class CacheManager(ABC):
         return self.release(request_id, "preempt")
 
     @property
+    def enable_prefix_caching(self) -> bool:
+        return self.pool.enable_caching
+
+    @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
 
@@ -234,11 +239,10 @@ def mm_extra_key(mm_items: Sequence[MMItem], block_size: int, block_index: int) 
     lo = block_index * block_size
     hi = lo + block_size
     parts = [
-        f"{item.content_hash}@{item.start - lo}"
-        for item in mm_items
-        if item.start < hi and lo < item.start + item.length
+        [item.content_hash, item.start - lo] for item in mm_items if item.start < hi and lo < item.start + item.length
     ]
-    return ("\x00mm:" + "\x00".join(parts)).encode() if parts else b""
+    # JSON: an identity may hold any character and still not run into the next item's
+    return b"mm" + json.dumps(parts, separators=(",", ":")).encode() if parts else b""
 
 
 def check_mm_items(mm_items: Sequence[MMItem], num_tokens: int) -> tuple[MMItem, ...]:

@@ -59,12 +59,13 @@ class _Checkpoint:
 
 @dataclass
 class _Pending:
-    """A reserved, uncommitted step."""
+    """A reserved, uncommitted step, with what undoing it needs."""
 
     reservation: Reservation
     chain: list[PrefixBlock]  # prefix blocks of the spans the step completes (caching on)
     evicted: list[tuple[bytes, _Checkpoint]]  # checkpoints pushed out for its slots (undo restores them)
     fresh_slots: list[int]  # checkpoint slots it took from the free list
+    evicted_blocks: list[tuple[int, PrefixBlock]]  # cached blocks its allocation evicted (undo restores them)
 
 
 @dataclass
@@ -105,7 +106,6 @@ class DSV4CacheManager(CacheManager):
         super().__init__(pool, spec.span, descriptor)
         self.spec = spec
         self.span = spec.span
-        self.enable_prefix_caching = enable_prefix_caching
         self.restore = restore
         self.num_state_blocks = num_state_blocks
         self.num_checkpoints = num_checkpoints
@@ -257,8 +257,10 @@ class DSV4CacheManager(CacheManager):
     def _check_reserve(self, req: _Request, num_new_tokens: int) -> None:
         if req.pending is not None:
             raise ValueError(f"request {req.request_id!r} already has an uncommitted reservation")
+        if num_new_tokens <= 0:
+            raise ValueError(f"request {req.request_id!r}: a V4 step computes at least one token, got {num_new_tokens}")
         start = req.num_computed
-        if num_new_tokens <= 0 or start + num_new_tokens > len(req.token_ids):
+        if start + num_new_tokens > len(req.token_ids):
             raise ValueError(
                 f"request {req.request_id!r}: cannot compute {num_new_tokens} tokens from {start}, "
                 f"it has {len(req.token_ids)} tokens (append_token_ids first)"
@@ -292,7 +294,8 @@ class DSV4CacheManager(CacheManager):
         return True
 
     def _apply_reserve(self, req: _Request, num_new_tokens: int, num_new: int) -> Reservation:
-        new_ids = self.pool.allocate(num_new)
+        evicted_blocks: list[tuple[int, PrefixBlock]] = []
+        new_ids = self.pool.allocate(num_new, evicted_blocks)
         assert new_ids is not None, "the caller checked the free count"
         chain: list[PrefixBlock] = []
         if self.enable_prefix_caching:
@@ -305,7 +308,7 @@ class DSV4CacheManager(CacheManager):
         fresh: list[int] = []
         if self.restore == "checkpoint" and self.enable_prefix_caching:
             first = len(req.block_ids) + 1
-            wanted = [(k + first) * self.span for k, b in enumerate(chain) if b.block_hash not in self._checkpoints]
+            wanted = [(k + first) * self.span for k, b in enumerate(chain) if not self._has_checkpoint(b.block_hash)]
             # A long prefill may cross more boundaries than there are slots: keep the latest.
             available = len(self._free_checkpoints) + len(self._checkpoints)
             for position in wanted[max(0, len(wanted) - available) :]:
@@ -319,21 +322,43 @@ class DSV4CacheManager(CacheManager):
                     slot = ckpt.slot
                 checkpoints.append((position, slot))
         reservation = Reservation(req.num_computed, num_new_tokens, tuple(new_ids), (), tuple(checkpoints))
-        req.pending = _Pending(reservation, chain, evicted, fresh)
+        req.pending = _Pending(reservation, chain, evicted, fresh, evicted_blocks)
         return reservation
 
+    def _has_checkpoint(self, block_hash: bytes) -> bool:
+        """A findable checkpoint is filed under this hash: its boundary block is the content
+        the index holds (a checkpoint of an evicted prefix is stale: it is replaced)."""
+        ckpt = self._checkpoints.get(block_hash)
+        return ckpt is not None and self.pool.is_published(ckpt.block)
+
     def unreserve(self, request_id: str) -> None:
-        """Undo an uncommitted reservation (e.g. another request of the batch did not fit):
-        its blocks and checkpoint slots go back, and every checkpoint it pushed out is
-        findable again, as it was."""
+        """Undo an uncommitted reservation whose step has not run (e.g. another request of
+        the batch did not fit), exactly: its blocks go back where they were (cached blocks
+        its allocation evicted are findable again), its checkpoint slots go back, and every
+        checkpoint it pushed out is findable again with its LRU place, unless the same
+        prefix has been checkpointed since (then the slot is free)."""
         req = self._get(request_id)
         pending = req.pending
         if pending is None:
             return
-        self.pool.decref(reversed(pending.reservation.new_block_ids))
+        self.pool.unallocate(pending.reservation.new_block_ids, pending.evicted_blocks)
         self._free_checkpoints.extendleft(reversed(pending.fresh_slots))
         for block_hash, ckpt in pending.evicted:
-            self._checkpoints[block_hash] = ckpt
+            if block_hash in self._checkpoints:
+                self._free_checkpoints.append(ckpt.slot)
+            else:
+                self._checkpoints[block_hash] = ckpt
+        req.pending = None
+
+    def _abandon(self, req: _Request) -> None:
+        """Drop an uncommitted step that may have run (a release): its blocks and all the
+        checkpoint slots it took are free; a checkpoint it pushed out is not restored, since
+        the step's forward may have written over its slot."""
+        pending = req.pending
+        if pending is None:
+            return
+        self.pool.decref(reversed(pending.reservation.new_block_ids))
+        self._free_checkpoints.extend(slot for _, slot in pending.reservation.checkpoints)
         req.pending = None
 
     def commit(self, request_id: str, num_tokens: int) -> None:
@@ -368,11 +393,15 @@ class DSV4CacheManager(CacheManager):
         req.chain.extend(pending.chain)
         for position, slot in res.checkpoints:
             block = req.chain[position // self.span - 1]
-            if block.block_hash in self._checkpoints:  # another request checkpointed the same prefix first
+            if not self.pool.is_published(block) or self._has_checkpoint(block.block_hash):
+                # not findable (a collision), or another request checkpointed the prefix first
                 self._free_checkpoints.append(slot)
-            else:
-                self._clock += 1
-                self._checkpoints[block.block_hash] = _Checkpoint(slot, block, self._clock)
+                continue
+            stale = self._checkpoints.get(block.block_hash)
+            if stale is not None:  # a checkpoint of an evicted copy of the prefix gives way
+                self._free_checkpoints.append(stale.slot)
+            self._clock += 1
+            self._checkpoints[block.block_hash] = _Checkpoint(slot, block, self._clock)
         req.num_computed += res.num_tokens
         req.pending = None
 
@@ -429,7 +458,7 @@ class DSV4CacheManager(CacheManager):
         req = self._requests.get(request_id)
         if req is None:
             return False
-        self.unreserve(request_id)
+        self._abandon(req)
         del self._requests[request_id]
         self.pool.decref(reversed(req.block_ids))
         self._free_states.append(req.state_slot)

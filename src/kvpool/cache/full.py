@@ -81,9 +81,10 @@ class FullAttentionManager(CacheManager):
             raise ValueError(f"block_size must be positive, got {block_size}")
         pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching, hash_algo=hash_algo)
         super().__init__(pool, block_size, descriptor)
-        self.enable_prefix_caching = enable_prefix_caching
         self._pack_block = block_packer(block_size)
-        self._pending_copies: dict[str, list[BlockCopy]] = {}  # request -> its copies not yet taken
+        # Copy-on-write copies not yet taken, in the order they were made (a later copy may
+        # read an earlier one's destination). One leaves only when its destination is freed.
+        self._pending_copies: list[BlockCopy] = []
 
     # ---- queries ---------------------------------------------------------------------
 
@@ -134,8 +135,7 @@ class FullAttentionManager(CacheManager):
     def take_copies(self) -> list[BlockCopy]:
         """Pending copy-on-write copies, in the order they were made; the caller applies them
         to the tensors before the forward that writes into their destinations."""
-        copies = [c for per_request in self._pending_copies.values() for c in per_request]
-        self._pending_copies.clear()
+        copies, self._pending_copies = self._pending_copies, []
         return copies
 
     def usage(self) -> CacheUsage:
@@ -234,17 +234,22 @@ class FullAttentionManager(CacheManager):
         self._count_admission(request_id, len(req.token_ids), num_cached)
         return Admission(num_cached, n, tuple(req.block_ids))
 
+    def _writes_into_tail(self, req: _Request, num_new_tokens: int) -> bool:
+        """Whether the write starts inside an existing block the request may not write yet:
+        a tail it shares (copy it first) or a published one (unregister it first)."""
+        return bool(num_new_tokens) and req.num_computed % self.block_size != 0 and req.num_reserved == req.num_computed
+
     def _blocks_for_write(self, req: _Request, num_new_tokens: int) -> tuple[int, bool]:
-        """(new blocks needed, whether the first written block must be copied first)."""
+        """(new blocks needed, whether the first written block must be copied first). A
+        shared tail is copied (one more block); an exclusive one still registered (possible
+        after a rollback) needs no block: _prepare_tail unregisters it."""
         bs = self.block_size
         end = req.num_computed + num_new_tokens
         num_new = max(0, -(-end // bs) - len(req.block_ids))
-        cow = False
-        if num_new_tokens and req.num_computed % bs and req.num_reserved == req.num_computed:
-            # The write starts inside an existing block. A shared block is copied first (one
-            # more block); an exclusive block still registered (possible after a rollback)
-            # needs no block: _prepare_tail unregisters it before it changes under its hash.
-            cow = self.pool.refcount(req.block_ids[req.num_computed // bs]) > 1
+        cow = (
+            self._writes_into_tail(req, num_new_tokens)
+            and self.pool.refcount(req.block_ids[req.num_computed // bs]) > 1
+        )
         return num_new + cow, cow
 
     def _prepare_tail(self, req: _Request, cow: bool, new_blocks: list[int]) -> BlockCopy | None:
@@ -257,7 +262,7 @@ class FullAttentionManager(CacheManager):
             self.pool.decref((tail,))
             req.block_ids[index] = dst
             copy = BlockCopy(tail, dst)
-            self._pending_copies.setdefault(req.request_id, []).append(copy)
+            self._pending_copies.append(copy)
             return copy
         if self.pool.block_hash(tail) is not None:
             self.pool.unregister(tail)
@@ -276,9 +281,7 @@ class FullAttentionManager(CacheManager):
     def _apply_reserve(self, req: _Request, num_new_tokens: int, needed: int, cow: bool) -> Reservation:
         new_blocks = self.pool.allocate(needed)
         assert new_blocks is not None, "the caller checked the free count"
-        copy = None
-        if num_new_tokens and req.num_computed % self.block_size and req.num_reserved == req.num_computed:
-            copy = self._prepare_tail(req, cow, new_blocks)
+        copy = self._prepare_tail(req, cow, new_blocks) if self._writes_into_tail(req, num_new_tokens) else None
         req.block_ids.extend(new_blocks)
         if num_new_tokens:
             req.num_reserved = len(req.block_ids) * self.block_size
@@ -362,7 +365,9 @@ class FullAttentionManager(CacheManager):
             return False
         allocate = self.pool.allocate
         for req, num_fresh in growing:
-            req.block_ids.extend(allocate(num_fresh))  # type: ignore[arg-type]  # counted above
+            fresh = allocate(num_fresh)
+            assert fresh is not None, "counted above"
+            req.block_ids.extend(fresh)
             req.num_reserved = len(req.block_ids) * bs
         for req, n in tail_writes:
             needed, cow = self._blocks_for_write(req, n)  # an earlier copy may have freed a tail
@@ -495,29 +500,36 @@ class FullAttentionManager(CacheManager):
         released = req.block_ids[keep:]
         del req.block_ids[keep:]
         self.pool.decref(reversed(released))
-        self._drop_copies_into(req, released)
+        self._drop_dead_copies()
         del req.token_ids[num_computed_tokens:]
         del req.chain[num_computed_tokens // self.block_size :]
         req.num_computed = req.num_reserved = num_computed_tokens
         req.prompt_bytes = req.prompt_bytes[: num_computed_tokens * TOKEN_BYTES]
 
-    def _drop_copies_into(self, req: _Request, released: list[int]) -> None:
-        """A queued copy into a block the request gave up must not run: the block may
-        belong to another request by the time copies are applied."""
-        copies = self._pending_copies.get(req.request_id)
-        if copies:
-            kept = [c for c in copies if c.dst not in released]
-            if kept:
-                self._pending_copies[req.request_id] = kept
-            else:
-                del self._pending_copies[req.request_id]
+    def _drop_dead_copies(self) -> None:
+        """A queued copy into a block nobody reads any more is dropped: nobody holds the
+        block, and no later queued copy reads it. (A copy into a block a fork shares stays,
+        the child reads it too; so does one a later copy of a fork reads from.)"""
+        if self._pending_copies:
+            self._pending_copies = self._live_copies()
+
+    def _live_copies(self) -> list[BlockCopy]:
+        refcount = self.pool.refcount
+        read: set[int] = set()  # blocks a later kept copy reads
+        kept: list[BlockCopy] = []
+        for copy in reversed(self._pending_copies):
+            if refcount(copy.dst) > 0 or copy.dst in read:
+                kept.append(copy)
+                read.add(copy.src)
+        kept.reverse()
+        return kept
 
     def _release(self, request_id: str) -> bool:
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
         self.pool.decref(reversed(req.block_ids))  # tail-first: a chain's tail is evicted first
-        self._pending_copies.pop(request_id, None)  # a queued copy dies with its request
+        self._drop_dead_copies()  # a queued copy dies with the last request holding its destination
         return True
 
     # ---- invariants ------------------------------------------------------------------
@@ -577,13 +589,8 @@ class FullAttentionManager(CacheManager):
                     block.token_bytes != token_bytes(req.token_ids[index * bs : (index + 1) * bs])
                 ):
                     raise AssertionError(f"invariant 6: request {rid!r} chain element {index} is not its own prefix")
-        for copies in self._pending_copies.values():
-            for copy in copies:
-                if self.pool.refcount(copy.dst) != 1:
-                    raise AssertionError(f"a queued copy into block {copy.dst} whose refcount is not 1")
-        for request_id in self._pending_copies:
-            if request_id not in self._requests:
-                raise AssertionError(f"a queued copy of released request {request_id!r}")
+        if self._live_copies() != self._pending_copies:
+            raise AssertionError(f"a queued copy nobody reads: {self._pending_copies}")
         for block_id, count in enumerate(holders):
             if self.pool.refcount(block_id) != count:
                 raise AssertionError(

@@ -68,7 +68,7 @@ class Admission(NamedTuple):
 
     num_cached_tokens: int  # tokens [0, num_cached) already computed (prefix-cache hit)
     num_scheduled_tokens: int  # tokens [num_cached, num_cached + n) reserved for the first step
-    block_ids: tuple[int, ...]  # the request's block table after admission: the hit, then new blocks
+    block_ids: tuple[int, ...]  # the request's blocks after admission: the hit, then the first step's new ones
     restore: StateRestore | None = None  # managers with per-request state only
 
 

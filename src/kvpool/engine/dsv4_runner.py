@@ -70,7 +70,7 @@ class DSV4PagedRunner:
         )
         self.replay_chunk = replay_chunk
         self.num_replayed_tokens = 0  # tokens recomputed by prefix-hit restores (for reports)
-        self._replays: list[tuple[str, Admission]] = []  # deferred restores, oldest first
+        self._replays: dict[str, Admission] = {}  # deferred restores, by request, oldest first
 
     # ----- requests -------------------------------------------------------------------
 
@@ -103,7 +103,7 @@ class DSV4PagedRunner:
             self.pools.copy_state(restore.checkpoint_slot, restore.state_slot)
         elif restore.method == "recompute":
             if defer_replay:
-                self._replays.append((request_id, adm))
+                self._replays[request_id] = adm  # a newer admission of the id replaces an older one
             else:
                 self._replay(adm, list(token_ids))
         return adm
@@ -126,9 +126,8 @@ class DSV4PagedRunner:
 
     def release(self, request_id: str, reason: ReleaseReason = "finish") -> bool:
         """The cache's release; a restore still waiting to replay goes with it."""
-        released = self.cache.release(request_id, reason)
-        self._replays = [(r, adm) for r, adm in self._replays if r != request_id]
-        return released
+        self._replays.pop(request_id, None)
+        return self.cache.release(request_id, reason)
 
     def num_computed_tokens(self, request_id: str) -> int:
         return self.cache.num_computed_tokens(request_id)
@@ -157,8 +156,9 @@ class DSV4PagedRunner:
         """Forward passes for the requests' pending reservations. A chunk is cut at its
         checkpoint positions (the state must be snapshot exactly there); any cut gives the
         same state."""
-        for request_id, adm in self._replays:  # released requests left the list (release)
-            self._replay(adm, self.cache.token_ids(request_id))
+        for request_id, adm in self._replays.items():
+            if request_id in self.cache:  # (a release through the cache alone leaves it here)
+                self._replay(adm, self.cache.token_ids(request_id))
         self._replays.clear()
         span = self.spec.span
         work = []

@@ -364,6 +364,7 @@ class Engine:
         req = parent.request
         req.forked = True
         prompt = parent.token_ids[: parent.num_computed]
+        waiting: list[SequenceState] = []
         for j in range(1, req.params.n):
             child_id = f"{req.request_id}/{j}"
             if self.runner.fork(parent.seq_id, child_id):
@@ -373,13 +374,16 @@ class Engine:
                 # No cache state of its own to be had now (a V4 state block): the child waits
                 # like a preempted sequence and is admitted through the prefix cache later.
                 child = SequenceState(child_id, req, j, list(prompt), 0, False)
-                self.waiting.appendleft(child)
+                waiting.append(child)
             req.seqs.append(child)
             reason = self._accept_token(child, logits, now)
             if reason is not None:
                 done.append((child, reason))
             elif child.in_runner:  # a waiting sequence hands over all its tokens when admitted
                 self.runner.append_tokens(child_id, [child.token_ids[-1]])
+        # The children that wait go first, in sample order (ahead of the queue, as preempted
+        # ones); one that finishes on its first token leaves the queue again in _finish.
+        self.waiting.extendleft(reversed(waiting))
 
     def _accept_token(self, seq: SequenceState, logits: torch.Tensor, now: float) -> str | None:
         """Sample the sequence's next token and append it; the finish reason, if it ends here."""

@@ -47,7 +47,12 @@ class PrefixBlock:
     __slots__ = ("block_hash", "parent", "token_bytes", "extra", "block_ids", "__weakref__")
 
     def __init__(
-        self, block_hash: bytes, parent: PrefixBlock | None, token_bytes: bytes, extra: bytes, block_ids=()
+        self,
+        block_hash: bytes,
+        parent: PrefixBlock | None,
+        token_bytes: bytes,
+        extra: bytes,
+        block_ids: tuple[int, ...] = (),
     ) -> None:
         self.block_hash = block_hash
         self.parent = parent
@@ -56,10 +61,6 @@ class PrefixBlock:
         # A tuple: one or two copies is the common case, and a tuple of ints is no work for
         # the garbage collector (the index holds one of these per cached block).
         self.block_ids: tuple[int, ...] = block_ids
-
-    @property
-    def is_root(self) -> bool:
-        return self.parent is None
 
     @property
     def is_live(self) -> bool:
@@ -144,8 +145,10 @@ class BlockPool:
 
     # ---- allocation ------------------------------------------------------------------
 
-    def allocate(self, num_blocks: int) -> list[int] | None:
-        """Take `num_blocks` blocks with refcount 1, or return None and change nothing."""
+    def allocate(self, num_blocks: int, evicted: list[tuple[int, PrefixBlock]] | None = None) -> list[int] | None:
+        """Take `num_blocks` blocks with refcount 1, or return None and change nothing.
+        evicted: receives (block id, its prefix block) for every cached block this takes,
+        for `unallocate`."""
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         if num_blocks > len(self._free_unhashed) + len(self._free_cached):
@@ -158,6 +161,8 @@ class BlockPool:
             unhashed.clear()
             for _ in range(num_blocks - len(block_ids)):
                 block_id, _ = self._free_cached.popitem(last=False)
+                if evicted is not None:
+                    evicted.append((block_id, self._cached[block_id]))
                 self._drop(block_id)  # lazy eviction: the block leaves the index only now
                 block_ids.append(block_id)
         refcounts = self._refcounts
@@ -165,6 +170,32 @@ class BlockPool:
             refcounts[block_id] = 1
         self.num_allocated += num_blocks
         return block_ids
+
+    def unallocate(self, block_ids: Sequence[int], evicted: Sequence[tuple[int, PrefixBlock]]) -> None:
+        """Undo an `allocate` whose blocks are untouched (refcount 1, unregistered): each
+        block goes back where it was, unhashed ones to the head of their queue, evicted
+        cached ones to the head of the LRU queue with their content findable again (unless
+        another block has since taken its hash)."""
+        content = dict(evicted)
+        for block_id in reversed(block_ids):  # allocate took from the queues' heads, in order
+            assert self._refcounts[block_id] == 1 and self._cached[block_id] is None, f"unallocate of block {block_id}"
+            self._refcounts[block_id] = 0
+            block = content.get(block_id)
+            found = None if block is None else self._index.get(block.block_hash)
+            if block is not None and (found is None or found is block):
+                if found is None:
+                    self._index[block.block_hash] = block
+                block.block_ids += (block_id,)
+                self._cached[block_id] = block
+                self._free_cached[block_id] = None
+                self._free_cached.move_to_end(block_id, last=False)
+            else:
+                self._free_unhashed.appendleft(block_id)
+        self.num_allocated -= len(block_ids)
+
+    def is_published(self, block: PrefixBlock) -> bool:
+        """Whether `block` is the content the index holds for its hash (a root always is)."""
+        return block.parent is None or self._index.get(block.block_hash) is block
 
     def incref(self, block_ids: Iterable[int]) -> None:
         """Take one more reference on each block; a cached free block leaves the queue."""
@@ -236,7 +267,7 @@ class BlockPool:
             if found.parent is not parent or found.token_bytes != chunk or found.extra != extra:
                 # The collision guard. A stored block whose own parent has left the index is
                 # a stale orphan (its prefix was evicted or rewritten first), not a collision.
-                if count_collisions and found.parent is not None and found.parent.is_live:
+                if count_collisions and found.parent.is_live:  # an index entry always has a parent
                     self.num_collisions += 1
                 break
             ids = found.block_ids
@@ -281,7 +312,7 @@ class BlockPool:
             )
             if same:
                 block = found
-            elif found.parent is not None and not found.parent.is_live:
+            elif not found.parent.is_live:  # an index entry always has a parent
                 self._forget(found)  # a stale orphan gives way
             else:
                 self.num_collisions += 1

@@ -112,8 +112,8 @@ class PagedKVStorage:
             return
         src = torch.tensor([c.src for c in copies], dtype=torch.long, device=self.k.device)
         dst = torch.tensor([c.dst for c in copies], dtype=torch.long, device=self.k.device)
-        # Chained copies (a -> b then b -> c) would need order; the manager never chains
-        # within one step, but copy one by one if a destination is also a source.
+        # A chain (a -> b, then b -> c: a fork of a request whose tail copy is still queued)
+        # needs the order the manager made them in: then the copies go one by one.
         if set(src.tolist()) & set(dst.tolist()):
             for c in copies:
                 self.k[:, c.dst] = self.k[:, c.src]

@@ -1,0 +1,144 @@
+"""The scheduler's paths on a model-free runner: the real FullAttentionManager behind the
+ModelRunner protocol, and a "model" whose next token is a function of the whole prefix, so
+a sequence that was preempted and recomputed, or scheduled with other neighbours, must
+produce exactly the tokens it produces alone. Fast: no tensors beyond the logits rows."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvpool.cache import CacheDescriptor, FullAttentionManager
+from kvpool.engine.engine import Engine
+from kvpool.engine.runner import ScheduledChunk
+from kvpool.engine.sampling import SamplingParams
+
+VOCAB = 97
+
+
+class PrefixModelRunner:
+    """Greedy next token = (sum of the prefix's token ids * 31 + length) % VOCAB, computed
+    from what the cache says the sequence holds (so a wrong prefix shows as a wrong token)."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.manager = FullAttentionManager(num_blocks, block_size, CacheDescriptor("prefix-model"))
+        self.vocab_size = VOCAB
+        self.capacity_tokens = num_blocks * block_size
+        self.max_model_len = self.capacity_tokens
+
+    def admit(self, seq_id, token_ids, max_new_tokens):
+        return self.manager.admit(seq_id, token_ids, max_new_tokens)
+
+    def reserve(self, seq_ids, num_new_tokens):
+        return self.manager.reserve_step(seq_ids, num_new_tokens)
+
+    def append_tokens(self, seq_id, token_ids):
+        self.manager.append_token_ids(seq_id, token_ids)
+
+    def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+        self.manager.take_copies()
+        tables = self.manager.step_tables(
+            [c.seq_id for c in chunks], [c.start for c in chunks], [c.start + len(c.token_ids) for c in chunks]
+        )
+        assert len(tables.slots) == sum(len(c.token_ids) for c in chunks)
+        rows = []
+        for c in chunks:
+            if c.needs_logits:
+                prefix = self.manager.token_ids(c.seq_id)[: c.start] + c.token_ids
+                row = torch.zeros(VOCAB)
+                row[(sum(prefix) * 31 + len(prefix)) % VOCAB] = 1.0
+                rows.append(row)
+        return torch.stack(rows) if rows else torch.zeros(0, VOCAB)
+
+    def commit(self, seq_ids, num_tokens, next_token_ids):
+        self.manager.commit_step(seq_ids, num_tokens, next_token_ids)
+
+    def fork(self, parent_id, child_id):
+        return self.manager.fork(parent_id, child_id)
+
+    def release(self, seq_id, reason):
+        return self.manager.release(seq_id, reason)
+
+    def num_computed_tokens(self, seq_id):
+        return self.manager.num_computed_tokens(seq_id)
+
+    def num_allocations(self):
+        return self.manager.pool.num_allocated
+
+    def kv_read_bytes(self, num_context_tokens):
+        return num_context_tokens
+
+    def usage(self):
+        return self.manager.usage()
+
+    def check_integrity(self):
+        self.manager.check_integrity()
+
+    def cache_stats(self):
+        return {}
+
+
+def expected(prompt: list[int], n: int) -> list[int]:
+    out, seq = [], list(prompt)
+    for _ in range(n):
+        token = (sum(seq) * 31 + len(seq)) % VOCAB
+        out.append(token)
+        seq.append(token)
+    return out
+
+
+def run(engine: Engine) -> None:
+    while engine.has_unfinished():
+        engine.step()
+        engine.runner.check_integrity()
+
+
+def test_a_sequence_that_preempts_itself_resumes_with_the_same_tokens():
+    # 4 blocks of 4: a and b (5-token prompts, 2 blocks each) both run, then cannot both
+    # grow; b, the later one, is the victim of its own reservation and recomputes later.
+    runner = PrefixModelRunner(4, 4)
+    engine = Engine(runner, max_num_batched_tokens=32)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7, 6, 5]]
+    ids = [engine.add_request(p, params) for p in prompts]
+    engine.step()
+    assert len(engine.running) == 2
+    run(engine)
+    assert engine.num_preemptions > 0
+    for rid, prompt in zip(ids, prompts, strict=True):
+        assert engine.output(rid).completions[0].token_ids == expected(prompt, 8)
+    assert runner.manager.num_free_blocks == 4 and not runner.manager._preempted
+
+
+def test_an_aborted_sequence_that_waits_after_preemption_leaves_nothing_behind():
+    runner = PrefixModelRunner(4, 4)
+    engine = Engine(runner, max_num_batched_tokens=32)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    a = engine.add_request([1, 2, 3, 4, 5], params)
+    b = engine.add_request([9, 8, 7, 6, 5], params)
+    for _ in range(20):
+        if engine.num_preemptions:
+            break
+        engine.step()
+    assert engine.num_preemptions == 1
+    (victim,) = [s for s in engine.waiting]
+    assert victim.request.request_id == b and victim.seq_id in runner.manager._preempted
+    assert engine.abort(b)
+    assert not runner.manager._preempted and b + "/0" not in runner.manager
+    run(engine)
+    assert engine.output(a).completions[0].token_ids == expected([1, 2, 3, 4, 5], 8)
+    assert engine.output(b).completions[0].finish_reason == "abort"
+    assert runner.manager.num_free_blocks == 4
+
+
+def test_parallel_samples_share_the_prompt_and_match_their_solo_runs():
+    # Greedy: all three samples are the same sequence; the prompt is computed once (forks).
+    runner = PrefixModelRunner(16, 4)
+    engine = Engine(runner, max_num_batched_tokens=64)
+    rid = engine.add_request(list(range(1, 11)), SamplingParams(max_tokens=5, n=3, ignore_eos=True))
+    run(engine)
+    out = engine.output(rid)
+    assert [c.token_ids for c in out.completions] == [expected(list(range(1, 11)), 5)] * 3
+    assert runner.manager.stats.num_requests == 1  # the children never went through admission
+    assert runner.manager.num_free_blocks == 16
