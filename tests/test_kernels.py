@@ -225,6 +225,35 @@ def test_silu_mul_keeps_nan(kernels):
     assert out.isnan().all()
 
 
+@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("hidden", [1, 7, 40, 576])
+def test_row_dots_is_the_lm_head_over_a_row_major_matrix(kernels, m, hidden):
+    torch.manual_seed(m * 1000 + hidden)
+    x, w = torch.randn(m, hidden), torch.randn(301, hidden)  # 301 rows: an odd vocabulary
+    out = torch.full((m, 301), float("nan"))
+    kernels.row_dots(x, w, out)
+    twin = x @ w.t()
+    exact = x.double() @ w.double().t()
+    # A dot product of n terms in any IEEE fp32 evaluation order (FMA or not) is within
+    # n U sum |x_i w_i| of the exact one (a single product, n = 1, is one rounding: within
+    # U |x w|). Measured: both sides within 0.4 n U for n >= 7, 0.08 n U for n >= 40; a
+    # swapped row, a lost tail element or a stale lane is off by O(|x_i w_i|) and fails.
+    bound = (hidden + 1) * U * (x.double().abs() @ w.double().abs().t())
+    assert ((out.double() - exact).abs() <= bound).all()
+    assert ((twin.double() - exact).abs() <= bound).all()
+    assert not out.isnan().any()  # every entry written
+
+
+def test_row_dots_rejects_shapes_that_do_not_chain(kernels):
+    x, w = torch.randn(2, 8), torch.randn(5, 8)
+    with pytest.raises(ValueError, match=r"need \[M, H\], \[V, H\], \[M, V\]"):
+        kernels.row_dots(x, torch.randn(8, 5), torch.empty(2, 5))
+    with pytest.raises(ValueError, match="need"):
+        kernels.row_dots(x, w, torch.empty(2, 4))
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.row_dots(torch.randn(8, 2).t(), w, torch.empty(2, 5))
+
+
 def test_checked_methods_reject_wrong_dtypes_and_layouts(kernels):
     with pytest.raises(TypeError, match="float32"):
         kernels.add_rms_norm(torch.randn(2, 4, dtype=torch.float64), None, torch.randn(4), torch.empty(2, 4), 1e-5)

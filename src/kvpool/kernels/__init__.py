@@ -50,6 +50,7 @@ _SIGNATURES = {
     "kv_write": (ctypes.c_int, [_p, _p, _i, _i, _i, _i, _p, _i, _i, _p, _p]),
     "kv_decode_attention": (ctypes.c_int, [_p, _i, _i, _p, _i, _p, _i, _p, _p, _p, _p, _i, _i, _i, _i, _i, _f, _p, _i]),
     "kv_silu_mul": (None, [_p, _p, _i, _i]),
+    "kv_row_dots": (None, [_p, _i, _i, _p, _i, _p]),
     "kv_openmp": (ctypes.c_int, []),
 }
 _ATTENTION_ERRORS = {
@@ -323,6 +324,22 @@ class CpuKernels:
                 f"gate_up {tuple(gate_up.shape)} / out {tuple(out.shape)} must be contiguous [N, 2I] / [N, I]"
             )
         self.lib.kv_silu_mul(gate_up.data_ptr(), out.data_ptr(), n, inter)
+        return out
+
+    def row_dots(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out [M, V] = x [M, H] @ w [V, H]^T: w row-major (an embedding used as the LM head);
+        all three contiguous fp32."""
+        for t, name in ((x, "x"), (w, "w"), (out, "out")):
+            _check(t, name)
+        m, hidden = x.shape
+        vocab = w.shape[0]
+        if w.shape != (vocab, hidden) or out.shape != (m, vocab):
+            raise ValueError(
+                f"x {tuple(x.shape)}, w {tuple(w.shape)}, out {tuple(out.shape)}: need [M, H], [V, H], [M, V]"
+            )
+        if not (x.is_contiguous() and w.is_contiguous() and out.is_contiguous()):
+            raise ValueError("row_dots needs contiguous x, w and out")
+        self.lib.kv_row_dots(x.data_ptr(), m, hidden, w.data_ptr(), vocab, out.data_ptr())
         return out
 
 

@@ -294,3 +294,27 @@ void kv_silu_mul(const float *restrict gate_up, float *restrict out, int64_t n, 
         }
     }
 }
+
+/* out[r, j] = dot(w[j, :], x[r, :]) for r < m, j < vocab: the LM head over a row-major
+ * [vocab, hidden] matrix (the tied embedding itself, no transposed copy) for the few rows
+ * of a small decode batch. Each row of w is read once, from memory, and kept in L1 for the
+ * m dot products; four accumulators a product let the FMAs overlap. */
+void kv_row_dots(const float *restrict x, int64_t m, int64_t hidden, const float *restrict w, int64_t vocab,
+                 float *restrict out) {
+#pragma omp parallel for schedule(static) if (vocab * hidden >= PARALLEL_MIN_WORK)
+    for (int64_t j = 0; j < vocab; j++) {
+        const float *wj = w + j * hidden;
+        for (int64_t r = 0; r < m; r++) {
+            const float *xr = x + r * hidden;
+            v8 acc[4] = {0};
+            int64_t k = 0;
+            for (; k + 32 <= hidden; k += 32)
+                for (int u = 0; u < 4; u++) acc[u] += load8(wj + k + 8 * u) * load8(xr + k + 8 * u);
+            for (; k + 8 <= hidden; k += 8) acc[0] += load8(wj + k) * load8(xr + k);
+            v8 s = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+            float sum = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+            for (; k < hidden; k++) sum += wj[k] * xr[k];
+            out[r * vocab + j] = sum;
+        }
+    }
+}
