@@ -28,7 +28,6 @@ from kvpool.attention.reference import reference_logits
 from kvpool.engine.build import LoadedModel, build_engine, load_model
 from kvpool.engine.runner import ScheduledChunk
 from kvpool.engine.sampling import SamplingParams
-from kvpool.models.llama import LlamaModel
 
 FP64_TOL = 1e-9  # measured <= 1.5e-13 on these scenarios
 FP32_FACTOR = 16.0
@@ -40,10 +39,7 @@ def models():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # 2 shared cores: oversubscribed OpenMP threads are far slower
     fp32 = load_model(device="cpu")
-    g = fp32.gguf
-    fp64 = LoadedModel(
-        g, LlamaModel(g.config, {k: v.double() for k, v in g.weights.items()}), fp32.tokenizer, fp32.weights_version
-    )
+    fp64 = LoadedModel(fp32.gguf, fp32.model.astype(torch.float64), fp32.tokenizer, fp32.weights_version)
     yield {"fp32": fp32, "fp64": fp64}
     torch.set_num_threads(threads)
 

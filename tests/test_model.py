@@ -101,8 +101,7 @@ def hf64(hf_model):
 @pytest.fixture(scope="module")
 def ours64(loaded):
     """Our model in fp64 on the plain torch path (the C kernels are fp32 only)."""
-    g = loaded.gguf
-    return LlamaModel(g.config, {k: v.double() for k, v in g.weights.items()})
+    return loaded.model.astype(torch.float64)
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +127,7 @@ def fp64_logits_with_hf_rope(model64: LlamaModel, hf64, ids: list[int]) -> torch
     model.sin_signed = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)  # [-sin | sin]
     attend = lambda layer, q, k, v: causal_attention(q, k, v)  # noqa: E731
     hidden = model.forward(torch.tensor(ids), torch.arange(t), attend, fused=False)
-    return hidden @ model.lm_head
+    return torch.mm(model.embed, hidden.t()).t()  # the tied LM head, in fp64
 
 
 @dataclass(frozen=True)

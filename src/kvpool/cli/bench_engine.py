@@ -161,10 +161,11 @@ def bench_glue(loaded) -> dict:
     def matmuls():
         for layer in model.layers:
             x @ layer["wqkv"], attn @ layer["wo"], x @ layer["w_gate_up"], act @ layer["w_down"]
-        x @ model.lm_head
+        model.logits(x)  # the LM head as the step computes it (over the tied embedding)
 
-    weight_bytes = sum(w.numel() * w.element_size() for layer in model.layers for w in layer.values())
-    weight_bytes += model.lm_head.numel() * model.lm_head.element_size()
+    # the layers' matrices and the LM head's (the embedding, when tied): what a step reads
+    weight_bytes = sum(w.nbytes for layer in model.layers for w in layer.values())
+    weight_bytes += (model.embed if model.lm_head is None else model.lm_head).nbytes
     floor = _timeit(matmuls, repeat=10)
     report = {
         "matmuls_ms": round(floor * 1e3, 2),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -11,8 +12,10 @@ import xxhash
 from kvpool.cache import CacheDescriptor
 from kvpool.engine.engine import Engine
 from kvpool.engine.llama_runner import LlamaRunner
+from kvpool.engine.memory import rss_bytes
 from kvpool.kernels import cpu_kernels
-from kvpool.models.gguf import GGUFModel, load_gguf
+from kvpool.models import weight_cache
+from kvpool.models.gguf import GGUFModel, check_gguf_file, default_gguf_path, file_digest, load_gguf
 from kvpool.models.llama import LlamaModel
 from kvpool.models.tokenizer import ChatTokenizer, build_tokenizer
 from kvpool.spec.layout import CacheSpec
@@ -24,29 +27,47 @@ class LoadedModel:
     gguf: GGUFModel
     model: LlamaModel
     tokenizer: ChatTokenizer
-    weights_version: str
-
-
-def file_fingerprint(path: str) -> str:
-    """xxh3 of the file's size and first and last MiB: cheap, changes with the weights."""
-    size = os.path.getsize(path)
-    h = xxhash.xxh3_64()
-    h.update(str(size).encode())
-    with open(path, "rb") as f:
-        h.update(f.read(1 << 20))
-        f.seek(max(0, size - (1 << 20)))
-        h.update(f.read(1 << 20))
-    return h.hexdigest()
+    weights_version: str  # the GGUF's digest
+    load_s: float = 0.0  # wall time of load_model
+    load_source: str = ""  # "weight cache", or "gguf" (with why the cache had nothing usable)
+    tokenizer_bytes: int = 0  # resident memory the tokenizer took when it was built
 
 
 def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, device: str | None = None) -> LoadedModel:
-    """The GGUF's weights, tokenizer and fingerprint. On fp32 CPU the model runs the C kernels
-    (kvpool.kernels) when they build; KVPOOL_NATIVE=0 keeps the plain torch path."""
+    """The GGUF's weights, tokenizer and digest. On fp32 CPU the model runs the C kernels
+    (kvpool.kernels) when they build; KVPOOL_NATIVE=0 keeps the plain torch path.
+
+    A cached copy of the weights in the model's layout (models/weight_cache.py) is used when
+    one matches the GGUF's digest and the layout version: memory-mapped, no GGUF parse.
+    Otherwise the tensors are dequantized and fused one layer at a time (the load holds the
+    final weights plus at most one layer's staging, and nothing of the file once it
+    returns) and stored in the cache for the next start."""
+    start = time.perf_counter()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    g = load_gguf(path, dtype)
+    path = path or default_gguf_path()
+    check_gguf_file(path)
     kernels = cpu_kernels() if torch.device(device).type == "cpu" and dtype == torch.float32 else None
-    model = LlamaModel.from_gguf(g, device, kernels)
-    return LoadedModel(g, model, build_tokenizer(g.tokenizer), file_fingerprint(g.path))
+    cache = weight_cache.WeightCache() if weight_cache.enabled() and torch.device(device).type == "cpu" else None
+    key = weight_cache.entry_key(file_digest(path), dtype) if cache is not None else ""
+    cached = cache.load(key) if cache is not None else None
+    if cached is not None:
+        meta, state = cached
+        model = LlamaModel.from_state(meta.config, state, device, kernels)
+        source = "weight cache"
+    else:
+        gguf_file = load_gguf(path, dtype)
+        meta = gguf_file.meta
+        model = LlamaModel.from_tensors(meta.config, gguf_file.tensors(dtype), device, kernels)
+        del gguf_file  # unmaps the file
+        source = "gguf"
+        if cache is not None:
+            source = f"gguf ({cache.last_miss} in the weight cache)"
+            cache.store(key, meta, model.state_tensors())
+    before = rss_bytes()
+    tokenizer = build_tokenizer(meta.tokenizer)
+    tokenizer_bytes = max(0, rss_bytes() - before)
+    elapsed = time.perf_counter() - start
+    return LoadedModel(meta, model, tokenizer, meta.digest, elapsed, source, tokenizer_bytes)
 
 
 def descriptor_for(loaded: LoadedModel, block_size: int) -> CacheDescriptor:

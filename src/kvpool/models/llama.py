@@ -8,12 +8,13 @@ with Q/K rows already un-permuted, so RoPE here is the rotate-half form of HF Ll
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from kvpool.models.gguf import GGUFModel, LlamaConfig
+from kvpool.models.gguf import LlamaConfig
 
 if TYPE_CHECKING:
     from kvpool.kernels import CpuKernels
@@ -31,14 +32,21 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
+LAYER_PARTS = ("q", "k", "v", "o", "gate", "up", "down", "attn_norm", "ffn_norm")
+
+
 class LlamaModel:
-    """Fused weights stored transposed, [in, out]: wqkv [hidden, (H + 2 KVH) * D],
-    wo [H * D, hidden], w_gate_up [hidden, 2 * I], w_down [I, hidden], lm_head [hidden, vocab].
+    """Fused layer weights stored transposed, [in, out]: wqkv [hidden, (H + 2 KVH) * D],
+    wo [H * D, hidden], w_gate_up [hidden, 2 * I], w_down [I, hidden]; the embedding
+    [vocab, hidden] row-major, which also serves as the LM head when the two are tied
+    (SmolLM2: no second copy; an untied `lm_head` is kept [vocab, hidden] too).
 
     A layer is 4 matmuls `x @ w`. The [in, out] layout matters on CPU: for the few rows of a
     decode batch (M = 2..64), MKL multiplies x [M, in] @ w [in, out] several times faster
     than F.linear's x @ w[out, in].T, while large prefill batches run at the same speed.
-    At batch 1 both are bound by reading the fp32 weights from memory.
+    At batch 1 both are bound by reading the fp32 weights from memory. The LM head reads
+    the row-major [vocab, hidden] matrix with the C kernel `row_dots` (each row once, the
+    batch's dot products from L1), faster than either layout through MKL at these sizes.
 
     kernels: the C kernels (kvpool.kernels); on fp32 CPU the forward then runs the work
     between matmuls as fused calls (`_forward_fused`) instead of ~15 torch ops a layer."""
@@ -46,32 +54,26 @@ class LlamaModel:
     def __init__(
         self,
         config: LlamaConfig,
-        weights: dict[str, torch.Tensor],
+        embed: torch.Tensor,
+        norm: torch.Tensor,
+        layers: list[dict[str, torch.Tensor]],
+        lm_head: torch.Tensor | None = None,
         device: str | torch.device = "cpu",
         kernels: CpuKernels | None = None,
     ):
+        """Weights in their final layout (see the class docstring); `from_tensors` builds
+        them from a GGUF's tensors, one layer at a time. lm_head: None when tied to embed."""
         self.config = config
         self.device = torch.device(device)
-        self.dtype = weights["embed"].dtype
+        self.dtype = embed.dtype
         fused = kernels is not None and self.dtype == torch.float32 and self.device.type == "cpu"
         self.kernels = kernels if fused else None
-        w = {k: v.to(self.device) for k, v in weights.items()}
-        self.embed = w["embed"]  # [vocab, hidden]
-        self.norm = w["norm"].contiguous()
-        self.lm_head = w["lm_head"].t().contiguous()  # [hidden, vocab] (tied to embed in SmolLM2)
-        self.layers: list[dict[str, torch.Tensor]] = []
-        for i in range(config.num_layers):
-            p = f"layers.{i}."
-            self.layers.append(
-                {
-                    "attn_norm": w[p + "attn_norm"].contiguous(),
-                    "ffn_norm": w[p + "ffn_norm"].contiguous(),
-                    "wqkv": torch.cat([w[p + "q"], w[p + "k"], w[p + "v"]], dim=0).t().contiguous(),
-                    "wo": w[p + "o"].t().contiguous(),
-                    "w_gate_up": torch.cat([w[p + "gate"], w[p + "up"]], dim=0).t().contiguous(),
-                    "w_down": w[p + "down"].t().contiguous(),
-                }
-            )
+        self.embed = embed.to(self.device).contiguous()  # [vocab, hidden]
+        self.norm = norm.to(self.device).contiguous()
+        self.lm_head = None if lm_head is None else lm_head.to(self.device).contiguous()  # [vocab, hidden]
+        self.layers = [{k: v.to(self.device).contiguous() for k, v in layer.items()} for layer in layers]
+        if len(self.layers) != config.num_layers:
+            raise ValueError(f"{len(self.layers)} layers of weights for a {config.num_layers}-layer model")
         # the norm weights' addresses for the fused forward: they never move
         self._norm_ptrs = [layer["attn_norm"].data_ptr() for layer in self.layers] + [self.norm.data_ptr()]
         self._ffn_norm_ptrs = [layer["ffn_norm"].data_ptr() for layer in self.layers]
@@ -87,11 +89,107 @@ class LlamaModel:
         sin[:, : d // 2] = -sin[:, : d // 2]
         self.sin_signed = sin.to(torch.float32).to(self.device)
 
+    @staticmethod
+    def fuse_layer(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One layer's GGUF tensors (HF names, [out, in]) in the fused [in, out] layout."""
+        return {
+            "attn_norm": parts["attn_norm"].contiguous(),
+            "ffn_norm": parts["ffn_norm"].contiguous(),
+            "wqkv": torch.cat([parts["q"], parts["k"], parts["v"]], dim=0).t().contiguous(),
+            "wo": parts["o"].t().contiguous(),
+            "w_gate_up": torch.cat([parts["gate"], parts["up"]], dim=0).t().contiguous(),
+            "w_down": parts["down"].t().contiguous(),
+        }
+
     @classmethod
-    def from_gguf(
-        cls, model: GGUFModel, device: str | torch.device = "cpu", kernels: CpuKernels | None = None
+    def from_tensors(
+        cls,
+        config: LlamaConfig,
+        tensors: Iterable[tuple[str, torch.Tensor]],
+        device: str | torch.device = "cpu",
+        kernels: CpuKernels | None = None,
     ) -> LlamaModel:
-        return cls(model.config, model.weights, device, kernels)
+        """The model from (HF-style name, tensor) pairs as a GGUF stores them ("embed",
+        "norm", "lm_head", "layers.{i}.{q,k,v,...}"), fusing each layer as soon as its parts
+        are in: at most one layer's unfused tensors are held at a time (plus the file's
+        order's stragglers). ValueError for a tensor missing from the stream."""
+        staged: dict[int, dict[str, torch.Tensor]] = {}
+        layers: dict[int, dict[str, torch.Tensor]] = {}
+        top: dict[str, torch.Tensor] = {}
+        for name, tensor in tensors:
+            if name.startswith("layers."):
+                _, index, part = name.split(".")
+                i = int(index)
+                staged.setdefault(i, {})[part] = tensor
+                if len(staged[i]) == len(LAYER_PARTS):
+                    layers[i] = cls.fuse_layer(staged.pop(i))
+            else:
+                top[name] = tensor
+        missing = [f"layers.{i}.{p}" for i, parts in staged.items() for p in LAYER_PARTS if p not in parts]
+        missing += [f"layers.{i}" for i in range(config.num_layers) if i not in layers and i not in staged]
+        missing += [n for n in ("embed", "norm") if n not in top]
+        if missing:
+            raise ValueError(f"lacks tensors {missing[:6]}")
+        lm_head = None if config.tie_embeddings else top.get("lm_head")
+        if not config.tie_embeddings and lm_head is None:
+            raise ValueError("lacks tensor output.weight (the LM head) and does not tie it to the embedding")
+        return cls(
+            config, top["embed"], top["norm"], [layers[i] for i in range(config.num_layers)], lm_head, device, kernels
+        )
+
+    FUSED_PARTS = ("attn_norm", "ffn_norm", "wqkv", "wo", "w_gate_up", "w_down")
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Every weight in the stored layout, by name (for the weight cache)."""
+        state = {"embed": self.embed, "norm": self.norm}
+        if self.lm_head is not None:
+            state["lm_head"] = self.lm_head
+        for i, layer in enumerate(self.layers):
+            state.update({f"layers.{i}.{k}": v for k, v in layer.items()})
+        return state
+
+    @classmethod
+    def from_state(
+        cls,
+        config: LlamaConfig,
+        state: dict[str, torch.Tensor],
+        device: str | torch.device = "cpu",
+        kernels: CpuKernels | None = None,
+    ) -> LlamaModel:
+        """The model from `state_tensors()`' names and layout (no copy: tensors are used as
+        they are, e.g. memory-mapped from the weight cache)."""
+        layers = [{k: state[f"layers.{i}.{k}"] for k in cls.FUSED_PARTS} for i in range(config.num_layers)]
+        lm_head = None if config.tie_embeddings else state["lm_head"]
+        return cls(config, state["embed"], state["norm"], layers, lm_head, device, kernels)
+
+    def astype(self, dtype: torch.dtype) -> LlamaModel:
+        """The same weights in another dtype (fp64: the oracle's twin); torch layers only,
+        the C kernels are fp32."""
+        return LlamaModel(
+            self.config,
+            self.embed.to(dtype),
+            self.norm.to(dtype),
+            [{k: v.to(dtype) for k, v in layer.items()} for layer in self.layers],
+            None if self.lm_head is None else self.lm_head.to(dtype),
+            self.device,
+            self.kernels if dtype == torch.float32 else None,
+        )
+
+    def forward_buffer_bytes(self, num_tokens: int) -> int:
+        """The step buffers `forward` allocates for `num_tokens` tokens: the residual stream
+        x, the normed input and the delta [N, hidden] each, qkv [N, (H + 2 KVH) D], gate_up
+        [N, 2 I] and act [N, I] (the fused path makes exactly these once; the plain path
+        makes tensors of the same shapes a layer at a time)."""
+        cfg = self.config
+        width = 3 * cfg.hidden_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + 3 * cfg.intermediate_size
+        return num_tokens * width * self.dtype.itemsize
+
+    def weight_bytes(self) -> int:
+        """Bytes of every weight tensor the model holds (the tied embedding once)."""
+        tensors = [self.embed, self.norm, *(t for layer in self.layers for t in layer.values())]
+        if self.lm_head is not None:
+            tensors.append(self.lm_head)
+        return sum(t.nbytes for t in tensors)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
         """Rotate-half RoPE, x [N, heads, D]; cos, sin_signed [N, 1, D]:
@@ -175,5 +273,9 @@ class LlamaModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [M, hidden] -> logits [M, vocab] in fp32 (fp64 for an fp64 model, whose
         logits are the exactness oracle and must not be rounded to fp32)."""
-        logits = hidden @ self.lm_head
+        w = self.embed if self.lm_head is None else self.lm_head  # [vocab, hidden]
+        if self.kernels is not None:
+            out = hidden.new_empty(hidden.shape[0], w.shape[0])
+            return self.kernels.row_dots(hidden.contiguous(), w, out)
+        logits = torch.mm(w, hidden.t()).t()  # [vocab, hidden] @ [hidden, M]: faster than hidden @ w.T
         return logits if logits.dtype == torch.float64 else logits.float()

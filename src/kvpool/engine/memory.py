@@ -1,0 +1,120 @@
+"""The running engine's memory, term by term, next to the peak the OS measured.
+
+The terms are those of the planner's ledger (capacity/ledger.py), each measured where it is
+allocated:
+  weights     every weight tensor the model holds (`LlamaModel.weight_bytes`)
+  kv_pool     the K/V tensors (`PagedKVStorage.num_bytes`), their quantization scales (none
+              in fp32), and the cache manager's Python structures: block tables, free queue,
+              prefix index, per-request token ids (`metadata_bytes`, sys.getsizeof)
+  workspace   the largest step's buffers: the forward's activations and attention output,
+              the logits, the sampler's scratch for one row
+  transient   the largest step's copy-on-write staging and chunked-prefill key/value gathers
+  runtime     the interpreter, torch and the libraries before the model loads (RSS then),
+              and the tokenizer (RSS grown while it was built)
+On CUDA the peak is `torch.cuda.max_memory_allocated`; on CPU it is the process's peak
+resident set (VmHWM), and `unaccounted` is what the terms do not explain: allocator
+slack, freed memory not returned to the OS, everything else.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+from dataclasses import dataclass, field
+
+TERMS = ("weights", "kv_pool", "workspace", "transient", "runtime")
+
+
+def rss_bytes() -> int:
+    """The process's resident set now (Linux /proc; 0 where there is none)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set: VmHWM of /proc/self/status on Linux, the high-water
+    mark of this program's own memory. Not getrusage's ru_maxrss there: Linux carries that
+    across fork and exec, so a process started by a large one (a test run) reports its
+    parent's size. Elsewhere ru_maxrss (KiB on Linux, bytes on macOS)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+@dataclass
+class StepPeaks:
+    """The largest bytes any one step allocated, by kind (the runner updates it)."""
+
+    activations: int = 0  # the forward's buffers for the step's tokens, and the attention output
+    step_tables: int = 0  # the step's slots and block tables as tensors
+    logits: int = 0  # the logits rows the step returns
+    cow_staging: int = 0  # copy-on-write: the copied blocks, staged once
+    chunked_prefill: int = 0  # a prefill chunk's keys and values gathered for attention (one layer)
+
+    def note(self, kind: str, num_bytes: int) -> None:
+        if num_bytes > getattr(self, kind):
+            setattr(self, kind, num_bytes)
+
+
+@dataclass
+class MeasuredLedger:
+    peak: int  # bytes: peak RSS (CPU) or max_memory_allocated (CUDA)
+    peak_source: str
+    details: dict[str, dict[str, int]] = field(default_factory=dict)  # term -> line -> bytes
+
+    @property
+    def terms(self) -> dict[str, int]:
+        return {term: sum(self.details.get(term, {}).values()) for term in TERMS}
+
+    @property
+    def accounted(self) -> int:
+        return sum(self.terms.values())
+
+    @property
+    def unaccounted(self) -> int:
+        return self.peak - self.accounted
+
+    def as_dict(self) -> dict:
+        return {
+            **self.terms,
+            "details": self.details,
+            "accounted": self.accounted,
+            "peak": self.peak,
+            "peak_source": self.peak_source,
+            "unaccounted": self.unaccounted,
+            "unaccounted_share": round(self.unaccounted / self.peak, 4) if self.peak else 0.0,
+        }
+
+
+def measure(runner, runtime_bytes: int, tokenizer_bytes: int, sampler_bytes: int) -> MeasuredLedger:
+    """The ledger of a LlamaRunner after (or during) a run."""
+    import torch
+
+    storage, manager, peaks = runner.storage, runner.manager, runner.peaks
+    cuda = storage.k.device.type == "cuda"
+    peak = torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()
+    return MeasuredLedger(
+        peak,
+        "torch.cuda.max_memory_allocated" if cuda else "peak RSS (VmHWM)",
+        {
+            "weights": {"model": runner.model.weight_bytes()},
+            "kv_pool": {
+                "data": storage.num_bytes,
+                "quant_scales": 0,
+                "block_tables": manager.metadata_bytes() + peaks.step_tables,
+            },
+            "workspace": {"activations": peaks.activations, "logits": peaks.logits, "sampler": sampler_bytes},
+            "transient": {"cow_staging": peaks.cow_staging, "chunked_prefill": peaks.chunked_prefill},
+            "runtime": {"interpreter_and_libraries": runtime_bytes, "tokenizer": tokenizer_bytes},
+        },
+    )
