@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -152,6 +153,23 @@ def test_load_model_from_the_cache_is_the_model_from_the_gguf(tmp_path, monkeypa
     assert rebuilt.load_source == f"gguf ({WEIGHTS} does not match its digest (corrupt) in the weight cache)"
     assert torch.equal(rebuilt.model.embed, cold.model.embed)
     assert load_model(device="cpu").load_source == "weight cache"
+    # the same bytes under another name are the same entry, reported under the new name
+    moved = tmp_path / "moved.gguf"
+    shutil.copyfile(default_gguf_path(), moved)
+    again = load_model(str(moved), device="cpu")
+    assert again.load_source == "weight cache" and again.gguf.path == str(moved)
+
+
+def test_a_cache_that_cannot_be_written_warns_and_the_model_still_loads(tmp_path, monkeypatch, capsys):
+    from kvpool.engine.build import load_model
+
+    (tmp_path / "weights").write_text("a file where the cache directory should be")
+    monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("KVPOOL_WEIGHT_CACHE", raising=False)
+    loaded = load_model(device="cpu")
+    assert loaded.load_source.startswith("gguf (the weight cache could not be written")
+    assert "kvpool: warning: the weight cache in" in capsys.readouterr().err
+    assert loaded.model.weight_bytes() == 538_060_032
 
 
 def test_the_cache_switched_off_writes_nothing(tmp_path, monkeypatch):

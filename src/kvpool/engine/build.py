@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -52,6 +54,7 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, devi
     cached = cache.load(key) if cache is not None else None
     if cached is not None:
         meta, state = cached
+        meta = dataclasses.replace(meta, path=path)  # the same bytes, wherever the file lies now
         model = LlamaModel.from_state(meta.config, state, device, kernels)
         source = "weight cache"
     else:
@@ -62,7 +65,11 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, devi
         source = "gguf"
         if cache is not None:
             source = f"gguf ({cache.last_miss} in the weight cache)"
-            cache.store(key, meta, model.state_tensors())
+            try:
+                cache.store(key, meta, model.state_tensors())
+            except OSError as e:  # a full disk or a read-only home: run without the cache
+                source = f"gguf (the weight cache could not be written: {e.strerror or e})"
+                print(f"kvpool: warning: the weight cache in {cache.root} could not be written: {e}", file=sys.stderr)
     before = rss_bytes()
     tokenizer = build_tokenizer(meta.tokenizer)
     tokenizer_bytes = max(0, rss_bytes() - before)
