@@ -15,6 +15,7 @@ BENCHES: dict[str, tuple[str, str]] = {
         "engine vs transformers: decode tok/s, cached-prefix TTFT, paged vs contiguous attention",
     ),
     "dsv4": ("kvpool.cli.bench_dsv4", "DeepSeek-V4 dual pool: Flash/Pro bytes, tiny-model paged vs oracle decode"),
+    "start": ("kvpool.cli.bench_start", "kvpool generate from a cold process to its first token, load phase apart"),
 }
 
 

@@ -1,0 +1,107 @@
+"""`kvpool bench start`: how long `kvpool generate PROMPT` takes from a cold process to its
+first token, as a user sees it: a fresh `python -m kvpool generate PROMPT --max-tokens 1`
+is started, and the clock stops at the first byte of the answer on its stdout (generate
+streams as it decodes); `exit_s` is when the process is gone.
+
+Runs: one first run that fills the weight cache if it is empty (its load is reported
+apart), then --runs warm starts (the cache and the OS page cache warm), and one start with
+the cache switched off (KVPOOL_WEIGHT_CACHE=0: the GGUF read, dequantized and fused). A
+`--json` start of each kind reports the load phase as generate measures it. The floor: a
+process that only imports torch, timed the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from kvpool.cli.args import positive_int
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--runs", type=positive_int, default=5, help="warm starts to time")
+    parser.add_argument("--prompt", default="hi", help="the prompt of each start")
+    parser.add_argument("--model", default=None, help="a GGUF file (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def _start(argv: list[str], env: dict[str, str]) -> tuple[float, float, bytes]:
+    """(seconds to the first byte on stdout, seconds to exit, stdout) of a fresh process."""
+    begin = time.perf_counter()
+    # unbuffered: the first byte is read from the pipe itself, and nothing sits in a buffer
+    # that communicate() would not see
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, bufsize=0)
+    assert proc.stdout is not None
+    first = proc.stdout.read(1)
+    first_s = time.perf_counter() - begin
+    rest, err = proc.communicate(timeout=600)
+    exit_s = time.perf_counter() - begin
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv[2:])} exited {proc.returncode}: {err.decode(errors='replace')[-500:]}")
+    return first_s, exit_s, first + rest
+
+
+def run(args: argparse.Namespace) -> int:
+    generate = [sys.executable, "-m", "kvpool", "generate", args.prompt, "--max-tokens", "1"]
+    if args.model:
+        generate += ["--model", args.model]
+    env = dict(os.environ)
+    env.pop("KVPOOL_WEIGHT_CACHE", None)
+    off = {**env, "KVPOOL_WEIGHT_CACHE": "0"}
+    progress = (
+        (lambda text: print(f"bench start: {text} ...", file=sys.stderr, flush=True))
+        if not sys.stdout.isatty()
+        else (lambda text: None)
+    )
+
+    progress("first start (fills the weight cache if empty)")
+    first = json.loads(_start([*generate, "--json"], env)[2])
+    progress(f"{args.runs} warm starts")
+    warm = [_start(generate, env)[:2] for _ in range(args.runs)]
+    warm_json = json.loads(_start([*generate, "--json"], env)[2])
+    progress("a start without the weight cache")
+    gguf_first, gguf_exit, _ = _start(generate, off)
+    gguf_json = json.loads(_start([*generate, "--json"], off)[2])
+    torch_floor = [_start([sys.executable, "-c", "import torch, sys; sys.stdout.write('x')"], env)[0] for _ in range(3)]
+
+    firsts, exits = [w[0] for w in warm], [w[1] for w in warm]
+    report = {
+        "runs": args.runs,
+        "first_token_s": {"median": statistics.median(firsts), "min": min(firsts), "max": max(firsts)},
+        "exit_s_median": statistics.median(exits),
+        "load_s_warm": warm_json["load_s"],
+        "load_source_warm": warm_json["load_source"],
+        "first_run_load_s": first["load_s"],
+        "first_run_load_source": first["load_source"],
+        "no_cache_first_token_s": gguf_first,
+        "no_cache_exit_s": gguf_exit,
+        "no_cache_load_s": gguf_json["load_s"],
+        "import_torch_s_median": statistics.median(torch_floor),
+    }
+    report = {k: round(v, 3) if isinstance(v, float) else v for k, v in report.items()}
+    report["first_token_s"] = {k: round(v, 3) for k, v in report["first_token_s"].items()}
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"kvpool generate {args.prompt!r} --max-tokens 1, from a cold process")
+    table.add_column("measure")
+    table.add_column("seconds", justify="right")
+    ft = report["first_token_s"]
+    table.add_row(f"first token, warm weight cache (median of {args.runs})", f"{ft['median']:.3f}")
+    table.add_row("  min .. max", f"{ft['min']:.3f} .. {ft['max']:.3f}")
+    table.add_row("  load phase (generate --json: load_s)", f"{report['load_s_warm']:.3f}")
+    table.add_row("  process exit", f"{report['exit_s_median']:.3f}")
+    table.add_row("first token, no weight cache (the GGUF path)", f"{report['no_cache_first_token_s']:.3f}")
+    table.add_row("  load phase", f"{report['no_cache_load_s']:.3f}")
+    table.add_row(f"first run's load ({report['first_run_load_source']})", f"{report['first_run_load_s']:.3f}")
+    table.add_row("floor: a process that imports torch", f"{report['import_torch_s_median']:.3f}")
+    Console().print(table)
+    return 0
