@@ -33,7 +33,7 @@ def test_help_shows_defaults_and_the_models_generate_takes(monkeypatch, capsys):
     for argv, shown in (
         (["generate"], ["(default: 128)", "tiny-dsv4", "kvpool generate and kvpool run also take"]),
         (["run"], ["(default: 2.0)", "256MiB for SmolLM2", "tiny-dsv4"]),
-        (["plan"], ["(default: 256)", "(default: H100)"]),
+        (["plan"], ["(default: 256; cpu: 16)", "(default: H100)", "cpu: kvpool's own engine"]),
         (["bench", "engine"], ["(default: decode,ttft,attention,glue)", "glue"]),
         (["bench", "pool"], ["(default: "]),
     ):

@@ -82,7 +82,7 @@ def test_bench_engine_glue_json(capsys):
     glue = json.loads(captured.out)["glue"]
     # stdout is not a terminal here: one progress line per phase on stderr, none on stdout
     assert captured.err == "bench engine: loading the model ...\nbench engine: glue ...\n"
-    assert 500 < glue["weight_mb"] < 600  # SmolLM2-135M's layers + lm_head in fp32
+    assert 500 < glue["weight_mb"] < 600  # SmolLM2-135M's layers + the tied LM head, fp32
     timed = ["matmuls_ms", "torch_rms_norm_us", "torch_silu_mul_us", "sample_top_p_ms", "sample_top_p_full_sort_ms"]
     assert all(glue[k] > 0 for k in timed)
 

@@ -33,11 +33,22 @@ def test_generate_json(smollm2, capsys):
         "ttft_ms",
         "tokens_per_s",
         "latency_ms",
+        "load_s",
+        "load_source",
+        "memory",
     }
     assert "Paris" in out["text"] and 0 < len(out["token_ids"]) < 16
     assert out["finish_reason"] == "stop"  # the model ended its answer itself, before the limit
     assert out["prompt_tokens"] > 20 and out["cached_tokens"] == 0
     assert 0 < out["ttft_ms"] < out["latency_ms"] and out["tokens_per_s"] > 0
+    # the model's load (once, by the fixture) and the ledger of this engine: its weights and
+    # pool exactly; the peak is this test process's, so nothing is said of `unaccounted` here
+    # (tests/test_memory_ledger.py runs the engine in a process of its own)
+    assert out["load_s"] == round(smollm2.load_s, 3) and out["load_source"] == smollm2.load_source
+    mem = out["memory"]
+    assert mem["details"]["weights"]["model"] == 538_060_032
+    assert mem["details"]["kv_pool"]["data"] == 512 * 737_280  # --num-blocks 512 of 16 tokens
+    assert mem["details"]["workspace"]["logits"] == 49152 * 4  # one row of fp32 logits a step
 
 
 def test_output_cut_by_max_tokens_says_so(smollm2, capsys):
@@ -103,6 +114,7 @@ def test_tiny_dsv4_reports_finish_reason_timings_and_checks_the_context(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["finish_reason"] == "length" and len(out["token_ids"]) == 3  # the tiny model has no EOS
     assert 0 < out["ttft_ms"] < out["latency_ms"] and out["tokens_per_s"] > 0
+    assert out["load_source"] == "built in" and out["load_s"] > 0 and out["memory"] is None
     assert main(argv) == 0
     captured = capsys.readouterr()
     assert captured.out == " ".join(map(str, out["token_ids"])) + "\n"

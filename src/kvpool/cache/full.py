@@ -21,6 +21,7 @@ Pure Python: the storage layer applies the copy-on-write copies this class recor
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 from kvpool.cache.base import CacheManager, check_mm_items, mm_extra_key
@@ -137,6 +138,17 @@ class FullAttentionManager(CacheManager):
         to the tensors before the forward that writes into their destinations."""
         copies, self._pending_copies = self._pending_copies, []
         return copies
+
+    def metadata_bytes(self) -> int:
+        """Bytes of the manager's Python structures: the pool's, and every request's block
+        table, chain, token ids and prompt bytes (sys.getsizeof; token ids above the small-int
+        cache are objects of their own)."""
+        size = sys.getsizeof
+        total = self.pool.metadata_bytes() + size(self._requests) + size(self._pending_copies)
+        for req in self._requests.values():
+            total += size(req) + size(req.block_ids) + size(req.chain) + size(req.prompt_bytes)
+            total += size(req.token_ids) + sum(size(t) for t in req.token_ids if not -5 <= t <= 256)
+        return total
 
     def usage(self) -> CacheUsage:
         bs = self.block_size

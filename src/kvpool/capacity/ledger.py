@@ -76,6 +76,7 @@ class Ledger:
     capacity: int  # what the GPU (or --memory-gib) offers
     terms: dict[str, float]  # TERMS -> bytes
     details: dict[str, dict[str, float]]  # term -> sub-line -> bytes
+    pool_key: str = "pool"  # the kv_pool line of the blocks themselves
 
     @property
     def total(self) -> float:
@@ -84,7 +85,7 @@ class Ledger:
     @property
     def pool_bytes(self) -> float:
         """The bytes given to KV blocks and state blocks (kv_pool less its metadata)."""
-        return self.details["kv_pool"]["pool"]
+        return self.details["kv_pool"][self.pool_key]
 
     @property
     def free(self) -> float:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvpool.capacity.engine import FP32, EngineConfig, build_engine_ledger, engine_max_context
 from kvpool.capacity.fragmentation import Fragmentation, measure_fragmentation, sample_lengths
 from kvpool.capacity.kv import KVLayout, kv_layout
 from kvpool.capacity.ledger import Ledger, LedgerAssumptions, build_ledger
@@ -133,6 +134,7 @@ def plan(
     length_distribution: str | None = None,
     seed: int = 0,
     expert_parallel: bool = False,
+    engine: EngineConfig | None = None,
 ) -> Plan:
     """Plan `model` on `num_gpus` x `gpu` with TP size `tp`.
 
@@ -142,7 +144,19 @@ def plan(
     expert_parallel splits the routed experts over all `num_gpus` GPUs while attention runs
     in num_gpus / tp data-parallel replicas, each with its own KV pool (DeepSeek-style EP +
     DP attention); without it experts are split over the TP group like other weights.
+
+    engine: plan kvpool's own CPU engine serving this configuration (`gpu` is then the
+    machine, `cpu_device()`): fp32 weights and KV, a pool of `engine.kv_memory_bytes`, the
+    ledger of capacity/engine.py; context_len defaults to the longest request it holds.
     """
+    if engine is not None:
+        if (num_gpus, tp, expert_parallel) != (1, 1, False):
+            raise ValueError("kvpool's CPU engine runs in one process: no tensor or expert parallelism")
+        if kv_dtype not in ("auto", "fp32") or weight_dtype not in ("auto", "fp32"):
+            raise ValueError("kvpool's CPU engine holds fp32 weights and fp32 KV")
+        if block_size not in (None, engine.block_size):
+            raise ValueError(f"block_size {block_size} differs from the engine's {engine.block_size}")
+        kv_dtype, weight_dtype, block_size = "fp32", "fp32", engine.block_size
     if num_gpus <= 0 or tp <= 0:
         raise ValueError(f"num_gpus and tp must be positive, got num_gpus={num_gpus}, tp={tp}")
     if num_gpus % tp:
@@ -155,10 +169,15 @@ def plan(
     if expert_parallel and model.moe is None:
         raise ValueError(f"{model.name} has no experts to split: expert parallelism needs a MoE model")
     ep = num_gpus if expert_parallel else None
-    layout = kv_layout(model, kv_dtype, block_size, tp, indexer_format)
+    # the CPU engine's storage pads nothing: one tensor per layer, blocks back to back
+    layout = kv_layout(model, kv_dtype, block_size, tp, indexer_format, **({"alignment": FP32} if engine else {}))
     weights = weight_bytes(model, tp, weight_dtype, ep)
-    assumptions = assumptions if assumptions is not None else LedgerAssumptions()
-    ledger = build_ledger(model, layout, weights.per_gpu_bytes, gpu.memory_bytes, ctx, assumptions, ep)
+    if engine is not None:
+        ctx = engine_max_context(model, layout, engine) if context_len is None else ctx
+        ledger = build_engine_ledger(model, layout, weights.per_gpu_bytes, gpu.memory_bytes, engine)
+    else:
+        assumptions = assumptions if assumptions is not None else LedgerAssumptions()
+        ledger = build_ledger(model, layout, weights.per_gpu_bytes, gpu.memory_bytes, ctx, assumptions, ep)
     pool = ledger.pool_bytes
     per_replica = max_concurrent(layout, pool, ctx)
 

@@ -6,7 +6,8 @@ Formats (bytes per parameter):
   fp32 scale per 128 x 128 block (4 / 16384 B); embeddings, head, router and norms BF16;
 - "mxfp4": gpt-oss, routed-expert matrices in MXFP4 (4-bit values + one E8M0 scale byte per
   32: 0.5 + 1/32 B); everything else BF16 (its `modules_to_not_convert`);
-- "fp4+fp8": DeepSeek-V4, FP4 (MXFP4 layout) routed experts, block FP8 for the other linears.
+- "fp4+fp8": DeepSeek-V4, FP4 (MXFP4 layout) routed experts, block FP8 for the other linears;
+- "fp32": every tensor in fp32 (4 B): kvpool's CPU engine.
 "auto" takes the model's own format (its `quantization_config`).
 
 Tensor parallelism shards embeddings (vocab-parallel), the head, attention projections, the
@@ -19,12 +20,12 @@ With expert parallelism (`ep`), routed experts are split over the EP group inste
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from kvpool.capacity.kv import kv_heads_per_gpu
 from kvpool.spec.models import ModelSpec, ParamCounts, count_parameters
 
-WEIGHT_DTYPES: tuple[str, ...] = ("auto", "bf16", "fp8", "mxfp4", "fp4+fp8")
+WEIGHT_DTYPES: tuple[str, ...] = ("auto", "bf16", "fp8", "mxfp4", "fp4+fp8", "fp32")
 
 _FP8_BLOCK = 1 + 4 / (128 * 128)  # E4M3 + an fp32 scale per 128 x 128 block
 _MXFP4 = 0.5 + 1 / 32  # 4-bit value + one E8M0 scale byte per 32 values
@@ -43,6 +44,8 @@ class WeightBytes:
 
 def _bytes_per_param(weight_dtype: str) -> dict[str, float]:
     """Bytes per parameter for each ParamCounts category."""
+    if weight_dtype == "fp32":
+        return {f.name: 4.0 for f in fields(ParamCounts)}
     linear = {"bf16": _BF16, "fp8": _FP8_BLOCK, "mxfp4": _BF16, "fp4+fp8": _FP8_BLOCK}[weight_dtype]
     experts = {"bf16": _BF16, "fp8": _FP8_BLOCK, "mxfp4": _MXFP4, "fp4+fp8": _MXFP4}[weight_dtype]
     return {

@@ -55,6 +55,33 @@ def rate(text: str) -> float:
     return value
 
 
+def parse_bytes(text: str, flag: str = "--kv-memory") -> int:
+    """'256MiB', '1GiB', '64mb', '1000000' -> bytes. ValueError naming the flag and the text otherwise."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    lower = text.strip().lower()
+    for unit, factor in units.items():
+        if lower.endswith(unit):
+            number, scale = lower[: -len(unit)].strip(), factor
+            break
+    else:
+        number, scale = lower, 1
+    try:
+        value = float(number) * scale
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{flag} must be a positive size such as 256MiB, 1GiB or 64000000, got {text!r}")
+    return int(value)
+
+
+def byte_size(text: str) -> int:
+    """An argparse type for a size in bytes ("256MiB", "1GiB", "64000000")."""
+    try:
+        return parse_bytes(text, "the size")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def comma_choices(choices: tuple[str, ...]):
     """A type for a comma-separated subset of `choices` ("decode,ttft"), kept in the given
     order; an unknown or empty entry is an error that lists the valid ones."""

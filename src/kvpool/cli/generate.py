@@ -78,9 +78,11 @@ def length_note(max_tokens: int) -> str:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from kvpool.engine import memory
     from kvpool.engine.build import build_engine, load_model
     from kvpool.engine.sampling import SamplingParams
 
+    runtime_bytes = memory.runtime_baseline()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.model == "tiny-dsv4":  # DeepSeek-V4 dual pool: token ids in, token ids out
@@ -133,6 +135,9 @@ def run(args: argparse.Namespace) -> int:
             "cached_tokens": out.num_cached_tokens,
             "finish_reason": completion.finish_reason,
             **timings(out),
+            "load_s": round(loaded.load_s, 3),
+            "load_source": loaded.load_source,
+            "memory": memory.measure(engine.runner, runtime_bytes, loaded.tokenizer_bytes).as_dict(),
         }
         print(json.dumps(report))
     else:

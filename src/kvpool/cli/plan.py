@@ -3,6 +3,7 @@
 kvpool plan --model deepseek-v4-pro --gpu H200 --num-gpus 8 --tp 8 --context 1048576
 kvpool plan --config path/to/config.json --memory-gib 80 --context 32768 --json
 kvpool plan --plot kv.png            # KV bytes vs context for several presets
+kvpool plan --model smollm2-135m --device cpu   # kvpool run's own ledger on this machine
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ import os
 import sys
 from typing import Any
 
+from kvpool.capacity.engine import EngineConfig
 from kvpool.capacity.kv import INDEXER_FORMATS, KV_DTYPES, kv_layout
-from kvpool.capacity.ledger import TERMS, LedgerAssumptions
+from kvpool.capacity.ledger import LedgerAssumptions
 from kvpool.capacity.planner import Plan, plan
 from kvpool.capacity.weights import WEIGHT_DTYPES
-from kvpool.cli.args import non_negative_int, positive_float, positive_int
-from kvpool.spec.gpus import GPUS, GPUSpec, custom_gpu, get_gpu
+from kvpool.cli.args import byte_size, non_negative_int, positive_float, positive_int
+from kvpool.spec.gpus import GPUS, GPUSpec, cpu_device, custom_gpu, get_gpu
 from kvpool.spec.models import PRESET_NAMES, ModelSpec, load_config_file, load_preset
 
 GIB = 1 << 30
@@ -40,8 +42,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--model", help=f"a preset: {', '.join(PRESET_NAMES)}")
     src.add_argument("--config", help="a Hugging Face config.json (or the folder holding it)")
     hw = parser.add_mutually_exclusive_group()
-    hw.add_argument("--gpu", default="H100", help=f"GPU preset: {', '.join(GPUS)}")
+    hw.add_argument("--gpu", default=None, help=f"GPU preset: {', '.join(GPUS)} (default: H100)")
     hw.add_argument("--memory-gib", type=positive_float, default=None, help="GPU memory in GiB instead of a preset")
+    hw.add_argument(
+        "--device",
+        choices=("cpu",),
+        default=None,
+        help="cpu: kvpool's own engine on this machine (its RAM), in kvpool run's configuration: "
+        "fp32 weights and KV, --kv-memory of blocks",
+    )
+    parser.add_argument(
+        "--kv-memory",
+        type=byte_size,
+        default=None,
+        help="--device cpu: the KV pool, as kvpool run's --kv-memory "
+        f"(default: {EngineConfig().kv_memory_bytes >> 20}MiB)",
+    )
     parser.add_argument("--num-gpus", type=positive_int, default=None, help="GPUs in all (default: --tp)")
     parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size")
     parser.add_argument(
@@ -61,8 +77,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--indexer-format", default=None, choices=INDEXER_FORMATS, help="V3.2 / V4 indexer-key format (default: fp8)"
     )
     parser.add_argument("--weight-dtype", default="auto", choices=WEIGHT_DTYPES, help="weight format")
-    parser.add_argument("--max-num-seqs", type=positive_int, default=256, help="running-request limit")
-    parser.add_argument("--max-batched-tokens", type=positive_int, default=8192, help="tokens per forward step")
+    parser.add_argument(
+        "--max-num-seqs", type=positive_int, default=None, help="running-request limit (default: 256; cpu: 16)"
+    )
+    parser.add_argument(
+        "--max-batched-tokens",
+        type=positive_int,
+        default=None,
+        help="tokens per forward step (default: 8192; cpu: 256)",
+    )
     parser.add_argument("--no-cuda-graphs", action="store_true", help="no CUDA-graph memory in the ledger")
     parser.add_argument(
         "--lengths",
@@ -87,9 +110,26 @@ def _load_model(args: argparse.Namespace) -> ModelSpec | None:
 
 
 def _gpu(args: argparse.Namespace) -> GPUSpec:
+    if args.device == "cpu":
+        return cpu_device()
     if args.memory_gib is not None:
         return custom_gpu(args.memory_gib)
-    return get_gpu(args.gpu)
+    return get_gpu(args.gpu or "H100")
+
+
+def _engine(args: argparse.Namespace) -> EngineConfig | None:
+    """kvpool run's configuration with the flags given, for --device cpu; None for a GPU."""
+    if args.device != "cpu":
+        if args.kv_memory is not None:
+            raise ValueError("--kv-memory sizes the pool of --device cpu; on a GPU the pool is what the ledger leaves")
+        return None
+    base = EngineConfig()
+    return EngineConfig(
+        kv_memory_bytes=args.kv_memory if args.kv_memory is not None else base.kv_memory_bytes,
+        block_size=args.block_size if args.block_size is not None else base.block_size,
+        max_num_batched_tokens=args.max_batched_tokens or base.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs or base.max_num_seqs,
+    )
 
 
 def check_plot_path(path: str) -> None:
@@ -131,9 +171,10 @@ def run(args: argparse.Namespace) -> int:
         result = None
         if model is not None:
             warn_beyond_max_position(model, args.context)
+            engine = _engine(args)
             assumptions = LedgerAssumptions(
-                max_num_batched_tokens=args.max_batched_tokens,
-                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_batched_tokens or LedgerAssumptions.max_num_batched_tokens,
+                max_num_seqs=args.max_num_seqs or LedgerAssumptions.max_num_seqs,
                 cuda_graphs=not args.no_cuda_graphs,
             )
             result = plan(
@@ -151,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
                 length_distribution=args.lengths,
                 seed=args.seed,
                 expert_parallel=args.ep,
+                engine=engine,
             )
         if args.plot:
             models = [load_preset(n) for n in plot_names]
@@ -252,10 +294,12 @@ def print_plan(p: Plan) -> None:
     d = plan_to_dict(p)
     console = Console(width=100)
     parallel = f"TP {p.tp}" + (f", EP {p.weights.ep}" if p.weights.ep else "")
-    head = Table(
-        title=f"kvpool plan: {p.model.name} on {p.num_gpus} x {p.gpu.name} ({p.gpu.memory_gib:.1f} GiB), {parallel}",
-        show_header=False,
+    where = (
+        f"kvpool's engine on this machine, {p.gpu.name}, {p.gpu.memory_gib:.1f} GiB RAM"
+        if p.gpu.kind == "cpu"
+        else f"{p.num_gpus} x {p.gpu.name} ({p.gpu.memory_gib:.1f} GiB), {parallel}"
     )
+    head = Table(title=f"kvpool plan: {p.model.name} on {where}", show_header=False)
     head.add_column(style="bold")
     head.add_column(justify="right")
     rows = [
@@ -279,12 +323,17 @@ def print_plan(p: Plan) -> None:
         head.add_row(k, v)
     console.print(head)
 
-    ledger = Table(title="peak-memory ledger, one GPU (seed 003)")
+    on_cpu = p.gpu.kind == "cpu"
+    ledger = Table(
+        title="peak-memory ledger of kvpool run on this machine (compare: kvpool run --json, memory)"
+        if on_cpu
+        else "peak-memory ledger, one GPU (seed 003)"
+    )
     ledger.add_column("term")
     ledger.add_column("bytes", justify="right")
     ledger.add_column("share", justify="right")
     cap = p.ledger.capacity
-    for term in TERMS:
+    for term in p.ledger.terms:
         ledger.add_row(term, _gib(p.ledger.terms[term]), f"{100 * p.ledger.terms[term] / cap:.1f} %")
         for sub, value in p.ledger.details.get(term, {}).items():
             if value:

@@ -33,7 +33,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from kvpool.cli.args import non_negative_int, positive_float, positive_int, rate
+from kvpool.capacity.engine import EngineConfig
+from kvpool.cli.args import non_negative_int, parse_bytes, positive_float, positive_int, rate
 from kvpool.cli.generate import add_model_arguments
 
 SYSTEM_TOPICS = [
@@ -53,25 +54,7 @@ QUESTIONS = [
 ]
 FOLLOW_UPS = ["Tell me more about the second point.", "Can you make that shorter?", "Thanks! Anything else?"]
 TINY_MODEL = "tiny-dsv4"
-
-
-def parse_bytes(text: str) -> int:
-    """'256MiB', '1GiB', '64mb', '1000000' -> bytes. ValueError naming the text otherwise."""
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
-    lower = text.strip().lower()
-    for unit, factor in units.items():
-        if lower.endswith(unit):
-            number, scale = lower[: -len(unit)].strip(), factor
-            break
-    else:
-        number, scale = lower, 1
-    try:
-        value = float(number) * scale
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"--kv-memory must be a positive size such as 256MiB, 1GiB or 64000000, got {text!r}")
-    return int(value)
+RUN_DEFAULTS = EngineConfig()  # the configuration `kvpool plan --device cpu` predicts the ledger of
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,7 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=2.0,
         help="arrivals per second of first turns and long prompts (Poisson; inf: all at once)",
     )
-    parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (SmolLM2)")
+    parser.add_argument(
+        "--block-size", type=positive_int, default=RUN_DEFAULTS.block_size, help="tokens per KV block (SmolLM2)"
+    )
     parser.add_argument("--num-blocks", type=positive_int, default=None, help="KV blocks (default: from --kv-memory)")
     parser.add_argument(
         "--kv-memory",
@@ -95,8 +80,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV cache memory, e.g. 64MiB or 1GiB (default: 256MiB for SmolLM2; 16MiB of classical blocks for "
         "tiny-dsv4, whose state blocks come on top)",
     )
-    parser.add_argument("--max-batch-tokens", type=positive_int, default=256, help="token budget per engine step")
-    parser.add_argument("--max-seqs", type=positive_int, default=16, help="most sequences in one step")
+    parser.add_argument(
+        "--max-batch-tokens",
+        type=positive_int,
+        default=RUN_DEFAULTS.max_num_batched_tokens,
+        help="token budget per engine step",
+    )
+    parser.add_argument(
+        "--max-seqs", type=positive_int, default=RUN_DEFAULTS.max_num_seqs, help="most sequences in one step"
+    )
     parser.add_argument(
         "--slo-ttft-ms", type=positive_float, default=1000.0, help="goodput SLO: time to first token, ms"
     )
@@ -247,7 +239,7 @@ def build(args: argparse.Namespace):
                 raise ValueError(f"--kv-memory {args.kv_memory} holds no classical block of {block_bytes} bytes")
         runner = DSV4EngineRunner(model, num_blocks, args.max_seqs)
         engine = Engine(runner, max_num_batched_tokens=args.max_batch_tokens, max_num_seqs=args.max_seqs)
-        return engine, lambda rng: id_workload(model.vocab_size, args, rng), TINY_MODEL
+        return engine, lambda rng: id_workload(model.vocab_size, args, rng), TINY_MODEL, None
 
     import os
 
@@ -255,7 +247,7 @@ def build(args: argparse.Namespace):
 
     loaded = load_model(args.model)
     num_blocks = args.num_blocks or num_blocks_for_memory(
-        loaded, args.block_size, parse_bytes(args.kv_memory or "256MiB")
+        loaded, args.block_size, parse_bytes(args.kv_memory) if args.kv_memory else RUN_DEFAULTS.kv_memory_bytes
     )
     engine = build_engine(
         loaded,
@@ -264,14 +256,16 @@ def build(args: argparse.Namespace):
         max_num_batched_tokens=args.max_batch_tokens,
         max_num_seqs=args.max_seqs,
     )
-    return engine, lambda rng: chat_workload(loaded.tokenizer, args, rng), os.path.basename(loaded.gguf.path)
+    return engine, lambda rng: chat_workload(loaded.tokenizer, args, rng), os.path.basename(loaded.gguf.path), loaded
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from kvpool.engine import memory
     from kvpool.engine.sampling import SamplingParams
 
+    runtime_bytes = memory.runtime_baseline()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.kv_memory is not None:
@@ -279,7 +273,9 @@ def run(args: argparse.Namespace) -> int:
     quiet = args.json or not sys.stdout.isatty()
     if quiet:
         print("kvpool run: loading the model", file=sys.stderr)
-    engine, make_workload, model_name = build(args)
+    load_start = time.perf_counter()
+    engine, make_workload, model_name, loaded = build(args)
+    load_s = time.perf_counter() - load_start
     rng = random.Random(args.seed)
     workload = make_workload(rng)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.7, top_p=0.9, seed=args.seed)
@@ -318,6 +314,8 @@ def run(args: argparse.Namespace) -> int:
             finished = engine.step()
             step_time += time.perf_counter() - t0
             frag_samples.append(runner.usage().fragmentation)
+            if loaded is not None:  # the manager's Python structures at their largest, for the ledger
+                runner.peaks.note("bookkeeping", runner.manager.metadata_bytes())
             # Every running sequence read its whole context this step (prefills included).
             bytes_read += sum(runner.kv_read_bytes(s.num_computed) for s in engine.running)
             progress.advance(len(finished), start)
@@ -341,6 +339,11 @@ def run(args: argparse.Namespace) -> int:
         progress.close()
     wall = time.perf_counter() - start
     report = make_report(engine, args, model_name, wall, step_time, frag_samples, bytes_read, interrupted)
+    report["load_s"] = round(load_s, 3)
+    report["load_source"] = loaded.load_source if loaded is not None else "built in"
+    report["memory"] = None
+    if loaded is not None:  # the Llama runner's ledger (the tiny V4 model's is not measured)
+        report["memory"] = memory.measure(engine.runner, runtime_bytes, loaded.tokenizer_bytes).as_dict()
     if args.json:
         print(json.dumps(report))
     else:
@@ -415,5 +418,22 @@ def print_report(report: dict) -> None:
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in report.items():
-        table.add_row(key, str(value))
-    Console().print(table)
+        if key != "memory":
+            table.add_row(key, str(value))
+    console = Console()
+    console.print(table)
+    mem = report.get("memory")
+    if mem:
+        ledger = Table(title=f"memory: measured, against the {mem['peak_source']}")
+        for column in ("term", "bytes", "share of peak"):
+            ledger.add_column(column, justify="left" if column == "term" else "right")
+        peak = mem["peak"]
+        for term, lines in mem["details"].items():
+            ledger.add_row(term, f"{mem[term] / 2**20:,.1f} MiB", f"{100 * mem[term] / peak:.1f} %")
+            for line, num_bytes in lines.items():
+                ledger.add_row(f"  {line}", f"{num_bytes / 2**20:,.2f} MiB", "")
+        ledger.add_row(
+            "unaccounted", f"{mem['unaccounted'] / 2**20:,.1f} MiB", f"{100 * mem['unaccounted_share']:.1f} %"
+        )
+        ledger.add_row("peak", f"{peak / 2**20:,.1f} MiB", "100.0 %")
+        console.print(ledger)

@@ -8,6 +8,7 @@ import torch
 
 from kvpool.attention.paged import StepPlan, paged_attention, plan_step, prefill_attention
 from kvpool.cache import Admission, CacheDescriptor, CacheUsage, FullAttentionManager, ReleaseReason
+from kvpool.engine.memory import StepPeaks
 from kvpool.engine.runner import ScheduledChunk
 from kvpool.models.llama import LlamaModel
 from kvpool.storage.kv import PagedKVStorage
@@ -48,6 +49,7 @@ class LlamaRunner:
         self.decode_path = decode_path or ("native" if model.kernels is not None else "bags")
         self.scale = cfg.head_dim**-0.5
         self.last_decode_path: str | None = None  # the path the last step's decodes took
+        self.peaks = StepPeaks()  # the largest step's allocations, for the memory ledger
 
     # ---- cache bookkeeping (pure Python, through the manager) ---------------------
 
@@ -103,11 +105,44 @@ class LlamaRunner:
 
     # ---- the forward ---------------------------------------------------------------
 
+    def _note_plan(self, plan: StepPlan) -> None:
+        """The plan's tensors (slots, block tables, masks) and a prefill chunk's gathered
+        keys and values, for the memory ledger (`StepPeaks`)."""
+        cfg, item = self.model.config, self.model.dtype.itemsize
+        tables = [plan.slots]
+        if plan.decode is not None:
+            d = plan.decode
+            tables += [d.rows] + ([d.native.indptr, d.native.blocks, d.native.ctx_lens] if d.native else [])
+            if d.bias is not None:
+                tables.append(d.bias)
+            if d.bags is not None:
+                b = d.bags
+                tables += [
+                    t for t in (b.k_rows, b.k_offsets, b.q_rows, b.v_rows, b.v_offsets, b.p_index) if t is not None
+                ]
+            if d.padded is not None:
+                tables.append(d.padded.block_ids)
+        tables += [p.block_ids for p in plan.prefills] + [p.mask for p in plan.prefills if p.mask is not None]
+        self.peaks.note("step_tables", sum(t.nbytes for t in tables))
+        # prefill_attention gathers one layer's K and V blocks of a chunk's context: the two
+        # gathered tensors and the intermediate copy of one of them are alive together
+        per_copy = self.block_size * cfg.num_kv_heads * cfg.head_dim * item
+        self.peaks.note("chunked_prefill", max((3 * p.block_ids.shape[0] * per_copy for p in plan.prefills), default=0))
+
+    def _note_forward(self, num_tokens: int, logits: torch.Tensor) -> None:
+        """What the forward allocated: its step buffers, the attention output, the logits."""
+        cfg = self.model.config
+        attn_out = num_tokens * cfg.num_heads * cfg.head_dim * self.model.dtype.itemsize
+        self.peaks.note("activations", self.model.step_buffer_bytes + attn_out)
+        self.peaks.note("logits", logits.nbytes)
+
     def execute(self, chunks: Sequence[ScheduledChunk], all_logits: bool = False) -> torch.Tensor:
         """Run one step; logits [num chunks with needs_logits, vocab] (or every token's, [N, vocab])."""
         m = self.manager
         device = self.model.device
-        self.storage.apply_copies(m.take_copies())  # COW copies before anything writes
+        copies = m.take_copies()
+        self.peaks.note("cow_staging", len(copies) * self.storage.bytes_per_block)  # the sources, staged once
+        self.storage.apply_copies(copies)  # COW copies before anything writes
         token_ids: list[int] = []
         positions: list[int] = []
         q_lens: list[int] = []
@@ -142,6 +177,7 @@ class LlamaRunner:
         if plan.decode is not None:
             d = plan.decode
             self.last_decode_path = "native" if d.native is not None else "bags" if d.bags is not None else "padded"
+        self._note_plan(plan)
         storage = self.storage
         k_layers, v_layers, scale = storage.k_layers, storage.v_layers, self.scale
         if storage.kernels is not None and (plan.decode is None or plan.decode.native is not None):
@@ -156,9 +192,9 @@ class LlamaRunner:
         ids_t = torch.tensor(token_ids, dtype=torch.long, device=device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=device)
         hidden = self.model.forward(ids_t, pos_t, attend)
-        if all_logits:
-            return self.model.logits(hidden)
-        return self.model.logits(hidden[logit_rows])
+        logits = self.model.logits(hidden if all_logits else hidden[logit_rows])
+        self._note_forward(len(token_ids), logits)
+        return logits
 
 
 class NativeAttend:

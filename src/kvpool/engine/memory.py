@@ -4,8 +4,9 @@ The terms are those of the planner's ledger (capacity/ledger.py), each measured 
 allocated:
   weights     every weight tensor the model holds (`LlamaModel.weight_bytes`)
   kv_pool     the K/V tensors (`PagedKVStorage.num_bytes`), their quantization scales (none
-              in fp32), and the cache manager's Python structures: block tables, free queue,
-              prefix index, per-request token ids (`metadata_bytes`, sys.getsizeof)
+              in fp32), the largest step's block tables and slot mapping as tensors, and the
+              cache manager's Python structures when measured: refcounts, free queues,
+              prefix index, per-request tables and token ids (`metadata_bytes`, sys.getsizeof)
   workspace   the largest step's buffers: the forward's activations and attention output,
               the logits, the sampler's scratch for one row
   transient   the largest step's copy-on-write staging and chunked-prefill key/value gathers
@@ -60,6 +61,7 @@ class StepPeaks:
     logits: int = 0  # the logits rows the step returns
     cow_staging: int = 0  # copy-on-write: the copied blocks, staged once
     chunked_prefill: int = 0  # a prefill chunk's keys and values gathered for attention (one layer)
+    bookkeeping: int = 0  # the cache manager's Python structures, where a harness samples them
 
     def note(self, kind: str, num_bytes: int) -> None:
         if num_bytes > getattr(self, kind):
@@ -96,9 +98,19 @@ class MeasuredLedger:
         }
 
 
-def measure(runner, runtime_bytes: int, tokenizer_bytes: int, sampler_bytes: int) -> MeasuredLedger:
+def runtime_baseline() -> int:
+    """The resident set of the interpreter, torch and the engine's libraries, before any
+    model: what `runtime` counts (read it first thing, the libraries imported)."""
+    import kvpool.engine.build  # noqa: F401  (torch, numpy, the engine: everything but the model)
+
+    return rss_bytes()
+
+
+def measure(runner, runtime_bytes: int, tokenizer_bytes: int) -> MeasuredLedger:
     """The ledger of a LlamaRunner after (or during) a run."""
     import torch
+
+    from kvpool.engine.sampling import sampler_scratch_bytes
 
     storage, manager, peaks = runner.storage, runner.manager, runner.peaks
     cuda = storage.k.device.type == "cuda"
@@ -111,9 +123,14 @@ def measure(runner, runtime_bytes: int, tokenizer_bytes: int, sampler_bytes: int
             "kv_pool": {
                 "data": storage.num_bytes,
                 "quant_scales": 0,
-                "block_tables": manager.metadata_bytes() + peaks.step_tables,
+                "block_tables": peaks.step_tables,
+                "bookkeeping": max(peaks.bookkeeping, manager.metadata_bytes()),
             },
-            "workspace": {"activations": peaks.activations, "logits": peaks.logits, "sampler": sampler_bytes},
+            "workspace": {
+                "activations": peaks.activations,
+                "logits": peaks.logits,
+                "sampler": sampler_scratch_bytes(runner.vocab_size),
+            },
             "transient": {"cow_staging": peaks.cow_staging, "chunked_prefill": peaks.chunked_prefill},
             "runtime": {"interpreter_and_libraries": runtime_bytes, "tokenizer": tokenizer_bytes},
         },

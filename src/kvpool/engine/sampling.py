@@ -48,6 +48,13 @@ class SamplingParams:
 NUCLEUS_CANDIDATES = 256
 
 
+def sampler_scratch_bytes(vocab_size: int) -> int:
+    """The most the sampler holds at once for one row: on the full-sort top-p path, the fp32
+    scores, probabilities, sorted probabilities, their cumulative sum, the masked copy and
+    the draw's CDF (6 x 4 B) and the sorted int64 ids (8 B), per vocabulary entry."""
+    return vocab_size * (6 * 4 + 8)
+
+
 def sample_token(logits: torch.Tensor, params: SamplingParams, sample_index: int, position: int) -> int:
     """logits [vocab] fp32 -> one token id.
 

@@ -77,6 +77,7 @@ class LlamaModel:
         # the norm weights' addresses for the fused forward: they never move
         self._norm_ptrs = [layer["attn_norm"].data_ptr() for layer in self.layers] + [self.norm.data_ptr()]
         self._ffn_norm_ptrs = [layer["ffn_norm"].data_ptr() for layer in self.layers]
+        self.step_buffer_bytes = 0  # what the last forward allocated for its step (the memory ledger)
         # RoPE tables (rotate-half): cos / sin [max_position, head_dim], fp32
         d = config.head_dim
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
@@ -211,6 +212,7 @@ class LlamaModel:
         if fused and self.kernels is not None:
             return self._forward_fused(token_ids, positions, attend)
         n = token_ids.shape[0]
+        self.step_buffer_bytes = self.forward_buffer_bytes(n)  # tensors of these shapes, made a layer at a time
         h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         cos = self.cos[positions].unsqueeze(1).to(self.dtype)
         sin = self.sin_signed[positions].unsqueeze(1).to(self.dtype)
@@ -253,7 +255,9 @@ class LlamaModel:
         q = qkv[:, : h * d].view(n, h, d)
         k = qkv[:, h * d : (h + kvh) * d].view(n, kvh, d)
         v = qkv[:, (h + kvh) * d :].view(n, kvh, d)
-        xp, hsp, dp, qkvp, gup, actp = (t.data_ptr() for t in (x, hs, delta, qkv, gate_up, act))
+        buffers = (x, hs, delta, qkv, gate_up, act)
+        self.step_buffer_bytes = sum(t.nbytes for t in buffers)
+        xp, hsp, dp, qkvp, gup, actp = (t.data_ptr() for t in buffers)
         posp, cosp, sinp = positions.data_ptr(), self.cos.data_ptr(), self.sin_signed.data_ptr()
         norms = self._norm_ptrs  # attn_norm of each layer, then the final norm
         lib.kv_add_rms_norm(xp, None, norms[0], hsp, n, hidden, eps)

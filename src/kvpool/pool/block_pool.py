@@ -31,6 +31,7 @@ Pure Python integers, no torch.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
@@ -354,6 +355,16 @@ class BlockPool:
             self._free_unhashed.append(block_id)
             num_dropped += 1
         return num_dropped
+
+    def metadata_bytes(self) -> int:
+        """Bytes of the pool's Python structures (sys.getsizeof): refcounts, registrations,
+        free queues, the prefix index and its prefix blocks."""
+        size = sys.getsizeof
+        total = size(self._refcounts) + size(self._cached) + size(self._free_unhashed) + size(self._free_cached)
+        total += size(self._index) + size(self._roots)
+        for block in self._index.values():
+            total += size(block) + size(block.block_hash) + size(block.token_bytes) + size(block.block_ids)
+        return total
 
     # ---- invariants ------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ class GPUSpec:
     name: str
     memory_bytes: int
     hbm_bandwidth_bytes_per_s: float
+    kind: str = "cuda"  # "cuda", or "cpu": this machine's RAM, for kvpool's own CPU engine
 
     def __post_init__(self) -> None:
         if self.memory_bytes <= 0:
@@ -54,3 +55,15 @@ def custom_gpu(memory_gib: float, name: str | None = None) -> GPUSpec:
     if memory_gib <= 0:
         raise ValueError(f"memory_gib must be positive, got {memory_gib}")
     return GPUSpec(name or f"{memory_gib:g} GiB", int(memory_gib * GIB), float("inf"))
+
+
+def cpu_device() -> GPUSpec:
+    """This machine as a device: its physical memory (sysconf, as /proc/meminfo MemTotal
+    reports it), for the ledger of kvpool's CPU engine. Bandwidth unknown: inf."""
+    import os
+
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError) as e:
+        raise ValueError(f"cannot read this machine's memory size: {e}") from e
+    return GPUSpec(f"cpu ({os.cpu_count()} cores)", int(memory), float("inf"), kind="cpu")

@@ -1,0 +1,137 @@
+"""The engine's measured memory ledger (`kvpool run --json`'s memory section) against the
+planner's prediction for the same configuration (`kvpool plan --device cpu`).
+
+The run is a fresh process (`python -m kvpool run`), so its peak resident set is its own:
+in this process pytest and transformers would dwarf the engine. Its workload is small but
+fills the configuration's limits (16 prompts at once: 256-token prefill steps, 15 to 16
+rows of logits), so the workspace it measures meets the prediction's worst case.
+
+What must hold: weights and the pool's data exact to the byte (the prediction comes from
+the config.json preset, the measurement from the tensors the GGUF filled); the bounds
+(block tables, bookkeeping, transient) above what was measured; the workspace within 10 %
+(what the run did not fill: at most one row of logits of 16); the runtime within 25 % of
+its assumption (the interpreter and libraries differ by machine); and `unaccounted`, the
+peak RSS the terms do not explain, under 15 % of the peak."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvpool.capacity.engine import ENGINE_TERMS, EngineConfig
+from kvpool.capacity.planner import plan
+from kvpool.engine.memory import TERMS, MeasuredLedger, peak_rss_bytes
+from kvpool.spec.gpus import cpu_device
+from kvpool.spec.models import load_preset
+
+RUN = "--json --num-requests 16 --turns 1 --num-long 0 --max-tokens 4 --request-rate inf".split()
+
+
+@pytest.fixture(scope="module")
+def run_report() -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvpool", "run", *RUN], capture_output=True, text=True, timeout=600, check=True
+    )
+    return json.loads(out.stdout)
+
+
+@pytest.fixture(scope="module")
+def predicted():
+    return plan(load_preset("smollm2-135m"), cpu_device(), engine=EngineConfig()).ledger
+
+
+def test_the_memory_section_has_every_term_and_explains_the_peak(run_report):
+    mem = run_report["memory"]
+    assert set(TERMS) == set(ENGINE_TERMS)
+    for term in TERMS:
+        assert mem[term] == sum(mem["details"][term].values()) > 0, term
+    assert mem["accounted"] == sum(mem[t] for t in TERMS)
+    assert mem["unaccounted"] == mem["peak"] - mem["accounted"]
+    assert mem["peak_source"] == "peak RSS (VmHWM)"
+    assert 0 <= mem["unaccounted"] < 0.15 * mem["peak"], mem
+    assert run_report["load_source"] in ("weight cache", "gguf (no entry in the weight cache)")
+    assert run_report["load_s"] > 0
+
+
+def test_predicted_and_measured_ledgers_agree(run_report, predicted):
+    mem = run_report["memory"]["details"]
+    pred = predicted.details
+    assert run_report["num_blocks"] * 737_280 == pred["kv_pool"]["data"]  # the run's blocks are the plan's
+    # exact: every fp32 parameter once, the tied embedding once (538,060,032 B); the blocks
+    assert mem["weights"]["model"] == pred["weights"]["model"] == 538_060_032
+    assert mem["kv_pool"]["data"] == pred["kv_pool"]["data"] == 364 * 737_280
+    assert mem["kv_pool"]["quant_scales"] == pred["kv_pool"]["quant_scales"] == 0
+    # bounds
+    for term, line in [
+        ("kv_pool", "block_tables"),
+        ("kv_pool", "bookkeeping"),
+        ("transient", "cow_staging"),
+        ("transient", "chunked_prefill"),
+    ]:
+        assert 0 <= mem[term][line] <= pred[term][line], (term, line, mem[term][line], pred[term][line])
+    # the workspace of a full step: exact for the step buffers and the sampler, the logits
+    # of 15 or 16 rows
+    assert mem["workspace"]["activations"] == pred["workspace"]["activations"]
+    assert mem["workspace"]["sampler"] == pred["workspace"]["sampler"]
+    workspace = sum(mem["workspace"].values())
+    assert 0.9 * predicted.terms["workspace"] <= workspace <= predicted.terms["workspace"]
+    runtime = sum(mem["runtime"].values())
+    assert abs(runtime - predicted.terms["runtime"]) <= 0.25 * predicted.terms["runtime"], runtime
+
+
+def test_the_cli_prints_the_prediction(capsys):
+    from kvpool.cli.main import main
+
+    assert main(["plan", "--model", "smollm2-135m", "--device", "cpu", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["ledger"]["weights"] == 538_060_032
+    assert d["ledger_details"]["kv_pool"]["data"] == 364 * 737_280
+    assert d["context_len"] == 364 * 16  # the longest request the pool holds (the model: 8,192)
+    assert d["kv_dtype"] == "fp32" and d["weight_dtype"] == "fp32"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--device", "cpu", "--tp", "2"], "no tensor or expert parallelism"),
+        (["--device", "cpu", "--kv-dtype", "fp8"], "fp32 weights and fp32 KV"),
+        (["--kv-memory", "64MiB"], "--kv-memory sizes the pool of --device cpu"),
+        (["--device", "cpu", "--kv-memory", "1KiB"], "holds no block of 737,280 bytes"),
+    ],
+)
+def test_the_cpu_plan_refuses_what_the_engine_cannot_run(capsys, flags, message):
+    from kvpool.cli.main import main
+
+    assert main(["plan", "--model", "smollm2-135m", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_text_report_prints_the_ledger_as_a_table(capsys, run_report):
+    from kvpool.cli.run import print_report
+
+    print_report(run_report)
+    out = capsys.readouterr().out
+    for line in ("memory: measured, against the peak RSS (VmHWM)", "weights", "unaccounted", "chunked_prefill"):
+        assert line in out
+
+
+def test_peak_rss_is_the_process_own_not_its_parents():
+    """Linux carries ru_maxrss across fork and exec: a child of a 600 MB process would
+    report 600 MB. VmHWM is the child's own."""
+    ballast = bytearray(600 << 20)
+    ballast[::4096] = b"x" * len(ballast[::4096])  # touch every page: resident
+    code = "from kvpool.engine.memory import peak_rss_bytes; print(peak_rss_bytes())"
+    child = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert peak_rss_bytes() > 600 << 20
+    assert child < 300 << 20  # Python and numpy, far below its parent
+    del ballast
+
+
+def test_a_ledger_says_what_it_does_not_explain():
+    ledger = MeasuredLedger(1000, "test", {"weights": {"model": 600}, "kv_pool": {"data": 250}})
+    d = ledger.as_dict()
+    assert (d["weights"], d["kv_pool"], d["workspace"], d["accounted"], d["unaccounted"]) == (600, 250, 0, 850, 150)
+    assert d["unaccounted_share"] == 0.15
