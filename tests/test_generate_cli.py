@@ -47,7 +47,8 @@ def test_generate_json(smollm2, capsys):
     assert out["load_s"] == round(smollm2.load_s, 3) and out["load_source"] == smollm2.load_source
     mem = out["memory"]
     assert mem["details"]["weights"]["model"] == 538_060_032
-    assert mem["details"]["kv_pool"]["data"] == 512 * 737_280  # --num-blocks 512 of 16 tokens
+    # the pool is what the request can need: the prompt and --max-tokens 16, in 16-token blocks
+    assert mem["details"]["kv_pool"]["data"] == -(-(out["prompt_tokens"] + 16) // 16) * 737_280
     assert mem["details"]["workspace"]["logits"] == 49152 * 4  # one row of fp32 logits a step
 
 

@@ -9,6 +9,8 @@ from typing import Any
 
 from kvpool.cli.args import non_negative_int, positive_int
 
+DSV4_DEFAULT_BLOCKS = 512  # tiny-dsv4's classical blocks when --num-blocks is not given
+
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """--model and --threads, shared by generate, run and bench engine."""
@@ -41,7 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=non_negative_int, default=0, help="keep the k most likely tokens; 0 = off")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
-    parser.add_argument("--num-blocks", type=positive_int, default=512, help="KV blocks in the pool")
+    parser.add_argument(
+        "--num-blocks",
+        type=positive_int,
+        default=None,
+        help="KV blocks in the pool (default: what the prompt and --max-tokens need; tiny-dsv4: "
+        f"{DSV4_DEFAULT_BLOCKS} classical blocks)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_model_arguments(parser)
 
@@ -97,10 +105,14 @@ def run(args: argparse.Namespace) -> int:
     prompt_ids = (
         tok.encode(args.prompt) if args.no_chat else tok.encode_chat([{"role": "user", "content": args.prompt}])
     )
-    engine = build_engine(loaded, num_blocks=args.num_blocks, block_size=args.block_size)
+    num_blocks = args.num_blocks
+    if num_blocks is None:  # this one request's need, within the model's positions: no idle pool to zero
+        need = min(len(prompt_ids) + args.max_tokens, loaded.model.config.max_position)
+        num_blocks = -(-need // args.block_size)
+    engine = build_engine(loaded, num_blocks=num_blocks, block_size=args.block_size)
     context_len = engine.runner.max_model_len
     if context_len < loaded.model.config.max_position:
-        bound = f"--num-blocks {args.num_blocks} x --block-size {args.block_size}"
+        bound = f"--num-blocks {num_blocks} x --block-size {args.block_size}"
     else:
         bound = "the model's maximum"
     check_context(len(prompt_ids), args.max_tokens, context_len, bound)

@@ -14,7 +14,7 @@ import re
 import sys
 import time
 
-from kvpool.cli.generate import check_context, length_note, timings
+from kvpool.cli.generate import DSV4_DEFAULT_BLOCKS, check_context, length_note, timings
 
 MODEL_NAME = "tiny-dsv4"
 
@@ -47,11 +47,12 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
     )
     start = time.perf_counter()
-    engine = build_tiny_dsv4_engine(num_classical_blocks=args.num_blocks)
+    num_blocks = args.num_blocks or DSV4_DEFAULT_BLOCKS
+    engine = build_tiny_dsv4_engine(num_classical_blocks=num_blocks)
     load_s = time.perf_counter() - start
     context_len = engine.runner.max_model_len
     if context_len < TINY_DSV4_CONFIG["max_position_embeddings"]:
-        bound = f"the KV cache of --num-blocks {args.num_blocks}"
+        bound = f"the KV cache of --num-blocks {num_blocks}"
     else:
         bound = "the model's maximum"
     check_context(len(prompt_ids), args.max_tokens, context_len, bound)
