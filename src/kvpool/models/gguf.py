@@ -347,12 +347,15 @@ def _read_tensors(
     """Read and dequantize the tensors the model uses into `dtype`, one at a time."""
     import gguf
 
+    group = None
     with open(path, "rb") as f:
         for info in infos:
             name = _model_name(info.name, config)
             if name is None:
                 continue
-            _release_freed_memory()  # what the caller freed since (a fused layer's parts)
+            if name.rsplit(".", 1)[0] != group:  # a new layer: the caller has fused and freed the last
+                group = name.rsplit(".", 1)[0]
+                _release_freed_memory()
             try:
                 raw = np.empty(info.num_bytes, dtype=np.uint8)
                 f.seek(info.offset)
