@@ -64,6 +64,31 @@ def test_an_entry_reads_back_what_was_stored(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [key]  # no work directory left behind
 
 
+def test_the_safetensors_files_agree_with_the_library(tmp_path):
+    """Ours are written streaming and read as views of a mapping; the safetensors library
+    reads what we write, and we read what it writes, every dtype we store, empty tensors too."""
+    import mmap
+
+    from safetensors.torch import load_file, save_file
+
+    g = torch.Generator().manual_seed(3)
+    original = {
+        "f32": torch.randn(3, 5, generator=g),
+        "bf16": torch.randn(7, generator=g).to(torch.bfloat16),
+        "f64": torch.randn(2, 2, dtype=torch.float64, generator=g),
+        "f16": torch.randn(4, 1, generator=g).half(),
+        "empty": torch.zeros(0, 4),
+    }
+    digest = weight_cache.write_safetensors(tmp_path / "ours.safetensors", original)
+    assert digest == file_digest(tmp_path / "ours.safetensors")
+    theirs = load_file(tmp_path / "ours.safetensors")
+    assert all(torch.equal(theirs[k], v) and theirs[k].dtype == v.dtype for k, v in original.items())
+    save_file(original, tmp_path / "theirs.safetensors")
+    with open(tmp_path / "theirs.safetensors", "rb") as f:
+        views = weight_cache.safetensors_views(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
+    assert all(torch.equal(views[k], v) and views[k].dtype == v.dtype for k, v in original.items())
+
+
 def flip_byte(path, offset_from_end: int = 5) -> None:
     data = bytearray(path.read_bytes())
     data[-offset_from_end] ^= 0x40

@@ -79,15 +79,17 @@ class GGUFModel:
     digest: str  # xxh3_128 of the whole file: the weights' version
 
 
-def file_digest(path: str) -> str:
-    """xxh3_128 of a whole file, read through a memory map (no copy; ~10 ms for 100 MB)."""
-    import mmap
-
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            return xxhash.xxh3_128_hexdigest(b"")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            return xxhash.xxh3_128_hexdigest(mm)
+def file_digest(path: str | os.PathLike) -> str:
+    """xxh3_128 of a whole file, read in 8 MiB chunks into one buffer (~0.1 s for 500 MB in
+    the page cache). Not through a memory map: the pages a map touches count in the process's
+    resident set while it lives, and hashing a 538 MB weight file would add them all."""
+    h = xxhash.xxh3_128()
+    buffer = bytearray(8 << 20)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(view):
+            h.update(view[:n])
+    return h.hexdigest()
 
 
 @dataclass(frozen=True)

@@ -107,12 +107,10 @@ class WeightCache:
     def store(self, key: str, meta: GGUFModel, tensors: dict[str, torch.Tensor]) -> Path:
         """Write an entry atomically (another process storing the same key first wins), and
         reclaim entries of other layout versions of the same GGUF."""
-        from safetensors.torch import save_file
-
         self.root.mkdir(parents=True, exist_ok=True)
         work = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=self.root))
         try:
-            save_file({k: v.contiguous() for k, v in tensors.items()}, work / WEIGHTS)
+            weights_digest = write_safetensors(work / WEIGHTS, tensors)
             meta_json = {
                 "path": meta.path,
                 "config": asdict(meta.config),
@@ -122,8 +120,9 @@ class WeightCache:
             }
             (work / META).write_text(json.dumps(meta_json))
             info = {"layout_version": LAYOUT_VERSION, "gguf_digest": meta.digest}
+            digests = {WEIGHTS: weights_digest, META: file_digest(work / META)}
             for name in (WEIGHTS, META):
-                info[name] = {"bytes": (work / name).stat().st_size, "xxh3_128": file_digest(work / name)}
+                info[name] = {"bytes": (work / name).stat().st_size, "xxh3_128": digests[name]}
             (work / ENTRY).write_text(json.dumps(info))
             for name in (WEIGHTS, META, ENTRY):
                 _fsync(work / name)
@@ -152,6 +151,39 @@ class WeightCache:
 
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
+    """Write `tensors` as a safetensors file, streaming each tensor's bytes from its own
+    memory, and return the file's xxh3_128, hashed as it is written. safetensors' own
+    `save_file` (0.8) assembles the whole file in memory first: for SmolLM2 that is 513 MiB
+    on top of the model, at the peak of a cold start. The format: an 8-byte little-endian
+    header length, a JSON header (dtype, shape and byte range of each tensor), padded with
+    spaces to 8 bytes, then the data in header order. tests/test_weight_cache.py reads what
+    this writes with the safetensors library."""
+    header, offset = {}, 0
+    for name, tensor in tensors.items():
+        if tensor.dtype not in _DTYPE_NAMES:
+            raise ValueError(f"tensor {name!r}: no safetensors dtype for {tensor.dtype}")
+        header[name] = {
+            "dtype": _DTYPE_NAMES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + tensor.nbytes],
+        }
+        offset += tensor.nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    digest = xxhash.xxh3_128()
+    with open(path, "wb") as f:
+        for chunk in (struct.pack("<Q", len(head)), head):
+            f.write(chunk)
+            digest.update(chunk)
+        for tensor in tensors.values():
+            data = memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+            f.write(data)
+            digest.update(data)
+    return digest.hexdigest()
 
 
 def safetensors_views(buffer: mmap.mmap) -> dict[str, torch.Tensor]:
@@ -171,6 +203,9 @@ def safetensors_views(buffer: mmap.mmap) -> dict[str, torch.Tensor]:
         shape = entry["shape"]
         if count != math.prod(shape) or base + end > len(buffer):
             raise ValueError(f"tensor {name!r}: {end - begin} bytes for shape {shape}")
+        if count == 0:  # torch.frombuffer takes no empty range
+            tensors[name] = torch.empty(shape, dtype=dtype)
+            continue
         tensors[name] = torch.frombuffer(buffer, dtype=dtype, count=count, offset=base + begin).view(shape)
     return tensors
 
