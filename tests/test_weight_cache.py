@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -89,6 +90,16 @@ def test_the_safetensors_files_agree_with_the_library(tmp_path):
     assert all(torch.equal(views[k], v) and views[k].dtype == v.dtype for k, v in original.items())
 
 
+def rewrite_meta(entry, change) -> None:
+    """meta.json as another version of kvpool might have written it, its digest made to
+    match (so that only the schema is wrong)."""
+    meta = change(json.loads((entry / META).read_text()))
+    (entry / META).write_text(json.dumps(meta))
+    info = json.loads((entry / ENTRY).read_text())
+    info[META] = {"bytes": (entry / META).stat().st_size, "xxh3_128": file_digest(entry / META)}
+    (entry / ENTRY).write_text(json.dumps(info))
+
+
 def flip_byte(path, offset_from_end: int = 5) -> None:
     data = bytearray(path.read_bytes())
     data[-offset_from_end] ^= 0x40
@@ -104,8 +115,19 @@ def flip_byte(path, offset_from_end: int = 5) -> None:
         (lambda e: (e / WEIGHTS).unlink(), f"{WEIGHTS} is missing or not"),
         (lambda e: (e / ENTRY).unlink(), f"no valid {ENTRY}"),  # a write that never committed
         (lambda e: (e / ENTRY).write_text("{"), f"no valid {ENTRY}"),
+        (lambda e: (e / ENTRY).write_text("null"), f"no valid {ENTRY}"),
+        (lambda e: rewrite_meta(e, lambda m: {**m, "config": {**m["config"], "new_field": 1}}), f"{WEIGHTS} or {META}"),
     ],
-    ids=["weights-bit", "meta-bit", "truncated", "weights-gone", "uncommitted", "entry-garbage"],
+    ids=[
+        "weights-bit",
+        "meta-bit",
+        "truncated",
+        "weights-gone",
+        "uncommitted",
+        "entry-garbage",
+        "entry-null",
+        "schema",
+    ],
 )
 def test_a_damaged_entry_is_deleted_not_used(tmp_path, damage, reason):
     cache, key = stored(tmp_path)
@@ -117,30 +139,64 @@ def test_a_damaged_entry_is_deleted_not_used(tmp_path, damage, reason):
     assert cache.load(key) is not None and cache.last_miss is None
 
 
-def test_the_key_follows_the_gguf_the_dtype_and_the_layout_version():
+def test_the_key_follows_the_gguf_the_dtype_the_layout_and_the_code(monkeypatch):
     key = entry_key("a" * 32, torch.float32)
     assert key == entry_key("a" * 32, torch.float32, weight_cache.LAYOUT_VERSION)
     assert key != entry_key("b" * 32, torch.float32)
     assert key != entry_key("a" * 32, torch.bfloat16)
     assert key != entry_key("a" * 32, torch.float32, weight_cache.LAYOUT_VERSION + 1)
+    # a change to the reader or the layout code (or the gguf library) is another key: a
+    # fixed dequantization is never served the values of the code before it
+    assert len(weight_cache.code_version()) == 16
+    monkeypatch.setattr(weight_cache, "code_version", lambda: "0" * 16)
+    assert key != entry_key("a" * 32, torch.float32)
 
 
-def test_an_entry_of_another_layout_version_is_stale_and_reclaimed(tmp_path, monkeypatch):
+def age(path, seconds: float) -> None:
+    t = time.time() - seconds
+    os.utime(path, (t, t))
+
+
+def test_entries_of_other_versions_are_reclaimed_once_unused(tmp_path, monkeypatch):
     cache, old_key = stored(tmp_path)
     other_model = GGUFModel("/models/other.gguf", CONFIG, TOKENIZER, "1", "1" * 32)
     other_key = entry_key(other_model.digest, torch.float32)
     cache.store(other_key, other_model, tensors(1))
+    recent_key = entry_key(META_DATA.digest, torch.bfloat16)  # the same GGUF, used an hour ago
+    cache.store(recent_key, META_DATA, tensors(3))
+    for key in (old_key, other_key):
+        age(tmp_path / key / ENTRY, 2 * weight_cache.RECLAIM_AFTER_S)
+    age(tmp_path / recent_key / ENTRY, 3600)
+    killed = tmp_path / f".{old_key}.killedwrite"  # a write that was killed two hours ago
+    killed.mkdir()
+    age(killed, 2 * weight_cache.STALE_WORK_S)
+    writing = tmp_path / f".{old_key}.writing"  # one in progress now
+    writing.mkdir()
     monkeypatch.setattr(weight_cache, "LAYOUT_VERSION", weight_cache.LAYOUT_VERSION + 1)
     new_key = entry_key(META_DATA.digest, torch.float32)
     assert new_key != old_key  # a new layout looks under another name ...
     assert cache.load(new_key) is None and cache.last_miss == "no entry"
     cache.store(new_key, META_DATA, tensors(2))
-    # ... and its store reclaims the same GGUF's old entry, not another GGUF's
-    assert {p.name for p in tmp_path.iterdir()} == {new_key, other_key}
+    # ... and its store reclaims the same GGUF's entry unused for days, not the one used an
+    # hour ago (another kvpool version may be using it), nor another GGUF's; and the
+    # killed write's directory, not the one in progress
+    assert {p.name for p in tmp_path.iterdir()} == {new_key, other_key, recent_key, writing.name}
     assert torch.equal(cache.load(new_key)[1]["embed"], tensors(2)["embed"])
     # an entry of another layout found under any name says so, and is not used
     assert cache.load(other_key) is None
     assert cache.last_miss == f"layout version {weight_cache.LAYOUT_VERSION - 1}, not {weight_cache.LAYOUT_VERSION}"
+
+
+def test_an_entry_that_vanishes_or_cannot_be_read_is_a_miss(tmp_path, monkeypatch):
+    cache, key = stored(tmp_path)
+
+    def vanished(entry):
+        raise FileNotFoundError(2, "No such file or directory", str(entry / WEIGHTS))
+
+    monkeypatch.setattr(cache, "_check", vanished)  # deleted by another process mid-check
+    assert cache.load(key) is None
+    assert cache.last_miss.startswith("unreadable entry (FileNotFoundError")
+    assert not (tmp_path / key).exists()
 
 
 def test_a_second_store_of_a_key_keeps_the_first(tmp_path):
@@ -195,6 +251,21 @@ def test_a_cache_that_cannot_be_written_warns_and_the_model_still_loads(tmp_path
     assert loaded.load_source.startswith("gguf (the weight cache could not be written")
     assert "kvpool: warning: the weight cache in" in capsys.readouterr().err
     assert loaded.model.weight_bytes() == 538_060_032
+
+
+def test_a_gguf_rewritten_while_it_is_read_is_not_cached(tmp_path, monkeypatch, capsys):
+    """Its digest was taken before the read: the tensors may be another file's, so they are
+    used for this run and never stored under that digest."""
+    from kvpool.engine import build
+
+    identities = iter([(1, 1, 1, 1), (1, 1, 1, 2)])  # mtime moved between before and after
+    monkeypatch.setattr(build, "_file_identity", lambda path: next(identities))
+    monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("KVPOOL_WEIGHT_CACHE", raising=False)
+    loaded = build.load_model(device="cpu")
+    assert "changed while it was read; not cached" in capsys.readouterr().err
+    assert loaded.model.weight_bytes() == 538_060_032
+    assert not (tmp_path / "weights").exists() or not any((tmp_path / "weights").iterdir())
 
 
 def test_the_cache_switched_off_writes_nothing(tmp_path, monkeypatch):

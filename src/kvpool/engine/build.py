@@ -35,6 +35,12 @@ class LoadedModel:
     tokenizer_bytes: int = 0  # resident memory the tokenizer took when it was built
 
 
+def _file_identity(path: str) -> tuple[int, int, int, int]:
+    """What changes when a file is rewritten or replaced: device, inode, size, mtime."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, device: str | None = None) -> LoadedModel:
     """The GGUF's weights, tokenizer and digest. On fp32 CPU the model runs the C kernels
     (kvpool.kernels) when they build; KVPOOL_NATIVE=0 keeps the plain torch path.
@@ -50,7 +56,9 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, devi
     check_gguf_file(path)
     kernels = cpu_kernels() if torch.device(device).type == "cpu" and dtype == torch.float32 else None
     cache = weight_cache.WeightCache() if weight_cache.enabled() and torch.device(device).type == "cpu" else None
-    key = weight_cache.entry_key(file_digest(path), dtype) if cache is not None else ""
+    stat = _file_identity(path)
+    digest = file_digest(path)
+    key = weight_cache.entry_key(digest, dtype) if cache is not None else ""
     cached = cache.load(key) if cache is not None else None
     if cached is not None:
         meta, state = cached
@@ -58,18 +66,23 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, devi
         model = LlamaModel.from_state(meta.config, state, device, kernels)
         source = "weight cache"
     else:
-        gguf_file = load_gguf(path, dtype)
+        gguf_file = load_gguf(path, dtype, digest)
         meta = gguf_file.meta
         model = LlamaModel.from_tensors(meta.config, gguf_file.tensors(dtype), device, kernels)
-        del gguf_file  # unmaps the file
+        del gguf_file
         source = "gguf"
         if cache is not None:
             source = f"gguf ({cache.last_miss} in the weight cache)"
-            try:
-                cache.store(key, meta, model.state_tensors())
-            except OSError as e:  # a full disk or a read-only home: run without the cache
-                source = f"gguf (the weight cache could not be written: {e.strerror or e})"
-                print(f"kvpool: warning: the weight cache in {cache.root} could not be written: {e}", file=sys.stderr)
+            if _file_identity(path) != stat:  # rewritten while it was read: what was read has no digest
+                print(f"kvpool: warning: {path} changed while it was read; not cached", file=sys.stderr)
+            else:
+                try:
+                    cache.store(key, meta, model.state_tensors())
+                except OSError as e:  # a full disk or a read-only home: run without the cache
+                    source = f"gguf (the weight cache could not be written: {e.strerror or e})"
+                    print(
+                        f"kvpool: warning: the weight cache in {cache.root} could not be written: {e}", file=sys.stderr
+                    )
     before = rss_bytes()
     tokenizer = build_tokenizer(meta.tokenizer)
     tokenizer_bytes = max(0, rss_bytes() - before)

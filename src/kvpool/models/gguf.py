@@ -248,7 +248,7 @@ def check_gguf_file(path: str) -> None:
         raise ValueError(f"{path} is not a GGUF file: it starts with {head!r}, not {GGUF_MAGIC!r}")
 
 
-def load_gguf(path: str | None = None, dtype: torch.dtype = torch.float32) -> GGUFFile:
+def load_gguf(path: str | None = None, dtype: torch.dtype = torch.float32, digest: str | None = None) -> GGUFFile:
     """Open a Llama GGUF and read its metadata; its tensors are dequantized one at a time
     by `tensors()`. `path=None` takes the embedded SmolLM2-135M.
 
@@ -298,7 +298,8 @@ def load_gguf(path: str | None = None, dtype: torch.dtype = torch.float32) -> GG
     del reader
     gc.collect()  # the reader's fields are cyclic: free them now, then hand the pages back
     _release_freed_memory()
-    return GGUFFile(GGUFModel(path, config, tokenizer, str(file_type), file_digest(path)), infos)
+    digest = digest or file_digest(path)  # the caller's, when it hashed the file already
+    return GGUFFile(GGUFModel(path, config, tokenizer, str(file_type), digest), infos)
 
 
 _DEQUANT_CHUNK_BYTES = 8 << 20  # fp32 output a dequantization step makes at most
