@@ -41,8 +41,8 @@ def _start(argv: list[str], env: dict[str, str]) -> tuple[float, float, bytes]:
     first_s = time.perf_counter() - begin
     rest, err = proc.communicate(timeout=600)
     exit_s = time.perf_counter() - begin
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv[2:])} exited {proc.returncode}: {err.decode(errors='replace')[-500:]}")
+    if proc.returncode != 0:  # a ValueError: main prints it as one line (a bad --model, say)
+        raise ValueError(f"{' '.join(argv[2:])} exited {proc.returncode}: {err.decode(errors='replace')[-500:]}")
     return first_s, exit_s, first + rest
 
 
