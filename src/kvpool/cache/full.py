@@ -64,6 +64,8 @@ class _Request:
 
 _NO_COPIES: tuple[BlockCopy, ...] = ()
 
+_INT_BYTES = sys.getsizeof(1 << 20)  # an int object of 28 B on 64-bit CPython
+
 
 class FullAttentionManager(CacheManager):
     """Block tables, prefix caching and the request lifecycle for one group of full-attention
@@ -141,13 +143,14 @@ class FullAttentionManager(CacheManager):
 
     def metadata_bytes(self) -> int:
         """Bytes of the manager's Python structures: the pool's, and every request's block
-        table, chain, token ids and prompt bytes (sys.getsizeof; token ids above the small-int
-        cache are objects of their own)."""
+        table, chain, token ids and prompt bytes (sys.getsizeof). A token id is an int object
+        of 28 B (ids up to 2^30; the shared small ints below 257 make this a slight
+        overcount), counted, not walked: a harness calls this every step."""
         size = sys.getsizeof
         total = self.pool.metadata_bytes() + size(self._requests) + size(self._pending_copies)
         for req in self._requests.values():
             total += size(req) + size(req.block_ids) + size(req.chain) + size(req.prompt_bytes)
-            total += size(req.token_ids) + sum(size(t) for t in req.token_ids if not -5 <= t <= 256)
+            total += size(req.token_ids) + _INT_BYTES * len(req.token_ids)
         return total
 
     def usage(self) -> CacheUsage:

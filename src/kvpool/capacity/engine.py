@@ -10,7 +10,8 @@ the model's config and the serving configuration alone (no model loaded), term b
              mapping of its tokens; the decode rows, lengths and offsets of its sequences;
              every sequence's block table at the longest context; and the boolean mask
              [chunk, context] of prefill chunks that continue a prefix (at most the step's
-             tokens x the longest context);
+             tokens x the longest context), on the native decode path (the torch paths'
+             gather tables are larger);
              bookkeeping (estimate): the manager's Python structures: per block its refcount
              and free-queue slots, prefix-index entry and prefix block (hash, token bytes):
              `bookkeeping_bytes_per_block`; per running sequence its token ids at the longest
@@ -18,11 +19,13 @@ the model's config and the serving configuration alone (no model loaded), term b
   workspace  activations of the largest step (max_num_batched_tokens tokens): the fused
              forward's buffers, residual x, normed input, delta [N, hidden], qkv [N, (H + 2
              KVH) D], gate_up [N, 2 I], act [N, I], and the attention output [N, H D];
-             logits: fp32 [max_num_seqs, vocab]; the sampler's scratch for one row: five
-             fp32 and one int64 vector of the vocabulary and the CDF of the draw (32 B an entry)
+             logits: fp32 [max_num_seqs, vocab]; the sampler's scratch for one row (bound:
+             its full-sort top-p path, six fp32 and one int64 vector of the vocabulary)
   transient  (bounds) copy-on-write staging: one block per running sequence (a fork copies
-             its shared tail once); chunked prefill: one layer's K and V gathered for a
-             chunk whose context is the longest, plus the gather's intermediate copy (3x)
+             its shared tail once), staged K first, then V: half a block each; chunked
+             prefill: one layer's K and V gathered for a chunk whose context is the longest,
+             plus the gather's intermediate copy (3x), and SDPA's fp32 copy of the boolean
+             mask, at most the step's tokens x the longest context x 4 B
   runtime    (assumptions) the interpreter, torch and the libraries (`runtime_bytes`,
              measured on the reference machine), and the tokenizer (`tokenizer_bytes_per_token`
              of vocabulary, measured for SmolLM2's byte-level BPE)
@@ -112,8 +115,8 @@ def build_engine_ledger(
     }
     per_layer_block = bs * kvh * d * FP32  # K (or V) of one block in one layer
     transient = {
-        "cow_staging": float(S * block_bytes),
-        "chunked_prefill": float(3 * blocks_per_seq * per_layer_block),
+        "cow_staging": float(S * block_bytes // 2),
+        "chunked_prefill": float(3 * blocks_per_seq * per_layer_block + T * max_ctx * FP32),
     }
     runtime = {
         "interpreter_and_libraries": float(config.runtime_bytes),

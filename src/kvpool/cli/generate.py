@@ -122,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         while engine.has_unfinished():
             engine.step()
+            engine.runner.note_bookkeeping()  # while the request holds its blocks, for the ledger
             if args.json:
                 continue
             ids = [t for t in seq.output_ids if t not in engine.eos_token_ids]

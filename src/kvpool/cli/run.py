@@ -315,7 +315,7 @@ def run(args: argparse.Namespace) -> int:
             step_time += time.perf_counter() - t0
             frag_samples.append(runner.usage().fragmentation)
             if loaded is not None:  # the manager's Python structures at their largest, for the ledger
-                runner.peaks.note("bookkeeping", runner.manager.metadata_bytes())
+                runner.note_bookkeeping()
             # Every running sequence read its whole context this step (prefills included).
             bytes_read += sum(runner.kv_read_bytes(s.num_computed) for s in engine.running)
             progress.advance(len(finished), start)

@@ -125,23 +125,38 @@ class LlamaRunner:
         tables += [p.block_ids for p in plan.prefills] + [p.mask for p in plan.prefills if p.mask is not None]
         self.peaks.note("step_tables", sum(t.nbytes for t in tables))
         # prefill_attention gathers one layer's K and V blocks of a chunk's context: the two
-        # gathered tensors and the intermediate copy of one of them are alive together
+        # gathered tensors and the intermediate copy of one of them are alive together; SDPA
+        # turns a chunk's boolean mask [q_len, ctx] into an fp32 one (measured with the
+        # torch profiler: one aten::where of q_len x ctx x 4 B)
         per_copy = self.block_size * cfg.num_kv_heads * cfg.head_dim * item
-        self.peaks.note("chunked_prefill", max((3 * p.block_ids.shape[0] * per_copy for p in plan.prefills), default=0))
+        prefill = [
+            3 * p.block_ids.shape[0] * per_copy + (p.mask.numel() * 4 if p.mask is not None else 0)
+            for p in plan.prefills
+        ]
+        self.peaks.note("chunked_prefill", max(prefill, default=0))
 
-    def _note_forward(self, num_tokens: int, logits: torch.Tensor) -> None:
-        """What the forward allocated: its step buffers, the attention output, the logits."""
+    def _note_forward(self, num_tokens: int, attend, logits: torch.Tensor) -> None:
+        """What the forward allocated: its step buffers, the attention output (the native
+        attend's one buffer; the plain path's `empty_like(q)`, the same shape), the logits."""
+        out = getattr(attend, "_out", None)
         cfg = self.model.config
-        attn_out = num_tokens * cfg.num_heads * cfg.head_dim * self.model.dtype.itemsize
+        attn_out = (
+            out.nbytes if out is not None else num_tokens * cfg.num_heads * cfg.head_dim * self.model.dtype.itemsize
+        )
         self.peaks.note("activations", self.model.step_buffer_bytes + attn_out)
         self.peaks.note("logits", logits.nbytes)
+
+    def note_bookkeeping(self) -> None:
+        """Sample the manager's Python structures (a harness calls it between steps)."""
+        self.peaks.note("bookkeeping", self.manager.metadata_bytes())
 
     def execute(self, chunks: Sequence[ScheduledChunk], all_logits: bool = False) -> torch.Tensor:
         """Run one step; logits [num chunks with needs_logits, vocab] (or every token's, [N, vocab])."""
         m = self.manager
         device = self.model.device
         copies = m.take_copies()
-        self.peaks.note("cow_staging", len(copies) * self.storage.bytes_per_block)  # the sources, staged once
+        # apply_copies gathers the source blocks' K of every layer, then their V: half a block each
+        self.peaks.note("cow_staging", len(copies) * self.storage.bytes_per_block // 2)
         self.storage.apply_copies(copies)  # COW copies before anything writes
         token_ids: list[int] = []
         positions: list[int] = []
@@ -193,7 +208,7 @@ class LlamaRunner:
         pos_t = torch.tensor(positions, dtype=torch.long, device=device)
         hidden = self.model.forward(ids_t, pos_t, attend)
         logits = self.model.logits(hidden if all_logits else hidden[logit_rows])
-        self._note_forward(len(token_ids), logits)
+        self._note_forward(len(token_ids), attend, logits)
         return logits
 
 

@@ -7,9 +7,11 @@ allocated:
               in fp32), the largest step's block tables and slot mapping as tensors, and the
               cache manager's Python structures when measured: refcounts, free queues,
               prefix index, per-request tables and token ids (`metadata_bytes`, sys.getsizeof)
-  workspace   the largest step's buffers: the forward's activations and attention output,
-              the logits, the sampler's scratch for one row
-  transient   the largest step's copy-on-write staging and chunked-prefill key/value gathers
+  workspace   the largest step's buffers: the forward's step buffers (`step_buffer_bytes`)
+              and attention output, the logits tensor, the largest scratch a sampler call
+              held (`scratch_peak_bytes`)
+  transient   the largest step's copy-on-write staging (the source blocks' K, then V, of
+              every layer) and a prefill chunk's key / value gathers and fp32 SDPA mask
   runtime     the interpreter, torch and the libraries before the model loads (RSS then),
               and the tokenizer (RSS grown while it was built)
 On CUDA the peak is `torch.cuda.max_memory_allocated`; on CPU it is the process's peak
@@ -73,6 +75,7 @@ class MeasuredLedger:
     peak: int  # bytes: peak RSS (CPU) or max_memory_allocated (CUDA)
     peak_source: str
     details: dict[str, dict[str, int]] = field(default_factory=dict)  # term -> line -> bytes
+    host: dict[str, int] | None = None  # CUDA: host-memory lines, outside the device peak
 
     @property
     def terms(self) -> dict[str, int]:
@@ -95,6 +98,7 @@ class MeasuredLedger:
             "peak_source": self.peak_source,
             "unaccounted": self.unaccounted,
             "unaccounted_share": round(self.unaccounted / self.peak, 4) if self.peak else 0.0,
+            **({"host": self.host} if self.host is not None else {}),
         }
 
 
@@ -107,15 +111,28 @@ def runtime_baseline() -> int:
 
 
 def measure(runner, runtime_bytes: int, tokenizer_bytes: int) -> MeasuredLedger:
-    """The ledger of a LlamaRunner after (or during) a run."""
+    """The ledger of a LlamaRunner after (or during) a run. Each line is its own largest
+    value over the run; the lines need not peak in the same step, so their sum can exceed
+    what was alive at the moment of the peak (then `unaccounted` reads low).
+
+    On CUDA the peak counts device memory only: the lines that live in host memory (the
+    manager's bookkeeping, the sampler's scratch, the runtime) are reported under `host`,
+    outside the terms. (No GPU has run this path yet.)"""
     import torch
 
-    from kvpool.engine.sampling import sampler_scratch_bytes
+    from kvpool.engine.sampling import scratch_peak_bytes
 
     storage, manager, peaks = runner.storage, runner.manager, runner.peaks
     cuda = storage.k.device.type == "cuda"
     peak = torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()
-    return MeasuredLedger(
+    host = {
+        "bookkeeping": max(peaks.bookkeeping, manager.metadata_bytes()),
+        "sampler": scratch_peak_bytes(),
+        "interpreter_and_libraries": runtime_bytes,
+        "tokenizer": tokenizer_bytes,
+    }
+    on_host = {k: 0 for k in host} if cuda else host
+    ledger = MeasuredLedger(
         peak,
         "torch.cuda.max_memory_allocated" if cuda else "peak RSS (VmHWM)",
         {
@@ -124,14 +141,16 @@ def measure(runner, runtime_bytes: int, tokenizer_bytes: int) -> MeasuredLedger:
                 "data": storage.num_bytes,
                 "quant_scales": 0,
                 "block_tables": peaks.step_tables,
-                "bookkeeping": max(peaks.bookkeeping, manager.metadata_bytes()),
+                "bookkeeping": on_host["bookkeeping"],
             },
-            "workspace": {
-                "activations": peaks.activations,
-                "logits": peaks.logits,
-                "sampler": sampler_scratch_bytes(runner.vocab_size),
-            },
+            "workspace": {"activations": peaks.activations, "logits": peaks.logits, "sampler": on_host["sampler"]},
             "transient": {"cow_staging": peaks.cow_staging, "chunked_prefill": peaks.chunked_prefill},
-            "runtime": {"interpreter_and_libraries": runtime_bytes, "tokenizer": tokenizer_bytes},
+            "runtime": {
+                "interpreter_and_libraries": on_host["interpreter_and_libraries"],
+                "tokenizer": on_host["tokenizer"],
+            },
         },
     )
+    if cuda:
+        ledger.host = host
+    return ledger

@@ -49,10 +49,26 @@ NUCLEUS_CANDIDATES = 256
 
 
 def sampler_scratch_bytes(vocab_size: int) -> int:
-    """The most the sampler holds at once for one row: on the full-sort top-p path, the fp32
-    scores, probabilities, sorted probabilities, their cumulative sum, the masked copy and
-    the draw's CDF (6 x 4 B) and the sorted int64 ids (8 B), per vocabulary entry."""
+    """The most the sampler can hold at once for one row: on the full-sort top-p path, the
+    fp32 scores, probabilities, sorted probabilities, their cumulative sum, the masked copy
+    and the draw's CDF (6 x 4 B) and the sorted int64 ids (8 B), per vocabulary entry."""
     return vocab_size * (6 * 4 + 8)
+
+
+_scratch_peak = 0  # the most bytes one sample_token call held in its tensors, in this process
+
+
+def scratch_peak_bytes() -> int:
+    """The largest scratch a `sample_token` call of this process made (a process-wide
+    maximum, like the peak resident set it is held against)."""
+    return _scratch_peak
+
+
+def _note_scratch(*tensors: torch.Tensor | None, extra: int = 0) -> None:
+    global _scratch_peak
+    total = extra + sum(t.nbytes for t in tensors if t is not None)
+    if total > _scratch_peak:
+        _scratch_peak = total
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, sample_index: int, position: int) -> int:
@@ -61,16 +77,18 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, sample_index: int
     The kept tokens (top-k, then the top-p nucleus: the most likely tokens until their mass
     reaches top_p) are drawn by inverse CDF with one uniform from the seeded generator."""
     if params.greedy:
-        return int(torch.argmax(logits))
+        return int(torch.argmax(logits))  # no scratch beyond a scalar
     scores = logits.float().cpu() / params.temperature
     vocab = scores.shape[-1]
     k = min(params.top_k, vocab) if params.top_k else vocab
     ids: torch.Tensor | None = None  # candidates' token ids, most likely first; None: all tokens
+    full = None  # the full-vocabulary probabilities, while a smaller candidate set is made
     if k < vocab:
         top = torch.topk(scores, k)
         probs, ids = torch.softmax(top.values, dim=-1), top.indices
     else:
-        probs = torch.softmax(scores, dim=-1)
+        probs = full = torch.softmax(scores, dim=-1)
+    cumulative = None
     if params.top_p < 1.0:
         if ids is None and vocab > NUCLEUS_CANDIDATES:
             top = torch.topk(probs, NUCLEUS_CANDIDATES)
@@ -81,6 +99,8 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, sample_index: int
         cumulative = torch.cumsum(probs, dim=-1)
         # drop a token when the tokens before it already reach top_p (the first always stays)
         probs = probs.masked_fill((cumulative - probs) >= params.top_p, 0.0)
+    # the tensors alive at the draw, and the draw's CDF: one more vector of the candidates
+    _note_scratch(scores, full if full is not probs else None, probs, ids, cumulative, extra=probs.nbytes)
     generator = torch.Generator(device="cpu")
     generator.manual_seed((params.seed * 1_000_003 + sample_index) * 1_000_003 + position)
     j = _draw(probs, generator)
