@@ -76,6 +76,7 @@ class MeasuredLedger:
     peak_source: str
     details: dict[str, dict[str, int]] = field(default_factory=dict)  # term -> line -> bytes
     host: dict[str, int] | None = None  # CUDA: host-memory lines, outside the device peak
+    allocator: dict[str, int] | None = None  # CUDA: the caching allocator's peaks (memory_stats)
 
     @property
     def terms(self) -> dict[str, int]:
@@ -99,6 +100,7 @@ class MeasuredLedger:
             "unaccounted": self.unaccounted,
             "unaccounted_share": round(self.unaccounted / self.peak, 4) if self.peak else 0.0,
             **({"host": self.host} if self.host is not None else {}),
+            **({"allocator": self.allocator} if self.allocator is not None else {}),
         }
 
 
@@ -153,4 +155,11 @@ def measure(runner, runtime_bytes: int, tokenizer_bytes: int) -> MeasuredLedger:
     )
     if cuda:
         ledger.host = host
+        stats = torch.cuda.memory_stats()
+        # reserved - allocated at the peak is the allocator's slack (segments it holds)
+        ledger.allocator = {
+            "allocated_peak": int(stats.get("allocated_bytes.all.peak", 0)),
+            "reserved_peak": int(stats.get("reserved_bytes.all.peak", 0)),
+            "num_alloc_retries": int(stats.get("num_alloc_retries", 0)),
+        }
     return ledger
