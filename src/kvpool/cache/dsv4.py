@@ -294,6 +294,10 @@ class DSV4CacheManager(CacheManager):
         return True
 
     def _apply_reserve(self, req: _Request, num_new_tokens: int, num_new: int) -> Reservation:
+        if num_new == 0:  # the step completes no span (most decodes): no block, no chain, no checkpoint
+            reservation = Reservation(req.num_computed, num_new_tokens, (), (), ())
+            req.pending = _Pending(reservation, [], [], [], [])
+            return reservation
         evicted_blocks: list[tuple[int, PrefixBlock]] = []
         new_ids = self.pool.allocate(num_new, evicted_blocks)
         assert new_ids is not None, "the caller checked the free count"

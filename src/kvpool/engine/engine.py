@@ -50,6 +50,10 @@ class SequenceState:
     def output_ids(self) -> list[int]:
         return self.token_ids[self.request.num_prompt_tokens :]
 
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.request.prompt_ids)  # (no copy of the output)
+
 
 @dataclass
 class RequestState:
@@ -115,7 +119,11 @@ class Engine:
         decode_text: Callable[[list[int]], str] | None = None,
         record_logits: bool = False,
         clock: Callable[[], float] = time.perf_counter,
+        sampler: Callable[[torch.Tensor, SamplingParams, int, int], int] = sample_token,
     ):
+        """clock: when things happen (the simulator's is virtual). sampler: (a row of the
+        runner's logits, params, sample index, output position) -> token id; a runner
+        without a model (sim/runner.py) returns rows its own sampler reads."""
         if max_num_batched_tokens <= 0 or max_num_seqs <= 0:
             raise ValueError(
                 f"max_num_batched_tokens and max_num_seqs must be positive, "
@@ -128,6 +136,7 @@ class Engine:
         self.decode_text = decode_text
         self.record_logits = record_logits
         self.clock = clock
+        self.sampler = sampler
         self.requests: dict[str, RequestState] = {}
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
@@ -205,6 +214,18 @@ class Engine:
         latency = None if req.finish_time is None else req.finish_time - req.arrival_time
         return RequestOutput(request_id, req.prompt_ids, completions, req.num_cached_tokens, ttft, tpot, latency)
 
+    def pop_output(self, request_id: str) -> RequestOutput:
+        """The output of a finished request, which the engine then forgets (a long-running
+        server or simulator keeps no finished request). ValueError while it runs."""
+        req = self.requests.get(request_id)
+        if req is None:
+            raise ValueError(f"unknown request id {request_id!r}")
+        if not req.finished or req.finish_time is None:
+            raise ValueError(f"request {request_id!r} has not finished")
+        out = self.output(request_id)
+        del self.requests[request_id]
+        return out
+
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None) -> list[RequestOutput]:
         ids = [self.add_request(p, params) for p in prompts]
         while self.has_unfinished():
@@ -237,7 +258,7 @@ class Engine:
         seq.in_runner = False
         if seq in self.running:
             self.running.remove(seq)
-        if seq in self.waiting:
+        elif seq in self.waiting:  # (a running sequence never waits: no scan of the queue)
             self.waiting.remove(seq)
 
     @staticmethod
@@ -389,8 +410,8 @@ class Engine:
         """Sample the sequence's next token and append it; the finish reason, if it ends here."""
         req = seq.request
         params = req.params
-        position = len(seq.output_ids)
-        token = sample_token(logits, params, seq.sample_index, position)
+        position = seq.num_output_tokens
+        token = self.sampler(logits, params, seq.sample_index, position)
         if self.record_logits:
             seq.logits.append(logits.detach().clone())
         if req.first_token_time is None:
@@ -407,7 +428,7 @@ class Engine:
                 stop_text = text[: min(hits)]  # the text ends before the stop string
                 reason = "stop"
         if reason is None and (
-            len(seq.output_ids) >= params.max_tokens or len(seq.token_ids) >= self.runner.max_model_len
+            seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.runner.max_model_len
         ):
             reason = "length"
         if reason is not None:
