@@ -6,14 +6,29 @@
 183,359 MiB. The CUDA context and library handles come out of this figure; the peak
 ledger (`kvpool.capacity.ledger`) counts them as their own line, so no fudge factor hides
 them here. Bandwidth is the SXM data-sheet HBM figure in bytes per second.
+
+Peak FLOPs are the data-sheet figures, dense (without 2:4 sparsity), per GPU: the roofline
+of `kvpool.sim.cost` divides a step's FLOPs by them.
+| GPU | BF16 tensor | FP8 tensor | FP32 (CUDA cores) | source |
+|---|---|---|---|---|
+| H100 SXM | 989 TFLOPS | 1,979 TFLOPS | 67 TFLOPS | H100 data sheet (its BF16 1,979 / FP8 3,958: sparse) |
+| H200 SXM | 989 TFLOPS | 1,979 TFLOPS | 67 TFLOPS | H200 data sheet: Hopper's compute, more HBM |
+| B200 | 2.25 PFLOPS | 4.5 PFLOPS | 75 TFLOPS | DGX / HGX B200: 72 PF FP8, 36 PF BF16 sparse / 8 GPUs / 2 |
+A GPU without a figure (a custom GPU, `cpu_device()`) carries NaN, "unknown": inf would
+make compute free and 0 infinitely slow, so the cost model refuses NaN with a ValueError.
+
+`cpu_preset()` is the machine kvpool's own CPU engine was calibrated on, with the read
+bandwidth and fp32 matmul FLOPs that `python3 -m kvpool.sim.calibrate` measured there.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 MIB = 1 << 20
 GIB = 1 << 30
+PRECISIONS: tuple[str, ...] = ("bf16", "fp8", "fp32")
 
 
 @dataclass(frozen=True)
@@ -22,12 +37,33 @@ class GPUSpec:
     memory_bytes: int
     hbm_bandwidth_bytes_per_s: float
     kind: str = "cuda"  # "cuda", or "cpu": this machine's RAM, for kvpool's own CPU engine
+    # Dense peak FLOPs per second by math precision; NaN = unknown (see the module docstring).
+    peak_bf16_flops: float = math.nan
+    peak_fp8_flops: float = math.nan
+    peak_fp32_flops: float = math.nan
 
     def __post_init__(self) -> None:
         if self.memory_bytes <= 0:
             raise ValueError(f"memory_bytes must be positive, got {self.memory_bytes}")
         if self.hbm_bandwidth_bytes_per_s <= 0:
             raise ValueError(f"hbm_bandwidth_bytes_per_s must be positive, got {self.hbm_bandwidth_bytes_per_s}")
+        for precision in PRECISIONS:
+            value = getattr(self, f"peak_{precision}_flops")
+            if not (math.isnan(value) or value > 0):
+                raise ValueError(f"peak_{precision}_flops must be positive or NaN (unknown), got {value}")
+
+    def peak_flops(self, precision: str) -> float:
+        """Dense peak FLOPs per second at `precision` ("bf16", "fp8", "fp32"); ValueError
+        when the figure is unknown, so that no step time is ever computed from a guess."""
+        if precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {precision!r}; known: {list(PRECISIONS)}")
+        value = getattr(self, f"peak_{precision}_flops")
+        if math.isnan(value):
+            raise ValueError(
+                f"GPU {self.name} has no {precision} FLOPs figure (peak_{precision}_flops is unknown); "
+                "give it one to compute step times"
+            )
+        return value
 
     @property
     def memory_gib(self) -> float:
@@ -35,9 +71,15 @@ class GPUSpec:
 
 
 GPUS: dict[str, GPUSpec] = {
-    "H100": GPUSpec("H100", 81_559 * MIB, 3.35e12),
-    "H200": GPUSpec("H200", 143_771 * MIB, 4.8e12),
-    "B200": GPUSpec("B200", 183_359 * MIB, 8.0e12),
+    "H100": GPUSpec(
+        "H100", 81_559 * MIB, 3.35e12, peak_bf16_flops=989e12, peak_fp8_flops=1979e12, peak_fp32_flops=67e12
+    ),
+    "H200": GPUSpec(
+        "H200", 143_771 * MIB, 4.8e12, peak_bf16_flops=989e12, peak_fp8_flops=1979e12, peak_fp32_flops=67e12
+    ),
+    "B200": GPUSpec(
+        "B200", 183_359 * MIB, 8.0e12, peak_bf16_flops=2.25e15, peak_fp8_flops=4.5e15, peak_fp32_flops=75e12
+    ),
 }
 
 
@@ -67,3 +109,34 @@ def cpu_device() -> GPUSpec:
     except (ValueError, OSError, AttributeError) as e:
         raise ValueError(f"cannot read this machine's memory size: {e}") from e
     return GPUSpec(f"cpu ({os.cpu_count()} cores)", int(memory), float("inf"), kind="cpu")
+
+
+# The machine kvpool's CPU engine was calibrated on: `python3 -m kvpool.sim.calibrate
+# --processes 12 --repeats 20`, 2026-12-02, a 2-vCPU AMD EPYC VM (torch 2.13 CPU, 2 threads).
+# Each figure is the median over 12 fresh processes of each process's best of 20 runs.
+CPU_PRESET_MEMORY_BYTES = 25_276_502_016  # MemTotal 24,684,084 kB
+CPU_PRESET_READ_BANDWIDTH = 33.2e9  # torch.sum over 512 MiB fp32; best process 44.1e9 (54e9 seen once)
+CPU_PRESET_FP32_FLOPS = 179e9  # [256 x 576] @ [576 x 1536] fp32; best process 188e9
+
+
+def cpu_preset() -> GPUSpec:
+    """The 2-vCPU AMD EPYC VM the simulator's CPU figures were measured on, 2026-12-02, by
+
+        python3 -m kvpool.sim.calibrate --processes 12 --repeats 20
+
+    read bandwidth 33.2 GB/s (torch.sum over a 512 MiB fp32 tensor) and fp32 matmul
+    179 GFLOP/s ([256 x 576] @ [576 x 1536], a 256-token step through SmolLM2-135M's MLP;
+    a [2048]^3 square product measured 178 GFLOP/s), each the median over 12 fresh
+    processes of each one's best of 20 runs, with torch's default 2 threads. The median,
+    not the best, because on this VM the bandwidth is a property of the process (where its
+    memory lands): 30-34 GB/s in most processes, 44-54 GB/s in a few, steady within one.
+    The matmul figure is close to the two cores' FMA peak (2 x 32 FLOP/cycle at ~3 GHz).
+    Constants, not a live measurement, so that simulations repeat exactly; the engine runs
+    fp32 weights and KV, so only the fp32 FLOPs figure is known (bf16 / fp8: NaN)."""
+    return GPUSpec(
+        "cpu (2-vCPU AMD EPYC, calibrated 2026-12-02)",
+        CPU_PRESET_MEMORY_BYTES,
+        CPU_PRESET_READ_BANDWIDTH,
+        kind="cpu",
+        peak_fp32_flops=CPU_PRESET_FP32_FLOPS,
+    )

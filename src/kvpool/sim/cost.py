@@ -1,0 +1,455 @@
+"""The roofline cost model of one engine step: its FLOPs and bytes, and the seconds they take.
+
+A step runs one chunk per scheduled sequence: chunk i computes n_i new tokens after c_i
+cached ones, so its context after the step is ctx_i = c_i + n_i (a decode is (1, ctx)).
+All figures are per GPU of a tensor-parallel group of `tp`:
+
+    time_s    = max(compute_s, memory_s) + step_overhead_s
+    compute_s = linear_flops / (peak(weights) x compute_efficiency)
+              + attention_flops / (peak(attention) x compute_efficiency)
+    memory_s  = (weight_bytes + kv_bytes) / (bandwidth x bandwidth_efficiency)
+
+peak(weights) is the GPU's figure for the GEMM precision of the weight format (bf16 and
+mxfp4 -> bf16: gpt-oss's MXFP4 experts are dequantized into BF16 GEMMs on Hopper; fp8 and
+fp4+fp8 -> fp8; fp32 -> fp32); peak(attention) is fp32 for an fp32 cache and bf16 otherwise
+(FP8 caches are dequantized into BF16 attention math, as FlashMLA and FlashInfer do).
+
+FLOPs, with N = sum_i n_i tokens and C chunks (one logits row each):
+
+    linear_flops    = 2 x N x P_active + 2 x C x vocab x hidden / tp
+    P_active        = (attention + dense MLP + shared experts) / tp + replicated attention
+                      + router + moe_layers x top_k x 3 x hidden x expert_intermediate / tp
+    attention_flops = sum_i sum_terms num_layers x flops_per_entry x S(c_i, ctx_i)
+    S(c, ctx)       = sum_{k=c+1..ctx} min(cap, k // tokens_per_entry)
+
+The query at position k - 1 sees k tokens (causal, itself included), so S is the exact sum
+over the chunk's queries of the entries each one attends. The embedding lookup costs no
+FLOPs; norms, biases and activations are not counted (a fraction of a percent).
+
+Bytes:
+
+    weight_bytes = dense bytes (all weights but the routed experts and, when the head does
+                   not reuse it, the embedding table) + N embedding rows
+                   + sum_moe_layers min(num_experts, N x top_k) x bytes of one expert
+    kv_bytes     = sum_i read(n_i, ctx_i) + N x write_bytes_per_token
+    read(n, ctx) = sum_terms num_layers x entry_bytes x U(n, ctx)
+    U(n, ctx)    = every entry:   ctx // tokens_per_entry
+                   window w:      min(ctx, w + n - 1)      (the union of n windows)
+                   top-k K:       min(ctx // tokens_per_entry, n x K)
+    kv_read_bytes(ctx) = read(1, ctx): one decode query's reads.
+
+The batch touches min(num_experts, N x top_k) experts of a MoE layer: the distinct experts
+of N tokens routed to top_k each, at most all of them (a uniform-routing upper bound).
+The KV a chunk reads is the union of what its queries see: all of it for full attention.
+KV written is each new token's bytes per token (V4: its classical share plus its SWA entry
+in every layer). V4's fp32 compressor state traffic is not counted: at 128k context it is
+under 1% of a decode's reads (about 0.7 MB against 112 MB for V4-Flash).
+
+Terms (`AttentionTerm`), by attention kind, H query heads, d head dim:
+- GQA: one term per window group of `kv_layout`: every token (or a window w), entry = the
+  layer's K + V bytes on this GPU, flops_per_entry = 4 x (H / tp) x d (QK^T and PV).
+- MLA: the latent (kv_lora_rank r + rope dims), attended in the absorbed form:
+  flops_per_entry = 2 x (H / tp) x (r + rope) for scores + 2 x (H / tp) x r for values.
+  DeepSeek-V3.2 attends only the indexer's top-k latents and adds an indexer term over
+  every key: flops_per_entry = 2 x index_heads x index_head_dim, on every rank (replicated).
+- DeepSeek-V4 (DEEPSEEK_V4.md sections 2-5): the SWA window on every layer; on CSA layers
+  the top-k of the visible k // m entries plus the indexer over all of them; on HCA layers
+  every visible k // m' entry. Main entries: 4 x (H / tp) x d, one vector is K and V.
+
+Default efficiencies (`DEVICE_DEFAULTS`, by device kind):
+- cuda: compute 0.5 (serving prefill sustains roughly half the dense tensor peak: cuBLAS
+  reaches ~70% on large BF16 GEMMs, attention, norms and small GEMMs pull it down),
+  bandwidth 0.8 (decode GEMVs and paged-attention kernels stream at 75-90% of HBM peak),
+  overhead 2 ms (scheduling, input preparation and sampling of a Python engine step).
+- cpu: compute 1.0 and bandwidth 1.0, since `cpu_preset()` holds figures measured on the
+  machine (already what it achieves); overhead 2 ms, a placeholder until calibrated
+  against the engine's own step times.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+from kvpool.capacity.kv import KVLayout, kv_layout
+from kvpool.capacity.weights import WeightBytes, _bytes_per_param, weight_bytes
+from kvpool.spec.dsv4 import SERVING, LayerKind
+from kvpool.spec.gpus import GPUSpec
+from kvpool.spec.gpus import cpu_preset as cpu_preset  # re-exported: the simulator's CPU device
+from kvpool.spec.models import ModelSpec
+
+# The GEMM precision of each weight format (see the module docstring).
+WEIGHT_PRECISION: dict[str, str] = {"bf16": "bf16", "mxfp4": "bf16", "fp8": "fp8", "fp4+fp8": "fp8", "fp32": "fp32"}
+# The attention math precision of each KV dtype.
+ATTENTION_PRECISION: dict[str, str] = {"bf16": "bf16", "fp16": "bf16", "fp8": "bf16", "fp32": "fp32"}
+# V4 entry format of each KV dtype: the serving layout for fp8, else the storage dtype.
+_V4_ENTRY_DTYPE: dict[str, str] = {"fp8": SERVING, "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+@dataclass(frozen=True)
+class DeviceDefaults:
+    compute_efficiency: float
+    bandwidth_efficiency: float
+    step_overhead_s: float
+
+
+DEVICE_DEFAULTS: dict[str, DeviceDefaults] = {
+    "cuda": DeviceDefaults(compute_efficiency=0.5, bandwidth_efficiency=0.8, step_overhead_s=2e-3),
+    "cpu": DeviceDefaults(compute_efficiency=1.0, bandwidth_efficiency=1.0, step_overhead_s=2e-3),
+}
+
+
+@dataclass(frozen=True)
+class AttentionTerm:
+    """One kind of cache entry that `num_layers` layers attend, and how many of them.
+
+    A query at position k - 1 attends min(cap, k // tokens_per_entry) of these entries
+    (cap None: all); `selection` says what a chunk's queries read together: "all" entries,
+    a sliding "window" (the union of consecutive windows), or a per-query "topk" choice.
+    """
+
+    name: str
+    num_layers: int
+    entry_bytes: float  # one entry in one layer, on this GPU
+    flops_per_entry: float  # one query attending one entry in one layer
+    tokens_per_entry: int = 1
+    cap: int | None = None
+    selection: str = "all"  # "all" | "window" | "topk"
+
+    def attended(self, num_cached: int, context_len: int) -> int:
+        """Entries attended by the queries at positions [num_cached, context_len), summed."""
+        return sum_visible(num_cached, context_len, self.tokens_per_entry, self.cap)
+
+    def read_entries(self, num_new_tokens: int, context_len: int) -> int:
+        """Distinct entries the chunk's queries read (their union)."""
+        visible = context_len // self.tokens_per_entry
+        if self.selection == "window":
+            assert self.cap is not None and self.tokens_per_entry == 1
+            return min(context_len, self.cap + num_new_tokens - 1)
+        if self.selection == "topk":
+            assert self.cap is not None
+            return min(visible, num_new_tokens * self.cap)
+        return visible
+
+
+def sum_visible(lo: int, hi: int, tokens_per_entry: int = 1, cap: int | None = None) -> int:
+    """sum over k in (lo, hi] of min(cap, k // tokens_per_entry), in closed form."""
+    if not 0 <= lo <= hi:
+        raise ValueError(f"need 0 <= lo <= hi, got lo={lo}, hi={hi}")
+    return _prefix_visible(hi, tokens_per_entry, cap) - _prefix_visible(lo, tokens_per_entry, cap)
+
+
+def _prefix_visible(n: int, m: int, cap: int | None) -> int:
+    """sum_{k=1..n} min(cap, k // m). k // m reaches cap at k = cap x m; from there on each k adds cap."""
+    if cap is not None and n >= cap * m:
+        return _floor_sum(cap * m - 1, m) + (n - cap * m + 1) * cap
+    return _floor_sum(n, m)
+
+
+def _floor_sum(n: int, m: int) -> int:
+    """sum_{k=0..n} k // m: q whole runs of m equal values (0 .. q-1), then r + 1 copies of q."""
+    q, r = divmod(n, m)
+    return m * q * (q - 1) // 2 + q * (r + 1)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """One step's work and time on one GPU."""
+
+    num_tokens: int
+    linear_flops: float
+    attention_flops: float
+    weight_bytes: float
+    kv_bytes: float
+    compute_s: float
+    memory_s: float
+    time_s: float  # max(compute_s, memory_s) + the step overhead
+
+    @property
+    def flops(self) -> float:
+        return self.linear_flops + self.attention_flops
+
+    @property
+    def bytes(self) -> float:
+        return self.weight_bytes + self.kv_bytes
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.compute_s > self.memory_s else "memory"
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Roofline step times of `model` on one `gpu` of a TP group (formulas: module docstring).
+
+    weight_dtype: a `kvpool.capacity.weights` format ("auto" = the model's own); kv_dtype:
+    a `kvpool.capacity.kv` dtype ("auto" = the model's serving format). On a "cpu" device
+    "auto" is "fp32" for both: kvpool's CPU engine holds fp32 weights and KV. Efficiencies
+    and overhead left None take the device kind's `DEVICE_DEFAULTS`.
+    """
+
+    model: ModelSpec
+    gpu: GPUSpec
+    weight_dtype: str = "auto"
+    kv_dtype: str = "auto"
+    tp: int = 1
+    compute_efficiency: float | None = None
+    bandwidth_efficiency: float | None = None
+    step_overhead_s: float | None = None
+    indexer_format: str | None = None  # V3.2 / V4 indexer keys: "fp8" (default), "mxfp4", "bf16"
+
+    def __post_init__(self) -> None:
+        if self.gpu.kind not in DEVICE_DEFAULTS:
+            raise ValueError(f"GPU {self.gpu.name} has kind {self.gpu.kind!r}; known: {sorted(DEVICE_DEFAULTS)}")
+        defaults = DEVICE_DEFAULTS[self.gpu.kind]
+        for field in ("compute_efficiency", "bandwidth_efficiency", "step_overhead_s"):
+            if getattr(self, field) is None:
+                object.__setattr__(self, field, getattr(defaults, field))
+        for field in ("compute_efficiency", "bandwidth_efficiency"):
+            value = getattr(self, field)
+            if not 0 < value <= 1:
+                raise ValueError(f"{field} must be in (0, 1], got {value}")
+        if not self.step_overhead_s >= 0:
+            raise ValueError(f"step_overhead_s must be >= 0, got {self.step_overhead_s}")
+        # Resolve the formats now: a bad dtype or tp fails here, naming itself.
+        _ = self.weights, self.layout, self.attention_terms
+
+    # ----- derived facts (computed once) -------------------------------------------------
+
+    @cached_property
+    def weights(self) -> WeightBytes:
+        return weight_bytes(self.model, self.tp, self._on_device(self.weight_dtype))
+
+    @cached_property
+    def layout(self) -> KVLayout:
+        return kv_layout(self.model, self._on_device(self.kv_dtype), tp=self.tp, indexer_format=self.indexer_format)
+
+    def _on_device(self, dtype: str) -> str:
+        return "fp32" if dtype == "auto" and self.gpu.kind == "cpu" else dtype
+
+    @cached_property
+    def attention_terms(self) -> tuple[AttentionTerm, ...]:
+        return _TERMS[self.model.attention](self.model, self.layout, self.tp)
+
+    @cached_property
+    def _bytes_per_param(self) -> dict[str, float]:
+        return _bytes_per_param(self.weights.weight_dtype)
+
+    @property
+    def expert_bytes(self) -> float:
+        """One routed expert of one MoE layer on this GPU (0 for a dense model)."""
+        moe = self.model.moe
+        if moe is None:
+            return 0.0
+        p, b = self.weights.params, self._bytes_per_param
+        all_experts = (p.experts * b["experts"] + p.expert_biases * b["expert_biases"]) / self.tp
+        return all_experts / (len(moe.moe_layers) * moe.num_experts)
+
+    @property
+    def embedding_row_bytes(self) -> float:
+        return self.model.hidden_size * self._bytes_per_param["embedding"] / self.tp
+
+    @cached_property
+    def dense_weight_bytes(self) -> float:
+        """Bytes every step reads whatever its tokens: all weights but the routed experts and,
+        for an untied head, the embedding table (the lookup reads only its rows)."""
+        moe = self.model.moe
+        routed = self.expert_bytes * len(moe.moe_layers) * moe.num_experts if moe else 0.0
+        table = 0.0
+        if not self.model.tie_word_embeddings:
+            table = self.weights.params.embedding * self._bytes_per_param["embedding"] / self.tp
+        return self.weights.per_gpu_bytes - routed - table
+
+    @cached_property
+    def active_params_per_token(self) -> float:
+        """Linear weights one token multiplies through on this GPU (the LM head apart)."""
+        p, tp = self.weights.params, self.tp
+        active = (p.attention + p.mlp) / tp + p.attention_replicated + p.router
+        moe = self.model.moe
+        if moe is not None:
+            per_expert = 3 * self.model.hidden_size * moe.expert_intermediate_size
+            active += len(moe.moe_layers) * moe.experts_per_token * per_expert / tp
+        return active
+
+    @cached_property
+    def kv_write_bytes_per_token(self) -> float:
+        """Cache bytes one new token writes on this GPU (V4: its classical share + SWA entries)."""
+        swa = sum(t.num_layers * t.entry_bytes for t in self.attention_terms if t.name == "swa-window")
+        return self.layout.bytes_per_token + swa
+
+    def experts_touched(self, num_tokens: int) -> int:
+        """Experts of one MoE layer that `num_tokens` tokens route to, at most: min(E, N x top_k)."""
+        moe = self.model.moe
+        if moe is None:
+            return 0
+        return min(moe.num_experts, num_tokens * moe.experts_per_token)
+
+    # ----- the cost of a step ------------------------------------------------------------
+
+    def kv_read_bytes(self, context_len: int) -> int:
+        """Cache bytes one query over `context_len` tokens of context reads (the engine's
+        `ModelRunner.kv_read_bytes`)."""
+        if not isinstance(context_len, int) or context_len < 0:
+            raise ValueError(f"context_len must be a non-negative integer, got {context_len!r}")
+        if context_len == 0:
+            return 0
+        return round(self._read_bytes(1, context_len))
+
+    def _read_bytes(self, num_new_tokens: int, context_len: int) -> float:
+        return sum(
+            t.num_layers * t.entry_bytes * t.read_entries(num_new_tokens, context_len) for t in self.attention_terms
+        )
+
+    @cached_property
+    def _decode_terms(self) -> tuple[tuple[float, float, int, int | None], ...]:
+        """Per term (flops per entry, bytes per entry, over all its layers; tokens per entry;
+        cap): the decode fast path of `step_cost`, the same sums as `attended` and
+        `read_entries` at one new token."""
+        return tuple(
+            (t.num_layers * t.flops_per_entry, t.num_layers * t.entry_bytes, t.tokens_per_entry, t.cap)
+            for t in self.attention_terms
+        )
+
+    def step_cost(self, chunks: Sequence[tuple[int, int]]) -> StepCost:
+        """The cost of one step over `chunks`: (num_new_tokens, context_len after the chunk)
+        per scheduled sequence."""
+        _check_chunks(chunks)
+        model, gpu = self.model, self.gpu
+        peak_linear = gpu.peak_flops(WEIGHT_PRECISION[self.weights.weight_dtype])
+        peak_attention = gpu.peak_flops(ATTENTION_PRECISION[self.layout.kv_dtype])
+        if not math.isfinite(gpu.hbm_bandwidth_bytes_per_s):
+            raise ValueError(f"GPU {gpu.name} has no bandwidth figure (hbm_bandwidth_bytes_per_s is unknown)")
+        num_tokens = sum(n for n, _ in chunks)
+        head_flops = 2 * len(chunks) * model.vocab_size * model.hidden_size / self.tp
+        linear_flops = 2 * num_tokens * self.active_params_per_token + head_flops
+        attention_flops = 0.0
+        kv_bytes = num_tokens * self.kv_write_bytes_per_token
+        decode_terms = self._decode_terms
+        for n, ctx in chunks:
+            if n == 1:
+                # a decode: its one query attends and reads min(cap, ctx // tokens_per_entry)
+                # entries of each term (attended == read_entries at n = 1)
+                for flops_w, bytes_w, per_entry, cap in decode_terms:
+                    e = ctx // per_entry
+                    if cap is not None and e > cap:
+                        e = cap
+                    attention_flops += flops_w * e
+                    kv_bytes += bytes_w * e
+                continue
+            # queries at positions [ctx - n, ctx): the cached prefix is [0, ctx - n)
+            for t in self.attention_terms:
+                attention_flops += t.num_layers * t.flops_per_entry * t.attended(ctx - n, ctx)
+            kv_bytes += self._read_bytes(n, ctx)
+        touched = len(model.moe.moe_layers) * self.experts_touched(num_tokens) if model.moe else 0
+        weight = self.dense_weight_bytes + num_tokens * self.embedding_row_bytes + touched * self.expert_bytes
+        compute_s = (linear_flops / peak_linear + attention_flops / peak_attention) / self.compute_efficiency
+        memory_s = (weight + kv_bytes) / (gpu.hbm_bandwidth_bytes_per_s * self.bandwidth_efficiency)
+        return StepCost(
+            num_tokens=num_tokens,
+            linear_flops=linear_flops,
+            attention_flops=attention_flops,
+            weight_bytes=weight,
+            kv_bytes=kv_bytes,
+            compute_s=compute_s,
+            memory_s=memory_s,
+            time_s=max(compute_s, memory_s) + self.step_overhead_s,
+        )
+
+    def step_time(self, chunks: Sequence[tuple[int, int]]) -> float:
+        """Seconds one step over `chunks` takes (see `step_cost`)."""
+        return self.step_cost(chunks).time_s
+
+
+def _check_chunks(chunks: Sequence[tuple[int, int]]) -> None:
+    if len(chunks) == 0:
+        raise ValueError("a step needs at least one chunk, got none")
+    for i, chunk in enumerate(chunks):
+        if len(chunk) != 2:
+            raise ValueError(f"chunk {i} must be (num_new_tokens, context_len), got {chunk!r}")
+        n, ctx = chunk
+        for name, value in (("num_new_tokens", n), ("context_len", ctx)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"chunk {i}: {name} must be an integer, got {value!r}")
+        if n < 1:
+            raise ValueError(f"chunk {i}: num_new_tokens must be >= 1, got {n}")
+        if ctx < n:
+            raise ValueError(f"chunk {i}: context_len={ctx} is shorter than its num_new_tokens={n}")
+
+
+# ----- attention terms by attention kind ------------------------------------------------
+
+
+def _gqa_terms(model: ModelSpec, layout: KVLayout, tp: int) -> tuple[AttentionTerm, ...]:
+    flops = 4 * (model.num_heads // tp) * model.head_dim
+    return tuple(
+        AttentionTerm(
+            name=g.name,
+            num_layers=g.num_layers,
+            entry_bytes=g.entry_bytes,
+            flops_per_entry=flops,
+            cap=g.window,
+            selection="all" if g.window is None else "window",
+        )
+        for g in layout.groups
+    )
+
+
+def _mla_terms(model: ModelSpec, layout: KVLayout, tp: int) -> tuple[AttentionTerm, ...]:
+    mla, idx = model.mla, model.indexer
+    assert mla is not None
+    groups = {g.name: g for g in layout.groups}
+    r, heads = mla.kv_lora_rank, model.num_heads // tp
+    latent = AttentionTerm(
+        name="mla-latent",
+        num_layers=model.num_layers,
+        entry_bytes=groups["mla-latent"].entry_bytes,
+        flops_per_entry=2 * heads * (r + mla.qk_rope_head_dim) + 2 * heads * r,
+        cap=None if idx is None else idx.topk,
+        selection="all" if idx is None else "topk",
+    )
+    if idx is None:
+        return (latent,)
+    indexer = AttentionTerm(
+        name="indexer-key",
+        num_layers=model.num_layers,
+        entry_bytes=groups["indexer-key"].entry_bytes,
+        flops_per_entry=2 * idx.num_heads * idx.head_dim,
+    )
+    return latent, indexer
+
+
+def _dsv4_terms(model: ModelSpec, layout: KVLayout, tp: int) -> tuple[AttentionTerm, ...]:
+    v4 = model.dsv4
+    assert v4 is not None
+    groups = {g.name: g for g in layout.groups}
+    entry = v4.main_entry_bytes(_V4_ENTRY_DTYPE[layout.kv_dtype])
+    for name in ("csa-entry", "hca-entry"):
+        assert name not in groups or groups[name].entry_bytes == entry, (name, groups[name].entry_bytes, entry)
+    main_flops = 4 * (v4.num_heads // tp) * v4.head_dim  # one vector is K and V
+    terms = [
+        AttentionTerm("swa-window", v4.num_layers, entry, main_flops, cap=v4.window, selection="window"),
+    ]
+    num_csa, num_hca = v4.num_layers_of(LayerKind.CSA), v4.num_layers_of(LayerKind.HCA)
+    if num_csa:
+        terms.append(
+            AttentionTerm("csa-entry", num_csa, entry, main_flops, v4.csa_ratio, cap=v4.index_topk, selection="topk")
+        )
+        terms.append(
+            AttentionTerm(
+                "csa-indexer-key",
+                num_csa,
+                groups["csa-indexer-key"].entry_bytes,
+                2 * v4.index_n_heads * v4.index_head_dim,
+                v4.csa_ratio,
+            )
+        )
+    if num_hca:
+        assert v4.hca_ratio is not None
+        terms.append(AttentionTerm("hca-entry", num_hca, entry, main_flops, v4.hca_ratio))
+    return tuple(terms)
+
+
+# model.attention -> its terms: a plain dict, one entry per attention kind.
+_TERMS = {"gqa": _gqa_terms, "mla": _mla_terms, "dsv4": _dsv4_terms}

@@ -1,0 +1,249 @@
+"""The roofline cost model (kvpool.sim.cost) against hand computations from the configs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvpool.sim.cost import CostModel, sum_visible
+from kvpool.spec.gpus import GIB, GPUS, GPUSpec, cpu_preset, custom_gpu, get_gpu
+from kvpool.spec.models import load_preset
+
+H200 = get_gpu("H200")
+H200_EFFECTIVE_BW = 4.8e12 * 0.8  # the cuda default bandwidth efficiency
+OVERHEAD = 2e-3
+
+
+# ----- dense models -----------------------------------------------------------------------
+
+
+def test_dense_decode_at_short_context_sits_on_the_weight_bytes_floor() -> None:
+    cm = CostModel(load_preset("llama-3.1-8b"), H200, weight_dtype="bf16", kv_dtype="bf16")
+    cost = cm.step_cost([(1, 128)])
+    assert cost.bound == "memory"
+    # what the step reads: every weight but the untied embedding table, whose lookup reads one row
+    table = 128_256 * 4096 * 2
+    kv = 128 * 32 * 2 * 8 * 128 * 2 + 32 * 2 * 8 * 128 * 2  # read 128 tokens, write 1
+    exact = (cm.weights.per_gpu_bytes - table + 4096 * 2 + kv) / H200_EFFECTIVE_BW + OVERHEAD
+    assert cost.time_s == pytest.approx(exact, rel=1e-12)
+    floor = cm.weights.per_gpu_bytes / H200_EFFECTIVE_BW + OVERHEAD  # all 16 GB of weights
+    assert cost.time_s == pytest.approx(floor, rel=0.05)
+
+
+def test_decode_time_grows_with_context_exactly_as_the_kv_bytes_say() -> None:
+    cm = CostModel(load_preset("llama-3.1-8b"), H200, weight_dtype="bf16", kv_dtype="bf16")
+    bytes_per_token = 32 * 2 * 8 * 128 * 2  # layers x (K, V) x kv heads x head dim x bf16
+    assert cm.kv_read_bytes(1000) == 1000 * bytes_per_token == 131_072_000
+    delta = cm.step_time([(1, 33_000)]) - cm.step_time([(1, 1000)])
+    assert delta == pytest.approx(32_000 * bytes_per_token / H200_EFFECTIVE_BW, rel=1e-9)
+
+
+def test_prefill_of_8k_tokens_is_compute_bound_and_its_flops_are_the_hand_count() -> None:
+    cm = CostModel(load_preset("smollm2-135m"), H200, weight_dtype="bf16", kv_dtype="bf16")
+    cost = cm.step_cost([(8192, 8192)])
+    assert cost.bound == "compute"
+    h, layers, heads, kv_heads, d, inter, vocab = 576, 30, 9, 3, 64, 1536, 49_152
+    params = layers * (h * heads * d + 2 * h * kv_heads * d + heads * d * h + 3 * h * inter)
+    assert params == 106_168_320  # the 134.5 M total minus the (tied) embedding
+    linear = 2 * params * 8192 + 2 * vocab * h  # the head (tied weights) for one logits row
+    attention = layers * 4 * heads * d * (8192 * 8193 // 2)  # query k sees k tokens: sum 1..8192
+    assert cost.linear_flops == linear
+    assert cost.attention_flops == attention
+    assert cost.time_s == pytest.approx((linear + attention) / (989e12 * 0.5) + OVERHEAD, rel=1e-12)
+
+
+def test_chunked_prefill_attends_the_exact_causal_sum() -> None:
+    cm = CostModel(load_preset("smollm2-135m"), H200, weight_dtype="bf16", kv_dtype="bf16")
+    per_entry = 30 * 4 * 9 * 64
+    # 100 new tokens after 300 cached: the queries see 301 .. 400 tokens
+    assert cm.step_cost([(100, 400)]).attention_flops == per_entry * sum(range(301, 401))
+    # two chunks of one step add up
+    both = cm.step_cost([(100, 400), (1, 50)]).attention_flops
+    assert both == per_entry * (sum(range(301, 401)) + 50)
+
+
+def test_sliding_window_layers_read_and_attend_at_most_the_window() -> None:
+    model = load_preset("gemma-2-9b")  # 42 layers, every other one sliding with window 4096
+    cm = CostModel(model, H200, weight_dtype="bf16", kv_dtype="bf16")
+    entry = 2 * model.num_kv_heads * model.head_dim * 2
+    num_sliding = sum(1 for w in model.layer_windows if w is not None)
+    assert (num_sliding, model.num_layers - num_sliding) == (21, 21)
+    assert cm.kv_read_bytes(10_000) == 21 * 10_000 * entry + 21 * 4096 * entry
+    assert cm.kv_read_bytes(1000) == 42 * 1000 * entry
+    # a 100-token chunk reads the union of its windows: positions [10000 - 4096 - 99, 10000)
+    read = cm.step_cost([(100, 10_000)]).kv_bytes - 100 * cm.kv_write_bytes_per_token
+    assert read == pytest.approx(21 * 10_000 * entry + 21 * (4096 + 99) * entry, rel=1e-12)
+
+
+# ----- MoE --------------------------------------------------------------------------------
+
+
+def test_moe_experts_touched_is_batch_times_topk_then_saturates_at_all_experts() -> None:
+    model = load_preset("deepseek-v3")  # 256 experts, top-8, 58 MoE layers, FP8 weights
+    cm = CostModel(model, H200)
+    assert [cm.experts_touched(n) for n in (1, 2, 31, 32, 1000)] == [8, 16, 248, 256, 256]
+    expert = 3 * 7168 * 2048 * (1 + 4 / (128 * 128))  # gate, up, down in block FP8
+    assert cm.expert_bytes == pytest.approx(expert, rel=1e-12)
+    row = 7168 * 2  # a BF16 embedding row per token
+
+    def weights_read(batch: int) -> float:
+        return cm.step_cost([(1, 1000)] * batch).weight_bytes
+
+    small = weights_read(2) - weights_read(1)
+    assert small == pytest.approx(58 * 8 * expert + row, rel=1e-9)
+    saturated = weights_read(128) - weights_read(64)
+    assert saturated == pytest.approx(64 * row, rel=1e-9)  # every expert already read at 64
+    assert weights_read(64) == pytest.approx(cm.weights.per_gpu_bytes - 129_280 * row + 64 * row, rel=1e-12)
+
+
+def test_moe_flops_count_only_the_routed_top_k() -> None:
+    model = load_preset("gpt-oss-120b")  # 128 experts, top-4, every layer MoE
+    cm = CostModel(model, H200)
+    assert [cm.experts_touched(n) for n in (1, 10, 32, 100)] == [4, 40, 128, 128]
+    p = cm.weights.params
+    per_expert = 3 * model.hidden_size * model.moe.expert_intermediate_size
+    active = p.attention + p.attention_replicated + p.mlp + p.router + 36 * 4 * per_expert
+    assert cm.active_params_per_token == active
+    assert active < 0.06 * p.total  # ~5.1 B of 117 B are active
+
+
+# ----- DeepSeek-V3.2 and V4 ------------------------------------------------------------------
+
+
+def test_v4_flash_decode_at_128k_reads_window_topk_indexer_and_hca_entries() -> None:
+    model = load_preset("deepseek-v4-flash")
+    v4 = model.dsv4
+    cm = CostModel(model, H200)  # kv "auto": the 584 B serving entries, FP8 indexer keys
+    ctx = 131_072
+    entry, key = v4.main_entry_bytes(), v4.indexer_key_bytes("fp8")
+    assert (entry, key, v4.window, v4.index_topk) == (584, 132, 128, 512)
+    csa_entries, hca_entries = ctx // v4.csa_ratio, ctx // v4.hca_ratio
+    expected = (
+        v4.num_layers * min(ctx, v4.window) * entry  # 43 SWA windows
+        + 21 * (csa_entries * key + min(csa_entries, v4.index_topk) * entry)  # CSA: all keys, top-k entries
+        + 20 * hca_entries * entry  # HCA: every entry
+    )
+    assert expected == 112_286_720
+    assert cm.kv_read_bytes(ctx) == expected
+    full_attention = ctx * v4.num_layers * entry  # every token's entry in every layer
+    assert cm.kv_read_bytes(ctx) < 0.04 * full_attention
+
+    heads, d = v4.num_heads, v4.head_dim
+    attention = (
+        43 * 4 * heads * d * 128 + 21 * 4 * heads * d * 512 + 20 * 4 * heads * d * 1024
+    ) + 21 * 2 * v4.index_n_heads * v4.index_head_dim * csa_entries
+    assert cm.step_cost([(1, ctx)]).attention_flops == attention
+
+
+def test_v4_kv_in_fp32_matches_the_engines_own_storage_formula() -> None:
+    v4 = load_preset("deepseek-v4-flash").dsv4
+    cm = CostModel(load_preset("deepseek-v4-flash"), H200, kv_dtype="fp32")
+    ctx = 1000
+    # dsv4_runner.kv_read_bytes: fp32 entries of head_dim, fp32 keys of index_head_dim
+    expected = 0
+    for ratio in v4.layer_ratios:
+        expected += min(ctx, 128) * 512 * 4
+        if ratio == 4:
+            expected += (ctx // 4) * 128 * 4 + min(ctx // 4, 512) * 512 * 4
+        elif ratio:
+            expected += (ctx // ratio) * 512 * 4
+    assert cm.kv_read_bytes(ctx) == expected
+
+
+def test_v32_attends_the_indexer_top_k_latents_but_scores_every_key() -> None:
+    cm = CostModel(load_preset("deepseek-v3.2"), H200, tp=8)
+    ctx = 131_072
+    assert cm.kv_read_bytes(ctx) == 61 * (ctx * 132 + 2048 * 656)  # FP8 keys, 656 B FlashMLA latents
+    assert cm.kv_read_bytes(1000) == 61 * 1000 * (132 + 656)
+
+
+# ----- devices ----------------------------------------------------------------------------
+
+
+def test_gpu_presets_carry_data_sheet_flops_and_old_positional_specs_still_build() -> None:
+    assert (GPUS["H100"].peak_bf16_flops, GPUS["H100"].peak_fp8_flops) == (989e12, 1979e12)
+    assert (GPUS["H200"].peak_bf16_flops, GPUS["H200"].peak_fp8_flops) == (989e12, 1979e12)
+    assert (GPUS["B200"].peak_bf16_flops, GPUS["B200"].peak_fp8_flops) == (2.25e15, 4.5e15)
+    toy = GPUSpec("toy", 2 << 20, 1e12)
+    assert toy.kind == "cuda" and math.isnan(toy.peak_bf16_flops)
+    with pytest.raises(ValueError, match="peak_fp8_flops must be positive"):
+        GPUSpec("bad", 1 << 30, 1e12, peak_fp8_flops=-1.0)
+
+
+def test_a_gpu_without_a_flops_figure_gives_a_clear_error() -> None:
+    model = load_preset("llama-3.1-8b")
+    mystery = GPUSpec("mystery", 80 * GIB, 3e12)
+    cm = CostModel(model, mystery)
+    assert cm.kv_read_bytes(10) == 10 * 131_072  # bytes need no FLOPs figure
+    with pytest.raises(ValueError, match="GPU mystery has no bf16 FLOPs figure"):
+        cm.step_time([(1, 10)])
+    with pytest.raises(ValueError, match="has no bf16 FLOPs figure"):
+        CostModel(model, custom_gpu(80)).step_time([(1, 10)])
+    no_bandwidth = GPUSpec("fast", 80 * GIB, math.inf, peak_bf16_flops=1e15)
+    with pytest.raises(ValueError, match="GPU fast has no bandwidth figure"):
+        CostModel(model, no_bandwidth).step_time([(1, 10)])
+    with pytest.raises(ValueError, match="has no bf16 FLOPs figure"):
+        CostModel(load_preset("smollm2-135m"), cpu_preset(), "bf16", "fp32").step_time([(1, 10)])
+
+
+def test_cpu_preset_runs_the_engines_fp32_model_at_the_measured_figures() -> None:
+    cpu = cpu_preset()
+    assert (cpu.kind, cpu.hbm_bandwidth_bytes_per_s, cpu.peak_fp32_flops) == ("cpu", 33.2e9, 179e9)
+    cm = CostModel(load_preset("smollm2-135m"), cpu)  # "auto" on a CPU: the engine's fp32 weights and KV
+    assert (cm.weights.weight_dtype, cm.layout.kv_dtype) == ("fp32", "fp32")
+    assert (cm.compute_efficiency, cm.bandwidth_efficiency) == (1.0, 1.0)  # measured, already achieved
+    assert cm.kv_read_bytes(100) == 100 * 30 * 2 * 3 * 64 * 4  # fp32 K and V, like the engine's pool
+    decode = cm.step_cost([(1, 100)])
+    weights = 134_515_008 * 4  # every fp32 weight (tied head)
+    assert decode.weight_bytes == pytest.approx(weights + 576 * 4, rel=1e-12)
+    assert decode.time_s == pytest.approx((weights + 576 * 4 + decode.kv_bytes) / 33.2e9 + OVERHEAD, rel=1e-12)
+
+
+# ----- inputs -----------------------------------------------------------------------------
+
+
+def test_bad_inputs_raise_value_errors_that_name_them() -> None:
+    cm = CostModel(load_preset("smollm2-135m"), H200)
+    with pytest.raises(ValueError, match="chunk 1: num_new_tokens must be >= 1, got -3"):
+        cm.step_time([(1, 5), (-3, 10)])
+    with pytest.raises(ValueError, match="chunk 0: context_len=4 is shorter than its num_new_tokens=8"):
+        cm.step_time([(8, 4)])
+    with pytest.raises(ValueError, match="at least one chunk"):
+        cm.step_time([])
+    with pytest.raises(ValueError, match="context_len must be a non-negative integer, got -1"):
+        cm.kv_read_bytes(-1)
+    with pytest.raises(ValueError, match="compute_efficiency must be in"):
+        CostModel(load_preset("smollm2-135m"), H200, compute_efficiency=1.5)
+    with pytest.raises(ValueError, match="unknown weight dtype 'int3'"):
+        CostModel(load_preset("smollm2-135m"), H200, weight_dtype="int3")
+    with pytest.raises(ValueError, match="unknown kv dtype 'fp4'"):
+        CostModel(load_preset("smollm2-135m"), H200, kv_dtype="fp4")
+
+
+# ----- the closed form and its naive twin ---------------------------------------------------
+
+
+@given(
+    lo=st.integers(0, 700),
+    extra=st.integers(0, 700),
+    tokens_per_entry=st.sampled_from([1, 4, 128]),
+    cap=st.one_of(st.none(), st.integers(1, 300)),
+)
+def test_sum_visible_matches_the_loop(lo: int, extra: int, tokens_per_entry: int, cap: int | None) -> None:
+    hi = lo + extra
+    naive = sum(
+        k // tokens_per_entry if cap is None else min(cap, k // tokens_per_entry) for k in range(lo + 1, hi + 1)
+    )
+    assert sum_visible(lo, hi, tokens_per_entry, cap) == naive
+
+
+def test_calibrate_measures_positive_figures_in_this_process() -> None:
+    from kvpool.sim.calibrate import calibrate
+
+    figures = calibrate(buffer_mib=8, repeats=2)
+    assert figures["read_bandwidth_bytes_per_s"] > 0
+    assert set(figures["fp32_matmul_flops"]) == {"smollm2_step_256x576x1536", "square_2048"}
+    assert all(v > 0 for v in figures["fp32_matmul_flops"].values())
