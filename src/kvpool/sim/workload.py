@@ -1,0 +1,409 @@
+"""Workloads for the simulator: sessions of turns, each turn one request, and the generators
+that draw them. Same seed, same workload (one `numpy.random.default_rng(seed)`, drawn in a
+fixed order); token ids come from sim/tokens.py, so prompts are pure functions of names.
+
+A session's turn k sends the whole conversation so far, which is what makes history hits:
+
+    turn k's prompt = prefix_ids | user_0 | answer_0 | user_1 | answer_1 | ... | user_k
+    answer_j        = answer_ids(request_id(j), output_len_j)   (what the simulated model says)
+
+`prefix_ids` is the shared head (a system prompt, a long document): one tuple object per
+distinct prefix, referenced by every session that uses it, so 10,000 sessions over four
+200k-token documents hold four documents, not 10,000 copies. A session built by hand may
+leave it empty and put everything in turn 0's `user_ids`: the prompts are the same.
+
+Generators and their parameters (lengths in tokens, times in seconds; "log-normal(m, s,
+[lo, hi])" is exp(N(ln m, s)) rounded and clipped to [lo, hi], so m is its median):
+
+  chat_workload     multi-turn chat over a few shared system prompts.
+                    system prompt k = text_ids(f"system{k}", len_k), len_k ~ CHAT_SYSTEM_LEN =
+                    log-normal(1000, 0.5, [128, 4096]), drawn once per prompt; each session
+                    picks one uniformly at random. User message of turn j = text_ids(
+                    f"{session_id}-u{j}", n), n ~ CHAT_USER_LEN = log-normal(120, 1.0, [4, 4096]).
+                    Answer length ~ CHAT_OUTPUT_LEN = log-normal(250, 0.8, [8, 2048]).
+                    Think time before turns 1.. ~ exponential, mean CHAT_THINK_S = 5.0.
+  agentic_workload  a few long shared documents with many short follow-ups.
+                    document k = text_ids(f"doc{k}", L_k), L_k uniform in context_len =
+                    [30_000, 200_000]; each session picks one uniformly at random; question of
+                    turn j = text_ids(f"{session_id}-u{j}", n), n uniform in question_len =
+                    [20, 300]; answer length uniform in answer_len = [20, 400]; think time
+                    (the agent's tool call) exponential, mean AGENTIC_THINK_S = 2.0.
+  uniform_workload  single-turn requests of unrelated text: prompt text_ids(f"{session_id}-u0",
+                    n), n uniform in prompt_len = [128, 2048]; output uniform in output_len =
+                    [16, 512].
+
+Session starts: a Poisson process at `rate` sessions per second (exponential gaps, the first
+one gap after 0), or all at 0 when `rate` is math.inf.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from kvpool.sim.tokens import stream_key
+
+# --- argument checks: a ValueError that names the parameter ---------------------------------
+
+
+def _check_count(name: str, value: object, minimum: int) -> None:
+    if type(value) is not int or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_range(name: str, value: object, minimum: int) -> None:
+    ok = (
+        isinstance(value, tuple | list)
+        and len(value) == 2
+        and all(type(v) is int for v in value)
+        and minimum <= value[0] <= value[1]
+    )
+    if not ok:
+        raise ValueError(f"{name} must be a pair of integers ({minimum} <= lo <= hi), got {value!r}")
+
+
+def _check_mean(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+        raise ValueError(f"{name} must be a finite number >= 0 (the mean), got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One request of a session."""
+
+    user_ids: tuple[int, ...]  # tokens this turn appends to the conversation (after prefix_ids for turn 0)
+    output_len: int  # tokens the answer has: the request ends after exactly this many
+    think_s: float = 0.0  # seconds after the previous turn FINISHED before this one arrives (turn 0: unused)
+
+    def __post_init__(self) -> None:
+        if type(self.output_len) is not int or self.output_len < 1:
+            raise ValueError(f"output_len must be an integer >= 1, got {self.output_len!r}")
+        if not self.think_s >= 0 or math.isinf(self.think_s):
+            raise ValueError(f"think_s must be a finite number >= 0, got {self.think_s!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    """A conversation: turn k arrives think_s after turn k-1 finished (turn 0 at start_s)."""
+
+    session_id: str
+    start_s: float  # arrival of turn 0, seconds after the start of the run
+    turns: tuple[Turn, ...]
+    tenant: str = ""
+    prefix_ids: tuple[int, ...] = ()  # shared head of every prompt (system prompt, document)
+
+    def __post_init__(self) -> None:
+        if not self.turns:
+            raise ValueError(f"session {self.session_id!r} has no turns")
+        if not self.start_s >= 0 or math.isinf(self.start_s):
+            raise ValueError(f"start_s must be a finite number >= 0, got {self.start_s!r}")
+
+    def request_id(self, turn: int) -> str:
+        return f"{self.session_id}-t{turn}"
+
+    def prompt_len(self, turn: int) -> int:
+        """len(prompt_ids(turn)), from lengths alone."""
+        self._check_turn(turn)
+        history = sum(len(t.user_ids) + t.output_len for t in self.turns[:turn])
+        return len(self.prefix_ids) + history + len(self.turns[turn].user_ids)
+
+    def prompt_ids(self, turn: int, vocab_size: int) -> list[int]:
+        """prefix_ids | user_0 | answer_0 | ... | user_{turn-1} | answer_{turn-1} | user_turn."""
+        self._check_turn(turn)
+        earlier = self.turns[:turn]
+        # every earlier answer in one vectorised pass: [answer_0 | answer_1 | ... ] end to end
+        answers = _stream_tokens(
+            [stream_key(self.request_id(j)) for j in range(turn)],
+            [t.output_len for t in earlier],
+            vocab_size,
+        ).tolist()
+        ids = list(self.prefix_ids)
+        start = 0
+        for t in earlier:
+            ids += t.user_ids
+            ids += answers[start : start + t.output_len]
+            start += t.output_len
+        ids += self.turns[turn].user_ids
+        return ids
+
+    def _check_turn(self, turn: int) -> None:
+        if not 0 <= turn < len(self.turns):
+            raise ValueError(f"turn must be in [0, {len(self.turns)}) for session {self.session_id!r}, got {turn}")
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    name: str
+    sessions: tuple[Session, ...]
+    vocab_size: int
+    params: dict[str, object] = field(default_factory=dict)  # the generator's parameters, for the report
+
+    def __post_init__(self) -> None:
+        ids = {s.session_id for s in self.sessions}
+        if len(ids) != len(self.sessions):
+            raise ValueError(f"workload {self.name!r}: session ids are not unique")
+
+    @property
+    def num_requests(self) -> int:
+        return sum(len(s.turns) for s in self.sessions)
+
+    def max_request_len(self) -> int:
+        """The longest prompt + output over all turns, from lengths alone (0 if empty)."""
+        longest = 0
+        for s in self.sessions:
+            done = len(s.prefix_ids)  # tokens of the conversation before the current turn
+            for t in s.turns:
+                done += len(t.user_ids) + t.output_len
+                longest = max(longest, done)
+        return longest
+
+
+@dataclass(frozen=True, slots=True)
+class LogNormal:
+    """exp(N(ln median, sigma)), rounded to an integer and clipped to [lo, hi]."""
+
+    median: float
+    sigma: float
+    lo: int
+    hi: int
+
+    def __post_init__(self) -> None:
+        if not self.median > 0 or not self.sigma >= 0:
+            raise ValueError(f"LogNormal needs median > 0 and sigma >= 0, got {self.median!r}, {self.sigma!r}")
+        _check_range("LogNormal [lo, hi]", (self.lo, self.hi), 1)
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """[n] int64 lengths."""
+        x = rng.lognormal(math.log(self.median), self.sigma, size=n)
+        return np.clip(np.rint(x), self.lo, self.hi).astype(np.int64)
+
+
+CHAT_SYSTEM_LEN = LogNormal(median=1000, sigma=0.5, lo=128, hi=4096)
+CHAT_USER_LEN = LogNormal(median=120, sigma=1.0, lo=4, hi=4096)
+CHAT_OUTPUT_LEN = LogNormal(median=250, sigma=0.8, lo=8, hi=2048)
+CHAT_THINK_S = 5.0
+AGENTIC_THINK_S = 2.0
+
+
+def poisson_starts(n: int, rate: float, rng: np.random.Generator) -> list[float]:
+    """n arrival times of a Poisson process at `rate` per second (exponential gaps of mean
+    1/rate, the first one gap after 0), or n zeros when rate is math.inf."""
+    _check_count("n", n, 0)
+    if isinstance(rate, bool) or not isinstance(rate, int | float) or not rate > 0:
+        raise ValueError(f"rate must be a number > 0 (math.inf: all at 0), got {rate!r}")
+    if math.isinf(rate):
+        return [0.0] * n
+    return np.cumsum(rng.exponential(1.0 / rate, size=n)).tolist()
+
+
+def chat_workload(
+    num_sessions: int,
+    turns: int,
+    rate: float,
+    vocab_size: int,
+    seed: int,
+    *,
+    num_system_prompts: int = 4,
+    system_len: LogNormal = CHAT_SYSTEM_LEN,
+    user_len: LogNormal = CHAT_USER_LEN,
+    output_len: LogNormal = CHAT_OUTPUT_LEN,
+    think_s: float = CHAT_THINK_S,
+) -> Workload:
+    """Multi-turn chat: `turns` turns per session over `num_system_prompts` shared system
+    prompts (parameters in the module docstring)."""
+    _check_count("num_sessions", num_sessions, 1)
+    _check_count("turns", turns, 1)
+    _check_count("vocab_size", vocab_size, 1)
+    _check_count("num_system_prompts", num_system_prompts, 1)
+    _check_mean("think_s", think_s)
+    rng = np.random.default_rng(seed)
+    starts = poisson_starts(num_sessions, rate, rng)
+    system_lens = system_len.sample(rng, num_system_prompts).tolist()
+    picks = rng.integers(num_system_prompts, size=num_sessions).tolist()
+    user_lens = user_len.sample(rng, num_sessions * turns).tolist()
+    output_lens = output_len.sample(rng, num_sessions * turns).tolist()
+    thinks = rng.exponential(think_s, size=num_sessions * turns).tolist() if think_s > 0 else None
+    system_prompts = batch_text_ids([f"system{k}" for k in range(num_system_prompts)], system_lens, vocab_size)
+    sessions = _build_sessions(
+        "chat", starts, [system_prompts[k] for k in picks], turns, user_lens, output_lens, thinks, vocab_size
+    )
+    params = {
+        "num_sessions": num_sessions,
+        "turns": turns,
+        "rate": rate,
+        "seed": seed,
+        "num_system_prompts": num_system_prompts,
+        "system_len": asdict(system_len),
+        "user_len": asdict(user_len),
+        "output_len": asdict(output_len),
+        "think_s": think_s,
+        "system_lens": system_lens,
+    }
+    return Workload("chat", sessions, vocab_size, params)
+
+
+def agentic_workload(
+    num_sessions: int,
+    turns: int,
+    rate: float,
+    vocab_size: int,
+    seed: int,
+    *,
+    num_contexts: int = 4,
+    context_len: tuple[int, int] = (30_000, 200_000),
+    question_len: tuple[int, int] = (20, 300),
+    answer_len: tuple[int, int] = (20, 400),
+    think_s: float = AGENTIC_THINK_S,
+) -> Workload:
+    """Long shared documents, short follow-ups: each session reads one of `num_contexts`
+    documents and asks `turns` short questions (parameters in the module docstring)."""
+    _check_count("num_sessions", num_sessions, 1)
+    _check_count("turns", turns, 1)
+    _check_count("vocab_size", vocab_size, 1)
+    _check_count("num_contexts", num_contexts, 1)
+    _check_range("context_len", context_len, 1)
+    _check_range("question_len", question_len, 1)
+    _check_range("answer_len", answer_len, 1)
+    _check_mean("think_s", think_s)
+    rng = np.random.default_rng(seed)
+    starts = poisson_starts(num_sessions, rate, rng)
+    context_lens = rng.integers(context_len[0], context_len[1], size=num_contexts, endpoint=True).tolist()
+    picks = rng.integers(num_contexts, size=num_sessions).tolist()
+    n = num_sessions * turns
+    question_lens = rng.integers(question_len[0], question_len[1], size=n, endpoint=True).tolist()
+    answer_lens = rng.integers(answer_len[0], answer_len[1], size=n, endpoint=True).tolist()
+    thinks = rng.exponential(think_s, size=n).tolist() if think_s > 0 else None
+    # each document once (text_ids is ~0.5 us a token in pure Python; this is the batched twin)
+    documents = batch_text_ids([f"doc{k}" for k in range(num_contexts)], context_lens, vocab_size)
+    sessions = _build_sessions(
+        "agent", starts, [documents[k] for k in picks], turns, question_lens, answer_lens, thinks, vocab_size
+    )
+    params = {
+        "num_sessions": num_sessions,
+        "turns": turns,
+        "rate": rate,
+        "seed": seed,
+        "num_contexts": num_contexts,
+        "context_len": list(context_len),
+        "question_len": list(question_len),
+        "answer_len": list(answer_len),
+        "think_s": think_s,
+        "context_lens": context_lens,
+    }
+    return Workload("agentic", sessions, vocab_size, params)
+
+
+def uniform_workload(
+    num_requests: int,
+    rate: float,
+    vocab_size: int,
+    seed: int,
+    *,
+    prompt_len: tuple[int, int] = (128, 2048),
+    output_len: tuple[int, int] = (16, 512),
+) -> Workload:
+    """Single-turn requests of unrelated text, lengths uniform in the (inclusive) ranges."""
+    _check_count("num_requests", num_requests, 1)
+    _check_count("vocab_size", vocab_size, 1)
+    _check_range("prompt_len", prompt_len, 1)
+    _check_range("output_len", output_len, 1)
+    rng = np.random.default_rng(seed)
+    starts = poisson_starts(num_requests, rate, rng)
+    prompt_lens = rng.integers(prompt_len[0], prompt_len[1], size=num_requests, endpoint=True).tolist()
+    output_lens = rng.integers(output_len[0], output_len[1], size=num_requests, endpoint=True).tolist()
+    sessions = _build_sessions("req", starts, [()] * num_requests, 1, prompt_lens, output_lens, None, vocab_size)
+    params = {
+        "num_requests": num_requests,
+        "rate": rate,
+        "seed": seed,
+        "prompt_len": list(prompt_len),
+        "output_len": list(output_len),
+    }
+    return Workload("uniform", sessions, vocab_size, params)
+
+
+def _build_sessions(
+    kind: str,
+    starts: list[float],
+    prefixes: list[tuple[int, ...]],
+    turns: int,
+    user_lens: list[int],
+    output_lens: list[int],
+    thinks: list[float] | None,
+    vocab_size: int,
+) -> tuple[Session, ...]:
+    """Session i = f"{kind}{i}"; its turn j takes entry i * turns + j of the flat length lists."""
+    session_ids = [f"{kind}{i}" for i in range(len(starts))]
+    names = [f"{sid}-u{j}" for sid in session_ids for j in range(turns)]
+    messages = batch_text_ids(names, user_lens, vocab_size)
+    sessions = []
+    for i, sid in enumerate(session_ids):
+        base = i * turns
+        session_turns = tuple(
+            Turn(messages[base + j], output_lens[base + j], thinks[base + j] if thinks and j else 0.0)
+            for j in range(turns)
+        )
+        sessions.append(Session(sid, starts[i], session_turns, prefix_ids=prefixes[i]))
+    return tuple(sessions)
+
+
+# --- the batched twins of tokens.text_ids / tokens.answer_ids (tests hold them equal) --------
+
+_MULT = np.uint64(0x9E3779B97F4A7C15)  # tokens.token_at's constants, in uint64 (wrapping) arithmetic
+_MIX = np.uint64(0xBF58476D1CE4E5B9)
+_CHUNK = 1 << 20  # tokens per vectorised pass in batch_text_ids
+
+
+def _stream_tokens(keys: Sequence[int], lens: Sequence[int], vocab_size: int) -> np.ndarray:
+    """token_at(keys[i], p, vocab_size) for p in range(lens[i]), the streams end to end:
+    [sum(lens)] uint64."""
+    lens_arr = np.asarray(lens, dtype=np.int64)
+    firsts = np.cumsum(lens_arr) - lens_arr  # flat index of each stream's token 0
+    positions = np.arange(int(lens_arr.sum()), dtype=np.int64) - np.repeat(firsts, lens_arr)
+    x = np.repeat(np.asarray(keys, dtype=np.uint64), lens_arr)
+    x += (positions.astype(np.uint64) + np.uint64(1)) * _MULT
+    x ^= x >> np.uint64(31)
+    x *= _MIX
+    x ^= x >> np.uint64(29)
+    return x % np.uint64(vocab_size)
+
+
+def batch_text_ids(names: Sequence[str], lens: Sequence[int], vocab_size: int) -> list[tuple[int, ...]]:
+    """[tuple(text_ids(name, n, vocab_size)) for name, n in zip(names, lens)], vectorised.
+    The ints are shared objects from one table of the vocabulary: a workload of 20M prompt
+    tokens then holds 20M pointers (8 bytes each), not 20M int objects (28 bytes more each)."""
+    if len(names) != len(lens):
+        raise ValueError(f"names and lens differ in length: {len(names)} != {len(lens)}")
+    table = np.arange(vocab_size).astype(object)  # Python ints 0 .. vocab_size - 1
+    out: list[tuple[int, ...]] = []
+    first = 0
+    while first < len(names):
+        # streams [first, last) hold about _CHUNK tokens: the uint64 temporaries stay small
+        last, total = first + 1, lens[first]
+        while last < len(names) and total + lens[last] <= _CHUNK:
+            total += lens[last]
+            last += 1
+        keys = [stream_key(f"text:{name}") for name in names[first:last]]
+        shared = table[_stream_tokens(keys, lens[first:last], vocab_size).astype(np.intp)].tolist()
+        start = 0
+        for n in lens[first:last]:
+            out.append(tuple(shared[start : start + n]))
+            start += n
+        first = last
+    return out
+
+
+def batch_answer_ids(request_ids: Sequence[str], lens: Sequence[int], vocab_size: int) -> list[list[int]]:
+    """[answer_ids(rid, n, vocab_size) for rid, n in zip(request_ids, lens)], vectorised."""
+    if len(request_ids) != len(lens):
+        raise ValueError(f"request_ids and lens differ in length: {len(request_ids)} != {len(lens)}")
+    flat = _stream_tokens([stream_key(rid) for rid in request_ids], lens, vocab_size).tolist()
+    out = []
+    start = 0
+    for n in lens:
+        out.append(flat[start : start + n])
+        start += n
+    return out
