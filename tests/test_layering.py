@@ -16,8 +16,22 @@ from pathlib import Path
 import kvpool
 
 # Lowest first. `kernels` (the C kernels and their ctypes bindings) sits below the tensor
-# layers that call it; `verify` (verification programs) above the engine it drives.
-LAYERS = ("spec", "capacity", "pool", "cache", "kernels", "storage", "attention", "models", "engine", "verify", "cli")
+# layers that call it; `sim` (the simulator) drives the engine; `verify` (verification
+# programs) above the engine it drives.
+LAYERS = (
+    "spec",
+    "capacity",
+    "pool",
+    "cache",
+    "kernels",
+    "storage",
+    "attention",
+    "models",
+    "engine",
+    "sim",
+    "verify",
+    "cli",
+)
 RANK = {name: i for i, name in enumerate(LAYERS)}
 NO_TORCH = ("pool", "cache")  # pure-Python bookkeeping: it also runs inside the simulator
 SRC = Path(kvpool.__file__).parent

@@ -22,6 +22,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "run": ("kvpool.cli.run", "the main job: a chat workload through the engine, then the performance report"),
     "plan": ("kvpool.cli.plan", "capacity model, memory ledger and planner"),
+    "simulate": (
+        "kvpool.cli.simulate",
+        "serving at GPU scale on the engine's scheduler and cache managers, a cost model for the forward",
+    ),
     "verify": ("kvpool.cli.verify", "verification matrices: dsv4 (paged dual pool vs contiguous oracle)"),
 }
 

@@ -1,0 +1,327 @@
+"""`kvpool simulate`: serving at GPU scale on the engine's own scheduler and cache managers.
+
+    kvpool simulate --model deepseek-v4-flash --gpu h200 --tp 8 --workload chat --requests 2000
+    kvpool simulate ... --layout dual,paged,contiguous      (one run each, compared)
+    kvpool simulate ... --replicas 4 --routing round-robin,prefix-aware
+    kvpool simulate ... --trace FILE.jsonl                   (docs/SIM_TRACE.md)
+    kvpool simulate sweep ... --layout dual,paged --rate 1,2,4 --block-size 128,256 --out runs.jsonl
+
+A comma list in --layout, --routing, --block-size or --rate runs every combination; `sweep`
+runs them in parallel processes and writes one JSON line per run. --plot DIR writes PNGs:
+latency CDFs, KV occupancy over time and, for several runs, a comparison chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+from kvpool.cli.args import non_negative_int, positive_float, positive_int, rate
+
+WORKLOADS = ("chat", "agentic", "uniform")
+SUMMARY_KEYS = (
+    "layout",
+    "routing",
+    "block_size",
+    "request_rate",
+    "kv_capacity_tokens",
+    "peak_running",
+    "prefix_hit_rate",
+    "ttft_ms_p50",
+    "ttft_ms_p99",
+    "tpot_ms_p50",
+    "tpot_ms_p99",
+    "throughput_tok_s",
+    "goodput_req_s",
+    "preemptions",
+    "sim_wall_s",
+)
+
+
+def _list(parse):
+    def parse_list(text: str) -> tuple:
+        items = tuple(parse(item.strip()) for item in text.split(",") if item.strip())
+        if not items:
+            raise argparse.ArgumentTypeError("an empty list")
+        return items
+
+    return parse_list
+
+
+def _choices(choices: tuple[str, ...]):
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(choices)}")
+        return text
+
+    return parse
+
+
+def _range(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO:HI (two integers), got {text!r}") from None
+    if not 0 < lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected 0 < LO <= HI, got {text!r}")
+    return lo, hi
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvpool.sim.layouts import LAYOUTS
+    from kvpool.sim.routing import ROUTINGS
+
+    parser.add_argument("mode", nargs="?", choices=("run", "sweep"), default="run", help="one run (or a few) / a sweep")
+    parser.add_argument("--model", default="smollm2-135m", help="a preset (kvpool plan --list-models) or config.json")
+    parser.add_argument("--gpu", default="h200", help="h100, h200, b200 or cpu (this machine, calibrated)")
+    parser.add_argument("--tp", type=positive_int, default=None, help="GPUs per replica (default: the fewest that fit)")
+    parser.add_argument("--workload", type=_choices(WORKLOADS), default="chat", help="chat, agentic or uniform")
+    parser.add_argument("--trace", default=None, help="replay a JSONL trace instead (docs/SIM_TRACE.md)")
+    parser.add_argument("--trace-block-size", type=positive_int, default=512, help="tokens per hash id of a trace")
+    parser.add_argument("--requests", type=positive_int, default=1000, help="requests (chat: sessions x turns)")
+    parser.add_argument("--sessions", type=positive_int, default=None, help="sessions (default: requests / turns)")
+    parser.add_argument("--turns", type=positive_int, default=None, help="turns per session (chat 4, agentic 8)")
+    parser.add_argument(
+        "--rate", type=_list(rate), default=(4.0,), help="new sessions per second, Poisson (inf: all at once); a list"
+    )
+    parser.add_argument("--prompt-len", type=_range, default=(128, 2048), help="uniform: prompt tokens LO:HI")
+    parser.add_argument("--output-len", type=_range, default=(64, 512), help="uniform: output tokens LO:HI")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument(
+        "--layout", type=_list(_choices(LAYOUTS)), default=None, help="paged, contiguous, dual (V4); a list compares"
+    )
+    parser.add_argument("--block-size", type=_list(positive_int), default=(None,), help="tokens per block; a list")
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--replicas", type=positive_int, default=1)
+    parser.add_argument(
+        "--routing", type=_list(_choices(ROUTINGS)), default=("round-robin",), help=f"{', '.join(ROUTINGS)}; a list"
+    )
+    parser.add_argument("--load-cap", type=positive_float, default=1.5, help="prefix-aware: load cap x the least load")
+    parser.add_argument("--max-num-seqs", type=positive_int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
+    parser.add_argument("--max-model-len", type=positive_int, default=None, help="default: the longest request")
+    parser.add_argument("--kv-dtype", default="auto", help="auto (the model's serving dtype), bf16, fp8, fp32")
+    parser.add_argument("--slo-ttft-ms", type=positive_float, default=2000.0)
+    parser.add_argument("--slo-tpot-ms", type=positive_float, default=100.0)
+    parser.add_argument("--json", action="store_true", help="one JSON object (a sweep: JSON lines)")
+    parser.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots into DIR")
+    parser.add_argument("--out", default=None, help="sweep: the JSONL file to write (default: stdout)")
+    parser.add_argument("--jobs", type=positive_int, default=None, help="sweep: parallel processes (default: cores)")
+
+
+def _model(name: str):
+    from kvpool.spec.models import PRESET_NAMES, load_config_file, load_preset
+
+    if name in PRESET_NAMES:
+        return load_preset(name)
+    if os.path.exists(name):
+        return load_config_file(name)
+    raise ValueError(f"--model: unknown model {name!r}; presets: {', '.join(PRESET_NAMES)}, or a config.json path")
+
+
+def _gpu(name: str):
+    from kvpool.sim.cost import cpu_preset
+    from kvpool.spec.gpus import get_gpu
+
+    if name.lower() == "cpu":
+        return cpu_preset()
+    try:
+        return get_gpu(name)
+    except ValueError as e:
+        raise ValueError(f"--gpu: {e}") from None
+
+
+def _workload(args, model, rate_value: float):
+    from kvpool.sim import workload as wl
+    from kvpool.sim.trace import load_trace
+
+    vocab = model.vocab_size
+    if args.trace:
+        return load_trace(args.trace, vocab, block_size=args.trace_block_size)
+    if args.workload == "uniform":
+        return wl.uniform_workload(
+            args.requests, rate_value, vocab, args.seed, prompt_len=args.prompt_len, output_len=args.output_len
+        )
+    turns = args.turns or (4 if args.workload == "chat" else 8)
+    sessions = args.sessions or max(1, math.ceil(args.requests / turns))
+    make = wl.chat_workload if args.workload == "chat" else wl.agentic_workload
+    return make(sessions, turns, rate_value, vocab, args.seed)
+
+
+def _fit_tp(model, gpu, args) -> int:
+    """--tp, or the fewest GPUs (1, 2, 4, 8) whose pool holds a block."""
+    from kvpool.capacity.planner import plan
+
+    if args.tp:
+        return args.tp
+    for tp in (1, 2, 4, 8):
+        try:
+            p = plan(model, gpu, num_gpus=tp, tp=tp, kv_dtype=args.kv_dtype)
+        except ValueError:
+            continue
+        if p.ledger.pool_bytes > 4 * p.layout.bytes_per_block_all_groups + p.layout.state_block_bytes * 4:
+            return tp
+    raise ValueError(f"{model.name} does not fit 8 x {gpu.name}")
+
+
+def _runs(args) -> list[dict]:
+    """Every combination the flags ask for, as keyword sets of `_one`."""
+    layouts = args.layout or (None,)
+    combos = itertools.product(layouts, args.block_size, args.routing, args.rate)
+    return [{"layout": lay, "block_size": bs, "routing": ro, "rate": ra} for lay, bs, ro, ra in combos]
+
+
+def _one(args, combo: dict, progress: bool) -> dict:
+    from kvpool.sim.cost import CostModel
+    from kvpool.sim.simulator import SimConfig, simulate
+
+    model, gpu = _model(args.model), _gpu(args.gpu)
+    tp = _fit_tp(model, gpu, args)
+    config = SimConfig(
+        layout=combo["layout"],
+        block_size=combo["block_size"],
+        enable_prefix_caching=not args.no_prefix_caching,
+        tp=tp,
+        replicas=args.replicas,
+        routing=combo["routing"],
+        load_cap=args.load_cap,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        kv_dtype=args.kv_dtype,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
+    )
+    workload = _workload(args, model, combo["rate"])
+    cost = CostModel(model, gpu, kv_dtype=args.kv_dtype, tp=tp)
+    bar = _Progress(workload.num_requests) if progress else None
+    try:
+        report = simulate(model, gpu, workload, config, cost, bar.update if bar else None)
+    finally:
+        if bar:
+            bar.close()
+    report["workload"] = "trace" if args.trace else args.workload
+    report["request_rate"] = combo["rate"] if math.isfinite(combo["rate"]) else "inf"
+    report["workload_params"] = workload.params
+    return report
+
+
+class _Progress:
+    """A progress bar on stderr, shown once a run has taken a second (terminals only)."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.start, self.bar, self.task = total, time.perf_counter(), None, None
+        self.enabled = sys.stderr.isatty()
+
+    def update(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None:
+            if time.perf_counter() - self.start < 1.0:
+                return
+            from rich.console import Console
+            from rich.progress import Progress
+
+            self.bar = Progress(console=Console(stderr=True), transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task("simulating", total=total)
+        self.bar.update(self.task, completed=done)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def _public(report: dict) -> dict:
+    return {k: v for k, v in report.items() if not k.startswith("_")}
+
+
+def _sweep_one(payload: tuple[argparse.Namespace, dict]) -> dict:
+    args, combo = payload
+    return _public(_one(args, combo, progress=False))
+
+
+def run(args: argparse.Namespace) -> int:
+    combos = _runs(args)
+    if args.mode == "sweep":
+        rows = []
+        jobs = min(args.jobs or os.cpu_count() or 1, len(combos))
+        if jobs > 1:
+            with ProcessPoolExecutor(jobs) as pool:
+                rows = list(pool.map(_sweep_one, [(args, c) for c in combos]))
+        else:
+            rows = [_sweep_one((args, c)) for c in combos]
+        text = "".join(json.dumps(r) + "\n" for r in rows)
+        if args.out:
+            tmp = f"{args.out}.tmp"
+            with open(tmp, "w") as f:
+                f.write(text)
+            os.replace(tmp, args.out)  # nothing half-written
+            print(f"kvpool simulate sweep: {len(rows)} runs -> {args.out}", file=sys.stderr)
+        else:
+            sys.stdout.write(text)
+        if args.plot:
+            from kvpool.sim.plots import plot_sweep
+
+            for path in plot_sweep(rows, args.plot):
+                print(f"kvpool simulate sweep: wrote {path}", file=sys.stderr)
+        return 0
+    reports = [_one(args, c, progress=not args.json) for c in combos]
+    if args.plot:
+        from kvpool.sim.plots import plot_runs
+
+        for path in plot_runs(reports, args.plot):
+            print(f"kvpool simulate: wrote {path}", file=sys.stderr)
+    public = [_public(r) for r in reports]
+    if args.json:
+        print(json.dumps(public[0] if len(public) == 1 else {"runs": public}))
+    else:
+        _print(public)
+    return 0
+
+
+def _print(reports: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if len(reports) == 1:
+        r = reports[0]
+        table = Table(
+            title=f"kvpool simulate: {r['num_requests']} requests, {r['model']} on {r['replicas']} x "
+            f"{r['tp']} {r['gpu']}, layout {r['layout']}"
+        )
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        for key, value in r.items():
+            if key not in ("per_replica", "cost_model", "workload_params"):
+                is_int = isinstance(value, int) and not isinstance(value, bool)
+                table.add_row(key, f"{value:,}" if is_int else str(value))
+        console.print(table)
+        if r["replicas"] > 1:
+            _print_replicas(console, r)
+        return
+    table = Table(title=f"kvpool simulate: {reports[0]['model']} on {reports[0]['gpu']}, compared")
+    for key in SUMMARY_KEYS:
+        table.add_column(key, justify="right")
+    for r in reports:
+        table.add_row(*(str(r.get(key, "")) for key in SUMMARY_KEYS))
+    console.print(table)
+
+
+def _print_replicas(console, report: dict) -> None:
+    from rich.table import Table
+
+    rows = report["per_replica"]
+    table = Table(title=f"per replica ({report['routing']})")
+    for key in rows[0]:
+        table.add_column(key, justify="right")
+    for row in rows:
+        table.add_row(*(str(v) for v in row.values()))
+    console.print(table)

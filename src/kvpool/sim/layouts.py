@@ -1,0 +1,93 @@
+"""The cache layouts the simulator compares, each a real cache manager sized from the
+planner's KV pool (`kvpool plan`'s ledger) for one replica:
+
+  paged       uniform paging: a FullAttentionManager over blocks of `block_size` tokens.
+              For DeepSeek-V4 that means every kind of state at one per-token geometry,
+              as a single-layout engine would hold it: per token the compressed entries'
+              share of a classical block plus the sliding window's entry of every layer,
+              and the window is never freed (the compressor tails, small, are left out);
+  contiguous  every request reserves its maximum length up front (`max_model_len`): one
+              "block" of max_model_len tokens per request, nothing shared, as engines
+              before paging held their cache;
+  dual        DeepSeek-V4's classical + state pools (DSV4CacheManager): compressed entries
+              in blocks of `block_size` (a multiple of 128) with prefix hits at block
+              boundaries, one state block per running request (window + compressor tails),
+              `max_num_seqs` of them, carved out of the pool first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpool.cache import CacheDescriptor, DSV4CacheManager, FullAttentionManager
+from kvpool.capacity.planner import Plan
+from kvpool.spec import dsv4 as dsv4_spec
+
+LAYOUTS: tuple[str, ...] = ("paged", "contiguous", "dual")
+
+
+@dataclass
+class BuiltLayout:
+    name: str
+    manager: FullAttentionManager | DSV4CacheManager
+    block_bytes: int  # bytes of one block (contiguous: one request's reservation)
+    state_block_bytes: int  # V4 dual: one state block; else 0
+    pool_bytes: int  # the replica's KV pool (per GPU of its TP group)
+
+
+def default_layout(plan: Plan) -> str:
+    return "dual" if plan.model.attention == "dsv4" else "paged"
+
+
+def build_layout(
+    plan: Plan, name: str, *, enable_prefix_caching: bool, max_num_seqs: int, max_model_len: int
+) -> BuiltLayout:
+    """The manager of layout `name` over the plan's pool. ValueError when the layout does not
+    apply to the model or the pool holds nothing of it."""
+    if name not in LAYOUTS:
+        raise ValueError(f"unknown layout {name!r}; one of {', '.join(LAYOUTS)}")
+    model, layout = plan.model, plan.layout
+    pool = int(plan.ledger.pool_bytes)
+    if pool <= 0:
+        raise ValueError(
+            f"{model.name} leaves no KV pool on {plan.tp} x {plan.gpu.name} (weights "
+            f"{plan.weights.per_gpu_bytes / 2**30:.1f} GiB per GPU): raise --tp"
+        )
+    q = layout.block_size
+    descriptor = CacheDescriptor(model_id=model.name, layout_id=f"sim:{name}:{q}:{layout.kv_dtype}:tp{plan.tp}")
+    v4 = model.dsv4
+    if name == "dual":
+        if v4 is None:
+            raise ValueError(
+                f"layout 'dual' is DeepSeek-V4's classical + state pools; {model.name} is {model.attention}"
+            )
+        state = int(layout.state_block_bytes)
+        block = int(layout.bytes_per_block_all_groups)
+        num_states = min(max_num_seqs, pool // (state + block))
+        num_blocks = (pool - num_states * state) // block
+        if num_states <= 0 or num_blocks <= 0:
+            raise ValueError(f"a pool of {pool:,} bytes holds no state block of {state:,} bytes and a block")
+        spec = dsv4_spec.DSV4Spec.from_config(v4.to_dict(), name=v4.name, block_span=q)
+        manager = DSV4CacheManager(
+            spec, num_blocks, num_states, descriptor, enable_prefix_caching=enable_prefix_caching
+        )
+        return BuiltLayout(name, manager, block, state, pool)
+    if name == "contiguous":
+        block = int(layout.request_bytes(max_model_len))
+        num_slots = pool // block
+        if num_slots <= 0:
+            raise ValueError(f"a pool of {pool:,} bytes holds no request of {max_model_len:,} tokens ({block:,} bytes)")
+        manager = FullAttentionManager(num_slots, max_model_len, descriptor, enable_prefix_caching=False)
+        return BuiltLayout(name, manager, block, 0, pool)
+    # paged
+    block = int(layout.bytes_per_block_all_groups)
+    if v4 is not None:
+        # the window's entry of every layer, per token, kept for the whole sequence
+        dtype = dsv4_spec.SERVING if layout.kv_dtype == "fp8" else "bfloat16"
+        window_per_token = v4.swa_state_bytes(dtype) / v4.window
+        block = int(block + q * window_per_token)
+    num_blocks = pool // block
+    if num_blocks <= 0:
+        raise ValueError(f"a pool of {pool:,} bytes holds no block of {block:,} bytes")
+    manager = FullAttentionManager(num_blocks, q, descriptor, enable_prefix_caching=enable_prefix_caching)
+    return BuiltLayout(name, manager, block, 0, pool)

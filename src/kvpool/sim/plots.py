@@ -1,0 +1,112 @@
+"""PNG plots of simulator runs (matplotlib, no display): latency CDFs, KV occupancy over
+time, a comparison chart of several runs, and goodput against rate for a sweep."""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _label(report: dict) -> str:
+    parts = [report["layout"]]
+    if report.get("replicas", 1) > 1:
+        parts.append(report["routing"])
+    parts.append(f"block {report['block_size']}")
+    return ", ".join(parts)
+
+
+def plot_runs(reports: list[dict], directory: str) -> list[str]:
+    """latency_cdf.png, kv_occupancy.png and, for several runs, comparison.png."""
+    plt = _pyplot()
+    os.makedirs(directory, exist_ok=True)
+    paths = []
+    title = f"{reports[0]['model']} on {reports[0]['gpu']}"
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for r in reports:
+        for ax, key in zip(axes, ("ttft_ms", "tpot_ms"), strict=True):
+            values = r["_series"][key]
+            if values:
+                n = len(values)
+                ax.plot(values, [(i + 1) / n for i in range(n)], label=_label(r))
+    for ax, name in zip(axes, ("TTFT", "TPOT"), strict=True):
+        ax.set_xscale("log")
+        ax.set_xlabel(f"{name} (ms, virtual time)")
+        ax.set_ylabel("fraction of requests")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"latency CDFs: {title}")
+    paths.append(_save(fig, directory, "latency_cdf.png"))
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for r in reports:
+        for i, series in enumerate(r["_series"]["occupancy"]):
+            if series:
+                ts, used = zip(*series, strict=True)
+                suffix = f" / replica {i}" if len(r["_series"]["occupancy"]) > 1 else ""
+                ax.plot(ts, [100 * u for u in used], label=_label(r) + suffix, linewidth=1)
+    ax.set_xlabel("time (s, virtual)")
+    ax.set_ylabel("KV blocks held (% of the pool)")
+    ax.set_ylim(0, 105)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(f"KV occupancy: {title}")
+    paths.append(_save(fig, directory, "kv_occupancy.png"))
+
+    if len(reports) > 1:
+        metrics = [
+            ("peak_running", "peak concurrent requests"),
+            ("goodput_req_s", "goodput (req/s within SLO)"),
+            ("prefix_hit_rate", "prefix hit rate"),
+            ("ttft_ms_p99", "TTFT p99 (ms)"),
+        ]
+        fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 4))
+        labels = [_label(r) for r in reports]
+        for ax, (key, name) in zip(axes, metrics, strict=True):
+            ax.bar(range(len(reports)), [r[key] for r in reports], color=[f"C{i}" for i in range(len(reports))])
+            ax.set_xticks(range(len(reports)), labels, rotation=20, ha="right", fontsize=8)
+            ax.set_title(name, fontsize=10)
+            ax.grid(axis="y", alpha=0.3)
+        fig.suptitle(f"compared: {title}")
+        paths.append(_save(fig, directory, "comparison.png"))
+    return paths
+
+
+def plot_sweep(rows: list[dict], directory: str) -> list[str]:
+    """goodput_vs_rate.png: one line per (layout, block size, routing)."""
+    plt = _pyplot()
+    os.makedirs(directory, exist_ok=True)
+    lines: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for r in rows:
+        rate = float("inf") if r["request_rate"] == "inf" else float(r["request_rate"])
+        lines[_label(r)].append((rate, r["goodput_req_s"]))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, points in sorted(lines.items()):
+        points = sorted(p for p in points if p[0] != float("inf"))
+        if points:
+            ax.plot(*zip(*points, strict=True), marker="o", label=label)
+    ax.set_xlabel("arrival rate (sessions / s)")
+    ax.set_ylabel("goodput (requests / s within SLO)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(f"goodput vs rate: {rows[0]['model']} on {rows[0]['gpu']}")
+    return [_save(fig, directory, "goodput_vs_rate.png")]
+
+
+def _save(fig, directory: str, name: str) -> str:
+    path = os.path.join(directory, name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path

@@ -1,0 +1,127 @@
+"""The simulator's report: the performance report of ARCHITECTURE.md with `kvpool run
+--json`'s keys (latencies in ms at p50 / p99, throughput, goodput under the SLO, prefix
+hit rate, KV capacity, fragmentation, allocation latency, preemptions, block size) plus
+`layout`, `replicas`, `routing`, `sim_wall_s`, per-replica figures and the series the
+plots draw. Times are virtual: `wall_s` is the simulated span from the first arrival to
+the last finish; `sim_wall_s` is how long the simulation itself took."""
+
+from __future__ import annotations
+
+from kvpool.capacity.planner import Plan
+from kvpool.sim.cost import CostModel
+from kvpool.spec.gpus import GPUSpec
+from kvpool.spec.models import ModelSpec
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between the order statistics (numpy's default); 0 for none."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def describe_cost(cost: CostModel) -> dict:
+    """The cost model's named parameters, for the report."""
+    return {
+        "compute_efficiency": cost.compute_efficiency,
+        "bandwidth_efficiency": cost.bandwidth_efficiency,
+        "step_overhead_s": cost.step_overhead_s,
+        "weight_dtype": cost.weight_dtype,
+        "kv_dtype": cost.kv_dtype,
+    }
+
+
+def _latency_keys(records) -> dict[str, float]:
+    ttfts = [r.ttft_s * 1e3 for r in records if r.ttft_s is not None]
+    tpots = [r.tpot_s * 1e3 for r in records if r.tpot_s is not None]
+    lats = [r.latency_s * 1e3 for r in records if r.latency_s is not None]
+    out = {}
+    for name, values in (("ttft", ttfts), ("tpot", tpots), ("latency", lats)):
+        out[f"{name}_ms_p50"] = round(percentile(values, 0.5), 2)
+        out[f"{name}_ms_p99"] = round(percentile(values, 0.99), 2)
+    return out
+
+
+def build_report(
+    model: ModelSpec, gpu: GPUSpec, p: Plan, config, replicas, records, sim_wall_s: float, cost: CostModel
+) -> dict:
+    start = min((r.arrival_s for r in records), default=0.0)
+    end = max((r.arrival_s + (r.latency_s or 0.0) for r in records), default=0.0)
+    span = end - start
+    generated = sum(r.output_len for r in records)
+    ttft_slo, tpot_slo = config.slo_ttft_ms / 1e3, config.slo_tpot_ms / 1e3
+    good = sum(1 for r in records if r.ttft_s is not None and r.ttft_s <= ttft_slo and (r.tpot_s or 0.0) <= tpot_slo)
+    stats = [rep.runner.cache_stats() for rep in replicas]
+    queried = sum(s["prefix_queried_tokens"] for s in stats)
+    hit = sum(s["prefix_hit_tokens"] for s in stats)
+    alloc_us = [t * 1e6 for rep in replicas for t in rep.engine.stats.alloc_call_s]
+    frag = [f for rep in replicas for f in rep.frag_samples]
+    first = replicas[0]
+    per_replica = []
+    for rep, st in zip(replicas, stats, strict=True):
+        mine = [r for r in records if r.replica == rep.index]
+        per_replica.append(
+            {
+                "replica": rep.index,
+                "num_requests": rep.num_routed,
+                "prefix_hit_rate": round(st["prefix_hit_rate"], 4),
+                "peak_running": rep.peak_running,
+                "busy_share": round(rep.runner.busy_s / span, 4) if span else 0.0,
+                "preemptions": rep.engine.num_preemptions,
+                "num_steps": rep.engine.num_steps,
+                "generated_tokens": sum(r.output_len for r in mine),
+            }
+        )
+    report = {
+        "model": model.name,
+        "gpu": gpu.name,
+        "tp": config.tp,
+        "layout": first.layout.name,
+        "replicas": len(replicas),
+        "routing": config.routing,
+        "kv_capacity_tokens": int(sum(s["kv_capacity_tokens"] for s in stats)),
+        "kv_capacity_bytes": int(sum(s["kv_capacity_bytes"] for s in stats)),
+        "kv_pool_bytes": int(first.layout.pool_bytes),
+        "block_size": int(stats[0]["block_size"]),
+        "num_blocks": int(sum(s["num_blocks"] for s in stats)),
+        "state_blocks": int(sum(s["state_blocks"] for s in stats)),
+        "block_bytes": first.layout.block_bytes,
+        "enable_prefix_caching": config.enable_prefix_caching,
+        "max_model_len": first.runner.max_model_len,
+        "fragmentation": round(sum(frag) / len(frag), 4) if frag else 0.0,
+        "prefix_hit_rate": round(hit / queried, 4) if queried else 0.0,
+        "prefix_queried_tokens": int(queried),
+        "prefix_hit_tokens": int(hit),
+        "replayed_tokens": int(sum(s["replayed_tokens"] for s in stats)),
+        "alloc_latency_us_p50": round(percentile(alloc_us, 0.5), 2),
+        "alloc_latency_us_p99": round(percentile(alloc_us, 0.99), 2),
+        "num_alloc_calls": len(alloc_us),
+        "num_noop_alloc_calls": sum(len(rep.engine.stats.noop_call_s) for rep in replicas),
+        **_latency_keys(records),
+        "throughput_tok_s": round(generated / span, 2) if span else 0.0,
+        "goodput_req_s": round(good / span, 4) if span else 0.0,
+        "slo_attainment": round(good / len(records), 4) if records else 0.0,
+        "slo_ttft_ms": config.slo_ttft_ms,
+        "slo_tpot_ms": config.slo_tpot_ms,
+        "peak_running": max(rep.peak_running for rep in replicas),
+        "preemptions": sum(rep.engine.num_preemptions for rep in replicas),
+        "num_requests": len(records),
+        "num_finished": len(records),
+        "num_generated_tokens": generated,
+        "num_steps": sum(rep.engine.num_steps for rep in replicas),
+        "wall_s": round(span, 3),
+        "sim_wall_s": round(sim_wall_s, 3),
+        "interrupted": False,
+        "cost_model": describe_cost(cost),
+        "per_replica": per_replica,
+    }
+    # series for the plots (not printed in the table)
+    report["_series"] = {
+        "ttft_ms": sorted(r.ttft_s * 1e3 for r in records if r.ttft_s is not None),
+        "tpot_ms": sorted(r.tpot_s * 1e3 for r in records if r.tpot_s is not None),
+        "occupancy": [rep.occupancy for rep in replicas],
+    }
+    return report

@@ -1,0 +1,37 @@
+"""The router in front of the replicas (`kvpool simulate --replicas N --routing P`).
+
+Policies:
+  round-robin    requests in turn;
+  least-loaded   the replica with the fewest running + waiting sequences;
+  prefix-aware   the replica whose cache holds the longest prefix of the prompt
+                 (`lookup_prefix`, which changes nothing), among the replicas whose load
+                 is at most `load_cap` x the least load + 4; ties to the least loaded.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvpool.sim.simulator import Replica
+
+ROUTINGS: tuple[str, ...] = ("round-robin", "least-loaded", "prefix-aware")
+
+
+class Router:
+    def __init__(self, policy: str, replicas: list[Replica], load_cap: float) -> None:
+        self.policy, self.replicas, self.load_cap = policy, replicas, load_cap
+        self._next = itertools.cycle(range(len(replicas)))
+
+    def route(self, prompt: list[int]) -> Replica:
+        reps = self.replicas
+        if len(reps) == 1:
+            return reps[0]
+        if self.policy == "round-robin":
+            return reps[next(self._next)]
+        least = min(r.load for r in reps)
+        if self.policy == "least-loaded":
+            return min(reps, key=lambda r: (r.load, r.num_routed))
+        eligible = [r for r in reps if r.load <= self.load_cap * least + 4]
+        return max(eligible, key=lambda r: (r.runner.manager.lookup_prefix(prompt), -r.load, -r.index))

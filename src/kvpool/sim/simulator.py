@@ -1,0 +1,237 @@
+"""The serving simulator: N engine replicas behind a router, on virtual clocks.
+
+Each replica is the engine itself (`kvpool.engine.Engine`: its `schedule()` and `step()`,
+unchanged) over a `SimRunner` that holds the real cache manager of the chosen layout
+(sim/layouts.py) and prices each step with the roofline cost model (sim/cost.py). The
+event loop is discrete-event: the next event is either an arrival (routed to a replica
+and queued in its engine at its arrival time) or the step of the replica whose clock is
+earliest; a step moves that replica's clock by its cost. A session's next turn arrives
+`think_s` after its previous turn finished, so its prompt (the history, with the answers
+the simulated model gave) can hit that replica's prefix cache.
+
+Routing: sim/routing.py.
+
+Per step the simulator's own work is the engine's (bounded by the running batch), a heap
+operation and O(1) samples; nothing grows with the requests already finished (each is
+popped from its engine and kept as one small record).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvpool.capacity.planner import Plan, plan
+from kvpool.engine.engine import Engine
+from kvpool.engine.sampling import SamplingParams
+from kvpool.sim.cost import CostModel
+from kvpool.sim.layouts import LAYOUTS, BuiltLayout, build_layout, default_layout
+from kvpool.sim.routing import ROUTINGS, Router
+from kvpool.sim.runner import SimRunner, VirtualClock
+from kvpool.sim.workload import Workload
+from kvpool.spec.gpus import GPUSpec
+from kvpool.spec.models import ModelSpec
+
+_OCCUPANCY_POINTS = 2000  # occupancy samples kept per replica (thinned as the run goes)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    layout: str | None = None  # None: dual for V4, paged otherwise
+    block_size: int | None = None  # None: the planner's default for the model
+    enable_prefix_caching: bool = True
+    tp: int = 1  # GPUs of one replica (its tensor-parallel group)
+    replicas: int = 1
+    routing: str = "round-robin"
+    load_cap: float = 1.5
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None  # None: the workload's longest request
+    kv_dtype: str = "auto"
+    slo_ttft_ms: float = 2000.0
+    slo_tpot_ms: float = 100.0
+
+    def __post_init__(self) -> None:
+        if self.layout is not None and self.layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {self.layout!r}; one of {', '.join(LAYOUTS)}")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"unknown routing {self.routing!r}; one of {', '.join(ROUTINGS)}")
+        for name in ("tp", "replicas", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.block_size is not None and self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if not self.load_cap >= 1:
+            raise ValueError(f"load_cap must be >= 1, got {self.load_cap}")
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    replica: int
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+    cached_tokens: int
+    ttft_s: float | None
+    tpot_s: float | None
+    latency_s: float | None
+
+
+@dataclass
+class Replica:
+    index: int
+    engine: Engine
+    runner: SimRunner
+    clock: VirtualClock
+    layout: BuiltLayout
+    num_routed: int = 0
+    peak_running: int = 0
+    occupancy: list[tuple[float, float]] = field(default_factory=list)  # (t, used blocks / blocks)
+    _every: int = 1
+    frag_samples: list[float] = field(default_factory=list)
+
+    @property
+    def load(self) -> int:
+        return len(self.engine.running) + len(self.engine.waiting)
+
+    def sample(self, step: int) -> None:
+        self.peak_running = max(self.peak_running, len(self.engine.running))
+        if step % self._every == 0:
+            self.occupancy.append((self.clock.now, self.runner.num_used_blocks() / self.runner.manager.num_blocks))
+            if len(self.occupancy) > _OCCUPANCY_POINTS:
+                self.occupancy = self.occupancy[::2]
+                self._every *= 2
+        if step % 64 == 0:
+            self.frag_samples.append(self.runner.usage().fragmentation)
+
+
+def plan_replica(model: ModelSpec, gpu: GPUSpec, config: SimConfig) -> Plan:
+    """The planner's pool for one replica (tp GPUs); the context asked of it is the model's."""
+    return plan(model, gpu, num_gpus=config.tp, tp=config.tp, block_size=config.block_size, kv_dtype=config.kv_dtype)
+
+
+def _make_replica(index: int, model: ModelSpec, p: Plan, config: SimConfig, cost: CostModel, max_len: int) -> Replica:
+    clock = VirtualClock()
+    bandwidth = cost.gpu.hbm_bandwidth_bytes_per_s * cost.bandwidth_efficiency  # COW copies move bytes
+    name = config.layout or default_layout(p)
+    built = build_layout(
+        p,
+        name,
+        enable_prefix_caching=config.enable_prefix_caching,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=max_len,
+    )
+    runner = SimRunner(
+        built.manager,
+        step_time=lambda work, moved: cost.step_time(work) + moved / bandwidth,
+        kv_read_bytes=cost.kv_read_bytes,
+        clock=clock,
+        vocab_size=model.vocab_size,
+        max_model_len=max_len,
+        block_bytes=built.block_bytes,
+        state_block_bytes=built.state_block_bytes,
+    )
+    engine = Engine(
+        runner,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs,
+        clock=clock,
+        sampler=runner.sample,
+    )
+    return Replica(index, engine, runner, clock, built)
+
+
+def simulate(
+    model: ModelSpec,
+    gpu: GPUSpec,
+    workload: Workload,
+    config: SimConfig,
+    cost: CostModel,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict:
+    """Run `workload` to the end; the report (sim/report.py keys) with per-replica figures."""
+    started = time.perf_counter()
+    longest = workload.max_request_len()
+    limit = model.max_position_embeddings
+    if longest > limit:
+        raise ValueError(f"the workload's longest request is {longest:,} tokens; {model.name} holds {limit:,}")
+    max_len = config.max_model_len or longest
+    if max_len < longest:
+        raise ValueError(f"max_model_len {max_len:,} is shorter than the workload's longest request ({longest:,})")
+    p = plan_replica(model, gpu, config)
+    replicas = [_make_replica(i, model, p, config, cost, max_len) for i in range(config.replicas)]
+    for r in replicas:
+        if r.runner.max_model_len < longest:
+            raise ValueError(
+                f"the workload's longest request ({longest:,} tokens) does not fit one replica's cache "
+                f"({r.runner.capacity_tokens:,} tokens, layout {r.layout.name})"
+            )
+    router = Router(config.routing, replicas, config.load_cap)
+    sessions = {s.session_id: s for s in workload.sessions}
+    total = workload.num_requests
+    # arrivals: (time, order, session id, turn)
+    order = itertools.count()
+    arrivals: list[tuple[float, int, str, int]] = [(s.start_s, next(order), s.session_id, 0) for s in workload.sessions]
+    heapq.heapify(arrivals)
+    records: list[RequestRecord] = []
+    turn_of: dict[str, tuple[str, int, int, float]] = {}  # request id -> (session, turn, replica, arrival)
+    steps = 0
+    while arrivals or any(r.engine.has_unfinished() for r in replicas):
+        busy = [r for r in replicas if r.engine.has_unfinished()]
+        next_step = min(busy, key=lambda r: (r.clock.now, r.index)) if busy else None
+        if arrivals and (next_step is None or arrivals[0][0] <= next_step.clock.now):
+            t, _, sid, turn = heapq.heappop(arrivals)
+            session = sessions[sid]
+            prompt = session.prompt_ids(turn, model.vocab_size)
+            rep = router.route(prompt)
+            rep.num_routed += 1
+            if not rep.engine.has_unfinished():
+                rep.clock.now = max(rep.clock.now, t)  # an idle replica waits for the arrival
+            rid = session.request_id(turn)
+            out_len = session.turns[turn].output_len
+            params = SamplingParams(max_tokens=out_len, ignore_eos=True)
+            rep.engine.add_request(prompt, params, rid, arrival_time=t)
+            turn_of[rid] = (sid, turn, rep.index, t)
+            continue
+        assert next_step is not None
+        finished = next_step.engine.step()
+        steps += 1
+        next_step.sample(steps)
+        for rid in finished:
+            out = next_step.engine.pop_output(rid)
+            sid, turn, index, arrival = turn_of.pop(rid)
+            session = sessions[sid]
+            records.append(
+                RequestRecord(
+                    rid,
+                    index,
+                    arrival,
+                    len(out.prompt_token_ids),
+                    len(out.completions[0].token_ids),
+                    out.num_cached_tokens,
+                    out.ttft_s,
+                    out.tpot_s,
+                    out.latency_s,
+                )
+            )
+            if turn + 1 < len(session.turns):
+                t_next = next_step.clock.now + session.turns[turn + 1].think_s
+                heapq.heappush(arrivals, (t_next, next(order), sid, turn + 1))
+        if progress is not None:
+            progress(len(records), total)
+    from kvpool.sim.report import build_report
+
+    return build_report(model, gpu, p, config, replicas, records, time.perf_counter() - started, cost)
+
+
+def check_rate(rate: float) -> float:
+    if not (rate > 0 or math.isinf(rate)):
+        raise ValueError(f"rate must be positive (or inf: all at once), got {rate}")
+    return rate
