@@ -16,6 +16,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     ),
     "dsv4": ("kvpool.cli.bench_dsv4", "DeepSeek-V4 dual pool: Flash/Pro bytes, tiny-model paged vs oracle decode"),
     "start": ("kvpool.cli.bench_start", "kvpool generate from a cold process to its first token, load phase apart"),
+    "sim": ("kvpool.cli.bench_sim", "the simulator's cpu preset against the engine on the same workload: TPOT, TTFT"),
     "ledger": ("kvpool.cli.bench_ledger", "kvpool run's measured memory ledger against the planner's, line by line"),
 }
 

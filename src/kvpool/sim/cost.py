@@ -61,9 +61,14 @@ Default efficiencies (`DEVICE_DEFAULTS`, by device kind):
   reaches ~70% on large BF16 GEMMs, attention, norms and small GEMMs pull it down),
   bandwidth 0.8 (decode GEMVs and paged-attention kernels stream at 75-90% of HBM peak),
   overhead 2 ms (scheduling, input preparation and sampling of a Python engine step).
-- cpu: compute 1.0 and bandwidth 1.0, since `cpu_preset()` holds figures measured on the
-  machine (already what it achieves); overhead 2 ms, a placeholder until calibrated
-  against the engine's own step times.
+- cpu: what kvpool's own CPU engine reaches of `cpu_preset()`'s measured peaks, from
+  `kvpool bench engine --json` of 2026-12-01 on the same machine (README): bandwidth
+  0.49 (its batch-1 matmuls alone read the 538 MB of fp32 weights at 16.3 GB/s, against
+  33.2 GB/s for a plain sum); overhead 3.9 ms (the batch-1 step, 36.9 ms, less those
+  matmuls, 33.0 ms: norms, RoPE, attention, sampling, the scheduler); compute 0.67 (a cold
+  1,000-token prefill took 2,063 ms; its 247 GFLOP take 1,380 ms at the measured 179
+  GFLOP/s). Fitted on a batch-1 decode and a long prefill, no mixed step: `kvpool bench
+  sim` checks them on kvpool run's workload.
 """
 
 from __future__ import annotations
@@ -97,7 +102,7 @@ class DeviceDefaults:
 
 DEVICE_DEFAULTS: dict[str, DeviceDefaults] = {
     "cuda": DeviceDefaults(compute_efficiency=0.5, bandwidth_efficiency=0.8, step_overhead_s=2e-3),
-    "cpu": DeviceDefaults(compute_efficiency=1.0, bandwidth_efficiency=1.0, step_overhead_s=2e-3),
+    "cpu": DeviceDefaults(compute_efficiency=0.67, bandwidth_efficiency=0.49, step_overhead_s=3.9e-3),
 }
 
 

@@ -1,0 +1,140 @@
+"""`kvpool bench sim`: the simulator's `cpu` preset against the engine, on one workload.
+
+The same requests, at the same arrival times, run twice in this process: through the
+engine on SmolLM2-135M (the model computes every token, on the wall clock) and through
+`kvpool simulate`'s replica (the same scheduler and cache manager, the cost model on the
+`cpu` preset for the forward, a virtual clock). The workload is kvpool run's: its first
+turns (chat prompts over three shared system prompts) and its long prompts, at its Poisson
+arrivals, each answer exactly --max-tokens long (its second turns, which carry the model's
+own answers, are left out); the engine configuration of `kvpool run` (256 MiB of blocks
+of 16, 256 tokens and 16 sequences a step). Printed: TPOT, TTFT and throughput, measured
+and predicted, and their ratio. The cost model's CPU efficiencies were calibrated on pure
+decode (sim/cost.py); this mix of prefill chunks and decodes is not what they were fitted on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+from kvpool.cli.args import positive_float, positive_int
+
+ENGINE = {"num_blocks": 364, "block_size": 16, "max_num_batched_tokens": 256, "max_num_seqs": 16}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--requests", type=positive_int, default=24, help="first turns (kvpool run's default: 24)")
+    parser.add_argument("--num-long", type=int, default=2, help="long prompts (kvpool run's default: 2)")
+    parser.add_argument("--max-tokens", type=positive_int, default=24, help="new tokens per answer, at most")
+    parser.add_argument("--rate", type=positive_float, default=2.0, help="arrivals per second (Poisson)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def _workload(args, loaded):
+    """kvpool run's first turns and long prompts, at its Poisson arrivals (its seeded
+    generator, consumed in its order): single-turn requests of --max-tokens each. Its
+    second turns carry the model's own answers and are left out."""
+    from kvpool.cli.run import chat_workload, poisson_arrivals
+    from kvpool.sim.workload import Session, Turn, Workload
+
+    rng = random.Random(args.seed)
+    made = chat_workload(loaded.tokenizer, argparse.Namespace(num_requests=args.requests, num_long=args.num_long), rng)
+    prompts = made.first_prompts + made.long_prompts
+    arrivals = poisson_arrivals(len(prompts), args.rate, rng)
+    sessions = tuple(
+        Session(f"req{i}", t, (Turn(tuple(p), args.max_tokens),))
+        for i, (t, p) in enumerate(zip(arrivals, prompts, strict=True))
+    )
+    params = {"requests": args.requests, "num_long": args.num_long, "max_tokens": args.max_tokens, "rate": args.rate}
+    return Workload("kvpool-run-first-turns", sessions, loaded.model.config.vocab_size, params)
+
+
+def _run_engine(loaded, workload) -> dict:
+    """The real engine on the wall clock: each request added when its arrival time comes."""
+    from kvpool.engine.build import build_engine
+    from kvpool.engine.sampling import SamplingParams
+    from kvpool.sim.report import percentile
+
+    engine = build_engine(loaded, **ENGINE)
+    vocab = workload.vocab_size
+    pending = sorted(workload.sessions, key=lambda s: s.start_s)
+    start = time.perf_counter()
+    ids = []
+    while pending or engine.has_unfinished():
+        now = time.perf_counter() - start
+        while pending and pending[0].start_s <= now:
+            s = pending.pop(0)
+            params = SamplingParams(max_tokens=s.turns[0].output_len, ignore_eos=True, seed=len(ids))
+            ids.append(engine.add_request(s.prompt_ids(0, vocab), params, s.request_id(0), start + s.start_s))
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, pending[0].start_s - (time.perf_counter() - start)))
+            continue
+        engine.step()
+    span = time.perf_counter() - start
+    outs = [engine.output(i) for i in ids]
+    tpots = [o.tpot_s * 1e3 for o in outs if o.tpot_s is not None]
+    ttfts = [o.ttft_s * 1e3 for o in outs if o.ttft_s is not None]
+    generated = sum(len(o.completions[0].token_ids) for o in outs)
+    return {
+        "tpot_ms_p50": round(percentile(tpots, 0.5), 2),
+        "tpot_ms_mean": round(sum(tpots) / len(tpots), 2) if tpots else 0.0,
+        "ttft_ms_p50": round(percentile(ttfts, 0.5), 2),
+        "throughput_tok_s": round(generated / span, 2),
+        "num_steps": engine.num_steps,
+        "prefix_hit_tokens": int(engine.runner.cache_stats()["prefix_hit_tokens"]),
+    }
+
+
+def _run_sim(model, workload) -> dict:
+    from kvpool.sim.cost import CostModel, cpu_preset
+    from kvpool.sim.simulator import SimConfig, simulate
+
+    gpu = cpu_preset()
+    config = SimConfig(
+        layout="paged",
+        block_size=ENGINE["block_size"],
+        max_num_seqs=ENGINE["max_num_seqs"],
+        max_num_batched_tokens=ENGINE["max_num_batched_tokens"],
+        max_model_len=ENGINE["num_blocks"] * ENGINE["block_size"],
+        kv_dtype="fp32",
+    )
+    report = simulate(model, gpu, workload, config, CostModel(model, gpu))
+    tpots = report["_series"]["tpot_ms"]
+    return {
+        "tpot_ms_p50": report["tpot_ms_p50"],
+        "tpot_ms_mean": round(sum(tpots) / len(tpots), 2) if tpots else 0.0,
+        "ttft_ms_p50": report["ttft_ms_p50"],
+        "throughput_tok_s": report["throughput_tok_s"],
+        "num_steps": report["num_steps"],
+        "prefix_hit_tokens": report["prefix_hit_tokens"],
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvpool.engine.build import load_model
+    from kvpool.spec.models import load_preset
+
+    loaded = load_model(device="cpu")
+    model = load_preset("smollm2-135m")
+    workload = _workload(args, loaded)
+    measured = _run_engine(loaded, workload)
+    predicted = _run_sim(model, workload)
+    ratios = {k: round(predicted[k] / measured[k], 3) for k in measured if measured[k]}
+    report = {"requests": args.requests, "max_tokens": args.max_tokens, "rate": args.rate}
+    report |= {"measured": measured, "predicted": predicted, "predicted_over_measured": ratios}
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"kvpool bench sim: {args.requests} chat requests on SmolLM2-135M, engine vs cpu preset")
+    for column in ("metric", "engine (measured)", "simulator (predicted)", "predicted / measured"):
+        table.add_column(column, justify="right")
+    for key in measured:
+        table.add_row(key, str(measured[key]), str(predicted[key]), str(ratios.get(key, "")))
+    Console().print(table)
+    return 0
