@@ -133,3 +133,109 @@ def test_a_malformed_trace_line_names_the_line(capsys, tmp_path):
     assert main(["simulate", "--trace", str(trace), "--requests", "2"]) == 2
     err = capsys.readouterr().err
     assert "line 2" in err and len(err.strip().splitlines()) == 1, err
+
+
+# ---- the simulator's own claims, each on a small run --------------------------------------
+
+
+def _simulate(model_name: str, workload, **config):
+    from kvpool.sim.cost import CostModel
+    from kvpool.sim.simulator import SimConfig, simulate
+    from kvpool.spec.gpus import get_gpu
+    from kvpool.spec.models import load_preset
+
+    model, gpu = load_preset(model_name), get_gpu("h200")
+    cfg = SimConfig(**config)
+    return simulate(model, gpu, workload, cfg, CostModel(model, gpu, tp=cfg.tp))
+
+
+def test_a_sessions_next_turn_hits_its_own_history():
+    """One chat session of 3 turns alone on a replica: turn k's prompt extends turn k-1's
+    prompt and answer, and the cache holds their full blocks (all but the answer's last
+    token, whose KV no step computed): the hit is exactly those blocks."""
+    from kvpool.sim.workload import chat_workload
+
+    wl = chat_workload(1, 3, float("inf"), 128_256, seed=3)
+    report = _simulate("llama-3.1-8b", wl)
+    s = wl.sessions[0]
+    lens = [s.prompt_len(k) for k in range(3)]
+    outs = [t.output_len for t in s.turns]
+    expected = sum(min((lens[k - 1] + outs[k - 1] - 1) // 16, (lens[k] - 1) // 16) * 16 for k in (1, 2))
+    assert report["prefix_hit_tokens"] == expected
+    assert report["prefix_queried_tokens"] == sum(lens)
+
+
+def test_prefix_aware_routing_beats_round_robin_on_hit_rate():
+    from kvpool.sim.workload import chat_workload
+
+    wl = chat_workload(60, 3, 4.0, 128_256, seed=0)
+    rr = _simulate("llama-3.1-8b", wl, replicas=4, routing="round-robin")
+    pa = _simulate("llama-3.1-8b", wl, replicas=4, routing="prefix-aware")
+    assert pa["prefix_hit_rate"] > rr["prefix_hit_rate"] + 0.05, (pa["prefix_hit_rate"], rr["prefix_hit_rate"])
+    assert sum(r["num_requests"] for r in pa["per_replica"]) == 180
+    assert min(r["num_requests"] for r in pa["per_replica"]) > 0  # the load cap spreads the sessions
+
+
+def test_contiguous_reserves_the_longest_request_for_each():
+    from kvpool.sim.workload import uniform_workload
+
+    wl = uniform_workload(300, float("inf"), 128_256, seed=1, prompt_len=(1000, 4000), output_len=(200, 400))
+    paged = _simulate("llama-3.1-8b", wl, layout="paged")
+    contiguous = _simulate("llama-3.1-8b", wl, layout="contiguous", max_model_len=8192)
+    per_token = 32 * 2 * 8 * 128 * 2  # llama-3.1-8b bf16 K and V, all layers
+    assert contiguous["block_bytes"] == 8192 * per_token and contiguous["block_size"] == 8192
+    assert contiguous["num_blocks"] == contiguous["kv_pool_bytes"] // (8192 * per_token)
+    assert contiguous["peak_running"] <= contiguous["num_blocks"] < paged["peak_running"]
+    assert contiguous["prefix_hit_tokens"] == 0
+
+
+def test_the_dual_pool_holds_more_long_requests_than_uniform_paging():
+    """V4-Flash at long context: uniform paging keeps every layer's window entry for every
+    token; the dual pool keeps a window per running request only."""
+    from kvpool.sim.workload import uniform_workload
+
+    wl = uniform_workload(60, float("inf"), 129_280, seed=2, prompt_len=(60_000, 64_000), output_len=(1500, 2000))
+    dual = _simulate("deepseek-v4-flash", wl, layout="dual", tp=2)
+    paged = _simulate("deepseek-v4-flash", wl, layout="paged", tp=2, block_size=128)
+    assert dual["kv_capacity_tokens"] > 5 * paged["kv_capacity_tokens"]
+    assert dual["peak_running"] > paged["peak_running"]
+    assert dual["preemptions"] <= paged["preemptions"]
+    assert dual["throughput_tok_s"] >= paged["throughput_tok_s"]  # (deterministic: a virtual clock)
+    assert dual["num_finished"] == paged["num_finished"] == 60
+
+
+def test_sweep_writes_a_line_per_run_and_the_plots_open(tmp_path, capsys):
+    import matplotlib.image as mpimg
+
+    from kvpool.cli.main import main
+
+    out, plots = tmp_path / "runs.jsonl", tmp_path / "plots"
+    flags = ["--model", "llama-3.1-8b", "--requests", "24", "--layout", "paged,contiguous", "--rate", "2,8"]
+    assert main(["simulate", "sweep", *flags, "--out", str(out), "--plot", str(plots), "--jobs", "2"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["layout"], r["request_rate"]) for r in rows] == [
+        ("paged", 2.0),
+        ("paged", 8.0),
+        ("contiguous", 2.0),
+        ("contiguous", 8.0),
+    ]
+    image = mpimg.imread(plots / "goodput_vs_rate.png")
+    assert image.shape[0] > 100 and image.shape[1] > 100 and image.std() > 0  # drawn, not blank
+
+    run_plots = tmp_path / "run"
+    flags = ["--model", "llama-3.1-8b", "--requests", "24", "--layout", "paged,contiguous", "--json"]
+    assert main(["simulate", *flags, "--plot", str(run_plots)]) == 0
+    runs = json.loads(capsys.readouterr().out)["runs"]
+    assert [r["layout"] for r in runs] == ["paged", "contiguous"]
+    for name in ("latency_cdf.png", "kv_occupancy.png", "comparison.png"):
+        assert mpimg.imread(run_plots / name).std() > 0
+
+
+def test_the_sample_trace_replays(capsys):
+    from kvpool.cli.main import main
+    from kvpool.sim.trace import sample_trace_path
+
+    assert main(["simulate", "--model", "llama-3.1-8b", "--trace", str(sample_trace_path()), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["workload"] == "trace" and report["num_finished"] == 39
+    assert report["prefix_hit_tokens"] > 0  # its hash ids share prefixes

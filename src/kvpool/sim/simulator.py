@@ -183,6 +183,7 @@ def simulate(
     records: list[RequestRecord] = []
     turn_of: dict[str, tuple[str, int, int, float]] = {}  # request id -> (session, turn, replica, arrival)
     steps = 0
+    timeline = [(0, time.perf_counter())]  # (steps done, wall clock) every 1,024 steps
     while arrivals or any(r.engine.has_unfinished() for r in replicas):
         busy = [r for r in replicas if r.engine.has_unfinished()]
         next_step = min(busy, key=lambda r: (r.clock.now, r.index)) if busy else None
@@ -203,6 +204,8 @@ def simulate(
         assert next_step is not None
         finished = next_step.engine.step()
         steps += 1
+        if steps % 1024 == 0:
+            timeline.append((steps, time.perf_counter()))
         next_step.sample(steps)
         for rid in finished:
             out = next_step.engine.pop_output(rid)
@@ -228,7 +231,22 @@ def simulate(
             progress(len(records), total)
     from kvpool.sim.report import build_report
 
-    return build_report(model, gpu, p, config, replicas, records, time.perf_counter() - started, cost)
+    report = build_report(model, gpu, p, config, replicas, records, time.perf_counter() - started, cost)
+    report["sim_us_per_step_by_quarter"] = _quarters(timeline)
+    return report
+
+
+def _quarters(timeline: list[tuple[int, float]]) -> list[float]:
+    """The simulator's own wall time per step in each quarter of the run (by steps): flat
+    when a step's cost does not grow with the requests already finished."""
+    if len(timeline) < 5:
+        return []
+    n = len(timeline) - 1
+    out = []
+    for q in range(4):
+        (s0, t0), (s1, t1) = timeline[q * n // 4], timeline[(q + 1) * n // 4]
+        out.append(round((t1 - t0) / (s1 - s0) * 1e6, 1) if s1 > s0 else 0.0)
+    return out
 
 
 def check_rate(rate: float) -> float:
