@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.sim.tokens import answer_ids, text_ids
+from kvpool.sim.tokens import answer_ids, batch_answer_ids, batch_text_ids, text_ids
 from kvpool.sim.trace import load_trace, sample_trace_path
 from kvpool.sim.workload import (
     CHAT_OUTPUT_LEN,
@@ -29,8 +29,6 @@ from kvpool.sim.workload import (
     Turn,
     Workload,
     agentic_workload,
-    batch_answer_ids,
-    batch_text_ids,
     chat_workload,
     poisson_starts,
     uniform_workload,

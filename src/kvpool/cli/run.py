@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from kvpool.capacity.engine import EngineConfig
 from kvpool.cli.args import non_negative_int, parse_bytes, positive_float, positive_int, rate
 from kvpool.cli.generate import add_model_arguments
+from kvpool.sim.report import percentile
 
 SYSTEM_TOPICS = [
     "a patient support agent for a company that sells bicycles, spare parts and repair services",
@@ -100,15 +101,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     add_model_arguments(parser)
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
 # ---- the workload ---------------------------------------------------------------------

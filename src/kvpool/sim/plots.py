@@ -48,15 +48,20 @@ def plot_runs(reports: list[dict], directory: str) -> list[str]:
     paths.append(_save(fig, directory, "latency_cdf.png"))
 
     fig, ax = plt.subplots(figsize=(8, 4))
+    top = 0.0
     for r in reports:
-        for i, series in enumerate(r["_series"]["occupancy"]):
+        series_list = r["_series"]["occupancy"]
+        # one run: every replica; several: replica 0 of each (a readable chart)
+        shown = series_list if len(reports) == 1 else series_list[:1]
+        for i, series in enumerate(shown):
             if series:
                 ts, used = zip(*series, strict=True)
-                suffix = f" / replica {i}" if len(r["_series"]["occupancy"]) > 1 else ""
+                suffix = f" / replica {i} of {len(series_list)}" if len(series_list) > 1 else ""
                 ax.plot(ts, [100 * u for u in used], label=_label(r) + suffix, linewidth=1)
+                top = max(top, 100 * max(used))
     ax.set_xlabel("time (s, virtual)")
     ax.set_ylabel("KV blocks held (% of the pool)")
-    ax.set_ylim(0, 105)
+    ax.set_ylim(0, min(105.0, max(1.0, top * 1.1)))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     ax.set_title(f"KV occupancy: {title}")
@@ -69,6 +74,8 @@ def plot_runs(reports: list[dict], directory: str) -> list[str]:
             ("prefix_hit_rate", "prefix hit rate"),
             ("ttft_ms_p99", "TTFT p99 (ms)"),
         ]
+        if not any(r["prefix_hit_rate"] for r in reports):  # nothing shared: show throughput instead
+            metrics[2] = ("throughput_tok_s", "throughput (tokens/s)")
         fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 4))
         labels = [_label(r) for r in reports]
         for ax, (key, name) in zip(axes, metrics, strict=True):

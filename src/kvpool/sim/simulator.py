@@ -108,7 +108,7 @@ class Replica:
             if len(self.occupancy) > _OCCUPANCY_POINTS:
                 self.occupancy = self.occupancy[::2]
                 self._every *= 2
-        if step % 64 == 0:
+        if step % 256 == 0:  # usage() walks the blocks held: a sample, not every step
             self.frag_samples.append(self.runner.usage().fragmentation)
 
 

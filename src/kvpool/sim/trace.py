@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
 
-from kvpool.sim.workload import Session, Turn, Workload, batch_text_ids
+from kvpool.sim.tokens import batch_text_ids
+from kvpool.sim.workload import Session, Turn, Workload
 
 FIELDS = frozenset(
     {"timestamp", "timestamp_ms", "prompt_ids", "hash_ids", "input_length", "output_length", "session", "tenant"}

@@ -39,12 +39,11 @@ one gap after 0), or all at 0 when `rate` is math.inf.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from kvpool.sim.tokens import stream_key
+from kvpool.sim.tokens import batch_text_ids, stream_key, stream_tokens
 
 # --- argument checks: a ValueError that names the parameter ---------------------------------
 
@@ -115,7 +114,7 @@ class Session:
         self._check_turn(turn)
         earlier = self.turns[:turn]
         # every earlier answer in one vectorised pass: [answer_0 | answer_1 | ... ] end to end
-        answers = _stream_tokens(
+        answers = stream_tokens(
             [stream_key(self.request_id(j)) for j in range(turn)],
             [t.output_len for t in earlier],
             vocab_size,
@@ -348,62 +347,3 @@ def _build_sessions(
         )
         sessions.append(Session(sid, starts[i], session_turns, prefix_ids=prefixes[i]))
     return tuple(sessions)
-
-
-# --- the batched twins of tokens.text_ids / tokens.answer_ids (tests hold them equal) --------
-
-_MULT = np.uint64(0x9E3779B97F4A7C15)  # tokens.token_at's constants, in uint64 (wrapping) arithmetic
-_MIX = np.uint64(0xBF58476D1CE4E5B9)
-_CHUNK = 1 << 20  # tokens per vectorised pass in batch_text_ids
-
-
-def _stream_tokens(keys: Sequence[int], lens: Sequence[int], vocab_size: int) -> np.ndarray:
-    """token_at(keys[i], p, vocab_size) for p in range(lens[i]), the streams end to end:
-    [sum(lens)] uint64."""
-    lens_arr = np.asarray(lens, dtype=np.int64)
-    firsts = np.cumsum(lens_arr) - lens_arr  # flat index of each stream's token 0
-    positions = np.arange(int(lens_arr.sum()), dtype=np.int64) - np.repeat(firsts, lens_arr)
-    x = np.repeat(np.asarray(keys, dtype=np.uint64), lens_arr)
-    x += (positions.astype(np.uint64) + np.uint64(1)) * _MULT
-    x ^= x >> np.uint64(31)
-    x *= _MIX
-    x ^= x >> np.uint64(29)
-    return x % np.uint64(vocab_size)
-
-
-def batch_text_ids(names: Sequence[str], lens: Sequence[int], vocab_size: int) -> list[tuple[int, ...]]:
-    """[tuple(text_ids(name, n, vocab_size)) for name, n in zip(names, lens)], vectorised.
-    The ints are shared objects from one table of the vocabulary: a workload of 20M prompt
-    tokens then holds 20M pointers (8 bytes each), not 20M int objects (28 bytes more each)."""
-    if len(names) != len(lens):
-        raise ValueError(f"names and lens differ in length: {len(names)} != {len(lens)}")
-    table = np.arange(vocab_size).astype(object)  # Python ints 0 .. vocab_size - 1
-    out: list[tuple[int, ...]] = []
-    first = 0
-    while first < len(names):
-        # streams [first, last) hold about _CHUNK tokens: the uint64 temporaries stay small
-        last, total = first + 1, lens[first]
-        while last < len(names) and total + lens[last] <= _CHUNK:
-            total += lens[last]
-            last += 1
-        keys = [stream_key(f"text:{name}") for name in names[first:last]]
-        shared = table[_stream_tokens(keys, lens[first:last], vocab_size).astype(np.intp)].tolist()
-        start = 0
-        for n in lens[first:last]:
-            out.append(tuple(shared[start : start + n]))
-            start += n
-        first = last
-    return out
-
-
-def batch_answer_ids(request_ids: Sequence[str], lens: Sequence[int], vocab_size: int) -> list[list[int]]:
-    """[answer_ids(rid, n, vocab_size) for rid, n in zip(request_ids, lens)], vectorised."""
-    if len(request_ids) != len(lens):
-        raise ValueError(f"request_ids and lens differ in length: {len(request_ids)} != {len(lens)}")
-    flat = _stream_tokens([stream_key(rid) for rid in request_ids], lens, vocab_size).tolist()
-    out = []
-    start = 0
-    for n in lens:
-        out.append(flat[start : start + n])
-        start += n
-    return out
