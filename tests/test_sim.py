@@ -135,6 +135,20 @@ def test_a_malformed_trace_line_names_the_line(capsys, tmp_path):
     assert "line 2" in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_a_trace_request_longer_than_the_model_names_its_line(capsys, tmp_path):
+    from kvpool.cli.main import main
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        '{"timestamp": 0, "prompt_ids": [1, 2, 3], "output_length": 4}\n'
+        '{"timestamp": 1, "hash_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16],'
+        ' "input_length": 8192, "output_length": 8}\n'
+    )
+    assert main(["simulate", "--model", "smollm2-135m", "--trace", str(trace)]) == 2
+    err = capsys.readouterr().err
+    assert "line2-t0" in err and "8,200 tokens" in err and "holds 8,192" in err, err
+
+
 # ---- the simulator's own claims, each on a small run --------------------------------------
 
 

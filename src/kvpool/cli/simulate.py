@@ -17,10 +17,11 @@ import argparse
 import itertools
 import json
 import math
+import multiprocessing
 import os
+import signal
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 
 from kvpool.cli.args import non_negative_int, positive_float, positive_int, rate
 
@@ -242,6 +243,10 @@ def _public(report: dict) -> dict:
     return {k: v for k, v in report.items() if not k.startswith("_")}
 
 
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _sweep_one(payload: tuple[argparse.Namespace, dict]) -> dict:
     args, combo = payload
     return _public(_one(args, combo, progress=False))
@@ -253,8 +258,16 @@ def run(args: argparse.Namespace) -> int:
         rows = []
         jobs = min(args.jobs or os.cpu_count() or 1, len(combos))
         if jobs > 1:
-            with ProcessPoolExecutor(jobs) as pool:
-                rows = list(pool.map(_sweep_one, [(args, c) for c in combos]))
+            # workers ignore Ctrl-C; the parent stops them and reports one line (cli/main.py)
+            pool = multiprocessing.get_context("spawn").Pool(jobs, initializer=_ignore_sigint)
+            try:
+                rows = pool.map(_sweep_one, [(args, c) for c in combos])
+                pool.close()
+            except BaseException:
+                pool.terminate()
+                raise
+            finally:
+                pool.join()
         else:
             rows = [_sweep_one((args, c)) for c in combos]
         text = "".join(json.dumps(r) + "\n" for r in rows)

@@ -13,17 +13,16 @@ run under the same scheduler.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
 from kvpool.cache import Admission, CacheUsage, ReleaseReason
 
 
-@dataclass(frozen=True)
-class ScheduledChunk:
-    """One sequence's work in a step: compute KV for positions [start, start + len(token_ids))."""
+class ScheduledChunk(NamedTuple):
+    """One sequence's work in a step: compute KV for positions [start, start + len(token_ids)).
+    (A named tuple: the engine makes one per sequence per step, a frozen dataclass costs 3x.)"""
 
     seq_id: str
     token_ids: list[int]

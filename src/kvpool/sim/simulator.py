@@ -161,7 +161,16 @@ def simulate(
     longest = workload.max_request_len()
     limit = model.max_position_embeddings
     if longest > limit:
-        raise ValueError(f"the workload's longest request is {longest:,} tokens; {model.name} holds {limit:,}")
+        sid, turn, n = next(
+            (s.session_id, k, s.prompt_len(k) + t.output_len)
+            for s in workload.sessions
+            for k, t in enumerate(s.turns)
+            if s.prompt_len(k) + t.output_len > limit
+        )
+        raise ValueError(
+            f"request {sid}-t{turn} (a trace's line is in its id) needs {n:,} tokens (prompt + output); "
+            f"{model.name} holds {limit:,}"
+        )
     max_len = config.max_model_len or longest
     if max_len < longest:
         raise ValueError(f"max_model_len {max_len:,} is shorter than the workload's longest request ({longest:,})")
