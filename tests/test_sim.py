@@ -253,3 +253,19 @@ def test_the_sample_trace_replays(capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["workload"] == "trace" and report["num_finished"] == 39
     assert report["prefix_hit_tokens"] > 0  # its hash ids share prefixes
+
+
+def test_v4_checkpoint_restore_replays_nothing_and_costs_state_blocks():
+    """A V4 prefix hit by recompute replays the last n_win x layers tokens (all of a chat
+    prompt); from a checkpoint it copies one state block instead, whose slots come out of
+    the classical pool."""
+    from kvpool.sim.workload import chat_workload
+
+    wl = chat_workload(20, 3, 4.0, 129_280, seed=5)
+    replay = _simulate("deepseek-v4-flash", wl, tp=2, max_num_seqs=32)
+    ckpt = _simulate("deepseek-v4-flash", wl, tp=2, max_num_seqs=32, v4_restore="checkpoint", num_checkpoints=64)
+    assert replay["replayed_tokens"] == replay["prefix_hit_tokens"] > 0  # every hit shorter than 5,504 tokens
+    assert ckpt["replayed_tokens"] == 0 and ckpt["checkpoint_copies"] > 0 and ckpt["prefix_hit_tokens"] > 0
+    assert ckpt["ttft_ms_p50"] < replay["ttft_ms_p50"]
+    state = replay["kv_capacity_bytes"] - replay["num_blocks"] * replay["block_bytes"]  # 32 state blocks
+    assert replay["num_blocks"] - ckpt["num_blocks"] == pytest.approx(64 * state / 32 / replay["block_bytes"], abs=1)

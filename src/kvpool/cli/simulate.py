@@ -107,6 +107,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=positive_int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
     parser.add_argument("--max-model-len", type=positive_int, default=None, help="default: the longest request")
+    parser.add_argument(
+        "--v4-restore",
+        type=_choices(("recompute", "checkpoint")),
+        default="recompute",
+        help="V4 dual: a prefix hit's state by replaying the last n_win x layers tokens, or from a checkpoint",
+    )
+    parser.add_argument(
+        "--v4-checkpoints", type=non_negative_int, default=None, help="V4 checkpoint slots (default 2 x max-num-seqs)"
+    )
     parser.add_argument("--kv-dtype", default="auto", help="auto (the model's serving dtype), bf16, fp8, fp32")
     parser.add_argument("--slo-ttft-ms", type=positive_float, default=2000.0)
     parser.add_argument("--slo-tpot-ms", type=positive_float, default=100.0)
@@ -196,6 +205,8 @@ def _one(args, combo: dict, progress: bool) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         kv_dtype=args.kv_dtype,
+        v4_restore=args.v4_restore,
+        num_checkpoints=args.v4_checkpoints,
         slo_ttft_ms=args.slo_ttft_ms,
         slo_tpot_ms=args.slo_tpot_ms,
     )

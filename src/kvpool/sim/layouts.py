@@ -12,7 +12,10 @@ planner's KV pool (`kvpool plan`'s ledger) for one replica:
   dual        DeepSeek-V4's classical + state pools (DSV4CacheManager): compressed entries
               in blocks of `block_size` (a multiple of 128) with prefix hits at block
               boundaries, one state block per running request (window + compressor tails),
-              `max_num_seqs` of them, carved out of the pool first.
+              `max_num_seqs` of them, carved out of the pool first. A prefix hit rebuilds
+              the state by recompute (replaying the last n_win x layers tokens) or, with
+              `v4_restore="checkpoint"`, from one of `num_checkpoints` state snapshots
+              taken at block boundaries (state blocks too, out of the same pool).
 """
 
 from __future__ import annotations
@@ -40,7 +43,14 @@ def default_layout(plan: Plan) -> str:
 
 
 def build_layout(
-    plan: Plan, name: str, *, enable_prefix_caching: bool, max_num_seqs: int, max_model_len: int
+    plan: Plan,
+    name: str,
+    *,
+    enable_prefix_caching: bool,
+    max_num_seqs: int,
+    max_model_len: int,
+    v4_restore: str = "recompute",
+    num_checkpoints: int = 0,
 ) -> BuiltLayout:
     """The manager of layout `name` over the plan's pool. ValueError when the layout does not
     apply to the model or the pool holds nothing of it."""
@@ -64,12 +74,22 @@ def build_layout(
         state = int(layout.state_block_bytes)
         block = int(layout.bytes_per_block_all_groups)
         num_states = min(max_num_seqs, pool // (state + block))
-        num_blocks = (pool - num_states * state) // block
+        # checkpoint slots are state blocks too, carved out before the classical blocks
+        num_blocks = (pool - (num_states + num_checkpoints) * state) // block
         if num_states <= 0 or num_blocks <= 0:
-            raise ValueError(f"a pool of {pool:,} bytes holds no state block of {state:,} bytes and a block")
+            raise ValueError(
+                f"a pool of {pool:,} bytes holds no state block of {state:,} bytes "
+                f"(and {num_checkpoints} checkpoints) and a block"
+            )
         spec = dsv4_spec.DSV4Spec.from_config(v4.to_dict(), name=v4.name, block_span=q)
         manager = DSV4CacheManager(
-            spec, num_blocks, num_states, descriptor, enable_prefix_caching=enable_prefix_caching
+            spec,
+            num_blocks,
+            num_states,
+            descriptor,
+            enable_prefix_caching=enable_prefix_caching,
+            restore=v4_restore,
+            num_checkpoints=num_checkpoints,
         )
         return BuiltLayout(name, manager, block, state, pool)
     if name == "contiguous":

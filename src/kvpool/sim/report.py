@@ -96,6 +96,8 @@ def build_report(
         "prefix_queried_tokens": int(queried),
         "prefix_hit_tokens": int(hit),
         "replayed_tokens": int(sum(s["replayed_tokens"] for s in stats)),
+        "checkpoint_copies": int(sum(s["checkpoint_copies"] for s in stats)),
+        "v4_restore": config.v4_restore,
         "alloc_latency_us_p50": round(percentile(alloc_us, 0.5), 2),
         "alloc_latency_us_p99": round(percentile(alloc_us, 0.99), 2),
         "num_alloc_calls": len(alloc_us),

@@ -12,7 +12,8 @@ of a session carries exactly the answer its prefix cache holds).
 What each step costs beyond its chunks:
   - a V4 prefix hit restored by recompute replays tokens [replay_start, num_cached) in the
     step that needs the state (engine/dsv4_runner.py defers it the same way);
-  - copy-on-write copies are priced as the bytes they move (read + write).
+  - copy-on-write copies, and V4 state checkpoints (restored at admission, snapshot at
+    block boundaries), are priced as the bytes they move (read + write).
 """
 
 from __future__ import annotations
@@ -79,7 +80,10 @@ class SimRunner:
         self._keys: dict[str, int] = {}  # request id -> its answer stream (sim/tokens.py)
         self._replays: dict[str, tuple[int, int]] = {}  # seq -> (replay_start, num_cached), priced next step
         self._num_states_taken = 0
+        self._restores = 0  # checkpoint restores since the last step (priced as a state copy)
+        self._checkpointing = self.dual and manager.restore == "checkpoint" and manager.enable_prefix_caching
         self.num_replayed_tokens = 0
+        self.num_checkpoint_copies = 0
         self.num_copied_blocks = 0
         self.busy_s = 0.0  # the sum of step times: the replica's busy time
 
@@ -94,6 +98,8 @@ class SimRunner:
             restore = adm.restore
             if restore is not None and restore.method == "recompute":
                 self._replays[seq_id] = (restore.replay_start, adm.num_cached_tokens)
+            elif restore is not None and restore.method == "checkpoint":
+                self._restores += 1  # a checkpoint copied into the request's state block
         return adm
 
     def reserve(self, seq_ids: Sequence[str], num_new_tokens: Sequence[int]) -> bool:
@@ -144,6 +150,12 @@ class SimRunner:
                 self.num_replayed_tokens += end - start
             self._replays.clear()
         moved = 0
+        if self._checkpointing:
+            # state copies: checkpoints restored at admission, snapshots the step takes
+            copies = self._restores + sum(len(self.manager.pending_reservation(c.seq_id).checkpoints) for c in chunks)
+            self._restores = 0
+            self.num_checkpoint_copies += copies
+            moved = 2 * copies * self.state_block_bytes
         if not self.dual:
             copies = self.manager.take_copies()
             self.num_copied_blocks += len(copies)
@@ -186,4 +198,5 @@ class SimRunner:
             "hash_collisions": m.pool.num_collisions,
             "replayed_tokens": self.num_replayed_tokens,
             "copied_blocks": self.num_copied_blocks,
+            "checkpoint_copies": self.num_checkpoint_copies,
         }

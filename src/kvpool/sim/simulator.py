@@ -52,6 +52,8 @@ class SimConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None  # None: the workload's longest request
     kv_dtype: str = "auto"
+    v4_restore: str = "recompute"  # V4 dual: how a prefix hit rebuilds the state
+    num_checkpoints: int | None = None  # V4 checkpoint restore: snapshots kept (None: 2 x max_num_seqs)
     slo_ttft_ms: float = 2000.0
     slo_tpot_ms: float = 100.0
 
@@ -67,6 +69,10 @@ class SimConfig:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.v4_restore not in ("recompute", "checkpoint"):
+            raise ValueError(f"v4_restore must be 'recompute' or 'checkpoint', got {self.v4_restore!r}")
+        if self.num_checkpoints is not None and self.num_checkpoints < 0:
+            raise ValueError(f"num_checkpoints must be >= 0, got {self.num_checkpoints}")
         if not self.load_cap >= 1:
             raise ValueError(f"load_cap must be >= 1, got {self.load_cap}")
 
@@ -127,6 +133,12 @@ def _make_replica(index: int, model: ModelSpec, p: Plan, config: SimConfig, cost
         enable_prefix_caching=config.enable_prefix_caching,
         max_num_seqs=config.max_num_seqs,
         max_model_len=max_len,
+        v4_restore=config.v4_restore,
+        num_checkpoints=(
+            0
+            if config.v4_restore == "recompute"
+            else (2 * config.max_num_seqs if config.num_checkpoints is None else config.num_checkpoints)
+        ),
     )
     runner = SimRunner(
         built.manager,
