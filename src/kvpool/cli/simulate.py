@@ -225,18 +225,24 @@ def _one(args, combo: dict, progress: bool) -> dict:
 
 
 class _Progress:
-    """A progress bar on stderr, shown once a run has taken a second (terminals only)."""
+    """Progress on stderr once a run has taken a second: a bar on a terminal, else (piped,
+    CI) a line every 15 s. Updates are throttled: the simulator calls it every step."""
 
     def __init__(self, total: int) -> None:
         self.total, self.start, self.bar, self.task = total, time.perf_counter(), None, None
-        self.enabled = sys.stderr.isatty()
+        self.tty = sys.stderr.isatty()
+        self._next = self.start + 1.0
 
     def update(self, done: int, total: int) -> None:
-        if not self.enabled:
+        now = time.perf_counter()
+        if now < self._next:
             return
+        if not self.tty:
+            print(f"kvpool simulate: {done:,} of {total:,} requests finished", file=sys.stderr, flush=True)
+            self._next = now + 15.0
+            return
+        self._next = now + 0.1
         if self.bar is None:
-            if time.perf_counter() - self.start < 1.0:
-                return
             from rich.console import Console
             from rich.progress import Progress
 
@@ -296,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
             for path in plot_sweep(rows, args.plot):
                 print(f"kvpool simulate sweep: wrote {path}", file=sys.stderr)
         return 0
-    reports = [_one(args, c, progress=not args.json) for c in combos]
+    reports = [_one(args, c, progress=True) for c in combos]
     if args.plot:
         from kvpool.sim.plots import plot_runs
 
