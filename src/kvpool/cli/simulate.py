@@ -85,7 +85,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", type=_choices(WORKLOADS), default="chat", help="chat, agentic or uniform")
     parser.add_argument("--trace", default=None, help="replay a JSONL trace instead (docs/SIM_TRACE.md)")
     parser.add_argument("--trace-block-size", type=positive_int, default=512, help="tokens per hash id of a trace")
-    parser.add_argument("--requests", type=positive_int, default=1000, help="requests (chat: sessions x turns)")
+    parser.add_argument(
+        "--requests",
+        type=positive_int,
+        default=1000,
+        help="requests (chat, agentic: ceil(requests / turns) sessions of --turns turns each)",
+    )
     parser.add_argument("--sessions", type=positive_int, default=None, help="sessions (default: requests / turns)")
     parser.add_argument("--turns", type=positive_int, default=None, help="turns per session (chat 4, agentic 8)")
     parser.add_argument(
@@ -168,6 +173,10 @@ def _fit_tp(model, gpu, args) -> int:
     """--tp, or the fewest GPUs (1, 2, 4, 8) whose pool holds a block."""
     from kvpool.capacity.planner import plan
 
+    if gpu.kind == "cpu":  # one machine: no tensor parallelism across CPUs
+        if args.tp not in (None, 1):
+            raise ValueError("--tp: the cpu preset is one machine; tensor parallelism needs GPUs")
+        return 1
     if args.tp:
         return args.tp
     for tp in (1, 2, 4, 8):

@@ -59,9 +59,10 @@ def build_layout(
     model, layout = plan.model, plan.layout
     pool = int(plan.ledger.pool_bytes)
     if pool <= 0:
+        fix = "the machine holds no larger model" if plan.gpu.kind == "cpu" else "raise --tp"
         raise ValueError(
             f"{model.name} leaves no KV pool on {plan.tp} x {plan.gpu.name} (weights "
-            f"{plan.weights.per_gpu_bytes / 2**30:.1f} GiB per GPU): raise --tp"
+            f"{plan.weights.per_gpu_bytes / 2**30:.1f} GiB per device): {fix}"
         )
     q = layout.block_size
     descriptor = CacheDescriptor(model_id=model.name, layout_id=f"sim:{name}:{q}:{layout.kv_dtype}:tp{plan.tp}")
