@@ -23,7 +23,7 @@ import signal
 import sys
 import time
 
-from kvpool.cli.args import non_negative_int, positive_float, positive_int, rate
+from kvpool.cli.args import comma_choices, non_negative_int, positive_float, positive_int, rate
 
 WORKLOADS = ("chat", "agentic", "uniform")
 SUMMARY_KEYS = (
@@ -55,15 +55,6 @@ def _list(parse):
     return parse_list
 
 
-def _choices(choices: tuple[str, ...]):
-    def parse(text: str) -> str:
-        if text not in choices:
-            raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(choices)}")
-        return text
-
-    return parse
-
-
 def _range(text: str) -> tuple[int, int]:
     try:
         lo, hi = (int(x) for x in text.split(":"))
@@ -82,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="a preset (kvpool plan --list-models) or config.json")
     parser.add_argument("--gpu", default="h200", help="h100, h200, b200 or cpu (this machine, calibrated)")
     parser.add_argument("--tp", type=positive_int, default=None, help="GPUs per replica (default: the fewest that fit)")
-    parser.add_argument("--workload", type=_choices(WORKLOADS), default="chat", help="chat, agentic or uniform")
+    parser.add_argument("--workload", choices=WORKLOADS, default="chat", help="chat, agentic or uniform")
     parser.add_argument("--trace", default=None, help="replay a JSONL trace instead (docs/SIM_TRACE.md)")
     parser.add_argument("--trace-block-size", type=positive_int, default=512, help="tokens per hash id of a trace")
     parser.add_argument(
@@ -100,13 +91,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=_range, default=(64, 512), help="uniform: output tokens LO:HI")
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument(
-        "--layout", type=_list(_choices(LAYOUTS)), default=None, help="paged, contiguous, dual (V4); a list compares"
+        "--layout", type=comma_choices(LAYOUTS), default=None, help="paged, contiguous, dual (V4); a list compares"
     )
     parser.add_argument("--block-size", type=_list(positive_int), default=(None,), help="tokens per block; a list")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--replicas", type=positive_int, default=1)
     parser.add_argument(
-        "--routing", type=_list(_choices(ROUTINGS)), default=("round-robin",), help=f"{', '.join(ROUTINGS)}; a list"
+        "--routing", type=comma_choices(ROUTINGS), default=("round-robin",), help=f"{', '.join(ROUTINGS)}; a list"
     )
     parser.add_argument("--load-cap", type=positive_float, default=1.5, help="prefix-aware: load cap x the least load")
     parser.add_argument("--max-num-seqs", type=positive_int, default=256)
@@ -114,7 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=positive_int, default=None, help="default: the longest request")
     parser.add_argument(
         "--v4-restore",
-        type=_choices(("recompute", "checkpoint")),
+        choices=("recompute", "checkpoint"),
         default="recompute",
         help="V4 dual: a prefix hit's state by replaying the last n_win x layers tokens, or from a checkpoint",
     )

@@ -76,6 +76,14 @@ class SimConfig:
         if not self.load_cap >= 1:
             raise ValueError(f"load_cap must be >= 1, got {self.load_cap}")
 
+    @property
+    def checkpoint_slots(self) -> int:
+        """V4 state snapshots the dual pool keeps: none for recompute, else 2 x max_num_seqs
+        unless num_checkpoints says otherwise."""
+        if self.v4_restore == "recompute":
+            return 0
+        return 2 * self.max_num_seqs if self.num_checkpoints is None else self.num_checkpoints
+
 
 @dataclass
 class RequestRecord:
@@ -134,11 +142,7 @@ def _make_replica(index: int, model: ModelSpec, p: Plan, config: SimConfig, cost
         max_num_seqs=config.max_num_seqs,
         max_model_len=max_len,
         v4_restore=config.v4_restore,
-        num_checkpoints=(
-            0
-            if config.v4_restore == "recompute"
-            else (2 * config.max_num_seqs if config.num_checkpoints is None else config.num_checkpoints)
-        ),
+        num_checkpoints=config.checkpoint_slots,
     )
     runner = SimRunner(
         built.manager,
