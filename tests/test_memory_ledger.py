@@ -28,12 +28,12 @@ import pytest
 
 from kvpool.capacity.engine import ENGINE_TERMS, EngineConfig
 from kvpool.capacity.planner import plan
-from kvpool.cli.bench_ledger import compare
+from kvpool.cli.bench_ledger import RUN_WORKLOAD, compare
 from kvpool.engine.memory import TERMS, MeasuredLedger, peak_rss_bytes
 from kvpool.spec.gpus import cpu_device
 from kvpool.spec.models import load_preset
 
-RUN = "--json --num-requests 16 --turns 1 --num-long 0 --max-tokens 4 --request-rate inf".split()
+RUN = RUN_WORKLOAD  # the workload `kvpool bench ledger` runs
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +106,11 @@ def test_a_line_that_breaks_its_rule_is_reported(run_report, predicted):
     assert failing == {("kv_pool", "data"), ("transient", "chunked_prefill")}
 
 
-def test_bench_ledger_prints_the_comparison(capsys):
+def test_bench_ledger_prints_the_comparison(capsys, monkeypatch, tmp_path):
     from kvpool.cli.main import main
+
+    monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path))  # a weight cache of its own, never the user's
+    monkeypatch.delenv("KVPOOL_WEIGHT_CACHE", raising=False)
 
     assert main(["bench", "ledger", "--device", "cpu", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)

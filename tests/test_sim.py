@@ -93,10 +93,20 @@ def test_cli_runs_and_reports_the_runs_keys(capsys, tmp_path):
 
     assert main(["simulate", "--model", "llama-3.1-8b", "--gpu", "h200", "--requests", "60", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    for key in ("ttft_ms_p50", "tpot_ms_p99", "throughput_tok_s", "goodput_req_s", "prefix_hit_rate", "preemptions"):
-        assert key in report
+    # every key of `kvpool run --json`'s report but the engine's own (memory, load, bandwidth)
+    run_keys = (
+        "model kv_capacity_tokens kv_capacity_bytes block_size num_blocks fragmentation prefix_hit_rate "
+        "prefix_queried_tokens prefix_hit_tokens alloc_latency_us_p50 alloc_latency_us_p99 num_alloc_calls "
+        "num_noop_alloc_calls ttft_ms_p50 ttft_ms_p99 tpot_ms_p50 tpot_ms_p99 latency_ms_p50 latency_ms_p99 "
+        "throughput_tok_s goodput_req_s slo_ttft_ms slo_tpot_ms request_rate preemptions num_requests "
+        "num_finished num_generated_tokens num_steps wall_s interrupted"
+    ).split()
+    assert set(run_keys) <= set(report), set(run_keys) - set(report)
     assert (report["layout"], report["replicas"], report["routing"]) == ("paged", 1, "round-robin")
-    assert report["num_finished"] == 60 and report["sim_wall_s"] > 0
+    assert report["num_requests"] == report["num_finished"] == 60 and report["sim_wall_s"] > 0
+    assert report["throughput_tok_s"] == pytest.approx(report["num_generated_tokens"] / report["wall_s"], rel=1e-3)
+    assert 0 < report["per_replica"][0]["busy_share"] <= 1
+    assert 0 < report["fragmentation"] < 1  # sampled from the first step: partial tail blocks
     assert report["prefix_hit_rate"] > 0.3  # chat: shared system prompts and each session's history
 
 
@@ -251,7 +261,7 @@ def test_the_sample_trace_replays(capsys):
 
     assert main(["simulate", "--model", "llama-3.1-8b", "--trace", str(sample_trace_path()), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["workload"] == "trace" and report["num_finished"] == 39
+    assert report["workload"] == "trace" and report["num_finished"] == 39 and report["request_rate"] == "trace"
     assert report["prefix_hit_tokens"] > 0  # its hash ids share prefixes
 
 

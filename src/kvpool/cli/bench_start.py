@@ -18,6 +18,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 from kvpool.cli.args import positive_int
@@ -35,12 +36,17 @@ def _start(argv: list[str], env: dict[str, str]) -> tuple[float, float, bytes]:
     begin = time.perf_counter()
     # unbuffered: the first byte is read from the pipe itself, and nothing sits in a buffer
     # that communicate() would not see
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, bufsize=0)
-    assert proc.stdout is not None
-    first = proc.stdout.read(1)
-    first_s = time.perf_counter() - begin
-    rest, err = proc.communicate(timeout=600)
-    exit_s = time.perf_counter() - begin
+    # stderr to a file, not a pipe: a child that writes more than a pipe holds to stderr
+    # before its first byte on stdout would block, and so would this read
+    with tempfile.TemporaryFile() as err_file:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err_file, env=env, bufsize=0)
+        assert proc.stdout is not None
+        first = proc.stdout.read(1)
+        first_s = time.perf_counter() - begin
+        rest, _ = proc.communicate(timeout=600)
+        exit_s = time.perf_counter() - begin
+        err_file.seek(0)
+        err = err_file.read()
     if proc.returncode != 0:  # a ValueError: main prints it as one line (a bad --model, say)
         raise ValueError(f"{' '.join(argv[2:])} exited {proc.returncode}: {err.decode(errors='replace')[-500:]}")
     return first_s, exit_s, first + rest

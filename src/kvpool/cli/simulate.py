@@ -82,10 +82,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1000,
         help="requests (chat, agentic: ceil(requests / turns) sessions of --turns turns each)",
     )
-    parser.add_argument("--sessions", type=positive_int, default=None, help="sessions (default: requests / turns)")
-    parser.add_argument("--turns", type=positive_int, default=None, help="turns per session (chat 4, agentic 8)")
     parser.add_argument(
-        "--rate", type=_list(rate), default=(4.0,), help="new sessions per second, Poisson (inf: all at once); a list"
+        "--sessions", type=positive_int, default=None, help="chat, agentic: sessions (default: requests / turns)"
+    )
+    parser.add_argument(
+        "--turns", type=positive_int, default=None, help="chat, agentic: turns per session (chat 4, agentic 8)"
+    )
+    parser.add_argument(
+        "--rate",
+        type=_list(rate),
+        default=(4.0,),
+        help="new sessions per second, Poisson (inf: all at once); a list (a trace keeps its own times)",
     )
     parser.add_argument("--prompt-len", type=_range, default=(128, 2048), help="uniform: prompt tokens LO:HI")
     parser.add_argument("--output-len", type=_range, default=(64, 512), help="uniform: output tokens LO:HI")
@@ -151,6 +158,8 @@ def _workload(args, model, rate_value: float):
     if args.trace:
         return load_trace(args.trace, vocab, block_size=args.trace_block_size)
     if args.workload == "uniform":
+        if args.sessions or args.turns:
+            raise ValueError("--sessions and --turns shape chat and agentic sessions; uniform has single requests")
         return wl.uniform_workload(
             args.requests, rate_value, vocab, args.seed, prompt_len=args.prompt_len, output_len=args.output_len
         )
@@ -183,7 +192,8 @@ def _fit_tp(model, gpu, args) -> int:
 def _runs(args) -> list[dict]:
     """Every combination the flags ask for, as keyword sets of `_one`."""
     layouts = args.layout or (None,)
-    combos = itertools.product(layouts, args.block_size, args.routing, args.rate)
+    rates = (math.nan,) if args.trace else args.rate  # a trace carries its own arrival times
+    combos = itertools.product(layouts, args.block_size, args.routing, rates)
     return [{"layout": lay, "block_size": bs, "routing": ro, "rate": ra} for lay, bs, ro, ra in combos]
 
 
@@ -219,7 +229,7 @@ def _one(args, combo: dict, progress: bool) -> dict:
         if bar:
             bar.close()
     report["workload"] = "trace" if args.trace else args.workload
-    report["request_rate"] = combo["rate"] if math.isfinite(combo["rate"]) else "inf"
+    report["request_rate"] = "trace" if args.trace else combo["rate"] if math.isfinite(combo["rate"]) else "inf"
     report["workload_params"] = workload.params
     return report
 

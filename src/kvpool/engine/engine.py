@@ -32,6 +32,7 @@ from kvpool.engine.runner import ModelRunner, ScheduledChunk
 from kvpool.engine.sampling import SamplingParams, sample_token
 
 _T = TypeVar("_T")
+LATENCY_SAMPLES = 1 << 16  # admit / reserve latencies kept per kind (the latest)
 
 
 @dataclass
@@ -86,8 +87,12 @@ class EngineStats:
 
     num_steps: int = 0
     num_preemptions: int = 0
-    alloc_call_s: list[float] = field(default_factory=list)  # calls that allocated
-    noop_call_s: list[float] = field(default_factory=list)  # calls that took nothing
+    num_alloc_calls: int = 0
+    num_noop_calls: int = 0
+    # the latest calls' seconds, for percentiles: bounded, so a long-running engine holds a
+    # fixed amount whatever it has served
+    alloc_call_s: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_SAMPLES))  # allocated
+    noop_call_s: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_SAMPLES))  # took nothing
 
 
 @dataclass(frozen=True)
@@ -240,7 +245,13 @@ class Engine:
         start = time.perf_counter()
         result = call()
         elapsed = time.perf_counter() - start
-        (self.stats.alloc_call_s if self.runner.num_allocations() != before else self.stats.noop_call_s).append(elapsed)
+        stats = self.stats
+        if self.runner.num_allocations() != before:
+            stats.num_alloc_calls += 1
+            stats.alloc_call_s.append(elapsed)
+        else:
+            stats.num_noop_calls += 1
+            stats.noop_call_s.append(elapsed)
         return result
 
     def _preempt(self, seq: SequenceState) -> None:

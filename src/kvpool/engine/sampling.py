@@ -48,13 +48,6 @@ class SamplingParams:
 NUCLEUS_CANDIDATES = 256
 
 
-def sampler_scratch_bytes(vocab_size: int) -> int:
-    """The most the sampler can hold at once for one row: on the full-sort top-p path, the
-    fp32 scores, probabilities, sorted probabilities, their cumulative sum, the masked copy
-    and the draw's CDF (6 x 4 B) and the sorted int64 ids (8 B), per vocabulary entry."""
-    return vocab_size * (6 * 4 + 8)
-
-
 _scratch_peak = 0  # the most bytes one sample_token call held in its tensors, in this process
 
 

@@ -94,11 +94,13 @@ def plot_sweep(rows: list[dict], directory: str) -> list[str]:
     os.makedirs(directory, exist_ok=True)
     lines: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for r in rows:
-        rate = float("inf") if r["request_rate"] == "inf" else float(r["request_rate"])
+        if r["request_rate"] in ("inf", "trace"):  # all at once, or a trace's own times: no rate to plot
+            continue
+        rate = float(r["request_rate"])
         lines[_label(r)].append((rate, r["goodput_req_s"]))
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, points in sorted(lines.items()):
-        points = sorted(p for p in points if p[0] != float("inf"))
+        points = sorted(points)
         if points:
             ax.plot(*zip(*points, strict=True), marker="o", label=label)
     ax.set_xlabel("arrival rate (sessions / s)")

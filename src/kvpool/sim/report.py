@@ -46,10 +46,18 @@ def _latency_keys(records) -> dict[str, float]:
 
 
 def build_report(
-    model: ModelSpec, gpu: GPUSpec, p: Plan, config, replicas, records, sim_wall_s: float, cost: CostModel
+    model: ModelSpec,
+    gpu: GPUSpec,
+    p: Plan,
+    config,
+    replicas,
+    records,
+    num_requests: int,
+    sim_wall_s: float,
+    cost: CostModel,
 ) -> dict:
     start = min((r.arrival_s for r in records), default=0.0)
-    end = max((r.arrival_s + (r.latency_s or 0.0) for r in records), default=0.0)
+    end = max((r.arrival_s + r.latency_s for r in records), default=0.0)
     span = end - start
     generated = sum(r.output_len for r in records)
     ttft_slo, tpot_slo = config.slo_ttft_ms / 1e3, config.slo_tpot_ms / 1e3
@@ -100,8 +108,8 @@ def build_report(
         "v4_restore": config.v4_restore,
         "alloc_latency_us_p50": round(percentile(alloc_us, 0.5), 2),
         "alloc_latency_us_p99": round(percentile(alloc_us, 0.99), 2),
-        "num_alloc_calls": len(alloc_us),
-        "num_noop_alloc_calls": sum(len(rep.engine.stats.noop_call_s) for rep in replicas),
+        "num_alloc_calls": sum(rep.engine.stats.num_alloc_calls for rep in replicas),
+        "num_noop_alloc_calls": sum(rep.engine.stats.num_noop_calls for rep in replicas),
         **_latency_keys(records),
         "throughput_tok_s": round(generated / span, 2) if span else 0.0,
         "goodput_req_s": round(good / span, 4) if span else 0.0,
@@ -110,7 +118,7 @@ def build_report(
         "slo_tpot_ms": config.slo_tpot_ms,
         "peak_running": max(rep.peak_running for rep in replicas),
         "preemptions": sum(rep.engine.num_preemptions for rep in replicas),
-        "num_requests": len(records),
+        "num_requests": num_requests,
         "num_finished": len(records),
         "num_generated_tokens": generated,
         "num_steps": sum(rep.engine.num_steps for rep in replicas),

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -95,7 +94,7 @@ class RequestRecord:
     cached_tokens: int
     ttft_s: float | None
     tpot_s: float | None
-    latency_s: float | None
+    latency_s: float  # a record is made when the request finished
 
 
 @dataclass
@@ -115,14 +114,16 @@ class Replica:
     def load(self) -> int:
         return len(self.engine.running) + len(self.engine.waiting)
 
-    def sample(self, step: int) -> None:
+    def sample(self) -> None:
+        """After each of this replica's steps (its own count: replicas step in any order)."""
+        step = self.engine.num_steps
         self.peak_running = max(self.peak_running, len(self.engine.running))
         if step % self._every == 0:
             self.occupancy.append((self.clock.now, self.runner.num_used_blocks() / self.runner.manager.num_blocks))
             if len(self.occupancy) > _OCCUPANCY_POINTS:
                 self.occupancy = self.occupancy[::2]
                 self._every *= 2
-        if step % 256 == 0:  # usage() walks the blocks held: a sample, not every step
+        if step % 256 == 1:  # usage() walks the blocks held: a sample, not every step (from the first)
             self.frag_samples.append(self.runner.usage().fragmentation)
 
 
@@ -231,7 +232,7 @@ def simulate(
         steps += 1
         if steps % 1024 == 0:
             timeline.append((steps, time.perf_counter()))
-        next_step.sample(steps)
+        next_step.sample()
         for rid in finished:
             out = next_step.engine.pop_output(rid)
             sid, turn, index, arrival = turn_of.pop(rid)
@@ -256,7 +257,7 @@ def simulate(
             progress(len(records), total)
     from kvpool.sim.report import build_report
 
-    report = build_report(model, gpu, p, config, replicas, records, time.perf_counter() - started, cost)
+    report = build_report(model, gpu, p, config, replicas, records, total, time.perf_counter() - started, cost)
     report["sim_us_per_step_by_quarter"] = _quarters(timeline)
     return report
 
@@ -272,9 +273,3 @@ def _quarters(timeline: list[tuple[int, float]]) -> list[float]:
         (s0, t0), (s1, t1) = timeline[q * n // 4], timeline[(q + 1) * n // 4]
         out.append(round((t1 - t0) / (s1 - s0) * 1e6, 1) if s1 > s0 else 0.0)
     return out
-
-
-def check_rate(rate: float) -> float:
-    if not (rate > 0 or math.isinf(rate)):
-        raise ValueError(f"rate must be positive (or inf: all at once), got {rate}")
-    return rate
