@@ -8,8 +8,9 @@ turns (chat prompts over three shared system prompts) and its long prompts, at i
 arrivals, each answer exactly --max-tokens long (its second turns, which carry the model's
 own answers, are left out); the engine configuration of `kvpool run` (256 MiB of blocks
 of 16, 256 tokens and 16 sequences a step). Printed: TPOT, TTFT and throughput, measured
-and predicted, and their ratio. The cost model's CPU efficiencies were calibrated on pure
-decode (sim/cost.py); this mix of prefill chunks and decodes is not what they were fitted on.
+and predicted, and their ratio. Both hold the same 364 blocks. The cost model's CPU efficiencies were
+fitted on a batch-1 decode and a cold prefill (sim/cost.py); this mix of prefill chunks and
+decodes is not what they were fitted on.
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ def _run_sim(model, workload) -> dict:
         max_num_seqs=ENGINE["max_num_seqs"],
         max_num_batched_tokens=ENGINE["max_num_batched_tokens"],
         max_model_len=ENGINE["num_blocks"] * ENGINE["block_size"],
+        num_blocks=ENGINE["num_blocks"],  # the engine's pool, not the planner's for the whole machine
         kv_dtype="fp32",
     )
     report = simulate(model, gpu, workload, config, CostModel(model, gpu))

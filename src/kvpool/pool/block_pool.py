@@ -262,6 +262,7 @@ class BlockPool:
         for i in range(max_blocks):
             chunk = prompt_bytes[i * block_width : (i + 1) * block_width]
             extra = extras[i] if extras is not None else b""
+            # BlockHasher.chain, inlined (a call per block costs ~40 % of a lookup: kvpool bench pool)
             found = index.get(digest(parent.block_hash + chunk + extra))
             if found is None:
                 break

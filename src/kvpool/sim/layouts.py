@@ -51,11 +51,15 @@ def build_layout(
     max_model_len: int,
     v4_restore: str = "recompute",
     num_checkpoints: int = 0,
+    num_blocks: int | None = None,
 ) -> BuiltLayout:
     """The manager of layout `name` over the plan's pool. ValueError when the layout does not
-    apply to the model or the pool holds nothing of it."""
+    apply to the model or the pool holds nothing of it. num_blocks (paged only): exactly
+    that many blocks, at most what the pool holds (to replay an engine's own pool)."""
     if name not in LAYOUTS:
         raise ValueError(f"unknown layout {name!r}; one of {', '.join(LAYOUTS)}")
+    if num_blocks is not None and name != "paged":
+        raise ValueError(f"num_blocks sizes the paged layout only, not {name!r}")
     model, layout = plan.model, plan.layout
     pool = int(plan.ledger.pool_bytes)
     if pool <= 0:
@@ -107,8 +111,12 @@ def build_layout(
         dtype = dsv4_spec.SERVING if layout.kv_dtype == "fp8" else "bfloat16"
         window_per_token = v4.swa_state_bytes(dtype) / v4.window
         block = int(block + q * window_per_token)
-    num_blocks = pool // block
-    if num_blocks <= 0:
+    fits = pool // block
+    if fits <= 0:
         raise ValueError(f"a pool of {pool:,} bytes holds no block of {block:,} bytes")
-    manager = FullAttentionManager(num_blocks, q, descriptor, enable_prefix_caching=enable_prefix_caching)
+    if num_blocks is not None and num_blocks > fits:
+        raise ValueError(f"num_blocks {num_blocks:,} exceeds the {fits:,} blocks of {block:,} bytes the pool holds")
+    manager = FullAttentionManager(
+        fits if num_blocks is None else num_blocks, q, descriptor, enable_prefix_caching=enable_prefix_caching
+    )
     return BuiltLayout(name, manager, block, 0, pool)

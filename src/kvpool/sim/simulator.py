@@ -50,6 +50,7 @@ class SimConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None  # None: the workload's longest request
+    num_blocks: int | None = None  # paged: this many blocks instead of the planner's pool (an engine's own)
     kv_dtype: str = "auto"
     v4_restore: str = "recompute"  # V4 dual: how a prefix hit rebuilds the state
     num_checkpoints: int | None = None  # V4 checkpoint restore: snapshots kept (None: 2 x max_num_seqs)
@@ -66,6 +67,8 @@ class SimConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.block_size is not None and self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.v4_restore not in ("recompute", "checkpoint"):
@@ -144,6 +147,7 @@ def _make_replica(index: int, model: ModelSpec, p: Plan, config: SimConfig, cost
         max_model_len=max_len,
         v4_restore=config.v4_restore,
         num_checkpoints=config.checkpoint_slots,
+        num_blocks=config.num_blocks,
     )
     runner = SimRunner(
         built.manager,
