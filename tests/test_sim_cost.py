@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpool.sim.cost import CostModel, sum_visible
+from kvpool.spec.dsv4 import SERVING
 from kvpool.spec.gpus import GIB, GPUS, GPUSpec, cpu_preset, custom_gpu, get_gpu
 from kvpool.spec.models import load_preset
 
@@ -108,6 +109,12 @@ def test_moe_flops_count_only_the_routed_top_k() -> None:
     active = p.attention + p.attention_replicated + p.mlp + p.router + 36 * 4 * per_expert
     assert cm.active_params_per_token == active
     assert active < 0.06 * p.total  # ~5.1 B of 117 B are active
+    # at TP 8 the sharded weights (attention, MLP, the routed experts) split 8 ways; the
+    # router stays whole on every rank
+    p8 = CostModel(model, H200, tp=8).weights.params
+    assert p8 == p
+    hand = (p.attention + p.mlp) / 8 + p.attention_replicated + p.router + 36 * 4 * per_expert / 8
+    assert CostModel(model, H200, tp=8).active_params_per_token == hand
 
 
 # ----- DeepSeek-V3.2 and V4 ------------------------------------------------------------------
@@ -136,6 +143,11 @@ def test_v4_flash_decode_at_128k_reads_window_topk_indexer_and_hca_entries() -> 
         43 * 4 * heads * d * 128 + 21 * 4 * heads * d * 512 + 20 * 4 * heads * d * 1024
     ) + 21 * 2 * v4.index_n_heads * v4.index_head_dim * csa_entries
     assert cm.step_cost([(1, ctx)]).attention_flops == attention
+    # and the decode writes its token: its classical share (a 128-token block's entries and
+    # keys / 128) and its SWA entry in every layer
+    written = v4.classical_bytes_per_token(SERVING, "fp8") + 43 * 584
+    assert written == 3850.25 + 25_112
+    assert cm.step_cost([(1, ctx)]).kv_bytes == expected + written
 
 
 def test_v4_kv_in_fp32_matches_the_engines_own_storage_formula() -> None:
