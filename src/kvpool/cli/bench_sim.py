@@ -57,7 +57,7 @@ def _run_engine(loaded, workload) -> dict:
     """The real engine on the wall clock: each request added when its arrival time comes."""
     from kvpool.engine.build import build_engine
     from kvpool.engine.sampling import SamplingParams
-    from kvpool.sim.report import percentile
+    from kvpool.sim.stats import percentile
 
     engine = build_engine(loaded, **ENGINE)
     vocab = workload.vocab_size

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from kvpool.capacity.engine import EngineConfig
 from kvpool.cli.args import non_negative_int, parse_bytes, positive_float, positive_int, rate
 from kvpool.cli.generate import add_model_arguments
-from kvpool.sim.report import percentile
+from kvpool.sim.stats import percentile
 
 SYSTEM_TOPICS = [
     "a patient support agent for a company that sells bicycles, spare parts and repair services",

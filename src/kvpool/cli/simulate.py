@@ -66,8 +66,7 @@ def _range(text: str) -> tuple[int, int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvpool.sim.layouts import LAYOUTS
-    from kvpool.sim.routing import ROUTINGS
+    from kvpool.sim.routing import LAYOUTS, ROUTINGS  # (no imports there: --help stays fast)
 
     parser.add_argument("mode", nargs="?", choices=("run", "sweep"), default="run", help="one run (or a few) / a sweep")
     parser.add_argument("--model", default="smollm2-135m", help="a preset (kvpool plan --list-models) or config.json")

@@ -24,9 +24,8 @@ from dataclasses import dataclass
 
 from kvpool.cache import CacheDescriptor, DSV4CacheManager, FullAttentionManager
 from kvpool.capacity.planner import Plan
+from kvpool.sim.routing import LAYOUTS
 from kvpool.spec import dsv4 as dsv4_spec
-
-LAYOUTS: tuple[str, ...] = ("paged", "contiguous", "dual")
 
 
 @dataclass

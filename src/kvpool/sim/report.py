@@ -9,18 +9,9 @@ from __future__ import annotations
 
 from kvpool.capacity.planner import Plan
 from kvpool.sim.cost import CostModel
+from kvpool.sim.stats import percentile
 from kvpool.spec.gpus import GPUSpec
 from kvpool.spec.models import ModelSpec
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between the order statistics (numpy's default); 0 for none."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
 def describe_cost(cost: CostModel) -> dict:

@@ -17,6 +17,9 @@ if TYPE_CHECKING:
     from kvpool.sim.simulator import Replica
 
 ROUTINGS: tuple[str, ...] = ("round-robin", "least-loaded", "prefix-aware")
+# the layouts a replica can hold (sim/layouts.py builds them); named here, where nothing is
+# imported, so that the CLI's parser does not load the cache managers
+LAYOUTS: tuple[str, ...] = ("paged", "contiguous", "dual")
 
 
 class Router:
