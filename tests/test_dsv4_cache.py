@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.cache import CacheDescriptor, DSV4CacheManager, StateRestore
+from kvpool.cache import CacheDescriptor, DSV4CacheManager, Reservation, StateRestore
 from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG
 from kvpool.spec.dsv4 import DSV4Spec
 
@@ -42,6 +43,37 @@ def test_blocks_only_for_complete_spans() -> None:
     res = _compute(m, "a", 24)  # 40 tokens: spans 1 (32) complete, 8 tail tokens in state
     assert res.new_block_ids == (1,) and m.block_ids("a") == [0, 1]
     assert m.num_computed_tokens("a") == 40 and m.num_free_blocks == 9
+
+
+def test_a_decode_batch_takes_a_block_only_at_a_span_boundary() -> None:
+    m = make(2, 3)
+    for rid, n in (("a", 14), ("b", 16)):
+        m.admit(rid, _ids(n), 0)
+        _compute(m, rid, n - 1)  # the last prompt token is the first decode
+    before = m.pool.free_queue()
+    with pytest.raises(ValueError, match="'a' already has an uncommitted reservation"):
+        assert m.reserve_step(["a"], [1])
+        m.reserve_step(["b", "a"], [1, 1])
+    assert m.pool.free_queue() == before and m.pending_reservation("b") is None
+    m.commit_step(["a"], [1], [5])
+    # a decodes token 14 (inside span 0), b token 15 (the end of span 0): one block, b's
+    assert m.reserve_step(["a", "b"], [1, 1])
+    assert m.pending_reservation("a") == Reservation(14, 1, (), (), ())
+    assert m.pending_reservation("b").start == 15 and m.pending_reservation("b").new_block_ids == (0,)
+    m.check_integrity()
+    m.commit_step(["a", "b"], [1, 1], [6, None])
+    assert (m.block_ids("a"), m.block_ids("b")) == ([], [0])
+    assert m.num_computed_tokens("a") == 15 and m.token_ids("a")[-2:] == [5, 6]
+    with pytest.raises(ValueError, match="'b': cannot compute 1 tokens from 16"):
+        m.reserve_step(["a", "b"], [1, 1])  # b knows no next token
+    assert m.pending_reservation("a") is None and m.num_free_blocks == 1
+    m.admit("c", _ids(15), 0)
+    _compute(m, "c", 15)
+    m.append_token_ids("c", [8])
+    # a and c both decode token 15, each completing its span 0: two blocks, one free: neither
+    assert m.reserve_step(["a", "c"], [1, 1]) is False
+    assert m.pending_reservation("a") is None and m.pending_reservation("c") is None and m.num_free_blocks == 1
+    m.check_integrity()
 
 
 def test_admission_waits_for_a_state_block() -> None:
@@ -206,7 +238,7 @@ class Model:
         assert len(set(slots)) == len(slots) and m.num_free_state_blocks == m.num_state_blocks - len(slots)
 
 
-OPS = st.sampled_from(["admit", "step", "step", "step", "unreserve", "fork", "release"])
+OPS = st.sampled_from(["admit", "step", "step", "step", "decode", "decode", "commit", "unreserve", "fork", "release"])
 
 
 @settings(max_examples=int(os.environ.get("KVPOOL_HYPOTHESIS_EXAMPLES", "150")), deadline=None)
@@ -242,6 +274,39 @@ def test_lifecycle_against_a_model(restore: str, ops: list[tuple[str, int, int, 
                 res = m.reserve(rid, min(n, left))
                 if res is not None:
                     model.reserved(rid, res)
+        elif op == "decode":
+            # the engine's decode steps: every request without a pending step, one token each,
+            # n rounds (across span boundaries) committed by commit_step; with flag one round,
+            # left pending for a later "step" (commit) or "commit" (commit_step)
+            for _ in range(1 if flag else n):
+                ids = [r for r in m.request_ids if r not in model.pending]
+                for r in ids:
+                    if m.num_tokens(r) == m.num_computed_tokens(r):
+                        m.append_token_ids(r, [n])
+                        model.tokens[r].append(n)
+                free_before = m.pool.free_queue()
+                if not m.reserve_step(ids, [1] * len(ids)):
+                    assert m.pool.free_queue() == free_before and all(m.pending_reservation(r) is None for r in ids)
+                    break
+                for r in ids:
+                    model.reserved(r, m.pending_reservation(r))
+                if not flag:
+                    m.commit_step(ids, [1] * len(ids), [None] * len(ids))
+                    for r in ids:
+                        model.committed(r)
+                model.check()
+        elif op == "commit" and model.pending:  # commit_step over every pending step, next tokens known
+            ids = sorted(model.pending)
+            counts = [model.pending[r][0] for r in ids]
+            nexts = [
+                None if flag or m.num_computed_tokens(r) + c < m.num_tokens(r) else n
+                for r, c in zip(ids, counts, strict=True)
+            ]
+            m.commit_step(ids, counts, nexts)
+            for r, next_id in zip(ids, nexts, strict=True):
+                model.committed(r)
+                if next_id is not None:
+                    model.tokens[r].append(next_id)
         elif op == "unreserve" and rid in model.pending:
             m.unreserve(rid)
             del model.pending[rid]

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpool.sim.cost import CostModel, sum_visible
+from kvpool.sim.calibrate import EngineStepTimes, fit_engine
+from kvpool.sim.cost import DEVICE_DEFAULTS, CostModel, sum_visible
 from kvpool.spec.dsv4 import SERVING
 from kvpool.spec.gpus import GIB, GPUS, GPUSpec, cpu_preset, custom_gpu, get_gpu
 from kvpool.spec.models import load_preset
@@ -206,15 +208,74 @@ def test_cpu_preset_runs_the_engines_fp32_model_at_the_measured_figures() -> Non
     assert (cpu.kind, cpu.hbm_bandwidth_bytes_per_s, cpu.peak_fp32_flops) == ("cpu", 33.2e9, 179e9)
     cm = CostModel(load_preset("smollm2-135m"), cpu)  # "auto" on a CPU: the engine's fp32 weights and KV
     assert (cm.weights.weight_dtype, cm.layout.kv_dtype) == ("fp32", "fp32")
-    # what the engine reaches of those peaks (sim/cost.py: from kvpool bench engine)
-    assert (cm.compute_efficiency, cm.bandwidth_efficiency, cm.step_overhead_s) == (0.67, 0.49, 3.9e-3)
+    # what the engine reaches of those peaks (sim/cost.py: fitted by kvpool bench sim)
+    assert (cm.compute_efficiency, cm.bandwidth_efficiency, cm.step_overhead_s) == (0.76, 0.56, 0.0)
+    assert (cm.seq_overhead_s, cm.prefill_chunk_overhead_s) == (8.7e-3, 66e-3)
     assert cm.kv_read_bytes(100) == 100 * 30 * 2 * 3 * 64 * 4  # fp32 K and V, like the engine's pool
     decode = cm.step_cost([(1, 100)])
     weights = 134_515_008 * 4  # every fp32 weight (tied head)
     assert decode.weight_bytes == pytest.approx(weights + 576 * 4, rel=1e-12)
-    assert decode.time_s == pytest.approx((weights + 576 * 4 + decode.kv_bytes) / (33.2e9 * 0.49) + 3.9e-3, rel=1e-12)
-    # the batch-1 step the efficiencies came from: 36.9 ms measured (kvpool bench engine)
-    assert decode.time_s == pytest.approx(36.9e-3, rel=0.05)
+    assert decode.time_s == pytest.approx((weights + 576 * 4 + decode.kv_bytes) / (33.2e9 * 0.56) + 8.7e-3, rel=1e-12)
+    # the batch-1 decodes the fit timed: 37.5-39.2 ms (kvpool bench sim, 2026-12-02)
+    assert decode.time_s == pytest.approx(38e-3, rel=0.05)
+
+
+def test_per_sequence_and_per_prefill_chunk_overheads_add_to_the_roofline() -> None:
+    model = load_preset("smollm2-135m")
+    bare = CostModel(model, H200, step_overhead_s=1e-3)
+    cm = CostModel(model, H200, step_overhead_s=1e-3, seq_overhead_s=2e-3, prefill_chunk_overhead_s=5e-3)
+    chunks = [(1, 100), (1, 200), (32, 300), (300, 300)]  # two decodes, two prefill chunks
+    assert cm.step_time(chunks) == pytest.approx(bare.step_time(chunks) + 4 * 2e-3 + 2 * 5e-3, rel=1e-12)
+    assert cm.step_time([(1, 100)]) == pytest.approx(bare.step_time([(1, 100)]) + 2e-3, rel=1e-12)
+    with pytest.raises(ValueError, match="prefill_chunk_overhead_s must be >= 0, got -1"):
+        CostModel(model, H200, prefill_chunk_overhead_s=-1)
+
+
+def _times_of(cm: CostModel, batch: int = 8, n_pf: int = 256, n_ps: int = 64) -> EngineStepTimes:
+    """The step times `time_engine_steps` would measure if the engine ran exactly as `cm` says."""
+    return EngineStepTimes(
+        batch,
+        n_pf,
+        n_ps,
+        cm.step_time([(1, n_pf + 4)]),
+        cm.step_time([(1, n_pf + 4)] * batch),
+        cm.step_time([(n_pf, n_pf)]),
+        cm.step_time([(n_ps, n_ps)]),
+    )
+
+
+def _cpu_model(model, compute: float, bandwidth: float, step_overhead_s: float) -> CostModel:
+    return CostModel(
+        model,
+        cpu_preset(),
+        compute_efficiency=compute,
+        bandwidth_efficiency=bandwidth,
+        step_overhead_s=step_overhead_s,
+        seq_overhead_s=8e-3,
+        prefill_chunk_overhead_s=50e-3,
+    )
+
+
+def test_the_engine_fit_recovers_the_parameters_that_made_the_times() -> None:
+    model, cpu = load_preset("smollm2-135m"), cpu_preset()
+    bw = DEVICE_DEFAULTS["cpu"].bandwidth_efficiency
+    truth = _cpu_model(model, 0.7, bw, 2e-3)
+    fit = fit_engine(_times_of(truth))
+    got = (fit.compute_efficiency, fit.bandwidth_efficiency, fit.step_overhead_s, fit.seq_overhead_s)
+    assert got + (fit.prefill_chunk_overhead_s,) == pytest.approx((0.7, bw, 2e-3, 8e-3, 50e-3), rel=1e-9)
+    # weights that stream faster than the default: no step overhead, the bandwidth is fitted
+    fast = _cpu_model(model, 0.7, 0.8, 0.0)
+    fit = fit_engine(_times_of(fast))
+    assert (fit.bandwidth_efficiency, fit.step_overhead_s) == pytest.approx((0.8, 0.0), abs=1e-9)
+    # a fit predicts the steps it was fitted on
+    assert fit.cost_model(model, cpu).step_time([(64, 64)]) == pytest.approx(fast.step_time([(64, 64)]), rel=1e-9)
+    # times no machine of this model gives (a batch of 8 decodes 20x one): refused, named
+    busy = EngineStepTimes.mean(_times_of(truth), _times_of(truth))
+    busy = dataclasses.replace(busy, decode_b_s=20 * busy.decode_1_s, decode_1_s=busy.decode_1_s / 3)
+    with pytest.raises(RuntimeError, match="do not fit the cost model .* another process using the CPUs"):
+        fit_engine(busy)
+    with pytest.raises(ValueError, match="timed different steps"):
+        EngineStepTimes.mean(_times_of(truth), _times_of(truth, batch=4))
 
 
 # ----- inputs -----------------------------------------------------------------------------

@@ -68,7 +68,14 @@ class _Pending:
     evicted_blocks: list[tuple[int, PrefixBlock]]  # cached blocks its allocation evicted (undo restores them)
 
 
-@dataclass
+# The pending step of a decode that completes no span (most decodes): one token, no block,
+# no chain, no checkpoint. Everything else it would record follows from the request
+# (its start is num_computed, which nothing moves before the commit), so one shared marker
+# stands for all of them and `pending_reservation` spells it out on demand.
+_ONE_TOKEN = _Pending(Reservation(-1, 1, (), (), ()), [], [], [], [])
+
+
+@dataclass(slots=True)
 class _Request:
     request_id: str
     token_ids: list[int]
@@ -126,7 +133,10 @@ class DSV4CacheManager(CacheManager):
 
     def pending_reservation(self, request_id: str) -> Reservation | None:
         """The reserved, not yet committed step of a request, if any."""
-        pending = self._get(request_id).pending
+        req = self._get(request_id)
+        pending = req.pending
+        if pending is _ONE_TOKEN:
+            return Reservation(req.num_computed, 1, (), (), ())
         return None if pending is None else pending.reservation
 
     def num_new_blocks(self, request_id: str, num_new_tokens: int) -> int:
@@ -283,6 +293,23 @@ class DSV4CacheManager(CacheManager):
         if len(set(request_ids)) != len(request_ids):
             raise ValueError(f"a request appears twice in {list(request_ids)}")
         reqs = [self._get(r) for r in request_ids]
+        span = self.span
+        if num_new_tokens.count(1) == len(reqs):  # all decodes: most complete no span
+            growing = []
+            for req in reqs:
+                if req.pending is not None or req.num_computed >= len(req.token_ids):
+                    self._check_reserve(req, 1)  # raises, naming the problem
+                if (req.num_computed + 1) % span:
+                    continue
+                growing.append(req)
+            if len(growing) > self.pool.num_free:
+                return False
+            for req in reqs:
+                req.pending = _ONE_TOKEN
+            for req in growing:
+                req.pending = None
+                self._apply_reserve(req, 1, 1)
+            return True
         num_needed = 0
         for req, n in zip(reqs, num_new_tokens, strict=True):
             self._check_reserve(req, n)
@@ -295,6 +322,9 @@ class DSV4CacheManager(CacheManager):
 
     def _apply_reserve(self, req: _Request, num_new_tokens: int, num_new: int) -> Reservation:
         if num_new == 0:  # the step completes no span (most decodes): no block, no chain, no checkpoint
+            if num_new_tokens == 1:
+                req.pending = _ONE_TOKEN
+                return Reservation(req.num_computed, 1, (), (), ())
             reservation = Reservation(req.num_computed, num_new_tokens, (), (), ())
             req.pending = _Pending(reservation, [], [], [], [])
             return reservation
@@ -420,9 +450,14 @@ class DSV4CacheManager(CacheManager):
             raise ValueError(f"a request appears twice in {list(request_ids)}")
         reqs = [self._get(r) for r in request_ids]
         for req, n in zip(reqs, num_tokens, strict=True):
-            self._check_commit(req, n)
+            if req.pending is not _ONE_TOKEN or n != 1:
+                self._check_commit(req, n)
         for req, next_token_id in zip(reqs, next_token_ids, strict=True):
-            self._apply_commit(req)
+            if req.pending is _ONE_TOKEN:
+                req.num_computed += 1
+                req.pending = None
+            else:
+                self._apply_commit(req)
             if next_token_id is not None:
                 req.token_ids.append(next_token_id)
 

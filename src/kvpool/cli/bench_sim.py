@@ -8,9 +8,13 @@ turns (chat prompts over three shared system prompts) and its long prompts, at i
 arrivals, each answer exactly --max-tokens long (its second turns, which carry the model's
 own answers, are left out); the engine configuration of `kvpool run` (256 MiB of blocks
 of 16, 256 tokens and 16 sequences a step). Printed: TPOT, TTFT and throughput, measured
-and predicted, and their ratio. Both hold the same 364 blocks. The cost model's CPU efficiencies were
-fitted on a batch-1 decode and a cold prefill (sim/cost.py); this mix of prefill chunks and
-decodes is not what they were fitted on.
+and predicted, and their ratio, for two cost models: the `cpu` preset's defaults
+(DEVICE_DEFAULTS in sim/cost.py, fitted once on a quiet day) and a fit made in this
+process (sim/calibrate.py `fit_engine`: decodes of 1 and 8 sequences and fresh prefills
+of 256 and 64 tokens, timed just before and just after the engine's run, since this VM's
+speed drifts by tens of percent within minutes). Both simulations hold the same 364
+blocks. Neither model sees the workload's own steps: chunks over cached prefixes, decodes
+of other batch sizes and contexts.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import time
 
 from kvpool.cli.args import positive_float, positive_int
@@ -89,11 +94,9 @@ def _run_engine(loaded, workload) -> dict:
     }
 
 
-def _run_sim(model, workload) -> dict:
-    from kvpool.sim.cost import CostModel, cpu_preset
+def _run_sim(model, workload, cost) -> dict:
     from kvpool.sim.simulator import SimConfig, simulate
 
-    gpu = cpu_preset()
     config = SimConfig(
         layout="paged",
         block_size=ENGINE["block_size"],
@@ -103,7 +106,7 @@ def _run_sim(model, workload) -> dict:
         num_blocks=ENGINE["num_blocks"],  # the engine's pool, not the planner's for the whole machine
         kv_dtype="fp32",
     )
-    report = simulate(model, gpu, workload, config, CostModel(model, gpu))
+    report = simulate(model, cost.gpu, workload, config, cost)
     tpots = report["_series"]["tpot_ms"]
     return {
         "tpot_ms_p50": report["tpot_ms_p50"],
@@ -115,28 +118,73 @@ def _run_sim(model, workload) -> dict:
     }
 
 
+_TIMES = ("decode_1_s", "decode_b_s", "prefill_s", "prefill_small_s")
+
+
+def _ratios(predicted: dict, measured: dict) -> dict:
+    return {k: round(predicted[k] / measured[k], 3) for k in measured if measured[k]}
+
+
 def run(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
     from kvpool.engine.build import load_model
+    from kvpool.sim.calibrate import EngineStepTimes, fit_engine, time_engine_steps
+    from kvpool.sim.cost import CostModel, cpu_preset
     from kvpool.spec.models import load_preset
 
     loaded = load_model(device="cpu")
-    model = load_preset("smollm2-135m")
+    model, gpu = load_preset("smollm2-135m"), cpu_preset()
     workload = _workload(args, loaded)
+    # The fit's steps are timed now, before and after the run (the VM's speed drifts), on
+    # other steps than the workload's; the model is fitted to their mean.
+    before = time_engine_steps(loaded, ENGINE, seed=args.seed)
     measured = _run_engine(loaded, workload)
-    predicted = _run_sim(model, workload)
-    ratios = {k: round(predicted[k] / measured[k], 3) for k in measured if measured[k]}
+    after = time_engine_steps(loaded, ENGINE, seed=args.seed + 1)
+    try:
+        fit = fit_engine(EngineStepTimes.mean(before, after))
+    except RuntimeError as error:  # a busy machine: one line, no traceback
+        print(f"kvpool bench sim: {error}", file=sys.stderr)
+        return 1
+    preset = _run_sim(model, workload, CostModel(model, gpu))
+    fitted = _run_sim(model, workload, fit.cost_model(model, gpu))
     report = {"requests": args.requests, "max_tokens": args.max_tokens, "rate": args.rate}
-    report |= {"measured": measured, "predicted": predicted, "predicted_over_measured": ratios}
+    report |= {
+        "fit": {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(fit).items()},
+        "fit_times_before_after_s": {k: [round(getattr(t, k), 6) for t in (before, after)] for k in _TIMES},
+        "measured": measured,
+        "predicted_preset": preset,
+        "predicted_fit": fitted,
+        "preset_over_measured": _ratios(preset, measured),
+        "fit_over_measured": _ratios(fitted, measured),
+    }
     if args.json:
         print(json.dumps(report))
         return 0
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"kvpool bench sim: {args.requests} chat requests on SmolLM2-135M, engine vs cpu preset")
-    for column in ("metric", "engine (measured)", "simulator (predicted)", "predicted / measured"):
+    console = Console()
+    table = Table(title=f"kvpool bench sim: {args.requests} chat requests on SmolLM2-135M, engine vs cpu cost model")
+    columns = ("metric", "engine (measured)", "preset defaults", "/ measured", "fitted now", "/ measured")
+    for column in columns:
         table.add_column(column, justify="right")
     for key in measured:
-        table.add_row(key, str(measured[key]), str(predicted[key]), str(ratios.get(key, "")))
-    Console().print(table)
+        table.add_row(
+            key,
+            str(measured[key]),
+            str(preset[key]),
+            str(report["preset_over_measured"].get(key, "")),
+            str(fitted[key]),
+            str(report["fit_over_measured"].get(key, "")),
+        )
+    console.print(table)
+    ms = {k: f"{getattr(fit, k) * 1e3:.1f}" for k in (*_TIMES, "step_overhead_s", "seq_overhead_s")}
+    console.print(
+        f"fitted on the engine's own steps, the mean of before and after the run: decodes of 1 and {fit.batch} "
+        f"sequences {ms['decode_1_s']} and {ms['decode_b_s']} ms, fresh prefills of {fit.prefill_tokens} and "
+        f"{fit.prefill_small_tokens} tokens {ms['prefill_s']} and {ms['prefill_small_s']} ms -> compute "
+        f"{fit.compute_efficiency:.3f}, bandwidth {fit.bandwidth_efficiency:.3f}, {ms['step_overhead_s']} ms a step "
+        f"+ {ms['seq_overhead_s']} ms a sequence + {fit.prefill_chunk_overhead_s * 1e3:.1f} ms a prefill chunk"
+    )
     return 0

@@ -35,7 +35,7 @@ _T = TypeVar("_T")
 LATENCY_SAMPLES = 1 << 16  # admit / reserve latencies kept per kind (the latest)
 
 
-@dataclass
+@dataclass(slots=True)
 class SequenceState:
     seq_id: str
     request: RequestState
@@ -56,7 +56,7 @@ class SequenceState:
         return len(self.token_ids) - len(self.request.prompt_ids)  # (no copy of the output)
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestState:
     request_id: str
     prompt_ids: list[int]
@@ -145,6 +145,7 @@ class Engine:
         self.requests: dict[str, RequestState] = {}
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
+        self._scheduled: list[SequenceState] = []  # the sequences of the last schedule(), in chunk order
         self.stats = EngineStats()
         self._ids = itertools.count()
 
@@ -171,7 +172,7 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt = [int(t) for t in prompt_ids]
+        prompt = list(map(int, prompt_ids))
         if not prompt:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
         limit = self.runner.max_model_len
@@ -181,8 +182,8 @@ class Engine:
                 f"at most {limit - 1} tokens fit (max_model_len {limit}, leaving room for one output token)"
             )
         vocab = self.runner.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            bad = [t for t in prompt if not 0 <= t < vocab]
             raise ValueError(f"request {request_id!r}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
         req = RequestState(request_id, prompt, params, self.clock() if arrival_time is None else arrival_time)
         seq = SequenceState(f"{request_id}/0", req, 0, list(prompt))
@@ -274,10 +275,10 @@ class Engine:
 
     @staticmethod
     def _chunk(seq: SequenceState, n: int) -> ScheduledChunk:
-        end = seq.num_computed + n
-        return ScheduledChunk(
-            seq.seq_id, seq.token_ids[seq.num_computed : end], seq.num_computed, end == len(seq.token_ids)
-        )
+        start = seq.num_computed
+        end = start + n
+        tokens = seq.token_ids
+        return ScheduledChunk(seq.seq_id, tokens[start:end], start, end == len(tokens))
 
     def _plan_running(self, budget: int) -> list[tuple[SequenceState, int]]:
         plan = []
@@ -320,7 +321,9 @@ class Engine:
                 num_preemptions = self.stats.num_preemptions
                 plan = self._reserve_with_preemption()
                 preempted = self.stats.num_preemptions > num_preemptions
-        chunks = [self._chunk(seq, n) for seq, n in plan]
+        chunk = self._chunk
+        chunks = [chunk(seq, n) for seq, n in plan]
+        scheduled = [seq for seq, _ in plan]  # chunks[i] is scheduled[i]'s
         budget = self.max_num_batched_tokens - sum(n for _, n in plan)
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -335,6 +338,7 @@ class Engine:
                 req.first_admitted = True
                 req.num_cached_tokens = min(admitted.num_cached_tokens, req.num_prompt_tokens)
             self.running.append(seq)
+            scheduled.append(seq)
             chunks.append(self._chunk(seq, admitted.num_scheduled_tokens))
             budget -= admitted.num_scheduled_tokens
         if not chunks and self.waiting:
@@ -343,6 +347,7 @@ class Engine:
                 f"sequence {head.seq_id!r} of {len(head.token_ids)} tokens cannot be admitted into an idle cache "
                 f"of {self.runner.capacity_tokens} tokens"
             )
+        self._scheduled = scheduled
         return chunks
 
     # ---- one step -------------------------------------------------------------------
@@ -355,13 +360,11 @@ class Engine:
         self.stats.num_steps += 1
         logits = self.runner.execute(chunks)
         now = self.clock()
-        seqs = {s.seq_id: s for s in self.running}
         next_token_ids: list[int | None] = [None] * len(chunks)
         done: list[tuple[SequenceState, str]] = []
         forks: list[tuple[SequenceState, torch.Tensor]] = []
         row = 0
-        for i, chunk in enumerate(chunks):
-            seq = seqs[chunk.seq_id]
+        for i, (seq, chunk) in enumerate(zip(self._scheduled, chunks, strict=True)):
             seq.num_computed += len(chunk.token_ids)
             if not chunk.needs_logits:
                 continue
@@ -421,7 +424,7 @@ class Engine:
         """Sample the sequence's next token and append it; the finish reason, if it ends here."""
         req = seq.request
         params = req.params
-        position = seq.num_output_tokens
+        position = len(seq.token_ids) - len(req.prompt_ids)  # seq.num_output_tokens, before this token
         token = self.sampler(logits, params, seq.sample_index, position)
         if self.record_logits:
             seq.logits.append(logits.detach().clone())
@@ -438,9 +441,7 @@ class Engine:
             if hits:
                 stop_text = text[: min(hits)]  # the text ends before the stop string
                 reason = "stop"
-        if reason is None and (
-            seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.runner.max_model_len
-        ):
+        if reason is None and (position + 1 >= params.max_tokens or len(seq.token_ids) >= self.runner.max_model_len):
             reason = "length"
         if reason is not None:
             if stop_text is not None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -110,6 +112,190 @@ def calibrate_processes(num_processes: int, buffer_mib: int = 512, repeats: int 
             for run in runs
         ],
     }
+
+
+@dataclass(frozen=True)
+class EngineFit:
+    """The cpu cost model's engine terms, fitted on timed steps of kvpool's own engine.
+
+    Each time is the median of `repeats` engine steps, timed now, in this process: decode_1_s
+    and decode_b_s, a decode step of 1 and of `batch` sequences over `prefill_tokens` tokens
+    of context each; prefill_s
+    and prefill_small_s, one step computing a fresh prompt of `prefill_tokens` and of
+    `prefill_small_tokens` tokens. With C and M a step's compute and memory seconds at
+    efficiency 1 (cost.py), the model is
+
+        t = max(C / compute_eff, M / bandwidth_eff) + step_overhead
+            + sequences x seq_overhead + prefill chunks x prefill_chunk_overhead
+
+    and the four times give, in order (the prefills are compute-bound, the decodes
+    memory-bound, at the bandwidth efficiency's default unless the overhead would be
+    negative: then the step overhead is 0 and the bandwidth efficiency is fitted):
+
+        compute_eff            = (C_prefill - C_small) / (prefill_s - prefill_small_s)
+        seq_overhead           = (decode_b_s - decode_1_s - (step_b - step_1)) / (batch - 1)
+                                 where step_x = max(C_x / compute_eff, M_x / bandwidth_eff)
+        step_overhead          = decode_1_s - seq_overhead - step_1
+        prefill_chunk_overhead = prefill_small_s - C_small / compute_eff - step_overhead - seq_overhead
+
+    On kvpool's CPU engine a prefill chunk costs tens of ms beyond its FLOPs, whatever its
+    length (a decode does not): that is the last term. The fitted steps are not the
+    workload's: `kvpool bench sim` predicts a mix of chunks over cached prefixes and decodes
+    of other batch sizes with them."""
+
+    batch: int
+    prefill_tokens: int
+    prefill_small_tokens: int
+    decode_1_s: float
+    decode_b_s: float
+    prefill_s: float
+    prefill_small_s: float
+    compute_efficiency: float
+    bandwidth_efficiency: float
+    step_overhead_s: float
+    seq_overhead_s: float
+    prefill_chunk_overhead_s: float
+
+    def cost_model(self, model, gpu):
+        from kvpool.sim.cost import CostModel
+
+        return CostModel(
+            model,
+            gpu,
+            compute_efficiency=self.compute_efficiency,
+            bandwidth_efficiency=self.bandwidth_efficiency,
+            step_overhead_s=self.step_overhead_s,
+            seq_overhead_s=self.seq_overhead_s,
+            prefill_chunk_overhead_s=self.prefill_chunk_overhead_s,
+        )
+
+
+def _median_step_s(engine, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@dataclass(frozen=True)
+class EngineStepTimes:
+    """Median seconds of the engine steps `EngineFit` is solved from (see there)."""
+
+    batch: int
+    prefill_tokens: int
+    prefill_small_tokens: int
+    decode_1_s: float
+    decode_b_s: float
+    prefill_s: float
+    prefill_small_s: float
+
+    @staticmethod
+    def mean(a: EngineStepTimes, b: EngineStepTimes) -> EngineStepTimes:
+        """The mean of two measurements of the same steps (timed before and after a run)."""
+        shape = ("batch", "prefill_tokens", "prefill_small_tokens")
+        if any(getattr(a, k) != getattr(b, k) for k in shape):
+            raise ValueError("the two measurements timed different steps")
+        times = ("decode_1_s", "decode_b_s", "prefill_s", "prefill_small_s")
+        return EngineStepTimes(*(getattr(a, k) for k in shape), *((getattr(a, k) + getattr(b, k)) / 2 for k in times))
+
+
+def time_engine_steps(
+    loaded,
+    engine_kwargs: dict,
+    *,
+    batch: int = 8,
+    prefill_tokens: int = 256,
+    prefill_small_tokens: int = 64,
+    repeats: int = 7,
+    seed: int = 0,
+) -> EngineStepTimes:
+    """Time the engine's decode and prefill steps on `loaded` (kvpool.engine.build), each
+    the median of `repeats`. The prompts are random token ids, drawn fresh each, so no step
+    hits the prefix cache."""
+    import random
+
+    from kvpool.engine.build import build_engine
+    from kvpool.engine.sampling import SamplingParams
+
+    if batch < 2 or not 2 <= prefill_small_tokens < prefill_tokens or repeats < 1:
+        raise ValueError(
+            f"need batch >= 2, 2 <= prefill_small_tokens < prefill_tokens and repeats >= 1, "
+            f"got {batch}, {prefill_small_tokens}, {prefill_tokens}, {repeats}"
+        )
+    if prefill_tokens > engine_kwargs["max_num_batched_tokens"]:
+        raise ValueError(f"prefill_tokens={prefill_tokens} does not fit one step of the engine")
+    rng = random.Random(seed)
+    vocab = loaded.model.config.vocab_size
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    def decode_s(num_seqs: int) -> float:
+        engine = build_engine(loaded, **engine_kwargs)
+        params = SamplingParams(max_tokens=repeats + num_seqs + 2, ignore_eos=True)
+        for _ in range(num_seqs):
+            engine.add_request(prompt(prefill_tokens), params)  # a chat prompt's context, not an empty one
+        while engine.waiting or any(s.num_computed < s.request.num_prompt_tokens for s in engine.running):
+            engine.step()  # the prompts, a step's budget at a time
+        engine.step()  # one decode of all of them to warm up
+        return _median_step_s(engine, repeats)
+
+    def prefill_s(n: int) -> float:
+        engine = build_engine(loaded, **engine_kwargs)
+        times = []
+        for _ in range(repeats + 1):
+            engine.add_request(prompt(n), SamplingParams(max_tokens=1, ignore_eos=True))
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[1:])  # the first warms up
+
+    d1, db = decode_s(1), decode_s(batch)
+    return EngineStepTimes(
+        batch, prefill_tokens, prefill_small_tokens, d1, db, prefill_s(prefill_tokens), prefill_s(prefill_small_tokens)
+    )
+
+
+def fit_engine(times: EngineStepTimes) -> EngineFit:
+    """The cpu cost model's efficiencies and overheads that reproduce `times` (see
+    EngineFit). RuntimeError when the times do not fit the model (another process on the
+    CPUs, typically)."""
+    from kvpool.sim.cost import DEVICE_DEFAULTS, CostModel
+    from kvpool.spec.gpus import cpu_preset
+    from kvpool.spec.models import load_preset
+
+    batch, n_pf, n_ps = times.batch, times.prefill_tokens, times.prefill_small_tokens
+    d1, db, pf, ps = times.decode_1_s, times.decode_b_s, times.prefill_s, times.prefill_small_s
+    model, gpu = load_preset("smollm2-135m"), cpu_preset()
+    unit = CostModel(model, gpu, compute_efficiency=1.0, bandwidth_efficiency=1.0, step_overhead_s=0.0)
+    one, many = unit.step_cost([(1, n_pf + 4)]), unit.step_cost([(1, n_pf + 4)] * batch)  # mid-measurement
+    c1, m1, cb, mb = one.compute_s, one.memory_s, many.compute_s, many.memory_s
+    c_pf = unit.step_cost([(n_pf, n_pf)]).compute_s
+    c_ps = unit.step_cost([(n_ps, n_ps)]).compute_s
+    compute_eff = (c_pf - c_ps) / (pf - ps) if pf > ps else math.inf
+    bw_eff = DEVICE_DEFAULTS["cpu"].bandwidth_efficiency
+    step_1, step_b = max(c1 / compute_eff, m1 / bw_eff), max(cb / compute_eff, mb / bw_eff)
+    seq_ov = (db - d1 - (step_b - step_1)) / (batch - 1)
+    step_ov = d1 - seq_ov - step_1
+    memory_bound = True  # the decodes, where the solution below assumes it
+    if step_ov < 0:
+        # The weights stream faster than the default says: no step overhead, and the two
+        # (memory-bound) decodes give the rest, d1 = seq_ov + m1 / e and db = batch x seq_ov + mb / e.
+        step_ov = 0.0
+        inverse = (batch * d1 - db) / (batch * m1 - mb)  # 1 / e
+        bw_eff = 1 / inverse if inverse > 0 else math.inf
+        seq_ov = d1 - m1 * inverse
+        memory_bound = cb / compute_eff <= mb * inverse
+    chunk_ov = ps - c_ps / compute_eff - step_ov - seq_ov
+    if not (0 < compute_eff <= 1 and 0 < bw_eff <= 1 and seq_ov >= 0 and chunk_ov >= 0 and memory_bound):
+        raise RuntimeError(
+            f"the engine's step times do not fit the cost model (decodes of 1 and {batch}: {d1 * 1e3:.1f} and "
+            f"{db * 1e3:.1f} ms, prefills of {n_pf} and {n_ps} tokens: {pf * 1e3:.1f} and {ps * 1e3:.1f} ms): "
+            "is another process using the CPUs?"
+        )
+    return EngineFit(batch, n_pf, n_ps, d1, db, pf, ps, compute_eff, bw_eff, step_ov, seq_ov, chunk_ov)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,7 +4,8 @@ A step runs one chunk per scheduled sequence: chunk i computes n_i new tokens af
 cached ones, so its context after the step is ctx_i = c_i + n_i (a decode is (1, ctx)).
 All figures are per GPU of a tensor-parallel group of `tp`:
 
-    time_s    = max(compute_s, memory_s) + step_overhead_s
+    time_s    = max(compute_s, memory_s) + step_overhead_s + C x seq_overhead_s
+                + (chunks with n_i > 1) x prefill_chunk_overhead_s
     compute_s = linear_flops / (peak(weights) x compute_efficiency)
               + attention_flops / (peak(attention) x compute_efficiency)
     memory_s  = (weight_bytes + kv_bytes) / (bandwidth x bandwidth_efficiency)
@@ -61,14 +62,14 @@ Default efficiencies (`DEVICE_DEFAULTS`, by device kind):
   reaches ~70% on large BF16 GEMMs, attention, norms and small GEMMs pull it down),
   bandwidth 0.8 (decode GEMVs and paged-attention kernels stream at 75-90% of HBM peak),
   overhead 2 ms (scheduling, input preparation and sampling of a Python engine step).
-- cpu: what kvpool's own CPU engine reaches of `cpu_preset()`'s measured peaks, from
-  `kvpool bench engine --json` of 2026-12-01 on the same machine (README): bandwidth
-  0.49 (its batch-1 matmuls alone read the 538 MB of fp32 weights at 16.3 GB/s, against
-  33.2 GB/s for a plain sum); overhead 3.9 ms (the batch-1 step, 36.9 ms, less those
-  matmuls, 33.0 ms: norms, RoPE, attention, sampling, the scheduler); compute 0.67 (a cold
-  1,000-token prefill took 2,063 ms; its 247 GFLOP take 1,380 ms at the measured 179
-  GFLOP/s). Fitted on a batch-1 decode and a long prefill, no mixed step: `kvpool bench
-  sim` checks them on kvpool run's workload.
+- cpu: what kvpool's own CPU engine reaches of `cpu_preset()`'s measured peaks, fitted
+  by `kvpool bench sim` (sim/calibrate.py `fit_engine`: decodes of 1 and 8 sequences over
+  256 tokens of context, fresh prefills of 256 and 64 tokens) on 2026-12-02, each the
+  median of three runs (compute 0.71-0.78, bandwidth 0.53-0.58, 6.3-9.5 ms a sequence,
+  56-74 ms a prefill chunk): compute 0.76, bandwidth 0.56, no fixed step overhead, 8.7 ms
+  a sequence (the engine's per-sequence attention and sampling), 66 ms a prefill chunk
+  (a chunk of any length costs that much beyond its FLOPs; a decode does not). A GPU
+  engine batches those per-sequence costs into kernels: the cuda defaults leave both at 0.
 """
 
 from __future__ import annotations
@@ -98,11 +99,19 @@ class DeviceDefaults:
     compute_efficiency: float
     bandwidth_efficiency: float
     step_overhead_s: float
+    seq_overhead_s: float = 0.0
+    prefill_chunk_overhead_s: float = 0.0
 
 
 DEVICE_DEFAULTS: dict[str, DeviceDefaults] = {
     "cuda": DeviceDefaults(compute_efficiency=0.5, bandwidth_efficiency=0.8, step_overhead_s=2e-3),
-    "cpu": DeviceDefaults(compute_efficiency=0.67, bandwidth_efficiency=0.49, step_overhead_s=3.9e-3),
+    "cpu": DeviceDefaults(
+        compute_efficiency=0.76,
+        bandwidth_efficiency=0.56,
+        step_overhead_s=0.0,
+        seq_overhead_s=8.7e-3,
+        prefill_chunk_overhead_s=66e-3,
+    ),
 }
 
 
@@ -203,21 +212,25 @@ class CostModel:
     compute_efficiency: float | None = None
     bandwidth_efficiency: float | None = None
     step_overhead_s: float | None = None
+    seq_overhead_s: float | None = None
+    prefill_chunk_overhead_s: float | None = None
     indexer_format: str | None = None  # V3.2 / V4 indexer keys: "fp8" (default), "mxfp4", "bf16"
 
     def __post_init__(self) -> None:
         if self.gpu.kind not in DEVICE_DEFAULTS:
             raise ValueError(f"GPU {self.gpu.name} has kind {self.gpu.kind!r}; known: {sorted(DEVICE_DEFAULTS)}")
         defaults = DEVICE_DEFAULTS[self.gpu.kind]
-        for field in ("compute_efficiency", "bandwidth_efficiency", "step_overhead_s"):
+        overheads = ("step_overhead_s", "seq_overhead_s", "prefill_chunk_overhead_s")
+        for field in ("compute_efficiency", "bandwidth_efficiency", *overheads):
             if getattr(self, field) is None:
                 object.__setattr__(self, field, getattr(defaults, field))
         for field in ("compute_efficiency", "bandwidth_efficiency"):
             value = getattr(self, field)
             if not 0 < value <= 1:
                 raise ValueError(f"{field} must be in (0, 1], got {value}")
-        if not self.step_overhead_s >= 0:
-            raise ValueError(f"step_overhead_s must be >= 0, got {self.step_overhead_s}")
+        for field in overheads:
+            if not getattr(self, field) >= 0:
+                raise ValueError(f"{field} must be >= 0, got {getattr(self, field)}")
         # Resolve the formats now: a bad dtype or tp fails here, naming itself.
         _ = self.weights, self.layout, self.attention_terms
 
@@ -317,21 +330,30 @@ class CostModel:
             for t in self.attention_terms
         )
 
+    @cached_property
+    def _peaks(self) -> tuple[float, float]:
+        """(peak FLOPs for the weights' GEMMs, for attention); ValueError for a GPU without a
+        bandwidth figure."""
+        gpu = self.gpu
+        peak_linear = gpu.peak_flops(WEIGHT_PRECISION[self.weights.weight_dtype])
+        peak_attention = gpu.peak_flops(ATTENTION_PRECISION[self.layout.kv_dtype])
+        if not math.isfinite(gpu.hbm_bandwidth_bytes_per_s):
+            raise ValueError(f"GPU {gpu.name} has no bandwidth figure (hbm_bandwidth_bytes_per_s is unknown)")
+        return peak_linear, peak_attention
+
     def step_cost(self, chunks: Sequence[tuple[int, int]]) -> StepCost:
         """The cost of one step over `chunks`: (num_new_tokens, context_len after the chunk)
         per scheduled sequence."""
         _check_chunks(chunks)
         model, gpu = self.model, self.gpu
-        peak_linear = gpu.peak_flops(WEIGHT_PRECISION[self.weights.weight_dtype])
-        peak_attention = gpu.peak_flops(ATTENTION_PRECISION[self.layout.kv_dtype])
-        if not math.isfinite(gpu.hbm_bandwidth_bytes_per_s):
-            raise ValueError(f"GPU {gpu.name} has no bandwidth figure (hbm_bandwidth_bytes_per_s is unknown)")
+        peak_linear, peak_attention = self._peaks
         num_tokens = sum(n for n, _ in chunks)
         head_flops = 2 * len(chunks) * model.vocab_size * model.hidden_size / self.tp
         linear_flops = 2 * num_tokens * self.active_params_per_token + head_flops
         attention_flops = 0.0
         kv_bytes = num_tokens * self.kv_write_bytes_per_token
         decode_terms = self._decode_terms
+        num_prefill_chunks = 0
         for n, ctx in chunks:
             if n == 1:
                 # a decode: its one query attends and reads min(cap, ctx // tokens_per_entry)
@@ -344,6 +366,7 @@ class CostModel:
                     kv_bytes += bytes_w * e
                 continue
             # queries at positions [ctx - n, ctx): the cached prefix is [0, ctx - n)
+            num_prefill_chunks += 1
             for t in self.attention_terms:
                 attention_flops += t.num_layers * t.flops_per_entry * t.attended(ctx - n, ctx)
             kv_bytes += self._read_bytes(n, ctx)
@@ -359,7 +382,10 @@ class CostModel:
             kv_bytes=kv_bytes,
             compute_s=compute_s,
             memory_s=memory_s,
-            time_s=max(compute_s, memory_s) + self.step_overhead_s,
+            time_s=max(compute_s, memory_s)
+            + self.step_overhead_s
+            + len(chunks) * self.seq_overhead_s
+            + num_prefill_chunks * self.prefill_chunk_overhead_s,
         )
 
     def step_time(self, chunks: Sequence[tuple[int, int]]) -> float:

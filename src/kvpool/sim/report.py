@@ -20,6 +20,8 @@ def describe_cost(cost: CostModel) -> dict:
         "compute_efficiency": cost.compute_efficiency,
         "bandwidth_efficiency": cost.bandwidth_efficiency,
         "step_overhead_s": cost.step_overhead_s,
+        "seq_overhead_s": cost.seq_overhead_s,
+        "prefill_chunk_overhead_s": cost.prefill_chunk_overhead_s,
         "weight_dtype": cost.weight_dtype,
         "kv_dtype": cost.kv_dtype,
     }

@@ -37,13 +37,6 @@ class VirtualClock:
         return self.now
 
 
-@dataclass(frozen=True)
-class Row:
-    """A logits row of the simulated model: which sequence it belongs to."""
-
-    seq_id: str
-
-
 class SimRunner:
     """The engine's ModelRunner protocol on a cache manager and a cost model.
 
@@ -77,7 +70,7 @@ class SimRunner:
         else:
             self.capacity_tokens = manager.num_blocks * self.block_size
         self.max_model_len = min(max_model_len, self.capacity_tokens)
-        self._keys: dict[str, int] = {}  # request id -> its answer stream (sim/tokens.py)
+        self._keys: dict[str, int] = {}  # sequence id -> its answer stream (sim/tokens.py)
         self._replays: dict[str, tuple[int, int]] = {}  # seq -> (replay_start, num_cached), priced next step
         self._num_states_taken = 0
         self._restores = 0  # checkpoint restores since the last step (priced as a state copy)
@@ -121,7 +114,7 @@ class SimRunner:
     def release(self, seq_id: str, reason: ReleaseReason) -> bool:
         self._replays.pop(seq_id, None)
         if reason != "preempt":
-            self._keys.pop(seq_id.rpartition("/")[0], None)
+            self._keys.pop(seq_id, None)
         return self.manager.release(seq_id, reason)
 
     def num_computed_tokens(self, seq_id: str) -> int:
@@ -141,8 +134,9 @@ class SimRunner:
 
     # ---- the forward, priced -------------------------------------------------------------
 
-    def execute(self, chunks: Sequence[ScheduledChunk]) -> list[Row]:
-        """Advance the clock by the step's cost; one Row per chunk that needs logits."""
+    def execute(self, chunks: Sequence[ScheduledChunk]) -> list[ScheduledChunk]:
+        """Advance the clock by the step's cost. The "logits" are the chunks that need them:
+        a row only has to say whose it is (`sample` reads its seq_id)."""
         work = [(len(c.token_ids), c.start + len(c.token_ids)) for c in chunks]
         if self._replays:
             for start, end in self._replays.values():
@@ -163,17 +157,18 @@ class SimRunner:
         seconds = self.step_time(work, moved)
         self.clock.now += seconds
         self.busy_s += seconds
-        return [Row(c.seq_id) for c in chunks if c.needs_logits]
+        return [c for c in chunks if c.needs_logits]
 
-    def sample(self, row: Row, params: SamplingParams, sample_index: int, position: int) -> int:
+    def sample(self, row: ScheduledChunk, params: SamplingParams, sample_index: int, position: int) -> int:
         """The engine's sampler: token `position` of the request's answer (sample j > 0 of a
-        request with n > 1 answers its own stream)."""
-        request_id = row.seq_id.rpartition("/")[0]
-        key = self._keys.get(request_id)
+        request with n > 1 answers its own stream). A forked sample is handed its parent's
+        row for its first token, so the stream is keyed by the request and the sample index."""
+        key = self._keys.get(row.seq_id) if not sample_index else None
         if key is None:
-            key = self._keys[request_id] = stream_key(request_id)
-        if sample_index:
-            key = stream_key(f"{request_id}/{sample_index}")
+            request_id = row.seq_id.rpartition("/")[0]
+            key = stream_key(f"{request_id}/{sample_index}" if sample_index else request_id)
+            if not sample_index:
+                self._keys[row.seq_id] = key
         return token_at(key, position, self.vocab_size)
 
     # ---- figures ----------------------------------------------------------------------------
