@@ -25,6 +25,7 @@ LAYERS = (
     "cache",
     "kernels",
     "storage",
+    "tiers",
     "attention",
     "models",
     "engine",

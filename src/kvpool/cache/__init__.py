@@ -2,7 +2,7 @@
 
 Every manager implements the contract of `CacheManager` (cache/base.py)."""
 
-from kvpool.cache.base import CacheManager
+from kvpool.cache.base import CacheManager, LowerTier
 from kvpool.cache.dsv4 import DSV4CacheManager
 from kvpool.cache.full import FullAttentionManager
 from kvpool.cache.types import (
@@ -27,6 +27,7 @@ __all__ = [
     "CacheUsage",
     "DSV4CacheManager",
     "FullAttentionManager",
+    "LowerTier",
     "MMItem",
     "PrefixStats",
     "ReleaseReason",

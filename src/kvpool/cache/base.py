@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from kvpool.cache.types import (
     RELEASE_REASONS,
@@ -42,6 +42,15 @@ from kvpool.cache.types import (
     Reservation,
 )
 from kvpool.pool import BlockPool, PrefixBlock
+
+
+class LowerTier(Protocol):
+    """A tier below device memory as a cache manager sees it (kvpool.tiers.TierIndex)."""
+
+    def find(self, chain: Sequence[PrefixBlock]) -> int:
+        """How many blocks of `chain` (consecutive full blocks of a prompt), from the
+        first, the tier holds with a valid descriptor."""
+        ...
 
 
 class CacheManager(ABC):

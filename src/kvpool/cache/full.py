@@ -24,7 +24,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from kvpool.cache.base import CacheManager, check_mm_items, mm_extra_key
+from kvpool.cache.base import CacheManager, LowerTier, check_mm_items, mm_extra_key
 from kvpool.cache.types import (
     Admission,
     BlockCopy,
@@ -48,6 +48,9 @@ class _Request:
         "root",
         "mm_items",
         "prompt_bytes",
+        "loading",
+        "budget",
+        "readmitted",
     )
 
     def __init__(self, request_id: str, token_ids: list[int], root: PrefixBlock, mm_items: tuple[MMItem, ...]) -> None:
@@ -60,6 +63,9 @@ class _Request:
         self.root = root
         self.mm_items = mm_items
         self.prompt_bytes = b""  # token bytes of the prompt, kept to hash its blocks once
+        self.loading: list[tuple[int, PrefixBlock]] = []  # lower-tier blocks admitted, not yet loaded
+        self.budget = 0  # the admission's max_new_tokens, for complete_loads
+        self.readmitted = False  # admitted after a preemption (its hits count apart)
 
 
 _NO_COPIES: tuple[BlockCopy, ...] = ()
@@ -79,11 +85,20 @@ class FullAttentionManager(CacheManager):
         *,
         enable_prefix_caching: bool = True,
         hash_algo: str = "xxh3_128",
+        lower_tier: LowerTier | None = None,
     ) -> None:
+        """lower_tier: a tier below device memory (kvpool.tiers). With one, admission takes
+        the longest prefix across the device pool and the tier (the tier's blocks go into
+        fresh device blocks, `Admission.loads`, and become findable once `complete_loads`
+        says they are loaded), and every cached block the allocator evicts is recorded for
+        the runner to write to the tier before anything overwrites it (`take_evicted`)."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching, hash_algo=hash_algo)
         super().__init__(pool, block_size, descriptor)
+        self.lower_tier = lower_tier if enable_prefix_caching else None
+        # evicted cached blocks whose content the runner has not yet saved (None: no tier)
+        self._evicted: list[tuple[int, PrefixBlock]] | None = [] if self.lower_tier is not None else None
         self._pack_block = block_packer(block_size)
         # Copy-on-write copies not yet taken, in the order they were made (a later copy may
         # read an earlier one's destination). One leaves only when its destination is freed.
@@ -230,7 +245,9 @@ class FullAttentionManager(CacheManager):
         self._check_new(request_id, token_ids, max_new_tokens)
         req = self._new_request(request_id, token_ids, tenant_salt, mm_items, descriptor)
         hit_blocks, hit_chain = self._match(req, count_collisions=True)
-        num_cached = len(hit_blocks) * self.block_size
+        lower = self._match_lower(req, hit_chain, len(hit_blocks))
+        num_device = len(hit_blocks) * self.block_size
+        num_cached = num_device + len(lower) * self.block_size
         rest = len(req.token_ids) - num_cached
         n = rest if max_new_tokens is None else min(max_new_tokens, rest)
         num_new_blocks = self.blocks_needed(num_cached + n) - len(hit_blocks)
@@ -239,15 +256,74 @@ class FullAttentionManager(CacheManager):
         if num_new_blocks > self.pool.num_free - num_revived:
             return None
         self.pool.incref(hit_blocks)
-        new_blocks = self.pool.allocate(num_new_blocks)
+        new_blocks = self.pool.allocate(num_new_blocks, self._evicted)
         assert new_blocks is not None
         req.block_ids = hit_blocks + new_blocks
         req.chain = hit_chain
-        req.num_computed = num_cached
+        # The lower tier's blocks are in flight until loaded: not computed, not findable.
+        req.num_computed = num_device
+        req.loading = list(zip(new_blocks[: len(lower)], lower, strict=True))
+        req.budget = rest if max_new_tokens is None else max_new_tokens
+        req.readmitted = request_id in self._preempted
         req.num_reserved = len(req.block_ids) * self.block_size
         self._requests[request_id] = req
-        self._count_admission(request_id, len(req.token_ids), num_cached)
-        return Admission(num_cached, n, tuple(req.block_ids))
+        self._count_admission(request_id, len(req.token_ids), num_device)
+        return Admission(num_cached, n, tuple(req.block_ids), None, tuple(req.loading))
+
+    def _match_lower(self, req: _Request, hit_chain: list[PrefixBlock], num_hit: int) -> list[PrefixBlock]:
+        """The prompt's full blocks after the device hit that the lower tier holds, in order
+        (leaving >= 1 token to compute), as unregistered prefix blocks."""
+        if self.lower_tier is None:
+            return []
+        bs, width = self.block_size, self.block_size * TOKEN_BYTES
+        max_blocks = (len(req.token_ids) - 1) // bs
+        if num_hit >= max_blocks:
+            return []
+        extras = self._extras(req, max_blocks)
+        parent = hit_chain[-1] if hit_chain else req.root
+        candidates = []
+        for i in range(num_hit, max_blocks):
+            extra = extras[i] if extras is not None else b""
+            parent = self.pool.chain(parent, req.prompt_bytes[i * width : (i + 1) * width], extra)
+            candidates.append(parent)
+        return candidates[: self.lower_tier.find(candidates)]
+
+    def complete_loads(self, request_id: str, num_loaded: int) -> Admission:
+        """The first `num_loaded` blocks of the admission's `loads` hold their content now
+        (copied and checked): they join the request's computed prefix and become findable,
+        in order. The rest (a lower-tier entry gone or refused since admission) are computed
+        instead: the returned Admission is the one the engine must follow, its first step
+        starting after the loaded blocks."""
+        req = self._get(request_id)
+        if not 0 <= num_loaded <= len(req.loading):
+            raise ValueError(f"request {request_id!r}: {num_loaded} blocks loaded, but {len(req.loading)} were to load")
+        parent = req.chain[-1] if req.chain else req.root
+        for block_id, block in req.loading[:num_loaded]:
+            if block.parent is not parent:  # the previous block joined an equal copy another request published
+                block = self.pool.chain(parent, block.token_bytes, block.extra)
+            parent = self.pool.register(block_id, block) or block
+            req.chain.append(parent)
+        loaded_tokens = num_loaded * self.block_size
+        req.num_computed += loaded_tokens
+        req.loading = []
+        stats = self.stats
+        stats.num_lower_tier_hit_tokens += loaded_tokens
+        if req.readmitted:
+            stats.num_readmitted_hit_tokens += loaded_tokens
+        else:
+            stats.num_hit_tokens += loaded_tokens
+        n = min(req.budget, len(req.token_ids) - req.num_computed)
+        assert req.num_computed + n <= req.num_reserved, "the admission's blocks cover the step"
+        return Admission(req.num_computed, n, tuple(req.block_ids))
+
+    def take_evicted(self) -> list[tuple[int, PrefixBlock]]:
+        """Cached blocks the allocator has evicted since the last call, (block id, the
+        content it held), oldest first: their slots still hold that content until the next
+        forward writes them. Empty without a lower tier."""
+        if not self._evicted:
+            return []
+        evicted, self._evicted = self._evicted, []
+        return evicted
 
     def _writes_into_tail(self, req: _Request, num_new_tokens: int) -> bool:
         """Whether the write starts inside an existing block the request may not write yet:
@@ -284,6 +360,8 @@ class FullAttentionManager(CacheManager):
         return None
 
     def _check_reserve(self, req: _Request, num_new_tokens: int) -> None:
+        if req.loading:
+            raise ValueError(f"request {req.request_id!r} has lower-tier blocks to load (complete_loads first)")
         end = req.num_computed + num_new_tokens
         if num_new_tokens < 0:
             raise ValueError(f"request {req.request_id!r}: num_new_tokens must be >= 0, got {num_new_tokens}")
@@ -294,7 +372,7 @@ class FullAttentionManager(CacheManager):
             )
 
     def _apply_reserve(self, req: _Request, num_new_tokens: int, needed: int, cow: bool) -> Reservation:
-        new_blocks = self.pool.allocate(needed)
+        new_blocks = self.pool.allocate(needed, self._evicted)
         assert new_blocks is not None, "the caller checked the free count"
         copy = self._prepare_tail(req, cow, new_blocks) if self._writes_into_tail(req, num_new_tokens) else None
         req.block_ids.extend(new_blocks)
@@ -378,9 +456,9 @@ class FullAttentionManager(CacheManager):
             num_needed += writers - (writers == self.pool.refcount(tail))
         if num_needed > self.pool.num_free:
             return False
-        allocate = self.pool.allocate
+        allocate, evicted = self.pool.allocate, self._evicted
         for req, num_fresh in growing:
-            fresh = allocate(num_fresh)
+            fresh = allocate(num_fresh, evicted)
             assert fresh is not None, "counted above"
             req.block_ids.extend(fresh)
             req.num_reserved = len(req.block_ids) * bs

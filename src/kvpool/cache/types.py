@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 ReleaseReason = Literal["finish", "cancel", "preempt"]
 RELEASE_REASONS: tuple[str, ...] = ("finish", "cancel", "preempt")
@@ -70,6 +70,9 @@ class Admission(NamedTuple):
     num_scheduled_tokens: int  # tokens [num_cached, num_cached + n) reserved for the first step
     block_ids: tuple[int, ...]  # the request's blocks after admission: the hit, then the first step's new ones
     restore: StateRestore | None = None  # managers with per-request state only
+    # Blocks of the hit that a lower tier holds: (device block, its prefix block), to be
+    # loaded into those fresh device blocks before they are read (`complete_loads`)
+    loads: tuple[tuple[int, Any], ...] = ()
 
 
 class Reservation(NamedTuple):
@@ -92,6 +95,7 @@ class PrefixStats:
     num_hit_tokens: int = 0  # of those, found in the cache
     num_readmissions: int = 0  # admissions after a preemption
     num_readmitted_hit_tokens: int = 0  # tokens a readmission found cached (recompute saved)
+    num_lower_tier_hit_tokens: int = 0  # of the hits (first admissions and readmissions), loaded from a lower tier
 
     @property
     def hit_rate(self) -> float:

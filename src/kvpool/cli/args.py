@@ -107,3 +107,24 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or action.default is False:
             return action.help
         return super()._get_help_string(action)
+
+
+def add_host_cache_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--host-cache-gib",
+        type=positive_float,
+        default=None,
+        help="a host-memory tier of this many GiB below the KV pool: evicted prefix blocks are kept there "
+        "and loaded back on a hit (SmolLM2 / GGUF models)",
+    )
+
+
+def host_cache_bytes(args: argparse.Namespace) -> int | None:
+    """--host-cache-gib in bytes (None when not given). ValueError for a model whose cache
+    has no host tier yet (tiny-dsv4's dual pool)."""
+    gib = getattr(args, "host_cache_gib", None)
+    if gib is None:
+        return None
+    if getattr(args, "model", None) == "tiny-dsv4":
+        raise ValueError("--host-cache-gib: tiny-dsv4's dual pool has no host tier yet")
+    return max(1, int(gib * (1 << 30)))

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from kvpool.cli.args import non_negative_int, positive_int
+from kvpool.cli.args import add_host_cache_argument, host_cache_bytes, non_negative_int, positive_int
 
 DSV4_DEFAULT_BLOCKS = 512  # tiny-dsv4's classical blocks when --num-blocks is not given
 
@@ -51,6 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"{DSV4_DEFAULT_BLOCKS} classical blocks)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    add_host_cache_argument(parser)
     add_model_arguments(parser)
 
 
@@ -93,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
     runtime_bytes = memory.runtime_baseline()
     if args.threads:
         torch.set_num_threads(args.threads)
+    host_cache_bytes(args)  # refuses tiny-dsv4 before anything loads
     if args.model == "tiny-dsv4":  # DeepSeek-V4 dual pool: token ids in, token ids out
         from kvpool.cli import generate_dsv4
 
@@ -109,7 +111,9 @@ def run(args: argparse.Namespace) -> int:
     if num_blocks is None:  # this one request's need, within the model's positions: no idle pool to zero
         need = min(len(prompt_ids) + args.max_tokens, loaded.model.config.max_position)
         num_blocks = -(-need // args.block_size)
-    engine = build_engine(loaded, num_blocks=num_blocks, block_size=args.block_size)
+    engine = build_engine(
+        loaded, num_blocks=num_blocks, block_size=args.block_size, host_cache_bytes=host_cache_bytes(args)
+    )
     context_len = engine.runner.max_model_len
     if context_len < loaded.model.config.max_position:
         bound = f"--num-blocks {num_blocks} x --block-size {args.block_size}"
@@ -151,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
             "load_s": round(loaded.load_s, 3),
             "load_source": loaded.load_source,
             "memory": memory.measure(engine.runner, runtime_bytes, loaded.tokenizer_bytes).as_dict(),
+            **({"host_tier": tier} if (tier := engine.runner.tier_report()) is not None else {}),
         }
         print(json.dumps(report))
     else:

@@ -34,7 +34,15 @@ import time
 from dataclasses import dataclass, field
 
 from kvpool.capacity.engine import EngineConfig
-from kvpool.cli.args import non_negative_int, parse_bytes, positive_float, positive_int, rate
+from kvpool.cli.args import (
+    add_host_cache_argument,
+    host_cache_bytes,
+    non_negative_int,
+    parse_bytes,
+    positive_float,
+    positive_int,
+    rate,
+)
 from kvpool.cli.generate import add_model_arguments
 from kvpool.sim.stats import percentile
 
@@ -75,6 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--block-size", type=positive_int, default=RUN_DEFAULTS.block_size, help="tokens per KV block (SmolLM2)"
     )
     parser.add_argument("--num-blocks", type=positive_int, default=None, help="KV blocks (default: from --kv-memory)")
+    add_host_cache_argument(parser)
     parser.add_argument(
         "--kv-memory",
         default=None,
@@ -216,6 +225,7 @@ class Progress:
 
 def build(args: argparse.Namespace):
     """(engine, workload-making function, model name) for --model."""
+    host_cache_bytes(args)  # refuses tiny-dsv4 before anything loads
     if args.model == TINY_MODEL:
         from kvpool.engine.dsv4_runner import DSV4EngineRunner
         from kvpool.engine.engine import Engine
@@ -247,6 +257,7 @@ def build(args: argparse.Namespace):
         block_size=args.block_size,
         max_num_batched_tokens=args.max_batch_tokens,
         max_num_seqs=args.max_seqs,
+        host_cache_bytes=host_cache_bytes(args),
     )
     return engine, lambda rng: chat_workload(loaded.tokenizer, args, rng), os.path.basename(loaded.gguf.path), loaded
 
@@ -396,6 +407,7 @@ def make_report(engine, args, model_name, wall, step_time, frag_samples, bytes_r
         "num_steps": engine.num_steps,
         "wall_s": round(wall, 3),
         "interrupted": interrupted,
+        **({"host_tier": tier} if (tier := engine.runner.tier_report()) is not None else {}),
     }
 
 
@@ -410,8 +422,10 @@ def print_report(report: dict) -> None:
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in report.items():
-        if key != "memory":
-            table.add_row(key, str(value))
+        if key == "memory":
+            continue
+        for name, item in value.items() if isinstance(value, dict) else [("", value)]:
+            table.add_row(f"{key}.{name}" if name else key, str(item))
     console = Console()
     console.print(table)
     mem = report.get("memory")

@@ -128,13 +128,22 @@ def build_engine(
     max_num_seqs: int = 64,
     enable_prefix_caching: bool = True,
     record_logits: bool = False,
+    host_cache_bytes: int | None = None,
 ) -> Engine:
+    """host_cache_bytes: a host-memory tier of that many bytes below the device pool
+    (kvpool.tiers.HostTier); None: none."""
+    tier = None
+    if host_cache_bytes is not None:
+        from kvpool.tiers import HostTier
+
+        tier = HostTier(host_cache_bytes)
     runner = LlamaRunner(
         loaded.model,
         num_blocks,
         block_size,
         descriptor_for(loaded, block_size),
         enable_prefix_caching=enable_prefix_caching,
+        host_tier=tier,
     )
     tok = loaded.tokenizer
     eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()

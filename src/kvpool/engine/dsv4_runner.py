@@ -298,6 +298,10 @@ class DSV4EngineRunner:
     def check_integrity(self) -> None:
         self.cache.check_integrity()
 
+    def tier_report(self) -> None:
+        """No tier below the dual pool yet (the LlamaRunner's host tier has one)."""
+        return None
+
     def cache_stats(self) -> dict[str, float]:
         pools, cache = self.runner.pools, self.cache
         return {

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -12,6 +14,17 @@ from kvpool.engine.memory import StepPeaks
 from kvpool.engine.runner import ScheduledChunk
 from kvpool.models.llama import LlamaModel
 from kvpool.storage.kv import PagedKVStorage
+from kvpool.tiers import Tier, TierIndex
+
+
+@dataclass
+class TierMoves:
+    """Blocks the runner moved between the device pool and its host tier, and the time."""
+
+    num_offloaded: int = 0
+    num_loaded: int = 0
+    offload_s: float = 0.0
+    load_s: float = 0.0
 
 
 class LlamaRunner:
@@ -24,14 +37,20 @@ class LlamaRunner:
         *,
         enable_prefix_caching: bool = True,
         decode_path: str | None = None,
+        host_tier: Tier | None = None,
     ):
         """decode_path: "native" / "bags" / "padded" (attention/paged.py); None picks "native"
-        when the model runs the C kernels, else "bags"."""
+        when the model runs the C kernels, else "bags". host_tier: a tier below the device
+        pool (kvpool.tiers.HostTier): cached blocks the pool evicts are written to it, and
+        an admission loads the prefix it holds (needs prefix caching)."""
         cfg = model.config
         self.model = model
+        self.tier = host_tier if enable_prefix_caching else None
+        self.tier_index = TierIndex(self.tier, block_size) if self.tier is not None else None
         self.manager = FullAttentionManager(
-            num_blocks, block_size, descriptor, enable_prefix_caching=enable_prefix_caching
+            num_blocks, block_size, descriptor, enable_prefix_caching=enable_prefix_caching, lower_tier=self.tier_index
         )
+        self.tier_moves = TierMoves()
         self.storage = PagedKVStorage(
             cfg.num_layers,
             num_blocks,
@@ -56,10 +75,88 @@ class LlamaRunner:
     def admit(self, seq_id: str, token_ids: Sequence[int], max_new_tokens: int) -> Admission | None:
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
-        return self.manager.admit(seq_id, token_ids, max_new_tokens)
+        admission = self.manager.admit(seq_id, token_ids, max_new_tokens)
+        if admission is None or self.tier is None:
+            return admission
+        # The fresh blocks may be evicted cached ones: save what they held before the loads
+        # (or the step) overwrite them.
+        self._offload_evicted()
+        if not admission.loads:
+            return admission
+        return self.manager.complete_loads(seq_id, self._load(admission.loads))
 
     def reserve(self, seq_ids: Sequence[str], num_new_tokens: Sequence[int]) -> bool:
-        return self.manager.reserve_step(seq_ids, num_new_tokens)
+        fits = self.manager.reserve_step(seq_ids, num_new_tokens)
+        if self.tier is not None:
+            self._offload_evicted()
+        return fits
+
+    # ---- the host tier ---------------------------------------------------------------
+
+    def tier_report(self) -> dict[str, object] | None:
+        """The host tier's counters and the runner's moves (None without a tier)."""
+        if self.tier is None:
+            return None
+        moves = self.tier_moves
+        return {
+            "capacity_bytes": self.tier.capacity_bytes,
+            "bytes_used": self.tier.num_bytes,
+            "entries": self.tier.num_entries,
+            "hit_tokens": self.manager.stats.num_lower_tier_hit_tokens,
+            "blocks_offloaded": moves.num_offloaded,
+            "blocks_loaded": moves.num_loaded,
+            "offload_ms": round(moves.offload_s * 1e3, 3),
+            "load_ms": round(moves.load_s * 1e3, 3),
+            **self.tier.stats.as_dict(),
+        }
+
+    def _offload_evicted(self) -> None:
+        """Write the cached blocks the allocator just evicted to the tier, in one gather (a
+        block whose content the tier already holds is not written again)."""
+        assert self.tier is not None and self.tier_index is not None
+        todo = []
+        for block_id, block in self.manager.take_evicted():
+            key, descriptor = self.tier_index.describe(block)
+            if not self.tier.contains(key):
+                todo.append((block_id, key, descriptor))
+        if not todo:
+            return
+        start = time.perf_counter()
+        ids = torch.tensor([block_id for block_id, _, _ in todo], dtype=torch.long, device=self.storage.k.device)
+        k, v = self.storage.k[:, ids], self.storage.v[:, ids]  # [layers, n, ...]: every layer of each block
+        for j, (_, key, descriptor) in enumerate(todo):
+            if self.tier.put(key, descriptor, {"k": k[:, j], "v": v[:, j]}):
+                self.tier_moves.num_offloaded += 1
+        self.tier_moves.offload_s += time.perf_counter() - start
+
+    def _load(self, loads: Sequence[tuple[int, object]]) -> int:
+        """Copy the admission's lower-tier blocks into their device blocks, in order, up to
+        the first the tier no longer holds valid; how many were loaded. A block becomes
+        visible (findable, readable) only after this, through `complete_loads`."""
+        assert self.tier is not None and self.tier_index is not None
+        start = time.perf_counter()
+        got: list[tuple[int, dict[str, torch.Tensor]]] = []
+        for block_id, block in loads:
+            tensors = self.tier.get(*self.tier_index.describe(block))
+            if tensors is None:
+                break
+            got.append((block_id, tensors))
+        if got:
+            k_shape, v_shape = self.storage.k.shape, self.storage.v.shape
+            for _, t in got:
+                if t["k"].shape != (k_shape[0], *k_shape[2:]) or t["v"].shape != (v_shape[0], *v_shape[2:]):
+                    raise AssertionError(
+                        f"a tier block of shapes {t['k'].shape}, {t['v'].shape} passed the layout check"
+                    )
+            device = self.storage.k.device
+            ids = torch.tensor([block_id for block_id, _ in got], dtype=torch.long, device=device)
+            self.storage.k[:, ids] = torch.stack([t["k"] for _, t in got], dim=1).to(device, non_blocking=True)
+            self.storage.v[:, ids] = torch.stack([t["v"] for _, t in got], dim=1).to(device, non_blocking=True)
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()  # the copy completes before the block is visible
+            self.tier_moves.num_loaded += len(got)
+        self.tier_moves.load_s += time.perf_counter() - start
+        return len(got)
 
     def append_tokens(self, seq_id: str, token_ids: Sequence[int]) -> None:
         self.manager.append_token_ids(seq_id, token_ids)
@@ -101,6 +198,7 @@ class LlamaRunner:
             "prefix_hit_rate": m.stats.hit_rate,
             "readmitted_hit_tokens": m.stats.num_readmitted_hit_tokens,
             "hash_collisions": m.pool.num_collisions,
+            "lower_tier_hit_tokens": m.stats.num_lower_tier_hit_tokens,
         }
 
     # ---- the forward ---------------------------------------------------------------

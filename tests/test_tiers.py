@@ -1,0 +1,356 @@
+"""The host tier: the block descriptor contract, LRU under a byte limit, the manager's
+admission across device + host, and the engine's logits with the tier on (SmolLM2)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpool.cache import CacheDescriptor, FullAttentionManager
+from kvpool.tiers import BlockDescriptor, HostTier, TierIndex
+
+DESC = CacheDescriptor("m", weights_version="w1", layout_id="bs4:fp32")
+BS = 4
+
+
+def make(num_blocks: int, tier: HostTier, descriptor: CacheDescriptor = DESC):
+    index = TierIndex(tier, BS)
+    return FullAttentionManager(num_blocks, BS, descriptor, lower_tier=index), index
+
+
+class Store:
+    """The device pool's slots as a model: block id -> the prefix its content was computed for."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, tuple[int, ...]] = {}
+
+    def offload(self, m: FullAttentionManager, index: TierIndex, tier: HostTier) -> None:
+        """What the runner does after each allocation: save the evicted blocks' content."""
+        for block_id, block in m.take_evicted():
+            key, descriptor = index.describe(block)
+            content = torch.tensor(self.blocks[block_id], dtype=torch.int64)
+            assert descriptor.num_computed_tokens == len(content) == descriptor.num_computed_tokens
+            tier.put(key, descriptor, {"content": content})
+
+    def admit(self, m, index, tier, rid: str, prompt: list[int], tenant: str = ""):
+        adm = m.admit(rid, prompt, tenant_salt=tenant)
+        if adm is None:
+            return None
+        self.offload(m, index, tier)  # before the loads overwrite the fresh blocks
+        loaded = 0
+        for block_id, block in adm.loads:
+            tensors = tier.get(*index.describe(block))
+            if tensors is None:
+                break
+            self.blocks[block_id] = tuple(tensors["content"].tolist())
+            loaded += 1
+        if adm.loads:
+            adm = m.complete_loads(rid, loaded)
+        m.check_integrity()
+        return adm
+
+    def compute(self, m: FullAttentionManager, rid: str, prompt: list[int], start: int) -> None:
+        """The forward of [start, len): each block's content is the prefix through it."""
+        for i, block_id in enumerate(m.block_ids(rid)):
+            end = min((i + 1) * BS, len(prompt))
+            if end > start:
+                self.blocks[block_id] = tuple(prompt[:end])
+        m.commit(rid, len(prompt) - start)
+        m.check_integrity()
+
+    def check(self, m: FullAttentionManager, rid: str, prompt: list[int], upto: int | None = None) -> None:
+        """The request's full blocks through `upto` tokens (default: all of the prompt)."""
+        upto = len(prompt) if upto is None else upto
+        for i, block_id in enumerate(m.block_ids(rid)[: upto // BS]):
+            assert self.blocks[block_id] == tuple(prompt[: (i + 1) * BS]), f"{rid} block {i} holds another prefix"
+
+
+def _tensor_bytes(num_tokens: int) -> int:
+    return num_tokens * 8  # int64 content tensors
+
+
+# ----- the manager across device + host --------------------------------------------------
+
+
+def test_a_prefix_half_on_the_device_half_on_the_host() -> None:
+    tier = HostTier(1 << 20)
+    m, index = make(6, tier)
+    store = Store()
+    p = list(range(100, 116))  # 4 full blocks
+    adm = store.admit(m, index, tier, "a", p + [1])
+    store.compute(m, "a", p + [1], adm.num_cached_tokens)
+    m.release("a")  # blocks 0-3 cached, freed tail-first: block 3 leaves first
+    filler = list(range(500, 513))  # 13 tokens: 4 blocks, 2 of them evicted cached ones
+    adm = store.admit(m, index, tier, "f", filler)
+    assert adm.loads == () and tier.num_entries == 2  # a's blocks 3 and 2 went to the host
+    store.compute(m, "f", filler, 0)
+    m.release("f")
+    again = p + [7, 8]
+    adm = store.admit(m, index, tier, "b", again)
+    assert adm.num_cached_tokens == 16 and adm.num_scheduled_tokens == 2
+    assert m.stats.num_lower_tier_hit_tokens == 8  # blocks 2, 3 from the host; 0, 1 from the device
+    store.check(m, "b", again, 16)
+    assert m.lookup_prefix(again) == 16  # the loaded blocks are findable now
+    store.compute(m, "b", again, 16)
+    store.check(m, "b", again)
+    tier.check_integrity()
+
+
+def test_a_load_that_fails_is_computed_instead() -> None:
+    tier = HostTier(1 << 20)
+    m, index = make(6, tier)
+    store = Store()
+    p = list(range(100, 116))
+    store.compute(m, "a", p + [1], store.admit(m, index, tier, "a", p + [1]).num_cached_tokens)
+    m.release("a")
+    filler = list(range(500, 513))
+    store.compute(m, "f", filler, store.admit(m, index, tier, "f", filler).num_cached_tokens)
+    m.release("f")
+    adm = m.admit("b", p + [7], 3)  # first step of 3 tokens at most
+    store.offload(m, index, tier)
+    assert [b for b, _ in adm.loads] and adm.num_cached_tokens == 16
+    first = adm.loads[0]
+    store.blocks[first[0]] = tuple(p[:12])  # loaded
+    fixed = m.complete_loads("b", 1)  # the second block is gone: computed instead
+    assert (fixed.num_cached_tokens, fixed.num_scheduled_tokens) == (12, 3)
+    m.check_integrity()
+    with pytest.raises(ValueError, match="2 blocks loaded, but 0 were to load"):
+        m.complete_loads("b", 2)
+
+
+def test_tenants_never_meet_through_the_host_tier() -> None:
+    tier = HostTier(1 << 20)
+    m, index = make(6, tier)
+    store = Store()
+    p = list(range(100, 116))
+    store.compute(m, "a", p + [1], store.admit(m, index, tier, "a", p + [1], tenant="t1").num_cached_tokens)
+    m.release("a")
+    filler = list(range(500, 521))
+    store.compute(m, "f", filler, store.admit(m, index, tier, "f", filler).num_cached_tokens)
+    m.release("f")
+    assert tier.num_entries >= 4  # all of t1's blocks are on the host now
+    other = store.admit(m, index, tier, "b", p + [2], tenant="t2")
+    assert other.num_cached_tokens == 0 and m.stats.num_lower_tier_hit_tokens == 0
+    m.release("b")
+    same = store.admit(m, index, tier, "c", p + [2], tenant="t1")
+    assert same.num_cached_tokens == 16
+    store.check(m, "c", p + [2], 16)
+
+
+def test_a_descriptor_mismatch_is_a_miss_counted_by_field_and_reclaimed() -> None:
+    tier = HostTier(1 << 20)
+    m, index = make(6, tier)
+    store = Store()
+    p = list(range(100, 116))
+    store.compute(m, "a", p + [1], store.admit(m, index, tier, "a", p + [1]).num_cached_tokens)
+    m.release("a")
+    filler = list(range(500, 521))
+    store.compute(m, "f", filler, store.admit(m, index, tier, "f", filler).num_cached_tokens)
+    m.release("f")
+    entries = tier.num_entries
+    # another engine on the same host tier, with new weights: found by content, refused
+    m2, index2 = make(6, tier, dataclasses.replace(DESC, weights_version="w2"))
+    adm = m2.admit("b", p + [2])
+    assert adm.num_cached_tokens == 0 and adm.loads == ()
+    assert tier.stats.mismatches == {"weights_version": 1}  # the first block; the probe stops there
+    assert tier.stats.num_reclaimed == 1 and tier.num_entries == entries - 1
+    # a layout switch on the next block
+    m3, _ = make(6, tier, dataclasses.replace(DESC, layout_id="bs4:bf16"))
+    m3.admit("c", p[4:] + [2])  # starts with a's block 1 content, but not as a's prefix: no key matches
+    assert tier.stats.mismatches == {"weights_version": 1}
+    # a version switch: reclaim every entry of the old weights at once
+    assert tier.reclaim(dataclasses.replace(DESC, weights_version="w2")) == entries - 1
+    assert tier.num_entries == 0 and tier.stats.num_reclaimed == entries
+    tier.check_integrity()
+
+
+def test_block_descriptors_name_every_field_and_round_trip() -> None:
+    tier = HostTier(1 << 20)
+    m, index = make(6, tier)
+    prompt = list(range(100, 110))
+    m.admit("a", prompt)
+    m.commit("a", 10)
+    chain = m._requests["a"].chain
+    key0, d0 = index.describe(chain[0])
+    key1, d1 = index.describe(chain[1])
+    assert (d0.num_computed_tokens, d0.token_ids, d1.token_ids) == (4, (100, 101, 102, 103), (104, 105, 106, 107))
+    assert d1.parent_key == key0.hex() and d0.content_key == key0.hex() and d1.content_key == key1.hex()
+    assert (d0.model_id, d0.weights_version, d0.layout_id) == ("m", "w1", "bs4:fp32")
+    assert BlockDescriptor.from_json(d1.to_json()) == d1
+    assert d1.mismatches(dataclasses.replace(d1, tenant="x", rope_id="r")) == ["tenant", "rope_id"]
+    with pytest.raises(ValueError, match="must have exactly the fields"):
+        BlockDescriptor.from_json('{"content_key": "00"}')
+    with pytest.raises(ValueError, match="not JSON"):
+        BlockDescriptor.from_json("{")
+    # the content key is the tokens' and the tenant's, not the model's
+    other, other_index = make(6, tier, dataclasses.replace(DESC, weights_version="w9"))
+    other.admit("a", prompt)
+    other.commit("a", 10)
+    assert other_index.describe(other._requests["a"].chain[1])[0] == key1
+
+
+# ----- the tier itself -------------------------------------------------------------------
+
+
+def _entry(index: TierIndex, m: FullAttentionManager, rid: str, prompt: list[int]):
+    m.admit(rid, prompt)
+    m.commit(rid, len(prompt))
+    return [index.describe(b) for b in m._requests[rid].chain]
+
+
+def test_lru_under_a_byte_limit() -> None:
+    tier = HostTier(3 * 32)  # three blocks of 4 int64 values
+    m, index = make(16, HostTier(1))
+    blocks = _entry(index, m, "a", list(range(100, 120)))  # 5 full blocks
+    t = {"content": torch.zeros(4, dtype=torch.int64)}
+    for key, d in blocks[:3]:
+        assert tier.put(key, d, t)
+    assert tier.lookup(*blocks[0])  # block 0 is the most recently used now
+    assert tier.put(*blocks[3], t)  # pushes out block 1, the least recently used
+    assert [tier.contains(k) for k, _ in blocks[:4]] == [True, False, True, True]
+    assert tier.stats.num_evictions == 1 and tier.num_bytes == 96
+    assert tier.put(*blocks[3], t) and tier.num_entries == 3  # a replacement, not an eviction
+    assert not tier.put(*blocks[4], {"content": torch.zeros(13, dtype=torch.int64)})  # 104 B > 96 B
+    assert tier.stats.num_rejected_puts == 1 and tier.num_entries == 3
+    assert tier.evict(blocks[0][0]) and not tier.evict(blocks[0][0])
+    assert tier.get(*blocks[1]) is None and tier.stats.num_get_misses == 1
+    got = tier.get(*blocks[2])
+    assert got is not None and torch.equal(got["content"], t["content"]) and got["content"] is not t["content"]
+    tier.check_integrity()
+
+
+@pytest.mark.parametrize("bad", [0, -5, 1.5, True, "1"])
+def test_a_bad_capacity_is_refused(bad) -> None:
+    with pytest.raises(ValueError, match="host tier capacity must be a positive number of bytes"):
+        HostTier(bad)
+
+
+# ----- the lifecycle, against a model of the slots ---------------------------------------
+
+OPS = st.lists(
+    st.tuples(st.sampled_from(["run", "run", "hold", "release"]), st.integers(0, 5), st.integers(1, 14)),
+    min_size=4,
+    max_size=40,
+)
+
+
+@settings(max_examples=int(os.environ.get("KVPOOL_HYPOTHESIS_EXAMPLES", "150")), deadline=None)
+@given(ops=OPS, tier_blocks=st.integers(1, 6))
+def test_every_block_a_request_reads_holds_its_own_prefix(ops, tier_blocks) -> None:
+    """Requests over a few shared prefixes on a 6-block pool with a small host tier: after
+    every admission (device hits, host loads, evictions) and every forward, each full block
+    of a request holds exactly the prefix it stands for; integrity after every operation."""
+    tier = HostTier(tier_blocks * _tensor_bytes(BS * 8))
+    m, index = make(6, tier)
+    store = Store()
+    held: dict[str, list[int]] = {}
+    for n, (op, family, length) in enumerate(ops):
+        if op == "release" and held:
+            m.release(sorted(held)[family % len(held)])
+            del held[sorted(held)[family % len(held)]]
+            m.check_integrity()
+            continue
+        prompt = [1000 * (family % 3) + i for i in range(length + 4 * (family // 3))]
+        rid = f"r{n}"
+        adm = store.admit(m, index, tier, rid, prompt)
+        if adm is None:
+            continue
+        store.check(m, rid, prompt, adm.num_cached_tokens)  # the hit, device and host blocks alike
+        store.compute(m, rid, prompt, adm.num_cached_tokens)
+        store.check(m, rid, prompt)
+        if op == "hold":
+            held[rid] = prompt
+        else:
+            m.release(rid)
+            m.check_integrity()
+        store.offload(m, index, tier)
+        tier.check_integrity()
+    for rid in held:
+        m.release(rid)
+    m.check_integrity()
+    assert m.num_free_blocks == 6
+
+
+# ----- the engine on SmolLM2 -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fp64_model():
+    from kvpool.engine.build import LoadedModel, load_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    fp32 = load_model(device="cpu")
+    yield LoadedModel(fp32.gguf, fp32.model.astype(torch.float64), fp32.tokenizer, fp32.weights_version)
+    torch.set_num_threads(threads)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 49000) for _ in range(n)]
+
+
+def _serve(engine, prompts):
+    from kvpool.engine.sampling import SamplingParams
+
+    outs = []
+    for i, prompt in enumerate(prompts):
+        rid = engine.add_request(prompt, SamplingParams(max_tokens=3, ignore_eos=True), f"r{i}")
+        while engine.has_unfinished():
+            engine.step()
+            engine.runner.check_integrity()
+        outs.append((engine.output(rid), torch.stack(engine.requests[rid].seqs[0].logits)))
+    return outs
+
+
+def test_engine_logits_with_the_host_tier_equal_a_device_hit(fp64_model) -> None:
+    from kvpool.attention.reference import reference_logits
+    from kvpool.engine.build import build_engine
+
+    p = _prompt(96, 1)  # 6 blocks of 16
+    prompts = [p + [7], _prompt(116, 2), p + _prompt(20, 3)]  # the filler evicts p's last blocks
+    small = build_engine(fp64_model, num_blocks=12, block_size=16, record_logits=True, host_cache_bytes=1 << 28)
+    large = build_engine(fp64_model, num_blocks=64, block_size=16, record_logits=True)
+    got, want = _serve(small, prompts), _serve(large, prompts)
+    runner = small.runner
+    (out, logits), (ref_out, ref_logits) = got[2], want[2]
+    assert out.num_cached_tokens == ref_out.num_cached_tokens == 96  # all of p: device + host, and device
+    hits = runner.manager.stats.num_lower_tier_hit_tokens
+    assert 0 < hits < 96  # half on the host, the head still on the device
+    assert runner.tier_moves.num_loaded == hits // 16 and runner.tier_moves.num_offloaded >= hits // 16
+    assert torch.equal(logits, ref_logits)  # the loaded KV is the computed KV, bit for bit
+    history = small.requests["r2"].seqs[0].token_ids[:-1]
+    ref = reference_logits(fp64_model.model, history)[len(prompts[2]) - 1 :]
+    assert (logits - ref).abs().max().item() <= 1e-9
+    report = runner.tier_report()
+    assert report["blocks_loaded"] == hits // 16 and report["mismatches"] == {}
+
+
+def test_the_cli_refuses_a_bad_host_cache_size() -> None:
+    for flag, needle in (("0", "expected a finite positive number, got '0'"), ("-1", "expected a finite positive")):
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvpool", "run", "--host-cache-gib", flag],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvpool", "run", "--model", "tiny-dsv4", "--host-cache-gib", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert (
+        proc.stderr.splitlines()[-1]
+        == "kvpool run: error: --host-cache-gib: tiny-dsv4's dual pool has no host tier yet"
+    )
