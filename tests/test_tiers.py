@@ -354,3 +354,15 @@ def test_the_cli_refuses_a_bad_host_cache_size() -> None:
         proc.stderr.splitlines()[-1]
         == "kvpool run: error: --host-cache-gib: tiny-dsv4's dual pool has no host tier yet"
     )
+
+
+def test_bench_host_serves_the_prefix_from_the_host(capsys) -> None:
+    import json
+
+    from kvpool.cli.main import main
+
+    assert main(["bench", "host", "--prefix-len", "64", "--suffix-len", "4", "--repeats", "1", "--json"]) == 0
+    cases = json.loads(capsys.readouterr().out)["cases"]
+    assert cases["device"]["cached_tokens"] == [64] and cases["host"]["cached_tokens"] == [64]
+    assert cases["host"]["blocks_loaded_per_request"] >= 3  # the filler left at most one block on the device
+    assert cases["recompute"]["cached_tokens"][0] <= 16

@@ -96,12 +96,15 @@ def run(args: argparse.Namespace) -> int:
     for column in ("case", "TTFT p50 (ms)", "cached tokens", "loaded per request", "load time (ms)"):
         table.add_column(column, justify="right")
     for name, case in cases.items():
-        loaded_text = f"{case['blocks_loaded_per_request']} blocks, {case['bytes_loaded_per_request'] / 2**20:.1f} MiB"
+        loaded_text = ""
+        if "blocks_loaded_per_request" in case:
+            mib = case["bytes_loaded_per_request"] / 2**20
+            loaded_text = f"{case['blocks_loaded_per_request']} blocks, {mib:.1f} MiB"
         table.add_row(
             name,
             str(case["ttft_ms_p50"]),
             str(case["cached_tokens"][-1]),
-            loaded_text if "blocks_loaded_per_request" in case else "",
+            loaded_text,
             str(case.get("load_ms_per_request", "")),
         )
     Console().print(table)
