@@ -330,7 +330,7 @@ def test_engine_logits_with_the_host_tier_equal_a_device_hit(fp64_model) -> None
     history = small.requests["r2"].seqs[0].token_ids[:-1]
     ref = reference_logits(fp64_model.model, history)[len(prompts[2]) - 1 :]
     assert (logits - ref).abs().max().item() <= 1e-9
-    report = runner.tier_report()
+    report = runner.tier_reports()["host_tier"]
     assert report["blocks_loaded"] == hits // 16 and report["mismatches"] == {}
 
 

@@ -47,7 +47,7 @@ from kvpool.attention.dsv4_ops import (
     stable_topk,
 )
 from kvpool.spec.dsv4 import CSA_RATIO, DSV4Spec
-from kvpool.storage.dsv4 import DSV4Pools, LayerClassical, LayerState
+from kvpool.storage.dsv4 import DSV4Pools, HotSet, LayerClassical, LayerState
 
 
 @dataclass(frozen=True)
@@ -164,6 +164,7 @@ def _entries_for_chunk(pool: Tensor, tail: Tensor, new_entries: Tensor, ratio: i
     write completed spans to their new classical blocks and the rest to the tail entries.
 
     pool: [num_blocks, span // ratio, width]; tail: [span // ratio, width] (this request's).
+    Under HiSparse the CSA main entries go through `_open_entries` instead.
     """
     per_block = span // ratio
     end = c.start + c.num_tokens
@@ -187,6 +188,53 @@ def _entries_for_chunk(pool: Tensor, tail: Tensor, new_entries: Tensor, ratio: i
     left = open_entries[num_done * per_block :]
     tail[: left.shape[0]] = left
     return torch.cat((pooled, open_entries))
+
+
+def _open_entries(
+    pool: Tensor, tail: Tensor, new_entries: Tensor, per_block: int, span: int, c: ChunkPlan, hot: HotSet
+) -> Tensor:
+    """`_entries_for_chunk` under HiSparse (`pool` is the host copy): the same writes, and a
+    rewritten block leaves the hot set, but the pool is not read: only the entries after
+    the block table's (the unfinished span's, old then new) come back; the block table's
+    are selected through the hot set."""
+    if c.replay:
+        return new_entries[:0]  # every visible entry is in the pool (the prefix hit)
+    num_blocks = len(c.block_table)
+    assert num_blocks == c.start // span, (
+        f"block table holds {num_blocks} spans, start {c.start} needs {c.start // span}"
+    )
+    num_tail = c.start // (span // per_block) - num_blocks * per_block
+    open_entries = torch.cat((tail[:num_tail], new_entries))
+    num_done = (c.start + c.num_tokens) // span - num_blocks
+    assert num_done == len(c.new_block_ids), f"{num_done} spans complete, {len(c.new_block_ids)} blocks reserved"
+    for k, block_id in enumerate(c.new_block_ids):
+        hot.invalidate_block(block_id)
+        pool[block_id] = open_entries[k * per_block : (k + 1) * per_block].to(pool.device)
+    left = open_entries[num_done * per_block :]
+    tail[: left.shape[0]] = left
+    return open_entries
+
+
+def _select_entries(cl: LayerClassical, open_entries: Tensor, top: Tensor, top_valid: Tensor, c: ChunkPlan) -> Tensor:
+    """HiSparse: the entries `top` ([n, k'] indices into the chunk's entry list: the block
+    table's entries, then `open_entries`) names, [n, k', width]. Block-table entries come
+    through the hot set (fetched from the host copy when not resident); a masked-out pick
+    reads nothing (zeros, which attention never weighs)."""
+    assert cl.hot is not None and cl.main is not None
+    per_block = cl.hot.per_block
+    num_pool = len(c.block_table) * per_block
+    flat, ok = top.reshape(-1), top_valid.reshape(-1)
+    out = torch.zeros(flat.shape[0], open_entries.shape[-1], dtype=open_entries.dtype, device=open_entries.device)
+    from_pool = ok & (flat < num_pool)
+    if bool(from_pool.any()):
+        table = torch.tensor(c.block_table, dtype=torch.long)
+        local = flat[from_pool]
+        ids = table[local // per_block] * per_block + local % per_block
+        out[from_pool] = cl.hot.gather(cl.main, ids)
+    from_open = ok & (flat >= num_pool)
+    if bool(from_open.any()):
+        out[from_open] = open_entries[flat[from_open] - num_pool]
+    return out.view(*top.shape, -1)
 
 
 def _chunk_attention(
@@ -230,7 +278,11 @@ def _chunk_attention(
             eps,
             freqs,
         )
-        entries = _entries_for_chunk(cl.main, st.tail_main[slot], new_entries, ratio, spec.span, c)
+        hot = cl.hot if ratio == CSA_RATIO else None
+        if hot is None:
+            entries = _entries_for_chunk(cl.main, st.tail_main[slot], new_entries, ratio, spec.span, c)
+        else:
+            entries = _open_entries(cl.main, st.tail_main[slot], new_entries, spec.span // ratio, spec.span, c, hot)
         num_visible = (torch.arange(start, end) + 1) // ratio  # entry j visible iff j < (t + 1) // ratio
         if ratio == CSA_RATIO:
             ix = w.indexer
@@ -250,11 +302,12 @@ def _chunk_attention(
                 freqs,
             )
             idx_keys = _entries_for_chunk(cl.idx, st.tail_idx[slot], new_keys, ratio, spec.span, c)
-            if entries.shape[0]:
+            if idx_keys.shape[0]:  # (the indexer keys stay on the device: one per entry)
                 scores = indexer_scores(p.idx_q, p.idx_w, idx_keys)  # [n, E]
                 top, top_valid = stable_topk(scores, num_visible, spec.index_topk)  # [n, k']
                 n = c.num_tokens
-                keys = torch.cat((win_keys.expand(n, -1, -1), entries[top]), dim=1)  # [n, n_win + n + k', d]
+                picked = entries[top] if hot is None else _select_entries(cl, entries, top, top_valid, c)
+                keys = torch.cat((win_keys.expand(n, -1, -1), picked), dim=1)  # [n, n_win + n + k', d]
                 valid = torch.cat((win_valid, top_valid), dim=1)
         else:
             entry_valid = torch.arange(entries.shape[0])[None, :] < num_visible[:, None]

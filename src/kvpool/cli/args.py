@@ -119,6 +119,23 @@ def add_host_cache_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_hisparse_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--hisparse",
+        type=positive_int,
+        default=None,
+        metavar="ENTRIES",
+        help="tiny-dsv4: HiSparse, CSA main entries in host memory with a device hot set of ENTRIES per CSA "
+        "layer (the indexer's picks are fetched when not resident)",
+    )
+
+
+def check_hisparse(args: argparse.Namespace) -> None:
+    """ValueError for --hisparse on a model without CSA layers."""
+    if getattr(args, "hisparse", None) is not None and getattr(args, "model", None) != "tiny-dsv4":
+        raise ValueError("--hisparse: only tiny-dsv4 has CSA layers (pass --model tiny-dsv4)")
+
+
 def host_cache_bytes(args: argparse.Namespace) -> int | None:
     """--host-cache-gib in bytes (None when not given). ValueError for a model whose cache
     has no host tier yet (tiny-dsv4's dual pool)."""

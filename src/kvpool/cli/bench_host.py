@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
             cached.append(out.num_cached_tokens)
         case = {"ttft_ms_p50": round(statistics.median(ttfts), 1), "ttft_ms": [round(t, 1) for t in ttfts]}
         case["cached_tokens"] = cached
-        tier = engine.runner.tier_report()
+        tier = engine.runner.tier_reports().get("host_tier")
         if tier is not None:
             moves = engine.runner.tier_moves
             case |= {

@@ -7,7 +7,14 @@ import json
 import sys
 from typing import Any
 
-from kvpool.cli.args import add_host_cache_argument, host_cache_bytes, non_negative_int, positive_int
+from kvpool.cli.args import (
+    add_hisparse_argument,
+    add_host_cache_argument,
+    check_hisparse,
+    host_cache_bytes,
+    non_negative_int,
+    positive_int,
+)
 
 DSV4_DEFAULT_BLOCKS = 512  # tiny-dsv4's classical blocks when --num-blocks is not given
 
@@ -52,6 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_host_cache_argument(parser)
+    add_hisparse_argument(parser)
     add_model_arguments(parser)
 
 
@@ -95,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     host_cache_bytes(args)  # refuses tiny-dsv4 before anything loads
+    check_hisparse(args)
     if args.model == "tiny-dsv4":  # DeepSeek-V4 dual pool: token ids in, token ids out
         from kvpool.cli import generate_dsv4
 
@@ -155,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
             "load_s": round(loaded.load_s, 3),
             "load_source": loaded.load_source,
             "memory": memory.measure(engine.runner, runtime_bytes, loaded.tokenizer_bytes).as_dict(),
-            **({"host_tier": tier} if (tier := engine.runner.tier_report()) is not None else {}),
+            **engine.runner.tier_reports(),
         }
         print(json.dumps(report))
     else:

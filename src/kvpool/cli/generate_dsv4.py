@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     )
     start = time.perf_counter()
     num_blocks = args.num_blocks or DSV4_DEFAULT_BLOCKS
-    engine = build_tiny_dsv4_engine(num_classical_blocks=num_blocks)
+    engine = build_tiny_dsv4_engine(num_classical_blocks=num_blocks, hot_set_entries=getattr(args, "hisparse", None))
     load_s = time.perf_counter() - start
     context_len = engine.runner.max_model_len
     if context_len < TINY_DSV4_CONFIG["max_position_embeddings"]:
@@ -73,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
             "load_s": round(load_s, 3),
             "load_source": "built in",  # random weights of a fixed seed, made in the process
             "memory": None,  # the ledger is measured for the Llama engine
+            **engine.runner.tier_reports(),
         }
         print(json.dumps(report))
     else:

@@ -88,6 +88,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-cuda-graphs", action="store_true", help="no CUDA-graph memory in the ledger")
     parser.add_argument(
+        "--hisparse-fraction",
+        type=positive_float,
+        default=None,
+        help="DeepSeek-V4: the tokens the pool holds with HiSparse, this fraction of the CSA main entries on the "
+        "device (the rest in host memory)",
+    )
+    parser.add_argument(
         "--lengths",
         default=None,
         help="length distribution for measured fragmentation: uniform:LO:HI, "
@@ -202,11 +209,28 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"kvpool plan: error: {e}", file=sys.stderr)
         return 2
+    hisparse = None
+    if result is not None and args.hisparse_fraction is not None:
+        from kvpool.capacity.hisparse import hisparse_capacity
+
+        try:
+            hisparse = hisparse_capacity(result, args.hisparse_fraction)
+        except ValueError as e:
+            print(f"kvpool plan: error: --hisparse-fraction: {e}", file=sys.stderr)
+            return 2
     if result is not None:
         if args.json:
-            print(json.dumps(plan_to_dict(result), indent=2))
+            print(json.dumps(plan_to_dict(result) | ({"hisparse": hisparse} if hisparse else {}), indent=2))
         else:
             print_plan(result)
+            if hisparse:
+                print(
+                    f"HiSparse at {hisparse['hot_set_fraction']:.0%} of the CSA main entries on the device: "
+                    f"{hisparse['kv_bytes_per_token_hisparse']:,.1f} B a token on the device (resident: "
+                    f"{hisparse['kv_bytes_per_token_resident']:,.1f}; {hisparse['host_bytes_per_token']:,.1f} in host "
+                    f"memory), the pool holds {hisparse['pool_tokens_hisparse']:,} tokens against "
+                    f"{hisparse['pool_tokens_resident']:,} ({hisparse['token_gain']:.2f}x) per GPU"
+                )
     if args.plot and not args.json:
         print(f"wrote {args.plot}")
     return 0 if result is None or result.fits else 1

@@ -35,7 +35,9 @@ from dataclasses import dataclass, field
 
 from kvpool.capacity.engine import EngineConfig
 from kvpool.cli.args import (
+    add_hisparse_argument,
     add_host_cache_argument,
+    check_hisparse,
     host_cache_bytes,
     non_negative_int,
     parse_bytes,
@@ -84,6 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--num-blocks", type=positive_int, default=None, help="KV blocks (default: from --kv-memory)")
     add_host_cache_argument(parser)
+    add_hisparse_argument(parser)
     parser.add_argument(
         "--kv-memory",
         default=None,
@@ -226,6 +229,7 @@ class Progress:
 def build(args: argparse.Namespace):
     """(engine, workload-making function, model name) for --model."""
     host_cache_bytes(args)  # refuses tiny-dsv4 before anything loads
+    check_hisparse(args)
     if args.model == TINY_MODEL:
         from kvpool.engine.dsv4_runner import DSV4EngineRunner
         from kvpool.engine.engine import Engine
@@ -239,7 +243,7 @@ def build(args: argparse.Namespace):
             num_blocks = parse_bytes(args.kv_memory or "16MiB") // block_bytes
             if num_blocks <= 0:
                 raise ValueError(f"--kv-memory {args.kv_memory} holds no classical block of {block_bytes} bytes")
-        runner = DSV4EngineRunner(model, num_blocks, args.max_seqs)
+        runner = DSV4EngineRunner(model, num_blocks, args.max_seqs, hot_set_entries=getattr(args, "hisparse", None))
         engine = Engine(runner, max_num_batched_tokens=args.max_batch_tokens, max_num_seqs=args.max_seqs)
         return engine, lambda rng: id_workload(model.vocab_size, args, rng), TINY_MODEL, None
 
@@ -407,7 +411,7 @@ def make_report(engine, args, model_name, wall, step_time, frag_samples, bytes_r
         "num_steps": engine.num_steps,
         "wall_s": round(wall, 3),
         "interrupted": interrupted,
-        **({"host_tier": tier} if (tier := engine.runner.tier_report()) is not None else {}),
+        **engine.runner.tier_reports(),
     }
 
 

@@ -55,10 +55,20 @@ class DSV4PagedRunner:
         num_checkpoints: int = 0,
         enable_prefix_caching: bool = True,
         replay_chunk: int = 256,
+        hot_set_entries: int | None = None,
     ) -> None:
+        """hot_set_entries: HiSparse (storage/dsv4.py HotSet): the CSA main entries each CSA
+        layer keeps on the device; the rest of the CSA main pool is in host memory."""
         self.model = model
         self.spec = model.spec
-        self.pools = DSV4Pools(model.spec, num_classical_blocks, num_state_blocks, num_checkpoints, dtype=model.dtype)
+        self.pools = DSV4Pools(
+            model.spec,
+            num_classical_blocks,
+            num_state_blocks,
+            num_checkpoints,
+            dtype=model.dtype,
+            hot_set_entries=hot_set_entries,
+        )
         self.cache = DSV4CacheManager(
             model.spec,
             num_classical_blocks,
@@ -212,6 +222,7 @@ class DSV4EngineRunner:
         restore: RestoreMethod = "recompute",
         num_checkpoints: int = 0,
         enable_prefix_caching: bool = True,
+        hot_set_entries: int | None = None,
     ) -> None:
         self.runner = DSV4PagedRunner(
             model,
@@ -220,6 +231,7 @@ class DSV4EngineRunner:
             restore=restore,
             num_checkpoints=num_checkpoints,
             enable_prefix_caching=enable_prefix_caching,
+            hot_set_entries=hot_set_entries,
         )
         self.cache = self.runner.cache
         span = model.spec.span
@@ -229,6 +241,7 @@ class DSV4EngineRunner:
         self.capacity_tokens = num_classical_blocks * span + span - 1
         self.max_model_len = min(model.spec.max_position_embeddings, self.capacity_tokens)
         self._num_states_taken = 0
+        self.num_steps_run = 0  # forward steps (for per-step HiSparse figures)
 
     def admit(self, seq_id: str, token_ids: Sequence[int], max_new_tokens: int) -> Admission | None:
         if max_new_tokens <= 0:
@@ -250,6 +263,7 @@ class DSV4EngineRunner:
             res = self.runner._pending(c.seq_id)
             assert res.start == c.start and res.num_tokens == len(c.token_ids), "chunk != reservation"
         logits = self.runner.run_reservations([c.seq_id for c in chunks])
+        self.num_steps_run += 1
         rows = [lg[-1] for c, lg in zip(chunks, logits, strict=True) if c.needs_logits]
         if not rows:
             return torch.zeros(0, self.vocab_size)
@@ -298,9 +312,11 @@ class DSV4EngineRunner:
     def check_integrity(self) -> None:
         self.cache.check_integrity()
 
-    def tier_report(self) -> None:
-        """No tier below the dual pool yet (the LlamaRunner's host tier has one)."""
-        return None
+    def tier_reports(self) -> dict[str, dict[str, object]]:
+        """{"hisparse": its figures} ({} when off): the CSA main bytes kept off the device,
+        the entries the indexer selected and those fetched from the host copy, per step."""
+        report = hisparse_report(self.runner.pools, self.num_steps_run)
+        return {} if report is None else {"hisparse": report}
 
     def cache_stats(self) -> dict[str, float]:
         pools, cache = self.runner.pools, self.cache
@@ -332,8 +348,10 @@ def build_tiny_dsv4_engine(
     restore: RestoreMethod = "recompute",
     enable_prefix_caching: bool = True,
     record_logits: bool = False,
+    hot_set_entries: int | None = None,
 ) -> Engine:
-    """An Engine running the tiny V4 model (token ids in, token ids out; no tokenizer, no EOS)."""
+    """An Engine running the tiny V4 model (token ids in, token ids out; no tokenizer, no EOS).
+    hot_set_entries: HiSparse with a hot set of that many CSA entries per CSA layer."""
     runner = DSV4EngineRunner(
         TinyDSV4(seed=seed),
         num_classical_blocks,
@@ -341,7 +359,32 @@ def build_tiny_dsv4_engine(
         restore=restore,
         num_checkpoints=8 if restore == "checkpoint" else 0,
         enable_prefix_caching=enable_prefix_caching,
+        hot_set_entries=hot_set_entries,
     )
     return Engine(
         runner, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, record_logits=record_logits
     )
+
+
+def hisparse_report(pools: DSV4Pools, num_steps: int) -> dict[str, object] | None:
+    hots = [cl for cl in pools.classical if cl.hot is not None]
+    if not hots:
+        return None
+    host_bytes = sum(cl.main.numel() * cl.main.element_size() for cl in hots if cl.main is not None)
+    hot_bytes = sum(cl.hot.num_bytes for cl in hots if cl.hot is not None)
+    selected = sum(cl.hot.num_selected for cl in hots if cl.hot is not None)
+    fetched = sum(cl.hot.num_fetched for cl in hots if cl.hot is not None)
+    fetched_bytes = sum(cl.hot.num_fetched_bytes for cl in hots if cl.hot is not None)
+    steps = max(num_steps, 1)
+    return {
+        "hot_set_entries": hots[0].hot.capacity if hots[0].hot is not None else 0,
+        "csa_layers": len(hots),
+        "csa_main_bytes_on_host": host_bytes,
+        "hot_set_bytes": hot_bytes,
+        "device_bytes_saved": host_bytes - hot_bytes,
+        "entries_selected": selected,
+        "entries_fetched": fetched,
+        "bytes_fetched": fetched_bytes,
+        "entries_fetched_per_step": round(fetched / steps, 2),
+        "bytes_fetched_per_step": round(fetched_bytes / steps, 1),
+    }

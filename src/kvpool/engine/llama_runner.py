@@ -93,21 +93,23 @@ class LlamaRunner:
 
     # ---- the host tier ---------------------------------------------------------------
 
-    def tier_report(self) -> dict[str, object] | None:
-        """The host tier's counters and the runner's moves (None without a tier)."""
+    def tier_reports(self) -> dict[str, dict[str, object]]:
+        """{"host_tier": the tier's counters and the runner's moves}, or {} without a tier."""
         if self.tier is None:
-            return None
+            return {}
         moves = self.tier_moves
         return {
-            "capacity_bytes": self.tier.capacity_bytes,
-            "bytes_used": self.tier.num_bytes,
-            "entries": self.tier.num_entries,
-            "hit_tokens": self.manager.stats.num_lower_tier_hit_tokens,
-            "blocks_offloaded": moves.num_offloaded,
-            "blocks_loaded": moves.num_loaded,
-            "offload_ms": round(moves.offload_s * 1e3, 3),
-            "load_ms": round(moves.load_s * 1e3, 3),
-            **self.tier.stats.as_dict(),
+            "host_tier": {
+                "capacity_bytes": self.tier.capacity_bytes,
+                "bytes_used": self.tier.num_bytes,
+                "entries": self.tier.num_entries,
+                "hit_tokens": self.manager.stats.num_lower_tier_hit_tokens,
+                "blocks_offloaded": moves.num_offloaded,
+                "blocks_loaded": moves.num_loaded,
+                "offload_ms": round(moves.offload_s * 1e3, 3),
+                "load_ms": round(moves.load_s * 1e3, 3),
+                **self.tier.stats.as_dict(),
+            }
         }
 
     def _offload_evicted(self) -> None:

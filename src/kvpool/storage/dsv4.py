@@ -25,6 +25,7 @@ fp64 storage: an fp64 verification run must not round its pending rows to fp32.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -59,10 +60,97 @@ class LayerState:
         ]
 
 
+class HotSet:
+    """HiSparse: the device-resident CSA main entries of one layer, the rest in host memory.
+
+    The layer's classical `main` pool is the host copy of every entry; the hot set holds
+    `capacity` of them on the device, by global entry id (block id x entries per block +
+    offset), least recently selected first out. `gather` returns the rows the indexer
+    selected: resident ones from the hot set, the others fetched from the host copy (and
+    then kept, pushing out the least recently selected). A step that selects more entries
+    than the hot set holds still gets every one of them (they are fetched; the last
+    `capacity` stay). Rows are copies of the same values, so attention is exact either way.
+    A classical block written again (reused for another prefix) drops its stale entries.
+    """
+
+    def __init__(self, capacity: int, width: int, per_block: int, dtype: torch.dtype, device) -> None:
+        if capacity <= 0:
+            raise ValueError(f"the HiSparse hot set needs at least one entry, got {capacity}")
+        self.capacity = capacity
+        self.per_block = per_block
+        self.rows = torch.zeros(capacity, width, dtype=dtype, device=device)  # on the device
+        self._slot_of: OrderedDict[int, int] = OrderedDict()  # entry id -> row, least recently selected first
+        self._free = list(range(capacity - 1, -1, -1))
+        self.num_selected = 0  # selected entries served, resident or fetched
+        self.num_fetched = 0  # of those, fetched from the host copy
+        self.num_fetched_bytes = 0
+        self.num_gathers = 0
+
+    @property
+    def num_bytes(self) -> int:
+        return self.rows.numel() * self.rows.element_size()
+
+    def invalidate_block(self, block_id: int) -> None:
+        """The block's entries are about to be rewritten: forget any resident copy."""
+        for entry in range(block_id * self.per_block, (block_id + 1) * self.per_block):
+            slot = self._slot_of.pop(entry, None)
+            if slot is not None:
+                self._free.append(slot)
+
+    def gather(self, host: Tensor, ids: Tensor) -> Tensor:
+        """Rows of entries `ids` ([m] int64 global ids) of `host` ([num_blocks, per_block, width],
+        the host copy): [m, width] on the hot set's device."""
+        self.num_gathers += 1
+        if ids.numel() == 0:
+            return self.rows[:0]
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        wanted = unique.tolist()
+        slot_of = self._slot_of
+        missing = [i for i in wanted if i not in slot_of]
+        out = torch.empty(len(wanted), self.rows.shape[1], dtype=self.rows.dtype, device=self.rows.device)
+        resident_pos = [k for k, i in enumerate(wanted) if i in slot_of]
+        if resident_pos:
+            slots = torch.tensor([slot_of[wanted[k]] for k in resident_pos], dtype=torch.long, device=self.rows.device)
+            out[torch.tensor(resident_pos, dtype=torch.long, device=self.rows.device)] = self.rows[slots]
+            for k in resident_pos:
+                slot_of.move_to_end(wanted[k])
+        if missing:
+            flat = host.reshape(-1, host.shape[-1])
+            fetched = flat[torch.tensor(missing, dtype=torch.long, device=flat.device)].to(self.rows.device)
+            missing_pos = [k for k, i in enumerate(wanted) if i not in slot_of]
+            out[torch.tensor(missing_pos, dtype=torch.long, device=self.rows.device)] = fetched
+            self.num_fetched += len(missing)
+            self.num_fetched_bytes += fetched.numel() * fetched.element_size()
+            # keep the fetched entries (the last `capacity` if a step needs more than fit)
+            keep = list(range(len(missing)))[-self.capacity :]
+            step_ids = set(wanted)
+            for j in keep:
+                if not self._free:
+                    victim = next((e for e in slot_of if e not in step_ids), None)
+                    if victim is None:  # every resident entry is selected in this step
+                        victim = next(iter(slot_of))
+                    self._free.append(slot_of.pop(victim))
+                slot = self._free.pop()
+                self.rows[slot] = fetched[j]
+                slot_of[missing[j]] = slot
+        self.num_selected += len(wanted)
+        return out[inverse]
+
+    def check_integrity(self) -> None:
+        slots = list(self._slot_of.values())
+        if (
+            len(set(slots)) != len(slots)
+            or set(slots) & set(self._free)
+            or len(slots) + len(self._free) != self.capacity
+        ):
+            raise AssertionError("HiSparse hot set: a row is free and resident, or lost")
+
+
 @dataclass
 class LayerClassical:
     main: Tensor | None = None
     idx: Tensor | None = None
+    hot: HotSet | None = None  # HiSparse: main lives on the host, this many entries on the device
 
 
 class DSV4Pools:
@@ -77,7 +165,10 @@ class DSV4Pools:
         num_checkpoints: int = 0,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        hot_set_entries: int | None = None,
     ) -> None:
+        """hot_set_entries: HiSparse, the CSA main entries each CSA layer keeps on the
+        device (HotSet); the layer's main pool moves to host memory (pinned, on CUDA)."""
         if num_classical_blocks <= 0 or num_state_blocks <= 0 or num_checkpoints < 0:
             raise ValueError(
                 f"need positive block counts, got classical={num_classical_blocks}, "
@@ -106,6 +197,17 @@ class DSV4Pools:
                 st.comp_score = torch.zeros(slots, coff * ratio, coff * d, **comp)
                 st.tail_main = torch.zeros(slots, span // ratio, d, **kw)
                 cl.main = torch.zeros(num_classical_blocks, span // ratio, d, **kw)
+            if ratio == CSA_RATIO and hot_set_entries is not None:
+                num_entries = num_classical_blocks * (span // ratio)
+                if not 0 < hot_set_entries <= num_entries:
+                    raise ValueError(
+                        f"the HiSparse hot set must hold 1 to {num_entries} CSA entries (the classical pool's), "
+                        f"got {hot_set_entries}"
+                    )
+                on_gpu = torch.device(device).type == "cuda"
+                host = {"dtype": dtype, "device": "cpu", "pin_memory": on_gpu}
+                cl.main = torch.zeros(num_classical_blocks, span // ratio, d, **host)
+                cl.hot = HotSet(hot_set_entries, d, span // ratio, dtype, device)
             if ratio == CSA_RATIO:
                 st.idx_kv = torch.zeros(slots, 2 * CSA_RATIO, 2 * di, **comp)
                 st.idx_score = torch.zeros(slots, 2 * CSA_RATIO, 2 * di, **comp)

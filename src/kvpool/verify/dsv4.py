@@ -161,10 +161,11 @@ class Verifier:
 
     # ----- cases: each returns the segments of logits it computed ---------------------------
 
-    def prompt(self, length: int, chunk: int | None = None) -> list[Segment]:
-        """One prompt of `length` tokens prefilled in chunks of `chunk` (None: one chunk)."""
+    def prompt(self, length: int, chunk: int | None = None, hot: int | None = None) -> list[Segment]:
+        """One prompt of `length` tokens prefilled in chunks of `chunk` (None: one chunk).
+        hot: HiSparse with a hot set of that many CSA entries (None: off)."""
         ids = self.tokens(length)
-        runner = self.runner()
+        runner = self.runner(hot_set_entries=hot)
         assert runner.add_request("r", ids) is not None
         pieces = []
         pos = 0
@@ -178,10 +179,10 @@ class Verifier:
         runner.check_integrity()
         return [Segment(self.model, tuple(ids), 0, torch.cat(pieces))]
 
-    def decode(self, prompt_len: int = 100, num_steps: int = 200) -> list[Segment]:
+    def decode(self, prompt_len: int = 100, num_steps: int = 200, hot: int | None = None) -> list[Segment]:
         """Greedy decode across block boundaries; every step against the oracle. Also checks
         that the Classical pool only ever holds complete, never-rewritten spans."""
-        runner = self.runner()
+        runner = self.runner(hot_set_entries=hot)
         ids = self.tokens(prompt_len, seed=1)
         runner.add_request("r", ids)
         out = runner.step([("r", prompt_len)])
@@ -220,7 +221,7 @@ class Verifier:
         runner.check_integrity()
         return [Segment(self.model, tuple(ids), 0, torch.cat(logits[rid])) for rid, ids in seqs.items()]
 
-    def prefix_hit(self, num_blocks: int, restore: str, small: bool = False) -> list[Segment]:
+    def prefix_hit(self, num_blocks: int, restore: str, small: bool = False, hot: int | None = None) -> list[Segment]:
         """Request A computes a prompt; B shares its first num_blocks spans (+ a few tokens) and
         must hit exactly num_blocks classical blocks, restore the state, and match the oracle."""
         model = self.small if small else self.model
@@ -230,6 +231,7 @@ class Verifier:
             restore=restore,
             num_checkpoints=4 if restore == "checkpoint" else 0,
             num_classical_blocks=2 * (num_blocks + 2) + 2,
+            hot_set_entries=hot,
         )
         a = self.tokens(span * num_blocks + span // 2, seed=20)
         b = a[: span * num_blocks + 3] + self.tokens(40, seed=21)
@@ -310,6 +312,13 @@ class Verifier:
         named += [
             ("small_cfg_prefix_hit_8_blocks_recompute", lambda: self.prefix_hit(8, "recompute", small=True)),
             ("shared_block_refcount_2_decode", self.shared_decode),
+        ]
+        # HiSparse: CSA main entries on the host, a hot set on the device (smaller than the
+        # indexer's top-k of 8 in the first: every step fetches)
+        named += [
+            ("hisparse_hot_4_decode_200_steps_from_100", lambda: self.decode(hot=4)),
+            ("hisparse_hot_16_chunked_prefill_300_chunk_64", lambda: self.prompt(300, 64, hot=16)),
+            ("hisparse_hot_8_prefix_hit_2_blocks_recompute", lambda: self.prefix_hit(2, "recompute", hot=8)),
         ]
         return named
 

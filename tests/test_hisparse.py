@@ -1,0 +1,146 @@
+"""HiSparse on the tiny V4 model: CSA main entries in host memory, a hot set on the device.
+Outputs equal HiSparse off bit for bit (a pick is a copy of the same entry), whatever the
+hot set's size, and the bytes fetched shrink as it grows."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvpool.engine.dsv4_runner import DSV4EngineRunner
+from kvpool.engine.engine import Engine
+from kvpool.engine.sampling import SamplingParams
+from kvpool.models.tiny_dsv4 import TinyDSV4
+from kvpool.storage.dsv4 import DSV4Pools, HotSet
+
+
+def _serve(model: TinyDSV4, hot: int | None, prompt_len: int = 700):
+    runner = DSV4EngineRunner(model, 64, 4, hot_set_entries=hot)
+    engine = Engine(runner, max_num_batched_tokens=256, max_num_seqs=4, record_logits=True)
+    rng = random.Random(0)
+    ids = [
+        engine.add_request(
+            [rng.randrange(256) for _ in range(prompt_len)], SamplingParams(max_tokens=8, ignore_eos=True)
+        )
+        for _ in range(2)
+    ]
+    while engine.has_unfinished():
+        engine.step()
+        runner.check_integrity()
+        for cl in runner.runner.pools.classical:
+            if cl.hot is not None:
+                cl.hot.check_integrity()
+    return [torch.stack(engine.requests[i].seqs[0].logits) for i in ids], runner.tier_reports().get("hisparse")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_outputs_equal_hisparse_off_even_with_a_hot_set_below_top_k(dtype) -> None:
+    model = TinyDSV4(dtype=dtype)
+    assert model.spec.index_topk == 8
+    want, off = _serve(model, None)
+    assert off is None
+    fetched = []
+    for hot in (4, 64, 1024):  # 4 < top-k: every step fetches
+        got, report = _serve(model, hot)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), f"hot set {hot}"
+        assert report["entries_fetched"] > 0 and report["device_bytes_saved"] > 0
+        assert report["device_bytes_saved"] == report["csa_main_bytes_on_host"] - report["hot_set_bytes"]
+        fetched.append(report["bytes_fetched"])
+    assert fetched[0] >= fetched[1] >= fetched[2] and fetched[2] < fetched[0]
+
+
+def test_reused_classical_blocks_never_serve_a_stale_hot_entry() -> None:
+    """Waves of new prompts on a 16-block pool: every wave's spans land in blocks an
+    earlier wave's entries were hot in."""
+    model = TinyDSV4(dtype=torch.float64)
+
+    def waves(hot: int | None):
+        runner = DSV4EngineRunner(model, 16, 2, hot_set_entries=hot)
+        engine = Engine(runner, max_num_batched_tokens=256, max_num_seqs=2, record_logits=True)
+        rng = random.Random(1)
+        logits = []
+        for _ in range(3):
+            ids = [
+                engine.add_request(
+                    [rng.randrange(256) for _ in range(700)], SamplingParams(max_tokens=4, ignore_eos=True)
+                )
+                for _ in range(2)
+            ]
+            while engine.has_unfinished():
+                engine.step()
+            logits += [torch.stack(engine.requests[i].seqs[0].logits) for i in ids]
+        return logits, runner
+
+    want, _ = waves(None)
+    got, runner = waves(512)  # large enough that nothing is pushed out: only rewrites drop entries
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert runner.cache.pool.num_allocated > 16  # blocks were handed out again
+
+
+def test_the_hot_set_serves_every_pick_and_keeps_the_latest() -> None:
+    host = torch.arange(4 * 2 * 3, dtype=torch.float32).view(4, 2, 3)  # 4 blocks of 2 entries, width 3
+    hot = HotSet(2, 3, 2, torch.float32, "cpu")
+    ids = torch.tensor([5, 1, 5, 7])  # more distinct entries than the hot set holds
+    assert torch.equal(hot.gather(host, ids), host.view(-1, 3)[ids])
+    assert (hot.num_fetched, hot.num_selected) == (3, 3)
+    hot.check_integrity()
+    again = hot.gather(host, torch.tensor([7, 5]))  # the last two fetched stayed
+    assert torch.equal(again, host.view(-1, 3)[[7, 5]]) and hot.num_fetched == 3
+    hot.invalidate_block(2)  # entries 4 and 5: block 2 is about to be rewritten
+    host[2] = -1.0
+    assert torch.equal(hot.gather(host, torch.tensor([5])), torch.full((1, 3), -1.0)) and hot.num_fetched == 4
+    hot.check_integrity()
+
+
+def test_bad_hot_set_sizes_are_refused() -> None:
+    spec = TinyDSV4().spec
+    with pytest.raises(ValueError, match="must hold 1 to 128 CSA entries"):
+        DSV4Pools(spec, 4, 2, hot_set_entries=129)  # 4 blocks of 32 CSA entries
+    with pytest.raises(ValueError, match="must hold 1 to 128 CSA entries"):
+        DSV4Pools(spec, 4, 2, hot_set_entries=0)
+    with pytest.raises(ValueError, match="at least one entry"):
+        HotSet(0, 3, 2, torch.float32, "cpu")
+
+
+def test_the_cli_reports_hisparse_and_refuses_it_without_csa_layers() -> None:
+    import json
+
+    run = [sys.executable, "-m", "kvpool", "generate", "--model", "tiny-dsv4", "--no-chat", "--json"]
+    prompt = " ".join(str(i % 256) for i in range(300))
+    proc = subprocess.run([*run, prompt, "--max-tokens", "4", "--hisparse", "4"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)["hisparse"]
+    assert report["hot_set_entries"] == 4 and report["entries_fetched"] > 0
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvpool", "generate", "hello", "--hisparse", "4"], capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        "kvpool generate: error: --hisparse: only tiny-dsv4 has CSA layers (pass --model tiny-dsv4)"
+    )
+
+
+def test_the_planner_counts_the_tokens_hisparse_buys() -> None:
+    from kvpool.capacity.hisparse import hisparse_capacity
+    from kvpool.capacity.planner import plan
+    from kvpool.spec.gpus import get_gpu
+    from kvpool.spec.models import load_preset
+
+    p = plan(load_preset("deepseek-v4-flash"), get_gpu("H200"), num_gpus=2, tp=2, context_len=131072)
+    h = hisparse_capacity(p, 0.1)
+    # by hand (fp8 serving layout): CSA main 21 layers x 584 B per 4 tokens; the rest stays
+    assert h["csa_main_bytes_per_token"] == 21 * 584 / 4 == 3066
+    assert h["kv_bytes_per_token_resident"] == 3850.25
+    assert h["kv_bytes_per_token_hisparse"] == pytest.approx(3850.25 - 0.9 * 3066, rel=1e-12)
+    assert h["pool_tokens_hisparse"] == int(p.ledger.pool_bytes // h["kv_bytes_per_token_hisparse"])
+    assert h["token_gain"] == pytest.approx(3850.25 / (3850.25 - 0.9 * 3066), rel=1e-12)
+    assert hisparse_capacity(p, 1.0)["pool_tokens_hisparse"] == h["pool_tokens_resident"]
+    with pytest.raises(ValueError, match="fraction must be in \\(0, 1\\], got 0"):
+        hisparse_capacity(p, 0)
+    dense = plan(load_preset("smollm2-135m"), get_gpu("H200"))
+    with pytest.raises(ValueError, match="smollm2-135m has no CSA layers"):
+        hisparse_capacity(dense, 0.5)
