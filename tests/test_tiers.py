@@ -366,3 +366,67 @@ def test_bench_host_serves_the_prefix_from_the_host(capsys) -> None:
     assert cases["device"]["cached_tokens"] == [64] and cases["host"]["cached_tokens"] == [64]
     assert cases["host"]["blocks_loaded_per_request"] >= 3  # the filler left at most one block on the device
     assert cases["recompute"]["cached_tokens"][0] <= 16
+
+
+# ----- preemption by swap ----------------------------------------------------------------
+
+
+def _preempting_workload(fp64_model, **kw):
+    """Four requests whose decodes outgrow a 10-block pool: preemptions mid-block."""
+    from kvpool.engine.build import build_engine
+    from kvpool.engine.sampling import SamplingParams
+
+    engine = build_engine(fp64_model, num_blocks=10, block_size=16, record_logits=True, **kw)
+    ids = [
+        engine.add_request(_prompt(20 + i, 10 + i), SamplingParams(max_tokens=30, ignore_eos=True), f"r{i}")
+        for i in range(4)
+    ]
+    while engine.has_unfinished():
+        engine.step()
+        engine.runner.check_integrity()
+    return engine, ids
+
+
+def _check_exact(fp64_model, engine, ids) -> None:
+    from kvpool.attention.reference import reference_logits
+
+    for rid in ids:
+        seq = engine.requests[rid].seqs[0]
+        assert len(seq.output_ids) == 30 and seq.finish_reason == "length"
+        got = torch.stack(seq.logits)
+        start = engine.requests[rid].num_prompt_tokens - 1
+        ref = reference_logits(fp64_model.model, seq.token_ids[:-1])[start : start + len(got)]
+        assert (got - ref).abs().max().item() <= 1e-9, rid
+
+
+def test_swapped_out_and_back_requests_are_exact(fp64_model) -> None:
+    engine, ids = _preempting_workload(fp64_model, host_cache_bytes=1 << 28, preemption="swap")
+    moves = engine.runner.tier_moves
+    assert engine.num_preemptions > 0 and moves.num_swapped_out == engine.num_preemptions
+    assert moves.num_swapped_in > 0 and moves.num_tail_tokens_restored > 0  # partial blocks came back
+    _check_exact(fp64_model, engine, ids)
+    assert engine.runner.manager.num_free_blocks == 10  # nothing leaked
+
+
+def test_a_swap_that_does_not_fit_falls_back_to_recompute(fp64_model) -> None:
+    block = 30 * 2 * 3 * 64 * 16 * 8  # one fp64 block of SmolLM2: 30 layers x K, V x 3 heads x 64 x 16
+    engine, ids = _preempting_workload(fp64_model, host_cache_bytes=block, preemption="swap")
+    assert engine.num_preemptions > 0 and engine.runner.tier.num_bytes <= block
+    _check_exact(fp64_model, engine, ids)
+    assert engine.runner.manager.num_free_blocks == 10
+
+
+def test_swap_needs_a_host_tier() -> None:
+    from kvpool.engine.build import build_engine, load_model
+
+    with pytest.raises(ValueError, match="preemption 'swap' needs a host tier"):
+        build_engine(load_model(device="cpu"), num_blocks=8, preemption="swap")
+    with pytest.raises(ValueError, match="unknown preemption 'later'"):
+        build_engine(load_model(device="cpu"), num_blocks=8, host_cache_bytes=1 << 20, preemption="later")
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvpool", "run", "--preemption", "swap"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        "kvpool run: error: --preemption swap swaps to the host tier: give --host-cache-gib too"
+    )

@@ -316,6 +316,68 @@ class FullAttentionManager(CacheManager):
         assert req.num_computed + n <= req.num_reserved, "the admission's blocks cover the step"
         return Admission(req.num_computed, n, tuple(req.block_ids))
 
+    def restore_tail(self, request_id: str, num_tokens: int) -> Admission:
+        """The runner has written the KV of the `num_tokens` positions after the computed
+        full blocks (a partial block swapped out at preemption, loaded back): they count as
+        computed. Only right after admission, before the first step: the computed prefix
+        ends on a block boundary, the block that receives them is the request's own
+        (exclusive, unregistered) and at least one token is left to compute. Returns the
+        admission the engine follows."""
+        req = self._get(request_id)
+        bs = self.block_size
+        nc = req.num_computed
+        if req.loading or nc % bs or not 0 < num_tokens < bs or nc + num_tokens >= len(req.token_ids):
+            raise ValueError(
+                f"request {request_id!r}: cannot restore {num_tokens} tokens after {nc} computed "
+                f"({len(req.token_ids)} known, block size {bs})"
+            )
+        if nc + num_tokens > req.num_reserved:
+            raise ValueError(f"request {request_id!r}: {num_tokens} restored tokens lie past its reservation")
+        block_id = req.block_ids[nc // bs]
+        assert self.pool.refcount(block_id) == 1 and self.pool.block_hash(block_id) is None, "a fresh block"
+        req.num_computed = nc + num_tokens
+        if req.readmitted:
+            self.stats.num_readmitted_hit_tokens += num_tokens
+        else:
+            self.stats.num_hit_tokens += num_tokens
+        # the first step stays inside the admission's reservation (a block boundary past nc)
+        n = min(req.budget, len(req.token_ids) - req.num_computed, req.num_reserved - req.num_computed)
+        assert n > 0
+        return Admission(req.num_computed, n, tuple(req.block_ids))
+
+    def tail_block(self, request_id: str) -> tuple[int, PrefixBlock, int] | None:
+        """(block id, an unregistered prefix block for its content, tokens) of the request's
+        computed partial block, for a swap; None when its computed tokens end on a block
+        boundary (or caching is off)."""
+        req = self._get(request_id)
+        bs = self.block_size
+        nc = req.num_computed
+        if not self.enable_prefix_caching or nc % bs == 0:
+            return None
+        index = nc // bs
+        parent = req.chain[-1] if req.chain else req.root
+        extra = mm_extra_key(req.mm_items, bs, index) if req.mm_items else b""
+        block = self.pool.chain(parent, token_bytes(req.token_ids[index * bs : nc]), extra)
+        return req.block_ids[index], block, nc % bs
+
+    def tail_block_for_restore(self, request_id: str, num_tokens: int) -> tuple[int, PrefixBlock] | None:
+        """(block id, prefix block of its would-be content) for restoring `num_tokens`
+        positions after the computed full blocks (`restore_tail`); None when they cannot be."""
+        req = self._get(request_id)
+        bs, nc = self.block_size, req.num_computed
+        if req.loading or nc % bs or not 0 < num_tokens < bs:
+            return None
+        if nc + num_tokens >= len(req.token_ids) or nc + num_tokens > req.num_reserved:
+            return None
+        index = nc // bs
+        parent = req.chain[-1] if req.chain else req.root
+        extra = mm_extra_key(req.mm_items, bs, index) if req.mm_items else b""
+        return req.block_ids[index], self.pool.chain(parent, token_bytes(req.token_ids[nc : nc + num_tokens]), extra)
+
+    def prefix_chain(self, request_id: str) -> list[PrefixBlock]:
+        """The prefix blocks of the request's computed full blocks, in order (caching on)."""
+        return list(self._get(request_id).chain)
+
     def take_evicted(self) -> list[tuple[int, PrefixBlock]]:
         """Cached blocks the allocator has evicted since the last call, (block id, the
         content it held), oldest first: their slots still hold that content until the next

@@ -88,6 +88,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_host_cache_argument(parser)
     add_hisparse_argument(parser)
     parser.add_argument(
+        "--preemption",
+        choices=("recompute", "swap", "auto"),
+        default="recompute",
+        help="a preempted request's cache: recomputed (its full blocks stay findable), swapped to the host tier "
+        "and back (needs --host-cache-gib), or auto (swap when moving the bytes costs less than recomputing)",
+    )
+    parser.add_argument(
         "--kv-memory",
         default=None,
         help="KV cache memory, e.g. 64MiB or 1GiB (default: 256MiB for SmolLM2; 16MiB of classical blocks for "
@@ -230,6 +237,8 @@ def build(args: argparse.Namespace):
     """(engine, workload-making function, model name) for --model."""
     host_cache_bytes(args)  # refuses tiny-dsv4 before anything loads
     check_hisparse(args)
+    if getattr(args, "preemption", "recompute") != "recompute" and getattr(args, "host_cache_gib", None) is None:
+        raise ValueError(f"--preemption {args.preemption} swaps to the host tier: give --host-cache-gib too")
     if args.model == TINY_MODEL:
         from kvpool.engine.dsv4_runner import DSV4EngineRunner
         from kvpool.engine.engine import Engine
@@ -262,6 +271,7 @@ def build(args: argparse.Namespace):
         max_num_batched_tokens=args.max_batch_tokens,
         max_num_seqs=args.max_seqs,
         host_cache_bytes=host_cache_bytes(args),
+        preemption=getattr(args, "preemption", "recompute"),
     )
     return engine, lambda rng: chat_workload(loaded.tokenizer, args, rng), os.path.basename(loaded.gguf.path), loaded
 

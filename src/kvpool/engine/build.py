@@ -129,9 +129,11 @@ def build_engine(
     enable_prefix_caching: bool = True,
     record_logits: bool = False,
     host_cache_bytes: int | None = None,
+    preemption: str = "recompute",
 ) -> Engine:
     """host_cache_bytes: a host-memory tier of that many bytes below the device pool
-    (kvpool.tiers.HostTier); None: none."""
+    (kvpool.tiers.HostTier); None: none. preemption: "recompute", "swap" or "auto"
+    (LlamaRunner; swap and auto need the host tier)."""
     tier = None
     if host_cache_bytes is not None:
         from kvpool.tiers import HostTier
@@ -144,6 +146,7 @@ def build_engine(
         descriptor_for(loaded, block_size),
         enable_prefix_caching=enable_prefix_caching,
         host_tier=tier,
+        preemption=preemption,
     )
     tok = loaded.tokenizer
     eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()

@@ -25,6 +25,12 @@ class TierMoves:
     num_loaded: int = 0
     offload_s: float = 0.0
     load_s: float = 0.0
+    num_swapped_out: int = 0  # preempted sequences written to the tier
+    num_swapped_in: int = 0  # ... whose tail block came back (their full blocks come back as prefix hits)
+    num_tail_tokens_restored: int = 0
+
+
+PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap", "auto")
 
 
 class LlamaRunner:
@@ -38,11 +44,26 @@ class LlamaRunner:
         enable_prefix_caching: bool = True,
         decode_path: str | None = None,
         host_tier: Tier | None = None,
+        preemption: str = "recompute",
     ):
         """decode_path: "native" / "bags" / "padded" (attention/paged.py); None picks "native"
         when the model runs the C kernels, else "bags". host_tier: a tier below the device
         pool (kvpool.tiers.HostTier): cached blocks the pool evicts are written to it, and
-        an admission loads the prefix it holds (needs prefix caching)."""
+        an admission loads the prefix it holds (needs prefix caching). preemption: what a
+        preempted sequence's cache becomes (PREEMPTION_MODES): "recompute" (its full blocks
+        stay findable in the prefix cache and the tier like anyone's, the rest is computed
+        again), "swap" (its blocks are written to the host tier at once, its partial tail
+        block too, and loaded back when it resumes), "auto" (swap when moving the bytes
+        costs less than recomputing the tokens, by the rates this runner has measured)."""
+        if preemption not in PREEMPTION_MODES:
+            raise ValueError(f"unknown preemption {preemption!r}; one of {', '.join(PREEMPTION_MODES)}")
+        if preemption != "recompute" and (host_tier is None or not enable_prefix_caching):
+            raise ValueError(f"preemption {preemption!r} needs a host tier (--host-cache-gib) and prefix caching")
+        self.preemption = preemption
+        # seq -> (computed tokens at preemption, its tail block's tokens): restored on resume
+        self._swapped: dict[str, tuple[int, int]] = {}
+        self._prefill_tokens = 0  # tokens of the steps that carried a prefill chunk, and their seconds (auto)
+        self._prefill_s = 0.0
         cfg = model.config
         self.model = model
         self.tier = host_tier if enable_prefix_caching else None
@@ -81,9 +102,12 @@ class LlamaRunner:
         # The fresh blocks may be evicted cached ones: save what they held before the loads
         # (or the step) overwrite them.
         self._offload_evicted()
-        if not admission.loads:
-            return admission
-        return self.manager.complete_loads(seq_id, self._load(admission.loads))
+        if admission.loads:
+            admission = self.manager.complete_loads(seq_id, self._load(admission.loads))
+        swapped = self._swapped.pop(seq_id, None)
+        if swapped is not None:
+            admission = self._swap_in_tail(seq_id, admission, *swapped)
+        return admission
 
     def reserve(self, seq_ids: Sequence[str], num_new_tokens: Sequence[int]) -> bool:
         fits = self.manager.reserve_step(seq_ids, num_new_tokens)
@@ -92,6 +116,71 @@ class LlamaRunner:
         return fits
 
     # ---- the host tier ---------------------------------------------------------------
+
+    def _should_swap(self, seq_id: str) -> bool:
+        if self.preemption == "recompute":
+            return False
+        if self.preemption == "swap":
+            return True
+        # auto: the bytes to move at the copy rate against the tokens at the prefill rate,
+        # both as this runner measured them (swap until both are known)
+        moves = self.tier_moves
+        copy_s, copied = moves.offload_s + moves.load_s, (moves.num_offloaded + moves.num_loaded)
+        if not copied or not self._prefill_tokens:
+            return True
+        nc = self.manager.num_computed_tokens(seq_id)
+        move_s = -(-nc // self.block_size) * copy_s / copied
+        recompute_s = nc * self._prefill_s / self._prefill_tokens
+        return move_s < recompute_s
+
+    def _swap_out(self, seq_id: str) -> None:
+        """Write the sequence's computed blocks to the host tier now: its full blocks under
+        their content keys (skipped when the tier holds them), its partial tail block under
+        the partial content's key; remember what to restore. A block that does not fit is
+        simply computed again on resume."""
+        assert self.tier is not None and self.tier_index is not None
+        m = self.manager
+        todo = []
+        chain = m.prefix_chain(seq_id)  # the full computed blocks' prefix blocks
+        for block_id, block in zip(m.block_ids(seq_id), chain, strict=False):
+            key, descriptor = self.tier_index.describe(block)
+            if not self.tier.contains(key):
+                todo.append((block_id, key, descriptor))
+        tail = m.tail_block(seq_id)
+        if tail is not None:
+            block_id, block, num_tokens = tail
+            key, descriptor = self.tier_index.describe(block)
+            todo.append((block_id, key, descriptor))
+        self._write_to_tier(todo)
+        self.tier_moves.num_swapped_out += 1
+        if tail is not None and self.tier.contains(todo[-1][1]):
+            self._swapped[seq_id] = (m.num_computed_tokens(seq_id), tail[2])
+
+    def _swap_in_tail(self, seq_id: str, admission: Admission, num_computed: int, num_tail: int) -> Admission:
+        """After the full blocks came back (device or host), the tail block's KV from the
+        tier, if it is still there and the prefix before it is exactly the swapped one."""
+        assert self.tier is not None and self.tier_index is not None
+        if admission.num_cached_tokens != num_computed - num_tail:
+            return admission  # fewer full blocks came back: the rest is computed again
+        tail = self.manager.tail_block_for_restore(seq_id, num_tail)
+        if tail is None:
+            return admission
+        block_id, block = tail
+        start = time.perf_counter()
+        tensors = self.tier.get(*self.tier_index.describe(block))
+        if tensors is None:
+            return admission
+        device = self.storage.k.device
+        self.storage.k[:, block_id] = tensors["k"].to(device)
+        self.storage.v[:, block_id] = tensors["v"].to(device)
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        self.tier.evict(self.tier_index.describe(block)[0])  # a partial block serves this sequence only
+        self.tier_moves.load_s += time.perf_counter() - start
+        self.tier_moves.num_loaded += 1
+        self.tier_moves.num_swapped_in += 1
+        self.tier_moves.num_tail_tokens_restored += num_tail
+        return self.manager.restore_tail(seq_id, num_tail)
 
     def tier_reports(self) -> dict[str, dict[str, object]]:
         """{"host_tier": the tier's counters and the runner's moves}, or {} without a tier."""
@@ -108,6 +197,10 @@ class LlamaRunner:
                 "blocks_loaded": moves.num_loaded,
                 "offload_ms": round(moves.offload_s * 1e3, 3),
                 "load_ms": round(moves.load_s * 1e3, 3),
+                "preemption": self.preemption,
+                "swapped_out": moves.num_swapped_out,
+                "swapped_in": moves.num_swapped_in,
+                "tail_tokens_restored": moves.num_tail_tokens_restored,
                 **self.tier.stats.as_dict(),
             }
         }
@@ -121,6 +214,12 @@ class LlamaRunner:
             key, descriptor = self.tier_index.describe(block)
             if not self.tier.contains(key):
                 todo.append((block_id, key, descriptor))
+        self._write_to_tier(todo)
+
+    def _write_to_tier(self, todo: list[tuple[int, bytes, object]]) -> None:
+        """(device block, content key, descriptor) -> the tier, every layer of each block in
+        one gather."""
+        assert self.tier is not None
         if not todo:
             return
         start = time.perf_counter()
@@ -170,6 +269,9 @@ class LlamaRunner:
         return self.manager.fork(parent_id, child_id)  # shares blocks: never needs a free one
 
     def release(self, seq_id: str, reason: ReleaseReason) -> bool:
+        self._swapped.pop(seq_id, None)
+        if reason == "preempt" and seq_id in self.manager and self._should_swap(seq_id):
+            self._swap_out(seq_id)
         return self.manager.release(seq_id, reason)
 
     def num_computed_tokens(self, seq_id: str) -> int:
@@ -251,6 +353,14 @@ class LlamaRunner:
         self.peaks.note("bookkeeping", self.manager.metadata_bytes())
 
     def execute(self, chunks: Sequence[ScheduledChunk], all_logits: bool = False) -> torch.Tensor:
+        start = time.perf_counter()
+        logits = self._execute(chunks, all_logits)
+        if any(len(c.token_ids) > 1 for c in chunks):  # the prefill rate, for preemption="auto"
+            self._prefill_tokens += sum(len(c.token_ids) for c in chunks)
+            self._prefill_s += time.perf_counter() - start
+        return logits
+
+    def _execute(self, chunks: Sequence[ScheduledChunk], all_logits: bool = False) -> torch.Tensor:
         """Run one step; logits [num chunks with needs_logits, vocab] (or every token's, [N, vocab])."""
         m = self.manager
         device = self.model.device

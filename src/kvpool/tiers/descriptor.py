@@ -47,7 +47,7 @@ _CONTENT_MAGIC = b"kvpool-content\x00"
 class BlockDescriptor:
     content_key: str  # hex: this block's content key (its whole prefix)
     parent_key: str  # hex: the previous block's content key (the root key for block 0)
-    num_computed_tokens: int  # the position the block ends at: (index + 1) x block size
+    num_computed_tokens: int  # the position the block ends at: index x block size + its tokens
     token_ids: tuple[int, ...]  # the block's own tokens
     mm_identity: str  # hex of the block's extra hash key (multimodal placement); "" for none
     tenant: str  # xxh3_64 hex of the tenant salt
@@ -157,7 +157,7 @@ class TierIndex:
         descriptor = BlockDescriptor(
             content_key=described.key.hex(),
             parent_key=parent_key.hex(),
-            num_computed_tokens=(described.index + 1) * self.block_size,
+            num_computed_tokens=described.index * self.block_size + count,  # (a swapped tail block is partial)
             token_ids=struct.unpack(f"<{count}I", block.token_bytes),
             mm_identity=block.extra.hex(),
             tenant=xxhash.xxh3_64_hexdigest(salt.encode()),
