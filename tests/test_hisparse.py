@@ -139,6 +139,9 @@ def test_the_planner_counts_the_tokens_hisparse_buys() -> None:
     assert h["pool_tokens_hisparse"] == int(p.ledger.pool_bytes // h["kv_bytes_per_token_hisparse"])
     assert h["token_gain"] == pytest.approx(3850.25 / (3850.25 - 0.9 * 3066), rel=1e-12)
     assert hisparse_capacity(p, 1.0)["pool_tokens_hisparse"] == h["pool_tokens_resident"]
+    node = plan(load_preset("deepseek-v4-flash"), get_gpu("H200"), num_gpus=8, tp=2, context_len=131072)
+    h8 = hisparse_capacity(node, 0.1)  # four TP-2 replicas, each with its own pool
+    assert h8["replicas"] == 4 and h8["deployment_tokens_hisparse"] == 4 * h8["pool_tokens_hisparse"]
     with pytest.raises(ValueError, match="fraction must be in \\(0, 1\\], got 0"):
         hisparse_capacity(p, 0)
     dense = plan(load_preset("smollm2-135m"), get_gpu("H200"))

@@ -332,6 +332,10 @@ def test_engine_logits_with_the_host_tier_equal_a_device_hit(fp64_model) -> None
     assert (logits - ref).abs().max().item() <= 1e-9
     report = runner.tier_reports()["host_tier"]
     assert report["blocks_loaded"] == hits // 16 and report["mismatches"] == {}
+    from kvpool.engine import memory
+
+    ledger = memory.measure(runner, 0, 0).as_dict()  # the tier's peak is a line of the KV pool's term
+    assert ledger["details"]["kv_pool"]["host_tier"] == runner.tier.peak_bytes >= runner.tier.num_bytes > 0
 
 
 def test_the_cli_refuses_a_bad_host_cache_size() -> None:

@@ -21,7 +21,8 @@ CSA_MAIN_GROUP = "csa-entry"
 
 def hisparse_capacity(p: Plan, fraction: float) -> dict[str, float]:
     """Per GPU: bytes per token of history with HiSparse at a hot-set `fraction` in (0, 1],
-    and the tokens the plan's KV pool then holds against keeping everything resident.
+    and the tokens the plan's KV pool then holds against keeping everything resident (per
+    replica, and over the deployment's replicas).
     ValueError for a model without CSA main entries or a fraction outside (0, 1]."""
     if not 0 < fraction <= 1:
         raise ValueError(f"the HiSparse hot-set fraction must be in (0, 1], got {fraction}")
@@ -42,4 +43,8 @@ def hisparse_capacity(p: Plan, fraction: float) -> dict[str, float]:
         "pool_tokens_resident": int(pool // resident) if pool > 0 else 0,
         "pool_tokens_hisparse": int(pool // with_hisparse) if pool > 0 else 0,
         "token_gain": resident / with_hisparse,
+        # every replica (TP group) holds its own pool: the deployment's tokens
+        "replicas": p.replicas,
+        "deployment_tokens_resident": int(pool // resident) * p.replicas if pool > 0 else 0,
+        "deployment_tokens_hisparse": int(pool // with_hisparse) * p.replicas if pool > 0 else 0,
     }

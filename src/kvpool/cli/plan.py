@@ -229,7 +229,9 @@ def run(args: argparse.Namespace) -> int:
                     f"{hisparse['kv_bytes_per_token_hisparse']:,.1f} B a token on the device (resident: "
                     f"{hisparse['kv_bytes_per_token_resident']:,.1f}; {hisparse['host_bytes_per_token']:,.1f} in host "
                     f"memory), the pool holds {hisparse['pool_tokens_hisparse']:,} tokens against "
-                    f"{hisparse['pool_tokens_resident']:,} ({hisparse['token_gain']:.2f}x) per GPU"
+                    f"{hisparse['pool_tokens_resident']:,} ({hisparse['token_gain']:.2f}x) per replica; "
+                    f"{hisparse['deployment_tokens_hisparse']:,} against {hisparse['deployment_tokens_resident']:,} "
+                    f"over {hisparse['replicas']} replica(s)"
                 )
     if args.plot and not args.json:
         print(f"wrote {args.plot}")

@@ -127,7 +127,9 @@ def measure(runner, runtime_bytes: int, tokenizer_bytes: int) -> MeasuredLedger:
     storage, manager, peaks = runner.storage, runner.manager, runner.peaks
     cuda = storage.k.device.type == "cuda"
     peak = torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()
+    tier = getattr(runner, "tier", None)
     host = {
+        "host_tier": tier.peak_bytes if tier is not None else 0,
         "bookkeeping": max(peaks.bookkeeping, manager.metadata_bytes()),
         "sampler": scratch_peak_bytes(),
         "interpreter_and_libraries": runtime_bytes,
@@ -144,6 +146,7 @@ def measure(runner, runtime_bytes: int, tokenizer_bytes: int) -> MeasuredLedger:
                 "quant_scales": 0,
                 "block_tables": peaks.step_tables,
                 "bookkeeping": on_host["bookkeeping"],
+                "host_tier": on_host["host_tier"],  # the host tier's peak (its blocks; in host memory on CUDA)
             },
             "workspace": {"activations": peaks.activations, "logits": peaks.logits, "sampler": on_host["sampler"]},
             "transient": {"cow_staging": peaks.cow_staging, "chunked_prefill": peaks.chunked_prefill},

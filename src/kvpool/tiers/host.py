@@ -41,6 +41,7 @@ class HostTier(Tier):
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # LRU first
         self._num_bytes = 0
+        self.peak_bytes = 0  # the most the tier held at once (the memory ledger's host_tier line)
         self.stats = TierStats()
 
     @property
@@ -71,6 +72,7 @@ class HostTier(Tier):
             self.stats.num_evictions += 1
         self._entries[key] = _Entry(descriptor, {name: self._copy(t) for name, t in tensors.items()}, num_bytes)
         self._num_bytes += num_bytes
+        self.peak_bytes = max(self.peak_bytes, self._num_bytes)
         self.stats.num_puts += 1
         self.stats.num_put_bytes += num_bytes
         return True
