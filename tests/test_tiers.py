@@ -434,3 +434,14 @@ def test_swap_needs_a_host_tier() -> None:
     assert proc.stderr.splitlines()[-1] == (
         "kvpool run: error: --preemption swap swaps to the host tier: give --host-cache-gib too"
     )
+
+
+def test_holds_means_this_very_block() -> None:
+    m, index = make(16, HostTier(1))
+    (key, d), *_ = _entry(index, m, "a", list(range(100, 108)))
+    tier = HostTier(1 << 10)
+    tier.put(key, d, {"content": torch.zeros(4, dtype=torch.int64)})
+    assert tier.holds(key, d) and tier.contains(key)
+    newer = dataclasses.replace(d, weights_version="w2")  # same content key, other weights
+    assert not tier.holds(key, newer)  # a writer of the new weights stores its own block
+    assert tier.stats.num_lookups == 0 and tier.stats.mismatches == {}  # no counter moved

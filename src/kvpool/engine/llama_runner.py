@@ -144,7 +144,7 @@ class LlamaRunner:
         chain = m.prefix_chain(seq_id)  # the full computed blocks' prefix blocks
         for block_id, block in zip(m.block_ids(seq_id), chain, strict=False):
             key, descriptor = self.tier_index.describe(block)
-            if not self.tier.contains(key):
+            if not self.tier.holds(key, descriptor):
                 todo.append((block_id, key, descriptor))
         tail = m.tail_block(seq_id)
         if tail is not None:
@@ -153,7 +153,7 @@ class LlamaRunner:
             todo.append((block_id, key, descriptor))
         self._write_to_tier(todo)
         self.tier_moves.num_swapped_out += 1
-        if tail is not None and self.tier.contains(todo[-1][1]):
+        if tail is not None and self.tier.holds(todo[-1][1], todo[-1][2]):
             self._swapped[seq_id] = (m.num_computed_tokens(seq_id), tail[2])
 
     def _swap_in_tail(self, seq_id: str, admission: Admission, num_computed: int, num_tail: int) -> Admission:
@@ -212,7 +212,7 @@ class LlamaRunner:
         todo = []
         for block_id, block in self.manager.take_evicted():
             key, descriptor = self.tier_index.describe(block)
-            if not self.tier.contains(key):
+            if not self.tier.holds(key, descriptor):
                 todo.append((block_id, key, descriptor))
         self._write_to_tier(todo)
 

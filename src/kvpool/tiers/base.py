@@ -64,6 +64,11 @@ class Tier(ABC):
         """Whether any entry is stored under `key` (no validation, no counter, no LRU move)."""
 
     @abstractmethod
+    def holds(self, key: bytes, descriptor: BlockDescriptor) -> bool:
+        """Whether the entry under `key` is exactly this block (its descriptor equal): a
+        writer need not store it again. No counter, no LRU move."""
+
+    @abstractmethod
     def evict(self, key: bytes) -> bool:
         """Drop the entry under `key`; False when there is none."""
 

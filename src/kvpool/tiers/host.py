@@ -55,6 +55,10 @@ class HostTier(Tier):
     def contains(self, key: bytes) -> bool:
         return key in self._entries
 
+    def holds(self, key: bytes, descriptor: BlockDescriptor) -> bool:
+        entry = self._entries.get(key)
+        return entry is not None and entry.descriptor == descriptor
+
     def _copy(self, tensor: Tensor) -> Tensor:
         out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=self.pin_memory)
         out.copy_(tensor)
