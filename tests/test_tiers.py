@@ -348,15 +348,25 @@ def test_the_cli_refuses_a_bad_host_cache_size() -> None:
         )
         assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr
     proc = subprocess.run(
-        [sys.executable, "-m", "kvpool", "run", "--model", "tiny-dsv4", "--host-cache-gib", "1"],
+        [
+            sys.executable,
+            "-m",
+            "kvpool",
+            "run",
+            "--model",
+            "tiny-dsv4",
+            "--host-cache-gib",
+            "1",
+            "--preemption",
+            "swap",
+        ],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert (
-        proc.stderr.splitlines()[-1]
-        == "kvpool run: error: --host-cache-gib: tiny-dsv4's dual pool has no host tier yet"
+    assert proc.stderr.splitlines()[-1] == (
+        "kvpool run: error: --preemption swap: tiny-dsv4 preempts by recompute (its spans come back as hits)"
     )
 
 
@@ -445,3 +455,58 @@ def test_holds_means_this_very_block() -> None:
     newer = dataclasses.replace(d, weights_version="w2")  # same content key, other weights
     assert not tier.holds(key, newer)  # a writer of the new weights stores its own block
     assert tier.stats.num_lookups == 0 and tier.stats.mismatches == {}  # no counter moved
+
+
+# ----- the tiny V4 model: classical blocks through the host tier ---------------------------
+
+
+def test_tiny_v4_logits_with_the_host_tier_equal_a_device_hit() -> None:
+    from kvpool.engine.dsv4_runner import DSV4EngineRunner
+    from kvpool.engine.engine import Engine
+    from kvpool.engine.sampling import SamplingParams
+    from kvpool.models.tiny_dsv4 import TinyDSV4
+
+    model = TinyDSV4(dtype=torch.float64)
+    rng = random.Random(0)
+    p = [rng.randrange(256) for _ in range(4 * 128)]  # 4 classical spans
+    filler = [rng.randrange(256) for _ in range(5 * 128 + 10)]  # takes 2 of p's cached blocks
+    prompts = [p + [7], filler, p + [rng.randrange(256) for _ in range(30)]]
+
+    def serve(num_blocks: int, tier):
+        runner = DSV4EngineRunner(model, num_blocks, 2, host_tier=tier)
+        engine = Engine(runner, max_num_batched_tokens=512, max_num_seqs=2, record_logits=True)
+        outs = []
+        for i, prompt in enumerate(prompts):
+            rid = engine.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True), f"r{i}")
+            while engine.has_unfinished():
+                engine.step()
+                runner.check_integrity()
+            outs.append((engine.output(rid).num_cached_tokens, torch.stack(engine.requests[rid].seqs[0].logits)))
+        return outs, runner
+
+    small, runner = serve(7, HostTier(1 << 26))
+    large, _ = serve(64, None)
+    assert small[2][0] == large[2][0] == 512  # all of p: device + host, and device
+    report = runner.tier_reports()["host_tier"]
+    assert 0 < report["blocks_loaded"] < 4 and report["mismatches"] == {}  # half from the host
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(small, large, strict=True))
+    assert runner.cache.num_free_blocks == 7
+
+
+def test_dsv4_install_publishes_only_what_was_loaded() -> None:
+    from kvpool.cache import DSV4CacheManager
+    from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG
+    from kvpool.spec.dsv4 import DSV4Spec
+
+    spec = DSV4Spec.from_config(SMALL_DSV4_CONFIG)
+    m = DSV4CacheManager(spec, 6, 2, CacheDescriptor("v4", layout_id="span16"))
+    m.record_evictions()
+    prompt = list(range(50, 50 + 3 * spec.span + 1))
+    hit, candidates = m.prefetch_candidates(prompt)
+    assert hit == [] and len(candidates) == 3
+    ids = m.install(3)
+    assert ids is not None and m.num_free_blocks == 3
+    m.publish_installed(ids, candidates, 2)  # the third could not be loaded
+    m.check_integrity()
+    assert m.num_free_blocks == 6 and m.lookup_prefix(prompt) == 2 * spec.span
+    assert m.install(7) is None and m.num_free_blocks == 6  # nothing taken

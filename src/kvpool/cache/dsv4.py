@@ -114,6 +114,7 @@ class DSV4CacheManager(CacheManager):
         self.spec = spec
         self.span = spec.span
         self.restore = restore
+        self._evicted: list[tuple[int, PrefixBlock]] | None = None  # record_evictions
         self.num_state_blocks = num_state_blocks
         self.num_checkpoints = num_checkpoints
         self._free_states: deque[int] = deque(range(num_state_blocks))
@@ -184,6 +185,69 @@ class DSV4CacheManager(CacheManager):
             while block_ids and self._findable_checkpoint(chain[-1]) is None:
                 block_ids, chain = block_ids[:-1], chain[:-1]
         return block_ids, chain
+
+    # ----- a tier below the classical pool (kvpool.tiers) -------------------------------
+
+    def record_evictions(self) -> None:
+        """From now on, every cached classical block the allocator evicts is recorded for
+        the runner to save to a lower tier before anything overwrites it (`take_evicted`)."""
+        if self._evicted is None:
+            self._evicted = []
+
+    def take_evicted(self) -> list[tuple[int, PrefixBlock]]:
+        """Cached blocks evicted since the last call, (block id, the content it held)."""
+        if not self._evicted:
+            return []
+        evicted, self._evicted = self._evicted, []
+        return evicted
+
+    def prefetch_candidates(
+        self, token_ids: Sequence[int], *, tenant_salt: str = ""
+    ) -> tuple[list[int], list[PrefixBlock]]:
+        """(the device hit's blocks, the prompt's full spans after it as unregistered prefix
+        blocks, leaving >= 1 token to compute): what a lower tier may hold and `install`
+        can bring in."""
+        if not self.enable_prefix_caching or len(token_ids) == 0:
+            return [], []
+        req = self._new_request("<prefetch>", token_ids, tenant_salt, (), None, -1)
+        max_blocks = (len(req.token_ids) - 1) // self.span
+        hit = self.pool.match(
+            req.root,
+            token_bytes(req.token_ids[: max_blocks * self.span]),
+            self.span * TOKEN_BYTES,
+            max_blocks,
+            None,
+            count_collisions=False,
+        )
+        parent = hit.chain[-1] if hit.chain else req.root
+        out = []
+        for k in range(len(hit.block_ids), max_blocks):
+            parent = self.pool.chain(parent, self._span_bytes(req, k), b"")
+            out.append(parent)
+        return hit.block_ids, out
+
+    def install(self, num_blocks: int, hold: Sequence[int] = ()) -> list[int] | None:
+        """Fresh classical blocks for lower-tier content (the runner writes them, then
+        `publish_installed`); None, nothing taken, when that many are not free. `hold`: the
+        device hit the content continues, kept out of this allocation's reach."""
+        self.pool.incref(hold)
+        evicted: list[tuple[int, PrefixBlock]] = []
+        ids = self.pool.allocate(num_blocks, evicted)
+        self.pool.decref(reversed(hold))
+        if ids is not None and self._evicted is not None:
+            self._evicted.extend(evicted)
+        return ids
+
+    def publish_installed(self, block_ids: Sequence[int], blocks: Sequence[PrefixBlock], num_loaded: int) -> None:
+        """The first `num_loaded` installed blocks hold their content (copied and checked):
+        they are published, in order, as cached blocks nobody holds (an admission hits them
+        like any cached block); every installed block is then freed, the tail first."""
+        parent = None
+        for block_id, block in list(zip(block_ids, blocks, strict=True))[:num_loaded]:
+            if parent is not None and block.parent is not parent:
+                block = self.pool.chain(parent, block.token_bytes, block.extra)
+            parent = self.pool.register(block_id, block) or block
+        self.pool.decref(reversed(block_ids))
 
     def _findable_checkpoint(self, block: PrefixBlock) -> _Checkpoint | None:
         ckpt = self._checkpoints.get(block.block_hash)
@@ -331,6 +395,8 @@ class DSV4CacheManager(CacheManager):
         evicted_blocks: list[tuple[int, PrefixBlock]] = []
         new_ids = self.pool.allocate(num_new, evicted_blocks)
         assert new_ids is not None, "the caller checked the free count"
+        if self._evicted is not None:
+            self._evicted.extend(evicted_blocks)
         chain: list[PrefixBlock] = []
         if self.enable_prefix_caching:
             parent = req.chain[-1] if req.chain else req.root

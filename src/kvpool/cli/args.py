@@ -115,7 +115,7 @@ def add_host_cache_argument(parser: argparse.ArgumentParser) -> None:
         type=positive_float,
         default=None,
         help="a host-memory tier of this many GiB below the KV pool: evicted prefix blocks are kept there "
-        "and loaded back on a hit (SmolLM2 / GGUF models)",
+        "and loaded back on a hit (tiny-dsv4: its classical blocks)",
     )
 
 
@@ -137,11 +137,8 @@ def check_hisparse(args: argparse.Namespace) -> None:
 
 
 def host_cache_bytes(args: argparse.Namespace) -> int | None:
-    """--host-cache-gib in bytes (None when not given). ValueError for a model whose cache
-    has no host tier yet (tiny-dsv4's dual pool)."""
+    """--host-cache-gib in bytes (None when not given)."""
     gib = getattr(args, "host_cache_gib", None)
     if gib is None:
         return None
-    if getattr(args, "model", None) == "tiny-dsv4":
-        raise ValueError("--host-cache-gib: tiny-dsv4's dual pool has no host tier yet")
     return max(1, int(gib * (1 << 30)))

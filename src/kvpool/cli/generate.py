@@ -102,7 +102,6 @@ def run(args: argparse.Namespace) -> int:
     runtime_bytes = memory.runtime_baseline()
     if args.threads:
         torch.set_num_threads(args.threads)
-    host_cache_bytes(args)  # refuses tiny-dsv4 before anything loads
     check_hisparse(args)
     if args.model == "tiny-dsv4":  # DeepSeek-V4 dual pool: token ids in, token ids out
         from kvpool.cli import generate_dsv4

@@ -14,6 +14,7 @@ import re
 import sys
 import time
 
+from kvpool.cli.args import host_cache_bytes
 from kvpool.cli.generate import DSV4_DEFAULT_BLOCKS, check_context, length_note, timings
 
 MODEL_NAME = "tiny-dsv4"
@@ -48,7 +49,11 @@ def run(args: argparse.Namespace) -> int:
     )
     start = time.perf_counter()
     num_blocks = args.num_blocks or DSV4_DEFAULT_BLOCKS
-    engine = build_tiny_dsv4_engine(num_classical_blocks=num_blocks, hot_set_entries=getattr(args, "hisparse", None))
+    engine = build_tiny_dsv4_engine(
+        num_classical_blocks=num_blocks,
+        hot_set_entries=getattr(args, "hisparse", None),
+        host_cache_bytes=host_cache_bytes(args),
+    )
     load_s = time.perf_counter() - start
     context_len = engine.runner.max_model_len
     if context_len < TINY_DSV4_CONFIG["max_position_embeddings"]:

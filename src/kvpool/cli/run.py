@@ -235,10 +235,12 @@ class Progress:
 
 def build(args: argparse.Namespace):
     """(engine, workload-making function, model name) for --model."""
-    host_cache_bytes(args)  # refuses tiny-dsv4 before anything loads
     check_hisparse(args)
-    if getattr(args, "preemption", "recompute") != "recompute" and getattr(args, "host_cache_gib", None) is None:
-        raise ValueError(f"--preemption {args.preemption} swaps to the host tier: give --host-cache-gib too")
+    preemption = getattr(args, "preemption", "recompute")
+    if preemption != "recompute" and getattr(args, "host_cache_gib", None) is None:
+        raise ValueError(f"--preemption {preemption} swaps to the host tier: give --host-cache-gib too")
+    if preemption != "recompute" and args.model == TINY_MODEL:
+        raise ValueError(f"--preemption {preemption}: tiny-dsv4 preempts by recompute (its spans come back as hits)")
     if args.model == TINY_MODEL:
         from kvpool.engine.dsv4_runner import DSV4EngineRunner
         from kvpool.engine.engine import Engine
@@ -252,7 +254,16 @@ def build(args: argparse.Namespace):
             num_blocks = parse_bytes(args.kv_memory or "16MiB") // block_bytes
             if num_blocks <= 0:
                 raise ValueError(f"--kv-memory {args.kv_memory} holds no classical block of {block_bytes} bytes")
-        runner = DSV4EngineRunner(model, num_blocks, args.max_seqs, hot_set_entries=getattr(args, "hisparse", None))
+        from kvpool.tiers import HostTier
+
+        tier_bytes = host_cache_bytes(args)
+        runner = DSV4EngineRunner(
+            model,
+            num_blocks,
+            args.max_seqs,
+            hot_set_entries=getattr(args, "hisparse", None),
+            host_tier=HostTier(tier_bytes) if tier_bytes is not None else None,
+        )
         engine = Engine(runner, max_num_batched_tokens=args.max_batch_tokens, max_num_seqs=args.max_seqs)
         return engine, lambda rng: id_workload(model.vocab_size, args, rng), TINY_MODEL, None
 

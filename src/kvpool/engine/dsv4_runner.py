@@ -8,6 +8,7 @@ any sizes (prefill, chunked prefill, decode), append sampled tokens, release.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ from kvpool.engine.runner import ScheduledChunk
 from kvpool.models.tiny_dsv4 import TinyDSV4
 from kvpool.spec.dsv4 import CSA_RATIO
 from kvpool.storage.dsv4 import DSV4Pools
+from kvpool.tiers import HostTier, Tier, TierIndex
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class DSV4PagedRunner:
         enable_prefix_caching: bool = True,
         replay_chunk: int = 256,
         hot_set_entries: int | None = None,
+        host_tier: Tier | None = None,
     ) -> None:
         """hot_set_entries: HiSparse (storage/dsv4.py HotSet): the CSA main entries each CSA
         layer keeps on the device; the rest of the CSA main pool is in host memory."""
@@ -78,6 +81,15 @@ class DSV4PagedRunner:
             restore=restore,
             num_checkpoints=num_checkpoints,
         )
+        # host_tier: classical blocks the pool evicts are saved to it, and before an
+        # admission the spans it holds after the device hit are brought back into the pool's
+        # prefix cache (written, checked, then published), where the admission hits them
+        self.tier = host_tier if enable_prefix_caching else None
+        self.tier_index = TierIndex(self.tier, model.spec.span) if self.tier is not None else None
+        if self.tier is not None:
+            self.cache.record_evictions()
+        self.num_offloaded = self.num_loaded = 0
+        self.offload_s = self.load_s = 0.0
         self.replay_chunk = replay_chunk
         self.num_replayed_tokens = 0  # tokens recomputed by prefix-hit restores (for reports)
         self._replays: dict[str, Admission] = {}  # deferred restores, by request, oldest first
@@ -102,7 +114,11 @@ class DSV4PagedRunner:
         defer_replay: a restore by recompute runs at the start of the next
         `run_reservations` instead (the engine's admission stays bookkeeping; the replay is
         compute, done in the step that needs the state)."""
+        if self.tier is not None:
+            self._prefetch(token_ids, tenant_salt)
         adm = self.cache.admit(request_id, token_ids, max_new_tokens, tenant_salt=tenant_salt)
+        if self.tier is not None:
+            self._offload_evicted()  # before the step writes the blocks the admission took
         if adm is None:
             return None
         restore = adm.restore
@@ -117,6 +133,59 @@ class DSV4PagedRunner:
             else:
                 self._replay(adm, list(token_ids))
         return adm
+
+    # ----- the host tier ------------------------------------------------------------------
+
+    def _block_tensors(self, block_id: int) -> dict[str, Tensor]:
+        """One classical block's tensors, every compressed layer (CSA main + indexer, HCA)."""
+        out: dict[str, Tensor] = {}
+        for layer, cl in enumerate(self.pools.classical):
+            if cl.main is not None:
+                out[f"main{layer}"] = cl.main[block_id]
+            if cl.idx is not None:
+                out[f"idx{layer}"] = cl.idx[block_id]
+        return out
+
+    def _offload_evicted(self) -> None:
+        assert self.tier is not None and self.tier_index is not None
+        start = time.perf_counter()
+        for block_id, block in self.cache.take_evicted():
+            key, descriptor = self.tier_index.describe(block)
+            if not self.tier.holds(key, descriptor) and self.tier.put(key, descriptor, self._block_tensors(block_id)):
+                self.num_offloaded += 1
+        self.offload_s += time.perf_counter() - start
+
+    def _prefetch(self, token_ids: Sequence[int], tenant_salt: str) -> None:
+        """The spans after the device hit that the tier holds valid: into fresh classical
+        blocks, checked, then published as cached blocks for the admission to hit."""
+        assert self.tier is not None and self.tier_index is not None
+        hit, candidates = self.cache.prefetch_candidates(token_ids, tenant_salt=tenant_salt)
+        num_found = self.tier_index.find(candidates) if candidates else 0
+        if not num_found:
+            return
+        block_ids = self.cache.install(num_found, hold=hit)
+        self._offload_evicted()  # the fresh blocks may be evicted ones: save them first
+        if block_ids is None:
+            return
+        start = time.perf_counter()
+        num_loaded = 0
+        for block_id, block in zip(block_ids, candidates, strict=False):
+            tensors = self.tier.get(*self.tier_index.describe(block))
+            if tensors is None:
+                break
+            for name, dst in self._block_tensors(block_id).items():
+                if tensors[name].shape != dst.shape:
+                    raise AssertionError(
+                        f"a tier block's {name} of shape {tensors[name].shape} passed the layout check"
+                    )
+                dst.copy_(tensors[name])
+            for cl in self.pools.classical:
+                if cl.hot is not None:
+                    cl.hot.invalidate_block(block_id)
+            num_loaded += 1
+        self.cache.publish_installed(block_ids, candidates[:num_found], num_loaded)
+        self.num_loaded += num_loaded
+        self.load_s += time.perf_counter() - start
 
     def _replay(self, adm: Admission, token_ids: list[int]) -> None:
         """Recompute tokens [replay_start, P) on top of the hit's cached entries (section 6)."""
@@ -144,13 +213,20 @@ class DSV4PagedRunner:
 
     # ----- steps ----------------------------------------------------------------------
 
+    def reserve_step(self, request_ids: Sequence[str], num_new_tokens: Sequence[int]) -> bool:
+        """The cache's reserve_step, then the blocks it evicted saved to the tier."""
+        fits = self.cache.reserve_step(request_ids, num_new_tokens)
+        if self.tier is not None:
+            self._offload_evicted()
+        return fits
+
     def step(self, work: Sequence[tuple[str, int]]) -> list[StepResult] | None:
         """Compute `num_tokens` more tokens for each (request_id, num_tokens); the tokens must
         already be in the request (prompt or appended). None when the classical pool cannot
         hold the step (nothing changes)."""
         ids = [request_id for request_id, _ in work]
         counts = [n for _, n in work]
-        if not self.cache.reserve_step(ids, counts):
+        if not self.reserve_step(ids, counts):
             return None
         reservations = [self._pending(request_id) for request_id in ids]
         logits = self.run_reservations(ids)
@@ -223,6 +299,7 @@ class DSV4EngineRunner:
         num_checkpoints: int = 0,
         enable_prefix_caching: bool = True,
         hot_set_entries: int | None = None,
+        host_tier: Tier | None = None,
     ) -> None:
         self.runner = DSV4PagedRunner(
             model,
@@ -232,6 +309,7 @@ class DSV4EngineRunner:
             num_checkpoints=num_checkpoints,
             enable_prefix_caching=enable_prefix_caching,
             hot_set_entries=hot_set_entries,
+            host_tier=host_tier,
         )
         self.cache = self.runner.cache
         span = model.spec.span
@@ -252,7 +330,7 @@ class DSV4EngineRunner:
         return adm
 
     def reserve(self, seq_ids: Sequence[str], num_new_tokens: Sequence[int]) -> bool:
-        return self.cache.reserve_step(seq_ids, num_new_tokens)
+        return self.runner.reserve_step(seq_ids, num_new_tokens)
 
     def append_tokens(self, seq_id: str, token_ids: Sequence[int]) -> None:
         self.cache.append_token_ids(seq_id, token_ids)
@@ -315,8 +393,23 @@ class DSV4EngineRunner:
     def tier_reports(self) -> dict[str, dict[str, object]]:
         """{"hisparse": its figures} ({} when off): the CSA main bytes kept off the device,
         the entries the indexer selected and those fetched from the host copy, per step."""
-        report = hisparse_report(self.runner.pools, self.num_steps_run)
-        return {} if report is None else {"hisparse": report}
+        reports: dict[str, dict[str, object]] = {}
+        hisparse = hisparse_report(self.runner.pools, self.num_steps_run)
+        if hisparse is not None:
+            reports["hisparse"] = hisparse
+        r = self.runner
+        if r.tier is not None:
+            reports["host_tier"] = {
+                "capacity_bytes": r.tier.capacity_bytes,
+                "bytes_used": r.tier.num_bytes,
+                "entries": r.tier.num_entries,
+                "blocks_offloaded": r.num_offloaded,
+                "blocks_loaded": r.num_loaded,
+                "offload_ms": round(r.offload_s * 1e3, 3),
+                "load_ms": round(r.load_s * 1e3, 3),
+                **r.tier.stats.as_dict(),
+            }
+        return reports
 
     def cache_stats(self) -> dict[str, float]:
         pools, cache = self.runner.pools, self.cache
@@ -349,6 +442,7 @@ def build_tiny_dsv4_engine(
     enable_prefix_caching: bool = True,
     record_logits: bool = False,
     hot_set_entries: int | None = None,
+    host_cache_bytes: int | None = None,
 ) -> Engine:
     """An Engine running the tiny V4 model (token ids in, token ids out; no tokenizer, no EOS).
     hot_set_entries: HiSparse with a hot set of that many CSA entries per CSA layer."""
@@ -360,6 +454,7 @@ def build_tiny_dsv4_engine(
         num_checkpoints=8 if restore == "checkpoint" else 0,
         enable_prefix_caching=enable_prefix_caching,
         hot_set_entries=hot_set_entries,
+        host_tier=HostTier(host_cache_bytes) if host_cache_bytes is not None else None,
     )
     return Engine(
         runner, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, record_logits=record_logits
