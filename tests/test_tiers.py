@@ -444,6 +444,15 @@ def test_swap_needs_a_host_tier() -> None:
     assert proc.stderr.splitlines()[-1] == (
         "kvpool run: error: --preemption swap swaps to the host tier: give --host-cache-gib too"
     )
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvpool", "generate", "hi", "--preemption", "auto"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and proc.stderr.splitlines()[-1] == (
+        "kvpool generate: error: --preemption auto swaps to the host tier: give --host-cache-gib too"
+    )
 
 
 def test_holds_means_this_very_block() -> None:

@@ -130,6 +130,26 @@ def add_hisparse_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_preemption_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--preemption",
+        choices=("recompute", "swap", "auto"),
+        default="recompute",
+        help="a preempted request's cache: recomputed (its full blocks stay findable), swapped to the host tier "
+        "and back (needs --host-cache-gib), or auto (swap when moving the bytes costs less than recomputing)",
+    )
+
+
+def check_preemption(args: argparse.Namespace) -> str:
+    """--preemption, checked against --host-cache-gib and the model; ValueError otherwise."""
+    preemption = getattr(args, "preemption", "recompute")
+    if preemption != "recompute" and getattr(args, "host_cache_gib", None) is None:
+        raise ValueError(f"--preemption {preemption} swaps to the host tier: give --host-cache-gib too")
+    if preemption != "recompute" and getattr(args, "model", None) == "tiny-dsv4":
+        raise ValueError(f"--preemption {preemption}: tiny-dsv4 preempts by recompute (its spans come back as hits)")
+    return preemption
+
+
 def check_hisparse(args: argparse.Namespace) -> None:
     """ValueError for --hisparse on a model without CSA layers."""
     if getattr(args, "hisparse", None) is not None and getattr(args, "model", None) != "tiny-dsv4":

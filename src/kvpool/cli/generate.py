@@ -10,7 +10,9 @@ from typing import Any
 from kvpool.cli.args import (
     add_hisparse_argument,
     add_host_cache_argument,
+    add_preemption_argument,
     check_hisparse,
+    check_preemption,
     host_cache_bytes,
     non_negative_int,
     positive_int,
@@ -59,6 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_host_cache_argument(parser)
+    add_preemption_argument(parser)
     add_hisparse_argument(parser)
     add_model_arguments(parser)
 
@@ -103,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     check_hisparse(args)
+    preemption = check_preemption(args)
     if args.model == "tiny-dsv4":  # DeepSeek-V4 dual pool: token ids in, token ids out
         from kvpool.cli import generate_dsv4
 
@@ -120,7 +124,11 @@ def run(args: argparse.Namespace) -> int:
         need = min(len(prompt_ids) + args.max_tokens, loaded.model.config.max_position)
         num_blocks = -(-need // args.block_size)
     engine = build_engine(
-        loaded, num_blocks=num_blocks, block_size=args.block_size, host_cache_bytes=host_cache_bytes(args)
+        loaded,
+        num_blocks=num_blocks,
+        block_size=args.block_size,
+        host_cache_bytes=host_cache_bytes(args),
+        preemption=preemption,
     )
     context_len = engine.runner.max_model_len
     if context_len < loaded.model.config.max_position:

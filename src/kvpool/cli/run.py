@@ -37,7 +37,9 @@ from kvpool.capacity.engine import EngineConfig
 from kvpool.cli.args import (
     add_hisparse_argument,
     add_host_cache_argument,
+    add_preemption_argument,
     check_hisparse,
+    check_preemption,
     host_cache_bytes,
     non_negative_int,
     parse_bytes,
@@ -87,13 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-blocks", type=positive_int, default=None, help="KV blocks (default: from --kv-memory)")
     add_host_cache_argument(parser)
     add_hisparse_argument(parser)
-    parser.add_argument(
-        "--preemption",
-        choices=("recompute", "swap", "auto"),
-        default="recompute",
-        help="a preempted request's cache: recomputed (its full blocks stay findable), swapped to the host tier "
-        "and back (needs --host-cache-gib), or auto (swap when moving the bytes costs less than recomputing)",
-    )
+    add_preemption_argument(parser)
     parser.add_argument(
         "--kv-memory",
         default=None,
@@ -236,11 +232,7 @@ class Progress:
 def build(args: argparse.Namespace):
     """(engine, workload-making function, model name) for --model."""
     check_hisparse(args)
-    preemption = getattr(args, "preemption", "recompute")
-    if preemption != "recompute" and getattr(args, "host_cache_gib", None) is None:
-        raise ValueError(f"--preemption {preemption} swaps to the host tier: give --host-cache-gib too")
-    if preemption != "recompute" and args.model == TINY_MODEL:
-        raise ValueError(f"--preemption {preemption}: tiny-dsv4 preempts by recompute (its spans come back as hits)")
+    check_preemption(args)
     if args.model == TINY_MODEL:
         from kvpool.engine.dsv4_runner import DSV4EngineRunner
         from kvpool.engine.engine import Engine
