@@ -37,7 +37,7 @@ class Store:
         for block_id, block in m.take_evicted():
             key, descriptor = index.describe(block)
             content = torch.tensor(self.blocks[block_id], dtype=torch.int64)
-            assert descriptor.num_computed_tokens == len(content) == descriptor.num_computed_tokens
+            assert descriptor.num_computed_tokens == len(content)
             tier.put(key, descriptor, {"content": content})
 
     def admit(self, m, index, tier, rid: str, prompt: list[int], tenant: str = ""):
@@ -71,6 +71,16 @@ class Store:
         upto = len(prompt) if upto is None else upto
         for i, block_id in enumerate(m.block_ids(rid)[: upto // BS]):
             assert self.blocks[block_id] == tuple(prompt[: (i + 1) * BS]), f"{rid} block {i} holds another prefix"
+
+
+def _serve_and_push_out(store, m, index, tier, prompt: list[int], filler_len: int, tenant: str = "") -> None:
+    """Request "a" computes `prompt` and finishes; a filler of `filler_len` other tokens then
+    takes the pool, pushing a's cached blocks (tail first) out to the host tier."""
+    store.compute(m, "a", prompt, store.admit(m, index, tier, "a", prompt, tenant=tenant).num_cached_tokens)
+    m.release("a")
+    filler = list(range(500, 500 + filler_len))
+    store.compute(m, "f", filler, store.admit(m, index, tier, "f", filler).num_cached_tokens)
+    m.release("f")
 
 
 def _tensor_bytes(num_tokens: int) -> int:
@@ -109,11 +119,7 @@ def test_a_load_that_fails_is_computed_instead() -> None:
     m, index = make(6, tier)
     store = Store()
     p = list(range(100, 116))
-    store.compute(m, "a", p + [1], store.admit(m, index, tier, "a", p + [1]).num_cached_tokens)
-    m.release("a")
-    filler = list(range(500, 513))
-    store.compute(m, "f", filler, store.admit(m, index, tier, "f", filler).num_cached_tokens)
-    m.release("f")
+    _serve_and_push_out(store, m, index, tier, p + [1], filler_len=13)
     adm = m.admit("b", p + [7], 3)  # first step of 3 tokens at most
     store.offload(m, index, tier)
     assert [b for b, _ in adm.loads] and adm.num_cached_tokens == 16
@@ -131,11 +137,7 @@ def test_tenants_never_meet_through_the_host_tier() -> None:
     m, index = make(6, tier)
     store = Store()
     p = list(range(100, 116))
-    store.compute(m, "a", p + [1], store.admit(m, index, tier, "a", p + [1], tenant="t1").num_cached_tokens)
-    m.release("a")
-    filler = list(range(500, 521))
-    store.compute(m, "f", filler, store.admit(m, index, tier, "f", filler).num_cached_tokens)
-    m.release("f")
+    _serve_and_push_out(store, m, index, tier, p + [1], filler_len=21, tenant="t1")
     assert tier.num_entries >= 4  # all of t1's blocks are on the host now
     other = store.admit(m, index, tier, "b", p + [2], tenant="t2")
     assert other.num_cached_tokens == 0 and m.stats.num_lower_tier_hit_tokens == 0
@@ -150,11 +152,7 @@ def test_a_descriptor_mismatch_is_a_miss_counted_by_field_and_reclaimed() -> Non
     m, index = make(6, tier)
     store = Store()
     p = list(range(100, 116))
-    store.compute(m, "a", p + [1], store.admit(m, index, tier, "a", p + [1]).num_cached_tokens)
-    m.release("a")
-    filler = list(range(500, 521))
-    store.compute(m, "f", filler, store.admit(m, index, tier, "f", filler).num_cached_tokens)
-    m.release("f")
+    _serve_and_push_out(store, m, index, tier, p + [1], filler_len=21)
     entries = tier.num_entries
     # another engine on the same host tier, with new weights: found by content, refused
     m2, index2 = make(6, tier, dataclasses.replace(DESC, weights_version="w2"))

@@ -150,7 +150,10 @@ def run(args: argparse.Namespace) -> int:
     fitted = _run_sim(model, workload, fit.cost_model(model, gpu))
     report = {"requests": args.requests, "max_tokens": args.max_tokens, "rate": args.rate}
     report |= {
-        "fit": {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(fit).items()},
+        "fit": {
+            k: round(v, 6) if isinstance(v, float) else v
+            for k, v in (asdict(fit.times) | {k: v for k, v in asdict(fit).items() if k != "times"}).items()
+        },
         "fit_times_before_after_s": {k: [round(getattr(t, k), 6) for t in (before, after)] for k in _TIMES},
         "measured": measured,
         "predicted_preset": preset,
@@ -179,11 +182,14 @@ def run(args: argparse.Namespace) -> int:
             str(report["fit_over_measured"].get(key, "")),
         )
     console.print(table)
-    ms = {k: f"{getattr(fit, k) * 1e3:.1f}" for k in (*_TIMES, "step_overhead_s", "seq_overhead_s")}
+    t = fit.times
+    ms = {k: f"{getattr(t, k) * 1e3:.1f}" for k in _TIMES} | {
+        k: f"{getattr(fit, k) * 1e3:.1f}" for k in ("step_overhead_s", "seq_overhead_s")
+    }
     console.print(
-        f"fitted on the engine's own steps, the mean of before and after the run: decodes of 1 and {fit.batch} "
-        f"sequences {ms['decode_1_s']} and {ms['decode_b_s']} ms, fresh prefills of {fit.prefill_tokens} and "
-        f"{fit.prefill_small_tokens} tokens {ms['prefill_s']} and {ms['prefill_small_s']} ms -> compute "
+        f"fitted on the engine's own steps, the mean of before and after the run: decodes of 1 and {t.batch} "
+        f"sequences {ms['decode_1_s']} and {ms['decode_b_s']} ms, fresh prefills of {t.prefill_tokens} and "
+        f"{t.prefill_small_tokens} tokens {ms['prefill_s']} and {ms['prefill_small_s']} ms -> compute "
         f"{fit.compute_efficiency:.3f}, bandwidth {fit.bandwidth_efficiency:.3f}, {ms['step_overhead_s']} ms a step "
         f"+ {ms['seq_overhead_s']} ms a sequence + {fit.prefill_chunk_overhead_s * 1e3:.1f} ms a prefill chunk"
     )

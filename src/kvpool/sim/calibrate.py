@@ -118,10 +118,10 @@ def calibrate_processes(num_processes: int, buffer_mib: int = 512, repeats: int 
 class EngineFit:
     """The cpu cost model's engine terms, fitted on timed steps of kvpool's own engine.
 
-    Each time is the median of `repeats` engine steps, timed now, in this process: decode_1_s
-    and decode_b_s, a decode step of 1 and of `batch` sequences over `prefill_tokens` tokens
-    of context each; prefill_s
-    and prefill_small_s, one step computing a fresh prompt of `prefill_tokens` and of
+    `times` (EngineStepTimes) holds what it was fitted to, each the median of `repeats`
+    engine steps timed in this process: decode_1_s and decode_b_s, a decode step of 1 and
+    of `batch` sequences over `prefill_tokens` tokens of context each; prefill_s and
+    prefill_small_s, one step computing a fresh prompt of `prefill_tokens` and of
     `prefill_small_tokens` tokens. With C and M a step's compute and memory seconds at
     efficiency 1 (cost.py), the model is
 
@@ -143,13 +143,7 @@ class EngineFit:
     workload's: `kvpool bench sim` predicts a mix of chunks over cached prefixes and decodes
     of other batch sizes with them."""
 
-    batch: int
-    prefill_tokens: int
-    prefill_small_tokens: int
-    decode_1_s: float
-    decode_b_s: float
-    prefill_s: float
-    prefill_small_s: float
+    times: EngineStepTimes  # what it was fitted to
     compute_efficiency: float
     bandwidth_efficiency: float
     step_overhead_s: float
@@ -295,7 +289,7 @@ def fit_engine(times: EngineStepTimes) -> EngineFit:
             f"{db * 1e3:.1f} ms, prefills of {n_pf} and {n_ps} tokens: {pf * 1e3:.1f} and {ps * 1e3:.1f} ms): "
             "is another process using the CPUs?"
         )
-    return EngineFit(batch, n_pf, n_ps, d1, db, pf, ps, compute_eff, bw_eff, step_ov, seq_ov, chunk_ov)
+    return EngineFit(times, compute_eff, bw_eff, step_ov, seq_ov, chunk_ov)
 
 
 def main(argv: list[str] | None = None) -> None:

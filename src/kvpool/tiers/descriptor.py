@@ -161,13 +161,7 @@ class TierIndex:
             token_ids=struct.unpack(f"<{count}I", block.token_bytes),
             mm_identity=block.extra.hex(),
             tenant=xxhash.xxh3_64_hexdigest(salt.encode()),
-            model_id=cache.model_id,
-            weights_version=cache.weights_version,
-            tokenizer_version=cache.tokenizer_version,
-            template_version=cache.template_version,
-            adapter_id=cache.adapter_id,
-            rope_id=cache.rope_id,
-            layout_id=cache.layout_id,
+            **asdict(cache),  # the model, weights, tokenizer, template, adapter, RoPE and layout
         )
         return described.key, descriptor
 

@@ -12,7 +12,7 @@ layout or tenant, and can never serve this one).
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
@@ -119,15 +119,7 @@ class HostTier(Tier):
     def reclaim(self, current: CacheDescriptor) -> int:
         """Drop every entry written under another model, weights, tokenizer, template,
         adapter, RoPE or layout than `current`'s (a version switch); returns how many."""
-        model_fields = (
-            "model_id",
-            "weights_version",
-            "tokenizer_version",
-            "template_version",
-            "adapter_id",
-            "rope_id",
-            "layout_id",
-        )
+        model_fields = [f.name for f in fields(CacheDescriptor)]
         stale = [
             key
             for key, entry in self._entries.items()
