@@ -27,8 +27,8 @@ class PrefixModelRunner:
         self.capacity_tokens = num_blocks * block_size
         self.max_model_len = self.capacity_tokens
 
-    def admit(self, seq_id, token_ids, max_new_tokens):
-        return self.manager.admit(seq_id, token_ids, max_new_tokens)
+    def admit(self, seq_id, token_ids, max_new_tokens, *, tenant_salt=""):
+        return self.manager.admit(seq_id, token_ids, max_new_tokens, tenant_salt=tenant_salt)
 
     def reserve(self, seq_ids, num_new_tokens):
         return self.manager.reserve_step(seq_ids, num_new_tokens)

@@ -16,8 +16,9 @@ from pathlib import Path
 import kvpool
 
 # Lowest first. `kernels` (the C kernels and their ctypes bindings) sits below the tensor
-# layers that call it; `sim` (the simulator) drives the engine; `verify` (verification
-# programs) above the engine it drives.
+# layers that call it; `sim` (the simulator) drives the engine; `server` (kvpool serve and
+# its load generator, which replays sim's chat workload) serves the engine over HTTP;
+# `verify` (verification programs) above the engine it drives.
 LAYERS = (
     "spec",
     "capacity",
@@ -30,6 +31,7 @@ LAYERS = (
     "models",
     "engine",
     "sim",
+    "server",
     "verify",
     "cli",
 )

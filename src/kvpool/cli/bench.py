@@ -19,6 +19,10 @@ BENCHES: dict[str, tuple[str, str]] = {
     "sim": ("kvpool.cli.bench_sim", "the simulator's cpu preset against the engine on the same workload: TPOT, TTFT"),
     "ledger": ("kvpool.cli.bench_ledger", "kvpool run's measured memory ledger against the planner's, line by line"),
     "hisparse": ("kvpool.cli.bench_hisparse", "DeepSeek-V4 HiSparse on tiny-dsv4: device bytes and fetches per step"),
+    "serve": (
+        "kvpool.cli.bench_serve",
+        "streaming clients against kvpool serve: TTFT / TPOT / ITL p50 and p99, throughput, goodput, hit rate",
+    ),
     "host": ("kvpool.cli.bench_host", "TTFT of a prefix served from the host tier, against a device hit and recompute"),
 }
 

@@ -26,6 +26,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "kvpool.cli.simulate",
         "serving at GPU scale on the engine's scheduler and cache managers, a cost model for the forward",
     ),
+    "serve": (
+        "kvpool.cli.serve",
+        "an OpenAI-compatible server (completions, chat, streaming) on the engine, with Prometheus metrics",
+    ),
     "verify": ("kvpool.cli.verify", "verification matrices: dsv4 (paged dual pool vs contiguous oracle)"),
 }
 

@@ -48,24 +48,9 @@ from kvpool.cli.args import (
     rate,
 )
 from kvpool.cli.generate import add_model_arguments
+from kvpool.sim import chat
 from kvpool.sim.stats import percentile
 
-SYSTEM_TOPICS = [
-    "a patient support agent for a company that sells bicycles, spare parts and repair services",
-    "a travel planner who knows trains, ferries, museums and local food in European cities",
-    "a cooking assistant that adapts recipes to what is in the fridge and to dietary needs",
-]
-QUESTIONS = [
-    "What should I check first?",
-    "Can you give me three options?",
-    "Explain it simply.",
-    "What does it cost?",
-    "How long does it take?",
-    "What is the most common mistake?",
-    "Give me a short plan for tomorrow.",
-    "Which one would you pick and why?",
-]
-FOLLOW_UPS = ["Tell me more about the second point.", "Can you make that shorter?", "Thanks! Anything else?"]
 TINY_MODEL = "tiny-dsv4"
 RUN_DEFAULTS = EngineConfig()  # the configuration `kvpool plan --device cpu` predicts the ledger of
 
@@ -141,34 +126,19 @@ class Workload:
 
 
 def chat_workload(tok, args: argparse.Namespace, rng: random.Random) -> Workload:
-    systems = [
-        f"You are {topic}. Answer briefly and concretely. "
-        + " ".join(
-            f"Rule {i + 1}: be accurate, be kind and never invent facts about {topic.split(',')[0]}." for i in range(8)
-        )
-        for topic in SYSTEM_TOPICS
-    ]
-    conversations = [
-        Conversation(
-            [
-                {"role": "system", "content": systems[i % len(systems)]},
-                {"role": "user", "content": rng.choice(QUESTIONS)},
-            ]
-        )
-        for i in range(args.num_requests)
-    ]
-    filler = "The history of tools is the history of people who wanted to do more with less effort. "
-    long_prompts = [
-        tok.encode_chat([{"role": "user", "content": filler * (40 + 5 * i) + "Summarize this."}])
-        for i in range(args.num_long)
-    ]
+    """sim/chat.py's conversations, rendered with the model's chat template."""
+    conversations = [Conversation(messages) for messages in chat.first_turns(args.num_requests, rng)]
 
     def follow_up(conv: Conversation, answer_ids: list[int], answer_text: str) -> list[int]:
-        message = FOLLOW_UPS[conv.turn % len(FOLLOW_UPS)]
-        conv.history += [{"role": "assistant", "content": answer_text}, {"role": "user", "content": message}]
+        conv.history = chat.next_turn(conv.history, answer_text, conv.turn + 1)
         return tok.encode_chat(conv.history)
 
-    return Workload([tok.encode_chat(c.history) for c in conversations], long_prompts, conversations, follow_up)
+    return Workload(
+        [tok.encode_chat(c.history) for c in conversations],
+        [tok.encode_chat(m) for m in chat.long_prompts(args.num_long)],
+        conversations,
+        follow_up,
+    )
 
 
 def id_workload(vocab_size: int, args: argparse.Namespace, rng: random.Random) -> Workload:
@@ -178,7 +148,7 @@ def id_workload(vocab_size: int, args: argparse.Namespace, rng: random.Random) -
     def ids(n: int) -> list[int]:
         return [rng.randrange(vocab_size) for _ in range(n)]
 
-    systems = [ids(300) for _ in SYSTEM_TOPICS]
+    systems = [ids(300) for _ in chat.SYSTEM_TOPICS]
     conversations = [Conversation(systems[i % len(systems)] + ids(20)) for i in range(args.num_requests)]
     long_prompts = [ids(700 + 50 * i) for i in range(args.num_long)]
 

@@ -321,10 +321,12 @@ class DSV4EngineRunner:
         self._num_states_taken = 0
         self.num_steps_run = 0  # forward steps (for per-step HiSparse figures)
 
-    def admit(self, seq_id: str, token_ids: Sequence[int], max_new_tokens: int) -> Admission | None:
+    def admit(
+        self, seq_id: str, token_ids: Sequence[int], max_new_tokens: int, *, tenant_salt: str = ""
+    ) -> Admission | None:
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
-        adm = self.runner.admit(seq_id, token_ids, max_new_tokens, defer_replay=True)
+        adm = self.runner.admit(seq_id, token_ids, max_new_tokens, tenant_salt=tenant_salt, defer_replay=True)
         if adm is not None:
             self._num_states_taken += 1
         return adm

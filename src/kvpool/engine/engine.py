@@ -29,7 +29,7 @@ from typing import TypeVar
 import torch
 
 from kvpool.engine.runner import ModelRunner, ScheduledChunk
-from kvpool.engine.sampling import SamplingParams, sample_token
+from kvpool.engine.sampling import SamplingParams, sample_token, token_logprobs
 
 _T = TypeVar("_T")
 LATENCY_SAMPLES = 1 << 16  # admit / reserve latencies kept per kind (the latest)
@@ -46,6 +46,9 @@ class SequenceState:
     finish_reason: str | None = None
     text: str = ""
     logits: list[torch.Tensor] = field(default_factory=list)  # recorded when the engine asks
+    # per output token, when the params ask (SamplingParams.logprobs): (log-probability of
+    # the sampled token, the most likely tokens' (id, log-probability), most likely first)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
 
     @property
     def output_ids(self) -> list[int]:
@@ -69,6 +72,7 @@ class RequestState:
     finish_time: float | None = None
     error: str | None = None
     forked: bool = False
+    tenant: str = ""  # the cache's tenant salt: no prefix is shared across tenants
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -87,6 +91,8 @@ class EngineStats:
 
     num_steps: int = 0
     num_preemptions: int = 0
+    num_prefill_tokens: int = 0  # tokens computed in prompt chunks (recomputation after preemption included)
+    num_decode_tokens: int = 0  # tokens computed one per step after the prompt
     num_alloc_calls: int = 0
     num_noop_calls: int = 0
     # the latest calls' seconds, for percentiles: bounded, so a long-running engine holds a
@@ -165,9 +171,11 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        tenant: str = "",
     ) -> str:
         """Queue a request. ValueError (and nothing queued) for an empty or too-long prompt.
-        `arrival_time` (on the engine's clock; default: now) is where TTFT counts from."""
+        `arrival_time` (on the engine's clock; default: now) is where TTFT counts from.
+        `tenant` salts the request's prefix chain: it hits only its own tenant's cache."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
@@ -186,6 +194,7 @@ class Engine:
             bad = [t for t in prompt if not 0 <= t < vocab]
             raise ValueError(f"request {request_id!r}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
         req = RequestState(request_id, prompt, params, self.clock() if arrival_time is None else arrival_time)
+        req.tenant = tenant
         seq = SequenceState(f"{request_id}/0", req, 0, list(prompt))
         req.seqs.append(seq)
         self.requests[request_id] = req
@@ -327,7 +336,11 @@ class Engine:
         budget = self.max_num_batched_tokens - sum(n for _, n in plan)
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            admitted = self._timed(lambda seq=seq, budget=budget: self.runner.admit(seq.seq_id, seq.token_ids, budget))
+            admitted = self._timed(
+                lambda seq=seq, budget=budget: self.runner.admit(
+                    seq.seq_id, seq.token_ids, budget, tenant_salt=seq.request.tenant
+                )
+            )
             if admitted is None:
                 break
             self.waiting.popleft()
@@ -364,8 +377,14 @@ class Engine:
         done: list[tuple[SequenceState, str]] = []
         forks: list[tuple[SequenceState, torch.Tensor]] = []
         row = 0
+        stats = self.stats
         for i, (seq, chunk) in enumerate(zip(self._scheduled, chunks, strict=True)):
-            seq.num_computed += len(chunk.token_ids)
+            n = len(chunk.token_ids)
+            seq.num_computed += n
+            if n == 1 and chunk.start >= seq.request.num_prompt_tokens:
+                stats.num_decode_tokens += 1
+            else:
+                stats.num_prefill_tokens += n
             if not chunk.needs_logits:
                 continue
             seq_logits = logits[row]
@@ -428,6 +447,8 @@ class Engine:
         token = self.sampler(logits, params, seq.sample_index, position)
         if self.record_logits:
             seq.logits.append(logits.detach().clone())
+        if params.logprobs is not None:
+            seq.logprobs.append(token_logprobs(logits, token, params.logprobs))
         if req.first_token_time is None:
             req.first_token_time = now
         seq.token_ids.append(token)

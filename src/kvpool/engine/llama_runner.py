@@ -93,10 +93,12 @@ class LlamaRunner:
 
     # ---- cache bookkeeping (pure Python, through the manager) ---------------------
 
-    def admit(self, seq_id: str, token_ids: Sequence[int], max_new_tokens: int) -> Admission | None:
+    def admit(
+        self, seq_id: str, token_ids: Sequence[int], max_new_tokens: int, *, tenant_salt: str = ""
+    ) -> Admission | None:
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
-        admission = self.manager.admit(seq_id, token_ids, max_new_tokens)
+        admission = self.manager.admit(seq_id, token_ids, max_new_tokens, tenant_salt=tenant_salt)
         if admission is None or self.tier is None:
             return admission
         # The fresh blocks may be evicted cached ones: save what they held before the loads
@@ -303,6 +305,7 @@ class LlamaRunner:
             "readmitted_hit_tokens": m.stats.num_readmitted_hit_tokens,
             "hash_collisions": m.pool.num_collisions,
             "lower_tier_hit_tokens": m.stats.num_lower_tier_hit_tokens,
+            "cached_free_blocks": m.pool.num_free_cached,
         }
 
     # ---- the forward ---------------------------------------------------------------

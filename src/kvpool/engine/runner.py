@@ -35,10 +35,12 @@ class ModelRunner(Protocol):
     capacity_tokens: int  # the most tokens a single sequence can hold when it runs alone
     vocab_size: int
 
-    def admit(self, seq_id: str, token_ids: Sequence[int], max_new_tokens: int) -> Admission | None:
-        """Look up the cached prefix of `token_ids`, take it, restore any per-sequence state
-        it needs, and reserve room for up to `max_new_tokens` of the rest (at least 1). None:
-        no room now, nothing changed."""
+    def admit(
+        self, seq_id: str, token_ids: Sequence[int], max_new_tokens: int, *, tenant_salt: str = ""
+    ) -> Admission | None:
+        """Look up the cached prefix of `token_ids` (under the tenant's salt: no tenant hits
+        another's), take it, restore any per-sequence state it needs, and reserve room for up
+        to `max_new_tokens` of the rest (at least 1). None: no room now, nothing changed."""
         ...
 
     def reserve(self, seq_ids: Sequence[str], num_new_tokens: Sequence[int]) -> bool:

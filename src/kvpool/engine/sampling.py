@@ -22,6 +22,9 @@ class SamplingParams:
     n: int = 1  # parallel samples; they share the prompt's blocks (fork + copy-on-write)
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = (
+        None  # None: none; k >= 0: the sampled token's and the k most likely tokens' log-probabilities
+    )
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
@@ -36,6 +39,8 @@ class SamplingParams:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -95,7 +100,8 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, sample_index: int
     # the tensors alive at the draw, and the draw's CDF: one more vector of the candidates
     _note_scratch(scores, full if full is not probs else None, probs, ids, cumulative, extra=probs.nbytes)
     generator = torch.Generator(device="cpu")
-    generator.manual_seed((params.seed * 1_000_003 + sample_index) * 1_000_003 + position)
+    # any int seed (an API client's may be 64 bits): the generator takes the value mod 2^63
+    generator.manual_seed(((params.seed * 1_000_003 + sample_index) * 1_000_003 + position) % (1 << 63))
     j = _draw(probs, generator)
     return int(ids[j]) if ids is not None else j
 
@@ -109,3 +115,15 @@ def _draw(weights: torch.Tensor, generator: torch.Generator) -> int:
     if i >= len(cdf):  # u * total rounded up to the total: the last token of non-zero weight
         i = int(torch.nonzero(weights)[-1])
     return i
+
+
+def token_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """The log-probability of `token` under the model's distribution (the raw logits, before
+    temperature and truncation, as OpenAI and vLLM report it) and the k most likely tokens'
+    (id, log-probability), most likely first."""
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    top: list[tuple[int, float]] = []
+    if k:
+        values, ids = torch.topk(logp, min(k, logp.shape[-1]))
+        top = list(zip(ids.tolist(), values.tolist(), strict=True))
+    return float(logp[token]), top

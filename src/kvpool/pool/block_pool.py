@@ -122,6 +122,11 @@ class BlockPool:
         return len(self._free_unhashed) + len(self._free_cached)
 
     @property
+    def num_free_cached(self) -> int:
+        """Free blocks that still hold a findable prefix (the next allocations evict them last)."""
+        return len(self._free_cached)
+
+    @property
     def num_cached(self) -> int:
         """Physical blocks registered in the prefix index (held or free)."""
         return sum(len(p.block_ids) for p in self._index.values())

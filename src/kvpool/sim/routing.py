@@ -27,7 +27,7 @@ class Router:
         self.policy, self.replicas, self.load_cap = policy, replicas, load_cap
         self._next = itertools.cycle(range(len(replicas)))
 
-    def route(self, prompt: list[int]) -> Replica:
+    def route(self, prompt: list[int], tenant: str = "") -> Replica:
         reps = self.replicas
         if len(reps) == 1:
             return reps[0]
@@ -37,4 +37,6 @@ class Router:
         if self.policy == "least-loaded":
             return min(reps, key=lambda r: (r.load, r.num_routed))
         eligible = [r for r in reps if r.load <= self.load_cap * least + 4]
-        return max(eligible, key=lambda r: (r.runner.manager.lookup_prefix(prompt), -r.load, -r.index))
+        return max(
+            eligible, key=lambda r: (r.runner.manager.lookup_prefix(prompt, tenant_salt=tenant), -r.load, -r.index)
+        )

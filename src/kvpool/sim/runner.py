@@ -82,10 +82,12 @@ class SimRunner:
 
     # ---- the cache calls, as the engine's runners make them -------------------------------
 
-    def admit(self, seq_id: str, token_ids: Sequence[int], max_new_tokens: int) -> Admission | None:
+    def admit(
+        self, seq_id: str, token_ids: Sequence[int], max_new_tokens: int, *, tenant_salt: str = ""
+    ) -> Admission | None:
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
-        adm = self.manager.admit(seq_id, token_ids, max_new_tokens)
+        adm = self.manager.admit(seq_id, token_ids, max_new_tokens, tenant_salt=tenant_salt)
         if adm is not None and self.dual:
             self._num_states_taken += 1
             restore = adm.restore

@@ -221,14 +221,14 @@ def simulate(
             t, _, sid, turn = heapq.heappop(arrivals)
             session = sessions[sid]
             prompt = session.prompt_ids(turn, model.vocab_size)
-            rep = router.route(prompt)
+            rep = router.route(prompt, session.tenant)
             rep.num_routed += 1
             if not rep.engine.has_unfinished():
                 rep.clock.now = max(rep.clock.now, t)  # an idle replica waits for the arrival
             rid = session.request_id(turn)
             out_len = session.turns[turn].output_len
             params = SamplingParams(max_tokens=out_len, ignore_eos=True)
-            rep.engine.add_request(prompt, params, rid, arrival_time=t)
+            rep.engine.add_request(prompt, params, rid, arrival_time=t, tenant=session.tenant)
             turn_of[rid] = (sid, turn, rep.index, t)
             continue
         assert next_step is not None

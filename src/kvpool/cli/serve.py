@@ -1,0 +1,210 @@
+"""`kvpool serve`: the OpenAI-compatible server (kvpool/server/app.py) on the engine.
+
+It binds its socket before the model loads (a port in use is one line, not a traceback),
+prints `kvpool serve: ready on http://HOST:PORT` once it accepts requests (with the port
+the system chose for --port 0), and on Ctrl-C or SIGTERM lets the streams in flight end for
+a few seconds, aborts what is left, checks the cache (every block released, the lifecycle
+invariants hold) and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import socket
+import sys
+
+from kvpool.cli.args import (
+    add_host_cache_argument,
+    add_preemption_argument,
+    check_preemption,
+    host_cache_bytes,
+    parse_bytes,
+    positive_int,
+)
+
+DEFAULT_MODEL = "smollm2-135m"  # the embedded SmolLM2-135M-Instruct
+DEFAULT_KV_MEMORY = "256MiB"
+GRACEFUL_S = 5  # seconds the streams in flight get to end at shutdown
+
+
+def port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in [0, 65535], got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes it to the network)")
+    parser.add_argument("--port", type=port, default=8000, help="TCP port; 0 lets the system pick a free one")
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"{DEFAULT_MODEL} (the embedded SmolLM2-135M-Instruct) or a Llama-architecture GGUF file",
+    )
+    parser.add_argument(
+        "--served-model-name", default=None, help="the name clients send as `model` (default: --model's name)"
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("KVPOOL_API_KEY"),
+        help="require `Authorization: Bearer KEY` on /v1 and /debug (default: $KVPOOL_API_KEY; none: open)",
+    )
+    parser.add_argument("--kv-memory", default=DEFAULT_KV_MEMORY, help="KV cache memory, e.g. 256MiB or 1GiB")
+    parser.add_argument("--num-blocks", type=positive_int, default=None, help="KV blocks (default: from --kv-memory)")
+    parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    parser.add_argument("--max-batch-tokens", type=positive_int, default=512, help="token budget per engine step")
+    parser.add_argument("--max-seqs", type=positive_int, default=64, help="most sequences in one step")
+    add_host_cache_argument(parser)
+    add_preemption_argument(parser)
+    parser.add_argument(
+        "--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)"
+    )
+    parser.add_argument(
+        "--log-level",
+        choices=("critical", "error", "warning", "info", "debug"),
+        default="warning",
+        help="uvicorn's log level (info logs every request)",
+    )
+
+
+def _bind(host: str, port_number: int) -> socket.socket:
+    try:
+        infos = socket.getaddrinfo(host, port_number, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as error:
+        raise ValueError(f"--host {host!r}: {error.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as error:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port_number}: {error.strerror or error}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    if args.model == "tiny-dsv4":
+        raise ValueError("--model tiny-dsv4 has no tokenizer or chat template; kvpool serve runs a Llama GGUF")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise ValueError("--served-model-name is empty")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key is empty (unset KVPOOL_API_KEY, or give a key)")
+    kv_bytes = parse_bytes(args.kv_memory)
+    preemption = check_preemption(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    gguf = None if args.model == DEFAULT_MODEL else args.model
+    if gguf is not None and not os.path.isfile(gguf):
+        raise FileNotFoundError(f"--model {gguf!r}: no such GGUF file (or give {DEFAULT_MODEL})")
+    name = args.served_model_name or (DEFAULT_MODEL if gguf is None else os.path.basename(gguf).removesuffix(".gguf"))
+    sock = _bind(args.host, args.port)
+    try:
+        return _serve(args, sock, gguf, name, kv_bytes, preemption)
+    finally:
+        sock.close()
+
+
+def _serve(
+    args: argparse.Namespace, sock: socket.socket, gguf: str | None, name: str, kv_bytes: int, preemption: str
+) -> int:
+    import uvicorn
+
+    from kvpool.engine.build import build_engine, load_model, num_blocks_for_memory
+    from kvpool.server.app import ServerState, build_app
+    from kvpool.server.engine_thread import EngineThread
+    from kvpool.server.metrics import ServerMetrics
+
+    print(f"kvpool serve: loading {name}", file=sys.stderr)
+    loaded = load_model(gguf)
+    num_blocks = args.num_blocks or num_blocks_for_memory(loaded, args.block_size, kv_bytes)
+    engine = build_engine(
+        loaded,
+        num_blocks=num_blocks,
+        block_size=args.block_size,
+        max_num_batched_tokens=args.max_batch_tokens,
+        max_num_seqs=args.max_seqs,
+        host_cache_bytes=host_cache_bytes(args),
+        preemption=preemption,
+    )
+    metrics = ServerMetrics(name)
+    thread = EngineThread(engine, loaded.tokenizer.decode, on_step=metrics.update)
+    metrics.update(engine, [], 0)
+    state = ServerState(thread, loaded.tokenizer, metrics, name, engine.runner.max_model_len, args.api_key)
+    host, bound_port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        thread.start()
+        print(
+            f"kvpool serve: ready on http://{shown}:{bound_port} (model {name}, {num_blocks} KV blocks of "
+            f"{args.block_size} tokens, context {engine.runner.max_model_len}"
+            f"{', API key required' if args.api_key else ''})",
+            flush=True,
+        )
+        yield
+
+    app = build_app(state, lifespan)
+    config = uvicorn.Config(
+        app,
+        log_level=args.log_level,
+        access_log=args.log_level in ("info", "debug"),
+        timeout_graceful_shutdown=GRACEFUL_S,
+        lifespan="on",
+    )
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            # Abort what is in flight first: every stream then ends with its last chunk and
+            # [DONE], and uvicorn's graceful wait has nothing left to cancel.
+            thread.stop()
+            await super().shutdown(sockets)
+
+    server = Server(config)
+    # uvicorn handles SIGINT / SIGTERM itself (a graceful shutdown), then raises the signal
+    # again under the handlers it found: SIGINT's is KeyboardInterrupt, SIGTERM's this one,
+    # so that the shutdown report below still runs.
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    status = 0
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        status = 130
+    except _Terminated:
+        status = 143
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        thread.stop()
+        _report_shutdown(thread)
+    return 1 if thread.error is not None else status
+
+
+class _Terminated(Exception):
+    pass
+
+
+def _terminated(signum, frame) -> None:
+    raise _Terminated
+
+
+def _report_shutdown(thread) -> None:
+    runner = thread.engine.runner
+    try:
+        runner.check_integrity()
+        usage = runner.usage()
+        state = f"cache integrity ok, {usage.num_held_blocks} blocks held"
+    except AssertionError as error:
+        state = f"cache integrity FAILED: {error}"
+    print(f"kvpool serve: stopped ({thread.num_aborted} requests aborted in flight; {state})", file=sys.stderr)

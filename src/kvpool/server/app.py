@@ -1,0 +1,405 @@
+"""The OpenAI-compatible HTTP API over one EngineThread (FastAPI; uvicorn serves it).
+
+  GET  /v1/models              the served model
+  POST /v1/completions         text in (or token ids), text out; stream: true for SSE
+  POST /v1/chat/completions    messages in, rendered with the GGUF's chat template
+  GET  /health                 200 while the engine thread runs, 503 otherwise
+  GET  /metrics                Prometheus text format (server/metrics.py)
+  GET  /debug/cache            the cache's usage, after `check_integrity()` ran between two
+                               steps: what a test (or an operator) asks to prove that nothing
+                               leaked
+
+With an API key, /v1 and /debug need `Authorization: Bearer KEY` (401 otherwise); /health
+and /metrics stay open for probes and scrapers.
+
+Tenants: the `X-Tenant-Id` header, else the body's `user` field, else the shared tenant "".
+It salts the request's prefix chain (cache/base.py), so one tenant never hits another's
+cached prefix, and `usage.prompt_tokens_details.cached_tokens` shows it. The header is for
+a gateway that authenticates tenants; a client that may pick its own `user` can only ever
+reach prefixes cached under the same string.
+
+Streaming sends OpenAI's chunk objects as server-sent events and ends with `data: [DONE]`;
+with `stream_options.include_usage` the last chunk carries the usage. A client that
+disconnects aborts its request before the engine's next step (the stream's generator is
+closed, or, for a non-streamed request, the disconnect is read from the connection).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvpool.engine.sampling import SamplingParams
+from kvpool.models.tokenizer import ChatTokenizer
+from kvpool.server import protocol
+from kvpool.server.engine_thread import Delta, EngineThread, Event, Failed, Finished
+from kvpool.server.metrics import ServerMetrics
+from kvpool.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, TokenText
+
+TENANT_HEADER = "x-tenant-id"
+
+
+@dataclass
+class ServerState:
+    engine: EngineThread
+    tokenizer: ChatTokenizer
+    metrics: ServerMetrics
+    model_name: str
+    max_model_len: int
+    api_key: str | None = None
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+def build_app(state: ServerState, lifespan=None) -> FastAPI:
+    """The app over a started EngineThread; `lifespan` (FastAPI's) runs at start and stop."""
+    app = FastAPI(title="kvpool", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.kvpool = state
+    token_text = TokenText(state.tokenizer.tokenizer.id_to_token)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, error: APIError) -> JSONResponse:
+        return _error_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, error: RequestValidationError) -> JSONResponse:
+        return _error_response(protocol.validation_error(list(error.errors())))
+
+    def authorize(request: Request) -> None:
+        if state.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
+            raise APIError(401, "missing or wrong API key: send Authorization: Bearer KEY", code="invalid_api_key")
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != state.model_name:
+            raise APIError(
+                400,
+                f"model: {model!r} is not served here; this server serves {state.model_name!r}",
+                "model",
+                "model_not_found",
+            )
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not state.engine.alive:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        authorize(request)
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": state.model_name,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "kvpool",
+                        "max_model_len": state.max_model_len,
+                    }
+                ],
+            }
+        )
+
+    @app.get("/debug/cache")
+    async def debug_cache(request: Request) -> Response:
+        authorize(request)
+
+        def check(engine) -> dict[str, Any]:
+            engine.runner.check_integrity()
+            usage = engine.runner.usage()
+            return {
+                "integrity": "ok",
+                "num_blocks": usage.num_blocks,
+                "num_used_blocks": usage.num_held_blocks,
+                "num_free_blocks": usage.num_free_blocks,
+                "num_cached_free_blocks": int(engine.runner.cache_stats().get("cached_free_blocks", 0)),
+                "num_requests": len(engine.requests),
+                "num_running": len(engine.running),
+                "num_waiting": len(engine.waiting),
+            }
+
+        try:
+            report = await asyncio.wrap_future(state.engine.call(check))
+        except RuntimeError as error:
+            raise APIError(503, str(error), type="server_error") from None
+        except AssertionError as error:
+            return JSONResponse({"integrity": "failed", "error": str(error)}, status_code=500)
+        return JSONResponse(report)
+
+    def tenant_of(request: Request, body: protocol._Sampling) -> str:
+        return request.headers.get(TENANT_HEADER) or body.user or ""
+
+    def max_tokens_for(num_prompt: int, requested: int | None, default_all: bool) -> int:
+        limit = state.max_model_len
+        if num_prompt >= limit:
+            field = "prompt" if not default_all else "messages"
+            raise APIError(
+                413,
+                f"{field}: the prompt's {num_prompt} tokens do not fit this model's context of {limit} tokens "
+                f"(at most {limit - 1} prompt tokens, leaving room for one output token)",
+                field,
+                "context_length_exceeded",
+            )
+        room = limit - num_prompt
+        if requested is None:
+            return room if default_all else min(16, room)
+        if requested > room:
+            raise APIError(
+                400,
+                f"max_tokens: {requested} new tokens after a prompt of {num_prompt} exceed the context of {limit} "
+                f"tokens; at most {room} fit",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        return requested
+
+    def sampling(body: protocol._Sampling, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        seed = body.seed if body.seed is not None else random.getrandbits(31)
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            seed=seed,
+            n=body.n,
+            stop=body.stop_strings,
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+        )
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        authorize(request)
+        check_model(body.model)
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            prompt_ids = state.tokenizer.encode(prompt)
+        else:
+            vocab = state.engine.engine.runner.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise APIError(400, f"prompt: token ids {bad[:5]} outside the vocabulary [0, {vocab})", "prompt")
+            prompt_ids = list(prompt)
+        if not prompt_ids:
+            raise APIError(400, "prompt: encodes to no tokens", "prompt")
+        max_tokens = max_tokens_for(len(prompt_ids), body.max_tokens, default_all=False)
+        params = sampling(body, max_tokens, body.logprobs)
+        return await serve(request, body, "cmpl", prompt_ids, params, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        authorize(request)
+        check_model(body.model)
+        try:
+            prompt_ids = state.tokenizer.encode_chat(body.template_messages())
+        except Exception as error:  # the template's own checks (e.g. roles out of order) raise
+            raise APIError(400, f"messages: the chat template refused them: {error}", "messages") from None
+        max_tokens = max_tokens_for(len(prompt_ids), body.requested_max_tokens, default_all=True)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = sampling(body, max_tokens, logprobs)
+        return await serve(request, body, "chatcmpl", prompt_ids, params, chat=True)
+
+    async def serve(
+        request: Request,
+        body: protocol._Sampling,
+        prefix: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        chat: bool,
+    ) -> Response:
+        engine = state.engine
+        request_id = engine.new_request_id(prefix)
+        try:
+            events = engine.submit(request_id, prompt_ids, params, tenant_of(request, body))
+        except RuntimeError as error:
+            raise APIError(503, str(error), type="server_error") from None
+        shape = _Shape(request_id, state.model_name, chat, token_text, params.logprobs is not None)
+        if body.stream:
+            return StreamingResponse(
+                _stream(engine, request_id, events, shape, body.include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        return await _complete(engine, request, request_id, events, shape, params.n)
+
+    return app
+
+
+# ---- one request's responses ----------------------------------------------------------------
+
+
+class _Shape:
+    """Builds one request's OpenAI objects: chunks while it streams, the whole response at the end."""
+
+    def __init__(self, request_id: str, model: str, chat: bool, token_text: TokenText, logprobs: bool) -> None:
+        self.id, self.model, self.chat, self.tt, self.logprobs = request_id, model, chat, token_text, logprobs
+        self.created = protocol.now()
+        self.object = "chat.completion" if chat else "text_completion"
+        self.text_offsets: dict[int, int] = {}
+
+    def _logprobs(self, delta: Delta) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        if self.chat:
+            return protocol.chat_logprobs(delta.logprobs, delta.token_ids, self.tt)
+        offset = self.text_offsets.get(delta.index, 0)
+        out = protocol.completion_logprobs(delta.logprobs, delta.token_ids, self.tt, offset)
+        self.text_offsets[delta.index] = offset + sum(len(t) for t in out["tokens"])
+        return out
+
+    def chunk(self, delta: Delta, first: bool) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": delta.index}
+        if self.chat:
+            message: dict[str, Any] = {}
+            if first:
+                message["role"] = "assistant"
+            if delta.text or first:
+                message["content"] = delta.text
+            choice["delta"] = message
+        else:
+            choice["text"] = delta.text
+        choice["logprobs"] = self._logprobs(delta)
+        choice["finish_reason"] = delta.finish_reason
+        return {
+            "id": self.id,
+            "object": f"{self.object}.chunk" if self.chat else self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
+
+    def usage_chunk(self, output) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": f"{self.object}.chunk" if self.chat else self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": protocol.usage(output),
+        }
+
+    def response(self, output, texts: dict[int, list[str]], deltas: dict[int, list[Delta]]) -> dict[str, Any]:
+        choices = []
+        for index, completion in enumerate(output.completions):
+            text = "".join(texts.get(index, []))
+            parts = deltas.get(index, [])
+            merged = Delta(
+                index,
+                text,
+                [t for d in parts for t in d.token_ids],
+                [lp for d in parts for lp in d.logprobs],
+                completion.finish_reason,
+            )
+            logprobs = self._logprobs(merged)
+            if self.chat:
+                choice = {"index": index, "message": {"role": "assistant", "content": text}}
+            else:
+                choice = {"index": index, "text": text}
+            choice["logprobs"] = logprobs
+            choice["finish_reason"] = completion.finish_reason
+            choices.append(choice)
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": protocol.usage(output),
+        }
+
+
+def _sse(data: dict[str, Any] | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
+
+
+async def _stream(
+    engine: EngineThread, request_id: str, events: asyncio.Queue[Event], shape: _Shape, include_usage: bool
+) -> AsyncIterator[bytes]:
+    started: set[int] = set()
+    done = False
+    try:
+        while True:
+            event = await events.get()
+            if isinstance(event, Delta):
+                first = event.index not in started
+                started.add(event.index)
+                if event.text or event.finish_reason or first or (shape.logprobs and event.token_ids):
+                    yield _sse(shape.chunk(event, first))
+            elif isinstance(event, Finished):
+                done = True
+                if include_usage:
+                    yield _sse(shape.usage_chunk(event.output))
+                yield _sse("[DONE]")
+                return
+            else:
+                assert isinstance(event, Failed)
+                done = True
+                yield _sse(APIError(500, event.message, type="server_error").body())
+                yield _sse("[DONE]")
+                return
+    finally:
+        if not done:  # the client went away (or the server is stopping): free its cache now
+            try:
+                engine.abort(request_id)
+            except RuntimeError:
+                pass  # the engine has stopped and released everything itself
+
+
+async def _complete(
+    engine: EngineThread, request: Request, request_id: str, events: asyncio.Queue[Event], shape: _Shape, n: int
+) -> Response:
+    texts: dict[int, list[str]] = {}
+    deltas: dict[int, list[Delta]] = {}
+    disconnected = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        while True:
+            getter = asyncio.ensure_future(events.get())
+            finished, _ = await asyncio.wait({getter, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+            if getter not in finished:
+                getter.cancel()
+                engine.abort(request_id)
+                return Response(status_code=499)  # nobody reads it
+            event = getter.result()
+            if isinstance(event, Delta):
+                texts.setdefault(event.index, []).append(event.text)
+                deltas.setdefault(event.index, []).append(event)
+            elif isinstance(event, Finished):
+                return JSONResponse(shape.response(event.output, texts, deltas))
+            else:
+                assert isinstance(event, Failed)
+                raise APIError(500, event.message, type="server_error")
+    finally:
+        disconnected.cancel()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,284 @@
+"""One engine loop on its own thread, shared by every HTTP request.
+
+Handlers never touch the engine. They hand it work through `submit` / `abort` / `call`,
+which queue a command and wake the thread; the thread runs the queued commands between
+two steps, then one `Engine.step()` over everything in flight (continuous batching: a
+request that arrives mid-generation joins the next step), then tells every request what
+it gained: new token ids, the text they complete, their log-probabilities, and at the end
+the engine's `RequestOutput`. Those events cross to the handler's asyncio loop with
+`call_soon_threadsafe`, so no handler blocks another and none blocks the engine.
+
+Cancellation (seed 003's rule): `abort` is a command like any other, so it runs before the
+next step starts; the engine releases the request's blocks at once, exactly once (a second
+abort, or one for a finished request, is a no-op).
+
+Text. A sample's text is the decoded output (EOS excluded) up to what can no longer change:
+an incomplete UTF-8 sequence at the end (decoded as U+FFFD) waits for its next byte, and the
+last len(longest stop string) - 1 characters wait while a stop string could still be
+forming, so a stream never shows text that the final answer cuts. The finished sample's
+text is the engine's (cut before the stop string); the deltas add up to exactly it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from kvpool.engine.engine import Engine, RequestOutput, SequenceState
+from kvpool.engine.sampling import SamplingParams
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """What one sample gained in a step."""
+
+    index: int  # the sample (choice) index
+    text: str  # new text, possibly empty (held back, or a token with no text)
+    token_ids: list[int]
+    logprobs: list[tuple[float, list[tuple[int, float]]]]  # one per token id, when asked for
+    finish_reason: str | None  # set on the sample's last delta: "stop", "length" or "abort"
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """The request is done: its output, as the engine reports it."""
+
+    output: RequestOutput
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The request could not be served (an engine error); the message says why."""
+
+    message: str
+
+
+Event = Delta | Finished | Failed
+
+
+@dataclass(slots=True)
+class _SampleStream:
+    num_sent_tokens: int = 0
+    sent_text: str = ""
+    done: bool = False
+
+
+@dataclass(slots=True)
+class _Tracked:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[Event]
+    holdback: int  # characters held back while a stop string may be forming
+    samples: dict[int, _SampleStream] = field(default_factory=dict)
+
+
+class EngineThread:
+    """The engine's only user. `on_step(engine, finished outputs, new tokens)` runs on the
+    engine thread after every step and every batch of commands (the server's metrics)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        decode: Callable[[list[int]], str],
+        *,
+        on_step: Callable[[Engine, list[RequestOutput], int], None] | None = None,
+        name: str = "kvpool-engine",
+    ) -> None:
+        self.engine = engine
+        self.decode = decode
+        self.on_step = on_step
+        self._cond = threading.Condition()
+        self._commands: list[Callable[[], None]] = []
+        self._stopping = False
+        self._tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.num_aborted = 0  # requests aborted while they ran (a disconnect, a shutdown)
+        self.error: BaseException | None = None  # what stopped the thread, if anything did
+
+    # ---- the handlers' side ---------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort whatever is in flight, release it, and end the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def new_request_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}-{time.time_ns() % 10**9:09d}"
+
+    def submit(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, tenant: str = ""
+    ) -> asyncio.Queue[Event]:
+        """Queue a request (from the handler's event loop); its events arrive on the
+        returned queue, the last one Finished or Failed."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        holdback = max((len(s) for s in params.stop), default=1) - 1
+
+        def add() -> None:
+            try:
+                self.engine.add_request(prompt_ids, params, request_id, tenant=tenant)
+            except ValueError as error:
+                loop.call_soon_threadsafe(queue.put_nowait, Failed(str(error)))
+                return
+            self._tracked[request_id] = _Tracked(loop, queue, holdback)
+
+        self._queue(add)
+        return queue
+
+    def abort(self, request_id: str) -> None:
+        """Cancel the request before the next step (no-op once it has finished)."""
+
+        def cancel() -> None:
+            if self.engine.abort(request_id):
+                self.num_aborted += 1
+
+        self._queue(cancel)
+
+    def call(self, fn: Callable[[Engine], _T]) -> Future[_T]:
+        """Run `fn(engine)` on the engine thread between two steps (an integrity check, a
+        usage snapshot); its result or exception comes back through the future."""
+        future: Future[_T] = Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn(self.engine))
+            except BaseException as error:  # handed to the caller, who decides
+                future.set_exception(error)
+
+        self._queue(run)
+        return future
+
+    def _queue(self, command: Callable[[], None]) -> None:
+        with self._cond:
+            if self._stopping or not self._thread.is_alive():
+                raise RuntimeError("the engine is not running")
+            self._commands.append(command)
+            self._cond.notify()
+
+    # ---- the engine thread ----------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                with self._cond:
+                    while not self._commands and not self._stopping and not engine.has_unfinished():
+                        self._cond.wait()
+                    commands, self._commands = self._commands, []
+                    stopping = self._stopping
+                for command in commands:
+                    command()
+                if stopping:
+                    self._abort_all()
+                    self._publish()
+                    return
+                if engine.has_unfinished():
+                    try:
+                        engine.step()
+                    except Exception:  # a bug, not a request's fault: fail what is in flight, keep serving
+                        message = traceback.format_exc()
+                        print(f"kvpool serve: the engine step failed:\n{message}", file=sys.stderr)
+                        self._fail_all(message.strip().splitlines()[-1])
+                self._publish()
+        except BaseException as error:
+            self.error = error
+            print(f"kvpool serve: the engine thread stopped:\n{traceback.format_exc()}", file=sys.stderr)
+            self._fail_all(f"the engine stopped: {error!r}")
+            raise
+        finally:
+            with self._cond:
+                self._stopping = True
+                leftover, self._commands = self._commands, []
+            for command in leftover:  # a submit that raced the stop: answer it
+                command()
+            self._fail_all("the server is shutting down")
+
+    def _abort_all(self) -> None:
+        for request_id in list(self._tracked):
+            if self.engine.abort(request_id):
+                self.num_aborted += 1
+
+    def _fail_all(self, message: str) -> None:
+        for request_id, tracked in list(self._tracked.items()):
+            if request_id in self.engine.requests:
+                self.engine.abort(request_id)
+                self.engine.requests.pop(request_id, None)
+            _send(tracked, Failed(message))
+        self._tracked.clear()
+
+    def _publish(self) -> None:
+        """Every tracked request's new tokens and text; the finished ones' outputs."""
+        engine = self.engine
+        finished: list[RequestOutput] = []
+        num_new_tokens = 0
+        for request_id, tracked in list(self._tracked.items()):
+            req = engine.requests[request_id]
+            for seq in req.seqs:
+                delta = self._delta(seq, tracked)
+                if delta is not None:
+                    num_new_tokens += len(delta.token_ids)
+                    _send(tracked, delta)
+            if req.finished and req.finish_time is not None:
+                output = engine.pop_output(request_id)
+                del self._tracked[request_id]
+                finished.append(output)
+                _send(tracked, Finished(output))
+        if self.on_step is not None:
+            self.on_step(engine, finished, num_new_tokens)
+
+    def _delta(self, seq: SequenceState, tracked: _Tracked) -> Delta | None:
+        stream = tracked.samples.get(seq.sample_index)
+        if stream is None:
+            stream = tracked.samples[seq.sample_index] = _SampleStream()
+        if stream.done:
+            return None
+        output = seq.output_ids
+        new_ids = output[stream.num_sent_tokens :]
+        reason = seq.finish_reason
+        if not new_ids and reason is None:
+            return None
+        if reason in ("stop", "length"):
+            text = seq.text  # the engine's final text (cut before a stop string, EOS dropped)
+            limit = len(text)
+        else:
+            visible = [t for t in output if t not in self.engine.eos_token_ids]
+            text = self.decode(visible)
+            limit = len(text) if reason is not None else len(text) - tracked.holdback
+            if reason is None and text.endswith("\ufffd"):
+                limit = min(limit, len(text) - 1)  # an incomplete character: wait for its next byte
+        new_text = ""
+        if limit > len(stream.sent_text) and text.startswith(stream.sent_text):
+            new_text = text[len(stream.sent_text) : limit]
+            stream.sent_text += new_text
+        logprobs = seq.logprobs[stream.num_sent_tokens : len(output)] if seq.logprobs else []
+        stream.num_sent_tokens = len(output)
+        stream.done = reason is not None
+        return Delta(seq.sample_index, new_text, new_ids, logprobs, reason)
+
+
+def _send(tracked: _Tracked, event: Event) -> None:
+    try:
+        tracked.loop.call_soon_threadsafe(tracked.queue.put_nowait, event)
+    except RuntimeError:  # the handler's loop has closed (the server is going down)
+        pass

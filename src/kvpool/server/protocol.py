@@ -1,0 +1,275 @@
+"""The OpenAI API's request bodies (pydantic) and the response shapes kvpool serve returns.
+
+Requests are validated field by field; a bad one gets OpenAI's error object,
+`{"error": {"message", "type": "invalid_request_error", "param", "code"}}`, with the field
+in `param` and in the message. Fields OpenAI defines that kvpool does not implement
+(penalties, logit_bias, echo, best_of > n, suffix, tools) are refused when set to anything
+but their neutral value, never silently ignored; unknown fields are ignored, as OpenAI
+ignores them. Two extensions, as vLLM names them: `top_k` and `ignore_eos`.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import cache
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+from kvpool.engine.engine import RequestOutput
+
+MAX_N = 16  # samples per request
+MAX_STOP = 4  # stop strings per request (OpenAI's limit)
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat
+
+NonEmpty = Annotated[str, StringConstraints(min_length=1)]
+
+
+class APIError(Exception):
+    """An error the client caused (or a state the server is in), as OpenAI reports it."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """What both endpoints share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None  # None: the served model
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)  # extension: 0 = off
+    n: int = Field(1, ge=1, le=MAX_N)
+    seed: int | None = None  # None: a fresh one per request
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # the tenant (see the server's docs)
+    ignore_eos: bool = False  # extension: generate max_tokens tokens whatever is sampled
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="after")
+    def _check_common(self) -> _Sampling:
+        stops = self.stop_strings
+        if any(not s for s in stops):
+            raise ValueError("stop: a stop string is empty")
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"stop: at most {MAX_STOP} stop strings, got {len(stops)}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0.0:
+                raise ValueError(f"{name}: not supported by kvpool serve (only 0 is accepted)")
+        if self.logit_bias:
+            raise ValueError("logit_bias: not supported by kvpool serve")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed with stream: true")
+        return self
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Sampling):
+    prompt: NonEmpty | list[int] | list[NonEmpty]
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> CompletionRequest:
+        prompt = self.prompt
+        if isinstance(prompt, list):
+            if not prompt:
+                raise ValueError("prompt: empty")
+            if isinstance(prompt[0], str) and len(prompt) != 1:
+                raise ValueError("prompt: one prompt per request (a list of several is not supported)")
+        if self.echo:
+            raise ValueError("echo: not supported by kvpool serve")
+        if self.suffix:
+            raise ValueError("suffix: not supported by kvpool serve")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of: not supported by kvpool serve (only best_of == n)")
+        return self
+
+
+class ContentPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
+        if self.tools:
+            raise ValueError("tools: not supported by kvpool serve")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            if self.max_tokens != self.max_completion_tokens:
+                raise ValueError("max_completion_tokens: differs from max_tokens; give one")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """The messages as the chat template takes them (developer is the system role)."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+
+def validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """pydantic's first error, as an OpenAI error naming the field."""
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # union members and validators add their own names to the location: keep the fields
+    fields: list[str] = []
+    for part in loc:
+        if part.isdigit() and fields:
+            fields[-1] += f"[{part}]"
+        elif part.startswith(("str", "list[", "int", "constrained-str", "function-")) or "[" in part:
+            continue
+        else:
+            fields.append(part)
+    message = str(first.get("msg", "invalid value"))
+    if message.startswith("Value error, "):
+        message = message.removeprefix("Value error, ")  # our own validators name the field first
+        param = message.split(":", 1)[0] if ":" in message else (".".join(fields) or None)
+        return APIError(400, message, param)
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', message)}")
+    param = ".".join(fields) or None
+    if first.get("type") == "missing":
+        return APIError(400, f"{param}: required", param)
+    return APIError(400, f"{param}: {message}" if param else message, param)
+
+
+# ---- responses -------------------------------------------------------------------------
+
+
+def usage(out: RequestOutput) -> dict[str, Any]:
+    completion = sum(len(c.token_ids) for c in out.completions)
+    prompt = len(out.prompt_token_ids)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+    }
+
+
+@cache
+def _byte_decoder() -> dict[str, int]:
+    """Byte-level BPE's alphabet back to bytes (GPT-2's printable mapping of 0..255)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+class TokenText:
+    """A token id's bytes and text, as the logprobs fields show them."""
+
+    def __init__(self, id_to_token) -> None:
+        self._id_to_token = id_to_token
+
+    def bytes(self, token_id: int) -> list[int]:
+        piece = self._id_to_token(token_id) or ""
+        table = _byte_decoder()
+        if all(ch in table for ch in piece):
+            return [table[ch] for ch in piece]
+        return list(piece.encode())  # a special token spelled outside the byte alphabet
+
+    def text(self, token_id: int) -> str:
+        return bytes(self.bytes(token_id)).decode("utf-8", errors="replace")
+
+
+def completion_logprobs(
+    entries: list[tuple[float, list[tuple[int, float]]]], token_ids: list[int], tt: TokenText, offset: int
+) -> dict[str, Any]:
+    """/v1/completions' logprobs object for these tokens; text offsets start at `offset`."""
+    tokens = [tt.text(t) for t in token_ids]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp for lp, _ in entries],
+        "top_logprobs": [{tt.text(t): v for t, v in top} for _, top in entries],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(
+    entries: list[tuple[float, list[tuple[int, float]]]], token_ids: list[int], tt: TokenText
+) -> dict[str, Any]:
+    return {
+        "content": [
+            {
+                "token": tt.text(t),
+                "logprob": lp,
+                "bytes": tt.bytes(t),
+                "top_logprobs": [{"token": tt.text(a), "logprob": v, "bytes": tt.bytes(a)} for a, v in top],
+            }
+            for t, (lp, top) in zip(token_ids, entries, strict=True)
+        ]
+    }
+
+
+def now() -> int:
+    return int(time.time())

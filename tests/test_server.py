@@ -1,0 +1,236 @@
+"""kvpool serve as a real process on 127.0.0.1 and a port the system picks, driven by the
+official `openai` client, httpx and prometheus_client's parser."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+KEY = "sk-kvpool-test"
+SYSTEM = "You are a careful assistant for a museum. " + " ".join(f"Rule {i}: be precise." for i in range(12))
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvpool", "serve", "--port", "0", "--api-key", KEY, "--max-seqs", "64"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    line = proc.stdout.readline()
+    assert "ready on " in line, proc.stderr.read()
+    url = line.split("ready on ", 1)[1].split()[0]
+    yield url
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "cache integrity ok, 0 blocks held" in err, err
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, timeout=120)
+
+
+def metrics(url: str) -> dict[str, float]:
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for s in family.samples:
+            key = s.name + (f"{{{s.labels['finish_reason']}}}" if "finish_reason" in s.labels else "")
+            values[key] = s.value
+    return values
+
+
+def cache_report(url: str) -> dict:
+    r = httpx.get(f"{url}/debug/cache", headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_completion_and_streamed_chat_equal_the_unstreamed_and_kvpool_generate(server):
+    c = client(server)
+    done = c.completions.create(model="smollm2-135m", prompt="The moon is", max_tokens=8, temperature=0)
+    assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 8
+    assert done.choices[0].text.strip()
+    messages = [{"role": "user", "content": "Name two colours of a rainbow."}]
+    whole = c.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=20, temperature=0.9, seed=11)
+    stream = c.chat.completions.create(
+        model="smollm2-135m", messages=messages, max_tokens=20, temperature=0.9, seed=11, stream=True
+    )
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert streamed == whole.choices[0].message.content and streamed
+    # greedy: the server's answer is kvpool generate's
+    prompt = "Write one sentence about a lighthouse keeper."
+    greedy = c.chat.completions.create(
+        model="smollm2-135m", messages=[{"role": "user", "content": prompt}], max_tokens=24, temperature=0
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "kvpool", "generate", prompt, "--max-tokens", "24", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    assert greedy.choices[0].message.content == json.loads(out.stdout)["text"]
+
+
+def test_a_shared_system_prompt_hits_and_another_tenant_does_not(server):
+    c = client(server)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "When do you open?"}]
+    first = c.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=2, user="tenant-a")
+    again = c.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=2, user="tenant-a")
+    other = c.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=2, user="tenant-b")
+    header = c.chat.completions.create(
+        model="smollm2-135m", messages=messages, max_tokens=2, extra_headers={"X-Tenant-Id": "tenant-c"}
+    )
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    assert header.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_32_streams_a_quarter_disconnecting_leave_no_block_held(server):
+    before = metrics(server)
+
+    async def one(i: int, ac: openai.AsyncOpenAI) -> tuple[str | None, int]:
+        stream = await ac.chat.completions.create(
+            model="smollm2-135m",
+            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Question {i}?"}],
+            max_tokens=24,
+            temperature=0.8,
+            seed=i,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        chunks, reason = 0, None
+        async for chunk in stream:
+            chunks += 1
+            if chunk.choices and chunk.choices[0].finish_reason:
+                reason = chunk.choices[0].finish_reason
+            if i % 4 == 0 and chunks == 3:
+                await stream.close()  # the client goes away mid-stream
+                return "disconnected", chunks
+        return reason, chunks
+
+    async def all_clients():
+        ac = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=KEY, timeout=300)
+        async with ac:
+            return await asyncio.gather(*(one(i, ac) for i in range(32)))
+
+    results = asyncio.run(all_clients())
+    assert [r for r, _ in results].count("disconnected") == 8
+    assert all(r == "length" for i, (r, _) in enumerate(results) if i % 4)
+    report = {}
+    for _ in range(100):  # the aborts run before the engine's next step; the loop may still be mid-step
+        report = cache_report(server)
+        if report["num_requests"] == 0:
+            break
+    assert report["integrity"] == "ok" and report["num_used_blocks"] == 0 and report["num_requests"] == 0
+    after = metrics(server)
+    assert after["kvpool_kv_blocks_used"] == 0
+    assert after["kvpool_kv_blocks_free"] == after["kvpool_kv_blocks_total"]
+    assert after["kvpool_requests_running"] == 0 and after["kvpool_requests_waiting"] == 0
+    assert after["kvpool_requests_total{abort}"] - before["kvpool_requests_total{abort}"] == 8
+    assert after["kvpool_requests_total{length}"] - before["kvpool_requests_total{length}"] == 24
+
+
+def test_n4_computes_the_prompt_once(server):
+    c = client(server)
+    before = metrics(server)
+    prompt = "A list of unusual hobbies, one per line, starting with beekeeping and"
+    out = c.completions.create(
+        model="smollm2-135m", prompt=prompt, max_tokens=6, temperature=1.0, n=4, seed=3, extra_body={"ignore_eos": True}
+    )
+    after = metrics(server)
+    assert sorted(ch.index for ch in out.choices) == [0, 1, 2, 3]
+    assert len({ch.text for ch in out.choices}) > 1  # four samples, not one copied
+    computed = after["kvpool_prefill_tokens_total"] - before["kvpool_prefill_tokens_total"]
+    assert computed == out.usage.prompt_tokens - out.usage.prompt_tokens_details.cached_tokens
+    assert out.usage.completion_tokens == 24
+
+
+def test_logprobs_are_the_sampled_tokens(server):
+    c = client(server)
+    out = c.completions.create(model="smollm2-135m", prompt="One, two,", max_tokens=3, temperature=0, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert "".join(lp.tokens) == out.choices[0].text
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert value <= 0 and max(top.values()) == pytest.approx(value)  # greedy: the top token
+        assert top[token] == pytest.approx(value)
+
+
+def test_bad_requests_get_openai_errors_and_disturb_nothing(server):
+    c = client(server)
+    running = c.chat.completions.create(
+        model="smollm2-135m",
+        messages=[{"role": "user", "content": "Count to twenty."}],
+        max_tokens=40,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    chat = f"{server}/v1/chat/completions"
+    msgs = [{"role": "user", "content": "hi"}]
+    cases = [
+        ({"model": "gpt-9", "messages": msgs}, 400, "model"),
+        ({"messages": msgs, "max_tokens": -5}, 400, "max_tokens"),
+        ({"messages": msgs, "temperature": 2.5}, 400, "temperature"),
+        ({"messages": []}, 400, "messages"),
+        ({"messages": [{"role": "user", "content": "word " * 7000}]}, 413, "messages"),
+    ]
+    for body, status, param in cases:
+        r = httpx.post(chat, json=body, headers=auth, timeout=60)
+        assert r.status_code == status, (body, r.text)
+        error = r.json()["error"]
+        assert error["param"] == param and param in error["message"] and error["type"] == "invalid_request_error"
+    r = httpx.post(chat, content=b'{"messages": [', headers=auth)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(chat, json={"messages": msgs})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server}/v1", api_key="wrong").models.list()
+    reasons = [ch.choices[0].finish_reason for ch in running if ch.choices and ch.choices[0].finish_reason]
+    assert reasons == ["length"]
+
+
+def test_metrics_parse_and_move(server):
+    before = metrics(server)
+    client(server).completions.create(model="smollm2-135m", prompt="Hello", max_tokens=3, temperature=0)
+    after = metrics(server)
+    for name in ("kvpool_engine_steps_total", "kvpool_generation_tokens_total", "kvpool_prompt_tokens_total"):
+        assert after[name] > before[name], name
+    assert after["kvpool_time_to_first_token_seconds_count"] == before["kvpool_time_to_first_token_seconds_count"] + 1
+    assert 0 <= after["kvpool_prefix_cache_hit_rate"] <= 1
+
+
+def test_bench_serve_drives_the_server(server):
+    out = subprocess.run(
+        [sys.executable, "-m", "kvpool", "bench", "serve", "--url", server, "--api-key", KEY, "--concurrency", "2"]
+        + ["--num-requests", "4", "--max-tokens", "4", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    row = json.loads(out.stdout)["rows"][0]
+    assert row["num_ok"] == 4 and row["concurrency"] == 2
+    assert row["ttft_ms_p50"] > 0 and row["completion_tokens"] > 0
+    assert row["cached_tokens"] > 0 and row["server_hit_rate"] > 0  # two conversations share a system prompt
+
+
+def test_serve_refuses_bad_flags_without_a_traceback():
+    for flags, needle in (
+        (["--port", "70000"], "port"),
+        (["--model", "/no/such.gguf"], "no such GGUF"),
+        (["--kv-memory", "lots"], "--kv-memory"),
+    ):
+        out = subprocess.run([sys.executable, "-m", "kvpool", "serve", *flags], capture_output=True, text=True)
+        assert out.returncode == 2 and needle in out.stderr and "Traceback" not in out.stderr, out.stderr
