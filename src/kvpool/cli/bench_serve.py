@@ -139,9 +139,9 @@ def run(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 api_key=args.api_key,
             )
-            before = scrape(None, url)
+            before = scrape(url)
             records, wall = asyncio.run(run_load(config))
-            after = scrape(None, url)
+            after = scrape(url)
             results.append(summarize(config, records, wall, before, after))
             if not args.json:
                 print(f"kvpool bench serve: {kind} {value}: {len(records)} requests, {wall:.1f} s", file=sys.stderr)

@@ -231,22 +231,29 @@ def build(args: argparse.Namespace):
 
     import os
 
-    from kvpool.engine.build import build_engine, load_model, num_blocks_for_memory
+    from kvpool.engine.build import load_model
 
     loaded = load_model(args.model)
-    num_blocks = args.num_blocks or num_blocks_for_memory(
-        loaded, args.block_size, parse_bytes(args.kv_memory) if args.kv_memory else RUN_DEFAULTS.kv_memory_bytes
-    )
-    engine = build_engine(
+    kv_bytes = parse_bytes(args.kv_memory) if args.kv_memory else RUN_DEFAULTS.kv_memory_bytes
+    engine = llama_engine(loaded, args, kv_bytes)
+    return engine, lambda rng: chat_workload(loaded.tokenizer, args, rng), os.path.basename(loaded.gguf.path), loaded
+
+
+def llama_engine(loaded, args: argparse.Namespace, kv_memory_bytes: int):
+    """The engine over a loaded GGUF from the flags `kvpool run` and `kvpool serve` share:
+    --num-blocks (else what `kv_memory_bytes` holds), --block-size, --max-batch-tokens,
+    --max-seqs, --host-cache-gib, --preemption."""
+    from kvpool.engine.build import build_engine, num_blocks_for_memory
+
+    return build_engine(
         loaded,
-        num_blocks=num_blocks,
+        num_blocks=args.num_blocks or num_blocks_for_memory(loaded, args.block_size, kv_memory_bytes),
         block_size=args.block_size,
         max_num_batched_tokens=args.max_batch_tokens,
         max_num_seqs=args.max_seqs,
         host_cache_bytes=host_cache_bytes(args),
         preemption=getattr(args, "preemption", "recompute"),
     )
-    return engine, lambda rng: chat_workload(loaded.tokenizer, args, rng), os.path.basename(loaded.gguf.path), loaded
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,7 +20,6 @@ from kvpool.cli.args import (
     add_host_cache_argument,
     add_preemption_argument,
     check_preemption,
-    host_cache_bytes,
     parse_bytes,
     positive_int,
 )
@@ -102,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty (unset KVPOOL_API_KEY, or give a key)")
     kv_bytes = parse_bytes(args.kv_memory)
-    preemption = check_preemption(args)
+    check_preemption(args)  # (llama_engine reads --preemption)
     if args.threads:
         torch.set_num_threads(args.threads)
     gguf = None if args.model == DEFAULT_MODEL else args.model
@@ -111,33 +110,24 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or (DEFAULT_MODEL if gguf is None else os.path.basename(gguf).removesuffix(".gguf"))
     sock = _bind(args.host, args.port)
     try:
-        return _serve(args, sock, gguf, name, kv_bytes, preemption)
+        return _serve(args, sock, gguf, name, kv_bytes)
     finally:
         sock.close()
 
 
-def _serve(
-    args: argparse.Namespace, sock: socket.socket, gguf: str | None, name: str, kv_bytes: int, preemption: str
-) -> int:
+def _serve(args: argparse.Namespace, sock: socket.socket, gguf: str | None, name: str, kv_bytes: int) -> int:
     import uvicorn
 
-    from kvpool.engine.build import build_engine, load_model, num_blocks_for_memory
+    from kvpool.cli.run import llama_engine
+    from kvpool.engine.build import load_model
     from kvpool.server.app import ServerState, build_app
     from kvpool.server.engine_thread import EngineThread
     from kvpool.server.metrics import ServerMetrics
 
     print(f"kvpool serve: loading {name}", file=sys.stderr)
     loaded = load_model(gguf)
-    num_blocks = args.num_blocks or num_blocks_for_memory(loaded, args.block_size, kv_bytes)
-    engine = build_engine(
-        loaded,
-        num_blocks=num_blocks,
-        block_size=args.block_size,
-        max_num_batched_tokens=args.max_batch_tokens,
-        max_num_seqs=args.max_seqs,
-        host_cache_bytes=host_cache_bytes(args),
-        preemption=preemption,
-    )
+    engine = llama_engine(loaded, args, kv_bytes)
+    num_blocks = engine.runner.usage().num_blocks
     metrics = ServerMetrics(name)
     thread = EngineThread(engine, loaded.tokenizer.decode, on_step=metrics.update)
     metrics.update(engine, [], 0)

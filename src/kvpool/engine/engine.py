@@ -193,8 +193,8 @@ class Engine:
         if min(prompt) < 0 or max(prompt) >= vocab:
             bad = [t for t in prompt if not 0 <= t < vocab]
             raise ValueError(f"request {request_id!r}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
-        req = RequestState(request_id, prompt, params, self.clock() if arrival_time is None else arrival_time)
-        req.tenant = tenant
+        arrival = self.clock() if arrival_time is None else arrival_time
+        req = RequestState(request_id, prompt, params, arrival, tenant=tenant)
         seq = SequenceState(f"{request_id}/0", req, 0, list(prompt))
         req.seqs.append(seq)
         self.requests[request_id] = req

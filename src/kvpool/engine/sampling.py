@@ -22,9 +22,8 @@ class SamplingParams:
     n: int = 1  # parallel samples; they share the prompt's blocks (fork + copy-on-write)
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
-    logprobs: int | None = (
-        None  # None: none; k >= 0: the sampled token's and the k most likely tokens' log-probabilities
-    )
+    # None: no log-probabilities; k >= 0: the sampled token's and the k most likely tokens'
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:

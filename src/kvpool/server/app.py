@@ -148,13 +148,13 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
             return JSONResponse({"integrity": "failed", "error": str(error)}, status_code=500)
         return JSONResponse(report)
 
-    def tenant_of(request: Request, body: protocol._Sampling) -> str:
+    def tenant_of(request: Request, body: protocol.SamplingRequest) -> str:
         return request.headers.get(TENANT_HEADER) or body.user or ""
 
-    def max_tokens_for(num_prompt: int, requested: int | None, default_all: bool) -> int:
+    def max_tokens_for(num_prompt: int, requested: int | None, chat: bool) -> int:
         limit = state.max_model_len
         if num_prompt >= limit:
-            field = "prompt" if not default_all else "messages"
+            field = "messages" if chat else "prompt"
             raise APIError(
                 413,
                 f"{field}: the prompt's {num_prompt} tokens do not fit this model's context of {limit} tokens "
@@ -164,7 +164,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
             )
         room = limit - num_prompt
         if requested is None:
-            return room if default_all else min(16, room)
+            return room if chat else min(16, room)  # chat: up to the context; completions: OpenAI's 16
         if requested > room:
             raise APIError(
                 400,
@@ -175,7 +175,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
             )
         return requested
 
-    def sampling(body: protocol._Sampling, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling(body: protocol.SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
         seed = body.seed if body.seed is not None else random.getrandbits(31)
         return SamplingParams(
             max_tokens=max_tokens,
@@ -206,7 +206,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
             prompt_ids = list(prompt)
         if not prompt_ids:
             raise APIError(400, "prompt: encodes to no tokens", "prompt")
-        max_tokens = max_tokens_for(len(prompt_ids), body.max_tokens, default_all=False)
+        max_tokens = max_tokens_for(len(prompt_ids), body.max_tokens, chat=False)
         params = sampling(body, max_tokens, body.logprobs)
         return await serve(request, body, "cmpl", prompt_ids, params, chat=False)
 
@@ -218,14 +218,14 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
             prompt_ids = state.tokenizer.encode_chat(body.template_messages())
         except Exception as error:  # the template's own checks (e.g. roles out of order) raise
             raise APIError(400, f"messages: the chat template refused them: {error}", "messages") from None
-        max_tokens = max_tokens_for(len(prompt_ids), body.requested_max_tokens, default_all=True)
+        max_tokens = max_tokens_for(len(prompt_ids), body.requested_max_tokens, chat=True)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = sampling(body, max_tokens, logprobs)
         return await serve(request, body, "chatcmpl", prompt_ids, params, chat=True)
 
     async def serve(
         request: Request,
-        body: protocol._Sampling,
+        body: protocol.SamplingRequest,
         prefix: str,
         prompt_ids: list[int],
         params: SamplingParams,

@@ -19,6 +19,7 @@ the run; the client's, cached_tokens / prompt_tokens summed over the run's usage
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import random
@@ -68,11 +69,11 @@ class LoadConfig:
     top_p: float = 0.9
 
 
-def scrape(client: httpx.Client | None, url: str) -> dict[str, float]:
+def scrape(url: str) -> dict[str, float]:
     """The server's /metrics, as {sample name: value} (labels dropped: one model per server)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    response = (client or httpx).get(f"{url}/metrics", timeout=10.0)
+    response = httpx.get(f"{url}/metrics", timeout=10.0)
     response.raise_for_status()
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(response.text):
@@ -154,7 +155,7 @@ async def run_load(config: LoadConfig) -> tuple[list[RequestRecord], float]:
     conversations = chat.first_turns(num_conversations, rng)
     records: list[RequestRecord] = []
     budget = {"left": config.num_requests}
-    seeds = iter(range(config.seed * 1_000_003, config.seed * 1_000_003 + 10 * config.num_requests + 10))
+    seeds = itertools.count(config.seed * 1_000_003)  # one per request, in the order they are sent
     deadline = time.perf_counter() + config.duration_limit_s
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(config.duration_limit_s + 30.0)

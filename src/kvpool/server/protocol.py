@@ -48,7 +48,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class SamplingRequest(BaseModel):
     """What both endpoints share."""
 
     model_config = ConfigDict(extra="ignore")
@@ -69,7 +69,7 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None
 
     @model_validator(mode="after")
-    def _check_common(self) -> _Sampling:
+    def _check_common(self) -> SamplingRequest:
         stops = self.stop_strings
         if any(not s for s in stops):
             raise ValueError("stop: a stop string is empty")
@@ -95,7 +95,7 @@ class _Sampling(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingRequest):
     prompt: NonEmpty | list[int] | list[NonEmpty]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
@@ -139,7 +139,7 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens

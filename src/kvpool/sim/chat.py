@@ -3,8 +3,8 @@
 
 Conversation i opens with system prompt i mod 3 (a role and eight rules; with the question
 and the chat template about 245 SmolLM2 tokens; each shared by a third of the conversations,
-which is what the prefix cache hits) and one of eight short questions, drawn from a seeded `random.Random`. Turn k >= 1
-appends the model's answer and follow-up k-1 (mod 3), so a later turn re-sends its own
+which is what the prefix cache hits) and one of eight short questions, drawn from a seeded
+`random.Random`. Turn k >= 1 appends the model's answer and follow-up k-1 (mod 3), so a later turn re-sends its own
 history. Long prompts are one user message of a repeated sentence (40 + 5 i copies) ending
 in "Summarize this.".
 """
