@@ -86,12 +86,15 @@ class FullAttentionManager(CacheManager):
         enable_prefix_caching: bool = True,
         hash_algo: str = "xxh3_128",
         lower_tier: LowerTier | None = None,
+        record_published: bool = False,
     ) -> None:
         """lower_tier: a tier below device memory (kvpool.tiers). With one, admission takes
         the longest prefix across the device pool and the tier (the tier's blocks go into
         fresh device blocks, `Admission.loads`, and become findable once `complete_loads`
         says they are loaded), and every cached block the allocator evicts is recorded for
-        the runner to write to the tier before anything overwrites it (`take_evicted`)."""
+        the runner to write to the tier before anything overwrites it (`take_evicted`).
+        record_published: every block that becomes a full cached block is recorded for the
+        runner to write through to persistent tiers (`take_published`)."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching, hash_algo=hash_algo)
@@ -99,6 +102,10 @@ class FullAttentionManager(CacheManager):
         self.lower_tier = lower_tier if enable_prefix_caching else None
         # evicted cached blocks whose content the runner has not yet saved (None: no tier)
         self._evicted: list[tuple[int, PrefixBlock]] | None = [] if self.lower_tier is not None else None
+        # blocks computed and published since the runner last took them (None: not recorded)
+        self._published: list[tuple[int, PrefixBlock]] | None = (
+            [] if record_published and enable_prefix_caching else None
+        )
         self._pack_block = block_packer(block_size)
         # Copy-on-write copies not yet taken, in the order they were made (a later copy may
         # read an earlier one's destination). One leaves only when its destination is freed.
@@ -387,6 +394,14 @@ class FullAttentionManager(CacheManager):
         evicted, self._evicted = self._evicted, []
         return evicted
 
+    def take_published(self) -> list[tuple[int, PrefixBlock]]:
+        """Blocks that became full cached blocks since the last call, (block id, its prefix
+        block), in order: their content is final. Empty unless `record_published`."""
+        if not self._published:
+            return []
+        published, self._published = self._published, []
+        return published
+
     def _writes_into_tail(self, req: _Request, num_new_tokens: int) -> bool:
         """Whether the write starts inside an existing block the request may not write yet:
         a tail it shares (copy it first) or a published one (unregister it first)."""
@@ -583,7 +598,10 @@ class FullAttentionManager(CacheManager):
                         self._register_full_blocks(req)
                     else:  # _register_full_blocks of one decoded block, inlined: the hot case
                         chunk = pack(req.token_ids[nc - bs : nc])
-                        chain.append(publish(req.block_ids[nc // bs - 1], chain[-1] if chain else req.root, chunk))
+                        block_id = req.block_ids[nc // bs - 1]
+                        chain.append(publish(block_id, chain[-1] if chain else req.root, chunk))
+                        if self._published is not None:
+                            self._published.append((block_id, chain[-1]))
                 if next_token_id is not None:
                     req.token_ids.append(next_token_id)
             return
@@ -613,6 +631,8 @@ class FullAttentionManager(CacheManager):
             # at all (a collision): the chain goes on with our own, unregistered, element.
             parent = pool.publish(req.block_ids[i], parent, chunk, extra)
             chain.append(parent)
+            if self._published is not None:
+                self._published.append((req.block_ids[i], parent))
 
     # ---- fork, rollback, release -----------------------------------------------------
 

@@ -119,6 +119,51 @@ def add_host_cache_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_persistent_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--disk-cache",
+        default=None,
+        metavar="DIR",
+        help="a crash-safe disk prefix cache in DIR, below the host tier: every full block is written there in "
+        "the background, and a later process on the same DIR hits it (inspect with `kvpool cache`)",
+    )
+    parser.add_argument(
+        "--disk-cache-gib",
+        type=positive_float,
+        default=None,
+        help="the disk cache's byte limit, least recently used entries go first (default 16 GiB)",
+    )
+    parser.add_argument(
+        "--redis",
+        default=None,
+        metavar="URL",
+        help="a Redis tier shared by processes (redis://HOST:PORT[/DB]), below the disk cache: an outage "
+        "degrades to misses with one warning line",
+    )
+
+
+def persistent_cache_options(args: argparse.Namespace) -> dict[str, object]:
+    """build_engine's disk_cache / disk_cache_bytes / redis_url from the flags; ValueError
+    naming a flag that cannot work."""
+    disk, gib, url = (getattr(args, n, None) for n in ("disk_cache", "disk_cache_gib", "redis"))
+    if gib is not None and disk is None:
+        raise ValueError("--disk-cache-gib needs --disk-cache DIR")
+    if (disk is not None or url is not None) and getattr(args, "model", None) == "tiny-dsv4":
+        raise ValueError("--disk-cache / --redis: tiny-dsv4's persistent tiers are not built yet (SmolLM2 only)")
+    if disk is not None:
+        from kvpool.tiers.disk import open_directory
+
+        open_directory(disk)  # a file, an unwritable directory or a foreign one: said now, before the model loads
+    if url is not None:
+        from kvpool.tiers.redis_tier import check_url
+
+        check_url(url)
+    options: dict[str, object] = {"disk_cache": disk, "redis_url": url}
+    if gib is not None:
+        options["disk_cache_bytes"] = max(1, int(gib * (1 << 30)))
+    return options
+
+
 def add_hisparse_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--hisparse",

@@ -10,11 +10,13 @@ from typing import Any
 from kvpool.cli.args import (
     add_hisparse_argument,
     add_host_cache_argument,
+    add_persistent_cache_arguments,
     add_preemption_argument,
     check_hisparse,
     check_preemption,
     host_cache_bytes,
     non_negative_int,
+    persistent_cache_options,
     positive_int,
 )
 
@@ -61,6 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_host_cache_argument(parser)
+    add_persistent_cache_arguments(parser)
     add_preemption_argument(parser)
     add_hisparse_argument(parser)
     add_model_arguments(parser)
@@ -107,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     check_hisparse(args)
     preemption = check_preemption(args)
+    tiers = persistent_cache_options(args)
     if args.model == "tiny-dsv4":  # DeepSeek-V4 dual pool: token ids in, token ids out
         from kvpool.cli import generate_dsv4
 
@@ -129,7 +133,18 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         host_cache_bytes=host_cache_bytes(args),
         preemption=preemption,
+        **tiers,
     )
+    try:
+        return _generate(args, engine, loaded, prompt_ids, params, num_blocks, runtime_bytes)
+    finally:
+        engine.runner.close()  # the disk and Redis tiers' background writes land before the process ends
+
+
+def _generate(args, engine, loaded, prompt_ids, params, num_blocks, runtime_bytes) -> int:
+    from kvpool.engine import memory
+
+    tok = loaded.tokenizer
     context_len = engine.runner.max_model_len
     if context_len < loaded.model.config.max_position:
         bound = f"--num-blocks {num_blocks} x --block-size {args.block_size}"

@@ -16,6 +16,7 @@ from kvpool.cli.args import HelpFormatter
 # command name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("kvpool.cli.bench", "benchmarks: pool, engine, dsv4"),
+    "cache": ("kvpool.cli.cache", "inspect and clean a disk prefix cache: ls, stats, clear DIR"),
     "generate": (
         "kvpool.cli.generate",
         "generate text with SmolLM2-135M (or --model GGUF, or token ids with --model tiny-dsv4) on the paged cache",

@@ -37,12 +37,14 @@ from kvpool.capacity.engine import EngineConfig
 from kvpool.cli.args import (
     add_hisparse_argument,
     add_host_cache_argument,
+    add_persistent_cache_arguments,
     add_preemption_argument,
     check_hisparse,
     check_preemption,
     host_cache_bytes,
     non_negative_int,
     parse_bytes,
+    persistent_cache_options,
     positive_float,
     positive_int,
     rate,
@@ -73,6 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--num-blocks", type=positive_int, default=None, help="KV blocks (default: from --kv-memory)")
     add_host_cache_argument(parser)
+    add_persistent_cache_arguments(parser)
     add_hisparse_argument(parser)
     add_preemption_argument(parser)
     parser.add_argument(
@@ -203,6 +206,7 @@ def build(args: argparse.Namespace):
     """(engine, workload-making function, model name) for --model."""
     check_hisparse(args)
     check_preemption(args)
+    persistent_cache_options(args)  # a flag tiny-dsv4 cannot take is refused before anything loads
     if args.model == TINY_MODEL:
         from kvpool.engine.dsv4_runner import DSV4EngineRunner
         from kvpool.engine.engine import Engine
@@ -242,7 +246,7 @@ def build(args: argparse.Namespace):
 def llama_engine(loaded, args: argparse.Namespace, kv_memory_bytes: int):
     """The engine over a loaded GGUF from the flags `kvpool run` and `kvpool serve` share:
     --num-blocks (else what `kv_memory_bytes` holds), --block-size, --max-batch-tokens,
-    --max-seqs, --host-cache-gib, --preemption."""
+    --max-seqs, --host-cache-gib, --preemption, --disk-cache, --disk-cache-gib, --redis."""
     from kvpool.engine.build import build_engine, num_blocks_for_memory
 
     return build_engine(
@@ -253,6 +257,7 @@ def llama_engine(loaded, args: argparse.Namespace, kv_memory_bytes: int):
         max_num_seqs=args.max_seqs,
         host_cache_bytes=host_cache_bytes(args),
         preemption=getattr(args, "preemption", "recompute"),
+        **persistent_cache_options(args),
     )
 
 
@@ -267,6 +272,9 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.kv_memory is not None:
         parse_bytes(args.kv_memory)  # a bad size is reported before the model loads
+    check_hisparse(args)
+    check_preemption(args)
+    persistent_cache_options(args)  # ... and so are bad tier flags
     quiet = args.json or not sys.stdout.isatty()
     if quiet:
         print("kvpool run: loading the model", file=sys.stderr)
@@ -335,6 +343,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         progress.close()
     wall = time.perf_counter() - start
+    if hasattr(runner, "close"):
+        runner.close()  # the disk and Redis tiers' background writes land (counted in the report)
     report = make_report(engine, args, model_name, wall, step_time, frag_samples, bytes_read, interrupted)
     report["load_s"] = round(load_s, 3)
     report["load_source"] = loaded.load_source if loaded is not None else "built in"

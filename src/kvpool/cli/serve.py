@@ -18,9 +18,11 @@ import sys
 
 from kvpool.cli.args import (
     add_host_cache_argument,
+    add_persistent_cache_arguments,
     add_preemption_argument,
     check_preemption,
     parse_bytes,
+    persistent_cache_options,
     positive_int,
 )
 
@@ -61,6 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-tokens", type=positive_int, default=512, help="token budget per engine step")
     parser.add_argument("--max-seqs", type=positive_int, default=64, help="most sequences in one step")
     add_host_cache_argument(parser)
+    add_persistent_cache_arguments(parser)
     add_preemption_argument(parser)
     parser.add_argument(
         "--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)"
@@ -102,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--api-key is empty (unset KVPOOL_API_KEY, or give a key)")
     kv_bytes = parse_bytes(args.kv_memory)
     check_preemption(args)  # (llama_engine reads --preemption)
+    persistent_cache_options(args)  # (and these)
     if args.threads:
         torch.set_num_threads(args.threads)
     gguf = None if args.model == DEFAULT_MODEL else args.model
@@ -164,9 +168,13 @@ def _serve(args: argparse.Namespace, sock: socket.socket, gguf: str | None, name
 
     server = Server(config)
     # uvicorn handles SIGINT / SIGTERM itself (a graceful shutdown), then raises the signal
-    # again under the handlers it found: SIGINT's is KeyboardInterrupt, SIGTERM's this one,
-    # so that the shutdown report below still runs.
-    previous = signal.signal(signal.SIGTERM, _terminated)
+    # again under the handlers it found: ours, so that the shutdown report below runs and
+    # the status says which signal it was. (SIGINT's own: a process started in the
+    # background by a shell inherits SIGINT ignored, and would exit 0.)
+    previous = {
+        signal.SIGINT: signal.signal(signal.SIGINT, _interrupted),
+        signal.SIGTERM: signal.signal(signal.SIGTERM, _terminated),
+    }
     status = 0
     try:
         server.run(sockets=[sock])
@@ -175,8 +183,10 @@ def _serve(args: argparse.Namespace, sock: socket.socket, gguf: str | None, name
     except _Terminated:
         status = 143
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         thread.stop()
+        engine.runner.close()  # the disk and Redis tiers' background writes land
         _report_shutdown(thread)
     return 1 if thread.error is not None else status
 
@@ -187,6 +197,10 @@ class _Terminated(Exception):
 
 def _terminated(signum, frame) -> None:
     raise _Terminated
+
+
+def _interrupted(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _report_shutdown(thread) -> None:

@@ -130,15 +130,29 @@ def build_engine(
     record_logits: bool = False,
     host_cache_bytes: int | None = None,
     preemption: str = "recompute",
+    disk_cache: str | os.PathLike | None = None,
+    disk_cache_bytes: int = 16 << 30,
+    redis_url: str | None = None,
 ) -> Engine:
     """host_cache_bytes: a host-memory tier of that many bytes below the device pool
     (kvpool.tiers.HostTier); None: none. preemption: "recompute", "swap" or "auto"
-    (LlamaRunner; swap and auto need the host tier)."""
+    (LlamaRunner; swap and auto need the host tier). disk_cache: a crash-safe disk tier in
+    that directory, LRU under disk_cache_bytes (kvpool.tiers.DiskTier); redis_url: a
+    shared Redis tier (kvpool.tiers.redis_tier.RedisTier). Lookups go host -> disk -> Redis."""
     tier = None
     if host_cache_bytes is not None:
         from kvpool.tiers import HostTier
 
         tier = HostTier(host_cache_bytes)
+    persistent = []
+    if disk_cache is not None:
+        from kvpool.tiers import DiskTier
+
+        persistent.append(DiskTier(disk_cache, disk_cache_bytes))
+    if redis_url is not None:
+        from kvpool.tiers.redis_tier import RedisTier
+
+        persistent.append(RedisTier(redis_url))
     runner = LlamaRunner(
         loaded.model,
         num_blocks,
@@ -147,6 +161,7 @@ def build_engine(
         enable_prefix_caching=enable_prefix_caching,
         host_tier=tier,
         preemption=preemption,
+        persistent_tiers=persistent,
     )
     tok = loaded.tokenizer
     eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()

@@ -14,7 +14,7 @@ from kvpool.engine.memory import StepPeaks
 from kvpool.engine.runner import ScheduledChunk
 from kvpool.models.llama import LlamaModel
 from kvpool.storage.kv import PagedKVStorage
-from kvpool.tiers import Tier, TierIndex
+from kvpool.tiers import Tier, TierIndex, TierStack
 
 
 @dataclass
@@ -28,6 +28,8 @@ class TierMoves:
     num_swapped_out: int = 0  # preempted sequences written to the tier
     num_swapped_in: int = 0  # ... whose tail block came back (their full blocks come back as prefix hits)
     num_tail_tokens_restored: int = 0
+    num_persisted: int = 0  # blocks handed to the persistent tiers (disk, Redis) as they completed
+    persist_s: float = 0.0  # the step's share of that: the gather and the hand-over
 
 
 PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap", "auto")
@@ -45,6 +47,7 @@ class LlamaRunner:
         decode_path: str | None = None,
         host_tier: Tier | None = None,
         preemption: str = "recompute",
+        persistent_tiers: Sequence[Tier] = (),
     ):
         """decode_path: "native" / "bags" / "padded" (attention/paged.py); None picks "native"
         when the model runs the C kernels, else "bags". host_tier: a tier below the device
@@ -54,7 +57,10 @@ class LlamaRunner:
         stay findable in the prefix cache and the tier like anyone's, the rest is computed
         again), "swap" (its blocks are written to the host tier at once, its partial tail
         block too, and loaded back when it resumes), "auto" (swap when moving the bytes
-        costs less than recomputing the tokens, by the rates this runner has measured)."""
+        costs less than recomputing the tokens, by the rates this runner has measured).
+        persistent_tiers: the disk and Redis tiers, below the host tier (kvpool.tiers):
+        every block that becomes a full cached block is written through to them in the
+        background, and an admission takes the longest prefix across all tiers."""
         if preemption not in PREEMPTION_MODES:
             raise ValueError(f"unknown preemption {preemption!r}; one of {', '.join(PREEMPTION_MODES)}")
         if preemption != "recompute" and (host_tier is None or not enable_prefix_caching):
@@ -66,10 +72,19 @@ class LlamaRunner:
         self._prefill_s = 0.0
         cfg = model.config
         self.model = model
-        self.tier = host_tier if enable_prefix_caching else None
+        self.host_tier = host_tier if enable_prefix_caching else None
+        self.persistent_tiers = list(persistent_tiers) if enable_prefix_caching else []
+        self.tier: Tier | None = self.host_tier
+        if self.persistent_tiers:
+            self.tier = TierStack(self.host_tier, self.persistent_tiers)
         self.tier_index = TierIndex(self.tier, block_size) if self.tier is not None else None
         self.manager = FullAttentionManager(
-            num_blocks, block_size, descriptor, enable_prefix_caching=enable_prefix_caching, lower_tier=self.tier_index
+            num_blocks,
+            block_size,
+            descriptor,
+            enable_prefix_caching=enable_prefix_caching,
+            lower_tier=self.tier_index,
+            record_published=bool(self.persistent_tiers),
         )
         self.tier_moves = TierMoves()
         self.storage = PagedKVStorage(
@@ -189,11 +204,27 @@ class LlamaRunner:
         if self.tier is None:
             return {}
         moves = self.tier_moves
+        reports: dict[str, dict[str, object]] = {}
+        for tier in self.persistent_tiers:
+            reports[f"{tier.name}_tier"] = {**tier.report(), "hit_tokens": tier.stats.num_gets * self.block_size}
+        if reports:
+            reports["tiers"] = {
+                "lookup_order": [t.name for t in self.tier.tiers],
+                "lower_tier_hit_tokens": self.manager.stats.num_lower_tier_hit_tokens,
+                "blocks_persisted": moves.num_persisted,
+                "persist_ms": round(moves.persist_s * 1e3, 3),
+                "blocks_loaded": moves.num_loaded,
+                "load_ms": round(moves.load_s * 1e3, 3),
+            }
+        if self.host_tier is None:
+            return reports
+        host = self.host_tier
         return {
+            **reports,
             "host_tier": {
-                "capacity_bytes": self.tier.capacity_bytes,
-                "bytes_used": self.tier.num_bytes,
-                "entries": self.tier.num_entries,
+                "capacity_bytes": host.capacity_bytes,
+                "bytes_used": host.num_bytes,
+                "entries": host.num_entries,
                 "hit_tokens": self.manager.stats.num_lower_tier_hit_tokens,
                 "blocks_offloaded": moves.num_offloaded,
                 "blocks_loaded": moves.num_loaded,
@@ -203,8 +234,8 @@ class LlamaRunner:
                 "swapped_out": moves.num_swapped_out,
                 "swapped_in": moves.num_swapped_in,
                 "tail_tokens_restored": moves.num_tail_tokens_restored,
-                **self.tier.stats.as_dict(),
-            }
+                **host.stats.as_dict(),
+            },
         }
 
     def _offload_evicted(self) -> None:
@@ -266,6 +297,37 @@ class LlamaRunner:
 
     def commit(self, seq_ids: Sequence[str], num_tokens: Sequence[int], next_token_ids: Sequence[int | None]) -> None:
         self.manager.commit_step(seq_ids, num_tokens, next_token_ids)
+        if self.persistent_tiers:
+            self._persist_published()
+
+    def _persist_published(self) -> None:
+        """The blocks this step completed, copied (one gather) and handed to the persistent
+        tiers' background writers; a block every one of them holds is skipped."""
+        published = self.manager.take_published()
+        if not published:
+            return
+        assert isinstance(self.tier, TierStack) and self.tier_index is not None
+        start = time.perf_counter()
+        todo = []
+        for block_id, block in published:
+            key, descriptor = self.tier_index.describe(block)
+            if not self.tier.persisted(key, descriptor):
+                todo.append((block_id, key, descriptor))
+        if todo:
+            ids = torch.tensor([b for b, _, _ in todo], dtype=torch.long, device=self.storage.k.device)
+            k, v = self.storage.k[:, ids].cpu(), self.storage.v[:, ids].cpu()
+            for j, (_, key, descriptor) in enumerate(todo):
+                self.tier_moves.num_persisted += self.tier.persist(key, descriptor, {"k": k[:, j], "v": v[:, j]}) > 0
+        self.tier_moves.persist_s += time.perf_counter() - start
+
+    def flush_tiers(self, timeout: float | None = None) -> bool:
+        """Wait for the persistent tiers' background writes (before a process exits)."""
+        return self.tier.flush(timeout) if self.tier is not None else True
+
+    def close(self) -> None:
+        """Finish the background writes and close the tiers."""
+        if self.tier is not None:
+            self.tier.close()
 
     def fork(self, parent_id: str, child_id: str) -> bool:
         return self.manager.fork(parent_id, child_id)  # shares blocks: never needs a free one

@@ -1,8 +1,21 @@
 """Tiers beyond device memory: the block descriptor every block that leaves the pool
-carries, the tier interface, and the host-memory tier."""
+carries, the tier interface, the host-memory tier, the crash-safe disk tier, the shared
+Redis tier, and the stack that looks them up in that order."""
 
 from kvpool.tiers.base import Tier, TierStats
 from kvpool.tiers.descriptor import BlockDescriptor, TierIndex, descriptor_from_key
+from kvpool.tiers.disk import DiskTier
 from kvpool.tiers.host import HostTier
+from kvpool.tiers.stack import TierStack
 
-__all__ = ["BlockDescriptor", "HostTier", "Tier", "TierIndex", "TierStats", "descriptor_from_key"]
+# RedisTier lives in kvpool.tiers.redis_tier (imported where a --redis URL is given).
+__all__ = [
+    "BlockDescriptor",
+    "DiskTier",
+    "HostTier",
+    "Tier",
+    "TierIndex",
+    "TierStack",
+    "TierStats",
+    "descriptor_from_key",
+]

@@ -31,11 +31,20 @@ class TierStats:
     num_get_misses: int = 0  # gets that found no valid entry (gone or refused since the probe)
     num_evictions: int = 0  # entries pushed out by the byte limit (LRU)
     num_reclaimed: int = 0  # entries dropped because their descriptor can no longer serve
+    num_dropped_puts: int = 0  # writes dropped because the background writer's queue was full
+    num_write_errors: int = 0  # writes that failed (disk full, the Redis server gone)
+    num_corrupt: int = 0  # entries whose bytes did not check out (quarantined on disk)
+    put_s: float = 0.0  # time spent storing (the background writer's, for disk and Redis)
+    get_s: float = 0.0  # time spent reading blocks back (gets)
     mismatches: Counter[str] = field(default_factory=Counter)  # descriptor field -> misses it caused
+    # misses (lookups and gets) by cause: "absent", "mismatch", "corrupt", "unavailable" (Redis down)
+    misses: Counter[str] = field(default_factory=Counter)
 
     def as_dict(self) -> dict[str, object]:
-        out: dict[str, object] = {k: v for k, v in self.__dict__.items() if k != "mismatches"}
+        out: dict[str, object] = {k: v for k, v in self.__dict__.items() if k not in ("mismatches", "misses")}
+        out["put_s"], out["get_s"] = round(self.put_s, 6), round(self.get_s, 6)
         out["mismatches"] = dict(sorted(self.mismatches.items()))
+        out["misses"] = dict(sorted(self.misses.items()))
         return out
 
 
@@ -80,3 +89,12 @@ class Tier(ABC):
     @property
     @abstractmethod
     def num_entries(self) -> int: ...
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every accepted `put` is stored (tiers that write in the background);
+        False on timeout."""
+        return True
+
+    def close(self) -> None:
+        """Store what is queued and release what the tier holds open."""
+        self.flush()

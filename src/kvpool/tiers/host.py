@@ -84,10 +84,12 @@ class HostTier(Tier):
     def _valid(self, key: bytes, expected: BlockDescriptor) -> _Entry | None:
         entry = self._entries.get(key)
         if entry is None:
+            self.stats.misses["absent"] += 1
             return None
         differ = entry.descriptor.mismatches(expected)
         if differ:
             self.stats.mismatches.update(differ)
+            self.stats.misses["mismatch"] += 1
             self.evict(key)
             self.stats.num_reclaimed += 1
             return None

@@ -1,0 +1,129 @@
+"""The byte format of a stored block, shared by the disk and Redis tiers.
+
+An entry is one safetensors file: the block's tensors, and in the file's metadata its
+manifest and the manifest's checksum.
+
+    manifest = {"format": 1, "key": content key (hex), "descriptor": the BlockDescriptor,
+                "tensors": {name: {"dtype": ..., "shape": [...], "xxh3": xxh3_128 of its bytes}}}
+    metadata = {"kvpool.manifest": manifest as JSON, "kvpool.manifest_xxh3": xxh3_128 of it}
+
+`read_header` parses only the safetensors header (the first 8 + n bytes), enough to check
+a descriptor without reading the tensors; `decode` checks everything: the header, the
+manifest's checksum, that the file's tensors are exactly the manifest's, and every
+tensor's checksum. Anything wrong raises `CorruptEntry`, which the tiers turn into a miss
+(and, on disk, a quarantined file). A descriptor that does not match the caller's is not
+corruption: the tier reports it field by field.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import torch
+import xxhash
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from torch import Tensor
+
+from kvpool.tiers.descriptor import BlockDescriptor
+
+FORMAT = 1
+MAX_HEADER_BYTES = 1 << 20  # a block's header is a few KiB; anything larger is corrupt
+_MANIFEST = "kvpool.manifest"
+_MANIFEST_SUM = "kvpool.manifest_xxh3"
+
+
+class CorruptEntry(ValueError):
+    """A stored entry whose bytes do not check out (torn, truncated, flipped or foreign)."""
+
+
+def namespace(descriptor: BlockDescriptor) -> str:
+    """What makes two blocks' bytes comparable at all: the model and the layout (shape,
+    block size, dtype). Entries of other weights, tokenizer, template, adapter or RoPE
+    share a namespace so that they are found, refused field by field and reclaimed."""
+    return xxhash.xxh3_64_hexdigest(f"{descriptor.model_id}\x00{descriptor.layout_id}".encode())
+
+
+def _tensor_sum(tensor: Tensor) -> str:
+    return xxhash.xxh3_128_hexdigest(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def encode(key: bytes, descriptor: BlockDescriptor, tensors: dict[str, Tensor]) -> bytes:
+    """The entry's bytes (tensors on CPU, contiguous)."""
+    cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    manifest = json.dumps(
+        {
+            "format": FORMAT,
+            "key": key.hex(),
+            "descriptor": json.loads(descriptor.to_json()),
+            "tensors": {
+                name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "xxh3": _tensor_sum(t)}
+                for name, t in sorted(cpu.items())
+            },
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+    metadata = {_MANIFEST: manifest, _MANIFEST_SUM: xxhash.xxh3_128_hexdigest(manifest.encode())}
+    return st_save(cpu, metadata=metadata)
+
+
+def header_length(prefix: bytes) -> int:
+    """The safetensors header's length from an entry's first 8 bytes."""
+    if len(prefix) < 8:
+        raise CorruptEntry(f"entry of {len(prefix)} bytes has no header")
+    (n,) = struct.unpack("<Q", prefix[:8])
+    if not 2 <= n <= MAX_HEADER_BYTES:
+        raise CorruptEntry(f"entry header claims {n} bytes")
+    return n
+
+
+def read_header(header: bytes, key: bytes) -> tuple[BlockDescriptor, dict]:
+    """(descriptor, manifest) from the header bytes that follow the 8-byte length; the
+    manifest's checksum and its key checked."""
+    try:
+        meta = json.loads(header).get("__metadata__") or {}
+        manifest_text = meta[_MANIFEST]
+        checksum = meta[_MANIFEST_SUM]
+    except (ValueError, AttributeError, KeyError, TypeError) as error:
+        raise CorruptEntry(f"entry header unreadable: {error!r}") from None
+    if xxhash.xxh3_128_hexdigest(manifest_text.encode()) != checksum:
+        raise CorruptEntry("manifest checksum mismatch")
+    manifest = json.loads(manifest_text)
+    if manifest.get("format") != FORMAT:
+        raise CorruptEntry(f"entry format {manifest.get('format')!r}, this kvpool reads {FORMAT}")
+    if manifest.get("key") != key.hex():
+        raise CorruptEntry(f"entry filed under {key.hex()} holds key {manifest.get('key')}")
+    try:
+        descriptor = BlockDescriptor.from_json(json.dumps(manifest["descriptor"]))
+    except (KeyError, TypeError, ValueError) as error:
+        raise CorruptEntry(f"entry descriptor unreadable: {error}") from None
+    return descriptor, manifest
+
+
+def peek(data: bytes, key: bytes) -> tuple[BlockDescriptor, dict]:
+    """`read_header` of a whole entry's (or its first bytes')."""
+    n = header_length(data)
+    if len(data) < 8 + n:
+        raise CorruptEntry(f"entry of {len(data)} bytes is shorter than its {n}-byte header")
+    return read_header(data[8 : 8 + n], key)
+
+
+def decode(data: bytes, key: bytes) -> tuple[BlockDescriptor, dict[str, Tensor]]:
+    """(descriptor, tensors) of an entry, every checksum verified; CorruptEntry otherwise."""
+    descriptor, manifest = peek(data, key)
+    try:
+        tensors = st_load(data)
+    except Exception as error:  # safetensors raises its own error type for a torn file
+        raise CorruptEntry(f"tensors unreadable: {error}") from None
+    expected = manifest.get("tensors", {})
+    if set(tensors) != set(expected):
+        raise CorruptEntry(f"entry holds tensors {sorted(tensors)}, its manifest names {sorted(expected)}")
+    for name, tensor in tensors.items():
+        want = expected[name]
+        if str(tensor.dtype).removeprefix("torch.") != want["dtype"] or list(tensor.shape) != want["shape"]:
+            raise CorruptEntry(f"tensor {name}: {tensor.dtype} {list(tensor.shape)}, manifest says {want}")
+        if _tensor_sum(tensor) != want["xxh3"]:
+            raise CorruptEntry(f"tensor {name}: checksum mismatch")
+    return descriptor, tensors
