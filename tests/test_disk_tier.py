@@ -292,17 +292,6 @@ def test_bad_directories_are_one_clear_error(tmp_path) -> None:
 # ----- SmolLM2 through the disk tier --------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def fp64_model():
-    from kvpool.engine.build import LoadedModel, load_model
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    fp32 = load_model(device="cpu")
-    yield LoadedModel(fp32.gguf, fp32.model.astype(torch.float64), fp32.tokenizer, fp32.weights_version)
-    torch.set_num_threads(threads)
-
-
 def _serve(engine, prompt, rid):
     from kvpool.engine.sampling import SamplingParams
 

@@ -280,17 +280,6 @@ def test_every_block_a_request_reads_holds_its_own_prefix(ops, tier_blocks) -> N
 # ----- the engine on SmolLM2 -------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def fp64_model():
-    from kvpool.engine.build import LoadedModel, load_model
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    fp32 = load_model(device="cpu")
-    yield LoadedModel(fp32.gguf, fp32.model.astype(torch.float64), fp32.tokenizer, fp32.weights_version)
-    torch.set_num_threads(threads)
-
-
 def _prompt(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(100, 49000) for _ in range(n)]

@@ -176,6 +176,7 @@ def _generate(args, engine, loaded, prompt_ids, params, num_blocks, runtime_byte
     out = engine.output(rid)
     completion = out.completions[0]
     if args.json:
+        engine.runner.flush_tiers(60)  # the background writes land before the report counts them
         report = {
             "token_ids": completion.token_ids,
             "text": completion.text,

@@ -99,6 +99,7 @@ class RedisTier(Tier):
                 if not self._down:
                     self._down = True
                     self.num_outages += 1
+                    self._known.clear()  # the server may come back empty: nothing is known held
                     self._log(
                         f"kvpool: redis tier {self.url} unavailable ({type(error).__name__}: {error}); "
                         f"serving without it, retrying every {self.retry_s:g} s"
@@ -122,7 +123,7 @@ class RedisTier(Tier):
 
     @property
     def num_bytes(self) -> int:
-        return sum(n for _, _, n in self._known.values())
+        return sum(n for _, _, n in list(self._known.values()))  # (the writer thread adds to it)
 
     @property
     def num_entries(self) -> int:
@@ -248,6 +249,6 @@ class RedisTier(Tier):
         }
 
     def check_integrity(self) -> None:
-        for key, (rkey, descriptor, _) in self._known.items():
+        for key, (rkey, descriptor, _) in list(self._known.items()):
             if descriptor.content_key != key.hex() or not rkey.endswith(key.hex()):
                 raise AssertionError(f"redis tier: key {key.hex()} known as {rkey} / {descriptor.content_key}")
