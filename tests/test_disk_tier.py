@@ -437,7 +437,14 @@ def test_kvpool_cache_ls_stats_and_clear(tmp_path) -> None:
         (["--disk-cache-gib", "2"], "--disk-cache-gib needs --disk-cache DIR"),
         (["--redis", "http://127.0.0.1:6379"], "expected redis://HOST:PORT"),
         (["--redis", "redis://127.0.0.1:99999"], "the port is not a number"),
-        (["--model", "tiny-dsv4", "--disk-cache", "{dir}"], "tiny-dsv4's persistent tiers are not built yet"),
+        (["--swa-strategy", "full", "--disk-cache", "{dir}"], "only tiny-dsv4 (DeepSeek-V4) keeps a sliding-window"),
+        (["--model", "tiny-dsv4", "--swa-strategy", "full"], "give --disk-cache or --redis"),
+        (["--model", "tiny-dsv4", "--disk-cache", "{dir}", "--swa-period", "256"], "goes with --swa-strategy periodic"),
+        (["--model", "tiny-dsv4", "--disk-cache", "{dir}", "--swa-strategy", "periodic"], "needs --swa-period P"),
+        (
+            ["--model", "tiny-dsv4", "--disk-cache", "{dir}", "--swa-strategy", "periodic", "--swa-period", "100"],
+            "--swa-period 100 must be a multiple of the classical block span 128",
+        ),
     ],
 )
 def test_bad_tier_flags_are_one_clear_line(tmp_path, flags, needle) -> None:

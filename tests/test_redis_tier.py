@@ -16,10 +16,10 @@ import time
 import pytest
 import redis
 import torch
-from test_disk_tier import descriptor, key, tensors
 
 from kvpool.tiers import BlockDescriptor
 from kvpool.tiers.redis_tier import RedisTier
+from test_disk_tier import descriptor, key, tensors
 
 
 def tier(server, **kw) -> tuple[RedisTier, list[str]]:

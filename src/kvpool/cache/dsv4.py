@@ -140,6 +140,12 @@ class DSV4CacheManager(CacheManager):
             return Reservation(req.num_computed, 1, (), (), ())
         return None if pending is None else pending.reservation
 
+    def prefix_blocks(self, request_id: str) -> list[PrefixBlock]:
+        """The prefix blocks of the request's complete spans, committed then reserved, in
+        order (empty with prefix caching off): a runner names tier entries by them."""
+        req = self._get(request_id)
+        return req.chain + (req.pending.chain if req.pending is not None else [])
+
     def num_new_blocks(self, request_id: str, num_new_tokens: int) -> int:
         """Classical blocks a step of `num_new_tokens` more tokens would take."""
         req = self._get(request_id)

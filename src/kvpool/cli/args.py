@@ -140,16 +140,50 @@ def add_persistent_cache_arguments(parser: argparse.ArgumentParser) -> None:
         help="a Redis tier shared by processes (redis://HOST:PORT[/DB]), below the disk cache: an outage "
         "degrades to misses with one warning line",
     )
+    parser.add_argument(
+        "--swa-strategy",
+        choices=("full", "periodic", "zero"),
+        default=None,
+        help="tiny-dsv4 with --disk-cache or --redis: how a prefix hit's sliding window comes back (DeepSeek-V4 "
+        "report 3.5.2): full, a window snapshot stored at every classical block, nothing recomputed; periodic, "
+        "one every --swa-period tokens, recompute from the nearest; zero, none stored, recompute the last "
+        "window x layers tokens (the default)",
+    )
+    parser.add_argument(
+        "--swa-period",
+        type=positive_int,
+        default=None,
+        metavar="P",
+        help="--swa-strategy periodic: tokens between window snapshots, a multiple of the classical block span",
+    )
 
 
 def persistent_cache_options(args: argparse.Namespace) -> dict[str, object]:
     """build_engine's disk_cache / disk_cache_bytes / redis_url from the flags; ValueError
     naming a flag that cannot work."""
     disk, gib, url = (getattr(args, n, None) for n in ("disk_cache", "disk_cache_gib", "redis"))
+    strategy, period = getattr(args, "swa_strategy", None), getattr(args, "swa_period", None)
     if gib is not None and disk is None:
         raise ValueError("--disk-cache-gib needs --disk-cache DIR")
-    if (disk is not None or url is not None) and getattr(args, "model", None) == "tiny-dsv4":
-        raise ValueError("--disk-cache / --redis: tiny-dsv4's persistent tiers are not built yet (SmolLM2 only)")
+    tiny = getattr(args, "model", None) == "tiny-dsv4"
+    swa = None
+    if strategy is not None or period is not None:
+        if not tiny:
+            raise ValueError("--swa-strategy / --swa-period: only tiny-dsv4 (DeepSeek-V4) keeps a sliding-window state")
+        if disk is None and url is None:
+            raise ValueError(
+                "--swa-strategy / --swa-period: give --disk-cache or --redis, the tier that stores windows"
+            )
+        if period is not None and strategy != "periodic":
+            raise ValueError("--swa-period P goes with --swa-strategy periodic")
+        if strategy == "periodic" and period is None:
+            raise ValueError("--swa-strategy periodic needs --swa-period P, the tokens between window snapshots")
+    if tiny and (disk is not None or url is not None):
+        from kvpool.models.tiny_dsv4 import TINY_DSV4_CONFIG
+        from kvpool.spec.dsv4 import DSV4Spec
+        from kvpool.tiers.swa import SWAStrategy
+
+        swa = SWAStrategy(strategy or "zero", period or 0).check(DSV4Spec.from_config(TINY_DSV4_CONFIG).span)
     if disk is not None:
         from kvpool.tiers.disk import open_directory
 
@@ -159,6 +193,8 @@ def persistent_cache_options(args: argparse.Namespace) -> dict[str, object]:
 
         check_url(url)
     options: dict[str, object] = {"disk_cache": disk, "redis_url": url}
+    if swa is not None:
+        options["swa"] = swa
     if gib is not None:
         options["disk_cache_bytes"] = max(1, int(gib * (1 << 30)))
     return options

@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model == "tiny-dsv4":  # DeepSeek-V4 dual pool: token ids in, token ids out
         from kvpool.cli import generate_dsv4
 
-        return generate_dsv4.run(args)
+        return generate_dsv4.run(args, tiers)
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
     )

@@ -34,9 +34,10 @@ def parse_token_ids(text: str, vocab_size: int) -> list[int]:
     return ids
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, tiers: dict[str, object] | None = None) -> int:
     """ValueError (one line from `kvpool generate`) for a caller's mistake: no --no-chat,
-    a prompt that is not token ids, or a prompt + --max-tokens beyond the context."""
+    a prompt that is not token ids, or a prompt + --max-tokens beyond the context.
+    tiers: the persistent tiers' options (cli.args.persistent_cache_options)."""
     from kvpool.engine.dsv4_runner import build_tiny_dsv4_engine
     from kvpool.engine.sampling import SamplingParams
     from kvpool.models.tiny_dsv4 import TINY_DSV4_CONFIG
@@ -53,8 +54,17 @@ def run(args: argparse.Namespace) -> int:
         num_classical_blocks=num_blocks,
         hot_set_entries=getattr(args, "hisparse", None),
         host_cache_bytes=host_cache_bytes(args),
+        **(tiers or {}),
     )
-    load_s = time.perf_counter() - start
+    try:
+        return _generate(args, engine, prompt_ids, params, num_blocks, time.perf_counter() - start)
+    finally:
+        engine.runner.close()  # the disk and Redis tiers' background writes land before the process ends
+
+
+def _generate(args, engine, prompt_ids, params, num_blocks: int, load_s: float) -> int:
+    from kvpool.models.tiny_dsv4 import TINY_DSV4_CONFIG
+
     context_len = engine.runner.max_model_len
     if context_len < TINY_DSV4_CONFIG["max_position_embeddings"]:
         bound = f"the KV cache of --num-blocks {num_blocks}"
@@ -67,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     out = engine.output(rid)
     completion = out.completions[0]
     if args.json:
+        engine.runner.flush_tiers(60)  # the background writes land before the report counts them
         report = {
             "model": MODEL_NAME,
             "token_ids": completion.token_ids,

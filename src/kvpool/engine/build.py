@@ -144,15 +144,9 @@ def build_engine(
         from kvpool.tiers import HostTier
 
         tier = HostTier(host_cache_bytes)
-    persistent = []
-    if disk_cache is not None:
-        from kvpool.tiers import DiskTier
+    from kvpool.tiers import open_persistent_tiers
 
-        persistent.append(DiskTier(disk_cache, disk_cache_bytes))
-    if redis_url is not None:
-        from kvpool.tiers.redis_tier import RedisTier
-
-        persistent.append(RedisTier(redis_url))
+    persistent = open_persistent_tiers(disk_cache, disk_cache_bytes, redis_url)
     runner = LlamaRunner(
         loaded.model,
         num_blocks,

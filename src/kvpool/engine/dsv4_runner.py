@@ -8,6 +8,7 @@ any sizes (prefill, chunked prefill, decode), append sampled tokens, release.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,7 +24,8 @@ from kvpool.engine.runner import ScheduledChunk
 from kvpool.models.tiny_dsv4 import TinyDSV4
 from kvpool.spec.dsv4 import CSA_RATIO
 from kvpool.storage.dsv4 import DSV4Pools
-from kvpool.tiers import HostTier, Tier, TierIndex
+from kvpool.tiers import BlockDescriptor, HostTier, Tier, TierIndex, TierStack, open_persistent_tiers
+from kvpool.tiers.swa import SWAStrategy, snapshot_descriptor, snapshot_key
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,23 @@ class StepResult:
     request_id: str
     start: int
     logits: Tensor
+
+
+@dataclass
+class SWAMoves:
+    """What the persistent tiers took and gave back: classical blocks and window snapshots
+    written through, and the snapshots a hit restored its state from."""
+
+    num_blocks_persisted: int = 0
+    block_bytes_persisted: int = 0
+    num_snapshots_persisted: int = 0
+    snapshot_bytes_persisted: int = 0
+    persist_s: float = 0.0  # the steps' share: gathers and hand-overs (the writes run behind)
+    num_restores: int = 0  # hits whose state came from snapshots
+    num_loaded: int = 0  # snapshots read for them
+    load_bytes: int = 0
+    load_s: float = 0.0
+    num_misses: int = 0  # hits that wanted a snapshot the tiers did not hold (recomputed instead)
 
 
 def descriptor_for(model: TinyDSV4) -> CacheDescriptor:
@@ -59,9 +78,17 @@ class DSV4PagedRunner:
         replay_chunk: int = 256,
         hot_set_entries: int | None = None,
         host_tier: Tier | None = None,
+        persistent_tiers: Sequence[Tier] = (),
+        swa: SWAStrategy | None = None,
     ) -> None:
         """hot_set_entries: HiSparse (storage/dsv4.py HotSet): the CSA main entries each CSA
-        layer keeps on the device; the rest of the CSA main pool is in host memory."""
+        layer keeps on the device; the rest of the CSA main pool is in host memory.
+        persistent_tiers: the disk and Redis tiers, below the host tier: every classical
+        block that completes is written through to them, and, by the SWA strategy `swa`
+        (tiers/swa.py; zero by default), window snapshots at block boundaries, from which
+        a prefix hit restores its state instead of recomputing it."""
+        if persistent_tiers and restore != "recompute":
+            raise ValueError("persistent tiers restore a V4 hit's state by their SWA strategy: restore='recompute'")
         self.model = model
         self.spec = model.spec
         self.pools = DSV4Pools(
@@ -84,15 +111,24 @@ class DSV4PagedRunner:
         # host_tier: classical blocks the pool evicts are saved to it, and before an
         # admission the spans it holds after the device hit are brought back into the pool's
         # prefix cache (written, checked, then published), where the admission hits them
-        self.tier = host_tier if enable_prefix_caching else None
+        self.host_tier = host_tier if enable_prefix_caching else None
+        self.persistent_tiers = list(persistent_tiers) if enable_prefix_caching else []
+        self.tier: Tier | None = self.host_tier
+        if self.persistent_tiers:
+            self.tier = TierStack(self.host_tier, self.persistent_tiers)
         self.tier_index = TierIndex(self.tier, model.spec.span) if self.tier is not None else None
         if self.tier is not None:
             self.cache.record_evictions()
+        self.swa = (swa or SWAStrategy()).check(self.spec.span) if self.persistent_tiers else None
         self.num_offloaded = self.num_loaded = 0
         self.offload_s = self.load_s = 0.0
         self.replay_chunk = replay_chunk
         self.num_replayed_tokens = 0  # tokens recomputed by prefix-hit restores (for reports)
-        self._replays: dict[str, Admission] = {}  # deferred restores, by request, oldest first
+        self.replay_s = 0.0
+        self.swa_moves = SWAMoves()
+        # deferred restores by recompute, by request, oldest first: (admission, first
+        # position to recompute, first window position the state holds)
+        self._replays: dict[str, tuple[Admission, int, int]] = {}
 
     # ----- requests -------------------------------------------------------------------
 
@@ -128,10 +164,16 @@ class DSV4PagedRunner:
             assert restore.checkpoint_slot is not None
             self.pools.copy_state(restore.checkpoint_slot, restore.state_slot)
         elif restore.method == "recompute":
-            if defer_replay:
-                self._replays[request_id] = adm  # a newer admission of the id replaces an older one
+            start = valid_from = restore.replay_start  # the zero strategy: nothing before start
+            point = self._restore_window(request_id, adm)
+            if point:  # the state at `point` came from window snapshots: recompute the rest
+                start, valid_from = point, 0
+            if start >= adm.num_cached_tokens:
+                pass
+            elif defer_replay:
+                self._replays[request_id] = (adm, start, valid_from)  # a newer admission replaces it
             else:
-                self._replay(adm, list(token_ids))
+                self._replay(adm, list(token_ids), start, valid_from)
         return adm
 
     # ----- the host tier ------------------------------------------------------------------
@@ -187,18 +229,120 @@ class DSV4PagedRunner:
         self.num_loaded += num_loaded
         self.load_s += time.perf_counter() - start
 
-    def _replay(self, adm: Admission, token_ids: list[int]) -> None:
-        """Recompute tokens [replay_start, P) on top of the hit's cached entries (section 6)."""
+    def _replay(self, adm: Admission, token_ids: list[int], start: int, valid_from: int) -> None:
+        """Recompute tokens [start, P) on top of the hit's cached entries (section 6), the
+        window holding positions from `valid_from` on (0: the state at `start` is exact)."""
         restore = adm.restore
         assert restore is not None
+        began = time.perf_counter()
         table = adm.block_ids[: adm.num_cached_tokens // self.spec.span]
-        pos = restore.replay_start
+        pos = start
         while pos < adm.num_cached_tokens:
             n = min(self.replay_chunk, adm.num_cached_tokens - pos)
-            plan = ChunkPlan(pos, n, restore.state_slot, table, (), replay=True, valid_from=restore.replay_start)
+            plan = ChunkPlan(pos, n, restore.state_slot, table, (), replay=True, valid_from=valid_from)
             self.model.forward_paged(token_ids[pos : pos + n], [plan], self.pools)
             pos += n
-        self.num_replayed_tokens += adm.num_cached_tokens - restore.replay_start
+        self.num_replayed_tokens += adm.num_cached_tokens - start
+        self.replay_s += time.perf_counter() - began
+
+    # ----- the persistent tiers: blocks and window snapshots ----------------------------------
+
+    def _snapshot_entry(self, block) -> tuple[bytes, BlockDescriptor]:
+        """(tier key, descriptor) of the window snapshot at the end of prefix block `block`."""
+        assert self.swa is not None and self.tier_index is not None
+        rows = self.swa.window_rows(self.spec.span, self.spec.window)
+        key, descriptor = self.tier_index.describe(block)
+        return snapshot_key(key, rows), snapshot_descriptor(key, descriptor, rows)
+
+    def _restore_window(self, request_id: str, adm: Admission) -> int:
+        """The state at the latest snapshot the SWA strategy can restore this hit from,
+        written into the request's state block; that boundary, or 0 (none: recompute)."""
+        if self.swa is None or self.tier is None:
+            return 0
+        spec = self.spec
+        point, needed = self.swa.restore_point(adm.num_cached_tokens, spec.span, spec.window, spec.num_layers)
+        if not needed:
+            return 0
+        began = time.perf_counter()
+        chain = self.cache.prefix_blocks(request_id)
+        snapshots = []
+        for boundary in needed:
+            key, descriptor = self._snapshot_entry(chain[boundary // spec.span - 1])
+            tensors = self.tier.get(key, descriptor) if self.tier.lookup(key, descriptor) else None
+            if tensors is None:
+                self.swa_moves.num_misses += 1
+                return 0
+            snapshots.append((boundary, tensors))
+        assert adm.restore is not None
+        self.pools.restore_window(adm.restore.state_slot, point, snapshots)
+        moves = self.swa_moves
+        moves.num_restores += 1
+        moves.num_loaded += len(snapshots)
+        moves.load_bytes += sum(t.numel() * t.element_size() for _, ts in snapshots for t in ts.values())
+        moves.load_s += time.perf_counter() - began
+        return point
+
+    def _snapshots_wanted(self, request_id: str, res: Reservation) -> dict[int, tuple[bytes, BlockDescriptor]]:
+        """Boundaries the step crosses where the SWA strategy keeps a snapshot that the
+        persistent tiers lack: boundary -> (tier key, descriptor)."""
+        if self.swa is None or self.swa.kind == "zero":
+            return {}
+        span = self.spec.span
+        positions = self.swa.snapshot_positions(res.start, res.start + res.num_tokens, span)
+        if not positions:
+            return {}
+        assert isinstance(self.tier, TierStack)
+        chain = self.cache.prefix_blocks(request_id)
+        wanted = {}
+        for boundary in positions:
+            key, descriptor = self._snapshot_entry(chain[boundary // span - 1])
+            if not self.tier.persisted(key, descriptor):
+                wanted[boundary] = (key, descriptor)
+        return wanted
+
+    def _persist(self, key: bytes, descriptor: BlockDescriptor, tensors: dict[str, Tensor]) -> int:
+        """Hand an entry to the persistent tiers' background writers; its bytes if any took it."""
+        assert isinstance(self.tier, TierStack)
+        if self.tier.persist(key, descriptor, tensors) == 0:
+            return 0
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def commit_step(
+        self, request_ids: Sequence[str], num_tokens: Sequence[int], next_token_ids: Sequence[int | None]
+    ) -> None:
+        """The cache's commit_step, then the classical blocks it completed written through
+        to the persistent tiers (those they hold already skipped)."""
+        if not self.persistent_tiers:
+            self.cache.commit_step(request_ids, num_tokens, next_token_ids)
+            return
+        before = [len(self.cache.block_ids(r)) for r in request_ids]
+        self.cache.commit_step(request_ids, num_tokens, next_token_ids)
+        assert isinstance(self.tier, TierStack) and self.tier_index is not None
+        began = time.perf_counter()
+        moves = self.swa_moves
+        for request_id, num_before in zip(request_ids, before, strict=True):
+            block_ids = self.cache.block_ids(request_id)
+            if len(block_ids) == num_before:
+                continue
+            chain = self.cache.prefix_blocks(request_id)
+            for k in range(num_before, len(block_ids)):
+                if not self.cache.pool.is_published(chain[k]):
+                    continue  # a hash collision's copy: findable by nobody
+                key, descriptor = self.tier_index.describe(chain[k])
+                if not self.tier.persisted(key, descriptor):
+                    num_bytes = self._persist(key, descriptor, self._block_tensors(block_ids[k]))
+                    moves.num_blocks_persisted += num_bytes > 0
+                    moves.block_bytes_persisted += num_bytes
+        moves.persist_s += time.perf_counter() - began
+
+    def flush_tiers(self, timeout: float | None = None) -> bool:
+        """Wait for the persistent tiers' background writes (before a process exits)."""
+        return self.tier.flush(timeout) if self.tier is not None else True
+
+    def close(self) -> None:
+        """Finish the background writes and close the tiers."""
+        if self.tier is not None:
+            self.tier.close()
 
     def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
         self.cache.append_token_ids(request_id, token_ids)
@@ -230,7 +374,7 @@ class DSV4PagedRunner:
             return None
         reservations = [self._pending(request_id) for request_id in ids]
         logits = self.run_reservations(ids)
-        self.cache.commit_step(ids, counts, [None] * len(ids))
+        self.commit_step(ids, counts, [None] * len(ids))
         return [StepResult(r, res.start, lg) for r, res, lg in zip(ids, reservations, logits, strict=True)]
 
     def _pending(self, request_id: str) -> Reservation:
@@ -242,16 +386,19 @@ class DSV4PagedRunner:
         """Forward passes for the requests' pending reservations. A chunk is cut at its
         checkpoint positions (the state must be snapshot exactly there); any cut gives the
         same state."""
-        for request_id, adm in self._replays.items():
+        for request_id, (adm, start, valid_from) in self._replays.items():
             if request_id in self.cache:  # (a release through the cache alone leaves it here)
-                self._replay(adm, self.cache.token_ids(request_id))
+                self._replay(adm, self.cache.token_ids(request_id), start, valid_from)
         self._replays.clear()
         span = self.spec.span
         work = []
+        snapshots: dict[str, dict[int, tuple[bytes, BlockDescriptor]]] = {}
         for request_id in request_ids:
             res = self._pending(request_id)
             table = self.cache.block_ids(request_id) + list(res.new_block_ids)
             work.append((request_id, res, table, self.cache.state_slot(request_id)))
+            if self.swa is not None and res.new_block_ids:
+                snapshots[request_id] = self._snapshots_wanted(request_id, res)
         cursor = {request_id: res.start for request_id, res, _, _ in work}
         pieces: dict[str, list[Tensor]] = {request_id: [] for request_id in request_ids}
         while True:
@@ -260,7 +407,8 @@ class DSV4PagedRunner:
                 pos, end = cursor[request_id], res.start + res.num_tokens
                 if pos >= end:
                     continue
-                stop = min([end] + [p for p, _ in res.checkpoints if p > pos])
+                cuts = [p for p, _ in res.checkpoints] + list(snapshots.get(request_id, ()))
+                stop = min([end] + [p for p in cuts if p > pos])
                 plans.append(ChunkPlan(pos, stop - pos, slot, table[: pos // span], table[pos // span : stop // span]))
                 ids.extend(self.cache.token_ids(request_id)[pos:stop])
                 owners.append((request_id, res, slot))
@@ -276,6 +424,15 @@ class DSV4PagedRunner:
                 for position, checkpoint_slot in res.checkpoints:
                     if position == stop:
                         self.pools.copy_state(slot, checkpoint_slot)
+                wanted = snapshots.get(request_id, {}).get(stop)
+                if wanted is not None:  # the state at a boundary the SWA strategy keeps
+                    assert self.swa is not None
+                    began = time.perf_counter()
+                    rows = self.swa.window_rows(span, self.spec.window)
+                    num_bytes = self._persist(*wanted, self.pools.window_snapshot(slot, stop, rows))
+                    self.swa_moves.num_snapshots_persisted += num_bytes > 0
+                    self.swa_moves.snapshot_bytes_persisted += num_bytes
+                    self.swa_moves.persist_s += time.perf_counter() - began
         return [torch.cat(pieces[request_id]) for request_id in request_ids]
 
     def check_integrity(self) -> None:
@@ -300,6 +457,8 @@ class DSV4EngineRunner:
         enable_prefix_caching: bool = True,
         hot_set_entries: int | None = None,
         host_tier: Tier | None = None,
+        persistent_tiers: Sequence[Tier] = (),
+        swa: SWAStrategy | None = None,
     ) -> None:
         self.runner = DSV4PagedRunner(
             model,
@@ -310,6 +469,8 @@ class DSV4EngineRunner:
             enable_prefix_caching=enable_prefix_caching,
             hot_set_entries=hot_set_entries,
             host_tier=host_tier,
+            persistent_tiers=persistent_tiers,
+            swa=swa,
         )
         self.cache = self.runner.cache
         span = model.spec.span
@@ -350,7 +511,13 @@ class DSV4EngineRunner:
         return torch.stack(rows)
 
     def commit(self, seq_ids: Sequence[str], num_tokens: Sequence[int], next_token_ids: Sequence[int | None]) -> None:
-        self.cache.commit_step(seq_ids, num_tokens, next_token_ids)
+        self.runner.commit_step(seq_ids, num_tokens, next_token_ids)
+
+    def flush_tiers(self, timeout: float | None = None) -> bool:
+        return self.runner.flush_tiers(timeout)
+
+    def close(self) -> None:
+        self.runner.close()
 
     def fork(self, parent_id: str, child_id: str) -> bool:
         if not self.cache.fork(parent_id, child_id):
@@ -400,16 +567,51 @@ class DSV4EngineRunner:
         if hisparse is not None:
             reports["hisparse"] = hisparse
         r = self.runner
-        if r.tier is not None:
+        span = r.spec.span
+        if r.host_tier is not None:
             reports["host_tier"] = {
-                "capacity_bytes": r.tier.capacity_bytes,
-                "bytes_used": r.tier.num_bytes,
-                "entries": r.tier.num_entries,
+                "capacity_bytes": r.host_tier.capacity_bytes,
+                "bytes_used": r.host_tier.num_bytes,
+                "entries": r.host_tier.num_entries,
                 "blocks_offloaded": r.num_offloaded,
                 "blocks_loaded": r.num_loaded,
                 "offload_ms": round(r.offload_s * 1e3, 3),
                 "load_ms": round(r.load_s * 1e3, 3),
-                **r.tier.stats.as_dict(),
+                **r.host_tier.stats.as_dict(),
+            }
+        for tier in r.persistent_tiers:
+            reports[f"{tier.name}_tier"] = tier.report()
+        if r.persistent_tiers:
+            assert isinstance(r.tier, TierStack) and r.swa is not None
+            moves = r.swa_moves
+            reports["tiers"] = {
+                "lookup_order": [t.name for t in r.tier.tiers],
+                "blocks_loaded": r.num_loaded,
+                "hit_tokens_loaded": r.num_loaded * span,
+                "load_ms": round(r.load_s * 1e3, 3),
+            }
+            stored_tokens = moves.num_blocks_persisted * span
+            reports["swa"] = {
+                "strategy": r.swa.kind,
+                "period": r.swa.period,
+                "blocks_persisted": moves.num_blocks_persisted,
+                "block_bytes_persisted": moves.block_bytes_persisted,
+                "snapshots_persisted": moves.num_snapshots_persisted,
+                "snapshot_bytes_persisted": moves.snapshot_bytes_persisted,
+                # bytes written per token of the blocks written: entries + window snapshots
+                "bytes_per_cached_token": round(
+                    (moves.block_bytes_persisted + moves.snapshot_bytes_persisted) / stored_tokens, 1
+                )
+                if stored_tokens
+                else None,
+                "persist_ms": round(moves.persist_s * 1e3, 3),
+                "restores_from_snapshots": moves.num_restores,
+                "snapshots_loaded": moves.num_loaded,
+                "snapshot_bytes_loaded": moves.load_bytes,
+                "snapshot_load_ms": round(moves.load_s * 1e3, 3),
+                "snapshot_misses": moves.num_misses,
+                "replayed_tokens": r.num_replayed_tokens,
+                "replay_ms": round(r.replay_s * 1e3, 3),
             }
         return reports
 
@@ -445,9 +647,15 @@ def build_tiny_dsv4_engine(
     record_logits: bool = False,
     hot_set_entries: int | None = None,
     host_cache_bytes: int | None = None,
+    disk_cache: str | os.PathLike | None = None,
+    disk_cache_bytes: int = 16 << 30,
+    redis_url: str | None = None,
+    swa: SWAStrategy | None = None,
 ) -> Engine:
     """An Engine running the tiny V4 model (token ids in, token ids out; no tokenizer, no EOS).
-    hot_set_entries: HiSparse with a hot set of that many CSA entries per CSA layer."""
+    hot_set_entries: HiSparse with a hot set of that many CSA entries per CSA layer.
+    host_cache_bytes: a host tier below the classical pool; disk_cache / redis_url: the
+    persistent tiers below it (kvpool.tiers), with the SWA strategy `swa` (tiers/swa.py)."""
     runner = DSV4EngineRunner(
         TinyDSV4(seed=seed),
         num_classical_blocks,
@@ -457,6 +665,8 @@ def build_tiny_dsv4_engine(
         enable_prefix_caching=enable_prefix_caching,
         hot_set_entries=hot_set_entries,
         host_tier=HostTier(host_cache_bytes) if host_cache_bytes is not None else None,
+        persistent_tiers=open_persistent_tiers(disk_cache, disk_cache_bytes, redis_url),
+        swa=swa,
     )
     return Engine(
         runner, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, record_logits=record_logits

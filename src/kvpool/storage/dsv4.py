@@ -264,6 +264,60 @@ class DSV4Pools:
             out.append(live)
         return out
 
+    def window_snapshot(self, slot: int, boundary: int, num_rows: int) -> dict[str, Tensor]:
+        """The state of `slot` at a classical block boundary as a tier entry's tensors (views;
+        the tier copies them): per layer l, `ring{l}` the SWA KV of tokens
+        [boundary - num_rows, boundary) in position order (fewer at the start), and the
+        compressor rows pending there (`comp_kv{l}`, `comp_score{l}`, `idx_kv{l}`,
+        `idx_score{l}`: the overlapping compressors' previous block). A boundary has no
+        unfinished span, so no tail entries."""
+        if boundary <= 0 or boundary % self.spec.span:
+            raise ValueError(f"a window snapshot is taken at a block boundary, got position {boundary}")
+        out: dict[str, Tensor] = {}
+        for layer, live in enumerate(self.live_state(slot, boundary)):
+            for name, t in live.items():
+                if name == "ring":
+                    t = t[max(0, t.shape[0] - num_rows) :]
+                elif name.startswith("tail"):
+                    assert t.shape[0] == 0, "an unfinished span at a block boundary"
+                    continue
+                if t.shape[0]:
+                    out[f"{name}{layer}"] = t
+        return out
+
+    def restore_window(self, slot: int, boundary: int, snapshots: list[tuple[int, dict[str, Tensor]]]) -> None:
+        """Set `slot` to the state at `boundary` from window snapshots: (their boundary, their
+        tensors), the one at `boundary` first (its compressor rows are the state's), then
+        earlier ones for older window rows when one snapshot holds less than the window.
+        What the state needs and the snapshots lack is an AssertionError (their layout
+        passed the descriptor check)."""
+        spec, n_win = self.spec, self.spec.window
+        if not snapshots or snapshots[0][0] != boundary:
+            raise ValueError(f"the snapshots must start with the one at {boundary}")
+        self.reset_state(slot)
+        needed = torch.arange(max(0, boundary - n_win), boundary)
+        for layer, st in enumerate(self.state):
+            covered = torch.zeros(boundary, dtype=torch.bool)
+            for end, tensors in snapshots:
+                ring = tensors[f"ring{layer}"]
+                positions = torch.arange(end - ring.shape[0], end)
+                keep = positions >= boundary - n_win
+                st.ring[slot, positions[keep] % n_win] = ring[keep].to(st.ring.device, st.ring.dtype)
+                covered[positions[keep]] = True
+            if not bool(covered[needed].all()):
+                raise AssertionError(f"window snapshots at {[b for b, _ in snapshots]} miss rows of layer {layer}")
+            top = snapshots[0][1]
+            ratio = spec.layer_ratios[layer]
+            num_rows = (ratio if ratio == CSA_RATIO else 0) + (boundary % ratio if ratio else 0)
+            for name in ("comp_kv", "comp_score", "idx_kv", "idx_score"):
+                dst = getattr(st, name)
+                if dst is None or num_rows == 0:
+                    continue
+                src = top[f"{name}{layer}"]
+                if src.shape != dst[slot, :num_rows].shape:
+                    raise AssertionError(f"snapshot {name}{layer} of shape {tuple(src.shape)} for {num_rows} rows")
+                dst[slot, :num_rows] = src.to(dst.device, dst.dtype)
+
     def classical_block_bytes(self) -> int:
         """Actual bytes of one classical block over all layers."""
         return sum(t[0].numel() * t.element_size() for cl in self.classical for t in (cl.main, cl.idx) if t is not None)

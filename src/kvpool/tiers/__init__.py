@@ -6,7 +6,7 @@ from kvpool.tiers.base import Tier, TierStats
 from kvpool.tiers.descriptor import BlockDescriptor, TierIndex, descriptor_from_key
 from kvpool.tiers.disk import DiskTier
 from kvpool.tiers.host import HostTier
-from kvpool.tiers.stack import TierStack
+from kvpool.tiers.stack import TierStack, open_persistent_tiers
 
 # RedisTier lives in kvpool.tiers.redis_tier (imported where a --redis URL is given).
 __all__ = [
@@ -18,4 +18,5 @@ __all__ = [
     "TierStack",
     "TierStats",
     "descriptor_from_key",
+    "open_persistent_tiers",
 ]

@@ -15,12 +15,30 @@ has the block.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 from torch import Tensor
 
 from kvpool.tiers.base import Tier, TierStats
 from kvpool.tiers.descriptor import BlockDescriptor
+
+
+def open_persistent_tiers(
+    disk_cache: str | os.PathLike | None = None, disk_cache_bytes: int = 16 << 30, redis_url: str | None = None
+) -> list[Tier]:
+    """The disk tier in `disk_cache` (LRU under `disk_cache_bytes`) and the Redis tier at
+    `redis_url`, in lookup order, for those given."""
+    tiers: list[Tier] = []
+    if disk_cache is not None:
+        from kvpool.tiers.disk import DiskTier
+
+        tiers.append(DiskTier(disk_cache, disk_cache_bytes))
+    if redis_url is not None:
+        from kvpool.tiers.redis_tier import RedisTier  # imports the redis client only when asked for
+
+        tiers.append(RedisTier(redis_url))
+    return tiers
 
 
 class TierStack(Tier):
