@@ -53,67 +53,16 @@ def fp64_model():
     torch.set_num_threads(threads)
 
 
-class RedisServer:
-    """A real `redis-server` (Debian package; `bash setup.sh test` installs it) on 127.0.0.1
-    and a free port, in memory only, that a test can kill (SIGKILL: the data goes with it,
-    as in a crash) and start again on the same port."""
-
-    def __init__(self, workdir) -> None:
-        import shutil
-        import socket
-
-        self.binary = shutil.which("redis-server")
-        if self.binary is None:
-            pytest.fail("redis-server is not installed: `bash setup.sh test` installs the Debian package")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.workdir = workdir
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = None
-
-    def start(self, timeout_s: float = 10.0) -> None:
-        import subprocess
-        import time
-
-        import redis
-
-        argv = [self.binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no"]
-        argv += ["--dir", str(self.workdir), "--protected-mode", "no"]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.2)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    pytest.fail(f"redis-server did not start on port {self.port}")
-                time.sleep(0.05)
-        client.close()
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(10)
-            self.proc = None
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except Exception:
-                self.proc.kill()
-            self.proc = None
-
-
 @pytest.fixture
 def redis_server(tmp_path_factory):
-    """A started RedisServer, stopped after the test whatever happens."""
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
+    """A real redis-server (kvpool.tiers.redis_server.LocalRedisServer) on 127.0.0.1 and a
+    free port, started for the test and stopped after it whatever happens; the test may
+    kill() it and start() it again."""
+    from kvpool.tiers.redis_server import LocalRedisServer
+
+    try:
+        server = LocalRedisServer(tmp_path_factory.mktemp("redis")).start()
+    except RuntimeError as e:
+        pytest.fail(str(e))
     yield server
     server.stop()

@@ -357,16 +357,24 @@ def test_the_cli_refuses_a_bad_host_cache_size() -> None:
     )
 
 
-def test_bench_host_serves_the_prefix_from_the_host(capsys) -> None:
+def test_bench_tiers_serves_the_prefix_from_every_tier(capsys) -> None:
     import json
 
     from kvpool.cli.main import main
 
-    assert main(["bench", "host", "--prefix-len", "64", "--suffix-len", "4", "--repeats", "1", "--json"]) == 0
-    cases = json.loads(capsys.readouterr().out)["cases"]
-    assert cases["device"]["cached_tokens"] == [64] and cases["host"]["cached_tokens"] == [64]
+    argv = ["bench", "tiers", "--prefix-len", "64", "--suffix-len", "4", "--repeats", "1", "--json"]
+    assert main([*argv, "--v4-prefix-len", "640", "--swa-period", "256"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    cases = report["cases"]
+    assert all(cases[name]["cached_tokens"] == [64] for name in ("device", "host", "disk", "redis"))
     assert cases["host"]["blocks_loaded_per_request"] >= 3  # the filler left at most one block on the device
-    assert cases["recompute"]["cached_tokens"][0] <= 16
+    assert cases["recompute"]["cached_tokens"] == [0]
+    assert report["writes"]["disk"]["blocks"] == report["writes"]["redis"]["blocks"] == 68 // 16
+    v4 = report["v4_swa"]
+    assert [v4[name]["tokens_recomputed"] for name in ("full", "periodic 256", "zero")] == [0, 128, 640]
+    assert v4["full"]["bytes_per_cached_token"] > v4["periodic 256"]["bytes_per_cached_token"]
+    assert v4["periodic 256"]["bytes_per_cached_token"] > v4["zero"]["bytes_per_cached_token"] > 0
+    assert v4["zero"]["snapshot_bytes"] == 0 and v4["recompute"]["cached_tokens"] == 0
 
 
 # ----- preemption by swap ----------------------------------------------------------------

@@ -23,7 +23,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "kvpool.cli.bench_serve",
         "streaming clients against kvpool serve: TTFT / TPOT / ITL p50 and p99, throughput, goodput, hit rate",
     ),
-    "host": ("kvpool.cli.bench_host", "TTFT of a prefix served from the host tier, against a device hit and recompute"),
+    "tiers": (
+        "kvpool.cli.bench_tiers",
+        "TTFT of a prefix from the host, disk and Redis tiers against recompute; write MB/s; V4 SWA strategies",
+    ),
 }
 
 
