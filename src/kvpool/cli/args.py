@@ -119,7 +119,9 @@ def add_host_cache_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_persistent_cache_arguments(parser: argparse.ArgumentParser) -> None:
+def add_persistent_cache_arguments(parser: argparse.ArgumentParser, *, swa: bool = True) -> None:
+    """--disk-cache, --disk-cache-gib, --redis; with `swa` also tiny-dsv4's --swa-strategy
+    and --swa-period (kvpool serve runs SmolLM2 only)."""
     parser.add_argument(
         "--disk-cache",
         default=None,
@@ -140,6 +142,8 @@ def add_persistent_cache_arguments(parser: argparse.ArgumentParser) -> None:
         help="a Redis tier shared by processes (redis://HOST:PORT[/DB]), below the disk cache: an outage "
         "degrades to misses with one warning line",
     )
+    if not swa:
+        return
     parser.add_argument(
         "--swa-strategy",
         choices=("full", "periodic", "zero"),

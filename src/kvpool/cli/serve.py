@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-tokens", type=positive_int, default=512, help="token budget per engine step")
     parser.add_argument("--max-seqs", type=positive_int, default=64, help="most sequences in one step")
     add_host_cache_argument(parser)
-    add_persistent_cache_arguments(parser)
+    add_persistent_cache_arguments(parser, swa=False)
     add_preemption_argument(parser)
     parser.add_argument(
         "--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)"
