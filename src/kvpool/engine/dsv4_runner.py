@@ -437,6 +437,11 @@ class DSV4PagedRunner:
 
     def check_integrity(self) -> None:
         self.cache.check_integrity()
+        if self.tier is not None:
+            self.tier.check_integrity()
+        for cl in self.pools.classical:
+            if cl.hot is not None:
+                cl.hot.check_integrity()
 
 
 class DSV4EngineRunner:
@@ -557,7 +562,7 @@ class DSV4EngineRunner:
         return self.cache.usage()
 
     def check_integrity(self) -> None:
-        self.cache.check_integrity()
+        self.runner.check_integrity()
 
     def tier_reports(self) -> dict[str, dict[str, object]]:
         """{"hisparse": its figures} ({} when off): the CSA main bytes kept off the device,

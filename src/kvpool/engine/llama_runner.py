@@ -97,6 +97,16 @@ class LlamaRunner:
             model.device,
             model.kernels,
         )
+        # On CUDA the tier copies run on a stream of their own, ordered against the compute
+        # stream by events (`_to_host`, `_to_device`)
+        self._copy_stream = torch.cuda.Stream(model.device) if model.device.type == "cuda" else None
+        if self.host_tier is not None:
+            if hasattr(self.host_tier, "reclaim"):
+                self.host_tier.reclaim(descriptor)  # a tier kept from an engine of other weights
+            block_bytes = self.storage.k[:, 0].nbytes + self.storage.v[:, 0].nbytes
+            capacity = getattr(self.host_tier, "capacity_bytes", block_bytes)
+            if capacity < block_bytes:
+                raise ValueError(f"a host tier of {capacity} bytes holds no KV block of {block_bytes} bytes")
         self.block_size = block_size
         self.vocab_size = cfg.vocab_size
         self.capacity_tokens = num_blocks * block_size
@@ -187,11 +197,7 @@ class LlamaRunner:
         tensors = self.tier.get(*self.tier_index.describe(block))
         if tensors is None:
             return admission
-        device = self.storage.k.device
-        self.storage.k[:, block_id] = tensors["k"].to(device)
-        self.storage.v[:, block_id] = tensors["v"].to(device)
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
+        self._to_device([block_id], [tensors])
         self.tier.evict(self.tier_index.describe(block)[0])  # a partial block serves this sequence only
         self.tier_moves.load_s += time.perf_counter() - start
         self.tier_moves.num_loaded += 1
@@ -256,8 +262,7 @@ class LlamaRunner:
         if not todo:
             return
         start = time.perf_counter()
-        ids = torch.tensor([block_id for block_id, _, _ in todo], dtype=torch.long, device=self.storage.k.device)
-        k, v = self.storage.k[:, ids], self.storage.v[:, ids]  # [layers, n, ...]: every layer of each block
+        k, v = self._to_host([block_id for block_id, _, _ in todo])  # [layers, n, ...]: every layer of each block
         for j, (_, key, descriptor) in enumerate(todo):
             if self.tier.put(key, descriptor, {"k": k[:, j], "v": v[:, j]}):
                 self.tier_moves.num_offloaded += 1
@@ -282,15 +287,68 @@ class LlamaRunner:
                     raise AssertionError(
                         f"a tier block of shapes {t['k'].shape}, {t['v'].shape} passed the layout check"
                     )
-            device = self.storage.k.device
-            ids = torch.tensor([block_id for block_id, _ in got], dtype=torch.long, device=device)
-            self.storage.k[:, ids] = torch.stack([t["k"] for _, t in got], dim=1).to(device, non_blocking=True)
-            self.storage.v[:, ids] = torch.stack([t["v"] for _, t in got], dim=1).to(device, non_blocking=True)
-            if device.type == "cuda":
-                torch.cuda.current_stream(device).synchronize()  # the copy completes before the block is visible
+            self._to_device([block_id for block_id, _ in got], [t for _, t in got])
             self.tier_moves.num_loaded += len(got)
         self.tier_moves.load_s += time.perf_counter() - start
         return len(got)
+
+    def _to_host(self, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of device blocks `block_ids`, every layer, in host memory: two
+        [layers, n, block_size, kv_heads, head_dim] tensors (pinned on CUDA), one gather.
+
+        On CUDA the gather and the copy run on the copy stream, after all the compute
+        stream has queued so far (the blocks' last writes); the compute stream then waits
+        for them before anything it queues later (the step that overwrites these blocks),
+        and the host waits only for the bytes it is about to hand to a tier."""
+        storage = self.storage
+        ids = torch.tensor(block_ids, dtype=torch.long, device=storage.k.device)
+        stream = self._copy_stream
+        if stream is None:
+            return storage.k[:, ids], storage.v[:, ids]  # (new tensors: the gather copies)
+        compute = torch.cuda.current_stream(storage.k.device)
+        stream.wait_stream(compute)
+        with torch.cuda.stream(stream):
+            out = []
+            for pool in (storage.k, storage.v):
+                gathered = pool[:, ids]
+                host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+                host.copy_(gathered, non_blocking=True)
+                out.append(host)
+            done = torch.cuda.Event()
+            done.record(stream)
+        compute.wait_event(done)
+        done.synchronize()
+        return out[0], out[1]
+
+    def _to_device(self, block_ids: Sequence[int], blocks: Sequence[dict[str, torch.Tensor]]) -> None:
+        """Write the tier's tensors of each block ({"k", "v"}: [layers, block_size, kv_heads,
+        head_dim]) into device blocks `block_ids`, in one copy per pool.
+
+        On CUDA the copy runs on the copy stream from pinned staging, after the compute
+        stream's work so far (earlier readers of these reused blocks), and the compute
+        stream waits for it before anything it queues later: attention reads a loaded
+        block only after its copy has completed, and the host does not wait at all."""
+        storage = self.storage
+        device = storage.k.device
+        ids = torch.tensor(block_ids, dtype=torch.long, device=device)
+        stream = self._copy_stream
+        if stream is None:
+            storage.k[:, ids] = torch.stack([t["k"] for t in blocks], dim=1)
+            storage.v[:, ids] = torch.stack([t["v"] for t in blocks], dim=1)
+            return
+        staged = []
+        for name, pool in (("k", storage.k), ("v", storage.v)):
+            host = torch.empty((pool.shape[0], len(blocks), *pool.shape[2:]), dtype=pool.dtype, pin_memory=True)
+            torch.stack([t[name] for t in blocks], dim=1, out=host)
+            staged.append((pool, host))
+        compute = torch.cuda.current_stream(device)
+        stream.wait_stream(compute)
+        with torch.cuda.stream(stream):
+            for pool, host in staged:
+                pool[:, ids] = host.to(device, non_blocking=True)  # (the host allocator keeps `host` until done)
+            done = torch.cuda.Event()
+            done.record(stream)
+        compute.wait_event(done)
 
     def append_tokens(self, seq_id: str, token_ids: Sequence[int]) -> None:
         self.manager.append_token_ids(seq_id, token_ids)
@@ -314,8 +372,7 @@ class LlamaRunner:
             if not self.tier.persisted(key, descriptor):
                 todo.append((block_id, key, descriptor))
         if todo:
-            ids = torch.tensor([b for b, _, _ in todo], dtype=torch.long, device=self.storage.k.device)
-            k, v = self.storage.k[:, ids].cpu(), self.storage.v[:, ids].cpu()
+            k, v = self._to_host([b for b, _, _ in todo])
             for j, (_, key, descriptor) in enumerate(todo):
                 self.tier_moves.num_persisted += self.tier.persist(key, descriptor, {"k": k[:, j], "v": v[:, j]}) > 0
         self.tier_moves.persist_s += time.perf_counter() - start
@@ -352,6 +409,8 @@ class LlamaRunner:
 
     def check_integrity(self) -> None:
         self.manager.check_integrity()
+        if self.tier is not None:
+            self.tier.check_integrity()
 
     def cache_stats(self) -> dict[str, float]:
         m = self.manager

@@ -90,6 +90,10 @@ class Tier(ABC):
     @abstractmethod
     def num_entries(self) -> int: ...
 
+    @abstractmethod
+    def check_integrity(self) -> None:
+        """AssertionError when the tier's bookkeeping disagrees with what it stores."""
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every accepted `put` is stored (tiers that write in the background);
         False on timeout."""

@@ -11,6 +11,7 @@ layout or tenant, and can never serve this one).
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, fields
 
@@ -65,6 +66,7 @@ class HostTier(Tier):
         return out
 
     def put(self, key: bytes, descriptor: BlockDescriptor, tensors: dict[str, Tensor]) -> bool:
+        start = time.perf_counter()
         num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         if num_bytes > self.capacity_bytes:
             self.stats.num_rejected_puts += 1
@@ -79,6 +81,7 @@ class HostTier(Tier):
         self.peak_bytes = max(self.peak_bytes, self._num_bytes)
         self.stats.num_puts += 1
         self.stats.num_put_bytes += num_bytes
+        self.stats.put_s += time.perf_counter() - start
         return True
 
     def _valid(self, key: bytes, expected: BlockDescriptor) -> _Entry | None:
@@ -108,7 +111,7 @@ class HostTier(Tier):
             self.stats.num_get_misses += 1
             return None
         self.stats.num_gets += 1
-        self.stats.num_get_bytes += entry.num_bytes
+        self.stats.num_get_bytes += entry.num_bytes  # (no copy here: the caller's load is timed by the caller)
         return entry.tensors
 
     def evict(self, key: bytes) -> bool:

@@ -113,6 +113,4 @@ class TierStack(Tier):
 
     def check_integrity(self) -> None:
         for tier in self.tiers:
-            check = getattr(tier, "check_integrity", None)
-            if check is not None:
-                check()
+            tier.check_integrity()

@@ -1,0 +1,142 @@
+"""The tiers' copies on a GPU: blocks saved to and loaded from pinned host memory on the
+runner's copy stream, ordered against compute by events, give the logits of a device hit;
+preemption by swap and the disk tier through the same path. A random small Llama on the
+GPU (no GGUF needed). Skipped without CUDA; KVPOOL_TEST_DEVICE=cpu runs the same
+scenarios on the CPU path."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from kvpool.cache import CacheDescriptor
+from kvpool.engine.engine import Engine
+from kvpool.engine.llama_runner import LlamaRunner
+from kvpool.engine.sampling import SamplingParams
+from kvpool.models.gguf import LlamaConfig
+from kvpool.models.llama import LlamaModel
+from kvpool.tiers import DiskTier, HostTier
+
+DEVICE = os.environ.get("KVPOOL_TEST_DEVICE", "cuda")
+pytestmark = pytest.mark.skipif(
+    DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA GPU (KVPOOL_TEST_DEVICE=cpu: CPU path)"
+)
+CONFIG = LlamaConfig(
+    num_layers=4,
+    hidden_size=128,
+    intermediate_size=256,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    vocab_size=512,
+    max_position=2048,
+    tie_embeddings=True,
+)
+DESCRIPTOR = CacheDescriptor("random-llama", weights_version="seed0", layout_id="L4:kvh2:d32:bs16:fp64")
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaModel:
+    g = torch.Generator().manual_seed(0)
+    c = CONFIG
+    kv = c.num_kv_heads * c.head_dim
+    shapes = {
+        "q": (c.num_heads * c.head_dim, c.hidden_size),
+        "k": (kv, c.hidden_size),
+        "v": (kv, c.hidden_size),
+        "o": (c.hidden_size, c.num_heads * c.head_dim),
+        "gate": (c.intermediate_size, c.hidden_size),
+        "up": (c.intermediate_size, c.hidden_size),
+        "down": (c.hidden_size, c.intermediate_size),
+    }
+    tensors = [("embed", torch.randn(c.vocab_size, c.hidden_size, generator=g, dtype=torch.float64))]
+    tensors.append(("norm", 1 + 0.1 * torch.randn(c.hidden_size, generator=g, dtype=torch.float64)))
+    for i in range(c.num_layers):
+        for part, shape in shapes.items():
+            tensors.append(
+                (f"layers.{i}.{part}", torch.randn(*shape, generator=g, dtype=torch.float64) / shape[1] ** 0.5)
+            )
+        for part in ("attn_norm", "ffn_norm"):
+            tensors.append(
+                (f"layers.{i}.{part}", 1 + 0.1 * torch.randn(c.hidden_size, generator=g, dtype=torch.float64))
+            )
+    return LlamaModel.from_tensors(CONFIG, tensors, DEVICE)
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(CONFIG.vocab_size) for _ in range(n)]
+
+
+def _engine(model, num_blocks: int, **kw) -> tuple[Engine, LlamaRunner]:
+    runner = LlamaRunner(model, num_blocks, 16, DESCRIPTOR, **kw)
+    return Engine(runner, max_num_batched_tokens=256, max_num_seqs=4, record_logits=True), runner
+
+
+def _serve(engine, runner, prompts, max_tokens=3):
+    out = []
+    for i, prompt in enumerate(prompts):
+        rid = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), f"r{i}")
+        while engine.has_unfinished():
+            engine.step()
+            runner.check_integrity()
+        out.append((engine.output(rid).num_cached_tokens, torch.stack(engine.requests[rid].seqs[0].logits).cpu()))
+    return out
+
+
+def test_host_tier_loads_on_the_copy_stream_equal_a_device_hit(model) -> None:
+    p = _ids(8 * 16, 1)
+    prompts = [p + [3], _ids(9 * 16 + 5, 2), p + _ids(10, 3)]  # the filler pushes part of p out
+    tier = HostTier(1 << 26)
+    engine, runner = _engine(model, 12, host_tier=tier)
+    small = _serve(engine, runner, prompts)
+    big_engine, big_runner = _engine(model, 64)
+    large = _serve(big_engine, big_runner, prompts)
+    assert (runner._copy_stream is not None) == (DEVICE == "cuda")
+    assert small[2][0] == large[2][0] == 128  # all of p: device + host, and device
+    assert 0 < runner.tier_moves.num_loaded < 8 and runner.tier_moves.num_offloaded > 0
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(small, large, strict=True))
+    entry = next(iter(tier._entries.values()))
+    assert entry.tensors["k"].is_pinned() == (DEVICE == "cuda")  # page-locked for asynchronous copies
+
+
+def test_swap_on_the_copy_stream_finishes_every_request_exactly(model) -> None:
+    prompts = [_ids(20 + i, 10 + i) for i in range(4)]
+    engine, runner = _engine(model, 10, host_tier=HostTier(1 << 26), preemption="swap")
+    ids = [
+        engine.add_request(p, SamplingParams(max_tokens=30, ignore_eos=True), f"s{i}") for i, p in enumerate(prompts)
+    ]
+    while engine.has_unfinished():
+        engine.step()
+        runner.check_integrity()
+    assert runner.tier_moves.num_swapped_out > 0 and runner.tier_moves.num_swapped_in > 0
+    assert runner.manager.num_free_blocks == 10  # nothing held once every request finished
+    big_engine, big_runner = _engine(model, 64)
+    for i, rid in enumerate(ids):
+        seq = engine.requests[rid].seqs[0]
+        ref_id = big_engine.add_request(prompts[i], SamplingParams(max_tokens=30, ignore_eos=True), f"b{i}")
+        while big_engine.has_unfinished():
+            big_engine.step()
+        ref = big_engine.requests[ref_id].seqs[0]
+        assert seq.token_ids == ref.token_ids
+        got, want = torch.stack(seq.logits).cpu(), torch.stack(ref.logits).cpu()
+        assert (got - want).abs().max().item() <= 1e-9  # fp64: recomputed and swapped KV alike
+
+
+def test_disk_tier_through_the_copy_path_equals_a_device_hit(model, tmp_path) -> None:
+    p = _ids(6 * 16, 4)
+    first, first_runner = _engine(model, 16, persistent_tiers=[DiskTier(tmp_path, 1 << 30)])
+    _serve(first, first_runner, [p + [5]])
+    first_runner.close()
+    second, second_runner = _engine(model, 16, persistent_tiers=[DiskTier(tmp_path, 1 << 30)])
+    got = _serve(second, second_runner, [p + _ids(7, 6)])
+    device, device_runner = _engine(model, 64)
+    ref = _serve(device, device_runner, [p + [5], p + _ids(7, 6)])
+    assert got[0][0] == ref[1][0] == 96 and second_runner.tier_moves.num_loaded == 6
+    assert torch.equal(got[0][1], ref[1][1])
+    second_runner.close()
