@@ -147,3 +147,37 @@ def test_the_planner_counts_the_tokens_hisparse_buys() -> None:
     dense = plan(load_preset("smollm2-135m"), get_gpu("H200"))
     with pytest.raises(ValueError, match="smollm2-135m has no CSA layers"):
         hisparse_capacity(dense, 0.5)
+
+
+def test_the_plan_and_generate_clis_take_hisparse_and_refuse_bad_sizes() -> None:
+    import json
+
+    plan = [sys.executable, "-m", "kvpool", "plan", "--model", "deepseek-v4-flash", "--gpu", "h200"]
+    proc = subprocess.run(
+        [*plan, "--num-gpus", "8", "--tp", "8", "--hisparse-fraction", "0.1", "--json"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    h = json.loads(proc.stdout)["hisparse"]
+    assert h["pool_tokens_hisparse"] > h["pool_tokens_resident"] > 0 and h["token_gain"] == pytest.approx(3.5296, 1e-4)
+    for argv, needle in [
+        ([*plan, "--hisparse-fraction", "1.5"], "must be in (0, 1], got 1.5"),
+        ([*plan[:-4], "--model", "llama-3.1-8b", "--hisparse-fraction", "0.1"], "llama-3.1-8b has no CSA layers"),
+        (
+            [
+                sys.executable,
+                "-m",
+                "kvpool",
+                "generate",
+                "--model",
+                "tiny-dsv4",
+                "--no-chat",
+                "1,2",
+                "--hisparse",
+                "99999999",
+            ],
+            "the HiSparse hot set must hold 1 to 16384 CSA entries",
+        ),
+    ]:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr

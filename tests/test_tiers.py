@@ -514,3 +514,66 @@ def test_dsv4_install_publishes_only_what_was_loaded() -> None:
     m.check_integrity()
     assert m.num_free_blocks == 6 and m.lookup_prefix(prompt) == 2 * spec.span
     assert m.install(7) is None and m.num_free_blocks == 6  # nothing taken
+
+
+def test_a_preempted_v4_request_gets_its_blocks_back_from_the_host_exactly() -> None:
+    from kvpool.engine.dsv4_runner import DSV4EngineRunner
+    from kvpool.engine.engine import Engine
+    from kvpool.engine.sampling import SamplingParams
+    from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG, TinyDSV4
+
+    model = TinyDSV4(SMALL_DSV4_CONFIG, dtype=torch.float64)  # 16-token spans: many blocks, quickly
+    rng = random.Random(0)
+    prompts = [[rng.randrange(256) for _ in range(20 + i)] for i in range(4)]
+
+    def serve(num_blocks: int, tier):
+        runner = DSV4EngineRunner(model, num_blocks, 4, host_tier=tier)
+        engine = Engine(runner, max_num_batched_tokens=64, max_num_seqs=4, record_logits=True)
+        for i, p in enumerate(prompts):
+            engine.add_request(p, SamplingParams(max_tokens=30, ignore_eos=True), f"r{i}")
+        while engine.has_unfinished():
+            engine.step()
+            runner.check_integrity()
+        return engine, runner
+
+    small, runner = serve(7, HostTier(1 << 26))  # 4 requests of 3-4 blocks each in 7: preemptions
+    large, _ = serve(64, None)
+    report = runner.tier_reports()["host_tier"]
+    assert small.num_preemptions > 0 and report["blocks_loaded"] > 0 and report["hit_tokens"] > 0
+    for i in range(4):
+        a, b = small.requests[f"r{i}"].seqs[0], large.requests[f"r{i}"].seqs[0]
+        assert a.token_ids == b.token_ids
+        assert (torch.stack(a.logits) - torch.stack(b.logits)).abs().max().item() <= 1e-9  # state replayed in fp64
+    assert runner.cache.num_free_blocks == 7
+
+
+@pytest.mark.parametrize(
+    "field", [f.name for f in dataclasses.fields(BlockDescriptor) if f.name not in ("content_key", "tenant")]
+)
+def test_every_descriptor_field_is_a_counted_miss_in_the_host_tier(field) -> None:
+    m, index = make(16, HostTier(1))
+    key, d = _entry(index, m, "a", list(range(100, 108)))[1]
+    tier = HostTier(1 << 20)
+    tier.put(key, d, {"content": torch.zeros(4, dtype=torch.int64)})
+    old = getattr(d, field)
+    other = (old[:-1] + (999,)) if isinstance(old, tuple) else old + 1 if isinstance(old, int) else f"{old}x"
+    assert not tier.lookup(key, dataclasses.replace(d, **{field: other}))
+    assert tier.stats.mismatches == {field: 1} and tier.stats.misses == {"mismatch": 1}
+    assert tier.stats.num_reclaimed == 1 and tier.num_entries == 0  # reclaimed: it can never serve this caller
+    tier.check_integrity()
+
+
+def test_auto_preemption_swaps_only_when_moving_costs_less_than_recomputing(fp64_model) -> None:
+    engine, ids = _preempting_workload(fp64_model, host_cache_bytes=1 << 26, preemption="auto")
+    runner = engine.runner
+    assert runner.tier_moves.num_swapped_out > 0  # on this CPU a copy is far cheaper than a prefill
+    _check_exact(fp64_model, engine, ids)
+    # the rule itself, on measured rates set by hand: 4 blocks of 16 tokens computed
+    runner.manager.admit("x", list(range(100, 164)), 64)
+    runner.manager.commit("x", 64)
+    moves = runner.tier_moves
+    moves.offload_s, moves.load_s, moves.num_offloaded, moves.num_loaded = 1.0, 0.0, 10, 0  # 0.1 s a block
+    runner._prefill_tokens, runner._prefill_s = 1000, 1.0  # 1 ms a token: recompute 64 ms < move 400 ms
+    assert not runner._should_swap("x")
+    runner._prefill_s = 10.0  # 10 ms a token: recompute 640 ms > move 400 ms
+    assert runner._should_swap("x")

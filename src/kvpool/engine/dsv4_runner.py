@@ -578,6 +578,7 @@ class DSV4EngineRunner:
                 "capacity_bytes": r.host_tier.capacity_bytes,
                 "bytes_used": r.host_tier.num_bytes,
                 "entries": r.host_tier.num_entries,
+                "hit_tokens": r.num_loaded * span,  # prefix tokens whose blocks came from a tier
                 "blocks_offloaded": r.num_offloaded,
                 "blocks_loaded": r.num_loaded,
                 "offload_ms": round(r.offload_s * 1e3, 3),
