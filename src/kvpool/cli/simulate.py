@@ -6,9 +6,11 @@
     kvpool simulate ... --trace FILE.jsonl                   (docs/SIM_TRACE.md)
     kvpool simulate sweep ... --layout dual,paged --rate 1,2,4 --block-size 128,256 --out runs.jsonl
 
-A comma list in --layout, --routing, --block-size or --rate runs every combination; `sweep`
-runs them in parallel processes and writes one JSON line per run. --plot DIR writes PNGs:
-latency CDFs, KV occupancy over time and, for several runs, a comparison chart.
+A comma list in --layout, --routing, --block-size or --rate runs every combination (contiguous
+has no block size: it runs once per rate, whatever --block-size lists); `sweep` runs them in
+parallel processes and writes one JSON line per run. --plot DIR writes PNGs: latency CDFs, KV
+occupancy over time and, for several runs, a comparison chart. Output paths are checked
+before anything is simulated: a run of minutes must not end in a path error.
 """
 
 from __future__ import annotations
@@ -22,8 +24,13 @@ import os
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from kvpool.cli.args import comma_choices, non_negative_int, positive_float, positive_int, rate
+
+if TYPE_CHECKING:  # rich loads on output only: --help stays fast
+    from rich.console import Console
+    from rich.table import Table
 
 WORKLOADS = ("chat", "agentic", "uniform")
 SUMMARY_KEYS = (
@@ -99,7 +106,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--layout", type=comma_choices(LAYOUTS), default=None, help="paged, contiguous, dual (V4); a list compares"
     )
-    parser.add_argument("--block-size", type=_list(positive_int), default=(None,), help="tokens per block; a list")
+    parser.add_argument(
+        "--block-size",
+        type=_list(positive_int),
+        default=(None,),
+        help="tokens per block; a list (contiguous has none: one run per rate)",
+    )
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--replicas", type=positive_int, default=1)
     parser.add_argument(
@@ -189,16 +201,47 @@ def _fit_tp(model, gpu, args) -> int:
 
 
 def _runs(args) -> list[dict]:
-    """Every combination the flags ask for, as keyword sets of `_one`."""
+    """Every distinct combination the flags ask for, as keyword sets of `_one`, in flag order.
+    Contiguous reserves max_model_len per request whatever the block size, so it runs once
+    per rate (at the planner's default block size, which only sizes paged-only reservations),
+    not once per block size as identical runs under the same label."""
     layouts = args.layout or (None,)
     rates = (math.nan,) if args.trace else args.rate  # a trace carries its own arrival times
-    combos = itertools.product(layouts, args.block_size, args.routing, rates)
-    return [{"layout": lay, "block_size": bs, "routing": ro, "rate": ra} for lay, bs, ro, ra in combos]
+    runs: list[dict] = []
+    for lay, bs, ro, ra in itertools.product(layouts, args.block_size, args.routing, rates):
+        combo = {"layout": lay, "block_size": None if lay == "contiguous" else bs, "routing": ro, "rate": ra}
+        if combo not in runs:  # (nan != nan: a trace has a single rate, so no duplicate slips by)
+            runs.append(combo)
+    return runs
+
+
+def _check_output_paths(args) -> None:
+    """ValueError naming the flag and the path when --plot or --out cannot be written, before
+    any simulating."""
+    if args.plot:
+        _check_creatable_dir("--plot", args.plot, args.plot)
+    if args.out and args.mode == "sweep":
+        if os.path.isdir(args.out):
+            raise ValueError(f"--out {args.out!r}: a directory; expected a file to write")
+        _check_creatable_dir("--out", args.out, os.path.dirname(os.path.abspath(args.out)))
+
+
+def _check_creatable_dir(flag: str, given: str, directory: str) -> None:
+    """`directory` (where `flag`'s path `given` goes) is a writable directory or can be made:
+    its nearest existing ancestor is one. Checked without creating anything (a run that
+    fails later leaves no trace)."""
+    path = os.path.abspath(directory)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)  # the root exists: this ends
+    if not os.path.isdir(path):
+        raise ValueError(f"{flag} {given!r}: {path!r} is a file, not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {given!r}: directory {path!r} is not writable")
 
 
 def _one(args, combo: dict, progress: bool) -> dict:
     from kvpool.sim.cost import CostModel
-    from kvpool.sim.simulator import SimConfig, simulate
+    from kvpool.sim.simulator import SimConfig, check_request_lens, simulate
 
     model, gpu = _model(args.model), _gpu(args.gpu)
     tp = _fit_tp(model, gpu, args)
@@ -220,6 +263,7 @@ def _one(args, combo: dict, progress: bool) -> dict:
         slo_tpot_ms=args.slo_tpot_ms,
     )
     workload = _workload(args, model, combo["rate"])
+    check_request_lens(model, workload, args.max_model_len, flag="--max-model-len")
     cost = CostModel(model, gpu, kv_dtype=args.kv_dtype, tp=tp)
     bar = _Progress(workload.num_requests) if progress else None
     try:
@@ -279,6 +323,7 @@ def _sweep_one(payload: tuple[argparse.Namespace, dict]) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    _check_output_paths(args)
     combos = _runs(args)
     if args.mode == "sweep":
         rows = []
@@ -298,6 +343,7 @@ def run(args: argparse.Namespace) -> int:
             rows = [_sweep_one((args, c)) for c in combos]
         text = "".join(json.dumps(r) + "\n" for r in rows)
         if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             tmp = f"{args.out}.tmp"
             with open(tmp, "w") as f:
                 f.write(text)
@@ -326,10 +372,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print(reports: list[dict]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    tables = []
     if len(reports) == 1:
         r = reports[0]
         table = Table(
@@ -342,19 +387,36 @@ def _print(reports: list[dict]) -> None:
             if key not in ("per_replica", "cost_model", "workload_params"):
                 is_int = isinstance(value, int) and not isinstance(value, bool)
                 table.add_row(key, f"{value:,}" if is_int else str(value))
-        console.print(table)
+        tables.append(table)
         if r["replicas"] > 1:
-            _print_replicas(console, r)
-        return
-    table = Table(title=f"kvpool simulate: {reports[0]['model']} on {reports[0]['gpu']}, compared")
-    for key in SUMMARY_KEYS:
-        table.add_column(key, justify="right")
-    for r in reports:
-        table.add_row(*(str(r.get(key, "")) for key in SUMMARY_KEYS))
-    console.print(table)
+            tables.append(_replicas_table(r))
+    else:
+        table = Table(title=f"kvpool simulate: {reports[0]['model']} on {reports[0]['gpu']}, compared")
+        for key in SUMMARY_KEYS:
+            table.add_column(key, justify="right")
+        for r in reports:
+            table.add_row(*(str(r.get(key, "")) for key in SUMMARY_KEYS))
+        tables.append(table)
+    console = _console(tables)
+    for table in tables:
+        console.print(table)
 
 
-def _print_replicas(console, report: dict) -> None:
+def _console(tables: list) -> Console:
+    """On a terminal, its width. Piped (`| cat`, a file), rich assumes 80 columns and cuts a
+    comparison's cells to "…"; there the widest table's natural width (COLUMNS if wider)."""
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    console = Console()
+    if console.is_terminal:
+        return console
+    unbounded = console.options.update_width(10_000)
+    natural = max(Measurement.get(console, unbounded, table).maximum for table in tables)
+    return Console(width=max(console.width, natural))
+
+
+def _replicas_table(report: dict) -> Table:
     from rich.table import Table
 
     rows = report["per_replica"]
@@ -363,4 +425,4 @@ def _print_replicas(console, report: dict) -> None:
         table.add_column(key, justify="right")
     for row in rows:
         table.add_row(*(str(v) for v in row.values()))
-    console.print(table)
+    return table

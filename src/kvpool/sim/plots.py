@@ -20,7 +20,10 @@ def _label(report: dict) -> str:
     parts = [report["layout"]]
     if report.get("replicas", 1) > 1:
         parts.append(report["routing"])
-    parts.append(f"block {report['block_size']}")
+    if report["layout"] == "contiguous":  # its "block" is one request's reservation, max_model_len tokens
+        parts.append(f"{report['block_size']} tokens a request")
+    else:
+        parts.append(f"block {report['block_size']}")
     return ", ".join(parts)
 
 
@@ -112,10 +115,18 @@ def plot_sweep(rows: list[dict], directory: str) -> list[str]:
 
 
 def _save(fig, directory: str, name: str) -> str:
-    path = os.path.join(directory, name)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    """Write `name` into `directory` atomically: drawn under a temporary name beside it, then
+    renamed, so an interrupted or failed save leaves the previous image or none, never half."""
     import matplotlib.pyplot as plt
 
-    plt.close(fig)
+    path = os.path.join(directory, name)
+    tmp = os.path.join(directory, f".{name}.{os.getpid()}.tmp")
+    try:
+        fig.tight_layout()
+        fig.savefig(tmp, dpi=110, format="png")
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.remove(tmp)
     return path

@@ -169,6 +169,24 @@ def _make_replica(index: int, model: ModelSpec, p: Plan, config: SimConfig, cost
     return Replica(index, engine, runner, clock, built)
 
 
+def check_request_lens(model: ModelSpec, workload: Workload, max_model_len: int | None, flag: str = "") -> None:
+    """ValueError naming the longest request (its trace line, for a trace) when it exceeds the
+    model's context or `max_model_len`; `flag` is how the caller spells max_model_len."""
+    longest = workload.longest_request()
+    if longest is None:
+        return
+    limit = model.max_position_embeddings
+    if longest.num_tokens > limit:
+        raise ValueError(
+            f"{longest.describe()} needs {longest.num_tokens:,} tokens (prompt + output); {model.name} holds {limit:,}"
+        )
+    if max_model_len is not None and max_model_len < longest.num_tokens:
+        raise ValueError(
+            f"{flag or 'max_model_len'} {max_model_len:,} is shorter than the workload's longest request: "
+            f"{longest.describe()} needs {longest.num_tokens:,} tokens (prompt + output)"
+        )
+
+
 def simulate(
     model: ModelSpec,
     gpu: GPUSpec,
@@ -179,22 +197,9 @@ def simulate(
 ) -> dict:
     """Run `workload` to the end; the report (sim/report.py keys) with per-replica figures."""
     started = time.perf_counter()
+    check_request_lens(model, workload, config.max_model_len)
     longest = workload.max_request_len()
-    limit = model.max_position_embeddings
-    if longest > limit:
-        sid, turn, n = next(
-            (s.session_id, k, s.prompt_len(k) + t.output_len)
-            for s in workload.sessions
-            for k, t in enumerate(s.turns)
-            if s.prompt_len(k) + t.output_len > limit
-        )
-        raise ValueError(
-            f"request {sid}-t{turn} (a trace's line is in its id) needs {n:,} tokens (prompt + output); "
-            f"{model.name} holds {limit:,}"
-        )
     max_len = config.max_model_len or longest
-    if max_len < longest:
-        raise ValueError(f"max_model_len {max_len:,} is shorter than the workload's longest request ({longest:,})")
     p = plan_replica(model, gpu, config)
     replicas = [_make_replica(i, model, p, config, cost, max_len) for i in range(config.replicas)]
     for r in replicas:

@@ -86,7 +86,8 @@ def load_trace(path: str | os.PathLike[str], vocab_size: int, *, block_size: int
             assert line.prompt_ids is not None
             prompt = line.prompt_ids
         session_id = f"line{line.line_no}" if line.session is None else f"{line.session}#{line.line_no}"
-        sessions.append(Session(session_id, line.start_s, (Turn(prompt, line.output_len),), tenant=line.tenant))
+        turns = (Turn(prompt, line.output_len),)
+        sessions.append(Session(session_id, line.start_s, turns, tenant=line.tenant, trace_line=line.line_no))
     params = {"path": str(path), "block_size": block_size, "num_lines": len(lines)}
     return Workload(f"trace:{Path(path).name}", tuple(sessions), vocab_size, params)
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -93,6 +94,7 @@ class Session:
     turns: tuple[Turn, ...]
     tenant: str = ""
     prefix_ids: tuple[int, ...] = ()  # shared head of every prompt (system prompt, document)
+    trace_line: int | None = None  # the trace line it was read from (errors name it); None: generated
 
     def __post_init__(self) -> None:
         if not self.turns:
@@ -102,6 +104,12 @@ class Session:
 
     def request_id(self, turn: int) -> str:
         return f"{self.session_id}-t{turn}"
+
+    def describe(self, turn: int) -> str:
+        """The request as an error message names it: by its trace line when it has one."""
+        if self.trace_line is not None:
+            return f"trace line {self.trace_line} (request {self.request_id(turn)})"
+        return f"request {self.request_id(turn)}"
 
     def prompt_len(self, turn: int) -> int:
         """len(prompt_ids(turn)), from lengths alone."""
@@ -151,13 +159,30 @@ class Workload:
 
     def max_request_len(self) -> int:
         """The longest prompt + output over all turns, from lengths alone (0 if empty)."""
-        longest = 0
+        longest = self.longest_request()
+        return 0 if longest is None else longest.num_tokens
+
+    def longest_request(self) -> RequestLen | None:
+        """The first request of the longest prompt + output, from lengths alone (None if empty)."""
+        longest = None
         for s in self.sessions:
             done = len(s.prefix_ids)  # tokens of the conversation before the current turn
-            for t in s.turns:
+            for k, t in enumerate(s.turns):
                 done += len(t.user_ids) + t.output_len
-                longest = max(longest, done)
+                if longest is None or done > longest.num_tokens:
+                    longest = RequestLen(s, k, done)
         return longest
+
+
+class RequestLen(NamedTuple):
+    """One request (a session's turn) and its prompt + output tokens."""
+
+    session: Session
+    turn: int
+    num_tokens: int
+
+    def describe(self) -> str:
+        return self.session.describe(self.turn)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,158 @@
+"""`kvpool simulate` from the command line: output paths checked before simulating, error
+messages that name the flag and the request, routing, prefix caching off, block-size lists
+(contiguous once), and a piped comparison table that is not cut to 80 columns."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from kvpool.cli.main import main
+
+LLAMA = ["--model", "llama-3.1-8b", "--gpu", "h200"]
+
+
+@pytest.fixture
+def no_simulating(monkeypatch):
+    """Any call of the simulator fails the test: the checks must come first."""
+    import kvpool.sim.simulator
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("simulated before the output paths were checked")
+
+    monkeypatch.setattr(kvpool.sim.simulator, "simulate", refuse)
+
+
+def _one_error_line(capsys) -> str:
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--plot", "{file}"], ["--plot '{file}'", "is a file, not a directory"]),
+        (["--plot", "{file}/sub"], ["--plot '{file}/sub'", "is a file, not a directory"]),
+        (["sweep", "--plot", "{file}"], ["--plot '{file}'", "is a file"]),
+        (["sweep", "--out", "{file}/runs.jsonl"], ["--out '{file}/runs.jsonl'", "is a file"]),
+        (["sweep", "--out", "{dir}"], ["--out '{dir}'", "a directory"]),
+    ],
+)
+def test_a_bad_output_path_is_one_line_before_simulating(tmp_path, capsys, no_simulating, flags, words):
+    file = tmp_path / "f"
+    file.touch()
+    fill = {"file": str(file), "dir": str(tmp_path)}
+    argv = ["simulate", *[f.format(**fill) for f in flags], *LLAMA, "--requests", "8", "--jobs", "1"]
+    assert main(argv) == 2
+    line = _one_error_line(capsys)
+    assert all(w.format(**fill) in line for w in words), line
+    assert sorted(os.listdir(tmp_path)) == ["f"]  # nothing created
+
+
+def test_an_unwritable_plot_directory_is_one_line(tmp_path, capsys, no_simulating, monkeypatch):
+    # (the tests may run as root, whom no mode bit stops: the check's own call says no)
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    assert main(["simulate", *LLAMA, "--requests", "8", "--plot", str(tmp_path / "new" / "plots")]) == 2
+    line = _one_error_line(capsys)
+    assert f"--plot '{tmp_path / 'new' / 'plots'}'" in line and f"directory '{tmp_path}' is not writable" in line
+
+
+def test_a_plot_directory_is_made_only_when_the_run_succeeds(tmp_path, capsys):
+    plots = tmp_path / "a" / "plots"
+    assert main(["simulate", "--model", "no-such-model", "--plot", str(plots)]) == 2
+    assert not (tmp_path / "a").exists()
+    assert main(["simulate", *LLAMA, "--requests", "8", "--plot", str(plots), "--json"]) == 0
+    capsys.readouterr()
+    assert sorted(os.listdir(plots)) == ["kv_occupancy.png", "latency_cdf.png"]  # no temporary left
+
+
+def _write_trace(path, output_lens: list[int], gap_s: float = 0.0) -> None:
+    lines = [
+        {"timestamp": i * gap_s, "prompt_ids": [1 + i, 2, 3, 4], "output_length": n} for i, n in enumerate(output_lens)
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def test_max_model_len_shorter_than_a_trace_request_names_the_flag_and_the_line(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    _write_trace(trace, [100, 5000, 200])
+    assert main(["simulate", *LLAMA, "--trace", str(trace), "--max-model-len", "1024"]) == 2
+    line = _one_error_line(capsys)
+    assert "--max-model-len 1,024" in line and "trace line 2" in line and "5,004 tokens" in line, line
+
+
+def test_a_generated_request_too_long_for_the_model_does_not_speak_of_a_trace(capsys):
+    flags = ["--workload", "uniform", "--prompt-len", "9000:9000", "--output-len", "10:10", "--requests", "4"]
+    assert main(["simulate", "--model", "smollm2-135m", *flags]) == 2
+    line = _one_error_line(capsys)
+    assert "request req0-t0 needs 9,010 tokens" in line and "holds 8,192" in line, line
+    assert "trace" not in line
+
+
+def _replica_tokens(report: dict) -> list[int]:
+    return [r["generated_tokens"] for r in report["per_replica"]]
+
+
+def test_least_loaded_spreads_what_round_robin_piles_on_one_replica(tmp_path, capsys):
+    """Long and short requests alternate, 0.1 s apart: round-robin sends every long one to
+    replica 0; least-loaded sees replica 1 idle again (its short request done) and sends
+    the next long one there."""
+    trace = tmp_path / "t.jsonl"
+    _write_trace(trace, [2000, 2] * 6, gap_s=0.1)
+    reports = {}
+    for routing in ("round-robin", "least-loaded"):
+        argv = ["simulate", *LLAMA, "--trace", str(trace), "--replicas", "2", "--routing", routing, "--json"]
+        assert main(argv) == 0
+        reports[routing] = json.loads(capsys.readouterr().out)
+    rr, ll = reports["round-robin"], reports["least-loaded"]
+    assert (rr["routing"], ll["routing"]) == ("round-robin", "least-loaded")
+    assert _replica_tokens(rr) == [12_000, 12]
+    assert all(r["num_requests"] > 0 for r in ll["per_replica"])
+    assert max(_replica_tokens(ll)) <= 0.75 * sum(_replica_tokens(ll)), _replica_tokens(ll)
+
+
+def test_no_prefix_caching_hits_nothing(capsys):
+    hits = {}
+    for flags in ([], ["--no-prefix-caching"]):
+        assert main(["simulate", *LLAMA, "--requests", "24", "--json", *flags]) == 0
+        report = json.loads(capsys.readouterr().out)
+        hits[bool(flags)] = (report["prefix_hit_rate"], report["prefix_hit_tokens"])
+    assert hits[True] == (0, 0)
+    assert hits[False][0] > 0.3  # chat shares system prompts: the flag is what turned the hits off
+
+
+def test_a_block_size_list_runs_each_and_contiguous_once(capsys):
+    flags = ["--requests", "24", "--layout", "paged,contiguous", "--block-size", "16,32", "--json"]
+    assert main(["simulate", *LLAMA, *flags]) == 0
+    runs = json.loads(capsys.readouterr().out)["runs"]
+    assert [(r["layout"], r["block_size"]) for r in runs[:2]] == [("paged", 16), ("paged", 32)]
+    assert [r["layout"] for r in runs] == ["paged", "paged", "contiguous"]
+    assert runs[0]["num_blocks"] == pytest.approx(2 * runs[1]["num_blocks"], rel=0.01)
+
+
+def test_a_sweep_holds_no_duplicate_contiguous_runs(tmp_path, capsys):
+    out = tmp_path / "runs.jsonl"
+    flags = ["--layout", "paged,contiguous", "--block-size", "16,32", "--rate", "2,8", "--requests", "12"]
+    assert main(["simulate", "sweep", *LLAMA, *flags, "--out", str(out), "--jobs", "1"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    keys = [(r["layout"], r["block_size"] if r["layout"] == "paged" else "-", r["request_rate"]) for r in rows]
+    assert keys == [
+        ("paged", 16, 2.0),
+        ("paged", 16, 8.0),
+        ("paged", 32, 2.0),
+        ("paged", 32, 8.0),
+        ("contiguous", "-", 2.0),
+        ("contiguous", "-", 8.0),
+    ]
+
+
+def test_a_piped_comparison_table_is_not_cut_to_80_columns(capsys, monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert main(["simulate", *LLAMA, "--requests", "12", "--layout", "paged,contiguous"]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out and "sim_wall_s" in out and "contiguous" in out, out
+    assert max(len(line) for line in out.splitlines()) > 80
