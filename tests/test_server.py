@@ -6,16 +6,25 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpool.cache.types import CacheUsage
+from kvpool.engine.engine import EngineStats
+from kvpool.server.loadgen import LoadConfig, run_load, summarize
+from kvpool.server.metrics import ServerMetrics
+
 KEY = "sk-kvpool-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MODEL = "smollm2-135m"
 SYSTEM = "You are a careful assistant for a museum. " + " ".join(f"Rule {i}: be precise." for i in range(12))
 
 
@@ -217,6 +226,140 @@ def test_metrics_parse_and_move(server):
     assert 0 <= after["kvpool_prefix_cache_hit_rate"] <= 1
 
 
+def test_health_and_models_name_the_served_model(server):
+    r = httpx.get(f"{server}/health")  # open: no key needed for a probe
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    r = httpx.get(f"{server}/v1/models", headers=AUTH)
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "list" and [m["id"] for m in body["data"]] == [MODEL]
+    assert body["data"][0]["max_model_len"] > 0
+    assert [m.id for m in client(server).models.list()] == [MODEL]
+
+
+def test_a_stop_string_ends_the_text_before_it(server):
+    # a prompt shorter than a block: no prefix hit, so both runs compute the same greedy tokens
+    c = client(server)
+    kw = {"model": MODEL, "prompt": "Monday, Tuesday, Wednesday,", "max_tokens": 16, "temperature": 0}
+    full = c.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].text
+    stop = full.split()[2]  # the third word: the text before it is not empty
+    cut = full.find(stop)
+    assert cut > 0, full
+    out = c.completions.create(**kw, stop=[stop, "no such stop"], extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].text == full[:cut]
+    assert out.usage.completion_tokens < 16
+
+
+def test_top_p_keeps_only_the_nucleus(server):
+    c = client(server)
+    kw = {"model": MODEL, "prompt": "My favourite fruit is", "max_tokens": 8, "extra_body": {"ignore_eos": True}}
+    greedy = c.completions.create(**kw, temperature=0).choices[0].text
+    wandering = c.completions.create(**kw, temperature=1.0, top_p=1.0, seed=1).choices[0].text
+    nucleus = c.completions.create(**kw, temperature=1.0, top_p=1e-6, seed=1).choices[0].text
+    assert wandering != greedy  # seed 1 at temperature 1 leaves the greedy path...
+    assert nucleus == greedy  # ...and a nucleus of one token keeps to it
+
+
+def test_chat_logprobs_with_top_logprobs(server):
+    out = client(server).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say hello to the museum visitors."}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    choice = out.choices[0]
+    content = choice.logprobs.content
+    assert len(content) == out.usage.completion_tokens == 5
+    assert "".join(e.token for e in content) == choice.message.content
+    for e in content:
+        top = [t.logprob for t in e.top_logprobs]
+        assert len(top) == 3 and top == sorted(top, reverse=True) and top[0] <= 0
+        assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == pytest.approx(e.logprob)  # greedy
+        assert e.bytes == list(e.token.encode())
+
+
+def test_a_streamed_completion_is_chunks_then_done_and_equals_the_unstreamed(server):
+    url = f"{server}/v1/completions"
+    body = {"model": MODEL, "prompt": "Three facts about owls:", "max_tokens": 12, "temperature": 0.9, "seed": 7}
+    body["ignore_eos"] = True
+    whole = httpx.post(url, json=body, headers=AUTH, timeout=120)
+    assert whole.status_code == 200, whole.text
+    payloads = []
+    with httpx.stream("POST", url, json={**body, "stream": True}, headers=AUTH, timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line:
+                assert line.startswith("data: "), line
+                payloads.append(line.removeprefix("data: "))
+    assert payloads[-1] == "[DONE]" and "[DONE]" not in payloads[:-1]
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert len(chunks) > 1
+    assert all(ch["object"] == "text_completion" and ch["id"] == chunks[0]["id"] for ch in chunks)
+    assert [ch["choices"][0]["finish_reason"] for ch in chunks] == [None] * (len(chunks) - 1) + ["length"]
+    streamed = "".join(ch["choices"][0]["text"] for ch in chunks)
+    assert streamed == whole.json()["choices"][0]["text"] and streamed
+
+
+def test_a_completion_prompt_longer_than_the_context_gets_413(server):
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": "word " * 10000}, headers=AUTH, timeout=60)
+    assert r.status_code == 413, r.text
+    error = r.json()["error"]
+    assert error["param"] == "prompt" and error["code"] == "context_length_exceeded" and "prompt" in error["message"]
+
+
+def test_null_sampling_fields_take_their_defaults(server):
+    # OpenAI reads null as "not given"; a client library that serializes its unset options
+    # as null must not get a 400
+    nulls = dict.fromkeys(
+        ("model", "temperature", "top_p", "top_k", "n", "seed", "stop", "stream", "stream_options", "user")
+        + ("presence_penalty", "frequency_penalty", "logit_bias")
+    )
+    completion = {"prompt": "Once upon a time", "max_tokens": None, "logprobs": None, "echo": None}
+    completion |= {"best_of": None, "suffix": None, "ignore_eos": True}
+    r = httpx.post(f"{server}/v1/completions", json={**nulls, **completion}, headers=AUTH, timeout=120)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert len(body["choices"]) == 1 and body["choices"][0]["logprobs"] is None  # n: 1, no logprobs
+    assert body["usage"]["completion_tokens"] == 16  # max_tokens: OpenAI's 16
+    chat = {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 4, "max_completion_tokens": None}
+    chat |= {"logprobs": None, "top_logprobs": None, "tools": None, "ignore_eos": True}
+    r = httpx.post(f"{server}/v1/chat/completions", json={**nulls, **chat}, headers=AUTH, timeout=120)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert len(body["choices"]) == 1 and body["choices"][0]["logprobs"] is None
+    assert body["usage"]["completion_tokens"] == 4
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": None}, headers=AUTH)  # a required field stays so
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
+def test_the_token_rate_falls_to_zero_once_the_server_is_idle():
+    # the engine takes no step while idle: the rate must be computed when /metrics is read
+    now = [100.0]
+    m = ServerMetrics(MODEL, rate_window_s=2.0, clock=lambda: now[0])
+    stats = {"prefix_hit_tokens": 0, "prefix_queried_tokens": 0}
+    runner = SimpleNamespace(usage=lambda: CacheUsage(8, 8, 0, 0, 16), cache_stats=lambda: stats)
+    engine = SimpleNamespace(runner=runner, stats=EngineStats(), running=[], waiting=[])
+
+    def rate() -> float:
+        families = text_string_to_metric_families(m.render().decode())
+        return next(f for f in families if f.name == "kvpool_generation_tokens_per_second").samples[0].value
+
+    m.update(engine, [], 6)  # t=100
+    now[0] = 101.0
+    m.update(engine, [], 4)
+    assert rate() == 5.0  # 10 tokens in the last 2 s
+    now[0] = 102.5  # no step since: the first one left the window
+    assert rate() == 2.0
+    now[0] = 103.5
+    assert rate() == 0.0
+    m.update(engine, [], 0)  # an idle step adds nothing
+    assert rate() == 0.0
+
+
 def test_bench_serve_drives_the_server(server):
     out = subprocess.run(
         [sys.executable, "-m", "kvpool", "bench", "serve", "--url", server, "--api-key", KEY, "--concurrency", "2"]
@@ -240,3 +383,40 @@ def test_serve_refuses_bad_flags_without_a_traceback():
     ):
         out = subprocess.run([sys.executable, "-m", "kvpool", "serve", *flags], capture_output=True, text=True)
         assert out.returncode == 2 and needle in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_bench_serve_without_a_server_is_one_error_line_quickly():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"  # closed again: it refuses connections
+    start = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-m", "kvpool", "bench", "serve", "--url", url], capture_output=True, text=True, timeout=120
+    )
+    took = time.monotonic() - start
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 2, out.stderr
+    assert lines[0] == f"kvpool bench serve: waiting for {url} to answer"
+    assert lines[1].startswith(f"kvpool bench serve: error: cannot connect to {url} (")
+    assert took < 30  # 3 s of retries, and the interpreter's start
+
+
+def test_a_load_that_outlives_its_time_bound_reports_what_finished():
+    async def against_a_stalled_server():
+        async def stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.read()  # never answers; returns when the client hangs up
+            writer.close()
+
+        stalled = await asyncio.start_server(stall, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{stalled.sockets[0].getsockname()[1]}"
+        config = LoadConfig(url, "m", num_requests=3, turns=1, concurrency=2, duration_limit_s=0.2, grace_s=0.3)
+        async with stalled:
+            return config, await run_load(config)
+
+    config, (records, wall_s) = asyncio.run(against_a_stalled_server())
+    assert wall_s < 10  # not the per-request timeout of duration + 30 s
+    # two clients, each cancelled in its first request; the third conversation never started
+    assert [r.ok for r in records] == [False, False]
+    assert {r.error for r in records} == {"cancelled: still in flight 0.3 s after the duration limit of 0.2 s"}
+    row = summarize(config, records, wall_s, {}, {})
+    assert row["num_requests"] == 2 and row["num_ok"] == 0 and row["errors"] == [records[0].error]

@@ -4,7 +4,10 @@ p50 and p99, throughput, goodput under the SLOs and the prefix-cache hit rate, o
 concurrency (or request rate). The figures and how they are measured: kvpool/server/loadgen.py.
 
 Without --url it starts `kvpool serve --port 0` itself (the embedded SmolLM2-135M) and
-stops it at the end.
+stops it at the end. With --url it waits for the server's /v1/models to answer, up to
+--ready-timeout (a server still loading its model: `kvpool serve` accepts connections before
+it answers them), saying so on stderr after a second; a port that refuses connections for
+REFUSED_TIMEOUT_S has nothing listening on it and is an error at once.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ import time
 
 from kvpool.cli.args import positive_float, positive_int, rate
 
-READY_TIMEOUT_S = 300.0
+READY_TIMEOUT_S = 300.0  # --ready-timeout's default: a server that accepts connections, loading
+REFUSED_TIMEOUT_S = 3.0  # retries while connecting fails (refused, no such host): nothing listens
+WAITING_NOTICE_S = 1.0  # say that we wait once we have waited this long
 
 
 def _levels(text: str) -> list[int]:
@@ -37,6 +42,12 @@ def _rates(text: str) -> list[float]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default=None, help="the server, e.g. http://127.0.0.1:8000 (default: start one)")
+    parser.add_argument(
+        "--ready-timeout",
+        type=positive_float,
+        default=READY_TIMEOUT_S,
+        help=f"seconds to wait for --url to answer (a port that refuses connections: {REFUSED_TIMEOUT_S:g} s)",
+    )
     parser.add_argument(
         "--api-key", default=os.environ.get("KVPOOL_API_KEY"), help="bearer token (default: $KVPOOL_API_KEY)"
     )
@@ -89,36 +100,81 @@ def _stop_server(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-def _wait_ready(url: str, api_key: str | None) -> str:
-    """The server's model name, once /v1/models answers."""
+def _wait_ready(url: str, api_key: str | None, timeout_s: float) -> str:
+    """The server's model name, once /v1/models answers. A refused connection is retried for
+    REFUSED_TIMEOUT_S at most, anything else that is not an answer yet (a connection that
+    waits, a 5xx) until `timeout_s`; a 4xx is an answer, and an error."""
     import httpx
 
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as error:
+        raise ValueError(f"--url {url!r}: {error}") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"--url {url!r}: expected http://HOST:PORT")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    deadline = time.monotonic() + READY_TIMEOUT_S
+    start = time.monotonic()
+    refused_since: float | None = None
+    noticed = False
     while True:
+        waited = time.monotonic() - start
+        # short tries until the notice is out, so that a server that accepts and says nothing
+        # does not keep us silent
+        attempt_s = min(10.0 if noticed else WAITING_NOTICE_S, max(0.1, timeout_s - waited))
         try:
-            r = httpx.get(f"{url}/v1/models", headers=headers, timeout=10.0)
+            r = httpx.get(f"{url}/v1/models", headers=headers, timeout=attempt_s)
+            refused_since = None
             if r.status_code == 401:
                 raise ValueError(f"{url} wants an API key: give --api-key")
+            if 400 <= r.status_code < 500:
+                raise ValueError(f"{url} is no OpenAI-compatible server: GET /v1/models answered {r.status_code}")
             r.raise_for_status()
-            return r.json()["data"][0]["id"]
+            try:
+                return r.json()["data"][0]["id"]
+            except (ValueError, KeyError, IndexError, TypeError):
+                raise ValueError(f"{url}: GET /v1/models answered no model list: {r.text[:200]!r}") from None
         except httpx.HTTPError as error:
-            if time.monotonic() > deadline:
-                raise ValueError(f"no OpenAI-compatible server answers at {url}: {error}") from None
-            time.sleep(0.5)
+            now = time.monotonic()
+            if isinstance(error, httpx.ConnectError):
+                refused_since = now if refused_since is None else refused_since
+                if now - refused_since >= REFUSED_TIMEOUT_S:
+                    raise ValueError(
+                        f"cannot connect to {url} ({error}; retried for {REFUSED_TIMEOUT_S:g} s): start "
+                        "`kvpool serve` there, or leave out --url to let the bench start one"
+                    ) from None
+            if now - start >= timeout_s:
+                raise ValueError(
+                    f"no OpenAI-compatible server answered at {url} within --ready-timeout {timeout_s:g} s: {error}"
+                ) from None
+            if not noticed and now - start >= WAITING_NOTICE_S:
+                print(f"kvpool bench serve: waiting for {url} to answer", file=sys.stderr, flush=True)
+                noticed = True
+            time.sleep(0.25)
+
+
+def _scrape(url: str) -> dict[str, float]:
+    import httpx
+
+    from kvpool.server.loadgen import scrape
+
+    try:
+        return scrape(url)
+    except httpx.HTTPError as error:
+        raise ValueError(f"{url}/metrics: {type(error).__name__}: {error}") from None
 
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from kvpool.server.loadgen import LoadConfig, run_load, scrape, summarize
+    from kvpool.server.loadgen import LoadConfig, run_load, summarize
 
     proc = None
     url = args.url.rstrip("/") if args.url else None
     try:
         if url is None:
             proc, url = _start_server(args)
-        model = args.model or _wait_ready(url, args.api_key)
+        served = _wait_ready(url, args.api_key, args.ready_timeout)  # with --model too: the server must answer
+        model = args.model or served
         if args.request_rate is not None:
             rows = [("request_rate", r) for r in args.request_rate]
         else:
@@ -139,9 +195,9 @@ def run(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 api_key=args.api_key,
             )
-            before = scrape(url)
+            before = _scrape(url)
             records, wall = asyncio.run(run_load(config))
-            after = scrape(url)
+            after = _scrape(url)
             results.append(summarize(config, records, wall, before, after))
             if not args.json:
                 print(f"kvpool bench serve: {kind} {value}: {len(records)} requests, {wall:.1f} s", file=sys.stderr)

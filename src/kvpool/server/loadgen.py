@@ -14,6 +14,10 @@ last one is done. Rate R: conversations start as a Poisson process of R per seco
 their follow-ups as their answers arrive. Goodput: requests within both SLOs (TTFT, TPOT)
 per second. The server's hit rate is the change of its /metrics prefix-cache counters over
 the run; the client's, cached_tokens / prompt_tokens summed over the run's usage objects.
+
+Bounded in time: no request starts after the duration limit, and the requests still in
+flight `grace_s` after it are cancelled and counted as failed ("cancelled: ..."), so a run
+against a server that stalls still ends with a report of what finished.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import json
 import math
 import random
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +72,7 @@ class LoadConfig:
     api_key: str | None = None
     temperature: float = 0.7
     top_p: float = 0.9
+    grace_s: float = 60.0  # past the duration limit, for the requests in flight; then they are cancelled
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -165,11 +171,26 @@ async def run_load(config: LoadConfig) -> tuple[list[RequestRecord], float]:
             if budget["left"] <= 0 or time.perf_counter() >= deadline:
                 return
             budget["left"] -= 1
-            record, answer = await _one_request(client, config, messages, next(seeds))
+            try:
+                record, answer = await _one_request(client, config, messages, next(seeds))
+            except asyncio.CancelledError:  # still in flight at the time bound (below): it failed
+                records.append(RequestRecord(ok=False, error=cancelled))
+                raise
             records.append(record)
             if not record.ok:
                 return
             messages = chat.next_turn(messages, answer, turn + 1)
+
+    cancelled = (
+        f"cancelled: still in flight {config.grace_s:g} s after the duration limit of {config.duration_limit_s:g} s"
+    )
+
+    async def bounded(*aws: Awaitable[None]) -> None:
+        """Await them until grace_s past the deadline; what is left then is cancelled."""
+        try:
+            await asyncio.wait_for(asyncio.gather(*aws), max(0.0, deadline - time.perf_counter()) + config.grace_s)
+        except TimeoutError:
+            pass  # each request that was cancelled recorded itself as failed: the report says so
 
     start = time.perf_counter()
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
@@ -182,9 +203,7 @@ async def run_load(config: LoadConfig) -> tuple[list[RequestRecord], float]:
                 while not queue.empty() and budget["left"] > 0 and time.perf_counter() < deadline:
                     await conversation(client, queue.get_nowait())
 
-            await asyncio.wait_for(
-                asyncio.gather(*(worker() for _ in range(config.concurrency))), config.duration_limit_s + 60.0
-            )
+            await bounded(*(worker() for _ in range(config.concurrency)))
         else:
             assert config.request_rate is not None
             tasks = []
@@ -198,8 +217,7 @@ async def run_load(config: LoadConfig) -> tuple[list[RequestRecord], float]:
                 if budget["left"] <= 0 or time.perf_counter() >= deadline:
                     break
                 tasks.append(asyncio.ensure_future(conversation(client, c)))
-            if tasks:
-                await asyncio.wait_for(asyncio.gather(*tasks), max(1.0, deadline - time.perf_counter()) + 60.0)
+            await bounded(*tasks)
     return records, time.perf_counter() - start
 
 

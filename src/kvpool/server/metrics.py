@@ -2,7 +2,9 @@
 
 The engine thread updates them after every step (`ServerMetrics.update`), from the engine's
 own statistics and the runner's `usage()` / `cache_stats()`; `/metrics` renders the
-registry. Every name starts with `kvpool_`.
+registry. The tokens-per-second gauge alone is computed when it is rendered: an idle server
+takes no step, and a rate set at the last step would show long after it went quiet. Every
+name starts with `kvpool_`.
 
   kv cache     kvpool_kv_blocks_total / _used (held by a request) / _free (allocatable,
                cached ones included) / _cached_free (free, still findable by the prefix
@@ -15,7 +17,7 @@ registry. Every name starts with `kvpool_`.
                kvpool_decode_tokens_total
   requests     kvpool_requests_total{finish_reason}, kvpool_prompt_tokens_total,
                kvpool_cached_prompt_tokens_total, kvpool_generation_tokens_total,
-               kvpool_generation_tokens_per_second (over the last 10 s)
+               kvpool_generation_tokens_per_second (over the last 10 s, as of the scrape)
   latency      histograms kvpool_time_to_first_token_seconds, _time_per_output_token_seconds,
                _e2e_request_latency_seconds (engine-side: from the request's arrival at the
                engine)
@@ -23,8 +25,10 @@ registry. Every name starts with `kvpool_`.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -36,8 +40,38 @@ _TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.
 FINISH_REASONS = ("stop", "length", "abort")
 
 
+class WindowedRate:
+    """Events per second over the last `window_s` seconds, as of `clock()` when asked.
+
+    The engine thread adds, the scrape reads: a lock keeps the two from trimming the same
+    deque at once."""
+
+    def __init__(self, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if window_s <= 0:
+            raise ValueError(f"window_s must be positive, got {window_s}")
+        self.window_s, self.clock = window_s, clock
+        self._events: deque[tuple[float, int]] = deque()  # (time, count), oldest first
+        self._lock = threading.Lock()
+
+    def add(self, count: int) -> None:
+        if count <= 0:
+            return
+        with self._lock:
+            self._events.append((self.clock(), count))
+
+    def rate(self) -> float:
+        with self._lock:
+            now = self.clock()
+            events = self._events
+            while events and events[0][0] < now - self.window_s:
+                events.popleft()
+            return sum(n for _, n in events) / self.window_s
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(
+        self, model_name: str, rate_window_s: float = RATE_WINDOW_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.registry = registry = CollectorRegistry()
         labels = {"model_name": model_name}
 
@@ -75,9 +109,11 @@ class ServerMetrics:
             "kvpool_cached_prompt_tokens", "prompt tokens of finished requests served by the prefix cache"
         )
         self.generation_tokens = counter("kvpool_generation_tokens", "tokens generated (every sample)")
+        self.generation_rate = WindowedRate(rate_window_s, clock)
         self.tokens_per_s = gauge(
-            "kvpool_generation_tokens_per_second", f"tokens generated per second over the last {RATE_WINDOW_S:g} s"
+            "kvpool_generation_tokens_per_second", f"tokens generated per second over the last {rate_window_s:g} s"
         )
+        self.tokens_per_s.set_function(self.generation_rate.rate)  # computed at each scrape
         self.ttft = histogram("kvpool_time_to_first_token_seconds", "time to first token", _LATENCY_BUCKETS)
         self.tpot = histogram(
             "kvpool_time_per_output_token_seconds", "time per output token after the first", _TPOT_BUCKETS
@@ -86,7 +122,6 @@ class ServerMetrics:
             "kvpool_e2e_request_latency_seconds", "request latency, arrival to finish", _LATENCY_BUCKETS
         )
         self._seen = {"steps": 0, "preemptions": 0, "prefill": 0, "decode": 0, "queried": 0, "hit": 0}
-        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens generated) per update
 
     def update(self, engine: Engine, finished: list[RequestOutput], num_new_tokens: int) -> None:
         """After a step (engine thread): move the counters by what changed, set the gauges."""
@@ -111,13 +146,7 @@ class ServerMetrics:
         self.running.set(len({s.request.request_id for s in engine.running}))
         self.waiting.set(len({s.request.request_id for s in engine.waiting}))
         self.generation_tokens.inc(num_new_tokens)
-        now = time.monotonic()
-        recent = self._recent
-        if num_new_tokens:
-            recent.append((now, num_new_tokens))
-        while recent and recent[0][0] < now - RATE_WINDOW_S:
-            recent.popleft()
-        self.tokens_per_s.set(sum(n for _, n in recent) / RATE_WINDOW_S)
+        self.generation_rate.add(num_new_tokens)
         for out in finished:
             reasons = {c.finish_reason for c in out.completions}
             reason = "abort" if "abort" in reasons else "stop" if reasons == {"stop"} else "length"

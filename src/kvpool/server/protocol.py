@@ -5,7 +5,9 @@ Requests are validated field by field; a bad one gets OpenAI's error object,
 in `param` and in the message. Fields OpenAI defines that kvpool does not implement
 (penalties, logit_bias, echo, best_of > n, suffix, tools) are refused when set to anything
 but their neutral value, never silently ignored; unknown fields are ignored, as OpenAI
-ignores them. Two extensions, as vLLM names them: `top_k` and `ignore_eos`.
+ignores them. An optional field sent as JSON null takes its default, as OpenAI takes it
+(`"temperature": null` is 1.0, `"n": null` is 1); a required one (`prompt`, `messages`)
+sent as null is refused. Two extensions, as vLLM names them: `top_k` and `ignore_eos`.
 """
 
 from __future__ import annotations
@@ -44,14 +46,26 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-class StreamOptions(BaseModel):
+class NullIsDefault(BaseModel):
+    """A body whose optional fields read JSON null as "not given": the field's default."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data  # not an object: pydantic's own error names it
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
+
+
+class StreamOptions(NullIsDefault):
     include_usage: bool = False
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(NullIsDefault):
     """What both endpoints share."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None  # None: the served model
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -97,7 +111,7 @@ class SamplingRequest(BaseModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: NonEmpty | list[int] | list[NonEmpty]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    max_tokens: int | None = Field(None, ge=1)  # None: OpenAI's 16, fewer where the context ends first
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
