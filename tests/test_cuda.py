@@ -7,70 +7,29 @@ scenarios on the CPU path."""
 from __future__ import annotations
 
 import os
-import random
 
 import pytest
 import torch
 
-from kvpool.cache import CacheDescriptor
 from kvpool.engine.engine import Engine
 from kvpool.engine.llama_runner import LlamaRunner
 from kvpool.engine.sampling import SamplingParams
-from kvpool.models.gguf import LlamaConfig
 from kvpool.models.llama import LlamaModel
 from kvpool.tiers import DiskTier, HostTier
+from random_llama import DESCRIPTOR, random_ids, random_llama
 
 DEVICE = os.environ.get("KVPOOL_TEST_DEVICE", "cuda")
 pytestmark = pytest.mark.skipif(
     DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA GPU (KVPOOL_TEST_DEVICE=cpu: CPU path)"
 )
-CONFIG = LlamaConfig(
-    num_layers=4,
-    hidden_size=128,
-    intermediate_size=256,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=32,
-    rope_theta=10000.0,
-    rms_norm_eps=1e-5,
-    vocab_size=512,
-    max_position=2048,
-    tie_embeddings=True,
-)
-DESCRIPTOR = CacheDescriptor("random-llama", weights_version="seed0", layout_id="L4:kvh2:d32:bs16:fp64")
 
 
 @pytest.fixture(scope="module")
 def model() -> LlamaModel:
-    g = torch.Generator().manual_seed(0)
-    c = CONFIG
-    kv = c.num_kv_heads * c.head_dim
-    shapes = {
-        "q": (c.num_heads * c.head_dim, c.hidden_size),
-        "k": (kv, c.hidden_size),
-        "v": (kv, c.hidden_size),
-        "o": (c.hidden_size, c.num_heads * c.head_dim),
-        "gate": (c.intermediate_size, c.hidden_size),
-        "up": (c.intermediate_size, c.hidden_size),
-        "down": (c.hidden_size, c.intermediate_size),
-    }
-    tensors = [("embed", torch.randn(c.vocab_size, c.hidden_size, generator=g, dtype=torch.float64))]
-    tensors.append(("norm", 1 + 0.1 * torch.randn(c.hidden_size, generator=g, dtype=torch.float64)))
-    for i in range(c.num_layers):
-        for part, shape in shapes.items():
-            tensors.append(
-                (f"layers.{i}.{part}", torch.randn(*shape, generator=g, dtype=torch.float64) / shape[1] ** 0.5)
-            )
-        for part in ("attn_norm", "ffn_norm"):
-            tensors.append(
-                (f"layers.{i}.{part}", 1 + 0.1 * torch.randn(c.hidden_size, generator=g, dtype=torch.float64))
-            )
-    return LlamaModel.from_tensors(CONFIG, tensors, DEVICE)
+    return random_llama(DEVICE)
 
 
-def _ids(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(CONFIG.vocab_size) for _ in range(n)]
+_ids = random_ids
 
 
 def _engine(model, num_blocks: int, **kw) -> tuple[Engine, LlamaRunner]:

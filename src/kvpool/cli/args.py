@@ -119,6 +119,34 @@ def add_host_cache_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# kvpool.storage.quant.KV_FORMATS' names (spelled out here: the parser loads no torch)
+KV_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8")
+
+
+def add_kv_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kv-dtype",
+        choices=KV_DTYPES,
+        default=None,
+        help="the KV cache's storage format (SmolLM2): bf16 / fp16 elements, or fp8 / int8 with one fp32 scale per "
+        "token and KV head (lossy; see kvpool.storage.quant); default: the model's dtype, unquantized",
+    )
+
+
+def check_kv_dtype(args: argparse.Namespace) -> str | None:
+    """--kv-dtype, checked against the model and the tiers; ValueError otherwise."""
+    name = getattr(args, "kv_dtype", None)
+    if name is None:
+        return None
+    if getattr(args, "model", None) == "tiny-dsv4":
+        raise ValueError(f"--kv-dtype {name}: tiny-dsv4 keeps its exact fp32 pools (the V4 formats are not built)")
+    tiers = [f for f in ("host_cache_gib", "disk_cache", "redis") if getattr(args, f, None) is not None]
+    if tiers and name != "fp32":
+        flag = "--" + tiers[0].replace("_", "-")
+        raise ValueError(f"--kv-dtype {name} with {flag}: the tiers keep unquantized blocks only")
+    return name
+
+
 def add_persistent_cache_arguments(parser: argparse.ArgumentParser, *, swa: bool = True) -> None:
     """--disk-cache, --disk-cache-gib, --redis; with `swa` also tiny-dsv4's --swa-strategy
     and --swa-period (kvpool serve runs SmolLM2 only)."""

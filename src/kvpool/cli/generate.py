@@ -10,9 +10,11 @@ from typing import Any
 from kvpool.cli.args import (
     add_hisparse_argument,
     add_host_cache_argument,
+    add_kv_dtype_argument,
     add_persistent_cache_arguments,
     add_preemption_argument,
     check_hisparse,
+    check_kv_dtype,
     check_preemption,
     host_cache_bytes,
     non_negative_int,
@@ -63,6 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_host_cache_argument(parser)
+    add_kv_dtype_argument(parser)
     add_persistent_cache_arguments(parser)
     add_preemption_argument(parser)
     add_hisparse_argument(parser)
@@ -110,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     check_hisparse(args)
     preemption = check_preemption(args)
+    kv_format = check_kv_dtype(args)
     tiers = persistent_cache_options(args)
     if args.model == "tiny-dsv4":  # DeepSeek-V4 dual pool: token ids in, token ids out
         from kvpool.cli import generate_dsv4
@@ -133,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         host_cache_bytes=host_cache_bytes(args),
         preemption=preemption,
+        kv_format=kv_format,
         **tiers,
     )
     try:
@@ -183,6 +188,7 @@ def _generate(args, engine, loaded, prompt_ids, params, num_blocks, runtime_byte
             "prompt_tokens": len(prompt_ids),
             "cached_tokens": out.num_cached_tokens,
             "finish_reason": completion.finish_reason,
+            "kv_format": engine.runner.kv_format,
             **timings(out),
             "load_s": round(loaded.load_s, 3),
             "load_source": loaded.load_source,

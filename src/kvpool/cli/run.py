@@ -37,9 +37,11 @@ from kvpool.capacity.engine import EngineConfig
 from kvpool.cli.args import (
     add_hisparse_argument,
     add_host_cache_argument,
+    add_kv_dtype_argument,
     add_persistent_cache_arguments,
     add_preemption_argument,
     check_hisparse,
+    check_kv_dtype,
     check_preemption,
     host_cache_bytes,
     non_negative_int,
@@ -75,6 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--num-blocks", type=positive_int, default=None, help="KV blocks (default: from --kv-memory)")
     add_host_cache_argument(parser)
+    add_kv_dtype_argument(parser)
     add_persistent_cache_arguments(parser)
     add_hisparse_argument(parser)
     add_preemption_argument(parser)
@@ -256,12 +259,14 @@ def llama_engine(loaded, args: argparse.Namespace, kv_memory_bytes: int):
 
     return build_engine(
         loaded,
-        num_blocks=args.num_blocks or num_blocks_for_memory(loaded, args.block_size, kv_memory_bytes),
+        num_blocks=args.num_blocks
+        or num_blocks_for_memory(loaded, args.block_size, kv_memory_bytes, getattr(args, "kv_dtype", None)),
         block_size=args.block_size,
         max_num_batched_tokens=args.max_batch_tokens,
         max_num_seqs=args.max_seqs,
         host_cache_bytes=host_cache_bytes(args),
         preemption=getattr(args, "preemption", "recompute"),
+        kv_format=check_kv_dtype(args),
         **persistent_cache_options(args),
     )
 
@@ -279,6 +284,7 @@ def run(args: argparse.Namespace) -> int:
         parse_bytes(args.kv_memory)  # a bad size is reported before the model loads
     check_hisparse(args)
     check_preemption(args)
+    check_kv_dtype(args)
     persistent_cache_options(args)  # ... and so are bad tier flags
     quiet = args.json or not sys.stdout.isatty()
     if quiet:
@@ -387,6 +393,7 @@ def make_report(engine, args, model_name, wall, step_time, frag_samples, bytes_r
         "model": model_name,
         "kv_capacity_tokens": int(stats["kv_capacity_tokens"]),
         "kv_capacity_bytes": int(stats["kv_capacity_bytes"]),
+        "kv_format": getattr(engine.runner, "kv_format", "float32"),
         "block_size": int(stats["block_size"]),
         "num_blocks": int(stats["num_blocks"]),
         "fragmentation": round(sum(frag_samples) / len(frag_samples), 4) if frag_samples else 0.0,

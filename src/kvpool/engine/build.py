@@ -13,7 +13,7 @@ import xxhash
 
 from kvpool.cache import CacheDescriptor
 from kvpool.engine.engine import Engine
-from kvpool.engine.llama_runner import LlamaRunner
+from kvpool.engine.llama_runner import LlamaRunner, kv_format_for
 from kvpool.engine.memory import rss_bytes
 from kvpool.kernels import cpu_kernels
 from kvpool.models import weight_cache
@@ -21,7 +21,7 @@ from kvpool.models.gguf import GGUFModel, check_gguf_file, default_gguf_path, fi
 from kvpool.models.llama import LlamaModel
 from kvpool.models.tokenizer import ChatTokenizer, build_tokenizer
 from kvpool.spec.layout import CacheSpec
-from kvpool.storage.kv import PagedKVStorage
+from kvpool.storage.kv import PagedKVStorage, QuantizedKVStorage
 
 
 @dataclass
@@ -90,9 +90,12 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, devi
     return LoadedModel(meta, model, tokenizer, meta.digest, elapsed, source, tokenizer_bytes)
 
 
-def descriptor_for(loaded: LoadedModel, block_size: int) -> CacheDescriptor:
+def descriptor_for(loaded: LoadedModel, block_size: int, kv_format: str | None = None) -> CacheDescriptor:
+    """Everything the cache's bytes depend on; the layout names the KV storage format, so a
+    block of one format never serves another."""
     cfg = loaded.model.config
-    dtype = str(loaded.model.dtype).removeprefix("torch.")
+    fmt = kv_format_for(loaded.model, kv_format)
+    dtype = fmt.name if fmt is not None else str(loaded.model.dtype).removeprefix("torch.")
     return CacheDescriptor(
         model_id=os.path.basename(loaded.gguf.path),
         weights_version=loaded.weights_version,
@@ -111,8 +114,15 @@ def cache_spec_for(loaded: LoadedModel, block_size: int) -> CacheSpec:
     return CacheSpec.uniform(name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, block_size=block_size)
 
 
-def num_blocks_for_memory(loaded: LoadedModel, block_size: int, kv_memory_bytes: int) -> int:
-    per_block = int(cache_spec_for(loaded, block_size).bytes_per_block)
+def num_blocks_for_memory(
+    loaded: LoadedModel, block_size: int, kv_memory_bytes: int, kv_format: str | None = None
+) -> int:
+    fmt = kv_format_for(loaded.model, kv_format)
+    if fmt is None:
+        per_block = int(cache_spec_for(loaded, block_size).bytes_per_block)
+    else:
+        cfg = loaded.model.config
+        per_block = QuantizedKVStorage.block_bytes(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, fmt)
     num_blocks = kv_memory_bytes // per_block
     if num_blocks <= 0:
         raise ValueError(f"KV memory of {kv_memory_bytes} bytes holds no block of {per_block} bytes")
@@ -133,12 +143,14 @@ def build_engine(
     disk_cache: str | os.PathLike | None = None,
     disk_cache_bytes: int = 16 << 30,
     redis_url: str | None = None,
+    kv_format: str | None = None,
 ) -> Engine:
     """host_cache_bytes: a host-memory tier of that many bytes below the device pool
     (kvpool.tiers.HostTier); None: none. preemption: "recompute", "swap" or "auto"
     (LlamaRunner; swap and auto need the host tier). disk_cache: a crash-safe disk tier in
     that directory, LRU under disk_cache_bytes (kvpool.tiers.DiskTier); redis_url: a
-    shared Redis tier (kvpool.tiers.redis_tier.RedisTier). Lookups go host -> disk -> Redis."""
+    shared Redis tier (kvpool.tiers.redis_tier.RedisTier). Lookups go host -> disk -> Redis.
+    kv_format: the KV cache's storage format (kvpool.storage.quant; None: the model's dtype)."""
     tier = None
     if host_cache_bytes is not None:
         from kvpool.tiers import HostTier
@@ -151,11 +163,12 @@ def build_engine(
         loaded.model,
         num_blocks,
         block_size,
-        descriptor_for(loaded, block_size),
+        descriptor_for(loaded, block_size, kv_format),
         enable_prefix_caching=enable_prefix_caching,
         host_tier=tier,
         preemption=preemption,
         persistent_tiers=persistent,
+        kv_format=kv_format,
     )
     tok = loaded.tokenizer
     eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()

@@ -13,7 +13,9 @@ from kvpool.cache import Admission, CacheDescriptor, CacheUsage, FullAttentionMa
 from kvpool.engine.memory import StepPeaks
 from kvpool.engine.runner import ScheduledChunk
 from kvpool.models.llama import LlamaModel
-from kvpool.storage.kv import PagedKVStorage
+from kvpool.storage.kv import PagedKVStorage, QuantizedKVStorage
+from kvpool.storage.quant import KVFormat
+from kvpool.storage.quant import kv_format as lookup_kv_format
 from kvpool.tiers import Tier, TierIndex, TierStack
 
 
@@ -35,6 +37,15 @@ class TierMoves:
 PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap", "auto")
 
 
+def kv_format_for(model: LlamaModel, name: str | None) -> KVFormat | None:
+    """The KV storage format `name` for `model`, or None for unquantized storage in the
+    model's own dtype (fp32 for an fp32 model, and so on); ValueError for an unknown name."""
+    if name is None:
+        return None
+    fmt = lookup_kv_format(name)
+    return None if fmt.dtype == model.dtype else fmt
+
+
 class LlamaRunner:
     def __init__(
         self,
@@ -48,6 +59,7 @@ class LlamaRunner:
         host_tier: Tier | None = None,
         preemption: str = "recompute",
         persistent_tiers: Sequence[Tier] = (),
+        kv_format: str | None = None,
     ):
         """decode_path: "native" / "bags" / "padded" (attention/paged.py); None picks "native"
         when the model runs the C kernels, else "bags". host_tier: a tier below the device
@@ -60,7 +72,12 @@ class LlamaRunner:
         costs less than recomputing the tokens, by the rates this runner has measured).
         persistent_tiers: the disk and Redis tiers, below the host tier (kvpool.tiers):
         every block that becomes a full cached block is written through to them in the
-        background, and an admission takes the longest prefix across all tiers."""
+        background, and an admission takes the longest prefix across all tiers.
+        kv_format: the KV cache's storage format (storage/quant.py: bf16, fp16, fp8_e4m3,
+        fp8_e5m2, int8); None or the model's own dtype: unquantized, in the model's dtype."""
+        fmt = kv_format_for(model, kv_format)
+        if fmt is not None and (host_tier is not None or persistent_tiers):
+            raise ValueError(f"--kv-dtype {fmt.name}: the host, disk and Redis tiers keep unquantized blocks only")
         if preemption not in PREEMPTION_MODES:
             raise ValueError(f"unknown preemption {preemption!r}; one of {', '.join(PREEMPTION_MODES)}")
         if preemption != "recompute" and (host_tier is None or not enable_prefix_caching):
@@ -87,16 +104,23 @@ class LlamaRunner:
             record_published=bool(self.persistent_tiers),
         )
         self.tier_moves = TierMoves()
-        self.storage = PagedKVStorage(
-            cfg.num_layers,
-            num_blocks,
-            block_size,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            model.dtype,
-            model.device,
-            model.kernels,
-        )
+        self.kv_format = fmt.name if fmt is not None else str(model.dtype).removeprefix("torch.")
+        self.storage: PagedKVStorage | QuantizedKVStorage
+        if fmt is None:
+            self.storage = PagedKVStorage(
+                cfg.num_layers,
+                num_blocks,
+                block_size,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                model.dtype,
+                model.device,
+                model.kernels,
+            )
+        else:
+            self.storage = QuantizedKVStorage(
+                cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, fmt, model.dtype, model.device
+            )
         # On CUDA the tier copies run on a stream of their own, ordered against the compute
         # stream by events (`_to_host`, `_to_device`)
         self._copy_stream = torch.cuda.Stream(model.device) if model.device.type == "cuda" else None
@@ -529,7 +553,16 @@ class LlamaRunner:
         self._note_plan(plan)
         storage = self.storage
         k_layers, v_layers, scale = storage.k_layers, storage.v_layers, self.scale
-        if storage.kernels is not None and (plan.decode is None or plan.decode.native is not None):
+        if isinstance(storage, QuantizedKVStorage):
+            # write the new tokens quantized, then read the step's blocks as their bytes say
+            quant_index = storage.write_index(plan.slots)
+            step_blocks = torch.unique(torch.as_tensor(tables.csr.indices, dtype=torch.long, device=device))
+
+            def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                storage.write(layer, quant_index, k, v)
+                k_cache, v_cache = storage.dequantized(layer, step_blocks)
+                return paged_attention(q, k_cache, v_cache, plan, scale)
+        elif storage.kernels is not None and (plan.decode is None or plan.decode.native is not None):
             attend = NativeAttend(storage, plan, scale)
         else:
             write_index = storage.write_index(plan.slots)

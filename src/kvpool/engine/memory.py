@@ -4,9 +4,11 @@ The terms are those of the planner's ledger (capacity/ledger.py), each measured 
 allocated:
   weights     every weight tensor the model holds (`LlamaModel.weight_bytes`)
   kv_pool     the K/V tensors (`PagedKVStorage.num_bytes`), their quantization scales (none
-              in fp32), the largest step's block tables and slot mapping as tensors, and the
-              cache manager's Python structures when measured: refcounts, free queues,
-              prefix index, per-request tables and token ids (`metadata_bytes`, sys.getsizeof)
+              unquantized; a quantized pool's dequantization scratch, one layer of the pool
+              in the compute dtype, is not counted: it shows in the remainder), the largest
+              step's block tables and slot mapping as tensors, and the cache manager's
+              Python structures when measured: refcounts, free queues, prefix index,
+              per-request tables and token ids (`metadata_bytes`, sys.getsizeof)
   workspace   the largest step's buffers: the forward's step buffers (`step_buffer_bytes`)
               and attention output, the logits tensor, the largest scratch a sampler call
               held (`scratch_peak_bytes`)
@@ -142,8 +144,8 @@ def measure(runner, runtime_bytes: int, tokenizer_bytes: int) -> MeasuredLedger:
         {
             "weights": {"model": runner.model.weight_bytes()},
             "kv_pool": {
-                "data": storage.num_bytes,
-                "quant_scales": 0,
+                "data": storage.num_bytes - getattr(storage, "scale_bytes", 0),
+                "quant_scales": getattr(storage, "scale_bytes", 0),  # int8 / fp8: one fp32 per token and KV head
                 "block_tables": peaks.step_tables,
                 "bookkeeping": on_host["bookkeeping"],
                 "host_tier": on_host["host_tier"],  # the host tier's peak (its blocks; in host memory on CUDA)
