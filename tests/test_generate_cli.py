@@ -30,6 +30,7 @@ def test_generate_json(smollm2, capsys):
         "prompt_tokens",
         "cached_tokens",
         "finish_reason",
+        "kv_format",
         "ttft_ms",
         "tokens_per_s",
         "latency_ms",
@@ -39,7 +40,7 @@ def test_generate_json(smollm2, capsys):
     }
     assert "Paris" in out["text"] and 0 < len(out["token_ids"]) < 16
     assert out["finish_reason"] == "stop"  # the model ended its answer itself, before the limit
-    assert out["prompt_tokens"] > 20 and out["cached_tokens"] == 0
+    assert out["prompt_tokens"] > 20 and out["cached_tokens"] == 0 and out["kv_format"] == "float32"
     assert 0 < out["ttft_ms"] < out["latency_ms"] and out["tokens_per_s"] > 0
     # the model's load (once, by the fixture) and the ledger of this engine: its weights and
     # pool exactly; the peak is this test process's, so nothing is said of `unaccounted` here
