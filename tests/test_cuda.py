@@ -99,3 +99,40 @@ def test_disk_tier_through_the_copy_path_equals_a_device_hit(model, tmp_path) ->
     assert got[0][0] == ref[1][0] == 96 and second_runner.tier_moves.num_loaded == 6
     assert torch.equal(got[0][1], ref[1][1])
     second_runner.close()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="a CUDA stream to slow down")
+def test_a_slow_copy_stream_is_waited_for_never_raced(model) -> None:
+    """The copy stream is kept busy for ~0.1 s before every save and load. A fresh engine
+    loads a whole prefix from a host tier another engine filled, into blocks that were never
+    written, and nothing else in its step syncs with the copy stream: were compute not
+    ordered after the load, attention would read zeros; were the host not ordered after a
+    save, the tier would keep bytes not yet copied out."""
+
+    def slowly(runner, name: str) -> None:
+        copy, stream = getattr(runner, name), runner._copy_stream
+
+        def run(*args):
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(200_000_000)  # GPU cycles, about 0.1 s on the copy stream
+            return copy(*args)
+
+        setattr(runner, name, run)
+
+    p = _ids(8 * 16, 1)
+    tier = HostTier(1 << 26)
+    writer, writer_runner = _engine(model, 12, host_tier=tier)
+    slowly(writer_runner, "_to_host")
+    _serve(writer, writer_runner, [p + [3], _ids(12 * 16 - 4, 2)])  # a filler of the whole pool: all of p out
+    prompt = p + _ids(10, 3)
+    # a first reader warms the pinned-memory cache: a fresh cudaHostAlloc for the staging
+    # would wait for the whole device, and hide a missing wait
+    warm, warm_runner = _engine(model, 64, host_tier=tier)
+    _serve(warm, warm_runner, [prompt])
+    reader, runner = _engine(model, 64, host_tier=tier)
+    slowly(runner, "_to_device")
+    slow = _serve(reader, runner, [prompt])
+    device, device_runner = _engine(model, 64)
+    fast = _serve(device, device_runner, [p + [3], prompt])
+    assert runner.tier_moves.num_loaded == 8 and runner.tier_moves.num_offloaded == 0
+    assert slow[0][0] == fast[1][0] == 128 and torch.equal(slow[0][1], fast[1][1])

@@ -122,8 +122,9 @@ class LlamaRunner:
                 cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, fmt, model.dtype, model.device
             )
         # On CUDA the tier copies run on a stream of their own, ordered against the compute
-        # stream by events (`_to_host`, `_to_device`)
+        # stream by events (`_to_host`, `_to_device`); loads not yet waited for by compute:
         self._copy_stream = torch.cuda.Stream(model.device) if model.device.type == "cuda" else None
+        self._loads_in_flight: list[torch.cuda.Event] = []
         if self.host_tier is not None:
             if hasattr(self.host_tier, "reclaim"):
                 self.host_tier.reclaim(descriptor)  # a tier kept from an engine of other weights
@@ -321,16 +322,15 @@ class LlamaRunner:
         [layers, n, block_size, kv_heads, head_dim] tensors (pinned on CUDA), one gather.
 
         On CUDA the gather and the copy run on the copy stream, after all the compute
-        stream has queued so far (the blocks' last writes); the compute stream then waits
-        for them before anything it queues later (the step that overwrites these blocks),
-        and the host waits only for the bytes it is about to hand to a tier."""
+        stream has queued so far (the blocks' last writes) and after any load still in
+        flight (same stream); the host waits for the bytes, which it hands to a tier, so
+        nothing the compute stream queues later can overwrite the blocks first."""
         storage = self.storage
         ids = torch.tensor(block_ids, dtype=torch.long, device=storage.k.device)
         stream = self._copy_stream
         if stream is None:
             return storage.k[:, ids], storage.v[:, ids]  # (new tensors: the gather copies)
-        compute = torch.cuda.current_stream(storage.k.device)
-        stream.wait_stream(compute)
+        stream.wait_stream(torch.cuda.current_stream(storage.k.device))
         with torch.cuda.stream(stream):
             out = []
             for pool in (storage.k, storage.v):
@@ -340,7 +340,6 @@ class LlamaRunner:
                 out.append(host)
             done = torch.cuda.Event()
             done.record(stream)
-        compute.wait_event(done)
         done.synchronize()
         return out[0], out[1]
 
@@ -349,9 +348,11 @@ class LlamaRunner:
         head_dim]) into device blocks `block_ids`, in one copy per pool.
 
         On CUDA the copy runs on the copy stream from pinned staging, after the compute
-        stream's work so far (earlier readers of these reused blocks), and the compute
-        stream waits for it before anything it queues later: attention reads a loaded
-        block only after its copy has completed, and the host does not wait at all."""
+        stream's work so far (earlier readers of these reused blocks), and neither the host
+        nor the compute stream waits for it here: the next step waits on its event just
+        before the first thing that reads the cache (a copy-on-write copy, or layer 0's
+        attention: the embedding and layer 0's projections run meanwhile). A loaded block is
+        only ever read after its copy has completed."""
         storage = self.storage
         device = storage.k.device
         ids = torch.tensor(block_ids, dtype=torch.long, device=device)
@@ -365,14 +366,24 @@ class LlamaRunner:
             host = torch.empty((pool.shape[0], len(blocks), *pool.shape[2:]), dtype=pool.dtype, pin_memory=True)
             torch.stack([t[name] for t in blocks], dim=1, out=host)
             staged.append((pool, host))
-        compute = torch.cuda.current_stream(device)
-        stream.wait_stream(compute)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        # `ids` was made on the compute stream: the allocator must not hand its memory to
+        # the compute stream's next tensors while the copy stream may still read it
+        ids.record_stream(stream)
         with torch.cuda.stream(stream):
             for pool, host in staged:
                 pool[:, ids] = host.to(device, non_blocking=True)  # (the host allocator keeps `host` until done)
             done = torch.cuda.Event()
             done.record(stream)
-        compute.wait_event(done)
+        self._loads_in_flight.append(done)
+
+    def _wait_for_loads(self) -> None:
+        """The compute stream waits for the loads in flight (before it reads the cache)."""
+        if self._loads_in_flight:
+            compute = torch.cuda.current_stream(self.storage.k.device)
+            for done in self._loads_in_flight:
+                compute.wait_event(done)
+            self._loads_in_flight.clear()
 
     def append_tokens(self, seq_id: str, token_ids: Sequence[int]) -> None:
         self.manager.append_token_ids(seq_id, token_ids)
@@ -515,6 +526,8 @@ class LlamaRunner:
         copies = m.take_copies()
         # apply_copies gathers the source blocks' K of every layer, then their V: half a block each
         self.peaks.note("cow_staging", len(copies) * self.storage.bytes_per_block // 2)
+        if copies:
+            self._wait_for_loads()  # a copy may read a block just loaded
         self.storage.apply_copies(copies)  # COW copies before anything writes
         token_ids: list[int] = []
         positions: list[int] = []
@@ -568,6 +581,8 @@ class LlamaRunner:
             write_index = storage.write_index(plan.slots)
 
             def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                if layer == 0:
+                    self._wait_for_loads()  # the first read of the cache this step (CUDA)
                 storage.write(layer, write_index, k, v)
                 return paged_attention(q, k_layers[layer], v_layers[layer], plan, scale)
 
