@@ -47,15 +47,17 @@ def test_what_each_strategy_stores_and_restores_from() -> None:
     assert full.snapshot_positions(128, 256, span) == [256] and full.snapshot_positions(129, 255, span) == []
     assert periodic.snapshot_positions(0, 800, span) == [256, 512, 768]
     assert zero.snapshot_positions(0, 800, span) == []
-    assert full.restore_point(640, span, window, layers) == (640, [640])
-    assert periodic.restore_point(640, span, window, layers) == (512, [512])  # then recompute 128 tokens
-    assert periodic.restore_point(128, span, window, layers) == (0, [])  # no snapshot below: recompute
-    assert zero.restore_point(640, span, window, layers) == (0, [])
+    # a hit of 640: full reads the snapshot at 640, or one further back; periodic 512 (recompute
+    # 128 tokens) or 256 (384); 0 would be the zero strategy's 640 and is not a snapshot
+    assert full.restore_points(640, span, window, layers) == [(b, [b]) for b in (640, 512, 384, 256, 128)]
+    assert periodic.restore_points(640, span, window, layers) == [(512, [512]), (256, [256])]
+    assert periodic.restore_points(128, span, window, layers) == []  # no snapshot below: recompute
+    assert zero.restore_points(640, span, window, layers) == []
     # a snapshot further back than the zero strategy's recompute is not worth reading
-    assert SWAStrategy("periodic", 1024).restore_point(1792, span, window, layers) == (0, [])
-    assert SWAStrategy("periodic", 1024).restore_point(1536, span, window, layers) == (1024, [1024])
+    assert SWAStrategy("periodic", 1024).restore_points(1792, span, window, layers) == []
+    assert SWAStrategy("periodic", 1024).restore_points(1536, span, window, layers) == [(1024, [1024])]
     # a window of two spans: full mode reads the two snapshots that hold it
-    assert full.restore_point(512, span, 256, 2) == (512, [512, 384])
+    assert full.restore_points(512, span, 256, 2)[0] == (512, [512, 384])
     assert full.window_rows(span, 256) == 128 and periodic.window_rows(span, 256) == 256
     assert snapshot_key(b"k" * 16, 128) != snapshot_key(b"k" * 16, 256) != snapshot_key(b"j" * 16, 128)
     with pytest.raises(ValueError, match="multiple of the classical block span 128"):
@@ -78,14 +80,16 @@ def test_a_window_snapshot_restores_the_state_it_was_taken_from(model) -> None:
     for mine, restored in zip(pools.live_state(slot, 384), pools.live_state(2, 384), strict=True):
         assert mine.keys() == restored.keys()
         assert all(torch.equal(mine[name], restored[name]) for name in mine)
-    spec = model.spec
-    csa = sum(r == CSA_RATIO for r in spec.layer_ratios)
-    # by hand: every layer's window, and each CSA layer's 4 previous-block rows (kv and
-    # score) of its main (2 x head_dim wide) and indexer (2 x index_head_dim) compressors
-    expected = (spec.num_layers * 128 * spec.head_dim + csa * 2 * 4 * 2 * (spec.head_dim + spec.index_head_dim)) * 8
-    assert sum(t.numel() * t.element_size() for t in snapshot.values()) == expected
+    assert sum(t.numel() * t.element_size() for t in snapshot.values()) == _snapshot_bytes(model.spec, 128)
     with pytest.raises(ValueError, match="block boundary"):
         pools.window_snapshot(slot, 300, 128)
+
+
+def _snapshot_bytes(spec, rows: int) -> int:
+    """By hand, in fp64: every layer's window rows, and each CSA layer's 4 previous-block rows
+    (kv and score) of its main (2 x head_dim wide) and indexer (2 x index_head_dim) compressors."""
+    csa = sum(r == CSA_RATIO for r in spec.layer_ratios)
+    return (spec.num_layers * rows * spec.head_dim + csa * 2 * 4 * 2 * (spec.head_dim + spec.index_head_dim)) * 8
 
 
 # ----- the engine through a persistent tier ---------------------------------------------------
@@ -101,6 +105,15 @@ def _serve(model, tiers, strategy, prompt, rid="r", tenant="", seed_model=None):
     runner.close()
     seq = engine.requests[rid].seqs[0]
     return engine.output(rid), torch.stack(seq.logits), seq.token_ids, runner.tier_reports()
+
+
+def runner_block_bytes(model) -> int:
+    """One classical block, every compressed layer, in fp64: CSA main and indexer entries, HCA."""
+    spec = model.spec
+    per = [
+        (128 // r) * (spec.head_dim + (spec.index_head_dim if r == CSA_RATIO else 0)) for r in spec.layer_ratios if r
+    ]
+    return sum(per) * 8
 
 
 def _tiers(kind: str, tmp_path: Path, request) -> list:
@@ -124,8 +137,8 @@ def test_each_swa_strategy_restores_a_hit_exactly(model, tmp_path, request, tier
     swa = report["swa"]
     stored = {"full": 5, "periodic": 2, "zero": 0}[name]  # boundaries 128..640; 256 and 512; none
     assert first["swa"]["snapshots_persisted"] == stored and first["swa"]["blocks_persisted"] == 5
-    per_snapshot = first["swa"]["snapshot_bytes_persisted"] // max(stored, 1)
-    assert first["swa"]["snapshot_bytes_persisted"] == stored * per_snapshot
+    assert first["swa"]["snapshot_bytes_persisted"] == stored * _snapshot_bytes(model.spec, 128)
+    assert first["swa"]["block_bytes_persisted"] == 5 * runner_block_bytes(model)
     assert swa["replayed_tokens"] == {"full": 0, "periodic": 128, "zero": 640}[name]
     assert swa["restores_from_snapshots"] == (name != "zero") and swa["snapshot_misses"] == 0
 
@@ -141,8 +154,9 @@ def test_a_damaged_snapshot_is_a_miss_and_the_hit_is_recomputed_exactly(model, t
         path.write_bytes(bytes(raw))
     follow = p[:384] + _ids(10, 5)
     out, logits, history, report = _serve(model, [DiskTier(tmp_path, 1 << 30)], STRATEGIES["full"], follow)
-    assert out.num_cached_tokens == 384 and report["swa"]["snapshot_misses"] == 1
-    assert report["swa"]["replayed_tokens"] == 384 and report["disk_tier"]["num_corrupt"] == 1
+    # each of the three boundaries is tried, latest first, and found damaged: recompute all 384
+    assert out.num_cached_tokens == 384 and report["swa"]["snapshot_misses"] == 3
+    assert report["swa"]["replayed_tokens"] == 384 and report["disk_tier"]["num_corrupt"] == 3
     ref = model.reference_logits(history[:-1])[len(follow) - 1 :]
     assert (logits - ref).abs().max().item() <= 1e-9
 

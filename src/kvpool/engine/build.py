@@ -120,9 +120,12 @@ def num_blocks_for_memory(
     fmt = kv_format_for(loaded.model, kv_format)
     if fmt is None:
         per_block = int(cache_spec_for(loaded, block_size).bytes_per_block)
-    else:
+    else:  # the stored block, and its share of the dequantization scratch (one layer, compute dtype)
         cfg = loaded.model.config
         per_block = QuantizedKVStorage.block_bytes(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, fmt)
+        per_block += QuantizedKVStorage.scratch_block_bytes(
+            block_size, cfg.num_kv_heads, cfg.head_dim, loaded.model.dtype
+        )
     num_blocks = kv_memory_bytes // per_block
     if num_blocks <= 0:
         raise ValueError(f"KV memory of {kv_memory_bytes} bytes holds no block of {per_block} bytes")

@@ -255,32 +255,37 @@ class DSV4PagedRunner:
         return snapshot_key(key, rows), snapshot_descriptor(key, descriptor, rows)
 
     def _restore_window(self, request_id: str, adm: Admission) -> int:
-        """The state at the latest snapshot the SWA strategy can restore this hit from,
-        written into the request's state block; that boundary, or 0 (none: recompute)."""
+        """The state at the latest snapshot the SWA strategy can restore this hit from (an
+        earlier one when a snapshot is missing), written into the request's state block;
+        that boundary, or 0 (none: recompute)."""
         if self.swa is None or self.tier is None:
             return 0
         spec = self.spec
-        point, needed = self.swa.restore_point(adm.num_cached_tokens, spec.span, spec.window, spec.num_layers)
-        if not needed:
+        points = self.swa.restore_points(adm.num_cached_tokens, spec.span, spec.window, spec.num_layers)
+        if not points:
             return 0
         began = time.perf_counter()
         chain = self.cache.prefix_blocks(request_id)
-        snapshots = []
-        for boundary in needed:
-            key, descriptor = self._snapshot_entry(chain[boundary // spec.span - 1])
-            tensors = self.tier.get(key, descriptor) if self.tier.lookup(key, descriptor) else None
-            if tensors is None:
-                self.swa_moves.num_misses += 1
-                return 0
-            snapshots.append((boundary, tensors))
-        assert adm.restore is not None
-        self.pools.restore_window(adm.restore.state_slot, point, snapshots)
         moves = self.swa_moves
-        moves.num_restores += 1
-        moves.num_loaded += len(snapshots)
-        moves.load_bytes += sum(t.numel() * t.element_size() for _, ts in snapshots for t in ts.values())
+        for point, needed in points:
+            snapshots = []
+            for boundary in needed:
+                key, descriptor = self._snapshot_entry(chain[boundary // spec.span - 1])
+                tensors = self.tier.get(key, descriptor) if self.tier.lookup(key, descriptor) else None
+                if tensors is None:
+                    moves.num_misses += 1
+                    break
+                snapshots.append((boundary, tensors))
+            else:
+                assert adm.restore is not None
+                self.pools.restore_window(adm.restore.state_slot, point, snapshots)
+                moves.num_restores += 1
+                moves.num_loaded += len(snapshots)
+                moves.load_bytes += sum(t.numel() * t.element_size() for _, ts in snapshots for t in ts.values())
+                moves.load_s += time.perf_counter() - began
+                return point
         moves.load_s += time.perf_counter() - began
-        return point
+        return 0
 
     def _snapshots_wanted(self, request_id: str, res: Reservation) -> dict[int, tuple[bytes, BlockDescriptor]]:
         """Boundaries the step crosses where the SWA strategy keeps a snapshot that the

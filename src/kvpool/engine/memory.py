@@ -4,14 +4,14 @@ The terms are those of the planner's ledger (capacity/ledger.py), each measured 
 allocated:
   weights     every weight tensor the model holds (`LlamaModel.weight_bytes`)
   kv_pool     the K/V tensors (`PagedKVStorage.num_bytes`), their quantization scales (none
-              unquantized; a quantized pool's dequantization scratch, one layer of the pool
-              in the compute dtype, is not counted: it shows in the remainder), the largest
+              unquantized), the largest
               step's block tables and slot mapping as tensors, and the cache manager's
               Python structures when measured: refcounts, free queues, prefix index,
               per-request tables and token ids (`metadata_bytes`, sys.getsizeof)
   workspace   the largest step's buffers: the forward's step buffers (`step_buffer_bytes`)
               and attention output, the logits tensor, the largest scratch a sampler call
-              held (`scratch_peak_bytes`)
+              held (`scratch_peak_bytes`), and a quantized pool's dequantization scratch
+              (`kv_dequant`: one layer of the pool in the compute dtype)
   transient   the largest step's copy-on-write staging (the source blocks' K, then V, of
               every layer) and a prefill chunk's key / value gathers and fp32 SDPA mask
   runtime     the interpreter, torch and the libraries before the model loads (RSS then),
@@ -150,7 +150,13 @@ def measure(runner, runtime_bytes: int, tokenizer_bytes: int) -> MeasuredLedger:
                 "bookkeeping": on_host["bookkeeping"],
                 "host_tier": on_host["host_tier"],  # the host tier's peak (its blocks; in host memory on CUDA)
             },
-            "workspace": {"activations": peaks.activations, "logits": peaks.logits, "sampler": on_host["sampler"]},
+            "workspace": {
+                "activations": peaks.activations,
+                "logits": peaks.logits,
+                "sampler": on_host["sampler"],
+                # a quantized pool's dequantization scratch: one layer of the pool, compute dtype
+                **({"kv_dequant": storage.scratch_bytes} if hasattr(storage, "scratch_bytes") else {}),
+            },
             "transient": {"cow_staging": peaks.cow_staging, "chunked_prefill": peaks.chunked_prefill},
             "runtime": {
                 "interpreter_and_libraries": on_host["interpreter_and_libraries"],

@@ -140,8 +140,8 @@ class QuantizedKVStorage:
     per-(token, KV head) scales of the scaled formats in tensors of their own, indexed by the
     same block ids: K [layers, blocks, kv_heads, head_dim, block_size] and V [layers, blocks,
     kv_heads, block_size, head_dim] in the format's dtype (PagedKVStorage's layout), scales
-    [layers, blocks, kv_heads, block_size] fp32 for K and for V. A copy-on-write copy or a
-    tier move of a block carries its scales with it.
+    [layers, blocks, kv_heads, block_size] fp32 for K and for V. A copy-on-write copy of a
+    block carries its scales with it (the tiers keep unquantized blocks only).
 
     A step writes its new tokens quantized (`write`), then reads the blocks of the step
     dequantized in the compute dtype (`dequantized`): one layer's scratch K and V of the
@@ -163,7 +163,6 @@ class QuantizedKVStorage:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
         self.fmt = fmt
-        self.LAYOUT = f"{PagedKVStorage.LAYOUT}:{fmt.name}"
         shape_k = (num_layers, num_blocks, num_kv_heads, head_dim, block_size)
         shape_v = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
         self.k = torch.zeros(shape_k, dtype=fmt.dtype, device=device)
@@ -183,6 +182,11 @@ class QuantizedKVStorage:
     def block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, fmt: KVFormat) -> int:
         """One block over every layer: K and V elements and their scales."""
         return 2 * num_layers * block_size * num_kv_heads * fmt.bytes_per_token_head(head_dim)
+
+    @staticmethod
+    def scratch_block_bytes(block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """One block's share of the dequantization scratch: K and V of one layer, `dtype`."""
+        return 2 * block_size * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
     @property
     def bytes_per_block(self) -> int:
@@ -241,13 +245,6 @@ class QuantizedKVStorage:
         self.scratch_k[block_ids] = k
         self.scratch_v[block_ids] = v
         return self.scratch_k, self.scratch_v
-
-    def block_tensors(self, block_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Every layer's stored bytes of blocks `block_ids`, scales included (copies)."""
-        out = {"k": self.k[:, block_ids], "v": self.v[:, block_ids]}
-        if self.k_scale is not None and self.v_scale is not None:
-            out |= {"k_scale": self.k_scale[:, block_ids], "v_scale": self.v_scale[:, block_ids]}
-        return out
 
     def apply_copies(self, copies: Sequence[BlockCopy]) -> None:
         """Copy-on-write: block src -> dst in every layer, elements and scales, in order."""

@@ -11,7 +11,7 @@ each strategy trades stored bytes for recompute:
             = 128); a hit reads the snapshots of its last n_win tokens and recomputes nothing;
   periodic  a window snapshot (the last n_win tokens) at every boundary that is a multiple
             of `period` tokens; a hit restores the nearest one at or below it and recomputes
-            the tokens from there;
+            the tokens from there (an earlier one when that one is missing);
   zero      no snapshot; a hit recomputes the last n_win x num_layers tokens over the cached
             entries (the recompute restore the device prefix cache already uses).
 
@@ -64,7 +64,7 @@ class SWAStrategy:
         window); periodic, the whole window."""
         return min(span, window) if self.kind == "full" else window
 
-    def stores(self, boundary: int, span: int) -> bool:
+    def stores(self, boundary: int) -> bool:
         """Whether a snapshot is kept at this block boundary (a multiple of the span)."""
         if self.kind == "zero" or boundary <= 0:
             return False
@@ -73,27 +73,23 @@ class SWAStrategy:
     def snapshot_positions(self, start: int, end: int, span: int) -> list[int]:
         """Boundaries in (start, end] a step over tokens [start, end) crosses and snapshots."""
         first = start // span + 1
-        return [b * span for b in range(first, end // span + 1) if self.stores(b * span, span)]
+        return [b * span for b in range(first, end // span + 1) if self.stores(b * span)]
 
-    def restore_point(self, hit: int, span: int, window: int, num_layers: int) -> tuple[int, list[int]]:
-        """(C, boundaries whose snapshots restore the state at C) for a hit of `hit` tokens,
-        C the latest stored boundary at or below the hit from which recomputing costs less
-        than the zero strategy; (0, []) when there is none (recompute). Full mode needs the
-        snapshots back to C - n_win, one per block; periodic mode one."""
+    def restore_points(self, hit: int, span: int, window: int, num_layers: int) -> list[tuple[int, list[int]]]:
+        """Where a hit of `hit` tokens may restore its state from, best first: (C, the
+        boundaries whose snapshots make the state at C), for every stored boundary C at or
+        below the hit from which recomputing [C, hit) costs no more than the zero strategy's
+        n_win x num_layers tokens; [] for none (recompute). Full mode needs the snapshots of
+        the window before C, one per block; periodic mode one."""
         floor = hit - window * num_layers
         if self.kind == "zero" or hit <= 0:
-            return 0, []
-        if self.kind == "full":
-            point = hit
-        else:
-            point = hit - hit % self.period
-        if point <= 0 or point < floor:
-            return 0, []
-        if self.kind == "periodic":
-            return point, [point]
+            return []
+        step = span if self.kind == "full" else self.period
         rows = self.window_rows(span, window)
-        needed = [b for b in range(point, max(0, point - window), -rows)]
-        return point, needed
+        points = range(hit - hit % step, max(0, floor - 1), -step)
+        if self.kind == "periodic":
+            return [(point, [point]) for point in points if point > 0]
+        return [(point, list(range(point, max(0, point - window), -rows))) for point in points if point > 0]
 
 
 def snapshot_key(block_key: bytes, num_rows: int) -> bytes:
