@@ -291,7 +291,7 @@ class DSV4Pools:
         earlier ones for older window rows when one snapshot holds less than the window.
         What the state needs and the snapshots lack is an AssertionError (their layout
         passed the descriptor check)."""
-        spec, n_win = self.spec, self.spec.window
+        n_win = self.spec.window
         if not snapshots or snapshots[0][0] != boundary:
             raise ValueError(f"the snapshots must start with the one at {boundary}")
         self.reset_state(slot)
@@ -306,17 +306,18 @@ class DSV4Pools:
                 covered[positions[keep]] = True
             if not bool(covered[needed].all()):
                 raise AssertionError(f"window snapshots at {[b for b, _ in snapshots]} miss rows of layer {layer}")
-            top = snapshots[0][1]
-            ratio = spec.layer_ratios[layer]
-            num_rows = (ratio if ratio == CSA_RATIO else 0) + (boundary % ratio if ratio else 0)
+        # the compressor rows pending at the boundary: live_state's views of them (the one
+        # place that says how many there are), from the snapshot at the boundary
+        top = snapshots[0][1]
+        for layer, live in enumerate(self.live_state(slot, boundary)):
             for name in ("comp_kv", "comp_score", "idx_kv", "idx_score"):
-                dst = getattr(st, name)
-                if dst is None or num_rows == 0:
+                dst = live.get(name)
+                if dst is None or dst.shape[0] == 0:
                     continue
                 src = top[f"{name}{layer}"]
-                if src.shape != dst[slot, :num_rows].shape:
-                    raise AssertionError(f"snapshot {name}{layer} of shape {tuple(src.shape)} for {num_rows} rows")
-                dst[slot, :num_rows] = src.to(dst.device, dst.dtype)
+                if src.shape != dst.shape:
+                    raise AssertionError(f"snapshot {name}{layer}: {tuple(src.shape)}, the state {tuple(dst.shape)}")
+                dst.copy_(src)
 
     def classical_block_bytes(self) -> int:
         """Actual bytes of one classical block over all layers."""
