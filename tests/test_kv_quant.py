@@ -240,9 +240,33 @@ def test_kvpool_eval_kv_quant_on_smollm2(tmp_path) -> None:
     assert (tmp_path / "q.png").stat().st_size > 10_000
     for flags, needle in [
         (["--text", str(tmp_path)], "is a directory, not a file"),
-        (["--plot", str(tmp_path / "nope" / "q.png")], "does not exist"),
+        (["--plot", str(tmp_path / "q.png" / "x.png")], "is a file, not a directory"),
         (["--plot", str(tmp_path / "q.svg")], "expected a .png file name"),
     ]:
         proc = subprocess.run([*argv, *flags], capture_output=True, text=True, timeout=120)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr
+
+
+def test_the_c_decode_kernel_reads_the_dequantized_blocks_as_the_torch_path_does(kernels) -> None:
+    """fp32 with the C kernels: the same model, the same quantized bytes (the fused forward
+    writes identical K/V either way), decode attention by the C kernel or by torch."""
+    from kvpool.models.llama import LlamaModel
+
+    base = random_llama("cpu", torch.float32)
+    model = LlamaModel(CONFIG, base.embed, base.norm, base.layers, None, "cpu", kernels)
+    out = {}
+    for path in ("native", "bags"):
+        runner = LlamaRunner(model, 24, 16, DESCRIPTOR, kv_format="int8", decode_path=path)
+        engine = Engine(runner, max_num_batched_tokens=64, max_num_seqs=4, record_logits=True)
+        for i in range(3):
+            engine.add_request(random_ids(30 + 7 * i, i), SamplingParams(max_tokens=8, ignore_eos=True), f"r{i}")
+        while engine.has_unfinished():
+            engine.step()
+        assert runner.last_decode_path == path
+        seqs = [engine.requests[f"r{i}"].seqs[0] for i in range(3)]
+        out[path] = ([s.token_ids for s in seqs], torch.cat([torch.stack(s.logits) for s in seqs]))
+    assert out["native"][0] == out["bags"][0]
+    # one attention's fp32 rounding, summed in another order: far below a quantization step
+    scale = out["bags"][1].abs().max().item()
+    assert (out["native"][1] - out["bags"][1]).abs().max().item() <= 1e-5 * scale

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 
 def positive_int(text: str) -> int:
@@ -96,6 +97,19 @@ def comma_choices(choices: tuple[str, ...]):
         return parts
 
     return parse
+
+
+def check_output_dir(flag: str, given: str, directory: str) -> None:
+    """`directory` (where `flag`'s path `given` goes) is a writable directory or can be made:
+    its nearest existing ancestor is one. Checked without creating anything (a run that
+    fails later leaves no trace)."""
+    path = os.path.abspath(directory)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)  # the root exists: this ends
+    if not os.path.isdir(path):
+        raise ValueError(f"{flag} {given!r}: {path!r} is a file, not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {given!r}: directory {path!r} is not writable")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

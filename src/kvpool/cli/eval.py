@@ -14,9 +14,8 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 
-from kvpool.cli.args import KV_DTYPES, comma_choices, positive_int
+from kvpool.cli.args import KV_DTYPES, check_output_dir, comma_choices, positive_int
 
 TEXT_SOURCE = "pydoc_data.topics (the Python Language Reference topics shipped with CPython; PSF License)"
 
@@ -59,9 +58,9 @@ def _check_plot(path: str | None) -> None:
         return
     if not path.endswith(".png"):
         raise ValueError(f"--plot {path!r}: expected a .png file name")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise ValueError(f"--plot {path!r}: directory {parent!r} does not exist")
+    if os.path.isdir(path):
+        raise ValueError(f"--plot {path!r} is a directory; expected a .png file name")
+    check_output_dir("--plot", path, os.path.dirname(os.path.abspath(path)))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -133,6 +132,8 @@ def _plot(report: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from kvpool.sim.plots import save_png
+
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for r in report["formats"]:
         left.plot([layer["out_rel"] for layer in r["layers"]], marker=".", label=r["name"])
@@ -147,16 +148,6 @@ def _plot(report: dict, path: str) -> None:
     right.set(xlabel="KV bytes per token", ylabel="mean KL(fp32 || format)", title="quality against bytes")
     right.grid(alpha=0.3)
     fig.suptitle(f"{report['model']}, {report['tokens']} tokens")
-    fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(suffix=".png", dir=os.path.dirname(os.path.abspath(path)))
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=90)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 is not what a saved picture should have
-        os.replace(tmp, path)  # a reader sees the old picture or the new one
-    finally:
-        plt.close(fig)
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    save_png(fig, directory, os.path.basename(path))

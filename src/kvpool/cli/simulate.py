@@ -26,7 +26,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from kvpool.cli.args import comma_choices, non_negative_int, positive_float, positive_int, rate
+from kvpool.cli.args import check_output_dir, comma_choices, non_negative_int, positive_float, positive_int, rate
 
 if TYPE_CHECKING:  # rich loads on output only: --help stays fast
     from rich.console import Console
@@ -219,24 +219,11 @@ def _check_output_paths(args) -> None:
     """ValueError naming the flag and the path when --plot or --out cannot be written, before
     any simulating."""
     if args.plot:
-        _check_creatable_dir("--plot", args.plot, args.plot)
+        check_output_dir("--plot", args.plot, args.plot)
     if args.out and args.mode == "sweep":
         if os.path.isdir(args.out):
             raise ValueError(f"--out {args.out!r}: a directory; expected a file to write")
-        _check_creatable_dir("--out", args.out, os.path.dirname(os.path.abspath(args.out)))
-
-
-def _check_creatable_dir(flag: str, given: str, directory: str) -> None:
-    """`directory` (where `flag`'s path `given` goes) is a writable directory or can be made:
-    its nearest existing ancestor is one. Checked without creating anything (a run that
-    fails later leaves no trace)."""
-    path = os.path.abspath(directory)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)  # the root exists: this ends
-    if not os.path.isdir(path):
-        raise ValueError(f"{flag} {given!r}: {path!r} is a file, not a directory")
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {given!r}: directory {path!r} is not writable")
+        check_output_dir("--out", args.out, os.path.dirname(os.path.abspath(args.out)))
 
 
 def _one(args, combo: dict, progress: bool) -> dict:

@@ -48,7 +48,7 @@ def plot_runs(reports: list[dict], directory: str) -> list[str]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"latency CDFs: {title}")
-    paths.append(_save(fig, directory, "latency_cdf.png"))
+    paths.append(save_png(fig, directory, "latency_cdf.png"))
 
     fig, ax = plt.subplots(figsize=(8, 4))
     top = 0.0
@@ -68,7 +68,7 @@ def plot_runs(reports: list[dict], directory: str) -> list[str]:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     ax.set_title(f"KV occupancy: {title}")
-    paths.append(_save(fig, directory, "kv_occupancy.png"))
+    paths.append(save_png(fig, directory, "kv_occupancy.png"))
 
     if len(reports) > 1:
         metrics = [
@@ -87,7 +87,7 @@ def plot_runs(reports: list[dict], directory: str) -> list[str]:
             ax.set_title(name, fontsize=10)
             ax.grid(axis="y", alpha=0.3)
         fig.suptitle(f"compared: {title}")
-        paths.append(_save(fig, directory, "comparison.png"))
+        paths.append(save_png(fig, directory, "comparison.png"))
     return paths
 
 
@@ -111,10 +111,10 @@ def plot_sweep(rows: list[dict], directory: str) -> list[str]:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(f"goodput vs rate: {rows[0]['model']} on {rows[0]['gpu']}")
-    return [_save(fig, directory, "goodput_vs_rate.png")]
+    return [save_png(fig, directory, "goodput_vs_rate.png")]
 
 
-def _save(fig, directory: str, name: str) -> str:
+def save_png(fig, directory: str, name: str) -> str:
     """Write `name` into `directory` atomically: drawn under a temporary name beside it, then
     renamed, so an interrupted or failed save leaves the previous image or none, never half."""
     import matplotlib.pyplot as plt
