@@ -159,12 +159,14 @@ def _v4_cases(args, workdir: Path) -> dict:
 
     from kvpool.engine.dsv4_runner import build_tiny_dsv4_engine
     from kvpool.models.tiny_dsv4 import TINY_DSV4_CONFIG
+    from kvpool.spec.dsv4 import DSV4Spec
     from kvpool.tiers.swa import SWAStrategy
 
     rng = random.Random(args.seed + 1)
     vocab = TINY_DSV4_CONFIG["vocab_size"]
     prefix = [rng.randrange(vocab) for _ in range(args.v4_prefix_len)]
-    num_blocks = -(-(args.v4_prefix_len + 64) // 128) + 4
+    span = DSV4Spec.from_config(TINY_DSV4_CONFIG).span
+    num_blocks = -(-(args.v4_prefix_len + 64) // span) + 4
     strategies = {
         "recompute": None,
         "full": SWAStrategy("full"),
@@ -210,8 +212,11 @@ def _v4_cases(args, workdir: Path) -> dict:
 def run(args: argparse.Namespace) -> int:
     if args.prefix_len % args.block_size:
         raise ValueError(f"--prefix-len {args.prefix_len} is not a multiple of --block-size {args.block_size}")
-    if args.swa_period % 128:
-        raise ValueError(f"--swa-period {args.swa_period} must be a multiple of the classical block span 128")
+    from kvpool.models.tiny_dsv4 import TINY_DSV4_CONFIG
+    from kvpool.spec.dsv4 import DSV4Spec
+    from kvpool.tiers.swa import SWAStrategy
+
+    SWAStrategy("periodic", args.swa_period).check(DSV4Spec.from_config(TINY_DSV4_CONFIG).span)
     if args.redis is not None:
         from kvpool.tiers.redis_tier import check_url
 

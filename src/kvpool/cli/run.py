@@ -223,7 +223,7 @@ def build(args: argparse.Namespace):
             num_blocks = parse_bytes(args.kv_memory or "16MiB") // block_bytes
             if num_blocks <= 0:
                 raise ValueError(f"--kv-memory {args.kv_memory} holds no classical block of {block_bytes} bytes")
-        from kvpool.tiers import HostTier, open_persistent_tiers
+        from kvpool.tiers import DEFAULT_DISK_CACHE_BYTES, HostTier, open_persistent_tiers
 
         tier_bytes = host_cache_bytes(args)
         tiers = persistent_cache_options(args)
@@ -234,7 +234,7 @@ def build(args: argparse.Namespace):
             hot_set_entries=getattr(args, "hisparse", None),
             host_tier=HostTier(tier_bytes) if tier_bytes is not None else None,
             persistent_tiers=open_persistent_tiers(
-                tiers["disk_cache"], tiers.get("disk_cache_bytes", 16 << 30), tiers["redis_url"]
+                tiers["disk_cache"], tiers.get("disk_cache_bytes", DEFAULT_DISK_CACHE_BYTES), tiers["redis_url"]
             ),
             swa=tiers.get("swa"),
         )

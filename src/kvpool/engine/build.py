@@ -22,6 +22,7 @@ from kvpool.models.llama import LlamaModel
 from kvpool.models.tokenizer import ChatTokenizer, build_tokenizer
 from kvpool.spec.layout import CacheSpec
 from kvpool.storage.kv import PagedKVStorage, QuantizedKVStorage
+from kvpool.tiers import DEFAULT_DISK_CACHE_BYTES
 
 
 @dataclass
@@ -144,7 +145,7 @@ def build_engine(
     host_cache_bytes: int | None = None,
     preemption: str = "recompute",
     disk_cache: str | os.PathLike | None = None,
-    disk_cache_bytes: int = 16 << 30,
+    disk_cache_bytes: int = DEFAULT_DISK_CACHE_BYTES,
     redis_url: str | None = None,
     kv_format: str | None = None,
 ) -> Engine:

@@ -24,7 +24,15 @@ from kvpool.engine.runner import ScheduledChunk
 from kvpool.models.tiny_dsv4 import TinyDSV4
 from kvpool.spec.dsv4 import CSA_RATIO
 from kvpool.storage.dsv4 import DSV4Pools
-from kvpool.tiers import BlockDescriptor, HostTier, Tier, TierIndex, TierStack, open_persistent_tiers
+from kvpool.tiers import (
+    DEFAULT_DISK_CACHE_BYTES,
+    BlockDescriptor,
+    HostTier,
+    Tier,
+    TierIndex,
+    TierStack,
+    open_persistent_tiers,
+)
 from kvpool.tiers.swa import SWAStrategy, snapshot_descriptor, snapshot_key
 
 
@@ -659,7 +667,7 @@ def build_tiny_dsv4_engine(
     hot_set_entries: int | None = None,
     host_cache_bytes: int | None = None,
     disk_cache: str | os.PathLike | None = None,
-    disk_cache_bytes: int = 16 << 30,
+    disk_cache_bytes: int = DEFAULT_DISK_CACHE_BYTES,
     redis_url: str | None = None,
     swa: SWAStrategy | None = None,
 ) -> Engine:

@@ -23,9 +23,13 @@ from torch import Tensor
 from kvpool.tiers.base import Tier, TierStats
 from kvpool.tiers.descriptor import BlockDescriptor
 
+DEFAULT_DISK_CACHE_BYTES = 16 << 30  # --disk-cache-gib's default
+
 
 def open_persistent_tiers(
-    disk_cache: str | os.PathLike | None = None, disk_cache_bytes: int = 16 << 30, redis_url: str | None = None
+    disk_cache: str | os.PathLike | None = None,
+    disk_cache_bytes: int = DEFAULT_DISK_CACHE_BYTES,
+    redis_url: str | None = None,
 ) -> list[Tier]:
     """The disk tier in `disk_cache` (LRU under `disk_cache_bytes`) and the Redis tier at
     `redis_url`, in lookup order, for those given."""
