@@ -95,3 +95,50 @@ def test_never_draws_a_token_of_zero_probability():
     logits = torch.full((10,), -math.inf)
     logits[7] = 0.0
     assert set(draws(logits, SamplingParams(temperature=1.0), n=200)) == {7}
+
+
+def test_stop_strings_are_found_where_a_full_decode_finds_them() -> None:
+    """The engine checks a window of the newest tokens for stop strings: it must stop at the
+    same token, with the same text, as decoding the whole output every step would."""
+    import random
+
+    from kvpool.engine.engine import Engine
+    from kvpool.engine.llama_runner import LlamaRunner
+    from random_llama import DESCRIPTOR, random_ids, random_llama
+
+    model = random_llama()
+    pieces = {t: ["a", "b", "ab", "ba", "é", "ü", "ca", "aab"][t % 8] for t in range(512)}
+
+    def decode(ids: list[int]) -> str:  # 1 to 3 characters a token, some of two bytes
+        return "".join(pieces[t] for t in ids)
+
+    def naive(ids: list[int], stops: list[str]) -> tuple[int, str]:
+        """The tokens and text where decoding the whole output after every token stops."""
+        for n in range(1, len(ids) + 1):
+            text = decode(ids[:n])
+            hits = [text.find(s) for s in stops if s in text]
+            if hits:
+                return n, text[: min(hits)]
+        raise AssertionError("the first stop string is cut from this text: it must be found")
+
+    rng = random.Random(3)
+    runner = LlamaRunner(model, 64, 16, DESCRIPTOR)
+    engine = Engine(runner, max_num_batched_tokens=64, max_num_seqs=4, decode_text=decode)
+    free = Engine(LlamaRunner(model, 64, 16, DESCRIPTOR), max_num_batched_tokens=64, max_num_seqs=4)
+    for case in range(12):
+        params = SamplingParams(max_tokens=40, temperature=1.5, seed=case, ignore_eos=True)
+        rid = free.add_request(random_ids(12, case), params, f"f{case}")  # the same samples, never stopped
+        while free.has_unfinished():
+            free.step()
+        unstopped = free.requests[rid].seqs[0].output_ids
+        text = decode(unstopped)
+        at = rng.randrange(len(text) - 6)
+        # one stop string cut from the text itself (over token boundaries), one made up
+        stops = [text[at : at + rng.randint(3, 6)], "".join(rng.choice("abé") for _ in range(4))]
+        expected = naive(unstopped, stops)
+        stopped = SamplingParams(max_tokens=40, temperature=1.5, seed=case, ignore_eos=True, stop=tuple(stops))
+        rid = engine.add_request(random_ids(12, case), stopped, f"s{case}")
+        while engine.has_unfinished():
+            engine.step()
+        seq = engine.requests[rid].seqs[0]
+        assert (len(seq.output_ids), seq.text, seq.finish_reason) == (*expected, "stop")

@@ -457,11 +457,18 @@ class Engine:
         if token in self.eos_token_ids and not params.ignore_eos:
             reason = "stop"
         elif params.stop and self.decode_text is not None:
-            text = self.decode_text(seq.output_ids)
-            hits = [text.find(s) for s in params.stop if s in text]
-            if hits:
-                stop_text = text[: min(hits)]  # the text ends before the stop string
-                reason = "stop"
+            # A stop string that first appears with this token ends in it: it spans at most
+            # 4 bytes a character, so at most that many tokens (byte-level BPE: each decodes
+            # to one byte or more), plus the token it starts in. Decode that window, not the
+            # whole output every step (quadratic in its length); the whole text on a hit.
+            ids = seq.output_ids
+            window = self.decode_text(ids[-(4 * max(len(s) for s in params.stop) + 2) :])
+            if any(s in window for s in params.stop):
+                text = self.decode_text(ids)
+                hits = [text.find(s) for s in params.stop if s in text]
+                if hits:
+                    stop_text = text[: min(hits)]  # the text ends before the stop string
+                    reason = "stop"
         if reason is None and (position + 1 >= params.max_tokens or len(seq.token_ids) >= self.runner.max_model_len):
             reason = "length"
         if reason is not None:
