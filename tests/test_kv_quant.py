@@ -270,3 +270,44 @@ def test_the_c_decode_kernel_reads_the_dequantized_blocks_as_the_torch_path_does
     # one attention's fp32 rounding, summed in another order: far below a quantization step
     scale = out["bags"][1].abs().max().item()
     assert (out["native"][1] - out["bags"][1]).abs().max().item() <= 1e-5 * scale
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_the_planner_counts_what_the_quantized_storage_allocates_byte_for_byte(name) -> None:
+    from kvpool.capacity.kv import kv_layout
+    from kvpool.capacity.planner import occupancy
+    from kvpool.spec.models import load_preset
+
+    spec = load_preset("smollm2-135m")
+    storage = QuantizedKVStorage(
+        spec.num_layers, 40, 16, spec.num_kv_heads, spec.head_dim, kv_format(name), torch.float32
+    )
+    layout = kv_layout(spec, name, block_size=16, alignment=1)
+    lines = occupancy(layout, storage.num_bytes, 40 * 16, 1)  # one request filling the 40 blocks
+    assert lines["quant_scales"] == storage.scale_bytes > 0
+    assert lines["data"] == storage.k.nbytes + storage.v.nbytes
+    assert lines["unused"] == lines["tail_waste"] == lines["alignment_padding"] == 0
+    assert layout.bytes_per_token == storage.bytes_per_token  # 11,520 B of elements + 720 B of scales
+
+
+def test_the_planner_refuses_per_token_formats_where_they_do_not_apply() -> None:
+    from kvpool.capacity.kv import kv_layout
+    from kvpool.spec.models import load_preset
+
+    with pytest.raises(ValueError, match="kv dtype 'int8' is for GQA / MHA layers; deepseek-v4-flash is dsv4"):
+        kv_layout(load_preset("deepseek-v4-flash"), "int8")
+
+
+def test_the_simulator_takes_the_per_token_formats() -> None:
+    import json
+
+    def capacity(dtype: str) -> int:
+        argv = [sys.executable, "-m", "kvpool", "simulate", "--model", "llama-3.1-8b", "--gpu", "h200"]
+        proc = subprocess.run(
+            [*argv, "--kv-dtype", dtype, "--requests", "20", "--json"], capture_output=True, text=True
+        )
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)["kv_capacity_tokens"]
+
+    # head_dim 128: bf16 is 256 B a head and token for K (and for V), int8 128 B + a 4 B scale
+    assert capacity("int8") / capacity("bf16") == pytest.approx(256 / 132, rel=0.01)

@@ -29,7 +29,11 @@ from kvpool.spec import dsv4 as dsv4_spec
 from kvpool.spec.layout import AttentionKind, CacheSpec, LayerSpec, dtype_bytes
 from kvpool.spec.models import ModelSpec
 
-KV_DTYPES: tuple[str, ...] = ("auto", "bf16", "fp16", "fp32", "fp8")
+KV_DTYPES: tuple[str, ...] = ("auto", "bf16", "fp16", "fp32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+# kvpool's own quantized formats (kvpool.storage.quant): one byte an element and one fp32
+# scale per token and KV head, for K and for V; GQA / MHA layers only. ("fp8" is vLLM's: one
+# per-tensor scale per layer.)
+PER_TOKEN_SCALED: tuple[str, ...] = ("fp8_e4m3", "fp8_e5m2", "int8")
 INDEXER_FORMATS: tuple[str, ...] = ("fp8", "mxfp4", "bf16")
 DEFAULT_ALIGNMENT = 256  # bytes; cudaMalloc's alignment, and what paged kernels assume per page
 
@@ -230,6 +234,8 @@ def kv_layout(
         raise ValueError(f"unknown indexer format {indexer_format!r}; known: {list(INDEXER_FORMATS)}")
     if model.attention == "gqa":
         return _gqa_layout(model, dtype, q, tp, alignment)
+    if dtype in PER_TOKEN_SCALED:
+        raise ValueError(f"kv dtype {dtype!r} is for GQA / MHA layers; {model.name} is {model.attention}")
     if model.attention == "mla":
         return _mla_layout(model, dtype, q, tp, indexer_format or "fp8", alignment)
     return _dsv4_layout(model, dtype, q, tp, indexer_format or "fp8", alignment)
@@ -237,8 +243,13 @@ def kv_layout(
 
 def _gqa_layout(model: ModelSpec, dtype: str, q: int, tp: int, alignment: int) -> KVLayout:
     heads = kv_heads_per_gpu(model.num_kv_heads, tp)
-    # One token's K and V in one layer: the spec's formula (spec/layout.py), per GPU's heads.
-    entry_bytes = LayerSpec(AttentionKind.FULL, heads, model.head_dim, _STORAGE_DTYPE[dtype]).bytes_per_token
+    scale_bytes = 0
+    if dtype in PER_TOKEN_SCALED:  # one byte an element, and a 4-byte scale per KV head, for K and V
+        entry_bytes = LayerSpec(AttentionKind.FULL, heads, model.head_dim, "fp8").bytes_per_token
+        scale_bytes = 2 * heads * 4
+    else:
+        # One token's K and V in one layer: the spec's formula (spec/layout.py), per GPU's heads.
+        entry_bytes = LayerSpec(AttentionKind.FULL, heads, model.head_dim, _STORAGE_DTYPE[dtype]).bytes_per_token
     # FP8 E4M3 with one fp32 scale per tensor for K and one for V in each layer (vLLM's "fp8").
     fixed_scales = 8 if dtype == "fp8" else 0
     by_window: dict[int | None, int] = {}
@@ -251,7 +262,7 @@ def _gqa_layout(model: ModelSpec, dtype: str, q: int, tp: int, alignment: int) -
             block_size=q,
             tokens_per_entry=1,
             data_bytes_per_entry=entry_bytes,
-            scale_bytes_per_entry=0,
+            scale_bytes_per_entry=scale_bytes,
             window=w,
             fixed_scale_bytes=fixed_scales,
             alignment=alignment,

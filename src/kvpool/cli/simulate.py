@@ -130,7 +130,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--v4-checkpoints", type=non_negative_int, default=None, help="V4 checkpoint slots (default 2 x max-num-seqs)"
     )
-    parser.add_argument("--kv-dtype", default="auto", help="auto (the model's serving dtype), bf16, fp8, fp32")
+    parser.add_argument(
+        "--kv-dtype",
+        default="auto",
+        help="auto (the model's serving dtype), bf16, fp16, fp32, fp8 (per-tensor scales), or kvpool's fp8_e4m3, "
+        "fp8_e5m2, int8 (one scale per token and KV head; GQA / MHA models)",
+    )
     parser.add_argument("--slo-ttft-ms", type=positive_float, default=2000.0)
     parser.add_argument("--slo-tpot-ms", type=positive_float, default=100.0)
     parser.add_argument("--json", action="store_true", help="one JSON object (a sweep: JSON lines)")
@@ -190,6 +195,9 @@ def _fit_tp(model, gpu, args) -> int:
         return 1
     if args.tp:
         return args.tp
+    from kvpool.capacity.kv import kv_layout
+
+    kv_layout(model, args.kv_dtype)  # a format the model cannot take is said as such, not as "does not fit"
     for tp in (1, 2, 4, 8):
         try:
             p = plan(model, gpu, num_gpus=tp, tp=tp, kv_dtype=args.kv_dtype)

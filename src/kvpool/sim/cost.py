@@ -89,7 +89,12 @@ from kvpool.spec.models import ModelSpec
 # The GEMM precision of each weight format (see the module docstring).
 WEIGHT_PRECISION: dict[str, str] = {"bf16": "bf16", "mxfp4": "bf16", "fp8": "fp8", "fp4+fp8": "fp8", "fp32": "fp32"}
 # The attention math precision of each KV dtype.
-ATTENTION_PRECISION: dict[str, str] = {"bf16": "bf16", "fp16": "bf16", "fp8": "bf16", "fp32": "fp32"}
+ATTENTION_PRECISION: dict[str, str] = {
+    "bf16": "bf16",
+    "fp16": "bf16",
+    "fp32": "fp32",
+    **dict.fromkeys(("fp8", "fp8_e4m3", "fp8_e5m2", "int8"), "bf16"),  # dequantized into BF16 math
+}
 # V4 entry format of each KV dtype: the serving layout for fp8, else the storage dtype.
 _V4_ENTRY_DTYPE: dict[str, str] = {"fp8": SERVING, "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
