@@ -420,3 +420,39 @@ def test_a_load_that_outlives_its_time_bound_reports_what_finished():
     assert {r.error for r in records} == {"cancelled: still in flight 0.3 s after the duration limit of 0.2 s"}
     row = summarize(config, records, wall_s, {}, {})
     assert row["num_requests"] == 2 and row["num_ok"] == 0 and row["errors"] == [records[0].error]
+
+
+def test_streamed_deltas_decode_incrementally_and_add_up_to_the_text() -> None:
+    """The engine thread decodes only the tokens after the last whole character each step:
+    the deltas still add up to the full decode, a character split over two tokens (bytes
+    b"\\xc3", b"\\xa9") is sent whole, and the work grows linearly with the output."""
+    import random
+    from types import SimpleNamespace
+
+    from kvpool.server.engine_thread import EngineThread, _Tracked
+
+    pieces = [b"a", b"b ", b"\xc3", b"\xa9", "ü".encode(), b"cd", "日".encode(), b"!"]
+    decoded_tokens = []
+
+    def decode(ids: list[int]) -> str:  # byte-level: bytes joined, then UTF-8 with U+FFFD for a cut
+        decoded_tokens.append(len(ids))
+        return b"".join(pieces[t] for t in ids).decode("utf-8", errors="replace")
+
+    rng = random.Random(0)
+    ids: list[int] = []
+    while len(ids) < 300:  # b"\xc3" is always followed by b"\xa9": "é" split over two tokens
+        t = rng.randrange(len(pieces))
+        ids += [2, 3] if t in (2, 3) else [t]
+    thread = EngineThread(SimpleNamespace(eos_token_ids=set()), decode)
+    tracked = _Tracked(None, None, 0)
+    seq = SimpleNamespace(sample_index=0, output_ids=[], finish_reason=None, text="", logprobs=[])
+    sent = ""
+    for n in range(1, len(ids) + 1):
+        seq.output_ids = ids[:n]
+        if n == len(ids):
+            seq.finish_reason, seq.text = "length", decode(ids)
+        delta = thread._delta(seq, tracked)
+        sent += delta.text if delta is not None else ""
+        assert "\ufffd" not in sent  # half a character is never sent
+    assert sent == decode(ids)
+    assert sum(decoded_tokens[:-2]) < 4 * len(ids)  # a few tokens a step, not the whole output

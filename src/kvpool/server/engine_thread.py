@@ -71,6 +71,13 @@ class _SampleStream:
     num_sent_tokens: int = 0
     sent_text: str = ""
     done: bool = False
+    # Incremental detokenization: the visible (non-EOS) output tokens, and how many of them
+    # decode to `stable_text` for good: their text ends on a whole character, and byte-level
+    # BPE decodes a sequence split at a character boundary as the concatenation of its parts.
+    # Each step then decodes only the tokens after them, not the whole output again.
+    visible: list[int] = field(default_factory=list)
+    num_stable_tokens: int = 0
+    stable_text: str = ""
 
 
 @dataclass(slots=True)
@@ -262,8 +269,11 @@ class EngineThread:
             text = seq.text  # the engine's final text (cut before a stop string, EOS dropped)
             limit = len(text)
         else:
-            visible = [t for t in output if t not in self.engine.eos_token_ids]
-            text = self.decode(visible)
+            eos = self.engine.eos_token_ids
+            stream.visible.extend(t for t in new_ids if t not in eos)
+            text = stream.stable_text + self.decode(stream.visible[stream.num_stable_tokens :])
+            if not text.endswith("\ufffd"):
+                stream.stable_text, stream.num_stable_tokens = text, len(stream.visible)
             limit = len(text) if reason is not None else len(text) - tracked.holdback
             if reason is None and text.endswith("\ufffd"):
                 limit = min(limit, len(text) - 1)  # an incomplete character: wait for its next byte
