@@ -73,6 +73,18 @@ class PrefixBlock:
         return f"PrefixBlock({self.block_hash.hex()[:12]}, {kind})"
 
 
+def same_content(a: PrefixBlock | None, b: PrefixBlock | None) -> bool:
+    """Whether two prefix blocks stand for the same prefix: equal hash, tokens and extra
+    keys at every level, walked through the parents until the chains meet."""
+    while a is not b:
+        if a is None or b is None:
+            return False
+        if a.block_hash != b.block_hash or a.token_bytes != b.token_bytes or a.extra != b.extra:
+            return False
+        a, b = a.parent, b.parent
+    return True
+
+
 class PrefixMatch(NamedTuple):
     """The longest cached run of a prompt's full blocks, in order."""
 
@@ -300,26 +312,48 @@ class BlockPool:
         block = PrefixBlock(block_hash, parent, block_token_bytes, extra)
         return self.register(block_id, block) or block
 
-    def register(self, block_id: int, block: PrefixBlock) -> PrefixBlock | None:
+    def lookup(self, block: PrefixBlock) -> PrefixBlock | None:
+        """The index entry holding `block`'s content, or None. Unlike `match`, the chain
+        before `block` need not be in the index (a sliding-window group finds the blocks of
+        its window from the right, after the blocks before them have left the pool): the
+        stored entry is accepted only when its content, walked through its parents until the
+        two chains meet (the root at the latest), is `block`'s, so a hash collision anywhere
+        in the prefix is a miss. Changes nothing."""
+        found = self._index.get(block.block_hash)
+        if found is None or found is block or same_content(found, block):
+            return found
+        return None
+
+    def register(self, block_id: int, block: PrefixBlock, *, orphan_ok: bool = False) -> PrefixBlock | None:
         """Publish a full, computed, held block as `block`'s content.
 
         Returns the prefix block it is now findable as: `block` itself, or the equal one
         already in the index (the block joins its copies). None, and nothing published, when
         caching is off, when `block`'s parent is not in the index (a chain is findable only
-        from its root), or when another content holds the hash (a collision, counted)."""
+        from its root), or when another content holds the hash (a collision, counted).
+        orphan_ok: the parent may have left the index (a sliding-window or checkpoint
+        group, found by `lookup`, not by `match`); an equal entry is then recognized by its
+        whole content, and an entry of other content under the hash is a collision."""
         parent = block.parent
-        if not self.enable_caching or parent is None or not (parent.parent is None or parent.block_ids):
+        if not self.enable_caching or parent is None:
+            return None
+        if not orphan_ok and not (parent.parent is None or parent.block_ids):
             return None  # a chain is findable only from its root
         assert self._refcounts[block_id] > 0, f"register of free block {block_id}"
         assert self._cached[block_id] is None, f"block {block_id} is already registered"
         found = self._index.get(block.block_hash)
         if found is not None and found is not block:
-            same = (
-                found.parent is block.parent and found.token_bytes == block.token_bytes and found.extra == block.extra
-            )
+            if orphan_ok:
+                same = same_content(found, block)
+            else:
+                same = (
+                    found.parent is block.parent
+                    and found.token_bytes == block.token_bytes
+                    and found.extra == block.extra
+                )
             if same:
                 block = found
-            elif not found.parent.is_live:  # an index entry always has a parent
+            elif not orphan_ok and not found.parent.is_live:  # an index entry always has a parent
                 self._forget(found)  # a stale orphan gives way
             else:
                 self.num_collisions += 1

@@ -1,0 +1,413 @@
+"""The hybrid cache coordinator: one CacheManager over every layer group of a model.
+
+A hybrid model mixes layer kinds whose caches differ in granularity (DEEPSEEK_V4.md
+section 8, Kimi K3's Figure 12): full-attention and sliding-window groups keep physical
+blocks of K/V (cache/window.py), recurrent groups one state per request plus checkpoints
+of it (cache/recurrent.py). Each group has its own pool; the coordinator keeps one token
+history and one computed count per request and moves every group together.
+
+Prefix hits. Every group reports which hit points it can serve; the coordinator takes the
+largest point P that every group serves (candidates: multiples of the gcd of the groups'
+granularities, at most len(prompt) - 1, so one token is left to compute). Example: an
+attention group whose cached blocks end at {512, 1024, 1536} and a recurrent group with
+checkpoints at {0, 1024} give P = 1024. Reusing only one side is wrong: attention K/V up
+to 1536 with a recurrent state from anywhere else than 1536 is not the state of that
+prefix. A P inside an attention block copies that block on write (cache/window.py).
+
+Transactions. `admit`, `reserve`, `reserve_step` and `fork` first ask every group what
+they need from its pool, and change nothing unless every group has it (one group out of
+room: nothing changes in any group). Optional checkpoint slots are taken last, from what
+is left. A release frees every group exactly once.
+
+Steps are explicit, as for the V4 manager: a reservation covers [num_computed, end) and
+the commit is of exactly those tokens (a recurrent state advances by whole steps).
+
+Pure Python: the runner applies the groups' copies (`take_copies`) and restores
+(`restore_source`) and writes the snapshots (`checkpoints`) that the coordinator records.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpool.cache.base import CacheManager, check_mm_items
+from kvpool.cache.recurrent import RecurrentGroup, RecurrentGroupSpec, RecurrentState
+from kvpool.cache.types import (
+    Admission,
+    BlockCopy,
+    CacheDescriptor,
+    CacheUsage,
+    MMItem,
+    Reservation,
+    StateRestore,
+)
+from kvpool.cache.window import AttentionGroup, AttentionGroupSpec, AttentionHits, AttentionState
+from kvpool.pool import PrefixBlock
+
+GroupSpec = AttentionGroupSpec | RecurrentGroupSpec
+Group = AttentionGroup | RecurrentGroup
+# One concrete group class per spec type (a plain dict, STYLE 11).
+GROUP_CLASSES: dict[type, type] = {AttentionGroupSpec: AttentionGroup, RecurrentGroupSpec: RecurrentGroup}
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    token_ids: list[int]
+    mm_items: tuple[MMItem, ...]
+    roots: dict[str, PrefixBlock]  # per group (each pool interns its own roots)
+    num_computed: int = 0
+    end: int = 0  # reserved positions [num_computed, end); end == num_computed: no step pending
+    states: dict[str, Any] = field(default_factory=dict)  # group name -> AttentionState | RecurrentState
+
+
+class HybridCacheManager(CacheManager):
+    """groups: (spec, number of blocks or state slots) per group, in layer-map order. All
+    attention groups share one block size (one page size; heterogeneous pages are not done)."""
+
+    def __init__(
+        self,
+        groups: Sequence[tuple[GroupSpec, int]],
+        descriptor: CacheDescriptor,
+        *,
+        enable_prefix_caching: bool = True,
+        hash_algo: str = "xxh3_128",
+    ) -> None:
+        if not groups:
+            raise ValueError("a hybrid cache needs at least one group")
+        built: dict[str, Group] = {}
+        for spec, num in groups:
+            cls = GROUP_CLASSES.get(type(spec))
+            if cls is None:
+                raise TypeError(
+                    f"unknown group spec {type(spec).__name__}; one of {[c.__name__ for c in GROUP_CLASSES]}"
+                )
+            if spec.name in built:
+                raise ValueError(f"two groups are named {spec.name!r}")
+            if num <= 0:
+                raise ValueError(f"group {spec.name!r}: its pool size must be positive, got {num}")
+            built[spec.name] = cls(spec, num, enable_caching=enable_prefix_caching, hash_algo=hash_algo)
+        attention = [g for g in built.values() if isinstance(g, AttentionGroup)]
+        sizes = {g.block_size for g in attention}
+        if len(sizes) > 1:
+            raise ValueError(f"attention groups must share one block size, got {sorted(sizes)}")
+        first = next(iter(built.values()))
+        super().__init__(first.pool, attention[0].block_size if attention else first.granularity, descriptor)
+        self.groups = built
+        self.attention_groups = attention
+        self.recurrent_groups = [g for g in built.values() if isinstance(g, RecurrentGroup)]
+        self._caching = enable_prefix_caching
+        self.hit_granularity = math.gcd(*(g.granularity for g in built.values()))
+
+    # ---- queries -----------------------------------------------------------------------
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self._caching
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(g.pool.num_blocks for g in self.attention_groups)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return sum(g.pool.num_free for g in self.attention_groups)
+
+    def num_reserved_tokens(self, request_id: str) -> int:
+        return self._get(request_id).end
+
+    def block_ids(self, request_id: str, group: str | None = None) -> list[int]:
+        """The held blocks of one attention group (default: the first), logical blocks
+        [first_block(...), ...)."""
+        state = self._get(request_id).states[self._attention(group).name]
+        return list(state.block_ids)
+
+    def first_block(self, request_id: str, group: str | None = None) -> int:
+        """The logical index of the request's first held block in an attention group."""
+        return self._get(request_id).states[self._attention(group).name].first
+
+    def state_slot(self, request_id: str, group: str | None = None) -> int:
+        return self._get(request_id).states[self._recurrent(group).name].slot
+
+    def checkpoints(self, request_id: str, group: str | None = None) -> list[tuple[int, int]]:
+        """(position b, slot) of the reserved step: snapshot the state after b tokens there."""
+        return list(self._get(request_id).states[self._recurrent(group).name].pending)
+
+    def restore_source(self, request_id: str, group: str | None = None) -> int | None:
+        """The checkpoint slot the request's state is to be restored from before its first
+        step (None: a fresh state, or the restore is done)."""
+        return self._get(request_id).states[self._recurrent(group).name].held_src
+
+    def take_copies(self) -> dict[str, list[BlockCopy]]:
+        """Per attention group, the copies to apply before the next forward, in order."""
+        return {g.name: g.take_copies() for g in self.attention_groups}
+
+    def _attention(self, group: str | None) -> AttentionGroup:
+        g = self.attention_groups[0] if group is None and self.attention_groups else self.groups.get(group or "")
+        if not isinstance(g, AttentionGroup):
+            raise KeyError(f"no attention group {group!r}")
+        return g
+
+    def _recurrent(self, group: str | None) -> RecurrentGroup:
+        g = self.recurrent_groups[0] if group is None and self.recurrent_groups else self.groups.get(group or "")
+        if not isinstance(g, RecurrentGroup):
+            raise KeyError(f"no recurrent group {group!r}")
+        return g
+
+    def usage(self) -> CacheUsage:
+        """Attention blocks of every attention group, each physical block counted once;
+        the recurrent groups' slots as state blocks."""
+        held = filled = 0
+        bs = self.block_size
+        for g in self.attention_groups:
+            counts: dict[int, int] = {}
+            for req in self._requests.values():
+                state = req.states[g.name]
+                for i, b in enumerate(state.block_ids):
+                    start = (state.first + i) * bs
+                    counts[b] = max(counts.get(b, 0), min(bs, max(0, req.num_computed - start)))
+            held += len(counts)
+            filled += sum(counts.values())
+        num_slots = sum(g.pool.num_blocks for g in self.recurrent_groups)
+        free_slots = sum(g.pool.num_free for g in self.recurrent_groups)
+        return CacheUsage(self.num_blocks, self.num_free_blocks, held, filled, bs, num_slots, free_slots)
+
+    def group_held_blocks(self) -> dict[str, int]:
+        """Per group, blocks (or slots) that are not free: what the pool really holds."""
+        return {name: g.pool.num_blocks - g.pool.num_free for name, g in self.groups.items()}
+
+    # ---- prefix hits -------------------------------------------------------------------
+
+    def _new_request(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        tenant_salt: str,
+        mm_items: Sequence[MMItem],
+        descriptor: CacheDescriptor | None,
+    ) -> _Request:
+        if len(token_ids) == 0:
+            raise ValueError(f"request {request_id!r} has an empty prompt")
+        items = check_mm_items(mm_items, len(token_ids))
+        if descriptor is not None and not isinstance(descriptor, CacheDescriptor):
+            raise TypeError(f"descriptor must be a CacheDescriptor, got {type(descriptor).__name__}")
+        key = self._descriptor_key if descriptor is None else descriptor.key()
+        roots = {name: g.pool.root(key, tenant_salt) for name, g in self.groups.items()}
+        return _Request(request_id, list(token_ids), items, roots)
+
+    def _hits(self, req: _Request) -> dict[str, Any]:
+        return {name: g.hits(req.roots[name], req.token_ids, req.mm_items) for name, g in self.groups.items()}
+
+    def hit_point(self, hits: dict[str, Any], num_tokens: int) -> int:
+        """The largest point every group serves, leaving one token to compute."""
+        g = self.hit_granularity
+        point = (num_tokens - 1) // g * g
+        while point > 0 and not all(group.serves(hits[name], point) for name, group in self.groups.items()):
+            point -= g
+        return point
+
+    def group_hit_points(self, token_ids: Sequence[int], *, tenant_salt: str = "") -> dict[str, list[int]]:
+        """Per group, every point it alone could serve (for reports and tests). Changes nothing."""
+        req = self._new_request("<lookup>", token_ids, tenant_salt, (), None)
+        hits = self._hits(req)
+        g = self.hit_granularity
+        points = range(0, (len(token_ids) - 1) // g * g + 1, g)
+        return {name: [p for p in points if group.serves(hits[name], p)] for name, group in self.groups.items()}
+
+    def lookup_prefix(
+        self,
+        token_ids: Sequence[int],
+        *,
+        tenant_salt: str = "",
+        mm_items: Sequence[MMItem] = (),
+        descriptor: CacheDescriptor | None = None,
+    ) -> int:
+        if not self._caching:
+            return 0
+        req = self._new_request("<lookup>", token_ids, tenant_salt, mm_items, descriptor)
+        return self.hit_point(self._hits(req), len(req.token_ids))
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    def admit(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        max_new_tokens: int | None = None,
+        *,
+        tenant_salt: str = "",
+        mm_items: Sequence[MMItem] = (),
+        descriptor: CacheDescriptor | None = None,
+    ) -> Admission | None:
+        self._check_new(request_id, token_ids, max_new_tokens)
+        req = self._new_request(request_id, token_ids, tenant_salt, mm_items, descriptor)
+        hits = self._hits(req) if self._caching else {}
+        point = self.hit_point(hits, len(req.token_ids)) if self._caching else 0
+        rest = len(req.token_ids) - point
+        n = rest if max_new_tokens is None else min(max_new_tokens, rest)
+        end = point + n
+        plans: dict[str, Any] = {}
+        for name, g in self.groups.items():
+            if isinstance(g, AttentionGroup):
+                plan, need = g.plan_admit(hits.get(name, AttentionHits([], [])), point, end)
+            else:
+                plan, need = g.plan_admit(hits.get(name), req.roots[name], req.token_ids, req.mm_items, point)
+            if need > g.pool.num_free:
+                return None
+            plans[name] = plan
+        # Checked in every group; mutate.
+        for name, g in self.groups.items():
+            req.states[name] = g.apply_admit(plans[name], req.roots[name])
+        req.num_computed = req.end = point
+        self._requests[request_id] = req
+        self._count_admission(request_id, len(req.token_ids), point)
+        if n:
+            self._apply_reserve(req, end)
+        restore = None
+        if self.recurrent_groups:
+            rg = self.recurrent_groups[0]
+            st: RecurrentState = req.states[rg.name]
+            restore = (
+                StateRestore(st.slot, "checkpoint", st.held_src)
+                if st.held_src is not None
+                else StateRestore(st.slot, "none")
+            )
+        block_ids = tuple(self.block_ids(request_id)) if self.attention_groups else ()
+        return Admission(point, n, block_ids, restore)
+
+    def _check_reserve(self, req: _Request, num_new_tokens: int) -> None:
+        if req.end != req.num_computed:
+            raise ValueError(f"request {req.request_id!r} has an uncommitted step; commit it first")
+        if num_new_tokens < 0:
+            raise ValueError(f"request {req.request_id!r}: num_new_tokens must be >= 0, got {num_new_tokens}")
+        if req.num_computed + num_new_tokens > len(req.token_ids):
+            raise ValueError(
+                f"request {req.request_id!r}: reserving up to position {req.num_computed + num_new_tokens}, but only "
+                f"{len(req.token_ids)} token ids are known (append_token_ids first)"
+            )
+
+    def _needs(self, req: _Request, end: int) -> dict[str, int]:
+        return {g.name: g.blocks_needed(req.states[g.name], req.num_computed, end) for g in self.attention_groups}
+
+    def _apply_reserve(self, req: _Request, end: int) -> Reservation:
+        new_ids: tuple[int, ...] = ()
+        copies: tuple[BlockCopy, ...] = ()
+        for i, g in enumerate(self.attention_groups):
+            new, cps = g.apply_reserve(req.states[g.name], req.num_computed, end)
+            if i == 0:
+                new_ids, copies = tuple(new), tuple(cps)
+        checkpoints: tuple[tuple[int, int], ...] = ()
+        for i, rg in enumerate(self.recurrent_groups):
+            st = req.states[rg.name]
+            wanted = rg.plan_checkpoints(st, req.token_ids, req.mm_items, req.num_computed, end)
+            taken = rg.take_checkpoint_slots(st, wanted)
+            if i == 0:
+                checkpoints = tuple(taken)
+        start = req.num_computed
+        req.end = end
+        return Reservation(start, end - start, new_ids, copies, checkpoints)
+
+    def reserve(self, request_id: str, num_new_tokens: int) -> Reservation | None:
+        req = self._get(request_id)
+        self._check_reserve(req, num_new_tokens)
+        end = req.num_computed + num_new_tokens
+        needs = self._needs(req, end)
+        if any(needs[name] > self.groups[name].pool.num_free for name in needs):
+            return None
+        return self._apply_reserve(req, end)
+
+    def reserve_step(self, request_ids: Sequence[str], num_new_tokens: Sequence[int]) -> bool:
+        if len(request_ids) != len(num_new_tokens):
+            raise ValueError(f"{len(request_ids)} requests but {len(num_new_tokens)} token counts")
+        if len(set(request_ids)) != len(request_ids):
+            raise ValueError(f"a request appears twice in {list(request_ids)}")
+        reqs = [self._get(r) for r in request_ids]
+        total = dict.fromkeys(self.groups, 0)
+        for req, n in zip(reqs, num_new_tokens, strict=True):
+            self._check_reserve(req, n)
+            for name, need in self._needs(req, req.num_computed + n).items():
+                total[name] += need
+        if any(total[name] > g.pool.num_free for name, g in self.groups.items()):
+            return False
+        for req, n in zip(reqs, num_new_tokens, strict=True):
+            self._apply_reserve(req, req.num_computed + n)
+        return True
+
+    def commit(self, request_id: str, num_tokens: int) -> None:
+        self.commit_step((request_id,), (num_tokens,), (None,))
+
+    def commit_step(
+        self, request_ids: Sequence[str], num_tokens: Sequence[int], next_token_ids: Sequence[int | None]
+    ) -> None:
+        if not len(request_ids) == len(num_tokens) == len(next_token_ids):
+            raise ValueError(
+                f"{len(request_ids)} requests, {len(num_tokens)} token counts, {len(next_token_ids)} next tokens"
+            )
+        if len(set(request_ids)) != len(request_ids):
+            raise ValueError(f"a request appears twice in {list(request_ids)}")
+        reqs = [self._get(r) for r in request_ids]
+        for req, n in zip(reqs, num_tokens, strict=True):
+            if n != req.end - req.num_computed:
+                raise ValueError(
+                    f"request {req.request_id!r}: commit of {n} tokens, but the step reserved "
+                    f"{req.end - req.num_computed} (a recurrent state advances by whole steps)"
+                )
+        for req, next_token_id in zip(reqs, next_token_ids, strict=True):
+            req.num_computed = req.end
+            for name, g in self.groups.items():
+                g.commit(req.states[name], req.token_ids, req.num_computed, req.mm_items)
+            if next_token_id is not None:
+                req.token_ids.append(next_token_id)
+
+    def fork(self, parent_id: str, child_id: str) -> bool:
+        """A child sharing the parent's blocks, with its own live state in every recurrent
+        group (the runner copies the parent's into it). False, nothing changed, when a
+        recurrent group has no free slot."""
+        parent = self._get(parent_id)
+        if child_id in self._requests:
+            raise ValueError(f"request {child_id!r} already exists")
+        if parent.end != parent.num_computed:
+            raise ValueError(f"request {parent_id!r} has an uncommitted step; fork after commit")
+        if not all(g.can_fork() for g in self.recurrent_groups):
+            return False
+        child = _Request(child_id, parent.token_ids[: parent.num_computed], parent.mm_items, dict(parent.roots))
+        child.num_computed = child.end = parent.num_computed
+        for name, g in self.groups.items():
+            child.states[name] = g.fork(parent.states[name])
+        self._requests[child_id] = child
+        return True
+
+    def _release(self, request_id: str) -> bool:
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        for name, g in self.groups.items():
+            g.release(req.states[name])
+        return True
+
+    # ---- invariants --------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        holders = {name: [0] * g.pool.num_blocks for name, g in self.groups.items()}
+        for rid, req in self._requests.items():
+            if not 0 <= req.num_computed <= req.end <= len(req.token_ids):
+                raise AssertionError(
+                    f"invariant 5: request {rid!r} computed {req.num_computed}, reserved to {req.end}, "
+                    f"knows {len(req.token_ids)} tokens"
+                )
+            if set(req.states) != set(self.groups):
+                raise AssertionError(f"request {rid!r} has state in groups {sorted(req.states)}")
+            for name, g in self.groups.items():
+                g.check_state(rid, req.states[name], req.token_ids, req.num_computed, req.end, holders[name])
+        for name, g in self.groups.items():
+            g.check_holders(holders[name])
+
+
+def attention_state(manager: HybridCacheManager, request_id: str, group: str) -> AttentionState:
+    """A request's table in one attention group (for runners and tests)."""
+    state = manager._get(request_id).states[group]
+    assert isinstance(state, AttentionState)
+    return state

@@ -1,0 +1,244 @@
+"""One recurrent layer group of a hybrid model (KDA, Mamba, gated DeltaNet): a fixed-size
+state per request and checkpoints of that state, driven by the coordinator
+(cache/coordinator.py). No torch.
+
+A recurrent layer keeps no per-token cache: after t tokens its whole history is one state
+S_t of fixed size. So a prefix hit at P needs S_P, and only a snapshot taken at exactly P
+can give it. The group keeps one pool of state slots (a BlockPool whose "blocks" are
+slots, so checkpoints get refcounts, LRU eviction and the collision-guarded index for
+free):
+
+  live state   refcount 1, unregistered: the state of one running request
+  checkpoint   registered under the prefix it is the state of; refcount 0 in the LRU free
+               queue while nobody restores from it (reused after unhashed free slots, the
+               least recently used first), > 0 while a restore reads it
+
+Checkpoints are taken at hash boundaries every C tokens (C = `checkpoint_interval`, any
+positive number: a multiple of the attention block size or not; Kimi K3 pages 1,024-6,144
+tokens and checkpoints every ~512). A step that computes [num_computed, end) gets a slot
+for each boundary b = k * C in (num_computed, end] whose prefix has no checkpoint yet, as
+far as free slots go (checkpoints are a cache: a step never fails for lack of one); the
+runner snapshots the state after position b - 1 into it; the commit publishes it. The
+prefix chain runs over C-token chunks and each checkpoint is looked up on its own
+(`BlockPool.lookup`), so a checkpoint stays findable when earlier ones were evicted.
+
+A hit at P restores from the checkpoint of P: the request gets a fresh live slot, the
+runner copies the checkpoint into it, and the checkpoint stays held until the request's
+first commit (so no allocation can reuse it before the copy is made).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvpool.cache.base import mm_extra_key
+from kvpool.cache.types import MMItem
+from kvpool.pool import BlockPool, PrefixBlock
+from kvpool.pool.hashing import token_bytes
+
+
+@dataclass(frozen=True)
+class RecurrentGroupSpec:
+    """Recurrent layers sharing one state slot per request; a checkpoint every
+    `checkpoint_interval` tokens."""
+
+    name: str
+    checkpoint_interval: int
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_interval <= 0:
+            raise ValueError(
+                f"group {self.name!r}: checkpoint_interval must be positive, got {self.checkpoint_interval}"
+            )
+
+
+@dataclass(slots=True)
+class RecurrentState:
+    """One request's state in one recurrent group."""
+
+    root: PrefixBlock
+    slot: int  # the live state
+    chain: list[PrefixBlock] = field(default_factory=list)  # C-chunks [0, num_computed // C) (caching on)
+    pending: list[tuple[int, int]] = field(default_factory=list)  # (position b, slot): snapshot S_b in this step
+    held_src: int | None = None  # the checkpoint restored from, held until the first commit
+
+
+@dataclass(slots=True)
+class RecurrentHits:
+    found: list[PrefixBlock | None]  # per C-chunk k: the checkpoint of the state after (k + 1) * C tokens
+
+
+@dataclass(slots=True)
+class RecurrentAdmit:
+    src: int | None  # checkpoint slot to restore from (None: a fresh state)
+    chain: list[PrefixBlock]
+
+
+class RecurrentGroup:
+    def __init__(
+        self, spec: RecurrentGroupSpec, num_slots: int, *, enable_caching: bool = True, hash_algo: str = "xxh3_128"
+    ) -> None:
+        self.spec = spec
+        self.interval = spec.checkpoint_interval
+        self.pool = BlockPool(num_slots, enable_caching=enable_caching, hash_algo=hash_algo)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def granularity(self) -> int:
+        return self.interval
+
+    @property
+    def num_checkpoints(self) -> int:
+        """Checkpoints findable now (held or free)."""
+        return self.pool.num_cached
+
+    def _chunk(self, token_ids: list[int], mm_items: tuple[MMItem, ...], k: int) -> tuple[bytes, bytes]:
+        c = self.interval
+        extra = mm_extra_key(mm_items, c, k) if mm_items else b""
+        return token_bytes(token_ids[k * c : (k + 1) * c]), extra
+
+    def _chain(
+        self, root: PrefixBlock, token_ids: list[int], mm_items: tuple[MMItem, ...], n: int
+    ) -> list[PrefixBlock]:
+        chain: list[PrefixBlock] = []
+        parent = root
+        for k in range(n):
+            parent = self.pool.chain(parent, *self._chunk(token_ids, mm_items, k))
+            chain.append(parent)
+        return chain
+
+    # ---- prefix hits -------------------------------------------------------------------
+
+    def hits(self, root: PrefixBlock, token_ids: list[int], mm_items: tuple[MMItem, ...]) -> RecurrentHits:
+        if not self.pool.enable_caching:
+            return RecurrentHits([])
+        return RecurrentHits(
+            [self.pool.lookup(b) for b in self._chain(root, token_ids, mm_items, len(token_ids) // self.interval)]
+        )
+
+    def serves(self, hits: RecurrentHits, point: int) -> bool:
+        if point == 0:
+            return True
+        k, rest = divmod(point, self.interval)
+        return rest == 0 and k <= len(hits.found) and hits.found[k - 1] is not None
+
+    def plan_admit(
+        self, hits: RecurrentHits, root: PrefixBlock, token_ids: list[int], mm_items: tuple[MMItem, ...], point: int
+    ) -> tuple[RecurrentAdmit, int]:
+        """(the plan, free slots it needs): a live slot, and the checkpoint if it is free."""
+        src = None
+        need = 1
+        if point:
+            ckpt = hits.found[point // self.interval - 1]
+            assert ckpt is not None, "serves() was checked"
+            src = next((s for s in ckpt.block_ids if self.pool.refcount(s)), ckpt.block_ids[0])
+            need += self.pool.refcount(src) == 0  # revived out of the free queue
+        chain = self._chain(root, token_ids, mm_items, point // self.interval) if self.pool.enable_caching else []
+        return RecurrentAdmit(src, chain), need
+
+    def apply_admit(self, plan: RecurrentAdmit, root: PrefixBlock) -> RecurrentState:
+        if plan.src is not None:
+            self.pool.incref((plan.src,))
+        slots = self.pool.allocate(1)
+        assert slots is not None, "the coordinator checked the free count"
+        return RecurrentState(root, slots[0], plan.chain, [], plan.src)
+
+    # ---- steps -------------------------------------------------------------------------
+
+    def plan_checkpoints(
+        self, state: RecurrentState, token_ids: list[int], mm_items: tuple[MMItem, ...], num_computed: int, end: int
+    ) -> list[int]:
+        """Boundaries b in (num_computed, end] whose prefix has no findable checkpoint yet."""
+        if not self.pool.enable_caching:
+            return []
+        c = self.interval
+        k0, k1 = num_computed // c, end // c
+        if k1 == k0:
+            return []
+        parent = state.chain[-1] if state.chain else state.root
+        wanted = []
+        for k in range(k0, k1):
+            parent = self.pool.chain(parent, *self._chunk(token_ids, mm_items, k))
+            if self.pool.lookup(parent) is None:
+                wanted.append((k + 1) * c)
+        return wanted
+
+    def take_checkpoint_slots(self, state: RecurrentState, positions: list[int]) -> list[tuple[int, int]]:
+        """Slots for as many of `positions` as there are free slots, the latest first."""
+        positions = positions[max(0, len(positions) - self.pool.num_free) :]
+        slots = self.pool.allocate(len(positions))
+        assert slots is not None
+        taken = list(zip(positions, slots, strict=True))
+        state.pending.extend(taken)
+        return taken
+
+    def commit(
+        self, state: RecurrentState, token_ids: list[int], num_computed: int, mm_items: tuple[MMItem, ...]
+    ) -> None:
+        """The step's snapshots hold S_b: publish them as cached checkpoints (free, in the
+        LRU queue; one whose prefix another request checkpointed first joins it as a copy)."""
+        pool = self.pool
+        if pool.enable_caching:
+            parent = state.chain[-1] if state.chain else state.root
+            for k in range(len(state.chain), num_computed // self.interval):
+                parent = pool.chain(parent, *self._chunk(token_ids, mm_items, k))
+                state.chain.append(parent)
+        by_position = {(k + 1) * self.interval: b for k, b in enumerate(state.chain)}
+        for position, slot in state.pending:
+            pool.register(slot, by_position[position], orphan_ok=True)
+        pool.decref(slot for _, slot in reversed(state.pending))
+        state.pending = []
+        if state.held_src is not None:
+            pool.decref((state.held_src,))
+            state.held_src = None
+
+    def can_fork(self) -> bool:
+        return self.pool.num_free > 0
+
+    def fork(self, state: RecurrentState) -> RecurrentState:
+        slots = self.pool.allocate(1)
+        assert slots is not None, "can_fork was checked"
+        return RecurrentState(state.root, slots[0], list(state.chain))
+
+    def release(self, state: RecurrentState) -> None:
+        """The live slot and unwritten snapshot slots go back unhashed; a held source is let go."""
+        self.pool.decref([slot for _, slot in reversed(state.pending)] + [state.slot])
+        if state.held_src is not None:
+            self.pool.decref((state.held_src,))
+        state.pending = []
+        state.held_src = None
+
+    # ---- invariants --------------------------------------------------------------------
+
+    def check_state(
+        self, rid: str, state: RecurrentState, token_ids: list[int], num_computed: int, end: int, holders: list[int]
+    ) -> None:
+        where = f"group {self.name!r}, request {rid!r}"
+        for slot in [state.slot] + [s for _, s in state.pending]:
+            holders[slot] += 1
+            if self.pool.block_hash(slot) is not None:
+                raise AssertionError(f"{where}: slot {slot} is written this step but registered as a checkpoint")
+        if state.held_src is not None:
+            holders[state.held_src] += 1
+        for position, _ in state.pending:
+            if not (num_computed < position <= end and position % self.interval == 0):
+                raise AssertionError(f"{where}: a snapshot at {position} outside the step ({num_computed}, {end}]")
+        if self.pool.enable_caching:
+            if len(state.chain) != num_computed // self.interval:
+                raise AssertionError(f"{where}: {len(state.chain)} chained chunks for {num_computed} computed")
+            c = self.interval
+            for k, block in enumerate(state.chain):
+                if block.token_bytes != token_bytes(token_ids[k * c : (k + 1) * c]):
+                    raise AssertionError(f"{where}: chain element {k} is not its own prefix")
+
+    def check_holders(self, holders: list[int]) -> None:
+        self.pool.check_integrity()
+        for slot, count in enumerate(holders):
+            if self.pool.refcount(slot) != count:
+                raise AssertionError(
+                    f"invariant 1 (refcount == holders): group {self.name!r} slot {slot} has refcount "
+                    f"{self.pool.refcount(slot)}, held {count} times"
+                )

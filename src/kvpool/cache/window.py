@@ -1,0 +1,301 @@
+"""One attention layer group of a hybrid model: paged K/V of full-attention or sliding-window
+layers on its own BlockPool, driven by the coordinator (cache/coordinator.py). No torch.
+
+Window rule. A layer of window W lets the query at position t read the keys of positions
+[t - W + 1, t] (W keys, itself included; Gemma-2 / Mistral convention). A request whose
+first `num_computed` tokens are computed and that computes [num_computed, end) next needs
+the keys from lo = max(0, num_computed - W + 1) on, so its table covers
+
+  logical blocks [first, ceil(end / bs)),  first = lo // bs
+  [0, first * bs)            left the window: released to the pool's free queue (still
+                             findable by hash while they stay cached)
+  [first * bs, num_computed) committed keys the next step reads (the hit's blocks are
+                             shared read-only)
+  [num_computed, end)        the reserved step's slots: exclusive, unpublished
+
+Full attention is the same with W = infinity (first = 0). Blocks are released as the
+request advances: at every commit the blocks wholly before the new lo go back, tail-first.
+
+Prefix hits (`hits`): the prompt's full blocks are hashed along the chain and each is
+looked up on its own (`BlockPool.lookup`), so a window group finds the blocks of its
+window from the right even after the blocks before them have been evicted (vLLM's
+sliding-window rule). A full group serves a hit point P when every block before P is
+cached; a window group when the blocks covering [max(0, P - W + 1), P) are. A point inside
+a block takes that cached block as the source of a copy (copy-on-write): the request gets
+a fresh block, the runner copies the source into it before the step writes position P, and
+the source stays held until the request's first commit, so nothing can reuse it before
+the copy is made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvpool.cache.base import mm_extra_key
+from kvpool.cache.types import BlockCopy, MMItem
+from kvpool.pool import BlockPool, PrefixBlock
+from kvpool.pool.hashing import token_bytes
+
+
+@dataclass(frozen=True)
+class AttentionGroupSpec:
+    """Layers that share one block table. window None: full attention; otherwise the query
+    at t reads keys [t - window + 1, t]."""
+
+    name: str
+    block_size: int
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"group {self.name!r}: block_size must be positive, got {self.block_size}")
+        if self.window is not None and self.window <= 0:
+            raise ValueError(f"group {self.name!r}: window must be positive, got {self.window}")
+
+    def first_needed(self, num_computed: int) -> int:
+        """The first position whose key the step after `num_computed` tokens reads."""
+        return 0 if self.window is None else max(0, num_computed - self.window + 1)
+
+    def num_held_blocks(self, num_computed: int, end: int) -> int:
+        """Blocks a request holds while it computes [num_computed, end)."""
+        if end == 0:
+            return 0
+        return -(-end // self.block_size) - self.first_needed(num_computed) // self.block_size
+
+
+@dataclass(slots=True)
+class AttentionState:
+    """One request's table in one attention group."""
+
+    root: PrefixBlock
+    first: int = 0  # logical index of block_ids[0]; blocks [0, first) have left the window
+    block_ids: list[int] = field(default_factory=list)
+    chain: list[PrefixBlock] = field(default_factory=list)  # full computed blocks [0, len) (caching on)
+    held_src: int | None = None  # the hit's copied tail block, held until the first commit
+
+
+@dataclass(slots=True)
+class AttentionHits:
+    """What a group's cache holds of a prompt: per full block, its cached copy (or None)."""
+
+    found: list[PrefixBlock | None]
+    chain: list[PrefixBlock]  # the prompt's prefix blocks (the found ones where found)
+
+
+@dataclass(slots=True)
+class AttentionAdmit:
+    """An admission's plan in one group, checked before anything changes."""
+
+    first: int
+    hit_ids: list[int]  # held blocks of [first, ceil(P / bs)), the copied tail's source included
+    num_new: int
+    copy_tail: bool  # P lies inside a block: hit_ids[-1] is the source of a copy
+    chain: list[PrefixBlock]
+
+
+class AttentionGroup:
+    def __init__(
+        self, spec: AttentionGroupSpec, num_blocks: int, *, enable_caching: bool = True, hash_algo: str = "xxh3_128"
+    ) -> None:
+        self.spec = spec
+        self.block_size = spec.block_size
+        self.pool = BlockPool(num_blocks, enable_caching=enable_caching, hash_algo=hash_algo)
+        self._pending_copies: list[BlockCopy] = []
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def granularity(self) -> int:
+        return self.block_size
+
+    # ---- prefix hits -------------------------------------------------------------------
+
+    def _extra(self, mm_items: tuple[MMItem, ...], index: int) -> bytes:
+        return mm_extra_key(mm_items, self.block_size, index) if mm_items else b""
+
+    def hits(self, root: PrefixBlock, token_ids: list[int], mm_items: tuple[MMItem, ...]) -> AttentionHits:
+        """Each full block of the prompt, looked up on its own. Changes nothing."""
+        bs = self.block_size
+        found: list[PrefixBlock | None] = []
+        chain: list[PrefixBlock] = []
+        if not self.pool.enable_caching:
+            return AttentionHits(found, chain)
+        parent = root
+        for k in range(len(token_ids) // bs):
+            block = self.pool.chain(parent, token_bytes(token_ids[k * bs : (k + 1) * bs]), self._extra(mm_items, k))
+            hit = self.pool.lookup(block)
+            found.append(hit)
+            parent = hit if hit is not None else block
+            chain.append(parent)
+        return AttentionHits(found, chain)
+
+    def serves(self, hits: AttentionHits, point: int) -> bool:
+        """Whether this group can resume a request after `point` cached tokens."""
+        if point == 0:
+            return True
+        bs = self.block_size
+        last = -(-point // bs)  # blocks [.., last) hold positions below point
+        if last > len(hits.found):
+            return False
+        first = self.spec.first_needed(point) // bs
+        return all(hits.found[k] is not None for k in range(first, last))
+
+    def _held_copy(self, block: PrefixBlock) -> int:
+        """One physical copy of a cached block: a held one rather than a free one."""
+        ids = block.block_ids
+        return next((b for b in ids if self.pool.refcount(b)), ids[0])
+
+    def plan_admit(self, hits: AttentionHits, point: int, end: int) -> tuple[AttentionAdmit, int]:
+        """(the plan, free blocks it needs) for a hit at `point` and a first step to `end`."""
+        bs = self.block_size
+        first = self.spec.first_needed(point) // bs
+        last = -(-point // bs)
+        hit_ids = []
+        for k in range(first, last):
+            block = hits.found[k]
+            assert block is not None, "serves() was checked"
+            hit_ids.append(self._held_copy(block))
+        copy_tail = point % bs != 0
+        num_new = -(-end // bs) - last + copy_tail
+        revived = sum(1 for b in set(hit_ids) if self.pool.refcount(b) == 0)
+        return AttentionAdmit(first, hit_ids, num_new, copy_tail, hits.chain[: point // bs]), num_new + revived
+
+    def apply_admit(self, plan: AttentionAdmit, root: PrefixBlock) -> AttentionState:
+        self.pool.incref(plan.hit_ids)
+        new = self.pool.allocate(plan.num_new)
+        assert new is not None, "the coordinator checked the free count"
+        state = AttentionState(root, plan.first, list(plan.hit_ids), list(plan.chain))
+        if plan.copy_tail:
+            # The block holding position P is cached and may be shared: copy it, keep the source.
+            src, dst = state.block_ids[-1], new.pop(0)
+            state.block_ids[-1] = dst
+            state.held_src = src
+            self._pending_copies.append(BlockCopy(src, dst))
+        state.block_ids.extend(new)
+        return state
+
+    # ---- steps -------------------------------------------------------------------------
+
+    def _tail_copy_needed(self, state: AttentionState, num_computed: int, end: int) -> bool:
+        """Whether the step writes into a computed partial block others hold (after a fork)."""
+        bs = self.block_size
+        if end == num_computed or num_computed % bs == 0:
+            return False
+        return self.pool.refcount(state.block_ids[num_computed // bs - state.first]) > 1
+
+    def blocks_needed(self, state: AttentionState, num_computed: int, end: int) -> int:
+        """Free blocks a step [num_computed, end) takes (fresh ones and a tail copy)."""
+        num_new = max(0, -(-end // self.block_size) - state.first - len(state.block_ids))
+        return num_new + self._tail_copy_needed(state, num_computed, end)
+
+    def apply_reserve(self, state: AttentionState, num_computed: int, end: int) -> tuple[list[int], list[BlockCopy]]:
+        copy = self._tail_copy_needed(state, num_computed, end)
+        num_new = max(0, -(-end // self.block_size) - state.first - len(state.block_ids))
+        new = self.pool.allocate(num_new + copy)
+        assert new is not None, "the coordinator checked the free count"
+        copies: list[BlockCopy] = []
+        if copy:
+            index = num_computed // self.block_size - state.first
+            src, dst = state.block_ids[index], new.pop()
+            state.block_ids[index] = dst
+            self.pool.decref((src,))  # still held by the request it is shared with
+            copies.append(BlockCopy(src, dst))
+            self._pending_copies.append(copies[-1])
+        state.block_ids.extend(new)
+        return new, copies
+
+    def commit(
+        self, state: AttentionState, token_ids: list[int], num_computed: int, mm_items: tuple[MMItem, ...]
+    ) -> None:
+        """Tokens [.., num_computed) are computed: publish the blocks they complete, then
+        release the blocks that left the window (tail-first) and a held copy source."""
+        bs = self.block_size
+        pool = self.pool
+        if pool.enable_caching:
+            parent = state.chain[-1] if state.chain else state.root
+            for k in range(len(state.chain), num_computed // bs):
+                block = pool.chain(parent, token_bytes(token_ids[k * bs : (k + 1) * bs]), self._extra(mm_items, k))
+                published = pool.register(
+                    state.block_ids[k - state.first], block, orphan_ok=self.spec.window is not None
+                )
+                parent = published or block
+                state.chain.append(parent)
+        if state.held_src is not None:
+            pool.decref((state.held_src,))
+            state.held_src = None
+        first = self.spec.first_needed(num_computed) // bs
+        if first > state.first:
+            gone = state.block_ids[: first - state.first]
+            del state.block_ids[: first - state.first]
+            state.first = first
+            pool.decref(reversed(gone))
+
+    def fork(self, state: AttentionState) -> AttentionState:
+        self.pool.incref(state.block_ids)
+        return AttentionState(state.root, state.first, list(state.block_ids), list(state.chain))
+
+    def release(self, state: AttentionState) -> None:
+        self.pool.decref(reversed(state.block_ids))  # tail-first: a chain's tail is evicted first
+        if state.held_src is not None:
+            self.pool.decref((state.held_src,))
+        state.block_ids = []
+        state.held_src = None
+
+    def take_copies(self) -> list[BlockCopy]:
+        """Copies to apply before the next forward, in order; a copy into a block nobody
+        holds any more is dropped."""
+        copies, self._pending_copies = self._pending_copies, []
+        return [c for c in copies if self.pool.refcount(c.dst) > 0]
+
+    # ---- invariants --------------------------------------------------------------------
+
+    def check_state(
+        self, rid: str, state: AttentionState, token_ids: list[int], num_computed: int, end: int, holders: list[int]
+    ) -> None:
+        bs = self.block_size
+        where = f"group {self.name!r}, request {rid!r}"
+        if state.first != self.spec.first_needed(num_computed) // bs:
+            raise AssertionError(
+                f"window rule: {where} keeps blocks from {state.first}, but the next step reads from "
+                f"block {self.spec.first_needed(num_computed) // bs}"
+            )
+        if end and state.first + len(state.block_ids) != -(-end // bs):
+            raise AssertionError(
+                f"invariant 5 (table and counts commit together): {where} holds blocks "
+                f"[{state.first}, {state.first + len(state.block_ids)}) for {end} reserved tokens"
+            )
+        if len(set(state.block_ids)) != len(state.block_ids):
+            raise AssertionError(f"invariant 1: {where} holds a block twice")
+        for b in state.block_ids:
+            holders[b] += 1
+        if state.held_src is not None:
+            holders[state.held_src] += 1
+        if end > num_computed:
+            for k in range(num_computed // bs, -(-end // bs)):
+                b = state.block_ids[k - state.first]
+                if self.pool.refcount(b) != 1 or self.pool.block_hash(b) is not None:
+                    raise AssertionError(
+                        f"invariant 2 (copy-on-write before a write): {where} will write into block {b} "
+                        f"(refcount {self.pool.refcount(b)}, registered {self.pool.block_hash(b) is not None})"
+                    )
+        if self.pool.enable_caching:
+            if len(state.chain) != num_computed // bs:
+                raise AssertionError(f"invariant 6: {where} has {len(state.chain)} chained blocks for {num_computed}")
+            for k, block in enumerate(state.chain):
+                if block.token_bytes != token_bytes(token_ids[k * bs : (k + 1) * bs]):
+                    raise AssertionError(f"invariant 6: {where} chain element {k} is not its own prefix")
+                if k >= state.first:
+                    registered = self.pool.prefix_block(state.block_ids[k - state.first])
+                    if registered is not None and registered is not block:
+                        raise AssertionError(f"invariant 6: {where} block {k} is registered as other content")
+
+    def check_holders(self, holders: list[int]) -> None:
+        self.pool.check_integrity()
+        for b, count in enumerate(holders):
+            if self.pool.refcount(b) != count:
+                raise AssertionError(
+                    f"invariant 1 (refcount == holders): group {self.name!r} block {b} has refcount "
+                    f"{self.pool.refcount(b)}, held {count} times"
+                )

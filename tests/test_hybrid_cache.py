@@ -1,0 +1,234 @@
+"""Narratives of the hybrid coordinator on tiny pools, with exact block and checkpoint ids:
+Figure 12's hit rule, a hit inside an attention block (copy-on-write), the sliding-window
+rule (blocks leave as the request advances, hits found from the right), transactional
+allocation across groups, release of every group once."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool.cache import BlockCopy, CacheDescriptor, StateRestore
+from kvpool.cache.coordinator import HybridCacheManager
+from kvpool.cache.recurrent import RecurrentGroupSpec
+from kvpool.cache.window import AttentionGroupSpec
+from kvpool.capacity.kv import PageGroup
+
+DESC = CacheDescriptor("tiny-hybrid", weights_version="v1")
+
+
+def prefill(m: HybridCacheManager, rid: str, tokens: list[int]) -> int:
+    admission = m.admit(rid, tokens)
+    assert admission is not None
+    m.check_integrity()
+    m.commit(rid, admission.num_scheduled_tokens)
+    m.check_integrity()
+    return admission.num_cached_tokens
+
+
+def decode(m: HybridCacheManager, rid: str, token: int) -> None:
+    m.append_token_ids(rid, [token])
+    assert m.reserve(rid, 1) is not None
+    m.check_integrity()
+    m.commit(rid, 1)
+    m.check_integrity()
+
+
+def test_figure_12_hit_is_the_largest_point_every_group_has():
+    # Attention blocks of 512 tokens, a recurrent checkpoint every 1024: after a 1600-token
+    # prompt the attention blocks end at {512, 1024, 1536}, the checkpoints at {0, 1024}.
+    m = HybridCacheManager([(AttentionGroupSpec("mla", 512), 8), (RecurrentGroupSpec("kda", 1024), 4)], DESC)
+    prompt = list(range(1600))
+    admission = m.admit("a", prompt)
+    assert admission == (0, 1600, (0, 1, 2, 3), StateRestore(0, "none"), ())
+    assert m.checkpoints("a") == [(1024, 1)]  # slot 1 snapshots the state after 1024 tokens
+    m.commit("a", 1600)
+    m.check_integrity()
+    follow_up = prompt + [7]
+    assert m.group_hit_points(follow_up) == {"mla": [0, 512, 1024, 1536], "kda": [0, 1024]}
+    assert m.lookup_prefix(follow_up) == 1024
+    assert m.finish("a")
+    assert m.groups["mla"].pool.free_queue() == [4, 5, 6, 7, 3, 2, 1, 0]
+    assert m.groups["kda"].pool.free_queue() == [2, 3, 0, 1]
+
+    admission = m.admit("b", follow_up)
+    m.check_integrity()
+    # 1024 cached tokens: attention blocks 0 and 1 shared, the state restored from slot 1
+    # into a fresh live slot 2; blocks 4 and 5 for [1024, 1601).
+    assert admission == (1024, 577, (0, 1, 4, 5), StateRestore(2, "checkpoint", 1), ())
+    assert m.restore_source("b") == 1 and m.groups["kda"].pool.refcount(1) == 1
+    assert m.checkpoints("b") == []  # the step reaches no new boundary (2048 > 1601)
+    m.commit("b", 577)
+    m.check_integrity()
+    assert m.restore_source("b") is None and m.groups["kda"].pool.is_free_cached(1)  # held until the first commit
+
+
+def test_a_hit_inside_an_attention_block_copies_the_block_on_write():
+    # Pages of 1024 tokens, checkpoints every 512 (Kimi K3's shape, scaled down in count).
+    m = HybridCacheManager([(AttentionGroupSpec("mla", 1024), 4), (RecurrentGroupSpec("kda", 512), 3)], DESC)
+    a = list(range(1100))
+    admission = m.admit("a", a)
+    assert admission.block_ids == (0, 1)
+    assert m.checkpoints("a") == [(512, 1), (1024, 2)]
+    m.commit("a", 1100)
+    m.finish("a")
+    # a's checkpoints were freed tail-first: 1024 (slot 2) is older in the LRU than 512 (slot 1).
+    assert m.groups["kda"].pool.free_queue() == [0, 2, 1]
+    prefill(m, "c", [7] * 10)  # takes the unhashed slot 0
+    prefill(m, "d", [8] * 10)  # evicts the least recently used checkpoint: 1024 (slot 2)
+    assert m.state_slot("c") == 0 and m.state_slot("d") == 2
+    m.finish("c")
+    b = a + [5]
+    assert m.group_hit_points(b) == {"mla": [0, 512, 1024], "kda": [0, 512]}
+    admission = m.admit("b", b)
+    m.check_integrity()
+    # Hit at 512, inside attention block 0: b gets a copy of block 0 in block 1 (free
+    # queue head), block 0 stays held (the copy's source) until b's first commit.
+    assert admission == (512, 589, (1, 2), StateRestore(0, "checkpoint", 1), ())
+    assert m.take_copies() == {"mla": [BlockCopy(0, 1)]}
+    assert m.groups["mla"].pool.refcount(0) == 1 and m.groups["mla"].pool.block_hash(0) is not None
+    assert m.groups["mla"].pool.block_hash(1) is None  # b writes [512, 1024) into its own copy
+    m.commit("b", 589)
+    m.check_integrity()
+    assert m.groups["mla"].pool.is_free_cached(0)  # the cached block is intact and findable again
+    assert m.lookup_prefix(a[:1024] + [9]) == 512  # attention could serve 1024; kda has only 512
+
+
+def test_sliding_window_releases_blocks_as_the_request_advances_and_hits_from_the_right():
+    # Window 8 (the query at t reads keys [t - 7, t]), blocks of 4 tokens, 10 blocks.
+    m = HybridCacheManager([(AttentionGroupSpec("swa", 4, window=8), 10)], DESC)
+    pool = m.groups["swa"].pool
+    seq = list(range(100, 124))
+    assert prefill(m, "a", seq[:12]) == 0
+    # After 12 tokens the next query (position 12) reads keys [5, 12]: block 0 ([0, 4)) left.
+    assert (m.first_block("a"), m.block_ids("a")) == (1, [1, 2])
+    assert pool.free_queue() == [3, 4, 5, 6, 7, 8, 9, 0] and pool.block_hash(0) is not None
+    m.append_token_ids("a", [seq[12]])
+    assert m.reserve("a", 1).new_block_ids == (3,)
+    m.commit("a", 1)
+    m.check_integrity()
+    assert (m.first_block("a"), m.block_ids("a")) == (1, [1, 2, 3])  # keys [6, 13] still read block 1
+    for t in range(13, 20):
+        decode(m, "a", seq[t])
+    # 20 tokens computed: the next query reads [13, 20] -> blocks 3 and 4 ([12, 20)) and the
+    # next position's block; blocks 0, 1, 2 went back to the free queue, tail-first each time.
+    assert (m.first_block("a"), m.block_ids("a")) == (3, [3, 4])
+    assert pool.free_queue() == [5, 6, 7, 8, 9, 0, 1, 2]
+    assert all(pool.block_hash(b) is not None for b in (0, 1, 2))  # still findable while cached
+    # While a step computes position L - 1, the table is what the planner counts for a
+    # context of L tokens (capacity/kv.py PageGroup.num_blocks: positions [L - W, L - 1]).
+    planner = PageGroup("swa", 1, 4, 1, 1.0, 0.0, window=8)
+    for t in range(20, 24):
+        m.append_token_ids("a", [seq[t]])
+        m.reserve("a", 1)
+        assert len(m.block_ids("a")) == planner.num_blocks(t + 1)
+        m.commit("a", 1)
+    assert (m.first_block("a"), m.block_ids("a")) == (4, [4, 5])
+    assert pool.free_queue() == [6, 7, 8, 9, 0, 1, 2, 3]
+
+    # A 24-token prompt takes 6 blocks during its prefill: the 4 unhashed ones, then the
+    # least recently freed cached blocks 0 and 1 (a's first two: evicted). After its commit
+    # it keeps logical blocks 4, 5 ([17, 24)), which are physical 0 and 1, and frees the
+    # rest (published) tail-first.
+    prefill(m, "c", list(range(24)))
+    assert m.block_ids("c") == [0, 1]
+    assert pool.free_queue() == [2, 3, 9, 8, 7, 6]
+    # A prompt repeating a's first 20 tokens hits 20 all the same: its window [13, 20) lies
+    # in blocks 3 (cached, free) and 4 (a holds it). Search from the right: a's first two
+    # blocks are gone, so the points 4, 8 and 12 (whose windows reach them) are not served.
+    b = seq[:20] + [1]
+    assert m.group_hit_points(b) == {"swa": [0, 16, 20]}
+    admission = m.admit("b", b)
+    m.check_integrity()
+    assert admission.num_cached_tokens == 20
+    # Block 3 is revived from the free queue, block 4 shared with a; the step's block
+    # evicts the LRU head, block 2.
+    assert (m.first_block("b"), m.block_ids("b")) == (3, [3, 4, 2])
+    assert [pool.refcount(b) for b in (3, 4, 2)] == [1, 2, 1]
+
+
+def test_window_hits_need_only_the_window_and_a_full_group_needs_every_block():
+    spec = [(AttentionGroupSpec("swa", 4, window=8), 12), (AttentionGroupSpec("full", 4), 12)]
+    m = HybridCacheManager(spec, DESC)
+    seq = list(range(50, 70))
+    prefill(m, "a", seq)
+    swa, full = m.groups["swa"].pool, m.groups["full"].pool
+    assert m.block_ids("a", "swa") == [3, 4] and m.block_ids("a", "full") == [0, 1, 2, 3, 4]
+    m.finish("a")
+    # The window group freed blocks 2, 1, 0 when they left the window and 4, 3 at the finish;
+    # the full group 4, 3, 2, 1, 0 at the finish. Evicting the three oldest cached blocks of
+    # each leaves the window group a's last window and the full group a's first two blocks.
+    assert swa.free_queue()[-5:] == [2, 1, 0, 4, 3] and full.free_queue()[-5:] == [4, 3, 2, 1, 0]
+    for pool in (swa, full):
+        taken = pool.allocate(pool.num_free - pool.num_free_cached + 3)
+        pool.decref(taken)
+    assert m.group_hit_points(seq + [1]) == {"swa": [0, 20], "full": [0, 4, 8]}
+    assert m.lookup_prefix(seq + [1]) == 0  # no point both groups have but the start
+    m.check_integrity()
+
+
+def test_allocation_is_transactional_across_groups():
+    # The full group is the small one: a prompt that fits the window group but not the full
+    # one changes nothing in either.
+    m = HybridCacheManager(
+        [
+            (AttentionGroupSpec("swa", 4, window=4), 16),
+            (AttentionGroupSpec("full", 4), 4),
+            (RecurrentGroupSpec("r", 4), 2),
+        ],
+        DESC,
+    )
+    before = {name: g.pool.free_queue() for name, g in m.groups.items()}
+    assert m.admit("big", list(range(17))) is None
+    assert {name: g.pool.free_queue() for name, g in m.groups.items()} == before and "big" not in m
+    prefill(m, "a", list(range(12)))
+    m.append_token_ids("a", list(range(12, 20)))
+    before = {name: g.pool.free_queue() for name, g in m.groups.items()}
+    assert m.reserve("a", 8) is None and not m.reserve_step(["a"], [8])  # full needs 2 blocks, has 1
+    assert {name: g.pool.free_queue() for name, g in m.groups.items()} == before
+    m.check_integrity()
+    # A recurrent group without a free slot refuses an admission and a fork, again with no trace.
+    prefill(m, "b", [1, 2])
+    assert m.admit("c", [3]) is None and not m.fork("a", "a2")
+    m.check_integrity()
+    assert m.release("a", "preempt") and not m.cancel("a")  # once only
+    assert m.finish("b")
+    m.check_integrity()
+    assert all(g.pool.num_free == g.pool.num_blocks for g in m.groups.values())
+
+
+def test_fork_shares_blocks_and_takes_its_own_state():
+    m = HybridCacheManager([(AttentionGroupSpec("full", 4), 8), (RecurrentGroupSpec("r", 4), 4)], DESC)
+    prefill(m, "p", list(range(10)))
+    assert m.fork("p", "c")
+    m.check_integrity()
+    assert m.block_ids("c") == m.block_ids("p") == [0, 1, 2]
+    assert m.state_slot("c") != m.state_slot("p")
+    # The shared partial tail [8, 10) is copied by the first writer; the second writes in place.
+    m.append_token_ids("c", [1])
+    res = m.reserve("c", 1)
+    assert res.copies == (BlockCopy(2, 3),) and m.block_ids("c") == [0, 1, 3]
+    m.commit("c", 1)
+    m.append_token_ids("p", [2])
+    assert m.reserve("p", 1).copies == ()
+    m.commit("p", 1)
+    m.check_integrity()
+
+
+def test_bad_input_is_refused_with_a_clear_error():
+    with pytest.raises(ValueError, match="share one block size"):
+        HybridCacheManager([(AttentionGroupSpec("a", 4), 4), (AttentionGroupSpec("b", 8), 4)], DESC)
+    with pytest.raises(ValueError, match="window must be positive"):
+        AttentionGroupSpec("w", 4, window=0)
+    with pytest.raises(ValueError, match="checkpoint_interval must be positive"):
+        RecurrentGroupSpec("r", 0)
+    with pytest.raises(TypeError, match="unknown group spec"):
+        HybridCacheManager([("full", 4)], DESC)  # type: ignore[list-item]
+    m = HybridCacheManager([(AttentionGroupSpec("full", 4), 4), (RecurrentGroupSpec("r", 4), 2)], DESC)
+    prefill(m, "a", [1, 2, 3])
+    m.append_token_ids("a", [4, 5])
+    m.reserve("a", 2)
+    with pytest.raises(ValueError, match="advances by whole steps"):
+        m.commit("a", 1)
+    with pytest.raises(ValueError, match="uncommitted step"):
+        m.reserve("a", 1)
+    m.check_integrity()
