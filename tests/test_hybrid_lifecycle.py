@@ -1,0 +1,246 @@
+"""Property-based lifecycle test of the hybrid coordinator: random admits (with prefix hits at
+every kind of point), extends, batched decode steps, forks, preemptions, cancels and
+finishes on small pools of three groups: a sliding-window group (blocks of 4, window 6), a
+full-attention group (blocks of 4) and a recurrent group (a checkpoint every 6 tokens, so
+hits fall inside attention blocks and are copied on write).
+
+The model keeps, independently of the coordinator, what every physical slot of every group
+holds, as (tenant, the whole prefix it stands for):
+  - attention slot: the prefix up to and including the token whose K/V was written there
+    (the K/V of a token depends on every token before it);
+  - recurrent slot: the prefix the state is the state after (a live state, a checkpoint).
+It follows what the calls say: the copies (`take_copies`), the restore source, the
+checkpoint slots of each step; the "forward" writes the step's positions and advances the
+live state. After every operation:
+  - check_integrity() passes;
+  - every request reads, in every attention group, exactly its own prefix at every
+    position its next step reads ([max(0, computed - W + 1), computed) for the window
+    group, [0, computed) for the full one), and its live state is the state after its
+    computed tokens, under its tenant. A wrong hit point (one group's hit taken without
+    the other's), a missing copy, a block freed while still read, or a checkpoint filed
+    under the wrong prefix shows up here as a wrong prefix.
+KVPOOL_HYPOTHESIS_EXAMPLES raises the example count (300 by default, CI's setting; this test
+runs a third of it).
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+
+from kvpool.cache import CacheDescriptor
+from kvpool.cache.coordinator import HybridCacheManager
+from kvpool.cache.recurrent import RecurrentGroupSpec
+from kvpool.cache.window import AttentionGroupSpec
+
+BS = 4
+SPECS = [
+    (AttentionGroupSpec("swa", BS, window=6), 10),
+    (AttentionGroupSpec("full", BS), 16),
+    (RecurrentGroupSpec("rec", 6), 12),
+]
+BASES = [list(range(1, 20)), [1, 2, 3, 4, 5, 6, 9, 9, 9, 9, 9, 9, 9], [5] * 20]
+tokens = st.lists(st.integers(0, 9), min_size=0, max_size=6)
+
+
+class Lifecycle(RuleBasedStateMachine):
+    requests = Bundle("requests")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.m = HybridCacheManager(SPECS, CacheDescriptor("prop"))
+        self.content: dict[str, dict[int, tuple[str, tuple[int, ...]]]] = {name: {} for name in self.m.groups}
+        self.seq: dict[str, list[int]] = {}
+        self.tenant: dict[str, str] = {}
+        self.next_id = 0
+
+    # ---- the "runner" ------------------------------------------------------------------
+
+    def _apply_copies(self) -> None:
+        for name, copies in self.m.take_copies().items():
+            slots = self.content[name]
+            for copy in copies:
+                for offset in range(BS):
+                    src = copy.src * BS + offset
+                    if src in slots:
+                        slots[copy.dst * BS + offset] = slots[src]
+                    else:
+                        slots.pop(copy.dst * BS + offset, None)
+
+    def _slot(self, rid: str, group: str, pos: int) -> int:
+        first = self.m.first_block(rid, group)
+        return self.m.block_ids(rid, group)[pos // BS - first] * BS + pos % BS
+
+    def _forward(self, rid: str, start: int, end: int) -> None:
+        """Write positions [start, end) in every attention group; advance the live state,
+        snapshotting it where the step asks."""
+        tenant, seq = self.tenant[rid], self.seq[rid]
+        for g in self.m.attention_groups:
+            for pos in range(start, end):
+                self.content[g.name][self._slot(rid, g.name, pos)] = (tenant, tuple(seq[: pos + 1]))
+        rec = self.content["rec"]
+        live = self.m.state_slot(rid)
+        assert rec[live] == (tenant, tuple(seq[:start])), "the state the step starts from"
+        for position, slot in self.m.checkpoints(rid):
+            assert start < position <= end
+            rec[slot] = (tenant, tuple(seq[:position]))
+        rec[live] = (tenant, tuple(seq[:end]))
+
+    def _new_id(self) -> str:
+        self.next_id += 1
+        return f"r{self.next_id}"
+
+    # ---- rules -------------------------------------------------------------------------
+
+    @rule(
+        target=requests,
+        base=st.sampled_from(BASES),
+        cut=st.integers(1, 20),
+        suffix=tokens,
+        tenant=st.sampled_from(["", "", "t2"]),
+        budget=st.sampled_from([None, None, 3]),
+    )
+    def admit(self, base, cut, suffix, tenant, budget):
+        prompt = base[:cut] + suffix
+        rid = self._new_id()
+        before = {name: g.pool.free_queue() for name, g in self.m.groups.items()}
+        expected_hit = self.m.lookup_prefix(prompt, tenant_salt=tenant)
+        admission = self.m.admit(rid, prompt, budget, tenant_salt=tenant)
+        if admission is None:
+            assert {name: g.pool.free_queue() for name, g in self.m.groups.items()} == before and rid not in self.m
+            return None
+        point = admission.num_cached_tokens
+        assert point == expected_hit and point <= len(prompt) - 1
+        self.seq[rid], self.tenant[rid] = list(prompt), tenant
+        self._apply_copies()
+        live, src = self.m.state_slot(rid), self.m.restore_source(rid)
+        if point:
+            assert src is not None
+            self.content["rec"][live] = self.content["rec"][src]
+        else:
+            assert src is None
+            self.content["rec"][live] = (tenant, ())
+        self._forward(rid, point, point + admission.num_scheduled_tokens)
+        self.m.commit(rid, admission.num_scheduled_tokens)
+        return rid
+
+    @rule(rid=requests, extra=st.lists(st.integers(0, 9), min_size=0, max_size=7))
+    def extend(self, rid, extra):
+        if rid not in self.m:
+            return
+        self.m.append_token_ids(rid, extra)
+        self.seq[rid] += extra
+        start = self.m.num_computed_tokens(rid)
+        todo = self.m.num_tokens(rid) - start
+        if self.m.reserve(rid, todo) is None:
+            return  # the tokens stay known; a later step computes them
+        self._apply_copies()
+        self._forward(rid, start, start + todo)
+        self.m.commit(rid, todo)
+
+    @rule(rids=st.lists(requests, min_size=1, max_size=4, unique=True), tok=st.integers(0, 9))
+    def decode(self, rids, tok):
+        live = [r for r in rids if r in self.m]
+        if not live:
+            return
+        counts = []
+        for rid in live:
+            if self.m.num_tokens(rid) == self.m.num_computed_tokens(rid):
+                self.m.append_token_ids(rid, [tok])
+                self.seq[rid].append(tok)
+            counts.append(self.m.num_tokens(rid) - self.m.num_computed_tokens(rid))
+        before = {name: g.pool.free_queue() for name, g in self.m.groups.items()}
+        if not self.m.reserve_step(live, counts):
+            assert {name: g.pool.free_queue() for name, g in self.m.groups.items()} == before
+            return
+        self._apply_copies()
+        starts = [self.m.num_computed_tokens(r) for r in live]
+        for rid, start, n in zip(live, starts, counts, strict=True):
+            self._forward(rid, start, start + n)
+        self.m.commit_step(live, counts, [tok] * len(live))
+        for rid in live:
+            self.seq[rid].append(tok)
+
+    @rule(target=requests, parent=requests)
+    def fork(self, parent):
+        if parent not in self.m:
+            return None
+        child = self._new_id()
+        if not self.m.fork(parent, child):
+            assert child not in self.m and self.m.groups["rec"].pool.num_free == 0
+            return None
+        n = self.m.num_computed_tokens(parent)
+        self.seq[child] = self.seq[parent][:n]
+        self.tenant[child] = self.tenant[parent]
+        rec = self.content["rec"]
+        rec[self.m.state_slot(child)] = rec[self.m.state_slot(parent)]
+        return child
+
+    @rule(rid=consumes(requests), how=st.sampled_from(["finish", "cancel", "preempt"]))
+    def release(self, rid, how):
+        live = rid in self.m
+        assert getattr(self.m, how)(rid) is live
+        assert self.m.cancel(rid) is False  # a second release is a no-op
+
+    # ---- invariants --------------------------------------------------------------------
+
+    @invariant()
+    def integrity(self):
+        self.m.check_integrity()
+
+    @invariant()
+    def every_group_reads_the_right_prefix(self):
+        rec = self.content["rec"]
+        for rid in self.m.request_ids:
+            tenant, seq = self.tenant[rid], self.seq[rid]
+            n = self.m.num_computed_tokens(rid)
+            assert self.m.token_ids(rid)[:n] == seq[:n]
+            for g in self.m.attention_groups:
+                for pos in range(g.spec.first_needed(n), n):
+                    slot = self._slot(rid, g.name, pos)
+                    assert self.content[g.name].get(slot) == (tenant, tuple(seq[: pos + 1])), (rid, g.name, pos)
+            assert rec.get(self.m.state_slot(rid)) == (tenant, tuple(seq[:n])), rid
+
+    @invariant()
+    def free_counts_add_up(self):
+        held = self.m.group_held_blocks()
+        for name, g in self.m.groups.items():
+            assert held[name] + g.pool.num_free == g.pool.num_blocks
+
+    def teardown(self):
+        for rid in self.m.request_ids:
+            self.m.finish(rid)
+        self.m.check_integrity()
+        for g in self.m.groups.values():
+            assert g.pool.num_free == g.pool.num_blocks
+
+
+Lifecycle.TestCase.settings = settings(
+    max_examples=max(1, int(os.environ.get("KVPOOL_HYPOTHESIS_EXAMPLES", "300")) // 3),
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestHybridLifecycle = Lifecycle.TestCase
+
+
+class ConstantHashLifecycle(Lifecycle):
+    """Every block and checkpoint hashes alike: only the content guard stands between a
+    hit and a wrong one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for g in self.m.groups.values():
+            g.pool.hasher.digest = lambda data: b"\x00" * 16
+
+
+ConstantHashLifecycle.TestCase.settings = settings(
+    max_examples=max(1, int(os.environ.get("KVPOOL_HYPOTHESIS_EXAMPLES", "300")) // 6),
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestConstantHashHybridLifecycle = ConstantHashLifecycle.TestCase
