@@ -26,14 +26,14 @@ import math
 from dataclasses import dataclass
 
 from kvpool.spec import dsv4 as dsv4_spec
+from kvpool.spec.kv_formats import QUANTIZED, kv_schema
 from kvpool.spec.layout import AttentionKind, CacheSpec, LayerSpec, dtype_bytes
 from kvpool.spec.models import ModelSpec
 
-KV_DTYPES: tuple[str, ...] = ("auto", "bf16", "fp16", "fp32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
-# kvpool's own quantized formats (kvpool.storage.quant): one byte an element and one fp32
-# scale per token and KV head, for K and for V; GQA / MHA layers only. ("fp8" is vLLM's: one
-# per-tensor scale per layer.)
-PER_TOKEN_SCALED: tuple[str, ...] = ("fp8_e4m3", "fp8_e5m2", "int8")
+# "fp8" is vLLM's (one per-tensor scale per layer for GQA; FlashMLA's and V4's layouts for
+# MLA and V4); the names after it are kvpool's own GQA / MHA formats (spec/kv_formats.py),
+# whose bytes their schema gives (KIVI's may name G and R: "kivi2-g16-r64").
+KV_DTYPES: tuple[str, ...] = ("auto", "bf16", "fp16", "fp32", "fp8", *QUANTIZED)
 INDEXER_FORMATS: tuple[str, ...] = ("fp8", "mxfp4", "bf16")
 DEFAULT_ALIGNMENT = 256  # bytes; cudaMalloc's alignment, and what paged kernels assume per page
 
@@ -180,11 +180,18 @@ def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
+def _own_format(dtype: str) -> bool:
+    """kvpool's own quantized GQA formats (not "fp8", whose layout depends on the model)."""
+    return dtype.split("-")[0] in QUANTIZED
+
+
 def resolve_kv_dtype(model: ModelSpec, kv_dtype: str) -> str:
     """ "auto" -> the model's usual serving format: BF16 for GQA and DeepSeek-V3; FP8 for
     V3.2 (its sparse FlashMLA kernels read the 656 B FP8 format) and V4 (584 B entries)."""
     if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"unknown kv dtype {kv_dtype!r}; known: {list(KV_DTYPES)}")
+        if kv_dtype.split("-")[0] not in QUANTIZED:
+            raise ValueError(f"unknown kv dtype {kv_dtype!r}; known: {list(KV_DTYPES)}")
+        kv_schema(kv_dtype)  # a KIVI name with its G and R: ValueError if malformed
     if kv_dtype != "auto":
         return kv_dtype
     if model.attention == "dsv4" or (model.attention == "mla" and model.indexer is not None):
@@ -234,7 +241,7 @@ def kv_layout(
         raise ValueError(f"unknown indexer format {indexer_format!r}; known: {list(INDEXER_FORMATS)}")
     if model.attention == "gqa":
         return _gqa_layout(model, dtype, q, tp, alignment)
-    if dtype in PER_TOKEN_SCALED:
+    if _own_format(dtype):
         raise ValueError(f"kv dtype {dtype!r} is for GQA / MHA layers; {model.name} is {model.attention}")
     if model.attention == "mla":
         return _mla_layout(model, dtype, q, tp, indexer_format or "fp8", alignment)
@@ -243,10 +250,12 @@ def kv_layout(
 
 def _gqa_layout(model: ModelSpec, dtype: str, q: int, tp: int, alignment: int) -> KVLayout:
     heads = kv_heads_per_gpu(model.num_kv_heads, tp)
-    scale_bytes = 0
-    if dtype in PER_TOKEN_SCALED:  # one byte an element, and a 4-byte scale per KV head, for K and V
-        entry_bytes = LayerSpec(AttentionKind.FULL, heads, model.head_dim, "fp8").bytes_per_token
-        scale_bytes = 2 * heads * 4
+    scale_bytes = 0.0
+    if _own_format(dtype):  # the schema's codes, and its scales amortized over the block
+        schema = kv_schema(dtype)
+        schema.check(q, model.head_dim)
+        entry_bytes = heads * schema.data_bytes_per_block_head(q, model.head_dim) / q
+        scale_bytes = heads * schema.scale_bytes_per_block_head(q, model.head_dim) / q
     else:
         # One token's K and V in one layer: the spec's formula (spec/layout.py), per GPU's heads.
         entry_bytes = LayerSpec(AttentionKind.FULL, heads, model.head_dim, _STORAGE_DTYPE[dtype]).bytes_per_token

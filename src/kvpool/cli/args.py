@@ -11,6 +11,8 @@ import argparse
 import math
 import os
 
+from kvpool.spec.kv_formats import KV_SCHEMAS, kv_schema
+
 
 def positive_int(text: str) -> int:
     """An int >= 1 (threads, token counts, blocks, GPUs)."""
@@ -99,6 +101,18 @@ def comma_choices(choices: tuple[str, ...]):
     return parse
 
 
+def comma_list(item):
+    """A type for a comma-separated list whose entries `item` parses (an argparse type)."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        parts = tuple(p.strip() for p in text.split(","))
+        if not all(parts):
+            raise argparse.ArgumentTypeError(f"an empty entry in {text!r}")
+        return tuple(item(p) for p in parts)
+
+    return parse
+
+
 def check_output_dir(flag: str, given: str, directory: str) -> None:
     """`directory` (where `flag`'s path `given` goes) is a writable directory or can be made:
     its nearest existing ancestor is one. Checked without creating anything (a run that
@@ -133,17 +147,28 @@ def add_host_cache_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-# kvpool.storage.quant.KV_FORMATS' names (spelled out here: the parser loads no torch)
-KV_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8")
+# the storage formats of spec/kv_formats.py (a torch-free module: the parser loads no torch)
+KV_DTYPES: tuple[str, ...] = tuple(KV_SCHEMAS)
+
+
+def kv_dtype(value: str) -> str:
+    """A --kv-dtype value: a format name, KIVI's with its G and R if given ("kivi2-g16-r64")."""
+    try:
+        kv_schema(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
 
 
 def add_kv_dtype_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-dtype",
-        choices=KV_DTYPES,
+        type=kv_dtype,
         default=None,
-        help="the KV cache's storage format (SmolLM2): bf16 / fp16 elements, or fp8 / int8 with one fp32 scale per "
-        "token and KV head (lossy; see kvpool.storage.quant); default: the model's dtype, unquantized",
+        metavar="FORMAT",
+        help=f"the KV cache's storage format (SmolLM2): one of {', '.join(KV_DTYPES)}; KIVI's group size and "
+        "residual may follow, kivi2-g16-r64 (lossy formats; see kvpool.spec.kv_formats); default: the model's "
+        "dtype, unquantized",
     )
 
 

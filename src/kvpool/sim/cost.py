@@ -84,6 +84,7 @@ from kvpool.capacity.weights import WeightBytes, _bytes_per_param, weight_bytes
 from kvpool.spec.dsv4 import SERVING, LayerKind
 from kvpool.spec.gpus import GPUSpec
 from kvpool.spec.gpus import cpu_preset as cpu_preset  # re-exported: the simulator's CPU device
+from kvpool.spec.kv_formats import QUANTIZED
 from kvpool.spec.models import ModelSpec
 
 # The GEMM precision of each weight format (see the module docstring).
@@ -93,7 +94,7 @@ ATTENTION_PRECISION: dict[str, str] = {
     "bf16": "bf16",
     "fp16": "bf16",
     "fp32": "fp32",
-    **dict.fromkeys(("fp8", "fp8_e4m3", "fp8_e5m2", "int8"), "bf16"),  # dequantized into BF16 math
+    **dict.fromkeys(("fp8", *QUANTIZED), "bf16"),  # dequantized into BF16 math
 }
 # V4 entry format of each KV dtype: the serving layout for fp8, else the storage dtype.
 _V4_ENTRY_DTYPE: dict[str, str] = {"fp8": SERVING, "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -341,7 +342,7 @@ class CostModel:
         bandwidth figure."""
         gpu = self.gpu
         peak_linear = gpu.peak_flops(WEIGHT_PRECISION[self.weights.weight_dtype])
-        peak_attention = gpu.peak_flops(ATTENTION_PRECISION[self.layout.kv_dtype])
+        peak_attention = gpu.peak_flops(ATTENTION_PRECISION[self.layout.kv_dtype.split("-")[0]])
         if not math.isfinite(gpu.hbm_bandwidth_bytes_per_s):
             raise ValueError(f"GPU {gpu.name} has no bandwidth figure (hbm_bandwidth_bytes_per_s is unknown)")
         return peak_linear, peak_attention

@@ -20,8 +20,18 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from kvpool.cache import BlockCopy
+from kvpool.spec.kv_formats import KVSchema, block_bytes
 from kvpool.spec.layout import CacheSpec
-from kvpool.storage.quant import KVFormat, quantize
+from kvpool.storage.quant import (
+    Quantized,
+    code_dtype,
+    dequantize_k,
+    dequantize_v,
+    quantize,
+    quantize_k,
+    quantize_v,
+    scale_dtype,
+)
 
 if TYPE_CHECKING:
     from kvpool.kernels import CpuKernels
@@ -130,24 +140,63 @@ class PagedKVStorage:
 
 
 class QuantWriteIndex(NamedTuple):
-    k_pos: torch.Tensor  # [N * KVH * D] int64, as WriteIndex
-    v_pos: torch.Tensor
-    s_pos: torch.Tensor  # [N * KVH] int64: positions in a layer's scales, (token, head) order
+    """One step's writes into a QuantizedKVStorage, computed once for every layer."""
+
+    k_pos: torch.Tensor  # per-token formats: positions in a layer's K codes (WriteIndex order);
+    v_pos: torch.Tensor  # chunked formats: positions in a layer's tail K / V
+    s_pos: torch.Tensor | None  # per-token formats: [N * KVH] positions in a layer's scales
+    chunk_tails: torch.Tensor | None  # chunked formats: the tail slot, block and chunk index
+    chunk_blocks: torch.Tensor | None  # of every chunk this step completes (quantized in `write`)
+    chunk_index: torch.Tensor | None
+
+
+class ReadIndex(NamedTuple):
+    """The blocks a step reads, and where its tail tokens overlay their dequantized bytes."""
+
+    block_ids: torch.Tensor  # [n] int64
+    k_src: torch.Tensor | None  # positions in a layer's tail K (flat) ...
+    k_dst: torch.Tensor | None  # ... and in the scratch K (flat), of every tail token read
+    v_src: torch.Tensor | None
+    v_dst: torch.Tensor | None
+
+
+def _chunked(t: torch.Tensor, axis: int, num_chunks: int) -> torch.Tensor:
+    """A view of t [blocks, ...] with its slot axis `axis` split into (num_chunks, rest) and
+    the chunk dim moved next to the block dim: [blocks, num_chunks, ...]."""
+    axis %= t.dim()
+    shape = list(t.shape)
+    view = t.view(*shape[:axis], num_chunks, shape[axis] // num_chunks, *shape[axis + 1 :])
+    return view.movedim(axis, 1)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """A view index_copy_ / index_put_ take: one-byte elements as uint8 (fp8 has no CPU kernels)."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.uint8 else t
 
 
 class QuantizedKVStorage:
-    """Paged K/V in a storage format of storage/quant.py (bf16, fp16, fp8, int8), with the
-    per-(token, KV head) scales of the scaled formats in tensors of their own, indexed by the
-    same block ids: K [layers, blocks, kv_heads, head_dim, block_size] and V [layers, blocks,
-    kv_heads, block_size, head_dim] in the format's dtype (PagedKVStorage's layout), scales
-    [layers, blocks, kv_heads, block_size] fp32 for K and for V. A copy-on-write copy of a
-    block carries its scales with it (the tiers keep unquantized blocks only).
+    """Paged K/V in a storage format of spec/kv_formats.py, with the scales (and KIVI's zero
+    points) in tensors of their own indexed by the same block ids. Per layer and block:
 
-    A step writes its new tokens quantized (`write`), then reads the blocks of the step
-    dequantized in the compute dtype (`dequantized`): one layer's scratch K and V of the
-    pool's shape, whose step blocks are refreshed from the stored bytes each call (other
-    blocks of the scratch are stale and never read). Attention, paged or contiguous reference,
-    then reads exactly the values the stored bytes hold."""
+      K codes [kv_heads, head_dim, block_size * bits / 8]   (K^T, KIVI codes packed along slots)
+      V codes [kv_heads, block_size, head_dim * bits / 8]   (KIVI codes packed along channels)
+      scales  token: [kv_heads, block_size]; block: [kv_heads, 1];
+              KIVI K: [kv_heads, head_dim, block_size / G]; KIVI V: [kv_heads, block_size, head_dim / G]
+
+    Per-token formats (bf16, fp16, int8, fp8_*_token) quantize each token as it is written.
+    Chunked formats (fp8 with block scales: the chunk is the block; KIVI: its residual R)
+    write each token in full precision into the block's tail (compute dtype, beside the
+    pool) and quantize a chunk from there when its last token is written; a chunk not yet
+    whole is read from the tail, a whole one from its bytes (spec/kv_formats.py). A block's
+    tail slot is freed in the step after the block fills; the tails of blocks that no live
+    request holds any more are dropped by `retain_tails`. A copy-on-write copy of a block
+    carries its scales and its tail.
+
+    A step writes its new tokens (`write`), then reads the blocks of the step dequantized
+    in the compute dtype (`dequantized`): one layer's scratch K and V of the pool's shape,
+    whose step blocks are refreshed from the stored bytes each call (other blocks of the
+    scratch are stale and never read). Attention, paged or contiguous reference, then reads
+    exactly the values the stored bytes and tails hold."""
 
     def __init__(
         self,
@@ -156,32 +205,55 @@ class QuantizedKVStorage:
         block_size: int,
         num_kv_heads: int,
         head_dim: int,
-        fmt: KVFormat,
+        fmt: KVSchema,
         compute_dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
+        fmt.check(block_size, head_dim)
         self.fmt = fmt
-        shape_k = (num_layers, num_blocks, num_kv_heads, head_dim, block_size)
-        shape_v = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
-        self.k = torch.zeros(shape_k, dtype=fmt.dtype, device=device)
-        self.v = torch.zeros(shape_v, dtype=fmt.dtype, device=device)
-        scales = (num_layers, num_blocks, num_kv_heads, block_size)
-        self.k_scale = torch.ones(scales, dtype=torch.float32, device=device) if fmt.scaled else None
-        self.v_scale = torch.ones(scales, dtype=torch.float32, device=device) if fmt.scaled else None
-        self.scratch_k = torch.zeros(shape_k[1:], dtype=compute_dtype, device=device)
-        self.scratch_v = torch.zeros(shape_v[1:], dtype=compute_dtype, device=device)
+        self.flush = fmt.flush(block_size)
+        self.num_chunks = block_size // self.flush
+        per_byte = 8 // fmt.bits if fmt.packed else 1
+        lb = (num_layers, num_blocks, num_kv_heads)
+        self.k = torch.zeros(*lb, head_dim, block_size // per_byte, dtype=code_dtype(fmt), device=device)
+        self.v = torch.zeros(*lb, block_size, head_dim // per_byte, dtype=code_dtype(fmt), device=device)
+        k_scale = {"token": (block_size,), "block": (1,), "channel": (head_dim, block_size // max(fmt.group, 1))}
+        v_scale = {"token": (block_size,), "block": (1,), "token-group": (block_size, head_dim // max(fmt.group, 1))}
+        sd = scale_dtype(fmt)
+
+        def scales(shape: tuple[int, ...] | None, zero: bool) -> torch.Tensor | None:
+            if shape is None or (zero and not fmt.zero_point):
+                return None
+            return (torch.zeros if zero else torch.ones)(*lb, *shape, dtype=sd, device=device)
+
+        self.k_scale = scales(k_scale.get(fmt.k_scale), False)
+        self.v_scale = scales(v_scale.get(fmt.v_scale), False)
+        self.k_zero = scales(k_scale.get(fmt.k_scale), True)
+        self.v_zero = scales(v_scale.get(fmt.v_scale), True)
+        shape_k = (num_blocks, num_kv_heads, head_dim, block_size)
+        shape_v = (num_blocks, num_kv_heads, block_size, head_dim)
+        self.scratch_k = torch.zeros(shape_k, dtype=compute_dtype, device=device)
+        self.scratch_v = torch.zeros(shape_v, dtype=compute_dtype, device=device)
+        # the tails of chunked formats: [layers, tail slots, ...] in the compute dtype, grown on demand
+        self.tail_k = torch.zeros(num_layers, 0, *shape_k[1:], dtype=compute_dtype, device=device)
+        self.tail_v = torch.zeros(num_layers, 0, *shape_v[1:], dtype=compute_dtype, device=device)
+        self._tail_of: dict[int, int] = {}  # block id -> tail slot
+        self._fill: dict[int, int] = {}  # block id -> tokens its tail covers (slots [0, fill))
+        self._free_tails: list[int] = []
+        self._filled: list[int] = []  # blocks filled by the last step: their tails go at the next
         self.k_layers = list(self.k.unbind(0))
         self.v_layers = list(self.v.unbind(0))
-        self.kernels = None  # the C kernels write and read fp32 pools only
+        self.kernels = None  # the fp32 C kernels do not read these pools
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        assert self.num_bytes == self.bytes_per_block * num_blocks, "the tensors disagree with the schema's bytes"
 
     @staticmethod
-    def block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, fmt: KVFormat) -> int:
-        """One block over every layer: K and V elements and their scales."""
-        return 2 * num_layers * block_size * num_kv_heads * fmt.bytes_per_token_head(head_dim)
+    def block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, fmt: KVSchema) -> int:
+        """One block over every layer: codes, scales and zero points (spec/kv_formats.py)."""
+        return block_bytes(fmt, num_layers, block_size, num_kv_heads, head_dim)
 
     @staticmethod
     def scratch_block_bytes(block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -197,58 +269,237 @@ class QuantizedKVStorage:
         return self.bytes_per_block // self.block_size
 
     @property
+    def _scale_tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.k_scale, self.v_scale, self.k_zero, self.v_zero) if t is not None]
+
+    @property
     def scale_bytes(self) -> int:
-        return 0 if self.k_scale is None or self.v_scale is None else self.k_scale.nbytes + self.v_scale.nbytes
+        """Scales and zero points."""
+        return sum(t.nbytes for t in self._scale_tensors)
 
     @property
     def num_bytes(self) -> int:
-        """What the pool stores: elements and scales (the scratch is workspace, not pool)."""
+        """What the pool stores: codes, scales and zero points (scratch and tails are workspace)."""
         return self.k.nbytes + self.v.nbytes + self.scale_bytes
 
     @property
     def scratch_bytes(self) -> int:
         return self.scratch_k.nbytes + self.scratch_v.nbytes
 
-    def write_index(self, slots: torch.Tensor) -> QuantWriteIndex:
-        """As PagedKVStorage.write_index, plus the new tokens' scale positions. slots: [N] int64."""
-        kvh, bs = self.num_kv_heads, self.block_size
-        k_pos, v_pos = write_positions(slots, kvh, self.head_dim, bs)
-        block_idx, offset_idx = slots // bs, slots % bs
-        heads = torch.arange(kvh, device=slots.device).view(1, -1)
-        s_pos = ((block_idx.view(-1, 1) * kvh + heads) * bs + offset_idx.view(-1, 1)).reshape(-1)
-        return QuantWriteIndex(k_pos, v_pos, s_pos)
+    @property
+    def tail_bytes(self) -> int:
+        return self.tail_k.nbytes + self.tail_v.nbytes
 
-    @staticmethod
-    def _raw(t: torch.Tensor) -> torch.Tensor:
-        """A view index_copy_ takes: one-byte elements as uint8 (fp8 has no CPU index_copy_)."""
-        return t.view(torch.uint8) if t.element_size() == 1 else t
+    @property
+    def num_tails(self) -> int:
+        return len(self._tail_of)
+
+    @property
+    def reads_natively(self) -> bool:
+        """The C kernel kv_decode_attention_q8 reads these blocks: 8-bit codes with fp32
+        scales (per token or per block), a partly written block from its fp32 tail whole."""
+        return (
+            self.fmt.bits == 8
+            and not self.fmt.zero_point
+            and self.flush in (1, self.block_size)
+            and self.scratch_k.dtype == torch.float32
+            and self.k.device.type == "cpu"
+        )
+
+    def tail_slots(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """[n] int64: the tail slot each block is read from whole (a block-scaled block not yet
+        full), else -1."""
+        out = [-1] * len(block_ids)
+        if self._tail_of:
+            for i, b in enumerate(block_ids):
+                slot = self._tail_of.get(b)
+                if slot is not None and self._fill[b] < self.block_size:
+                    out[i] = slot
+        return torch.tensor(out, dtype=torch.long)
+
+    # ---- tails ---------------------------------------------------------------------------
+
+    def _take_tail(self, block_id: int) -> int:
+        slot = self._tail_of.get(block_id)
+        if slot is not None:
+            return slot
+        if not self._free_tails:
+            old = self.tail_k.shape[1]
+            grow = max(4, old)
+            for name in ("tail_k", "tail_v"):
+                t = getattr(self, name)
+                more = t.new_zeros(t.shape[0], grow, *t.shape[2:])
+                setattr(self, name, torch.cat([t, more], 1))
+            self._free_tails.extend(range(old + grow - 1, old - 1, -1))
+        slot = self._free_tails.pop()
+        self._tail_of[block_id] = slot
+        return slot
+
+    def _drop_tail(self, block_id: int) -> None:
+        slot = self._tail_of.pop(block_id, None)
+        self._fill.pop(block_id, None)
+        if slot is not None:
+            self._free_tails.append(slot)
+
+    def drop_tails(self, block_ids: Sequence[int]) -> None:
+        """Forget the tails of these blocks (their last holder released them)."""
+        for b in block_ids:
+            if b not in self._filled:
+                self._drop_tail(b)
+
+    def retain_tails(self, live_block_ids: set[int]) -> int:
+        """Drop the tails of blocks outside `live_block_ids` (their requests finished or were
+        preempted with the block partly written); how many were dropped."""
+        gone = [b for b in self._tail_of if b not in live_block_ids]
+        for b in gone:
+            self._drop_tail(b)
+        return len(gone)
+
+    # ---- writes --------------------------------------------------------------------------
+
+    def write_index(self, slots: torch.Tensor) -> QuantWriteIndex:
+        """Where the step's N new tokens go, for every layer; slots: [N] int64. Chunked
+        formats also take the tail slots of the blocks written and list the chunks the
+        step completes."""
+        kvh, d, bs = self.num_kv_heads, self.head_dim, self.block_size
+        for b in self._filled:  # filled by the previous step: quantized for good
+            self._drop_tail(b)
+        self._filled = []
+        if self.flush == 1:
+            k_pos, v_pos = write_positions(slots, kvh, d, bs)
+            block_idx, offset_idx = slots // bs, slots % bs
+            heads = torch.arange(kvh, device=slots.device).view(1, -1)
+            s_pos = ((block_idx.view(-1, 1) * kvh + heads) * bs + offset_idx.view(-1, 1)).reshape(-1)
+            return QuantWriteIndex(k_pos, v_pos, s_pos, None, None, None)
+        blocks = (slots // bs).tolist()
+        offsets = (slots % bs).tolist()
+        first: dict[int, int] = {}
+        last: dict[int, int] = {}
+        for b, o in zip(blocks, offsets, strict=True):
+            first[b] = min(first.get(b, o), o)
+            last[b] = max(last.get(b, o), o + 1)
+        tails, chunk_tails, chunk_blocks, chunk_index = {}, [], [], []
+        r = self.flush
+        for b, fb in first.items():
+            fa = last[b]
+            tails[b] = slot = self._take_tail(b)
+            self._fill[b] = fa
+            for c in range(fb // r, fa // r):
+                chunk_tails.append(slot)
+                chunk_blocks.append(b)
+                chunk_index.append(c)
+            if fa == bs:
+                self._filled.append(b)
+        tail_slots = torch.tensor([tails[b] * bs + o for b, o in zip(blocks, offsets, strict=True)], dtype=torch.long)
+        k_pos, v_pos = write_positions(tail_slots.to(slots.device), kvh, d, bs)
+
+        def t(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.long, device=slots.device)
+
+        return QuantWriteIndex(k_pos, v_pos, None, t(chunk_tails), t(chunk_blocks), t(chunk_index))
 
     def write(self, layer: int, index: QuantWriteIndex, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Quantize and store the step's new K/V, k, v: [N, kv_heads, head_dim] (any float dtype)."""
-        for new, pool, scales, pos in (
-            (k, self.k_layers[layer], self.k_scale, index.k_pos),
-            (v, self.v_layers[layer], self.v_scale, index.v_pos),
+        """Store the step's new K/V, k, v: [N, kv_heads, head_dim] (any float dtype)."""
+        if index.s_pos is not None:  # per token: quantized now
+            for new, pool, scales, pos in (
+                (k, self.k_layers[layer], self.k_scale, index.k_pos),
+                (v, self.v_layers[layer], self.v_scale, index.v_pos),
+            ):
+                q, scale = quantize(self.fmt, new)
+                _raw(pool).view(-1).index_copy_(0, pos, _raw(q).reshape(-1))
+                if scales is not None and scale is not None:
+                    scales[layer].view(-1).index_copy_(0, index.s_pos, scale.reshape(-1))
+            return
+        dtype = self.tail_k.dtype
+        self.tail_k[layer].view(-1).index_copy_(0, index.k_pos, k.to(dtype).reshape(-1))
+        self.tail_v[layer].view(-1).index_copy_(0, index.v_pos, v.to(dtype).reshape(-1))
+        if index.chunk_tails is None or not len(index.chunk_tails):
+            return
+        nc, tails, blocks, chunks = self.num_chunks, index.chunk_tails, index.chunk_blocks, index.chunk_index
+        # K: slots are the last axis of codes, tails and scales; V: the slot axis is -2
+        qk = quantize_k(self.fmt, _chunked(self.tail_k[layer], -1, nc)[tails, chunks])
+        qv = quantize_v(self.fmt, _chunked(self.tail_v[layer], -2, nc)[tails, chunks])
+        v_axis = -2 if self.fmt.v_scale == "token-group" else -1
+        for pool, axis, value in (
+            (self.k_layers[layer], -1, qk.codes),
+            (self.v_layers[layer], -2, qv.codes),
+            (None if self.k_scale is None else self.k_scale[layer], -1, qk.scale),
+            (None if self.k_zero is None else self.k_zero[layer], -1, qk.zero),
+            (None if self.v_scale is None else self.v_scale[layer], v_axis, qv.scale),
+            (None if self.v_zero is None else self.v_zero[layer], v_axis, qv.zero),
         ):
-            q, scale = quantize(self.fmt, new)
-            self._raw(pool).view(-1).index_copy_(0, pos, self._raw(q).reshape(-1))
-            if scales is not None and scale is not None:
-                scales[layer].view(-1).index_copy_(0, index.s_pos, scale.reshape(-1))
+            if pool is not None and value is not None:
+                _chunked(_raw(pool), axis, nc)[blocks, chunks] = _raw(value)
 
-    def dequantized(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The scratch K and V of `layer` (the pool's layer shapes, compute dtype) with blocks
-        `block_ids` ([n] int64) dequantized from the stored bytes."""
+    # ---- reads ---------------------------------------------------------------------------
+
+    def read_index(self, block_ids: torch.Tensor) -> ReadIndex:
+        """The step's blocks ([n] int64, after `write_index`), and the tail tokens that
+        overlay their bytes: in each block with a tail, the slots past its last whole chunk."""
+        kvh, d, bs = self.num_kv_heads, self.head_dim, self.block_size
+        src: list[int] = []
+        dst: list[int] = []
+        if self._tail_of:
+            r = self.flush
+            for b in block_ids.tolist():
+                slot = self._tail_of.get(b)
+                if slot is None:
+                    continue
+                start = (self._fill[b] // r) * r
+                src.extend(slot * bs + o for o in range(start, bs))
+                dst.extend(b * bs + o for o in range(start, bs))
+        if not src:
+            return ReadIndex(block_ids, None, None, None, None)
+        s = torch.tensor(src, dtype=torch.long, device=block_ids.device)
+        t = torch.tensor(dst, dtype=torch.long, device=block_ids.device)
+        k_src, v_src = write_positions(s, kvh, d, bs)
+        k_dst, v_dst = write_positions(t, kvh, d, bs)
+        return ReadIndex(block_ids, k_src, k_dst, v_src, v_dst)
+
+    def dequantized(self, layer: int, read: ReadIndex | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scratch K and V of `layer` (the pool's layer shapes, compute dtype) with the
+        read's blocks dequantized from the stored bytes, tail tokens over them."""
+        if not isinstance(read, ReadIndex):
+            read = self.read_index(read)
+        ids = read.block_ids
         dtype = self.scratch_k.dtype
-        k, v = self.k[layer, block_ids].to(dtype), self.v[layer, block_ids].to(dtype)
-        if self.k_scale is not None and self.v_scale is not None:
-            k = k * self.k_scale[layer, block_ids].to(dtype).unsqueeze(2)  # [n, kvh, 1, bs]: per slot
-            v = v * self.v_scale[layer, block_ids].to(dtype).unsqueeze(-1)  # [n, kvh, bs, 1]
-        self.scratch_k[block_ids] = k
-        self.scratch_v[block_ids] = v
+
+        def at(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[layer, ids]
+
+        k = dequantize_k(self.fmt, Quantized(self.k[layer, ids], at(self.k_scale), at(self.k_zero)), dtype)
+        v = dequantize_v(self.fmt, Quantized(self.v[layer, ids], at(self.v_scale), at(self.v_zero)), dtype)
+        self.scratch_k[ids] = k
+        self.scratch_v[ids] = v
+        if read.k_src is not None:
+            assert read.k_dst is not None and read.v_src is not None and read.v_dst is not None
+            self.scratch_k.view(-1).index_copy_(0, read.k_dst, self.tail_k[layer].view(-1)[read.k_src])
+            self.scratch_v.view(-1).index_copy_(0, read.v_dst, self.tail_v[layer].view(-1)[read.v_src])
         return self.scratch_k, self.scratch_v
 
+    def contiguous(self, layer: int, block_ids: Sequence[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [kv_heads, length, head_dim] of one sequence whose blocks are `block_ids`,
+        dequantized from the same bytes and tails as `dequantized` (the contiguous reference)."""
+        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.k.device)
+        k, v = self.dequantized(layer, ids)
+        kvh, d, bs = self.num_kv_heads, self.head_dim, self.block_size
+        kc = k[ids].permute(1, 0, 3, 2).reshape(kvh, -1, d)[:, :length]
+        vc = v[ids].transpose(0, 1).reshape(kvh, -1, d)[:, :length]
+        assert kc.shape[1] == length <= len(ids) * bs, "the blocks do not cover the length"
+        return kc.clone(), vc.clone()
+
     def apply_copies(self, copies: Sequence[BlockCopy]) -> None:
-        """Copy-on-write: block src -> dst in every layer, elements and scales, in order."""
-        tensors = [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
+        """Copy-on-write: block src -> dst in every layer (codes, scales, zero points, and
+        the tail of a partly written block), in the order the manager recorded them."""
+        tensors = [self.k, self.v, *self._scale_tensors]
         for c in copies:  # one by one: a chain (a -> b, then b -> c) needs the manager's order
             for t in tensors:
                 t[:, c.dst] = t[:, c.src]
+            src_tail = self._tail_of.get(c.src)
+            if src_tail is not None:
+                dst_tail = self._take_tail(c.dst)
+                self.tail_k[:, dst_tail] = self.tail_k[:, src_tail]
+                self.tail_v[:, dst_tail] = self.tail_v[:, src_tail]
+                self._fill[c.dst] = self._fill[c.src]
+            else:
+                self._drop_tail(c.dst)

@@ -1,100 +1,231 @@
-"""KV-cache storage formats: what a stored K or V element is, where its scale lives, and the
-round trip (quantize at write, dequantize at read).
+"""The arithmetic of the KV storage formats of spec/kv_formats.py: quantize K and V chunks in
+the paged layouts, and dequantize them back in the compute dtype.
 
-Each format is a named schema that the cache descriptor carries (its name is part of the
-layout id), so a block written in one format never serves a reader of another.
+Layouts (storage/kv.py): K is stored transposed per block, [..., head_dim, slots]; V as
+[..., slots, head_dim]. The functions take a chunk of S slots in those layouts (S = the
+schema's flush: 1 token, a block, or KIVI's R) and return its codes and scales:
 
-  format      element             scale (fp32)                       round-trip error (theory)
-  fp32        float32             none                               0
-  bf16        bfloat16            none                               |e| <= 2^-8 |x|   (8-bit significand)
-  fp16        float16             none                               |e| <= 2^-11 |x|  (normal range)
-  fp8_e4m3    float8 E4M3 (1 B)   one per (token, KV head)           |e| <= 2^-4 |x| for normal values,
-                                                                     <= 2^-10 s below 2^-6 s (subnormal)
-  fp8_e5m2    float8 E5M2 (1 B)   one per (token, KV head)           |e| <= 2^-3 |x|, <= 2^-17 s subnormal
-  int8        int8, symmetric     one per (token, KV head)           |e| <= s / 2
+  scale kind    K scale shape            V scale shape
+  token         [..., S]                 [..., S]
+  block         [..., 1]                 [..., 1]
+  channel       [..., d, S / G]          -
+  token-group   -                        [..., S, d / G]
 
-Scales: s = amax / qmax over the head's head_dim values of one token (qmax 448 for E4M3,
-57,344 for E5M2, 127 for int8), computed when the token is written and never updated: a
-token's bytes depend on that token alone, whatever was written before or after it, so a
-block's content is the same in any engine and any chunking (prefix reuse and the contiguous
-reference see the same bytes). A zero vector gets s = 1 (any scale holds zeros exactly).
-Values are divided by s in fp32 and rounded to nearest even (fp8: saturating at +-qmax;
-int8: clamped to [-127, 127]); a read multiplies back in the reader's dtype. The cost is
-4 bytes of scale per token and KV head for K and again for V (head_dim 64: 6 %).
+Symmetric 8-bit (fp8, int8): s = amax / qmax over the scale's vector (a zero vector gets
+s = 1), the value divided by s in fp32 and rounded to nearest even (fp8 saturating at
++-qmax, int8 clamped to [-127, 127]). Round-trip error: E4M3 |e| <= 2^-4 |x| for normal
+values (|x| / s >= 2^-6) and <= 2^-10 s below; E5M2 2^-3 |x| (>= 2^-14 s) and 2^-17 s;
+int8 <= s / 2.
 
-Per-(block, head) FP8 scales and KIVI's 2 / 4-bit groups need a rule for blocks written a
-token at a time (a full-precision tail until the block or group fills); they are not here.
+Asymmetric b-bit (KIVI): over each group, z = the minimum rounded down to fp16, s = (max -
+z) / (2^b - 1) rounded up to fp16 (so the grid [z, z + (2^b - 1) s] covers the group), q =
+round((x - z) / s) clamped to [0, 2^b - 1], x' = q s + z: |e| <= s / 2. Codes are packed
+8 / b to a byte, the first in the low bits: K along slots, V along channels. Values
+beyond fp16's range (65,504) saturate there.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from kvpool.spec.kv_formats import KV_SCHEMAS, KVSchema, kv_schema
 
-@dataclass(frozen=True)
-class KVFormat:
-    name: str
-    dtype: torch.dtype  # the stored element
-    qmax: float = 0.0  # scaled formats: the largest magnitude an element holds (0: unscaled)
+__all__ = ["KV_SCHEMAS", "KVSchema", "kv_schema", "Quantized", "code_dtype", "quantize", "dequantize", "round_trip"]
 
-    @property
-    def scaled(self) -> bool:
-        return self.qmax > 0
-
-    @property
-    def element_bytes(self) -> int:
-        return torch.empty(0, dtype=self.dtype).element_size()
-
-    def bytes_per_token_head(self, head_dim: int) -> int:
-        """One token's K (or V) of one KV head: its elements and its scale."""
-        return head_dim * self.element_bytes + (4 if self.scaled else 0)
-
-
-KV_FORMATS: dict[str, KVFormat] = {
-    f.name: f
-    for f in (
-        KVFormat("fp32", torch.float32),
-        KVFormat("bf16", torch.bfloat16),
-        KVFormat("fp16", torch.float16),
-        KVFormat("fp8_e4m3", torch.float8_e4m3fn, 448.0),
-        KVFormat("fp8_e5m2", torch.float8_e5m2, 57344.0),
-        KVFormat("int8", torch.int8, 127.0),
-    )
+_ELEMENT = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+    "uint4": torch.uint8,
+    "uint2": torch.uint8,
 }
 
 
-def kv_format(name: str) -> KVFormat:
-    """The format called `name`; ValueError naming the known ones otherwise."""
-    try:
-        return KV_FORMATS[name]
-    except KeyError:
-        raise ValueError(f"unknown KV format {name!r}; one of {', '.join(KV_FORMATS)}") from None
+def code_dtype(schema: KVSchema) -> torch.dtype:
+    """The dtype of the stored codes (packed KIVI codes: uint8)."""
+    return _ELEMENT[schema.element]
 
 
-def quantize(fmt: KVFormat, x: Tensor) -> tuple[Tensor, Tensor | None]:
-    """x [..., head_dim] (any float dtype) -> (elements [..., head_dim] in fmt.dtype, scales
-    [...] fp32, or None for an unscaled format). One scale per vector of the last dim."""
-    if not fmt.scaled:
-        return x.to(fmt.dtype), None
+def scale_dtype(schema: KVSchema) -> torch.dtype:
+    return torch.float16 if schema.scale_dtype == "float16" else torch.float32
+
+
+class Quantized(NamedTuple):
+    codes: Tensor
+    scale: Tensor | None
+    zero: Tensor | None
+
+
+# ---- per vector (the 8-bit and unscaled formats; tests and the eval use these) ---------
+
+
+def quantize(schema: KVSchema, x: Tensor) -> tuple[Tensor, Tensor | None]:
+    """x [..., n] (any float dtype) -> (codes [..., n], scales [...] fp32, or None unscaled):
+    one symmetric scale per vector of the last dim."""
+    if not schema.scaled:
+        return x.to(code_dtype(schema)), None
+    if schema.zero_point:
+        raise ValueError(f"{schema.name} quantizes groups (quantize_k / quantize_v), not single vectors")
     x32 = x.to(torch.float32)
-    amax = x32.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / fmt.qmax, torch.ones_like(amax))
-    y = x32 / scale.unsqueeze(-1)
-    if fmt.dtype == torch.int8:
-        return torch.round(y).clamp_(-127, 127).to(torch.int8), scale
-    return y.clamp_(-fmt.qmax, fmt.qmax).to(fmt.dtype), scale
+    scale = _sym_scale(schema, x32.abs().amax(dim=-1))
+    return _sym_codes(schema, x32 / scale.unsqueeze(-1)), scale
 
 
-def dequantize(fmt: KVFormat, q: Tensor, scale: Tensor | None, dtype: torch.dtype) -> Tensor:
-    """The inverse of `quantize` in `dtype`: q [..., head_dim], scale [...] (None: unscaled)."""
+def dequantize(schema: KVSchema, q: Tensor, scale: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """The inverse of `quantize` in `dtype`."""
     out = q.to(dtype)
     return out if scale is None else out * scale.to(dtype).unsqueeze(-1)
 
 
-def round_trip(fmt: KVFormat, x: Tensor) -> Tensor:
-    """x quantized and dequantized in x's dtype: what a reader of the stored bytes sees."""
-    q, scale = quantize(fmt, x)
-    return dequantize(fmt, q, scale, x.dtype)
+def round_trip(schema: KVSchema, x: Tensor) -> Tensor:
+    """x quantized and dequantized in x's dtype (a per-vector schema)."""
+    q, scale = quantize(schema, x)
+    return dequantize(schema, q, scale, x.dtype)
+
+
+def _sym_scale(schema: KVSchema, amax: Tensor) -> Tensor:
+    return torch.where(amax > 0, amax / schema.qmax, torch.ones_like(amax))
+
+
+def _sym_codes(schema: KVSchema, y: Tensor) -> Tensor:
+    if schema.element == "int8":
+        return torch.round(y).clamp_(-127, 127).to(torch.int8)
+    return y.clamp_(-schema.qmax, schema.qmax).to(code_dtype(schema))
+
+
+# ---- asymmetric groups (KIVI) -----------------------------------------------------------
+
+_F16_MAX = 65504.0
+
+
+def _asym(schema: KVSchema, x: Tensor) -> Quantized:
+    """x [..., G] fp32, one group per row -> codes [..., G] uint8 (unpacked), s and z [...] fp16."""
+    levels = 2**schema.bits - 1
+    lo = x.amin(dim=-1).clamp(-_F16_MAX, _F16_MAX)
+    hi = x.amax(dim=-1).clamp(-_F16_MAX, _F16_MAX)
+    z = lo.half()
+    z = torch.where(z.float() > lo, torch.nextafter(z, torch.full_like(z, -torch.inf)), z)
+    s_exact = (hi - z.float()) / levels
+    s = s_exact.half()
+    s = torch.where(s.float() < s_exact, torch.nextafter(s, torch.full_like(s, torch.inf)), s)
+    s = torch.where(s > 0, s, torch.ones_like(s))  # a constant group: every code is 0
+    q = torch.round((x.clamp(-_F16_MAX, _F16_MAX) - z.float().unsqueeze(-1)) / s.float().unsqueeze(-1))
+    return Quantized(q.clamp_(0, levels).to(torch.uint8), s, z)
+
+
+def _pack(codes: Tensor, bits: int) -> Tensor:
+    """[..., n] uint8 codes < 2^bits -> [..., n * bits / 8], 8 / bits a byte, first lowest."""
+    per = 8 // bits
+    c = codes.view(*codes.shape[:-1], codes.shape[-1] // per, per).to(torch.int32)
+    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=codes.device)
+    return (c << shifts).sum(dim=-1).to(torch.uint8)
+
+
+def _unpack(packed: Tensor, bits: int) -> Tensor:
+    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=packed.device)
+    c = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & (2**bits - 1)
+    return c.reshape(*packed.shape[:-1], packed.shape[-1] * (8 // bits))
+
+
+# ---- chunks in the paged layouts ---------------------------------------------------------
+
+
+def quantize_k(schema: KVSchema, kt: Tensor) -> Quantized:
+    """K chunk kt [..., d, S] (S slots, transposed) -> codes in the K layout and its scales."""
+    kind = schema.k_scale
+    if kind == "none":
+        return Quantized(kt.to(code_dtype(schema)), None, None)
+    x = kt.to(torch.float32)
+    if kind == "token":
+        scale = _sym_scale(schema, x.abs().amax(dim=-2))  # [..., S]
+        return Quantized(_sym_codes(schema, x / scale.unsqueeze(-2)), scale, None)
+    if kind == "block":
+        scale = _sym_scale(schema, x.abs().amax(dim=(-2, -1))).unsqueeze(-1)  # [..., 1]
+        return Quantized(_sym_codes(schema, x / scale.unsqueeze(-1)), scale, None)
+    g = schema.group  # channel: each channel over groups of G slots
+    *lead, d, s = x.shape
+    q = _asym(schema, x.reshape(*lead, d, s // g, g))
+    return Quantized(_pack(q.codes.reshape(*lead, d, s), schema.bits), q.scale, q.zero)
+
+
+def quantize_v(schema: KVSchema, v: Tensor) -> Quantized:
+    """V chunk v [..., S, d] -> codes in the V layout and its scales."""
+    kind = schema.v_scale
+    if kind == "none":
+        return Quantized(v.to(code_dtype(schema)), None, None)
+    x = v.to(torch.float32)
+    if kind == "token":
+        scale = _sym_scale(schema, x.abs().amax(dim=-1))  # [..., S]
+        return Quantized(_sym_codes(schema, x / scale.unsqueeze(-1)), scale, None)
+    if kind == "block":
+        scale = _sym_scale(schema, x.abs().amax(dim=(-2, -1))).unsqueeze(-1)  # [..., 1]
+        return Quantized(_sym_codes(schema, x / scale.unsqueeze(-1)), scale, None)
+    g = schema.group  # token-group: each token over groups of G channels
+    *lead, s, d = x.shape
+    q = _asym(schema, x.reshape(*lead, s, d // g, g))
+    return Quantized(_pack(q.codes.reshape(*lead, s, d), schema.bits), q.scale, q.zero)
+
+
+def dequantize_k(schema: KVSchema, q: Quantized, dtype: torch.dtype) -> Tensor:
+    """The inverse of `quantize_k`: [..., d, S] in `dtype`."""
+    kind = schema.k_scale
+    if kind == "none":
+        return q.codes.to(dtype)
+    assert q.scale is not None
+    if kind == "token":
+        return q.codes.to(dtype) * q.scale.to(dtype).unsqueeze(-2)
+    if kind == "block":
+        return q.codes.to(dtype) * q.scale.to(dtype).unsqueeze(-1)
+    assert q.zero is not None
+    codes = _unpack(q.codes, schema.bits)  # [..., d, S]
+    *lead, d, s = codes.shape
+    g = schema.group
+    x = codes.view(*lead, d, s // g, g).to(dtype) * q.scale.to(dtype).unsqueeze(-1) + q.zero.to(dtype).unsqueeze(-1)
+    return x.view(*lead, d, s)
+
+
+def dequantize_v(schema: KVSchema, q: Quantized, dtype: torch.dtype) -> Tensor:
+    """The inverse of `quantize_v`: [..., S, d] in `dtype`."""
+    kind = schema.v_scale
+    if kind == "none":
+        return q.codes.to(dtype)
+    assert q.scale is not None
+    if kind in ("token", "block"):
+        return q.codes.to(dtype) * q.scale.to(dtype).unsqueeze(-1)
+    assert q.zero is not None
+    codes = _unpack(q.codes, schema.bits)  # [..., S, d]
+    *lead, s, d = codes.shape
+    g = schema.group
+    x = codes.view(*lead, s, d // g, g).to(dtype) * q.scale.to(dtype).unsqueeze(-1) + q.zero.to(dtype).unsqueeze(-1)
+    return x.view(*lead, s, d)
+
+
+def kv_format(name: str) -> KVSchema:
+    """Kept for callers of the earlier name: `kv_schema`."""
+    return kv_schema(name)
+
+
+def round_trip_kv(schema: KVSchema, k: Tensor, v: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
+    """What a step that writes a whole sequence, k and v [T, kv_heads, head_dim] from
+    position 0, leaves for its reads (storage/kv.py): every whole chunk of the schema's
+    flush quantized, the unfinished chunk's tokens in full precision. In k's dtype."""
+    flush = schema.flush(block_size)
+    t, kvh, d = k.shape
+    if flush == 1:
+        if not schema.scaled:
+            return k.to(code_dtype(schema)).to(k.dtype), v.to(code_dtype(schema)).to(v.dtype)
+        return round_trip(schema, k), round_trip(schema, v)
+    whole = (t // flush) * flush
+    if whole == 0:
+        return k.clone(), v.clone()
+    kt = k[:whole].reshape(-1, flush, kvh, d).permute(0, 2, 3, 1)  # [chunks, kvh, d, flush]
+    vt = v[:whole].reshape(-1, flush, kvh, d).transpose(1, 2)  # [chunks, kvh, flush, d]
+    kq = dequantize_k(schema, quantize_k(schema, kt), k.dtype).permute(0, 3, 1, 2).reshape(whole, kvh, d)
+    vq = dequantize_v(schema, quantize_v(schema, vt), v.dtype).transpose(1, 2).reshape(whole, kvh, d)
+    return torch.cat([kq, k[whole:]]), torch.cat([vq, v[whole:]])

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from kvpool.attention.reference import causal_attention
 from kvpool.models.llama import LlamaModel
-from kvpool.storage.quant import KVFormat, kv_format, round_trip
+from kvpool.storage.quant import KVSchema, kv_schema, round_trip_kv
 
 _CHUNK = 128  # positions whose logits are held at once (vocab-wide rows)
 
@@ -40,7 +40,7 @@ class LayerError:
 @dataclass(frozen=True)
 class FormatQuality:
     name: str
-    bytes_per_token: int
+    bytes_per_token: float  # scales amortized over the block
     tokens_per_gib: int
     capacity_gain: float  # tokens per GiB against fp32
     perplexity: float
@@ -68,9 +68,9 @@ def _log_probs(model: LlamaModel, hidden: torch.Tensor, start: int) -> torch.Ten
     return F.log_softmax(model.logits(hidden[start : start + _CHUNK]), dim=-1)
 
 
-def _through(fmt: KVFormat):
-    """An attend that reads K and V through the format's round trip."""
-    return lambda layer, q, k, v: causal_attention(q, round_trip(fmt, k), round_trip(fmt, v))
+def _through(fmt: KVSchema, block_size: int):
+    """An attend that reads K and V as the paged storage holds them after one step."""
+    return lambda layer, q, k, v: causal_attention(q, *round_trip_kv(fmt, k, v, block_size))
 
 
 def evaluate(
@@ -78,12 +78,17 @@ def evaluate(
     token_ids: Sequence[int],
     formats: Sequence[str],
     progress: Callable[[str], None] | None = None,
+    block_size: int = 128,
 ) -> tuple[float, list[FormatQuality]]:
-    """(the fp32 perplexity of the text, each format's quality). ValueError for an unknown
-    format or a text of fewer than two tokens."""
+    """(the fp32 perplexity of the text, each format's quality) with KV blocks of
+    `block_size` tokens (the block formats' scale group, KIVI's chunks within it).
+    ValueError for an unknown format, a format the block size does not fit, or a text of
+    fewer than two tokens."""
     if len(token_ids) < 2:
         raise ValueError(f"the text must have at least 2 tokens, got {len(token_ids)}")
-    fmts = [kv_format(name) for name in formats]
+    fmts = [kv_schema(name) for name in formats]
+    for fmt in fmts:
+        fmt.check(block_size, model.config.head_dim)
     ids = torch.tensor(list(token_ids), dtype=torch.long, device=model.device)
     targets = ids[1:]
     cfg = model.config
@@ -107,10 +112,10 @@ def evaluate(
             progress(fmt.name)
         layers = []
         for q, k, v in captured:
-            kq, vq = round_trip(fmt, k), round_trip(fmt, v)
+            kq, vq = round_trip_kv(fmt, k, v, block_size)
             out_ref = causal_attention(q, k, v)
             layers.append(LayerError(_rel(kq, k), _rel(vq, v), _rel(causal_attention(q, kq, vq), out_ref)))
-        hidden = _run(model, ids, _through(fmt))
+        hidden = _run(model, ids, _through(fmt, block_size))
         nll = kl = 0.0
         agree = 0
         for start in range(0, n, _CHUNK):
@@ -120,12 +125,12 @@ def evaluate(
             kl += float((lp_ref.exp() * (lp_ref - lp)).sum())
             agree += int((lp.argmax(-1) == lp_ref.argmax(-1)).sum())
         ppl = math.exp(nll / n)
-        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * fmt.bytes_per_token_head(cfg.head_dim)
+        per_token = cfg.num_layers * cfg.num_kv_heads * fmt.bytes_per_token_head(block_size, cfg.head_dim)
         results.append(
             FormatQuality(
                 fmt.name,
                 per_token,
-                (1 << 30) // per_token,
+                int((1 << 30) // per_token),
                 round(fp32_bytes / per_token, 3),
                 ppl,
                 100 * (ppl / ppl_ref - 1),
