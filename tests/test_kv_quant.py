@@ -405,6 +405,35 @@ def test_the_c_kernel_reads_the_tail_it_is_given(kernels) -> None:
         )
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_the_c_kernels_decode_every_8_bit_code_as_torch_does(kernels, dtype) -> None:
+    """Every code but FP8's NaN / inf ones (the quantizer saturates before them), times one
+    scale and times a scale per code: the same fp32 values as torch's conversion, bit for bit
+    (the vector path through fp16 and the scalar rest of a row alike: 256 is 32 vectors, 13 is
+    one and 5 codes)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
+    finite = torch.isfinite(codes.float())
+    for scales in (torch.tensor([0.37]), torch.rand(256, generator=torch.Generator().manual_seed(1)) + 0.1):
+        got = kernels.decode_codes(codes, scales)
+        assert torch.equal(got[finite], (codes.float() * scales)[finite])
+    assert torch.equal(kernels.decode_codes(codes[:13], torch.tensor([2.0])), codes[:13].float() * 2.0)
+
+
+def test_kvpool_bench_kv_quant_prints_what_it_measured() -> None:
+    import json
+
+    argv = [sys.executable, "-m", "kvpool", "bench", "kv-quant", "--batch", "2", "--context", "256", "--repeats", "2"]
+    proc = subprocess.run([*argv, "--formats", "fp32,int8,kivi4-g8-r16", "--json"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    by = {r["format"]: r for r in report["formats"]}
+    assert by["fp32"]["bytes_per_layer_step"] == 2 * 256 * 3 * 64 * 2 * 4
+    assert by["int8"]["bytes_per_layer_step"] == 2 * 256 * 3 * (64 + 4) * 2
+    assert by["int8"]["native_ms"] > 0 and by["int8"]["torch_ms"] > 0 and "native_ms" not in by["kivi4-g8-r16"]
+    proc = subprocess.run([*argv, "--paths", "gpu"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "--paths: unknown path 'gpu'" in proc.stderr.strip().splitlines()[-1]
+
+
 def test_quantized_blocks_never_meet_the_tiers_or_another_format(model, fp64_model) -> None:
     from kvpool.engine.build import descriptor_for
     from kvpool.tiers import HostTier

@@ -23,6 +23,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "kvpool.cli.bench_serve",
         "streaming clients against kvpool serve: TTFT / TPOT / ITL p50 and p99, throughput, goodput, hit rate",
     ),
+    "kv-quant": (
+        "kvpool.cli.bench_kv_quant",
+        "decode attention over int8 / fp8 / bf16 KV blocks against fp32 on the same path (batch 16, 4k context)",
+    ),
     "tiers": (
         "kvpool.cli.bench_tiers",
         "TTFT of a prefix from the host, disk and Redis tiers against recompute; write MB/s; V4 SWA strategies",

@@ -54,6 +54,7 @@ _SIGNATURES = {
         [_p, _i, _i, _p, _i, _p, _i, _p, _p, _p, _p, _p, _p, _i, ctypes.c_int, _p, _p, _p, _i, _i, _i, _i, _i, _i, _f]
         + [_p, _i],
     ),
+    "kv_decode_codes": (ctypes.c_int, [_p, _i, ctypes.c_int, _p, _i, _p]),
     "kv_silu_mul": (None, [_p, _p, _i, _i]),
     "kv_row_dots": (None, [_p, _i, _i, _p, _i, _p]),
     "kv_openmp": (ctypes.c_int, []),
@@ -404,6 +405,20 @@ class CpuKernels:
         )
         if rc != 0:
             raise ValueError(f"decode attention: {_ATTENTION_ERRORS.get(rc, f'error {rc}')}")
+        return out
+
+    def decode_codes(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """The kernels' 8-bit decoding on its own (a test hook): codes [n] int8 / float8_e4m3fn
+        / float8_e5m2 times scales ([n], or [1] for one) -> [n] fp32."""
+        kind = Q8_KINDS.get(codes.dtype)
+        if kind is None or codes.dim() != 1 or not codes.is_contiguous():
+            raise ValueError(f"codes must be a contiguous 1-D int8 / fp8 tensor, got {codes.dtype}")
+        _check(scales, "scales")
+        if scales.shape not in ((1,), codes.shape):
+            raise ValueError(f"scales {tuple(scales.shape)} must be [1] or [{codes.shape[0]}]")
+        out = torch.empty(codes.shape, dtype=torch.float32)
+        step = 0 if scales.shape == (1,) and codes.shape != (1,) else 1
+        self.lib.kv_decode_codes(codes.data_ptr(), codes.shape[0], kind, scales.data_ptr(), step, out.data_ptr())
         return out
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
