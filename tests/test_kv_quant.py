@@ -567,6 +567,33 @@ def test_the_planner_counts_what_the_quantized_storage_allocates_byte_for_byte(n
     assert layout.bytes_per_token == storage.bytes_per_block / bs
 
 
+def test_kvpool_plan_takes_every_format_and_kivi_picks_a_block_that_holds_its_residual() -> None:
+    import json
+
+    from kvpool.capacity.kv import kv_layout
+    from kvpool.spec.models import load_preset
+
+    spec = load_preset("llama-3.1-8b")  # 32 layers, 8 KV heads of 128
+    assert kv_layout(spec, "kivi2").block_size == 128  # lcm(16, R = 128)
+    # K: 2-bit codes + fp16 scale and zero per channel and 32 tokens; V: per token and 32 channels
+    per_head = (2 * 128 * 128 * 2 / 8 + (128 * 4 + 128 * 4) * 2 * 2) / 128
+    assert kv_layout(spec, "kivi2").bytes_per_token == 32 * 8 * per_head == 24_576
+    assert kv_layout(spec, "kivi2-g64-r64", block_size=64).block_size == 64
+    argv = [sys.executable, "-m", "kvpool", "plan", "--model", "llama-3.1-8b", "--gpu", "h200", "--json"]
+    got = {}
+    for name in ("bf16", "int8", "fp8_e4m3", "kivi4"):
+        proc = subprocess.run([*argv, "--kv-dtype", name], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        got[name] = json.loads(proc.stdout)["max_concurrent_requests"]
+    assert got["bf16"] < got["int8"] < got["fp8_e4m3"] < got["kivi4"]
+    for flags, needle in [
+        (["--kv-dtype", "kivi2", "--block-size", "16"], "the residual R=128 (tokens quantized together) does not"),
+        (["--kv-dtype", "int3"], "unknown KV format 'int3'"),
+    ]:
+        proc = subprocess.run([*argv, *flags], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and needle in proc.stderr.strip().splitlines()[-1], proc.stderr
+
+
 def test_the_planner_refuses_per_token_formats_where_they_do_not_apply() -> None:
     from kvpool.capacity.kv import kv_layout
     from kvpool.spec.models import load_preset

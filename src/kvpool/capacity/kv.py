@@ -235,6 +235,8 @@ def kv_layout(
         raise ValueError(f"alignment must be positive, got {alignment}")
     dtype = resolve_kv_dtype(model, kv_dtype)
     q = block_size if block_size is not None else default_block_size(model)
+    if block_size is None and _own_format(dtype) and kv_schema(dtype).residual:
+        q = math.lcm(q, kv_schema(dtype).residual)  # KIVI: a block holds whole residual chunks
     if q <= 0:
         raise ValueError(f"block_size must be positive, got {q}")
     if indexer_format is not None and indexer_format not in INDEXER_FORMATS:

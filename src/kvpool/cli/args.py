@@ -160,6 +160,22 @@ def kv_dtype(value: str) -> str:
     return value
 
 
+def planner_kv_dtype(value: str) -> str:
+    """A --kv-dtype of kvpool plan / simulate: auto, the model-specific fp8, or a storage
+    format of spec/kv_formats.py (KIVI's with its G and R)."""
+    if value in ("auto", "fp8"):
+        return value
+    return kv_dtype(value)
+
+
+PLANNER_KV_DTYPE_HELP = (
+    "auto (the model's serving dtype), bf16, fp16, fp32, fp8 (vLLM's per-tensor scales for GQA; FlashMLA's and "
+    "DeepSeek-V4's layouts for MLA / V4), or kvpool's own GQA / MHA formats: "
+    + ", ".join(n for n in KV_SCHEMAS if n not in ("fp32", "bf16", "fp16"))
+    + " (KIVI's G and R may follow: kivi2-g16-r64)"
+)
+
+
 def add_kv_dtype_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-dtype",

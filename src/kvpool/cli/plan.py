@@ -15,11 +15,18 @@ import sys
 from typing import Any
 
 from kvpool.capacity.engine import EngineConfig
-from kvpool.capacity.kv import INDEXER_FORMATS, KV_DTYPES, kv_layout
+from kvpool.capacity.kv import INDEXER_FORMATS, kv_layout
 from kvpool.capacity.ledger import LedgerAssumptions
 from kvpool.capacity.planner import Plan, plan
 from kvpool.capacity.weights import WEIGHT_DTYPES
-from kvpool.cli.args import byte_size, non_negative_int, positive_float, positive_int
+from kvpool.cli.args import (
+    PLANNER_KV_DTYPE_HELP,
+    byte_size,
+    non_negative_int,
+    planner_kv_dtype,
+    positive_float,
+    positive_int,
+)
 from kvpool.spec.gpus import GPUS, GPUSpec, cpu_device, custom_gpu, get_gpu
 from kvpool.spec.models import PRESET_NAMES, ModelSpec, load_config_file, load_preset
 
@@ -72,7 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--block-size", type=positive_int, default=None, help="tokens per block (default: 16, 64 for MLA, 128 for V4)"
     )
-    parser.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES, help="KV storage format")
+    parser.add_argument(
+        "--kv-dtype", default="auto", type=planner_kv_dtype, metavar="FORMAT", help=PLANNER_KV_DTYPE_HELP
+    )
     parser.add_argument(
         "--indexer-format", default=None, choices=INDEXER_FORMATS, help="V3.2 / V4 indexer-key format (default: fp8)"
     )

@@ -26,7 +26,16 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from kvpool.cli.args import check_output_dir, comma_choices, non_negative_int, positive_float, positive_int, rate
+from kvpool.cli.args import (
+    PLANNER_KV_DTYPE_HELP,
+    check_output_dir,
+    comma_choices,
+    non_negative_int,
+    planner_kv_dtype,
+    positive_float,
+    positive_int,
+    rate,
+)
 
 if TYPE_CHECKING:  # rich loads on output only: --help stays fast
     from rich.console import Console
@@ -133,8 +142,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-dtype",
         default="auto",
-        help="auto (the model's serving dtype), bf16, fp16, fp32, fp8 (per-tensor scales), or kvpool's fp8_e4m3, "
-        "fp8_e5m2, int8 (one scale per token and KV head; GQA / MHA models)",
+        type=planner_kv_dtype,
+        metavar="FORMAT",
+        help=PLANNER_KV_DTYPE_HELP,
     )
     parser.add_argument("--slo-ttft-ms", type=positive_float, default=2000.0)
     parser.add_argument("--slo-tpot-ms", type=positive_float, default=100.0)
