@@ -32,7 +32,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "kvpool.cli.serve",
         "an OpenAI-compatible server (completions, chat, streaming) on the engine, with Prometheus metrics",
     ),
-    "verify": ("kvpool.cli.verify", "verification matrices: dsv4 (paged dual pool vs contiguous oracle)"),
+    "verify": (
+        "kvpool.cli.verify",
+        "verification matrices: dsv4 (V4 dual pool vs contiguous oracle), hybrid (window / recurrent vs recompute)",
+    ),
 }
 
 # the shell's status for a process ended by SIGINT (128 + 2)

@@ -1,4 +1,5 @@
 """`kvpool verify dsv4`: the V4 dual-pool verification matrix (paged vs contiguous oracle).
+`kvpool verify hybrid`: the hybrid-cache matrix (kvpool.verify.hybrid), the same rules.
 
 Prints one row per case and exits 1 if any case fails (0 otherwise; 2 on a bad argument).
 
@@ -73,12 +74,81 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="max abs logit difference to pass; overrides the dtype's bound (None: fp64 1e-12, fp32 derived per case)",
     )
 
+    hybrid = sub.add_parser(
+        "hybrid",
+        help="tiny hybrid models (window / full / recurrent layers) on the cache coordinator against a full recompute",
+        description=(
+            "Tiny hybrid models (a Gemma-2-like window / full model and a recurrent / full model) on the hybrid "
+            "cache coordinator against a full recompute, case by case (kvpool.verify.hybrid)."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    hybrid.add_argument(
+        "--lengths",
+        type=_lengths,
+        default=None,
+        help="comma-separated prompt lengths: run only those length cases (None: the whole matrix)",
+    )
+    hybrid.add_argument("--json", action="store_true", help="print one JSON object")
+    hybrid.add_argument("--seed", type=int, default=0, help="seed of the tiny models' weights")
+    hybrid.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="fp64",
+        help="fp64: fixed 1e-12 bound; fp32: per-case bound from the oracle's own fp32 error",
+    )
+    hybrid.add_argument(
+        "--tolerance",
+        type=float,
+        default=None,
+        help="max abs logit difference to pass; overrides the dtype's bound",
+    )
+
+
+def run_hybrid(args: argparse.Namespace) -> int:
+    """`kvpool verify hybrid`: one row per case; 1 if any case fails."""
+    import torch
+
+    from kvpool.verify.dsv4_tolerance import check_tolerance
+    from kvpool.verify.hybrid import Verifier as HybridVerifier
+
+    check_tolerance(args.tolerance, "--tolerance")
+    torch.set_num_threads(1)
+    dtype = torch.float64 if args.dtype == "fp64" else torch.float32
+    results = HybridVerifier(seed=args.seed, dtype=dtype).run(args.lengths, tolerance=args.tolerance)
+    if args.json:
+        cases = []
+        for r in results:
+            case: dict[str, object] = {
+                "name": r.name,
+                "max_abs_diff": _number(r.max_abs_diff),
+                "tolerance": _number(r.tolerance),
+                "passed": r.passed,
+            }
+            if r.reference_error is not None:
+                case["reference_error"] = r.reference_error
+            if r.detail:
+                case["detail"] = r.detail
+            cases.append(case)
+        print(json.dumps({"dtype": args.dtype, "cases": cases}))
+    else:
+        width = max(len(r.name) for r in results)
+        print(f"{'case':<{width}}  {'max abs diff':>12}  {'tolerance':>9}  pass")
+        for r in results:
+            detail = f"  ({r.detail})" if r.detail else ""
+            mark = "yes" if r.passed else "NO"
+            print(f"{r.name:<{width}}  {r.max_abs_diff:>12.3e}  {r.tolerance:>9.2e}  {mark}{detail}")
+        print(f"{sum(r.passed for r in results)}/{len(results)} passed ({args.dtype})")
+    return 0 if all(r.passed for r in results) else 1
+
 
 def _number(x: float | None) -> float | None:
     return None if x is None or math.isnan(x) or math.isinf(x) else x
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.target == "hybrid":
+        return run_hybrid(args)
     import torch
 
     from kvpool.verify.dsv4 import Verifier

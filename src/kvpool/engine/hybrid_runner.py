@@ -1,0 +1,193 @@
+"""Runs a tiny hybrid model (models/tiny_hybrid.py) on the hybrid cache coordinator.
+
+`HybridRunner` is the engine's ModelRunner for it (the same scheduler as the Llama and V4
+runners) and the glue that `kvpool verify hybrid` and the tests drive: the coordinator
+(cache/coordinator.py) keeps the ids; this class keeps the tensors, applies what the
+coordinator records (block copies, state restores) before the forward that needs them,
+and turns each request's tables into the model's slot plans.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from kvpool.cache import Admission, CacheDescriptor, CacheUsage, ReleaseReason
+from kvpool.cache.coordinator import HybridCacheManager
+from kvpool.cache.recurrent import RecurrentGroupSpec
+from kvpool.cache.window import AttentionGroupSpec
+from kvpool.engine.runner import ScheduledChunk
+from kvpool.models.tiny_hybrid import AttnPlan, ChunkPlan, HybridCacheTensors, TinyHybrid
+
+
+def descriptor_for(model: TinyHybrid, block_size: int) -> CacheDescriptor:
+    dtype = str(model.dtype).removeprefix("torch.")
+    return CacheDescriptor(
+        model_id=model.name,
+        weights_version=f"seed={model.seed}",
+        layout_id=f"hybrid:{'-'.join(model.config['layers'])}:bs{block_size}:{dtype}",
+        rope_id=f"rope-{model.config['rope_theta']}",
+    )
+
+
+def group_specs(
+    model: TinyHybrid, block_size: int, checkpoint_interval: int, num_blocks: int, num_slots: int
+) -> list[tuple[AttentionGroupSpec | RecurrentGroupSpec, int]]:
+    """The coordinator's groups for a model: one per attention kind, one recurrent group."""
+    specs: list[tuple[AttentionGroupSpec | RecurrentGroupSpec, int]] = []
+    for name in model.attention_groups():
+        window = model.window if name == "window" else None
+        specs.append((AttentionGroupSpec(name, block_size, window), num_blocks))
+    if model.recurrent_layers():
+        specs.append((RecurrentGroupSpec("recurrent", checkpoint_interval), num_slots))
+    return specs
+
+
+class HybridRunner:
+    """num_blocks: blocks of each attention group's pool; num_slots: recurrent state slots
+    (live states and checkpoints). `cache` may be a coordinator built over the same groups
+    (a test passes a deliberately broken one)."""
+
+    def __init__(
+        self,
+        model: TinyHybrid,
+        num_blocks: int = 64,
+        num_slots: int = 16,
+        *,
+        block_size: int = 8,
+        checkpoint_interval: int = 16,
+        enable_prefix_caching: bool = True,
+        cache: HybridCacheManager | None = None,
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        if cache is None:
+            cache = HybridCacheManager(
+                group_specs(model, block_size, checkpoint_interval, num_blocks, num_slots),
+                descriptor_for(model, block_size),
+                enable_prefix_caching=enable_prefix_caching,
+            )
+        self.cache = cache
+        self.tensors = HybridCacheTensors(model, num_blocks, block_size, num_slots)
+        self.vocab_size = model.vocab_size
+        full = [g for g in cache.attention_groups if g.spec.window is None]
+        # A sequence alone can grow until a full-attention group runs out (a window group
+        # holds at most its window, plus the step's blocks).
+        self.capacity_tokens = num_blocks * block_size if full else model.config["max_position_embeddings"]
+        self.max_model_len = min(model.config["max_position_embeddings"], self.capacity_tokens)
+
+    # ---- requests ----------------------------------------------------------------------
+
+    def admit(
+        self, seq_id: str, token_ids: Sequence[int], max_new_tokens: int | None, *, tenant_salt: str = ""
+    ) -> Admission | None:
+        """The coordinator's admission, then the state restore of a hit (a checkpoint copied
+        into the live slot) or a fresh state."""
+        if max_new_tokens is not None and max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+        adm = self.cache.admit(seq_id, token_ids, max_new_tokens, tenant_salt=tenant_salt)
+        if adm is None:
+            return None
+        if self.cache.recurrent_groups:
+            live, src = self.cache.state_slot(seq_id), self.cache.restore_source(seq_id)
+            if src is None:
+                self.tensors.reset_state(live)
+            else:
+                self.tensors.copy_state(src, live)
+        return adm
+
+    def reserve(self, seq_ids: Sequence[str], num_new_tokens: Sequence[int]) -> bool:
+        return self.cache.reserve_step(seq_ids, num_new_tokens)
+
+    def append_tokens(self, seq_id: str, token_ids: Sequence[int]) -> None:
+        self.cache.append_token_ids(seq_id, token_ids)
+
+    def _plan(self, seq_id: str, start: int, num_tokens: int) -> ChunkPlan:
+        cache, bs = self.cache, self.block_size
+        end = start + num_tokens
+        attn = {}
+        for g in cache.attention_groups:
+            first, ids = cache.first_block(seq_id, g.name), cache.block_ids(seq_id, g.name)
+            read_start = g.spec.first_needed(start)
+
+            def slots(lo: int, hi: int, first: int = first, ids: list[int] = ids) -> Tensor:
+                return torch.tensor([ids[p // bs - first] * bs + p % bs for p in range(lo, hi)], dtype=torch.long)
+
+            attn[g.name] = AttnPlan(slots(start, end), slots(read_start, end), read_start)
+        state_slot = cache.state_slot(seq_id) if cache.recurrent_groups else None
+        checkpoints = tuple(cache.checkpoints(seq_id)) if cache.recurrent_groups else ()
+        return ChunkPlan(start, num_tokens, attn, state_slot, checkpoints)
+
+    def run(self, work: Sequence[tuple[str, list[int], int]]) -> list[Tensor]:
+        """One forward over reserved chunks (seq id, token ids, start): logits
+        [len(token ids), vocab] of every chunk position."""
+        for group, copies in self.cache.take_copies().items():
+            self.tensors.copy_blocks(group, [(c.src, c.dst) for c in copies])
+        for seq_id, ids, start in work:
+            end = self.cache.num_reserved_tokens(seq_id)
+            if start != self.cache.num_computed_tokens(seq_id) or start + len(ids) != end:
+                raise ValueError(f"sequence {seq_id!r}: chunk [{start}, {start + len(ids)}) is not its reservation")
+        plans = [self._plan(seq_id, start, len(ids)) for seq_id, ids, start in work]
+        flat = [t for _, ids, _ in work for t in ids]
+        logits = self.model.forward_paged(flat, plans, self.tensors)
+        out, offset = [], 0
+        for _, ids, _ in work:
+            out.append(logits[offset : offset + len(ids)])
+            offset += len(ids)
+        return out
+
+    def execute(self, chunks: Sequence[ScheduledChunk]) -> Tensor:
+        logits = self.run([(c.seq_id, c.token_ids, c.start) for c in chunks])
+        rows = [lg[-1] for c, lg in zip(chunks, logits, strict=True) if c.needs_logits]
+        return torch.stack(rows) if rows else torch.zeros(0, self.vocab_size, dtype=self.model.dtype)
+
+    def commit(self, seq_ids: Sequence[str], num_tokens: Sequence[int], next_token_ids: Sequence[int | None]) -> None:
+        self.cache.commit_step(seq_ids, num_tokens, next_token_ids)
+
+    def fork(self, parent_id: str, child_id: str) -> bool:
+        if not self.cache.fork(parent_id, child_id):
+            return False
+        if self.cache.recurrent_groups:
+            self.tensors.copy_state(self.cache.state_slot(parent_id), self.cache.state_slot(child_id))
+        return True
+
+    def release(self, seq_id: str, reason: ReleaseReason) -> bool:
+        return self.cache.release(seq_id, reason)
+
+    def num_computed_tokens(self, seq_id: str) -> int:
+        return self.cache.num_computed_tokens(seq_id)
+
+    def num_allocations(self) -> int:
+        return sum(g.pool.num_allocated for g in self.cache.groups.values())
+
+    def kv_read_bytes(self, num_context_tokens: int) -> int:
+        """One query's reads: every attention layer's K/V over its visible keys, and every
+        recurrent layer's state."""
+        t = self.tensors
+        total = 0
+        for g in self.cache.attention_groups:
+            kv = t.kv[g.name]
+            per_token = kv[0].numel() * kv.element_size()  # all the group's layers, K and V
+            window = g.spec.window
+            total += per_token * (num_context_tokens if window is None else min(window, num_context_tokens))
+        if self.cache.recurrent_groups:
+            total += t.state[0].numel() * t.state.element_size()
+        return total
+
+    def usage(self) -> CacheUsage:
+        return self.cache.usage()
+
+    def check_integrity(self) -> None:
+        self.cache.check_integrity()
+
+    def cache_stats(self) -> dict[str, float]:
+        stats = self.cache.stats
+        out: dict[str, float] = {
+            "prefix_hit_rate": stats.hit_rate,
+            "hit_tokens": float(stats.num_hit_tokens),
+        }
+        for name, held in self.cache.group_held_blocks().items():
+            out[f"{name}_held"] = float(held)
+        return out

@@ -1,0 +1,339 @@
+"""Tiny hybrid models with seeded random weights, for exact CPU checks of the hybrid cache.
+
+Two configs over one architecture (pre-norm residual blocks, RMSNorm, SwiGLU MLP, tied-free
+output head), whose layers are one of three kinds:
+- "full":   GQA attention with rotate-half RoPE over every earlier position;
+- "window": the same, but the query at t reads keys [t - W + 1, t] only (Gemma-2 style);
+- "recurrent": a gated delta rule (Gated DeltaNet), per head h with dk = dv = head_dim:
+      q_t = l2norm(W_q x_t),  k_t = l2norm(W_k x_t),  v_t = W_v x_t
+      beta_t = sigmoid(w_beta . x_t)            (write strength, per head)
+      g_t = sigmoid(w_g . x_t + b_g)            (decay in (0, 1), per head)
+      S_t = g_t * (S_{t-1} - beta_t (S_{t-1} k_t) k_t^T) + beta_t v_t k_t^T    S: [dv, dk]
+      o_t = S_t q_t ;  output = W_o [o_t of every head]
+  S_0 = 0. The layer's whole history is S_t: the recurrent cache group keeps exactly this
+  tensor per request (the live state) and snapshots of it (checkpoints).
+
+TINY_GEMMA2: window / full layers alternating (window 32), like Gemma-2's local / global.
+TINY_RECURRENT: recurrent and full layers (Kimi Linear / Qwen3-Next style mix).
+
+Two forwards over the same weights:
+- `reference_logits`: the oracle, a full recompute of the whole token history, no cache
+  (masks over the whole sequence, the recurrence from S_0);
+- `forward_paged`: a batch of chunks on the paged cache (`HybridCacheTensors`), each chunk
+  reading and writing through its slots, its live state and its checkpoint slots.
+Weights are drawn in fp64 from the seeded generator and cast; `model.to(torch.float64)`
+is an fp32 model's rounding-free twin (the same rounded weights, fp64 arithmetic).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+LAYER_KINDS = ("full", "window", "recurrent")
+
+TINY_GEMMA2: dict[str, Any] = {
+    "name": "tiny-gemma2",
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "head_dim": 8,
+    "layers": ["window", "full", "window", "full"],
+    "window": 32,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 4096,
+}
+
+TINY_RECURRENT: dict[str, Any] = {
+    **TINY_GEMMA2,
+    "name": "tiny-recurrent-hybrid",
+    "layers": ["recurrent", "full", "recurrent", "full"],
+    "window": None,
+}
+
+DTYPES = (torch.float32, torch.float64)
+
+
+class AttnPlan(NamedTuple):
+    """One chunk in one attention group: slots of the positions it writes [start, end) and
+    of the positions it reads [read_start, end) (both int64 [n])."""
+
+    write_slots: Tensor
+    read_slots: Tensor
+    read_start: int
+
+
+class ChunkPlan(NamedTuple):
+    """One request's chunk of a step: positions [start, start + num_tokens)."""
+
+    start: int
+    num_tokens: int
+    attn: dict[str, AttnPlan]  # group name -> its slots
+    state_slot: int | None  # the live recurrent state (None: no recurrent layer)
+    checkpoints: tuple[tuple[int, int], ...] = ()  # (position b, slot): snapshot S_b there
+
+
+def group_of(kind: str) -> str:
+    """The cache group a layer kind belongs to (its name in the coordinator)."""
+    return kind
+
+
+class HybridCacheTensors:
+    """The tensors behind the hybrid cache's pools.
+
+    kv[group]: [num_blocks * block_size, layers of the group, 2 (K, V), kv_heads, head_dim]
+    state:     [num_slots, recurrent layers, heads, head_dim (v), head_dim (k)]
+    """
+
+    def __init__(self, model: TinyHybrid, num_blocks: int, block_size: int, num_slots: int) -> None:
+        cfg, dt = model.config, model.dtype
+        self.block_size = block_size
+        self.kv: dict[str, Tensor] = {}
+        for group, layers in model.attention_groups().items():
+            shape = (num_blocks * block_size, len(layers), 2, cfg["num_kv_heads"], cfg["head_dim"])
+            self.kv[group] = torch.zeros(shape, dtype=dt)
+        num_rec = len(model.recurrent_layers())
+        hd = cfg["head_dim"]
+        self.state = torch.zeros((num_slots if num_rec else 0, num_rec, cfg["num_heads"], hd, hd), dtype=dt)
+
+    def copy_blocks(self, group: str, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (src, dst), in order."""
+        bs = self.block_size
+        kv = self.kv[group]
+        for src, dst in copies:
+            kv[dst * bs : (dst + 1) * bs] = kv[src * bs : (src + 1) * bs]
+
+    def copy_state(self, src: int, dst: int) -> None:
+        self.state[dst] = self.state[src]
+
+    def reset_state(self, slot: int) -> None:
+        self.state[slot].zero_()
+
+
+def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
+    """Rotate-half RoPE. x: [T, heads, d]; positions: int64 [T]."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = positions.to(torch.float64)[:, None] * inv[None, :]  # [T, d/2]
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(x.dtype)[:, None, :]
+    sin = torch.cat([ang.sin(), ang.sin()], -1).to(x.dtype)[:, None, :]
+    half = d // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * cos + rotated * sin
+
+
+class TinyHybrid:
+    def __init__(self, config: dict[str, Any] | None = None, seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+        cfg = dict(TINY_GEMMA2 if config is None else config)
+        bad = [k for k in cfg["layers"] if k not in LAYER_KINDS]
+        if bad:
+            raise ValueError(f"unknown layer kinds {bad}; each layer is one of {LAYER_KINDS}")
+        if "window" in cfg["layers"] and not cfg.get("window"):
+            raise ValueError("a config with window layers needs a positive 'window'")
+        if cfg["num_heads"] % cfg["num_kv_heads"]:
+            raise ValueError(f"num_heads {cfg['num_heads']} is not a multiple of num_kv_heads {cfg['num_kv_heads']}")
+        self.config = cfg
+        self.name: str = cfg["name"]
+        self.vocab_size: int = cfg["vocab_size"]
+        self.window: int | None = cfg.get("window")
+        self.seed = seed
+        self.dtype = dtype
+        self.state_dict = {k: v.to(dtype) for k, v in self._init_weights(seed).items()}
+
+    def to(self, dtype: torch.dtype) -> TinyHybrid:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+        other = copy.copy(self)
+        other.dtype = dtype
+        other.state_dict = {k: v.to(dtype) for k, v in self.state_dict.items()}
+        return other
+
+    # ---- layout ------------------------------------------------------------------------
+
+    def attention_groups(self) -> dict[str, list[int]]:
+        """Attention group name -> its layer indices, in layer order."""
+        groups: dict[str, list[int]] = {}
+        for i, kind in enumerate(self.config["layers"]):
+            if kind != "recurrent":
+                groups.setdefault(group_of(kind), []).append(i)
+        return groups
+
+    def recurrent_layers(self) -> list[int]:
+        return [i for i, kind in enumerate(self.config["layers"]) if kind == "recurrent"]
+
+    # ---- weights -----------------------------------------------------------------------
+
+    def _init_weights(self, seed: int) -> dict[str, Tensor]:
+        cfg = self.config
+        gen = torch.Generator().manual_seed(seed)
+        hid, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+        nh, nkv = cfg["num_heads"], cfg["num_kv_heads"]
+
+        def randn(*shape: int, scale: float = 1.0) -> Tensor:
+            return torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
+
+        sd: dict[str, Tensor] = {"embed": randn(self.vocab_size, hid)}
+        for i, kind in enumerate(cfg["layers"]):
+            p = f"layers.{i}."
+            sd[p + "attn_norm"] = 1.0 + 0.1 * randn(hid)
+            sd[p + "ffn_norm"] = 1.0 + 0.1 * randn(hid)
+            if kind == "recurrent":
+                sd[p + "wq"] = randn(nh * hd, hid, scale=hid**-0.5)
+                sd[p + "wk"] = randn(nh * hd, hid, scale=hid**-0.5)
+                sd[p + "wv"] = randn(nh * hd, hid, scale=hid**-0.5)
+                sd[p + "w_beta"] = randn(nh, hid, scale=hid**-0.5)
+                sd[p + "w_g"] = randn(nh, hid, scale=hid**-0.5)
+                sd[p + "b_g"] = 2.0 + 0.5 * randn(nh)  # decays near sigmoid(2) ~ 0.88: long memory
+            else:
+                sd[p + "wq"] = randn(nh * hd, hid, scale=hid**-0.5)
+                sd[p + "wk"] = randn(nkv * hd, hid, scale=hid**-0.5)
+                sd[p + "wv"] = randn(nkv * hd, hid, scale=hid**-0.5)
+            sd[p + "wo"] = randn(hid, nh * hd, scale=(nh * hd) ** -0.5)
+            sd[p + "w1"] = randn(inter, hid, scale=hid**-0.5)
+            sd[p + "w3"] = randn(inter, hid, scale=hid**-0.5)
+            sd[p + "w2"] = randn(hid, inter, scale=inter**-0.5)
+        sd["norm"] = 1.0 + 0.1 * randn(hid)
+        sd["head"] = randn(self.vocab_size, hid, scale=hid**-0.5)
+        return sd
+
+    # ---- pieces ------------------------------------------------------------------------
+
+    def _w(self, i: int, name: str) -> Tensor:
+        return self.state_dict[f"layers.{i}.{name}"]
+
+    def _embed(self, ids: Tensor) -> Tensor:
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got {ids.tolist()}")
+        return self.state_dict["embed"][ids]
+
+    def _ffn(self, i: int, h: Tensor) -> Tensor:
+        x = rms_norm(h, self._w(i, "ffn_norm"), self.config["rms_norm_eps"])
+        return h + (F.silu(x @ self._w(i, "w1").T) * (x @ self._w(i, "w3").T)) @ self._w(i, "w2").T
+
+    def _qkv(self, i: int, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x: [T, hidden] -> q [T, heads, hd], k / v [T, kv_heads, hd] (q, k rotated)."""
+        cfg = self.config
+        t, hd = x.shape[0], cfg["head_dim"]
+        q = (x @ self._w(i, "wq").T).view(t, cfg["num_heads"], hd)
+        k = (x @ self._w(i, "wk").T).view(t, cfg["num_kv_heads"], hd)
+        v = (x @ self._w(i, "wv").T).view(t, cfg["num_kv_heads"], hd)
+        theta = cfg["rope_theta"]
+        return rope(q, positions, theta), rope(k, positions, theta), v
+
+    def _attend(self, i: int, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """q: [Tq, H, hd]; k, v: [Tk, KVH, hd]; positions int64. Returns [Tq, hidden]."""
+        cfg = self.config
+        rep = cfg["num_heads"] // cfg["num_kv_heads"]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(cfg["head_dim"])
+        visible = k_pos[None, :] <= q_pos[:, None]
+        if cfg["layers"][i] == "window":
+            visible &= q_pos[:, None] - k_pos[None, :] < self.window
+        scores = scores.masked_fill(~visible[None], -math.inf)
+        out = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+        return out.reshape(q.shape[0], -1) @ self._w(i, "wo").T
+
+    def _recurrence(self, i: int, x: Tensor, state: Tensor, snapshots: dict[int, Tensor] | None = None) -> Tensor:
+        """The gated delta rule over x: [T, hidden] from `state` [H, hd, hd] (updated in
+        place). snapshots: {t: out tensor}: after t + 1 tokens of x, copy the state there."""
+        cfg = self.config
+        t_len, nh, hd = x.shape[0], cfg["num_heads"], cfg["head_dim"]
+        q = F.normalize((x @ self._w(i, "wq").T).view(t_len, nh, hd), dim=-1)
+        k = F.normalize((x @ self._w(i, "wk").T).view(t_len, nh, hd), dim=-1)
+        v = (x @ self._w(i, "wv").T).view(t_len, nh, hd)
+        beta = torch.sigmoid(x @ self._w(i, "w_beta").T)  # [T, H]
+        g = torch.sigmoid(x @ self._w(i, "w_g").T + self._w(i, "b_g"))  # [T, H]
+        out = torch.empty(t_len, nh, hd, dtype=x.dtype)
+        s = state
+        for t in range(t_len):
+            kt, vt = k[t], v[t]  # [H, hd]
+            sk = torch.einsum("hvk,hk->hv", s, kt)
+            s = g[t][:, None, None] * (s - beta[t][:, None, None] * sk[:, :, None] * kt[:, None, :])
+            s = s + beta[t][:, None, None] * vt[:, :, None] * kt[:, None, :]
+            out[t] = torch.einsum("hvk,hk->hv", s, q[t])
+            if snapshots is not None and t in snapshots:
+                snapshots[t].copy_(s)
+        state.copy_(s)
+        return out.reshape(t_len, nh * hd) @ self._w(i, "wo").T
+
+    def _logits(self, h: Tensor) -> Tensor:
+        return rms_norm(h, self.state_dict["norm"], self.config["rms_norm_eps"]) @ self.state_dict["head"].T
+
+    # ---- the two forwards --------------------------------------------------------------
+
+    @torch.no_grad()
+    def reference_logits(self, token_ids: list[int] | Tensor) -> Tensor:
+        """The oracle: logits [T, vocab] of every position, recomputed from scratch."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long)
+        pos = torch.arange(ids.numel())
+        h = self._embed(ids)
+        cfg = self.config
+        for i, kind in enumerate(cfg["layers"]):
+            x = rms_norm(h, self._w(i, "attn_norm"), cfg["rms_norm_eps"])
+            if kind == "recurrent":
+                state = torch.zeros(cfg["num_heads"], cfg["head_dim"], cfg["head_dim"], dtype=self.dtype)
+                h = h + self._recurrence(i, x, state)
+            else:
+                q, k, v = self._qkv(i, x, pos)
+                h = h + self._attend(i, q, k, v, pos, pos)
+            h = self._ffn(i, h)
+        return self._logits(h)
+
+    @torch.no_grad()
+    def forward_paged(
+        self, token_ids: list[int] | Tensor, chunks: list[ChunkPlan], cache: HybridCacheTensors
+    ) -> Tensor:
+        """token_ids: [N], the chunks' tokens concatenated in order. Writes every chunk's
+        K/V into its write slots, reads its keys through its read slots, advances its live
+        state and fills its checkpoint slots. Returns logits [N, vocab] in `dtype`."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long)
+        if ids.numel() != sum(c.num_tokens for c in chunks):
+            raise ValueError(f"{ids.numel()} token ids for chunks of {sum(c.num_tokens for c in chunks)} tokens")
+        cfg = self.config
+        groups = self.attention_groups()
+        rec_layers = self.recurrent_layers()
+        h = self._embed(ids)
+        for i, kind in enumerate(cfg["layers"]):
+            x_all = rms_norm(h, self._w(i, "attn_norm"), cfg["rms_norm_eps"])
+            outs = []
+            offset = 0
+            for c in chunks:
+                x = x_all[offset : offset + c.num_tokens]
+                offset += c.num_tokens
+                end = c.start + c.num_tokens
+                if kind == "recurrent":
+                    assert c.state_slot is not None
+                    r = rec_layers.index(i)
+                    live = cache.state[c.state_slot, r]
+                    snaps = {b - c.start - 1: cache.state[slot, r] for b, slot in c.checkpoints}
+                    outs.append(self._recurrence(i, x, live, snaps))
+                    continue
+                group = group_of(kind)
+                li = groups[group].index(i)
+                plan = c.attn[group]
+                q, k, v = self._qkv(i, x, torch.arange(c.start, end))
+                kv = cache.kv[group]
+                kv[plan.write_slots, li, 0] = k
+                kv[plan.write_slots, li, 1] = v
+                keys = kv[plan.read_slots, li]  # [n_read, 2, KVH, hd]
+                outs.append(
+                    self._attend(
+                        i, q, keys[:, 0], keys[:, 1], torch.arange(c.start, end), torch.arange(plan.read_start, end)
+                    )
+                )
+            h = self._ffn(i, h + torch.cat(outs))
+        return self._logits(h)
