@@ -199,7 +199,11 @@ def test_allocation_is_transactional_across_groups():
 def test_fork_shares_blocks_and_takes_its_own_state():
     m = HybridCacheManager([(AttentionGroupSpec("full", 4), 8), (RecurrentGroupSpec("r", 4), 4)], DESC)
     prefill(m, "p", list(range(10)))
+    # 3 blocks held, 10 slots filled; slot 0 is p's state, slots 1 and 2 its checkpoints at
+    # 4 and 8 (cached, so free)
+    assert m.usage() == (8, 5, 3, 10, 4, 4, 3)
     assert m.fork("p", "c")
+    assert m.usage() == (8, 5, 3, 10, 4, 4, 2)  # shared blocks count once; c has its own state
     m.check_integrity()
     assert m.block_ids("c") == m.block_ids("p") == [0, 1, 2]
     assert m.state_slot("c") != m.state_slot("p")

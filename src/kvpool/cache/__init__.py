@@ -1,10 +1,14 @@
 """kvpool.cache: per-request cache managers on top of the block pool. Pure Python, no torch.
 
-Every manager implements the contract of `CacheManager` (cache/base.py)."""
+Every manager implements the contract of `CacheManager` (cache/base.py); `HybridCacheManager`
+(cache/coordinator.py) is one over several layer groups: full-attention and sliding-window
+(cache/window.py) and recurrent-state checkpoint groups (cache/recurrent.py)."""
 
 from kvpool.cache.base import CacheManager, LowerTier
+from kvpool.cache.coordinator import HybridCacheManager
 from kvpool.cache.dsv4 import DSV4CacheManager
 from kvpool.cache.full import FullAttentionManager
+from kvpool.cache.recurrent import RecurrentGroupSpec
 from kvpool.cache.types import (
     Admission,
     BlockCopy,
@@ -16,10 +20,12 @@ from kvpool.cache.types import (
     Reservation,
     StateRestore,
 )
+from kvpool.cache.window import AttentionGroupSpec
 from kvpool.pool.block_table import BlockTableCSR
 
 __all__ = [
     "Admission",
+    "AttentionGroupSpec",
     "BlockCopy",
     "BlockTableCSR",
     "CacheDescriptor",
@@ -27,10 +33,12 @@ __all__ = [
     "CacheUsage",
     "DSV4CacheManager",
     "FullAttentionManager",
+    "HybridCacheManager",
     "LowerTier",
     "MMItem",
     "PrefixStats",
     "ReleaseReason",
+    "RecurrentGroupSpec",
     "Reservation",
     "StateRestore",
 ]

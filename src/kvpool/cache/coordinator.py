@@ -44,7 +44,7 @@ from kvpool.cache.types import (
     Reservation,
     StateRestore,
 )
-from kvpool.cache.window import AttentionGroup, AttentionGroupSpec, AttentionHits, AttentionState
+from kvpool.cache.window import AttentionGroup, AttentionGroupSpec, AttentionHits
 from kvpool.pool import PrefixBlock
 
 GroupSpec = AttentionGroupSpec | RecurrentGroupSpec
@@ -404,10 +404,3 @@ class HybridCacheManager(CacheManager):
                 g.check_state(rid, req.states[name], req.token_ids, req.num_computed, req.end, holders[name])
         for name, g in self.groups.items():
             g.check_holders(holders[name])
-
-
-def attention_state(manager: HybridCacheManager, request_id: str, group: str) -> AttentionState:
-    """A request's table in one attention group (for runners and tests)."""
-    state = manager._get(request_id).states[group]
-    assert isinstance(state, AttentionState)
-    return state
