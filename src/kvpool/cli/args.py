@@ -152,7 +152,10 @@ KV_DTYPES: tuple[str, ...] = tuple(KV_SCHEMAS)
 
 
 def kv_dtype(value: str) -> str:
-    """A --kv-dtype value: a format name, KIVI's with its G and R if given ("kivi2-g16-r64")."""
+    """A --kv-dtype value: a format name, KIVI's with its G and R if given ("kivi2-g16-r64"),
+    or "fp8", DeepSeek-V4's serving layout (tiny-dsv4; checked against the model later)."""
+    if value == "fp8":
+        return value
     try:
         kv_schema(value)
     except ValueError as e:
@@ -182,24 +185,50 @@ def add_kv_dtype_argument(parser: argparse.ArgumentParser) -> None:
         type=kv_dtype,
         default=None,
         metavar="FORMAT",
-        help=f"the KV cache's storage format (SmolLM2): one of {', '.join(KV_DTYPES)}; KIVI's group size and "
-        "residual may follow, kivi2-g16-r64 (lossy formats; see kvpool.spec.kv_formats); default: the model's "
-        "dtype, unquantized",
+        help=f"the KV cache's storage format. SmolLM2: one of {', '.join(KV_DTYPES)}; KIVI's group size and "
+        "residual may follow, kivi2-g16-r64 (see kvpool.spec.kv_formats). tiny-dsv4: fp32 (exact) or fp8, "
+        "DeepSeek-V4's layout for the classical pool (FP8 with a scale per 64 dims, BF16 RoPE dims; indexer keys "
+        "by --indexer-format). Lossy formats; default: the model's dtype, unquantized",
+    )
+    parser.add_argument(
+        "--indexer-format",
+        choices=("fp8", "mxfp4"),
+        default=None,
+        help="tiny-dsv4 with --kv-dtype fp8: the CSA indexer keys' format (default fp8)",
     )
 
 
 def check_kv_dtype(args: argparse.Namespace) -> str | None:
-    """--kv-dtype, checked against the model and the tiers; ValueError otherwise."""
+    """--kv-dtype (and --indexer-format), checked against the model and the tiers;
+    ValueError otherwise."""
     name = getattr(args, "kv_dtype", None)
+    indexer = getattr(args, "indexer_format", None)
+    if indexer is not None and (name != "fp8" or getattr(args, "model", None) != "tiny-dsv4"):
+        raise ValueError("--indexer-format is for tiny-dsv4 with --kv-dtype fp8 (its indexer keys)")
+    if getattr(args, "hisparse", None) is not None and name == "fp8":
+        raise ValueError("--kv-dtype fp8 with --hisparse: HiSparse keeps exact classical entries")
     if name is None:
         return None
-    if getattr(args, "model", None) == "tiny-dsv4":
-        raise ValueError(f"--kv-dtype {name}: tiny-dsv4 keeps its exact fp32 pools (the V4 formats are not built)")
+    v4 = getattr(args, "model", None) == "tiny-dsv4"
+    if v4 and name not in ("fp32", "fp8"):
+        raise ValueError(f"--kv-dtype {name}: tiny-dsv4 takes fp32 (exact) or fp8 (DeepSeek-V4's serving layout)")
+    if not v4 and name == "fp8":
+        raise ValueError(
+            "--kv-dtype fp8 is DeepSeek-V4's layout (tiny-dsv4); for SmolLM2 name the format: fp8_e4m3 (a scale "
+            "per block and KV head), fp8_e4m3_token, fp8_e5m2, ..."
+        )
     tiers = [f for f in ("host_cache_gib", "disk_cache", "redis") if getattr(args, f, None) is not None]
     if tiers and name != "fp32":
         flag = "--" + tiers[0].replace("_", "-")
         raise ValueError(f"--kv-dtype {name} with {flag}: the tiers keep unquantized blocks only")
     return name
+
+
+def v4_kv_format(args: argparse.Namespace) -> dict[str, str]:
+    """tiny-dsv4's classical-pool layout from --kv-dtype / --indexer-format (checked by
+    check_kv_dtype): DSV4PagedRunner's kv_format and indexer_format."""
+    fp8 = getattr(args, "kv_dtype", None) == "fp8"
+    return {"kv_format": "fp8" if fp8 else "exact", "indexer_format": getattr(args, "indexer_format", None) or "fp8"}
 
 
 def add_persistent_cache_arguments(parser: argparse.ArgumentParser, *, swa: bool = True) -> None:

@@ -14,7 +14,7 @@ import re
 import sys
 import time
 
-from kvpool.cli.args import host_cache_bytes
+from kvpool.cli.args import host_cache_bytes, v4_kv_format
 from kvpool.cli.generate import DSV4_DEFAULT_BLOCKS, check_context, length_note, timings
 
 MODEL_NAME = "tiny-dsv4"
@@ -55,6 +55,7 @@ def run(args: argparse.Namespace, tiers: dict[str, object] | None = None) -> int
         hot_set_entries=getattr(args, "hisparse", None),
         host_cache_bytes=host_cache_bytes(args),
         **(tiers or {}),
+        **v4_kv_format(args),
     )
     try:
         return _generate(args, engine, prompt_ids, params, num_blocks, time.perf_counter() - start)
@@ -85,6 +86,8 @@ def _generate(args, engine, prompt_ids, params, num_blocks: int, load_s: float) 
             "prompt_tokens": len(prompt_ids),
             "cached_tokens": out.num_cached_tokens,
             "finish_reason": completion.finish_reason,
+            "kv_format": engine.runner.kv_format,
+            "classical_block_bytes": engine.runner.cache_stats()["classical_block_bytes"],
             **timings(out),
             "load_s": round(load_s, 3),
             "load_source": "built in",  # random weights of a fixed seed, made in the process

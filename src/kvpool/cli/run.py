@@ -50,6 +50,7 @@ from kvpool.cli.args import (
     positive_float,
     positive_int,
     rate,
+    v4_kv_format,
 )
 from kvpool.cli.generate import add_model_arguments
 from kvpool.sim import chat
@@ -219,7 +220,9 @@ def build(args: argparse.Namespace):
         model = TinyDSV4(seed=args.seed)
         num_blocks = args.num_blocks
         if num_blocks is None:
-            block_bytes = DSV4Pools(model.spec, 1, 1).classical_block_bytes()
+            block_bytes = DSV4Pools(
+                model.spec, 1, 1, entry_format=v4_kv_format(args)["kv_format"]
+            ).classical_block_bytes()
             num_blocks = parse_bytes(args.kv_memory or "16MiB") // block_bytes
             if num_blocks <= 0:
                 raise ValueError(f"--kv-memory {args.kv_memory} holds no classical block of {block_bytes} bytes")
@@ -237,6 +240,7 @@ def build(args: argparse.Namespace):
                 tiers["disk_cache"], tiers.get("disk_cache_bytes", DEFAULT_DISK_CACHE_BYTES), tiers["redis_url"]
             ),
             swa=tiers.get("swa"),
+            **v4_kv_format(args),
         )
         engine = Engine(runner, max_num_batched_tokens=args.max_batch_tokens, max_num_seqs=args.max_seqs)
         return engine, lambda rng: id_workload(model.vocab_size, args, rng), TINY_MODEL, None

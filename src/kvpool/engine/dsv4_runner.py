@@ -23,7 +23,7 @@ from kvpool.engine.engine import Engine
 from kvpool.engine.runner import ScheduledChunk
 from kvpool.models.tiny_dsv4 import TinyDSV4
 from kvpool.spec.dsv4 import CSA_RATIO
-from kvpool.storage.dsv4 import DSV4Pools
+from kvpool.storage.dsv4 import DSV4Pools, V4EntryPool
 from kvpool.tiers import (
     DEFAULT_DISK_CACHE_BYTES,
     BlockDescriptor,
@@ -62,9 +62,13 @@ class SWAMoves:
     num_misses: int = 0  # hits that wanted a snapshot the tiers did not hold (recomputed instead)
 
 
-def descriptor_for(model: TinyDSV4) -> CacheDescriptor:
+def descriptor_for(model: TinyDSV4, kv_format: str = "exact", indexer_format: str = "fp8") -> CacheDescriptor:
+    """The classical blocks' descriptor: the storage dtype, or V4's fp8 serving layout with
+    its indexer-key format (storage/dsv4.py V4EntryPool)."""
     spec = model.spec
     dtype = str(model.dtype).removeprefix("torch.")
+    if kv_format == "fp8":
+        dtype = f"{dtype}:entries-fp8e4m3-ue8m0x64-rope-bf16:index-{indexer_format}"
     return CacheDescriptor(
         model_id=spec.name,
         weights_version=f"seed={model.seed}",
@@ -88,8 +92,13 @@ class DSV4PagedRunner:
         host_tier: Tier | None = None,
         persistent_tiers: Sequence[Tier] = (),
         swa: SWAStrategy | None = None,
+        kv_format: str = "exact",
+        indexer_format: str = "fp8",
     ) -> None:
-        """hot_set_entries: HiSparse (storage/dsv4.py HotSet): the CSA main entries each CSA
+        """kv_format: the classical pool's entries exact in the model's dtype ("exact"), or
+        in V4's serving layout ("fp8": non-RoPE dims FP8 E4M3 with a power-of-two scale per
+        64, RoPE dims BF16; indexer keys `indexer_format`, FP8 or MXFP4: storage/dsv4.py).
+        hot_set_entries: HiSparse (storage/dsv4.py HotSet): the CSA main entries each CSA
         layer keeps on the device; the rest of the CSA main pool is in host memory.
         persistent_tiers: the disk and Redis tiers, below the host tier: every classical
         block that completes is written through to them, and, by the SWA strategy `swa`
@@ -97,6 +106,9 @@ class DSV4PagedRunner:
         a prefix hit restores its state instead of recomputing it."""
         if persistent_tiers and restore != "recompute":
             raise ValueError("persistent tiers restore a V4 hit's state by their SWA strategy: restore='recompute'")
+        if kv_format == "fp8" and (host_tier is not None or persistent_tiers):
+            raise ValueError("--kv-dtype fp8: the tiers keep exact classical blocks only")
+        self.kv_format = kv_format
         self.model = model
         self.spec = model.spec
         self.pools = DSV4Pools(
@@ -106,12 +118,14 @@ class DSV4PagedRunner:
             num_checkpoints,
             dtype=model.dtype,
             hot_set_entries=hot_set_entries,
+            entry_format=kv_format,
+            indexer_format=indexer_format,
         )
         self.cache = DSV4CacheManager(
             model.spec,
             num_classical_blocks,
             num_state_blocks,
-            descriptor_for(model),
+            descriptor_for(model, kv_format, indexer_format),
             enable_prefix_caching=enable_prefix_caching,
             restore=restore,
             num_checkpoints=num_checkpoints,
@@ -477,6 +491,8 @@ class DSV4EngineRunner:
         host_tier: Tier | None = None,
         persistent_tiers: Sequence[Tier] = (),
         swa: SWAStrategy | None = None,
+        kv_format: str = "exact",
+        indexer_format: str = "fp8",
     ) -> None:
         self.runner = DSV4PagedRunner(
             model,
@@ -489,7 +505,10 @@ class DSV4EngineRunner:
             host_tier=host_tier,
             persistent_tiers=persistent_tiers,
             swa=swa,
+            kv_format=kv_format,
+            indexer_format=indexer_format,
         )
+        self.kv_format = "float32" if kv_format == "exact" else f"fp8 (V4 layout, {indexer_format} indexer keys)"
         self.cache = self.runner.cache
         span = model.spec.span
         self.vocab_size = model.vocab_size
@@ -559,13 +578,17 @@ class DSV4EngineRunner:
         CSA layers every indexer key and the top-k entries it selects."""
         spec, pools = self.runner.spec, self.runner.pools
         total = 0
-        for ratio, st in zip(spec.layer_ratios, pools.state, strict=True):
+        for ratio, st, cl in zip(spec.layer_ratios, pools.state, pools.classical, strict=True):
             entry = st.ring[0, 0].numel() * st.ring.element_size()
             total += min(num_context_tokens, spec.window) * entry
+            if isinstance(cl.main, V4EntryPool):  # compressed entries in the fp8 layout
+                entry = cl.main.bytes_per_entry
             num_entries = num_context_tokens // ratio if ratio else 0
             if ratio == CSA_RATIO:
                 assert st.tail_idx is not None
                 key = st.tail_idx[0, 0].numel() * st.tail_idx.element_size()
+                if isinstance(cl.idx, V4EntryPool):
+                    key = cl.idx.bytes_per_entry
                 total += num_entries * key + min(num_entries, spec.index_topk) * entry
             elif ratio:
                 total += num_entries * entry
@@ -670,8 +693,11 @@ def build_tiny_dsv4_engine(
     disk_cache_bytes: int = DEFAULT_DISK_CACHE_BYTES,
     redis_url: str | None = None,
     swa: SWAStrategy | None = None,
+    kv_format: str = "exact",
+    indexer_format: str = "fp8",
 ) -> Engine:
     """An Engine running the tiny V4 model (token ids in, token ids out; no tokenizer, no EOS).
+    kv_format / indexer_format: the classical pool's layout (DSV4PagedRunner).
     hot_set_entries: HiSparse with a hot set of that many CSA entries per CSA layer.
     host_cache_bytes: a host tier below the classical pool; disk_cache / redis_url: the
     persistent tiers below it (kvpool.tiers), with the SWA strategy `swa` (tiers/swa.py)."""
@@ -686,6 +712,8 @@ def build_tiny_dsv4_engine(
         host_tier=HostTier(host_cache_bytes) if host_cache_bytes is not None else None,
         persistent_tiers=open_persistent_tiers(disk_cache, disk_cache_bytes, redis_url),
         swa=swa,
+        kv_format=kv_format,
+        indexer_format=indexer_format,
     )
     return Engine(
         runner, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, record_logits=record_logits

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from kvpool.spec.dsv4 import CSA_RATIO, DSV4Spec
+from kvpool.storage.quant import dequantize_fp8_ue8m0, dequantize_mxfp4, quantize_fp8_ue8m0, quantize_mxfp4
 
 
 @dataclass
@@ -146,10 +147,114 @@ class HotSet:
             raise AssertionError("HiSparse hot set: a row is free and resident, or lost")
 
 
+ENTRY_FORMATS = ("exact", "fp8")  # the classical pool: the storage dtype, or V4's serving layout
+INDEXER_KEY_FORMATS = ("fp8", "mxfp4")
+
+
+class V4EntryPool:
+    """A classical pool's entries in DeepSeek-V4's serving layout (storage/quant.py), for a
+    pool [num_blocks, per_block, width] that reads and writes like the tensor it replaces:
+    indexing returns entries dequantized in the compute dtype, assigning quantizes them.
+
+      "main":        codes [.., width - rope] E4M3 bytes, exps [.., 8-aligned ceil(nope / 64)]
+                     UE8M0, rope [.., rope] BF16: 584 B for V4's 512-dim entries
+      "index-fp8":   codes [.., width] E4M3 bytes, scales [.., ceil(width / 128)] fp32
+      "index-mxfp4": codes [.., width / 2] packed E2M1, exps [.., ceil(width / 32)] UE8M0
+    The classical pool is written once per block, whole, so every entry is quantized once,
+    from the compute-dtype entry the compressor produced."""
+
+    def __init__(
+        self,
+        kind: str,
+        num_blocks: int,
+        per_block: int,
+        width: int,
+        rope_dim: int,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if kind not in ("main", "index-fp8", "index-mxfp4"):
+            raise ValueError(f"unknown V4 entry kind {kind!r}")
+        self.kind, self.width, self.rope_dim, self.dtype = kind, width, rope_dim, dtype
+        self.shape = torch.Size((num_blocks, per_block, width))
+        lead = (num_blocks, per_block)
+        u8 = {"dtype": torch.uint8, "device": device}
+        self.rope: Tensor | None = None
+        self.scales: Tensor | None = None
+        self.exps: Tensor | None = None
+        if kind == "main":
+            nope = width - rope_dim
+            self.codes = torch.zeros(*lead, nope, **u8)
+            num_scales = -(-nope // 64)
+            self.exps = torch.zeros(*lead, -(-num_scales // 8) * 8, **u8)  # 8-aligned
+            self.rope = torch.zeros(*lead, rope_dim, dtype=torch.bfloat16, device=device)
+        elif kind == "index-fp8":
+            self.codes = torch.zeros(*lead, width, **u8)
+            self.scales = torch.zeros(*lead, -(-width // 128), dtype=torch.float32, device=device)
+        else:
+            if width % 2:
+                raise ValueError(f"MXFP4 keys pack two values a byte: an even width, got {width}")
+            self.codes = torch.zeros(*lead, width // 2, **u8)
+            self.exps = torch.zeros(*lead, -(-width // 32), **u8)
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def tensors(self) -> list[Tensor]:
+        return [t for t in (self.codes, self.exps, self.scales, self.rope) if t is not None]
+
+    @property
+    def bytes_per_block(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in self.tensors())
+
+    @property
+    def bytes_per_entry(self) -> int:
+        return self.bytes_per_block // self.shape[1]
+
+    def __getitem__(self, index) -> Tensor:
+        codes = self.codes[index]
+        if self.kind == "main":
+            assert self.exps is not None and self.rope is not None
+            nope = dequantize_fp8_ue8m0(codes, self.exps[index], self.dtype)
+            return torch.cat((nope, self.rope[index].to(self.dtype)), dim=-1)
+        if self.kind == "index-fp8":
+            assert self.scales is not None
+            padded = torch.nn.functional.pad(codes, (0, -self.width % 128))
+            groups = padded.view(*codes.shape[:-1], padded.shape[-1] // 128, 128)
+            x = groups.view(torch.float8_e4m3fn).to(self.dtype) * self.scales[index].to(self.dtype).unsqueeze(-1)
+            return x.reshape(padded.shape)[..., : self.width]
+        assert self.exps is not None
+        return dequantize_mxfp4(codes, self.exps[index], self.dtype)
+
+    def __setitem__(self, index, value: Tensor) -> None:
+        value = value.to(self.codes.device)
+        if self.kind == "main":
+            assert self.exps is not None and self.rope is not None
+            codes, exps = quantize_fp8_ue8m0(value[..., : self.width - self.rope_dim])
+            self.codes[index] = codes
+            self.exps[index] = torch.nn.functional.pad(exps, (0, self.exps.shape[-1] - exps.shape[-1]))
+            self.rope[index] = value[..., self.width - self.rope_dim :].to(torch.bfloat16)
+        elif self.kind == "index-fp8":
+            assert self.scales is not None
+            padded = torch.nn.functional.pad(value.to(torch.float32), (0, -self.width % 128))
+            groups = padded.view(*value.shape[:-1], padded.shape[-1] // 128, 128)
+            amax = groups.abs().amax(dim=-1)
+            scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+            q = (groups / scale.unsqueeze(-1)).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+            self.codes[index] = q.reshape(padded.shape)[..., : self.width]
+            self.scales[index] = scale
+        else:
+            assert self.exps is not None
+            codes, exps = quantize_mxfp4(value)
+            self.codes[index] = codes
+            self.exps[index] = exps
+
+
 @dataclass
 class LayerClassical:
-    main: Tensor | None = None
-    idx: Tensor | None = None
+    main: Tensor | V4EntryPool | None = None
+    idx: Tensor | V4EntryPool | None = None
     hot: HotSet | None = None  # HiSparse: main lives on the host, this many entries on the device
 
 
@@ -166,9 +271,20 @@ class DSV4Pools:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         hot_set_entries: int | None = None,
+        entry_format: str = "exact",
+        indexer_format: str = "fp8",
     ) -> None:
         """hot_set_entries: HiSparse, the CSA main entries each CSA layer keeps on the
-        device (HotSet); the layer's main pool moves to host memory (pinned, on CUDA)."""
+        device (HotSet); the layer's main pool moves to host memory (pinned, on CUDA).
+        entry_format: the classical pool's entries in `dtype` ("exact") or in V4's serving
+        layout ("fp8": V4EntryPool, indexer keys in `indexer_format`, "fp8" or "mxfp4");
+        the state pool (window, compressor tails, unfinished span) stays in `dtype`."""
+        if entry_format not in ENTRY_FORMATS:
+            raise ValueError(f"unknown V4 entry format {entry_format!r}; one of {', '.join(ENTRY_FORMATS)}")
+        if indexer_format not in INDEXER_KEY_FORMATS:
+            raise ValueError(f"unknown indexer key format {indexer_format!r}; one of {', '.join(INDEXER_KEY_FORMATS)}")
+        if entry_format == "fp8" and hot_set_entries is not None:
+            raise ValueError("HiSparse keeps exact entries: the fp8 classical layout is not built for it")
         if num_classical_blocks <= 0 or num_state_blocks <= 0 or num_checkpoints < 0:
             raise ValueError(
                 f"need positive block counts, got classical={num_classical_blocks}, "
@@ -180,6 +296,8 @@ class DSV4Pools:
         self.num_checkpoints = num_checkpoints
         self.num_slots = num_state_blocks + num_checkpoints
         self.dtype = dtype
+        self.entry_format = entry_format
+        self.indexer_format = indexer_format
         d, di, span, slots = spec.head_dim, spec.index_head_dim, spec.span, self.num_slots
         kw = {"dtype": dtype, "device": device}
         # compressor state: fp32, except in fp64 pools (never below the storage precision)
@@ -197,6 +315,10 @@ class DSV4Pools:
                 st.comp_score = torch.zeros(slots, coff * ratio, coff * d, **comp)
                 st.tail_main = torch.zeros(slots, span // ratio, d, **kw)
                 cl.main = torch.zeros(num_classical_blocks, span // ratio, d, **kw)
+                if entry_format == "fp8":
+                    cl.main = V4EntryPool(
+                        "main", num_classical_blocks, span // ratio, d, spec.rope_head_dim, dtype, device
+                    )
             if ratio == CSA_RATIO and hot_set_entries is not None:
                 num_entries = num_classical_blocks * (span // ratio)
                 if not 0 < hot_set_entries <= num_entries:
@@ -213,6 +335,9 @@ class DSV4Pools:
                 st.idx_score = torch.zeros(slots, 2 * CSA_RATIO, 2 * di, **comp)
                 st.tail_idx = torch.zeros(slots, span // CSA_RATIO, di, **kw)
                 cl.idx = torch.zeros(num_classical_blocks, span // CSA_RATIO, di, **kw)
+                if entry_format == "fp8":
+                    kind = f"index-{indexer_format}"
+                    cl.idx = V4EntryPool(kind, num_classical_blocks, span // CSA_RATIO, di, 0, dtype, device)
             self.state.append(st)
             self.classical.append(cl)
 
@@ -321,7 +446,14 @@ class DSV4Pools:
 
     def classical_block_bytes(self) -> int:
         """Actual bytes of one classical block over all layers."""
-        return sum(t[0].numel() * t.element_size() for cl in self.classical for t in (cl.main, cl.idx) if t is not None)
+        total = 0
+        for cl in self.classical:
+            for t in (cl.main, cl.idx):
+                if isinstance(t, V4EntryPool):
+                    total += t.bytes_per_block
+                elif t is not None:
+                    total += t[0].numel() * t.element_size()
+        return total
 
     def state_block_bytes(self) -> int:
         """Actual bytes of one state block over all layers (tail entries included)."""

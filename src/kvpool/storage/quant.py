@@ -229,3 +229,76 @@ def round_trip_kv(schema: KVSchema, k: Tensor, v: Tensor, block_size: int) -> tu
     kq = dequantize_k(schema, quantize_k(schema, kt), k.dtype).permute(0, 3, 1, 2).reshape(whole, kvh, d)
     vq = dequantize_v(schema, quantize_v(schema, vt), v.dtype).transpose(1, 2).reshape(whole, kvh, d)
     return torch.cat([kq, k[whole:]]), torch.cat([vq, v[whole:]])
+
+
+# ---- DeepSeek-V4's serving layout (spec/dsv4.py main_entry_bytes / indexer_key_bytes) ----
+#
+# A main entry (SWA, CSA, HCA): the non-RoPE dims as FP8 E4M3 with one power-of-two scale
+# per 64 of them, stored as its exponent byte (UE8M0: 2^(e - 127)), the scale bytes padded
+# to 8; the RoPE dims (the last rope_dim) as BF16. An indexer key: FP8 E4M3 with one fp32
+# scale per 128 dims, or MXFP4: FP4 E2M1 codes (0, 0.5, 1, 1.5, 2, 3, 4, 6, and their
+# negatives), two a byte, one UE8M0 scale per 32 dims. Power-of-two scales divide exactly:
+# the only rounding is the element's. Scales are the smallest power of two that keeps the
+# group's amax within the element's range (no saturation): E4M3 |e| <= 2^-4 |x| for
+# |x| >= 2^-6 s and <= 2^-10 s below; E2M1 |e| <= s / 4 below 2 s, s / 2 below 4 s, s at
+# most (half the grid's step), ties to the smaller magnitude.
+
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+UE8M0_BIAS = 127
+
+
+def _pow2_exponent(v: Tensor) -> Tensor:
+    """The smallest e with 2^e >= v (v > 0), int32; 0 where v == 0."""
+    e = torch.ceil(torch.log2(torch.where(v > 0, v, torch.ones_like(v)))).to(torch.int32)
+    p = torch.ldexp(torch.ones_like(v), e)
+    e = torch.where(p < v, e + 1, e)  # log2 rounded the wrong way
+    e = torch.where(torch.ldexp(torch.ones_like(v), e - 1) >= v, e - 1, e)
+    return torch.where(v > 0, e, torch.zeros_like(e)).clamp_(-UE8M0_BIAS, UE8M0_BIAS)
+
+
+def _groups(x: Tensor, group: int) -> Tensor:
+    """x [..., n] -> [..., ceil(n / group), group], zero-padded."""
+    n = x.shape[-1]
+    pad = -n % group
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    return x.reshape(*x.shape[:-1], (n + pad) // group, group)
+
+
+def quantize_fp8_ue8m0(x: Tensor, group: int = 64) -> tuple[Tensor, Tensor]:
+    """x [..., n] -> (E4M3 codes [..., n] as uint8, exponent bytes [..., ceil(n / group)])."""
+    g = _groups(x.to(torch.float32), group)
+    e = _pow2_exponent(g.abs().amax(dim=-1) / 448.0)
+    y = torch.ldexp(g, -e.unsqueeze(-1)).clamp_(-448.0, 448.0)  # exact: a power of two
+    codes = y.to(torch.float8_e4m3fn).view(torch.uint8).reshape(*x.shape[:-1], g.shape[-2] * group)[..., : x.shape[-1]]
+    return codes.contiguous(), (e + UE8M0_BIAS).to(torch.uint8)
+
+
+def dequantize_fp8_ue8m0(codes: Tensor, exps: Tensor, dtype: torch.dtype, group: int = 64) -> Tensor:
+    n = codes.shape[-1]
+    g = _groups(codes.view(torch.float8_e4m3fn).to(torch.float32), group)
+    e = exps[..., : g.shape[-2]].to(torch.int32) - UE8M0_BIAS
+    return torch.ldexp(g, e.unsqueeze(-1)).reshape(*codes.shape[:-1], g.shape[-2] * group)[..., :n].to(dtype)
+
+
+def quantize_mxfp4(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [..., n] (n even) -> (E2M1 codes packed two a byte [..., n / 2], exponent bytes
+    [..., ceil(n / 32)]); code = sign << 3 | grid index, the first of a pair in the low bits."""
+    g = _groups(x.to(torch.float32), 32)
+    e = _pow2_exponent(g.abs().amax(dim=-1) / 6.0)
+    y = torch.ldexp(g, -e.unsqueeze(-1))
+    grid = torch.tensor(E2M1_GRID, device=x.device)
+    mids = (grid[1:] + grid[:-1]) / 2
+    index = torch.bucketize(y.abs().clamp_(max=6.0), mids)  # ties to the smaller magnitude
+    codes = (index | ((y < 0).to(torch.int64) << 3)).reshape(*x.shape[:-1], g.shape[-2] * 32)[..., : x.shape[-1]]
+    return _pack(codes.to(torch.uint8).contiguous(), 4), (e + UE8M0_BIAS).to(torch.uint8)
+
+
+def dequantize_mxfp4(packed: Tensor, exps: Tensor, dtype: torch.dtype) -> Tensor:
+    codes = _unpack(packed, 4)  # [..., n]
+    n = codes.shape[-1]
+    grid = torch.tensor(E2M1_GRID, device=packed.device)
+    y = grid[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+    g = _groups(y, 32)
+    e = exps[..., : g.shape[-2]].to(torch.int32) - UE8M0_BIAS
+    return torch.ldexp(g, e.unsqueeze(-1)).reshape(*packed.shape[:-1], g.shape[-2] * 32)[..., :n].to(dtype)
