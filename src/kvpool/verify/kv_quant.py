@@ -12,6 +12,11 @@ teacher-forced: the perplexity of the text, the mean KL divergence KL(p_fp32 || 
 of the next-token distributions, and the share of positions whose most likely next token is
 the fp32 run's (top-1 agreement). Plus each format's bytes per token and the tokens a GiB
 of KV holds against fp32.
+
+Greedy decoding (`greedy_agreement`): the engine itself, paged blocks in the format, decodes
+a fixed number of tokens greedily after a prompt; the share of steps whose token is the
+fp32 engine's token at the same step, and the first step that differs. Once one token
+differs the continuations part, so this is the strictest of the figures.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ class FormatQuality:
     kl_mean: float
     top1_agreement: float
     layers: list[LayerError]
+    greedy_agreement: float | None = None  # share of greedy decode steps whose token is fp32's
+    greedy_first_divergence: int | None = None  # the first step that differs (None: none did)
 
     def as_dict(self) -> dict[str, object]:
         out = asdict(self)
@@ -140,3 +147,119 @@ def evaluate(
             )
         )
     return ppl_ref, results
+
+
+def greedy_agreement(
+    model: LlamaModel, prompt: Sequence[int], formats: Sequence[str], steps: int, block_size: int
+) -> dict[str, tuple[float, int | None]]:
+    """Per format: (the share of `steps` greedy tokens equal to the fp32 engine's at the same
+    step, the first step that differs or None), decoded by the engine over paged blocks."""
+    from kvpool.cache import CacheDescriptor
+    from kvpool.engine.engine import Engine
+    from kvpool.engine.llama_runner import LlamaRunner
+    from kvpool.engine.sampling import SamplingParams
+
+    num_blocks = -(-(len(prompt) + steps) // block_size) + 1
+
+    def decode(name: str | None) -> list[int]:
+        descriptor = CacheDescriptor("eval-kv-quant", layout_id=f"bs{block_size}:{name}")
+        runner = LlamaRunner(model, num_blocks, block_size, descriptor, kv_format=name, enable_prefix_caching=False)
+        engine = Engine(runner, max_num_batched_tokens=max(len(prompt), 1), max_num_seqs=1)
+        rid = engine.add_request(list(prompt), SamplingParams(max_tokens=steps, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        return list(engine.pop_output(rid).completions[0].token_ids)
+
+    reference = decode(None)
+    out: dict[str, tuple[float, int | None]] = {}
+    for name in formats:
+        got = decode(name)
+        same = [a == b for a, b in zip(got, reference, strict=True)]
+        out[name] = (sum(same) / steps, next((i for i, s in enumerate(same) if not s), None))
+    return out
+
+
+@dataclass(frozen=True)
+class V4LayoutQuality:
+    name: str  # "exact", "fp8 / fp8 keys", "fp8 / mxfp4 keys"
+    classical_block_bytes: int
+    classical_bytes_per_token: float
+    capacity_gain: float  # classical tokens per byte against the exact layout
+    kl_mean: float
+    top1_agreement: float
+    greedy_agreement: float
+    greedy_first_divergence: int | None
+
+
+def evaluate_v4(
+    seed: int = 0, prompt_len: int = 512, steps: int = 32, progress: Callable[[str], None] | None = None
+) -> list[V4LayoutQuality]:
+    """tiny-dsv4 (fp32, weights of `seed`) with its classical pool exact and in V4's fp8
+    layout (FP8 / MXFP4 indexer keys). A random prompt of `prompt_len` ids; the exact
+    engine's greedy continuation of `steps` tokens is the path. Teacher-forced: for each
+    step i, the next-token distribution after prompt + path[:i], from a request that hits
+    the cached prefix (its spans read from the classical pool in the layout, its state
+    recomputed over them); KL(exact || layout) and top-1 agreement over the steps. Greedy:
+    each layout's own continuation against the path."""
+    import random
+
+    from kvpool.engine.dsv4_runner import DSV4EngineRunner
+    from kvpool.engine.engine import Engine
+    from kvpool.engine.sampling import SamplingParams
+    from kvpool.models.tiny_dsv4 import TinyDSV4
+
+    if prompt_len < 1 or steps < 1:
+        raise ValueError(f"need a prompt and steps, got {prompt_len}, {steps}")
+    model = TinyDSV4(seed=seed)
+    rng = random.Random(seed)
+    prompt = [rng.randrange(model.vocab_size) for _ in range(prompt_len)]
+    span = model.spec.span
+    num_blocks = (prompt_len + steps) // span + 4
+    layouts = [("exact", "exact", "fp8"), ("fp8 / fp8 keys", "fp8", "fp8"), ("fp8 / mxfp4 keys", "fp8", "mxfp4")]
+
+    def engine(kv_format: str, indexer_format: str) -> Engine:
+        runner = DSV4EngineRunner(model, num_blocks, 2, kv_format=kv_format, indexer_format=indexer_format)
+        return Engine(runner, max_num_batched_tokens=256, max_num_seqs=1, record_logits=True)
+
+    def greedy(e: Engine) -> list[int]:
+        rid = e.add_request(prompt, SamplingParams(max_tokens=steps, ignore_eos=True))
+        while e.has_unfinished():
+            e.step()
+        return list(e.pop_output(rid).completions[0].token_ids)
+
+    path = greedy(engine("exact", "fp8"))
+    results: list[V4LayoutQuality] = []
+    reference: list[torch.Tensor] = []
+    exact_bytes = 0
+    for name, kv_format, indexer_format in layouts:
+        if progress is not None:
+            progress(name)
+        e = engine(kv_format, indexer_format)
+        own = greedy(e)  # also leaves the prompt's spans cached
+        log_probs = []
+        for i in range(steps):
+            rid = e.add_request(prompt + path[:i], SamplingParams(max_tokens=1, ignore_eos=True))
+            while e.has_unfinished():
+                e.step()
+            log_probs.append(F.log_softmax(e.requests[rid].seqs[0].logits[0].double(), dim=-1))
+            e.pop_output(rid)
+        if not reference:
+            reference = log_probs
+        kl = sum(float((r.exp() * (r - lp)).sum()) for r, lp in zip(reference, log_probs, strict=True)) / steps
+        top1 = sum(int(r.argmax() == lp.argmax()) for r, lp in zip(reference, log_probs, strict=True)) / steps
+        same = [a == b for a, b in zip(own, path, strict=True)]
+        block_bytes = e.runner.cache_stats()["classical_block_bytes"]
+        exact_bytes = exact_bytes or block_bytes
+        results.append(
+            V4LayoutQuality(
+                name,
+                int(block_bytes),
+                block_bytes / span,
+                round(exact_bytes / block_bytes, 3),
+                kl,
+                top1,
+                sum(same) / steps,
+                next((i for i, s in enumerate(same) if not s), None),
+            )
+        )
+    return results
