@@ -236,3 +236,49 @@ def test_bad_input_is_refused_with_a_clear_error():
     with pytest.raises(ValueError, match="uncommitted step"):
         m.reserve("a", 1)
     m.check_integrity()
+
+
+def test_a_shared_pool_gives_the_blocks_a_window_lets_go_to_any_group():
+    # Window 4 and full attention on one pool of 8 blocks of 4 tokens (the simulator's layout).
+    spec = [(AttentionGroupSpec("swa", 4, window=4), None), (AttentionGroupSpec("full", 4), None)]
+    m = HybridCacheManager(spec, DESC, shared_blocks=8)
+    pool = m.groups["swa"].pool
+    assert pool is m.groups["full"].pool and m.is_shared("full") and m.num_blocks == 8
+    a = list(range(12))
+    # The prefill takes 3 blocks per group, window group first: 0, 1, 2 and 3, 4, 5. After
+    # the commit the next query (position 12) reads [9, 12]: the window group keeps block 2
+    # and lets 1 and 0 go, tail-first, cached.
+    assert prefill(m, "a", a) == 0
+    assert (m.first_block("a", "swa"), m.block_ids("a", "swa"), m.block_ids("a", "full")) == (2, [2], [3, 4, 5])
+    assert pool.free_queue() == [6, 7, 1, 0] and m.group_held_blocks() == {"swa": 1, "full": 3}
+    assert m.usage() == (8, 4, 4, 4 + 12, 4, 0, 0)  # the window's block holds 4 computed tokens
+    # 20 new tokens need 5 blocks in each group: 10 > 4 free, refused with no trace.
+    before = pool.free_queue()
+    assert m.admit("big", list(range(100, 120))) is None and pool.free_queue() == before
+    # 8 new tokens need 2 + 2: the window group takes the unhashed 6, 7, the full group the
+    # window's cached 1 and 0 (least recently freed first): what a window lets go serves the
+    # full group's next request.
+    assert prefill(m, "b", list(range(100, 108))) == 0
+    assert m.block_ids("b", "full") == [1, 0] and m.block_ids("b", "swa") == [7]
+    assert pool.free_queue() == [6] and m.group_held_blocks() == {"swa": 2, "full": 5}
+    # a's first 12 tokens are still a hit: the full group holds 3, 4, 5 and the window group
+    # needs only [9, 12), block 2, though a's blocks 0 and 1 are gone. Each group chains
+    # from a root of its own, so neither finds the other's blocks.
+    assert m.group_hit_points(a + [1]) == {"swa": [0, 12], "full": [0, 4, 8, 12]}
+    assert m.lookup_prefix(a + [1]) == 12
+    m.finish("a")
+    m.finish("b")
+    m.check_integrity()
+    assert pool.num_free == 8
+
+
+def test_a_shared_pool_is_named_right():
+    full = AttentionGroupSpec("full", 4)
+    with pytest.raises(ValueError, match="no pool size"):
+        HybridCacheManager([(full, None)], DESC)
+    with pytest.raises(ValueError, match="no pool size"):
+        HybridCacheManager([(full, None), (RecurrentGroupSpec("r", 4), None)], DESC, shared_blocks=4)
+    with pytest.raises(ValueError, match="no group draws from it"):
+        HybridCacheManager([(full, 4)], DESC, shared_blocks=4)
+    with pytest.raises(ValueError, match="shared_blocks must be positive"):
+        HybridCacheManager([(full, None)], DESC, shared_blocks=0)

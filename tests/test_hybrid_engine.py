@@ -39,6 +39,9 @@ class AttentionOnlyReuse(RecurrentGroup):
     def serves(self, hits, point):
         return True
 
+    def upper_bound(self, hits):
+        return 1 << 62  # bounds nothing: every point is served
+
     def plan_admit(self, hits, root, token_ids, mm_items, point):
         found = [b for b in hits.found[: point // self.interval] if b is not None]
         src = found[-1].block_ids[0] if found else None

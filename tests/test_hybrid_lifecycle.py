@@ -51,11 +51,17 @@ class Lifecycle(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.m = HybridCacheManager(SPECS, CacheDescriptor("prop"))
-        self.content: dict[str, dict[int, tuple[str, tuple[int, ...]]]] = {name: {} for name in self.m.groups}
+        self.m = self._build()
+        # What each slot holds, one dict per pool (groups on a shared pool see each other's
+        # writes; an attention slot names the group that wrote it)
+        by_pool: dict[object, dict[int, tuple]] = {}
+        self.content = {name: by_pool.setdefault(g.pool, {}) for name, g in self.m.groups.items()}
         self.seq: dict[str, list[int]] = {}
         self.tenant: dict[str, str] = {}
         self.next_id = 0
+
+    def _build(self) -> HybridCacheManager:
+        return HybridCacheManager(SPECS, CacheDescriptor("prop"))
 
     # ---- the "runner" ------------------------------------------------------------------
 
@@ -80,7 +86,7 @@ class Lifecycle(RuleBasedStateMachine):
         tenant, seq = self.tenant[rid], self.seq[rid]
         for g in self.m.attention_groups:
             for pos in range(start, end):
-                self.content[g.name][self._slot(rid, g.name, pos)] = (tenant, tuple(seq[: pos + 1]))
+                self.content[g.name][self._slot(rid, g.name, pos)] = (g.name, tenant, tuple(seq[: pos + 1]))
         rec = self.content["rec"]
         live = self.m.state_slot(rid)
         assert rec[live] == (tenant, tuple(seq[:start])), "the state the step starts from"
@@ -201,14 +207,17 @@ class Lifecycle(RuleBasedStateMachine):
             for g in self.m.attention_groups:
                 for pos in range(g.spec.first_needed(n), n):
                     slot = self._slot(rid, g.name, pos)
-                    assert self.content[g.name].get(slot) == (tenant, tuple(seq[: pos + 1])), (rid, g.name, pos)
+                    assert self.content[g.name].get(slot) == (g.name, tenant, tuple(seq[: pos + 1])), (rid, g.name, pos)
             assert rec.get(self.m.state_slot(rid)) == (tenant, tuple(seq[:n])), rid
 
     @invariant()
     def free_counts_add_up(self):
         held = self.m.group_held_blocks()
+        by_pool: dict[object, int] = {}
         for name, g in self.m.groups.items():
-            assert held[name] + g.pool.num_free == g.pool.num_blocks
+            by_pool[g.pool] = by_pool.get(g.pool, 0) + held[name]
+        for pool, num_held in by_pool.items():
+            assert num_held + pool.num_free == pool.num_blocks
 
     def teardown(self):
         for rid in self.m.request_ids:
@@ -244,3 +253,22 @@ ConstantHashLifecycle.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestConstantHashHybridLifecycle = ConstantHashLifecycle.TestCase
+
+
+class SharedPoolLifecycle(Lifecycle):
+    """The window and full groups draw from one pool of 18 blocks (the simulator's layout):
+    a block the window lets go can serve the full group's next step, and a slot's content
+    names the group that wrote it, so a block read by the other group shows up."""
+
+    def _build(self) -> HybridCacheManager:
+        specs = [(AttentionGroupSpec("swa", BS, window=6), None), (AttentionGroupSpec("full", BS), None), SPECS[2]]
+        return HybridCacheManager(specs, CacheDescriptor("prop"), shared_blocks=18)
+
+
+SharedPoolLifecycle.TestCase.settings = settings(
+    max_examples=max(1, int(os.environ.get("KVPOOL_HYPOTHESIS_EXAMPLES", "300")) // 3),
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestSharedPoolHybridLifecycle = SharedPoolLifecycle.TestCase

@@ -19,6 +19,14 @@ they need from its pool, and change nothing unless every group has it (one group
 room: nothing changes in any group). Optional checkpoint slots are taken last, from what
 is left. A release frees every group exactly once.
 
+Pools. Each group has a pool of its own, or the attention groups draw from one shared
+pool (`shared_blocks`; vLLM's hybrid allocator, and what a serving engine does when the
+groups' pages have one byte size): a block that leaves a window goes back to the one
+free queue, where any group's next step can take it, so the pool holds what the requests
+really hold. Each group chains its hashes from a root of its own (the group's name is in
+the root), so a group never finds another group's blocks; the free counts that a
+transaction checks are summed per pool.
+
 Steps are explicit, as for the V4 manager: a reservation covers [num_computed, end) and
 the commit is of exactly those tokens (a recurrent state advances by whole steps).
 
@@ -45,7 +53,7 @@ from kvpool.cache.types import (
     StateRestore,
 )
 from kvpool.cache.window import AttentionGroup, AttentionGroupSpec, AttentionHits
-from kvpool.pool import PrefixBlock
+from kvpool.pool import BlockPool, PrefixBlock
 
 GroupSpec = AttentionGroupSpec | RecurrentGroupSpec
 Group = AttentionGroup | RecurrentGroup
@@ -65,19 +73,26 @@ class _Request:
 
 
 class HybridCacheManager(CacheManager):
-    """groups: (spec, number of blocks or state slots) per group, in layer-map order. All
+    """groups: (spec, number of blocks or state slots) per group, in layer-map order; None
+    for an attention group that draws from the shared pool of `shared_blocks` blocks. All
     attention groups share one block size (one page size; heterogeneous pages are not done)."""
 
     def __init__(
         self,
-        groups: Sequence[tuple[GroupSpec, int]],
+        groups: Sequence[tuple[GroupSpec, int | None]],
         descriptor: CacheDescriptor,
         *,
         enable_prefix_caching: bool = True,
         hash_algo: str = "xxh3_128",
+        shared_blocks: int | None = None,
     ) -> None:
         if not groups:
             raise ValueError("a hybrid cache needs at least one group")
+        shared = None
+        if shared_blocks is not None:
+            if shared_blocks <= 0:
+                raise ValueError(f"shared_blocks must be positive, got {shared_blocks}")
+            shared = BlockPool(shared_blocks, enable_caching=enable_prefix_caching, hash_algo=hash_algo)
         built: dict[str, Group] = {}
         for spec, num in groups:
             cls = GROUP_CLASSES.get(type(spec))
@@ -87,9 +102,19 @@ class HybridCacheManager(CacheManager):
                 )
             if spec.name in built:
                 raise ValueError(f"two groups are named {spec.name!r}")
+            if num is None:
+                if shared is None or not isinstance(spec, AttentionGroupSpec):
+                    raise ValueError(
+                        f"group {spec.name!r} has no pool size: None draws from the shared pool, which only "
+                        f"attention groups can, and only with shared_blocks"
+                    )
+                built[spec.name] = AttentionGroup(spec, shared_blocks or 0, pool=shared)
+                continue
             if num <= 0:
                 raise ValueError(f"group {spec.name!r}: its pool size must be positive, got {num}")
             built[spec.name] = cls(spec, num, enable_caching=enable_prefix_caching, hash_algo=hash_algo)
+        if shared is not None and not any(g.pool is shared for g in built.values()):
+            raise ValueError("shared_blocks is given but no group draws from it (give an attention group None)")
         attention = [g for g in built.values() if isinstance(g, AttentionGroup)]
         sizes = {g.block_size for g in attention}
         if len(sizes) > 1:
@@ -99,6 +124,11 @@ class HybridCacheManager(CacheManager):
         self.groups = built
         self.attention_groups = attention
         self.recurrent_groups = [g for g in built.values() if isinstance(g, RecurrentGroup)]
+        # Each distinct pool once (a dict keeps layer-map order; a BlockPool hashes by identity)
+        self._pools: dict[BlockPool, list[Group]] = {}
+        for g in built.values():
+            self._pools.setdefault(g.pool, []).append(g)
+        self._attention_pools = list(dict.fromkeys(g.pool for g in attention))
         self._caching = enable_prefix_caching
         self.hit_granularity = math.gcd(*(g.granularity for g in built.values()))
 
@@ -110,11 +140,24 @@ class HybridCacheManager(CacheManager):
 
     @property
     def num_blocks(self) -> int:
-        return sum(g.pool.num_blocks for g in self.attention_groups)
+        """Attention blocks of every attention pool (a shared pool once)."""
+        return sum(pool.num_blocks for pool in self._attention_pools)
 
     @property
     def num_free_blocks(self) -> int:
-        return sum(g.pool.num_free for g in self.attention_groups)
+        return sum(pool.num_free for pool in self._attention_pools)
+
+    def is_shared(self, group: str) -> bool:
+        """Whether the group draws from a pool that other groups draw from too."""
+        return len(self._pools[self.groups[group].pool]) > 1
+
+    def _fits(self, needs: dict[str, int]) -> bool:
+        """Whether every pool has the free blocks its groups need together."""
+        total: dict[BlockPool, int] = {}
+        for name, n in needs.items():
+            pool = self.groups[name].pool
+            total[pool] = total.get(pool, 0) + n
+        return all(n <= pool.num_free for pool, n in total.items())
 
     def num_reserved_tokens(self, request_id: str) -> int:
         return self._get(request_id).end
@@ -176,8 +219,22 @@ class HybridCacheManager(CacheManager):
         return CacheUsage(self.num_blocks, self.num_free_blocks, held, filled, bs, num_slots, free_slots)
 
     def group_held_blocks(self) -> dict[str, int]:
-        """Per group, blocks (or slots) that are not free: what the pool really holds."""
-        return {name: g.pool.num_blocks - g.pool.num_free for name, g in self.groups.items()}
+        """Per group, blocks (or slots) that are not free: what the pool really holds. A
+        group on a shared pool: the distinct blocks its requests hold (by invariant 1 the
+        same count, since no block is held by two groups; check_integrity asserts it)."""
+        held = {}
+        for name, g in self.groups.items():
+            if not self.is_shared(name):
+                held[name] = g.pool.num_blocks - g.pool.num_free
+                continue
+            ids: set[int] = set()
+            for req in self._requests.values():
+                state = req.states[name]
+                ids.update(state.block_ids)
+                if state.held_src is not None:
+                    ids.add(state.held_src)
+            held[name] = len(ids)
+        return held
 
     # ---- prefix hits -------------------------------------------------------------------
 
@@ -195,7 +252,8 @@ class HybridCacheManager(CacheManager):
         if descriptor is not None and not isinstance(descriptor, CacheDescriptor):
             raise TypeError(f"descriptor must be a CacheDescriptor, got {type(descriptor).__name__}")
         key = self._descriptor_key if descriptor is None else descriptor.key()
-        roots = {name: g.pool.root(key, tenant_salt) for name, g in self.groups.items()}
+        # The group's name in its root: groups on a shared pool never find each other's blocks
+        roots = {name: g.pool.root(key + b"|group=" + name.encode(), tenant_salt) for name, g in self.groups.items()}
         return _Request(request_id, list(token_ids), items, roots)
 
     def _hits(self, req: _Request) -> dict[str, Any]:
@@ -205,6 +263,8 @@ class HybridCacheManager(CacheManager):
         """The largest point every group serves, leaving one token to compute."""
         g = self.hit_granularity
         point = (num_tokens - 1) // g * g
+        if hits:
+            point = min(point, *(group.upper_bound(hits[name]) // g * g for name, group in self.groups.items()))
         while point > 0 and not all(group.serves(hits[name], point) for name, group in self.groups.items()):
             point -= g
         return point
@@ -250,15 +310,18 @@ class HybridCacheManager(CacheManager):
         n = rest if max_new_tokens is None else min(max_new_tokens, rest)
         end = point + n
         plans: dict[str, Any] = {}
+        needs: dict[str, int] = {}
         for name, g in self.groups.items():
             if isinstance(g, AttentionGroup):
                 plan, need = g.plan_admit(hits.get(name, AttentionHits([], [])), point, end)
             else:
                 plan, need = g.plan_admit(hits.get(name), req.roots[name], req.token_ids, req.mm_items, point)
-            if need > g.pool.num_free:
-                return None
-            plans[name] = plan
-        # Checked in every group; mutate.
+            plans[name], needs[name] = plan, need
+        if not self._fits(needs):
+            return None
+        # Checked in every group; mutate: every group's hit held first, then the allocations
+        for name, g in self.groups.items():
+            g.claim(plans[name])
         for name, g in self.groups.items():
             req.states[name] = g.apply_admit(plans[name], req.roots[name])
         req.num_computed = req.end = point
@@ -314,8 +377,7 @@ class HybridCacheManager(CacheManager):
         req = self._get(request_id)
         self._check_reserve(req, num_new_tokens)
         end = req.num_computed + num_new_tokens
-        needs = self._needs(req, end)
-        if any(needs[name] > self.groups[name].pool.num_free for name in needs):
+        if not self._fits(self._needs(req, end)):
             return None
         return self._apply_reserve(req, end)
 
@@ -330,7 +392,7 @@ class HybridCacheManager(CacheManager):
             self._check_reserve(req, n)
             for name, need in self._needs(req, req.num_computed + n).items():
                 total[name] += need
-        if any(total[name] > g.pool.num_free for name, g in self.groups.items()):
+        if not self._fits(total):
             return False
         for req, n in zip(reqs, num_new_tokens, strict=True):
             self._apply_reserve(req, req.num_computed + n)
@@ -391,7 +453,7 @@ class HybridCacheManager(CacheManager):
     # ---- invariants --------------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        holders = {name: [0] * g.pool.num_blocks for name, g in self.groups.items()}
+        holders = {pool: [0] * pool.num_blocks for pool in self._pools}
         for rid, req in self._requests.items():
             if not 0 <= req.num_computed <= req.end <= len(req.token_ids):
                 raise AssertionError(
@@ -401,6 +463,20 @@ class HybridCacheManager(CacheManager):
             if set(req.states) != set(self.groups):
                 raise AssertionError(f"request {rid!r} has state in groups {sorted(req.states)}")
             for name, g in self.groups.items():
-                g.check_state(rid, req.states[name], req.token_ids, req.num_computed, req.end, holders[name])
-        for name, g in self.groups.items():
-            g.check_holders(holders[name])
+                g.check_state(rid, req.states[name], req.token_ids, req.num_computed, req.end, holders[g.pool])
+        for pool, groups in self._pools.items():
+            groups[0].check_holders(holders[pool])
+            if len(groups) > 1:
+                self._check_owners(groups)
+
+    def _check_owners(self, groups: list[Group]) -> None:
+        """On a shared pool a block is held by the requests of one group only."""
+        owner: dict[int, str] = {}
+        for g in groups:
+            for rid, req in self._requests.items():
+                state = req.states[g.name]
+                for b in [*state.block_ids, *([state.held_src] if state.held_src is not None else [])]:
+                    if owner.setdefault(b, g.name) != g.name:
+                        raise AssertionError(
+                            f"shared pool: block {b} is held by groups {owner[b]!r} and {g.name!r} ({rid!r})"
+                        )

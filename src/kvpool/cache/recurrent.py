@@ -119,6 +119,11 @@ class RecurrentGroup:
             [self.pool.lookup(b) for b in self._chain(root, token_ids, mm_items, len(token_ids) // self.interval)]
         )
 
+    def upper_bound(self, hits: RecurrentHits) -> int:
+        """No point above the last findable checkpoint is served."""
+        found = hits.found
+        return next((i + 1 for i in range(len(found) - 1, -1, -1) if found[i] is not None), 0) * self.interval
+
     def serves(self, hits: RecurrentHits, point: int) -> bool:
         if point == 0:
             return True
@@ -139,9 +144,13 @@ class RecurrentGroup:
         chain = self._chain(root, token_ids, mm_items, point // self.interval) if self.pool.enable_caching else []
         return RecurrentAdmit(src, chain), need
 
-    def apply_admit(self, plan: RecurrentAdmit, root: PrefixBlock) -> RecurrentState:
+    def claim(self, plan: RecurrentAdmit) -> None:
+        """Hold the checkpoint to restore from (before any allocation can reuse it)."""
         if plan.src is not None:
             self.pool.incref((plan.src,))
+
+    def apply_admit(self, plan: RecurrentAdmit, root: PrefixBlock) -> RecurrentState:
+        """After `claim`: the live slot."""
         slots = self.pool.allocate(1)
         assert slots is not None, "the coordinator checked the free count"
         return RecurrentState(root, slots[0], plan.chain, [], plan.src)

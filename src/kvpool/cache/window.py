@@ -95,11 +95,22 @@ class AttentionAdmit:
 
 class AttentionGroup:
     def __init__(
-        self, spec: AttentionGroupSpec, num_blocks: int, *, enable_caching: bool = True, hash_algo: str = "xxh3_128"
+        self,
+        spec: AttentionGroupSpec,
+        num_blocks: int,
+        *,
+        enable_caching: bool = True,
+        hash_algo: str = "xxh3_128",
+        pool: BlockPool | None = None,
     ) -> None:
+        """pool: a pool shared with other attention groups (the coordinator's shared pool;
+        each group's blocks are then its own by their distinct chain roots); default: a pool
+        of `num_blocks` of its own."""
         self.spec = spec
         self.block_size = spec.block_size
-        self.pool = BlockPool(num_blocks, enable_caching=enable_caching, hash_algo=hash_algo)
+        if pool is None:
+            pool = BlockPool(num_blocks, enable_caching=enable_caching, hash_algo=hash_algo)
+        self.pool = pool
         self._pending_copies: list[BlockCopy] = []
 
     @property
@@ -130,6 +141,16 @@ class AttentionGroup:
             parent = hit if hit is not None else block
             chain.append(parent)
         return AttentionHits(found, chain)
+
+    def upper_bound(self, hits: AttentionHits) -> int:
+        """No point above this one is served (full: the leading run of found blocks; window:
+        the end of the last found block). Lets the coordinator skip hopeless points."""
+        found = hits.found
+        if self.spec.window is None:
+            k = next((i for i, b in enumerate(found) if b is None), len(found))
+        else:
+            k = next((i + 1 for i in range(len(found) - 1, -1, -1) if found[i] is not None), 0)
+        return k * self.block_size
 
     def serves(self, hits: AttentionHits, point: int) -> bool:
         """Whether this group can resume a request after `point` cached tokens."""
@@ -162,8 +183,13 @@ class AttentionGroup:
         revived = sum(1 for b in set(hit_ids) if self.pool.refcount(b) == 0)
         return AttentionAdmit(first, hit_ids, num_new, copy_tail, hits.chain[: point // bs]), num_new + revived
 
-    def apply_admit(self, plan: AttentionAdmit, root: PrefixBlock) -> AttentionState:
+    def claim(self, plan: AttentionAdmit) -> None:
+        """Hold the hit's blocks. The coordinator claims every group's hits before any group
+        allocates, so that an allocation on a shared pool cannot evict another group's hit."""
         self.pool.incref(plan.hit_ids)
+
+    def apply_admit(self, plan: AttentionAdmit, root: PrefixBlock) -> AttentionState:
+        """After `claim`: the fresh blocks."""
         new = self.pool.allocate(plan.num_new)
         assert new is not None, "the coordinator checked the free count"
         state = AttentionState(root, plan.first, list(plan.hit_ids), list(plan.chain))
