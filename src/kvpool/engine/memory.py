@@ -145,7 +145,7 @@ def measure(runner, runtime_bytes: int, tokenizer_bytes: int) -> MeasuredLedger:
             "weights": {"model": runner.model.weight_bytes()},
             "kv_pool": {
                 "data": storage.num_bytes - getattr(storage, "scale_bytes", 0),
-                "quant_scales": getattr(storage, "scale_bytes", 0),  # int8 / fp8: one fp32 per token and KV head
+                "quant_scales": getattr(storage, "scale_bytes", 0),  # scales and zero points (spec/kv_formats.py)
                 "block_tables": peaks.step_tables,
                 "bookkeeping": on_host["bookkeeping"],
                 "host_tier": on_host["host_tier"],  # the host tier's peak (its blocks; in host memory on CUDA)
@@ -156,6 +156,9 @@ def measure(runner, runtime_bytes: int, tokenizer_bytes: int) -> MeasuredLedger:
                 "sampler": on_host["sampler"],
                 # a quantized pool's dequantization scratch: one layer of the pool, compute dtype
                 **({"kv_dequant": storage.scratch_bytes} if hasattr(storage, "scratch_bytes") else {}),
+                # block-scaled / KIVI formats: the full-precision tails of blocks not yet whole
+                # (their tensor only grows, so its size now is its peak)
+                **({"kv_tails": storage.tail_bytes} if getattr(storage, "tail_bytes", 0) else {}),
             },
             "transient": {"cow_staging": peaks.cow_staging, "chunked_prefill": peaks.chunked_prefill},
             "runtime": {

@@ -325,7 +325,7 @@ class QuantizedKVStorage:
             return slot
         if not self._free_tails:
             old = self.tail_k.shape[1]
-            grow = max(4, old)
+            grow = max(1, old)  # doubling
             for name in ("tail_k", "tail_v"):
                 t = getattr(self, name)
                 more = t.new_zeros(t.shape[0], grow, *t.shape[2:])
