@@ -61,6 +61,10 @@ Group = AttentionGroup | RecurrentGroup
 GROUP_CLASSES: dict[type, type] = {AttentionGroupSpec: AttentionGroup, RecurrentGroupSpec: RecurrentGroup}
 
 
+def _is_full(group: Group) -> bool:
+    return isinstance(group, AttentionGroup) and group.spec.window is None
+
+
 @dataclass(slots=True)
 class _Request:
     request_id: str
@@ -256,8 +260,19 @@ class HybridCacheManager(CacheManager):
         roots = {name: g.pool.root(key + b"|group=" + name.encode(), tenant_salt) for name, g in self.groups.items()}
         return _Request(request_id, list(token_ids), items, roots)
 
-    def _hits(self, req: _Request) -> dict[str, Any]:
-        return {name: g.hits(req.roots[name], req.token_ids, req.mm_items) for name, g in self.groups.items()}
+    def _hits(self, req: _Request, bounded: bool = True) -> dict[str, Any]:
+        """Each group's hits. bounded: full-attention groups first, and the others look no
+        further than the smallest bound so far (a cold prompt then costs a block's hash per
+        group, not the whole prompt's: the simulator retries a waiting admission every step)."""
+        order = sorted(self.groups.items(), key=lambda item: not _is_full(item[1]))
+        limit: int | None = None
+        hits = {}
+        for name, g in order:
+            hits[name] = g.hits(req.roots[name], req.token_ids, req.mm_items, limit)
+            if bounded:
+                bound = g.upper_bound(hits[name])
+                limit = bound if limit is None else min(limit, bound)
+        return hits
 
     def hit_point(self, hits: dict[str, Any], num_tokens: int) -> int:
         """The largest point every group serves, leaving one token to compute."""
@@ -272,7 +287,7 @@ class HybridCacheManager(CacheManager):
     def group_hit_points(self, token_ids: Sequence[int], *, tenant_salt: str = "") -> dict[str, list[int]]:
         """Per group, every point it alone could serve (for reports and tests). Changes nothing."""
         req = self._new_request("<lookup>", token_ids, tenant_salt, (), None)
-        hits = self._hits(req)
+        hits = self._hits(req, bounded=False)
         g = self.hit_granularity
         points = range(0, (len(token_ids) - 1) // g * g + 1, g)
         return {name: [p for p in points if group.serves(hits[name], p)] for name, group in self.groups.items()}

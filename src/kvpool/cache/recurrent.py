@@ -112,12 +112,15 @@ class RecurrentGroup:
 
     # ---- prefix hits -------------------------------------------------------------------
 
-    def hits(self, root: PrefixBlock, token_ids: list[int], mm_items: tuple[MMItem, ...]) -> RecurrentHits:
+    def hits(
+        self, root: PrefixBlock, token_ids: list[int], mm_items: tuple[MMItem, ...], limit: int | None = None
+    ) -> RecurrentHits:
+        """The checkpoint of each C-chunk boundary, up to `limit` tokens (another group's
+        upper bound on the hit) when given. Changes nothing."""
         if not self.pool.enable_caching:
             return RecurrentHits([])
-        return RecurrentHits(
-            [self.pool.lookup(b) for b in self._chain(root, token_ids, mm_items, len(token_ids) // self.interval)]
-        )
+        n = len(token_ids) if limit is None else min(len(token_ids), limit)
+        return RecurrentHits([self.pool.lookup(b) for b in self._chain(root, token_ids, mm_items, n // self.interval)])
 
     def upper_bound(self, hits: RecurrentHits) -> int:
         """No point above the last findable checkpoint is served."""

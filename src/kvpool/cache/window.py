@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from kvpool.cache.base import mm_extra_key
 from kvpool.cache.types import BlockCopy, MMItem
 from kvpool.pool import BlockPool, PrefixBlock
-from kvpool.pool.hashing import token_bytes
+from kvpool.pool.hashing import TOKEN_BYTES, token_bytes
 
 
 @dataclass(frozen=True)
@@ -111,11 +111,8 @@ class AttentionGroup:
         if pool is None:
             pool = BlockPool(num_blocks, enable_caching=enable_caching, hash_algo=hash_algo)
         self.pool = pool
+        self.name = spec.name  # an attribute, not a property: read per request per step
         self._pending_copies: list[BlockCopy] = []
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
 
     @property
     def granularity(self) -> int:
@@ -126,17 +123,26 @@ class AttentionGroup:
     def _extra(self, mm_items: tuple[MMItem, ...], index: int) -> bytes:
         return mm_extra_key(mm_items, self.block_size, index) if mm_items else b""
 
-    def hits(self, root: PrefixBlock, token_ids: list[int], mm_items: tuple[MMItem, ...]) -> AttentionHits:
-        """Each full block of the prompt, looked up on its own. Changes nothing."""
+    def hits(
+        self, root: PrefixBlock, token_ids: list[int], mm_items: tuple[MMItem, ...], limit: int | None = None
+    ) -> AttentionHits:
+        """Each full block of the prompt, looked up on its own, as far as a hit point can
+        reach: up to the first miss for full attention (a point needs every block before
+        it), up to `limit` tokens (another group's upper bound) for a window. Changes nothing."""
         bs = self.block_size
         found: list[PrefixBlock | None] = []
         chain: list[PrefixBlock] = []
         if not self.pool.enable_caching:
             return AttentionHits(found, chain)
+        num = len(token_ids) // bs if limit is None else min(len(token_ids) // bs, -(-limit // bs))
+        full = self.spec.window is None
+        data, width = token_bytes(token_ids[: num * bs]), bs * TOKEN_BYTES  # packed once, sliced per block
         parent = root
-        for k in range(len(token_ids) // bs):
-            block = self.pool.chain(parent, token_bytes(token_ids[k * bs : (k + 1) * bs]), self._extra(mm_items, k))
+        for k in range(num):
+            block = self.pool.chain(parent, data[k * width : (k + 1) * width], self._extra(mm_items, k))
             hit = self.pool.lookup(block)
+            if hit is None and full:
+                break
             found.append(hit)
             parent = hit if hit is not None else block
             chain.append(parent)
@@ -219,6 +225,8 @@ class AttentionGroup:
     def apply_reserve(self, state: AttentionState, num_computed: int, end: int) -> tuple[list[int], list[BlockCopy]]:
         copy = self._tail_copy_needed(state, num_computed, end)
         num_new = max(0, -(-end // self.block_size) - state.first - len(state.block_ids))
+        if not num_new and not copy:
+            return [], []  # the common decode step: the table has room
         new = self.pool.allocate(num_new + copy)
         assert new is not None, "the coordinator checked the free count"
         copies: list[BlockCopy] = []
@@ -239,10 +247,13 @@ class AttentionGroup:
         release the blocks that left the window (tail-first) and a held copy source."""
         bs = self.block_size
         pool = self.pool
-        if pool.enable_caching:
+        k0, k1 = len(state.chain), num_computed // bs
+        if pool.enable_caching and k1 > k0:  # (most decode steps complete no block)
             parent = state.chain[-1] if state.chain else state.root
-            for k in range(len(state.chain), num_computed // bs):
-                block = pool.chain(parent, token_bytes(token_ids[k * bs : (k + 1) * bs]), self._extra(mm_items, k))
+            data, width = token_bytes(token_ids[k0 * bs : k1 * bs]), bs * TOKEN_BYTES  # packed once
+            for k in range(k0, k1):
+                chunk = data[(k - k0) * width : (k - k0 + 1) * width]
+                block = pool.chain(parent, chunk, self._extra(mm_items, k))
                 published = pool.register(
                     state.block_ids[k - state.first], block, orphan_ok=self.spec.window is not None
                 )

@@ -113,7 +113,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=_range, default=(64, 512), help="uniform: output tokens LO:HI")
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument(
-        "--layout", type=comma_choices(LAYOUTS), default=None, help="paged, contiguous, dual (V4); a list compares"
+        "--layout",
+        type=comma_choices(LAYOUTS),
+        default=None,
+        help="paged, contiguous, dual (V4), hybrid (sliding windows); a list compares",
     )
     parser.add_argument(
         "--block-size",

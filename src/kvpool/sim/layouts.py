@@ -15,14 +15,23 @@ planner's KV pool (`kvpool plan`'s ledger) for one replica:
               `max_num_seqs` of them, carved out of the pool first. A prefix hit rebuilds
               the state by recompute (replaying the last n_win x layers tokens) or, with
               `v4_restore="checkpoint"`, from one of `num_checkpoints` state snapshots
-              taken at block boundaries (state blocks too, out of the same pool).
+              taken at block boundaries (state blocks too, out of the same pool);
+  hybrid      models with sliding-window layers (Gemma-2, gpt-oss): the hybrid coordinator
+              (HybridCacheManager) with a full-attention group and a window group per
+              window, all drawing from one shared pool of pages of one byte size, so a
+              window group holds about W tokens of a long request (its blocks leave as the
+              request advances and go back to the one free queue) while a full group
+              holds the whole context. One page size needs groups with equal layer counts:
+              each kind's layers are split into groups of g layers, g the gcd of the kinds'
+              counts (Gemma-2-9B: 21 full + 21 window; gpt-oss-120b: 18 + 18).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from kvpool.cache import CacheDescriptor, DSV4CacheManager, FullAttentionManager
+from kvpool.cache import AttentionGroupSpec, CacheDescriptor, DSV4CacheManager, FullAttentionManager, HybridCacheManager
 from kvpool.capacity.planner import Plan
 from kvpool.sim.routing import LAYOUTS
 from kvpool.spec import dsv4 as dsv4_spec
@@ -31,14 +40,17 @@ from kvpool.spec import dsv4 as dsv4_spec
 @dataclass
 class BuiltLayout:
     name: str
-    manager: FullAttentionManager | DSV4CacheManager
+    manager: FullAttentionManager | DSV4CacheManager | HybridCacheManager
     block_bytes: int  # bytes of one block (contiguous: one request's reservation)
     state_block_bytes: int  # V4 dual: one state block; else 0
     pool_bytes: int  # the replica's KV pool (per GPU of its TP group)
 
 
 def default_layout(plan: Plan) -> str:
-    return "dual" if plan.model.attention == "dsv4" else "paged"
+    """dual for V4, hybrid for a model with sliding-window layers, else paged."""
+    if plan.model.attention == "dsv4":
+        return "dual"
+    return "hybrid" if any(g.window is not None for g in plan.layout.groups) else "paged"
 
 
 def build_layout(
@@ -96,6 +108,8 @@ def build_layout(
             num_checkpoints=num_checkpoints,
         )
         return BuiltLayout(name, manager, block, state, pool)
+    if name == "hybrid":
+        return _hybrid(plan, pool, descriptor, enable_prefix_caching)
     if name == "contiguous":
         block = int(layout.request_bytes(max_model_len))
         num_slots = pool // block
@@ -119,3 +133,32 @@ def build_layout(
         fits if num_blocks is None else num_blocks, q, descriptor, enable_prefix_caching=enable_prefix_caching
     )
     return BuiltLayout(name, manager, block, 0, pool)
+
+
+def _hybrid(plan: Plan, pool: int, descriptor: CacheDescriptor, enable_prefix_caching: bool) -> BuiltLayout:
+    """The coordinator over one shared pool: per page group of the planner's layout, groups of
+    g layers (g = gcd of the layer counts), so that every group's page has one byte size."""
+    groups = plan.layout.groups
+    if not any(g.window is not None for g in groups):
+        raise ValueError(
+            f"layout 'hybrid' is for models with sliding-window layers; {plan.model.name} has none (use paged)"
+        )
+    per_layer = {g.block_bytes_per_layer for g in groups}
+    if len(per_layer) != 1 or any(g.tokens_per_entry != 1 for g in groups):
+        raise ValueError(
+            f"layout 'hybrid' needs one block geometry per layer; {plan.model.name} has {sorted(per_layer)}"
+        )
+    num_layers = math.gcd(*(g.num_layers for g in groups))
+    page = num_layers * per_layer.pop()
+    num_blocks = pool // page
+    if num_blocks <= 0:
+        raise ValueError(f"a pool of {pool:,} bytes holds no page of {page:,} bytes")
+    specs: list[tuple[AttentionGroupSpec, int | None]] = []
+    for g in groups:
+        count = g.num_layers // num_layers
+        for i in range(count):
+            specs.append((AttentionGroupSpec(g.name if count == 1 else f"{g.name}.{i}", g.block_size, g.window), None))
+    manager = HybridCacheManager(
+        specs, descriptor, enable_prefix_caching=enable_prefix_caching, shared_blocks=num_blocks
+    )
+    return BuiltLayout("hybrid", manager, page, 0, pool)

@@ -38,6 +38,17 @@ def _latency_keys(records) -> dict[str, float]:
     return out
 
 
+def _group_blocks_per_request(replicas) -> dict[str, float]:
+    """Hybrid layout: per group, the blocks a running sequence holds on average, over the
+    samples with sequences running (a window group: about window / block_size + 1 for a
+    decoding sequence; a full group: its context / block_size). {} for other layouts."""
+    samples = [(n, held) for rep in replicas for n, held in rep.group_samples if n]
+    if not samples:
+        return {}
+    names = samples[0][1]
+    return {name: round(sum(held[name] / n for n, held in samples) / len(samples), 2) for name in names}
+
+
 def build_report(
     model: ModelSpec,
     gpu: GPUSpec,
@@ -121,6 +132,9 @@ def build_report(
         "cost_model": describe_cost(cost),
         "per_replica": per_replica,
     }
+    groups = _group_blocks_per_request(replicas)
+    if groups:
+        report["group_blocks_per_request"] = groups
     # series for the plots (not printed in the table)
     report["_series"] = {
         "ttft_ms": sorted(r.ttft_s * 1e3 for r in records if r.ttft_s is not None),

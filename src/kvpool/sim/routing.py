@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 ROUTINGS: tuple[str, ...] = ("round-robin", "least-loaded", "prefix-aware")
 # the layouts a replica can hold (sim/layouts.py builds them); named here, where nothing is
 # imported, so that the CLI's parser does not load the cache managers
-LAYOUTS: tuple[str, ...] = ("paged", "contiguous", "dual")
+LAYOUTS: tuple[str, ...] = ("paged", "contiguous", "dual", "hybrid")
 
 
 class Router:

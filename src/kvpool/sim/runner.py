@@ -1,7 +1,8 @@
 """A ModelRunner without tensors: the real cache manager, a cost model for the forward.
 
 `SimRunner` holds the manager the engine would hold (FullAttentionManager for GQA / MLA
-and for the uniform layouts, DSV4CacheManager for V4's dual pool) and makes every cache
+and for the uniform layouts, DSV4CacheManager for V4's dual pool, HybridCacheManager for
+models with sliding-window layers) and makes every cache
 call the engine's runners make, in the same order: admission with prefix lookup,
 reservations, copy-on-write, preemption, release. `execute` does no arithmetic: it prices
 the step with the cost model (`sim/cost.py`), advances the virtual clock by that time, and
@@ -21,7 +22,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvpool.cache import Admission, CacheUsage, DSV4CacheManager, FullAttentionManager, ReleaseReason
+from kvpool.cache import (
+    Admission,
+    CacheUsage,
+    DSV4CacheManager,
+    FullAttentionManager,
+    HybridCacheManager,
+    ReleaseReason,
+)
 from kvpool.engine.runner import ScheduledChunk
 from kvpool.engine.sampling import SamplingParams
 from kvpool.sim.tokens import stream_key, token_at
@@ -40,11 +48,12 @@ class VirtualClock:
 class SimRunner:
     """The engine's ModelRunner protocol on a cache manager and a cost model.
 
-    kind: "full" (FullAttentionManager: paged or contiguous blocks) or "dual" (V4)."""
+    kind: "full" (FullAttentionManager: paged or contiguous blocks), "dual" (V4) or
+    hybrid (the coordinator over full and window groups on one shared pool)."""
 
     def __init__(
         self,
-        manager: FullAttentionManager | DSV4CacheManager,
+        manager: FullAttentionManager | DSV4CacheManager | HybridCacheManager,
         *,
         step_time: Callable[[Sequence[tuple[int, int]], int], float],
         kv_read_bytes: Callable[[int], int],
@@ -57,6 +66,7 @@ class SimRunner:
         """step_time((num_new_tokens, context_len) per chunk, extra bytes moved) -> seconds."""
         self.manager = manager
         self.dual = isinstance(manager, DSV4CacheManager)
+        self.hybrid = isinstance(manager, HybridCacheManager)
         self.block_size = manager.span if self.dual else manager.block_size
         self.step_time = step_time
         self._kv_read_bytes = kv_read_bytes
@@ -67,6 +77,8 @@ class SimRunner:
         if self.dual:
             # the unfinished span lives in the state block (engine/dsv4_runner.py)
             self.capacity_tokens = manager.num_blocks * self.block_size + self.block_size - 1
+        elif self.hybrid:
+            self.capacity_tokens = _hybrid_capacity(manager, max_model_len)
         else:
             self.capacity_tokens = manager.num_blocks * self.block_size
         self.max_model_len = min(max_model_len, self.capacity_tokens)
@@ -152,7 +164,11 @@ class SimRunner:
             self._restores = 0
             self.num_checkpoint_copies += copies
             moved = 2 * copies * self.state_block_bytes
-        if not self.dual:
+        if self.hybrid:
+            copies = [c for cs in self.manager.take_copies().values() for c in cs]
+            self.num_copied_blocks += len(copies)
+            moved = 2 * len(copies) * self.block_bytes
+        elif not self.dual:
             copies = self.manager.take_copies()
             self.num_copied_blocks += len(copies)
             moved = 2 * len(copies) * self.block_bytes  # read the source, write the copy
@@ -179,6 +195,11 @@ class SimRunner:
         """Blocks some request holds now (O(1): the pool's free count)."""
         return self.manager.num_blocks - self.manager.num_free_blocks
 
+    def group_held_blocks(self) -> dict[str, int]:
+        """Hybrid: blocks each group's requests hold now (walks them: a sample, not every
+        step); {} for the other layouts."""
+        return self.manager.group_held_blocks() if self.hybrid else {}
+
     def cache_stats(self) -> dict[str, float]:
         m = self.manager
         state_blocks = m.num_state_blocks if self.dual else 0
@@ -197,3 +218,16 @@ class SimRunner:
             "copied_blocks": self.num_copied_blocks,
             "checkpoint_copies": self.num_checkpoint_copies,
         }
+
+
+def _hybrid_capacity(manager: HybridCacheManager, max_model_len: int) -> int:
+    """The longest sequence one replica's shared pool holds alone: each window group keeps
+    the blocks of its window (one more when unaligned, one for the step's next position),
+    each full group the whole sequence. Without a full group: max_model_len."""
+    bs = manager.block_size
+    full = [g for g in manager.attention_groups if g.spec.window is None]
+    windows = [g.spec.window for g in manager.attention_groups if g.spec.window is not None]
+    left = manager.num_blocks - sum(-(-w // bs) + 2 for w in windows)
+    if not full:
+        return max_model_len if left >= 0 else 0
+    return max(0, left // len(full)) * bs

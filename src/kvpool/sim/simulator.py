@@ -112,6 +112,8 @@ class Replica:
     occupancy: list[tuple[float, float]] = field(default_factory=list)  # (t, used blocks / blocks)
     _every: int = 1
     frag_samples: list[float] = field(default_factory=list)
+    # hybrid: (running sequences, blocks each group holds), sampled with the fragmentation
+    group_samples: list[tuple[int, dict[str, int]]] = field(default_factory=list)
 
     @property
     def load(self) -> int:
@@ -128,6 +130,8 @@ class Replica:
                 self._every *= 2
         if step % 256 == 1:  # usage() walks the blocks held: a sample, not every step (from the first)
             self.frag_samples.append(self.runner.usage().fragmentation)
+            if self.runner.hybrid:
+                self.group_samples.append((len(self.engine.running), self.runner.group_held_blocks()))
 
 
 def plan_replica(model: ModelSpec, gpu: GPUSpec, config: SimConfig) -> Plan:
