@@ -32,6 +32,8 @@ import argparse
 import json
 import math
 
+from kvpool.cli.args import positive_int
+
 DTYPES = ("fp64", "fp32")
 
 
@@ -103,6 +105,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="max abs logit difference to pass; overrides the dtype's bound",
     )
+    add_cp_arguments(sub)
+
+
+def add_cp_arguments(sub) -> None:
+    cp = sub.add_parser(
+        "cp",
+        help="context-parallel decode attention over torch.distributed against one rank (under torchrun)",
+        description=(
+            "Context-parallel decode attention (kvpool.verify.context_parallel): each rank holds a share of every "
+            "sequence's blocks; run under torchrun --nproc-per-node R -m kvpool verify cp. Rank 0 prints the result."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    cp.add_argument("--context", type=positive_int, default=32768, help="tokens of each random sequence")
+    cp.add_argument("--batch", type=positive_int, default=4, help="random decode sequences")
+    cp.add_argument("--block-size", type=positive_int, default=16)
+    cp.add_argument("--smollm2-prompt", type=int, default=1024, help="prompt tokens of the SmolLM2 check (0: skip it)")
+    cp.add_argument("--steps", type=positive_int, default=16, help="greedy tokens of the SmolLM2 check")
+    cp.add_argument("--seed", type=int, default=0)
+    cp.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run_cp(args: argparse.Namespace) -> int:
+    """`kvpool verify cp` (every rank runs it; rank 0 prints): 1 if a check fails."""
+    import json
+
+    from kvpool.verify.context_parallel import run_all
+
+    if args.smollm2_prompt < 0:
+        raise ValueError(f"--smollm2-prompt must be >= 0, got {args.smollm2_prompt}")
+    results = run_all(args.context, args.batch, args.block_size, args.smollm2_prompt, args.steps, args.seed)
+    if results is None:
+        return 0  # not rank 0: rank 0 reports
+    ok = all(r["passed"] for r in results)
+    if args.json:
+        print(json.dumps({"passed": ok, "checks": results}))
+    else:
+        for r in results:
+            mark = "ok  " if r["passed"] else "FAIL"
+            figures = ", ".join(f"{k} {v}" for k, v in r.items() if k not in ("check", "passed"))
+            print(f"{mark} {r['check']}: {figures}")
+    return 0 if ok else 1
 
 
 def run_hybrid(args: argparse.Namespace) -> int:
@@ -149,6 +193,8 @@ def _number(x: float | None) -> float | None:
 def run(args: argparse.Namespace) -> int:
     if args.target == "hybrid":
         return run_hybrid(args)
+    if args.target == "cp":
+        return run_cp(args)
     import torch
 
     from kvpool.verify.dsv4 import Verifier
