@@ -282,3 +282,48 @@ def test_a_shared_pool_is_named_right():
         HybridCacheManager([(full, 4)], DESC, shared_blocks=4)
     with pytest.raises(ValueError, match="shared_blocks must be positive"):
         HybridCacheManager([(full, None)], DESC, shared_blocks=0)
+
+
+def test_a_follow_up_turn_hits_at_the_previous_turn_end_off_the_checkpoint_grid():
+    # Blocks of 4, a checkpoint every 8 tokens; turn ends kept. Turn 1: a 10-token prompt
+    # and 3 answer tokens; at its finish 12 tokens are computed (the last answer token is
+    # not), and 12 is no multiple of 8.
+    m = HybridCacheManager(
+        [(AttentionGroupSpec("full", 4), 8), (RecurrentGroupSpec("r", 8), 4)], DESC, turn_end_checkpoints=True
+    )
+    turn1 = list(range(10))
+    assert prefill(m, "t1", turn1) == 0
+    assert m.state_slot("t1") == 0 and m.groups["r"].pool.block_hash(1) is not None  # checkpoint of 8 in slot 1
+    for tok in (50, 51):
+        decode(m, "t1", tok)
+    m.append_token_ids("t1", [52])
+    assert m.num_computed_tokens("t1") == 12
+    history = turn1 + [50, 51, 52]
+    # Without the turn end the follow-up could hit only at 8, the last checkpoint.
+    assert m.group_hit_points(history + [7, 7]) == {"full": [0, 4, 8, 12], "r": [0, 8]}
+    assert m.finish("t1")
+    m.check_integrity()
+    # The live slot 0 (the state after 12 tokens) is kept as the turn-end checkpoint.
+    assert m.groups["r"].pool.is_free_cached(0) and m.groups["r"].pool.free_queue() == [2, 3, 1, 0]
+    assert m.group_hit_points(history + [7, 7]) == {"full": [0, 4, 8, 12], "r": [0, 8, 12]}
+    admission = m.admit("t2", history + [7, 7])
+    m.check_integrity()
+    # Hit 12: blocks 0, 1, 2 shared (12 is a block end), the state restored from slot 0 into
+    # slot 2, the first unhashed slot.
+    assert admission.num_cached_tokens == 12 and admission.restore == StateRestore(2, "checkpoint", 0)
+    assert admission.block_ids == (0, 1, 2, 3)  # block 3 ([12, 16)) fresh: t1 never filled it
+    m.commit("t2", admission.num_scheduled_tokens)
+    m.check_integrity()
+    # An explicit turn end mid-request: 15 computed, a fresh slot filed at 15 and held until
+    # the next commit; a second mark at the same point takes nothing.
+    assert m.mark_turn_end("t2") == {"r": 3}
+    assert m.groups["r"].pool.refcount(3) == 1 and m.mark_turn_end("t2") == {}
+    m.check_integrity()
+    decode(m, "t2", 9)
+    assert m.groups["r"].pool.is_free_cached(3)
+    # The recurrent group serves 15 and 16 (the decode step's grid checkpoint, in slot 1: the
+    # checkpoint of 8, least recently used, was evicted for it). The
+    # attention group serves 15 only from a cached block [12, 16) with the same 4 tokens:
+    # a turn end inside a block is a hit for a prompt that shares that whole block.
+    assert m.group_hit_points(history + [7, 7, 9, 1])["r"] == [0, 12, 15, 16]
+    assert m.group_hit_points(history + [7, 7, 5, 1]) == {"full": [0, 4, 8, 12], "r": [0, 12, 15]}

@@ -61,7 +61,8 @@ class Lifecycle(RuleBasedStateMachine):
         self.next_id = 0
 
     def _build(self) -> HybridCacheManager:
-        return HybridCacheManager(SPECS, CacheDescriptor("prop"))
+        # turn ends on: a finish files the live state, `mark_turn_end` a copy of it
+        return HybridCacheManager(SPECS, CacheDescriptor("prop"), turn_end_checkpoints=True)
 
     # ---- the "runner" ------------------------------------------------------------------
 
@@ -185,6 +186,15 @@ class Lifecycle(RuleBasedStateMachine):
         rec[self.m.state_slot(child)] = rec[self.m.state_slot(parent)]
         return child
 
+    @rule(rid=requests)
+    def mark_turn_end(self, rid):
+        """The runner copies the live state into each slot the call hands out."""
+        if rid not in self.m:
+            return
+        rec = self.content["rec"]
+        for slot in self.m.mark_turn_end(rid).values():
+            rec[slot] = rec[self.m.state_slot(rid)]
+
     @rule(rid=consumes(requests), how=st.sampled_from(["finish", "cancel", "preempt"]))
     def release(self, rid, how):
         live = rid in self.m
@@ -262,7 +272,7 @@ class SharedPoolLifecycle(Lifecycle):
 
     def _build(self) -> HybridCacheManager:
         specs = [(AttentionGroupSpec("swa", BS, window=6), None), (AttentionGroupSpec("full", BS), None), SPECS[2]]
-        return HybridCacheManager(specs, CacheDescriptor("prop"), shared_blocks=18)
+        return HybridCacheManager(specs, CacheDescriptor("prop"), shared_blocks=18, turn_end_checkpoints=True)
 
 
 SharedPoolLifecycle.TestCase.settings = settings(

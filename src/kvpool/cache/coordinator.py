@@ -49,6 +49,7 @@ from kvpool.cache.types import (
     CacheDescriptor,
     CacheUsage,
     MMItem,
+    ReleaseReason,
     Reservation,
     StateRestore,
 )
@@ -89,6 +90,7 @@ class HybridCacheManager(CacheManager):
         enable_prefix_caching: bool = True,
         hash_algo: str = "xxh3_128",
         shared_blocks: int | None = None,
+        turn_end_checkpoints: bool = False,
     ) -> None:
         if not groups:
             raise ValueError("a hybrid cache needs at least one group")
@@ -134,6 +136,7 @@ class HybridCacheManager(CacheManager):
             self._pools.setdefault(g.pool, []).append(g)
         self._attention_pools = list(dict.fromkeys(g.pool for g in attention))
         self._caching = enable_prefix_caching
+        self.turn_end_checkpoints = turn_end_checkpoints
         self.hit_granularity = math.gcd(*(g.granularity for g in built.values()))
 
     # ---- queries -----------------------------------------------------------------------
@@ -275,21 +278,39 @@ class HybridCacheManager(CacheManager):
         return hits
 
     def hit_point(self, hits: dict[str, Any], num_tokens: int) -> int:
-        """The largest point every group serves, leaving one token to compute."""
+        """The largest point every group serves, leaving one token to compute: candidates are
+        the multiples of the hit granularity and the points off that grid some group offers
+        (a recurrent group's turn ends)."""
         g = self.hit_granularity
-        point = (num_tokens - 1) // g * g
+        top = num_tokens - 1
         if hits:
-            point = min(point, *(group.upper_bound(hits[name]) // g * g for name, group in self.groups.items()))
-        while point > 0 and not all(group.serves(hits[name], point) for name, group in self.groups.items()):
+            top = min(top, *(group.upper_bound(hits[name]) for name, group in self.groups.items()))
+        extras = sorted(
+            {p for name, group in self.groups.items() if hits for p in group.extra_points(hits[name]) if 0 < p <= top},
+            reverse=True,
+        )
+
+        def served(p: int) -> bool:
+            return all(group.serves(hits[name], p) for name, group in self.groups.items())
+
+        point, i = top // g * g, 0
+        while point > 0:
+            while i < len(extras) and extras[i] > point:
+                if served(extras[i]):
+                    return extras[i]
+                i += 1
+            if served(point):
+                return point
             point -= g
-        return point
+        return next((p for p in extras[i:] if p > 0 and served(p)), 0)
 
     def group_hit_points(self, token_ids: Sequence[int], *, tenant_salt: str = "") -> dict[str, list[int]]:
         """Per group, every point it alone could serve (for reports and tests). Changes nothing."""
         req = self._new_request("<lookup>", token_ids, tenant_salt, (), None)
         hits = self._hits(req, bounded=False)
         g = self.hit_granularity
-        points = range(0, (len(token_ids) - 1) // g * g + 1, g)
+        extras = {p for name, group in self.groups.items() for p in group.extra_points(hits[name])}
+        points = sorted({*range(0, (len(token_ids) - 1) // g * g + 1, g), *(p for p in extras if p < len(token_ids))})
         return {name: [p for p in points if group.serves(hits[name], p)] for name, group in self.groups.items()}
 
     def lookup_prefix(
@@ -456,6 +477,31 @@ class HybridCacheManager(CacheManager):
             child.states[name] = g.fork(parent.states[name])
         self._requests[child_id] = child
         return True
+
+    def mark_turn_end(self, request_id: str) -> dict[str, int]:
+        """A turn ends here: per recurrent group, a slot to copy the live state into now (the
+        state after the computed tokens), filed as a checkpoint that a follow-up turn extending
+        this conversation hits, on the C grid or not. Groups with nothing to take (a
+        checkpoint there already, no free slot) are left out. No step may be pending."""
+        req = self._get(request_id)
+        if req.end != req.num_computed:
+            raise ValueError(f"request {request_id!r} has an uncommitted step; mark the turn end after commit")
+        slots = {}
+        for g in self.recurrent_groups:
+            slot = g.mark_turn_end(req.states[g.name], req.token_ids, req.mm_items, req.num_computed)
+            if slot is not None:
+                slots[g.name] = slot
+        return slots
+
+    def release(self, request_id: str, reason: ReleaseReason = "finish") -> bool:
+        """As the contract says; a finish (no step pending) also keeps each recurrent group's
+        live state as the turn-end checkpoint of the request's computed tokens (the live slot
+        holds that state: nothing to copy), when `turn_end_checkpoints` is on."""
+        req = self._requests.get(request_id)
+        if reason == "finish" and self.turn_end_checkpoints and req is not None and req.end == req.num_computed:
+            for g in self.recurrent_groups:
+                g.keep_turn_end(req.states[g.name], req.token_ids, req.mm_items, req.num_computed)
+        return super().release(request_id, reason)
 
     def _release(self, request_id: str) -> bool:
         req = self._requests.pop(request_id, None)

@@ -22,6 +22,15 @@ runner snapshots the state after position b - 1 into it; the commit publishes it
 prefix chain runs over C-token chunks and each checkpoint is looked up on its own
 (`BlockPool.lookup`), so a checkpoint stays findable when earlier ones were evicted.
 
+Turn ends. A conversation's next turn extends the previous turn's prompt and answer, whose
+end T is rarely a multiple of C. At a turn end (the request finishes, or
+`mark_turn_end`) the group keeps a checkpoint of S_T too, hashed as the chain of T's full
+C-chunks followed by the partial chunk [T // C * C, T) with a "turn" key. A side index
+keyed by that chunk parent's hash lists the turn ends after it, so `hits` probes only the
+turn ends recorded under the prompt's own chunks (each verified by the pool's content
+guard). At a finish the live slot itself becomes the checkpoint (it holds S_T: no copy);
+`mark_turn_end` takes a fresh slot that the runner fills from the live state at once.
+
 A hit at P restores from the checkpoint of P: the request gets a fresh live slot, the
 runner copies the checkpoint into it, and the checkpoint stays held until the request's
 first commit (so no allocation can reuse it before the copy is made).
@@ -34,7 +43,7 @@ from dataclasses import dataclass, field
 from kvpool.cache.base import mm_extra_key
 from kvpool.cache.types import MMItem
 from kvpool.pool import BlockPool, PrefixBlock
-from kvpool.pool.hashing import token_bytes
+from kvpool.pool.hashing import TOKEN_BYTES, token_bytes
 
 
 @dataclass(frozen=True)
@@ -61,11 +70,13 @@ class RecurrentState:
     chain: list[PrefixBlock] = field(default_factory=list)  # C-chunks [0, num_computed // C) (caching on)
     pending: list[tuple[int, int]] = field(default_factory=list)  # (position b, slot): snapshot S_b in this step
     held_src: int | None = None  # the checkpoint restored from, held until the first commit
+    held_turn: list[int] = field(default_factory=list)  # turn-end snapshots, held until the next commit
 
 
 @dataclass(slots=True)
 class RecurrentHits:
     found: list[PrefixBlock | None]  # per C-chunk k: the checkpoint of the state after (k + 1) * C tokens
+    turn_ends: dict[int, PrefixBlock] = field(default_factory=dict)  # point T (not a multiple of C) -> checkpoint
 
 
 @dataclass(slots=True)
@@ -81,6 +92,8 @@ class RecurrentGroup:
         self.spec = spec
         self.interval = spec.checkpoint_interval
         self.pool = BlockPool(num_slots, enable_caching=enable_caching, hash_algo=hash_algo)
+        # chunk parent's hash -> turn-end prefix blocks after it (stale ones dropped as found)
+        self._turn_ends: dict[bytes, list[PrefixBlock]] = {}
 
     @property
     def name(self) -> str:
@@ -120,18 +133,43 @@ class RecurrentGroup:
         if not self.pool.enable_caching:
             return RecurrentHits([])
         n = len(token_ids) if limit is None else min(len(token_ids), limit)
-        return RecurrentHits([self.pool.lookup(b) for b in self._chain(root, token_ids, mm_items, n // self.interval)])
+        c = self.interval
+        chain = self._chain(root, token_ids, mm_items, min(n, len(token_ids) - 1) // c)
+        hits = RecurrentHits([self.pool.lookup(b) for b in chain[: n // c]])
+        for k, parent in enumerate([root, *chain]):
+            for block in self._turn_ends.get(parent.block_hash, ()):
+                end = k * c + len(block.token_bytes) // TOKEN_BYTES
+                if end > n or end >= len(token_ids):
+                    continue
+                probe = self.pool.chain(parent, *self._turn_chunk(token_ids, mm_items, k * c, end))
+                found = self.pool.lookup(probe)
+                if found is not None:
+                    hits.turn_ends[end] = found
+        return hits
+
+    def _turn_chunk(
+        self, token_ids: list[int], mm_items: tuple[MMItem, ...], start: int, end: int
+    ) -> tuple[bytes, bytes]:
+        extra = mm_extra_key(mm_items, self.interval, start // self.interval) if mm_items else b""
+        return token_bytes(token_ids[start:end]), b"turn" + extra
 
     def upper_bound(self, hits: RecurrentHits) -> int:
         """No point above the last findable checkpoint is served."""
         found = hits.found
-        return next((i + 1 for i in range(len(found) - 1, -1, -1) if found[i] is not None), 0) * self.interval
+        bound = next((i + 1 for i in range(len(found) - 1, -1, -1) if found[i] is not None), 0) * self.interval
+        return max(bound, *hits.turn_ends) if hits.turn_ends else bound
+
+    def extra_points(self, hits: RecurrentHits) -> list[int]:
+        """Points off the C grid this group serves: its turn ends."""
+        return sorted(hits.turn_ends)
 
     def serves(self, hits: RecurrentHits, point: int) -> bool:
         if point == 0:
             return True
         k, rest = divmod(point, self.interval)
-        return rest == 0 and k <= len(hits.found) and hits.found[k - 1] is not None
+        if rest:
+            return point in hits.turn_ends
+        return k <= len(hits.found) and hits.found[k - 1] is not None
 
     def plan_admit(
         self, hits: RecurrentHits, root: PrefixBlock, token_ids: list[int], mm_items: tuple[MMItem, ...], point: int
@@ -140,7 +178,7 @@ class RecurrentGroup:
         src = None
         need = 1
         if point:
-            ckpt = hits.found[point // self.interval - 1]
+            ckpt = hits.turn_ends.get(point) or hits.found[point // self.interval - 1]
             assert ckpt is not None, "serves() was checked"
             src = next((s for s in ckpt.block_ids if self.pool.refcount(s)), ckpt.block_ids[0])
             need += self.pool.refcount(src) == 0  # revived out of the free queue
@@ -206,6 +244,60 @@ class RecurrentGroup:
         if state.held_src is not None:
             pool.decref((state.held_src,))
             state.held_src = None
+        pool.decref(state.held_turn)
+        state.held_turn = []
+
+    # ---- turn ends ---------------------------------------------------------------------
+
+    def _turn_block(
+        self, state: RecurrentState, token_ids: list[int], mm_items: tuple[MMItem, ...], num_computed: int
+    ) -> PrefixBlock | None:
+        """The prefix block a turn-end checkpoint after `num_computed` tokens is filed as;
+        None when there is none to take (caching off, on the C grid, or already findable)."""
+        c = self.interval
+        if not self.pool.enable_caching or num_computed % c == 0:
+            return None
+        start = num_computed // c * c
+        parent = state.chain[-1] if state.chain else state.root
+        block = self.pool.chain(parent, *self._turn_chunk(token_ids, mm_items, start, num_computed))
+        return None if self.pool.lookup(block) is not None else block
+
+    def _file_turn(self, slot: int, block: PrefixBlock) -> bool:
+        if self.pool.register(slot, block, orphan_ok=True) is None:
+            return False  # a collision: counted by the pool, nothing filed
+        parent = block.parent
+        assert parent is not None
+        kept = [b for b in self._turn_ends.get(parent.block_hash, ()) if b.block_ids]  # drop evicted ones
+        self._turn_ends[parent.block_hash] = [*kept, block]
+        return True
+
+    def mark_turn_end(
+        self, state: RecurrentState, token_ids: list[int], mm_items: tuple[MMItem, ...], num_computed: int
+    ) -> int | None:
+        """A slot for a checkpoint of the live state (S_num_computed), filed now and held
+        until the request's next commit; the runner copies the live state into it at once.
+        None when none is needed or no slot is free (a checkpoint is a cache)."""
+        block = self._turn_block(state, token_ids, mm_items, num_computed)
+        if block is None or self.pool.num_free == 0:
+            return None
+        slot = self.pool.allocate(1)
+        assert slot is not None
+        if not self._file_turn(slot[0], block):
+            self.pool.decref(slot)
+            return None
+        state.held_turn.append(slot[0])
+        return slot[0]
+
+    def keep_turn_end(
+        self, state: RecurrentState, token_ids: list[int], mm_items: tuple[MMItem, ...], num_computed: int
+    ) -> bool:
+        """At a finish: the live slot holds S_num_computed; file it as the turn-end checkpoint
+        (the release then leaves it cached, free). Only with no step pending and the restore
+        done (the caller checks the step)."""
+        if state.held_src is not None:
+            return False
+        block = self._turn_block(state, token_ids, mm_items, num_computed)
+        return block is not None and self._file_turn(state.slot, block)
 
     def can_fork(self) -> bool:
         return self.pool.num_free > 0
@@ -217,11 +309,12 @@ class RecurrentGroup:
 
     def release(self, state: RecurrentState) -> None:
         """The live slot and unwritten snapshot slots go back unhashed; a held source is let go."""
-        self.pool.decref([slot for _, slot in reversed(state.pending)] + [state.slot])
+        self.pool.decref([slot for _, slot in reversed(state.pending)] + [state.slot] + state.held_turn)
         if state.held_src is not None:
             self.pool.decref((state.held_src,))
         state.pending = []
         state.held_src = None
+        state.held_turn = []
 
     # ---- invariants --------------------------------------------------------------------
 
@@ -235,6 +328,10 @@ class RecurrentGroup:
                 raise AssertionError(f"{where}: slot {slot} is written this step but registered as a checkpoint")
         if state.held_src is not None:
             holders[state.held_src] += 1
+        for slot in state.held_turn:
+            holders[slot] += 1
+            if self.pool.block_hash(slot) is None:
+                raise AssertionError(f"{where}: turn-end slot {slot} is held but not filed as a checkpoint")
         for position, _ in state.pending:
             if not (num_computed < position <= end and position % self.interval == 0):
                 raise AssertionError(f"{where}: a snapshot at {position} outside the step ({num_computed}, {end}]")

@@ -158,6 +158,11 @@ class AttentionGroup:
             k = next((i + 1 for i in range(len(found) - 1, -1, -1) if found[i] is not None), 0)
         return k * self.block_size
 
+    def extra_points(self, hits: AttentionHits) -> list[int]:
+        """Points off the block grid this group offers by itself: none (it serves any point
+        inside a cached block by copying it, when another group offers one)."""
+        return []
+
     def serves(self, hits: AttentionHits, point: int) -> bool:
         """Whether this group can resume a request after `point` cached tokens."""
         if point == 0:
