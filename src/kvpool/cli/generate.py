@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -45,6 +46,16 @@ def _prompt(text: str) -> str:
     return text
 
 
+def add_tp_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tp",
+        type=positive_int,
+        default=1,
+        help="tensor parallelism over torch.distributed (SmolLM2: 1 or 3): run under torchrun --nproc-per-node T; "
+        "each rank keeps its share of the heads and of every KV block (kvpool.models.tensor_parallel)",
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", type=_prompt, help="the user message (or raw text with --no-chat)")
     parser.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text, without the chat template")
@@ -70,6 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_preemption_argument(parser)
     add_hisparse_argument(parser)
     add_model_arguments(parser)
+    add_tp_argument(parser)
 
 
 def check_context(num_prompt_tokens: int, max_tokens: int, context_len: int, bound: str) -> None:
@@ -115,6 +127,10 @@ def run(args: argparse.Namespace) -> int:
     preemption = check_preemption(args)
     kv_format = check_kv_dtype(args)
     tiers = persistent_cache_options(args)
+    if getattr(args, "tp", 1) > 1 and args.model == "tiny-dsv4":
+        raise ValueError("--tp is for the Llama path (SmolLM2); tiny-dsv4 runs on one process")
+    if getattr(args, "tp", 1) > 1 and preemption == "auto":
+        raise ValueError("--preemption auto decides by each process's timings; with --tp use recompute or swap")
     if args.model == "tiny-dsv4":  # DeepSeek-V4 dual pool: token ids in, token ids out
         from kvpool.cli import generate_dsv4
 
@@ -123,6 +139,9 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
     )
     loaded = load_model(args.model)
+    rank = _tensor_parallel(args, loaded)
+    if rank != 0:  # rank 0 reports; the others compute their shards alongside
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the rest of the process)
     tok = loaded.tokenizer
     prompt_ids = (
         tok.encode(args.prompt) if args.no_chat else tok.encode_chat([{"role": "user", "content": args.prompt}])
@@ -144,6 +163,19 @@ def run(args: argparse.Namespace) -> int:
         return _generate(args, engine, loaded, prompt_ids, params, num_blocks, runtime_bytes)
     finally:
         engine.runner.close()  # the disk and Redis tiers' background writes land before the process ends
+
+
+def _tensor_parallel(args: argparse.Namespace, loaded) -> int:
+    """--tp: this process's rank, its model shard in `loaded` (ValueError for a --tp the
+    model's heads or the torchrun world do not fit)."""
+    from kvpool.models.tensor_parallel import check_tp, init_tp, shard_llama
+
+    tp = getattr(args, "tp", 1)
+    check_tp(loaded.model.config, tp)
+    rank, world = init_tp(tp)
+    if world > 1:
+        loaded.model = shard_llama(loaded.model, rank, world)
+    return rank
 
 
 def _generate(args, engine, loaded, prompt_ids, params, num_blocks, runtime_bytes) -> int:
@@ -189,6 +221,9 @@ def _generate(args, engine, loaded, prompt_ids, params, num_blocks, runtime_byte
             "cached_tokens": out.num_cached_tokens,
             "finish_reason": completion.finish_reason,
             "kv_format": engine.runner.kv_format,
+            "tp": getattr(args, "tp", 1),
+            "kv_bytes_per_token_per_rank": engine.runner.storage.bytes_per_token,
+            "kv_pool_bytes_per_rank": engine.runner.storage.num_bytes,
             **timings(out),
             "load_s": round(loaded.load_s, 3),
             "load_source": loaded.load_source,

@@ -106,6 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="max abs logit difference to pass; overrides the dtype's bound",
     )
     add_cp_arguments(sub)
+    add_tp_arguments(sub)
 
 
 def add_cp_arguments(sub) -> None:
@@ -125,6 +126,45 @@ def add_cp_arguments(sub) -> None:
     cp.add_argument("--steps", type=positive_int, default=16, help="greedy tokens of the SmolLM2 check")
     cp.add_argument("--seed", type=int, default=0)
     cp.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def add_tp_arguments(sub) -> None:
+    tp = sub.add_parser(
+        "tp",
+        help="the tensor-parallel engine against the single-process one on SmolLM2 (under torchrun)",
+        description=(
+            "The tensor-parallel engine (kvpool.verify.tensor_parallel) against the single-process engine: "
+            "run under torchrun --nproc-per-node 3 -m kvpool verify tp. Rank 0 prints the result."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    tp.add_argument("--max-tokens", type=positive_int, default=8, help="greedy tokens of the short requests")
+    tp.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run_tp(args: argparse.Namespace) -> int:
+    """`kvpool verify tp` (every rank runs it; rank 0 prints): 1 if it fails."""
+    from kvpool.verify.tensor_parallel import run_tp as run_all
+
+    result = run_all(args.max_tokens)
+    if result is None:
+        return 0
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for rid, r in result["requests"].items():
+            mark = "ok  " if r["passed"] else "FAIL"
+            print(
+                f"{mark} request {rid}: tokens equal {r['tokens_equal']}, max logit difference "
+                f"{r['max_logit_difference']:.2e} (single-process fp32 error {r['single_process_fp32_error']:.2e})"
+            )
+        print(
+            f"TP {result['tp']}: prefix hit {result['b_cached_tokens']} tokens, {result['preemptions']} preemption(s), "
+            f"KV {result['kv_bytes_per_token_per_rank']:,} B a token per rank against "
+            f"{result['kv_bytes_per_token_single']:,} on one; "
+            f"{result['single_process_s']} s single, {result['tp_s']} s TP"
+        )
+    return 0 if result["passed"] else 1
 
 
 def run_cp(args: argparse.Namespace) -> int:
@@ -195,6 +235,8 @@ def run(args: argparse.Namespace) -> int:
         return run_hybrid(args)
     if args.target == "cp":
         return run_cp(args)
+    if args.target == "tp":
+        return run_tp(args)
     import torch
 
     from kvpool.verify.dsv4 import Verifier

@@ -97,6 +97,9 @@ def descriptor_for(loaded: LoadedModel, block_size: int, kv_format: str | None =
     cfg = loaded.model.config
     fmt = kv_format_for(loaded.model, kv_format)
     dtype = fmt.schema_id if fmt is not None else str(loaded.model.dtype).removeprefix("torch.")
+    if loaded.model.shard is not None:  # tensor parallel: this rank's KV heads only
+        rank, world = loaded.model.shard
+        dtype += f":tp-rank{rank}-of{world}"
     return CacheDescriptor(
         model_id=os.path.basename(loaded.gguf.path),
         weights_version=loaded.weights_version,

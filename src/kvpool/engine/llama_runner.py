@@ -7,12 +7,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 from kvpool.attention.paged import StepPlan, paged_attention, plan_step, prefill_attention
 from kvpool.cache import Admission, CacheDescriptor, CacheUsage, FullAttentionManager, ReleaseReason
 from kvpool.engine.memory import StepPeaks
 from kvpool.engine.runner import ScheduledChunk
 from kvpool.models.llama import LlamaModel
+from kvpool.models.tensor_parallel import check_same_step
 from kvpool.storage.kv import PagedKVStorage, QuantizedKVStorage, QuantWriteIndex
 from kvpool.storage.quant import KVSchema, code_dtype, kv_schema
 from kvpool.tiers import Tier, TierIndex, TierStack
@@ -78,6 +80,10 @@ class LlamaRunner:
         fmt = kv_format_for(model, kv_format)
         if fmt is not None and (host_tier is not None or persistent_tiers):
             raise ValueError(f"--kv-dtype {fmt.name}: the host, disk and Redis tiers keep unquantized blocks only")
+        if model.shard is not None and preemption == "auto":
+            raise ValueError(
+                "preemption 'auto' decides by this process's timings, which the tensor-parallel ranks differ in"
+            )
         if preemption not in PREEMPTION_MODES:
             raise ValueError(f"unknown preemption {preemption!r}; one of {', '.join(PREEMPTION_MODES)}")
         if preemption != "recompute" and (host_tier is None or not enable_prefix_caching):
@@ -551,6 +557,9 @@ class LlamaRunner:
                 logit_rows.append(len(token_ids) - 1)
         # Validates that each chunk continues its computed prefix within its reservation.
         tables = m.step_tables([c.seq_id for c in chunks], [c.start for c in chunks], ctx_lens)
+        if self.model.shard is not None:  # tensor parallel: every rank must have decided alike
+            step = repr(([c.seq_id for c in chunks], list(tables.slots), [len(c.token_ids) for c in chunks]))
+            check_same_step(xxhash.xxh3_64_intdigest(step.encode()) >> 1)
         cfg = self.model.config
         plan = plan_step(
             q_lens,

@@ -8,7 +8,7 @@ with Q/K rows already un-permuted, so RoPE here is the rotate-half form of HF Ll
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -78,6 +78,10 @@ class LlamaModel:
         self._norm_ptrs = [layer["attn_norm"].data_ptr() for layer in self.layers] + [self.norm.data_ptr()]
         self._ffn_norm_ptrs = [layer["ffn_norm"].data_ptr() for layer in self.layers]
         self.step_buffer_bytes = 0  # what the last forward allocated for its step (the memory ledger)
+        # tensor parallelism (models/tensor_parallel.py): the partial sums of the attention
+        # output and MLP down projections are summed over the ranks in place; None: one rank
+        self.reduce: Callable[[torch.Tensor], None] | None = None
+        self.shard: tuple[int, int] | None = None  # (rank, world size) of a sharded model
         # RoPE tables (rotate-half): cos / sin [max_position, head_dim], fp32
         d = config.head_dim
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
@@ -225,11 +229,17 @@ class LlamaModel:
             q, k = qk[:, :h], qk[:, h:]
             v = qkv[:, (h + kvh) * d :].view(n, kvh, d)
             attn = attend(i, q, k, v.contiguous())
-            x = x + attn.reshape(n, h * d) @ layer["wo"]
+            delta = attn.reshape(n, h * d) @ layer["wo"]
+            if self.reduce is not None:
+                self.reduce(delta)
+            x = x + delta
             hs = _rms_norm(x, layer["ffn_norm"], cfg.rms_norm_eps)
             gate_up = hs @ layer["w_gate_up"]
             gate, up = gate_up.chunk(2, dim=-1)
-            x = x + (F.silu(gate) * up) @ layer["w_down"]
+            delta = (F.silu(gate) * up) @ layer["w_down"]
+            if self.reduce is not None:
+                self.reduce(delta)
+            x = x + delta
         return _rms_norm(x, self.norm, cfg.rms_norm_eps)
 
     def _forward_fused(self, token_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
@@ -266,10 +276,14 @@ class LlamaModel:
             lib.kv_rope(qkvp, n, qkv.shape[1], h + kvh, d, posp, cosp, sinp, cfg.max_position)
             attn = attend(i, q, k, v)
             torch.mm(attn.reshape(n, h * d), layer["wo"], out=delta)
+            if self.reduce is not None:
+                self.reduce(delta)
             lib.kv_add_rms_norm(xp, dp, self._ffn_norm_ptrs[i], hsp, n, hidden, eps)
             torch.mm(hs, layer["w_gate_up"], out=gate_up)
             lib.kv_silu_mul(gup, actp, n, inter)
             torch.mm(act, layer["w_down"], out=delta)
+            if self.reduce is not None:
+                self.reduce(delta)
             lib.kv_add_rms_norm(xp, dp, norms[i + 1], hsp, n, hidden, eps)  # x += delta; next layer's norm
         return hs
 

@@ -1,0 +1,77 @@
+"""Tensor parallelism for the Llama path (models/tensor_parallel.py; issue 15): under
+torchrun (gloo, 3 processes) the sharded engine decodes SmolLM2's greedy tokens unchanged,
+logits within the single-process engine's own fp32 error, across a prefix hit and a
+preemption, each rank holding a third of every KV block, as `kvpool plan --tp 3` says; and
+a TP degree the heads cannot take is refused naming them."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from kvpool.models.gguf import LlamaConfig
+from kvpool.models.tensor_parallel import check_tp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(world: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world)]
+    argv += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "kvpool", *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+
+
+def test_kvpool_verify_tp_3_matches_one_process() -> None:
+    proc = _torchrun(3, "verify", "tp", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["passed"] and report["tp"] == 3
+    assert report["b_cached_tokens"] == 48 and report["preemptions"] >= 1
+    for r in report["requests"].values():
+        assert r["tokens_equal"] and r["max_logit_difference"] <= 8 * r["single_process_fp32_error"]
+    # each rank: one of SmolLM2's three KV heads of every block, as the planner says per GPU
+    assert report["kv_bytes_per_token_per_rank"] * 3 == report["kv_bytes_per_token_single"] == 46_080
+    assert report["planner_kv_bytes_per_token_per_gpu"] == report["kv_bytes_per_token_per_rank"]
+
+
+def test_a_tp_degree_the_heads_cannot_take_is_refused() -> None:
+    smollm2 = LlamaConfig(30, 576, 1536, 9, 3, 64, 1e5, 1e-5, 49152, 8192, True)
+    check_tp(smollm2, 3)
+    with pytest.raises(
+        ValueError, match="--tp 2 does not divide the model's 9 query heads, 3 KV heads .* use --tp 1 or 3"
+    ):
+        check_tp(smollm2, 2)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvpool", "generate", "hi", "--max-tokens", "2", "--tp", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "runs under torchrun" in lines[0], proc.stderr
+    proc = _torchrun(2, "generate", "hi", "--max-tokens", "2", "--tp", "2", timeout=120)
+    assert proc.returncode != 0 and "--tp 2 does not divide the model's 9 query heads" in proc.stderr
+
+
+def test_generate_tp_3_prints_one_report() -> None:
+    proc = _torchrun(3, "generate", "What is the capital of France?", "--max-tokens", "6", "--tp", "3", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1  # rank 0 reports; the other ranks print nothing
+    report = json.loads(lines[0])
+    single = subprocess.run(
+        [sys.executable, "-m", "kvpool", "generate", "What is the capital of France?", "--max-tokens", "6", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert report["tp"] == 3 and report["token_ids"] == json.loads(single.stdout)["token_ids"]
+    assert report["kv_bytes_per_token_per_rank"] == 15_360
