@@ -1,7 +1,8 @@
 """Narratives of the hybrid coordinator on tiny pools, with exact block and checkpoint ids:
 Figure 12's hit rule, a hit inside an attention block (copy-on-write), the sliding-window
 rule (blocks leave as the request advances, hits found from the right), transactional
-allocation across groups, release of every group once."""
+allocation across groups, release of every group once; V4's dual pool as a group (hits at
+span boundaries only, one state block per request)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from kvpool.cache import BlockCopy, CacheDescriptor, StateRestore
 from kvpool.cache.coordinator import HybridCacheManager
+from kvpool.cache.dual_pool import DualPoolGroupSpec
 from kvpool.cache.recurrent import RecurrentGroupSpec
 from kvpool.cache.window import AttentionGroupSpec
 from kvpool.capacity.kv import PageGroup
@@ -327,3 +329,146 @@ def test_a_follow_up_turn_hits_at_the_previous_turn_end_off_the_checkpoint_grid(
     # a turn end inside a block is a hit for a prompt that shares that whole block.
     assert m.group_hit_points(history + [7, 7, 9, 1])["r"] == [0, 12, 15, 16]
     assert m.group_hit_points(history + [7, 7, 5, 1]) == {"full": [0, 4, 8, 12], "r": [0, 12, 15]}
+
+
+def free_queues(m: HybridCacheManager) -> dict[str, list[int]]:
+    queues = {name: g.pool.free_queue() for name, g in m.groups.items()}
+    queues.update({g.name + ".state": g.state_pool.free_queue() for g in m.dual_groups})
+    return queues
+
+
+def test_a_dual_pool_group_hits_only_where_the_recurrent_group_agrees_on_a_span_boundary():
+    # V4's dual pool with a span of 8 (8 classical blocks, 2 state blocks; a hit replays the
+    # 6 tokens before it) and a recurrent group with a checkpoint every 12 tokens (6 slots).
+    # Points both can serve: multiples of lcm(8, 12) = 24 (and turn ends, off here).
+    v4 = DualPoolGroupSpec("v4", 8, replay_len=6)
+    m = HybridCacheManager([(v4, (8, 2)), (RecurrentGroupSpec("r", 12), 6)], DESC)
+    classical, states, slots = m.groups["v4"].pool, m.groups["v4"].state_pool, m.groups["r"].pool
+    a = list(range(30))
+    # 30 tokens: classical blocks 0, 1, 2 for the spans ending at 8, 16, 24 (the 6 tokens of
+    # [24, 30) live in state block 0 only); live slot 0, checkpoints at 12 and 24 in slots 1, 2.
+    admission = m.admit("a", a)
+    assert admission == (0, 30, (0, 1, 2), StateRestore(0, "none"), ())
+    assert m.state_slot("a", "v4") == 0 and m.state_restore("a", "v4") == StateRestore(0, "none")
+    assert m.checkpoints("a") == [(12, 1), (24, 2)]
+    assert all(classical.block_hash(b) is None for b in (0, 1, 2))  # published at the commit, not before
+    m.commit("a", 30)
+    m.check_integrity()
+    assert all(classical.block_hash(b) is not None and classical.refcount(b) == 1 for b in (0, 1, 2))
+
+    # b shares a's first 28 tokens: the dual pool serves 8, 16, 24, the recurrent group 12, 24.
+    b = a[:28] + [100, 101, 102]
+    assert m.group_hit_points(b) == {"v4": [0, 8, 16, 24], "r": [0, 12, 24]}
+    admission = m.admit("b", b)
+    m.check_integrity()
+    # Hit 24: classical blocks 0, 1, 2 shared (refcount 2), state block 1 rebuilt by
+    # replaying [18, 24); the recurrent state restored from slot 2 into live slot 3.
+    assert admission == (24, 7, (0, 1, 2), StateRestore(3, "checkpoint", 2), ())
+    assert m.state_restore("b", "v4") == StateRestore(1, "recompute", replay_start=18)
+    assert [classical.refcount(k) for k in (0, 1, 2)] == [2, 2, 2]
+    m.commit("b", 7)  # [24, 31) completes no span: no classical block, no copy
+    m.check_integrity()
+    assert m.block_ids("b", "v4") == [0, 1, 2] and m.state_restore("b", "v4") == StateRestore(1, "none")
+
+    # c shares 20 tokens: the dual pool alone could serve 16, the recurrent group alone 12;
+    # no point but 0 is served by both.
+    c = a[:20] + [200, 201, 202, 203]
+    assert m.group_hit_points(c) == {"v4": [0, 8, 16], "r": [0, 12]}
+    assert m.lookup_prefix(c) == 0
+    # Both state blocks are held: c waits and a fork is refused, with no trace in any pool
+    # (the recurrent group has slots to spare).
+    before = free_queues(m)
+    assert before == {"v4": [3, 4, 5, 6, 7], "r": [4, 5, 1, 2], "v4.state": []}
+    assert m.admit("c", c) is None and not m.fork("a", "a2")
+    assert free_queues(m) == before and "c" not in m and "a2" not in m
+    m.check_integrity()
+
+    assert m.finish("a")
+    # a's classical blocks stay held by b; its state block 0 and live slot 0 go back.
+    assert free_queues(m) == {"v4": [3, 4, 5, 6, 7], "r": [4, 5, 0, 1, 2], "v4.state": [0]}
+    admission = m.admit("c", c)
+    m.check_integrity()
+    # No hit: three fresh classical blocks, state block 0, live slot 4; the recurrent group
+    # checkpoints 24 in slot 5 (12 is cached already).
+    assert admission == (0, 24, (3, 4, 5), StateRestore(4, "none"), ())
+    assert m.state_slot("c", "v4") == 0 and m.checkpoints("c") == [(24, 5)]
+    m.commit("c", 24)
+    m.check_integrity()
+    # c's first two spans are a's: blocks 3 and 4 are published as second copies of 0 and 1.
+    assert classical.prefix_block(3) is classical.prefix_block(0)
+    assert classical.prefix_block(4) is classical.prefix_block(1)
+    assert classical.prefix_block(5) is not classical.prefix_block(2)
+
+    m.finish("c")  # tail-first: 5, 4, 3
+    assert classical.free_queue() == [6, 7, 5, 4, 3] and states.free_queue() == [0]
+    # A fork shares b's complete spans and takes the free state block (the runner copies
+    # b's state, the unfinished span [24, 31) included, into it).
+    assert m.fork("b", "b2")
+    assert m.block_ids("b2", "v4") == [0, 1, 2] and m.state_slot("b2", "v4") == 0
+    assert [classical.refcount(k) for k in (0, 1, 2)] == [2, 2, 2] and states.free_queue() == []
+    m.check_integrity()
+    # Position 31 completes span 3 for both: each writes a block of its own (6, then 7);
+    # a complete span is never written again, so nothing is copied.
+    for rid, tok in (("b2", 1), ("b", 2)):
+        m.append_token_ids(rid, [tok])
+    assert m.reserve_step(["b2", "b"], [1, 1])
+    assert m.block_ids("b2", "v4") == [0, 1, 2, 6] and m.block_ids("b", "v4") == [0, 1, 2, 7]
+    assert m.take_copies() == {}
+    m.commit_step(["b2", "b"], [1, 1], [None, None])
+    m.check_integrity()
+    assert classical.prefix_block(6) is not classical.prefix_block(7)  # different tokens at 31
+    # Held: classical 0, 1, 2 (shared, counted once), 6, 7, every slot computed; state
+    # blocks: the dual pool's 2 (both held) and the recurrent group's 6 (live slots of b, b2)
+    assert m.usage() == (8, 3, 5, 5 * 8, 8, 2 + 6, 0 + 4)
+    assert m.release("b", "preempt") and m.finish("b2") and not m.cancel("b")
+    m.check_integrity()
+    assert states.num_free == 2 and classical.num_free == 8 and slots.num_free == 6
+
+
+def test_a_turn_end_at_a_span_boundary_is_a_hit_for_the_dual_pool_and_the_recurrent_group():
+    # As above, with turn ends kept: a finish at 16 computed tokens leaves a recurrent
+    # checkpoint at 16, off its grid of 12 but on the dual pool's span boundary.
+    v4 = DualPoolGroupSpec("v4", 8, replay_len=6)
+    m = HybridCacheManager([(v4, (6, 2)), (RecurrentGroupSpec("r", 12), 4)], DESC, turn_end_checkpoints=True)
+    assert prefill(m, "t1", list(range(14))) == 0
+    assert m.block_ids("t1", "v4") == [0] and m.checkpoints("t1") == []  # 12's snapshot went to slot 1
+    decode(m, "t1", 50)
+    m.append_token_ids("t1", [51])
+    assert m.reserve("t1", 1).new_block_ids == (1,)  # position 15 completes span 1
+    m.commit("t1", 1)
+    m.append_token_ids("t1", [52])
+    history = list(range(14)) + [50, 51, 52]
+    follow_up = history + [7, 7]
+    assert m.group_hit_points(follow_up) == {"v4": [0, 8, 16], "r": [0, 12]}
+    assert m.lookup_prefix(follow_up) == 0
+    assert m.finish("t1")
+    m.check_integrity()
+    # t1's live slot 0 holds the state after 16 tokens: filed as a turn end, free and cached.
+    assert m.groups["r"].pool.is_free_cached(0)
+    assert m.group_hit_points(follow_up) == {"v4": [0, 8, 16], "r": [0, 12, 16]}
+    admission = m.admit("t2", follow_up)
+    m.check_integrity()
+    # Hit 16: classical blocks 0, 1 revived from the free queue; state block 1 (0 went back
+    # to the end of the queue) replays [10, 16); the recurrent state restored from slot 0
+    # into slot 2.
+    assert admission == (16, 3, (0, 1), StateRestore(2, "checkpoint", 0), ())
+    assert m.state_restore("t2", "v4") == StateRestore(1, "recompute", replay_start=10)
+    m.commit("t2", 3)
+    m.check_integrity()
+
+
+def test_a_dual_pool_group_is_named_right():
+    with pytest.raises(ValueError, match="span must be positive"):
+        DualPoolGroupSpec("v4", 0)
+    with pytest.raises(ValueError, match="replay_len must be >= 0"):
+        DualPoolGroupSpec("v4", 8, replay_len=-1)
+    with pytest.raises(ValueError, match=r"needs \(classical blocks, state blocks\)"):
+        HybridCacheManager([(DualPoolGroupSpec("v4", 8), 4)], DESC)
+    with pytest.raises(ValueError, match=r"needs \(classical blocks, state blocks\)"):
+        HybridCacheManager([(DualPoolGroupSpec("v4", 8), (4, 0))], DESC)
+    with pytest.raises(ValueError, match="for a dual-pool group only"):
+        HybridCacheManager([(AttentionGroupSpec("full", 4), (4, 2))], DESC)
+    with pytest.raises(KeyError, match="no recurrent or dual-pool group"):
+        m = HybridCacheManager([(DualPoolGroupSpec("v4", 8), (4, 2))], DESC)
+        prefill(m, "a", [1, 2, 3])
+        m.state_restore("a", "nope")

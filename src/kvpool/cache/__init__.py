@@ -2,11 +2,13 @@
 
 Every manager implements the contract of `CacheManager` (cache/base.py); `HybridCacheManager`
 (cache/coordinator.py) is one over several layer groups: full-attention and sliding-window
-(cache/window.py) and recurrent-state checkpoint groups (cache/recurrent.py)."""
+(cache/window.py), recurrent-state checkpoint groups (cache/recurrent.py) and V4 dual-pool
+groups (cache/dual_pool.py)."""
 
 from kvpool.cache.base import CacheManager, LowerTier
 from kvpool.cache.coordinator import HybridCacheManager
 from kvpool.cache.dsv4 import DSV4CacheManager
+from kvpool.cache.dual_pool import DualPoolGroupSpec
 from kvpool.cache.full import FullAttentionManager
 from kvpool.cache.recurrent import RecurrentGroupSpec
 from kvpool.cache.types import (
@@ -32,6 +34,7 @@ __all__ = [
     "CacheManager",
     "CacheUsage",
     "DSV4CacheManager",
+    "DualPoolGroupSpec",
     "FullAttentionManager",
     "HybridCacheManager",
     "LowerTier",

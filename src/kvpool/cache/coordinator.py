@@ -3,8 +3,10 @@
 A hybrid model mixes layer kinds whose caches differ in granularity (DEEPSEEK_V4.md
 section 8, Kimi K3's Figure 12): full-attention and sliding-window groups keep physical
 blocks of K/V (cache/window.py), recurrent groups one state per request plus checkpoints
-of it (cache/recurrent.py). Each group has its own pool; the coordinator keeps one token
-history and one computed count per request and moves every group together.
+of it (cache/recurrent.py), a V4 dual-pool group immutable classical blocks of complete
+spans plus one state block per request (cache/dual_pool.py). Each group has its own pool
+(the dual pool two); the coordinator keeps one token history and one computed count per
+request and moves every group together.
 
 Prefix hits. Every group reports which hit points it can serve; the coordinator takes the
 largest point P that every group serves (candidates: multiples of the gcd of the groups'
@@ -12,12 +14,14 @@ granularities, at most len(prompt) - 1, so one token is left to compute). Exampl
 attention group whose cached blocks end at {512, 1024, 1536} and a recurrent group with
 checkpoints at {0, 1024} give P = 1024. Reusing only one side is wrong: attention K/V up
 to 1536 with a recurrent state from anywhere else than 1536 is not the state of that
-prefix. A P inside an attention block copies that block on write (cache/window.py).
+prefix. A P inside an attention block copies that block on write (cache/window.py); a
+dual-pool group serves span boundaries only, so P is one (its blocks are never copied).
 
 Transactions. `admit`, `reserve`, `reserve_step` and `fork` first ask every group what
 they need from its pool, and change nothing unless every group has it (one group out of
-room: nothing changes in any group). Optional checkpoint slots are taken last, from what
-is left. A release frees every group exactly once.
+room: nothing changes in any group; a dual-pool group without a free state block refuses
+an admission and a fork the same way). Optional checkpoint slots are taken last, from
+what is left. A release frees every group exactly once.
 
 Pools. Each group has a pool of its own, or the attention groups draw from one shared
 pool (`shared_blocks`; vLLM's hybrid allocator, and what a serving engine does when the
@@ -31,7 +35,8 @@ Steps are explicit, as for the V4 manager: a reservation covers [num_computed, e
 the commit is of exactly those tokens (a recurrent state advances by whole steps).
 
 Pure Python: the runner applies the groups' copies (`take_copies`) and restores
-(`restore_source`) and writes the snapshots (`checkpoints`) that the coordinator records.
+(`restore_source`, `state_restore`) and writes the snapshots (`checkpoints`) that the
+coordinator records.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.cache.base import CacheManager, check_mm_items
+from kvpool.cache.dual_pool import DualPoolGroup, DualPoolGroupSpec, DualPoolState
 from kvpool.cache.recurrent import RecurrentGroup, RecurrentGroupSpec, RecurrentState
 from kvpool.cache.types import (
     Admission,
@@ -56,14 +62,19 @@ from kvpool.cache.types import (
 from kvpool.cache.window import AttentionGroup, AttentionGroupSpec, AttentionHits
 from kvpool.pool import BlockPool, PrefixBlock
 
-GroupSpec = AttentionGroupSpec | RecurrentGroupSpec
-Group = AttentionGroup | RecurrentGroup
+GroupSpec = AttentionGroupSpec | RecurrentGroupSpec | DualPoolGroupSpec
+Group = AttentionGroup | RecurrentGroup | DualPoolGroup
 # One concrete group class per spec type (a plain dict, STYLE 11).
-GROUP_CLASSES: dict[type, type] = {AttentionGroupSpec: AttentionGroup, RecurrentGroupSpec: RecurrentGroup}
+GROUP_CLASSES: dict[type, type] = {
+    AttentionGroupSpec: AttentionGroup,
+    RecurrentGroupSpec: RecurrentGroup,
+    DualPoolGroupSpec: DualPoolGroup,
+}
 
 
 def _is_full(group: Group) -> bool:
-    return isinstance(group, AttentionGroup) and group.spec.window is None
+    """A group whose hits end at the prompt's first miss (every block before a point is read)."""
+    return isinstance(group, DualPoolGroup) or (isinstance(group, AttentionGroup) and group.spec.window is None)
 
 
 @dataclass(slots=True)
@@ -79,12 +90,13 @@ class _Request:
 
 class HybridCacheManager(CacheManager):
     """groups: (spec, number of blocks or state slots) per group, in layer-map order; None
-    for an attention group that draws from the shared pool of `shared_blocks` blocks. All
-    attention groups share one block size (one page size; heterogeneous pages are not done)."""
+    for an attention group that draws from the shared pool of `shared_blocks` blocks; for a
+    dual-pool group (V4), (classical blocks, state blocks). All attention groups share one
+    block size (one page size; heterogeneous pages are not done)."""
 
     def __init__(
         self,
-        groups: Sequence[tuple[GroupSpec, int | None]],
+        groups: Sequence[tuple[GroupSpec, int | tuple[int, int] | None]],
         descriptor: CacheDescriptor,
         *,
         enable_prefix_caching: bool = True,
@@ -108,6 +120,16 @@ class HybridCacheManager(CacheManager):
                 )
             if spec.name in built:
                 raise ValueError(f"two groups are named {spec.name!r}")
+            if isinstance(spec, DualPoolGroupSpec):
+                if not (isinstance(num, tuple) and len(num) == 2 and all(isinstance(n, int) and n > 0 for n in num)):
+                    raise ValueError(
+                        f"dual-pool group {spec.name!r} needs (classical blocks, state blocks), both positive, "
+                        f"got {num!r}"
+                    )
+                built[spec.name] = DualPoolGroup(spec, *num, enable_caching=enable_prefix_caching, hash_algo=hash_algo)
+                continue
+            if isinstance(num, tuple):
+                raise ValueError(f"group {spec.name!r}: a pair of pool sizes is for a dual-pool group only, got {num}")
             if num is None:
                 if shared is None or not isinstance(spec, AttentionGroupSpec):
                     raise ValueError(
@@ -125,16 +147,21 @@ class HybridCacheManager(CacheManager):
         sizes = {g.block_size for g in attention}
         if len(sizes) > 1:
             raise ValueError(f"attention groups must share one block size, got {sorted(sizes)}")
+        dual = [g for g in built.values() if isinstance(g, DualPoolGroup)]
         first = next(iter(built.values()))
-        super().__init__(first.pool, attention[0].block_size if attention else first.granularity, descriptor)
+        block_size = attention[0].block_size if attention else dual[0].span if dual else first.granularity
+        super().__init__(first.pool, block_size, descriptor)
         self.groups = built
         self.attention_groups = attention
         self.recurrent_groups = [g for g in built.values() if isinstance(g, RecurrentGroup)]
+        self.dual_groups = dual
+        # Groups with block tables: the default of `block_ids` and of an admission's blocks
+        self._block_groups: list[AttentionGroup | DualPoolGroup] = [*attention, *dual]
         # Each distinct pool once (a dict keeps layer-map order; a BlockPool hashes by identity)
         self._pools: dict[BlockPool, list[Group]] = {}
         for g in built.values():
             self._pools.setdefault(g.pool, []).append(g)
-        self._attention_pools = list(dict.fromkeys(g.pool for g in attention))
+        self._block_pools = list(dict.fromkeys(g.pool for g in self._block_groups))
         self._caching = enable_prefix_caching
         self.turn_end_checkpoints = turn_end_checkpoints
         self.hit_granularity = math.gcd(*(g.granularity for g in built.values()))
@@ -147,23 +174,24 @@ class HybridCacheManager(CacheManager):
 
     @property
     def num_blocks(self) -> int:
-        """Attention blocks of every attention pool (a shared pool once)."""
-        return sum(pool.num_blocks for pool in self._attention_pools)
+        """Blocks of every attention pool (a shared pool once) and classical pool."""
+        return sum(pool.num_blocks for pool in self._block_pools)
 
     @property
     def num_free_blocks(self) -> int:
-        return sum(pool.num_free for pool in self._attention_pools)
+        return sum(pool.num_free for pool in self._block_pools)
 
     def is_shared(self, group: str) -> bool:
         """Whether the group draws from a pool that other groups draw from too."""
         return len(self._pools[self.groups[group].pool]) > 1
 
-    def _fits(self, needs: dict[str, int]) -> bool:
-        """Whether every pool has the free blocks its groups need together."""
+    def _fits(self, needs: dict[str, int | dict[BlockPool, int]]) -> bool:
+        """Whether every pool has the free blocks its groups need together (a need: blocks of
+        the group's pool, or blocks per pool for a group with two, the dual pool)."""
         total: dict[BlockPool, int] = {}
-        for name, n in needs.items():
-            pool = self.groups[name].pool
-            total[pool] = total.get(pool, 0) + n
+        for name, need in needs.items():
+            for pool, n in (need if isinstance(need, dict) else {self.groups[name].pool: need}).items():
+                total[pool] = total.get(pool, 0) + n
         return all(n <= pool.num_free for pool, n in total.items())
 
     def num_reserved_tokens(self, request_id: str) -> int:
@@ -171,7 +199,11 @@ class HybridCacheManager(CacheManager):
 
     def block_ids(self, request_id: str, group: str | None = None) -> list[int]:
         """The held blocks of one attention group (default: the first), logical blocks
-        [first_block(...), ...)."""
+        [first_block(...), ...), or a dual-pool group's classical blocks (spans [0, ...))."""
+        if group is None and not self.attention_groups and self.dual_groups:
+            group = self.dual_groups[0].name
+        if isinstance(self.groups.get(group or ""), DualPoolGroup):
+            return list(self._get(request_id).states[group].block_ids)
         state = self._get(request_id).states[self._attention(group).name]
         return list(state.block_ids)
 
@@ -180,7 +212,31 @@ class HybridCacheManager(CacheManager):
         return self._get(request_id).states[self._attention(group).name].first
 
     def state_slot(self, request_id: str, group: str | None = None) -> int:
+        """The live state slot of a recurrent group (default: the first) or the state block
+        of a dual-pool group (default when there is no recurrent group: the first)."""
+        if group is None and not self.recurrent_groups and self.dual_groups:
+            group = self.dual_groups[0].name
+        if isinstance(self.groups.get(group or ""), DualPoolGroup):
+            return self._get(request_id).states[group].state_slot
         return self._get(request_id).states[self._recurrent(group).name].slot
+
+    def state_restore(self, request_id: str, group: str) -> StateRestore:
+        """How the runner rebuilds the request's state in a recurrent or dual-pool group before
+        its first step: from a checkpoint (recurrent), by replaying tokens on top of the
+        cached classical blocks (dual pool), or "none" (a fresh state, or the restore is done)."""
+        g = self.groups.get(group)
+        state = self._get(request_id).states[group] if g is not None else None
+        if isinstance(g, DualPoolGroup):
+            assert isinstance(state, DualPoolState)
+            if state.replay_start is None:
+                return StateRestore(state.state_slot, "none")
+            return StateRestore(state.state_slot, "recompute", replay_start=state.replay_start)
+        if isinstance(g, RecurrentGroup):
+            assert isinstance(state, RecurrentState)
+            if state.held_src is None:
+                return StateRestore(state.slot, "none")
+            return StateRestore(state.slot, "checkpoint", state.held_src)
+        raise KeyError(f"no recurrent or dual-pool group {group!r}")
 
     def checkpoints(self, request_id: str, group: str | None = None) -> list[tuple[int, int]]:
         """(position b, slot) of the reserved step: snapshot the state after b tokens there."""
@@ -208,10 +264,21 @@ class HybridCacheManager(CacheManager):
         return g
 
     def usage(self) -> CacheUsage:
-        """Attention blocks of every attention group, each physical block counted once;
-        the recurrent groups' slots as state blocks."""
+        """Attention blocks of every attention group, each physical block counted once, and
+        the classical blocks of the dual-pool groups (whole by construction: every slot
+        counts as filled); the recurrent groups' slots and the dual pools' state blocks as
+        state blocks."""
         held = filled = 0
         bs = self.block_size
+        for g in self.dual_groups:
+            ids: set[int] = set()
+            computed: set[int] = set()
+            for req in self._requests.values():
+                table = req.states[g.name].block_ids
+                ids.update(table)
+                computed.update(table[: req.num_computed // g.span])
+            held += len(ids)
+            filled += len(computed) * bs
         for g in self.attention_groups:
             counts: dict[int, int] = {}
             for req in self._requests.values():
@@ -222,7 +289,9 @@ class HybridCacheManager(CacheManager):
             held += len(counts)
             filled += sum(counts.values())
         num_slots = sum(g.pool.num_blocks for g in self.recurrent_groups)
+        num_slots += sum(g.state_pool.num_blocks for g in self.dual_groups)
         free_slots = sum(g.pool.num_free for g in self.recurrent_groups)
+        free_slots += sum(g.state_pool.num_free for g in self.dual_groups)
         return CacheUsage(self.num_blocks, self.num_free_blocks, held, filled, bs, num_slots, free_slots)
 
     def group_held_blocks(self) -> dict[str, int]:
@@ -346,10 +415,13 @@ class HybridCacheManager(CacheManager):
         n = rest if max_new_tokens is None else min(max_new_tokens, rest)
         end = point + n
         plans: dict[str, Any] = {}
-        needs: dict[str, int] = {}
+        needs: dict[str, int | dict[BlockPool, int]] = {}
         for name, g in self.groups.items():
+            need: int | dict[BlockPool, int]
             if isinstance(g, AttentionGroup):
                 plan, need = g.plan_admit(hits.get(name, AttentionHits([], [])), point, end)
+            elif isinstance(g, DualPoolGroup):
+                plan, need = g.plan_admit(hits.get(name), point, end)
             else:
                 plan, need = g.plan_admit(hits.get(name), req.roots[name], req.token_ids, req.mm_items, point)
             plans[name], needs[name] = plan, need
@@ -365,16 +437,11 @@ class HybridCacheManager(CacheManager):
         self._count_admission(request_id, len(req.token_ids), point)
         if n:
             self._apply_reserve(req, end)
-        restore = None
-        if self.recurrent_groups:
-            rg = self.recurrent_groups[0]
-            st: RecurrentState = req.states[rg.name]
-            restore = (
-                StateRestore(st.slot, "checkpoint", st.held_src)
-                if st.held_src is not None
-                else StateRestore(st.slot, "none")
-            )
-        block_ids = tuple(self.block_ids(request_id)) if self.attention_groups else ()
+        # The first recurrent group's restore, else the first dual pool's (`state_restore`
+        # names each group's); the first block group's table
+        stateful = [*self.recurrent_groups, *self.dual_groups]
+        restore = self.state_restore(request_id, stateful[0].name) if stateful else None
+        block_ids = tuple(self.block_ids(request_id)) if self._block_groups else ()
         return Admission(point, n, block_ids, restore)
 
     def _check_reserve(self, req: _Request, num_new_tokens: int) -> None:
@@ -389,13 +456,17 @@ class HybridCacheManager(CacheManager):
             )
 
     def _needs(self, req: _Request, end: int) -> dict[str, int]:
-        return {g.name: g.blocks_needed(req.states[g.name], req.num_computed, end) for g in self.attention_groups}
+        return {g.name: g.blocks_needed(req.states[g.name], req.num_computed, end) for g in self._block_groups}
 
     def _apply_reserve(self, req: _Request, end: int) -> Reservation:
+        """The reservation names the first block group's new blocks and copies."""
         new_ids: tuple[int, ...] = ()
         copies: tuple[BlockCopy, ...] = ()
-        for i, g in enumerate(self.attention_groups):
-            new, cps = g.apply_reserve(req.states[g.name], req.num_computed, end)
+        for i, g in enumerate(self._block_groups):
+            if isinstance(g, DualPoolGroup):
+                new, cps = g.apply_reserve(req.states[g.name], req.num_computed, end), []
+            else:
+                new, cps = g.apply_reserve(req.states[g.name], req.num_computed, end)
             if i == 0:
                 new_ids, copies = tuple(new), tuple(cps)
         checkpoints: tuple[tuple[int, int], ...] = ()
@@ -462,14 +533,14 @@ class HybridCacheManager(CacheManager):
 
     def fork(self, parent_id: str, child_id: str) -> bool:
         """A child sharing the parent's blocks, with its own live state in every recurrent
-        group (the runner copies the parent's into it). False, nothing changed, when a
-        recurrent group has no free slot."""
+        group and its own state block in every dual-pool group (the runner copies the
+        parent's into them). False, nothing changed, when one of them has no free slot."""
         parent = self._get(parent_id)
         if child_id in self._requests:
             raise ValueError(f"request {child_id!r} already exists")
         if parent.end != parent.num_computed:
             raise ValueError(f"request {parent_id!r} has an uncommitted step; fork after commit")
-        if not all(g.can_fork() for g in self.recurrent_groups):
+        if not all(g.can_fork() for g in [*self.recurrent_groups, *self.dual_groups]):
             return False
         child = _Request(child_id, parent.token_ids[: parent.num_computed], parent.mm_items, dict(parent.roots))
         child.num_computed = child.end = parent.num_computed
@@ -529,6 +600,8 @@ class HybridCacheManager(CacheManager):
             groups[0].check_holders(holders[pool])
             if len(groups) > 1:
                 self._check_owners(groups)
+        for g in self.dual_groups:
+            g.check_state_blocks({rid: req.states[g.name] for rid, req in self._requests.items()})
 
     def _check_owners(self, groups: list[Group]) -> None:
         """On a shared pool a block is held by the requests of one group only."""
