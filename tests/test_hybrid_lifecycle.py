@@ -19,6 +19,13 @@ live state. After every operation:
     computed tokens, under its tenant. A wrong hit point (one group's hit taken without
     the other's), a missing copy, a block freed while still read, or a checkpoint filed
     under the wrong prefix shows up here as a wrong prefix.
+DualPoolLifecycle adds V4's dual pool as a group (spans of 8, a hit replays the 2 tokens
+before it): each classical block holds (group, tenant, the prefix through its span), written
+by the step that completes the span; each state block the state after some prefix. A hit's
+state is rebuilt as a runner would: replaying [replay_start, P) on top of the cached spans,
+which rebuilds the unfinished span's entries only if the replay starts at or before the
+last cached span's end, and the window only if it starts at or before P - replay_len; a
+state that was not rebuilt is marked and the invariant catches it.
 KVPOOL_HYPOTHESIS_EXAMPLES raises the example count (300 by default, CI's setting; this test
 runs a third of it).
 """
@@ -27,12 +34,14 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from kvpool.cache import CacheDescriptor
 from kvpool.cache.coordinator import HybridCacheManager
+from kvpool.cache.dual_pool import DualPoolGroup, DualPoolGroupSpec
 from kvpool.cache.recurrent import RecurrentGroupSpec
 from kvpool.cache.window import AttentionGroupSpec
 
@@ -56,6 +65,8 @@ class Lifecycle(RuleBasedStateMachine):
         # writes; an attention slot names the group that wrote it)
         by_pool: dict[object, dict[int, tuple]] = {}
         self.content = {name: by_pool.setdefault(g.pool, {}) for name, g in self.m.groups.items()}
+        # Dual-pool groups: what each state block holds
+        self.states: dict[str, dict[int, tuple]] = {g.name: {} for g in self.m.dual_groups}
         self.seq: dict[str, list[int]] = {}
         self.tenant: dict[str, str] = {}
         self.next_id = 0
@@ -65,6 +76,32 @@ class Lifecycle(RuleBasedStateMachine):
         return HybridCacheManager(SPECS, CacheDescriptor("prop"), turn_end_checkpoints=True)
 
     # ---- the "runner" ------------------------------------------------------------------
+
+    def _queues(self) -> dict[str, list[int]]:
+        """Every pool's free queue (a dual pool's state pool apart)."""
+        queues = {name: g.pool.free_queue() for name, g in self.m.groups.items()}
+        queues.update({g.name + ".state": g.state_pool.free_queue() for g in self.m.dual_groups})
+        return queues
+
+    def _restore_dual(self, rid: str, point: int) -> None:
+        """Rebuild each dual pool's state after a hit at `point` as the restore says: replay
+        [replay_start, point) on top of the cached spans the request holds."""
+        tenant, seq = self.tenant[rid], tuple(self.seq[rid])
+        for g in self.m.dual_groups:
+            restore = self.m.state_restore(rid, g.name)
+            assert restore.state_slot == self.m.state_slot(rid, g.name)
+            if not point:
+                assert restore.method == "none"
+                self.states[g.name][restore.state_slot] = (tenant, ())
+                continue
+            assert restore.method == "recompute"
+            cached = point // g.span * g.span  # the spans read from the classical pool
+            table = self.m.block_ids(rid, g.name)
+            for k in range(point // g.span):
+                assert self.content[g.name].get(table[k]) == (g.name, tenant, seq[: (k + 1) * g.span]), (rid, k)
+            start = restore.replay_start
+            rebuilt = start <= cached and start <= max(0, point - g.spec.replay_len)
+            self.states[g.name][restore.state_slot] = (tenant, seq[:point]) if rebuilt else ("not rebuilt", start)
 
     def _apply_copies(self) -> None:
         for name, copies in self.m.take_copies().items():
@@ -88,6 +125,13 @@ class Lifecycle(RuleBasedStateMachine):
         for g in self.m.attention_groups:
             for pos in range(start, end):
                 self.content[g.name][self._slot(rid, g.name, pos)] = (g.name, tenant, tuple(seq[: pos + 1]))
+        for g in self.m.dual_groups:
+            state_slot = self.m.state_slot(rid, g.name)
+            assert self.states[g.name][state_slot] == (tenant, tuple(seq[:start])), "the state the step starts from"
+            table = self.m.block_ids(rid, g.name)
+            for k in range(start // g.span, end // g.span):  # the spans the step completes
+                self.content[g.name][table[k]] = (g.name, tenant, tuple(seq[: (k + 1) * g.span]))
+            self.states[g.name][state_slot] = (tenant, tuple(seq[:end]))
         rec = self.content["rec"]
         live = self.m.state_slot(rid)
         assert rec[live] == (tenant, tuple(seq[:start])), "the state the step starts from"
@@ -113,11 +157,11 @@ class Lifecycle(RuleBasedStateMachine):
     def admit(self, base, cut, suffix, tenant, budget):
         prompt = base[:cut] + suffix
         rid = self._new_id()
-        before = {name: g.pool.free_queue() for name, g in self.m.groups.items()}
+        before = self._queues()
         expected_hit = self.m.lookup_prefix(prompt, tenant_salt=tenant)
         admission = self.m.admit(rid, prompt, budget, tenant_salt=tenant)
         if admission is None:
-            assert {name: g.pool.free_queue() for name, g in self.m.groups.items()} == before and rid not in self.m
+            assert self._queues() == before and rid not in self.m
             return None
         point = admission.num_cached_tokens
         assert point == expected_hit and point <= len(prompt) - 1
@@ -130,6 +174,7 @@ class Lifecycle(RuleBasedStateMachine):
         else:
             assert src is None
             self.content["rec"][live] = (tenant, ())
+        self._restore_dual(rid, point)
         self._forward(rid, point, point + admission.num_scheduled_tokens)
         self.m.commit(rid, admission.num_scheduled_tokens)
         return rid
@@ -159,9 +204,9 @@ class Lifecycle(RuleBasedStateMachine):
                 self.m.append_token_ids(rid, [tok])
                 self.seq[rid].append(tok)
             counts.append(self.m.num_tokens(rid) - self.m.num_computed_tokens(rid))
-        before = {name: g.pool.free_queue() for name, g in self.m.groups.items()}
+        before = self._queues()
         if not self.m.reserve_step(live, counts):
-            assert {name: g.pool.free_queue() for name, g in self.m.groups.items()} == before
+            assert self._queues() == before
             return
         self._apply_copies()
         starts = [self.m.num_computed_tokens(r) for r in live]
@@ -176,14 +221,20 @@ class Lifecycle(RuleBasedStateMachine):
         if parent not in self.m:
             return None
         child = self._new_id()
+        before = self._queues()
         if not self.m.fork(parent, child):
-            assert child not in self.m and self.m.groups["rec"].pool.num_free == 0
+            assert child not in self.m and self._queues() == before
+            full = [self.m.groups["rec"].pool.num_free, *(g.state_pool.num_free for g in self.m.dual_groups)]
+            assert 0 in full, "a fork fails only for want of a state"
             return None
         n = self.m.num_computed_tokens(parent)
         self.seq[child] = self.seq[parent][:n]
         self.tenant[child] = self.tenant[parent]
         rec = self.content["rec"]
         rec[self.m.state_slot(child)] = rec[self.m.state_slot(parent)]
+        for g in self.m.dual_groups:
+            states = self.states[g.name]
+            states[self.m.state_slot(child, g.name)] = states[self.m.state_slot(parent, g.name)]
         return child
 
     @rule(rid=requests)
@@ -219,6 +270,15 @@ class Lifecycle(RuleBasedStateMachine):
                     slot = self._slot(rid, g.name, pos)
                     assert self.content[g.name].get(slot) == (g.name, tenant, tuple(seq[: pos + 1])), (rid, g.name, pos)
             assert rec.get(self.m.state_slot(rid)) == (tenant, tuple(seq[:n])), rid
+            for g in self.m.dual_groups:
+                table = self.m.block_ids(rid, g.name)
+                for k in range(n // g.span):
+                    assert self.content[g.name].get(table[k]) == (g.name, tenant, tuple(seq[: (k + 1) * g.span])), (
+                        rid,
+                        g.name,
+                        k,
+                    )
+                assert self.states[g.name].get(self.m.state_slot(rid, g.name)) == (tenant, tuple(seq[:n])), rid
 
     @invariant()
     def free_counts_add_up(self):
@@ -235,6 +295,8 @@ class Lifecycle(RuleBasedStateMachine):
         self.m.check_integrity()
         for g in self.m.groups.values():
             assert g.pool.num_free == g.pool.num_blocks
+        for g in self.m.dual_groups:
+            assert g.state_pool.num_free == g.state_pool.num_blocks
 
 
 Lifecycle.TestCase.settings = settings(
@@ -282,3 +344,77 @@ SharedPoolLifecycle.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestSharedPoolHybridLifecycle = SharedPoolLifecycle.TestCase
+
+
+class DualPoolLifecycle(Lifecycle):
+    """A window group, a full group, V4's dual pool (spans of 8: 8 classical blocks, 4 state
+    blocks, a hit replays 2 tokens) and a recurrent group with a checkpoint every 4 tokens:
+    the recurrent and attention groups offer points inside spans (4, 12, 20, turn ends),
+    which the dual pool must pass over; few state blocks, so admissions and forks wait."""
+
+    def _build(self) -> HybridCacheManager:
+        specs = [
+            SPECS[0],
+            SPECS[1],
+            (DualPoolGroupSpec("v4", 8, replay_len=2), (8, 4)),
+            (RecurrentGroupSpec("rec", 4), 12),
+        ]
+        return HybridCacheManager(specs, CacheDescriptor("prop"), turn_end_checkpoints=True)
+
+
+DualPoolLifecycle.TestCase.settings = settings(
+    max_examples=max(1, int(os.environ.get("KVPOOL_HYPOTHESIS_EXAMPLES", "300")) // 3),
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestDualPoolHybridLifecycle = DualPoolLifecycle.TestCase
+
+
+class ConstantHashDualPoolLifecycle(DualPoolLifecycle, ConstantHashLifecycle):
+    """The dual-pool lifecycle with every hash alike: the content guard alone keeps spans apart."""
+
+
+ConstantHashDualPoolLifecycle.TestCase.settings = ConstantHashLifecycle.TestCase.settings
+TestConstantHashDualPoolLifecycle = ConstantHashDualPoolLifecycle.TestCase
+
+
+class _HitsInsideSpans(DualPoolGroup):
+    """A deliberately broken dual pool: it serves any point whose complete spans before it
+    are cached, and restores by replaying the window before the point, as if the unfinished
+    span's entries were rebuilt too."""
+
+    def serves(self, hits, point):
+        return point // self.span <= len(hits.block_ids)
+
+    def upper_bound(self, hits):
+        return (len(hits.block_ids) + 1) * self.span - 1
+
+    def plan_admit(self, hits, point, end):
+        plan, need = super().plan_admit(hits, point // self.span * self.span, end)
+        plan.replay_start = self.spec.replay_start(point) if point else None
+        return plan, need
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_the_dual_pool_model_catches_a_hit_inside_a_span(broken):
+    machine = DualPoolLifecycle()
+    if broken:
+        machine.m.groups["v4"].__class__ = _HitsInsideSpans
+    machine.admit(base=BASES[0], cut=13, suffix=[], tenant="", budget=None)
+    machine.integrity()
+    machine.every_group_reads_the_right_prefix()
+    # 13 tokens computed: blocks of 4 end at 4, 8, 12, recurrent checkpoints at 4, 8, 12,
+    # one complete span (8); the follow-up's last point is 13 - 1 = 12 (a token to compute).
+    points = machine.m.group_hit_points(BASES[0][:14])
+    every = [0, 4, 8, 12]
+    assert points == {"swa": every, "full": every, "v4": every if broken else [0, 8], "rec": every}
+    if not broken:
+        rid = machine.admit(base=BASES[0], cut=14, suffix=[], tenant="", budget=None)
+        assert machine.m.stats.num_hit_tokens == 8 and machine.m.num_computed_tokens(rid) == 14
+        machine.every_group_reads_the_right_prefix()
+        return
+    # Hit 12: the replay of [10, 12) does not rebuild the entries of the span's first two
+    # tokens [8, 10), which no cached block holds.
+    with pytest.raises(AssertionError, match="the state the step starts from"):
+        machine.admit(base=BASES[0], cut=14, suffix=[], tenant="", budget=None)
