@@ -219,6 +219,33 @@ class FullAttentionManager(CacheManager):
         req = self._new_request("<lookup>", token_ids, tenant_salt, mm_items, descriptor, copy=False)
         return len(self._match(req, count_collisions=False)[0]) * self.block_size
 
+    def prefix_blocks(self, token_ids: Sequence[int], *, tenant_salt: str = "") -> tuple[list[int], list[PrefixBlock]]:
+        """The cached full blocks of `token_ids` from the first (all of them may match, unlike
+        an admission's hit, which leaves a token to compute): their ids and prefix blocks.
+        Changes nothing; the ids are valid until the pool next allocates."""
+        req = self._new_request("<lookup>", token_ids, tenant_salt, (), None, copy=False)
+        if not self.enable_prefix_caching:
+            return [], []
+        hit = self.pool.match(
+            req.root,
+            req.prompt_bytes,
+            self.block_size * TOKEN_BYTES,
+            len(token_ids) // self.block_size,
+            count_collisions=False,
+        )
+        return hit.block_ids, hit.chain
+
+    def chain_for(self, token_ids: Sequence[int], *, tenant_salt: str = "") -> list[PrefixBlock]:
+        """The prefix blocks (hashes) the full blocks of `token_ids` have under this manager's
+        descriptor and `tenant_salt`, cached or not (nothing is registered)."""
+        root = self._root(tenant_salt, None)
+        chain: list[PrefixBlock] = []
+        parent = root
+        for j in range(len(token_ids) // self.block_size):
+            parent = self.pool.chain(parent, token_bytes(token_ids[j * self.block_size : (j + 1) * self.block_size]))
+            chain.append(parent)
+        return chain
+
     def _new_request(
         self,
         request_id: str,

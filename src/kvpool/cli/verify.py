@@ -107,6 +107,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_cp_arguments(sub)
     add_tp_arguments(sub)
+    add_pd_arguments(sub)
 
 
 def add_cp_arguments(sub) -> None:
@@ -165,6 +166,62 @@ def run_tp(args: argparse.Namespace) -> int:
             f"{result['single_process_s']} s single, {result['tp_s']} s TP"
         )
     return 0 if result["passed"] else 1
+
+
+def add_pd_arguments(sub) -> None:
+    pd = sub.add_parser(
+        "pd",
+        help="prefill / decode disaggregation on SmolLM2 against one process (under torchrun)",
+        description=(
+            "Prefill / decode disaggregation (kvpool.verify.disaggregated): prefill ranks first, then decode ranks; "
+            "run under torchrun --nproc-per-node P+D -m kvpool verify pd. The decode leader prints the result."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    pd.add_argument("--prefill-tp", type=positive_int, default=1)
+    pd.add_argument("--decode-tp", type=positive_int, default=1)
+    pd.add_argument("--prefill-block-size", type=positive_int, default=16)
+    pd.add_argument("--decode-block-size", type=positive_int, default=16)
+    pd.add_argument("--max-tokens", type=positive_int, default=8, help="greedy tokens a request decodes")
+    pd.add_argument("--prompt-len", type=positive_int, default=480, help="tokens of the reference text a prompt takes")
+    pd.add_argument("--prefill-tenant", default="", help="the tenant the prefill side describes its blocks under")
+    pd.add_argument("--crash", action="store_true", help="the prefill leader dies after its first descriptor")
+    pd.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run_pd(args: argparse.Namespace) -> int:
+    """`kvpool verify pd`: 1 if a request's tokens differ from the single-process run."""
+    from kvpool.verify.disaggregated import run_pd as run_all
+
+    report = run_all(
+        args.prefill_tp,
+        args.decode_tp,
+        args.prefill_block_size,
+        args.decode_block_size,
+        args.max_tokens,
+        args.prompt_len,
+        args.prefill_tenant,
+        args.crash,
+    )
+    if report is None:
+        return 0
+    ok = all(r["tokens_equal"] for r in report["requests"])
+    if args.json:
+        print(json.dumps({"passed": ok, **report}))
+    else:
+        for r in report["requests"]:
+            mark = "ok  " if r["tokens_equal"] else "FAIL"
+            print(
+                f"{mark} {r['prompt_tokens']}-token prompt: {r['outcome']}, {r['tokens_received']} tokens "
+                f"({r['bytes_received']:,} B) received, {r['cached_tokens']} tokens cached, {r['seconds']} s"
+            )
+        t = report["transfer"]
+        print(
+            f"P/D {report['prefill_tp']} -> {report['decode_tp']} ranks, blocks {report['prefill_block_size']} -> "
+            f"{report['decode_block_size']}: {t['num_bytes']:,} B in {t['transfer_ms']} ms "
+            f"({t['transfer_gb_s']} GB/s), conversion {t['convert_ms']} ms"
+        )
+    return 0 if ok else 1
 
 
 def run_cp(args: argparse.Namespace) -> int:
@@ -237,6 +294,8 @@ def run(args: argparse.Namespace) -> int:
         return run_cp(args)
     if args.target == "tp":
         return run_tp(args)
+    if args.target == "pd":
+        return run_pd(args)
     import torch
 
     from kvpool.verify.dsv4 import Verifier

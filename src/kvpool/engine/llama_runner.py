@@ -559,7 +559,7 @@ class LlamaRunner:
         tables = m.step_tables([c.seq_id for c in chunks], [c.start for c in chunks], ctx_lens)
         if self.model.shard is not None:  # tensor parallel: every rank must have decided alike
             step = repr(([c.seq_id for c in chunks], list(tables.slots), [len(c.token_ids) for c in chunks]))
-            check_same_step(xxhash.xxh3_64_intdigest(step.encode()) >> 1)
+            check_same_step(xxhash.xxh3_64_intdigest(step.encode()) >> 1, self.model.tp_group)
         cfg = self.model.config
         plan = plan_step(
             q_lens,

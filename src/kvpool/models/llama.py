@@ -82,6 +82,7 @@ class LlamaModel:
         # output and MLP down projections are summed over the ranks in place; None: one rank
         self.reduce: Callable[[torch.Tensor], None] | None = None
         self.shard: tuple[int, int] | None = None  # (rank, world size) of a sharded model
+        self.tp_group = None  # its torch.distributed group (None: the default group)
         # RoPE tables (rotate-half): cos / sin [max_position, head_dim], fp32
         d = config.head_dim
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))

@@ -48,8 +48,8 @@ def check_tp(config, tp: int) -> None:
 
 
 def shard_llama(model: LlamaModel, rank: int, world: int, group: dist.ProcessGroup | None = None) -> LlamaModel:
-    """Rank `rank`'s shard of `model` (see the module docstring), whose forward all-reduces
-    over `group` (the default group: the ranks of torchrun)."""
+    """Shard `rank` (within the TP group) of `model` (see the module docstring), whose
+    forward all-reduces over `group` (None: the default group, all of torchrun's ranks)."""
     cfg = model.config
     check_tp(cfg, world)
     if world == 1:
@@ -84,6 +84,7 @@ def shard_llama(model: LlamaModel, rank: int, world: int, group: dist.ProcessGro
 
     shard.reduce = reduce
     shard.shard = (rank, world)
+    shard.tp_group = group
     return shard
 
 

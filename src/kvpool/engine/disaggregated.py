@@ -1,0 +1,349 @@
+"""Prefill / decode disaggregation over torch.distributed: a prefill worker computes a
+prompt's KV and sends its blocks; a decode worker validates them, converts their layout,
+installs them, and only then runs the request.
+
+Ranks: the prefill side's TP group, then the decode side's (each a Llama engine on its own
+shard: models/tensor_parallel.py). Per request, the decode leader asks for a token range
+[start, end) of the prompt: the full decode blocks that neither its pool nor its landing
+tier already holds (a prompt seen before transfers nothing). The prefill side computes the
+prompt through its engine (its own prefix cache included) and reads the range from its
+cached blocks. Every pair of a prefill and a decode rank whose KV heads overlap then
+exchanges, over point-to-point sends:
+
+  1. a TransferDescriptor: the cache descriptor's identity fields (model, weights,
+     tokenizer, template, RoPE), the dtype and storage format, the tenant, the sender's
+     block size, head range and layer and head counts, the token range and its ids' hash,
+     the byte order, and the wire layout;
+  2. K and V of the overlapping heads, token-major [layers, tokens, heads, head_dim]:
+     independent of either side's block size.
+
+The receiver checks the descriptor field by field against its own (`check_transfer`): a
+difference it cannot convert (another model, weights, dtype or format, tenant, RoPE, byte
+order, the wrong tokens) is a TransferError naming the fields; nothing is reinterpreted.
+What it converts: the block size (the token-major wire is cut into its own blocks) and the
+TP degree (each decode rank takes the heads it owns from the prefill ranks that hold
+them). Once every part has arrived, the blocks go into the decode worker's landing tier (a
+HostTier) under its own content keys; the request is then admitted as usual, and the
+admission loads them into the pool and publishes them (the tier path: validated again,
+visible only once installed). The prompt's unfinished last block is computed by the
+decode worker (fewer than a block of tokens). A transfer that fails half way (a prefill
+worker gone) installs nothing: the decode worker computes the prompt itself.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+import xxhash
+
+from kvpool.engine.engine import Engine
+from kvpool.tiers import HostTier
+
+WIRE_LAYOUT = "token-major [layers, tokens, kv_heads, head_dim]; K then V"
+
+
+class TransferError(ValueError):
+    """A transfer the receiver cannot accept (the message names the mismatched fields)."""
+
+
+@dataclass(frozen=True)
+class TransferDescriptor:
+    model_id: str
+    weights_version: str
+    tokenizer_version: str
+    template_version: str
+    rope_id: str
+    dtype: str
+    kv_format: str
+    tenant: str
+    num_layers: int
+    num_kv_heads: int  # the model's, over all ranks
+    head_dim: int
+    head_range: tuple[int, int]  # the sender's KV heads [first, last)
+    block_size: int  # the sender's
+    start: int  # the tokens [start, end) of the prompt
+    end: int
+    tokens_hash: str  # xxh3-64 of the prompt's ids up to `end`
+    byte_order: str = sys.byteorder
+    layout: str = WIRE_LAYOUT
+
+    # fields two sides must share exactly; the others describe what is converted
+    MUST_MATCH = (
+        "model_id",
+        "weights_version",
+        "tokenizer_version",
+        "template_version",
+        "rope_id",
+        "dtype",
+        "kv_format",
+        "tenant",
+        "num_layers",
+        "num_kv_heads",
+        "head_dim",
+        "tokens_hash",
+        "byte_order",
+        "layout",
+    )
+
+
+def tokens_hash(token_ids, end: int) -> str:
+    return xxhash.xxh3_64_hexdigest(torch.tensor(list(token_ids[:end]), dtype=torch.int64).numpy().tobytes())
+
+
+def heads_of(model) -> tuple[int, int]:
+    """The global KV heads [first, last) this (maybe sharded) model's rank holds."""
+    kvh = model.config.num_kv_heads
+    rank = model.shard[0] if model.shard is not None else 0
+    return rank * kvh, (rank + 1) * kvh
+
+
+def describe(engine: Engine, tenant: str, token_ids, start: int, end: int) -> TransferDescriptor:
+    """This side's descriptor for tokens [start, end) of `token_ids`."""
+    runner = engine.runner
+    model = runner.model
+    d = runner.manager.descriptor
+    world = model.shard[1] if model.shard is not None else 1
+    return TransferDescriptor(
+        model_id=d.model_id,
+        weights_version=d.weights_version,
+        tokenizer_version=d.tokenizer_version,
+        template_version=d.template_version,
+        rope_id=d.rope_id,
+        dtype=str(model.dtype).removeprefix("torch."),
+        kv_format=runner.kv_format,
+        tenant=tenant,
+        num_layers=model.config.num_layers,
+        num_kv_heads=model.config.num_kv_heads * world,
+        head_dim=model.config.head_dim,
+        head_range=heads_of(model),
+        block_size=runner.block_size,
+        start=start,
+        end=end,
+        tokens_hash=tokens_hash(token_ids, end),
+    )
+
+
+def check_transfer(got: TransferDescriptor, expected: TransferDescriptor) -> None:
+    """TransferError naming every field that differs and cannot be converted."""
+    differ = [f for f in TransferDescriptor.MUST_MATCH if getattr(got, f) != getattr(expected, f)]
+    if (got.start, got.end) != (expected.start, expected.end):
+        differ.append("token range")
+    if differ:
+        details = ", ".join(
+            f"{f}: {getattr(got, f)!r} != {getattr(expected, f)!r}" for f in differ if f != "token range"
+        )
+        if "token range" in differ:
+            details += (
+                f"{', ' if details else ''}token range: {got.start}..{got.end} != {expected.start}..{expected.end}"
+            )
+        raise TransferError(f"transfer rejected: {details}")
+
+
+def extract(engine: Engine, token_ids, start: int, end: int, tenant: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefill side: K and V of tokens [start, end) (token-major, this rank's heads)
+    from the engine's cached full blocks of `token_ids`. ValueError when they are not cached."""
+    runner = engine.runner
+    ids, _ = runner.manager.prefix_blocks(list(token_ids), tenant_salt=tenant)
+    bs = runner.block_size
+    if len(ids) * bs < end:
+        raise ValueError(f"the prefill cache holds {len(ids) * bs} tokens of the prompt, {end} were asked for")
+    first, last = start // bs, -(-end // bs)
+    blocks = torch.tensor(ids[first:last], dtype=torch.long)
+    st = runner.storage
+    k = st.k[:, blocks].permute(0, 1, 4, 2, 3)  # [layers, n, bs, kvh, d]
+    v = st.v[:, blocks].permute(0, 1, 3, 2, 4)  # [layers, n, bs, kvh, d]
+    layers, n, _, kvh, d = k.shape
+    k = k.reshape(layers, n * bs, kvh, d)[:, start - first * bs : end - first * bs]
+    v = v.reshape(layers, n * bs, kvh, d)[:, start - first * bs : end - first * bs]
+    return k.contiguous(), v.contiguous()
+
+
+@dataclass
+class TransferStats:
+    num_requests: int = 0
+    num_transfers: int = 0  # requests that received blocks
+    num_tokens: int = 0  # tokens whose KV arrived
+    num_bytes: int = 0
+    transfer_s: float = 0.0  # waiting for and receiving the parts
+    convert_s: float = 0.0  # cutting into blocks, head selection, installing in the landing tier
+    num_failed: int = 0  # transfers that broke off (nothing installed)
+    rejected: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, object]:
+        out = asdict(self)
+        gb_s = self.num_bytes / self.transfer_s / 1e9 if self.transfer_s else 0.0
+        out.update(transfer_gb_s=round(gb_s, 3), transfer_ms=round(self.transfer_s * 1e3, 2))
+        out.update(convert_ms=round(self.convert_s * 1e3, 2))
+        return out
+
+
+def needed_range(engine: Engine, landing: HostTier, token_ids, tenant: str) -> tuple[int, int]:
+    """The decode side: the full blocks of the prompt [start, end) that neither the pool nor
+    the landing tier holds (start == end: nothing to send)."""
+    runner = engine.runner
+    bs = runner.block_size
+    end = ((len(token_ids) - 1) // bs) * bs  # an admission computes at least the last token
+    have, _ = runner.manager.prefix_blocks(list(token_ids), tenant_salt=tenant)
+    chain = runner.manager.chain_for(list(token_ids), tenant_salt=tenant)
+    n = len(have)
+    index = runner.tier_index
+    while n < len(chain) and index is not None and landing.holds(*index.describe(chain[n])):
+        n += 1
+    return min(n * bs, end), end
+
+
+def install(engine: Engine, landing: HostTier, token_ids, tenant: str, start: int, k: torch.Tensor, v: torch.Tensor):
+    """The decode side: K / V of tokens [start, start + T) (token-major, this rank's heads),
+    cut into this pool's blocks and put into the landing tier under its content keys."""
+    runner = engine.runner
+    index = runner.tier_index
+    assert index is not None, "the decode engine needs its landing tier"
+    bs = runner.block_size
+    chain = runner.manager.chain_for(list(token_ids), tenant_salt=tenant)
+    layers, t, kvh, d = k.shape
+    for j in range(start // bs, (start + t) // bs):
+        kb = k[:, j * bs - start : (j + 1) * bs - start]  # [layers, bs, kvh, d]
+        vb = v[:, j * bs - start : (j + 1) * bs - start]
+        tensors = {"k": kb.permute(0, 2, 3, 1).contiguous(), "v": vb.permute(0, 2, 1, 3).contiguous()}
+        key, descriptor = index.describe(chain[j])
+        if not landing.put(key, descriptor, tensors):
+            raise TransferError(f"the landing tier has no room for block {j} of the prompt")
+
+
+def overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
+    lo, hi = max(a[0], b[0]), min(a[1], b[1])
+    return (lo, hi) if lo < hi else None
+
+
+class Disaggregation:
+    """One process's side of P/D: `prefill_ranks` and `decode_ranks` are global ranks (each a
+    TP group, in shard order); this process runs `engine` on its shard. The decode side's
+    engine has `landing` as its host tier."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        prefill_ranks: list[int],
+        decode_ranks: list[int],
+        *,
+        landing: HostTier | None = None,
+        tenant: str = "",
+        timeout_s: float = 60.0,
+    ) -> None:
+        self.engine, self.prefill_ranks, self.decode_ranks = engine, prefill_ranks, decode_ranks
+        self.rank = dist.get_rank()
+        self.is_prefill = self.rank in prefill_ranks
+        if not self.is_prefill and landing is None:
+            raise ValueError("a decode worker needs its landing tier (the engine's host tier)")
+        self.landing = landing
+        self.tenant = tenant
+        self.stats = TransferStats()
+        p, q = len(prefill_ranks), len(decode_ranks)
+        kvh = engine.runner.model.config.num_kv_heads * (engine.runner.model.shard or (0, 1))[1]
+        self.heads = {r: (i * kvh // p, (i + 1) * kvh // p) for i, r in enumerate(prefill_ranks)}
+        self.heads.update({r: (i * kvh // q, (i + 1) * kvh // q) for i, r in enumerate(decode_ranks)})
+
+    # ---- the prefill side ----------------------------------------------------------------
+
+    def serve(self, token_ids, *, crash_after_descriptor: bool = False) -> None:
+        """Prefill `token_ids` and send the range the decode side asks for (its leader's
+        message first: (start, end)). crash_after_descriptor: die after sending the
+        descriptors (the tests' crashed prefill worker)."""
+        from kvpool.engine.sampling import SamplingParams
+
+        msg = [None]
+        dist.broadcast_object_list(msg, src=self.decode_ranks[0])  # every rank hears the range
+        start, end, decode_bs = msg[0]  # type: ignore[misc]
+        if start >= end:
+            return
+        params = SamplingParams(max_tokens=1, ignore_eos=True)
+        rid = self.engine.add_request(list(token_ids), params, tenant=self.tenant)
+        while self.engine.has_unfinished():
+            self.engine.step()
+        self.engine.pop_output(rid)
+        # what this side's cache holds of the range, in whole decode blocks (its own partial
+        # last block is not cached: the decode side computes what is not sent)
+        held = len(self.engine.runner.manager.prefix_blocks(list(token_ids), tenant_salt=self.tenant)[0])
+        end = max(start, min(end, (held * self.engine.runner.block_size // decode_bs) * decode_bs))
+        k, v = extract(self.engine, token_ids, start, end, self.tenant)
+        mine = self.heads[self.rank]
+        desc = describe(self.engine, self.tenant, token_ids, start, end)
+        for dst in self.decode_ranks:
+            part = overlap(mine, self.heads[dst])
+            if part is None:
+                continue
+            dist.send_object_list([desc], dst=dst)
+            if crash_after_descriptor:
+                import os
+
+                os._exit(17)
+            lo, hi = part[0] - mine[0], part[1] - mine[0]
+            dist.send(k[:, :, lo:hi].contiguous(), dst=dst)
+            dist.send(v[:, :, lo:hi].contiguous(), dst=dst)
+
+    # ---- the decode side -----------------------------------------------------------------
+
+    def receive(self, token_ids) -> tuple[int, int]:
+        """Ask for and install what the prompt needs; (tokens received, bytes received).
+        TransferError (after every part was received, nothing installed) for a descriptor
+        the decode side cannot accept; RuntimeError when a sender broke off."""
+        assert self.landing is not None
+        self.stats.num_requests += 1
+        start, end = needed_range(self.engine, self.landing, token_ids, self.tenant)
+        bs = self.engine.runner.block_size
+        msg = [(start, end, bs)]
+        dist.broadcast_object_list(msg, src=self.decode_ranks[0])
+        start, end, _ = msg[0]  # the leader's range: every decode rank decided alike (checked per step)
+        if start >= end:
+            return 0, 0
+        mine = self.heads[self.rank]
+        began = None  # the transfer's clock starts at the first descriptor (sent once the prompt is computed)
+        parts: list[tuple[tuple[int, int], torch.Tensor, torch.Tensor]] = []
+        problems: list[str] = []
+        for src in self.prefill_ranks:
+            part = overlap(self.heads[src], mine)
+            if part is None:
+                continue
+            got = [None]
+            dist.recv_object_list(got, src=src)
+            began = began or time.perf_counter()
+            desc = got[0]
+            assert isinstance(desc, TransferDescriptor)
+            shape = (desc.num_layers, desc.end - desc.start, part[1] - part[0], desc.head_dim)
+            dtype = getattr(torch, desc.dtype) if desc.dtype in ("float32", "float64", "bfloat16", "float16") else None
+            k = torch.empty(shape, dtype=dtype or torch.float32)
+            v = torch.empty_like(k)
+            dist.recv(k, src=src)
+            dist.recv(v, src=src)
+            # the sender may send less than asked (what its cache held, in whole blocks of ours)
+            sent_end = desc.end if start <= desc.end <= end and desc.end % bs == 0 else end
+            try:
+                check_transfer(desc, describe(self.engine, self.tenant, token_ids, start, sent_end))
+            except TransferError as e:
+                problems.append(str(e))
+            parts.append((part, k, v))
+        self.stats.transfer_s += time.perf_counter() - (began or time.perf_counter())
+        if problems:
+            self.stats.rejected.extend(problems)
+            raise TransferError(problems[0])
+        began = time.perf_counter()
+        parts.sort(key=lambda p: p[0])
+        if len({p[1].shape[1] for p in parts}) != 1:
+            raise TransferError("transfer rejected: the prefill ranks sent different token ranges")
+        end = start + parts[0][1].shape[1]
+        if end == start:
+            return 0, 0
+        k = torch.cat([p[1] for p in parts], dim=2)
+        v = torch.cat([p[2] for p in parts], dim=2)
+        assert k.shape[2] == mine[1] - mine[0], "the prefill ranks' heads do not cover this rank's"
+        install(self.engine, self.landing, token_ids, self.tenant, start, k, v)
+        self.stats.convert_s += time.perf_counter() - began
+        nbytes = k.nbytes + v.nbytes
+        self.stats.num_transfers += 1
+        self.stats.num_tokens += end - start
+        self.stats.num_bytes += nbytes
+        return end - start, nbytes

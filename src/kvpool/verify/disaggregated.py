@@ -1,0 +1,161 @@
+"""`kvpool verify pd`: prefill / decode disaggregation (engine/disaggregated.py) on SmolLM2
+against a single-process run. One process a rank, the prefill side's ranks first:
+
+    torchrun --nproc-per-node 4 -m kvpool verify pd --prefill-tp 1 --decode-tp 3 \\
+        --prefill-block-size 16 --decode-block-size 32
+
+For each prompt (a ~500-token one, the same again, another), the decode side asks for the
+full blocks it lacks, receives them, installs them, then decodes --max-tokens greedy
+tokens; they must equal the tokens of the single-process engine (the decode leader runs
+it first, on the whole model). The repeated prompt must transfer nothing. --prefill-tenant
+makes the prefill side describe its blocks under another tenant: the decode side must
+reject the transfer (and compute the prompt itself). --crash makes the prefill leader die
+after sending its first descriptor: the decode side must install nothing, keep its pool
+intact (check_integrity), and compute the prompt itself. (torchrun stops every process
+when one fails, so --crash runs are started with RANK / WORLD_SIZE / MASTER_ADDR /
+MASTER_PORT set by hand; the tests do that.)
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+import torch.distributed as dist
+
+PROMPTS = (
+    "Summarize, section by section, what the following reference text says about Python's statements: ",
+    "List the keywords this reference text mentions, in the order they first appear: ",
+)
+
+
+def _prompts(tokenizer, length: int) -> list[list[int]]:
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    body = tokenizer.encode(text)[:length]
+    first = tokenizer.encode(PROMPTS[0]) + body
+    second = tokenizer.encode(PROMPTS[1]) + body[: length // 2]
+    return [first, first, second]
+
+
+def run_pd(
+    prefill_tp: int,
+    decode_tp: int,
+    prefill_bs: int,
+    decode_bs: int,
+    max_tokens: int,
+    prompt_len: int,
+    prefill_tenant: str = "",
+    crash: bool = False,
+) -> dict[str, object] | None:
+    from kvpool.engine.build import build_engine, load_model
+    from kvpool.engine.disaggregated import Disaggregation, TransferError
+    from kvpool.engine.sampling import SamplingParams
+    from kvpool.models.tensor_parallel import check_tp, shard_llama
+
+    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+        raise ValueError("kvpool verify pd runs under torchrun: torchrun --nproc-per-node P+D -m kvpool verify pd")
+    world = int(os.environ["WORLD_SIZE"])
+    if world != prefill_tp + decode_tp:
+        raise ValueError(f"--prefill-tp {prefill_tp} + --decode-tp {decode_tp} ranks, but {world} processes")
+    loaded = load_model(device="cpu")
+    check_tp(loaded.model.config, prefill_tp)
+    check_tp(loaded.model.config, decode_tp)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    prefill_ranks = list(range(prefill_tp))
+    decode_ranks = list(range(prefill_tp, world))
+    groups = {"prefill": dist.new_group(prefill_ranks), "decode": dist.new_group(decode_ranks)}
+    side = "prefill" if rank in prefill_ranks else "decode"
+    ranks = prefill_ranks if side == "prefill" else decode_ranks
+    prompts = _prompts(loaded.tokenizer, prompt_len)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    reference: list[list[int]] = []
+    if rank == decode_ranks[0]:  # the single-process run: the whole model, the decode block size
+        single = build_engine(loaded, num_blocks=256, block_size=decode_bs, enable_prefix_caching=False)
+        for p in prompts:
+            rid = single.add_request(p, params)
+            while single.has_unfinished():
+                single.step()
+            reference.append(single.pop_output(rid).completions[0].token_ids)
+    if len(ranks) > 1:
+        loaded.model = shard_llama(loaded.model, ranks.index(rank), len(ranks), groups[side])
+    bs = prefill_bs if side == "prefill" else decode_bs
+    engine = build_engine(
+        loaded, num_blocks=256, block_size=bs, host_cache_bytes=(256 << 20) if side == "decode" else None
+    )
+    landing = engine.runner.host_tier
+    dis = Disaggregation(
+        engine,
+        prefill_ranks,
+        decode_ranks,
+        landing=landing,
+        tenant=prefill_tenant if side == "prefill" else "",
+    )
+    results = []
+    broken = False
+    for i, p in enumerate(prompts):
+        if side == "prefill":
+            if crash and i > 0:
+                break
+            dis.serve(p, crash_after_descriptor=crash and rank == prefill_ranks[0])
+            continue
+        outcome = "installed"
+        received = (0, 0)
+        began = time.perf_counter()
+        if broken:
+            outcome = "computed (the prefill side is gone)"
+        else:
+            try:
+                received = dis.receive(p)
+            except TransferError as e:
+                outcome = f"rejected: {e}"
+            except RuntimeError as e:  # a sender broke off: gloo reports the closed connection
+                dis.stats.num_failed += 1
+                broken = True
+                outcome = f"broke off: {str(e).splitlines()[0][:120]}"
+        if outcome == "installed" and not received[0]:
+            outcome = "nothing to receive (held already)"
+        installed_entries = landing.num_entries if landing is not None else 0
+        engine.runner.check_integrity()
+        rid = engine.add_request(p, params)
+        while engine.has_unfinished():
+            engine.step()
+            engine.runner.check_integrity()
+        out = engine.pop_output(rid)
+        results.append(
+            {
+                "prompt_tokens": len(p),
+                "outcome": outcome,
+                "tokens_received": received[0],
+                "bytes_received": received[1],
+                "landing_entries": installed_entries,
+                "cached_tokens": out.num_cached_tokens,
+                "tokens": out.completions[0].token_ids,
+                "seconds": round(time.perf_counter() - began, 3),
+            }
+        )
+        if crash:
+            break
+    if not crash:
+        dist.barrier()
+    if rank != decode_ranks[0]:
+        if not crash:
+            dist.destroy_process_group()
+        return None
+    for r, ref in zip(results, reference, strict=False):
+        r["tokens_equal"] = r.pop("tokens") == ref
+    report = {
+        "prefill_tp": prefill_tp,
+        "decode_tp": decode_tp,
+        "prefill_block_size": prefill_bs,
+        "decode_block_size": decode_bs,
+        "requests": results,
+        "transfer": dis.stats.as_dict(),
+        "kv_bytes_per_token_per_decode_rank": engine.runner.storage.bytes_per_token,
+    }
+    if not crash:
+        dist.destroy_process_group()
+    return report

@@ -1,0 +1,104 @@
+"""Prefill / decode disaggregation (engine/disaggregated.py; issue 15): under torchrun (gloo)
+the decode worker's greedy tokens equal a single-process run with the same and with another
+block size and TP degree on each side; a prompt seen before transfers nothing; a transfer
+under another tenant is rejected, naming the field; a prefill worker that dies mid-transfer
+leaves nothing installed and the decode pool intact."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from kvpool.engine.disaggregated import TransferDescriptor, TransferError, check_transfer
+
+SMALL = ["--prompt-len", "200", "--max-tokens", "4", "--json"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(world: int, *args: str) -> dict:
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world)]
+    argv += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "kvpool", "verify", "pd"]
+    proc = subprocess.run([*argv, *args, *SMALL], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+
+
+def test_every_field_that_cannot_be_converted_is_named() -> None:
+    base = TransferDescriptor(
+        "smollm2.gguf", "w1", "t1", "c1", "rope", "float32", "float32", "", 30, 3, 64, (0, 3), 16, 0, 32, "h"
+    )
+    check_transfer(dataclasses.replace(base, block_size=32, head_range=(0, 1)), base)  # converted, not checked
+    for name, value in [
+        ("model_id", "other.gguf"),
+        ("weights_version", "w2"),
+        ("dtype", "bfloat16"),
+        ("kv_format", "int8"),
+        ("tenant", "acme"),
+        ("num_kv_heads", 4),
+        ("tokens_hash", "x"),
+        ("byte_order", "big"),
+    ]:
+        with pytest.raises(TransferError, match=f"transfer rejected: {name}: {value!r} != "):
+            check_transfer(dataclasses.replace(base, **{name: value}), base)
+    with pytest.raises(TransferError, match="token range: 0..16 != 0..32"):
+        check_transfer(dataclasses.replace(base, end=16), base)
+
+
+@pytest.mark.parametrize(
+    "flags, world",
+    [
+        ([], 2),  # 1 -> 1 ranks, blocks of 16 on both sides
+        (["--decode-tp", "3", "--decode-block-size", "32"], 4),  # 1 -> 3 ranks, 16 -> 32
+    ],
+)
+def test_the_decode_worker_decodes_what_one_process_does(flags, world) -> None:
+    report = _torchrun(world, *flags)
+    first, repeat, other = report["requests"]
+    assert report["passed"] and all(r["tokens_equal"] for r in report["requests"])
+    bs = report["decode_block_size"]
+    full = (first["prompt_tokens"] - 1) // bs * bs
+    assert first["outcome"] == "installed" and first["tokens_received"] == full == first["cached_tokens"]
+    # each decode rank received its heads only: 30 layers x K and V x its KV heads x 64 x 4 B a token
+    assert first["bytes_received"] == full * 30 * 2 * (3 // report["decode_tp"]) * 64 * 4
+    assert repeat["tokens_received"] == 0 and repeat["cached_tokens"] >= full  # transfers nothing
+    assert other["outcome"] == "installed" and other["tokens_received"] > 0
+    assert report["transfer"]["num_transfers"] == 2 and report["transfer"]["num_failed"] == 0
+
+
+def test_a_transfer_under_another_tenant_is_rejected() -> None:
+    report = _torchrun(2, "--prefill-tenant", "acme")
+    first = report["requests"][0]
+    assert first["outcome"] == "rejected: transfer rejected: tenant: 'acme' != ''"
+    assert first["cached_tokens"] == 0 and first["landing_entries"] == 0 and first["tokens_equal"]
+    assert report["transfer"]["rejected"]
+
+
+def test_a_prefill_worker_dying_mid_transfer_leaves_nothing_installed() -> None:
+    """Started by hand (torchrun stops every worker once one fails): rank 0 prefills and dies
+    after its descriptor; rank 1 must install nothing and compute the prompt itself."""
+    port = str(_free_port())
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        argv = [sys.executable, "-m", "kvpool", "verify", "pd", "--crash", *SMALL]
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert procs[0].returncode == 17  # died on purpose
+    assert procs[1].returncode == 0, outs[1][1][-3000:]
+    report = json.loads(outs[1][0].strip().splitlines()[-1])
+    (request,) = report["requests"]
+    assert request["outcome"].startswith("broke off") and request["landing_entries"] == 0
+    assert request["tokens_received"] == 0 and request["cached_tokens"] == 0 and request["tokens_equal"]
+    assert report["transfer"]["num_failed"] == 1
