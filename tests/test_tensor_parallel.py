@@ -75,3 +75,19 @@ def test_generate_tp_3_prints_one_report() -> None:
     )
     assert report["tp"] == 3 and report["token_ids"] == json.loads(single.stdout)["token_ids"]
     assert report["kv_bytes_per_token_per_rank"] == 15_360
+
+
+def test_kvpool_run_tp_3_reports_once_with_per_rank_kv() -> None:
+    args = ["run", "--num-requests", "3", "--turns", "2", "--num-long", "0", "--max-tokens", "8", "--json"]
+    proc = _torchrun(3, *args, "--tp", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1
+    report = json.loads(lines[0])
+    single = subprocess.run([sys.executable, "-m", "kvpool", *args], capture_output=True, text=True, timeout=300)
+    one = json.loads(single.stdout)
+    assert report["tp"] == 3 and report["num_finished"] == one["num_finished"] == 6
+    assert report["kv_bytes_per_token_per_rank"] * 3 == one["kv_bytes_per_token_per_rank"]
+    # the same default KV budget per rank holds three times the tokens
+    assert report["kv_capacity_tokens"] == 3 * one["kv_capacity_tokens"]
+    assert report["prefix_hit_tokens"] == one["prefix_hit_tokens"] > 0  # the follow-up turns hit alike

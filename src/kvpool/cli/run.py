@@ -52,7 +52,7 @@ from kvpool.cli.args import (
     rate,
     v4_kv_format,
 )
-from kvpool.cli.generate import add_model_arguments
+from kvpool.cli.generate import _tensor_parallel, add_model_arguments, add_tp_argument
 from kvpool.sim import chat
 from kvpool.sim.stats import percentile
 
@@ -108,6 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     add_model_arguments(parser)
+    add_tp_argument(parser)
 
 
 # ---- the workload ---------------------------------------------------------------------
@@ -211,6 +212,10 @@ def build(args: argparse.Namespace):
     check_hisparse(args)
     check_preemption(args)
     persistent_cache_options(args)  # a flag tiny-dsv4 cannot take is refused before anything loads
+    if args.model == TINY_MODEL and args.tp > 1:
+        raise ValueError("--tp is for the Llama path (SmolLM2); tiny-dsv4 runs on one process")
+    if args.tp > 1 and getattr(args, "preemption", "recompute") == "auto":
+        raise ValueError("--preemption auto decides by each process's timings; with --tp use recompute or swap")
     if args.model == TINY_MODEL:
         from kvpool.engine.dsv4_runner import DSV4EngineRunner
         from kvpool.engine.engine import Engine
@@ -250,6 +255,9 @@ def build(args: argparse.Namespace):
     from kvpool.engine.build import load_model
 
     loaded = load_model(args.model)
+    if _tensor_parallel(args, loaded) != 0:  # rank 0 reports; the other ranks compute their shards alongside
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the rest of the process)
+        args.json = True  # and no progress bar
     kv_bytes = parse_bytes(args.kv_memory) if args.kv_memory else RUN_DEFAULTS.kv_memory_bytes
     engine = llama_engine(loaded, args, kv_bytes)
     return engine, lambda rng: chat_workload(loaded.tokenizer, args, rng), os.path.basename(loaded.gguf.path), loaded
@@ -320,15 +328,29 @@ def run(args: argparse.Namespace) -> int:
     progress = Progress(total, args.json)
     if quiet:
         print(f"kvpool run: serving {total} requests on {model_name}", file=sys.stderr)
+    # tensor parallel: every rank's engine must see the same requests at the same steps, so
+    # rank 0's clock decides which arrivals are due and the others follow (one broadcast a step)
+    tp_model = getattr(loaded, "model", None)
+    tp_sync = tp_model is not None and tp_model.shard is not None
     start = time.perf_counter()
     try:
         while pending or engine.has_unfinished():
             now = time.perf_counter()
-            while pending and start + pending[0][0] <= now:
+            due = sum(1 for item in pending if start + item[0] <= now)
+            if tp_sync:
+                import torch.distributed as dist
+
+                count = torch.tensor([due], dtype=torch.int64)
+                dist.broadcast(count, src=0, group=tp_model.tp_group)
+                due = int(count)
+            for _ in range(due):
                 t, rid, prompt = pending.pop(0)
                 engine.add_request(prompt, params, rid, arrival_time=start + t)
             if not engine.has_unfinished():
-                time.sleep(max(0.0, start + pending[0][0] - time.perf_counter()))
+                if not tp_sync:
+                    time.sleep(max(0.0, start + pending[0][0] - time.perf_counter()))
+                else:  # rank 0 sleeps; the others wait for its broadcast
+                    time.sleep(max(0.0, min(0.01, start + pending[0][0] - time.perf_counter())))
                 continue
             t0 = time.perf_counter()
             finished = engine.step()
@@ -361,6 +383,10 @@ def run(args: argparse.Namespace) -> int:
     if hasattr(runner, "close"):
         runner.close()  # the disk and Redis tiers' background writes land (counted in the report)
     report = make_report(engine, args, model_name, wall, step_time, frag_samples, bytes_read, interrupted)
+    report["tp"] = getattr(args, "tp", 1)
+    if loaded is not None:
+        report["kv_bytes_per_token_per_rank"] = engine.runner.storage.bytes_per_token
+        report["kv_pool_bytes_per_rank"] = engine.runner.storage.num_bytes
     report["load_s"] = round(load_s, 3)
     report["load_source"] = loaded.load_source if loaded is not None else "built in"
     report["memory"] = None
