@@ -102,3 +102,19 @@ def test_a_prefill_worker_dying_mid_transfer_leaves_nothing_installed() -> None:
     assert request["outcome"].startswith("broke off") and request["landing_entries"] == 0
     assert request["tokens_received"] == 0 and request["cached_tokens"] == 0 and request["tokens_equal"]
     assert report["transfer"]["num_failed"] == 1
+
+
+def test_kvpool_plan_sizes_the_prefill_and_decode_pools_apart() -> None:
+    argv = [sys.executable, "-m", "kvpool", "plan", "--model", "llama-3.1-8b", "--gpu", "h200", "--context", "8192"]
+    proc = subprocess.run([*argv, "--pd", "1,2", "--prompt-len", "3000", "--json"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    pd = json.loads(proc.stdout)["pd"]
+    per_token = 32 * 8 * 128 * 2 * 2  # layers x KV heads x head dim x (K, V) x bf16
+    assert pd["prefill"]["kv_bytes_per_token_per_gpu"] == per_token
+    assert pd["decode"]["kv_bytes_per_token_per_gpu"] == per_token / 2  # TP 2: half the heads a GPU
+    assert pd["prefill"]["tokens_held"] == 3000 and pd["decode"]["tokens_held"] == 8192
+    assert pd["transfer_bytes_per_request"] == (3000 // 16) * 16 * per_token  # the prompt's full blocks
+    # a prompt takes fewer blocks than a whole request: the prefill pool holds more of them
+    assert pd["prefill"]["max_concurrent_requests"] > pd["decode"]["max_concurrent_requests"] / 2
+    proc = subprocess.run([*argv, "--pd", "1"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "--pd: expected P,D (prefill and decode GPUs), got '1'" in proc.stderr

@@ -110,6 +110,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "lognormal:MEDIAN:SIGMA or fixed:N (default: uniform:1:CONTEXT)",
     )
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the sampled lengths")
+    parser.add_argument(
+        "--pd",
+        default=None,
+        metavar="P,D",
+        help="prefill / decode disaggregation: a prefill instance on P GPUs (TP P) holding --prompt-len-token "
+        "prompts, and a decode instance on D GPUs (TP D) holding --context-token requests, sized apart",
+    )
+    parser.add_argument(
+        "--prompt-len", type=positive_int, default=None, help="--pd: tokens of a prompt (default: --context / 2)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw KV bytes vs context length")
     parser.add_argument(
@@ -218,6 +228,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"kvpool plan: error: {e}", file=sys.stderr)
         return 2
+    pd = None
+    if result is not None and args.pd is not None:
+        try:
+            pd = _pd_split(args, model, assumptions, result.context_len)
+        except ValueError as e:
+            print(f"kvpool plan: error: --pd: {e}", file=sys.stderr)
+            return 2
     hisparse = None
     if result is not None and args.hisparse_fraction is not None:
         from kvpool.capacity.hisparse import hisparse_capacity
@@ -229,9 +246,12 @@ def run(args: argparse.Namespace) -> int:
             return 2
     if result is not None:
         if args.json:
-            print(json.dumps(plan_to_dict(result) | ({"hisparse": hisparse} if hisparse else {}), indent=2))
+            extra = ({"hisparse": hisparse} if hisparse else {}) | ({"pd": pd} if pd else {})
+            print(json.dumps(plan_to_dict(result) | extra, indent=2))
         else:
             print_plan(result)
+            if pd:
+                _print_pd(pd)
             if hisparse:
                 print(
                     f"HiSparse at {hisparse['hot_set_fraction']:.0%} of the CSA main entries on the device: "
@@ -245,6 +265,72 @@ def run(args: argparse.Namespace) -> int:
     if args.plot and not args.json:
         print(f"wrote {args.plot}")
     return 0 if result is None or result.fits else 1
+
+
+def _pd_split(args: argparse.Namespace, model: ModelSpec, assumptions, context_len: int) -> dict[str, object]:
+    """The prefill and decode instances of a P/D deployment, each planned on its own: the
+    prefill pool holds prompts (--prompt-len), the decode pool whole requests (--context);
+    and the KV bytes one request's prompt moves from one to the other."""
+    try:
+        p, d = (int(x) for x in args.pd.split(","))
+    except ValueError:
+        raise ValueError(f"expected P,D (prefill and decode GPUs), got {args.pd!r}") from None
+    if p <= 0 or d <= 0:
+        raise ValueError(f"GPU counts must be positive, got {args.pd!r}")
+    prompt = args.prompt_len or max(1, context_len // 2)
+    if prompt > context_len:
+        raise ValueError(f"--prompt-len {prompt} exceeds the context {context_len}")
+    out: dict[str, object] = {"prompt_len": prompt, "context_len": context_len}
+    for side, gpus, length in (("prefill", p, prompt), ("decode", d, context_len)):
+        part = plan(
+            model,
+            _gpu(args),
+            num_gpus=gpus,
+            tp=gpus,
+            context_len=length,
+            block_size=args.block_size,
+            kv_dtype=args.kv_dtype,
+            indexer_format=args.indexer_format,
+            weight_dtype=args.weight_dtype,
+            assumptions=assumptions,
+            seed=args.seed,
+        )
+        info = plan_to_dict(part)
+        out[side] = {
+            "gpus": gpus,
+            "tp": gpus,
+            "tokens_held": length,
+            "kv_pool_bytes_per_gpu": int(info["kv_pool_bytes_per_gpu"]),
+            "kv_bytes_per_token_per_gpu": info["kv_bytes_per_token_per_gpu"],
+            "max_concurrent_requests": info["max_concurrent_requests"],
+            "fits": part.fits,
+        }
+        if side == "prefill":  # the prompt's full blocks, every KV head, move to the decode side
+            bs = info["block_size"]
+            out["transfer_bytes_per_request"] = int((prompt // bs) * bs * info["kv_bytes_per_token"])
+    return out
+
+
+def _print_pd(pd: dict[str, object]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"P/D split: {pd['prompt_len']:,}-token prompts, {pd['context_len']:,}-token requests")
+    columns = ("instance", "GPUs (TP)", "tokens a request holds", "KV pool / GPU", "KV B / token / GPU", "requests")
+    for column in columns:
+        table.add_column(column, justify="right")
+    for side in ("prefill", "decode"):
+        s = pd[side]
+        table.add_row(
+            side,
+            str(s["gpus"]),
+            f"{s['tokens_held']:,}",
+            f"{s['kv_pool_bytes_per_gpu'] / GIB:.2f} GiB",
+            f"{s['kv_bytes_per_token_per_gpu']:,.1f}",
+            f"{s['max_concurrent_requests']:,}",
+        )
+    Console().print(table)
+    print(f"a request's prompt moves {pd['transfer_bytes_per_request'] / (1 << 20):,.1f} MiB of KV, prefill -> decode")
 
 
 # ---------------------------------------------------------------------------------------
