@@ -39,7 +39,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from kvpool.cache import CacheDescriptor, DSV4CacheManager
+from kvpool.cache import CacheDescriptor, DSV4CacheManager, MMItem
 from kvpool.cache.coordinator import HybridCacheManager
 from kvpool.cache.dual_pool import DualPoolGroup, DualPoolGroupSpec
 from kvpool.cache.recurrent import RecurrentGroupSpec
@@ -453,13 +453,22 @@ class DualPoolTwin(RuleBasedStateMachine):
             m.commit_step(live, counts, [None] * len(live))
             twin.commit_step(live, counts, [None] * len(live))
 
-    @rule(target=requests, base=st.sampled_from(V4_BASES), cut=st.integers(1, 49), tenant=st.sampled_from(["", "t"]))
-    def admit(self, base, cut, tenant):
+    @rule(
+        target=requests,
+        base=st.sampled_from(V4_BASES),
+        cut=st.integers(1, 49),
+        tenant=st.sampled_from(["", "t"]),
+        image_at=st.sampled_from([None, None, 0, 2, 17]),
+    )
+    def admit(self, base, cut, tenant, image_at):
         self.next_id += 1
         rid, prompt = f"r{self.next_id}", base[:cut]
-        assert self.m.lookup_prefix(prompt, tenant_salt=tenant) == self.twin.lookup_prefix(prompt, tenant_salt=tenant)
-        got = self.m.admit(rid, prompt, tenant_salt=tenant)
-        assert got == self.twin.admit(rid, prompt, tenant_salt=tenant)
+        # An image of 3 placeholder tokens: where it sits is part of each span's key
+        mm = [MMItem(image_at, 3, "img")] if image_at is not None and image_at + 3 <= cut else []
+        kw = {"tenant_salt": tenant, "mm_items": mm}
+        assert self.m.lookup_prefix(prompt, **kw) == self.twin.lookup_prefix(prompt, **kw)
+        got = self.m.admit(rid, prompt, **kw)
+        assert got == self.twin.admit(rid, prompt, **kw)
         if got is not None:
             self.m.commit(rid, got.num_scheduled_tokens)
             self.twin.commit(rid, got.num_scheduled_tokens)
