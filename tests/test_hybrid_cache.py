@@ -468,7 +468,7 @@ def test_a_dual_pool_group_is_named_right():
         HybridCacheManager([(DualPoolGroupSpec("v4", 8), (4, 0))], DESC)
     with pytest.raises(ValueError, match="for a dual-pool group only"):
         HybridCacheManager([(AttentionGroupSpec("full", 4), (4, 2))], DESC)
-    with pytest.raises(KeyError, match="no recurrent or dual-pool group"):
-        m = HybridCacheManager([(DualPoolGroupSpec("v4", 8), (4, 2))], DESC)
-        prefill(m, "a", [1, 2, 3])
+    m = HybridCacheManager([(DualPoolGroupSpec("v4", 8), (4, 2))], DESC)
+    prefill(m, "a", [1, 2, 3])
+    with pytest.raises(KeyError, match="no recurrent or dual-pool group 'nope'"):
         m.state_restore("a", "nope")
