@@ -206,6 +206,36 @@ static void block_weighted_sum(const float *restrict p, const float *restrict v,
         for (int64_t i = i0; i < d; i++) o[i] += p[t] * v[t * d + i];
 }
 
+/* The decode kernels' arguments, checked before anything is read or written: the CSR
+ * tables (blocks[] is read only within [0, nnz)), each table covering exactly its context,
+ * block ids inside the pool, query rows inside q and strictly increasing (no two sequences,
+ * or threads, write one output row). *width: the longest table's slots. Returns 0, or the
+ * error codes of kv_decode_attention. */
+static int check_tables(int64_t num_rows, const int64_t *rows, int64_t num_seqs, const int64_t *indptr, int64_t nnz,
+                        const int64_t *blocks, const int64_t *ctx_lens, int64_t num_blocks, int64_t bs,
+                        int64_t *width) {
+    if (indptr[0] != 0 || indptr[num_seqs] != nnz) return -2;
+    for (int64_t b = 0; b < num_seqs; b++)
+        if (indptr[b + 1] < indptr[b] || indptr[b + 1] > nnz) return -2;
+    for (int64_t b = 0; b < num_seqs; b++) {
+        if (rows[b] < 0 || rows[b] >= num_rows || (b > 0 && rows[b] <= rows[b - 1])) return -4;
+        int64_t nb = indptr[b + 1] - indptr[b];
+        if (ctx_lens[b] <= 0 || nb * bs < ctx_lens[b] || (nb - 1) * bs >= ctx_lens[b]) return -2;
+        for (int64_t j = indptr[b]; j < indptr[b + 1]; j++)
+            if (blocks[j] < 0 || blocks[j] >= num_blocks) return -1;
+        if (nb * bs > *width) *width = nb * bs;
+    }
+    return 0;
+}
+
+/* s[0, len) -> softmax(s) in place (len >= 1). */
+static void softmax_in_place(float *s, int64_t len) {
+    float m = max_value(s, len);
+    for (int64_t t = 0; t < len; t++) s[t] = exp_poly(s[t] - m);
+    float inv = 1.0f / sum_values(s, len);
+    for (int64_t t = 0; t < len; t++) s[t] *= inv;
+}
+
 /* Decode attention, one query per sequence, straight from the pool in any block order.
  * Sequence b: query row rows[b] of q [*, q_row_stride] holding H heads of d; its blocks
  * blocks[indptr[b] .. indptr[b+1]) cover keys [0, ctx_lens[b]); output row rows[b] of
@@ -221,19 +251,8 @@ int kv_decode_attention(const float *q, int64_t q_row_stride, int64_t num_rows, 
                         const float *restrict k_cache, const float *restrict v_cache, int64_t num_blocks, int64_t heads,
                         int64_t kvh, int64_t d, int64_t bs, float scale, float *restrict out, int64_t out_row_stride) {
     int64_t g_size = heads / kvh, width = 0;
-    /* the whole table first: blocks[] is read only within [0, nnz) */
-    if (indptr[0] != 0 || indptr[num_seqs] != nnz) return -2;
-    for (int64_t b = 0; b < num_seqs; b++)
-        if (indptr[b + 1] < indptr[b] || indptr[b + 1] > nnz) return -2;
-    for (int64_t b = 0; b < num_seqs; b++) {
-        /* strictly increasing rows: no two sequences (threads) write one output row */
-        if (rows[b] < 0 || rows[b] >= num_rows || (b > 0 && rows[b] <= rows[b - 1])) return -4;
-        int64_t nb = indptr[b + 1] - indptr[b];
-        if (ctx_lens[b] <= 0 || nb * bs < ctx_lens[b] || (nb - 1) * bs >= ctx_lens[b]) return -2;
-        for (int64_t j = indptr[b]; j < indptr[b + 1]; j++)
-            if (blocks[j] < 0 || blocks[j] >= num_blocks) return -1;
-        if (nb * bs > width) width = nb * bs;
-    }
+    int rc = check_tables(num_rows, rows, num_seqs, indptr, nnz, blocks, ctx_lens, num_blocks, bs, &width);
+    if (rc) return rc;
     /* One work item per (sequence, KV head), shared over torch's OpenMP threads when there
      * is enough of it: the pool of libgomp.so.1 that torch loaded, not a second one. */
     int64_t total = 0;
@@ -261,10 +280,7 @@ int kv_decode_attention(const float *q, int64_t q_row_stride, int64_t num_rows, 
             }
             for (int64_t g = 0; g < g_size; g++) {
                 float *s = scores + g * width;
-                float m = max_value(s, len);
-                for (int64_t t = 0; t < len; t++) s[t] = exp_poly(s[t] - m);
-                float inv = 1.0f / sum_values(s, len);
-                for (int64_t t = 0; t < len; t++) s[t] *= inv;
+                softmax_in_place(s, len);
                 float *o = out + rows[b] * out_row_stride + (kh * g_size + g) * d;
                 for (int64_t i = 0; i < d; i++) o[i] = 0.0f;
                 for (int64_t j = 0; j < nb; j++) {
@@ -418,18 +434,10 @@ int kv_decode_attention_q8(const float *q, int64_t q_row_stride, int64_t num_row
                            float scale, float *restrict out, int64_t out_row_stride) {
     int64_t g_size = heads / kvh, width = 0;
     if (kind < 0 || kind > 2 || (scales_per_block != 1 && scales_per_block != bs)) return -5;
-    if (indptr[0] != 0 || indptr[num_seqs] != nnz) return -2;
+    int rc = check_tables(num_rows, rows, num_seqs, indptr, nnz, blocks, ctx_lens, num_blocks, bs, &width);
+    if (rc) return rc;
     for (int64_t b = 0; b < num_seqs; b++)
-        if (indptr[b + 1] < indptr[b] || indptr[b + 1] > nnz) return -2;
-    for (int64_t b = 0; b < num_seqs; b++) {
-        if (rows[b] < 0 || rows[b] >= num_rows || (b > 0 && rows[b] <= rows[b - 1])) return -4;
-        int64_t nb = indptr[b + 1] - indptr[b];
-        if (ctx_lens[b] <= 0 || nb * bs < ctx_lens[b] || (nb - 1) * bs >= ctx_lens[b]) return -2;
-        for (int64_t j = indptr[b]; j < indptr[b + 1]; j++)
-            if (blocks[j] < 0 || blocks[j] >= num_blocks) return -1;
         if (tails[b] >= num_tails) return -5;
-        if (nb * bs > width) width = nb * bs;
-    }
     int64_t total = 0;
     for (int64_t b = 0; b < num_seqs; b++) total += ctx_lens[b];
     int parallel = total * heads * d >= PARALLEL_MIN_WORK;
@@ -464,10 +472,7 @@ int kv_decode_attention_q8(const float *q, int64_t q_row_stride, int64_t num_row
             }
             for (int64_t g = 0; g < g_size; g++) {
                 float *s = scores + g * width;
-                float m = max_value(s, len);
-                for (int64_t t = 0; t < len; t++) s[t] = exp_poly(s[t] - m);
-                float inv = 1.0f / sum_values(s, len);
-                for (int64_t t = 0; t < len; t++) s[t] *= inv;
+                softmax_in_place(s, len);
                 float *o = out + rows[b] * out_row_stride + (kh * g_size + g) * d;
                 for (int64_t i = 0; i < d; i++) o[i] = 0.0f;
             }
