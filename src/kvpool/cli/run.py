@@ -272,7 +272,9 @@ def llama_engine(loaded, args: argparse.Namespace, kv_memory_bytes: int):
     return build_engine(
         loaded,
         num_blocks=args.num_blocks
-        or num_blocks_for_memory(loaded, args.block_size, kv_memory_bytes, getattr(args, "kv_dtype", None)),
+        or num_blocks_for_memory(
+            loaded, args.block_size, kv_memory_bytes, getattr(args, "kv_dtype", None), args.max_seqs
+        ),
         block_size=args.block_size,
         max_num_batched_tokens=args.max_batch_tokens,
         max_num_seqs=args.max_seqs,

@@ -119,18 +119,30 @@ def cache_spec_for(loaded: LoadedModel, block_size: int) -> CacheSpec:
 
 
 def num_blocks_for_memory(
-    loaded: LoadedModel, block_size: int, kv_memory_bytes: int, kv_format: str | None = None
+    loaded: LoadedModel, block_size: int, kv_memory_bytes: int, kv_format: str | None = None, max_num_seqs: int = 0
 ) -> int:
+    """The blocks `kv_memory_bytes` hold in `kv_format`. A quantized pool also pays, out of the
+    same budget, for its dequantization scratch (one layer of the pool, compute dtype) and,
+    for the formats quantized a chunk at a time, for the full-precision tails of up to
+    `max_num_seqs` partly written blocks (the tail store grows by doubling: the next power
+    of two)."""
     fmt = kv_format_for(loaded.model, kv_format)
+    cfg = loaded.model.config
+    reserved = 0
     if fmt is None:
         per_block = int(cache_spec_for(loaded, block_size).bytes_per_block)
     else:  # the stored block, and its share of the dequantization scratch (one layer, compute dtype)
-        cfg = loaded.model.config
         per_block = QuantizedKVStorage.block_bytes(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, fmt)
         per_block += QuantizedKVStorage.scratch_block_bytes(
             block_size, cfg.num_kv_heads, cfg.head_dim, loaded.model.dtype
         )
-    num_blocks = kv_memory_bytes // per_block
+        if fmt.flush(block_size) > 1 and max_num_seqs > 0:
+            tails = 1 << (max_num_seqs - 1).bit_length()
+            layer = QuantizedKVStorage.scratch_block_bytes(
+                block_size, cfg.num_kv_heads, cfg.head_dim, loaded.model.dtype
+            )
+            reserved = tails * cfg.num_layers * layer
+    num_blocks = (kv_memory_bytes - reserved) // per_block
     if num_blocks <= 0:
         raise ValueError(f"KV memory of {kv_memory_bytes} bytes holds no block of {per_block} bytes")
     return int(num_blocks)

@@ -146,8 +146,11 @@ class QuantWriteIndex(NamedTuple):
     v_pos: torch.Tensor  # chunked formats: positions in a layer's tail K / V
     s_pos: torch.Tensor | None  # per-token formats: [N * KVH] positions in a layer's scales
     chunk_tails: torch.Tensor | None  # chunked formats: the tail slot, block and chunk index
-    chunk_blocks: torch.Tensor | None  # of every chunk this step completes (quantized in `write`)
+    chunk_blocks: torch.Tensor | None  # of every chunk this step completes from a tail
     chunk_index: torch.Tensor | None
+    tail_rows: torch.Tensor | None = None  # chunked formats: the step's rows that go to tails
+    direct_rows: torch.Tensor | None = None  # [n * block_size]: the rows of blocks written whole
+    direct_blocks: torch.Tensor | None = None  # [n]: those blocks (quantized without a tail)
 
 
 class ReadIndex(NamedTuple):
@@ -375,13 +378,22 @@ class QuantizedKVStorage:
         offsets = (slots % bs).tolist()
         first: dict[int, int] = {}
         last: dict[int, int] = {}
-        for b, o in zip(blocks, offsets, strict=True):
+        rows_of: dict[int, list[int]] = {}
+        for i, (b, o) in enumerate(zip(blocks, offsets, strict=True)):
             first[b] = min(first.get(b, o), o)
             last[b] = max(last.get(b, o), o + 1)
+            rows_of.setdefault(b, []).append(i)
         tails, chunk_tails, chunk_blocks, chunk_index = {}, [], [], []
+        direct_blocks: list[int] = []
+        direct_rows: list[int] = []
         r = self.flush
         for b, fb in first.items():
             fa = last[b]
+            if fb == 0 and fa == bs and len(rows_of[b]) == bs:  # written whole: quantized from the rows
+                self._drop_tail(b)  # (a stale one of a block freed half written)
+                direct_blocks.append(b)
+                direct_rows.extend(sorted(rows_of[b], key=lambda i: offsets[i]))
+                continue
             tails[b] = slot = self._take_tail(b)
             self._fill[b] = fa
             for c in range(fb // r, fa // r):
@@ -390,13 +402,24 @@ class QuantizedKVStorage:
                 chunk_index.append(c)
             if fa == bs:
                 self._filled.append(b)
-        tail_slots = torch.tensor([tails[b] * bs + o for b, o in zip(blocks, offsets, strict=True)], dtype=torch.long)
+        tail_rows = [i for i, b in enumerate(blocks) if b in tails]
+        tail_slots = torch.tensor([tails[blocks[i]] * bs + offsets[i] for i in tail_rows], dtype=torch.long)
         k_pos, v_pos = write_positions(tail_slots.to(slots.device), kvh, d, bs)
 
         def t(x: list[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.long, device=slots.device)
 
-        return QuantWriteIndex(k_pos, v_pos, None, t(chunk_tails), t(chunk_blocks), t(chunk_index))
+        return QuantWriteIndex(
+            k_pos,
+            v_pos,
+            None,
+            t(chunk_tails),
+            t(chunk_blocks),
+            t(chunk_index),
+            t(tail_rows),
+            t(direct_rows),
+            t(direct_blocks),
+        )
 
     def write(self, layer: int, index: QuantWriteIndex, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the step's new K/V, k, v: [N, kv_heads, head_dim] (any float dtype)."""
@@ -411,14 +434,32 @@ class QuantizedKVStorage:
                     scales[layer].view(-1).index_copy_(0, index.s_pos, scale.reshape(-1))
             return
         dtype = self.tail_k.dtype
-        self.tail_k[layer].view(-1).index_copy_(0, index.k_pos, k.to(dtype).reshape(-1))
-        self.tail_v[layer].view(-1).index_copy_(0, index.v_pos, v.to(dtype).reshape(-1))
-        if index.chunk_tails is None or not len(index.chunk_tails):
-            return
-        nc, tails, blocks, chunks = self.num_chunks, index.chunk_tails, index.chunk_blocks, index.chunk_index
-        # K: slots are the last axis of codes, tails and scales; V: the slot axis is -2
-        qk = quantize_k(self.fmt, _chunked(self.tail_k[layer], -1, nc)[tails, chunks])
-        qv = quantize_v(self.fmt, _chunked(self.tail_v[layer], -2, nc)[tails, chunks])
+        nc, r = self.num_chunks, self.flush
+        assert index.tail_rows is not None and index.direct_rows is not None and index.direct_blocks is not None
+        if len(index.tail_rows):
+            tk, tv = k.index_select(0, index.tail_rows), v.index_select(0, index.tail_rows)
+            self.tail_k[layer].view(-1).index_copy_(0, index.k_pos, tk.to(dtype).reshape(-1))
+            self.tail_v[layer].view(-1).index_copy_(0, index.v_pos, tv.to(dtype).reshape(-1))
+        if index.chunk_tails is not None and len(index.chunk_tails):
+            tails, chunks = index.chunk_tails, index.chunk_index
+            # K: slots are the last axis of codes, tails and scales; V: the slot axis is -2
+            qk = quantize_k(self.fmt, _chunked(self.tail_k[layer], -1, nc)[tails, chunks])
+            qv = quantize_v(self.fmt, _chunked(self.tail_v[layer], -2, nc)[tails, chunks])
+            self._store_chunks(layer, index.chunk_blocks, chunks, qk, qv)
+        n = len(index.direct_blocks)
+        if n:  # blocks written whole this step: every chunk from the new rows, in the compute dtype
+            kvh, d, bs = self.num_kv_heads, self.head_dim, self.block_size
+            kd = k.index_select(0, index.direct_rows).to(dtype).view(n, bs, kvh, d)
+            vd = v.index_select(0, index.direct_rows).to(dtype).view(n, bs, kvh, d)
+            kc = kd.permute(0, 2, 3, 1).reshape(n, kvh, d, nc, r).movedim(3, 1).reshape(n * nc, kvh, d, r)
+            vc = vd.permute(0, 2, 1, 3).reshape(n, kvh, nc, r, d).movedim(2, 1).reshape(n * nc, kvh, r, d)
+            chunks = torch.arange(nc, device=kd.device).repeat(n)
+            blocks = index.direct_blocks.repeat_interleave(nc)
+            self._store_chunks(layer, blocks, chunks, quantize_k(self.fmt, kc), quantize_v(self.fmt, vc))
+
+    def _store_chunks(self, layer: int, blocks: torch.Tensor, chunks: torch.Tensor, qk: Quantized, qv: Quantized):
+        """Chunk `chunks[i]` of block `blocks[i]`: its codes, scales and zero points."""
+        nc = self.num_chunks
         v_axis = -2 if self.fmt.v_scale == "token-group" else -1
         for pool, axis, value in (
             (self.k_layers[layer], -1, qk.codes),
