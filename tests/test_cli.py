@@ -92,3 +92,17 @@ def test_a_bad_model_file_is_named_with_what_is_wrong(tmp_path, capsys):
         assert main(["generate", "hi", "--model", str(tmp_path / name)]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"kvpool generate: error: {message}") and err.count("\n") == 1, err
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
+    """`kvpool ... | head`: the pipe closes before the command writes; it stops quietly, with
+    the shell's SIGPIPE status (141) for plain output; rich's tables exit 1 by rich's own rule."""
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "kvpool", "plan", "--model", "llama-3.1-8b", "--gpu", "h200", "--context", "8192"]
+    for extra, status in ((["--json"], 141), ([], 1)):
+        proc = subprocess.Popen([*argv, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc.stdout.close()  # the reader is gone before the first line
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == status and "Traceback" not in err and "Error" not in err, err

@@ -40,6 +40,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 # the shell's status for a process ended by SIGINT (128 + 2)
 EXIT_INTERRUPTED = 130
+# ... and by SIGPIPE (128 + 13): its output's reader went away
+EXIT_BROKEN_PIPE = 141
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,6 +74,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"kvpool {args._name}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # the reader of our output left (`kvpool ... | head`): stop quietly, as a shell
+        # command does on SIGPIPE; stdout goes to /dev/null so the exit's flush is silent
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":
