@@ -60,14 +60,16 @@ def test_every_field_that_cannot_be_converted_is_named() -> None:
     [
         ([], 2),  # 1 -> 1 ranks, blocks of 16 on both sides
         (["--decode-tp", "3", "--decode-block-size", "32"], 4),  # 1 -> 3 ranks, 16 -> 32
+        (["--prefill-tp", "3", "--prefill-block-size", "32"], 4),  # 3 -> 1 ranks (heads gathered), 32 -> 16
     ],
 )
 def test_the_decode_worker_decodes_what_one_process_does(flags, world) -> None:
     report = _torchrun(world, *flags)
     first, repeat, other = report["requests"]
     assert report["passed"] and all(r["tokens_equal"] for r in report["requests"])
-    bs = report["decode_block_size"]
-    full = (first["prompt_tokens"] - 1) // bs * bs
+    bs, prefill_bs, n = report["decode_block_size"], report["prefill_block_size"], first["prompt_tokens"]
+    # the decode side's full blocks, as far as the prefill side's cached full blocks reach
+    full = min((n - 1) // bs * bs, n // prefill_bs * prefill_bs // bs * bs)
     assert first["outcome"] == "installed" and first["tokens_received"] == full == first["cached_tokens"]
     # each decode rank received its heads only: 30 layers x K and V x its KV heads x 64 x 4 B a token
     assert first["bytes_received"] == full * 30 * 2 * (3 // report["decode_tp"]) * 64 * 4

@@ -214,6 +214,28 @@ def test_a_chunk_reads_in_full_precision_until_it_fills_and_its_bytes_never_depe
     assert dropped == (1 if flush > 1 else 0) and pieces.num_tails == 0
 
 
+def test_a_block_filled_last_step_and_taken_as_a_copy_target_reads_its_copied_tail() -> None:
+    """Blocks 0 and 5 fill in step 2 (their tails are retired at the next step's start);
+    block 0 is then freed and taken as the copy-on-write target of half-written block 2:
+    it must read block 2's tokens, not another block's tail (a review found this)."""
+    from kvpool.cache import BlockCopy
+
+    st = QuantizedKVStorage(1, 8, 4, 1, 2, kv_schema("fp8_e4m3"))
+
+    def step(slots: list[int], values: list[float]) -> None:
+        index = st.write_index(torch.tensor(slots))
+        k = torch.tensor(values).view(-1, 1, 1).repeat(1, 1, 2)
+        st.write(0, index, k, k)
+
+    step([0, 1, 20, 21, 8, 9], [1, 2, 50, 60, 7, 8])  # blocks 0, 5 and 2 half written
+    step([2, 3, 22, 23], [3, 4, 70, 80])  # blocks 0 and 5 full
+    st.apply_copies([BlockCopy(src=2, dst=0)])
+    step([2], [9])  # the copy's next token
+    k, _ = st.contiguous(0, [0], 3)
+    assert k[0, :, 0].tolist() == [7.0, 8.0, 9.0]
+    assert st.num_tails == 2  # blocks 2 and 0, each its own slot
+
+
 def test_the_bytes_each_format_stores_by_hand() -> None:
     """One block of one KV head, one layer (K and V), at head dim 64."""
     expected = {

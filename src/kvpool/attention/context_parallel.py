@@ -102,7 +102,19 @@ def cp_decode_attention(
     """Context-parallel decode attention: this rank's partial result (its blocks), all-gathered
     with every other rank's and merged; every rank returns the same [B, H, D]. q must be the
     same on every rank."""
-    out, lse = partial_decode_attention(q, k_cache, v_cache, tables, num_keys, scale)
+    # a rank whose arguments are wrong must not leave the others waiting in the all-gather:
+    # every rank learns of a failure and raises together
+    failure: ValueError | None = None
+    try:
+        out, lse = partial_decode_attention(q, k_cache, v_cache, tables, num_keys, scale)
+    except ValueError as e:
+        failure = e
+    failed = torch.tensor([failure is not None], dtype=torch.int64)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    if failure is not None:
+        raise failure
+    if int(failed):
+        raise ValueError("context-parallel attention: another rank's arguments were refused")
     world = dist.get_world_size(group)
     outs = [torch.empty_like(out) for _ in range(world)]
     lses = [torch.empty_like(lse) for _ in range(world)]

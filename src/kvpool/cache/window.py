@@ -279,6 +279,10 @@ class AttentionGroup:
         return AttentionState(state.root, state.first, list(state.block_ids), list(state.chain))
 
     def release(self, state: AttentionState) -> None:
+        # a copy still pending into one of its blocks is for this request alone: once the block
+        # is free it may go to another request before the next forward, which must not get it
+        mine = set(state.block_ids)
+        self._pending_copies = [c for c in self._pending_copies if c.dst not in mine]
         self.pool.decref(reversed(state.block_ids))  # tail-first: a chain's tail is evicted first
         if state.held_src is not None:
             self.pool.decref((state.held_src,))

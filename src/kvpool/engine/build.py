@@ -123,9 +123,9 @@ def num_blocks_for_memory(
 ) -> int:
     """The blocks `kv_memory_bytes` hold in `kv_format`. A quantized pool also pays, out of the
     same budget, for its dequantization scratch (one layer of the pool, compute dtype) and,
-    for the formats quantized a chunk at a time, for the full-precision tails of up to
-    `max_num_seqs` partly written blocks (the tail store grows by doubling: the next power
-    of two)."""
+    for the formats quantized a chunk at a time, for the full-precision tails of up to two
+    blocks a sequence, `max_num_seqs` of them (the tail store grows by doubling: the next
+    power of two)."""
     fmt = kv_format_for(loaded.model, kv_format)
     cfg = loaded.model.config
     reserved = 0
@@ -137,7 +137,8 @@ def num_blocks_for_memory(
             block_size, cfg.num_kv_heads, cfg.head_dim, loaded.model.dtype
         )
         if fmt.flush(block_size) > 1 and max_num_seqs > 0:
-            tails = 1 << (max_num_seqs - 1).bit_length()
+            # a step may hold two a sequence: the block a chunk fills, and the one it opens
+            tails = 1 << (2 * max_num_seqs - 1).bit_length()
             layer = QuantizedKVStorage.scratch_block_bytes(
                 block_size, cfg.num_kv_heads, cfg.head_dim, loaded.model.dtype
             )

@@ -27,7 +27,10 @@ HostTier) under its own content keys; the request is then admitted as usual, and
 admission loads them into the pool and publishes them (the tier path: validated again,
 visible only once installed). The prompt's unfinished last block is computed by the
 decode worker (fewer than a block of tokens). A transfer that fails half way (a prefill
-worker gone) installs nothing: the decode worker computes the prompt itself.
+worker gone) installs nothing: the decode worker computes the prompt itself. Blocks go
+into the landing tier whole, one by one, only after every part has arrived; a landing
+tier too small for all of them keeps the whole ones it took (valid prefix blocks) and
+the rest is computed.
 """
 
 from __future__ import annotations
@@ -234,6 +237,13 @@ class Disaggregation:
         tenant: str = "",
         timeout_s: float = 60.0,
     ) -> None:
+        from kvpool.storage.kv import PagedKVStorage
+
+        if not isinstance(engine.runner.storage, PagedKVStorage):
+            raise ValueError(
+                f"P/D moves unquantized blocks only; this engine stores {engine.runner.kv_format} (its scales would "
+                "need sending too)"
+            )
         self.engine, self.prefill_ranks, self.decode_ranks = engine, prefill_ranks, decode_ranks
         self.rank = dist.get_rank()
         self.is_prefill = self.rank in prefill_ranks

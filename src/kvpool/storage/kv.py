@@ -344,6 +344,15 @@ class QuantizedKVStorage:
         if slot is not None:
             self._free_tails.append(slot)
 
+    def _retire_filled(self) -> None:
+        """Free the tails of the blocks the previous step filled: their chunks are quantized
+        for good and every layer has written them. Runs first in a step (before copies, which
+        may take such a block as a target, and before the writes), so no tail slot of a
+        block is ever handed on while that block still points at it."""
+        for b in self._filled:
+            self._drop_tail(b)
+        self._filled = []
+
     def drop_tails(self, block_ids: Sequence[int]) -> None:
         """Forget the tails of these blocks (their last holder released them)."""
         for b in block_ids:
@@ -365,9 +374,7 @@ class QuantizedKVStorage:
         formats also take the tail slots of the blocks written and list the chunks the
         step completes."""
         kvh, d, bs = self.num_kv_heads, self.head_dim, self.block_size
-        for b in self._filled:  # filled by the previous step: quantized for good
-            self._drop_tail(b)
-        self._filled = []
+        self._retire_filled()
         if self.flush == 1:
             k_pos, v_pos = write_positions(slots, kvh, d, bs)
             block_idx, offset_idx = slots // bs, slots % bs
@@ -532,6 +539,7 @@ class QuantizedKVStorage:
     def apply_copies(self, copies: Sequence[BlockCopy]) -> None:
         """Copy-on-write: block src -> dst in every layer (codes, scales, zero points, and
         the tail of a partly written block), in the order the manager recorded them."""
+        self._retire_filled()
         tensors = [self.k, self.v, *self._scale_tensors]
         for c in copies:  # one by one: a chain (a -> b, then b -> c) needs the manager's order
             for t in tensors:

@@ -63,7 +63,8 @@ def run_pd(
     loaded = load_model(device="cpu")
     check_tp(loaded.model.config, prefill_tp)
     check_tp(loaded.model.config, decode_tp)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    # the decode leader's single-process reference runs while the others wait: a generous timeout
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     rank = dist.get_rank()
     prefill_ranks = list(range(prefill_tp))
     decode_ranks = list(range(prefill_tp, world))
