@@ -213,6 +213,24 @@ class CacheManager(ABC):
         except KeyError:
             raise KeyError(f"unknown request {request_id!r}") from None
 
+    def _step_requests(
+        self,
+        request_ids: Sequence[str],
+        num_tokens: Sequence[int],
+        next_token_ids: Sequence[int | None] | None = None,
+    ) -> list[Any]:
+        """A step's requests, in order, once its lists agree in length (`next_token_ids`: a
+        commit's) and name no request twice; ValueError otherwise, KeyError for an unknown id."""
+        if next_token_ids is None and len(request_ids) != len(num_tokens):
+            raise ValueError(f"{len(request_ids)} requests but {len(num_tokens)} token counts")
+        if next_token_ids is not None and not len(request_ids) == len(num_tokens) == len(next_token_ids):
+            raise ValueError(
+                f"{len(request_ids)} requests, {len(num_tokens)} token counts, {len(next_token_ids)} next tokens"
+            )
+        if len(set(request_ids)) != len(request_ids):
+            raise ValueError(f"a request appears twice in {list(request_ids)}")
+        return [self._get(r) for r in request_ids]
+
     def _root(self, tenant_salt: str, descriptor: CacheDescriptor | None) -> PrefixBlock:
         if descriptor is None:
             return self.pool.root(self._descriptor_key, tenant_salt)

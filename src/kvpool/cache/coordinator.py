@@ -489,11 +489,7 @@ class HybridCacheManager(CacheManager):
         return self._apply_reserve(req, end)
 
     def reserve_step(self, request_ids: Sequence[str], num_new_tokens: Sequence[int]) -> bool:
-        if len(request_ids) != len(num_new_tokens):
-            raise ValueError(f"{len(request_ids)} requests but {len(num_new_tokens)} token counts")
-        if len(set(request_ids)) != len(request_ids):
-            raise ValueError(f"a request appears twice in {list(request_ids)}")
-        reqs = [self._get(r) for r in request_ids]
+        reqs = self._step_requests(request_ids, num_new_tokens)
         total = dict.fromkeys(self.groups, 0)
         for req, n in zip(reqs, num_new_tokens, strict=True):
             self._check_reserve(req, n)
@@ -511,13 +507,7 @@ class HybridCacheManager(CacheManager):
     def commit_step(
         self, request_ids: Sequence[str], num_tokens: Sequence[int], next_token_ids: Sequence[int | None]
     ) -> None:
-        if not len(request_ids) == len(num_tokens) == len(next_token_ids):
-            raise ValueError(
-                f"{len(request_ids)} requests, {len(num_tokens)} token counts, {len(next_token_ids)} next tokens"
-            )
-        if len(set(request_ids)) != len(request_ids):
-            raise ValueError(f"a request appears twice in {list(request_ids)}")
-        reqs = [self._get(r) for r in request_ids]
+        reqs = self._step_requests(request_ids, num_tokens, next_token_ids)
         for req, n in zip(reqs, num_tokens, strict=True):
             if n != req.end - req.num_computed:
                 raise ValueError(

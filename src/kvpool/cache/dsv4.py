@@ -358,11 +358,7 @@ class DSV4CacheManager(CacheManager):
         return self._apply_reserve(req, num_new_tokens, num_new)
 
     def reserve_step(self, request_ids: Sequence[str], num_new_tokens: Sequence[int]) -> bool:
-        if len(request_ids) != len(num_new_tokens):
-            raise ValueError(f"{len(request_ids)} requests but {len(num_new_tokens)} token counts")
-        if len(set(request_ids)) != len(request_ids):
-            raise ValueError(f"a request appears twice in {list(request_ids)}")
-        reqs = [self._get(r) for r in request_ids]
+        reqs = self._step_requests(request_ids, num_new_tokens)
         span = self.span
         if num_new_tokens.count(1) == len(reqs):  # all decodes: most complete no span
             growing = []
@@ -514,13 +510,7 @@ class DSV4CacheManager(CacheManager):
     def commit_step(
         self, request_ids: Sequence[str], num_tokens: Sequence[int], next_token_ids: Sequence[int | None]
     ) -> None:
-        if not len(request_ids) == len(num_tokens) == len(next_token_ids):
-            raise ValueError(
-                f"{len(request_ids)} requests, {len(num_tokens)} token counts, {len(next_token_ids)} next tokens"
-            )
-        if len(set(request_ids)) != len(request_ids):
-            raise ValueError(f"a request appears twice in {list(request_ids)}")
-        reqs = [self._get(r) for r in request_ids]
+        reqs = self._step_requests(request_ids, num_tokens, next_token_ids)
         for req, n in zip(reqs, num_tokens, strict=True):
             if req.pending is not _ONE_TOKEN or n != 1:
                 self._check_commit(req, n)

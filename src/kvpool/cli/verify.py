@@ -47,6 +47,30 @@ def _lengths(text: str) -> tuple[int, ...]:
     return values
 
 
+def _add_matrix_arguments(parser: argparse.ArgumentParser, seed_help: str) -> None:
+    """The options a verification matrix takes (verify dsv4, verify hybrid)."""
+    parser.add_argument(
+        "--lengths",
+        type=_lengths,
+        default=None,
+        help="comma-separated prompt lengths: run only those length cases (None: the whole matrix)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--seed", type=int, default=0, help=seed_help)
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="fp64",
+        help="fp64: fixed 1e-12 bound, decisive on any CPU; fp32: per-case bound from the oracle's own fp32 error",
+    )
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=None,
+        help="max abs logit difference to pass; overrides the dtype's bound (None: fp64 1e-12, fp32 derived per case)",
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="target", required=True)
     dsv4 = sub.add_parser(
@@ -55,26 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         description="DeepSeek-V4 Classical + State pools against the contiguous oracle, case by case.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    dsv4.add_argument(
-        "--lengths",
-        type=_lengths,
-        default=None,
-        help="comma-separated prompt lengths: run only those length cases (None: the whole matrix)",
-    )
-    dsv4.add_argument("--json", action="store_true", help="print one JSON object")
-    dsv4.add_argument("--seed", type=int, default=0, help="seed of the tiny model's weights")
-    dsv4.add_argument(
-        "--dtype",
-        choices=DTYPES,
-        default="fp64",
-        help="fp64: fixed 1e-12 bound, decisive on any CPU; fp32: per-case bound from the oracle's own fp32 error",
-    )
-    dsv4.add_argument(
-        "--tolerance",
-        type=float,
-        default=None,
-        help="max abs logit difference to pass; overrides the dtype's bound (None: fp64 1e-12, fp32 derived per case)",
-    )
+    _add_matrix_arguments(dsv4, "seed of the tiny model's weights")
 
     hybrid = sub.add_parser(
         "hybrid",
@@ -85,26 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    hybrid.add_argument(
-        "--lengths",
-        type=_lengths,
-        default=None,
-        help="comma-separated prompt lengths: run only those length cases (None: the whole matrix)",
-    )
-    hybrid.add_argument("--json", action="store_true", help="print one JSON object")
-    hybrid.add_argument("--seed", type=int, default=0, help="seed of the tiny models' weights")
-    hybrid.add_argument(
-        "--dtype",
-        choices=DTYPES,
-        default="fp64",
-        help="fp64: fixed 1e-12 bound; fp32: per-case bound from the oracle's own fp32 error",
-    )
-    hybrid.add_argument(
-        "--tolerance",
-        type=float,
-        default=None,
-        help="max abs logit difference to pass; overrides the dtype's bound",
-    )
+    _add_matrix_arguments(hybrid, "seed of the tiny models' weights")
     add_cp_arguments(sub)
     add_tp_arguments(sub)
     add_pd_arguments(sub)
