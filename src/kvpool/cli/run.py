@@ -223,10 +223,11 @@ def build(args: argparse.Namespace):
         from kvpool.storage.dsv4 import DSV4Pools
 
         model = TinyDSV4(seed=args.seed)
+        layout = v4_kv_format(args)  # the classical pool's entry and indexer-key formats
         num_blocks = args.num_blocks
         if num_blocks is None:
             block_bytes = DSV4Pools(
-                model.spec, 1, 1, entry_format=v4_kv_format(args)["kv_format"]
+                model.spec, 1, 1, entry_format=layout["kv_format"], indexer_format=layout["indexer_format"]
             ).classical_block_bytes()
             num_blocks = parse_bytes(args.kv_memory or "16MiB") // block_bytes
             if num_blocks <= 0:
@@ -245,7 +246,7 @@ def build(args: argparse.Namespace):
                 tiers["disk_cache"], tiers.get("disk_cache_bytes", DEFAULT_DISK_CACHE_BYTES), tiers["redis_url"]
             ),
             swa=tiers.get("swa"),
-            **v4_kv_format(args),
+            **layout,
         )
         engine = Engine(runner, max_num_batched_tokens=args.max_batch_tokens, max_num_seqs=args.max_seqs)
         return engine, lambda rng: id_workload(model.vocab_size, args, rng), TINY_MODEL, None

@@ -584,8 +584,6 @@ class LlamaRunner:
         k_layers, v_layers, scale = storage.k_layers, storage.v_layers, self.scale
         if isinstance(storage, QuantizedKVStorage):
             # write the new tokens quantized, then read the step's blocks as their bytes say
-            if storage.num_tails > len(m.request_ids):  # partly written blocks of requests gone
-                storage.retain_tails({b for r in m.request_ids for b in m.block_ids(r)})
             quant_index = storage.write_index(plan.slots)
             step_blocks = torch.unique(torch.as_tensor(tables.csr.indices, dtype=torch.long, device=device))
             if plan.decode is not None and plan.decode.native is not None and storage.reads_natively:

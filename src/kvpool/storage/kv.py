@@ -191,9 +191,9 @@ class QuantizedKVStorage:
     write each token in full precision into the block's tail (compute dtype, beside the
     pool) and quantize a chunk from there when its last token is written; a chunk not yet
     whole is read from the tail, a whole one from its bytes (spec/kv_formats.py). A block's
-    tail slot is freed in the step after the block fills; the tails of blocks that no live
-    request holds any more are dropped by `retain_tails`. A copy-on-write copy of a block
-    carries its scales and its tail.
+    tail slot is freed in the step after the block fills; the tail of a block released half
+    written goes with its last holder (`drop_tails`, from the runner's release). A
+    copy-on-write copy of a block carries its scales and its tail.
 
     A step writes its new tokens (`write`), then reads the blocks of the step dequantized
     in the compute dtype (`dequantized`): one layer's scratch K and V of the pool's shape,
@@ -358,14 +358,6 @@ class QuantizedKVStorage:
         for b in block_ids:
             if b not in self._filled:
                 self._drop_tail(b)
-
-    def retain_tails(self, live_block_ids: set[int]) -> int:
-        """Drop the tails of blocks outside `live_block_ids` (their requests finished or were
-        preempted with the block partly written); how many were dropped."""
-        gone = [b for b in self._tail_of if b not in live_block_ids]
-        for b in gone:
-            self._drop_tail(b)
-        return len(gone)
 
     # ---- writes --------------------------------------------------------------------------
 

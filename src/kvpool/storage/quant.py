@@ -206,11 +206,6 @@ def dequantize_v(schema: KVSchema, q: Quantized, dtype: torch.dtype) -> Tensor:
     return x.view(*lead, s, d)
 
 
-def kv_format(name: str) -> KVSchema:
-    """Kept for callers of the earlier name: `kv_schema`."""
-    return kv_schema(name)
-
-
 def round_trip_kv(schema: KVSchema, k: Tensor, v: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
     """What a step that writes a whole sequence, k and v [T, kv_heads, head_dim] from
     position 0, leaves for its reads (storage/kv.py): every whole chunk of the schema's
