@@ -626,7 +626,7 @@ class QuantNativeAttend:
         assert d is not None and d.native is not None and storage.reads_natively
         self.storage, self.plan, self.index, self.scale = storage, plan, index, scale
         self.native = d.native
-        last = [int(self.native.blocks[int(self.native.indptr[b + 1]) - 1]) for b in range(d.num_seqs)]
+        last = self.native.blocks[self.native.indptr[1:] - 1].tolist()  # each sequence's last block
         self.tails = storage.tail_slots(last)
         self.read = None
         if plan.prefills:
