@@ -91,6 +91,53 @@ def test_a_token_depends_only_on_seed_sample_and_position(params):
     assert a != [sample_token(logits, other_seed, 2, pos) for pos in range(50)]
 
 
+def test_a_top_p_that_fp32_rounds_to_zero_keeps_the_most_likely_token():
+    # 1e-50 is 0.0 in fp32: a mask "the tokens before reach top_p" then drops every token,
+    # and the draw indexed past an empty nucleus; the most likely token must always stay
+    logits = torch.tensor([0.2, 1.5, -0.3, 1.4])
+    for top_p in (1e-50, 1e-45, 1e-8):
+        assert set(draws(logits, SamplingParams(temperature=1.0, top_p=top_p), n=50)) == {1}
+
+
+def test_temperatures_below_the_greedy_threshold_are_greedy():
+    # logits / 1e-300 overflow fp32 to inf and the softmax of those is NaN: such a
+    # temperature means greedy, as in vLLM
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(3))
+    for temperature in (1e-300, 1e-6):
+        params = SamplingParams(temperature=temperature, seed=5)
+        assert params.greedy
+        assert set(draws(logits, params, n=20)) == {int(torch.argmax(logits))}
+    assert not SamplingParams(temperature=1e-4).greedy
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"temperature": math.nan},
+        {"temperature": math.inf},
+        {"temperature": -0.5},
+        {"top_p": math.nan},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"seed": 1 << 63},
+        {"seed": -(1 << 63) - 1},
+    ],
+)
+def test_parameters_out_of_the_samplers_range_are_refused_naming_them(bad):
+    (name,) = bad
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**bad)
+
+
+def test_seeds_a_multiple_of_2_to_the_63_apart_sample_differently():
+    # the generator's seed is taken mod 2^64: -1 and 2^63 - 1 (both valid int64 seeds) were
+    # one seed when it was taken mod 2^63
+    logits = torch.randn(49_152, generator=torch.Generator().manual_seed(1))
+    a = [sample_token(logits, SamplingParams(temperature=1.0, seed=-1), 0, pos) for pos in range(30)]
+    b = [sample_token(logits, SamplingParams(temperature=1.0, seed=(1 << 63) - 1), 0, pos) for pos in range(30)]
+    assert a != b
+
+
 def test_never_draws_a_token_of_zero_probability():
     logits = torch.full((10,), -math.inf)
     logits[7] = 0.0

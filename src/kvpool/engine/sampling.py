@@ -7,9 +7,16 @@ or batched with different neighbours, samples exactly the same tokens.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
+
+# Temperatures below this sample greedily (vLLM's threshold): dividing fp32 logits by a
+# smaller one overflows to inf, and the softmax of those is NaN.
+GREEDY_TEMPERATURE = 1e-5
+# A seed is a signed 64-bit integer, as in OpenAI's API and vLLM; the generator sees it mod 2^64.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
 
 
 @dataclass(frozen=True)
@@ -28,12 +35,14 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be > 0, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:  # NaN fails both comparisons
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be a 64-bit signed integer, got {self.seed}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if any(not s for s in self.stop):
@@ -43,7 +52,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 # Top-p looks for the nucleus among this many most likely tokens first; the full sort of
@@ -94,15 +103,33 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, sample_index: int
         if ids is None:
             probs, ids = torch.sort(probs, descending=True)
         cumulative = torch.cumsum(probs, dim=-1)
-        # drop a token when the tokens before it already reach top_p (the first always stays)
-        probs = probs.masked_fill((cumulative - probs) >= params.top_p, 0.0)
+        # drop a token when the tokens before it already reach top_p; the first always stays,
+        # even for a top_p that fp32 rounds to 0 (a mask of every token would leave nothing)
+        dropped = (cumulative - probs) >= params.top_p
+        dropped[0] = False
+        probs = probs.masked_fill(dropped, 0.0)
     # the tensors alive at the draw, and the draw's CDF: one more vector of the candidates
     _note_scratch(scores, full if full is not probs else None, probs, ids, cumulative, extra=probs.nbytes)
     generator = torch.Generator(device="cpu")
-    # any int seed (an API client's may be 64 bits): the generator takes the value mod 2^63
-    generator.manual_seed(((params.seed * 1_000_003 + sample_index) * 1_000_003 + position) % (1 << 63))
+    generator.manual_seed(_draw_seed(params.seed, sample_index, position))
     j = _draw(probs, generator)
     return int(ids[j]) if ids is not None else j
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _draw_seed(seed: int, sample_index: int, position: int) -> int:
+    """The generator's seed for one draw: the 64-bit seed, sample index and position mixed
+    by SplitMix64's finalizer, its halves folded together. CPU generators take only the low
+    32 bits of a seed, so every bit of the request's seed must reach them."""
+    x = seed & _MASK64
+    for v in (sample_index, position):
+        x = (x ^ v) + 0x9E3779B97F4A7C15 & _MASK64
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+        x ^= x >> 31
+    return (x ^ (x >> 32)) & 0xFFFFFFFF
 
 
 def _draw(weights: torch.Tensor, generator: torch.Generator) -> int:
