@@ -7,9 +7,13 @@ their heavy imports (torch, models) inside `run`, so `kvpool --help` stays fast.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 
 from kvpool.cli.args import HelpFormatter
 
@@ -42,6 +46,31 @@ COMMANDS: dict[str, tuple[str, str]] = {
 EXIT_INTERRUPTED = 130
 # ... and by SIGPIPE (128 + 13): its output's reader went away
 EXIT_BROKEN_PIPE = 141
+# ... and by SIGTERM (128 + 15): what `timeout`, systemd and Kubernetes send
+EXIT_TERMINATED = 143
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised by a command's handler (`terminate_like_ctrl_c`) so that it stops
+    as on Ctrl-C: what catches KeyboardInterrupt catches it; the status is 143."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated
+
+
+@contextlib.contextmanager
+def terminate_like_ctrl_c() -> Iterator[None]:
+    """Within the block SIGTERM raises Terminated; the previous handler is restored after.
+    (Only the main thread may set handlers: elsewhere the block runs unchanged.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,11 +98,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"kvpool {args._name}: error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         if os.environ.get("KVPOOL_TRACEBACK"):
             raise
-        print(f"kvpool {args._name}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        terminated = isinstance(stop, Terminated)
+        print(f"kvpool {args._name}: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
+        return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
     except BrokenPipeError:
         # the reader of our output left (`kvpool ... | head`): stop quietly, as a shell
         # command does on SIGPIPE; stdout goes to /dev/null so the exit's flush is silent

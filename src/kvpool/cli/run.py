@@ -53,6 +53,7 @@ from kvpool.cli.args import (
     v4_kv_format,
 )
 from kvpool.cli.generate import _tensor_parallel, add_model_arguments, add_tp_argument
+from kvpool.cli.main import EXIT_INTERRUPTED, EXIT_TERMINATED, Terminated, terminate_like_ctrl_c
 from kvpool.sim import chat
 from kvpool.sim.stats import percentile
 
@@ -287,6 +288,11 @@ def llama_engine(loaded, args: argparse.Namespace, kv_memory_bytes: int):
 
 
 def run(args: argparse.Namespace) -> int:
+    with terminate_like_ctrl_c():  # SIGTERM (timeout, Kubernetes) stops the run as Ctrl-C does
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     import torch
 
     from kvpool.engine import memory
@@ -295,8 +301,9 @@ def run(args: argparse.Namespace) -> int:
     runtime_bytes = memory.runtime_baseline()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.kv_memory is not None:
-        parse_bytes(args.kv_memory)  # a bad size is reported before the model loads
+    if args.kv_memory is not None:  # a bad size, or one the machine cannot hold, before the model loads
+        device = "cuda" if args.model != TINY_MODEL and torch.cuda.is_available() else "cpu"
+        memory.check_fits(parse_bytes(args.kv_memory), device, f"--kv-memory {args.kv_memory}")
     check_hisparse(args)
     check_preemption(args)
     check_kv_dtype(args)
@@ -327,7 +334,7 @@ def run(args: argparse.Namespace) -> int:
     frag_samples: list[float] = []
     bytes_read = 0
     step_time = 0.0
-    interrupted = False
+    interrupted = ""  # or how the run was stopped: "interrupted" (Ctrl-C), "terminated" (SIGTERM)
     progress = Progress(total, args.json)
     if quiet:
         print(f"kvpool run: serving {total} requests on {model_name}", file=sys.stderr)
@@ -376,8 +383,8 @@ def run(args: argparse.Namespace) -> int:
                     nid = f"chat{c}-t{conv.turn}"
                     engine.add_request(prompt, params, nid)
                     conversation_of[nid] = c
-    except KeyboardInterrupt:
-        interrupted = True
+    except KeyboardInterrupt as stop:
+        interrupted = "terminated" if isinstance(stop, Terminated) else "interrupted"
         for rid in list(engine.requests):
             engine.abort(rid)
     finally:
@@ -385,7 +392,7 @@ def run(args: argparse.Namespace) -> int:
     wall = time.perf_counter() - start
     if hasattr(runner, "close"):
         runner.close()  # the disk and Redis tiers' background writes land (counted in the report)
-    report = make_report(engine, args, model_name, wall, step_time, frag_samples, bytes_read, interrupted)
+    report = make_report(engine, args, model_name, wall, step_time, frag_samples, bytes_read, bool(interrupted))
     report["tp"] = getattr(args, "tp", 1)
     if loaded is not None:
         report["kv_bytes_per_token_per_rank"] = engine.runner.storage.bytes_per_token
@@ -401,10 +408,10 @@ def run(args: argparse.Namespace) -> int:
         print_report(report)
     if interrupted:
         print(
-            f"kvpool run: interrupted; the report covers the {report['num_finished']} requests that finished",
+            f"kvpool run: {interrupted}; the report covers the {report['num_finished']} requests that finished",
             file=sys.stderr,
         )
-        return 130
+        return EXIT_TERMINATED if interrupted == "terminated" else EXIT_INTERRUPTED
     return 0
 
 

@@ -83,9 +83,14 @@ def _range(text: str) -> tuple[int, int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from kvpool.sim.routing import LAYOUTS, ROUTINGS  # (no imports there: --help stays fast)
+    from kvpool.spec.models import PRESET_NAMES  # (kvpool plan's help imports it too)
 
     parser.add_argument("mode", nargs="?", choices=("run", "sweep"), default="run", help="one run (or a few) / a sweep")
-    parser.add_argument("--model", default="smollm2-135m", help="a preset (kvpool plan --list-models) or config.json")
+    # The default model must hold the default workload: 4-turn chats reach ~9k tokens, past
+    # SmolLM2's 8,192 positions; Llama-3.1-8B on one H200 is the common serving setup.
+    parser.add_argument(
+        "--model", default="llama-3.1-8b", help=f"a preset ({', '.join(PRESET_NAMES)}) or a config.json path"
+    )
     parser.add_argument("--gpu", default="h200", help="h100, h200, b200 or cpu (this machine, calibrated)")
     parser.add_argument("--tp", type=positive_int, default=None, help="GPUs per replica (default: the fewest that fit)")
     parser.add_argument("--workload", choices=WORKLOADS, default="chat", help="chat, agentic or uniform")

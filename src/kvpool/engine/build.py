@@ -14,7 +14,7 @@ import xxhash
 from kvpool.cache import CacheDescriptor
 from kvpool.engine.engine import Engine
 from kvpool.engine.llama_runner import LlamaRunner, kv_format_for
-from kvpool.engine.memory import rss_bytes
+from kvpool.engine.memory import check_fits, rss_bytes
 from kvpool.kernels import cpu_kernels
 from kvpool.models import weight_cache
 from kvpool.models.gguf import GGUFModel, check_gguf_file, default_gguf_path, file_digest, load_gguf
@@ -118,6 +118,19 @@ def cache_spec_for(loaded: LoadedModel, block_size: int) -> CacheSpec:
     return CacheSpec.uniform(name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, block_size=block_size)
 
 
+def bytes_per_block(loaded: LoadedModel, block_size: int, kv_format: str | None = None) -> int:
+    """A block's bytes in the pool: K and V of every layer, or for a quantized format the
+    stored block and its share of the dequantization scratch (one layer, compute dtype)."""
+    fmt = kv_format_for(loaded.model, kv_format)
+    if fmt is None:
+        return int(cache_spec_for(loaded, block_size).bytes_per_block)
+    cfg = loaded.model.config
+    per_block = QuantizedKVStorage.block_bytes(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, fmt)
+    return per_block + QuantizedKVStorage.scratch_block_bytes(
+        block_size, cfg.num_kv_heads, cfg.head_dim, loaded.model.dtype
+    )
+
+
 def num_blocks_for_memory(
     loaded: LoadedModel, block_size: int, kv_memory_bytes: int, kv_format: str | None = None, max_num_seqs: int = 0
 ) -> int:
@@ -129,13 +142,8 @@ def num_blocks_for_memory(
     fmt = kv_format_for(loaded.model, kv_format)
     cfg = loaded.model.config
     reserved = 0
-    if fmt is None:
-        per_block = int(cache_spec_for(loaded, block_size).bytes_per_block)
-    else:  # the stored block, and its share of the dequantization scratch (one layer, compute dtype)
-        per_block = QuantizedKVStorage.block_bytes(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, fmt)
-        per_block += QuantizedKVStorage.scratch_block_bytes(
-            block_size, cfg.num_kv_heads, cfg.head_dim, loaded.model.dtype
-        )
+    per_block = bytes_per_block(loaded, block_size, kv_format)
+    if fmt is not None:
         if fmt.flush(block_size) > 1 and max_num_seqs > 0:
             # a step may hold two a sequence: the block a chunk fills, and the one it opens
             tails = 1 << (2 * max_num_seqs - 1).bit_length()
@@ -171,6 +179,9 @@ def build_engine(
     that directory, LRU under disk_cache_bytes (kvpool.tiers.DiskTier); redis_url: a
     shared Redis tier (kvpool.tiers.redis_tier.RedisTier). Lookups go host -> disk -> Redis.
     kv_format: the KV cache's storage format (kvpool.storage.quant; None: the model's dtype)."""
+    pool_bytes = num_blocks * bytes_per_block(loaded, block_size, kv_format)
+    where = f"the KV pool of {num_blocks} blocks of {block_size} tokens"
+    check_fits(pool_bytes, loaded.model.device, where, "lower --kv-memory or --num-blocks")
     tier = None
     if host_cache_bytes is not None:
         from kvpool.tiers import HostTier

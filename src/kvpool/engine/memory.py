@@ -56,6 +56,48 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
+def available_memory_bytes(device: object) -> int | None:
+    """Memory a new allocation on `device` can take now: on CUDA the free device memory
+    (cudaMemGetInfo), on CPU MemAvailable of /proc/meminfo (free pages plus the cache the
+    kernel can drop; sysconf's free pages elsewhere). None where it cannot be told."""
+    import torch
+
+    dev = torch.device(device)  # type: ignore[arg-type]
+    if dev.type == "cuda":
+        return int(torch.cuda.mem_get_info(dev)[0])
+    if dev.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_fits(num_bytes: int, device: object, what: str, advice: str = "") -> None:
+    """ValueError naming `what` and both sizes when `num_bytes` exceed the memory `device`
+    has available: a pool too large for the machine is the user's mistake, told in one line
+    before torch tries (on CPU a failed allocation is a long traceback; a pool just under
+    the physical memory but over what is free gets the process killed as it is zeroed)."""
+    available = available_memory_bytes(device)
+    if available is None or num_bytes <= available:
+        return
+    where = "this machine has" if str(device).startswith("cpu") else f"{device} has"
+    raise ValueError(
+        f"{what} needs {num_bytes / GIB:.1f} GiB but {where} {available / GIB:.1f} GiB of memory available"
+        + (f"; {advice}" if advice else "")
+    )
+
+
+GIB = 1 << 30
+
+
 @dataclass
 class StepPeaks:
     """The largest bytes any one step allocated, by kind (the runner updates it)."""

@@ -1,0 +1,156 @@
+"""Issue 28, section 4: what a new user meets on a fresh clone. The commands' defaults work
+together; a KV pool larger than the machine's memory, a non-finite temperature and a wrong
+hint in --help are caught in one line; SIGTERM stops `kvpool run` as Ctrl-C does, with the
+report of what finished."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvpool.cli.main import main
+
+
+def _one_error_line(capsys) -> str:
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def smollm2(one_thread):
+    """The embedded SmolLM2-135M, loaded once; the commands get it from load_model."""
+    from kvpool.engine import build
+
+    loaded = build.load_model()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(build, "load_model", lambda path=None, **kw: loaded)
+        yield loaded
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Any model load fails the test: the check must come before it."""
+    from kvpool.engine import build
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(build, "load_model", refuse)
+
+
+def test_simulate_with_no_arguments_runs(capsys):
+    # the default chat workload (4 turns) and the default model and GPU fit together
+    # (the 1,000 requests of 250 sessions: their longest needs 8,986 tokens)
+    assert main(["simulate", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["num_finished"] == report["num_requests"] == 1000
+
+
+def test_simulate_help_names_the_presets_not_a_missing_flag(capsys):
+    from kvpool.spec.models import PRESET_NAMES
+
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
+    assert "--list-models" not in out
+    assert all(name in out for name in PRESET_NAMES), out
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_generate_refuses_a_non_finite_temperature_in_one_line(capsys, no_loading, value):
+    assert main(["generate", "hi", f"--temperature={value}"]) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith("kvpool generate: error:") and "temperature" in line and value.lstrip("-") in line
+
+
+def _available_bytes() -> int:
+    from kvpool.engine.memory import available_memory_bytes
+
+    return available_memory_bytes("cpu")
+
+
+def test_run_refuses_kv_memory_beyond_the_machine_before_loading(capsys, no_loading):
+    assert main(["run", "--kv-memory", "2048GiB"]) == 2
+    line = _one_error_line(capsys)
+    assert "--kv-memory 2048GiB" in line and "GiB of memory available" in line, line
+    assert main(["run", "--model", "tiny-dsv4", "--kv-memory", "2048GiB"]) == 2
+    assert "--kv-memory 2048GiB" in _one_error_line(capsys)
+
+
+def test_a_pool_beyond_the_machine_is_one_line_in_serve_and_generate(capsys, smollm2):
+    # serve (the size checked where the pool is built, after the model loads) and generate's
+    # --num-blocks: 2**26 blocks of 737,280 bytes are 45 TiB
+    assert main(["serve", "--kv-memory", "2048GiB", "--host", "127.0.0.1", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[0] == "kvpool serve: loading smollm2-135m" and "Traceback" not in err, err
+    line = err.splitlines()[1]
+    assert len(err.splitlines()) == 2 and line.startswith("kvpool serve: error: "), err
+    assert "the KV pool" in line and "2048.0 GiB" in line and "memory available" in line, line
+    assert main(["generate", "hi", "--num-blocks", str(2**26), "--max-tokens", "2"]) == 2
+    line = _one_error_line(capsys)
+    assert "67108864 blocks" in line and "memory available" in line, line
+
+
+def test_a_pool_that_fits_is_not_refused():
+    from kvpool.engine.memory import check_fits
+
+    check_fits(1 << 20, "cpu", "the KV pool")
+    with pytest.raises(ValueError, match="the KV pool needs .* GiB of memory available"):
+        check_fits(_available_bytes() + (1 << 30), "cpu", "the KV pool")
+
+
+def test_sigterm_stops_run_like_ctrl_c_with_the_report():
+    argv = [sys.executable, "-m", "kvpool", "run", "--model", "tiny-dsv4", "--json", "--threads", "1"]
+    argv += ["--num-requests", "200", "--request-rate", "inf"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        line = ""
+        while "serving" not in line and time.monotonic() < deadline:  # the workload has started
+            line = proc.stderr.readline()
+        assert "serving" in line, line
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    report = json.loads(out)
+    assert report["interrupted"] is True and report["num_finished"] < report["num_requests"]
+    assert "terminated; the report covers" in err and "Traceback" not in err, err
+
+
+def test_sigterm_handler_is_restored_after_run(capsys, monkeypatch):
+    import torch
+
+    from kvpool.engine.engine import Engine
+
+    def not_handled(signum, frame):  # without run's handler the signal reaches this one
+        raise RuntimeError("SIGTERM was not handled by kvpool run")
+
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # (keep the test process's)
+    before = signal.signal(signal.SIGTERM, not_handled)
+    step = Engine.step
+
+    def terminated_step(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return step(self)
+
+    monkeypatch.setattr(Engine, "step", terminated_step)
+    args = ["run", "--json", "--threads", "1", "--model", "tiny-dsv4", "--num-requests", "2", "--request-rate", "inf"]
+    try:
+        assert main(args) == 143
+        assert json.loads(capsys.readouterr().out)["interrupted"] is True
+        assert signal.getsignal(signal.SIGTERM) is not_handled
+    finally:
+        signal.signal(signal.SIGTERM, before)
