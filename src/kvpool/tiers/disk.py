@@ -13,16 +13,30 @@ at most a temp file, which the next process to open the cache removes once its w
 dead. Two processes writing the same entry both rename whole files: the last one wins.
 
 Reads check the manifest's checksum and every tensor's (entry.py): a corrupted or
-truncated entry is moved to quarantine/, counted, and is a miss. A descriptor that does
-not match the caller's is a miss counted under each differing field, and the entry is
-deleted (reclaimed): after a weights switch, the old entries go as they are met, and the
-LRU limit ages out the rest.
+truncated entry, or one whose tensors are not the shapes and dtypes the engine declared
+for its namespace (`expect_tensors`), is moved to quarantine/, counted, and is a miss; so
+is anything at an entry's path that is not a regular file (a FIFO is opened non-blocking,
+so it cannot hang a lookup). A descriptor that does not match the caller's is a miss
+counted under each differing field, and the entry is deleted (reclaimed): after a weights
+switch, the old entries go as they are met, and the LRU limit ages out the rest. An entry
+of another kvpool's format version is a miss ("other_version"), left in place for its
+writer, and aged out by the byte limit like any entry.
 
-The byte limit is LRU over the entries this process knows (the directory's at open, by
-modification time, then its own writes and the entries it finds); a hit refreshes an
-entry's modification time so that the order carries over to the next process. Several
-processes on one directory each enforce the limit on what they know, so together they
-may briefly hold more.
+Faults are misses, never crashes: an entry the process may not read, a read-only
+filesystem, a directory where a file should be. Each is counted in `io_errors` by what
+failed ("read", "utime", "evict", "quarantine", "reclaim", "tmp"); a lookup or get it ends
+is a miss of cause "io_error"; a write it ends counts in num_write_errors.
+
+`holds` (the writer's "already stored, skip it") trusts only entries whose payload this
+process wrote or read back whole: a lookup checks the header only, so an entry with a
+corrupted payload is rewritten as soon as the engine computes its block again.
+
+The byte limit is LRU over the directory's entries by modification time (a hit refreshes
+it). Each process knows the entries at open, its own writes and the entries it finds; and
+after every `capacity_bytes / 32` bytes it writes, it scans the directory again and evicts
+the least recently used of everyone's entries. Several processes on one directory then
+hold at most the limit plus, each, what it wrote since its last scan (1/32 of the limit,
+or one entry when that is larger).
 
 Writes run on a background writer (writer.py): `put` encodes nothing and never waits; a
 full queue drops the write and counts it.
@@ -32,6 +46,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import stat
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -55,6 +70,33 @@ class _Entry:
     path: Path
     num_bytes: int
     descriptor: BlockDescriptor | None  # known once read or written by this process
+    inode: int = 0  # the file's (a rewrite renames a new file in: a new inode)
+    verified: bool = False  # its payload checked out here (written, or read back whole)
+
+
+def _open_entry(path: Path):
+    """A binary file object on the regular file at `path`. Non-blocking open: a FIFO
+    returns at once (and, like a directory or a device, is refused as CorruptEntry)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "directory" if stat.S_ISDIR(mode) else "FIFO" if stat.S_ISFIFO(mode) else "special file"
+            raise entry.CorruptEntry(f"a {kind} at the entry's path, not a file")
+        return os.fdopen(fd, "rb")  # (O_NONBLOCK does nothing to a regular file's reads)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def temp_file_owner_alive(path: Path) -> bool:
+    """Whether the writer named in a temp file's name (<key>.<pid>.<n>.tmp) is a live
+    process of this machine."""
+    try:
+        pid = int(path.name.split(".")[-3])
+    except (IndexError, ValueError):
+        return False
+    return pid > 0 and (pid == os.getpid() or _pid_alive(pid))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -109,7 +151,7 @@ def scan_entries(root: Path) -> list[tuple[Path, os.stat_result]]:
     for path in (root / "entries").glob(f"*/*/*{SUFFIX}"):
         try:
             found.append((path, path.stat()))
-        except FileNotFoundError:  # another process evicted it meanwhile
+        except OSError:  # another process evicted it meanwhile (or it cannot be reached)
             continue
     found.sort(key=lambda item: item[1].st_mtime_ns)
     return found
@@ -134,6 +176,7 @@ class DiskTier(Tier):
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
         self.stats = TierStats()
+        self.io_errors: Counter[str] = Counter()  # OS errors by what failed (module docstring)
         self._lock = threading.Lock()
         # (namespace, content key) -> entry, LRU first; blocks of the same tokens under two
         # models are two entries. _keys counts each content key's namespaces (contains()).
@@ -141,16 +184,14 @@ class DiskTier(Tier):
         self._keys: Counter[bytes] = Counter()
         self._num_bytes = 0
         self._tmp_names = itertools.count()
+        # namespace -> {tensor name: (dtype, shape)} every entry of it must have
+        self._expected: dict[str, dict[str, tuple[str, list[int]]]] = {}
+        # the directory is scanned again (other processes' entries) after this many bytes
+        self.rescan_bytes = max(1, capacity_bytes // 32)
+        self._written_since_scan = 0
         self._writer = BackgroundWriter("disk", max_pending_bytes)
         self.num_stale_tmp_removed = self._remove_stale_tmp()
-        for path, st in scan_entries(self.root):
-            try:
-                key = bytes.fromhex(path.name.removesuffix(SUFFIX))
-            except ValueError:
-                continue
-            self._add((path.parent.parent.name, key), _Entry(path, st.st_size, None))
-        with self._lock:
-            self._evict_over_limit()
+        self._rescan()
         # a crash test stops the writer here (the stage's name); None in normal use
         self.fault_hook = None
 
@@ -168,18 +209,59 @@ class DiskTier(Tier):
         """Temp files of writers that are gone (killed mid-write): removed."""
         removed = 0
         for path in (self.root / "tmp").glob("*.tmp"):
-            parts = path.name.split(".")
-            try:
-                pid = int(parts[-3])
-            except (IndexError, ValueError):
-                pid = -1
-            if pid != os.getpid() and (pid <= 0 or not _pid_alive(pid)):
+            if not temp_file_owner_alive(path):
                 try:
                     path.unlink()
                     removed += 1
                 except FileNotFoundError:
                     pass
+                except OSError:  # a directory, a read-only disk: left there, counted
+                    self.io_errors["tmp"] += 1
         return removed
+
+    def _rescan(self) -> None:
+        """Index the directory's entries as they are now (other processes' writes and
+        evictions), least recently modified first, and evict down to the limit. What this
+        process knew of an entry (its descriptor, a checked payload) is kept while the file
+        is the same one."""
+        found = scan_entries(self.root)  # (no lock: lookups go on meanwhile)
+        with self._lock:
+            known = self._entries
+            self._entries, self._keys, self._num_bytes = OrderedDict(), Counter(), 0
+            for path, st in found:
+                try:
+                    key = bytes.fromhex(path.name.removesuffix(SUFFIX))
+                except ValueError:
+                    continue
+                ident = (path.parent.parent.name, key)
+                old = known.get(ident)
+                if old is not None and old.inode == st.st_ino and old.num_bytes == st.st_size:
+                    self._add(ident, old)
+                else:
+                    self._add(ident, _Entry(path, st.st_size, None, st.st_ino))
+            self._written_since_scan = 0
+            self._evict_over_limit()
+
+    def expect_tensors(self, model_id: str, layout_id: str, tensors: dict[str, tuple[object, tuple[int, ...]]]) -> None:
+        """Declare the tensors every block of (model_id, layout_id) has: {name: (torch dtype,
+        shape)}. An entry of that namespace whose tensors differ, checksums valid or not, is
+        quarantined (a miss), never handed to the engine."""
+        layout = {}
+        for name, spec in tensors.items():
+            dtype, shape = spec if isinstance(spec, tuple) and len(spec) == 2 else (None, None)
+            if (
+                not str(dtype).startswith("torch.")
+                or not isinstance(shape, tuple)
+                or not all(isinstance(n, int) and n >= 0 for n in shape)
+            ):
+                raise ValueError(f"expected tensors: {name!r} must be (torch dtype, shape of sizes >= 0), got {spec!r}")
+            layout[name] = (str(dtype).removeprefix("torch."), list(shape))
+        self._expected[entry.namespace_of(model_id, layout_id)] = layout
+
+    def _check_layout(self, namespace: str, layout: dict[str, tuple[str, list[int]]]) -> None:
+        want = self._expected.get(namespace)
+        if want is not None and layout != want:
+            raise entry.CorruptEntry(f"entry holds tensors {layout}, blocks of its namespace are {want}")
 
     @property
     def num_bytes(self) -> int:
@@ -211,11 +293,14 @@ class DiskTier(Tier):
     def _evict_over_limit(self) -> None:
         while self._num_bytes > self.capacity_bytes and self._entries:
             ident, old = next(iter(self._entries.items()))
-            self._drop(ident)
+            self._drop(ident)  # (forgotten even when the unlink fails: the loop ends)
             try:
                 old.path.unlink()
             except FileNotFoundError:
                 pass
+            except OSError:
+                self.io_errors["evict"] += 1
+                continue
             self.stats.num_evictions += 1
 
     def _find(self, ident: tuple[str, bytes], expected: BlockDescriptor) -> _Entry | None:
@@ -224,10 +309,10 @@ class DiskTier(Tier):
         if found is None:
             path = self._path(ident[1], expected)
             try:
-                size = path.stat().st_size
+                st = path.stat()
             except FileNotFoundError:
                 return None
-            found = _Entry(path, size, None)
+            found = _Entry(path, st.st_size, None, st.st_ino)
             self._add(ident, found)
         return found
 
@@ -239,6 +324,8 @@ class DiskTier(Tier):
             os.replace(found.path, target)
         except FileNotFoundError:
             pass
+        except OSError:  # a read-only disk: it stays, a miss each time it is met
+            self.io_errors["quarantine"] += 1
         self.stats.num_corrupt += 1
         self.stats.misses["corrupt"] += 1
 
@@ -250,15 +337,34 @@ class DiskTier(Tier):
             found.path.unlink()
         except FileNotFoundError:
             pass
+        except OSError:
+            self.io_errors["reclaim"] += 1
+            return
         self.stats.num_reclaimed += 1
 
-    def _header(self, found: _Entry, key: bytes) -> BlockDescriptor:
-        with open(found.path, "rb") as f:
+    def _header(self, ident: tuple[str, bytes], found: _Entry) -> BlockDescriptor:
+        with _open_entry(found.path) as f:
             n = entry.header_length(f.read(8))
             header = f.read(n)
         if len(header) < n:
             raise entry.CorruptEntry(f"entry of {found.num_bytes} bytes is shorter than its header")
-        return entry.read_header(header, key)[0]
+        descriptor, manifest = entry.read_header(header, ident[1])
+        self._check_layout(ident[0], entry.tensor_layout(manifest))
+        return descriptor
+
+    def _failed(self, ident: tuple[str, bytes], found: _Entry, error: Exception, op: str) -> None:
+        """A lookup or get that met `error` reading the entry: the miss it is (lock held)."""
+        if isinstance(error, FileNotFoundError):
+            self._drop(ident)
+            self.stats.misses["absent"] += 1
+        elif isinstance(error, entry.CorruptEntry):
+            self._quarantine(ident, found)
+        elif isinstance(error, entry.OtherVersion):
+            found.descriptor, found.verified = None, False
+            self.stats.misses["other_version"] += 1  # left to its writer; the LRU ages it out
+        else:
+            self.io_errors[op] += 1
+            self.stats.misses["io_error"] += 1
 
     def _checked(self, key: bytes, expected: BlockDescriptor) -> _Entry | None:
         """The entry, its descriptor checked against `expected` (lock held)."""
@@ -269,13 +375,9 @@ class DiskTier(Tier):
             return None
         if found.descriptor is None:
             try:
-                found.descriptor = self._header(found, key)
-            except FileNotFoundError:
-                self._drop(ident)
-                self.stats.misses["absent"] += 1
-                return None
-            except entry.CorruptEntry:
-                self._quarantine(ident, found)
+                found.descriptor = self._header(ident, found)
+            except (OSError, entry.CorruptEntry, entry.OtherVersion) as error:
+                self._failed(ident, found, error, "read")
                 return None
         differ = found.descriptor.mismatches(expected)
         if differ:
@@ -291,7 +393,7 @@ class DiskTier(Tier):
 
     def holds(self, key: bytes, descriptor: BlockDescriptor) -> bool:
         found = self._entries.get(self._id(key, descriptor))
-        return found is not None and found.descriptor == descriptor
+        return found is not None and found.verified and found.descriptor == descriptor
 
     def lookup(self, key: bytes, expected: BlockDescriptor) -> bool:
         with self._lock:
@@ -309,15 +411,12 @@ class DiskTier(Tier):
                 self.stats.num_get_misses += 1
                 return None
             try:
-                data = found.path.read_bytes()
+                with _open_entry(found.path) as f:
+                    data = f.read()
                 descriptor, tensors = entry.decode(data, key)
-            except FileNotFoundError:
-                self._drop(ident)
-                self.stats.misses["absent"] += 1
-                self.stats.num_get_misses += 1
-                return None
-            except entry.CorruptEntry:
-                self._quarantine(ident, found)
+                self._check_layout(ident[0], entry.layout_of(tensors))
+            except (OSError, entry.CorruptEntry, entry.OtherVersion) as error:
+                self._failed(ident, found, error, "read")
                 self.stats.num_get_misses += 1
                 return None
             if descriptor != found.descriptor:  # rewritten by another process since the header was read
@@ -327,10 +426,13 @@ class DiskTier(Tier):
                     self.stats.num_get_misses += 1
                     return None
                 found.descriptor = descriptor
+            found.verified = True
             try:
                 os.utime(found.path)  # the LRU order, for the next process
             except FileNotFoundError:
                 pass
+            except OSError:  # entries of another user, a read-only disk: still a hit
+                self.io_errors["utime"] += 1
             self.stats.num_gets += 1
             self.stats.num_get_bytes += len(data)
         self.stats.get_s += time.perf_counter() - start
@@ -372,19 +474,24 @@ class DiskTier(Tier):
             if self.fsync:
                 _fsync_dir(final.parent)
             self._stage("dir synced")
+            inode = os.stat(final).st_ino
         except OSError:
             self.stats.num_write_errors += 1
             try:
                 tmp.unlink()
-            except FileNotFoundError:
+            except OSError:  # not there, or not ours to remove (a directory, a read-only disk)
                 pass
             return
         with self._lock:
-            self._add(self._id(key, descriptor), _Entry(final, len(data), descriptor))
+            self._add(self._id(key, descriptor), _Entry(final, len(data), descriptor, inode, verified=True))
             self.stats.num_puts += 1
             self.stats.num_put_bytes += len(data)
             self._evict_over_limit()
-            self.stats.put_s += time.perf_counter() - start
+            self._written_since_scan += len(data)
+            rescan = self._written_since_scan >= self.rescan_bytes
+        if rescan:  # (on the writer's thread, off the engine's path)
+            self._rescan()
+        self.stats.put_s += time.perf_counter() - start
 
     def evict(self, key: bytes) -> bool:
         """Drop the entries of `key` (under every namespace this process knows)."""
@@ -395,6 +502,8 @@ class DiskTier(Tier):
                 found.path.unlink()
             except FileNotFoundError:
                 pass
+            except OSError:
+                self.io_errors["evict"] += 1
         return bool(dropped)
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -416,6 +525,7 @@ class DiskTier(Tier):
             "pending_bytes": self._writer.pending_bytes,
             "stale_tmp_removed": self.num_stale_tmp_removed,
             **self.stats.as_dict(),
+            "io_errors": dict(sorted(self.io_errors.items())),
         }
 
     def check_integrity(self) -> None:
@@ -439,8 +549,9 @@ class EntryInfo:
     path: Path
     num_bytes: int
     mtime_ns: int
-    descriptor: BlockDescriptor | None  # None: the header does not check out
-    problem: str  # "" or why the header is bad
+    descriptor: BlockDescriptor | None  # None: the entry does not check out
+    problem: str  # "" or why not
+    other_version: bool = False  # written by a kvpool of another entry format (not ours to judge)
 
 
 def existing_cache(directory: str | os.PathLike) -> Path:
@@ -455,16 +566,24 @@ def existing_cache(directory: str | os.PathLike) -> Path:
     return root
 
 
-def inspect_cache(root: Path) -> list[EntryInfo]:
-    """Every entry's header, read without changing anything, least recently used first."""
+def inspect_cache(root: Path, *, verify: bool = True) -> list[EntryInfo]:
+    """Every entry, checked without changing anything, least recently used first: read
+    whole and every checksum verified (a corrupted payload found), or with verify=False
+    its header only, as a lookup checks it."""
     out = []
     for path, st in scan_entries(root):
+        descriptor, problem, other_version = None, "", False
         try:
             key = bytes.fromhex(path.name.removesuffix(SUFFIX))
-            with open(path, "rb") as f:
-                n = entry.header_length(f.read(8))
-                descriptor, problem = entry.read_header(f.read(n), key)[0], ""
+            with _open_entry(path) as f:
+                if verify:
+                    descriptor = entry.decode(f.read(), key)[0]
+                else:
+                    n = entry.header_length(f.read(8))
+                    descriptor = entry.read_header(f.read(n), key)[0]
+        except entry.OtherVersion as error:
+            problem, other_version = str(error), True
         except (ValueError, OSError) as error:  # CorruptEntry is a ValueError
-            descriptor, problem = None, str(error)
-        out.append(EntryInfo(path, st.st_size, st.st_mtime_ns, descriptor, problem))
+            problem = str(error)
+        out.append(EntryInfo(path, st.st_size, st.st_mtime_ns, descriptor, problem, other_version))
     return out

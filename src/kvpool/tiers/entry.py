@@ -12,7 +12,10 @@ a descriptor without reading the tensors; `decode` checks everything: the header
 manifest's checksum, that the file's tensors are exactly the manifest's, and every
 tensor's checksum. Anything wrong raises `CorruptEntry`, which the tiers turn into a miss
 (and, on disk, a quarantined file). A descriptor that does not match the caller's is not
-corruption: the tier reports it field by field.
+corruption: the tier reports it field by field. Nor is an entry of another format version
+(`OtherVersion`: a manifest whose "format" is not ours, or kvpool metadata in a form this
+version does not know): two kvpool versions may share a directory, so it is skipped, left
+to its writer, and aged out by the byte limit.
 """
 
 from __future__ import annotations
@@ -38,11 +41,19 @@ class CorruptEntry(ValueError):
     """A stored entry whose bytes do not check out (torn, truncated, flipped or foreign)."""
 
 
+class OtherVersion(ValueError):
+    """An entry written by a kvpool of another entry format: not ours to read or to move."""
+
+
 def namespace(descriptor: BlockDescriptor) -> str:
     """What makes two blocks' bytes comparable at all: the model and the layout (shape,
     block size, dtype). Entries of other weights, tokenizer, template, adapter or RoPE
     share a namespace so that they are found, refused field by field and reclaimed."""
-    return xxhash.xxh3_64_hexdigest(f"{descriptor.model_id}\x00{descriptor.layout_id}".encode())
+    return namespace_of(descriptor.model_id, descriptor.layout_id)
+
+
+def namespace_of(model_id: str, layout_id: str) -> str:
+    return xxhash.xxh3_64_hexdigest(f"{model_id}\x00{layout_id}".encode())
 
 
 def _tensor_sum(tensor: Tensor) -> str:
@@ -84,15 +95,25 @@ def read_header(header: bytes, key: bytes) -> tuple[BlockDescriptor, dict]:
     manifest's checksum and its key checked."""
     try:
         meta = json.loads(header).get("__metadata__") or {}
-        manifest_text = meta[_MANIFEST]
-        checksum = meta[_MANIFEST_SUM]
-    except (ValueError, AttributeError, KeyError, TypeError) as error:
+        manifest_text = meta.get(_MANIFEST)
+        checksum = meta.get(_MANIFEST_SUM)
+    except (ValueError, AttributeError, TypeError) as error:
         raise CorruptEntry(f"entry header unreadable: {error!r}") from None
+    if not isinstance(manifest_text, str) or not isinstance(checksum, str):
+        if isinstance(meta, dict) and any(str(name).startswith("kvpool.") for name in meta):
+            raise OtherVersion(f"entry metadata {sorted(meta)}, this kvpool writes {[_MANIFEST, _MANIFEST_SUM]}")
+        raise CorruptEntry("entry header holds no kvpool manifest")
     if xxhash.xxh3_128_hexdigest(manifest_text.encode()) != checksum:
+        # another version may sum its manifest otherwise: its format number tells (a flip
+        # that turns our "1" into another digit is then skipped and aged out, never served)
+        if _format_of(manifest_text) not in (FORMAT, None):
+            raise OtherVersion(f"entry format {_format_of(manifest_text)}, this kvpool reads {FORMAT}")
         raise CorruptEntry("manifest checksum mismatch")
     manifest = json.loads(manifest_text)
+    if not isinstance(manifest, dict):
+        raise CorruptEntry("entry manifest is not an object")
     if manifest.get("format") != FORMAT:
-        raise CorruptEntry(f"entry format {manifest.get('format')!r}, this kvpool reads {FORMAT}")
+        raise OtherVersion(f"entry format {manifest.get('format')!r}, this kvpool reads {FORMAT}")
     if manifest.get("key") != key.hex():
         raise CorruptEntry(f"entry filed under {key.hex()} holds key {manifest.get('key')}")
     try:
@@ -100,6 +121,28 @@ def read_header(header: bytes, key: bytes) -> tuple[BlockDescriptor, dict]:
     except (KeyError, TypeError, ValueError) as error:
         raise CorruptEntry(f"entry descriptor unreadable: {error}") from None
     return descriptor, manifest
+
+
+def _format_of(manifest_text: str) -> int | None:
+    """The "format" number of a manifest that parses; None otherwise."""
+    try:
+        found = json.loads(manifest_text).get("format")
+    except (ValueError, AttributeError):
+        return None
+    return found if isinstance(found, int) and not isinstance(found, bool) else None
+
+
+def tensor_layout(manifest: dict) -> dict[str, tuple[str, list[int]]]:
+    """{name: (dtype, shape)} of the tensors a (checked) manifest lists."""
+    try:
+        return {name: (t["dtype"], list(t["shape"])) for name, t in manifest["tensors"].items()}
+    except (KeyError, TypeError, AttributeError) as error:
+        raise CorruptEntry(f"entry manifest lists no tensors: {error!r}") from None
+
+
+def layout_of(tensors: dict[str, Tensor]) -> dict[str, tuple[str, list[int]]]:
+    """{name: (dtype, shape)} of tensors, as a manifest names them."""
+    return {name: (str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in tensors.items()}
 
 
 def peek(data: bytes, key: bytes) -> tuple[BlockDescriptor, dict]:
