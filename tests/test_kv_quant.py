@@ -21,7 +21,7 @@ from kvpool.engine.engine import Engine
 from kvpool.engine.llama_runner import LlamaRunner
 from kvpool.engine.sampling import SamplingParams
 from kvpool.spec.kv_formats import KV_SCHEMAS, kv_schema
-from kvpool.storage.kv import QuantizedKVStorage
+from kvpool.storage.kv import QuantizedKVStorage, SeqSpan
 from kvpool.storage.quant import (
     dequantize,
     dequantize_k,
@@ -175,7 +175,7 @@ def test_a_zero_vector_the_extremes_and_bad_names() -> None:
 def _write(storage: QuantizedKVStorage, block: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
     """Tokens [start, start + n) of one block, every layer."""
     slots = torch.arange(start, start + k.shape[0]) + block * storage.block_size
-    index = storage.write_index(slots)
+    index = storage.write_index(slots, [SeqSpan([block], start, start + k.shape[0])])
     for layer in range(storage.num_layers):
         storage.write(layer, index, k, v)
 
@@ -208,9 +208,10 @@ def test_a_chunk_reads_in_full_precision_until_it_fills_and_its_bytes_never_depe
     for t in ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero"):
         x, y = getattr(whole, t), getattr(pieces, t)
         assert (x is None) == (y is None) and (x is None or torch.equal(x[:, 3], y[:, 3])), t
-    pieces.write_index(torch.tensor([0]))  # the next step: the full block's tail is freed
-    assert pieces.num_tails == (1 if flush > 1 else 0)  # block 0's, just taken
-    pieces.drop_tails([0])  # block 0's request is gone
+    pieces.write_index(torch.tensor([0]), [SeqSpan([0], 0, 1)])  # the next step: the full block's tail is freed
+    # block 0's, just taken (KIVI: block 3 keeps its tail, the V window of its last R tokens)
+    assert pieces.num_tails == (0 if flush == 1 else 2 if fmt.value_window else 1)
+    pieces.drop_tails([0, 3])  # their requests are gone
     assert pieces.num_tails == 0
 
 
@@ -279,7 +280,8 @@ class AttentionAudit:
     """Wraps a runner so that every layer of every step compares the attention it computed
     with the contiguous reference over the same stored bytes (storage.contiguous): each
     sequence's K / V dequantized into one [KVH, ctx, D] tensor, then plain SDPA, in fp64
-    (and in fp32, for the fp32 path's tolerance)."""
+    (and in fp32, for the fp32 path's tolerance). KIVI (`attends_new_exactly`): a step reads
+    the cache as it held the sequence before the step, then the step's own K / V exact."""
 
     def __init__(self, runner: LlamaRunner, monkeypatch: pytest.MonkeyPatch):
         self.runner = runner
@@ -290,6 +292,12 @@ class AttentionAudit:
 
         def plan_step(q_lens, ctx_lens, slots, indptr, indices, *args, **kwargs):
             self.step = (list(q_lens), list(ctx_lens), list(indptr), list(indices))
+            self.before = {}  # KIVI: (layer, sequence) -> its K / V as held before the step's writes
+            storage = runner.storage
+            if isinstance(storage, QuantizedKVStorage) and storage.fmt.attends_new_exactly:
+                for i, (n, ctx) in enumerate(zip(q_lens, ctx_lens, strict=True)):
+                    for layer in range(storage.num_layers):
+                        self.before[layer, i] = storage.contiguous(layer, indices[indptr[i] : indptr[i + 1]], ctx - n)
             return real_plan(q_lens, ctx_lens, slots, indptr, indices, *args, **kwargs)
 
         monkeypatch.setattr(runner_module, "plan_step", plan_step)
@@ -299,20 +307,25 @@ class AttentionAudit:
         def forward(ids, pos, attend, *args, **kwargs):
             def audited(layer, q, k, v):
                 out = attend(layer, q, k, v)
-                self._check(layer, q, out)
+                self._check(layer, q, k, v, out)
                 return out
 
             return real_forward(ids, pos, audited, *args, **kwargs)
 
         monkeypatch.setattr(model, "forward", forward)
 
-    def _check(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
+    def _check(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, out: torch.Tensor):
         q_lens, ctx_lens, indptr, indices = self.step
         storage = self.runner.storage
         row = 0
         for i, (n, ctx) in enumerate(zip(q_lens, ctx_lens, strict=True)):
-            k, v = storage.contiguous(layer, indices[indptr[i] : indptr[i + 1]], ctx)
             rows = slice(row, row + n)
+            if (layer, i) in self.before:
+                held_k, held_v = self.before[layer, i]
+                k = torch.cat([held_k, k_new[rows].transpose(0, 1).to(held_k.dtype)], 1)
+                v = torch.cat([held_v, v_new[rows].transpose(0, 1).to(held_v.dtype)], 1)
+            else:
+                k, v = storage.contiguous(layer, indices[indptr[i] : indptr[i + 1]], ctx)
             ref64 = _reference_attention(q[rows].double(), k.double(), v.double(), ctx - n)
             got = out[rows].double()
             if q.dtype == torch.float64:

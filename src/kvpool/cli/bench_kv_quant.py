@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvpool.attention.paged import plan_step
     from kvpool.kernels import cpu_kernels
-    from kvpool.storage.kv import QuantizedKVStorage
+    from kvpool.storage.kv import QuantizedKVStorage, SeqSpan
     from kvpool.storage.quant import kv_schema
 
     for p in args.paths:
@@ -80,11 +80,13 @@ def run(args: argparse.Namespace) -> int:
             pool_bytes = k_pools[0].nbytes + v_pools[0].nbytes
         else:
             assert storage is not None
-            index = storage.write_index(all_slots)
+            # every block written whole, each sequence's span (KIVI keeps each one's last R values exact)
+            spans = [SeqSpan(t, 0, nb_seq * bs) for t in tables]
+            index = storage.write_index(all_slots, spans)
             for layer in range(args.layers):
                 k = torch.randn(all_slots.shape[0], kvh, d, generator=g)
                 storage.write(layer, index, k, torch.randn(all_slots.shape[0], kvh, d, generator=g))
-            storage.write_index(torch.zeros(0, dtype=torch.long))  # the filled blocks' tails go
+            storage.write_index(torch.zeros(0, dtype=torch.long), [])  # the filled blocks' tails go
             pool_bytes = storage.num_bytes // args.layers
         row = {"format": name, "bytes_per_layer_step": pool_bytes}
         for path in args.paths:

@@ -137,7 +137,7 @@ def num_blocks_for_memory(
     """The blocks `kv_memory_bytes` hold in `kv_format`. A quantized pool also pays, out of the
     same budget, for its dequantization scratch (one layer of the pool, compute dtype) and,
     for the formats quantized a chunk at a time, for the full-precision tails of up to two
-    blocks a sequence, `max_num_seqs` of them (the tail store grows by doubling: the next
+    blocks a sequence (KIVI: three), `max_num_seqs` of them (the tail store grows by doubling: the next
     power of two)."""
     fmt = kv_format_for(loaded.model, kv_format)
     cfg = loaded.model.config
@@ -145,8 +145,10 @@ def num_blocks_for_memory(
     per_block = bytes_per_block(loaded, block_size, kv_format)
     if fmt is not None:
         if fmt.flush(block_size) > 1 and max_num_seqs > 0:
-            # a step may hold two a sequence: the block a chunk fills, and the one it opens
-            tails = 1 << (2 * max_num_seqs - 1).bit_length()
+            # a step may hold two a sequence: the block a chunk fills, and the one it opens;
+            # KIVI three: the block a chunk completes, and the two its V window may span
+            per_seq = 3 if fmt.value_window else 2
+            tails = 1 << (per_seq * max_num_seqs - 1).bit_length()
             layer = QuantizedKVStorage.scratch_block_bytes(
                 block_size, cfg.num_kv_heads, cfg.head_dim, loaded.model.dtype
             )

@@ -28,6 +28,13 @@ prefill or the order of the writes, so a prefix hit and the contiguous reference
 same bytes. KIVI's G (tokens per key group, channels per value group) and R (the full-
 precision residual) default to the paper's 32 and 128; R must divide the block size (a
 chunk never spans blocks) and G must divide R and the head dim.
+
+KIVI follows the paper's serving regime (Liu et al. 2024, section 3.3 and its code): K is
+quantized an R-chunk at a time (the unfinished chunk is exact), V a token at a time, but
+the last R values of a sequence stay exact (`value_window`: a sliding window, whatever the
+sequence's length mod R); and a step attends to the K and V it computes itself in full
+precision before storing their codes (`attends_new_exactly`: the paper's prefill attends
+in full precision; its decode step reads its own token before quantizing it).
 """
 
 from __future__ import annotations
@@ -60,6 +67,16 @@ class KVSchema:
     def packed(self) -> bool:
         """Several codes per byte (KIVI): K packed along slots, V along channels."""
         return self.bits < 8
+
+    @property
+    def value_window(self) -> int:
+        """V's full-precision residual: the last R values of a sequence (KIVI), else 0."""
+        return self.residual if self.k_scale == "channel" else 0
+
+    @property
+    def attends_new_exactly(self) -> bool:
+        """A step's attention reads the step's own K and V in full precision (KIVI)."""
+        return self.k_scale == "channel"
 
     def flush(self, block_size: int) -> int:
         """Tokens quantized together: 1 (at write), the block, or KIVI's R."""

@@ -151,6 +151,18 @@ class QuantWriteIndex(NamedTuple):
     tail_rows: torch.Tensor | None = None  # chunked formats: the step's rows that go to tails
     direct_rows: torch.Tensor | None = None  # [n * block_size]: the rows of blocks written whole
     direct_blocks: torch.Tensor | None = None  # [n]: those blocks (quantized without a tail)
+    v_rows: torch.Tensor | None = None  # KIVI: [N * KVH] rows (block, head, slot) of a layer's V codes
+    fresh: WriteIndex | None = None  # KIVI: the step's tokens in the scratch (read in full precision)
+    read_from: dict[int, tuple[int, int]] | None = None  # KIVI: block -> the first slots of K
+    # and of V its tail held before this step (the step reads the cache as it began, and its own K / V)
+
+
+class SeqSpan(NamedTuple):
+    """One sequence's writes in a step: its block table and the token span [start, end)."""
+
+    block_ids: Sequence[int]
+    start: int
+    end: int
 
 
 class ReadIndex(NamedTuple):
@@ -194,6 +206,16 @@ class QuantizedKVStorage:
     tail slot is freed in the step after the block fills; the tail of a block released half
     written goes with its last holder (`drop_tails`, from the runner's release). A
     copy-on-write copy of a block carries its scales and its tail.
+
+    KIVI (spec/kv_formats.py `value_window`, `attends_new_exactly`): K as above in R-chunks;
+    V quantized a token at a time as it is written, and also kept in the tail while it is
+    among its sequence's last R tokens: `_v_from[b]` is the first slot of block b whose V is
+    still read from the tail. The window is the block's, moved on by the sequences that
+    write past it (`SeqSpan`s given to `write_index`), never back; a block leaves its tail
+    once it is full and out of the window (at most two blocks a sequence are in it, R <= the
+    block size). A step reads the window it began with and its own new K / V exact
+    (`dequantized(..., fresh=...)`). A prefix hit on blocks whose writer has gone reads their
+    codes: the residual is the writer's workspace, not part of the stored bytes.
 
     A step writes its new tokens (`write`), then reads the blocks of the step dequantized
     in the compute dtype (`dequantized`): one layer's scratch K and V of the pool's shape,
@@ -246,6 +268,8 @@ class QuantizedKVStorage:
         self._fill: dict[int, int] = {}  # block id -> tokens its tail covers (slots [0, fill))
         self._free_tails: list[int] = []
         self._filled: list[int] = []  # blocks filled by the last step: their tails go at the next
+        self.window = fmt.value_window  # KIVI's R for V, else 0
+        self._v_from: dict[int, int] = {}  # KIVI: block id -> first slot whose V the tail holds
         self.k_layers = list(self.k.unbind(0))
         self.v_layers = list(self.v.unbind(0))
         self.kernels = None  # the fp32 C kernels do not read these pools
@@ -341,6 +365,7 @@ class QuantizedKVStorage:
     def _drop_tail(self, block_id: int) -> None:
         slot = self._tail_of.pop(block_id, None)
         self._fill.pop(block_id, None)
+        self._v_from.pop(block_id, None)
         if slot is not None:
             self._free_tails.append(slot)
 
@@ -361,11 +386,17 @@ class QuantizedKVStorage:
 
     # ---- writes --------------------------------------------------------------------------
 
-    def write_index(self, slots: torch.Tensor) -> QuantWriteIndex:
+    def write_index(self, slots: torch.Tensor, seqs: Sequence[SeqSpan] | None = None) -> QuantWriteIndex:
         """Where the step's N new tokens go, for every layer; slots: [N] int64. Chunked
         formats also take the tail slots of the blocks written and list the chunks the
-        step completes."""
+        step completes. KIVI needs `seqs` (each written sequence's blocks and span, the
+        slots being theirs in order) to move V's window; ValueError without it."""
         kvh, d, bs = self.num_kv_heads, self.head_dim, self.block_size
+        if self.window and seqs is None:
+            raise ValueError(
+                f"{self.fmt.name} keeps each sequence's last {self.window} values exact: "
+                "write_index needs the sequences' block tables and spans (seqs)"
+            )
         self._retire_filled()
         if self.flush == 1:
             k_pos, v_pos = write_positions(slots, kvh, d, bs)
@@ -382,25 +413,53 @@ class QuantizedKVStorage:
             first[b] = min(first.get(b, o), o)
             last[b] = max(last.get(b, o), o + 1)
             rows_of.setdefault(b, []).append(i)
+        # KIVI: where each written sequence's V window starts in its blocks after the step,
+        # over the blocks from the window's start before the step to the sequence's end:
+        #   [0, end - R) codes | [end - R, end) the tail's exact values
+        window: dict[int, int] = {}
+        if self.window:
+            assert seqs is not None
+            for seq in seqs:
+                new_start = max(0, seq.end - self.window)
+                for i in range(max(0, seq.start - self.window) // bs, -(-seq.end // bs)):
+                    b = seq.block_ids[i]
+                    window[b] = max(window.get(b, 0), min(bs, max(0, new_start - i * bs)))
         tails, chunk_tails, chunk_blocks, chunk_index = {}, [], [], []
+        read_from: dict[int, tuple[int, int]] = {}
         direct_blocks: list[int] = []
         direct_rows: list[int] = []
         r = self.flush
         for b, fb in first.items():
             fa = last[b]
-            if fb == 0 and fa == bs and len(rows_of[b]) == bs:  # written whole: quantized from the rows
+            whole = fb == 0 and fa == bs and len(rows_of[b]) == bs
+            if whole and window.get(b, bs) == bs:  # written whole, out of any window: from the rows
                 self._drop_tail(b)  # (a stale one of a block freed half written)
                 direct_blocks.append(b)
                 direct_rows.extend(sorted(rows_of[b], key=lambda i: offsets[i]))
                 continue
+            if fb == 0:  # a block's first write: no window of an earlier holder applies
+                self._v_from.pop(b, None)
+            if self.window:
+                old_fill = self._fill.get(b, 0) if b in self._tail_of else 0
+                read_from[b] = ((old_fill // self.flush) * self.flush, self._v_from.get(b, 0))
             tails[b] = slot = self._take_tail(b)
             self._fill[b] = fa
             for c in range(fb // r, fa // r):
                 chunk_tails.append(slot)
                 chunk_blocks.append(b)
                 chunk_index.append(c)
-            if fa == bs:
+            if fa == bs and not self.window:
                 self._filled.append(b)
+        if self.window:
+            for b, start in window.items():
+                if b not in self._tail_of:
+                    continue
+                old = self._v_from.get(b, 0)
+                if b not in read_from:
+                    read_from[b] = ((self._fill[b] // self.flush) * self.flush, old)
+                self._v_from[b] = max(old, start)
+                if self._v_from[b] == bs and self._fill[b] == bs and b not in self._filled:
+                    self._filled.append(b)  # full, and out of the window: its tail goes next step
         tail_rows = [i for i, b in enumerate(blocks) if b in tails]
         tail_slots = torch.tensor([tails[blocks[i]] * bs + offsets[i] for i in tail_rows], dtype=torch.long)
         k_pos, v_pos = write_positions(tail_slots.to(slots.device), kvh, d, bs)
@@ -408,6 +467,11 @@ class QuantizedKVStorage:
         def t(x: list[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.long, device=slots.device)
 
+        v_rows = fresh = None
+        if self.window:
+            heads = torch.arange(kvh, device=slots.device).view(1, -1)
+            v_rows = (((slots // bs).view(-1, 1) * kvh + heads) * bs + (slots % bs).view(-1, 1)).reshape(-1)
+            fresh = write_positions(slots, kvh, d, bs)
         return QuantWriteIndex(
             k_pos,
             v_pos,
@@ -418,6 +482,9 @@ class QuantizedKVStorage:
             t(tail_rows),
             t(direct_rows),
             t(direct_blocks),
+            v_rows,
+            fresh,
+            read_from if self.window else None,
         )
 
     def write(self, layer: int, index: QuantWriteIndex, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -435,6 +502,16 @@ class QuantizedKVStorage:
         dtype = self.tail_k.dtype
         nc, r = self.num_chunks, self.flush
         assert index.tail_rows is not None and index.direct_rows is not None and index.direct_blocks is not None
+        if index.v_rows is not None:  # KIVI: V a token at a time, now (its window reads the tail)
+            n_rows = index.v_rows.shape[0]
+            qv = quantize_v(self.fmt, v.reshape(n_rows, 1, self.head_dim))
+            for pool, value in (
+                (self.v_layers[layer], qv.codes),
+                (None if self.v_scale is None else self.v_scale[layer], qv.scale),
+                (None if self.v_zero is None else self.v_zero[layer], qv.zero),
+            ):
+                if pool is not None and value is not None:
+                    pool.view(-1, pool.shape[-1]).index_copy_(0, index.v_rows, value.reshape(n_rows, -1))
         if len(index.tail_rows):
             tk, tv = k.index_select(0, index.tail_rows), v.index_select(0, index.tail_rows)
             self.tail_k[layer].view(-1).index_copy_(0, index.k_pos, tk.to(dtype).reshape(-1))
@@ -443,7 +520,7 @@ class QuantizedKVStorage:
             tails, chunks = index.chunk_tails, index.chunk_index
             # K: slots are the last axis of codes, tails and scales; V: the slot axis is -2
             qk = quantize_k(self.fmt, _chunked(self.tail_k[layer], -1, nc)[tails, chunks])
-            qv = quantize_v(self.fmt, _chunked(self.tail_v[layer], -2, nc)[tails, chunks])
+            qv = None if self.window else quantize_v(self.fmt, _chunked(self.tail_v[layer], -2, nc)[tails, chunks])
             self._store_chunks(layer, index.chunk_blocks, chunks, qk, qv)
         n = len(index.direct_blocks)
         if n:  # blocks written whole this step: every chunk from the new rows, in the compute dtype
@@ -454,51 +531,77 @@ class QuantizedKVStorage:
             vc = vd.permute(0, 2, 1, 3).reshape(n, kvh, nc, r, d).movedim(2, 1).reshape(n * nc, kvh, r, d)
             chunks = torch.arange(nc, device=kd.device).repeat(n)
             blocks = index.direct_blocks.repeat_interleave(nc)
-            self._store_chunks(layer, blocks, chunks, quantize_k(self.fmt, kc), quantize_v(self.fmt, vc))
+            qv = None if self.window else quantize_v(self.fmt, vc)
+            self._store_chunks(layer, blocks, chunks, quantize_k(self.fmt, kc), qv)
 
-    def _store_chunks(self, layer: int, blocks: torch.Tensor, chunks: torch.Tensor, qk: Quantized, qv: Quantized):
-        """Chunk `chunks[i]` of block `blocks[i]`: its codes, scales and zero points."""
+    def _store_chunks(
+        self, layer: int, blocks: torch.Tensor, chunks: torch.Tensor, qk: Quantized, qv: Quantized | None
+    ) -> None:
+        """Chunk `chunks[i]` of block `blocks[i]`: its codes, scales and zero points (V's too
+        unless qv is None: KIVI's V is stored a token at a time)."""
         nc = self.num_chunks
         v_axis = -2 if self.fmt.v_scale == "token-group" else -1
-        for pool, axis, value in (
+        parts = [
             (self.k_layers[layer], -1, qk.codes),
-            (self.v_layers[layer], -2, qv.codes),
             (None if self.k_scale is None else self.k_scale[layer], -1, qk.scale),
             (None if self.k_zero is None else self.k_zero[layer], -1, qk.zero),
-            (None if self.v_scale is None else self.v_scale[layer], v_axis, qv.scale),
-            (None if self.v_zero is None else self.v_zero[layer], v_axis, qv.zero),
-        ):
+        ]
+        if qv is not None:
+            parts += [
+                (self.v_layers[layer], -2, qv.codes),
+                (None if self.v_scale is None else self.v_scale[layer], v_axis, qv.scale),
+                (None if self.v_zero is None else self.v_zero[layer], v_axis, qv.zero),
+            ]
+        for pool, axis, value in parts:
             if pool is not None and value is not None:
                 _chunked(_raw(pool), axis, nc)[blocks, chunks] = _raw(value)
 
     # ---- reads ---------------------------------------------------------------------------
 
-    def read_index(self, block_ids: torch.Tensor) -> ReadIndex:
+    def read_index(self, block_ids: torch.Tensor, step: QuantWriteIndex | None = None) -> ReadIndex:
         """The step's blocks ([n] int64, after `write_index`), and the tail tokens that
-        overlay their bytes: in each block with a tail, the slots past its last whole chunk."""
+        overlay their bytes: in each block with a tail, K past its last whole chunk, V past
+        the same point or, KIVI, from its window's start (`step`, KIVI: that step reads the
+        tails as they were before its writes, its own K / V coming exact from `dequantized`;
+        None: the tails as they are now)."""
         kvh, d, bs = self.num_kv_heads, self.head_dim, self.block_size
-        src: list[int] = []
-        dst: list[int] = []
+        src: tuple[list[int], list[int]] = ([], [])  # K, V
+        dst: tuple[list[int], list[int]] = ([], [])
+        before = step.read_from if step is not None and step.read_from is not None else {}
         if self._tail_of:
             r = self.flush
             for b in block_ids.tolist():
                 slot = self._tail_of.get(b)
                 if slot is None:
                     continue
-                start = (self._fill[b] // r) * r
-                src.extend(slot * bs + o for o in range(start, bs))
-                dst.extend(b * bs + o for o in range(start, bs))
-        if not src:
+                k_start = (self._fill[b] // r) * r
+                v_start = self._v_from.get(b, 0) if self.window else k_start
+                k_start, v_start = before.get(b, (k_start, v_start))
+                for which, start in ((0, k_start), (1, v_start)):
+                    src[which].extend(range(slot * bs + start, slot * bs + bs))
+                    dst[which].extend(range(b * bs + start, b * bs + bs))
+        if not src[0] and not src[1]:
             return ReadIndex(block_ids, None, None, None, None)
-        s = torch.tensor(src, dtype=torch.long, device=block_ids.device)
-        t = torch.tensor(dst, dtype=torch.long, device=block_ids.device)
-        k_src, v_src = write_positions(s, kvh, d, bs)
-        k_dst, v_dst = write_positions(t, kvh, d, bs)
+
+        def t(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.long, device=block_ids.device)
+
+        k_src = write_positions(t(src[0]), kvh, d, bs).k_pos
+        k_dst = write_positions(t(dst[0]), kvh, d, bs).k_pos
+        v_src = write_positions(t(src[1]), kvh, d, bs).v_pos
+        v_dst = write_positions(t(dst[1]), kvh, d, bs).v_pos
         return ReadIndex(block_ids, k_src, k_dst, v_src, v_dst)
 
-    def dequantized(self, layer: int, read: ReadIndex | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def dequantized(
+        self,
+        layer: int,
+        read: ReadIndex | torch.Tensor,
+        fresh: tuple[QuantWriteIndex, torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The scratch K and V of `layer` (the pool's layer shapes, compute dtype) with the
-        read's blocks dequantized from the stored bytes, tail tokens over them."""
+        read's blocks dequantized from the stored bytes, tail tokens over them, and (KIVI,
+        `fresh` = the step's write index and its k, v [N, kv_heads, head_dim]) the step's
+        own K and V over those, exact."""
         if not isinstance(read, ReadIndex):
             read = self.read_index(read)
         ids = read.block_ids
@@ -515,6 +618,10 @@ class QuantizedKVStorage:
             assert read.k_dst is not None and read.v_src is not None and read.v_dst is not None
             self.scratch_k.view(-1).index_copy_(0, read.k_dst, self.tail_k[layer].view(-1)[read.k_src])
             self.scratch_v.view(-1).index_copy_(0, read.v_dst, self.tail_v[layer].view(-1)[read.v_src])
+        if fresh is not None and fresh[0].fresh is not None:
+            pos, k_new, v_new = fresh[0].fresh, fresh[1], fresh[2]
+            self.scratch_k.view(-1).index_copy_(0, pos.k_pos, k_new.to(dtype).reshape(-1))
+            self.scratch_v.view(-1).index_copy_(0, pos.v_pos, v_new.to(dtype).reshape(-1))
         return self.scratch_k, self.scratch_v
 
     def contiguous(self, layer: int, block_ids: Sequence[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -542,5 +649,7 @@ class QuantizedKVStorage:
                 self.tail_k[:, dst_tail] = self.tail_k[:, src_tail]
                 self.tail_v[:, dst_tail] = self.tail_v[:, src_tail]
                 self._fill[c.dst] = self._fill[c.src]
+                if c.src in self._v_from:
+                    self._v_from[c.dst] = self._v_from[c.src]
             else:
                 self._drop_tail(c.dst)

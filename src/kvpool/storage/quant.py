@@ -207,9 +207,10 @@ def dequantize_v(schema: KVSchema, q: Quantized, dtype: torch.dtype) -> Tensor:
 
 
 def round_trip_kv(schema: KVSchema, k: Tensor, v: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
-    """What a step that writes a whole sequence, k and v [T, kv_heads, head_dim] from
-    position 0, leaves for its reads (storage/kv.py): every whole chunk of the schema's
-    flush quantized, the unfinished chunk's tokens in full precision. In k's dtype."""
+    """What a sequence written from position 0, k and v [T, kv_heads, head_dim], is held as
+    for the steps after (storage/kv.py): every whole chunk of the schema's flush quantized,
+    the unfinished chunk's tokens in full precision; KIVI's V quantized but for its last R
+    tokens (`value_window`). In k's dtype."""
     flush = schema.flush(block_size)
     t, kvh, d = k.shape
     if flush == 1:
@@ -217,13 +218,16 @@ def round_trip_kv(schema: KVSchema, k: Tensor, v: Tensor, block_size: int) -> tu
             return k.to(code_dtype(schema)).to(k.dtype), v.to(code_dtype(schema)).to(v.dtype)
         return round_trip(schema, k), round_trip(schema, v)
     whole = (t // flush) * flush
-    if whole == 0:
-        return k.clone(), v.clone()
     kt = k[:whole].reshape(-1, flush, kvh, d).permute(0, 2, 3, 1)  # [chunks, kvh, d, flush]
-    vt = v[:whole].reshape(-1, flush, kvh, d).transpose(1, 2)  # [chunks, kvh, flush, d]
     kq = dequantize_k(schema, quantize_k(schema, kt), k.dtype).permute(0, 3, 1, 2).reshape(whole, kvh, d)
-    vq = dequantize_v(schema, quantize_v(schema, vt), v.dtype).transpose(1, 2).reshape(whole, kvh, d)
-    return torch.cat([kq, k[whole:]]), torch.cat([vq, v[whole:]])
+    if schema.value_window:  # V a token at a time, its last R exact
+        whole = max(0, t - schema.value_window)
+        vt = v[:whole].transpose(0, 1)  # [kvh, tokens, d]
+        vq = dequantize_v(schema, quantize_v(schema, vt), v.dtype).transpose(0, 1)
+    else:
+        vt = v[:whole].reshape(-1, flush, kvh, d).transpose(1, 2)  # [chunks, kvh, flush, d]
+        vq = dequantize_v(schema, quantize_v(schema, vt), v.dtype).transpose(1, 2).reshape(whole, kvh, d)
+    return torch.cat([kq, k[kq.shape[0] :]]), torch.cat([vq, v[whole:]])
 
 
 # ---- DeepSeek-V4's serving layout (spec/dsv4.py main_entry_bytes / indexer_key_bytes) ----

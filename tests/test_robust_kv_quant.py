@@ -1,0 +1,156 @@
+"""Issue 28, section 3: the quantized KV formats in serving. KIVI as the paper runs it in the
+engine (a step attends to the K/V it computes in full precision, then stores the quantized
+copy; V's residual is the last R tokens, a sliding window), and `kvpool eval kv-quant`
+measuring the engine's own prefill-then-decode steps, with KL first and the perplexity
+change with its bootstrap spread."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvpool.engine.engine import Engine
+from kvpool.engine.llama_runner import LlamaRunner
+from kvpool.engine.sampling import SamplingParams
+from kvpool.spec.kv_formats import kv_schema
+from kvpool.storage.quant import dequantize_k, dequantize_v, quantize_k, quantize_v
+from random_llama import CONFIG, DESCRIPTOR, random_ids, random_llama
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_llama("cpu", torch.float64)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """q [n, H, D] at positions start.. over k / v [ctx, KVH, D]: plain offset-causal SDPA."""
+    n, h, _ = q.shape
+    ctx = k.shape[0]
+    mask = torch.arange(ctx)[None, :] <= torch.arange(start, start + n)[:, None]
+    group = h // k.shape[1]
+    kk = k.transpose(0, 1).repeat_interleave(group, 0)
+    vv = v.transpose(0, 1).repeat_interleave(group, 0)
+    return F.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, attn_mask=mask).transpose(0, 1)
+
+
+def _stored(fmt, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v [n, KVH, D] exact -> what KIVI's codes hold for them: K per channel over each
+    R-chunk (n a multiple of R), V per token; computed here from the round trip alone."""
+    n, kvh, d = k.shape
+    r = fmt.residual
+    kt = k.reshape(n // r, r, kvh, d).permute(0, 2, 3, 1)  # [chunks, KVH, D, R]
+    kq = dequantize_k(fmt, quantize_k(fmt, kt), k.dtype).permute(0, 3, 1, 2).reshape(n, kvh, d)
+    vq = dequantize_v(fmt, quantize_v(fmt, v.transpose(0, 1)), v.dtype).transpose(0, 1)
+    return kq, vq
+
+
+class Steps:
+    """Records, per engine step and layer, the step's q / k / v (exact: the model computed
+    them) and the attention output the runner returned."""
+
+    def __init__(self, runner: LlamaRunner, monkeypatch: pytest.MonkeyPatch):
+        self.calls: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        real = runner.model.forward
+
+        def forward(ids, pos, attend, *args, **kwargs):
+            def audited(layer, q, k, v):
+                out = attend(layer, q, k, v)
+                self.calls.append((layer, q.clone(), k.clone(), v.clone(), out.clone()))
+                return out
+
+            return real(ids, pos, audited, *args, **kwargs)
+
+        monkeypatch.setattr(runner.model, "forward", forward)
+
+    def take(self) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        out, self.calls = self.calls, []
+        return out
+
+
+def _state(runner: LlamaRunner, rid: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the storage holds for the request's computed tokens: K, V [n, KVH, D]."""
+    seq = f"{rid}/0"
+    n = runner.num_computed_tokens(seq)
+    k, v = runner.storage.contiguous(layer, runner.manager.block_ids(seq), n)
+    return k.transpose(0, 1), v.transpose(0, 1)
+
+
+@pytest.mark.parametrize("name", ["kivi2-g8-r16", "kivi4-g8-r8"])
+def test_a_step_attends_to_its_own_kv_in_full_precision_and_stores_the_codes(model, name, monkeypatch) -> None:
+    """A 40-token prompt in two prefill chunks (24 and 16 tokens), then decodes. Each step's
+    attention output equals plain attention over the K/V the storage held before the step
+    followed by the step's own K/V in full precision (KIVI: prefill attends in full
+    precision; a decode step reads its token before it is quantized), in fp64 to 1e-12;
+    the stored blocks then hold the quantized codes of those K/V."""
+    fmt = kv_schema(name)
+    runner = LlamaRunner(model, 16, 16, DESCRIPTOR, kv_format=name, enable_prefix_caching=False)
+    steps = Steps(runner, monkeypatch)
+    engine = Engine(runner, max_num_batched_tokens=24, max_num_seqs=1)
+    engine.add_request(random_ids(40, 1), SamplingParams(max_tokens=4, ignore_eos=True), "a")
+    exact_k: list[list[torch.Tensor]] = [[] for _ in range(CONFIG.num_layers)]
+    exact_v: list[list[torch.Tensor]] = [[] for _ in range(CONFIG.num_layers)]
+    checked = 0
+    stored = False
+    while engine.has_unfinished():
+        before = [_state(runner, "a", layer) for layer in range(CONFIG.num_layers)] if "a/0" in runner.manager else []
+        engine.step()
+        for layer, q, k, v, out in steps.take():
+            start = sum(t.shape[0] for t in exact_k[layer])
+            held_k, held_v = before[layer] if before else (k[:0], v[:0])
+            assert held_k.shape[0] == start
+            ref = _attention(q, torch.cat([held_k, k]), torch.cat([held_v, v]), start)
+            assert (out - ref).abs().max().item() <= 1e-12, (layer, start)
+            exact_k[layer].append(k)
+            exact_v[layer].append(v)
+            checked += 1
+        if "a/0" in runner.manager and runner.num_computed_tokens("a/0") == 40:  # the prompt is in
+            # the whole chunks of K and the V before the window are stored as codes, not exact
+            k, v = torch.cat(exact_k[0]), torch.cat(exact_v[0])
+            held_k, held_v = _state(runner, "a", 0)
+            kq, vq = _stored(fmt, k[:32], v[: 40 - fmt.residual])
+            assert torch.equal(held_k[:32], kq) and not torch.equal(kq, k[:32])
+            assert torch.equal(held_v[: 40 - fmt.residual], vq) and not torch.equal(vq, v[: 40 - fmt.residual])
+            stored = True
+    assert stored and checked == 5 * CONFIG.num_layers  # 2 prefill chunks, 3 decodes (the 4th token: sampled only)
+
+
+@pytest.mark.parametrize(("name", "chunk"), [("kivi4-g8-r16", 5), ("kivi2-g8-r8", 3), ("kivi2-g8-r16", 16)])
+def test_the_value_residual_is_the_last_r_tokens_whatever_n_mod_r(model, name, chunk, monkeypatch) -> None:
+    """After every step (prefill chunks of `chunk` tokens, then decodes), the request's N
+    computed tokens are held as: V of the last R tokens exactly, V before them as the
+    codes' values; K exact in the unfinished R-chunk, codes before it. N runs through
+    every residue mod R and across blocks; the full-precision tails stay at most two a
+    request (the window spans at most two blocks) plus one retired at the next step."""
+    fmt = kv_schema(name)
+    r = fmt.residual
+    runner = LlamaRunner(model, 16, 16, DESCRIPTOR, kv_format=name, enable_prefix_caching=False)
+    steps = Steps(runner, monkeypatch)
+    engine = Engine(runner, max_num_batched_tokens=chunk, max_num_seqs=1)
+    engine.add_request(random_ids(2 * chunk + 1, 2), SamplingParams(max_tokens=48, ignore_eos=True), "a")
+    exact_k: list[torch.Tensor] = []
+    exact_v: list[torch.Tensor] = []
+    residues = set()
+    while engine.has_unfinished():
+        engine.step()
+        for layer, _q, k, v, _out in steps.take():
+            if layer == 0:
+                exact_k.append(k)
+                exact_v.append(v)
+        if "a/0" not in runner.manager:
+            break
+        k, v = torch.cat(exact_k), torch.cat(exact_v)
+        n = k.shape[0]
+        held_k, held_v = _state(runner, "a", 0)
+        assert held_k.shape[0] == n
+        start = max(0, n - r)
+        whole = (n // r) * r
+        assert torch.equal(held_v[start:], v[start:]), n  # the window: exact
+        assert torch.equal(held_k[whole:], k[whole:]), n  # the unfinished chunk: exact
+        kq, vq = _stored(fmt, k[:whole], v[:start])
+        assert torch.equal(held_v[:start], vq) and torch.equal(held_k[:whole], kq), n
+        if start:
+            assert not torch.equal(vq, v[:start])
+        assert runner.storage.num_tails <= 3
+        residues.add(n % r)
+    assert residues == set(range(r)) and n > 2 * 16
