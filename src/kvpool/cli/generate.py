@@ -150,6 +150,11 @@ def run(args: argparse.Namespace) -> int:
     if num_blocks is None:  # this one request's need, within the model's positions: no idle pool to zero
         need = min(len(prompt_ids) + args.max_tokens, loaded.model.config.max_position)
         num_blocks = -(-need // args.block_size)
+    # tensor parallel: the ranks agree on the request before its first step (each computes
+    # its heads of the same tokens; another prompt or seed on one rank would garble the text)
+    agree_across_ranks(
+        loaded, "the request (its token ids and sampling parameters)", prompt_ids, params, num_blocks, args.block_size
+    )
     engine = build_engine(
         loaded,
         num_blocks=num_blocks,
@@ -176,6 +181,16 @@ def _tensor_parallel(args: argparse.Namespace, loaded) -> int:
     if world > 1:
         loaded.model = shard_llama(loaded.model, rank, world)
     return rank
+
+
+def agree_across_ranks(loaded, what: str, *parts: object) -> None:
+    """Under --tp: every rank holds the same `parts` (RankError naming the ranks that differ);
+    nothing to check on one process."""
+    if loaded.model.shard is None:
+        return
+    from kvpool.models.tensor_parallel import check_same, digest
+
+    check_same(what, digest(*parts), loaded.model.tp_group, loaded.model.tp_peers)
 
 
 def _generate(args, engine, loaded, prompt_ids, params, num_blocks, runtime_bytes) -> int:

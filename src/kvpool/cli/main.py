@@ -98,6 +98,13 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"kvpool {args._name}: error: {error}", file=sys.stderr)
         return 2
+    except RuntimeError as error:
+        # tensor parallel: ranks that diverged, or a lost rank, end each rank left in one line
+        tp = sys.modules.get("kvpool.models.tensor_parallel")  # (loaded when a command shards)
+        if tp is None or not isinstance(error, tp.RankError) or os.environ.get("KVPOOL_TRACEBACK"):
+            raise
+        print(f"kvpool {args._name}: error: {error}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as stop:
         if os.environ.get("KVPOOL_TRACEBACK"):
             raise

@@ -52,12 +52,28 @@ from kvpool.cli.args import (
     rate,
     v4_kv_format,
 )
-from kvpool.cli.generate import _tensor_parallel, add_model_arguments, add_tp_argument
+from kvpool.cli.generate import _tensor_parallel, add_model_arguments, add_tp_argument, agree_across_ranks
 from kvpool.cli.main import EXIT_INTERRUPTED, EXIT_TERMINATED, Terminated, terminate_like_ctrl_c
 from kvpool.sim import chat
 from kvpool.sim.stats import percentile
 
 TINY_MODEL = "tiny-dsv4"
+# the flags that shape what every tensor-parallel rank must do alike (the workload's and the engine's)
+AGREED_FLAGS = (
+    "num_requests",
+    "turns",
+    "num_long",
+    "max_tokens",
+    "request_rate",
+    "block_size",
+    "num_blocks",
+    "kv_memory",
+    "kv_dtype",
+    "max_batch_tokens",
+    "max_seqs",
+    "preemption",
+    "seed",
+)
 RUN_DEFAULTS = EngineConfig()  # the configuration `kvpool plan --device cpu` predicts the ledger of
 
 
@@ -317,6 +333,15 @@ def _run(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     workload = make_workload(rng)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.7, top_p=0.9, seed=args.seed)
+    if loaded is not None:  # tensor parallel: every rank serves the same workload alike
+        agree_across_ranks(
+            loaded,
+            "the workload (its prompts, sampling parameters and flags)",
+            workload.first_prompts,
+            workload.long_prompts,
+            params,
+            [getattr(args, name, None) for name in AGREED_FLAGS],
+        )
     arrivals = poisson_arrivals(len(workload.first_prompts) + len(workload.long_prompts), args.request_rate, rng)
     pending: list[tuple[float, str, list[int]]] = [
         (t, f"chat{c}-t0", prompt) for c, (t, prompt) in enumerate(zip(arrivals, workload.first_prompts, strict=False))
@@ -350,8 +375,10 @@ def _run(args: argparse.Namespace) -> int:
             if tp_sync:
                 import torch.distributed as dist
 
+                from kvpool.models.tensor_parallel import collective
+
                 count = torch.tensor([due], dtype=torch.int64)
-                dist.broadcast(count, src=0, group=tp_model.tp_group)
+                collective(tp_model.tp_peers, lambda c=count: dist.broadcast(c, src=0, group=tp_model.tp_group))
                 due = int(count)
             for _ in range(due):
                 t, rid, prompt = pending.pop(0)

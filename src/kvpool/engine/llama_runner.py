@@ -7,15 +7,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import xxhash
 
 from kvpool.attention.paged import StepPlan, paged_attention, plan_step, prefill_attention
 from kvpool.cache import Admission, CacheDescriptor, CacheUsage, FullAttentionManager, ReleaseReason
 from kvpool.engine.memory import StepPeaks
 from kvpool.engine.runner import ScheduledChunk
 from kvpool.models.llama import LlamaModel
-from kvpool.models.tensor_parallel import check_same_step
-from kvpool.storage.kv import PagedKVStorage, QuantizedKVStorage, QuantWriteIndex, SeqSpan
+from kvpool.models.tensor_parallel import check_same_step, step_digest
+from kvpool.storage.kv import PagedKVStorage, QuantizedKVStorage, QuantWriteIndex
 from kvpool.storage.quant import KVSchema, code_dtype, kv_schema
 from kvpool.tiers import Tier, TierIndex, TierStack
 
@@ -557,9 +556,9 @@ class LlamaRunner:
                 logit_rows.append(len(token_ids) - 1)
         # Validates that each chunk continues its computed prefix within its reservation.
         tables = m.step_tables([c.seq_id for c in chunks], [c.start for c in chunks], ctx_lens)
-        if self.model.shard is not None:  # tensor parallel: every rank must have decided alike
-            step = repr(([c.seq_id for c in chunks], list(tables.slots), [len(c.token_ids) for c in chunks]))
-            check_same_step(xxhash.xxh3_64_intdigest(step.encode()) >> 1, self.model.tp_group)
+        if self.model.shard is not None:  # tensor parallel: every rank must run the same tokens alike
+            seq_ids, starts, ids = [c.seq_id for c in chunks], [c.start for c in chunks], [c.token_ids for c in chunks]
+            check_same_step(step_digest(seq_ids, starts, ids, tables.slots), self.model)
         cfg = self.model.config
         plan = plan_step(
             q_lens,
@@ -584,24 +583,17 @@ class LlamaRunner:
         k_layers, v_layers, scale = storage.k_layers, storage.v_layers, self.scale
         if isinstance(storage, QuantizedKVStorage):
             # write the new tokens quantized, then read the step's blocks as their bytes say
-            spans = None
-            if storage.window:  # KIVI moves each sequence's V window: it needs their tables
-                ptr, ids = tables.csr.indptr, tables.csr.indices
-                spans = [
-                    SeqSpan(ids[ptr[i] : ptr[i + 1]], c.start, c.start + len(c.token_ids)) for i, c in enumerate(chunks)
-                ]
-            quant_index = storage.write_index(plan.slots, spans)
+            quant_index = storage.write_index(plan.slots)
             step_blocks = torch.unique(torch.as_tensor(tables.csr.indices, dtype=torch.long, device=device))
             if plan.decode is not None and plan.decode.native is not None and storage.reads_natively:
                 # decodes by the C kernel straight from the codes; prefill chunks dequantized
                 attend = QuantNativeAttend(storage, plan, quant_index, scale)
             else:
-                read = storage.read_index(step_blocks, quant_index)
+                read = storage.read_index(step_blocks)
 
                 def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                     storage.write(layer, quant_index, k, v)
-                    # KIVI: the step's own K / V exact over what the cache holds
-                    k_cache, v_cache = storage.dequantized(layer, read, (quant_index, k, v))
+                    k_cache, v_cache = storage.dequantized(layer, read)
                     return paged_attention(q, k_cache, v_cache, plan, scale)
         elif storage.kernels is not None and (plan.decode is None or plan.decode.native is not None):
             attend = NativeAttend(storage, plan, scale)

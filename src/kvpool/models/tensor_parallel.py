@@ -13,16 +13,100 @@ Heads are not split across ranks, nor replicated: T must divide both head counts
 MLP width). SmolLM2-135M has 9 query and 3 KV heads: TP 1 and TP 3. TP 2 would need a KV
 head replicated on both ranks (its bytes stored twice) and 4.5 query heads a rank; it is
 refused, naming the counts.
+
+Ranks must never diverge silently: each one computes its own heads of the same tokens, so a
+rank fed other tokens (another prompt of the same length, another sampling seed) would mix
+its KV heads into the others' text and every rank would exit 0. Before the first step the
+ranks agree on each request (its token ids and sampling parameters, `check_same`), and at
+every step on its chunks' token ids and the cache's slots (`check_same_step`); a
+difference is a RankError naming the ranks that differ. A rank that is lost (killed, or
+crashed) makes the others' next collective fail: they stop with a RankError naming it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import socket
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+import xxhash
 
 from kvpool.models.llama import LlamaModel
+
+T = TypeVar("T")
+
+
+class RankError(RuntimeError):
+    """The tensor-parallel ranks diverged, or one of them was lost: the command stops with
+    this one line (cli/main.py), on every rank that is left."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Peer:
+    """A rank of the group as the others know it: where it runs, to tell that it is gone."""
+
+    rank: int  # in the default (torchrun) world
+    host: str
+    pid: int
+
+
+def gather_peers(group: dist.ProcessGroup | None = None) -> tuple[Peer, ...]:
+    """Every rank's (host, pid), gathered once when the model is sharded (a collective)."""
+    found: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(found, (socket.gethostname(), os.getpid()), group=group)
+    ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(len(found))]
+    return tuple(Peer(r, h, p) for r, (h, p) in zip(ranks, found, strict=True))  # type: ignore[misc]
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` on this host still runs (a zombie, dead but not yet reaped by
+    its parent, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: it exists
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+def _me(peers: Sequence[Peer]) -> Peer | None:
+    host, pid = socket.gethostname(), os.getpid()
+    return next((p for p in peers if p.host == host and p.pid == pid), None)
+
+
+def lost_rank_error(peers: Sequence[Peer], error: BaseException) -> RankError:
+    """The one line for a collective that failed because a peer went away: the lost ranks
+    by name where they can be told (the only other rank; peers on this host whose process
+    is gone), else gloo's own first line."""
+    me = _me(peers)
+    others = [p for p in peers if p is not me]
+    lost = others if len(others) == 1 else [p for p in others if p.host == socket.gethostname() and not _alive(p.pid)]
+    who = f"rank {me.rank}" if me is not None else "this rank"
+    if lost:
+        names = ", ".join(f"rank {p.rank} (pid {p.pid} on {p.host})" for p in lost)
+        return RankError(f"{who}: lost {names} mid-step; the tensor-parallel group cannot go on without it")
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return RankError(f"{who}: a peer rank was lost mid-step ({first})")
+
+
+def collective(peers: Sequence[Peer] | None, call: Callable[[], T]) -> T:
+    """call() (a torch.distributed collective); a failure of the transport, which is what a
+    lost peer causes, becomes a RankError naming the lost rank."""
+    try:
+        return call()
+    except RuntimeError as error:  # gloo: "Connection closed by peer", "Connection reset", ...
+        if isinstance(error, RankError) or peers is None:
+            raise
+        raise lost_rank_error(peers, error) from error
 
 
 def check_tp(config, tp: int) -> None:
@@ -79,12 +163,15 @@ def shard_llama(model: LlamaModel, rank: int, world: int, group: dist.ProcessGro
     config = dataclasses.replace(cfg, num_heads=h, num_kv_heads=kvh, intermediate_size=inter)
     shard = LlamaModel(config, model.embed, model.norm, layers, model.lm_head, model.device, model.kernels)
 
+    peers = gather_peers(group)
+
     def reduce(t: torch.Tensor) -> None:
-        dist.all_reduce(t, group=group)
+        collective(peers, lambda: dist.all_reduce(t, group=group))
 
     shard.reduce = reduce
     shard.shard = (rank, world)
     shard.tp_group = group
+    shard.tp_peers = peers
     return shard
 
 
@@ -105,12 +192,39 @@ def init_tp(tp: int) -> tuple[int, int]:
     return dist.get_rank(), world
 
 
-def check_same_step(digest: int, group: dist.ProcessGroup | None = None) -> None:
-    """Every rank made the same cache decisions this step (the same slots, in the same
-    order): RuntimeError naming the ranks otherwise. digest: a 63-bit hash of the step."""
-    mine = torch.tensor([digest], dtype=torch.int64)
-    lo, hi = mine.clone(), mine.clone()
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
-    if int(lo) != int(hi):
-        raise RuntimeError(f"rank {dist.get_rank(group)}: the ranks' cache decisions differ this step")
+def digest(*parts: object) -> int:
+    """A 63-bit hash of `parts` (their repr: ints, strings, lists and tuples of them)."""
+    return xxhash.xxh3_64_intdigest(repr(parts).encode()) >> 1
+
+
+def check_same(
+    what: str, value: int, group: dist.ProcessGroup | None = None, peers: Sequence[Peer] | None = None
+) -> None:
+    """Every rank of `group` holds the same `value` (a digest of `what`): RankError naming
+    the ranks whose value differs from the group's first rank otherwise, on every rank."""
+    world = dist.get_world_size(group)
+    found = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    collective(peers, lambda: dist.all_gather(found, torch.tensor([value], dtype=torch.int64), group=group))
+    values = [int(v) for v in found]
+    if len(set(values)) == 1:
+        return
+    ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(world)]
+    odd = [str(r) for r, v in zip(ranks, values, strict=True) if v != values[0]]
+    raise RankError(
+        f"rank {dist.get_rank()}: tensor-parallel ranks diverged: rank{'s' if len(odd) > 1 else ''} "
+        f"{', '.join(odd)} differ{'' if len(odd) > 1 else 's'} from rank {ranks[0]} in {what} (every rank must be "
+        "given the same requests and sampling parameters)"
+    )
+
+
+def step_digest(
+    seq_ids: Sequence[str], starts: Sequence[int], token_ids: Sequence[Sequence[int]], slots: Sequence[int]
+) -> int:
+    """What the ranks must agree on in a step: which sequences run, from where, on which
+    token ids (so another prompt of the same length is caught), and the cache's slots."""
+    return digest(list(seq_ids), list(starts), [list(t) for t in token_ids], list(slots))
+
+
+def check_same_step(value: int, model: LlamaModel) -> None:
+    """Every rank of `model`'s group runs the same step (`step_digest`): RankError otherwise."""
+    check_same("this step's token ids or cache slots", value, model.tp_group, getattr(model, "tp_peers", None))

@@ -1,0 +1,145 @@
+"""Issue 28, section 2: tensor-parallel ranks never diverge silently. Ranks started by hand
+(RANK / WORLD_SIZE / MASTER_ADDR set, as torchrun would, on 127.0.0.1 and a free port) and
+given different prompts or sampling seeds all stop with one line naming the ranks that
+differ; a rank whose peer is killed mid-generation stops with one line naming it."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ranks(argvs: list[list[str]]) -> list[subprocess.Popen]:
+    """One `python -m kvpool` process a rank, started by hand as torchrun would start them."""
+    port = str(_free_port())
+    procs = []
+    for rank, argv in enumerate(argvs):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(len(argvs))}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+        cmd = [sys.executable, "-m", "kvpool", *argv]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def _finish(procs: list[subprocess.Popen], timeout: float = 240) -> list[tuple[int, str, str]]:
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs, strict=True)]
+
+
+def _error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith("kvpool ")]
+    assert "Traceback" not in err and len(lines) == 1, err[-3000:]
+    return lines[0]
+
+
+def test_the_step_digest_covers_the_token_ids() -> None:
+    from kvpool.models.tensor_parallel import step_digest
+
+    # two steps alike in sequence ids, starts, lengths and slots but not in token ids
+    cat = step_digest(["0"], [0], [[504, 2644, 3294]], [16, 17, 18])
+    dog = step_digest(["0"], [0], [[504, 3380, 3294]], [16, 17, 18])
+    assert cat != dog and cat == step_digest(["0"], [0], [[504, 2644, 3294]], [16, 17, 18])
+    assert cat != step_digest(["0"], [0], [[504, 2644, 3294]], [16, 17, 19])
+
+
+def test_tp_ranks_given_different_prompts_all_fail_loudly() -> None:
+    # the issue's repro: each rank its own prompt of the same length
+    base = ["generate", "--tp", "3", "--no-chat", "--max-tokens", "4", "--json"]
+    prompts = [f"The {animal} sat on the mat and" for animal in ("cat", "dog", "cow")]
+    results = _finish(_ranks([[*base, p] for p in prompts]))
+    for rank, (code, out, err) in enumerate(results):
+        assert code == 1 and not out.strip(), (rank, code, err[-3000:])
+        line = _error_line(err)
+        assert line.startswith(f"kvpool generate: error: rank {rank}: tensor-parallel ranks diverged"), line
+        assert "ranks 1, 2 differ from rank 0 in the request (its token ids and sampling parameters)" in line
+
+
+def test_tp_ranks_given_different_sampling_seeds_fail_loudly() -> None:
+    base = ["generate", "--tp", "3", "The cat sat on the mat and", "--max-tokens", "4", "--temperature", "0.8"]
+    results = _finish(_ranks([[*base, "--seed", seed] for seed in ("1", "1", "2")]))
+    for code, _out, err in results:
+        assert code == 1, err[-3000:]
+        assert "rank 2 differs from rank 0 in the request" in _error_line(err)
+
+
+def test_a_rank_whose_peer_dies_stops_in_one_line_naming_it() -> None:
+    argv = ["generate", "--tp", "3", "--no-chat", "Once upon a time", "--max-tokens", "400"]
+    procs = _ranks([argv, argv, argv])
+    try:
+        # rank 0 streams the text: once a token is out, the ranks are mid-generation
+        first = procs[0].stdout.read(1)
+        assert first, procs[0].stderr.read()[-3000:]
+        procs[2].send_signal(signal.SIGKILL)
+        procs[2].wait()
+        start = time.monotonic()
+        results = _finish(procs[:2], timeout=60)
+        assert time.monotonic() - start < 30  # the survivors notice at their next collective
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rank, (code, _out, err) in enumerate(results):
+        assert code == 1, err[-3000:]
+        line = _error_line(err)
+        assert line.startswith(f"kvpool generate: error: rank {rank}: lost "), line
+        lost = re.findall(r"rank (\d+) \(pid (\d+)", line)
+        assert ("2", str(procs[2].pid)) in lost, line
+
+
+def test_a_lost_peer_of_a_two_rank_group_is_always_named() -> None:
+    # with one other rank, the lost one is that rank, wherever it ran
+    from kvpool.models.tensor_parallel import Peer, RankError, lost_rank_error
+
+    me = Peer(0, socket.gethostname(), os.getpid())
+    other = Peer(1, "elsewhere", 12345)
+    error = lost_rank_error([me, other], RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
+    assert isinstance(error, RankError)
+    assert str(error) == (
+        "rank 0: lost rank 1 (pid 12345 on elsewhere) mid-step; the tensor-parallel group cannot go on without it"
+    )
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo group of one rank on 127.0.0.1 (cp_decode_attention's collectives need one)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_verify_cp_bounds_the_smollm2_logits_not_only_the_tokens(one_rank_group, one_thread, monkeypatch) -> None:
+    import kvpool.verify.context_parallel as cp
+
+    ok = cp.check_smollm2(0, 1, 48, 4, 16)
+    assert ok["passed"] and ok["tokens_equal"] and ok["steps"] == 4
+    assert 0 < ok["single_rank_fp32_error"] < 1e-3 and ok["max_logit_difference"] <= 8 * ok["single_rank_fp32_error"]
+    # attention off by 1e-3 of its output: the same greedy tokens, finite logits, yet wrong
+    attend = cp.cp_decode_attention
+    monkeypatch.setattr(cp, "cp_decode_attention", lambda *args: attend(*args) * (1 + 1e-3))
+    off = cp.check_smollm2(0, 1, 48, 4, 16)
+    assert off["tokens_equal"] and off["finite"]
+    assert off["max_logit_difference"] > 8 * off["single_rank_fp32_error"] and not off["passed"]
