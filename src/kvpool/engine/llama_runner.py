@@ -14,7 +14,7 @@ from kvpool.engine.memory import StepPeaks
 from kvpool.engine.runner import ScheduledChunk
 from kvpool.models.llama import LlamaModel
 from kvpool.models.tensor_parallel import check_same_step, step_digest
-from kvpool.storage.kv import PagedKVStorage, QuantizedKVStorage, QuantWriteIndex
+from kvpool.storage.kv import PagedKVStorage, QuantizedKVStorage, QuantWriteIndex, SeqSpan
 from kvpool.storage.quant import KVSchema, code_dtype, kv_schema
 from kvpool.tiers import Tier, TierIndex, TierStack
 
@@ -583,17 +583,24 @@ class LlamaRunner:
         k_layers, v_layers, scale = storage.k_layers, storage.v_layers, self.scale
         if isinstance(storage, QuantizedKVStorage):
             # write the new tokens quantized, then read the step's blocks as their bytes say
-            quant_index = storage.write_index(plan.slots)
+            spans = None
+            if storage.window:  # KIVI moves each sequence's V window: it needs their tables
+                ptr, ids = tables.csr.indptr, tables.csr.indices
+                spans = [
+                    SeqSpan(ids[ptr[i] : ptr[i + 1]], c.start, c.start + len(c.token_ids)) for i, c in enumerate(chunks)
+                ]
+            quant_index = storage.write_index(plan.slots, spans)
             step_blocks = torch.unique(torch.as_tensor(tables.csr.indices, dtype=torch.long, device=device))
             if plan.decode is not None and plan.decode.native is not None and storage.reads_natively:
                 # decodes by the C kernel straight from the codes; prefill chunks dequantized
                 attend = QuantNativeAttend(storage, plan, quant_index, scale)
             else:
-                read = storage.read_index(step_blocks)
+                read = storage.read_index(step_blocks, quant_index)
 
                 def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                     storage.write(layer, quant_index, k, v)
-                    k_cache, v_cache = storage.dequantized(layer, read)
+                    # KIVI: the step's own K / V exact over what the cache holds
+                    k_cache, v_cache = storage.dequantized(layer, read, (quant_index, k, v))
                     return paged_attention(q, k_cache, v_cache, plan, scale)
         elif storage.kernels is not None and (plan.decode is None or plan.decode.native is not None):
             attend = NativeAttend(storage, plan, scale)
