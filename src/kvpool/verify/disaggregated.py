@@ -14,6 +14,14 @@ after sending its first descriptor: the decode side must install nothing, keep i
 intact (check_integrity), and compute the prompt itself. (torchrun stops every process
 when one fails, so --crash runs are started with RANK / WORLD_SIZE / MASTER_ADDR /
 MASTER_PORT set by hand; the tests do that.)
+
+The verification passes only when what it verifies happened: each new prompt's blocks were
+received (tokens_received > 0), installed, and used (the decode engine's prefix hit covers
+them: cached_tokens >= tokens_received); the repeated prompt received nothing yet hit its
+blocks; no transfer failed; and every request's tokens equal the single-process run's. A
+run where transfers were rejected (--prefill-tenant) or broke off (--crash) shows that the
+fault left nothing installed and the tokens right, but it moved no KV, so it does not pass:
+`failures` says what did not happen.
 """
 
 from __future__ import annotations
@@ -148,7 +156,10 @@ def run_pd(
         return None
     for r, ref in zip(results, reference, strict=False):
         r["tokens_equal"] = r.pop("tokens") == ref
+    failures = transfer_failures(results, len(prompts), dis.stats.num_failed)
     report = {
+        "passed": not failures,
+        "failures": failures,
         "prefill_tp": prefill_tp,
         "decode_tp": decode_tp,
         "prefill_block_size": prefill_bs,
@@ -160,3 +171,27 @@ def run_pd(
     if not crash:
         dist.destroy_process_group()
     return report
+
+
+def transfer_failures(results: list[dict], num_prompts: int, num_failed: int) -> list[str]:
+    """What the run should have done and did not (empty: it passes). The prompts are a new
+    one, the same again, another new one (`_prompts`)."""
+    failures = []
+    if len(results) < num_prompts:
+        failures.append(f"{len(results)} of {num_prompts} requests ran")
+    if num_failed:
+        failures.append(f"{num_failed} transfer(s) failed")
+    for i, r in enumerate(results):
+        name = f"request {i} ({r['outcome']})"
+        if not r["tokens_equal"]:
+            failures.append(f"{name}: its tokens differ from the single-process run's")
+        if i == 1:  # the repeat: nothing to move, the first prompt's blocks hit
+            if r["tokens_received"]:
+                failures.append(f"{name}: received {r['tokens_received']} tokens it held already")
+            if not r["cached_tokens"]:
+                failures.append(f"{name}: hit no cached tokens")
+        elif not r["outcome"].startswith("installed") or not r["tokens_received"]:
+            failures.append(f"{name}: no KV was transferred")
+        elif r["cached_tokens"] < r["tokens_received"]:
+            failures.append(f"{name}: {r['tokens_received']} tokens received but {r['cached_tokens']} used")
+    return failures
