@@ -117,6 +117,7 @@ class RequestOutput:
     ttft_s: float | None
     tpot_s: float | None
     latency_s: float | None
+    error: str | None = None  # set when the request failed (Engine.fail): why
 
 
 class Engine:
@@ -173,13 +174,20 @@ class Engine:
         arrival_time: float | None = None,
         tenant: str = "",
     ) -> str:
-        """Queue a request. ValueError (and nothing queued) for an empty or too-long prompt.
+        """Queue a request. ValueError (and nothing queued) for an empty or too-long prompt,
+        or a tenant that is not text UTF-8 can encode (a lone surrogate).
         `arrival_time` (on the engine's clock; default: now) is where TTFT counts from.
         `tenant` salts the request's prefix chain: it hits only its own tenant's cache."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        try:
+            tenant.encode()  # here, not in the step's admission, where it would fail the batch
+        except UnicodeEncodeError as error:
+            raise ValueError(
+                f"request {request_id!r}: tenant {tenant!r} is not valid Unicode text ({error.reason} at {error.start})"
+            ) from None
         prompt = list(map(int, prompt_ids))
         if not prompt:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
@@ -213,6 +221,16 @@ class Engine:
         req.finish_time = self.clock()
         return True
 
+    def fail(self, request_id: str, message: str) -> bool:
+        """End a request because serving it raised (its sampling, its text): aborted like a
+        cancel, its blocks released once, and `message` in its output's `error`. False if
+        unknown or done."""
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return False
+        req.error = message
+        return self.abort(request_id)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -227,7 +245,9 @@ class Engine:
         if req.finish_time is not None and req.first_token_time is not None and n_out > 1:
             tpot = (req.finish_time - req.first_token_time) / (n_out - 1)
         latency = None if req.finish_time is None else req.finish_time - req.arrival_time
-        return RequestOutput(request_id, req.prompt_ids, completions, req.num_cached_tokens, ttft, tpot, latency)
+        return RequestOutput(
+            request_id, req.prompt_ids, completions, req.num_cached_tokens, ttft, tpot, latency, req.error
+        )
 
     def pop_output(self, request_id: str) -> RequestOutput:
         """The output of a finished request, which the engine then forgets (a long-running
@@ -376,6 +396,9 @@ class Engine:
         next_token_ids: list[int | None] = [None] * len(chunks)
         done: list[tuple[SequenceState, str]] = []
         forks: list[tuple[SequenceState, torch.Tensor]] = []
+        # A request whose own sampling or text raises fails alone, after the step's commit;
+        # the others go on. (A fault of the step itself, schedule or forward, still raises.)
+        failed: dict[str, str] = {}
         row = 0
         stats = self.stats
         for i, (seq, chunk) in enumerate(zip(self._scheduled, chunks, strict=True)):
@@ -389,24 +412,39 @@ class Engine:
                 continue
             seq_logits = logits[row]
             row += 1
+            if seq.request.request_id in failed:
+                continue
+            try:
+                reason = self._accept_token(seq, seq_logits, now)
+            except Exception as error:
+                failed[seq.request.request_id] = f"{type(error).__name__}: {error}"
+                continue
             if seq.request.params.n > 1 and not seq.request.forked:
                 forks.append((seq, seq_logits))
-            reason = self._accept_token(seq, seq_logits, now)
             if reason is None:
                 next_token_ids[i] = seq.token_ids[-1]
             else:
                 done.append((seq, reason))
         self.runner.commit([c.seq_id for c in chunks], [len(c.token_ids) for c in chunks], next_token_ids)
         for parent, parent_logits in forks:
-            self._fork_samples(parent, parent_logits, now, done)
+            if parent.request.request_id in failed:
+                continue
+            try:
+                self._fork_samples(parent, parent_logits, now, done)
+            except Exception as error:
+                failed[parent.request.request_id] = f"{type(error).__name__}: {error}"
         for seq, reason in done:
-            self._finish(seq, reason)
+            if seq.request.request_id not in failed:
+                self._finish(seq, reason)
         finished: list[str] = []
         for seq, _ in done:
             req = seq.request
-            if req.finished and req.finish_time is None:
+            if req.finished and req.finish_time is None and req.request_id not in failed:
                 req.finish_time = now
                 finished.append(req.request_id)
+        for request_id, message in failed.items():
+            self.fail(request_id, message)
+            finished.append(request_id)
         return finished
 
     def _fork_samples(

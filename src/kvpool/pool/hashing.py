@@ -75,8 +75,12 @@ class BlockHasher:
     @staticmethod
     def root_preimage(descriptor_key: bytes, tenant_salt: str = "") -> bytes:
         """The bytes a chain's root stands for: descriptor and tenant salt, length-prefixed
-        so that (descriptor, salt) pairs cannot collide by concatenation."""
-        salt = tenant_salt.encode()
+        so that (descriptor, salt) pairs cannot collide by concatenation. ValueError for a
+        salt UTF-8 cannot encode (a lone surrogate)."""
+        try:
+            salt = tenant_salt.encode()
+        except UnicodeEncodeError as error:
+            raise ValueError(f"tenant salt {tenant_salt!r} is not valid Unicode text: {error.reason}") from None
         return (
             b"kvpool-root\x00"
             + len(descriptor_key).to_bytes(4, "little")

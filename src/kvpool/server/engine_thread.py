@@ -8,6 +8,11 @@ it gained: new token ids, the text they complete, their log-probabilities, and a
 the engine's `RequestOutput`. Those events cross to the handler's asyncio loop with
 `call_soon_threadsafe`, so no handler blocks another and none blocks the engine.
 
+Faults. An exception from one request's own work (its sampling or stop-string text in the
+engine step, its detokenization here) fails that request alone: it is aborted, its blocks
+released, and its handler gets Failed; the step goes on for the others. Only a fault of the
+step itself (scheduling, the forward) fails every request in flight.
+
 Cancellation (seed 003's rule): `abort` is a command like any other, so it runs before the
 next step starts; the engine releases the request's blocks at once, exactly once (a second
 abort, or one for a finished request, is a no-op).
@@ -22,11 +27,10 @@ text is the engine's (cut before the stop string); the deltas add up to exactly 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import sys
 import threading
-import time
 import traceback
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -58,9 +62,11 @@ class Finished:
 
 @dataclass(frozen=True, slots=True)
 class Failed:
-    """The request could not be served (an engine error); the message says why."""
+    """The request could not be served; the message says why. status: 400 when its input
+    was at fault (the engine refused it), 500 for an error while serving it."""
 
     message: str
+    status: int = 500
 
 
 Event = Delta | Finished | Failed
@@ -107,9 +113,8 @@ class EngineThread:
         self._commands: list[Callable[[], None]] = []
         self._stopping = False
         self._tracked: dict[str, _Tracked] = {}
-        self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self.num_aborted = 0  # requests aborted while they ran (a disconnect, a shutdown)
+        self.num_aborted_at_stop = 0  # requests in flight when the server stopped, aborted then
         self.error: BaseException | None = None  # what stopped the thread, if anything did
 
     # ---- the handlers' side ---------------------------------------------------------
@@ -128,8 +133,10 @@ class EngineThread:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def new_request_id(self, prefix: str) -> str:
-        return f"{prefix}-{next(self._ids)}-{time.time_ns() % 10**9:09d}"
+    @staticmethod
+    def new_request_id(prefix: str) -> str:
+        """A random id (122 random bits): it tells a client nothing about other requests."""
+        return f"{prefix}-{uuid.uuid4().hex}"
 
     def submit(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, tenant: str = ""
@@ -143,8 +150,12 @@ class EngineThread:
         def add() -> None:
             try:
                 self.engine.add_request(prompt_ids, params, request_id, tenant=tenant)
-            except ValueError as error:
-                loop.call_soon_threadsafe(queue.put_nowait, Failed(str(error)))
+            except ValueError as error:  # the request's input (the handlers check it first)
+                loop.call_soon_threadsafe(queue.put_nowait, Failed(str(error), 400))
+                return
+            except Exception as error:  # a bug: this request fails, the engine goes on
+                _log(f"adding request {request_id} failed", traceback.format_exc())
+                loop.call_soon_threadsafe(queue.put_nowait, Failed(f"{type(error).__name__}: {error}"))
                 return
             self._tracked[request_id] = _Tracked(loop, queue, holdback)
 
@@ -154,11 +165,7 @@ class EngineThread:
     def abort(self, request_id: str) -> None:
         """Cancel the request before the next step (no-op once it has finished)."""
 
-        def cancel() -> None:
-            if self.engine.abort(request_id):
-                self.num_aborted += 1
-
-        self._queue(cancel)
+        self._queue(lambda: self.engine.abort(request_id))
 
     def call(self, fn: Callable[[Engine], _T]) -> Future[_T]:
         """Run `fn(engine)` on the engine thread between two steps (an integrity check, a
@@ -203,14 +210,14 @@ class EngineThread:
                 if engine.has_unfinished():
                     try:
                         engine.step()
-                    except Exception:  # a bug, not a request's fault: fail what is in flight, keep serving
+                    except Exception:  # the step itself, no one request's fault: fail what is in flight
                         message = traceback.format_exc()
-                        print(f"kvpool serve: the engine step failed:\n{message}", file=sys.stderr)
+                        _log("the engine step failed", message)
                         self._fail_all(message.strip().splitlines()[-1])
                 self._publish()
         except BaseException as error:
             self.error = error
-            print(f"kvpool serve: the engine thread stopped:\n{traceback.format_exc()}", file=sys.stderr)
+            _log("the engine thread stopped", traceback.format_exc())
             self._fail_all(f"the engine stopped: {error!r}")
             raise
         finally:
@@ -224,15 +231,23 @@ class EngineThread:
     def _abort_all(self) -> None:
         for request_id in list(self._tracked):
             if self.engine.abort(request_id):
-                self.num_aborted += 1
+                self.num_aborted_at_stop += 1
 
     def _fail_all(self, message: str) -> None:
+        outputs: list[RequestOutput] = []
         for request_id, tracked in list(self._tracked.items()):
-            if request_id in self.engine.requests:
-                self.engine.abort(request_id)
+            try:
+                if self.engine.fail(request_id, message) or request_id in self.engine.requests:
+                    outputs.append(self.engine.pop_output(request_id))
+            except Exception:  # the engine is broken (what failed the step): forget the request
                 self.engine.requests.pop(request_id, None)
             _send(tracked, Failed(message))
         self._tracked.clear()
+        if outputs and self.on_step is not None:
+            try:
+                self.on_step(self.engine, outputs, 0)  # the metrics count the failures
+            except Exception:
+                _log("the metrics could not count the failed requests", traceback.format_exc())
 
     def _publish(self) -> None:
         """Every tracked request's new tokens and text; the finished ones' outputs."""
@@ -241,16 +256,23 @@ class EngineThread:
         num_new_tokens = 0
         for request_id, tracked in list(self._tracked.items()):
             req = engine.requests[request_id]
-            for seq in req.seqs:
-                delta = self._delta(seq, tracked)
-                if delta is not None:
-                    num_new_tokens += len(delta.token_ids)
-                    _send(tracked, delta)
+            if req.error is None:
+                try:
+                    deltas = [d for d in (self._delta(seq, tracked) for seq in req.seqs) if d is not None]
+                except Exception as error:  # this request's text: it fails alone
+                    _log(f"request {request_id} failed", traceback.format_exc())
+                    engine.fail(request_id, f"{type(error).__name__}: {error}")
+                else:
+                    for delta in deltas:
+                        num_new_tokens += len(delta.token_ids)
+                        _send(tracked, delta)
             if req.finished and req.finish_time is not None:
                 output = engine.pop_output(request_id)
                 del self._tracked[request_id]
                 finished.append(output)
-                _send(tracked, Finished(output))
+                if output.error is not None:
+                    print(f"kvpool serve: request {request_id} failed: {output.error}", file=sys.stderr)
+                _send(tracked, Finished(output) if output.error is None else Failed(output.error))
         if self.on_step is not None:
             self.on_step(engine, finished, num_new_tokens)
 
@@ -285,6 +307,10 @@ class EngineThread:
         stream.num_sent_tokens = len(output)
         stream.done = reason is not None
         return Delta(seq.sample_index, new_text, new_ids, logprobs, reason)
+
+
+def _log(what: str, trace: str) -> None:
+    print(f"kvpool serve: {what}:\n{trace}", file=sys.stderr)
 
 
 def _send(tracked: _Tracked, event: Event) -> None:

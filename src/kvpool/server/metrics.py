@@ -15,7 +15,8 @@ name starts with `kvpool_`.
                kvpool_engine_steps_total, kvpool_prefill_tokens_total (prompt tokens
                computed: a prefix hit is not computed, recomputation after a preemption is),
                kvpool_decode_tokens_total
-  requests     kvpool_requests_total{finish_reason}, kvpool_prompt_tokens_total,
+  requests     kvpool_requests_total{finish_reason} ("error": failed by an error while it
+               was served, alone or with its step), kvpool_prompt_tokens_total,
                kvpool_cached_prompt_tokens_total, kvpool_generation_tokens_total,
                kvpool_generation_tokens_per_second (over the last 10 s, as of the scrape)
   latency      histograms kvpool_time_to_first_token_seconds, _time_per_output_token_seconds,
@@ -37,7 +38,7 @@ from kvpool.engine.engine import Engine, RequestOutput
 RATE_WINDOW_S = 10.0
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0, 120.0)
 _TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class WindowedRate:
@@ -149,12 +150,15 @@ class ServerMetrics:
         self.generation_rate.add(num_new_tokens)
         for out in finished:
             reasons = {c.finish_reason for c in out.completions}
-            reason = "abort" if "abort" in reasons else "stop" if reasons == {"stop"} else "length"
+            if out.error is not None:
+                reason = "error"
+            else:
+                reason = "abort" if "abort" in reasons else "stop" if reasons == {"stop"} else "length"
             self.requests[reason].inc()
             self.prompt_tokens.inc(len(out.prompt_token_ids))
             self.cached_prompt_tokens.inc(out.num_cached_tokens)
-            if reason == "abort":
-                continue  # an aborted request's latencies describe the client, not the server
+            if reason in ("abort", "error"):
+                continue  # an aborted request's latencies describe the client; a failed one's, nothing
             if out.ttft_s is not None:
                 self.ttft.observe(out.ttft_s)
             if out.tpot_s is not None:
