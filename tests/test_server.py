@@ -31,7 +31,19 @@ SYSTEM = "You are a careful assistant for a museum. " + " ".join(f"Rule {i}: be 
 @pytest.fixture(scope="module")
 def server():
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvpool", "serve", "--port", "0", "--api-key", KEY, "--max-seqs", "64"],
+        [
+            sys.executable,
+            "-m",
+            "kvpool",
+            "serve",
+            "--port",
+            "0",
+            "--api-key",
+            KEY,
+            "--max-seqs",
+            "64",
+            "--trust-tenant-header",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -5,6 +5,10 @@ prints `kvpool serve: ready on http://HOST:PORT` once it accepts requests (with 
 the system chose for --port 0), and on Ctrl-C or SIGTERM lets the streams in flight end for
 a few seconds, aborts what is left, checks the cache (every block released, the lifecycle
 invariants hold) and says so.
+
+API keys: `--api-key KEY` (repeatable) or `--api-key-file FILE` (one key a line, `#`
+comments); `KEY:TENANT` binds a key to a tenant (server/app.py says what that means). A key
+holds no colon; a tenant may.
 """
 
 from __future__ import annotations
@@ -54,8 +58,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--api-key",
-        default=os.environ.get("KVPOOL_API_KEY"),
-        help="require `Authorization: Bearer KEY` on /v1 and /debug (default: $KVPOOL_API_KEY; none: open)",
+        action="append",
+        default=None,
+        metavar="KEY[:TENANT]",
+        help="require `Authorization: Bearer KEY` on /v1, /debug and /openapi.json; repeatable; KEY:TENANT binds "
+        "the key to a tenant, whose requests then use no other (default: $KVPOOL_API_KEY; none: open)",
+    )
+    parser.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="FILE",
+        help="API keys, one KEY or KEY:TENANT a line (# comments), besides any --api-key",
+    )
+    parser.add_argument(
+        "--trust-tenant-header",
+        action="store_true",
+        help="take a request's tenant from its X-Tenant-Id header (for a gateway that authenticates tenants and "
+        "sets it; keys bound to a tenant still allow only theirs). Without it the header is refused",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        default="4MiB",
+        help="the largest request body; a larger one gets a 413 before it is read (default 4MiB)",
     )
     parser.add_argument("--kv-memory", default=DEFAULT_KV_MEMORY, help="KV cache memory, e.g. 256MiB or 1GiB")
     parser.add_argument("--num-blocks", type=positive_int, default=None, help="KV blocks (default: from --kv-memory)")
@@ -101,8 +125,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--model tiny-dsv4 has no tokenizer or chat template; kvpool serve runs a Llama GGUF")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ValueError("--served-model-name is empty")
-    if args.api_key is not None and not args.api_key.strip():
-        raise ValueError("--api-key is empty (unset KVPOOL_API_KEY, or give a key)")
+    api_keys = api_keys_from(args)
+    max_request_bytes = parse_bytes(args.max_request_bytes, "--max-request-bytes")
     kv_bytes = parse_bytes(args.kv_memory)
     check_preemption(args)  # (llama_engine reads --preemption)
     persistent_cache_options(args)  # (and these)
@@ -114,12 +138,55 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or (DEFAULT_MODEL if gguf is None else os.path.basename(gguf).removesuffix(".gguf"))
     sock = _bind(args.host, args.port)
     try:
-        return _serve(args, sock, gguf, name, kv_bytes)
+        return _serve(args, sock, gguf, name, kv_bytes, api_keys, max_request_bytes)
     finally:
         sock.close()
 
 
-def _serve(args: argparse.Namespace, sock: socket.socket, gguf: str | None, name: str, kv_bytes: int) -> int:
+def api_keys_from(args: argparse.Namespace) -> dict[str, str | None]:
+    """Every served key -> the tenant it is bound to (None: unbound). ValueError naming the
+    flag, or the file and line, for an empty key or tenant and for a key given twice."""
+    entries: list[tuple[str, str]] = []  # (where, "KEY[:TENANT]")
+    given = args.api_key if args.api_key is not None else []
+    if args.api_key is None and args.api_key_file is None and os.environ.get("KVPOOL_API_KEY") is not None:
+        given = [os.environ["KVPOOL_API_KEY"]]
+    entries += [("--api-key", text) for text in given]
+    if args.api_key_file is not None:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                lines = f.read().splitlines()
+        except (OSError, UnicodeDecodeError) as error:
+            reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+            raise ValueError(f"--api-key-file {args.api_key_file!r}: {reason}") from None
+        for number, line in enumerate(lines, 1):
+            line = line.strip()
+            if line and not line.startswith("#"):
+                entries.append((f"{args.api_key_file}:{number}", line))
+        if not any(where != "--api-key" for where, _ in entries):
+            raise ValueError(f"--api-key-file {args.api_key_file!r}: holds no key")
+    keys: dict[str, str | None] = {}
+    for where, text in entries:
+        key, colon, tenant = text.strip().partition(":")
+        key, tenant = key.strip(), tenant.strip()
+        if not key:
+            raise ValueError(f"{where}: the key is empty (give KEY or KEY:TENANT; unset an empty KVPOOL_API_KEY)")
+        if colon and not tenant:
+            raise ValueError(f"{where}: the tenant after {key[:4]}...: is empty")
+        if key in keys:
+            raise ValueError(f"{where}: the key {key[:4]}... is given twice")
+        keys[key] = tenant if colon else None
+    return keys
+
+
+def _serve(
+    args: argparse.Namespace,
+    sock: socket.socket,
+    gguf: str | None,
+    name: str,
+    kv_bytes: int,
+    api_keys: dict[str, str | None],
+    max_request_bytes: int,
+) -> int:
     import uvicorn
 
     from kvpool.cli.run import llama_engine
@@ -135,7 +202,16 @@ def _serve(args: argparse.Namespace, sock: socket.socket, gguf: str | None, name
     metrics = ServerMetrics(name)
     thread = EngineThread(engine, loaded.tokenizer.decode, on_step=metrics.update)
     metrics.update(engine, [], 0)
-    state = ServerState(thread, loaded.tokenizer, metrics, name, engine.runner.max_model_len, args.api_key)
+    state = ServerState(
+        thread,
+        loaded.tokenizer,
+        metrics,
+        name,
+        engine.runner.max_model_len,
+        api_keys,
+        args.trust_tenant_header,
+        max_request_bytes,
+    )
     host, bound_port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
 
@@ -145,7 +221,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, gguf: str | None, name
         print(
             f"kvpool serve: ready on http://{shown}:{bound_port} (model {name}, {num_blocks} KV blocks of "
             f"{args.block_size} tokens, context {engine.runner.max_model_len}"
-            f"{', API key required' if args.api_key else ''})",
+            f"{', API key required' if api_keys else ''})",
             flush=True,
         )
         yield
@@ -211,4 +287,4 @@ def _report_shutdown(thread) -> None:
         state = f"cache integrity ok, {usage.num_held_blocks} blocks held"
     except AssertionError as error:
         state = f"cache integrity FAILED: {error}"
-    print(f"kvpool serve: stopped ({thread.num_aborted} requests aborted in flight; {state})", file=sys.stderr)
+    print(f"kvpool serve: stopped ({thread.num_aborted_at_stop} requests aborted in flight; {state})", file=sys.stderr)

@@ -34,7 +34,9 @@ class ChatTokenizer:
     version: str  # part of the cache descriptor: a different tokenizer must never hit the cache
 
     def encode(self, text: str) -> list[int]:
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL (encode holds it): a server tokenizing a long prompt
+        # on a worker thread keeps its event loop and engine thread running meanwhile
+        ids = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
         if self.add_bos_token and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids

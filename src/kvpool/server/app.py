@@ -9,14 +9,25 @@
                                steps: what a test (or an operator) asks to prove that nothing
                                leaked
 
-With an API key, /v1 and /debug need `Authorization: Bearer KEY` (401 otherwise); /health
-and /metrics stay open for probes and scrapers.
+  GET  /openapi.json           the API's schema
 
-Tenants: the `X-Tenant-Id` header, else the body's `user` field, else the shared tenant "".
-It salts the request's prefix chain (cache/base.py), so one tenant never hits another's
-cached prefix, and `usage.prompt_tokens_details.cached_tokens` shows it. The header is for
-a gateway that authenticates tenants; a client that may pick its own `user` can only ever
-reach prefixes cached under the same string.
+With API keys, /v1, /debug and /openapi.json need `Authorization: Bearer KEY`, checked before
+the body is read (401 otherwise); /health and /metrics stay open for probes and scrapers.
+
+Bodies. One larger than `max_request_bytes` gets a 413 from its Content-Length, before a byte
+of it is read (or as soon as a chunked one passes the limit). The body is parsed, validated
+and tokenized on a worker thread (the tokenizer releases the GIL), so a big prompt never
+stalls the event loop: other streams and /health go on meanwhile.
+
+Tenants. A tenant salts the request's prefix chain (cache/base.py), so one tenant never
+hits another's cached prefix, and `usage.prompt_tokens_details.cached_tokens` shows it.
+  - a key bound to a tenant (`KEY:TENANT`): the request's tenant is the key's; an
+    `X-Tenant-Id` header or `user` naming another tenant is refused (403);
+  - otherwise the `X-Tenant-Id` header, only when the operator trusts it (a gateway that
+    authenticates tenants sets it: `trust_tenant_header`; else a header is refused, 403),
+    else the body's `user` field, else the shared tenant "". A client that picks its own
+    `user` reaches only prefixes cached under the same string; one that must not choose
+    gets a bound key.
 
 Streaming sends OpenAI's chunk objects as server-sent events and ends with `data: [DONE]`;
 with `stream_options.include_usage` the last chunk carries the usage. A client that
@@ -31,7 +42,7 @@ import hmac
 import json
 import random
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -46,6 +57,10 @@ from kvpool.server.metrics import ServerMetrics
 from kvpool.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, TokenText
 
 TENANT_HEADER = "x-tenant-id"
+# The longest prompt a 128k-token context holds is about 0.5 MB of text (1.5 MB as JSON
+# escapes of CJK characters): 4 MiB admits every prompt that can fit, and bounds what an
+# unauthenticated client can make the server hold or tokenize.
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 
 
 @dataclass
@@ -55,7 +70,10 @@ class ServerState:
     metrics: ServerMetrics
     model_name: str
     max_model_len: int
-    api_key: str | None = None
+    # API key -> the tenant it is bound to (None: unbound); empty: the server is open
+    api_keys: dict[str, str | None] = field(default_factory=dict)
+    trust_tenant_header: bool = False  # X-Tenant-Id names the tenant (a gateway sets it)
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
 
 def _error_response(error: APIError) -> JSONResponse:
@@ -65,7 +83,7 @@ def _error_response(error: APIError) -> JSONResponse:
 
 def build_app(state: ServerState, lifespan=None) -> FastAPI:
     """The app over a started EngineThread; `lifespan` (FastAPI's) runs at start and stop."""
-    app = FastAPI(title="kvpool", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app = FastAPI(title="kvpool", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.kvpool = state
     token_text = TokenText(state.tokenizer.tokenizer.id_to_token)
 
@@ -77,13 +95,51 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
     async def _invalid(_: Request, error: RequestValidationError) -> JSONResponse:
         return _error_response(protocol.validation_error(list(error.errors())))
 
-    def authorize(request: Request) -> None:
-        if state.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
+    def authorize(request: Request) -> str | None:
+        """The tenant the request's key is bound to (None: an unbound key, or an open
+        server); 401 without a served key. Runs before the body is read."""
+        if not state.api_keys:
+            return None
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        presented = token.strip().encode()
+        found: tuple[str | None] | None = None
+        for key, tenant in state.api_keys.items():  # every key compared: the time tells nothing
+            if hmac.compare_digest(presented, key.encode()):
+                found = (tenant,)
+        if scheme.lower() != "bearer" or found is None:
             raise APIError(401, "missing or wrong API key: send Authorization: Bearer KEY", code="invalid_api_key")
+        return found[0]
+
+    async def read_body(request: Request) -> bytes:
+        """The body, refused with a 413 before it is read when it is too large."""
+        limit = state.max_request_bytes
+        too_large = APIError(
+            413,
+            f"the request body exceeds this server's limit of {limit} bytes (kvpool serve --max-request-bytes)",
+            code="request_too_large",
+        )
+        length = request.headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                raise APIError(400, f"Content-Length: not a number of bytes: {length!r}")
+            if int(length) > limit:
+                raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:  # a chunked body, or one longer than it said
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def parse(request: Request, model: type[protocol.SamplingRequest]) -> Any:
+        raw = await read_body(request)
+        return await asyncio.to_thread(protocol.parse_body, raw, model)  # (a big body is no stall)
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: Request) -> Response:
+        authorize(request)
+        return JSONResponse(app.openapi())
 
     def check_model(model: str | None) -> None:
         if model is not None and model != state.model_name:
@@ -148,8 +204,29 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
             return JSONResponse({"integrity": "failed", "error": str(error)}, status_code=500)
         return JSONResponse(report)
 
-    def tenant_of(request: Request, body: protocol.SamplingRequest) -> str:
-        return request.headers.get(TENANT_HEADER) or body.user or ""
+    def tenant_of(request: Request, body: protocol.SamplingRequest, bound: str | None) -> str:
+        header = request.headers.get(TENANT_HEADER)
+        if bound is not None:
+            for param, claimed in (("X-Tenant-Id", header), ("user", body.user)):
+                if claimed is not None and claimed != bound:
+                    raise APIError(
+                        403,
+                        f"{param}: names tenant {claimed!r}, but this API key belongs to tenant {bound!r}",
+                        param,
+                        "tenant_mismatch",
+                        type="permission_error",
+                    )
+            return bound
+        if header is not None and not state.trust_tenant_header:
+            raise APIError(
+                403,
+                "X-Tenant-Id: this server does not take tenants from a header; start it with "
+                "--trust-tenant-header behind a gateway that sets it, or bind keys to tenants (--api-key KEY:TENANT)",
+                "X-Tenant-Id",
+                "tenant_header_not_trusted",
+                type="permission_error",
+            )
+        return header or body.user or ""
 
     def max_tokens_for(num_prompt: int, requested: int | None, chat: bool) -> int:
         limit = state.max_model_len
@@ -177,27 +254,32 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
 
     def sampling(body: protocol.SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
         seed = body.seed if body.seed is not None else random.getrandbits(31)
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
-            seed=seed,
-            n=body.n,
-            stop=body.stop_strings,
-            ignore_eos=body.ignore_eos,
-            logprobs=logprobs,
-        )
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=body.top_k,
+                seed=seed,
+                n=body.n,
+                stop=body.stop_strings,
+                ignore_eos=body.ignore_eos,
+                logprobs=logprobs,
+            )
+        except ValueError as error:  # (the protocol checks these fields first; this is its twin)
+            raise APIError(400, str(error), str(error).split(" ", 1)[0]) from None
 
     @app.post("/v1/completions")
-    async def completions(request: Request, body: CompletionRequest) -> Response:
-        authorize(request)
+    async def completions(request: Request) -> Response:
+        bound = authorize(request)
+        body: CompletionRequest = await parse(request, CompletionRequest)
         check_model(body.model)
+        tenant = tenant_of(request, body, bound)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            prompt_ids = state.tokenizer.encode(prompt)
+            prompt_ids = await asyncio.to_thread(state.tokenizer.encode, prompt)
         else:
             vocab = state.engine.engine.runner.vocab_size
             bad = [t for t in prompt if not 0 <= t < vocab]
@@ -208,20 +290,25 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
             raise APIError(400, "prompt: encodes to no tokens", "prompt")
         max_tokens = max_tokens_for(len(prompt_ids), body.max_tokens, chat=False)
         params = sampling(body, max_tokens, body.logprobs)
-        return await serve(request, body, "cmpl", prompt_ids, params, chat=False)
+        return await serve(request, body, "cmpl", prompt_ids, params, tenant, chat=False)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
-        authorize(request)
-        check_model(body.model)
+    def encode_chat(body: ChatCompletionRequest) -> list[int]:
         try:
-            prompt_ids = state.tokenizer.encode_chat(body.template_messages())
+            return state.tokenizer.encode_chat(body.template_messages())
         except Exception as error:  # the template's own checks (e.g. roles out of order) raise
             raise APIError(400, f"messages: the chat template refused them: {error}", "messages") from None
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        bound = authorize(request)
+        body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
+        check_model(body.model)
+        tenant = tenant_of(request, body, bound)
+        prompt_ids = await asyncio.to_thread(encode_chat, body)
         max_tokens = max_tokens_for(len(prompt_ids), body.requested_max_tokens, chat=True)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = sampling(body, max_tokens, logprobs)
-        return await serve(request, body, "chatcmpl", prompt_ids, params, chat=True)
+        return await serve(request, body, "chatcmpl", prompt_ids, params, tenant, chat=True)
 
     async def serve(
         request: Request,
@@ -229,12 +316,13 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         prefix: str,
         prompt_ids: list[int],
         params: SamplingParams,
+        tenant: str,
         chat: bool,
     ) -> Response:
         engine = state.engine
         request_id = engine.new_request_id(prefix)
         try:
-            events = engine.submit(request_id, prompt_ids, params, tenant_of(request, body))
+            events = engine.submit(request_id, prompt_ids, params, tenant)
         except RuntimeError as error:
             raise APIError(503, str(error), type="server_error") from None
         shape = _Shape(request_id, state.model_name, chat, token_text, params.logprobs is not None)
@@ -359,7 +447,7 @@ async def _stream(
             else:
                 assert isinstance(event, Failed)
                 done = True
-                yield _sse(APIError(500, event.message, type="server_error").body())
+                yield _sse(_failure(event).body())
                 yield _sse("[DONE]")
                 return
     finally:
@@ -392,9 +480,15 @@ async def _complete(
                 return JSONResponse(shape.response(event.output, texts, deltas))
             else:
                 assert isinstance(event, Failed)
-                raise APIError(500, event.message, type="server_error")
+                raise _failure(event)
     finally:
         disconnected.cancel()
+
+
+def _failure(event: Failed) -> APIError:
+    return APIError(
+        event.status, event.message, type="server_error" if event.status >= 500 else "invalid_request_error"
+    )
 
 
 async def _wait_for_disconnect(request: Request) -> None:

@@ -2,23 +2,29 @@
 
 Requests are validated field by field; a bad one gets OpenAI's error object,
 `{"error": {"message", "type": "invalid_request_error", "param", "code"}}`, with the field
-in `param` and in the message. Fields OpenAI defines that kvpool does not implement
-(penalties, logit_bias, echo, best_of > n, suffix, tools) are refused when set to anything
-but their neutral value, never silently ignored; unknown fields are ignored, as OpenAI
-ignores them. An optional field sent as JSON null takes its default, as OpenAI takes it
-(`"temperature": null` is 1.0, `"n": null` is 1); a required one (`prompt`, `messages`)
-sent as null is refused. Two extensions, as vLLM names them: `top_k` and `ignore_eos`.
+in `param` and in the message. So does a body that is not one: empty, not UTF-8, not JSON
+(NaN and Infinity included), nested too deeply, not an object, or holding a string UTF-8
+cannot encode (a lone surrogate escape such as "\\ud800" in JSON, which no tokenizer or tenant salt
+takes) (`parse_body`). Fields OpenAI defines that kvpool does not implement (penalties,
+logit_bias, echo, best_of > n, suffix, tools, tool_choice, response_format other than
+text) are refused when set to anything but their neutral value, never silently ignored;
+unknown fields are ignored, as OpenAI ignores them. An optional field sent as JSON null
+takes its default, as OpenAI takes it (`"temperature": null` is 1.0, `"n": null` is 1); a
+required one (`prompt`, `messages`) sent as null is refused. Two extensions, as vLLM names
+them: `top_k` and `ignore_eos`.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from functools import cache
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
 from kvpool.engine.engine import RequestOutput
+from kvpool.engine.sampling import SEED_MAX, SEED_MIN
 
 MAX_N = 16  # samples per request
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
@@ -68,18 +74,20 @@ class SamplingRequest(NullIsDefault):
     """What both endpoints share."""
 
     model: str | None = None  # None: the served model
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    # below 1e-5 the sampler is greedy (engine/sampling.py); a top_p that fp32 rounds to 0
+    # keeps the most likely token: every finite value in these ranges is served
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=0)  # extension: 0 = off
     n: int = Field(1, ge=1, le=MAX_N)
-    seed: int | None = None  # None: a fresh one per request
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)  # int64, as OpenAI's; None: a fresh one
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # the tenant (see the server's docs)
     ignore_eos: bool = False  # extension: generate max_tokens tokens whatever is sampled
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
 
     @model_validator(mode="after")
@@ -160,6 +168,10 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None  # OpenAI's deprecated names for tools and tool_choice
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
@@ -167,6 +179,13 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("top_logprobs: needs logprobs: true")
         if self.tools:
             raise ValueError("tools: not supported by kvpool serve")
+        if self.functions:
+            raise ValueError("functions: not supported by kvpool serve")
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none"):
+                raise ValueError(f'{name}: not supported by kvpool serve (no tools; only "none" is accepted)')
+        if self.response_format is not None and self.response_format != {"type": "text"}:
+            raise ValueError('response_format: not supported by kvpool serve (only {"type": "text"} is accepted)')
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             if self.max_tokens != self.max_completion_tokens:
                 raise ValueError("max_completion_tokens: differs from max_tokens; give one")
@@ -179,6 +198,70 @@ class ChatCompletionRequest(SamplingRequest):
     def template_messages(self) -> list[dict[str, str]]:
         """The messages as the chat template takes them (developer is the system role)."""
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+
+_Body = TypeVar("_Body", bound=BaseModel)
+
+
+def parse_body(raw: bytes, model: type[_Body]) -> _Body:
+    """A request body as `model`, or the APIError (400) that names what is wrong with it."""
+    if not raw.strip():
+        raise APIError(400, "the body is empty: send a JSON object")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise APIError(400, f"the body is not valid UTF-8: {error.reason} at byte {error.start}") from None
+    try:
+        data = json.loads(text, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise APIError(400, "the body is not valid JSON: nested too deeply") from None
+    except ValueError as error:  # (json.JSONDecodeError is one)
+        raise APIError(400, f"the body is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"the body must be a JSON object, got a JSON {type(data).__name__}")
+    bad = _unencodable_string(data)
+    if bad is not None:
+        field, error = bad
+        raise APIError(
+            400,
+            f"{field}: holds a lone surrogate ({error.object[error.start : error.end]!r} at character "
+            f"{error.start}), which is not Unicode text",
+            field.split("[", 1)[0].split(".", 1)[0],
+        )
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        raise validation_error(list(error.errors())) from None
+    except RecursionError:  # a deeply nested value in a field pydantic walks
+        raise APIError(400, "the body is not valid JSON: nested too deeply") from None
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _unencodable_string(data: Any) -> tuple[str, UnicodeEncodeError] | None:
+    """The first string (key or value) UTF-8 cannot encode, with its path, if any.
+    Iterative: the JSON decoder's own depth limit bounds the stack, not this walk."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                child = f"{path}.{key}" if path else str(key)
+                try:
+                    key.encode()
+                except UnicodeEncodeError as error:
+                    return (path or "body", error)
+                stack.append((child, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+        elif isinstance(value, str):
+            try:
+                value.encode()
+            except UnicodeEncodeError as error:
+                return (path, error)
+    return None
 
 
 def validation_error(errors: list[dict[str, Any]]) -> APIError:

@@ -1,0 +1,360 @@
+"""Issue 28, section 1: one request never fails the others; big bodies, keys and tenants.
+
+Servers run as real processes on 127.0.0.1 and a port the system picks; the engine
+thread's fault isolation is driven in-process with a fault injected into one request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from kvpool.server.metrics import ServerMetrics
+
+KEY = "sk-robust-gateway"
+KEY_A, KEY_B = "sk-robust-a", "sk-robust-b"
+MODEL = "smollm2-135m"
+SYSTEM = "You answer for the city library. " + " ".join(f"Rule {i}: cite the shelf." for i in range(12))
+
+
+def _start(*flags: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvpool", "serve", "--port", "0", *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    line = proc.stdout.readline()
+    if "ready on " not in line:
+        proc.kill()
+        pytest.fail(proc.stderr.read())
+    return proc, line.split("ready on ", 1)[1].split()[0]
+
+
+def _stop(proc: subprocess.Popen) -> str:
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "cache integrity ok, 0 blocks held" in err, err
+    return err
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, url = _start("--api-key", KEY)
+    yield url
+    _stop(proc)
+
+
+def auth(key: str = KEY) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+
+
+def _streams_of_tenant_b(url: str, num: int, max_tokens: int) -> tuple[list[threading.Thread], list, threading.Event]:
+    """`num` streams of tenant b running in threads; the event is set once all have a chunk."""
+    results: list = [None] * num
+    started = [threading.Event() for _ in range(num)]
+    all_started = threading.Event()
+
+    def one(i: int) -> None:
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, timeout=120)
+        reasons, num_chunks = [], 0
+        try:
+            for chunk in c.completions.create(
+                model=MODEL,
+                prompt=f"Stream {i} counts slowly:",
+                max_tokens=max_tokens,
+                temperature=0,
+                stream=True,
+                user="tenant-b",
+                extra_body={"ignore_eos": True},
+            ):
+                num_chunks += 1
+                started[i].set()
+                reasons += [ch.finish_reason for ch in chunk.choices if ch.finish_reason]
+            results[i] = (reasons, num_chunks)
+        except Exception as error:  # the test reads it
+            results[i] = error
+        finally:
+            started[i].set()
+            if all(e.is_set() for e in started):
+                all_started.set()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(num)]
+    for t in threads:
+        t.start()
+    return threads, results, all_started
+
+
+def test_bad_requests_fail_alone_while_four_streams_of_another_tenant_finish(server):
+    threads, results, all_started = _streams_of_tenant_b(server, 4, 96)
+    assert all_started.wait(120)
+    url = f"{server}/v1/completions"
+    # a lone surrogate as the tenant: the salt cannot encode it
+    surrogate = httpx.post(url, content=b'{"prompt": "hi", "user": "\\ud800", "max_tokens": 2}', headers=auth())
+    tiny_top_p = httpx.post(url, json={"prompt": "hi", "max_tokens": 4, "top_p": 1e-50}, headers=auth(), timeout=60)
+    for t in threads:  # the other tenant's streams all end as they should, whatever befell those two
+        t.join(120)
+    assert [r for r in results if not isinstance(r, tuple) or r[0] != ["length"]] == [], results
+    assert surrogate.status_code == 400, surrogate.text
+    assert surrogate.json()["error"]["param"] == "user" and "surrogate" in surrogate.json()["error"]["message"]
+    assert tiny_top_p.status_code == 200, tiny_top_p.text
+    # top_p that fp32 rounds to 0: the nucleus is the most likely token, i.e. greedy
+    greedy = httpx.post(url, json={"prompt": "hi", "max_tokens": 4, "temperature": 0}, headers=auth(), timeout=60)
+    for extra in ({"top_p": 1e-50}, {"temperature": 1e-300}):
+        r = httpx.post(url, json={"prompt": "hi", "max_tokens": 4, **extra}, headers=auth(), timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"], extra
+    for body, param in (
+        ({"prompt": "hi", "seed": 2**63}, "seed"),
+        ({"prompt": "hi", "temperature": 2.5}, "temperature"),
+        ({"prompt": "hi", "top_p": 0}, "top_p"),
+        ({"prompt": "\ud800"}, "prompt"),
+    ):
+        r = httpx.post(url, content=json.dumps(body).encode(), headers=auth(), timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    r = httpx.post(url, content=b'{"prompt": "hi", "temperature": NaN}', headers=auth(), timeout=60)
+    assert r.status_code == 400 and "NaN" in r.json()["error"]["message"], r.text
+
+
+def test_seed_bounds_are_int64(server):
+    url = f"{server}/v1/completions"
+    for seed, status in ((-(2**63), 200), (2**63 - 1, 200), (2**63, 400), (-(2**63) - 1, 400)):
+        r = httpx.post(url, json={"prompt": "hi", "max_tokens": 1, "seed": seed}, headers=auth(), timeout=60)
+        assert r.status_code == status, (seed, r.text)
+
+
+def test_a_20mb_body_is_refused_at_once_while_a_stream_flows(server):
+    threads, results, all_started = _streams_of_tenant_b(server, 1, 64)
+    assert all_started.wait(120)
+    big = json.dumps({"prompt": "word " * 4_000_000, "max_tokens": 1}).encode()
+    assert len(big) > 20_000_000
+    start = time.monotonic()
+    r = httpx.post(f"{server}/v1/completions", content=big, headers=auth(), timeout=30)
+    took = time.monotonic() - start
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    assert "--max-request-bytes" in r.json()["error"]["message"]
+    assert took < 1.0, took
+    start = time.monotonic()
+    assert httpx.get(f"{server}/health", timeout=30).status_code == 200
+    assert time.monotonic() - start < 1.0
+    # a body without a length (chunked) is cut off at the limit too
+    r = httpx.post(
+        f"{server}/v1/completions",
+        content=iter([big[i : i + (1 << 20)] for i in range(0, len(big), 1 << 20)]),
+        headers=auth(),
+        timeout=30,
+    )
+    assert r.status_code == 413, r.text
+    threads[0].join(120)
+    assert results[0][0] == ["length"] and results[0][1] >= 64 // 2, results
+
+
+def test_the_key_is_checked_before_the_body_is_read(server):
+    url = f"{server}/v1/chat/completions"
+    plain = {"Content-Type": "application/json"}
+    r = httpx.post(url, content=b'{"messages": [', headers=plain, timeout=30)  # bad JSON, no key
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+    r = httpx.post(url, json={"messages": "not a list"}, headers=plain, timeout=30)
+    assert r.status_code == 401 and "messages" not in r.text, r.text
+    body = json.dumps({"messages": [{"role": "user", "content": "word " * 1_400_000}]}).encode()  # 7 MB
+    start = time.monotonic()
+    r = httpx.post(url, content=body, headers=plain, timeout=30)
+    assert r.status_code == 401 and time.monotonic() - start < 1.0, r.text
+    assert httpx.get(f"{server}/openapi.json", timeout=30).status_code == 401
+    r = httpx.get(f"{server}/openapi.json", headers=auth(), timeout=30)
+    assert r.status_code == 200 and "/v1/completions" in r.json()["paths"]
+
+
+def test_malformed_bodies_get_openai_errors(server):
+    url = f"{server}/v1/completions"
+    for raw, needle in (
+        (b"", "empty"),
+        (b"   ", "empty"),
+        (b'{"prompt": "caf\xe9"}', "UTF-8"),
+        (b"[" * 100_000 + b"]" * 100_000, "nested"),
+        (b'["hi"]', "JSON object"),
+        (b'{"prompt": "hi"', "JSON"),
+    ):
+        r = httpx.post(url, content=raw, headers=auth(), timeout=30)
+        assert r.status_code == 400, (raw[:20], r.text)
+        error = r.json()["error"]
+        assert needle in error["message"] and error["type"] == "invalid_request_error", (raw[:20], error)
+    chat = f"{server}/v1/chat/completions"
+    msgs = [{"role": "user", "content": "hi"}]
+    for extra, param in (
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+    ):
+        r = httpx.post(chat, json={"messages": msgs, **extra}, headers=auth(), timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = httpx.post(
+        chat, json={"messages": msgs, "max_tokens": 1, "response_format": {"type": "text"}}, headers=auth(), timeout=60
+    )
+    assert r.status_code == 200, r.text
+
+
+def test_request_ids_do_not_count_requests(server):
+    c = openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, timeout=120)
+    ids = [c.completions.create(model=MODEL, prompt="hi", max_tokens=1).id for _ in range(2)]
+    assert all(re.fullmatch(r"cmpl-[0-9a-f]{32}", i) for i in ids) and ids[0] != ids[1], ids
+
+
+def test_keys_carry_their_tenant():
+    """Keys bound to tenants a and b, and one unbound key for a gateway that names tenants."""
+    proc, server = _start(
+        "--api-key", f"{KEY_A}:tenant-a", "--api-key", f"{KEY_B}:tenant-b", "--api-key", KEY, "--trust-tenant-header"
+    )
+    try:
+        _check_keys_carry_their_tenant(server)
+    finally:
+        _stop(proc)
+
+
+def _check_keys_carry_their_tenant(server: str) -> None:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "When do you open?"}]
+
+    def cached(key: str, **extra) -> int:
+        c = openai.OpenAI(base_url=f"{server}/v1", api_key=key, timeout=120)
+        out = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, **extra)
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(KEY_A) == 0
+    assert cached(KEY_A) > 0  # tenant a's own prefix
+    assert cached(KEY_A, user="tenant-a") > 0  # naming its own tenant is fine
+    assert cached(KEY_B) == 0  # tenant b never sees tenant a's prefix
+    # a key bound to tenant b cannot claim tenant a, by header or by user
+    for extra in ({"extra_headers": {"X-Tenant-Id": "tenant-a"}}, {"user": "tenant-a"}):
+        with pytest.raises(openai.PermissionDeniedError) as caught:
+            cached(KEY_B, **extra)
+        assert "tenant-a" in str(caught.value)
+    # the unbound gateway key names tenants with the header (--trust-tenant-header)
+    assert cached(KEY, extra_headers={"X-Tenant-Id": "tenant-a"}) > 0
+    assert cached(KEY, extra_headers={"X-Tenant-Id": "tenant-z"}) == 0
+
+
+def test_an_untrusted_tenant_header_is_refused_and_keys_come_from_a_file(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text(f"# key:tenant\n{KEY_A}:tenant-a\n\n{KEY}\n")
+    proc, url = _start("--api-key-file", str(keys))
+    try:
+        ok = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers=auth(KEY_A))
+        assert ok.status_code == 200, ok.text
+        r = httpx.post(
+            f"{url}/v1/completions",
+            json={"prompt": "hi", "max_tokens": 1},
+            headers={**auth(KEY), "X-Tenant-Id": "tenant-a"},
+        )
+        assert r.status_code == 403 and "--trust-tenant-header" in r.json()["error"]["message"], r.text
+        # a stream the client drops: an abort in the server's lifetime, none in flight at the end
+        with httpx.stream(
+            "POST",
+            f"{url}/v1/completions",
+            json={"prompt": "hi", "max_tokens": 200, "stream": True, "ignore_eos": True},
+            headers=auth(KEY),
+            timeout=60,
+        ) as s:
+            next(s.iter_lines())
+        deadline = time.monotonic() + 30
+        while not re.search(r'requests_total\{finish_reason="abort"[^}]*\} 1\.0', httpx.get(f"{url}/metrics").text):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        err = _stop(proc)
+    assert "stopped (0 requests aborted in flight;" in err, err
+    bad = tmp_path / "bad"
+    bad.write_text(f"{KEY_A}:tenant-a\n:tenant-b\n")
+    for flags, needle in (
+        (["--api-key-file", str(tmp_path / "missing")], "missing"),
+        (["--api-key-file", str(bad)], f"{bad}:2"),
+        (["--api-key", f"{KEY_A}:a", "--api-key", f"{KEY_A}:b"], "twice"),
+        (["--max-request-bytes", "lots"], "--max-request-bytes"),
+    ):
+        out = subprocess.run([sys.executable, "-m", "kvpool", "serve", *flags], capture_output=True, text=True)
+        assert out.returncode == 2 and needle in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+# ---- the engine thread, in-process: a fault in one request ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    from kvpool.engine.build import load_model
+
+    return load_model(None)
+
+
+def test_a_fault_in_one_requests_sampling_or_text_fails_it_alone(loaded):
+    from kvpool.engine.build import build_engine
+    from kvpool.engine.sampling import SamplingParams, sample_token
+    from kvpool.server.engine_thread import EngineThread, Failed, Finished
+
+    engine = build_engine(loaded, num_blocks=256, block_size=16)
+    bad_seed = 666
+
+    def sampler(logits, params, sample_index, position):
+        if params.seed == bad_seed and position == 2:
+            raise RuntimeError("injected sampler fault")
+        return sample_token(logits, params, sample_index, position)
+
+    engine.sampler = sampler
+    metrics = ServerMetrics(MODEL)
+    thread = EngineThread(engine, loaded.tokenizer.decode, on_step=metrics.update)
+    delta = thread._delta
+
+    def faulty_delta(seq, tracked):
+        if seq.request.request_id == "bad-text" and seq.num_output_tokens >= 3:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected detokenizer fault")
+        return delta(seq, tracked)
+
+    thread._delta = faulty_delta
+    prompt = loaded.tokenizer.encode("The river flows")
+
+    async def drive() -> dict[str, list]:
+        queues = {}
+        for name, seed, n in (("ok-0", 1, 1), ("bad-sample", bad_seed, 2), ("ok-1", 2, 2), ("bad-text", 3, 1)):
+            params = SamplingParams(max_tokens=8, temperature=0.8, seed=seed, n=n, ignore_eos=True)
+            queues[name] = thread.submit(name, prompt, params, tenant="t")
+        events: dict[str, list] = {}
+        for name, queue in queues.items():
+            events[name] = []
+            while not isinstance(events[name][-1:] and events[name][-1], Finished | Failed):
+                events[name].append(await asyncio.wait_for(queue.get(), 60))
+        return events
+
+    thread.start()
+    try:
+        events = asyncio.run(drive())
+        assert thread.call(lambda e: e.runner.check_integrity()).result(60) is None
+        held = thread.call(lambda e: e.runner.usage().num_held_blocks).result(60)
+    finally:
+        thread.stop()
+    for name in ("ok-0", "ok-1"):
+        out = events[name][-1]
+        assert isinstance(out, Finished), events[name]
+        assert [len(c.token_ids) for c in out.output.completions] == [8] * (1 if name == "ok-0" else 2)
+    assert isinstance(events["bad-sample"][-1], Failed) and "injected sampler fault" in events["bad-sample"][-1].message
+    assert isinstance(events["bad-text"][-1], Failed) and "injected detokenizer fault" in events["bad-text"][-1].message
+    assert held == 0 and engine.requests == {}
+    assert metrics.requests["error"]._value.get() == 2 and metrics.requests["length"]._value.get() == 2
+
+
+def test_a_tenant_the_salt_cannot_encode_is_refused_by_the_engine(loaded):
+    from kvpool.engine.build import build_engine
+    from kvpool.pool.hashing import BlockHasher
+
+    engine = build_engine(loaded, num_blocks=64, block_size=16)
+    with pytest.raises(ValueError, match="tenant"):
+        engine.add_request([1, 2, 3], tenant="\ud800")
+    assert engine.requests == {} and not engine.has_unfinished()
+    with pytest.raises(ValueError, match="tenant salt"):
+        BlockHasher().root(b"d", "\udfff")
