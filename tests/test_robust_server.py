@@ -358,3 +358,69 @@ def test_a_tenant_the_salt_cannot_encode_is_refused_by_the_engine(loaded):
     assert engine.requests == {} and not engine.has_unfinished()
     with pytest.raises(ValueError, match="tenant salt"):
         BlockHasher().root(b"d", "\udfff")
+
+
+def test_a_fault_of_the_step_itself_fails_the_batch_and_serving_goes_on(loaded):
+    from kvpool.engine.build import build_engine
+    from kvpool.engine.sampling import SamplingParams
+    from kvpool.server.engine_thread import EngineThread, Failed, Finished
+
+    engine = build_engine(loaded, num_blocks=256, block_size=16)
+    execute = engine.runner.execute
+    broken = threading.Event()
+
+    def faulty_execute(chunks):
+        if broken.is_set():
+            broken.clear()  # once
+            raise RuntimeError("injected forward fault")
+        return execute(chunks)
+
+    engine.runner.execute = faulty_execute
+    metrics = ServerMetrics(MODEL)
+    thread = EngineThread(engine, loaded.tokenizer.decode, on_step=metrics.update)
+    prompt = loaded.tokenizer.encode("The river flows")
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+
+    async def last_event(queue) -> object:
+        while True:
+            event = await asyncio.wait_for(queue.get(), 60)
+            if isinstance(event, Finished | Failed):
+                return event
+
+    async def drive() -> tuple[list, object]:
+        broken.set()
+        queues = [thread.submit(f"r{i}", prompt, params) for i in range(3)]
+        batch = [await last_event(q) for q in queues]
+        return batch, await last_event(thread.submit("after", prompt, params))
+
+    thread.start()
+    try:
+        batch, after = asyncio.run(drive())
+        held = thread.call(lambda e: e.runner.usage().num_held_blocks).result(60)
+    finally:
+        thread.stop()
+    assert all(isinstance(e, Failed) and "injected forward fault" in e.message for e in batch), batch
+    assert isinstance(after, Finished) and len(after.output.completions[0].token_ids) == 6
+    assert held == 0 and engine.requests == {}
+    assert metrics.requests["error"]._value.get() == 3 and metrics.requests["length"]._value.get() == 1
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(server):
+    text = "word " * 780_000  # 3.9 MB: under the body limit, far over the context
+    answer: list[httpx.Response] = []
+    poster = threading.Thread(
+        target=lambda: answer.append(
+            httpx.post(f"{server}/v1/completions", json={"prompt": text}, headers=auth(), timeout=60)
+        )
+    )
+    poster.start()
+    time.sleep(0.5)  # the body is in; its tokenization takes seconds
+    health_s = []
+    while poster.is_alive():
+        start = time.monotonic()
+        assert httpx.get(f"{server}/health", timeout=30).status_code == 200
+        health_s.append(time.monotonic() - start)
+        time.sleep(0.05)
+    poster.join()
+    assert answer[0].status_code == 413 and answer[0].json()["error"]["code"] == "context_length_exceeded"
+    assert len(health_s) >= 3 and max(health_s) < 0.5, health_s
