@@ -172,7 +172,11 @@ def test_the_key_is_checked_before_the_body_is_read(server):
     assert r.status_code == 401 and time.monotonic() - start < 1.0, r.text
     assert httpx.get(f"{server}/openapi.json", timeout=30).status_code == 401
     r = httpx.get(f"{server}/openapi.json", headers=auth(), timeout=30)
-    assert r.status_code == 200 and "/v1/completions" in r.json()["paths"]
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    schema = doc["components"]["schemas"][body["$ref"].rsplit("/", 1)[1]]
+    assert {"messages", "temperature", "seed"} <= set(schema["properties"]), schema
 
 
 def test_malformed_bodies_get_openai_errors(server):

@@ -139,7 +139,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi(request: Request) -> Response:
         authorize(request)
-        return JSONResponse(app.openapi())
+        return JSONResponse(_with_request_bodies(app.openapi()))
 
     def check_model(model: str | None) -> None:
         if model is not None and model != state.model_name:
@@ -335,6 +335,19 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         return await _complete(engine, request, request_id, events, shape, params.n)
 
     return app
+
+
+def _with_request_bodies(doc: dict[str, Any]) -> dict[str, Any]:
+    """The schema with the request bodies the handlers parse themselves (they read the raw
+    body after the key check, so FastAPI cannot see them). Idempotent: FastAPI caches `doc`."""
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    for path, model in (("/v1/completions", CompletionRequest), ("/v1/chat/completions", ChatCompletionRequest)):
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(schema.pop("$defs", {}))
+        schemas[model.__name__] = schema
+        ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+        doc["paths"][path]["post"]["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref}}}
+    return doc
 
 
 # ---- one request's responses ----------------------------------------------------------------
