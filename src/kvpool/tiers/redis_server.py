@@ -1,11 +1,14 @@
 """A private `redis-server` on 127.0.0.1 and a free port, in memory only: what the tests and
 `kvpool bench tiers` run the Redis tier against when no server is given. It can be killed
-(SIGKILL: the data goes with it, as in a crash) and started again on the same port."""
+(SIGKILL: the data goes with it, as in a crash) and started again on the same port, and
+paused (SIGSTOP: a stalled server, which still accepts connections but never answers) and
+resumed."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -45,6 +48,15 @@ class LocalRedisServer:
         finally:
             client.close()
 
+    def pause(self) -> None:
+        """SIGSTOP: the kernel still completes connections, nothing answers them."""
+        assert self.proc is not None, "the server is not running"
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGCONT)
+
     def kill(self) -> None:
         if self.proc is not None:
             self.proc.kill()
@@ -53,6 +65,7 @@ class LocalRedisServer:
 
     def stop(self) -> None:
         if self.proc is not None:
+            self.resume()  # a paused server would not act on SIGTERM
             self.proc.terminate()
             try:
                 self.proc.wait(10)

@@ -11,10 +11,23 @@ and `d`, the whole entry, read by a get and checked tensor by tensor. A bad entr
 counted miss and is deleted; a descriptor that does not match is a miss counted by field
 and is deleted (reclaimed). The server's own memory limit and eviction policy bound it.
 
-Writes go through a background writer like the disk tier's. The client has short
-timeouts: when the server cannot be reached, the tier prints one warning line, answers
-misses without trying for `retry_s`, then tries again; the first call that succeeds prints
-that it is back. The engine keeps serving throughout.
+A fault is a miss, never a crash, a hang or a stall:
+  - Every call has a deadline (`timeout_s`, one try). A call that finds the server
+    unreachable or silent (down, restarting, SIGSTOPped) opens a circuit breaker: one
+    warning line, and from then on every call is a miss at no cost, on the engine's thread.
+    Whether the server is back is asked in the background (the writer's thread), at most
+    every `retry_s`; when it answers, the breaker closes and the tier says it is back. A
+    stalled server so costs the engine at most one deadline per outage.
+  - A command the server refuses (a key of the wrong type, `OOM` under `noeviction`, a
+    read-only replica) is a miss or a failed write, counted by the error's first word
+    (`errors`, one line the first time each kind is seen). A value of another type under an
+    entry's key can never be an entry: it is deleted like a corrupt one.
+  - Writes go through a background writer like the disk tier's. One that an outage refuses
+    is kept (bounded by `max_pending_bytes`) and written when the server is back.
+  - What this process believes stored is checked against a generation key the processes
+    share (`kvpool:generation`), in the background at most every `retry_s`: a server that
+    lost its data (FLUSHALL, a restart without persistence) has lost the key too, and the
+    belief is dropped, so the blocks are written again as they come by (evicted, computed).
 """
 
 from __future__ import annotations
@@ -22,9 +35,13 @@ from __future__ import annotations
 import sys
 import threading
 import time
+import uuid
+from collections import Counter
 from urllib.parse import urlsplit
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from torch import Tensor
 
 from kvpool.tiers import entry
@@ -32,7 +49,8 @@ from kvpool.tiers.base import Tier, TierStats
 from kvpool.tiers.descriptor import BlockDescriptor
 from kvpool.tiers.writer import BackgroundWriter
 
-_DOWN = object()  # a call that found the server unreachable
+_DOWN = object()  # a call that found the breaker open, or opened it
+GENERATION_KEY = "kvpool:generation"  # a random value the processes share; gone with the server's data
 
 
 def check_url(url: str) -> str:
@@ -47,7 +65,26 @@ def check_url(url: str) -> str:
             raise ValueError(f"--redis {url!r}: the port is not a number from 0 to 65535") from None
         if not parts.hostname:
             raise ValueError(f"--redis {url!r}: no host")
+        db = parts.path.strip("/")
+        if db and not (db.isascii() and db.isdigit()):
+            raise ValueError(f"--redis {url!r}: the database {db!r} is not a number (redis://HOST:PORT/DB, DB from 0)")
     return url
+
+
+# the errors redis-py gives a class of their own, without the server's first word
+_KINDS = {
+    redis.exceptions.OutOfMemoryError: "OOM",
+    redis.exceptions.ReadOnlyError: "READONLY",
+    redis.exceptions.NoPermissionError: "NOPERM",
+}
+
+
+def _error_kind(error: redis.RedisError) -> str:
+    """The server's error code: the first word of its answer (WRONGTYPE, OOM, READONLY, ERR ...)."""
+    if type(error) in _KINDS:
+        return _KINDS[type(error)]
+    words = str(error).split(maxsplit=1)
+    return words[0] if words and words[0].isupper() else type(error).__name__
 
 
 class RedisTier(Tier):
@@ -62,62 +99,183 @@ class RedisTier(Tier):
         max_pending_bytes: int = 64 << 20,
         log=None,
     ) -> None:
+        """timeout_s: every call's deadline (one try). retry_s: how often, at most, the
+        background asks whether the server is back (breaker open) or still holds this
+        process's entries (closed). max_pending_bytes: the writer's queue, and apart from
+        it the writes an outage holds back. ValueError for a URL, a database or credentials
+        the server refuses; an unreachable server is an outage (served without it)."""
         self.url = check_url(url)
+        if not timeout_s > 0 or not retry_s > 0:
+            raise ValueError(f"timeout_s and retry_s must be positive, got {timeout_s} and {retry_s}")
         try:
             self._client = redis.Redis.from_url(
-                url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False
+                url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
             )
         except ValueError as error:
             raise ValueError(f"--redis {url!r}: {error}") from None
+        self.timeout_s = timeout_s
         self.retry_s = retry_s
+        self.max_pending_bytes = max_pending_bytes
         self.stats = TierStats()
         self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self._lock = threading.Lock()
-        self._down_until = 0.0
-        self._down = False
+        self._open = False  # the breaker: open while the server is away or silent
+        self._next_check = time.monotonic() + retry_s  # the background's next look at the server
+        self._check_queued = False
         self.num_outages = 0
+        self.num_errors = 0  # commands the server refused (by kind in `errors`)
+        self.errors: Counter[str] = Counter()
+        self.num_resets = 0  # times the server was found to have lost this process's entries
+        self.num_deferred_puts = 0  # writes an outage held back ...
+        self.num_retried_puts = 0  # ... written when it ended
         # what this process wrote or validated: content key -> (redis key, descriptor, bytes)
         self._known: dict[bytes, tuple[str, BlockDescriptor, int]] = {}
+        self._epoch = 0  # bumped whenever _known is dropped: a write begun before records nothing
+        self._generation: bytes | None = None
+        # writes an outage refused, written when it ends: content key -> (descriptor, tensors, bytes)
+        self._backlog: dict[bytes, tuple[BlockDescriptor, dict[str, Tensor], int]] = {}
+        self._backlog_bytes = 0
         self._writer = BackgroundWriter("redis", max_pending_bytes)
+        self._connect()
+
+    def _connect(self) -> None:
+        """One round trip now, so that a database the server lacks or refused credentials
+        are said at once, as the caller's mistake."""
+        try:
+            self._client.ping()
+        except (redis.AuthenticationError, redis.ResponseError) as error:
+            self._client.close()
+            db = self._client.connection_pool.connection_kwargs.get("db", 0)
+            if "DB index" in str(error):
+                raise ValueError(
+                    f"--redis {self.url!r}: the server has no database {db} ({error}; a server has 16, "
+                    "0 to 15, unless its `databases` setting says otherwise)"
+                ) from None
+            raise ValueError(f"--redis {self.url!r}: the server refused the connection ({error})") from None
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as error:
+            self._trip(error)
+            return
+        self._check_generation()
 
     @staticmethod
     def redis_key(key: bytes, descriptor: BlockDescriptor) -> str:
         return f"kvpool:{entry.namespace(descriptor)}:{descriptor.tenant}:{key.hex()}"
 
-    # ---- availability -----------------------------------------------------------------
+    # ---- availability: the breaker, refused commands, the background checks ------------
 
     def _call(self, fn):
-        """fn(client), or _DOWN when the server is unreachable (one warning per outage)."""
-        now = time.monotonic()
-        with self._lock:
-            if self._down and now < self._down_until:
-                return _DOWN
-        try:
-            result = fn(self._client)
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as error:
-            with self._lock:
-                if not self._down:
-                    self._down = True
-                    self.num_outages += 1
-                    self._known.clear()  # the server may come back empty: nothing is known held
-                    self._log(
-                        f"kvpool: redis tier {self.url} unavailable ({type(error).__name__}: {error}); "
-                        f"serving without it, retrying every {self.retry_s:g} s"
-                    )
-                self._down_until = time.monotonic() + self.retry_s
+        """fn(client); _DOWN when the breaker is open or the call opens it (unreachable,
+        or no answer within the deadline); the error itself when the server refuses the
+        command (counted)."""
+        self._kick()
+        if self._open:
             return _DOWN
+        try:
+            return fn(self._client)
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as error:
+            self._trip(error)
+            return _DOWN
+        except redis.RedisError as error:
+            self._refused(error)
+            return error
+
+    def _trip(self, error: Exception) -> None:
+        """Open the breaker: one warning line; what was stored may be gone when it is back."""
         with self._lock:
-            if self._down:
-                self._down = False
-                self._log(f"kvpool: redis tier {self.url} is back")
-        return result
+            if self._open:
+                return
+            self._open = True
+            self.num_outages += 1
+            self._known.clear()
+            self._epoch += 1
+            self._next_check = time.monotonic() + self.retry_s
+        self._log(
+            f"kvpool: redis tier {self.url} unavailable ({type(error).__name__}: {error}); "
+            f"serving without it, checking every {self.retry_s:g} s in the background"
+        )
+
+    def _refused(self, error: redis.RedisError) -> None:
+        kind = _error_kind(error)
+        with self._lock:
+            self.num_errors += 1
+            first = kind not in self.errors
+            self.errors[kind] += 1
+        if first:
+            self._log(
+                f"kvpool: redis tier {self.url} refused a command ({error}); a miss or a lost write, "
+                f"counted under errors.{kind}; serving on"
+            )
+
+    def _kick(self) -> None:
+        """Queue one background check when it is due: never waits."""
+        with self._lock:
+            if self._check_queued or time.monotonic() < self._next_check:
+                return
+            self._check_queued = True
+        if not self._writer.submit(self._check, 0):  # (closed)
+            with self._lock:
+                self._check_queued = False
+
+    def _check(self) -> None:
+        """On the writer's thread: open, whether the server is back; closed, whether it
+        still holds this process's entries."""
+        try:
+            if self._open:
+                self._probe()
+            else:
+                self._check_generation()
+        finally:
+            with self._lock:
+                self._check_queued = False
+                self._next_check = time.monotonic() + self.retry_s
+
+    def _probe(self) -> None:
+        try:
+            self._client.ping()
+        except (redis.RedisError, OSError):
+            return  # still away (a refusal is said when a call meets it)
+        with self._lock:
+            self._open = False
+            backlog, self._backlog, self._backlog_bytes = self._backlog, {}, 0
+        self._log(f"kvpool: redis tier {self.url} is back")
+        self._check_generation()
+        for key, (descriptor, tensors, _) in backlog.items():
+            self.num_retried_puts += self._write(key, descriptor, tensors)
+
+    def _check_generation(self) -> None:
+        """Drop what this process believes stored when the server's generation key is not
+        the one it last saw (the server lost its data: FLUSHALL, a restart)."""
+        seen = self._call(lambda c: c.get(GENERATION_KEY))
+        if seen is _DOWN or isinstance(seen, redis.RedisError):
+            return
+        if seen is None:  # the first process here, or the data is gone: a new generation
+            self._call(lambda c: c.set(GENERATION_KEY, uuid.uuid4().hex.encode(), nx=True))
+            seen = self._call(lambda c: c.get(GENERATION_KEY))
+            if seen is _DOWN or isinstance(seen, redis.RedisError) or seen is None:
+                return
+        if seen == self._generation:
+            return
+        with self._lock:
+            lost = len(self._known) if self._generation is not None else 0
+            self._generation = seen
+            if lost:
+                self._known.clear()
+                self._epoch += 1
+                self.num_resets += 1
+        if lost:
+            self._log(
+                f"kvpool: redis tier {self.url} lost its entries (FLUSHALL or a restart): {lost} of this "
+                "process's blocks will be written again as they come by"
+            )
 
     @property
     def available(self) -> bool:
-        return not self._down
+        return not self._open
 
     def ping(self) -> bool:
-        return self._call(lambda c: c.ping()) is not _DOWN
+        """Whether the server answered (never waits past the deadline; open: no call)."""
+        answer = self._call(lambda c: c.ping())
+        return answer is not _DOWN and not isinstance(answer, redis.RedisError)
 
     # ---- the interface ----------------------------------------------------------------
 
@@ -133,6 +291,7 @@ class RedisTier(Tier):
         return key in self._known
 
     def holds(self, key: bytes, descriptor: BlockDescriptor) -> bool:
+        self._kick()
         known = self._known.get(key)
         return known is not None and known[1] == descriptor
 
@@ -148,16 +307,27 @@ class RedisTier(Tier):
         self._known.pop(key, None)
         self._call(lambda c: c.delete(rkey))
 
+    def _missed(self, rkey: str, key: bytes, answer: object) -> None:
+        """A read that found no entry: the server away (_DOWN), the key absent (None), or
+        the command refused (the error, counted by _call). A value of another type under
+        the entry's key can never be an entry: it is deleted."""
+        if answer is _DOWN:
+            self.stats.misses["unavailable"] += 1
+            return
+        self._known.pop(key, None)
+        if answer is None:
+            self.stats.misses["absent"] += 1
+            return
+        self.stats.misses["error"] += 1
+        if isinstance(answer, redis.RedisError) and _error_kind(answer) == "WRONGTYPE":
+            self._call(lambda c: c.delete(rkey))
+
     def lookup(self, key: bytes, expected: BlockDescriptor) -> bool:
         self.stats.num_lookups += 1
         rkey = self.redis_key(key, expected)
         header = self._call(lambda c: c.hget(rkey, "m"))
-        if header is _DOWN:
-            self.stats.misses["unavailable"] += 1
-            return False
-        if header is None:
-            self._known.pop(key, None)
-            self.stats.misses["absent"] += 1
+        if header is _DOWN or header is None or isinstance(header, redis.RedisError):
+            self._missed(rkey, key, header)
             return False
         try:
             descriptor = entry.peek(header, key)[0]
@@ -177,8 +347,8 @@ class RedisTier(Tier):
         start = time.perf_counter()
         rkey = self.redis_key(key, expected)
         data = self._call(lambda c: c.hget(rkey, "d"))
-        if data is _DOWN or data is None:
-            self.stats.misses["unavailable" if data is _DOWN else "absent"] += 1
+        if data is _DOWN or data is None or isinstance(data, redis.RedisError):
+            self._missed(rkey, key, data)
             self.stats.num_get_misses += 1
             return None
         try:
@@ -199,39 +369,77 @@ class RedisTier(Tier):
         return tensors
 
     def put(self, key: bytes, descriptor: BlockDescriptor, tensors: dict[str, Tensor]) -> bool:
-        num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        with self._lock:
-            if self._down and time.monotonic() < self._down_until:
-                self.stats.num_write_errors += 1  # not even queued: the server is away
-                return False
+        """Queue the write; while the breaker is open, keep it for when the server is back
+        (False when that backlog is full: dropped, counted)."""
         owned = {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
+        num_bytes = sum(t.numel() * t.element_size() for t in owned.values())
+        self._kick()
+        if self._open:
+            return self._defer(key, descriptor, owned)
         if not self._writer.submit(lambda: self._write(key, descriptor, owned), num_bytes):
             self.stats.num_dropped_puts += 1
             return False
         return True
 
-    def _write(self, key: bytes, descriptor: BlockDescriptor, tensors: dict[str, Tensor]) -> None:
+    def _defer(self, key: bytes, descriptor: BlockDescriptor, tensors: dict[str, Tensor]) -> bool:
+        """Keep a write for when the breaker closes (False: the backlog is full, dropped);
+        written now when it closed meanwhile (its backlog is drained already)."""
+        num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        with self._lock:
+            if self._open:
+                old = self._backlog.pop(key, None)
+                self._backlog_bytes -= old[2] if old else 0
+                if self._backlog_bytes + num_bytes > self.max_pending_bytes:
+                    self.stats.num_dropped_puts += 1
+                    return False
+                self._backlog[key] = (descriptor, tensors, num_bytes)
+                self._backlog_bytes += num_bytes
+                self.num_deferred_puts += 1
+                return True
+        if not self._writer.submit(lambda: self._write(key, descriptor, tensors), num_bytes):
+            self.stats.num_dropped_puts += 1
+            return False
+        return True
+
+    def _write(self, key: bytes, descriptor: BlockDescriptor, tensors: dict[str, Tensor]) -> bool:
+        """On the writer's thread: whether the block was stored."""
         start = time.perf_counter()
         data = entry.encode(key, descriptor, tensors)
         header = data[: 8 + entry.header_length(data)]
         rkey = self.redis_key(key, descriptor)
+        epoch = self._epoch
         done = self._call(lambda c: c.hset(rkey, mapping={"m": header, "d": data}))
+        if isinstance(done, redis.RedisError) and _error_kind(done) == "WRONGTYPE":
+            # a value of another type under the entry's key (counted): never an entry, replaced
+            done = self._call(
+                lambda c: c.pipeline().delete(rkey).hset(rkey, mapping={"m": header, "d": data}).execute()
+            )
         if done is _DOWN:
-            self.stats.num_write_errors += 1
-            return
-        self._known[key] = (rkey, descriptor, len(data))
+            self._defer(key, descriptor, tensors)  # written when the server is back
+            return False
+        if isinstance(done, redis.RedisError):
+            self.stats.num_write_errors += 1  # refused (OOM, WRONGTYPE ...): counted in errors by kind
+            return False
+        with self._lock:
+            if self._epoch == epoch:  # else the server lost its data meanwhile: maybe this too
+                self._known[key] = (rkey, descriptor, len(data))
         self.stats.num_puts += 1
         self.stats.num_put_bytes += len(data)
         self.stats.put_s += time.perf_counter() - start
+        return True
 
     def evict(self, key: bytes) -> bool:
+        with self._lock:
+            deferred = self._backlog.pop(key, None)
+            self._backlog_bytes -= deferred[2] if deferred else 0
         known = self._known.pop(key, None)
         if known is None:
-            return False
+            return deferred is not None
         self._call(lambda c: c.delete(known[0]))
         return True
 
     def flush(self, timeout: float | None = None) -> bool:
+        """Wait for the queued writes (those an outage holds back wait for the server)."""
         return self._writer.flush(timeout)
 
     def close(self) -> None:
@@ -241,8 +449,16 @@ class RedisTier(Tier):
     def report(self) -> dict[str, object]:
         return {
             "url": self.url,
-            "available": not self._down,
+            "available": not self._open,
             "outages": self.num_outages,
+            "num_errors": self.num_errors,
+            "errors": dict(sorted(self.errors.items())),
+            "resets": self.num_resets,
+            "deferred_puts": self.num_deferred_puts,
+            "retried_puts": self.num_retried_puts,
+            "backlog_bytes": self._backlog_bytes,
+            "writer_failures": self._writer.num_failed,  # (a job that raised: a bug, said here)
+            "writer_last_error": self._writer.last_error,
             "entries_known": len(self._known),
             "pending_bytes": self._writer.pending_bytes,
             **self.stats.as_dict(),
@@ -252,3 +468,7 @@ class RedisTier(Tier):
         for key, (rkey, descriptor, _) in list(self._known.items()):
             if descriptor.content_key != key.hex() or not rkey.endswith(key.hex()):
                 raise AssertionError(f"redis tier: key {key.hex()} known as {rkey} / {descriptor.content_key}")
+        with self._lock:
+            held = sum(n for _, _, n in self._backlog.values())
+            if held != self._backlog_bytes or held > self.max_pending_bytes:
+                raise AssertionError(f"redis tier: backlog of {held} bytes counted as {self._backlog_bytes}")

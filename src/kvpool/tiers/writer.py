@@ -27,7 +27,8 @@ class BackgroundWriter:
         self._cond = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
-        self.num_failed = 0  # jobs that raised (the tier's job counts what it can)
+        self.num_failed = 0  # jobs that raised (the tier's job counts what it can; these are bugs)
+        self.last_error: str | None = None  # the last one's exception, for the tier's report
 
     @property
     def pending_bytes(self) -> int:
@@ -57,8 +58,9 @@ class BackgroundWriter:
                 self._running += 1
             try:
                 job()
-            except Exception:  # noqa: BLE001 - a failed write is a lost cache entry, never a crash
+            except Exception as error:  # noqa: BLE001 - a failed write is a lost cache entry, never a crash
                 self.num_failed += 1
+                self.last_error = f"{type(error).__name__}: {error}"
             finally:
                 with self._cond:
                     self._running -= 1

@@ -1,0 +1,311 @@
+"""Issue 28 section 5, the Redis tier: a fault is a miss, never a crash, a hang or a stall.
+Each test starts its own redis-server on 127.0.0.1 and a free port (the `redis_server`
+fixture) and faults it for real: a key of the wrong type, a database the server does not
+have, SIGSTOP, FLUSHALL, a kill and restart, `maxmemory` with `noeviction`. The engine
+tests run a small random Llama (tests/random_llama.py) in fp64 through LlamaRunner and
+compare its tokens and logits with the same requests on an engine without the tier."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import pytest
+import redis
+import torch
+
+from kvpool.engine.engine import Engine
+from kvpool.engine.llama_runner import LlamaRunner
+from kvpool.engine.sampling import SamplingParams
+from kvpool.tiers.redis_tier import RedisTier
+from random_llama import DESCRIPTOR, random_ids, random_llama
+from test_disk_tier import descriptor, key, tensors
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def tier(server, **kw) -> tuple[RedisTier, list[str]]:
+    """A tier on `server` whose warning lines are collected."""
+    lines: list[str] = []
+    return RedisTier(server.url, log=lines.append, **kw), lines
+
+
+def client(server) -> redis.Redis:
+    return redis.Redis.from_url(server.url)
+
+
+def entry_keys(server) -> list[bytes]:
+    return sorted(k for k in client(server).keys("kvpool:*") if k != b"kvpool:generation")
+
+
+# ----- the engine: a small random Llama, fp64 ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model(one_thread):
+    return random_llama("cpu", torch.float64)
+
+
+def engine(model, tiers=(), num_blocks: int = 32) -> Engine:
+    runner = LlamaRunner(model, num_blocks, 16, DESCRIPTOR, persistent_tiers=list(tiers))
+    return Engine(runner, record_logits=True)
+
+
+def serve(e: Engine, prompt: list[int], rid: str, step_s: list[float] | None = None):
+    """(the output, its logits [tokens, vocab]); each step's wall time into step_s."""
+    e.add_request(prompt, SamplingParams(max_tokens=3, ignore_eos=True), rid)
+    while e.has_unfinished():
+        start = time.perf_counter()
+        e.step()
+        if step_s is not None:
+            step_s.append(time.perf_counter() - start)
+        e.runner.check_integrity()
+    return e.output(rid), torch.stack(e.requests[rid].seqs[0].logits)
+
+
+def reference(model, prompts: list[list[int]]) -> list[tuple[list[int], torch.Tensor]]:
+    e = engine(model, num_blocks=64)
+    outs = [serve(e, p, f"ref{i}") for i, p in enumerate(prompts)]
+    return [(o.completions[0].token_ids, logits) for o, logits in outs]
+
+
+def tokens(out) -> list[int]:
+    return out.completions[0].token_ids
+
+
+# ----- WRONGTYPE --------------------------------------------------------------------------
+
+
+def test_a_key_of_the_wrong_type_is_a_counted_miss_and_the_engine_serves_on(model, redis_server) -> None:
+    prompt = random_ids(50, 1)  # 3 full blocks
+    ((ref_tokens, ref_logits),) = reference(model, [prompt])
+    first = engine(model, [RedisTier(redis_server.url)])
+    serve(first, prompt, "a")
+    first.runner.close()
+    keys = entry_keys(redis_server)
+    assert len(keys) == 3
+    c = client(redis_server)
+    for k in keys:  # another program's strings where the entries were
+        c.delete(k)
+        c.set(k, b"not a hash")
+    lines: list[str] = []
+    redis_tier = RedisTier(redis_server.url, log=lines.append)
+    second = engine(model, [redis_tier])
+    out, logits = serve(second, prompt, "b")  # before: redis.ResponseError out of engine.step()
+    assert tokens(out) == ref_tokens and torch.equal(logits, ref_logits) and out.num_cached_tokens == 0
+    assert second.runner.flush_tiers(30)
+    report = second.runner.tier_reports()["redis_tier"]
+    assert report["misses"] == {"error": 1}  # the first block's lookup: the prefix ends there
+    # ... and the three writes met them: each foreign value (never an entry) was replaced
+    assert report["errors"] == {"WRONGTYPE": 3} and report["num_errors"] == 3
+    assert report["num_puts"] == 3 and report["num_write_errors"] == 0
+    assert len(lines) == 1 and "WRONGTYPE" in lines[0]
+    assert all(c.type(k) == b"hash" for k in entry_keys(redis_server)) and len(entry_keys(redis_server)) == 3
+    second.runner.close()
+    third = engine(model, [RedisTier(redis_server.url)])
+    out, logits = serve(third, prompt, "c")
+    assert out.num_cached_tokens == 48 and tokens(out) == ref_tokens
+    assert (logits - ref_logits).abs().max().item() <= 1e-12  # a hit computes the last token alone
+    third.runner.close()
+
+
+def test_a_write_onto_a_key_of_the_wrong_type_is_counted_and_replaces_it(redis_server) -> None:
+    t, lines = tier(redis_server)
+    rkey = RedisTier.redis_key(key(1), descriptor(1))
+    client(redis_server).set(rkey, b"foreign")
+    assert t.put(key(1), descriptor(1), tensors(1)) and t.put(key(2), descriptor(2), tensors(2))
+    assert t.flush(30)  # before: the writer swallowed the ResponseError, counted nowhere
+    assert t.stats.num_puts == 2 and t.stats.num_write_errors == 0 and client(redis_server).type(rkey) == b"hash"
+    assert t.report()["errors"] == {"WRONGTYPE": 1} and len(lines) == 1 and "WRONGTYPE" in lines[0]
+    reader, _ = tier(redis_server)
+    got = reader.get(key(1), descriptor(1))
+    assert got is not None and torch.equal(got["v"], tensors(1)["v"])
+    t.check_integrity()
+
+
+# ----- a database the server does not have ------------------------------------------------
+
+
+def test_a_database_the_server_lacks_is_a_value_error_naming_it(redis_server) -> None:
+    url = redis_server.url.rsplit("/", 1)[0] + "/99"
+    with pytest.raises(ValueError, match=r"database 99.*DB index is out of range"):
+        RedisTier(url)
+    with pytest.raises(ValueError, match="the database 'x1' is not a number"):
+        RedisTier(url.replace("/99", "/x1"))
+
+
+def test_kvpool_run_with_a_database_the_server_lacks_is_one_error_line(redis_server) -> None:
+    url = redis_server.url.rsplit("/", 1)[0] + "/99"
+    done = subprocess.run(
+        [sys.executable, "-m", "kvpool", "run", "--model", "tiny-dsv4", "--redis", url, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]  # (and progress lines)
+    assert len(errors) == 1 and errors[0].startswith("kvpool run: error: --redis") and "database 99" in errors[0]
+    assert "Traceback" not in done.stderr and done.stderr.strip().splitlines()[-1] == errors[0]
+
+
+# ----- a stalled server (SIGSTOP) ---------------------------------------------------------
+
+
+def test_a_stalled_server_costs_one_deadline_then_nothing_until_it_is_back(redis_server) -> None:
+    deadline = 0.3
+    t, lines = tier(redis_server, timeout_s=deadline, retry_s=0.2)
+    t.put(key(1), descriptor(1), tensors(1))
+    assert t.flush(30) and t.lookup(key(1), descriptor(1))
+    redis_server.pause()
+    calls: list[float] = []
+    start = time.monotonic()
+    while time.monotonic() - start < 1.5:  # several retry periods: before, each one cost a deadline
+        began = time.perf_counter()
+        assert not t.lookup(key(1), descriptor(1))
+        calls.append(time.perf_counter() - began)
+        time.sleep(0.01)
+    slow = [s for s in calls if s > deadline / 2]
+    assert len(slow) <= 1 and max(calls) < deadline + 0.25, (len(calls), slow)
+    assert not t.available and t.num_outages == 1 and len(lines) == 1 and "unavailable" in lines[0]
+    redis_server.resume()
+    assert wait_until(lambda: t.lookup(key(1), descriptor(1)) or t.available)  # the breaker closes
+    assert t.lookup(key(1), descriptor(1)) and lines[-1].endswith("is back")
+    t.check_integrity()
+
+
+def test_a_stalled_server_stalls_no_engine_step_but_the_first(model, redis_server) -> None:
+    deadline = 0.4
+    shared = random_ids(32, 100)  # two blocks every prompt starts with
+    redis_tier = RedisTier(redis_server.url, timeout_s=deadline, retry_s=0.2, log=lambda line: None)
+    e = engine(model, [redis_tier], num_blocks=8)
+    ref = engine(model, num_blocks=8)  # the same engine without the tier
+    serve(e, shared + random_ids(9, 0), "r0")
+    serve(ref, shared + random_ids(9, 0), "r0")
+    assert e.runner.flush_tiers(30)
+    redis_server.pause()
+    step_s: list[float] = []
+    start, i = time.monotonic(), 1
+    while time.monotonic() - start < 2.0:  # ten retry periods: before, each one cost a deadline
+        prompt = shared + random_ids(20, i)  # a third block that only the tier could hold
+        out, logits = serve(e, prompt, f"r{i}", step_s)
+        ref_out, ref_logits = serve(ref, prompt, f"r{i}")
+        assert tokens(out) == tokens(ref_out) and torch.equal(logits, ref_logits)
+        i += 1
+    slow = [s for s in step_s if s > 0.75 * deadline]
+    assert len(slow) <= 1 and max(step_s) < deadline + 0.3, (len(step_s), slow)
+    assert not redis_tier.available and redis_tier.stats.misses["unavailable"] >= 1
+    redis_server.resume()
+    assert wait_until(lambda: redis_tier.ping() or redis_tier.available)
+    hits = redis_tier.stats.num_lookup_hits
+    fresh = engine(model, [redis_tier], num_blocks=8)  # the breaker is closed: the tier serves again
+    out, _ = serve(fresh, shared + random_ids(9, 0), "again")
+    assert out.num_cached_tokens == 32 and redis_tier.stats.num_lookup_hits == hits + 2
+    e.runner.close()
+
+
+# ----- FLUSHALL, a restart, writes refused during an outage ---------------------------------
+
+
+def test_after_flushall_the_blocks_are_written_again(redis_server) -> None:
+    t, _ = tier(redis_server, retry_s=0.1)
+    for i in range(3):
+        t.put(key(i), descriptor(i), tensors(i))
+    assert t.flush(30) and t.holds(key(0), descriptor(0))
+    client(redis_server).flushall()
+    # holds() asks the server in the background, at most every retry_s: the belief ends
+    assert wait_until(lambda: not t.holds(key(0), descriptor(0)), 5), "still believes its blocks are stored"
+    assert t.num_entries == 0 and t.report()["resets"] == 1
+    for i in range(3):  # the write path: a block nobody holds is written again
+        assert not t.holds(key(i), descriptor(i)) and t.put(key(i), descriptor(i), tensors(i))
+    assert t.flush(30) and len(entry_keys(redis_server)) == 3
+    t.check_integrity()
+
+
+def test_an_engine_rewrites_its_blocks_after_flushall(model, redis_server) -> None:
+    prompts = [random_ids(50, 7)] + [random_ids(50, s) for s in (8, 9, 10)]
+    expected = reference(model, prompts)
+    redis_tier = RedisTier(redis_server.url, retry_s=0.1)
+    e = engine(model, [redis_tier], num_blocks=6)
+    serve(e, prompts[0], "p")
+    assert e.runner.flush_tiers(30) and len(entry_keys(redis_server)) == 3
+    client(redis_server).flushall()
+    assert wait_until(lambda: redis_tier.ping() and redis_tier.num_entries == 0, 5)
+    for i in (1, 2, 3):  # the device pool (6 blocks) evicts p's blocks: they go to Redis again
+        out, logits = serve(e, prompts[i], f"q{i}")
+        assert tokens(out) == expected[i][0] and torch.equal(logits, expected[i][1])
+    e.runner.close()
+    fresh = engine(model, [RedisTier(redis_server.url)])
+    out, logits = serve(fresh, prompts[0], "p")
+    assert out.num_cached_tokens == 48 and tokens(out) == expected[0][0]
+    fresh.runner.close()
+
+
+def test_writes_refused_during_an_outage_are_written_when_it_ends(redis_server) -> None:
+    t, lines = tier(redis_server, retry_s=0.1)
+    assert t.put(key(1), descriptor(1), tensors(1)) and t.flush(30)
+    redis_server.kill()
+    assert not t.lookup(key(1), descriptor(1))  # the outage is seen
+    for i in (2, 3):
+        assert t.put(key(i), descriptor(i), tensors(i))  # kept for later, not lost
+    assert t.flush(30) and t.report()["deferred_puts"] == 2
+    redis_server.start()  # empty, on the same port
+    assert wait_until(lambda: t.ping() or t.available)
+    assert t.flush(30)
+    assert entry_keys(redis_server) == sorted(RedisTier.redis_key(key(i), descriptor(i)).encode() for i in (2, 3))
+    assert t.report()["retried_puts"] == 2 and t.holds(key(2), descriptor(2)) and not t.holds(key(1), descriptor(1))
+    reader, _ = tier(redis_server)
+    got = reader.get(key(3), descriptor(3))
+    assert got is not None and torch.equal(got["k"], tensors(3)["k"])
+    assert len(lines) == 2 and "unavailable" in lines[0] and lines[1].endswith("is back")
+    t.check_integrity()
+
+
+# ----- maxmemory + noeviction -------------------------------------------------------------
+
+
+def test_writes_the_server_refuses_for_memory_are_counted_in_the_report(model, redis_server) -> None:
+    c = client(redis_server)
+    used = int(c.info("memory")["used_memory"])
+    c.config_set("maxmemory-policy", "noeviction")
+    c.config_set("maxmemory", used + (1 << 20))  # room for about half the blocks (64 KiB each)
+    prompts = [random_ids(50, s) for s in range(20, 28)]  # 24 full blocks
+    expected = reference(model, prompts)
+    lines: list[str] = []
+    redis_tier = RedisTier(redis_server.url, log=lines.append)
+    e = engine(model, [redis_tier], num_blocks=64)
+    for i, p in enumerate(prompts):
+        out, logits = serve(e, p, f"r{i}")
+        assert tokens(out) == expected[i][0] and torch.equal(logits, expected[i][1])
+    assert e.runner.flush_tiers(30)
+    report = e.runner.tier_reports()
+    stored = len(entry_keys(redis_server))
+    assert 0 < stored < 24 and report["tiers"]["blocks_persisted"] == 24
+    r = report["redis_tier"]
+    assert r["num_puts"] == stored and r["num_write_errors"] == 24 - stored  # before: 0 write errors
+    assert r["errors"] == {"OOM": 24 - stored} and len(lines) == 1 and "OOM" in lines[0]
+    e.runner.close()
+
+
+# ----- the background writer ----------------------------------------------------------------
+
+
+def test_a_writer_job_that_raises_is_counted_with_its_error_and_the_next_jobs_run() -> None:
+    from kvpool.tiers.writer import BackgroundWriter
+
+    writer, done = BackgroundWriter("test", 1 << 20), []
+
+    def bad() -> None:
+        raise RuntimeError("a bug in a write")
+
+    assert writer.submit(bad, 10) and writer.submit(lambda: done.append(1), 10) and writer.flush(10)
+    assert writer.num_failed == 1 and writer.last_error == "RuntimeError: a bug in a write" and done == [1]
+    assert writer.pending_bytes == 0 and writer.close(10)
