@@ -259,22 +259,28 @@ def test_an_untrusted_tenant_header_is_refused_and_keys_come_from_a_file(tmp_pat
             headers={**auth(KEY), "X-Tenant-Id": "tenant-a"},
         )
         assert r.status_code == 403 and "--trust-tenant-header" in r.json()["error"]["message"], r.text
-        # a stream the client drops: an abort in the server's lifetime, none in flight at the end
-        with httpx.stream(
-            "POST",
-            f"{url}/v1/completions",
-            json={"prompt": "hi", "max_tokens": 200, "stream": True, "ignore_eos": True},
-            headers=auth(KEY),
-            timeout=60,
-        ) as s:
+        # a stream the client drops: an abort in the server's lifetime, not in flight at the end
+        body = {"prompt": "hi", "max_tokens": 2000, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=auth(KEY), timeout=60) as s:
             next(s.iter_lines())
         deadline = time.monotonic() + 30
         while not re.search(r'requests_total\{finish_reason="abort"[^}]*\} 1\.0', httpx.get(f"{url}/metrics").text):
             assert time.monotonic() < deadline
             time.sleep(0.1)
+        # and one stream in flight when the server stops
+        flowing = threading.Event()
+
+        def stream() -> None:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=auth(KEY), timeout=60) as s:
+                for _ in s.iter_lines():
+                    flowing.set()
+
+        streamer = threading.Thread(target=stream, daemon=True)
+        streamer.start()
+        assert flowing.wait(60)
     finally:
         err = _stop(proc)
-    assert "stopped (0 requests aborted in flight;" in err, err
+    assert "stopped (1 request aborted in flight;" in err, err
     bad = tmp_path / "bad"
     bad.write_text(f"{KEY_A}:tenant-a\n:tenant-b\n")
     for flags, needle in (

@@ -287,4 +287,5 @@ def _report_shutdown(thread) -> None:
         state = f"cache integrity ok, {usage.num_held_blocks} blocks held"
     except AssertionError as error:
         state = f"cache integrity FAILED: {error}"
-    print(f"kvpool serve: stopped ({thread.num_aborted_at_stop} requests aborted in flight; {state})", file=sys.stderr)
+    num = thread.num_aborted_at_stop
+    print(f"kvpool serve: stopped ({num} request{'' if num == 1 else 's'} aborted in flight; {state})", file=sys.stderr)
