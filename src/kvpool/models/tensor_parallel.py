@@ -178,8 +178,6 @@ def shard_llama(model: LlamaModel, rank: int, world: int, group: dist.ProcessGro
 def init_tp(tp: int) -> tuple[int, int]:
     """(rank, world size) for --tp `tp`: 1 rank without torchrun; under torchrun its world,
     which must be `tp`; the gloo process group set up. ValueError otherwise."""
-    import os
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if tp == 1 and world == 1:
         return 0, 1
@@ -212,8 +210,8 @@ def check_same(
     odd = [str(r) for r, v in zip(ranks, values, strict=True) if v != values[0]]
     raise RankError(
         f"rank {dist.get_rank()}: tensor-parallel ranks diverged: rank{'s' if len(odd) > 1 else ''} "
-        f"{', '.join(odd)} differ{'' if len(odd) > 1 else 's'} from rank {ranks[0]} in {what} (every rank must be "
-        "given the same requests and sampling parameters)"
+        f"{', '.join(odd)} differ{'' if len(odd) > 1 else 's'} from rank {ranks[0]} in {what}; every rank must be "
+        "started with the same arguments"
     )
 
 
