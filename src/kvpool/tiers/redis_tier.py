@@ -233,7 +233,7 @@ class RedisTier(Tier):
         try:
             self._client.ping()
         except (redis.RedisError, OSError):
-            return  # still away (a refusal is said when a call meets it)
+            return  # still away, or refusing us (NOAUTH, LOADING): the breaker stays open
         with self._lock:
             self._open = False
             backlog, self._backlog, self._backlog_bytes = self._backlog, {}, 0
