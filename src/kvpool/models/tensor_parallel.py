@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -38,6 +39,7 @@ import xxhash
 from kvpool.models.llama import LlamaModel
 
 T = TypeVar("T")
+LOST_PEER_WAIT_S = 2.0  # how long a failed collective waits to see which peer's process ended
 
 
 class RankError(RuntimeError):
@@ -89,7 +91,14 @@ def lost_rank_error(peers: Sequence[Peer], error: BaseException) -> RankError:
     is gone), else gloo's own first line."""
     me = _me(peers)
     others = [p for p in peers if p is not me]
-    lost = others if len(others) == 1 else [p for p in others if p.host == socket.gethostname() and not _alive(p.pid)]
+    lost = others if len(others) == 1 else []
+    # a killed process closes its sockets before it is gone: give it a moment to be seen dead
+    deadline = time.monotonic() + LOST_PEER_WAIT_S
+    while not lost:
+        lost = [p for p in others if p.host == socket.gethostname() and not _alive(p.pid)]
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.02)
     who = f"rank {me.rank}" if me is not None else "this rank"
     if lost:
         names = ", ".join(f"rank {p.rank} (pid {p.pid} on {p.host})" for p in lost)
