@@ -86,6 +86,9 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
     app = FastAPI(title="kvpool", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.kvpool = state
     token_text = TokenText(state.tokenizer.tokenizer.id_to_token)
+    # Byte-level BPE (the only kind kvpool builds, no normalizer): each byte of the text lies
+    # in exactly one token, and no token stands for more bytes than the longest one.
+    max_token_bytes = max(len(token_text.bytes(t)) for t in range(state.tokenizer.tokenizer.get_vocab_size()))
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, error: APIError) -> JSONResponse:
@@ -228,6 +231,23 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
             )
         return header or body.user or ""
 
+    def encode(text: str, field: str) -> list[int]:
+        """The text's token ids (on a worker thread). A text so long that even tokens of the
+        longest kind would overflow the context gets its 413 without being tokenized (that
+        would take seconds a megabyte, and hundreds of MB for the encoding)."""
+        limit = state.max_model_len
+        num_bytes = len(text.encode())
+        least = -(-num_bytes // max_token_bytes)  # no tokenization of it has fewer tokens
+        if least >= limit:
+            raise APIError(
+                413,
+                f"{field}: the prompt's {num_bytes} bytes make at least {least} tokens (none spans more than "
+                f"{max_token_bytes} bytes), more than this model's context of {limit} tokens holds",
+                field,
+                "context_length_exceeded",
+            )
+        return state.tokenizer.encode(text)
+
     def max_tokens_for(num_prompt: int, requested: int | None, chat: bool) -> int:
         limit = state.max_model_len
         if num_prompt >= limit:
@@ -279,7 +299,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            prompt_ids = await asyncio.to_thread(state.tokenizer.encode, prompt)
+            prompt_ids = await asyncio.to_thread(encode, prompt, "prompt")
         else:
             vocab = state.engine.engine.runner.vocab_size
             bad = [t for t in prompt if not 0 <= t < vocab]
@@ -294,9 +314,10 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
 
     def encode_chat(body: ChatCompletionRequest) -> list[int]:
         try:
-            return state.tokenizer.encode_chat(body.template_messages())
+            text = state.tokenizer.render_chat(body.template_messages())
         except Exception as error:  # the template's own checks (e.g. roles out of order) raise
             raise APIError(400, f"messages: the chat template refused them: {error}", "messages") from None
+        return encode(text, "messages")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
