@@ -536,17 +536,18 @@ def test_the_evaluation_measures_what_it_says(model) -> None:
     from kvpool.verify.kv_quant import evaluate, greedy_agreement
 
     ids = random_ids(96, 7)
-    ppl_ref, results = evaluate(model, ids, ["fp16", "bf16", "int8", "fp8_e4m3", "kivi2-g16-r16"], block_size=16)
-    # the fp32 perplexity, computed here on its own
+    formats = ["fp16", "bf16", "int8", "fp8_e4m3", "kivi2-g16-r16"]
+    ev = evaluate(model, ids, formats, block_size=16, prefill=32)
+    # the fp32 perplexity of the scored positions (the prefill's last, then each decode), computed here on its own
     logits = model.logits(
         model.forward(
             torch.tensor(ids), torch.arange(96), lambda layer, q, k, v: causal_attention(q, k, v), fused=False
         )
     )
-    nll = F.cross_entropy(logits[:-1], torch.tensor(ids[1:]), reduction="mean").item()
-    assert ppl_ref == pytest.approx(math.exp(nll), rel=1e-9)
-    by = {r.name: r for r in results}
-    for r in results:
+    nll = F.cross_entropy(logits[31:-1], torch.tensor(ids[32:]), reduction="mean").item()
+    assert ev.fp32_perplexity == pytest.approx(math.exp(nll), rel=1e-9)
+    by = {r.name: r for r in ev.formats}
+    for r in ev.formats:
         assert len(r.layers) == CONFIG.num_layers and r.kl_mean >= 0 and 0 <= r.top1_agreement <= 1
     # per layer, the round trip's own theory, norm-wise
     assert max(layer.k_rel for layer in by["fp16"].layers) <= 2.0**-11
@@ -557,8 +558,8 @@ def test_the_evaluation_measures_what_it_says(model) -> None:
     per_head = CONFIG.head_dim + 4  # int8: one byte an element, one fp32 scale
     assert by["int8"].bytes_per_token == 2 * CONFIG.num_layers * CONFIG.num_kv_heads * per_head
     assert by["int8"].capacity_gain == pytest.approx(CONFIG.head_dim * 4 / per_head, abs=1e-3)
-    with pytest.raises(ValueError, match="at least 2 tokens"):
-        evaluate(model, [1], ["int8"])
+    with pytest.raises(ValueError, match="must leave a token of the text to decode"):
+        evaluate(model, ids[:32], ["int8"], block_size=16, prefill=32)
     with pytest.raises(ValueError, match="does not divide the block size 16"):
         evaluate(model, ids, ["kivi2"], block_size=16)
     # greedy decoding through the engine: fp32 storage of this fp64 model decodes fp64's tokens
@@ -571,7 +572,8 @@ def test_the_evaluation_measures_what_it_says(model) -> None:
 def test_kvpool_eval_kv_quant_on_smollm2(tmp_path) -> None:
     import json
 
-    argv = [sys.executable, "-m", "kvpool", "eval", "kv-quant", "--tokens", "64", "--formats", "int8,fp16"]
+    argv = [sys.executable, "-m", "kvpool", "eval", "kv-quant", "--tokens", "64", "--prefill", "32"]
+    argv += ["--formats", "int8,fp16"]
     argv += ["--block-size", "16", "--greedy-steps", "4", "--greedy-prompt", "8"]
     proc = subprocess.run(
         [*argv, "--json", "--plot", str(tmp_path / "q.png")], capture_output=True, text=True, timeout=300
@@ -581,6 +583,11 @@ def test_kvpool_eval_kv_quant_on_smollm2(tmp_path) -> None:
     assert report["tokens"] == 64 and report["text"].startswith("pydoc_data.topics")
     assert [f["name"] for f in report["formats"]] == ["int8", "fp16"] and len(report["formats"][0]["layers"]) == 30
     assert report["block_size"] == 16 and report["greedy_steps"] == 4
+    assert report["regime"]["name"] == "serving" and report["regime"]["prefill_tokens"] == 32
+    assert report["regime"]["decode_steps"] == 31 and "teacher-forced" in report["regime"]["description"]
+    for f in report["formats"]:
+        lo, hi = f["perplexity_change_ci95"]
+        assert lo <= f["perplexity_change_pct"] <= hi
     assert all(0 <= f["greedy_agreement"] <= 1 for f in report["formats"])
     assert (tmp_path / "q.png").stat().st_size > 10_000
     for flags, needle in [
@@ -589,6 +596,7 @@ def test_kvpool_eval_kv_quant_on_smollm2(tmp_path) -> None:
         (["--plot", str(tmp_path / "q.svg")], "expected a .png file name"),
         (["--formats", "int8,kivi2"], "kivi2: the residual R=128 (tokens quantized together) does not divide the"),
         (["--greedy-steps", "-1"], "--greedy-steps must be >= 0, got -1"),
+        (["--prefill", "64"], "--prefill 64 leaves none of the text's 64 tokens to decode"),
     ]:
         proc = subprocess.run([*argv, *flags], capture_output=True, text=True, timeout=120)
         lines = proc.stderr.strip().splitlines()

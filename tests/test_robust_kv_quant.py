@@ -154,3 +154,44 @@ def test_the_value_residual_is_the_last_r_tokens_whatever_n_mod_r(model, name, c
         assert runner.storage.num_tails <= 3
         residues.add(n % r)
     assert residues == set(range(r)) and n > 2 * 16
+
+
+# ----- kvpool eval kv-quant: the serving path ---------------------------------------------
+
+
+def test_the_eval_drives_the_engines_prefill_then_decode_steps_and_names_the_regime(model, monkeypatch) -> None:
+    """Each format (and the exact reference) runs through the engine's runner: one step
+    prefills the first P tokens, then one step per token decodes the rest teacher-forced;
+    the scored distributions are the prefill's last and each decode step's. The exact
+    run's equal the plain forward's (fp64); the perplexity change comes with a bootstrap
+    interval around it, and the report names the regime it measured."""
+    import math
+
+    from kvpool.attention.reference import causal_attention
+    from kvpool.verify.kv_quant import evaluate
+
+    steps: list[tuple[str, list[tuple[int, int]]]] = []
+    real = LlamaRunner.execute
+
+    def execute(self, chunks, all_logits=False):
+        fmt = getattr(self.storage, "fmt", None)
+        steps.append((fmt.name if fmt is not None else "exact", [(c.start, len(c.token_ids)) for c in chunks]))
+        return real(self, chunks, all_logits)
+
+    monkeypatch.setattr(LlamaRunner, "execute", execute)
+    ids = random_ids(56, 7)
+    ev = evaluate(model, ids, ["fp16", "kivi2-g8-r16"], block_size=16, prefill=24)
+    for name in ("exact", "fp16", "kivi2-g8-r16"):
+        assert [s for f, s in steps if f == name] == [[(0, 24)]] + [[(p, 1)] for p in range(24, 55)], name
+    assert ev.regime["prefill_tokens"] == 24 and ev.regime["decode_steps"] == 31
+    assert ev.regime["scored_positions"] == 32 and "decode" in ev.regime["description"]
+    # the exact run scores what the plain forward computes
+    hidden = model.forward(torch.tensor(ids), torch.arange(56), lambda layer, q, k, v: causal_attention(q, k, v))
+    nll = F.cross_entropy(model.logits(hidden)[23:55], torch.tensor(ids[24:]), reduction="mean").item()
+    assert ev.fp32_perplexity == pytest.approx(math.exp(nll), rel=1e-9)
+    by = {r.name: r for r in ev.formats}
+    assert 0 <= by["fp16"].kl_mean < by["kivi2-g8-r16"].kl_mean
+    for r in ev.formats:
+        lo, hi = r.perplexity_change_ci95
+        assert lo <= r.perplexity_change_pct <= hi and lo < hi
+        assert r.kl_ci95[0] <= r.kl_mean <= r.kl_ci95[1]

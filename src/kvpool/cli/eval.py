@@ -1,7 +1,11 @@
 """`kvpool eval kv-quant`: what each KV storage format costs in quality on SmolLM2-135M
-(kvpool.verify.kv_quant): per-layer K, V and attention-output error, and end to end the
-perplexity, the KL divergence against fp32 and the top-1 agreement, with each format's
-bytes per token and capacity gain.
+(kvpool.verify.kv_quant) in the serving path: the engine prefills the text's first
+--prefill tokens in one step, then decodes the rest one token a step, teacher-forced, over
+paged blocks in the format. Reported: the mean KL divergence against the same steps over
+fp32 blocks (the primary figure), the top-1 agreement, the perplexity change with its 95 %
+interval (a block bootstrap over the scored positions: formats whose intervals overlap
+are not ranked by it), greedy agreement, per-layer K, V and attention-output error, and
+each format's bytes per token and capacity gain.
 
 The text: the Python Language Reference's topic pages that CPython ships as
 `pydoc_data.topics` (every installation has them; PSF License), in sorted topic order,
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from dataclasses import asdict, replace
@@ -39,7 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--block-size", type=positive_int, default=128, help="tokens per KV block (KIVI's R=128 must divide it)"
     )
-    p.add_argument("--tokens", type=positive_int, default=512, help="tokens of the text to score")
+    p.add_argument("--tokens", type=positive_int, default=512, help="tokens of the text (prefill + decoded)")
+    p.add_argument(
+        "--prefill",
+        type=positive_int,
+        default=128,
+        help="tokens prefilled in one step; the rest are decoded, scored",
+    )
     p.add_argument(
         "--greedy-steps", type=int, default=64, help="tokens each format decodes greedily through the engine (0: skip)"
     )
@@ -82,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from kvpool.engine.build import load_model
-    from kvpool.verify.kv_quant import evaluate, greedy_agreement
+    from kvpool.verify.kv_quant import BOOTSTRAP_SAMPLES, BOOTSTRAP_WINDOW, evaluate, greedy_agreement
 
     _check_plot(args.plot)
     if args.greedy_steps < 0:
@@ -98,14 +109,17 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"the text holds {len(ids)} token(s); at least 2 are needed")
     if len(ids) > loaded.model.config.max_position:
         raise ValueError(f"--tokens {len(ids)} exceeds the model's context of {loaded.model.config.max_position}")
+    if args.prefill >= len(ids):
+        raise ValueError(f"--prefill {args.prefill} leaves none of the text's {len(ids)} tokens to decode")
     done = 0
 
     def progress(name: str) -> None:
         nonlocal done
         done += 1
-        print(f"kvpool eval kv-quant: {name} ({done}/{len(args.formats)})", file=sys.stderr, flush=True)
+        print(f"kvpool eval kv-quant: {name} ({done}/{len(args.formats) + 1})", file=sys.stderr, flush=True)
 
-    ppl_ref, results = evaluate(loaded.model, ids, args.formats, progress, args.block_size)
+    ev = evaluate(loaded.model, ids, args.formats, progress, args.block_size, args.prefill)
+    results = ev.formats
     if args.greedy_steps:
         print(f"kvpool eval kv-quant: greedy decoding, {args.greedy_steps} steps", file=sys.stderr, flush=True)
         prompt = loaded.tokenizer.encode(text)[: args.greedy_prompt]
@@ -118,9 +132,12 @@ def run(args: argparse.Namespace) -> int:
         "text": source,
         "tokens": len(ids),
         "block_size": args.block_size,
+        "regime": ev.regime,
+        "bootstrap": f"paired block bootstrap over the scored positions, windows of {BOOTSTRAP_WINDOW}, "
+        f"{BOOTSTRAP_SAMPLES} resamples: 95 % intervals",
         "greedy_steps": args.greedy_steps,
         "greedy_prompt_tokens": args.greedy_prompt,
-        "fp32_perplexity": round(ppl_ref, 4),
+        "fp32_perplexity": round(ev.fp32_perplexity, 4),
         "formats": [r.as_dict() for r in results],
     }
     if args.plot:
@@ -136,16 +153,21 @@ def _print(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    regime = report["regime"]
     title = f"KV formats on {report['model']}: {report['tokens']} tokens of {report['text'].split(' (')[0]}"
-    table = Table(title=f"{title}; fp32 perplexity {report['fp32_perplexity']:.3f}")
+    title += (
+        f"; served: {regime['prefill_tokens']} prefilled in one step, {regime['decode_steps']} decode steps, "
+        f"{regime['scored_positions']} positions scored; fp32 perplexity {report['fp32_perplexity']:.3f}"
+    )
+    table = Table(title=title, caption=f"[...]: {report['bootstrap']}; overlapping intervals rank nothing")
     columns = (
         "format",
         "B/token",
         "x tokens/GiB",
-        "perplexity",
-        "change",
-        "KL",
+        "KL [95 %]",
         "top-1",
+        "perplexity",
+        "change [95 %]",
         "greedy",
         "worst layer out err",
     )
@@ -153,18 +175,20 @@ def _print(report: dict) -> None:
         table.add_column(column, justify="right")
     for r in report["formats"]:
         worst = max(layer["out_rel"] for layer in r["layers"])
+        lo, hi = r["perplexity_change_ci95"] or (math.nan, math.nan)
+        kl_lo, kl_hi = r["kl_ci95"] or (math.nan, math.nan)
         table.add_row(
             r["name"],
             f"{r['bytes_per_token']:,.1f}",
             f"{r['capacity_gain']:.2f}",
-            f"{r['perplexity']:.3f}",
-            f"{r['perplexity_change_pct']:+.2f} %",
-            f"{r['kl_mean']:.2e}",
+            f"{r['kl_mean']:.2e} [{kl_lo:.1e}, {kl_hi:.1e}]",
             f"{100 * r['top1_agreement']:.1f} %",
+            f"{r['perplexity']:.3f}",
+            f"{r['perplexity_change_pct']:+.2f} % [{lo:+.2f}, {hi:+.2f}]",
             "-" if r["greedy_agreement"] is None else f"{100 * r['greedy_agreement']:.0f} %",
             f"{worst:.2e}",
         )
-    Console(width=max(120, Console().width)).print(table)
+    Console(width=max(160, Console().width)).print(table)
 
 
 def _plot(report: dict, path: str) -> None:

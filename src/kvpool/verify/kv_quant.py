@@ -1,17 +1,28 @@
 """What a KV storage format costs in quality (kvpool.storage.quant), measured on a model and
-a text: per layer, and end to end.
+a text: per layer, and end to end in the serving path.
 
-Per layer (isolated): the layer's own fp32 queries, keys and values of the reference run;
-the relative error (Frobenius norm) of K and of V after the format's round trip, and of the
-attention output computed over them against the output over the fp32 K and V. Each layer
-is measured on exact inputs, so one layer's figure does not carry the others' errors.
+Per layer (isolated): the layer's own fp32 queries, keys and values of a plain forward over
+the text; the relative error (Frobenius norm) of K and of V as the storage holds them once
+the text is written (`round_trip_kv`: KIVI's unfinished K chunk and last R values exact),
+and of the attention output computed over them against the output over the fp32 K and V.
+Each layer is measured on exact inputs, so one layer's figure does not carry the others'.
 
-End to end: the whole text through the model with every layer reading its K and V through
-the round trip (what the paged path reads from the stored bytes, tests/test_kv_quant.py),
-teacher-forced: the perplexity of the text, the mean KL divergence KL(p_fp32 || p_format)
-of the next-token distributions, and the share of positions whose most likely next token is
-the fp32 run's (top-1 agreement). Plus each format's bytes per token and the tokens a GiB
-of KV holds against fp32.
+End to end, the serving regime (`evaluate`): the engine's own runner over paged blocks in
+the format, as `kvpool generate` runs it: one step prefills the text's first P tokens, then
+one step per token decodes the rest, teacher-forced (each step is fed the text's next token,
+not the sampled one). Scored: the T - P next-token distributions of the prefill's last
+position and of every decode step, against the same steps over exact fp32 blocks: the mean
+KL divergence KL(p_fp32 || p_format) (the primary figure: it compares whole distributions
+position by position, and it reproduces across CPUs where a perplexity change under ~1 %
+does not), the share of positions whose most likely token is fp32's (top-1 agreement), and
+the perplexity of the text's tokens with its change against fp32.
+
+Spread: a paired block bootstrap over the scored positions (windows of `BOOTSTRAP_WINDOW`
+consecutive positions, drawn with replacement to the same count, `BOOTSTRAP_SAMPLES` times,
+seeded): the 2.5th and 97.5th percentiles of the perplexity change and of the mean KL.
+Windows keep the correlation of neighbouring positions; the interval is the text's sampling
+noise only (the few 1e-3 that fp32 summation orders move a change between CPUs come on top).
+Two formats whose intervals overlap are not ranked by these figures.
 
 Greedy decoding (`greedy_agreement`): the engine itself, paged blocks in the format, decodes
 a fixed number of tokens greedily after a prompt; the share of steps whose token is the
@@ -30,9 +41,10 @@ import torch.nn.functional as F
 
 from kvpool.attention.reference import causal_attention
 from kvpool.models.llama import LlamaModel
-from kvpool.storage.quant import KVSchema, kv_schema, round_trip_kv
+from kvpool.storage.quant import kv_schema, round_trip_kv
 
-_CHUNK = 128  # positions whose logits are held at once (vocab-wide rows)
+BOOTSTRAP_WINDOW = 16  # consecutive scored positions resampled together
+BOOTSTRAP_SAMPLES = 2000
 
 
 @dataclass(frozen=True)
@@ -53,31 +65,102 @@ class FormatQuality:
     kl_mean: float
     top1_agreement: float
     layers: list[LayerError]
+    perplexity_change_ci95: tuple[float, float] = (math.nan, math.nan)  # block bootstrap, percent
+    kl_ci95: tuple[float, float] = (math.nan, math.nan)
     greedy_agreement: float | None = None  # share of greedy decode steps whose token is fp32's
     greedy_first_divergence: int | None = None  # the first step that differs (None: none did)
 
     def as_dict(self) -> dict[str, object]:
         out = asdict(self)
         out["layers"] = [asdict(layer) for layer in self.layers]
+        for key in ("perplexity_change_ci95", "kl_ci95"):  # JSON has no NaN: no interval is null
+            out[key] = None if any(math.isnan(x) for x in out[key]) else list(out[key])
         return out
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    fp32_perplexity: float  # over the scored positions, exact blocks
+    regime: dict[str, object]  # what was run and scored (`serving_regime`)
+    formats: list[FormatQuality]
+
+
+def serving_regime(num_tokens: int, prefill: int, block_size: int) -> dict[str, object]:
+    """The regime `evaluate` measures, for its report."""
+    return {
+        "name": "serving",
+        "prefill_tokens": prefill,
+        "decode_steps": num_tokens - prefill - 1,
+        "scored_positions": num_tokens - prefill,
+        "block_size": block_size,
+        "description": (
+            f"the engine's runner over {block_size}-token blocks in the format: one step prefills "
+            f"the first {prefill} tokens, then one step per token decodes the rest teacher-forced; "
+            f"scored: the next-token distributions of the prefill's last position and of the "
+            f"{num_tokens - prefill - 1} decode steps. KIVI as the paper serves it: a step attends to "
+            "its own K/V in full precision, the last R values stay exact"
+        ),
+    }
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def _run(model: LlamaModel, ids: torch.Tensor, attend) -> torch.Tensor:
-    return model.forward(ids, torch.arange(ids.shape[0]), attend, fused=False)
+def served_log_probs(
+    model: LlamaModel, token_ids: Sequence[int], kv_format: str | None, prefill: int, block_size: int
+) -> torch.Tensor:
+    """The engine's runner over paged blocks in `kv_format` (None: exact, the model's dtype):
+    one step prefills token_ids[:prefill], then one step per token decodes the rest,
+    teacher-forced. [T - prefill, vocab] log-softmax of the next-token logits of the
+    prefill's last position and of each decode step (they predict token_ids[prefill:]), fp32
+    (fp64 for an fp64 model)."""
+    from kvpool.cache import CacheDescriptor
+    from kvpool.engine.llama_runner import LlamaRunner
+    from kvpool.engine.runner import ScheduledChunk
+
+    ids = list(token_ids)
+    descriptor = CacheDescriptor("eval-kv-quant", layout_id=f"bs{block_size}:{kv_format}")
+    num_blocks = -(-len(ids) // block_size) + 1
+    runner = LlamaRunner(model, num_blocks, block_size, descriptor, kv_format=kv_format, enable_prefix_caching=False)
+    seq = "text"
+    admitted = runner.admit(seq, ids[:prefill], prefill)
+    assert admitted is not None and admitted.num_scheduled_tokens == prefill, "a fresh pool holds the text"
+    dtype = torch.float64 if model.dtype == torch.float64 else torch.float32
+    out = torch.empty(len(ids) - prefill, model.config.vocab_size, dtype=dtype)
+    logits = runner.execute([ScheduledChunk(seq, ids[:prefill], 0, True)])
+    out[0] = F.log_softmax(logits[0].to(dtype), dim=-1)
+    runner.commit([seq], [prefill], [ids[prefill]])
+    for pos in range(prefill, len(ids) - 1):
+        assert runner.reserve([seq], [1])
+        logits = runner.execute([ScheduledChunk(seq, [ids[pos]], pos, True)])
+        out[pos - prefill + 1] = F.log_softmax(logits[0].to(dtype), dim=-1)
+        runner.commit([seq], [1], [ids[pos + 1]])
+    runner.release(seq, "finish")
+    return out
 
 
-def _log_probs(model: LlamaModel, hidden: torch.Tensor, start: int) -> torch.Tensor:
-    """log-softmax of the next-token logits at positions [start, start + _CHUNK): [n, vocab]."""
-    return F.log_softmax(model.logits(hidden[start : start + _CHUNK]), dim=-1)
-
-
-def _through(fmt: KVSchema, block_size: int):
-    """An attend that reads K and V as the paged storage holds them after one step."""
-    return lambda layer, q, k, v: causal_attention(q, *round_trip_kv(fmt, k, v, block_size))
+def block_bootstrap(
+    values: Sequence[torch.Tensor], statistic: Callable[..., torch.Tensor], seed: int = 0
+) -> tuple[float, float]:
+    """The 95 % interval of `statistic(*means)` where means are the per-resample means of
+    each of `values` ([n] fp64 each, paired by position) over windows of BOOTSTRAP_WINDOW
+    positions drawn with replacement (the last, shorter window included). NaNs when the
+    positions fill fewer than two windows: one window has no spread to resample."""
+    n = values[0].shape[0]
+    starts = torch.arange(0, n, BOOTSTRAP_WINDOW)
+    if len(starts) < 2:
+        return math.nan, math.nan
+    g = torch.Generator().manual_seed(seed)
+    pick = starts[torch.randint(len(starts), (BOOTSTRAP_SAMPLES, len(starts)), generator=g)]  # [S, W]
+    pos = (pick.unsqueeze(-1) + torch.arange(BOOTSTRAP_WINDOW)).reshape(BOOTSTRAP_SAMPLES, -1)
+    valid = pos < n
+    pos = pos.clamp(max=n - 1)
+    count = valid.sum(dim=1).to(torch.float64)
+    means = [(v[pos] * valid).sum(dim=1) / count for v in values]
+    stat = statistic(*means)
+    lo, hi = torch.quantile(stat, torch.tensor([0.025, 0.975], dtype=stat.dtype)).tolist()
+    return lo, hi
 
 
 def evaluate(
@@ -86,18 +169,21 @@ def evaluate(
     formats: Sequence[str],
     progress: Callable[[str], None] | None = None,
     block_size: int = 128,
-) -> tuple[float, list[FormatQuality]]:
-    """(the fp32 perplexity of the text, each format's quality) with KV blocks of
-    `block_size` tokens (the block formats' scale group, KIVI's chunks within it).
-    ValueError for an unknown format, a format the block size does not fit, or a text of
-    fewer than two tokens."""
-    if len(token_ids) < 2:
-        raise ValueError(f"the text must have at least 2 tokens, got {len(token_ids)}")
+    prefill: int = 128,
+) -> Evaluation:
+    """Each format's quality in the serving regime (module docstring) with KV blocks of
+    `block_size` tokens (the block formats' scale group, KIVI's chunks within it), the
+    text's first `prefill` tokens prefilled in one step. ValueError for an unknown format,
+    a format the block size does not fit, or a text without a token after the prefill."""
     fmts = [kv_schema(name) for name in formats]
     for fmt in fmts:
         fmt.check(block_size, model.config.head_dim)
+    if not 1 <= prefill < len(token_ids):
+        raise ValueError(
+            f"the prefill of {prefill} tokens must leave a token of the text to decode (the text has {len(token_ids)})"
+        )
     ids = torch.tensor(list(token_ids), dtype=torch.long, device=model.device)
-    targets = ids[1:]
+    targets = ids[prefill:].cpu()
     cfg = model.config
     captured: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
@@ -105,14 +191,13 @@ def evaluate(
         captured.append((q.clone(), k.clone(), v.clone()))
         return causal_attention(q, k, v)
 
-    hidden_ref = _run(model, ids, exact)
-    n = ids.shape[0] - 1  # positions with a next token
+    model.forward(ids, torch.arange(ids.shape[0]), exact, fused=False)  # the per-layer inputs
+    if progress is not None:
+        progress("fp32 (exact blocks)")
+    lp_ref = served_log_probs(model, token_ids, None, prefill, block_size)
+    nll_ref = -lp_ref.gather(1, targets.unsqueeze(1)).squeeze(1).double()  # [n]
+    ppl_ref = math.exp(float(nll_ref.mean()))
     fp32_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
-    nll_ref = 0.0
-    for start in range(0, n, _CHUNK):
-        lp = _log_probs(model, hidden_ref, start)[: n - start]
-        nll_ref -= float(lp.gather(1, targets[start : start + lp.shape[0]].unsqueeze(1)).sum())
-    ppl_ref = math.exp(nll_ref / n)
     results = []
     for fmt in fmts:
         if progress is not None:
@@ -122,16 +207,14 @@ def evaluate(
             kq, vq = round_trip_kv(fmt, k, v, block_size)
             out_ref = causal_attention(q, k, v)
             layers.append(LayerError(_rel(kq, k), _rel(vq, v), _rel(causal_attention(q, kq, vq), out_ref)))
-        hidden = _run(model, ids, _through(fmt, block_size))
-        nll = kl = 0.0
-        agree = 0
-        for start in range(0, n, _CHUNK):
-            lp_ref = _log_probs(model, hidden_ref, start)[: n - start]
-            lp = _log_probs(model, hidden, start)[: n - start]
-            nll -= float(lp.gather(1, targets[start : start + lp.shape[0]].unsqueeze(1)).sum())
-            kl += float((lp_ref.exp() * (lp_ref - lp)).sum())
-            agree += int((lp.argmax(-1) == lp_ref.argmax(-1)).sum())
-        ppl = math.exp(nll / n)
+        lp = served_log_probs(model, token_ids, fmt.name, prefill, block_size)
+        nll = -lp.gather(1, targets.unsqueeze(1)).squeeze(1).double()
+        kl = (lp_ref.exp() * (lp_ref - lp)).sum(dim=-1).double()  # [n]
+        agree = float((lp.argmax(-1) == lp_ref.argmax(-1)).double().mean())
+        ppl = math.exp(float(nll.mean()))
+        change = 100 * math.expm1(float(nll.mean() - nll_ref.mean()))  # = 100 (ppl / ppl_ref - 1)
+        ci = block_bootstrap([nll, nll_ref], lambda a, b: 100 * torch.expm1(a - b))
+        kl_ci = block_bootstrap([kl], lambda a: a)
         per_token = cfg.num_layers * cfg.num_kv_heads * fmt.bytes_per_token_head(block_size, cfg.head_dim)
         results.append(
             FormatQuality(
@@ -140,13 +223,15 @@ def evaluate(
                 int((1 << 30) // per_token),
                 round(fp32_bytes / per_token, 3),
                 ppl,
-                100 * (ppl / ppl_ref - 1),
-                kl / n,
-                agree / n,
+                change,
+                float(kl.mean()),
+                agree,
                 layers,
+                ci,
+                kl_ci,
             )
         )
-    return ppl_ref, results
+    return Evaluation(ppl_ref, serving_regime(len(token_ids), prefill, block_size), results)
 
 
 def greedy_agreement(
