@@ -470,3 +470,38 @@ def test_the_tokenizer_lets_other_threads_run(loaded):
         *loaded.tokenizer.tokenizer.encode(text, add_special_tokens=False).ids,
     ]
     assert num_wakes[0] >= min(100, took * 100), (num_wakes, took)
+
+
+def test_no_token_spans_more_bytes_than_the_bound_the_server_refuses_by(loaded):
+    """The 413 without tokenizing rests on this: a text whose B bytes have a token each
+    (the others are dropped) has at least ceil(B / longest token's bytes) tokens. Checked on
+    texts mixing scripts, digits, spaces, the chat template's control tokens and characters
+    of planes 4-16, whose lead byte SmolLM2's vocabulary lacks."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from kvpool.server.protocol import TokenText
+
+    tok = loaded.tokenizer
+    tt = TokenText(tok.tokenizer.id_to_token)
+    vocab = [tt.bytes(t) for t in range(tok.tokenizer.get_vocab_size())]
+    longest = max(len(b) for b in vocab)
+    untokenized = bytes(set(range(256)) - {b[0] for b in vocab if len(b) == 1})
+    assert 0xF1 in untokenized  # SmolLM2 has no token for it: the byte is dropped
+    pieces = st.sampled_from(
+        ["word ", " ", "    ", "\n\n", "1234", "日本語", "é", "<|im_start|>", "=" * 40, "🙂", "\U00040000"]
+    )
+    texts = st.lists(st.one_of(pieces, st.text(max_size=20)), max_size=60).map("".join)
+
+    @settings(max_examples=200, deadline=None)
+    @given(texts)
+    def check(text: str) -> None:
+        try:
+            num_bytes = len(text.encode().translate(None, untokenized))
+        except UnicodeEncodeError:
+            return  # a lone surrogate: refused before this point
+        ids = tok.tokenizer.encode(text, add_special_tokens=False).ids
+        assert sum(len(tt.bytes(t)) for t in ids) == num_bytes  # every byte in exactly one token
+        assert len(ids) >= -(-num_bytes // longest)
+
+    check()

@@ -87,8 +87,12 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
     app.state.kvpool = state
     token_text = TokenText(state.tokenizer.tokenizer.id_to_token)
     # Byte-level BPE (the only kind kvpool builds, no normalizer): each byte of the text lies
-    # in exactly one token, and no token stands for more bytes than the longest one.
-    max_token_bytes = max(len(token_text.bytes(t)) for t in range(state.tokenizer.tokenizer.get_vocab_size()))
+    # in exactly one token, but for the bytes the vocabulary has no token of (dropped: in
+    # SmolLM2 the lead bytes of planes 4-16 and those UTF-8 never uses), and no token stands
+    # for more bytes than the longest one.
+    vocab_bytes = [token_text.bytes(t) for t in range(state.tokenizer.tokenizer.get_vocab_size())]
+    max_token_bytes = max(len(b) for b in vocab_bytes)
+    untokenized = bytes(set(range(256)) - {b[0] for b in vocab_bytes if len(b) == 1})
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, error: APIError) -> JSONResponse:
@@ -236,7 +240,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         longest kind would overflow the context gets its 413 without being tokenized (that
         would take seconds a megabyte, and hundreds of MB for the encoding)."""
         limit = state.max_model_len
-        num_bytes = len(text.encode())
+        num_bytes = len(text.encode().translate(None, untokenized))  # the bytes its tokens hold
         least = -(-num_bytes // max_token_bytes)  # no tokenization of it has fewer tokens
         if least >= limit:
             raise APIError(
