@@ -1,0 +1,424 @@
+"""Issue 28 §5, the disk tier: a fault is a miss and a counted error, never a crash, a hang
+or a silent loss; and several processes (or kvpool versions) share one directory.
+
+How each fault is made: a directory or a FIFO at an entry's or a temp file's path is
+real; so are corrupted payloads and entries of another format version (written with the
+safetensors library). Root reads any file whatever its mode, so an unreadable entry
+(PermissionError) and a filesystem remounted read-only (EROFS) are simulated by
+`fail_under`, which makes the OS calls on paths under the cache directory raise the
+errno, as the kernel would."""
+
+from __future__ import annotations
+
+import builtins
+import errno
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import xxhash
+from safetensors.torch import save as st_save
+
+from kvpool.tiers import DiskTier
+from kvpool.tiers import entry as entry_format
+from test_disk_tier import descriptor, key, stored, tensors
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def fail_under(monkeypatch, root: Path, err: int, ops: set[str]) -> None:
+    """OSError(err) from the calls in `ops` ("read": opening a file to read, "write":
+    opening one to write or making a directory, "rename", "unlink", "utime") for every
+    path under `root`."""
+    root = root.resolve()
+
+    def hit(op: str, path) -> bool:
+        if op not in ops or isinstance(path, int):
+            return False
+        return Path(os.fsdecode(path)).resolve().is_relative_to(root)
+
+    def refuse(path) -> None:
+        raise OSError(err, os.strerror(err), os.fsdecode(path))
+
+    real_open, real_os_open = builtins.open, os.open
+
+    def fake_open(file, mode="r", *args, **kwargs):
+        if hit("write" if any(c in mode for c in "wax+") else "read", file):
+            refuse(file)
+        return real_open(file, mode, *args, **kwargs)
+
+    def fake_os_open(path, flags, *args, **kwargs):
+        if hit("write" if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT) else "read", path):
+            refuse(path)
+        return real_os_open(path, flags, *args, **kwargs)
+
+    def wrap(op: str, real):
+        def fake(path, *args, **kwargs):
+            if hit(op, path):
+                refuse(path)
+            return real(path, *args, **kwargs)
+
+        return fake
+
+    monkeypatch.setattr(builtins, "open", fake_open)
+    monkeypatch.setattr(io, "open", fake_open)
+    monkeypatch.setattr(os, "open", fake_os_open)
+    monkeypatch.setattr(os, "replace", wrap("rename", os.replace))
+    monkeypatch.setattr(os, "rename", wrap("rename", os.rename))
+    monkeypatch.setattr(os, "unlink", wrap("unlink", os.unlink))
+    monkeypatch.setattr(os, "utime", wrap("utime", os.utime))
+    monkeypatch.setattr(os, "mkdir", wrap("write", os.mkdir))
+
+
+def filled(path: Path, n: int = 3) -> DiskTier:
+    tier = DiskTier(path, 1 << 30)
+    for i in range(n):
+        assert tier.put(key(i), descriptor(i), tensors(i))
+    assert tier.flush(30)
+    return tier
+
+
+def same(got: dict[str, torch.Tensor] | None, i: int) -> bool:
+    return got is not None and all(torch.equal(got[n], tensors(i)[n]) for n in ("k", "v"))
+
+
+# ----- errors other than file-not-found ------------------------------------------------
+
+
+def test_an_unreadable_entry_is_a_counted_miss_and_the_others_still_hit(tmp_path, monkeypatch) -> None:
+    filled(tmp_path)
+    tier = DiskTier(tmp_path, 1 << 30)
+    fail_under(monkeypatch, stored(tier, 1), errno.EACCES, {"read"})  # key 1's entry only
+    assert not tier.lookup(key(1), descriptor(1)) and tier.get(key(1), descriptor(1)) is None
+    assert tier.stats.misses == {"io_error": 2} and tier.io_errors == {"read": 2}
+    assert stored(tier, 1).exists()  # not ours to move: it stays, a miss each time
+    assert same(tier.get(key(0), descriptor(0)), 0) and same(tier.get(key(2), descriptor(2)), 2)
+    assert tier.report()["io_errors"] == {"read": 2}
+    tier.check_integrity()
+
+
+def test_a_hit_whose_lru_refresh_is_refused_is_still_a_hit(tmp_path, monkeypatch) -> None:
+    filled(tmp_path)
+    tier = DiskTier(tmp_path, 1 << 30)
+    fail_under(monkeypatch, tmp_path, errno.EPERM, {"utime"})  # entries owned by another user
+    assert same(tier.get(key(0), descriptor(0)), 0)
+    assert tier.stats.num_gets == 1 and tier.io_errors == {"utime": 1} and not tier.stats.misses
+
+
+def test_a_filesystem_remounted_read_only_keeps_serving_reads(tmp_path, monkeypatch) -> None:
+    filled(tmp_path, 3)
+    tier = DiskTier(tmp_path, 1 << 30)
+    bad = stored(tier, 2)
+    raw = bytearray(bad.read_bytes())
+    raw[-5] ^= 0x10  # key 2's payload: to be quarantined, which a read-only disk refuses
+    bad.write_bytes(bytes(raw))
+    fail_under(monkeypatch, tmp_path, errno.EROFS, {"write", "rename", "unlink", "utime"})
+    assert same(tier.get(key(0), descriptor(0)), 0)  # a hit (its LRU refresh refused)
+    assert tier.get(key(2), descriptor(2)) is None  # corrupt: a miss, left where it is
+    assert tier.put(key(3), descriptor(3), tensors(3)) and tier.flush(30)  # queued, then refused
+    assert tier.stats.num_write_errors == 1 and tier.stats.num_puts == 0
+    assert tier.get(key(1), descriptor(1)) is not None  # still serving
+    assert tier.io_errors == {"quarantine": 1, "utime": 2}
+    assert tier.stats.misses == {"corrupt": 1} and bad.exists()
+    tier.check_integrity()
+
+
+def test_an_eviction_the_disk_refuses_is_counted_and_ends(tmp_path, monkeypatch) -> None:
+    first = filled(tmp_path, 2)
+    both = stored(first, 0).stat().st_size + stored(first, 1).stat().st_size
+    fail_under(monkeypatch, tmp_path, errno.EROFS, {"unlink"})
+    tier = DiskTier(tmp_path, both - 1)  # over its limit at open: the eviction is refused
+    assert tier.io_errors == {"evict": 1} and tier.num_entries == 1 and tier.stats.num_evictions == 0
+    tier.check_integrity()
+
+
+def test_a_directory_where_an_entry_or_a_temp_file_should_be(tmp_path) -> None:
+    tier = filled(tmp_path / "c", 2)
+    stored(tier, 0).unlink()
+    stored(tier, 0).mkdir()  # a directory at key 0's entry path
+    (tmp_path / "c" / "tmp" / f"{key(1).hex()}.99999999.0.tmp").mkdir()  # a dead writer's "temp file"
+    fresh = DiskTier(tmp_path / "c", 1 << 30)  # opens (today: IsADirectoryError)
+    assert fresh.io_errors == {"tmp": 1}
+    assert not fresh.lookup(key(0), descriptor(0))
+    assert fresh.stats.misses == {"corrupt": 1} and not stored(tier, 0).exists()  # moved aside
+    # a directory where this writer's next temp file goes: the write fails, counted
+    (tmp_path / "c" / "tmp" / f"{key(5).hex()}.{os.getpid()}.0.tmp").mkdir()
+    assert fresh.put(key(5), descriptor(5), tensors(5)) and fresh.flush(30)
+    assert fresh.stats.num_write_errors == 1 and fresh._writer.num_failed == 0
+    assert fresh.put(key(0), descriptor(0), tensors(0)) and fresh.flush(30)  # the path is free again
+    assert same(DiskTier(tmp_path / "c", 1 << 30).get(key(0), descriptor(0)), 0)
+
+
+def test_a_fifo_at_an_entry_path_is_a_prompt_miss(tmp_path) -> None:
+    tier = filled(tmp_path, 2)
+    path = stored(tier, 1)
+    path.unlink()
+    os.mkfifo(path)
+    fresh = DiskTier(tmp_path, 1 << 30)
+    result: list[bool] = []
+    probe = threading.Thread(target=lambda: result.append(fresh.lookup(key(1), descriptor(1))), daemon=True)
+    start = time.perf_counter()
+    probe.start()
+    probe.join(5)
+    if probe.is_alive():  # blocked in open(): a writer end releases it
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        os.close(fd)
+        probe.join(5)
+        pytest.fail("the lookup blocked on a FIFO")
+    assert result == [False] and time.perf_counter() - start < 1.0
+    assert fresh.stats.misses == {"corrupt": 1} and not path.exists()
+    assert same(fresh.get(key(0), descriptor(0)), 0)
+
+
+def _reencoded(path: Path, k: bytes, change) -> None:
+    """Rewrite an entry with its tensors changed by `change` and every checksum valid."""
+    desc, found = entry_format.decode(path.read_bytes(), k)
+    path.write_bytes(entry_format.encode(k, desc, {n: change(t) for n, t in found.items()}))
+
+
+def test_entries_of_the_wrong_shape_or_dtype_are_quarantined(tmp_path) -> None:
+    tier = filled(tmp_path, 3)
+    _reencoded(stored(tier, 1), key(1), lambda t: t.double())
+    _reencoded(stored(tier, 2), key(2), lambda t: t[:, :-1].contiguous())
+    fresh = DiskTier(tmp_path, 1 << 30)
+    fresh.expect_tensors("m", "L2:bs16:fp32", {"k": (torch.float32, (2, 1024)), "v": (torch.float32, (2, 1024))})
+    assert fresh.lookup(key(0), descriptor(0)) and same(fresh.get(key(0), descriptor(0)), 0)
+    assert not fresh.lookup(key(1), descriptor(1))  # the manifest says so: no read of the tensors
+    assert fresh.get(key(2), descriptor(2)) is None
+    assert fresh.stats.num_corrupt == 2 and fresh.stats.misses == {"corrupt": 2}
+    assert len(list((tmp_path / "quarantine").iterdir())) == 2
+    with pytest.raises(ValueError, match="expected tensors"):
+        fresh.expect_tensors("m", "x", {"k": (torch.float32, (2, -1))})
+
+
+# ----- silent losses -------------------------------------------------------------------
+
+
+def test_holds_trusts_only_entries_whose_payload_checked_out(tmp_path) -> None:
+    tier = filled(tmp_path, 3)
+    assert all(tier.holds(key(i), descriptor(i)) for i in range(3))  # written by this process
+    for i in range(3):
+        raw = bytearray(stored(tier, i).read_bytes())
+        raw[-5] ^= 0x10  # the payload: the header still checks out
+        stored(tier, i).write_bytes(bytes(raw))
+    fresh = DiskTier(tmp_path, 1 << 30)
+    assert all(fresh.lookup(key(i), descriptor(i)) for i in range(3))  # headers only
+    assert fresh.get(key(0), descriptor(0)) is None
+    # the prefix stopped at block 0; blocks 1 and 2 must be rewritten too, not trusted
+    assert not any(fresh.holds(key(i), descriptor(i)) for i in range(3))
+    for i in range(3):
+        fresh.put(key(i), descriptor(i), tensors(i))
+    assert fresh.flush(30)
+    again = DiskTier(tmp_path, 1 << 30)
+    assert all(same(again.get(key(i), descriptor(i)), i) for i in range(3))  # healed in one run
+    assert again.stats.num_corrupt == 0
+
+
+def cache_cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvpool", "cache", *argv], capture_output=True, text=True, timeout=60)
+
+
+def test_cache_stats_counts_a_corrupted_payload_as_unreadable(tmp_path) -> None:
+    tier = filled(tmp_path, 3)
+    raw = bytearray(stored(tier, 1).read_bytes())
+    raw[-5] ^= 0x10
+    stored(tier, 1).write_bytes(bytes(raw))
+    stats = json.loads(cache_cli("stats", str(tmp_path), "--json").stdout)
+    assert stats["entries"] == 3 and stats["unreadable"] == 1
+    listing = json.loads(cache_cli("ls", str(tmp_path), "--json").stdout)
+    problems = {e["key"]: e["problem"] for e in listing["entries"]}
+    assert "checksum mismatch" in problems[key(1).hex()] and not problems[key(0).hex()]
+    quick = json.loads(cache_cli("stats", str(tmp_path), "--json", "--headers-only").stdout)
+    assert quick["unreadable"] == 0  # the headers alone cannot tell
+    assert stored(tier, 1).exists()  # stats and ls change nothing
+
+
+# ----- sharing a directory ---------------------------------------------------------------
+
+_WRITER = """
+import sys, time
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from kvpool.tiers import DiskTier
+from test_disk_tier import descriptor, key, tensors
+tier = DiskTier(sys.argv[1], int(sys.argv[2]))
+first = int(sys.argv[3])
+here = Path(sys.argv[1]).parent
+(here / f"ready.{{first}}").touch()
+while not (here / "go").exists():  # all open before any writes
+    time.sleep(0.01)
+for i in range(first, first + 40):
+    tier.put(key(i), descriptor(i), tensors(i, 2048))
+    tier.flush(60)
+tier.close()
+"""
+
+
+def test_the_byte_limit_holds_across_processes_sharing_the_directory(tmp_path) -> None:
+    one = len(entry_format.encode(key(0), descriptor(0), tensors(0, 2048)))
+    capacity = 12 * one
+    script = tmp_path / "writer.py"
+    script.write_text(_WRITER.format(tests=str(ROOT / "tests")))
+    cache = tmp_path / "c"
+    DiskTier(cache, capacity)
+    procs = [
+        subprocess.Popen([sys.executable, str(script), str(cache), str(capacity), str(first)])
+        for first in (0, 1000, 2000)
+    ]
+    deadline = time.monotonic() + 120
+    while len(list(tmp_path.glob("ready.*"))) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (tmp_path / "go").touch()
+    assert [p.wait(timeout=240) for p in procs] == [0, 0, 0]
+    held = sum(p.stat().st_size for p in (cache / "entries").rglob("*.safetensors"))
+    # each process goes past the limit by at most its rescan interval (1/32 of the limit,
+    # at least one entry) before it sees the others' entries and evicts the least recent
+    slack = 3 * max(capacity // 32, one)
+    assert capacity // 2 < held <= capacity + slack, (held, capacity)  # (3 x the limit before)
+
+
+def test_clear_quarantine_leaves_a_live_writers_temp_file(tmp_path) -> None:
+    filled(tmp_path, 1)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    live = tmp_path / "tmp" / f"{key(7).hex()}.{os.getpid()}.0.tmp"  # this process: alive
+    stale = tmp_path / "tmp" / f"{key(8).hex()}.{int(dead.stdout)}.0.tmp"
+    live.write_bytes(b"half an entry")
+    stale.write_bytes(b"half an entry")
+    (tmp_path / "quarantine" / "x.1.safetensors").write_bytes(b"bad")
+    done = cache_cli("clear", str(tmp_path), "--quarantine")
+    assert done.returncode == 0 and "removed 2 files" in done.stdout, done.stdout + done.stderr
+    assert live.exists() and not stale.exists() and not list((tmp_path / "quarantine").iterdir())
+    assert "1 temp file of a live writer kept" in done.stdout
+    everything = cache_cli("clear", str(tmp_path))
+    assert everything.returncode == 0 and live.exists()  # a full clear keeps it too
+    assert not list((tmp_path / "entries").rglob("*.safetensors"))
+
+
+def _other_version(k: bytes, desc, found: dict[str, torch.Tensor], sum_key: str = "kvpool.manifest_xxh3") -> bytes:
+    """An entry as a kvpool of entry format 2 might write it."""
+    manifest = json.dumps({"format": 2, "key": k.hex(), "descriptor": json.loads(desc.to_json()), "layout": "new"})
+    return st_save(found, metadata={"kvpool.manifest": manifest, sum_key: xxhash.xxh3_128_hexdigest(manifest.encode())})
+
+
+@pytest.mark.parametrize("sum_key", ["kvpool.manifest_xxh3", "kvpool.manifest_blake3"])
+def test_entries_of_another_format_version_are_skipped_not_quarantined(tmp_path, sum_key) -> None:
+    tier = filled(tmp_path, 2)
+    one = tier.num_bytes // 2
+    path = stored(tier, 0)
+    path.write_bytes(_other_version(key(0), descriptor(0), tensors(0), sum_key))
+    os.utime(path, ns=(1, 1))  # the least recently used
+    stats = json.loads(cache_cli("stats", str(tmp_path), "--json").stdout)
+    assert stats["other_version"] == 1 and stats["unreadable"] == 0
+    fresh = DiskTier(tmp_path, 2 * one + 100)
+    assert not fresh.lookup(key(0), descriptor(0)) and fresh.get(key(0), descriptor(0)) is None
+    assert fresh.stats.misses == {"other_version": 2} and fresh.stats.num_corrupt == 0
+    assert path.exists() and not list((tmp_path / "quarantine").iterdir())
+    assert same(fresh.get(key(1), descriptor(1)), 1)
+    # reclaimed by age: the byte limit pushes it out first
+    assert fresh.put(key(2), descriptor(2), tensors(2)) and fresh.flush(30)
+    assert not path.exists() and fresh.stats.num_evictions == 1 and stored(tier, 1).exists()
+    fresh.check_integrity()
+
+
+# ----- the engine serves on over a faulty disk tier ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine_run(fp64_model, tmp_path_factory):
+    """A directory the engine filled with a 96-token prompt's 6 blocks, and the tokens a run
+    of the follow-up prompt gives without any tier."""
+    import random
+
+    from kvpool.engine.build import build_engine
+
+    rng = random.Random(28)
+    prompt = [rng.randrange(100, 49000) for _ in range(96)]
+    follow = prompt + [rng.randrange(100, 49000) for _ in range(5)]
+    directory = tmp_path_factory.mktemp("filled")
+    first = build_engine(fp64_model, num_blocks=16, disk_cache=directory)
+    _serve(first, prompt + [7], "a")
+    first.runner.close()
+    plain = build_engine(fp64_model, num_blocks=16)
+    return directory, follow, _serve(plain, follow, "b")
+
+
+def _serve(engine, prompt, rid) -> list[int]:
+    from kvpool.engine.sampling import SamplingParams
+
+    engine.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True), rid)
+    while engine.has_unfinished():
+        engine.step()
+        engine.runner.check_integrity()
+    return list(engine.output(rid).completions[0].token_ids)
+
+
+def _entry_of_block(directory: Path, index: int) -> Path:
+    """The entry of the prompt's block `index` (the one that ends at 16 * (index + 1))."""
+    for path in (directory / "entries").rglob("*.safetensors"):
+        k = bytes.fromhex(path.name.removesuffix(".safetensors"))
+        n = entry_format.header_length(path.read_bytes()[:8])
+        desc, _ = entry_format.read_header(path.read_bytes()[8 : 8 + n], k)
+        if desc.num_computed_tokens == 16 * (index + 1):
+            return path
+    raise AssertionError(f"no entry for block {index}")
+
+
+def _fault(kind: str, path: Path, monkeypatch) -> None:
+    k = bytes.fromhex(path.name.removesuffix(".safetensors"))
+    if kind == "wrong dtype":  # (loaded, it would be fp32-rounded KV in an fp64 engine)
+        _reencoded(path, k, lambda t: t.float())
+    elif kind == "wrong shape":
+        _reencoded(path, k, lambda t: t[..., :-1].contiguous())
+    elif kind == "directory":
+        path.unlink()
+        path.mkdir()
+    elif kind == "fifo":
+        path.unlink()
+        os.mkfifo(path)
+    elif kind == "unreadable":
+        fail_under(monkeypatch, path, errno.EACCES, {"read"})
+    elif kind == "read-only":
+        fail_under(monkeypatch, path.parents[3], errno.EROFS, {"write", "rename", "unlink", "utime"})
+
+
+@pytest.mark.parametrize("kind", ["wrong dtype", "wrong shape", "directory", "fifo", "unreadable", "read-only"])
+def test_the_engine_serves_on_over_a_faulty_disk(engine_run, fp64_model, tmp_path, monkeypatch, kind) -> None:
+    from kvpool.engine.build import build_engine
+
+    source, follow, expected = engine_run
+    directory = tmp_path / "c"
+    shutil.copytree(source, directory)
+    _fault(kind, _entry_of_block(directory, 2), monkeypatch)
+    engine = build_engine(fp64_model, num_blocks=16, disk_cache=directory)
+    done = threading.Event()
+    tokens: list[list[int]] = []
+    errors: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            tokens.append(_serve(engine, follow, "b"))
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+        done.set()
+
+    threading.Thread(target=serve, daemon=True).start()
+    assert done.wait(120), f"the engine hung over a {kind} entry"
+    assert not errors, f"the engine failed over a {kind} entry: {errors[0]!r}"
+    assert tokens == [expected]
+    disk = engine.runner.tier_reports()["disk_tier"]
+    cached = engine.output("b").num_cached_tokens
+    if kind == "read-only":
+        assert cached == 96 and disk["io_errors"] == {"utime": 6}  # every hit, its refresh refused
+    else:
+        assert cached == 32  # blocks 0 and 1 load; block 2 is a miss, the rest computed
+        cause = "io_error" if kind == "unreadable" else "corrupt"
+        assert disk["misses"].get(cause, 0) >= 1 and disk["num_gets"] == 2
+    engine.runner.close()
