@@ -649,7 +649,9 @@ class QuantizedKVStorage:
                 self.tail_k[:, dst_tail] = self.tail_k[:, src_tail]
                 self.tail_v[:, dst_tail] = self.tail_v[:, src_tail]
                 self._fill[c.dst] = self._fill[c.src]
-                if c.src in self._v_from:
+                if c.src in self._v_from:  # KIVI: the window's start goes with the tail
                     self._v_from[c.dst] = self._v_from[c.src]
+                else:
+                    self._v_from.pop(c.dst, None)
             else:
                 self._drop_tail(c.dst)
