@@ -360,15 +360,15 @@ def _serve(engine, prompt, rid) -> list[int]:
     return list(engine.output(rid).completions[0].token_ids)
 
 
-def _entry_of_block(directory: Path, index: int) -> Path:
-    """The entry of the prompt's block `index` (the one that ends at 16 * (index + 1))."""
+def _entry_ending_at(directory: Path, num_tokens: int) -> Path:
+    """The entry of the prompt's block that ends at token `num_tokens`."""
     for path in (directory / "entries").rglob("*.safetensors"):
         k = bytes.fromhex(path.name.removesuffix(".safetensors"))
         n = entry_format.header_length(path.read_bytes()[:8])
         desc, _ = entry_format.read_header(path.read_bytes()[8 : 8 + n], k)
-        if desc.num_computed_tokens == 16 * (index + 1):
+        if desc.num_computed_tokens == num_tokens:
             return path
-    raise AssertionError(f"no entry for block {index}")
+    raise AssertionError(f"no entry ends at {num_tokens}")
 
 
 def _fault(kind: str, path: Path, monkeypatch) -> None:
@@ -396,7 +396,7 @@ def test_the_engine_serves_on_over_a_faulty_disk(engine_run, fp64_model, tmp_pat
     source, follow, expected = engine_run
     directory = tmp_path / "c"
     shutil.copytree(source, directory)
-    _fault(kind, _entry_of_block(directory, 2), monkeypatch)
+    _fault(kind, _entry_ending_at(directory, 48), monkeypatch)
     engine = build_engine(fp64_model, num_blocks=16, disk_cache=directory)
     done = threading.Event()
     tokens: list[list[int]] = []
@@ -422,3 +422,24 @@ def test_the_engine_serves_on_over_a_faulty_disk(engine_run, fp64_model, tmp_pat
         cause = "io_error" if kind == "unreadable" else "corrupt"
         assert disk["misses"].get(cause, 0) >= 1 and disk["num_gets"] == 2
     engine.runner.close()
+
+
+def test_a_v4_classical_block_of_the_wrong_shape_is_a_miss_recomputed_exactly(tmp_path, one_thread) -> None:
+    import random
+
+    from kvpool.models.tiny_dsv4 import TinyDSV4
+    from test_dsv4_disk import STRATEGIES
+    from test_dsv4_disk import _serve as serve_v4
+
+    model = TinyDSV4(dtype=torch.float64)
+    rng = random.Random(7)
+    prompt = [rng.randrange(256) for _ in range(2 * 128 + 5)]
+    serve_v4(model, [DiskTier(tmp_path, 1 << 30)], STRATEGIES["zero"], prompt)
+    path = _entry_ending_at(tmp_path, 128)  # the first classical block: CSA main and indexer, HCA
+    _reencoded(path, bytes.fromhex(path.name.removesuffix(".safetensors")), lambda t: t[:-1].contiguous())
+    follow = prompt[:256] + [rng.randrange(256) for _ in range(6)]
+    out, logits, history, report = serve_v4(model, [DiskTier(tmp_path, 1 << 30)], STRATEGIES["zero"], follow)
+    ref = model.reference_logits(history[:-1])[len(follow) - 1 :]
+    assert (logits - ref).abs().max().item() <= 1e-9  # fp64: exact up to rounding
+    assert out.num_cached_tokens == 0 and report["disk_tier"]["misses"] == {"corrupt": 1}
+    assert report["disk_tier"]["num_corrupt"] == 1 and len(list((tmp_path / "quarantine").iterdir())) == 1
