@@ -231,13 +231,16 @@ def test_cache_stats_counts_a_corrupted_payload_as_unreadable(tmp_path) -> None:
     raw = bytearray(stored(tier, 1).read_bytes())
     raw[-5] ^= 0x10
     stored(tier, 1).write_bytes(bytes(raw))
+    stored(tier, 2).unlink()
+    os.mkfifo(stored(tier, 2))  # (read without blocking: unreadable, not a hang)
     stats = json.loads(cache_cli("stats", str(tmp_path), "--json").stdout)
-    assert stats["entries"] == 3 and stats["unreadable"] == 1
+    assert stats["entries"] == 3 and stats["unreadable"] == 2
     listing = json.loads(cache_cli("ls", str(tmp_path), "--json").stdout)
     problems = {e["key"]: e["problem"] for e in listing["entries"]}
     assert "checksum mismatch" in problems[key(1).hex()] and not problems[key(0).hex()]
+    assert "FIFO" in problems[key(2).hex()]
     quick = json.loads(cache_cli("stats", str(tmp_path), "--json", "--headers-only").stdout)
-    assert quick["unreadable"] == 0  # the headers alone cannot tell
+    assert quick["unreadable"] == 1  # the headers alone cannot tell a corrupted payload
     assert stored(tier, 1).exists()  # stats and ls change nothing
 
 
@@ -326,6 +329,24 @@ def test_entries_of_another_format_version_are_skipped_not_quarantined(tmp_path,
     assert fresh.put(key(2), descriptor(2), tensors(2)) and fresh.flush(30)
     assert not path.exists() and fresh.stats.num_evictions == 1 and stored(tier, 1).exists()
     fresh.check_integrity()
+
+
+def test_no_single_flipped_bit_makes_an_entry_look_like_another_version() -> None:
+    data = entry_format.encode(key(1), descriptor(1), tensors(1, 4))
+    n = entry_format.header_length(data)
+    kinds = set()
+    for at in range(8 + n):  # every bit of the length and the header (the rest is tensor bytes)
+        for bit in range(8):
+            raw = bytearray(data)
+            raw[at] ^= 1 << bit
+            try:
+                entry_format.peek(bytes(raw), key(1))
+                kinds.add("read")  # (JSON whitespace and the like: the same manifest)
+            except entry_format.CorruptEntry:
+                kinds.add("corrupt")
+            except entry_format.OtherVersion:
+                pytest.fail(f"a flip of bit {bit} at byte {at} reads as another version")
+    assert "corrupt" in kinds
 
 
 # ----- the engine serves on over a faulty disk tier ----------------------------------

@@ -226,19 +226,21 @@ class DiskTier(Tier):
         is the same one."""
         found = scan_entries(self.root)  # (no lock: lookups go on meanwhile)
         with self._lock:
-            known = self._entries
-            self._entries, self._keys, self._num_bytes = OrderedDict(), Counter(), 0
-            for path, st in found:
-                try:
-                    key = bytes.fromhex(path.name.removesuffix(SUFFIX))
-                except ValueError:
-                    continue
-                ident = (path.parent.parent.name, key)
-                old = known.get(ident)
-                if old is not None and old.inode == st.st_ino and old.num_bytes == st.st_size:
-                    self._add(ident, old)
-                else:
-                    self._add(ident, _Entry(path, st.st_size, None, st.st_ino))
+            known = dict(self._entries)
+        entries: OrderedDict[tuple[str, bytes], _Entry] = OrderedDict()
+        for path, st in found:
+            try:
+                key = bytes.fromhex(path.name.removesuffix(SUFFIX))
+            except ValueError:
+                continue
+            ident = (path.parent.parent.name, key)
+            old = known.get(ident)
+            same_file = old is not None and old.inode == st.st_ino and old.num_bytes == st.st_size
+            entries[ident] = old if same_file else _Entry(path, st.st_size, None, st.st_ino)
+        keys = Counter(key for _, key in entries)
+        with self._lock:  # (what lookups found or dropped meanwhile is found or dropped again)
+            self._entries, self._keys = entries, keys
+            self._num_bytes = sum(e.num_bytes for e in entries.values())
             self._written_since_scan = 0
             self._evict_over_limit()
 

@@ -13,9 +13,12 @@ manifest's checksum, that the file's tensors are exactly the manifest's, and eve
 tensor's checksum. Anything wrong raises `CorruptEntry`, which the tiers turn into a miss
 (and, on disk, a quarantined file). A descriptor that does not match the caller's is not
 corruption: the tier reports it field by field. Nor is an entry of another format version
-(`OtherVersion`: a manifest whose "format" is not ours, or kvpool metadata in a form this
-version does not know): two kvpool versions may share a directory, so it is skipped, left
-to its writer, and aged out by the byte limit.
+(`OtherVersion`: its "kvpool.manifest" names another "format", with our checksum valid or
+with no checksum of ours): two kvpool versions may share a directory, so it is skipped,
+left to its writer, and aged out by the byte limit. Every later format keeps that manifest
+key and its format number. A single flipped bit never makes an entry look like another
+version (a flip in the format number fails the checksum; in the checksum's key, the
+manifest still says format 1): corruption stays corruption.
 """
 
 from __future__ import annotations
@@ -99,15 +102,14 @@ def read_header(header: bytes, key: bytes) -> tuple[BlockDescriptor, dict]:
         checksum = meta.get(_MANIFEST_SUM)
     except (ValueError, AttributeError, TypeError) as error:
         raise CorruptEntry(f"entry header unreadable: {error!r}") from None
-    if not isinstance(manifest_text, str) or not isinstance(checksum, str):
-        if isinstance(meta, dict) and any(str(name).startswith("kvpool.") for name in meta):
-            raise OtherVersion(f"entry metadata {sorted(meta)}, this kvpool writes {[_MANIFEST, _MANIFEST_SUM]}")
+    if not isinstance(manifest_text, str):
         raise CorruptEntry("entry header holds no kvpool manifest")
-    if xxhash.xxh3_128_hexdigest(manifest_text.encode()) != checksum:
-        # another version may sum its manifest otherwise: its format number tells (a flip
-        # that turns our "1" into another digit is then skipped and aged out, never served)
+    if not isinstance(checksum, str):
+        # another version may sum its manifest otherwise: its format number tells
         if _format_of(manifest_text) not in (FORMAT, None):
             raise OtherVersion(f"entry format {_format_of(manifest_text)}, this kvpool reads {FORMAT}")
+        raise CorruptEntry("entry header holds no manifest checksum")
+    if xxhash.xxh3_128_hexdigest(manifest_text.encode()) != checksum:
         raise CorruptEntry("manifest checksum mismatch")
     manifest = json.loads(manifest_text)
     if not isinstance(manifest, dict):
