@@ -464,3 +464,23 @@ def test_a_v4_classical_block_of_the_wrong_shape_is_a_miss_recomputed_exactly(tm
     assert (logits - ref).abs().max().item() <= 1e-9  # fp64: exact up to rounding
     assert out.num_cached_tokens == 0 and report["disk_tier"]["misses"] == {"corrupt": 1}
     assert report["disk_tier"]["num_corrupt"] == 1 and len(list((tmp_path / "quarantine").iterdir())) == 1
+
+
+def test_the_engine_heals_every_corrupted_payload_in_one_run(engine_run, fp64_model, tmp_path) -> None:
+    from kvpool.engine.build import build_engine
+    from kvpool.tiers.disk import inspect_cache
+
+    source, follow, expected = engine_run
+    directory = tmp_path / "c"
+    shutil.copytree(source, directory)
+    for path in (directory / "entries").rglob("*.safetensors"):
+        raw = bytearray(path.read_bytes())
+        raw[-3] ^= 0xFF  # the payload: every header still checks out
+        path.write_bytes(bytes(raw))
+    assert [bool(i.problem) for i in inspect_cache(directory)] == [True] * 6
+    engine = build_engine(fp64_model, num_blocks=16, disk_cache=directory)
+    assert _serve(engine, follow, "b") == expected
+    engine.runner.close()
+    disk = engine.runner.tier_reports()["disk_tier"]
+    assert disk["num_corrupt"] == 1 and disk["num_puts"] == 6  # block 0 quarantined; all 6 rewritten
+    assert [i.problem for i in inspect_cache(directory)] == [""] * 6  # (one a run before)
