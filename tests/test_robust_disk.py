@@ -157,6 +157,15 @@ def test_a_directory_where_an_entry_or_a_temp_file_should_be(tmp_path) -> None:
     assert same(DiskTier(tmp_path / "c", 1 << 30).get(key(0), descriptor(0)), 0)
 
 
+def test_a_fifo_at_a_temp_file_path_fails_that_write_without_a_hang(tmp_path) -> None:
+    tier = DiskTier(tmp_path, 1 << 30)
+    os.mkfifo(tmp_path / "tmp" / f"{key(1).hex()}.{os.getpid()}.0.tmp")  # where its first write goes
+    assert tier.put(key(1), descriptor(1), tensors(1))
+    assert tier.flush(5), "the writer blocked on a FIFO"
+    assert tier.stats.num_write_errors == 1 and tier.stats.num_puts == 0
+    assert tier.put(key(1), descriptor(1), tensors(1)) and tier.flush(5) and tier.stats.num_puts == 1
+
+
 def test_a_fifo_at_an_entry_path_is_a_prompt_miss(tmp_path) -> None:
     tier = filled(tmp_path, 2)
     path = stored(tier, 1)

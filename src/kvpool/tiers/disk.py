@@ -44,6 +44,8 @@ full queue drops the write and counts it.
 
 from __future__ import annotations
 
+import errno
+import io
 import itertools
 import os
 import stat
@@ -74,7 +76,7 @@ class _Entry:
     verified: bool = False  # its payload checked out here (written, or read back whole)
 
 
-def _open_entry(path: Path):
+def _open_entry(path: Path) -> io.BufferedReader:
     """A binary file object on the regular file at `path`. Non-blocking open: a FIFO
     returns at once (and, like a directory or a device, is refused as CorruptEntry)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
@@ -462,7 +464,11 @@ class DiskTier(Tier):
         tmp = self.root / "tmp" / f"{key.hex()}.{os.getpid()}.{next(self._tmp_names)}.tmp"
         try:
             self._stage("open")
-            with open(tmp, "wb") as f:
+            # non-blocking: a FIFO at the temp file's path is an error (ENXIO), not a hang
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK, 0o666)
+            with os.fdopen(fd, "wb") as f:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise OSError(errno.EEXIST, "not a regular file", str(tmp))
                 for at in range(0, len(data), _CHUNK):
                     f.write(data[at : at + _CHUNK])
                     f.flush()
