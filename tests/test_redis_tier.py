@@ -217,3 +217,23 @@ def test_two_processes_share_a_prefix_through_redis(redis_server) -> None:
     assert third.returncode == 0 and json.loads(third.stdout)["token_ids"] == a["token_ids"]
     lines = third.stderr.strip().splitlines()
     assert len(lines) == 1 and "unavailable" in lines[0], third.stderr
+
+
+def test_an_entry_of_another_format_version_is_a_miss_left_in_place(redis_server) -> None:
+    import xxhash
+    from safetensors.torch import save as st_save
+
+    from kvpool.tiers import entry
+
+    # another kvpool's entry (format 2, its manifest summed as ours): before, OtherVersion
+    # raised out of lookup and get (a crash of the engine step), where format 1 was corrupt
+    manifest = json.dumps({"format": 2, "key": key(1).hex()})
+    checksum = xxhash.xxh3_128_hexdigest(manifest.encode())
+    data = st_save({"k": torch.zeros(4)}, metadata={"kvpool.manifest": manifest, "kvpool.manifest_xxh3": checksum})
+    rkey = RedisTier.redis_key(key(1), descriptor(1))
+    c = redis.Redis.from_url(redis_server.url)
+    c.hset(rkey, mapping={"m": data[: 8 + entry.header_length(data)], "d": data})
+    reader, _ = tier(redis_server)
+    assert not reader.lookup(key(1), descriptor(1)) and reader.get(key(1), descriptor(1)) is None
+    assert reader.stats.misses == {"other_version": 2} and reader.stats.num_corrupt == 0
+    assert c.hget(rkey, "d") == data and not reader.contains(key(1))  # left to its writer

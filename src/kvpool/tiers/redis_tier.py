@@ -9,7 +9,9 @@ with two fields: `m`, the entry's header (safetensors header with the manifest a
 checksum, entry.py), read by a lookup to check the descriptor without moving the tensors;
 and `d`, the whole entry, read by a get and checked tensor by tensor. A bad entry is a
 counted miss and is deleted; a descriptor that does not match is a miss counted by field
-and is deleted (reclaimed). The server's own memory limit and eviction policy bound it.
+and is deleted (reclaimed). An entry of another kvpool's entry format (entry.OtherVersion)
+is a miss ("other_version") left to its writer. The server's own memory limit and
+eviction policy bound it.
 
 A fault is a miss, never a crash, a hang or a stall:
   - Every call has a deadline (`timeout_s`, one try). A call that finds the server
@@ -307,6 +309,12 @@ class RedisTier(Tier):
         self._known.pop(key, None)
         self._call(lambda c: c.delete(rkey))
 
+    def _other_version(self, key: bytes) -> None:
+        """An entry another kvpool's entry format wrote (entry.OtherVersion): a miss, left
+        to its writer (the server's eviction ages it out), never deleted as corrupt."""
+        self._known.pop(key, None)
+        self.stats.misses["other_version"] += 1
+
     def _missed(self, rkey: str, key: bytes, answer: object) -> None:
         """A read that found no entry: the server away (_DOWN), the key absent (None), or
         the command refused (the error, counted by _call). A value of another type under
@@ -334,6 +342,9 @@ class RedisTier(Tier):
         except entry.CorruptEntry:
             self._refuse(rkey, key, None)
             return False
+        except entry.OtherVersion:
+            self._other_version(key)
+            return False
         differ = descriptor.mismatches(expected)
         if differ:
             self._refuse(rkey, key, differ)
@@ -355,6 +366,10 @@ class RedisTier(Tier):
             descriptor, tensors = entry.decode(data, key)
         except entry.CorruptEntry:
             self._refuse(rkey, key, None)
+            self.stats.num_get_misses += 1
+            return None
+        except entry.OtherVersion:
+            self._other_version(key)
             self.stats.num_get_misses += 1
             return None
         differ = descriptor.mismatches(expected)
