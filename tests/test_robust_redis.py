@@ -315,3 +315,29 @@ def test_a_writer_job_that_raises_is_counted_with_its_error_and_the_next_jobs_ru
     assert writer.submit(bad, 10) and writer.submit(lambda: done.append(1), 10) and writer.flush(10)
     assert writer.num_failed == 1 and writer.last_error == "RuntimeError: a bug in a write" and done == [1]
     assert writer.pending_bytes == 0 and writer.close(10)
+
+
+def test_an_engine_rewrites_every_entry_with_a_corrupted_payload_in_one_run(model, redis_server) -> None:
+    prompt = random_ids(50, 11)  # 3 full blocks
+    ((ref_tokens, ref_logits),) = reference(model, [prompt])
+    first = engine(model, [RedisTier(redis_server.url)])
+    serve(first, prompt, "a")
+    first.runner.close()
+    c = client(redis_server)
+    for k in entry_keys(redis_server):
+        data = bytearray(c.hget(k, "d"))
+        data[-3] ^= 0xFF  # the payload: every header (what a lookup reads) still checks out
+        c.hset(k, "d", bytes(data))
+    second = engine(model, [RedisTier(redis_server.url)])
+    out, logits = serve(second, prompt, "b")
+    assert tokens(out) == ref_tokens and torch.equal(logits, ref_logits) and out.num_cached_tokens == 0
+    assert second.runner.flush_tiers(30)
+    report = second.runner.tier_reports()["redis_tier"]
+    # block 0's get found it corrupt; the lookups that had passed blocks 1 and 2 on their
+    # headers alone must not make holds() skip their rewrite (before: 1 put, 2 left corrupt)
+    assert report["num_corrupt"] == 1 and report["num_puts"] == 3
+    second.runner.close()
+    from kvpool.tiers import entry
+
+    for k in entry_keys(redis_server):  # every payload checks out again
+        entry.decode(c.hget(k, "d"), bytes.fromhex(k.decode().rpartition(":")[2]))

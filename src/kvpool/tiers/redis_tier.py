@@ -30,6 +30,9 @@ A fault is a miss, never a crash, a hang or a stall:
     share (`kvpool:generation`), in the background at most every `retry_s`: a server that
     lost its data (FLUSHALL, a restart without persistence) has lost the key too, and the
     belief is dropped, so the blocks are written again as they come by (evicted, computed).
+  - `holds` (the writer's "already stored, skip it") trusts only entries whose payload this
+    process wrote or read back whole: a lookup checks the header only, so an entry with a
+    corrupted payload is rewritten as soon as the engine computes its block again.
 """
 
 from __future__ import annotations
@@ -130,8 +133,10 @@ class RedisTier(Tier):
         self.num_resets = 0  # times the server was found to have lost this process's entries
         self.num_deferred_puts = 0  # writes an outage held back ...
         self.num_retried_puts = 0  # ... written when it ended
-        # what this process wrote or validated: content key -> (redis key, descriptor, bytes)
-        self._known: dict[bytes, tuple[str, BlockDescriptor, int]] = {}
+        # what this process wrote or validated: content key -> (redis key, descriptor, bytes,
+        # whether its payload checked out here: written, or read back whole); a lookup checks
+        # the header only, and holds() (the writer's "stored, skip it") trusts payloads alone
+        self._known: dict[bytes, tuple[str, BlockDescriptor, int, bool]] = {}
         self._epoch = 0  # bumped whenever _known is dropped: a write begun before records nothing
         self._generation: bytes | None = None
         # writes an outage refused, written when it ends: content key -> (descriptor, tensors, bytes)
@@ -283,7 +288,7 @@ class RedisTier(Tier):
 
     @property
     def num_bytes(self) -> int:
-        return sum(n for _, _, n in list(self._known.values()))  # (the writer thread adds to it)
+        return sum(known[2] for known in list(self._known.values()))  # (the writer thread adds to it)
 
     @property
     def num_entries(self) -> int:
@@ -295,7 +300,7 @@ class RedisTier(Tier):
     def holds(self, key: bytes, descriptor: BlockDescriptor) -> bool:
         self._kick()
         known = self._known.get(key)
-        return known is not None and known[1] == descriptor
+        return known is not None and known[1] == descriptor and known[3]
 
     def _refuse(self, rkey: str, key: bytes, differ: list[str] | None) -> None:
         """A bad or foreign entry: counted, deleted."""
@@ -351,7 +356,8 @@ class RedisTier(Tier):
             return False
         self.stats.num_lookup_hits += 1
         known = self._known.get(key)
-        self._known[key] = (rkey, descriptor, known[2] if known else len(header))
+        if known is None or known[1] != descriptor:  # (a payload checked here stays checked)
+            self._known[key] = (rkey, descriptor, len(header), False)
         return True
 
     def get(self, key: bytes, expected: BlockDescriptor) -> dict[str, Tensor] | None:
@@ -377,7 +383,7 @@ class RedisTier(Tier):
             self._refuse(rkey, key, differ)
             self.stats.num_get_misses += 1
             return None
-        self._known[key] = (rkey, descriptor, len(data))
+        self._known[key] = (rkey, descriptor, len(data), True)
         self.stats.num_gets += 1
         self.stats.num_get_bytes += len(data)
         self.stats.get_s += time.perf_counter() - start
@@ -437,7 +443,7 @@ class RedisTier(Tier):
             return False
         with self._lock:
             if self._epoch == epoch:  # else the server lost its data meanwhile: maybe this too
-                self._known[key] = (rkey, descriptor, len(data))
+                self._known[key] = (rkey, descriptor, len(data), True)
         self.stats.num_puts += 1
         self.stats.num_put_bytes += len(data)
         self.stats.put_s += time.perf_counter() - start
@@ -480,7 +486,7 @@ class RedisTier(Tier):
         }
 
     def check_integrity(self) -> None:
-        for key, (rkey, descriptor, _) in list(self._known.items()):
+        for key, (rkey, descriptor, _, _) in list(self._known.items()):
             if descriptor.content_key != key.hex() or not rkey.endswith(key.hex()):
                 raise AssertionError(f"redis tier: key {key.hex()} known as {rkey} / {descriptor.content_key}")
         with self._lock:
