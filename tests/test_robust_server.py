@@ -293,6 +293,26 @@ def test_an_untrusted_tenant_header_is_refused_and_keys_come_from_a_file(tmp_pat
         assert out.returncode == 2 and needle in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
+def test_a_key_or_tenant_that_is_not_utf8_is_refused_at_start(monkeypatch):
+    """argv and the environment carry undecodable bytes as lone surrogates: such a key made
+    every request's key comparison raise, a 500 even for the other, valid keys."""
+    import argparse
+
+    from kvpool.cli.serve import api_keys_from
+
+    def keys(*given: str, env: str | None = None) -> dict:
+        if env is None:
+            monkeypatch.delenv("KVPOOL_API_KEY", raising=False)
+        else:
+            monkeypatch.setenv("KVPOOL_API_KEY", env)
+        return api_keys_from(argparse.Namespace(api_key=list(given) or None, api_key_file=None))
+
+    assert keys("good", "k2:acme") == {"good": None, "k2": "acme"}
+    for given, env in ((("good", "k\udcff"), None), (("k:t\udcff",), None), ((), "k\udcff")):
+        with pytest.raises(ValueError, match="not valid UTF-8"):
+            keys(*given, env=env)
+
+
 # ---- the engine thread, in-process: a fault in one request ----------------------------------
 
 

@@ -145,7 +145,8 @@ def run(args: argparse.Namespace) -> int:
 
 def api_keys_from(args: argparse.Namespace) -> dict[str, str | None]:
     """Every served key -> the tenant it is bound to (None: unbound). ValueError naming the
-    flag, or the file and line, for an empty key or tenant and for a key given twice."""
+    flag, or the file and line, for an empty key or tenant, one that is not UTF-8 text (a
+    request would fail its comparison) and for a key given twice."""
     entries: list[tuple[str, str]] = []  # (where, "KEY[:TENANT]")
     given = args.api_key if args.api_key is not None else []
     if args.api_key is None and args.api_key_file is None and os.environ.get("KVPOOL_API_KEY") is not None:
@@ -172,6 +173,11 @@ def api_keys_from(args: argparse.Namespace) -> dict[str, str | None]:
             raise ValueError(f"{where}: the key is empty (give KEY or KEY:TENANT; unset an empty KVPOOL_API_KEY)")
         if colon and not tenant:
             raise ValueError(f"{where}: the tenant after {key[:4]}...: is empty")
+        try:  # argv and the environment carry undecodable bytes as lone surrogates
+            key.encode()
+            tenant.encode()
+        except UnicodeEncodeError:
+            raise ValueError(f"{where}: the key or tenant is not valid UTF-8 text") from None
         if key in keys:
             raise ValueError(f"{where}: the key {key[:4]}... is given twice")
         keys[key] = tenant if colon else None
