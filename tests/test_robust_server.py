@@ -378,6 +378,48 @@ def test_a_fault_in_one_requests_sampling_or_text_fails_it_alone(loaded):
     assert metrics.requests["error"]._value.get() == 2 and metrics.requests["length"]._value.get() == 2
 
 
+def test_a_fault_in_the_text_of_a_requests_last_step_fails_it(loaded):
+    """The request finished in the step whose text raised: it is failed, not answered as a
+    success whose last text (and finish_reason) never came."""
+    from kvpool.engine.build import build_engine
+    from kvpool.engine.sampling import SamplingParams
+    from kvpool.server.engine_thread import EngineThread, Failed, Finished
+
+    engine = build_engine(loaded, num_blocks=64, block_size=16)
+    metrics = ServerMetrics(MODEL)
+    thread = EngineThread(engine, loaded.tokenizer.decode, on_step=metrics.update)
+    delta = thread._delta
+
+    def faulty_delta(seq, tracked):
+        if seq.request.request_id == "bad-end" and seq.finish_reason is not None:
+            raise RuntimeError("injected fault in the last text")
+        return delta(seq, tracked)
+
+    thread._delta = faulty_delta
+    prompt = loaded.tokenizer.encode("The river flows")
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+
+    async def drive() -> dict[str, object]:
+        queues = {name: thread.submit(name, prompt, params) for name in ("bad-end", "ok")}
+        last = {}
+        for name, queue in queues.items():
+            while not isinstance(event := await asyncio.wait_for(queue.get(), 60), Finished | Failed):
+                pass
+            last[name] = event
+        return last
+
+    thread.start()
+    try:
+        last = asyncio.run(drive())
+        held = thread.call(lambda e: e.runner.usage().num_held_blocks).result(60)
+    finally:
+        thread.stop()
+    assert isinstance(last["bad-end"], Failed) and "injected fault in the last text" in last["bad-end"].message
+    assert isinstance(last["ok"], Finished)
+    assert held == 0 and engine.requests == {}
+    assert metrics.requests["error"]._value.get() == 1 and metrics.requests["length"]._value.get() == 1
+
+
 def test_a_tenant_the_salt_cannot_encode_is_refused_by_the_engine(loaded):
     from kvpool.engine.build import build_engine
     from kvpool.pool.hashing import BlockHasher

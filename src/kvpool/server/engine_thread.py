@@ -261,7 +261,9 @@ class EngineThread:
                     deltas = [d for d in (self._delta(seq, tracked) for seq in req.seqs) if d is not None]
                 except Exception as error:  # this request's text: it fails alone
                     _log(f"request {request_id} failed", traceback.format_exc())
-                    engine.fail(request_id, f"{type(error).__name__}: {error}")
+                    message = f"{type(error).__name__}: {error}"
+                    if not engine.fail(request_id, message):
+                        req.error = message  # it finished this step: its last text is lost all the same
                 else:
                     for delta in deltas:
                         num_new_tokens += len(delta.token_ids)
