@@ -341,3 +341,34 @@ def test_an_engine_rewrites_every_entry_with_a_corrupted_payload_in_one_run(mode
 
     for k in entry_keys(redis_server):  # every payload checks out again
         entry.decode(c.hget(k, "d"), bytes.fromhex(k.decode().rpartition(":")[2]))
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype"])
+def test_an_entry_of_the_wrong_shape_or_dtype_is_a_corrupt_miss_and_the_engine_serves_on(
+    model, redis_server, change
+) -> None:
+    from kvpool.tiers import entry
+
+    prompt = random_ids(50, 12)  # 3 full blocks
+    ((ref_tokens, ref_logits),) = reference(model, [prompt])
+    first = engine(model, [RedisTier(redis_server.url)])
+    serve(first, prompt, "a")
+    first.runner.close()
+    c = client(redis_server)
+    for k in entry_keys(redis_server):  # valid checksums, tensors that are not this engine's blocks
+        key_bytes = bytes.fromhex(k.decode().rpartition(":")[2])
+        desc, t = entry.decode(c.hget(k, "d"), key_bytes)
+        bad = {n: x[..., :-1].contiguous() if change == "shape" else x.float() for n, x in t.items()}
+        data = entry.encode(key_bytes, desc, bad)
+        c.hset(k, mapping={"m": data[: 8 + entry.header_length(data)], "d": data})
+    second = engine(model, [RedisTier(redis_server.url)])
+    out, logits = serve(second, prompt, "b")  # before: AssertionError (shape) or a silent cast (dtype)
+    assert tokens(out) == ref_tokens and torch.equal(logits, ref_logits) and out.num_cached_tokens == 0
+    assert second.runner.flush_tiers(30)
+    report = second.runner.tier_reports()["redis_tier"]
+    assert report["misses"] == {"corrupt": 1} and report["num_corrupt"] == 1 and report["num_puts"] == 3
+    second.runner.close()
+    third = engine(model, [RedisTier(redis_server.url)])
+    out, logits = serve(third, prompt, "c")
+    assert out.num_cached_tokens == 48 and tokens(out) == ref_tokens
+    third.runner.close()

@@ -27,7 +27,6 @@ from kvpool.storage.dsv4 import DSV4Pools, V4EntryPool
 from kvpool.tiers import (
     DEFAULT_DISK_CACHE_BYTES,
     BlockDescriptor,
-    DiskTier,
     HostTier,
     Tier,
     TierIndex,
@@ -142,10 +141,10 @@ class DSV4PagedRunner:
         self.tier_index = TierIndex(self.tier, model.spec.span) if self.tier is not None else None
         if self.tier is not None:
             self.cache.record_evictions()
-        for tier in self.persistent_tiers:
-            if isinstance(tier, DiskTier):  # it quarantines entries that are not blocks of these pools
-                cache = descriptor_for(model, kv_format, indexer_format)
-                blocks = {name: (t.dtype, tuple(t.shape)) for name, t in self._block_tensors(0).items()}
+        if self.persistent_tiers:  # disk, Redis: an entry that is not a block of these pools is a corrupt miss
+            cache = descriptor_for(model, kv_format, indexer_format)
+            blocks = {name: (t.dtype, tuple(t.shape)) for name, t in self._block_tensors(0).items()}
+            for tier in self.persistent_tiers:
                 tier.expect_tensors(cache.model_id, cache.layout_id, blocks)
         self.swa = (swa or SWAStrategy()).check(self.spec.span) if self.persistent_tiers else None
         self.num_offloaded = self.num_loaded = 0

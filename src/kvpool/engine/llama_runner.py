@@ -16,7 +16,7 @@ from kvpool.models.llama import LlamaModel
 from kvpool.models.tensor_parallel import check_same_step, step_digest
 from kvpool.storage.kv import PagedKVStorage, QuantizedKVStorage, QuantWriteIndex, SeqSpan
 from kvpool.storage.quant import KVSchema, code_dtype, kv_schema
-from kvpool.tiers import DiskTier, Tier, TierIndex, TierStack
+from kvpool.tiers import Tier, TierIndex, TierStack
 
 
 @dataclass
@@ -130,10 +130,10 @@ class LlamaRunner:
         # stream by events (`_to_host`, `_to_device`); loads not yet waited for by compute:
         self._copy_stream = torch.cuda.Stream(model.device) if model.device.type == "cuda" else None
         self._loads_in_flight: list[torch.cuda.Event] = []
-        for tier in self.persistent_tiers:
-            if isinstance(tier, DiskTier):  # it quarantines entries that are not blocks of this storage
-                k, v = self.storage.k, self.storage.v
-                blocks = {"k": (k.dtype, (k.shape[0], *k.shape[2:])), "v": (v.dtype, (v.shape[0], *v.shape[2:]))}
+        if self.persistent_tiers:  # disk, Redis: an entry that is not a block of this storage is a corrupt miss
+            k, v = self.storage.k, self.storage.v
+            blocks = {"k": (k.dtype, (k.shape[0], *k.shape[2:])), "v": (v.dtype, (v.shape[0], *v.shape[2:]))}
+            for tier in self.persistent_tiers:
                 tier.expect_tensors(descriptor.model_id, descriptor.layout_id, blocks)
         if self.host_tier is not None:
             if hasattr(self.host_tier, "reclaim"):

@@ -68,6 +68,14 @@ class Tier(ABC):
     def get(self, key: bytes, expected: BlockDescriptor) -> dict[str, Tensor] | None:
         """The block's tensors, validated like `lookup`; None on a miss."""
 
+    def expect_tensors(  # noqa: B027 - optional: a tier with nothing to check keeps this
+        self, model_id: str, layout_id: str, tensors: dict[str, tuple[object, tuple[int, ...]]]
+    ) -> None:
+        """Declare the tensors every block of (model_id, layout_id) has: {name: (torch dtype,
+        shape)}. A tier that reads entries others may have written (disk, Redis) refuses one
+        whose tensors differ as a corrupt miss; a tier of this process's own copies has
+        nothing to check."""
+
     @abstractmethod
     def contains(self, key: bytes) -> bool:
         """Whether any entry is stored under `key` (no validation, no counter, no LRU move)."""

@@ -250,22 +250,10 @@ class DiskTier(Tier):
         """Declare the tensors every block of (model_id, layout_id) has: {name: (torch dtype,
         shape)}. An entry of that namespace whose tensors differ, checksums valid or not, is
         quarantined (a miss), never handed to the engine."""
-        layout = {}
-        for name, spec in tensors.items():
-            dtype, shape = spec if isinstance(spec, tuple) and len(spec) == 2 else (None, None)
-            if (
-                not str(dtype).startswith("torch.")
-                or not isinstance(shape, tuple)
-                or not all(isinstance(n, int) and n >= 0 for n in shape)
-            ):
-                raise ValueError(f"expected tensors: {name!r} must be (torch dtype, shape of sizes >= 0), got {spec!r}")
-            layout[name] = (str(dtype).removeprefix("torch."), list(shape))
-        self._expected[entry.namespace_of(model_id, layout_id)] = layout
+        self._expected[entry.namespace_of(model_id, layout_id)] = entry.expected_layout(tensors)
 
     def _check_layout(self, namespace: str, layout: dict[str, tuple[str, list[int]]]) -> None:
-        want = self._expected.get(namespace)
-        if want is not None and layout != want:
-            raise entry.CorruptEntry(f"entry holds tensors {layout}, blocks of its namespace are {want}")
+        entry.check_layout(layout, self._expected.get(namespace))
 
     @property
     def num_bytes(self) -> int:

@@ -142,6 +142,28 @@ def tensor_layout(manifest: dict) -> dict[str, tuple[str, list[int]]]:
         raise CorruptEntry(f"entry manifest lists no tensors: {error!r}") from None
 
 
+def expected_layout(tensors: dict[str, tuple[object, tuple[int, ...]]]) -> dict[str, tuple[str, list[int]]]:
+    """{name: (dtype, shape)} as a manifest names them, from {name: (torch dtype, shape)}
+    (a tier's `expect_tensors`); ValueError for anything else."""
+    layout = {}
+    for name, spec in tensors.items():
+        dtype, shape = spec if isinstance(spec, tuple) and len(spec) == 2 else (None, None)
+        if (
+            not str(dtype).startswith("torch.")
+            or not isinstance(shape, tuple)
+            or not all(isinstance(n, int) and n >= 0 for n in shape)
+        ):
+            raise ValueError(f"expected tensors: {name!r} must be (torch dtype, shape of sizes >= 0), got {spec!r}")
+        layout[name] = (str(dtype).removeprefix("torch."), list(shape))
+    return layout
+
+
+def check_layout(layout: dict[str, tuple[str, list[int]]], want: dict[str, tuple[str, list[int]]] | None) -> None:
+    """CorruptEntry when an entry's tensors (`layout`) are not those expected (None: any)."""
+    if want is not None and layout != want:
+        raise CorruptEntry(f"entry holds tensors {layout}, blocks of its namespace are {want}")
+
+
 def layout_of(tensors: dict[str, Tensor]) -> dict[str, tuple[str, list[int]]]:
     """{name: (dtype, shape)} of tensors, as a manifest names them."""
     return {name: (str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in tensors.items()}

@@ -7,11 +7,12 @@ Each block is one Redis hash under
 
 with two fields: `m`, the entry's header (safetensors header with the manifest and its
 checksum, entry.py), read by a lookup to check the descriptor without moving the tensors;
-and `d`, the whole entry, read by a get and checked tensor by tensor. A bad entry is a
-counted miss and is deleted; a descriptor that does not match is a miss counted by field
-and is deleted (reclaimed). An entry of another kvpool's entry format (entry.OtherVersion)
-is a miss ("other_version") left to its writer. The server's own memory limit and
-eviction policy bound it.
+and `d`, the whole entry, read by a get and checked tensor by tensor. A bad entry (or one
+whose tensors are not the shapes and dtypes the engine declared for its namespace,
+`expect_tensors`) is a counted miss and is deleted; a descriptor that does not match is a
+miss counted by field and is deleted (reclaimed). An entry of another kvpool's entry
+format (entry.OtherVersion) is a miss ("other_version") left to its writer. The server's
+own memory limit and eviction policy bound it.
 
 A fault is a miss, never a crash, a hang or a stall:
   - Every call has a deadline (`timeout_s`, one try). A call that finds the server
@@ -142,6 +143,8 @@ class RedisTier(Tier):
         # writes an outage refused, written when it ends: content key -> (descriptor, tensors, bytes)
         self._backlog: dict[bytes, tuple[BlockDescriptor, dict[str, Tensor], int]] = {}
         self._backlog_bytes = 0
+        # namespace -> {tensor name: (dtype, shape)} every entry of it must have
+        self._expected: dict[str, dict[str, tuple[str, list[int]]]] = {}
         self._writer = BackgroundWriter("redis", max_pending_bytes)
         self._connect()
 
@@ -163,6 +166,12 @@ class RedisTier(Tier):
             self._trip(error)
             return
         self._check_generation()
+
+    def expect_tensors(self, model_id: str, layout_id: str, tensors: dict[str, tuple[object, tuple[int, ...]]]) -> None:
+        """Declare the tensors every block of (model_id, layout_id) has: {name: (torch dtype,
+        shape)}. An entry of that namespace whose tensors differ, checksums valid or not, is
+        a corrupt miss and is deleted, never handed to the engine."""
+        self._expected[entry.namespace_of(model_id, layout_id)] = entry.expected_layout(tensors)
 
     @staticmethod
     def redis_key(key: bytes, descriptor: BlockDescriptor) -> str:
@@ -343,7 +352,8 @@ class RedisTier(Tier):
             self._missed(rkey, key, header)
             return False
         try:
-            descriptor = entry.peek(header, key)[0]
+            descriptor, manifest = entry.peek(header, key)
+            entry.check_layout(entry.tensor_layout(manifest), self._expected.get(entry.namespace(expected)))
         except entry.CorruptEntry:
             self._refuse(rkey, key, None)
             return False
@@ -370,6 +380,7 @@ class RedisTier(Tier):
             return None
         try:
             descriptor, tensors = entry.decode(data, key)
+            entry.check_layout(entry.layout_of(tensors), self._expected.get(entry.namespace(expected)))
         except entry.CorruptEntry:
             self._refuse(rkey, key, None)
             self.stats.num_get_misses += 1
