@@ -420,6 +420,29 @@ def test_a_fault_in_the_text_of_a_requests_last_step_fails_it(loaded):
     assert metrics.requests["error"]._value.get() == 1 and metrics.requests["length"]._value.get() == 1
 
 
+def test_a_request_fault_still_raises_outside_the_server(loaded):
+    """Only the server contains a request's fault (its engine thread opts in): elsewhere
+    (kvpool generate, run, verify, the simulator) nothing reads RequestOutput.error, so a
+    sampler bug contained there would pass as a quietly aborted request."""
+    from kvpool.engine.build import build_engine
+    from kvpool.engine.sampling import SamplingParams
+    from kvpool.server.engine_thread import EngineThread
+
+    def sampler(logits, params, sample_index, position):
+        raise RuntimeError("injected sampler fault")
+
+    engine = build_engine(loaded, num_blocks=64, block_size=16)
+    engine.sampler = sampler
+    engine.add_request(loaded.tokenizer.encode("The river flows"), SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="injected sampler fault"):
+        while engine.has_unfinished():
+            engine.step()
+    served = build_engine(loaded, num_blocks=64, block_size=16)
+    assert not served.contain_request_faults
+    EngineThread(served, loaded.tokenizer.decode)
+    assert served.contain_request_faults
+
+
 def test_a_tenant_the_salt_cannot_encode_is_refused_by_the_engine(loaded):
     from kvpool.engine.build import build_engine
     from kvpool.pool.hashing import BlockHasher

@@ -149,6 +149,11 @@ class Engine:
         self.record_logits = record_logits
         self.clock = clock
         self.sampler = sampler
+        # A fault of one request's own work (its sampling, stop-string text or fork) fails
+        # that request alone (`fail`, RequestOutput.error) when this is set; else it raises,
+        # as any bug does. Only a consumer that reads `error` sets it (the server's engine
+        # thread): elsewhere a contained fault would pass as a quietly aborted request.
+        self.contain_request_faults = False
         self.requests: dict[str, RequestState] = {}
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
@@ -396,8 +401,9 @@ class Engine:
         next_token_ids: list[int | None] = [None] * len(chunks)
         done: list[tuple[SequenceState, str]] = []
         forks: list[tuple[SequenceState, torch.Tensor]] = []
-        # A request whose own sampling or text raises fails alone, after the step's commit;
-        # the others go on. (A fault of the step itself, schedule or forward, still raises.)
+        # With contain_request_faults, a request whose own sampling or text raises fails
+        # alone, after the step's commit; the others go on. (A fault of the step itself,
+        # schedule or forward, always raises.)
         failed: dict[str, str] = {}
         row = 0
         stats = self.stats
@@ -417,6 +423,8 @@ class Engine:
             try:
                 reason = self._accept_token(seq, seq_logits, now)
             except Exception as error:
+                if not self.contain_request_faults:
+                    raise
                 failed[seq.request.request_id] = f"{type(error).__name__}: {error}"
                 continue
             if seq.request.params.n > 1 and not seq.request.forked:
@@ -432,6 +440,8 @@ class Engine:
             try:
                 self._fork_samples(parent, parent_logits, now, done)
             except Exception as error:
+                if not self.contain_request_faults:
+                    raise
                 failed[parent.request.request_id] = f"{type(error).__name__}: {error}"
         for seq, reason in done:
             if seq.request.request_id not in failed:

@@ -107,6 +107,7 @@ class EngineThread:
         name: str = "kvpool-engine",
     ) -> None:
         self.engine = engine
+        engine.contain_request_faults = True  # one request's fault fails it alone (Failed)
         self.decode = decode
         self.on_step = on_step
         self._cond = threading.Condition()
