@@ -493,3 +493,19 @@ def test_the_engine_heals_every_corrupted_payload_in_one_run(engine_run, fp64_mo
     disk = engine.runner.tier_reports()["disk_tier"]
     assert disk["num_corrupt"] == 1 and disk["num_puts"] == 6  # block 0 quarantined; all 6 rewritten
     assert [i.problem for i in inspect_cache(directory)] == [""] * 6  # (one a run before)
+
+
+def test_an_entry_path_that_cannot_be_reached_is_a_counted_miss(tmp_path) -> None:
+    tier = DiskTier(tmp_path, 1 << 30)
+    path = stored(tier, 1)
+    path.parent.parent.mkdir(parents=True)
+    path.parent.write_bytes(b"not a directory")  # a file where the entry's <kk> directory goes
+    assert not tier.lookup(key(1), descriptor(1))  # before: NotADirectoryError out of the stat
+    assert tier.get(key(1), descriptor(1)) is None
+    assert tier.stats.misses == {"io_error": 2} and tier.io_errors == {"read": 2}
+    assert tier.put(key(1), descriptor(1), tensors(1)) and tier.flush(30)
+    assert tier.stats.num_write_errors == 1 and tier._writer.num_failed == 0
+    path.parent.unlink()
+    assert tier.put(key(1), descriptor(1), tensors(1)) and tier.flush(30)
+    assert same(tier.get(key(1), descriptor(1)), 1)
+    tier.check_integrity()

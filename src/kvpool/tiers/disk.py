@@ -361,7 +361,12 @@ class DiskTier(Tier):
     def _checked(self, key: bytes, expected: BlockDescriptor) -> _Entry | None:
         """The entry, its descriptor checked against `expected` (lock held)."""
         ident = self._id(key, expected)
-        found = self._find(ident, expected)
+        try:
+            found = self._find(ident, expected)
+        except OSError:  # its path unreachable: a file where a directory should be, no permission
+            self.io_errors["read"] += 1
+            self.stats.misses["io_error"] += 1
+            return None
         if found is None:
             self.stats.misses["absent"] += 1
             return None
