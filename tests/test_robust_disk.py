@@ -509,3 +509,30 @@ def test_an_entry_path_that_cannot_be_reached_is_a_counted_miss(tmp_path) -> Non
     assert tier.put(key(1), descriptor(1), tensors(1)) and tier.flush(30)
     assert same(tier.get(key(1), descriptor(1)), 1)
     tier.check_integrity()
+
+
+def _crafted(manifest: str) -> bytes:
+    """Key 1's entry whose manifest is `manifest`, its checksum valid (crafted, never torn)."""
+    if manifest == "not json":
+        text = "{not json"
+    else:
+        m = {"format": entry_format.FORMAT, "key": key(1).hex(), "descriptor": json.loads(descriptor(1).to_json())}
+        m["tensors"] = ["k", "v"] if manifest == "tensors a list" else {"k": "float32", "v": "float32"}
+        text = json.dumps(m)
+    checksum = xxhash.xxh3_128_hexdigest(text.encode())
+    return st_save(tensors(1), metadata={"kvpool.manifest": text, "kvpool.manifest_xxh3": checksum})
+
+
+@pytest.mark.parametrize("manifest", ["not json", "tensors a list", "a tensor's entry a string"])
+def test_a_crafted_manifest_with_a_valid_checksum_is_corrupt(manifest) -> None:
+    with pytest.raises(entry_format.CorruptEntry):  # before: JSONDecodeError / TypeError
+        entry_format.decode(_crafted(manifest), key(1))
+
+
+def test_a_crafted_manifest_on_disk_is_quarantined(tmp_path) -> None:
+    tier = filled(tmp_path, 2)
+    stored(tier, 1).write_bytes(_crafted("not json"))
+    fresh = DiskTier(tmp_path, 1 << 30)
+    assert fresh.get(key(1), descriptor(1)) is None  # before: JSONDecodeError out of it
+    assert fresh.stats.misses == {"corrupt": 1} and not stored(tier, 1).exists()
+    assert same(fresh.get(key(0), descriptor(0)), 0)

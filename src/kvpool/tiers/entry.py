@@ -111,7 +111,10 @@ def read_header(header: bytes, key: bytes) -> tuple[BlockDescriptor, dict]:
         raise CorruptEntry("entry header holds no manifest checksum")
     if xxhash.xxh3_128_hexdigest(manifest_text.encode()) != checksum:
         raise CorruptEntry("manifest checksum mismatch")
-    manifest = json.loads(manifest_text)
+    try:  # (checksum valid: only a crafted manifest fails here)
+        manifest = json.loads(manifest_text)
+    except ValueError as error:
+        raise CorruptEntry(f"entry manifest unreadable: {error}") from None
     if not isinstance(manifest, dict):
         raise CorruptEntry("entry manifest is not an object")
     if manifest.get("format") != FORMAT:
@@ -184,13 +187,15 @@ def decode(data: bytes, key: bytes) -> tuple[BlockDescriptor, dict[str, Tensor]]
         tensors = st_load(data)
     except Exception as error:  # safetensors raises its own error type for a torn file
         raise CorruptEntry(f"tensors unreadable: {error}") from None
-    expected = manifest.get("tensors", {})
+    expected = manifest.get("tensors")
+    if not isinstance(expected, dict) or not all(isinstance(want, dict) for want in expected.values()):
+        raise CorruptEntry("entry manifest lists no tensors")
     if set(tensors) != set(expected):
         raise CorruptEntry(f"entry holds tensors {sorted(tensors)}, its manifest names {sorted(expected)}")
     for name, tensor in tensors.items():
         want = expected[name]
-        if str(tensor.dtype).removeprefix("torch.") != want["dtype"] or list(tensor.shape) != want["shape"]:
+        if str(tensor.dtype).removeprefix("torch.") != want.get("dtype") or list(tensor.shape) != want.get("shape"):
             raise CorruptEntry(f"tensor {name}: {tensor.dtype} {list(tensor.shape)}, manifest says {want}")
-        if _tensor_sum(tensor) != want["xxh3"]:
+        if _tensor_sum(tensor) != want.get("xxh3"):
             raise CorruptEntry(f"tensor {name}: checksum mismatch")
     return descriptor, tensors
