@@ -536,3 +536,23 @@ def test_a_crafted_manifest_on_disk_is_quarantined(tmp_path) -> None:
     assert fresh.get(key(1), descriptor(1)) is None  # before: JSONDecodeError out of it
     assert fresh.stats.misses == {"corrupt": 1} and not stored(tier, 1).exists()
     assert same(fresh.get(key(0), descriptor(0)), 0)
+
+
+def test_an_entry_dropped_while_the_directory_is_rescanned_stays_dropped(tmp_path, monkeypatch) -> None:
+    import kvpool.tiers.disk as disk_module
+
+    tier = filled(tmp_path, 3)
+    real_scan = disk_module.scan_entries
+
+    def scan(root):  # the engine evicts key 1 while the writer's rescan lists the directory
+        found = real_scan(root)
+        tier.evict(key(1))
+        return found
+
+    monkeypatch.setattr(disk_module, "scan_entries", scan)
+    tier._rescan()
+    # before: the rescan put the evicted entry back in the index (its bytes counted, its
+    # key "contained") from the listing made before the eviction
+    assert not tier.contains(key(1)) and tier.num_entries == 2
+    assert tier.num_bytes == sum(stored(tier, i).stat().st_size for i in (0, 2))
+    tier.check_integrity()

@@ -226,9 +226,9 @@ class DiskTier(Tier):
         evictions), least recently modified first, and evict down to the limit. What this
         process knew of an entry (its descriptor, a checked payload) is kept while the file
         is the same one."""
-        found = scan_entries(self.root)  # (no lock: lookups go on meanwhile)
         with self._lock:
             known = dict(self._entries)
+        found = scan_entries(self.root)  # (no lock: lookups go on meanwhile)
         entries: OrderedDict[tuple[str, bytes], _Entry] = OrderedDict()
         for path, st in found:
             try:
@@ -239,9 +239,13 @@ class DiskTier(Tier):
             old = known.get(ident)
             same_file = old is not None and old.inode == st.st_ino and old.num_bytes == st.st_size
             entries[ident] = old if same_file else _Entry(path, st.st_size, None, st.st_ino)
-        keys = Counter(key for _, key in entries)
-        with self._lock:  # (what lookups found or dropped meanwhile is found or dropped again)
-            self._entries, self._keys = entries, keys
+        with self._lock:
+            for ident in [i for i in entries if i in known and i not in self._entries]:
+                del entries[ident]  # dropped meanwhile (evicted, quarantined, reclaimed): not back
+            for ident, entry_now in self._entries.items():
+                if ident not in known:
+                    entries[ident] = entry_now  # found meanwhile by a lookup (the newest use)
+            self._entries, self._keys = entries, Counter(key for _, key in entries)
             self._num_bytes = sum(e.num_bytes for e in entries.values())
             self._written_since_scan = 0
             self._evict_over_limit()
