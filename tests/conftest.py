@@ -39,6 +39,18 @@ def kernels():
 
 
 @pytest.fixture(scope="module")
+def smollm2_for_commands(one_thread):
+    """The embedded SmolLM2-135M, loaded once a module; the CLI commands a test runs get it
+    from build.load_model instead of loading it again."""
+    from kvpool.engine import build
+
+    loaded = build.load_model()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(build, "load_model", lambda path=None, **kw: loaded)
+        yield loaded
+
+
+@pytest.fixture(scope="module")
 def fp64_model():
     """SmolLM2-135M in fp64 on the CPU, one torch thread: the engine's tier tests compare
     logits bit for bit and against the fp64 reference."""

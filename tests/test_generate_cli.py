@@ -11,14 +11,8 @@ from kvpool.cli.main import main
 
 
 @pytest.fixture(scope="module")
-def smollm2(one_thread):
-    """The embedded SmolLM2-135M, loaded once; `kvpool generate` gets it from load_model."""
-    from kvpool.engine import build
-
-    loaded = build.load_model()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(build, "load_model", lambda path=None, **kw: loaded)
-        yield loaded
+def smollm2(smollm2_for_commands):
+    return smollm2_for_commands
 
 
 def test_generate_json(smollm2, capsys):

@@ -25,14 +25,8 @@ def _one_error_line(capsys) -> str:
 
 
 @pytest.fixture(scope="module")
-def smollm2(one_thread):
-    """The embedded SmolLM2-135M, loaded once; the commands get it from load_model."""
-    from kvpool.engine import build
-
-    loaded = build.load_model()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(build, "load_model", lambda path=None, **kw: loaded)
-        yield loaded
+def smollm2(smollm2_for_commands):
+    return smollm2_for_commands
 
 
 @pytest.fixture
