@@ -143,3 +143,47 @@ def test_verify_cp_bounds_the_smollm2_logits_not_only_the_tokens(one_rank_group,
     off = cp.check_smollm2(0, 1, 48, 4, 16)
     assert off["tokens_equal"] and off["finite"]
     assert off["max_logit_difference"] > 8 * off["single_rank_fp32_error"] and not off["passed"]
+
+
+# A multi-process command other than the tensor-parallel engine (verify tp / cp / pd, or one
+# failing while the group forms): rank 1 dies after the group's first collective, rank 0's
+# next collective fails in gloo's transport. The command is a stand-in registered for the
+# run, so the death falls at a known point.
+_LOSE_A_PEER = """
+import os, sys, types
+import torch
+import torch.distributed as dist
+from kvpool.cli import main as cli
+
+def run(args):
+    dist.init_process_group("gloo")
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    if dist.get_rank() == 1:
+        os._exit(9)
+    dist.all_reduce(t)
+    return 0
+
+module = types.ModuleType("kvpool_lose_a_peer")
+module.add_arguments = lambda parser: None
+module.run = run
+sys.modules[module.__name__] = module
+cli.COMMANDS["lose-a-peer"] = (module.__name__, "a collective whose peer dies")
+cli.entry(["lose-a-peer"])
+"""
+
+
+def test_any_command_whose_peer_dies_stops_in_one_line_naming_it() -> None:
+    port = str(_free_port())
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+        cmd = [sys.executable, "-c", _LOSE_A_PEER]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    (code0, _, err0), (code1, _, _) = _finish(procs, timeout=120)
+    assert code1 == 9
+    assert code0 == 1, err0[-3000:]
+    line = _error_line(err0)
+    assert line.startswith("kvpool lose-a-peer: error: rank 0 of 2: lost rank 1 ("), line
+    assert "pair.cc" not in line and "GLHF" not in line, line

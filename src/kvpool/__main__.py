@@ -1,7 +1,5 @@
 """`python -m kvpool ...` is the `kvpool` command."""
 
-import sys
+from kvpool.cli.main import entry
 
-from kvpool.cli.main import main
-
-sys.exit(main())
+entry()

@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import importlib
 import os
+import re
 import signal
 import sys
 import threading
@@ -86,6 +87,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def lost_peer_line(error: RuntimeError) -> str | None:
+    """The one line for a torch.distributed collective that failed because a peer process
+    went away (gloo's transport error), in a command that joined a process group; None for
+    any other error. With two ranks the lost one is the other; with more, gloo cannot tell
+    which (a tensor-parallel engine names it itself: models/tensor_parallel.py)."""
+    dist = sys.modules.get("torch.distributed")  # (loaded only by a command that uses it)
+    text = str(error)
+    if dist is None or not dist.is_available() or not dist.is_initialized() or "gloo" not in text:
+        return None
+    # "[.../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:38297: Connection reset by
+    # peer. This is typically caused by ..." -> "Read error [127.0.0.1]:38297: Connection reset by peer"
+    reason = re.sub(r"^\[[^\]]*\]\s*", "", text.strip().splitlines()[0]).split(". This is typically")[0]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    lost = f"rank {1 - rank}" if world == 2 else "a peer rank"
+    return f"rank {rank} of {world}: lost {lost} ({reason}); the process group cannot go on without it"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command. A caller's mistake (a bad value, a missing file) is reported as one
     line naming the problem, exit status 2; Ctrl-C as one line, status 130.
@@ -99,11 +117,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvpool {args._name}: error: {error}", file=sys.stderr)
         return 2
     except RuntimeError as error:
-        # tensor parallel: ranks that diverged, or a lost rank, end each rank left in one line
+        # tensor parallel: ranks that diverged, or a lost rank, end each rank left in one line;
+        # so does a lost peer in any other multi-process command (verify tp / cp / pd)
         tp = sys.modules.get("kvpool.models.tensor_parallel")  # (loaded when a command shards)
-        if tp is None or not isinstance(error, tp.RankError) or os.environ.get("KVPOOL_TRACEBACK"):
+        line = str(error) if tp is not None and isinstance(error, tp.RankError) else lost_peer_line(error)
+        if line is None or os.environ.get("KVPOOL_TRACEBACK"):
             raise
-        print(f"kvpool {args._name}: error: {error}", file=sys.stderr)
+        print(f"kvpool {args._name}: error: {line}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as stop:
         if os.environ.get("KVPOOL_TRACEBACK"):
@@ -119,5 +139,19 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BROKEN_PIPE
 
 
+def entry(argv: list[str] | None = None) -> None:
+    """The `kvpool` command as a process: exits with main()'s status. A process left in a
+    torch.distributed group that failed (status 1: a lost peer, ranks that diverged) ends at
+    once: gloo's threads, torn down by the interpreter's exit, can abort it ("terminate called
+    without an active exception", status 134) after the one line was printed."""
+    code = main(argv)
+    dist = sys.modules.get("torch.distributed")
+    if code == 1 and dist is not None and dist.is_available() and dist.is_initialized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
