@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -12,27 +11,12 @@ from kvpool.attention.paged import StepPlan, paged_attention, plan_step, prefill
 from kvpool.cache import Admission, CacheDescriptor, CacheUsage, FullAttentionManager, ReleaseReason
 from kvpool.engine.memory import StepPeaks
 from kvpool.engine.runner import ScheduledChunk
+from kvpool.engine.tier_bridge import TierBridge
 from kvpool.models.llama import LlamaModel
 from kvpool.models.tensor_parallel import check_same_step, step_digest
 from kvpool.storage.kv import PagedKVStorage, QuantizedKVStorage, QuantWriteIndex, SeqSpan
 from kvpool.storage.quant import KVSchema, code_dtype, kv_schema
-from kvpool.tiers import Tier, TierIndex, TierStack
-
-
-@dataclass
-class TierMoves:
-    """Blocks the runner moved between the device pool and its host tier, and the time."""
-
-    num_offloaded: int = 0
-    num_loaded: int = 0
-    offload_s: float = 0.0
-    load_s: float = 0.0
-    num_swapped_out: int = 0  # preempted sequences written to the tier
-    num_swapped_in: int = 0  # ... whose tail block came back (their full blocks come back as prefix hits)
-    num_tail_tokens_restored: int = 0
-    num_persisted: int = 0  # blocks handed to the persistent tiers (disk, Redis) as they completed
-    persist_s: float = 0.0  # the step's share of that: the gather and the hand-over
-
+from kvpool.tiers import Tier
 
 PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap", "auto")
 
@@ -94,12 +78,10 @@ class LlamaRunner:
         self._prefill_s = 0.0
         cfg = model.config
         self.model = model
-        self.host_tier = host_tier if enable_prefix_caching else None
-        self.persistent_tiers = list(persistent_tiers) if enable_prefix_caching else []
-        self.tier: Tier | None = self.host_tier
-        if self.persistent_tiers:
-            self.tier = TierStack(self.host_tier, self.persistent_tiers)
-        self.tier_index = TierIndex(self.tier, block_size) if self.tier is not None else None
+        self.bridge = TierBridge(host_tier, persistent_tiers, block_size, enable_prefix_caching=enable_prefix_caching)
+        # the names the CLI, P/D and the tests read: the bridge's own objects, not copies
+        self.host_tier, self.persistent_tiers = self.bridge.host_tier, self.bridge.persistent_tiers
+        self.tier, self.tier_index, self.tier_moves = self.bridge.tier, self.bridge.index, self.bridge.moves
         self.manager = FullAttentionManager(
             num_blocks,
             block_size,
@@ -108,7 +90,6 @@ class LlamaRunner:
             lower_tier=self.tier_index,
             record_published=bool(self.persistent_tiers),
         )
-        self.tier_moves = TierMoves()
         self.kv_format = fmt.name if fmt is not None else str(model.dtype).removeprefix("torch.")
         self.storage: PagedKVStorage | QuantizedKVStorage
         if fmt is None:
@@ -133,8 +114,7 @@ class LlamaRunner:
         if self.persistent_tiers:  # disk, Redis: an entry that is not a block of this storage is a corrupt miss
             k, v = self.storage.k, self.storage.v
             blocks = {"k": (k.dtype, (k.shape[0], *k.shape[2:])), "v": (v.dtype, (v.shape[0], *v.shape[2:]))}
-            for tier in self.persistent_tiers:
-                tier.expect_tensors(descriptor.model_id, descriptor.layout_id, blocks)
+            self.bridge.expect_blocks(descriptor, blocks)
         if self.host_tier is not None:
             if hasattr(self.host_tier, "reclaim"):
                 self.host_tier.reclaim(descriptor)  # a tier kept from an engine of other weights
@@ -205,9 +185,9 @@ class LlamaRunner:
         todo = []
         chain = m.prefix_chain(seq_id)  # the full computed blocks' prefix blocks
         for block_id, block in zip(m.block_ids(seq_id), chain, strict=False):
-            key, descriptor = self.tier_index.describe(block)
-            if not self.tier.holds(key, descriptor):
-                todo.append((block_id, key, descriptor))
+            entry = self.bridge.unheld(block)
+            if entry is not None:
+                todo.append((block_id, *entry))
         tail = m.tail_block(seq_id)
         if tail is not None:
             block_id, block, num_tokens = tail
@@ -245,12 +225,10 @@ class LlamaRunner:
         if self.tier is None:
             return {}
         moves = self.tier_moves
-        reports: dict[str, dict[str, object]] = {}
-        for tier in self.persistent_tiers:
-            reports[f"{tier.name}_tier"] = {**tier.report(), "hit_tokens": tier.stats.num_gets * self.block_size}
+        reports = self.bridge.persistent_reports(hit_tokens_per_get=self.block_size)
         if reports:
             reports["tiers"] = {
-                "lookup_order": [t.name for t in self.tier.tiers],
+                "lookup_order": self.bridge.lookup_order(),
                 "lower_tier_hit_tokens": self.manager.stats.num_lower_tier_hit_tokens,
                 "blocks_persisted": moves.num_persisted,
                 "persist_ms": round(moves.persist_s * 1e3, 3),
@@ -259,25 +237,13 @@ class LlamaRunner:
             }
         if self.host_tier is None:
             return reports
-        host = self.host_tier
-        return {
-            **reports,
-            "host_tier": {
-                "capacity_bytes": host.capacity_bytes,
-                "bytes_used": host.num_bytes,
-                "entries": host.num_entries,
-                "hit_tokens": self.manager.stats.num_lower_tier_hit_tokens,
-                "blocks_offloaded": moves.num_offloaded,
-                "blocks_loaded": moves.num_loaded,
-                "offload_ms": round(moves.offload_s * 1e3, 3),
-                "load_ms": round(moves.load_s * 1e3, 3),
-                "preemption": self.preemption,
-                "swapped_out": moves.num_swapped_out,
-                "swapped_in": moves.num_swapped_in,
-                "tail_tokens_restored": moves.num_tail_tokens_restored,
-                **host.stats.as_dict(),
-            },
+        swaps = {
+            "preemption": self.preemption,
+            "swapped_out": moves.num_swapped_out,
+            "swapped_in": moves.num_swapped_in,
+            "tail_tokens_restored": moves.num_tail_tokens_restored,
         }
+        return {**reports, "host_tier": self.bridge.host_report(self.manager.stats.num_lower_tier_hit_tokens, swaps)}
 
     def _offload_evicted(self) -> None:
         """Write the cached blocks the allocator just evicted to the tier, in one gather (a
@@ -285,9 +251,9 @@ class LlamaRunner:
         assert self.tier is not None and self.tier_index is not None
         todo = []
         for block_id, block in self.manager.take_evicted():
-            key, descriptor = self.tier_index.describe(block)
-            if not self.tier.holds(key, descriptor):
-                todo.append((block_id, key, descriptor))
+            entry = self.bridge.unheld(block)
+            if entry is not None:
+                todo.append((block_id, *entry))
         self._write_to_tier(todo)
 
     def _write_to_tier(self, todo: list[tuple[int, bytes, object]]) -> None:
@@ -311,7 +277,7 @@ class LlamaRunner:
         start = time.perf_counter()
         got: list[tuple[int, dict[str, torch.Tensor]]] = []
         for block_id, block in loads:
-            tensors = self.tier.get(*self.tier_index.describe(block))
+            tensors = self.bridge.get(block)
             if tensors is None:
                 break
             got.append((block_id, tensors))
@@ -409,27 +375,23 @@ class LlamaRunner:
         published = self.manager.take_published()
         if not published:
             return
-        assert isinstance(self.tier, TierStack) and self.tier_index is not None
         start = time.perf_counter()
         todo = []
         for block_id, block in published:
-            key, descriptor = self.tier_index.describe(block)
-            if not self.tier.persisted(key, descriptor):
-                todo.append((block_id, key, descriptor))
+            entry = self.bridge.unpersisted(block)
+            if entry is not None:
+                todo.append((block_id, *entry))
         if todo:
             k, v = self._to_host([b for b, _, _ in todo])
             for j, (_, key, descriptor) in enumerate(todo):
-                self.tier_moves.num_persisted += self.tier.persist(key, descriptor, {"k": k[:, j], "v": v[:, j]}) > 0
+                self.tier_moves.num_persisted += self.bridge.persist(key, descriptor, {"k": k[:, j], "v": v[:, j]}) > 0
         self.tier_moves.persist_s += time.perf_counter() - start
 
     def flush_tiers(self, timeout: float | None = None) -> bool:
-        """Wait for the persistent tiers' background writes (before a process exits)."""
-        return self.tier.flush(timeout) if self.tier is not None else True
+        return self.bridge.flush(timeout)
 
     def close(self) -> None:
-        """Finish the background writes and close the tiers."""
-        if self.tier is not None:
-            self.tier.close()
+        self.bridge.close()
 
     def fork(self, parent_id: str, child_id: str) -> bool:
         return self.manager.fork(parent_id, child_id)  # shares blocks: never needs a free one
@@ -461,8 +423,7 @@ class LlamaRunner:
 
     def check_integrity(self) -> None:
         self.manager.check_integrity()
-        if self.tier is not None:
-            self.tier.check_integrity()
+        self.bridge.check_integrity()
 
     def cache_stats(self) -> dict[str, float]:
         m = self.manager

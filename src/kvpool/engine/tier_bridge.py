@@ -1,0 +1,140 @@
+"""The tiers below a runner's device pool, set up, asked and reported in one place.
+
+Every runner with tiers (Llama, V4) owns one `TierBridge`: the host tier, the persistent
+tiers (disk, Redis) stacked under it, their content-key index and the counters of the
+blocks that moved. The bridge answers what each runner asks of the tiers (is this block
+held already, persisted already, hand this entry over) and reports them; it never touches
+a device tensor. What differs stays with the runner: how blocks are gathered (Llama: every
+layer of many blocks in one gather; V4: one block's compressed pools at a time), the Llama
+host tier's swapped tails, V4's window snapshots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvpool.cache import CacheDescriptor
+from kvpool.pool import PrefixBlock
+from kvpool.tiers import BlockDescriptor, Tier, TierIndex, TierStack
+
+
+@dataclass
+class TierMoves:
+    """Blocks the runner moved between the device pool and its tiers, and the time."""
+
+    num_offloaded: int = 0
+    num_loaded: int = 0
+    offload_s: float = 0.0
+    load_s: float = 0.0
+    num_swapped_out: int = 0  # preempted sequences written to the tier
+    num_swapped_in: int = 0  # ... whose tail block came back (their full blocks come back as prefix hits)
+    num_tail_tokens_restored: int = 0
+    num_persisted: int = 0  # blocks handed to the persistent tiers (disk, Redis) as they completed
+    persist_s: float = 0.0  # the step's share of that: the gather and the hand-over
+
+
+class TierBridge:
+    """host_tier: a tier below the device pool (kvpool.tiers.HostTier); persistent_tiers:
+    the disk and Redis tiers below it, looked up in that order. Without prefix caching no
+    block is findable by content, so neither is any tier: the bridge then has none."""
+
+    def __init__(
+        self,
+        host_tier: Tier | None,
+        persistent_tiers: Sequence[Tier],
+        block_size: int,
+        *,
+        enable_prefix_caching: bool,
+    ) -> None:
+        self.host_tier = host_tier if enable_prefix_caching else None
+        self.persistent_tiers = list(persistent_tiers) if enable_prefix_caching else []
+        self.tier: Tier | None = self.host_tier
+        if self.persistent_tiers:
+            self.tier = TierStack(self.host_tier, self.persistent_tiers)
+        self.index = TierIndex(self.tier, block_size) if self.tier is not None else None
+        self.moves = TierMoves()
+
+    def expect_blocks(
+        self, descriptor: CacheDescriptor, blocks: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+    ) -> None:
+        """Tell the persistent tiers the tensors of one block of this cache (name -> dtype,
+        shape): an entry that is not such a block is a corrupt miss, not a wrong load."""
+        for tier in self.persistent_tiers:
+            tier.expect_tensors(descriptor.model_id, descriptor.layout_id, blocks)
+
+    def unheld(self, block: PrefixBlock) -> tuple[bytes, BlockDescriptor] | None:
+        """(content key, descriptor) of `block` when the tier does not hold it yet (an
+        offload writes it), else None (writing it again would only cost)."""
+        assert self.tier is not None and self.index is not None
+        key, descriptor = self.index.describe(block)
+        return None if self.tier.holds(key, descriptor) else (key, descriptor)
+
+    def unpersisted(self, block: PrefixBlock) -> tuple[bytes, BlockDescriptor] | None:
+        """(content key, descriptor) of `block` when some persistent tier lacks it (the
+        write-through hands it over), else None."""
+        assert isinstance(self.tier, TierStack) and self.index is not None
+        key, descriptor = self.index.describe(block)
+        return None if self.tier.persisted(key, descriptor) else (key, descriptor)
+
+    def get(self, block: PrefixBlock) -> dict[str, torch.Tensor] | None:
+        """The tensors a tier holds valid for `block`, or None (gone, or not this block)."""
+        assert self.tier is not None and self.index is not None
+        return self.tier.get(*self.index.describe(block))
+
+    def persist(self, key: bytes, descriptor: BlockDescriptor, tensors: dict[str, torch.Tensor]) -> int:
+        """Hand an entry to the persistent tiers' background writers; its bytes if any took
+        it, else 0."""
+        assert isinstance(self.tier, TierStack)
+        if self.tier.persist(key, descriptor, tensors) == 0:
+            return 0
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for the persistent tiers' background writes (before a process exits)."""
+        return self.tier.flush(timeout) if self.tier is not None else True
+
+    def close(self) -> None:
+        """Finish the background writes and close the tiers."""
+        if self.tier is not None:
+            self.tier.close()
+
+    def check_integrity(self) -> None:
+        if self.tier is not None:
+            self.tier.check_integrity()
+
+    def host_report(self, hit_tokens: int, extra: dict[str, object]) -> dict[str, object]:
+        """The host tier's report: its occupancy, `hit_tokens` (the prefix tokens it served,
+        as the runner counts them), the moves, the runner's `extra` figures, its counters."""
+        host = self.host_tier
+        assert host is not None
+        moves = self.moves
+        return {
+            "capacity_bytes": host.capacity_bytes,
+            "bytes_used": host.num_bytes,
+            "entries": host.num_entries,
+            "hit_tokens": hit_tokens,
+            "blocks_offloaded": moves.num_offloaded,
+            "blocks_loaded": moves.num_loaded,
+            "offload_ms": round(moves.offload_s * 1e3, 3),
+            "load_ms": round(moves.load_s * 1e3, 3),
+            **extra,
+            **host.stats.as_dict(),
+        }
+
+    def persistent_reports(self, hit_tokens_per_get: int | None) -> dict[str, dict[str, object]]:
+        """{"<name>_tier": its report} per persistent tier, with "hit_tokens" (its gets times
+        `hit_tokens_per_get`) unless that is None."""
+        reports: dict[str, dict[str, object]] = {}
+        for tier in self.persistent_tiers:
+            report = tier.report()
+            if hit_tokens_per_get is not None:
+                report = {**report, "hit_tokens": tier.stats.num_gets * hit_tokens_per_get}
+            reports[f"{tier.name}_tier"] = report
+        return reports
+
+    def lookup_order(self) -> list[str]:
+        assert isinstance(self.tier, TierStack)
+        return [t.name for t in self.tier.tiers]
