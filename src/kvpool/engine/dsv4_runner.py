@@ -21,18 +21,11 @@ from kvpool.cache import Admission, CacheDescriptor, CacheUsage, DSV4CacheManage
 from kvpool.cache.dsv4 import RestoreMethod
 from kvpool.engine.engine import Engine
 from kvpool.engine.runner import ScheduledChunk
+from kvpool.engine.tier_bridge import TierBridge
 from kvpool.models.tiny_dsv4 import TinyDSV4
 from kvpool.spec.dsv4 import CSA_RATIO
 from kvpool.storage.dsv4 import DSV4Pools, V4EntryPool
-from kvpool.tiers import (
-    DEFAULT_DISK_CACHE_BYTES,
-    BlockDescriptor,
-    HostTier,
-    Tier,
-    TierIndex,
-    TierStack,
-    open_persistent_tiers,
-)
+from kvpool.tiers import DEFAULT_DISK_CACHE_BYTES, BlockDescriptor, HostTier, Tier, TierStack, open_persistent_tiers
 from kvpool.tiers.swa import SWAStrategy, snapshot_descriptor, snapshot_key
 
 
@@ -133,22 +126,18 @@ class DSV4PagedRunner:
         # host_tier: classical blocks the pool evicts are saved to it, and before an
         # admission the spans it holds after the device hit are brought back into the pool's
         # prefix cache (written, checked, then published), where the admission hits them
-        self.host_tier = host_tier if enable_prefix_caching else None
-        self.persistent_tiers = list(persistent_tiers) if enable_prefix_caching else []
-        self.tier: Tier | None = self.host_tier
-        if self.persistent_tiers:
-            self.tier = TierStack(self.host_tier, self.persistent_tiers)
-        self.tier_index = TierIndex(self.tier, model.spec.span) if self.tier is not None else None
+        self.bridge = TierBridge(
+            host_tier, persistent_tiers, model.spec.span, enable_prefix_caching=enable_prefix_caching
+        )
+        # the names the engine runner and the tests read: the bridge's own objects, not copies
+        self.host_tier, self.persistent_tiers = self.bridge.host_tier, self.bridge.persistent_tiers
+        self.tier, self.tier_index, self.tier_moves = self.bridge.tier, self.bridge.index, self.bridge.moves
         if self.tier is not None:
             self.cache.record_evictions()
         if self.persistent_tiers:  # disk, Redis: an entry that is not a block of these pools is a corrupt miss
-            cache = descriptor_for(model, kv_format, indexer_format)
             blocks = {name: (t.dtype, tuple(t.shape)) for name, t in self._block_tensors(0).items()}
-            for tier in self.persistent_tiers:
-                tier.expect_tensors(cache.model_id, cache.layout_id, blocks)
+            self.bridge.expect_blocks(descriptor_for(model, kv_format, indexer_format), blocks)
         self.swa = (swa or SWAStrategy()).check(self.spec.span) if self.persistent_tiers else None
-        self.num_offloaded = self.num_loaded = 0
-        self.offload_s = self.load_s = 0.0
         self.replay_chunk = replay_chunk
         self.num_replayed_tokens = 0  # tokens recomputed by prefix-hit restores (for reports)
         self.replay_s = 0.0
@@ -216,13 +205,15 @@ class DSV4PagedRunner:
         return out
 
     def _offload_evicted(self) -> None:
-        assert self.tier is not None and self.tier_index is not None
+        """Write the cached blocks the pool just evicted to the tier, one block at a time
+        (each block's tensors are views into the pools: no gather to share)."""
+        assert self.tier is not None
         start = time.perf_counter()
         for block_id, block in self.cache.take_evicted():
-            key, descriptor = self.tier_index.describe(block)
-            if not self.tier.holds(key, descriptor) and self.tier.put(key, descriptor, self._block_tensors(block_id)):
-                self.num_offloaded += 1
-        self.offload_s += time.perf_counter() - start
+            entry = self.bridge.unheld(block)
+            if entry is not None and self.tier.put(*entry, self._block_tensors(block_id)):
+                self.tier_moves.num_offloaded += 1
+        self.tier_moves.offload_s += time.perf_counter() - start
 
     def _prefetch(self, token_ids: Sequence[int], tenant_salt: str) -> None:
         """The spans after the device hit that the tier holds valid: into fresh classical
@@ -239,7 +230,7 @@ class DSV4PagedRunner:
         start = time.perf_counter()
         num_loaded = 0
         for block_id, block in zip(block_ids, candidates, strict=False):
-            tensors = self.tier.get(*self.tier_index.describe(block))
+            tensors = self.bridge.get(block)
             if tensors is None:
                 break
             for name, dst in self._block_tensors(block_id).items():
@@ -253,8 +244,8 @@ class DSV4PagedRunner:
                     cl.hot.invalidate_block(block_id)
             num_loaded += 1
         self.cache.publish_installed(block_ids, candidates[:num_found], num_loaded)
-        self.num_loaded += num_loaded
-        self.load_s += time.perf_counter() - start
+        self.tier_moves.num_loaded += num_loaded
+        self.tier_moves.load_s += time.perf_counter() - start
 
     def _replay(self, adm: Admission, token_ids: list[int], start: int, valid_from: int) -> None:
         """Recompute tokens [start, P) on top of the hit's cached entries (section 6), the
@@ -332,13 +323,6 @@ class DSV4PagedRunner:
                 wanted[boundary] = (key, descriptor)
         return wanted
 
-    def _persist(self, key: bytes, descriptor: BlockDescriptor, tensors: dict[str, Tensor]) -> int:
-        """Hand an entry to the persistent tiers' background writers; its bytes if any took it."""
-        assert isinstance(self.tier, TierStack)
-        if self.tier.persist(key, descriptor, tensors) == 0:
-            return 0
-        return sum(t.numel() * t.element_size() for t in tensors.values())
-
     def commit_step(
         self, request_ids: Sequence[str], num_tokens: Sequence[int], next_token_ids: Sequence[int | None]
     ) -> None:
@@ -349,7 +333,6 @@ class DSV4PagedRunner:
             return
         before = [len(self.cache.block_ids(r)) for r in request_ids]
         self.cache.commit_step(request_ids, num_tokens, next_token_ids)
-        assert isinstance(self.tier, TierStack) and self.tier_index is not None
         began = time.perf_counter()
         moves = self.swa_moves
         for request_id, num_before in zip(request_ids, before, strict=True):
@@ -360,21 +343,18 @@ class DSV4PagedRunner:
             for k in range(num_before, len(block_ids)):
                 if not self.cache.pool.is_published(chain[k]):
                     continue  # a hash collision's copy: findable by nobody
-                key, descriptor = self.tier_index.describe(chain[k])
-                if not self.tier.persisted(key, descriptor):
-                    num_bytes = self._persist(key, descriptor, self._block_tensors(block_ids[k]))
+                entry = self.bridge.unpersisted(chain[k])
+                if entry is not None:
+                    num_bytes = self.bridge.persist(*entry, self._block_tensors(block_ids[k]))
                     moves.num_blocks_persisted += num_bytes > 0
                     moves.block_bytes_persisted += num_bytes
         moves.persist_s += time.perf_counter() - began
 
     def flush_tiers(self, timeout: float | None = None) -> bool:
-        """Wait for the persistent tiers' background writes (before a process exits)."""
-        return self.tier.flush(timeout) if self.tier is not None else True
+        return self.bridge.flush(timeout)
 
     def close(self) -> None:
-        """Finish the background writes and close the tiers."""
-        if self.tier is not None:
-            self.tier.close()
+        self.bridge.close()
 
     def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
         self.cache.append_token_ids(request_id, token_ids)
@@ -461,7 +441,7 @@ class DSV4PagedRunner:
                     assert self.swa is not None
                     began = time.perf_counter()
                     rows = self.swa.window_rows(span, self.spec.window)
-                    num_bytes = self._persist(*wanted, self.pools.window_snapshot(slot, stop, rows))
+                    num_bytes = self.bridge.persist(*wanted, self.pools.window_snapshot(slot, stop, rows))
                     self.swa_moves.num_snapshots_persisted += num_bytes > 0
                     self.swa_moves.snapshot_bytes_persisted += num_bytes
                     self.swa_moves.persist_s += time.perf_counter() - began
@@ -469,8 +449,7 @@ class DSV4PagedRunner:
 
     def check_integrity(self) -> None:
         self.cache.check_integrity()
-        if self.tier is not None:
-            self.tier.check_integrity()
+        self.bridge.check_integrity()
         for cl in self.pools.classical:
             if cl.hot is not None:
                 cl.hot.check_integrity()
@@ -613,29 +592,18 @@ class DSV4EngineRunner:
         if hisparse is not None:
             reports["hisparse"] = hisparse
         r = self.runner
-        span = r.spec.span
-        if r.host_tier is not None:
-            reports["host_tier"] = {
-                "capacity_bytes": r.host_tier.capacity_bytes,
-                "bytes_used": r.host_tier.num_bytes,
-                "entries": r.host_tier.num_entries,
-                "hit_tokens": r.num_loaded * span,  # prefix tokens whose blocks came from a tier
-                "blocks_offloaded": r.num_offloaded,
-                "blocks_loaded": r.num_loaded,
-                "offload_ms": round(r.offload_s * 1e3, 3),
-                "load_ms": round(r.load_s * 1e3, 3),
-                **r.host_tier.stats.as_dict(),
-            }
-        for tier in r.persistent_tiers:
-            reports[f"{tier.name}_tier"] = tier.report()
+        span, loaded = r.spec.span, r.tier_moves
+        if r.host_tier is not None:  # hit tokens: the prefix tokens whose blocks came from a tier
+            reports["host_tier"] = r.bridge.host_report(loaded.num_loaded * span, {})
+        reports.update(r.bridge.persistent_reports(hit_tokens_per_get=None))
         if r.persistent_tiers:
-            assert isinstance(r.tier, TierStack) and r.swa is not None
+            assert r.swa is not None
             moves = r.swa_moves
             reports["tiers"] = {
-                "lookup_order": [t.name for t in r.tier.tiers],
-                "blocks_loaded": r.num_loaded,
-                "hit_tokens_loaded": r.num_loaded * span,
-                "load_ms": round(r.load_s * 1e3, 3),
+                "lookup_order": r.bridge.lookup_order(),
+                "blocks_loaded": loaded.num_loaded,
+                "hit_tokens_loaded": loaded.num_loaded * span,
+                "load_ms": round(loaded.load_s * 1e3, 3),
             }
             stored_tokens = moves.num_blocks_persisted * span
             reports["swa"] = {
