@@ -114,11 +114,12 @@ class DSV4PagedRunner:
             entry_format=kv_format,
             indexer_format=indexer_format,
         )
+        descriptor = descriptor_for(model, kv_format, indexer_format)
         self.cache = DSV4CacheManager(
             model.spec,
             num_classical_blocks,
             num_state_blocks,
-            descriptor_for(model, kv_format, indexer_format),
+            descriptor,
             enable_prefix_caching=enable_prefix_caching,
             restore=restore,
             num_checkpoints=num_checkpoints,
@@ -136,7 +137,7 @@ class DSV4PagedRunner:
             self.cache.record_evictions()
         if self.persistent_tiers:  # disk, Redis: an entry that is not a block of these pools is a corrupt miss
             blocks = {name: (t.dtype, tuple(t.shape)) for name, t in self._block_tensors(0).items()}
-            self.bridge.expect_blocks(descriptor_for(model, kv_format, indexer_format), blocks)
+            self.bridge.expect_blocks(descriptor, blocks)
         self.swa = (swa or SWAStrategy()).check(self.spec.span) if self.persistent_tiers else None
         self.replay_chunk = replay_chunk
         self.num_replayed_tokens = 0  # tokens recomputed by prefix-hit restores (for reports)

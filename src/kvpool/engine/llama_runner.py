@@ -209,7 +209,7 @@ class LlamaRunner:
             return admission
         block_id, block = tail
         start = time.perf_counter()
-        tensors = self.tier.get(*self.tier_index.describe(block))
+        tensors = self.bridge.get(block)
         if tensors is None:
             return admission
         self._to_device([block_id], [tensors])
