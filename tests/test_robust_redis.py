@@ -82,15 +82,23 @@ def tokens(out) -> list[int]:
     return out.completions[0].token_ids
 
 
+def stored(model, server, seed: int) -> tuple[list[int], list[int], torch.Tensor]:
+    """(prompt, its reference tokens, logits): a 50-token prompt (3 full blocks) that an
+    engine has served, its blocks stored on `server`, and the same request's output on an
+    engine without the tier."""
+    prompt = random_ids(50, seed)
+    ((ref_tokens, ref_logits),) = reference(model, [prompt])
+    first = engine(model, [RedisTier(server.url)])
+    serve(first, prompt, "a")
+    first.runner.close()
+    return prompt, ref_tokens, ref_logits
+
+
 # ----- WRONGTYPE --------------------------------------------------------------------------
 
 
 def test_a_key_of_the_wrong_type_is_a_counted_miss_and_the_engine_serves_on(model, redis_server) -> None:
-    prompt = random_ids(50, 1)  # 3 full blocks
-    ((ref_tokens, ref_logits),) = reference(model, [prompt])
-    first = engine(model, [RedisTier(redis_server.url)])
-    serve(first, prompt, "a")
-    first.runner.close()
+    prompt, ref_tokens, ref_logits = stored(model, redis_server, 1)
     keys = entry_keys(redis_server)
     assert len(keys) == 3
     c = client(redis_server)
@@ -318,11 +326,7 @@ def test_a_writer_job_that_raises_is_counted_with_its_error_and_the_next_jobs_ru
 
 
 def test_an_engine_rewrites_every_entry_with_a_corrupted_payload_in_one_run(model, redis_server) -> None:
-    prompt = random_ids(50, 11)  # 3 full blocks
-    ((ref_tokens, ref_logits),) = reference(model, [prompt])
-    first = engine(model, [RedisTier(redis_server.url)])
-    serve(first, prompt, "a")
-    first.runner.close()
+    prompt, ref_tokens, ref_logits = stored(model, redis_server, 11)
     c = client(redis_server)
     for k in entry_keys(redis_server):
         data = bytearray(c.hget(k, "d"))
@@ -349,11 +353,7 @@ def test_an_entry_of_the_wrong_shape_or_dtype_is_a_corrupt_miss_and_the_engine_s
 ) -> None:
     from kvpool.tiers import entry
 
-    prompt = random_ids(50, 12)  # 3 full blocks
-    ((ref_tokens, ref_logits),) = reference(model, [prompt])
-    first = engine(model, [RedisTier(redis_server.url)])
-    serve(first, prompt, "a")
-    first.runner.close()
+    prompt, ref_tokens, ref_logits = stored(model, redis_server, 12)
     c = client(redis_server)
     for k in entry_keys(redis_server):  # valid checksums, tensors that are not this engine's blocks
         key_bytes = bytes.fromhex(k.decode().rpartition(":")[2])
