@@ -90,6 +90,13 @@ def same(got: dict[str, torch.Tensor] | None, i: int) -> bool:
     return got is not None and all(torch.equal(got[n], tensors(i)[n]) for n in ("k", "v"))
 
 
+def flip_payload(path: Path) -> None:
+    """Flip a bit of the entry's payload: its header (what a lookup reads) still checks out."""
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
 # ----- errors other than file-not-found ------------------------------------------------
 
 
@@ -117,9 +124,7 @@ def test_a_filesystem_remounted_read_only_keeps_serving_reads(tmp_path, monkeypa
     filled(tmp_path, 3)
     tier = DiskTier(tmp_path, 1 << 30)
     bad = stored(tier, 2)
-    raw = bytearray(bad.read_bytes())
-    raw[-5] ^= 0x10  # key 2's payload: to be quarantined, which a read-only disk refuses
-    bad.write_bytes(bytes(raw))
+    flip_payload(bad)  # key 2's: to be quarantined, which a read-only disk refuses
     fail_under(monkeypatch, tmp_path, errno.EROFS, {"write", "rename", "unlink", "utime"})
     assert same(tier.get(key(0), descriptor(0)), 0)  # a hit (its LRU refresh refused)
     assert tier.get(key(2), descriptor(2)) is None  # corrupt: a miss, left where it is
@@ -215,9 +220,7 @@ def test_holds_trusts_only_entries_whose_payload_checked_out(tmp_path) -> None:
     tier = filled(tmp_path, 3)
     assert all(tier.holds(key(i), descriptor(i)) for i in range(3))  # written by this process
     for i in range(3):
-        raw = bytearray(stored(tier, i).read_bytes())
-        raw[-5] ^= 0x10  # the payload: the header still checks out
-        stored(tier, i).write_bytes(bytes(raw))
+        flip_payload(stored(tier, i))
     fresh = DiskTier(tmp_path, 1 << 30)
     assert all(fresh.lookup(key(i), descriptor(i)) for i in range(3))  # headers only
     assert fresh.get(key(0), descriptor(0)) is None
@@ -237,9 +240,7 @@ def cache_cli(*argv: str) -> subprocess.CompletedProcess:
 
 def test_cache_stats_counts_a_corrupted_payload_as_unreadable(tmp_path) -> None:
     tier = filled(tmp_path, 3)
-    raw = bytearray(stored(tier, 1).read_bytes())
-    raw[-5] ^= 0x10
-    stored(tier, 1).write_bytes(bytes(raw))
+    flip_payload(stored(tier, 1))
     stored(tier, 2).unlink()
     os.mkfifo(stored(tier, 2))  # (read without blocking: unreadable, not a hang)
     stats = json.loads(cache_cli("stats", str(tmp_path), "--json").stdout)
