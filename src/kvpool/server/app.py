@@ -46,7 +46,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvpool.engine.sampling import SamplingParams
@@ -97,10 +96,6 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, error: APIError) -> JSONResponse:
         return _error_response(error)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, error: RequestValidationError) -> JSONResponse:
-        return _error_response(protocol.validation_error(list(error.errors())))
 
     def authorize(request: Request) -> str | None:
         """The tenant the request's key is bound to (None: an unbound key, or an open
@@ -278,20 +273,18 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
 
     def sampling(body: protocol.SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
         seed = body.seed if body.seed is not None else random.getrandbits(31)
-        try:
-            return SamplingParams(
-                max_tokens=max_tokens,
-                temperature=body.temperature,
-                top_p=body.top_p,
-                top_k=body.top_k,
-                seed=seed,
-                n=body.n,
-                stop=body.stop_strings,
-                ignore_eos=body.ignore_eos,
-                logprobs=logprobs,
-            )
-        except ValueError as error:  # (the protocol checks these fields first; this is its twin)
-            raise APIError(400, str(error), str(error).split(" ", 1)[0]) from None
+        # the protocol checked every field first: a ValueError here is our bug (a 500), not the client's
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            seed=seed,
+            n=body.n,
+            stop=body.stop_strings,
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -282,8 +282,6 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
         message = message.removeprefix("Value error, ")  # our own validators name the field first
         param = message.split(":", 1)[0] if ":" in message else (".".join(fields) or None)
         return APIError(400, message, param)
-    if first.get("type") == "json_invalid":
-        return APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', message)}")
     param = ".".join(fields) or None
     if first.get("type") == "missing":
         return APIError(400, f"{param}: required", param)
