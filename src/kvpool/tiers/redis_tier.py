@@ -43,6 +43,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
 import redis
@@ -93,6 +94,17 @@ def _error_kind(error: redis.RedisError) -> str:
     return words[0] if words and words[0].isupper() else type(error).__name__
 
 
+class _Known(NamedTuple):
+    """What this process knows of an entry it wrote or validated."""
+
+    redis_key: str
+    descriptor: BlockDescriptor
+    num_bytes: int
+    # its payload checked out here (written, or read back whole); a lookup checks the header
+    # only, and holds() (the writer's "stored, skip it") trusts payloads alone
+    verified: bool
+
+
 class RedisTier(Tier):
     name = "redis"
 
@@ -134,10 +146,7 @@ class RedisTier(Tier):
         self.num_resets = 0  # times the server was found to have lost this process's entries
         self.num_deferred_puts = 0  # writes an outage held back ...
         self.num_retried_puts = 0  # ... written when it ended
-        # what this process wrote or validated: content key -> (redis key, descriptor, bytes,
-        # whether its payload checked out here: written, or read back whole); a lookup checks
-        # the header only, and holds() (the writer's "stored, skip it") trusts payloads alone
-        self._known: dict[bytes, tuple[str, BlockDescriptor, int, bool]] = {}
+        self._known: dict[bytes, _Known] = {}  # content key -> what this process wrote or validated
         self._epoch = 0  # bumped whenever _known is dropped: a write begun before records nothing
         self._generation: bytes | None = None
         # writes an outage refused, written when it ends: content key -> (descriptor, tensors, bytes)
@@ -297,7 +306,7 @@ class RedisTier(Tier):
 
     @property
     def num_bytes(self) -> int:
-        return sum(known[2] for known in list(self._known.values()))  # (the writer thread adds to it)
+        return sum(known.num_bytes for known in list(self._known.values()))  # (the writer thread adds to it)
 
     @property
     def num_entries(self) -> int:
@@ -309,7 +318,7 @@ class RedisTier(Tier):
     def holds(self, key: bytes, descriptor: BlockDescriptor) -> bool:
         self._kick()
         known = self._known.get(key)
-        return known is not None and known[1] == descriptor and known[3]
+        return known is not None and known.descriptor == descriptor and known.verified
 
     def _refuse(self, rkey: str, key: bytes, differ: list[str] | None) -> None:
         """A bad or foreign entry: counted, deleted."""
@@ -366,8 +375,8 @@ class RedisTier(Tier):
             return False
         self.stats.num_lookup_hits += 1
         known = self._known.get(key)
-        if known is None or known[1] != descriptor:  # (a payload checked here stays checked)
-            self._known[key] = (rkey, descriptor, len(header), False)
+        if known is None or known.descriptor != descriptor:  # (a payload checked here stays checked)
+            self._known[key] = _Known(rkey, descriptor, len(header), verified=False)
         return True
 
     def get(self, key: bytes, expected: BlockDescriptor) -> dict[str, Tensor] | None:
@@ -394,7 +403,7 @@ class RedisTier(Tier):
             self._refuse(rkey, key, differ)
             self.stats.num_get_misses += 1
             return None
-        self._known[key] = (rkey, descriptor, len(data), True)
+        self._known[key] = _Known(rkey, descriptor, len(data), verified=True)
         self.stats.num_gets += 1
         self.stats.num_get_bytes += len(data)
         self.stats.get_s += time.perf_counter() - start
@@ -454,7 +463,7 @@ class RedisTier(Tier):
             return False
         with self._lock:
             if self._epoch == epoch:  # else the server lost its data meanwhile: maybe this too
-                self._known[key] = (rkey, descriptor, len(data), True)
+                self._known[key] = _Known(rkey, descriptor, len(data), verified=True)
         self.stats.num_puts += 1
         self.stats.num_put_bytes += len(data)
         self.stats.put_s += time.perf_counter() - start
@@ -467,7 +476,7 @@ class RedisTier(Tier):
         known = self._known.pop(key, None)
         if known is None:
             return deferred is not None
-        self._call(lambda c: c.delete(known[0]))
+        self._call(lambda c: c.delete(known.redis_key))
         return True
 
     def flush(self, timeout: float | None = None) -> bool:
