@@ -53,7 +53,7 @@ from kvpool.models.tokenizer import ChatTokenizer
 from kvpool.server import protocol
 from kvpool.server.engine_thread import Delta, EngineThread, Event, Failed, Finished
 from kvpool.server.metrics import ServerMetrics
-from kvpool.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, TokenText
+from kvpool.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, TokenBound, TokenText
 
 TENANT_HEADER = "x-tenant-id"
 # The longest prompt a 128k-token context holds is about 0.5 MB of text (1.5 MB as JSON
@@ -85,13 +85,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
     app = FastAPI(title="kvpool", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.kvpool = state
     token_text = TokenText(state.tokenizer.tokenizer.id_to_token)
-    # Byte-level BPE (the only kind kvpool builds, no normalizer): each byte of the text lies
-    # in exactly one token, but for the bytes the vocabulary has no token of (dropped: in
-    # SmolLM2 the lead bytes of planes 4-16 and those UTF-8 never uses), and no token stands
-    # for more bytes than the longest one.
-    vocab_bytes = [token_text.bytes(t) for t in range(state.tokenizer.tokenizer.get_vocab_size())]
-    max_token_bytes = max(len(b) for b in vocab_bytes)
-    untokenized = bytes(set(range(256)) - {b[0] for b in vocab_bytes if len(b) == 1})
+    token_bound = TokenBound(token_text, state.tokenizer.tokenizer.get_vocab_size())
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, error: APIError) -> JSONResponse:
@@ -235,13 +229,13 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         longest kind would overflow the context gets its 413 without being tokenized (that
         would take seconds a megabyte, and hundreds of MB for the encoding)."""
         limit = state.max_model_len
-        num_bytes = len(text.encode().translate(None, untokenized))  # the bytes its tokens hold
-        least = -(-num_bytes // max_token_bytes)  # no tokenization of it has fewer tokens
+        num_bytes = token_bound.num_bytes(text)
+        least = token_bound.least_tokens(num_bytes)
         if least >= limit:
             raise APIError(
                 413,
                 f"{field}: the prompt's {num_bytes} bytes make at least {least} tokens (none spans more than "
-                f"{max_token_bytes} bytes), more than this model's context of {limit} tokens holds",
+                f"{token_bound.max_token_bytes} bytes), more than this model's context of {limit} tokens holds",
                 field,
                 "context_length_exceeded",
             )

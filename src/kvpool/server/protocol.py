@@ -333,6 +333,27 @@ class TokenText:
         return bytes(self.bytes(token_id)).decode("utf-8", errors="replace")
 
 
+class TokenBound:
+    """The fewest tokens a text can make, without tokenizing it. Byte-level BPE (the only
+    kind kvpool builds, no normalizer): each byte of the text lies in exactly one token, but
+    for the bytes the vocabulary has no token of (dropped: in SmolLM2 the lead bytes of
+    planes 4-16 and those UTF-8 never uses), and no token stands for more bytes than the
+    longest one."""
+
+    def __init__(self, tt: TokenText, vocab_size: int) -> None:
+        vocab = [tt.bytes(t) for t in range(vocab_size)]
+        self.max_token_bytes = max(len(b) for b in vocab)
+        self.untokenized = bytes(set(range(256)) - {b[0] for b in vocab if len(b) == 1})
+
+    def num_bytes(self, text: str) -> int:
+        """The bytes of `text` that its tokens hold (UnicodeEncodeError for a lone surrogate)."""
+        return len(text.encode().translate(None, self.untokenized))
+
+    def least_tokens(self, num_bytes: int) -> int:
+        """No tokenization of a text whose tokens hold `num_bytes` bytes has fewer tokens."""
+        return -(-num_bytes // self.max_token_bytes)
+
+
 def completion_logprobs(
     entries: list[tuple[float, list[tuple[int, float]]]], token_ids: list[int], tt: TokenText, offset: int
 ) -> dict[str, Any]:
