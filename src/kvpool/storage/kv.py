@@ -565,7 +565,7 @@ class QuantizedKVStorage:
         tails as they were before its writes, its own K / V coming exact from `dequantized`;
         None: the tails as they are now)."""
         kvh, d, bs = self.num_kv_heads, self.head_dim, self.block_size
-        src: tuple[list[int], list[int]] = ([], [])  # K, V
+        src: tuple[list[int], list[int]] = ([], [])  # K, V (V's apart only for KIVI's window)
         dst: tuple[list[int], list[int]] = ([], [])
         before = step.read_from if step is not None and step.read_from is not None else {}
         if self._tail_of:
@@ -577,7 +577,7 @@ class QuantizedKVStorage:
                 k_start = (self._fill[b] // r) * r
                 v_start = self._v_from.get(b, 0) if self.window else k_start
                 k_start, v_start = before.get(b, (k_start, v_start))
-                for which, start in ((0, k_start), (1, v_start)):
+                for which, start in ((0, k_start), (1, v_start)) if self.window else ((0, k_start),):
                     src[which].extend(range(slot * bs + start, slot * bs + bs))
                     dst[which].extend(range(b * bs + start, b * bs + bs))
         if not src[0] and not src[1]:
@@ -586,10 +586,12 @@ class QuantizedKVStorage:
         def t(x: list[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.long, device=block_ids.device)
 
-        k_src = write_positions(t(src[0]), kvh, d, bs).k_pos
-        k_dst = write_positions(t(dst[0]), kvh, d, bs).k_pos
-        v_src = write_positions(t(src[1]), kvh, d, bs).v_pos
-        v_dst = write_positions(t(dst[1]), kvh, d, bs).v_pos
+        # one position list a side where V's tail slots are K's (every format but KIVI)
+        k_src, v_src = write_positions(t(src[0]), kvh, d, bs)
+        k_dst, v_dst = write_positions(t(dst[0]), kvh, d, bs)
+        if self.window:  # KIVI: V from its window's start, not K's unfinished chunk
+            v_src = write_positions(t(src[1]), kvh, d, bs).v_pos
+            v_dst = write_positions(t(dst[1]), kvh, d, bs).v_pos
         return ReadIndex(block_ids, k_src, k_dst, v_src, v_dst)
 
     def dequantized(
