@@ -16,22 +16,12 @@ from kvpool.engine.sampling import SamplingParams
 from kvpool.spec.kv_formats import kv_schema
 from kvpool.storage.quant import dequantize_k, dequantize_v, quantize_k, quantize_v
 from random_llama import CONFIG, DESCRIPTOR, random_ids, random_llama
+from test_kv_quant import _reference_attention
 
 
 @pytest.fixture(scope="module")
 def model():
     return random_llama("cpu", torch.float64)
-
-
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
-    """q [n, H, D] at positions start.. over k / v [ctx, KVH, D]: plain offset-causal SDPA."""
-    n, h, _ = q.shape
-    ctx = k.shape[0]
-    mask = torch.arange(ctx)[None, :] <= torch.arange(start, start + n)[:, None]
-    group = h // k.shape[1]
-    kk = k.transpose(0, 1).repeat_interleave(group, 0)
-    vv = v.transpose(0, 1).repeat_interleave(group, 0)
-    return F.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, attn_mask=mask).transpose(0, 1)
 
 
 def _stored(fmt, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,7 +89,8 @@ def test_a_step_attends_to_its_own_kv_in_full_precision_and_stores_the_codes(mod
             start = sum(t.shape[0] for t in exact_k[layer])
             held_k, held_v = before[layer] if before else (k[:0], v[:0])
             assert held_k.shape[0] == start
-            ref = _attention(q, torch.cat([held_k, k]), torch.cat([held_v, v]), start)
+            kk, vv = torch.cat([held_k, k]).transpose(0, 1), torch.cat([held_v, v]).transpose(0, 1)
+            ref = _reference_attention(q, kk, vv, start)  # k / v [KVH, ctx, D]
             assert (out - ref).abs().max().item() <= 1e-12, (layer, start)
             exact_k[layer].append(k)
             exact_v[layer].append(v)
