@@ -28,6 +28,8 @@ import resource
 import sys
 from dataclasses import dataclass, field
 
+from kvpool.spec.gpus import GIB
+
 TERMS = ("weights", "kv_pool", "workspace", "transient", "runtime")
 
 
@@ -40,18 +42,26 @@ def rss_bytes() -> int:
         return 0
 
 
+def _proc_kib(path: str, key: str) -> int | None:
+    """The `key:` line of a /proc file (a size in KiB) in bytes; None where there is none."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(f"{key}:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def peak_rss_bytes() -> int:
     """The process's peak resident set: VmHWM of /proc/self/status on Linux, the high-water
     mark of this program's own memory. Not getrusage's ru_maxrss there: Linux carries that
     across fork and exec, so a process started by a large one (a test run) reports its
     parent's size. Elsewhere ru_maxrss (KiB on Linux, bytes on macOS)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    hwm = _proc_kib("/proc/self/status", "VmHWM")
+    if hwm is not None:
+        return hwm
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
 
@@ -67,13 +77,9 @@ def available_memory_bytes(device: object) -> int | None:
         return int(torch.cuda.mem_get_info(dev)[0])
     if dev.type != "cpu":
         return None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    available = _proc_kib("/proc/meminfo", "MemAvailable")
+    if available is not None:
+        return available
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -93,9 +99,6 @@ def check_fits(num_bytes: int, device: object, what: str, advice: str = "") -> N
         f"{what} needs {num_bytes / GIB:.1f} GiB but {where} {available / GIB:.1f} GiB of memory available"
         + (f"; {advice}" if advice else "")
     )
-
-
-GIB = 1 << 30
 
 
 @dataclass
