@@ -137,6 +137,8 @@ def check_paged(rank: int, world: int, batch: int, context: int, bs: int, seed: 
 
 
 def check_smollm2(rank: int, world: int, prompt_len: int, steps: int, bs: int) -> dict[str, object] | None:
+    if steps < 2:  # the first token is the prefill's: no decode step's logits to bound
+        raise ValueError(f"--steps {steps} decodes nothing after the prefill's token: give --steps 2 or more")
     from pydoc_data.topics import topics
 
     from kvpool.engine.build import load_model
@@ -225,8 +227,6 @@ def check_smollm2(rank: int, world: int, prompt_len: int, steps: int, bs: int) -
     # same tokens (rows [len(prompt), len(prompt) + steps - 1): the decode steps)
     from kvpool.attention.reference import reference_logits
 
-    if not ref_rows:
-        raise ValueError(f"--steps {steps} decodes nothing after the prefill's token: give --steps 2 or more")
     fed = prompt + tokens["single"][:-1]
     exact = reference_logits(model.astype(torch.float64), fed, fused=False)[len(prompt) :]
     single_fp32 = torch.stack(ref_rows).double()
