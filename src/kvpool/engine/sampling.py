@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-# Temperatures below this sample greedily (vLLM's threshold): dividing fp32 logits by a
-# smaller one overflows to inf, and the softmax of those is NaN.
+# Temperatures below this sample greedily (vLLM's threshold). The scaled logits overflow fp32
+# only far below it (logits of 20 at a temperature under ~6e-38; 1e-300 rounds to 0 in fp32),
+# but there the softmax of infs is NaN and the draw garbage.
 GREEDY_TEMPERATURE = 1e-5
 # A seed is a signed 64-bit integer, as in OpenAI's API and vLLM; the generator sees it mod 2^64.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
@@ -22,7 +23,7 @@ SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 64
-    temperature: float = 0.0  # 0: greedy
+    temperature: float = 0.0  # below GREEDY_TEMPERATURE (0 included): greedy
     top_p: float = 1.0
     top_k: int = 0  # 0: off
     seed: int = 0
