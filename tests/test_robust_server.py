@@ -323,7 +323,7 @@ def loaded():
     return load_model(None)
 
 
-def test_a_fault_in_one_requests_sampling_or_text_fails_it_alone(loaded):
+def test_a_fault_in_one_requests_sampling_or_text_fails_it_alone(loaded, capfd):
     from kvpool.engine.build import build_engine
     from kvpool.engine.sampling import SamplingParams, sample_token
     from kvpool.server.engine_thread import EngineThread, Failed, Finished
@@ -376,6 +376,11 @@ def test_a_fault_in_one_requests_sampling_or_text_fails_it_alone(loaded):
     assert isinstance(events["bad-text"][-1], Failed) and "injected detokenizer fault" in events["bad-text"][-1].message
     assert held == 0 and engine.requests == {}
     assert metrics.requests["error"]._value.get() == 2 and metrics.requests["length"]._value.get() == 2
+    # the operator's log has each failure once, with the traceback down to the fault
+    log = capfd.readouterr().err
+    for name, where in (("bad-sample", "in sampler"), ("bad-text", "in faulty_delta")):
+        assert log.count(f"kvpool serve: request {name} failed:") == 1, log
+        assert where in log.split(f"request {name} failed:")[1], log
 
 
 def test_a_fault_in_the_text_of_a_requests_last_step_fails_it(loaded):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -71,6 +72,7 @@ class RequestState:
     first_token_time: float | None = None
     finish_time: float | None = None
     error: str | None = None
+    error_trace: str | None = None  # the traceback of a contained fault, for the operator's log
     forked: bool = False
     tenant: str = ""  # the cache's tenant salt: no prefix is shared across tenants
 
@@ -226,14 +228,15 @@ class Engine:
         req.finish_time = self.clock()
         return True
 
-    def fail(self, request_id: str, message: str) -> bool:
+    def fail(self, request_id: str, message: str, trace: str | None = None) -> bool:
         """End a request because serving it raised (its sampling, its text): aborted like a
-        cancel, its blocks released once, and `message` in its output's `error`. False if
-        unknown or done."""
+        cancel, its blocks released once, `message` in its output's `error` (what the client
+        is told) and `trace` in the request's `error_trace` (what the operator's log shows).
+        False if unknown or done."""
         req = self.requests.get(request_id)
         if req is None or req.finished:
             return False
-        req.error = message
+        req.error, req.error_trace = message, trace
         return self.abort(request_id)
 
     def has_unfinished(self) -> bool:
@@ -404,7 +407,7 @@ class Engine:
         # With contain_request_faults, a request whose own sampling or text raises fails
         # alone, after the step's commit; the others go on. (A fault of the step itself,
         # schedule or forward, always raises.)
-        failed: dict[str, str] = {}
+        failed: dict[str, tuple[str, str]] = {}  # request id -> (message, traceback)
         row = 0
         stats = self.stats
         for i, (seq, chunk) in enumerate(zip(self._scheduled, chunks, strict=True)):
@@ -425,7 +428,7 @@ class Engine:
             except Exception as error:
                 if not self.contain_request_faults:
                     raise
-                failed[seq.request.request_id] = f"{type(error).__name__}: {error}"
+                failed[seq.request.request_id] = (f"{type(error).__name__}: {error}", traceback.format_exc())
                 continue
             if seq.request.params.n > 1 and not seq.request.forked:
                 forks.append((seq, seq_logits))
@@ -442,7 +445,7 @@ class Engine:
             except Exception as error:
                 if not self.contain_request_faults:
                     raise
-                failed[parent.request.request_id] = f"{type(error).__name__}: {error}"
+                failed[parent.request.request_id] = (f"{type(error).__name__}: {error}", traceback.format_exc())
         for seq, reason in done:
             if seq.request.request_id not in failed:
                 self._finish(seq, reason)
@@ -452,8 +455,8 @@ class Engine:
             if req.finished and req.finish_time is None and req.request_id not in failed:
                 req.finish_time = now
                 finished.append(req.request_id)
-        for request_id, message in failed.items():
-            self.fail(request_id, message)
+        for request_id, (message, trace) in failed.items():
+            self.fail(request_id, message, trace)
             finished.append(request_id)
         return finished
 

@@ -261,10 +261,10 @@ class EngineThread:
                 try:
                     deltas = [d for d in (self._delta(seq, tracked) for seq in req.seqs) if d is not None]
                 except Exception as error:  # this request's text: it fails alone
-                    _log(f"request {request_id} failed", traceback.format_exc())
-                    message = f"{type(error).__name__}: {error}"
-                    if not engine.fail(request_id, message):
-                        req.error = message  # it finished this step: its last text is lost all the same
+                    message, trace = f"{type(error).__name__}: {error}", traceback.format_exc()
+                    if not engine.fail(request_id, message, trace):
+                        # it finished this step: its last text is lost all the same
+                        req.error, req.error_trace = message, trace
                 else:
                     for delta in deltas:
                         num_new_tokens += len(delta.token_ids)
@@ -273,8 +273,8 @@ class EngineThread:
                 output = engine.pop_output(request_id)
                 del self._tracked[request_id]
                 finished.append(output)
-                if output.error is not None:
-                    print(f"kvpool serve: request {request_id} failed: {output.error}", file=sys.stderr)
+                if output.error is not None:  # once, with the traceback where the fault was ours
+                    _log(f"request {request_id} failed: {output.error}", req.error_trace or "")
                 _send(tracked, Finished(output) if output.error is None else Failed(output.error))
         if self.on_step is not None:
             self.on_step(engine, finished, num_new_tokens)
@@ -313,7 +313,7 @@ class EngineThread:
 
 
 def _log(what: str, trace: str) -> None:
-    print(f"kvpool serve: {what}:\n{trace}", file=sys.stderr)
+    print(f"kvpool serve: {what}" + (f":\n{trace}" if trace else ""), file=sys.stderr)
 
 
 def _send(tracked: _Tracked, event: Event) -> None:
