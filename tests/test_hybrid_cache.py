@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.cache import BlockCopy, CacheDescriptor, StateRestore
+from kvpool.cache import BlockCopy, CacheDescriptor, GroupAdmission, StateRestore
 from kvpool.cache.coordinator import HybridCacheManager
 from kvpool.cache.dual_pool import DualPoolGroupSpec
 from kvpool.cache.recurrent import RecurrentGroupSpec
@@ -41,7 +41,7 @@ def test_figure_12_hit_is_the_largest_point_every_group_has():
     m = HybridCacheManager([(AttentionGroupSpec("mla", 512), 8), (RecurrentGroupSpec("kda", 1024), 4)], DESC)
     prompt = list(range(1600))
     admission = m.admit("a", prompt)
-    assert admission == (0, 1600, (0, 1, 2, 3), StateRestore(0, "none"), ())
+    assert admission[:5] == (0, 1600, (0, 1, 2, 3), StateRestore(0, "none"), ())
     assert m.checkpoints("a") == [(1024, 1)]  # slot 1 snapshots the state after 1024 tokens
     m.commit("a", 1600)
     m.check_integrity()
@@ -56,7 +56,7 @@ def test_figure_12_hit_is_the_largest_point_every_group_has():
     m.check_integrity()
     # 1024 cached tokens: attention blocks 0 and 1 shared, the state restored from slot 1
     # into a fresh live slot 2; blocks 4 and 5 for [1024, 1601).
-    assert admission == (1024, 577, (0, 1, 4, 5), StateRestore(2, "checkpoint", 1), ())
+    assert admission[:5] == (1024, 577, (0, 1, 4, 5), StateRestore(2, "checkpoint", 1), ())
     assert m.restore_source("b") == 1 and m.groups["kda"].pool.refcount(1) == 1
     assert m.checkpoints("b") == []  # the step reaches no new boundary (2048 > 1601)
     m.commit("b", 577)
@@ -85,7 +85,13 @@ def test_a_hit_inside_an_attention_block_copies_the_block_on_write():
     m.check_integrity()
     # Hit at 512, inside attention block 0: b gets a copy of block 0 in block 1 (free
     # queue head), block 0 stays held (the copy's source) until b's first commit.
-    assert admission == (512, 589, (1, 2), StateRestore(0, "checkpoint", 1), ())
+    assert admission[:5] == (512, 589, (1, 2), StateRestore(0, "checkpoint", 1), ())
+    # Each group's part: the attention table and its copy, the recurrent restore; no
+    # snapshot of 1024 (slots 0, 1, 2 are b's live state, its source and d's live state)
+    assert admission.groups == {
+        "mla": GroupAdmission((1, 2), 0, (BlockCopy(0, 1),), None, ()),
+        "kda": GroupAdmission((), 0, (), StateRestore(0, "checkpoint", 1), ()),
+    }
     assert m.take_copies() == {"mla": [BlockCopy(0, 1)]}
     assert m.groups["mla"].pool.refcount(0) == 1 and m.groups["mla"].pool.block_hash(0) is not None
     assert m.groups["mla"].pool.block_hash(1) is None  # b writes [512, 1024) into its own copy
@@ -348,7 +354,7 @@ def test_a_dual_pool_group_hits_only_where_the_recurrent_group_agrees_on_a_span_
     # 30 tokens: classical blocks 0, 1, 2 for the spans ending at 8, 16, 24 (the 6 tokens of
     # [24, 30) live in state block 0 only); live slot 0, checkpoints at 12 and 24 in slots 1, 2.
     admission = m.admit("a", a)
-    assert admission == (0, 30, (0, 1, 2), StateRestore(0, "none"), ())
+    assert admission[:5] == (0, 30, (0, 1, 2), StateRestore(0, "none"), ())
     assert m.state_slot("a", "v4") == 0 and m.state_restore("a", "v4") == StateRestore(0, "none")
     assert m.checkpoints("a") == [(12, 1), (24, 2)]
     assert all(classical.block_hash(b) is None for b in (0, 1, 2))  # published at the commit, not before
@@ -363,7 +369,7 @@ def test_a_dual_pool_group_hits_only_where_the_recurrent_group_agrees_on_a_span_
     m.check_integrity()
     # Hit 24: classical blocks 0, 1, 2 shared (refcount 2), state block 1 rebuilt by
     # replaying [18, 24); the recurrent state restored from slot 2 into live slot 3.
-    assert admission == (24, 7, (0, 1, 2), StateRestore(3, "checkpoint", 2), ())
+    assert admission[:5] == (24, 7, (0, 1, 2), StateRestore(3, "checkpoint", 2), ())
     assert m.state_restore("b", "v4") == StateRestore(1, "recompute", replay_start=18)
     assert [classical.refcount(k) for k in (0, 1, 2)] == [2, 2, 2]
     m.commit("b", 7)  # [24, 31) completes no span: no classical block, no copy
@@ -390,7 +396,7 @@ def test_a_dual_pool_group_hits_only_where_the_recurrent_group_agrees_on_a_span_
     m.check_integrity()
     # No hit: three fresh classical blocks, state block 0, live slot 4; the recurrent group
     # checkpoints 24 in slot 5 (12 is cached already).
-    assert admission == (0, 24, (3, 4, 5), StateRestore(4, "none"), ())
+    assert admission[:5] == (0, 24, (3, 4, 5), StateRestore(4, "none"), ())
     assert m.state_slot("c", "v4") == 0 and m.checkpoints("c") == [(24, 5)]
     m.commit("c", 24)
     m.check_integrity()
@@ -451,7 +457,7 @@ def test_a_turn_end_at_a_span_boundary_is_a_hit_for_the_dual_pool_and_the_recurr
     # Hit 16: classical blocks 0, 1 revived from the free queue; state block 1 (0 went back
     # to the end of the queue) replays [10, 16); the recurrent state restored from slot 0
     # into slot 2.
-    assert admission == (16, 3, (0, 1), StateRestore(2, "checkpoint", 0), ())
+    assert admission[:5] == (16, 3, (0, 1), StateRestore(2, "checkpoint", 0), ())
     assert m.state_restore("t2", "v4") == StateRestore(1, "recompute", replay_start=10)
     m.commit("t2", 3)
     m.check_integrity()
@@ -472,3 +478,42 @@ def test_a_dual_pool_group_is_named_right():
     prefill(m, "a", [1, 2, 3])
     with pytest.raises(KeyError, match="no recurrent or dual-pool group 'nope'"):
         m.state_restore("a", "nope")
+
+
+def test_every_group_kind_keeps_the_whole_group_protocol():
+    # The coordinator reaches groups only through CacheGroup (cache/group.py): every kind
+    # has every member, each method with the protocol's parameters, and the coordinator's
+    # module imports no group kind (it could not branch on one).
+    import ast
+    import inspect
+
+    import kvpool.cache.coordinator as coordinator
+    from kvpool.cache.group import CacheGroup
+
+    m = HybridCacheManager(
+        [(AttentionGroupSpec("full", 4), 4), (RecurrentGroupSpec("r", 4), 2), (DualPoolGroupSpec("v4", 8), (4, 2))],
+        DESC,
+    )
+    methods = {n: f for n, f in vars(CacheGroup).items() if inspect.isfunction(f) and not n.startswith("_")}
+    attributes = [n for n in CacheGroup.__annotations__ if not n.startswith("_")]
+    assert len(methods) == 27 and attributes == [
+        "name",
+        "kind",
+        "pool",
+        "granularity",
+        "reads_whole_prefix",
+        "has_table",
+        "has_state",
+    ]
+    for g in m.groups.values():
+        for name in attributes:
+            assert hasattr(g, name), (g.kind, name)
+        for name, f in methods.items():
+            got = list(inspect.signature(getattr(type(g), name)).parameters)
+            assert got == list(inspect.signature(f).parameters), (g.kind, name, got)
+    imported = {
+        node.module
+        for node in ast.walk(ast.parse(inspect.getsource(coordinator)))
+        if isinstance(node, ast.ImportFrom) and node.module
+    }
+    assert not imported & {"kvpool.cache.window", "kvpool.cache.recurrent", "kvpool.cache.dual_pool"}

@@ -42,11 +42,11 @@ class AttentionOnlyReuse(RecurrentGroup):
     def upper_bound(self, hits):
         return 1 << 62  # bounds nothing: every point is served
 
-    def plan_admit(self, hits, root, token_ids, mm_items, point):
-        found = [b for b in hits.found[: point // self.interval] if b is not None]
+    def plan_admit(self, hits, root, token_ids, mm_items, point, end):
+        found = [b for b in hits.found[: point // self.interval] if b is not None] if hits else []
         src = found[-1].block_ids[0] if found else None
         need = 1 + (src is not None and self.pool.refcount(src) == 0)
-        return RecurrentAdmit(src, self._chain(root, token_ids, mm_items, point // self.interval)), need
+        return RecurrentAdmit(src, self._chain(root, token_ids, mm_items, point // self.interval)), {self.pool: need}
 
 
 def _runner(model: TinyHybrid, broken: bool) -> HybridRunner:

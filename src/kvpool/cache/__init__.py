@@ -1,21 +1,26 @@
 """kvpool.cache: per-request cache managers on top of the block pool. Pure Python, no torch.
 
-Every manager implements the contract of `CacheManager` (cache/base.py); `HybridCacheManager`
-(cache/coordinator.py) is one over several layer groups: full-attention and sliding-window
+Every manager implements the contract of `CacheManager` (cache/base.py). `HybridCacheManager`
+(cache/coordinator.py) is one over several layer groups, each reached through the
+`CacheGroup` protocol (cache/group.py): attention groups, full or sliding-window
 (cache/window.py), recurrent-state checkpoint groups (cache/recurrent.py) and V4 dual-pool
-groups (cache/dual_pool.py)."""
+groups (cache/dual_pool.py). `FullAttentionManager` (cache/full.py) and `DSV4CacheManager`
+(cache/dsv4.py) are the engine's managers of one full-attention group and of V4's dual pool."""
 
 from kvpool.cache.base import CacheManager, LowerTier
 from kvpool.cache.coordinator import HybridCacheManager
 from kvpool.cache.dsv4 import DSV4CacheManager
 from kvpool.cache.dual_pool import DualPoolGroupSpec
 from kvpool.cache.full import FullAttentionManager
+from kvpool.cache.group import CacheGroup, GroupUsage
 from kvpool.cache.recurrent import RecurrentGroupSpec
 from kvpool.cache.types import (
     Admission,
     BlockCopy,
     CacheDescriptor,
     CacheUsage,
+    GroupAdmission,
+    GroupReservation,
     MMItem,
     PrefixStats,
     ReleaseReason,
@@ -31,11 +36,15 @@ __all__ = [
     "BlockCopy",
     "BlockTableCSR",
     "CacheDescriptor",
+    "CacheGroup",
     "CacheManager",
     "CacheUsage",
     "DSV4CacheManager",
     "DualPoolGroupSpec",
     "FullAttentionManager",
+    "GroupAdmission",
+    "GroupReservation",
+    "GroupUsage",
     "HybridCacheManager",
     "LowerTier",
     "MMItem",

@@ -1,27 +1,30 @@
-"""The hybrid cache coordinator: one CacheManager over every layer group of a model.
+"""The cache coordinator: one CacheManager over every layer group of a model.
 
-A hybrid model mixes layer kinds whose caches differ in granularity (DEEPSEEK_V4.md
-section 8, Kimi K3's Figure 12): full-attention and sliding-window groups keep physical
-blocks of K/V (cache/window.py), recurrent groups one state per request plus checkpoints
-of it (cache/recurrent.py), a V4 dual-pool group immutable classical blocks of complete
-spans plus one state block per request (cache/dual_pool.py). Each group has its own pool
-(the dual pool two); the coordinator keeps one token history and one computed count per
-request and moves every group together.
+A model's layers fall into groups whose caches differ in kind and granularity
+(DEEPSEEK_V4.md section 8, Kimi K3's Figure 12): full-attention and sliding-window groups
+keep physical blocks of K/V (cache/window.py), recurrent groups one state per request plus
+checkpoints of it (cache/recurrent.py), a V4 dual-pool group immutable classical blocks of
+complete spans plus one state block per request (cache/dual_pool.py). The coordinator
+keeps one token history and one computed count per request and moves every group
+together, through the `CacheGroup` protocol (cache/group.py) only: each spec builds its
+group (`spec.build`), and no call here asks what kind a group is.
 
 Prefix hits. Every group reports which hit points it can serve; the coordinator takes the
 largest point P that every group serves (candidates: multiples of the gcd of the groups'
-granularities, at most len(prompt) - 1, so one token is left to compute). Example: an
-attention group whose cached blocks end at {512, 1024, 1536} and a recurrent group with
-checkpoints at {0, 1024} give P = 1024. Reusing only one side is wrong: attention K/V up
-to 1536 with a recurrent state from anywhere else than 1536 is not the state of that
-prefix. A P inside an attention block copies that block on write (cache/window.py); a
-dual-pool group serves span boundaries only, so P is one (its blocks are never copied).
+granularities, at most len(prompt) - 1, so one token is left to compute, and the points
+off that grid some group offers). Example: an attention group whose cached blocks end at
+{512, 1024, 1536} and a recurrent group with checkpoints at {0, 1024} give P = 1024.
+Reusing only one side is wrong: attention K/V up to 1536 with a recurrent state from
+anywhere else than 1536 is not the state of that prefix. A P inside an attention block
+copies that block on write (cache/window.py); a dual-pool group serves span boundaries
+only, so P is one (its blocks are never copied).
 
 Transactions. `admit`, `reserve`, `reserve_step` and `fork` first ask every group what
-they need from its pool, and change nothing unless every group has it (one group out of
-room: nothing changes in any group; a dual-pool group without a free state block refuses
-an admission and a fork the same way). Optional checkpoint slots are taken last, from
-what is left. A release frees every group exactly once.
+they need of each pool (`plan_admit`, `blocks_needed`, `can_fork`: read-only), and change
+nothing unless every pool has it (one group out of room: nothing changes in any group).
+Optional checkpoint slots are taken last, from what is left. A release frees every group
+exactly once. An admission and a reservation carry every group's part (`groups`: table,
+copies, restore, checkpoints); their other fields are the first table group's.
 
 Pools. Each group has a pool of its own, or the attention groups draw from one shared
 pool (`shared_blocks`; vLLM's hybrid allocator, and what a serving engine does when the
@@ -44,37 +47,33 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from kvpool.cache.base import CacheManager, check_mm_items
-from kvpool.cache.dual_pool import DualPoolGroup, DualPoolGroupSpec, DualPoolState
-from kvpool.cache.recurrent import RecurrentGroup, RecurrentGroupSpec, RecurrentState
+from kvpool.cache.group import CacheGroup
 from kvpool.cache.types import (
     Admission,
     BlockCopy,
     CacheDescriptor,
     CacheUsage,
+    GroupAdmission,
+    GroupReservation,
     MMItem,
     ReleaseReason,
     Reservation,
     StateRestore,
 )
-from kvpool.cache.window import AttentionGroup, AttentionGroupSpec, AttentionHits
 from kvpool.pool import BlockPool, PrefixBlock
 
-GroupSpec = AttentionGroupSpec | RecurrentGroupSpec | DualPoolGroupSpec
-Group = AttentionGroup | RecurrentGroup | DualPoolGroup
-# One concrete group class per spec type (a plain dict, STYLE 11).
-GROUP_CLASSES: dict[type, type] = {
-    AttentionGroupSpec: AttentionGroup,
-    RecurrentGroupSpec: RecurrentGroup,
-    DualPoolGroupSpec: DualPoolGroup,
-}
 
+class GroupSpec(Protocol):
+    """A frozen spec that builds its group (cache/window.py, recurrent.py, dual_pool.py)."""
 
-def _is_full(group: Group) -> bool:
-    """A group whose hits end at the prompt's first miss (every block before a point is read)."""
-    return isinstance(group, DualPoolGroup) or (isinstance(group, AttentionGroup) and group.spec.window is None)
+    name: str
+
+    def build(
+        self, size: Any, *, enable_caching: bool, hash_algo: str, shared_pool: BlockPool | None
+    ) -> CacheGroup: ...
 
 
 @dataclass(slots=True)
@@ -85,18 +84,19 @@ class _Request:
     roots: dict[str, PrefixBlock]  # per group (each pool interns its own roots)
     num_computed: int = 0
     end: int = 0  # reserved positions [num_computed, end); end == num_computed: no step pending
-    states: dict[str, Any] = field(default_factory=dict)  # group name -> AttentionState | RecurrentState
+    states: dict[str, Any] = field(default_factory=dict)  # group name -> the group's state of the request
 
 
 class HybridCacheManager(CacheManager):
-    """groups: (spec, number of blocks or state slots) per group, in layer-map order; None
-    for an attention group that draws from the shared pool of `shared_blocks` blocks; for a
-    dual-pool group (V4), (classical blocks, state blocks). All attention groups share one
-    block size (one page size; heterogeneous pages are not done)."""
+    """groups: (spec, its pool size) per group, in layer-map order; the spec builds the group
+    (`spec.build`) and says what a size is: blocks or state slots, None for an attention
+    group that draws from the shared pool of `shared_blocks` blocks, (classical blocks,
+    state blocks) for a dual-pool group (V4). All attention groups share one block size
+    (one page size; heterogeneous pages are not done)."""
 
     def __init__(
         self,
-        groups: Sequence[tuple[GroupSpec, int | tuple[int, int] | None]],
+        groups: Sequence[tuple[GroupSpec, Any]],
         descriptor: CacheDescriptor,
         *,
         enable_prefix_caching: bool = True,
@@ -111,57 +111,39 @@ class HybridCacheManager(CacheManager):
             if shared_blocks <= 0:
                 raise ValueError(f"shared_blocks must be positive, got {shared_blocks}")
             shared = BlockPool(shared_blocks, enable_caching=enable_prefix_caching, hash_algo=hash_algo)
-        built: dict[str, Group] = {}
-        for spec, num in groups:
-            cls = GROUP_CLASSES.get(type(spec))
-            if cls is None:
-                raise TypeError(
-                    f"unknown group spec {type(spec).__name__}; one of {[c.__name__ for c in GROUP_CLASSES]}"
-                )
+        built: dict[str, CacheGroup] = {}
+        for spec, size in groups:
+            build = getattr(spec, "build", None)
+            if build is None:
+                raise TypeError(f"unknown group spec {type(spec).__name__}: a group spec has a build method")
             if spec.name in built:
                 raise ValueError(f"two groups are named {spec.name!r}")
-            if isinstance(spec, DualPoolGroupSpec):
-                if not (isinstance(num, tuple) and len(num) == 2 and all(isinstance(n, int) and n > 0 for n in num)):
-                    raise ValueError(
-                        f"dual-pool group {spec.name!r} needs (classical blocks, state blocks), both positive, "
-                        f"got {num!r}"
-                    )
-                built[spec.name] = DualPoolGroup(spec, *num, enable_caching=enable_prefix_caching, hash_algo=hash_algo)
-                continue
-            if isinstance(num, tuple):
-                raise ValueError(f"group {spec.name!r}: a pair of pool sizes is for a dual-pool group only, got {num}")
-            if num is None:
-                if shared is None or not isinstance(spec, AttentionGroupSpec):
-                    raise ValueError(
-                        f"group {spec.name!r} has no pool size: None draws from the shared pool, which only "
-                        f"attention groups can, and only with shared_blocks"
-                    )
-                built[spec.name] = AttentionGroup(spec, shared_blocks or 0, pool=shared)
-                continue
-            if num <= 0:
-                raise ValueError(f"group {spec.name!r}: its pool size must be positive, got {num}")
-            built[spec.name] = cls(spec, num, enable_caching=enable_prefix_caching, hash_algo=hash_algo)
+            built[spec.name] = build(
+                size, enable_caching=enable_prefix_caching, hash_algo=hash_algo, shared_pool=shared
+            )
         if shared is not None and not any(g.pool is shared for g in built.values()):
             raise ValueError("shared_blocks is given but no group draws from it (give an attention group None)")
-        attention = [g for g in built.values() if isinstance(g, AttentionGroup)]
-        sizes = {g.block_size for g in attention}
+        # Callers that own per-kind tensors pick their groups by kind; nothing below does
+        self.attention_groups = [g for g in built.values() if g.kind == "attention"]
+        self.recurrent_groups = [g for g in built.values() if g.kind == "recurrent"]
+        self.dual_groups = [g for g in built.values() if g.kind == "dual_pool"]
+        sizes = {g.granularity for g in self.attention_groups}
         if len(sizes) > 1:
             raise ValueError(f"attention groups must share one block size, got {sorted(sizes)}")
-        dual = [g for g in built.values() if isinstance(g, DualPoolGroup)]
-        first = next(iter(built.values()))
-        block_size = attention[0].block_size if attention else dual[0].span if dual else first.granularity
-        super().__init__(first.pool, block_size, descriptor)
+        # Groups with block tables, attention first: the default of `block_ids` and of an
+        # admission's blocks; groups with state, recurrent first: the default of the state queries
+        self._table_groups = sorted((g for g in built.values() if g.has_table), key=lambda g: g.kind != "attention")
+        self._state_groups = sorted((g for g in built.values() if g.has_state), key=lambda g: g.kind != "recurrent")
+        first = self._table_groups[0] if self._table_groups else next(iter(built.values()))
+        super().__init__(first.pool, first.granularity, descriptor)
         self.groups = built
-        self.attention_groups = attention
-        self.recurrent_groups = [g for g in built.values() if isinstance(g, RecurrentGroup)]
-        self.dual_groups = dual
-        # Groups with block tables: the default of `block_ids` and of an admission's blocks
-        self._block_groups: list[AttentionGroup | DualPoolGroup] = [*attention, *dual]
         # Each distinct pool once (a dict keeps layer-map order; a BlockPool hashes by identity)
-        self._pools: dict[BlockPool, list[Group]] = {}
+        self._pools: dict[BlockPool, list[CacheGroup]] = {}
         for g in built.values():
             self._pools.setdefault(g.pool, []).append(g)
-        self._block_pools = list(dict.fromkeys(g.pool for g in self._block_groups))
+        self._block_pools = list(dict.fromkeys(g.pool for g in self._table_groups))
+        # Whole-prefix groups are looked up first: their hit bounds the others' lookups
+        self._lookup_order = sorted(built.items(), key=lambda item: not item[1].reads_whole_prefix)
         self._caching = enable_prefix_caching
         self.turn_end_checkpoints = turn_end_checkpoints
         self.hit_granularity = math.gcd(*(g.granularity for g in built.values()))
@@ -185,114 +167,85 @@ class HybridCacheManager(CacheManager):
         """Whether the group draws from a pool that other groups draw from too."""
         return len(self._pools[self.groups[group].pool]) > 1
 
-    def _fits(self, needs: dict[str, int | dict[BlockPool, int]]) -> bool:
-        """Whether every pool has the free blocks its groups need together (a need: blocks of
-        the group's pool, or blocks per pool for a group with two, the dual pool)."""
-        total: dict[BlockPool, int] = {}
-        for name, need in needs.items():
-            for pool, n in (need if isinstance(need, dict) else {self.groups[name].pool: need}).items():
-                total[pool] = total.get(pool, 0) + n
-        return all(n <= pool.num_free for pool, n in total.items())
+    def _fits(self, needs: dict[BlockPool, int]) -> bool:
+        """Whether every pool has the free blocks the groups need of it together."""
+        return all(n <= pool.num_free for pool, n in needs.items())
 
     def num_reserved_tokens(self, request_id: str) -> int:
         return self._get(request_id).end
 
+    def _group(self, group: str | None, defaults: list[CacheGroup], what: str) -> CacheGroup:
+        g = (defaults[0] if defaults else None) if group is None else self.groups.get(group)
+        if g is None or g not in defaults:
+            raise KeyError(f"no {what} group {group!r}")
+        return g
+
     def block_ids(self, request_id: str, group: str | None = None) -> list[int]:
-        """The held blocks of one attention group (default: the first), logical blocks
-        [first_block(...), ...), or a dual-pool group's classical blocks (spans [0, ...))."""
-        if group is None and not self.attention_groups and self.dual_groups:
-            group = self.dual_groups[0].name
-        if isinstance(self.groups.get(group or ""), DualPoolGroup):
-            return list(self._get(request_id).states[group].block_ids)
-        state = self._get(request_id).states[self._attention(group).name]
-        return list(state.block_ids)
+        """The held blocks of one table group (default: the first attention group, else the
+        first dual pool's classical blocks), logical blocks [first_block(...), ...)."""
+        g = self._group(group, self._table_groups, "block-table")
+        return list(g.block_ids(self._get(request_id).states[g.name]))
 
     def first_block(self, request_id: str, group: str | None = None) -> int:
-        """The logical index of the request's first held block in an attention group."""
-        return self._get(request_id).states[self._attention(group).name].first
+        """The logical index of the request's first held block in a table group."""
+        g = self._group(group, self._table_groups, "block-table")
+        return g.first_block(self._get(request_id).states[g.name])
 
     def state_slot(self, request_id: str, group: str | None = None) -> int:
-        """The live state slot of a recurrent group (default: the first) or the state block
-        of a dual-pool group (default when there is no recurrent group: the first)."""
-        if group is None and not self.recurrent_groups and self.dual_groups:
-            group = self.dual_groups[0].name
-        if isinstance(self.groups.get(group or ""), DualPoolGroup):
-            return self._get(request_id).states[group].state_slot
-        return self._get(request_id).states[self._recurrent(group).name].slot
+        """The live state slot of a recurrent group or the state block of a dual-pool group
+        (default: the first recurrent group, else the first dual pool)."""
+        g = self._group(group, self._state_groups, "stateful")
+        slot = g.state_slot(self._get(request_id).states[g.name])
+        assert slot is not None
+        return slot
 
     def state_restore(self, request_id: str, group: str) -> StateRestore:
         """How the runner rebuilds the request's state in a recurrent or dual-pool group before
         its first step: from a checkpoint (recurrent), by replaying tokens on top of the
         cached classical blocks (dual pool), or "none" (a fresh state, or the restore is done)."""
         g = self.groups.get(group)
-        state = self._get(request_id).states[group] if g is not None else None
-        if isinstance(g, DualPoolGroup):
-            assert isinstance(state, DualPoolState)
-            if state.replay_start is None:
-                return StateRestore(state.state_slot, "none")
-            return StateRestore(state.state_slot, "recompute", replay_start=state.replay_start)
-        if isinstance(g, RecurrentGroup):
-            assert isinstance(state, RecurrentState)
-            if state.held_src is None:
-                return StateRestore(state.slot, "none")
-            return StateRestore(state.slot, "checkpoint", state.held_src)
-        raise KeyError(f"no recurrent or dual-pool group {group!r}")
+        if g is None or not g.has_state:
+            raise KeyError(f"no recurrent or dual-pool group {group!r}")
+        restore = g.restore(self._get(request_id).states[group])
+        assert restore is not None
+        return restore
 
     def checkpoints(self, request_id: str, group: str | None = None) -> list[tuple[int, int]]:
         """(position b, slot) of the reserved step: snapshot the state after b tokens there."""
-        return list(self._get(request_id).states[self._recurrent(group).name].pending)
+        g = self._group(group, self._state_groups, "stateful")
+        return list(g.checkpoints(self._get(request_id).states[g.name]))
 
     def restore_source(self, request_id: str, group: str | None = None) -> int | None:
         """The checkpoint slot the request's state is to be restored from before its first
         step (None: a fresh state, or the restore is done)."""
-        return self._get(request_id).states[self._recurrent(group).name].held_src
+        g = self._group(group, self._state_groups, "stateful")
+        restore = g.restore(self._get(request_id).states[g.name])
+        return restore.checkpoint_slot if restore is not None and restore.method == "checkpoint" else None
 
     def take_copies(self) -> dict[str, list[BlockCopy]]:
-        """Per attention group, the copies to apply before the next forward, in order."""
-        return {g.name: g.take_copies() for g in self.attention_groups}
-
-    def _attention(self, group: str | None) -> AttentionGroup:
-        g = self.attention_groups[0] if group is None and self.attention_groups else self.groups.get(group or "")
-        if not isinstance(g, AttentionGroup):
-            raise KeyError(f"no attention group {group!r}")
-        return g
-
-    def _recurrent(self, group: str | None) -> RecurrentGroup:
-        g = self.recurrent_groups[0] if group is None and self.recurrent_groups else self.groups.get(group or "")
-        if not isinstance(g, RecurrentGroup):
-            raise KeyError(f"no recurrent group {group!r}")
-        return g
+        """Per group that queued any, the copies to apply before the next forward, in order."""
+        out = {}
+        for name, g in self.groups.items():
+            copies = g.take_copies()
+            if copies:
+                out[name] = copies
+        return out
 
     def usage(self) -> CacheUsage:
-        """Attention blocks of every attention group, each physical block counted once, and
-        the classical blocks of the dual-pool groups (whole by construction: every slot
-        counts as filled); the recurrent groups' slots and the dual pools' state blocks as
-        state blocks."""
-        held = filled = 0
-        bs = self.block_size
-        for g in self.dual_groups:
-            ids: set[int] = set()
-            computed: set[int] = set()
-            for req in self._requests.values():
-                table = req.states[g.name].block_ids
-                ids.update(table)
-                computed.update(table[: req.num_computed // g.span])
-            held += len(ids)
-            filled += len(computed) * bs
-        for g in self.attention_groups:
-            counts: dict[int, int] = {}
-            for req in self._requests.values():
-                state = req.states[g.name]
-                for i, b in enumerate(state.block_ids):
-                    start = (state.first + i) * bs
-                    counts[b] = max(counts.get(b, 0), min(bs, max(0, req.num_computed - start)))
-            held += len(counts)
-            filled += sum(counts.values())
-        num_slots = sum(g.pool.num_blocks for g in self.recurrent_groups)
-        num_slots += sum(g.state_pool.num_blocks for g in self.dual_groups)
-        free_slots = sum(g.pool.num_free for g in self.recurrent_groups)
-        free_slots += sum(g.state_pool.num_free for g in self.dual_groups)
-        return CacheUsage(self.num_blocks, self.num_free_blocks, held, filled, bs, num_slots, free_slots)
+        """Table blocks of every group, each physical block counted once (a dual pool's
+        classical blocks whole by construction); recurrent slots and dual-pool state blocks
+        as state blocks."""
+        held = filled = num_state = num_free_state = 0
+        reqs = self._requests.values()
+        for name, g in self.groups.items():
+            u = g.usage([(req.states[name], req.num_computed) for req in reqs])
+            held += u.num_held_blocks
+            filled += u.num_filled_slots
+            num_state += u.num_state_blocks
+            num_free_state += u.num_free_state_blocks
+        return CacheUsage(
+            self.num_blocks, self.num_free_blocks, held, filled, self.block_size, num_state, num_free_state
+        )
 
     def group_held_blocks(self) -> dict[str, int]:
         """Per group, blocks (or slots) that are not free: what the pool really holds. A
@@ -305,10 +258,7 @@ class HybridCacheManager(CacheManager):
                 continue
             ids: set[int] = set()
             for req in self._requests.values():
-                state = req.states[name]
-                ids.update(state.block_ids)
-                if state.held_src is not None:
-                    ids.add(state.held_src)
+                ids.update(g.held_blocks(req.states[name]))
             held[name] = len(ids)
         return held
 
@@ -336,10 +286,9 @@ class HybridCacheManager(CacheManager):
         """Each group's hits. bounded: full-attention groups first, and the others look no
         further than the smallest bound so far (a cold prompt then costs a block's hash per
         group, not the whole prompt's: the simulator retries a waiting admission every step)."""
-        order = sorted(self.groups.items(), key=lambda item: not _is_full(item[1]))
         limit: int | None = None
         hits = {}
-        for name, g in order:
+        for name, g in self._lookup_order:
             hits[name] = g.hits(req.roots[name], req.token_ids, req.mm_items, limit)
             if bounded:
                 bound = g.upper_bound(hits[name])
@@ -415,34 +364,35 @@ class HybridCacheManager(CacheManager):
         n = rest if max_new_tokens is None else min(max_new_tokens, rest)
         end = point + n
         plans: dict[str, Any] = {}
-        needs: dict[str, int | dict[BlockPool, int]] = {}
+        needs: dict[BlockPool, int] = {}
         for name, g in self.groups.items():
-            need: int | dict[BlockPool, int]
-            if isinstance(g, AttentionGroup):
-                plan, need = g.plan_admit(hits.get(name, AttentionHits([], [])), point, end)
-            elif isinstance(g, DualPoolGroup):
-                plan, need = g.plan_admit(hits.get(name), point, end)
-            else:
-                plan, need = g.plan_admit(hits.get(name), req.roots[name], req.token_ids, req.mm_items, point)
-            plans[name], needs[name] = plan, need
+            plans[name], need = g.plan_admit(hits.get(name), req.roots[name], req.token_ids, req.mm_items, point, end)
+            for pool, k in need.items():
+                needs[pool] = needs.get(pool, 0) + k
         if not self._fits(needs):
             return None
         # Checked in every group; mutate: every group's hit held first, then the allocations
         for name, g in self.groups.items():
             g.claim(plans[name])
+        admit_copies = {}
         for name, g in self.groups.items():
-            req.states[name] = g.apply_admit(plans[name], req.roots[name])
+            req.states[name], admit_copies[name] = g.apply_admit(plans[name], req.roots[name])
         req.num_computed = req.end = point
         self._requests[request_id] = req
         self._count_admission(request_id, len(req.token_ids), point)
-        if n:
-            self._apply_reserve(req, end)
-        # The first recurrent group's restore, else the first dual pool's (`state_restore`
-        # names each group's); the first block group's table
-        stateful = [*self.recurrent_groups, *self.dual_groups]
-        restore = self.state_restore(request_id, stateful[0].name) if stateful else None
-        block_ids = tuple(self.block_ids(request_id)) if self._block_groups else ()
-        return Admission(point, n, block_ids, restore)
+        step = self._apply_reserve(req, end).groups if n else {}
+        parts = {}
+        for name, g in self.groups.items():
+            state, res = req.states[name], step.get(name)
+            copies = admit_copies[name] + res.copies if res is not None else admit_copies[name]
+            checkpoints = res.checkpoints if res is not None else ()
+            parts[name] = GroupAdmission(
+                tuple(g.block_ids(state)), g.first_block(state), copies, g.restore(state), checkpoints
+            )
+        # The first table group's blocks, the first stateful group's restore (recurrent first)
+        table = parts[self._table_groups[0].name].block_ids if self._table_groups else ()
+        restore = parts[self._state_groups[0].name].restore if self._state_groups else None
+        return Admission(point, n, table, restore, groups=parts)
 
     def _check_reserve(self, req: _Request, num_new_tokens: int) -> None:
         if req.end != req.num_computed:
@@ -455,46 +405,41 @@ class HybridCacheManager(CacheManager):
                 f"{len(req.token_ids)} token ids are known (append_token_ids first)"
             )
 
-    def _needs(self, req: _Request, end: int) -> dict[str, int]:
-        return {g.name: g.blocks_needed(req.states[g.name], req.num_computed, end) for g in self._block_groups}
+    def _needs(self, req: _Request, end: int, total: dict[BlockPool, int]) -> dict[BlockPool, int]:
+        """Add the free blocks each group's pool gives the step [num_computed, end) to `total`."""
+        states, nc = req.states, req.num_computed
+        for name, g in self.groups.items():
+            n = g.blocks_needed(states[name], nc, end)
+            if n:
+                total[g.pool] = total.get(g.pool, 0) + n
+        return total
 
     def _apply_reserve(self, req: _Request, end: int) -> Reservation:
-        """The reservation names the first block group's new blocks and copies."""
-        new_ids: tuple[int, ...] = ()
-        copies: tuple[BlockCopy, ...] = ()
-        for i, g in enumerate(self._block_groups):
-            if isinstance(g, DualPoolGroup):
-                new, cps = g.apply_reserve(req.states[g.name], req.num_computed, end), []
-            else:
-                new, cps = g.apply_reserve(req.states[g.name], req.num_computed, end)
-            if i == 0:
-                new_ids, copies = tuple(new), tuple(cps)
-        checkpoints: tuple[tuple[int, int], ...] = ()
-        for i, rg in enumerate(self.recurrent_groups):
-            st = req.states[rg.name]
-            wanted = rg.plan_checkpoints(st, req.token_ids, req.mm_items, req.num_computed, end)
-            taken = rg.take_checkpoint_slots(st, wanted)
-            if i == 0:
-                checkpoints = tuple(taken)
+        """Every group's part; the first table group's new blocks and copies and the first
+        stateful group's checkpoints (recurrent first) in the fields before `groups`."""
+        parts = {}
+        for name, g in self.groups.items():
+            parts[name] = g.apply_reserve(req.states[name], req.token_ids, req.mm_items, req.num_computed, end)
+        first = parts[self._table_groups[0].name] if self._table_groups else GroupReservation()
+        checkpoints = parts[self._state_groups[0].name].checkpoints if self._state_groups else ()
         start = req.num_computed
         req.end = end
-        return Reservation(start, end - start, new_ids, copies, checkpoints)
+        return Reservation(start, end - start, first.new_block_ids, first.copies, checkpoints, parts)
 
     def reserve(self, request_id: str, num_new_tokens: int) -> Reservation | None:
         req = self._get(request_id)
         self._check_reserve(req, num_new_tokens)
         end = req.num_computed + num_new_tokens
-        if not self._fits(self._needs(req, end)):
+        if not self._fits(self._needs(req, end, {})):
             return None
         return self._apply_reserve(req, end)
 
     def reserve_step(self, request_ids: Sequence[str], num_new_tokens: Sequence[int]) -> bool:
         reqs = self._step_requests(request_ids, num_new_tokens)
-        total = dict.fromkeys(self.groups, 0)
+        total: dict[BlockPool, int] = {}
         for req, n in zip(reqs, num_new_tokens, strict=True):
             self._check_reserve(req, n)
-            for name, need in self._needs(req, req.num_computed + n).items():
-                total[name] += need
+            self._needs(req, req.num_computed + n, total)
         if not self._fits(total):
             return False
         for req, n in zip(reqs, num_new_tokens, strict=True):
@@ -530,7 +475,7 @@ class HybridCacheManager(CacheManager):
             raise ValueError(f"request {child_id!r} already exists")
         if parent.end != parent.num_computed:
             raise ValueError(f"request {parent_id!r} has an uncommitted step; fork after commit")
-        if not all(g.can_fork() for g in [*self.recurrent_groups, *self.dual_groups]):
+        if not all(g.can_fork() for g in self.groups.values()):
             return False
         child = _Request(child_id, parent.token_ids[: parent.num_computed], parent.mm_items, dict(parent.roots))
         child.num_computed = child.end = parent.num_computed
@@ -548,10 +493,10 @@ class HybridCacheManager(CacheManager):
         if req.end != req.num_computed:
             raise ValueError(f"request {request_id!r} has an uncommitted step; mark the turn end after commit")
         slots = {}
-        for g in self.recurrent_groups:
-            slot = g.mark_turn_end(req.states[g.name], req.token_ids, req.mm_items, req.num_computed)
+        for name, g in self.groups.items():
+            slot = g.mark_turn_end(req.states[name], req.token_ids, req.mm_items, req.num_computed)
             if slot is not None:
-                slots[g.name] = slot
+                slots[name] = slot
         return slots
 
     def release(self, request_id: str, reason: ReleaseReason = "finish") -> bool:
@@ -560,8 +505,8 @@ class HybridCacheManager(CacheManager):
         holds that state: nothing to copy), when `turn_end_checkpoints` is on."""
         req = self._requests.get(request_id)
         if reason == "finish" and self.turn_end_checkpoints and req is not None and req.end == req.num_computed:
-            for g in self.recurrent_groups:
-                g.keep_turn_end(req.states[g.name], req.token_ids, req.mm_items, req.num_computed)
+            for name, g in self.groups.items():
+                g.keep_turn_end(req.states[name], req.token_ids, req.mm_items, req.num_computed)
         return super().release(request_id, reason)
 
     def _release(self, request_id: str) -> bool:
@@ -590,16 +535,15 @@ class HybridCacheManager(CacheManager):
             groups[0].check_holders(holders[pool])
             if len(groups) > 1:
                 self._check_owners(groups)
-        for g in self.dual_groups:
-            g.check_state_blocks({rid: req.states[g.name] for rid, req in self._requests.items()})
+        for name, g in self.groups.items():
+            g.check_states({rid: req.states[name] for rid, req in self._requests.items()})
 
-    def _check_owners(self, groups: list[Group]) -> None:
+    def _check_owners(self, groups: list[CacheGroup]) -> None:
         """On a shared pool a block is held by the requests of one group only."""
         owner: dict[int, str] = {}
         for g in groups:
             for rid, req in self._requests.items():
-                state = req.states[g.name]
-                for b in [*state.block_ids, *([state.held_src] if state.held_src is not None else [])]:
+                for b in g.held_blocks(req.states[g.name]):
                     if owner.setdefault(b, g.name) != g.name:
                         raise AssertionError(
                             f"shared pool: block {b} is held by groups {owner[b]!r} and {g.name!r} ({rid!r})"

@@ -36,10 +36,12 @@ are empty). The request's `replay_start` says so until its first commit.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvpool.cache.base import mm_extra_key
-from kvpool.cache.types import MMItem
+from kvpool.cache.group import GroupUsage
+from kvpool.cache.types import BlockCopy, GroupReservation, MMItem, StateRestore
 from kvpool.pool import BlockPool, PrefixBlock
 from kvpool.pool.hashing import TOKEN_BYTES, token_bytes
 from kvpool.spec.dsv4 import DSV4Spec
@@ -59,6 +61,16 @@ class DualPoolGroupSpec:
             raise ValueError(f"group {self.name!r}: span must be positive, got {self.span}")
         if self.replay_len < 0:
             raise ValueError(f"group {self.name!r}: replay_len must be >= 0, got {self.replay_len}")
+
+    def build(
+        self, size: object, *, enable_caching: bool, hash_algo: str, shared_pool: BlockPool | None
+    ) -> DualPoolGroup:
+        """The group; `size` is the pair (classical blocks, state blocks), both positive."""
+        if not (isinstance(size, tuple) and len(size) == 2 and all(isinstance(n, int) and n > 0 for n in size)):
+            raise ValueError(
+                f"dual-pool group {self.name!r} needs (classical blocks, state blocks), both positive, got {size!r}"
+            )
+        return DualPoolGroup(self, *size, enable_caching=enable_caching, hash_algo=hash_algo)
 
     @classmethod
     def from_dsv4(cls, name: str, spec: DSV4Spec) -> DualPoolGroupSpec:
@@ -97,7 +109,18 @@ class DualPoolAdmit:
     replay_start: int | None
 
 
+_NO_RESERVATION = GroupReservation()
+
+
 class DualPoolGroup:
+    """A `CacheGroup` (cache/group.py): classical blocks of complete spans, one state block
+    per request."""
+
+    kind = "dual_pool"
+    reads_whole_prefix = True
+    has_table = True
+    has_state = True
+
     def __init__(
         self,
         spec: DualPoolGroupSpec,
@@ -112,10 +135,10 @@ class DualPoolGroup:
         self.span = spec.span
         self.pool = BlockPool(num_classical_blocks, enable_caching=enable_caching, hash_algo=hash_algo)
         self.state_pool = BlockPool(num_state_blocks, enable_caching=False)
+        self.granularity = spec.span
 
-    @property
-    def granularity(self) -> int:
-        return self.span
+    def pools(self) -> tuple[BlockPool, ...]:
+        return (self.pool, self.state_pool)
 
     # ---- prefix hits -------------------------------------------------------------------
 
@@ -154,7 +177,15 @@ class DualPoolGroup:
         """A span boundary whose spans before it are all cached (or the start)."""
         return point % self.span == 0 and point // self.span <= len(hits.block_ids)
 
-    def plan_admit(self, hits: DualPoolHits | None, point: int, end: int) -> tuple[DualPoolAdmit, dict[BlockPool, int]]:
+    def plan_admit(
+        self,
+        hits: DualPoolHits | None,
+        root: PrefixBlock,
+        token_ids: list[int],
+        mm_items: tuple[MMItem, ...],
+        point: int,
+        end: int,
+    ) -> tuple[DualPoolAdmit, dict[BlockPool, int]]:
         """(the plan, free blocks it needs per pool) for a hit at `point` and a first step to
         `end`: the step's fresh classical blocks, the hit's blocks revived out of the free
         queue, and one state block."""
@@ -172,12 +203,12 @@ class DualPoolGroup:
         """Hold the hit's blocks before any group allocates."""
         self.pool.incref(plan.hit_ids)
 
-    def apply_admit(self, plan: DualPoolAdmit, root: PrefixBlock) -> DualPoolState:
+    def apply_admit(self, plan: DualPoolAdmit, root: PrefixBlock) -> tuple[DualPoolState, tuple[BlockCopy, ...]]:
         """After `claim`: the state block and the first step's classical blocks."""
         slot = self.state_pool.allocate(1)
         new = self.pool.allocate(plan.num_new)
         assert slot is not None and new is not None, "the coordinator checked the free counts"
-        return DualPoolState(root, slot[0], [*plan.hit_ids, *new], list(plan.chain), plan.replay_start)
+        return DualPoolState(root, slot[0], [*plan.hit_ids, *new], list(plan.chain), plan.replay_start), ()
 
     # ---- steps -------------------------------------------------------------------------
 
@@ -185,14 +216,20 @@ class DualPoolGroup:
         """Classical blocks a step [num_computed, end) takes: one per span it completes."""
         return end // self.span - len(state.block_ids)
 
-    def apply_reserve(self, state: DualPoolState, num_computed: int, end: int) -> list[int]:
+    def apply_reserve(
+        self, state: DualPoolState, token_ids: list[int], mm_items: tuple[MMItem, ...], num_computed: int, end: int
+    ) -> GroupReservation:
         num_new = end // self.span - len(state.block_ids)
         if not num_new:
-            return []  # the common decode step: no span completes
+            return _NO_RESERVATION  # the common decode step: no span completes
         new = self.pool.allocate(num_new)
         assert new is not None, "the coordinator checked the free count"
         state.block_ids.extend(new)
-        return new
+        return GroupReservation(tuple(new))
+
+    def take_copies(self) -> list[BlockCopy]:
+        """None: a classical block is written once and never copied."""
+        return []
 
     def commit(
         self, state: DualPoolState, token_ids: list[int], num_computed: int, mm_items: tuple[MMItem, ...]
@@ -214,6 +251,39 @@ class DualPoolGroup:
                 state.chain.append(parent)
         state.replay_start = None
 
+    # ---- queries on a request's state ---------------------------------------------------
+
+    def block_ids(self, state: DualPoolState) -> list[int]:
+        return state.block_ids
+
+    def first_block(self, state: DualPoolState) -> int:
+        return 0
+
+    def held_blocks(self, state: DualPoolState) -> list[int]:
+        return state.block_ids
+
+    def state_slot(self, state: DualPoolState) -> int | None:
+        return state.state_slot
+
+    def restore(self, state: DualPoolState) -> StateRestore | None:
+        """A hit's replay on top of the cached spans, until the first commit; else "none"."""
+        if state.replay_start is None:
+            return StateRestore(state.state_slot, "none")
+        return StateRestore(state.state_slot, "recompute", replay_start=state.replay_start)
+
+    def checkpoints(self, state: DualPoolState) -> list[tuple[int, int]]:
+        return []
+
+    def mark_turn_end(
+        self, state: DualPoolState, token_ids: list[int], mm_items: tuple[MMItem, ...], num_computed: int
+    ) -> int | None:
+        return None
+
+    def keep_turn_end(
+        self, state: DualPoolState, token_ids: list[int], mm_items: tuple[MMItem, ...], num_computed: int
+    ) -> bool:
+        return False
+
     def can_fork(self) -> bool:
         return self.state_pool.num_free > 0
 
@@ -231,7 +301,17 @@ class DualPoolGroup:
         self.state_pool.decref((state.state_slot,))
         state.block_ids = []
 
-    # ---- invariants --------------------------------------------------------------------
+    # ---- invariants and figures ---------------------------------------------------------
+
+    def usage(self, states: Iterable[tuple[DualPoolState, int]]) -> GroupUsage:
+        """Classical blocks, each once, whole by construction (a computed span's slots are
+        all filled); the state blocks as state blocks."""
+        ids: set[int] = set()
+        computed: set[int] = set()
+        for state, num_computed in states:
+            ids.update(state.block_ids)
+            computed.update(state.block_ids[: num_computed // self.span])
+        return GroupUsage(len(ids), len(computed) * self.span, self.state_pool.num_blocks, self.state_pool.num_free)
 
     def check_state(
         self, rid: str, state: DualPoolState, token_ids: list[int], num_computed: int, end: int, holders: list[int]
@@ -278,7 +358,7 @@ class DualPoolGroup:
                     f"{self.pool.refcount(b)}, held {count} times"
                 )
 
-    def check_state_blocks(self, states: dict[str, DualPoolState]) -> None:
+    def check_states(self, states: dict[str, DualPoolState]) -> None:
         """Each request holds one state block of its own; the others are free."""
         self.state_pool.check_integrity()
         held = sorted(s.state_slot for s in states.values())

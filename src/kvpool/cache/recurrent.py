@@ -38,10 +38,12 @@ first commit (so no allocation can reuse it before the copy is made).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvpool.cache.base import mm_extra_key
-from kvpool.cache.types import MMItem
+from kvpool.cache.group import GroupUsage, check_pool_size
+from kvpool.cache.types import BlockCopy, GroupReservation, MMItem, StateRestore
 from kvpool.pool import BlockPool, PrefixBlock
 from kvpool.pool.hashing import TOKEN_BYTES, token_bytes
 
@@ -59,6 +61,14 @@ class RecurrentGroupSpec:
             raise ValueError(
                 f"group {self.name!r}: checkpoint_interval must be positive, got {self.checkpoint_interval}"
             )
+
+    def build(
+        self, size: int | None, *, enable_caching: bool, hash_algo: str, shared_pool: BlockPool | None
+    ) -> RecurrentGroup:
+        """The group with `size` state slots (live states and checkpoints) of its own."""
+        return RecurrentGroup(
+            self, check_pool_size(self.name, size), enable_caching=enable_caching, hash_algo=hash_algo
+        )
 
 
 @dataclass(slots=True)
@@ -85,23 +95,29 @@ class RecurrentAdmit:
     chain: list[PrefixBlock]
 
 
+_NO_RESERVATION = GroupReservation()
+
+
 class RecurrentGroup:
+    """A `CacheGroup` (cache/group.py): one live state per request and checkpoints of it."""
+
+    kind = "recurrent"
+    reads_whole_prefix = False
+    has_table = False
+    has_state = True
+
     def __init__(
         self, spec: RecurrentGroupSpec, num_slots: int, *, enable_caching: bool = True, hash_algo: str = "xxh3_128"
     ) -> None:
         self.spec = spec
-        self.interval = spec.checkpoint_interval
+        self.name = spec.name
+        self.interval = self.granularity = spec.checkpoint_interval
         self.pool = BlockPool(num_slots, enable_caching=enable_caching, hash_algo=hash_algo)
         # chunk parent's hash -> turn-end prefix blocks after it (stale ones dropped as found)
         self._turn_ends: dict[bytes, list[PrefixBlock]] = {}
 
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def granularity(self) -> int:
-        return self.interval
+    def pools(self) -> tuple[BlockPool, ...]:
+        return (self.pool,)
 
     @property
     def num_checkpoints(self) -> int:
@@ -172,31 +188,54 @@ class RecurrentGroup:
         return k <= len(hits.found) and hits.found[k - 1] is not None
 
     def plan_admit(
-        self, hits: RecurrentHits, root: PrefixBlock, token_ids: list[int], mm_items: tuple[MMItem, ...], point: int
-    ) -> tuple[RecurrentAdmit, int]:
+        self,
+        hits: RecurrentHits | None,
+        root: PrefixBlock,
+        token_ids: list[int],
+        mm_items: tuple[MMItem, ...],
+        point: int,
+        end: int,
+    ) -> tuple[RecurrentAdmit, dict[BlockPool, int]]:
         """(the plan, free slots it needs): a live slot, and the checkpoint if it is free."""
         src = None
         need = 1
         if point:
+            assert hits is not None, "a hit point comes from hits"
             ckpt = hits.turn_ends.get(point) or hits.found[point // self.interval - 1]
             assert ckpt is not None, "serves() was checked"
             src = next((s for s in ckpt.block_ids if self.pool.refcount(s)), ckpt.block_ids[0])
             need += self.pool.refcount(src) == 0  # revived out of the free queue
         chain = self._chain(root, token_ids, mm_items, point // self.interval) if self.pool.enable_caching else []
-        return RecurrentAdmit(src, chain), need
+        return RecurrentAdmit(src, chain), {self.pool: need}
 
     def claim(self, plan: RecurrentAdmit) -> None:
         """Hold the checkpoint to restore from (before any allocation can reuse it)."""
         if plan.src is not None:
             self.pool.incref((plan.src,))
 
-    def apply_admit(self, plan: RecurrentAdmit, root: PrefixBlock) -> RecurrentState:
+    def apply_admit(self, plan: RecurrentAdmit, root: PrefixBlock) -> tuple[RecurrentState, tuple[BlockCopy, ...]]:
         """After `claim`: the live slot."""
         slots = self.pool.allocate(1)
         assert slots is not None, "the coordinator checked the free count"
-        return RecurrentState(root, slots[0], plan.chain, [], plan.src)
+        return RecurrentState(root, slots[0], plan.chain, [], plan.src), ()
 
     # ---- steps -------------------------------------------------------------------------
+
+    def blocks_needed(self, state: RecurrentState, num_computed: int, end: int) -> int:
+        """None: a step needs only the live slot it has (checkpoint slots are optional)."""
+        return 0
+
+    def apply_reserve(
+        self, state: RecurrentState, token_ids: list[int], mm_items: tuple[MMItem, ...], num_computed: int, end: int
+    ) -> GroupReservation:
+        """Checkpoint slots for the step's boundaries, as far as free slots go."""
+        wanted = self.plan_checkpoints(state, token_ids, mm_items, num_computed, end)
+        if not wanted:
+            return _NO_RESERVATION
+        return GroupReservation(checkpoints=tuple(self.take_checkpoint_slots(state, wanted)))
+
+    def take_copies(self) -> list[BlockCopy]:
+        return []
 
     def plan_checkpoints(
         self, state: RecurrentState, token_ids: list[int], mm_items: tuple[MMItem, ...], num_computed: int, end: int
@@ -299,6 +338,30 @@ class RecurrentGroup:
         block = self._turn_block(state, token_ids, mm_items, num_computed)
         return block is not None and self._file_turn(state.slot, block)
 
+    # ---- queries on a request's state ---------------------------------------------------
+
+    def block_ids(self, state: RecurrentState) -> list[int]:
+        return []
+
+    def first_block(self, state: RecurrentState) -> int:
+        return 0
+
+    def held_blocks(self, state: RecurrentState) -> list[int]:
+        held = [state.slot, *(s for _, s in state.pending), *state.held_turn]
+        return held if state.held_src is None else [*held, state.held_src]
+
+    def state_slot(self, state: RecurrentState) -> int | None:
+        return state.slot
+
+    def restore(self, state: RecurrentState) -> StateRestore | None:
+        """From the checkpoint the hit found, until the first commit; else "none"."""
+        if state.held_src is None:
+            return StateRestore(state.slot, "none")
+        return StateRestore(state.slot, "checkpoint", state.held_src)
+
+    def checkpoints(self, state: RecurrentState) -> list[tuple[int, int]]:
+        return state.pending
+
     def can_fork(self) -> bool:
         return self.pool.num_free > 0
 
@@ -316,7 +379,14 @@ class RecurrentGroup:
         state.held_src = None
         state.held_turn = []
 
-    # ---- invariants --------------------------------------------------------------------
+    # ---- invariants and figures ---------------------------------------------------------
+
+    def usage(self, states: Iterable[tuple[RecurrentState, int]]) -> GroupUsage:
+        """No table blocks; every slot (live states and checkpoints) as a state block."""
+        return GroupUsage(0, 0, self.pool.num_blocks, self.pool.num_free)
+
+    def check_states(self, states: dict[str, RecurrentState]) -> None:
+        pass
 
     def check_state(
         self, rid: str, state: RecurrentState, token_ids: list[int], num_computed: int, end: int, holders: list[int]

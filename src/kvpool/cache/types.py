@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from types import MappingProxyType
 from typing import Any, Literal, NamedTuple
 
 ReleaseReason = Literal["finish", "cancel", "preempt"]
@@ -63,8 +65,32 @@ class StateRestore:
     replay_start: int = 0
 
 
+class GroupReservation(NamedTuple):
+    """One group's part of a step's reservation (`CacheGroup.apply_reserve`)."""
+
+    new_block_ids: tuple[int, ...] = ()  # blocks appended to the group's table
+    copies: tuple[BlockCopy, ...] = ()  # copy-on-write: each dst replaced its src in the table in place
+    checkpoints: tuple[tuple[int, int], ...] = ()  # (position, slot): snapshot the state there
+
+
+class GroupAdmission(NamedTuple):
+    """One group's part of an admission: its table, the copies and the state restore to
+    apply before the first step."""
+
+    block_ids: tuple[int, ...]  # the group's table after admission (logical blocks [first_block, ...))
+    first_block: int = 0
+    copies: tuple[BlockCopy, ...] = ()
+    restore: StateRestore | None = None  # groups with per-request state only
+    checkpoints: tuple[tuple[int, int], ...] = ()  # of the first step
+
+
+_NO_GROUPS: Mapping[str, Any] = MappingProxyType({})
+
+
 class Admission(NamedTuple):
-    """A request taken in: its cached prefix and its first step's reservation."""
+    """A request taken in: its cached prefix and its first step's reservation. A
+    coordinator's admission carries every group's part in `groups`; the fields before it
+    are the first table group's (and the first stateful group's restore)."""
 
     num_cached_tokens: int  # tokens [0, num_cached) already computed (prefix-cache hit)
     num_scheduled_tokens: int  # tokens [num_cached, num_cached + n) reserved for the first step
@@ -73,16 +99,20 @@ class Admission(NamedTuple):
     # Blocks of the hit that a lower tier holds: (device block, its prefix block), to be
     # loaded into those fresh device blocks before they are read (`complete_loads`)
     loads: tuple[tuple[int, Any], ...] = ()
+    groups: Mapping[str, GroupAdmission] = _NO_GROUPS  # group name -> its part (coordinator only)
 
 
 class Reservation(NamedTuple):
-    """Room for positions [start, start + num_tokens) of one request."""
+    """Room for positions [start, start + num_tokens) of one request. A coordinator's
+    reservation carries every group's part in `groups`; `new_block_ids` and `copies` are
+    the first table group's, `checkpoints` the first recurrent group's."""
 
     start: int
     num_tokens: int
     new_block_ids: tuple[int, ...]  # blocks appended to the request's table
     copies: tuple[BlockCopy, ...] = ()  # copy-on-write: each dst replaced its src in the table in place
     checkpoints: tuple[tuple[int, int], ...] = ()  # (position, slot): snapshot the state there
+    groups: Mapping[str, GroupReservation] = _NO_GROUPS  # group name -> its part (coordinator only)
 
 
 @dataclass

@@ -29,10 +29,12 @@ the copy is made.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvpool.cache.base import mm_extra_key
-from kvpool.cache.types import BlockCopy, MMItem
+from kvpool.cache.group import GroupUsage, check_pool_size
+from kvpool.cache.types import BlockCopy, GroupReservation, MMItem, StateRestore
 from kvpool.pool import BlockPool, PrefixBlock
 from kvpool.pool.hashing import TOKEN_BYTES, token_bytes
 
@@ -51,6 +53,15 @@ class AttentionGroupSpec:
             raise ValueError(f"group {self.name!r}: block_size must be positive, got {self.block_size}")
         if self.window is not None and self.window <= 0:
             raise ValueError(f"group {self.name!r}: window must be positive, got {self.window}")
+
+    def build(
+        self, size: int | None, *, enable_caching: bool, hash_algo: str, shared_pool: BlockPool | None
+    ) -> AttentionGroup:
+        """The group: `size` blocks of its own, or None to draw from `shared_pool`."""
+        if size is None and shared_pool is not None:
+            return AttentionGroup(self, shared_pool.num_blocks, pool=shared_pool)
+        size = check_pool_size(self.name, size)
+        return AttentionGroup(self, size, enable_caching=enable_caching, hash_algo=hash_algo)
 
     def first_needed(self, num_computed: int) -> int:
         """The first position whose key the step after `num_computed` tokens reads."""
@@ -93,7 +104,16 @@ class AttentionAdmit:
     chain: list[PrefixBlock]
 
 
+_NO_RESERVATION = GroupReservation()
+
+
 class AttentionGroup:
+    """A `CacheGroup` (cache/group.py): block tables of full-attention or window layers."""
+
+    kind = "attention"
+    has_table = True
+    has_state = False
+
     def __init__(
         self,
         spec: AttentionGroupSpec,
@@ -112,11 +132,12 @@ class AttentionGroup:
             pool = BlockPool(num_blocks, enable_caching=enable_caching, hash_algo=hash_algo)
         self.pool = pool
         self.name = spec.name  # an attribute, not a property: read per request per step
+        self.granularity = spec.block_size
+        self.reads_whole_prefix = spec.window is None
         self._pending_copies: list[BlockCopy] = []
 
-    @property
-    def granularity(self) -> int:
-        return self.block_size
+    def pools(self) -> tuple[BlockPool, ...]:
+        return (self.pool,)
 
     # ---- prefix hits -------------------------------------------------------------------
 
@@ -179,8 +200,18 @@ class AttentionGroup:
         ids = block.block_ids
         return next((b for b in ids if self.pool.refcount(b)), ids[0])
 
-    def plan_admit(self, hits: AttentionHits, point: int, end: int) -> tuple[AttentionAdmit, int]:
+    def plan_admit(
+        self,
+        hits: AttentionHits | None,
+        root: PrefixBlock,
+        token_ids: list[int],
+        mm_items: tuple[MMItem, ...],
+        point: int,
+        end: int,
+    ) -> tuple[AttentionAdmit, dict[BlockPool, int]]:
         """(the plan, free blocks it needs) for a hit at `point` and a first step to `end`."""
+        if hits is None:
+            hits = AttentionHits([], [])
         bs = self.block_size
         first = self.spec.first_needed(point) // bs
         last = -(-point // bs)
@@ -192,14 +223,15 @@ class AttentionGroup:
         copy_tail = point % bs != 0
         num_new = -(-end // bs) - last + copy_tail
         revived = sum(1 for b in set(hit_ids) if self.pool.refcount(b) == 0)
-        return AttentionAdmit(first, hit_ids, num_new, copy_tail, hits.chain[: point // bs]), num_new + revived
+        plan = AttentionAdmit(first, hit_ids, num_new, copy_tail, hits.chain[: point // bs])
+        return plan, {self.pool: num_new + revived}
 
     def claim(self, plan: AttentionAdmit) -> None:
         """Hold the hit's blocks. The coordinator claims every group's hits before any group
         allocates, so that an allocation on a shared pool cannot evict another group's hit."""
         self.pool.incref(plan.hit_ids)
 
-    def apply_admit(self, plan: AttentionAdmit, root: PrefixBlock) -> AttentionState:
+    def apply_admit(self, plan: AttentionAdmit, root: PrefixBlock) -> tuple[AttentionState, tuple[BlockCopy, ...]]:
         """After `claim`: the fresh blocks."""
         new = self.pool.allocate(plan.num_new)
         assert new is not None, "the coordinator checked the free count"
@@ -210,8 +242,10 @@ class AttentionGroup:
             state.block_ids[-1] = dst
             state.held_src = src
             self._pending_copies.append(BlockCopy(src, dst))
+            state.block_ids.extend(new)
+            return state, (self._pending_copies[-1],)
         state.block_ids.extend(new)
-        return state
+        return state, ()
 
     # ---- steps -------------------------------------------------------------------------
 
@@ -227,11 +261,13 @@ class AttentionGroup:
         num_new = max(0, -(-end // self.block_size) - state.first - len(state.block_ids))
         return num_new + self._tail_copy_needed(state, num_computed, end)
 
-    def apply_reserve(self, state: AttentionState, num_computed: int, end: int) -> tuple[list[int], list[BlockCopy]]:
+    def apply_reserve(
+        self, state: AttentionState, token_ids: list[int], mm_items: tuple[MMItem, ...], num_computed: int, end: int
+    ) -> GroupReservation:
         copy = self._tail_copy_needed(state, num_computed, end)
         num_new = max(0, -(-end // self.block_size) - state.first - len(state.block_ids))
         if not num_new and not copy:
-            return [], []  # the common decode step: the table has room
+            return _NO_RESERVATION  # the common decode step: the table has room
         new = self.pool.allocate(num_new + copy)
         assert new is not None, "the coordinator checked the free count"
         copies: list[BlockCopy] = []
@@ -243,7 +279,7 @@ class AttentionGroup:
             copies.append(BlockCopy(src, dst))
             self._pending_copies.append(copies[-1])
         state.block_ids.extend(new)
-        return new, copies
+        return GroupReservation(tuple(new), tuple(copies))
 
     def commit(
         self, state: AttentionState, token_ids: list[int], num_computed: int, mm_items: tuple[MMItem, ...]
@@ -274,6 +310,41 @@ class AttentionGroup:
             state.first = first
             pool.decref(reversed(gone))
 
+    # ---- queries on a request's state ---------------------------------------------------
+
+    def block_ids(self, state: AttentionState) -> list[int]:
+        return state.block_ids
+
+    def first_block(self, state: AttentionState) -> int:
+        return state.first
+
+    def held_blocks(self, state: AttentionState) -> list[int]:
+        return state.block_ids if state.held_src is None else [*state.block_ids, state.held_src]
+
+    def state_slot(self, state: AttentionState) -> int | None:
+        return None
+
+    def restore(self, state: AttentionState) -> StateRestore | None:
+        return None
+
+    def checkpoints(self, state: AttentionState) -> list[tuple[int, int]]:
+        return []
+
+    # ---- turn ends, fork, release -------------------------------------------------------
+
+    def mark_turn_end(
+        self, state: AttentionState, token_ids: list[int], mm_items: tuple[MMItem, ...], num_computed: int
+    ) -> int | None:
+        return None
+
+    def keep_turn_end(
+        self, state: AttentionState, token_ids: list[int], mm_items: tuple[MMItem, ...], num_computed: int
+    ) -> bool:
+        return False
+
+    def can_fork(self) -> bool:
+        return True
+
     def fork(self, state: AttentionState) -> AttentionState:
         self.pool.incref(state.block_ids)
         return AttentionState(state.root, state.first, list(state.block_ids), list(state.chain))
@@ -295,7 +366,20 @@ class AttentionGroup:
         copies, self._pending_copies = self._pending_copies, []
         return [c for c in copies if self.pool.refcount(c.dst) > 0]
 
-    # ---- invariants --------------------------------------------------------------------
+    # ---- invariants and figures ---------------------------------------------------------
+
+    def usage(self, states: Iterable[tuple[AttentionState, int]]) -> GroupUsage:
+        """Each physical block once, filled up to the most any holder has computed in it."""
+        bs = self.block_size
+        counts: dict[int, int] = {}
+        for state, num_computed in states:
+            for i, b in enumerate(state.block_ids):
+                start = (state.first + i) * bs
+                counts[b] = max(counts.get(b, 0), min(bs, max(0, num_computed - start)))
+        return GroupUsage(len(counts), sum(counts.values()))
+
+    def check_states(self, states: dict[str, AttentionState]) -> None:
+        pass
 
     def check_state(
         self, rid: str, state: AttentionState, token_ids: list[int], num_computed: int, end: int, holders: list[int]
