@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.engine import llama_runner as runner_module
+from kvpool.attention.backends import paged_step as runner_module  # where the backends plan a step
 from kvpool.engine.engine import Engine
 from kvpool.engine.llama_runner import LlamaRunner
 from kvpool.engine.sampling import SamplingParams

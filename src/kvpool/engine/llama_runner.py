@@ -7,14 +7,15 @@ from collections.abc import Sequence
 
 import torch
 
-from kvpool.attention.paged import StepPlan, paged_attention, plan_step, prefill_attention
+from kvpool.attention.backends import PagedStepMetadata, paged_format, select_backend
+from kvpool.attention.paged import StepPlan
 from kvpool.cache import Admission, CacheDescriptor, CacheUsage, FullAttentionManager, ReleaseReason
 from kvpool.engine.memory import StepPeaks
 from kvpool.engine.runner import ScheduledChunk
 from kvpool.engine.tier_bridge import TierBridge
 from kvpool.models.llama import LlamaModel
 from kvpool.models.tensor_parallel import check_same_step, step_digest
-from kvpool.storage.kv import PagedKVStorage, QuantizedKVStorage, QuantWriteIndex, SeqSpan
+from kvpool.storage.kv import PagedKVStorage, QuantizedKVStorage
 from kvpool.storage.quant import KVSchema, code_dtype, kv_schema
 from kvpool.tiers import Tier
 
@@ -46,8 +47,9 @@ class LlamaRunner:
         persistent_tiers: Sequence[Tier] = (),
         kv_format: str | None = None,
     ):
-        """decode_path: "native" / "bags" / "padded" (attention/paged.py); None picks "native"
-        when the model runs the C kernels, else "bags". host_tier: a tier below the device
+        """decode_path: the attention backend's implementation, "native" / "bags" / "padded"
+        (attention/backends); None picks "native" when the model runs the C kernels, else
+        "bags". host_tier: a tier below the device
         pool (kvpool.tiers.HostTier): cached blocks the pool evicts are written to it, and
         an admission loads the prefix it holds (needs prefix caching). preemption: what a
         preempted sequence's cache becomes (PREEMPTION_MODES): "recompute" (its full blocks
@@ -126,10 +128,27 @@ class LlamaRunner:
         self.vocab_size = cfg.vocab_size
         self.capacity_tokens = num_blocks * block_size
         self.max_model_len = min(cfg.max_position, self.capacity_tokens)
-        self.decode_path = decode_path or ("native" if model.kernels is not None else "bags")
-        self.scale = cfg.head_dim**-0.5
+        # The attention backend (attention/backends), chosen once for this storage: its
+        # `begin_step` plans each step and returns the attend the model calls per layer.
+        self.decode_path = decode_path
         self.last_decode_path: str | None = None  # the path the last step's decodes took
         self.peaks = StepPeaks()  # the largest step's allocations, for the memory ledger
+
+    @property
+    def decode_path(self) -> str:
+        """The attention backend's implementation ("native", "bags", "padded")."""
+        return self.attention.name
+
+    @decode_path.setter
+    def decode_path(self, path: str | None) -> None:
+        """Choose the attention backend for this runner's storage and device: `path`, or
+        None for the best this process runs (attention/backends PREFERRED)."""
+        model = self.model
+        fmt = paged_format(self.storage)
+        key, backend = select_backend("full", fmt, model.device.type, path, has_kernels=model.kernels is not None)
+        self.attention = backend(
+            self.storage, model.config.num_heads, model.kernels, model.dtype, self._wait_for_loads, decode_path=key.impl
+        )
 
     # ---- cache bookkeeping (pure Python, through the manager) ---------------------
 
@@ -477,11 +496,11 @@ class LlamaRunner:
     def _note_forward(self, num_tokens: int, attend, logits: torch.Tensor) -> None:
         """What the forward allocated: its step buffers, the attention output (the native
         attend's one buffer; the plain path's `empty_like(q)`, the same shape), the logits."""
-        out = getattr(attend, "_out", None)
+        out_bytes = getattr(attend, "out_bytes", None)
         cfg = self.model.config
-        attn_out = (
-            out.nbytes if out is not None else num_tokens * cfg.num_heads * cfg.head_dim * self.model.dtype.itemsize
-        )
+        if out_bytes is None:
+            out_bytes = num_tokens * cfg.num_heads * cfg.head_dim * self.model.dtype.itemsize
+        attn_out = out_bytes
         self.peaks.note("activations", self.model.step_buffer_bytes + attn_out)
         self.peaks.note("logits", logits.nbytes)
 
@@ -525,194 +544,16 @@ class LlamaRunner:
         if self.model.shard is not None:  # tensor parallel: every rank must run the same tokens alike
             seq_ids, starts, ids = [c.seq_id for c in chunks], [c.start for c in chunks], [c.token_ids for c in chunks]
             check_same_step(step_digest(seq_ids, starts, ids, tables.slots), self.model)
-        cfg = self.model.config
-        plan = plan_step(
-            q_lens,
-            ctx_lens,
-            tables.slots,
-            tables.csr.indptr,
-            tables.csr.indices,
-            self.block_size,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            device,
-            self.model.dtype,
-            self.decode_path,
-            self.model.kernels,
+        step = self.attention.begin_step(
+            PagedStepMetadata(q_lens, ctx_lens, tables.slots, tables.csr.indptr, tables.csr.indices)
         )
-        if plan.decode is not None:
-            d = plan.decode
-            self.last_decode_path = "native" if d.native is not None else "bags" if d.bags is not None else "padded"
-        self._note_plan(plan)
-        storage = self.storage
-        k_layers, v_layers, scale = storage.k_layers, storage.v_layers, self.scale
-        if isinstance(storage, QuantizedKVStorage):
-            # write the new tokens quantized, then read the step's blocks as their bytes say
-            spans = None
-            if storage.window:  # KIVI moves each sequence's V window: it needs their tables
-                ptr, ids = tables.csr.indptr, tables.csr.indices
-                spans = [
-                    SeqSpan(ids[ptr[i] : ptr[i + 1]], c.start, c.start + len(c.token_ids)) for i, c in enumerate(chunks)
-                ]
-            quant_index = storage.write_index(plan.slots, spans)
-            step_blocks = torch.unique(torch.as_tensor(tables.csr.indices, dtype=torch.long, device=device))
-            if plan.decode is not None and plan.decode.native is not None and storage.reads_natively:
-                # decodes by the C kernel straight from the codes; prefill chunks dequantized
-                attend = QuantNativeAttend(storage, plan, quant_index, scale)
-            else:
-                read = storage.read_index(step_blocks, quant_index)
-
-                def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                    storage.write(layer, quant_index, k, v)
-                    # KIVI: the step's own K / V exact over what the cache holds
-                    k_cache, v_cache = storage.dequantized(layer, read, (quant_index, k, v))
-                    return paged_attention(q, k_cache, v_cache, plan, scale)
-        elif storage.kernels is not None and (plan.decode is None or plan.decode.native is not None):
-            attend = NativeAttend(storage, plan, scale)
-        else:
-            write_index = storage.write_index(plan.slots)
-
-            def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                if layer == 0:
-                    self._wait_for_loads()  # the first read of the cache this step (CUDA)
-                storage.write(layer, write_index, k, v)
-                return paged_attention(q, k_layers[layer], v_layers[layer], plan, scale)
-
+        if step.decode_path is not None:
+            self.last_decode_path = step.decode_path
+        self._note_plan(step.plan)
+        attend = step.attend
         ids_t = torch.tensor(token_ids, dtype=torch.long, device=device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=device)
         hidden = self.model.forward(ids_t, pos_t, attend)
         logits = self.model.logits(hidden if all_logits else hidden[logit_rows])
         self._note_forward(len(token_ids), attend, logits)
         return logits
-
-
-class QuantNativeAttend:
-    """The runner's attend over an 8-bit QuantizedKVStorage with the C kernels: write the
-    step's K/V (quantized, or into the tails), decode attention by kv_decode_attention_q8
-    reading the codes and scales where they lie (a partly written block of a block-scaled
-    format from its fp32 tail), prefill chunks through SDPA over their blocks dequantized."""
-
-    def __init__(self, storage: QuantizedKVStorage, plan: StepPlan, index: QuantWriteIndex, scale: float):
-        d = plan.decode
-        assert d is not None and d.native is not None and storage.reads_natively
-        self.storage, self.plan, self.index, self.scale = storage, plan, index, scale
-        self.native = d.native
-        last = self.native.blocks[self.native.indptr[1:] - 1].tolist()  # each sequence's last block
-        self.tails = storage.tail_slots(last)
-        self.read = None
-        if plan.prefills:
-            blocks = torch.unique(torch.cat([p.block_ids for p in plan.prefills]))
-            self.read = storage.read_index(blocks)
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        st, plan, n = self.storage, self.plan, self.native
-        st.write(layer, self.index, k, v)
-        out = torch.empty_like(q)
-        d = plan.decode
-        assert d is not None and st.k_scale is not None and st.v_scale is not None
-        n.kernels.decode_attention_q8(
-            q,
-            d.rows,
-            n.indptr,
-            n.blocks,
-            n.ctx_lens,
-            st.k_layers[layer],
-            st.v_layers[layer],
-            st.k_scale[layer],
-            st.v_scale[layer],
-            self.tails,
-            st.tail_k[layer],
-            st.tail_v[layer],
-            self.scale,
-            out,
-        )
-        if self.read is not None:
-            k_cache, v_cache = st.dequantized(layer, self.read)
-            for p in plan.prefills:
-                out[p.rows] = prefill_attention(q[p.rows], k_cache, v_cache, p)
-        return out
-
-
-class NativeAttend:
-    """The runner's attend on the C kernels: write the step's K/V into the pool, decode
-    attention straight from it, prefill chunks through SDPA (attention/paged.py).
-
-    The fused forward hands the same q / k / v views to every layer, so they are checked
-    once (through the checked kernel methods, on the first layer), and the C arguments of
-    every later layer are those of layer 0 with that layer's pool addresses. The returned
-    tensor is one buffer for the step, valid until the next call."""
-
-    def __init__(self, storage: PagedKVStorage, plan: StepPlan, scale: float):
-        assert storage.kernels is not None
-        self.storage, self.plan, self.scale = storage, plan, scale
-        self.kernels = storage.kernels
-        self._bound: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self._out: torch.Tensor | None = None
-        self._write_args: tuple = ()  # kv_write's arguments before the pool's two addresses
-        self._attn_args: tuple[tuple, tuple] | None = None  # kv_decode_attention's, around them
-        self._k_ptrs = [t.data_ptr() for t in storage.k_layers]
-        self._v_ptrs = [t.data_ptr() for t in storage.v_layers]
-
-    def _bind(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Check q / k / v on layer 0's pool through the checked methods (which also run it),
-        then keep the C arguments that every layer shares."""
-        st, plan = self.storage, self.plan
-        k0, v0 = st.k_layers[0], st.v_layers[0]
-        st.write_slots(0, plan.slots, k, v)
-        out = torch.empty(q.shape, dtype=q.dtype)
-        n, kvh, hd = k.shape
-        self._write_args = (
-            k.data_ptr(),
-            v.data_ptr(),
-            n,
-            k.stride(0),
-            kvh,
-            hd,
-            plan.slots.data_ptr(),
-            st.block_size,
-            st.num_blocks,
-        )
-        d = plan.decode
-        if d is not None:
-            nat = d.native
-            assert nat is not None
-            self.kernels.decode_attention(q, d.rows, nat.indptr, nat.blocks, nat.ctx_lens, k0, v0, self.scale, out)
-            self._attn_args = (
-                (
-                    q.data_ptr(),
-                    q.stride(0),
-                    q.shape[0],
-                    d.rows.data_ptr(),
-                    d.num_seqs,
-                    nat.indptr.data_ptr(),
-                    nat.blocks.shape[0],
-                    nat.blocks.data_ptr(),
-                    nat.ctx_lens.data_ptr(),
-                ),
-                (st.num_blocks, q.shape[1], kvh, hd, st.block_size, self.scale, out.data_ptr(), out.stride(0)),
-            )
-        self._bound, self._out = (q, k, v), out
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        st, plan = self.storage, self.plan
-        bound = self._bound
-        if bound is None or bound[0] is not q or bound[1] is not k or bound[2] is not v:
-            if layer != 0:  # not the fused forward's shared views: the checked path, every layer
-                st.write_slots(layer, plan.slots, k, v)
-                return paged_attention(q, st.k_layers[layer], st.v_layers[layer], plan, self.scale)
-            self._bind(q, k, v)
-        else:
-            lib = self.kernels.lib
-            kp, vp = self._k_ptrs[layer], self._v_ptrs[layer]
-            rc = lib.kv_write(*self._write_args, kp, vp)
-            assert rc == 0, "slots were checked on layer 0"
-            if self._attn_args is not None:
-                head, tail = self._attn_args
-                rc = lib.kv_decode_attention(*head, kp, vp, *tail)
-                assert rc == 0, "the plan was checked on layer 0"
-        out = self._out
-        assert out is not None
-        for p in plan.prefills:
-            out[p.rows] = prefill_attention(q[p.rows], st.k_layers[layer], st.v_layers[layer], p)
-        return out

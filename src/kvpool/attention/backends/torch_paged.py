@@ -1,0 +1,69 @@
+"""The plain torch paged attention (attention/paged.py): decodes through embedding_bag sums
+in place ("bags") or gathered into a padded batch ("padded", the plain twin), prefill
+chunks through SDPA over their gathered blocks. Any device, any unquantized dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvpool.attention.backends.native import NativeAttend
+from kvpool.attention.backends.paged_step import PagedStep, PagedStepMetadata, plan_paged, taken_path
+from kvpool.attention.paged import paged_attention
+from kvpool.storage.kv import PagedKVStorage
+
+TORCH_DECODE_PATHS = ("bags", "padded")
+
+
+class TorchPagedBackend:
+    """Full attention on the unquantized paged pool in torch ops; `decode_path` "bags" or
+    "padded" chooses how decodes read the pool."""
+
+    def __init__(
+        self,
+        storage: PagedKVStorage,
+        num_heads: int,
+        kernels,
+        dtype: torch.dtype,
+        before_read: Callable[[], None] | None = None,
+        *,
+        decode_path: str = "bags",
+    ) -> None:
+        """before_read: called before the step first reads the pool (layer 0): on CUDA the
+        compute stream waits there for the tier loads in flight. kernels: the C kernels or
+        None: a step without decodes on a pool that has them writes through the C kernel
+        (`NativeAttend`)."""
+        if decode_path not in TORCH_DECODE_PATHS:
+            raise ValueError(f"the torch paged backend decodes by {TORCH_DECODE_PATHS}, got {decode_path!r}")
+        self.name = decode_path
+        self.storage, self.num_heads, self.kernels, self.dtype = storage, num_heads, kernels, dtype
+        self.before_read = before_read
+        self.scale = storage.head_dim**-0.5
+
+    def begin_step(self, meta: PagedStepMetadata) -> PagedStep:
+        st, scale, before_read = self.storage, self.scale, self.before_read
+        plan = plan_paged(
+            meta,
+            st.block_size,
+            self.num_heads,
+            st.num_kv_heads,
+            st.head_dim,
+            st.k.device,
+            self.dtype,
+            self.name,
+            self.kernels,
+        )
+        if st.kernels is not None and plan.decode is None:
+            return PagedStep(plan, NativeAttend(st, plan, scale), None)
+        write_index = st.write_index(plan.slots)
+        k_layers, v_layers = st.k_layers, st.v_layers
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if layer == 0 and before_read is not None:
+                before_read()  # the first read of the cache this step
+            st.write(layer, write_index, k, v)
+            return paged_attention(q, k_layers[layer], v_layers[layer], plan, scale)
+
+        return PagedStep(plan, attend, taken_path(plan))

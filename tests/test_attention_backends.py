@@ -1,0 +1,88 @@
+"""The attention backend registry (attention/backends): which backend each runner gets for
+its (attention kind, storage format, device), and the error for a combination with none."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpool.attention.backends import BACKENDS, BackendKey, select_backend
+from kvpool.attention.backends.native import NativeBackend
+from kvpool.attention.backends.quant import DequantBackend, QuantNativeBackend
+from kvpool.attention.backends.torch_paged import TorchPagedBackend
+from kvpool.engine.llama_runner import LlamaRunner
+from kvpool.models.llama import LlamaModel
+from random_llama import CONFIG, DESCRIPTOR, random_llama
+
+
+def fp32_model(kernels) -> LlamaModel:
+    base = random_llama("cpu", torch.float32)
+    return LlamaModel(CONFIG, base.embed, base.norm, base.layers, None, "cpu", kernels)
+
+
+# (model, kv_format, decode_path) -> (backend class, its implementation), written out by hand
+@pytest.mark.parametrize(
+    ("model_kind", "kv_format", "decode_path", "want", "impl"),
+    [
+        ("fp32", None, None, NativeBackend, "native"),
+        ("fp32", None, "bags", TorchPagedBackend, "bags"),
+        ("fp32", None, "padded", TorchPagedBackend, "padded"),
+        ("fp32", "int8", None, QuantNativeBackend, "native"),  # 8-bit codes the C kernel reads
+        ("fp32", "fp8_e4m3", None, QuantNativeBackend, "native"),
+        ("fp32", "int8", "padded", DequantBackend, "padded"),
+        ("fp32", "fp16", None, DequantBackend, "native"),  # 16-bit codes: dequantized, C decode
+        ("fp32", "kivi4-g16-r16", None, DequantBackend, "native"),
+        ("fp64", None, None, TorchPagedBackend, "bags"),  # no C kernels in fp64
+        ("fp64", "int8", None, DequantBackend, "bags"),
+        ("fp64", None, "padded", TorchPagedBackend, "padded"),
+    ],
+)
+def test_the_llama_runner_gets_the_expected_backend(kernels, model_kind, kv_format, decode_path, want, impl) -> None:
+    model = fp32_model(kernels) if model_kind == "fp32" else random_llama("cpu", torch.float64)
+    runner = LlamaRunner(model, 8, 16, DESCRIPTOR, kv_format=kv_format, decode_path=decode_path)
+    assert type(runner.attention) is want
+    assert runner.decode_path == impl
+    runner.decode_path = "padded"  # choosing another implementation picks the backend again
+    assert runner.decode_path == "padded"
+    assert type(runner.attention) is (TorchPagedBackend if kv_format is None else DequantBackend)
+
+
+def test_every_key_selects_its_own_entry() -> None:
+    for key, backend in BACKENDS.items():
+        chosen = select_backend(key.kind, key.format, key.device, key.impl, has_kernels=True)
+        assert chosen.key == key and chosen.backend is backend
+
+
+@pytest.mark.parametrize(
+    ("kind", "fmt", "device", "has_kernels", "impl"),
+    [
+        ("full", "paged", "cpu", True, "native"),
+        ("full", "paged", "cpu", False, "bags"),
+        ("full", "paged", "cuda", True, "bags"),  # the C kernels are CPU code
+        ("full", "paged-q8", "cpu", False, "bags"),
+        ("window", "slots", "cpu", False, "gather"),  # one implementation: that one
+        ("recurrent", "state", "cpu", False, "delta-rule"),
+        ("dsv4-sparse", "dsv4-fp8", "cpu", False, "torch"),
+    ],
+)
+def test_the_default_implementation(kind, fmt, device, has_kernels, impl) -> None:
+    assert select_backend(kind, fmt, device, has_kernels=has_kernels).key == BackendKey(kind, fmt, device, impl)
+
+
+def test_an_unknown_combination_names_itself_and_what_exists() -> None:
+    with pytest.raises(ValueError) as e:
+        select_backend("full", "paged", "mps")
+    message = str(e.value)
+    assert "'full'" in message and "'paged'" in message and "'mps'" in message
+    assert "full/paged/cpu/native" in message and "dsv4-sparse/dsv4-exact/cpu/torch" in message
+    with pytest.raises(ValueError, match="'dsv4-sparse'.*'cuda'"):
+        select_backend("dsv4-sparse", "dsv4-exact", "cuda")
+    with pytest.raises(ValueError, match="needs the CPU kernels"):
+        select_backend("full", "paged", "cpu", "native", has_kernels=False)
+
+
+def test_a_runner_refuses_a_path_its_model_cannot_run() -> None:
+    with pytest.raises(ValueError, match="needs the CPU kernels"):
+        LlamaRunner(random_llama("cpu", torch.float64), 8, 16, DESCRIPTOR, decode_path="native")
+    with pytest.raises(ValueError, match="'fast'"):
+        LlamaRunner(random_llama("cpu", torch.float64), 8, 16, DESCRIPTOR, decode_path="fast")
