@@ -17,10 +17,11 @@ import kvpool
 
 # Lowest first. `kernels` (the C kernels and their ctypes bindings) sits below the tensor
 # layers that call it; `sim` (the simulator) drives the engine; `server` (kvpool serve and
-# its load generator, which replays sim's chat workload) serves the engine over HTTP;
+# its load generator, which replays workload's chat) serves the engine over HTTP;
 # `verify` (verification programs) above the engine it drives.
 LAYERS = (
     "spec",
+    "workload",  # what runs send and measure (pure Python over numpy): sim, server and cli share it
     "capacity",
     "pool",
     "cache",

@@ -18,7 +18,7 @@ from kvpool.engine.engine import Engine
 from kvpool.engine.llama_runner import LlamaRunner
 from kvpool.engine.sampling import SamplingParams
 from kvpool.sim.runner import SimRunner, VirtualClock
-from kvpool.sim.tokens import stream_key, text_ids, token_at
+from kvpool.workload.tokens import stream_key, text_ids, token_at
 
 NUM_BLOCKS, BLOCK = 12, 8  # small enough that the workload preempts
 
@@ -177,7 +177,7 @@ def test_a_sessions_next_turn_hits_its_own_history():
     """One chat session of 3 turns alone on a replica: turn k's prompt extends turn k-1's
     prompt and answer, and the cache holds their full blocks (all but the answer's last
     token, whose KV no step computed): the hit is exactly those blocks."""
-    from kvpool.sim.workload import chat_workload
+    from kvpool.workload.sessions import chat_workload
 
     wl = chat_workload(1, 3, float("inf"), 128_256, seed=3)
     report = _simulate("llama-3.1-8b", wl)
@@ -190,7 +190,7 @@ def test_a_sessions_next_turn_hits_its_own_history():
 
 
 def test_prefix_aware_routing_beats_round_robin_on_hit_rate():
-    from kvpool.sim.workload import chat_workload
+    from kvpool.workload.sessions import chat_workload
 
     wl = chat_workload(60, 3, 4.0, 128_256, seed=0)
     rr = _simulate("llama-3.1-8b", wl, replicas=4, routing="round-robin")
@@ -201,7 +201,7 @@ def test_prefix_aware_routing_beats_round_robin_on_hit_rate():
 
 
 def test_contiguous_reserves_the_longest_request_for_each():
-    from kvpool.sim.workload import uniform_workload
+    from kvpool.workload.sessions import uniform_workload
 
     wl = uniform_workload(300, float("inf"), 128_256, seed=1, prompt_len=(1000, 4000), output_len=(200, 400))
     paged = _simulate("llama-3.1-8b", wl, layout="paged")
@@ -216,7 +216,7 @@ def test_contiguous_reserves_the_longest_request_for_each():
 def test_the_dual_pool_holds_more_long_requests_than_uniform_paging():
     """V4-Flash at long context: uniform paging keeps every layer's window entry for every
     token; the dual pool keeps a window per running request only."""
-    from kvpool.sim.workload import uniform_workload
+    from kvpool.workload.sessions import uniform_workload
 
     wl = uniform_workload(60, float("inf"), 129_280, seed=2, prompt_len=(60_000, 64_000), output_len=(1500, 2000))
     dual = _simulate("deepseek-v4-flash", wl, layout="dual", tp=2)
@@ -257,7 +257,7 @@ def test_sweep_writes_a_line_per_run_and_the_plots_open(tmp_path, capsys):
 
 def test_the_sample_trace_replays(capsys):
     from kvpool.cli.main import main
-    from kvpool.sim.trace import sample_trace_path
+    from kvpool.workload.trace import sample_trace_path
 
     assert main(["simulate", "--model", "llama-3.1-8b", "--trace", str(sample_trace_path()), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -269,7 +269,7 @@ def test_v4_checkpoint_restore_replays_nothing_and_costs_state_blocks():
     """A V4 prefix hit by recompute replays the last n_win x layers tokens (all of a chat
     prompt); from a checkpoint it copies one state block instead, whose slots come out of
     the classical pool."""
-    from kvpool.sim.workload import chat_workload
+    from kvpool.workload.sessions import chat_workload
 
     wl = chat_workload(20, 3, 4.0, 129_280, seed=5)
     replay = _simulate("deepseek-v4-flash", wl, tp=2, max_num_seqs=32)

@@ -9,9 +9,9 @@ from __future__ import annotations
 from kvpool.cli.main import main
 from kvpool.sim.cost import CostModel
 from kvpool.sim.simulator import SimConfig, simulate
-from kvpool.sim.workload import uniform_workload
 from kvpool.spec.gpus import get_gpu
 from kvpool.spec.models import load_preset
+from kvpool.workload.sessions import uniform_workload
 
 
 def _simulate(model_name: str, workload, **config) -> dict:

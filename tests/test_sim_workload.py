@@ -1,6 +1,6 @@
-"""Workload generators and the JSONL trace reader of the simulator.
+"""Workload generators and the JSONL trace reader (kvpool.workload) the simulator replays.
 
-The prompts are checked against an independent reference built from sim/tokens.py alone
+The prompts are checked against an independent reference built from workload/tokens.py alone
 (text_ids / answer_ids, the pure-Python definitions), which also holds the batched twins
 (batch_text_ids / batch_answer_ids) to the naive ones.
 """
@@ -17,9 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.sim.tokens import answer_ids, batch_answer_ids, batch_text_ids, text_ids
-from kvpool.sim.trace import load_trace, sample_trace_path
-from kvpool.sim.workload import (
+from kvpool.workload.arrivals import poisson_arrivals
+from kvpool.workload.sessions import (
     CHAT_OUTPUT_LEN,
     CHAT_SYSTEM_LEN,
     CHAT_THINK_S,
@@ -30,9 +29,10 @@ from kvpool.sim.workload import (
     Workload,
     agentic_workload,
     chat_workload,
-    poisson_starts,
     uniform_workload,
 )
+from kvpool.workload.tokens import answer_ids, batch_answer_ids, batch_text_ids, text_ids
+from kvpool.workload.trace import load_trace, sample_trace_path
 
 VOCAB = 32_000
 
@@ -161,17 +161,17 @@ def test_chat_lengths_follow_the_documented_log_normals():
     assert w.params["user_len"] == {"median": 120, "sigma": 1.0, "lo": 4, "hi": 4096}
 
 
-def test_poisson_starts_mean_gap_is_one_over_rate():
-    starts = poisson_starts(20_000, 4.0, np.random.default_rng(0))
+def test_poisson_arrivals_mean_gap_is_one_over_rate():
+    starts = poisson_arrivals(20_000, 4.0, np.random.default_rng(0))
     gaps = np.diff([0.0, *starts])
     assert (gaps > 0).all()
     assert gaps.mean() == pytest.approx(0.25, rel=0.03)
     assert gaps.std() == pytest.approx(0.25, rel=0.05)  # exponential: std = mean
-    assert poisson_starts(3, math.inf, np.random.default_rng(0)) == [0.0, 0.0, 0.0]
-    assert poisson_starts(0, 1.0, np.random.default_rng(0)) == []
+    assert poisson_arrivals(3, math.inf, np.random.default_rng(0)) == [0.0, 0.0, 0.0]
+    assert poisson_arrivals(0, 1.0, np.random.default_rng(0)) == []
     for bad in (0, -1.0, math.nan, "2"):
         with pytest.raises(ValueError, match="rate"):
-            poisson_starts(3, bad, np.random.default_rng(0))
+            poisson_arrivals(3, bad, np.random.default_rng(0))
 
 
 # --- agentic and uniform ----------------------------------------------------------------------

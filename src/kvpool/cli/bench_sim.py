@@ -43,11 +43,12 @@ def _workload(args, loaded):
     """kvpool run's first turns and long prompts, at its Poisson arrivals (its seeded
     generator, consumed in its order): single-turn requests of --max-tokens each. Its
     second turns carry the model's own answers and are left out."""
-    from kvpool.cli.run import chat_workload, poisson_arrivals
-    from kvpool.sim.workload import Session, Turn, Workload
+    from kvpool.workload.arrivals import poisson_arrivals
+    from kvpool.workload.live import live_chat
+    from kvpool.workload.sessions import Session, Turn, Workload
 
     rng = random.Random(args.seed)
-    made = chat_workload(loaded.tokenizer, argparse.Namespace(num_requests=args.requests, num_long=args.num_long), rng)
+    made = live_chat(loaded.tokenizer.encode_chat, args.requests, args.num_long, rng)
     prompts = made.first_prompts + made.long_prompts
     arrivals = poisson_arrivals(len(prompts), args.rate, rng)
     sessions = tuple(
@@ -62,7 +63,7 @@ def _run_engine(loaded, workload) -> dict:
     """The real engine on the wall clock: each request added when its arrival time comes."""
     from kvpool.engine.build import build_engine
     from kvpool.engine.sampling import SamplingParams
-    from kvpool.sim.stats import percentile
+    from kvpool.workload.metrics import percentile
 
     engine = build_engine(loaded, **ENGINE)
     vocab = workload.vocab_size

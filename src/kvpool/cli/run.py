@@ -10,7 +10,9 @@ the previous turn of its conversation finishes. TTFT counts from a request's arr
 Everything the report needs comes through the engine (its statistics: steps, preemptions,
 the latency of the runner's allocating calls) and the runner protocol (`cache_stats`,
 `usage`, `kv_read_bytes`), so any model runner serves: `--model tiny-dsv4` runs the same
-workload in token ids on DeepSeek-V4's dual pool.
+workload in token ids on DeepSeek-V4's dual pool. The workload, its arrivals and the
+report's figures come from kvpool/workload/ (live.py, arrivals.py, metrics.py), which the
+simulator and the load generator share.
 
 Figures:
   fragmentation      1 - committed tokens / slots of the blocks held, each physical block
@@ -31,7 +33,6 @@ import math
 import random
 import sys
 import time
-from dataclasses import dataclass, field
 
 from kvpool.capacity.engine import EngineConfig
 from kvpool.cli.args import (
@@ -54,8 +55,9 @@ from kvpool.cli.args import (
 )
 from kvpool.cli.generate import _tensor_parallel, add_model_arguments, add_tp_argument, agree_across_ranks
 from kvpool.cli.main import EXIT_INTERRUPTED, EXIT_TERMINATED, Terminated, terminate_like_ctrl_c
-from kvpool.sim import chat
-from kvpool.sim.stats import percentile
+from kvpool.workload.arrivals import poisson_arrivals
+from kvpool.workload.live import live_chat, live_token_ids
+from kvpool.workload.metrics import latency_report, mean, num_within_slo, p50_p99, ratio
 
 TINY_MODEL = "tiny-dsv4"
 # the flags that shape what every tensor-parallel rank must do alike (the workload's and the engine's)
@@ -126,72 +128,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     add_model_arguments(parser)
     add_tp_argument(parser)
-
-
-# ---- the workload ---------------------------------------------------------------------
-
-
-@dataclass
-class Conversation:
-    """A chat whose turns are prompts of token ids; `history` is what the next turn extends."""
-
-    history: object  # chat messages (SmolLM2) or token ids (tiny-dsv4)
-    turn: int = 0
-
-
-@dataclass
-class Workload:
-    """How prompts are made, for a model with a tokenizer or one of token ids only."""
-
-    first_prompts: list[list[int]]
-    long_prompts: list[list[int]]
-    conversations: list[Conversation]
-    follow_up: object  # (conversation, answer token ids, answer text) -> next prompt ids
-    arrivals: list[float] = field(default_factory=list)  # seconds after the start, first turns then long prompts
-
-
-def chat_workload(tok, args: argparse.Namespace, rng: random.Random) -> Workload:
-    """sim/chat.py's conversations, rendered with the model's chat template."""
-    conversations = [Conversation(messages) for messages in chat.first_turns(args.num_requests, rng)]
-
-    def follow_up(conv: Conversation, answer_ids: list[int], answer_text: str) -> list[int]:
-        conv.history = chat.next_turn(conv.history, answer_text, conv.turn + 1)
-        return tok.encode_chat(conv.history)
-
-    return Workload(
-        [tok.encode_chat(c.history) for c in conversations],
-        [tok.encode_chat(m) for m in chat.long_prompts(args.num_long)],
-        conversations,
-        follow_up,
-    )
-
-
-def id_workload(vocab_size: int, args: argparse.Namespace, rng: random.Random) -> Workload:
-    """The same shape in token ids: 3 shared 300-token system prompts (over two 128-token
-    classical spans each), 20-token questions, 12-token follow-ups, 700-token long prompts."""
-
-    def ids(n: int) -> list[int]:
-        return [rng.randrange(vocab_size) for _ in range(n)]
-
-    systems = [ids(300) for _ in chat.SYSTEM_TOPICS]
-    conversations = [Conversation(systems[i % len(systems)] + ids(20)) for i in range(args.num_requests)]
-    long_prompts = [ids(700 + 50 * i) for i in range(args.num_long)]
-
-    def follow_up(conv: Conversation, answer_ids: list[int], answer_text: str) -> list[int]:
-        conv.history = list(conv.history) + answer_ids + ids(12)
-        return conv.history
-
-    return Workload([list(c.history) for c in conversations], long_prompts, conversations, follow_up)
-
-
-def poisson_arrivals(n: int, rate: float, rng: random.Random) -> list[float]:
-    if math.isinf(rate):
-        return [0.0] * n
-    t, out = 0.0, []
-    for _ in range(n):
-        t += rng.expovariate(rate)
-        out.append(t)
-    return out
 
 
 # ---- the run ----------------------------------------------------------------------------
@@ -266,7 +202,12 @@ def build(args: argparse.Namespace):
             **layout,
         )
         engine = Engine(runner, max_num_batched_tokens=args.max_batch_tokens, max_num_seqs=args.max_seqs)
-        return engine, lambda rng: id_workload(model.vocab_size, args, rng), TINY_MODEL, None
+        return (
+            engine,
+            lambda rng: live_token_ids(model.vocab_size, args.num_requests, args.num_long, rng),
+            TINY_MODEL,
+            None,
+        )
 
     import os
 
@@ -278,7 +219,12 @@ def build(args: argparse.Namespace):
         args.json = True  # and no progress bar
     kv_bytes = parse_bytes(args.kv_memory) if args.kv_memory else RUN_DEFAULTS.kv_memory_bytes
     engine = llama_engine(loaded, args, kv_bytes)
-    return engine, lambda rng: chat_workload(loaded.tokenizer, args, rng), os.path.basename(loaded.gguf.path), loaded
+    return (
+        engine,
+        lambda rng: live_chat(loaded.tokenizer.encode_chat, args.num_requests, args.num_long, rng),
+        os.path.basename(loaded.gguf.path),
+        loaded,
+    )
 
 
 def llama_engine(loaded, args: argparse.Namespace, kv_memory_bytes: int):
@@ -445,15 +391,8 @@ def _run(args: argparse.Namespace) -> int:
 def make_report(engine, args, model_name, wall, step_time, frag_samples, bytes_read, interrupted) -> dict:
     outputs = [engine.output(r) for r in engine.requests]
     done = [o for o in outputs if o.completions and all(c.finish_reason in ("stop", "length") for c in o.completions)]
-    ttfts = [o.ttft_s * 1e3 for o in done if o.ttft_s is not None]
-    tpots = [o.tpot_s * 1e3 for o in done if o.tpot_s is not None]
-    latencies = [o.latency_s * 1e3 for o in done if o.latency_s is not None]
     num_generated = sum(len(c.token_ids) for o in done for c in o.completions)
-    good = sum(
-        1
-        for o in done
-        if o.ttft_s is not None and o.ttft_s * 1e3 <= args.slo_ttft_ms and (o.tpot_s or 0) * 1e3 <= args.slo_tpot_ms
-    )
+    good = num_within_slo(done, args.slo_ttft_ms, args.slo_tpot_ms)
     stats = engine.runner.cache_stats()
     alloc_us = [s * 1e6 for s in engine.stats.alloc_call_s]
     return {
@@ -463,23 +402,17 @@ def make_report(engine, args, model_name, wall, step_time, frag_samples, bytes_r
         "kv_format": getattr(engine.runner, "kv_format", "float32"),
         "block_size": int(stats["block_size"]),
         "num_blocks": int(stats["num_blocks"]),
-        "fragmentation": round(sum(frag_samples) / len(frag_samples), 4) if frag_samples else 0.0,
+        "fragmentation": mean(frag_samples, 4),
         "prefix_hit_rate": round(stats["prefix_hit_rate"], 4),
         "prefix_queried_tokens": int(stats["prefix_queried_tokens"]),
         "prefix_hit_tokens": int(stats["prefix_hit_tokens"]),
-        "alloc_latency_us_p50": round(percentile(alloc_us, 0.5), 2),
-        "alloc_latency_us_p99": round(percentile(alloc_us, 0.99), 2),
+        **p50_p99("alloc_latency_us", alloc_us, 2),
         "num_alloc_calls": engine.stats.num_alloc_calls,
         "num_noop_alloc_calls": engine.stats.num_noop_calls,
         "read_bandwidth_gbps": round(bytes_read / step_time / 1e9, 3) if step_time else 0.0,
-        "ttft_ms_p50": round(percentile(ttfts, 0.5), 1),
-        "ttft_ms_p99": round(percentile(ttfts, 0.99), 1),
-        "tpot_ms_p50": round(percentile(tpots, 0.5), 1),
-        "tpot_ms_p99": round(percentile(tpots, 0.99), 1),
-        "latency_ms_p50": round(percentile(latencies, 0.5), 1),
-        "latency_ms_p99": round(percentile(latencies, 0.99), 1),
-        "throughput_tok_s": round(num_generated / wall, 2) if wall else 0.0,
-        "goodput_req_s": round(good / wall, 3) if wall else 0.0,
+        **latency_report(done, 1),
+        "throughput_tok_s": ratio(num_generated, wall, 2),
+        "goodput_req_s": ratio(good, wall, 3),
         "slo_ttft_ms": args.slo_ttft_ms,
         "slo_tpot_ms": args.slo_tpot_ms,
         "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",

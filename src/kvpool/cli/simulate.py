@@ -185,8 +185,8 @@ def _gpu(name: str):
 
 
 def _workload(args, model, rate_value: float):
-    from kvpool.sim import workload as wl
-    from kvpool.sim.trace import load_trace
+    from kvpool.workload import sessions as wl
+    from kvpool.workload.trace import load_trace
 
     vocab = model.vocab_size
     if args.trace:

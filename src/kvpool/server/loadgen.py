@@ -1,5 +1,5 @@
 """The load generator of `kvpool bench serve`: real HTTP clients (asyncio + httpx) replaying
-the chat workload (sim/chat.py, the one `kvpool run` serves) against an OpenAI-compatible
+the chat workload (kvpool/workload/chat.py, the one `kvpool run` serves) against an OpenAI-compatible
 server, at a fixed concurrency or a request rate, bounded in requests and in time.
 
 Every request is a streamed chat completion with `stream_options.include_usage`, so the
@@ -10,9 +10,10 @@ client sees each chunk as it arrives and the server's own token counts at the en
   e2e   request sent -> [DONE]
 A conversation's turn k + 1 (its history, the answer, a follow-up) is sent when turn k ends,
 by the same client. Concurrency C: C clients, each taking the next conversation when its
-last one is done. Rate R: conversations start as a Poisson process of R per second (seeded),
-their follow-ups as their answers arrive. Goodput: requests within both SLOs (TTFT, TPOT)
-per second. The server's hit rate is the change of its /metrics prefix-cache counters over
+last one is done. Rate R: conversations start as a Poisson process of R per second (seeded;
+kvpool/workload/arrivals.py), their follow-ups as their answers arrive. Goodput: requests
+within both SLOs (TTFT, TPOT) per second; percentiles and goodput as every report computes
+them (kvpool/workload/metrics.py). The server's hit rate is the change of its /metrics prefix-cache counters over
 the run; the client's, cached_tokens / prompt_tokens summed over the run's usage objects.
 
 Bounded in time: no request starts after the duration limit, and the requests still in
@@ -34,8 +35,9 @@ from typing import Any
 
 import httpx
 
-from kvpool.sim import chat
-from kvpool.sim.stats import percentile
+from kvpool.workload import chat
+from kvpool.workload.arrivals import poisson_arrivals
+from kvpool.workload.metrics import num_within_slo, p50_p99, percentile, ratio
 
 
 @dataclass
@@ -207,10 +209,8 @@ async def run_load(config: LoadConfig) -> tuple[list[RequestRecord], float]:
         else:
             assert config.request_rate is not None
             tasks = []
-            t = 0.0
-            for c in conversations:
-                if not math.isinf(config.request_rate):
-                    t += rng.expovariate(config.request_rate)
+            arrivals = poisson_arrivals(len(conversations), config.request_rate, rng)
+            for t, c in zip(arrivals, conversations, strict=True):
                 delay = start + t - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
@@ -229,7 +229,7 @@ def summarize(
     tpot = [r.tpot_s * 1e3 for r in ok if r.tpot_s is not None]
     itl = [gap * 1e3 for r in ok for gap in r.itl_s]
     e2e = [r.e2e_s * 1e3 for r in ok]
-    good = sum(1 for r in ok if r.ttft_s * 1e3 <= config.slo_ttft_ms and (r.tpot_s or 0.0) * 1e3 <= config.slo_tpot_ms)
+    good = num_within_slo(ok, config.slo_ttft_ms, config.slo_tpot_ms)
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
     generated = sum(r.completion_tokens for r in ok)
@@ -249,23 +249,20 @@ def summarize(
         "num_ok": len(ok),
         "num_failed": len(records) - len(ok),
         "wall_s": round(wall_s, 3),
-        "requests_per_s": round(len(ok) / wall_s, 3) if wall_s else 0.0,
-        "output_tokens_per_s": round(generated / wall_s, 2) if wall_s else 0.0,
-        "ttft_ms_p50": round(percentile(ttft, 0.5), 1),
-        "ttft_ms_p99": round(percentile(ttft, 0.99), 1),
-        "tpot_ms_p50": round(percentile(tpot, 0.5), 2),
-        "tpot_ms_p99": round(percentile(tpot, 0.99), 2),
-        "itl_ms_p50": round(percentile(itl, 0.5), 2),
-        "itl_ms_p99": round(percentile(itl, 0.99), 2),
+        "requests_per_s": ratio(len(ok), wall_s, 3),
+        "output_tokens_per_s": ratio(generated, wall_s, 2),
+        **p50_p99("ttft_ms", ttft, 1),
+        **p50_p99("tpot_ms", tpot, 2),
+        **p50_p99("itl_ms", itl, 2),
         "e2e_ms_p50": round(percentile(e2e, 0.5), 1),
-        "goodput_req_s": round(good / wall_s, 3) if wall_s else 0.0,
+        "goodput_req_s": ratio(good, wall_s, 3),
         "slo_ttft_ms": config.slo_ttft_ms,
         "slo_tpot_ms": config.slo_tpot_ms,
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "completion_tokens": generated,
-        "client_hit_rate": round(cached / prompt, 4) if prompt else 0.0,
-        "server_hit_rate": round(hits / queried, 4) if queried else 0.0,
+        "client_hit_rate": ratio(cached, prompt, 4),
+        "server_hit_rate": ratio(hits, queried, 4),
         "server_preemptions": int(delta("kvpool_preemptions_total")),
         "errors": errors[:5],
     }

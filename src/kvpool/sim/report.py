@@ -3,15 +3,16 @@
 hit rate, KV capacity, fragmentation, allocation latency, preemptions, block size) plus
 `layout`, `replicas`, `routing`, `sim_wall_s`, per-replica figures and the series the
 plots draw. Times are virtual: `wall_s` is the simulated span from the first arrival to
-the last finish; `sim_wall_s` is how long the simulation itself took."""
+the last finish; `sim_wall_s` is how long the simulation itself took. The figures are
+computed as every report computes them (kvpool/workload/metrics.py)."""
 
 from __future__ import annotations
 
 from kvpool.capacity.planner import Plan
 from kvpool.sim.cost import CostModel
-from kvpool.sim.stats import percentile
 from kvpool.spec.gpus import GPUSpec
 from kvpool.spec.models import ModelSpec
+from kvpool.workload.metrics import latency_report, mean, num_within_slo, p50_p99, ratio
 
 
 def describe_cost(cost: CostModel) -> dict:
@@ -25,17 +26,6 @@ def describe_cost(cost: CostModel) -> dict:
         "weight_dtype": cost.weight_dtype,
         "kv_dtype": cost.kv_dtype,
     }
-
-
-def _latency_keys(records) -> dict[str, float]:
-    ttfts = [r.ttft_s * 1e3 for r in records if r.ttft_s is not None]
-    tpots = [r.tpot_s * 1e3 for r in records if r.tpot_s is not None]
-    lats = [r.latency_s * 1e3 for r in records if r.latency_s is not None]
-    out = {}
-    for name, values in (("ttft", ttfts), ("tpot", tpots), ("latency", lats)):
-        out[f"{name}_ms_p50"] = round(percentile(values, 0.5), 2)
-        out[f"{name}_ms_p99"] = round(percentile(values, 0.99), 2)
-    return out
 
 
 def _group_blocks_per_request(replicas) -> dict[str, float]:
@@ -64,8 +54,7 @@ def build_report(
     end = max((r.arrival_s + r.latency_s for r in records), default=0.0)
     span = end - start
     generated = sum(r.output_len for r in records)
-    ttft_slo, tpot_slo = config.slo_ttft_ms / 1e3, config.slo_tpot_ms / 1e3
-    good = sum(1 for r in records if r.ttft_s is not None and r.ttft_s <= ttft_slo and (r.tpot_s or 0.0) <= tpot_slo)
+    good = num_within_slo(records, config.slo_ttft_ms, config.slo_tpot_ms)
     stats = [rep.runner.cache_stats() for rep in replicas]
     queried = sum(s["prefix_queried_tokens"] for s in stats)
     hit = sum(s["prefix_hit_tokens"] for s in stats)
@@ -81,7 +70,7 @@ def build_report(
                 "num_requests": rep.num_routed,
                 "prefix_hit_rate": round(st["prefix_hit_rate"], 4),
                 "peak_running": rep.peak_running,
-                "busy_share": round(rep.runner.busy_s / span, 4) if span else 0.0,
+                "busy_share": ratio(rep.runner.busy_s, span, 4),
                 "preemptions": rep.engine.num_preemptions,
                 "num_steps": rep.engine.num_steps,
                 "generated_tokens": sum(r.output_len for r in mine),
@@ -103,21 +92,20 @@ def build_report(
         "block_bytes": first.layout.block_bytes,
         "enable_prefix_caching": config.enable_prefix_caching,
         "max_model_len": first.runner.max_model_len,
-        "fragmentation": round(sum(frag) / len(frag), 4) if frag else 0.0,
-        "prefix_hit_rate": round(hit / queried, 4) if queried else 0.0,
+        "fragmentation": mean(frag, 4),
+        "prefix_hit_rate": ratio(hit, queried, 4),
         "prefix_queried_tokens": int(queried),
         "prefix_hit_tokens": int(hit),
         "replayed_tokens": int(sum(s["replayed_tokens"] for s in stats)),
         "checkpoint_copies": int(sum(s["checkpoint_copies"] for s in stats)),
         "v4_restore": config.v4_restore,
-        "alloc_latency_us_p50": round(percentile(alloc_us, 0.5), 2),
-        "alloc_latency_us_p99": round(percentile(alloc_us, 0.99), 2),
+        **p50_p99("alloc_latency_us", alloc_us, 2),
         "num_alloc_calls": sum(rep.engine.stats.num_alloc_calls for rep in replicas),
         "num_noop_alloc_calls": sum(rep.engine.stats.num_noop_calls for rep in replicas),
-        **_latency_keys(records),
-        "throughput_tok_s": round(generated / span, 2) if span else 0.0,
-        "goodput_req_s": round(good / span, 4) if span else 0.0,
-        "slo_attainment": round(good / len(records), 4) if records else 0.0,
+        **latency_report(records, 2),
+        "throughput_tok_s": ratio(generated, span, 2),
+        "goodput_req_s": ratio(good, span, 4),
+        "slo_attainment": ratio(good, len(records), 4),
         "slo_ttft_ms": config.slo_ttft_ms,
         "slo_tpot_ms": config.slo_tpot_ms,
         "peak_running": max(rep.peak_running for rep in replicas),

@@ -7,7 +7,7 @@ call the engine's runners make, in the same order: admission with prefix lookup,
 reservations, copy-on-write, preemption, release. `execute` does no arithmetic: it prices
 the step with the cost model (`sim/cost.py`), advances the virtual clock by that time, and
 returns one "logits row" per chunk that needs one, a handle that `sample` turns into the
-request's next answer token (`sim/tokens.py`: deterministic per request, so a later turn
+request's next answer token (`workload/tokens.py`: deterministic per request, so a later turn
 of a session carries exactly the answer its prefix cache holds).
 
 What each step costs beyond its chunks:
@@ -32,7 +32,7 @@ from kvpool.cache import (
 )
 from kvpool.engine.runner import ScheduledChunk
 from kvpool.engine.sampling import SamplingParams
-from kvpool.sim.tokens import stream_key, token_at
+from kvpool.workload.tokens import stream_key, token_at
 
 
 @dataclass
@@ -82,7 +82,7 @@ class SimRunner:
         else:
             self.capacity_tokens = manager.num_blocks * self.block_size
         self.max_model_len = min(max_model_len, self.capacity_tokens)
-        self._keys: dict[str, int] = {}  # sequence id -> its answer stream (sim/tokens.py)
+        self._keys: dict[str, int] = {}  # sequence id -> its answer stream (workload/tokens.py)
         self._replays: dict[str, tuple[int, int]] = {}  # seq -> (replay_start, num_cached), priced next step
         self._num_states_taken = 0
         self._restores = 0  # checkpoint restores since the last step (priced as a state copy)

@@ -31,9 +31,9 @@ from kvpool.sim.cost import CostModel
 from kvpool.sim.layouts import LAYOUTS, BuiltLayout, build_layout, default_layout
 from kvpool.sim.routing import ROUTINGS, Router
 from kvpool.sim.runner import SimRunner, VirtualClock
-from kvpool.sim.workload import Workload
 from kvpool.spec.gpus import GPUSpec
 from kvpool.spec.models import ModelSpec
+from kvpool.workload.sessions import Workload
 
 _OCCUPANCY_POINTS = 2000  # occupancy samples kept per replica (thinned as the run goes)
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
 
-from kvpool.sim.tokens import batch_text_ids
-from kvpool.sim.workload import Session, Turn, Workload
+from kvpool.workload.sessions import Session, Turn, Workload
+from kvpool.workload.tokens import batch_text_ids
 
 FIELDS = frozenset(
     {"timestamp", "timestamp_ms", "prompt_ids", "hash_ids", "input_length", "output_length", "session", "tenant"}
@@ -26,8 +26,8 @@ FIELDS = frozenset(
 
 
 def sample_trace_path() -> Path:
-    """The small trace that ships with kvpool (sim/data/sample_trace.jsonl)."""
-    return Path(str(files("kvpool").joinpath("sim/data/sample_trace.jsonl")))
+    """The small trace that ships with kvpool (workload/data/sample_trace.jsonl)."""
+    return Path(str(files("kvpool").joinpath("workload/data/sample_trace.jsonl")))
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,6 @@
-"""The chat workload in messages: what `kvpool run` serves through the engine and what
-`kvpool bench serve` sends to a server, so both measure the same traffic.
+"""The chat workload in messages: what `kvpool run` serves through the engine (live.py
+renders it) and what `kvpool bench serve` sends to a server, so both measure the same
+traffic.
 
 Conversation i opens with system prompt i mod 3 (a role and eight rules; with the question
 and the chat template about 245 SmolLM2 tokens; each shared by a third of the conversations,

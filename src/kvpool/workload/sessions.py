@@ -1,6 +1,8 @@
-"""Workloads for the simulator: sessions of turns, each turn one request, and the generators
-that draw them. Same seed, same workload (one `numpy.random.default_rng(seed)`, drawn in a
-fixed order); token ids come from sim/tokens.py, so prompts are pure functions of names.
+"""Workloads known in advance (the simulator's): sessions of turns, each turn one request,
+and the generators that draw them. Same seed, same workload (one
+`numpy.random.default_rng(seed)`, drawn in a fixed order); token ids come from tokens.py, so
+prompts are pure functions of names. live.py holds the other kind, whose next turn carries
+a real model's answer.
 
 A session's turn k sends the whole conversation so far, which is what makes history hits:
 
@@ -32,8 +34,8 @@ Generators and their parameters (lengths in tokens, times in seconds; "log-norma
                     n), n uniform in prompt_len = [128, 2048]; output uniform in output_len =
                     [16, 512].
 
-Session starts: a Poisson process at `rate` sessions per second (exponential gaps, the first
-one gap after 0), or all at 0 when `rate` is math.inf.
+Session starts: arrivals.py's Poisson process at `rate` sessions per second (exponential
+gaps, the first one gap after 0), or all at 0 when `rate` is math.inf.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvpool.sim.tokens import batch_text_ids, stream_key, stream_tokens
+from kvpool.workload.arrivals import poisson_arrivals
+from kvpool.workload.tokens import batch_text_ids, stream_key, stream_tokens
 
 # --- argument checks: a ValueError that names the parameter ---------------------------------
 
@@ -212,17 +215,6 @@ CHAT_THINK_S = 5.0
 AGENTIC_THINK_S = 2.0
 
 
-def poisson_starts(n: int, rate: float, rng: np.random.Generator) -> list[float]:
-    """n arrival times of a Poisson process at `rate` per second (exponential gaps of mean
-    1/rate, the first one gap after 0), or n zeros when rate is math.inf."""
-    _check_count("n", n, 0)
-    if isinstance(rate, bool) or not isinstance(rate, int | float) or not rate > 0:
-        raise ValueError(f"rate must be a number > 0 (math.inf: all at 0), got {rate!r}")
-    if math.isinf(rate):
-        return [0.0] * n
-    return np.cumsum(rng.exponential(1.0 / rate, size=n)).tolist()
-
-
 def chat_workload(
     num_sessions: int,
     turns: int,
@@ -244,7 +236,7 @@ def chat_workload(
     _check_count("num_system_prompts", num_system_prompts, 1)
     _check_mean("think_s", think_s)
     rng = np.random.default_rng(seed)
-    starts = poisson_starts(num_sessions, rate, rng)
+    starts = poisson_arrivals(num_sessions, rate, rng)
     system_lens = system_len.sample(rng, num_system_prompts).tolist()
     picks = rng.integers(num_system_prompts, size=num_sessions).tolist()
     user_lens = user_len.sample(rng, num_sessions * turns).tolist()
@@ -293,7 +285,7 @@ def agentic_workload(
     _check_range("answer_len", answer_len, 1)
     _check_mean("think_s", think_s)
     rng = np.random.default_rng(seed)
-    starts = poisson_starts(num_sessions, rate, rng)
+    starts = poisson_arrivals(num_sessions, rate, rng)
     context_lens = rng.integers(context_len[0], context_len[1], size=num_contexts, endpoint=True).tolist()
     picks = rng.integers(num_contexts, size=num_sessions).tolist()
     n = num_sessions * turns
@@ -335,7 +327,7 @@ def uniform_workload(
     _check_range("prompt_len", prompt_len, 1)
     _check_range("output_len", output_len, 1)
     rng = np.random.default_rng(seed)
-    starts = poisson_starts(num_requests, rate, rng)
+    starts = poisson_arrivals(num_requests, rate, rng)
     prompt_lens = rng.integers(prompt_len[0], prompt_len[1], size=num_requests, endpoint=True).tolist()
     output_lens = rng.integers(output_len[0], output_len[1], size=num_requests, endpoint=True).tolist()
     sessions = _build_sessions("req", starts, [()] * num_requests, 1, prompt_lens, output_lens, None, vocab_size)

@@ -1,0 +1,79 @@
+"""Live workloads: conversations whose next turn carries the answer the served model really
+gave, so only the first turns are known before the run (`kvpool run` serves them through
+the engine). sessions.py holds the other kind, known in advance, whose answers are
+synthetic token streams (the simulator).
+
+Two renderings of one shape (chat.py's conversations and long prompts):
+  live_chat       chat.py's messages through the model's chat template (a tokenizer)
+  live_token_ids  the same shape in token ids, for a model without a tokenizer (tiny-dsv4):
+                  3 shared 300-token system prompts (over two 128-token classical spans
+                  each), 20-token questions, 12-token follow-ups, 700 + 50 i-token long
+                  prompts, every id rng.randrange(vocab_size)
+Both draw from the caller's seeded `random.Random`, in a fixed order: first turns, then
+(token ids only) long prompts, then each follow-up as it is made.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvpool.workload import chat
+
+
+@dataclass
+class Conversation:
+    """A chat whose turns are prompts of token ids; `history` is what the next turn extends."""
+
+    history: list[chat.Message] | list[int]  # chat messages (live_chat) or token ids (live_token_ids)
+    turn: int = 0  # the turn last sent; the caller advances it after each follow-up
+
+
+# (conversation, the answer's token ids, the answer's text) -> the next turn's prompt ids
+FollowUp = Callable[[Conversation, list[int], str], list[int]]
+
+
+@dataclass
+class LiveWorkload:
+    """First turns and long prompts as token ids; `follow_up` makes a later turn's prompt."""
+
+    first_prompts: list[list[int]]  # conversation c's first turn
+    long_prompts: list[list[int]]  # single-turn long prompts
+    conversations: list[Conversation]
+    follow_up: FollowUp
+
+
+def live_chat(
+    encode_chat: Callable[[list[chat.Message]], list[int]], num_conversations: int, num_long: int, rng: random.Random
+) -> LiveWorkload:
+    """chat.py's conversations, rendered by `encode_chat` (the tokenizer's chat template)."""
+    conversations = [Conversation(messages) for messages in chat.first_turns(num_conversations, rng)]
+
+    def follow_up(conv: Conversation, answer_ids: list[int], answer_text: str) -> list[int]:
+        conv.history = chat.next_turn(conv.history, answer_text, conv.turn + 1)
+        return encode_chat(conv.history)
+
+    return LiveWorkload(
+        [encode_chat(c.history) for c in conversations],
+        [encode_chat(m) for m in chat.long_prompts(num_long)],
+        conversations,
+        follow_up,
+    )
+
+
+def live_token_ids(vocab_size: int, num_conversations: int, num_long: int, rng: random.Random) -> LiveWorkload:
+    """The same shape in token ids (the module docstring gives the lengths)."""
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(vocab_size) for _ in range(n)]
+
+    systems = [ids(300) for _ in chat.SYSTEM_TOPICS]
+    conversations = [Conversation(systems[i % len(systems)] + ids(20)) for i in range(num_conversations)]
+    long_prompts = [ids(700 + 50 * i) for i in range(num_long)]
+
+    def follow_up(conv: Conversation, answer_ids: list[int], answer_text: str) -> list[int]:
+        conv.history = list(conv.history) + answer_ids + ids(12)
+        return conv.history
+
+    return LiveWorkload([list(c.history) for c in conversations], long_prompts, conversations, follow_up)

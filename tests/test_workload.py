@@ -1,0 +1,178 @@
+"""The workload package's arrivals, live workloads and metrics, each against an independent
+reference: numpy's percentile, the exponential distribution's moments, the running-sum loop
+`kvpool run` drew its arrivals with, numpy's cumsum the simulator drew them with."""
+
+from __future__ import annotations
+
+import math
+import random
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpool.workload import chat
+from kvpool.workload.arrivals import poisson_arrivals
+from kvpool.workload.live import live_chat, live_token_ids
+from kvpool.workload.metrics import latency_report, mean, num_within_slo, p50_p99, percentile, ratio, within_slo
+
+# --- percentiles ----------------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.floats(-1e6, 1e6, allow_nan=False), min_size=1, max_size=60),
+    st.sampled_from([0.0, 0.01, 0.25, 0.5, 0.9, 0.99, 1.0]),
+)
+def test_percentile_equals_numpys_linear_percentile(values, q):
+    expected = float(np.percentile(np.array(values), 100 * q, method="linear"))
+    assert percentile(values, q) == pytest.approx(expected, rel=1e-12, abs=1e-9)
+
+
+def test_percentile_of_nothing_is_zero_and_of_two_interpolates():
+    assert percentile([], 0.99) == 0.0
+    assert percentile([10.0, 20.0], 0.5) == 15.0
+    assert percentile([20.0, 10.0], 0.99) == pytest.approx(19.9)
+    assert p50_p99("x_ms", [3.0, 1.0, 2.0], 1) == {"x_ms_p50": 2.0, "x_ms_p99": 3.0}
+
+
+def test_latency_report_takes_each_figure_over_the_requests_that_measured_it():
+    r = np.random.default_rng(3)
+    requests = [
+        SimpleNamespace(
+            ttft_s=None if i % 5 == 0 else float(r.exponential(0.3)),
+            tpot_s=None if i % 3 == 0 else float(r.exponential(0.02)),
+            latency_s=float(1 + r.exponential(2.0)),
+        )
+        for i in range(50)
+    ]
+    report = latency_report(requests, 2)
+    assert list(report) == [f"{n}_ms_{p}" for n in ("ttft", "tpot", "latency") for p in ("p50", "p99")]
+    for name in ("ttft", "tpot", "latency"):
+        values = np.array([getattr(x, f"{name}_s") for x in requests if getattr(x, f"{name}_s") is not None]) * 1e3
+        assert len(values) == {"ttft": 40, "tpot": 33, "latency": 50}[name]
+        for p, q in (("p50", 50), ("p99", 99)):
+            assert report[f"{name}_ms_{p}"] == pytest.approx(np.percentile(values, q), abs=0.005 + 1e-9)
+
+
+# --- SLOs, ratios ------------------------------------------------------------------------
+
+
+def test_within_slo_at_the_boundaries():
+    def req(ttft_s, tpot_s):
+        return SimpleNamespace(ttft_s=ttft_s, tpot_s=tpot_s)
+
+    assert within_slo(req(0.2, 0.05), 200.0, 50.0)  # exactly at both SLOs: within
+    assert not within_slo(req(0.2001, 0.05), 200.0, 50.0)
+    assert not within_slo(req(0.2, 0.0501), 200.0, 50.0)
+    assert within_slo(req(0.1, None), 200.0, 50.0)  # a one-token answer has no TPOT
+    assert not within_slo(req(None, 0.01), 200.0, 50.0)  # no first token: never within
+    requests = [req(0.1, 0.01), req(0.3, 0.01), req(0.1, 0.2), req(None, None), req(0.05, None)]
+    assert num_within_slo(requests, 200.0, 50.0) == 2
+
+
+def test_ratio_and_mean_round_and_treat_nothing_as_zero():
+    assert ratio(10, 4, 2) == 2.5
+    assert ratio(1, 3, 3) == 0.333
+    assert ratio(5, 0, 3) == 0.0
+    assert ratio(5, 0.0, 3) == 0.0
+    assert mean([0.1, 0.2, 0.4], 4) == 0.2333
+    assert mean([], 4) == 0.0
+
+
+# --- arrivals -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make_rng", [random.Random, np.random.default_rng], ids=["random", "numpy"])
+@pytest.mark.parametrize("rate", [0.5, 4.0, 100.0])
+def test_poisson_gaps_have_the_exponential_mean_and_spread(make_rng, rate):
+    n = 20_000
+    times = poisson_arrivals(n, rate, make_rng(11))
+    gaps = np.diff([0.0, *times])
+    assert len(times) == n and (gaps > 0).all()
+    # the sample mean of n exponential gaps has standard error (1 / rate) / sqrt(n): 5 of them
+    assert abs(gaps.mean() - 1 / rate) < 5 * (1 / rate) / math.sqrt(n)
+    # exponential: std = mean (the sample std's standard error is about std / sqrt(n) * 1.1)
+    assert abs(gaps.std() - 1 / rate) < 6 * (1 / rate) / math.sqrt(n)
+    # arrivals in [0, T] are Poisson(rate T): within 5 standard deviations of rate T
+    horizon = times[n // 2]
+    counts = np.histogram(times, bins=50, range=(0.0, horizon))[0]
+    expected = rate * horizon / 50
+    assert abs(counts.mean() - expected) < 5 * math.sqrt(expected / 50)
+    assert counts.var(ddof=1) == pytest.approx(expected, rel=0.5)  # variance = mean
+
+
+def test_poisson_arrivals_draw_what_each_command_always_drew():
+    # kvpool run and the load generator: t += rng.expovariate(rate), one draw per arrival
+    ref, t = [], 0.0
+    rng = random.Random(7)
+    for _ in range(500):
+        t += rng.expovariate(2.0)
+        ref.append(t)
+    assert poisson_arrivals(500, 2.0, random.Random(7)) == ref
+    # the simulator: numpy's cumsum of one vector of exponential gaps
+    expected = np.cumsum(np.random.default_rng(7).exponential(1 / 2.0, size=500)).tolist()
+    assert poisson_arrivals(500, 2.0, np.random.default_rng(7)) == expected
+    # and the generator is left where those draws left it
+    a, b = random.Random(1), random.Random(1)
+    poisson_arrivals(10, 3.0, a)
+    for _ in range(10):
+        b.expovariate(3.0)
+    assert a.random() == b.random()
+
+
+def test_poisson_arrivals_at_an_infinite_rate_are_all_at_zero_and_draw_nothing():
+    rng = random.Random(5)
+    assert poisson_arrivals(3, math.inf, rng) == [0.0, 0.0, 0.0]
+    assert rng.random() == random.Random(5).random()
+    assert poisson_arrivals(0, 1.0, rng) == []
+    for bad_n in (-1, 2.0, True):
+        with pytest.raises(ValueError, match="n must be"):
+            poisson_arrivals(bad_n, 1.0, rng)
+
+
+# --- live workloads -------------------------------------------------------------------------
+
+
+def test_live_token_ids_shape_and_follow_ups_extend_the_history():
+    w = live_token_ids(97, 7, 2, random.Random(0))
+    assert [len(p) for p in w.first_prompts] == [320] * 7
+    assert [len(p) for p in w.long_prompts] == [700, 750]
+    systems = {tuple(p[:300]) for p in w.first_prompts}
+    assert len(systems) == 3  # conversation i opens with system prompt i mod 3
+    assert w.first_prompts[0][:300] == w.first_prompts[3][:300] == w.first_prompts[6][:300]
+    assert all(0 <= t < 97 for p in w.first_prompts + w.long_prompts for t in p)
+    conv = w.conversations[2]
+    nxt = w.follow_up(conv, [5, 6], "unused")
+    assert nxt[:320] == w.first_prompts[2] and nxt[320:322] == [5, 6] and len(nxt) == 334
+    assert conv.history == nxt
+
+
+def test_live_chat_renders_the_chat_conversations():
+    def encode(messages):
+        return [ord(ch) for m in messages for ch in m["role"] + ":" + m["content"]]
+
+    rng = random.Random(4)
+    w = live_chat(encode, 4, 1, rng)
+    firsts = chat.first_turns(4, random.Random(4))
+    assert w.first_prompts == [encode(m) for m in firsts]
+    assert w.long_prompts == [encode(m) for m in chat.long_prompts(1)]
+    conv = w.conversations[1]
+    prompt = w.follow_up(conv, [1, 2], "Sure.")
+    expected = [*firsts[1], {"role": "assistant", "content": "Sure."}, {"role": "user", "content": chat.FOLLOW_UPS[0]}]
+    assert prompt == encode(expected)
+
+
+def test_the_workload_package_imports_no_torch():
+    code = (
+        "import sys\n"
+        "import kvpool.workload.arrivals, kvpool.workload.chat, kvpool.workload.live\n"
+        "import kvpool.workload.metrics, kvpool.workload.sessions, kvpool.workload.tokens, kvpool.workload.trace\n"
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
