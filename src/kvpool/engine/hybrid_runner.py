@@ -2,9 +2,11 @@
 
 `HybridRunner` is the engine's ModelRunner for it (the same scheduler as the Llama and V4
 runners) and the glue that `kvpool verify hybrid` and the tests drive: the coordinator
-(cache/coordinator.py) keeps the ids; this class keeps the tensors, applies what the
-coordinator records (block copies, state restores) before the forward that needs them,
-and turns each request's tables into the model's slot plans.
+(cache/coordinator.py) keeps the ids; the attention backends chosen at construction
+(attention/backends: slot attention per group, the recurrent state update) keep the
+tensors; this class applies what the coordinator records (block copies, state restores)
+before the forward that needs them and hands each request's tables to the backends, which
+make the chunk's slot plans.
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from kvpool.attention.backends import select_backend
 from kvpool.cache import Admission, CacheDescriptor, CacheUsage, ReleaseReason
 from kvpool.cache.coordinator import HybridCacheManager
 from kvpool.cache.recurrent import RecurrentGroupSpec
 from kvpool.cache.window import AttentionGroupSpec
 from kvpool.engine.runner import ScheduledChunk
-from kvpool.models.tiny_hybrid import AttnPlan, ChunkPlan, HybridCacheTensors, TinyHybrid
+from kvpool.models.tiny_hybrid import ChunkPlan, HybridAttention, TinyHybrid
 
 
 def descriptor_for(model: TinyHybrid, block_size: int) -> CacheDescriptor:
@@ -43,6 +46,21 @@ def group_specs(
     if model.recurrent_layers():
         specs.append((RecurrentGroupSpec("recurrent", checkpoint_interval), num_slots))
     return specs
+
+
+def attention_for(model: TinyHybrid, num_blocks: int, block_size: int, num_slots: int) -> HybridAttention:
+    """The model's attention backends, chosen once from the registry (attention/backends):
+    one per attention group (kind "full" or "window" on a token-slot pool), the recurrent
+    state update on the state slots."""
+    cfg = model.config
+    kvh, nh, hd = cfg["num_kv_heads"], cfg["num_heads"], cfg["head_dim"]
+    groups = {}
+    for name, layers in model.attention_groups().items():
+        backend = select_backend(name, "slots", "cpu").backend
+        window = model.window if name == "window" else None
+        groups[name] = backend(len(layers), num_blocks, block_size, kvh, hd, model.dtype, window)
+    recurrent = select_backend("recurrent", "state", "cpu").backend
+    return HybridAttention(groups, recurrent(len(model.recurrent_layers()), num_slots, nh, hd, model.dtype))
 
 
 class HybridRunner:
@@ -70,7 +88,7 @@ class HybridRunner:
                 enable_prefix_caching=enable_prefix_caching,
             )
         self.cache = cache
-        self.tensors = HybridCacheTensors(model, num_blocks, block_size, num_slots)
+        self.attention = attention_for(model, num_blocks, block_size, num_slots)
         self.vocab_size = model.vocab_size
         full = [g for g in cache.attention_groups if g.spec.window is None]
         # A sequence alone can grow until a full-attention group runs out (a window group
@@ -93,9 +111,9 @@ class HybridRunner:
         if self.cache.recurrent_groups:
             live, src = self.cache.state_slot(seq_id), self.cache.restore_source(seq_id)
             if src is None:
-                self.tensors.reset_state(live)
+                self.attention.recurrent.reset_state(live)
             else:
-                self.tensors.copy_state(src, live)
+                self.attention.recurrent.copy_state(src, live)
         return adm
 
     def reserve(self, seq_ids: Sequence[str], num_new_tokens: Sequence[int]) -> bool:
@@ -105,17 +123,12 @@ class HybridRunner:
         self.cache.append_token_ids(seq_id, token_ids)
 
     def _plan(self, seq_id: str, start: int, num_tokens: int) -> ChunkPlan:
-        cache, bs = self.cache, self.block_size
+        cache = self.cache
         end = start + num_tokens
         attn = {}
         for g in cache.attention_groups:
             first, ids = cache.first_block(seq_id, g.name), cache.block_ids(seq_id, g.name)
-            read_start = g.spec.first_needed(start)
-
-            def slots(lo: int, hi: int, first: int = first, ids: list[int] = ids) -> Tensor:
-                return torch.tensor([ids[p // bs - first] * bs + p % bs for p in range(lo, hi)], dtype=torch.long)
-
-            attn[g.name] = AttnPlan(slots(start, end), slots(read_start, end), read_start)
+            attn[g.name] = self.attention.groups[g.name].plan_chunk(start, end, g.spec.first_needed(start), first, ids)
         state_slot = cache.state_slot(seq_id) if cache.recurrent_groups else None
         checkpoints = tuple(cache.checkpoints(seq_id)) if cache.recurrent_groups else ()
         return ChunkPlan(start, num_tokens, attn, state_slot, checkpoints)
@@ -124,14 +137,14 @@ class HybridRunner:
         """One forward over reserved chunks (seq id, token ids, start): logits
         [len(token ids), vocab] of every chunk position."""
         for group, copies in self.cache.take_copies().items():
-            self.tensors.copy_blocks(group, [(c.src, c.dst) for c in copies])
+            self.attention.groups[group].copy_blocks([(c.src, c.dst) for c in copies])
         for seq_id, ids, start in work:
             end = self.cache.num_reserved_tokens(seq_id)
             if start != self.cache.num_computed_tokens(seq_id) or start + len(ids) != end:
                 raise ValueError(f"sequence {seq_id!r}: chunk [{start}, {start + len(ids)}) is not its reservation")
         plans = [self._plan(seq_id, start, len(ids)) for seq_id, ids, start in work]
         flat = [t for _, ids, _ in work for t in ids]
-        logits = self.model.forward_paged(flat, plans, self.tensors)
+        logits = self.model.forward_paged(flat, plans, self.attention)
         out, offset = [], 0
         for _, ids, _ in work:
             out.append(logits[offset : offset + len(ids)])
@@ -150,7 +163,7 @@ class HybridRunner:
         if not self.cache.fork(parent_id, child_id):
             return False
         if self.cache.recurrent_groups:
-            self.tensors.copy_state(self.cache.state_slot(parent_id), self.cache.state_slot(child_id))
+            self.attention.recurrent.copy_state(self.cache.state_slot(parent_id), self.cache.state_slot(child_id))
         return True
 
     def release(self, seq_id: str, reason: ReleaseReason) -> bool:
@@ -165,15 +178,13 @@ class HybridRunner:
     def kv_read_bytes(self, num_context_tokens: int) -> int:
         """One query's reads: every attention layer's K/V over its visible keys, and every
         recurrent layer's state."""
-        t = self.tensors
         total = 0
         for g in self.cache.attention_groups:
-            kv = t.kv[g.name]
-            per_token = kv[0].numel() * kv.element_size()  # all the group's layers, K and V
+            per_token = self.attention.groups[g.name].bytes_per_token  # all the group's layers, K and V
             window = g.spec.window
             total += per_token * (num_context_tokens if window is None else min(window, num_context_tokens))
         if self.cache.recurrent_groups:
-            total += t.state[0].numel() * t.state.element_size()
+            total += self.attention.recurrent.bytes_per_slot
         return total
 
     def usage(self) -> CacheUsage:

@@ -19,8 +19,11 @@ TINY_RECURRENT: recurrent and full layers (Kimi Linear / Qwen3-Next style mix).
 Two forwards over the same weights:
 - `reference_logits`: the oracle, a full recompute of the whole token history, no cache
   (masks over the whole sequence, the recurrence from S_0);
-- `forward_paged`: a batch of chunks on the paged cache (`HybridCacheTensors`), each chunk
-  reading and writing through its slots, its live state and its checkpoint slots.
+- `forward_paged`: a batch of chunks on the paged cache, through the attention backends
+  (`HybridAttention`: attention/backends slot_attention.py and recurrent.py, which hold the
+  cache's tensors), each chunk reading and writing through its slots, its live state and
+  its checkpoint slots.
+The attention and recurrence math is attention/hybrid_ops.py, shared by both forwards.
 Weights are drawn in fp64 from the seeded generator and cast; `model.to(torch.float64)`
 is an fp32 model's rounding-free twin (the same rounded weights, fp64 arithmetic).
 """
@@ -28,12 +31,14 @@ is an fp32 model's rounding-free twin (the same rounded weights, fp64 arithmetic
 from __future__ import annotations
 
 import copy
-import math
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from kvpool.attention.backends import AttnPlan, RecurrentBackend, SlotAttentionBackend
+from kvpool.attention.hybrid_ops import delta_rule, masked_attention
 
 LAYER_KINDS = ("full", "window", "recurrent")
 
@@ -62,15 +67,6 @@ TINY_RECURRENT: dict[str, Any] = {
 DTYPES = (torch.float32, torch.float64)
 
 
-class AttnPlan(NamedTuple):
-    """One chunk in one attention group: slots of the positions it writes [start, end) and
-    of the positions it reads [read_start, end) (both int64 [n])."""
-
-    write_slots: Tensor
-    read_slots: Tensor
-    read_start: int
-
-
 class ChunkPlan(NamedTuple):
     """One request's chunk of a step: positions [start, start + num_tokens)."""
 
@@ -86,36 +82,22 @@ def group_of(kind: str) -> str:
     return kind
 
 
-class HybridCacheTensors:
-    """The tensors behind the hybrid cache's pools.
+class HybridAttention:
+    """The attention backends of one hybrid model's cache (attention/backends): one
+    `SlotAttentionBackend` per attention group (its K/V rows), one `RecurrentBackend` (the
+    state slots) when the model has recurrent layers. The runner builds it once; the
+    model's `forward_paged` reads and writes the cache only through it.
 
-    kv[group]: [num_blocks * block_size, layers of the group, 2 (K, V), kv_heads, head_dim]
-    state:     [num_slots, recurrent layers, heads, head_dim (v), head_dim (k)]
+    groups[name].kv: [num_blocks * block_size, layers of the group, 2 (K, V), kv_heads, head_dim]
+    recurrent.state: [num_slots, recurrent layers, heads, head_dim (v), head_dim (k)]
     """
 
-    def __init__(self, model: TinyHybrid, num_blocks: int, block_size: int, num_slots: int) -> None:
-        cfg, dt = model.config, model.dtype
-        self.block_size = block_size
-        self.kv: dict[str, Tensor] = {}
-        for group, layers in model.attention_groups().items():
-            shape = (num_blocks * block_size, len(layers), 2, cfg["num_kv_heads"], cfg["head_dim"])
-            self.kv[group] = torch.zeros(shape, dtype=dt)
-        num_rec = len(model.recurrent_layers())
-        hd = cfg["head_dim"]
-        self.state = torch.zeros((num_slots if num_rec else 0, num_rec, cfg["num_heads"], hd, hd), dtype=dt)
-
-    def copy_blocks(self, group: str, copies: list[tuple[int, int]]) -> None:
-        """Copy whole blocks (src, dst), in order."""
-        bs = self.block_size
-        kv = self.kv[group]
-        for src, dst in copies:
-            kv[dst * bs : (dst + 1) * bs] = kv[src * bs : (src + 1) * bs]
-
-    def copy_state(self, src: int, dst: int) -> None:
-        self.state[dst] = self.state[src]
-
-    def reset_state(self, slot: int) -> None:
-        self.state[slot].zero_()
+    def __init__(
+        self,
+        groups: dict[str, SlotAttentionBackend],
+        recurrent: RecurrentBackend,
+    ) -> None:
+        self.groups, self.recurrent = groups, recurrent
 
 
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
@@ -234,22 +216,16 @@ class TinyHybrid:
         theta = cfg["rope_theta"]
         return rope(q, positions, theta), rope(k, positions, theta), v
 
+    def _layer_window(self, i: int) -> int | None:
+        return self.window if self.config["layers"][i] == "window" else None
+
     def _attend(self, i: int, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         """q: [Tq, H, hd]; k, v: [Tk, KVH, hd]; positions int64. Returns [Tq, hidden]."""
-        cfg = self.config
-        rep = cfg["num_heads"] // cfg["num_kv_heads"]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(cfg["head_dim"])
-        visible = k_pos[None, :] <= q_pos[:, None]
-        if cfg["layers"][i] == "window":
-            visible &= q_pos[:, None] - k_pos[None, :] < self.window
-        scores = scores.masked_fill(~visible[None], -math.inf)
-        out = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+        out = masked_attention(q, k, v, q_pos, k_pos, self._layer_window(i))
         return out.reshape(q.shape[0], -1) @ self._w(i, "wo").T
 
-    def _recurrence(self, i: int, x: Tensor, state: Tensor, snapshots: dict[int, Tensor] | None = None) -> Tensor:
-        """The gated delta rule over x: [T, hidden] from `state` [H, hd, hd] (updated in
-        place). snapshots: {t: out tensor}: after t + 1 tokens of x, copy the state there."""
+    def _recurrent_inputs(self, i: int, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """x: [T, hidden] -> q, k (l2-normalised), v [T, H, hd]; beta, g [T, H]."""
         cfg = self.config
         t_len, nh, hd = x.shape[0], cfg["num_heads"], cfg["head_dim"]
         q = F.normalize((x @ self._w(i, "wq").T).view(t_len, nh, hd), dim=-1)
@@ -257,18 +233,11 @@ class TinyHybrid:
         v = (x @ self._w(i, "wv").T).view(t_len, nh, hd)
         beta = torch.sigmoid(x @ self._w(i, "w_beta").T)  # [T, H]
         g = torch.sigmoid(x @ self._w(i, "w_g").T + self._w(i, "b_g"))  # [T, H]
-        out = torch.empty(t_len, nh, hd, dtype=x.dtype)
-        s = state
-        for t in range(t_len):
-            kt, vt = k[t], v[t]  # [H, hd]
-            sk = torch.einsum("hvk,hk->hv", s, kt)
-            s = g[t][:, None, None] * (s - beta[t][:, None, None] * sk[:, :, None] * kt[:, None, :])
-            s = s + beta[t][:, None, None] * vt[:, :, None] * kt[:, None, :]
-            out[t] = torch.einsum("hvk,hk->hv", s, q[t])
-            if snapshots is not None and t in snapshots:
-                snapshots[t].copy_(s)
-        state.copy_(s)
-        return out.reshape(t_len, nh * hd) @ self._w(i, "wo").T
+        return q, k, v, beta, g
+
+    def _recurrent_out(self, i: int, o: Tensor) -> Tensor:
+        """o: [T, H, hd] -> [T, hidden]."""
+        return o.reshape(o.shape[0], -1) @ self._w(i, "wo").T
 
     def _logits(self, h: Tensor) -> Tensor:
         return rms_norm(h, self.state_dict["norm"], self.config["rms_norm_eps"]) @ self.state_dict["head"].T
@@ -286,7 +255,7 @@ class TinyHybrid:
             x = rms_norm(h, self._w(i, "attn_norm"), cfg["rms_norm_eps"])
             if kind == "recurrent":
                 state = torch.zeros(cfg["num_heads"], cfg["head_dim"], cfg["head_dim"], dtype=self.dtype)
-                h = h + self._recurrence(i, x, state)
+                h = h + self._recurrent_out(i, delta_rule(*self._recurrent_inputs(i, x), state))
             else:
                 q, k, v = self._qkv(i, x, pos)
                 h = h + self._attend(i, q, k, v, pos, pos)
@@ -295,11 +264,12 @@ class TinyHybrid:
 
     @torch.no_grad()
     def forward_paged(
-        self, token_ids: list[int] | Tensor, chunks: list[ChunkPlan], cache: HybridCacheTensors
+        self, token_ids: list[int] | Tensor, chunks: list[ChunkPlan], attention: HybridAttention
     ) -> Tensor:
-        """token_ids: [N], the chunks' tokens concatenated in order. Writes every chunk's
-        K/V into its write slots, reads its keys through its read slots, advances its live
-        state and fills its checkpoint slots. Returns logits [N, vocab] in `dtype`."""
+        """token_ids: [N], the chunks' tokens concatenated in order. Through `attention`'s
+        backends, writes every chunk's K/V into its write slots, reads its keys through its
+        read slots, advances its live state and fills its checkpoint slots. Returns logits
+        [N, vocab] in `dtype`."""
         ids = torch.as_tensor(token_ids, dtype=torch.long)
         if ids.numel() != sum(c.num_tokens for c in chunks):
             raise ValueError(f"{ids.numel()} token ids for chunks of {sum(c.num_tokens for c in chunks)} tokens")
@@ -314,26 +284,16 @@ class TinyHybrid:
             for c in chunks:
                 x = x_all[offset : offset + c.num_tokens]
                 offset += c.num_tokens
-                end = c.start + c.num_tokens
                 if kind == "recurrent":
                     assert c.state_slot is not None
-                    r = rec_layers.index(i)
-                    live = cache.state[c.state_slot, r]
-                    snaps = {b - c.start - 1: cache.state[slot, r] for b, slot in c.checkpoints}
-                    outs.append(self._recurrence(i, x, live, snaps))
+                    o = attention.recurrent.update(
+                        rec_layers.index(i), c.state_slot, c.checkpoints, c.start, *self._recurrent_inputs(i, x)
+                    )
+                    outs.append(self._recurrent_out(i, o))
                     continue
                 group = group_of(kind)
-                li = groups[group].index(i)
-                plan = c.attn[group]
-                q, k, v = self._qkv(i, x, torch.arange(c.start, end))
-                kv = cache.kv[group]
-                kv[plan.write_slots, li, 0] = k
-                kv[plan.write_slots, li, 1] = v
-                keys = kv[plan.read_slots, li]  # [n_read, 2, KVH, hd]
-                outs.append(
-                    self._attend(
-                        i, q, keys[:, 0], keys[:, 1], torch.arange(c.start, end), torch.arange(plan.read_start, end)
-                    )
-                )
+                q, k, v = self._qkv(i, x, torch.arange(c.start, c.start + c.num_tokens))
+                o = attention.groups[group].attend(groups[group].index(i), c.attn[group], q, k, v, c.start)
+                outs.append(o.reshape(q.shape[0], -1) @ self._w(i, "wo").T)
             h = self._ffn(i, h + torch.cat(outs))
         return self._logits(h)
