@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kvpool.attention.backends import select_backend
 from kvpool.attention.dsv4_paged import ChunkPlan
 from kvpool.cache import Admission, CacheDescriptor, CacheUsage, DSV4CacheManager, ReleaseReason, Reservation
 from kvpool.cache.dsv4 import RestoreMethod
@@ -114,6 +115,9 @@ class DSV4PagedRunner:
             entry_format=kv_format,
             indexer_format=indexer_format,
         )
+        # V4's sparse attention over these pools, chosen once (attention/backends)
+        device = self.pools.state[0].ring.device.type
+        self.attention = select_backend("dsv4-sparse", f"dsv4-{kv_format}", device).backend(self.pools)
         descriptor = descriptor_for(model, kv_format, indexer_format)
         self.cache = DSV4CacheManager(
             model.spec,
@@ -259,7 +263,7 @@ class DSV4PagedRunner:
         while pos < adm.num_cached_tokens:
             n = min(self.replay_chunk, adm.num_cached_tokens - pos)
             plan = ChunkPlan(pos, n, restore.state_slot, table, (), replay=True, valid_from=valid_from)
-            self.model.forward_paged(token_ids[pos : pos + n], [plan], self.pools)
+            self.model.forward_paged(token_ids[pos : pos + n], [plan], self.attention)
             pos += n
         self.num_replayed_tokens += adm.num_cached_tokens - start
         self.replay_s += time.perf_counter() - began
@@ -427,7 +431,7 @@ class DSV4PagedRunner:
                 owners.append((request_id, res, slot))
             if not plans:
                 break
-            out = self.model.forward_paged(ids, plans, self.pools)
+            out = self.model.forward_paged(ids, plans, self.attention)
             offset = 0
             for (request_id, res, slot), plan in zip(owners, plans, strict=True):
                 pieces[request_id].append(out[offset : offset + plan.num_tokens])

@@ -14,7 +14,8 @@ official checkpoint (`embed`, `layers.{i}.attn.wq_a`, ..., `norm`, `head`).
 
 Two forwards over the same weights:
 - `reference_logits`: the contiguous oracle, the whole token history, no cache;
-- `forward_paged`: a batch of chunks on the Classical + State pools (`DSV4Pools`).
+- `forward_paged`: a batch of chunks on the Classical + State pools (`DSV4Pools`), through
+  V4's sparse attention backend (attention/backends/dsv4_sparse.py).
 
 `dtype` is fp32 (default) or fp64. The weights are always drawn in fp64 from the seeded
 generator and then cast, so `TinyDSV4(seed=s)` and `TinyDSV4(seed=s, dtype=torch.float64)`
@@ -31,11 +32,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from kvpool.attention.backends import DSV4SparseBackend
 from kvpool.attention.dsv4_ops import DSV4AttnWeights, init_attn_state_dict, rms_norm
-from kvpool.attention.dsv4_paged import ChunkPlan, paged_attention
+from kvpool.attention.dsv4_paged import ChunkPlan
 from kvpool.attention.dsv4_reference import IndexerTrace, reference_attention, reference_indexer
 from kvpool.spec.dsv4 import CSA_RATIO, DSV4Spec
-from kvpool.storage.dsv4 import DSV4Pools
 
 # config.json of the tiny model: real m = 4, m' = 128, n_win = 128; small widths.
 TINY_DSV4_CONFIG: dict[str, Any] = {
@@ -192,16 +193,19 @@ class TinyDSV4:
         return self._logits(h)
 
     @torch.no_grad()
-    def forward_paged(self, token_ids: list[int] | Tensor, chunks: list[ChunkPlan], pools: DSV4Pools) -> Tensor:
-        """token_ids: [N], the chunks' tokens concatenated in order. Reads and writes the pools
-        (made with this model's dtype); returns logits [N, vocab] in `dtype`."""
+    def forward_paged(
+        self, token_ids: list[int] | Tensor, chunks: list[ChunkPlan], attention: DSV4SparseBackend
+    ) -> Tensor:
+        """token_ids: [N], the chunks' tokens concatenated in order. Reads and writes the cache
+        only through `attention` (attention/backends dsv4_sparse.py, over pools made with this
+        model's dtype); returns logits [N, vocab] in `dtype`."""
         ids = torch.as_tensor(token_ids, dtype=torch.long)
-        if (pools.dtype == torch.float64) != (self.dtype == torch.float64):
-            raise ValueError(f"a {self.dtype} model needs pools of its precision, got {pools.dtype} pools")
+        if (attention.dtype == torch.float64) != (self.dtype == torch.float64):
+            raise ValueError(f"a {self.dtype} model needs pools of its precision, got {attention.dtype} pools")
         if ids.numel() != sum(c.num_tokens for c in chunks):
             raise ValueError(f"{ids.numel()} token ids for chunks of {sum(c.num_tokens for c in chunks)} tokens")
         h = self._embed(ids)
         for i in range(self.spec.num_layers):
-            h = h + paged_attention(self.spec, i, self.attn[i], self._attn_input(i, h), chunks, pools)
+            h = h + attention.attend(self.spec, i, self.attn[i], self._attn_input(i, h), chunks)
             h = self._ffn(i, h)
         return self._logits(h)
