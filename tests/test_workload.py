@@ -176,3 +176,21 @@ def test_the_workload_package_imports_no_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_first_requests_are_the_first_turns_and_long_prompts_at_their_poisson_arrivals():
+    rng = random.Random(3)
+    w = live_token_ids(50, 4, 2, rng)
+    ref = random.Random()
+    ref.setstate(rng.getstate())
+    times, t = [], 0.0
+    for _ in range(6):  # one gap per first turn, then per long prompt, from where the workload left the stream
+        t += ref.expovariate(1.5)
+        times.append(t)
+    ids = ["chat0-t0", "chat1-t0", "chat2-t0", "chat3-t0", "long0", "long1"]
+    prompts = w.first_prompts + w.long_prompts
+    expected = sorted(zip(times, ids, prompts, strict=True), key=lambda item: item[0])
+    assert [tuple(item) for item in w.first_requests(1.5, rng)] == expected
+    # all at once: in order, first turns then long prompts
+    at_once = live_token_ids(50, 4, 2, random.Random(3)).first_requests(math.inf, random.Random(0))
+    assert [(item.arrival_s, item.request_id) for item in at_once] == [(0.0, rid) for rid in ids]

@@ -55,8 +55,7 @@ from kvpool.cli.args import (
 )
 from kvpool.cli.generate import _tensor_parallel, add_model_arguments, add_tp_argument, agree_across_ranks
 from kvpool.cli.main import EXIT_INTERRUPTED, EXIT_TERMINATED, Terminated, terminate_like_ctrl_c
-from kvpool.workload.arrivals import poisson_arrivals
-from kvpool.workload.live import live_chat, live_token_ids
+from kvpool.workload.live import live_chat, live_token_ids, request_id
 from kvpool.workload.metrics import latency_report, mean, num_within_slo, p50_p99, ratio
 
 TINY_MODEL = "tiny-dsv4"
@@ -288,18 +287,8 @@ def _run(args: argparse.Namespace) -> int:
             params,
             [getattr(args, name, None) for name in AGREED_FLAGS],
         )
-    arrivals = poisson_arrivals(len(workload.first_prompts) + len(workload.long_prompts), args.request_rate, rng)
-    pending: list[tuple[float, str, list[int]]] = [
-        (t, f"chat{c}-t0", prompt) for c, (t, prompt) in enumerate(zip(arrivals, workload.first_prompts, strict=False))
-    ]
-    pending += [
-        (t, f"long{i}", prompt)
-        for i, (t, prompt) in enumerate(
-            zip(arrivals[len(workload.first_prompts) :], workload.long_prompts, strict=True)
-        )
-    ]
-    pending.sort(key=lambda item: item[0])
-    conversation_of = {f"chat{c}-t0": c for c in range(len(workload.conversations))}
+    pending = workload.first_requests(args.request_rate, rng)
+    conversation_of = {request_id(c, 0): c for c in range(len(workload.conversations))}
     total = len(workload.first_prompts) * args.turns + len(workload.long_prompts)
     runner = engine.runner
     frag_samples: list[float] = []
@@ -317,7 +306,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         while pending or engine.has_unfinished():
             now = time.perf_counter()
-            due = sum(1 for item in pending if start + item[0] <= now)
+            due = sum(1 for item in pending if start + item.arrival_s <= now)
             if tp_sync:
                 import torch.distributed as dist
 
@@ -331,9 +320,9 @@ def _run(args: argparse.Namespace) -> int:
                 engine.add_request(prompt, params, rid, arrival_time=start + t)
             if not engine.has_unfinished():
                 if not tp_sync:
-                    time.sleep(max(0.0, start + pending[0][0] - time.perf_counter()))
+                    time.sleep(max(0.0, start + pending[0].arrival_s - time.perf_counter()))
                 else:  # rank 0 sleeps; the others wait for its broadcast
-                    time.sleep(max(0.0, min(0.01, start + pending[0][0] - time.perf_counter())))
+                    time.sleep(max(0.0, min(0.01, start + pending[0].arrival_s - time.perf_counter())))
                 continue
             t0 = time.perf_counter()
             finished = engine.step()
@@ -353,7 +342,7 @@ def _run(args: argparse.Namespace) -> int:
                     completion = engine.output(rid).completions[0]
                     prompt = workload.follow_up(conv, completion.token_ids, completion.text)
                     conv.turn += 1
-                    nid = f"chat{c}-t{conv.turn}"
+                    nid = request_id(c, conv.turn)
                     engine.add_request(prompt, params, nid)
                     conversation_of[nid] = c
     except KeyboardInterrupt as stop:

@@ -10,7 +10,10 @@ Two renderings of one shape (chat.py's conversations and long prompts):
                   each), 20-token questions, 12-token follow-ups, 700 + 50 i-token long
                   prompts, every id rng.randrange(vocab_size)
 Both draw from the caller's seeded `random.Random`, in a fixed order: first turns, then
-(token ids only) long prompts, then each follow-up as it is made.
+(token ids only) long prompts, then (`first_requests`) the arrivals of the first turns and
+long prompts, then (token ids only) each follow-up as it is made.
+
+Request ids: conversation c's turn k is f"chat{c}-t{k}", long prompt i is f"long{i}".
 """
 
 from __future__ import annotations
@@ -18,8 +21,20 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvpool.workload import chat
+from kvpool.workload.arrivals import poisson_arrivals
+
+
+def request_id(conversation: int, turn: int) -> str:
+    return f"chat{conversation}-t{turn}"
+
+
+class TimedPrompt(NamedTuple):
+    arrival_s: float  # seconds after the start of the run
+    request_id: str
+    prompt_ids: list[int]
 
 
 @dataclass
@@ -42,6 +57,21 @@ class LiveWorkload:
     long_prompts: list[list[int]]  # single-turn long prompts
     conversations: list[Conversation]
     follow_up: FollowUp
+
+    def first_requests(self, rate: float, rng: random.Random) -> list[TimedPrompt]:
+        """The first turns and the long prompts at Poisson arrivals of `rate` per second (one
+        gap drawn per prompt: first turns, then long prompts), sorted by arrival (stable)."""
+        num_first = len(self.first_prompts)
+        arrivals = poisson_arrivals(num_first + len(self.long_prompts), rate, rng)
+        timed = [
+            TimedPrompt(t, request_id(c, 0), p)
+            for c, (t, p) in enumerate(zip(arrivals[:num_first], self.first_prompts, strict=True))
+        ]
+        timed += [
+            TimedPrompt(t, f"long{i}", p)
+            for i, (t, p) in enumerate(zip(arrivals[num_first:], self.long_prompts, strict=True))
+        ]
+        return sorted(timed, key=lambda item: item.arrival_s)
 
 
 def live_chat(
