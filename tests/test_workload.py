@@ -194,3 +194,95 @@ def test_first_requests_are_the_first_turns_and_long_prompts_at_their_poisson_ar
     # all at once: in order, first turns then long prompts
     at_once = live_token_ids(50, 4, 2, random.Random(3)).first_requests(math.inf, random.Random(0))
     assert [(item.arrival_s, item.request_id) for item in at_once] == [(0.0, rid) for rid in ids]
+
+
+# --- the performance report of kvpool run and kvpool simulate ----------------------------------
+
+# the seed's figures (ARCHITECTURE.md, "Performance report") that both reports carry
+REPORT_KEYS = (
+    "kv_capacity_tokens",
+    "kv_capacity_bytes",
+    "fragmentation",
+    "alloc_latency_us_p50",
+    "alloc_latency_us_p99",
+    "block_size",
+    "prefix_hit_rate",
+    *(f"{name}_ms_{p}" for name in ("ttft", "tpot", "latency") for p in ("p50", "p99")),
+    "throughput_tok_s",
+    "goodput_req_s",
+    "slo_ttft_ms",
+    "slo_tpot_ms",
+)
+
+
+def _fake_engine(num_requests: int, seed: int) -> SimpleNamespace:
+    """What make_report reads of an engine: outputs, cache stats, allocation timings."""
+    r = np.random.default_rng(seed)
+    outputs = {}
+    for i in range(num_requests):
+        finish = "abort" if i % 7 == 3 else "stop"
+        completion = SimpleNamespace(token_ids=list(range(int(r.integers(1, 9)))), finish_reason=finish)
+        outputs[f"r{i}"] = SimpleNamespace(
+            completions=[completion],
+            ttft_s=float(r.exponential(0.8)),
+            tpot_s=None if i % 4 == 1 else float(r.exponential(0.1)),
+            latency_s=float(1 + r.exponential(3)),
+        )
+    stats = {"kv_capacity_tokens": 100, "kv_capacity_bytes": 2000, "block_size": 16, "num_blocks": 7}
+    stats |= {"prefix_hit_rate": 0.5, "prefix_queried_tokens": 10, "prefix_hit_tokens": 5}
+    runner = SimpleNamespace(cache_stats=lambda: stats, tier_reports=dict)
+    engine_stats = SimpleNamespace(alloc_call_s=list(r.exponential(1e-5, 33)), num_alloc_calls=33, num_noop_calls=4)
+    return SimpleNamespace(
+        requests=list(outputs),
+        output=outputs.__getitem__,
+        runner=runner,
+        stats=engine_stats,
+        num_preemptions=0,
+        num_steps=40,
+    )
+
+
+def test_kvpool_runs_report_against_numpy_and_a_hand_count_of_the_slos():
+    from argparse import Namespace
+
+    from kvpool.cli.run import make_report
+
+    engine = _fake_engine(40, 1)
+    args = Namespace(slo_ttft_ms=800.0, slo_tpot_ms=100.0, request_rate=2.0)
+    report = make_report(engine, args, "m", 20.0, 5.0, [0.1, 0.2], 10**9, False)
+    assert set(REPORT_KEYS) <= set(report) and "read_bandwidth_gbps" in report
+    done = [engine.output(rid) for rid in engine.requests if engine.output(rid).completions[0].finish_reason == "stop"]
+    assert report["num_finished"] == len(done) == 34
+    ttft = np.array([o.ttft_s for o in done]) * 1e3
+    tpot = np.array([o.tpot_s for o in done if o.tpot_s is not None]) * 1e3
+    assert report["ttft_ms_p50"] == pytest.approx(np.percentile(ttft, 50), abs=0.05)
+    assert report["tpot_ms_p99"] == pytest.approx(np.percentile(tpot, 99), abs=0.05)
+    alloc = np.array(engine.stats.alloc_call_s) * 1e6
+    assert report["alloc_latency_us_p99"] == pytest.approx(np.percentile(alloc, 99), abs=0.005)
+    good = sum(1 for o in done if o.ttft_s <= 0.8 and (o.tpot_s is None or o.tpot_s <= 0.1))
+    assert 0 < good < len(done) and report["goodput_req_s"] == round(good / 20.0, 3)
+    generated = sum(len(o.completions[0].token_ids) for o in done)
+    assert report["throughput_tok_s"] == round(generated / 20.0, 2)
+    assert report["fragmentation"] == 0.15 and report["read_bandwidth_gbps"] == 0.2
+
+
+def test_the_simulators_report_against_numpy_over_its_own_latencies():
+    from kvpool.sim.cost import CostModel
+    from kvpool.sim.simulator import SimConfig, simulate
+    from kvpool.spec.gpus import get_gpu
+    from kvpool.spec.models import load_preset
+    from kvpool.workload.sessions import uniform_workload
+
+    model, gpu = load_preset("llama-3.1-8b"), get_gpu("h200")
+    workload = uniform_workload(80, 20.0, model.vocab_size, seed=3, prompt_len=(100, 900), output_len=(5, 60))
+    config = SimConfig(slo_ttft_ms=50.0, slo_tpot_ms=20.0)
+    report = simulate(model, gpu, workload, config, CostModel(model, gpu, tp=config.tp))
+    assert set(REPORT_KEYS) <= set(report)
+    assert report["num_finished"] == 80
+    ttft, tpot = np.array(report["_series"]["ttft_ms"]), np.array(report["_series"]["tpot_ms"])
+    assert len(ttft) == 80 and len(tpot) > 0
+    for q in (50, 99):
+        assert report[f"ttft_ms_p{q}"] == pytest.approx(np.percentile(ttft, q), abs=0.005)
+        assert report[f"tpot_ms_p{q}"] == pytest.approx(np.percentile(tpot, q), abs=0.005)
+    assert 0 < report["slo_attainment"] < 1  # the SLOs part the requests
+    assert report["goodput_req_s"] == pytest.approx(report["slo_attainment"] * 80 / report["wall_s"], rel=2e-3)
