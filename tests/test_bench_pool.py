@@ -1,6 +1,6 @@
 """`kvpool bench pool` runs its traces to completion with their own correctness checks and
 prints one JSON object with the figures the README quotes. Timings are not asserted; the
-counts are, from the trace definitions (src/kvpool/cli/bench_pool.py)."""
+counts are, from the trace definitions (src/kvpool/bench/pool.py)."""
 
 from __future__ import annotations
 

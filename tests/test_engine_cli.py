@@ -64,7 +64,7 @@ def test_run_smollm2_report_follows_its_definitions(capsys):
 def test_bench_attention_times_every_path_after_checking_it(kernels):
     # bench_attention asserts each paged path equals contiguous SDPA before timing it; the
     # native path is the engine's (the kernels fixture fails when the C kernels do not load)
-    from kvpool.cli.bench_engine import bench_attention
+    from kvpool.bench.engine import bench_attention
 
     report = bench_attention(2, 64, 16, 9, 3, 64)
     paths = {"paged_native_ms", "paged_bags_ms", "paged_padded_ms", "contiguous_sdpa_ms"}

@@ -18,7 +18,9 @@ import kvpool
 # Lowest first. `kernels` (the C kernels and their ctypes bindings) sits below the tensor
 # layers that call it; `sim` (the simulator) drives the engine; `server` (kvpool serve and
 # its load generator, which replays workload's chat) serves the engine over HTTP;
-# `verify` (verification programs) above the engine it drives.
+# `verify` (verification programs) above the engine it drives; `bench` (the benchmarks'
+# measurements) drives the engine, the simulator, the tiers and the server, below the CLI that
+# parses their flags and prints their results.
 LAYERS = (
     "spec",
     "workload",  # what runs send and measure (pure Python over numpy): sim, server and cli share it
@@ -34,6 +36,7 @@ LAYERS = (
     "sim",
     "server",
     "verify",
+    "bench",
     "cli",
 )
 RANK = {name: i for i, name in enumerate(LAYERS)}

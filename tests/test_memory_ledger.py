@@ -26,9 +26,9 @@ import sys
 
 import pytest
 
+from kvpool.bench.ledger import RUN_WORKLOAD, compare
 from kvpool.capacity.engine import ENGINE_TERMS, EngineConfig
 from kvpool.capacity.planner import plan
-from kvpool.cli.bench_ledger import RUN_WORKLOAD, compare
 from kvpool.engine.memory import TERMS, MeasuredLedger, peak_rss_bytes
 from kvpool.spec.gpus import cpu_device
 from kvpool.spec.models import load_preset

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
+from collections.abc import Callable
 
 from kvpool.cli.args import HelpFormatter
 
@@ -45,3 +47,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     return int(args._bench_run(args) or 0)
+
+
+def stderr_progress(name: str) -> Callable[[str], None]:
+    """A progress callback (kvpool.bench.common.Progress) that prints `NAME: PHASE ...` on
+    stderr when stdout is not a terminal (piped, CI), so a run of minutes is not silent;
+    stdout keeps only the JSON or the table."""
+
+    def progress(phase: str) -> None:
+        if not sys.stdout.isatty():
+            print(f"{name}: {phase} ...", file=sys.stderr, flush=True)
+
+    return progress

@@ -1,24 +1,12 @@
-"""`kvpool bench dsv4`: V4 dual-pool bytes (Flash / Pro presets) and paged vs oracle decode time.
-
-Bytes come from DSV4Spec (DEEPSEEK_V4.md §5): classical bytes per token in the serving
-formats (584 B main entry; indexer key 132 B FP8 or 68 B MXFP4) and in bf16 / fp32
-storage, and state bytes per request (SWA window of the 43 / 61 main layers in the serving
-format + fp32 compressor tails; the SWA-only MTP layer adds one more window, shown apart).
-
-Time: the tiny V4 model (m = 4, m' = 128, n_win = 128, fp32, CPU, one thread). For each
-context length C, a request is prefilled to C tokens, then `--steps` decode steps are timed
-on the dual pool (paged_ms_per_step); the oracle's cost for the same step is one contiguous
-forward over the whole C + 1 token history (oracle_ms_per_step). Median of `--repeats`.
-"""
+"""`kvpool bench dsv4`: V4 dual-pool bytes (Flash / Pro presets) and paged vs oracle decode
+time (kvpool/bench/dsv4.py says what is counted and timed)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
-V32_BYTES_PER_TOKEN = (656 + 132) * 61  # DeepSeek-V3.2: MLA latent + indexer key, 61 layers
+from kvpool.bench.dsv4 import measure
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,63 +17,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def byte_report() -> dict[str, dict[str, float]]:
-    from kvpool.spec.dsv4 import LayerKind, load_preset
-
-    report: dict[str, dict[str, float]] = {}
-    for name in ("deepseek-v4-flash", "deepseek-v4-pro"):
-        spec = load_preset(name)
-        report[name] = {
-            "num_csa_layers": spec.num_layers_of(LayerKind.CSA),
-            "num_hca_layers": spec.num_layers_of(LayerKind.HCA),
-            "num_swa_only_layers": spec.num_layers_of(LayerKind.SWA),
-            "classical_bytes_per_token_fp8_indexer": spec.classical_bytes_per_token(indexer_format="fp8"),
-            "classical_bytes_per_token_mxfp4_indexer": spec.classical_bytes_per_token(indexer_format="mxfp4"),
-            "classical_bytes_per_token_bf16": spec.classical_bytes_per_token("bfloat16"),
-            "classical_bytes_per_token_fp32": spec.classical_bytes_per_token("float32"),
-            "classical_bytes_per_block_fp8_indexer": spec.classical_bytes_per_block(),
-            "classical_vs_v32": spec.classical_bytes_per_token(indexer_format="fp8") / V32_BYTES_PER_TOKEN,
-            "state_swa_bytes": spec.swa_state_bytes(),
-            "state_compressor_bytes_fp32": spec.compressor_state_bytes(),
-            "state_bytes_per_request": spec.state_bytes_per_request(),
-            "state_bytes_per_request_with_mtp": spec.state_bytes_per_request(include_mtp=True),
-            "state_bytes_per_request_bf16_swa": spec.state_bytes_per_request("bfloat16"),
-            "state_bytes_kvpool_fp32_storage": spec.storage_state_bytes_per_request("float32"),
-            "classical_gib_at_1m_tokens": spec.classical_bytes_per_token(indexer_format="fp8") * 2**20 / 2**30,
-        }
-    return report
-
-
-def timing_report(contexts: list[int], steps: int, repeats: int) -> list[dict[str, float]]:
-    import torch
-
-    from kvpool.engine.dsv4_runner import DSV4PagedRunner
-    from kvpool.models.tiny_dsv4 import TinyDSV4
-
-    torch.set_num_threads(1)
-    model = TinyDSV4(seed=0)
-    rows = []
-    for context in contexts:
-        ids = torch.randint(
-            0, model.vocab_size, (context + steps,), generator=torch.Generator().manual_seed(context)
-        ).tolist()
-        paged, oracle = [], []
-        for _ in range(repeats):
-            runner = DSV4PagedRunner(model, context // model.spec.span + steps // model.spec.span + 2, 1)
-            runner.add_request("r", ids)
-            assert runner.step([("r", context)]) is not None
-            start = time.perf_counter()
-            for _ in range(steps):
-                assert runner.step([("r", 1)]) is not None
-            paged.append((time.perf_counter() - start) / steps)
-            start = time.perf_counter()
-            model.reference_logits(ids[: context + 1])
-            oracle.append(time.perf_counter() - start)
-        p, o = statistics.median(paged), statistics.median(oracle)
-        rows.append({"context": context, "paged_ms_per_step": p * 1e3, "oracle_ms_per_step": o * 1e3, "speedup": o / p})
-    return rows
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
@@ -93,11 +24,11 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--contexts must be comma-separated integers, got {args.contexts!r}") from None
     if any(c <= 0 for c in contexts) or args.steps <= 0 or args.repeats <= 0:
         raise SystemExit("--contexts, --steps and --repeats must be positive")
-    bytes_ = byte_report()
-    timing = [] if args.no_timing else timing_report(contexts, args.steps, args.repeats)
+    result = measure(contexts, args.steps, args.repeats, timing=not args.no_timing)
     if args.json:
-        print(json.dumps({"bytes": bytes_, "tiny_decode_timing": timing}))
+        print(json.dumps(result))
         return 0
+    bytes_, timing = result["bytes"], result["tiny_decode_timing"]
     print("DeepSeek-V4 dual pool, bytes (serving formats; fp32 compressor state; MTP layer not counted unless noted)")
     keys = list(next(iter(bytes_.values())))
     print(f"{'':44s}" + "".join(f"{name:>20s}" for name in bytes_))

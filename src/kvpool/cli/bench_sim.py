@@ -1,33 +1,15 @@
-"""`kvpool bench sim`: the simulator's `cpu` preset against the engine, on one workload.
-
-The same requests, at the same arrival times, run twice in this process: through the
-engine on SmolLM2-135M (the model computes every token, on the wall clock) and through
-`kvpool simulate`'s replica (the same scheduler and cache manager, the cost model on the
-`cpu` preset for the forward, a virtual clock). The workload is kvpool run's: its first
-turns (chat prompts over three shared system prompts) and its long prompts, at its Poisson
-arrivals, each answer exactly --max-tokens long (its second turns, which carry the model's
-own answers, are left out); the engine configuration of `kvpool run` (256 MiB of blocks
-of 16, 256 tokens and 16 sequences a step). Printed: TPOT, TTFT and throughput, measured
-and predicted, and their ratio, for two cost models: the `cpu` preset's defaults
-(DEVICE_DEFAULTS in sim/cost.py, fitted once on a quiet day) and a fit made in this
-process (sim/calibrate.py `fit_engine`: decodes of 1 and 8 sequences and fresh prefills
-of 256 and 64 tokens, timed just before and just after the engine's run, since this VM's
-speed drifts by tens of percent within minutes). Both simulations hold the same 364
-blocks. Neither model sees the workload's own steps: chunks over cached prefixes, decodes
-of other batch sizes and contexts.
-"""
+"""`kvpool bench sim`: the simulator's `cpu` preset (and a fit made now) against the engine,
+on kvpool run's first turns (kvpool/bench/sim.py says what runs and what is compared).
+Exits 1, with one line, when the engine's step times fit no cost model (a busy machine)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
-import time
 
+from kvpool.bench.sim import TIMES, FitFailed, first_turns, measure
 from kvpool.cli.args import positive_float, positive_int
-
-ENGINE = {"num_blocks": 364, "block_size": 16, "max_num_batched_tokens": 256, "max_num_seqs": 16}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,135 +21,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
-def _workload(args, loaded):
-    """kvpool run's first turns and long prompts, at its Poisson arrivals (its seeded
-    generator, consumed in its order): single-turn requests of --max-tokens each. Its
-    second turns carry the model's own answers and are left out."""
-    from kvpool.workload.arrivals import poisson_arrivals
-    from kvpool.workload.live import live_chat
-    from kvpool.workload.sessions import Session, Turn, Workload
-
-    rng = random.Random(args.seed)
-    made = live_chat(loaded.tokenizer.encode_chat, args.requests, args.num_long, rng)
-    prompts = made.first_prompts + made.long_prompts
-    arrivals = poisson_arrivals(len(prompts), args.rate, rng)
-    sessions = tuple(
-        Session(f"req{i}", t, (Turn(tuple(p), args.max_tokens),))
-        for i, (t, p) in enumerate(zip(arrivals, prompts, strict=True))
-    )
-    params = {"requests": args.requests, "num_long": args.num_long, "max_tokens": args.max_tokens, "rate": args.rate}
-    return Workload("kvpool-run-first-turns", sessions, loaded.model.config.vocab_size, params)
-
-
-def _run_engine(loaded, workload) -> dict:
-    """The real engine on the wall clock: each request added when its arrival time comes."""
-    from kvpool.engine.build import build_engine
-    from kvpool.engine.sampling import SamplingParams
-    from kvpool.workload.metrics import percentile
-
-    engine = build_engine(loaded, **ENGINE)
-    vocab = workload.vocab_size
-    pending = sorted(workload.sessions, key=lambda s: s.start_s)
-    start = time.perf_counter()
-    ids = []
-    while pending or engine.has_unfinished():
-        now = time.perf_counter() - start
-        while pending and pending[0].start_s <= now:
-            s = pending.pop(0)
-            params = SamplingParams(max_tokens=s.turns[0].output_len, ignore_eos=True, seed=len(ids))
-            ids.append(engine.add_request(s.prompt_ids(0, vocab), params, s.request_id(0), start + s.start_s))
-        if not engine.has_unfinished():
-            time.sleep(max(0.0, pending[0].start_s - (time.perf_counter() - start)))
-            continue
-        engine.step()
-    span = time.perf_counter() - start
-    outs = [engine.output(i) for i in ids]
-    tpots = [o.tpot_s * 1e3 for o in outs if o.tpot_s is not None]
-    ttfts = [o.ttft_s * 1e3 for o in outs if o.ttft_s is not None]
-    generated = sum(len(o.completions[0].token_ids) for o in outs)
-    return {
-        "tpot_ms_p50": round(percentile(tpots, 0.5), 2),
-        "tpot_ms_mean": round(sum(tpots) / len(tpots), 2) if tpots else 0.0,
-        "ttft_ms_p50": round(percentile(ttfts, 0.5), 2),
-        "throughput_tok_s": round(generated / span, 2),
-        "num_steps": engine.num_steps,
-        "prefix_hit_tokens": int(engine.runner.cache_stats()["prefix_hit_tokens"]),
-    }
-
-
-def _run_sim(model, workload, cost) -> dict:
-    from kvpool.sim.simulator import SimConfig, simulate
-
-    config = SimConfig(
-        layout="paged",
-        block_size=ENGINE["block_size"],
-        max_num_seqs=ENGINE["max_num_seqs"],
-        max_num_batched_tokens=ENGINE["max_num_batched_tokens"],
-        max_model_len=ENGINE["num_blocks"] * ENGINE["block_size"],
-        num_blocks=ENGINE["num_blocks"],  # the engine's pool, not the planner's for the whole machine
-        kv_dtype="fp32",
-    )
-    report = simulate(model, cost.gpu, workload, config, cost)
-    tpots = report["_series"]["tpot_ms"]
-    return {
-        "tpot_ms_p50": report["tpot_ms_p50"],
-        "tpot_ms_mean": round(sum(tpots) / len(tpots), 2) if tpots else 0.0,
-        "ttft_ms_p50": report["ttft_ms_p50"],
-        "throughput_tok_s": report["throughput_tok_s"],
-        "num_steps": report["num_steps"],
-        "prefix_hit_tokens": report["prefix_hit_tokens"],
-    }
-
-
-_TIMES = ("decode_1_s", "decode_b_s", "prefill_s", "prefill_small_s")
-
-
-def _ratios(predicted: dict, measured: dict) -> dict:
-    return {k: round(predicted[k] / measured[k], 3) for k in measured if measured[k]}
-
-
 def run(args: argparse.Namespace) -> int:
-    from dataclasses import asdict
-
     from kvpool.engine.build import load_model
-    from kvpool.sim.calibrate import EngineStepTimes, fit_engine, time_engine_steps
-    from kvpool.sim.cost import CostModel, cpu_preset
-    from kvpool.spec.models import load_preset
 
     loaded = load_model(device="cpu")
-    model, gpu = load_preset("smollm2-135m"), cpu_preset()
-    workload = _workload(args, loaded)
-    # The fit's steps are timed now, before and after the run (the VM's speed drifts), on
-    # other steps than the workload's; the model is fitted to their mean.
-    before = time_engine_steps(loaded, ENGINE, seed=args.seed)
-    measured = _run_engine(loaded, workload)
-    after = time_engine_steps(loaded, ENGINE, seed=args.seed + 1)
+    workload = first_turns(loaded, args.requests, args.num_long, args.max_tokens, args.rate, args.seed)
     try:
-        fit = fit_engine(EngineStepTimes.mean(before, after))
-    except RuntimeError as error:  # a busy machine: one line, no traceback
+        result = measure(loaded, workload, args.seed)
+    except FitFailed as error:  # a busy machine: one line, no traceback
         print(f"kvpool bench sim: {error}", file=sys.stderr)
         return 1
-    preset = _run_sim(model, workload, CostModel(model, gpu))
-    fitted = _run_sim(model, workload, fit.cost_model(model, gpu))
-    report = {"requests": args.requests, "max_tokens": args.max_tokens, "rate": args.rate}
-    report |= {
-        "fit": {
-            k: round(v, 6) if isinstance(v, float) else v
-            for k, v in (asdict(fit.times) | {k: v for k, v in asdict(fit).items() if k != "times"}).items()
-        },
-        "fit_times_before_after_s": {k: [round(getattr(t, k), 6) for t in (before, after)] for k in _TIMES},
-        "measured": measured,
-        "predicted_preset": preset,
-        "predicted_fit": fitted,
-        "preset_over_measured": _ratios(preset, measured),
-        "fit_over_measured": _ratios(fitted, measured),
-    }
+    report = {"requests": args.requests, "max_tokens": args.max_tokens, "rate": args.rate} | result
     if args.json:
         print(json.dumps(report))
         return 0
     from rich.console import Console
     from rich.table import Table
 
+    measured, preset, fitted = report["measured"], report["predicted_preset"], report["predicted_fit"]
     console = Console()
     table = Table(title=f"kvpool bench sim: {args.requests} chat requests on SmolLM2-135M, engine vs cpu cost model")
     columns = ("metric", "engine (measured)", "preset defaults", "/ measured", "fitted now", "/ measured")
@@ -183,15 +54,13 @@ def run(args: argparse.Namespace) -> int:
             str(report["fit_over_measured"].get(key, "")),
         )
     console.print(table)
-    t = fit.times
-    ms = {k: f"{getattr(t, k) * 1e3:.1f}" for k in _TIMES} | {
-        k: f"{getattr(fit, k) * 1e3:.1f}" for k in ("step_overhead_s", "seq_overhead_s")
-    }
+    fit = report["fit"]  # the step times and the fitted figures, flat
+    ms = {k: f"{fit[k] * 1e3:.1f}" for k in (*TIMES, "step_overhead_s", "seq_overhead_s")}
     console.print(
-        f"fitted on the engine's own steps, the mean of before and after the run: decodes of 1 and {t.batch} "
-        f"sequences {ms['decode_1_s']} and {ms['decode_b_s']} ms, fresh prefills of {t.prefill_tokens} and "
-        f"{t.prefill_small_tokens} tokens {ms['prefill_s']} and {ms['prefill_small_s']} ms -> compute "
-        f"{fit.compute_efficiency:.3f}, bandwidth {fit.bandwidth_efficiency:.3f}, {ms['step_overhead_s']} ms a step "
-        f"+ {ms['seq_overhead_s']} ms a sequence + {fit.prefill_chunk_overhead_s * 1e3:.1f} ms a prefill chunk"
+        f"fitted on the engine's own steps, the mean of before and after the run: decodes of 1 and {fit['batch']} "
+        f"sequences {ms['decode_1_s']} and {ms['decode_b_s']} ms, fresh prefills of {fit['prefill_tokens']} and "
+        f"{fit['prefill_small_tokens']} tokens {ms['prefill_s']} and {ms['prefill_small_s']} ms -> compute "
+        f"{fit['compute_efficiency']:.3f}, bandwidth {fit['bandwidth_efficiency']:.3f}, {ms['step_overhead_s']} ms a "
+        f"step + {ms['seq_overhead_s']} ms a sequence + {fit['prefill_chunk_overhead_s'] * 1e3:.1f} ms a prefill chunk"
     )
     return 0

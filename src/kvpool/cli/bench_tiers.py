@@ -1,37 +1,13 @@
-"""`kvpool bench tiers`: a cached prefix served from each tier below the device pool, on
-this machine.
-
-SmolLM2-135M (fp32), a --prefix-len-token prefix of random ids followed by a fresh
---suffix-len-token question each repeat, answered with one token; TTFT from arrival:
-  - device:    the prefix was computed once in a pool large enough to keep it;
-  - host:      a pool of about one request with a host tier; a filler prompt as long as the
-               pool pushes the prefix out into the host tier before each repeat;
-  - disk:      a fresh engine (an empty pool, as a new process) on a disk cache that an earlier
-               engine wrote the prefix into; each entry file is dropped from the OS page cache
-               before each repeat (posix_fadvise DONTNEED), so the blocks come off the disk;
-  - redis:     a fresh engine on a Redis tier that an earlier engine wrote into (--redis URL,
-               else a private redis-server started on 127.0.0.1 for the run);
-  - recompute: no prefix cache: the whole prompt is computed.
-Write throughput of the disk and Redis tiers: the bytes the background writers stored over
-the time they took (encode, checksum, write, fsync and rename, or the Redis round trips).
-
-DeepSeek-V4 (tiny-dsv4, fp32), a --v4-prefix-len-token prefix through the disk tier with
-each SWA strategy (tiers/swa.py): the bytes written per cached token (compressed entries +
-window snapshots), then a fresh engine's TTFT and its state restore (snapshots read, tokens
-recomputed, milliseconds), against recomputing the whole prompt.
-"""
+"""`kvpool bench tiers`: a cached prefix served from each tier below the device pool (host,
+disk, Redis) against recompute, the tiers' write throughput, and tiny-dsv4's SWA strategies
+through the disk tier (kvpool/bench/tiers.py says what each case is and how it is timed)."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import random
-import statistics
-import tempfile
-from pathlib import Path
 
+from kvpool.bench.tiers import measure
 from kvpool.cli.args import positive_int
 
 
@@ -49,201 +25,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
-def _serve(engine, prompt: list[int]):
-    from kvpool.engine.sampling import SamplingParams
-
-    rid = engine.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
-    return engine.pop_output(rid)
-
-
-def _drop_page_cache(root: Path) -> None:
-    """Ask the kernel to forget the cached pages of every entry file (clean pages go)."""
-    for path in root.rglob("*.safetensors"):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def _case(ttfts: list[float], cached: list[int], **extra) -> dict:
-    return {
-        "ttft_ms_p50": round(statistics.median(ttfts), 1),
-        "ttft_ms": [round(t, 1) for t in ttfts],
-        "cached_tokens": cached,
-        **extra,
-    }
-
-
-def _throughput(stats) -> float | None:
-    return round(stats.num_put_bytes / stats.put_s / 1e6, 1) if stats.put_s > 0 else None
-
-
-def _llama_cases(args, workdir: Path, redis_url: str | None) -> tuple[dict, dict]:
-    from kvpool.engine.build import build_engine, cache_spec_for, load_model
-
-    loaded = load_model(device="cpu")
-    rng = random.Random(args.seed)
-
-    def ids(n: int) -> list[int]:
-        return [rng.randrange(100, 49000) for _ in range(n)]
-
-    prefix = ids(args.prefix_len)
-    bs = args.block_size
-    request_blocks = -(-(args.prefix_len + args.suffix_len + 1) // bs)
-    small = request_blocks + 2
-    cases: dict[str, dict] = {}
-    writes: dict[str, dict] = {}
-
-    # device, host and recompute: one engine each, repeats on it
-    for name in ("device", "host", "recompute"):
-        engine = build_engine(
-            loaded,
-            num_blocks=4 * request_blocks if name == "device" else small,
-            block_size=bs,
-            enable_prefix_caching=name != "recompute",
-            host_cache_bytes=2 * request_blocks * int(cache_spec_for(loaded, bs).bytes_per_block)
-            if name == "host"
-            else None,
-        )
-        _serve(engine, prefix + ids(args.suffix_len))
-        ttfts, cached = [], []
-        for _ in range(args.repeats):
-            if name == "host":
-                _serve(engine, ids((small - 1) * bs))  # pushes the prefix out to the host tier
-            out = _serve(engine, prefix + ids(args.suffix_len))
-            ttfts.append(out.ttft_s * 1e3)
-            cached.append(out.num_cached_tokens)
-        extra = {}
-        if name == "host":
-            moves = engine.runner.tier_moves
-            extra = {
-                "blocks_loaded_per_request": moves.num_loaded // args.repeats,
-                "load_ms_per_request": round(moves.load_s * 1e3 / args.repeats, 2),
-            }
-        cases[name] = _case(ttfts, cached, **extra)
-
-    # disk and Redis: written by one engine, read by a fresh engine each repeat
-    persistent = {"disk": {"disk_cache": workdir / "disk"}}
-    if redis_url is not None:
-        persistent["redis"] = {"redis_url": redis_url}
-    for name, options in persistent.items():
-        writer = build_engine(loaded, num_blocks=4 * request_blocks, block_size=bs, **options)
-        _serve(writer, prefix + ids(args.suffix_len))
-        writer.runner.close()
-        stats = writer.runner.persistent_tiers[0].stats
-        writes[name] = {
-            "blocks": stats.num_puts,
-            "bytes": stats.num_put_bytes,
-            "write_s": round(stats.put_s, 3),
-            "write_mb_per_s": _throughput(stats),
-        }
-        ttfts, cached, load_ms = [], [], []
-        for _ in range(args.repeats):
-            if name == "disk":
-                _drop_page_cache(workdir / "disk")
-            reader = build_engine(loaded, num_blocks=4 * request_blocks, block_size=bs, **options)
-            out = _serve(reader, prefix + ids(args.suffix_len))
-            ttfts.append(out.ttft_s * 1e3)
-            cached.append(out.num_cached_tokens)
-            load_ms.append(reader.runner.tier_moves.load_s * 1e3)
-            reader.runner.close()
-        cases[name] = _case(ttfts, cached, load_ms_per_request=round(statistics.median(load_ms), 2))
-    return cases, writes
-
-
-def _v4_cases(args, workdir: Path) -> dict:
-    import torch
-
-    from kvpool.engine.dsv4_runner import build_tiny_dsv4_engine
-    from kvpool.models.tiny_dsv4 import TINY_DSV4_CONFIG
-    from kvpool.spec.dsv4 import DSV4Spec
-    from kvpool.tiers.swa import SWAStrategy
-
-    rng = random.Random(args.seed + 1)
-    vocab = TINY_DSV4_CONFIG["vocab_size"]
-    prefix = [rng.randrange(vocab) for _ in range(args.v4_prefix_len)]
-    span = DSV4Spec.from_config(TINY_DSV4_CONFIG).span
-    num_blocks = -(-(args.v4_prefix_len + 64) // span) + 4
-    strategies = {
-        "recompute": None,
-        "full": SWAStrategy("full"),
-        f"periodic {args.swa_period}": SWAStrategy("periodic", args.swa_period),
-        "zero": SWAStrategy("zero"),
-    }
-    rows: dict[str, dict] = {}
-    for name, strategy in strategies.items():
-        directory = workdir / f"v4-{name.split()[0]}"
-        options = {} if strategy is None else {"disk_cache": directory, "swa": strategy}
-        written = None
-        if strategy is not None:
-            writer = build_tiny_dsv4_engine(num_classical_blocks=num_blocks, **options)
-            _serve(writer, prefix + [rng.randrange(vocab) for _ in range(16)])
-            writer.runner.close()
-            written = writer.runner.tier_reports()["swa"]
-        ttfts, restore_ms, swa = [], [], {}
-        for _ in range(args.repeats):
-            if strategy is not None:
-                _drop_page_cache(directory)
-            reader = build_tiny_dsv4_engine(num_classical_blocks=num_blocks, **options)
-            with torch.inference_mode():
-                out = _serve(reader, prefix + [rng.randrange(vocab) for _ in range(16)])
-            ttfts.append(out.ttft_s * 1e3)
-            if strategy is not None:
-                swa = reader.runner.tier_reports()["swa"]
-                restore_ms.append(swa["snapshot_load_ms"] + swa["replay_ms"])
-                reader.runner.close()
-        row = {"ttft_ms_p50": round(statistics.median(ttfts), 1), "cached_tokens": out.num_cached_tokens}
-        if written is not None:
-            row |= {
-                "bytes_per_cached_token": written["bytes_per_cached_token"],
-                "entry_bytes": written["block_bytes_persisted"],
-                "snapshot_bytes": written["snapshot_bytes_persisted"],
-                "snapshots_read": swa["snapshots_loaded"],
-                "tokens_recomputed": swa["replayed_tokens"],
-                "restore_ms_p50": round(statistics.median(restore_ms), 1),
-            }
-        rows[name] = row
-    return rows
-
-
 def run(args: argparse.Namespace) -> int:
-    if args.prefix_len % args.block_size:
-        raise ValueError(f"--prefix-len {args.prefix_len} is not a multiple of --block-size {args.block_size}")
-    from kvpool.models.tiny_dsv4 import TINY_DSV4_CONFIG
-    from kvpool.spec.dsv4 import DSV4Spec
-    from kvpool.tiers.swa import SWAStrategy
-
-    SWAStrategy("periodic", args.swa_period).check(DSV4Spec.from_config(TINY_DSV4_CONFIG).span)
-    if args.redis is not None:
-        from kvpool.tiers.redis_tier import check_url
-
-        check_url(args.redis)
-    with tempfile.TemporaryDirectory(prefix="kvpool-bench-tiers-") as tmp, contextlib.ExitStack() as stack:
-        workdir = Path(tmp)
-        redis_url, redis_note = args.redis, "given"
-        if redis_url is None:
-            from kvpool.tiers.redis_server import LocalRedisServer
-
-            try:
-                redis_url = stack.enter_context(LocalRedisServer(workdir)).url
-                redis_note = "a private redis-server on 127.0.0.1"
-            except RuntimeError as e:
-                redis_note = f"skipped: {e}"
-        cases, writes = _llama_cases(args, workdir, redis_url)
-        v4 = _v4_cases(args, workdir)
-    report = {
-        "prefix_len": args.prefix_len,
-        "suffix_len": args.suffix_len,
-        "block_size": args.block_size,
-        "redis": redis_note,
-        "cases": cases,
-        "writes": writes,
-        "v4_prefix_len": args.v4_prefix_len,
-        "v4_swa": v4,
-    }
+    report = measure(
+        prefix_len=args.prefix_len,
+        suffix_len=args.suffix_len,
+        repeats=args.repeats,
+        block_size=args.block_size,
+        v4_prefix_len=args.v4_prefix_len,
+        swa_period=args.swa_period,
+        redis=args.redis,
+        seed=args.seed,
+    )
     if args.json:
         print(json.dumps(report))
         return 0
@@ -254,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     table = Table(title=f"SmolLM2-135M: TTFT of a {args.prefix_len}-token prefix + {args.suffix_len} new tokens")
     for column in ("case", "TTFT p50 (ms)", "cached tokens", "load (ms)"):
         table.add_column(column, justify="right")
-    for name, case in cases.items():
+    for name, case in report["cases"].items():
         table.add_row(
             name, str(case["ttft_ms_p50"]), str(case["cached_tokens"][-1]), str(case.get("load_ms_per_request", ""))
         )
@@ -262,13 +54,13 @@ def run(args: argparse.Namespace) -> int:
     table = Table(title="writes through the background writers")
     for column in ("tier", "blocks", "MiB", "seconds", "MB/s"):
         table.add_column(column, justify="right")
-    for name, w in writes.items():
+    for name, w in report["writes"].items():
         table.add_row(name, str(w["blocks"]), f"{w['bytes'] / 2**20:.1f}", str(w["write_s"]), str(w["write_mb_per_s"]))
     console.print(table)
     table = Table(title=f"tiny-dsv4 through the disk tier: a {args.v4_prefix_len}-token prefix, by SWA strategy")
     for column in ("strategy", "B / cached token", "snapshots read", "tokens recomputed", "restore (ms)", "TTFT (ms)"):
         table.add_column(column, justify="right")
-    for name, row in v4.items():
+    for name, row in report["v4_swa"].items():
         table.add_row(
             name,
             str(row.get("bytes_per_cached_token", "")),
@@ -278,6 +70,6 @@ def run(args: argparse.Namespace) -> int:
             str(row["ttft_ms_p50"]),
         )
     console.print(table)
-    if redis_note.startswith("skipped"):
-        console.print(f"redis: {redis_note}")
+    if report["redis"].startswith("skipped"):
+        console.print(f"redis: {report['redis']}")
     return 0
