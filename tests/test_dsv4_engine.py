@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpool.engine.dsv4_runner import DSV4EngineRunner, build_tiny_dsv4_engine
+from kvpool.engine.build import build_engine
+from kvpool.engine.dsv4_runner import DSV4EngineRunner
 from kvpool.engine.engine import Engine
 from kvpool.engine.runner import ScheduledChunk
 from kvpool.engine.sampling import SamplingParams
@@ -39,7 +40,7 @@ def _assert_greedy_matches_oracle(model: TinyDSV4, prompt: list[int], output: li
 
 @pytest.mark.parametrize("restore", ["recompute", "checkpoint"])
 def test_generate_greedy_equals_oracle(restore: str) -> None:
-    engine = build_tiny_dsv4_engine(max_num_batched_tokens=64, restore=restore)  # chunked prefill
+    engine = build_engine(TinyDSV4(), max_num_batched_tokens=64, restore=restore)  # chunked prefill
     assert isinstance(engine, Engine)
     prompts = _prompts()
     outs = engine.generate(prompts, SamplingParams(max_tokens=12))
@@ -70,7 +71,7 @@ def test_preemption_under_a_small_classical_pool() -> None:
 
 
 def test_parallel_samples_fork_the_state() -> None:
-    engine = build_tiny_dsv4_engine()
+    engine = build_engine(TinyDSV4())
     prompt = _prompts()[1]
     (out,) = engine.generate([prompt], SamplingParams(max_tokens=5, n=2, temperature=0.0))
     a, b = (c.token_ids for c in out.completions)

@@ -136,8 +136,8 @@ def _v4_cases(v4_prefix_len: int, swa_period: int, repeats: int, seed: int, work
     """tiny-dsv4 through the disk tier: one row per SWA strategy (and recompute)."""
     import torch
 
-    from kvpool.engine.dsv4_runner import build_tiny_dsv4_engine
-    from kvpool.models.tiny_dsv4 import TINY_DSV4_CONFIG
+    from kvpool.engine.build import build_engine
+    from kvpool.models.tiny_dsv4 import TINY_DSV4_CONFIG, TinyDSV4
     from kvpool.spec.dsv4 import DSV4Spec
     from kvpool.tiers.swa import SWAStrategy
 
@@ -158,7 +158,7 @@ def _v4_cases(v4_prefix_len: int, swa_period: int, repeats: int, seed: int, work
         options = {} if strategy is None else {"disk_cache": directory, "swa": strategy}
         written = None
         if strategy is not None:
-            writer = build_tiny_dsv4_engine(num_classical_blocks=num_blocks, **options)
+            writer = build_engine(TinyDSV4(), num_blocks=num_blocks, **options)
             serve_one(writer, prefix + [rng.randrange(vocab) for _ in range(16)])
             writer.runner.close()
             written = writer.runner.tier_reports()["swa"]
@@ -166,7 +166,7 @@ def _v4_cases(v4_prefix_len: int, swa_period: int, repeats: int, seed: int, work
         for _ in range(repeats):
             if strategy is not None:
                 _drop_page_cache(directory)
-            reader = build_tiny_dsv4_engine(num_classical_blocks=num_blocks, **options)
+            reader = build_engine(TinyDSV4(), num_blocks=num_blocks, **options)
             with torch.inference_mode():
                 out = serve_one(reader, prefix + [rng.randrange(vocab) for _ in range(16)])
             ttfts.append(out.ttft_s * 1e3)

@@ -38,9 +38,9 @@ def run(args: argparse.Namespace, tiers: dict[str, object] | None = None) -> int
     """ValueError (one line from `kvpool generate`) for a caller's mistake: no --no-chat,
     a prompt that is not token ids, or a prompt + --max-tokens beyond the context.
     tiers: the persistent tiers' options (cli.args.persistent_cache_options)."""
-    from kvpool.engine.dsv4_runner import build_tiny_dsv4_engine
+    from kvpool.engine.build import build_engine
     from kvpool.engine.sampling import SamplingParams
-    from kvpool.models.tiny_dsv4 import TINY_DSV4_CONFIG
+    from kvpool.models.tiny_dsv4 import TINY_DSV4_CONFIG, TinyDSV4
 
     if not args.no_chat:
         raise ValueError(f"{MODEL_NAME} has no tokenizer or chat template: pass --no-chat and token ids")
@@ -50,8 +50,9 @@ def run(args: argparse.Namespace, tiers: dict[str, object] | None = None) -> int
     )
     start = time.perf_counter()
     num_blocks = args.num_blocks or DSV4_DEFAULT_BLOCKS
-    engine = build_tiny_dsv4_engine(
-        num_classical_blocks=num_blocks,
+    engine = build_engine(
+        TinyDSV4(),
+        num_blocks=num_blocks,
         hot_set_entries=getattr(args, "hisparse", None),
         host_cache_bytes=host_cache_bytes(args),
         **(tiers or {}),

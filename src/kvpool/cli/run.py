@@ -169,38 +169,22 @@ def build(args: argparse.Namespace):
     if args.tp > 1 and getattr(args, "preemption", "recompute") == "auto":
         raise ValueError("--preemption auto decides by each process's timings; with --tp use recompute or swap")
     if args.model == TINY_MODEL:
-        from kvpool.engine.dsv4_runner import DSV4EngineRunner
-        from kvpool.engine.engine import Engine
+        from kvpool.engine.build import build_engine
         from kvpool.models.tiny_dsv4 import TinyDSV4
-        from kvpool.storage.dsv4 import DSV4Pools
 
         model = TinyDSV4(seed=args.seed)
-        layout = v4_kv_format(args)  # the classical pool's entry and indexer-key formats
-        num_blocks = args.num_blocks
-        if num_blocks is None:
-            block_bytes = DSV4Pools(
-                model.spec, 1, 1, entry_format=layout["kv_format"], indexer_format=layout["indexer_format"]
-            ).classical_block_bytes()
-            num_blocks = parse_bytes(args.kv_memory or "16MiB") // block_bytes
-            if num_blocks <= 0:
-                raise ValueError(f"--kv-memory {args.kv_memory} holds no classical block of {block_bytes} bytes")
-        from kvpool.tiers import DEFAULT_DISK_CACHE_BYTES, HostTier, open_persistent_tiers
-
-        tier_bytes = host_cache_bytes(args)
-        tiers = persistent_cache_options(args)
-        runner = DSV4EngineRunner(
+        engine = build_engine(
             model,
-            num_blocks,
-            args.max_seqs,
+            num_blocks=args.num_blocks,
+            kv_memory_bytes=parse_bytes(args.kv_memory or "16MiB"),  # classical blocks: the state blocks on top
+            num_state_blocks=args.max_seqs,
+            max_num_batched_tokens=args.max_batch_tokens,
+            max_num_seqs=args.max_seqs,
             hot_set_entries=getattr(args, "hisparse", None),
-            host_tier=HostTier(tier_bytes) if tier_bytes is not None else None,
-            persistent_tiers=open_persistent_tiers(
-                tiers["disk_cache"], tiers.get("disk_cache_bytes", DEFAULT_DISK_CACHE_BYTES), tiers["redis_url"]
-            ),
-            swa=tiers.get("swa"),
-            **layout,
+            host_cache_bytes=host_cache_bytes(args),
+            **persistent_cache_options(args),
+            **v4_kv_format(args),
         )
-        engine = Engine(runner, max_num_batched_tokens=args.max_batch_tokens, max_num_seqs=args.max_seqs)
         return (
             engine,
             lambda rng: live_token_ids(model.vocab_size, args.num_requests, args.num_long, rng),
@@ -227,17 +211,16 @@ def build(args: argparse.Namespace):
 
 
 def llama_engine(loaded, args: argparse.Namespace, kv_memory_bytes: int):
-    """The engine over a loaded GGUF from the flags `kvpool run` and `kvpool serve` share:
-    --num-blocks (else what `kv_memory_bytes` holds), --block-size, --max-batch-tokens,
-    --max-seqs, --host-cache-gib, --preemption, --disk-cache, --disk-cache-gib, --redis."""
-    from kvpool.engine.build import build_engine, num_blocks_for_memory
+    """The engine over a loaded GGUF (engine/build.py `build_engine`) from the flags `kvpool
+    run` and `kvpool serve` share: --num-blocks (else what `kv_memory_bytes` holds),
+    --block-size, --max-batch-tokens, --max-seqs, --host-cache-gib, --preemption, --kv-dtype,
+    --disk-cache, --disk-cache-gib, --redis."""
+    from kvpool.engine.build import build_engine
 
     return build_engine(
         loaded,
-        num_blocks=args.num_blocks
-        or num_blocks_for_memory(
-            loaded, args.block_size, kv_memory_bytes, getattr(args, "kv_dtype", None), args.max_seqs
-        ),
+        num_blocks=args.num_blocks,
+        kv_memory_bytes=kv_memory_bytes,
         block_size=args.block_size,
         max_num_batched_tokens=args.max_batch_tokens,
         max_num_seqs=args.max_seqs,

@@ -1,4 +1,8 @@
-"""Assemble an engine for a Llama GGUF: weights, tokenizer, paged cache, runner."""
+"""The one engine builder: `build_engine(model, **options)` assembles the runner (cache,
+storage, attention backend, tiers) and the engine for a Llama GGUF (`load_model`: weights,
+tokenizer, digest), the tiny V4 model or a tiny hybrid model, through the plain dict
+`ENGINE_BUILDERS` keyed by the model's type. `kvpool run`, `generate`, `serve`, the
+verify programs and the benchmarks all build their engines here."""
 
 from __future__ import annotations
 
@@ -6,23 +10,31 @@ import dataclasses
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import xxhash
 
 from kvpool.cache import CacheDescriptor
+from kvpool.cache.dsv4 import RestoreMethod
+from kvpool.engine.dsv4_runner import DSV4EngineRunner
 from kvpool.engine.engine import Engine
+from kvpool.engine.hybrid_runner import HybridRunner
 from kvpool.engine.llama_runner import LlamaRunner, kv_format_for
 from kvpool.engine.memory import check_fits, rss_bytes
 from kvpool.kernels import cpu_kernels
 from kvpool.models import weight_cache
 from kvpool.models.gguf import GGUFModel, check_gguf_file, default_gguf_path, file_digest, load_gguf
 from kvpool.models.llama import LlamaModel
+from kvpool.models.tiny_dsv4 import TinyDSV4
+from kvpool.models.tiny_hybrid import TinyHybrid
 from kvpool.models.tokenizer import ChatTokenizer, build_tokenizer
 from kvpool.spec.layout import CacheSpec
+from kvpool.storage.dsv4 import DSV4Pools
 from kvpool.storage.kv import PagedKVStorage, QuantizedKVStorage
 from kvpool.tiers import DEFAULT_DISK_CACHE_BYTES
+from kvpool.tiers.swa import SWAStrategy
 
 
 @dataclass
@@ -159,10 +171,19 @@ def num_blocks_for_memory(
     return int(num_blocks)
 
 
-def build_engine(
+def _tiers(host_cache_bytes: int | None, disk_cache, disk_cache_bytes: int, redis_url: str | None):
+    """(host tier or None, the persistent tiers) from the byte and location options."""
+    from kvpool.tiers import HostTier, open_persistent_tiers
+
+    host = HostTier(host_cache_bytes) if host_cache_bytes is not None else None
+    return host, open_persistent_tiers(disk_cache, disk_cache_bytes, redis_url)
+
+
+def _llama_engine(
     loaded: LoadedModel,
     *,
-    num_blocks: int = 1024,
+    num_blocks: int | None = None,
+    kv_memory_bytes: int | None = None,
     block_size: int = 16,
     max_num_batched_tokens: int = 512,
     max_num_seqs: int = 64,
@@ -174,31 +195,26 @@ def build_engine(
     disk_cache_bytes: int = DEFAULT_DISK_CACHE_BYTES,
     redis_url: str | None = None,
     kv_format: str | None = None,
+    decode_path: str | None = None,
 ) -> Engine:
-    """host_cache_bytes: a host-memory tier of that many bytes below the device pool
-    (kvpool.tiers.HostTier); None: none. preemption: "recompute", "swap" or "auto"
-    (LlamaRunner; swap and auto need the host tier). disk_cache: a crash-safe disk tier in
-    that directory, LRU under disk_cache_bytes (kvpool.tiers.DiskTier); redis_url: a
-    shared Redis tier (kvpool.tiers.redis_tier.RedisTier). Lookups go host -> disk -> Redis.
-    kv_format: the KV cache's storage format (kvpool.storage.quant; None: the model's dtype)."""
+    if num_blocks is None:
+        num_blocks = (
+            1024
+            if kv_memory_bytes is None
+            else num_blocks_for_memory(loaded, block_size, kv_memory_bytes, kv_format, max_num_seqs)
+        )
     pool_bytes = num_blocks * bytes_per_block(loaded, block_size, kv_format)
     where = f"the KV pool of {num_blocks} blocks of {block_size} tokens"
     check_fits(pool_bytes, loaded.model.device, where, "lower --kv-memory or --num-blocks")
-    tier = None
-    if host_cache_bytes is not None:
-        from kvpool.tiers import HostTier
-
-        tier = HostTier(host_cache_bytes)
-    from kvpool.tiers import open_persistent_tiers
-
-    persistent = open_persistent_tiers(disk_cache, disk_cache_bytes, redis_url)
+    host, persistent = _tiers(host_cache_bytes, disk_cache, disk_cache_bytes, redis_url)
     runner = LlamaRunner(
         loaded.model,
         num_blocks,
         block_size,
         descriptor_for(loaded, block_size, kv_format),
         enable_prefix_caching=enable_prefix_caching,
-        host_tier=tier,
+        decode_path=decode_path,
+        host_tier=host,
         preemption=preemption,
         persistent_tiers=persistent,
         kv_format=kv_format,
@@ -216,3 +232,111 @@ def build_engine(
         decode_text=tok.decode,
         record_logits=record_logits,
     )
+
+
+def _dsv4_engine(
+    model: TinyDSV4,
+    *,
+    num_blocks: int | None = None,
+    kv_memory_bytes: int | None = None,
+    num_state_blocks: int = 16,
+    max_num_batched_tokens: int = 512,
+    max_num_seqs: int = 16,
+    restore: RestoreMethod = "recompute",
+    enable_prefix_caching: bool = True,
+    record_logits: bool = False,
+    hot_set_entries: int | None = None,
+    host_cache_bytes: int | None = None,
+    disk_cache: str | os.PathLike | None = None,
+    disk_cache_bytes: int = DEFAULT_DISK_CACHE_BYTES,
+    redis_url: str | None = None,
+    swa: SWAStrategy | None = None,
+    kv_format: str | None = None,
+    indexer_format: str = "fp8",
+) -> Engine:
+    kv_format = kv_format or "exact"
+    if num_blocks is None:
+        num_blocks = 64
+        if kv_memory_bytes is not None:  # classical blocks only: the state blocks come on top
+            pools = DSV4Pools(model.spec, 1, 1, entry_format=kv_format, indexer_format=indexer_format)
+            block_bytes = pools.classical_block_bytes()
+            num_blocks = kv_memory_bytes // block_bytes
+            if num_blocks <= 0:
+                raise ValueError(
+                    f"KV memory of {kv_memory_bytes} bytes holds no classical block of {block_bytes} bytes"
+                )
+    host, persistent = _tiers(host_cache_bytes, disk_cache, disk_cache_bytes, redis_url)
+    runner = DSV4EngineRunner(
+        model,
+        num_blocks,
+        max(num_state_blocks, max_num_seqs),
+        restore=restore,
+        num_checkpoints=8 if restore == "checkpoint" else 0,
+        enable_prefix_caching=enable_prefix_caching,
+        hot_set_entries=hot_set_entries,
+        host_tier=host,
+        persistent_tiers=persistent,
+        swa=swa,
+        kv_format=kv_format,
+        indexer_format=indexer_format,
+    )
+    return Engine(
+        runner, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, record_logits=record_logits
+    )
+
+
+def _hybrid_engine(
+    model: TinyHybrid,
+    *,
+    num_blocks: int | None = None,
+    num_slots: int = 16,
+    block_size: int = 8,
+    checkpoint_interval: int = 16,
+    max_num_batched_tokens: int = 512,
+    max_num_seqs: int = 16,
+    enable_prefix_caching: bool = True,
+    record_logits: bool = False,
+) -> Engine:
+    runner = HybridRunner(
+        model,
+        64 if num_blocks is None else num_blocks,
+        num_slots,
+        block_size=block_size,
+        checkpoint_interval=checkpoint_interval,
+        enable_prefix_caching=enable_prefix_caching,
+    )
+    return Engine(
+        runner, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, record_logits=record_logits
+    )
+
+
+# the model's type -> the part of the builder that makes its runner and engine
+ENGINE_BUILDERS: dict[type, Callable[..., Engine]] = {
+    LoadedModel: _llama_engine,
+    TinyDSV4: _dsv4_engine,
+    TinyHybrid: _hybrid_engine,
+}
+
+
+def build_engine(model: LoadedModel | TinyDSV4 | TinyHybrid, **options) -> Engine:
+    """The one engine builder (`kvpool run`, `generate`, `serve`, the verify programs and the
+    benchmarks): the runner for the model's kind, its cache and tiers, the engine over it.
+
+    model: a loaded Llama GGUF (`load_model`), the tiny V4 model, or a tiny hybrid model.
+    Options every model takes: num_blocks (the KV blocks; V4: classical blocks),
+    max_num_batched_tokens, max_num_seqs, enable_prefix_caching, record_logits. Llama and
+    V4: kv_memory_bytes (the blocks those bytes hold, when num_blocks is None),
+    host_cache_bytes (a host tier below the device pool, kvpool.tiers.HostTier),
+    disk_cache / disk_cache_bytes (a crash-safe disk tier, LRU under the limit), redis_url
+    (a shared Redis tier; lookups go host -> disk -> Redis), kv_format (the KV storage
+    format: kvpool.storage.quant's names for Llama, None: the model's dtype; "exact" or
+    "fp8" for V4). Llama: block_size, preemption ("recompute", "swap", "auto": LlamaRunner;
+    swap and auto need the host tier), decode_path (the attention backend's
+    implementation, attention/backends). V4: num_state_blocks, restore, hot_set_entries
+    (HiSparse), swa (tiers/swa.py), indexer_format. Hybrid: num_slots, block_size,
+    checkpoint_interval. An option the model's runner does not take is a TypeError naming it."""
+    builder = ENGINE_BUILDERS.get(type(model))
+    if builder is None:
+        kinds = ", ".join(t.__name__ for t in ENGINE_BUILDERS)
+        raise TypeError(f"no engine builder for a {type(model).__name__}; one of {kinds}")
+    return builder(model, **options)

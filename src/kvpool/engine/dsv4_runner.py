@@ -8,7 +8,6 @@ any sizes (prefill, chunked prefill, decode), append sampled tokens, release.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,13 +19,12 @@ from kvpool.attention.backends import select_backend
 from kvpool.attention.dsv4_paged import ChunkPlan
 from kvpool.cache import Admission, CacheDescriptor, CacheUsage, DSV4CacheManager, ReleaseReason, Reservation
 from kvpool.cache.dsv4 import RestoreMethod
-from kvpool.engine.engine import Engine
 from kvpool.engine.runner import ScheduledChunk
 from kvpool.engine.tier_bridge import TierBridge
 from kvpool.models.tiny_dsv4 import TinyDSV4
 from kvpool.spec.dsv4 import CSA_RATIO
 from kvpool.storage.dsv4 import DSV4Pools, V4EntryPool
-from kvpool.tiers import DEFAULT_DISK_CACHE_BYTES, BlockDescriptor, HostTier, Tier, TierStack, open_persistent_tiers
+from kvpool.tiers import BlockDescriptor, Tier, TierStack
 from kvpool.tiers.swa import SWAStrategy, snapshot_descriptor, snapshot_key
 
 
@@ -653,49 +651,6 @@ class DSV4EngineRunner:
             "hash_collisions": cache.pool.num_collisions,
             "replayed_tokens": self.runner.num_replayed_tokens,
         }
-
-
-def build_tiny_dsv4_engine(
-    *,
-    seed: int = 0,
-    num_classical_blocks: int = 64,
-    num_state_blocks: int = 16,
-    max_num_batched_tokens: int = 512,
-    max_num_seqs: int = 16,
-    restore: RestoreMethod = "recompute",
-    enable_prefix_caching: bool = True,
-    record_logits: bool = False,
-    hot_set_entries: int | None = None,
-    host_cache_bytes: int | None = None,
-    disk_cache: str | os.PathLike | None = None,
-    disk_cache_bytes: int = DEFAULT_DISK_CACHE_BYTES,
-    redis_url: str | None = None,
-    swa: SWAStrategy | None = None,
-    kv_format: str = "exact",
-    indexer_format: str = "fp8",
-) -> Engine:
-    """An Engine running the tiny V4 model (token ids in, token ids out; no tokenizer, no EOS).
-    kv_format / indexer_format: the classical pool's layout (DSV4PagedRunner).
-    hot_set_entries: HiSparse with a hot set of that many CSA entries per CSA layer.
-    host_cache_bytes: a host tier below the classical pool; disk_cache / redis_url: the
-    persistent tiers below it (kvpool.tiers), with the SWA strategy `swa` (tiers/swa.py)."""
-    runner = DSV4EngineRunner(
-        TinyDSV4(seed=seed),
-        num_classical_blocks,
-        max(num_state_blocks, max_num_seqs),
-        restore=restore,
-        num_checkpoints=8 if restore == "checkpoint" else 0,
-        enable_prefix_caching=enable_prefix_caching,
-        hot_set_entries=hot_set_entries,
-        host_tier=HostTier(host_cache_bytes) if host_cache_bytes is not None else None,
-        persistent_tiers=open_persistent_tiers(disk_cache, disk_cache_bytes, redis_url),
-        swa=swa,
-        kv_format=kv_format,
-        indexer_format=indexer_format,
-    )
-    return Engine(
-        runner, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, record_logits=record_logits
-    )
 
 
 def hisparse_report(pools: DSV4Pools, num_steps: int) -> dict[str, object] | None:

@@ -1,0 +1,57 @@
+"""The one engine builder (engine/build.py `build_engine`): the runner each model kind gets,
+its options, and an engine it builds serving tokens the model's oracle agrees with."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpool.engine.build import build_engine
+from kvpool.engine.dsv4_runner import DSV4EngineRunner
+from kvpool.engine.hybrid_runner import HybridRunner
+from kvpool.engine.sampling import SamplingParams
+from kvpool.models.tiny_dsv4 import TinyDSV4
+from kvpool.models.tiny_hybrid import TINY_RECURRENT, TinyHybrid
+from kvpool.storage.dsv4 import DSV4Pools
+
+
+def test_each_model_kind_gets_its_runner_and_options() -> None:
+    v4 = build_engine(TinyDSV4(), num_blocks=12, num_state_blocks=2, max_num_seqs=3, restore="checkpoint")
+    assert isinstance(v4.runner, DSV4EngineRunner)
+    assert v4.runner.cache.num_blocks == 12 and v4.runner.cache.num_state_blocks == 3  # a state per sequence
+    assert v4.max_num_seqs == 3
+    hybrid = build_engine(TinyHybrid(TINY_RECURRENT), num_blocks=20, block_size=4, num_slots=6)
+    assert isinstance(hybrid.runner, HybridRunner)
+    assert hybrid.runner.block_size == 4 and hybrid.runner.attention.recurrent.state.shape[0] == 6
+
+
+def test_kv_memory_sizes_the_v4_classical_pool() -> None:
+    model = TinyDSV4()
+    block_bytes = DSV4Pools(model.spec, 1, 1, entry_format="fp8").classical_block_bytes()
+    engine = build_engine(model, kv_memory_bytes=5 * block_bytes + block_bytes - 1, kv_format="fp8")
+    assert engine.runner.cache.num_blocks == 5
+    with pytest.raises(ValueError, match=f"holds no classical block of {block_bytes} bytes"):
+        build_engine(model, kv_memory_bytes=block_bytes - 1, kv_format="fp8")
+
+
+def test_an_option_or_model_the_builder_does_not_take_is_named() -> None:
+    with pytest.raises(TypeError, match="hot_set_entries"):
+        build_engine(TinyHybrid(), hot_set_entries=8)
+    with pytest.raises(TypeError, match="no engine builder for a str"):
+        build_engine("SmolLM2.gguf")
+
+
+def test_a_built_hybrid_engine_decodes_what_the_oracle_predicts() -> None:
+    """Greedy decoding through the engine the builder made: every token is the argmax of the
+    full-recompute oracle's logits over the history (fp64, so no near-tie can flip)."""
+    model = TinyHybrid(TINY_RECURRENT, seed=3, dtype=torch.float64)
+    engine = build_engine(model, num_blocks=32, block_size=4, checkpoint_interval=8, max_num_batched_tokens=16)
+    prompts = [[5, 9, 2, 7, 1, 4, 4, 8, 3, 6, 0, 2, 9], [5, 9, 2, 7, 1, 4, 4, 8, 11, 30]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for prompt, out in zip(prompts, engine.generate(prompts, params), strict=True):
+        history = list(prompt)
+        assert len(out.completions[0].token_ids) == 6
+        for token in out.completions[0].token_ids:
+            assert token == int(model.reference_logits(history)[-1].argmax())
+            history.append(token)
+    engine.runner.check_integrity()
