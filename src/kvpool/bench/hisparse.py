@@ -21,14 +21,21 @@ from kvpool.bench.common import run_to_completion
 def _run(model, prompt: list[int], steps: int, hot: int | None):
     """One request of `prompt` decoding `steps` tokens on tiny-dsv4 with a hot set of `hot`
     CSA entries (None: HiSparse off): its row of figures and its logits."""
-    from kvpool.engine.dsv4_runner import DSV4EngineRunner
-    from kvpool.engine.engine import Engine
+    from kvpool.engine.build import build_engine
     from kvpool.engine.sampling import SamplingParams
 
     span = model.spec.span
     num_blocks = -(-(len(prompt) + steps + 1) // span) + 1
-    runner = DSV4EngineRunner(model, num_blocks, 1, hot_set_entries=hot)
-    engine = Engine(runner, max_num_batched_tokens=2048, max_num_seqs=1, record_logits=True)
+    engine = build_engine(
+        model,
+        num_blocks=num_blocks,
+        num_state_blocks=1,
+        max_num_batched_tokens=2048,
+        max_num_seqs=1,
+        record_logits=True,
+        hot_set_entries=hot,
+    )
+    runner = engine.runner
     rid = engine.add_request(prompt, SamplingParams(max_tokens=steps + 1, ignore_eos=True))
     while engine.requests[rid].first_token_time is None:
         engine.step()  # the prefill

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kvpool.engine.build import build_engine
 from kvpool.engine.engine import Engine
 from kvpool.engine.hybrid_runner import HybridRunner
 from kvpool.engine.sampling import SamplingParams
@@ -100,6 +101,21 @@ class Verifier:
     def runner(self, model: TinyHybrid, num_blocks: int = 64, num_slots: int = 16) -> HybridRunner:
         return HybridRunner(
             model, num_blocks, num_slots, block_size=BLOCK_SIZE, checkpoint_interval=CHECKPOINT_INTERVAL
+        )
+
+    def engine(
+        self, model: TinyHybrid, num_blocks: int = 64, num_slots: int = 16, *, max_num_batched_tokens: int
+    ) -> Engine:
+        """The engine the builder makes (engine/build.py) over `runner`'s cache shape."""
+        return build_engine(
+            model,
+            num_blocks=num_blocks,
+            num_slots=num_slots,
+            block_size=BLOCK_SIZE,
+            checkpoint_interval=CHECKPOINT_INTERVAL,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=64,  # the Engine's own default, as before
+            record_logits=True,
         )
 
     def evaluate(self, name: str, segments: list[Segment], tolerance: float | None = None) -> CaseResult:
@@ -204,8 +220,8 @@ class Verifier:
 
     def preemption(self, model_name: str) -> list[Segment]:
         model = self.models[model_name]
-        runner = self.runner(model, num_blocks=20, num_slots=8)
-        engine = Engine(runner, max_num_batched_tokens=48, record_logits=True)
+        engine = self.engine(model, num_blocks=20, num_slots=8, max_num_batched_tokens=48)
+        runner = engine.runner
         ids = [
             engine.add_request(self.tokens(50, seed=30 + i), SamplingParams(max_tokens=30, ignore_eos=True))
             for i in range(4)
@@ -218,8 +234,8 @@ class Verifier:
 
     def fork(self, model_name: str) -> list[Segment]:
         model = self.models[model_name]
-        runner = self.runner(model)
-        engine = Engine(runner, max_num_batched_tokens=64, record_logits=True)
+        engine = self.engine(model, max_num_batched_tokens=64)
+        runner = engine.runner
         params = SamplingParams(max_tokens=24, temperature=1.0, seed=3, n=3, ignore_eos=True)
         ids = [engine.add_request(self.tokens(37, seed=40), params)]
         while engine.has_unfinished():

@@ -288,7 +288,7 @@ def evaluate_v4(
     each layout's own continuation against the path."""
     import random
 
-    from kvpool.engine.dsv4_runner import DSV4EngineRunner
+    from kvpool.engine.build import build_engine
     from kvpool.engine.engine import Engine
     from kvpool.engine.sampling import SamplingParams
     from kvpool.models.tiny_dsv4 import TinyDSV4
@@ -303,8 +303,16 @@ def evaluate_v4(
     layouts = [("exact", "exact", "fp8"), ("fp8 / fp8 keys", "fp8", "fp8"), ("fp8 / mxfp4 keys", "fp8", "mxfp4")]
 
     def engine(kv_format: str, indexer_format: str) -> Engine:
-        runner = DSV4EngineRunner(model, num_blocks, 2, kv_format=kv_format, indexer_format=indexer_format)
-        return Engine(runner, max_num_batched_tokens=256, max_num_seqs=1, record_logits=True)
+        return build_engine(
+            model,
+            num_blocks=num_blocks,
+            num_state_blocks=2,
+            max_num_batched_tokens=256,
+            max_num_seqs=1,
+            record_logits=True,
+            kv_format=kv_format,
+            indexer_format=indexer_format,
+        )
 
     def greedy(e: Engine) -> list[int]:
         rid = e.add_request(prompt, SamplingParams(max_tokens=steps, ignore_eos=True))
