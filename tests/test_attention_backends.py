@@ -86,3 +86,32 @@ def test_a_runner_refuses_a_path_its_model_cannot_run() -> None:
         LlamaRunner(random_llama("cpu", torch.float64), 8, 16, DESCRIPTOR, decode_path="native")
     with pytest.raises(ValueError, match="'fast'"):
         LlamaRunner(random_llama("cpu", torch.float64), 8, 16, DESCRIPTOR, decode_path="fast")
+
+
+@pytest.mark.parametrize(("kv_format", "fmt"), [("exact", "dsv4-exact"), ("fp8", "dsv4-fp8")])
+def test_the_v4_runner_gets_the_sparse_backend_over_its_pools(kv_format, fmt) -> None:
+    from kvpool.attention.backends import DSV4SparseBackend
+    from kvpool.engine.dsv4_runner import DSV4PagedRunner
+    from kvpool.models.tiny_dsv4 import TinyDSV4
+
+    runner = DSV4PagedRunner(TinyDSV4(), 4, 2, kv_format=kv_format)
+    assert type(runner.attention) is DSV4SparseBackend and runner.attention.pools is runner.pools
+    assert select_backend("dsv4-sparse", fmt, "cpu").backend is DSV4SparseBackend
+
+
+def test_the_hybrid_runner_gets_a_slot_backend_per_group_and_the_recurrent_update() -> None:
+    from kvpool.attention.backends import RecurrentBackend, SlotAttentionBackend
+    from kvpool.engine.hybrid_runner import HybridRunner
+    from kvpool.models.tiny_hybrid import TINY_GEMMA2, TINY_RECURRENT, TinyHybrid
+
+    gemma = HybridRunner(TinyHybrid(TINY_GEMMA2), 10, 3, block_size=4)
+    groups = gemma.attention.groups
+    assert sorted(groups) == ["full", "window"] and all(type(b) is SlotAttentionBackend for b in groups.values())
+    assert groups["window"].window == TINY_GEMMA2["window"] and groups["full"].window is None
+    # [blocks * block size, the group's layers (2 of 4 each), K and V, kv heads, head dim]
+    assert groups["full"].kv.shape == (40, 2, 2, TINY_GEMMA2["num_kv_heads"], TINY_GEMMA2["head_dim"])
+    assert gemma.attention.recurrent.state.shape[0] == 0  # no recurrent layer: no state slots
+    rec = HybridRunner(TinyHybrid(TINY_RECURRENT), 10, 3, block_size=4)
+    assert sorted(rec.attention.groups) == ["full"] and type(rec.attention.recurrent) is RecurrentBackend
+    heads, hd = TINY_RECURRENT["num_heads"], TINY_RECURRENT["head_dim"]
+    assert rec.attention.recurrent.state.shape == (3, 2, heads, hd, hd)
