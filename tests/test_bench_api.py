@@ -85,3 +85,61 @@ def test_serve_wait_ready_gives_up_on_a_port_that_refuses_and_says_it_waited() -
     with pytest.raises(ValueError, match="cannot connect"):
         serve.wait_ready(url, None, timeout_s=60.0, notice=heard.append)
     assert heard == [f"waiting for {url} to answer"]
+
+
+def test_call_with_flags_takes_each_parameter_from_given_else_from_its_flag() -> None:
+    from argparse import Namespace
+
+    from kvpool.cli.bench import call_with_flags
+
+    def fn(a: int, b_c: int = 1, d: int = 2) -> tuple[int, int, int]:
+        return a, b_c, d
+
+    args = Namespace(a=1, b_c=5, d=3, json=True)  # json: a flag fn does not take, left alone
+    assert call_with_flags(fn, args, d=9) == (1, 5, 9)
+    with pytest.raises(TypeError, match=r"\(e=...\): no flag"):
+        call_with_flags(lambda e: e, args)
+    with pytest.raises(TypeError, match="takes no"):
+        call_with_flags(fn, args, zzz=1)
+
+
+class _Called(Exception):
+    """Raised by a stand-in bench function once it has seen its arguments."""
+
+
+def test_every_bench_command_hands_its_function_the_function_s_own_defaults(monkeypatch) -> None:
+    """`kvpool bench NAME` with no flags calls its function with every parameter; where a
+    parameter comes from a flag of its name, the flag's default is the function's default, so
+    the Python API and the command measure the same thing by default."""
+    import functools
+    import importlib
+    import inspect
+
+    import kvpool.engine.build
+    from kvpool.cli.bench import BENCHES
+    from kvpool.cli.main import build_parser, main
+
+    monkeypatch.setattr(kvpool.engine.build, "load_model", lambda *a, **k: None)  # bench sim loads first
+    for name, (module_name, _) in BENCHES.items():
+        module = importlib.import_module(module_name)
+        target = "first_turns" if name == "sim" else "measure"
+        real = getattr(module, target)
+        seen: dict = {}
+
+        @functools.wraps(real)
+        def stand_in(*args, seen=seen, **kwargs):
+            seen.update(kwargs)
+            raise _Called
+
+        monkeypatch.setattr(module, target, stand_in)
+        with pytest.raises(_Called):
+            main(["bench", name])
+        parameters = inspect.signature(real).parameters
+        assert set(seen) == set(parameters), name
+        args = build_parser().parse_args(["bench", name])
+        for key, parameter in parameters.items():
+            if hasattr(args, key) and parameter.default is not inspect.Parameter.empty:
+                got, default = seen[key], parameter.default
+                if isinstance(got, list | tuple) and isinstance(default, list | tuple):
+                    got, default = tuple(got), tuple(default)  # a parsed comma list against a tuple
+                assert got == default, (name, key)

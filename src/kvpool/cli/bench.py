@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 from kvpool.cli.args import HelpFormatter
+
+T = TypeVar("T")
 
 # bench name -> module exposing add_arguments(parser) and run(args) -> int
 BENCHES: dict[str, tuple[str, str]] = {
@@ -59,3 +63,38 @@ def stderr_progress(name: str) -> Callable[[str], None]:
             print(f"{name}: {phase} ...", file=sys.stderr, flush=True)
 
     return progress
+
+
+def call_with_flags(fn: Callable[..., T], args: argparse.Namespace, **given: Any) -> T:
+    """`fn(**kwargs)`, each of `fn`'s parameters taken from `given`, else from the flag of the
+    same name (its argparse dest) in `args`: a benchmark's settings are its flags. A
+    parameter with neither, or a `given` name `fn` does not take, is a TypeError."""
+    parameters = inspect.signature(fn).parameters
+    unknown = set(given) - set(parameters)
+    if unknown:
+        raise TypeError(f"{fn.__qualname__} takes no {sorted(unknown)}")
+    kwargs = {}
+    for name in parameters:
+        if name in given:
+            kwargs[name] = given[name]
+        elif hasattr(args, name):
+            kwargs[name] = getattr(args, name)
+        else:
+            raise TypeError(f"{fn.__qualname__}({name}=...): no flag of that name and no value given")
+    return fn(**kwargs)
+
+
+def print_table(
+    title: str, columns: Sequence[str], rows: Iterable[Sequence[str]], num_left: int = 0, console: Any = None
+) -> None:
+    """A rich table on `console` (default: a new one): the first `num_left` columns
+    left-justified, the others right-justified."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for i, column in enumerate(columns):
+        table.add_column(column, justify="left" if i < num_left else "right")
+    for row in rows:
+        table.add_row(*row)
+    (console or Console()).print(table)

@@ -7,6 +7,7 @@ import argparse
 import json
 
 from kvpool.bench.dsv4 import measure
+from kvpool.cli.bench import call_with_flags
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--contexts must be comma-separated integers, got {args.contexts!r}") from None
     if any(c <= 0 for c in contexts) or args.steps <= 0 or args.repeats <= 0:
         raise SystemExit("--contexts, --steps and --repeats must be positive")
-    result = measure(contexts, args.steps, args.repeats, timing=not args.no_timing)
+    result = call_with_flags(measure, args, contexts=contexts, timing=not args.no_timing)
     if args.json:
         print(json.dumps(result))
         return 0

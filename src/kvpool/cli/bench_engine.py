@@ -11,7 +11,7 @@ import json
 
 from kvpool.bench.engine import PARTS, measure
 from kvpool.cli.args import comma_choices, positive_int
-from kvpool.cli.bench import stderr_progress
+from kvpool.cli.bench import call_with_flags, print_table, stderr_progress
 from kvpool.cli.generate import add_model_arguments
 
 
@@ -37,34 +37,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    report = measure(
-        model=args.model,
-        parts=args.parts,
-        new_tokens=args.new_tokens,
-        block_size=args.block_size,
-        attn_block_size=args.attn_block_size,
-        attn_context=args.attn_context,
-        attn_batch=args.attn_batch,
-        skip_hf=args.skip_hf,
-        threads=args.threads,
-        progress=stderr_progress("bench engine"),
-    )
+    report = call_with_flags(measure, args, progress=stderr_progress("bench engine"))
     if args.json:
         print(json.dumps(report))
         return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"kvpool bench engine (fp32, {report['threads']} threads, {report['kernels']} kernels)")
-    table.add_column("part")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
+    rows = []
     for part in ("decode", "ttft", "attention", "glue"):
         section = report.get(part)
         if not section:
             continue
         flat = {f"{k}.{kk}": vv for k, v in section.items() for kk, vv in v.items()} if part == "decode" else section
-        for key, value in flat.items():
-            table.add_row(part, key, str(value))
-    Console().print(table)
+        rows += [(part, key, str(value)) for key, value in flat.items()]
+    title = f"kvpool bench engine (fp32, {report['threads']} threads, {report['kernels']} kernels)"
+    print_table(title, ("part", "metric", "value"), rows, num_left=2)
     return 0

@@ -9,6 +9,7 @@ import json
 
 from kvpool.bench.hisparse import measure
 from kvpool.cli.args import positive_int
+from kvpool.cli.bench import call_with_flags, print_table
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -30,19 +31,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    result = measure(args.context, args.hot_set, args.steps, args.seed)
+    result = call_with_flags(measure, args, contexts=args.context, hot_sets=args.hot_set)
     if args.json:
         print(json.dumps(result))
         return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"kvpool bench hisparse: tiny-dsv4, {args.steps} decode steps after the prompt")
     columns = ("context", "hot set", "CSA main on device", "fetched / step", "bytes / step", "step (ms)")
-    for column in columns:
-        table.add_column(column, justify="right")
-    for row in result["rows"]:
-        table.add_row(
+    rows = [
+        (
             f"{row['context']:,}",
             "off (resident)" if row["hot_set"] is None else f"{row['hot_set']:,}",
             f"{row['csa_main_device_bytes'] / 2**10:,.1f} KiB",
@@ -50,5 +45,7 @@ def run(args: argparse.Namespace) -> int:
             str(row.get("fetched_bytes_per_decode_step", "")),
             str(row["decode_step_ms"]),
         )
-    Console().print(table)
+        for row in result["rows"]
+    ]
+    print_table(f"kvpool bench hisparse: tiny-dsv4, {args.steps} decode steps after the prompt", columns, rows)
     return 0

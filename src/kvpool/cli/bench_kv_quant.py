@@ -8,6 +8,7 @@ import json
 
 from kvpool.bench.kv_quant import DEFAULT_FORMATS, measure
 from kvpool.cli.args import comma_list, kv_dtype, positive_int
+from kvpool.cli.bench import call_with_flags, print_table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,33 +25,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    report = measure(
-        batch=args.batch,
-        context=args.context,
-        block_size=args.block_size,
-        layers=args.layers,
-        repeats=args.repeats,
-        formats=args.formats,
-        paths=args.paths,
-        threads=args.threads,
-        seed=args.seed,
-    )
+    report = call_with_flags(measure, args)
     if args.json:
         print(json.dumps(report))
         return 0
     from rich.console import Console
-    from rich.table import Table
 
     heads, kvh, d, bs = report["heads"], report["kv_heads"], report["head_dim"], report["block_size"]
-    table = Table(
-        title=f"decode attention, one layer-step: batch {args.batch} x {args.context} tokens, "
+    title = (
+        f"decode attention, one layer-step: batch {args.batch} x {args.context} tokens, "
         f"{heads} heads / {kvh} KV heads of {d}, blocks of {bs}, {report['threads']} threads"
     )
-    table.add_column("format")
-    table.add_column("MB read", justify="right")
+    columns = ["format", "MB read"]
     for path in args.paths:
-        for column in (f"{path} ms", f"{path} GB/s", f"{path} vs fp32"):
-            table.add_column(column, justify="right")
+        columns += (f"{path} ms", f"{path} GB/s", f"{path} vs fp32")
+    rows = []
     for r in report["formats"]:
         cells = [r["format"], f"{r['bytes_per_layer_step'] / 1e6:,.1f}"]
         for path in args.paths:
@@ -60,6 +49,6 @@ def run(args: argparse.Namespace) -> int:
                 if ms is not None
                 else ["-", "-", "-"]
             )
-        table.add_row(*cells)
-    Console(width=max(120, Console().width)).print(table)
+        rows.append(cells)
+    print_table(title, columns, rows, num_left=1, console=Console(width=max(120, Console().width)))
     return 0

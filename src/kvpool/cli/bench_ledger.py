@@ -8,6 +8,7 @@ import argparse
 import json
 
 from kvpool.bench.ledger import measure
+from kvpool.cli.bench import call_with_flags
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    result = measure(args.device)
+    result = call_with_flags(measure, args)
     ok, rows = result["ok"], result["rows"]
     if args.json:
         print(json.dumps(result, indent=2))

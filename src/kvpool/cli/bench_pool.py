@@ -9,6 +9,7 @@ import json
 
 from kvpool.bench.pool import COUNTS, TARGETS, measure
 from kvpool.cli.args import positive_int
+from kvpool.cli.bench import call_with_flags, print_table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,22 +19,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    result = measure(args.repeats, args.hash_algo)
+    result = call_with_flags(measure, args)
     if args.json:
         print(json.dumps(result))
         return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"kvpool bench pool ({args.hash_algo}, median of {args.repeats}, GC on)")
-    table.add_column("figure")
-    table.add_column("value", justify="right")
-    table.add_column("target", justify="right")
+    rows = []
     for key, value in result.items():
         if key in ("hash_algo", "repeats", "gc"):
             continue
         target = TARGETS.get(key)
         shown = f"{value:,}" if key in COUNTS else f"{value:,.3g}" if value < 10 else f"{value:,.1f}"
-        table.add_row(key, shown, f"<= {target:g}" if target else "")
-    Console().print(table)
+        rows.append((key, shown, f"<= {target:g}" if target else ""))
+    title = f"kvpool bench pool ({args.hash_algo}, median of {args.repeats}, GC on)"
+    print_table(title, ("figure", "value", "target"), rows, num_left=1)
     return 0

@@ -14,6 +14,7 @@ import sys
 
 from kvpool.bench.serve import READY_TIMEOUT_S, REFUSED_TIMEOUT_S, measure
 from kvpool.cli.args import positive_float, positive_int, rate
+from kvpool.cli.bench import call_with_flags, print_table
 
 
 def _levels(text: str) -> list[int]:
@@ -66,21 +67,11 @@ def run(args: argparse.Namespace) -> int:
     def say(text: str) -> None:
         print(f"kvpool bench serve: {text}", file=sys.stderr, flush=True)
 
-    report = measure(
-        args.url,
+    report = call_with_flags(
+        measure,
+        args,
         ready_timeout_s=args.ready_timeout,
-        api_key=args.api_key,
-        model=args.model,
-        concurrency=args.concurrency,
-        request_rate=args.request_rate,
-        num_requests=args.num_requests,
-        turns=args.turns,
-        max_tokens=args.max_tokens,
         duration_limit_s=args.duration_limit,
-        slo_ttft_ms=args.slo_ttft_ms,
-        slo_tpot_ms=args.slo_tpot_ms,
-        seed=args.seed,
-        kv_memory=args.kv_memory,
         notice=say,
         progress=(lambda text: None) if args.json else say,
     )
@@ -93,9 +84,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _print(report: dict) -> None:
     from rich.console import Console
-    from rich.table import Table
 
-    table = Table(title=f"kvpool bench serve: {report['model']} ({report['url']})")
     columns = [
         ("clients", "concurrency"),
         ("rate", "request_rate"),
@@ -113,14 +102,15 @@ def _print(report: dict) -> None:
     ]
     rows = report["rows"]
     shown = [(title, key) for title, key in columns if key is None or any(r[key] is not None for r in rows)]
-    for title, _ in shown:
-        table.add_column(title, justify="right")
-    for r in rows:
-        table.add_row(*(f"{r['num_ok']}/{r['num_requests']}" if key is None else str(r[key]) for _, key in shown))
     console = Console()
     if not console.is_terminal:
         console = Console(width=160)  # piped: wide enough for every column
-    console.print(table)
+    print_table(
+        f"kvpool bench serve: {report['model']} ({report['url']})",
+        [title for title, _ in shown],
+        [[f"{r['num_ok']}/{r['num_requests']}" if key is None else str(r[key]) for _, key in shown] for r in rows],
+        console=console,
+    )
     print("times in ms; goodput: requests/s within both SLOs; hit rate: the server's prefix-cache hit tokens / queried")
     for r in rows:
         for error in r["errors"]:

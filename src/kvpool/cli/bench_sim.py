@@ -10,6 +10,7 @@ import sys
 
 from kvpool.bench.sim import TIMES, FitFailed, first_turns, measure
 from kvpool.cli.args import positive_float, positive_int
+from kvpool.cli.bench import call_with_flags, print_table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     from kvpool.engine.build import load_model
 
     loaded = load_model(device="cpu")
-    workload = first_turns(loaded, args.requests, args.num_long, args.max_tokens, args.rate, args.seed)
+    workload = call_with_flags(first_turns, args, loaded=loaded)
     try:
         result = measure(loaded, workload, args.seed)
     except FitFailed as error:  # a busy machine: one line, no traceback
@@ -36,16 +37,12 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report))
         return 0
     from rich.console import Console
-    from rich.table import Table
 
     measured, preset, fitted = report["measured"], report["predicted_preset"], report["predicted_fit"]
     console = Console()
-    table = Table(title=f"kvpool bench sim: {args.requests} chat requests on SmolLM2-135M, engine vs cpu cost model")
     columns = ("metric", "engine (measured)", "preset defaults", "/ measured", "fitted now", "/ measured")
-    for column in columns:
-        table.add_column(column, justify="right")
-    for key in measured:
-        table.add_row(
+    rows = [
+        (
             key,
             str(measured[key]),
             str(preset[key]),
@@ -53,7 +50,10 @@ def run(args: argparse.Namespace) -> int:
             str(fitted[key]),
             str(report["fit_over_measured"].get(key, "")),
         )
-    console.print(table)
+        for key in measured
+    ]
+    title = f"kvpool bench sim: {args.requests} chat requests on SmolLM2-135M, engine vs cpu cost model"
+    print_table(title, columns, rows, console=console)
     fit = report["fit"]  # the step times and the fitted figures, flat
     ms = {k: f"{fit[k] * 1e3:.1f}" for k in (*TIMES, "step_overhead_s", "seq_overhead_s")}
     console.print(

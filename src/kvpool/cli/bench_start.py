@@ -8,7 +8,7 @@ import json
 
 from kvpool.bench.start import measure
 from kvpool.cli.args import positive_int
-from kvpool.cli.bench import stderr_progress
+from kvpool.cli.bench import call_with_flags, print_table, stderr_progress
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,24 +19,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    report = measure(args.runs, args.prompt, args.model, progress=stderr_progress("bench start"))
+    report = call_with_flags(measure, args, progress=stderr_progress("bench start"))
     if args.json:
         print(json.dumps(report))
         return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"kvpool generate {args.prompt!r} --max-tokens 1, from a cold process")
-    table.add_column("measure")
-    table.add_column("seconds", justify="right")
     ft = report["first_token_s"]
-    table.add_row(f"first token, warm weight cache (median of {args.runs})", f"{ft['median']:.3f}")
-    table.add_row("  min .. max", f"{ft['min']:.3f} .. {ft['max']:.3f}")
-    table.add_row("  load phase (generate --json: load_s)", f"{report['load_s_warm']:.3f}")
-    table.add_row("  process exit", f"{report['exit_s_median']:.3f}")
-    table.add_row("first token, no weight cache (the GGUF path)", f"{report['no_cache_first_token_s']:.3f}")
-    table.add_row("  load phase", f"{report['no_cache_load_s']:.3f}")
-    table.add_row(f"first run's load ({report['first_run_load_source']})", f"{report['first_run_load_s']:.3f}")
-    table.add_row("floor: a process that imports torch", f"{report['import_torch_s_median']:.3f}")
-    Console().print(table)
+    rows = [
+        (f"first token, warm weight cache (median of {args.runs})", f"{ft['median']:.3f}"),
+        ("  min .. max", f"{ft['min']:.3f} .. {ft['max']:.3f}"),
+        ("  load phase (generate --json: load_s)", f"{report['load_s_warm']:.3f}"),
+        ("  process exit", f"{report['exit_s_median']:.3f}"),
+        ("first token, no weight cache (the GGUF path)", f"{report['no_cache_first_token_s']:.3f}"),
+        ("  load phase", f"{report['no_cache_load_s']:.3f}"),
+        (f"first run's load ({report['first_run_load_source']})", f"{report['first_run_load_s']:.3f}"),
+        ("floor: a process that imports torch", f"{report['import_torch_s_median']:.3f}"),
+    ]
+    title = f"kvpool generate {args.prompt!r} --max-tokens 1, from a cold process"
+    print_table(title, ("measure", "seconds"), rows, num_left=1)
     return 0

@@ -9,6 +9,7 @@ import json
 
 from kvpool.bench.tiers import measure
 from kvpool.cli.args import positive_int
+from kvpool.cli.bench import call_with_flags, print_table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,50 +27,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    report = measure(
-        prefix_len=args.prefix_len,
-        suffix_len=args.suffix_len,
-        repeats=args.repeats,
-        block_size=args.block_size,
-        v4_prefix_len=args.v4_prefix_len,
-        swa_period=args.swa_period,
-        redis=args.redis,
-        seed=args.seed,
-    )
+    report = call_with_flags(measure, args)
     if args.json:
         print(json.dumps(report))
         return 0
     from rich.console import Console
-    from rich.table import Table
 
     console = Console()
-    table = Table(title=f"SmolLM2-135M: TTFT of a {args.prefix_len}-token prefix + {args.suffix_len} new tokens")
-    for column in ("case", "TTFT p50 (ms)", "cached tokens", "load (ms)"):
-        table.add_column(column, justify="right")
-    for name, case in report["cases"].items():
-        table.add_row(
-            name, str(case["ttft_ms_p50"]), str(case["cached_tokens"][-1]), str(case.get("load_ms_per_request", ""))
-        )
-    console.print(table)
-    table = Table(title="writes through the background writers")
-    for column in ("tier", "blocks", "MiB", "seconds", "MB/s"):
-        table.add_column(column, justify="right")
-    for name, w in report["writes"].items():
-        table.add_row(name, str(w["blocks"]), f"{w['bytes'] / 2**20:.1f}", str(w["write_s"]), str(w["write_mb_per_s"]))
-    console.print(table)
-    table = Table(title=f"tiny-dsv4 through the disk tier: a {args.v4_prefix_len}-token prefix, by SWA strategy")
-    for column in ("strategy", "B / cached token", "snapshots read", "tokens recomputed", "restore (ms)", "TTFT (ms)"):
-        table.add_column(column, justify="right")
-    for name, row in report["v4_swa"].items():
-        table.add_row(
-            name,
-            str(row.get("bytes_per_cached_token", "")),
-            str(row.get("snapshots_read", "")),
-            str(row.get("tokens_recomputed", "")),
-            str(row.get("restore_ms_p50", "")),
-            str(row["ttft_ms_p50"]),
-        )
-    console.print(table)
+    print_table(
+        f"SmolLM2-135M: TTFT of a {args.prefix_len}-token prefix + {args.suffix_len} new tokens",
+        ("case", "TTFT p50 (ms)", "cached tokens", "load (ms)"),
+        [
+            (name, str(c["ttft_ms_p50"]), str(c["cached_tokens"][-1]), str(c.get("load_ms_per_request", "")))
+            for name, c in report["cases"].items()
+        ],
+        console=console,
+    )
+    print_table(
+        "writes through the background writers",
+        ("tier", "blocks", "MiB", "seconds", "MB/s"),
+        [
+            (name, str(w["blocks"]), f"{w['bytes'] / 2**20:.1f}", str(w["write_s"]), str(w["write_mb_per_s"]))
+            for name, w in report["writes"].items()
+        ],
+        console=console,
+    )
+    print_table(
+        f"tiny-dsv4 through the disk tier: a {args.v4_prefix_len}-token prefix, by SWA strategy",
+        ("strategy", "B / cached token", "snapshots read", "tokens recomputed", "restore (ms)", "TTFT (ms)"),
+        [
+            (
+                name,
+                str(row.get("bytes_per_cached_token", "")),
+                str(row.get("snapshots_read", "")),
+                str(row.get("tokens_recomputed", "")),
+                str(row.get("restore_ms_p50", "")),
+                str(row["ttft_ms_p50"]),
+            )
+            for name, row in report["v4_swa"].items()
+        ],
+        console=console,
+    )
     if report["redis"].startswith("skipped"):
         console.print(f"redis: {report['redis']}")
     return 0
