@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.cache import CacheDescriptor, DSV4CacheManager, Reservation, StateRestore
+from kvpool.cache.dsv4 import RestoreChoice, TokenCost, choose_restore
 from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG
 from kvpool.spec.dsv4 import DSV4Spec
 
@@ -134,6 +135,104 @@ def test_checkpoint_restore_cuts_the_hit_to_a_checkpointed_boundary() -> None:
     m.check_integrity()
 
 
+class _Priced:
+    """A RestoreCost in made-up units: a checkpoint copy costs `copy`, a token 1."""
+
+    def __init__(self, copy: float) -> None:
+        self.copy = copy
+
+    def checkpoint_cost(self) -> float:
+        return self.copy
+
+    def compute_cost(self, num_tokens: int, context_len: int) -> float:
+        return float(num_tokens)
+
+
+@pytest.mark.parametrize(
+    ("hit_len", "checkpoint_len", "copy", "expected"),
+    [
+        (0, 0, 0.0, RestoreChoice(0, "none")),
+        (96, 96, 0.0, RestoreChoice(96, "checkpoint")),  # held at the hit: copy 0 < replay 64
+        (96, 96, 63.0, RestoreChoice(96, "checkpoint")),  # 63 < 64
+        (96, 96, 65.0, RestoreChoice(96, "recompute")),  # a copy dearer than the replay
+        (40, 40, 40.0, RestoreChoice(40, "checkpoint")),  # short hit: replay 40 tokens, a tie
+        (40, 40, 41.0, RestoreChoice(40, "recompute")),
+        (96, 48, 0.0, RestoreChoice(48, "checkpoint")),  # cut 48 tokens < replay 64
+        (112, 48, 0.0, RestoreChoice(48, "checkpoint")),  # cut 64 == replay 64: a tie
+        (128, 48, 0.0, RestoreChoice(128, "recompute")),  # cut 80 > replay 64
+        (96, 48, 20.0, RestoreChoice(96, "recompute")),  # 20 + 48 > 64
+        (96, 0, 0.0, RestoreChoice(96, "recompute")),  # nothing held
+    ],
+)
+def test_choose_restore_prices_both_sides_of_the_crossover(
+    hit_len: int, checkpoint_len: int, copy: float, expected: RestoreChoice
+) -> None:
+    # replay window 16 x 4 = 64 tokens: recompute at P costs min(P, 64) tokens; a checkpoint
+    # at C <= P costs copy + (P - C) tokens
+    assert choose_restore(hit_len, checkpoint_len, SPEC.window * SPEC.num_layers, _Priced(copy)) == expected
+
+
+def test_choose_restore_refuses_a_checkpoint_beyond_the_hit() -> None:
+    with pytest.raises(ValueError, match="checkpoint_len <= hit_len"):
+        choose_restore(32, 48, 64, TokenCost())
+
+
+def _install(m: DSV4CacheManager, prompt: list[int], num_blocks: int) -> None:
+    """Publish `num_blocks` spans after the device hit as if a lower tier held them (no
+    checkpoint comes with them)."""
+    hit, candidates = m.prefetch_candidates(prompt)
+    ids = m.install(num_blocks, hold=hit)
+    assert ids is not None
+    m.publish_installed(ids, candidates[:num_blocks], num_blocks)
+
+
+def test_auto_restore_chooses_per_admission_by_cost() -> None:
+    m = make(20, 4, restore="auto", num_checkpoints=3)
+    m.admit("a", _ids(50), 0)
+    assert [p for p, _ in _compute(m, "a", 50).checkpoints] == [16, 32, 48]  # slots 4, 5, 6
+    _install(m, _ids(200), 5)  # spans 3..7 (to 128) cached, no checkpoint past 48
+    m.check_integrity()
+    # hit 48, checkpointed there: copied (TokenCost: a copy is free)
+    assert m.admit("b", _ids(50)).restore == StateRestore(1, "checkpoint", 6)
+    assert m.lookup_prefix(_ids(97)) == 48 and m.lookup_prefix(_ids(129)) == 128  # as the admissions below
+    # hit 96: cut to 48 computes 48 tokens, the replay 64: cut
+    c = m.admit("c", _ids(97))
+    assert c.num_cached_tokens == 48 and c.restore == StateRestore(2, "checkpoint", 6)
+    # hit 128: cut to 48 computes 80 tokens, the replay 64: recompute [64, 128)
+    d = m.admit("d", _ids(129))
+    assert d.num_cached_tokens == 128 and d.restore == StateRestore(3, "recompute", replay_start=64)
+    # c's first step took every slot for its own boundaries (64, 80, 96): 96 is recomputed now
+    assert m.lookup_prefix(_ids(97)) == 96
+    m.check_integrity()
+
+
+def test_pooled_checkpoints_live_in_the_classical_pool_and_leave_in_its_lru_order() -> None:
+    m = make(12, 3, restore="auto", checkpoint_blocks=2)
+    m.admit("a", _ids(40), 0)
+    res = _compute(m, "a", 40)
+    # spans 0, 1 -> blocks 0, 1; the snapshots at 16 and 32 take blocks 2-3 and 4-5
+    assert res.new_block_ids == (0, 1) and res.checkpoints == ((16, 2), (32, 4))
+    assert m.num_free_blocks == 10  # the snapshots are cached free blocks now
+    b = m.admit("b", _ids(40) + [1])
+    assert b.num_cached_tokens == 32 and b.restore == StateRestore(1, "checkpoint", 4)  # 4, 5: used last
+    m.release("b")
+    # c takes the 6 unhashed blocks and the least recently used cached one (2), and its
+    # snapshot at 112 the next two (3, 4): both snapshots of a lost a block
+    c = m.admit("c", _ids(130, offset=1), 112)
+    assert c.block_ids == (6, 7, 8, 9, 10, 11, 2) and m.pending_reservation("c").checkpoints == ((112, 3),)
+    assert m.num_free_blocks == 1
+    m.check_integrity()
+    d = m.admit("d", _ids(33))  # the hit at 32 is recomputed now
+    assert d.num_cached_tokens == 32 and d.restore == StateRestore(1, "recompute", replay_start=0)
+    m.release("d")
+    m.unreserve("c")  # blocks 2, 3, 4 go back, findable again, and the two snapshots with them
+    m.check_integrity()
+    assert m.admit("e", _ids(33)).restore == StateRestore(1, "checkpoint", 4)
+    m.release("e")
+    assert m.admit("f", _ids(17)).restore == StateRestore(1, "checkpoint", 2)
+    m.check_integrity()
+
+
 def test_release_is_tail_first_and_once() -> None:
     m = make(11, 1)
     m.admit("a", _ids(50), 0)
@@ -172,6 +271,11 @@ class Model:
         self.pending: dict[str, tuple[int, tuple[int, ...], tuple[tuple[int, int], ...]]] = {}
         self.block_content: dict[int, tuple] = {}  # block -> (tenant, prefix through its span)
         self.slot_content: dict[int, tuple] = {}  # checkpoint slot -> (tenant, prefix it snapshots)
+        # pooled checkpoints: every block of a snapshot holds its prefix's state, so a block
+        # taken again for anything else leaves slot_content; a pending step's snapshot blocks
+        self.snapshots: dict[str, list[list[int]]] = {}
+        self.parts: dict[int, list[int]] = {}  # a pooled checkpoint's first block -> its blocks
+        self.undo: dict[str, dict[int, tuple]] = {}  # the snapshot contents a pending step overwrites
 
     def prefix(self, rid: str, end: int) -> tuple:
         return (self.tenant[rid], tuple(self.tokens[rid][:end]))
@@ -184,9 +288,15 @@ class Model:
             assert self.block_content[block_id] == self.prefix(rid, (j + 1) * SPAN), (rid, j, block_id)
         restore = adm.restore
         if num_hit and restore.method == "checkpoint":
-            assert self.slot_content[restore.checkpoint_slot] == self.prefix(rid, adm.num_cached_tokens)
+            for slot in self.parts.get(restore.checkpoint_slot, [restore.checkpoint_slot]):
+                assert self.slot_content[slot] == self.prefix(rid, adm.num_cached_tokens)
             assert all(restore.checkpoint_slot != s for _, _, c in self.pending.values() for _, s in c)
-        assert restore.method == ("none" if not num_hit else self.m.restore)
+        if not num_hit:
+            assert restore.method == "none"
+        elif self.m.restore == "auto":
+            assert restore.method in ("checkpoint", "recompute")
+        else:
+            assert restore.method == self.m.restore
         self.tables[rid] = hits
         self.computed[rid] = adm.num_cached_tokens
         if adm.num_scheduled_tokens:
@@ -201,24 +311,38 @@ class Model:
         assert not set(res.new_block_ids) & self.held()
         assert all(p % SPAN == 0 and start < p <= start + res.num_tokens for p, _ in res.checkpoints)
         self.pending[rid] = (res.num_tokens, res.new_block_ids, res.checkpoints)
+        if self.m.checkpoint_blocks:
+            snapshots = self.m._get(rid).pending.snapshot_ids
+            assert [ids[0] for ids in snapshots] == [slot for _, slot in res.checkpoints]
+            assert all(len(ids) == self.m.checkpoint_blocks for ids in snapshots)
+            self.snapshots[rid] = snapshots
+            undo = self.undo[rid] = {}
+            for block_id in [*res.new_block_ids, *(b for ids in snapshots for b in ids)]:
+                if block_id in self.slot_content:  # overwritten once the step runs
+                    undo[block_id] = self.slot_content.pop(block_id)
 
     def committed(self, rid: str) -> None:
         num_tokens, new_ids, checkpoints = self.pending.pop(rid)
         first = len(self.tables[rid])
         for k, block_id in enumerate(new_ids):
             self.block_content[block_id] = self.prefix(rid, (first + k + 1) * SPAN)
-        for position, slot in checkpoints:
-            self.slot_content[slot] = self.prefix(rid, position)
+        for k, (position, slot) in enumerate(checkpoints):
+            ids = self.snapshots[rid][k] if self.m.checkpoint_blocks else [slot]
+            self.parts[slot] = ids
+            for block_id in ids:
+                self.slot_content[block_id] = self.prefix(rid, position)
+        self.snapshots.pop(rid, None)
         self.tables[rid] += list(new_ids)
         self.computed[rid] += num_tokens
 
     def released(self, rid: str) -> None:
-        for d in (self.tokens, self.tenant, self.computed, self.tables, self.pending):
+        for d in (self.tokens, self.tenant, self.computed, self.tables, self.pending, self.snapshots):
             d.pop(rid, None)
 
     def held(self) -> set[int]:
         committed = {b for t in self.tables.values() for b in t}
-        return committed | {b for _, ids, _ in self.pending.values() for b in ids}
+        snapshots = {b for s in self.snapshots.values() for ids in s for b in ids}
+        return committed | snapshots | {b for _, ids, _ in self.pending.values() for b in ids}
 
     def check(self) -> None:
         m = self.m
@@ -232,6 +356,9 @@ class Model:
             assert (res is None) == (rid not in self.pending)
             for block_id in table + list(self.pending[rid][1] if rid in self.pending else ()):
                 counts[block_id] += 1
+            for ids in self.snapshots.get(rid, ()):
+                for block_id in ids:
+                    counts[block_id] += 1
         assert [m.pool.refcount(b) for b in range(m.num_blocks)] == counts
         assert m.num_free_blocks == m.num_blocks - len(self.held())
         slots = [m.state_slot(rid) for rid in self.tables]
@@ -243,11 +370,17 @@ OPS = st.sampled_from(["admit", "step", "step", "step", "decode", "decode", "com
 
 @settings(max_examples=int(os.environ.get("KVPOOL_HYPOTHESIS_EXAMPLES", "150")), deadline=None)
 @given(
-    restore=st.sampled_from(["recompute", "checkpoint"]),
+    checkpoints=st.sampled_from(
+        [("recompute", {}), ("checkpoint", {"num_checkpoints": 2}), ("auto", {"num_checkpoints": 2})]
+        + [("checkpoint", {"checkpoint_blocks": 2}), ("auto", {"checkpoint_blocks": 1})]  # pooled
+    ),
     ops=st.lists(st.tuples(OPS, st.integers(0, 3), st.integers(1, 40), st.booleans()), min_size=10, max_size=60),
 )
-def test_lifecycle_against_a_model(restore: str, ops: list[tuple[str, int, int, bool]]) -> None:
-    m = make(8, 3, restore=restore, num_checkpoints=2 if restore == "checkpoint" else 0)
+def test_lifecycle_against_a_model(
+    checkpoints: tuple[str, dict[str, int]], ops: list[tuple[str, int, int, bool]]
+) -> None:
+    restore, kw = checkpoints
+    m = make(8, 3, restore=restore, **kw)
     model = Model(m)
     num_forks = 0
     for op, who, n, flag in ops:
@@ -310,6 +443,8 @@ def test_lifecycle_against_a_model(restore: str, ops: list[tuple[str, int, int, 
         elif op == "unreserve" and rid in model.pending:
             m.unreserve(rid)
             del model.pending[rid]
+            model.snapshots.pop(rid, None)
+            model.slot_content.update(model.undo.pop(rid, {}))  # the step never ran
         elif op == "fork" and rid in m and rid not in model.pending:
             num_forks += 1
             child = f"{rid}-fork{num_forks}"

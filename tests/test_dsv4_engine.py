@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvpool.engine.build import build_engine
-from kvpool.engine.dsv4_runner import DSV4EngineRunner
+from kvpool.engine.dsv4_runner import DSV4EngineRunner, MeasuredRestoreCost
 from kvpool.engine.engine import Engine
 from kvpool.engine.runner import ScheduledChunk
 from kvpool.engine.sampling import SamplingParams
@@ -38,10 +38,11 @@ def _assert_greedy_matches_oracle(model: TinyDSV4, prompt: list[int], output: li
         assert token == int(top2.indices[i, 0]), f"position {i}: {token} != the oracle's {int(top2.indices[i, 0])}"
 
 
-@pytest.mark.parametrize("restore", ["recompute", "checkpoint"])
-def test_generate_greedy_equals_oracle(restore: str) -> None:
+@pytest.mark.parametrize("restore", ["recompute", "checkpoint", None])
+def test_generate_greedy_equals_oracle(restore: str | None) -> None:
     engine = build_engine(TinyDSV4(), max_num_batched_tokens=64, restore=restore)  # chunked prefill
     assert isinstance(engine, Engine)
+    assert engine.runner.cache.restore == restore or (restore is None and engine.runner.cache.restore == "auto")
     prompts = _prompts()
     outs = engine.generate(prompts, SamplingParams(max_tokens=12))
     model = engine.runner.runner.model  # type: ignore[attr-defined]
@@ -172,3 +173,12 @@ def test_a_deferred_restore_leaves_with_its_request() -> None:
     assert float((logits.double() - ref64).abs().max()) <= tol  # a missing or doubled replay is O(0.1)
     runner.commit(["b"], [3], [None])
     runner.check_integrity()
+
+
+def test_measured_restore_cost_prices_in_tokens_until_it_knows_both_rates() -> None:
+    cost = MeasuredRestoreCost()
+    assert (cost.checkpoint_cost(), cost.compute_cost(10, 100)) == (0.0, 10.0)  # TokenCost
+    cost.num_copies, cost.copy_s = 2, 0.004
+    assert (cost.checkpoint_cost(), cost.compute_cost(10, 100)) == (0.0, 10.0)  # no replay timed yet
+    cost.num_replayed_tokens, cost.replay_s = 100, 0.5
+    assert cost.checkpoint_cost() == pytest.approx(0.002) and cost.compute_cost(10, 100) == pytest.approx(0.05)

@@ -272,10 +272,27 @@ def test_v4_checkpoint_restore_replays_nothing_and_costs_state_blocks():
     from kvpool.workload.sessions import chat_workload
 
     wl = chat_workload(20, 3, 4.0, 129_280, seed=5)
-    replay = _simulate("deepseek-v4-flash", wl, tp=2, max_num_seqs=32)
+    replay = _simulate("deepseek-v4-flash", wl, tp=2, max_num_seqs=32, v4_restore="recompute")
     ckpt = _simulate("deepseek-v4-flash", wl, tp=2, max_num_seqs=32, v4_restore="checkpoint", num_checkpoints=64)
     assert replay["replayed_tokens"] == replay["prefix_hit_tokens"] > 0  # every hit shorter than 5,504 tokens
     assert ckpt["replayed_tokens"] == 0 and ckpt["checkpoint_copies"] > 0 and ckpt["prefix_hit_tokens"] > 0
     assert ckpt["ttft_ms_p50"] < replay["ttft_ms_p50"]
     state = replay["kv_capacity_bytes"] - replay["num_blocks"] * replay["block_bytes"]  # 32 state blocks
     assert replay["num_blocks"] - ckpt["num_blocks"] == pytest.approx(64 * state / 32 / replay["block_bytes"], abs=1)
+
+
+def test_v4_auto_restore_keeps_every_hit_in_pooled_checkpoints_while_memory_is_free():
+    """The default V4 restore ("auto", checkpoints pooled in the classical pool's free
+    memory): with memory to spare every hit's boundary keeps its snapshot, so the dual pool
+    hits what uniform paging hits (which keeps every window entry) and replays nothing,
+    and no block is carved out for checkpoints."""
+    from kvpool.workload.sessions import chat_workload
+
+    wl = chat_workload(20, 3, 4.0, 129_280, seed=5)
+    auto = _simulate("deepseek-v4-flash", wl, tp=2, max_num_seqs=32)
+    replay = _simulate("deepseek-v4-flash", wl, tp=2, max_num_seqs=32, v4_restore="recompute")
+    paged = _simulate("deepseek-v4-flash", wl, tp=2, max_num_seqs=32, layout="paged", block_size=128)
+    assert auto["v4_restore"] == "auto" and auto["num_blocks"] == replay["num_blocks"]
+    assert auto["prefix_hit_tokens"] == paged["prefix_hit_tokens"] == replay["prefix_hit_tokens"] > 0
+    assert auto["replayed_tokens"] == 0 and auto["checkpoint_copies"] > 0
+    assert auto["ttft_ms_p50"] < replay["ttft_ms_p50"]

@@ -26,6 +26,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from kvpool.cache.dsv4 import RESTORE_METHODS
 from kvpool.cli.args import (
     PLANNER_KV_DTYPE_HELP,
     check_output_dir,
@@ -140,12 +141,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=positive_int, default=None, help="default: the longest request")
     parser.add_argument(
         "--v4-restore",
-        choices=("recompute", "checkpoint"),
-        default="recompute",
-        help="V4 dual: a prefix hit's state by replaying the last n_win x layers tokens, or from a checkpoint",
+        choices=RESTORE_METHODS,
+        default="auto",
+        help="V4 dual: a prefix hit's state by replaying the last n_win x layers tokens, from a checkpoint, "
+        "or whichever costs less per admission (auto)",
     )
     parser.add_argument(
-        "--v4-checkpoints", type=non_negative_int, default=None, help="V4 checkpoint slots (default 2 x max-num-seqs)"
+        "--v4-checkpoints",
+        type=non_negative_int,
+        default=None,
+        help="V4 checkpoints in this many slots carved out of the pool (default: pooled, in the classical pool's "
+        "free memory)",
     )
     parser.add_argument(
         "--kv-dtype",

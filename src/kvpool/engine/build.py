@@ -242,7 +242,7 @@ def _dsv4_engine(
     num_state_blocks: int = 16,
     max_num_batched_tokens: int = 512,
     max_num_seqs: int = 16,
-    restore: RestoreMethod = "recompute",
+    restore: RestoreMethod | None = None,
     enable_prefix_caching: bool = True,
     record_logits: bool = False,
     hot_set_entries: int | None = None,
@@ -266,12 +266,14 @@ def _dsv4_engine(
                     f"KV memory of {kv_memory_bytes} bytes holds no classical block of {block_bytes} bytes"
                 )
     host, persistent = _tiers(host_cache_bytes, disk_cache, disk_cache_bytes, redis_url)
+    if restore is None:  # chosen per admission by measured costs; the persistent tiers restore by their SWA strategy
+        restore = "recompute" if persistent else "auto"
     runner = DSV4EngineRunner(
         model,
         num_blocks,
         max(num_state_blocks, max_num_seqs),
         restore=restore,
-        num_checkpoints=8 if restore == "checkpoint" else 0,
+        num_checkpoints=0 if restore == "recompute" else 8,
         enable_prefix_caching=enable_prefix_caching,
         hot_set_entries=hot_set_entries,
         host_tier=host,
@@ -332,9 +334,10 @@ def build_engine(model: LoadedModel | TinyDSV4 | TinyHybrid, **options) -> Engin
     format: kvpool.storage.quant's names for Llama, None: the model's dtype; "exact" or
     "fp8" for V4). Llama: block_size, preemption ("recompute", "swap", "auto": LlamaRunner;
     swap and auto need the host tier), decode_path (the attention backend's
-    implementation, attention/backends). V4: num_state_blocks, restore, hot_set_entries
-    (HiSparse), swa (tiers/swa.py), indexer_format. Hybrid: num_slots, block_size,
-    checkpoint_interval. An option the model's runner does not take is a TypeError naming it."""
+    implementation, attention/backends). V4: num_state_blocks, restore (None: "auto", or
+    "recompute" with disk / Redis tiers), hot_set_entries (HiSparse), swa (tiers/swa.py),
+    indexer_format. Hybrid: num_slots, block_size, checkpoint_interval. An option the
+    model's runner does not take is a TypeError naming it."""
     builder = ENGINE_BUILDERS.get(type(model))
     if builder is None:
         kinds = ", ".join(t.__name__ for t in ENGINE_BUILDERS)

@@ -37,6 +37,30 @@ class StepResult:
     logits: Tensor
 
 
+class MeasuredRestoreCost:
+    """The "auto" restore priced by the runner's own timings, in seconds (cache/dsv4.py
+    `RestoreCost`): a checkpoint copy at the mean of the state copies it has made, computing
+    at the seconds per token of its replays; until both are measured, in tokens (TokenCost:
+    a copy is free), as preemption's "auto" swaps until it knows both of its rates."""
+
+    def __init__(self) -> None:
+        self.num_copies = 0
+        self.copy_s = 0.0
+        self.num_replayed_tokens = 0
+        self.replay_s = 0.0
+
+    def _measured(self) -> bool:
+        return self.num_copies > 0 and self.num_replayed_tokens > 0
+
+    def checkpoint_cost(self) -> float:
+        return self.copy_s / self.num_copies if self._measured() else 0.0
+
+    def compute_cost(self, num_tokens: int, context_len: int) -> float:
+        if self._measured():
+            return num_tokens * self.replay_s / self.num_replayed_tokens
+        return float(num_tokens)
+
+
 @dataclass
 class SWAMoves:
     """What the persistent tiers took and gave back: classical blocks and window snapshots
@@ -117,6 +141,7 @@ class DSV4PagedRunner:
         device = self.pools.state[0].ring.device.type
         self.attention = select_backend("dsv4-sparse", f"dsv4-{kv_format}", device).backend(self.pools)
         descriptor = descriptor_for(model, kv_format, indexer_format)
+        self.restore_cost = MeasuredRestoreCost()  # restore="auto": what copies and replays took here
         self.cache = DSV4CacheManager(
             model.spec,
             num_classical_blocks,
@@ -125,6 +150,7 @@ class DSV4PagedRunner:
             enable_prefix_caching=enable_prefix_caching,
             restore=restore,
             num_checkpoints=num_checkpoints,
+            restore_cost=self.restore_cost,
         )
         # host_tier: classical blocks the pool evicts are saved to it, and before an
         # admission the spans it holds after the device hit are brought back into the pool's
@@ -181,7 +207,7 @@ class DSV4PagedRunner:
         self.pools.reset_state(restore.state_slot)
         if restore.method == "checkpoint":
             assert restore.checkpoint_slot is not None
-            self.pools.copy_state(restore.checkpoint_slot, restore.state_slot)
+            self._copy_state(restore.checkpoint_slot, restore.state_slot)
         elif restore.method == "recompute":
             start = valid_from = restore.replay_start  # the zero strategy: nothing before start
             point = self._restore_window(request_id, adm)
@@ -265,6 +291,15 @@ class DSV4PagedRunner:
             pos += n
         self.num_replayed_tokens += adm.num_cached_tokens - start
         self.replay_s += time.perf_counter() - began
+        self.restore_cost.num_replayed_tokens = self.num_replayed_tokens
+        self.restore_cost.replay_s = self.replay_s
+
+    def _copy_state(self, src: int, dst: int) -> None:
+        """A checkpoint restored or snapshot: one state slot copied, timed for "auto"."""
+        began = time.perf_counter()
+        self.pools.copy_state(src, dst)
+        self.restore_cost.num_copies += 1
+        self.restore_cost.copy_s += time.perf_counter() - began
 
     # ----- the persistent tiers: blocks and window snapshots ----------------------------------
 
@@ -438,7 +473,7 @@ class DSV4PagedRunner:
                 cursor[request_id] = stop
                 for position, checkpoint_slot in res.checkpoints:
                     if position == stop:
-                        self.pools.copy_state(slot, checkpoint_slot)
+                        self._copy_state(slot, checkpoint_slot)
                 wanted = snapshots.get(request_id, {}).get(stop)
                 if wanted is not None:  # the state at a boundary the SWA strategy keeps
                     assert self.swa is not None

@@ -495,3 +495,22 @@ def _dsv4_terms(model: ModelSpec, layout: KVLayout, tp: int) -> tuple[AttentionT
 
 # model.attention -> its terms: a plain dict, one entry per attention kind.
 _TERMS = {"gqa": _gqa_terms, "mla": _mla_terms, "dsv4": _dsv4_terms}
+
+
+@dataclass(frozen=True)
+class RestoreCostModel:
+    """A V4 prefix hit's state restore priced in seconds (cache/dsv4.py `RestoreCost`), as
+    `SimRunner` prices what it does: a checkpoint copy moves the state block twice (read
+    and write) at the effective bandwidth; computing tokens (a replay, or the tokens a cut
+    hit computes again as prompt) costs their FLOPs at the effective peak, the time they
+    add to a step (the weights are read once for the whole step whatever it computes)."""
+
+    cost: CostModel
+    state_block_bytes: int
+
+    def checkpoint_cost(self) -> float:
+        gpu = self.cost.gpu
+        return 2 * self.state_block_bytes / (gpu.hbm_bandwidth_bytes_per_s * self.cost.bandwidth_efficiency)
+
+    def compute_cost(self, num_tokens: int, context_len: int) -> float:
+        return self.cost.step_cost([(num_tokens, context_len)]).compute_s

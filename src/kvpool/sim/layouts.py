@@ -13,9 +13,16 @@ planner's KV pool (`kvpool plan`'s ledger) for one replica:
               in blocks of `block_size` (a multiple of 128) with prefix hits at block
               boundaries, one state block per running request (window + compressor tails),
               `max_num_seqs` of them, carved out of the pool first. A prefix hit rebuilds
-              the state by recompute (replaying the last n_win x layers tokens) or, with
-              `v4_restore="checkpoint"`, from one of `num_checkpoints` state snapshots
-              taken at block boundaries (state blocks too, out of the same pool);
+              the state by recompute (replaying the last n_win x layers tokens) or from a
+              state snapshot taken at a block boundary: `v4_restore` "auto" (the default)
+              chooses per admission whichever the cost model prices lower (sim/cost.py
+              RestoreCostModel), "recompute" / "checkpoint" always that one. Snapshots
+              are pooled by default (`num_checkpoints` None: each one the state at its
+              boundary, the window and the CSA compressors' carried rows, about a quarter
+              of a state block for V4-Flash, in ceil(its bytes / block) classical blocks
+              cached in the pool's free memory and evicted in its LRU order with the cached
+              classical blocks, cache/dsv4.py), or `num_checkpoints` whole state blocks
+              carved out of the pool up front;
   hybrid      models with sliding-window layers (Gemma-2, gpt-oss): the hybrid coordinator
               (HybridCacheManager) with a full-attention group and a window group per
               window, all drawing from one shared pool of pages of one byte size, so a
@@ -33,6 +40,7 @@ from dataclasses import dataclass
 
 from kvpool.cache import AttentionGroupSpec, CacheDescriptor, DSV4CacheManager, FullAttentionManager, HybridCacheManager
 from kvpool.capacity.planner import Plan
+from kvpool.sim.cost import CostModel, RestoreCostModel
 from kvpool.sim.routing import LAYOUTS
 from kvpool.spec import dsv4 as dsv4_spec
 
@@ -44,6 +52,7 @@ class BuiltLayout:
     block_bytes: int  # bytes of one block (contiguous: one request's reservation)
     state_block_bytes: int  # V4 dual: one state block; else 0
     pool_bytes: int  # the replica's KV pool (per GPU of its TP group)
+    checkpoint_bytes: int = 0  # V4 dual: what one state snapshot holds (a copy moves it)
 
 
 def default_layout(plan: Plan) -> str:
@@ -60,13 +69,16 @@ def build_layout(
     enable_prefix_caching: bool,
     max_num_seqs: int,
     max_model_len: int,
-    v4_restore: str = "recompute",
-    num_checkpoints: int = 0,
+    v4_restore: str = "auto",
+    num_checkpoints: int | None = 0,
     num_blocks: int | None = None,
+    cost: CostModel | None = None,
 ) -> BuiltLayout:
     """The manager of layout `name` over the plan's pool. ValueError when the layout does not
     apply to the model or the pool holds nothing of it. num_blocks (paged only): exactly
-    that many blocks, at most what the pool holds (to replay an engine's own pool)."""
+    that many blocks, at most what the pool holds (to replay an engine's own pool).
+    cost (dual): prices each admission's state restore when v4_restore is "auto" (None:
+    by token counts, cache/dsv4.py TokenCost)."""
     if name not in LAYOUTS:
         raise ValueError(f"unknown layout {name!r}; one of {', '.join(LAYOUTS)}")
     if num_blocks is not None and name != "paged":
@@ -90,14 +102,22 @@ def build_layout(
         state = int(layout.state_block_bytes)
         block = int(layout.bytes_per_block_all_groups)
         num_states = min(max_num_seqs, pool // (state + block))
-        # checkpoint slots are state blocks too, carved out before the classical blocks
-        num_blocks = (pool - (num_states + num_checkpoints) * state) // block
+        # checkpoint slots are state blocks too, carved out before the classical blocks;
+        # pooled checkpoints (None) take ceil(state / block) classical blocks each, when free
+        slots = num_checkpoints or 0
+        num_blocks = (pool - (num_states + slots) * state) // block
         if num_states <= 0 or num_blocks <= 0:
             raise ValueError(
                 f"a pool of {pool:,} bytes holds no state block of {state:,} bytes "
-                f"(and {num_checkpoints} checkpoints) and a block"
+                f"(and {slots} checkpoints) and a block"
             )
+        pooled = num_checkpoints is None and v4_restore != "recompute"
         spec = dsv4_spec.DSV4Spec.from_config(v4.to_dict(), name=v4.name, block_span=q)
+        # A slot is a whole state block (as the engine's); a pooled snapshot holds only the
+        # state at its span boundary: the window and the CSA compressors' carried rows
+        # (spec.boundary_state_bytes), not the tails a boundary leaves empty.
+        boundary = layout.state_bytes_per_request - spec.compressor_state_bytes() + spec.boundary_compressor_bytes()
+        checkpoint = math.ceil(boundary) if pooled else state
         manager = DSV4CacheManager(
             spec,
             num_blocks,
@@ -105,9 +125,11 @@ def build_layout(
             descriptor,
             enable_prefix_caching=enable_prefix_caching,
             restore=v4_restore,
-            num_checkpoints=num_checkpoints,
+            num_checkpoints=slots,
+            checkpoint_blocks=-(-checkpoint // block) if pooled else 0,
+            restore_cost=None if cost is None else RestoreCostModel(cost, checkpoint),
         )
-        return BuiltLayout(name, manager, block, state, pool)
+        return BuiltLayout(name, manager, block, state, pool, checkpoint)
     if name == "hybrid":
         return _hybrid(plan, pool, descriptor, enable_prefix_caching)
     if name == "contiguous":

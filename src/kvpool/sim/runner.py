@@ -62,8 +62,10 @@ class SimRunner:
         max_model_len: int,
         block_bytes: int,
         state_block_bytes: int = 0,
+        checkpoint_bytes: int | None = None,
     ) -> None:
-        """step_time((num_new_tokens, context_len) per chunk, extra bytes moved) -> seconds."""
+        """step_time((num_new_tokens, context_len) per chunk, extra bytes moved) -> seconds.
+        checkpoint_bytes: what a V4 state copy moves (None: a state block)."""
         self.manager = manager
         self.dual = isinstance(manager, DSV4CacheManager)
         self.hybrid = isinstance(manager, HybridCacheManager)
@@ -74,6 +76,7 @@ class SimRunner:
         self.vocab_size = vocab_size
         self.block_bytes = block_bytes
         self.state_block_bytes = state_block_bytes
+        self.checkpoint_bytes = state_block_bytes if checkpoint_bytes is None else checkpoint_bytes
         if self.dual:
             # the unfinished span lives in the state block (engine/dsv4_runner.py)
             self.capacity_tokens = manager.num_blocks * self.block_size + self.block_size - 1
@@ -86,7 +89,7 @@ class SimRunner:
         self._replays: dict[str, tuple[int, int]] = {}  # seq -> (replay_start, num_cached), priced next step
         self._num_states_taken = 0
         self._restores = 0  # checkpoint restores since the last step (priced as a state copy)
-        self._checkpointing = self.dual and manager.restore == "checkpoint" and manager.enable_prefix_caching
+        self._checkpointing = self.dual and manager.checkpointing
         self.num_replayed_tokens = 0
         self.num_checkpoint_copies = 0
         self.num_copied_blocks = 0
@@ -163,7 +166,7 @@ class SimRunner:
             copies = self._restores + sum(len(self.manager.pending_reservation(c.seq_id).checkpoints) for c in chunks)
             self._restores = 0
             self.num_checkpoint_copies += copies
-            moved = 2 * copies * self.state_block_bytes
+            moved = 2 * copies * self.checkpoint_bytes
         if self.hybrid:
             copies = [c for cs in self.manager.take_copies().values() for c in cs]
             self.num_copied_blocks += len(copies)

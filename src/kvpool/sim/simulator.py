@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvpool.cache.dsv4 import RESTORE_METHODS
 from kvpool.capacity.planner import Plan, plan
 from kvpool.engine.engine import Engine
 from kvpool.engine.sampling import SamplingParams
@@ -52,8 +53,8 @@ class SimConfig:
     max_model_len: int | None = None  # None: the workload's longest request
     num_blocks: int | None = None  # paged: this many blocks instead of the planner's pool (an engine's own)
     kv_dtype: str = "auto"
-    v4_restore: str = "recompute"  # V4 dual: how a prefix hit rebuilds the state
-    num_checkpoints: int | None = None  # V4 checkpoint restore: snapshots kept (None: 2 x max_num_seqs)
+    v4_restore: str = "auto"  # V4 dual: how a prefix hit rebuilds the state (cache/dsv4.py RESTORE_METHODS)
+    num_checkpoints: int | None = None  # V4 snapshots: this many slots of their own (None: pooled)
     slo_ttft_ms: float = 2000.0
     slo_tpot_ms: float = 100.0
 
@@ -71,20 +72,19 @@ class SimConfig:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
-        if self.v4_restore not in ("recompute", "checkpoint"):
-            raise ValueError(f"v4_restore must be 'recompute' or 'checkpoint', got {self.v4_restore!r}")
+        if self.v4_restore not in RESTORE_METHODS:
+            raise ValueError(f"v4_restore must be one of {RESTORE_METHODS}, got {self.v4_restore!r}")
         if self.num_checkpoints is not None and self.num_checkpoints < 0:
             raise ValueError(f"num_checkpoints must be >= 0, got {self.num_checkpoints}")
         if not self.load_cap >= 1:
             raise ValueError(f"load_cap must be >= 1, got {self.load_cap}")
 
     @property
-    def checkpoint_slots(self) -> int:
-        """V4 state snapshots the dual pool keeps: none for recompute, else 2 x max_num_seqs
-        unless num_checkpoints says otherwise."""
-        if self.v4_restore == "recompute":
-            return 0
-        return 2 * self.max_num_seqs if self.num_checkpoints is None else self.num_checkpoints
+    def checkpoint_slots(self) -> int | None:
+        """V4 state snapshots (checkpoint, auto restore): None (pooled: in the classical
+        pool's free memory, as many as it holds), or `num_checkpoints` slots carved out of
+        the pool; 0 for recompute."""
+        return 0 if self.v4_restore == "recompute" else self.num_checkpoints
 
 
 @dataclass
@@ -152,6 +152,7 @@ def _make_replica(index: int, model: ModelSpec, p: Plan, config: SimConfig, cost
         v4_restore=config.v4_restore,
         num_checkpoints=config.checkpoint_slots,
         num_blocks=config.num_blocks,
+        cost=cost,
     )
     runner = SimRunner(
         built.manager,
@@ -162,6 +163,7 @@ def _make_replica(index: int, model: ModelSpec, p: Plan, config: SimConfig, cost
         max_model_len=max_len,
         block_bytes=built.block_bytes,
         state_block_bytes=built.state_block_bytes,
+        checkpoint_bytes=built.checkpoint_bytes,
     )
     engine = Engine(
         runner,

@@ -332,6 +332,29 @@ class DSV4Spec:
                 total += 2 * rows * self.coff(ratio) * self.index_head_dim * elem
         return total
 
+    def boundary_compressor_bytes(self, include_mtp: bool = False, dtype: str = "float32") -> float:
+        """The compressor tails at a span boundary (a multiple of every ratio): each
+        compressor has just pooled its block, so only an overlapping one's (coff - 1) x m
+        carried rows are live (CSA: the previous block's 4 of its 8 rows, main and indexer);
+        HCA's tail is empty."""
+        elem = dtype_bytes(dtype)
+        total = 0.0
+        for ratio in self._state_layers(include_mtp):
+            if ratio == 0:
+                continue
+            carried = (self.coff(ratio) - 1) * ratio
+            total += 2 * carried * self.coff(ratio) * self.head_dim * elem  # kv + score
+            if ratio == CSA_RATIO:
+                total += 2 * carried * self.coff(ratio) * self.index_head_dim * elem
+        return total
+
+    def boundary_state_bytes(
+        self, dtype: str = SERVING, include_mtp: bool = False, compressor_dtype: str = "float32"
+    ) -> float:
+        """The state at a span boundary, all a checkpoint there must hold: the SWA ring and
+        the carried compressor rows (`boundary_compressor_bytes`); no unfinished span."""
+        return self.swa_state_bytes(dtype, include_mtp) + self.boundary_compressor_bytes(include_mtp, compressor_dtype)
+
     def state_bytes_per_request(
         self, dtype: str = SERVING, include_mtp: bool = False, compressor_dtype: str = "float32"
     ) -> float:
