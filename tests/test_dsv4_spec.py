@@ -90,6 +90,17 @@ def test_state_bytes_per_request() -> None:
     assert flash.state_bytes_per_request("float32") == 128 * 2048 * 43 + 21 * csa + 20 * hca
 
 
+def test_the_state_at_a_span_boundary_is_the_window_and_the_carried_csa_rows() -> None:
+    # DEEPSEEK_V4.md section 3: at a multiple of 128 every compressor has just pooled its
+    # block; an overlapping CSA compressor carries the previous block's 4 rows (of its 8, at
+    # width 2 x 512 main, 2 x 128 indexer) into the next one, HCA's 128-row tail is empty
+    flash = load_preset("deepseek-v4-flash")
+    carried = 2 * 4 * 1024 * 4 + 2 * 4 * 256 * 4  # main + indexer, kv + score, fp32
+    assert flash.boundary_compressor_bytes() == 21 * carried == 860_160
+    assert flash.boundary_state_bytes() == 128 * 584 * 43 + 21 * carried == 4_074_496
+    assert flash.boundary_state_bytes() < flash.state_bytes_per_request() / 3
+
+
 def test_missing_key_names_it() -> None:
     cfg = load_preset_config("deepseek-v4-flash")
     for key in REQUIRED_KEYS:

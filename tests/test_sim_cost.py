@@ -323,3 +323,17 @@ def test_calibrate_measures_positive_figures_in_this_process() -> None:
     assert figures["read_bandwidth_bytes_per_s"] > 0
     assert set(figures["fp32_matmul_flops"]) == {"smollm2_step_256x576x1536", "square_2048"}
     assert all(v > 0 for v in figures["fp32_matmul_flops"].values())
+
+
+def test_v4_restore_costs_a_copy_by_its_bytes_and_a_replay_by_its_flops() -> None:
+    from kvpool.sim.cost import RestoreCostModel
+
+    cm = CostModel(load_preset("deepseek-v4-flash"), H200, tp=2)
+    price = RestoreCostModel(cm, 4_074_496)  # a V4-Flash snapshot at a span boundary
+    assert price.checkpoint_cost() == pytest.approx(2 * 4_074_496 / H200_EFFECTIVE_BW, rel=1e-12)  # 2.1 us
+    # the replay of n_win x layers = 5,504 tokens: at least their 2 x N x active parameters
+    # (6.4B active per token on each GPU of V4-Flash at tp 2) at half the FP8 peak: 84 ms
+    replay = price.compute_cost(5504, 5504)
+    assert replay >= 2 * 5504 * cm.active_params_per_token / (1979e12 * 0.5)
+    assert replay > 1000 * price.checkpoint_cost()
+    assert price.compute_cost(64, 5504) < price.compute_cost(128, 5504) < replay
