@@ -8,7 +8,6 @@ from collections.abc import Sequence
 import torch
 
 from kvpool.attention.backends import PagedStepMetadata, paged_format, select_backend
-from kvpool.attention.paged import StepPlan
 from kvpool.cache import Admission, CacheDescriptor, CacheUsage, FullAttentionManager, ReleaseReason
 from kvpool.engine.memory import StepPeaks
 from kvpool.engine.runner import ScheduledChunk
@@ -463,36 +462,6 @@ class LlamaRunner:
 
     # ---- the forward ---------------------------------------------------------------
 
-    def _note_plan(self, plan: StepPlan) -> None:
-        """The plan's tensors (slots, block tables, masks) and a prefill chunk's gathered
-        keys and values, for the memory ledger (`StepPeaks`)."""
-        cfg, item = self.model.config, self.model.dtype.itemsize
-        tables = [plan.slots]
-        if plan.decode is not None:
-            d = plan.decode
-            tables += [d.rows] + ([d.native.indptr, d.native.blocks, d.native.ctx_lens] if d.native else [])
-            if d.bias is not None:
-                tables.append(d.bias)
-            if d.bags is not None:
-                b = d.bags
-                tables += [
-                    t for t in (b.k_rows, b.k_offsets, b.q_rows, b.v_rows, b.v_offsets, b.p_index) if t is not None
-                ]
-            if d.padded is not None:
-                tables.append(d.padded.block_ids)
-        tables += [p.block_ids for p in plan.prefills] + [p.mask for p in plan.prefills if p.mask is not None]
-        self.peaks.note("step_tables", sum(t.nbytes for t in tables))
-        # prefill_attention gathers one layer's K and V blocks of a chunk's context: the two
-        # gathered tensors and the intermediate copy of one of them are alive together; SDPA
-        # turns a chunk's boolean mask [q_len, ctx] into an fp32 one (measured with the
-        # torch profiler: one aten::where of q_len x ctx x 4 B)
-        per_copy = self.block_size * cfg.num_kv_heads * cfg.head_dim * item
-        prefill = [
-            3 * p.block_ids.shape[0] * per_copy + (p.mask.numel() * 4 if p.mask is not None else 0)
-            for p in plan.prefills
-        ]
-        self.peaks.note("chunked_prefill", max(prefill, default=0))
-
     def _note_forward(self, num_tokens: int, attend, logits: torch.Tensor) -> None:
         """What the forward allocated: its step buffers, the attention output (the native
         attend's one buffer; the plain path's `empty_like(q)`, the same shape), the logits."""
@@ -549,7 +518,8 @@ class LlamaRunner:
         )
         if step.decode_path is not None:
             self.last_decode_path = step.decode_path
-        self._note_plan(step.plan)
+        self.peaks.note("step_tables", step.table_bytes)  # the plan's tensors (for the memory ledger)
+        self.peaks.note("chunked_prefill", step.prefill_bytes)
         attend = step.attend
         ids_t = torch.tensor(token_ids, dtype=torch.long, device=device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=device)

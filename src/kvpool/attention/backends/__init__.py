@@ -27,8 +27,9 @@ full and window attention), recurrent.py (the gated delta rule's state update).
 
 A GPU backend is an entry here and a module beside these: e.g. a CUDA/Triton paged
 attention registers `BackendKey("full", "paged", "cuda", "triton")`, a class with the same
-constructor and `begin_step` as `TorchPagedBackend`, and a first place in `PREFERRED`
-for ("full", "paged", "cuda"); the runners do not change.
+constructor as `TorchPagedBackend` whose `begin_step` returns a `PagedStep` (its attend, and
+the byte figures the memory ledger reads), and a first place in `PREFERRED` for ("full",
+"paged", "cuda"); the runners do not change: they never look inside a backend's plan.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvpool.attention.backends.paged_step import PagedStep, PagedStepMetadata, plan_paged, taken_path
+from kvpool.attention.backends.paged_step import Attend, PagedStep, PagedStepMetadata, make_step, plan_paged
 from kvpool.attention.paged import StepPlan, paged_attention, prefill_attention
 from kvpool.storage.kv import PagedKVStorage
 
@@ -43,6 +43,10 @@ class NativeBackend:
         self.storage, self.num_heads, self.kernels, self.dtype = storage, num_heads, kernels, dtype
         self.scale = storage.head_dim**-0.5
 
+    def _step(self, plan: StepPlan, attend: Attend) -> PagedStep:
+        st = self.storage
+        return make_step(plan, attend, st.block_size, st.num_kv_heads, st.head_dim, self.dtype)
+
     def begin_step(self, meta: PagedStepMetadata) -> PagedStep:
         st = self.storage
         plan = plan_paged(
@@ -56,7 +60,7 @@ class NativeBackend:
             "native",
             self.kernels,
         )
-        return PagedStep(plan, NativeAttend(st, plan, self.scale), taken_path(plan))
+        return self._step(plan, NativeAttend(st, plan, self.scale))
 
 
 class NativeAttend:

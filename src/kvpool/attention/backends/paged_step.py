@@ -36,12 +36,41 @@ class PagedStepMetadata:
 
 @dataclass
 class PagedStep:
-    """What a backend made of one step: the plan (for the memory ledger and reports), the
-    attend the model calls, and the path the step's decodes took (None: no decode)."""
+    """What a backend made of one step: the plan, the attend the model calls, the path the
+    step's decodes took (None: no decode), and for the memory ledger (engine/memory.py
+    `StepPeaks`) the bytes of the plan's tensors and of the largest prefill chunk's
+    gathered keys and values."""
 
     plan: StepPlan
     attend: Attend
     decode_path: str | None
+    table_bytes: int
+    prefill_bytes: int
+
+
+def make_step(plan: StepPlan, attend: Attend, block_size: int, num_kv_heads: int, head_dim: int, dtype) -> PagedStep:
+    """A `PagedStep` of `plan` (attention/paged.py), its byte figures computed."""
+    tables = [plan.slots]
+    if plan.decode is not None:
+        d = plan.decode
+        tables += [d.rows] + ([d.native.indptr, d.native.blocks, d.native.ctx_lens] if d.native else [])
+        if d.bias is not None:
+            tables.append(d.bias)
+        if d.bags is not None:
+            b = d.bags
+            tables += [t for t in (b.k_rows, b.k_offsets, b.q_rows, b.v_rows, b.v_offsets, b.p_index) if t is not None]
+        if d.padded is not None:
+            tables.append(d.padded.block_ids)
+    tables += [p.block_ids for p in plan.prefills] + [p.mask for p in plan.prefills if p.mask is not None]
+    # prefill_attention gathers one layer's K and V blocks of a chunk's context: the two
+    # gathered tensors and the intermediate copy of one of them are alive together; SDPA
+    # turns a chunk's boolean mask [q_len, ctx] into an fp32 one (measured with the torch
+    # profiler: one aten::where of q_len x ctx x 4 B)
+    per_copy = block_size * num_kv_heads * head_dim * dtype.itemsize
+    prefill = [
+        3 * p.block_ids.shape[0] * per_copy + (p.mask.numel() * 4 if p.mask is not None else 0) for p in plan.prefills
+    ]
+    return PagedStep(plan, attend, taken_path(plan), sum(t.nbytes for t in tables), max(prefill, default=0))
 
 
 def plan_paged(

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvpool.attention.backends.paged_step import Attend, PagedStep, PagedStepMetadata, plan_paged, taken_path
+from kvpool.attention.backends.paged_step import Attend, PagedStep, PagedStepMetadata, make_step, plan_paged
 from kvpool.attention.paged import DECODE_PATHS, StepPlan, paged_attention, prefill_attention
 from kvpool.storage.kv import QuantizedKVStorage, QuantWriteIndex, SeqSpan
 
@@ -69,6 +69,10 @@ class DequantBackend:
         self.storage, self.num_heads, self.kernels, self.dtype = storage, num_heads, kernels, dtype
         self.scale = storage.head_dim**-0.5
 
+    def _step(self, plan: StepPlan, attend: Attend) -> PagedStep:
+        st = self.storage
+        return make_step(plan, attend, st.block_size, st.num_kv_heads, st.head_dim, self.dtype)
+
     def _plan(self, meta: PagedStepMetadata, decode_path: str) -> StepPlan:
         st = self.storage
         return plan_paged(
@@ -86,7 +90,7 @@ class DequantBackend:
     def begin_step(self, meta: PagedStepMetadata) -> PagedStep:
         plan = self._plan(meta, self.name)
         index = _write_index(self.storage, meta, plan)
-        return PagedStep(plan, _dequant_attend(self.storage, meta, plan, index, self.scale), taken_path(plan))
+        return self._step(plan, _dequant_attend(self.storage, meta, plan, index, self.scale))
 
 
 class QuantNativeBackend(DequantBackend):
@@ -112,8 +116,8 @@ class QuantNativeBackend(DequantBackend):
         plan = self._plan(meta, "native")
         index = _write_index(self.storage, meta, plan)
         if plan.decode is None:  # prefill chunks only: dequantized, as any format
-            return PagedStep(plan, _dequant_attend(self.storage, meta, plan, index, self.scale), None)
-        return PagedStep(plan, QuantNativeAttend(self.storage, plan, index, self.scale), taken_path(plan))
+            return self._step(plan, _dequant_attend(self.storage, meta, plan, index, self.scale))
+        return self._step(plan, QuantNativeAttend(self.storage, plan, index, self.scale))
 
 
 class QuantNativeAttend:

@@ -10,8 +10,8 @@ from collections.abc import Callable
 import torch
 
 from kvpool.attention.backends.native import NativeAttend
-from kvpool.attention.backends.paged_step import PagedStep, PagedStepMetadata, plan_paged, taken_path
-from kvpool.attention.paged import paged_attention
+from kvpool.attention.backends.paged_step import Attend, PagedStep, PagedStepMetadata, make_step, plan_paged
+from kvpool.attention.paged import StepPlan, paged_attention
 from kvpool.storage.kv import PagedKVStorage
 
 TORCH_DECODE_PATHS = ("bags", "padded")
@@ -42,6 +42,10 @@ class TorchPagedBackend:
         self.before_read = before_read
         self.scale = storage.head_dim**-0.5
 
+    def _step(self, plan: StepPlan, attend: Attend) -> PagedStep:
+        st = self.storage
+        return make_step(plan, attend, st.block_size, st.num_kv_heads, st.head_dim, self.dtype)
+
     def begin_step(self, meta: PagedStepMetadata) -> PagedStep:
         st, scale, before_read = self.storage, self.scale, self.before_read
         plan = plan_paged(
@@ -56,7 +60,7 @@ class TorchPagedBackend:
             self.kernels,
         )
         if st.kernels is not None and plan.decode is None:
-            return PagedStep(plan, NativeAttend(st, plan, scale), None)
+            return self._step(plan, NativeAttend(st, plan, scale))
         write_index = st.write_index(plan.slots)
         k_layers, v_layers = st.k_layers, st.v_layers
 
@@ -66,4 +70,4 @@ class TorchPagedBackend:
             st.write(layer, write_index, k, v)
             return paged_attention(q, k_layers[layer], v_layers[layer], plan, scale)
 
-        return PagedStep(plan, attend, taken_path(plan))
+        return self._step(plan, attend)
