@@ -1,5 +1,5 @@
-"""kvpool.capacity: bytes per token by kind, the peak-memory ledger, the planner and
-internal fragmentation (seed 003's capacity model)."""
+"""kvpool.capacity: bytes per token by kind, the peak-memory ledger, the planner (and its P/D
+split, pd.py) and internal fragmentation (seed 003's capacity model)."""
 
 from kvpool.capacity.fragmentation import (
     Fragmentation,
@@ -10,6 +10,7 @@ from kvpool.capacity.fragmentation import (
 )
 from kvpool.capacity.kv import KVLayout, PageGroup, kv_layout
 from kvpool.capacity.ledger import Ledger, LedgerAssumptions, build_ledger
+from kvpool.capacity.pd import plan_pd
 from kvpool.capacity.planner import Plan, max_concurrent, max_context, plan
 from kvpool.capacity.weights import WeightBytes, weight_bytes
 
@@ -29,6 +30,7 @@ __all__ = [
     "max_context",
     "measure_fragmentation",
     "plan",
+    "plan_pd",
     "sample_lengths",
     "weight_bytes",
 ]

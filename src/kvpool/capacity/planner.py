@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from kvpool.capacity.engine import FP32, EngineConfig, build_engine_ledger, engine_max_context
 from kvpool.capacity.fragmentation import Fragmentation, measure_fragmentation, sample_lengths
@@ -62,6 +63,63 @@ class Plan:
     @property
     def fits(self) -> bool:
         return self.ledger.pool_bytes > 0 and self.max_concurrent_per_replica > 0
+
+    def as_dict(self) -> dict[str, Any]:
+        """One JSON-ready object (what `kvpool plan --json` prints); byte counts are per GPU
+        unless a key says otherwise."""
+        # the unsharded model, for whole-model figures
+        whole = kv_layout(self.model, self.layout.kv_dtype, self.layout.block_size, 1, self.layout.indexer_format)
+        frag = self.fragmentation
+        per_slot = self.fragmentation_bytes_per_slot
+        return {
+            "model": self.model.name,
+            "model_type": self.model.model_type,
+            "attention": self.model.attention_label,
+            "num_layers": self.model.num_layers,
+            "params": self.weights.params.total,
+            "weight_dtype": self.weights.weight_dtype,
+            "weight_bytes": self.weights.total_bytes,
+            "gpu": self.gpu.name,
+            "gpu_memory_bytes": self.gpu.memory_bytes,
+            "num_gpus": self.num_gpus,
+            "tp": self.tp,
+            "ep": self.weights.ep,
+            "replicas": self.replicas,
+            "kv_dtype": self.layout.kv_dtype,
+            "block_size": self.layout.block_size,
+            "kv_sharded_by_head": self.layout.sharded_by_head,
+            "kv_bytes_per_token": whole.bytes_per_token,  # whole model, unpadded
+            "kv_bytes_per_token_per_gpu": self.layout.bytes_per_token,
+            "state_bytes_per_request": self.layout.state_bytes_per_request,
+            "context_len": self.context_len,
+            "kv_bytes_at_context": whole.kv_bytes_at_context(self.context_len),  # whole model, one request
+            "kv_bytes_at_context_per_gpu": self.layout.request_bytes(self.context_len),  # paged, padded
+            "kv_pool_bytes_per_gpu": self.ledger.pool_bytes,
+            "max_concurrent_requests": self.max_concurrent_requests,
+            "max_concurrent_requests_per_replica": self.max_concurrent_per_replica,
+            "concurrency": self.concurrency,
+            "max_context_len": self.max_context_len,
+            "max_context_memory_len": self.max_context_memory_len,
+            "max_position_embeddings": self.model.max_position_embeddings,
+            "fits": self.fits,
+            "ledger": self.ledger.as_dict(),
+            "ledger_details": self.ledger.details,
+            "kv_pool_occupancy": self.occupancy,
+            "fragmentation": {
+                "block_size": frag.block_size,
+                "num_seqs": frag.num_seqs,
+                "length_distribution": self.length_distribution,
+                "seed": self.seed,
+                "bound_slots": frag.bound_slots,
+                "expected_slots": frag.expected_slots,
+                "measured_slots": frag.wasted_slots,
+                "measured_rate": frag.rate,
+                "bytes_per_slot_per_gpu": per_slot,
+                "bound_bytes": frag.bound_slots * per_slot,
+                "expected_bytes": frag.expected_slots * per_slot,
+                "measured_bytes": frag.wasted_slots * per_slot,
+            },
+        }
 
 
 def max_concurrent(layout: KVLayout, pool_bytes: float, context_len: int) -> int:

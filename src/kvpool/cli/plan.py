@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
 
 from kvpool.capacity.engine import EngineConfig
 from kvpool.capacity.kv import INDEXER_FORMATS, kv_layout
@@ -247,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
     if result is not None:
         if args.json:
             extra = ({"hisparse": hisparse} if hisparse else {}) | ({"pd": pd} if pd else {})
-            print(json.dumps(plan_to_dict(result) | extra, indent=2))
+            print(json.dumps(result.as_dict() | extra, indent=2))
         else:
             print_plan(result)
             if pd:
@@ -268,47 +267,29 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _pd_split(args: argparse.Namespace, model: ModelSpec, assumptions, context_len: int) -> dict[str, object]:
-    """The prefill and decode instances of a P/D deployment, each planned on its own: the
-    prefill pool holds prompts (--prompt-len), the decode pool whole requests (--context);
-    and the KV bytes one request's prompt moves from one to the other."""
+    """--pd P,D: the prefill and decode instances, each planned on its own (capacity/pd.py)."""
+    from kvpool.capacity.pd import plan_pd
+
     try:
         p, d = (int(x) for x in args.pd.split(","))
     except ValueError:
         raise ValueError(f"expected P,D (prefill and decode GPUs), got {args.pd!r}") from None
     if p <= 0 or d <= 0:
         raise ValueError(f"GPU counts must be positive, got {args.pd!r}")
-    prompt = args.prompt_len or max(1, context_len // 2)
-    if prompt > context_len:
-        raise ValueError(f"--prompt-len {prompt} exceeds the context {context_len}")
-    out: dict[str, object] = {"prompt_len": prompt, "context_len": context_len}
-    for side, gpus, length in (("prefill", p, prompt), ("decode", d, context_len)):
-        part = plan(
-            model,
-            _gpu(args),
-            num_gpus=gpus,
-            tp=gpus,
-            context_len=length,
-            block_size=args.block_size,
-            kv_dtype=args.kv_dtype,
-            indexer_format=args.indexer_format,
-            weight_dtype=args.weight_dtype,
-            assumptions=assumptions,
-            seed=args.seed,
-        )
-        info = plan_to_dict(part)
-        out[side] = {
-            "gpus": gpus,
-            "tp": gpus,
-            "tokens_held": length,
-            "kv_pool_bytes_per_gpu": int(info["kv_pool_bytes_per_gpu"]),
-            "kv_bytes_per_token_per_gpu": info["kv_bytes_per_token_per_gpu"],
-            "max_concurrent_requests": info["max_concurrent_requests"],
-            "fits": part.fits,
-        }
-        if side == "prefill":  # the prompt's full blocks, every KV head, move to the decode side
-            bs = info["block_size"]
-            out["transfer_bytes_per_request"] = int((prompt // bs) * bs * info["kv_bytes_per_token"])
-    return out
+    return plan_pd(
+        model,
+        _gpu(args),
+        p,
+        d,
+        context_len,
+        args.prompt_len,
+        block_size=args.block_size,
+        kv_dtype=args.kv_dtype,
+        indexer_format=args.indexer_format,
+        weight_dtype=args.weight_dtype,
+        assumptions=assumptions,
+        seed=args.seed,
+    )
 
 
 def _print_pd(pd: dict[str, object]) -> None:
@@ -334,68 +315,6 @@ def _print_pd(pd: dict[str, object]) -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# JSON
-# ---------------------------------------------------------------------------------------
-
-
-def plan_to_dict(p: Plan) -> dict[str, Any]:
-    """One JSON-ready object; byte counts are per GPU unless a key says otherwise."""
-    # the unsharded model, for whole-model figures
-    whole = kv_layout(p.model, p.layout.kv_dtype, p.layout.block_size, 1, p.layout.indexer_format)
-    frag = p.fragmentation
-    per_slot = p.fragmentation_bytes_per_slot
-    return {
-        "model": p.model.name,
-        "model_type": p.model.model_type,
-        "attention": p.model.attention_label,
-        "num_layers": p.model.num_layers,
-        "params": p.weights.params.total,
-        "weight_dtype": p.weights.weight_dtype,
-        "weight_bytes": p.weights.total_bytes,
-        "gpu": p.gpu.name,
-        "gpu_memory_bytes": p.gpu.memory_bytes,
-        "num_gpus": p.num_gpus,
-        "tp": p.tp,
-        "ep": p.weights.ep,
-        "replicas": p.replicas,
-        "kv_dtype": p.layout.kv_dtype,
-        "block_size": p.layout.block_size,
-        "kv_sharded_by_head": p.layout.sharded_by_head,
-        "kv_bytes_per_token": whole.bytes_per_token,  # whole model, unpadded
-        "kv_bytes_per_token_per_gpu": p.layout.bytes_per_token,
-        "state_bytes_per_request": p.layout.state_bytes_per_request,
-        "context_len": p.context_len,
-        "kv_bytes_at_context": whole.kv_bytes_at_context(p.context_len),  # whole model, one request
-        "kv_bytes_at_context_per_gpu": p.layout.request_bytes(p.context_len),  # paged, padded
-        "kv_pool_bytes_per_gpu": p.ledger.pool_bytes,
-        "max_concurrent_requests": p.max_concurrent_requests,
-        "max_concurrent_requests_per_replica": p.max_concurrent_per_replica,
-        "concurrency": p.concurrency,
-        "max_context_len": p.max_context_len,
-        "max_context_memory_len": p.max_context_memory_len,
-        "max_position_embeddings": p.model.max_position_embeddings,
-        "fits": p.fits,
-        "ledger": p.ledger.as_dict(),
-        "ledger_details": p.ledger.details,
-        "kv_pool_occupancy": p.occupancy,
-        "fragmentation": {
-            "block_size": frag.block_size,
-            "num_seqs": frag.num_seqs,
-            "length_distribution": p.length_distribution,
-            "seed": p.seed,
-            "bound_slots": frag.bound_slots,
-            "expected_slots": frag.expected_slots,
-            "measured_slots": frag.wasted_slots,
-            "measured_rate": frag.rate,
-            "bytes_per_slot_per_gpu": per_slot,
-            "bound_bytes": frag.bound_slots * per_slot,
-            "expected_bytes": frag.expected_slots * per_slot,
-            "measured_bytes": frag.wasted_slots * per_slot,
-        },
-    }
-
-
-# ---------------------------------------------------------------------------------------
 # Tables
 # ---------------------------------------------------------------------------------------
 
@@ -412,7 +331,7 @@ def print_plan(p: Plan) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    d = plan_to_dict(p)
+    d = p.as_dict()
     console = Console(width=100)
     parallel = f"TP {p.tp}" + (f", EP {p.weights.ep}" if p.weights.ep else "")
     where = (
