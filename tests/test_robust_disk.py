@@ -478,7 +478,7 @@ def test_a_v4_classical_block_of_the_wrong_shape_is_a_miss_recomputed_exactly(tm
 
 def test_the_engine_heals_every_corrupted_payload_in_one_run(engine_run, fp64_model, tmp_path) -> None:
     from kvpool.engine.build import build_engine
-    from kvpool.tiers.disk import inspect_cache
+    from kvpool.tiers.disk_admin import inspect_cache
 
     source, follow, expected = engine_run
     directory = tmp_path / "c"

@@ -1,6 +1,7 @@
 """Tiers beyond device memory: the block descriptor every block that leaves the pool
-carries, the tier interface, the host-memory tier, the crash-safe disk tier, the shared
-Redis tier, and the stack that looks them up in that order."""
+carries, the tier interface, the host-memory tier, the crash-safe disk tier (and, in
+disk_admin.py, what `kvpool cache` does to its directory), the shared Redis tier, and the
+stack that looks them up in that order."""
 
 from kvpool.tiers.base import Tier, TierStats
 from kvpool.tiers.descriptor import BlockDescriptor, TierIndex, descriptor_from_key

@@ -1,0 +1,134 @@
+"""What `kvpool cache` does to a disk cache directory, apart from the tier that serves it
+(disk.py): check a directory is one, list its entries with what each holds (every checksum
+verified, or the headers alone), summarize them, and clear them.
+
+Each only reads, or removes whole files: safe while engines use the directory, which treat
+a removed entry as a miss. A temp file whose writer is alive is never removed (that would
+only fail its write).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvpool.tiers import entry
+from kvpool.tiers.descriptor import BlockDescriptor
+from kvpool.tiers.disk import MARKER, SUFFIX, _open_entry, scan_entries, temp_file_owner_alive
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    path: Path
+    num_bytes: int
+    mtime_ns: int
+    descriptor: BlockDescriptor | None  # None: the entry does not check out
+    problem: str  # "" or why not
+    other_version: bool = False  # written by a kvpool of another entry format (not ours to judge)
+
+
+def existing_cache(directory: str | os.PathLike) -> Path:
+    """A directory that holds a kvpool disk cache (nothing is created); ValueError otherwise."""
+    root = Path(directory).expanduser()
+    if not root.exists():
+        raise ValueError(f"disk cache {str(root)!r} does not exist")
+    if not root.is_dir():
+        raise ValueError(f"disk cache {str(root)!r} is a file, not a directory")
+    if not (root / MARKER).exists():
+        raise ValueError(f"{str(root)!r} is not a kvpool disk cache (no {MARKER} marker)")
+    return root
+
+
+def inspect_cache(root: Path, *, verify: bool = True) -> list[EntryInfo]:
+    """Every entry, checked without changing anything, least recently used first: read
+    whole and every checksum verified (a corrupted payload found), or with verify=False
+    its header only, as a lookup checks it."""
+    out = []
+    for path, st in scan_entries(root):
+        descriptor, problem, other_version = None, "", False
+        try:
+            key = bytes.fromhex(path.name.removesuffix(SUFFIX))
+            with _open_entry(path) as f:
+                if verify:
+                    descriptor = entry.decode(f.read(), key)[0]
+                else:
+                    n = entry.header_length(f.read(8))
+                    descriptor = entry.read_header(f.read(n), key)[0]
+        except entry.OtherVersion as error:
+            problem, other_version = str(error), True
+        except (ValueError, OSError) as error:  # CorruptEntry is a ValueError
+            problem = str(error)
+        out.append(EntryInfo(path, st.st_size, st.st_mtime_ns, descriptor, problem, other_version))
+    return out
+
+
+def summarize_cache(root: Path, infos: list[EntryInfo]) -> dict[str, object]:
+    """`kvpool cache stats`: entries and bytes in all and per model (model id, weights
+    version, layout), the unreadable and other-version ones, tenants, and what waits in
+    quarantine/ and tmp/. `infos`: inspect_cache(root)."""
+    by_model: Counter[str] = Counter()
+    bytes_by_model: Counter[str] = Counter()
+    tenants = set()
+    for info in infos:
+        d = info.descriptor
+        if d is not None:
+            name = f"{d.model_id} ({d.weights_version[:12]}, {d.layout_id})"
+        else:
+            name = "other version" if info.other_version else "unreadable"
+        by_model[name] += 1
+        bytes_by_model[name] += info.num_bytes
+        if d is not None:
+            tenants.add(d.tenant)
+    quarantined = list((root / "quarantine").glob("*"))
+    temps = list((root / "tmp").glob("*.tmp"))
+    return {
+        "directory": str(root),
+        "entries": len(infos),
+        "bytes": sum(i.num_bytes for i in infos),
+        "unreadable": sum(i.descriptor is None and not i.other_version for i in infos),
+        "other_version": sum(i.other_version for i in infos),
+        "tenants": len(tenants),
+        "models": {name: {"entries": n, "bytes": bytes_by_model[name]} for name, n in sorted(by_model.items())},
+        "quarantined": len(quarantined),
+        "quarantined_bytes": sum(_size(p) for p in quarantined),
+        "temp_files": len(temps),
+    }
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.lstat().st_size
+    except FileNotFoundError:  # removed meanwhile
+        return 0
+
+
+@dataclass(frozen=True)
+class Cleared:
+    num_removed: int  # files
+    num_kept: int  # temp files of live writers
+    errors: tuple[OSError, ...]  # what could not be removed
+
+
+def clear_cache(root: Path, quarantine_only: bool = False) -> Cleared:
+    """Remove every entry, quarantined entry and dead writer's temp file (quarantine_only:
+    the last two only). A failed removal is collected, not raised: the others go on."""
+    removed, kept, failed = 0, 0, []
+    targets = ["quarantine", "tmp"] if quarantine_only else ["entries", "quarantine", "tmp"]
+    for sub in targets:
+        for path in sorted((root / sub).iterdir()) if (root / sub).is_dir() else []:
+            if sub == "tmp" and path.suffix == ".tmp" and temp_file_owner_alive(path):
+                kept += 1  # a write in progress: removing it would only make that write fail
+                continue
+            try:
+                if path.is_dir() and not path.is_symlink():
+                    removed += sum(1 for p in path.rglob("*") if not p.is_dir())
+                    shutil.rmtree(path)
+                else:
+                    path.unlink(missing_ok=True)
+                    removed += 1
+            except OSError as error:
+                failed.append(error)
+    return Cleared(removed, kept, tuple(failed))
