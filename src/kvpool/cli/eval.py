@@ -19,11 +19,8 @@ import json
 import math
 import os
 import sys
-from dataclasses import asdict, replace
 
 from kvpool.cli.args import KV_DTYPES, check_output_dir, comma_list, kv_dtype, positive_int
-
-TEXT_SOURCE = "pydoc_data.topics (the Python Language Reference topics shipped with CPython; PSF License)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,20 +62,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.set_defaults(_name="eval kv-quant")
 
 
-def _text(path: str | None) -> tuple[str, str]:
-    if path is None:
-        from pydoc_data.topics import topics
-
-        return "\n\n".join(topics[k] for k in sorted(topics)), TEXT_SOURCE
-    if os.path.isdir(path):
-        raise ValueError(f"--text {path!r} is a directory, not a file")
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read(), path
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--text {path!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-
-
 def _check_plot(path: str | None) -> None:
     if path is None:
         return
@@ -93,24 +76,17 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from kvpool.engine.build import load_model
-    from kvpool.verify.kv_quant import BOOTSTRAP_SAMPLES, BOOTSTRAP_WINDOW, evaluate, greedy_agreement
+    from kvpool.verify.kv_quant import quality_report, reference_text
 
     _check_plot(args.plot)
     if args.greedy_steps < 0:
         raise ValueError(f"--greedy-steps must be >= 0, got {args.greedy_steps}")
     if args.model == "tiny-dsv4":
         return _run_v4(args)
-    text, source = _text(args.text)
+    text, source = reference_text(args.text)
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_model(args.model, device="cpu")
-    ids = loaded.tokenizer.encode(text)[: args.tokens]
-    if len(ids) < 2:
-        raise ValueError(f"the text holds {len(ids)} token(s); at least 2 are needed")
-    if len(ids) > loaded.model.config.max_position:
-        raise ValueError(f"--tokens {len(ids)} exceeds the model's context of {loaded.model.config.max_position}")
-    if args.prefill >= len(ids):
-        raise ValueError(f"--prefill {args.prefill} leaves none of the text's {len(ids)} tokens to decode")
     done = 0
 
     def progress(name: str) -> None:
@@ -118,28 +94,22 @@ def run(args: argparse.Namespace) -> int:
         done += 1
         print(f"kvpool eval kv-quant: {name} ({done}/{len(args.formats) + 1})", file=sys.stderr, flush=True)
 
-    ev = evaluate(loaded.model, ids, args.formats, progress, args.block_size, args.prefill)
-    results = ev.formats
-    if args.greedy_steps:
-        print(f"kvpool eval kv-quant: greedy decoding, {args.greedy_steps} steps", file=sys.stderr, flush=True)
-        prompt = loaded.tokenizer.encode(text)[: args.greedy_prompt]
-        greedy = greedy_agreement(loaded.model, prompt, args.formats, args.greedy_steps, args.block_size)
-        results = [
-            replace(r, greedy_agreement=greedy[r.name][0], greedy_first_divergence=greedy[r.name][1]) for r in results
-        ]
-    report = {
-        "model": os.path.basename(loaded.gguf.path),
-        "text": source,
-        "tokens": len(ids),
-        "block_size": args.block_size,
-        "regime": ev.regime,
-        "bootstrap": f"paired block bootstrap over the scored positions, windows of {BOOTSTRAP_WINDOW}, "
-        f"{BOOTSTRAP_SAMPLES} resamples: 95 % intervals",
-        "greedy_steps": args.greedy_steps,
-        "greedy_prompt_tokens": args.greedy_prompt,
-        "fp32_perplexity": round(ev.fp32_perplexity, 4),
-        "formats": [r.as_dict() for r in results],
-    }
+    def notice(text: str) -> None:
+        print(f"kvpool eval kv-quant: {text}", file=sys.stderr, flush=True)
+
+    report = quality_report(
+        loaded,
+        args.formats,
+        text,
+        source,
+        tokens=args.tokens,
+        prefill=args.prefill,
+        block_size=args.block_size,
+        greedy_steps=args.greedy_steps,
+        greedy_prompt=args.greedy_prompt,
+        progress=progress,
+        notice=notice,
+    )
     if args.plot:
         _plot(report, args.plot)
     if args.json:
@@ -221,7 +191,7 @@ def _plot(report: dict, path: str) -> None:
 def _run_v4(args: argparse.Namespace) -> int:
     """tiny-dsv4: its classical pool exact and in DeepSeek-V4's fp8 layout (verify/kv_quant.py
     evaluate_v4): bytes, teacher-forced KL and top-1, greedy agreement."""
-    from kvpool.verify.kv_quant import evaluate_v4
+    from kvpool.verify.kv_quant import quality_report_v4
 
     if args.plot or args.text:
         raise ValueError("--model tiny-dsv4 takes random token ids: --plot and --text are for SmolLM2")
@@ -230,13 +200,7 @@ def _run_v4(args: argparse.Namespace) -> int:
     def progress(name: str) -> None:
         print(f"kvpool eval kv-quant: tiny-dsv4, {name}", file=sys.stderr, flush=True)
 
-    results = evaluate_v4(seed=0, prompt_len=args.tokens, steps=steps, progress=progress)
-    report = {
-        "model": "tiny-dsv4",
-        "prompt_tokens": args.tokens,
-        "steps": steps,
-        "layouts": [asdict(r) for r in results],
-    }
+    report = quality_report_v4(args.tokens, steps, progress)
     if args.json:
         print(json.dumps(report))
         return 0
@@ -246,16 +210,16 @@ def _run_v4(args: argparse.Namespace) -> int:
     table = Table(title=f"tiny-dsv4 classical pool layouts: a {args.tokens}-token prompt, {steps} steps")
     for column in ("layout", "B/block", "B/token", "x tokens", "KL", "top-1", "greedy", "first diff"):
         table.add_column(column, justify="right")
-    for r in results:
+    for r in report["layouts"]:
         table.add_row(
-            r.name,
-            f"{r.classical_block_bytes:,}",
-            f"{r.classical_bytes_per_token:.1f}",
-            f"{r.capacity_gain:.2f}",
-            f"{r.kl_mean:.2e}",
-            f"{100 * r.top1_agreement:.0f} %",
-            f"{100 * r.greedy_agreement:.0f} %",
-            "-" if r.greedy_first_divergence is None else str(r.greedy_first_divergence),
+            r["name"],
+            f"{r['classical_block_bytes']:,}",
+            f"{r['classical_bytes_per_token']:.1f}",
+            f"{r['capacity_gain']:.2f}",
+            f"{r['kl_mean']:.2e}",
+            f"{100 * r['top1_agreement']:.0f} %",
+            f"{100 * r['greedy_agreement']:.0f} %",
+            "-" if r["greedy_first_divergence"] is None else str(r["greedy_first_divergence"]),
         )
     Console(width=max(120, Console().width)).print(table)
     return 0

@@ -33,8 +33,9 @@ differs the continuations part, so this is the strictest of the figures.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -356,3 +357,84 @@ def evaluate_v4(
             )
         )
     return results
+
+
+# ---- the reports of `kvpool eval kv-quant` ------------------------------------------------
+
+TEXT_SOURCE = "pydoc_data.topics (the Python Language Reference topics shipped with CPython; PSF License)"
+
+
+def reference_text(path: str | None = None) -> tuple[str, str]:
+    """(text, where it comes from): the Python Language Reference's topic pages that CPython
+    ships as `pydoc_data.topics` (every installation has them; PSF License), in sorted topic
+    order, plain text; or the UTF-8 file at `path`."""
+    if path is None:
+        from pydoc_data.topics import topics
+
+        return "\n\n".join(topics[k] for k in sorted(topics)), TEXT_SOURCE
+    if os.path.isdir(path):
+        raise ValueError(f"--text {path!r} is a directory, not a file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read(), path
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--text {path!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def quality_report(
+    loaded,
+    formats: Sequence[str],
+    text: str,
+    source: str,
+    *,
+    tokens: int = 512,
+    prefill: int = 128,
+    block_size: int = 128,
+    greedy_steps: int = 64,
+    greedy_prompt: int = 200,
+    progress: Callable[[str], None] | None = None,
+    notice: Callable[[str], None] | None = None,
+) -> dict:
+    """`kvpool eval kv-quant`'s report on `loaded` (engine.build.load_model's Llama): the
+    text's first `tokens` tokens through `evaluate` (`prefill` of them in one step), and,
+    unless `greedy_steps` is 0, `greedy_agreement` after its first `greedy_prompt` tokens.
+    `progress` hears each format as evaluate starts it, `notice` of the greedy run."""
+    if greedy_steps < 0:
+        raise ValueError(f"--greedy-steps must be >= 0, got {greedy_steps}")
+    ids = loaded.tokenizer.encode(text)[:tokens]
+    if len(ids) < 2:
+        raise ValueError(f"the text holds {len(ids)} token(s); at least 2 are needed")
+    if len(ids) > loaded.model.config.max_position:
+        raise ValueError(f"--tokens {len(ids)} exceeds the model's context of {loaded.model.config.max_position}")
+    if prefill >= len(ids):
+        raise ValueError(f"--prefill {prefill} leaves none of the text's {len(ids)} tokens to decode")
+    ev = evaluate(loaded.model, ids, formats, progress, block_size, prefill)
+    results = ev.formats
+    if greedy_steps:
+        if notice is not None:
+            notice(f"greedy decoding, {greedy_steps} steps")
+        prompt = loaded.tokenizer.encode(text)[:greedy_prompt]
+        greedy = greedy_agreement(loaded.model, prompt, formats, greedy_steps, block_size)
+        results = [
+            replace(r, greedy_agreement=greedy[r.name][0], greedy_first_divergence=greedy[r.name][1]) for r in results
+        ]
+    return {
+        "model": os.path.basename(loaded.gguf.path),
+        "text": source,
+        "tokens": len(ids),
+        "block_size": block_size,
+        "regime": ev.regime,
+        "bootstrap": f"paired block bootstrap over the scored positions, windows of {BOOTSTRAP_WINDOW}, "
+        f"{BOOTSTRAP_SAMPLES} resamples: 95 % intervals",
+        "greedy_steps": greedy_steps,
+        "greedy_prompt_tokens": greedy_prompt,
+        "fp32_perplexity": round(ev.fp32_perplexity, 4),
+        "formats": [r.as_dict() for r in results],
+    }
+
+
+def quality_report_v4(tokens: int = 512, steps: int = 32, progress: Callable[[str], None] | None = None) -> dict:
+    """`kvpool eval kv-quant --model tiny-dsv4`'s report: evaluate_v4 (seed 0) over a
+    `tokens`-id prompt and `steps` steps, each layout's figures as a dict."""
+    results = evaluate_v4(seed=0, prompt_len=tokens, steps=steps, progress=progress)
+    return {"model": "tiny-dsv4", "prompt_tokens": tokens, "steps": steps, "layouts": [asdict(r) for r in results]}
