@@ -48,17 +48,16 @@ class LlamaRunner:
     ):
         """decode_path: the attention backend's implementation, "native" / "bags" / "padded"
         (attention/backends); None picks "native" when the model runs the C kernels, else
-        "bags". host_tier: a tier below the device
-        pool (kvpool.tiers.HostTier): cached blocks the pool evicts are written to it, and
-        an admission loads the prefix it holds (needs prefix caching). preemption: what a
-        preempted sequence's cache becomes (PREEMPTION_MODES): "recompute" (its full blocks
-        stay findable in the prefix cache and the tier like anyone's, the rest is computed
-        again), "swap" (its blocks are written to the host tier at once, its partial tail
-        block too, and loaded back when it resumes), "auto" (swap when moving the bytes
-        costs less than recomputing the tokens, by the rates this runner has measured).
-        persistent_tiers: the disk and Redis tiers, below the host tier (kvpool.tiers):
-        every block that becomes a full cached block is written through to them in the
-        background, and an admission takes the longest prefix across all tiers.
+        "bags". host_tier: a tier below the device pool (kvpool.tiers.HostTier): cached blocks
+        the pool evicts are written to it, and an admission loads the prefix it holds (needs
+        prefix caching). preemption: what a preempted sequence's cache becomes
+        (PREEMPTION_MODES): "recompute" (its full blocks stay findable in the prefix cache and
+        the tier like anyone's, the rest is computed again), "swap" (its blocks are written to
+        the host tier at once, its partial tail block too, and loaded back when it resumes),
+        "auto" (swap when moving the bytes costs less than recomputing the tokens, by the rates
+        this runner has measured). persistent_tiers: the disk and Redis tiers, below the host
+        tier (kvpool.tiers): every block that becomes a full cached block is written through to
+        them in the background, and an admission takes the longest prefix across all tiers.
         kv_format: the KV cache's storage format (storage/quant.py: bf16, fp16, fp8_e4m3,
         fp8_e5m2, int8); None or the model's own dtype: unquantized, in the model's dtype."""
         fmt = kv_format_for(model, kv_format)
@@ -127,8 +126,9 @@ class LlamaRunner:
         self.vocab_size = cfg.vocab_size
         self.capacity_tokens = num_blocks * block_size
         self.max_model_len = min(cfg.max_position, self.capacity_tokens)
-        # The attention backend (attention/backends), chosen once for this storage: its
-        # `begin_step` plans each step and returns the attend the model calls per layer.
+        # The attention backend (attention/backends), chosen once for this storage by the
+        # `decode_path` setter: its `begin_step` plans each step and returns the attend the
+        # model calls per layer.
         self.decode_path = decode_path
         self.last_decode_path: str | None = None  # the path the last step's decodes took
         self.peaks = StepPeaks()  # the largest step's allocations, for the memory ledger
@@ -469,8 +469,7 @@ class LlamaRunner:
         cfg = self.model.config
         if out_bytes is None:
             out_bytes = num_tokens * cfg.num_heads * cfg.head_dim * self.model.dtype.itemsize
-        attn_out = out_bytes
-        self.peaks.note("activations", self.model.step_buffer_bytes + attn_out)
+        self.peaks.note("activations", self.model.step_buffer_bytes + out_bytes)
         self.peaks.note("logits", logits.nbytes)
 
     def note_bookkeeping(self) -> None:
