@@ -61,7 +61,7 @@ class Lifecycle(RuleBasedStateMachine):
     def _apply_copies(self) -> None:
         """The storage layer's copy-on-write, and the model's table update: dst replaces src
         in the table of the request that made the copy (the one that now holds dst)."""
-        for copy in self.m.take_copies():
+        for copy in self.m.take_copies().get("full", []):
             for offset in range(BLOCK_SIZE):
                 src = copy.src * BLOCK_SIZE + offset
                 if src in self.slots:
@@ -171,7 +171,7 @@ class Lifecycle(RuleBasedStateMachine):
             assert self.m.pool.free_queue() == free_before
             assert all(self.m.block_ids(r) == before[r] for r in live)
             return
-        copies = self.m.take_copies()
+        copies = self.m.take_copies().get("full", [])
         # the model's copy of the slot contents, then its tables
         for copy in copies:
             for offset in range(BLOCK_SIZE):

@@ -168,8 +168,8 @@ def test_seed_fork_and_writable_tail():
     reservation = m.reserve("child", 1)
     assert reservation is not None
     assert reservation.copies == (BlockCopy(src=7, dst=9),) and reservation.new_block_ids == ()
-    assert m.take_copies() == [BlockCopy(7, 9)]
-    assert m.take_copies() == []
+    assert m.take_copies() == {"full": [BlockCopy(7, 9)]}
+    assert m.take_copies() == {}
     m.check_integrity()
     assert m.slot_mapping("child", 3, 4) == [9 * 4 + 3]
     m.commit("child", 1)
@@ -177,7 +177,7 @@ def test_seed_fork_and_writable_tail():
     assert (m.pool.refcount(7), m.pool.refcount(9)) == (1, 1)
     # The parent, now exclusive again, writes in place with no copy.
     m.append_token_ids("parent", [5])
-    assert m.reserve("parent", 1) == (3, 1, (), (), ())  # start 3, one token, no block, no copy
+    assert m.reserve("parent", 1)[:5] == (3, 1, (), (), ())  # start 3, one token, no block, no copy
     m.commit("parent", 1)
     m.check_integrity()
 
@@ -247,7 +247,7 @@ def test_rollback_into_an_exclusive_registered_block_unregisters_before_writing(
     m.rollback("a", 6)
     assert m.pool.block_hash(1) is not None  # still valid content until overwritten
     m.append_token_ids("a", [42])
-    assert m.reserve("a", 1) == (6, 1, (), (), ())
+    assert m.reserve("a", 1)[:5] == (6, 1, (), (), ())
     assert m.pool.block_hash(1) is None  # no longer published: its content will change
     m.check_integrity()
     m.commit("a", 1)
@@ -302,7 +302,7 @@ def test_a_step_is_all_or_nothing_and_copies_shared_tails():
     m.finish("c")  # frees 3 then 2
     # One copy suffices: a copies block 1, after which b holds it alone and writes in place.
     assert m.reserve_step(["a", "b"], [1, 1]) is True
-    assert m.take_copies() == [BlockCopy(1, 3)]
+    assert m.take_copies() == {"full": [BlockCopy(1, 3)]}
     assert m.block_ids("a") == [0, 3] and m.block_ids("b") == [0, 1]
     assert m.pool.free_queue() == [2]
     m.check_integrity()

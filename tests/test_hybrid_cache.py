@@ -496,7 +496,7 @@ def test_every_group_kind_keeps_the_whole_group_protocol():
     )
     methods = {n: f for n, f in vars(CacheGroup).items() if inspect.isfunction(f) and not n.startswith("_")}
     attributes = [n for n in CacheGroup.__annotations__ if not n.startswith("_")]
-    assert len(methods) == 27 and attributes == [
+    assert len(methods) == 35 and attributes == [
         "name",
         "kind",
         "pool",
@@ -504,6 +504,8 @@ def test_every_group_kind_keeps_the_whole_group_protocol():
         "reads_whole_prefix",
         "has_table",
         "has_state",
+        "whole_steps",
+        "commit_period",
     ]
     for g in m.groups.values():
         for name in attributes:
@@ -517,3 +519,56 @@ def test_every_group_kind_keeps_the_whole_group_protocol():
         if isinstance(node, ast.ImportFrom) and node.module
     }
     assert not imported & {"kvpool.cache.window", "kvpool.cache.recurrent", "kvpool.cache.dual_pool"}
+
+
+def test_a_follow_up_turn_hits_inside_the_attention_block_where_the_previous_turn_ended():
+    # Figure 12 in full. Blocks of 4, a checkpoint every 8 tokens, turn ends kept. Turn 1
+    # is a 10-token prompt: at its finish the recurrent group keeps the state after 10
+    # (slot 0), and the attention group keeps its partial block 2 (tokens 8, 9) findable
+    # as a partial block, so the follow-up resumes at 10, not at 8.
+    def make(turn_ends: bool) -> HybridCacheManager:
+        specs = [(AttentionGroupSpec("full", 4), 8), (RecurrentGroupSpec("r", 8), 4)]
+        return HybridCacheManager(specs, DESC, turn_end_checkpoints=turn_ends)
+
+    turn1 = list(range(10))
+    follow_up = turn1 + [5, 6, 7]
+    # The reference: without turn ends neither group serves 10; the hit is 8, the last
+    # point both serve (block ends 4, 8; the checkpoint of 8).
+    ref = make(turn_ends=False)
+    prefill(ref, "t1", turn1)
+    ref.finish("t1")
+    assert ref.group_hit_points(follow_up) == {"full": [0, 4, 8], "r": [0, 8]} and ref.lookup_prefix(follow_up) == 8
+
+    m = make(turn_ends=True)
+    assert prefill(m, "t1", turn1) == 0
+    assert m.block_ids("t1") == [0, 1, 2] and m.state_slot("t1") == 0
+    assert m.finish("t1")
+    m.check_integrity()
+    pool = m.groups["full"].pool
+    # Block 2 (positions [8, 10)) is cached, free, like the full blocks 0 and 1 before it
+    assert [pool.is_free_cached(b) for b in (0, 1, 2)] == [True, True, True]
+    assert m.group_hit_points(follow_up) == {"full": [0, 4, 8, 10], "r": [0, 8, 10]}
+    # A prompt that leaves turn 1 inside block 2 (token 9 replaced) gets no partial hit:
+    # the kept block holds other tokens.
+    assert m.group_hit_points(turn1[:9] + [99, 5, 6]) == {"full": [0, 4, 8], "r": [0, 8]}
+
+    admission = m.admit("t2", follow_up)
+    m.check_integrity()
+    # Hit 10: blocks 0 and 1 shared; block 2's 2 tokens copied into block 3 (the first
+    # unhashed free block), which t2 writes from position 10 on; block 4 for [12, 13).
+    # The state is restored from the turn-end checkpoint in slot 0 into slot 2.
+    assert admission[:5] == (10, 3, (0, 1, 3, 4), StateRestore(2, "checkpoint", 0), ())
+    assert admission.groups["full"].copies == (BlockCopy(2, 3),)
+    assert m.take_copies() == {"full": [BlockCopy(2, 3)]}
+    # The source is held until t2's first commit (nothing may reuse it before the copy)
+    assert pool.refcount(2) == 1 and pool.block_hash(3) is None
+    m.commit("t2", 3)
+    m.check_integrity()
+    assert pool.is_free_cached(2) and m.block_ids("t2") == [0, 1, 3, 4]
+    # t2's block 3 now holds [8, 12) = 8, 9, 5, 6, a full block: published as one; the
+    # recurrent group has no checkpoint at 12, so the partial block still sets the hit.
+    assert pool.block_hash(3) is not None
+    assert m.group_hit_points(follow_up[:12] + [1]) == {"full": [0, 4, 8, 10, 12], "r": [0, 8, 10]}
+    assert m.lookup_prefix(follow_up[:12] + [1]) == 10
+    m.finish("t2")
+    m.check_integrity()

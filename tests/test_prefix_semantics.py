@@ -167,7 +167,7 @@ def test_a_queued_copy_dies_with_its_request():
     assert m.block_ids("d") == [3, 4]
     assert prefill(m, "e", [8]) == 0 and m.block_ids("e") == [5]
     assert prefill(m, "f", [8, 8]) == 0 and m.block_ids("f") == [2]
-    assert m.take_copies() == []  # c's copy would have overwritten f's block 2
+    assert m.take_copies() == {}  # c's copy would have overwritten f's block 2
     m.check_integrity()
 
 
@@ -187,14 +187,14 @@ def test_a_queued_copy_a_fork_shares_stays_and_copies_keep_their_order():
     assert m.reserve("c", 1).copies == (BlockCopy(2, 3),)
     assert m.release("p")
     m.check_integrity()
-    assert m.take_copies() == [BlockCopy(1, 2), BlockCopy(2, 3)]
+    assert m.take_copies() == {"full": [BlockCopy(1, 2), BlockCopy(2, 3)]}
     # once nobody reads a destination, its copy goes: q forks r and writes (copy 1 -> 4), then
     # leaves... r holds 4: the copy stays; r leaves too: it is dropped.
     m.fork("q", "r")
     m.append_token_ids("r", [9])
     assert m.reserve("r", 1).copies == (BlockCopy(1, 4),)
     assert m.release("r")
-    assert m.take_copies() == []
+    assert m.take_copies() == {}
     m.check_integrity()
 
 
@@ -208,7 +208,7 @@ def test_a_rollback_drops_a_queued_copy_into_a_block_it_gives_up():
     assert m.block_ids("c") == [0, 3, 2]
     m.rollback("c", 4)  # back to the first block: blocks 2 and 3 are released
     assert m.block_ids("c") == [0]
-    assert m.take_copies() == []
+    assert m.take_copies() == {}
     m.check_integrity()
 
 

@@ -4,8 +4,9 @@ Every manager implements the contract of `CacheManager` (cache/base.py). `Hybrid
 (cache/coordinator.py) is one over several layer groups, each reached through the
 `CacheGroup` protocol (cache/group.py): attention groups, full or sliding-window
 (cache/window.py), recurrent-state checkpoint groups (cache/recurrent.py) and V4 dual-pool
-groups (cache/dual_pool.py). `FullAttentionManager` (cache/full.py) and `DSV4CacheManager`
-(cache/dsv4.py) are the engine's managers of one full-attention group and of V4's dual pool."""
+groups (cache/dual_pool.py). `FullAttentionManager` (cache/full.py) is the coordinator over
+one full-attention group (the engine's paged Llama path); `DSV4CacheManager` (cache/dsv4.py)
+V4's dual pool."""
 
 from kvpool.cache.base import CacheManager, LowerTier
 from kvpool.cache.coordinator import HybridCacheManager

@@ -1,12 +1,12 @@
 """The contract every per-request cache manager implements, and what they share.
 
 A cache manager keeps per-request block tables on one BlockPool and the request lifecycle
-around them; it never touches a tensor. Three implement it: `FullAttentionManager`
-(cache/full.py: paged K/V of full-attention layers, copy-on-write of shared tails),
-`DSV4CacheManager` (cache/dsv4.py: DeepSeek-V4's immutable Classical pool plus one state
-block per request) and `HybridCacheManager` (cache/coordinator.py: any model's layer groups,
-each reached through the `CacheGroup` protocol of cache/group.py). The engine's model
-runners and the tests drive them through these methods only.
+around them; it never touches a tensor. Two implement it: `HybridCacheManager`
+(cache/coordinator.py: any model's layer groups, each reached through the `CacheGroup`
+protocol of cache/group.py; `FullAttentionManager`, cache/full.py, is it over one
+full-attention group) and `DSV4CacheManager` (cache/dsv4.py: DeepSeek-V4's immutable
+Classical pool plus one state block per request). The engine's model runners and the
+tests drive them through these methods only.
 
 Lifecycle of a request, and the rules every implementation keeps:
 

@@ -16,8 +16,10 @@ off that grid some group offers). Example: an attention group whose cached block
 {512, 1024, 1536} and a recurrent group with checkpoints at {0, 1024} give P = 1024.
 Reusing only one side is wrong: attention K/V up to 1536 with a recurrent state from
 anywhere else than 1536 is not the state of that prefix. A P inside an attention block
-copies that block on write (cache/window.py); a dual-pool group serves span boundaries
-only, so P is one (its blocks are never copied).
+copies that block on write (cache/window.py): a cached full block, or the partial block an
+earlier request left at its turn end (`turn_end_checkpoints`), where the recurrent groups
+keep their turn-end checkpoint; a dual-pool group serves span boundaries only, so P is one
+(its blocks are never copied).
 
 Transactions. `admit`, `reserve`, `reserve_step` and `fork` first ask every group what
 they need of each pool (`plan_admit`, `blocks_needed`, `can_fork`: read-only), and change
@@ -34,8 +36,14 @@ really hold. Each group chains its hashes from a root of its own (the group's na
 the root), so a group never finds another group's blocks; the free counts that a
 transaction checks are summed per pool.
 
-Steps are explicit, as for the V4 manager: a reservation covers [num_computed, end) and
-the commit is of exactly those tokens (a recurrent state advances by whole steps).
+Steps. With `exact_steps` (the default, and required by recurrent and dual-pool groups)
+a reservation covers [num_computed, end) and the commit is of exactly those tokens (a
+recurrent state advances by whole steps). Without (attention groups only: the engine's
+one-group `FullAttentionManager`), reservations are block-granular: the blocks a step may
+write are writable to their end, `num_reserved_tokens` is the table's end, a commit may
+take part of the reservation, and a decode inside its block costs one comparison in
+`reserve_step` and one in `commit_step`'s validation. Every group is called once per step
+with the step's requests (the group protocol's calls are batched).
 
 Pure Python: the runner applies the groups' copies (`take_copies`) and restores
 (`restore_source`, `state_restore`) and writes the snapshots (`checkpoints`) that the
@@ -45,11 +53,12 @@ coordinator records.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvpool.cache.base import CacheManager, check_mm_items
+from kvpool.cache.base import CacheManager, LowerTier, check_mm_items
 from kvpool.cache.group import CacheGroup
 from kvpool.cache.types import (
     Admission,
@@ -63,7 +72,7 @@ from kvpool.cache.types import (
     Reservation,
     StateRestore,
 )
-from kvpool.pool import BlockPool, PrefixBlock
+from kvpool.pool import BlockPool, BlockTableCSR, PrefixBlock, StepTables, step_tables, to_csr, token_bytes
 
 
 class GroupSpec(Protocol):
@@ -72,19 +81,24 @@ class GroupSpec(Protocol):
     name: str
 
     def build(
-        self, size: Any, *, enable_caching: bool, hash_algo: str, shared_pool: BlockPool | None
+        self, size: Any, *, enable_caching: bool, hash_algo: str, shared_pool: BlockPool | None, **tiers: Any
     ) -> CacheGroup: ...
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Request:
     request_id: str
     token_ids: list[int]
     mm_items: tuple[MMItem, ...]
     roots: dict[str, PrefixBlock]  # per group (each pool interns its own roots)
     num_computed: int = 0
-    end: int = 0  # reserved positions [num_computed, end); end == num_computed: no step pending
+    # Reserved positions [num_computed, end); end == num_computed: no step pending. Not
+    # exact steps: the end of the blocks the request may write (a multiple of the block size)
+    end: int = 0
     states: dict[str, Any] = field(default_factory=dict)  # group name -> the group's state of the request
+    budget: int = 0  # the admission's max_new_tokens (or the rest of the prompt): for complete_loads
+    num_loading: int = 0  # tokens of the hit a lower tier is still loading (complete_loads)
+    readmitted: bool = False  # admitted after a preemption (its hits count apart)
 
 
 class HybridCacheManager(CacheManager):
@@ -92,7 +106,9 @@ class HybridCacheManager(CacheManager):
     (`spec.build`) and says what a size is: blocks or state slots, None for an attention
     group that draws from the shared pool of `shared_blocks` blocks, (classical blocks,
     state blocks) for a dual-pool group (V4). All attention groups share one block size
-    (one page size; heterogeneous pages are not done)."""
+    (one page size; heterogeneous pages are not done). exact_steps: see the module
+    docstring. lower_tier, record_published: an attention group's tier hooks
+    (cache/window.py), passed to every spec's `build` when given."""
 
     def __init__(
         self,
@@ -103,6 +119,9 @@ class HybridCacheManager(CacheManager):
         hash_algo: str = "xxh3_128",
         shared_blocks: int | None = None,
         turn_end_checkpoints: bool = False,
+        exact_steps: bool = True,
+        lower_tier: LowerTier | None = None,
+        record_published: bool = False,
     ) -> None:
         if not groups:
             raise ValueError("a hybrid cache needs at least one group")
@@ -111,6 +130,11 @@ class HybridCacheManager(CacheManager):
             if shared_blocks <= 0:
                 raise ValueError(f"shared_blocks must be positive, got {shared_blocks}")
             shared = BlockPool(shared_blocks, enable_caching=enable_prefix_caching, hash_algo=hash_algo)
+        tiers: dict[str, Any] = {}
+        if lower_tier is not None:
+            tiers["lower_tier"] = lower_tier
+        if record_published:
+            tiers["record_published"] = True
         built: dict[str, CacheGroup] = {}
         for spec, size in groups:
             build = getattr(spec, "build", None)
@@ -119,10 +143,12 @@ class HybridCacheManager(CacheManager):
             if spec.name in built:
                 raise ValueError(f"two groups are named {spec.name!r}")
             built[spec.name] = build(
-                size, enable_caching=enable_prefix_caching, hash_algo=hash_algo, shared_pool=shared
+                size, enable_caching=enable_prefix_caching, hash_algo=hash_algo, shared_pool=shared, **tiers
             )
         if shared is not None and not any(g.pool is shared for g in built.values()):
             raise ValueError("shared_blocks is given but no group draws from it (give an attention group None)")
+        if not exact_steps and any(g.whole_steps for g in built.values()):
+            raise ValueError(f"exact_steps=False needs groups without whole steps, got {sorted(built)}")
         # Callers that own per-kind tensors pick their groups by kind; nothing below does
         self.attention_groups = [g for g in built.values() if g.kind == "attention"]
         self.recurrent_groups = [g for g in built.values() if g.kind == "recurrent"]
@@ -137,16 +163,26 @@ class HybridCacheManager(CacheManager):
         first = self._table_groups[0] if self._table_groups else next(iter(built.values()))
         super().__init__(first.pool, first.granularity, descriptor)
         self.groups = built
+        self._group_list = list(built.values())
         # Each distinct pool once (a dict keeps layer-map order; a BlockPool hashes by identity)
         self._pools: dict[BlockPool, list[CacheGroup]] = {}
         for g in built.values():
             self._pools.setdefault(g.pool, []).append(g)
         self._block_pools = list(dict.fromkeys(g.pool for g in self._table_groups))
+        # On a shared pool the group's name is in its root: groups never find each other's blocks
+        self._root_keys = {
+            name: b"|group=" + name.encode() if len(self._pools[g.pool]) > 1 else b"" for name, g in built.items()
+        }
         # Whole-prefix groups are looked up first: their hit bounds the others' lookups
         self._lookup_order = sorted(built.items(), key=lambda item: not item[1].reads_whole_prefix)
         self._caching = enable_prefix_caching
         self.turn_end_checkpoints = turn_end_checkpoints
+        self.exact_steps = exact_steps
         self.hit_granularity = math.gcd(*(g.granularity for g in built.values()))
+        self._commit_period = math.gcd(*(g.commit_period for g in built.values()))
+        # Requests admitted, forked or marked at a turn end since their last commit: the
+        # decode path's commit does not skip them (a held copy source, a restore to end)
+        self._fresh: set[str] = set()
 
     # ---- queries -----------------------------------------------------------------------
 
@@ -156,7 +192,7 @@ class HybridCacheManager(CacheManager):
 
     @property
     def num_blocks(self) -> int:
-        """Blocks of every attention pool (a shared pool once) and classical pool."""
+        """Blocks of every table pool (a shared pool once)."""
         return sum(pool.num_blocks for pool in self._block_pools)
 
     @property
@@ -190,6 +226,11 @@ class HybridCacheManager(CacheManager):
         """The logical index of the request's first held block in a table group."""
         g = self._group(group, self._table_groups, "block-table")
         return g.first_block(self._get(request_id).states[g.name])
+
+    def prefix_chain(self, request_id: str, group: str | None = None) -> list[PrefixBlock]:
+        """The prefix blocks of the request's computed full blocks, in order (caching on)."""
+        g = self._group(group, self._table_groups, "block-table")
+        return list(g.prefix_chain(self._get(request_id).states[g.name]))
 
     def state_slot(self, request_id: str, group: str | None = None) -> int:
         """The live state slot of a recurrent group or the state block of a dual-pool group
@@ -230,6 +271,80 @@ class HybridCacheManager(CacheManager):
             if copies:
                 out[name] = copies
         return out
+
+    def take_evicted(self) -> list[tuple[int, PrefixBlock]]:
+        """Cached blocks the allocator evicted since the last call, (block id, the content it
+        held), oldest first: their slots still hold that content until the next forward
+        writes them. Empty without a lower tier (which serves a one-group model)."""
+        return [e for g in self._group_list for e in g.take_evicted()]
+
+    def take_published(self) -> list[tuple[int, PrefixBlock]]:
+        """Blocks that became full cached blocks since the last call, (block id, its prefix
+        block), in order: their content is final. Empty unless `record_published`."""
+        return [p for g in self._group_list for p in g.take_published()]
+
+    def slot_mapping(self, request_id: str, start: int, end: int, group: str | None = None) -> list[int]:
+        """Physical slots of positions [start, end) in a table from block 0 (full attention);
+        they must lie within the reservation."""
+        req = self._get(request_id)
+        if not 0 <= start <= end <= req.end:
+            raise ValueError(f"positions [{start}, {end}) outside the reserved [0, {req.end})")
+        return self.step_tables([request_id], [start], [end], group, check=False).slots
+
+    def csr(
+        self, request_ids: Sequence[str], num_tokens: Sequence[int] | None = None, group: str | None = None
+    ) -> BlockTableCSR:
+        """The batch's tables in CSR form, each covering `num_tokens[i]` tokens (default: the
+        computed tokens; pass computed + in-flight for the step's attention). ValueError for
+        a count outside [0, reserved]."""
+        g = self._group(group, self._table_groups, "block-table")
+        reqs = [self._get(r) for r in request_ids]
+        if num_tokens is None:
+            counts = [req.num_computed for req in reqs]
+        else:
+            counts = list(num_tokens)
+            if len(counts) != len(reqs):
+                raise ValueError(f"{len(reqs)} requests but {len(counts)} token counts")
+            for req, n in zip(reqs, counts, strict=True):
+                if not 0 <= n <= req.end:
+                    raise ValueError(f"request {req.request_id!r}: {n} tokens outside the reserved [0, {req.end}]")
+        return to_csr([g.block_ids(req.states[g.name]) for req in reqs], counts, g.granularity)
+
+    def step_tables(
+        self,
+        request_ids: Sequence[str],
+        starts: Sequence[int],
+        ends: Sequence[int],
+        group: str | None = None,
+        *,
+        check: bool = True,
+    ) -> StepTables:
+        """What a step's attention needs, in one pass: the slots of each request's positions
+        [starts[i], ends[i]), and its table over [0, ends[i]). A step continues the computed
+        prefix (starts[i] is the request's computed count) within its reservation."""
+        g = self._group(group, self._table_groups, "block-table")
+        reqs = [self._get(r) for r in request_ids]
+        if check:
+            for req, start, end in zip(reqs, starts, ends, strict=True):
+                if start != req.num_computed or end > req.end:
+                    raise ValueError(
+                        f"request {req.request_id!r}: positions [{start}, {end}) do not continue its "
+                        f"{req.num_computed} computed tokens within the reserved [0, {req.end})"
+                    )
+        name = g.name
+        return step_tables([req.states[name].block_ids for req in reqs], starts, ends, g.granularity)
+
+    def metadata_bytes(self) -> int:
+        """Bytes of the coordinator's Python structures: the pools', and every request's
+        token ids and each group's bookkeeping of it (sys.getsizeof). A token id is an int
+        object of 28 B (ids up to 2^30; the shared small ints below 257 make this a slight
+        overcount), counted, not walked: a harness calls this every step."""
+        size = sys.getsizeof
+        total = sum(pool.metadata_bytes() for pool in self._pools) + size(self._requests)
+        for req in self._requests.values():
+            total += size(req) + size(req.token_ids) + _INT_BYTES * len(req.token_ids)
+            total += sum(g.metadata_bytes(req.states[name]) for name, g in self.groups.items())
+        return total
 
     def usage(self) -> CacheUsage:
         """Table blocks of every group, each physical block counted once (a dual pool's
@@ -275,21 +390,21 @@ class HybridCacheManager(CacheManager):
         if len(token_ids) == 0:
             raise ValueError(f"request {request_id!r} has an empty prompt")
         items = check_mm_items(mm_items, len(token_ids))
+        token_bytes(token_ids)  # ValueError for an id that is no token
         if descriptor is not None and not isinstance(descriptor, CacheDescriptor):
             raise TypeError(f"descriptor must be a CacheDescriptor, got {type(descriptor).__name__}")
         key = self._descriptor_key if descriptor is None else descriptor.key()
-        # The group's name in its root: groups on a shared pool never find each other's blocks
-        roots = {name: g.pool.root(key + b"|group=" + name.encode(), tenant_salt) for name, g in self.groups.items()}
+        roots = {name: g.pool.root(key + self._root_keys[name], tenant_salt) for name, g in self.groups.items()}
         return _Request(request_id, list(token_ids), items, roots)
 
-    def _hits(self, req: _Request, bounded: bool = True) -> dict[str, Any]:
-        """Each group's hits. bounded: full-attention groups first, and the others look no
+    def _hits(self, req: _Request, bounded: bool = True, admission: bool = False) -> dict[str, Any]:
+        """Each group's hits. bounded: whole-prefix groups first, and the others look no
         further than the smallest bound so far (a cold prompt then costs a block's hash per
         group, not the whole prompt's: the simulator retries a waiting admission every step)."""
         limit: int | None = None
         hits = {}
         for name, g in self._lookup_order:
-            hits[name] = g.hits(req.roots[name], req.token_ids, req.mm_items, limit)
+            hits[name] = g.hits(req.roots[name], req.token_ids, req.mm_items, limit, admission=admission)
             if bounded:
                 bound = g.upper_bound(hits[name])
                 limit = bound if limit is None else min(limit, bound)
@@ -356,9 +471,11 @@ class HybridCacheManager(CacheManager):
         mm_items: Sequence[MMItem] = (),
         descriptor: CacheDescriptor | None = None,
     ) -> Admission | None:
+        """As the contract says; with a lower tier, the hit may end in blocks the tier holds:
+        they are not computed until `complete_loads` (`Admission.loads` names them)."""
         self._check_new(request_id, token_ids, max_new_tokens)
         req = self._new_request(request_id, token_ids, tenant_salt, mm_items, descriptor)
-        hits = self._hits(req) if self._caching else {}
+        hits = self._hits(req, admission=True) if self._caching else {}
         point = self.hit_point(hits, len(req.token_ids)) if self._caching else 0
         rest = len(req.token_ids) - point
         n = rest if max_new_tokens is None else min(max_new_tokens, rest)
@@ -377,25 +494,66 @@ class HybridCacheManager(CacheManager):
         admit_copies = {}
         for name, g in self.groups.items():
             req.states[name], admit_copies[name] = g.apply_admit(plans[name], req.roots[name])
-        req.num_computed = req.end = point
+        # The lower tier's blocks are in flight until loaded: not computed, not findable
+        req.num_loading = sum(len(g.loads(req.states[name])) * g.granularity for name, g in self.groups.items())
+        req.num_computed = req.end = point - req.num_loading
+        req.budget = rest if max_new_tokens is None else max_new_tokens
         self._requests[request_id] = req
-        self._count_admission(request_id, len(req.token_ids), point)
-        step = self._apply_reserve(req, end).groups if n else {}
+        self._fresh.add(request_id)
+        req.readmitted = request_id in self._preempted
+        self._count_admission(request_id, len(req.token_ids), req.num_computed)
+        step = self._apply_reserve([req], [end]) if n else {}
         parts = {}
         for name, g in self.groups.items():
-            state, res = req.states[name], step.get(name)
+            state, res = req.states[name], step[name][0] if step else None
             copies = admit_copies[name] + res.copies if res is not None else admit_copies[name]
-            checkpoints = res.checkpoints if res is not None else ()
             parts[name] = GroupAdmission(
-                tuple(g.block_ids(state)), g.first_block(state), copies, g.restore(state), checkpoints
+                tuple(g.block_ids(state)),
+                g.first_block(state),
+                copies,
+                g.restore(state),
+                res.checkpoints if res is not None else (),
+                tuple(g.loads(state)),
             )
-        # The first table group's blocks, the first stateful group's restore (recurrent first)
-        table = parts[self._table_groups[0].name].block_ids if self._table_groups else ()
+        # The first table group's blocks and loads, the first stateful group's restore (recurrent first)
+        table = parts[self._table_groups[0].name] if self._table_groups else None
         restore = parts[self._state_groups[0].name].restore if self._state_groups else None
-        return Admission(point, n, table, restore, groups=parts)
+        if table is None:
+            return Admission(point, n, (), restore, groups=parts)
+        return Admission(point, n, table.block_ids, restore, table.loads, parts)
+
+    def complete_loads(self, request_id: str, num_loaded: int) -> Admission:
+        """The first `num_loaded` blocks of the admission's `loads` hold their content now
+        (copied and checked): they join the request's computed prefix and become findable,
+        in order. The rest (a lower-tier entry gone or refused since admission) are computed
+        instead: the returned Admission is the one the engine must follow, its first step
+        starting after the loaded blocks."""
+        req = self._get(request_id)
+        loading = [(name, g) for name, g in self.groups.items() if g.loads(req.states[name])]
+        num_blocks = sum(len(g.loads(req.states[name])) for name, g in loading)
+        if not 0 <= num_loaded <= num_blocks or len(loading) > 1:
+            raise ValueError(f"request {request_id!r}: {num_loaded} blocks loaded, but {num_blocks} were to load")
+        loaded_tokens = 0
+        for name, g in loading:
+            g.complete_loads(req.states[name], num_loaded)
+            loaded_tokens = num_loaded * g.granularity
+        req.num_computed += loaded_tokens
+        req.num_loading = 0
+        stats = self.stats
+        stats.num_lower_tier_hit_tokens += loaded_tokens
+        if req.readmitted:
+            stats.num_readmitted_hit_tokens += loaded_tokens
+        else:
+            stats.num_hit_tokens += loaded_tokens
+        n = min(req.budget, len(req.token_ids) - req.num_computed)
+        assert req.num_computed + n <= req.end, "the admission's blocks cover the step"
+        table = tuple(self.block_ids(request_id)) if self._table_groups else ()
+        return Admission(req.num_computed, n, table)
 
     def _check_reserve(self, req: _Request, num_new_tokens: int) -> None:
-        if req.end != req.num_computed:
+        if req.num_loading:
+            raise ValueError(f"request {req.request_id!r} has lower-tier blocks to load (complete_loads first)")
+        if self.exact_steps and req.end != req.num_computed:
             raise ValueError(f"request {req.request_id!r} has an uncommitted step; commit it first")
         if num_new_tokens < 0:
             raise ValueError(f"request {req.request_id!r}: num_new_tokens must be >= 0, got {num_new_tokens}")
@@ -405,46 +563,95 @@ class HybridCacheManager(CacheManager):
                 f"{len(req.token_ids)} token ids are known (append_token_ids first)"
             )
 
-    def _needs(self, req: _Request, end: int, total: dict[BlockPool, int]) -> dict[BlockPool, int]:
-        """Add the free blocks each group's pool gives the step [num_computed, end) to `total`."""
-        states, nc = req.states, req.num_computed
-        for name, g in self.groups.items():
-            n = g.blocks_needed(states[name], nc, end)
+    def _needs(self, reqs: list[_Request], ends: list[int]) -> dict[BlockPool, int]:
+        """Free blocks each pool gives the step, all groups together."""
+        total: dict[BlockPool, int] = {}
+        for g in self._group_list:
+            n = g.blocks_needed(reqs, ends)
             if n:
                 total[g.pool] = total.get(g.pool, 0) + n
         return total
 
-    def _apply_reserve(self, req: _Request, end: int) -> Reservation:
-        """Every group's part; the first table group's new blocks and copies and the first
-        stateful group's checkpoints (recurrent first) in the fields before `groups`."""
-        parts = {}
-        for name, g in self.groups.items():
-            parts[name] = g.apply_reserve(req.states[name], req.token_ids, req.mm_items, req.num_computed, end)
-        first = parts[self._table_groups[0].name] if self._table_groups else GroupReservation()
-        checkpoints = parts[self._state_groups[0].name].checkpoints if self._state_groups else ()
-        start = req.num_computed
-        req.end = end
-        return Reservation(start, end - start, first.new_block_ids, first.copies, checkpoints, parts)
+    def _apply_reserve(
+        self, reqs: list[_Request], ends: list[int], detail: bool = True
+    ) -> dict[str, list[GroupReservation] | None]:
+        """Every group's part of the step, per request; the requests' reserved ends move."""
+        parts = {g.name: g.apply_reserve(reqs, ends, detail=detail) for g in self._group_list}
+        if self.exact_steps:
+            for req, end in zip(reqs, ends, strict=True):
+                req.end = end
+        else:  # the blocks a step may write are writable to their end
+            unit = self.hit_granularity
+            for req, end in zip(reqs, ends, strict=True):
+                if end > req.end:
+                    req.end = -(-end // unit) * unit
+        return parts
 
     def reserve(self, request_id: str, num_new_tokens: int) -> Reservation | None:
+        """As the contract says; each group's part in `groups`. Not exact steps: a repeated
+        reserve before commit replaces the previous one (the reservation only grows)."""
         req = self._get(request_id)
         self._check_reserve(req, num_new_tokens)
-        end = req.num_computed + num_new_tokens
-        if not self._fits(self._needs(req, end, {})):
+        start = req.num_computed
+        end = start + num_new_tokens
+        if not self.exact_steps and end <= req.end:
+            return Reservation(start, num_new_tokens, ())  # inside the reservation: nothing to take
+        if not self._fits(self._needs([req], [end])):
             return None
-        return self._apply_reserve(req, end)
+        parts = {name: res[0] for name, res in self._apply_reserve([req], [end]).items()}
+        first = parts[self._table_groups[0].name] if self._table_groups else GroupReservation()
+        checkpoints = parts[self._state_groups[0].name].checkpoints if self._state_groups else ()
+        return Reservation(start, num_new_tokens, first.new_block_ids, first.copies, checkpoints, parts)
 
     def reserve_step(self, request_ids: Sequence[str], num_new_tokens: Sequence[int]) -> bool:
-        reqs = self._step_requests(request_ids, num_new_tokens)
-        total: dict[BlockPool, int] = {}
-        for req, n in zip(reqs, num_new_tokens, strict=True):
-            self._check_reserve(req, n)
-            self._needs(req, req.num_computed + n, total)
-        if not self._fits(total):
+        """`reserve` for a whole step, all or nothing. Not exact steps: a request whose
+        reserved slots already cover its tokens (a decode inside its block) costs one
+        comparison, and token ids are checked only where blocks are taken (`commit_step`
+        refuses a commit past the known tokens before any change)."""
+        if len(request_ids) != len(num_new_tokens):
+            raise ValueError(f"{len(request_ids)} requests but {len(num_new_tokens)} token counts")
+        if not request_ids:
+            return True
+        if not self.exact_steps and num_new_tokens.count(1) == len(request_ids):  # all decodes
+            try:
+                pending = [r for r in map(self._requests.__getitem__, request_ids) if r.num_computed >= r.end]
+            except KeyError as missing:
+                raise KeyError(f"unknown request {missing.args[0]!r}") from None
+            if not pending:
+                return True  # a request listed twice inside its reservation is harmless: nothing is taken
+            if len(set(map(id, pending))) != len(pending):
+                raise ValueError(f"a request appears twice in {list(request_ids)}")
+            ends = []
+            for req in pending:
+                end = req.num_computed + 1
+                if req.num_loading or end > len(req.token_ids):
+                    self._check_reserve(req, 1)  # raises
+                ends.append(end)
+        else:
+            reqs = self._step_requests(request_ids, num_new_tokens)
+            if min(num_new_tokens) < 0:
+                raise ValueError(f"num_new_tokens must be >= 0, got {min(num_new_tokens)}")
+            pending, ends = [], []
+            for req, n in zip(reqs, num_new_tokens, strict=True):
+                if self.exact_steps or req.num_computed + n > req.end:
+                    self._check_reserve(req, n)
+                    pending.append(req)
+                    ends.append(req.num_computed + n)
+        if not pending:
+            return True
+        if not self._fits(self._needs(pending, ends)):
             return False
-        for req, n in zip(reqs, num_new_tokens, strict=True):
-            self._apply_reserve(req, req.num_computed + n)
+        self._apply_reserve(pending, ends, detail=False)
         return True
+
+    def _requests_of(self, request_ids: Sequence[str]) -> list[_Request]:
+        """The requests, in order. ValueError for a repeated id, KeyError for an unknown one."""
+        if len(set(request_ids)) != len(request_ids):
+            raise ValueError(f"a request appears twice in {list(request_ids)}")
+        try:
+            return list(map(self._requests.__getitem__, request_ids))
+        except KeyError as missing:
+            raise KeyError(f"unknown request {missing.args[0]!r}") from None
 
     def commit(self, request_id: str, num_tokens: int) -> None:
         self.commit_step((request_id,), (num_tokens,), (None,))
@@ -452,37 +659,123 @@ class HybridCacheManager(CacheManager):
     def commit_step(
         self, request_ids: Sequence[str], num_tokens: Sequence[int], next_token_ids: Sequence[int | None]
     ) -> None:
-        reqs = self._step_requests(request_ids, num_tokens, next_token_ids)
-        for req, n in zip(reqs, num_tokens, strict=True):
-            if n != req.end - req.num_computed:
-                raise ValueError(
-                    f"request {req.request_id!r}: commit of {n} tokens, but the step reserved "
-                    f"{req.end - req.num_computed} (a recurrent state advances by whole steps)"
-                )
-        for req, next_token_id in zip(reqs, next_token_ids, strict=True):
-            req.num_computed = req.end
-            for name, g in self.groups.items():
-                g.commit(req.states[name], req.token_ids, req.num_computed, req.mm_items)
-            if next_token_id is not None:
-                req.token_ids.append(next_token_id)
+        """`commit` for a whole step, validated first; then every group is called once with
+        the requests whose commit may change it (a decode step: those that complete one of
+        its units, or that are new since their last commit)."""
+        if not len(request_ids) == len(num_tokens) == len(next_token_ids):
+            raise ValueError(
+                f"{len(request_ids)} requests, {len(num_tokens)} token counts, {len(next_token_ids)} next tokens"
+            )
+        reqs = self._requests_of(request_ids)
+        if not reqs:
+            return
+        decode = num_tokens.count(1) == len(reqs)  # all decodes: the engine's common step
+        bad = None
+        if self.exact_steps:
+            for req, n in zip(reqs, num_tokens, strict=True):
+                if n != req.end - req.num_computed:
+                    raise ValueError(
+                        f"request {req.request_id!r}: commit of {n} tokens, but the step reserved "
+                        f"{req.end - req.num_computed} (a recurrent state advances by whole steps)"
+                    )
+        elif decode:
+            try:
+                for req in reqs:
+                    nc = req.num_computed
+                    if nc >= req.end:
+                        bad = req
+                        break
+                    req.token_ids[nc]  # the committed position's token id is known (IndexError if not)
+            except IndexError:
+                bad = req
+        else:
+            if min(num_tokens) < 0:
+                raise ValueError(f"a commit of {min(num_tokens)} tokens")
+            bad = next(
+                (
+                    req
+                    for req, n in zip(reqs, num_tokens, strict=True)
+                    if n > req.end - req.num_computed or req.num_computed + n > len(req.token_ids)
+                ),
+                None,
+            )
+        if bad is not None:
+            nc, n = bad.num_computed, num_tokens[reqs.index(bad)]
+            raise ValueError(
+                f"request {bad.request_id!r}: commit of {n} tokens from position {nc}: "
+                f"{bad.end - nc} reserved, {len(bad.token_ids) - nc} token ids known"
+            )
+        fresh = self._fresh
+        if decode:
+            period = self._commit_period
+            changed = []
+            for req, next_token_id in zip(reqs, next_token_ids, strict=True):
+                nc = req.num_computed + 1
+                req.num_computed = nc
+                if nc % period == 0:
+                    changed.append(req)
+                if next_token_id is not None:
+                    req.token_ids.append(next_token_id)
+            if fresh:  # (in step order: the order groups publish in decides which copy is findable)
+                changed = [req for req in reqs if req.num_computed % period == 0 or req.request_id in fresh]
+        else:
+            changed = []
+            for req, n, next_token_id in zip(reqs, num_tokens, next_token_ids, strict=True):
+                if n:
+                    req.num_computed += n
+                    changed.append(req)
+                if next_token_id is not None:
+                    req.token_ids.append(next_token_id)
+        if self.exact_steps:
+            for req in reqs:
+                req.end = req.num_computed
+        if changed:
+            for g in self._group_list:
+                g.commit(changed)
+            if fresh:
+                fresh.difference_update(req.request_id for req in changed)
 
     def fork(self, parent_id: str, child_id: str) -> bool:
-        """A child sharing the parent's blocks, with its own live state in every recurrent
-        group and its own state block in every dual-pool group (the runner copies the
-        parent's into them). False, nothing changed, when one of them has no free slot."""
+        """A child sharing the parent's computed blocks, with its own live state in every
+        recurrent group and its own state block in every dual-pool group (the runner copies
+        the parent's into them). False, nothing changed, when one of them has no free slot.
+        Not exact steps: the parent gives up its reservation past its computed tokens (the
+        shared tail is read-only for both; each side copies it on its next write)."""
         parent = self._get(parent_id)
         if child_id in self._requests:
             raise ValueError(f"request {child_id!r} already exists")
-        if parent.end != parent.num_computed:
+        nc = parent.num_computed
+        if self.exact_steps and parent.end != nc:
             raise ValueError(f"request {parent_id!r} has an uncommitted step; fork after commit")
-        if not all(g.can_fork() for g in self.groups.values()):
+        if not all(g.can_fork() for g in self._group_list):
             return False
-        child = _Request(child_id, parent.token_ids[: parent.num_computed], parent.mm_items, dict(parent.roots))
-        child.num_computed = child.end = parent.num_computed
+        if parent.end != nc:
+            for name, g in self.groups.items():
+                g.truncate(parent.states[name], nc)
+            parent.end = nc
+        child = _Request(child_id, parent.token_ids[:nc], parent.mm_items, dict(parent.roots))
+        child.num_computed = child.end = nc
         for name, g in self.groups.items():
             child.states[name] = g.fork(parent.states[name])
         self._requests[child_id] = child
+        self._fresh.add(child_id)
         return True
+
+    def rollback(self, request_id: str, num_computed_tokens: int) -> None:
+        """Shrink to `num_computed_tokens` (e.g. rejected speculative tokens): every group
+        goes back (blocks past the new end released tail-first), the token ids past it are
+        dropped. ValueError, nothing changed, when a group cannot (a recurrent state)."""
+        req = self._get(request_id)
+        if not 0 <= num_computed_tokens <= req.num_computed:
+            raise ValueError(
+                f"request {request_id!r}: rollback to {num_computed_tokens} outside [0, {req.num_computed}]"
+            )
+        if not all(g.can_truncate(req.states[name], num_computed_tokens) for name, g in self.groups.items()):
+            raise ValueError(f"request {request_id!r}: a group cannot go back to {num_computed_tokens} tokens")
+        for name, g in self.groups.items():
+            g.truncate(req.states[name], num_computed_tokens)
+        del req.token_ids[num_computed_tokens:]
+        req.num_computed = req.end = num_computed_tokens
 
     def mark_turn_end(self, request_id: str) -> dict[str, int]:
         """A turn ends here: per recurrent group, a slot to copy the live state into now (the
@@ -497,6 +790,8 @@ class HybridCacheManager(CacheManager):
             slot = g.mark_turn_end(req.states[name], req.token_ids, req.mm_items, req.num_computed)
             if slot is not None:
                 slots[name] = slot
+        if slots:
+            self._fresh.add(request_id)
         return slots
 
     def release(self, request_id: str, reason: ReleaseReason = "finish") -> bool:
@@ -513,6 +808,7 @@ class HybridCacheManager(CacheManager):
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
+        self._fresh.discard(request_id)
         for name, g in self.groups.items():
             g.release(req.states[name])
         return True
@@ -522,10 +818,16 @@ class HybridCacheManager(CacheManager):
     def check_integrity(self) -> None:
         holders = {pool: [0] * pool.num_blocks for pool in self._pools}
         for rid, req in self._requests.items():
-            if not 0 <= req.num_computed <= req.end <= len(req.token_ids):
+            known = len(req.token_ids)
+            if not 0 <= req.num_computed <= req.end or (self.exact_steps and req.end > known):
                 raise AssertionError(
-                    f"invariant 5: request {rid!r} computed {req.num_computed}, reserved to {req.end}, "
-                    f"knows {len(req.token_ids)} tokens"
+                    f"invariant 5 (table and computed count commit together): request {rid!r} computed "
+                    f"{req.num_computed}, reserved to {req.end}, knows {known} tokens"
+                )
+            if req.num_computed > known:
+                raise AssertionError(
+                    f"invariant 6 (no uninitialized read): request {rid!r} counts {req.num_computed} "
+                    f"computed tokens but knows only {known}"
                 )
             if set(req.states) != set(self.groups):
                 raise AssertionError(f"request {rid!r} has state in groups {sorted(req.states)}")
@@ -548,3 +850,6 @@ class HybridCacheManager(CacheManager):
                         raise AssertionError(
                             f"shared pool: block {b} is held by groups {owner[b]!r} and {g.name!r} ({rid!r})"
                         )
+
+
+_INT_BYTES = sys.getsizeof(1 << 20)  # an int object of 28 B on 64-bit CPython

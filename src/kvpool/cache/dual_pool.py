@@ -36,11 +36,12 @@ are empty). The request's `replay_start` says so until its first commit.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import sys
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvpool.cache.base import mm_extra_key
-from kvpool.cache.group import GroupUsage
+from kvpool.cache.group import CacheGroup, GroupUsage, StepRequest
 from kvpool.cache.types import BlockCopy, GroupReservation, MMItem, StateRestore
 from kvpool.pool import BlockPool, PrefixBlock
 from kvpool.pool.hashing import TOKEN_BYTES, token_bytes
@@ -112,13 +113,14 @@ class DualPoolAdmit:
 _NO_RESERVATION = GroupReservation()
 
 
-class DualPoolGroup:
+class DualPoolGroup(CacheGroup):
     """A `CacheGroup` (cache/group.py): classical blocks of complete spans, one state block
     per request."""
 
     kind = "dual_pool"
     reads_whole_prefix = True
     has_table = True
+    whole_steps = True
     has_state = True
 
     def __init__(
@@ -135,7 +137,7 @@ class DualPoolGroup:
         self.span = spec.span
         self.pool = BlockPool(num_classical_blocks, enable_caching=enable_caching, hash_algo=hash_algo)
         self.state_pool = BlockPool(num_state_blocks, enable_caching=False)
-        self.granularity = spec.span
+        self.granularity = self.commit_period = spec.span
 
     def pools(self) -> tuple[BlockPool, ...]:
         return (self.pool, self.state_pool)
@@ -146,7 +148,13 @@ class DualPoolGroup:
         return [mm_extra_key(mm_items, self.span, k) for k in range(num)] if mm_items else None
 
     def hits(
-        self, root: PrefixBlock, token_ids: list[int], mm_items: tuple[MMItem, ...], limit: int | None = None
+        self,
+        root: PrefixBlock,
+        token_ids: list[int],
+        mm_items: tuple[MMItem, ...],
+        limit: int | None = None,
+        *,
+        admission: bool = False,
     ) -> DualPoolHits:
         """The leading run of cached complete spans, leaving a token to compute, and no
         further than `limit` tokens (another group's upper bound). Changes nothing."""
@@ -168,10 +176,6 @@ class DualPoolGroup:
 
     def upper_bound(self, hits: DualPoolHits) -> int:
         return len(hits.block_ids) * self.span
-
-    def extra_points(self, hits: DualPoolHits) -> list[int]:
-        """None: the group serves span boundaries only."""
-        return []
 
     def serves(self, hits: DualPoolHits, point: int) -> bool:
         """A span boundary whose spans before it are all cached (or the start)."""
@@ -212,30 +216,36 @@ class DualPoolGroup:
 
     # ---- steps -------------------------------------------------------------------------
 
-    def blocks_needed(self, state: DualPoolState, num_computed: int, end: int) -> int:
-        """Classical blocks a step [num_computed, end) takes: one per span it completes."""
-        return end // self.span - len(state.block_ids)
+    def blocks_needed(self, reqs: Sequence[StepRequest], ends: Sequence[int]) -> int:
+        """Classical blocks a step takes: one per span it completes."""
+        name, span = self.name, self.span
+        return sum(end // span - len(req.states[name].block_ids) for req, end in zip(reqs, ends, strict=True))
 
     def apply_reserve(
-        self, state: DualPoolState, token_ids: list[int], mm_items: tuple[MMItem, ...], num_computed: int, end: int
-    ) -> GroupReservation:
-        num_new = end // self.span - len(state.block_ids)
-        if not num_new:
-            return _NO_RESERVATION  # the common decode step: no span completes
-        new = self.pool.allocate(num_new)
-        assert new is not None, "the coordinator checked the free count"
-        state.block_ids.extend(new)
-        return GroupReservation(tuple(new))
+        self, reqs: Sequence[StepRequest], ends: Sequence[int], *, detail: bool = True
+    ) -> list[GroupReservation]:
+        out = []
+        for req, end in zip(reqs, ends, strict=True):
+            state = req.states[self.name]
+            num_new = end // self.span - len(state.block_ids)
+            if not num_new:
+                out.append(_NO_RESERVATION)  # the common decode step: no span completes
+                continue
+            new = self.pool.allocate(num_new)
+            assert new is not None, "the coordinator checked the free count"
+            state.block_ids.extend(new)
+            out.append(GroupReservation(tuple(new)))
+        return out
 
-    def take_copies(self) -> list[BlockCopy]:
-        """None: a classical block is written once and never copied."""
-        return []
+    def commit(self, reqs: Sequence[StepRequest]) -> None:
+        """The steps are computed: publish the spans they completed (each written once, now
+        immutable); a hit's restore is done."""
+        for req in reqs:
+            self._commit(req.states[self.name], req.token_ids, req.num_computed, req.mm_items)
 
-    def commit(
+    def _commit(
         self, state: DualPoolState, token_ids: list[int], num_computed: int, mm_items: tuple[MMItem, ...]
     ) -> None:
-        """The step is computed: publish the spans it completed (each written once, now
-        immutable); a hit's restore is done."""
         span = self.span
         assert len(state.block_ids) == num_computed // span, "a commit is of the whole reserved step"
         k0, k1 = len(state.chain), num_computed // span
@@ -256,9 +266,6 @@ class DualPoolGroup:
     def block_ids(self, state: DualPoolState) -> list[int]:
         return state.block_ids
 
-    def first_block(self, state: DualPoolState) -> int:
-        return 0
-
     def held_blocks(self, state: DualPoolState) -> list[int]:
         return state.block_ids
 
@@ -271,18 +278,11 @@ class DualPoolGroup:
             return StateRestore(state.state_slot, "none")
         return StateRestore(state.state_slot, "recompute", replay_start=state.replay_start)
 
-    def checkpoints(self, state: DualPoolState) -> list[tuple[int, int]]:
-        return []
+    def prefix_chain(self, state: DualPoolState) -> list[PrefixBlock]:
+        return state.chain
 
-    def mark_turn_end(
-        self, state: DualPoolState, token_ids: list[int], mm_items: tuple[MMItem, ...], num_computed: int
-    ) -> int | None:
-        return None
-
-    def keep_turn_end(
-        self, state: DualPoolState, token_ids: list[int], mm_items: tuple[MMItem, ...], num_computed: int
-    ) -> bool:
-        return False
+    def metadata_bytes(self, state: DualPoolState) -> int:
+        return sys.getsizeof(state) + sys.getsizeof(state.block_ids) + sys.getsizeof(state.chain)
 
     def can_fork(self) -> bool:
         return self.state_pool.num_free > 0

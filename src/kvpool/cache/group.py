@@ -10,7 +10,10 @@ layer is a new class that satisfies `CacheGroup` and a spec with a `build` metho
 Per request the coordinator holds one opaque *state* per group (what `apply_admit` and
 `fork` return) and passes it back on every call; a group keeps no per-request dict of its
 own. Positions follow one convention everywhere: the request has `num_computed` tokens
-computed and reserves [num_computed, end) for its next step.
+computed and reserves [num_computed, end) for its next step. The step calls
+(`blocks_needed`, `apply_reserve`, `commit`) are batched: one call per group per step,
+over the step's requests (`StepRequest`: the coordinator's request, whose `states[name]`
+is the group's state), so a one-group model pays one call per step, not one per request.
 
 Transactions (STYLE 5). The coordinator asks every group first (`plan_admit`,
 `blocks_needed`, `can_fork`: these change nothing) and sums the free blocks they need per
@@ -27,7 +30,7 @@ group serves (cache/coordinator.py explains the search).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from kvpool.cache.types import BlockCopy, GroupReservation, MMItem, StateRestore
@@ -48,6 +51,16 @@ def check_pool_size(name: str, size: object) -> int:
     return size
 
 
+class StepRequest(Protocol):
+    """A request as a group's step calls see it (the coordinator's request record)."""
+
+    request_id: str
+    token_ids: list[int]
+    mm_items: tuple[MMItem, ...]
+    num_computed: int
+    states: dict[str, Any]  # group name -> that group's state of the request
+
+
 class GroupUsage(NamedTuple):
     """What one group's requests hold now (`CacheGroup.usage`)."""
 
@@ -59,7 +72,9 @@ class GroupUsage(NamedTuple):
 
 class CacheGroup(Protocol):
     """One layer group as the coordinator drives it. `state` below is what this group's
-    `apply_admit` / `fork` returned for the request."""
+    `apply_admit` / `fork` returned for the request. A group class subclasses this
+    protocol and inherits the defaults below (what a group without tables, copies, tiers,
+    state or turn ends answers); the calls that end in `...` it must write."""
 
     name: str  # unique within a model; also the group's key in every per-group result
     # "attention" | "recurrent" | "dual_pool": a label for callers that own per-kind tensors
@@ -71,16 +86,34 @@ class CacheGroup(Protocol):
     reads_whole_prefix: bool  # a point needs every unit before it: its hits end at the first miss
     has_table: bool  # keeps block tables (`block_ids`); False: only per-request state
     has_state: bool  # keeps a per-request state block or slot (`state_slot`, `restore`)
+    # Its steps are exact: a commit is of the whole reserved step (a recurrent state
+    # advances by whole steps). False: blocks are reserved whole and a step may commit
+    # part of its reservation (the coordinator's `exact_steps=False` needs every group so)
+    whole_steps: bool
+    # A commit that ends off a multiple of this, of a request with no admission, fork or
+    # turn end since its last commit, changes nothing in the group: the coordinator's
+    # decode path skips it
+    commit_period: int
 
     def pools(self) -> tuple[BlockPool, ...]:
         """Every pool the group draws from, `pool` first (the dual pool: classical, state)."""
-        ...
+        return (self.pool,)
 
     # ---- prefix hits (read-only) --------------------------------------------------------
 
-    def hits(self, root: PrefixBlock, token_ids: list[int], mm_items: tuple[MMItem, ...], limit: int | None) -> Any:
+    def hits(
+        self,
+        root: PrefixBlock,
+        token_ids: list[int],
+        mm_items: tuple[MMItem, ...],
+        limit: int | None,
+        *,
+        admission: bool = False,
+    ) -> Any:
         """What the group's cache holds of the prompt, looking no further than `limit` tokens
-        (another group's `upper_bound`) when given. Changes nothing, not even a counter."""
+        (another group's `upper_bound`) when given. Changes nothing, not even a counter,
+        unless `admission` (the lookup of an admission: it counts hash collisions and may
+        consult a lower tier)."""
         ...
 
     def upper_bound(self, hits: Any) -> int:
@@ -89,7 +122,7 @@ class CacheGroup(Protocol):
 
     def extra_points(self, hits: Any) -> list[int]:
         """Points off the group's `granularity` grid it can serve (a turn end)."""
-        ...
+        return []
 
     def serves(self, hits: Any, point: int) -> bool:
         """Whether a request can resume after `point` cached tokens in this group."""
@@ -121,55 +154,86 @@ class CacheGroup(Protocol):
         the admission queued). Never fails: the coordinator checked the free counts."""
         ...
 
+    def loads(self, state: Any) -> list[tuple[int, PrefixBlock]]:
+        """Blocks of the admission's hit a lower tier holds, (fresh block, its content), to
+        load before they are read; their tokens are not computed until `complete_loads`.
+        [] for a group without a lower tier."""
+        return []
+
+    def complete_loads(self, state: Any, num_loaded: int) -> None:
+        """The first `num_loaded` of `loads` hold their content: they join the computed
+        prefix and become findable; the rest are computed instead."""
+        return None
+
     # ---- steps --------------------------------------------------------------------------
 
-    def blocks_needed(self, state: Any, num_computed: int, end: int) -> int:
-        """Free blocks of `pool` a step [num_computed, end) takes. Changes nothing."""
+    def blocks_needed(self, reqs: Sequence[StepRequest], ends: Sequence[int]) -> int:
+        """Free blocks of `pool` a step takes, request i computing [num_computed, ends[i]),
+        all together. Changes nothing."""
         ...
 
     def apply_reserve(
-        self, state: Any, token_ids: list[int], mm_items: tuple[MMItem, ...], num_computed: int, end: int
-    ) -> GroupReservation:
+        self, reqs: Sequence[StepRequest], ends: Sequence[int], *, detail: bool = True
+    ) -> list[GroupReservation] | None:
         """Take the step's blocks (exactly `blocks_needed`; never fails) and any optional
-        extras from what is left; the new blocks, queued copies and checkpoint slots."""
+        extras from what is left; per request, the new blocks, queued copies and checkpoint
+        slots. detail False (the engine's step, which takes none back): may return None."""
         ...
 
-    def commit(self, state: Any, token_ids: list[int], num_computed: int, mm_items: tuple[MMItem, ...]) -> None:
-        """The reserved step is written: tokens [.., num_computed) are computed. Publish
-        what they complete, let go of what no later step reads. Never fails."""
+    def commit(self, reqs: Sequence[StepRequest]) -> None:
+        """The requests' steps are written: their `num_computed` is advanced already.
+        Publish what the tokens complete, let go of what no later step reads. Never fails."""
         ...
 
     def take_copies(self) -> list[BlockCopy]:
-        """Copies queued since the last call (apply them in order before the next forward);
-        a copy into a block nobody holds any more is dropped. [] for a group that never copies."""
-        ...
+        """Copies queued since the last call (apply them in order before the next forward).
+        [] for a group that never copies."""
+        return []
+
+    def take_evicted(self) -> list[tuple[int, PrefixBlock]]:
+        """Cached blocks the allocator evicted since the last call, (block id, its content):
+        for a lower tier to save before the next forward overwrites them. [] without one."""
+        return []
+
+    def take_published(self) -> list[tuple[int, PrefixBlock]]:
+        """Blocks published since the last call, (block id, its content), for write-through
+        tiers. [] unless recorded."""
+        return []
 
     # ---- queries on a request's state ---------------------------------------------------
 
     def block_ids(self, state: Any) -> list[int]:
         """The request's table (logical blocks [first_block, ...)); [] without a table."""
-        ...
+        return []
 
     def first_block(self, state: Any) -> int:
         """The logical index of block_ids[0] (> 0 once blocks left a window)."""
-        ...
+        return 0
 
     def held_blocks(self, state: Any) -> list[int]:
         """Every block of `pool` the request holds (table, copy sources, slots)."""
         ...
 
+    def prefix_chain(self, state: Any) -> list[PrefixBlock]:
+        """The prefix blocks of the request's computed hash units, in order (caching on)."""
+        ...
+
+    def metadata_bytes(self, state: Any) -> int:
+        """Bytes of the request's bookkeeping in the group (sys.getsizeof)."""
+        ...
+
     def state_slot(self, state: Any) -> int | None:
         """The request's live state block / slot; None for a group without one."""
-        ...
+        return None
 
     def restore(self, state: Any) -> StateRestore | None:
         """How the runner rebuilds the request's state before its first step ("none" once
         done or for a fresh state); None for a group without per-request state."""
-        ...
+        return None
 
     def checkpoints(self, state: Any) -> list[tuple[int, int]]:
         """(position b, slot) of the reserved step: snapshot the state after b tokens there."""
-        ...
+        return []
 
     # ---- turn ends, fork, release -------------------------------------------------------
 
@@ -178,21 +242,31 @@ class CacheGroup(Protocol):
     ) -> int | None:
         """A slot to copy the live state into now, filed as a turn-end checkpoint; None
         when the group keeps none (nothing changed)."""
-        ...
+        return None
 
     def keep_turn_end(self, state: Any, token_ids: list[int], mm_items: tuple[MMItem, ...], num_computed: int) -> bool:
         """At a finish with no step pending: keep what the request holds at its turn end
         findable; False (nothing changed) when there is nothing to keep."""
-        ...
+        return False
 
     def can_fork(self) -> bool:
         """Whether `fork` would find what a child needs of its own (a state block). Changes nothing."""
-        ...
+        return True
 
     def fork(self, state: Any) -> Any:
         """A child's state sharing the parent's computed blocks (no step is pending); after
         `can_fork` said yes, never fails."""
         ...
+
+    def can_truncate(self, state: Any, num_tokens: int) -> bool:
+        """Whether the request can go back to `num_tokens` computed tokens (a recurrent
+        state cannot; a window cannot below the blocks it let go). Changes nothing."""
+        return False
+
+    def truncate(self, state: Any, num_tokens: int) -> None:
+        """Go back to `num_tokens` computed tokens with no step reserved past them (a
+        rollback, or a fork giving up the parent's reservation). After `can_truncate`."""
+        raise AssertionError(f"group {self.name!r} cannot go back (can_truncate said so)")
 
     def release(self, state: Any) -> None:
         """Let go of everything the request holds (tables tail-first). Called once."""
@@ -217,4 +291,4 @@ class CacheGroup(Protocol):
 
     def check_states(self, states: dict[str, Any]) -> None:
         """Assert what spans every request of the group (a dual pool's state blocks)."""
-        ...
+        return None

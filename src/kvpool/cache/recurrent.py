@@ -38,11 +38,12 @@ first commit (so no allocation can reuse it before the copy is made).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import sys
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvpool.cache.base import mm_extra_key
-from kvpool.cache.group import GroupUsage, check_pool_size
+from kvpool.cache.group import CacheGroup, GroupUsage, StepRequest, check_pool_size
 from kvpool.cache.types import BlockCopy, GroupReservation, MMItem, StateRestore
 from kvpool.pool import BlockPool, PrefixBlock
 from kvpool.pool.hashing import TOKEN_BYTES, token_bytes
@@ -98,12 +99,13 @@ class RecurrentAdmit:
 _NO_RESERVATION = GroupReservation()
 
 
-class RecurrentGroup:
+class RecurrentGroup(CacheGroup):
     """A `CacheGroup` (cache/group.py): one live state per request and checkpoints of it."""
 
     kind = "recurrent"
     reads_whole_prefix = False
     has_table = False
+    whole_steps = True
     has_state = True
 
     def __init__(
@@ -111,13 +113,10 @@ class RecurrentGroup:
     ) -> None:
         self.spec = spec
         self.name = spec.name
-        self.interval = self.granularity = spec.checkpoint_interval
+        self.interval = self.granularity = self.commit_period = spec.checkpoint_interval
         self.pool = BlockPool(num_slots, enable_caching=enable_caching, hash_algo=hash_algo)
         # chunk parent's hash -> turn-end prefix blocks after it (stale ones dropped as found)
         self._turn_ends: dict[bytes, list[PrefixBlock]] = {}
-
-    def pools(self) -> tuple[BlockPool, ...]:
-        return (self.pool,)
 
     @property
     def num_checkpoints(self) -> int:
@@ -142,7 +141,13 @@ class RecurrentGroup:
     # ---- prefix hits -------------------------------------------------------------------
 
     def hits(
-        self, root: PrefixBlock, token_ids: list[int], mm_items: tuple[MMItem, ...], limit: int | None = None
+        self,
+        root: PrefixBlock,
+        token_ids: list[int],
+        mm_items: tuple[MMItem, ...],
+        limit: int | None = None,
+        *,
+        admission: bool = False,
     ) -> RecurrentHits:
         """The checkpoint of each C-chunk boundary, up to `limit` tokens (another group's
         upper bound on the hit) when given. Changes nothing."""
@@ -221,21 +226,21 @@ class RecurrentGroup:
 
     # ---- steps -------------------------------------------------------------------------
 
-    def blocks_needed(self, state: RecurrentState, num_computed: int, end: int) -> int:
+    def blocks_needed(self, reqs: Sequence[StepRequest], ends: Sequence[int]) -> int:
         """None: a step needs only the live slot it has (checkpoint slots are optional)."""
         return 0
 
     def apply_reserve(
-        self, state: RecurrentState, token_ids: list[int], mm_items: tuple[MMItem, ...], num_computed: int, end: int
-    ) -> GroupReservation:
+        self, reqs: Sequence[StepRequest], ends: Sequence[int], *, detail: bool = True
+    ) -> list[GroupReservation]:
         """Checkpoint slots for the step's boundaries, as far as free slots go."""
-        wanted = self.plan_checkpoints(state, token_ids, mm_items, num_computed, end)
-        if not wanted:
-            return _NO_RESERVATION
-        return GroupReservation(checkpoints=tuple(self.take_checkpoint_slots(state, wanted)))
-
-    def take_copies(self) -> list[BlockCopy]:
-        return []
+        out = []
+        for req, end in zip(reqs, ends, strict=True):
+            state = req.states[self.name]
+            wanted = self.plan_checkpoints(state, req.token_ids, req.mm_items, req.num_computed, end)
+            taken = self.take_checkpoint_slots(state, wanted) if wanted else ()
+            out.append(GroupReservation(checkpoints=tuple(taken)) if taken else _NO_RESERVATION)
+        return out
 
     def plan_checkpoints(
         self, state: RecurrentState, token_ids: list[int], mm_items: tuple[MMItem, ...], num_computed: int, end: int
@@ -264,11 +269,15 @@ class RecurrentGroup:
         state.pending.extend(taken)
         return taken
 
-    def commit(
+    def commit(self, reqs: Sequence[StepRequest]) -> None:
+        """The steps' snapshots hold S_b: publish them as cached checkpoints (free, in the
+        LRU queue; one whose prefix another request checkpointed first joins it as a copy)."""
+        for req in reqs:
+            self._commit(req.states[self.name], req.token_ids, req.num_computed, req.mm_items)
+
+    def _commit(
         self, state: RecurrentState, token_ids: list[int], num_computed: int, mm_items: tuple[MMItem, ...]
     ) -> None:
-        """The step's snapshots hold S_b: publish them as cached checkpoints (free, in the
-        LRU queue; one whose prefix another request checkpointed first joins it as a copy)."""
         pool = self.pool
         if pool.enable_caching:
             parent = state.chain[-1] if state.chain else state.root
@@ -340,12 +349,6 @@ class RecurrentGroup:
 
     # ---- queries on a request's state ---------------------------------------------------
 
-    def block_ids(self, state: RecurrentState) -> list[int]:
-        return []
-
-    def first_block(self, state: RecurrentState) -> int:
-        return 0
-
     def held_blocks(self, state: RecurrentState) -> list[int]:
         held = [state.slot, *(s for _, s in state.pending), *state.held_turn]
         return held if state.held_src is None else [*held, state.held_src]
@@ -361,6 +364,12 @@ class RecurrentGroup:
 
     def checkpoints(self, state: RecurrentState) -> list[tuple[int, int]]:
         return state.pending
+
+    def prefix_chain(self, state: RecurrentState) -> list[PrefixBlock]:
+        return state.chain
+
+    def metadata_bytes(self, state: RecurrentState) -> int:
+        return sys.getsizeof(state) + sys.getsizeof(state.chain) + sys.getsizeof(state.pending)
 
     def can_fork(self) -> bool:
         return self.pool.num_free > 0
@@ -384,9 +393,6 @@ class RecurrentGroup:
     def usage(self, states: Iterable[tuple[RecurrentState, int]]) -> GroupUsage:
         """No table blocks; every slot (live states and checkpoints) as a state block."""
         return GroupUsage(0, 0, self.pool.num_blocks, self.pool.num_free)
-
-    def check_states(self, states: dict[str, RecurrentState]) -> None:
-        pass
 
     def check_state(
         self, rid: str, state: RecurrentState, token_ids: list[int], num_computed: int, end: int, holders: list[int]

@@ -82,6 +82,7 @@ class GroupAdmission(NamedTuple):
     copies: tuple[BlockCopy, ...] = ()
     restore: StateRestore | None = None  # groups with per-request state only
     checkpoints: tuple[tuple[int, int], ...] = ()  # of the first step
+    loads: tuple[tuple[int, Any], ...] = ()  # (fresh block, prefix block) a lower tier loads (`complete_loads`)
 
 
 _NO_GROUPS: Mapping[str, Any] = MappingProxyType({})

@@ -488,7 +488,7 @@ class LlamaRunner:
         """Run one step; logits [num chunks with needs_logits, vocab] (or every token's, [N, vocab])."""
         m = self.manager
         device = self.model.device
-        copies = m.take_copies()
+        copies = m.take_copies().get("full", [])  # the one group's copies
         # apply_copies gathers the source blocks' K of every layer, then their V: half a block each
         self.peaks.note("cow_staging", len(copies) * self.storage.bytes_per_block // 2)
         if copies:

@@ -68,7 +68,8 @@ class SimRunner:
         checkpoint_bytes: what a V4 state copy moves (None: a state block)."""
         self.manager = manager
         self.dual = isinstance(manager, DSV4CacheManager)
-        self.hybrid = isinstance(manager, HybridCacheManager)
+        # (FullAttentionManager is the coordinator over one group: the paged layout, not a hybrid one)
+        self.hybrid = isinstance(manager, HybridCacheManager) and not isinstance(manager, FullAttentionManager)
         self.block_size = manager.span if self.dual else manager.block_size
         self.step_time = step_time
         self._kv_read_bytes = kv_read_bytes
@@ -167,12 +168,8 @@ class SimRunner:
             self._restores = 0
             self.num_checkpoint_copies += copies
             moved = 2 * copies * self.checkpoint_bytes
-        if self.hybrid:
+        if not self.dual:
             copies = [c for cs in self.manager.take_copies().values() for c in cs]
-            self.num_copied_blocks += len(copies)
-            moved = 2 * len(copies) * self.block_bytes
-        elif not self.dual:
-            copies = self.manager.take_copies()
             self.num_copied_blocks += len(copies)
             moved = 2 * len(copies) * self.block_bytes  # read the source, write the copy
         seconds = self.step_time(work, moved)
