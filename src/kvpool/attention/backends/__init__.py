@@ -15,9 +15,11 @@ Key: `BackendKey(kind, format, device, impl)`:
 - impl: the implementation, where a (kind, format, device) has more than one (the CPU
   decode paths "native", "bags", "padded").
 
-`select_backend` returns the key it chose and the class; a runner builds it once, at construction, and in its
-step only asks it for that step's attention (`begin_step(metadata)` for the paged pool:
-the backend builds its plan from the step's metadata). A combination with no entry is a
+`select_backend` returns the key it chose and the class; a runner builds the backend once,
+at construction, and in its step only asks it for that step's attention
+(`begin_step(metadata)` for the paged pool: the backend builds its plan from the step's
+metadata; `attend` per layer for V4's pools; `plan_chunk` / `attend` / `update` for the
+hybrid models' slots and states). A combination with no entry is a
 ValueError naming it and listing what exists.
 
 The modules: native.py (the C CPU kernels), torch_paged.py (the torch bag and padded
