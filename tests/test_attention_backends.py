@@ -115,3 +115,34 @@ def test_the_hybrid_runner_gets_a_slot_backend_per_group_and_the_recurrent_updat
     assert sorted(rec.attention.groups) == ["full"] and type(rec.attention.recurrent) is RecurrentBackend
     heads, hd = TINY_RECURRENT["num_heads"], TINY_RECURRENT["head_dim"]
     assert rec.attention.recurrent.state.shape == (3, 2, heads, hd, hd)
+
+
+def test_a_new_backend_plugs_in_through_the_dict_alone(monkeypatch) -> None:
+    """What the GPU issue will do: a module's class and a BACKENDS entry, the runner as it
+    is. The stand-in backend wraps the padded path and counts its steps; the engine's
+    logits equal the padded backend's own, and every step went through it."""
+    from kvpool.engine.engine import Engine
+    from kvpool.engine.sampling import SamplingParams
+
+    class CountingBackend(TorchPagedBackend):
+        def __init__(self, *args, decode_path: str, **kwargs) -> None:
+            super().__init__(*args, decode_path="padded", **kwargs)
+            self.name, self.num_steps = decode_path, 0
+
+        def begin_step(self, meta):
+            self.num_steps += 1
+            return super().begin_step(meta)
+
+    monkeypatch.setitem(BACKENDS, BackendKey("full", "paged", "cpu", "counting"), CountingBackend)
+    model = random_llama("cpu", torch.float64)
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [2, 7, 1, 8, 2, 8]]
+    logits = {}
+    for path in ("counting", "padded"):
+        runner = LlamaRunner(model, 8, 4, DESCRIPTOR, decode_path=path)
+        engine = Engine(runner, max_num_batched_tokens=8, record_logits=True)
+        engine.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+        logits[path] = [torch.stack(s.logits) for r in engine.requests.values() for s in r.seqs]
+        if path == "counting":
+            assert type(runner.attention) is CountingBackend and runner.decode_path == "counting"
+            assert runner.attention.num_steps == engine.num_steps > 0
+    assert all(torch.equal(a, b) for a, b in zip(logits["counting"], logits["padded"], strict=True))

@@ -65,7 +65,7 @@ class DequantBackend:
             raise ValueError(f"decode_path must be one of {DECODE_PATHS}, got {decode_path!r}")
         if decode_path == "native" and kernels is None:
             raise ValueError("decode_path 'native' needs the CPU kernels (kvpool.kernels.cpu_kernels())")
-        self.name = decode_path
+        self.name = self.decode_path = decode_path  # its registry name; how its plans decode
         self.storage, self.num_heads, self.kernels, self.dtype = storage, num_heads, kernels, dtype
         self.scale = storage.head_dim**-0.5
 
@@ -88,7 +88,7 @@ class DequantBackend:
         )
 
     def begin_step(self, meta: PagedStepMetadata) -> PagedStep:
-        plan = self._plan(meta, self.name)
+        plan = self._plan(meta, self.decode_path)
         index = _write_index(self.storage, meta, plan)
         return self._step(plan, _dequant_attend(self.storage, meta, plan, index, self.scale))
 

@@ -37,7 +37,7 @@ class TorchPagedBackend:
         (`NativeAttend`)."""
         if decode_path not in TORCH_DECODE_PATHS:
             raise ValueError(f"the torch paged backend decodes by {TORCH_DECODE_PATHS}, got {decode_path!r}")
-        self.name = decode_path
+        self.name = self.decode_path = decode_path  # its registry name; how its plans decode
         self.storage, self.num_heads, self.kernels, self.dtype = storage, num_heads, kernels, dtype
         self.before_read = before_read
         self.scale = storage.head_dim**-0.5
@@ -56,7 +56,7 @@ class TorchPagedBackend:
             st.head_dim,
             st.k.device,
             self.dtype,
-            self.name,
+            self.decode_path,
             self.kernels,
         )
         if st.kernels is not None and plan.decode is None:
