@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from kvpool.cache import BlockCopy
 from kvpool.cache.coordinator import HybridCacheManager
 from kvpool.cache.recurrent import RecurrentAdmit, RecurrentGroup
 from kvpool.capacity.kv import PageGroup
@@ -91,6 +92,38 @@ def test_a_hit_the_recurrent_side_cannot_serve_falls_back_and_attention_only_reu
     # In fp64 the correct path is exact.
     point, logits64, _ = _second_turn(twin, broken=False)
     assert point == 36 and float((logits64 - exact[36:]).abs().max()) <= 1e-12
+
+
+def test_a_follow_up_turn_resumes_inside_the_block_where_the_previous_turn_ended(one_thread):
+    # Figure 12 in full, end to end: turn 1 (41 tokens, blocks of 8, checkpoints every 12)
+    # finishes inside block 5; with turn ends kept, the follow-up resumes at 41: the state
+    # from the turn-end checkpoint, block 5 (position 40's K/V) copied on write. Its logits
+    # are the fp64 oracle's; without turn ends the hit is 36 (the last checkpoint).
+    twin = TinyHybrid(TINY_RECURRENT, seed=3).to(torch.float64)
+    g = torch.Generator().manual_seed(5)
+    a = torch.randint(0, twin.vocab_size, (41,), generator=g).tolist()
+    b = a + [3, 1, 4, 1, 5]
+    exact = twin.reference_logits(b)
+    for turn_ends, want in ((False, 36), (True, 41)):
+        specs = group_specs(twin, 8, 12, 32, 8)
+        cache = HybridCacheManager(specs, descriptor_for(twin, 8), turn_end_checkpoints=turn_ends)
+        runner = HybridRunner(twin, 32, 8, block_size=8, checkpoint_interval=12, cache=cache)
+        runner.admit("a", a, None)
+        runner.run([("a", a, 0)])
+        runner.commit(["a"], [41], [None])
+        assert runner.release("a", "finish")
+        adm = runner.admit("b", b, None)
+        assert adm is not None and adm.num_cached_tokens == want
+        # The block of the hit point is copied into 6, the first unhashed free block: a's
+        # partial block 5 (turn ends), else a's full block 4 (hit 36); block 7 for [40, 46)
+        if turn_ends:
+            assert adm.groups["full"].copies == (BlockCopy(5, 6),) and adm.block_ids == (0, 1, 2, 3, 4, 6)
+        else:
+            assert adm.groups["full"].copies == (BlockCopy(4, 6),) and adm.block_ids == (0, 1, 2, 3, 6, 7)
+        logits = runner.run([("b", b[want:], want)])[0]
+        runner.commit(["b"], [len(b) - want], [None])
+        runner.check_integrity()
+        assert float((logits - exact[want:]).abs().max()) <= 1e-12
 
 
 def test_window_groups_hold_about_one_window_per_request_at_8w(one_thread):

@@ -230,7 +230,10 @@ class CacheManager(ABC):
             )
         if len(set(request_ids)) != len(request_ids):
             raise ValueError(f"a request appears twice in {list(request_ids)}")
-        return [self._get(r) for r in request_ids]
+        try:
+            return list(map(self._requests.__getitem__, request_ids))  # (the engine's path: once per step)
+        except KeyError as missing:
+            raise KeyError(f"unknown request {missing.args[0]!r}") from None
 
     def _root(self, tenant_salt: str, descriptor: CacheDescriptor | None) -> PrefixBlock:
         if descriptor is None:

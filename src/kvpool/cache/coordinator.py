@@ -644,15 +644,6 @@ class HybridCacheManager(CacheManager):
         self._apply_reserve(pending, ends, detail=False)
         return True
 
-    def _requests_of(self, request_ids: Sequence[str]) -> list[_Request]:
-        """The requests, in order. ValueError for a repeated id, KeyError for an unknown one."""
-        if len(set(request_ids)) != len(request_ids):
-            raise ValueError(f"a request appears twice in {list(request_ids)}")
-        try:
-            return list(map(self._requests.__getitem__, request_ids))
-        except KeyError as missing:
-            raise KeyError(f"unknown request {missing.args[0]!r}") from None
-
     def commit(self, request_id: str, num_tokens: int) -> None:
         self.commit_step((request_id,), (num_tokens,), (None,))
 
@@ -662,11 +653,7 @@ class HybridCacheManager(CacheManager):
         """`commit` for a whole step, validated first; then every group is called once with
         the requests whose commit may change it (a decode step: those that complete one of
         its units, or that are new since their last commit)."""
-        if not len(request_ids) == len(num_tokens) == len(next_token_ids):
-            raise ValueError(
-                f"{len(request_ids)} requests, {len(num_tokens)} token counts, {len(next_token_ids)} next tokens"
-            )
-        reqs = self._requests_of(request_ids)
+        reqs = self._step_requests(request_ids, num_tokens, next_token_ids)
         if not reqs:
             return
         decode = num_tokens.count(1) == len(reqs)  # all decodes: the engine's common step
