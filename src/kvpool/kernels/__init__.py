@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -161,6 +162,73 @@ def _check_pool(k_cache: torch.Tensor, v_cache: torch.Tensor, kvh: int, d: int) 
     return num_blocks, bs
 
 
+def _check_decode_batch(
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    indptr: torch.Tensor,
+    blocks: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    out: torch.Tensor,
+    kvh: int,
+) -> None:
+    """The query side both decode kernels share: q / out [N, H, D] fp32 with unit head stride
+    and H a multiple of kvh; rows / ctx_lens [B], indptr [B + 1], blocks [nnz]: int64. q is
+    already known to be 3-D."""
+    for t, name in ((q, "q"), (out, "out")):
+        _check(t, name)
+    for t, name in ((rows, "rows"), (indptr, "indptr"), (blocks, "blocks"), (ctx_lens, "ctx_lens")):
+        _check_index(t, name)
+    _, h, d = q.shape
+    b = rows.shape[0]
+    if out.shape != q.shape or q.stride(1) != d or out.stride(1) != d or h % kvh:
+        raise ValueError(f"q {tuple(q.shape)} / out {tuple(out.shape)} do not fit {kvh} KV heads of {d}")
+    if indptr.shape != (b + 1,) or ctx_lens.shape != (b,) or blocks.dim() != 1:
+        raise ValueError(f"indptr {tuple(indptr.shape)} / ctx_lens {tuple(ctx_lens.shape)} do not match {b} rows")
+
+
+def _run_decode(
+    kernel: Callable[..., int],
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    indptr: torch.Tensor,
+    blocks: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    pool_args: tuple[object, ...],
+    num_blocks: int,
+    kvh: int,
+    bs: int,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Call one of the decode kernels, which share their calling convention: the batch (q,
+    q_row_stride, num_rows, rows, num_seqs, indptr, nnz, blocks, ctx_lens), then the kernel's
+    own pool arguments, then the pool's geometry, the scale and out. Raises on its error code."""
+    _, h, d = q.shape
+    rc = kernel(
+        q.data_ptr(),
+        q.stride(0),
+        q.shape[0],
+        rows.data_ptr(),
+        rows.shape[0],
+        indptr.data_ptr(),
+        blocks.shape[0],
+        blocks.data_ptr(),
+        ctx_lens.data_ptr(),
+        *pool_args,
+        num_blocks,
+        h,
+        kvh,
+        d,
+        bs,
+        scale,
+        out.data_ptr(),
+        out.stride(0),
+    )
+    if rc != 0:
+        raise ValueError(f"decode attention: {_ATTENTION_ERRORS.get(rc, f'error {rc}')}")
+    return out
+
+
 class CpuKernels:
     """The loaded library. Methods take torch tensors (shapes in each docstring) and check
     dtype, device and layout; the C side checks every index it follows into the pool.
@@ -284,44 +352,16 @@ class CpuKernels:
         """One query per sequence: rows[b] of q [N, H, D] and out [N, H, D] (rows may be strided),
         sequence b's blocks blocks[indptr[b]:indptr[b + 1]] cover keys [0, ctx_lens[b]).
         rows / ctx_lens [B], indptr [B + 1], blocks [nnz]: int64. Pool as in write_kv."""
-        for t, name in ((q, "q"), (out, "out")):
-            _check(t, name)
-        for t, name in ((rows, "rows"), (indptr, "indptr"), (blocks, "blocks"), (ctx_lens, "ctx_lens")):
-            _check_index(t, name)
         if q.dim() != 3 or k_cache.dim() != 4:
             raise ValueError(f"q must be [N, H, D] and the pools 4-D, got {tuple(q.shape)}, {tuple(k_cache.shape)}")
-        n, h, d = q.shape
+        d = q.shape[2]
         kvh = k_cache.shape[1]
         num_blocks, bs = _check_pool(k_cache, v_cache, kvh, d)
-        b = rows.shape[0]
-        if out.shape != q.shape or q.stride(1) != d or out.stride(1) != d or h % kvh:
-            raise ValueError(f"q {tuple(q.shape)} / out {tuple(out.shape)} do not fit {kvh} KV heads of {d}")
-        if indptr.shape != (b + 1,) or ctx_lens.shape != (b,) or blocks.dim() != 1:
-            raise ValueError(f"indptr {tuple(indptr.shape)} / ctx_lens {tuple(ctx_lens.shape)} do not match {b} rows")
-        rc = self.lib.kv_decode_attention(
-            q.data_ptr(),
-            q.stride(0),
-            n,
-            rows.data_ptr(),
-            b,
-            indptr.data_ptr(),
-            blocks.shape[0],
-            blocks.data_ptr(),
-            ctx_lens.data_ptr(),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            num_blocks,
-            h,
-            kvh,
-            d,
-            bs,
-            scale,
-            out.data_ptr(),
-            out.stride(0),
+        _check_decode_batch(q, rows, indptr, blocks, ctx_lens, out, kvh)
+        pool_args = (k_cache.data_ptr(), v_cache.data_ptr())
+        return _run_decode(
+            self.lib.kv_decode_attention, q, rows, indptr, blocks, ctx_lens, pool_args, num_blocks, kvh, bs, scale, out
         )
-        if rc != 0:
-            raise ValueError(f"decode attention: {_ATTENTION_ERRORS.get(rc, f'error {rc}')}")
-        return out
 
     def decode_attention_q8(
         self,
@@ -344,17 +384,15 @@ class CpuKernels:
         D, bs] and v [num_blocks, KVH, bs, D] (int8 / float8_e4m3fn / float8_e5m2), fp32
         scales [num_blocks, KVH, bs or 1]; tails [B] int64: the tail slot of tail_k [T, KVH,
         D, bs] / tail_v [T, KVH, bs, D] (fp32) holding sequence b's last block, or -1."""
-        for t, name in ((q, "q"), (out, "out"), (k_scales, "k_scales"), (v_scales, "v_scales")):
+        for t, name in ((k_scales, "k_scales"), (v_scales, "v_scales")):
             _check(t, name)
-        for t, name in ((rows, "rows"), (indptr, "indptr"), (blocks, "blocks"), (ctx_lens, "ctx_lens")):
-            _check_index(t, name)
         _check_index(tails, "tails")
         kind = Q8_KINDS.get(k_codes.dtype)
         if kind is None or v_codes.dtype != k_codes.dtype:
             raise ValueError(f"codes must be int8 / float8_e4m3fn / float8_e5m2, got {k_codes.dtype}, {v_codes.dtype}")
         if q.dim() != 3 or k_codes.dim() != 4:
             raise ValueError(f"q must be [N, H, D] and the pools 4-D, got {tuple(q.shape)}, {tuple(k_codes.shape)}")
-        n, h, d = q.shape
+        d = q.shape[2]
         num_blocks, kvh, _, bs = k_codes.shape
         if k_codes.shape != (num_blocks, kvh, d, bs) or v_codes.shape != (num_blocks, kvh, bs, d):
             raise ValueError(f"code pools {tuple(k_codes.shape)} / {tuple(v_codes.shape)} do not hold heads of {d}")
@@ -369,21 +407,10 @@ class CpuKernels:
             raise ValueError(f"tails {tuple(tail_k.shape)} / {tuple(tail_v.shape)} do not fit the pool")
         if not all(t.is_contiguous() for t in (k_codes, v_codes, k_scales, v_scales, tail_k, tail_v)):
             raise ValueError("the code pools, scales and tails must be contiguous")
-        b = rows.shape[0]
-        if out.shape != q.shape or q.stride(1) != d or out.stride(1) != d or h % kvh:
-            raise ValueError(f"q {tuple(q.shape)} / out {tuple(out.shape)} do not fit {kvh} KV heads of {d}")
-        if indptr.shape != (b + 1,) or ctx_lens.shape != (b,) or tails.shape != (b,) or blocks.dim() != 1:
-            raise ValueError(f"indptr / ctx_lens / tails do not match {b} rows")
-        rc = self.lib.kv_decode_attention_q8(
-            q.data_ptr(),
-            q.stride(0),
-            n,
-            rows.data_ptr(),
-            b,
-            indptr.data_ptr(),
-            blocks.shape[0],
-            blocks.data_ptr(),
-            ctx_lens.data_ptr(),
+        _check_decode_batch(q, rows, indptr, blocks, ctx_lens, out, kvh)
+        if tails.shape != rows.shape:
+            raise ValueError(f"tails {tuple(tails.shape)} do not match {rows.shape[0]} rows")
+        pool_args = (
             k_codes.data_ptr(),
             v_codes.data_ptr(),
             k_scales.data_ptr(),
@@ -394,18 +421,21 @@ class CpuKernels:
             tail_k.data_ptr() if num_tails else None,
             tail_v.data_ptr() if num_tails else None,
             num_tails,
+        )
+        return _run_decode(
+            self.lib.kv_decode_attention_q8,
+            q,
+            rows,
+            indptr,
+            blocks,
+            ctx_lens,
+            pool_args,
             num_blocks,
-            h,
             kvh,
-            d,
             bs,
             scale,
-            out.data_ptr(),
-            out.stride(0),
+            out,
         )
-        if rc != 0:
-            raise ValueError(f"decode attention: {_ATTENTION_ERRORS.get(rc, f'error {rc}')}")
-        return out
 
     def decode_codes(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """The kernels' 8-bit decoding on its own (a test hook): codes [n] int8 / float8_e4m3fn

@@ -236,6 +236,28 @@ static void softmax_in_place(float *s, int64_t len) {
     for (int64_t t = 0; t < len; t++) s[t] *= inv;
 }
 
+/* Whether a decode batch is worth spreading over threads: its work is the keys it reads,
+ * summed over the sequences, times H heads of d. */
+static int decode_in_parallel(int64_t num_seqs, const int64_t *ctx_lens, int64_t heads, int64_t d) {
+    int64_t total = 0;
+    for (int64_t b = 0; b < num_seqs; b++) total += ctx_lens[b];
+    return total * heads * d >= PARALLEL_MIN_WORK;
+}
+
+/* The G query heads of one KV head, scaled: qs [g_size * d] = scale * qh [g_size * d]. */
+static void scaled_queries(const float *restrict qh, int64_t n, float scale, float *restrict qs) {
+    for (int64_t x = 0; x < n; x++) qs[x] = qh[x] * scale;
+}
+
+/* The G heads' scores [g_size, width] -> softmax over [0, len) each, and their output rows
+ * o [g_size, d] zeroed for the weighted sums that follow. */
+static void softmax_heads(float *scores, int64_t g_size, int64_t width, int64_t len, float *restrict o, int64_t d) {
+    for (int64_t g = 0; g < g_size; g++) {
+        softmax_in_place(scores + g * width, len);
+        for (int64_t i = 0; i < d; i++) o[g * d + i] = 0.0f;
+    }
+}
+
 /* Decode attention, one query per sequence, straight from the pool in any block order.
  * Sequence b: query row rows[b] of q [*, q_row_stride] holding H heads of d; its blocks
  * blocks[indptr[b] .. indptr[b+1]) cover keys [0, ctx_lens[b]); output row rows[b] of
@@ -255,9 +277,7 @@ int kv_decode_attention(const float *q, int64_t q_row_stride, int64_t num_rows, 
     if (rc) return rc;
     /* One work item per (sequence, KV head), shared over torch's OpenMP threads when there
      * is enough of it: the pool of libgomp.so.1 that torch loaded, not a second one. */
-    int64_t total = 0;
-    for (int64_t b = 0; b < num_seqs; b++) total += ctx_lens[b];
-    int parallel = total * heads * d >= PARALLEL_MIN_WORK;
+    int parallel = decode_in_parallel(num_seqs, ctx_lens, heads, d);
     int64_t per_thread = g_size * width + g_size * d; /* scores, then the G scaled queries */
     /* every thread's buffer allocated before any output is written: an allocation failure
      * leaves out untouched */
@@ -272,23 +292,19 @@ int kv_decode_attention(const float *q, int64_t q_row_stride, int64_t num_rows, 
             int64_t b = item / kvh, kh = item % kvh;
             const int64_t *table = blocks + indptr[b];
             int64_t nb = indptr[b + 1] - indptr[b], len = ctx_lens[b];
-            const float *qh = q + rows[b] * q_row_stride + kh * g_size * d;
-            for (int64_t x = 0; x < g_size * d; x++) qs[x] = qh[x] * scale;
+            scaled_queries(q + rows[b] * q_row_stride + kh * g_size * d, g_size * d, scale, qs);
             for (int64_t j = 0; j < nb; j++) {
                 const float *kt = k_cache + (table[j] * kvh + kh) * d * bs; /* [d, bs] */
                 for (int64_t g = 0; g < g_size; g++) block_scores(qs + g * d, kt, d, bs, scores + g * width + j * bs);
             }
-            for (int64_t g = 0; g < g_size; g++) {
-                float *s = scores + g * width;
-                softmax_in_place(s, len);
-                float *o = out + rows[b] * out_row_stride + (kh * g_size + g) * d;
-                for (int64_t i = 0; i < d; i++) o[i] = 0.0f;
+            float *o = out + rows[b] * out_row_stride + kh * g_size * d; /* [g_size, d] */
+            softmax_heads(scores, g_size, width, len, o, d);
+            for (int64_t g = 0; g < g_size; g++)
                 for (int64_t j = 0; j < nb; j++) {
                     const float *vb = v_cache + (table[j] * kvh + kh) * bs * d; /* [bs, d] */
                     int64_t slots = len - j * bs < bs ? len - j * bs : bs;
-                    block_weighted_sum(s + j * bs, vb, slots, d, o);
+                    block_weighted_sum(scores + g * width + j * bs, vb, slots, d, o + g * d);
                 }
-            }
         }
     }
     free(buffers);
@@ -438,9 +454,7 @@ int kv_decode_attention_q8(const float *q, int64_t q_row_stride, int64_t num_row
     if (rc) return rc;
     for (int64_t b = 0; b < num_seqs; b++)
         if (tails[b] >= num_tails) return -5;
-    int64_t total = 0;
-    for (int64_t b = 0; b < num_seqs; b++) total += ctx_lens[b];
-    int parallel = total * heads * d >= PARALLEL_MIN_WORK;
+    int parallel = decode_in_parallel(num_seqs, ctx_lens, heads, d);
     int64_t per_thread = g_size * width + g_size * d + 2 * d * bs; /* scores, queries, one K and one V block */
     float *buffers = malloc((size_t)(max_threads(parallel) * per_thread) * sizeof(float));
     if (!buffers) return -3;
@@ -456,8 +470,7 @@ int kv_decode_attention_q8(const float *q, int64_t q_row_stride, int64_t num_row
             int64_t b = item / kvh, kh = item % kvh;
             const int64_t *table = blocks + indptr[b];
             int64_t nb = indptr[b + 1] - indptr[b], len = ctx_lens[b];
-            const float *qh = q + rows[b] * q_row_stride + kh * g_size * d;
-            for (int64_t x = 0; x < g_size * d; x++) qs[x] = qh[x] * scale;
+            scaled_queries(q + rows[b] * q_row_stride + kh * g_size * d, g_size * d, scale, qs);
             for (int64_t j = 0; j < nb; j++) {
                 const float *kt;
                 if (j == nb - 1 && tails[b] >= 0) {
@@ -470,12 +483,8 @@ int kv_decode_attention_q8(const float *q, int64_t q_row_stride, int64_t num_row
                 }
                 for (int64_t g = 0; g < g_size; g++) block_scores(qs + g * d, kt, d, bs, scores + g * width + j * bs);
             }
-            for (int64_t g = 0; g < g_size; g++) {
-                float *s = scores + g * width;
-                softmax_in_place(s, len);
-                float *o = out + rows[b] * out_row_stride + (kh * g_size + g) * d;
-                for (int64_t i = 0; i < d; i++) o[i] = 0.0f;
-            }
+            float *o = out + rows[b] * out_row_stride + kh * g_size * d; /* [g_size, d] */
+            softmax_heads(scores, g_size, width, len, o, d);
             for (int64_t j = 0; j < nb; j++) {
                 int64_t slots = len - j * bs < bs ? len - j * bs : bs;
                 const float *vb;
@@ -488,9 +497,7 @@ int kv_decode_attention_q8(const float *q, int64_t q_row_stride, int64_t num_row
                         decode_codes(v_codes + (bh * bs + t) * d, d, kind, vs + t * step, 0, vf + t * d);
                     vb = vf;
                 }
-                for (int64_t g = 0; g < g_size; g++)
-                    block_weighted_sum(scores + g * width + j * bs, vb, slots,
-                                       d, out + rows[b] * out_row_stride + (kh * g_size + g) * d);
+                for (int64_t g = 0; g < g_size; g++) block_weighted_sum(scores + g * width + j * bs, vb, slots, d, o + g * d);
             }
         }
     }
