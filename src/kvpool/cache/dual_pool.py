@@ -349,15 +349,6 @@ class DualPoolGroup(CacheGroup):
                 if registered is not None and registered is not block:
                     raise AssertionError(f"invariant 6: {where} classical block {k} is registered as other content")
 
-    def check_holders(self, holders: list[int]) -> None:
-        self.pool.check_integrity()
-        for b, count in enumerate(holders):
-            if self.pool.refcount(b) != count:
-                raise AssertionError(
-                    f"invariant 1 (refcount == holders): group {self.name!r} classical block {b} has refcount "
-                    f"{self.pool.refcount(b)}, held {count} times"
-                )
-
     def check_states(self, states: dict[str, DualPoolState]) -> None:
         """Each request holds one state block of its own; the others are free."""
         self.state_pool.check_integrity()

@@ -287,7 +287,13 @@ class CacheGroup(Protocol):
 
     def check_holders(self, holders: list[int]) -> None:
         """Assert `pool`'s integrity and refcount == holders (once per pool)."""
-        ...
+        self.pool.check_integrity()
+        for b, count in enumerate(holders):
+            if self.pool.refcount(b) != count:
+                raise AssertionError(
+                    f"invariant 1 (refcount == number of holders): group {self.name!r} block {b} has refcount "
+                    f"{self.pool.refcount(b)}, held {count} times"
+                )
 
     def check_states(self, states: dict[str, Any]) -> None:
         """Assert what spans every request of the group (a dual pool's state blocks)."""

@@ -418,12 +418,3 @@ class RecurrentGroup(CacheGroup):
             for k, block in enumerate(state.chain):
                 if block.token_bytes != token_bytes(token_ids[k * c : (k + 1) * c]):
                     raise AssertionError(f"{where}: chain element {k} is not its own prefix")
-
-    def check_holders(self, holders: list[int]) -> None:
-        self.pool.check_integrity()
-        for slot, count in enumerate(holders):
-            if self.pool.refcount(slot) != count:
-                raise AssertionError(
-                    f"invariant 1 (refcount == holders): group {self.name!r} slot {slot} has refcount "
-                    f"{self.pool.refcount(slot)}, held {count} times"
-                )

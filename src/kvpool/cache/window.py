@@ -102,12 +102,6 @@ class AttentionGroupSpec:
         """The first position whose key the step after `num_computed` tokens reads."""
         return 0 if self.window is None else max(0, num_computed - self.window + 1)
 
-    def num_held_blocks(self, num_computed: int, end: int) -> int:
-        """Blocks a request holds while it computes [num_computed, end)."""
-        if end == 0:
-            return 0
-        return -(-end // self.block_size) - self.first_needed(num_computed) // self.block_size
-
 
 @dataclass(slots=True)
 class AttentionState:
@@ -705,12 +699,3 @@ class AttentionGroup(CacheGroup):
                     registered = self.pool.prefix_block(state.block_ids[k - state.first])
                     if registered is not None and registered is not block:
                         raise AssertionError(f"invariant 6: {where} block {k} is registered as other content")
-
-    def check_holders(self, holders: list[int]) -> None:
-        self.pool.check_integrity()
-        for b, count in enumerate(holders):
-            if self.pool.refcount(b) != count:
-                raise AssertionError(
-                    f"invariant 1 (refcount == number of block tables holding it): group {self.name!r} block "
-                    f"{b} has refcount {self.pool.refcount(b)}, held by {count} tables"
-                )
