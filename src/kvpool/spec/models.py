@@ -326,10 +326,22 @@ def _weight_format(cfg: dict[str, Any]) -> str:
     raise ValueError(f"quantization_config.quant_method {method!r} is not one kvpool understands (fp8, mxfp4)")
 
 
+def _hf_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The ModelSpec fields that GQA and MLA config.json files spell alike (HF names)."""
+    return {
+        "num_layers": int(_req(cfg, "num_hidden_layers", model_type)),
+        "hidden_size": int(_req(cfg, "hidden_size", model_type)),
+        "num_heads": int(_req(cfg, "num_attention_heads", model_type)),
+        "vocab_size": int(_req(cfg, "vocab_size", model_type)),
+        "intermediate_size": int(_req(cfg, "intermediate_size", model_type)),
+        "max_position_embeddings": int(_req(cfg, "max_position_embeddings", model_type)),
+        "weight_format": _weight_format(cfg),
+    }
+
+
 def _parse_gqa(cfg: dict[str, Any], name: str, model_type: str) -> ModelSpec:
-    L = int(_req(cfg, "num_hidden_layers", model_type))
-    h = int(_req(cfg, "hidden_size", model_type))
-    heads = int(_req(cfg, "num_attention_heads", model_type))
+    common = _hf_fields(cfg, model_type)
+    L, h, heads = common["num_layers"], common["hidden_size"], common["num_heads"]
     kv_heads = int(cfg.get("num_key_value_heads") or heads)  # absent: MHA (HF's own default)
     head_dim = int(cfg.get("head_dim") or h // heads)
     gemma = model_type in ("gemma2", "gemma3_text")
@@ -351,17 +363,11 @@ def _parse_gqa(cfg: dict[str, Any], name: str, model_type: str) -> ModelSpec:
         name=name,
         model_type=model_type,
         attention="gqa",
-        num_layers=L,
-        hidden_size=h,
-        vocab_size=int(_req(cfg, "vocab_size", model_type)),
-        num_heads=heads,
+        **common,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         layer_windows=_layer_windows(cfg, model_type, L),
-        intermediate_size=int(_req(cfg, "intermediate_size", model_type)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
-        max_position_embeddings=int(_req(cfg, "max_position_embeddings", model_type)),
-        weight_format=_weight_format(cfg),
         qkv_bias=bias or model_type == "qwen2",
         o_bias=bias,
         qk_norm=model_type in ("qwen3", "gemma3_text"),
@@ -372,9 +378,8 @@ def _parse_gqa(cfg: dict[str, Any], name: str, model_type: str) -> ModelSpec:
 
 
 def _parse_mla(cfg: dict[str, Any], name: str, model_type: str) -> ModelSpec:
-    L = int(_req(cfg, "num_hidden_layers", model_type))
-    h = int(_req(cfg, "hidden_size", model_type))
-    heads = int(_req(cfg, "num_attention_heads", model_type))
+    common = _hf_fields(cfg, model_type)
+    L = common["num_layers"]
     mla = MLAGeometry(
         kv_lora_rank=int(_req(cfg, "kv_lora_rank", model_type)),
         qk_rope_head_dim=int(_req(cfg, "qk_rope_head_dim", model_type)),
@@ -405,17 +410,11 @@ def _parse_mla(cfg: dict[str, Any], name: str, model_type: str) -> ModelSpec:
         name=name,
         model_type=model_type,
         attention="mla",
-        num_layers=L,
-        hidden_size=h,
-        vocab_size=int(_req(cfg, "vocab_size", model_type)),
-        num_heads=heads,
+        **common,
         num_kv_heads=1,  # one latent per token, shared by all heads
         head_dim=mla.kv_lora_rank + mla.qk_rope_head_dim,
         layer_windows=(None,) * L,
-        intermediate_size=int(_req(cfg, "intermediate_size", model_type)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(_req(cfg, "max_position_embeddings", model_type)),
-        weight_format=_weight_format(cfg),
         mla=mla,
         indexer=indexer,
         moe=moe,
