@@ -91,10 +91,10 @@ def test_a_runner_refuses_a_path_its_model_cannot_run() -> None:
 @pytest.mark.parametrize(("kv_format", "fmt"), [("exact", "dsv4-exact"), ("fp8", "dsv4-fp8")])
 def test_the_v4_runner_gets_the_sparse_backend_over_its_pools(kv_format, fmt) -> None:
     from kvpool.attention.backends import DSV4SparseBackend
-    from kvpool.engine.dsv4_runner import DSV4PagedRunner
+    from kvpool.engine.dsv4_runner import DSV4Runner
     from kvpool.models.tiny_dsv4 import TinyDSV4
 
-    runner = DSV4PagedRunner(TinyDSV4(), 4, 2, kv_format=kv_format)
+    runner = DSV4Runner(TinyDSV4(), 4, 2, kv_format=kv_format)
     assert type(runner.attention) is DSV4SparseBackend and runner.attention.pools is runner.pools
     assert select_backend("dsv4-sparse", fmt, "cpu").backend is DSV4SparseBackend
 

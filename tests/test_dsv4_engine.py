@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvpool.engine.build import build_engine
-from kvpool.engine.dsv4_runner import DSV4EngineRunner, MeasuredRestoreCost
+from kvpool.engine.dsv4_runner import DSV4Runner, MeasuredRestoreCost
 from kvpool.engine.engine import Engine
 from kvpool.engine.runner import ScheduledChunk
 from kvpool.engine.sampling import SamplingParams
@@ -45,7 +45,7 @@ def test_generate_greedy_equals_oracle(restore: str | None) -> None:
     assert engine.runner.cache.restore == restore or (restore is None and engine.runner.cache.restore == "auto")
     prompts = _prompts()
     outs = engine.generate(prompts, SamplingParams(max_tokens=12))
-    model = engine.runner.runner.model  # type: ignore[attr-defined]
+    model = engine.runner.model  # type: ignore[attr-defined]
     for prompt, out in zip(prompts, outs, strict=True):
         assert len(out.completions[0].token_ids) == 12
         _assert_greedy_matches_oracle(model, prompt, out.completions[0].token_ids)
@@ -60,7 +60,7 @@ def test_generate_greedy_equals_oracle(restore: str | None) -> None:
 
 def test_preemption_under_a_small_classical_pool() -> None:
     model = TinyDSV4(seed=0)
-    runner = DSV4EngineRunner(model, num_classical_blocks=2, num_state_blocks=3)
+    runner = DSV4Runner(model, num_classical_blocks=2, num_state_blocks=3)
     engine = Engine(runner, max_num_batched_tokens=256, max_num_seqs=3)
     prompts = _prompts()
     outs = engine.generate(prompts, SamplingParams(max_tokens=60))  # 200 + 60 tokens need 2 blocks alone
@@ -77,7 +77,7 @@ def test_parallel_samples_fork_the_state() -> None:
     (out,) = engine.generate([prompt], SamplingParams(max_tokens=5, n=2, temperature=0.0))
     a, b = (c.token_ids for c in out.completions)
     assert a == b  # greedy children of one forked state agree
-    _assert_greedy_matches_oracle(engine.runner.runner.model, prompt, a)  # type: ignore[attr-defined]
+    _assert_greedy_matches_oracle(engine.runner.model, prompt, a)  # type: ignore[attr-defined]
     engine.runner.check_integrity()
 
 
@@ -86,7 +86,7 @@ def test_parallel_samples_without_a_free_state_block_wait_and_recompute() -> Non
     # their first token from the shared prompt logits, wait, and are recomputed through
     # the prefix cache once a sample finishes. Greedy: all four must equal the oracle.
     model = TinyDSV4(seed=0)
-    runner = DSV4EngineRunner(model, num_classical_blocks=8, num_state_blocks=2)
+    runner = DSV4Runner(model, num_classical_blocks=8, num_state_blocks=2)
     engine = Engine(runner, max_num_batched_tokens=256, max_num_seqs=4)
     forks: list[bool] = []
     fork = runner.fork
@@ -151,7 +151,7 @@ def test_a_deferred_restore_leaves_with_its_request() -> None:
     # b hits a's first span and is restored by recompute, which waits for b's first step;
     # b is preempted before that step: its replay must not run (nor fail) in c's step, and
     # b admitted again is restored by its own, new replay.
-    runner = DSV4EngineRunner(TinyDSV4(seed=0), num_classical_blocks=8, num_state_blocks=3)
+    runner = DSV4Runner(TinyDSV4(seed=0), num_classical_blocks=8, num_state_blocks=3)
     a = _prompts()[1]
     assert runner.admit("a", a, len(a)) is not None
     runner.execute([ScheduledChunk("a", a, 0, True)])
@@ -159,15 +159,15 @@ def test_a_deferred_restore_leaves_with_its_request() -> None:
     b = a[:128] + [1, 2, 3]
     adm = runner.admit("b", b, 3)
     assert adm.num_cached_tokens == 128 and adm.restore.method == "recompute"
-    assert list(runner.runner._replays) == ["b"]
+    assert list(runner._replays) == ["b"]
     assert runner.release("b", "preempt")
-    assert not runner.runner._replays
+    assert not runner._replays
     assert runner.admit("c", [7, 8, 9], 3) is not None
     runner.execute([ScheduledChunk("c", [7, 8, 9], 0, True)])
     runner.commit(["c"], [3], [None])
     adm = runner.admit("b", b, 3)
     (logits,) = runner.execute([ScheduledChunk("b", b[128:], 128, True)])
-    model = runner.runner.model
+    model = runner.model
     ref32, ref64 = model.reference_logits(b)[-1], model.to(torch.float64).reference_logits(b)[-1]
     tol = derived_fp32_tolerance(float((ref32.double() - ref64).abs().max()), float(ref64.abs().max()))
     assert float((logits.double() - ref64).abs().max()) <= tol  # a missing or doubled replay is O(0.1)

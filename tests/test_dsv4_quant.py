@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.engine.dsv4_runner import DSV4EngineRunner, descriptor_for
+from kvpool.engine.dsv4_runner import DSV4Runner, descriptor_for
 from kvpool.engine.engine import Engine
 from kvpool.engine.sampling import SamplingParams
 from kvpool.models.tiny_dsv4 import TinyDSV4
@@ -98,7 +98,7 @@ def test_the_bytes_of_a_classical_block_are_the_planners() -> None:
 
 
 def _engine(model: TinyDSV4, kv_format: str, indexer_format: str = "fp8", chunk: int = 1024) -> Engine:
-    runner = DSV4EngineRunner(model, 16, 2, kv_format=kv_format, indexer_format=indexer_format)
+    runner = DSV4Runner(model, 16, 2, kv_format=kv_format, indexer_format=indexer_format)
     return Engine(runner, max_num_batched_tokens=chunk, max_num_seqs=2, record_logits=True)
 
 
@@ -116,7 +116,7 @@ def test_the_engine_reads_what_the_fp8_bytes_hold(indexer_format) -> None:
     assert torch.equal(exact.requests["r"].seqs[0].logits[0], fp8.requests["r"].seqs[0].logits[0])
     # ... and the fp8 pool holds the exact pool's entries quantized: the same bytes when the
     # exact entries are quantized here
-    pe, pf = exact.runner.runner.pools, fp8.runner.runner.pools
+    pe, pf = exact.runner.pools, fp8.runner.pools
     blocks = fp8.runner.cache.block_ids("r") if "r" in fp8.runner.cache else None
     assert blocks is None  # released: the blocks stay cached, findable by the next request
     written = [b for b in range(16) if bool(pf.classical[2].main.codes[b].any())]

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from kvpool.engine.dsv4_runner import DSV4EngineRunner
+from kvpool.engine.dsv4_runner import DSV4Runner
 from kvpool.engine.engine import Engine
 from kvpool.engine.sampling import SamplingParams
 from kvpool.models.tiny_dsv4 import TinyDSV4
@@ -19,7 +19,7 @@ from kvpool.storage.dsv4 import DSV4Pools, HotSet
 
 
 def _serve(model: TinyDSV4, hot: int | None, prompt_len: int = 700):
-    runner = DSV4EngineRunner(model, 64, 4, hot_set_entries=hot)
+    runner = DSV4Runner(model, 64, 4, hot_set_entries=hot)
     engine = Engine(runner, max_num_batched_tokens=256, max_num_seqs=4, record_logits=True)
     rng = random.Random(0)
     ids = [
@@ -31,7 +31,7 @@ def _serve(model: TinyDSV4, hot: int | None, prompt_len: int = 700):
     while engine.has_unfinished():
         engine.step()
         runner.check_integrity()
-        for cl in runner.runner.pools.classical:
+        for cl in runner.pools.classical:
             if cl.hot is not None:
                 cl.hot.check_integrity()
     return [torch.stack(engine.requests[i].seqs[0].logits) for i in ids], runner.tier_reports().get("hisparse")
@@ -59,7 +59,7 @@ def test_reused_classical_blocks_never_serve_a_stale_hot_entry() -> None:
     model = TinyDSV4(dtype=torch.float64)
 
     def waves(hot: int | None):
-        runner = DSV4EngineRunner(model, 16, 2, hot_set_entries=hot)
+        runner = DSV4Runner(model, 16, 2, hot_set_entries=hot)
         engine = Engine(runner, max_num_batched_tokens=256, max_num_seqs=2, record_logits=True)
         rng = random.Random(1)
         logits = []

@@ -18,7 +18,7 @@ import xxhash
 
 from kvpool.cache import CacheDescriptor
 from kvpool.cache.dsv4 import RestoreMethod
-from kvpool.engine.dsv4_runner import DSV4EngineRunner
+from kvpool.engine.dsv4_runner import DSV4Runner
 from kvpool.engine.engine import Engine
 from kvpool.engine.hybrid_runner import HybridRunner
 from kvpool.engine.llama_runner import LlamaRunner, kv_format_for
@@ -268,7 +268,7 @@ def _dsv4_engine(
     host, persistent = _tiers(host_cache_bytes, disk_cache, disk_cache_bytes, redis_url)
     if restore is None:  # chosen per admission by measured costs; the persistent tiers restore by their SWA strategy
         restore = "recompute" if persistent else "auto"
-    runner = DSV4EngineRunner(
+    runner = DSV4Runner(
         model,
         num_blocks,
         max(num_state_blocks, max_num_seqs),

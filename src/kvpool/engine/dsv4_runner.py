@@ -1,9 +1,11 @@
 """Runs a V4-architecture model on the dual pool: cache manager (ids) + pools (tensors).
 
-`DSV4PagedRunner` is the glue the tests, `kvpool verify dsv4`, the benchmark and the engine
-use: admit a request (restoring its state after a prefix hit), run a batch of chunks of
-any sizes (prefill, chunked prefill, decode), append sampled tokens, release.
-`DSV4EngineRunner` puts it behind the engine's ModelRunner protocol.
+`DSV4Runner` is the one V4 runner. The engine drives it through the ModelRunner protocol
+(engine/runner.py: admit with prefix hit + state restore, reserve, execute, commit, fork,
+release), as it drives engine/llama_runner.py's LlamaRunner; the tests, `kvpool verify
+dsv4` and the benchmarks drive the same object directly: `add_request` (admit, the state
+restored at once), `step` (a batch of chunks of any sizes: prefill, chunked prefill,
+decode, logits of every computed token), `release`.
 """
 
 from __future__ import annotations
@@ -93,12 +95,19 @@ def descriptor_for(model: TinyDSV4, kv_format: str = "exact", indexer_format: st
     )
 
 
-class DSV4PagedRunner:
+class DSV4Runner:
+    """The engine's ModelRunner protocol (kvpool.engine.runner) for a V4-architecture model on
+    the dual pool, so the same scheduler runs it: admit (with prefix hit + state restore),
+    reserve, execute, commit, fork, release. `fork` returns False when no state block is
+    free (a V4 child needs its own): the engine then queues the child, which is admitted
+    later through the prefix cache like a preempted sequence. `add_request` and `step` run
+    it without an engine (a step's reservation, forward and commit in one call)."""
+
     def __init__(
         self,
         model: TinyDSV4,
-        num_classical_blocks: int,
-        num_state_blocks: int,
+        num_classical_blocks: int = 64,
+        num_state_blocks: int = 16,
         *,
         restore: RestoreMethod = "recompute",
         num_checkpoints: int = 0,
@@ -124,7 +133,8 @@ class DSV4PagedRunner:
             raise ValueError("persistent tiers restore a V4 hit's state by their SWA strategy: restore='recompute'")
         if kv_format == "fp8" and (host_tier is not None or persistent_tiers):
             raise ValueError("--kv-dtype fp8: the tiers keep exact classical blocks only")
-        self.kv_format = kv_format
+        # the report's name of the storage format
+        self.kv_format = "float32" if kv_format == "exact" else f"fp8 (V4 layout, {indexer_format} indexer keys)"
         self.model = model
         self.spec = model.spec
         self.pools = DSV4Pools(
@@ -158,7 +168,7 @@ class DSV4PagedRunner:
         self.bridge = TierBridge(
             host_tier, persistent_tiers, model.spec.span, enable_prefix_caching=enable_prefix_caching
         )
-        # the names the engine runner and the tests read: the bridge's own objects, not copies
+        # the names the reports, benchmarks and tests read: the bridge's own objects, not copies
         self.host_tier, self.persistent_tiers = self.bridge.host_tier, self.bridge.persistent_tiers
         self.tier, self.tier_index, self.tier_moves = self.bridge.tier, self.bridge.index, self.bridge.moves
         if self.tier is not None:
@@ -174,27 +184,43 @@ class DSV4PagedRunner:
         # deferred restores by recompute, by request, oldest first: (admission, first
         # position to recompute, first window position the state holds)
         self._replays: dict[str, tuple[Admission, int, int]] = {}
+        span = model.spec.span
+        self.vocab_size = model.vocab_size
+        # The unfinished span lives in the state block, so one sequence holds up to
+        # num_classical_blocks full spans plus span - 1 tokens.
+        self.capacity_tokens = num_classical_blocks * span + span - 1
+        self.max_model_len = min(model.spec.max_position_embeddings, self.capacity_tokens)
+        self._num_states_taken = 0
+        self.num_steps_run = 0  # engine steps executed (for per-step HiSparse figures)
 
     # ----- requests -------------------------------------------------------------------
 
     def add_request(self, request_id: str, token_ids: Sequence[int], *, tenant_salt: str = "") -> Admission | None:
         """Admit (nothing reserved yet: `step` does that) and restore the state of any prefix
-        hit; None when no state block is free."""
-        return self.admit(request_id, token_ids, 0, tenant_salt=tenant_salt)
+        hit at once; None when no state block is free."""
+        return self._admit(request_id, token_ids, 0, tenant_salt=tenant_salt, defer_replay=False)
 
     def admit(
+        self, seq_id: str, token_ids: Sequence[int], max_new_tokens: int, *, tenant_salt: str = ""
+    ) -> Admission | None:
+        """The protocol's admit: a restore by recompute is deferred to the start of the next
+        `execute` (the engine's admission stays bookkeeping; the replay is compute, done in
+        the step that needs the state)."""
+        if max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+        return self._admit(seq_id, token_ids, max_new_tokens, tenant_salt=tenant_salt, defer_replay=True)
+
+    def _admit(
         self,
         request_id: str,
         token_ids: Sequence[int],
         max_new_tokens: int | None,
         *,
-        tenant_salt: str = "",
-        defer_replay: bool = False,
+        tenant_salt: str,
+        defer_replay: bool,
     ) -> Admission | None:
-        """The cache's admission (prefix hit, first step reserved), then the state restore.
-        defer_replay: a restore by recompute runs at the start of the next
-        `run_reservations` instead (the engine's admission stays bookkeeping; the replay is
-        compute, done in the step that needs the state)."""
+        """The cache's admission (prefix hit, first step reserved), then the state restore,
+        now or (defer_replay) at the start of the next `run_reservations`."""
         if self.tier is not None:
             self._prefetch(token_ids, tenant_salt)
         adm = self.cache.admit(request_id, token_ids, max_new_tokens, tenant_salt=tenant_salt)
@@ -202,6 +228,7 @@ class DSV4PagedRunner:
             self._offload_evicted()  # before the step writes the blocks the admission took
         if adm is None:
             return None
+        self._num_states_taken += 1
         restore = adm.restore
         assert restore is not None
         self.pools.reset_state(restore.state_slot)
@@ -361,7 +388,7 @@ class DSV4PagedRunner:
                 wanted[boundary] = (key, descriptor)
         return wanted
 
-    def commit_step(
+    def commit(
         self, request_ids: Sequence[str], num_tokens: Sequence[int], next_token_ids: Sequence[int | None]
     ) -> None:
         """The cache's commit_step, then the classical blocks it completed written through
@@ -407,7 +434,7 @@ class DSV4PagedRunner:
 
     # ----- steps ----------------------------------------------------------------------
 
-    def reserve_step(self, request_ids: Sequence[str], num_new_tokens: Sequence[int]) -> bool:
+    def reserve(self, request_ids: Sequence[str], num_new_tokens: Sequence[int]) -> bool:
         """The cache's reserve_step, then the blocks it evicted saved to the tier."""
         fits = self.cache.reserve_step(request_ids, num_new_tokens)
         if self.tier is not None:
@@ -420,11 +447,11 @@ class DSV4PagedRunner:
         hold the step (nothing changes)."""
         ids = [request_id for request_id, _ in work]
         counts = [n for _, n in work]
-        if not self.reserve_step(ids, counts):
+        if not self.reserve(ids, counts):
             return None
         reservations = [self._pending(request_id) for request_id in ids]
         logits = self.run_reservations(ids)
-        self.commit_step(ids, counts, [None] * len(ids))
+        self.commit(ids, counts, [None] * len(ids))
         return [StepResult(r, res.start, lg) for r, res, lg in zip(ids, reservations, logits, strict=True)]
 
     def _pending(self, request_id: str) -> Reservation:
@@ -492,104 +519,24 @@ class DSV4PagedRunner:
             if cl.hot is not None:
                 cl.hot.check_integrity()
 
-
-class DSV4EngineRunner:
-    """The engine's ModelRunner protocol (kvpool.engine.runner) for a V4-architecture model on
-    the dual pool, so the same scheduler runs it: admit (with prefix hit + state restore),
-    reserve, execute, commit, fork, release. `fork` returns False when no state block is
-    free (a V4 child needs its own): the engine then queues the child, which is admitted
-    later through the prefix cache like a preempted sequence."""
-
-    def __init__(
-        self,
-        model: TinyDSV4,
-        num_classical_blocks: int = 64,
-        num_state_blocks: int = 16,
-        *,
-        restore: RestoreMethod = "recompute",
-        num_checkpoints: int = 0,
-        enable_prefix_caching: bool = True,
-        hot_set_entries: int | None = None,
-        host_tier: Tier | None = None,
-        persistent_tiers: Sequence[Tier] = (),
-        swa: SWAStrategy | None = None,
-        kv_format: str = "exact",
-        indexer_format: str = "fp8",
-    ) -> None:
-        self.runner = DSV4PagedRunner(
-            model,
-            num_classical_blocks,
-            num_state_blocks,
-            restore=restore,
-            num_checkpoints=num_checkpoints,
-            enable_prefix_caching=enable_prefix_caching,
-            hot_set_entries=hot_set_entries,
-            host_tier=host_tier,
-            persistent_tiers=persistent_tiers,
-            swa=swa,
-            kv_format=kv_format,
-            indexer_format=indexer_format,
-        )
-        self.kv_format = "float32" if kv_format == "exact" else f"fp8 (V4 layout, {indexer_format} indexer keys)"
-        self.cache = self.runner.cache
-        span = model.spec.span
-        self.vocab_size = model.vocab_size
-        # The unfinished span lives in the state block, so one sequence holds up to
-        # num_classical_blocks full spans plus span - 1 tokens.
-        self.capacity_tokens = num_classical_blocks * span + span - 1
-        self.max_model_len = min(model.spec.max_position_embeddings, self.capacity_tokens)
-        self._num_states_taken = 0
-        self.num_steps_run = 0  # forward steps (for per-step HiSparse figures)
-
-    def admit(
-        self, seq_id: str, token_ids: Sequence[int], max_new_tokens: int, *, tenant_salt: str = ""
-    ) -> Admission | None:
-        if max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
-        adm = self.runner.admit(seq_id, token_ids, max_new_tokens, tenant_salt=tenant_salt, defer_replay=True)
-        if adm is not None:
-            self._num_states_taken += 1
-        return adm
-
-    def reserve(self, seq_ids: Sequence[str], num_new_tokens: Sequence[int]) -> bool:
-        return self.runner.reserve_step(seq_ids, num_new_tokens)
-
-    def append_tokens(self, seq_id: str, token_ids: Sequence[int]) -> None:
-        self.cache.append_token_ids(seq_id, token_ids)
-
     def execute(self, chunks: Sequence[ScheduledChunk]) -> Tensor:
         """Logits [num chunks with needs_logits, vocab] fp32, in chunk order."""
         for c in chunks:
-            res = self.runner._pending(c.seq_id)
+            res = self._pending(c.seq_id)
             assert res.start == c.start and res.num_tokens == len(c.token_ids), "chunk != reservation"
-        logits = self.runner.run_reservations([c.seq_id for c in chunks])
+        logits = self.run_reservations([c.seq_id for c in chunks])
         self.num_steps_run += 1
         rows = [lg[-1] for c, lg in zip(chunks, logits, strict=True) if c.needs_logits]
         if not rows:
             return torch.zeros(0, self.vocab_size)
         return torch.stack(rows)
 
-    def commit(self, seq_ids: Sequence[str], num_tokens: Sequence[int], next_token_ids: Sequence[int | None]) -> None:
-        self.runner.commit_step(seq_ids, num_tokens, next_token_ids)
-
-    def flush_tiers(self, timeout: float | None = None) -> bool:
-        return self.runner.flush_tiers(timeout)
-
-    def close(self) -> None:
-        self.runner.close()
-
     def fork(self, parent_id: str, child_id: str) -> bool:
         if not self.cache.fork(parent_id, child_id):
             return False
         self._num_states_taken += 1
-        self.runner.pools.copy_state(self.cache.state_slot(parent_id), self.cache.state_slot(child_id))
+        self.pools.copy_state(self.cache.state_slot(parent_id), self.cache.state_slot(child_id))
         return True
-
-    def release(self, seq_id: str, reason: ReleaseReason) -> bool:
-        return self.runner.release(seq_id, reason)
-
-    def num_computed_tokens(self, seq_id: str) -> int:
-        return self.cache.num_computed_tokens(seq_id)
 
     def num_allocations(self) -> int:
         return self.cache.pool.num_allocated + self._num_states_taken
@@ -598,7 +545,7 @@ class DSV4EngineRunner:
         """One query's reads over `num_context_tokens` of history (DEEPSEEK_V4.md sections 2-4):
         per layer the window (up to n_win entries); on HCA layers every compressed entry; on
         CSA layers every indexer key and the top-k entries it selects."""
-        spec, pools = self.runner.spec, self.runner.pools
+        spec, pools = self.spec, self.pools
         total = 0
         for ratio, st, cl in zip(spec.layer_ratios, pools.state, pools.classical, strict=True):
             entry = st.ring[0, 0].numel() * st.ring.element_size()
@@ -619,34 +566,30 @@ class DSV4EngineRunner:
     def usage(self) -> CacheUsage:
         return self.cache.usage()
 
-    def check_integrity(self) -> None:
-        self.runner.check_integrity()
-
     def tier_reports(self) -> dict[str, dict[str, object]]:
         """{"hisparse": its figures} ({} when off): the CSA main bytes kept off the device,
         the entries the indexer selected and those fetched from the host copy, per step."""
         reports: dict[str, dict[str, object]] = {}
-        hisparse = hisparse_report(self.runner.pools, self.num_steps_run)
+        hisparse = hisparse_report(self.pools, self.num_steps_run)
         if hisparse is not None:
             reports["hisparse"] = hisparse
-        r = self.runner
-        span, loaded = r.spec.span, r.tier_moves
-        if r.host_tier is not None:  # hit tokens: the prefix tokens whose blocks came from a tier
-            reports["host_tier"] = r.bridge.host_report(loaded.num_loaded * span, {})
-        reports.update(r.bridge.persistent_reports(hit_tokens_per_get=None))
-        if r.persistent_tiers:
-            assert r.swa is not None
-            moves = r.swa_moves
+        span, loaded = self.spec.span, self.tier_moves
+        if self.host_tier is not None:  # hit tokens: the prefix tokens whose blocks came from a tier
+            reports["host_tier"] = self.bridge.host_report(loaded.num_loaded * span, {})
+        reports.update(self.bridge.persistent_reports(hit_tokens_per_get=None))
+        if self.persistent_tiers:
+            assert self.swa is not None
+            moves = self.swa_moves
             reports["tiers"] = {
-                "lookup_order": r.bridge.lookup_order(),
+                "lookup_order": self.bridge.lookup_order(),
                 "blocks_loaded": loaded.num_loaded,
                 "hit_tokens_loaded": loaded.num_loaded * span,
                 "load_ms": round(loaded.load_s * 1e3, 3),
             }
             stored_tokens = moves.num_blocks_persisted * span
             reports["swa"] = {
-                "strategy": r.swa.kind,
-                "period": r.swa.period,
+                "strategy": self.swa.kind,
+                "period": self.swa.period,
                 "blocks_persisted": moves.num_blocks_persisted,
                 "block_bytes_persisted": moves.block_bytes_persisted,
                 "snapshots_persisted": moves.num_snapshots_persisted,
@@ -663,18 +606,18 @@ class DSV4EngineRunner:
                 "snapshot_bytes_loaded": moves.load_bytes,
                 "snapshot_load_ms": round(moves.load_s * 1e3, 3),
                 "snapshot_misses": moves.num_misses,
-                "replayed_tokens": r.num_replayed_tokens,
-                "replay_ms": round(r.replay_s * 1e3, 3),
+                "replayed_tokens": self.num_replayed_tokens,
+                "replay_ms": round(self.replay_s * 1e3, 3),
             }
         return reports
 
     def cache_stats(self) -> dict[str, float]:
-        pools, cache = self.runner.pools, self.cache
+        pools, cache = self.pools, self.cache
         return {
             "kv_capacity_tokens": self.capacity_tokens,
             "kv_capacity_bytes": pools.classical_block_bytes() * cache.num_blocks
             + pools.state_block_bytes() * cache.num_state_blocks,
-            "block_size": self.runner.spec.span,
+            "block_size": self.spec.span,
             "num_blocks": cache.num_blocks,
             "classical_block_bytes": pools.classical_block_bytes(),
             "state_blocks": cache.num_state_blocks,
@@ -684,7 +627,7 @@ class DSV4EngineRunner:
             "prefix_hit_rate": cache.stats.hit_rate,
             "readmitted_hit_tokens": cache.stats.num_readmitted_hit_tokens,
             "hash_collisions": cache.pool.num_collisions,
-            "replayed_tokens": self.runner.num_replayed_tokens,
+            "replayed_tokens": self.num_replayed_tokens,
         }
 
 

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from kvpool.attention.dsv4_reference import IndexerTrace
-from kvpool.engine.dsv4_runner import DSV4PagedRunner
+from kvpool.engine.dsv4_runner import DSV4Runner
 from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG, TinyDSV4
 from kvpool.verify.dsv4_tolerance import (
     FP32_SELECTION_K,
@@ -126,10 +126,10 @@ class Verifier:
             self._twins[id(model)] = model.to(torch.float64)
         return self._twins[id(model)]
 
-    def runner(self, model: TinyDSV4 | None = None, **kw: object) -> DSV4PagedRunner:
+    def runner(self, model: TinyDSV4 | None = None, **kw: object) -> DSV4Runner:
         kw.setdefault("num_classical_blocks", 16)
         kw.setdefault("num_state_blocks", 4)
-        return DSV4PagedRunner(model or self.model, **kw)  # type: ignore[arg-type]
+        return DSV4Runner(model or self.model, **kw)  # type: ignore[arg-type]
 
     def evaluate(self, name: str, segments: list[Segment], tolerance: float | None = None) -> CaseResult:
         """Compare every segment with its oracle under the module docstring's rules."""
@@ -340,7 +340,7 @@ class ClassicalPoolWatcher:
     tensors are non-zero only while some request holds it, a held block never changes once
     written, and a request holds exactly num_computed // span blocks (check_integrity)."""
 
-    def __init__(self, runner: DSV4PagedRunner) -> None:
+    def __init__(self, runner: DSV4Runner) -> None:
         self.runner = runner
         self.seen: dict[int, list[Tensor]] = {}
 
