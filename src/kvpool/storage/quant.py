@@ -138,72 +138,60 @@ def _unpack(packed: Tensor, bits: int) -> Tensor:
 
 def quantize_k(schema: KVSchema, kt: Tensor) -> Quantized:
     """K chunk kt [..., d, S] (S slots, transposed) -> codes in the K layout and its scales."""
-    kind = schema.k_scale
-    if kind == "none":
-        return Quantized(kt.to(code_dtype(schema)), None, None)
-    x = kt.to(torch.float32)
-    if kind == "token":
-        scale = _sym_scale(schema, x.abs().amax(dim=-2))  # [..., S]
-        return Quantized(_sym_codes(schema, x / scale.unsqueeze(-2)), scale, None)
-    if kind == "block":
-        scale = _sym_scale(schema, x.abs().amax(dim=(-2, -1))).unsqueeze(-1)  # [..., 1]
-        return Quantized(_sym_codes(schema, x / scale.unsqueeze(-1)), scale, None)
-    g = schema.group  # channel: each channel over groups of G slots
-    *lead, d, s = x.shape
-    q = _asym(schema, x.reshape(*lead, d, s // g, g))
-    return Quantized(_pack(q.codes.reshape(*lead, d, s), schema.bits), q.scale, q.zero)
+    return _quantize_chunk(schema, schema.k_scale, kt, channel_dim=-2)
 
 
 def quantize_v(schema: KVSchema, v: Tensor) -> Quantized:
     """V chunk v [..., S, d] -> codes in the V layout and its scales."""
-    kind = schema.v_scale
-    if kind == "none":
-        return Quantized(v.to(code_dtype(schema)), None, None)
-    x = v.to(torch.float32)
-    if kind == "token":
-        scale = _sym_scale(schema, x.abs().amax(dim=-1))  # [..., S]
-        return Quantized(_sym_codes(schema, x / scale.unsqueeze(-1)), scale, None)
-    if kind == "block":
-        scale = _sym_scale(schema, x.abs().amax(dim=(-2, -1))).unsqueeze(-1)  # [..., 1]
-        return Quantized(_sym_codes(schema, x / scale.unsqueeze(-1)), scale, None)
-    g = schema.group  # token-group: each token over groups of G channels
-    *lead, s, d = x.shape
-    q = _asym(schema, x.reshape(*lead, s, d // g, g))
-    return Quantized(_pack(q.codes.reshape(*lead, s, d), schema.bits), q.scale, q.zero)
+    return _quantize_chunk(schema, schema.v_scale, v, channel_dim=-1)
 
 
 def dequantize_k(schema: KVSchema, q: Quantized, dtype: torch.dtype) -> Tensor:
     """The inverse of `quantize_k`: [..., d, S] in `dtype`."""
-    kind = schema.k_scale
-    if kind == "none":
-        return q.codes.to(dtype)
-    assert q.scale is not None
-    if kind == "token":
-        return q.codes.to(dtype) * q.scale.to(dtype).unsqueeze(-2)
-    if kind == "block":
-        return q.codes.to(dtype) * q.scale.to(dtype).unsqueeze(-1)
-    assert q.zero is not None
-    codes = _unpack(q.codes, schema.bits)  # [..., d, S]
-    *lead, d, s = codes.shape
-    g = schema.group
-    x = codes.view(*lead, d, s // g, g).to(dtype) * q.scale.to(dtype).unsqueeze(-1) + q.zero.to(dtype).unsqueeze(-1)
-    return x.view(*lead, d, s)
+    return _dequantize_chunk(schema, schema.k_scale, q, dtype, channel_dim=-2)
 
 
 def dequantize_v(schema: KVSchema, q: Quantized, dtype: torch.dtype) -> Tensor:
     """The inverse of `quantize_v`: [..., S, d] in `dtype`."""
-    kind = schema.v_scale
+    return _dequantize_chunk(schema, schema.v_scale, q, dtype, channel_dim=-1)
+
+
+# K and V chunks differ only in where the head dim lies (channel_dim: -2 in K^T [..., d, S],
+# -1 in V [..., S, d]); the grouped kinds (K's "channel": each channel over groups of G slots;
+# V's "token-group": each token over groups of G channels) both group the last axis.
+
+
+def _quantize_chunk(schema: KVSchema, kind: str, x: Tensor, channel_dim: int) -> Quantized:
+    if kind == "none":
+        return Quantized(x.to(code_dtype(schema)), None, None)
+    x = x.to(torch.float32)
+    if kind == "token":
+        scale = _sym_scale(schema, x.abs().amax(dim=channel_dim))  # [..., S]
+        return Quantized(_sym_codes(schema, x / scale.unsqueeze(channel_dim)), scale, None)
+    if kind == "block":
+        scale = _sym_scale(schema, x.abs().amax(dim=(-2, -1))).unsqueeze(-1)  # [..., 1]
+        return Quantized(_sym_codes(schema, x / scale.unsqueeze(-1)), scale, None)
+    g = schema.group
+    *lead, rows, cols = x.shape
+    q = _asym(schema, x.reshape(*lead, rows, cols // g, g))
+    return Quantized(_pack(q.codes.reshape(*lead, rows, cols), schema.bits), q.scale, q.zero)
+
+
+def _dequantize_chunk(schema: KVSchema, kind: str, q: Quantized, dtype: torch.dtype, channel_dim: int) -> Tensor:
     if kind == "none":
         return q.codes.to(dtype)
     assert q.scale is not None
-    if kind in ("token", "block"):
+    if kind == "token":
+        return q.codes.to(dtype) * q.scale.to(dtype).unsqueeze(channel_dim)
+    if kind == "block":
         return q.codes.to(dtype) * q.scale.to(dtype).unsqueeze(-1)
     assert q.zero is not None
-    codes = _unpack(q.codes, schema.bits)  # [..., S, d]
-    *lead, s, d = codes.shape
+    codes = _unpack(q.codes, schema.bits)  # [..., rows, cols], the last axis grouped
+    *lead, rows, cols = codes.shape
     g = schema.group
-    x = codes.view(*lead, s, d // g, g).to(dtype) * q.scale.to(dtype).unsqueeze(-1) + q.zero.to(dtype).unsqueeze(-1)
-    return x.view(*lead, s, d)
+    grouped = codes.view(*lead, rows, cols // g, g).to(dtype)
+    x = grouped * q.scale.to(dtype).unsqueeze(-1) + q.zero.to(dtype).unsqueeze(-1)
+    return x.view(*lead, rows, cols)
 
 
 def round_trip_kv(schema: KVSchema, k: Tensor, v: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
