@@ -52,6 +52,7 @@ import stat
 import threading
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -286,18 +287,25 @@ class DiskTier(Tier):
                 del self._keys[ident[1]]
         return found
 
+    def _file_op(self, what: str, op: Callable[..., object], *args: object) -> bool:
+        """op(*args) on an entry's file. A file already gone counts as done (another process
+        removed it); an OS refusal (a read-only disk, another user's file) is counted in
+        io_errors[what] and returns False."""
+        try:
+            op(*args)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            self.io_errors[what] += 1
+            return False
+        return True
+
     def _evict_over_limit(self) -> None:
         while self._num_bytes > self.capacity_bytes and self._entries:
             ident, old = next(iter(self._entries.items()))
             self._drop(ident)  # (forgotten even when the unlink fails: the loop ends)
-            try:
-                old.path.unlink()
-            except FileNotFoundError:
-                pass
-            except OSError:
-                self.io_errors["evict"] += 1
-                continue
-            self.stats.num_evictions += 1
+            if self._file_op("evict", old.path.unlink):
+                self.stats.num_evictions += 1
 
     def _find(self, ident: tuple[str, bytes], expected: BlockDescriptor) -> _Entry | None:
         """The entry, known or just written by another process (lock held)."""
@@ -316,12 +324,8 @@ class DiskTier(Tier):
         """Move a bad entry aside (lock held): counted, a miss from now on."""
         self._drop(ident)
         target = self.root / "quarantine" / f"{found.path.stem}.{time.time_ns()}{SUFFIX}"
-        try:
-            os.replace(found.path, target)
-        except FileNotFoundError:
-            pass
-        except OSError:  # a read-only disk: it stays, a miss each time it is met
-            self.io_errors["quarantine"] += 1
+        # a read-only disk: it stays, a miss each time it is met
+        self._file_op("quarantine", os.replace, found.path, target)
         self.stats.num_corrupt += 1
         self.stats.misses["corrupt"] += 1
 
@@ -329,14 +333,8 @@ class DiskTier(Tier):
         self.stats.mismatches.update(differ)
         self.stats.misses["mismatch"] += 1
         self._drop(ident)
-        try:
-            found.path.unlink()
-        except FileNotFoundError:
-            pass
-        except OSError:
-            self.io_errors["reclaim"] += 1
-            return
-        self.stats.num_reclaimed += 1
+        if self._file_op("reclaim", found.path.unlink):
+            self.stats.num_reclaimed += 1
 
     def _header(self, ident: tuple[str, bytes], found: _Entry) -> BlockDescriptor:
         with _open_entry(found.path) as f:
@@ -428,12 +426,8 @@ class DiskTier(Tier):
                     return None
                 found.descriptor = descriptor
             found.verified = True
-            try:
-                os.utime(found.path)  # the LRU order, for the next process
-            except FileNotFoundError:
-                pass
-            except OSError:  # entries of another user, a read-only disk: still a hit
-                self.io_errors["utime"] += 1
+            # the LRU order, for the next process; entries of another user, a read-only disk: still a hit
+            self._file_op("utime", os.utime, found.path)
             self.stats.num_gets += 1
             self.stats.num_get_bytes += len(data)
         self.stats.get_s += time.perf_counter() - start
@@ -503,12 +497,7 @@ class DiskTier(Tier):
         with self._lock:
             dropped = [self._drop(ident) for ident in [i for i in self._entries if i[1] == key]]
         for found in dropped:
-            try:
-                found.path.unlink()
-            except FileNotFoundError:
-                pass
-            except OSError:
-                self.io_errors["evict"] += 1
+            self._file_op("evict", found.path.unlink)
         return bool(dropped)
 
     def flush(self, timeout: float | None = None) -> bool:
