@@ -280,12 +280,18 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
             logprobs=logprobs,
         )
 
+    async def accept(request: Request, model: type[protocol.SamplingRequest]) -> tuple[Any, str]:
+        """What both generation endpoints do first, in this order: the API key, the body, the
+        model name, the tenant. -> (the parsed body, its tenant)."""
+        bound = authorize(request)
+        body = await parse(request, model)
+        check_model(body.model)
+        return body, tenant_of(request, body, bound)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        bound = authorize(request)
-        body: CompletionRequest = await parse(request, CompletionRequest)
-        check_model(body.model)
-        tenant = tenant_of(request, body, bound)
+        body: CompletionRequest
+        body, tenant = await accept(request, CompletionRequest)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -312,10 +318,8 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        bound = authorize(request)
-        body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
-        check_model(body.model)
-        tenant = tenant_of(request, body, bound)
+        body: ChatCompletionRequest
+        body, tenant = await accept(request, ChatCompletionRequest)
         prompt_ids = await asyncio.to_thread(encode_chat, body)
         max_tokens = max_tokens_for(len(prompt_ids), body.requested_max_tokens, chat=True)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
