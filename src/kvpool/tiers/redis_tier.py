@@ -43,7 +43,8 @@ import threading
 import time
 import uuid
 from collections import Counter
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 import redis
@@ -92,6 +93,15 @@ def _error_kind(error: redis.RedisError) -> str:
         return _KINDS[type(error)]
     words = str(error).split(maxsplit=1)
     return words[0] if words and words[0].isupper() else type(error).__name__
+
+
+class _Read(NamedTuple):
+    """An entry field read and checked (`RedisTier._read_checked`)."""
+
+    redis_key: str
+    descriptor: BlockDescriptor
+    body: Any  # the header's manifest, or the entry's tensors
+    num_bytes: int  # of the field as stored
 
 
 class _Known(NamedTuple):
@@ -355,59 +365,57 @@ class RedisTier(Tier):
 
     def lookup(self, key: bytes, expected: BlockDescriptor) -> bool:
         self.stats.num_lookups += 1
-        rkey = self.redis_key(key, expected)
-        header = self._call(lambda c: c.hget(rkey, "m"))
-        if header is _DOWN or header is None or isinstance(header, redis.RedisError):
-            self._missed(rkey, key, header)
-            return False
-        try:
-            descriptor, manifest = entry.peek(header, key)
-            entry.check_layout(entry.tensor_layout(manifest), self._expected.get(entry.namespace(expected)))
-        except entry.CorruptEntry:
-            self._refuse(rkey, key, None)
-            return False
-        except entry.OtherVersion:
-            self._other_version(key)
-            return False
-        differ = descriptor.mismatches(expected)
-        if differ:
-            self._refuse(rkey, key, differ)
+        found = self._read_checked(key, expected, "m", entry.peek, entry.tensor_layout)
+        if found is None:
             return False
         self.stats.num_lookup_hits += 1
         known = self._known.get(key)
-        if known is None or known.descriptor != descriptor:  # (a payload checked here stays checked)
-            self._known[key] = _Known(rkey, descriptor, len(header), verified=False)
+        if known is None or known.descriptor != found.descriptor:  # (a payload checked here stays checked)
+            self._known[key] = _Known(found.redis_key, found.descriptor, found.num_bytes, verified=False)
         return True
 
     def get(self, key: bytes, expected: BlockDescriptor) -> dict[str, Tensor] | None:
         start = time.perf_counter()
-        rkey = self.redis_key(key, expected)
-        data = self._call(lambda c: c.hget(rkey, "d"))
-        if data is _DOWN or data is None or isinstance(data, redis.RedisError):
-            self._missed(rkey, key, data)
+        found = self._read_checked(key, expected, "d", entry.decode, entry.layout_of)
+        if found is None:
             self.stats.num_get_misses += 1
             return None
+        self._known[key] = _Known(found.redis_key, found.descriptor, found.num_bytes, verified=True)
+        self.stats.num_gets += 1
+        self.stats.num_get_bytes += found.num_bytes
+        self.stats.get_s += time.perf_counter() - start
+        return found.body
+
+    def _read_checked(
+        self,
+        key: bytes,
+        expected: BlockDescriptor,
+        field: str,
+        decode: Callable[[bytes, bytes], tuple[BlockDescriptor, Any]],
+        layout_of: Callable[[Any], dict[str, tuple[str, list[int]]]],
+    ) -> _Read | None:
+        """The entry's `field` ("m": its header, for lookup; "d": the whole entry, for get),
+        decoded and checked against `expected`. None: a miss, already handled and counted as
+        its kind (server down or absent, corrupt, another version, another descriptor)."""
+        rkey = self.redis_key(key, expected)
+        raw = self._call(lambda c: c.hget(rkey, field))
+        if raw is _DOWN or raw is None or isinstance(raw, redis.RedisError):
+            self._missed(rkey, key, raw)
+            return None
         try:
-            descriptor, tensors = entry.decode(data, key)
-            entry.check_layout(entry.layout_of(tensors), self._expected.get(entry.namespace(expected)))
+            descriptor, body = decode(raw, key)
+            entry.check_layout(layout_of(body), self._expected.get(entry.namespace(expected)))
         except entry.CorruptEntry:
             self._refuse(rkey, key, None)
-            self.stats.num_get_misses += 1
             return None
         except entry.OtherVersion:
             self._other_version(key)
-            self.stats.num_get_misses += 1
             return None
         differ = descriptor.mismatches(expected)
         if differ:
             self._refuse(rkey, key, differ)
-            self.stats.num_get_misses += 1
             return None
-        self._known[key] = _Known(rkey, descriptor, len(data), verified=True)
-        self.stats.num_gets += 1
-        self.stats.num_get_bytes += len(data)
-        self.stats.get_s += time.perf_counter() - start
-        return tensors
+        return _Read(rkey, descriptor, body, len(raw))
 
     def put(self, key: bytes, descriptor: BlockDescriptor, tensors: dict[str, Tensor]) -> bool:
         """Queue the write; while the breaker is open, keep it for when the server is back
