@@ -99,6 +99,7 @@ class _Request:
     budget: int = 0  # the admission's max_new_tokens (or the rest of the prompt): for complete_loads
     num_loading: int = 0  # tokens of the hit a lower tier is still loading (complete_loads)
     readmitted: bool = False  # admitted after a preemption (its hits count apart)
+    prompt_bytes: bytes = b""  # token_bytes(token_ids) while its hits are looked up (dropped after)
 
 
 class HybridCacheManager(CacheManager):
@@ -390,12 +391,12 @@ class HybridCacheManager(CacheManager):
         if len(token_ids) == 0:
             raise ValueError(f"request {request_id!r} has an empty prompt")
         items = check_mm_items(mm_items, len(token_ids))
-        token_bytes(token_ids)  # ValueError for an id that is no token
+        packed = token_bytes(token_ids)  # ValueError for an id that is no token; packed once for the groups
         if descriptor is not None and not isinstance(descriptor, CacheDescriptor):
             raise TypeError(f"descriptor must be a CacheDescriptor, got {type(descriptor).__name__}")
         key = self._descriptor_key if descriptor is None else descriptor.key()
         roots = {name: g.pool.root(key + self._root_keys[name], tenant_salt) for name, g in self.groups.items()}
-        return _Request(request_id, list(token_ids), items, roots)
+        return _Request(request_id, list(token_ids), items, roots, prompt_bytes=packed)
 
     def _hits(self, req: _Request, bounded: bool = True, admission: bool = False) -> dict[str, Any]:
         """Each group's hits. bounded: whole-prefix groups first, and the others look no
@@ -404,7 +405,9 @@ class HybridCacheManager(CacheManager):
         limit: int | None = None
         hits = {}
         for name, g in self._lookup_order:
-            hits[name] = g.hits(req.roots[name], req.token_ids, req.mm_items, limit, admission=admission)
+            hits[name] = g.hits(
+                req.roots[name], req.token_ids, req.mm_items, limit, admission=admission, packed=req.prompt_bytes
+            )
             if bounded:
                 bound = g.upper_bound(hits[name])
                 limit = bound if limit is None else min(limit, bound)
@@ -476,6 +479,7 @@ class HybridCacheManager(CacheManager):
         self._check_new(request_id, token_ids, max_new_tokens)
         req = self._new_request(request_id, token_ids, tenant_salt, mm_items, descriptor)
         hits = self._hits(req, admission=True) if self._caching else {}
+        req.prompt_bytes = b""  # an admitted request keeps no second copy of its prompt
         point = self.hit_point(hits, len(req.token_ids)) if self._caching else 0
         rest = len(req.token_ids) - point
         n = rest if max_new_tokens is None else min(max_new_tokens, rest)

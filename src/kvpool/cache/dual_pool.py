@@ -155,6 +155,7 @@ class DualPoolGroup(CacheGroup):
         limit: int | None = None,
         *,
         admission: bool = False,
+        packed: bytes | None = None,
     ) -> DualPoolHits:
         """The leading run of cached complete spans, leaving a token to compute, and no
         further than `limit` tokens (another group's upper bound). Changes nothing."""
@@ -166,7 +167,7 @@ class DualPoolGroup(CacheGroup):
             num = min(num, limit // span)
         hit = self.pool.match(
             root,
-            token_bytes(token_ids[: num * span]),
+            packed[: num * span * TOKEN_BYTES] if packed is not None else token_bytes(token_ids[: num * span]),
             span * TOKEN_BYTES,
             num,
             self._extras(mm_items, num),

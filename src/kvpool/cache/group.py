@@ -109,11 +109,13 @@ class CacheGroup(Protocol):
         limit: int | None,
         *,
         admission: bool = False,
+        packed: bytes | None = None,
     ) -> Any:
         """What the group's cache holds of the prompt, looking no further than `limit` tokens
         (another group's `upper_bound`) when given. Changes nothing, not even a counter,
         unless `admission` (the lookup of an admission: it counts hash collisions and may
-        consult a lower tier)."""
+        consult a lower tier). `packed`: token_bytes(token_ids) when the caller has it (the
+        coordinator packs a prompt once), for a group to slice instead of packing again."""
         ...
 
     def upper_bound(self, hits: Any) -> int:

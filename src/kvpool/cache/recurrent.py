@@ -148,6 +148,7 @@ class RecurrentGroup(CacheGroup):
         limit: int | None = None,
         *,
         admission: bool = False,
+        packed: bytes | None = None,
     ) -> RecurrentHits:
         """The checkpoint of each C-chunk boundary, up to `limit` tokens (another group's
         upper bound on the hit) when given. Changes nothing."""

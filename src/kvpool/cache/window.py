@@ -202,6 +202,7 @@ class AttentionGroup(CacheGroup):
         limit: int | None = None,
         *,
         admission: bool = False,
+        packed: bytes | None = None,
     ) -> AttentionHits:
         """The prompt's full blocks that are cached, as far as a hit point can reach (up to
         `limit` tokens, another group's upper bound, for a window). Full attention: the
@@ -211,7 +212,8 @@ class AttentionGroup(CacheGroup):
         if not self.pool.enable_caching:
             return AttentionHits([], [])
         num = len(token_ids) // bs if limit is None else min(len(token_ids) // bs, -(-limit // bs))
-        data, width = token_bytes(token_ids[: num * bs]), bs * TOKEN_BYTES  # packed once, sliced per block
+        width = bs * TOKEN_BYTES
+        data = packed[: num * width] if packed is not None else token_bytes(token_ids[: num * bs])  # sliced per block
         extras = [self._extra(mm_items, k) for k in range(num)] if mm_items else None
         if self.spec.window is None:
             # The run that leaves a token to compute, then the prompt's last full block (a
@@ -282,9 +284,8 @@ class AttentionGroup(CacheGroup):
         """No point above this one is served (full: the leading run of found blocks and the
         lower tier's after it; window: the end of the last found block)."""
         found = hits.found
-        if self.spec.window is None:
-            k = next((i for i, b in enumerate(found) if b is None), len(found))
-            return max([(k + len(hits.lower)) * self.block_size, *hits.turn_ends])
+        if self.spec.window is None:  # full attention's hits are a run: no None among them
+            return max([(len(found) + len(hits.lower)) * self.block_size, *hits.turn_ends])
         k = next((i + 1 for i in range(len(found) - 1, -1, -1) if found[i] is not None), 0)
         return k * self.block_size
 
@@ -303,7 +304,9 @@ class AttentionGroup(CacheGroup):
         if last > len(hits.found):
             if point % bs:  # inside the block after the run: a partial block kept at a turn end at or after it
                 return last == len(hits.found) + 1 and any(end >= point for end in hits.turn_ends)
-            return last <= len(hits.found) + len(hits.lower) and None not in hits.found
+            return last <= len(hits.found) + len(hits.lower) and (self.spec.window is None or None not in hits.found)
+        if self.spec.window is None:
+            return True  # every block before `last` is in the run
         first = self.spec.first_needed(point) // bs
         return all(hits.found[k] is not None for k in range(first, last))
 
