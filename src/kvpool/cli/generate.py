@@ -33,7 +33,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="a Llama-architecture GGUF file (default: the embedded SmolLM2-135M); kvpool generate and kvpool "
         "run also take tiny-dsv4, the tiny DeepSeek-V4 model on its dual pool (token ids in and out; generate "
-        "needs --no-chat with it)",
+        "needs --no-chat with it); kvpool run also takes the tiny hybrid models tiny-gemma2 (window + full "
+        "attention) and tiny-recurrent (recurrent + full layers)",
     )
     parser.add_argument(
         "--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)"

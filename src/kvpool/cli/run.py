@@ -10,7 +10,8 @@ the previous turn of its conversation finishes. TTFT counts from a request's arr
 Everything the report needs comes through the engine (its statistics: steps, preemptions,
 the latency of the runner's allocating calls) and the runner protocol (`cache_stats`,
 `usage`, `kv_read_bytes`), so any model runner serves: `--model tiny-dsv4` runs the same
-workload in token ids on DeepSeek-V4's dual pool. The workload, its arrivals and the
+workload in token ids on DeepSeek-V4's dual pool, `--model tiny-gemma2` / `tiny-recurrent`
+on the hybrid cache coordinator (window + full attention; recurrent + full layers). The workload, its arrivals and the
 report's figures come from kvpool/workload/ (live.py, arrivals.py, metrics.py), which the
 simulator and the load generator share.
 
@@ -59,6 +60,19 @@ from kvpool.workload.live import live_chat, live_token_ids, request_id
 from kvpool.workload.metrics import latency_report, mean, num_within_slo, p50_p99, ratio
 
 TINY_MODEL = "tiny-dsv4"
+# the tiny hybrid models (models/tiny_hybrid.py) on the hybrid cache coordinator (engine/hybrid_runner.py)
+HYBRID_MODELS = ("tiny-gemma2", "tiny-recurrent")
+# what the hybrid runner has not: tiers, storage formats other than its float32, CSA layers
+HYBRID_REFUSED = (
+    ("host_cache_gib", "--host-cache-gib", "the hybrid runner has no cache tiers"),
+    ("disk_cache", "--disk-cache", "the hybrid runner has no cache tiers"),
+    ("disk_cache_gib", "--disk-cache-gib", "the hybrid runner has no cache tiers"),
+    ("redis", "--redis", "the hybrid runner has no cache tiers"),
+    ("swa_strategy", "--swa-strategy", "the hybrid runner has no cache tiers"),
+    ("swa_period", "--swa-period", "the hybrid runner has no cache tiers"),
+    ("hisparse", "--hisparse", "only tiny-dsv4 has CSA layers"),
+    ("indexer_format", "--indexer-format", "only tiny-dsv4 has CSA layers"),
+)
 # the flags that shape what every tensor-parallel rank must do alike (the workload's and the engine's)
 AGREED_FLAGS = (
     "num_requests",
@@ -159,8 +173,61 @@ class Progress:
             self.bar.stop()
 
 
+def check_hybrid(args: argparse.Namespace) -> None:
+    """ValueError naming the first flag a tiny hybrid model's runner cannot honour."""
+    model = getattr(args, "model", None)
+    if model not in HYBRID_MODELS:
+        return
+    for attr, flag, why in HYBRID_REFUSED:
+        if getattr(args, attr, None) is not None:
+            raise ValueError(f"{flag} is not supported with --model {model}: {why}")
+    if getattr(args, "kv_dtype", None) not in (None, "fp32"):
+        raise ValueError(f"--kv-dtype {args.kv_dtype} is not supported with --model {model}: it keeps float32 K/V")
+    if getattr(args, "preemption", "recompute") != "recompute":
+        raise ValueError(f"--preemption {args.preemption} is not supported with --model {model}: it recomputes")
+    if getattr(args, "tp", 1) > 1:
+        raise ValueError(f"--tp is not supported with --model {model}: the hybrid runner runs on one process")
+
+
+def hybrid_engine(args: argparse.Namespace):
+    """(engine, model) for a tiny hybrid model: --num-blocks blocks per attention group, else
+    what --kv-memory (default 16MiB) holds of blocks of every attention layer; the recurrent
+    state slots (live states and checkpoints, 4 per sequence of a step) come on top."""
+    from kvpool.engine.build import build_engine
+    from kvpool.models.tiny_hybrid import TINY_GEMMA2, TINY_RECURRENT, TinyHybrid
+
+    model = TinyHybrid(TINY_GEMMA2 if args.model == "tiny-gemma2" else TINY_RECURRENT, seed=args.seed)
+    num_blocks = args.num_blocks
+    if num_blocks is None:
+        cfg = model.config
+        num_attention = len(cfg["layers"]) - len(model.recurrent_layers())
+        token_bytes = num_attention * 2 * cfg["num_kv_heads"] * cfg["head_dim"] * model.dtype.itemsize
+        kv_bytes = parse_bytes(args.kv_memory or "16MiB")
+        num_blocks = kv_bytes // (token_bytes * args.block_size)
+        if num_blocks <= 0:
+            raise ValueError(f"--kv-memory {args.kv_memory} holds no block of {token_bytes * args.block_size} bytes")
+    engine = build_engine(
+        model,
+        num_blocks=num_blocks,
+        num_slots=4 * args.max_seqs,
+        block_size=args.block_size,
+        max_num_batched_tokens=args.max_batch_tokens,
+        max_num_seqs=args.max_seqs,
+    )
+    return engine, model
+
+
 def build(args: argparse.Namespace):
     """(engine, workload-making function, model name) for --model."""
+    check_hybrid(args)
+    if args.model in HYBRID_MODELS:
+        engine, model = hybrid_engine(args)
+        return (
+            engine,
+            lambda rng: live_token_ids(model.vocab_size, args.num_requests, args.num_long, rng),
+            args.model,
+            None,
+        )
     check_hisparse(args)
     check_preemption(args)
     persistent_cache_options(args)  # a flag tiny-dsv4 cannot take is refused before anything loads
@@ -246,8 +313,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.kv_memory is not None:  # a bad size, or one the machine cannot hold, before the model loads
-        device = "cuda" if args.model != TINY_MODEL and torch.cuda.is_available() else "cpu"
+        tiny = args.model == TINY_MODEL or args.model in HYBRID_MODELS
+        device = "cuda" if not tiny and torch.cuda.is_available() else "cpu"
         memory.check_fits(parse_bytes(args.kv_memory), device, f"--kv-memory {args.kv_memory}")
+    check_hybrid(args)  # before the checks below, whose lines speak of the Llama and V4 models
     check_hisparse(args)
     check_preemption(args)
     check_kv_dtype(args)

@@ -194,11 +194,33 @@ class HybridRunner:
         self.cache.check_integrity()
 
     def cache_stats(self) -> dict[str, float]:
-        stats = self.cache.stats
+        """The report's figures (`kvpool run`), from the coordinator and the backends' tensors:
+        num_blocks counts the blocks of every attention group's pool (a block holds its
+        group's layers); kv_capacity_bytes is those pools' K/V plus the recurrent state
+        slots; the prefix figures are the coordinator's first-admission counters."""
+        cache, stats = self.cache, self.cache.stats
+        kv_bytes = sum(g.kv.numel() * g.kv.element_size() for g in self.attention.groups.values())
+        recurrent = self.attention.recurrent
+        state_bytes = recurrent.state.numel() * recurrent.state.element_size() if cache.recurrent_groups else 0
+        pools = {g.pool: None for g in cache.groups.values()}  # each distinct pool once
         out: dict[str, float] = {
+            "kv_capacity_tokens": float(self.capacity_tokens),
+            "kv_capacity_bytes": float(kv_bytes + state_bytes),
+            "block_size": float(self.block_size),
+            "num_blocks": float(cache.num_blocks),
+            "state_slots": float(sum(g.pool.num_blocks for g in cache.recurrent_groups)),
+            "state_slot_bytes": float(recurrent.bytes_per_slot if cache.recurrent_groups else 0),
+            "prefix_queried_tokens": float(stats.num_queried_tokens),
+            "prefix_hit_tokens": float(stats.num_hit_tokens),
             "prefix_hit_rate": stats.hit_rate,
+            "readmitted_hit_tokens": float(stats.num_readmitted_hit_tokens),
+            "hash_collisions": float(sum(pool.num_collisions for pool in pools)),
             "hit_tokens": float(stats.num_hit_tokens),
         }
-        for name, held in self.cache.group_held_blocks().items():
+        for name, held in cache.group_held_blocks().items():
             out[f"{name}_held"] = float(held)
         return out
+
+    def tier_reports(self) -> dict[str, dict[str, object]]:
+        """{}: the hybrid runner has no host, disk or Redis tier (`kvpool run` refuses their flags)."""
+        return {}
