@@ -40,6 +40,7 @@ import torch
 import xxhash
 
 from kvpool.models.gguf import GGUFModel, LlamaConfig, TokenizerData, file_digest
+from kvpool.tiers.disk import fsync_path
 
 LAYOUT_VERSION = 2  # 2: the tied embedding is the LM head (no transposed copy); layers fused [in, out]
 WEIGHTS, META, ENTRY = "weights.safetensors", "meta.json", "entry.json"
@@ -180,15 +181,15 @@ class WeightCache:
                 info[name] = {"bytes": (work / name).stat().st_size, "xxh3_128": digests[name]}
             (work / ENTRY).write_text(json.dumps(info))
             for name in (WEIGHTS, META, ENTRY):
-                _fsync(work / name)
-            _fsync(work)
+                fsync_path(work / name)
+            fsync_path(work)
             target = self.root / key
             try:
                 os.rename(work, target)
             except OSError:  # an entry appeared meanwhile (another process): keep it
                 shutil.rmtree(work, ignore_errors=True)
                 return target
-            _fsync(self.root)
+            fsync_path(self.root)
         except BaseException:
             shutil.rmtree(work, ignore_errors=True)
             raise
@@ -269,11 +270,3 @@ def safetensors_views(buffer: mmap.mmap) -> dict[str, torch.Tensor]:
             continue
         tensors[name] = torch.frombuffer(buffer, dtype=dtype, count=count, offset=base + begin).view(shape)
     return tensors
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -102,7 +102,9 @@ def temp_file_owner_alive(path: Path) -> bool:
     return pid > 0 and (pid == os.getpid() or _pid_alive(pid))
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flush a file's data, or a directory's entries (a rename into it), to the disk.
+    models/weight_cache.py shares it: one place for the open/fsync/close."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -471,7 +473,7 @@ class DiskTier(Tier):
             os.replace(tmp, final)
             self._stage("renamed")
             if self.fsync:
-                _fsync_dir(final.parent)
+                fsync_path(final.parent)
             self._stage("dir synced")
             inode = os.stat(final).st_ino
         except OSError:
