@@ -242,29 +242,14 @@ def run_cp(args: argparse.Namespace) -> int:
 
 def run_hybrid(args: argparse.Namespace) -> int:
     """`kvpool verify hybrid`: one row per case; 1 if any case fails."""
-    import torch
-
-    from kvpool.verify.dsv4_tolerance import check_tolerance
     from kvpool.verify.hybrid import Verifier as HybridVerifier
 
-    check_tolerance(args.tolerance, "--tolerance")
-    torch.set_num_threads(1)
-    dtype = torch.float64 if args.dtype == "fp64" else torch.float32
-    results = HybridVerifier(seed=args.seed, dtype=dtype).run(args.lengths, tolerance=args.tolerance)
+    results = _run_matrix(HybridVerifier, args)
     if args.json:
-        cases = []
-        for r in results:
-            case: dict[str, object] = {
-                "name": r.name,
-                "max_abs_diff": _number(r.max_abs_diff),
-                "tolerance": _number(r.tolerance),
-                "passed": r.passed,
-            }
-            if r.reference_error is not None:
-                case["reference_error"] = r.reference_error
-            if r.detail:
-                case["detail"] = r.detail
-            cases.append(case)
+        cases = [
+            _case_json(r, **({} if r.reference_error is None else {"reference_error": r.reference_error}))
+            for r in results
+        ]
         print(json.dumps({"dtype": args.dtype, "cases": cases}))
     else:
         width = max(len(r.name) for r in results)
@@ -281,6 +266,34 @@ def _number(x: float | None) -> float | None:
     return None if x is None or math.isnan(x) or math.isinf(x) else x
 
 
+def _run_matrix(verifier_class, args: argparse.Namespace) -> list:
+    """What `verify dsv4` and `verify hybrid` share: check --tolerance, one torch thread (tiny
+    matrices: one thread is the fastest and plays well on shared CPUs), the --dtype, and every
+    case of `verifier_class` (verify/dsv4.py or verify/hybrid.py's Verifier) run."""
+    import torch
+
+    from kvpool.verify.dsv4_tolerance import check_tolerance
+
+    check_tolerance(args.tolerance, "--tolerance")
+    torch.set_num_threads(1)
+    dtype = torch.float64 if args.dtype == "fp64" else torch.float32
+    return verifier_class(seed=args.seed, dtype=dtype).run(args.lengths, tolerance=args.tolerance)
+
+
+def _case_json(r, **extra: object) -> dict[str, object]:
+    """One case of a matrix's --json: name, figures and pass, then `extra`, then the detail if any."""
+    case: dict[str, object] = {
+        "name": r.name,
+        "max_abs_diff": _number(r.max_abs_diff),
+        "tolerance": _number(r.tolerance),
+        "passed": r.passed,
+        **extra,
+    }
+    if r.detail:
+        case["detail"] = r.detail
+    return case
+
+
 def run(args: argparse.Namespace) -> int:
     if args.target == "hybrid":
         return run_hybrid(args)
@@ -290,31 +303,18 @@ def run(args: argparse.Namespace) -> int:
         return run_tp(args)
     if args.target == "pd":
         return run_pd(args)
-    import torch
-
     from kvpool.verify.dsv4 import Verifier
-    from kvpool.verify.dsv4_tolerance import FP64_TOLERANCE, check_tolerance
+    from kvpool.verify.dsv4_tolerance import FP64_TOLERANCE
 
-    check_tolerance(args.tolerance, "--tolerance")
-    torch.set_num_threads(1)  # tiny matrices: one thread is the fastest and plays well on shared CPUs
-    dtype = torch.float64 if args.dtype == "fp64" else torch.float32
-    results = Verifier(seed=args.seed, dtype=dtype).run(args.lengths, tolerance=args.tolerance)
+    results = _run_matrix(Verifier, args)
     fp32 = args.dtype == "fp32"
     if args.json:
         cases = []
         for r in results:
-            case: dict[str, object] = {
-                "name": r.name,
-                "max_abs_diff": _number(r.max_abs_diff),
-                "tolerance": _number(r.tolerance),
-                "passed": r.passed,
-                "verdict": r.verdict,
-            }
+            figures: dict[str, object] = {"verdict": r.verdict}
             if fp32:
-                case.update(reference_error=_number(r.reference_error), selection_margin=_number(r.selection_margin))
-            if r.detail:
-                case["detail"] = r.detail
-            cases.append(case)
+                figures.update(reference_error=_number(r.reference_error), selection_margin=_number(r.selection_margin))
+            cases.append(_case_json(r, **figures))
         print(json.dumps({"dtype": args.dtype, "cases": cases}))
     else:
         width = max(len(r.name) for r in results)
