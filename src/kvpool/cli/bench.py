@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import inspect
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-from kvpool.cli.args import HelpFormatter
+from kvpool.cli.main import add_modules
 
 T = TypeVar("T")
 
@@ -41,12 +40,8 @@ BENCHES: dict[str, tuple[str, str]] = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench", required=True)
-    for name, (module_name, help_text) in BENCHES.items():
-        module = importlib.import_module(module_name)
-        bench_parser = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
-        module.add_arguments(bench_parser)
-        bench_parser.set_defaults(_bench_run=module.run, _name=f"bench {name}")  # errors say which bench
+    # errors say which bench: "bench NAME"
+    add_modules(parser.add_subparsers(dest="bench", required=True), BENCHES, "_bench_run", name_prefix="bench ")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -78,13 +78,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvpool", description="kvpool: a KV-cache system for LLM inference", formatter_class=HelpFormatter
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, (module_name, help_text) in COMMANDS.items():
+    add_modules(parser.add_subparsers(dest="command", required=True), COMMANDS, "_run")  # bench sets "bench NAME"
+    return parser
+
+
+def add_modules(sub, modules: dict[str, tuple[str, str]], run_key: str, name_prefix: str = "") -> None:
+    """One parser under `sub` per entry of `modules` (name -> (module, one-line help)), filled
+    by the module's add_arguments; the parsed args carry the module's run under `run_key`
+    and, under `_name`, `name_prefix + name` for the error lines. kvpool's commands and
+    kvpool bench's benchmarks are both built this way."""
+    for name, (module_name, help_text) in modules.items():
         module = importlib.import_module(module_name)
         command_parser = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
         module.add_arguments(command_parser)
-        command_parser.set_defaults(_run=module.run, _name=name)  # bench sets "bench NAME"
-    return parser
+        command_parser.set_defaults(**{run_key: module.run, "_name": name_prefix + name})
 
 
 def lost_peer_line(error: RuntimeError) -> str | None:
