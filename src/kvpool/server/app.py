@@ -401,22 +401,21 @@ class _Shape:
             choice["text"] = delta.text
         choice["logprobs"] = self._logprobs(delta)
         choice["finish_reason"] = delta.finish_reason
-        return {
-            "id": self.id,
-            "object": f"{self.object}.chunk" if self.chat else self.object,
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-        }
+        return self._envelope([choice])
 
     def usage_chunk(self, output) -> dict[str, Any]:
+        return self._envelope([], usage=protocol.usage(output))
+
+    def _envelope(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        """A streamed chunk: the request's id, object (chat: chat.completion.chunk), created and
+        model, then `choices` and `extra`, for the content chunks and the usage chunk alike."""
         return {
             "id": self.id,
             "object": f"{self.object}.chunk" if self.chat else self.object,
             "created": self.created,
             "model": self.model,
-            "choices": [],
-            "usage": protocol.usage(output),
+            "choices": choices,
+            **extra,
         }
 
     def response(self, output, texts: dict[int, list[str]], deltas: dict[int, list[Delta]]) -> dict[str, Any]:
