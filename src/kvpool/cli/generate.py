@@ -85,11 +85,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_tp_argument(parser)
 
 
-def check_context(num_prompt_tokens: int, max_tokens: int, context_len: int, bound: str) -> None:
+def check_context(
+    num_prompt_tokens: int, max_tokens: int, context_len: int, max_position: int, cache_bound: str
+) -> None:
     """Refuse a request that cannot get its --max-tokens (as vLLM and OpenAI do) instead of
-    cutting it short at the context. `bound` says what sets `context_len`."""
+    cutting it short at the context. The message names what sets `context_len`: the KV
+    cache (`cache_bound`, the flags that size it) when it holds fewer tokens than the
+    model's `max_position`, else the model's maximum."""
     if num_prompt_tokens + max_tokens <= context_len:
         return
+    bound = cache_bound if context_len < max_position else "the model's maximum"
     room = context_len - num_prompt_tokens
     fit = f"at most {room} new tokens fit" if room > 0 else "the prompt alone fills it"
     raise ValueError(
@@ -198,12 +203,13 @@ def _generate(args, engine, loaded, prompt_ids, params, num_blocks, runtime_byte
     from kvpool.engine import memory
 
     tok = loaded.tokenizer
-    context_len = engine.runner.max_model_len
-    if context_len < loaded.model.config.max_position:
-        bound = f"--num-blocks {num_blocks} x --block-size {args.block_size}"
-    else:
-        bound = "the model's maximum"
-    check_context(len(prompt_ids), args.max_tokens, context_len, bound)
+    check_context(
+        len(prompt_ids),
+        args.max_tokens,
+        engine.runner.max_model_len,
+        loaded.model.config.max_position,
+        f"--num-blocks {num_blocks} x --block-size {args.block_size}",
+    )
     rid = engine.add_request(prompt_ids, params)
     seq = engine.requests[rid].seqs[0]
     printed = ""

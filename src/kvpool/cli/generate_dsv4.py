@@ -67,12 +67,13 @@ def run(args: argparse.Namespace, tiers: dict[str, object] | None = None) -> int
 def _generate(args, engine, prompt_ids, params, num_blocks: int, load_s: float) -> int:
     from kvpool.models.tiny_dsv4 import TINY_DSV4_CONFIG
 
-    context_len = engine.runner.max_model_len
-    if context_len < TINY_DSV4_CONFIG["max_position_embeddings"]:
-        bound = f"the KV cache of --num-blocks {num_blocks}"
-    else:
-        bound = "the model's maximum"
-    check_context(len(prompt_ids), args.max_tokens, context_len, bound)
+    check_context(
+        len(prompt_ids),
+        args.max_tokens,
+        engine.runner.max_model_len,
+        TINY_DSV4_CONFIG["max_position_embeddings"],
+        f"the KV cache of --num-blocks {num_blocks}",
+    )
     rid = engine.add_request(prompt_ids, params)
     while engine.has_unfinished():
         engine.step()
