@@ -12,12 +12,12 @@ from collections.abc import Callable
 
 import torch
 
-from kvpool.attention.backends.paged_step import Attend, PagedStep, PagedStepMetadata, make_step, plan_paged
+from kvpool.attention.backends.paged_step import PagedBackend, PagedStep, PagedStepMetadata
 from kvpool.attention.paged import StepPlan, paged_attention, prefill_attention
 from kvpool.storage.kv import PagedKVStorage
 
 
-class NativeBackend:
+class NativeBackend(PagedBackend):
     """Full attention on the paged fp32 CPU pool through the C kernels: every step's decodes
     by kv_decode_attention, its writes by kv_write."""
 
@@ -40,27 +40,11 @@ class NativeBackend:
             raise ValueError(f"the native backend decodes natively, not by {decode_path!r}")
         if storage.kernels is None or kernels is None:
             raise ValueError("the native attention backend needs the CPU kernels on an fp32 CPU pool")
-        self.storage, self.num_heads, self.kernels, self.dtype = storage, num_heads, kernels, dtype
-        self.scale = storage.head_dim**-0.5
-
-    def _step(self, plan: StepPlan, attend: Attend) -> PagedStep:
-        st = self.storage
-        return make_step(plan, attend, st.block_size, st.num_kv_heads, st.head_dim, self.dtype)
+        super().__init__(storage, num_heads, kernels, dtype, before_read, decode_path="native")
 
     def begin_step(self, meta: PagedStepMetadata) -> PagedStep:
-        st = self.storage
-        plan = plan_paged(
-            meta,
-            st.block_size,
-            self.num_heads,
-            st.num_kv_heads,
-            st.head_dim,
-            st.k.device,
-            self.dtype,
-            "native",
-            self.kernels,
-        )
-        return self._step(plan, NativeAttend(st, plan, self.scale))
+        plan = self._plan(meta)
+        return self._step(plan, NativeAttend(self.storage, plan, self.scale))
 
 
 class NativeAttend:

@@ -73,33 +73,51 @@ def make_step(plan: StepPlan, attend: Attend, block_size: int, num_kv_heads: int
     return PagedStep(plan, attend, taken_path(plan), sum(t.nbytes for t in tables), max(prefill, default=0))
 
 
-def plan_paged(
-    meta: PagedStepMetadata,
-    block_size: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    decode_path: str,
-    kernels,
-) -> StepPlan:
-    """The step's plan (attention/paged.py `plan_step`), built once and read by every layer."""
-    return plan_step(
-        meta.q_lens,
-        meta.ctx_lens,
-        meta.slots,
-        meta.indptr,
-        meta.indices,
-        block_size,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        device,
-        dtype,
-        decode_path,
+class PagedBackend:
+    """What the paged full-attention backends share (native.py, torch_paged.py, quant.py):
+    the registry's constructor arguments, the step's plan (attention/paged.py `plan_step`,
+    built once and read by every layer) and its PagedStep. A subclass checks `decode_path`
+    and builds each step's attend in `begin_step`."""
+
+    def __init__(
+        self,
+        storage,
+        num_heads: int,
         kernels,
-    )
+        dtype: torch.dtype,
+        before_read: Callable[[], None] | None = None,
+        *,
+        decode_path: str,
+    ) -> None:
+        """storage: the pool; num_heads: query heads; kernels: the C kernels or None;
+        dtype: the compute dtype; before_read: called before the step first reads the pool
+        (on CUDA the compute stream waits there for the tier loads in flight)."""
+        self.name = self.decode_path = decode_path  # its registry name; how its plans decode
+        self.storage, self.num_heads, self.kernels, self.dtype = storage, num_heads, kernels, dtype
+        self.before_read = before_read
+        self.scale = storage.head_dim**-0.5
+
+    def _plan(self, meta: PagedStepMetadata) -> StepPlan:
+        st = self.storage
+        return plan_step(
+            meta.q_lens,
+            meta.ctx_lens,
+            meta.slots,
+            meta.indptr,
+            meta.indices,
+            st.block_size,
+            self.num_heads,
+            st.num_kv_heads,
+            st.head_dim,
+            st.k.device,
+            self.dtype,
+            self.decode_path,
+            self.kernels,
+        )
+
+    def _step(self, plan: StepPlan, attend: Attend) -> PagedStep:
+        st = self.storage
+        return make_step(plan, attend, st.block_size, st.num_kv_heads, st.head_dim, self.dtype)
 
 
 def taken_path(plan: StepPlan) -> str | None:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvpool.attention.backends.paged_step import Attend, PagedStep, PagedStepMetadata, make_step, plan_paged
+from kvpool.attention.backends.paged_step import Attend, PagedBackend, PagedStep, PagedStepMetadata
 from kvpool.attention.paged import DECODE_PATHS, StepPlan, paged_attention, prefill_attention
 from kvpool.storage.kv import QuantizedKVStorage, QuantWriteIndex, SeqSpan
 
@@ -48,7 +48,7 @@ def _dequant_attend(
     return attend
 
 
-class DequantBackend:
+class DequantBackend(PagedBackend):
     """Any quantized format: dequantize the step's blocks, then plain paged attention."""
 
     def __init__(
@@ -65,30 +65,10 @@ class DequantBackend:
             raise ValueError(f"decode_path must be one of {DECODE_PATHS}, got {decode_path!r}")
         if decode_path == "native" and kernels is None:
             raise ValueError("decode_path 'native' needs the CPU kernels (kvpool.kernels.cpu_kernels())")
-        self.name = self.decode_path = decode_path  # its registry name; how its plans decode
-        self.storage, self.num_heads, self.kernels, self.dtype = storage, num_heads, kernels, dtype
-        self.scale = storage.head_dim**-0.5
-
-    def _step(self, plan: StepPlan, attend: Attend) -> PagedStep:
-        st = self.storage
-        return make_step(plan, attend, st.block_size, st.num_kv_heads, st.head_dim, self.dtype)
-
-    def _plan(self, meta: PagedStepMetadata, decode_path: str) -> StepPlan:
-        st = self.storage
-        return plan_paged(
-            meta,
-            st.block_size,
-            self.num_heads,
-            st.num_kv_heads,
-            st.head_dim,
-            st.k.device,
-            self.dtype,
-            decode_path,
-            self.kernels,
-        )
+        super().__init__(storage, num_heads, kernels, dtype, before_read, decode_path=decode_path)
 
     def begin_step(self, meta: PagedStepMetadata) -> PagedStep:
-        plan = self._plan(meta, self.decode_path)
+        plan = self._plan(meta)
         index = _write_index(self.storage, meta, plan)
         return self._step(plan, _dequant_attend(self.storage, meta, plan, index, self.scale))
 
@@ -113,7 +93,7 @@ class QuantNativeBackend(DequantBackend):
         super().__init__(storage, num_heads, kernels, dtype, before_read, decode_path="native")
 
     def begin_step(self, meta: PagedStepMetadata) -> PagedStep:
-        plan = self._plan(meta, "native")
+        plan = self._plan(meta)
         index = _write_index(self.storage, meta, plan)
         if plan.decode is None:  # prefill chunks only: dequantized, as any format
             return self._step(plan, _dequant_attend(self.storage, meta, plan, index, self.scale))

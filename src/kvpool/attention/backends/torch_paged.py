@@ -10,14 +10,14 @@ from collections.abc import Callable
 import torch
 
 from kvpool.attention.backends.native import NativeAttend
-from kvpool.attention.backends.paged_step import Attend, PagedStep, PagedStepMetadata, make_step, plan_paged
-from kvpool.attention.paged import StepPlan, paged_attention
+from kvpool.attention.backends.paged_step import PagedBackend, PagedStep, PagedStepMetadata
+from kvpool.attention.paged import paged_attention
 from kvpool.storage.kv import PagedKVStorage
 
 TORCH_DECODE_PATHS = ("bags", "padded")
 
 
-class TorchPagedBackend:
+class TorchPagedBackend(PagedBackend):
     """Full attention on the unquantized paged pool in torch ops; `decode_path` "bags" or
     "padded" chooses how decodes read the pool."""
 
@@ -37,28 +37,11 @@ class TorchPagedBackend:
         (`NativeAttend`)."""
         if decode_path not in TORCH_DECODE_PATHS:
             raise ValueError(f"the torch paged backend decodes by {TORCH_DECODE_PATHS}, got {decode_path!r}")
-        self.name = self.decode_path = decode_path  # its registry name; how its plans decode
-        self.storage, self.num_heads, self.kernels, self.dtype = storage, num_heads, kernels, dtype
-        self.before_read = before_read
-        self.scale = storage.head_dim**-0.5
-
-    def _step(self, plan: StepPlan, attend: Attend) -> PagedStep:
-        st = self.storage
-        return make_step(plan, attend, st.block_size, st.num_kv_heads, st.head_dim, self.dtype)
+        super().__init__(storage, num_heads, kernels, dtype, before_read, decode_path=decode_path)
 
     def begin_step(self, meta: PagedStepMetadata) -> PagedStep:
         st, scale, before_read = self.storage, self.scale, self.before_read
-        plan = plan_paged(
-            meta,
-            st.block_size,
-            self.num_heads,
-            st.num_kv_heads,
-            st.head_dim,
-            st.k.device,
-            self.dtype,
-            self.decode_path,
-            self.kernels,
-        )
+        plan = self._plan(meta)
         if st.kernels is not None and plan.decode is None:
             return self._step(plan, NativeAttend(st, plan, scale))
         write_index = st.write_index(plan.slots)
