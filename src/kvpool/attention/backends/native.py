@@ -8,8 +8,6 @@ step without decodes when the pool has the kernels: its write is the C kernel's.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from kvpool.attention.backends.paged_step import PagedBackend, PagedStep, PagedStepMetadata
@@ -22,25 +20,15 @@ class NativeBackend(PagedBackend):
     by kv_decode_attention, its writes by kv_write."""
 
     name = "native"
+    default_decode_path = "native"
 
-    def __init__(
-        self,
-        storage: PagedKVStorage,
-        num_heads: int,
-        kernels,
-        dtype: torch.dtype,
-        before_read: Callable[[], None] | None = None,
-        *,
-        decode_path: str = "native",
-    ) -> None:
-        """storage: the pool (made with `kernels`); num_heads: query heads; kernels: the C
-        kernels (kvpool.kernels.cpu_kernels()); dtype: the model's compute dtype (fp32);
-        before_read: unused (the pool is on the CPU: no loads in flight)."""
+    def _check(self, storage: PagedKVStorage, kernels, decode_path: str) -> None:
+        # storage made with `kernels` (kvpool.kernels.cpu_kernels()), the compute dtype fp32;
+        # before_read is unused (the pool is on the CPU: no loads in flight)
         if decode_path != "native":
             raise ValueError(f"the native backend decodes natively, not by {decode_path!r}")
         if storage.kernels is None or kernels is None:
             raise ValueError("the native attention backend needs the CPU kernels on an fp32 CPU pool")
-        super().__init__(storage, num_heads, kernels, dtype, before_read, decode_path="native")
 
     def begin_step(self, meta: PagedStepMetadata) -> PagedStep:
         plan = self._plan(meta)

@@ -75,9 +75,11 @@ def make_step(plan: StepPlan, attend: Attend, block_size: int, num_kv_heads: int
 
 class PagedBackend:
     """What the paged full-attention backends share (native.py, torch_paged.py, quant.py):
-    the registry's constructor arguments, the step's plan (attention/paged.py `plan_step`,
-    built once and read by every layer) and its PagedStep. A subclass checks `decode_path`
-    and builds each step's attend in `begin_step`."""
+    the registry's constructor, the step's plan (attention/paged.py `plan_step`, built once
+    and read by every layer) and its PagedStep. A subclass names its `default_decode_path`,
+    refuses what it cannot run in `_check` and builds each step's attend in `begin_step`."""
+
+    default_decode_path: str  # the decode path when the constructor is given none
 
     def __init__(
         self,
@@ -87,15 +89,25 @@ class PagedBackend:
         dtype: torch.dtype,
         before_read: Callable[[], None] | None = None,
         *,
-        decode_path: str,
+        decode_path: str | None = None,
     ) -> None:
         """storage: the pool; num_heads: query heads; kernels: the C kernels or None;
         dtype: the compute dtype; before_read: called before the step first reads the pool
-        (on CUDA the compute stream waits there for the tier loads in flight)."""
+        (on CUDA the compute stream waits there for the tier loads in flight);
+        decode_path: how the step's decodes read the pool (None: `default_decode_path`).
+        ValueError (from `_check`) when this backend cannot run it on `storage`."""
+        if decode_path is None:
+            decode_path = self.default_decode_path
+        self._check(storage, kernels, decode_path)
         self.name = self.decode_path = decode_path  # its registry name; how its plans decode
         self.storage, self.num_heads, self.kernels, self.dtype = storage, num_heads, kernels, dtype
         self.before_read = before_read
         self.scale = storage.head_dim**-0.5
+
+    def _check(self, storage, kernels, decode_path: str) -> None:
+        """ValueError naming what is missing when this backend cannot decode by
+        `decode_path` on `storage` with `kernels` (None: no C kernels)."""
+        raise NotImplementedError
 
     def _plan(self, meta: PagedStepMetadata) -> StepPlan:
         st = self.storage

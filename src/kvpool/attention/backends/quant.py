@@ -10,8 +10,6 @@ blocks dequantized into the compute dtype, then the plain paged attention (its d
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from kvpool.attention.backends.paged_step import Attend, PagedBackend, PagedStep, PagedStepMetadata
@@ -51,21 +49,13 @@ def _dequant_attend(
 class DequantBackend(PagedBackend):
     """Any quantized format: dequantize the step's blocks, then plain paged attention."""
 
-    def __init__(
-        self,
-        storage: QuantizedKVStorage,
-        num_heads: int,
-        kernels,
-        dtype: torch.dtype,
-        before_read: Callable[[], None] | None = None,
-        *,
-        decode_path: str = "bags",
-    ) -> None:
+    default_decode_path = "bags"
+
+    def _check(self, storage: QuantizedKVStorage, kernels, decode_path: str) -> None:
         if decode_path not in DECODE_PATHS:
             raise ValueError(f"decode_path must be one of {DECODE_PATHS}, got {decode_path!r}")
         if decode_path == "native" and kernels is None:
             raise ValueError("decode_path 'native' needs the CPU kernels (kvpool.kernels.cpu_kernels())")
-        super().__init__(storage, num_heads, kernels, dtype, before_read, decode_path=decode_path)
 
     def begin_step(self, meta: PagedStepMetadata) -> PagedStep:
         plan = self._plan(meta)
@@ -76,21 +66,14 @@ class DequantBackend(PagedBackend):
 class QuantNativeBackend(DequantBackend):
     """8-bit codes with fp32 scales on the CPU: decodes by the C kernel from the codes."""
 
-    def __init__(
-        self,
-        storage: QuantizedKVStorage,
-        num_heads: int,
-        kernels,
-        dtype: torch.dtype,
-        before_read: Callable[[], None] | None = None,
-        *,
-        decode_path: str = "native",
-    ) -> None:
+    default_decode_path = "native"
+
+    def _check(self, storage: QuantizedKVStorage, kernels, decode_path: str) -> None:
         if decode_path != "native":
             raise ValueError(f"the quantized native backend decodes natively, not by {decode_path!r}")
         if not storage.reads_natively:
             raise ValueError(f"the C kernel does not read the {storage.fmt.name} format's blocks")
-        super().__init__(storage, num_heads, kernels, dtype, before_read, decode_path="native")
+        super()._check(storage, kernels, decode_path)
 
     def begin_step(self, meta: PagedStepMetadata) -> PagedStep:
         plan = self._plan(meta)

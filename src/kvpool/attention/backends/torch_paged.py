@@ -5,8 +5,6 @@ chunks through SDPA over their gathered blocks. Any device, any unquantized dtyp
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from kvpool.attention.backends.native import NativeAttend
@@ -19,25 +17,17 @@ TORCH_DECODE_PATHS = ("bags", "padded")
 
 class TorchPagedBackend(PagedBackend):
     """Full attention on the unquantized paged pool in torch ops; `decode_path` "bags" or
-    "padded" chooses how decodes read the pool."""
+    "padded" chooses how decodes read the pool. before_read is called before the step first
+    reads the pool (layer 0): on CUDA the compute stream waits there for the tier loads in
+    flight. With the C kernels (else None), a step without decodes on a pool that has them
+    writes through the C kernel (`NativeAttend`)."""
 
-    def __init__(
-        self,
-        storage: PagedKVStorage,
-        num_heads: int,
-        kernels,
-        dtype: torch.dtype,
-        before_read: Callable[[], None] | None = None,
-        *,
-        decode_path: str = "bags",
-    ) -> None:
-        """before_read: called before the step first reads the pool (layer 0): on CUDA the
-        compute stream waits there for the tier loads in flight. kernels: the C kernels or
-        None: a step without decodes on a pool that has them writes through the C kernel
-        (`NativeAttend`)."""
+    default_decode_path = "bags"
+
+    def _check(self, storage: PagedKVStorage, kernels, decode_path: str) -> None:
+        # kernels may be None: they only write a step without decodes (`NativeAttend`)
         if decode_path not in TORCH_DECODE_PATHS:
             raise ValueError(f"the torch paged backend decodes by {TORCH_DECODE_PATHS}, got {decode_path!r}")
-        super().__init__(storage, num_heads, kernels, dtype, before_read, decode_path=decode_path)
 
     def begin_step(self, meta: PagedStepMetadata) -> PagedStep:
         st, scale, before_read = self.storage, self.scale, self.before_read
