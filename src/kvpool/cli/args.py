@@ -10,52 +10,51 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from collections.abc import Callable
+from typing import TypeVar
 
 from kvpool.spec.kv_formats import KV_SCHEMAS, kv_schema
+
+N = TypeVar("N", int, float)
+
+
+def parsed_number(
+    text: str, convert: Callable[[str], N], ok: Callable[[N], bool], expected: str, refused: str = ""
+) -> N:
+    """`convert(text)` when it parses and passes `ok`; else argparse.ArgumentTypeError
+    "expected {expected}, got 'TEXT'" for text that does not parse, "expected {refused or
+    expected}, got VALUE" for a value that fails `ok` (an int as parsed, a float as written:
+    'inf', 'nan')."""
+    try:
+        value = convert(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if not ok(value):
+        shown = value if isinstance(value, int) else repr(text)
+        raise argparse.ArgumentTypeError(f"expected {refused or expected}, got {shown}")
+    return value
 
 
 def positive_int(text: str) -> int:
     """An int >= 1 (threads, token counts, blocks, GPUs)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+    return parsed_number(text, int, lambda v: v > 0, "a positive integer")
 
 
 def non_negative_int(text: str) -> int:
     """An int >= 0 (seeds, top-k where 0 means off)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+    return parsed_number(text, int, lambda v: v >= 0, "an integer >= 0")
 
 
 def positive_float(text: str) -> float:
     """A finite float > 0 (GiB of memory): no nan, no inf."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a finite positive number, got {text!r}")
-    return value
+    return parsed_number(
+        text, float, lambda v: math.isfinite(v) and v > 0, "a positive number", "a finite positive number"
+    )
 
 
 def rate(text: str) -> float:
     """A float > 0, or inf (a rate of arrivals: inf puts them all at time 0)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number or inf, got {text!r}") from None
-    if not value > 0:  # nan fails too
-        raise argparse.ArgumentTypeError(f"expected a positive number or inf, got {text!r}")
-    return value
+    return parsed_number(text, float, lambda v: v > 0, "a positive number or inf")  # nan fails too
 
 
 def parse_bytes(text: str, flag: str = "--kv-memory") -> int:

@@ -26,6 +26,7 @@ from kvpool.cli.args import (
     add_preemption_argument,
     check_preemption,
     parse_bytes,
+    parsed_number,
     persistent_cache_options,
     positive_int,
 )
@@ -36,13 +37,7 @@ GRACEFUL_S = 5  # seconds the streams in flight get to end at shutdown
 
 
 def port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port in [0, 65535], got {value}")
-    return value
+    return parsed_number(text, int, lambda v: 0 <= v <= 65535, "a port number", "a port in [0, 65535]")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
