@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
 from kvpool.capacity.engine import EngineConfig
 from kvpool.capacity.kv import INDEXER_FORMATS, kv_layout
@@ -157,6 +158,20 @@ def _engine(args: argparse.Namespace) -> EngineConfig | None:
     )
 
 
+def _planner_options(args: argparse.Namespace, assumptions: LedgerAssumptions) -> dict[str, Any]:
+    """What the planner (capacity/planner.py `plan`) and the P/D split (capacity/pd.py
+    `plan_pd`) both take from the flags: block size, storage formats, ledger assumptions and
+    the seed of the sampled lengths."""
+    return {
+        "block_size": args.block_size,
+        "kv_dtype": args.kv_dtype,
+        "indexer_format": args.indexer_format,
+        "weight_dtype": args.weight_dtype,
+        "assumptions": assumptions,
+        "seed": args.seed,
+    }
+
+
 def check_plot_path(path: str) -> None:
     """ValueError naming the problem if a PNG cannot be written at `path`, before minutes of
     planning and drawing are spent."""
@@ -209,15 +224,10 @@ def run(args: argparse.Namespace) -> int:
                 tp=args.tp,
                 context_len=args.context,
                 concurrency=args.concurrency,
-                block_size=args.block_size,
-                kv_dtype=args.kv_dtype,
-                indexer_format=args.indexer_format,
-                weight_dtype=args.weight_dtype,
-                assumptions=assumptions,
                 length_distribution=args.lengths,
-                seed=args.seed,
                 expert_parallel=args.ep,
                 engine=engine,
+                **_planner_options(args, assumptions),
             )
         if args.plot:
             models = [load_preset(n) for n in plot_names]
@@ -283,12 +293,7 @@ def _pd_split(args: argparse.Namespace, model: ModelSpec, assumptions, context_l
         d,
         context_len,
         args.prompt_len,
-        block_size=args.block_size,
-        kv_dtype=args.kv_dtype,
-        indexer_format=args.indexer_format,
-        weight_dtype=args.weight_dtype,
-        assumptions=assumptions,
-        seed=args.seed,
+        **_planner_options(args, assumptions),
     )
 
 
