@@ -12,7 +12,8 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from kvpool.capacity.engine import EngineConfig
 from kvpool.capacity.kv import INDEXER_FORMATS, kv_layout
@@ -32,6 +33,7 @@ from kvpool.spec.models import PRESET_NAMES, ModelSpec, load_config_file, load_p
 
 GIB = 1 << 30
 
+T = TypeVar("T")
 PLOT_MODELS: tuple[str, ...] = (
     "llama-3.1-8b",
     "llama-3.1-70b",
@@ -234,25 +236,17 @@ def run(args: argparse.Namespace) -> int:
             if model is not None and model.name not in {m.name for m in models}:
                 models.append(model)
             plot_kv_vs_context(models, args.plot, kv_dtype=args.kv_dtype)
+        # after the plot: a refused --pd or --hisparse-fraction still leaves the plot written
+        pd = hisparse = None
+        if result is not None and args.pd is not None:
+            pd = _for_flag("--pd", _pd_split, args, model, assumptions, result.context_len)
+        if result is not None and args.hisparse_fraction is not None:
+            from kvpool.capacity.hisparse import hisparse_capacity
+
+            hisparse = _for_flag("--hisparse-fraction", hisparse_capacity, result, args.hisparse_fraction)
     except ValueError as e:
         print(f"kvpool plan: error: {e}", file=sys.stderr)
         return 2
-    pd = None
-    if result is not None and args.pd is not None:
-        try:
-            pd = _pd_split(args, model, assumptions, result.context_len)
-        except ValueError as e:
-            print(f"kvpool plan: error: --pd: {e}", file=sys.stderr)
-            return 2
-    hisparse = None
-    if result is not None and args.hisparse_fraction is not None:
-        from kvpool.capacity.hisparse import hisparse_capacity
-
-        try:
-            hisparse = hisparse_capacity(result, args.hisparse_fraction)
-        except ValueError as e:
-            print(f"kvpool plan: error: --hisparse-fraction: {e}", file=sys.stderr)
-            return 2
     if result is not None:
         if args.json:
             extra = ({"hisparse": hisparse} if hisparse else {}) | ({"pd": pd} if pd else {})
@@ -274,6 +268,14 @@ def run(args: argparse.Namespace) -> int:
     if args.plot and not args.json:
         print(f"wrote {args.plot}")
     return 0 if result is None or result.fits else 1
+
+
+def _for_flag(flag: str, fn: Callable[..., T], *args: object) -> T:
+    """`fn(*args)`, a ValueError it raises said as one about `flag` ("--pd: ...")."""
+    try:
+        return fn(*args)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
 
 
 def _pd_split(args: argparse.Namespace, model: ModelSpec, assumptions, context_len: int) -> dict[str, object]:
