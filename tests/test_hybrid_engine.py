@@ -12,6 +12,7 @@ import torch
 
 from kvpool.cache import BlockCopy
 from kvpool.cache.coordinator import HybridCacheManager
+from kvpool.cache.group import chain_units
 from kvpool.cache.recurrent import RecurrentAdmit, RecurrentGroup
 from kvpool.capacity.kv import PageGroup
 from kvpool.cli.main import main
@@ -44,10 +45,12 @@ class AttentionOnlyReuse(RecurrentGroup):
         return 1 << 62  # bounds nothing: every point is served
 
     def plan_admit(self, hits, root, token_ids, mm_items, point, end):
-        found = [b for b in hits.found[: point // self.interval] if b is not None] if hits else []
+        c = self.granularity
+        found = [b for b in hits.found[: point // c] if b is not None] if hits else []
         src = found[-1].block_ids[0] if found else None
         need = 1 + (src is not None and self.pool.refcount(src) == 0)
-        return RecurrentAdmit(src, self._chain(root, token_ids, mm_items, point // self.interval)), {self.pool: need}
+        chain = chain_units(self.pool, root, token_ids, mm_items, c, 0, point // c)
+        return RecurrentAdmit(src, chain), {self.pool: need}
 
 
 def _runner(model: TinyHybrid, broken: bool) -> HybridRunner:

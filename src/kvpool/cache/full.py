@@ -22,10 +22,10 @@ from typing import Any, cast
 
 from kvpool.cache.base import LowerTier
 from kvpool.cache.coordinator import HybridCacheManager
+from kvpool.cache.group import chain_units, held_copy
 from kvpool.cache.types import Admission, CacheDescriptor
 from kvpool.cache.window import AttentionGroup, AttentionGroupSpec
 from kvpool.pool import PrefixBlock
-from kvpool.pool.hashing import TOKEN_BYTES, token_bytes
 
 
 class FullAttentionManager(HybridCacheManager):
@@ -61,9 +61,6 @@ class FullAttentionManager(HybridCacheManager):
         )
         self.group = cast(AttentionGroup, self.groups["full"])  # built from an AttentionGroupSpec
 
-    def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
     # ---- swap: the computed partial block of a preempted request ---------------------------
 
     def tail_block(self, request_id: str) -> tuple[int, PrefixBlock, int] | None:
@@ -71,7 +68,10 @@ class FullAttentionManager(HybridCacheManager):
         computed partial block, for a swap; None when its computed tokens end on a block
         boundary (or caching is off)."""
         req = self._get(request_id)
-        return self.group.tail_block(req.states["full"], req.token_ids, req.mm_items, req.num_computed)
+        nc, bs = req.num_computed, self.block_size
+        if not self.pool.enable_caching or nc % bs == 0:
+            return None
+        return (*self.group.partial_block(req.states["full"], req.token_ids, req.mm_items, nc - nc % bs, nc), nc % bs)
 
     def tail_block_for_restore(self, request_id: str, num_tokens: int) -> tuple[int, PrefixBlock] | None:
         """(block id, prefix block of its would-be content) for restoring `num_tokens`
@@ -80,7 +80,7 @@ class FullAttentionManager(HybridCacheManager):
         if self._restore_refusal(req, num_tokens) is not None:
             return None
         nc = req.num_computed
-        return self.group.next_block(req.states["full"], req.token_ids, req.mm_items, nc, nc + num_tokens)
+        return self.group.partial_block(req.states["full"], req.token_ids, req.mm_items, nc, nc + num_tokens)
 
     def _restore_refusal(self, req: Any, num_tokens: int) -> str | None:
         """Why `num_tokens` positions after the computed prefix cannot be restored, or None."""
@@ -124,24 +124,11 @@ class FullAttentionManager(HybridCacheManager):
         """The cached full blocks of `token_ids` from the first (all of them may match, unlike
         an admission's hit, which leaves a token to compute): their ids and prefix blocks.
         Changes nothing; the ids are valid until the pool next allocates."""
-        if not self.enable_prefix_caching:
-            return [], []
-        hit = self.pool.match(
-            self._root(tenant_salt, None),
-            token_bytes(token_ids),
-            self.block_size * TOKEN_BYTES,
-            len(token_ids) // self.block_size,
-            count_collisions=False,
-        )
-        return hit.block_ids, hit.chain
+        chain = self.group.hits(self._root(tenant_salt, None), list(token_ids), ()).chain
+        return [held_copy(self.pool, block) for block in chain], chain
 
     def chain_for(self, token_ids: Sequence[int], *, tenant_salt: str = "") -> list[PrefixBlock]:
         """The prefix blocks (hashes) the full blocks of `token_ids` have under this manager's
         descriptor and `tenant_salt`, cached or not (nothing is registered)."""
-        bs = self.block_size
-        chain: list[PrefixBlock] = []
-        parent = self._root(tenant_salt, None)
-        for j in range(len(token_ids) // bs):
-            parent = self.pool.chain(parent, token_bytes(token_ids[j * bs : (j + 1) * bs]))
-            chain.append(parent)
-        return chain
+        n = len(token_ids) // self.block_size
+        return chain_units(self.pool, self._root(tenant_salt, None), list(token_ids), (), self.block_size, 0, n)

@@ -33,8 +33,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 
+from kvpool.cache.base import mm_extra_key
 from kvpool.cache.types import BlockCopy, GroupReservation, MMItem, StateRestore
 from kvpool.pool import BlockPool, PrefixBlock
+from kvpool.pool.hashing import TOKEN_BYTES, token_bytes
 
 
 def check_pool_size(name: str, size: object) -> int:
@@ -300,3 +302,104 @@ class CacheGroup(Protocol):
     def check_states(self, states: dict[str, Any]) -> None:
         """Assert what spans every request of the group (a dual pool's state blocks)."""
         return None
+
+
+# ---- what the groups share: hash units, hits and turn ends ----------------------------------
+# A group hashes a prompt in units of `unit` tokens (its `granularity`); unit k covers
+# positions [k * unit, (k + 1) * unit) and carries the extra key of the multimodal items it
+# overlaps.
+
+
+def unit_extra(mm_items: tuple[MMItem, ...], unit: int, k: int) -> bytes:
+    """Unit k's extra hash key (b"" without multimodal items)."""
+    return mm_extra_key(mm_items, unit, k) if mm_items else b""
+
+
+def chain_units(
+    pool: BlockPool,
+    parent: PrefixBlock,
+    token_ids: list[int],
+    mm_items: tuple[MMItem, ...],
+    unit: int,
+    k0: int,
+    k1: int,
+) -> list[PrefixBlock]:
+    """The prefix blocks of units [k0, k1) after `parent` (unit k0 - 1's, or the root),
+    unregistered. Changes nothing."""
+    data, width = token_bytes(token_ids[k0 * unit : k1 * unit]), unit * TOKEN_BYTES  # packed once
+    chain = []
+    for k in range(k0, k1):
+        parent = pool.chain(parent, data[(k - k0) * width : (k - k0 + 1) * width], unit_extra(mm_items, unit, k))
+        chain.append(parent)
+    return chain
+
+
+def num_leading(found: Sequence[PrefixBlock | None]) -> int:
+    """Units up to the last found one (a point above them is not served)."""
+    return next((k + 1 for k in range(len(found) - 1, -1, -1) if found[k] is not None), 0)
+
+
+def held_copy(pool: BlockPool, block: PrefixBlock) -> int:
+    """One physical copy of a cached block: a held one rather than a free one (which would
+    cost a block to revive)."""
+    return next((b for b in block.block_ids if pool.refcount(b)), block.block_ids[0])
+
+
+class TurnEnds:
+    """Turn ends (Figure 12): where a request finished (or marked a turn end) inside a unit,
+    the group files what it holds there (an attention group its partial block, a recurrent
+    group a checkpoint) under the partial unit's tokens with a "turn" key, and lists it by
+    its parent's hash, so a prompt probes only the turn ends kept after its own units."""
+
+    def __init__(self, pool: BlockPool, unit: int) -> None:
+        self.pool = pool
+        self.unit = unit
+        self._by_parent: dict[bytes, list[PrefixBlock]] = {}  # stale (evicted) entries dropped as met
+
+    def __bool__(self) -> bool:
+        return bool(self._by_parent)
+
+    def block(
+        self, parent: PrefixBlock, token_ids: list[int], mm_items: tuple[MMItem, ...], start: int, end: int
+    ) -> PrefixBlock:
+        """The prefix block of the partial unit [start, end) after `parent` (unregistered)."""
+        extra = b"turn" + unit_extra(mm_items, self.unit, start // self.unit)
+        return self.pool.chain(parent, token_bytes(token_ids[start:end]), extra)
+
+    def new_block(
+        self, parent: PrefixBlock, token_ids: list[int], mm_items: tuple[MMItem, ...], num_computed: int
+    ) -> PrefixBlock | None:
+        """The block a turn end after `num_computed` tokens (chained after `parent`) is filed
+        as; None when there is none to file: caching off, on the unit grid, or findable already."""
+        start = num_computed - num_computed % self.unit
+        if not self.pool.enable_caching or start == num_computed:
+            return None
+        block = self.block(parent, token_ids, mm_items, start, num_computed)
+        return None if self.pool.lookup(block) is not None else block
+
+    def file(self, block_id: int, block: PrefixBlock, *, orphan_ok: bool) -> bool:
+        """Register `block_id` as `block` (not findable yet) and list it; False, nothing
+        filed, when the pool refuses (a collision, counted by the pool)."""
+        if self.pool.register(block_id, block, orphan_ok=orphan_ok) is None:
+            return False
+        assert block.parent is not None
+        self._by_parent[block.parent.block_hash] = [*self._kept(block.parent), block]
+        return True
+
+    def find(
+        self, parent: PrefixBlock, start: int, token_ids: list[int], mm_items: tuple[MMItem, ...], limit: int
+    ) -> dict[int, PrefixBlock]:
+        """The turn ends T <= limit kept after `parent` (whose units end at `start`) whose
+        tokens the prompt repeats: T -> the cached block (verified by the pool's content
+        guard). Changes nothing."""
+        out = {}
+        for kept in self._kept(parent):
+            end = start + len(kept.token_bytes) // TOKEN_BYTES
+            if end <= limit:
+                found = self.pool.lookup(self.block(parent, token_ids, mm_items, start, end))
+                if found is not None:
+                    out[end] = found
+        return out
+
+    def _kept(self, parent: PrefixBlock) -> list[PrefixBlock]:
+        return [b for b in self._by_parent.get(parent.block_hash, ()) if b.block_ids]

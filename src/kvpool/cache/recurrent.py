@@ -42,11 +42,19 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvpool.cache.base import mm_extra_key
-from kvpool.cache.group import CacheGroup, GroupUsage, StepRequest, check_pool_size
+from kvpool.cache.group import (
+    CacheGroup,
+    GroupUsage,
+    StepRequest,
+    TurnEnds,
+    chain_units,
+    check_pool_size,
+    held_copy,
+    num_leading,
+)
 from kvpool.cache.types import BlockCopy, GroupReservation, MMItem, StateRestore
 from kvpool.pool import BlockPool, PrefixBlock
-from kvpool.pool.hashing import TOKEN_BYTES, token_bytes
+from kvpool.pool.hashing import token_bytes
 
 
 @dataclass(frozen=True)
@@ -113,30 +121,14 @@ class RecurrentGroup(CacheGroup):
     ) -> None:
         self.spec = spec
         self.name = spec.name
-        self.interval = self.granularity = self.commit_period = spec.checkpoint_interval
+        self.granularity = self.commit_period = spec.checkpoint_interval
         self.pool = BlockPool(num_slots, enable_caching=enable_caching, hash_algo=hash_algo)
-        # chunk parent's hash -> turn-end prefix blocks after it (stale ones dropped as found)
-        self._turn_ends: dict[bytes, list[PrefixBlock]] = {}
+        self._turn_ends = TurnEnds(self.pool, spec.checkpoint_interval)  # turn-end checkpoints
 
     @property
     def num_checkpoints(self) -> int:
         """Checkpoints findable now (held or free)."""
         return self.pool.num_cached
-
-    def _chunk(self, token_ids: list[int], mm_items: tuple[MMItem, ...], k: int) -> tuple[bytes, bytes]:
-        c = self.interval
-        extra = mm_extra_key(mm_items, c, k) if mm_items else b""
-        return token_bytes(token_ids[k * c : (k + 1) * c]), extra
-
-    def _chain(
-        self, root: PrefixBlock, token_ids: list[int], mm_items: tuple[MMItem, ...], n: int
-    ) -> list[PrefixBlock]:
-        chain: list[PrefixBlock] = []
-        parent = root
-        for k in range(n):
-            parent = self.pool.chain(parent, *self._chunk(token_ids, mm_items, k))
-            chain.append(parent)
-        return chain
 
     # ---- prefix hits -------------------------------------------------------------------
 
@@ -154,31 +146,20 @@ class RecurrentGroup(CacheGroup):
         upper bound on the hit) when given. Changes nothing."""
         if not self.pool.enable_caching:
             return RecurrentHits([])
+        c = self.granularity
         n = len(token_ids) if limit is None else min(len(token_ids), limit)
-        c = self.interval
-        chain = self._chain(root, token_ids, mm_items, min(n, len(token_ids) - 1) // c)
+        top = min(n, len(token_ids) - 1)  # (a point leaves a token to compute)
+        chain = chain_units(self.pool, root, token_ids, mm_items, c, 0, top // c)
         hits = RecurrentHits([self.pool.lookup(b) for b in chain[: n // c]])
-        for k, parent in enumerate([root, *chain]):
-            for block in self._turn_ends.get(parent.block_hash, ()):
-                end = k * c + len(block.token_bytes) // TOKEN_BYTES
-                if end > n or end >= len(token_ids):
-                    continue
-                probe = self.pool.chain(parent, *self._turn_chunk(token_ids, mm_items, k * c, end))
-                found = self.pool.lookup(probe)
-                if found is not None:
-                    hits.turn_ends[end] = found
+        if self._turn_ends:
+            for k, parent in enumerate([root, *chain]):
+                hits.turn_ends.update(self._turn_ends.find(parent, k * c, token_ids, mm_items, top))
         return hits
-
-    def _turn_chunk(
-        self, token_ids: list[int], mm_items: tuple[MMItem, ...], start: int, end: int
-    ) -> tuple[bytes, bytes]:
-        extra = mm_extra_key(mm_items, self.interval, start // self.interval) if mm_items else b""
-        return token_bytes(token_ids[start:end]), b"turn" + extra
 
     def upper_bound(self, hits: RecurrentHits) -> int:
         """No point above the last findable checkpoint is served."""
         found = hits.found
-        bound = next((i + 1 for i in range(len(found) - 1, -1, -1) if found[i] is not None), 0) * self.interval
+        bound = num_leading(found) * self.granularity
         return max(bound, *hits.turn_ends) if hits.turn_ends else bound
 
     def extra_points(self, hits: RecurrentHits) -> list[int]:
@@ -188,7 +169,7 @@ class RecurrentGroup(CacheGroup):
     def serves(self, hits: RecurrentHits, point: int) -> bool:
         if point == 0:
             return True
-        k, rest = divmod(point, self.interval)
+        k, rest = divmod(point, self.granularity)
         if rest:
             return point in hits.turn_ends
         return k <= len(hits.found) and hits.found[k - 1] is not None
@@ -207,11 +188,12 @@ class RecurrentGroup(CacheGroup):
         need = 1
         if point:
             assert hits is not None, "a hit point comes from hits"
-            ckpt = hits.turn_ends.get(point) or hits.found[point // self.interval - 1]
+            ckpt = hits.turn_ends.get(point) or hits.found[point // self.granularity - 1]
             assert ckpt is not None, "serves() was checked"
-            src = next((s for s in ckpt.block_ids if self.pool.refcount(s)), ckpt.block_ids[0])
+            src = held_copy(self.pool, ckpt)
             need += self.pool.refcount(src) == 0  # revived out of the free queue
-        chain = self._chain(root, token_ids, mm_items, point // self.interval) if self.pool.enable_caching else []
+        num = point // self.granularity if self.pool.enable_caching else 0
+        chain = chain_units(self.pool, root, token_ids, mm_items, self.granularity, 0, num)
         return RecurrentAdmit(src, chain), {self.pool: need}
 
     def claim(self, plan: RecurrentAdmit) -> None:
@@ -234,41 +216,25 @@ class RecurrentGroup(CacheGroup):
     def apply_reserve(
         self, reqs: Sequence[StepRequest], ends: Sequence[int], *, detail: bool = True
     ) -> list[GroupReservation]:
-        """Checkpoint slots for the step's boundaries, as far as free slots go."""
-        out = []
+        """Checkpoint slots for the step's boundaries whose prefix has no findable checkpoint
+        yet, as far as free slots go (the latest boundaries first)."""
+        c, pool, out = self.granularity, self.pool, []
         for req, end in zip(reqs, ends, strict=True):
             state = req.states[self.name]
-            wanted = self.plan_checkpoints(state, req.token_ids, req.mm_items, req.num_computed, end)
-            taken = self.take_checkpoint_slots(state, wanted) if wanted else ()
-            out.append(GroupReservation(checkpoints=tuple(taken)) if taken else _NO_RESERVATION)
+            k0, k1 = req.num_computed // c, end // c
+            if k1 == k0 or not pool.enable_caching:
+                out.append(_NO_RESERVATION)
+                continue
+            parent = state.chain[-1] if state.chain else state.root
+            chain = chain_units(pool, parent, req.token_ids, req.mm_items, c, k0, k1)
+            wanted = [(k + 1) * c for k, block in enumerate(chain, k0) if pool.lookup(block) is None]
+            wanted = wanted[max(0, len(wanted) - pool.num_free) :]
+            slots = pool.allocate(len(wanted)) if wanted else []
+            assert slots is not None
+            taken = tuple(zip(wanted, slots, strict=True))
+            state.pending.extend(taken)
+            out.append(GroupReservation(checkpoints=taken) if taken else _NO_RESERVATION)
         return out
-
-    def plan_checkpoints(
-        self, state: RecurrentState, token_ids: list[int], mm_items: tuple[MMItem, ...], num_computed: int, end: int
-    ) -> list[int]:
-        """Boundaries b in (num_computed, end] whose prefix has no findable checkpoint yet."""
-        if not self.pool.enable_caching:
-            return []
-        c = self.interval
-        k0, k1 = num_computed // c, end // c
-        if k1 == k0:
-            return []
-        parent = state.chain[-1] if state.chain else state.root
-        wanted = []
-        for k in range(k0, k1):
-            parent = self.pool.chain(parent, *self._chunk(token_ids, mm_items, k))
-            if self.pool.lookup(parent) is None:
-                wanted.append((k + 1) * c)
-        return wanted
-
-    def take_checkpoint_slots(self, state: RecurrentState, positions: list[int]) -> list[tuple[int, int]]:
-        """Slots for as many of `positions` as there are free slots, the latest first."""
-        positions = positions[max(0, len(positions) - self.pool.num_free) :]
-        slots = self.pool.allocate(len(positions))
-        assert slots is not None
-        taken = list(zip(positions, slots, strict=True))
-        state.pending.extend(taken)
-        return taken
 
     def commit(self, reqs: Sequence[StepRequest]) -> None:
         """The steps' snapshots hold S_b: publish them as cached checkpoints (free, in the
@@ -279,15 +245,12 @@ class RecurrentGroup(CacheGroup):
     def _commit(
         self, state: RecurrentState, token_ids: list[int], num_computed: int, mm_items: tuple[MMItem, ...]
     ) -> None:
-        pool = self.pool
+        pool, c = self.pool, self.granularity
         if pool.enable_caching:
             parent = state.chain[-1] if state.chain else state.root
-            for k in range(len(state.chain), num_computed // self.interval):
-                parent = pool.chain(parent, *self._chunk(token_ids, mm_items, k))
-                state.chain.append(parent)
-        by_position = {(k + 1) * self.interval: b for k, b in enumerate(state.chain)}
+            state.chain += chain_units(pool, parent, token_ids, mm_items, c, len(state.chain), num_computed // c)
         for position, slot in state.pending:
-            pool.register(slot, by_position[position], orphan_ok=True)
+            pool.register(slot, state.chain[position // c - 1], orphan_ok=True)
         pool.decref(slot for _, slot in reversed(state.pending))
         state.pending = []
         if state.held_src is not None:
@@ -301,24 +264,8 @@ class RecurrentGroup(CacheGroup):
     def _turn_block(
         self, state: RecurrentState, token_ids: list[int], mm_items: tuple[MMItem, ...], num_computed: int
     ) -> PrefixBlock | None:
-        """The prefix block a turn-end checkpoint after `num_computed` tokens is filed as;
-        None when there is none to take (caching off, on the C grid, or already findable)."""
-        c = self.interval
-        if not self.pool.enable_caching or num_computed % c == 0:
-            return None
-        start = num_computed // c * c
         parent = state.chain[-1] if state.chain else state.root
-        block = self.pool.chain(parent, *self._turn_chunk(token_ids, mm_items, start, num_computed))
-        return None if self.pool.lookup(block) is not None else block
-
-    def _file_turn(self, slot: int, block: PrefixBlock) -> bool:
-        if self.pool.register(slot, block, orphan_ok=True) is None:
-            return False  # a collision: counted by the pool, nothing filed
-        parent = block.parent
-        assert parent is not None
-        kept = [b for b in self._turn_ends.get(parent.block_hash, ()) if b.block_ids]  # drop evicted ones
-        self._turn_ends[parent.block_hash] = [*kept, block]
-        return True
+        return self._turn_ends.new_block(parent, token_ids, mm_items, num_computed)
 
     def mark_turn_end(
         self, state: RecurrentState, token_ids: list[int], mm_items: tuple[MMItem, ...], num_computed: int
@@ -331,7 +278,7 @@ class RecurrentGroup(CacheGroup):
             return None
         slot = self.pool.allocate(1)
         assert slot is not None
-        if not self._file_turn(slot[0], block):
+        if not self._turn_ends.file(slot[0], block, orphan_ok=True):
             self.pool.decref(slot)
             return None
         state.held_turn.append(slot[0])
@@ -346,7 +293,7 @@ class RecurrentGroup(CacheGroup):
         if state.held_src is not None:
             return False
         block = self._turn_block(state, token_ids, mm_items, num_computed)
-        return block is not None and self._file_turn(state.slot, block)
+        return block is not None and self._turn_ends.file(state.slot, block, orphan_ok=True)
 
     # ---- queries on a request's state ---------------------------------------------------
 
@@ -410,12 +357,12 @@ class RecurrentGroup(CacheGroup):
             if self.pool.block_hash(slot) is None:
                 raise AssertionError(f"{where}: turn-end slot {slot} is held but not filed as a checkpoint")
         for position, _ in state.pending:
-            if not (num_computed < position <= end and position % self.interval == 0):
+            if not (num_computed < position <= end and position % self.granularity == 0):
                 raise AssertionError(f"{where}: a snapshot at {position} outside the step ({num_computed}, {end}]")
         if self.pool.enable_caching:
-            if len(state.chain) != num_computed // self.interval:
+            if len(state.chain) != num_computed // self.granularity:
                 raise AssertionError(f"{where}: {len(state.chain)} chained chunks for {num_computed} computed")
-            c = self.interval
+            c = self.granularity
             for k, block in enumerate(state.chain):
                 if block.token_bytes != token_bytes(token_ids[k * c : (k + 1) * c]):
                     raise AssertionError(f"{where}: chain element {k} is not its own prefix")

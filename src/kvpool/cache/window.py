@@ -50,8 +50,18 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpool.cache.base import LowerTier, mm_extra_key
-from kvpool.cache.group import CacheGroup, GroupUsage, StepRequest, check_pool_size
+from kvpool.cache.base import LowerTier
+from kvpool.cache.group import (
+    CacheGroup,
+    GroupUsage,
+    StepRequest,
+    TurnEnds,
+    chain_units,
+    check_pool_size,
+    held_copy,
+    num_leading,
+    unit_extra,
+)
 from kvpool.cache.types import BlockCopy, GroupReservation, MMItem
 from kvpool.pool import BlockPool, PrefixBlock
 from kvpool.pool.hashing import TOKEN_BYTES, block_packer, token_bytes
@@ -139,9 +149,6 @@ class AttentionAdmit:
     lower: list[PrefixBlock]  # blocks of the hit a lower tier holds: loaded into the first fresh ones
 
 
-_INT_BYTES = sys.getsizeof(1 << 20)  # an int object of 28 B on 64-bit CPython
-
-
 class AttentionGroup(CacheGroup):
     """A `CacheGroup` (cache/group.py): block tables of full-attention or window layers."""
 
@@ -186,13 +193,9 @@ class AttentionGroup(CacheGroup):
         # read an earlier one's destination). One leaves only when nobody reads it.
         self._pending_copies: list[BlockCopy] = []
         self._pack_block = block_packer(spec.block_size)
-        # parent's hash -> the partial blocks kept at turn ends after it (stale ones dropped as found)
-        self._turn_ends: dict[bytes, list[PrefixBlock]] = {}
+        self._turn_ends = TurnEnds(pool, spec.block_size)  # partial blocks kept at turn ends
 
     # ---- prefix hits -------------------------------------------------------------------
-
-    def _extra(self, mm_items: tuple[MMItem, ...], index: int) -> bytes:
-        return mm_extra_key(mm_items, self.block_size, index) if mm_items else b""
 
     def hits(
         self,
@@ -214,7 +217,7 @@ class AttentionGroup(CacheGroup):
         num = len(token_ids) // bs if limit is None else min(len(token_ids) // bs, -(-limit // bs))
         width = bs * TOKEN_BYTES
         data = packed[: num * width] if packed is not None else token_bytes(token_ids[: num * bs])  # sliced per block
-        extras = [self._extra(mm_items, k) for k in range(num)] if mm_items else None
+        extras = [unit_extra(mm_items, bs, k) for k in range(num)] if mm_items else None
         if self.spec.window is None:
             # The run that leaves a token to compute, then the prompt's last full block (a
             # point inside it copies it) without counting a collision there
@@ -227,10 +230,13 @@ class AttentionGroup(CacheGroup):
                 )
                 chain += more.chain
             hits = AttentionHits(list(chain), list(chain))
+            parent = chain[-1] if chain else root
             if admission and self.lower_tier is not None and len(chain) < top:
-                hits.lower = self._lower_run(root, chain, data, extras, top)
+                # The blocks after the device's run that the lower tier holds, in order
+                lower = chain_units(self.pool, parent, token_ids, mm_items, bs, len(chain), top)
+                hits.lower = lower[: self.lower_tier.find(lower)]
             if self._turn_ends:
-                self._find_turn_ends(hits, root, token_ids, mm_items)
+                hits.turn_ends = self._turn_ends.find(parent, len(chain) * bs, token_ids, mm_items, len(token_ids))
             return hits
         found: list[PrefixBlock | None] = []
         chain = []
@@ -243,51 +249,13 @@ class AttentionGroup(CacheGroup):
             chain.append(parent)
         return AttentionHits(found, chain)
 
-    def _find_turn_ends(
-        self, hits: AttentionHits, root: PrefixBlock, token_ids: list[int], mm_items: tuple[MMItem, ...]
-    ) -> None:
-        """The partial blocks kept at turn ends right after the run whose tokens the prompt
-        repeats (each verified by the pool's content guard)."""
-        k, bs = len(hits.found), self.block_size
-        parent = hits.chain[-1] if hits.chain else root
-        kept = [b for b in self._turn_ends.get(parent.block_hash, ()) if b.block_ids]  # drop evicted ones
-        for block in kept:
-            end = k * bs + len(block.token_bytes) // TOKEN_BYTES
-            if end <= len(token_ids):
-                found = self.pool.lookup(self._turn_block(parent, token_ids, mm_items, k * bs, end))
-                if found is not None:
-                    hits.turn_ends[end] = found
-
-    def _turn_block(
-        self, parent: PrefixBlock, token_ids: list[int], mm_items: tuple[MMItem, ...], start: int, end: int
-    ) -> PrefixBlock:
-        """The prefix block a partial block [start, end) kept at a turn end is filed as."""
-        return self.pool.chain(
-            parent, token_bytes(token_ids[start:end]), b"turn" + self._extra(mm_items, start // self.block_size)
-        )
-
-    def _lower_run(
-        self, root: PrefixBlock, chain: list[PrefixBlock], data: bytes, extras: list[bytes] | None, top: int
-    ) -> list[PrefixBlock]:
-        """The blocks after the device's run, up to `top`, that the lower tier holds, in order,
-        as unregistered prefix blocks."""
-        assert self.lower_tier is not None
-        width = self.block_size * TOKEN_BYTES
-        parent = chain[-1] if chain else root
-        candidates = []
-        for k in range(len(chain), top):
-            parent = self.pool.chain(parent, data[k * width : (k + 1) * width], extras[k] if extras else b"")
-            candidates.append(parent)
-        return candidates[: self.lower_tier.find(candidates)]
-
     def upper_bound(self, hits: AttentionHits) -> int:
         """No point above this one is served (full: the leading run of found blocks and the
         lower tier's after it; window: the end of the last found block)."""
         found = hits.found
         if self.spec.window is None:  # full attention's hits are a run: no None among them
             return max([(len(found) + len(hits.lower)) * self.block_size, *hits.turn_ends])
-        k = next((i + 1 for i in range(len(found) - 1, -1, -1) if found[i] is not None), 0)
-        return k * self.block_size
+        return num_leading(found) * self.block_size
 
     def extra_points(self, hits: AttentionHits) -> list[int]:
         """Points off the block grid this group offers by itself: its turn ends (and it
@@ -310,11 +278,6 @@ class AttentionGroup(CacheGroup):
         first = self.spec.first_needed(point) // bs
         return all(hits.found[k] is not None for k in range(first, last))
 
-    def _held_copy(self, block: PrefixBlock) -> int:
-        """One physical copy of a cached block: a held one rather than a free one."""
-        ids = block.block_ids
-        return next((b for b in ids if self.pool.refcount(b)), ids[0])
-
     def plan_admit(
         self,
         hits: AttentionHits | None,
@@ -335,11 +298,11 @@ class AttentionGroup(CacheGroup):
         for k in range(first, on_device):
             block = hits.found[k]
             assert block is not None, "serves() was checked"
-            hit_ids.append(self._held_copy(block))
+            hit_ids.append(held_copy(self.pool, block))
         copy_tail = point % bs != 0
         lower = hits.lower[: last - on_device]
         if copy_tail and last > on_device:  # the source: a partial block kept at a turn end
-            hit_ids.append(self._held_copy(hits.turn_ends[min(e for e in hits.turn_ends if e >= point)]))
+            hit_ids.append(held_copy(self.pool, hits.turn_ends[min(e for e in hits.turn_ends if e >= point)]))
             lower = []
         num_new = -(-end // bs) - first - len(hit_ids) + copy_tail
         revived = sum(1 for b in set(hit_ids) if self.pool.refcount(b) == 0)
@@ -498,7 +461,7 @@ class AttentionGroup(CacheGroup):
         window = self.spec.window is not None
         for k in range(k0, k1):
             block_id = state.block_ids[k - state.first]
-            block = pool.chain(parent, data[(k - k0) * width : (k - k0 + 1) * width], self._extra(mm_items, k))
+            block = pool.chain(parent, data[(k - k0) * width : (k - k0 + 1) * width], unit_extra(mm_items, bs, k))
             parent = pool.register(block_id, block, orphan_ok=window) or block
             state.chain.append(parent)
             if self._published is not None:
@@ -563,29 +526,14 @@ class AttentionGroup(CacheGroup):
         size = sys.getsizeof
         return size(state) + size(state.block_ids) + size(state.chain)
 
-    # ---- swap: a computed partial block (full attention) ---------------------------------
-
-    def tail_block(
-        self, state: AttentionState, token_ids: list[int], mm_items: tuple[MMItem, ...], num_computed: int
-    ) -> tuple[int, PrefixBlock, int] | None:
-        """(block id, an unregistered prefix block for its content, tokens) of the computed
-        partial block; None on a block boundary (or caching off)."""
-        bs = self.block_size
-        if not self.pool.enable_caching or num_computed % bs == 0:
-            return None
-        index = num_computed // bs
-        parent = state.chain[-1] if state.chain else state.root
-        block = self.pool.chain(parent, token_bytes(token_ids[index * bs : num_computed]), self._extra(mm_items, index))
-        return state.block_ids[index - state.first], block, num_computed % bs
-
-    def next_block(
+    def partial_block(
         self, state: AttentionState, token_ids: list[int], mm_items: tuple[MMItem, ...], start: int, end: int
     ) -> tuple[int, PrefixBlock]:
-        """(block id, prefix block of positions [start, end) as its content) of the block
-        after the chain, which starts at `start` (a block boundary)."""
+        """(block id, an unregistered prefix block of positions [start, end)) of the block
+        after the request's chain, which ends at `start` (the swap of a partial block)."""
         index = start // self.block_size
         parent = state.chain[-1] if state.chain else state.root
-        block = self.pool.chain(parent, token_bytes(token_ids[start:end]), self._extra(mm_items, index))
+        block = self.pool.chain(parent, token_bytes(token_ids[start:end]), unit_extra(mm_items, self.block_size, index))
         return state.block_ids[index - state.first], block
 
     # ---- turn ends, fork, rollback, release ---------------------------------------------
@@ -597,20 +545,14 @@ class AttentionGroup(CacheGroup):
         findable, filed under its tokens with a "turn" key, so that a follow-up turn that
         repeats them hits there (and copies it on write). The release then leaves it
         cached, free, in the LRU queue."""
-        bs, pool = self.block_size, self.pool
-        if self.spec.window is not None or not pool.enable_caching or num_computed % bs == 0:
+        if self.spec.window is not None:
             return False
-        start = num_computed - num_computed % bs
-        block_id = state.block_ids[start // bs - state.first]
         parent = state.chain[-1] if state.chain else state.root
-        block = self._turn_block(parent, token_ids, mm_items, start, num_computed)
-        if pool.block_hash(block_id) is not None or pool.lookup(block) is not None:
-            return False  # (findable already)
-        if pool.register(block_id, block) is None:
-            return False  # a collision: counted by the pool, nothing filed
-        kept = [b for b in self._turn_ends.get(parent.block_hash, ()) if b.block_ids]
-        self._turn_ends[parent.block_hash] = [*kept, block]
-        return True
+        block = self._turn_ends.new_block(parent, token_ids, mm_items, num_computed)
+        if block is None:
+            return False
+        block_id = state.block_ids[num_computed // self.block_size - state.first]
+        return self.pool.block_hash(block_id) is None and self._turn_ends.file(block_id, block, orphan_ok=False)
 
     def fork(self, state: AttentionState) -> AttentionState:
         self.pool.incref(state.block_ids)
