@@ -258,6 +258,34 @@ static void softmax_heads(float *scores, int64_t g_size, int64_t width, int64_t 
     }
 }
 
+/* A decode batch's query side, as both decode kernels take it (kv_decode_attention says
+ * what each argument holds). */
+typedef struct {
+    const float *q;
+    int64_t q_row_stride;
+    const int64_t *rows, *indptr, *blocks, *ctx_lens;
+    float *out;
+    int64_t out_row_stride, kvh, g_size, d;
+    float scale;
+} decode_batch;
+
+/* One work item of a decode batch: sequence b's KV head kh. */
+typedef struct {
+    int64_t b, nb, len;   /* the sequence, its blocks, its keys */
+    const int64_t *table; /* its block ids [nb] */
+    float *o;             /* its G query heads' output rows [g_size, d] */
+} decode_item;
+
+/* Work item `item` (sequence item / kvh, KV head item % kvh), its G query heads scaled
+ * into qs [g_size * d]. */
+static inline decode_item begin_item(const decode_batch *x, int64_t item, float *restrict qs) {
+    int64_t b = item / x->kvh, kh = item % x->kvh, head0 = kh * x->g_size * x->d;
+    decode_item it = {b, x->indptr[b + 1] - x->indptr[b], x->ctx_lens[b], x->blocks + x->indptr[b],
+                      x->out + x->rows[b] * x->out_row_stride + head0};
+    scaled_queries(x->q + x->rows[b] * x->q_row_stride + head0, x->g_size * x->d, x->scale, qs);
+    return it;
+}
+
 /* Decode attention, one query per sequence, straight from the pool in any block order.
  * Sequence b: query row rows[b] of q [*, q_row_stride] holding H heads of d; its blocks
  * blocks[indptr[b] .. indptr[b+1]) cover keys [0, ctx_lens[b]); output row rows[b] of
@@ -283,27 +311,26 @@ int kv_decode_attention(const float *q, int64_t q_row_stride, int64_t num_rows, 
      * leaves out untouched */
     float *buffers = malloc((size_t)(max_threads(parallel) * per_thread) * sizeof(float));
     if (!buffers) return -3;
+    const decode_batch batch = {q, q_row_stride, rows, indptr, blocks, ctx_lens,
+                                out, out_row_stride, kvh, g_size, d, scale};
 #pragma omp parallel if (parallel)
     {
         float *restrict scores = buffers + thread_id() * per_thread;
         float *restrict qs = scores + g_size * width;
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < num_seqs * kvh; item++) {
-            int64_t b = item / kvh, kh = item % kvh;
-            const int64_t *table = blocks + indptr[b];
-            int64_t nb = indptr[b + 1] - indptr[b], len = ctx_lens[b];
-            scaled_queries(q + rows[b] * q_row_stride + kh * g_size * d, g_size * d, scale, qs);
+            decode_item it = begin_item(&batch, item, qs);
+            int64_t kh = item % kvh, nb = it.nb, len = it.len;
             for (int64_t j = 0; j < nb; j++) {
-                const float *kt = k_cache + (table[j] * kvh + kh) * d * bs; /* [d, bs] */
+                const float *kt = k_cache + (it.table[j] * kvh + kh) * d * bs; /* [d, bs] */
                 for (int64_t g = 0; g < g_size; g++) block_scores(qs + g * d, kt, d, bs, scores + g * width + j * bs);
             }
-            float *o = out + rows[b] * out_row_stride + kh * g_size * d; /* [g_size, d] */
-            softmax_heads(scores, g_size, width, len, o, d);
+            softmax_heads(scores, g_size, width, len, it.o, d);
             for (int64_t g = 0; g < g_size; g++)
                 for (int64_t j = 0; j < nb; j++) {
-                    const float *vb = v_cache + (table[j] * kvh + kh) * bs * d; /* [bs, d] */
+                    const float *vb = v_cache + (it.table[j] * kvh + kh) * bs * d; /* [bs, d] */
                     int64_t slots = len - j * bs < bs ? len - j * bs : bs;
-                    block_weighted_sum(scores + g * width + j * bs, vb, slots, d, o + g * d);
+                    block_weighted_sum(scores + g * width + j * bs, vb, slots, d, it.o + g * d);
                 }
         }
     }
@@ -432,6 +459,14 @@ static void decode_codes(const uint8_t *restrict codes, int64_t n, int kind, con
     }
 }
 
+/* The fp32 tail block of KV head kh [block_floats] that a sequence's last block (is_last)
+ * is read from when it has one (tail >= 0: its slot in tails [num_tails, kvh,
+ * block_floats]); NULL: the block is read from its codes. */
+static inline const float *tail_block(const float *tails, int64_t tail, int is_last, int64_t kvh, int64_t kh,
+                                      int64_t block_floats) {
+    return is_last && tail >= 0 ? tails + (tail * kvh + kh) * block_floats : NULL;
+}
+
 /* As kv_decode_attention, over a QuantizedKVStorage layer: k_codes [num_blocks, kvh, d, bs]
  * and v_codes [num_blocks, kvh, bs, d] bytes, k_scales / v_scales [num_blocks, kvh,
  * scales_per_block] fp32. tails[b] >= 0: sequence b's last block is partly written and
@@ -459,6 +494,8 @@ int kv_decode_attention_q8(const float *q, int64_t q_row_stride, int64_t num_row
     float *buffers = malloc((size_t)(max_threads(parallel) * per_thread) * sizeof(float));
     if (!buffers) return -3;
     int64_t step = scales_per_block == 1 ? 0 : 1;
+    const decode_batch batch = {q, q_row_stride, rows, indptr, blocks, ctx_lens,
+                                out, out_row_stride, kvh, g_size, d, scale};
 #pragma omp parallel if (parallel)
     {
         float *restrict scores = buffers + thread_id() * per_thread;
@@ -467,37 +504,31 @@ int kv_decode_attention_q8(const float *q, int64_t q_row_stride, int64_t num_row
         float *restrict vf = kf + d * bs;
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < num_seqs * kvh; item++) {
-            int64_t b = item / kvh, kh = item % kvh;
-            const int64_t *table = blocks + indptr[b];
-            int64_t nb = indptr[b + 1] - indptr[b], len = ctx_lens[b];
-            scaled_queries(q + rows[b] * q_row_stride + kh * g_size * d, g_size * d, scale, qs);
+            decode_item it = begin_item(&batch, item, qs);
+            int64_t b = it.b, kh = item % kvh, nb = it.nb, len = it.len;
             for (int64_t j = 0; j < nb; j++) {
-                const float *kt;
-                if (j == nb - 1 && tails[b] >= 0) {
-                    kt = tail_k + (tails[b] * kvh + kh) * d * bs;
-                } else {
-                    int64_t bh = table[j] * kvh + kh;
+                const float *kt = tail_block(tail_k, tails[b], j == nb - 1, kvh, kh, d * bs);
+                if (!kt) {
+                    int64_t bh = it.table[j] * kvh + kh;
                     const float *ks = k_scales + bh * scales_per_block;
                     for (int64_t i = 0; i < d; i++) decode_codes(k_codes + (bh * d + i) * bs, bs, kind, ks, step, kf + i * bs);
                     kt = kf;
                 }
                 for (int64_t g = 0; g < g_size; g++) block_scores(qs + g * d, kt, d, bs, scores + g * width + j * bs);
             }
-            float *o = out + rows[b] * out_row_stride + kh * g_size * d; /* [g_size, d] */
-            softmax_heads(scores, g_size, width, len, o, d);
+            softmax_heads(scores, g_size, width, len, it.o, d);
             for (int64_t j = 0; j < nb; j++) {
                 int64_t slots = len - j * bs < bs ? len - j * bs : bs;
-                const float *vb;
-                if (j == nb - 1 && tails[b] >= 0) {
-                    vb = tail_v + (tails[b] * kvh + kh) * bs * d;
-                } else {
-                    int64_t bh = table[j] * kvh + kh;
+                const float *vb = tail_block(tail_v, tails[b], j == nb - 1, kvh, kh, bs * d);
+                if (!vb) {
+                    int64_t bh = it.table[j] * kvh + kh;
                     const float *vs = v_scales + bh * scales_per_block;
                     for (int64_t t = 0; t < slots; t++)
                         decode_codes(v_codes + (bh * bs + t) * d, d, kind, vs + t * step, 0, vf + t * d);
                     vb = vf;
                 }
-                for (int64_t g = 0; g < g_size; g++) block_weighted_sum(scores + g * width + j * bs, vb, slots, d, o + g * d);
+                for (int64_t g = 0; g < g_size; g++)
+                    block_weighted_sum(scores + g * width + j * bs, vb, slots, d, it.o + g * d);
             }
         }
     }
