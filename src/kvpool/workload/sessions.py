@@ -41,6 +41,7 @@ gaps, the first one gap after 0), or all at 0 when `rate` is math.inf.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
@@ -235,16 +236,9 @@ def chat_workload(
     _check_count("vocab_size", vocab_size, 1)
     _check_count("num_system_prompts", num_system_prompts, 1)
     _check_mean("think_s", think_s)
-    rng = np.random.default_rng(seed)
-    starts = poisson_arrivals(num_sessions, rate, rng)
-    system_lens = system_len.sample(rng, num_system_prompts).tolist()
-    picks = rng.integers(num_system_prompts, size=num_sessions).tolist()
-    user_lens = user_len.sample(rng, num_sessions * turns).tolist()
-    output_lens = output_len.sample(rng, num_sessions * turns).tolist()
-    thinks = rng.exponential(think_s, size=num_sessions * turns).tolist() if think_s > 0 else None
-    system_prompts = batch_text_ids([f"system{k}" for k in range(num_system_prompts)], system_lens, vocab_size)
-    sessions = _build_sessions(
-        "chat", starts, [system_prompts[k] for k in picks], turns, user_lens, output_lens, thinks, vocab_size
+    draw = (system_len.sample, user_len.sample, output_len.sample)
+    sessions, system_lens = _shared_prefix_sessions(
+        "chat", "system", num_sessions, turns, rate, vocab_size, seed, num_system_prompts, *draw, think_s
     )
     params = {
         "num_sessions": num_sessions,
@@ -284,18 +278,9 @@ def agentic_workload(
     _check_range("question_len", question_len, 1)
     _check_range("answer_len", answer_len, 1)
     _check_mean("think_s", think_s)
-    rng = np.random.default_rng(seed)
-    starts = poisson_arrivals(num_sessions, rate, rng)
-    context_lens = rng.integers(context_len[0], context_len[1], size=num_contexts, endpoint=True).tolist()
-    picks = rng.integers(num_contexts, size=num_sessions).tolist()
-    n = num_sessions * turns
-    question_lens = rng.integers(question_len[0], question_len[1], size=n, endpoint=True).tolist()
-    answer_lens = rng.integers(answer_len[0], answer_len[1], size=n, endpoint=True).tolist()
-    thinks = rng.exponential(think_s, size=n).tolist() if think_s > 0 else None
-    # each document once (text_ids is ~0.5 us a token in pure Python; this is the batched twin)
-    documents = batch_text_ids([f"doc{k}" for k in range(num_contexts)], context_lens, vocab_size)
-    sessions = _build_sessions(
-        "agent", starts, [documents[k] for k in picks], turns, question_lens, answer_lens, thinks, vocab_size
+    draw = (_uniform(context_len), _uniform(question_len), _uniform(answer_len))
+    sessions, context_lens = _shared_prefix_sessions(
+        "agent", "doc", num_sessions, turns, rate, vocab_size, seed, num_contexts, *draw, think_s
     )
     params = {
         "num_sessions": num_sessions,
@@ -328,8 +313,8 @@ def uniform_workload(
     _check_range("output_len", output_len, 1)
     rng = np.random.default_rng(seed)
     starts = poisson_arrivals(num_requests, rate, rng)
-    prompt_lens = rng.integers(prompt_len[0], prompt_len[1], size=num_requests, endpoint=True).tolist()
-    output_lens = rng.integers(output_len[0], output_len[1], size=num_requests, endpoint=True).tolist()
+    prompt_lens = _uniform(prompt_len)(rng, num_requests).tolist()
+    output_lens = _uniform(output_len)(rng, num_requests).tolist()
     sessions = _build_sessions("req", starts, [()] * num_requests, 1, prompt_lens, output_lens, None, vocab_size)
     params = {
         "num_requests": num_requests,
@@ -339,6 +324,50 @@ def uniform_workload(
         "output_len": list(output_len),
     }
     return Workload("uniform", sessions, vocab_size, params)
+
+
+# n lengths drawn from a generator: LogNormal.sample, or _uniform's
+Sampler = Callable[[np.random.Generator, int], np.ndarray]
+
+
+def _uniform(lo_hi: tuple[int, int]) -> Sampler:
+    """Integers uniform in [lo, hi], both ends included."""
+    lo, hi = lo_hi
+    return lambda rng, n: rng.integers(lo, hi, size=n, endpoint=True)
+
+
+def _shared_prefix_sessions(
+    kind: str,
+    prefix_name: str,
+    num_sessions: int,
+    turns: int,
+    rate: float,
+    vocab_size: int,
+    seed: int,
+    num_prefixes: int,
+    prefix_len: Sampler,
+    user_len: Sampler,
+    output_len: Sampler,
+    think_s: float,
+) -> tuple[tuple[Session, ...], list[int]]:
+    """`num_sessions` sessions of `turns` turns, each on one of `num_prefixes` shared
+    prefixes (chat's system prompts, agentic's documents), and the prefixes' lengths.
+    Drawn from default_rng(seed) in this order: session starts, the prefixes' lengths, each
+    session's prefix, every turn's user and output lengths, the think times (none when
+    think_s is 0). Prefix k is text_ids(f"{prefix_name}{k}", its length)."""
+    rng = np.random.default_rng(seed)
+    starts = poisson_arrivals(num_sessions, rate, rng)
+    prefix_lens = prefix_len(rng, num_prefixes).tolist()
+    picks = rng.integers(num_prefixes, size=num_sessions).tolist()
+    n = num_sessions * turns
+    user_lens, output_lens = user_len(rng, n).tolist(), output_len(rng, n).tolist()
+    thinks = rng.exponential(think_s, size=n).tolist() if think_s > 0 else None
+    # each prefix once (text_ids is ~0.5 us a token in pure Python; this is the batched twin)
+    prefixes = batch_text_ids([f"{prefix_name}{k}" for k in range(num_prefixes)], prefix_lens, vocab_size)
+    sessions = _build_sessions(
+        kind, starts, [prefixes[k] for k in picks], turns, user_lens, output_lens, thinks, vocab_size
+    )
+    return sessions, prefix_lens
 
 
 def _build_sessions(
