@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
@@ -40,8 +41,18 @@ BENCHES: dict[str, tuple[str, str]] = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    # errors say which bench: "bench NAME"
-    add_modules(parser.add_subparsers(dest="bench", required=True), BENCHES, "_bench_run", name_prefix="bench ")
+    sub = parser.add_subparsers(dest="bench", required=True)
+    add_modules(sub, BENCHES, "_bench_run", name_prefix="bench ")  # errors say which bench: "bench NAME"
+    for bench_parser in sub.choices.values():  # every bench: its tables, or with --json its report (printed_json)
+        bench_parser.add_argument("--json", action="store_true", help="print the report as one JSON object instead")
+
+
+def printed_json(args: argparse.Namespace, report: object, indent: int | None = None) -> bool:
+    """With --json: `report` printed as one JSON object (for scripts: nothing else goes to
+    stdout) and True; without: False, and the bench prints its tables."""
+    if args.json:
+        print(json.dumps(report, indent=indent))
+    return args.json
 
 
 def run(args: argparse.Namespace) -> int:

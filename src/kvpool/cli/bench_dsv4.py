@@ -4,10 +4,9 @@ time (kvpool/bench/dsv4.py says what is counted and timed)."""
 from __future__ import annotations
 
 import argparse
-import json
 
 from kvpool.bench.dsv4 import measure
-from kvpool.cli.bench import call_with_flags
+from kvpool.cli.bench import call_with_flags, printed_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -15,7 +14,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed per context")
     parser.add_argument("--repeats", type=int, default=3, help="median of this many runs")
     parser.add_argument("--no-timing", action="store_true", help="print the byte accounting only")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -26,8 +24,7 @@ def run(args: argparse.Namespace) -> int:
     if any(c <= 0 for c in contexts) or args.steps <= 0 or args.repeats <= 0:
         raise SystemExit("--contexts, --steps and --repeats must be positive")
     result = call_with_flags(measure, args, contexts=contexts, timing=not args.no_timing)
-    if args.json:
-        print(json.dumps(result))
+    if printed_json(args, result):
         return 0
     bytes_, timing = result["bytes"], result["tiny_decode_timing"]
     print("DeepSeek-V4 dual pool, bytes (serving formats; fp32 compressor state; MTP layer not counted unless noted)")

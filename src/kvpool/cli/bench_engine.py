@@ -7,11 +7,10 @@ Timings on a shared CPU are noisy: run it on an idle machine for README figures.
 from __future__ import annotations
 
 import argparse
-import json
 
 from kvpool.bench.engine import PARTS, measure
 from kvpool.cli.args import comma_choices, positive_int
-from kvpool.cli.bench import call_with_flags, print_table, stderr_progress
+from kvpool.cli.bench import call_with_flags, print_table, printed_json, stderr_progress
 from kvpool.cli.generate import add_model_arguments
 
 
@@ -32,14 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=",".join(PARTS),
         help=f"comma list of parts to run, from {','.join(PARTS)}",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     add_model_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     report = call_with_flags(measure, args, progress=stderr_progress("bench engine"))
-    if args.json:
-        print(json.dumps(report))
+    if printed_json(args, report):
         return 0
     rows = []
     for part in ("decode", "ttft", "attention", "glue"):

@@ -5,11 +5,10 @@ CSA main entries against keeping them resident, and what a decode step fetches
 from __future__ import annotations
 
 import argparse
-import json
 
 from kvpool.bench.hisparse import measure
 from kvpool.cli.args import positive_int
-from kvpool.cli.bench import call_with_flags, print_table
+from kvpool.cli.bench import call_with_flags, print_table, printed_json
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -27,13 +26,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hot-set", type=_sizes, default=(8, 64, 512), help="hot-set sizes in CSA entries")
     parser.add_argument("--steps", type=positive_int, default=32, help="decode steps timed per run")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
 def run(args: argparse.Namespace) -> int:
     result = call_with_flags(measure, args, contexts=args.context, hot_sets=args.hot_set)
-    if args.json:
-        print(json.dumps(result))
+    if printed_json(args, result):
         return 0
     columns = ("context", "hot set", "CSA main on device", "fetched / step", "bytes / step", "step (ms)")
     rows = [

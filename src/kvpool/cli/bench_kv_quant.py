@@ -4,11 +4,10 @@ path, at serving scale (kvpool/bench/kv_quant.py says what is timed and how)."""
 from __future__ import annotations
 
 import argparse
-import json
 
 from kvpool.bench.kv_quant import DEFAULT_FORMATS, measure
 from kvpool.cli.args import comma_list, kv_dtype, positive_int
-from kvpool.cli.bench import call_with_flags, print_table
+from kvpool.cli.bench import call_with_flags, print_table, printed_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,13 +20,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--paths", type=comma_list(str), default=("native", "torch"), help="native,torch")
     parser.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
 def run(args: argparse.Namespace) -> int:
     report = call_with_flags(measure, args)
-    if args.json:
-        print(json.dumps(report))
+    if printed_json(args, report):
         return 0
     from rich.console import Console
 

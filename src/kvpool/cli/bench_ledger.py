@@ -5,25 +5,21 @@ how it is measured and what the rules are). Exits 1 when a line breaks its rule.
 from __future__ import annotations
 
 import argparse
-import json
 
 from kvpool.bench.ledger import measure
-from kvpool.cli.bench import call_with_flags
+from kvpool.cli.bench import call_with_flags, printed_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device", choices=("auto", "cpu"), default="auto", help="auto: CUDA when torch sees a GPU; cpu: hide it"
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
 def run(args: argparse.Namespace) -> int:
     result = call_with_flags(measure, args)
     ok, rows = result["ok"], result["rows"]
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
+    if not printed_json(args, result, indent=2):
         print(f"memory ledger of `kvpool run` ({result['load_source']}), predicted vs measured, bytes")
         print(f"{'term':<10} {'line':<26} {'predicted':>14} {'measured':>14}  rule")
         for row in rows:

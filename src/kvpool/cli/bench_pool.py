@@ -5,23 +5,20 @@ this prints them as a table, or as one JSON object."""
 from __future__ import annotations
 
 import argparse
-import json
 
 from kvpool.bench.pool import COUNTS, TARGETS, measure
 from kvpool.cli.args import positive_int
-from kvpool.cli.bench import call_with_flags, print_table
+from kvpool.cli.bench import call_with_flags, print_table, printed_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--repeats", type=positive_int, default=5, help="runs per figure (median)")
     parser.add_argument("--hash", dest="hash_algo", default="xxh3_128", choices=["xxh3_128", "sha256"])
 
 
 def run(args: argparse.Namespace) -> int:
     result = call_with_flags(measure, args)
-    if args.json:
-        print(json.dumps(result))
+    if printed_json(args, result):
         return 0
     rows = []
     for key, value in result.items():

@@ -8,13 +8,12 @@ concurrency (or request rate). kvpool/bench/serve.py runs it (and starts a serve
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 from kvpool.bench.serve import READY_TIMEOUT_S, REFUSED_TIMEOUT_S, measure
 from kvpool.cli.args import positive_float, positive_int, rate
-from kvpool.cli.bench import call_with_flags, print_table
+from kvpool.cli.bench import call_with_flags, print_table, printed_json
 
 
 def _levels(text: str) -> list[int]:
@@ -60,7 +59,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-memory", default=None, help="without --url: the started server's --kv-memory (default: its own)"
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,9 +73,7 @@ def run(args: argparse.Namespace) -> int:
         notice=say,
         progress=(lambda text: None) if args.json else say,
     )
-    if args.json:
-        print(json.dumps(report))
-    else:
+    if not printed_json(args, report):
         _print(report)
     return 1 if any(r["num_ok"] == 0 for r in report["rows"]) else 0
 

@@ -5,12 +5,11 @@ Exits 1, with one line, when the engine's step times fit no cost model (a busy m
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from kvpool.bench.sim import TIMES, FitFailed, first_turns, measure
 from kvpool.cli.args import positive_float, positive_int
-from kvpool.cli.bench import call_with_flags, print_table
+from kvpool.cli.bench import call_with_flags, print_table, printed_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,7 +18,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=positive_int, default=24, help="new tokens per answer, at most")
     parser.add_argument("--rate", type=positive_float, default=2.0, help="arrivals per second (Poisson)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -33,8 +31,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvpool bench sim: {error}", file=sys.stderr)
         return 1
     report = {"requests": args.requests, "max_tokens": args.max_tokens, "rate": args.rate} | result
-    if args.json:
-        print(json.dumps(report))
+    if printed_json(args, report):
         return 0
     from rich.console import Console
 

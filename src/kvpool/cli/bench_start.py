@@ -4,24 +4,21 @@ first token, with the load phase apart (kvpool/bench/start.py says what is timed
 from __future__ import annotations
 
 import argparse
-import json
 
 from kvpool.bench.start import measure
 from kvpool.cli.args import positive_int
-from kvpool.cli.bench import call_with_flags, print_table, stderr_progress
+from kvpool.cli.bench import call_with_flags, print_table, printed_json, stderr_progress
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", type=positive_int, default=5, help="warm starts to time")
     parser.add_argument("--prompt", default="hi", help="the prompt of each start")
     parser.add_argument("--model", default=None, help="a GGUF file (default: the embedded SmolLM2-135M)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
 def run(args: argparse.Namespace) -> int:
     report = call_with_flags(measure, args, progress=stderr_progress("bench start"))
-    if args.json:
-        print(json.dumps(report))
+    if printed_json(args, report):
         return 0
     ft = report["first_token_s"]
     rows = [

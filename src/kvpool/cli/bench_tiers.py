@@ -5,11 +5,10 @@ through the disk tier (kvpool/bench/tiers.py says what each case is and how it i
 from __future__ import annotations
 
 import argparse
-import json
 
 from kvpool.bench.tiers import measure
 from kvpool.cli.args import positive_int
-from kvpool.cli.bench import call_with_flags, print_table
+from kvpool.cli.bench import call_with_flags, print_table, printed_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,13 +22,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--redis", default=None, metavar="URL", help="a Redis server to use (default: a private one, if installed)"
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
 def run(args: argparse.Namespace) -> int:
     report = call_with_flags(measure, args)
-    if args.json:
-        print(json.dumps(report))
+    if printed_json(args, report):
         return 0
     from rich.console import Console
 
