@@ -1,5 +1,5 @@
-"""The full-attention cache manager: the coordinator over one full-attention group
-(cache/coordinator.py, cache/window.py with W = infinity), with block-granular reservations.
+"""`FullAttentionManager`: the coordinator (cache/coordinator.py) over one full-attention
+group named "full" (cache/window.py, W = infinity) of MHA / GQA / MQA / MLA layers.
 
 One request's token positions, against its block table (bs = block_size):
 
@@ -8,11 +8,11 @@ One request's token positions, against its block table (bs = block_size):
   [num_computed, num_reserved) writable slots: blocks exclusive to this request, unpublished
   [num_reserved, ...)          no slots yet
 
-Reservations are block-granular (`exact_steps=False`): a block this request may write is
-writable to its end, so the decode path needs work only at block boundaries (a fresh
-block) or on a shared tail (copy-on-write). Besides the coordinator's calls (rollback,
-lower-tier loads, tier hooks, tables for attention), the swap of a computed partial block
-at preemption: `tail_block`, then at readmission `tail_block_for_restore` and `restore_tail`.
+Reservations are block-granular (`exact_steps=False`): a block the request may write is
+writable to its end, so a decode needs work only at a block boundary (a fresh block) or on
+a shared tail (copy-on-write). Besides the coordinator's calls, the swap of a computed
+partial block at preemption (`tail_block`; at readmission `tail_block_for_restore` and
+`restore_tail`) and two prefix queries for P/D transfer (`prefix_blocks`, `chain_for`).
 """
 
 from __future__ import annotations
@@ -29,10 +29,7 @@ from kvpool.pool import PrefixBlock
 
 
 class FullAttentionManager(HybridCacheManager):
-    """Block tables, prefix caching and the request lifecycle for one group of full-attention
-    layers (MHA / GQA / MQA / MLA: every position keeps its KV), named "full".
-
-    lower_tier: a tier below device memory (kvpool.tiers): admission takes the longest
+    """lower_tier: a tier below device memory (kvpool.tiers): admission takes the longest
     prefix across the device pool and the tier (`Admission.loads`, `complete_loads`), and
     every cached block the allocator evicts is recorded (`take_evicted`). record_published:
     every block that becomes a full cached block is recorded (`take_published`)."""
@@ -48,8 +45,6 @@ class FullAttentionManager(HybridCacheManager):
         lower_tier: LowerTier | None = None,
         record_published: bool = False,
     ) -> None:
-        if block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {block_size}")
         super().__init__(
             [(AttentionGroupSpec("full", block_size), num_blocks)],
             descriptor,
@@ -65,8 +60,7 @@ class FullAttentionManager(HybridCacheManager):
 
     def tail_block(self, request_id: str) -> tuple[int, PrefixBlock, int] | None:
         """(block id, an unregistered prefix block for its content, tokens) of the request's
-        computed partial block, for a swap; None when its computed tokens end on a block
-        boundary (or caching is off)."""
+        computed partial block; None on a block boundary (or caching off)."""
         req = self._get(request_id)
         nc, bs = req.num_computed, self.block_size
         if not self.pool.enable_caching or nc % bs == 0:
@@ -96,11 +90,9 @@ class FullAttentionManager(HybridCacheManager):
 
     def restore_tail(self, request_id: str, num_tokens: int) -> Admission:
         """The runner has written the KV of the `num_tokens` positions after the computed
-        full blocks (a partial block swapped out at preemption, loaded back): they count as
-        computed. Only right after admission, before the first step: the computed prefix
-        ends on a block boundary, the block that receives them is the request's own
-        (exclusive, unregistered) and at least one token is left to compute. Returns the
-        admission the engine follows."""
+        full blocks (a swapped-out partial block, loaded back): they count as computed. Only
+        before the first step, into the request's own fresh block, leaving a token to
+        compute. Returns the admission the engine follows."""
         req = self._get(request_id)
         nc, bs = req.num_computed, self.block_size
         refusal = self._restore_refusal(req, num_tokens)

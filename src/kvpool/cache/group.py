@@ -1,31 +1,28 @@
-"""The contract between the coordinator (cache/coordinator.py) and one layer group. No torch.
+"""The contract between the coordinator (cache/coordinator.py) and one layer group, and the
+helpers the groups share. No torch.
 
-A group is the layers of a model that share one kind of cache: an attention group's
-block tables (cache/window.py), a recurrent group's live state and checkpoints
-(cache/recurrent.py), V4's classical blocks plus a state block (cache/dual_pool.py). The
-coordinator keeps one token history and one computed count per request and reaches every
-group through the calls below only; it never asks what kind a group is. A new kind of
-layer is a new class that satisfies `CacheGroup` and a spec with a `build` method.
+A group is the layers of a model that share one kind of cache: block tables
+(cache/window.py), a recurrent state and its checkpoints (cache/recurrent.py), V4's
+classical blocks plus a state block (cache/dual_pool.py). The coordinator reaches every
+group through `CacheGroup` only, never asking its kind; a new kind of layer is a class
+that satisfies `CacheGroup` and a spec with a `build` method.
 
 Per request the coordinator holds one opaque *state* per group (what `apply_admit` and
-`fork` return) and passes it back on every call; a group keeps no per-request dict of its
-own. Positions follow one convention everywhere: the request has `num_computed` tokens
+`fork` return) and passes it back on every call. The request has `num_computed` tokens
 computed and reserves [num_computed, end) for its next step. The step calls
-(`blocks_needed`, `apply_reserve`, `commit`) are batched: one call per group per step,
-over the step's requests (`StepRequest`: the coordinator's request, whose `states[name]`
-is the group's state), so a one-group model pays one call per step, not one per request.
+(`blocks_needed`, `apply_reserve`, `commit`) are batched over the step's requests
+(`StepRequest`): one call per group per step, not one per request.
 
-Transactions (STYLE 5). The coordinator asks every group first (`plan_admit`,
-`blocks_needed`, `can_fork`: these change nothing) and sums the free blocks they need per
-pool; only when every pool has them does it call the mutating half (`claim`,
-`apply_admit`, `apply_reserve`, `fork`), which then must not fail. So a refusal (an
-admission or a step that does not fit) leaves every group exactly as it was. Optional
-extras (a recurrent group's checkpoint slots) are taken inside `apply_reserve` from what
-is left and never refuse a step.
+Transactions (STYLE 5). The coordinator asks every group the read-only half first
+(`plan_admit`, `blocks_needed`, `can_fork`) and sums the free blocks they need per pool;
+only when every pool has them does it call the mutating half (`claim`, `apply_admit`,
+`apply_reserve`, `fork`), which then must not fail. So a refusal leaves every group as it
+was. Optional extras (checkpoint slots) are taken inside `apply_reserve` from what is
+left and never refuse a step.
 
 Hits. `hits` looks a prompt up (read-only); `upper_bound`, `extra_points` and `serves`
-answer questions about that result, and the coordinator takes the largest point every
-group serves (cache/coordinator.py explains the search).
+answer questions about that result; the coordinator takes the largest point every group
+serves.
 """
 
 from __future__ import annotations
@@ -332,6 +329,68 @@ def chain_units(
         parent = pool.chain(parent, data[(k - k0) * width : (k - k0 + 1) * width], unit_extra(mm_items, unit, k))
         chain.append(parent)
     return chain
+
+
+def publish_units(
+    pool: BlockPool,
+    chain: list[PrefixBlock],
+    root: PrefixBlock,
+    block_ids: Sequence[int],
+    first: int,
+    token_ids: list[int],
+    mm_items: tuple[MMItem, ...],
+    unit: int,
+    k1: int,
+    *,
+    orphan_ok: bool = False,
+) -> list[tuple[int, PrefixBlock]]:
+    """Extend a request's `chain` (its computed units after `root`) to `k1` units, publishing
+    unit k's block block_ids[k - first]: findable as its own content, or as the equal copy
+    another request published first (the chain goes on from that copy), or not at all (a
+    collision: the chain goes on unregistered). Returns (block id, prefix block) of each."""
+    k0 = len(chain)
+    parent = chain[-1] if chain else root
+    data, width = token_bytes(token_ids[k0 * unit : k1 * unit]), unit * TOKEN_BYTES  # packed once
+    done = []
+    for k in range(k0, k1):
+        block_id = block_ids[k - first]
+        block = pool.chain(parent, data[(k - k0) * width : (k - k0 + 1) * width], unit_extra(mm_items, unit, k))
+        parent = pool.register(block_id, block, orphan_ok=orphan_ok) or block
+        chain.append(parent)
+        done.append((block_id, parent))
+    return done
+
+
+def check_chain(
+    where: str,
+    pool: BlockPool,
+    chain: list[PrefixBlock],
+    root: PrefixBlock,
+    token_ids: list[int],
+    num_computed: int,
+    unit: int,
+    *,
+    parents: bool = True,
+    block_ids: Sequence[int] = (),
+    first: int = 0,
+) -> None:
+    """Assert invariant 6 of one request's chain (caching on): one element per computed unit,
+    each its own prefix (its tokens; with `parents`, chained from the element before it),
+    and each unit's block of `block_ids` (units [first, ...)) registered, if at all, as it."""
+    if len(chain) != num_computed // unit:
+        raise AssertionError(
+            f"invariant 6 (only computed units are published): {where} has {len(chain)} chained units for "
+            f"{num_computed} computed tokens"
+        )
+    for k, block in enumerate(chain):
+        if block.token_bytes != token_bytes(token_ids[k * unit : (k + 1) * unit]) or (
+            parents and block.parent is not (chain[k - 1] if k else root)
+        ):
+            raise AssertionError(f"invariant 6: {where} chain element {k} is not its own prefix")
+        if first <= k < first + len(block_ids):
+            registered = pool.prefix_block(block_ids[k - first])
+            if registered is not None and registered is not block:
+                raise AssertionError(f"invariant 6: {where} block {k} is registered as other content")
 
 
 def num_leading(found: Sequence[PrefixBlock | None]) -> int:

@@ -1,39 +1,31 @@
-"""One recurrent layer group of a hybrid model (KDA, Mamba, gated DeltaNet): a fixed-size
-state per request and checkpoints of that state, driven by the coordinator
+"""The recurrent group of a hybrid model (KDA, Mamba, gated DeltaNet): one fixed-size state
+per request and checkpoints of it, a `CacheGroup` (cache/group.py) of the coordinator
 (cache/coordinator.py). No torch.
 
 A recurrent layer keeps no per-token cache: after t tokens its whole history is one state
-S_t of fixed size. So a prefix hit at P needs S_P, and only a snapshot taken at exactly P
-can give it. The group keeps one pool of state slots (a BlockPool whose "blocks" are
-slots, so checkpoints get refcounts, LRU eviction and the collision-guarded index for
-free):
+S_t. So a prefix hit at P needs S_P, and only a snapshot taken at exactly P can give it.
+The group's pool of state slots is a BlockPool whose "blocks" are slots (refcounts, LRU
+eviction and the collision-guarded index for free):
 
   live state   refcount 1, unregistered: the state of one running request
   checkpoint   registered under the prefix it is the state of; refcount 0 in the LRU free
-               queue while nobody restores from it (reused after unhashed free slots, the
-               least recently used first), > 0 while a restore reads it
+               queue while nobody restores from it, > 0 while a restore reads it
 
-Checkpoints are taken at hash boundaries every C tokens (C = `checkpoint_interval`, any
-positive number: a multiple of the attention block size or not; Kimi K3 pages 1,024-6,144
-tokens and checkpoints every ~512). A step that computes [num_computed, end) gets a slot
-for each boundary b = k * C in (num_computed, end] whose prefix has no checkpoint yet, as
-far as free slots go (checkpoints are a cache: a step never fails for lack of one); the
-runner snapshots the state after position b - 1 into it; the commit publishes it. The
-prefix chain runs over C-token chunks and each checkpoint is looked up on its own
-(`BlockPool.lookup`), so a checkpoint stays findable when earlier ones were evicted.
+Checkpoints sit at hash boundaries every C tokens (C = `checkpoint_interval`, any positive
+number; Kimi K3 pages 1,024-6,144 tokens and checkpoints every ~512). A step computing
+[num_computed, end) gets a slot for each boundary b = k * C in (num_computed, end] whose
+prefix has no checkpoint yet, as far as free slots go (a cache: a step never fails for
+lack of one); the runner snapshots the state after position b - 1 into it and the commit
+publishes it. Each checkpoint is looked up on its own (`BlockPool.lookup`), so it stays
+findable when earlier ones were evicted.
 
-Turn ends. A conversation's next turn extends the previous turn's prompt and answer, whose
-end T is rarely a multiple of C. At a turn end (the request finishes, or
-`mark_turn_end`) the group keeps a checkpoint of S_T too, hashed as the chain of T's full
-C-chunks followed by the partial chunk [T // C * C, T) with a "turn" key. A side index
-keyed by that chunk parent's hash lists the turn ends after it, so `hits` probes only the
-turn ends recorded under the prompt's own chunks (each verified by the pool's content
-guard). At a finish the live slot itself becomes the checkpoint (it holds S_T: no copy);
-`mark_turn_end` takes a fresh slot that the runner fills from the live state at once.
+Turn ends. The next turn of a conversation extends the previous prompt and answer, whose
+end T is rarely a multiple of C: at a turn end the group files a checkpoint of S_T too
+(`TurnEnds` in cache/group.py). At a finish the live slot itself becomes it (it holds S_T:
+no copy); `mark_turn_end` takes a fresh slot that the runner fills from the live state.
 
-A hit at P restores from the checkpoint of P: the request gets a fresh live slot, the
-runner copies the checkpoint into it, and the checkpoint stays held until the request's
-first commit (so no allocation can reuse it before the copy is made).
+A hit at P restores from the checkpoint of P into a fresh live slot; the checkpoint stays
+held until the request's first commit, so nothing reuses it before the runner's copy.
 """
 
 from __future__ import annotations
@@ -48,13 +40,13 @@ from kvpool.cache.group import (
     StepRequest,
     TurnEnds,
     chain_units,
+    check_chain,
     check_pool_size,
     held_copy,
     num_leading,
 )
 from kvpool.cache.types import BlockCopy, GroupReservation, MMItem, StateRestore
 from kvpool.pool import BlockPool, PrefixBlock
-from kvpool.pool.hashing import token_bytes
 
 
 @dataclass(frozen=True)
@@ -76,14 +68,12 @@ class RecurrentGroupSpec:
     ) -> RecurrentGroup:
         """The group with `size` state slots (live states and checkpoints) of its own."""
         return RecurrentGroup(
-            self, check_pool_size(self.name, size), enable_caching=enable_caching, hash_algo=hash_algo
+            self, BlockPool(check_pool_size(self.name, size), enable_caching=enable_caching, hash_algo=hash_algo)
         )
 
 
 @dataclass(slots=True)
 class RecurrentState:
-    """One request's state in one recurrent group."""
-
     root: PrefixBlock
     slot: int  # the live state
     chain: list[PrefixBlock] = field(default_factory=list)  # C-chunks [0, num_computed // C) (caching on)
@@ -108,7 +98,7 @@ _NO_RESERVATION = GroupReservation()
 
 
 class RecurrentGroup(CacheGroup):
-    """A `CacheGroup` (cache/group.py): one live state per request and checkpoints of it."""
+    """One live state per request and checkpoints of it."""
 
     kind = "recurrent"
     reads_whole_prefix = False
@@ -116,19 +106,12 @@ class RecurrentGroup(CacheGroup):
     whole_steps = True
     has_state = True
 
-    def __init__(
-        self, spec: RecurrentGroupSpec, num_slots: int, *, enable_caching: bool = True, hash_algo: str = "xxh3_128"
-    ) -> None:
+    def __init__(self, spec: RecurrentGroupSpec, pool: BlockPool) -> None:
         self.spec = spec
         self.name = spec.name
         self.granularity = self.commit_period = spec.checkpoint_interval
-        self.pool = BlockPool(num_slots, enable_caching=enable_caching, hash_algo=hash_algo)
-        self._turn_ends = TurnEnds(self.pool, spec.checkpoint_interval)  # turn-end checkpoints
-
-    @property
-    def num_checkpoints(self) -> int:
-        """Checkpoints findable now (held or free)."""
-        return self.pool.num_cached
+        self.pool = pool
+        self._turn_ends = TurnEnds(pool, spec.checkpoint_interval)  # turn-end checkpoints
 
     # ---- prefix hits -------------------------------------------------------------------
 
@@ -142,8 +125,7 @@ class RecurrentGroup(CacheGroup):
         admission: bool = False,
         packed: bytes | None = None,
     ) -> RecurrentHits:
-        """The checkpoint of each C-chunk boundary, up to `limit` tokens (another group's
-        upper bound on the hit) when given. Changes nothing."""
+        """The checkpoint of each C-chunk boundary, and the turn ends, up to `limit`."""
         if not self.pool.enable_caching:
             return RecurrentHits([])
         c = self.granularity
@@ -157,13 +139,10 @@ class RecurrentGroup(CacheGroup):
         return hits
 
     def upper_bound(self, hits: RecurrentHits) -> int:
-        """No point above the last findable checkpoint is served."""
-        found = hits.found
-        bound = num_leading(found) * self.granularity
+        bound = num_leading(hits.found) * self.granularity
         return max(bound, *hits.turn_ends) if hits.turn_ends else bound
 
     def extra_points(self, hits: RecurrentHits) -> list[int]:
-        """Points off the C grid this group serves: its turn ends."""
         return sorted(hits.turn_ends)
 
     def serves(self, hits: RecurrentHits, point: int) -> bool:
@@ -183,7 +162,7 @@ class RecurrentGroup(CacheGroup):
         point: int,
         end: int,
     ) -> tuple[RecurrentAdmit, dict[BlockPool, int]]:
-        """(the plan, free slots it needs): a live slot, and the checkpoint if it is free."""
+        """A live slot, and the checkpoint if it is free."""
         src = None
         need = 1
         if point:
@@ -197,12 +176,10 @@ class RecurrentGroup(CacheGroup):
         return RecurrentAdmit(src, chain), {self.pool: need}
 
     def claim(self, plan: RecurrentAdmit) -> None:
-        """Hold the checkpoint to restore from (before any allocation can reuse it)."""
         if plan.src is not None:
             self.pool.incref((plan.src,))
 
     def apply_admit(self, plan: RecurrentAdmit, root: PrefixBlock) -> tuple[RecurrentState, tuple[BlockCopy, ...]]:
-        """After `claim`: the live slot."""
         slots = self.pool.allocate(1)
         assert slots is not None, "the coordinator checked the free count"
         return RecurrentState(root, slots[0], plan.chain, [], plan.src), ()
@@ -210,8 +187,7 @@ class RecurrentGroup(CacheGroup):
     # ---- steps -------------------------------------------------------------------------
 
     def blocks_needed(self, reqs: Sequence[StepRequest], ends: Sequence[int]) -> int:
-        """None: a step needs only the live slot it has (checkpoint slots are optional)."""
-        return 0
+        return 0  # a step needs only the live slot it has (checkpoint slots are optional)
 
     def apply_reserve(
         self, reqs: Sequence[StepRequest], ends: Sequence[int], *, detail: bool = True
@@ -237,43 +213,34 @@ class RecurrentGroup(CacheGroup):
         return out
 
     def commit(self, reqs: Sequence[StepRequest]) -> None:
-        """The steps' snapshots hold S_b: publish them as cached checkpoints (free, in the
-        LRU queue; one whose prefix another request checkpointed first joins it as a copy)."""
-        for req in reqs:
-            self._commit(req.states[self.name], req.token_ids, req.num_computed, req.mm_items)
-
-    def _commit(
-        self, state: RecurrentState, token_ids: list[int], num_computed: int, mm_items: tuple[MMItem, ...]
-    ) -> None:
+        """Publish the steps' snapshots as cached checkpoints (free, in the LRU queue; one
+        whose prefix another request checkpointed first joins it as a copy)."""
         pool, c = self.pool, self.granularity
-        if pool.enable_caching:
-            parent = state.chain[-1] if state.chain else state.root
-            state.chain += chain_units(pool, parent, token_ids, mm_items, c, len(state.chain), num_computed // c)
-        for position, slot in state.pending:
-            pool.register(slot, state.chain[position // c - 1], orphan_ok=True)
-        pool.decref(slot for _, slot in reversed(state.pending))
-        state.pending = []
-        if state.held_src is not None:
-            pool.decref((state.held_src,))
-            state.held_src = None
-        pool.decref(state.held_turn)
-        state.held_turn = []
+        for req in reqs:
+            state = req.states[self.name]
+            if pool.enable_caching:
+                parent = state.chain[-1] if state.chain else state.root
+                state.chain += chain_units(
+                    pool, parent, req.token_ids, req.mm_items, c, len(state.chain), req.num_computed // c
+                )
+            for position, slot in state.pending:
+                pool.register(slot, state.chain[position // c - 1], orphan_ok=True)
+            pool.decref(slot for _, slot in reversed(state.pending))
+            state.pending = []
+            if state.held_src is not None:
+                pool.decref((state.held_src,))
+                state.held_src = None
+            pool.decref(state.held_turn)
+            state.held_turn = []
 
     # ---- turn ends ---------------------------------------------------------------------
-
-    def _turn_block(
-        self, state: RecurrentState, token_ids: list[int], mm_items: tuple[MMItem, ...], num_computed: int
-    ) -> PrefixBlock | None:
-        parent = state.chain[-1] if state.chain else state.root
-        return self._turn_ends.new_block(parent, token_ids, mm_items, num_computed)
 
     def mark_turn_end(
         self, state: RecurrentState, token_ids: list[int], mm_items: tuple[MMItem, ...], num_computed: int
     ) -> int | None:
-        """A slot for a checkpoint of the live state (S_num_computed), filed now and held
-        until the request's next commit; the runner copies the live state into it at once.
-        None when none is needed or no slot is free (a checkpoint is a cache)."""
-        block = self._turn_block(state, token_ids, mm_items, num_computed)
+        """Held until the request's next commit. None also when no slot is free (a cache)."""
+        parent = state.chain[-1] if state.chain else state.root
+        block = self._turn_ends.new_block(parent, token_ids, mm_items, num_computed)
         if block is None or self.pool.num_free == 0:
             return None
         slot = self.pool.allocate(1)
@@ -287,12 +254,13 @@ class RecurrentGroup(CacheGroup):
     def keep_turn_end(
         self, state: RecurrentState, token_ids: list[int], mm_items: tuple[MMItem, ...], num_computed: int
     ) -> bool:
-        """At a finish: the live slot holds S_num_computed; file it as the turn-end checkpoint
-        (the release then leaves it cached, free). Only with no step pending and the restore
-        done (the caller checks the step)."""
+        """The live slot holds S_num_computed: file it (the release leaves it cached, free);
+        not while a restore is pending."""
         if state.held_src is not None:
             return False
-        block = self._turn_block(state, token_ids, mm_items, num_computed)
+        block = self._turn_ends.new_block(
+            state.chain[-1] if state.chain else state.root, token_ids, mm_items, num_computed
+        )
         return block is not None and self._turn_ends.file(state.slot, block, orphan_ok=True)
 
     # ---- queries on a request's state ---------------------------------------------------
@@ -305,7 +273,6 @@ class RecurrentGroup(CacheGroup):
         return state.slot
 
     def restore(self, state: RecurrentState) -> StateRestore | None:
-        """From the checkpoint the hit found, until the first commit; else "none"."""
         if state.held_src is None:
             return StateRestore(state.slot, "none")
         return StateRestore(state.slot, "checkpoint", state.held_src)
@@ -328,7 +295,7 @@ class RecurrentGroup(CacheGroup):
         return RecurrentState(state.root, slots[0], list(state.chain))
 
     def release(self, state: RecurrentState) -> None:
-        """The live slot and unwritten snapshot slots go back unhashed; a held source is let go."""
+        """The live slot and unwritten snapshot slots go back unhashed."""
         self.pool.decref([slot for _, slot in reversed(state.pending)] + [state.slot] + state.held_turn)
         if state.held_src is not None:
             self.pool.decref((state.held_src,))
@@ -346,23 +313,16 @@ class RecurrentGroup(CacheGroup):
         self, rid: str, state: RecurrentState, token_ids: list[int], num_computed: int, end: int, holders: list[int]
     ) -> None:
         where = f"group {self.name!r}, request {rid!r}"
-        for slot in [state.slot] + [s for _, s in state.pending]:
+        for slot in self.held_blocks(state):
             holders[slot] += 1
+        for slot in [state.slot] + [s for _, s in state.pending]:
             if self.pool.block_hash(slot) is not None:
                 raise AssertionError(f"{where}: slot {slot} is written this step but registered as a checkpoint")
-        if state.held_src is not None:
-            holders[state.held_src] += 1
         for slot in state.held_turn:
-            holders[slot] += 1
             if self.pool.block_hash(slot) is None:
                 raise AssertionError(f"{where}: turn-end slot {slot} is held but not filed as a checkpoint")
         for position, _ in state.pending:
             if not (num_computed < position <= end and position % self.granularity == 0):
                 raise AssertionError(f"{where}: a snapshot at {position} outside the step ({num_computed}, {end}]")
         if self.pool.enable_caching:
-            if len(state.chain) != num_computed // self.granularity:
-                raise AssertionError(f"{where}: {len(state.chain)} chained chunks for {num_computed} computed")
-            c = self.granularity
-            for k, block in enumerate(state.chain):
-                if block.token_bytes != token_bytes(token_ids[k * c : (k + 1) * c]):
-                    raise AssertionError(f"{where}: chain element {k} is not its own prefix")
+            check_chain(where, self.pool, state.chain, state.root, token_ids, num_computed, self.granularity)

@@ -6,10 +6,10 @@ import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from types import MappingProxyType
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 ReleaseReason = Literal["finish", "cancel", "preempt"]
-RELEASE_REASONS: tuple[str, ...] = ("finish", "cancel", "preempt")
+RELEASE_REASONS: tuple[str, ...] = get_args(ReleaseReason)
 
 
 @dataclass(frozen=True)

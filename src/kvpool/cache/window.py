@@ -1,46 +1,32 @@
 """The attention group: paged K/V of full-attention or sliding-window layers on a BlockPool,
-driven by the coordinator (cache/coordinator.py) through the `CacheGroup` protocol. No torch.
+a `CacheGroup` (cache/group.py) of the coordinator (cache/coordinator.py). No torch.
 
 Window rule. A layer of window W lets the query at position t read the keys of positions
 [t - W + 1, t] (W keys, itself included; Gemma-2 / Mistral convention); full attention is
 W = infinity. A request whose first `num_computed` tokens are computed and that computes
-[num_computed, end) next needs the keys from lo = max(0, num_computed - W + 1) on, so its
-table covers
+[num_computed, end) next reads the keys from lo = max(0, num_computed - W + 1) on, so its
+table covers logical blocks [first, ceil(end / bs)), first = lo // bs (full: 0):
 
-  logical blocks [first, ceil(end / bs)),  first = lo // bs  (full attention: first = 0)
-  [0, first * bs)            left the window: released to the pool's free queue (still
-                             findable by hash while they stay cached)
-  [first * bs, num_computed) committed keys the next step reads (the hit's blocks are
-                             shared read-only)
+  [0, first * bs)            left the window: released tail-first at the commit that
+                             moves lo past them (findable by hash while they stay cached)
+  [first * bs, num_computed) committed keys the next step reads (a hit's blocks: shared)
   [num_computed, end)        the reserved step's slots: exclusive, unpublished
 
-Blocks are released as the request advances: at every commit the blocks wholly before the
-new lo go back, tail-first. A write that starts inside a computed block the request may
-not write (shared after a fork: copy it first; still published after a rollback:
-unregister it first) is made writable by the step's reservation.
+A step that starts inside a computed block the request may not write (shared after a fork:
+copied; still published after a rollback: unregistered) makes it writable first.
 
-Prefix hits (`hits`). Full attention: the leading run of the prompt's cached full blocks
-(`BlockPool.match`), then, at an admission, the blocks after it that a lower tier holds
-(they go into fresh blocks, `loads`, and are findable once `complete_loads` says they are
-loaded). A window: each full block looked up on its own (`BlockPool.lookup`), so the
-blocks of a window are found from the right after the blocks before them have been
-evicted (vLLM's sliding-window rule). A full group serves a point P when every block
-before P is cached; a window group when the blocks covering [max(0, P - W + 1), P) are.
-A point inside a block takes that cached block as the source of a copy (copy-on-write):
-the request gets a fresh block, the runner copies the source into it before the step
-writes position P, and the source stays held until the request's first commit, so nothing
-can reuse it before the copy is made.
-
-Turn ends (Figure 12 in full; full attention). A request that finishes inside a block
-(`keep_turn_end`, the coordinator's `turn_end_checkpoints`) leaves its partial last block
-findable: registered under its tokens [T // bs * bs, T) with a "turn" key, listed in a side
-index by its parent's hash. A follow-up turn that repeats those tokens after the same
-full blocks can then hit at any point up to T inside that block (where the recurrent
-groups hold a checkpoint, T itself at the least): the partial block is the copy's source.
+Hits. Full attention: the leading run of the prompt's cached full blocks (`BlockPool.match`),
+then, at an admission, the blocks after it that a lower tier holds (loaded into fresh
+blocks: `loads`, `complete_loads`). A window: each block looked up on its own
+(`BlockPool.lookup`), so a window's blocks are found after the blocks before them were
+evicted (vLLM's sliding-window rule). A point P is served when the blocks covering
+[max(0, P - W + 1), P) are cached. A P inside a block copies that cached block on write:
+the request gets a fresh block and holds the source until its first commit, so nothing
+reuses it before the runner's copy; the source may be the partial block a request left at
+its turn end (full attention, `keep_turn_end`; `TurnEnds` in cache/group.py).
 
 Tier hooks: with a lower tier, every cached block the allocator evicts is recorded
-(`take_evicted`) for the runner to save before anything overwrites it; with
-`record_published`, every block published (`take_published`) for write-through.
+(`take_evicted`); with `record_published`, every block published (`take_published`).
 """
 
 from __future__ import annotations
@@ -57,9 +43,11 @@ from kvpool.cache.group import (
     StepRequest,
     TurnEnds,
     chain_units,
+    check_chain,
     check_pool_size,
     held_copy,
     num_leading,
+    publish_units,
     unit_extra,
 )
 from kvpool.cache.types import BlockCopy, GroupReservation, MMItem
@@ -95,18 +83,12 @@ class AttentionGroupSpec:
         lower_tier: LowerTier | None = None,
         record_published: bool = False,
     ) -> AttentionGroup:
-        """The group: `size` blocks of its own, or None to draw from `shared_pool`."""
+        """The group: `size` blocks of its own, or None to draw from `shared_pool` (each
+        group's blocks are then its own by their distinct chain roots; no tier hooks)."""
         if size is None and shared_pool is not None:
-            return AttentionGroup(self, shared_pool.num_blocks, pool=shared_pool)
-        size = check_pool_size(self.name, size)
-        return AttentionGroup(
-            self,
-            size,
-            enable_caching=enable_caching,
-            hash_algo=hash_algo,
-            lower_tier=lower_tier,
-            record_published=record_published,
-        )
+            return AttentionGroup(self, shared_pool)
+        pool = BlockPool(check_pool_size(self.name, size), enable_caching=enable_caching, hash_algo=hash_algo)
+        return AttentionGroup(self, pool, lower_tier=lower_tier, record_published=record_published)
 
     def first_needed(self, num_computed: int) -> int:
         """The first position whose key the step after `num_computed` tokens reads."""
@@ -127,20 +109,17 @@ class AttentionState:
 
 @dataclass(slots=True)
 class AttentionHits:
-    """What a group's cache holds of a prompt: per full block, its cached copy (or None),
-    and the blocks after the device's run that a lower tier holds (full attention)."""
+    """Per full block of the prompt, its cached copy (or None); the blocks after the run
+    that a lower tier holds, and the turn ends inside the block after it (full attention)."""
 
     found: list[PrefixBlock | None]
     chain: list[PrefixBlock]  # the prompt's prefix blocks (the found ones where found)
     lower: list[PrefixBlock] = field(default_factory=list)
-    # Turn end T inside the block after the run -> the partial block kept there (full attention)
-    turn_ends: dict[int, PrefixBlock] = field(default_factory=dict)
+    turn_ends: dict[int, PrefixBlock] = field(default_factory=dict)  # T -> the partial block kept there
 
 
 @dataclass(slots=True)
 class AttentionAdmit:
-    """An admission's plan in one group, checked before anything changes."""
-
     first: int
     hit_ids: list[int]  # held blocks of [first, ceil(P / bs)) on the device, a copied tail's source included
     num_new: int
@@ -150,7 +129,7 @@ class AttentionAdmit:
 
 
 class AttentionGroup(CacheGroup):
-    """A `CacheGroup` (cache/group.py): block tables of full-attention or window layers."""
+    """Block tables of full-attention or window layers."""
 
     kind = "attention"
     has_table = True
@@ -160,34 +139,25 @@ class AttentionGroup(CacheGroup):
     def __init__(
         self,
         spec: AttentionGroupSpec,
-        num_blocks: int,
+        pool: BlockPool,
         *,
-        enable_caching: bool = True,
-        hash_algo: str = "xxh3_128",
-        pool: BlockPool | None = None,
         lower_tier: LowerTier | None = None,
         record_published: bool = False,
     ) -> None:
-        """pool: a pool shared with other attention groups (the coordinator's shared pool;
-        each group's blocks are then its own by their distinct chain roots); default: a pool
-        of `num_blocks` of its own. lower_tier, record_published: the tier hooks above."""
         if lower_tier is not None and spec.window is not None:
             raise ValueError(f"group {spec.name!r}: a lower tier serves full attention only")
         self.spec = spec
-        self.block_size = spec.block_size
-        if pool is None:
-            pool = BlockPool(num_blocks, enable_caching=enable_caching, hash_algo=hash_algo)
         self.pool = pool
         self.name = spec.name  # an attribute, not a property: read per request per step
-        self.granularity = spec.block_size
+        self.block_size = self.granularity = spec.block_size
         self.reads_whole_prefix = spec.window is None
         # A commit that ends inside a block changes nothing in a full group (a window may
         # let a block go at any position)
         self.commit_period = spec.block_size if spec.window is None else 1
         self.lower_tier = lower_tier if pool.enable_caching else None
-        # evicted cached blocks whose content the runner has not yet saved (None: no tier)
+        # Evicted cached blocks the runner has not saved yet; blocks published since the
+        # runner last took them (None: not recorded)
         self._evicted: list[tuple[int, PrefixBlock]] | None = [] if self.lower_tier is not None else None
-        # blocks published since the runner last took them (None: not recorded)
         self._published: list[tuple[int, PrefixBlock]] | None = [] if record_published and pool.enable_caching else None
         # Copy-on-write copies not yet taken, in the order they were made (a later copy may
         # read an earlier one's destination). One leaves only when nobody reads it.
@@ -207,10 +177,8 @@ class AttentionGroup(CacheGroup):
         admission: bool = False,
         packed: bytes | None = None,
     ) -> AttentionHits:
-        """The prompt's full blocks that are cached, as far as a hit point can reach (up to
-        `limit` tokens, another group's upper bound, for a window). Full attention: the
-        leading run, then at an admission the lower tier's blocks after it. Changes nothing
-        but the pool's collision counter (at an admission)."""
+        """Full attention: the leading run (the lower tier's blocks after it at an
+        admission, and the turn ends after it); a window: each block up to `limit`."""
         bs = self.block_size
         if not self.pool.enable_caching:
             return AttentionHits([], [])
@@ -232,7 +200,6 @@ class AttentionGroup(CacheGroup):
             hits = AttentionHits(list(chain), list(chain))
             parent = chain[-1] if chain else root
             if admission and self.lower_tier is not None and len(chain) < top:
-                # The blocks after the device's run that the lower tier holds, in order
                 lower = chain_units(self.pool, parent, token_ids, mm_items, bs, len(chain), top)
                 hits.lower = lower[: self.lower_tier.find(lower)]
             if self._turn_ends:
@@ -250,21 +217,15 @@ class AttentionGroup(CacheGroup):
         return AttentionHits(found, chain)
 
     def upper_bound(self, hits: AttentionHits) -> int:
-        """No point above this one is served (full: the leading run of found blocks and the
-        lower tier's after it; window: the end of the last found block)."""
-        found = hits.found
         if self.spec.window is None:  # full attention's hits are a run: no None among them
-            return max([(len(found) + len(hits.lower)) * self.block_size, *hits.turn_ends])
-        return num_leading(found) * self.block_size
+            return max([(len(hits.found) + len(hits.lower)) * self.block_size, *hits.turn_ends])
+        return num_leading(hits.found) * self.block_size
 
     def extra_points(self, hits: AttentionHits) -> list[int]:
-        """Points off the block grid this group offers by itself: its turn ends (and it
-        serves any point inside a cached block by copying it, when another group offers one)."""
+        # (it also serves a point inside a cached block, by copying it, when another group offers one)
         return sorted(hits.turn_ends)
 
     def serves(self, hits: AttentionHits, point: int) -> bool:
-        """Whether this group can resume a request after `point` cached tokens (a lower
-        tier's blocks: at block boundaries only)."""
         if point == 0:
             return True
         bs = self.block_size
@@ -272,6 +233,7 @@ class AttentionGroup(CacheGroup):
         if last > len(hits.found):
             if point % bs:  # inside the block after the run: a partial block kept at a turn end at or after it
                 return last == len(hits.found) + 1 and any(end >= point for end in hits.turn_ends)
+            # a lower tier's blocks serve block boundaries only
             return last <= len(hits.found) + len(hits.lower) and (self.spec.window is None or None not in hits.found)
         if self.spec.window is None:
             return True  # every block before `last` is in the run
@@ -287,7 +249,6 @@ class AttentionGroup(CacheGroup):
         point: int,
         end: int,
     ) -> tuple[AttentionAdmit, dict[BlockPool, int]]:
-        """(the plan, free blocks it needs) for a hit at `point` and a first step to `end`."""
         if hits is None:
             hits = AttentionHits([], [])
         bs = self.block_size
@@ -310,12 +271,9 @@ class AttentionGroup(CacheGroup):
         return plan, {self.pool: num_new + revived}
 
     def claim(self, plan: AttentionAdmit) -> None:
-        """Hold the hit's blocks. The coordinator claims every group's hits before any group
-        allocates, so that an allocation on a shared pool cannot evict another group's hit."""
         self.pool.incref(plan.hit_ids)
 
     def apply_admit(self, plan: AttentionAdmit, root: PrefixBlock) -> tuple[AttentionState, tuple[BlockCopy, ...]]:
-        """After `claim`: the fresh blocks (the lower tier's blocks load into the first)."""
         new = self.pool.allocate(plan.num_new, self._evicted)
         assert new is not None, "the coordinator checked the free count"
         state = AttentionState(root, plan.first, list(plan.hit_ids), list(plan.chain))
@@ -327,7 +285,7 @@ class AttentionGroup(CacheGroup):
             state.held_src = src
             copies = (BlockCopy(src, dst),)
             self._pending_copies.append(copies[0])
-        state.loading = list(zip(new[: len(plan.lower)], plan.lower, strict=True))
+        state.loading = list(zip(new[: len(plan.lower)], plan.lower, strict=True))  # into the first fresh blocks
         state.block_ids.extend(new)
         return state, copies
 
@@ -335,8 +293,6 @@ class AttentionGroup(CacheGroup):
         return state.loading
 
     def complete_loads(self, state: AttentionState, num_loaded: int) -> None:
-        """The first `num_loaded` blocks of `loads` hold their content: they join the chain
-        and become findable, in order; the rest are computed instead."""
         parent = state.chain[-1] if state.chain else state.root
         for block_id, block in state.loading[:num_loaded]:
             if block.parent is not parent:  # the previous block joined an equal copy another request published
@@ -348,21 +304,17 @@ class AttentionGroup(CacheGroup):
     # ---- steps -------------------------------------------------------------------------
 
     def _tail(self, state: AttentionState, num_computed: int, end: int) -> int | None:
-        """The block the step starts writing in, when it is computed and not yet writable
-        (shared after a fork: to copy; published after a rollback: to unregister)."""
-        bs = self.block_size
-        if end == num_computed or num_computed % bs == 0:
-            return None
-        index = num_computed // bs - state.first
-        if index >= len(state.block_ids):
+        """The block a step that starts inside it (num_computed % bs != 0) writes first,
+        when it is computed and not writable (shared: to copy; published: to unregister)."""
+        index = num_computed // self.block_size - state.first
+        if end == num_computed or index >= len(state.block_ids):
             return None
         block = state.block_ids[index]
-        pool = self.pool
-        return block if pool.refcount(block) > 1 or pool.block_hash(block) is not None else None
+        return block if self.pool.refcount(block) > 1 or self.pool.block_hash(block) is not None else None
 
     def blocks_needed(self, reqs: Sequence[StepRequest], ends: Sequence[int]) -> int:
-        """Fresh blocks and tail copies the step takes: one copy per writer of a shared
-        tail, except that when every holder writes, the last finds it exclusive."""
+        """Fresh blocks and tail copies: one copy per writer of a shared tail, except that
+        when every holder writes, the last finds it exclusive."""
         bs, name = self.block_size, self.name
         needed = 0
         writers: dict[int, int] = {}
@@ -418,8 +370,8 @@ class AttentionGroup(CacheGroup):
         return out if detail else None
 
     def commit(self, reqs: Sequence[StepRequest]) -> None:
-        """Tokens [.., num_computed) are computed: publish the blocks they complete, then
-        release the blocks that left the window (tail-first) and a held copy source."""
+        """Publish the blocks the steps complete, then release the blocks that left the
+        window (tail-first) and a held copy source."""
         bs, name, pool, window = self.block_size, self.name, self.pool, self.spec.window
         caching, published, publish, pack = pool.enable_caching, self._published, pool.publish, self._pack_block
         for req in reqs:
@@ -437,7 +389,20 @@ class AttentionGroup(CacheGroup):
                     if published is not None:
                         published.append((block_id, parent))
                 else:
-                    self._publish(state, req.token_ids, req.mm_items, k0, nc // bs)
+                    done = publish_units(
+                        pool,
+                        chain,
+                        state.root,
+                        state.block_ids,
+                        state.first,
+                        req.token_ids,
+                        req.mm_items,
+                        bs,
+                        nc // bs,
+                        orphan_ok=window is not None,
+                    )
+                    if published is not None:
+                        published += done
             if state.held_src is not None:
                 pool.decref((state.held_src,))
                 state.held_src = None
@@ -449,38 +414,13 @@ class AttentionGroup(CacheGroup):
                     state.first = first
                     pool.decref(reversed(gone))
 
-    def _publish(
-        self, state: AttentionState, token_ids: list[int], mm_items: tuple[MMItem, ...], k0: int, k1: int
-    ) -> None:
-        """Publish blocks [k0, k1): findable as the request's own, or as the copy another
-        request published first; or not at all (a collision: the chain goes on with an
-        unregistered element)."""
-        bs, pool = self.block_size, self.pool
-        parent = state.chain[-1] if state.chain else state.root
-        data, width = token_bytes(token_ids[k0 * bs : k1 * bs]), bs * TOKEN_BYTES  # packed once
-        window = self.spec.window is not None
-        for k in range(k0, k1):
-            block_id = state.block_ids[k - state.first]
-            block = pool.chain(parent, data[(k - k0) * width : (k - k0 + 1) * width], unit_extra(mm_items, bs, k))
-            parent = pool.register(block_id, block, orphan_ok=window) or block
-            state.chain.append(parent)
-            if self._published is not None:
-                self._published.append((block_id, parent))
-
     def take_copies(self) -> list[BlockCopy]:
-        """Copies to apply before the next forward, in order (a later copy may read an
-        earlier one's destination)."""
         copies, self._pending_copies = self._pending_copies, []
         return copies
 
-    def _drop_dead_copies(self) -> None:
-        """A queued copy into a block nobody reads any more is dropped: nobody holds the
-        block, and no later queued copy reads it (once free, the block may go to another
-        request before the next forward, which must not get it)."""
-        if self._pending_copies:
-            self._pending_copies = self._live_copies()
-
     def _live_copies(self) -> list[BlockCopy]:
+        """The queued copies someone reads: into a held block, or read by a later kept copy
+        (once free, a block may go to another request before the next forward)."""
         refcount = self.pool.refcount
         read: set[int] = set()  # blocks a later kept copy reads
         kept: list[BlockCopy] = []
@@ -492,21 +432,16 @@ class AttentionGroup(CacheGroup):
         return kept
 
     def take_evicted(self) -> list[tuple[int, PrefixBlock]]:
-        """Cached blocks the allocator evicted since the last call, (block id, the content it
-        held), oldest first: their slots hold that content until the next forward writes
-        them. Empty without a lower tier."""
-        if not self._evicted:
-            return []
-        evicted, self._evicted = self._evicted, []
-        return evicted
+        evicted = self._evicted  # (oldest first: their slots hold that content until the next forward)
+        if evicted:
+            self._evicted = []
+        return evicted or []
 
     def take_published(self) -> list[tuple[int, PrefixBlock]]:
-        """Blocks published since the last call, (block id, its prefix block), in order:
-        their content is final. Empty unless `record_published`."""
-        if not self._published:
-            return []
-        published, self._published = self._published, []
-        return published
+        published = self._published
+        if published:
+            self._published = []
+        return published or []
 
     # ---- queries on a request's state ---------------------------------------------------
 
@@ -523,8 +458,7 @@ class AttentionGroup(CacheGroup):
         return state.chain
 
     def metadata_bytes(self, state: AttentionState) -> int:
-        size = sys.getsizeof
-        return size(state) + size(state.block_ids) + size(state.chain)
+        return sys.getsizeof(state) + sys.getsizeof(state.block_ids) + sys.getsizeof(state.chain)
 
     def partial_block(
         self, state: AttentionState, token_ids: list[int], mm_items: tuple[MMItem, ...], start: int, end: int
@@ -541,10 +475,8 @@ class AttentionGroup(CacheGroup):
     def keep_turn_end(
         self, state: AttentionState, token_ids: list[int], mm_items: tuple[MMItem, ...], num_computed: int
     ) -> bool:
-        """At a finish inside a block (full attention): keep the request's partial last block
-        findable, filed under its tokens with a "turn" key, so that a follow-up turn that
-        repeats them hits there (and copies it on write). The release then leaves it
-        cached, free, in the LRU queue."""
+        """Full attention: file the partial last block (the release then leaves it cached,
+        free, in the LRU queue); a follow-up turn that repeats its tokens copies it on write."""
         if self.spec.window is not None:
             return False
         parent = state.chain[-1] if state.chain else state.root
@@ -559,20 +491,18 @@ class AttentionGroup(CacheGroup):
         return AttentionState(state.root, state.first, list(state.block_ids), list(state.chain))
 
     def can_truncate(self, state: AttentionState, num_tokens: int) -> bool:
-        """Whether the blocks of [.., num_tokens) are still held (a window may have let them go)."""
         return self.spec.first_needed(num_tokens) // self.block_size >= state.first and not state.loading
 
     def truncate(self, state: AttentionState, num_tokens: int) -> None:
-        """Keep the blocks of [.., num_tokens): later blocks go back tail-first, the chain
-        keeps the full blocks below num_tokens. A kept tail others share stays untouched:
-        the next write copies it."""
+        """Later blocks go back tail-first; a kept tail others share stays as it is (the
+        next write copies it)."""
         bs = self.block_size
         keep = -(-num_tokens // bs) - state.first
         released = state.block_ids[keep:]
         del state.block_ids[keep:]
         self.pool.decref(reversed(released))
         del state.chain[num_tokens // bs :]
-        self._drop_dead_copies()
+        self._pending_copies = self._live_copies()
 
     def release(self, state: AttentionState) -> None:
         self.pool.decref(reversed(state.block_ids))  # tail-first: a chain's tail is evicted first
@@ -581,7 +511,7 @@ class AttentionGroup(CacheGroup):
         state.block_ids = []
         state.held_src = None
         state.loading = []
-        self._drop_dead_copies()  # a queued copy dies with the last request holding its destination
+        self._pending_copies = self._live_copies()  # a copy dies with the last holder of its destination
 
     # ---- invariants and figures ---------------------------------------------------------
 
@@ -617,30 +547,25 @@ class AttentionGroup(CacheGroup):
             )
         if len(set(state.block_ids)) != len(state.block_ids):
             raise AssertionError(f"invariant 1: {where} holds a block twice")
-        for b in state.block_ids:
+        for b in self.held_blocks(state):
             holders[b] += 1
-        if state.held_src is not None:
-            holders[state.held_src] += 1
-        if end > num_computed:
-            for k in range(num_computed // bs, -(-end // bs)):
-                b = state.block_ids[k - state.first]
-                if self.pool.refcount(b) != 1 or self.pool.block_hash(b) is not None:
-                    raise AssertionError(
-                        f"invariant 2 (copy-on-write before a write): {where} will write into block {b} "
-                        f"(refcount {self.pool.refcount(b)}, registered {self.pool.block_hash(b) is not None})"
-                    )
-        if self.pool.enable_caching:
-            if len(state.chain) != num_computed // bs:
+        for k in range(num_computed // bs, -(-end // bs) if end > num_computed else 0):
+            b = state.block_ids[k - state.first]
+            if self.pool.refcount(b) != 1 or self.pool.block_hash(b) is not None:
                 raise AssertionError(
-                    f"invariant 6 (only computed full blocks are published): {where} has {len(state.chain)} "
-                    f"chained blocks for {num_computed} computed tokens"
+                    f"invariant 2 (copy-on-write before a write): {where} will write into block {b} "
+                    f"(refcount {self.pool.refcount(b)}, registered {self.pool.block_hash(b) is not None})"
                 )
-            for k, block in enumerate(state.chain):
-                if block.token_bytes != token_bytes(token_ids[k * bs : (k + 1) * bs]) or (
-                    self.spec.window is None and block.parent is not (state.chain[k - 1] if k else state.root)
-                ):
-                    raise AssertionError(f"invariant 6: {where} chain element {k} is not its own prefix")
-                if k >= state.first:
-                    registered = self.pool.prefix_block(state.block_ids[k - state.first])
-                    if registered is not None and registered is not block:
-                        raise AssertionError(f"invariant 6: {where} block {k} is registered as other content")
+        if self.pool.enable_caching:  # (a window's hits chain through the cached copies they found)
+            check_chain(
+                where,
+                self.pool,
+                state.chain,
+                state.root,
+                token_ids,
+                num_computed,
+                bs,
+                parents=self.spec.window is None,
+                block_ids=state.block_ids,
+                first=state.first,
+            )
