@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kvpool.cache import BlockCopy
+from kvpool.cache.chains import chain_units
 from kvpool.cache.coordinator import HybridCacheManager
-from kvpool.cache.group import chain_units
 from kvpool.cache.recurrent import RecurrentAdmit, RecurrentGroup
 from kvpool.capacity.kv import PageGroup
 from kvpool.cli.main import main

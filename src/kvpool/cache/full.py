@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from kvpool.cache.base import LowerTier
+from kvpool.cache.chains import chain_units, held_copy
 from kvpool.cache.coordinator import HybridCacheManager
-from kvpool.cache.group import chain_units, held_copy
 from kvpool.cache.types import Admission, CacheDescriptor
 from kvpool.cache.window import AttentionGroup, AttentionGroupSpec
 from kvpool.pool import PrefixBlock

@@ -1,11 +1,11 @@
-"""The contract between the coordinator (cache/coordinator.py) and one layer group, and the
-helpers the groups share. No torch.
+"""The contract between the coordinator (cache/coordinator.py) and one layer group. No torch.
 
 A group is the layers of a model that share one kind of cache: block tables
 (cache/window.py), a recurrent state and its checkpoints (cache/recurrent.py), V4's
 classical blocks plus a state block (cache/dual_pool.py). The coordinator reaches every
 group through `CacheGroup` only, never asking its kind; a new kind of layer is a class
-that satisfies `CacheGroup` and a spec with a `build` method.
+that satisfies `CacheGroup` and a spec with a `build` method (cache/chains.py holds the
+prefix-chain code the groups share).
 
 Per request the coordinator holds one opaque *state* per group (what `apply_admit` and
 `fork` return) and passes it back on every call. The request has `num_computed` tokens
@@ -30,10 +30,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 
-from kvpool.cache.base import mm_extra_key
 from kvpool.cache.types import BlockCopy, GroupReservation, MMItem, StateRestore
 from kvpool.pool import BlockPool, PrefixBlock
-from kvpool.pool.hashing import TOKEN_BYTES, token_bytes
 
 
 def check_pool_size(name: str, size: object) -> int:
@@ -299,166 +297,3 @@ class CacheGroup(Protocol):
     def check_states(self, states: dict[str, Any]) -> None:
         """Assert what spans every request of the group (a dual pool's state blocks)."""
         return None
-
-
-# ---- what the groups share: hash units, hits and turn ends ----------------------------------
-# A group hashes a prompt in units of `unit` tokens (its `granularity`); unit k covers
-# positions [k * unit, (k + 1) * unit) and carries the extra key of the multimodal items it
-# overlaps.
-
-
-def unit_extra(mm_items: tuple[MMItem, ...], unit: int, k: int) -> bytes:
-    """Unit k's extra hash key (b"" without multimodal items)."""
-    return mm_extra_key(mm_items, unit, k) if mm_items else b""
-
-
-def chain_units(
-    pool: BlockPool,
-    parent: PrefixBlock,
-    token_ids: list[int],
-    mm_items: tuple[MMItem, ...],
-    unit: int,
-    k0: int,
-    k1: int,
-) -> list[PrefixBlock]:
-    """The prefix blocks of units [k0, k1) after `parent` (unit k0 - 1's, or the root),
-    unregistered. Changes nothing."""
-    data, width = token_bytes(token_ids[k0 * unit : k1 * unit]), unit * TOKEN_BYTES  # packed once
-    chain = []
-    for k in range(k0, k1):
-        parent = pool.chain(parent, data[(k - k0) * width : (k - k0 + 1) * width], unit_extra(mm_items, unit, k))
-        chain.append(parent)
-    return chain
-
-
-def publish_units(
-    pool: BlockPool,
-    chain: list[PrefixBlock],
-    root: PrefixBlock,
-    block_ids: Sequence[int],
-    first: int,
-    token_ids: list[int],
-    mm_items: tuple[MMItem, ...],
-    unit: int,
-    k1: int,
-    *,
-    orphan_ok: bool = False,
-) -> list[tuple[int, PrefixBlock]]:
-    """Extend a request's `chain` (its computed units after `root`) to `k1` units, publishing
-    unit k's block block_ids[k - first]: findable as its own content, or as the equal copy
-    another request published first (the chain goes on from that copy), or not at all (a
-    collision: the chain goes on unregistered). Returns (block id, prefix block) of each."""
-    k0 = len(chain)
-    parent = chain[-1] if chain else root
-    data, width = token_bytes(token_ids[k0 * unit : k1 * unit]), unit * TOKEN_BYTES  # packed once
-    done = []
-    for k in range(k0, k1):
-        block_id = block_ids[k - first]
-        block = pool.chain(parent, data[(k - k0) * width : (k - k0 + 1) * width], unit_extra(mm_items, unit, k))
-        parent = pool.register(block_id, block, orphan_ok=orphan_ok) or block
-        chain.append(parent)
-        done.append((block_id, parent))
-    return done
-
-
-def check_chain(
-    where: str,
-    pool: BlockPool,
-    chain: list[PrefixBlock],
-    root: PrefixBlock,
-    token_ids: list[int],
-    num_computed: int,
-    unit: int,
-    *,
-    parents: bool = True,
-    block_ids: Sequence[int] = (),
-    first: int = 0,
-) -> None:
-    """Assert invariant 6 of one request's chain (caching on): one element per computed unit,
-    each its own prefix (its tokens; with `parents`, chained from the element before it),
-    and each unit's block of `block_ids` (units [first, ...)) registered, if at all, as it."""
-    if len(chain) != num_computed // unit:
-        raise AssertionError(
-            f"invariant 6 (only computed units are published): {where} has {len(chain)} chained units for "
-            f"{num_computed} computed tokens"
-        )
-    for k, block in enumerate(chain):
-        if block.token_bytes != token_bytes(token_ids[k * unit : (k + 1) * unit]) or (
-            parents and block.parent is not (chain[k - 1] if k else root)
-        ):
-            raise AssertionError(f"invariant 6: {where} chain element {k} is not its own prefix")
-        if first <= k < first + len(block_ids):
-            registered = pool.prefix_block(block_ids[k - first])
-            if registered is not None and registered is not block:
-                raise AssertionError(f"invariant 6: {where} block {k} is registered as other content")
-
-
-def num_leading(found: Sequence[PrefixBlock | None]) -> int:
-    """Units up to the last found one (a point above them is not served)."""
-    return next((k + 1 for k in range(len(found) - 1, -1, -1) if found[k] is not None), 0)
-
-
-def held_copy(pool: BlockPool, block: PrefixBlock) -> int:
-    """One physical copy of a cached block: a held one rather than a free one (which would
-    cost a block to revive)."""
-    return next((b for b in block.block_ids if pool.refcount(b)), block.block_ids[0])
-
-
-class TurnEnds:
-    """Turn ends (Figure 12): where a request finished (or marked a turn end) inside a unit,
-    the group files what it holds there (an attention group its partial block, a recurrent
-    group a checkpoint) under the partial unit's tokens with a "turn" key, and lists it by
-    its parent's hash, so a prompt probes only the turn ends kept after its own units."""
-
-    def __init__(self, pool: BlockPool, unit: int) -> None:
-        self.pool = pool
-        self.unit = unit
-        self._by_parent: dict[bytes, list[PrefixBlock]] = {}  # stale (evicted) entries dropped as met
-
-    def __bool__(self) -> bool:
-        return bool(self._by_parent)
-
-    def block(
-        self, parent: PrefixBlock, token_ids: list[int], mm_items: tuple[MMItem, ...], start: int, end: int
-    ) -> PrefixBlock:
-        """The prefix block of the partial unit [start, end) after `parent` (unregistered)."""
-        extra = b"turn" + unit_extra(mm_items, self.unit, start // self.unit)
-        return self.pool.chain(parent, token_bytes(token_ids[start:end]), extra)
-
-    def new_block(
-        self, parent: PrefixBlock, token_ids: list[int], mm_items: tuple[MMItem, ...], num_computed: int
-    ) -> PrefixBlock | None:
-        """The block a turn end after `num_computed` tokens (chained after `parent`) is filed
-        as; None when there is none to file: caching off, on the unit grid, or findable already."""
-        start = num_computed - num_computed % self.unit
-        if not self.pool.enable_caching or start == num_computed:
-            return None
-        block = self.block(parent, token_ids, mm_items, start, num_computed)
-        return None if self.pool.lookup(block) is not None else block
-
-    def file(self, block_id: int, block: PrefixBlock, *, orphan_ok: bool) -> bool:
-        """Register `block_id` as `block` (not findable yet) and list it; False, nothing
-        filed, when the pool refuses (a collision, counted by the pool)."""
-        if self.pool.register(block_id, block, orphan_ok=orphan_ok) is None:
-            return False
-        assert block.parent is not None
-        self._by_parent[block.parent.block_hash] = [*self._kept(block.parent), block]
-        return True
-
-    def find(
-        self, parent: PrefixBlock, start: int, token_ids: list[int], mm_items: tuple[MMItem, ...], limit: int
-    ) -> dict[int, PrefixBlock]:
-        """The turn ends T <= limit kept after `parent` (whose units end at `start`) whose
-        tokens the prompt repeats: T -> the cached block (verified by the pool's content
-        guard). Changes nothing."""
-        out = {}
-        for kept in self._kept(parent):
-            end = start + len(kept.token_bytes) // TOKEN_BYTES
-            if end <= limit:
-                found = self.pool.lookup(self.block(parent, token_ids, mm_items, start, end))
-                if found is not None:
-                    out[end] = found
-        return out
-
-    def _kept(self, parent: PrefixBlock) -> list[PrefixBlock]:
-        return [b for b in self._by_parent.get(parent.block_hash, ()) if b.block_ids]

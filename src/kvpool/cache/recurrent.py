@@ -34,17 +34,8 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvpool.cache.group import (
-    CacheGroup,
-    GroupUsage,
-    StepRequest,
-    TurnEnds,
-    chain_units,
-    check_chain,
-    check_pool_size,
-    held_copy,
-    num_leading,
-)
+from kvpool.cache.chains import TurnEnds, chain_units, check_chain, held_copy, num_leading
+from kvpool.cache.group import CacheGroup, GroupUsage, StepRequest, check_pool_size
 from kvpool.cache.types import BlockCopy, GroupReservation, MMItem, StateRestore
 from kvpool.pool import BlockPool, PrefixBlock
 

@@ -52,7 +52,8 @@ class BlockCopy(NamedTuple):
 
 @dataclass(frozen=True)
 class StateRestore:
-    """How a manager with per-request state (V4's state block) rebuilds it at admission.
+    """How the runner rebuilds a request's state (a recurrent state, V4's state block)
+    before its first step.
 
     method "none": a fresh state, computed from token 0. "checkpoint": copy
     `checkpoint_slot` into `state_slot`. "recompute": replay tokens

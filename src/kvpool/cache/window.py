@@ -37,19 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.cache.base import LowerTier
-from kvpool.cache.group import (
-    CacheGroup,
-    GroupUsage,
-    StepRequest,
-    TurnEnds,
-    chain_units,
-    check_chain,
-    check_pool_size,
-    held_copy,
-    num_leading,
-    publish_units,
-    unit_extra,
-)
+from kvpool.cache.chains import TurnEnds, chain_units, check_chain, held_copy, num_leading, publish_units, unit_extra
+from kvpool.cache.group import CacheGroup, GroupUsage, StepRequest, check_pool_size
 from kvpool.cache.types import BlockCopy, GroupReservation, MMItem
 from kvpool.pool import BlockPool, PrefixBlock
 from kvpool.pool.hashing import TOKEN_BYTES, block_packer, token_bytes
