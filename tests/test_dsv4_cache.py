@@ -312,7 +312,8 @@ class Model:
         assert all(p % SPAN == 0 and start < p <= start + res.num_tokens for p, _ in res.checkpoints)
         self.pending[rid] = (res.num_tokens, res.new_block_ids, res.checkpoints)
         if self.m.checkpoint_blocks:
-            snapshots = self.m._get(rid).pending.snapshot_ids
+            pending = self.m._get(rid).states["v4"].pending  # None: the step took no block
+            snapshots = pending.snapshot_ids if pending is not None else []
             assert [ids[0] for ids in snapshots] == [slot for _, slot in res.checkpoints]
             assert all(len(ids) == self.m.checkpoint_blocks for ids in snapshots)
             self.snapshots[rid] = snapshots
@@ -365,7 +366,9 @@ class Model:
         assert len(set(slots)) == len(slots) and m.num_free_state_blocks == m.num_state_blocks - len(slots)
 
 
-OPS = st.sampled_from(["admit", "step", "step", "step", "decode", "decode", "commit", "unreserve", "fork", "release"])
+OPS = st.sampled_from(
+    ["admit", "step", "step", "step", "decode", "decode", "commit", "unreserve", "fork", "release", "install"]
+)
 
 
 @settings(max_examples=int(os.environ.get("KVPOOL_HYPOTHESIS_EXAMPLES", "150")), deadline=None)
@@ -455,10 +458,32 @@ def test_lifecycle_against_a_model(
                 model.tables[child] = list(model.tables[rid])
             else:
                 assert m.num_free_state_blocks == 0 and child not in m
-        elif op == "release":
+        elif op == "release":  # flag: a preemption (the request may be admitted again)
             for r in [r for r in m.request_ids if r == rid or r.startswith(rid + "-")]:
-                assert m.release(r) is True and m.release(r) is False
+                how = "preempt" if flag else "finish"
+                assert m.release(r, how) is True and m.release(r, how) is False
                 model.released(r)
+        elif op == "install":
+            # a lower tier brings back spans after the device hit of r<who>'s prompt: up to 3
+            # blocks installed, all loaded (flag) or the last one missing
+            tokens, tenant = _ids(n + 30, offset=who % 2), "t2" if flag and who == 3 else ""
+            hit, candidates = m.prefetch_candidates(tokens, tenant_salt=tenant)
+            assert len(hit) + len(candidates) == (len(tokens) - 1) // SPAN
+            num = min(len(candidates), 1 + n % 3)
+            free_before = m.pool.free_queue()
+            ids = m.install(num, hold=hit) if num else None
+            if ids is None:
+                assert m.pool.free_queue() == free_before
+            else:
+                assert not set(ids) & (model.held() | set(hit))
+                num_loaded = num if flag else num - 1
+                for block_id in ids if m.checkpoint_blocks else ():
+                    model.slot_content.pop(block_id, None)  # a pooled snapshot's block written over
+                for j, block_id in enumerate(ids[:num_loaded]):
+                    model.block_content[block_id] = (tenant, tuple(tokens[: (len(hit) + j + 1) * SPAN]))
+                m.publish_installed(ids, candidates[:num], num_loaded)
+                if m.enable_prefix_caching and num_loaded and m.restore == "recompute":
+                    assert m.lookup_prefix(tokens, tenant_salt=tenant) >= (len(hit) + num_loaded) * SPAN
         model.check()
     for rid in m.request_ids:
         m.release(rid)

@@ -5,8 +5,8 @@ Every manager implements the contract of `CacheManager` (cache/base.py). `Hybrid
 `CacheGroup` protocol (cache/group.py): attention groups, full or sliding-window
 (cache/window.py), recurrent-state checkpoint groups (cache/recurrent.py) and V4 dual-pool
 groups (cache/dual_pool.py). `FullAttentionManager` (cache/full.py) is the coordinator over
-one full-attention group (the engine's paged Llama path); `DSV4CacheManager` (cache/dsv4.py)
-V4's dual pool."""
+one full-attention group (the engine's paged Llama path); `DSV4CacheManager`
+(cache/dual_pool.py) the coordinator over one V4 dual-pool group."""
 
 from kvpool.cache.base import CacheManager, LowerTier
 from kvpool.cache.coordinator import HybridCacheManager

@@ -558,12 +558,15 @@ class HybridCacheManager(CacheManager):
         if req.num_loading:
             raise ValueError(f"request {req.request_id!r} has lower-tier blocks to load (complete_loads first)")
         if self.exact_steps and req.end != req.num_computed:
-            raise ValueError(f"request {req.request_id!r} has an uncommitted step; commit it first")
+            raise ValueError(
+                f"request {req.request_id!r} already has an uncommitted reservation (an uncommitted step: "
+                f"commit it first)"
+            )
         if num_new_tokens < 0:
             raise ValueError(f"request {req.request_id!r}: num_new_tokens must be >= 0, got {num_new_tokens}")
         if req.num_computed + num_new_tokens > len(req.token_ids):
             raise ValueError(
-                f"request {req.request_id!r}: reserving up to position {req.num_computed + num_new_tokens}, but only "
+                f"request {req.request_id!r}: cannot compute {num_new_tokens} tokens from {req.num_computed}: only "
                 f"{len(req.token_ids)} token ids are known (append_token_ids first)"
             )
 

@@ -1,17 +1,17 @@
-"""DeepSeek-V4's dual pool as one group of the hybrid coordinator (cache/coordinator.py). No torch.
+"""DeepSeek-V4's dual pool as one group of the coordinator (cache/coordinator.py). No torch.
 
-The same semantics as `DSV4CacheManager` (cache/dsv4.py, DEEPSEEK_V4.md sections 5 and 6),
-cut to the group protocol the coordinator drives (the one of cache/window.py and
-cache/recurrent.py):
+DEEPSEEK_V4.md sections 5 and 6, cut to the group protocol the coordinator drives (the one
+of cache/window.py and cache/recurrent.py):
 
   classical pool  blocks of `span` tokens of compressed entries (a BlockPool: refcounts,
-                  LRU free queue, the chained-hash prefix index). A block is written once,
-                  by the step that completes its span, and published at that step's
-                  commit; it is never written again, so it is shared without copy-on-write.
+                  LRU free queue, the chained-hash prefix index). A block is taken by the
+                  step that completes its span, written once by it and published at that
+                  step's commit; it is never written again, so it is shared without
+                  copy-on-write. An incomplete block never exists in the pool.
   state pool      a fixed number of state blocks (SWA window, compressor tails, the
                   unfinished span's entries), one per request, taken at admission and
                   returned at release. Mutable every step, never shared. A BlockPool with
-                  caching off: its free queue is FIFO, as DSV4CacheManager's deque.
+                  caching off: its free queue is FIFO.
 
 Per request, while it computes [num_computed, end):
 
@@ -28,40 +28,142 @@ compressed entries of an unfinished span are never stored. The coordinator takes
 largest point every group serves, so an in-span point another group offers (a block end,
 a recurrent checkpoint) is passed over for the largest common span boundary.
 
-Restore. The state at a hit P is rebuilt by recompute (section 6): the runner replays
-tokens [max(0, P - replay_len), P) on top of the q cached blocks (V4: replay_len =
-n_win * num_layers rebuilds every layer's window; at a span boundary the compressor tails
-are empty). The request's `replay_start` says so until its first commit.
+Restore: the state at a hit P = q * span is rebuilt exactly (section 6) by one of
+  "recompute":  the runner replays tokens [max(0, P - replay_len), P) on top of the q cached
+                blocks (V4: replay_len = n_win * num_layers rebuilds every layer's window; at
+                a span boundary the compressor tails are empty);
+  "checkpoint": the hit is cut to the longest prefix whose boundary has a checkpoint; the
+                runner copies the checkpoint slot into the request's state block;
+  "auto":       chosen per admission by cost (`choose_restore`, priced by the spec's
+                `RestoreCost`): the checkpoint held at the hit's end when copying it is
+                cheaper than the replay, else the replay over the whole hit, unless cutting
+                the hit back to the last checkpoint held within it (its tokens computed
+                again, as prompt) costs less than that replay.
+The request's `restore` says which until its first commit.
+
+Checkpoints ("checkpoint", "auto") snapshot a request's state at the span boundaries its
+steps complete, filed under the boundary block's prefix block, in one of two ways:
+  slots   (`num_checkpoints` > 0): that many extra state slots, numbered after the state
+          blocks, LRU among themselves (the engine: its state tensors have that many rows
+          more); a step that finds none free pushes out the least recently used;
+  pooled  (`checkpoint_blocks` > 0): each checkpoint occupies that many classical blocks
+          (a state block's bytes in classical blocks), registered in the prefix index under
+          the boundary block and freed at once as cached blocks, so checkpoints and cached
+          classical blocks share the pool's free memory and its one LRU eviction order (as
+          vLLM v1 keeps Mamba states in its block pool): as many as free memory holds, none
+          taken from a running request. A snapshot that finds too few free blocks is
+          skipped; an allocation that evicts one of its blocks drops it.
+
+A reserved step that took blocks or checkpoint slots records what undoing it needs
+(`unreserve`: everything goes back where it was, the checkpoints it pushed out findable
+again). The lower-tier hooks (`record_evictions`, `take_evicted`, `prefetch_candidates`,
+`install`, `publish_installed`) let a runner save evicted spans and bring them back.
 """
 
 from __future__ import annotations
 
 import sys
+from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, NamedTuple, Protocol, cast
 
 from kvpool.cache.base import mm_extra_key
-from kvpool.cache.group import CacheGroup, GroupUsage, StepRequest
-from kvpool.cache.types import BlockCopy, GroupReservation, MMItem, StateRestore
+from kvpool.cache.coordinator import HybridCacheManager
+from kvpool.cache.group import CacheGroup, GroupUsage, StepRequest, chain_units
+from kvpool.cache.types import CacheDescriptor, GroupReservation, MMItem, Reservation, StateRestore
 from kvpool.pool import BlockPool, PrefixBlock
 from kvpool.pool.hashing import TOKEN_BYTES, token_bytes
 from kvpool.spec.dsv4 import DSV4Spec
+
+RestoreMethod = Literal["checkpoint", "recompute", "auto"]
+RESTORE_METHODS: tuple[str, ...] = ("checkpoint", "recompute", "auto")
+
+
+class RestoreCost(Protocol):
+    """What a V4 state restore costs, in any one unit (seconds, or tokens), as the runner
+    prices it: the simulator by its cost model, the engine by the rates it has measured."""
+
+    def checkpoint_cost(self) -> float:
+        """Copying one checkpoint into a request's state block."""
+        ...
+
+    def compute_cost(self, num_tokens: int, context_len: int) -> float:
+        """Computing (replaying) the tokens [context_len - num_tokens, context_len)."""
+        ...
+
+
+class TokenCost:
+    """The default `RestoreCost`: a checkpoint copy is free, computing costs its token count."""
+
+    def checkpoint_cost(self) -> float:
+        return 0.0
+
+    def compute_cost(self, num_tokens: int, context_len: int) -> float:
+        return float(num_tokens)
+
+
+class RestoreChoice(NamedTuple):
+    """How an admission rebuilds its state: the hit it keeps (`num_cached_tokens`, at most the
+    cached prefix found) and the method ("none" when nothing is kept)."""
+
+    num_cached_tokens: int
+    method: Literal["none", "checkpoint", "recompute"]
+
+
+def choose_restore(hit_len: int, checkpoint_len: int, replay_len: int, cost: RestoreCost) -> RestoreChoice:
+    """The cheapest restore of a prefix hit of `hit_len` tokens when the longest checkpointed
+    boundary within it is `checkpoint_len` (0: none held), the replay window being
+    `replay_len` = n_win x num_layers tokens. The options and their costs:
+
+        recompute at hit_len:        compute(hit_len - max(0, hit_len - replay_len), hit_len)
+        checkpoint at checkpoint_len: checkpoint() + compute(hit_len - checkpoint_len, hit_len)
+                                      (the cut tokens are computed again, as prompt; nothing
+                                      when checkpoint_len == hit_len)
+
+    A tie goes to the checkpoint (no replay step). A shorter cut, or a replay at a shorter
+    hit, is never cheaper: both compute a superset of the same tokens."""
+    if not 0 <= checkpoint_len <= hit_len:
+        raise ValueError(f"need 0 <= checkpoint_len <= hit_len, got {checkpoint_len} and {hit_len}")
+    if hit_len == 0:
+        return RestoreChoice(0, "none")
+    replay = cost.compute_cost(hit_len - max(0, hit_len - replay_len), hit_len)
+    if checkpoint_len:
+        cut = hit_len - checkpoint_len
+        restore = cost.checkpoint_cost() + (cost.compute_cost(cut, hit_len) if cut else 0.0)
+        if restore <= replay:
+            return RestoreChoice(checkpoint_len, "checkpoint")
+    return RestoreChoice(hit_len, "recompute")
 
 
 @dataclass(frozen=True)
 class DualPoolGroupSpec:
     """Layers of a V4-style model: one classical block per `span` tokens, one state block per
-    request; a hit's state is rebuilt by replaying the `replay_len` tokens before it."""
+    request; a hit's state is rebuilt by replaying the `replay_len` tokens before it, or
+    from a checkpoint (`restore`, `num_checkpoints` slots or `checkpoint_blocks` classical
+    blocks each, `restore_cost`: the module docstring)."""
 
     name: str
     span: int
     replay_len: int = 0
+    restore: RestoreMethod = "recompute"
+    num_checkpoints: int = 0
+    checkpoint_blocks: int = 0
+    restore_cost: RestoreCost | None = field(default=None, compare=False)  # None: TokenCost
 
     def __post_init__(self) -> None:
         if self.span <= 0:
             raise ValueError(f"group {self.name!r}: span must be positive, got {self.span}")
         if self.replay_len < 0:
             raise ValueError(f"group {self.name!r}: replay_len must be >= 0, got {self.replay_len}")
+        if self.restore not in RESTORE_METHODS:
+            raise ValueError(f"restore must be one of {RESTORE_METHODS}, got {self.restore!r}")
+        if self.num_checkpoints < 0:
+            raise ValueError(f"num_checkpoints must be >= 0, got {self.num_checkpoints}")
+        if self.checkpoint_blocks < 0:
+            raise ValueError(f"checkpoint_blocks must be >= 0, got {self.checkpoint_blocks}")
+        if self.checkpoint_blocks and self.num_checkpoints:
+            raise ValueError("checkpoints in slots (num_checkpoints) or pooled (checkpoint_blocks), not both")
 
     def build(
         self, size: object, *, enable_caching: bool, hash_algo: str, shared_pool: BlockPool | None
@@ -71,16 +173,47 @@ class DualPoolGroupSpec:
             raise ValueError(
                 f"dual-pool group {self.name!r} needs (classical blocks, state blocks), both positive, got {size!r}"
             )
+        if self.restore == "checkpoint" and enable_caching and not (self.num_checkpoints or self.checkpoint_blocks):
+            raise ValueError("restore='checkpoint' needs num_checkpoints > 0 or checkpoint_blocks > 0")
         return DualPoolGroup(self, *size, enable_caching=enable_caching, hash_algo=hash_algo)
 
     @classmethod
-    def from_dsv4(cls, name: str, spec: DSV4Spec) -> DualPoolGroupSpec:
+    def from_dsv4(cls, name: str, spec: DSV4Spec, **restore: Any) -> DualPoolGroupSpec:
         """V4's dual pool: the classical span, and the window of every layer replayed."""
-        return cls(name, spec.span, spec.window * spec.num_layers)
+        return cls(name, spec.span, spec.window * spec.num_layers, **restore)
 
     def replay_start(self, point: int) -> int:
         """The first token the restore of a hit at `point` replays."""
         return max(0, point - self.replay_len)
+
+
+@dataclass
+class _Checkpoint:
+    slot: int  # pooled: the first of its blocks
+    block: PrefixBlock  # the boundary block whose prefix the snapshot is the state of
+    last_used: int  # LRU stamp (slots; pooled: the pool's LRU order)
+    parts: tuple[PrefixBlock, ...] = ()  # pooled: the registered contents of its blocks
+
+
+_STATE_EXTRA = b"v4-state:"  # a pooled checkpoint's part i: chained after its boundary block
+
+
+def _state_part(block: PrefixBlock) -> bool:
+    """Whether a prefix block is part of a pooled checkpoint (not a span of tokens)."""
+    return not block.token_bytes and block.extra.startswith(_STATE_EXTRA)
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A reserved step that took classical blocks, with what its commit and its undo need."""
+
+    num_new: int  # the fresh blocks at the table's end
+    chain: list[PrefixBlock]  # prefix blocks of the spans the step completes (caching on)
+    checkpoints: tuple[tuple[int, int], ...]  # (position, slot): snapshot the state there
+    evicted: list[tuple[bytes, _Checkpoint]]  # checkpoints pushed out for its slots (undo restores them)
+    fresh_slots: list[int]  # checkpoint slots it took from the free list
+    evicted_blocks: list[tuple[int, PrefixBlock]]  # cached blocks its allocation evicted (undo restores them)
+    snapshot_ids: list[list[int]]  # pooled: each checkpoint's blocks
 
 
 @dataclass(slots=True)
@@ -91,23 +224,25 @@ class DualPoolState:
     state_slot: int  # the request's state block
     block_ids: list[int] = field(default_factory=list)  # classical blocks of spans [0, end // span)
     chain: list[PrefixBlock] = field(default_factory=list)  # spans [0, num_computed // span) (caching on)
-    replay_start: int | None = None  # a hit's restore to run: replay [replay_start, num_computed)
+    restore: StateRestore | None = None  # a hit's restore to run ("checkpoint" or "recompute"), until the first commit
+    pending: _Pending | None = None  # the reserved step, when it took blocks
 
 
 @dataclass(slots=True)
 class DualPoolHits:
-    """The prompt's leading run of cached spans."""
+    """The prompt's leading run of cached spans an admission keeps, and how it restores."""
 
     block_ids: list[int]
     chain: list[PrefixBlock]
+    method: str = "none"  # "none" (no hit), "checkpoint" or "recompute"
 
 
 @dataclass(slots=True)
 class DualPoolAdmit:
     hit_ids: list[int]  # classical blocks of spans [0, P // span)
-    num_new: int  # fresh classical blocks for the spans the first step completes
     chain: list[PrefixBlock]
-    replay_start: int | None
+    replay_start: int | None  # a restore by recompute from there
+    checkpoint: _Checkpoint | None = None  # a restore from this checkpoint
 
 
 _NO_RESERVATION = GroupReservation()
@@ -115,7 +250,7 @@ _NO_RESERVATION = GroupReservation()
 
 class DualPoolGroup(CacheGroup):
     """A `CacheGroup` (cache/group.py): classical blocks of complete spans, one state block
-    per request."""
+    per request, optional checkpoints of the state."""
 
     kind = "dual_pool"
     reads_whole_prefix = True
@@ -138,6 +273,17 @@ class DualPoolGroup(CacheGroup):
         self.pool = BlockPool(num_classical_blocks, enable_caching=enable_caching, hash_algo=hash_algo)
         self.state_pool = BlockPool(num_state_blocks, enable_caching=False)
         self.granularity = self.commit_period = spec.span
+        self.restore_cost: RestoreCost = spec.restore_cost if spec.restore_cost is not None else TokenCost()
+        # snapshots are taken at span boundaries (checkpoint, auto), when there is room for them
+        self.checkpointing = (
+            spec.restore != "recompute" and enable_caching and (spec.num_checkpoints or spec.checkpoint_blocks) > 0
+        )
+        # Checkpoint slots follow the state slots: [num_state_blocks, + num_checkpoints)
+        first = num_state_blocks
+        self._free_checkpoints: deque[int] = deque(range(first, first + spec.num_checkpoints))
+        self._checkpoints: dict[bytes, _Checkpoint] = {}  # boundary block hash -> findable checkpoint
+        self._clock = 0
+        self._evicted: list[tuple[int, PrefixBlock]] | None = None  # record_evictions
 
     def pools(self) -> tuple[BlockPool, ...]:
         return (self.pool, self.state_pool)
@@ -158,7 +304,8 @@ class DualPoolGroup(CacheGroup):
         packed: bytes | None = None,
     ) -> DualPoolHits:
         """The leading run of cached complete spans, leaving a token to compute, and no
-        further than `limit` tokens (another group's upper bound). Changes nothing."""
+        further than `limit` tokens (another group's upper bound), cut as the restore
+        method chooses. Changes nothing but the collision count of an admission."""
         if not self.pool.enable_caching:
             return DualPoolHits([], [])
         span = self.span
@@ -171,16 +318,33 @@ class DualPoolGroup(CacheGroup):
             span * TOKEN_BYTES,
             num,
             self._extras(mm_items, num),
-            count_collisions=False,
+            count_collisions=admission,
         )
-        return DualPoolHits(hit.block_ids, hit.chain)
+        block_ids, chain = hit.block_ids, hit.chain
+        restore = self.spec.restore
+        if not block_ids:
+            return DualPoolHits([], [])
+        if restore == "recompute":
+            return DualPoolHits(block_ids, chain, "recompute")
+        k = len(block_ids)  # the last boundary within the hit whose state is checkpointed
+        while k and self._findable_checkpoint(chain[k - 1]) is None:
+            k -= 1
+        if restore == "checkpoint":  # the hit is usable only up to there
+            return DualPoolHits(block_ids[:k], chain[:k], "checkpoint" if k else "none")
+        choice = choose_restore(len(block_ids) * span, k * span, self.spec.replay_len, self.restore_cost)
+        k = choice.num_cached_tokens // span
+        return DualPoolHits(block_ids[:k], chain[:k], choice.method)
 
     def upper_bound(self, hits: DualPoolHits) -> int:
         return len(hits.block_ids) * self.span
 
     def serves(self, hits: DualPoolHits, point: int) -> bool:
-        """A span boundary whose spans before it are all cached (or the start)."""
-        return point % self.span == 0 and point // self.span <= len(hits.block_ids)
+        """A span boundary whose spans before it are all cached (or the start); restoring
+        by checkpoint only, one with a checkpoint."""
+        q, r = divmod(point, self.span)
+        if r or q > len(hits.block_ids):
+            return False
+        return not q or self.spec.restore != "checkpoint" or self._findable_checkpoint(hits.chain[q - 1]) is not None
 
     def plan_admit(
         self,
@@ -193,27 +357,49 @@ class DualPoolGroup(CacheGroup):
     ) -> tuple[DualPoolAdmit, dict[BlockPool, int]]:
         """(the plan, free blocks it needs per pool) for a hit at `point` and a first step to
         `end`: the step's fresh classical blocks, the hit's blocks revived out of the free
-        queue, and one state block."""
+        queue, and one state block. The restore: the one `hits` chose at its end; at a point
+        below it (another group's bound), a checkpoint where one is held and priced no
+        dearer than the replay, else the replay."""
         q = point // self.span
         assert q * self.span == point, f"group {self.name!r} serves no point inside a span ({point})"
         hit_ids = list(hits.block_ids[:q]) if hits is not None else []
         assert len(hit_ids) == q, "serves() was checked"
-        num_new = end // self.span - q
         revived = sum(1 for b in hit_ids if self.pool.refcount(b) == 0)
         chain = list(hits.chain[:q]) if hits is not None and self.pool.enable_caching else []
-        replay = self.spec.replay_start(point) if point else None
-        return DualPoolAdmit(hit_ids, num_new, chain, replay), {self.pool: num_new + revived, self.state_pool: 1}
+        plan = DualPoolAdmit(hit_ids, chain, None)
+        if q:
+            assert hits is not None
+            ckpt = self._findable_checkpoint(chain[q - 1])
+            if q == len(hits.block_ids):
+                method = hits.method
+            elif self.spec.restore == "auto" and ckpt is not None:
+                method = choose_restore(point, point, self.spec.replay_len, self.restore_cost).method
+            else:
+                method = "checkpoint" if self.spec.restore == "checkpoint" else "recompute"
+            if method == "checkpoint":
+                plan.checkpoint = ckpt
+            else:
+                plan.replay_start = self.spec.replay_start(point)
+        num_new = end // self.span - q
+        return plan, {self.pool: num_new + revived, self.state_pool: 1}
 
     def claim(self, plan: DualPoolAdmit) -> None:
-        """Hold the hit's blocks before any group allocates."""
+        """Hold the hit's blocks before any group allocates; a checkpoint it restores from is
+        the most recently used now."""
         self.pool.incref(plan.hit_ids)
+        if plan.checkpoint is not None:
+            self._touch(plan.checkpoint)
 
-    def apply_admit(self, plan: DualPoolAdmit, root: PrefixBlock) -> tuple[DualPoolState, tuple[BlockCopy, ...]]:
-        """After `claim`: the state block and the first step's classical blocks."""
+    def apply_admit(self, plan: DualPoolAdmit, root: PrefixBlock) -> tuple[DualPoolState, tuple]:
+        """After `claim`: the state block (the first step's blocks come with its reservation)."""
         slot = self.state_pool.allocate(1)
-        new = self.pool.allocate(plan.num_new)
-        assert slot is not None and new is not None, "the coordinator checked the free counts"
-        return DualPoolState(root, slot[0], [*plan.hit_ids, *new], list(plan.chain), plan.replay_start), ()
+        assert slot is not None, "the coordinator checked the free counts"
+        state = DualPoolState(root, slot[0], list(plan.hit_ids), list(plan.chain))
+        if plan.checkpoint is not None:
+            state.restore = StateRestore(slot[0], "checkpoint", plan.checkpoint.slot)
+        elif plan.replay_start is not None:
+            state.restore = StateRestore(slot[0], "recompute", replay_start=plan.replay_start)
+        return state, ()
 
     # ---- steps -------------------------------------------------------------------------
 
@@ -225,42 +411,241 @@ class DualPoolGroup(CacheGroup):
     def apply_reserve(
         self, reqs: Sequence[StepRequest], ends: Sequence[int], *, detail: bool = True
     ) -> list[GroupReservation]:
+        """The blocks of the spans each step completes, and checkpoint slots (or pooled
+        snapshot blocks) for their boundaries, from what the rest of the step leaves."""
+        name, span = self.name, self.span
+        needs = [end // span - len(req.states[name].block_ids) for req, end in zip(reqs, ends, strict=True)]
+        keep = sum(needs)  # free blocks the requests after this one take
         out = []
-        for req, end in zip(reqs, ends, strict=True):
-            state = req.states[self.name]
-            num_new = end // self.span - len(state.block_ids)
-            if not num_new:
+        for req, need in zip(reqs, needs, strict=True):
+            keep -= need
+            if not need:
                 out.append(_NO_RESERVATION)  # the common decode step: no span completes
                 continue
-            new = self.pool.allocate(num_new)
-            assert new is not None, "the coordinator checked the free count"
-            state.block_ids.extend(new)
-            out.append(GroupReservation(tuple(new)))
+            out.append(self._reserve(req.states[name], req.token_ids, req.mm_items, need, keep))
         return out
+
+    def _reserve(
+        self, state: DualPoolState, token_ids: list[int], mm_items: tuple[MMItem, ...], num_new: int, keep: int
+    ) -> GroupReservation:
+        """Reserve a checked step's `num_new` blocks; `keep`: free blocks the rest of its batch
+        needs (pooled snapshots leave them alone)."""
+        span = self.span
+        evicted_blocks: list[tuple[int, PrefixBlock]] = []
+        new_ids = self.pool.allocate(num_new, evicted_blocks)
+        assert new_ids is not None, "the coordinator checked the free count"
+        first = len(state.block_ids)
+        state.block_ids.extend(new_ids)
+        chain: list[PrefixBlock] = []
+        if self.pool.enable_caching:
+            parent = state.chain[-1] if state.chain else state.root
+            chain = chain_units(self.pool, parent, token_ids, mm_items, span, first, first + num_new)
+        checkpoints: list[tuple[int, int]] = []
+        evicted: list[tuple[bytes, _Checkpoint]] = []
+        fresh: list[int] = []
+        snapshot_ids: list[list[int]] = []
+        if self.checkpointing:
+            wanted = [(first + k + 1) * span for k, b in enumerate(chain) if not self._has_checkpoint(b.block_hash)]
+            c = self.spec.checkpoint_blocks
+            if c:
+                # Pooled: the latest boundaries whose blocks are free now (a snapshot never makes
+                # a step wait); taking them may evict cached blocks, checkpoints included.
+                for position in wanted[max(0, len(wanted) - (self.pool.num_free - keep) // c) :]:
+                    ids = self.pool.allocate(c, evicted_blocks)
+                    assert ids is not None
+                    snapshot_ids.append(ids)
+                    checkpoints.append((position, ids[0]))
+            else:
+                # A long prefill may cross more boundaries than there are slots: keep the latest.
+                available = len(self._free_checkpoints) + len(self._checkpoints)
+                for position in wanted[max(0, len(wanted) - available) :]:
+                    if self._free_checkpoints:
+                        slot = self._free_checkpoints.popleft()
+                        fresh.append(slot)
+                    else:  # push out the least recently used checkpoint (undo puts it back)
+                        block_hash = min(self._checkpoints, key=lambda h: self._checkpoints[h].last_used)
+                        ckpt = self._checkpoints.pop(block_hash)
+                        evicted.append((block_hash, ckpt))
+                        slot = ckpt.slot
+                    checkpoints.append((position, slot))
+        self._note_evicted(evicted_blocks, evicted)
+        state.pending = _Pending(num_new, chain, tuple(checkpoints), evicted, fresh, evicted_blocks, snapshot_ids)
+        return GroupReservation(tuple(new_ids), (), tuple(checkpoints))
 
     def commit(self, reqs: Sequence[StepRequest]) -> None:
         """The steps are computed: publish the spans they completed (each written once, now
-        immutable); a hit's restore is done."""
+        immutable), file their checkpoints; a hit's restore is done."""
         for req in reqs:
-            self._commit(req.states[self.name], req.token_ids, req.num_computed, req.mm_items)
+            state = req.states[self.name]
+            state.restore = None
+            if state.pending is not None:
+                self._commit(state)
+            assert len(state.block_ids) == req.num_computed // self.span, "a commit is of the whole reserved step"
 
-    def _commit(
-        self, state: DualPoolState, token_ids: list[int], num_computed: int, mm_items: tuple[MMItem, ...]
+    def _commit(self, state: DualPoolState) -> None:
+        pending = state.pending
+        assert pending is not None
+        new_ids = state.block_ids[len(state.block_ids) - pending.num_new :]
+        parent = state.chain[-1] if state.chain else state.root
+        for k, block in enumerate(pending.chain):  # empty when caching is off
+            if block.parent is not parent:
+                # The previous span was published as a copy that another request computed
+                # first: hang this one under that copy (same content, so the same hash).
+                block = self.pool.chain(parent, block.token_bytes, block.extra)
+            parent = pending.chain[k] = self.pool.register(new_ids[k], block) or block
+        state.chain.extend(pending.chain)
+        state.pending = None
+        if pending.snapshot_ids:
+            self._commit_pooled(state, pending.checkpoints, pending.snapshot_ids)
+            return
+        for position, slot in pending.checkpoints:
+            block = state.chain[position // self.span - 1]
+            if not self.pool.is_published(block) or self._has_checkpoint(block.block_hash):
+                # not findable (a collision), or another request checkpointed the prefix first
+                self._free_checkpoints.append(slot)
+                continue
+            stale = self._checkpoints.get(block.block_hash)
+            if stale is not None:  # a checkpoint of an evicted copy of the prefix gives way
+                self._free_checkpoints.append(stale.slot)
+            self._clock += 1
+            self._checkpoints[block.block_hash] = _Checkpoint(slot, block, self._clock)
+
+    def _commit_pooled(
+        self, state: DualPoolState, checkpoints: Sequence[tuple[int, int]], snapshot_ids: list[list[int]]
     ) -> None:
+        """Pooled checkpoints the step wrote: each one's blocks registered under its boundary
+        block (part i: `_STATE_EXTRA` i), then freed as cached blocks (the newest of the
+        LRU queue); blocks that cannot be published (the boundary is not findable, or
+        another request checkpointed it first) are freed unhashed."""
+        for (position, _), ids in zip(checkpoints, snapshot_ids, strict=True):
+            block = state.chain[position // self.span - 1]
+            if self.pool.is_published(block) and not self._has_checkpoint(block.block_hash):
+                parts = []
+                for i, block_id in enumerate(ids):
+                    part = self.pool.register(block_id, self.pool.chain(block, b"", _STATE_EXTRA + str(i).encode()))
+                    if part is None:  # a collision: this checkpoint is not findable
+                        break
+                    parts.append(part)
+                if len(parts) == len(ids):
+                    self._checkpoints[block.block_hash] = _Checkpoint(ids[0], block, 0, tuple(parts))
+            self.pool.decref(ids)
+
+    def unreserve(self, state: DualPoolState) -> None:
+        """Undo the reserved step, whose forward has not run (e.g. another request of the
+        batch did not fit), exactly: its blocks go back where they were (cached blocks its
+        allocation evicted are findable again), its checkpoint slots go back, and every
+        checkpoint it pushed out is findable again with its LRU place, unless the same
+        prefix has been checkpointed since (then the slot is free) or, pooled, another
+        allocation has since taken one of its other blocks. Nothing to undo: nothing done."""
+        pending = state.pending
+        if pending is None:
+            return
+        new_ids = state.block_ids[len(state.block_ids) - pending.num_new :]
+        del state.block_ids[len(state.block_ids) - pending.num_new :]
+        self.pool.unallocate([*new_ids, *(b for ids in pending.snapshot_ids for b in ids)], pending.evicted_blocks)
+        self._free_checkpoints.extendleft(reversed(pending.fresh_slots))
+        for block_hash, ckpt in pending.evicted:
+            if ckpt.parts:  # pooled: back unless a later allocation took another of its blocks
+                if block_hash not in self._checkpoints and all(self.pool.is_published(p) for p in ckpt.parts):
+                    self._checkpoints[block_hash] = ckpt
+            elif block_hash in self._checkpoints:
+                self._free_checkpoints.append(ckpt.slot)
+            else:
+                self._checkpoints[block_hash] = ckpt
+        if self._evicted is not None and pending.evicted_blocks:  # not evicted after all: the tier needs them not
+            undone = {block_id for block_id, _ in pending.evicted_blocks}
+            self._evicted = [e for e in self._evicted if e[0] not in undone]
+        state.pending = None
+
+    # ---- checkpoints ---------------------------------------------------------------------
+
+    def _has_checkpoint(self, block_hash: bytes) -> bool:
+        """A findable checkpoint is filed under this hash: its boundary block is the content
+        the index holds (a checkpoint of an evicted prefix is stale: it is replaced)."""
+        ckpt = self._checkpoints.get(block_hash)
+        return ckpt is not None and self.pool.is_published(ckpt.block)
+
+    def _findable_checkpoint(self, block: PrefixBlock) -> _Checkpoint | None:
+        ckpt = self._checkpoints.get(block.block_hash)
+        return ckpt if ckpt is not None and ckpt.block is block else None
+
+    def _touch(self, ckpt: _Checkpoint) -> None:
+        """A restore used `ckpt`: most recently used now (pooled: its blocks go to the end of
+        the pool's LRU queue)."""
+        if ckpt.parts:
+            ids = [part.block_ids[0] for part in ckpt.parts]
+            self.pool.incref(ids)
+            self.pool.decref(ids)
+            return
+        self._clock += 1
+        ckpt.last_used = self._clock
+
+    def _note_evicted(self, evicted: list[tuple[int, PrefixBlock]], dropped: list[tuple[bytes, _Checkpoint]]) -> None:
+        """Cached blocks an allocation just evicted: classical ones go to the tier record
+        (`record_evictions`); a pooled checkpoint that lost its last copy of a part is
+        dropped (into `dropped`, for an undo to put back)."""
+        if self.spec.checkpoint_blocks:
+            for _, block in evicted:
+                if _state_part(block) and not block.block_ids:
+                    assert block.parent is not None
+                    ckpt = self._checkpoints.get(block.parent.block_hash)
+                    if ckpt is not None and block in ckpt.parts:
+                        dropped.append((block.parent.block_hash, self._checkpoints.pop(block.parent.block_hash)))
+        if self._evicted is not None:
+            self._evicted.extend(e for e in evicted if not _state_part(e[1]))
+
+    # ---- a tier below the classical pool (kvpool.tiers) ----------------------------------
+
+    def record_evictions(self) -> None:
+        """From now on, every cached classical block the allocator evicts is recorded for
+        the runner to save to a lower tier before anything overwrites it (`take_evicted`)."""
+        if self._evicted is None:
+            self._evicted = []
+
+    def take_evicted(self) -> list[tuple[int, PrefixBlock]]:
+        if not self._evicted:
+            return []
+        evicted, self._evicted = self._evicted, []
+        return evicted
+
+    def prefetch_candidates(self, root: PrefixBlock, token_ids: Sequence[int]) -> tuple[list[int], list[PrefixBlock]]:
+        """(the device hit's blocks, the prompt's full spans after it as unregistered prefix
+        blocks, leaving >= 1 token to compute): what a lower tier may hold and `install`
+        can bring in. Changes nothing."""
+        if not self.pool.enable_caching or len(token_ids) == 0:
+            return [], []
         span = self.span
-        assert len(state.block_ids) == num_computed // span, "a commit is of the whole reserved step"
-        k0, k1 = len(state.chain), num_computed // span
-        if self.pool.enable_caching and k1 > k0:
-            parent = state.chain[-1] if state.chain else state.root
-            data, width = token_bytes(token_ids[k0 * span : k1 * span]), span * TOKEN_BYTES
-            for k in range(k0, k1):
-                extra = mm_extra_key(mm_items, span, k) if mm_items else b""
-                block = self.pool.chain(parent, data[(k - k0) * width : (k - k0 + 1) * width], extra)
-                # Another request may have published the same span first: the chain goes on
-                # from that copy (same content, same hash), this block joins it as a copy.
-                parent = self.pool.register(state.block_ids[k], block) or block
-                state.chain.append(parent)
-        state.replay_start = None
+        num = (len(token_ids) - 1) // span
+        hit = self.pool.match(
+            root, token_bytes(token_ids[: num * span]), span * TOKEN_BYTES, num, None, count_collisions=False
+        )
+        parent = hit.chain[-1] if hit.chain else root
+        return hit.block_ids, chain_units(self.pool, parent, list(token_ids), (), span, len(hit.block_ids), num)
+
+    def install(self, num_blocks: int, hold: Sequence[int] = ()) -> list[int] | None:
+        """Fresh classical blocks for lower-tier content (the runner writes them, then
+        `publish_installed`); None, nothing taken, when that many are not free. `hold`: the
+        device hit the content continues, kept out of this allocation's reach."""
+        if num_blocks > self.pool.num_free - sum(1 for b in hold if self.pool.refcount(b) == 0):
+            return None  # (checked first: holding would move the hit in the LRU order)
+        self.pool.incref(hold)
+        evicted: list[tuple[int, PrefixBlock]] = []
+        ids = self.pool.allocate(num_blocks, evicted)
+        assert ids is not None, "the free count was checked"
+        self.pool.decref(reversed(hold))
+        self._note_evicted(evicted, [])
+        return ids
+
+    def publish_installed(self, block_ids: Sequence[int], blocks: Sequence[PrefixBlock], num_loaded: int) -> None:
+        """The first `num_loaded` installed blocks hold their content (copied and checked):
+        they are published, in order, as cached blocks nobody holds (an admission hits them
+        like any cached block); every installed block is then freed, the tail first."""
+        parent = None
+        for block_id, block in list(zip(block_ids, blocks, strict=True))[:num_loaded]:
+            if parent is not None and block.parent is not parent:
+                block = self.pool.chain(parent, block.token_bytes, block.extra)
+            parent = self.pool.register(block_id, block) or block
+        self.pool.decref(reversed(block_ids))
 
     # ---- queries on a request's state ---------------------------------------------------
 
@@ -268,19 +653,27 @@ class DualPoolGroup(CacheGroup):
         return state.block_ids
 
     def held_blocks(self, state: DualPoolState) -> list[int]:
-        return state.block_ids
+        if state.pending is None or not state.pending.snapshot_ids:
+            return state.block_ids
+        return state.block_ids + [b for ids in state.pending.snapshot_ids for b in ids]
 
     def state_slot(self, state: DualPoolState) -> int | None:
         return state.state_slot
 
     def restore(self, state: DualPoolState) -> StateRestore | None:
-        """A hit's replay on top of the cached spans, until the first commit; else "none"."""
-        if state.replay_start is None:
-            return StateRestore(state.state_slot, "none")
-        return StateRestore(state.state_slot, "recompute", replay_start=state.replay_start)
+        """A hit's restore (a checkpoint copy, or a replay on top of the cached spans), until
+        the first commit; else "none"."""
+        return state.restore if state.restore is not None else StateRestore(state.state_slot, "none")
+
+    def checkpoints(self, state: DualPoolState) -> list[tuple[int, int]]:
+        return list(state.pending.checkpoints) if state.pending is not None else []
 
     def prefix_chain(self, state: DualPoolState) -> list[PrefixBlock]:
         return state.chain
+
+    def pending_chain(self, state: DualPoolState) -> list[PrefixBlock]:
+        """The prefix blocks of the spans the reserved step completes (caching on)."""
+        return state.pending.chain if state.pending is not None else []
 
     def metadata_bytes(self, state: DualPoolState) -> int:
         return sys.getsizeof(state) + sys.getsizeof(state.block_ids) + sys.getsizeof(state.chain)
@@ -290,14 +683,27 @@ class DualPoolGroup(CacheGroup):
 
     def fork(self, state: DualPoolState) -> DualPoolState:
         """The child shares the complete spans and gets a state block of its own (the runner
-        copies the parent's state into it; a parent's pending replay is the child's too)."""
+        copies the parent's state into it; a parent's pending restore is the child's too)."""
         slot = self.state_pool.allocate(1)
         assert slot is not None, "can_fork was checked"
         self.pool.incref(state.block_ids)
-        return DualPoolState(state.root, slot[0], list(state.block_ids), list(state.chain), state.replay_start)
+        restore = None if state.restore is None else replace(state.restore, state_slot=slot[0])
+        return DualPoolState(state.root, slot[0], list(state.block_ids), list(state.chain), restore)
 
     def release(self, state: DualPoolState) -> None:
-        """Classical blocks tail-first (a chain's tail is evicted first), then the state block."""
+        """An uncommitted step dropped (it may have run: a checkpoint it pushed out is not
+        restored, since the forward may have written over its slot), then the classical
+        blocks tail-first (a chain's tail is evicted first), then the state block."""
+        pending = state.pending
+        if pending is not None:
+            new_ids = state.block_ids[len(state.block_ids) - pending.num_new :]
+            del state.block_ids[len(state.block_ids) - pending.num_new :]
+            self.pool.decref(reversed(new_ids))
+            if pending.snapshot_ids:
+                self.pool.decref(b for ids in reversed(pending.snapshot_ids) for b in ids)
+            else:
+                self._free_checkpoints.extend(slot for _, slot in pending.checkpoints)
+            state.pending = None
         self.pool.decref(reversed(state.block_ids))
         self.state_pool.decref((state.state_slot,))
         state.block_ids = []
@@ -324,20 +730,28 @@ class DualPoolGroup(CacheGroup):
                 f"only complete spans are pooled: {where} holds {len(state.block_ids)} classical blocks for "
                 f"{end} reserved tokens (span {span})"
             )
-        if len(set(state.block_ids)) != len(state.block_ids):
+        held = self.held_blocks(state)
+        if len(set(held)) != len(held):
             raise AssertionError(f"invariant 1: {where} holds a classical block twice")
-        for b in state.block_ids:
+        for b in held:
             holders[b] += 1
+        pending = state.pending
+        if pending is not None and (pending.num_new != end // span - num_computed // span or not pending.num_new):
+            raise AssertionError(f"{where}: a pending step of {pending.num_new} blocks for [{num_computed}, {end})")
         for b in state.block_ids[num_computed // span :]:
             if self.pool.refcount(b) != 1 or self.pool.block_hash(b) is not None:
                 raise AssertionError(
                     f"written once: {where} will write classical block {b} (refcount {self.pool.refcount(b)}, "
                     f"published {self.pool.block_hash(b) is not None})"
                 )
-        if state.replay_start is not None and not (
-            0 < num_computed and num_computed % span == 0 and state.replay_start == self.spec.replay_start(num_computed)
+        restore = state.restore
+        if restore is not None and not (
+            0 < num_computed
+            and num_computed % span == 0
+            and restore.state_slot == state.state_slot
+            and (restore.method == "checkpoint" or restore.replay_start == self.spec.replay_start(num_computed))
         ):
-            raise AssertionError(f"{where}: a replay from {state.replay_start} pending at {num_computed} computed")
+            raise AssertionError(f"{where}: a restore {restore} pending at {num_computed} computed")
         if self.pool.enable_caching:
             if len(state.chain) != num_computed // span:
                 raise AssertionError(f"invariant 6: {where} has {len(state.chain)} chained spans for {num_computed}")
@@ -351,7 +765,9 @@ class DualPoolGroup(CacheGroup):
                     raise AssertionError(f"invariant 6: {where} classical block {k} is registered as other content")
 
     def check_states(self, states: dict[str, DualPoolState]) -> None:
-        """Each request holds one state block of its own; the others are free."""
+        """Each request holds one state block of its own; the others are free. Every
+        checkpoint slot is findable, free or taken by a pending step, once; every pooled
+        checkpoint is findable in all its parts."""
         self.state_pool.check_integrity()
         held = sorted(s.state_slot for s in states.values())
         free = sorted(self.state_pool.free_queue())
@@ -363,3 +779,116 @@ class DualPoolGroup(CacheGroup):
                     f"group {self.name!r}: request {rid!r}'s state block {s.state_slot} has refcount "
                     f"{self.state_pool.refcount(s.state_slot)}"
                 )
+        if self.spec.checkpoint_blocks:
+            for block_hash, ckpt in self._checkpoints.items():
+                if ckpt.block.block_hash != block_hash or len(ckpt.parts) != self.spec.checkpoint_blocks:
+                    raise AssertionError(
+                        f"pooled checkpoint of {block_hash.hex()[:12]} is not {self.spec.checkpoint_blocks} parts"
+                    )
+                for part in ckpt.parts:
+                    if not part.block_ids or not self.pool.is_published(part) or part.parent is not ckpt.block:
+                        raise AssertionError(
+                            f"pooled checkpoint of {block_hash.hex()[:12]} lost a part: it is not findable"
+                        )
+            return
+        pending = [slot for s in states.values() if s.pending is not None for _, slot in s.pending.checkpoints]
+        slots = [c.slot for c in self._checkpoints.values()] + list(self._free_checkpoints) + pending
+        first = self.state_pool.num_blocks
+        if sorted(slots) != list(range(first, first + self.spec.num_checkpoints)):
+            raise AssertionError(f"group {self.name!r}: checkpoint slots leaked or doubled: {sorted(slots)}")
+        for block_hash, ckpt in self._checkpoints.items():
+            if ckpt.block.block_hash != block_hash:
+                raise AssertionError(f"checkpoint in slot {ckpt.slot} is filed under another hash")
+
+
+class DSV4CacheManager(HybridCacheManager):
+    """DeepSeek-V4's cache: the coordinator over one dual-pool group named "v4" (the module
+    docstring), plus the queries a V4 runner makes of it: the pending step, the prefix
+    blocks of the committed and reserved spans, the undo of a step, the lower-tier hooks.
+    `block_ids` are the committed spans' blocks (a pending step's are in its reservation)."""
+
+    def __init__(
+        self,
+        spec: DSV4Spec,
+        num_classical_blocks: int,
+        num_state_blocks: int,
+        descriptor: CacheDescriptor,
+        *,
+        enable_prefix_caching: bool = True,
+        restore: RestoreMethod = "recompute",
+        num_checkpoints: int = 0,
+        hash_algo: str = "xxh3_128",
+        restore_cost: RestoreCost | None = None,
+        checkpoint_blocks: int = 0,
+    ) -> None:
+        if num_state_blocks <= 0:
+            raise ValueError(f"num_state_blocks must be positive, got {num_state_blocks}")
+        group = DualPoolGroupSpec.from_dsv4(
+            "v4",
+            spec,
+            restore=restore,
+            num_checkpoints=num_checkpoints,
+            checkpoint_blocks=checkpoint_blocks,
+            restore_cost=restore_cost,
+        )
+        super().__init__(
+            [(group, (num_classical_blocks, num_state_blocks))],
+            descriptor,
+            enable_prefix_caching=enable_prefix_caching,
+            hash_algo=hash_algo,
+        )
+        self.group = cast(DualPoolGroup, self.groups["v4"])  # built from a DualPoolGroupSpec
+        self.spec, self.span = spec, spec.span
+        self.restore, self.restore_cost = restore, self.group.restore_cost
+        self.num_checkpoints, self.checkpoint_blocks = num_checkpoints, checkpoint_blocks
+        self.checkpointing = self.group.checkpointing
+        self.num_state_blocks = num_state_blocks
+
+    @property
+    def num_free_state_blocks(self) -> int:
+        return self.group.state_pool.num_free
+
+    def block_ids(self, request_id: str, group: str | None = None) -> list[int]:
+        req = self._get(request_id)
+        return req.states["v4"].block_ids[: req.num_computed // self.span]
+
+    def pending_reservation(self, request_id: str) -> Reservation | None:
+        """The reserved, not yet committed step of a request, if any."""
+        req = self._get(request_id)
+        nc, end = req.num_computed, req.end
+        if end == nc:
+            return None
+        pending = req.states["v4"].pending
+        if pending is None:  # the step took no block (most decodes): no checkpoint either
+            return Reservation(nc, end - nc, ())
+        new_ids = tuple(req.states["v4"].block_ids[-pending.num_new :])
+        return Reservation(nc, end - nc, new_ids, (), pending.checkpoints)
+
+    def prefix_blocks(self, request_id: str) -> list[PrefixBlock]:
+        """The prefix blocks of the request's complete spans, committed then reserved, in
+        order (empty with prefix caching off): a runner names tier entries by them."""
+        state = self._get(request_id).states["v4"]
+        return state.chain + self.group.pending_chain(state)
+
+    def unreserve(self, request_id: str) -> None:
+        """Undo the request's reserved step whose forward has not run, exactly (the group's
+        `unreserve`); nothing pending: nothing done."""
+        req = self._get(request_id)
+        self.group.unreserve(req.states["v4"])
+        req.end = req.num_computed
+
+    # ---- a tier below the classical pool: the group's hooks ----------------------------
+
+    def record_evictions(self) -> None:
+        self.group.record_evictions()
+
+    def prefetch_candidates(
+        self, token_ids: Sequence[int], *, tenant_salt: str = ""
+    ) -> tuple[list[int], list[PrefixBlock]]:
+        return self.group.prefetch_candidates(self._root(tenant_salt, None), list(token_ids))
+
+    def install(self, num_blocks: int, hold: Sequence[int] = ()) -> list[int] | None:
+        return self.group.install(num_blocks, hold)
+
+    def publish_installed(self, block_ids: Sequence[int], blocks: Sequence[PrefixBlock], num_loaded: int) -> None:
+        self.group.publish_installed(block_ids, blocks, num_loaded)

@@ -68,8 +68,10 @@ class SimRunner:
         checkpoint_bytes: what a V4 state copy moves (None: a state block)."""
         self.manager = manager
         self.dual = isinstance(manager, DSV4CacheManager)
-        # (FullAttentionManager is the coordinator over one group: the paged layout, not a hybrid one)
-        self.hybrid = isinstance(manager, HybridCacheManager) and not isinstance(manager, FullAttentionManager)
+        # (FullAttentionManager, DSV4CacheManager: the coordinator over one group, the paged / dual layout)
+        self.hybrid = isinstance(manager, HybridCacheManager) and not isinstance(
+            manager, (FullAttentionManager, DSV4CacheManager)
+        )
         self.block_size = manager.span if self.dual else manager.block_size
         self.step_time = step_time
         self._kv_read_bytes = kv_read_bytes
