@@ -69,8 +69,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NamedTuple, Protocol, cast
 
 from kvpool.cache.base import mm_extra_key
+from kvpool.cache.chains import chain_units
 from kvpool.cache.coordinator import HybridCacheManager
-from kvpool.cache.group import CacheGroup, GroupUsage, StepRequest, chain_units
+from kvpool.cache.group import CacheGroup, GroupUsage, StepRequest
 from kvpool.cache.types import CacheDescriptor, GroupReservation, MMItem, Reservation, StateRestore
 from kvpool.pool import BlockPool, PrefixBlock
 from kvpool.pool.hashing import TOKEN_BYTES, token_bytes
