@@ -15,12 +15,12 @@ plain text, the first --tokens tokens; or --text FILE.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
 
 from kvpool.cli.args import KV_DTYPES, check_output_dir, comma_list, kv_dtype, positive_int
+from kvpool.cli.bench import call_with_flags, print_table, printed_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -97,25 +97,13 @@ def run(args: argparse.Namespace) -> int:
     def notice(text: str) -> None:
         print(f"kvpool eval kv-quant: {text}", file=sys.stderr, flush=True)
 
-    report = quality_report(
-        loaded,
-        args.formats,
-        text,
-        source,
-        tokens=args.tokens,
-        prefill=args.prefill,
-        block_size=args.block_size,
-        greedy_steps=args.greedy_steps,
-        greedy_prompt=args.greedy_prompt,
-        progress=progress,
-        notice=notice,
-    )
+    # formats, tokens, prefill, block_size, greedy_steps, greedy_prompt: the flags of those names
+    given = {"text": text, "source": source, "progress": progress, "notice": notice}
+    report = call_with_flags(quality_report, args, loaded=loaded, **given)
     if args.plot:
         _plot(report, args.plot)
-    if args.json:
-        print(json.dumps(report))
-        return 0
-    _print(report)
+    if not printed_json(args, report):
+        _print(report)
     return 0
 
 
@@ -201,17 +189,12 @@ def _run_v4(args: argparse.Namespace) -> int:
         print(f"kvpool eval kv-quant: tiny-dsv4, {name}", file=sys.stderr, flush=True)
 
     report = quality_report_v4(args.tokens, steps, progress)
-    if args.json:
-        print(json.dumps(report))
+    if printed_json(args, report):
         return 0
     from rich.console import Console
-    from rich.table import Table
 
-    table = Table(title=f"tiny-dsv4 classical pool layouts: a {args.tokens}-token prompt, {steps} steps")
-    for column in ("layout", "B/block", "B/token", "x tokens", "KL", "top-1", "greedy", "first diff"):
-        table.add_column(column, justify="right")
-    for r in report["layouts"]:
-        table.add_row(
+    rows = [
+        (
             r["name"],
             f"{r['classical_block_bytes']:,}",
             f"{r['classical_bytes_per_token']:.1f}",
@@ -221,5 +204,12 @@ def _run_v4(args: argparse.Namespace) -> int:
             f"{100 * r['greedy_agreement']:.0f} %",
             "-" if r["greedy_first_divergence"] is None else str(r["greedy_first_divergence"]),
         )
-    Console(width=max(120, Console().width)).print(table)
+        for r in report["layouts"]
+    ]
+    print_table(
+        f"tiny-dsv4 classical pool layouts: a {args.tokens}-token prompt, {steps} steps",
+        ("layout", "B/block", "B/token", "x tokens", "KL", "top-1", "greedy", "first diff"),
+        rows,
+        console=Console(width=max(120, Console().width)),
+    )
     return 0
