@@ -21,7 +21,7 @@ findable when earlier ones were evicted.
 
 Turn ends. The next turn of a conversation extends the previous prompt and answer, whose
 end T is rarely a multiple of C: at a turn end the group files a checkpoint of S_T too
-(`TurnEnds` in cache/group.py). At a finish the live slot itself becomes it (it holds S_T:
+(`TurnEnds` in cache/chains.py). At a finish the live slot itself becomes it (it holds S_T:
 no copy); `mark_turn_end` takes a fresh slot that the runner fills from the live state.
 
 A hit at P restores from the checkpoint of P into a fresh live slot; the checkpoint stays

@@ -23,7 +23,7 @@ evicted (vLLM's sliding-window rule). A point P is served when the blocks coveri
 [max(0, P - W + 1), P) are cached. A P inside a block copies that cached block on write:
 the request gets a fresh block and holds the source until its first commit, so nothing
 reuses it before the runner's copy; the source may be the partial block a request left at
-its turn end (full attention, `keep_turn_end`; `TurnEnds` in cache/group.py).
+its turn end (full attention, `keep_turn_end`; `TurnEnds` in cache/chains.py).
 
 Tier hooks: with a lower tier, every cached block the allocator evicts is recorded
 (`take_evicted`); with `record_published`, every block published (`take_published`).
