@@ -41,9 +41,9 @@ def test_the_llama_runner_gets_the_expected_backend(kernels, model_kind, kv_form
     model = fp32_model(kernels) if model_kind == "fp32" else random_llama("cpu", torch.float64)
     runner = LlamaRunner(model, 8, 16, DESCRIPTOR, kv_format=kv_format, decode_path=decode_path)
     assert type(runner.attention) is want
-    assert runner.decode_path == impl
-    runner.decode_path = "padded"  # choosing another implementation picks the backend again
-    assert runner.decode_path == "padded"
+    assert runner.executor.decode_path == impl
+    runner.executor.decode_path = "padded"  # choosing another implementation picks the backend again
+    assert runner.executor.decode_path == "padded"
     assert type(runner.attention) is (TorchPagedBackend if kv_format is None else DequantBackend)
 
 
@@ -143,6 +143,6 @@ def test_a_new_backend_plugs_in_through_the_dict_alone(monkeypatch) -> None:
         engine.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
         logits[path] = [torch.stack(s.logits) for r in engine.requests.values() for s in r.seqs]
         if path == "counting":
-            assert type(runner.attention) is CountingBackend and runner.decode_path == "counting"
+            assert type(runner.attention) is CountingBackend and runner.executor.decode_path == "counting"
             assert runner.attention.num_steps == engine.num_steps > 0
     assert all(torch.equal(a, b) for a, b in zip(logits["counting"], logits["padded"], strict=True))

@@ -56,7 +56,7 @@ def test_host_tier_loads_on_the_copy_stream_equal_a_device_hit(model) -> None:
     small = _serve(engine, runner, prompts)
     big_engine, big_runner = _engine(model, 64)
     large = _serve(big_engine, big_runner, prompts)
-    assert (runner._copy_stream is not None) == (DEVICE == "cuda")
+    assert (runner.executor._copy_stream is not None) == (DEVICE == "cuda")
     assert small[2][0] == large[2][0] == 128  # all of p: device + host, and device
     assert 0 < runner.tier_moves.num_loaded < 8 and runner.tier_moves.num_offloaded > 0
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(small, large, strict=True))
@@ -74,7 +74,7 @@ def test_swap_on_the_copy_stream_finishes_every_request_exactly(model) -> None:
         engine.step()
         runner.check_integrity()
     assert runner.tier_moves.num_swapped_out > 0 and runner.tier_moves.num_swapped_in > 0
-    assert runner.manager.num_free_blocks == 10  # nothing held once every request finished
+    assert runner.cache.num_free_blocks == 10  # nothing held once every request finished
     big_engine, big_runner = _engine(model, 64)
     for i, rid in enumerate(ids):
         seq = engine.requests[rid].seqs[0]
@@ -109,20 +109,20 @@ def test_a_slow_copy_stream_is_waited_for_never_raced(model) -> None:
     ordered after the load, attention would read zeros; were the host not ordered after a
     save, the tier would keep bytes not yet copied out."""
 
-    def slowly(runner, name: str) -> None:
-        copy, stream = getattr(runner, name), runner._copy_stream
+    def slowly(executor, name: str) -> None:
+        copy, stream = getattr(executor, name), executor._copy_stream
 
         def run(*args):
             with torch.cuda.stream(stream):
                 torch.cuda._sleep(200_000_000)  # GPU cycles, about 0.1 s on the copy stream
             return copy(*args)
 
-        setattr(runner, name, run)
+        setattr(executor, name, run)
 
     p = _ids(8 * 16, 1)
     tier = HostTier(1 << 26)
     writer, writer_runner = _engine(model, 12, host_tier=tier)
-    slowly(writer_runner, "_to_host")
+    slowly(writer_runner.executor, "_gather")
     _serve(writer, writer_runner, [p + [3], _ids(12 * 16 - 4, 2)])  # a filler of the whole pool: all of p out
     prompt = p + _ids(10, 3)
     # a first reader warms the pinned-memory cache: a fresh cudaHostAlloc for the staging
@@ -130,7 +130,7 @@ def test_a_slow_copy_stream_is_waited_for_never_raced(model) -> None:
     warm, warm_runner = _engine(model, 64, host_tier=tier)
     _serve(warm, warm_runner, [prompt])
     reader, runner = _engine(model, 64, host_tier=tier)
-    slowly(runner, "_to_device")
+    slowly(runner.executor, "to_device")
     slow = _serve(reader, runner, [prompt])
     device, device_runner = _engine(model, 64)
     fast = _serve(device, device_runner, [p + [3], prompt])

@@ -322,7 +322,7 @@ def test_engine_logits_from_the_disk_tier_equal_a_device_hit_and_the_reference(f
     _serve(device, p + [7], "a")
     ref_out, ref_logits = _serve(device, follow, "b")
     assert out.num_cached_tokens == ref_out.num_cached_tokens == 96
-    assert second.runner.manager.stats.num_lower_tier_hit_tokens == 96
+    assert second.runner.cache.stats.num_lower_tier_hit_tokens == 96
     assert torch.equal(logits, ref_logits)  # the KV read back is the KV computed, bit for bit
     history = second.requests["b"].seqs[0].token_ids[:-1]
     ref = reference_logits(fp64_model.model, history)[len(follow) - 1 :]

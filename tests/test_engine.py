@@ -93,7 +93,7 @@ def test_one_prompt(models, dtype):
     out = e.output(rid)
     assert len(out.completions[0].token_ids) == 6 and out.completions[0].finish_reason == "length"
     check_logits(models, dtype, e, rid)
-    assert e.runner.manager.num_free_blocks == 16
+    assert e.runner.cache.num_free_blocks == 16
 
 
 def test_mixed_batch_lengths(models, dtype):
@@ -157,7 +157,7 @@ def test_preempted_request_resumes_with_identical_tokens(models, dtype):
     assert e.num_preemptions > 0
     for rid in ids:
         check_logits(models, dtype, e, rid)
-    assert e.runner.manager.num_free_blocks == 6
+    assert e.runner.cache.num_free_blocks == 6
     if dtype == "fp64":
         # Greedy tokens equal those of each prompt run alone: in fp64 no logit of these
         # prompts is within rounding of a tie (fp32 is covered by its logits bound above,
@@ -171,8 +171,8 @@ def test_preempted_request_resumes_with_identical_tokens(models, dtype):
 def test_forked_samples_copy_the_shared_tail(models, dtype):
     e = engine_for(models, dtype, num_blocks=16, block_size=16)
     copies = []
-    apply = e.runner.storage.apply_copies
-    e.runner.storage.apply_copies = lambda c: (copies.extend(c), apply(c))
+    apply = e.runner.executor.storage.apply_copies
+    e.runner.executor.storage.apply_copies = lambda c: (copies.extend(c), apply(c))
     # 21 prompt tokens: block 1 holds 5 and is shared by the 3 samples after the fork
     params = SamplingParams(max_tokens=5, temperature=1.0, seed=3, n=3, ignore_eos=True)
     rid = e.add_request(rand_prompt(21, 7), params)
@@ -181,7 +181,7 @@ def test_forked_samples_copy_the_shared_tail(models, dtype):
     assert len(out.completions) == 3
     assert len(copies) == 2  # two of the three sharers copy the tail; the last one owns it
     check_logits(models, dtype, e, rid)
-    assert e.runner.manager.num_free_blocks == 16
+    assert e.runner.cache.num_free_blocks == 16
 
 
 def test_seeded_sampling_is_reproducible(models):
@@ -201,7 +201,7 @@ def test_cancel_frees_every_block(models, when):
     if when == "decode":
         while not e.requests[victim].seqs[0].output_ids:
             e.step()
-    assert e.runner.manager.num_free_blocks < 16
+    assert e.runner.cache.num_free_blocks < 16
     assert e.abort(victim)
     assert not e.abort(victim)  # a second cancel is a no-op
     e.runner.check_integrity()
@@ -209,7 +209,7 @@ def test_cancel_frees_every_block(models, when):
     assert e.output(victim).completions[0].finish_reason == "abort"
     assert len(e.output(other).completions[0].token_ids) == 3
     e.runner.check_integrity()
-    assert e.runner.manager.num_free_blocks == 16
+    assert e.runner.cache.num_free_blocks == 16
 
 
 def test_bad_requests_get_clear_errors_and_others_are_served(models):
@@ -244,7 +244,7 @@ def test_decode_paths_on_scattered_blocks_match_reference(models, decode_path):
     # In fp64 (the bags and padded paths are plain torch); the native path is fp32 only and
     # runs in every fp32 scenario above, its scattered-block test is test_attention_paged's.
     e = engine_for(models, "fp64", num_blocks=40, block_size=4, max_num_batched_tokens=64)
-    e.runner.decode_path = decode_path
+    e.runner.executor.decode_path = decode_path
     early = [
         e.add_request(rand_prompt(n, 10 + n), SamplingParams(max_tokens=m, ignore_eos=True))
         for n, m in ((6, 2), (9, 12), (5, 3), (11, 10))
@@ -253,8 +253,8 @@ def test_decode_paths_on_scattered_blocks_match_reference(models, decode_path):
         e.step()
     late = [e.add_request(rand_prompt(n, 20 + n), SamplingParams(max_tokens=6, ignore_eos=True)) for n in (13, 3, 22)]
     finish_all(e)
-    assert e.runner.last_decode_path == decode_path
-    assert e.runner.manager.num_free_blocks == 40
+    assert e.runner.executor.last_decode_path == decode_path
+    assert e.runner.cache.num_free_blocks == 40
     for rid in early + late:
         check_logits(models, "fp64", e, rid)
 
@@ -286,8 +286,8 @@ def test_the_fp32_bound_catches_one_misread_slot(models):
     e = engine_for(models, "fp32", num_blocks=16, block_size=16)
     rid = e.add_request(rand_prompt(21, 1), SamplingParams(max_tokens=4, ignore_eos=True))
     e.step()  # the prefill: 21 tokens in blocks 0 and 1
-    storage = e.runner.storage
-    block = e.runner.manager.block_ids(f"{rid}/0")[0]
+    storage = e.runner.executor.storage
+    block = e.runner.cache.block_ids(f"{rid}/0")[0]
     storage.k[:, block, :, :, 3] = storage.k[:, block, :, :, 4]  # K is [layer, block, head, dim, slot]
     finish_all(e)
     with pytest.raises(AssertionError, match="fp32 logits") as failure:

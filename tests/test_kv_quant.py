@@ -293,7 +293,7 @@ class AttentionAudit:
         def plan_step(q_lens, ctx_lens, slots, indptr, indices, *args, **kwargs):
             self.step = (list(q_lens), list(ctx_lens), list(indptr), list(indices))
             self.before = {}  # KIVI: (layer, sequence) -> its K / V as held before the step's writes
-            storage = runner.storage
+            storage = runner.executor.storage
             if isinstance(storage, QuantizedKVStorage) and storage.fmt.attends_new_exactly:
                 for i, (n, ctx) in enumerate(zip(q_lens, ctx_lens, strict=True)):
                     for layer in range(storage.num_layers):
@@ -316,7 +316,7 @@ class AttentionAudit:
 
     def _check(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, out: torch.Tensor):
         q_lens, ctx_lens, indptr, indices = self.step
-        storage = self.runner.storage
+        storage = self.runner.executor.storage
         row = 0
         for i, (n, ctx) in enumerate(zip(q_lens, ctx_lens, strict=True)):
             rows = slice(row, row + n)
@@ -363,8 +363,8 @@ def test_paged_attention_over_quantized_blocks_equals_the_reference_over_the_sam
 ) -> None:
     runner = LlamaRunner(model, 24, 16, DESCRIPTOR, kv_format=name)
     copies: list[int] = []
-    apply_copies = runner.storage.apply_copies
-    monkeypatch.setattr(runner.storage, "apply_copies", lambda c: (copies.append(len(c)), apply_copies(c)))
+    apply_copies = runner.executor.storage.apply_copies
+    monkeypatch.setattr(runner.executor.storage, "apply_copies", lambda c: (copies.append(len(c)), apply_copies(c)))
     audit = AttentionAudit(runner, monkeypatch)
     engine = _shared_prefix_and_fork(runner)
     assert sum(copies) == 1  # b's second sample wrote into a copy of the shared tail block
@@ -377,8 +377,8 @@ def test_paged_attention_over_quantized_blocks_equals_the_reference_over_the_sam
         model.forward(torch.tensor(history), torch.arange(len(history)), lambda layer, q, k, v: _causal(q, k, v))
     )[-len(seq.logits) :]
     assert (torch.stack(seq.logits) - exact).abs().max().item() > 1e-6
-    runner.release("a", "finish") if "a" in runner.manager else None
-    assert runner.storage.num_tails <= len(runner.manager.request_ids) + 1
+    runner.release("a", "finish") if "a" in runner.cache else None
+    assert runner.executor.storage.num_tails <= len(runner.cache.request_ids) + 1
 
 
 def _causal(q, k, v):
@@ -397,7 +397,7 @@ def test_the_c_kernel_decodes_from_the_codes_as_the_contiguous_reference_does(ke
     base = random_llama("cpu", torch.float32)
     model = LlamaModel(CONFIG, base.embed, base.norm, base.layers, None, "cpu", kernels)
     runner = LlamaRunner(model, 24, 16, DESCRIPTOR, kv_format=name)
-    assert runner.storage.reads_natively and runner.decode_path == "native"
+    assert runner.executor.storage.reads_natively and runner.executor.decode_path == "native"
     calls = []
     real = kernels.decode_attention_q8
     monkeypatch.setattr(kernels, "decode_attention_q8", lambda *a: (calls.append(a[9].tolist()), real(*a))[1])

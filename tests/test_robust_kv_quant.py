@@ -62,7 +62,7 @@ def _state(runner: LlamaRunner, rid: str, layer: int) -> tuple[torch.Tensor, tor
     """What the storage holds for the request's computed tokens: K, V [n, KVH, D]."""
     seq = f"{rid}/0"
     n = runner.num_computed_tokens(seq)
-    k, v = runner.storage.contiguous(layer, runner.manager.block_ids(seq), n)
+    k, v = runner.executor.storage.contiguous(layer, runner.cache.block_ids(seq), n)
     return k.transpose(0, 1), v.transpose(0, 1)
 
 
@@ -83,7 +83,7 @@ def test_a_step_attends_to_its_own_kv_in_full_precision_and_stores_the_codes(mod
     checked = 0
     stored = False
     while engine.has_unfinished():
-        before = [_state(runner, "a", layer) for layer in range(CONFIG.num_layers)] if "a/0" in runner.manager else []
+        before = [_state(runner, "a", layer) for layer in range(CONFIG.num_layers)] if "a/0" in runner.cache else []
         engine.step()
         for layer, q, k, v, out in steps.take():
             start = sum(t.shape[0] for t in exact_k[layer])
@@ -95,7 +95,7 @@ def test_a_step_attends_to_its_own_kv_in_full_precision_and_stores_the_codes(mod
             exact_k[layer].append(k)
             exact_v[layer].append(v)
             checked += 1
-        if "a/0" in runner.manager and runner.num_computed_tokens("a/0") == 40:  # the prompt is in
+        if "a/0" in runner.cache and runner.num_computed_tokens("a/0") == 40:  # the prompt is in
             # the whole chunks of K and the V before the window are stored as codes, not exact
             k, v = torch.cat(exact_k[0]), torch.cat(exact_v[0])
             held_k, held_v = _state(runner, "a", 0)
@@ -128,7 +128,7 @@ def test_the_value_residual_is_the_last_r_tokens_whatever_n_mod_r(model, name, c
             if layer == 0:
                 exact_k.append(k)
                 exact_v.append(v)
-        if "a/0" not in runner.manager:
+        if "a/0" not in runner.cache:
             break
         k, v = torch.cat(exact_k), torch.cat(exact_v)
         n = k.shape[0]
@@ -142,7 +142,7 @@ def test_the_value_residual_is_the_last_r_tokens_whatever_n_mod_r(model, name, c
         assert torch.equal(held_v[:start], vq) and torch.equal(held_k[:whole], kq), n
         if start:
             assert not torch.equal(vq, v[:start])
-        assert runner.storage.num_tails <= 3
+        assert runner.executor.storage.num_tails <= 3
         residues.add(n % r)
     assert residues == set(range(r)) and n > 2 * 16
 
@@ -165,7 +165,7 @@ def test_the_eval_drives_the_engines_prefill_then_decode_steps_and_names_the_reg
     real = LlamaRunner.execute
 
     def execute(self, chunks, all_logits=False):
-        fmt = getattr(self.storage, "fmt", None)
+        fmt = getattr(self.executor.storage, "fmt", None)
         steps.append((fmt.name if fmt is not None else "exact", [(c.start, len(c.token_ids)) for c in chunks]))
         return real(self, chunks, all_logits)
 

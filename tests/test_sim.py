@@ -58,7 +58,7 @@ def test_the_simulator_makes_the_engines_cache_decisions(smollm2):
     kw = {"max_num_batched_tokens": 24, "max_num_seqs": 4}
     real = LlamaRunner(smollm2.model, NUM_BLOCKS, BLOCK, descriptor_for(smollm2, BLOCK))
     engine = Engine(real, sampler=_sampler, **kw)
-    real_steps, real_out = _trace(engine, real.manager)
+    real_steps, real_out = _trace(engine, real.cache)
 
     clock = VirtualClock()
     chunks_per_step: list[int] = []

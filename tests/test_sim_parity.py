@@ -196,7 +196,7 @@ def test_paged(llama, preemption: str) -> None:
     kw = {"max_num_batched_tokens": 32, "max_num_seqs": 4}
     tier = {} if preemption == "recompute" else {"host_tier": HostTier(1 << 26), "preemption": preemption}
     real_runner = LlamaRunner(llama, num_blocks, block, DESCRIPTOR, **tier)
-    real = Side(real_runner, real_runner.manager, _paged_tables, PAGED, **kw)
+    real = Side(real_runner, real_runner.cache, _paged_tables, PAGED, **kw)
     clock = VirtualClock()
     cache = FullAttentionManager(num_blocks, block, DESCRIPTOR)
     sim = Side(_sim_runner(cache, real_runner, clock), cache, _paged_tables, PAGED, clock=clock, **kw)

@@ -310,7 +310,7 @@ def test_engine_logits_with_the_host_tier_equal_a_device_hit(fp64_model) -> None
     runner = small.runner
     (out, logits), (ref_out, ref_logits) = got[2], want[2]
     assert out.num_cached_tokens == ref_out.num_cached_tokens == 96  # all of p: device + host, and device
-    hits = runner.manager.stats.num_lower_tier_hit_tokens
+    hits = runner.cache.stats.num_lower_tier_hit_tokens
     assert 0 < hits < 96  # half on the host, the head still on the device
     assert runner.tier_moves.num_loaded == hits // 16 and runner.tier_moves.num_offloaded >= hits // 16
     assert torch.equal(logits, ref_logits)  # the loaded KV is the computed KV, bit for bit
@@ -414,7 +414,7 @@ def test_swapped_out_and_back_requests_are_exact(fp64_model) -> None:
     assert engine.num_preemptions > 0 and moves.num_swapped_out == engine.num_preemptions
     assert moves.num_swapped_in > 0 and moves.num_tail_tokens_restored > 0  # partial blocks came back
     _check_exact(fp64_model, engine, ids)
-    assert engine.runner.manager.num_free_blocks == 10  # nothing leaked
+    assert engine.runner.cache.num_free_blocks == 10  # nothing leaked
 
 
 def test_a_swap_that_does_not_fit_falls_back_to_recompute(fp64_model) -> None:
@@ -422,7 +422,7 @@ def test_a_swap_that_does_not_fit_falls_back_to_recompute(fp64_model) -> None:
     engine, ids = _preempting_workload(fp64_model, host_cache_bytes=block, preemption="swap")
     assert engine.num_preemptions > 0 and engine.runner.tier.num_bytes <= block
     _check_exact(fp64_model, engine, ids)
-    assert engine.runner.manager.num_free_blocks == 10
+    assert engine.runner.cache.num_free_blocks == 10
 
 
 def test_swap_needs_a_host_tier() -> None:
@@ -569,8 +569,8 @@ def test_auto_preemption_swaps_only_when_moving_costs_less_than_recomputing(fp64
     assert runner.tier_moves.num_swapped_out > 0  # on this CPU a copy is far cheaper than a prefill
     _check_exact(fp64_model, engine, ids)
     # the rule itself, on measured rates set by hand: 4 blocks of 16 tokens computed
-    runner.manager.admit("x", list(range(100, 164)), 64)
-    runner.manager.commit("x", 64)
+    runner.cache.admit("x", list(range(100, 164)), 64)
+    runner.cache.commit("x", 64)
     moves = runner.tier_moves
     moves.offload_s, moves.load_s, moves.num_offloaded, moves.num_loaded = 1.0, 0.0, 10, 0  # 0.1 s a block
     runner._prefill_tokens, runner._prefill_s = 1000, 1.0  # 1 ms a token: recompute 64 ms < move 400 ms

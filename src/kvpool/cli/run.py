@@ -409,8 +409,8 @@ def _run(args: argparse.Namespace) -> int:
     report = make_report(engine, args, model_name, wall, step_time, frag_samples, bytes_read, bool(interrupted))
     report["tp"] = getattr(args, "tp", 1)
     if loaded is not None:
-        report["kv_bytes_per_token_per_rank"] = engine.runner.storage.bytes_per_token
-        report["kv_pool_bytes_per_rank"] = engine.runner.storage.num_bytes
+        report["kv_bytes_per_token_per_rank"] = engine.runner.executor.storage.bytes_per_token
+        report["kv_pool_bytes_per_rank"] = engine.runner.executor.storage.num_bytes
     report["load_s"] = round(load_s, 3)
     report["load_source"] = loaded.load_source if loaded is not None else "built in"
     report["memory"] = None

@@ -108,7 +108,7 @@ def describe(engine: Engine, tenant: str, token_ids, start: int, end: int) -> Tr
     """This side's descriptor for tokens [start, end) of `token_ids`."""
     runner = engine.runner
     model = runner.model
-    d = runner.manager.descriptor
+    d = runner.cache.descriptor
     world = model.shard[1] if model.shard is not None else 1
     return TransferDescriptor(
         model_id=d.model_id,
@@ -150,13 +150,13 @@ def extract(engine: Engine, token_ids, start: int, end: int, tenant: str) -> tup
     """The prefill side: K and V of tokens [start, end) (token-major, this rank's heads)
     from the engine's cached full blocks of `token_ids`. ValueError when they are not cached."""
     runner = engine.runner
-    ids, _ = runner.manager.prefix_blocks(list(token_ids), tenant_salt=tenant)
+    ids, _ = runner.cache.prefix_blocks(list(token_ids), tenant_salt=tenant)
     bs = runner.block_size
     if len(ids) * bs < end:
         raise ValueError(f"the prefill cache holds {len(ids) * bs} tokens of the prompt, {end} were asked for")
     first, last = start // bs, -(-end // bs)
     blocks = torch.tensor(ids[first:last], dtype=torch.long)
-    st = runner.storage
+    st = runner.executor.storage
     k = st.k[:, blocks].permute(0, 1, 4, 2, 3)  # [layers, n, bs, kvh, d]
     v = st.v[:, blocks].permute(0, 1, 3, 2, 4)  # [layers, n, bs, kvh, d]
     layers, n, _, kvh, d = k.shape
@@ -190,8 +190,8 @@ def needed_range(engine: Engine, landing: HostTier, token_ids, tenant: str) -> t
     runner = engine.runner
     bs = runner.block_size
     end = ((len(token_ids) - 1) // bs) * bs  # an admission computes at least the last token
-    have, _ = runner.manager.prefix_blocks(list(token_ids), tenant_salt=tenant)
-    chain = runner.manager.chain_for(list(token_ids), tenant_salt=tenant)
+    have, _ = runner.cache.prefix_blocks(list(token_ids), tenant_salt=tenant)
+    chain = runner.cache.chain_for(list(token_ids), tenant_salt=tenant)
     n = len(have)
     index = runner.tier_index
     while n < len(chain) and index is not None and landing.holds(*index.describe(chain[n])):
@@ -206,7 +206,7 @@ def install(engine: Engine, landing: HostTier, token_ids, tenant: str, start: in
     index = runner.tier_index
     assert index is not None, "the decode engine needs its landing tier"
     bs = runner.block_size
-    chain = runner.manager.chain_for(list(token_ids), tenant_salt=tenant)
+    chain = runner.cache.chain_for(list(token_ids), tenant_salt=tenant)
     layers, t, kvh, d = k.shape
     for j in range(start // bs, (start + t) // bs):
         kb = k[:, j * bs - start : (j + 1) * bs - start]  # [layers, bs, kvh, d]
@@ -239,7 +239,7 @@ class Disaggregation:
     ) -> None:
         from kvpool.storage.kv import PagedKVStorage
 
-        if not isinstance(engine.runner.storage, PagedKVStorage):
+        if not isinstance(engine.runner.executor.storage, PagedKVStorage):
             raise ValueError(
                 f"P/D moves unquantized blocks only; this engine stores {engine.runner.kv_format} (its scales would "
                 "need sending too)"
@@ -277,7 +277,7 @@ class Disaggregation:
         self.engine.pop_output(rid)
         # what this side's cache holds of the range, in whole decode blocks (its own partial
         # last block is not cached: the decode side computes what is not sent)
-        held = len(self.engine.runner.manager.prefix_blocks(list(token_ids), tenant_salt=self.tenant)[0])
+        held = len(self.engine.runner.cache.prefix_blocks(list(token_ids), tenant_salt=self.tenant)[0])
         end = max(start, min(end, (held * self.engine.runner.block_size // decode_bs) * decode_bs))
         k, v = extract(self.engine, token_ids, start, end, self.tenant)
         mine = self.heads[self.rank]

@@ -171,7 +171,7 @@ def measure(runner, runtime_bytes: int, tokenizer_bytes: int) -> MeasuredLedger:
 
     from kvpool.engine.sampling import scratch_peak_bytes
 
-    storage, manager, peaks = runner.storage, runner.manager, runner.peaks
+    storage, manager, peaks = runner.executor.storage, runner.cache, runner.executor.peaks
     cuda = storage.k.device.type == "cuda"
     peak = torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()
     tier = getattr(runner, "tier", None)

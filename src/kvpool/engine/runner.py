@@ -1,23 +1,60 @@
-"""What the scheduler needs from a model and its cache: the model-runner protocol.
+"""The model runner: one class for every model, its cache decisions in one place.
 
-The scheduler (engine/engine.py) never sees block ids, tensors or the model's family.
-It asks a runner to admit a sequence (with prefix lookup), to reserve room for the next
+The scheduler (engine/engine.py) never sees block ids, tensors or the model's family. It
+asks the runner to admit a request (with prefix lookup), to reserve room for the next
 tokens of a whole step, to execute the step's token chunks and return logits, to commit
-the computed tokens (with each sequence's sampled next token), and to release a sequence
-(finish, cancel, preempt). A Llama on the paged KV pool (engine/llama_runner.py) and a
-DeepSeek-V4 model on its classical + state pools (engine/dsv4_runner.py) both implement it,
-each over a cache manager of cache/ (whose contract, cache/base.py, this one follows), and
-run under the same scheduler.
+the computed tokens (with each request's sampled next token), and to release a request
+(finish, cancel, preempt).
+
+`ModelRunner` owns three things:
+  - `cache`: the cache coordinator of cache/ (FullAttentionManager for a Llama,
+    HybridCacheManager over the groups of a hybrid model, DSV4CacheManager for V4's dual
+    pool); it keeps every id and decides every allocation, hit, copy and restore method;
+  - `bridge`: the one TierBridge (engine/tier_bridge.py) to the host, disk and Redis tiers;
+  - `executor`: the model's tensor work (engine/llama_runner.py `LlamaExecutor`,
+    engine/hybrid_runner.py `HybridExecutor`, engine/dsv4_runner.py `DSV4Executor`).
+Everything that is a decision lives here, once: admission (with the lower-tier loads and
+the swap-in of a preempted request's tail), the state restore of an admission (fresh, from
+a checkpoint, by a deferred replay), reservation (with the offload of the blocks it
+evicted), commit (with the write-through of the blocks it published), release (with the
+swap-out decision of a preemption), fork (with the state copy), and the figures.
+
+The executor interface (`Executor` below) is what a model's tensors must do and nothing
+more; it never changes the cache (it may read the tables the cache holds, to turn them
+into its attention backend's plan) and decides nothing, so a cost executor can price
+every call without tensors:
+  - `forward(chunks, cache, all_logits)`: one forward over the step's chunks, each
+    computing positions [start, start + len(token_ids)) of one request over a context of
+    start + len(token_ids) tokens, the chunk's blocks already reserved; returns logits
+    [rows, vocab]: the last token of each chunk with needs_logits, or (all_logits) every
+    token of every chunk, in chunk order.
+  - `copy_blocks(copies)`: apply the cache's copy-on-write copies {group: [BlockCopy]}
+    before anything writes (a cost: two block moves per copy).
+  - `to_host(block_ids)` / `to_device(block_ids, blocks)`: one dict of tensors per block
+    (the tier entry's layout, `block_layout`), read from or written into the device blocks.
+  - `reset_state(slot)`, `copy_state(src, dst)`: a per-request state slot (recurrent or V4
+    state block) zeroed, or copied from another (a checkpoint restored or taken, a fork).
+  - `replay(token_ids, start, block_ids, state_slot, valid_from)`: recompute a V4 state
+    over tokens [start, start + len(token_ids)) on top of cached blocks (a cost: a forward
+    of those tokens with their context).
+  - `drop_blocks(block_ids)`: blocks nobody holds any more (a quantized pool's tails).
+  - `kv_read_bytes(num_context_tokens)`, `cache_stats(cache)` (the report's figures of
+    the executor's tensors, and of the cache as its model reports it), `check_integrity()`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from kvpool.cache import Admission, CacheUsage, ReleaseReason
+from kvpool.cache import Admission, BlockCopy, CacheDescriptor, CacheUsage, ReleaseReason
+from kvpool.engine.memory import StepPeaks
+from kvpool.engine.tier_bridge import TierBridge
+
+PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap", "auto")
 
 
 class ScheduledChunk(NamedTuple):
@@ -30,65 +67,418 @@ class ScheduledChunk(NamedTuple):
     needs_logits: bool  # True when the chunk ends at the sequence's last known token (sample next)
 
 
-class ModelRunner(Protocol):
-    max_model_len: int  # the longest sequence (prompt + output) one sequence may reach
-    capacity_tokens: int  # the most tokens a single sequence can hold when it runs alone
+class Executor(Protocol):
+    """A model's tensor work on its cache's storage (the module docstring says what each
+    call means and costs). `block_layout`: one block's tensors as a tier keeps them (name
+    -> dtype, shape), {} for a cache no tier serves; `block_bytes`: their bytes."""
+
+    model: Any
+    attention: Any
+    kv_format: str  # the report's name of the storage format
     vocab_size: int
+    peaks: StepPeaks  # the largest step's allocations, for the memory ledger
+    block_layout: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+    block_bytes: int
+    keeps_block_state: bool  # True: `drop_blocks` must hear of blocks nobody holds any more
+    has_state: bool  # requests hold a state slot (recurrent, V4): reset, restored, copied on fork
 
-    def admit(
-        self, seq_id: str, token_ids: Sequence[int], max_new_tokens: int, *, tenant_salt: str = ""
-    ) -> Admission | None:
-        """Look up the cached prefix of `token_ids` (under the tenant's salt: no tenant hits
-        another's), take it, restore any per-sequence state it needs, and reserve room for up
-        to `max_new_tokens` of the rest (at least 1). None: no room now, nothing changed."""
-        ...
+    def forward(self, chunks: Sequence[ScheduledChunk], cache: Any, all_logits: bool) -> torch.Tensor: ...
 
-    def reserve(self, seq_ids: Sequence[str], num_new_tokens: Sequence[int]) -> bool:
-        """Room for the next num_new_tokens[i] tokens of each admitted sequence; all or nothing."""
-        ...
+    def copy_blocks(self, copies: Mapping[str, Sequence[BlockCopy]]) -> None: ...
 
-    def append_tokens(self, seq_id: str, token_ids: Sequence[int]) -> None:
-        """Sampled tokens join the sequence (their KV is computed by a later step)."""
-        ...
+    def to_host(self, block_ids: Sequence[int]) -> list[dict[str, torch.Tensor]]: ...
 
-    def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
-        """Run one step. Returns logits [num chunks with needs_logits, vocab] in chunk order:
-        fp32, or fp64 for an fp64 model."""
-        ...
+    def to_device(self, block_ids: Sequence[int], blocks: Sequence[dict[str, torch.Tensor]]) -> None: ...
 
-    def commit(self, seq_ids: Sequence[str], num_tokens: Sequence[int], next_token_ids: Sequence[int | None]) -> None:
-        """The step's tokens have their KV written; each sequence's sampled token (None: no
-        token, or the sequence has finished) joins it."""
-        ...
+    def reset_state(self, slot: int) -> None: ...
 
-    def fork(self, parent_id: str, child_id: str) -> bool:
-        """A child sharing every computed token of the parent (copy-on-write on write).
-        False (nothing changed) when the child cannot get the cache state of its own that
-        it needs (a V4 state block); the engine then recomputes it like a preempted sequence."""
-        ...
+    def copy_state(self, src: int, dst: int) -> None: ...
 
-    def release(self, seq_id: str, reason: ReleaseReason) -> bool:
-        """Free the sequence's cache: reason is "finish", "cancel" or "preempt". Once only:
-        False for a sequence the runner does not hold."""
-        ...
+    def drop_blocks(self, block_ids: Sequence[int]) -> None: ...
 
-    def num_computed_tokens(self, seq_id: str) -> int: ...
+    def kv_read_bytes(self, num_context_tokens: int) -> int: ...
 
-    def num_allocations(self) -> int:
-        """Blocks (and per-sequence state blocks) taken from the pools so far. The engine
-        tells the admit / reserve calls that allocated from the ones that took nothing."""
-        ...
-
-    def kv_read_bytes(self, num_context_tokens: int) -> int:
-        """Cache bytes one query over `num_context_tokens` tokens of context reads."""
-        ...
-
-    def usage(self) -> CacheUsage:
-        """What the cache holds now, each physical block counted once."""
-        ...
+    def cache_stats(self, cache: Any) -> dict[str, float]: ...
 
     def check_integrity(self) -> None: ...
 
+
+class ModelRunner:
+    """The engine's runner over `cache` (a coordinator of cache/, whose lower tier is the
+    bridge's index), `executor` (the model's tensors) and `bridge` (the tiers: a host tier
+    below the device pool (kvpool.tiers.HostTier), to which the cached blocks the pool
+    evicts are written and from which an admission loads the prefix it holds; the disk and
+    Redis tiers below it, to which every block that becomes a full cached block is written
+    through in the background). capacity_tokens: the most tokens one request can hold
+    alone; max_model_len: the longest request (prompt + output); block_size: tokens per
+    block (as the tiers key them). preemption: what a
+    preempted request's cache becomes (PREEMPTION_MODES): "recompute" (its full blocks stay
+    findable in the prefix cache and the tier like anyone's, the rest is computed again),
+    "swap" (its blocks are written to the host tier at once, its partial tail block too,
+    and loaded back when it resumes), "auto" (swap when moving the bytes costs less than
+    recomputing the tokens, by the rates this runner has measured)."""
+
+    def __init__(
+        self,
+        cache: Any,
+        executor: Executor,
+        bridge: TierBridge,
+        *,
+        descriptor: CacheDescriptor,
+        block_size: int,
+        capacity_tokens: int,
+        max_model_len: int,
+        preemption: str = "recompute",
+    ) -> None:
+        if preemption not in PREEMPTION_MODES:
+            raise ValueError(f"unknown preemption {preemption!r}; one of {', '.join(PREEMPTION_MODES)}")
+        if preemption != "recompute" and bridge.host_tier is None:
+            raise ValueError(f"preemption {preemption!r} needs a host tier (--host-cache-gib) and prefix caching")
+        self.cache = cache
+        self.executor = executor
+        self.block_size = block_size
+        self.vocab_size = executor.vocab_size
+        self.capacity_tokens = capacity_tokens
+        self.max_model_len = max_model_len
+        self.preemption = preemption
+        self._pools = list({g.pool: None for g in cache.groups.values()})  # each distinct pool once
+        # request -> (computed tokens at preemption, its tail block's tokens): restored on resume
+        self._swapped: dict[str, tuple[int, int]] = {}
+        self._prefill_tokens = 0  # tokens of the steps that carried a prefill chunk, and their seconds (auto)
+        self._prefill_s = 0.0
+        self.bridge = bridge
+        # the names the CLI, P/D and the tests read: the bridge's own objects, not copies
+        self.host_tier, self.persistent_tiers = self.bridge.host_tier, self.bridge.persistent_tiers
+        self.tier, self.tier_index, self.tier_moves = self.bridge.tier, self.bridge.index, self.bridge.moves
+        if self.persistent_tiers:  # disk, Redis: an entry that is not a block of this storage is a corrupt miss
+            self.bridge.expect_blocks(descriptor, executor.block_layout)
+        if self.host_tier is not None:
+            if hasattr(self.host_tier, "reclaim"):
+                self.host_tier.reclaim(descriptor)  # a tier kept from an engine of other weights
+            capacity = getattr(self.host_tier, "capacity_bytes", executor.block_bytes)
+            if capacity < executor.block_bytes:
+                raise ValueError(f"a host tier of {capacity} bytes holds no KV block of {executor.block_bytes} bytes")
+
+    @property
+    def model(self) -> Any:
+        return self.executor.model
+
+    @property
+    def attention(self) -> Any:
+        """The executor's attention backend (attention/backends)."""
+        return self.executor.attention
+
+    @property
+    def kv_format(self) -> str:
+        return self.executor.kv_format
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def admit(
+        self, request_id: str, token_ids: Sequence[int], max_new_tokens: int | None, *, tenant_salt: str = ""
+    ) -> Admission | None:
+        """Look up the cached prefix of `token_ids` (under the tenant's salt: no tenant hits
+        another's), take it (loading what a lower tier holds of it), restore the request's
+        state, and reserve room for up to `max_new_tokens` of the rest (None: all of it).
+        None: no room now, nothing changed."""
+        if max_new_tokens is not None and max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+        adm = self.cache.admit(request_id, token_ids, max_new_tokens, tenant_salt=tenant_salt)
+        if adm is None:
+            return None
+        if self.tier is not None:
+            # The fresh blocks may be evicted cached ones: save what they held before the
+            # loads (or the step) overwrite them.
+            self._offload_evicted()
+            if adm.loads:
+                adm = self.cache.complete_loads(request_id, self._load(adm.loads))
+            swapped = self._swapped.pop(request_id, None)
+            if swapped is not None:
+                adm = self._swap_in_tail(request_id, adm, *swapped)
+        if adm.restore is not None:
+            self._restore_state(adm)
+        return adm
+
+    def _restore_state(self, adm: Admission) -> None:
+        """The state restore the cache chose for the admission: a fresh state, or the
+        checkpoint copied into the live slot."""
+        restore = adm.restore
+        assert restore is not None
+        if restore.method == "checkpoint":
+            assert restore.checkpoint_slot is not None
+            self.executor.copy_state(restore.checkpoint_slot, restore.state_slot)
+        else:
+            self.executor.reset_state(restore.state_slot)
+
+    def reserve(self, request_ids: Sequence[str], num_new_tokens: Sequence[int]) -> bool:
+        """Room for the next num_new_tokens[i] tokens of each admitted request; all or
+        nothing. The cached blocks the reservation evicted are saved to the tier first."""
+        fits = self.cache.reserve_step(request_ids, num_new_tokens)
+        if self.tier is not None:
+            self._offload_evicted()
+        return fits
+
+    def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Sampled tokens join the request (their KV is computed by a later step)."""
+        self.cache.append_token_ids(request_id, token_ids)
+
+    def commit(
+        self, request_ids: Sequence[str], num_tokens: Sequence[int], next_token_ids: Sequence[int | None]
+    ) -> None:
+        """The step's tokens have their KV written; each request's sampled token (None: no
+        token, or the request has finished) joins it. The blocks the step completed are
+        written through to the persistent tiers."""
+        self.cache.commit_step(request_ids, num_tokens, next_token_ids)
+        if self.persistent_tiers:
+            self._persist_published()
+
+    def fork(self, parent_id: str, child_id: str) -> bool:
+        """A child sharing every computed token of the parent (copy-on-write on write), its
+        state copied from the parent's. False (nothing changed) when the child cannot get a
+        state slot of its own; the engine then recomputes it like a preempted request."""
+        if not self.cache.fork(parent_id, child_id):
+            return False
+        if self.executor.has_state:
+            self.executor.copy_state(self.cache.state_slot(parent_id), self.cache.state_slot(child_id))
+        return True
+
+    def release(self, request_id: str, reason: ReleaseReason) -> bool:
+        """Free the request's cache: reason is "finish", "cancel" or "preempt"; a preempted
+        request is swapped out first when the preemption mode says so. Once only: False for
+        a request the runner does not hold."""
+        self._swapped.pop(request_id, None)
+        if request_id not in self.cache:
+            return self.cache.release(request_id, reason)
+        if reason == "preempt" and self._should_swap(request_id):
+            self._swap_out(request_id)
+        if not self.executor.keeps_block_state:
+            return self.cache.release(request_id, reason)
+        held = self.cache.block_ids(request_id)
+        released = self.cache.release(request_id, reason)
+        # a partly written block nobody holds any more: its tensor side state goes with it
+        self.executor.drop_blocks([b for b in held if self.cache.pool.refcount(b) == 0])
+        return released
+
+    def num_computed_tokens(self, request_id: str) -> int:
+        return self.cache.num_computed_tokens(request_id)
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def execute(self, chunks: Sequence[ScheduledChunk], all_logits: bool = False) -> torch.Tensor:
+        """Run one step. Returns logits [num chunks with needs_logits, vocab] in chunk order
+        (all_logits: every token's, [N, vocab]): fp32, or fp64 for an fp64 model."""
+        start = time.perf_counter()
+        copies = self.cache.take_copies()
+        if copies:
+            self.executor.copy_blocks(copies)  # copy-on-write copies before anything writes
+        logits = self.executor.forward(chunks, self.cache, all_logits)
+        if any(len(c.token_ids) > 1 for c in chunks):  # the prefill rate, for preemption="auto"
+            self._prefill_tokens += sum(len(c.token_ids) for c in chunks)
+            self._prefill_s += time.perf_counter() - start
+        return logits
+
+    def run(self, work: Sequence[tuple[str, list[int], int]]) -> list[torch.Tensor]:
+        """One forward over reserved chunks (request id, token ids, start): logits
+        [len(token ids), vocab] of every chunk position."""
+        chunks = [ScheduledChunk(request_id, ids, start, False) for request_id, ids, start in work]
+        logits = self.execute(chunks, all_logits=True)
+        out, offset = [], 0
+        for _, ids, _ in work:
+            out.append(logits[offset : offset + len(ids)])
+            offset += len(ids)
+        return out
+
+    # ---- the tiers -----------------------------------------------------------------------
+
+    def _should_swap(self, request_id: str) -> bool:
+        if self.preemption == "recompute":
+            return False
+        if self.preemption == "swap":
+            return True
+        # auto: the bytes to move at the copy rate against the tokens at the prefill rate,
+        # both as this runner measured them (swap until both are known)
+        moves = self.tier_moves
+        copy_s, copied = moves.offload_s + moves.load_s, (moves.num_offloaded + moves.num_loaded)
+        if not copied or not self._prefill_tokens:
+            return True
+        nc = self.cache.num_computed_tokens(request_id)
+        move_s = -(-nc // self.block_size) * copy_s / copied
+        recompute_s = nc * self._prefill_s / self._prefill_tokens
+        return move_s < recompute_s
+
+    def _swap_out(self, request_id: str) -> None:
+        """Write the request's computed blocks to the host tier now: its full blocks under
+        their content keys (skipped when the tier holds them), its partial tail block under
+        the partial content's key; remember what to restore. A block that does not fit is
+        simply computed again on resume."""
+        assert self.tier is not None and self.tier_index is not None
+        cache = self.cache
+        todo = []
+        chain = cache.prefix_chain(request_id)  # the full computed blocks' prefix blocks
+        for block_id, block in zip(cache.block_ids(request_id), chain, strict=False):
+            entry = self.bridge.unheld(block)
+            if entry is not None:
+                todo.append((block_id, *entry))
+        tail = cache.tail_block(request_id)
+        if tail is not None:
+            block_id, block, num_tokens = tail
+            key, descriptor = self.tier_index.describe(block)
+            todo.append((block_id, key, descriptor))
+        self._write_to_tier(todo)
+        self.tier_moves.num_swapped_out += 1
+        if tail is not None and self.tier.holds(todo[-1][1], todo[-1][2]):
+            self._swapped[request_id] = (cache.num_computed_tokens(request_id), tail[2])
+
+    def _swap_in_tail(self, request_id: str, admission: Admission, num_computed: int, num_tail: int) -> Admission:
+        """After the full blocks came back (device or host), the tail block's KV from the
+        tier, if it is still there and the prefix before it is exactly the swapped one."""
+        assert self.tier is not None and self.tier_index is not None
+        if admission.num_cached_tokens != num_computed - num_tail:
+            return admission  # fewer full blocks came back: the rest is computed again
+        tail = self.cache.tail_block_for_restore(request_id, num_tail)
+        if tail is None:
+            return admission
+        block_id, block = tail
+        start = time.perf_counter()
+        tensors = self.bridge.get(block)
+        if tensors is None:
+            return admission
+        self.executor.to_device([block_id], [tensors])
+        self.tier.evict(self.tier_index.describe(block)[0])  # a partial block serves this request only
+        self.tier_moves.load_s += time.perf_counter() - start
+        self.tier_moves.num_loaded += 1
+        self.tier_moves.num_swapped_in += 1
+        self.tier_moves.num_tail_tokens_restored += num_tail
+        return self.cache.restore_tail(request_id, num_tail)
+
+    def _offload_evicted(self) -> None:
+        """Write the cached blocks the allocator just evicted to the tier (a block whose
+        content the tier already holds is not written again)."""
+        todo = []
+        for block_id, block in self.cache.take_evicted():
+            entry = self.bridge.unheld(block)
+            if entry is not None:
+                todo.append((block_id, *entry))
+        self._write_to_tier(todo)
+
+    def _write_to_tier(self, todo: list[tuple[int, bytes, Any]]) -> None:
+        """(device block, content key, descriptor) -> the tier."""
+        assert self.tier is not None
+        if not todo:
+            return
+        start = time.perf_counter()
+        blocks = self.executor.to_host([block_id for block_id, _, _ in todo])
+        for (_, key, descriptor), tensors in zip(todo, blocks, strict=True):
+            if self.tier.put(key, descriptor, tensors):
+                self.tier_moves.num_offloaded += 1
+        self.tier_moves.offload_s += time.perf_counter() - start
+
+    def _load(self, loads: Sequence[tuple[int, Any]]) -> int:
+        """Copy the admission's lower-tier blocks into their device blocks, in order, up to
+        the first the tier no longer holds valid; how many were loaded. A block becomes
+        visible (findable, readable) only after this, through `complete_loads`."""
+        start = time.perf_counter()
+        got: list[tuple[int, dict[str, torch.Tensor]]] = []
+        for block_id, block in loads:
+            tensors = self.bridge.get(block)
+            if tensors is None:
+                break
+            got.append((block_id, tensors))
+        if got:
+            self.executor.to_device([block_id for block_id, _ in got], [t for _, t in got])
+            self.tier_moves.num_loaded += len(got)
+        self.tier_moves.load_s += time.perf_counter() - start
+        return len(got)
+
+    def _persist_published(self) -> None:
+        """The blocks this step completed, copied and handed to the persistent tiers'
+        background writers; a block every one of them holds is skipped."""
+        published = self.cache.take_published()
+        if not published:
+            return
+        start = time.perf_counter()
+        todo = []
+        for block_id, block in published:
+            entry = self.bridge.unpersisted(block)
+            if entry is not None:
+                todo.append((block_id, *entry))
+        if todo:
+            blocks = self.executor.to_host([b for b, _, _ in todo])
+            for (_, key, descriptor), tensors in zip(todo, blocks, strict=True):
+                self.tier_moves.num_persisted += self.bridge.persist(key, descriptor, tensors) > 0
+        self.tier_moves.persist_s += time.perf_counter() - start
+
+    def flush_tiers(self, timeout: float | None = None) -> bool:
+        """Wait for the persistent tiers' background writes (before a process exits)."""
+        return self.bridge.flush(timeout)
+
+    def close(self) -> None:
+        self.bridge.close()
+
+    def tier_reports(self) -> dict[str, dict[str, object]]:
+        """{"<name>_tier": its report} per tier, with "tiers" (the lookup order and the
+        moves) when there are persistent tiers; {} without a tier."""
+        if self.tier is None:
+            return {}
+        moves = self.tier_moves
+        hit_tokens = self.cache.stats.num_lower_tier_hit_tokens
+        reports = self.bridge.persistent_reports(hit_tokens_per_get=self.block_size)
+        if reports:
+            reports["tiers"] = {
+                "lookup_order": self.bridge.lookup_order(),
+                "lower_tier_hit_tokens": hit_tokens,
+                "blocks_persisted": moves.num_persisted,
+                "persist_ms": round(moves.persist_s * 1e3, 3),
+                "blocks_loaded": moves.num_loaded,
+                "load_ms": round(moves.load_s * 1e3, 3),
+            }
+        if self.host_tier is None:
+            return reports
+        swaps = {
+            "preemption": self.preemption,
+            "swapped_out": moves.num_swapped_out,
+            "swapped_in": moves.num_swapped_in,
+            "tail_tokens_restored": moves.num_tail_tokens_restored,
+        }
+        return {**reports, "host_tier": self.bridge.host_report(hit_tokens, swaps)}
+
+    # ---- figures ----------------------------------------------------------------------------
+
+    def num_allocations(self) -> int:
+        """Blocks (and state slots) taken from the pools so far. The engine tells the admit /
+        reserve calls that allocated from the ones that took nothing."""
+        return sum(pool.num_allocated for pool in self._pools)
+
+    def kv_read_bytes(self, num_context_tokens: int) -> int:
+        """Cache bytes one query over `num_context_tokens` tokens of context reads."""
+        return self.executor.kv_read_bytes(num_context_tokens)
+
+    def usage(self) -> CacheUsage:
+        """What the cache holds now, each physical block counted once."""
+        return self.cache.usage()
+
+    def note_bookkeeping(self) -> None:
+        """Sample the cache's Python structures (a harness calls it between steps)."""
+        self.executor.peaks.note("bookkeeping", self.cache.metadata_bytes())
+
+    def check_integrity(self) -> None:
+        self.cache.check_integrity()
+        self.bridge.check_integrity()
+        self.executor.check_integrity()
+
     def cache_stats(self) -> dict[str, float]:
-        """Capacity and prefix-cache figures for the performance report."""
-        ...
+        """Capacity and prefix-cache figures for the performance report: the cache's, then
+        the executor's (its bytes, and figures of its own)."""
+        cache, stats = self.cache, self.cache.stats
+        return {
+            "kv_capacity_tokens": self.capacity_tokens,
+            "kv_capacity_bytes": 0,  # the executor's figure, in this place of the report
+            "block_size": self.block_size,
+            "num_blocks": cache.num_blocks,
+            "prefix_queried_tokens": stats.num_queried_tokens,
+            "prefix_hit_tokens": stats.num_hit_tokens,
+            "prefix_hit_rate": stats.hit_rate,
+            "readmitted_hit_tokens": stats.num_readmitted_hit_tokens,
+            "hash_collisions": sum(pool.num_collisions for pool in self._pools),
+            **self.executor.cache_stats(cache),
+        }

@@ -166,7 +166,7 @@ def run_pd(
         "decode_block_size": decode_bs,
         "requests": results,
         "transfer": dis.stats.as_dict(),
-        "kv_bytes_per_token_per_decode_rank": engine.runner.storage.bytes_per_token,
+        "kv_bytes_per_token_per_decode_rank": engine.runner.executor.storage.bytes_per_token,
     }
     if not crash:
         dist.destroy_process_group()

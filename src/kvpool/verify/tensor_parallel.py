@@ -63,7 +63,7 @@ def _scenario(loaded, max_tokens: int) -> dict[str, object]:
         for rid in rids:
             seq = e.requests[rid].seqs[0]
             out[rid] = (list(seq.token_ids), torch.stack(seq.logits))
-    out["kv_bytes_per_token"] = engine.runner.storage.bytes_per_token
+    out["kv_bytes_per_token"] = engine.runner.executor.storage.bytes_per_token
     return out
 
 
