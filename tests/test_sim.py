@@ -2,7 +2,7 @@
 
 The central claim: only the clock and the forward differ from the engine. The same small
 SmolLM2 workload through the engine (LlamaRunner: the model computes every token) and
-through the simulator's runner (a cost model) makes identical cache decisions, step by
+through the same runner with the simulator's cost executor makes identical cache decisions, step by
 step: the same sequences run, with the same blocks, the same prefix hits, the same
 preemptions. Both sample through one deterministic sampler, so the token streams agree."""
 
@@ -16,8 +16,10 @@ from kvpool.cache import FullAttentionManager
 from kvpool.engine.build import descriptor_for, load_model
 from kvpool.engine.engine import Engine
 from kvpool.engine.llama_runner import LlamaRunner
+from kvpool.engine.runner import ModelRunner
 from kvpool.engine.sampling import SamplingParams
-from kvpool.sim.runner import SimRunner, VirtualClock
+from kvpool.engine.tier_bridge import TierBridge
+from kvpool.sim.executor import CostExecutor, VirtualClock
 from kvpool.workload.tokens import stream_key, text_ids, token_at
 
 NUM_BLOCKS, BLOCK = 12, 8  # small enough that the workload preempts
@@ -67,15 +69,23 @@ def test_the_simulator_makes_the_engines_cache_decisions(smollm2):
         chunks_per_step.append(len(work))
         return 1e-3 * len(work)
 
-    manager = FullAttentionManager(NUM_BLOCKS, BLOCK, descriptor_for(smollm2, BLOCK))
-    sim = SimRunner(
-        manager,
+    executor = CostExecutor(
+        smollm2.model.config.vocab_size,
         step_time=step_time,
         kv_read_bytes=lambda n: n,
         clock=clock,
-        vocab_size=smollm2.model.config.vocab_size,
-        max_model_len=real.max_model_len,
         block_bytes=1,
+        kv_capacity_bytes=0,
+    )
+    manager = FullAttentionManager(NUM_BLOCKS, BLOCK, descriptor_for(smollm2, BLOCK))
+    sim = ModelRunner(
+        manager,
+        executor,
+        TierBridge(None, (), BLOCK, enable_prefix_caching=True),
+        descriptor=manager.descriptor,
+        block_size=BLOCK,
+        capacity_tokens=real.capacity_tokens,
+        max_model_len=real.max_model_len,
     )
     sim_engine = Engine(sim, sampler=_sampler, clock=clock, **kw)
     sim_steps, sim_out = _trace(sim_engine, manager)

@@ -27,10 +27,14 @@ from kvpool.engine.engine import Engine
 from kvpool.engine.hybrid_runner import HybridRunner, group_specs
 from kvpool.engine.hybrid_runner import descriptor_for as hybrid_descriptor
 from kvpool.engine.llama_runner import LlamaRunner
+from kvpool.engine.runner import ModelRunner
 from kvpool.engine.sampling import SamplingParams
+from kvpool.engine.tier_bridge import TierBridge
 from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG, TinyDSV4
 from kvpool.models.tiny_hybrid import TINY_GEMMA2, TINY_RECURRENT, TinyHybrid
-from kvpool.sim.runner import SimRunner, VirtualClock
+from kvpool.sim.executor import CostExecutor, VirtualClock
+from kvpool.sim.layouts import BuiltLayout
+from kvpool.sim.runner import SimRunner
 from kvpool.tiers import HostTier
 from kvpool.workload.tokens import stream_key, text_ids, token_at
 from random_llama import DESCRIPTOR, random_llama
@@ -147,17 +151,33 @@ def _lockstep(real: Side, sim: Side, wl: Workload) -> tuple[list[tuple], dict[st
     return views, answers
 
 
-def _sim_runner(cache, real, clock: VirtualClock, **kw) -> SimRunner:
-    return SimRunner(
-        cache,
-        step_time=lambda work, moved: 1e-3 * len(work) + 1e-9 * moved,
+def _cost_executor(real, clock: VirtualClock, block_bytes: int = 1, **kw) -> CostExecutor:
+    """A cost executor on `clock` (a millisecond per chunk, a nanosecond per byte moved)."""
+    step_time = lambda work, moved: 1e-3 * len(work) + 1e-9 * moved  # noqa: E731
+    return CostExecutor(
+        real.vocab_size,
+        step_time=step_time,
         kv_read_bytes=lambda n: n,
         clock=clock,
-        vocab_size=real.vocab_size,
-        max_model_len=real.max_model_len,
-        block_bytes=1,
+        block_bytes=block_bytes,
+        kv_capacity_bytes=0,
         **kw,
     )
+
+
+def _sim_side(real, cache, bridge: TierBridge, executor: CostExecutor, tables, wl: Workload, **kw) -> Side:
+    """The engine's runner over `cache` and the cost executor, configured as `real` is."""
+    runner = ModelRunner(
+        cache,
+        executor,
+        bridge,
+        descriptor=cache.descriptor,
+        block_size=real.block_size,
+        capacity_tokens=real.capacity_tokens,
+        max_model_len=real.max_model_len,
+        preemption=real.preemption,
+    )
+    return Side(runner, cache, tables, wl, clock=executor.clock, **kw)
 
 
 def _check_exercised(views: list[tuple], answers: dict, wl: Workload) -> None:
@@ -183,27 +203,32 @@ def llama():
     return random_llama()
 
 
-SWAP_NOT_MODELLED = pytest.mark.xfail(
-    strict=True,
-    reason="the simulator's runner has no host tier: a swapped-out sequence's blocks come back from it in the "
-    "real runner only (issue 29 item 5: the simulator runs the engine's runner)",
-)
-
-
-@pytest.mark.parametrize("preemption", ["recompute", pytest.param("swap", marks=SWAP_NOT_MODELLED)])
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
 def test_paged(llama, preemption: str) -> None:
+    """Swap: a host tier of 6 blocks, so that it evicts too (the cost executor's entries
+    have the real blocks' bytes)."""
     num_blocks, block = 14, 8
     kw = {"max_num_batched_tokens": 32, "max_num_seqs": 4}
-    tier = {} if preemption == "recompute" else {"host_tier": HostTier(1 << 26), "preemption": preemption}
-    real_runner = LlamaRunner(llama, num_blocks, block, DESCRIPTOR, **tier)
+    real_runner = LlamaRunner(llama, num_blocks, block, DESCRIPTOR, preemption=preemption, **_tier(preemption))
     real = Side(real_runner, real_runner.cache, _paged_tables, PAGED, **kw)
-    clock = VirtualClock()
-    cache = FullAttentionManager(num_blocks, block, DESCRIPTOR)
-    sim = Side(_sim_runner(cache, real_runner, clock), cache, _paged_tables, PAGED, clock=clock, **kw)
+    bridge = TierBridge(_tier(preemption).get("host_tier"), (), block, enable_prefix_caching=True)
+    cache = FullAttentionManager(num_blocks, block, DESCRIPTOR, lower_tier=bridge.index)
+    executor = _cost_executor(real_runner, VirtualClock(), block_bytes=real_runner.executor.block_bytes)
+    sim = _sim_side(real_runner, cache, bridge, executor, _paged_tables, PAGED, **kw)
     views, answers = _lockstep(real, sim, PAGED)
     _check_exercised(views, answers, PAGED)
+    assert executor.busy_s == executor.clock.now > 0
     if preemption == "swap":
-        assert real_runner.tier_moves.num_swapped_in > 0  # a preempted tail came back from the tier
+        moves = real_runner.tier_moves
+        assert moves.num_swapped_in > 0  # a preempted tail came back from the tier
+        assert real_runner.host_tier.stats.num_evictions > 0  # and the tier evicted
+        assert sim.runner.tier_moves.num_swapped_in == moves.num_swapped_in
+        assert executor.num_blocks_to_device == moves.num_loaded
+
+
+def _tier(preemption: str) -> dict:
+    block_bytes = 4 * 2 * 8 * 2 * 32 * 8  # random_llama: layers x (K, V) x tokens x kv heads x head dim x fp64
+    return {} if preemption == "recompute" else {"host_tier": HostTier(6 * block_bytes)}
 
 
 # ---- V4's dual pool --------------------------------------------------------------------
@@ -222,18 +247,20 @@ def test_dual(restore: str) -> None:
     kw = {"max_num_batched_tokens": 48, "max_num_seqs": 3}
     real_runner = DSV4Runner(model, num_blocks, num_states, restore=restore, num_checkpoints=num_checkpoints)
     real = Side(real_runner, real_runner.cache, _dual_tables, DUAL, **kw)
-    clock = VirtualClock()
     cache = DSV4CacheManager(
         model.spec, num_blocks, num_states, dsv4_descriptor(model), restore=restore, num_checkpoints=num_checkpoints
     )
-    sim_runner = _sim_runner(cache, real_runner, clock, state_block_bytes=1)
-    sim = Side(sim_runner, cache, _dual_tables, DUAL, clock=clock, **kw)
+    executor = _cost_executor(real_runner, VirtualClock(), checkpoint_bytes=1, has_state=True)
+    span = model.spec.span
+    built = BuiltLayout("dual", cache, 1, 1, 0, span, real_runner.capacity_tokens)
+    sim_runner = SimRunner(built, executor, real_runner.max_model_len)
+    sim = Side(sim_runner, cache, _dual_tables, DUAL, clock=executor.clock, **kw)
     views, answers = _lockstep(real, sim, DUAL)
     _check_exercised(views, answers, DUAL)
     methods = [adm[4].method for adm in real.admissions if adm[1] > 0]  # the hits' restores
     assert methods and set(methods) == {restore}
     if restore == "recompute":
-        assert real_runner.num_replayed_tokens > 0 and sim_runner.num_replayed_tokens == real_runner.num_replayed_tokens
+        assert real_runner.num_replayed_tokens > 0 and executor.num_replayed_tokens == real_runner.num_replayed_tokens
 
 
 # ---- hybrid: window or recurrent groups beside full attention ------------------------------
@@ -257,10 +284,11 @@ def test_hybrid(config: dict) -> None:
     kw = {"max_num_batched_tokens": 32, "max_num_seqs": 4}
     real_runner = HybridRunner(model, num_blocks, num_slots, block_size=block, checkpoint_interval=interval)
     real = Side(real_runner, real_runner.cache, _hybrid_tables, HYBRID, **kw)
-    clock = VirtualClock()
     cache = HybridCacheManager(
         group_specs(model, block, interval, num_blocks, num_slots), hybrid_descriptor(model, block)
     )
-    sim = Side(_sim_runner(cache, real_runner, clock), cache, _hybrid_tables, HYBRID, clock=clock, **kw)
+    bridge = TierBridge(None, (), block, enable_prefix_caching=True)
+    executor = _cost_executor(real_runner, VirtualClock(), has_state=bool(cache.recurrent_groups))
+    sim = _sim_side(real_runner, cache, bridge, executor, _hybrid_tables, HYBRID, **kw)
     views, answers = _lockstep(real, sim, HYBRID)
     _check_exercised(views, answers, HYBRID)

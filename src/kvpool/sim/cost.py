@@ -500,7 +500,7 @@ _TERMS = {"gqa": _gqa_terms, "mla": _mla_terms, "dsv4": _dsv4_terms}
 @dataclass(frozen=True)
 class RestoreCostModel:
     """A V4 prefix hit's state restore priced in seconds (cache/dsv4.py `RestoreCost`), as
-    `SimRunner` prices what it does: a checkpoint copy moves the state block twice (read
+    the cost executor (sim/executor.py) prices what it does: a checkpoint copy moves the state block twice (read
     and write) at the effective bandwidth; computing tokens (a replay, or the tokens a cut
     hit computes again as prompt) costs their FLOPs at the effective peak, the time they
     add to a step (the weights are read once for the whole step whatever it computes)."""

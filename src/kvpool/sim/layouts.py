@@ -52,7 +52,18 @@ class BuiltLayout:
     block_bytes: int  # bytes of one block (contiguous: one request's reservation)
     state_block_bytes: int  # V4 dual: one state block; else 0
     pool_bytes: int  # the replica's KV pool (per GPU of its TP group)
+    block_size: int  # tokens per block (contiguous: max_model_len; dual: the classical span)
+    capacity_tokens: int  # the longest sequence one replica's cache holds alone
     checkpoint_bytes: int = 0  # V4 dual: what one state snapshot holds (a copy moves it)
+
+    @property
+    def num_state_blocks(self) -> int:
+        """V4 dual: the state blocks (one per running request); else 0."""
+        return self.manager.num_state_blocks if self.state_block_bytes else 0
+
+    @property
+    def kv_capacity_bytes(self) -> int:
+        return self.block_bytes * self.manager.num_blocks + self.state_block_bytes * self.num_state_blocks
 
 
 def default_layout(plan: Plan) -> str:
@@ -129,16 +140,18 @@ def build_layout(
             checkpoint_blocks=-(-checkpoint // block) if pooled else 0,
             restore_cost=None if cost is None else RestoreCostModel(cost, checkpoint),
         )
-        return BuiltLayout(name, manager, block, state, pool, checkpoint)
+        # the unfinished span lives in the state block (engine/dsv4_runner.py)
+        capacity = num_blocks * q + q - 1
+        return BuiltLayout(name, manager, block, state, pool, q, capacity, checkpoint)
     if name == "hybrid":
-        return _hybrid(plan, pool, descriptor, enable_prefix_caching)
+        return _hybrid(plan, pool, descriptor, enable_prefix_caching, max_model_len)
     if name == "contiguous":
         block = int(layout.request_bytes(max_model_len))
         num_slots = pool // block
         if num_slots <= 0:
             raise ValueError(f"a pool of {pool:,} bytes holds no request of {max_model_len:,} tokens ({block:,} bytes)")
         manager = FullAttentionManager(num_slots, max_model_len, descriptor, enable_prefix_caching=False)
-        return BuiltLayout(name, manager, block, 0, pool)
+        return BuiltLayout(name, manager, block, 0, pool, max_model_len, num_slots * max_model_len)
     # paged
     block = int(layout.bytes_per_block_all_groups)
     if v4 is not None:
@@ -151,13 +164,14 @@ def build_layout(
         raise ValueError(f"a pool of {pool:,} bytes holds no block of {block:,} bytes")
     if num_blocks is not None and num_blocks > fits:
         raise ValueError(f"num_blocks {num_blocks:,} exceeds the {fits:,} blocks of {block:,} bytes the pool holds")
-    manager = FullAttentionManager(
-        fits if num_blocks is None else num_blocks, q, descriptor, enable_prefix_caching=enable_prefix_caching
-    )
-    return BuiltLayout(name, manager, block, 0, pool)
+    num_blocks = fits if num_blocks is None else num_blocks
+    manager = FullAttentionManager(num_blocks, q, descriptor, enable_prefix_caching=enable_prefix_caching)
+    return BuiltLayout(name, manager, block, 0, pool, q, num_blocks * q)
 
 
-def _hybrid(plan: Plan, pool: int, descriptor: CacheDescriptor, enable_prefix_caching: bool) -> BuiltLayout:
+def _hybrid(
+    plan: Plan, pool: int, descriptor: CacheDescriptor, enable_prefix_caching: bool, max_model_len: int
+) -> BuiltLayout:
     """The coordinator over one shared pool: per page group of the planner's layout, groups of
     g layers (g = gcd of the layer counts), so that every group's page has one byte size."""
     groups = plan.layout.groups
@@ -183,4 +197,19 @@ def _hybrid(plan: Plan, pool: int, descriptor: CacheDescriptor, enable_prefix_ca
     manager = HybridCacheManager(
         specs, descriptor, enable_prefix_caching=enable_prefix_caching, shared_blocks=num_blocks
     )
-    return BuiltLayout("hybrid", manager, page, 0, pool)
+    bs = manager.block_size
+    capacity = _hybrid_capacity(manager, max_model_len)
+    return BuiltLayout("hybrid", manager, page, 0, pool, bs, capacity)
+
+
+def _hybrid_capacity(manager: HybridCacheManager, max_model_len: int) -> int:
+    """The longest sequence one replica's shared pool holds alone: each window group keeps
+    the blocks of its window (one more when unaligned, one for the step's next position),
+    each full group the whole sequence. Without a full group: max_model_len."""
+    bs = manager.block_size
+    full = [g for g in manager.attention_groups if g.spec.window is None]
+    windows = [g.spec.window for g in manager.attention_groups if g.spec.window is not None]
+    left = manager.num_blocks - sum(-(-w // bs) + 2 for w in windows)
+    if not full:
+        return max_model_len if left >= 0 else 0
+    return max(0, left // len(full)) * bs

@@ -70,7 +70,7 @@ def build_report(
                 "num_requests": rep.num_routed,
                 "prefix_hit_rate": round(st["prefix_hit_rate"], 4),
                 "peak_running": rep.peak_running,
-                "busy_share": ratio(rep.runner.busy_s, span, 4),
+                "busy_share": ratio(rep.executor.busy_s, span, 4),
                 "preemptions": rep.engine.num_preemptions,
                 "num_steps": rep.engine.num_steps,
                 "generated_tokens": sum(r.output_len for r in mine),

@@ -38,5 +38,5 @@ class Router:
             return min(reps, key=lambda r: (r.load, r.num_routed))
         eligible = [r for r in reps if r.load <= self.load_cap * least + 4]
         return max(
-            eligible, key=lambda r: (r.runner.manager.lookup_prefix(prompt, tenant_salt=tenant), -r.load, -r.index)
+            eligible, key=lambda r: (r.runner.cache.lookup_prefix(prompt, tenant_salt=tenant), -r.load, -r.index)
         )

@@ -1,8 +1,9 @@
 """The serving simulator: N engine replicas behind a router, on virtual clocks.
 
 Each replica is the engine itself (`kvpool.engine.Engine`: its `schedule()` and `step()`,
-unchanged) over a `SimRunner` that holds the real cache manager of the chosen layout
-(sim/layouts.py) and prices each step with the roofline cost model (sim/cost.py). The
+unchanged) over the engine's runner (sim/runner.py) holding the real cache manager of the
+chosen layout (sim/layouts.py), with the cost executor (sim/executor.py) pricing each step
+by the roofline cost model (sim/cost.py) in place of the model's tensors. The
 event loop is discrete-event: the next event is either an arrival (routed to a replica
 and queued in its engine at its arrival time) or the step of the replica whose clock is
 earliest; a step moves that replica's clock by its cost. A session's next turn arrives
@@ -27,11 +28,13 @@ from dataclasses import dataclass, field
 from kvpool.cache.dsv4 import RESTORE_METHODS
 from kvpool.capacity.planner import Plan, plan
 from kvpool.engine.engine import Engine
+from kvpool.engine.runner import ModelRunner
 from kvpool.engine.sampling import SamplingParams
 from kvpool.sim.cost import CostModel
+from kvpool.sim.executor import AnswerSampler, CostExecutor, VirtualClock, answer_seed
 from kvpool.sim.layouts import LAYOUTS, BuiltLayout, build_layout, default_layout
 from kvpool.sim.routing import ROUTINGS, Router
-from kvpool.sim.runner import SimRunner, VirtualClock
+from kvpool.sim.runner import SimRunner, sim_runner
 from kvpool.spec.gpus import GPUSpec
 from kvpool.spec.models import ModelSpec
 from kvpool.workload.sessions import Workload
@@ -104,7 +107,8 @@ class RequestRecord:
 class Replica:
     index: int
     engine: Engine
-    runner: SimRunner
+    runner: ModelRunner | SimRunner
+    executor: CostExecutor  # the runner's forward, priced: busy time, replays, copies
     clock: VirtualClock
     layout: BuiltLayout
     num_routed: int = 0
@@ -124,14 +128,15 @@ class Replica:
         step = self.engine.num_steps
         self.peak_running = max(self.peak_running, len(self.engine.running))
         if step % self._every == 0:
-            self.occupancy.append((self.clock.now, self.runner.num_used_blocks() / self.runner.manager.num_blocks))
+            cache = self.runner.cache  # blocks some request holds now: O(1), the pool's free count
+            self.occupancy.append((self.clock.now, (cache.num_blocks - cache.num_free_blocks) / cache.num_blocks))
             if len(self.occupancy) > _OCCUPANCY_POINTS:
                 self.occupancy = self.occupancy[::2]
                 self._every *= 2
         if step % 256 == 1:  # usage() walks the blocks held: a sample, not every step (from the first)
             self.frag_samples.append(self.runner.usage().fragmentation)
-            if self.runner.hybrid:
-                self.group_samples.append((len(self.engine.running), self.runner.group_held_blocks()))
+            if self.layout.name == "hybrid":  # the blocks each group holds (walks them)
+                self.group_samples.append((len(self.engine.running), self.runner.cache.group_held_blocks()))
 
 
 def plan_replica(model: ModelSpec, gpu: GPUSpec, config: SimConfig) -> Plan:
@@ -154,25 +159,30 @@ def _make_replica(index: int, model: ModelSpec, p: Plan, config: SimConfig, cost
         num_blocks=config.num_blocks,
         cost=cost,
     )
-    runner = SimRunner(
-        built.manager,
+    executor = CostExecutor(
+        model.vocab_size,
         step_time=lambda work, moved: cost.step_time(work) + moved / bandwidth,
         kv_read_bytes=cost.kv_read_bytes,
         clock=clock,
-        vocab_size=model.vocab_size,
-        max_model_len=max_len,
         block_bytes=built.block_bytes,
-        state_block_bytes=built.state_block_bytes,
+        kv_capacity_bytes=built.kv_capacity_bytes,
+        num_state_blocks=built.num_state_blocks,
         checkpoint_bytes=built.checkpoint_bytes,
+        has_state=built.num_state_blocks > 0,
     )
+    runner: ModelRunner | SimRunner
+    if built.name == "dual":  # (until the engine's runner drives the dual pool)
+        runner = SimRunner(built, executor, max_len)
+    else:
+        runner = sim_runner(built, executor, max_len)
     engine = Engine(
         runner,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_num_seqs=config.max_num_seqs,
         clock=clock,
-        sampler=runner.sample,
+        sampler=AnswerSampler(model.vocab_size),
     )
-    return Replica(index, engine, runner, clock, built)
+    return Replica(index, engine, runner, executor, clock, built)
 
 
 def check_request_lens(model: ModelSpec, workload: Workload, max_model_len: int | None, flag: str = "") -> None:
@@ -238,7 +248,7 @@ def simulate(
                 rep.clock.now = max(rep.clock.now, t)  # an idle replica waits for the arrival
             rid = session.request_id(turn)
             out_len = session.turns[turn].output_len
-            params = SamplingParams(max_tokens=out_len, ignore_eos=True)
+            params = SamplingParams(max_tokens=out_len, ignore_eos=True, seed=answer_seed(rid))
             rep.engine.add_request(prompt, params, rid, arrival_time=t, tenant=session.tenant)
             turn_of[rid] = (sid, turn, rep.index, t)
             continue

@@ -1,0 +1,202 @@
+"""The simulator's executor: the engine's runner (engine/runner.py `ModelRunner`) with a cost
+model in place of the tensors.
+
+The runner makes every cache decision (admission, restore method, reservation, copies,
+preemption, swap, release) exactly as it does for a real model; `CostExecutor` answers the
+executor calls, which only ever move or compute tensors, by pricing them:
+  - `forward`: the step's chunks, (num new tokens, context length) each, plus the V4
+    replays (`replay`) the runner asked for since the last step, through `step_time` with
+    the bytes the step's copies move; the virtual clock advances by that time, once per
+    step. Its "logits" are empty rows: `AnswerSampler` draws each request's answer from the
+    stream its seed names;
+  - `copy_blocks`: copy-on-write copies, each moving a block twice (read + write);
+  - `copy_state`: a state copy (a V4 checkpoint restored or taken, a fork's state), moving
+    `checkpoint_bytes` twice; `reset_state` costs nothing;
+  - `replay`: recomputing a V4 state over tokens [start, start + n) is a chunk of n tokens
+    over a context of start + n in the next step;
+  - `to_host` / `to_device`: the host tier's moves, counted; entries of `block_bytes` bytes
+    (so a host tier's byte limit evicts as it would for the real blocks), not priced: the
+    GPU presets carry no host-link bandwidth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvpool.cache import BlockCopy
+from kvpool.engine.memory import StepPeaks
+from kvpool.engine.runner import ScheduledChunk
+from kvpool.engine.sampling import SamplingParams
+from kvpool.workload.tokens import stream_key, token_at
+
+
+@dataclass
+class VirtualClock:
+    """Seconds since the simulation began; only the simulator moves it."""
+
+    now: float = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class CostExecutor:
+    """The executor protocol (engine/runner.py) priced by `step_time((num_new_tokens,
+    context_len) per chunk, bytes moved) -> seconds` on `clock`; `kv_read_bytes(context)`:
+    the cache bytes one query reads.
+
+    block_bytes: one block's bytes (a copy-on-write copy moves it twice; a host tier entry
+    holds it); checkpoint_bytes: what one state copy moves (V4 dual, recurrent);
+    has_state: requests hold a state slot (their admissions restore it)."""
+
+    attention = None  # no attention backend: nothing attends
+    keeps_block_state = False
+
+    def __init__(
+        self,
+        vocab_size: int,
+        *,
+        step_time: Callable[[Sequence[tuple[int, int]], int], float],
+        kv_read_bytes: Callable[[int], int],
+        clock: VirtualClock,
+        block_bytes: int,
+        kv_capacity_bytes: int,
+        num_state_blocks: int = 0,
+        checkpoint_bytes: int = 0,
+        has_state: bool = False,
+    ) -> None:
+        self.model = None  # no weights: the cost model stands for them
+        self.vocab_size = vocab_size
+        self.kv_format = "simulated"
+        self.peaks = StepPeaks()
+        self.step_time = step_time
+        self._kv_read_bytes = kv_read_bytes
+        self.clock = clock
+        self.block_bytes = block_bytes
+        self.block_layout = {"kv": (torch.uint8, (block_bytes,))}  # a tier entry: the block's bytes
+        self.kv_capacity_bytes = kv_capacity_bytes
+        self.num_state_blocks = num_state_blocks
+        self.checkpoint_bytes = checkpoint_bytes
+        self.has_state = has_state
+        self._step: dict[str, tuple[int, int]] = {}  # request -> [start, end) the step computed so far
+        self._replays: list[tuple[int, int]] = []  # (tokens, context) recomputed in the next step
+        self._moved = 0  # bytes the copies since the last step move
+        self.num_replayed_tokens = 0
+        self.num_checkpoint_copies = 0
+        self.num_copied_blocks = 0
+        self.num_blocks_to_host = 0
+        self.num_blocks_to_device = 0
+        self.busy_s = 0.0  # the sum of step times: the replica's busy time
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    def forward(self, chunks: Sequence[ScheduledChunk], cache: Any, all_logits: bool) -> torch.Tensor:
+        """Price the step once all of it has run; "logits" [rows, 0]: a row per chunk that
+        needs logits (all_logits: per token), with nothing in it.
+
+        A step may come in pieces: the runner cuts a V4 reservation at its checkpoint
+        positions (the state is copied there, between two forwards). A piece extends its
+        request's part of the step; the step is priced, as one chunk per request, when every
+        request's part reaches the end of its reservation. (A cache with exact steps reserves
+        exactly the step's tokens; one without, full attention's whole blocks, is never cut:
+        its step is priced at once.)"""
+        step = self._step
+        for c in chunks:
+            end = c.start + len(c.token_ids)
+            first = step.get(c.seq_id)
+            step[c.seq_id] = (c.start if first is None else first[0], end)
+        if not cache.exact_steps or all(end == cache.num_reserved_tokens(r) for r, (_, end) in step.items()):
+            self._price_step()
+        num_rows = sum(len(c.token_ids) for c in chunks) if all_logits else sum(c.needs_logits for c in chunks)
+        return torch.empty(num_rows, 0)  # no logits: the sampler reads the request's seed
+
+    def _price_step(self) -> None:
+        """Advance the clock by the step's price: its chunks, then the replays before it,
+        with the bytes its copies moved."""
+        work = [(end - start, end) for start, end in self._step.values()]
+        self._step.clear()
+        if self._replays:
+            work.extend(self._replays)  # the states rebuilt over their cached prefixes
+            self._replays.clear()
+        seconds = self.step_time(work, self._moved)
+        self._moved = 0
+        self.clock.now += seconds
+        self.busy_s += seconds
+
+    def copy_blocks(self, copies: Mapping[str, Sequence[BlockCopy]]) -> None:
+        num = sum(len(cs) for cs in copies.values())
+        self.num_copied_blocks += num
+        self._moved += 2 * num * self.block_bytes  # read the source, write the copy
+
+    def reset_state(self, slot: int) -> None:
+        pass  # a fresh state: nothing moves
+
+    def copy_state(self, src: int, dst: int) -> None:
+        self.num_checkpoint_copies += 1
+        self._moved += 2 * self.checkpoint_bytes
+
+    def replay(
+        self, token_ids: Sequence[int], start: int, block_ids: Sequence[int], state_slot: int, valid_from: int
+    ) -> None:
+        """Recompute a state over tokens [start, start + len(token_ids)): priced in the next
+        step as a chunk of those tokens over their context."""
+        num_tokens = len(token_ids)
+        self._replays.append((num_tokens, start + num_tokens))
+        self.num_replayed_tokens += num_tokens
+
+    # ---- the host tier ---------------------------------------------------------------------
+
+    def to_host(self, block_ids: Sequence[int]) -> list[dict[str, torch.Tensor]]:
+        """An entry of `block_bytes` bytes per block (no bytes behind it until a tier copies it)."""
+        self.num_blocks_to_host += len(block_ids)
+        entry = torch.zeros(1, dtype=torch.uint8).expand(self.block_bytes)
+        return [{"kv": entry} for _ in block_ids]
+
+    def to_device(self, block_ids: Sequence[int], blocks: Sequence[dict[str, torch.Tensor]]) -> None:
+        self.num_blocks_to_device += len(block_ids)
+
+    def drop_blocks(self, block_ids: Sequence[int]) -> None:
+        pass
+
+    # ---- figures ---------------------------------------------------------------------------
+
+    def kv_read_bytes(self, num_context_tokens: int) -> int:
+        return self._kv_read_bytes(num_context_tokens)
+
+    def cache_stats(self, cache: Any) -> dict[str, float]:
+        return {
+            "kv_capacity_bytes": self.kv_capacity_bytes,
+            "state_blocks": self.num_state_blocks,
+            "replayed_tokens": self.num_replayed_tokens,
+            "copied_blocks": self.num_copied_blocks,
+            "checkpoint_copies": self.num_checkpoint_copies,
+        }
+
+    def check_integrity(self) -> None:
+        assert not self._step, "a step's forward stopped short of its reservations"
+        assert self.busy_s >= 0 and self._moved >= 0
+
+
+def answer_seed(request_id: str) -> int:
+    """The sampling seed that names `request_id`'s answer stream (workload/tokens.py
+    `stream_key`, as a signed 64-bit seed)."""
+    key = stream_key(request_id)
+    return key - (1 << 64) if key >= 1 << 63 else key
+
+
+class AnswerSampler:
+    """The engine's sampler for the simulator: token `position` of the answer stream the
+    request's seed names (`answer_seed`: deterministic per request, so a later turn of a
+    session carries exactly the answer its prefix cache holds); sample j > 0 of a request
+    with n > 1 answers a stream of its own. The logits row is not read."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def __call__(self, row: torch.Tensor, params: SamplingParams, sample_index: int, position: int) -> int:
+        key = params.seed % (1 << 64) if not sample_index else stream_key(f"{params.seed}/{sample_index}")
+        return token_at(key, position, self.vocab_size)
