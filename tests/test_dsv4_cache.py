@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.cache import CacheDescriptor, DSV4CacheManager, Reservation, StateRestore
-from kvpool.cache.dsv4 import RestoreChoice, TokenCost, choose_restore
+from kvpool.cache.dual_pool import RestoreChoice, TokenCost, choose_restore
 from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG
 from kvpool.spec.dsv4 import DSV4Spec
 

@@ -39,13 +39,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from kvpool.cache import CacheDescriptor, DSV4CacheManager, MMItem
+from kvpool.cache import CacheDescriptor
 from kvpool.cache.coordinator import HybridCacheManager
 from kvpool.cache.dual_pool import DualPoolGroup, DualPoolGroupSpec
 from kvpool.cache.recurrent import RecurrentGroupSpec
 from kvpool.cache.window import AttentionGroupSpec
-from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG
-from kvpool.spec.dsv4 import DSV4Spec
 
 BS = 4
 SPECS = [
@@ -420,106 +418,3 @@ def test_the_dual_pool_model_catches_a_hit_inside_a_span(broken):
     # tokens [8, 10), which no cached block holds.
     with pytest.raises(AssertionError, match="the state the step starts from"):
         machine.admit(base=BASES[0], cut=14, suffix=[], tenant="", budget=None)
-
-
-# ---- the dual-pool group alone against its twin, DSV4CacheManager ------------------------
-
-V4_SPEC = DSV4Spec.from_config(SMALL_DSV4_CONFIG)  # span 16, window 16, 4 layers: replays 64
-V4_BASES = [list(range(1, 50)), [1] * 20 + [2] * 30]
-
-
-class DualPoolTwin(RuleBasedStateMachine):
-    """The same calls on the coordinator over one dual-pool group and on DSV4CacheManager
-    (restore by recompute), on 6 classical blocks of 16 tokens and 4 state blocks: the same
-    admissions (hit, blocks, state block, replay), reservations, refusals, free queues and
-    counters, after every call."""
-
-    requests = Bundle("v4_requests")
-
-    def __init__(self) -> None:
-        super().__init__()
-        desc = CacheDescriptor("small-dsv4")
-        self.twin = DSV4CacheManager(V4_SPEC, 6, 4, desc)
-        self.m = HybridCacheManager([(DualPoolGroupSpec.from_dsv4("v4", V4_SPEC), (6, 4))], desc)
-        self.next_id = 0
-
-    def _step(self, live: list[str], counts: list[int]) -> None:
-        m, twin = self.m, self.twin
-        ok = m.reserve_step(live, counts)
-        assert ok == twin.reserve_step(live, counts)
-        if ok:
-            for rid in live:
-                assert m.block_ids(rid) == twin.block_ids(rid) + list(twin.pending_reservation(rid).new_block_ids)
-            m.commit_step(live, counts, [None] * len(live))
-            twin.commit_step(live, counts, [None] * len(live))
-
-    @rule(
-        target=requests,
-        base=st.sampled_from(V4_BASES),
-        cut=st.integers(1, 49),
-        tenant=st.sampled_from(["", "t"]),
-        image_at=st.sampled_from([None, None, 0, 2, 17]),
-    )
-    def admit(self, base, cut, tenant, image_at):
-        self.next_id += 1
-        rid, prompt = f"r{self.next_id}", base[:cut]
-        # An image of 3 placeholder tokens: where it sits is part of each span's key
-        mm = [MMItem(image_at, 3, "img")] if image_at is not None and image_at + 3 <= cut else []
-        kw = {"tenant_salt": tenant, "mm_items": mm}
-        assert self.m.lookup_prefix(prompt, **kw) == self.twin.lookup_prefix(prompt, **kw)
-        got = self.m.admit(rid, prompt, **kw)
-        want = self.twin.admit(rid, prompt, **kw)
-        # (the coordinator's admission also carries each group's part: `groups`)
-        assert (got if got is None else got[:5]) == (want if want is None else want[:5])
-        if got is not None:
-            self.m.commit(rid, got.num_scheduled_tokens)
-            self.twin.commit(rid, got.num_scheduled_tokens)
-        return rid
-
-    @rule(rid=requests, n=st.integers(1, 20))  # (DSV4CacheManager refuses an empty step)
-    def extend(self, rid, n):
-        if rid in self.m:
-            self.m.append_token_ids(rid, range(n))
-            self.twin.append_token_ids(rid, range(n))
-            self._step([rid], [n])
-
-    @rule(rids=st.lists(requests, min_size=1, max_size=3, unique=True))
-    def decode(self, rids):
-        live = [r for r in rids if r in self.m]
-        for rid in live:
-            self.m.append_token_ids(rid, [7])
-            self.twin.append_token_ids(rid, [7])
-        self._step(live, [1] * len(live))
-
-    @rule(target=requests, parent=requests)
-    def fork(self, parent):
-        self.next_id += 1
-        child = f"r{self.next_id}"
-        if parent in self.m:
-            assert self.m.fork(parent, child) == self.twin.fork(parent, child)
-        return child
-
-    @rule(rid=requests, how=st.sampled_from(["finish", "cancel", "preempt"]))
-    def release(self, rid, how):
-        assert self.m.release(rid, how) == self.twin.release(rid, how)
-
-    @invariant()
-    def agree(self):
-        m, twin, g = self.m, self.twin, self.m.groups["v4"]
-        m.check_integrity()
-        twin.check_integrity()
-        assert g.pool.free_queue() == twin.pool.free_queue()
-        assert g.state_pool.num_free == twin.num_free_state_blocks and m.usage() == twin.usage()
-        assert sorted(m.request_ids) == sorted(twin.request_ids) and m.stats == twin.stats
-        for rid in m.request_ids:
-            assert m.block_ids(rid) == twin.block_ids(rid) and m.state_slot(rid) == twin.state_slot(rid)
-            assert m.num_computed_tokens(rid) == twin.num_computed_tokens(rid)
-
-
-DualPoolTwin.TestCase.settings = settings(
-    max_examples=max(1, int(os.environ.get("KVPOOL_HYPOTHESIS_EXAMPLES", "300")) // 3),
-    stateful_step_count=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
-TestDualPoolTwin = DualPoolTwin.TestCase

@@ -10,8 +10,7 @@ one full-attention group (the engine's paged Llama path); `DSV4CacheManager`
 
 from kvpool.cache.base import CacheManager, LowerTier
 from kvpool.cache.coordinator import HybridCacheManager
-from kvpool.cache.dsv4 import DSV4CacheManager
-from kvpool.cache.dual_pool import DualPoolGroupSpec
+from kvpool.cache.dual_pool import DSV4CacheManager, DualPoolGroupSpec
 from kvpool.cache.full import FullAttentionManager
 from kvpool.cache.group import CacheGroup, GroupUsage
 from kvpool.cache.recurrent import RecurrentGroupSpec

@@ -26,7 +26,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from kvpool.cache.dsv4 import RESTORE_METHODS
+from kvpool.cache.dual_pool import RESTORE_METHODS
 from kvpool.cli.args import (
     PLANNER_KV_DTYPE_HELP,
     check_output_dir,

@@ -17,7 +17,7 @@ import torch
 import xxhash
 
 from kvpool.cache import CacheDescriptor
-from kvpool.cache.dsv4 import RestoreMethod
+from kvpool.cache.dual_pool import RestoreMethod
 from kvpool.engine.dsv4_runner import DSV4Runner
 from kvpool.engine.engine import Engine
 from kvpool.engine.hybrid_runner import HybridRunner

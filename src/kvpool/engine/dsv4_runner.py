@@ -20,7 +20,7 @@ from torch import Tensor
 from kvpool.attention.backends import select_backend
 from kvpool.attention.dsv4_paged import ChunkPlan
 from kvpool.cache import Admission, CacheDescriptor, CacheUsage, DSV4CacheManager, ReleaseReason, Reservation
-from kvpool.cache.dsv4 import RestoreMethod
+from kvpool.cache.dual_pool import RestoreMethod
 from kvpool.engine.runner import ScheduledChunk
 from kvpool.engine.tier_bridge import TierBridge
 from kvpool.models.tiny_dsv4 import TinyDSV4
@@ -40,7 +40,7 @@ class StepResult:
 
 
 class MeasuredRestoreCost:
-    """The "auto" restore priced by the runner's own timings, in seconds (cache/dsv4.py
+    """The "auto" restore priced by the runner's own timings, in seconds (cache/dual_pool.py
     `RestoreCost`): a checkpoint copy at the mean of the state copies it has made, computing
     at the seconds per token of its replays; until both are measured, in tokens (TokenCost:
     a copy is free), as preemption's "auto" swaps until it knows both of its rates."""

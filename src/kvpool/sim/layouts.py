@@ -21,7 +21,7 @@ planner's KV pool (`kvpool plan`'s ledger) for one replica:
               boundary, the window and the CSA compressors' carried rows, about a quarter
               of a state block for V4-Flash, in ceil(its bytes / block) classical blocks
               cached in the pool's free memory and evicted in its LRU order with the cached
-              classical blocks, cache/dsv4.py), or `num_checkpoints` whole state blocks
+              classical blocks, cache/dual_pool.py), or `num_checkpoints` whole state blocks
               carved out of the pool up front;
   hybrid      models with sliding-window layers (Gemma-2, gpt-oss): the hybrid coordinator
               (HybridCacheManager) with a full-attention group and a window group per
@@ -89,7 +89,7 @@ def build_layout(
     apply to the model or the pool holds nothing of it. num_blocks (paged only): exactly
     that many blocks, at most what the pool holds (to replay an engine's own pool).
     cost (dual): prices each admission's state restore when v4_restore is "auto" (None:
-    by token counts, cache/dsv4.py TokenCost)."""
+    by token counts, cache/dual_pool.py TokenCost)."""
     if name not in LAYOUTS:
         raise ValueError(f"unknown layout {name!r}; one of {', '.join(LAYOUTS)}")
     if num_blocks is not None and name != "paged":

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvpool.cache.dsv4 import RESTORE_METHODS
+from kvpool.cache.dual_pool import RESTORE_METHODS
 from kvpool.capacity.planner import Plan, plan
 from kvpool.engine.engine import Engine
 from kvpool.engine.runner import ModelRunner
@@ -56,7 +56,7 @@ class SimConfig:
     max_model_len: int | None = None  # None: the workload's longest request
     num_blocks: int | None = None  # paged: this many blocks instead of the planner's pool (an engine's own)
     kv_dtype: str = "auto"
-    v4_restore: str = "auto"  # V4 dual: how a prefix hit rebuilds the state (cache/dsv4.py RESTORE_METHODS)
+    v4_restore: str = "auto"  # V4 dual: how a prefix hit rebuilds the state (cache/dual_pool.py RESTORE_METHODS)
     num_checkpoints: int | None = None  # V4 snapshots: this many slots of their own (None: pooled)
     slo_ttft_ms: float = 2000.0
     slo_tpot_ms: float = 100.0

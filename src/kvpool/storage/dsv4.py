@@ -1,4 +1,4 @@
-"""The torch tensors behind the V4 Classical and State pools (ids live in cache/dsv4.py).
+"""The torch tensors behind the V4 Classical and State pools (ids live in cache/dual_pool.py).
 
 Classical pool, per compressed layer (SWA-only layers have none), indexed by the block id
 the core BlockPool hands out:
