@@ -1,4 +1,21 @@
-"""The cache coordinator: one CacheManager over every layer group of a model.
+"""The cache coordinator: per-request block tables and the request lifecycle over every layer
+group of a model. Pure Python, no torch; every model's cache is one (`FullAttentionManager`,
+cache/full.py, and `DSV4CacheManager`, cache/dual_pool.py, are it over one group).
+
+Lifecycle of a request, and the rules every call keeps:
+
+  admit -> (reserve -> [the model writes the reserved positions] -> commit)* -> release
+           append_token_ids whenever sampled tokens join the sequence
+
+- Check, then mutate. A call that returns None or False (out of blocks or state) or raises
+  leaves every structure exactly as it was; batched calls (`reserve_step`, `commit_step`)
+  validate every request before they change any.
+- `append_token_ids` must precede a `reserve` past the known tokens: a reservation covers
+  positions whose token ids the coordinator already has (hashed when their unit completes).
+- Only committed positions are readable; a full block is published to the prefix cache
+  when its last token is committed.
+- A release (finish, cancel, preempt) happens once; a repeat returns False and does nothing.
+  A preempted request that is admitted again is counted apart in `stats`, not in the hit rate.
 
 A model's layers fall into groups whose caches differ in kind and granularity
 (DEEPSEEK_V4.md section 8, Kimi K3's Figure 12): full-attention and sliding-window groups
@@ -54,13 +71,14 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvpool.cache.base import CacheManager, LowerTier, check_mm_items
+from kvpool.cache.base import LowerTier, check_mm_items
 from kvpool.cache.group import CacheGroup
 from kvpool.cache.types import (
+    RELEASE_REASONS,
     Admission,
     BlockCopy,
     CacheDescriptor,
@@ -68,6 +86,7 @@ from kvpool.cache.types import (
     GroupAdmission,
     GroupReservation,
     MMItem,
+    PrefixStats,
     ReleaseReason,
     Reservation,
     StateRestore,
@@ -102,7 +121,7 @@ class _Request:
     prompt_bytes: bytes = b""  # token_bytes(token_ids) while its hits are looked up (dropped after)
 
 
-class HybridCacheManager(CacheManager):
+class HybridCacheManager:
     """groups: (spec, its pool size) per group, in layer-map order; the spec builds the group
     (`spec.build`) and says what a size is: blocks or state slots, None for an attention
     group that draws from the shared pool of `shared_blocks` blocks, (classical blocks,
@@ -126,6 +145,8 @@ class HybridCacheManager(CacheManager):
     ) -> None:
         if not groups:
             raise ValueError("a hybrid cache needs at least one group")
+        if not isinstance(descriptor, CacheDescriptor):
+            raise TypeError(f"descriptor must be a CacheDescriptor, got {type(descriptor).__name__}")
         shared = None
         if shared_blocks is not None:
             if shared_blocks <= 0:
@@ -162,7 +183,11 @@ class HybridCacheManager(CacheManager):
         self._table_groups = sorted((g for g in built.values() if g.has_table), key=lambda g: g.kind != "attention")
         self._state_groups = sorted((g for g in built.values() if g.has_state), key=lambda g: g.kind != "recurrent")
         first = self._table_groups[0] if self._table_groups else next(iter(built.values()))
-        super().__init__(first.pool, first.granularity, descriptor)
+        self.pool, self.block_size = first.pool, first.granularity  # the default table group's
+        self.descriptor, self._descriptor_key = descriptor, descriptor.key()
+        self._requests: dict[str, _Request] = {}
+        self._preempted: set[str] = set()  # released by preemption, not yet admitted again
+        self.stats = PrefixStats()
         self.groups = built
         self._group_list = list(built.values())
         # Each distinct pool once (a dict keeps layer-map order; a BlockPool hashes by identity)
@@ -210,6 +235,28 @@ class HybridCacheManager(CacheManager):
 
     def num_reserved_tokens(self, request_id: str) -> int:
         return self._get(request_id).end
+
+    @property
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def token_ids(self, request_id: str) -> list[int]:
+        return list(self._get(request_id).token_ids)
+
+    def num_tokens(self, request_id: str) -> int:
+        return len(self._get(request_id).token_ids)
+
+    def num_computed_tokens(self, request_id: str) -> int:
+        return self._get(request_id).num_computed
+
+    def _get(self, request_id: str) -> _Request:
+        try:
+            return self._requests[request_id]
+        except KeyError:
+            raise KeyError(f"unknown request {request_id!r}") from None
 
     def _group(self, group: str | None, defaults: list[CacheGroup], what: str) -> CacheGroup:
         g = (defaults[0] if defaults else None) if group is None else self.groups.get(group)
@@ -380,6 +427,12 @@ class HybridCacheManager(CacheManager):
 
     # ---- prefix hits -------------------------------------------------------------------
 
+    def _root(self, tenant_salt: str, descriptor: CacheDescriptor | None) -> PrefixBlock:
+        """The root of `pool`'s chains, for a one-group model (FullAttentionManager,
+        DSV4CacheManager: its group's root key is empty)."""
+        key = self._descriptor_key if descriptor is None else descriptor.key()
+        return self.pool.root(key, tenant_salt)
+
     def _new_request(
         self,
         request_id: str,
@@ -457,6 +510,8 @@ class HybridCacheManager(CacheManager):
         mm_items: Sequence[MMItem] = (),
         descriptor: CacheDescriptor | None = None,
     ) -> int:
+        """How many tokens of `token_ids` `admit` would find cached now. Changes nothing
+        (no counter either)."""
         if not self._caching:
             return 0
         req = self._new_request("<lookup>", token_ids, tenant_salt, mm_items, descriptor)
@@ -474,8 +529,14 @@ class HybridCacheManager(CacheManager):
         mm_items: Sequence[MMItem] = (),
         descriptor: CacheDescriptor | None = None,
     ) -> Admission | None:
-        """As the contract says; with a lower tier, the hit may end in blocks the tier holds:
-        they are not computed until `complete_loads` (`Admission.loads` names them)."""
+        """Take a request in: its longest cached prefix (always leaving at least one prompt
+        token to compute, whose logits are needed) and a reservation for the next
+        min(max_new_tokens, rest of the prompt) tokens (default: the whole rest). None when
+        the pools cannot hold that now; nothing changed. `descriptor` overrides the
+        coordinator's for this request (another adapter, say); a request never hits blocks of
+        another descriptor or tenant salt. ValueError for an id in use, an empty prompt, a bad
+        count. With a lower tier, the hit may end in blocks the tier holds: they are not
+        computed until `complete_loads` (`Admission.loads` names them)."""
         self._check_new(request_id, token_ids, max_new_tokens)
         req = self._new_request(request_id, token_ids, tenant_salt, mm_items, descriptor)
         hits = self._hits(req, admission=True) if self._caching else {}
@@ -554,6 +615,46 @@ class HybridCacheManager(CacheManager):
         table = tuple(self.block_ids(request_id)) if self._table_groups else ()
         return Admission(req.num_computed, n, table)
 
+    def _check_new(self, request_id: str, token_ids: Sequence[int], max_new_tokens: int | None) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already admitted")
+        if len(token_ids) == 0:
+            raise ValueError(f"request {request_id!r} has an empty prompt")
+        if max_new_tokens is not None and max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+
+    def _count_admission(self, request_id: str, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        stats = self.stats
+        if request_id in self._preempted:
+            self._preempted.discard(request_id)
+            stats.num_readmissions += 1
+            stats.num_readmitted_hit_tokens += num_cached_tokens
+        else:
+            stats.num_requests += 1
+            stats.num_queried_tokens += num_prompt_tokens
+            stats.num_hit_tokens += num_cached_tokens
+
+    def _step_requests(
+        self,
+        request_ids: Sequence[str],
+        num_tokens: Sequence[int],
+        next_token_ids: Sequence[int | None] | None = None,
+    ) -> list[_Request]:
+        """A step's requests, in order, once its lists agree in length (`next_token_ids`: a
+        commit's) and name no request twice; ValueError otherwise, KeyError for an unknown id."""
+        if next_token_ids is None and len(request_ids) != len(num_tokens):
+            raise ValueError(f"{len(request_ids)} requests but {len(num_tokens)} token counts")
+        if next_token_ids is not None and not len(request_ids) == len(num_tokens) == len(next_token_ids):
+            raise ValueError(
+                f"{len(request_ids)} requests, {len(num_tokens)} token counts, {len(next_token_ids)} next tokens"
+            )
+        if len(set(request_ids)) != len(request_ids):
+            raise ValueError(f"a request appears twice in {list(request_ids)}")
+        try:
+            return list(map(self._requests.__getitem__, request_ids))  # (the engine's path: once per step)
+        except KeyError as missing:
+            raise KeyError(f"unknown request {missing.args[0]!r}") from None
+
     def _check_reserve(self, req: _Request, num_new_tokens: int) -> None:
         if req.num_loading:
             raise ValueError(f"request {req.request_id!r} has lower-tier blocks to load (complete_loads first)")
@@ -595,8 +696,10 @@ class HybridCacheManager(CacheManager):
         return parts
 
     def reserve(self, request_id: str, num_new_tokens: int) -> Reservation | None:
-        """As the contract says; each group's part in `groups`. Not exact steps: a repeated
-        reserve before commit replaces the previous one (the reservation only grows)."""
+        """Room for positions [num_computed, num_computed + num_new_tokens), whose token ids
+        must be known; each group's part in `groups`. None when it does not fit; nothing
+        changed. Not exact steps: a repeated reserve before commit replaces the previous one
+        (the reservation only grows)."""
         req = self._get(request_id)
         self._check_reserve(req, num_new_tokens)
         start = req.num_computed
@@ -611,7 +714,8 @@ class HybridCacheManager(CacheManager):
         return Reservation(start, num_new_tokens, first.new_block_ids, first.copies, checkpoints, parts)
 
     def reserve_step(self, request_ids: Sequence[str], num_new_tokens: Sequence[int]) -> bool:
-        """`reserve` for a whole step, all or nothing. Not exact steps: a request whose
+        """`reserve` for a whole step, all or nothing: False (nothing changed) when the step
+        does not fit; the details (copies, checkpoints) are queried apart. Not exact steps: a request whose
         reserved slots already cover its tokens (a decode inside its block) costs one
         comparison, and token ids are checked only where blocks are taken (`commit_step`
         refuses a commit past the known tokens before any change)."""
@@ -651,13 +755,21 @@ class HybridCacheManager(CacheManager):
         self._apply_reserve(pending, ends, detail=False)
         return True
 
+    def append_token_ids(self, request_id: str, token_ids: Iterable[int]) -> None:
+        """Sampled tokens join the sequence; a later step computes them."""
+        self._get(request_id).token_ids.extend(token_ids)
+
     def commit(self, request_id: str, num_tokens: int) -> None:
+        """The next `num_tokens` reserved positions are written: they become readable, and
+        blocks they complete are published for prefix caching."""
         self.commit_step((request_id,), (num_tokens,), (None,))
 
     def commit_step(
         self, request_ids: Sequence[str], num_tokens: Sequence[int], next_token_ids: Sequence[int | None]
     ) -> None:
-        """`commit` for a whole step, validated first; then every group is called once with
+        """`commit` for a whole step, validated first, then each request's sampled token joins
+        its sequence (None: no token, e.g. a prefill chunk that ends before the prompt does);
+        every group is called once with
         the requests whose commit may change it (a decode step: those that complete one of
         its units, or that are new since their last commit)."""
         reqs = self._step_requests(request_ids, num_tokens, next_token_ids)
@@ -789,23 +901,40 @@ class HybridCacheManager(CacheManager):
         return slots
 
     def release(self, request_id: str, reason: ReleaseReason = "finish") -> bool:
-        """As the contract says; a finish (no step pending) also keeps each recurrent group's
-        live state as the turn-end checkpoint of the request's computed tokens (the live slot
-        holds that state: nothing to copy), when `turn_end_checkpoints` is on."""
-        req = self._requests.get(request_id)
-        if reason == "finish" and self.turn_end_checkpoints and req is not None and req.end == req.num_computed:
-            for name, g in self.groups.items():
-                g.keep_turn_end(req.states[name], req.token_ids, req.mm_items, req.num_computed)
-        return super().release(request_id, reason)
-
-    def _release(self, request_id: str) -> bool:
+        """Free everything the request holds (tables tail-first, so a chain's tail is evicted
+        before its head). False, and nothing done, for a request already released;
+        ValueError (nothing done) for a reason not in RELEASE_REASONS. A finish (no step
+        pending) also keeps each recurrent group's live state as the turn-end checkpoint of
+        the request's computed tokens (the live slot holds that state: nothing to copy), when
+        `turn_end_checkpoints` is on."""
+        if reason not in RELEASE_REASONS:
+            raise ValueError(f"unknown release reason {reason!r}; one of {RELEASE_REASONS}")
         req = self._requests.pop(request_id, None)
+        # `_preempted` stays exact: a preemption marks the request; any other release of it
+        # (a cancel of a preempted request that waits, say) clears the mark.
+        if reason != "preempt":
+            self._preempted.discard(request_id)
         if req is None:
             return False
+        if reason == "preempt":
+            self._preempted.add(request_id)
+        elif reason == "finish" and self.turn_end_checkpoints and req.end == req.num_computed:
+            for name, g in self.groups.items():
+                g.keep_turn_end(req.states[name], req.token_ids, req.mm_items, req.num_computed)
         self._fresh.discard(request_id)
         for name, g in self.groups.items():
             g.release(req.states[name])
         return True
+
+    def finish(self, request_id: str) -> bool:
+        return self.release(request_id, "finish")
+
+    def cancel(self, request_id: str) -> bool:
+        return self.release(request_id, "cancel")
+
+    def preempt(self, request_id: str) -> bool:
+        """Release everything; the engine admits the request again later and recomputes."""
+        return self.release(request_id, "preempt")
 
     # ---- invariants --------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ of it is read (or as soon as a chunked one passes the limit). The body is parsed
 and tokenized on a worker thread (the tokenizer releases the GIL), so a big prompt never
 stalls the event loop: other streams and /health go on meanwhile.
 
-Tenants. A tenant salts the request's prefix chain (cache/base.py), so one tenant never
+Tenants. A tenant salts the request's prefix chain (cache/coordinator.py), so one tenant never
 hits another's cached prefix, and `usage.prompt_tokens_details.cached_tokens` shows it.
   - a key bound to a tenant (`KEY:TENANT`): the request's tenant is the key's; an
     `X-Tenant-Id` header or `user` naming another tenant is refused (403);
