@@ -84,8 +84,8 @@ class Lifecycle(RuleBasedStateMachine):
         return queues
 
     def _restore_dual(self, rid: str, point: int) -> None:
-        """Rebuild each dual pool's state after a hit at `point` as the restore says: replay
-        [replay_start, point) on top of the cached spans the request holds."""
+        """Rebuild each dual pool's state after a hit at `point` as the restore says: copy a
+        checkpoint, or replay [replay_start, point) on top of the cached spans the request holds."""
         tenant, seq = self.tenant[rid], tuple(self.seq[rid])
         for g in self.m.dual_groups:
             restore = self.m.state_restore(rid, g.name)
@@ -94,11 +94,16 @@ class Lifecycle(RuleBasedStateMachine):
                 assert restore.method == "none"
                 self.states[g.name][restore.state_slot] = (tenant, ())
                 continue
-            assert restore.method == "recompute"
             cached = point // g.span * g.span  # the spans read from the classical pool
             table = self.m.block_ids(rid, g.name)
             for k in range(point // g.span):
                 assert self.content[g.name].get(table[k]) == (g.name, tenant, seq[: (k + 1) * g.span]), (rid, k)
+            if restore.method == "checkpoint":
+                assert g.spec.restore != "recompute" and restore.checkpoint_slot is not None
+                assert self.states[g.name].get(restore.checkpoint_slot) == (tenant, seq[:point]), "the checkpoint"
+                self.states[g.name][restore.state_slot] = (tenant, seq[:point])
+                continue
+            assert restore.method == "recompute" and g.spec.restore != "checkpoint"
             start = restore.replay_start
             rebuilt = start <= cached and start <= max(0, point - g.spec.replay_len)
             self.states[g.name][restore.state_slot] = (tenant, seq[:point]) if rebuilt else ("not rebuilt", start)
@@ -131,6 +136,9 @@ class Lifecycle(RuleBasedStateMachine):
             table = self.m.block_ids(rid, g.name)
             for k in range(start // g.span, end // g.span):  # the spans the step completes
                 self.content[g.name][table[k]] = (g.name, tenant, tuple(seq[: (k + 1) * g.span]))
+            for position, slot in self.m.checkpoints(rid, g.name):  # snapshots of the state
+                assert start < position <= end and position % g.span == 0
+                self.states[g.name][slot] = (tenant, tuple(seq[:position]))
             self.states[g.name][state_slot] = (tenant, tuple(seq[:end]))
         rec = self.content["rec"]
         live = self.m.state_slot(rid)
@@ -369,6 +377,28 @@ DualPoolLifecycle.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestDualPoolHybridLifecycle = DualPoolLifecycle.TestCase
+
+
+class DualPoolCheckpointLifecycle(DualPoolLifecycle):
+    """The dual pool restoring from checkpoints in 2 slots of their own (chosen by cost per
+    admission, or always), among groups whose points may lie below its own hit."""
+
+    restore = "auto"
+
+    def _build(self) -> HybridCacheManager:
+        v4 = DualPoolGroupSpec("v4", 8, replay_len=2, restore=self.restore, num_checkpoints=2)
+        specs = [SPECS[0], SPECS[1], (v4, (8, 4)), (RecurrentGroupSpec("rec", 4), 12)]
+        return HybridCacheManager(specs, CacheDescriptor("prop"), turn_end_checkpoints=True)
+
+
+class DualPoolOnlyCheckpointLifecycle(DualPoolCheckpointLifecycle):
+    restore = "checkpoint"
+
+
+DualPoolCheckpointLifecycle.TestCase.settings = DualPoolLifecycle.TestCase.settings
+TestDualPoolCheckpointLifecycle = DualPoolCheckpointLifecycle.TestCase
+DualPoolOnlyCheckpointLifecycle.TestCase.settings = DualPoolLifecycle.TestCase.settings
+TestDualPoolOnlyCheckpointLifecycle = DualPoolOnlyCheckpointLifecycle.TestCase
 
 
 class ConstantHashDualPoolLifecycle(DualPoolLifecycle, ConstantHashLifecycle):

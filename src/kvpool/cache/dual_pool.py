@@ -286,13 +286,7 @@ class DualPoolGroup(CacheGroup):
         self._clock = 0
         self._evicted: list[tuple[int, PrefixBlock]] | None = None  # record_evictions
 
-    def pools(self) -> tuple[BlockPool, ...]:
-        return (self.pool, self.state_pool)
-
     # ---- prefix hits -------------------------------------------------------------------
-
-    def _extras(self, mm_items: tuple[MMItem, ...], num: int) -> list[bytes] | None:
-        return [mm_extra_key(mm_items, self.span, k) for k in range(num)] if mm_items else None
 
     def hits(
         self,
@@ -318,7 +312,7 @@ class DualPoolGroup(CacheGroup):
             packed[: num * span * TOKEN_BYTES] if packed is not None else token_bytes(token_ids[: num * span]),
             span * TOKEN_BYTES,
             num,
-            self._extras(mm_items, num),
+            [mm_extra_key(mm_items, span, k) for k in range(num)] if mm_items else None,
             count_collisions=admission,
         )
         block_ids, chain = hit.block_ids, hit.chain
@@ -672,10 +666,6 @@ class DualPoolGroup(CacheGroup):
     def prefix_chain(self, state: DualPoolState) -> list[PrefixBlock]:
         return state.chain
 
-    def pending_chain(self, state: DualPoolState) -> list[PrefixBlock]:
-        """The prefix blocks of the spans the reserved step completes (caching on)."""
-        return state.pending.chain if state.pending is not None else []
-
     def metadata_bytes(self, state: DualPoolState) -> int:
         return sys.getsizeof(state) + sys.getsizeof(state.block_ids) + sys.getsizeof(state.chain)
 
@@ -869,7 +859,7 @@ class DSV4CacheManager(HybridCacheManager):
         """The prefix blocks of the request's complete spans, committed then reserved, in
         order (empty with prefix caching off): a runner names tier entries by them."""
         state = self._get(request_id).states["v4"]
-        return state.chain + self.group.pending_chain(state)
+        return state.chain + (state.pending.chain if state.pending is not None else [])
 
     def unreserve(self, request_id: str) -> None:
         """Undo the request's reserved step whose forward has not run, exactly (the group's
