@@ -674,11 +674,15 @@ class DualPoolGroup(CacheGroup):
 
     def fork(self, state: DualPoolState) -> DualPoolState:
         """The child shares the complete spans and gets a state block of its own (the runner
-        copies the parent's state into it; a parent's pending restore is the child's too)."""
+        copies the parent's state into it). A parent's pending replay is the child's too (a
+        runner may defer it to the next step; replaying twice rebuilds the same state); a
+        checkpoint copy is not (done at admission, and the slot may be reused since)."""
         slot = self.state_pool.allocate(1)
         assert slot is not None, "can_fork was checked"
         self.pool.incref(state.block_ids)
-        restore = None if state.restore is None else replace(state.restore, state_slot=slot[0])
+        restore = state.restore
+        if restore is not None:
+            restore = replace(restore, state_slot=slot[0]) if restore.method == "recompute" else None
         return DualPoolState(state.root, slot[0], list(state.block_ids), list(state.chain), restore)
 
     def release(self, state: DualPoolState) -> None:
@@ -829,11 +833,8 @@ class DSV4CacheManager(HybridCacheManager):
             hash_algo=hash_algo,
         )
         self.group = cast(DualPoolGroup, self.groups["v4"])  # built from a DualPoolGroupSpec
-        self.spec, self.span = spec, spec.span
-        self.restore, self.restore_cost = restore, self.group.restore_cost
-        self.num_checkpoints, self.checkpoint_blocks = num_checkpoints, checkpoint_blocks
-        self.checkpointing = self.group.checkpointing
-        self.num_state_blocks = num_state_blocks
+        self.span, self.restore, self.checkpoint_blocks = spec.span, restore, checkpoint_blocks
+        self.checkpointing, self.num_state_blocks = self.group.checkpointing, num_state_blocks
 
     @property
     def num_free_state_blocks(self) -> int:
