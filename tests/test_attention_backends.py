@@ -95,7 +95,7 @@ def test_the_v4_runner_gets_the_sparse_backend_over_its_pools(kv_format, fmt) ->
     from kvpool.models.tiny_dsv4 import TinyDSV4
 
     runner = DSV4Runner(TinyDSV4(), 4, 2, kv_format=kv_format)
-    assert type(runner.attention) is DSV4SparseBackend and runner.attention.pools is runner.pools
+    assert type(runner.attention) is DSV4SparseBackend and runner.attention.pools is runner.executor.pools
     assert select_backend("dsv4-sparse", fmt, "cpu").backend is DSV4SparseBackend
 
 

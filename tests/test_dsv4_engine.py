@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from kvpool.engine.build import build_engine
-from kvpool.engine.dsv4_runner import DSV4Runner, MeasuredRestoreCost
+from kvpool.engine.dsv4_runner import DSV4Runner
 from kvpool.engine.engine import Engine
-from kvpool.engine.runner import ScheduledChunk
+from kvpool.engine.runner import MeasuredRestoreCost, ScheduledChunk
 from kvpool.engine.sampling import SamplingParams
 from kvpool.models.tiny_dsv4 import TinyDSV4
 from kvpool.verify.dsv4_tolerance import derived_fp32_tolerance

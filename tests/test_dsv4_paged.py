@@ -60,7 +60,7 @@ def test_tiny_model_is_v4_geometry(v64: Verifier) -> None:
     assert (spec.csa_ratio, spec.hca_ratio, spec.window, spec.span) == (4, 128, 128, 128)
     small = v64.small.spec
     assert (small.hca_ratio, small.window, small.num_layers, small.span) == (16, 16, 4, 16)
-    assert v64.model.dtype == torch.float64 and v64.runner().pools.dtype == torch.float64
+    assert v64.model.dtype == torch.float64 and v64.runner().executor.pools.dtype == torch.float64
 
 
 # ----- fp64: the whole matrix, exact ---------------------------------------------------
@@ -95,8 +95,8 @@ def test_any_chunk_size_writes_the_state_of_token_by_token_decode(v64: Verifier)
     for chunk in (5, 64, 263):
         other = _state_after(v64.model, ids, chunk)
         assert other.cache.block_ids("r") == by_token.cache.block_ids("r") == [0, 1]
-        live_a = by_token.pools.live_state(0, len(ids))
-        live_b = other.pools.live_state(0, len(ids))
+        live_a = by_token.executor.pools.live_state(0, len(ids))
+        live_b = other.executor.pools.live_state(0, len(ids))
         for la, lb in zip(live_a, live_b, strict=True):
             assert la.keys() == lb.keys()
             for name in la:
@@ -104,7 +104,7 @@ def test_any_chunk_size_writes_the_state_of_token_by_token_decode(v64: Verifier)
                 assert a.shape == b.shape and a.dtype == torch.float64, name
                 assert torch.isfinite(a).all() and torch.isfinite(b).all()  # past block 0: no -inf rows
                 assert torch.allclose(a, b, atol=FP64_TOLERANCE, rtol=0), name
-        for cl_a, cl_b in zip(by_token.pools.classical, other.pools.classical, strict=True):
+        for cl_a, cl_b in zip(by_token.executor.pools.classical, other.executor.pools.classical, strict=True):
             for a, b in ((cl_a.main, cl_b.main), (cl_a.idx, cl_b.idx)):
                 if a is not None:
                     assert torch.allclose(a, b, atol=FP64_TOLERANCE, rtol=0)
@@ -292,14 +292,14 @@ def test_classical_pool_never_holds_an_incomplete_block(v64: Verifier) -> None:
     runner.add_request("r", ids[:1])
     runner.append_tokens("r", ids[1:])
     watcher = ClassicalPoolWatcher(runner)
-    zero = [t.clone() for cl in runner.pools.classical for t in (cl.main, cl.idx) if t is not None]
+    zero = [t.clone() for cl in runner.executor.pools.classical for t in (cl.main, cl.idx) if t is not None]
     for pos in range(130):
         assert runner.step([("r", 1)]) is not None
         watcher.check()
         computed = pos + 1
         assert len(runner.cache.block_ids("r")) == computed // 128
         if computed < 128:  # 127 tokens hold 31 complete CSA entries, all in state, none pooled
-            now = [t for cl in runner.pools.classical for t in (cl.main, cl.idx) if t is not None]
+            now = [t for cl in runner.executor.pools.classical for t in (cl.main, cl.idx) if t is not None]
             assert all(torch.equal(a, b) for a, b in zip(now, zero, strict=True))
     assert runner.cache.block_ids("r") == [0]
 

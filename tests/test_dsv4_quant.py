@@ -116,7 +116,7 @@ def test_the_engine_reads_what_the_fp8_bytes_hold(indexer_format) -> None:
     assert torch.equal(exact.requests["r"].seqs[0].logits[0], fp8.requests["r"].seqs[0].logits[0])
     # ... and the fp8 pool holds the exact pool's entries quantized: the same bytes when the
     # exact entries are quantized here
-    pe, pf = exact.runner.pools, fp8.runner.pools
+    pe, pf = exact.runner.executor.pools, fp8.runner.executor.pools
     blocks = fp8.runner.cache.block_ids("r") if "r" in fp8.runner.cache else None
     assert blocks is None  # released: the blocks stay cached, findable by the next request
     written = [b for b in range(16) if bool(pf.classical[2].main.codes[b].any())]

@@ -31,7 +31,7 @@ def _serve(model: TinyDSV4, hot: int | None, prompt_len: int = 700):
     while engine.has_unfinished():
         engine.step()
         runner.check_integrity()
-        for cl in runner.pools.classical:
+        for cl in runner.executor.pools.classical:
             if cl.hot is not None:
                 cl.hot.check_integrity()
     return [torch.stack(engine.requests[i].seqs[0].logits) for i in ids], runner.tier_reports().get("hisparse")

@@ -46,7 +46,7 @@ def _run(model, prompt: list[int], steps: int, hot: int | None):
     report = runner.tier_reports().get("hisparse")
     logits = engine.requests[rid].seqs[0].logits
     out = {"decode_step_ms": round(step_ms, 2)}
-    csa = [cl for cl in runner.pools.classical if cl.main is not None and cl.idx is not None]
+    csa = [cl for cl in runner.executor.pools.classical if cl.main is not None and cl.idx is not None]
     resident = sum(cl.main.numel() * cl.main.element_size() for cl in csa)
     if report is None:
         out["csa_main_device_bytes"] = resident

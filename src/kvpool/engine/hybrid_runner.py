@@ -167,6 +167,11 @@ class HybridExecutor:
     def copy_state(self, src: int, dst: int) -> None:
         self.attention.recurrent.copy_state(src, dst)
 
+    def replay(
+        self, token_ids: Sequence[int], start: int, block_ids: Sequence[int], state_slot: int, valid_from: int
+    ) -> None:
+        raise AssertionError("a hybrid cache never restores a state by replay")
+
     def drop_blocks(self, block_ids: Sequence[int]) -> None:
         pass
 

@@ -238,6 +238,11 @@ class LlamaExecutor:
     def copy_state(self, src: int, dst: int) -> None:
         raise AssertionError("a Llama request holds no state slot")
 
+    def replay(
+        self, token_ids: Sequence[int], start: int, block_ids: Sequence[int], state_slot: int, valid_from: int
+    ) -> None:
+        raise AssertionError("a Llama cache never restores a state by replay")
+
     def drop_blocks(self, block_ids: Sequence[int]) -> None:
         """Blocks nobody holds any more: a quantized pool's full-precision tails go with them."""
         if isinstance(self.storage, QuantizedKVStorage) and self.storage.num_tails:

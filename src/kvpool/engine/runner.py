@@ -13,11 +13,17 @@ the computed tokens (with each request's sampled next token), and to release a r
   - `bridge`: the one TierBridge (engine/tier_bridge.py) to the host, disk and Redis tiers;
   - `executor`: the model's tensor work (engine/llama_runner.py `LlamaExecutor`,
     engine/hybrid_runner.py `HybridExecutor`, engine/dsv4_runner.py `DSV4Executor`).
-Everything that is a decision lives here, once: admission (with the lower-tier loads and
-the swap-in of a preempted request's tail), the state restore of an admission (fresh, from
-a checkpoint, by a deferred replay), reservation (with the offload of the blocks it
-evicted), commit (with the write-through of the blocks it published), release (with the
-swap-out decision of a preemption), fork (with the state copy), and the figures.
+Everything that is a decision lives here, once: admission (with the lower-tier loads, V4's
+prefetch and install, the swap-in of a preempted request's tail), the state restore of an
+admission (fresh, from a checkpoint, from the tiers' window snapshots, by a replay deferred
+to the step that needs the state), reservation (with the offload of the blocks it
+evicted), the step (V4: cut at the state checkpoints and window snapshots it takes),
+commit (with the write-through of the blocks it published), release (with the swap-out
+decision of a preemption), fork (with the state copy), and the figures.
+
+Where the caches still differ in their calls (V4's DSV4CacheManager is not yet a
+coordinator: lower-tier blocks by prefetch before admission, completed blocks seen as the
+table's growth at commit, pending reservations with checkpoints), `dual` marks the path.
 
 The executor interface (`Executor` below) is what a model's tensors must do and nothing
 more; it never changes the cache (it may read the tables the cache holds, to turn them
@@ -37,22 +43,30 @@ every call without tensors:
   - `replay(token_ids, start, block_ids, state_slot, valid_from)`: recompute a V4 state
     over tokens [start, start + len(token_ids)) on top of cached blocks (a cost: a forward
     of those tokens with their context).
+  - V4 only: `window_snapshot(slot, boundary, num_rows)` (the state at a block boundary
+    as a tier entry), `restore_window(slot, boundary, snapshots)` (the state set from
+    them); `spec` (the model's DSV4Spec).
   - `drop_blocks(block_ids)`: blocks nobody holds any more (a quantized pool's tails).
   - `kv_read_bytes(num_context_tokens)`, `cache_stats(cache)` (the report's figures of
-    the executor's tensors, and of the cache as its model reports it), `check_integrity()`.
+    the executor's tensors, and of the cache as its model reports it), `reports(num_steps)`
+    (optional: the executor's own tier report, V4's "hisparse"), `check_integrity()`.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from kvpool.cache import Admission, BlockCopy, CacheDescriptor, CacheUsage, ReleaseReason
+from kvpool.cache import Admission, BlockCopy, CacheDescriptor, CacheUsage, ReleaseReason, Reservation
 from kvpool.engine.memory import StepPeaks
-from kvpool.engine.tier_bridge import TierBridge
+from kvpool.engine.tier_bridge import SWAMoves, TierBridge
+from kvpool.pool import PrefixBlock
+from kvpool.tiers import BlockDescriptor, TierStack
+from kvpool.tiers.swa import SWAStrategy, snapshot_descriptor, snapshot_key
 
 PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap", "auto")
 
@@ -65,6 +79,39 @@ class ScheduledChunk(NamedTuple):
     token_ids: list[int]
     start: int
     needs_logits: bool  # True when the chunk ends at the sequence's last known token (sample next)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Logits of every token a request computed in a `step`: [num_tokens, vocab] fp32."""
+
+    request_id: str
+    start: int
+    logits: torch.Tensor
+
+
+class MeasuredRestoreCost:
+    """The "auto" restore priced by the runner's own timings, in seconds (cache/dual_pool.py
+    `RestoreCost`): a checkpoint copy at the mean of the state copies it has made, computing
+    at the seconds per token of its replays; until both are measured, in tokens (TokenCost:
+    a copy is free), as preemption's "auto" swaps until it knows both of its rates."""
+
+    def __init__(self) -> None:
+        self.num_copies = 0
+        self.copy_s = 0.0
+        self.num_replayed_tokens = 0
+        self.replay_s = 0.0
+
+    def _measured(self) -> bool:
+        return self.num_copies > 0 and self.num_replayed_tokens > 0
+
+    def checkpoint_cost(self) -> float:
+        return self.copy_s / self.num_copies if self._measured() else 0.0
+
+    def compute_cost(self, num_tokens: int, context_len: int) -> float:
+        if self._measured():
+            return num_tokens * self.replay_s / self.num_replayed_tokens
+        return float(num_tokens)
 
 
 class Executor(Protocol):
@@ -93,6 +140,10 @@ class Executor(Protocol):
     def reset_state(self, slot: int) -> None: ...
 
     def copy_state(self, src: int, dst: int) -> None: ...
+
+    def replay(
+        self, token_ids: Sequence[int], start: int, block_ids: Sequence[int], state_slot: int, valid_from: int
+    ) -> None: ...
 
     def drop_blocks(self, block_ids: Sequence[int]) -> None: ...
 
@@ -129,6 +180,9 @@ class ModelRunner:
         capacity_tokens: int,
         max_model_len: int,
         preemption: str = "recompute",
+        dual: bool = False,
+        restore_cost: MeasuredRestoreCost | None = None,
+        swa: SWAStrategy | None = None,
     ) -> None:
         if preemption not in PREEMPTION_MODES:
             raise ValueError(f"unknown preemption {preemption!r}; one of {', '.join(PREEMPTION_MODES)}")
@@ -141,7 +195,22 @@ class ModelRunner:
         self.capacity_tokens = capacity_tokens
         self.max_model_len = max_model_len
         self.preemption = preemption
-        self._pools = list({g.pool: None for g in cache.groups.values()})  # each distinct pool once
+        # each distinct pool once (V4's dual pool: the classical pool; its state blocks are
+        # counted as the runner takes them)
+        groups = getattr(cache, "groups", None)
+        self._pools = list({g.pool: None for g in groups.values()}) if groups is not None else [cache.pool]
+        self._num_states_taken = 0
+        # dual: the cache is V4's dual pool (DSV4CacheManager), whose lower-tier blocks come
+        # back by prefetch before an admission, whose completed blocks show at commit as the
+        # table's growth, and whose steps run in pieces cut at the state checkpoints
+        self.dual = dual
+        self.restore_cost = restore_cost if restore_cost is not None else MeasuredRestoreCost()
+        self.num_replayed_tokens = 0  # tokens recomputed by prefix-hit restores (for reports)
+        self.replay_s = 0.0
+        # deferred restores by recompute, by request, oldest first: (admission, first
+        # position to recompute, first window position the state holds)
+        self._replays: dict[str, tuple[Admission, int, int]] = {}
+        self.num_steps_run = 0  # engine steps executed (for per-step figures)
         # request -> (computed tokens at preemption, its tail block's tokens): restored on resume
         self._swapped: dict[str, tuple[int, int]] = {}
         self._prefill_tokens = 0  # tokens of the steps that carried a prefill chunk, and their seconds (auto)
@@ -152,6 +221,9 @@ class ModelRunner:
         self.tier, self.tier_index, self.tier_moves = self.bridge.tier, self.bridge.index, self.bridge.moves
         if self.persistent_tiers:  # disk, Redis: an entry that is not a block of this storage is a corrupt miss
             self.bridge.expect_blocks(descriptor, executor.block_layout)
+        # window snapshots at block boundaries (dual pool with persistent tiers, tiers/swa.py)
+        self.swa = (swa or SWAStrategy()).check(block_size) if dual and self.persistent_tiers else None
+        self.swa_moves = SWAMoves()
         if self.host_tier is not None:
             if hasattr(self.host_tier, "reclaim"):
                 self.host_tier.reclaim(descriptor)  # a tier kept from an engine of other weights
@@ -180,9 +252,28 @@ class ModelRunner:
         """Look up the cached prefix of `token_ids` (under the tenant's salt: no tenant hits
         another's), take it (loading what a lower tier holds of it), restore the request's
         state, and reserve room for up to `max_new_tokens` of the rest (None: all of it).
-        None: no room now, nothing changed."""
+        None: no room now, nothing changed. A restore by recompute is deferred to the start
+        of the next `execute` (the admission stays bookkeeping; the replay is compute, done
+        in the step that needs the state)."""
         if max_new_tokens is not None and max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+        return self._admit(request_id, token_ids, max_new_tokens, tenant_salt, defer_replay=True)
+
+    def add_request(self, request_id: str, token_ids: Sequence[int], *, tenant_salt: str = "") -> Admission | None:
+        """V4's dual pool: admit with nothing reserved yet (`step` does that) and the state of
+        any prefix hit restored at once; None when no state block is free."""
+        return self._admit(request_id, token_ids, 0, tenant_salt, defer_replay=False)
+
+    def _admit(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        max_new_tokens: int | None,
+        tenant_salt: str,
+        defer_replay: bool,
+    ) -> Admission | None:
+        if self.dual and self.tier is not None:
+            self._prefetch(token_ids, tenant_salt)
         adm = self.cache.admit(request_id, token_ids, max_new_tokens, tenant_salt=tenant_salt)
         if adm is None:
             return None
@@ -196,19 +287,54 @@ class ModelRunner:
             if swapped is not None:
                 adm = self._swap_in_tail(request_id, adm, *swapped)
         if adm.restore is not None:
-            self._restore_state(adm)
+            self._restore_state(request_id, adm, token_ids, defer_replay)
         return adm
 
-    def _restore_state(self, adm: Admission) -> None:
-        """The state restore the cache chose for the admission: a fresh state, or the
-        checkpoint copied into the live slot."""
+    def _restore_state(self, request_id: str, adm: Admission, token_ids: Sequence[int], defer_replay: bool) -> None:
+        """The state restore the cache chose for the admission: a fresh state, the checkpoint
+        copied into the live slot, or (V4) a replay of the hit's tokens on top of its cached
+        blocks, from the latest window snapshot the persistent tiers restore, now or in the
+        next step."""
         restore = adm.restore
         assert restore is not None
-        if restore.method == "checkpoint":
+        self._num_states_taken += 1
+        if restore.method == "checkpoint":  # (the copy overwrites the whole slot)
             assert restore.checkpoint_slot is not None
-            self.executor.copy_state(restore.checkpoint_slot, restore.state_slot)
-        else:
-            self.executor.reset_state(restore.state_slot)
+            self._copy_state(restore.checkpoint_slot, restore.state_slot)
+            return
+        self.executor.reset_state(restore.state_slot)
+        if restore.method == "recompute":
+            start = valid_from = restore.replay_start  # the zero strategy: nothing before start
+            point = self._restore_window(request_id, adm)
+            if point:  # the state at `point` came from window snapshots: recompute the rest
+                start, valid_from = point, 0
+            if start >= adm.num_cached_tokens:
+                pass
+            elif defer_replay:
+                self._replays[request_id] = (adm, start, valid_from)  # a newer admission replaces it
+            else:
+                self._replay(adm, list(token_ids), start, valid_from)
+
+    def _replay(self, adm: Admission, token_ids: list[int], start: int, valid_from: int) -> None:
+        """Recompute tokens [start, num_cached) of the admission's hit on top of its cached
+        blocks (DEEPSEEK_V4.md section 6), timed for the "auto" restore."""
+        restore = adm.restore
+        assert restore is not None
+        began = time.perf_counter()
+        num_cached = adm.num_cached_tokens
+        table = adm.block_ids[: num_cached // self.block_size]
+        self.executor.replay(token_ids[start:num_cached], start, table, restore.state_slot, valid_from)
+        self.num_replayed_tokens += num_cached - start
+        self.replay_s += time.perf_counter() - began
+        self.restore_cost.num_replayed_tokens = self.num_replayed_tokens
+        self.restore_cost.replay_s = self.replay_s
+
+    def _copy_state(self, src: int, dst: int) -> None:
+        """A checkpoint restored or taken: one state slot copied, timed for "auto"."""
+        began = time.perf_counter()
+        self.executor.copy_state(src, dst)
+        self.restore_cost.num_copies += 1
+        self.restore_cost.copy_s += time.perf_counter() - began
 
     def reserve(self, request_ids: Sequence[str], num_new_tokens: Sequence[int]) -> bool:
         """Room for the next num_new_tokens[i] tokens of each admitted request; all or
@@ -228,8 +354,14 @@ class ModelRunner:
         """The step's tokens have their KV written; each request's sampled token (None: no
         token, or the request has finished) joins it. The blocks the step completed are
         written through to the persistent tiers."""
-        self.cache.commit_step(request_ids, num_tokens, next_token_ids)
-        if self.persistent_tiers:
+        if not self.persistent_tiers:
+            self.cache.commit_step(request_ids, num_tokens, next_token_ids)
+        elif self.dual:
+            before = [len(self.cache.block_ids(r)) for r in request_ids]
+            self.cache.commit_step(request_ids, num_tokens, next_token_ids)
+            self._persist_completed(request_ids, before)
+        else:
+            self.cache.commit_step(request_ids, num_tokens, next_token_ids)
             self._persist_published()
 
     def fork(self, parent_id: str, child_id: str) -> bool:
@@ -239,14 +371,16 @@ class ModelRunner:
         if not self.cache.fork(parent_id, child_id):
             return False
         if self.executor.has_state:
+            self._num_states_taken += 1
             self.executor.copy_state(self.cache.state_slot(parent_id), self.cache.state_slot(child_id))
         return True
 
-    def release(self, request_id: str, reason: ReleaseReason) -> bool:
+    def release(self, request_id: str, reason: ReleaseReason = "finish") -> bool:
         """Free the request's cache: reason is "finish", "cancel" or "preempt"; a preempted
-        request is swapped out first when the preemption mode says so. Once only: False for
-        a request the runner does not hold."""
+        request is swapped out first when the preemption mode says so, a restore still
+        waiting to replay goes. Once only: False for a request the runner does not hold."""
         self._swapped.pop(request_id, None)
+        self._replays.pop(request_id, None)
         if request_id not in self.cache:
             return self.cache.release(request_id, reason)
         if reason == "preempt" and self._should_swap(request_id):
@@ -265,17 +399,27 @@ class ModelRunner:
     # ---- the step -------------------------------------------------------------------------
 
     def execute(self, chunks: Sequence[ScheduledChunk], all_logits: bool = False) -> torch.Tensor:
-        """Run one step. Returns logits [num chunks with needs_logits, vocab] in chunk order
-        (all_logits: every token's, [N, vocab]): fp32, or fp64 for an fp64 model."""
+        """Run one step over the chunks' reservations. Returns logits [num chunks with
+        needs_logits, vocab] in chunk order (all_logits: every token's, [N, vocab]): fp32, or
+        fp64 for an fp64 model."""
         start = time.perf_counter()
         copies = self.cache.take_copies()
         if copies:
             self.executor.copy_blocks(copies)  # copy-on-write copies before anything writes
-        logits = self.executor.forward(chunks, self.cache, all_logits)
+        if self.dual:
+            logits = self._forward_in_pieces(chunks)
+            if all_logits:
+                rows = logits
+            else:
+                rows = [lg[-1:] for c, lg in zip(chunks, logits, strict=True) if c.needs_logits]
+            out = torch.cat(rows) if rows else torch.zeros(0, self.vocab_size)
+        else:
+            out = self.executor.forward(chunks, self.cache, all_logits)
+        self.num_steps_run += 1
         if any(len(c.token_ids) > 1 for c in chunks):  # the prefill rate, for preemption="auto"
             self._prefill_tokens += sum(len(c.token_ids) for c in chunks)
             self._prefill_s += time.perf_counter() - start
-        return logits
+        return out
 
     def run(self, work: Sequence[tuple[str, list[int], int]]) -> list[torch.Tensor]:
         """One forward over reserved chunks (request id, token ids, start): logits
@@ -287,6 +431,82 @@ class ModelRunner:
             out.append(logits[offset : offset + len(ids)])
             offset += len(ids)
         return out
+
+    def step(self, work: Sequence[tuple[str, int]]) -> list[StepResult] | None:
+        """V4's dual pool: compute `num_tokens` more tokens for each (request_id, num_tokens);
+        the tokens must already be in the request (prompt or appended): a step's reservation,
+        forward and commit in one call. None when the pool cannot hold the step (nothing
+        changes)."""
+        ids = [request_id for request_id, _ in work]
+        counts = [n for _, n in work]
+        if not self.reserve(ids, counts):
+            return None
+        starts = [self._pending(request_id).start for request_id in ids]
+        logits = self.run_reservations(ids)
+        self.commit(ids, counts, [None] * len(ids))
+        return [StepResult(r, start, lg) for r, start, lg in zip(ids, starts, logits, strict=True)]
+
+    def run_reservations(self, request_ids: Sequence[str]) -> list[torch.Tensor]:
+        """V4's dual pool: forward passes for the requests' pending reservations; logits
+        [num_tokens, vocab] of every token each computed."""
+        chunks = []
+        for request_id in request_ids:
+            res = self._pending(request_id)
+            ids = self.cache.token_ids(request_id)[res.start : res.start + res.num_tokens]
+            chunks.append(ScheduledChunk(request_id, ids, res.start, True))
+        return self._forward_in_pieces(chunks)
+
+    def _pending(self, request_id: str) -> Reservation:
+        res = self.cache.pending_reservation(request_id)
+        assert res is not None, f"request {request_id!r} has no reservation"
+        return res
+
+    def _forward_in_pieces(self, chunks: Sequence[ScheduledChunk]) -> list[torch.Tensor]:
+        """V4's dual pool: the deferred replays first, then the chunks (each its request's
+        whole reservation) in forwards cut at their checkpoint positions (the state is
+        copied to the checkpoint slot exactly there) and at the window snapshots the SWA
+        strategy keeps (persisted there); any cut gives the same state. Logits [len(token
+        ids), vocab] of every chunk token."""
+        for request_id, (adm, start, valid_from) in self._replays.items():
+            if request_id in self.cache:  # (a release through the cache alone leaves it here)
+                self._replay(adm, self.cache.token_ids(request_id), start, valid_from)
+        self._replays.clear()
+        cuts: dict[str, list[int]] = {}
+        checkpoints: dict[str, tuple[tuple[int, int], ...]] = {}
+        snapshots: dict[str, dict[int, tuple[bytes, BlockDescriptor]]] = {}
+        for c in chunks:
+            res = self._pending(c.seq_id)
+            assert res.start == c.start and res.num_tokens == len(c.token_ids), "chunk != reservation"
+            checkpoints[c.seq_id] = res.checkpoints
+            cuts[c.seq_id] = [p for p, _ in res.checkpoints]
+            if self.swa is not None and res.new_block_ids:
+                snapshots[c.seq_id] = self._snapshots_wanted(c.seq_id, res)
+                cuts[c.seq_id] += list(snapshots[c.seq_id])
+        cursor = {c.seq_id: c.start for c in chunks}
+        pieces: dict[str, list[torch.Tensor]] = {c.seq_id: [] for c in chunks}
+        while True:
+            todo = []
+            for c in chunks:
+                pos, end = cursor[c.seq_id], c.start + len(c.token_ids)
+                if pos < end:
+                    stop = min([end] + [p for p in cuts[c.seq_id] if p > pos])
+                    todo.append(ScheduledChunk(c.seq_id, c.token_ids[pos - c.start : stop - c.start], pos, False))
+            if not todo:
+                break
+            out = self.executor.forward(todo, self.cache, True)
+            offset = 0
+            for piece in todo:
+                request_id, n = piece.seq_id, len(piece.token_ids)
+                pieces[request_id].append(out[offset : offset + n])
+                offset += n
+                stop = cursor[request_id] = piece.start + n
+                for position, checkpoint_slot in checkpoints[request_id]:
+                    if position == stop:
+                        self._copy_state(self.cache.state_slot(request_id), checkpoint_slot)
+                wanted = snapshots.get(request_id, {}).get(stop)
+                if wanted is not None:  # the state at a boundary the SWA strategy keeps
+                    self._persist_snapshot(request_id, stop, wanted)
+        return [torch.cat(pieces[c.seq_id]) for c in chunks]
 
     # ---- the tiers -----------------------------------------------------------------------
 
@@ -408,6 +628,112 @@ class ModelRunner:
                 self.tier_moves.num_persisted += self.bridge.persist(key, descriptor, tensors) > 0
         self.tier_moves.persist_s += time.perf_counter() - start
 
+    # ---- V4's dual pool and its tiers: prefetch, window snapshots, completed blocks ------------
+
+    def _prefetch(self, token_ids: Sequence[int], tenant_salt: str) -> None:
+        """The spans after the device hit that the tier holds valid: into fresh classical
+        blocks, checked, then published as cached blocks for the admission to hit."""
+        assert self.tier_index is not None
+        hit, candidates = self.cache.prefetch_candidates(token_ids, tenant_salt=tenant_salt)
+        num_found = self.tier_index.find(candidates) if candidates else 0
+        if not num_found:
+            return
+        block_ids = self.cache.install(num_found, hold=hit)
+        self._offload_evicted()  # the fresh blocks may be evicted ones: save them first
+        if block_ids is None:
+            return
+        num_loaded = self._load(list(zip(block_ids, candidates, strict=False)))
+        self.cache.publish_installed(block_ids, candidates[:num_found], num_loaded)
+
+    def _snapshot_entry(self, block: PrefixBlock) -> tuple[bytes, BlockDescriptor]:
+        """(tier key, descriptor) of the window snapshot at the end of prefix block `block`."""
+        assert self.swa is not None and self.tier_index is not None
+        rows = self.swa.window_rows(self.block_size, self.executor.spec.window)
+        key, descriptor = self.tier_index.describe(block)
+        return snapshot_key(key, rows), snapshot_descriptor(key, descriptor, rows)
+
+    def _restore_window(self, request_id: str, adm: Admission) -> int:
+        """The state at the latest snapshot the SWA strategy can restore this hit from (an
+        earlier one when a snapshot is missing), written into the request's state block;
+        that boundary, or 0 (none: recompute)."""
+        if self.swa is None or self.tier is None:
+            return 0
+        spec, span = self.executor.spec, self.block_size
+        points = self.swa.restore_points(adm.num_cached_tokens, span, spec.window, spec.num_layers)
+        if not points:
+            return 0
+        began = time.perf_counter()
+        chain = self.cache.prefix_blocks(request_id)
+        moves = self.swa_moves
+        for point, needed in points:
+            snapshots = []
+            for boundary in needed:
+                key, descriptor = self._snapshot_entry(chain[boundary // span - 1])
+                tensors = self.tier.get(key, descriptor) if self.tier.lookup(key, descriptor) else None
+                if tensors is None:
+                    moves.num_misses += 1
+                    break
+                snapshots.append((boundary, tensors))
+            else:
+                assert adm.restore is not None
+                self.executor.restore_window(adm.restore.state_slot, point, snapshots)
+                moves.num_restores += 1
+                moves.num_loaded += len(snapshots)
+                moves.load_bytes += sum(t.numel() * t.element_size() for _, ts in snapshots for t in ts.values())
+                moves.load_s += time.perf_counter() - began
+                return point
+        moves.load_s += time.perf_counter() - began
+        return 0
+
+    def _snapshots_wanted(self, request_id: str, res: Reservation) -> dict[int, tuple[bytes, BlockDescriptor]]:
+        """Boundaries the step crosses where the SWA strategy keeps a snapshot that the
+        persistent tiers lack: boundary -> (tier key, descriptor)."""
+        if self.swa is None or self.swa.kind == "zero":
+            return {}
+        span = self.block_size
+        positions = self.swa.snapshot_positions(res.start, res.start + res.num_tokens, span)
+        if not positions:
+            return {}
+        assert isinstance(self.tier, TierStack)
+        chain = self.cache.prefix_blocks(request_id)
+        wanted = {}
+        for boundary in positions:
+            key, descriptor = self._snapshot_entry(chain[boundary // span - 1])
+            if not self.tier.persisted(key, descriptor):
+                wanted[boundary] = (key, descriptor)
+        return wanted
+
+    def _persist_snapshot(self, request_id: str, boundary: int, entry: tuple[bytes, BlockDescriptor]) -> None:
+        """The request's state at `boundary` handed to the persistent tiers as a window snapshot."""
+        assert self.swa is not None
+        began = time.perf_counter()
+        rows = self.swa.window_rows(self.block_size, self.executor.spec.window)
+        tensors = self.executor.window_snapshot(self.cache.state_slot(request_id), boundary, rows)
+        num_bytes = self.bridge.persist(*entry, tensors)
+        self.swa_moves.num_snapshots_persisted += num_bytes > 0
+        self.swa_moves.snapshot_bytes_persisted += num_bytes
+        self.swa_moves.persist_s += time.perf_counter() - began
+
+    def _persist_completed(self, request_ids: Sequence[str], num_before: Sequence[int]) -> None:
+        """The classical blocks the commit completed (the tables' growth from `num_before`)
+        written through to the persistent tiers (those they hold already skipped)."""
+        began = time.perf_counter()
+        moves = self.swa_moves
+        for request_id, before in zip(request_ids, num_before, strict=True):
+            block_ids = self.cache.block_ids(request_id)
+            if len(block_ids) == before:
+                continue
+            chain = self.cache.prefix_blocks(request_id)
+            for k in range(before, len(block_ids)):
+                if not self.cache.pool.is_published(chain[k]):
+                    continue  # a hash collision's copy: findable by nobody
+                entry = self.bridge.unpersisted(chain[k])
+                if entry is not None:
+                    num_bytes = self.bridge.persist(*entry, self.executor.to_host([block_ids[k]])[0])
+                    moves.num_blocks_persisted += num_bytes > 0
+                    moves.block_bytes_persisted += num_bytes
+        moves.persist_s += time.perf_counter() - began
+
     def flush_tiers(self, timeout: float | None = None) -> bool:
         """Wait for the persistent tiers' background writes (before a process exits)."""
         return self.bridge.flush(timeout)
@@ -416,14 +742,19 @@ class ModelRunner:
         self.bridge.close()
 
     def tier_reports(self) -> dict[str, dict[str, object]]:
-        """{"<name>_tier": its report} per tier, with "tiers" (the lookup order and the
-        moves) when there are persistent tiers; {} without a tier."""
+        """The executor's reports (V4: "hisparse"), then {"<name>_tier": its report} per
+        tier, with "tiers" (the lookup order and the moves) when there are persistent
+        tiers, and V4's "swa" (blocks and window snapshots written and restored)."""
+        own = getattr(self.executor, "reports", None)  # (optional: an executor without figures of its own)
+        reports = own(self.num_steps_run) if own is not None else {}
         if self.tier is None:
-            return {}
+            return reports
+        if self.dual:
+            return {**reports, **self._dual_tier_reports()}
         moves = self.tier_moves
         hit_tokens = self.cache.stats.num_lower_tier_hit_tokens
-        reports = self.bridge.persistent_reports(hit_tokens_per_get=self.block_size)
-        if reports:
+        reports.update(self.bridge.persistent_reports(hit_tokens_per_get=self.block_size))
+        if self.persistent_tiers:
             reports["tiers"] = {
                 "lookup_order": self.bridge.lookup_order(),
                 "lower_tier_hit_tokens": hit_tokens,
@@ -442,12 +773,53 @@ class ModelRunner:
         }
         return {**reports, "host_tier": self.bridge.host_report(hit_tokens, swaps)}
 
+    def _dual_tier_reports(self) -> dict[str, dict[str, object]]:
+        reports: dict[str, dict[str, object]] = {}
+        span, loaded = self.block_size, self.tier_moves
+        if self.host_tier is not None:  # hit tokens: the prefix tokens whose blocks came from a tier
+            reports["host_tier"] = self.bridge.host_report(loaded.num_loaded * span, {})
+        reports.update(self.bridge.persistent_reports(hit_tokens_per_get=None))
+        if not self.persistent_tiers:
+            return reports
+        assert self.swa is not None
+        moves = self.swa_moves
+        reports["tiers"] = {
+            "lookup_order": self.bridge.lookup_order(),
+            "blocks_loaded": loaded.num_loaded,
+            "hit_tokens_loaded": loaded.num_loaded * span,
+            "load_ms": round(loaded.load_s * 1e3, 3),
+        }
+        stored_tokens = moves.num_blocks_persisted * span
+        reports["swa"] = {
+            "strategy": self.swa.kind,
+            "period": self.swa.period,
+            "blocks_persisted": moves.num_blocks_persisted,
+            "block_bytes_persisted": moves.block_bytes_persisted,
+            "snapshots_persisted": moves.num_snapshots_persisted,
+            "snapshot_bytes_persisted": moves.snapshot_bytes_persisted,
+            # bytes written per token of the blocks written: entries + window snapshots
+            "bytes_per_cached_token": round(
+                (moves.block_bytes_persisted + moves.snapshot_bytes_persisted) / stored_tokens, 1
+            )
+            if stored_tokens
+            else None,
+            "persist_ms": round(moves.persist_s * 1e3, 3),
+            "restores_from_snapshots": moves.num_restores,
+            "snapshots_loaded": moves.num_loaded,
+            "snapshot_bytes_loaded": moves.load_bytes,
+            "snapshot_load_ms": round(moves.load_s * 1e3, 3),
+            "snapshot_misses": moves.num_misses,
+            "replayed_tokens": self.num_replayed_tokens,
+            "replay_ms": round(self.replay_s * 1e3, 3),
+        }
+        return reports
+
     # ---- figures ----------------------------------------------------------------------------
 
     def num_allocations(self) -> int:
         """Blocks (and state slots) taken from the pools so far. The engine tells the admit /
         reserve calls that allocated from the ones that took nothing."""
-        return sum(pool.num_allocated for pool in self._pools)
+        return sum(pool.num_allocated for pool in self._pools) + self._num_states_taken
 
     def kv_read_bytes(self, num_context_tokens: int) -> int:
         """Cache bytes one query over `num_context_tokens` tokens of context reads."""
@@ -481,4 +853,5 @@ class ModelRunner:
             "readmitted_hit_tokens": stats.num_readmitted_hit_tokens,
             "hash_collisions": sum(pool.num_collisions for pool in self._pools),
             **self.executor.cache_stats(cache),
+            **({"replayed_tokens": self.num_replayed_tokens} if self.dual else {}),
         }

@@ -36,6 +36,23 @@ class TierMoves:
     persist_s: float = 0.0  # the step's share of that: the gather and the hand-over
 
 
+@dataclass
+class SWAMoves:
+    """V4: what the persistent tiers took and gave back: classical blocks and window
+    snapshots written through, and the snapshots a hit restored its state from."""
+
+    num_blocks_persisted: int = 0
+    block_bytes_persisted: int = 0
+    num_snapshots_persisted: int = 0
+    snapshot_bytes_persisted: int = 0
+    persist_s: float = 0.0  # the steps' share: gathers and hand-overs (the writes run behind)
+    num_restores: int = 0  # hits whose state came from snapshots
+    num_loaded: int = 0  # snapshots read for them
+    load_bytes: int = 0
+    load_s: float = 0.0
+    num_misses: int = 0  # hits that wanted a snapshot the tiers did not hold (recomputed instead)
+
+
 class TierBridge:
     """host_tier: a tier below the device pool (kvpool.tiers.HostTier); persistent_tiers:
     the disk and Redis tiers below it, looked up in that order. Without prefix caching no

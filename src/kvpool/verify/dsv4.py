@@ -346,7 +346,7 @@ class ClassicalPoolWatcher:
 
     def check(self) -> None:
         pool = self.runner.cache.pool
-        tensors = [t for cl in self.runner.pools.classical for t in (cl.main, cl.idx) if t is not None]
+        tensors = [t for cl in self.runner.executor.pools.classical for t in (cl.main, cl.idx) if t is not None]
         for block_id in range(pool.num_blocks):
             written = any(bool(t[block_id].any()) for t in tensors)
             held = pool.refcount(block_id) > 0 or pool.block_hash(block_id) is not None
