@@ -25,7 +25,7 @@ from kvpool.attention.dsv4_paged import ChunkPlan
 from kvpool.cache import BlockCopy, CacheDescriptor, DSV4CacheManager
 from kvpool.cache.dual_pool import RestoreMethod
 from kvpool.engine.memory import StepPeaks
-from kvpool.engine.runner import MeasuredRestoreCost, ModelRunner, ScheduledChunk
+from kvpool.engine.runner import MeasuredRestoreCost, ModelRunner, ScheduledChunk, last_token_rows
 from kvpool.engine.tier_bridge import TierBridge
 from kvpool.models.tiny_dsv4 import TinyDSV4
 from kvpool.spec.dsv4 import CSA_RATIO
@@ -193,14 +193,7 @@ class DSV4Executor:
             slot = cache.state_slot(c.seq_id)
             plans.append(ChunkPlan(pos, stop - pos, slot, table[: pos // span], table[pos // span : stop // span]))
         logits = self.model.forward_paged([t for c in chunks for t in c.token_ids], plans, self.attention)
-        if all_logits:
-            return logits
-        rows, offset = [], 0
-        for c in chunks:
-            offset += len(c.token_ids)
-            if c.needs_logits:
-                rows.append(offset - 1)
-        return logits[rows]
+        return logits if all_logits else logits[last_token_rows(chunks)]
 
     def replay(self, token_ids: Sequence[int], start: int, block_ids: Sequence[int], state_slot: int, valid_from: int):
         """Recompute the state of `state_slot` over tokens [start, start + len(token_ids)) on

@@ -21,7 +21,7 @@ from kvpool.cache.coordinator import HybridCacheManager
 from kvpool.cache.recurrent import RecurrentGroupSpec
 from kvpool.cache.window import AttentionGroupSpec
 from kvpool.engine.memory import StepPeaks
-from kvpool.engine.runner import ModelRunner, ScheduledChunk
+from kvpool.engine.runner import ModelRunner, ScheduledChunk, last_token_rows
 from kvpool.engine.tier_bridge import TierBridge
 from kvpool.models.tiny_hybrid import ChunkPlan, HybridAttention, TinyHybrid
 
@@ -142,14 +142,7 @@ class HybridExecutor:
                 )
         plans = [self._plan(cache, c.seq_id, c.start, len(c.token_ids)) for c in chunks]
         logits = self.model.forward_paged([t for c in chunks for t in c.token_ids], plans, self.attention)
-        if all_logits:
-            return logits
-        rows, offset = [], 0
-        for c in chunks:
-            offset += len(c.token_ids)
-            if c.needs_logits:
-                rows.append(offset - 1)
-        return logits[rows]
+        return logits if all_logits else logits[last_token_rows(chunks)]
 
     def copy_blocks(self, copies: Mapping[str, Sequence[BlockCopy]]) -> None:
         for group, group_copies in copies.items():

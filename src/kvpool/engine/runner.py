@@ -81,6 +81,17 @@ class ScheduledChunk(NamedTuple):
     needs_logits: bool  # True when the chunk ends at the sequence's last known token (sample next)
 
 
+def last_token_rows(chunks: Sequence[ScheduledChunk]) -> list[int]:
+    """The row of each chunk's last token in the step's tokens (the chunks' in order), for
+    the chunks that need logits: where an all-token forward's logits are sampled."""
+    rows, offset = [], 0
+    for c in chunks:
+        offset += len(c.token_ids)
+        if c.needs_logits:
+            rows.append(offset - 1)
+    return rows
+
+
 @dataclass(frozen=True)
 class StepResult:
     """Logits of every token a request computed in a `step`: [num_tokens, vocab] fp32."""
