@@ -742,12 +742,18 @@ class HybridCacheManager:
             reqs = self._step_requests(request_ids, num_new_tokens)
             if min(num_new_tokens) < 0:
                 raise ValueError(f"num_new_tokens must be >= 0, got {min(num_new_tokens)}")
-            pending, ends = [], []
-            for req, n in zip(reqs, num_new_tokens, strict=True):
-                if self.exact_steps or req.num_computed + n > req.end:
-                    self._check_reserve(req, n)
-                    pending.append(req)
-                    ends.append(req.num_computed + n)
+            if self.exact_steps:  # every request reserves; `_check_reserve` names what is wrong
+                pending, ends = reqs, [req.num_computed + n for req, n in zip(reqs, num_new_tokens, strict=True)]
+                for req, end in zip(reqs, ends, strict=True):
+                    if req.end != req.num_computed or req.num_loading or end > len(req.token_ids):
+                        self._check_reserve(req, end - req.num_computed)  # raises
+            else:
+                pending, ends = [], []
+                for req, n in zip(reqs, num_new_tokens, strict=True):
+                    if req.num_computed + n > req.end:
+                        self._check_reserve(req, n)
+                        pending.append(req)
+                        ends.append(req.num_computed + n)
         if not pending:
             return True
         if not self._fits(self._needs(pending, ends)):
@@ -768,10 +774,9 @@ class HybridCacheManager:
         self, request_ids: Sequence[str], num_tokens: Sequence[int], next_token_ids: Sequence[int | None]
     ) -> None:
         """`commit` for a whole step, validated first, then each request's sampled token joins
-        its sequence (None: no token, e.g. a prefill chunk that ends before the prompt does);
-        every group is called once with
-        the requests whose commit may change it (a decode step: those that complete one of
-        its units, or that are new since their last commit)."""
+        its sequence (None: no token, e.g. a prefill chunk that ends before the prompt does).
+        Every group is called once, with the requests whose commit may change it (a decode
+        step: those that complete one of its units, or that are new since their last commit)."""
         reqs = self._step_requests(request_ids, num_tokens, next_token_ids)
         if not reqs:
             return

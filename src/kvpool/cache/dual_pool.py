@@ -411,13 +411,12 @@ class DualPoolGroup(CacheGroup):
         name, span = self.name, self.span
         needs = [end // span - len(req.states[name].block_ids) for req, end in zip(reqs, ends, strict=True)]
         keep = sum(needs)  # free blocks the requests after this one take
-        out = []
-        for req, need in zip(reqs, needs, strict=True):
-            keep -= need
-            if not need:
-                out.append(_NO_RESERVATION)  # the common decode step: no span completes
-                continue
-            out.append(self._reserve(req.states[name], req.token_ids, req.mm_items, need, keep))
+        out = [_NO_RESERVATION] * len(reqs)  # the common decode step: no span completes
+        for i, need in enumerate(needs):
+            if need:
+                keep -= need
+                req = reqs[i]
+                out[i] = self._reserve(req.states[name], req.token_ids, req.mm_items, need, keep)
         return out
 
     def _reserve(
