@@ -33,8 +33,7 @@ from kvpool.engine.tier_bridge import TierBridge
 from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG, TinyDSV4
 from kvpool.models.tiny_hybrid import TINY_GEMMA2, TINY_RECURRENT, TinyHybrid
 from kvpool.sim.executor import CostExecutor, VirtualClock
-from kvpool.sim.layouts import BuiltLayout
-from kvpool.sim.runner import SimRunner
+from kvpool.storage.dsv4 import DSV4Pools
 from kvpool.tiers import HostTier
 from kvpool.workload.tokens import stream_key, text_ids, token_at
 from random_llama import DESCRIPTOR, random_llama
@@ -176,6 +175,7 @@ def _sim_side(real, cache, bridge: TierBridge, executor: CostExecutor, tables, w
         capacity_tokens=real.capacity_tokens,
         max_model_len=real.max_model_len,
         preemption=real.preemption,
+        dual=real.dual,
     )
     return Side(runner, cache, tables, wl, clock=executor.clock, **kw)
 
@@ -240,27 +240,43 @@ def _dual_tables(cache, seq_id: str) -> tuple:
     return tuple(cache.block_ids(seq_id)), cache.state_slot(seq_id)
 
 
-@pytest.mark.parametrize("restore", ["recompute", "checkpoint"])
-def test_dual(restore: str) -> None:
+@pytest.mark.parametrize(
+    ("restore", "host_blocks"),
+    [("recompute", 0), ("checkpoint", 0), ("recompute", 4)],
+    ids=["recompute", "checkpoint", "host-tier"],
+)
+def test_dual(restore: str, host_blocks: int) -> None:
+    """host-tier: the classical blocks the pool evicts go to a host tier of 4 blocks, and
+    come back by prefetch before an admission hits them."""
     model = TinyDSV4(SMALL_DSV4_CONFIG, seed=0)
     num_blocks, num_states, num_checkpoints = 6, 3, 0 if restore == "recompute" else 4
     kw = {"max_num_batched_tokens": 48, "max_num_seqs": 3}
-    real_runner = DSV4Runner(model, num_blocks, num_states, restore=restore, num_checkpoints=num_checkpoints)
+    block_bytes = DSV4Pools(model.spec, 1, 1).classical_block_bytes()
+    tiers = [HostTier(host_blocks * block_bytes) if host_blocks else None for _ in range(2)]
+    real_runner = DSV4Runner(
+        model, num_blocks, num_states, restore=restore, num_checkpoints=num_checkpoints, host_tier=tiers[0]
+    )
     real = Side(real_runner, real_runner.cache, _dual_tables, DUAL, **kw)
     cache = DSV4CacheManager(
         model.spec, num_blocks, num_states, dsv4_descriptor(model), restore=restore, num_checkpoints=num_checkpoints
     )
-    executor = _cost_executor(real_runner, VirtualClock(), checkpoint_bytes=1, has_state=True)
-    span = model.spec.span
-    built = BuiltLayout("dual", cache, 1, 1, 0, span, real_runner.capacity_tokens)
-    sim_runner = SimRunner(built, executor, real_runner.max_model_len)
-    sim = Side(sim_runner, cache, _dual_tables, DUAL, clock=executor.clock, **kw)
+    bridge = TierBridge(tiers[1], (), model.spec.span, enable_prefix_caching=True)
+    if host_blocks:
+        cache.record_evictions()  # (as the V4 runner does for its tier)
+    executor = _cost_executor(real_runner, VirtualClock(), block_bytes=block_bytes, checkpoint_bytes=1, has_state=True)
+    sim = _sim_side(real_runner, cache, bridge, executor, _dual_tables, DUAL, **kw)
     views, answers = _lockstep(real, sim, DUAL)
     _check_exercised(views, answers, DUAL)
     methods = [adm[4].method for adm in real.admissions if adm[1] > 0]  # the hits' restores
     assert methods and set(methods) == {restore}
     if restore == "recompute":
         assert real_runner.num_replayed_tokens > 0 and executor.num_replayed_tokens == real_runner.num_replayed_tokens
+    else:  # every state copy priced: the restores and the snapshots the steps took
+        assert executor.num_checkpoint_copies == real_runner.restore_cost.num_copies > 0
+    if host_blocks:
+        moves = real_runner.tier_moves
+        assert moves.num_loaded > 0 and tiers[0].stats.num_evictions > 0  # prefetched; the tier evicted
+        assert (executor.num_blocks_to_host, executor.num_blocks_to_device) == (moves.num_offloaded, moves.num_loaded)
 
 
 # ---- hybrid: window or recurrent groups beside full attention ------------------------------

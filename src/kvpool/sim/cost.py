@@ -499,11 +499,12 @@ _TERMS = {"gqa": _gqa_terms, "mla": _mla_terms, "dsv4": _dsv4_terms}
 
 @dataclass(frozen=True)
 class RestoreCostModel:
-    """A V4 prefix hit's state restore priced in seconds (cache/dual_pool.py `RestoreCost`), as
-    the cost executor (sim/executor.py) prices what it does: a checkpoint copy moves the state block twice (read
-    and write) at the effective bandwidth; computing tokens (a replay, or the tokens a cut
-    hit computes again as prompt) costs their FLOPs at the effective peak, the time they
-    add to a step (the weights are read once for the whole step whatever it computes)."""
+    """A V4 prefix hit's state restore priced in seconds (cache/dual_pool.py `RestoreCost`),
+    as the cost executor (sim/executor.py) prices what it does: a checkpoint copy moves the
+    state block twice (read and write) at the effective bandwidth; computing tokens (a
+    replay, or the tokens a cut hit computes again as prompt) costs their FLOPs at the
+    effective peak, the time they add to a step (the weights are read once for the whole
+    step whatever it computes)."""
 
     cost: CostModel
     state_block_bytes: int

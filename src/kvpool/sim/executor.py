@@ -7,8 +7,9 @@ executor calls, which only ever move or compute tensors, by pricing them:
   - `forward`: the step's chunks, (num new tokens, context length) each, plus the V4
     replays (`replay`) the runner asked for since the last step, through `step_time` with
     the bytes the step's copies move; the virtual clock advances by that time, once per
-    step. Its "logits" are empty rows: `AnswerSampler` draws each request's answer from the
-    stream its seed names;
+    step, when it is next read (`VirtualClock.settle`: after the pieces and copies of a
+    step the runner cut). Its "logits" are empty rows: `AnswerSampler` draws each
+    request's answer from the stream its seed names;
   - `copy_blocks`: copy-on-write copies, each moving a block twice (read + write);
   - `copy_state`: a state copy (a V4 checkpoint restored or taken, a fork's state), moving
     `checkpoint_bytes` twice; `reset_state` costs nothing;
@@ -36,11 +37,15 @@ from kvpool.workload.tokens import stream_key, token_at
 
 @dataclass
 class VirtualClock:
-    """Seconds since the simulation began; only the simulator moves it."""
+    """Seconds since the simulation began; only the simulator moves it. `settle`: prices
+    the work issued so far (the executor's step), so a reading is the time after it."""
 
     now: float = 0.0
+    settle: Callable[[], None] | None = None
 
     def __call__(self) -> float:
+        if self.settle is not None:
+            self.settle()
         return self.now
 
 
@@ -76,6 +81,7 @@ class CostExecutor:
         self.step_time = step_time
         self._kv_read_bytes = kv_read_bytes
         self.clock = clock
+        clock.settle = self._price_step  # a step is priced when its time is read
         self.block_bytes = block_bytes
         self.block_layout = {"kv": (torch.uint8, (block_bytes,))}  # a tier entry: the block's bytes
         self.kv_capacity_bytes = kv_capacity_bytes
@@ -95,28 +101,28 @@ class CostExecutor:
     # ---- the step ---------------------------------------------------------------------------
 
     def forward(self, chunks: Sequence[ScheduledChunk], cache: Any, all_logits: bool) -> torch.Tensor:
-        """Price the step once all of it has run; "logits" [rows, 0]: a row per chunk that
-        needs logits (all_logits: per token), with nothing in it.
+        """Add the chunks to the step; "logits" [rows, 0]: a row per chunk that needs logits
+        (all_logits: per token), with nothing in it.
 
         A step may come in pieces: the runner cuts a V4 reservation at its checkpoint
-        positions (the state is copied there, between two forwards). A piece extends its
-        request's part of the step; the step is priced, as one chunk per request, when every
-        request's part reaches the end of its reservation. (A cache with exact steps reserves
-        exactly the step's tokens; one without, full attention's whole blocks, is never cut:
-        its step is priced at once.)"""
+        positions and copies the state there, between two forwards and after the last. A
+        piece extends its request's part of the step; the step is priced, one chunk per
+        request, when the clock is next read (the engine reads it as the step's forward
+        returns), with every copy made for it."""
         step = self._step
         for c in chunks:
             end = c.start + len(c.token_ids)
             first = step.get(c.seq_id)
             step[c.seq_id] = (c.start if first is None else first[0], end)
-        if not cache.exact_steps or all(end == cache.num_reserved_tokens(r) for r, (_, end) in step.items()):
-            self._price_step()
         num_rows = sum(len(c.token_ids) for c in chunks) if all_logits else sum(c.needs_logits for c in chunks)
         return torch.empty(num_rows, 0)  # no logits: the sampler reads the request's seed
 
     def _price_step(self) -> None:
         """Advance the clock by the step's price: its chunks, then the replays before it,
-        with the bytes its copies moved."""
+        with the bytes its copies moved. (Nothing to price before a step ran: the copies
+        and replays issued since wait for the next.)"""
+        if not self._step:
+            return
         work = [(end - start, end) for start, end in self._step.values()]
         self._step.clear()
         if self._replays:
@@ -177,7 +183,6 @@ class CostExecutor:
         }
 
     def check_integrity(self) -> None:
-        assert not self._step, "a step's forward stopped short of its reservations"
         assert self.busy_s >= 0 and self._moved >= 0
 
 

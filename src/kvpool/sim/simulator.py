@@ -34,7 +34,7 @@ from kvpool.sim.cost import CostModel
 from kvpool.sim.executor import AnswerSampler, CostExecutor, VirtualClock, answer_seed
 from kvpool.sim.layouts import LAYOUTS, BuiltLayout, build_layout, default_layout
 from kvpool.sim.routing import ROUTINGS, Router
-from kvpool.sim.runner import SimRunner, sim_runner
+from kvpool.sim.runner import sim_runner
 from kvpool.spec.gpus import GPUSpec
 from kvpool.spec.models import ModelSpec
 from kvpool.workload.sessions import Workload
@@ -107,7 +107,7 @@ class RequestRecord:
 class Replica:
     index: int
     engine: Engine
-    runner: ModelRunner | SimRunner
+    runner: ModelRunner
     executor: CostExecutor  # the runner's forward, priced: busy time, replays, copies
     clock: VirtualClock
     layout: BuiltLayout
@@ -129,7 +129,7 @@ class Replica:
         self.peak_running = max(self.peak_running, len(self.engine.running))
         if step % self._every == 0:
             cache = self.runner.cache  # blocks some request holds now: O(1), the pool's free count
-            self.occupancy.append((self.clock.now, (cache.num_blocks - cache.num_free_blocks) / cache.num_blocks))
+            self.occupancy.append((self.clock(), (cache.num_blocks - cache.num_free_blocks) / cache.num_blocks))
             if len(self.occupancy) > _OCCUPANCY_POINTS:
                 self.occupancy = self.occupancy[::2]
                 self._every *= 2
@@ -170,11 +170,7 @@ def _make_replica(index: int, model: ModelSpec, p: Plan, config: SimConfig, cost
         checkpoint_bytes=built.checkpoint_bytes,
         has_state=built.num_state_blocks > 0,
     )
-    runner: ModelRunner | SimRunner
-    if built.name == "dual":  # (until the engine's runner drives the dual pool)
-        runner = SimRunner(built, executor, max_len)
-    else:
-        runner = sim_runner(built, executor, max_len)
+    runner = sim_runner(built, executor, max_len)
     engine = Engine(
         runner,
         max_num_batched_tokens=config.max_num_batched_tokens,
@@ -237,15 +233,15 @@ def simulate(
     timeline = [(0, time.perf_counter())]  # (steps done, wall clock) every 1,024 steps
     while arrivals or any(r.engine.has_unfinished() for r in replicas):
         busy = [r for r in replicas if r.engine.has_unfinished()]
-        next_step = min(busy, key=lambda r: (r.clock.now, r.index)) if busy else None
-        if arrivals and (next_step is None or arrivals[0][0] <= next_step.clock.now):
+        next_step = min(busy, key=lambda r: (r.clock(), r.index)) if busy else None
+        if arrivals and (next_step is None or arrivals[0][0] <= next_step.clock()):
             t, _, sid, turn = heapq.heappop(arrivals)
             session = sessions[sid]
             prompt = session.prompt_ids(turn, model.vocab_size)
             rep = router.route(prompt, session.tenant)
             rep.num_routed += 1
             if not rep.engine.has_unfinished():
-                rep.clock.now = max(rep.clock.now, t)  # an idle replica waits for the arrival
+                rep.clock.now = max(rep.clock(), t)  # an idle replica waits for the arrival
             rid = session.request_id(turn)
             out_len = session.turns[turn].output_len
             params = SamplingParams(max_tokens=out_len, ignore_eos=True, seed=answer_seed(rid))
@@ -276,7 +272,7 @@ def simulate(
                 )
             )
             if turn + 1 < len(session.turns):
-                t_next = next_step.clock.now + session.turns[turn + 1].think_s
+                t_next = next_step.clock() + session.turns[turn + 1].think_s
                 heapq.heappush(arrivals, (t_next, next(order), sid, turn + 1))
         if progress is not None:
             progress(len(records), total)
