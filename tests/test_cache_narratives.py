@@ -312,7 +312,7 @@ def test_csr_export():
     m = make(num_blocks=10)
     prefill(m, "a", A)  # [0, 1, 2], 10 tokens
     prefill(m, "b", [5, 6, 7])  # [3], 3 tokens
-    csr = m.csr(["a", "b"])
+    csr = m.step_tables(["a", "b"], [10, 3], [10, 3]).csr
     assert csr.indptr == [0, 3, 4]
     assert csr.indices == [0, 1, 2, 3]
     assert csr.last_block_len == [2, 3]
@@ -338,10 +338,10 @@ def test_bad_input_gets_clear_errors_and_changes_nothing():
         m.commit("a", 1)  # block 2 is writable to its end, but token 10 is unknown
     with pytest.raises(ValueError, match="commit of 3 tokens from position 10: 2 reserved"):
         m.commit("a", 3)
-    with pytest.raises(ValueError, match="-1 tokens outside the reserved"):
-        m.csr(["a"], [-1])
-    with pytest.raises(ValueError, match="13 tokens outside the reserved"):
-        m.csr(["a"], [13])
+    with pytest.raises(ValueError, match=r"positions \[10, 9\) do not continue"):
+        m.step_tables(["a"], [10], [9])
+    with pytest.raises(ValueError, match=r"positions \[10, 13\) do not continue"):
+        m.step_tables(["a"], [10], [13])
     with pytest.raises(ValueError, match="rollback to 11"):
         m.rollback("a", 11)
     with pytest.raises(KeyError, match="unknown request"):

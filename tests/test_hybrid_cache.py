@@ -57,11 +57,12 @@ def test_figure_12_hit_is_the_largest_point_every_group_has():
     # 1024 cached tokens: attention blocks 0 and 1 shared, the state restored from slot 1
     # into a fresh live slot 2; blocks 4 and 5 for [1024, 1601).
     assert admission[:5] == (1024, 577, (0, 1, 4, 5), StateRestore(2, "checkpoint", 1), ())
-    assert m.restore_source("b") == 1 and m.groups["kda"].pool.refcount(1) == 1
+    assert m.state_restore("b").checkpoint_slot == 1 and m.groups["kda"].pool.refcount(1) == 1
     assert m.checkpoints("b") == []  # the step reaches no new boundary (2048 > 1601)
     m.commit("b", 577)
     m.check_integrity()
-    assert m.restore_source("b") is None and m.groups["kda"].pool.is_free_cached(1)  # held until the first commit
+    # slot 1 was held until the first commit
+    assert m.state_restore("b").checkpoint_slot is None and m.groups["kda"].pool.is_free_cached(1)
 
 
 def test_a_hit_inside_an_attention_block_copies_the_block_on_write():
@@ -496,7 +497,7 @@ def test_every_group_kind_keeps_the_whole_group_protocol():
     )
     methods = {n: f for n, f in vars(CacheGroup).items() if inspect.isfunction(f) and not n.startswith("_")}
     attributes = [n for n in CacheGroup.__annotations__ if not n.startswith("_")]
-    assert len(methods) == 35 and attributes == [
+    assert len(methods) == 34 and attributes == [
         "name",
         "kind",
         "pool",

@@ -175,7 +175,7 @@ class Lifecycle(RuleBasedStateMachine):
         assert point == expected_hit and point <= len(prompt) - 1
         self.seq[rid], self.tenant[rid] = list(prompt), tenant
         self._apply_copies()
-        live, src = self.m.state_slot(rid), self.m.restore_source(rid)
+        live, src = self.m.state_slot(rid), self.m.state_restore(rid).checkpoint_slot
         if point:
             assert src is not None
             self.content["rec"][live] = self.content["rec"][src]

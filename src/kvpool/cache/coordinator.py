@@ -63,7 +63,7 @@ take part of the reservation, and a decode inside its block costs one comparison
 with the step's requests (the group protocol's calls are batched).
 
 Pure Python: the runner applies the groups' copies (`take_copies`) and restores
-(`restore_source`, `state_restore`) and writes the snapshots (`checkpoints`) that the
+(`state_restore`) and writes the snapshots (`checkpoints`) that the
 coordinator records.
 """
 
@@ -91,7 +91,7 @@ from kvpool.cache.types import (
     Reservation,
     StateRestore,
 )
-from kvpool.pool import BlockPool, BlockTableCSR, PrefixBlock, StepTables, step_tables, to_csr, token_bytes
+from kvpool.pool import BlockPool, PrefixBlock, StepTables, step_tables, token_bytes
 
 
 class GroupSpec(Protocol):
@@ -288,14 +288,13 @@ class HybridCacheManager:
         assert slot is not None
         return slot
 
-    def state_restore(self, request_id: str, group: str) -> StateRestore:
-        """How the runner rebuilds the request's state in a recurrent or dual-pool group before
-        its first step: from a checkpoint (recurrent), by replaying tokens on top of the
-        cached classical blocks (dual pool), or "none" (a fresh state, or the restore is done)."""
-        g = self.groups.get(group)
-        if g is None or not g.has_state:
-            raise KeyError(f"no recurrent or dual-pool group {group!r}")
-        restore = g.restore(self._get(request_id).states[group])
+    def state_restore(self, request_id: str, group: str | None = None) -> StateRestore:
+        """How the runner rebuilds the request's state in a recurrent or dual-pool group
+        (default: as `state_slot`) before its first step: from a checkpoint (its slot is
+        `checkpoint_slot`), by replaying tokens on top of the cached classical blocks (dual
+        pool), or "none" (a fresh state, or the restore is done)."""
+        g = self._group(group, self._state_groups, "recurrent or dual-pool")
+        restore = g.restore(self._get(request_id).states[g.name])
         assert restore is not None
         return restore
 
@@ -303,13 +302,6 @@ class HybridCacheManager:
         """(position b, slot) of the reserved step: snapshot the state after b tokens there."""
         g = self._group(group, self._state_groups, "stateful")
         return list(g.checkpoints(self._get(request_id).states[g.name]))
-
-    def restore_source(self, request_id: str, group: str | None = None) -> int | None:
-        """The checkpoint slot the request's state is to be restored from before its first
-        step (None: a fresh state, or the restore is done)."""
-        g = self._group(group, self._state_groups, "stateful")
-        restore = g.restore(self._get(request_id).states[g.name])
-        return restore.checkpoint_slot if restore is not None and restore.method == "checkpoint" else None
 
     def take_copies(self) -> dict[str, list[BlockCopy]]:
         """Per group that queued any, the copies to apply before the next forward, in order."""
@@ -339,25 +331,6 @@ class HybridCacheManager:
             raise ValueError(f"positions [{start}, {end}) outside the reserved [0, {req.end})")
         return self.step_tables([request_id], [start], [end], group, check=False).slots
 
-    def csr(
-        self, request_ids: Sequence[str], num_tokens: Sequence[int] | None = None, group: str | None = None
-    ) -> BlockTableCSR:
-        """The batch's tables in CSR form, each covering `num_tokens[i]` tokens (default: the
-        computed tokens; pass computed + in-flight for the step's attention). ValueError for
-        a count outside [0, reserved]."""
-        g = self._group(group, self._table_groups, "block-table")
-        reqs = [self._get(r) for r in request_ids]
-        if num_tokens is None:
-            counts = [req.num_computed for req in reqs]
-        else:
-            counts = list(num_tokens)
-            if len(counts) != len(reqs):
-                raise ValueError(f"{len(reqs)} requests but {len(counts)} token counts")
-            for req, n in zip(reqs, counts, strict=True):
-                if not 0 <= n <= req.end:
-                    raise ValueError(f"request {req.request_id!r}: {n} tokens outside the reserved [0, {req.end}]")
-        return to_csr([g.block_ids(req.states[g.name]) for req in reqs], counts, g.granularity)
-
     def step_tables(
         self,
         request_ids: Sequence[str],
@@ -374,7 +347,7 @@ class HybridCacheManager:
         reqs = [self._get(r) for r in request_ids]
         if check:
             for req, start, end in zip(reqs, starts, ends, strict=True):
-                if start != req.num_computed or end > req.end:
+                if start != req.num_computed or not start <= end <= req.end:
                     raise ValueError(
                         f"request {req.request_id!r}: positions [{start}, {end}) do not continue its "
                         f"{req.num_computed} computed tokens within the reserved [0, {req.end})"

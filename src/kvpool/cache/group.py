@@ -92,10 +92,6 @@ class CacheGroup(Protocol):
     # decode path skips it
     commit_period: int
 
-    def pools(self) -> tuple[BlockPool, ...]:
-        """Every pool the group draws from, `pool` first (the dual pool: classical, state)."""
-        return (self.pool,)
-
     # ---- prefix hits (read-only) --------------------------------------------------------
 
     def hits(
