@@ -100,9 +100,12 @@ class CostExecutor:
 
     # ---- the step ---------------------------------------------------------------------------
 
-    def forward(self, chunks: Sequence[ScheduledChunk], cache: Any, all_logits: bool) -> torch.Tensor:
-        """Add the chunks to the step; "logits" [rows, 0]: a row per chunk that needs logits
-        (all_logits: per token), with nothing in it.
+    def forward(self, chunks: Sequence[ScheduledChunk], cache: Any, all_logits: bool) -> torch.Tensor | list[None]:
+        """Add the chunks to the step. The "logits" hold nothing (the sampler reads the
+        request's seed): a row per chunk that needs logits, as a list (the engine indexes
+        one row per sampled token: a list costs a tenth of a tensor's indexing), or
+        (all_logits) a row per token as an empty tensor [rows, 0], which the runner cuts
+        and joins.
 
         A step may come in pieces: the runner cuts a V4 reservation at its checkpoint
         positions and copies the state there, between two forwards and after the last. A
@@ -114,8 +117,9 @@ class CostExecutor:
             end = c.start + len(c.token_ids)
             first = step.get(c.seq_id)
             step[c.seq_id] = (c.start if first is None else first[0], end)
-        num_rows = sum(len(c.token_ids) for c in chunks) if all_logits else sum(c.needs_logits for c in chunks)
-        return torch.empty(num_rows, 0)  # no logits: the sampler reads the request's seed
+        if all_logits:
+            return torch.empty(sum(len(c.token_ids) for c in chunks), 0)
+        return [None] * sum(c.needs_logits for c in chunks)
 
     def _price_step(self) -> None:
         """Advance the clock by the step's price: its chunks, then the replays before it,
@@ -202,6 +206,6 @@ class AnswerSampler:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
 
-    def __call__(self, row: torch.Tensor, params: SamplingParams, sample_index: int, position: int) -> int:
+    def __call__(self, row: object, params: SamplingParams, sample_index: int, position: int) -> int:
         key = params.seed % (1 << 64) if not sample_index else stream_key(f"{params.seed}/{sample_index}")
         return token_at(key, position, self.vocab_size)
