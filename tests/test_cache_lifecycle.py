@@ -211,15 +211,15 @@ class Lifecycle(RuleBasedStateMachine):
     @rule(rid=consumes(requests), how=st.sampled_from(["finish", "cancel", "preempt"]))
     def release(self, rid, how):
         live = rid in self.m
-        assert getattr(self.m, how)(rid) is live
-        assert self.m.cancel(rid) is False  # a second release is a no-op
+        assert self.m.release(rid, how) is live
+        assert self.m.release(rid, "cancel") is False  # a second release is a no-op
         self.tables.pop(rid, None)
         self.released.append(rid)
 
     @precondition(lambda self: self.released)
     @rule()
     def cancel_released_again(self):
-        assert self.m.cancel(self.released[-1]) is False
+        assert self.m.release(self.released[-1], "cancel") is False
 
     # ---- invariants --------------------------------------------------------------
 
@@ -250,7 +250,7 @@ class Lifecycle(RuleBasedStateMachine):
 
     def teardown(self):
         for rid in self.m.request_ids:
-            self.m.finish(rid)
+            self.m.release(rid)
         self.m.check_integrity()
         assert self.m.num_free_blocks == NUM_BLOCKS
 

@@ -39,10 +39,10 @@ def test_two_requests_share_a_prefix_and_a_third_evicts_the_tail_first():
     assert [m.pool.refcount(b) for b in (0, 1, 2, 3)] == [2, 2, 1, 1]
 
     # a leaves tail-first: its partial block 2 is unhashed and joins the plain queue.
-    assert m.finish("a")
+    assert m.release("a")
     m.check_integrity()
     assert m.pool.free_queue() == [4, 5, 6, 7, 8, 9, 2]
-    assert m.finish("b")
+    assert m.release("b")
     m.check_integrity()
     # b's blocks 1 and 0 stay cached (lazy eviction), tail before head in LRU order.
     assert m.pool.free_queue() == [4, 5, 6, 7, 8, 9, 2, 3, 1, 0]
@@ -63,7 +63,7 @@ def test_two_requests_share_a_prefix_and_a_third_evicts_the_tail_first():
 def test_a_hit_on_a_free_cached_block_takes_it_out_of_the_middle_of_the_queue():
     m = make()
     prefill(m, "a", A)
-    m.finish("a")
+    m.release("a")
     assert m.pool.free_queue() == [3, 4, 5, 6, 7, 8, 9, 2, 1, 0]
     assert prefill(m, "b", A[:4] + [1, 2]) == 4
     assert m.block_ids("b") == [0, 3]
@@ -200,7 +200,7 @@ def test_oom_reservation_returns_none_and_changes_nothing():
 def test_oom_does_not_take_a_hit_block_that_is_needed():
     m = make(num_blocks=3)
     prefill(m, "a", A[:5])  # blocks 0 (full, cached), 1
-    m.finish("a")
+    m.release("a")
     prefill(m, "x", [1])  # takes block 2 (unhashed first), free: [1, 0]
     # b hits block 0 (cached, free) and needs 2 more blocks: only block 1 is left.
     before = m.pool.free_queue()
@@ -213,11 +213,11 @@ def test_cancel_twice_is_a_no_op_and_preempt_frees_everything():
     m = make()
     prefill(m, "a", A)
     prefill(m, "b", A)
-    assert m.cancel("a") is True
-    assert m.cancel("a") is False
+    assert m.release("a", "cancel") is True
+    assert m.release("a", "cancel") is False
     m.check_integrity()
-    assert m.preempt("b") is True
-    assert m.finish("b") is False
+    assert m.release("b", "preempt") is True
+    assert m.release("b") is False
     assert m.num_free_blocks == 10
     m.check_integrity()
 
@@ -299,7 +299,7 @@ def test_a_step_is_all_or_nothing_and_copies_shared_tails():
     before = (m.block_ids("a"), m.block_ids("b"), m.pool.free_queue())
     assert m.reserve_step(["a", "b"], [1, 1]) is False  # a must copy block 1 first: no block for it
     assert (m.block_ids("a"), m.block_ids("b"), m.pool.free_queue()) == before
-    m.finish("c")  # frees 3 then 2
+    m.release("c")  # frees 3 then 2
     # One copy suffices: a copies block 1, after which b holds it alone and writes in place.
     assert m.reserve_step(["a", "b"], [1, 1]) is True
     assert m.take_copies() == {"full": [BlockCopy(1, 3)]}

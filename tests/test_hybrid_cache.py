@@ -48,7 +48,7 @@ def test_figure_12_hit_is_the_largest_point_every_group_has():
     follow_up = prompt + [7]
     assert m.group_hit_points(follow_up) == {"mla": [0, 512, 1024, 1536], "kda": [0, 1024]}
     assert m.lookup_prefix(follow_up) == 1024
-    assert m.finish("a")
+    assert m.release("a")
     assert m.groups["mla"].pool.free_queue() == [4, 5, 6, 7, 3, 2, 1, 0]
     assert m.groups["kda"].pool.free_queue() == [2, 3, 0, 1]
 
@@ -73,13 +73,13 @@ def test_a_hit_inside_an_attention_block_copies_the_block_on_write():
     assert admission.block_ids == (0, 1)
     assert m.checkpoints("a") == [(512, 1), (1024, 2)]
     m.commit("a", 1100)
-    m.finish("a")
+    m.release("a")
     # a's checkpoints were freed tail-first: 1024 (slot 2) is older in the LRU than 512 (slot 1).
     assert m.groups["kda"].pool.free_queue() == [0, 2, 1]
     prefill(m, "c", [7] * 10)  # takes the unhashed slot 0
     prefill(m, "d", [8] * 10)  # evicts the least recently used checkpoint: 1024 (slot 2)
     assert m.state_slot("c") == 0 and m.state_slot("d") == 2
-    m.finish("c")
+    m.release("c")
     b = a + [5]
     assert m.group_hit_points(b) == {"mla": [0, 512, 1024], "kda": [0, 512]}
     admission = m.admit("b", b)
@@ -162,7 +162,7 @@ def test_window_hits_need_only_the_window_and_a_full_group_needs_every_block():
     prefill(m, "a", seq)
     swa, full = m.groups["swa"].pool, m.groups["full"].pool
     assert m.block_ids("a", "swa") == [3, 4] and m.block_ids("a", "full") == [0, 1, 2, 3, 4]
-    m.finish("a")
+    m.release("a")
     # The window group freed blocks 2, 1, 0 when they left the window and 4, 3 at the finish;
     # the full group 4, 3, 2, 1, 0 at the finish. Evicting the three oldest cached blocks of
     # each leaves the window group a's last window and the full group a's first two blocks.
@@ -199,8 +199,8 @@ def test_allocation_is_transactional_across_groups():
     prefill(m, "b", [1, 2])
     assert m.admit("c", [3]) is None and not m.fork("a", "a2")
     m.check_integrity()
-    assert m.release("a", "preempt") and not m.cancel("a")  # once only
-    assert m.finish("b")
+    assert m.release("a", "preempt") and not m.release("a", "cancel")  # once only
+    assert m.release("b")
     m.check_integrity()
     assert all(g.pool.num_free == g.pool.num_blocks for g in m.groups.values())
 
@@ -275,8 +275,8 @@ def test_a_shared_pool_gives_the_blocks_a_window_lets_go_to_any_group():
     # from a root of its own, so neither finds the other's blocks.
     assert m.group_hit_points(a + [1]) == {"swa": [0, 12], "full": [0, 4, 8, 12]}
     assert m.lookup_prefix(a + [1]) == 12
-    m.finish("a")
-    m.finish("b")
+    m.release("a")
+    m.release("b")
     m.check_integrity()
     assert pool.num_free == 8
 
@@ -310,7 +310,7 @@ def test_a_follow_up_turn_hits_at_the_previous_turn_end_off_the_checkpoint_grid(
     history = turn1 + [50, 51, 52]
     # Without the turn end the follow-up could hit only at 8, the last checkpoint.
     assert m.group_hit_points(history + [7, 7]) == {"full": [0, 4, 8, 12], "r": [0, 8]}
-    assert m.finish("t1")
+    assert m.release("t1")
     m.check_integrity()
     # The live slot 0 (the state after 12 tokens) is kept as the turn-end checkpoint.
     assert m.groups["r"].pool.is_free_cached(0) and m.groups["r"].pool.free_queue() == [2, 3, 1, 0]
@@ -390,7 +390,7 @@ def test_a_dual_pool_group_hits_only_where_the_recurrent_group_agrees_on_a_span_
     assert free_queues(m) == before and "c" not in m and "a2" not in m
     m.check_integrity()
 
-    assert m.finish("a")
+    assert m.release("a")
     # a's classical blocks stay held by b; its state block 0 and live slot 0 go back.
     assert free_queues(m) == {"v4": [3, 4, 5, 6, 7], "r": [4, 5, 0, 1, 2], "v4.state": [0]}
     admission = m.admit("c", c)
@@ -406,7 +406,7 @@ def test_a_dual_pool_group_hits_only_where_the_recurrent_group_agrees_on_a_span_
     assert classical.prefix_block(4) is classical.prefix_block(1)
     assert classical.prefix_block(5) is not classical.prefix_block(2)
 
-    m.finish("c")  # tail-first: 5, 4, 3
+    m.release("c")  # tail-first: 5, 4, 3
     assert classical.free_queue() == [6, 7, 5, 4, 3] and states.free_queue() == [0]
     # A fork shares b's complete spans and takes the free state block (the runner copies
     # b's state, the unfinished span [24, 31) included, into it).
@@ -427,7 +427,7 @@ def test_a_dual_pool_group_hits_only_where_the_recurrent_group_agrees_on_a_span_
     # Held: classical 0, 1, 2 (shared, counted once), 6, 7, every slot computed; state
     # blocks: the dual pool's 2 (both held) and the recurrent group's 6 (live slots of b, b2)
     assert m.usage() == (8, 3, 5, 5 * 8, 8, 2 + 6, 0 + 4)
-    assert m.release("b", "preempt") and m.finish("b2") and not m.cancel("b")
+    assert m.release("b", "preempt") and m.release("b2") and not m.release("b", "cancel")
     m.check_integrity()
     assert states.num_free == 2 and classical.num_free == 8 and slots.num_free == 6
 
@@ -448,7 +448,7 @@ def test_a_turn_end_at_a_span_boundary_is_a_hit_for_the_dual_pool_and_the_recurr
     follow_up = history + [7, 7]
     assert m.group_hit_points(follow_up) == {"v4": [0, 8, 16], "r": [0, 12]}
     assert m.lookup_prefix(follow_up) == 0
-    assert m.finish("t1")
+    assert m.release("t1")
     m.check_integrity()
     # t1's live slot 0 holds the state after 16 tokens: filed as a turn end, free and cached.
     assert m.groups["r"].pool.is_free_cached(0)
@@ -537,13 +537,13 @@ def test_a_follow_up_turn_hits_inside_the_attention_block_where_the_previous_tur
     # point both serve (block ends 4, 8; the checkpoint of 8).
     ref = make(turn_ends=False)
     prefill(ref, "t1", turn1)
-    ref.finish("t1")
+    ref.release("t1")
     assert ref.group_hit_points(follow_up) == {"full": [0, 4, 8], "r": [0, 8]} and ref.lookup_prefix(follow_up) == 8
 
     m = make(turn_ends=True)
     assert prefill(m, "t1", turn1) == 0
     assert m.block_ids("t1") == [0, 1, 2] and m.state_slot("t1") == 0
-    assert m.finish("t1")
+    assert m.release("t1")
     m.check_integrity()
     pool = m.groups["full"].pool
     # Block 2 (positions [8, 10)) is cached, free, like the full blocks 0 and 1 before it
@@ -571,5 +571,5 @@ def test_a_follow_up_turn_hits_inside_the_attention_block_where_the_previous_tur
     assert pool.block_hash(3) is not None
     assert m.group_hit_points(follow_up[:12] + [1]) == {"full": [0, 4, 8, 10, 12], "r": [0, 8, 10]}
     assert m.lookup_prefix(follow_up[:12] + [1]) == 10
-    m.finish("t2")
+    m.release("t2")
     m.check_integrity()

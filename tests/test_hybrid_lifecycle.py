@@ -257,8 +257,8 @@ class Lifecycle(RuleBasedStateMachine):
     @rule(rid=consumes(requests), how=st.sampled_from(["finish", "cancel", "preempt"]))
     def release(self, rid, how):
         live = rid in self.m
-        assert getattr(self.m, how)(rid) is live
-        assert self.m.cancel(rid) is False  # a second release is a no-op
+        assert self.m.release(rid, how) is live
+        assert self.m.release(rid, "cancel") is False  # a second release is a no-op
 
     # ---- invariants --------------------------------------------------------------------
 
@@ -299,7 +299,7 @@ class Lifecycle(RuleBasedStateMachine):
 
     def teardown(self):
         for rid in self.m.request_ids:
-            self.m.finish(rid)
+            self.m.release(rid)
         self.m.check_integrity()
         for g in self.m.groups.values():
             assert g.pool.num_free == g.pool.num_blocks

@@ -53,7 +53,7 @@ def test_a_duplicate_copy_keeps_its_chain_reachable():
     decode(m, "b", [21, 22, 23, 24])  # positions 8..11: a third block, 3
     assert m.block_ids("b") == [0, 2, 3]
     # a finishes; its copy of block 1 is evicted by a request that needs every free block.
-    assert m.finish("a")
+    assert m.release("a")
     assert m.pool.free_queue() == [4, 5, 6, 7, 8, 9, 1]
     assert prefill(m, "c", list(range(100, 128))) == 0  # 7 blocks
     assert m.block_ids("c") == [4, 5, 6, 7, 8, 9, 1]
@@ -61,7 +61,7 @@ def test_a_duplicate_copy_keeps_its_chain_reachable():
     # b still holds every block of its sequence: a continuation is a full hit of b's copies.
     continuation = P8 + [20, 21, 22, 23] + [99]
     assert m.lookup_prefix(continuation) == 12
-    assert m.finish("c")
+    assert m.release("c")
     assert prefill(m, "d", continuation) == 12
     assert m.block_ids("d")[:3] == [0, 2, 3]
     m.check_integrity()
@@ -164,7 +164,7 @@ def test_a_queued_copy_dies_with_its_request():
     m.append_token_ids("c", [7])
     assert m.reserve_step(["c"], [1])  # c copies the shared tail 1 into block 2
     assert m.block_ids("c") == [0, 2]
-    assert m.cancel("c")
+    assert m.release("c", "cancel")
     # Block 2 is free again and goes to another request before any copy is applied.
     prefill(m, "d", [9, 9, 9, 9, 9])
     assert m.block_ids("d") == [3, 4]
@@ -242,13 +242,13 @@ def test_a_readmission_after_preemption_is_not_counted_again():
     prompt = list(range(30, 40))  # 10 tokens: blocks 0, 1 full
     prefill(m, "a", prompt)
     assert (m.stats.num_queried_tokens, m.stats.num_hit_tokens) == (10, 0)
-    assert m.preempt("a")
+    assert m.release("a", "preempt")
     assert prefill(m, "a", prompt) == 8  # its own blocks, still cached
     assert (m.stats.num_requests, m.stats.num_queried_tokens, m.stats.num_hit_tokens) == (1, 10, 0)
     assert (m.stats.num_readmissions, m.stats.num_readmitted_hit_tokens) == (1, 8)
     assert m.stats.hit_rate == 0.0
     # A preempted request cancelled while it waits leaves no mark behind.
-    assert m.preempt("a") and not m.cancel("a")
+    assert m.release("a", "preempt") and not m.release("a", "cancel")
     assert prefill(m, "a", prompt) == 8
     assert m.stats.num_requests == 2 and m.stats.num_readmissions == 1
 

@@ -71,7 +71,7 @@ def trace_t1(hash_algo: str) -> dict[str, float]:
     num_registered = manager.pool.num_cached
     for request_id in request_ids:
         assert manager.num_computed_tokens(request_id) == T1_PROMPT + T1_STEPS
-        manager.finish(request_id)
+        manager.release(request_id)
     manager.check_integrity()
     assert manager.num_free_blocks == T1_BLOCKS
 

@@ -904,16 +904,6 @@ class HybridCacheManager:
             g.release(req.states[name])
         return True
 
-    def finish(self, request_id: str) -> bool:
-        return self.release(request_id, "finish")
-
-    def cancel(self, request_id: str) -> bool:
-        return self.release(request_id, "cancel")
-
-    def preempt(self, request_id: str) -> bool:
-        """Release everything; the engine admits the request again later and recomputes."""
-        return self.release(request_id, "preempt")
-
     # ---- invariants --------------------------------------------------------------------
 
     def check_integrity(self) -> None:

@@ -833,7 +833,7 @@ class DSV4CacheManager(HybridCacheManager):
         )
         self.group = cast(DualPoolGroup, self.groups["v4"])  # built from a DualPoolGroupSpec
         self.span, self.restore, self.checkpoint_blocks = spec.span, restore, checkpoint_blocks
-        self.checkpointing, self.num_state_blocks = self.group.checkpointing, num_state_blocks
+        self.num_state_blocks = num_state_blocks
 
     @property
     def num_free_state_blocks(self) -> int:
