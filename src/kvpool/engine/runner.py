@@ -418,12 +418,7 @@ class ModelRunner:
         if copies:
             self.executor.copy_blocks(copies)  # copy-on-write copies before anything writes
         if self.dual:
-            logits = self._forward_in_pieces(chunks)
-            if all_logits:
-                rows = logits
-            else:
-                rows = [lg[-1:] for c, lg in zip(chunks, logits, strict=True) if c.needs_logits]
-            out = torch.cat(rows) if rows else torch.zeros(0, self.vocab_size)
+            out = self._forward_in_pieces(chunks, all_logits)
         else:
             out = self.executor.forward(chunks, self.cache, all_logits)
         self.num_steps_run += 1
@@ -465,34 +460,50 @@ class ModelRunner:
             res = self._pending(request_id)
             ids = self.cache.token_ids(request_id)[res.start : res.start + res.num_tokens]
             chunks.append(ScheduledChunk(request_id, ids, res.start, True))
-        return self._forward_in_pieces(chunks)
+        logits = self._forward_in_pieces(chunks, all_logits=True)
+        return list(logits.split([len(c.token_ids) for c in chunks]))
 
     def _pending(self, request_id: str) -> Reservation:
         res = self.cache.pending_reservation(request_id)
         assert res is not None, f"request {request_id!r} has no reservation"
         return res
 
-    def _forward_in_pieces(self, chunks: Sequence[ScheduledChunk]) -> list[torch.Tensor]:
+    def _forward_in_pieces(self, chunks: Sequence[ScheduledChunk], all_logits: bool) -> torch.Tensor:
         """V4's dual pool: the deferred replays first, then the chunks (each its request's
         whole reservation) in forwards cut at their checkpoint positions (the state is
         copied to the checkpoint slot exactly there) and at the window snapshots the SWA
-        strategy keeps (persisted there); any cut gives the same state. Logits [len(token
-        ids), vocab] of every chunk token."""
+        strategy keeps (persisted there); any cut gives the same state. A step with no cut
+        inside a chunk is one forward. Logits as `execute` returns them: [rows, vocab] of
+        every chunk token (all_logits) or of the last token of each chunk with
+        needs_logits, in chunk order."""
         for request_id, (adm, start, valid_from) in self._replays.items():
             if request_id in self.cache:  # (a release through the cache alone leaves it here)
                 self._replay(adm, self.cache.token_ids(request_id), start, valid_from)
         self._replays.clear()
+        # by request, only where the step has any: the positions to cut at, the checkpoint
+        # slots to copy the state to, the window snapshots to persist
         cuts: dict[str, list[int]] = {}
         checkpoints: dict[str, tuple[tuple[int, int], ...]] = {}
         snapshots: dict[str, dict[int, tuple[bytes, BlockDescriptor]]] = {}
+        whole = True  # no cut strictly inside a chunk: the step is one forward
         for c in chunks:
             res = self._pending(c.seq_id)
-            assert res.start == c.start and res.num_tokens == len(c.token_ids), "chunk != reservation"
-            checkpoints[c.seq_id] = res.checkpoints
-            cuts[c.seq_id] = [p for p, _ in res.checkpoints]
+            end = c.start + len(c.token_ids)
+            assert res.start == c.start and res.start + res.num_tokens == end, "chunk != reservation"
+            at = [p for p, _ in res.checkpoints]
             if self.swa is not None and res.new_block_ids:
                 snapshots[c.seq_id] = self._snapshots_wanted(c.seq_id, res)
-                cuts[c.seq_id] += list(snapshots[c.seq_id])
+                at += list(snapshots[c.seq_id])
+            if at:
+                checkpoints[c.seq_id] = res.checkpoints
+                cuts[c.seq_id] = at
+                whole = whole and all(not c.start < p < end for p in at)
+        if whole:
+            out = self.executor.forward(chunks, self.cache, all_logits)
+            for c in chunks:
+                if c.seq_id in cuts:
+                    self._after_piece(c.seq_id, c.start + len(c.token_ids), checkpoints, snapshots)
+            return out
         cursor = {c.seq_id: c.start for c in chunks}
         pieces: dict[str, list[torch.Tensor]] = {c.seq_id: [] for c in chunks}
         while True:
@@ -500,7 +511,7 @@ class ModelRunner:
             for c in chunks:
                 pos, end = cursor[c.seq_id], c.start + len(c.token_ids)
                 if pos < end:
-                    stop = min([end] + [p for p in cuts[c.seq_id] if p > pos])
+                    stop = min([end] + [p for p in cuts.get(c.seq_id, ()) if p > pos])
                     todo.append(ScheduledChunk(c.seq_id, c.token_ids[pos - c.start : stop - c.start], pos, False))
             if not todo:
                 break
@@ -510,14 +521,30 @@ class ModelRunner:
                 request_id, n = piece.seq_id, len(piece.token_ids)
                 pieces[request_id].append(out[offset : offset + n])
                 offset += n
-                stop = cursor[request_id] = piece.start + n
-                for position, checkpoint_slot in checkpoints[request_id]:
-                    if position == stop:
-                        self._copy_state(self.cache.state_slot(request_id), checkpoint_slot)
-                wanted = snapshots.get(request_id, {}).get(stop)
-                if wanted is not None:  # the state at a boundary the SWA strategy keeps
-                    self._persist_snapshot(request_id, stop, wanted)
-        return [torch.cat(pieces[c.seq_id]) for c in chunks]
+                cursor[request_id] = piece.start + n
+                self._after_piece(request_id, piece.start + n, checkpoints, snapshots)
+        if all_logits:
+            rows = [lg for c in chunks for lg in pieces[c.seq_id]]
+        else:
+            rows = [pieces[c.seq_id][-1][-1:] for c in chunks if c.needs_logits]
+        return torch.cat(rows) if rows else torch.zeros(0, self.vocab_size)
+
+    def _after_piece(
+        self,
+        request_id: str,
+        stop: int,
+        checkpoints: dict[str, tuple[tuple[int, int], ...]],
+        snapshots: dict[str, dict[int, tuple[bytes, BlockDescriptor]]],
+    ) -> None:
+        """The state at `stop`, where a piece of the request's step ended: copied to the
+        checkpoint slots the reservation names there, persisted as the window snapshot the
+        SWA strategy keeps there."""
+        for position, checkpoint_slot in checkpoints.get(request_id, ()):
+            if position == stop:
+                self._copy_state(self.cache.state_slot(request_id), checkpoint_slot)
+        wanted = snapshots.get(request_id, {}).get(stop)
+        if wanted is not None:
+            self._persist_snapshot(request_id, stop, wanted)
 
     # ---- the tiers -----------------------------------------------------------------------
 
