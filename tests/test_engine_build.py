@@ -9,6 +9,7 @@ import torch
 from kvpool.engine.build import build_engine
 from kvpool.engine.dsv4_runner import DSV4Runner
 from kvpool.engine.hybrid_runner import HybridRunner
+from kvpool.engine.runner import ModelRunner
 from kvpool.engine.sampling import SamplingParams
 from kvpool.models.tiny_dsv4 import TinyDSV4
 from kvpool.models.tiny_hybrid import TINY_RECURRENT, TinyHybrid
@@ -23,6 +24,31 @@ def test_each_model_kind_gets_its_runner_and_options() -> None:
     hybrid = build_engine(TinyHybrid(TINY_RECURRENT), num_blocks=20, block_size=4, num_slots=6)
     assert isinstance(hybrid.runner, HybridRunner)
     assert hybrid.runner.block_size == 4 and hybrid.runner.attention.recurrent.state.shape[0] == 6
+
+
+def _own_methods(runner: object) -> set[str]:
+    """Methods a runner's class (or a class between it and ModelRunner) defines itself."""
+    out = set()
+    for cls in type(runner).__mro__:
+        if cls is ModelRunner:
+            return out
+        out |= {name for name, value in vars(cls).items() if callable(value) and name != "__init__"}
+    raise AssertionError(f"{type(runner).__name__} is not a ModelRunner")
+
+
+def test_every_model_kind_runs_on_the_one_runner_class(smollm2_for_commands) -> None:
+    # A Llama, the V4 dual pool and both hybrid models: the same ModelRunner methods (their
+    # named runners only construct one), each with its own executor.
+    engines = [
+        build_engine(smollm2_for_commands, num_blocks=16, block_size=4),
+        build_engine(TinyDSV4(), num_blocks=12, num_state_blocks=2),
+        build_engine(TinyHybrid(TINY_RECURRENT), num_blocks=20, block_size=4, num_slots=6),
+        build_engine(TinyHybrid(), num_blocks=20, block_size=4),
+    ]
+    for engine in engines:
+        assert _own_methods(engine.runner) == set(), type(engine.runner).__name__
+    executors = [type(engine.runner.executor).__name__ for engine in engines]
+    assert executors == ["LlamaExecutor", "DSV4Executor", "HybridExecutor", "HybridExecutor"]
 
 
 def test_kv_memory_sizes_the_v4_classical_pool() -> None:
