@@ -591,8 +591,6 @@ class HybridCacheManager:
     def _check_new(self, request_id: str, token_ids: Sequence[int], max_new_tokens: int | None) -> None:
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already admitted")
-        if len(token_ids) == 0:
-            raise ValueError(f"request {request_id!r} has an empty prompt")
         if max_new_tokens is not None and max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
 

@@ -815,8 +815,6 @@ class DSV4CacheManager(HybridCacheManager):
         restore_cost: RestoreCost | None = None,
         checkpoint_blocks: int = 0,
     ) -> None:
-        if num_state_blocks <= 0:
-            raise ValueError(f"num_state_blocks must be positive, got {num_state_blocks}")
         group = DualPoolGroupSpec.from_dsv4(
             "v4",
             spec,

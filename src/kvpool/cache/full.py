@@ -8,11 +8,10 @@ One request's token positions, against its block table (bs = block_size):
   [num_computed, num_reserved) writable slots: blocks exclusive to this request, unpublished
   [num_reserved, ...)          no slots yet
 
-Reservations are block-granular (`exact_steps=False`): a block the request may write is
-writable to its end, so a decode needs work only at a block boundary (a fresh block) or on
-a shared tail (copy-on-write). Besides the coordinator's calls, the swap of a computed
-partial block at preemption (`tail_block`; at readmission `tail_block_for_restore` and
-`restore_tail`) and two prefix queries for P/D transfer (`prefix_blocks`, `chain_for`).
+Reservations are block-granular (`exact_steps=False`: the coordinator's "Steps"). Besides
+the coordinator's calls, the swap of a computed partial block at preemption (`tail_block`;
+at readmission `tail_block_for_restore` and `restore_tail`) and two prefix queries for P/D
+transfer (`prefix_blocks`, `chain_for`).
 """
 
 from __future__ import annotations
