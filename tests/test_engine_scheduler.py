@@ -27,41 +27,41 @@ class PrefixModelRunner:
         self.capacity_tokens = num_blocks * block_size
         self.max_model_len = self.capacity_tokens
 
-    def admit(self, seq_id, token_ids, max_new_tokens, *, tenant_salt=""):
-        return self.manager.admit(seq_id, token_ids, max_new_tokens, tenant_salt=tenant_salt)
+    def admit(self, request_id, token_ids, max_new_tokens, *, tenant_salt=""):
+        return self.manager.admit(request_id, token_ids, max_new_tokens, tenant_salt=tenant_salt)
 
-    def reserve(self, seq_ids, num_new_tokens):
-        return self.manager.reserve_step(seq_ids, num_new_tokens)
+    def reserve(self, request_ids, num_new_tokens):
+        return self.manager.reserve_step(request_ids, num_new_tokens)
 
-    def append_tokens(self, seq_id, token_ids):
-        self.manager.append_token_ids(seq_id, token_ids)
+    def append_tokens(self, request_id, token_ids):
+        self.manager.append_token_ids(request_id, token_ids)
 
     def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
         self.manager.take_copies()
         tables = self.manager.step_tables(
-            [c.seq_id for c in chunks], [c.start for c in chunks], [c.start + len(c.token_ids) for c in chunks]
+            [c.request_id for c in chunks], [c.start for c in chunks], [c.start + len(c.token_ids) for c in chunks]
         )
         assert len(tables.slots) == sum(len(c.token_ids) for c in chunks)
         rows = []
         for c in chunks:
             if c.needs_logits:
-                prefix = self.manager.token_ids(c.seq_id)[: c.start] + c.token_ids
+                prefix = self.manager.token_ids(c.request_id)[: c.start] + c.token_ids
                 row = torch.zeros(VOCAB)
                 row[(sum(prefix) * 31 + len(prefix)) % VOCAB] = 1.0
                 rows.append(row)
         return torch.stack(rows) if rows else torch.zeros(0, VOCAB)
 
-    def commit(self, seq_ids, num_tokens, next_token_ids):
-        self.manager.commit_step(seq_ids, num_tokens, next_token_ids)
+    def commit(self, request_ids, num_tokens, next_token_ids):
+        self.manager.commit_step(request_ids, num_tokens, next_token_ids)
 
     def fork(self, parent_id, child_id):
         return self.manager.fork(parent_id, child_id)
 
-    def release(self, seq_id, reason):
-        return self.manager.release(seq_id, reason)
+    def release(self, request_id, reason):
+        return self.manager.release(request_id, reason)
 
-    def num_computed_tokens(self, seq_id):
-        return self.manager.num_computed_tokens(seq_id)
+    def num_computed_tokens(self, request_id):
+        return self.manager.num_computed_tokens(request_id)
 
     def num_allocations(self):
         return self.manager.pool.num_allocated

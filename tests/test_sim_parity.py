@@ -87,7 +87,7 @@ class Side:
         execute, admit = runner.execute, runner.admit
 
         def recording_execute(chunks):
-            self.chunks = [(c.seq_id, c.start, len(c.token_ids), c.needs_logits) for c in chunks]
+            self.chunks = [(c.request_id, c.start, len(c.token_ids), c.needs_logits) for c in chunks]
             return execute(chunks)
 
         def recording_admit(seq_id, token_ids, max_new_tokens, **kw):

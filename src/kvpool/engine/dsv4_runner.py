@@ -186,11 +186,11 @@ class DSV4Executor:
         span = self.spec.span
         plans = []
         for c in chunks:
-            res = cache.pending_reservation(c.seq_id)
-            assert res is not None, f"request {c.seq_id!r} has no reservation"
-            table = cache.block_ids(c.seq_id) + list(res.new_block_ids)
+            res = cache.pending_reservation(c.request_id)
+            assert res is not None, f"request {c.request_id!r} has no reservation"
+            table = cache.block_ids(c.request_id) + list(res.new_block_ids)
             pos, stop = c.start, c.start + len(c.token_ids)
-            slot = cache.state_slot(c.seq_id)
+            slot = cache.state_slot(c.request_id)
             plans.append(ChunkPlan(pos, stop - pos, slot, table[: pos // span], table[pos // span : stop // span]))
         logits = self.model.forward_paged([t for c in chunks for t in c.token_ids], plans, self.attention)
         return logits if all_logits else logits[last_token_rows(chunks)]

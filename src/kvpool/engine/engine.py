@@ -436,7 +436,7 @@ class Engine:
                 next_token_ids[i] = seq.token_ids[-1]
             else:
                 done.append((seq, reason))
-        self.runner.commit([c.seq_id for c in chunks], [len(c.token_ids) for c in chunks], next_token_ids)
+        self.runner.commit([c.request_id for c in chunks], [len(c.token_ids) for c in chunks], next_token_ids)
         for parent, parent_logits in forks:
             if parent.request.request_id in failed:
                 continue

@@ -135,12 +135,12 @@ class HybridExecutor:
     def forward(self, chunks: Sequence[ScheduledChunk], cache: HybridCacheManager, all_logits: bool) -> Tensor:
         """Logits [num chunks with needs_logits, vocab] (all_logits: every token's, [N, vocab])."""
         for c in chunks:
-            end = cache.num_reserved_tokens(c.seq_id)
-            if c.start != cache.num_computed_tokens(c.seq_id) or c.start + len(c.token_ids) != end:
+            end = cache.num_reserved_tokens(c.request_id)
+            if c.start != cache.num_computed_tokens(c.request_id) or c.start + len(c.token_ids) != end:
                 raise ValueError(
-                    f"sequence {c.seq_id!r}: chunk [{c.start}, {c.start + len(c.token_ids)}) is not its reservation"
+                    f"sequence {c.request_id!r}: chunk [{c.start}, {c.start + len(c.token_ids)}) is not its reservation"
                 )
-        plans = [self._plan(cache, c.seq_id, c.start, len(c.token_ids)) for c in chunks]
+        plans = [self._plan(cache, c.request_id, c.start, len(c.token_ids)) for c in chunks]
         logits = self.model.forward_paged([t for c in chunks for t in c.token_ids], plans, self.attention)
         return logits if all_logits else logits[last_token_rows(chunks)]
 

@@ -300,10 +300,10 @@ class LlamaExecutor:
             if c.needs_logits:
                 logit_rows.append(len(token_ids) - 1)
         # Validates that each chunk continues its computed prefix within its reservation.
-        tables = cache.step_tables([c.seq_id for c in chunks], [c.start for c in chunks], ctx_lens)
+        tables = cache.step_tables([c.request_id for c in chunks], [c.start for c in chunks], ctx_lens)
         if self.model.shard is not None:  # tensor parallel: every rank must run the same tokens alike
-            seq_ids, starts, ids = [c.seq_id for c in chunks], [c.start for c in chunks], [c.token_ids for c in chunks]
-            check_same_step(step_digest(seq_ids, starts, ids, tables.slots), self.model)
+            request_ids, starts = [c.request_id for c in chunks], [c.start for c in chunks]
+            check_same_step(step_digest(request_ids, starts, [c.token_ids for c in chunks], tables.slots), self.model)
         step = self.attention.begin_step(
             PagedStepMetadata(q_lens, ctx_lens, tables.slots, tables.csr.indptr, tables.csr.indices)
         )

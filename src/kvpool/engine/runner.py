@@ -73,9 +73,11 @@ PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap", "auto")
 
 class ScheduledChunk(NamedTuple):
     """One sequence's work in a step: compute KV for positions [start, start + len(token_ids)).
+    `request_id` is the id the cache knows the sequence by (the engine's `seq_id`: a request's
+    sample, "req-1/0"), as every runner and cache call names it.
     (A named tuple: the engine makes one per sequence per step, a frozen dataclass costs 3x.)"""
 
-    seq_id: str
+    request_id: str
     token_ids: list[int]
     start: int
     needs_logits: bool  # True when the chunk ends at the sequence's last known token (sample next)
@@ -487,46 +489,46 @@ class ModelRunner:
         snapshots: dict[str, dict[int, tuple[bytes, BlockDescriptor]]] = {}
         whole = True  # no cut strictly inside a chunk: the step is one forward
         for c in chunks:
-            res = self._pending(c.seq_id)
+            res = self._pending(c.request_id)
             end = c.start + len(c.token_ids)
             assert res.start == c.start and res.start + res.num_tokens == end, "chunk != reservation"
             at = [p for p, _ in res.checkpoints]
             if self.swa is not None and res.new_block_ids:
-                snapshots[c.seq_id] = self._snapshots_wanted(c.seq_id, res)
-                at += list(snapshots[c.seq_id])
+                snapshots[c.request_id] = self._snapshots_wanted(c.request_id, res)
+                at += list(snapshots[c.request_id])
             if at:
-                checkpoints[c.seq_id] = res.checkpoints
-                cuts[c.seq_id] = at
+                checkpoints[c.request_id] = res.checkpoints
+                cuts[c.request_id] = at
                 whole = whole and all(not c.start < p < end for p in at)
         if whole:
             out = self.executor.forward(chunks, self.cache, all_logits)
             for c in chunks:
-                if c.seq_id in cuts:
-                    self._after_piece(c.seq_id, c.start + len(c.token_ids), checkpoints, snapshots)
+                if c.request_id in cuts:
+                    self._after_piece(c.request_id, c.start + len(c.token_ids), checkpoints, snapshots)
             return out
-        cursor = {c.seq_id: c.start for c in chunks}
-        pieces: dict[str, list[torch.Tensor]] = {c.seq_id: [] for c in chunks}
+        cursor = {c.request_id: c.start for c in chunks}
+        pieces: dict[str, list[torch.Tensor]] = {c.request_id: [] for c in chunks}
         while True:
             todo = []
             for c in chunks:
-                pos, end = cursor[c.seq_id], c.start + len(c.token_ids)
+                pos, end = cursor[c.request_id], c.start + len(c.token_ids)
                 if pos < end:
-                    stop = min([end] + [p for p in cuts.get(c.seq_id, ()) if p > pos])
-                    todo.append(ScheduledChunk(c.seq_id, c.token_ids[pos - c.start : stop - c.start], pos, False))
+                    stop = min([end] + [p for p in cuts.get(c.request_id, ()) if p > pos])
+                    todo.append(ScheduledChunk(c.request_id, c.token_ids[pos - c.start : stop - c.start], pos, False))
             if not todo:
                 break
             out = self.executor.forward(todo, self.cache, True)
             offset = 0
             for piece in todo:
-                request_id, n = piece.seq_id, len(piece.token_ids)
+                request_id, n = piece.request_id, len(piece.token_ids)
                 pieces[request_id].append(out[offset : offset + n])
                 offset += n
                 cursor[request_id] = piece.start + n
                 self._after_piece(request_id, piece.start + n, checkpoints, snapshots)
         if all_logits:
-            rows = [lg for c in chunks for lg in pieces[c.seq_id]]
+            rows = [lg for c in chunks for lg in pieces[c.request_id]]
         else:
-            rows = [pieces[c.seq_id][-1][-1:] for c in chunks if c.needs_logits]
+            rows = [pieces[c.request_id][-1][-1:] for c in chunks if c.needs_logits]
         return torch.cat(rows) if rows else torch.zeros(0, self.vocab_size)
 
     def _after_piece(

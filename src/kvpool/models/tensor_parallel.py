@@ -225,11 +225,11 @@ def check_same(
 
 
 def step_digest(
-    seq_ids: Sequence[str], starts: Sequence[int], token_ids: Sequence[Sequence[int]], slots: Sequence[int]
+    request_ids: Sequence[str], starts: Sequence[int], token_ids: Sequence[Sequence[int]], slots: Sequence[int]
 ) -> int:
     """What the ranks must agree on in a step: which sequences run, from where, on which
     token ids (so another prompt of the same length is caught), and the cache's slots."""
-    return digest(list(seq_ids), list(starts), [list(t) for t in token_ids], list(slots))
+    return digest(list(request_ids), list(starts), [list(t) for t in token_ids], list(slots))
 
 
 def check_same_step(value: int, model: LlamaModel) -> None:

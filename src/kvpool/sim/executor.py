@@ -115,8 +115,8 @@ class CostExecutor:
         step = self._step
         for c in chunks:
             end = c.start + len(c.token_ids)
-            first = step.get(c.seq_id)
-            step[c.seq_id] = (c.start if first is None else first[0], end)
+            first = step.get(c.request_id)
+            step[c.request_id] = (c.start if first is None else first[0], end)
         if all_logits:
             return torch.empty(sum(len(c.token_ids) for c in chunks), 0)
         return [None] * sum(c.needs_logits for c in chunks)
