@@ -236,6 +236,9 @@ def test_bad_input_is_refused_with_a_clear_error():
         RecurrentGroupSpec("r", 0)
     with pytest.raises(TypeError, match="unknown group spec"):
         HybridCacheManager([("full", 4)], DESC)  # type: ignore[list-item]
+    two = [(AttentionGroupSpec("full", 4), 4), (AttentionGroupSpec("w", 4, window=4), 4)]
+    with pytest.raises(ValueError, match="serve a one-group cache, got 2 groups"):
+        HybridCacheManager(two, DESC, record_published=True)  # two pools' blocks under one set of keys
     m = HybridCacheManager([(AttentionGroupSpec("full", 4), 4), (RecurrentGroupSpec("r", 4), 2)], DESC)
     prefill(m, "a", [1, 2, 3])
     m.append_token_ids("a", [4, 5])

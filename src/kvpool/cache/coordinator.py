@@ -157,6 +157,11 @@ class HybridCacheManager:
             tiers["lower_tier"] = lower_tier
         if record_published:
             tiers["record_published"] = True
+        if tiers and len(groups) != 1:
+            # the loads, the published blocks and their tier keys are one pool's
+            raise ValueError(
+                f"a lower tier and published-block records serve a one-group cache, got {len(groups)} groups"
+            )
         built: dict[str, CacheGroup] = {}
         for spec, size in groups:
             build = getattr(spec, "build", None)
@@ -400,11 +405,10 @@ class HybridCacheManager:
 
     # ---- prefix hits -------------------------------------------------------------------
 
-    def _root(self, tenant_salt: str, descriptor: CacheDescriptor | None) -> PrefixBlock:
+    def _root(self, tenant_salt: str) -> PrefixBlock:
         """The root of `pool`'s chains, for a one-group model (FullAttentionManager,
         DSV4CacheManager: its group's root key is empty)."""
-        key = self._descriptor_key if descriptor is None else descriptor.key()
-        return self.pool.root(key, tenant_salt)
+        return self.pool.root(self._descriptor_key, tenant_salt)
 
     def _new_request(
         self,
@@ -880,9 +884,9 @@ class HybridCacheManager:
         """Free everything the request holds (tables tail-first, so a chain's tail is evicted
         before its head). False, and nothing done, for a request already released;
         ValueError (nothing done) for a reason not in RELEASE_REASONS. A finish (no step
-        pending) also keeps each recurrent group's live state as the turn-end checkpoint of
-        the request's computed tokens (the live slot holds that state: nothing to copy), when
-        `turn_end_checkpoints` is on."""
+        pending) also keeps, when `turn_end_checkpoints` is on, what each group holds at the
+        turn end of the request's computed tokens: a recurrent group's live state (the live
+        slot holds it: nothing to copy), an attention group's partial last block."""
         if reason not in RELEASE_REASONS:
             raise ValueError(f"unknown release reason {reason!r}; one of {RELEASE_REASONS}")
         req = self._requests.pop(request_id, None)

@@ -69,7 +69,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NamedTuple, Protocol, cast
 
 from kvpool.cache.base import mm_extra_key
-from kvpool.cache.chains import chain_units
+from kvpool.cache.chains import chain_units, check_chain
 from kvpool.cache.coordinator import HybridCacheManager
 from kvpool.cache.group import CacheGroup, GroupUsage, StepRequest
 from kvpool.cache.types import CacheDescriptor, GroupReservation, MMItem, Reservation, StateRestore
@@ -747,16 +747,8 @@ class DualPoolGroup(CacheGroup):
         ):
             raise AssertionError(f"{where}: a restore {restore} pending at {num_computed} computed")
         if self.pool.enable_caching:
-            if len(state.chain) != num_computed // span:
-                raise AssertionError(f"invariant 6: {where} has {len(state.chain)} chained spans for {num_computed}")
-            for k, block in enumerate(state.chain):
-                if block.parent is not (state.chain[k - 1] if k else state.root) or block.token_bytes != token_bytes(
-                    token_ids[k * span : (k + 1) * span]
-                ):
-                    raise AssertionError(f"invariant 6: {where} chain element {k} is not its own prefix")
-                registered = self.pool.prefix_block(state.block_ids[k])
-                if registered is not None and registered is not block:
-                    raise AssertionError(f"invariant 6: {where} classical block {k} is registered as other content")
+            chain, root = state.chain, state.root
+            check_chain(where, self.pool, chain, root, token_ids, num_computed, span, block_ids=state.block_ids)
 
     def check_states(self, states: dict[str, DualPoolState]) -> None:
         """Each request holds one state block of its own; the others are free. Every
@@ -838,8 +830,11 @@ class DSV4CacheManager(HybridCacheManager):
         return self.group.state_pool.num_free
 
     def block_ids(self, request_id: str, group: str | None = None) -> list[int]:
+        """The classical blocks of the request's committed spans (a reserved step's new
+        blocks are its `pending_reservation`'s)."""
+        g = self._group(group, self._table_groups, "block-table")
         req = self._get(request_id)
-        return req.states["v4"].block_ids[: req.num_computed // self.span]
+        return req.states[g.name].block_ids[: req.num_computed // self.span]
 
     def pending_reservation(self, request_id: str) -> Reservation | None:
         """The reserved, not yet committed step of a request, if any."""
@@ -874,7 +869,7 @@ class DSV4CacheManager(HybridCacheManager):
     def prefetch_candidates(
         self, token_ids: Sequence[int], *, tenant_salt: str = ""
     ) -> tuple[list[int], list[PrefixBlock]]:
-        return self.group.prefetch_candidates(self._root(tenant_salt, None), list(token_ids))
+        return self.group.prefetch_candidates(self._root(tenant_salt), list(token_ids))
 
     def install(self, num_blocks: int, hold: Sequence[int] = ()) -> list[int] | None:
         return self.group.install(num_blocks, hold)

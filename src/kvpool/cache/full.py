@@ -115,11 +115,11 @@ class FullAttentionManager(HybridCacheManager):
         """The cached full blocks of `token_ids` from the first (all of them may match, unlike
         an admission's hit, which leaves a token to compute): their ids and prefix blocks.
         Changes nothing; the ids are valid until the pool next allocates."""
-        chain = self.group.hits(self._root(tenant_salt, None), list(token_ids), ()).chain
+        chain = self.group.hits(self._root(tenant_salt), list(token_ids), ()).chain
         return [held_copy(self.pool, block) for block in chain], chain
 
     def chain_for(self, token_ids: Sequence[int], *, tenant_salt: str = "") -> list[PrefixBlock]:
         """The prefix blocks (hashes) the full blocks of `token_ids` have under this manager's
         descriptor and `tenant_salt`, cached or not (nothing is registered)."""
         n = len(token_ids) // self.block_size
-        return chain_units(self.pool, self._root(tenant_salt, None), list(token_ids), (), self.block_size, 0, n)
+        return chain_units(self.pool, self._root(tenant_salt), list(token_ids), (), self.block_size, 0, n)

@@ -21,9 +21,9 @@ evicted), the step (V4: cut at the state checkpoints and window snapshots it tak
 commit (with the write-through of the blocks it published), release (with the swap-out
 decision of a preemption), fork (with the state copy), and the figures.
 
-Where the caches still differ in their calls (V4's DSV4CacheManager is not yet a
-coordinator: lower-tier blocks by prefetch before admission, completed blocks seen as the
-table's growth at commit, pending reservations with checkpoints), `dual` marks the path.
+Where V4's dual pool is still called differently (DSV4CacheManager's own queries:
+lower-tier blocks by prefetch before admission, completed blocks seen as the table's
+growth at commit, pending reservations with checkpoints), `dual` marks the path.
 
 The executor interface (`Executor` below) is what a model's tensors must do and nothing
 more; it never changes the cache (it may read the tables the cache holds, to turn them
