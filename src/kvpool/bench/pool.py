@@ -7,7 +7,7 @@ prompts are admitted and prefilled; 256 decode steps give every request one more
 freed. Each decode step is what the engine runs for its cache, with the same arguments:
 `runner.reserve(ids, counts)` is `FullAttentionManager.reserve_step` and
 `runner.commit(ids, counts, sampled)` is `FullAttentionManager.commit_step`
-(engine/llama_runner.py; the engine calls each once per step). decode_step_us_per_request
+(engine/runner.py `ModelRunner`; the engine calls each once per step). decode_step_us_per_request
 = their time / (256 * 256). decode_tables_us_per_request: the block tables the runner then
 exports for attention in the same step (each chunk's slot mapping and the batch's CSR).
 block_op_ns = allocate + free of 12,288 blocks, per block.
@@ -58,7 +58,7 @@ def trace_t1(hash_algo: str) -> dict[str, float]:
         start = time.perf_counter()
         assert manager.reserve_step(request_ids, ones)
         reserved = time.perf_counter()
-        # What LlamaRunner.execute takes from the manager for a decode step.
+        # What LlamaExecutor.forward takes from the cache for a decode step (`step_tables`).
         ends = [n + 1 for n in starts]
         t0 = time.perf_counter()
         manager.step_tables(request_ids, starts, ends)

@@ -90,9 +90,15 @@ class DSV4Runner(ModelRunner):
             raise ValueError("--kv-dtype fp8: the tiers keep exact classical blocks only")
         spec = model.spec
         executor = DSV4Executor(
-            model, num_classical_blocks, num_state_blocks, num_checkpoints, hot_set_entries, kv_format, indexer_format
+            model,
+            num_classical_blocks,
+            num_state_blocks,
+            num_checkpoints,
+            hot_set_entries,
+            kv_format,
+            indexer_format,
+            replay_chunk,
         )
-        executor.replay_chunk = replay_chunk
         descriptor = descriptor_for(model, kv_format, indexer_format)
         restore_cost = MeasuredRestoreCost()  # restore="auto": what copies and replays took here
         cache = DSV4CacheManager(
@@ -142,6 +148,7 @@ class DSV4Executor:
         hot_set_entries: int | None,
         kv_format: str,
         indexer_format: str,
+        replay_chunk: int = 256,
     ) -> None:
         self.model = model
         self.spec = model.spec
@@ -161,7 +168,7 @@ class DSV4Executor:
         # V4's sparse attention over these pools, chosen once (attention/backends)
         device = self.pools.state[0].ring.device.type
         self.attention = select_backend("dsv4-sparse", f"dsv4-{kv_format}", device).backend(self.pools)
-        self.replay_chunk = 256  # tokens a replay computes per forward
+        self.replay_chunk = replay_chunk  # tokens a replay computes per forward
         self.peaks = StepPeaks()
         self.block_layout = {name: (t.dtype, tuple(t.shape)) for name, t in self._block_tensors(0).items()}
         self.block_bytes = self.pools.classical_block_bytes()

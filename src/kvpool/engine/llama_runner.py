@@ -94,7 +94,6 @@ class LlamaExecutor:
     (None: unquantized, in the model's dtype); the attention backend's implementation
     `decode_path` (None: the best this process runs)."""
 
-    keeps_block_state = False  # True for a quantized pool that keeps full-precision tails
     has_state = False
 
     def __init__(
@@ -120,7 +119,6 @@ class LlamaExecutor:
             self.storage = QuantizedKVStorage(
                 cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, fmt, model.dtype, model.device
             )
-            self.keeps_block_state = True
         k, v = self.storage.k, self.storage.v
         # a tier's entry of one block: every layer's K and V
         self.block_layout = {"k": (k.dtype, (k.shape[0], *k.shape[2:])), "v": (v.dtype, (v.shape[0], *v.shape[2:]))}
@@ -158,6 +156,13 @@ class LlamaExecutor:
         """Each block's {"k", "v"}: [layers, block_size, ...] in host memory, one gather."""
         k, v = self._gather(block_ids)
         return [{"k": k[:, j], "v": v[:, j]} for j in range(len(block_ids))]
+
+    @property
+    def keeps_block_state(self) -> bool:
+        """True while a quantized pool keeps full-precision tails of partly written blocks
+        (`drop_blocks` must hear of the blocks nobody holds any more)."""
+        storage = self.storage
+        return isinstance(storage, QuantizedKVStorage) and storage.num_tails > 0
 
     def _gather(self, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of device blocks `block_ids`, every layer, in host memory: two

@@ -424,7 +424,7 @@ class ModelRunner:
         else:
             out = self.executor.forward(chunks, self.cache, all_logits)
         self.num_steps_run += 1
-        if any(len(c.token_ids) > 1 for c in chunks):  # the prefill rate, for preemption="auto"
+        if self.preemption == "auto" and any(len(c.token_ids) > 1 for c in chunks):  # the prefill rate
             self._prefill_tokens += sum(len(c.token_ids) for c in chunks)
             self._prefill_s += time.perf_counter() - start
         return out

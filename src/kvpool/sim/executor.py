@@ -15,9 +15,10 @@ executor calls, which only ever move or compute tensors, by pricing them:
     `checkpoint_bytes` twice; `reset_state` costs nothing;
   - `replay`: recomputing a V4 state over tokens [start, start + n) is a chunk of n tokens
     over a context of start + n in the next step;
-  - `to_host` / `to_device`: the host tier's moves, counted; entries of `block_bytes` bytes
+  - `to_host` / `to_device`: a host tier's moves, counted; entries of `block_bytes` bytes
     (so a host tier's byte limit evicts as it would for the real blocks), not priced: the
-    GPU presets carry no host-link bandwidth.
+    GPU presets carry no host-link bandwidth. (`kvpool simulate` runs without tiers
+    (`sim_runner`); only a runner given a host tier, as tests/test_sim_parity.py's, moves.)
 """
 
 from __future__ import annotations
