@@ -16,8 +16,9 @@ from pathlib import Path
 import kvpool
 
 # Lowest first. `kernels` (the C kernels and their ctypes bindings) sits below the tensor
-# layers that call it; `sim` (the simulator) drives the engine; `server` (kvpool serve and
-# its load generator, which replays workload's chat) serves the engine over HTTP;
+# layers that call it; `llm` (kvpool.LLM) generates through the engine; `sim` (the simulator)
+# drives the engine; `server` (kvpool serve and its load generator, which replays workload's
+# chat) serves the engine over HTTP;
 # `verify` (verification programs) above the engine it drives; `bench` (the benchmarks'
 # measurements) drives the engine, the simulator, the tiers and the server, below the CLI that
 # parses their flags and prints their results.
@@ -33,6 +34,7 @@ LAYERS = (
     "attention",
     "models",
     "engine",
+    "llm",  # kvpool.LLM, the high-level Python API over the engine (kvpool/llm.py)
     "sim",
     "server",
     "verify",

