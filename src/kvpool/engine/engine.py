@@ -30,7 +30,7 @@ from typing import TypeVar
 import torch
 
 from kvpool.engine.runner import ModelRunner, ScheduledChunk
-from kvpool.engine.sampling import SamplingParams, sample_token, token_logprobs
+from kvpool.engine.sampling import SamplingParams, sample_batch, sample_token, token_logprobs
 
 _T = TypeVar("_T")
 LATENCY_SAMPLES = 1 << 16  # admit / reserve latencies kept per kind (the latest)
@@ -134,10 +134,14 @@ class Engine:
         record_logits: bool = False,
         clock: Callable[[], float] = time.perf_counter,
         sampler: Callable[[torch.Tensor, SamplingParams, int, int], int] = sample_token,
+        batched_sampling: bool = False,
     ):
         """clock: when things happen (the simulator's is virtual). sampler: (a row of the
         runner's logits, params, sample index, output position) -> token id; a runner
-        without a model (sim/runner.py) returns rows its own sampler reads."""
+        without a model (sim/runner.py) returns rows its own sampler reads.
+        batched_sampling: sample a step's rows at once on the logits' device
+        (sampling.py `sample_batch`, one host synchronisation a step) instead of `sampler`
+        row by row; greedy tokens are the same, stochastic ones are drawn differently."""
         if max_num_batched_tokens <= 0 or max_num_seqs <= 0:
             raise ValueError(
                 f"max_num_batched_tokens and max_num_seqs must be positive, "
@@ -151,6 +155,7 @@ class Engine:
         self.record_logits = record_logits
         self.clock = clock
         self.sampler = sampler
+        self.batched_sampling = batched_sampling
         # A fault of one request's own work (its sampling, stop-string text or fork) fails
         # that request alone (`fail`, RequestOutput.error) when this is set; else it raises,
         # as any bug does. Only a consumer that reads `error` sets it (the server's engine
@@ -408,6 +413,7 @@ class Engine:
         # alone, after the step's commit; the others go on. (A fault of the step itself,
         # schedule or forward, always raises.)
         failed: dict[str, tuple[str, str]] = {}  # request id -> (message, traceback)
+        sampled = self._sample_step(chunks, logits) if self.batched_sampling else None
         row = 0
         stats = self.stats
         for i, (seq, chunk) in enumerate(zip(self._scheduled, chunks, strict=True)):
@@ -420,11 +426,12 @@ class Engine:
             if not chunk.needs_logits:
                 continue
             seq_logits = logits[row]
+            token = sampled[row] if sampled is not None else None
             row += 1
             if seq.request.request_id in failed:
                 continue
             try:
-                reason = self._accept_token(seq, seq_logits, now)
+                reason = self._accept_token(seq, seq_logits, now, token)
             except Exception as error:
                 if not self.contain_request_faults:
                     raise
@@ -460,6 +467,13 @@ class Engine:
             finished.append(request_id)
         return finished
 
+    def _sample_step(self, chunks: Sequence[ScheduledChunk], logits: torch.Tensor) -> list[int]:
+        """Every sampled row's token (the chunks needing logits, in order), in one batch."""
+        seqs = [seq for seq, c in zip(self._scheduled, chunks, strict=True) if c.needs_logits]
+        params = [seq.request.params for seq in seqs]
+        positions = [len(seq.token_ids) - len(seq.request.prompt_ids) for seq in seqs]
+        return sample_batch(logits[: len(seqs)], params, [seq.sample_index for seq in seqs], positions)
+
     def _fork_samples(
         self, parent: SequenceState, logits: torch.Tensor, now: float, done: list[tuple[SequenceState, str]]
     ) -> None:
@@ -490,12 +504,19 @@ class Engine:
         # ones); one that finishes on its first token leaves the queue again in _finish.
         self.waiting.extendleft(reversed(waiting))
 
-    def _accept_token(self, seq: SequenceState, logits: torch.Tensor, now: float) -> str | None:
-        """Sample the sequence's next token and append it; the finish reason, if it ends here."""
+    def _accept_token(
+        self, seq: SequenceState, logits: torch.Tensor, now: float, token: int | None = None
+    ) -> str | None:
+        """Sample the sequence's next token (unless `token`: sampled already, with the step's
+        batch) and append it; the finish reason, if it ends here."""
         req = seq.request
         params = req.params
         position = len(seq.token_ids) - len(req.prompt_ids)  # seq.num_output_tokens, before this token
-        token = self.sampler(logits, params, seq.sample_index, position)
+        if token is None:
+            if self.batched_sampling:
+                token = sample_batch(logits[None], [params], [seq.sample_index], [position])[0]
+            else:
+                token = self.sampler(logits, params, seq.sample_index, position)
         if self.record_logits:
             seq.logits.append(logits.detach().clone())
         if params.logprobs is not None:

@@ -1,13 +1,21 @@
-"""Sampling parameters and the sampler: greedy, or temperature / top-k / top-p with a seed.
+"""Sampling parameters and the samplers: greedy, or temperature / top-k / top-p with a seed.
 
 Randomness is drawn from a generator seeded by (seed, sample index, output position), so a
 token depends only on the logits and where it sits: a request preempted and recomputed,
 or batched with different neighbours, samples exactly the same tokens.
+
+Two samplers: `sample_token` (one row at a time, on the CPU) and `sample_batch` (every row
+of a step at once, in tensors on the logits' device, one host synchronisation for the
+step's tokens). Greedy rows give the same token in both; a stochastic row draws from the
+same distribution, but with a uniform of its own (`uniform_draw`: a hash of seed, sample
+index and position, computed on the host, no generator per row), so the two samplers'
+stochastic tokens differ.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -120,17 +128,28 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, sample_index: int
 _MASK64 = (1 << 64) - 1
 
 
-def _draw_seed(seed: int, sample_index: int, position: int) -> int:
-    """The generator's seed for one draw: the 64-bit seed, sample index and position mixed
-    by SplitMix64's finalizer, its halves folded together. CPU generators take only the low
-    32 bits of a seed, so every bit of the request's seed must reach them."""
+def _mix64(seed: int, sample_index: int, position: int) -> int:
+    """The 64-bit seed, sample index and position mixed by SplitMix64's finalizer."""
     x = seed & _MASK64
     for v in (sample_index, position):
         x = (x ^ v) + 0x9E3779B97F4A7C15 & _MASK64
         x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
         x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
         x ^= x >> 31
+    return x
+
+
+def _draw_seed(seed: int, sample_index: int, position: int) -> int:
+    """The generator's seed for one draw: `_mix64`'s halves folded together. CPU generators
+    take only the low 32 bits of a seed, so every bit of the request's seed must reach them."""
+    x = _mix64(seed, sample_index, position)
     return (x ^ (x >> 32)) & 0xFFFFFFFF
+
+
+def uniform_draw(seed: int, sample_index: int, position: int) -> float:
+    """`sample_batch`'s uniform in [0, 1) for one draw: the top 53 bits of `_mix64` (a
+    counter-based draw: no generator state, so no per-row generator on the device)."""
+    return (_mix64(seed, sample_index, position) >> 11) * 2.0**-53
 
 
 def _draw(weights: torch.Tensor, generator: torch.Generator) -> int:
@@ -154,3 +173,81 @@ def token_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, lis
         values, ids = torch.topk(logp, min(k, logp.shape[-1]))
         top = list(zip(ids.tolist(), values.tolist(), strict=True))
     return float(logp[token]), top
+
+
+def sample_batch(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    sample_indices: Sequence[int],
+    positions: Sequence[int],
+) -> list[int]:
+    """logits [rows, vocab] (any float dtype, any device) -> one token id per row, row i
+    sampled by params[i] at (sample_indices[i], positions[i]).
+
+    Every row in one batch of tensor ops on the logits' device; the host synchronises once,
+    for the tokens. Greedy rows are the argmax (as `sample_token`); a stochastic row keeps
+    its top-k, then its top-p nucleus (both renormalised, as `sample_token`), and draws by
+    inverse CDF with `uniform_draw`'s uniform."""
+    num_rows = logits.shape[0]
+    if not len(params) == len(sample_indices) == len(positions) == num_rows:
+        raise ValueError(
+            f"sample_batch: {num_rows} logit rows but {len(params)} params, "
+            f"{len(sample_indices)} sample indices, {len(positions)} positions"
+        )
+    if num_rows == 0:
+        return []
+    tokens = torch.argmax(logits, dim=-1)  # [rows] int64
+    stochastic = [i for i, p in enumerate(params) if not p.greedy]
+    if stochastic:
+        device, vocab = logits.device, logits.shape[-1]
+        picked = [params[i] for i in stochastic]
+        # the per-row parameters, one host-to-device copy: temperature, top_p, top_k, u
+        table = torch.tensor(
+            [
+                (
+                    p.temperature,
+                    p.top_p,
+                    min(p.top_k, vocab) if p.top_k else vocab,
+                    uniform_draw(p.seed, sample_indices[i], positions[i]),
+                )
+                for i, p in zip(stochastic, picked, strict=True)
+            ],
+            dtype=torch.float64,
+        ).to(device, non_blocking=True)
+        rows = torch.tensor(stochastic, dtype=torch.long).to(device, non_blocking=True)
+        sampled = _sample_rows(logits.index_select(0, rows), table, picked)
+        tokens = tokens.index_copy(0, rows, sampled)
+    return tokens.tolist()  # the step's one host synchronisation
+
+
+def _sample_rows(logits: torch.Tensor, table: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """logits [m, vocab], table [m, 4] fp64 (temperature, top_p, top_k (vocab: off), u) ->
+    [m] int64 token ids. `params` (the rows' SamplingParams) only choose, on the host,
+    whether a sort is needed."""
+    vocab = logits.shape[-1]
+    temperature, top_p = table[:, 0:1].float(), table[:, 1:2].float()
+    top_k, u = table[:, 2:3].long(), table[:, 3]
+    scores = logits.float() / temperature  # [m, vocab]
+    ids: torch.Tensor | None = None  # [m, vocab]: the candidates' token ids, most likely first
+    if any(p.top_k or p.top_p < 1.0 for p in params):
+        scores, ids = torch.sort(scores, dim=-1, descending=True)
+        # top-k: the ranks at or past a row's k are out (k = vocab: none)
+        ranks = torch.arange(vocab, device=logits.device)
+        scores = scores.masked_fill(ranks >= top_k, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if any(p.top_p < 1.0 for p in params):
+        # drop a token when the tokens before it already reach top_p; the first always stays
+        # (a row with top_p 1 keeps everything its top-k kept: its cumulative sum before a
+        # kept token is below 1, or equal to 1 only where the rest of the mass rounds to 0)
+        cumulative = torch.cumsum(probs, dim=-1)
+        dropped = (cumulative - probs) >= top_p
+        dropped[:, 0] = False
+        probs = probs.masked_fill(dropped & (top_p < 1.0), 0.0)
+    # inverse CDF: the first index whose cumulative weight exceeds u * total; when u * total
+    # rounds up to the total, the last index of non-zero weight (a zero weight is never drawn)
+    cdf = torch.cumsum(probs, dim=-1)
+    target = (u.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
+    j = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    last = (vocab - 1) - torch.argmax(torch.flip(probs > 0, dims=[-1]).to(torch.uint8), dim=-1)
+    j = torch.minimum(j, last)
+    return j if ids is None else ids.gather(-1, j.unsqueeze(-1)).squeeze(-1)

@@ -1,0 +1,170 @@
+"""The batched device sampler `sample_batch` against the one-row sampler `sample_token`.
+
+Greedy rows must give sample_token's token exactly; stochastic rows draw from the same
+distribution with a uniform of their own (a hash of seed, sample index and position), so
+they are held to frequency bounds: 5 binomial standard errors (a correct sampler misses one
+with probability ~6e-7), which a distribution off by 0.04 or more at n = 3000 fails. The
+draws are a fixed function of the code (no generator state): no test here can flake.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from kvpool.engine.engine import Engine
+from kvpool.engine.llama_runner import LlamaRunner
+from kvpool.engine.sampling import SamplingParams, sample_batch, sample_token, uniform_draw
+from random_llama import DESCRIPTOR, random_ids, random_llama
+
+N = 3000
+
+
+def batch_draws(logits: torch.Tensor, params: SamplingParams, n: int = N) -> Counter:
+    """n draws of one row at positions 0..n-1, all in one sample_batch call."""
+    rows = logits.unsqueeze(0).expand(n, -1)
+    return Counter(sample_batch(rows, [params] * n, [0] * n, list(range(n))))
+
+
+def assert_frequency(counts: Counter, token: int, p: float, n: int = N) -> None:
+    assert abs(counts[token] / n - p) <= 5 * math.sqrt(p * (1 - p) / n), (token, counts[token] / n, p)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_greedy_rows_equal_sample_token_even_beside_stochastic_rows(dtype):
+    logits = torch.randn(24, 5000, generator=torch.Generator().manual_seed(0)).to(dtype)
+    params = [SamplingParams() if i % 3 else SamplingParams(temperature=0.8, top_p=0.9, seed=i) for i in range(24)]
+    got = sample_batch(logits, params, list(range(24)), [7] * 24)
+    for i, p in enumerate(params):
+        if p.greedy:
+            assert got[i] == sample_token(logits[i], p, i, 7)
+        else:
+            assert 0 <= got[i] < 5000
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_temperature_sampling_follows_the_softmax(temperature):
+    probs = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    counts = batch_draws(torch.log(probs).float(), SamplingParams(temperature=temperature))
+    expected = probs ** (1 / temperature) / (probs ** (1 / temperature)).sum()
+    for token, p in enumerate(expected.tolist()):
+        assert_frequency(counts, token, p)
+    # and sample_token's draws of the same distribution agree with the same bounds
+    single = Counter(
+        sample_token(torch.log(probs).float(), SamplingParams(temperature=temperature), 0, k) for k in range(N)
+    )
+    for token, p in enumerate(expected.tolist()):
+        assert_frequency(single, token, p)
+
+
+def test_top_k_keeps_the_k_most_likely_renormalised():
+    logits = torch.log(torch.tensor([0.4, 0.05, 0.3, 0.05, 0.2]))
+    counts = batch_draws(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert set(counts) == {0, 2}
+    assert_frequency(counts, 0, 0.4 / 0.7)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = torch.tensor([0.5, 0.3, 0.15] + [0.05 / 1000] * 1000)
+    counts = batch_draws(torch.log(probs), SamplingParams(temperature=1.0, top_p=0.79))
+    assert set(counts) == {0, 1}
+    assert_frequency(counts, 0, 0.5 / 0.8)
+    assert 2 in batch_draws(torch.log(probs), SamplingParams(temperature=1.0, top_p=0.81))
+
+
+def test_top_k_then_top_p_as_sample_token():
+    # top-k 3 renormalises [0.4, 0.3, 0.2] to [4/9, 3/9, 2/9]; top-p 0.7 then keeps 4/9 + 3/9
+    logits = torch.log(torch.tensor([0.4, 0.05, 0.3, 0.05, 0.2]))
+    params = SamplingParams(temperature=1.0, top_k=3, top_p=0.7)
+    counts = batch_draws(logits, params)
+    assert set(counts) == {0, 2}
+    assert_frequency(counts, 0, 4 / 7)
+    assert set(Counter(sample_token(logits, params, 0, k) for k in range(500))) == {0, 2}
+
+
+def test_rows_of_different_parameters_in_one_batch_each_follow_their_own():
+    probs = torch.tensor([0.4, 0.05, 0.3, 0.05, 0.2])
+    row_params = [
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=1.0, top_p=0.65),
+        SamplingParams(temperature=1.0),
+    ]
+    n = 1500
+    params = [row_params[i % 3] for i in range(3 * n)]
+    tokens = sample_batch(torch.log(probs).expand(3 * n, -1), params, [0] * (3 * n), [i // 3 for i in range(3 * n)])
+    per = [Counter(tokens[r::3]) for r in range(3)]
+    assert set(per[0]) == {0}
+    assert set(per[1]) == {0, 2}
+    assert_frequency(per[1], 0, 0.4 / 0.7, n)
+    assert set(per[2]) == {0, 1, 2, 3, 4}
+    assert_frequency(per[2], 4, 0.2, n)
+
+
+def test_a_rows_token_does_not_depend_on_its_neighbours():
+    logits = torch.randn(16, 4096, generator=torch.Generator().manual_seed(2))
+    params = [SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=3)] * 16
+    together = sample_batch(logits, params, list(range(16)), list(range(16)))
+    alone = [sample_batch(logits[i : i + 1], params[:1], [i], [i])[0] for i in range(16)]
+    assert together == alone
+    other_seed = [SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=4)] * 16
+    assert together != sample_batch(logits, other_seed, list(range(16)), list(range(16)))
+
+
+def test_top_p_far_beyond_a_few_candidates_is_exact():
+    torch.manual_seed(0)
+    logits = torch.randn(49_152) * 0.01
+    order = torch.argsort(logits, descending=True)
+    probs = torch.softmax(logits, -1)[order]
+    nucleus_size = int((torch.cumsum(probs, 0) - probs < 0.5).sum())
+    counts = batch_draws(logits, SamplingParams(temperature=1.0, top_p=0.5), n=100)
+    assert set(counts) <= set(order[:nucleus_size].tolist())
+
+
+def test_never_draws_a_token_of_zero_probability_and_tiny_top_p_keeps_the_first():
+    logits = torch.tensor([0.2, 1.5, float("-inf"), 1.4, float("-inf")])
+    counts = batch_draws(logits, SamplingParams(temperature=1.0), n=500)
+    assert set(counts) == {0, 1, 3}
+    assert set(batch_draws(logits, SamplingParams(temperature=1.0, top_p=1e-50), n=50)) == {1}
+
+
+def test_uniform_draw_is_uniform_and_seeded_by_all_64_bits():
+    us = [uniform_draw(5, 0, k) for k in range(N)]
+    assert all(0.0 <= u < 1.0 for u in us)
+    for lo in (0.0, 0.25, 0.5, 0.75):
+        assert_frequency(Counter(lo <= u < lo + 0.25 for u in us), True, 0.25)
+    assert uniform_draw(-1, 0, 0) != uniform_draw((1 << 63) - 1, 0, 0)
+
+
+def test_mismatched_lengths_are_refused_naming_them():
+    with pytest.raises(ValueError, match="3 logit rows but 2 params"):
+        sample_batch(torch.zeros(3, 4), [SamplingParams()] * 2, [0] * 3, [0] * 3)
+
+
+def _engine(batched: bool):
+    runner = LlamaRunner(random_llama("cpu", torch.float32), 64, 16, DESCRIPTOR)
+    return Engine(runner, max_num_batched_tokens=256, max_num_seqs=8, batched_sampling=batched)
+
+
+def _serve(engine, prompts, params):
+    ids = [engine.add_request(p, params, f"r{i}") for i, p in enumerate(prompts)]
+    while engine.has_unfinished():
+        engine.step()
+        engine.runner.check_integrity()
+    return [[c.token_ids for c in engine.output(i).completions] for i in ids]
+
+
+def test_the_engine_batched_greedy_equals_row_by_row_and_stochastic_ignores_batching():
+    prompts = [random_ids(5 + 7 * i, seed=i) for i in range(5)]
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    assert _serve(_engine(True), prompts, greedy) == _serve(_engine(False), prompts, greedy)
+    # a stochastic request samples the same tokens alone as beside four others (the random
+    # logits spread ~11: a hot temperature; n = 2: the fork's first token is drawn from
+    # the parent's logits)
+    hot = SamplingParams(max_tokens=6, ignore_eos=True, temperature=30.0, top_k=50, seed=9, n=2)
+    together = _serve(_engine(True), prompts, hot)
+    alone = _serve(_engine(True), prompts[2:3], hot)
+    assert together[2] == alone[0]
+    assert together[2][0] != together[2][1]  # the two samples draw at different sample indices
