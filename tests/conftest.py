@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
+import torch
+
+# Without a GPU, Triton's kernels run in its interpreter on CPU tensors. Triton reads
+# TRITON_INTERPRET when it is first imported (its library's jit functions are made then),
+# so it is set here, before any test module is collected.
+if "triton" not in sys.modules and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,296 @@
+"""Paged prefill / extend attention as a Triton kernel over the CSR block tables, on the
+unquantized pool or on 8-bit codes with fp32 scales (fp8 e4m3 / e5m2, int8) read in place.
+
+A step's sequence i has q_len new tokens at positions [ctx_len - q_len, ctx_len), already
+written into the pool (the step writes, then attends, as every paged backend); its blocks
+are kv_indices[kv_indptr[i] : kv_indptr[i + 1]]. Query j of the chunk sees keys [0, prefix
++ j], prefix = ctx_len - q_len, whether they were cached before the step or written by it:
+
+    keys   [0, prefix) the cached prefix | [prefix, ctx_len) the chunk itself (causal)
+    query  j at position prefix + j sees [0, prefix + j]
+
+so a prefill from position 0, a chunk starting mid-sequence (chunked prefill, a prefix
+hit) and a decode (q_len 1) are the same loop. The pool is read where its blocks lie, in
+any order and at any block size: each key's block is looked up from its position (t //
+block_size in the table, slot t % block_size), so a key tile (BLOCK_N keys) need not match
+a block.
+
+One program per (query tile, KV head): a tile is BLOCK_M consecutive queries of one
+sequence, and all G = H / KVH query heads of the KV head ride in it as rows (row r: query r
+// G', head r % G', G' = G rounded up to a power of two), so the G heads share each K / V
+tile they read. The host lists the tiles once a step (`plan_extend`), every layer reuses
+them. Scores and the online softmax are in fp32 (fp64 for an fp64 pool, which makes the
+kernel exact against an fp64 reference up to summation order); both products are tl.dot
+with input_precision "ieee" (no TF32 on fp32). Triton 3.9's interpreter multiplies a
+bf16 / fp16 tl.dot's operands as their raw bits (its create_dot converts only fp8), so the
+interpreted kernel widens those operands to fp32 first (`WIDEN`): the same products (one
+of two 16-bit floats is exact in fp32) and the same fp32 sums as the GPU's dot.
+
+Layouts are the CPU pool's (storage/kv.py), passed by strides, so another layout with the
+same four axes reads through the same kernel:
+    K pages [num_blocks, KVH, D, bs]   (K^T per block: a key tile's rows are contiguous slots)
+    V pages [num_blocks, KVH, bs, D]   (a key's head_dim contiguous)
+
+Quantized pages (storage/kv.py QuantizedKVStorage, 8-bit codes with fp32 scales: its
+`reads_natively` formats) are dequantized in registers, code * scale, with one scale per
+(block, KV head) (fp8_e4m3, fp8_e5m2) or per (token, KV head) (fp8_*_token, int8): the scale
+tensor [num_blocks, KVH, S] is read at (block, head, slot * [S > 1]). A block-scaled block
+not yet full lives in full precision in the storage's tail (spec/kv_formats.py "flush");
+`kv_tails[e]` names the tail slot of table entry e (or -1), and its keys are read from the
+tail tensors (the pages' layout, the compute dtype) instead of the codes. The dequantized
+K / V go into the dots in the query's dtype, as the dequantizing torch path's scratch holds
+them in the compute dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["ExtendPlan", "QuantPages", "extend_attention", "interpreted", "plan_extend"]
+
+BLOCK_N = 64  # keys per iteration
+ROWS = 64  # query rows (queries x heads of a group) per program, at least 16 (tl.dot's minimum)
+
+
+@dataclass(frozen=True)
+class ExtendPlan:
+    """One step's tables for the kernel, int32 on the pool's device, built once per step."""
+
+    qo_indptr: torch.Tensor  # [B + 1]: sequence i's queries are rows [qo_indptr[i], qo_indptr[i + 1]) of q
+    kv_indptr: torch.Tensor  # [B + 1]: its blocks are kv_indices[kv_indptr[i] : kv_indptr[i + 1]]
+    kv_indices: torch.Tensor  # [nnz] block ids
+    ctx_lens: torch.Tensor  # [B]: keys [0, ctx_len) readable, this step's own included
+    tile_seq: torch.Tensor  # [num_tiles]: the sequence of each query tile
+    tile_start: torch.Tensor  # [num_tiles]: its first query, counted within the sequence's chunk
+    block_m: int  # queries per tile
+    group: int  # query heads per KV head (G)
+    num_rows: int  # N: rows of q the step holds
+
+
+@dataclass(frozen=True)
+class QuantPages:
+    """The scales and tails of one layer of an 8-bit QuantizedKVStorage."""
+
+    k_scale: torch.Tensor  # [num_blocks, KVH, S] fp32, S = 1 (per block) or block_size (per token)
+    v_scale: torch.Tensor  # [num_blocks, KVH, S] fp32
+    tail_k: torch.Tensor  # [num_tails, KVH, D, bs] compute dtype (K^T, as the pages)
+    tail_v: torch.Tensor  # [num_tails, KVH, bs, D]
+    kv_tails: torch.Tensor  # [nnz] int32: the tail slot of each table entry, -1: read the codes
+
+
+def interpreted() -> bool:
+    """True when the kernel runs in Triton's interpreter, on CPU tensors: TRITON_INTERPRET=1
+    was set before triton was first imported (triton.jit reads it when it decorates)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_extend_kernel, InterpretedFunction)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def plan_extend(
+    q_lens: Sequence[int],
+    ctx_lens: Sequence[int],
+    indptr: Sequence[int],
+    indices: Sequence[int],
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    device: torch.device | str,
+) -> ExtendPlan:
+    """The tables of one step: sequence i's q_lens[i] queries at positions [ctx_lens[i] -
+    q_lens[i], ctx_lens[i]), its blocks indices[indptr[i]:indptr[i + 1]] covering exactly
+    ctx_lens[i] tokens. ValueError naming the first inconsistency."""
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    if len(q_lens) != len(ctx_lens) or len(indptr) != len(q_lens) + 1:
+        raise ValueError(f"{len(q_lens)} q_lens, {len(ctx_lens)} ctx_lens and {len(indptr)} indptr entries disagree")
+    for i, (q_len, ctx_len) in enumerate(zip(q_lens, ctx_lens, strict=True)):
+        if not 0 < q_len <= ctx_len:
+            raise ValueError(f"sequence {i}: q_len {q_len} must be in [1, ctx_len {ctx_len}]")
+        if indptr[i + 1] - indptr[i] != -(-ctx_len // block_size):
+            raise ValueError(
+                f"sequence {i}: {indptr[i + 1] - indptr[i]} blocks do not cover exactly {ctx_len} tokens "
+                f"of block size {block_size}"
+            )
+    group = num_heads // num_kv_heads
+    block_m = max(1, ROWS // _pow2(group))
+    tile_seq: list[int] = []
+    tile_start: list[int] = []
+    for i, q_len in enumerate(q_lens):
+        for start in range(0, q_len, block_m):
+            tile_seq.append(i)
+            tile_start.append(start)
+    qo = [0]
+    for q_len in q_lens:
+        qo.append(qo[-1] + q_len)
+
+    def t(x: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(list(x), dtype=torch.int32, device=device)
+
+    return ExtendPlan(t(qo), t(indptr), t(indices), t(ctx_lens), t(tile_seq), t(tile_start), block_m, group, qo[-1])
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    plan: ExtendPlan,
+    scale: float,
+    quant: QuantPages | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q [N, H, D] (fp32, bf16, fp16 or fp64; the step's rows, sequence by sequence) ->
+    out [N, H, D] in q's dtype. k_pages [num_blocks, KVH, D, bs], v_pages [num_blocks, KVH,
+    bs, D]: one layer of the pool, in q's dtype, or its 8-bit codes with `quant`."""
+    n, h, d = q.shape
+    num_blocks, kvh, d_k, bs = k_pages.shape
+    if n != plan.num_rows or h != plan.group * kvh or d_k != d or v_pages.shape != (num_blocks, kvh, bs, d):
+        raise ValueError(
+            f"q {tuple(q.shape)}, K pages {tuple(k_pages.shape)} and V pages {tuple(v_pages.shape)} do not fit "
+            f"a plan of {plan.num_rows} rows and {plan.group} query heads per KV head"
+        )
+    if q.stride(2) != 1:
+        raise ValueError("q's head_dim must be contiguous")
+    if quant is None and k_pages.dtype != q.dtype:
+        raise ValueError(f"unquantized pages must be in q's dtype {q.dtype}, not {k_pages.dtype}")
+    if out is None:
+        out = torch.empty_like(q)
+    if quant is not None:
+        ks, vs, tk, tv, tails = quant.k_scale, quant.v_scale, quant.tail_k, quant.tail_v, quant.kv_tails
+        has_tails = tk.shape[0] > 0  # else every entry is -1 and the tail tensors are not read
+        per_token = ks.shape[-1] > 1
+        scale_strides = (ks.stride(0), ks.stride(1), ks.stride(2) if per_token else 0)
+        assert vs.stride() == ks.stride(), "K and V scales share one layout"
+    else:  # not read (QUANT is off): the pages stand in for every quantized argument
+        ks = vs = tk = k_pages
+        tv = v_pages
+        has_tails = False
+        tails = plan.kv_indices
+        scale_strides = (0, 0, 0)
+    group = plan.group
+    grid = (plan.tile_seq.shape[0], kvh)
+    acc = tl.float64 if q.dtype == torch.float64 else tl.float32
+    _extend_kernel[grid](
+        q, out, k_pages, v_pages, ks, vs, tk, tv,
+        plan.tile_seq, plan.tile_start, plan.qo_indptr, plan.kv_indptr, plan.kv_indices, tails, plan.ctx_lens,
+        scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        *k_pages.stride(), *v_pages.stride(), *tk.stride(), *tv.stride(), *scale_strides,
+        HEAD_DIM=d, BLOCK_D=max(16, _pow2(d)), GROUP=group, GROUP_P=_pow2(group),
+        BLOCK_M=plan.block_m, BLOCK_N=BLOCK_N, PAGE=bs, QUANT=quant is not None, ACC=acc,
+        TAILS=has_tails, WIDEN=q.element_size() == 2 and interpreted(),
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _extend_kernel(
+    Q, Out, K, V, KScale, VScale, TailK, TailV,
+    TileSeq, TileStart, QoIndptr, KvIndptr, KvIndices, KvTails, CtxLens,
+    sm_scale,
+    s_qn, s_qh, s_on, s_oh,
+    s_kb, s_kh, s_kd, s_ks,  # K pages: block, head, dim, slot
+    s_vb, s_vh, s_vs, s_vd,  # V pages: block, head, slot, dim
+    s_tkb, s_tkh, s_tkd, s_tks,  # K tails (the same axes)
+    s_tvb, s_tvh, s_tvs, s_tvd,  # V tails
+    s_sb, s_sh, s_ss,  # scales: block, head, slot (0: one scale per block)
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, QUANT: tl.constexpr, ACC: tl.constexpr,
+    TAILS: tl.constexpr, WIDEN: tl.constexpr,
+):  # fmt: skip
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq = tl.load(TileSeq + tile)
+    start = tl.load(TileStart + tile)  # the tile's first query within the chunk
+    q0 = tl.load(QoIndptr + seq)
+    q_len = tl.load(QoIndptr + seq + 1) - q0
+    ctx_len = tl.load(CtxLens + seq)
+    kv0 = tl.load(KvIndptr + seq)
+    prefix = ctx_len - q_len
+
+    # rows: (query, head of the group) pairs; padding rows (past the chunk, or heads past G
+    # when G is not a power of two) compute on zeros and are never stored
+    rows = tl.arange(0, BLOCK_M * GROUP_P)
+    tok = start + rows // GROUP_P
+    head = kvh * GROUP + rows % GROUP_P
+    row_ok = (tok < q_len) & (rows % GROUP_P < GROUP)
+    pos = prefix + tok  # sees keys [0, pos]; pos >= 0, so every row sees key 0: m stays finite
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    q_rows = (q0 + tok).to(tl.int64)
+    q = tl.load(
+        Q + q_rows[:, None] * s_qn + head[:, None] * s_qh + dims[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
+    if WIDEN:
+        q = q.to(tl.float32)
+
+    m = tl.full([BLOCK_M * GROUP_P], float("-inf"), ACC)
+    l = tl.zeros([BLOCK_M * GROUP_P], ACC)  # noqa: E741
+    acc = tl.zeros([BLOCK_M * GROUP_P, BLOCK_D], ACC)
+    # keys [0, kv_end): the tile's last query's view (the causal mask trims the others)
+    kv_end = tl.minimum(ctx_len, prefix + start + BLOCK_M)
+    for n0 in range(0, kv_end, BLOCK_N):
+        t = n0 + tl.arange(0, BLOCK_N)  # key positions
+        t_ok = t < kv_end
+        entry = kv0 + t // PAGE  # each key's entry in the block table
+        blk = tl.load(KvIndices + entry, mask=t_ok, other=0).to(tl.int64)
+        slot = t % PAGE
+        k_at = blk[None, :] * s_kb + kvh * s_kh + dims[:, None] * s_kd + slot[None, :] * s_ks  # [BLOCK_D, BLOCK_N]
+        v_at = blk[:, None] * s_vb + kvh * s_vh + slot[:, None] * s_vs + dims[None, :] * s_vd  # [BLOCK_N, BLOCK_D]
+        k_mask = dim_ok[:, None] & t_ok[None, :]
+        v_mask = t_ok[:, None] & dim_ok[None, :]
+        if QUANT:
+            tail = tl.load(KvTails + entry, mask=t_ok, other=-1).to(tl.int64)
+            coded = tail < 0
+            at = blk * s_sb + kvh * s_sh + slot * s_ss
+            k_s = tl.load(KScale + at, mask=t_ok & coded, other=0.0)
+            v_s = tl.load(VScale + at, mask=t_ok & coded, other=0.0)
+            # dequantized in the accumulator's dtype (in fp64 the product is exact); every
+            # 8-bit code is exact in fp32, the step between (the interpreter's fp8 -> fp64
+            # conversion fails on zero codes in Triton 3.9)
+            kc = tl.load(K + k_at, mask=k_mask & coded[None, :], other=0.0).to(tl.float32).to(ACC)
+            vc = tl.load(V + v_at, mask=v_mask & coded[:, None], other=0.0).to(tl.float32).to(ACC)
+            kc = kc * k_s.to(ACC)[None, :]
+            vc = vc * v_s.to(ACC)[:, None]
+            if TAILS:
+                tk_at = tail[None, :] * s_tkb + kvh * s_tkh + dims[:, None] * s_tkd + slot[None, :] * s_tks
+                tv_at = tail[:, None] * s_tvb + kvh * s_tvh + slot[:, None] * s_tvs + dims[None, :] * s_tvd
+                kf = tl.load(TailK + tk_at, mask=k_mask & ~coded[None, :], other=0.0).to(ACC)
+                vf = tl.load(TailV + tv_at, mask=v_mask & ~coded[:, None], other=0.0).to(ACC)
+                kc = tl.where(coded[None, :], kc, kf)
+                vc = tl.where(coded[:, None], vc, vf)
+            kt = kc.to(Q.dtype.element_ty)
+            v = vc.to(Q.dtype.element_ty)
+        else:
+            kt = tl.load(K + k_at, mask=k_mask, other=0.0)
+            v = tl.load(V + v_at, mask=v_mask, other=0.0)
+        if WIDEN:
+            kt = kt.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, kt, input_precision="ieee", out_dtype=ACC) * sm_scale  # [rows, BLOCK_N]
+        s = tl.where((t[None, :] <= pos[:, None]) & t_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)  # noqa: E741
+        p_in = p.to(Q.dtype.element_ty)  # the dot's operand in the query's dtype, as SDPA's
+        if WIDEN:
+            p_in = p_in.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p_in, v, input_precision="ieee", out_dtype=ACC)
+        m = m_new
+    out = acc / l[:, None]
+    tl.store(
+        Out + q_rows[:, None] * s_on + head[:, None] * s_oh + dims[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=row_ok[:, None] & dim_ok[None, :],
+    )

@@ -1,0 +1,270 @@
+"""The Triton paged extend kernel (attention/backends/triton_extend.py) against SDPA on a
+contiguous copy of each sequence's K / V, through Triton's interpreter on a CPU machine
+(on a GPU: the compiled kernel on CUDA tensors).
+
+Every case is a mixed step over scattered blocks: a prefill from position 0, a chunk over a
+cached prefix (chunked prefill), and a decode, lengths not multiples of the block. fp64
+pools must agree to rounding (1e-12: any wrong key, slot or mask is an O(1) error); fp32
+and bf16 within a few times the reference's own error in that dtype (the same SDPA in fp32
+or bf16 against fp64); 8-bit pools (fp8 e4m3 with one scale per (block, KV head), its
+per-token twin, int8) against SDPA over the values the storage dequantizes (its torch
+path), exact in an fp64 compute dtype and in the fp32 bound otherwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton", reason="triton is not installed (setup.sh test installs it)")
+
+from kvpool.attention.backends.triton_extend import QuantPages, extend_attention, interpreted, plan_extend  # noqa: E402
+from kvpool.cache import BlockCopy  # noqa: E402
+from kvpool.spec.kv_formats import kv_schema  # noqa: E402
+from kvpool.storage.kv import PagedKVStorage, QuantizedKVStorage  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and not interpreted():
+    raise RuntimeError(
+        "no GPU, and triton was imported without TRITON_INTERPRET=1 (it reads it at its first import; "
+        "tests/conftest.py sets it)"
+    )
+NUM_BLOCKS = 48
+D = 32
+
+
+def _step(lens, q_lens, bs, seed):
+    """Scattered block tables covering each sequence's length: a seeded permutation of the pool."""
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(NUM_BLOCKS, generator=g).tolist()
+    tables, used = [], 0
+    for n in lens:
+        nb = -(-n // bs)
+        tables.append(perm[used : used + nb])
+        used += nb
+    assert used <= NUM_BLOCKS
+    return tables
+
+
+def _slots(table, bs, start, end):
+    return torch.tensor([table[p // bs] * bs + p % bs for p in range(start, end)], dtype=torch.long)
+
+
+def _write(storage, table, k, v, start=0):
+    """Sequence positions [start, start + len(k)) written through the storage's own write path."""
+    bs = storage.block_size
+    slots = _slots(table, bs, start, start + k.shape[0])
+    index = storage.write_index(slots)
+    storage.write(0, index, k, v)
+
+
+def _sdpa(q, k, v, ctx_len):
+    """q [q_len, H, D] at positions [ctx_len - q_len, ctx_len), k / v [ctx_len, KVH, D]: the
+    contiguous reference, offset-causal."""
+    q_len = q.shape[0]
+    pos = torch.arange(ctx_len - q_len, ctx_len)
+    mask = torch.arange(ctx_len)[None, :] <= pos[:, None]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, enable_gqa=True
+    )
+    return out[0].transpose(0, 1)
+
+
+def _csr(tables):
+    indptr = [0]
+    for t in tables:
+        indptr.append(indptr[-1] + len(t))
+    return indptr, [b for t in tables for b in t]
+
+
+def _quant_pages(storage, tables):
+    indptr, indices = _csr(tables)
+    tails = storage.tail_slots(indices).to(torch.int32)
+    return QuantPages(storage.k_scale[0], storage.v_scale[0], storage.tail_k[0], storage.tail_v[0], tails.to(DEVICE))
+
+
+# lengths: a prefill from 0 (whole sequence new), a chunk over a prefix, a decode
+LENS = (45, 83, 70)
+Q_LENS = (45, 29, 1)
+
+
+def _case(dtype, num_heads, num_kv_heads, bs, seed, head_dim=D):
+    g = torch.Generator().manual_seed(seed)
+    tables = _step(LENS, Q_LENS, bs, seed)
+    ks = [torch.randn(n, num_kv_heads, head_dim, generator=g, dtype=torch.float64) for n in LENS]
+    vs = [torch.randn(n, num_kv_heads, head_dim, generator=g, dtype=torch.float64) for n in LENS]
+    qs = [torch.randn(n, num_heads, head_dim, generator=g, dtype=torch.float64) for n in Q_LENS]
+    return tables, ks, vs, qs
+
+
+def _run(storage_k, storage_v, tables, qs, dtype, bs, num_heads, num_kv_heads, quant=None):
+    indptr, indices = _csr(tables)
+    plan = plan_extend(Q_LENS, LENS, indptr, indices, bs, num_heads, num_kv_heads, DEVICE)
+    q = torch.cat(qs).to(DEVICE, dtype)
+    scale = qs[0].shape[-1] ** -0.5
+    return extend_attention(q, storage_k, storage_v, plan, scale, quant).cpu()
+
+
+def _reference(qs, ks, vs, dtype):
+    pieces = [_sdpa(q.to(dtype), k.to(dtype), v.to(dtype), k.shape[0]) for q, k, v in zip(qs, ks, vs, strict=True)]
+    return torch.cat(pieces)
+
+
+@pytest.mark.parametrize("bs", [16, 32, 64])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (8, 2), (8, 1)])  # GQA groups 1, 4, 8
+def test_fp64_pool_is_exact(num_heads, num_kv_heads, bs) -> None:
+    tables, ks, vs, qs = _case(torch.float64, num_heads, num_kv_heads, bs, seed=bs + num_heads)
+    storage = PagedKVStorage(1, NUM_BLOCKS, bs, num_kv_heads, D, dtype=torch.float64, device=DEVICE)
+    for table, k, v in zip(tables, ks, vs, strict=True):
+        _write(storage, table, k.to(DEVICE), v.to(DEVICE))
+    out = _run(storage.k[0], storage.v[0], tables, qs, torch.float64, bs, num_heads, num_kv_heads)
+    assert (out - _reference(qs, ks, vs, torch.float64)).abs().max() < 1e-12
+
+
+def test_any_block_size_head_dim_and_group() -> None:
+    """Block size 5, head dim 24 (padded to 32 in the kernel), 3 query heads per KV head."""
+    num_heads, num_kv_heads, bs = 6, 2, 5
+    tables, ks, vs, qs = _case(torch.float64, num_heads, num_kv_heads, bs, seed=5, head_dim=24)
+    storage = PagedKVStorage(1, NUM_BLOCKS, bs, num_kv_heads, 24, dtype=torch.float64, device=DEVICE)
+    for table, k, v in zip(tables, ks, vs, strict=True):
+        _write(storage, table, k.to(DEVICE), v.to(DEVICE))
+    out = _run(storage.k[0], storage.v[0], tables, qs, torch.float64, bs, num_heads, num_kv_heads)
+    assert (out - _reference(qs, ks, vs, torch.float64)).abs().max() < 1e-12
+
+
+def _bound(qs, ks, vs, dtype) -> tuple[torch.Tensor, float]:
+    """The fp64 reference and the error allowed in `dtype`. fp32: 4x the reference's own
+    error (the same SDPA in fp32 against fp64; the kernel sums in another order). bf16: 2x
+    that, plus bf16's rounding of the probabilities before the p @ V product (a relative
+    2^-8 each, so at most 2^-8 max|v| in the output), which the GPU's dot needs and SDPA's
+    CPU kernel, summing in fp32, does without."""
+    exact = _reference(qs, ks, vs, torch.float64)
+    own = (_reference(qs, ks, vs, dtype).double() - exact).abs().max().item()
+    if dtype == torch.float32:
+        return exact, 4 * own
+    return exact, 2 * own + 2**-8 * max(v.abs().max().item() for v in vs)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "num_heads", "num_kv_heads", "bs"),
+    [
+        (torch.float32, 2, 2, 16),
+        (torch.float32, 8, 2, 32),
+        (torch.float32, 8, 1, 64),
+        (torch.bfloat16, 2, 2, 64),
+        (torch.bfloat16, 8, 2, 16),
+        (torch.bfloat16, 8, 1, 32),
+    ],
+)
+def test_fp32_and_bf16_pools_within_the_references_own_error(dtype, num_heads, num_kv_heads, bs) -> None:
+    tables, ks, vs, qs = _case(dtype, num_heads, num_kv_heads, bs, seed=7 * bs + num_heads)
+    # the inputs rounded to the dtype first: both sides then see the same K, V and q
+    ks, vs, qs = ([x.to(dtype).double() for x in xs] for xs in (ks, vs, qs))
+    storage = PagedKVStorage(1, NUM_BLOCKS, bs, num_kv_heads, D, dtype=dtype, device=DEVICE)
+    for table, k, v in zip(tables, ks, vs, strict=True):
+        _write(storage, table, k.to(DEVICE, dtype), v.to(DEVICE, dtype))
+    out = _run(storage.k[0], storage.v[0], tables, qs, dtype, bs, num_heads, num_kv_heads)
+    exact, bound = _bound(qs, ks, vs, dtype)
+    err = (out.double() - exact).abs().max().item()
+    assert 0 < bound and err <= bound, (err, bound)
+
+
+def _quantized(fmt, compute, num_kv_heads, bs, tables, ks, vs):
+    """A quantized pool written chunk by chunk as steps would (each sequence's prefix, then
+    its step's chunk), and each sequence's K / V as the storage's torch path dequantizes them."""
+    storage = QuantizedKVStorage(1, NUM_BLOCKS, bs, num_kv_heads, D, kv_schema(fmt), compute, device=DEVICE)
+    for table, k, v, q_len in zip(tables, ks, vs, Q_LENS, strict=True):
+        prefix = k.shape[0] - q_len
+        if prefix:
+            _write(storage, table, k[:prefix].to(DEVICE, compute), v[:prefix].to(DEVICE, compute))
+        _write(storage, table, k[prefix:].to(DEVICE, compute), v[prefix:].to(DEVICE, compute), start=prefix)
+    seen = [storage.contiguous(0, table, k.shape[0]) for table, k in zip(tables, ks, strict=True)]
+    kd = [kc.transpose(0, 1).double().cpu() for kc, _ in seen]  # [len, KVH, D]
+    vd = [vc.transpose(0, 1).double().cpu() for _, vc in seen]
+    return storage, kd, vd
+
+
+@pytest.mark.parametrize(
+    ("fmt", "num_heads", "num_kv_heads", "bs"),
+    [
+        ("fp8_e4m3", 2, 2, 16),
+        ("fp8_e4m3", 8, 2, 32),
+        ("fp8_e4m3", 8, 1, 64),
+        ("fp8_e4m3_token", 8, 2, 16),
+        ("int8", 4, 1, 32),
+    ],
+)
+def test_8bit_pools_read_in_place_exact_in_fp64(fmt, num_heads, num_kv_heads, bs) -> None:
+    """Codes times scales in registers, the unfinished blocks from the tails: the same values
+    the storage's torch path dequantizes, exactly (fp64 compute)."""
+    tables, ks, vs, qs = _case(torch.float64, num_heads, num_kv_heads, bs, seed=11 * bs + num_heads)
+    storage, kd, vd = _quantized(fmt, torch.float64, num_kv_heads, bs, tables, ks, vs)
+    if fmt == "fp8_e4m3":
+        assert storage.num_tails > 0  # lengths 45, 83, 70: some last blocks are read from tails
+    quant = _quant_pages(storage, tables)
+    out = _run(storage.k[0], storage.v[0], tables, qs, torch.float64, bs, num_heads, num_kv_heads, quant)
+    assert (out - _reference(qs, kd, vd, torch.float64)).abs().max() < 1e-12
+    # and the quantization is real: against the unquantized K / V the error is fp8's
+    assert (out - _reference(qs, ks, vs, torch.float64)).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize(("compute", "bs"), [(torch.float32, 16), (torch.bfloat16, 32)])
+def test_fp8_pool_in_fp32_and_bf16(compute, bs) -> None:
+    num_heads, num_kv_heads = 8, 2
+    tables, ks, vs, qs = _case(compute, num_heads, num_kv_heads, bs, seed=13 * bs)
+    qs = [x.to(compute).double() for x in qs]
+    storage, kd, vd = _quantized("fp8_e4m3", compute, num_kv_heads, bs, tables, ks, vs)
+    quant = _quant_pages(storage, tables)
+    out = _run(storage.k[0], storage.v[0], tables, qs, compute, bs, num_heads, num_kv_heads, quant)
+    exact, bound = _bound(qs, kd, vd, compute)
+    err = (out.double() - exact).abs().max().item()
+    assert 0 < bound and err <= bound, (err, bound)
+
+
+@pytest.mark.parametrize("fmt", [None, "fp8_e4m3"])
+def test_extend_over_a_copy_on_write_tail(fmt) -> None:
+    """Sequence A holds 40 tokens (blocks of 16: the last holds 8); B forks it, its partly
+    filled last block copied on write, and extends by 30 tokens from position 40 while A
+    writes 5 other tokens into its own last block. B must read the copy: A's 8 shared
+    tokens, then its own."""
+    bs, num_heads, num_kv_heads = 16, 8, 2
+    dtype = torch.float64
+    g = torch.Generator().manual_seed(3)
+    a_table, b_table = [7, 2, 11], [7, 2, 5, 9, 0]  # B: A's two full blocks, the copy (5), two more
+    k_a, v_a = (torch.randn(45, num_kv_heads, D, generator=g, dtype=dtype) for _ in range(2))
+    k_b, v_b = (torch.randn(70, num_kv_heads, D, generator=g, dtype=dtype) for _ in range(2))
+    k_b[:40], v_b[:40] = k_a[:40], v_a[:40]  # the shared prefix
+    if fmt is None:
+        storage = PagedKVStorage(1, NUM_BLOCKS, bs, num_kv_heads, D, dtype=dtype, device=DEVICE)
+    else:
+        storage = QuantizedKVStorage(1, NUM_BLOCKS, bs, num_kv_heads, D, kv_schema(fmt), dtype, device=DEVICE)
+    _write(storage, a_table, k_a[:40], v_a[:40])
+    storage.apply_copies([BlockCopy(11, 5)])
+    slots = torch.cat([_slots(a_table, bs, 40, 45), _slots(b_table, bs, 40, 70)])
+    index = storage.write_index(slots)
+    storage.write(0, index, torch.cat([k_a[40:], k_b[40:]]), torch.cat([v_a[40:], v_b[40:]]))
+    tables, lens, q_lens = [a_table, b_table], (45, 70), (5, 30)
+    if fmt is None:
+        kd, vd, quant = [k_a, k_b], [v_a, v_b], None
+    else:  # A's last block is still a tail; B's copy filled and was quantized
+        assert storage.tail_slots([11, 5]).tolist()[1] == -1 and storage.tail_slots([11]).tolist()[0] >= 0
+        seen = [storage.contiguous(0, t, n) for t, n in zip(tables, lens, strict=True)]
+        kd = [kc.transpose(0, 1).cpu() for kc, _ in seen]
+        vd = [vc.transpose(0, 1).cpu() for _, vc in seen]
+        quant = _quant_pages(storage, tables)
+    qs = [torch.randn(n, num_heads, D, generator=g, dtype=dtype) for n in q_lens]
+    indptr, indices = _csr(tables)
+    plan = plan_extend(q_lens, lens, indptr, indices, bs, num_heads, num_kv_heads, DEVICE)
+    out = extend_attention(torch.cat(qs).to(DEVICE), storage.k[0], storage.v[0], plan, D**-0.5, quant).cpu()
+    ref = torch.cat([_sdpa(q, k, v, n) for q, k, v, n in zip(qs, kd, vd, lens, strict=True)])
+    assert (out - ref).abs().max() < 1e-12
+
+
+def test_bad_tables_are_named() -> None:
+    with pytest.raises(ValueError, match="sequence 1: 2 blocks do not cover exactly 40 tokens"):
+        plan_extend([3, 4], [10, 40], [0, 1, 3], [4, 5, 6], 16, 8, 2, "cpu")
+    with pytest.raises(ValueError, match="sequence 0: q_len 11 must be in"):
+        plan_extend([11], [10], [0, 1], [4], 16, 8, 2, "cpu")
+    with pytest.raises(ValueError, match="not a multiple of 3 KV heads"):
+        plan_extend([1], [10], [0, 1], [4], 16, 8, 3, "cpu")
