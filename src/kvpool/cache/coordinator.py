@@ -275,6 +275,15 @@ class HybridCacheManager:
         g = self._group(group, self._table_groups, "block-table")
         return list(g.block_ids(self._get(request_id).states[g.name]))
 
+    def tables(self, request_ids: Sequence[str], group: str | None = None) -> list[list[int]]:
+        """Each request's table of a table group itself, not a copy (`block_ids` copies):
+        read it, never change it. The cache changes a running request's table in place: it
+        appends blocks, and a copy-on-write replaces the entry of the block a step starts in
+        (attention/backends/step_buffers.py relies on nothing else changing)."""
+        g = self._group(group, self._table_groups, "block-table")
+        name = g.name
+        return [g.block_ids(self._get(r).states[name]) for r in request_ids]
+
     def first_block(self, request_id: str, group: str | None = None) -> int:
         """The logical index of the request's first held block in a table group."""
         g = self._group(group, self._table_groups, "block-table")

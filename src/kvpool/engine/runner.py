@@ -61,6 +61,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from kvpool.attention.backends.step_buffers import StepBuffers
 from kvpool.cache import Admission, BlockCopy, CacheDescriptor, CacheUsage, ReleaseReason, Reservation
 from kvpool.engine.memory import StepPeaks
 from kvpool.engine.tier_bridge import SWAMoves, TierBridge
@@ -228,6 +229,9 @@ class ModelRunner:
         self._swapped: dict[str, tuple[int, int]] = {}
         self._prefill_tokens = 0  # tokens of the steps that carried a prefill chunk, and their seconds (auto)
         self._prefill_s = 0.0
+        # the step metadata in persistent buffers (attention/backends/step_buffers.py) that a
+        # GPU backend or a CUDA graph reads; None: the backends plan from the step's tables
+        self.step_buffers: StepBuffers | None = None
         self.bridge = bridge
         # the names the CLI, P/D and the tests read: the bridge's own objects, not copies
         self.host_tier, self.persistent_tiers = self.bridge.host_tier, self.bridge.persistent_tiers
@@ -394,6 +398,8 @@ class ModelRunner:
         waiting to replay goes. Once only: False for a request the runner does not hold."""
         self._swapped.pop(request_id, None)
         self._replays.pop(request_id, None)
+        if self.step_buffers is not None:
+            self.step_buffers.forget(request_id)
         if request_id not in self.cache:
             return self.cache.release(request_id, reason)
         if reason == "preempt" and self._should_swap(request_id):
@@ -422,6 +428,10 @@ class ModelRunner:
         if self.dual:
             out = self._forward_in_pieces(chunks, all_logits)
         else:
+            if self.step_buffers is not None:  # the step's metadata into the persistent buffers
+                ids = [c.request_id for c in chunks]
+                ends = [c.start + len(c.token_ids) for c in chunks]
+                self.step_buffers.update(ids, [c.start for c in chunks], ends, self.cache.tables(ids))
             out = self.executor.forward(chunks, self.cache, all_logits)
         self.num_steps_run += 1
         if self.preemption == "auto" and any(len(c.token_ids) > 1 for c in chunks):  # the prefill rate

@@ -1,0 +1,278 @@
+"""A step's metadata in persistent int32 buffers, allocated once and updated in place.
+
+A GPU backend (and a CUDA graph, engine/cuda_graph.py) reads a step's block tables, slots
+and lengths from tensors whose addresses never change. `StepBuffers` keeps them, sized once
+for `max_num_seqs` sequences of up to `max_blocks_per_seq` blocks and `max_num_tokens`
+tokens a step, on the runner's device:
+
+  block_tables [max_num_seqs + 1, max_blocks_per_seq] int32: one row per running request,
+      kept while it runs (a request keeps its row from step to step); the last row is the
+      padding row, whose block 0 is the reserved dummy block (`dummy_block`).
+  seq_rows     [max_num_seqs] int32: the step's i-th sequence's row of block_tables.
+  ctx_lens     [max_num_seqs] int32: its context after the step (cached + new tokens).
+  query_start  [max_num_seqs + 1] int32: its new tokens are [query_start[i], query_start[i+1])
+      of the step's flat tokens.
+  slot_mapping [max_num_tokens] int32: the flat token j's slot, block * block_size + offset.
+  positions    [max_num_tokens] int64: the flat token j's position in its sequence.
+
+Incremental: a table row is written only where it can have changed since the request's
+last step. The cache changes a running request's table in two ways only (cache/window.py):
+it appends blocks, and a copy-on-write replaces the entry of the block a step starts in
+(position `start`, a shared partial tail). So a step over positions [start, end) rewrites
+the row's entries [start // block_size, ceil(end / block_size)) (one entry for a decode),
+and a request the buffers have not seen (new, or readmitted after `forget`) its whole row.
+A released request must be forgotten (`forget`): a readmission gets other blocks.
+
+On CUDA the host keeps a pinned twin of every buffer; a step sends the changed table
+entries (flat index, block id) and the per-step vectors with one copy each, and scatters
+the entries on the device. On the CPU the host buffers are the device buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class StepView:
+    """One step's slices of the persistent buffers (device tensors, views: no copies).
+    num_seqs sequences, num_tokens flat tokens; the tensors as `StepBuffers` describes,
+    cut to the step: seq_rows / ctx_lens [num_seqs], query_start [num_seqs + 1],
+    slot_mapping / positions [num_tokens], block_tables whole (rows by seq_rows)."""
+
+    num_seqs: int
+    num_tokens: int
+    max_query_len: int
+    block_tables: torch.Tensor
+    seq_rows: torch.Tensor
+    ctx_lens: torch.Tensor
+    query_start: torch.Tensor
+    slot_mapping: torch.Tensor
+    positions: torch.Tensor
+
+
+class StepBuffers:
+    """The persistent step metadata (the module docstring draws the tensors).
+
+    dummy_block: a block outside every request's table that padded rows of a captured
+    graph write to and read from (None: no padding, `pad` refuses)."""
+
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_num_tokens: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        device: torch.device | str = "cpu",
+        *,
+        dummy_block: int | None = None,
+    ) -> None:
+        for name, value in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_tokens", max_num_tokens),
+            ("max_blocks_per_seq", max_blocks_per_seq),
+            ("block_size", block_size),
+        ):
+            if value <= 0:
+                raise ValueError(f"StepBuffers: {name} must be positive, got {value}")
+        self.max_num_seqs, self.max_num_tokens = max_num_seqs, max_num_tokens
+        self.max_blocks_per_seq, self.block_size = max_blocks_per_seq, block_size
+        self.device = torch.device(device)
+        self.dummy_block = dummy_block
+        on_cpu = self.device.type == "cpu"
+        pin = not on_cpu and torch.cuda.is_available()
+
+        def host(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, pin_memory=pin)
+
+        s, t = max_num_seqs, max_num_tokens
+        # the per-step vectors, packed in one host buffer so that one copy sends them:
+        # [seq_rows s | ctx_lens s | query_start s + 1 | slot_mapping t] int32
+        self._vec_host = host((3 * s + 1 + t,), torch.int32)
+        self._pos_host = host((t,), torch.int64)
+        self._tables_host = host((s + 1, max_blocks_per_seq), torch.int32)
+        if on_cpu:
+            self._vec, self._pos, self.block_tables = self._vec_host, self._pos_host, self._tables_host
+        else:
+            self._vec = torch.zeros_like(self._vec_host, device=self.device)
+            self._pos = torch.zeros_like(self._pos_host, device=self.device)
+            self.block_tables = torch.zeros_like(self._tables_host, device=self.device)
+            # the changed table entries of a step: [0] flat index, [1] block id
+            self._changes_host = host((2, (s + 1) * max_blocks_per_seq), torch.int64)
+        self._sent: torch.cuda.Event | None = None  # the last step's copies out of the pinned twins
+        v = self._vec
+        self.seq_rows, self.ctx_lens = v[:s], v[s : 2 * s]
+        self.query_start, self.slot_mapping = v[2 * s : 3 * s + 1], v[3 * s + 1 :]
+        self.positions = self._pos
+        # numpy views of the host buffers: an element written from Python costs ~0.1 us
+        # through numpy, ~1 us through a tensor's __setitem__
+        self._vec_np = self._vec_host.numpy()
+        self._pos_np = self._pos_host.numpy()
+        self._tables_np = self._tables_host.numpy()
+        self._rows: dict[str, int] = {}  # request id -> its row of block_tables
+        self._free_rows = list(range(s - 1, -1, -1))  # popped from the end: row 0 first
+        self.padding_row = s
+        if dummy_block is not None:
+            self._tables_np[s, :] = dummy_block
+            if not on_cpu:
+                self.block_tables[s].fill_(dummy_block)
+        self.num_seqs = self.num_tokens = 0  # the last update's
+        self.num_table_writes = 0  # table entries written so far (the incremental figure)
+
+    def forget(self, request_id: str) -> None:
+        """The request left the cache (finished, cancelled, preempted): its row is free, and a
+        readmission writes a whole row again. Unknown ids are ignored (never stepped)."""
+        row = self._rows.pop(request_id, None)
+        if row is not None:
+            self._free_rows.append(row)
+
+    def update(
+        self,
+        request_ids: Sequence[str],
+        starts: Sequence[int],
+        ends: Sequence[int],
+        tables: Sequence[Sequence[int]],
+    ) -> StepView:
+        """The step computing positions [starts[i], ends[i]) of request_ids[i], whose block
+        table (the cache's, logical block k at tables[i][k]) covers its first ends[i]
+        positions. ValueError naming the problem for a step the buffers cannot hold."""
+        n = len(request_ids)
+        if n > self.max_num_seqs:
+            raise ValueError(f"StepBuffers: a step of {n} sequences, more than max_num_seqs {self.max_num_seqs}")
+        bs, width, s = self.block_size, self.max_blocks_per_seq, self.max_num_seqs
+        vec, pos, tables_np, rows = self._vec_np, self._pos_np, self._tables_np, self._rows
+        on_cpu = self.device.type == "cpu"
+        if self._sent is not None:
+            self._sent.synchronize()  # the pinned twins are read by the last step's copies until then
+        changed_idx: list[int] = []
+        changed_val: list[int] = []
+        num_tokens = max_query_len = 0
+        for i in range(n):
+            rid, start, end, table = request_ids[i], starts[i], ends[i], tables[i]
+            q_len = end - start
+            num_blocks = -(-end // bs)
+            if q_len <= 0 or start < 0 or num_blocks > len(table):
+                raise ValueError(
+                    f"StepBuffers: request {rid!r} positions [{start}, {end}) are not a step its "
+                    f"{len(table)} blocks of {bs} cover"
+                )
+            if num_blocks > width:
+                raise ValueError(
+                    f"StepBuffers: request {rid!r} needs {num_blocks} blocks, more than max_blocks_per_seq {width}"
+                )
+            if num_tokens + q_len > self.max_num_tokens:
+                raise ValueError(f"StepBuffers: a step of more than max_num_tokens {self.max_num_tokens} tokens")
+            row = rows.get(rid)
+            if row is None:
+                if not self._free_rows:
+                    raise ValueError(
+                        f"StepBuffers: no free row for {rid!r}: {s} requests hold rows (forget released ones)"
+                    )
+                row = rows[rid] = self._free_rows.pop()
+                first = 0
+            else:
+                first = start // bs
+            # [0, first) unchanged since the request's last step | [first, num_blocks) rewritten
+            tables_np[row, first:num_blocks] = table[first:num_blocks]
+            if not on_cpu:
+                base = row * width
+                changed_idx.extend(range(base + first, base + num_blocks))
+                changed_val.extend(table[first:num_blocks])
+            self.num_table_writes += num_blocks - first
+            vec[i] = row
+            vec[s + i] = end
+            vec[2 * s + i] = num_tokens
+            if q_len == 1:  # the decode case
+                vec[3 * s + 1 + num_tokens] = table[start // bs] * bs + start % bs
+                pos[num_tokens] = start
+            else:
+                p = np.arange(start, end)
+                vec[3 * s + 1 + num_tokens : 3 * s + 1 + num_tokens + q_len] = (
+                    np.asarray(table, dtype=np.int64)[p // bs] * bs + p % bs
+                )
+                pos[num_tokens : num_tokens + q_len] = p
+            num_tokens += q_len
+            max_query_len = max(max_query_len, q_len)
+        vec[2 * s + n] = num_tokens
+        self.num_seqs, self.num_tokens = n, num_tokens
+        if not on_cpu:
+            self._send(changed_idx, changed_val, num_tokens)
+        return self.view(n, num_tokens, max_query_len)
+
+    def _send(self, changed_idx: list[int], changed_val: list[int], num_tokens: int) -> None:
+        """The step's changed table entries and vectors to the device: one copy each, in order
+        on the current stream (the pinned staging is rewritten only by the next step's
+        update, after this step's kernels were queued behind these copies)."""
+        k = len(changed_idx)
+        if k:
+            staging = self._changes_host[:, :k]
+            staging.numpy()[0], staging.numpy()[1] = changed_idx, changed_val
+            dev = staging.to(self.device, non_blocking=True)
+            self.block_tables.view(-1).index_copy_(0, dev[0], dev[1].to(torch.int32))
+        self._vec.copy_(self._vec_host, non_blocking=True)
+        self._pos[:num_tokens].copy_(self._pos_host[:num_tokens], non_blocking=True)
+        self._sent = torch.cuda.Event()
+        self._sent.record()
+
+    def view(self, num_seqs: int, num_tokens: int, max_query_len: int = 1) -> StepView:
+        return StepView(
+            num_seqs,
+            num_tokens,
+            max_query_len,
+            self.block_tables,
+            self.seq_rows[:num_seqs],
+            self.ctx_lens[:num_seqs],
+            self.query_start[: num_seqs + 1],
+            self.slot_mapping[:num_tokens],
+            self.positions[:num_tokens],
+        )
+
+    def pad(self, num_seqs: int) -> StepView:
+        """The last update, a decode step (one token a sequence), padded to `num_seqs`
+        sequences (a CUDA graph's batch bucket): each padded sequence is one token at
+        position 0 in the padding row, whose only block is the dummy block, so it writes
+        its K/V only to the dummy block's slot 0 and reads only that slot."""
+        n, s = self.num_seqs, self.max_num_seqs
+        if self.dummy_block is None:
+            raise ValueError("StepBuffers.pad: no dummy block to pad with (dummy_block=None)")
+        if self.num_tokens != n:
+            raise ValueError(
+                f"StepBuffers.pad: the last step has {self.num_tokens} tokens for {n} sequences, not a decode"
+            )
+        if not n <= num_seqs <= s:
+            raise ValueError(f"StepBuffers.pad: cannot pad {n} sequences to {num_seqs} (max_num_seqs {s})")
+        vec, pos = self._vec_np, self._pos_np
+        vec[n:num_seqs] = self.padding_row
+        vec[s + n : s + num_seqs] = 1
+        vec[2 * s + n + 1 : 2 * s + num_seqs + 1] = np.arange(n + 1, num_seqs + 1)
+        vec[3 * s + 1 + n : 3 * s + 1 + num_seqs] = self.dummy_block * self.block_size
+        pos[n:num_seqs] = 0
+        if self.device.type != "cpu":
+            self._vec.copy_(self._vec_host, non_blocking=True)
+            self._pos[:num_seqs].copy_(self._pos_host[:num_seqs], non_blocking=True)
+        return self.view(num_seqs, num_seqs)
+
+    def check_integrity(self, tables: dict[str, Sequence[int]] | None = None) -> None:
+        """Rows and free rows partition [0, max_num_seqs); with `tables` (request id -> the
+        cache's table), every request's row holds its table's entries up to its last
+        step's blocks (the entries a kernel reads), on the host and on the device."""
+        used = sorted(self._rows.values())
+        assert len(set(used)) == len(used), "a row held twice"
+        assert sorted(used + self._free_rows) == list(range(self.max_num_seqs)), "rows lost or duplicated"
+        if self.dummy_block is not None:
+            assert (self._tables_np[self.padding_row] == self.dummy_block).all(), "the padding row changed"
+        if tables is None:
+            return
+        s = self.max_num_seqs
+        device_tables = self.block_tables.cpu().numpy()
+        for i in range(self.num_seqs):
+            row = int(self._vec_np[i])
+            rid = next(r for r, k in self._rows.items() if k == row)
+            num_blocks = -(-int(self._vec_np[s + i]) // self.block_size)
+            want = list(tables[rid][:num_blocks])
+            assert self._tables_np[row, :num_blocks].tolist() == want, f"{rid}: host row differs from its table"
+            assert device_tables[row, :num_blocks].tolist() == want, f"{rid}: device row differs from its table"

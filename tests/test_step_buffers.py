@@ -1,0 +1,134 @@
+"""The persistent step buffers (attention/backends/step_buffers.py): hand-drawn steps, and
+every step of engines that fork (copy-on-write tails), hit the prefix cache and preempt,
+checked against the cache's own step tables (the CSR and slots the backends plan from)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpool.attention.backends.step_buffers import StepBuffers
+from kvpool.engine.engine import Engine
+from kvpool.engine.llama_runner import LlamaRunner
+from kvpool.engine.sampling import SamplingParams
+from random_llama import DESCRIPTOR, random_ids, random_llama
+
+
+def test_a_prefill_then_decodes_write_only_the_entries_that_change():
+    b = StepBuffers(max_num_seqs=4, max_num_tokens=16, max_blocks_per_seq=4, block_size=4, dummy_block=9)
+    # "a": 6 prompt tokens in blocks [5, 2]; "b": 3 tokens in block [7]
+    v = b.update(["a", "b"], [0, 0], [6, 3], [[5, 2], [7]])
+    assert (v.num_seqs, v.num_tokens, v.max_query_len) == (2, 9, 6)
+    assert v.seq_rows.tolist() == [0, 1] and v.ctx_lens.tolist() == [6, 3]
+    assert v.query_start.tolist() == [0, 6, 9]
+    # slot = block * 4 + offset: positions 0..5 of [5, 2], then 0..2 of [7]
+    assert v.slot_mapping.tolist() == [20, 21, 22, 23, 8, 9, 28, 29, 30]
+    assert v.positions.tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2]
+    assert b.block_tables[0, :2].tolist() == [5, 2] and b.block_tables[1, :1].tolist() == [7]
+    assert b.num_table_writes == 3
+    # decodes in the other order: each keeps its row; "b" crosses into a new block 4
+    v = b.update(["b", "a"], [3, 6], [4, 7], [[7], [5, 2]])
+    assert v.seq_rows.tolist() == [1, 0] and v.slot_mapping.tolist() == [31, 10]
+    assert b.num_table_writes == 5  # one entry each: the block each step writes in
+    v = b.update(["b"], [4], [5], [[7, 4]])
+    assert v.slot_mapping.tolist() == [16] and b.block_tables[1, :2].tolist() == [7, 4]
+    assert b.num_table_writes == 6
+    # "a" is preempted and readmitted on other blocks: a whole row again, row 0 reused
+    b.forget("a")
+    v = b.update(["a"], [4], [7], [[3, 6]])
+    assert v.seq_rows.tolist() == [0] and b.block_tables[0, :2].tolist() == [3, 6]
+    assert v.slot_mapping.tolist() == [24, 25, 26]
+    assert b.num_table_writes == 8
+    b.check_integrity({"a": [3, 6], "b": [7, 4]})
+    # padded to a bucket of 4 decodes: the padding writes and reads only the dummy block's slot 0
+    b.update(["a", "b"], [7, 5], [8, 6], [[3, 6], [7, 4]])
+    p = b.pad(4)
+    assert p.seq_rows.tolist() == [0, 1, 4, 4] and p.ctx_lens.tolist() == [8, 6, 1, 1]
+    assert p.query_start.tolist() == [0, 1, 2, 3, 4]
+    assert p.slot_mapping.tolist() == [27, 17, 36, 36] and p.positions.tolist() == [7, 5, 0, 0]
+    assert b.block_tables[4].tolist() == [9, 9, 9, 9]
+    b.check_integrity({"a": [3, 6], "b": [7, 4]})
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda b: b.update(["a", "b", "c"], [0] * 3, [1] * 3, [[0]] * 3), "3 sequences, more than max_num_seqs 2"),
+        (lambda b: b.update(["a"], [0], [13], [[0, 1, 2, 3]]), "needs 4 blocks, more than max_blocks_per_seq 3"),
+        (lambda b: b.update(["a"], [0], [9], [[0, 1]]), r"positions \[0, 9\) are not a step its 2 blocks"),
+        (lambda b: b.update(["a"], [2], [2], [[0]]), r"positions \[2, 2\)"),
+        (lambda b: b.update(["a", "b"], [0, 0], [5, 4], [[0, 1], [2]]), "more than max_num_tokens 8"),
+        (lambda b: b.pad(2), "no dummy block"),
+    ],
+)
+def test_a_step_the_buffers_cannot_hold_is_refused_naming_it(call, match):
+    with pytest.raises(ValueError, match=match):
+        call(StepBuffers(max_num_seqs=2, max_num_tokens=8, max_blocks_per_seq=3, block_size=4))
+
+
+def test_rows_run_out_only_while_every_row_is_held():
+    b = StepBuffers(max_num_seqs=2, max_num_tokens=8, max_blocks_per_seq=2, block_size=4)
+    b.update(["a", "b"], [0, 0], [1, 1], [[0], [1]])
+    with pytest.raises(ValueError, match="no free row for 'c'"):
+        b.update(["c"], [0], [1], [[2]])
+    b.forget("a")
+    assert b.update(["c"], [0], [1], [[2]]).seq_rows.tolist() == [0]
+    b.check_integrity()
+
+
+def _checked_engine(num_blocks: int, block_size: int, max_num_seqs: int, **kw) -> tuple[Engine, list[int]]:
+    """An engine whose runner fills step buffers; every step's buffers are compared with the
+    cache's step tables (CSR and slots) before the forward. Returns it and a step counter."""
+    runner = LlamaRunner(random_llama("cpu", torch.float32), num_blocks, block_size, DESCRIPTOR, **kw)
+    # (forks run beside the engine's max_num_seqs requests: room for more)
+    runner.step_buffers = buffers = StepBuffers(4 * max_num_seqs, 256, num_blocks, block_size)
+    forward = runner.executor.forward
+    checked = [0]
+
+    def checked_forward(chunks, cache, all_logits=False):
+        ids = [c.request_id for c in chunks]
+        starts = [c.start for c in chunks]
+        ends = [c.start + len(c.token_ids) for c in chunks]
+        want = cache.step_tables(ids, starts, ends)
+        v = buffers.view(len(chunks), sum(len(c.token_ids) for c in chunks))
+        assert v.slot_mapping.tolist() == want.slots
+        assert v.ctx_lens.tolist() == ends
+        assert v.positions.tolist() == [p for s, e in zip(starts, ends, strict=True) for p in range(s, e)]
+        indptr, indices = want.csr.indptr, want.csr.indices
+        for i, row in enumerate(v.seq_rows.tolist()):
+            assert v.block_tables[row, : indptr[i + 1] - indptr[i]].tolist() == indices[indptr[i] : indptr[i + 1]]
+        buffers.check_integrity({r: cache.block_ids(r) for r in ids})
+        checked[0] += 1
+        return forward(chunks, cache, all_logits)
+
+    runner.executor.forward = checked_forward
+    return Engine(runner, max_num_batched_tokens=64, max_num_seqs=max_num_seqs), checked
+
+
+def test_every_step_of_forks_and_prefix_hits_equals_the_caches_tables():
+    e, checked = _checked_engine(num_blocks=64, block_size=4, max_num_seqs=6)
+    shared = random_ids(10, seed=1)
+    # n = 3 samples share the prompt's partial tail block: each first write copies it
+    params = SamplingParams(max_tokens=7, ignore_eos=True, temperature=30.0, n=3, seed=4)
+    # the first request alone, then three that hit its prompt's full blocks
+    for batch in ([0], [1, 2, 3]):
+        for i in batch:
+            prompt = shared + random_ids(3 + 2 * i, seed=10 + i)
+            e.add_request(prompt, params if i % 2 else SamplingParams(max_tokens=9))
+        while e.has_unfinished():
+            e.step()
+            e.runner.check_integrity()
+    assert e.runner.cache.stats.num_hit_tokens == 3 * 8
+    assert checked[0] == e.num_steps > 10
+
+
+def test_every_step_of_preempted_and_readmitted_requests_equals_the_caches_tables():
+    # 10 blocks of 4 = 40 slots for four sequences of ~20 tokens each: preemption is forced
+    e, checked = _checked_engine(num_blocks=10, block_size=4, max_num_seqs=4)
+    for i in range(4):
+        e.add_request(random_ids(9 + i, seed=i), SamplingParams(max_tokens=10, ignore_eos=True))
+    while e.has_unfinished():
+        e.step()
+        e.runner.check_integrity()
+    assert e.num_preemptions > 0
+    assert checked[0] == e.num_steps
