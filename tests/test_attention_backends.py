@@ -10,6 +10,7 @@ from kvpool.attention.backends import BACKENDS, BackendKey, select_backend
 from kvpool.attention.backends.native import NativeBackend
 from kvpool.attention.backends.quant import DequantBackend, QuantNativeBackend
 from kvpool.attention.backends.torch_paged import TorchPagedBackend
+from kvpool.attention.backends.triton_paged import TritonPagedBackend, triton_importable
 from kvpool.engine.llama_runner import LlamaRunner
 from kvpool.models.llama import LlamaModel
 from random_llama import CONFIG, DESCRIPTOR, random_llama
@@ -58,7 +59,7 @@ def test_every_key_selects_its_own_entry() -> None:
     [
         ("full", "paged", "cpu", True, "native"),
         ("full", "paged", "cpu", False, "bags"),
-        ("full", "paged", "cuda", True, "bags"),  # the C kernels are CPU code
+        ("full", "paged", "cuda", True, "triton"),  # the C kernels are CPU code; triton imports here
         ("full", "paged-q8", "cpu", False, "bags"),
         ("window", "slots", "cpu", False, "gather"),  # one implementation: that one
         ("recurrent", "state", "cpu", False, "delta-rule"),
@@ -66,7 +67,23 @@ def test_every_key_selects_its_own_entry() -> None:
     ],
 )
 def test_the_default_implementation(kind, fmt, device, has_kernels, impl) -> None:
+    if impl == "triton" and not triton_importable():
+        impl = "bags"  # passed over without triton (next test)
     assert select_backend(kind, fmt, device, has_kernels=has_kernels).key == BackendKey(kind, fmt, device, impl)
+
+
+def test_the_triton_backend_is_passed_over_without_triton(monkeypatch) -> None:
+    import kvpool.attention.backends as backends
+    from kvpool.attention.backends import triton_paged
+    from kvpool.storage.kv import PagedKVStorage
+
+    monkeypatch.setattr(backends, "triton_importable", lambda: False)
+    assert select_backend("full", "paged", "cuda").key.impl == "bags"
+    # named, it is chosen: building it says what is missing (triton_paged.py's own check)
+    assert select_backend("full", "paged", "cuda", "triton").backend is TritonPagedBackend
+    monkeypatch.setattr(triton_paged, "triton_importable", lambda: False)
+    with pytest.raises(ValueError, match="needs triton"):
+        TritonPagedBackend(PagedKVStorage(1, 4, 16, 2, 32), 4, None, torch.float32)
 
 
 def test_an_unknown_combination_names_itself_and_what_exists() -> None:

@@ -146,16 +146,7 @@ def plan_step(
             decode_rows.append(row)
             decode_seqs.append(i)
         else:
-            start = ctx_len - q_len
-            mask = None
-            if start > 0:  # is_causal aligns the diagonal top-left: wrong past a prefix
-                pos = torch.arange(start, ctx_len)
-                mask = (torch.arange(ctx_len)[None, :] <= pos[:, None]).to(device)  # [q_len, ctx_len]
-            prefills.append(
-                PrefillPlan(
-                    slice(row, row + q_len), torch.tensor(blocks, dtype=torch.long, device=device), ctx_len, mask
-                )
-            )
+            prefills.append(plan_prefill(row, q_len, ctx_len, blocks, device))
         row += q_len
     decode = None
     if decode_rows and decode_path == "native":
@@ -190,6 +181,18 @@ def plan_step(
             torch.tensor(decode_rows, dtype=torch.long, device=device), b, nb, bias.to(device), bags, padded
         )
     return StepPlan(slots, decode, prefills)
+
+
+def plan_prefill(row: int, q_len: int, ctx_len: int, blocks: Sequence[int], device: torch.device) -> PrefillPlan:
+    """The plan of one prefill chunk: its q_len queries are rows [row, row + q_len) of the
+    flat batch, at positions [ctx_len - q_len, ctx_len); blocks cover its ctx_len tokens."""
+    start = ctx_len - q_len
+    mask = None
+    if start > 0:  # is_causal aligns the diagonal top-left: wrong past a prefix
+        pos = torch.arange(start, ctx_len)
+        mask = (torch.arange(ctx_len)[None, :] <= pos[:, None]).to(device)  # [q_len, ctx_len]
+    block_ids = torch.tensor(blocks, dtype=torch.long, device=device)
+    return PrefillPlan(slice(row, row + q_len), block_ids, ctx_len, mask)
 
 
 def _plan_bags(

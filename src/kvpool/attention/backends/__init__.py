@@ -13,7 +13,7 @@ Key: `BackendKey(kind, format, device, impl)`:
   fp8 serving layout);
 - device: the torch device type ("cpu", "cuda");
 - impl: the implementation, where a (kind, format, device) has more than one (the CPU
-  decode paths "native", "bags", "padded").
+  decode paths "native", "bags", "padded"; "triton", the Triton kernels on CUDA).
 
 `select_backend` returns the key it chose and the class; a runner builds the backend once,
 at construction, and in its step only asks it for that step's attention
@@ -24,7 +24,8 @@ ValueError naming it and listing what exists.
 
 The modules: native.py (the C CPU kernels), torch_paged.py (the torch bag and padded
 paths), quant.py (the quantized pool: the C kernel on 8-bit codes, or dequantize then
-torch), dsv4_sparse.py (V4's sparse attention), slot_attention.py (the hybrid models'
+torch), triton_paged.py (the Triton kernels of triton_decode.py on a CUDA pool; an
+interpreted CPU pool in tests), dsv4_sparse.py (V4's sparse attention), slot_attention.py (the hybrid models'
 full and window attention), recurrent.py (the gated delta rule's state update).
 
 A GPU backend is an entry here and a module beside these: e.g. a CUDA/Triton paged
@@ -45,6 +46,7 @@ from kvpool.attention.backends.quant import DequantBackend, QuantNativeBackend
 from kvpool.attention.backends.recurrent import RecurrentBackend
 from kvpool.attention.backends.slot_attention import AttnPlan, SlotAttentionBackend
 from kvpool.attention.backends.torch_paged import TorchPagedBackend
+from kvpool.attention.backends.triton_paged import TritonPagedBackend, triton_importable
 from kvpool.storage.kv import PagedKVStorage, QuantizedKVStorage
 
 __all__ = [
@@ -58,6 +60,7 @@ __all__ = [
     "PagedStepMetadata",
     "RecurrentBackend",
     "SlotAttentionBackend",
+    "TritonPagedBackend",
     "paged_format",
     "select_backend",
 ]
@@ -74,6 +77,7 @@ BACKENDS: dict[BackendKey, type] = {
     BackendKey("full", "paged", "cpu", "native"): NativeBackend,
     BackendKey("full", "paged", "cpu", "bags"): TorchPagedBackend,
     BackendKey("full", "paged", "cpu", "padded"): TorchPagedBackend,
+    BackendKey("full", "paged", "cuda", "triton"): TritonPagedBackend,
     BackendKey("full", "paged", "cuda", "bags"): TorchPagedBackend,
     BackendKey("full", "paged", "cuda", "padded"): TorchPagedBackend,
     BackendKey("full", "paged-q8", "cpu", "native"): QuantNativeBackend,
@@ -92,17 +96,18 @@ BACKENDS: dict[BackendKey, type] = {
 }
 
 # (kind, format, device) -> its implementations, best first, for a runner given no impl;
-# "native" needs the C kernels and is passed over without them. A combination missing
+# "native" needs the C kernels and "triton" needs triton: each is passed over without them. A combination missing
 # here has one implementation: the only entry of BACKENDS.
 PREFERRED: dict[tuple[str, str, str], tuple[str, ...]] = {
     ("full", "paged", "cpu"): ("native", "bags"),
-    ("full", "paged", "cuda"): ("bags",),
+    ("full", "paged", "cuda"): ("triton", "bags"),
     ("full", "paged-q8", "cpu"): ("native", "bags"),
     ("full", "paged-quantized", "cpu"): ("native", "bags"),
     ("full", "paged-quantized", "cuda"): ("bags",),
 }
 
 NEEDS_KERNELS = ("native",)  # implementations that run the C kernels (kvpool.kernels)
+NEEDS_TRITON = ("triton",)  # implementations that run Triton kernels
 
 
 def paged_format(storage: PagedKVStorage | QuantizedKVStorage) -> str:
@@ -121,12 +126,20 @@ def select_backend(
     kind: str, format: str, device: str, impl: str | None = None, *, has_kernels: bool = False
 ) -> BackendChoice:
     """The backend for (kind, format, device) and implementation `impl` (None: the first of
-    PREFERRED this process can run; has_kernels: the C kernels built). ValueError naming
-    the combination and listing those that exist when there is none."""
+    PREFERRED this process can run; has_kernels: the C kernels built; triton: whether it
+    imports). ValueError naming the combination and listing those that exist when there is none."""
     if impl is None:
         preferred = PREFERRED.get((kind, format, device))
         if preferred is not None:
-            impl = next((i for i in preferred if has_kernels or i not in NEEDS_KERNELS), None)
+            has_triton = triton_importable()
+            impl = next(
+                (
+                    i
+                    for i in preferred
+                    if (has_kernels or i not in NEEDS_KERNELS) and (has_triton or i not in NEEDS_TRITON)
+                ),
+                None,
+            )
         else:
             impls = [k.impl for k in BACKENDS if (k.kind, k.format, k.device) == (kind, format, device)]
             impl = impls[0] if len(impls) == 1 else None

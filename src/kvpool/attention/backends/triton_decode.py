@@ -1,0 +1,325 @@
+"""Triton kernels of the paged pool's decode step: the K/V write through the slot mapping,
+paged decode attention over the CSR block tables, and the log-sum-exp merge of a decode
+whose context was split across programs. Self-contained: torch tensors in, torch tensors
+out; the backend (triton_paged.py) plans a step and calls `write_kv` / `paged_decode`.
+
+Layout: the pool's own (storage/kv.py), per layer
+    k_cache [num_blocks, kv_heads, head_dim, block_size]   K^T per block
+    v_cache [num_blocks, kv_heads, block_size, head_dim]
+The GPU keeps the CPU's layout. What a GPU needs is that a warp's loads fall on adjacent
+addresses (coalesced), and a decode program reads whole blocks of one KV head: in either
+layout a (block, KV head) is one contiguous run of head_dim * block_size elements (4 KiB
+at head dim 128, block 16, bf16), so the tile loads are fully coalesced whichever of
+head_dim or the slots is innermost; K^T per block is already the [head_dim, tokens] operand
+that q @ K^T takes, and V's rows of head_dim are the [tokens, head_dim] operand of p @ V.
+The one access that favours head_dim innermost for K is the write of a new token's K (its
+head_dim values land block_size elements apart: head_dim strided stores per token and KV
+head instead of one contiguous row); a decode step writes one token per sequence, a few
+KiB, against the whole context it reads. Keeping the layout keeps every other reader of the
+pool (copy-on-write, the tiers, the torch prefill path, the cache descriptor's layout id)
+as it is. A [block, kv_heads, slot, head_dim] K would be worth measuring where prefill
+writes dominate; it is unmeasured here (no GPU was at hand).
+
+Decode (`paged_decode`): one program per (sequence, KV head, split) holds that KV head's
+G = heads / kv_heads query heads as the rows of one tile (padded to 16 rows, the smallest
+tl.dot), so each K/V byte is read once for the whole GQA group. It walks the sequence's
+blocks indices[indptr[b] : indptr[b + 1]] TILE tokens at a time (a tile is whole blocks),
+with an online softmax in fp32 (fp64 for an fp64 pool). The context length is
+(num_blocks - 1) * block_size + last_block_len[b].
+
+Split: with few sequences, batch x kv_heads programs cannot fill the GPU (16 x 32k at 8
+KV heads: 128 programs on 132 SMs that each want several resident programs), so the
+context is cut into `num_splits` ranges of whole tiles, one program each; each writes its
+normalised partial output and its log-sum-exp, and `_merge` (one program per sequence and
+query head) combines them exactly: out = sum_s exp(lse_s - m) o_s / sum_s exp(lse_s - m),
+m = max_s lse_s. A split that starts past a shorter sequence's end writes lse = -inf and
+weighs nothing. `num_splits_for` is the rule (SGLang and vLLM's Triton decode kernels also
+split into a fixed number of ranges merged by log-sum-exp; FlashInfer's planner picks a
+chunk size so that the work items fill the SMs).
+
+Interpreter: with TRITON_INTERPRET=1 set before triton is first imported (triton.jit reads
+it when it decorates: triton's own helpers at its import, these kernels at this module's),
+the kernels run on CPU tensors (the tests; tests/conftest.py sets it on a machine without a
+GPU); `interpreted()` says which mode this import took. Triton 3.9's
+interpreter multiplies tl.dot's bf16 operands as their raw 16-bit patterns (it keeps bf16
+as uint16 and calls numpy's matmul on them: results ~1e10 off), so there a bf16 decode
+converts the dot operands to fp32 first. The values are the GPU's: a product of two bf16
+values is exact in fp32, both accumulate in fp32, and p is rounded to bf16 before p @ V
+either way; only the order of the sums may differ.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MIN_ROWS = 16  # tl.dot's smallest M: the GQA group's rows are padded to it
+TILE_TOKENS = 64  # tokens a decode program reads per iteration (whole blocks; more when a block is larger)
+MIN_SPLIT_TOKENS = 512  # a split reads at least this much context, or the merge costs more than it gains
+LOG2E = 1.4426950408889634
+
+
+def interpreted() -> bool:
+    """True when this module's kernels run in Triton's interpreter (TRITON_INTERPRET=1 was
+    set before triton's first import): they then take CPU tensors."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_write_kv, InterpretedFunction)
+
+
+def num_splits_for(num_seqs: int, num_kv_heads: int, max_ctx_len: int, num_sms: int) -> int:
+    """How many programs share one (sequence, KV head)'s context: 1 when num_seqs * num_kv_heads
+    programs already give every SM two, else enough to give it two, but no split shorter than
+    MIN_SPLIT_TOKENS (a short context is read faster than the merge's extra launch)."""
+    programs = num_seqs * num_kv_heads
+    if programs >= 2 * num_sms:
+        return 1
+    wanted = -(-2 * num_sms // programs)
+    return max(1, min(wanted, max_ctx_len // MIN_SPLIT_TOKENS))
+
+
+@triton.jit
+def _write_kv(
+    k_new,  # [N, KVH, D]
+    v_new,
+    slots,  # [N] int64
+    k_cache,  # [num_blocks, KVH, D, BS]
+    v_cache,  # [num_blocks, KVH, BS, D]
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    KVH: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slots + n).to(tl.int64)
+    block = slot // BS
+    off = slot % BS
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    k = tl.load(k_new + n * stride_kn + h * stride_kh + d, mask=dm)
+    v = tl.load(v_new + n * stride_vn + h * stride_vh + d, mask=dm)
+    head = block * KVH + h
+    tl.store(k_cache + (head * D + d) * BS + off, k, mask=dm)  # K^T: head_dim values BS apart
+    tl.store(v_cache + (head * BS + off) * D + d, v, mask=dm)  # V: one contiguous row
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> None:
+    """Store k, v [N, KVH, D] (rows may be strided views; head_dim contiguous) at slots [N]
+    int64 (block * block_size + offset) of one layer's k_cache [blocks, KVH, D, BS] and
+    v_cache [blocks, KVH, BS, D]. The slots are the cache manager's: not checked here."""
+    n, kvh, d = k.shape
+    if n == 0:
+        return
+    assert k.stride(2) == 1 and v.stride(2) == 1, "head_dim must be contiguous"
+    bs = v_cache.shape[2]
+    _write_kv[(n, kvh)](
+        k,
+        v,
+        slots,
+        k_cache,
+        v_cache,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        KVH=kvh,
+        D=d,
+        BS=bs,
+        BLOCK_D=triton.next_power_of_2(d),
+    )
+
+
+@triton.jit
+def _decode(
+    q,  # [N, H, D]: rows[b] is sequence b's query
+    rows,  # [B] int32
+    indptr,  # [B + 1] int32
+    indices,  # [nnz] int32
+    last_len,  # [B] int32: tokens in the sequence's last block, 1..BS
+    k_cache,  # [num_blocks, KVH, D, BS]
+    v_cache,  # [num_blocks, KVH, BS, D]
+    out,  # [N, H, D] (NUM_SPLITS == 1) or partial [B, H, NUM_SPLITS, D] fp32 / fp64
+    lse,  # [B, H, NUM_SPLITS] (NUM_SPLITS > 1; log2 units)
+    scale_log2,  # softmax scale * log2(e)
+    stride_qn,
+    stride_qh,
+    stride_on,
+    stride_oh,
+    KVH: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    TILE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    ACC: tl.constexpr,  # accumulation dtype
+    PRECISION: tl.constexpr,  # tl.dot's input precision ("ieee": no tf32 for fp32 pools)
+    UPCAST: tl.constexpr,  # dot operands in fp32 (the interpreter's bf16 dot: module docstring)
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    row = tl.load(rows + b).to(tl.int64)
+    first = tl.load(indptr + b)
+    num_blocks = tl.load(indptr + b + 1) - first
+    ctx_len = (num_blocks - 1) * BS + tl.load(last_len + b)
+    # [start, end): this program's tokens, whole tiles; past ctx_len for a short sequence's last splits
+    per_split = tl.cdiv(tl.cdiv(ctx_len, NUM_SPLITS), TILE) * TILE
+    start = split * per_split
+    end = tl.minimum(start + per_split, ctx_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    gm = g < G
+    dm = d < D
+    heads = h * G + g  # the group's query heads
+    qt = tl.load(q + row * stride_qn + heads[:, None] * stride_qh + d[None, :], mask=gm[:, None] & dm[None, :], other=0)
+    m = tl.full([BLOCK_G], float("-inf"), ACC)
+    s = tl.zeros([BLOCK_G], ACC)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], ACC)
+    t_in = tl.arange(0, TILE)
+    for t0 in range(start, end, TILE):
+        t = t0 + t_in  # [TILE] token positions
+        tm = t < end
+        block = tl.load(indices + first + t // BS, mask=tm, other=0).to(tl.int64)
+        head = block * KVH + h
+        slot = t % BS
+        # K^T tile [D, TILE]: each block's [D, BS] is one contiguous run
+        kt_ptr = k_cache + (head[None, :] * D + d[:, None]) * BS + slot[None, :]
+        kt = tl.load(kt_ptr, mask=dm[:, None] & tm[None, :], other=0)
+        if UPCAST:  # exact: a product of two bf16 values fits fp32's mantissa
+            scores = tl.dot(qt.to(tl.float32), kt.to(tl.float32), out_dtype=ACC, input_precision=PRECISION)
+        else:
+            scores = tl.dot(qt, kt, out_dtype=ACC, input_precision=PRECISION)
+        scores *= scale_log2  # [BLOCK_G, TILE], log2 units
+        scores = tl.where(tm[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))  # finite: the tile holds at least one token
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        s = s * alpha + tl.sum(p, 1)
+        vt_ptr = v_cache + (head[:, None] * BS + slot[:, None]) * D + d[None, :]  # V tile [TILE, D]
+        vt = tl.load(vt_ptr, mask=tm[:, None] & dm[None, :], other=0)
+        pv = p.to(vt.dtype)  # rounded to the pool's dtype, as the GPU's dot takes it
+        if UPCAST:
+            pv, vt = pv.to(tl.float32), vt.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(pv, vt, out_dtype=ACC, input_precision=PRECISION)
+        m = m_new
+    if NUM_SPLITS == 1:
+        o = acc / s[:, None]
+        tl.store(
+            out + row * stride_on + heads[:, None] * stride_oh + d[None, :],
+            o.to(out.dtype.element_ty),
+            mask=gm[:, None] & dm[None, :],
+        )
+    else:
+        # an empty split (start >= end) leaves s = 0, m = -inf: output 0, lse -inf (weight 0)
+        nonempty = s > 0
+        o = tl.where(nonempty[:, None], acc / tl.where(nonempty, s, 1.0)[:, None], 0.0)
+        part = (b * (KVH * G) + heads) * NUM_SPLITS + split  # [BLOCK_G]
+        tl.store(out + part[:, None] * D + d[None, :], o, mask=gm[:, None] & dm[None, :])
+        tl.store(lse + part, tl.where(nonempty, m + tl.log2(tl.where(nonempty, s, 1.0)), float("-inf")), mask=gm)
+
+
+@triton.jit
+def _merge(
+    part,  # [B, H, NUM_SPLITS, D]
+    lse,  # [B, H, NUM_SPLITS] (log2 units)
+    rows,  # [B] int32
+    out,  # [N, H, D]
+    stride_on,
+    stride_oh,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    sm = sp < NUM_SPLITS
+    base = (b * H + h) * NUM_SPLITS
+    ls = tl.load(lse + base + sp, mask=sm, other=float("-inf"))  # split 0 always holds a token: finite
+    w = tl.exp2(ls - tl.max(ls, 0))  # [BLOCK_S]
+    o = tl.load(part + (base + sp[:, None]) * D + d[None, :], mask=sm[:, None] & (d < D)[None, :], other=0)
+    merged = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    row = tl.load(rows + b).to(tl.int64)
+    tl.store(out + row * stride_on + h * stride_oh + d, merged.to(out.dtype.element_ty), mask=d < D)
+
+
+def paged_decode(
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    indptr: torch.Tensor,
+    indices: torch.Tensor,
+    last_len: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    num_splits: int = 1,
+) -> torch.Tensor:
+    """Decode attention of B sequences, one query each, into `out`; returns out.
+
+    q, out: [N, H, D] (the step's flat batch; head_dim contiguous): sequence b's query is
+    row rows[b] ([B] int32), and only those rows of out are written; indptr [B + 1],
+    indices [nnz], last_len [B] int32: sequence b's blocks are indices[indptr[b]:indptr[b+1]]
+    (at least one), its context (num_blocks - 1) * block_size + last_len[b] tokens, all
+    written; k_cache [blocks, KVH, D, BS], v_cache [blocks, KVH, BS, D] of one layer;
+    num_splits: programs per (sequence, KV head) (`num_splits_for`), merged by log-sum-exp."""
+    _, h, d = q.shape
+    _, kvh, bs, _ = v_cache.shape
+    b = rows.shape[0]
+    if b == 0:
+        return out
+    assert q.stride(2) == 1 and out.stride(2) == 1, "head_dim must be contiguous"
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    meta = {
+        "KVH": kvh,
+        "G": h // kvh,
+        "D": d,
+        "BS": bs,
+        "TILE": max(TILE_TOKENS, bs),
+        "BLOCK_G": max(MIN_ROWS, triton.next_power_of_2(h // kvh)),
+        "BLOCK_D": max(MIN_ROWS, triton.next_power_of_2(d)),  # tl.dot's K is at least 16 too
+        "NUM_SPLITS": num_splits,
+        "ACC": tl.float64 if acc == torch.float64 else tl.float32,
+        "PRECISION": "ieee",
+        "UPCAST": q.dtype == torch.bfloat16 and interpreted(),
+    }
+    strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1))
+    scale_log2 = scale * LOG2E
+    if num_splits == 1:
+        _decode[(b, kvh, 1)](
+            q, rows, indptr, indices, last_len, k_cache, v_cache, out, out, scale_log2, *strides, **meta
+        )
+        return out
+    part = torch.empty(b, h, num_splits, d, dtype=acc, device=q.device)
+    lse = torch.empty(b, h, num_splits, dtype=acc, device=q.device)
+    _decode[(b, kvh, num_splits)](
+        q, rows, indptr, indices, last_len, k_cache, v_cache, part, lse, scale_log2, *strides, **meta
+    )
+    _merge[(b, h)](
+        part,
+        lse,
+        rows,
+        out,
+        out.stride(0),
+        out.stride(1),
+        H=h,
+        D=d,
+        NUM_SPLITS=num_splits,
+        BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_D=triton.next_power_of_2(d),
+    )
+    return out

@@ -1,0 +1,186 @@
+"""Full attention on the unquantized paged pool through Triton kernels (triton_decode.py):
+the step's K/V written through the slot mapping and its decodes read in place over the CSR
+block tables, with the context split across programs when sequences are few and long;
+prefill chunks through SDPA over their gathered blocks (attention/paged.py), as the torch
+backend does. The registry's ("full", "paged", "cuda", "triton").
+
+The pool keeps its layout (storage/kv.py; why it suits the GPU: triton_decode.py).
+
+Devices: a CUDA pool; or, for tests on machines without a GPU, a CPU pool when the kernels
+were imported in Triton's interpreter (TRITON_INTERPRET=1 set before triton's first
+import, as tests/conftest.py does without a GPU): the backend follows its pool's device and refuses
+a CPU pool otherwise. Triton is imported when the backend is built, not with the registry,
+so a machine without it still lists the key (and select_backend passes it over).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from collections.abc import Callable
+
+import torch
+
+from kvpool.attention.backends.paged_step import PagedBackend, PagedStep, PagedStepMetadata, make_step
+from kvpool.attention.paged import StepPlan, plan_prefill, prefill_attention
+from kvpool.storage.kv import PagedKVStorage
+
+CPU_NUM_SMS = 132  # the split rule's SM count for an interpreted (CPU) pool: an H100's / H200's
+
+
+def triton_importable() -> bool:
+    """Whether this process can import triton (the backend needs it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonDecodePlan:
+    """One step's decodes for `paged_decode`: B sequences, int32 CSR tables on the pool's device."""
+
+    rows: torch.Tensor  # [B] int32: rows of the flat batch holding decode queries
+    indptr: torch.Tensor  # [B + 1] int32: sequence b's blocks are indices[indptr[b]:indptr[b + 1]]
+    indices: torch.Tensor  # [nnz] int32
+    last_len: torch.Tensor  # [B] int32: tokens in each sequence's last block, 1..block_size
+    num_splits: int  # programs per (sequence, KV head): triton_decode.num_splits_for
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.nbytes for t in (self.rows, self.indptr, self.indices, self.last_len))
+
+
+class TritonPagedBackend(PagedBackend):
+    """The Triton backend of the paged pool (module docstring). Same constructor as the
+    torch backend; `kernels` (the C CPU kernels) is unused. num_sms: the split rule's SM
+    count (None: the CUDA device's, CPU_NUM_SMS for an interpreted CPU pool); num_splits:
+    every decode's split, in place of the rule (None: triton_decode.num_splits_for)."""
+
+    default_decode_path = "triton"
+
+    def __init__(
+        self,
+        storage: PagedKVStorage,
+        num_heads: int,
+        kernels,
+        dtype: torch.dtype,
+        before_read: Callable[[], None] | None = None,
+        *,
+        decode_path: str | None = None,
+        num_sms: int | None = None,
+        num_splits: int | None = None,
+    ) -> None:
+        super().__init__(storage, num_heads, kernels, dtype, before_read, decode_path=decode_path)
+        if num_splits is not None and num_splits < 1:
+            raise ValueError(f"num_splits must be at least 1, got {num_splits}")
+        self.num_splits = num_splits
+        from kvpool.attention.backends import triton_decode
+
+        self.ops = triton_decode
+        device = storage.k.device
+        if num_sms is None and device.type == "cuda":
+            num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        elif num_sms is None:
+            num_sms = CPU_NUM_SMS
+        if num_sms <= 0:
+            raise ValueError(f"num_sms must be positive, got {num_sms}")
+        self.num_sms = num_sms
+
+    def _check(self, storage: PagedKVStorage, kernels, decode_path: str) -> None:
+        if decode_path != "triton":
+            raise ValueError(f"the triton backend decodes by its kernels, not by {decode_path!r}")
+        if not isinstance(storage, PagedKVStorage):
+            raise ValueError(f"the triton backend reads an unquantized PagedKVStorage, got {type(storage).__name__}")
+        if not triton_importable():
+            raise ValueError("the triton attention backend needs triton (pip install triton)")
+        bs = storage.block_size
+        if bs & (bs - 1):
+            raise ValueError(f"the triton backend needs a power-of-two block size, got {bs}")
+        device = storage.k.device
+        if device.type == "cpu":
+            from kvpool.attention.backends import triton_decode
+
+            if not triton_decode.interpreted():
+                raise ValueError(
+                    "the triton backend on a CPU pool needs Triton's interpreter: set TRITON_INTERPRET=1 "
+                    "before triton is first imported"
+                )
+        elif device.type != "cuda":
+            raise ValueError(f"the triton backend runs on CUDA (or interpreted on the CPU), not on {device.type!r}")
+
+    def _plan_decodes(self, meta: PagedStepMetadata, seqs: list[int], rows: list[int]) -> TritonDecodePlan:
+        st = self.storage
+        bs, device = st.block_size, st.k.device
+        indptr, indices, last_len = [0], [], []
+        for i in seqs:
+            blocks = meta.indices[meta.indptr[i] : meta.indptr[i + 1]]
+            indices.extend(blocks)
+            indptr.append(len(indices))
+            last_len.append(meta.ctx_lens[i] - (len(blocks) - 1) * bs)
+        splits = self.num_splits
+        if splits is None:
+            max_ctx_len = max(meta.ctx_lens[i] for i in seqs)
+            splits = self.ops.num_splits_for(len(seqs), st.num_kv_heads, max_ctx_len, self.num_sms)
+
+        def int32(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=device)
+
+        return TritonDecodePlan(int32(rows), int32(indptr), int32(indices), int32(last_len), splits)
+
+    def begin_step(self, meta: PagedStepMetadata) -> PagedStep:
+        """The step's plan (built once) and the attend every layer calls."""
+        st, scale, before_read, ops = self.storage, self.scale, self.before_read, self.ops
+        bs, device = st.block_size, st.k.device
+        prefills, seqs, rows = [], [], []
+        row = 0
+        for i, (q_len, ctx_len) in enumerate(zip(meta.q_lens, meta.ctx_lens, strict=True)):
+            blocks = meta.indices[meta.indptr[i] : meta.indptr[i + 1]]
+            if len(blocks) != -(-ctx_len // bs) or ctx_len < q_len or q_len < 1:
+                raise ValueError(
+                    f"sequence {i}: {len(blocks)} blocks of {bs} for {ctx_len} tokens with {q_len} new ones"
+                )
+            if q_len == 1:
+                seqs.append(i)
+                rows.append(row)
+            else:
+                prefills.append(plan_prefill(row, q_len, ctx_len, blocks, device))
+            row += q_len
+        slots = torch.tensor(meta.slots, dtype=torch.long, device=device)
+        decode = self._plan_decodes(meta, seqs, rows) if seqs else None
+        k_layers, v_layers = st.k_layers, st.v_layers
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if layer == 0 and before_read is not None:
+                before_read()  # the first read of the cache this step
+            k_cache, v_cache = k_layers[layer], v_layers[layer]
+            ops.write_kv(_rows_contiguous(k), _rows_contiguous(v), slots, k_cache, v_cache)
+            q = _rows_contiguous(q)
+            out = torch.empty_like(q)
+            if decode is not None:
+                ops.paged_decode(
+                    q,
+                    decode.rows,
+                    decode.indptr,
+                    decode.indices,
+                    decode.last_len,
+                    k_cache,
+                    v_cache,
+                    scale,
+                    out,
+                    decode.num_splits,
+                )
+            for p in prefills:
+                out[p.rows] = prefill_attention(q[p.rows], k_cache, v_cache, p)
+            return out
+
+        step = make_step(StepPlan(slots, None, prefills), attend, bs, st.num_kv_heads, st.head_dim, self.dtype)
+        if decode is None:
+            return step
+        extra = decode.num_bytes
+        if decode.num_splits > 1:  # the partial outputs and log-sum-exps the merge reads
+            acc_bytes = 8 if self.dtype == torch.float64 else 4
+            extra += len(seqs) * self.num_heads * decode.num_splits * (st.head_dim + 1) * acc_bytes
+        return dataclasses.replace(step, decode_path="triton", table_bytes=step.table_bytes + extra)
+
+
+def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """t [N, heads, D] with head_dim contiguous (the kernels' one requirement; rows may be strided)."""
+    return t if t.stride(-1) == 1 else t.contiguous()

@@ -1,0 +1,249 @@
+"""The Triton decode kernels (attention/backends/triton_decode.py) and their backend
+(triton_paged.py), run on the CPU by Triton's interpreter, against the torch reference
+paths: SDPA on a contiguous copy of each sequence's keys and values, the torch paged
+backend, and the pool's torch write.
+
+Without a GPU the kernels run in Triton's interpreter on CPU tensors: Triton reads
+TRITON_INTERPRET when a function is decorated with triton.jit (its own helpers at its first
+import), so tests/conftest.py sets it before anything imports triton; with a GPU they run
+compiled on CUDA tensors.
+
+Tolerances, as in test_attention_paged.py: fp64 1e-12 (rounding ~1e-15; a key read from a
+wrong slot moves an output by ~|v| / n, 1e-3 and more here); fp32 from SDPA's own fp32
+error on the same inputs (`fp32_tolerance`); bf16 by hand: the output is rounded once to
+bf16 (<= u |o|, u = 2^-8) and the softmax weights are rounded to bf16 before p @ V, as a
+GPU's bf16 dot takes them (<= u sum_t p_t |v_t| <= u max|v|), the rest in fp32.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvpool.attention.backends import TritonPagedBackend, select_backend
+from kvpool.attention.backends.paged_step import PagedStepMetadata
+from kvpool.attention.backends.torch_paged import TorchPagedBackend
+from kvpool.storage.kv import PagedKVStorage
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed (bash setup.sh test installs it)", allow_module_level=True)
+
+KVH, D = 2, 32
+U32 = 2.0**-24
+U_BF16 = 2.0**-8
+TOL64 = 1e-12
+MODULE = "kvpool.attention.backends.triton_decode"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module")
+def ops():
+    """triton_decode, its kernels compiled (CUDA) or interpreted (CPU)."""
+    module = importlib.import_module(MODULE)
+    if DEVICE == "cpu" and not module.interpreted():
+        pytest.fail("no GPU, and triton was imported without TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+    return module
+
+
+def scattered(lens: list[int], bs: int, g: int, dtype: torch.dtype, seed: int):
+    """A pool of random K^T / V blocks, each sequence's blocks at random ids, one query each."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    need = [-(-n // bs) for n in lens]
+    num_blocks = sum(need) + 5
+    ids = rng.sample(range(num_blocks), sum(need))
+    tables = []
+    for n in need:
+        tables.append(ids[:n])
+        ids = ids[n:]
+    k_cache = torch.randn(num_blocks, KVH, D, bs, dtype=torch.float64).to(DEVICE, dtype)
+    v_cache = torch.randn(num_blocks, KVH, bs, D, dtype=torch.float64).to(DEVICE, dtype)
+    q = torch.randn(len(lens), KVH * g, D, dtype=torch.float64).to(DEVICE, dtype)
+    return q, k_cache, v_cache, tables
+
+
+def csr(tables: list[list[int]], lens: list[int], bs: int):
+    """indptr, indices, last_block_len as the kernel takes them (int32)."""
+    indptr = [0]
+    for t in tables:
+        indptr.append(indptr[-1] + len(t))
+    last = [n - (len(t) - 1) * bs for t, n in zip(tables, lens, strict=True)]
+    as32 = [torch.tensor(x, dtype=torch.int32, device=DEVICE) for x in (indptr, [b for t in tables for b in t], last)]
+    return as32[0], as32[1], as32[2]
+
+
+def contiguous_sdpa(q, k_cache, v_cache, tables, lens):
+    """Per sequence, SDPA over its keys copied contiguous (GQA heads repeated): [B, H, D]."""
+    h = q.shape[1]
+    outs = []
+    for i, (t, n) in enumerate(zip(tables, lens, strict=True)):
+        blocks = torch.tensor(t)
+        k = k_cache[blocks].permute(1, 0, 3, 2).reshape(KVH, -1, D)[:, :n].repeat_interleave(h // KVH, 0)
+        v = v_cache[blocks].transpose(0, 1).reshape(KVH, -1, D)[:, :n].repeat_interleave(h // KVH, 0)
+        outs.append(F.scaled_dot_product_attention(q[i][:, None], k, v, scale=D**-0.5)[:, 0])
+    return torch.stack(outs)
+
+
+def max_abs_v(v_cache, table, n) -> torch.Tensor:
+    return v_cache[torch.tensor(table)].transpose(0, 1).reshape(KVH, -1, D)[:, :n].double().abs().max()
+
+
+def check_close(out, q, k_cache, v_cache, tables, lens) -> None:
+    """out [B, H, D] of q against the exact (fp64) contiguous SDPA, within its dtype's bound."""
+    exact = contiguous_sdpa(q.double(), k_cache.double(), v_cache.double(), tables, lens)
+    own = contiguous_sdpa(q, k_cache, v_cache, tables, lens).double()  # SDPA in out's dtype
+    for i, (t, n) in enumerate(zip(tables, lens, strict=True)):
+        err = (out[i].double() - exact[i]).abs()
+        vmax = max_abs_v(v_cache, t, n)
+        if out.dtype == torch.float64:
+            assert err.max() <= TOL64, (i, err.max())
+        elif out.dtype == torch.float32:  # 4x SDPA's own fp32 error + 16 ulps of max|v|
+            assert err.max() <= 4 * (own[i] - exact[i]).abs().max() + 16 * U32 * vmax, (i, err.max())
+        else:  # bf16: module docstring, per element; 1e-5 for the fp32 sums
+            assert (err <= U_BF16 * (exact[i].abs() + vmax) + 1e-5).all(), (i, err.max())
+
+
+# GQA groups 1, 4, 8 and block sizes 16, 32, 64; lengths off the block size, one of a single
+# token, one over several of the kernel's 64-token tiles
+@pytest.mark.parametrize(("g", "bs", "lens"), [(1, 16, [37, 1, 130]), (4, 32, [5, 97, 64]), (8, 64, [200, 3])])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=["fp64", "fp32", "bf16"])
+def test_paged_decode_matches_contiguous_sdpa(ops, g, bs, lens, dtype) -> None:
+    q, k_cache, v_cache, tables = scattered(lens, bs, g, dtype, seed=g * bs)
+    indptr, indices, last = csr(tables, lens, bs)
+    # the decode rows sit among other rows of the step's batch (prefill rows): only theirs are written
+    n_rows = 2 * len(lens) + 1
+    rows = torch.tensor([2 * i + 1 for i in range(len(lens))], dtype=torch.int32, device=DEVICE)
+    q_step = torch.zeros(n_rows, *q.shape[1:], dtype=dtype, device=DEVICE)
+    q_step[rows.long()] = q
+    for splits in (1, 3):  # split off; on: 3 ranges, some empty past a short sequence's end
+        out = torch.full_like(q_step, 7.0)
+        ops.paged_decode(q_step, rows, indptr, indices, last, k_cache, v_cache, D**-0.5, out, splits)
+        assert (out[0::2] == 7.0).all(), "a row that is not a decode was written"
+        check_close(out[rows.long()], q, k_cache, v_cache, tables, lens)
+
+
+def test_split_decode_equals_unsplit_in_fp64(ops) -> None:
+    """The log-sum-exp merge is exact: any split of a 200-token context gives the unsplit output
+    to rounding (a dropped or doubled range would move it by ~1/|range|)."""
+    lens = [200, 45]
+    q, k_cache, v_cache, tables = scattered(lens, 16, 4, torch.float64, seed=5)
+    indptr, indices, last = csr(tables, lens, 16)
+    rows = torch.arange(len(lens), dtype=torch.int32, device=DEVICE)
+    whole = ops.paged_decode(q, rows, indptr, indices, last, k_cache, v_cache, 0.2, torch.empty_like(q), 1)
+    for splits in (2, 4):  # 4: ranges of one tile, 3 of the short sequence's empty
+        split = ops.paged_decode(q, rows, indptr, indices, last, k_cache, v_cache, 0.2, torch.empty_like(q), splits)
+        assert (split - whole).abs().max() <= TOL64
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_write_kv_equals_the_pools_torch_write(ops, dtype) -> None:
+    """The kernel's write through the slot mapping stores exactly what the pool's index_copy
+    write stores, from strided rows (k and v as views of one qkv row), nothing else."""
+    bs, n = 16, 11
+    torch.manual_seed(0)
+    mine = PagedKVStorage(1, 6, bs, KVH, D, dtype, DEVICE)
+    theirs = PagedKVStorage(1, 6, bs, KVH, D, dtype, DEVICE)
+    qkv = torch.randn(n, 3 * KVH * D, dtype=torch.float64).to(DEVICE, dtype)
+    k = qkv[:, KVH * D : 2 * KVH * D].view(n, KVH, D)
+    v = qkv[:, 2 * KVH * D :].view(n, KVH, D)
+    # a prefill of 7 tokens over block 4's last 4 slots then block 1's first 3, decodes into blocks 0, 5, 2, 3
+    prefill = [4 * bs + 12, 4 * bs + 13, 4 * bs + 14, 4 * bs + 15, 1 * bs + 0, 1 * bs + 1, 1 * bs + 2]
+    slots = torch.tensor(prefill + [0 * bs + 15, 5 * bs + 3, 2 * bs + 0, 3 * bs + 1], device=DEVICE)
+    ops.write_kv(k, v, slots, mine.k_layers[0], mine.v_layers[0])
+    theirs.write(0, theirs.write_index(slots), k, v)
+    assert torch.equal(mine.k, theirs.k) and torch.equal(mine.v, theirs.v)
+    assert mine.k.count_nonzero() == n * KVH * D  # no other slot touched (randn is never 0.0 here)
+
+
+def test_the_split_rule(ops) -> None:
+    from kvpool.attention.backends.triton_decode import num_splits_for
+
+    # 132 SMs: 64 sequences x 8 KV heads = 512 programs fill them: no split, however long
+    assert num_splits_for(64, 8, 32768, 132) == 1
+    # 16 x 32k at 8 KV heads: 128 programs; 2 per SM wants ceil(264 / 128) = 3 each
+    assert num_splits_for(16, 8, 32768, 132) == 3
+    # one 4k sequence: ceil(264 / 8) = 33 wanted, 4096 // 512 = 8 allowed
+    assert num_splits_for(1, 8, 4096, 132) == 8
+    assert num_splits_for(1, 8, 700, 132) == 1  # too short to split
+    assert num_splits_for(2, 2, 100, 4) == 1
+
+
+def pool_with_context(dtype, bs: int, lens: list[int], seed: int):
+    """A pool whose sequences i hold lens[i] - q_lens[i] earlier tokens at scattered blocks."""
+    torch.manual_seed(seed)
+    need = [-(-n // bs) for n in lens]
+    ids = random.Random(seed).sample(range(sum(need) + 3), sum(need))
+    st = PagedKVStorage(2, sum(need) + 3, bs, KVH, D, dtype, DEVICE)
+    st.k.copy_(torch.randn(st.k.shape, dtype=torch.float64))
+    st.v.copy_(torch.randn(st.v.shape, dtype=torch.float64))
+    indptr = [0]
+    for n in need:
+        indptr.append(indptr[-1] + n)
+    return st, indptr, ids
+
+
+def copy_of(st: PagedKVStorage, dtype: torch.dtype) -> PagedKVStorage:
+    twin = PagedKVStorage(st.num_layers, st.num_blocks, st.block_size, KVH, D, dtype, DEVICE)
+    twin.k.copy_(st.k)
+    twin.v.copy_(st.v)
+    return twin
+
+
+@pytest.mark.parametrize(("dtype", "num_splits"), [(torch.float64, 3), (torch.float32, None)], ids=["fp64", "fp32"])
+def test_backend_step_equals_the_torch_backend(ops, dtype, num_splits) -> None:
+    """A mixed step (a prefill chunk after a cached prefix, a prefill from 0, three decodes)
+    through the Triton backend (its decodes split in 3, or by the rule: 1) and through the
+    torch backend (padded) on copies of one pool: the same pool after the writes, the same
+    attention (fp32: within 4x the torch backend's own fp32 error against its fp64 run + 16
+    ulps of max|v|)."""
+    bs, g = 16, 4
+    q_lens = [1, 20, 1, 9, 1]
+    ctx_lens = [160, 50, 17, 9, 64]
+    st, indptr, ids = pool_with_context(dtype, bs, ctx_lens, seed=3)
+    twin, exact_pool = copy_of(st, dtype), copy_of(st, torch.float64)
+    slots = []
+    for i, (ql, cl) in enumerate(zip(q_lens, ctx_lens, strict=True)):
+        table = ids[indptr[i] : indptr[i + 1]]
+        slots += [table[p // bs] * bs + p % bs for p in range(cl - ql, cl)]
+    meta = PagedStepMetadata(q_lens, ctx_lens, slots, indptr, ids)
+    n = sum(q_lens)
+    triton_backend = TritonPagedBackend(st, KVH * g, None, dtype, num_splits=num_splits)
+    torch_backend = TorchPagedBackend(twin, KVH * g, None, dtype, decode_path="padded")
+    step = triton_backend.begin_step(meta)
+    assert step.decode_path == "triton" and step.table_bytes > 0
+    reference = torch_backend.begin_step(meta)
+    exact_step = TorchPagedBackend(exact_pool, KVH * g, None, torch.float64, decode_path="padded").begin_step(meta)
+    for layer in range(2):
+        q, k, v = (torch.randn(n, heads, D, dtype=torch.float64).to(DEVICE, dtype) for heads in (KVH * g, KVH, KVH))
+        out = step.attend(layer, q, k, v)
+        want = reference.attend(layer, q, k, v)
+        exact = exact_step.attend(layer, q.double(), k.double(), v.double())
+        assert torch.equal(st.k, twin.k) and torch.equal(st.v, twin.v)
+        err = (out.double() - exact).abs().max()
+        if dtype == torch.float64:
+            assert err <= TOL64
+        else:
+            assert err <= 4 * (want.double() - exact).abs().max() + 16 * U32 * st.v.abs().max()
+
+
+def test_backend_registry_and_refusals(ops) -> None:
+    choice = select_backend("full", "paged", "cuda")
+    assert choice.key.impl == "triton" and choice.backend is TritonPagedBackend
+    st = PagedKVStorage(1, 4, 16, KVH, D, torch.float32, DEVICE)
+    with pytest.raises(ValueError, match="not by 'bags'"):
+        TritonPagedBackend(st, 4, None, torch.float32, decode_path="bags")
+    with pytest.raises(ValueError, match="power-of-two block size, got 24"):
+        TritonPagedBackend(PagedKVStorage(1, 4, 24, KVH, D, torch.float32, DEVICE), 4, None, torch.float32)
+    with pytest.raises(ValueError, match="num_splits must be at least 1, got 0"):
+        TritonPagedBackend(st, 4, None, torch.float32, num_splits=0)
+    backend = TritonPagedBackend(st, 4, None, torch.float32, num_sms=4)
+    # the rule's split of a step's decodes: 4 SMs, 1 sequence x 2 KV heads: min(ceil(8 / 2), 1100 // 512)
+    long = PagedStepMetadata([1], [1100], [0], [0, 69], list(range(69)))
+    assert backend._plan_decodes(long, [0], [0]).num_splits == 2
+    with pytest.raises(ValueError, match="sequence 0: 1 blocks of 16 for 17 tokens"):
+        backend.begin_step(PagedStepMetadata([1], [17], [16], [0, 1], [1]))
