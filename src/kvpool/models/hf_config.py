@@ -1,0 +1,172 @@
+"""A Llama-family model from a Hugging Face `config.json` with seeded random weights: real
+shapes (Llama-3.1-8B, SmolLM2, any Llama-family config) benchmarked without downloading weights.
+
+`llama_config(path)` reads the architecture into the engine's `LlamaConfig` and refuses
+what `models/llama.py` does not compute (biases, another activation, a sliding window,
+another architecture), one line naming the key. `random_llama(config, seed)` draws every
+weight from a generator seeded by `seed`, on the target device, one layer at a time:
+projections N(0, 1 / fan_in) (activations keep their scale through the layers), norm
+weights 1 + N(0, 0.01), the embedding N(0, 1). `hf_tensor_names` maps the weights to
+transformers' LlamaForCausalLM names, so the same random model can be loaded there.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvpool.models.gguf import LlamaConfig
+from kvpool.models.llama import LlamaModel
+
+ARCHITECTURES = ("llama", "mistral")  # model_type values whose math models/llama.py computes
+
+
+@dataclass(frozen=True)
+class HFConfig:
+    """The engine's config of a config.json, its name, and the keys read but not modelled
+    (rope_scaling: the random model's RoPE is plain rotate-half with rope_theta)."""
+
+    config: LlamaConfig
+    name: str
+    ignored: tuple[str, ...]
+
+
+def llama_config(path: str | Path) -> HFConfig:
+    """The Llama architecture of an HF config.json (a file, or a directory holding one).
+    ValueError naming the file and the key for anything models/llama.py cannot compute."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        raw: dict[str, Any] = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{p}: no such config.json") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p}: not JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{p}: not a JSON object")
+    return HFConfig(_parse(raw, str(p)), raw.get("_name_or_path") or p.parent.name or p.name, _ignored(raw))
+
+
+def _parse(raw: dict[str, Any], where: str) -> LlamaConfig:
+    model_type = raw.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"{where}: model_type {model_type!r} is not a Llama-family model ({', '.join(ARCHITECTURES)})")
+    for key, allowed in (("hidden_act", ("silu",)), ("attention_bias", (False,)), ("mlp_bias", (False,))):
+        if key in raw and raw[key] not in allowed:
+            raise ValueError(f"{where}: {key} {raw[key]!r} is not modelled (only {allowed[0]!r})")
+    if raw.get("sliding_window") is not None:
+        raise ValueError(f"{where}: sliding_window {raw['sliding_window']!r} is not modelled (full attention only)")
+
+    def positive(key: str, default: int | None = None) -> int:
+        value = raw.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{where}: {key} must be a positive integer, got {value!r}")
+        return value
+
+    hidden = positive("hidden_size")
+    num_heads = positive("num_attention_heads")
+    num_kv_heads = positive("num_key_value_heads", num_heads)
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"{where}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}"
+        )
+    head_dim = raw.get("head_dim")
+    head_dim = positive("head_dim") if head_dim is not None else hidden // num_heads
+    if head_dim % 2:
+        raise ValueError(f"{where}: head_dim {head_dim} must be even (rotate-half RoPE)")
+    rope_theta = float(raw.get("rope_theta", 10000.0))
+    eps = float(raw.get("rms_norm_eps", 1e-6))
+    if not rope_theta > 0 or not eps > 0:
+        raise ValueError(f"{where}: rope_theta {rope_theta} and rms_norm_eps {eps} must be positive")
+    return LlamaConfig(
+        num_layers=positive("num_hidden_layers"),
+        hidden_size=hidden,
+        intermediate_size=positive("intermediate_size"),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rope_theta=rope_theta,
+        rms_norm_eps=eps,
+        vocab_size=positive("vocab_size"),
+        max_position=positive("max_position_embeddings", 2048),
+        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+    )
+
+
+def _ignored(raw: dict[str, Any]) -> tuple[str, ...]:
+    scaling = raw.get("rope_scaling")
+    return (f"rope_scaling {scaling.get('rope_type') or scaling.get('type')!r}",) if isinstance(scaling, dict) else ()
+
+
+def random_tensors(
+    config: LlamaConfig, seed: int, dtype: torch.dtype, device: str | torch.device = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF-style name, tensor) of every weight, HF layout ([out, in]), drawn in fp32 from a
+    generator on `device` seeded by `seed` and cast to `dtype` (in the order
+    LlamaModel.from_tensors fuses them: one layer's tensors at a time)."""
+    c = config
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def draw(*shape: int, std: float, mean: float = 0.0) -> torch.Tensor:
+        t = torch.empty(shape, dtype=torch.float32, device=device).normal_(mean, std, generator=g)
+        return t.to(dtype)
+
+    kv = c.num_kv_heads * c.head_dim
+    yield "embed", draw(c.vocab_size, c.hidden_size, std=1.0)
+    yield "norm", draw(c.hidden_size, std=0.1, mean=1.0)
+    if not c.tie_embeddings:
+        yield "lm_head", draw(c.vocab_size, c.hidden_size, std=c.hidden_size**-0.5)
+    shapes = {
+        "q": (c.num_heads * c.head_dim, c.hidden_size),
+        "k": (kv, c.hidden_size),
+        "v": (kv, c.hidden_size),
+        "o": (c.hidden_size, c.num_heads * c.head_dim),
+        "gate": (c.intermediate_size, c.hidden_size),
+        "up": (c.intermediate_size, c.hidden_size),
+        "down": (c.hidden_size, c.intermediate_size),
+    }
+    for i in range(c.num_layers):
+        for part, (n_out, n_in) in shapes.items():
+            yield f"layers.{i}.{part}", draw(n_out, n_in, std=n_in**-0.5)
+        for part in ("attn_norm", "ffn_norm"):
+            yield f"layers.{i}.{part}", draw(c.hidden_size, std=0.1, mean=1.0)
+
+
+def random_llama(
+    config: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> LlamaModel:
+    """A LlamaModel of `config` with `random_tensors`' weights (no C kernels: a benchmark's
+    plain torch path on any device)."""
+    return LlamaModel.from_tensors(config, random_tensors(config, seed, dtype, device), device)
+
+
+_HF_PARTS = {
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+
+def hf_tensor_name(name: str) -> str:
+    """transformers' LlamaForCausalLM state-dict name of a `random_tensors` name."""
+    if name == "embed":
+        return "model.embed_tokens.weight"
+    if name == "norm":
+        return "model.norm.weight"
+    if name == "lm_head":
+        return "lm_head.weight"
+    _, index, part = name.split(".")
+    return f"model.layers.{index}.{_HF_PARTS[part]}.weight"

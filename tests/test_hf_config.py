@@ -1,0 +1,126 @@
+"""A Llama from an HF config.json with seeded random weights (models/hf_config.py), against
+transformers' LlamaForCausalLM loaded with the same weights.
+
+fp64: transformers computes RMSNorm and the RoPE tables in fp32 whatever the model's dtype,
+so the exact comparison gives both models the same RoPE tables (transformers' own) and runs
+transformers' norm in the input's dtype; everything else is then equal to ~1e-15. fp32: the
+engine's model (its own RoPE tables) against transformers in fp64, within 4x transformers'
+own fp32-vs-fp64 error (~2e-6 on these logits of ~4)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvpool.attention.reference import reference_logits
+from kvpool.models.hf_config import hf_tensor_name, llama_config, random_llama, random_tensors
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.llama import modeling_llama  # noqa: E402
+
+RAW = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 160,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 300,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+}
+IDS = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def _config(tmp_path, **changes):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**RAW, **changes}))
+    return path
+
+
+def _hf(raw: dict, cfg, dtype: torch.dtype):
+    model = modeling_llama.LlamaForCausalLM(transformers.LlamaConfig(**raw)).to(dtype).eval()
+    state = {hf_tensor_name(n): t for n, t in random_tensors(cfg, 3, dtype)}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and missing == (["lm_head.weight"] if cfg.tie_embeddings else [])
+    if cfg.tie_embeddings:  # transformers ties the head to the embedding it just loaded
+        assert torch.equal(model.lm_head.weight, state["model.embed_tokens.weight"])
+    return model
+
+
+def _hf_logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([IDS])).logits[0].double()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_fp64_logits_equal_transformers_with_the_same_random_weights(tmp_path, monkeypatch, tied):
+    raw = {**RAW, "tie_word_embeddings": tied}
+    cfg = llama_config(_config(tmp_path, tie_word_embeddings=tied)).config
+    assert (cfg.head_dim, cfg.tie_embeddings) == (16, tied)
+
+    def norm_in_input_dtype(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", norm_in_input_dtype)
+    hf = _hf(raw, cfg, torch.float64)
+    ours = random_llama(cfg, seed=3, dtype=torch.float64)
+    # transformers' RoPE tables (fp32 math, fp64 values) in the engine's form, [-sin | sin]
+    cos, sin = hf.model.rotary_emb(torch.zeros(1, dtype=torch.float64), torch.arange(cfg.max_position)[None])
+    sin = sin[0].clone()
+    sin[:, : cfg.head_dim // 2] *= -1
+    ours.cos, ours.sin_signed = cos[0].clone(), sin
+    want = _hf_logits(hf)
+    got = reference_logits(ours, IDS, fused=False).double()
+    assert want.abs().max() > 1.0  # logits that are not all near zero
+    assert (got - want).abs().max() <= 1e-12 * want.abs().max()
+
+
+def test_fp32_logits_within_transformers_own_fp32_error(tmp_path):
+    cfg = llama_config(_config(tmp_path)).config
+    truth = _hf_logits(_hf(RAW, cfg, torch.float64))
+    hf_err = (_hf_logits(_hf(RAW, cfg, torch.float32)) - truth).abs().max()
+    got = reference_logits(random_llama(cfg, seed=3, dtype=torch.float32), IDS, fused=False).double()
+    assert (got - truth).abs().max() <= 4 * hf_err
+    assert torch.equal(got.argmax(-1), truth.argmax(-1))
+    # another seed is another model
+    other = reference_logits(random_llama(cfg, seed=4, dtype=torch.float32), IDS, fused=False).double()
+    assert (other - truth).abs().max() > 100 * hf_err
+
+
+def test_a_directory_defaults_and_ignored_keys(tmp_path):
+    raw = {k: v for k, v in RAW.items() if k not in ("num_key_value_heads", "rope_theta", "max_position_embeddings")}
+    raw["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    hf = llama_config(tmp_path)
+    assert (hf.config.num_kv_heads, hf.config.rope_theta, hf.config.max_position) == (4, 10000.0, 2048)
+    assert hf.ignored == ("rope_scaling 'llama3'",)
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"model_type": "qwen2"}, "model_type 'qwen2' is not a Llama-family model"),
+        ({"attention_bias": True}, "attention_bias True is not modelled"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not modelled"),
+        ({"sliding_window": 4096}, "sliding_window 4096"),
+        ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads 3"),
+        ({"hidden_size": 0}, "hidden_size must be a positive integer, got 0"),
+        ({"num_hidden_layers": "2"}, "num_hidden_layers must be a positive integer, got '2'"),
+    ],
+)
+def test_a_config_the_model_cannot_compute_is_refused_naming_the_key(tmp_path, changes, match):
+    with pytest.raises(ValueError, match=match):
+        llama_config(_config(tmp_path, **changes))
+
+
+def test_a_missing_or_broken_file_is_one_line(tmp_path):
+    with pytest.raises(ValueError, match="no such config.json"):
+        llama_config(tmp_path / "nope.json")
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="not JSON"):
+        llama_config(tmp_path / "bad.json")
