@@ -130,6 +130,11 @@ class StepBuffers:
         if row is not None:
             self._free_rows.append(row)
 
+    def clear(self) -> None:
+        """An empty step (rows stay held): what a capture pads from."""
+        self.num_seqs = self.num_tokens = 0
+        self._vec_np[2 * self.max_num_seqs] = 0  # query_start[0]
+
     def update(
         self,
         request_ids: Sequence[str],
