@@ -19,7 +19,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,6 +52,41 @@ def ops():
     if DEVICE == "cpu" and not module.interpreted():
         pytest.fail("no GPU, and triton was imported without TRITON_INTERPRET=1 (tests/conftest.py sets it)")
     return module
+
+
+# Compiles the kernels for an H100 / H200 (sm_90) with Triton's own compiler and ptxas, no
+# GPU needed: a kernel the interpreter runs but the compiler refuses fails here. In a child
+# process without TRITON_INTERPRET (the interpreter's kernels cannot be compiled).
+AOT = """
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvpool.attention.backends import triton_decode as td
+
+def compile(fn, types, consts):
+    signature = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
+    kernel = triton.compile(ASTSource(fn, signature, consts), target=GPUTarget("cuda", 90, 32))
+    assert kernel.asm["cubin"], fn.__name__
+
+cache = dict(k_cache="*bf16", v_cache="*bf16")
+compile(td._write_kv, dict(k_new="*bf16", v_new="*bf16", slots="*i64", **cache), dict(KVH=8, D=128, BS=16, BLOCK_D=128))
+tables = dict(rows="*i32", indptr="*i32", indices="*i32", last_len="*i32", scale_log2="fp32")
+for splits, part in ((1, "*bf16"), (4, "*fp32")):
+    consts = dict(KVH=8, G=4, D=128, BS=16, TILE=64, BLOCK_G=16, BLOCK_D=128, NUM_SPLITS=splits,
+                  ACC=tl.float32, PRECISION="ieee", UPCAST=False)
+    compile(td._decode, dict(q="*bf16", out=part, lse=part, **cache, **tables), consts)
+merge = dict(H=32, D=128, NUM_SPLITS=4, BLOCK_S=4, BLOCK_D=128)
+compile(td._merge, dict(part="*fp32", lse="*fp32", rows="*i32", out="*bf16"), merge)
+print("compiled")
+"""
+
+
+def test_the_kernels_compile_for_sm90() -> None:
+    """bf16, split off and on, the write and the merge: AOT above."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1] / "src"), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-c", AOT], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
 
 
 def scattered(lens: list[int], bs: int, g: int, dtype: torch.dtype, seed: int):

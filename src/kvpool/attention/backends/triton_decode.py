@@ -33,9 +33,13 @@ context is cut into `num_splits` ranges of whole tiles, one program each; each w
 normalised partial output and its log-sum-exp, and `_merge` (one program per sequence and
 query head) combines them exactly: out = sum_s exp(lse_s - m) o_s / sum_s exp(lse_s - m),
 m = max_s lse_s. A split that starts past a shorter sequence's end writes lse = -inf and
-weighs nothing. `num_splits_for` is the rule (SGLang and vLLM's Triton decode kernels also
-split into a fixed number of ranges merged by log-sum-exp; FlashInfer's planner picks a
-chunk size so that the work items fill the SMs).
+weighs nothing. `num_splits_for` is the rule, taken on the host from the step's lengths;
+the split count is a constexpr, so a CUDA graph captured per batch bucket needs its count
+fixed for the bucket. (Elsewhere: SGLang's Triton decode computes a split count per
+sequence on the device, from the lengths and the GPU's core count, up to a maximum, and
+merges by log-sum-exp in a second kernel; vLLM's Triton decode kernel splits every
+sequence into a fixed number of ranges; FlashInfer's planner picks a chunk size so that
+the work items fill the SMs.)
 
 Interpreter: with TRITON_INTERPRET=1 set before triton is first imported (triton.jit reads
 it when it decorates: triton's own helpers at its import, these kernels at this module's),
