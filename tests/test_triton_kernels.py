@@ -70,10 +70,10 @@ def compile(fn, types, consts):
 
 cache = dict(k_cache="*bf16", v_cache="*bf16")
 compile(td._write_kv, dict(k_new="*bf16", v_new="*bf16", slots="*i64", **cache), dict(KVH=8, D=128, BS=16, BLOCK_D=128))
-tables = dict(rows="*i32", indptr="*i32", indices="*i32", last_len="*i32", scale_log2="fp32")
-for splits, part in ((1, "*bf16"), (4, "*fp32")):
+tables = dict(rows="*i32", seqs="*i32", tables="*i32", lens="*i32", scale_log2="fp32")
+for splits, part, dense in ((1, "*bf16", False), (4, "*fp32", True)):
     consts = dict(KVH=8, G=4, D=128, BS=16, TILE=64, BLOCK_G=16, BLOCK_D=128, NUM_SPLITS=splits,
-                  ACC=tl.float32, PRECISION="ieee", UPCAST=False)
+                  ACC=tl.float32, PRECISION="ieee", UPCAST=False, DENSE=dense)
     compile(td._decode, dict(q="*bf16", out=part, lse=part, **cache, **tables), consts)
 merge = dict(H=32, D=128, NUM_SPLITS=4, BLOCK_S=4, BLOCK_D=128)
 compile(td._merge, dict(part="*fp32", lse="*fp32", rows="*i32", out="*bf16"), merge)
@@ -82,7 +82,7 @@ print("compiled")
 
 
 def test_the_kernels_compile_for_sm90() -> None:
-    """bf16, split off and on, the write and the merge: AOT above."""
+    """bf16: the write, the decode on CSR tables unsplit and on dense tables split, the merge (AOT above)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1] / "src"), env.get("PYTHONPATH", "")])
     run = subprocess.run([sys.executable, "-c", AOT], env=env, capture_output=True, text=True, timeout=300)
@@ -210,6 +210,31 @@ def test_the_split_rule(ops) -> None:
     assert num_splits_for(1, 8, 4096, 132) == 8
     assert num_splits_for(1, 8, 700, 132) == 1  # too short to split
     assert num_splits_for(2, 2, 100, 4) == 1
+
+
+def test_dense_decode_over_step_buffers(ops) -> None:
+    """The decode over persistent step buffers' dense tables (as a CUDA graph replays them)
+    equals contiguous SDPA; padded to a bucket, each padding row reads only the dummy
+    block's slot 0, so its output is that slot's V (one key: softmax weight exactly 1)."""
+    from kvpool.attention.backends.step_buffers import StepBuffers
+
+    bs, g, lens = 16, 4, [37, 1, 130]
+    q, k_cache, v_cache, tables = scattered(lens, bs, g, torch.float64, seed=7)
+    used = {blk for t in tables for blk in t}
+    dummy = next(blk for blk in range(k_cache.shape[0]) if blk not in used)  # scattered() leaves 5 unused
+    buffers = StepBuffers(8, 8, 10, bs, DEVICE, dummy_block=dummy)
+    ids = ["a", "b", "c"]
+    buffers.update(ids, [n - 1 for n in lens], lens, tables)
+    view = buffers.pad(5)
+    q_step = torch.cat([q, torch.randn(2, *q.shape[1:], dtype=q.dtype, device=DEVICE)])
+    rows = view.query_start[:5]
+    for splits in (1, 2):
+        out = torch.full_like(q_step, 7.0)
+        tabs = (view.seq_rows, view.block_tables, view.ctx_lens)
+        ops.paged_decode_dense(q_step, rows, *tabs, k_cache, v_cache, D**-0.5, out, splits)
+        check_close(out[:3], q, k_cache, v_cache, tables, lens)
+        want = v_cache[dummy, :, 0].repeat_interleave(g, 0)  # [H, D]: each head's KV head's slot 0
+        assert torch.equal(out[3], want) and torch.equal(out[4], want)
 
 
 def pool_with_context(dtype, bs: int, lens: list[int], seed: int):

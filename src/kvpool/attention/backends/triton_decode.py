@@ -2,6 +2,7 @@
 paged decode attention over the CSR block tables, and the log-sum-exp merge of a decode
 whose context was split across programs. Self-contained: torch tensors in, torch tensors
 out; the backend (triton_paged.py) plans a step and calls `write_kv` / `paged_decode`.
+Index tensors may be int32 or int64 (the kernels widen what they load to int64).
 
 Layout: the pool's own (storage/kv.py), per layer
     k_cache [num_blocks, kv_heads, head_dim, block_size]   K^T per block
@@ -25,7 +26,9 @@ G = heads / kv_heads query heads as the rows of one tile (padded to 16 rows, the
 tl.dot), so each K/V byte is read once for the whole GQA group. It walks the sequence's
 blocks indices[indptr[b] : indptr[b + 1]] TILE tokens at a time (a tile is whole blocks),
 with an online softmax in fp32 (fp64 for an fp64 pool). The context length is
-(num_blocks - 1) * block_size + last_block_len[b].
+(num_blocks - 1) * block_size + last_block_len[b]. `paged_decode_dense` is the same kernel
+over dense block-table rows and context lengths, as the persistent step buffers hold them
+(step_buffers.py), for a decode that a CUDA graph replays over fixed addresses.
 
 Split: with few sequences, batch x kv_heads programs cannot fill the GPU (16 x 32k at 8
 KV heads: 128 programs on 132 SMs that each want several resident programs), so the
@@ -145,9 +148,9 @@ def write_kv(
 def _decode(
     q,  # [N, H, D]: rows[b] is sequence b's query
     rows,  # [B] int32
-    indptr,  # [B + 1] int32
-    indices,  # [nnz] int32
-    last_len,  # [B] int32: tokens in the sequence's last block, 1..BS
+    seqs,  # CSR: indptr [B + 1]; DENSE: seq_rows [B], each sequence's row of the tables
+    tables,  # CSR: indices [nnz]; DENSE: block_tables [rows, table_stride]
+    lens,  # CSR: last_block_len [B], 1..BS; DENSE: ctx_lens [B]
     k_cache,  # [num_blocks, KVH, D, BS]
     v_cache,  # [num_blocks, KVH, BS, D]
     out,  # [N, H, D] (NUM_SPLITS == 1) or partial [B, H, NUM_SPLITS, D] fp32 / fp64
@@ -157,6 +160,7 @@ def _decode(
     stride_qh,
     stride_on,
     stride_oh,
+    table_stride,  # DENSE: entries per row of block_tables
     KVH: tl.constexpr,
     G: tl.constexpr,
     D: tl.constexpr,
@@ -168,14 +172,18 @@ def _decode(
     ACC: tl.constexpr,  # accumulation dtype
     PRECISION: tl.constexpr,  # tl.dot's input precision ("ieee": no tf32 for fp32 pools)
     UPCAST: tl.constexpr,  # dot operands in fp32 (the interpreter's bf16 dot: module docstring)
+    DENSE: tl.constexpr,  # the tables as dense rows (paged_decode_dense) instead of CSR
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
     row = tl.load(rows + b).to(tl.int64)
-    first = tl.load(indptr + b)
-    num_blocks = tl.load(indptr + b + 1) - first
-    ctx_len = (num_blocks - 1) * BS + tl.load(last_len + b)
+    if DENSE:
+        first = tl.load(seqs + b).to(tl.int64) * table_stride  # the sequence's row
+        ctx_len = tl.load(lens + b)
+    else:
+        first = tl.load(seqs + b).to(tl.int64)
+        ctx_len = (tl.load(seqs + b + 1) - first - 1) * BS + tl.load(lens + b)
     # [start, end): this program's tokens, whole tiles; past ctx_len for a short sequence's last splits
     per_split = tl.cdiv(tl.cdiv(ctx_len, NUM_SPLITS), TILE) * TILE
     start = split * per_split
@@ -194,7 +202,7 @@ def _decode(
     for t0 in range(start, end, TILE):
         t = t0 + t_in  # [TILE] token positions
         tm = t < end
-        block = tl.load(indices + first + t // BS, mask=tm, other=0).to(tl.int64)
+        block = tl.load(tables + first + t // BS, mask=tm, other=0).to(tl.int64)
         head = block * KVH + h
         slot = t % BS
         # K^T tile [D, TILE]: each block's [D, BS] is one contiguous run
@@ -281,11 +289,40 @@ def paged_decode(
     (at least one), its context (num_blocks - 1) * block_size + last_len[b] tokens, all
     written; k_cache [blocks, KVH, D, BS], v_cache [blocks, KVH, BS, D] of one layer;
     num_splits: programs per (sequence, KV head) (`num_splits_for`), merged by log-sum-exp."""
+    return _launch(q, rows, indptr, indices, last_len, 0, False, k_cache, v_cache, scale, out, num_splits)
+
+
+def paged_decode_dense(
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    seq_rows: torch.Tensor,
+    block_tables: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    num_splits: int = 1,
+) -> torch.Tensor:
+    """`paged_decode` over dense block tables, as persistent step buffers hold them
+    (attention/backends/step_buffers.py: a CUDA graph replays these addresses): sequence b's
+    blocks are block_tables[seq_rows[b], :ceil(ctx_lens[b] / block_size)], its context
+    ctx_lens[b] tokens; rows, seq_rows, ctx_lens [B] int32 (a decode step's rows are its
+    query_start[:B]), block_tables [num_rows, max_blocks] int32, rows contiguous."""
+    assert block_tables.stride(1) == 1, "block table rows must be contiguous"
+    stride = block_tables.stride(0)
+    return _launch(q, rows, seq_rows, block_tables, ctx_lens, stride, True, k_cache, v_cache, scale, out, num_splits)
+
+
+def _launch(q, rows, seqs, tables, lens, table_stride, dense, k_cache, v_cache, scale, out, num_splits):
+    """The decode (and merge) launch of both table forms (see `_decode`'s arguments)."""
     _, h, d = q.shape
     _, kvh, bs, _ = v_cache.shape
     b = rows.shape[0]
     if b == 0:
         return out
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be at least 1, got {num_splits}")
     assert q.stride(2) == 1 and out.stride(2) == 1, "head_dim must be contiguous"
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     meta = {
@@ -300,19 +337,17 @@ def paged_decode(
         "ACC": tl.float64 if acc == torch.float64 else tl.float32,
         "PRECISION": "ieee",
         "UPCAST": q.dtype == torch.bfloat16 and interpreted(),
+        "DENSE": dense,
     }
-    strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1))
+    strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), table_stride)
     scale_log2 = scale * LOG2E
+    tabs = (rows, seqs, tables, lens, k_cache, v_cache)
     if num_splits == 1:
-        _decode[(b, kvh, 1)](
-            q, rows, indptr, indices, last_len, k_cache, v_cache, out, out, scale_log2, *strides, **meta
-        )
+        _decode[(b, kvh, 1)](q, *tabs, out, out, scale_log2, *strides, **meta)
         return out
     part = torch.empty(b, h, num_splits, d, dtype=acc, device=q.device)
     lse = torch.empty(b, h, num_splits, dtype=acc, device=q.device)
-    _decode[(b, kvh, num_splits)](
-        q, rows, indptr, indices, last_len, k_cache, v_cache, part, lse, scale_log2, *strides, **meta
-    )
+    _decode[(b, kvh, num_splits)](q, *tabs, part, lse, scale_log2, *strides, **meta)
     _merge[(b, h)](
         part,
         lse,
