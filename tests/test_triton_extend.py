@@ -268,3 +268,53 @@ def test_bad_tables_are_named() -> None:
         plan_extend([11], [10], [0, 1], [4], 16, 8, 2, "cpu")
     with pytest.raises(ValueError, match="not a multiple of 3 KV heads"):
         plan_extend([1], [10], [0, 1], [4], 16, 8, 3, "cpu")
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e4m3_token"])
+def test_quantized_backend_steps_equal_the_dequantizing_torch_path(fmt) -> None:
+    """Three steps of two sequences through TritonQuantBackend and through DequantBackend
+    (dequantize, then torch attention), each on its own pool fed the same K / V, 2 layers,
+    fp64 compute: prefills (A 40 tokens, its last block a tail; B 20), then A's decode with
+    B's chunk over its prefix, then two decodes."""
+    from kvpool.attention.backends import PagedStepMetadata
+    from kvpool.attention.backends.quant import DequantBackend
+    from kvpool.attention.backends.triton_quant import TritonQuantBackend
+
+    bs, num_heads, num_kv_heads, num_layers = 16, 8, 2, 2
+    dtype = torch.float64
+    tables = {"A": [9, 3, 20, 14], "B": [5, 27, 1, 11]}
+    pools = [
+        QuantizedKVStorage(num_layers, 32, bs, num_kv_heads, D, kv_schema(fmt), dtype, device=DEVICE) for _ in range(2)
+    ]
+    triton_backend = TritonQuantBackend(pools[0], num_heads, None, dtype)
+    torch_backend = DequantBackend(pools[1], num_heads, None, dtype, decode_path="bags")
+    g = torch.Generator().manual_seed(17)
+    for spans in ({"A": (0, 40), "B": (0, 20)}, {"A": (40, 41), "B": (20, 50)}, {"A": (41, 42), "B": (50, 51)}):
+        q_lens = [end - start for start, end in spans.values()]
+        ctx_lens = [end for _, end in spans.values()]
+        slots = torch.cat([_slots(tables[s], bs, start, end) for s, (start, end) in spans.items()]).tolist()
+        covering = [tables[s][: -(-end // bs)] for s, (_, end) in spans.items()]
+        indptr, indices = _csr(covering)
+        meta = PagedStepMetadata(q_lens, ctx_lens, slots, indptr, indices)
+        steps = [triton_backend.begin_step(meta), torch_backend.begin_step(meta)]
+        if fmt == "fp8_e4m3" and spans["A"] == (0, 40):
+            assert pools[0].num_tails == 2  # A's block 20 and B's block 27 are partly written
+        n = sum(q_lens)
+        for layer in range(num_layers):
+            q = torch.randn(n, num_heads, D, generator=g, dtype=dtype)
+            k, v = (torch.randn(n, num_kv_heads, D, generator=g, dtype=dtype) for _ in range(2))
+            got = steps[0].attend(layer, q.to(DEVICE), k.to(DEVICE), v.to(DEVICE)).cpu()
+            want = steps[1].attend(layer, q.to(DEVICE), k.to(DEVICE), v.to(DEVICE)).cpu()
+            assert (got - want).abs().max() < 1e-12
+    assert steps[0].decode_path == "triton" and steps[0].prefill_bytes == 0
+
+
+def test_quantized_backend_refuses_what_it_cannot_read() -> None:
+    from kvpool.attention.backends.triton_quant import TritonQuantBackend
+
+    kivi = QuantizedKVStorage(1, 4, 16, 2, D, kv_schema("kivi4-g16-r16"), torch.float32)
+    with pytest.raises(ValueError, match="8-bit codes with per-token or per-block fp32 scales, not kivi4"):
+        TritonQuantBackend(kivi, 8, None, torch.float32)
+    fp8 = QuantizedKVStorage(1, 4, 16, 2, D, kv_schema("fp8_e4m3"), torch.float32)
+    with pytest.raises(ValueError, match="attends by its kernel, not by 'bags'"):
+        TritonQuantBackend(fp8, 8, None, torch.float32, decode_path="bags")

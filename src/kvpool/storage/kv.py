@@ -322,16 +322,22 @@ class QuantizedKVStorage:
         return len(self._tail_of)
 
     @property
-    def reads_natively(self) -> bool:
-        """The C kernel kv_decode_attention_q8 reads these blocks: 8-bit codes with fp32
-        scales (per token or per block), a partly written block from its fp32 tail whole."""
+    def reads_in_place(self) -> bool:
+        """A kernel can read these blocks where they lie: 8-bit symmetric codes with fp32
+        scales per token or per block, a partly written block from its tail whole (the C
+        kernel kv_decode_attention_q8 on the CPU, attention/backends/triton_extend.py on CUDA)."""
         return (
             self.fmt.bits == 8
             and not self.fmt.zero_point
             and self.flush in (1, self.block_size)
-            and self.scratch_k.dtype == torch.float32
-            and self.k.device.type == "cpu"
+            and self.fmt.scale_dtype == "float32"
         )
+
+    @property
+    def reads_natively(self) -> bool:
+        """The C kernel kv_decode_attention_q8 reads these blocks (`reads_in_place`, an fp32
+        compute dtype, on the CPU)."""
+        return self.reads_in_place and self.scratch_k.dtype == torch.float32 and self.k.device.type == "cpu"
 
     def tail_slots(self, block_ids: Sequence[int]) -> torch.Tensor:
         """[n] int64: the tail slot each block is read from whole (a block-scaled block not yet
