@@ -318,3 +318,23 @@ def test_quantized_backend_refuses_what_it_cannot_read() -> None:
     fp8 = QuantizedKVStorage(1, 4, 16, 2, D, kv_schema("fp8_e4m3"), torch.float32)
     with pytest.raises(ValueError, match="attends by its kernel, not by 'bags'"):
         TritonQuantBackend(fp8, 8, None, torch.float32, decode_path="bags")
+
+
+def test_an_8bit_pool_off_the_cpu_is_paged_q8_and_gets_the_triton_backend(monkeypatch) -> None:
+    """The format key follows the device: on the CPU "paged-q8" is what the C kernel reads
+    (fp32 compute), elsewhere what the Triton kernel reads (any compute dtype)."""
+    import kvpool.attention.backends as backends
+    from kvpool.attention.backends import TritonQuantBackend, paged_format, select_backend
+    from kvpool.attention.backends.quant import DequantBackend
+
+    def pool(fmt: str, compute: torch.dtype, device: str) -> QuantizedKVStorage:
+        return QuantizedKVStorage(1, 4, 16, 2, D, kv_schema(fmt), compute, device=device)
+
+    assert paged_format(pool("fp8_e4m3", torch.bfloat16, "meta")) == "paged-q8"
+    assert paged_format(pool("int8", torch.float16, "meta")) == "paged-q8"
+    assert paged_format(pool("kivi4-g16-r16", torch.bfloat16, "meta")) == "paged-quantized"
+    assert paged_format(pool("fp8_e4m3", torch.bfloat16, "cpu")) == "paged-quantized"
+    assert paged_format(pool("fp8_e4m3", torch.float32, "cpu")) == "paged-q8"
+    assert select_backend("full", "paged-q8", "cuda").backend is TritonQuantBackend
+    monkeypatch.setattr(backends, "triton_importable", lambda: False)  # passed over without triton
+    assert select_backend("full", "paged-q8", "cuda").backend is DequantBackend

@@ -6,8 +6,9 @@ Key: `BackendKey(kind, format, device, impl)`:
   "recurrent" (a state updated per token), "dsv4-sparse" (DeepSeek-V4's window +
   compressed entries);
 - format: the storage the backend reads: "paged" (storage/kv.py PagedKVStorage, the
-  model's dtype), "paged-q8" (QuantizedKVStorage whose 8-bit codes with fp32 scales the C
-  kernel reads: `reads_natively`), "paged-quantized" (any other QuantizedKVStorage),
+  model's dtype), "paged-q8" (QuantizedKVStorage whose 8-bit codes with fp32 scales a
+  kernel reads in place: on the CPU the C kernel, `reads_natively`; on CUDA the Triton
+  kernel, `reads_in_place`), "paged-quantized" (any other QuantizedKVStorage),
   "slots" (a token-slot pool, the hybrid models), "state" (recurrent state slots),
   "dsv4-exact" / "dsv4-fp8" (storage/dsv4.py DSV4Pools in the model's dtype, or in V4's
   fp8 serving layout);
@@ -24,8 +25,9 @@ ValueError naming it and listing what exists.
 
 The modules: native.py (the C CPU kernels), torch_paged.py (the torch bag and padded
 paths), quant.py (the quantized pool: the C kernel on 8-bit codes, or dequantize then
-torch), triton_paged.py (the Triton kernels of triton_decode.py on a CUDA pool; an
-interpreted CPU pool in tests), dsv4_sparse.py (V4's sparse attention), slot_attention.py (the hybrid models'
+torch), triton_paged.py (the Triton kernels of triton_decode.py and triton_extend.py on a
+CUDA pool; an interpreted CPU pool in tests), triton_quant.py (triton_extend.py's kernel on
+an 8-bit quantized CUDA pool), dsv4_sparse.py (V4's sparse attention), slot_attention.py (the hybrid models'
 full and window attention), recurrent.py (the gated delta rule's state update).
 
 A GPU backend is an entry here and a module beside these: e.g. a CUDA/Triton paged
@@ -47,6 +49,7 @@ from kvpool.attention.backends.recurrent import RecurrentBackend
 from kvpool.attention.backends.slot_attention import AttnPlan, SlotAttentionBackend
 from kvpool.attention.backends.torch_paged import TorchPagedBackend
 from kvpool.attention.backends.triton_paged import TritonPagedBackend, triton_importable
+from kvpool.attention.backends.triton_quant import TritonQuantBackend
 from kvpool.storage.kv import PagedKVStorage, QuantizedKVStorage
 
 __all__ = [
@@ -61,6 +64,7 @@ __all__ = [
     "RecurrentBackend",
     "SlotAttentionBackend",
     "TritonPagedBackend",
+    "TritonQuantBackend",
     "paged_format",
     "select_backend",
 ]
@@ -83,6 +87,9 @@ BACKENDS: dict[BackendKey, type] = {
     BackendKey("full", "paged-q8", "cpu", "native"): QuantNativeBackend,
     BackendKey("full", "paged-q8", "cpu", "bags"): DequantBackend,
     BackendKey("full", "paged-q8", "cpu", "padded"): DequantBackend,
+    BackendKey("full", "paged-q8", "cuda", "triton"): TritonQuantBackend,
+    BackendKey("full", "paged-q8", "cuda", "bags"): DequantBackend,
+    BackendKey("full", "paged-q8", "cuda", "padded"): DequantBackend,
     BackendKey("full", "paged-quantized", "cpu", "native"): DequantBackend,
     BackendKey("full", "paged-quantized", "cpu", "bags"): DequantBackend,
     BackendKey("full", "paged-quantized", "cpu", "padded"): DequantBackend,
@@ -102,6 +109,7 @@ PREFERRED: dict[tuple[str, str, str], tuple[str, ...]] = {
     ("full", "paged", "cpu"): ("native", "bags"),
     ("full", "paged", "cuda"): ("triton", "bags"),
     ("full", "paged-q8", "cpu"): ("native", "bags"),
+    ("full", "paged-q8", "cuda"): ("triton", "bags"),
     ("full", "paged-quantized", "cpu"): ("native", "bags"),
     ("full", "paged-quantized", "cuda"): ("bags",),
 }
@@ -114,7 +122,8 @@ def paged_format(storage: PagedKVStorage | QuantizedKVStorage) -> str:
     """The format key of a paged pool (see the module docstring)."""
     if isinstance(storage, PagedKVStorage):
         return "paged"
-    return "paged-q8" if storage.reads_natively else "paged-quantized"
+    in_place = storage.reads_natively if storage.k.device.type == "cpu" else storage.reads_in_place
+    return "paged-q8" if in_place else "paged-quantized"
 
 
 class BackendChoice(NamedTuple):

@@ -44,6 +44,7 @@ them in the compute dtype.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -61,7 +62,8 @@ ROWS = 64  # query rows (queries x heads of a group) per program, at least 16 (t
 class ExtendPlan:
     """One step's tables for the kernel, int32 on the pool's device, built once per step."""
 
-    qo_indptr: torch.Tensor  # [B + 1]: sequence i's queries are rows [qo_indptr[i], qo_indptr[i + 1]) of q
+    q_rows: torch.Tensor  # [B]: sequence i's queries are rows [q_rows[i], q_rows[i] + q_lens[i]) of q
+    q_lens: torch.Tensor  # [B]
     kv_indptr: torch.Tensor  # [B + 1]: its blocks are kv_indices[kv_indptr[i] : kv_indptr[i + 1]]
     kv_indices: torch.Tensor  # [nnz] block ids
     ctx_lens: torch.Tensor  # [B]: keys [0, ctx_len) readable, this step's own included
@@ -69,7 +71,12 @@ class ExtendPlan:
     tile_start: torch.Tensor  # [num_tiles]: its first query, counted within the sequence's chunk
     block_m: int  # queries per tile
     group: int  # query heads per KV head (G)
-    num_rows: int  # N: rows of q the step holds
+    num_rows: int  # N: rows of q (rows no sequence names are neither read nor written)
+
+    @property
+    def num_bytes(self) -> int:
+        tables = (self.q_rows, self.q_lens, self.kv_indptr, self.kv_indices, self.ctx_lens, self.tile_seq)
+        return sum(t.nbytes for t in tables) + self.tile_start.nbytes
 
 
 @dataclass(frozen=True)
@@ -104,10 +111,15 @@ def plan_extend(
     num_heads: int,
     num_kv_heads: int,
     device: torch.device | str,
+    q_rows: Sequence[int] | None = None,
+    num_rows: int | None = None,
 ) -> ExtendPlan:
     """The tables of one step: sequence i's q_lens[i] queries at positions [ctx_lens[i] -
     q_lens[i], ctx_lens[i]), its blocks indices[indptr[i]:indptr[i + 1]] covering exactly
-    ctx_lens[i] tokens. ValueError naming the first inconsistency."""
+    ctx_lens[i] tokens. q_rows: the row of q holding each sequence's first query (None: the
+    sequences' rows follow one another from row 0); num_rows: q's rows (None: the last
+    sequence's end), e.g. a mixed step whose decode rows another kernel attends. ValueError
+    naming the first inconsistency."""
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     if len(q_lens) != len(ctx_lens) or len(indptr) != len(q_lens) + 1:
@@ -128,14 +140,20 @@ def plan_extend(
         for start in range(0, q_len, block_m):
             tile_seq.append(i)
             tile_start.append(start)
-    qo = [0]
-    for q_len in q_lens:
-        qo.append(qo[-1] + q_len)
+    if q_rows is None:
+        q_rows = list(itertools.accumulate(q_lens, initial=0))[:-1]
+    ends = [r + n for r, n in zip(q_rows, q_lens, strict=True)]
+    if num_rows is None:
+        num_rows = max(ends, default=0)
+    if any(r < 0 for r in q_rows) or max(ends, default=0) > num_rows:
+        raise ValueError(f"query rows {list(q_rows)} with lengths {list(q_lens)} do not fit {num_rows} rows")
 
     def t(x: Sequence[int]) -> torch.Tensor:
         return torch.tensor(list(x), dtype=torch.int32, device=device)
 
-    return ExtendPlan(t(qo), t(indptr), t(indices), t(ctx_lens), t(tile_seq), t(tile_start), block_m, group, qo[-1])
+    return ExtendPlan(
+        t(q_rows), t(q_lens), t(indptr), t(indices), t(ctx_lens), t(tile_seq), t(tile_start), block_m, group, num_rows
+    )
 
 
 def extend_attention(
@@ -180,7 +198,7 @@ def extend_attention(
     acc = tl.float64 if q.dtype == torch.float64 else tl.float32
     _extend_kernel[grid](
         q, out, k_pages, v_pages, ks, vs, tk, tv,
-        plan.tile_seq, plan.tile_start, plan.qo_indptr, plan.kv_indptr, plan.kv_indices, tails, plan.ctx_lens,
+        plan.tile_seq, plan.tile_start, plan.q_rows, plan.q_lens, plan.kv_indptr, plan.kv_indices, tails, plan.ctx_lens,
         scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_pages.stride(), *v_pages.stride(), *tk.stride(), *tv.stride(), *scale_strides,
@@ -194,7 +212,7 @@ def extend_attention(
 @triton.jit
 def _extend_kernel(
     Q, Out, K, V, KScale, VScale, TailK, TailV,
-    TileSeq, TileStart, QoIndptr, KvIndptr, KvIndices, KvTails, CtxLens,
+    TileSeq, TileStart, QRows, QLens, KvIndptr, KvIndices, KvTails, CtxLens,
     sm_scale,
     s_qn, s_qh, s_on, s_oh,
     s_kb, s_kh, s_kd, s_ks,  # K pages: block, head, dim, slot
@@ -210,8 +228,8 @@ def _extend_kernel(
     kvh = tl.program_id(1)
     seq = tl.load(TileSeq + tile)
     start = tl.load(TileStart + tile)  # the tile's first query within the chunk
-    q0 = tl.load(QoIndptr + seq)
-    q_len = tl.load(QoIndptr + seq + 1) - q0
+    q0 = tl.load(QRows + seq)
+    q_len = tl.load(QLens + seq)
     ctx_len = tl.load(CtxLens + seq)
     kv0 = tl.load(KvIndptr + seq)
     prefix = ctx_len - q_len

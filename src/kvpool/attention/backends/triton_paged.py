@@ -1,8 +1,9 @@
 """Full attention on the unquantized paged pool through Triton kernels (triton_decode.py):
 the step's K/V written through the slot mapping and its decodes read in place over the CSR
 block tables, with the context split across programs when sequences are few and long;
-prefill chunks through SDPA over their gathered blocks (attention/paged.py), as the torch
-backend does. The registry's ("full", "paged", "cuda", "triton").
+prefill chunks (and any chunk over a cached prefix) through the extend kernel of
+triton_extend.py, which reads their keys in place over the same tables (no gathered copy).
+The registry's ("full", "paged", "cuda", "triton").
 
 The pool keeps its layout (storage/kv.py; why it suits the GPU: triton_decode.py).
 
@@ -22,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from kvpool.attention.backends.paged_step import PagedBackend, PagedStep, PagedStepMetadata, make_step
-from kvpool.attention.paged import StepPlan, plan_prefill, prefill_attention
+from kvpool.attention.paged import StepPlan
 from kvpool.storage.kv import PagedKVStorage
 
 CPU_NUM_SMS = 132  # the split rule's SM count for an interpreted (CPU) pool: an H100's / H200's
@@ -72,9 +73,10 @@ class TritonPagedBackend(PagedBackend):
         if num_splits is not None and num_splits < 1:
             raise ValueError(f"num_splits must be at least 1, got {num_splits}")
         self.num_splits = num_splits
-        from kvpool.attention.backends import triton_decode
+        from kvpool.attention.backends import triton_decode, triton_extend
 
         self.ops = triton_decode
+        self.extend_ops = triton_extend
         device = storage.k.device
         if num_sms is None and device.type == "cuda":
             num_sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -125,11 +127,32 @@ class TritonPagedBackend(PagedBackend):
 
         return TritonDecodePlan(int32(rows), int32(indptr), int32(indices), int32(last_len), splits)
 
+    def _plan_extend(self, meta: PagedStepMetadata, seqs: list[int], rows: list[int], num_rows: int):
+        """The extend kernel's tables for the step's prefill chunks, sequences `seqs` whose
+        queries start at rows `rows` of the step's num_rows."""
+        indptr, indices = [0], []
+        for i in seqs:
+            indices.extend(meta.indices[meta.indptr[i] : meta.indptr[i + 1]])
+            indptr.append(len(indices))
+        st = self.storage
+        return self.extend_ops.plan_extend(
+            [meta.q_lens[i] for i in seqs],
+            [meta.ctx_lens[i] for i in seqs],
+            indptr,
+            indices,
+            st.block_size,
+            self.num_heads,
+            st.num_kv_heads,
+            st.k.device,
+            q_rows=rows,
+            num_rows=num_rows,
+        )
+
     def begin_step(self, meta: PagedStepMetadata) -> PagedStep:
         """The step's plan (built once) and the attend every layer calls."""
         st, scale, before_read, ops = self.storage, self.scale, self.before_read, self.ops
         bs, device = st.block_size, st.k.device
-        prefills, seqs, rows = [], [], []
+        prefill_seqs, prefill_rows, seqs, rows = [], [], [], []
         row = 0
         for i, (q_len, ctx_len) in enumerate(zip(meta.q_lens, meta.ctx_lens, strict=True)):
             blocks = meta.indices[meta.indptr[i] : meta.indptr[i + 1]]
@@ -141,10 +164,13 @@ class TritonPagedBackend(PagedBackend):
                 seqs.append(i)
                 rows.append(row)
             else:
-                prefills.append(plan_prefill(row, q_len, ctx_len, blocks, device))
+                prefill_seqs.append(i)
+                prefill_rows.append(row)
             row += q_len
         slots = torch.tensor(meta.slots, dtype=torch.long, device=device)
         decode = self._plan_decodes(meta, seqs, rows) if seqs else None
+        extend = self._plan_extend(meta, prefill_seqs, prefill_rows, row) if prefill_seqs else None
+        extend_attention = self.extend_ops.extend_attention
         k_layers, v_layers = st.k_layers, st.v_layers
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -167,14 +193,15 @@ class TritonPagedBackend(PagedBackend):
                     out,
                     decode.num_splits,
                 )
-            for p in prefills:
-                out[p.rows] = prefill_attention(q[p.rows], k_cache, v_cache, p)
+            if extend is not None:  # the prefill chunks' rows; the decodes' are left as they are
+                extend_attention(q, k_cache, v_cache, extend, scale, out=out)
             return out
 
-        step = make_step(StepPlan(slots, None, prefills), attend, bs, st.num_kv_heads, st.head_dim, self.dtype)
+        step = make_step(StepPlan(slots, None, []), attend, bs, st.num_kv_heads, st.head_dim, self.dtype)
+        extra = 0 if extend is None else extend.num_bytes  # no prefill chunk is gathered
         if decode is None:
-            return step
-        extra = decode.num_bytes
+            return dataclasses.replace(step, table_bytes=step.table_bytes + extra)
+        extra += decode.num_bytes
         if decode.num_splits > 1:  # the partial outputs and log-sum-exps the merge reads
             acc_bytes = 8 if self.dtype == torch.float64 else 4
             extra += len(seqs) * self.num_heads * decode.num_splits * (st.head_dim + 1) * acc_bytes

@@ -13,12 +13,12 @@ imported when the backend is built, not with the registry.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 
 import torch
 
 from kvpool.attention.backends.paged_step import PagedBackend, PagedStep, PagedStepMetadata
+from kvpool.attention.backends.triton_paged import triton_importable
 from kvpool.attention.paged import StepPlan
 from kvpool.storage.kv import QuantizedKVStorage
 
@@ -52,7 +52,7 @@ class TritonQuantBackend(PagedBackend):
             raise ValueError(
                 f"the triton quantized backend reads 8-bit codes with per-token or per-block fp32 scales, not {name}"
             )
-        if importlib.util.find_spec("triton") is None:
+        if not triton_importable():
             raise ValueError("the triton quantized backend needs triton (pip install triton)")
         device = storage.k.device
         if device.type == "cpu":
@@ -96,12 +96,7 @@ class TritonQuantBackend(PagedBackend):
             quant = ops.QuantPages(st.k_scale[layer], st.v_scale[layer], st.tail_k[layer], st.tail_v[layer], tails)
             return ops.extend_attention(q, st.k_layers[layer], st.v_layers[layer], plan, scale, quant)
 
-        tables = [slots, tails, plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.ctx_lens]
-        tables += [plan.tile_seq, plan.tile_start]
+        table_bytes = slots.nbytes + tails.nbytes + plan.num_bytes
         has_decode = any(n == 1 for n in meta.q_lens)
         # no prefill chunk is gathered: the kernel reads every key in place
-        return PagedStep(StepPlan(slots, None, []), attend, "triton" if has_decode else None, _nbytes(tables), 0)
-
-
-def _nbytes(tensors: list[torch.Tensor]) -> int:
-    return sum(t.nbytes for t in tensors)
+        return PagedStep(StepPlan(slots, None, []), attend, "triton" if has_decode else None, table_bytes, 0)
