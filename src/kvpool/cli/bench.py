@@ -33,6 +33,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "kvpool.cli.bench_kv_quant",
         "decode attention over int8 / fp8 / bf16 KV blocks against fp32 on the same path (batch 16, 4k context)",
     ),
+    "gpu": (
+        "kvpool.cli.bench_gpu",
+        "CUDA: decode / extend attention against SDPA, engine TPOT at batch 1/32/128, host time per step, numerics",
+    ),
     "tiers": (
         "kvpool.cli.bench_tiers",
         "TTFT of a prefix from the host, disk and Redis tiers against recompute; write MB/s; V4 SWA strategies",

@@ -1,0 +1,423 @@
+"""`kvpool bench gpu`: kvpool on a CUDA GPU, side by side in one run.
+
+- host: the host's work per decode step at batch B (`host_step`): schedule (with the
+  reservation), the step metadata into the persistent buffers (StepBuffers), sampling
+  (`sample_batch`: its parameter table, launch and one synchronisation) and the
+  bookkeeping (commit, the tokens' acceptance), with the model's forward replaced by
+  logits made once: what the host adds to every step whatever the GPU does. Runs on any
+  device (`--host-only` on a machine without CUDA).
+- attention: paged decode through the CUDA backend against SDPA on a contiguous copy of
+  the same K/V (batch x context 1x4k, 16x4k, 64x4k, 16x32k; Llama-3.1-8B's heads), in
+  GB/s of K/V read; extend (a chunk over a cached prefix) against SDPA causal.
+- engine: TPOT and tokens/s at batch 1, 32 and 128 of a model from an HF config with
+  seeded random weights (models/hf_config.py), greedy, 128-token prompts.
+- numerics: a small random Llama in fp32 on the GPU against transformers' on the same
+  weights (max |logit difference| relative to the largest logit, greedy tokens equal).
+
+Without CUDA every part but host refuses in one line (`NoCuda`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvpool.bench.common import Progress, no_progress
+
+if TYPE_CHECKING:
+    import torch  # (imported where used: `kvpool --help` imports no torch)
+
+DECODE_SHAPES = ((1, 4096), (16, 4096), (64, 4096), (16, 32768))
+ENGINE_BATCHES = (1, 32, 128)
+PRESETS = Path(__file__).resolve().parent.parent / "presets"
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype -> torch's name
+
+
+class NoCuda(RuntimeError):
+    """A GPU measurement asked for on a machine without CUDA."""
+
+
+def require_cuda(what: str) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise NoCuda(f"no CUDA GPU here (torch.cuda.is_available() is False): {what}")
+
+
+def config_path(model: str) -> Path:
+    """An HF config.json path, or a preset's name (src/kvpool/presets: llama-3.1-8b, ...)."""
+    p = Path(model)
+    if p.exists():
+        return p
+    preset = PRESETS / f"{model.lower()}.json"
+    if preset.exists():
+        return preset
+    have = ", ".join(sorted(q.stem for q in PRESETS.glob("*.json")))
+    raise ValueError(f"--model {model!r}: no such config.json, nor a preset ({have})")
+
+
+# ---- the host's work per step -----------------------------------------------------------
+
+
+def host_step(
+    batch: int = 128, context: int = 1024, num_steps: int = 50, block_size: int = 16, device: str = "cpu"
+) -> dict[str, float]:
+    """Median milliseconds per decode step of `batch` requests of `context` tokens, by part
+    (schedule, metadata, sampling, bookkeeping: the rest of Engine.step) and in all, the
+    model's forward replaced by a fixed logits tensor on `device` (the random test Llama's
+    vocabulary of 512, so that sampling's figure is its host work, not an argmax over a
+    large vocabulary). Also: the list-built step tables of the same steps (the cache's
+    `step_tables`, what the non-buffered backends plan from), for comparison. On the CPU
+    with one intra-op thread: the step's tensors are tiny, and on a shared machine waking a
+    second thread for an argmax of 128 x 512 was measured at ~30 ms."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _host_step(batch, context, num_steps, block_size, device)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _host_step(batch: int, context: int, num_steps: int, block_size: int, device: str) -> dict[str, float]:
+    import torch
+
+    from kvpool.attention.backends.step_buffers import StepBuffers
+    from kvpool.cache import CacheDescriptor
+    from kvpool.engine.engine import Engine
+    from kvpool.engine.llama_runner import LlamaRunner
+    from kvpool.engine.sampling import SamplingParams
+    from kvpool.models.gguf import LlamaConfig
+    from kvpool.models.hf_config import random_llama
+
+    config = LlamaConfig(2, 64, 128, 4, 2, 16, 10000.0, 1e-5, 512, context + num_steps + 8, True)
+    model = random_llama(config, seed=0, dtype=torch.float32, device=device)
+    blocks_per_seq = -(-(context + num_steps + 2) // block_size)
+    num_blocks = batch * blocks_per_seq + 1
+    runner = LlamaRunner(model, num_blocks, block_size, CacheDescriptor("bench-host", "seed0"))
+    runner.step_buffers = StepBuffers(batch, batch * context, blocks_per_seq, block_size, device)
+    logits = torch.randn(batch * context, config.vocab_size, generator=torch.Generator().manual_seed(0)).to(device)
+    runner.executor.forward = lambda chunks, cache, all_logits=False: logits[: sum(c.needs_logits for c in chunks)]
+    engine = Engine(runner, max_num_batched_tokens=batch * context, max_num_seqs=batch, batched_sampling=True)
+    params = SamplingParams(max_tokens=num_steps + 4, ignore_eos=True)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(batch):
+        engine.add_request(torch.randint(0, config.vocab_size, (context,), generator=g).tolist(), params)
+    engine.step()  # every prefill in one step
+    timed: dict[str, list[float]] = {"schedule": [], "metadata": [], "sampling": [], "step": [], "tables": []}
+
+    def timer(name: str, fn: Callable) -> Callable:
+        def call(*args, **kwargs):
+            began = time.perf_counter()
+            out = fn(*args, **kwargs)
+            timed[name][-1] += time.perf_counter() - began
+            return out
+
+        return call
+
+    engine.schedule = timer("schedule", engine.schedule)
+    runner.step_buffers.update = timer("metadata", runner.step_buffers.update)
+    engine._sample_step = timer("sampling", engine._sample_step)
+    writes_before = runner.step_buffers.num_table_writes
+    for _ in range(num_steps):
+        for values in timed.values():
+            values.append(0.0)
+        began = time.perf_counter()
+        engine.step()
+        if device != "cpu":
+            torch.cuda.synchronize()
+        timed["step"][-1] = time.perf_counter() - began
+        running = [s.seq_id for s in engine.running]
+        ends = [runner.num_computed_tokens(r) for r in running]  # (the last step's tables again)
+        began = time.perf_counter()
+        runner.cache.step_tables(running, [e - 1 for e in ends], ends, check=False)
+        timed["tables"][-1] = time.perf_counter() - began
+    ms = {name: statistics.median(values) * 1e3 for name, values in timed.items()}
+    return {
+        "batch": batch,
+        "context": context,
+        "steps": num_steps,
+        "device": device,
+        "step_ms": round(ms["step"], 4),
+        "schedule_ms": round(ms["schedule"], 4),
+        "metadata_ms": round(ms["metadata"], 4),
+        "sampling_ms": round(ms["sampling"], 4),
+        "bookkeeping_ms": round(ms["step"] - ms["schedule"] - ms["metadata"] - ms["sampling"], 4),
+        "list_step_tables_ms": round(ms["tables"], 4),
+        "table_entries_written_per_step": round((runner.step_buffers.num_table_writes - writes_before) / num_steps, 2),
+    }
+
+
+# ---- attention: the CUDA backend against SDPA on a contiguous copy ---------------------------
+
+
+def _cuda_time(fn: Callable[[], object], repeat: int = 20) -> float:
+    """Median seconds of `fn` on the GPU (CUDA events), after two warm-up calls."""
+    import torch
+
+    fn()
+    fn()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def _paged_case(batch: int, context: int, q_len: int, dtype: torch.dtype, block_size: int = 16, seed: int = 0):
+    """A one-layer pool of Llama-3.1-8B's attention (32 query / 8 KV heads, head dim 128)
+    holding `batch` sequences of `context` tokens in scattered blocks; the backend the
+    engine picks for it on CUDA; the step's metadata (q_len new tokens a sequence, the last
+    of their context) and q / k / v; and the same K / V as contiguous [batch, 8, context, 128]."""
+    import torch
+
+    from kvpool.attention.backends import PagedStepMetadata, select_backend
+    from kvpool.storage.kv import PagedKVStorage
+
+    heads, kv_heads, dim = 32, 8, 128
+    per_seq = -(-context // block_size)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    storage = PagedKVStorage(1, batch * per_seq, block_size, kv_heads, dim, dtype, "cuda")
+    k = torch.randn(batch, context, kv_heads, dim, generator=g, device="cuda").to(dtype)
+    v = torch.randn(batch, context, kv_heads, dim, generator=g, device="cuda").to(dtype)
+    order = torch.randperm(batch * per_seq, generator=torch.Generator().manual_seed(seed)).tolist()
+    tables = [order[i * per_seq : (i + 1) * per_seq] for i in range(batch)]
+    slots = [t[p // block_size] * block_size + p % block_size for t in tables for p in range(context)]
+    index = storage.write_index(slots)
+    storage.write(0, index, k.reshape(-1, kv_heads, dim), v.reshape(-1, kv_heads, dim))
+    key, backend = select_backend("full", "paged", "cuda")
+    attention = backend(storage, heads, None, dtype, decode_path=key.impl)
+    step_slots = [
+        t[p // block_size] * block_size + p % block_size for t in tables for p in range(context - q_len, context)
+    ]
+    indptr = [i * per_seq for i in range(batch + 1)]
+    meta = PagedStepMetadata([q_len] * batch, [context] * batch, step_slots, indptr, [b for t in tables for b in t])
+    q = torch.randn(batch * q_len, heads, dim, generator=g, device="cuda").to(dtype)
+    new_k = k[:, context - q_len :].reshape(-1, kv_heads, dim)
+    new_v = v[:, context - q_len :].reshape(-1, kv_heads, dim)
+    return key.impl, attention, meta, q, new_k, new_v, k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+
+
+def decode_attention(dtype: torch.dtype, shapes=DECODE_SHAPES, progress: Progress = no_progress) -> list[dict]:
+    """Per (batch, context): the paged decode step (plan + K/V write + attention, one layer)
+    and SDPA over contiguous K / V, their milliseconds and GB/s of K / V read, and the
+    largest difference of their outputs."""
+    require_cuda("decode attention needs one")
+    rows = []
+    for batch, context in shapes:
+        progress(f"decode attention {batch}x{context}")
+        rows.append(_decode_row(batch, context, dtype))
+    return rows
+
+
+def _decode_row(batch: int, context: int, dtype: torch.dtype) -> dict:
+    import torch
+
+    impl, attention, meta, q, k_new, v_new, k, v = _paged_case(batch, context, 1, dtype)
+    qs = q.view(batch, 32, 1, 128)
+
+    def paged():
+        return attention.begin_step(meta).attend(0, q, k_new, v_new)
+
+    def sdpa():
+        return torch.nn.functional.scaled_dot_product_attention(qs, k, v, enable_gqa=True)
+
+    kv_bytes = k.nbytes + v.nbytes
+    paged_s, sdpa_s = _cuda_time(paged), _cuda_time(sdpa)
+    diff = (paged().view(batch, 32, 128).float() - sdpa().view(batch, 32, 128).float()).abs().max().item()
+    return {
+        "batch": batch,
+        "context": context,
+        "backend": impl,
+        "paged_ms": round(paged_s * 1e3, 4),
+        "sdpa_ms": round(sdpa_s * 1e3, 4),
+        "paged_gb_s": round(kv_bytes / paged_s / 1e9, 1),
+        "sdpa_gb_s": round(kv_bytes / sdpa_s / 1e9, 1),
+        "paged_over_sdpa": round(sdpa_s / paged_s, 3),
+        "max_abs_diff": diff,
+    }
+
+
+def extend_attention(
+    dtype: torch.dtype, batch: int = 4, context: int = 4096, chunk: int = 512, progress: Progress = no_progress
+) -> dict:
+    """A chunk of `chunk` new tokens a sequence over a cached prefix (context - chunk):
+    the paged step against SDPA causal over the contiguous K / V (the chunk's queries at
+    the end of the context: a bottom-right causal mask)."""
+    import torch
+
+    require_cuda("extend attention needs one")
+    progress(f"extend attention {batch}x{context} chunk {chunk}")
+    impl, attention, meta, q, k_new, v_new, k, v = _paged_case(batch, context, chunk, dtype)
+    qs = q.view(batch, chunk, 32, 128).transpose(1, 2)
+    mask = torch.ones(chunk, context, dtype=torch.bool, device="cuda").tril(context - chunk)
+
+    def paged():
+        return attention.begin_step(meta).attend(0, q, k_new, v_new)
+
+    def sdpa():
+        return torch.nn.functional.scaled_dot_product_attention(qs, k, v, attn_mask=mask, enable_gqa=True)
+
+    paged_s, sdpa_s = _cuda_time(paged, 10), _cuda_time(sdpa, 10)
+    diff = (paged().view(batch, chunk, 32, 128).float() - sdpa().transpose(1, 2).float()).abs().max().item()
+    return {
+        "batch": batch,
+        "context": context,
+        "chunk": chunk,
+        "backend": impl,
+        "paged_ms": round(paged_s * 1e3, 4),
+        "sdpa_ms": round(sdpa_s * 1e3, 4),
+        "paged_over_sdpa": round(sdpa_s / paged_s, 3),
+        "max_abs_diff": diff,
+    }
+
+
+# ---- the engine ---------------------------------------------------------------------------------
+
+
+def engine_tpot(
+    model: str,
+    dtype: torch.dtype,
+    batches=ENGINE_BATCHES,
+    prompt_len: int = 128,
+    new_tokens: int = 128,
+    progress: Progress = no_progress,
+) -> list[dict]:
+    """TPOT (decode seconds per step) and tokens/s of the engine at each batch, greedy, on a
+    model of `model`'s config with seeded random weights, and the weight-read floor (the
+    weights' bytes at the measured device-to-device copy rate)."""
+    import torch
+
+    require_cuda("the engine's TPOT needs one")
+    from kvpool.cache import CacheDescriptor
+    from kvpool.engine.engine import Engine
+    from kvpool.engine.llama_runner import LlamaRunner
+    from kvpool.engine.sampling import SamplingParams
+    from kvpool.models.hf_config import llama_config, random_llama
+
+    hf = llama_config(config_path(model))
+    progress(f"random {hf.name} weights")
+    llama = random_llama(hf.config, seed=0, dtype=dtype, device="cuda")
+    weight_bytes = llama.weight_bytes()
+    scratch = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    copy_rate = 2 * scratch.nbytes / _cuda_time(scratch.clone, 5)  # bytes read + written per second
+    rows = []
+    block_size = 16
+    for batch in batches:
+        progress(f"engine batch {batch}")
+        per_seq = -(-(prompt_len + new_tokens + 1) // block_size)
+        runner = LlamaRunner(llama, batch * per_seq + 1, block_size, CacheDescriptor("bench-gpu", "seed0"))
+        engine = Engine(runner, max_num_batched_tokens=max(2048, prompt_len), max_num_seqs=batch, batched_sampling=True)
+        g = torch.Generator().manual_seed(batch)
+        params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+        for _ in range(batch):
+            engine.add_request(torch.randint(0, hf.config.vocab_size, (prompt_len,), generator=g).tolist(), params)
+        step_s: list[float] = []
+        while engine.has_unfinished():
+            prefill = any(s.num_computed < len(s.request.prompt_ids) for s in engine.running) or engine.waiting
+            began = time.perf_counter()
+            engine.step()
+            torch.cuda.synchronize()
+            if not prefill:
+                step_s.append(time.perf_counter() - began)
+        tpot = statistics.median(step_s)
+        rows.append(
+            {
+                "batch": batch,
+                "tpot_ms": round(tpot * 1e3, 3),
+                "tok_s": round(batch / tpot, 1),
+                "decode_path": runner.executor.last_decode_path,
+            }
+        )
+    floor = {
+        "weight_bytes": weight_bytes,
+        "copy_gb_s": round(copy_rate / 1e9, 1),
+        "weight_read_ms": round(weight_bytes / copy_rate * 1e3, 3),
+    }
+    return [{"model": hf.name, "ignored": list(hf.ignored), **floor}, *rows]
+
+
+def numerics(dtype: torch.dtype | None = None) -> dict:
+    """A 2-layer random Llama on the GPU against transformers' LlamaForCausalLM on the same
+    weights on the GPU: the largest |logit difference| over the largest |logit|, and
+    whether the greedy tokens of every position agree."""
+    import torch
+
+    require_cuda("numerics on the GPU needs one")
+    dtype = dtype or torch.float32
+    import transformers
+
+    from kvpool.attention.reference import reference_logits
+    from kvpool.models.gguf import LlamaConfig
+    from kvpool.models.hf_config import hf_tensor_name, random_tensors
+
+    raw = {
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "vocab_size": 1000,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    }
+    cfg = LlamaConfig(2, 256, 512, 8, 2, 32, 10000.0, 1e-5, 1000, 512, False)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**raw)).to("cuda", dtype).eval()
+    hf.load_state_dict({hf_tensor_name(n): t for n, t in random_tensors(cfg, 1, dtype, "cuda")})
+    from kvpool.models.llama import LlamaModel
+
+    ours = LlamaModel.from_tensors(cfg, random_tensors(cfg, 1, dtype, "cuda"), "cuda")
+    ids = torch.randint(0, 1000, (200,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.no_grad():
+        want = hf(torch.tensor([ids], device="cuda")).logits[0].float()
+    got = reference_logits(ours, ids, fused=False).float()
+    return {
+        "dtype": str(dtype).removeprefix("torch."),
+        "max_rel_diff": ((got - want).abs().max() / want.abs().max()).item(),
+        "greedy_equal": bool(torch.equal(got.argmax(-1), want.argmax(-1))),
+    }
+
+
+PARTS = ("host", "attention", "engine", "numerics")
+
+
+def measure(
+    parts: tuple[str, ...] = PARTS,
+    model: str = "llama-3.1-8b",
+    dtype: str = "bf16",
+    batch: int = 128,
+    context: int = 1024,
+    progress: Progress = no_progress,
+) -> dict:
+    """The parts asked for (PARTS) in one report. NoCuda (one line) when a part other than
+    host is asked for without a CUDA GPU."""
+    import torch
+
+    gpu_parts = [p for p in parts if p != "host"]
+    if gpu_parts:
+        require_cuda(f"--parts {','.join(gpu_parts)} need one; --parts host runs without")
+    torch_dtype = getattr(torch, DTYPES[dtype])
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    report: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "dtype": dtype}
+    if "host" in parts:
+        progress("host work per step")
+        report["host"] = host_step(batch=batch, context=context, device=device)
+    if "attention" in parts:
+        report["decode_attention"] = decode_attention(torch_dtype, progress=progress)
+        report["extend_attention"] = extend_attention(torch_dtype, progress=progress)
+    if "engine" in parts:
+        report["engine"] = engine_tpot(model, torch_dtype, progress=progress)
+    if "numerics" in parts:
+        progress("numerics against transformers")
+        report["numerics"] = numerics()
+    return report

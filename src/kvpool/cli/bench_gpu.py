@@ -1,0 +1,47 @@
+"""`kvpool bench gpu`: kvpool on a CUDA GPU (kvpool/bench/gpu.py says what each part
+measures). Without CUDA only `--parts host` runs; any other part exits with one line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvpool.bench.gpu import DTYPES, PARTS, NoCuda, measure
+from kvpool.cli.args import comma_choices, positive_int
+from kvpool.cli.bench import call_with_flags, print_table, printed_json, stderr_progress
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--parts",
+        type=comma_choices(PARTS),
+        default=",".join(PARTS),
+        help=f"comma list of parts to run, from {','.join(PARTS)} (host alone runs without CUDA)",
+    )
+    parser.add_argument(
+        "--model",
+        default="llama-3.1-8b",
+        help="the engine part's model: an HF config.json or a preset name, with seeded random weights",
+    )
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16", help="the GPU parts' dtype")
+    parser.add_argument("--batch", type=positive_int, default=128, help="the host part's decode batch")
+    parser.add_argument("--context", type=positive_int, default=1024, help="the host part's context per request")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        report = call_with_flags(measure, args, progress=stderr_progress("bench gpu"))
+    except NoCuda as e:
+        print(f"kvpool bench gpu: {e}", file=sys.stderr)
+        return 1
+    if printed_json(args, report):
+        return 0
+    rows = []
+    for part, section in report.items():
+        if isinstance(section, dict):
+            rows += [(part, key, str(value)) for key, value in section.items()]
+        elif isinstance(section, list):
+            for i, entry in enumerate(section):
+                rows += [(f"{part}[{i}]", key, str(value)) for key, value in entry.items()]
+    print_table(f"kvpool bench gpu ({report['device']}, {report['dtype']})", ("part", "metric", "value"), rows, 2)
+    return 0

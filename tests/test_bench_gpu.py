@@ -1,0 +1,50 @@
+"""`kvpool bench gpu`: without CUDA only the host part runs, any other part is one line;
+the host part's figures on a small batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvpool.bench.gpu import config_path
+from kvpool.cli.main import main
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_without_cuda_the_gpu_parts_exit_with_one_line():
+    env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), "..", "src")}
+    done = subprocess.run(
+        [sys.executable, "-m", "kvpool", "bench", "gpu", "--parts", "host,attention"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 1 and done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert lines == [
+        "kvpool bench gpu: no CUDA GPU here (torch.cuda.is_available() is False): "
+        "--parts attention need one; --parts host runs without"
+    ]
+
+
+def test_the_host_part_times_each_piece_of_a_decode_step(capsys):
+    assert main(["bench", "gpu", "--parts", "host", "--batch", "6", "--context", "40", "--json"]) == 0
+    host = json.loads(capsys.readouterr().out)["host"]
+    assert (host["batch"], host["context"], host["steps"]) == (6, 40, 50)
+    parts = ("schedule_ms", "metadata_ms", "sampling_ms", "bookkeeping_ms")
+    assert all(host[p] > 0 for p in parts)
+    assert sum(host[p] for p in parts) == pytest.approx(host["step_ms"], abs=2e-4)
+    # a decode rewrites one table entry a sequence: the block it writes in
+    assert host["table_entries_written_per_step"] == 6.0
+
+
+def test_a_model_is_a_config_path_or_a_preset():
+    assert config_path("Llama-3.1-8B").name == "llama-3.1-8b.json"
+    with pytest.raises(ValueError, match="--model 'nope': no such config.json, nor a preset"):
+        config_path("nope")
