@@ -9,7 +9,8 @@ of its computed units, each chained from the one before it (the root first).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
 from kvpool.cache.base import mm_extra_key
 from kvpool.cache.types import MMItem
@@ -41,6 +42,22 @@ def chain_units(
     return chain
 
 
+def register_run(
+    pool: BlockPool, parent: PrefixBlock, blocks: Iterable[tuple[int, PrefixBlock]], *, orphan_ok: bool = False
+) -> list[PrefixBlock]:
+    """Register (block id, content) pairs in order after `parent`: each block becomes findable
+    as its own content, or joins the equal copy another request published first (the run goes
+    on from that copy: a content chained after another object is chained again), or, a
+    collision, stays unregistered. Returns the run's prefix blocks, one per block."""
+    run = []
+    for block_id, block in blocks:
+        if block.parent is not parent:
+            block = pool.chain(parent, block.token_bytes, block.extra)
+        parent = pool.register(block_id, block, orphan_ok=orphan_ok) or block
+        run.append(parent)
+    return run
+
+
 def publish_units(
     pool: BlockPool,
     chain: list[PrefixBlock],
@@ -55,20 +72,13 @@ def publish_units(
     orphan_ok: bool = False,
 ) -> list[tuple[int, PrefixBlock]]:
     """Extend a request's `chain` (its computed units after `root`) to `k1` units, publishing
-    unit k's block block_ids[k - first]: findable as its own content, or as the equal copy
-    another request published first (the chain goes on from that copy), or not at all (a
-    collision: the chain goes on unregistered). Returns (block id, prefix block) of each."""
-    k0 = len(chain)
-    parent = chain[-1] if chain else root
-    data, width = token_bytes(token_ids[k0 * unit : k1 * unit]), unit * TOKEN_BYTES  # packed once
-    done = []
-    for k in range(k0, k1):
-        block_id = block_ids[k - first]
-        block = pool.chain(parent, data[(k - k0) * width : (k - k0 + 1) * width], unit_extra(mm_items, unit, k))
-        parent = pool.register(block_id, block, orphan_ok=orphan_ok) or block
-        chain.append(parent)
-        done.append((block_id, parent))
-    return done
+    unit k's block block_ids[k - first] (`register_run`). Returns (block id, prefix block) of each."""
+    k0, parent = len(chain), chain[-1] if chain else root
+    ids = block_ids[k0 - first : k1 - first]
+    blocks = chain_units(pool, parent, token_ids, mm_items, unit, k0, k1)
+    run = register_run(pool, parent, zip(ids, blocks, strict=True), orphan_ok=orphan_ok)
+    chain += run
+    return list(zip(ids, run, strict=True))
 
 
 def check_chain(
@@ -103,9 +113,22 @@ def check_chain(
                 raise AssertionError(f"invariant 6: {where} block {k} is registered as other content")
 
 
-def num_leading(found: Sequence[PrefixBlock | None]) -> int:
-    """Units up to the last found one (a point above them is not served)."""
-    return next((k + 1 for k in range(len(found) - 1, -1, -1) if found[k] is not None), 0)
+@dataclass(slots=True)
+class UnitHits:
+    """What a group's cache holds of a prompt (`CacheGroup.hits`): per hash unit its cached
+    copy or None (`found`), the prompt's prefix blocks, the units after the found run a lower
+    tier holds, and the turn ends T -> what is kept there."""
+
+    found: list[PrefixBlock | None]
+    chain: list[PrefixBlock]
+    lower: list[PrefixBlock] = field(default_factory=list)
+    turn_ends: dict[int, PrefixBlock] = field(default_factory=dict)
+
+    def upper_bound(self, unit: int) -> int:
+        """No point is served above the last found unit, the lower tier's units after the
+        found ones (full attention's: its found units are a run) and the last turn end."""
+        num = next((k + 1 for k in range(len(self.found) - 1, -1, -1) if self.found[k] is not None), 0)
+        return max([(num + len(self.lower)) * unit, *self.turn_ends])
 
 
 def held_copy(pool: BlockPool, block: PrefixBlock) -> int:

@@ -34,7 +34,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvpool.cache.chains import TurnEnds, chain_units, check_chain, held_copy, num_leading
+from kvpool.cache.chains import TurnEnds, UnitHits, chain_units, check_chain, held_copy
 from kvpool.cache.group import CacheGroup, GroupUsage, StepRequest, check_pool_size
 from kvpool.cache.types import BlockCopy, GroupReservation, MMItem, StateRestore
 from kvpool.pool import BlockPool, PrefixBlock
@@ -74,12 +74,6 @@ class RecurrentState:
 
 
 @dataclass(slots=True)
-class RecurrentHits:
-    found: list[PrefixBlock | None]  # per C-chunk k: the checkpoint of the state after (k + 1) * C tokens
-    turn_ends: dict[int, PrefixBlock] = field(default_factory=dict)  # point T (not a multiple of C) -> checkpoint
-
-
-@dataclass(slots=True)
 class RecurrentAdmit:
     src: int | None  # checkpoint slot to restore from (None: a fresh state)
     chain: list[PrefixBlock]
@@ -115,28 +109,29 @@ class RecurrentGroup(CacheGroup):
         *,
         admission: bool = False,
         packed: bytes | None = None,
-    ) -> RecurrentHits:
-        """The checkpoint of each C-chunk boundary, and the turn ends, up to `limit`."""
+    ) -> UnitHits:
+        """Per C-chunk k, the checkpoint of the state after (k + 1) * C tokens, and the turn
+        ends (points off the grid), up to `limit`; the chain is the prompt's unregistered
+        prefix blocks up to the last point that leaves a token to compute."""
         if not self.pool.enable_caching:
-            return RecurrentHits([])
+            return UnitHits([], [])
         c = self.granularity
         n = len(token_ids) if limit is None else min(len(token_ids), limit)
         top = min(n, len(token_ids) - 1)  # (a point leaves a token to compute)
         chain = chain_units(self.pool, root, token_ids, mm_items, c, 0, top // c)
-        hits = RecurrentHits([self.pool.lookup(b) for b in chain[: n // c]])
+        hits = UnitHits([self.pool.lookup(b) for b in chain[: n // c]], chain)
         if self._turn_ends:
             for k, parent in enumerate([root, *chain]):
                 hits.turn_ends.update(self._turn_ends.find(parent, k * c, token_ids, mm_items, top))
         return hits
 
-    def upper_bound(self, hits: RecurrentHits) -> int:
-        bound = num_leading(hits.found) * self.granularity
-        return max(bound, *hits.turn_ends) if hits.turn_ends else bound
+    def upper_bound(self, hits: UnitHits) -> int:
+        return hits.upper_bound(self.granularity)
 
-    def extra_points(self, hits: RecurrentHits) -> list[int]:
+    def extra_points(self, hits: UnitHits) -> list[int]:
         return sorted(hits.turn_ends)
 
-    def serves(self, hits: RecurrentHits, point: int) -> bool:
+    def serves(self, hits: UnitHits, point: int) -> bool:
         if point == 0:
             return True
         k, rest = divmod(point, self.granularity)
@@ -146,7 +141,7 @@ class RecurrentGroup(CacheGroup):
 
     def plan_admit(
         self,
-        hits: RecurrentHits | None,
+        hits: UnitHits | None,
         root: PrefixBlock,
         token_ids: list[int],
         mm_items: tuple[MMItem, ...],
@@ -154,16 +149,14 @@ class RecurrentGroup(CacheGroup):
         end: int,
     ) -> tuple[RecurrentAdmit, dict[BlockPool, int]]:
         """A live slot, and the checkpoint if it is free."""
-        src = None
-        need = 1
+        src, need, chain = None, 1, []
         if point:
             assert hits is not None, "a hit point comes from hits"
+            chain = hits.chain[: point // self.granularity]
             ckpt = hits.turn_ends.get(point) or hits.found[point // self.granularity - 1]
             assert ckpt is not None, "serves() was checked"
             src = held_copy(self.pool, ckpt)
             need += self.pool.refcount(src) == 0  # revived out of the free queue
-        num = point // self.granularity if self.pool.enable_caching else 0
-        chain = chain_units(self.pool, root, token_ids, mm_items, self.granularity, 0, num)
         return RecurrentAdmit(src, chain), {self.pool: need}
 
     def claim(self, plan: RecurrentAdmit) -> None:

@@ -37,7 +37,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.cache.base import LowerTier
-from kvpool.cache.chains import TurnEnds, chain_units, check_chain, held_copy, num_leading, publish_units, unit_extra
+from kvpool.cache.chains import (
+    TurnEnds,
+    UnitHits,
+    chain_units,
+    check_chain,
+    held_copy,
+    publish_units,
+    register_run,
+    unit_extra,
+)
 from kvpool.cache.group import CacheGroup, GroupUsage, StepRequest, check_pool_size
 from kvpool.cache.types import BlockCopy, GroupReservation, MMItem
 from kvpool.pool import BlockPool, PrefixBlock
@@ -94,17 +103,6 @@ class AttentionState:
     chain: list[PrefixBlock] = field(default_factory=list)  # full computed blocks [0, len) (caching on)
     held_src: int | None = None  # the hit's copied tail block, held until the first commit
     loading: list[tuple[int, PrefixBlock]] = field(default_factory=list)  # lower-tier blocks not yet loaded
-
-
-@dataclass(slots=True)
-class AttentionHits:
-    """Per full block of the prompt, its cached copy (or None); the blocks after the run
-    that a lower tier holds, and the turn ends inside the block after it (full attention)."""
-
-    found: list[PrefixBlock | None]
-    chain: list[PrefixBlock]  # the prompt's prefix blocks (the found ones where found)
-    lower: list[PrefixBlock] = field(default_factory=list)
-    turn_ends: dict[int, PrefixBlock] = field(default_factory=dict)  # T -> the partial block kept there
 
 
 @dataclass(slots=True)
@@ -165,12 +163,12 @@ class AttentionGroup(CacheGroup):
         *,
         admission: bool = False,
         packed: bytes | None = None,
-    ) -> AttentionHits:
+    ) -> UnitHits:
         """Full attention: the leading run (the lower tier's blocks after it at an
         admission, and the turn ends after it); a window: each block up to `limit`."""
         bs = self.block_size
         if not self.pool.enable_caching:
-            return AttentionHits([], [])
+            return UnitHits([], [])
         num = len(token_ids) // bs if limit is None else min(len(token_ids) // bs, -(-limit // bs))
         width = bs * TOKEN_BYTES
         data = packed[: num * width] if packed is not None else token_bytes(token_ids[: num * bs])  # sliced per block
@@ -186,7 +184,7 @@ class AttentionGroup(CacheGroup):
                     parent, data[top * width :], width, 1, extras and extras[top:], count_collisions=False
                 )
                 chain += more.chain
-            hits = AttentionHits(list(chain), list(chain))
+            hits = UnitHits(list(chain), list(chain))
             parent = chain[-1] if chain else root
             if admission and self.lower_tier is not None and len(chain) < top:
                 lower = chain_units(self.pool, parent, token_ids, mm_items, bs, len(chain), top)
@@ -203,18 +201,16 @@ class AttentionGroup(CacheGroup):
             found.append(hit)
             parent = hit if hit is not None else block
             chain.append(parent)
-        return AttentionHits(found, chain)
+        return UnitHits(found, chain)
 
-    def upper_bound(self, hits: AttentionHits) -> int:
-        if self.spec.window is None:  # full attention's hits are a run: no None among them
-            return max([(len(hits.found) + len(hits.lower)) * self.block_size, *hits.turn_ends])
-        return num_leading(hits.found) * self.block_size
+    def upper_bound(self, hits: UnitHits) -> int:
+        return hits.upper_bound(self.block_size)
 
-    def extra_points(self, hits: AttentionHits) -> list[int]:
+    def extra_points(self, hits: UnitHits) -> list[int]:
         # (it also serves a point inside a cached block, by copying it, when another group offers one)
         return sorted(hits.turn_ends)
 
-    def serves(self, hits: AttentionHits, point: int) -> bool:
+    def serves(self, hits: UnitHits, point: int) -> bool:
         if point == 0:
             return True
         bs = self.block_size
@@ -222,8 +218,7 @@ class AttentionGroup(CacheGroup):
         if last > len(hits.found):
             if point % bs:  # inside the block after the run: a partial block kept at a turn end at or after it
                 return last == len(hits.found) + 1 and any(end >= point for end in hits.turn_ends)
-            # a lower tier's blocks serve block boundaries only
-            return last <= len(hits.found) + len(hits.lower) and (self.spec.window is None or None not in hits.found)
+            return last <= len(hits.found) + len(hits.lower)  # (full attention's lower tier) at block boundaries
         if self.spec.window is None:
             return True  # every block before `last` is in the run
         first = self.spec.first_needed(point) // bs
@@ -231,7 +226,7 @@ class AttentionGroup(CacheGroup):
 
     def plan_admit(
         self,
-        hits: AttentionHits | None,
+        hits: UnitHits | None,
         root: PrefixBlock,
         token_ids: list[int],
         mm_items: tuple[MMItem, ...],
@@ -239,7 +234,7 @@ class AttentionGroup(CacheGroup):
         end: int,
     ) -> tuple[AttentionAdmit, dict[BlockPool, int]]:
         if hits is None:
-            hits = AttentionHits([], [])
+            hits = UnitHits([], [])
         bs = self.block_size
         first = self.spec.first_needed(point) // bs
         last = -(-point // bs)
@@ -283,11 +278,7 @@ class AttentionGroup(CacheGroup):
 
     def complete_loads(self, state: AttentionState, num_loaded: int) -> None:
         parent = state.chain[-1] if state.chain else state.root
-        for block_id, block in state.loading[:num_loaded]:
-            if block.parent is not parent:  # the previous block joined an equal copy another request published
-                block = self.pool.chain(parent, block.token_bytes, block.extra)
-            parent = self.pool.register(block_id, block) or block
-            state.chain.append(parent)
+        state.chain += register_run(self.pool, parent, state.loading[:num_loaded])
         state.loading = []
 
     # ---- steps -------------------------------------------------------------------------
