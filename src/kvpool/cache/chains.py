@@ -1,5 +1,5 @@
 """Prefix chains of hash units, and the turn-end index: the code the cache groups share
-(cache/window.py, cache/recurrent.py). No torch.
+(cache/window.py, cache/recurrent.py, cache/dual_pool.py). No torch.
 
 A group hashes a prompt in units of `unit` tokens (its `granularity`: block size,
 checkpoint interval, span); unit k covers positions [k * unit, (k + 1) * unit) and carries
@@ -42,6 +42,33 @@ def chain_units(
     return chain
 
 
+def find_units(
+    pool: BlockPool,
+    root: PrefixBlock,
+    token_ids: list[int],
+    mm_items: tuple[MMItem, ...],
+    unit: int,
+    num: int,
+    packed: bytes | None = None,
+) -> UnitHits:
+    """Each of the first `num` units of a prompt looked up on its own (`BlockPool.lookup`),
+    so a unit is found after the units before it were evicted; the chain goes on through the
+    copies found, where the next lookup's content walk stops. `packed`: token_bytes(token_ids)
+    if the caller has it. Changes nothing."""
+    width = unit * TOKEN_BYTES
+    data = packed[: num * width] if packed is not None else token_bytes(token_ids[: num * unit])
+    found: list[PrefixBlock | None] = []
+    chain = []
+    parent = root
+    for k in range(num):
+        block = pool.chain(parent, data[k * width : (k + 1) * width], unit_extra(mm_items, unit, k))
+        hit = pool.lookup(block)
+        found.append(hit)
+        parent = hit if hit is not None else block
+        chain.append(parent)
+    return UnitHits(found, chain)
+
+
 def register_run(
     pool: BlockPool, parent: PrefixBlock, blocks: Iterable[tuple[int, PrefixBlock]], *, orphan_ok: bool = False
 ) -> list[PrefixBlock]:
@@ -58,29 +85,6 @@ def register_run(
     return run
 
 
-def publish_units(
-    pool: BlockPool,
-    chain: list[PrefixBlock],
-    root: PrefixBlock,
-    block_ids: Sequence[int],
-    first: int,
-    token_ids: list[int],
-    mm_items: tuple[MMItem, ...],
-    unit: int,
-    k1: int,
-    *,
-    orphan_ok: bool = False,
-) -> list[tuple[int, PrefixBlock]]:
-    """Extend a request's `chain` (its computed units after `root`) to `k1` units, publishing
-    unit k's block block_ids[k - first] (`register_run`). Returns (block id, prefix block) of each."""
-    k0, parent = len(chain), chain[-1] if chain else root
-    ids = block_ids[k0 - first : k1 - first]
-    blocks = chain_units(pool, parent, token_ids, mm_items, unit, k0, k1)
-    run = register_run(pool, parent, zip(ids, blocks, strict=True), orphan_ok=orphan_ok)
-    chain += run
-    return list(zip(ids, run, strict=True))
-
-
 def check_chain(
     where: str,
     pool: BlockPool,
@@ -90,27 +94,44 @@ def check_chain(
     num_computed: int,
     unit: int,
     *,
-    parents: bool = True,
     block_ids: Sequence[int] = (),
     first: int = 0,
 ) -> None:
     """Assert invariant 6 of one request's chain (caching on): one element per computed unit,
-    each its own prefix (its tokens; with `parents`, chained from the element before it),
-    and each unit's block of `block_ids` (units [first, ...)) registered, if at all, as it."""
+    each its own prefix (its tokens, chained from the prefix of the element before it: a
+    cached copy found or joined may hang from an equal copy of it), and each unit's block of
+    `block_ids` (units [first, ...)) registered, if at all, as it."""
     if len(chain) != num_computed // unit:
         raise AssertionError(
             f"invariant 6 (only computed units are published): {where} has {len(chain)} chained units for "
             f"{num_computed} computed tokens"
         )
     for k, block in enumerate(chain):
+        parent = chain[k - 1] if k else root
         if block.token_bytes != token_bytes(token_ids[k * unit : (k + 1) * unit]) or (
-            parents and block.parent is not (chain[k - 1] if k else root)
+            block.parent is not parent and block.parent.block_hash != parent.block_hash
         ):
             raise AssertionError(f"invariant 6: {where} chain element {k} is not its own prefix")
         if first <= k < first + len(block_ids):
             registered = pool.prefix_block(block_ids[k - first])
             if registered is not None and registered is not block:
                 raise AssertionError(f"invariant 6: {where} block {k} is registered as other content")
+
+
+def check_held(where: str, pool: BlockPool, held: list[int], written: Iterable[int], holders: list[int]) -> None:
+    """Assert invariants 1 and 2 of one request: it holds no block twice (each held block
+    adds 1 to `holders[b]`), and the blocks its reserved step writes are its own (refcount 1)
+    and unpublished."""
+    if len(set(held)) != len(held):
+        raise AssertionError(f"invariant 1: {where} holds a block twice: {held}")
+    for b in held:
+        holders[b] += 1
+    for b in written:
+        if pool.refcount(b) != 1 or pool.block_hash(b) is not None:
+            raise AssertionError(
+                f"invariant 2 (copy-on-write before a write): {where} will write into block {b} "
+                f"(refcount {pool.refcount(b)}, registered {pool.block_hash(b) is not None})"
+            )
 
 
 @dataclass(slots=True)

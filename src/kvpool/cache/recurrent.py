@@ -34,7 +34,8 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvpool.cache.chains import TurnEnds, UnitHits, chain_units, check_chain, held_copy
+from kvpool.cache import chains
+from kvpool.cache.chains import TurnEnds, UnitHits
 from kvpool.cache.group import CacheGroup, GroupUsage, StepRequest, check_pool_size
 from kvpool.cache.types import BlockCopy, GroupReservation, MMItem, StateRestore
 from kvpool.pool import BlockPool, PrefixBlock
@@ -69,6 +70,7 @@ class RecurrentState:
     slot: int  # the live state
     chain: list[PrefixBlock] = field(default_factory=list)  # C-chunks [0, num_computed // C) (caching on)
     pending: list[tuple[int, int]] = field(default_factory=list)  # (position b, slot): snapshot S_b in this step
+    step_chain: list[PrefixBlock] = field(default_factory=list)  # the units the reserved step completes
     held_src: int | None = None  # the checkpoint restored from, held until the first commit
     held_turn: list[int] = field(default_factory=list)  # turn-end snapshots, held until the next commit
 
@@ -111,17 +113,14 @@ class RecurrentGroup(CacheGroup):
         packed: bytes | None = None,
     ) -> UnitHits:
         """Per C-chunk k, the checkpoint of the state after (k + 1) * C tokens, and the turn
-        ends (points off the grid), up to `limit`; the chain is the prompt's unregistered
-        prefix blocks up to the last point that leaves a token to compute."""
+        ends (points off the grid), up to `limit`, leaving a token to compute."""
         if not self.pool.enable_caching:
             return UnitHits([], [])
         c = self.granularity
-        n = len(token_ids) if limit is None else min(len(token_ids), limit)
-        top = min(n, len(token_ids) - 1)  # (a point leaves a token to compute)
-        chain = chain_units(self.pool, root, token_ids, mm_items, c, 0, top // c)
-        hits = UnitHits([self.pool.lookup(b) for b in chain[: n // c]], chain)
+        top = min(len(token_ids) - 1, len(token_ids) if limit is None else limit)
+        hits = chains.find_units(self.pool, root, token_ids, mm_items, c, top // c, packed)
         if self._turn_ends:
-            for k, parent in enumerate([root, *chain]):
+            for k, parent in enumerate([root, *hits.chain]):
                 hits.turn_ends.update(self._turn_ends.find(parent, k * c, token_ids, mm_items, top))
         return hits
 
@@ -155,7 +154,7 @@ class RecurrentGroup(CacheGroup):
             chain = hits.chain[: point // self.granularity]
             ckpt = hits.turn_ends.get(point) or hits.found[point // self.granularity - 1]
             assert ckpt is not None, "serves() was checked"
-            src = held_copy(self.pool, ckpt)
+            src = chains.held_copy(self.pool, ckpt)
             need += self.pool.refcount(src) == 0  # revived out of the free queue
         return RecurrentAdmit(src, chain), {self.pool: need}
 
@@ -166,7 +165,7 @@ class RecurrentGroup(CacheGroup):
     def apply_admit(self, plan: RecurrentAdmit, root: PrefixBlock) -> tuple[RecurrentState, tuple[BlockCopy, ...]]:
         slots = self.pool.allocate(1)
         assert slots is not None, "the coordinator checked the free count"
-        return RecurrentState(root, slots[0], plan.chain, [], plan.src), ()
+        return RecurrentState(root, slots[0], plan.chain, held_src=plan.src), ()
 
     # ---- steps -------------------------------------------------------------------------
 
@@ -186,8 +185,8 @@ class RecurrentGroup(CacheGroup):
                 out.append(_NO_RESERVATION)
                 continue
             parent = state.chain[-1] if state.chain else state.root
-            chain = chain_units(pool, parent, req.token_ids, req.mm_items, c, k0, k1)
-            wanted = [(k + 1) * c for k, block in enumerate(chain, k0) if pool.lookup(block) is None]
+            state.step_chain = chains.chain_units(pool, parent, req.token_ids, req.mm_items, c, k0, k1)
+            wanted = [(k + 1) * c for k, block in enumerate(state.step_chain, k0) if pool.lookup(block) is None]
             wanted = wanted[max(0, len(wanted) - pool.num_free) :]
             slots = pool.allocate(len(wanted)) if wanted else []
             assert slots is not None
@@ -202,11 +201,8 @@ class RecurrentGroup(CacheGroup):
         pool, c = self.pool, self.granularity
         for req in reqs:
             state = req.states[self.name]
-            if pool.enable_caching:
-                parent = state.chain[-1] if state.chain else state.root
-                state.chain += chain_units(
-                    pool, parent, req.token_ids, req.mm_items, c, len(state.chain), req.num_computed // c
-                )
+            state.chain += state.step_chain  # (a whole step: its units are all computed)
+            state.step_chain = []
             for position, slot in state.pending:
                 pool.register(slot, state.chain[position // c - 1], orphan_ok=True)
             pool.decref(slot for _, slot in reversed(state.pending))
@@ -297,11 +293,8 @@ class RecurrentGroup(CacheGroup):
         self, rid: str, state: RecurrentState, token_ids: list[int], num_computed: int, end: int, holders: list[int]
     ) -> None:
         where = f"group {self.name!r}, request {rid!r}"
-        for slot in self.held_blocks(state):
-            holders[slot] += 1
-        for slot in [state.slot] + [s for _, s in state.pending]:
-            if self.pool.block_hash(slot) is not None:
-                raise AssertionError(f"{where}: slot {slot} is written this step but registered as a checkpoint")
+        written = [state.slot, *(slot for _, slot in state.pending)]
+        chains.check_held(where, self.pool, self.held_blocks(state), written, holders)
         for slot in state.held_turn:
             if self.pool.block_hash(slot) is None:
                 raise AssertionError(f"{where}: turn-end slot {slot} is held but not filed as a checkpoint")
@@ -309,4 +302,4 @@ class RecurrentGroup(CacheGroup):
             if not (num_computed < position <= end and position % self.granularity == 0):
                 raise AssertionError(f"{where}: a snapshot at {position} outside the step ({num_computed}, {end}]")
         if self.pool.enable_caching:
-            check_chain(where, self.pool, state.chain, state.root, token_ids, num_computed, self.granularity)
+            chains.check_chain(where, self.pool, state.chain, state.root, token_ids, num_computed, self.granularity)

@@ -36,17 +36,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpool.cache import chains
 from kvpool.cache.base import LowerTier
-from kvpool.cache.chains import (
-    TurnEnds,
-    UnitHits,
-    chain_units,
-    check_chain,
-    held_copy,
-    publish_units,
-    register_run,
-    unit_extra,
-)
+from kvpool.cache.chains import TurnEnds, UnitHits
 from kvpool.cache.group import CacheGroup, GroupUsage, StepRequest, check_pool_size
 from kvpool.cache.types import BlockCopy, GroupReservation, MMItem
 from kvpool.pool import BlockPool, PrefixBlock
@@ -170,38 +162,29 @@ class AttentionGroup(CacheGroup):
         if not self.pool.enable_caching:
             return UnitHits([], [])
         num = len(token_ids) // bs if limit is None else min(len(token_ids) // bs, -(-limit // bs))
+        if self.spec.window is not None:
+            return chains.find_units(self.pool, root, token_ids, mm_items, bs, num, packed)
         width = bs * TOKEN_BYTES
         data = packed[: num * width] if packed is not None else token_bytes(token_ids[: num * bs])  # sliced per block
-        extras = [unit_extra(mm_items, bs, k) for k in range(num)] if mm_items else None
-        if self.spec.window is None:
-            # The run that leaves a token to compute, then the prompt's last full block (a
-            # point inside it copies it) without counting a collision there
-            top = min(num, (len(token_ids) - 1) // bs)
-            chain = self.pool.match(root, data, width, top, extras, count_collisions=admission).chain
-            if len(chain) == top < num:
-                parent = chain[-1] if chain else root
-                more = self.pool.match(
-                    parent, data[top * width :], width, 1, extras and extras[top:], count_collisions=False
-                )
-                chain += more.chain
-            hits = UnitHits(list(chain), list(chain))
+        extras = [chains.unit_extra(mm_items, bs, k) for k in range(num)] if mm_items else None
+        # The run that leaves a token to compute, then the prompt's last full block (a
+        # point inside it copies it) without counting a collision there
+        top = min(num, (len(token_ids) - 1) // bs)
+        chain = self.pool.match(root, data, width, top, extras, count_collisions=admission).chain
+        if len(chain) == top < num:
             parent = chain[-1] if chain else root
-            if admission and self.lower_tier is not None and len(chain) < top:
-                lower = chain_units(self.pool, parent, token_ids, mm_items, bs, len(chain), top)
-                hits.lower = lower[: self.lower_tier.find(lower)]
-            if self._turn_ends:
-                hits.turn_ends = self._turn_ends.find(parent, len(chain) * bs, token_ids, mm_items, len(token_ids))
-            return hits
-        found: list[PrefixBlock | None] = []
-        chain = []
-        parent = root
-        for k in range(num):
-            block = self.pool.chain(parent, data[k * width : (k + 1) * width], extras[k] if extras else b"")
-            hit = self.pool.lookup(block)
-            found.append(hit)
-            parent = hit if hit is not None else block
-            chain.append(parent)
-        return UnitHits(found, chain)
+            more = self.pool.match(
+                parent, data[top * width :], width, 1, extras and extras[top:], count_collisions=False
+            )
+            chain += more.chain
+        hits = UnitHits(list(chain), list(chain))
+        parent = chain[-1] if chain else root
+        if admission and self.lower_tier is not None and len(chain) < top:
+            lower = chains.chain_units(self.pool, parent, token_ids, mm_items, bs, len(chain), top)
+            hits.lower = lower[: self.lower_tier.find(lower)]
+        if self._turn_ends:
+            hits.turn_ends = self._turn_ends.find(parent, len(chain) * bs, token_ids, mm_items, len(token_ids))
+        return hits
 
     def upper_bound(self, hits: UnitHits) -> int:
         return hits.upper_bound(self.block_size)
@@ -243,11 +226,11 @@ class AttentionGroup(CacheGroup):
         for k in range(first, on_device):
             block = hits.found[k]
             assert block is not None, "serves() was checked"
-            hit_ids.append(held_copy(self.pool, block))
+            hit_ids.append(chains.held_copy(self.pool, block))
         copy_tail = point % bs != 0
         lower = hits.lower[: last - on_device]
         if copy_tail and last > on_device:  # the source: a partial block kept at a turn end
-            hit_ids.append(held_copy(self.pool, hits.turn_ends[min(e for e in hits.turn_ends if e >= point)]))
+            hit_ids.append(chains.held_copy(self.pool, hits.turn_ends[min(e for e in hits.turn_ends if e >= point)]))
             lower = []
         num_new = -(-end // bs) - first - len(hit_ids) + copy_tail
         revived = sum(1 for b in set(hit_ids) if self.pool.refcount(b) == 0)
@@ -262,13 +245,9 @@ class AttentionGroup(CacheGroup):
         assert new is not None, "the coordinator checked the free count"
         state = AttentionState(root, plan.first, list(plan.hit_ids), list(plan.chain))
         copies: tuple[BlockCopy, ...] = ()
-        if plan.copy_tail:
-            # The block holding position P is cached and may be shared: copy it, keep the source.
-            src, dst = state.block_ids[-1], new.pop(0)
-            state.block_ids[-1] = dst
-            state.held_src = src
-            copies = (BlockCopy(src, dst),)
-            self._pending_copies.append(copies[0])
+        if plan.copy_tail:  # the block holding position P is cached and may be shared: copy it, keep the source
+            state.held_src = state.block_ids[-1]
+            copies = self._copy(state, len(state.block_ids) - 1, new.pop(0))
         state.loading = list(zip(new[: len(plan.lower)], plan.lower, strict=True))  # into the first fresh blocks
         state.block_ids.extend(new)
         return state, copies
@@ -278,7 +257,7 @@ class AttentionGroup(CacheGroup):
 
     def complete_loads(self, state: AttentionState, num_loaded: int) -> None:
         parent = state.chain[-1] if state.chain else state.root
-        state.chain += register_run(self.pool, parent, state.loading[:num_loaded])
+        state.chain += chains.register_run(self.pool, parent, state.loading[:num_loaded])
         state.loading = []
 
     # ---- steps -------------------------------------------------------------------------
@@ -338,11 +317,8 @@ class AttentionGroup(CacheGroup):
             assert new is not None, "the coordinator checked the free count"
             copies: tuple[BlockCopy, ...] = ()
             if copy:
-                index, dst = nc // bs - state.first, new.pop()
-                state.block_ids[index] = dst
+                copies = self._copy(state, nc // bs - state.first, new.pop())
                 pool.decref((tail,))  # still held by the request it is shared with
-                copies = (BlockCopy(tail, dst),)
-                self._pending_copies.append(copies[0])
             elif tail is not None:
                 pool.unregister(tail)  # exclusive, about to change under its hash
             state.block_ids.extend(new)
@@ -368,31 +344,30 @@ class AttentionGroup(CacheGroup):
                     chain.append(parent)
                     if published is not None:
                         published.append((block_id, parent))
-                else:
-                    done = publish_units(
-                        pool,
-                        chain,
-                        state.root,
-                        state.block_ids,
-                        state.first,
-                        req.token_ids,
-                        req.mm_items,
-                        bs,
-                        nc // bs,
-                        orphan_ok=window is not None,
-                    )
+                else:  # (a window's parent may have left the index: orphan_ok)
+                    parent = chain[-1] if k0 else state.root
+                    ids = state.block_ids[k0 - state.first : nc // bs - state.first]
+                    blocks = chains.chain_units(pool, parent, req.token_ids, req.mm_items, bs, k0, nc // bs)
+                    run = chains.register_run(pool, parent, zip(ids, blocks, strict=True), orphan_ok=window is not None)
+                    chain += run
                     if published is not None:
-                        published += done
+                        published += zip(ids, run, strict=True)
             if state.held_src is not None:
                 pool.decref((state.held_src,))
                 state.held_src = None
-            if window is not None:
-                first = self.spec.first_needed(nc) // bs
-                if first > state.first:
-                    gone = state.block_ids[: first - state.first]
-                    del state.block_ids[: first - state.first]
-                    state.first = first
-                    pool.decref(reversed(gone))
+            first = self.spec.first_needed(nc) // bs  # (full attention: 0)
+            if first > state.first:
+                gone = state.block_ids[: first - state.first]
+                del state.block_ids[: first - state.first]
+                state.first = first
+                pool.decref(reversed(gone))
+
+    def _copy(self, state: AttentionState, index: int, dst: int) -> tuple[BlockCopy]:
+        """Queue the copy of table entry `index` into block `dst`, which takes its place."""
+        copy = BlockCopy(state.block_ids[index], dst)
+        state.block_ids[index] = dst
+        self._pending_copies.append(copy)
+        return (copy,)
 
     def take_copies(self) -> list[BlockCopy]:
         copies, self._pending_copies = self._pending_copies, []
@@ -447,7 +422,9 @@ class AttentionGroup(CacheGroup):
         after the request's chain, which ends at `start` (the swap of a partial block)."""
         index = start // self.block_size
         parent = state.chain[-1] if state.chain else state.root
-        block = self.pool.chain(parent, token_bytes(token_ids[start:end]), unit_extra(mm_items, self.block_size, index))
+        block = self.pool.chain(
+            parent, token_bytes(token_ids[start:end]), chains.unit_extra(mm_items, self.block_size, index)
+        )
         return state.block_ids[index - state.first], block
 
     # ---- turn ends, fork, rollback, release ---------------------------------------------
@@ -525,19 +502,10 @@ class AttentionGroup(CacheGroup):
                 f"invariant 5 (table and counts commit together): {where} holds blocks "
                 f"[{state.first}, {state.first + len(state.block_ids)}) for {end} reserved tokens"
             )
-        if len(set(state.block_ids)) != len(state.block_ids):
-            raise AssertionError(f"invariant 1: {where} holds a block twice")
-        for b in self.held_blocks(state):
-            holders[b] += 1
-        for k in range(num_computed // bs, -(-end // bs) if end > num_computed else 0):
-            b = state.block_ids[k - state.first]
-            if self.pool.refcount(b) != 1 or self.pool.block_hash(b) is not None:
-                raise AssertionError(
-                    f"invariant 2 (copy-on-write before a write): {where} will write into block {b} "
-                    f"(refcount {self.pool.refcount(b)}, registered {self.pool.block_hash(b) is not None})"
-                )
-        if self.pool.enable_caching:  # (a window's hits chain through the cached copies they found)
-            check_chain(
+        written = state.block_ids[num_computed // bs - state.first :] if end > num_computed else ()
+        chains.check_held(where, self.pool, self.held_blocks(state), written, holders)
+        if self.pool.enable_caching:
+            chains.check_chain(
                 where,
                 self.pool,
                 state.chain,
@@ -545,7 +513,6 @@ class AttentionGroup(CacheGroup):
                 token_ids,
                 num_computed,
                 bs,
-                parents=self.spec.window is None,
                 block_ids=state.block_ids,
                 first=state.first,
             )
