@@ -13,6 +13,11 @@ path), exact in an fp64 compute dtype and in the fp32 bound otherwise.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -338,3 +343,37 @@ def test_an_8bit_pool_off_the_cpu_is_paged_q8_and_gets_the_triton_backend(monkey
     assert select_backend("full", "paged-q8", "cuda").backend is TritonQuantBackend
     monkeypatch.setattr(backends, "triton_importable", lambda: False)  # passed over without triton
     assert select_backend("full", "paged-q8", "cuda").backend is DequantBackend
+
+
+# The kernel compiled for an H100 / H200 (sm_90) by Triton's own compiler and ptxas, no GPU
+# needed: what the interpreter runs but the compiler refuses fails here. In a child process
+# without TRITON_INTERPRET (an interpreted kernel cannot be compiled).
+AOT = """
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvpool.attention.backends.triton_extend import _extend_kernel as fn
+
+names = ("TileSeq", "TileStart", "QRows", "QLens", "KvIndptr", "KvIndices", "KvTails", "CtxLens")
+tables = dict.fromkeys(names, "*i32")
+cases = (("*bf16", "*bf16", False, False), ("*fp32", "*fp32", False, False), ("*bf16", "*fp8e4nv", True, True),
+         ("*bf16", "*i8", True, False))
+for q, pages, quant, tails in cases:
+    types = dict(tables, Q=q, Out=q, K=pages, V=pages, KScale="*fp32", VScale="*fp32", TailK=q, TailV=q)
+    types["sm_scale"] = "fp32"
+    consts = dict(HEAD_DIM=128, BLOCK_D=128, GROUP=4, GROUP_P=4, BLOCK_M=16, BLOCK_N=64, PAGE=16, QUANT=quant,
+                  ACC=tl.float32, TAILS=tails, WIDEN=False)
+    signature = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
+    kernel = triton.compile(ASTSource(fn, signature, consts), target=GPUTarget("cuda", 90, 32))
+    assert kernel.asm["cubin"], (q, pages)
+print("compiled")
+"""
+
+
+def test_the_extend_kernel_compiles_for_sm90() -> None:
+    """bf16 and fp32 pools, fp8 e4m3 codes with block scales and tails, int8 codes with token
+    scales (bf16 compute), Llama-3.1-8B's head dim and GQA group."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1] / "src"), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-c", AOT], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
