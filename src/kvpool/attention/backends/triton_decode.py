@@ -21,6 +21,14 @@ pool (copy-on-write, the tiers, the torch prefill path, the cache descriptor's l
 as it is. A [block, kv_heads, slot, head_dim] K would be worth measuring where prefill
 writes dominate; it is unmeasured here (no GPU was at hand).
 
+What the compiler makes of it (sm_90 PTX from Triton 3.9's compiler, no GPU needed: the
+test's compile check): V's rows of head_dim load as 16-byte vectors whatever the mask, as
+head_dim is innermost; K^T's rows of slots do only when the tile's mask is constant over a
+block's slots. With a mask per token (t < end) the bf16 K^T tile loaded one 2-byte element
+per instruction (64 a thread a tile, 128 registers); masked per block (the whole last
+block read, its slots past the end dropped from the scores), every K and V load is a
+16-byte cp.async, 96 registers (D 128, GQA 4, blocks of 16 or 64).
+
 Decode (`paged_decode`): one program per (sequence, KV head, split) holds that KV head's
 G = heads / kv_heads query heads as the rows of one tile (padded to 16 rows, the smallest
 tl.dot), so each K/V byte is read once for the whole GQA group. It walks the sequence's
@@ -200,14 +208,21 @@ def _decode(
     acc = tl.zeros([BLOCK_G, BLOCK_D], ACC)
     t_in = tl.arange(0, TILE)
     for t0 in range(start, end, TILE):
-        t = t0 + t_in  # [TILE] token positions
+        t = t0 + t_in  # [TILE] token positions; t0 is a multiple of TILE, so of BS
         tm = t < end
-        block = tl.load(tables + first + t // BS, mask=tm, other=0).to(tl.int64)
+        # The K^T tile is read by whole blocks (mask bm, constant over a block's BS slots):
+        # a token mask (tm) would change inside a row of BS slots, and the compiler then
+        # loads one element per address instead of 16-byte vectors. The slots past `end`
+        # in the last block hold finite values (the pool starts zeroed; stale ones later)
+        # and their scores are replaced by -inf below.
+        lb = t // BS
+        bm = lb * BS < end
+        block = tl.load(tables + first + lb, mask=bm, other=0).to(tl.int64)
         head = block * KVH + h
         slot = t % BS
         # K^T tile [D, TILE]: each block's [D, BS] is one contiguous run
         kt_ptr = k_cache + (head[None, :] * D + d[:, None]) * BS + slot[None, :]
-        kt = tl.load(kt_ptr, mask=dm[:, None] & tm[None, :], other=0)
+        kt = tl.load(kt_ptr, mask=dm[:, None] & bm[None, :], other=0)
         if UPCAST:  # exact: a product of two bf16 values fits fp32's mantissa
             scores = tl.dot(qt.to(tl.float32), kt.to(tl.float32), out_dtype=ACC, input_precision=PRECISION)
         else:
