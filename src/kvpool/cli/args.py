@@ -11,7 +11,7 @@ import argparse
 import math
 import os
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kvpool.spec.kv_formats import KV_SCHEMAS, kv_schema
 
@@ -358,3 +358,43 @@ def host_cache_bytes(args: argparse.Namespace) -> int | None:
     if gib is None:
         return None
     return max(1, int(gib * (1 << 30)))
+
+
+# --device / --dtype of run, generate and serve: where the Llama (GGUF) model runs, in what dtype
+MODEL_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # flag value -> torch's name
+
+
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where the model runs (auto: cuda when torch sees a GPU, else cpu)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=tuple(MODEL_DTYPES),
+        default="fp32",
+        help="the model's weights and activations (the KV cache's too, unless --kv-dtype)",
+    )
+
+
+def model_placement(args: argparse.Namespace) -> tuple[Any, str]:
+    """(torch dtype, device) from --dtype and --device; ValueError in one line for --device
+    cuda where torch sees no GPU, or a non-Llama --model with either flag set."""
+    import torch
+
+    device, dtype = getattr(args, "device", "auto"), getattr(args, "dtype", "fp32")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA GPU here (torch.cuda.is_available() is False)")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return getattr(torch, MODEL_DTYPES[dtype]), device
+
+
+def check_device_model(args: argparse.Namespace, tiny_models: tuple[str, ...]) -> None:
+    """--device / --dtype move only the Llama (GGUF) model: the tiny models run fp32 on the CPU."""
+    if args.model in tiny_models and (
+        getattr(args, "device", "auto") == "cuda" or getattr(args, "dtype", "fp32") != "fp32"
+    ):
+        raise ValueError(f"--device / --dtype: --model {args.model} runs in fp32 on the CPU only")

@@ -9,15 +9,18 @@ import sys
 from typing import Any
 
 from kvpool.cli.args import (
+    add_device_arguments,
     add_hisparse_argument,
     add_host_cache_argument,
     add_kv_dtype_argument,
     add_persistent_cache_arguments,
     add_preemption_argument,
+    check_device_model,
     check_hisparse,
     check_kv_dtype,
     check_preemption,
     host_cache_bytes,
+    model_placement,
     non_negative_int,
     persistent_cache_options,
     positive_int,
@@ -83,6 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_hisparse_argument(parser)
     add_model_arguments(parser)
     add_tp_argument(parser)
+    add_device_arguments(parser)
 
 
 def check_context(
@@ -137,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--tp is for the Llama path (SmolLM2); tiny-dsv4 runs on one process")
     if getattr(args, "tp", 1) > 1 and preemption == "auto":
         raise ValueError("--preemption auto decides by each process's timings; with --tp use recompute or swap")
+    check_device_model(args, ("tiny-dsv4",))
+    dtype, device = model_placement(args)
     if args.model == "tiny-dsv4":  # DeepSeek-V4 dual pool: token ids in, token ids out
         from kvpool.cli import generate_dsv4
 
@@ -144,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
     )
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, dtype=dtype, device=device)
     rank = _tensor_parallel(args, loaded)
     if rank != 0:  # rank 0 reports; the others compute their shards alongside
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the rest of the process)

@@ -37,15 +37,18 @@ import time
 
 from kvpool.capacity.engine import EngineConfig
 from kvpool.cli.args import (
+    add_device_arguments,
     add_hisparse_argument,
     add_host_cache_argument,
     add_kv_dtype_argument,
     add_persistent_cache_arguments,
     add_preemption_argument,
+    check_device_model,
     check_hisparse,
     check_kv_dtype,
     check_preemption,
     host_cache_bytes,
+    model_placement,
     non_negative_int,
     parse_bytes,
     persistent_cache_options,
@@ -111,6 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-blocks", type=positive_int, default=None, help="KV blocks (default: from --kv-memory)")
     add_host_cache_argument(parser)
     add_kv_dtype_argument(parser)
+    add_device_arguments(parser)
     add_persistent_cache_arguments(parser)
     add_hisparse_argument(parser)
     add_preemption_argument(parser)
@@ -220,6 +224,7 @@ def hybrid_engine(args: argparse.Namespace):
 def build(args: argparse.Namespace):
     """(engine, workload-making function, model name) for --model."""
     check_hybrid(args)
+    check_device_model(args, (TINY_MODEL, *HYBRID_MODELS))
     if args.model in HYBRID_MODELS:
         engine, model = hybrid_engine(args)
         return (
@@ -263,7 +268,8 @@ def build(args: argparse.Namespace):
 
     from kvpool.engine.build import load_model
 
-    loaded = load_model(args.model)
+    dtype, device = model_placement(args)
+    loaded = load_model(args.model, dtype=dtype, device=device)
     if _tensor_parallel(args, loaded) != 0:  # rank 0 reports; the other ranks compute their shards alongside
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the rest of the process)
         args.json = True  # and no progress bar
@@ -312,9 +318,11 @@ def _run(args: argparse.Namespace) -> int:
     runtime_bytes = memory.runtime_baseline()
     if args.threads:
         torch.set_num_threads(args.threads)
+    check_device_model(args, (TINY_MODEL, *HYBRID_MODELS))
+    _, model_device = model_placement(args)  # --device cuda without a GPU: one line, before anything loads
     if args.kv_memory is not None:  # a bad size, or one the machine cannot hold, before the model loads
         tiny = args.model == TINY_MODEL or args.model in HYBRID_MODELS
-        device = "cuda" if not tiny and torch.cuda.is_available() else "cpu"
+        device = "cpu" if tiny else model_device
         memory.check_fits(parse_bytes(args.kv_memory), device, f"--kv-memory {args.kv_memory}")
     check_hybrid(args)  # before the checks below, whose lines speak of the Llama and V4 models
     check_hisparse(args)

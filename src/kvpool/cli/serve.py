@@ -21,10 +21,12 @@ import socket
 import sys
 
 from kvpool.cli.args import (
+    add_device_arguments,
     add_host_cache_argument,
     add_persistent_cache_arguments,
     add_preemption_argument,
     check_preemption,
+    model_placement,
     parse_bytes,
     parsed_number,
     persistent_cache_options,
@@ -84,6 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_host_cache_argument(parser)
     add_persistent_cache_arguments(parser, swa=False)
     add_preemption_argument(parser)
+    add_device_arguments(parser)
     parser.add_argument(
         "--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)"
     )
@@ -118,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.model == "tiny-dsv4":
         raise ValueError("--model tiny-dsv4 has no tokenizer or chat template; kvpool serve runs a Llama GGUF")
+    model_placement(args)  # --device cuda without a GPU: refused before the socket is bound
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ValueError("--served-model-name is empty")
     api_keys = api_keys_from(args)
@@ -197,7 +201,8 @@ def _serve(
     from kvpool.server.metrics import ServerMetrics
 
     print(f"kvpool serve: loading {name}", file=sys.stderr)
-    loaded = load_model(gguf)
+    dtype, device = model_placement(args)
+    loaded = load_model(gguf, dtype=dtype, device=device)
     engine = llama_engine(loaded, args, kv_bytes)
     num_blocks = engine.runner.usage().num_blocks
     metrics = ServerMetrics(name)

@@ -231,6 +231,8 @@ def _llama_engine(
         eos_token_ids=sorted(eos),
         decode_text=tok.decode,
         record_logits=record_logits,
+        # on a GPU a step's rows are sampled on the device with one synchronisation
+        batched_sampling=loaded.model.device.type == "cuda",
     )
 
 
