@@ -356,12 +356,12 @@ from kvpool.attention.backends.triton_extend import _extend_kernel as fn
 
 names = ("TileSeq", "TileStart", "QRows", "QLens", "KvIndptr", "KvIndices", "KvTails", "CtxLens")
 tables = dict.fromkeys(names, "*i32")
-cases = (("*bf16", "*bf16", False, False), ("*fp32", "*fp32", False, False), ("*bf16", "*fp8e4nv", True, True),
-         ("*bf16", "*i8", True, False))
-for q, pages, quant, tails in cases:
+cases = (("*bf16", "*bf16", False, False, 16), ("*fp32", "*fp32", False, False, 16),
+         ("*bf16", "*fp8e4nv", True, True, 16), ("*bf16", "*fp8e4nv", True, True, 4))
+for q, pages, quant, tails, block_m in cases:  # block_m 4: a step of decodes, 16 rows
     types = dict(tables, Q=q, Out=q, K=pages, V=pages, KScale="*fp32", VScale="*fp32", TailK=q, TailV=q)
     types["sm_scale"] = "fp32"
-    consts = dict(HEAD_DIM=128, BLOCK_D=128, GROUP=4, GROUP_P=4, BLOCK_M=16, BLOCK_N=64, PAGE=16, QUANT=quant,
+    consts = dict(HEAD_DIM=128, BLOCK_D=128, GROUP=4, GROUP_P=4, BLOCK_M=block_m, BLOCK_N=64, PAGE=16, QUANT=quant,
                   ACC=tl.float32, TAILS=tails, WIDEN=False)
     signature = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
     kernel = triton.compile(ASTSource(fn, signature, consts), target=GPUTarget("cuda", 90, 32))
@@ -371,8 +371,8 @@ print("compiled")
 
 
 def test_the_extend_kernel_compiles_for_sm90() -> None:
-    """bf16 and fp32 pools, fp8 e4m3 codes with block scales and tails, int8 codes with token
-    scales (bf16 compute), Llama-3.1-8B's head dim and GQA group."""
+    """bf16 and fp32 pools, fp8 e4m3 codes with block scales and tails (bf16 compute; chunks,
+    and decodes: 16 rows), Llama-3.1-8B's head dim and GQA group."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1] / "src"), env.get("PYTHONPATH", "")])
     run = subprocess.run([sys.executable, "-c", AOT], env=env, capture_output=True, text=True, timeout=300)

@@ -55,7 +55,8 @@ import triton.language as tl
 __all__ = ["ExtendPlan", "QuantPages", "extend_attention", "interpreted", "plan_extend"]
 
 BLOCK_N = 64  # keys per iteration
-ROWS = 64  # query rows (queries x heads of a group) per program, at least 16 (tl.dot's minimum)
+ROWS = 64  # query rows (queries x heads of a group) per program at most ...
+MIN_ROWS = 16  # ... and at least (tl.dot's smallest M)
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,10 @@ def plan_extend(
                 f"of block size {block_size}"
             )
     group = num_heads // num_kv_heads
-    block_m = max(1, ROWS // _pow2(group))
+    # a tile's queries: ROWS rows' worth, fewer when no chunk is that long (a step of
+    # decodes fills MIN_ROWS rows, not ROWS, with padding); a power of two (tl.arange)
+    g = _pow2(group)
+    block_m = max(1, MIN_ROWS // g, min(ROWS // g, _pow2(max(q_lens, default=1))))
     tile_seq: list[int] = []
     tile_start: list[int] = []
     for i, q_len in enumerate(q_lens):
