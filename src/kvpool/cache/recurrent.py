@@ -131,12 +131,10 @@ class RecurrentGroup(CacheGroup):
         return sorted(hits.turn_ends)
 
     def serves(self, hits: UnitHits, point: int) -> bool:
-        if point == 0:
-            return True
         k, rest = divmod(point, self.granularity)
         if rest:
             return point in hits.turn_ends
-        return k <= len(hits.found) and hits.found[k - 1] is not None
+        return k == 0 or (k <= len(hits.found) and hits.found[k - 1] is not None)
 
     def plan_admit(
         self,

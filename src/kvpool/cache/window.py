@@ -194,8 +194,6 @@ class AttentionGroup(CacheGroup):
         return sorted(hits.turn_ends)
 
     def serves(self, hits: UnitHits, point: int) -> bool:
-        if point == 0:
-            return True
         bs = self.block_size
         last = -(-point // bs)  # blocks [.., last) hold positions below point
         if last > len(hits.found):
