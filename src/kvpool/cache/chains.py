@@ -4,7 +4,8 @@
 A group hashes a prompt in units of `unit` tokens (its `granularity`: block size,
 checkpoint interval, span); unit k covers positions [k * unit, (k + 1) * unit) and carries
 the extra key of the multimodal items it overlaps. A request's chain is the prefix blocks
-of its computed units, each chained from the one before it (the root first).
+of its computed units, each chained from the one before it or from an equal copy of it
+(the root first).
 """
 
 from __future__ import annotations

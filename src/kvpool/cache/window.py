@@ -156,8 +156,9 @@ class AttentionGroup(CacheGroup):
         admission: bool = False,
         packed: bytes | None = None,
     ) -> UnitHits:
-        """Full attention: the leading run (the lower tier's blocks after it at an
-        admission, and the turn ends after it); a window: each block up to `limit`."""
+        """A window: each block up to `limit` on its own (`chains.find_units`). Full attention:
+        the leading run (the lower tier's blocks after it at an admission, and the turn ends
+        after it)."""
         bs = self.block_size
         if not self.pool.enable_caching:
             return UnitHits([], [])
@@ -177,7 +178,7 @@ class AttentionGroup(CacheGroup):
                 parent, data[top * width :], width, 1, extras and extras[top:], count_collisions=False
             )
             chain += more.chain
-        hits = UnitHits(list(chain), list(chain))
+        hits = UnitHits(chain, list(chain))
         parent = chain[-1] if chain else root
         if admission and self.lower_tier is not None and len(chain) < top:
             lower = chains.chain_units(self.pool, parent, token_ids, mm_items, bs, len(chain), top)
