@@ -31,9 +31,9 @@ def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys):
 def test_help_shows_defaults_and_the_models_generate_takes(monkeypatch, capsys):
     monkeypatch.setenv("COLUMNS", "250")  # one line per option: no phrase split by the wrapping
     for argv, shown in (
-        (["generate"], ["(default: 128)", "tiny-dsv4", "kvpool generate and kvpool run also take"]),
+        (["generate"], ["(default: 128)", "tiny-dsv4", "(default: smollm2-135m)"]),
         (["run"], ["(default: 2.0)", "256MiB for SmolLM2", "tiny-dsv4"]),
-        (["plan"], ["(default: 256; cpu: 16)", "(default: H100)", "cpu: kvpool's own engine"]),
+        (["plan"], ["(default: 256; cpu: 16)", "(default: h100)", "cpu: kvpool's own engine"]),
         (["bench", "engine"], ["(default: decode,ttft,attention,glue)", "glue"]),
         (["bench", "pool"], ["(default: "]),
     ):

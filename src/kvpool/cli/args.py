@@ -10,6 +10,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
+import sys
+import textwrap
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -52,36 +55,57 @@ def positive_float(text: str) -> float:
     )
 
 
+def fraction(text: str) -> float:
+    """A float in (0, 1] (a share of a GPU's memory)."""
+    return parsed_number(text, float, lambda v: 0 < v <= 1, "a number in (0, 1]")
+
+
 def rate(text: str) -> float:
     """A float > 0, or inf (a rate of arrivals: inf puts them all at time 0)."""
     return parsed_number(text, float, lambda v: v > 0, "a positive number or inf")  # nan fails too
 
 
+# size suffixes, lower-cased: K/M/G/T alone or with iB are powers of 1024 (as `free -h`, Java's
+# -Xmx and Docker read them); with B alone, powers of 1000 (a disk maker's GB)
+SIZE_UNITS: dict[str, int] = {
+    **{p: 1 << (10 * (i + 1)) for i, p in enumerate("kmgt")},
+    **{f"{p}ib": 1 << (10 * (i + 1)) for i, p in enumerate("kmgt")},
+    **{f"{p}i": 1 << (10 * (i + 1)) for i, p in enumerate("kmgt")},
+    **{f"{p}b": 10 ** (3 * (i + 1)) for i, p in enumerate("kmgt")},
+    "b": 1,
+    "": 1,
+}
+SIZE_EXAMPLES = "256MiB, 512M, 1G, 1.5GiB, 1TiB or 64000000 (K/M/G/T and KiB..TiB: powers of 1024; KB..TB: of 1000)"
+
+
 def parse_bytes(text: str, flag: str = "--kv-memory") -> int:
-    """'256MiB', '1GiB', '64mb', '1000000' -> bytes. ValueError naming the flag and the text otherwise."""
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
-    lower = text.strip().lower()
-    for unit, factor in units.items():
-        if lower.endswith(unit):
-            number, scale = lower[: -len(unit)].strip(), factor
-            break
-    else:
-        number, scale = lower, 1
-    try:
-        value = float(number) * scale
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{flag} must be a positive size such as 256MiB, 1GiB or 64000000, got {text!r}")
+    """'256MiB', '512M', '1G', '1TiB', '64mb', '1000000' -> bytes (SIZE_UNITS); ValueError
+    naming the flag and the text otherwise."""
+    match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([a-zA-Z]*)\s*", text)
+    value = math.nan
+    if match and match.group(2).lower() in SIZE_UNITS:
+        try:
+            value = float(match.group(1)) * SIZE_UNITS[match.group(2).lower()]
+        except ValueError:
+            pass
+    if not math.isfinite(value) or value < 1:
+        raise ValueError(f"{flag} must be a positive size such as {SIZE_EXAMPLES}, got {text!r}")
     return int(value)
 
 
+def size_text(text: str) -> str:
+    """An argparse type for a size kept as written (parse_bytes reads it later, and messages
+    quote it): a size that does not parse is an error at parse time."""
+    byte_size(text)
+    return text
+
+
 def byte_size(text: str) -> int:
-    """An argparse type for a size in bytes ("256MiB", "1GiB", "64000000")."""
+    """An argparse type for a size in bytes ("256MiB", "1G", "64000000"; SIZE_UNITS)."""
     try:
-        return parse_bytes(text, "the size")
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        return parse_bytes(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size such as {SIZE_EXAMPLES}, got {text!r}") from None
 
 
 def comma_choices(choices: tuple[str, ...]):
@@ -125,15 +149,67 @@ def check_output_dir(flag: str, given: str, directory: str) -> None:
         raise ValueError(f"{flag} {given!r}: directory {path!r} is not writable")
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """ArgumentDefaultsHelpFormatter that leaves out "(default: None)" and the False of a
-    flag: a None default means "see the help text" (which says what happens), and a flag
-    is off unless given."""
+def shown_default(value: object) -> str:
+    """An option's default as a user would type it: a list or tuple comma-joined, never a
+    Python repr. (A comma-list option is best given its default as the text a user would
+    type, "4" or "128:2048": argparse parses a string default with the option's type.)"""
+    if isinstance(value, list | tuple):
+        return ",".join(shown_default(v) for v in value)
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return f"{value:.1f}"
+    return str(value)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Each option's default as a value, "(default: 16)"; none for a flag that is off
+    unless given, or a None default (the help says what happens: "default: from
+    --kv-memory"). An option's former names (aliases, SharedOption) are left out of its
+    flags column: its help names them. Descriptions keep their line breaks."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False:
-            return action.help
-        return super()._get_help_string(action)
+        text = action.help or ""
+        default = action.default
+        if isinstance(action, argparse.BooleanOptionalAction) and isinstance(default, bool):
+            # (Python < 3.13 appends "(default: %(default)s)" itself: True / False)
+            text = text.replace(" (default: %(default)s)", "")
+            return f"{text} (default: {'on' if default else 'off'})"
+        if isinstance(default, list | tuple) and all(v is None for v in default):
+            default = None  # (a list option's "not given": its help says what stands in)
+        if "%(default)" in text or default is None or default is argparse.SUPPRESS or action.nargs == 0:
+            return text  # (nargs 0: a flag, off unless given; a --NAME / --no-NAME switch says its state)
+        return f"{text} (default: {shown_default(default).replace('%', '%%')})"
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        # not at a hyphen: "gpt-oss-120b" and "--no-enable-prefix-caching" stay whole
+        return textwrap.wrap(self._whitespace_matcher.sub(" ", text).strip(), width, break_on_hyphens=False)
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        aliases = getattr(action, "aliases", ())
+        if not aliases:
+            return super()._format_action_invocation(action)
+        shown = [s for s in action.option_strings if s not in aliases]
+        metavar = self._format_args(action, self._get_default_metavar_for_optional(action))
+        return ", ".join(f"{s} {metavar}" if action.nargs != 0 else s for s in shown)
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose mistakes are one line on stderr, "kvpool run: error: ...",
+    status 2 (the usage is for -h), naming an option with several names by the one the user
+    typed ("argument --max-seqs: ...", not all of them). Sub-parsers are of the same class:
+    argparse makes them with the parent's."""
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        self._arg_strings = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        named = re.match(r"argument ((?:-[\w-]+/)+-[\w-]+): ", message)
+        if named:
+            typed = {a.split("=", 1)[0] for a in getattr(self, "_arg_strings", ())}
+            names = named.group(1).split("/")
+            name = next((n for n in names if n in typed), names[0])
+            message = f"argument {name}: {message[named.end() :]}"
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def add_host_cache_argument(parser: argparse.ArgumentParser) -> None:
@@ -142,7 +218,7 @@ def add_host_cache_argument(parser: argparse.ArgumentParser) -> None:
         type=positive_float,
         default=None,
         help="a host-memory tier of this many GiB below the KV pool: evicted prefix blocks are kept there "
-        "and loaded back on a hit (tiny-dsv4: its classical blocks)",
+        "and loaded back on a hit (tiny-dsv4: its classical blocks; default: no host tier)",
     )
 
 
@@ -151,9 +227,10 @@ KV_DTYPES: tuple[str, ...] = tuple(KV_SCHEMAS)
 
 
 def kv_dtype(value: str) -> str:
-    """A --kv-dtype value: a format name, KIVI's with its G and R if given ("kivi2-g16-r64"),
-    or "fp8", DeepSeek-V4's serving layout (tiny-dsv4; checked against the model later)."""
-    if value == "fp8":
+    """A --kv-cache-dtype of the engine's commands: auto (the model's own dtype), a format
+    name, KIVI's with its G and R if given ("kivi2-g16-r64"), or "fp8", DeepSeek-V4's
+    serving layout (tiny-dsv4; checked against the model later)."""
+    if value in ("auto", "fp8"):
         return value
     try:
         kv_schema(value)
@@ -163,10 +240,8 @@ def kv_dtype(value: str) -> str:
 
 
 def planner_kv_dtype(value: str) -> str:
-    """A --kv-dtype of kvpool plan / simulate: auto, the model-specific fp8, or a storage
-    format of spec/kv_formats.py (KIVI's with its G and R)."""
-    if value in ("auto", "fp8"):
-        return value
+    """A --kv-cache-dtype of kvpool plan / simulate: auto, the model-specific fp8, or a
+    storage format of spec/kv_formats.py (KIVI's with its G and R)."""
     return kv_dtype(value)
 
 
@@ -176,31 +251,28 @@ PLANNER_KV_DTYPE_HELP = (
     + ", ".join(n for n in KV_SCHEMAS if n not in ("fp32", "bf16", "fp16"))
     + " (KIVI's G and R may follow: kivi2-g16-r64)"
 )
+ENGINE_KV_DTYPE_HELP = (
+    f"SmolLM2: auto (fp32) or one of {', '.join(KV_DTYPES)}; KIVI's group size and residual may follow, "
+    "kivi2-g16-r64 (see kvpool.spec.kv_formats). tiny-dsv4: auto or fp32 (exact), or fp8, DeepSeek-V4's layout "
+    "for the classical pool (FP8 with a scale per 64 dims, BF16 RoPE dims; indexer keys by --indexer-format). "
+    "Formats other than fp32 are lossy"
+)
 
 
-def add_kv_dtype_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--kv-dtype",
-        type=kv_dtype,
-        default=None,
-        metavar="FORMAT",
-        help=f"the KV cache's storage format. SmolLM2: one of {', '.join(KV_DTYPES)}; KIVI's group size and "
-        "residual may follow, kivi2-g16-r64 (see kvpool.spec.kv_formats). tiny-dsv4: fp32 (exact) or fp8, "
-        "DeepSeek-V4's layout for the classical pool (FP8 with a scale per 64 dims, BF16 RoPE dims; indexer keys "
-        "by --indexer-format). Lossy formats; default: the model's dtype, unquantized",
-    )
+def add_indexer_format_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--indexer-format",
         choices=("fp8", "mxfp4"),
         default=None,
-        help="tiny-dsv4 with --kv-dtype fp8: the CSA indexer keys' format (default fp8)",
+        help="tiny-dsv4 with --kv-cache-dtype fp8: the CSA indexer keys' format (default: fp8)",
     )
 
 
 def check_kv_dtype(args: argparse.Namespace) -> str | None:
-    """--kv-dtype (and --indexer-format), checked against the model and the tiers;
-    ValueError otherwise."""
+    """--kv-cache-dtype (and --indexer-format), checked against the model and the tiers:
+    the storage format, None for auto (the model's dtype); ValueError otherwise."""
     name = getattr(args, "kv_dtype", None)
+    name = None if name == "auto" else name
     indexer = getattr(args, "indexer_format", None)
     if indexer is not None and (name != "fp8" or getattr(args, "model", None) != "tiny-dsv4"):
         raise ValueError("--indexer-format is for tiny-dsv4 with --kv-dtype fp8 (its indexer keys)")
@@ -238,20 +310,20 @@ def add_persistent_cache_arguments(parser: argparse.ArgumentParser, *, swa: bool
         default=None,
         metavar="DIR",
         help="a crash-safe disk prefix cache in DIR, below the host tier: every full block is written there in "
-        "the background, and a later process on the same DIR hits it (inspect with `kvpool cache`)",
+        "the background, and a later process on the same DIR hits it (inspect with `kvpool cache`; default: none)",
     )
     parser.add_argument(
         "--disk-cache-gib",
         type=positive_float,
         default=None,
-        help="the disk cache's byte limit, least recently used entries go first (default 16 GiB)",
+        help="the disk cache's byte limit, least recently used entries go first (default: 16 GiB)",
     )
     parser.add_argument(
         "--redis",
         default=None,
         metavar="URL",
         help="a Redis tier shared by processes (redis://HOST:PORT[/DB]), below the disk cache: an outage "
-        "degrades to misses with one warning line",
+        "degrades to misses with one warning line (default: none)",
     )
     if not swa:
         return
@@ -269,7 +341,8 @@ def add_persistent_cache_arguments(parser: argparse.ArgumentParser, *, swa: bool
         type=positive_int,
         default=None,
         metavar="P",
-        help="--swa-strategy periodic: tokens between window snapshots, a multiple of the classical block span",
+        help="--swa-strategy periodic: tokens between window snapshots, a multiple of the classical block span "
+        "(default: none; periodic needs it)",
     )
 
 
@@ -322,7 +395,7 @@ def add_hisparse_argument(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="ENTRIES",
         help="tiny-dsv4: HiSparse, CSA main entries in host memory with a device hot set of ENTRIES per CSA "
-        "layer (the indexer's picks are fetched when not resident)",
+        "layer (the indexer's picks are fetched when not resident; default: off, every entry on the device)",
     )
 
 

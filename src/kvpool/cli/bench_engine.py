@@ -11,12 +11,12 @@ import argparse
 from kvpool.bench.engine import PARTS, measure
 from kvpool.cli.args import comma_choices, positive_int
 from kvpool.cli.bench import call_with_flags, print_table, printed_json, stderr_progress
-from kvpool.cli.generate import add_model_arguments
+from kvpool.cli.options import BLOCK_SIZE, add_engine_model_option, add_option, add_threads_option, gguf_path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=positive_int, default=128, help="new tokens per request in decode")
-    parser.add_argument("--block-size", type=positive_int, default=16, help="engine block size")
+    add_option(parser, BLOCK_SIZE, default=16, note="the engine's")
     parser.add_argument(
         "--attn-block-size", type=positive_int, default=256, help="block size for the attention comparison"
     )
@@ -31,11 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=",".join(PARTS),
         help=f"comma list of parts to run, from {','.join(PARTS)}",
     )
-    add_model_arguments(parser)
+    add_engine_model_option(parser)
+    add_threads_option(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    report = call_with_flags(measure, args, progress=stderr_progress("bench engine"))
+    report = call_with_flags(measure, args, model=gguf_path(args.model), progress=stderr_progress("bench engine"))
     if printed_json(args, report):
         return 0
     rows = []

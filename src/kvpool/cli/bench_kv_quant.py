@@ -8,18 +8,19 @@ import argparse
 from kvpool.bench.kv_quant import DEFAULT_FORMATS, measure
 from kvpool.cli.args import comma_list, kv_dtype, positive_int
 from kvpool.cli.bench import call_with_flags, print_table, printed_json
+from kvpool.cli.options import BLOCK_SIZE, add_option, add_threads_option
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=positive_int, default=16, help="decode sequences")
     parser.add_argument("--context", type=positive_int, default=4096, help="tokens of each sequence")
-    parser.add_argument("--block-size", type=positive_int, default=16)
+    add_option(parser, BLOCK_SIZE, default=16)
     parser.add_argument("--layers", type=positive_int, default=3, help="pools to cycle through")
     parser.add_argument("--repeats", type=positive_int, default=15, help="timed calls per format and path")
     parser.add_argument("--formats", type=comma_list(kv_dtype), default=DEFAULT_FORMATS, help="comma list")
     parser.add_argument("--paths", type=comma_list(str), default=("native", "torch"), help="native,torch")
-    parser.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
-    parser.add_argument("--seed", type=int, default=0)
+    add_threads_option(parser)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random K, V and queries")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,7 +13,9 @@ from kvpool.cli.bench import call_with_flags, print_table, printed_json
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=positive_int, default=5, help="runs per figure (median)")
-    parser.add_argument("--hash", dest="hash_algo", default="xxh3_128", choices=["xxh3_128", "sha256"])
+    parser.add_argument(
+        "--hash", dest="hash_algo", default="xxh3_128", choices=["xxh3_128", "sha256"], help="the block hash"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

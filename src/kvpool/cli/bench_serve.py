@@ -14,6 +14,7 @@ import sys
 from kvpool.bench.serve import READY_TIMEOUT_S, REFUSED_TIMEOUT_S, measure
 from kvpool.cli.args import positive_float, positive_int, rate
 from kvpool.cli.bench import call_with_flags, print_table, printed_json
+from kvpool.cli.options import add_kv_memory_option
 
 
 def _levels(text: str) -> list[int]:
@@ -47,7 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--concurrency", type=_levels, default=None, help="clients, one row per value: 1,4,16 (default: 1,4,16)"
     )
     load.add_argument(
-        "--request-rate", type=_rates, default=None, help="conversations per second (Poisson; inf), one row each"
+        "--request-rate",
+        type=_rates,
+        default=None,
+        help="conversations per second (Poisson; inf), one row each (default: --concurrency's levels instead)",
     )
     parser.add_argument("--num-requests", type=positive_int, default=32, help="requests per row")
     parser.add_argument("--turns", type=positive_int, default=2, help="turns per conversation")
@@ -56,9 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-ttft-ms", type=positive_float, default=1000.0, help="goodput SLO: TTFT, ms")
     parser.add_argument("--slo-tpot-ms", type=positive_float, default=200.0, help="goodput SLO: TPOT, ms")
     parser.add_argument("--seed", type=int, default=0, help="the workload's and the samplers' seed")
-    parser.add_argument(
-        "--kv-memory", default=None, help="without --url: the started server's --kv-memory (default: its own)"
-    )
+    add_kv_memory_option(parser, default=None, note="without --url: the started server's (default: its own)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-long", type=int, default=2, help="long prompts (kvpool run's default: 2)")
     parser.add_argument("--max-tokens", type=positive_int, default=24, help="new tokens per answer, at most")
     parser.add_argument("--rate", type=positive_float, default=2.0, help="arrivals per second (Poisson)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the workload")
 
 
 def run(args: argparse.Namespace) -> int:

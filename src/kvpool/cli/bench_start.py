@@ -8,16 +8,17 @@ import argparse
 from kvpool.bench.start import measure
 from kvpool.cli.args import positive_int
 from kvpool.cli.bench import call_with_flags, print_table, printed_json, stderr_progress
+from kvpool.cli.options import add_engine_model_option, gguf_path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", type=positive_int, default=5, help="warm starts to time")
     parser.add_argument("--prompt", default="hi", help="the prompt of each start")
-    parser.add_argument("--model", default=None, help="a GGUF file (default: the embedded SmolLM2-135M)")
+    add_engine_model_option(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    report = call_with_flags(measure, args, progress=stderr_progress("bench start"))
+    report = call_with_flags(measure, args, model=gguf_path(args.model), progress=stderr_progress("bench start"))
     if printed_json(args, report):
         return 0
     ft = report["first_token_s"]

@@ -9,19 +9,20 @@ import argparse
 from kvpool.bench.tiers import measure
 from kvpool.cli.args import positive_int
 from kvpool.cli.bench import call_with_flags, print_table, printed_json
+from kvpool.cli.options import BLOCK_SIZE, add_option
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-len", type=positive_int, default=2048, help="tokens of the cached SmolLM2 prefix")
     parser.add_argument("--suffix-len", type=positive_int, default=16, help="new tokens after it, each repeat")
     parser.add_argument("--repeats", type=positive_int, default=3, help="requests per case (the median counts)")
-    parser.add_argument("--block-size", type=positive_int, default=16)
+    add_option(parser, BLOCK_SIZE, default=16, note="SmolLM2's")
     parser.add_argument("--v4-prefix-len", type=positive_int, default=2304, help="tokens of the tiny-dsv4 prefix")
     parser.add_argument("--swa-period", type=positive_int, default=512, help="the periodic strategy's period")
     parser.add_argument(
         "--redis", default=None, metavar="URL", help="a Redis server to use (default: a private one, if installed)"
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts")
 
 
 def run(args: argparse.Namespace) -> int:

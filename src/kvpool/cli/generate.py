@@ -12,7 +12,7 @@ from kvpool.cli.args import (
     add_device_arguments,
     add_hisparse_argument,
     add_host_cache_argument,
-    add_kv_dtype_argument,
+    add_indexer_format_argument,
     add_persistent_cache_arguments,
     add_preemption_argument,
     check_device_model,
@@ -25,39 +25,24 @@ from kvpool.cli.args import (
     persistent_cache_options,
     positive_int,
 )
+from kvpool.cli.options import (
+    BLOCK_SIZE,
+    PREFIX_CACHING,
+    add_engine_model_option,
+    add_kv_cache_dtype_option,
+    add_option,
+    add_threads_option,
+    add_tp_option,
+    gguf_path,
+)
 
 DSV4_DEFAULT_BLOCKS = 512  # tiny-dsv4's classical blocks when --num-blocks is not given
-
-
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """--model and --threads, shared by generate, run and bench engine."""
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="a Llama-architecture GGUF file (default: the embedded SmolLM2-135M); kvpool generate and kvpool "
-        "run also take tiny-dsv4, the tiny DeepSeek-V4 model on its dual pool (token ids in and out; generate "
-        "needs --no-chat with it); kvpool run also takes the tiny hybrid models tiny-gemma2 (window + full "
-        "attention) and tiny-recurrent (recurrent + full layers)",
-    )
-    parser.add_argument(
-        "--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)"
-    )
 
 
 def _prompt(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("the prompt is empty")
     return text
-
-
-def add_tp_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--tp",
-        type=positive_int,
-        default=1,
-        help="tensor parallelism over torch.distributed (SmolLM2: 1 or 3): run under torchrun --nproc-per-node T; "
-        "each rank keeps its share of the heads and of every KV block (kvpool.models.tensor_parallel)",
-    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass, in (0, 1]")
     parser.add_argument("--top-k", type=non_negative_int, default=0, help="keep the k most likely tokens; 0 = off")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
-    parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    add_option(parser, BLOCK_SIZE, default=16)
     parser.add_argument(
         "--num-blocks",
         type=positive_int,
@@ -80,12 +65,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_host_cache_argument(parser)
-    add_kv_dtype_argument(parser)
+    add_kv_cache_dtype_option(parser)
+    add_indexer_format_argument(parser)
+    add_option(parser, PREFIX_CACHING, default=True, note="a prefix in --host-cache-gib, --disk-cache or --redis")
     add_persistent_cache_arguments(parser)
     add_preemption_argument(parser)
     add_hisparse_argument(parser)
-    add_model_arguments(parser)
-    add_tp_argument(parser)
+    add_engine_model_option(
+        parser,
+        note="; or tiny-dsv4, the tiny DeepSeek-V4 model on its dual pool (token ids in and out: give --no-chat)",
+    )
+    add_threads_option(parser)
+    add_tp_option(parser)
     add_device_arguments(parser)
 
 
@@ -150,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
     )
-    loaded = load_model(args.model, dtype=dtype, device=device)
+    loaded = load_model(gguf_path(args.model), dtype=dtype, device=device)
     rank = _tensor_parallel(args, loaded)
     if rank != 0:  # rank 0 reports; the others compute their shards alongside
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the rest of the process)
@@ -174,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
         host_cache_bytes=host_cache_bytes(args),
         preemption=preemption,
         kv_format=kv_format,
+        enable_prefix_caching=args.enable_prefix_caching,
         **tiers,
     )
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import importlib
 import os
 import re
@@ -16,13 +17,13 @@ import sys
 import threading
 from collections.abc import Iterator
 
-from kvpool.cli.args import HelpFormatter
+from kvpool.cli.args import HelpFormatter, Parser
 
 # command name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "bench": ("kvpool.cli.bench", "benchmarks: pool, engine, dsv4"),
+    "bench": ("kvpool.cli.bench", "benchmarks"),
     "cache": ("kvpool.cli.cache", "inspect and clean a disk prefix cache: ls, stats, clear DIR"),
-    "eval": ("kvpool.cli.eval", "quality evaluations: kv-quant (each KV storage format on SmolLM2)"),
+    "eval": ("kvpool.cli.eval", "quality evaluations"),
     "generate": (
         "kvpool.cli.generate",
         "generate text with SmolLM2-135M (or --model GGUF, or token ids with --model tiny-dsv4) on the paged cache",
@@ -37,10 +38,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "kvpool.cli.serve",
         "an OpenAI-compatible server (completions, chat, streaming) on the engine, with Prometheus metrics",
     ),
-    "verify": (
-        "kvpool.cli.verify",
-        "verification matrices: dsv4 (V4 dual pool vs contiguous oracle), hybrid (window / recurrent vs recompute)",
-    ),
+    "verify": ("kvpool.cli.verify", "verification programs against an independent reference"),
 }
 
 # the shell's status for a process ended by SIGINT (128 + 2)
@@ -74,10 +72,21 @@ def terminate_like_ctrl_c() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def version() -> str:
+    """kvpool's version as installed (pyproject.toml's)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("kvpool")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
+
+
+def build_parser() -> Parser:
+    parser = Parser(
         prog="kvpool", description="kvpool: a KV-cache system for LLM inference", formatter_class=HelpFormatter
     )
+    parser.add_argument("--version", action="version", version=f"kvpool {version()}")
     add_modules(parser.add_subparsers(dest="command", required=True), COMMANDS, "_run")  # bench sets "bench NAME"
     return parser
 
@@ -92,6 +101,47 @@ def add_modules(sub, modules: dict[str, tuple[str, str]], run_key: str, name_pre
         command_parser = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
         module.add_arguments(command_parser)
         command_parser.set_defaults(**{run_key: module.run, "_name": name_prefix + name})
+        names = subcommand_names(command_parser)
+        if names:  # the command's own subcommands, named in the list of commands: "benchmarks: pool, engine, ..."
+            sub._choices_actions[-1].help = f"{help_text}: {', '.join(names)}"
+
+
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """`parser`'s subcommands by name (kvpool bench's benchmarks), {} if it has none."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def subcommand_names(parser: argparse.ArgumentParser) -> list[str]:
+    return list(subcommands(parser))
+
+
+def command_parsers(parser: argparse.ArgumentParser, prefix: str = "") -> list[tuple[str, argparse.ArgumentParser]]:
+    """Every command's parser under `parser`, by its name ("run", "bench engine"), depth first;
+    a command with subcommands is listed by them only."""
+    found = []
+    for name, sub in subcommands(parser).items():
+        full = f"{prefix} {name}".strip()
+        found += command_parsers(sub, full) if subcommands(sub) else [(full, sub)]
+    return found
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """`parser`'s reading of `argv`; an argument no parser knows is one line naming the
+    command that did not take it, with the closest option it has ("did you mean"), status 2."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command = parser
+        for word in getattr(args, "_name", "").split():  # "bench engine": kvpool's, then bench's subcommand
+            command = subcommands(command).get(word, command)
+        # a former name (an alias) is suggested by the name that replaced it
+        known = {s: a.option_strings[0] for a in command._actions for s in a.option_strings}
+        close = difflib.get_close_matches(unknown[0].split("=")[0], list(known), n=1)
+        hint = f"; did you mean {known[close[0]]}?" if close and unknown[0].startswith("-") else ""
+        command.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    return args
 
 
 def lost_peer_line(error: RuntimeError) -> str | None:
@@ -115,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command. A caller's mistake (a bad value, a missing file) is reported as one
     line naming the problem, exit status 2; Ctrl-C as one line, status 130.
     KVPOOL_TRACEBACK=1 shows the traceback instead."""
-    args = build_parser().parse_args(argv)
+    args = parse(build_parser(), argv)
     try:
         return int(args._run(args) or 0)
     except (ValueError, FileNotFoundError) as error:

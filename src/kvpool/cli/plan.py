@@ -1,7 +1,7 @@
 """`kvpool plan`: KV bytes, the peak-memory ledger and the capacity plan of a model on GPUs.
 
-kvpool plan --model deepseek-v4-pro --gpu H200 --num-gpus 8 --tp 8 --context 1048576
-kvpool plan --config path/to/config.json --memory-gib 80 --context 32768 --json
+kvpool plan --model deepseek-v4-pro --gpu h200 --num-gpus 8 -tp 8 --max-model-len 1048576
+kvpool plan --config path/to/config.json --memory-gib 80 --max-model-len 32768 --json
 kvpool plan --plot kv.png            # KV bytes vs context for several presets
 kvpool plan --model smollm2-135m --device cpu   # kvpool run's own ledger on this machine
 """
@@ -9,6 +9,7 @@ kvpool plan --model smollm2-135m --device cpu   # kvpool run's own ledger on thi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -20,13 +21,19 @@ from kvpool.capacity.kv import INDEXER_FORMATS, kv_layout
 from kvpool.capacity.ledger import LedgerAssumptions
 from kvpool.capacity.planner import Plan, plan
 from kvpool.capacity.weights import WEIGHT_DTYPES
-from kvpool.cli.args import (
-    PLANNER_KV_DTYPE_HELP,
-    byte_size,
-    non_negative_int,
-    planner_kv_dtype,
-    positive_float,
-    positive_int,
+from kvpool.cli.args import byte_size, non_negative_int, positive_float, positive_int
+from kvpool.cli.options import (
+    BLOCK_SIZE,
+    GPU_MEMORY_UTILIZATION,
+    KV_MEMORY,
+    MAX_MODEL_LEN,
+    MAX_NUM_BATCHED_TOKENS,
+    MAX_NUM_SEQS,
+    MODEL,
+    add_kv_cache_dtype_option,
+    add_option,
+    add_tp_option,
+    planner_model,
 )
 from kvpool.spec.gpus import GPUS, GPUSpec, cpu_device, custom_gpu, get_gpu
 from kvpool.spec.models import PRESET_NAMES, ModelSpec, load_config_file, load_preset
@@ -48,62 +55,72 @@ PLOT_MODELS: tuple[str, ...] = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group()
-    src.add_argument("--model", help=f"a preset: {', '.join(PRESET_NAMES)}")
-    src.add_argument("--config", help="a Hugging Face config.json (or the folder holding it)")
+    add_option(
+        src,
+        MODEL,
+        default=None,
+        note=f"a preset ({', '.join(PRESET_NAMES)}; any case) or a config.json path (default: none, give one)",
+    )
+    src.add_argument(
+        "--config", help="a Hugging Face config.json or its folder, as --model takes (default: none, give one)"
+    )
     hw = parser.add_mutually_exclusive_group()
-    hw.add_argument("--gpu", default=None, help=f"GPU preset: {', '.join(GPUS)} (default: H100)")
-    hw.add_argument("--memory-gib", type=positive_float, default=None, help="GPU memory in GiB instead of a preset")
+    hw.add_argument("--gpu", default="h100", help=f"GPU preset, any case: {', '.join(g.lower() for g in GPUS)}")
+    hw.add_argument(
+        "--memory-gib",
+        type=positive_float,
+        default=None,
+        help="GPU memory in GiB (default: --gpu's)",
+    )
     hw.add_argument(
         "--device",
         choices=("cpu",),
         default=None,
         help="cpu: kvpool's own engine on this machine (its RAM), in kvpool run's configuration: "
-        "fp32 weights and KV, --kv-memory of blocks",
+        "fp32 weights and KV, --kv-memory of blocks (default: a GPU)",
     )
-    parser.add_argument(
-        "--kv-memory",
-        type=byte_size,
+    add_option(
+        parser,
+        KV_MEMORY,
         default=None,
-        help="--device cpu: the KV pool, as kvpool run's --kv-memory "
-        f"(default: {EngineConfig().kv_memory_bytes >> 20}MiB)",
+        type=byte_size,
+        note=f"--device cpu: the pool, as kvpool run's (default: {EngineConfig().kv_memory_bytes >> 20}MiB)",
+    )
+    add_option(
+        parser,
+        GPU_MEMORY_UTILIZATION,
+        default=1.0,
+        note="a GPU, or --memory-gib, less this share's complement: the capacity the ledger plans in",
     )
     parser.add_argument("--num-gpus", type=positive_int, default=None, help="GPUs in all (default: --tp)")
-    parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size")
-    parser.add_argument(
-        "--context", type=positive_int, default=None, help="context length (default: the model's maximum)"
-    )
+    add_tp_option(parser, note="GPUs one model replica is sharded over")
+    add_option(parser, MAX_MODEL_LEN, default=None, note="the context the plan holds (default: the model's maximum)")
     parser.add_argument(
         "--ep",
         action="store_true",
         help="expert parallelism over all GPUs, attention in num-gpus/tp data-parallel replicas",
     )
-    parser.add_argument("--concurrency", type=positive_int, default=None, help="concurrent requests over all GPUs")
     parser.add_argument(
-        "--block-size", type=positive_int, default=None, help="tokens per block (default: 16, 64 for MLA, 128 for V4)"
+        "--concurrency",
+        type=positive_int,
+        default=None,
+        help="concurrent requests over all GPUs (default: what the pool holds)",
     )
-    parser.add_argument(
-        "--kv-dtype", default="auto", type=planner_kv_dtype, metavar="FORMAT", help=PLANNER_KV_DTYPE_HELP
-    )
+    add_option(parser, BLOCK_SIZE, default=None, note="default: 16, 64 for MLA, 128 for V4")
+    add_kv_cache_dtype_option(parser, planner=True)
     parser.add_argument(
         "--indexer-format", default=None, choices=INDEXER_FORMATS, help="V3.2 / V4 indexer-key format (default: fp8)"
     )
     parser.add_argument("--weight-dtype", default="auto", choices=WEIGHT_DTYPES, help="weight format")
-    parser.add_argument(
-        "--max-num-seqs", type=positive_int, default=None, help="running-request limit (default: 256; cpu: 16)"
-    )
-    parser.add_argument(
-        "--max-batched-tokens",
-        type=positive_int,
-        default=None,
-        help="tokens per forward step (default: 8192; cpu: 256)",
-    )
+    add_option(parser, MAX_NUM_SEQS, default=None, note="the ledger's running requests (default: 256; cpu: 16)")
+    add_option(parser, MAX_NUM_BATCHED_TOKENS, default=None, note="the ledger's step (default: 8192; cpu: 256)")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="no CUDA-graph memory in the ledger")
     parser.add_argument(
         "--hisparse-fraction",
         type=positive_float,
         default=None,
         help="DeepSeek-V4: the tokens the pool holds with HiSparse, this fraction of the CSA main entries on the "
-        "device (the rest in host memory)",
+        "device (the rest in host memory; default: all on the device)",
     )
     parser.add_argument(
         "--lengths",
@@ -117,13 +134,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="P,D",
         help="prefill / decode disaggregation: a prefill instance on P GPUs (TP P) holding --prompt-len-token "
-        "prompts, and a decode instance on D GPUs (TP D) holding --context-token requests, sized apart",
+        "prompts, and a decode instance on D GPUs (TP D) holding --max-model-len-token requests, sized apart "
+        "(default: one instance)",
     )
     parser.add_argument(
-        "--prompt-len", type=positive_int, default=None, help="--pd: tokens of a prompt (default: --context / 2)"
+        "--prompt-len", type=positive_int, default=None, help="--pd: tokens of a prompt (default: --max-model-len / 2)"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw KV bytes vs context length")
+    parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw KV bytes vs context (default: none)")
     parser.add_argument(
         "--plot-models", default=None, help=f"comma-separated presets for --plot (default: {','.join(PLOT_MODELS)})"
     )
@@ -131,18 +149,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _load_model(args: argparse.Namespace) -> ModelSpec | None:
     if args.model:
-        return load_preset(args.model)
+        return planner_model(args.model)
     if args.config:
         return load_config_file(args.config)
     return None
 
 
 def _gpu(args: argparse.Namespace) -> GPUSpec:
+    """The device planned for: --device cpu (this machine's RAM), else --memory-gib or the
+    --gpu preset at --gpu-memory-utilization of its memory."""
     if args.device == "cpu":
+        if args.gpu_memory_utilization != 1.0:
+            raise ValueError("--gpu-memory-utilization sizes a GPU; --device cpu's pool is --kv-memory")
         return cpu_device()
-    if args.memory_gib is not None:
-        return custom_gpu(args.memory_gib)
-    return get_gpu(args.gpu or "H100")
+    gpu = custom_gpu(args.memory_gib) if args.memory_gib is not None else get_gpu(args.gpu)
+    return dataclasses.replace(gpu, memory_bytes=int(gpu.memory_bytes * args.gpu_memory_utilization))
 
 
 def _engine(args: argparse.Namespace) -> EngineConfig | None:
@@ -155,7 +176,7 @@ def _engine(args: argparse.Namespace) -> EngineConfig | None:
     return EngineConfig(
         kv_memory_bytes=args.kv_memory if args.kv_memory is not None else base.kv_memory_bytes,
         block_size=args.block_size if args.block_size is not None else base.block_size,
-        max_num_batched_tokens=args.max_batched_tokens or base.max_num_batched_tokens,
+        max_num_batched_tokens=args.max_num_batched_tokens or base.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs or base.max_num_seqs,
     )
 
@@ -212,10 +233,10 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"--plot-models {args.plot_models!r} names no preset")
         result = None
         if model is not None:
-            warn_beyond_max_position(model, args.context)
+            warn_beyond_max_position(model, args.max_model_len)
             engine = _engine(args)
             assumptions = LedgerAssumptions(
-                max_num_batched_tokens=args.max_batched_tokens or LedgerAssumptions.max_num_batched_tokens,
+                max_num_batched_tokens=args.max_num_batched_tokens or LedgerAssumptions.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs or LedgerAssumptions.max_num_seqs,
                 cuda_graphs=not args.no_cuda_graphs,
             )
@@ -224,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
                 _gpu(args),
                 num_gpus=args.num_gpus if args.num_gpus is not None else args.tp,
                 tp=args.tp,
-                context_len=args.context,
+                context_len=args.max_model_len,
                 concurrency=args.concurrency,
                 length_distribution=args.lengths,
                 expert_parallel=args.ep,

@@ -40,7 +40,7 @@ from kvpool.cli.args import (
     add_device_arguments,
     add_hisparse_argument,
     add_host_cache_argument,
-    add_kv_dtype_argument,
+    add_indexer_format_argument,
     add_persistent_cache_arguments,
     add_preemption_argument,
     check_device_model,
@@ -57,8 +57,22 @@ from kvpool.cli.args import (
     rate,
     v4_kv_format,
 )
-from kvpool.cli.generate import _tensor_parallel, add_model_arguments, add_tp_argument, agree_across_ranks
+from kvpool.cli.generate import _tensor_parallel, agree_across_ranks
 from kvpool.cli.main import EXIT_INTERRUPTED, EXIT_TERMINATED, Terminated, terminate_like_ctrl_c
+from kvpool.cli.options import (
+    BLOCK_SIZE,
+    MAX_MODEL_LEN,
+    MAX_NUM_BATCHED_TOKENS,
+    MAX_NUM_SEQS,
+    PREFIX_CACHING,
+    add_engine_model_option,
+    add_kv_cache_dtype_option,
+    add_kv_memory_option,
+    add_option,
+    add_threads_option,
+    add_tp_option,
+    gguf_path,
+)
 from kvpool.workload.live import live_chat, live_token_ids, request_id
 from kvpool.workload.metrics import latency_report, mean, num_within_slo, p50_p99, ratio
 
@@ -87,8 +101,10 @@ AGREED_FLAGS = (
     "num_blocks",
     "kv_memory",
     "kv_dtype",
-    "max_batch_tokens",
-    "max_seqs",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "max_model_len",
+    "enable_prefix_caching",
     "preemption",
     "seed",
 )
@@ -108,31 +124,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=2.0,
         help="arrivals per second of first turns and long prompts (Poisson; inf: all at once)",
     )
-    parser.add_argument(
-        "--block-size", type=positive_int, default=RUN_DEFAULTS.block_size, help="tokens per KV block (SmolLM2)"
-    )
+    add_option(parser, BLOCK_SIZE, default=RUN_DEFAULTS.block_size, note="SmolLM2 and the tiny hybrid models")
     parser.add_argument("--num-blocks", type=positive_int, default=None, help="KV blocks (default: from --kv-memory)")
     add_host_cache_argument(parser)
-    add_kv_dtype_argument(parser)
+    add_kv_cache_dtype_option(parser)
+    add_indexer_format_argument(parser)
     add_device_arguments(parser)
     add_persistent_cache_arguments(parser)
     add_hisparse_argument(parser)
     add_preemption_argument(parser)
-    parser.add_argument(
-        "--kv-memory",
+    add_kv_memory_option(
+        parser,
         default=None,
-        help="KV cache memory, e.g. 64MiB or 1GiB (default: 256MiB for SmolLM2; 16MiB of classical blocks for "
-        "tiny-dsv4, whose state blocks come on top)",
+        note="default: 256MiB for SmolLM2, 16MiB for the tiny hybrid models, 16MiB of classical blocks for "
+        "tiny-dsv4 (its state blocks come on top)",
     )
-    parser.add_argument(
-        "--max-batch-tokens",
-        type=positive_int,
-        default=RUN_DEFAULTS.max_num_batched_tokens,
-        help="token budget per engine step",
-    )
-    parser.add_argument(
-        "--max-seqs", type=positive_int, default=RUN_DEFAULTS.max_num_seqs, help="most sequences in one step"
-    )
+    add_option(parser, MAX_MODEL_LEN, default=None, note="default: the model's positions or what the pool holds")
+    add_option(parser, MAX_NUM_BATCHED_TOKENS, default=RUN_DEFAULTS.max_num_batched_tokens)
+    add_option(parser, MAX_NUM_SEQS, default=RUN_DEFAULTS.max_num_seqs)
+    add_option(parser, PREFIX_CACHING, default=True)
     parser.add_argument(
         "--slo-ttft-ms", type=positive_float, default=1000.0, help="goodput SLO: time to first token, ms"
     )
@@ -143,8 +153,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seed", type=non_negative_int, default=0, help="seed of the workload, the arrivals and the sampler"
     )
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    add_model_arguments(parser)
-    add_tp_argument(parser)
+    add_engine_model_option(
+        parser,
+        note="; or the built-in tiny-dsv4 (the tiny DeepSeek-V4 model on its dual pool, token ids), tiny-gemma2 "
+        "(window + full attention) or tiny-recurrent (recurrent + full layers)",
+    )
+    add_threads_option(parser)
+    add_tp_option(parser)
 
 
 # ---- the run ----------------------------------------------------------------------------
@@ -185,7 +200,7 @@ def check_hybrid(args: argparse.Namespace) -> None:
     for attr, flag, why in HYBRID_REFUSED:
         if getattr(args, attr, None) is not None:
             raise ValueError(f"{flag} is not supported with --model {model}: {why}")
-    if getattr(args, "kv_dtype", None) not in (None, "fp32"):
+    if getattr(args, "kv_dtype", None) not in (None, "auto", "fp32"):
         raise ValueError(f"--kv-dtype {args.kv_dtype} is not supported with --model {model}: it keeps float32 K/V")
     if getattr(args, "preemption", "recompute") != "recompute":
         raise ValueError(f"--preemption {args.preemption} is not supported with --model {model}: it recomputes")
@@ -213,10 +228,11 @@ def hybrid_engine(args: argparse.Namespace):
     engine = build_engine(
         model,
         num_blocks=num_blocks,
-        num_slots=4 * args.max_seqs,
+        num_slots=4 * args.max_num_seqs,
         block_size=args.block_size,
-        max_num_batched_tokens=args.max_batch_tokens,
-        max_num_seqs=args.max_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
     return engine, model
 
@@ -227,6 +243,7 @@ def build(args: argparse.Namespace):
     check_device_model(args, (TINY_MODEL, *HYBRID_MODELS))
     if args.model in HYBRID_MODELS:
         engine, model = hybrid_engine(args)
+        limit_model_len(engine, args.max_model_len)
         return (
             engine,
             lambda rng: live_token_ids(model.vocab_size, args.num_requests, args.num_long, rng),
@@ -249,14 +266,16 @@ def build(args: argparse.Namespace):
             model,
             num_blocks=args.num_blocks,
             kv_memory_bytes=parse_bytes(args.kv_memory or "16MiB"),  # classical blocks: the state blocks on top
-            num_state_blocks=args.max_seqs,
-            max_num_batched_tokens=args.max_batch_tokens,
-            max_num_seqs=args.max_seqs,
+            num_state_blocks=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            enable_prefix_caching=args.enable_prefix_caching,
             hot_set_entries=getattr(args, "hisparse", None),
             host_cache_bytes=host_cache_bytes(args),
             **persistent_cache_options(args),
             **v4_kv_format(args),
         )
+        limit_model_len(engine, args.max_model_len)
         return (
             engine,
             lambda rng: live_token_ids(model.vocab_size, args.num_requests, args.num_long, rng),
@@ -269,12 +288,13 @@ def build(args: argparse.Namespace):
     from kvpool.engine.build import load_model
 
     dtype, device = model_placement(args)
-    loaded = load_model(args.model, dtype=dtype, device=device)
+    loaded = load_model(gguf_path(args.model), dtype=dtype, device=device)
     if _tensor_parallel(args, loaded) != 0:  # rank 0 reports; the other ranks compute their shards alongside
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the rest of the process)
         args.json = True  # and no progress bar
     kv_bytes = parse_bytes(args.kv_memory) if args.kv_memory else RUN_DEFAULTS.kv_memory_bytes
     engine = llama_engine(loaded, args, kv_bytes)
+    limit_model_len(engine, args.max_model_len)
     return (
         engine,
         lambda rng: live_chat(loaded.tokenizer.encode_chat, args.num_requests, args.num_long, rng),
@@ -283,11 +303,25 @@ def build(args: argparse.Namespace):
     )
 
 
+def limit_model_len(engine, max_model_len: int | None) -> None:
+    """--max-model-len: the engine's longest request (prompt and output), at most what the
+    model's positions and the KV pool allow (the runner's own limit); None keeps that."""
+    if max_model_len is None:
+        return
+    most = engine.runner.max_model_len
+    if max_model_len > most:
+        raise ValueError(
+            f"--max-model-len {max_model_len}: this model and KV pool hold at most {most} tokens a request "
+            "(a larger --kv-memory or --num-blocks holds more, up to the model's positions)"
+        )
+    engine.runner.max_model_len = max_model_len
+
+
 def llama_engine(loaded, args: argparse.Namespace, kv_memory_bytes: int):
     """The engine over a loaded GGUF (engine/build.py `build_engine`) from the flags `kvpool
     run` and `kvpool serve` share: --num-blocks (else what `kv_memory_bytes` holds),
-    --block-size, --max-batch-tokens, --max-seqs, --host-cache-gib, --preemption, --kv-dtype,
-    --disk-cache, --disk-cache-gib, --redis."""
+    --block-size, --max-num-batched-tokens, --max-num-seqs, --enable-prefix-caching,
+    --host-cache-gib, --preemption, --kv-cache-dtype, --disk-cache, --disk-cache-gib, --redis."""
     from kvpool.engine.build import build_engine
 
     return build_engine(
@@ -295,8 +329,9 @@ def llama_engine(loaded, args: argparse.Namespace, kv_memory_bytes: int):
         num_blocks=args.num_blocks,
         kv_memory_bytes=kv_memory_bytes,
         block_size=args.block_size,
-        max_num_batched_tokens=args.max_batch_tokens,
-        max_num_seqs=args.max_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
         host_cache_bytes=host_cache_bytes(args),
         preemption=getattr(args, "preemption", "recompute"),
         kv_format=check_kv_dtype(args),

@@ -25,15 +25,31 @@ from kvpool.cli.args import (
     add_host_cache_argument,
     add_persistent_cache_arguments,
     add_preemption_argument,
+    check_kv_dtype,
     check_preemption,
     model_placement,
     parse_bytes,
     parsed_number,
     persistent_cache_options,
     positive_int,
+    size_text,
+)
+from kvpool.cli.options import (
+    BLOCK_SIZE,
+    DEFAULT_MODEL,
+    ENGINE_MODELS,
+    MAX_MODEL_LEN,
+    MAX_NUM_BATCHED_TOKENS,
+    MAX_NUM_SEQS,
+    PREFIX_CACHING,
+    add_engine_model_option,
+    add_kv_cache_dtype_option,
+    add_kv_memory_option,
+    add_option,
+    add_threads_option,
+    gguf_path,
 )
 
-DEFAULT_MODEL = "smollm2-135m"  # the embedded SmolLM2-135M-Instruct
 DEFAULT_KV_MEMORY = "256MiB"
 GRACEFUL_S = 5  # seconds the streams in flight get to end at shutdown
 
@@ -45,11 +61,7 @@ def port(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes it to the network)")
     parser.add_argument("--port", type=port, default=8000, help="TCP port; 0 lets the system pick a free one")
-    parser.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help=f"{DEFAULT_MODEL} (the embedded SmolLM2-135M-Instruct) or a Llama-architecture GGUF file",
-    )
+    add_engine_model_option(parser)
     parser.add_argument(
         "--served-model-name", default=None, help="the name clients send as `model` (default: --model's name)"
     )
@@ -65,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-key-file",
         default=None,
         metavar="FILE",
-        help="API keys, one KEY or KEY:TENANT a line (# comments), besides any --api-key",
+        help="API keys, one KEY or KEY:TENANT a line (# comments), besides any --api-key (default: none)",
     )
     parser.add_argument(
         "--trust-tenant-header",
@@ -76,20 +88,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-request-bytes",
         default="4MiB",
-        help="the largest request body; a larger one gets a 413 before it is read (default 4MiB)",
+        type=size_text,
+        metavar="SIZE",
+        help="the largest request body; a larger one gets a 413 before it is read",
     )
-    parser.add_argument("--kv-memory", default=DEFAULT_KV_MEMORY, help="KV cache memory, e.g. 256MiB or 1GiB")
+    add_kv_memory_option(parser, default=DEFAULT_KV_MEMORY)
     parser.add_argument("--num-blocks", type=positive_int, default=None, help="KV blocks (default: from --kv-memory)")
-    parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
-    parser.add_argument("--max-batch-tokens", type=positive_int, default=512, help="token budget per engine step")
-    parser.add_argument("--max-seqs", type=positive_int, default=64, help="most sequences in one step")
+    add_option(parser, BLOCK_SIZE, default=16)
+    add_option(parser, MAX_MODEL_LEN, default=None, note="default: the model's positions or what the pool holds")
+    add_option(parser, MAX_NUM_BATCHED_TOKENS, default=512)
+    add_option(parser, MAX_NUM_SEQS, default=64)
+    add_option(parser, PREFIX_CACHING, default=True)
+    add_kv_cache_dtype_option(parser)
     add_host_cache_argument(parser)
     add_persistent_cache_arguments(parser, swa=False)
     add_preemption_argument(parser)
     add_device_arguments(parser)
-    parser.add_argument(
-        "--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)"
-    )
+    add_threads_option(parser)
     parser.add_argument(
         "--log-level",
         choices=("critical", "error", "warning", "info", "debug"),
@@ -119,8 +134,8 @@ def _bind(host: str, port_number: int) -> socket.socket:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    if args.model == "tiny-dsv4":
-        raise ValueError("--model tiny-dsv4 has no tokenizer or chat template; kvpool serve runs a Llama GGUF")
+    if args.model in ENGINE_MODELS and args.model != DEFAULT_MODEL:
+        raise ValueError(f"--model {args.model} has no tokenizer or chat template; kvpool serve runs a Llama GGUF")
     model_placement(args)  # --device cuda without a GPU: refused before the socket is bound
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ValueError("--served-model-name is empty")
@@ -128,10 +143,11 @@ def run(args: argparse.Namespace) -> int:
     max_request_bytes = parse_bytes(args.max_request_bytes, "--max-request-bytes")
     kv_bytes = parse_bytes(args.kv_memory)
     check_preemption(args)  # (llama_engine reads --preemption)
+    check_kv_dtype(args)  # (and --kv-cache-dtype)
     persistent_cache_options(args)  # (and these)
     if args.threads:
         torch.set_num_threads(args.threads)
-    gguf = None if args.model == DEFAULT_MODEL else args.model
+    gguf = gguf_path(args.model)
     if gguf is not None and not os.path.isfile(gguf):
         raise FileNotFoundError(f"--model {gguf!r}: no such GGUF file (or give {DEFAULT_MODEL})")
     name = args.served_model_name or (DEFAULT_MODEL if gguf is None else os.path.basename(gguf).removesuffix(".gguf"))
@@ -194,7 +210,7 @@ def _serve(
 ) -> int:
     import uvicorn
 
-    from kvpool.cli.run import llama_engine
+    from kvpool.cli.run import limit_model_len, llama_engine
     from kvpool.engine.build import load_model
     from kvpool.server.app import ServerState, build_app
     from kvpool.server.engine_thread import EngineThread
@@ -204,6 +220,7 @@ def _serve(
     dtype, device = model_placement(args)
     loaded = load_model(gguf, dtype=dtype, device=device)
     engine = llama_engine(loaded, args, kv_bytes)
+    limit_model_len(engine, args.max_model_len)
     num_blocks = engine.runner.usage().num_blocks
     metrics = ServerMetrics(name)
     thread = EngineThread(engine, loaded.tokenizer.decode, on_step=metrics.update)

@@ -1,6 +1,6 @@
 """`kvpool simulate`: serving at GPU scale on the engine's own scheduler and cache managers.
 
-    kvpool simulate --model deepseek-v4-flash --gpu h200 --tp 8 --workload chat --requests 2000
+    kvpool simulate --model deepseek-v4-flash --gpu h200 -tp 8 --workload chat --requests 2000
     kvpool simulate ... --layout dual,paged,contiguous      (one run each, compared)
     kvpool simulate ... --replicas 4 --routing round-robin,prefix-aware
     kvpool simulate ... --trace FILE.jsonl                   (docs/SIM_TRACE.md)
@@ -27,15 +27,19 @@ import time
 from typing import TYPE_CHECKING
 
 from kvpool.cache.dual_pool import RESTORE_METHODS
-from kvpool.cli.args import (
-    PLANNER_KV_DTYPE_HELP,
-    check_output_dir,
-    comma_choices,
-    non_negative_int,
-    planner_kv_dtype,
-    positive_float,
-    positive_int,
-    rate,
+from kvpool.cli.args import check_output_dir, comma_choices, non_negative_int, positive_float, positive_int, rate
+from kvpool.cli.options import (
+    BLOCK_SIZE,
+    GPU_MEMORY_UTILIZATION,
+    MAX_MODEL_LEN,
+    MAX_NUM_BATCHED_TOKENS,
+    MAX_NUM_SEQS,
+    MODEL,
+    PREFIX_CACHING,
+    add_kv_cache_dtype_option,
+    add_option,
+    add_tp_option,
+    planner_model,
 )
 
 if TYPE_CHECKING:  # rich loads on output only: --help stays fast
@@ -89,13 +93,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("mode", nargs="?", choices=("run", "sweep"), default="run", help="one run (or a few) / a sweep")
     # The default model must hold the default workload: 4-turn chats reach ~9k tokens, past
     # SmolLM2's 8,192 positions; Llama-3.1-8B on one H200 is the common serving setup.
-    parser.add_argument(
-        "--model", default="llama-3.1-8b", help=f"a preset ({', '.join(PRESET_NAMES)}) or a config.json path"
+    add_option(
+        parser,
+        MODEL,
+        default="llama-3.1-8b",
+        note=f"a preset ({', '.join(PRESET_NAMES)}; any case) or a config.json path",
     )
-    parser.add_argument("--gpu", default="h200", help="h100, h200, b200 or cpu (this machine, calibrated)")
-    parser.add_argument("--tp", type=positive_int, default=None, help="GPUs per replica (default: the fewest that fit)")
+    parser.add_argument("--gpu", default="h200", help="h100, h200, b200 (any case) or cpu (this machine, calibrated)")
+    add_option(
+        parser,
+        GPU_MEMORY_UTILIZATION,
+        default=1.0,
+        note="each GPU's memory the replica plans its KV pool in (not with --gpu cpu)",
+    )
+    add_tp_option(parser, default=None, note="GPUs per replica (default: the fewest that fit)")
     parser.add_argument("--workload", choices=WORKLOADS, default="chat", help="chat, agentic or uniform")
-    parser.add_argument("--trace", default=None, help="replay a JSONL trace instead (docs/SIM_TRACE.md)")
+    parser.add_argument(
+        "--trace", default=None, help="replay a JSONL trace instead (docs/SIM_TRACE.md; default: --workload)"
+    )
     parser.add_argument("--trace-block-size", type=positive_int, default=512, help="tokens per hash id of a trace")
     parser.add_argument(
         "--requests",
@@ -107,38 +122,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sessions", type=positive_int, default=None, help="chat, agentic: sessions (default: requests / turns)"
     )
     parser.add_argument(
-        "--turns", type=positive_int, default=None, help="chat, agentic: turns per session (chat 4, agentic 8)"
+        "--turns", type=positive_int, default=None, help="chat, agentic: turns per session (default: chat 4, agentic 8)"
     )
     parser.add_argument(
         "--rate",
         type=_list(rate),
-        default=(4.0,),
+        default="4",
         help="new sessions per second, Poisson (inf: all at once); a list (a trace keeps its own times)",
     )
-    parser.add_argument("--prompt-len", type=_range, default=(128, 2048), help="uniform: prompt tokens LO:HI")
-    parser.add_argument("--output-len", type=_range, default=(64, 512), help="uniform: output tokens LO:HI")
-    parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument("--prompt-len", type=_range, default="128:2048", help="uniform: prompt tokens LO:HI")
+    parser.add_argument("--output-len", type=_range, default="64:512", help="uniform: output tokens LO:HI")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the workload and its arrivals")
     parser.add_argument(
         "--layout",
         type=comma_choices(LAYOUTS),
         default=None,
-        help="paged, contiguous, dual (V4), hybrid (sliding windows); a list compares",
+        help="paged, contiguous, dual (V4), hybrid (sliding windows); a list compares (default: the model's: dual for "
+        "V4, hybrid with sliding windows, else paged)",
     )
-    parser.add_argument(
-        "--block-size",
-        type=_list(positive_int),
+    add_option(
+        parser,
+        BLOCK_SIZE,
         default=(None,),
-        help="tokens per block; a list (contiguous has none: one run per rate)",
+        type=_list(positive_int),
+        note="a list runs each (contiguous has none: one run per rate); default: the layout's own, 16, 64 for MLA, "
+        "128 for V4",
     )
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--replicas", type=positive_int, default=1)
+    add_option(parser, PREFIX_CACHING, default=True)
+    parser.add_argument("--replicas", type=positive_int, default=1, help="engine replicas behind the router")
     parser.add_argument(
-        "--routing", type=comma_choices(ROUTINGS), default=("round-robin",), help=f"{', '.join(ROUTINGS)}; a list"
+        "--routing", type=comma_choices(ROUTINGS), default="round-robin", help=f"{', '.join(ROUTINGS)}; a list"
     )
     parser.add_argument("--load-cap", type=positive_float, default=1.5, help="prefix-aware: load cap x the least load")
-    parser.add_argument("--max-num-seqs", type=positive_int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
-    parser.add_argument("--max-model-len", type=positive_int, default=None, help="default: the longest request")
+    add_option(parser, MAX_NUM_SEQS, default=256)
+    add_option(parser, MAX_NUM_BATCHED_TOKENS, default=8192)
+    add_option(parser, MAX_MODEL_LEN, default=None, note="default: the longest request")
     parser.add_argument(
         "--v4-restore",
         choices=RESTORE_METHODS,
@@ -153,41 +171,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="V4 checkpoints in this many slots carved out of the pool (default: pooled, in the classical pool's "
         "free memory)",
     )
+    add_kv_cache_dtype_option(parser, planner=True)
     parser.add_argument(
-        "--kv-dtype",
-        default="auto",
-        type=planner_kv_dtype,
-        metavar="FORMAT",
-        help=PLANNER_KV_DTYPE_HELP,
+        "--slo-ttft-ms", type=positive_float, default=2000.0, help="goodput SLO: time to first token, ms"
     )
-    parser.add_argument("--slo-ttft-ms", type=positive_float, default=2000.0)
-    parser.add_argument("--slo-tpot-ms", type=positive_float, default=100.0)
+    parser.add_argument(
+        "--slo-tpot-ms", type=positive_float, default=100.0, help="goodput SLO: time per output token, ms"
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object (a sweep: JSON lines)")
-    parser.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots into DIR")
+    parser.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots into DIR (default: no plots)")
     parser.add_argument("--out", default=None, help="sweep: the JSONL file to write (default: stdout)")
     parser.add_argument("--jobs", type=positive_int, default=None, help="sweep: parallel processes (default: cores)")
 
 
-def _model(name: str):
-    from kvpool.spec.models import PRESET_NAMES, load_config_file, load_preset
+def _gpu(name: str, utilization: float = 1.0):
+    """--gpu's preset (any case) at --gpu-memory-utilization of its memory, or the cpu preset."""
+    import dataclasses
 
-    if name in PRESET_NAMES:
-        return load_preset(name)
-    if os.path.exists(name):
-        return load_config_file(name)
-    raise ValueError(f"--model: unknown model {name!r}; presets: {', '.join(PRESET_NAMES)}, or a config.json path")
-
-
-def _gpu(name: str):
     from kvpool.sim.cost import cpu_preset
     from kvpool.spec.gpus import get_gpu
 
     if name.lower() == "cpu":
+        if utilization != 1.0:
+            raise ValueError("--gpu-memory-utilization sizes a GPU; --gpu cpu is this machine, calibrated")
         return cpu_preset()
     try:
-        return get_gpu(name)
+        gpu = get_gpu(name)
     except ValueError as e:
         raise ValueError(f"--gpu: {e}") from None
+    return dataclasses.replace(gpu, memory_bytes=int(gpu.memory_bytes * utilization))
 
 
 def _workload(args, model, rate_value: float):
@@ -262,12 +274,12 @@ def _one(args, combo: dict, progress: bool) -> dict:
     from kvpool.sim.cost import CostModel
     from kvpool.sim.simulator import SimConfig, check_request_lens, simulate
 
-    model, gpu = _model(args.model), _gpu(args.gpu)
+    model, gpu = planner_model(args.model), _gpu(args.gpu, args.gpu_memory_utilization)
     tp = _fit_tp(model, gpu, args)
     config = SimConfig(
         layout=combo["layout"],
         block_size=combo["block_size"],
-        enable_prefix_caching=not args.no_prefix_caching,
+        enable_prefix_caching=args.enable_prefix_caching,
         tp=tp,
         replicas=args.replicas,
         routing=combo["routing"],

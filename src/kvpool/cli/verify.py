@@ -32,7 +32,7 @@ import argparse
 import json
 import math
 
-from kvpool.cli.args import positive_int
+from kvpool.cli.args import HelpFormatter, positive_int
 
 DTYPES = ("fp64", "fp32")
 
@@ -53,7 +53,7 @@ def _add_matrix_arguments(parser: argparse.ArgumentParser, seed_help: str) -> No
         "--lengths",
         type=_lengths,
         default=None,
-        help="comma-separated prompt lengths: run only those length cases (None: the whole matrix)",
+        help="comma-separated prompt lengths: run only those length cases (default: the whole matrix)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--seed", type=int, default=0, help=seed_help)
@@ -67,7 +67,7 @@ def _add_matrix_arguments(parser: argparse.ArgumentParser, seed_help: str) -> No
         "--tolerance",
         type=float,
         default=None,
-        help="max abs logit difference to pass; overrides the dtype's bound (None: fp64 1e-12, fp32 derived per case)",
+        help="max abs logit difference to pass; overrides the dtype's (default: fp64 1e-12, fp32 derived per case)",
     )
 
 
@@ -77,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "dsv4",
         help="DeepSeek-V4 Classical + State pools against the contiguous oracle",
         description="DeepSeek-V4 Classical + State pools against the contiguous oracle, case by case.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     _add_matrix_arguments(dsv4, "seed of the tiny model's weights")
 
@@ -88,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "Tiny hybrid models (a Gemma-2-like window / full model and a recurrent / full model) on the hybrid "
             "cache coordinator against a full recompute, case by case (kvpool.verify.hybrid)."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     _add_matrix_arguments(hybrid, "seed of the tiny models' weights")
     add_cp_arguments(sub)
@@ -104,16 +104,16 @@ def add_cp_arguments(sub) -> None:
             "Context-parallel decode attention (kvpool.verify.context_parallel): each rank holds a share of every "
             "sequence's blocks; run under torchrun --nproc-per-node R -m kvpool verify cp. Rank 0 prints the result."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     cp.add_argument("--context", type=positive_int, default=32768, help="tokens of each random sequence")
     cp.add_argument("--batch", type=positive_int, default=4, help="random decode sequences")
-    cp.add_argument("--block-size", type=positive_int, default=16)
+    cp.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
     cp.add_argument("--smollm2-prompt", type=int, default=1024, help="prompt tokens of the SmolLM2 check (0: skip it)")
     cp.add_argument(
         "--steps", type=positive_int, default=16, help="greedy tokens of the SmolLM2 check (the first is the prefill's)"
     )
-    cp.add_argument("--seed", type=int, default=0)
+    cp.add_argument("--seed", type=int, default=0, help="seed of the random sequences")
     cp.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -125,7 +125,7 @@ def add_tp_arguments(sub) -> None:
             "The tensor-parallel engine (kvpool.verify.tensor_parallel) against the single-process engine: "
             "run under torchrun --nproc-per-node 3 -m kvpool verify tp. Rank 0 prints the result."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     tp.add_argument("--max-tokens", type=positive_int, default=8, help="greedy tokens of the short requests")
     tp.add_argument("--json", action="store_true", help="print one JSON object")
@@ -164,12 +164,12 @@ def add_pd_arguments(sub) -> None:
             "Prefill / decode disaggregation (kvpool.verify.disaggregated): prefill ranks first, then decode ranks; "
             "run under torchrun --nproc-per-node P+D -m kvpool verify pd. The decode leader prints the result."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
-    pd.add_argument("--prefill-tp", type=positive_int, default=1)
-    pd.add_argument("--decode-tp", type=positive_int, default=1)
-    pd.add_argument("--prefill-block-size", type=positive_int, default=16)
-    pd.add_argument("--decode-block-size", type=positive_int, default=16)
+    pd.add_argument("--prefill-tp", type=positive_int, default=1, help="tensor-parallel size of the prefill side")
+    pd.add_argument("--decode-tp", type=positive_int, default=1, help="tensor-parallel size of the decode side")
+    pd.add_argument("--prefill-block-size", type=positive_int, default=16, help="the prefill side's KV block size")
+    pd.add_argument("--decode-block-size", type=positive_int, default=16, help="the decode side's KV block size")
     pd.add_argument("--max-tokens", type=positive_int, default=8, help="greedy tokens a request decodes")
     pd.add_argument("--prompt-len", type=positive_int, default=480, help="tokens of the reference text a prompt takes")
     pd.add_argument("--prefill-tenant", default="", help="the tenant the prefill side describes its blocks under")

