@@ -268,39 +268,40 @@ def copy_of(st: PagedKVStorage, dtype: torch.dtype) -> PagedKVStorage:
 
 @pytest.mark.parametrize(("dtype", "num_splits"), [(torch.float64, 3), (torch.float32, None)], ids=["fp64", "fp32"])
 def test_backend_step_equals_the_torch_backend(ops, dtype, num_splits) -> None:
-    """A mixed step (a prefill chunk after a cached prefix, a prefill from 0, three decodes)
+    """A mixed step (a prefill chunk after a cached prefix, a prefill from 0, three decodes),
+    then a step of decodes only (each sequence's last token again: the step's own tables),
     through the Triton backend (its decodes split in 3, or by the rule: 1) and through the
     torch backend (padded) on copies of one pool: the same pool after the writes, the same
     attention (fp32: within 4x the torch backend's own fp32 error against its fp64 run + 16
     ulps of max|v|)."""
     bs, g = 16, 4
-    q_lens = [1, 20, 1, 9, 1]
     ctx_lens = [160, 50, 17, 9, 64]
     st, indptr, ids = pool_with_context(dtype, bs, ctx_lens, seed=3)
     twin, exact_pool = copy_of(st, dtype), copy_of(st, torch.float64)
-    slots = []
-    for i, (ql, cl) in enumerate(zip(q_lens, ctx_lens, strict=True)):
-        table = ids[indptr[i] : indptr[i + 1]]
-        slots += [table[p // bs] * bs + p % bs for p in range(cl - ql, cl)]
-    meta = PagedStepMetadata(q_lens, ctx_lens, slots, indptr, ids)
-    n = sum(q_lens)
     triton_backend = TritonPagedBackend(st, KVH * g, None, dtype, num_splits=num_splits)
     torch_backend = TorchPagedBackend(twin, KVH * g, None, dtype, decode_path="padded")
-    step = triton_backend.begin_step(meta)
-    assert step.decode_path == "triton" and step.table_bytes > 0
-    reference = torch_backend.begin_step(meta)
-    exact_step = TorchPagedBackend(exact_pool, KVH * g, None, torch.float64, decode_path="padded").begin_step(meta)
-    for layer in range(2):
-        q, k, v = (torch.randn(n, heads, D, dtype=torch.float64).to(DEVICE, dtype) for heads in (KVH * g, KVH, KVH))
-        out = step.attend(layer, q, k, v)
-        want = reference.attend(layer, q, k, v)
-        exact = exact_step.attend(layer, q.double(), k.double(), v.double())
-        assert torch.equal(st.k, twin.k) and torch.equal(st.v, twin.v)
-        err = (out.double() - exact).abs().max()
-        if dtype == torch.float64:
-            assert err <= TOL64
-        else:
-            assert err <= 4 * (want.double() - exact).abs().max() + 16 * U32 * st.v.abs().max()
+    exact_backend = TorchPagedBackend(exact_pool, KVH * g, None, torch.float64, decode_path="padded")
+    for q_lens in ([1, 20, 1, 9, 1], [1] * 5):
+        slots = []
+        for i, (ql, cl) in enumerate(zip(q_lens, ctx_lens, strict=True)):
+            table = ids[indptr[i] : indptr[i + 1]]
+            slots += [table[p // bs] * bs + p % bs for p in range(cl - ql, cl)]
+        meta = PagedStepMetadata(q_lens, ctx_lens, slots, indptr, ids)
+        n = sum(q_lens)
+        step = triton_backend.begin_step(meta)
+        assert step.decode_path == "triton" and step.table_bytes > 0
+        reference, exact_step = torch_backend.begin_step(meta), exact_backend.begin_step(meta)
+        for layer in range(2):
+            q, k, v = (torch.randn(n, h, D, dtype=torch.float64).to(DEVICE, dtype) for h in (KVH * g, KVH, KVH))
+            out = step.attend(layer, q, k, v)
+            want = reference.attend(layer, q, k, v)
+            exact = exact_step.attend(layer, q.double(), k.double(), v.double())
+            assert torch.equal(st.k, twin.k) and torch.equal(st.v, twin.v)
+            err = (out.double() - exact).abs().max()
+            if dtype == torch.float64:
+                assert err <= TOL64
+            else:
+                assert err <= 4 * (want.double() - exact).abs().max() + 16 * U32 * st.v.abs().max()
 
 
 def test_backend_registry_and_refusals(ops) -> None:

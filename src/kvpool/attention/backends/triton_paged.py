@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from kvpool.attention.backends.paged_step import PagedBackend, PagedStep, PagedStepMetadata, make_step
@@ -111,21 +112,22 @@ class TritonPagedBackend(PagedBackend):
     def _plan_decodes(self, meta: PagedStepMetadata, seqs: list[int], rows: list[int]) -> TritonDecodePlan:
         st = self.storage
         bs, device = st.block_size, st.k.device
-        indptr, indices, last_len = [0], [], []
-        for i in seqs:
-            blocks = meta.indices[meta.indptr[i] : meta.indptr[i + 1]]
-            indices.extend(blocks)
-            indptr.append(len(indices))
-            last_len.append(meta.ctx_lens[i] - (len(blocks) - 1) * bs)
+        ptr, ctx_lens = meta.indptr, meta.ctx_lens
+        if len(seqs) == len(ctx_lens):  # every sequence decodes: the step's own tables
+            indptr, indices = ptr, meta.indices
+        else:
+            indptr, indices = [0], []
+            for i in seqs:
+                indices.extend(meta.indices[ptr[i] : ptr[i + 1]])
+                indptr.append(len(indices))
+        last_len = [ctx_lens[i] - (ptr[i + 1] - ptr[i] - 1) * bs for i in seqs]
         splits = self.num_splits
         if splits is None:
-            max_ctx_len = max(meta.ctx_lens[i] for i in seqs)
+            max_ctx_len = max(ctx_lens[i] for i in seqs)
             splits = self.ops.num_splits_for(len(seqs), st.num_kv_heads, max_ctx_len, self.num_sms)
-
-        def int32(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32, device=device)
-
-        return TritonDecodePlan(int32(rows), int32(indptr), int32(indices), int32(last_len), splits)
+        return TritonDecodePlan(
+            _int32(rows, device), _int32(indptr, device), _int32(indices, device), _int32(last_len, device), splits
+        )
 
     def _plan_extend(self, meta: PagedStepMetadata, seqs: list[int], rows: list[int], num_rows: int):
         """The extend kernel's tables for the step's prefill chunks, sequences `seqs` whose
@@ -154,11 +156,12 @@ class TritonPagedBackend(PagedBackend):
         bs, device = st.block_size, st.k.device
         prefill_seqs, prefill_rows, seqs, rows = [], [], [], []
         row = 0
+        ptr = meta.indptr
         for i, (q_len, ctx_len) in enumerate(zip(meta.q_lens, meta.ctx_lens, strict=True)):
-            blocks = meta.indices[meta.indptr[i] : meta.indptr[i + 1]]
-            if len(blocks) != -(-ctx_len // bs) or ctx_len < q_len or q_len < 1:
+            num_blocks = ptr[i + 1] - ptr[i]
+            if num_blocks != -(-ctx_len // bs) or ctx_len < q_len or q_len < 1:
                 raise ValueError(
-                    f"sequence {i}: {len(blocks)} blocks of {bs} for {ctx_len} tokens with {q_len} new ones"
+                    f"sequence {i}: {num_blocks} blocks of {bs} for {ctx_len} tokens with {q_len} new ones"
                 )
             if q_len == 1:
                 seqs.append(i)
@@ -206,6 +209,13 @@ class TritonPagedBackend(PagedBackend):
             acc_bytes = 8 if self.dtype == torch.float64 else 4
             extra += len(seqs) * self.num_heads * decode.num_splits * (st.head_dim + 1) * acc_bytes
         return dataclasses.replace(step, decode_path="triton", table_bytes=step.table_bytes + extra)
+
+
+def _int32(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """values as an int32 tensor on `device`, through numpy (torch.tensor of a list of Python
+    ints is ~4x slower: 32k block ids, a batch of 128 x 4k tokens, 6.3 ms against 1.4 ms)."""
+    host = torch.from_numpy(np.fromiter(values, dtype=np.int32, count=len(values)))
+    return host if device.type == "cpu" else host.to(device)
 
 
 def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
