@@ -16,7 +16,7 @@ import pytest
 
 from kvpool.cli.args import HelpFormatter, parse_bytes
 from kvpool.cli.main import build_parser, command_parsers, main, subcommands
-from kvpool.cli.options import SHARED_OPTIONS, engine_model, options_table
+from kvpool.cli.options import engine_model, options_table
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = str(ROOT / "src")
@@ -29,6 +29,8 @@ SAMPLES = {
     "tp": ("3", 3),
     "block_size": ("32", 32),
     "gpu_memory_utilization": ("0.5", 0.5),
+    "dtype": ("bfloat16", "bf16"),  # vLLM's spelling of kvpool's bf16
+    "device": ("cpu", "cpu"),
 }
 # positionals a command needs before its options parse
 POSITIONALS = {"generate": ["hi"]}
@@ -55,7 +57,7 @@ def test_every_alias_parses_as_the_vllm_name() -> None:
     checked = 0
     for command, parser in command_parsers(PARSER):
         for action in parser._actions:
-            option = next((o for o in SHARED_OPTIONS if o.name in action.option_strings), None)
+            option = getattr(action, "shared", None)  # (an option add_option added)
             if option is None or option.dest not in SAMPLES and option.kind != "switch":
                 continue
             if option.kind == "switch":  # --no-enable-prefix-caching and the former --no-prefix-caching: off
@@ -71,7 +73,7 @@ def test_every_alias_parses_as_the_vllm_name() -> None:
                 assert got == expected, (command, flag, got)
                 checked += 1
     # run and serve take all four engine names; plan and simulate the planner's
-    assert checked >= 40, checked
+    assert checked >= 46, checked
 
 
 def test_a_bad_flag_or_value_is_one_line_and_status_2(capsys: pytest.CaptureFixture[str]) -> None:
@@ -215,3 +217,37 @@ def test_gpu_memory_utilization_plans_in_that_share(capsys: pytest.CaptureFixtur
     assert plans[0]["kv_pool_bytes_per_gpu"] < full["kv_pool_bytes_per_gpu"] - 60 * (1 << 30)
     assert main(["plan", "--model", "llama-3.1-8b", "--device", "cpu", "--gpu-memory-utilization", "0.5"]) == 2
     assert "--gpu-memory-utilization sizes a GPU" in capsys.readouterr().err
+
+
+def test_run_takes_the_engine_options_by_their_vllm_names(capsys: pytest.CaptureFixture[str]) -> None:
+    """--no-enable-prefix-caching and --max-model-len reach kvpool run's engine (tiny-gemma2:
+    a first turn is a 300-token system prompt + a 20-token question, 320 tokens; its
+    follow-up 300 + 20 + 4 answered + 12 = 336, and 4 more tokens out: 340)."""
+    import json
+
+    import torch
+
+    base = "run --json --threads 1 --model tiny-gemma2 --num-requests 2 --turns 2 --num-long 0 --max-tokens 4"
+    base += " --request-rate inf --max-num-batched-tokens 2048 --slo-ttft-ms 1e9 --slo-tpot-ms 1e9"
+    threads = torch.get_num_threads()
+    try:
+        reports = []
+        for flag in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
+            assert main([*base.split(), flag, "--max-model-len", "340"]) == 0
+            reports.append(json.loads(capsys.readouterr().out))
+        assert main([*base.split(), "--max-model-len", "320"]) == 2  # the first turn leaves no room to answer
+        assert "at most 319 tokens fit (max_model_len 320" in capsys.readouterr().err
+        assert main([*base.split(), "--max-model-len", "100000000"]) == 2
+        err = capsys.readouterr().err
+    finally:
+        torch.set_num_threads(threads)
+    on, off = reports
+    assert on["num_generated_tokens"] == off["num_generated_tokens"] == 2 * 2 * 4
+    assert on["prefix_hit_tokens"] > 0 and off["prefix_hit_tokens"] == 0  # the follow-ups hit their history
+    # the model's 4,096 positions bound it (its 16 MiB pool holds 16,384 tokens of one sequence)
+    from kvpool.models.tiny_hybrid import TINY_GEMMA2
+
+    most = TINY_GEMMA2["max_position_embeddings"]
+    assert err.splitlines()[-1].startswith(
+        f"kvpool run: error: --max-model-len 100000000: this model and KV pool hold at most {most} tokens a request"
+    )

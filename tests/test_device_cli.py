@@ -9,8 +9,9 @@ import argparse
 import pytest
 import torch
 
-from kvpool.cli.args import add_device_arguments, model_placement
+from kvpool.cli.args import model_placement
 from kvpool.cli.main import main
+from kvpool.cli.options import add_device_arguments
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")

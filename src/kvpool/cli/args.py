@@ -433,23 +433,21 @@ def host_cache_bytes(args: argparse.Namespace) -> int | None:
     return max(1, int(gib * (1 << 30)))
 
 
-# --device / --dtype of run, generate and serve: where the Llama (GGUF) model runs, in what dtype
+# --device / --dtype of run, generate and serve (cli/options.py DEVICE, DTYPE): where the Llama
+# (GGUF) model runs, in what dtype
 MODEL_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # flag value -> torch's name
+# vLLM's spellings of the same dtypes
+DTYPE_SYNONYMS = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
 
 
-def add_device_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--device",
-        choices=("auto", "cpu", "cuda"),
-        default="auto",
-        help="where the model runs (auto: cuda when torch sees a GPU, else cpu)",
-    )
-    parser.add_argument(
-        "--dtype",
-        choices=tuple(MODEL_DTYPES),
-        default="fp32",
-        help="the model's weights and activations (the KV cache's too, unless --kv-dtype)",
-    )
+def model_dtype(text: str) -> str:
+    """A --dtype: bf16, fp16, fp32, or vLLM's bfloat16, float16 / half, float32 / float."""
+    name = DTYPE_SYNONYMS.get(text.lower(), text.lower())
+    if name not in MODEL_DTYPES:
+        raise argparse.ArgumentTypeError(
+            f"expected {', '.join(MODEL_DTYPES)} (or {', '.join(DTYPE_SYNONYMS)}), got {text!r}"
+        )
+    return name
 
 
 def model_placement(args: argparse.Namespace) -> tuple[Any, str]:

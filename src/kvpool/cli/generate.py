@@ -9,7 +9,6 @@ import sys
 from typing import Any
 
 from kvpool.cli.args import (
-    add_device_arguments,
     add_hisparse_argument,
     add_host_cache_argument,
     add_indexer_format_argument,
@@ -28,6 +27,7 @@ from kvpool.cli.args import (
 from kvpool.cli.options import (
     BLOCK_SIZE,
     PREFIX_CACHING,
+    add_device_arguments,
     add_engine_model_option,
     add_kv_cache_dtype_option,
     add_option,

@@ -23,10 +23,12 @@ from typing import Any
 
 from kvpool.cli.args import (
     ENGINE_KV_DTYPE_HELP,
+    MODEL_DTYPES,
     PLANNER_KV_DTYPE_HELP,
     SIZE_EXAMPLES,
     fraction,
     kv_dtype,
+    model_dtype,
     positive_int,
     size_text,
 )
@@ -51,6 +53,7 @@ class SharedOption:
     aliases: tuple[str, ...] = ()
     metavar: str | None = None
     kind: str = "value"
+    choices: tuple[str, ...] | None = None
 
     @property
     def name(self) -> str:
@@ -136,10 +139,28 @@ KV_MEMORY = SharedOption(
     metavar="SIZE",
 )
 MODEL = SharedOption("model", ("--model",), "model", "the model", metavar="MODEL")
+DEVICE = SharedOption(
+    "device",
+    ("--device",),
+    "device",
+    "where the model runs (auto: cuda when torch sees a GPU, else cpu)",
+    choices=("auto", "cpu", "cuda"),
+)
+DTYPE = SharedOption(
+    "model dtype",
+    ("--dtype",),
+    "dtype",
+    "the model's weights and activations (the KV cache's too, unless --kv-cache-dtype); vLLM's bfloat16, "
+    "float16 / half, float32 / float name the same",
+    model_dtype,
+    choices=tuple(MODEL_DTYPES),
+)
 THREADS = SharedOption("CPU threads", ("--threads",), "threads", "torch's CPU threads", positive_int, metavar="N")
 
 SHARED_OPTIONS: tuple[SharedOption, ...] = (
     MODEL,
+    DEVICE,
+    DTYPE,
     THREADS,
     MAX_MODEL_LEN,
     MAX_NUM_SEQS,
@@ -175,6 +196,7 @@ def add_option(
         )
         for alias in option.aliases:  # only --no-... forms are former names: they turn it off
             parser.add_argument(alias, dest=option.dest, action="store_false", help=argparse.SUPPRESS)
+        action.shared = option  # (the table of docs/options.md lists what add_option added)
         return action
     action = parser.add_argument(
         *option.flags,
@@ -183,10 +205,12 @@ def add_option(
         type=type or option.type,
         default=default,
         metavar=option.metavar,
+        choices=option.choices,
         help=text,
         **extra,
     )
     action.aliases = option.aliases  # (HelpFormatter shows the flags without them)
+    action.shared = option
     return action
 
 
@@ -254,6 +278,12 @@ def add_kv_memory_option(parser: argparse.ArgumentParser, *, default: str | None
     add_option(parser, KV_MEMORY, default=default, note=note)
 
 
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    """--device and --dtype (run, generate, serve; args.model_placement reads them)."""
+    add_option(parser, DEVICE, default="auto")
+    add_option(parser, DTYPE, default="fp32")
+
+
 def add_threads_option(parser: argparse.ArgumentParser) -> None:
     add_option(parser, THREADS, default=None, note="default: torch's choice")
 
@@ -276,7 +306,8 @@ def add_tp_option(parser: argparse.ArgumentParser, *, default: int | None = 1, n
 def options_table() -> str:
     """docs/options.md: one row per shared option (its one name, its former names), one
     column per command that takes any, each cell the command's default ("·": the command
-    has no such option). Read from the parsers themselves, so it cannot drift from them."""
+    has no such option). Read from the parsers themselves (the options add_option put
+    there), so it cannot drift from them."""
     from kvpool.cli.args import shown_default
     from kvpool.cli.main import build_parser, command_parsers
 
@@ -284,9 +315,9 @@ def options_table() -> str:
     for name, parser in command_parsers(build_parser()):
         taken = {}
         for action in parser._actions:
-            for option in SHARED_OPTIONS:
-                if option.name in action.option_strings:
-                    taken[option.name] = action
+            option = getattr(action, "shared", None)
+            if option is not None:
+                taken[option.name] = action
         if taken:
             columns.append((name, taken))
     lines = [

@@ -37,7 +37,6 @@ import time
 
 from kvpool.capacity.engine import EngineConfig
 from kvpool.cli.args import (
-    add_device_arguments,
     add_hisparse_argument,
     add_host_cache_argument,
     add_indexer_format_argument,
@@ -65,6 +64,7 @@ from kvpool.cli.options import (
     MAX_NUM_BATCHED_TOKENS,
     MAX_NUM_SEQS,
     PREFIX_CACHING,
+    add_device_arguments,
     add_engine_model_option,
     add_kv_cache_dtype_option,
     add_kv_memory_option,

@@ -21,7 +21,6 @@ import socket
 import sys
 
 from kvpool.cli.args import (
-    add_device_arguments,
     add_host_cache_argument,
     add_persistent_cache_arguments,
     add_preemption_argument,
@@ -42,6 +41,7 @@ from kvpool.cli.options import (
     MAX_NUM_BATCHED_TOKENS,
     MAX_NUM_SEQS,
     PREFIX_CACHING,
+    add_device_arguments,
     add_engine_model_option,
     add_kv_cache_dtype_option,
     add_kv_memory_option,

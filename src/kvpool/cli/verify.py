@@ -33,6 +33,7 @@ import json
 import math
 
 from kvpool.cli.args import HelpFormatter, positive_int
+from kvpool.cli.options import BLOCK_SIZE, add_option
 
 DTYPES = ("fp64", "fp32")
 
@@ -108,7 +109,7 @@ def add_cp_arguments(sub) -> None:
     )
     cp.add_argument("--context", type=positive_int, default=32768, help="tokens of each random sequence")
     cp.add_argument("--batch", type=positive_int, default=4, help="random decode sequences")
-    cp.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    add_option(cp, BLOCK_SIZE, default=16)
     cp.add_argument("--smollm2-prompt", type=int, default=1024, help="prompt tokens of the SmolLM2 check (0: skip it)")
     cp.add_argument(
         "--steps", type=positive_int, default=16, help="greedy tokens of the SmolLM2 check (the first is the prefill's)"
