@@ -124,3 +124,17 @@ def test_a_missing_or_broken_file_is_one_line(tmp_path):
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(ValueError, match="not JSON"):
         llama_config(tmp_path / "bad.json")
+
+
+def test_kvpool_run_serves_a_config_json_with_random_weights(tmp_path, capsys):
+    from kvpool.cli.main import main
+
+    path = _config(tmp_path, tie_word_embeddings=True, max_position_embeddings=2048)
+    argv = ["run", "--model", str(path), "--num-requests", "2", "--turns", "1", "--num-long", "0"]
+    assert main([*argv, "--request-rate", "inf", "--max-tokens", "3", "--kv-memory", "1MiB", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    # 1 MiB of blocks of 16 tokens x 2 layers x K and V x 2 KV heads x 16 dims x 4 bytes
+    assert report["num_blocks"] == (1 << 20) // (16 * 2 * 2 * 2 * 16 * 4) == 128
+    assert (report["model"], report["num_finished"], report["num_generated_tokens"]) == (tmp_path.name, 2, 6)
+    assert main(["run", "--model", str(path), "--host-cache-gib", "1"]) == 2
+    assert "random weights serve no tiers" in capsys.readouterr().err

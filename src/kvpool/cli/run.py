@@ -156,7 +156,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_model_option(
         parser,
         note="; or the built-in tiny-dsv4 (the tiny DeepSeek-V4 model on its dual pool, token ids), tiny-gemma2 "
-        "(window + full attention) or tiny-recurrent (recurrent + full layers)",
+        "(window + full attention) or tiny-recurrent (recurrent + full layers); or an HF config.json of a "
+        "Llama-family model (seeded random weights, token ids: real shapes without the weights)",
     )
     add_threads_option(parser)
     add_tp_option(parser)
@@ -237,10 +238,59 @@ def hybrid_engine(args: argparse.Namespace):
     return engine, model
 
 
+def config_engine(args: argparse.Namespace):
+    """(engine, model name, vocabulary size) for --model CONFIG.json: a Llama-family model of
+    that HF config with weights drawn from --seed (models/hf_config.py), on --device in
+    --dtype, over --num-blocks blocks or what --kv-memory holds; token ids in and out (no
+    tokenizer), no tiers."""
+    from kvpool.cache import CacheDescriptor
+    from kvpool.engine.engine import Engine
+    from kvpool.engine.llama_runner import LlamaRunner
+    from kvpool.models.hf_config import llama_config, random_llama
+
+    if host_cache_bytes(args) is not None or any(persistent_cache_options(args).values()):
+        raise ValueError(
+            f"--model {args.model}: random weights serve no tiers (no --host-cache-gib, --disk-cache, --redis)"
+        )
+    if getattr(args, "preemption", "recompute") != "recompute":
+        raise ValueError(f"--model {args.model}: preemption swap and auto need the host tier; use recompute")
+    hf = llama_config(args.model)
+    dtype, device = model_placement(args)
+    model = random_llama(hf.config, seed=args.seed, dtype=dtype, device=device)
+    num_blocks = args.num_blocks
+    if num_blocks is None:
+        cfg = model.config
+        block_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize * args.block_size
+        kv_bytes = parse_bytes(args.kv_memory) if args.kv_memory else RUN_DEFAULTS.kv_memory_bytes
+        num_blocks = kv_bytes // block_bytes
+        if num_blocks <= 0:
+            raise ValueError(f"--kv-memory {args.kv_memory} holds no block of {block_bytes} bytes")
+    descriptor = CacheDescriptor(hf.name, weights_version=f"random-seed{args.seed}")
+    runner = LlamaRunner(
+        model,
+        num_blocks,
+        args.block_size,
+        descriptor,
+        kv_format=check_kv_dtype(args),
+        enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
+    )
+    engine = Engine(
+        runner,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        batched_sampling=model.device.type == "cuda",
+    )
+    return engine, hf.name, hf.config.vocab_size
+
+
 def build(args: argparse.Namespace):
     """(engine, workload-making function, model name) for --model."""
     check_hybrid(args)
     check_device_model(args, (TINY_MODEL, *HYBRID_MODELS))
+    if args.model is not None and args.model.endswith(".json"):
+        engine, name, vocab_size = config_engine(args)
+        limit_model_len(engine, args.max_model_len)
+        return engine, lambda rng: live_token_ids(vocab_size, args.num_requests, args.num_long, rng), name, None
     if args.model in HYBRID_MODELS:
         engine, model = hybrid_engine(args)
         limit_model_len(engine, args.max_model_len)

@@ -50,7 +50,8 @@ def llama_config(path: str | Path) -> HFConfig:
         raise ValueError(f"{p}: not JSON ({e.msg} at line {e.lineno})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{p}: not a JSON object")
-    return HFConfig(_parse(raw, str(p)), raw.get("_name_or_path") or p.parent.name or p.name, _ignored(raw))
+    name = raw.get("_name_or_path") or (p.parent.name if p.name == "config.json" else p.stem)
+    return HFConfig(_parse(raw, str(p)), name, _ignored(raw))
 
 
 def _parse(raw: dict[str, Any], where: str) -> LlamaConfig:
