@@ -304,6 +304,34 @@ def test_backend_step_equals_the_torch_backend(ops, dtype, num_splits) -> None:
                 assert err <= 4 * (want.double() - exact).abs().max() + 16 * U32 * st.v.abs().max()
 
 
+def test_the_engine_on_the_triton_backend_equals_the_torch_path(ops, monkeypatch) -> None:
+    """The engine, its runner as it is, on the Triton backend (registered for this device for
+    the test) against the padded torch backend: a random 4-layer Llama in fp64, chunked
+    prefill (8 tokens a step), a prefix hit then a chunk over it, decodes beside prefills;
+    every logit within 1e-12 (relative to the largest)."""
+    from kvpool.attention.backends import BACKENDS, BackendKey
+    from kvpool.engine.engine import Engine
+    from kvpool.engine.llama_runner import LlamaRunner
+    from kvpool.engine.sampling import SamplingParams
+    from random_llama import DESCRIPTOR, random_llama
+
+    monkeypatch.setitem(BACKENDS, BackendKey("full", "paged", DEVICE, "triton"), TritonPagedBackend)
+    model = random_llama(DEVICE, torch.float64)
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [3, 1, 4, 1, 5, 9, 2, 6, 7, 7], [2, 7, 1, 8, 2, 8]]
+    logits = {}
+    for path in ("triton", "padded"):
+        runner = LlamaRunner(model, 16, 4, DESCRIPTOR, decode_path=path)
+        engine = Engine(runner, max_num_batched_tokens=8, record_logits=True)
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        engine.generate(prompts[:1], params)
+        engine.generate(prompts[1:], params)  # the second prompt's first 8 tokens: a hit of 2 blocks
+        assert runner.executor.last_decode_path == path
+        assert [r.num_cached_tokens for r in engine.requests.values()] == [0, 8, 0]
+        logits[path] = [torch.stack(s.logits) for r in engine.requests.values() for s in r.seqs]
+    for a, b in zip(logits["triton"], logits["padded"], strict=True):
+        assert (a - b).abs().max() <= TOL64 * b.abs().max().clamp(min=1)
+
+
 def test_backend_registry_and_refusals(ops) -> None:
     choice = select_backend("full", "paged", "cuda")
     assert choice.key.impl == "triton" and choice.backend is TritonPagedBackend
