@@ -14,6 +14,12 @@ reserved dummy block, so a padded row writes its K/V only into the dummy block a
 only it. A step larger than the largest bucket, or not a pure decode, runs eagerly.
 The graphs share one memory pool (captured largest first, as each smaller graph's
 intermediates fit in what the larger one reserved).
+
+The attention a captured forward can run is attention/backends/buffered.py
+`buffered_decode_attend` (every step value read from the buffers). The engine does not
+capture its Llama decode yet: models/llama.py's forward checks `int(positions.max())` on
+the host, a synchronisation a capture refuses, and the executor plans each step's attention
+from host lists; a forward reading only the buffers is what `DecodeGraphs` takes.
 """
 
 from __future__ import annotations
