@@ -10,8 +10,9 @@ Layout: the pool's own (storage/kv.py), per layer
 The GPU keeps the CPU's layout. What a GPU needs is that a warp's loads fall on adjacent
 addresses (coalesced), and a decode program reads whole blocks of one KV head: in either
 layout a (block, KV head) is one contiguous run of head_dim * block_size elements (4 KiB
-at head dim 128, block 16, bf16), so the tile loads are fully coalesced whichever of
-head_dim or the slots is innermost; K^T per block is already the [head_dim, tokens] operand
+at head dim 128, block 16, bf16), so the tile loads can be fully coalesced whichever of
+head_dim or the slots is innermost (K^T's given a mask constant over a block's slots:
+below); K^T per block is already the [head_dim, tokens] operand
 that q @ K^T takes, and V's rows of head_dim are the [tokens, head_dim] operand of p @ V.
 The one access that favours head_dim innermost for K is the write of a new token's K (its
 head_dim values land block_size elements apart: head_dim strided stores per token and KV
@@ -71,7 +72,7 @@ import triton.language as tl
 
 MIN_ROWS = 16  # tl.dot's smallest M: the GQA group's rows are padded to it
 TILE_TOKENS = 64  # tokens a decode program reads per iteration (whole blocks; more when a block is larger)
-MIN_SPLIT_TOKENS = 512  # a split reads at least this much context, or the merge costs more than it gains
+MIN_SPLIT_TOKENS = 512  # a split reads at least this much context (a chosen floor, not measured on a GPU)
 LOG2E = 1.4426950408889634
 
 
@@ -86,7 +87,8 @@ def interpreted() -> bool:
 def num_splits_for(num_seqs: int, num_kv_heads: int, max_ctx_len: int, num_sms: int) -> int:
     """How many programs share one (sequence, KV head)'s context: 1 when num_seqs * num_kv_heads
     programs already give every SM two, else enough to give it two, but no split shorter than
-    MIN_SPLIT_TOKENS (a short context is read faster than the merge's extra launch)."""
+    MIN_SPLIT_TOKENS (below it the merge's extra launch and partial outputs are likely to cost
+    more than the split saves; the floor is a choice, not a GPU measurement)."""
     programs = num_seqs * num_kv_heads
     if programs >= 2 * num_sms:
         return 1
