@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from kvpool.attention.backends import DSV4SparseBackend
+from kvpool.attention.backends import DSV4SparseBackend, StepMetadata
 from kvpool.attention.dsv4_ops import (
     DSV4AttnWeights,
     apply_rope,
@@ -300,7 +300,8 @@ def test_fp32_and_fp64_models_hold_the_same_weights_rounded(model: TinyDSV4) -> 
         TinyDSV4(dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="float32 model needs pools of its precision"):
         pools = DSV4Pools(model.spec, 1, 1, dtype=torch.float64)
-        model.forward_paged([1], [ChunkPlan(0, 1, 0, ())], DSV4SparseBackend(pools))
+        step = DSV4SparseBackend(pools).begin_step([ChunkPlan(0, 1, 0, ())])
+        model.forward(torch.tensor([1]), torch.tensor([0]), StepMetadata(step))
 
 
 def test_official_parameter_names(model: TinyDSV4) -> None:

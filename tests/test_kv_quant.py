@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.attention.backends import paged_step as runner_module  # where the backends plan a step
+from kvpool.attention.backends.step import function_step
 from kvpool.engine.engine import Engine
 from kvpool.engine.llama_runner import LlamaRunner
 from kvpool.engine.sampling import SamplingParams
@@ -304,13 +305,16 @@ class AttentionAudit:
         model = runner.model
         real_forward = model.forward
 
-        def forward(ids, pos, attend, *args, **kwargs):
+        def forward(ids, pos, metadata, *args, **kwargs):
+            attend = metadata.attention.attend
+
             def audited(layer, q, k, v):
                 out = attend(layer, q, k, v)
                 self._check(layer, q, k, v, out)
                 return out
 
-            return real_forward(ids, pos, audited, *args, **kwargs)
+            step = function_step(audited, metadata.attention.num_tokens, metadata.logit_rows)
+            return real_forward(ids, pos, step, *args, **kwargs)
 
         monkeypatch.setattr(model, "forward", forward)
 
@@ -373,8 +377,10 @@ def test_paged_attention_over_quantized_blocks_equals_the_reference_over_the_sam
     # the format really stored fewer bits: the logits differ from the exact model's
     seq = engine.requests["a"].seqs[0]
     history = seq.token_ids[:-1]
-    exact = model.logits(
-        model.forward(torch.tensor(history), torch.arange(len(history)), lambda layer, q, k, v: _causal(q, k, v))
+    exact = model.forward(
+        torch.tensor(history),
+        torch.arange(len(history)),
+        function_step(lambda layer, q, k, v: _causal(q, k, v), len(history)),
     )[-len(seq.logits) :]
     assert (torch.stack(seq.logits) - exact).abs().max().item() > 1e-6
     runner.release("a", "finish") if "a" in runner.cache else None
@@ -532,18 +538,14 @@ def test_the_evaluation_measures_what_it_says(model) -> None:
 
     import torch.nn.functional as F
 
-    from kvpool.attention.reference import causal_attention
+    from kvpool.attention.reference import contiguous_step
     from kvpool.verify.kv_quant import evaluate, greedy_agreement
 
     ids = random_ids(96, 7)
     formats = ["fp16", "bf16", "int8", "fp8_e4m3", "kivi2-g16-r16"]
     ev = evaluate(model, ids, formats, block_size=16, prefill=32)
     # the fp32 perplexity of the scored positions (the prefill's last, then each decode), computed here on its own
-    logits = model.logits(
-        model.forward(
-            torch.tensor(ids), torch.arange(96), lambda layer, q, k, v: causal_attention(q, k, v), fused=False
-        )
-    )
+    logits = model.forward(torch.tensor(ids), torch.arange(96), contiguous_step(96), fused=False)
     nll = F.cross_entropy(logits[31:-1], torch.tensor(ids[32:]), reduction="mean").item()
     assert ev.fp32_perplexity == pytest.approx(math.exp(nll), rel=1e-9)
     by = {r.name: r for r in ev.formats}

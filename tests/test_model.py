@@ -34,7 +34,7 @@ import torch
 import transformers
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from kvpool.attention.reference import causal_attention, reference_logits
+from kvpool.attention.reference import contiguous_step, reference_logits
 from kvpool.engine.build import build_engine, load_model
 from kvpool.engine.sampling import SamplingParams
 from kvpool.models.gguf import default_gguf_path, load_gguf
@@ -125,9 +125,7 @@ def fp64_logits_with_hf_rope(model64: LlamaModel, hf64, ids: list[int]) -> torch
     model = copy.copy(model64)  # shares the weights; the tables are its own
     model.cos = cos[0]  # [T, D]
     model.sin_signed = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)  # [-sin | sin]
-    attend = lambda layer, q, k, v: causal_attention(q, k, v)  # noqa: E731
-    hidden = model.forward(torch.tensor(ids), torch.arange(t), attend, fused=False)
-    return torch.mm(model.embed, hidden.t()).t()  # the tied LM head, in fp64
+    return model.forward(torch.tensor(ids), torch.arange(t), contiguous_step(t), fused=False)  # tied head, fp64
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvpool.attention.backends.step import function_step
 from kvpool.engine.engine import Engine
 from kvpool.engine.llama_runner import LlamaRunner
 from kvpool.engine.sampling import SamplingParams
@@ -43,13 +44,16 @@ class Steps:
         self.calls: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         real = runner.model.forward
 
-        def forward(ids, pos, attend, *args, **kwargs):
+        def forward(ids, pos, metadata, *args, **kwargs):
+            attend = metadata.attention.attend
+
             def audited(layer, q, k, v):
                 out = attend(layer, q, k, v)
                 self.calls.append((layer, q.clone(), k.clone(), v.clone(), out.clone()))
                 return out
 
-            return real(ids, pos, audited, *args, **kwargs)
+            step = function_step(audited, metadata.attention.num_tokens, metadata.logit_rows)
+            return real(ids, pos, step, *args, **kwargs)
 
         monkeypatch.setattr(runner.model, "forward", forward)
 
@@ -158,7 +162,7 @@ def test_the_eval_drives_the_engines_prefill_then_decode_steps_and_names_the_reg
     interval around it, and the report names the regime it measured."""
     import math
 
-    from kvpool.attention.reference import causal_attention
+    from kvpool.attention.reference import contiguous_step
     from kvpool.verify.kv_quant import evaluate
 
     steps: list[tuple[str, list[tuple[int, int]]]] = []
@@ -177,8 +181,8 @@ def test_the_eval_drives_the_engines_prefill_then_decode_steps_and_names_the_reg
     assert ev.regime["prefill_tokens"] == 24 and ev.regime["decode_steps"] == 31
     assert ev.regime["scored_positions"] == 32 and "decode" in ev.regime["description"]
     # the exact run scores what the plain forward computes
-    hidden = model.forward(torch.tensor(ids), torch.arange(56), lambda layer, q, k, v: causal_attention(q, k, v))
-    nll = F.cross_entropy(model.logits(hidden)[23:55], torch.tensor(ids[24:]), reduction="mean").item()
+    logits = model.forward(torch.tensor(ids), torch.arange(56), contiguous_step(56))
+    nll = F.cross_entropy(logits[23:55], torch.tensor(ids[24:]), reduction="mean").item()
     assert ev.fp32_perplexity == pytest.approx(math.exp(nll), rel=1e-9)
     by = {r.name: r for r in ev.formats}
     assert 0 <= by["fp16"].kl_mean < by["kivi2-g8-r16"].kl_mean

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
+
+from kvpool.attention.backends.step import StepMetadata, function_step
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -17,6 +21,12 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return out.transpose(0, 1)
 
 
+def contiguous_step(num_tokens: int, logit_rows: Sequence[int] | None = None) -> StepMetadata:
+    """The metadata of a Llama forward over one whole sequence, positions [0, num_tokens),
+    every layer attending by `causal_attention` (no cache): the contiguous reference."""
+    return function_step(lambda layer, q, k, v: causal_attention(q, k, v), num_tokens, logit_rows)
+
+
 def reference_logits(model, token_ids: list[int], fused: bool = True) -> torch.Tensor:
     """Logits [T, vocab] of one sequence by full recompute through `causal_attention`.
 
@@ -26,5 +36,4 @@ def reference_logits(model, token_ids: list[int], fused: bool = True) -> torch.T
     the logits; tests/test_engine.py and tests/test_model.py bound both against fp64."""
     ids = torch.tensor(token_ids, dtype=torch.long, device=model.device)
     positions = torch.arange(len(token_ids), device=model.device)
-    hidden = model.forward(ids, positions, lambda layer, q, k, v: causal_attention(q, k, v), fused=fused)
-    return model.logits(hidden)
+    return model.forward(ids, positions, contiguous_step(len(token_ids)), fused=fused)

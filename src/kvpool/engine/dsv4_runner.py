@@ -18,9 +18,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from kvpool.attention.backends import select_backend
+from kvpool.attention.backends import StepMetadata, select_backend
 from kvpool.attention.dsv4_paged import ChunkPlan
 from kvpool.cache import BlockCopy, CacheDescriptor, DSV4CacheManager
 from kvpool.cache.dual_pool import RestoreMethod
@@ -199,21 +200,27 @@ class DSV4Executor:
             pos, stop = c.start, c.start + len(c.token_ids)
             slot = cache.state_slot(c.request_id)
             plans.append(ChunkPlan(pos, stop - pos, slot, table[: pos // span], table[pos // span : stop // span]))
-        logits = self.model.forward_paged([t for c in chunks for t in c.token_ids], plans, self.attention)
-        return logits if all_logits else logits[last_token_rows(chunks)]
+        rows = None if all_logits else last_token_rows(chunks)
+        return self._forward([t for c in chunks for t in c.token_ids], plans, rows)
+
+    def _forward(self, token_ids: Sequence[int], plans: list[ChunkPlan], logit_rows: list[int] | None) -> Tensor:
+        """The model's forward over the chunks `plans` (token_ids: theirs, in order)."""
+        step = self.attention.begin_step(plans)
+        ids = torch.tensor(list(token_ids), dtype=torch.long)
+        return self.model.forward(ids, step.positions, StepMetadata(step, logit_rows))
 
     def replay(self, token_ids: Sequence[int], start: int, block_ids: Sequence[int], state_slot: int, valid_from: int):
         """Recompute the state of `state_slot` over tokens [start, start + len(token_ids)) on
         top of the cached classical blocks `block_ids` (section 6), `replay_chunk` tokens a
-        forward; the window holds positions from `valid_from` on (0: the state at `start`
-        is exact)."""
+        forward (no logits); the window holds positions from `valid_from` on (0: the state
+        at `start` is exact)."""
         table = tuple(block_ids)
         end = start + len(token_ids)
         pos = start
         while pos < end:
             n = min(self.replay_chunk, end - pos)
             plan = ChunkPlan(pos, n, state_slot, table, (), replay=True, valid_from=valid_from)
-            self.model.forward_paged(list(token_ids[pos - start : pos - start + n]), [plan], self.attention)
+            self._forward(token_ids[pos - start : pos - start + n], [plan], [])
             pos += n
 
     def copy_blocks(self, copies: Mapping[str, Sequence[BlockCopy]]) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from kvpool.attention.backends import select_backend
+from kvpool.attention.backends import GroupTable, HybridAttention, HybridChunk, StepMetadata, select_backend
 from kvpool.cache import BlockCopy, CacheDescriptor
 from kvpool.cache.coordinator import HybridCacheManager
 from kvpool.cache.recurrent import RecurrentGroupSpec
@@ -23,7 +23,7 @@ from kvpool.cache.window import AttentionGroupSpec
 from kvpool.engine.memory import StepPeaks
 from kvpool.engine.runner import ModelRunner, ScheduledChunk, last_token_rows
 from kvpool.engine.tier_bridge import TierBridge
-from kvpool.models.tiny_hybrid import ChunkPlan, HybridAttention, TinyHybrid
+from kvpool.models.tiny_hybrid import TinyHybrid
 
 
 def descriptor_for(model: TinyHybrid, block_size: int) -> CacheDescriptor:
@@ -61,7 +61,10 @@ def attention_for(model: TinyHybrid, num_blocks: int, block_size: int, num_slots
         window = model.window if name == "window" else None
         groups[name] = backend(len(layers), num_blocks, block_size, kvh, hd, model.dtype, window)
     recurrent = select_backend("recurrent", "state", "cpu").backend
-    return HybridAttention(groups, recurrent(len(model.recurrent_layers()), num_slots, nh, hd, model.dtype))
+    layer_kinds = cfg["layers"]
+    return HybridAttention(
+        layer_kinds, groups, recurrent(len(model.recurrent_layers()), num_slots, nh, hd, model.dtype)
+    )
 
 
 class HybridRunner(ModelRunner):
@@ -122,15 +125,18 @@ class HybridExecutor:
         self.kv_format = str(model.dtype).removeprefix("torch.")
         self.peaks = StepPeaks()
 
-    def _plan(self, cache: HybridCacheManager, request_id: str, start: int, num_tokens: int) -> ChunkPlan:
-        end = start + num_tokens
-        attn = {}
-        for g in cache.attention_groups:
-            first, ids = cache.first_block(request_id, g.name), cache.block_ids(request_id, g.name)
-            attn[g.name] = self.attention.groups[g.name].plan_chunk(start, end, g.spec.first_needed(start), first, ids)
+    def _chunk(self, cache: HybridCacheManager, c: ScheduledChunk) -> HybridChunk:
+        """A chunk's tables in every attention group, its state slot and checkpoints."""
+        request_id, start = c.request_id, c.start
+        tables = {
+            g.name: GroupTable(
+                cache.first_block(request_id, g.name), cache.block_ids(request_id, g.name), g.spec.first_needed(start)
+            )
+            for g in cache.attention_groups
+        }
         state_slot = cache.state_slot(request_id) if self.has_state else None
         checkpoints = tuple(cache.checkpoints(request_id)) if self.has_state else ()
-        return ChunkPlan(start, num_tokens, attn, state_slot, checkpoints)
+        return HybridChunk(start, len(c.token_ids), tables, state_slot, checkpoints)
 
     def forward(self, chunks: Sequence[ScheduledChunk], cache: HybridCacheManager, all_logits: bool) -> Tensor:
         """Logits [num chunks with needs_logits, vocab] (all_logits: every token's, [N, vocab])."""
@@ -140,9 +146,12 @@ class HybridExecutor:
                 raise ValueError(
                     f"sequence {c.request_id!r}: chunk [{c.start}, {c.start + len(c.token_ids)}) is not its reservation"
                 )
-        plans = [self._plan(cache, c.request_id, c.start, len(c.token_ids)) for c in chunks]
-        logits = self.model.forward_paged([t for c in chunks for t in c.token_ids], plans, self.attention)
-        return logits if all_logits else logits[last_token_rows(chunks)]
+        step = self.attention.begin_step([self._chunk(cache, c) for c in chunks])
+        ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long)
+        positions = torch.tensor(
+            [p for c in chunks for p in range(c.start, c.start + len(c.token_ids))], dtype=torch.long
+        )
+        return self.model.forward(ids, positions, StepMetadata(step, None if all_logits else last_token_rows(chunks)))
 
     def copy_blocks(self, copies: Mapping[str, Sequence[BlockCopy]]) -> None:
         for group, group_copies in copies.items():

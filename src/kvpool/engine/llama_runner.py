@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kvpool.attention.backends import PagedStepMetadata, paged_format, select_backend
+from kvpool.attention.backends import PagedStepMetadata, StepMetadata, paged_format, select_backend
 from kvpool.cache import BlockCopy, CacheDescriptor, FullAttentionManager
 from kvpool.engine.memory import StepPeaks
 from kvpool.engine.runner import ModelRunner, ScheduledChunk
@@ -128,8 +128,8 @@ class LlamaExecutor:
         self._copy_stream = torch.cuda.Stream(model.device) if model.device.type == "cuda" else None
         self._loads_in_flight: list[torch.cuda.Event] = []
         # The attention backend (attention/backends), chosen once for this storage by the
-        # `decode_path` setter: its `begin_step` plans each step and returns the attend the
-        # model calls per layer.
+        # `decode_path` setter: its `begin_step` plans each step, and the PagedStep it
+        # returns is the attention of the model's forward (its StepMetadata).
         self.decode_path = decode_path
         self.last_decode_path: str | None = None  # the path the last step's decodes took
         self.peaks = StepPeaks()  # the largest step's allocations, for the memory ledger
@@ -316,10 +316,8 @@ class LlamaExecutor:
             self.last_decode_path = step.decode_path
         self.peaks.note("step_tables", step.table_bytes)  # the plan's tensors (for the memory ledger)
         self.peaks.note("chunked_prefill", step.prefill_bytes)
-        attend = step.attend
         ids_t = torch.tensor(token_ids, dtype=torch.long, device=device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=device)
-        hidden = self.model.forward(ids_t, pos_t, attend)
-        logits = self.model.logits(hidden if all_logits else hidden[logit_rows])
-        self._note_forward(len(token_ids), attend, logits)
+        logits = self.model.forward(ids_t, pos_t, StepMetadata(step, None if all_logits else logit_rows))
+        self._note_forward(len(token_ids), step.attend, logits)
         return logits

@@ -1,30 +1,27 @@
 """Llama forward in plain torch, over a flat batch of tokens from many sequences.
 
-The model does not know about caches: each layer hands its q / k / v to an `attend`
-callback (the contiguous reference, or the paged path that writes K/V into the block
-pool and reads it back through the block tables). Weights come from `models.gguf`
-with Q/K rows already un-permuted, so RoPE here is the rotate-half form of HF Llama.
+`forward(token_ids, positions, metadata)`, the signature of every model here: the model
+does not know about caches; each layer hands its q / k / v to the step's attention,
+`metadata.attention.attend` (attention/backends/step.py): a paged backend's step, which
+writes K/V into the block pool and reads it back through the block tables, or the
+contiguous reference (attention/reference.py `reference_logits`). Weights come from
+`models.gguf` with Q/K rows already un-permuted, so RoPE here is the rotate-half form of
+HF Llama.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from kvpool.attention.backends.step import Attend, StepMetadata
 from kvpool.models.gguf import LlamaConfig
 
 if TYPE_CHECKING:
     from kvpool.kernels import CpuKernels
-
-
-class Attend(Protocol):
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [N, num_heads, head_dim], k / v [N, num_kv_heads, head_dim] (RoPE applied),
-        for the N flat tokens of the step -> attention output [N, num_heads, head_dim]."""
-        ...
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -207,15 +204,28 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(
-        self, token_ids: torch.Tensor, positions: torch.Tensor, attend: Attend, fused: bool = True
+        self, token_ids: torch.Tensor, positions: torch.Tensor, metadata: StepMetadata, fused: bool = True
     ) -> torch.Tensor:
-        """token_ids, positions: [N] int64 (flat tokens of the step) -> hidden [N, hidden].
-        fused=False forces the plain torch path even when the kernels are loaded (the oracle's)."""
+        """token_ids, positions: [N] int64 (flat tokens of the step); each layer attends
+        through `metadata.attention.attend(layer, q [N, H, D], k / v [N, KVH, D])` (RoPE
+        applied) -> [N, H, D]. Returns the logits of `metadata.logit_rows` (None: every
+        row), [rows, vocab] as `logits` computes them. fused=False forces the plain torch
+        path even when the kernels are loaded (the oracle's)."""
+        metadata.check(token_ids, positions)
         cfg = self.config
         if int(positions.max()) >= cfg.max_position:
             raise ValueError(f"position {int(positions.max())} exceeds the model's context {cfg.max_position}")
+        attend = metadata.attention.attend
         if fused and self.kernels is not None:
-            return self._forward_fused(token_ids, positions, attend)
+            hidden = self._forward_fused(token_ids, positions, attend)
+        else:
+            hidden = self._forward_plain(token_ids, positions, attend)
+        rows = metadata.logit_rows
+        return self.logits(hidden if rows is None else hidden[rows])
+
+    def _forward_plain(self, token_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """The layers in torch ops, one layer's tensors at a time -> hidden [N, hidden]."""
+        cfg = self.config
         n = token_ids.shape[0]
         self.step_buffer_bytes = self.forward_buffer_bytes(n)  # tensors of these shapes, made a layer at a time
         h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -248,9 +258,10 @@ class LlamaModel:
         step: a layer is 4 matmuls (out=) and 4 calls, x += o fused into the next norm.
             hs = norm(x); qkv = hs @ wqkv; rope(q, k) in place; attn = attend(q, k, v)
             x += attn @ wo; hs = norm(x); act = silu(gate) * up; x += act @ w_down
-        The kernels run unchecked (`kernels.lib`) on buffers made here, all contiguous fp32;
-        positions were range-checked by `forward`. q / k / v are the same views of the qkv
-        buffer for every layer, so an attend can validate them once per step."""
+        Returns hidden [N, hidden]. The kernels run unchecked (`kernels.lib`) on buffers
+        made here, all contiguous fp32; positions were range-checked by `forward`. q / k / v
+        are the same views of the qkv buffer for every layer, so an attend can validate them
+        once per step."""
         cfg, lib = self.config, self.kernels.lib  # type: ignore[union-attr]
         n = token_ids.shape[0]
         h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim

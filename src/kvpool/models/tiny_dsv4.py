@@ -14,8 +14,9 @@ official checkpoint (`embed`, `layers.{i}.attn.wq_a`, ..., `norm`, `head`).
 
 Two forwards over the same weights:
 - `reference_logits`: the contiguous oracle, the whole token history, no cache;
-- `forward_paged`: a batch of chunks on the Classical + State pools (`DSV4Pools`), through
-  V4's sparse attention backend (attention/backends/dsv4_sparse.py).
+- `forward(token_ids, positions, metadata)`, every model's signature: a batch of chunks on
+  the Classical + State pools (`DSV4Pools`), each layer's attention through the step of V4's
+  sparse attention backend (attention/backends/dsv4_sparse.py `DSV4Step`).
 
 `dtype` is fp32 (default) or fp64. The weights are always drawn in fp64 from the seeded
 generator and then cast, so `TinyDSV4(seed=s)` and `TinyDSV4(seed=s, dtype=torch.float64)`
@@ -32,9 +33,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from kvpool.attention.backends import DSV4SparseBackend
+from kvpool.attention.backends import DSV4Step, StepMetadata
 from kvpool.attention.dsv4_ops import DSV4AttnWeights, init_attn_state_dict, rms_norm
-from kvpool.attention.dsv4_paged import ChunkPlan
 from kvpool.attention.dsv4_reference import IndexerTrace, reference_attention, reference_indexer
 from kvpool.spec.dsv4 import CSA_RATIO, DSV4Spec
 
@@ -193,19 +193,25 @@ class TinyDSV4:
         return self._logits(h)
 
     @torch.no_grad()
-    def forward_paged(
-        self, token_ids: list[int] | Tensor, chunks: list[ChunkPlan], attention: DSV4SparseBackend
-    ) -> Tensor:
-        """token_ids: [N], the chunks' tokens concatenated in order. Reads and writes the cache
-        only through `attention` (attention/backends dsv4_sparse.py, over pools made with this
-        model's dtype); returns logits [N, vocab] in `dtype`."""
-        ids = torch.as_tensor(token_ids, dtype=torch.long)
-        if (attention.dtype == torch.float64) != (self.dtype == torch.float64):
-            raise ValueError(f"a {self.dtype} model needs pools of its precision, got {attention.dtype} pools")
-        if ids.numel() != sum(c.num_tokens for c in chunks):
-            raise ValueError(f"{ids.numel()} token ids for chunks of {sum(c.num_tokens for c in chunks)} tokens")
-        h = self._embed(ids)
+    def forward(self, token_ids: Tensor, positions: Tensor, metadata: StepMetadata) -> Tensor:
+        """token_ids, positions: [N] int64, the step's chunks' tokens in order (V4's attention
+        takes each chunk's positions from its ChunkPlan: `positions` must be them). Reads
+        and writes the cache only through `metadata.attention`, a `DSV4Step` over pools made
+        with this model's spec and precision. Returns the logits of `metadata.logit_rows`
+        (None: every row), [rows, vocab] in `dtype`."""
+        metadata.check(token_ids, positions)
+        step = metadata.attention
+        if not isinstance(step, DSV4Step):
+            raise TypeError(f"a V4 model's forward takes the step of V4's sparse attention, got {type(step).__name__}")
+        if (step.dtype == torch.float64) != (self.dtype == torch.float64):
+            raise ValueError(f"a {self.dtype} model needs pools of its precision, got {step.dtype} pools")
+        if step.spec != self.spec:
+            raise ValueError(f"pools made for the V4 spec {step.spec.name!r}, not this model's {self.spec.name!r}")
+        if not torch.equal(positions, step.positions):
+            raise ValueError(f"positions {positions.tolist()} are not those of the step's chunks")
+        h = self._embed(token_ids)
         for i in range(self.spec.num_layers):
-            h = h + attention.attend(self.spec, i, self.attn[i], self._attn_input(i, h), chunks)
+            h = h + step.attend(i, self.attn[i], self._attn_input(i, h))
             h = self._ffn(i, h)
-        return self._logits(h)
+        rows = metadata.logit_rows
+        return self._logits(h if rows is None else h[rows])

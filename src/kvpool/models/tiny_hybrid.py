@@ -19,10 +19,11 @@ TINY_RECURRENT: recurrent and full layers (Kimi Linear / Qwen3-Next style mix).
 Two forwards over the same weights:
 - `reference_logits`: the oracle, a full recompute of the whole token history, no cache
   (masks over the whole sequence, the recurrence from S_0);
-- `forward_paged`: a batch of chunks on the paged cache, through the attention backends
-  (`HybridAttention`: attention/backends slot_attention.py and recurrent.py, which hold the
-  cache's tensors), each chunk reading and writing through its slots, its live state and
-  its checkpoint slots.
+- `forward(token_ids, positions, metadata)`, every model's signature: a batch of chunks on
+  the paged cache, each layer through the step of the model's attention backends
+  (attention/backends hybrid.py `HybridStep`, over slot_attention.py and recurrent.py,
+  which hold the cache's tensors): each chunk reads and writes through its slots, its live
+  state and its checkpoint slots.
 The attention and recurrence math is attention/hybrid_ops.py, shared by both forwards.
 Weights are drawn in fp64 from the seeded generator and cast; `model.to(torch.float64)`
 is an fp32 model's rounding-free twin (the same rounded weights, fp64 arithmetic).
@@ -31,13 +32,13 @@ is an fp32 model's rounding-free twin (the same rounded weights, fp64 arithmetic
 from __future__ import annotations
 
 import copy
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvpool.attention.backends import AttnPlan, RecurrentBackend, SlotAttentionBackend
+from kvpool.attention.backends import HybridStep, StepMetadata
 from kvpool.attention.hybrid_ops import delta_rule, masked_attention
 
 LAYER_KINDS = ("full", "window", "recurrent")
@@ -67,37 +68,9 @@ TINY_RECURRENT: dict[str, Any] = {
 DTYPES = (torch.float32, torch.float64)
 
 
-class ChunkPlan(NamedTuple):
-    """One request's chunk of a step: positions [start, start + num_tokens)."""
-
-    start: int
-    num_tokens: int
-    attn: dict[str, AttnPlan]  # group name -> its slots
-    state_slot: int | None  # the live recurrent state (None: no recurrent layer)
-    checkpoints: tuple[tuple[int, int], ...] = ()  # (position b, slot): snapshot S_b there
-
-
 def group_of(kind: str) -> str:
     """The cache group a layer kind belongs to (its name in the coordinator)."""
     return kind
-
-
-class HybridAttention:
-    """The attention backends of one hybrid model's cache (attention/backends): one
-    `SlotAttentionBackend` per attention group (its K/V rows), one `RecurrentBackend` (the
-    state slots) when the model has recurrent layers. The runner builds it once; the
-    model's `forward_paged` reads and writes the cache only through it.
-
-    groups[name].kv: [num_blocks * block_size, layers of the group, 2 (K, V), kv_heads, head_dim]
-    recurrent.state: [num_slots, recurrent layers, heads, head_dim (v), head_dim (k)]
-    """
-
-    def __init__(
-        self,
-        groups: dict[str, SlotAttentionBackend],
-        recurrent: RecurrentBackend,
-    ) -> None:
-        self.groups, self.recurrent = groups, recurrent
 
 
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
@@ -263,37 +236,27 @@ class TinyHybrid:
         return self._logits(h)
 
     @torch.no_grad()
-    def forward_paged(
-        self, token_ids: list[int] | Tensor, chunks: list[ChunkPlan], attention: HybridAttention
-    ) -> Tensor:
-        """token_ids: [N], the chunks' tokens concatenated in order. Through `attention`'s
-        backends, writes every chunk's K/V into its write slots, reads its keys through its
-        read slots, advances its live state and fills its checkpoint slots. Returns logits
-        [N, vocab] in `dtype`."""
-        ids = torch.as_tensor(token_ids, dtype=torch.long)
-        if ids.numel() != sum(c.num_tokens for c in chunks):
-            raise ValueError(f"{ids.numel()} token ids for chunks of {sum(c.num_tokens for c in chunks)} tokens")
+    def forward(self, token_ids: Tensor, positions: Tensor, metadata: StepMetadata) -> Tensor:
+        """token_ids, positions: [N] int64, the step's chunks' tokens in order. Each layer
+        runs through `metadata.attention`, a `HybridStep` of this model's backends, which
+        writes every chunk's K/V into its write slots, reads its keys through its read
+        slots, advances its live state and fills its checkpoint slots. Returns the logits
+        of `metadata.logit_rows` (None: every row), [rows, vocab] in `dtype`."""
+        metadata.check(token_ids, positions)
+        step = metadata.attention
+        if not isinstance(step, HybridStep):
+            raise TypeError(
+                f"a hybrid model's forward takes the step of its hybrid attention, got {type(step).__name__}"
+            )
         cfg = self.config
-        groups = self.attention_groups()
-        rec_layers = self.recurrent_layers()
-        h = self._embed(ids)
+        h = self._embed(token_ids)
         for i, kind in enumerate(cfg["layers"]):
-            x_all = rms_norm(h, self._w(i, "attn_norm"), cfg["rms_norm_eps"])
-            outs = []
-            offset = 0
-            for c in chunks:
-                x = x_all[offset : offset + c.num_tokens]
-                offset += c.num_tokens
-                if kind == "recurrent":
-                    assert c.state_slot is not None
-                    o = attention.recurrent.update(
-                        rec_layers.index(i), c.state_slot, c.checkpoints, c.start, *self._recurrent_inputs(i, x)
-                    )
-                    outs.append(self._recurrent_out(i, o))
-                    continue
-                group = group_of(kind)
-                q, k, v = self._qkv(i, x, torch.arange(c.start, c.start + c.num_tokens))
-                o = attention.groups[group].attend(groups[group].index(i), c.attn[group], q, k, v, c.start)
-                outs.append(o.reshape(q.shape[0], -1) @ self._w(i, "wo").T)
-            h = self._ffn(i, h + torch.cat(outs))
-        return self._logits(h)
+            x = rms_norm(h, self._w(i, "attn_norm"), cfg["rms_norm_eps"])
+            if kind == "recurrent":
+                o = step.update(i, *self._recurrent_inputs(i, x))
+            else:
+                q, k, v = self._qkv(i, x, positions)
+                o = step.attend(i, q, k, v)
+            h = self._ffn(i, h + o.reshape(o.shape[0], -1) @ self._w(i, "wo").T)
+        rows = metadata.logit_rows
+        return self._logits(h if rows is None else h[rows])

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from kvpool.attention.backends.step import function_step
 from kvpool.attention.context_parallel import cp_decode_attention, local_block_indices, local_num_keys, owner_of
 from kvpool.attention.paged import decode_attention, paged_attention, plan_step
 from kvpool.storage.kv import PagedKVStorage
@@ -173,10 +174,8 @@ def check_smollm2(rank: int, world: int, prompt_len: int, steps: int, bs: int) -
             dev,
             decode_path="padded",
         )
-        hidden = model.forward(
-            torch.tensor(list(ids)), torch.arange(start, end), lambda layer, q, k, v: attend_with(layer, q, k, v, plan)
-        )
-        return model.logits(hidden[-1:])[0]
+        metadata = function_step(lambda layer, q, k, v: attend_with(layer, q, k, v, plan), len(ids), [len(ids) - 1])
+        return model.forward(torch.tensor(list(ids)), torch.arange(start, end), metadata)[0]
 
     def single(st: PagedKVStorage):
         def attend(layer, q, k, v, plan):

@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from kvpool.attention.backends.step import function_step
 from kvpool.attention.reference import causal_attention
 from kvpool.models.llama import LlamaModel
 from kvpool.storage.quant import kv_schema, round_trip_kv
@@ -192,7 +193,7 @@ def evaluate(
         captured.append((q.clone(), k.clone(), v.clone()))
         return causal_attention(q, k, v)
 
-    model.forward(ids, torch.arange(ids.shape[0]), exact, fused=False)  # the per-layer inputs
+    model.forward(ids, torch.arange(ids.shape[0]), function_step(exact, ids.shape[0], []), fused=False)  # the inputs
     if progress is not None:
         progress("fp32 (exact blocks)")
     lp_ref = served_log_probs(model, token_ids, None, prefill, block_size)

@@ -17,36 +17,51 @@ Key: `BackendKey(kind, format, device, impl)`:
   decode paths "native", "bags", "padded"; "triton", the Triton kernels on CUDA).
 
 `select_backend` returns the key it chose and the class; a runner builds the backend once,
-at construction, and in its step only asks it for that step's attention
-(`begin_step(metadata)` for the paged pool: the backend builds its plan from the step's
-metadata; `attend` per layer for V4's pools; `plan_chunk` / `attend` / `update` for the
-hybrid models' slots and states). A combination with no entry is a
-ValueError naming it and listing what exists.
+at construction. The interface, what every backend offers the runner and the model:
 
-The modules: native.py (the C CPU kernels), torch_paged.py (the torch bag and padded
-paths), quant.py (the quantized pool: the C kernel on 8-bit codes, or dequantize then
-torch), triton_paged.py (the Triton kernels of triton_decode.py and triton_extend.py on a
-CUDA pool; an interpreted CPU pool in tests), triton_quant.py (triton_extend.py's kernel on
-an 8-bit quantized CUDA pool), dsv4_sparse.py (V4's sparse attention), slot_attention.py (the hybrid models'
-full and window attention), recurrent.py (the gated delta rule's state update).
+    runner, once       backend = select_backend(kind, format, device, impl).backend(...)
+    runner, each step  step = backend.begin_step(tables)   the cache's tables for the step
+    model, each step   model.forward(token_ids [N], positions [N], StepMetadata(step, logit_rows))
+    model, each layer  step.attend(layer, ...) / step.update(layer, ...)   (step.py's table)
+
+`begin_step` takes the step's tables in the kind's own form: `PagedStepMetadata` (CSR block
+tables, slots, lengths) for the paged pool, `HybridChunk`s (each group's table, the state
+slot and checkpoints) for the hybrid models' `HybridAttention`, `ChunkPlan`s for V4's
+pools. Its step has `num_tokens` (the N it was planned for) and the per-layer calls of its
+kind; it reads and writes the cache, and the model never sees a table, a slot or a pool
+(step.py). A combination with no entry is a ValueError naming it and listing what exists.
+
+The modules: step.py (`StepMetadata`, the models' third argument), paged_step.py (the
+paged pool's metadata and step), native.py (the C CPU kernels), torch_paged.py (the torch
+bag and padded paths), quant.py (the quantized pool: the C kernel on 8-bit codes, or
+dequantize then torch), triton_paged.py (the Triton kernels of triton_decode.py and
+triton_extend.py on a CUDA pool; an interpreted CPU pool in tests), triton_quant.py
+(triton_extend.py's kernel on an 8-bit quantized CUDA pool), dsv4_sparse.py (V4's sparse
+attention), slot_attention.py (the hybrid models' full and window attention),
+recurrent.py (the gated delta rule's state update), hybrid.py (those two bound to a
+hybrid model's layers).
 
 A GPU backend is an entry here and a module beside these: e.g. a CUDA/Triton paged
 attention registers `BackendKey("full", "paged", "cuda", "triton")`, a class with the same
-constructor as `TorchPagedBackend` whose `begin_step` returns a `PagedStep` (its attend, and
-the byte figures the memory ledger reads), and a first place in `PREFERRED` for ("full",
-"paged", "cuda"); the runners do not change: they never look inside a backend's plan.
+constructor as `TorchPagedBackend` (paged_step.py `PagedBackend`) whose
+`begin_step(PagedStepMetadata)` returns a `PagedStep` (its `attend(layer, q, k, v)`, which
+writes the layer's K/V and returns its attention, and the byte figures the memory ledger
+reads), and a first place in `PREFERRED` for ("full", "paged", "cuda"); neither the
+runners nor the models change: they never look inside a backend's plan.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from kvpool.attention.backends.dsv4_sparse import DSV4SparseBackend
+from kvpool.attention.backends.dsv4_sparse import DSV4SparseBackend, DSV4Step
+from kvpool.attention.backends.hybrid import GroupTable, HybridAttention, HybridChunk, HybridStep
 from kvpool.attention.backends.native import NativeBackend
 from kvpool.attention.backends.paged_step import PagedStep, PagedStepMetadata
 from kvpool.attention.backends.quant import DequantBackend, QuantNativeBackend
 from kvpool.attention.backends.recurrent import RecurrentBackend
 from kvpool.attention.backends.slot_attention import AttnPlan, SlotAttentionBackend
+from kvpool.attention.backends.step import FunctionStep, StepMetadata, function_step
 from kvpool.attention.backends.torch_paged import TorchPagedBackend
 from kvpool.attention.backends.triton_paged import TritonPagedBackend, triton_importable
 from kvpool.attention.backends.triton_quant import TritonQuantBackend
@@ -59,12 +74,20 @@ __all__ = [
     "AttnPlan",
     "BackendKey",
     "DSV4SparseBackend",
+    "DSV4Step",
+    "FunctionStep",
+    "GroupTable",
+    "HybridAttention",
+    "HybridChunk",
+    "HybridStep",
     "PagedStep",
     "PagedStepMetadata",
     "RecurrentBackend",
     "SlotAttentionBackend",
+    "StepMetadata",
     "TritonPagedBackend",
     "TritonQuantBackend",
+    "function_step",
     "paged_format",
     "select_backend",
 ]

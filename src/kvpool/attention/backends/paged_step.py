@@ -2,7 +2,8 @@
 
 The runner hands a backend `PagedStepMetadata` (what the cache manager's step tables say);
 the backend turns it into the attention plan (`attention/paged.py` `plan_step`) once for
-the step, and into the `attend(layer, q, k, v)` the model calls for every layer.
+the step, and into the `PagedStep` whose `attend(layer, q, k, v)` the model calls for
+every layer (as `StepMetadata.attention`, step.py).
 """
 
 from __future__ import annotations
@@ -12,11 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpool.attention.backends.step import Attend
 from kvpool.attention.paged import StepPlan, plan_step
-
-# attend(layer, q [N, H, D], k / v [N, KVH, D]) -> [N, H, D]: write the step's K/V of that
-# layer into the pool, then attend over each sequence's blocks
-Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -42,10 +40,15 @@ class PagedStep:
     gathered keys and values."""
 
     plan: StepPlan
-    attend: Attend
+    attend: Attend  # write the layer's K/V into the pool, then attend over each sequence's blocks
     decode_path: str | None
     table_bytes: int
     prefill_bytes: int
+
+    @property
+    def num_tokens(self) -> int:
+        """The step's N tokens (one slot each)."""
+        return self.plan.slots.shape[0]
 
 
 def make_step(plan: StepPlan, attend: Attend, block_size: int, num_kv_heads: int, head_dim: int, dtype) -> PagedStep:

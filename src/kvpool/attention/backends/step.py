@@ -1,0 +1,70 @@
+"""The step metadata every model's forward takes: `forward(token_ids, positions, metadata)`.
+
+    token_ids [N] int64   the step's tokens, flat: each sequence's new tokens in order
+    positions [N] int64   each token's position in its sequence
+    metadata  StepMetadata
+
+`StepMetadata.attention` is what the backend the runner chose once (attention/backends)
+made of the step's cache tables in its `begin_step`: the model hands it each layer's
+inputs and never sees a block table, a slot or a pool. What a layer hands it depends on the
+attention kind, not on the backend:
+
+    kind         the step object                  per layer
+    full         PagedStep (paged_step.py),       attend(layer, q [N, H, D], k / v [N, KVH, D]) -> [N, H, D]
+                 FunctionStep (a plain function)
+    hybrid       HybridStep (hybrid.py)           attend(layer, q, k, v) on full / window layers,
+                                                  update(layer, q, k, v, beta, g) on recurrent ones
+    dsv4-sparse  DSV4Step (dsv4_sparse.py)        attend(layer, weights, x [N, hidden]) -> [N, hidden]
+
+`logit_rows` names the rows whose logits the forward returns (None: every row), so a
+decode step computes the LM head for its sampled rows only and a replay for none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# attend(layer, q [N, H, D], k / v [N, KVH, D]) -> [N, H, D]: one layer's attention of the
+# step's N tokens (a paged backend also writes k / v into the pool first)
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StepMetadata:
+    """The third argument of every model's forward (module docstring).
+
+    attention: the step's attention (a backend's `begin_step`, or a `FunctionStep`); its
+    `num_tokens` is the N the token ids must have.
+    logit_rows: the rows of the flat batch whose logits to return, in that order (None:
+    all N)."""
+
+    attention: Any
+    logit_rows: Sequence[int] | None = None
+
+    def check(self, token_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """ValueError naming the mismatch when token_ids / positions are not the [N] the
+        step was planned for."""
+        n = self.attention.num_tokens
+        if token_ids.shape != (n,) or positions.shape != (n,):
+            raise ValueError(
+                f"token ids of shape {tuple(token_ids.shape)} and positions of shape {tuple(positions.shape)} "
+                f"for a step planned for {n} tokens"
+            )
+
+
+@dataclass(frozen=True)
+class FunctionStep:
+    """A full-attention step whose attention is a plain function of each layer's q / k / v
+    (the contiguous reference's causal attention, a test's probe): no cache."""
+
+    attend: Attend
+    num_tokens: int
+
+
+def function_step(attend: Attend, num_tokens: int, logit_rows: Sequence[int] | None = None) -> StepMetadata:
+    """The metadata of a step of `num_tokens` tokens whose every layer attends by `attend`."""
+    return StepMetadata(FunctionStep(attend, num_tokens), logit_rows)
