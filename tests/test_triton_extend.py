@@ -103,9 +103,10 @@ def _case(dtype, num_heads, num_kv_heads, bs, seed, head_dim=D):
     return tables, ks, vs, qs
 
 
-def _run(storage_k, storage_v, tables, qs, dtype, bs, num_heads, num_kv_heads, quant=None):
+def _run(storage_k, storage_v, tables, qs, dtype, bs, num_heads, num_kv_heads, quant=None, num_splits=1):
     indptr, indices = _csr(tables)
-    plan = plan_extend(Q_LENS, LENS, indptr, indices, bs, num_heads, num_kv_heads, DEVICE)
+    plan = plan_extend(Q_LENS, LENS, indptr, indices, bs, num_heads, num_kv_heads, DEVICE, num_splits=num_splits)
+    assert plan.num_splits == num_splits
     q = torch.cat(qs).to(DEVICE, dtype)
     scale = qs[0].shape[-1] ** -0.5
     return extend_attention(q, storage_k, storage_v, plan, scale, quant).cpu()
@@ -135,6 +136,25 @@ def test_any_block_size_head_dim_and_group() -> None:
     for table, k, v in zip(tables, ks, vs, strict=True):
         _write(storage, table, k.to(DEVICE), v.to(DEVICE))
     out = _run(storage.k[0], storage.v[0], tables, qs, torch.float64, bs, num_heads, num_kv_heads)
+    assert (out - _reference(qs, ks, vs, torch.float64)).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("fmt", [None, "fp8_e4m3"])
+def test_keys_split_across_programs_merge_exactly(fmt) -> None:
+    """The keys cut into 3 ranges (64 keys each over the longest context, 83), one program
+    each, merged by log-sum-exp: in fp64 the same as SDPA to rounding. A prefill's early
+    queries see no key of the later ranges (their ranges are empty, weight 0)."""
+    num_heads, num_kv_heads, bs = 8, 2, 16
+    tables, ks, vs, qs = _case(torch.float64, num_heads, num_kv_heads, bs, seed=23)
+    if fmt is None:
+        storage = PagedKVStorage(1, NUM_BLOCKS, bs, num_kv_heads, D, dtype=torch.float64, device=DEVICE)
+        for table, k, v in zip(tables, ks, vs, strict=True):
+            _write(storage, table, k.to(DEVICE), v.to(DEVICE))
+        quant = None
+    else:
+        storage, ks, vs = _quantized(fmt, torch.float64, num_kv_heads, bs, tables, ks, vs)
+        quant = _quant_pages(storage, tables)
+    out = _run(storage.k[0], storage.v[0], tables, qs, torch.float64, bs, num_heads, num_kv_heads, quant, 3)
     assert (out - _reference(qs, ks, vs, torch.float64)).abs().max() < 1e-12
 
 
@@ -275,12 +295,13 @@ def test_bad_tables_are_named() -> None:
         plan_extend([1], [10], [0, 1], [4], 16, 8, 3, "cpu")
 
 
-@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e4m3_token"])
-def test_quantized_backend_steps_equal_the_dequantizing_torch_path(fmt) -> None:
+@pytest.mark.parametrize(("fmt", "num_splits"), [("fp8_e4m3", None), ("fp8_e4m3_token", None), ("fp8_e4m3", 2)])
+def test_quantized_backend_steps_equal_the_dequantizing_torch_path(fmt, num_splits) -> None:
     """Three steps of two sequences through TritonQuantBackend and through DequantBackend
     (dequantize, then torch attention), each on its own pool fed the same K / V, 2 layers,
     fp64 compute: prefills (A 40 tokens, its last block a tail; B 20), then A's decode with
-    B's chunk over its prefix, then two decodes."""
+    B's chunk over its prefix, then two decodes; the keys unsplit (the rule, at 132 SMs: these
+    contexts are too short), or split in 2."""
     from kvpool.attention.backends import PagedStepMetadata
     from kvpool.attention.backends.quant import DequantBackend
     from kvpool.attention.backends.triton_quant import TritonQuantBackend
@@ -291,7 +312,7 @@ def test_quantized_backend_steps_equal_the_dequantizing_torch_path(fmt) -> None:
     pools = [
         QuantizedKVStorage(num_layers, 32, bs, num_kv_heads, D, kv_schema(fmt), dtype, device=DEVICE) for _ in range(2)
     ]
-    triton_backend = TritonQuantBackend(pools[0], num_heads, None, dtype)
+    triton_backend = TritonQuantBackend(pools[0], num_heads, None, dtype, num_splits=num_splits)
     torch_backend = DequantBackend(pools[1], num_heads, None, dtype, decode_path="bags")
     g = torch.Generator().manual_seed(17)
     for spans in ({"A": (0, 40), "B": (0, 20)}, {"A": (40, 41), "B": (20, 50)}, {"A": (41, 42), "B": (50, 51)}):
@@ -354,15 +375,16 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kvpool.attention.backends.triton_extend import _extend_kernel as fn
 
-names = ("TileSeq", "TileStart", "QRows", "QLens", "KvIndptr", "KvIndices", "KvTails", "CtxLens")
+names = ("TileSeq", "TileStart", "QRows", "QLens", "KvIndptr", "KvIndices", "KvTails", "CtxLens", "PartRows")
 tables = dict.fromkeys(names, "*i32")
-cases = (("*bf16", "*bf16", False, False, 16), ("*fp32", "*fp32", False, False, 16),
-         ("*bf16", "*fp8e4nv", True, True, 16), ("*bf16", "*fp8e4nv", True, True, 4))
-for q, pages, quant, tails, block_m in cases:  # block_m 4: a step of decodes, 16 rows
+cases = (("*bf16", "*bf16", False, False, 16, 1), ("*fp32", "*fp32", False, False, 16, 1),
+         ("*bf16", "*fp8e4nv", True, True, 16, 1), ("*bf16", "*fp8e4nv", True, True, 4, 4))
+for q, pages, quant, tails, block_m, splits in cases:  # block_m 4: a step of decodes, 16 rows
     types = dict(tables, Q=q, Out=q, K=pages, V=pages, KScale="*fp32", VScale="*fp32", TailK=q, TailV=q)
+    types.update(Part="*fp32", Lse="*fp32")
     types["sm_scale"] = "fp32"
     consts = dict(HEAD_DIM=128, BLOCK_D=128, GROUP=4, GROUP_P=4, BLOCK_M=block_m, BLOCK_N=64, PAGE=16, QUANT=quant,
-                  ACC=tl.float32, TAILS=tails, WIDEN=False)
+                  ACC=tl.float32, TAILS=tails, WIDEN=False, NUM_SPLITS=splits)
     signature = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
     kernel = triton.compile(ASTSource(fn, signature, consts), target=GPUTarget("cuda", 90, 32))
     assert kernel.asm["cubin"], (q, pages)
@@ -372,7 +394,7 @@ print("compiled")
 
 def test_the_extend_kernel_compiles_for_sm90() -> None:
     """bf16 and fp32 pools, fp8 e4m3 codes with block scales and tails (bf16 compute; chunks,
-    and decodes: 16 rows), Llama-3.1-8B's head dim and GQA group."""
+    and decodes: 16 rows, their keys split in 4), Llama-3.1-8B's head dim and GQA group."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1] / "src"), env.get("PYTHONPATH", "")])
     run = subprocess.run([sys.executable, "-c", AOT], env=env, capture_output=True, text=True, timeout=300)

@@ -19,8 +19,17 @@ One program per (query tile, KV head): a tile is BLOCK_M consecutive queries of 
 sequence, and all G = H / KVH query heads of the KV head ride in it as rows (row r: query r
 // G', head r % G', G' = G rounded up to a power of two), so the G heads share each K / V
 tile they read. The host lists the tiles once a step (`plan_extend`), every layer reuses
-them. Scores and the online softmax are in fp32 (fp64 for an fp64 pool, which makes the
-kernel exact against an fp64 reference up to summation order); both products are tl.dot
+them. A tile holds as many queries as the step's longest chunk needs, 16 to 64 rows.
+
+Split: when tiles x KV heads are too few programs for the GPU (a step of a few long
+decodes: 16 x 32k at 8 KV heads is 128 programs on 132 SMs), the keys are cut into
+`num_splits` ranges of split_len keys, one program each; each writes its normalised
+partial output and its log2-sum-exp (-inf when its range holds no key the row may see), and
+triton_decode's `_merge` combines them exactly. The rule is the decode's
+(`triton_decode.num_splits_for` on tiles instead of sequences).
+
+Scores and the online softmax are in fp32 (fp64 for an fp64 pool, which makes the kernel
+exact against an fp64 reference up to summation order); both products are tl.dot
 with input_precision "ieee" (no TF32 on fp32). Triton 3.9's interpreter multiplies a
 bf16 / fp16 tl.dot's operands as their raw bits (its create_dot converts only fp8), so the
 interpreted kernel widens those operands to fp32 first (`WIDEN`): the same products (one
@@ -73,11 +82,16 @@ class ExtendPlan:
     block_m: int  # queries per tile
     group: int  # query heads per KV head (G)
     num_rows: int  # N: rows of q (rows no sequence names are neither read nor written)
+    num_splits: int  # programs sharing a tile's keys, merged by log-sum-exp (1: none)
+    split_len: int  # keys per split, a multiple of BLOCK_N
+    part_rows: torch.Tensor  # [B]: sequence i's first row among the R rows the plan writes
+    merge_rows: torch.Tensor  # [R]: those rows of q / out, sequence by sequence
 
     @property
     def num_bytes(self) -> int:
         tables = (self.q_rows, self.q_lens, self.kv_indptr, self.kv_indices, self.ctx_lens, self.tile_seq)
-        return sum(t.nbytes for t in tables) + self.tile_start.nbytes
+        tables += (self.tile_start, self.part_rows, self.merge_rows)
+        return sum(t.nbytes for t in tables)
 
 
 @dataclass(frozen=True)
@@ -114,13 +128,18 @@ def plan_extend(
     device: torch.device | str,
     q_rows: Sequence[int] | None = None,
     num_rows: int | None = None,
+    num_splits: int = 1,
+    num_sms: int | None = None,
 ) -> ExtendPlan:
     """The tables of one step: sequence i's q_lens[i] queries at positions [ctx_lens[i] -
     q_lens[i], ctx_lens[i]), its blocks indices[indptr[i]:indptr[i + 1]] covering exactly
     ctx_lens[i] tokens. q_rows: the row of q holding each sequence's first query (None: the
     sequences' rows follow one another from row 0); num_rows: q's rows (None: the last
-    sequence's end), e.g. a mixed step whose decode rows another kernel attends. ValueError
-    naming the first inconsistency."""
+    sequence's end), e.g. a mixed step whose decode rows another kernel attends.
+    num_splits: programs per (tile, KV head), each a range of the keys, merged by
+    log-sum-exp; num_sms: choose it instead by triton_decode's rule for this GPU's SM count
+    (split when the tiles x KV heads cannot give every SM two programs, no split shorter
+    than its MIN_SPLIT_TOKENS). ValueError naming the first inconsistency."""
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     if len(q_lens) != len(ctx_lens) or len(indptr) != len(q_lens) + 1:
@@ -152,12 +171,24 @@ def plan_extend(
     if any(r < 0 for r in q_rows) or max(ends, default=0) > num_rows:
         raise ValueError(f"query rows {list(q_rows)} with lengths {list(q_lens)} do not fit {num_rows} rows")
 
+    max_ctx_len = max(ctx_lens, default=1)
+    if num_sms is not None:
+        from kvpool.attention.backends.triton_decode import num_splits_for
+
+        num_splits = num_splits_for(len(tile_seq), num_kv_heads, max_ctx_len, num_sms)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be at least 1, got {num_splits}")
+    per_split = -(-max_ctx_len // num_splits)
+    split_len = -(-per_split // BLOCK_N) * BLOCK_N
+    merge_rows = [r + j for r, n in zip(q_rows, q_lens, strict=True) for j in range(n)]
+
     def t(x: Sequence[int]) -> torch.Tensor:
         return torch.tensor(list(x), dtype=torch.int32, device=device)
 
     return ExtendPlan(
-        t(q_rows), t(q_lens), t(indptr), t(indices), t(ctx_lens), t(tile_seq), t(tile_start), block_m, group, num_rows
-    )
+        t(q_rows), t(q_lens), t(indptr), t(indices), t(ctx_lens), t(tile_seq), t(tile_start), block_m, group, num_rows,
+        num_splits, split_len, t(itertools.accumulate(q_lens, initial=0)), t(merge_rows),
+    )  # fmt: skip
 
 
 def extend_attention(
@@ -198,26 +229,41 @@ def extend_attention(
         tails = plan.kv_indices
         scale_strides = (0, 0, 0)
     group = plan.group
-    grid = (plan.tile_seq.shape[0], kvh)
-    acc = tl.float64 if q.dtype == torch.float64 else tl.float32
+    splits = plan.num_splits
+    grid = (plan.tile_seq.shape[0], kvh, splits)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if splits > 1:  # each split's normalised output and log2-sum-exp, merged below
+        part = torch.empty(plan.merge_rows.shape[0], h, splits, d, dtype=acc, device=q.device)
+        lse = torch.empty(plan.merge_rows.shape[0], h, splits, dtype=acc, device=q.device)
+    else:  # not written
+        part, lse = out, out
     _extend_kernel[grid](
-        q, out, k_pages, v_pages, ks, vs, tk, tv,
+        q, out, part, lse, k_pages, v_pages, ks, vs, tk, tv,
         plan.tile_seq, plan.tile_start, plan.q_rows, plan.q_lens, plan.kv_indptr, plan.kv_indices, tails, plan.ctx_lens,
-        scale,
+        plan.part_rows, scale, plan.split_len,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_pages.stride(), *v_pages.stride(), *tk.stride(), *tv.stride(), *scale_strides,
         HEAD_DIM=d, BLOCK_D=max(16, _pow2(d)), GROUP=group, GROUP_P=_pow2(group),
-        BLOCK_M=plan.block_m, BLOCK_N=BLOCK_N, PAGE=bs, QUANT=quant is not None, ACC=acc,
-        TAILS=has_tails, WIDEN=q.element_size() == 2 and interpreted(),
+        BLOCK_M=plan.block_m, BLOCK_N=BLOCK_N, PAGE=bs, QUANT=quant is not None,
+        ACC=tl.float64 if acc == torch.float64 else tl.float32,
+        TAILS=has_tails, WIDEN=q.element_size() == 2 and interpreted(), NUM_SPLITS=splits,
     )  # fmt: skip
+    if splits > 1:
+        from kvpool.attention.backends.triton_decode import _merge  # the decode's split merge
+
+        merge_grid = (plan.merge_rows.shape[0], h)
+        _merge[merge_grid](
+            part, lse, plan.merge_rows, out, out.stride(0), out.stride(1),
+            H=h, D=d, NUM_SPLITS=splits, BLOCK_S=_pow2(splits), BLOCK_D=_pow2(d),
+        )  # fmt: skip
     return out
 
 
 @triton.jit
 def _extend_kernel(
-    Q, Out, K, V, KScale, VScale, TailK, TailV,
+    Q, Out, Part, Lse, K, V, KScale, VScale, TailK, TailV,
     TileSeq, TileStart, QRows, QLens, KvIndptr, KvIndices, KvTails, CtxLens,
-    sm_scale,
+    PartRows, sm_scale, split_len,
     s_qn, s_qh, s_on, s_oh,
     s_kb, s_kh, s_kd, s_ks,  # K pages: block, head, dim, slot
     s_vb, s_vh, s_vs, s_vd,  # V pages: block, head, slot, dim
@@ -226,10 +272,11 @@ def _extend_kernel(
     s_sb, s_sh, s_ss,  # scales: block, head, slot (0: one scale per block)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, QUANT: tl.constexpr, ACC: tl.constexpr,
-    TAILS: tl.constexpr, WIDEN: tl.constexpr,
+    TAILS: tl.constexpr, WIDEN: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     seq = tl.load(TileSeq + tile)
     start = tl.load(TileStart + tile)  # the tile's first query within the chunk
     q0 = tl.load(QRows + seq)
@@ -261,9 +308,12 @@ def _extend_kernel(
     acc = tl.zeros([BLOCK_M * GROUP_P, BLOCK_D], ACC)
     # keys [0, kv_end): the tile's last query's view (the causal mask trims the others)
     kv_end = tl.minimum(ctx_len, prefix + start + BLOCK_M)
-    for n0 in range(0, kv_end, BLOCK_N):
+    # this program's keys: [lo, hi), its split's range of them
+    lo = split * split_len
+    hi = tl.minimum(kv_end, lo + split_len) if NUM_SPLITS > 1 else kv_end
+    for n0 in range(lo, hi, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)  # key positions
-        t_ok = t < kv_end
+        t_ok = t < hi
         entry = kv0 + t // PAGE  # each key's entry in the block table
         blk = tl.load(KvIndices + entry, mask=t_ok, other=0).to(tl.int64)
         slot = t % PAGE
@@ -302,17 +352,31 @@ def _extend_kernel(
         s = tl.dot(q, kt, input_precision="ieee", out_dtype=ACC) * sm_scale  # [rows, BLOCK_N]
         s = tl.where((t[None, :] <= pos[:, None]) & t_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
+        # a row that has seen no key yet (one of a split past its position) keeps m = -inf:
+        # shift by 0 there, so that exp(-inf - -inf) never makes a NaN
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
         l = l * alpha + tl.sum(p, 1)  # noqa: E741
         p_in = p.to(Q.dtype.element_ty)  # the dot's operand in the query's dtype, as SDPA's
         if WIDEN:
             p_in = p_in.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p_in, v, input_precision="ieee", out_dtype=ACC)
         m = m_new
-    out = acc / l[:, None]
-    tl.store(
-        Out + q_rows[:, None] * s_on + head[:, None] * s_oh + dims[None, :],
-        out.to(Out.dtype.element_ty),
-        mask=row_ok[:, None] & dim_ok[None, :],
-    )
+    if NUM_SPLITS == 1:
+        out = acc / l[:, None]
+        tl.store(
+            Out + q_rows[:, None] * s_on + head[:, None] * s_oh + dims[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=row_ok[:, None] & dim_ok[None, :],
+        )
+    else:  # Part [R, H, NUM_SPLITS, HEAD_DIM], Lse [R, H, NUM_SPLITS] (log2 units, -inf: no key)
+        seen = l > 0
+        l_safe = tl.where(seen, l, 1.0)
+        # row r of the plan, head h, this split: ((r * H + h) * NUM_SPLITS + split), H = GROUP * KVH
+        r = (tl.load(PartRows + seq) + tok).to(tl.int64)
+        at = (r * (GROUP * tl.num_programs(1)) + head) * NUM_SPLITS + split
+        part_mask = row_ok[:, None] & dim_ok[None, :]
+        tl.store(Part + at[:, None] * HEAD_DIM + dims[None, :], acc / l_safe[:, None], mask=part_mask)
+        lse = tl.where(seen, m * 1.4426950408889634 + tl.log2(l_safe), float("-inf"))
+        tl.store(Lse + at, lse, mask=row_ok)

@@ -18,14 +18,16 @@ from collections.abc import Callable
 import torch
 
 from kvpool.attention.backends.paged_step import PagedBackend, PagedStep, PagedStepMetadata
-from kvpool.attention.backends.triton_paged import triton_importable
+from kvpool.attention.backends.triton_paged import CPU_NUM_SMS, triton_importable
 from kvpool.attention.paged import StepPlan
 from kvpool.storage.kv import QuantizedKVStorage
 
 
 class TritonQuantBackend(PagedBackend):
     """The Triton backend of an 8-bit quantized pool (module docstring); the registry's
-    constructor (`kernels`, the C CPU kernels, is unused)."""
+    constructor (`kernels`, the C CPU kernels, is unused). num_sms: the split rule's SM
+    count (None: the CUDA device's, CPU_NUM_SMS for an interpreted CPU pool); num_splits:
+    every step's split of the keys, in place of the rule (triton_extend.plan_extend)."""
 
     default_decode_path = "triton"
 
@@ -38,11 +40,20 @@ class TritonQuantBackend(PagedBackend):
         before_read: Callable[[], None] | None = None,
         *,
         decode_path: str | None = None,
+        num_sms: int | None = None,
+        num_splits: int | None = None,
     ) -> None:
         super().__init__(storage, num_heads, kernels, dtype, before_read, decode_path=decode_path)
         from kvpool.attention.backends import triton_extend
 
         self.ops = triton_extend
+        device = storage.k.device
+        if num_sms is None:
+            num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+            num_sms = num_sms or CPU_NUM_SMS
+        if num_sms <= 0 or (num_splits is not None and num_splits < 1):
+            raise ValueError(f"num_sms and num_splits must be positive, got {num_sms}, {num_splits}")
+        self.num_sms, self.num_splits = num_sms, num_splits
 
     def _check(self, storage: QuantizedKVStorage, kernels, decode_path: str) -> None:
         if decode_path != "triton":
@@ -85,6 +96,8 @@ class TritonQuantBackend(PagedBackend):
             self.num_heads,
             st.num_kv_heads,
             device,
+            num_splits=self.num_splits or 1,
+            num_sms=None if self.num_splits else self.num_sms,
         )
         tails = st.tail_slots(meta.indices).to(device, torch.int32)  # [nnz]: -1, or the entry's tail slot
         assert st.k_scale is not None and st.v_scale is not None
