@@ -190,6 +190,8 @@ def test_model_names_resolve_alike(capsys: pytest.CaptureFixture[str]) -> None:
     assert engine_model("/some/model.gguf") == "/some/model.gguf"  # a file: the loader names what is wrong
     for command in ("generate", "run", "serve", "bench engine", "bench start"):
         assert _parse(command, ["--model", "SmolLM2-135M"]).model == "smollm2-135m", command
+    for command in ("plan", "simulate", "bench gpu"):  # the planning commands' presets, in any case
+        assert _parse(command, ["--model", "Llama-3.1-8B"]).model == "llama-3.1-8b", command
     # plan and simulate: a preset in any case, a GPU preset in any case
     outputs = []
     for model, gpu in (("llama-3.1-8b", "h200"), ("LLAMA-3.1-8B", "H200")):

@@ -9,6 +9,7 @@ import sys
 from kvpool.bench.gpu import DTYPES, PARTS, NoCuda, measure
 from kvpool.cli.args import comma_choices, positive_int
 from kvpool.cli.bench import call_with_flags, print_table, printed_json, stderr_progress
+from kvpool.cli.options import add_planner_model_option
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,11 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=",".join(PARTS),
         help=f"comma list of parts to run, from {','.join(PARTS)} (host alone runs without CUDA)",
     )
-    parser.add_argument(
-        "--model",
-        default="llama-3.1-8b",
-        help="the engine part's model: an HF config.json or a preset name, with seeded random weights",
-    )
+    add_planner_model_option(parser, default="llama-3.1-8b", note=": the engine part's, with seeded random weights")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16", help="the GPU parts' dtype")
     parser.add_argument("--batch", type=positive_int, default=128, help="the host part's decode batch")
     parser.add_argument("--context", type=positive_int, default=1024, help="the host part's context per request")

@@ -181,7 +181,6 @@ def add_option(
     default: Any,
     note: str = "",
     type: Callable[[str], Any] | None = None,
-    **extra: Any,
 ) -> argparse.Action:
     """`option` on `parser` (a parser or an argument group) with this command's `default`;
     `note` (what the option means here, or what a None default stands for) follows the
@@ -207,7 +206,6 @@ def add_option(
         metavar=option.metavar,
         choices=option.choices,
         help=text,
-        **extra,
     )
     action.aliases = option.aliases  # (HelpFormatter shows the flags without them)
     action.shared = option
@@ -240,6 +238,27 @@ def gguf_path(model: str | None) -> str | None:
     """The GGUF file for an engine --model: None for the embedded SmolLM2 (the loader's
     default), else the path given."""
     return None if model in (None, DEFAULT_MODEL) else model
+
+
+def preset_name(text: str) -> str:
+    """A --model of the planning commands as a preset's own name where it is one in any
+    case ("Llama-3.1-8B" -> "llama-3.1-8b"); anything else (a config.json path) as given."""
+    from kvpool.spec.models import PRESET_NAMES
+
+    return text.lower() if text.lower() in PRESET_NAMES else text
+
+
+def add_planner_model_option(parser: argparse.ArgumentParser | Any, *, default: str | None, note: str = "") -> None:
+    """--model of plan, simulate and bench gpu: a preset in any case or a config.json."""
+    from kvpool.spec.models import PRESET_NAMES
+
+    add_option(
+        parser,
+        MODEL,
+        default=default,
+        type=preset_name,
+        note=f"a preset ({', '.join(PRESET_NAMES)}; any case) or a config.json path{note}",
+    )
 
 
 def planner_model(name: str):

@@ -29,14 +29,14 @@ from kvpool.cli.options import (
     MAX_MODEL_LEN,
     MAX_NUM_BATCHED_TOKENS,
     MAX_NUM_SEQS,
-    MODEL,
     add_kv_cache_dtype_option,
     add_option,
+    add_planner_model_option,
     add_tp_option,
     planner_model,
 )
 from kvpool.spec.gpus import GPUS, GPUSpec, cpu_device, custom_gpu, get_gpu
-from kvpool.spec.models import PRESET_NAMES, ModelSpec, load_config_file, load_preset
+from kvpool.spec.models import ModelSpec, load_config_file, load_preset
 
 GIB = 1 << 30
 
@@ -55,12 +55,7 @@ PLOT_MODELS: tuple[str, ...] = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group()
-    add_option(
-        src,
-        MODEL,
-        default=None,
-        note=f"a preset ({', '.join(PRESET_NAMES)}; any case) or a config.json path (default: none, give one)",
-    )
+    add_planner_model_option(src, default=None, note=" (default: none, give one)")
     src.add_argument(
         "--config", help="a Hugging Face config.json or its folder, as --model takes (default: none, give one)"
     )

@@ -34,10 +34,10 @@ from kvpool.cli.options import (
     MAX_MODEL_LEN,
     MAX_NUM_BATCHED_TOKENS,
     MAX_NUM_SEQS,
-    MODEL,
     PREFIX_CACHING,
     add_kv_cache_dtype_option,
     add_option,
+    add_planner_model_option,
     add_tp_option,
     planner_model,
 )
@@ -88,17 +88,11 @@ def _range(text: str) -> tuple[int, int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from kvpool.sim.routing import LAYOUTS, ROUTINGS  # (no imports there: --help stays fast)
-    from kvpool.spec.models import PRESET_NAMES  # (kvpool plan's help imports it too)
 
     parser.add_argument("mode", nargs="?", choices=("run", "sweep"), default="run", help="one run (or a few) / a sweep")
     # The default model must hold the default workload: 4-turn chats reach ~9k tokens, past
     # SmolLM2's 8,192 positions; Llama-3.1-8B on one H200 is the common serving setup.
-    add_option(
-        parser,
-        MODEL,
-        default="llama-3.1-8b",
-        note=f"a preset ({', '.join(PRESET_NAMES)}; any case) or a config.json path",
-    )
+    add_planner_model_option(parser, default="llama-3.1-8b")
     parser.add_argument("--gpu", default="h200", help="h100, h200, b200 (any case) or cpu (this machine, calibrated)")
     add_option(
         parser,
