@@ -56,6 +56,19 @@ def test_n_samples_share_the_prompt(llm):
     assert llm.generate("Once upon a time", params)[0].outputs == out.outputs  # seeded: the same samples
 
 
+def test_model_names_resolve_as_the_commands_do(tmp_path):
+    from kvpool.llm import gguf_path
+
+    assert gguf_path(None) is None and gguf_path("smollm2-135m") is None and gguf_path("SmolLM2-135M") is None
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    assert gguf_path(str(model)) == str(model)
+    with pytest.raises(ValueError, match="neither 'smollm2-135m' nor a GGUF file"):
+        gguf_path(str(tmp_path / "missing.gguf"))
+    with pytest.raises(TypeError, match="model must be a name or a GGUF path, got int"):
+        gguf_path(3)
+
+
 def test_bad_input_is_one_error_and_leaves_nothing(llm):
     with pytest.raises(ValueError, match="neither 'smollm2-135m' nor a GGUF file"):
         kvpool.LLM("no-such-model")

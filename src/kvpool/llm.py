@@ -29,6 +29,18 @@ DEFAULT_KV_CACHE_BYTES = 256 << 20  # kvpool run's and kvpool serve's default po
 Message = dict[str, str]  # {"role": "user" | "system" | "assistant", "content": text}
 
 
+def gguf_path(model: str | None) -> str | None:
+    """The GGUF file `model` names: None for the embedded SmolLM2 (None, or "smollm2-135m" in
+    any case, as the commands' --model), else the path of an existing file."""
+    if model is not None and not isinstance(model, str):
+        raise TypeError(f"model must be a name or a GGUF path, got {type(model).__name__}")
+    if model is None or (model.lower() == DEFAULT_MODEL and not os.path.exists(model)):
+        return None
+    if not os.path.isfile(model):
+        raise ValueError(f"model {model!r} is neither {DEFAULT_MODEL!r} nor a GGUF file")
+    return model
+
+
 @dataclass(frozen=True)
 class GenerateOutput:
     """One prompt's result: `outputs` holds `params.n` completions (token ids, text,
@@ -72,14 +84,11 @@ class LLM:
         kv_cache_dtype: str | None = None,
         enable_prefix_caching: bool = True,
     ):
-        if model is not None and not isinstance(model, str):
-            raise TypeError(f"model must be a name or a GGUF path, got {type(model).__name__}")
-        if model not in (None, DEFAULT_MODEL) and not os.path.isfile(model):
-            raise ValueError(f"model {model!r} is neither {DEFAULT_MODEL!r} nor a GGUF file")
+        path = gguf_path(model)
         if kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be positive, got {kv_cache_bytes}")
-        self.model_name = model or DEFAULT_MODEL
-        self.loaded = load_model(None if model in (None, DEFAULT_MODEL) else model)
+        self.model_name = DEFAULT_MODEL if path is None else model
+        self.loaded = load_model(path)
         self.tokenizer = self.loaded.tokenizer
         self.engine: Engine = build_engine(
             self.loaded,
