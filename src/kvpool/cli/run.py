@@ -74,7 +74,16 @@ from kvpool.cli.options import (
     gguf_path,
 )
 from kvpool.workload.live import live_chat, live_token_ids, request_id
-from kvpool.workload.metrics import latency_report, mean, num_within_slo, p50_p99, ratio
+from kvpool.workload.metrics import (
+    cpu_load,
+    latency_report,
+    mean,
+    num_within_slo,
+    p50_p99,
+    ratio,
+    report_notes,
+    report_sections,
+)
 
 TINY_MODEL = "tiny-dsv4"
 # the tiny hybrid models (models/tiny_hybrid.py) on the hybrid cache coordinator (engine/hybrid_runner.py)
@@ -447,6 +456,7 @@ def _run(args: argparse.Namespace) -> int:
     # rank 0's clock decides which arrivals are due and the others follow (one broadcast a step)
     tp_model = getattr(loaded, "model", None)
     tp_sync = tp_model is not None and tp_model.shard is not None
+    loads = [cpu_load()]  # at the start and the end: an oversubscribed CPU skews every timing
     start = time.perf_counter()
     try:
         while pending or engine.has_unfinished():
@@ -497,6 +507,7 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         progress.close()
     wall = time.perf_counter() - start
+    loads.append(cpu_load())
     if hasattr(runner, "close"):
         runner.close()  # the disk and Redis tiers' background writes land (counted in the report)
     report = make_report(engine, args, model_name, wall, step_time, frag_samples, bytes_read, bool(interrupted))
@@ -512,7 +523,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
     else:
-        print_report(report)
+        print_report(report, loads)
     if interrupted:
         print(
             f"kvpool run: {interrupted}; the report covers the {report['num_finished']} requests that finished",
@@ -561,8 +572,12 @@ def make_report(engine, args, model_name, wall, step_time, frag_samples, bytes_r
     }
 
 
-def print_report(report: dict) -> None:
+def print_report(report: dict, loads: list[float | None] | None = None) -> None:
+    """The report under headings with units (workload/metrics.py's report_sections), the SLO
+    verdict and the warnings (report_notes: cut short; the CPU oversubscribed at one of
+    `loads`, the load averages sampled at the start and the end), then the memory ledger."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(
@@ -571,13 +586,15 @@ def print_report(report: dict) -> None:
     )
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for key, value in report.items():
-        if key == "memory":
-            continue
-        for name, item in value.items() if isinstance(value, dict) else [("", value)]:
-            table.add_row(f"{key}.{name}" if name else key, str(item))
+    for heading, rows in report_sections(report, skip=("memory",)):
+        table.add_row(f"[bold]{heading}[/bold]", "", end_section=False)
+        for label, value in rows:
+            table.add_row(f"  {escape(label)}", escape(value))
+        table.add_section()
     console = Console()
     console.print(table)
+    for note in report_notes(report, loads or ()):
+        console.print(escape(note), highlight=False, soft_wrap=True)
     mem = report.get("memory")
     if mem:
         ledger = Table(title=f"memory: measured, against the {mem['peak_source']}")

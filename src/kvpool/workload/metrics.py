@@ -8,12 +8,15 @@ way for `kvpool run`, `kvpool simulate` and the load generator of `kvpool bench 
   throughput     generated tokens per second of the span (`ratio`)
 
 Each report keeps its own keys and rounding (run's latencies in 0.1 ms, the simulator's
-in 0.01 ms): `digits` says how many. No imports: the CLI loads it for every command.
+in 0.01 ms): `digits` says how many. `report_sections` and `report_notes` turn a report into
+what a person reads (units, headings, the SLO verdict, warnings); `--json` prints the raw keys.
+No imports but `os`: the CLI loads it for every command.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import os
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 
@@ -84,3 +87,158 @@ def ratio(numerator: float, denominator: float, digits: int) -> float:
 def mean(values: list[float], digits: int) -> float:
     """The mean rounded to `digits` decimals; 0.0 for none."""
     return round(sum(values) / len(values), digits) if values else 0.0
+
+
+# --- the report as a person reads it ------------------------------------------------------------
+
+
+def format_bytes(num_bytes: float) -> str:
+    """Binary units: 512 B, 1.5 KiB, 20.0 MiB, 3.25 GiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(num_bytes) >= scale:
+            return f"{num_bytes / scale:,.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{num_bytes:,.0f} B"
+
+
+def format_ms(ms: float) -> str:
+    """A duration given in ms: 0.42 ms, 12.3 ms, 1.25 s (seconds from 1000 ms on)."""
+    if abs(ms) >= 1000:
+        return f"{ms / 1e3:,.2f} s"
+    return f"{ms:.2f} ms" if abs(ms) < 10 else f"{ms:.1f} ms"
+
+
+def format_share(share: float) -> str:
+    """A fraction as a percentage: 0.1534 -> 15.3 %."""
+    return f"{100 * share:.1f} %"
+
+
+def _count(value: float) -> str:
+    return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)
+
+
+def _per_s(unit: str) -> Callable[[float], str]:
+    return lambda value: f"{value:,.1f} {unit}/s" if value >= 10 else f"{value:.2f} {unit}/s"
+
+
+# (heading, [(key, label, formatter)]): the seed's figures, grouped as a reader looks for them
+REPORT_SECTIONS: tuple[tuple[str, tuple[tuple[str, str, Callable[[float], str]], ...]], ...] = (
+    (
+        "capacity",
+        (
+            ("kv_capacity_tokens", "KV capacity (tokens)", _count),
+            ("kv_capacity_bytes", "KV capacity", format_bytes),
+            ("kv_pool_bytes", "KV pool", format_bytes),
+            ("kv_format", "KV format", str),
+            ("block_size", "block size (tokens)", _count),
+            ("num_blocks", "blocks", _count),
+            ("fragmentation", "fragmentation (held block slots holding no token)", format_share),
+            ("peak_running", "peak running requests", _count),
+            ("preemptions", "preemptions", _count),
+        ),
+    ),
+    (
+        "latency",
+        (
+            ("ttft_ms_p50", "TTFT p50", format_ms),
+            ("ttft_ms_p99", "TTFT p99", format_ms),
+            ("tpot_ms_p50", "TPOT p50", format_ms),
+            ("tpot_ms_p99", "TPOT p99", format_ms),
+            ("latency_ms_p50", "request latency p50", format_ms),
+            ("latency_ms_p99", "request latency p99", format_ms),
+            ("slo_ttft_ms", "SLO: TTFT at most", format_ms),
+            ("slo_tpot_ms", "SLO: TPOT at most", format_ms),
+            ("alloc_latency_us_p50", "block allocation p50", lambda us: format_ms(us / 1e3)),
+            ("alloc_latency_us_p99", "block allocation p99", lambda us: format_ms(us / 1e3)),
+        ),
+    ),
+    (
+        "throughput",
+        (
+            ("throughput_tok_s", "throughput", _per_s("tok")),
+            ("goodput_req_s", "goodput (requests within both SLOs)", _per_s("req")),
+            ("slo_attainment", "requests within both SLOs", format_share),
+            ("read_bandwidth_gbps", "KV read bandwidth", _per_s("GB")),
+            ("request_rate", "arrival rate (req/s)", str),
+            ("num_requests", "requests", _count),
+            ("num_finished", "requests finished", _count),
+            ("num_generated_tokens", "tokens generated", _count),
+            ("num_steps", "engine steps", _count),
+            ("wall_s", "wall time", lambda s: format_ms(s * 1e3)),
+        ),
+    ),
+    (
+        "cache",
+        (
+            ("prefix_hit_rate", "prefix hit rate", format_share),
+            ("prefix_queried_tokens", "prefix tokens looked up", _count),
+            ("prefix_hit_tokens", "prefix tokens found cached", _count),
+            ("num_alloc_calls", "allocating calls", _count),
+            ("num_noop_alloc_calls", "calls that took no block", _count),
+        ),
+    ),
+)
+
+
+def report_sections(report: dict, skip: Iterable[str] = ()) -> list[tuple[str, list[tuple[str, str]]]]:
+    """[(heading, [(label, value as text)])]: the figures of REPORT_SECTIONS that `report`
+    holds, with their units, then under "other" every remaining key (but those in `skip`,
+    and the private ones starting with "_") as it stands."""
+    shown = set(skip)
+    sections = []
+    for heading, figures in REPORT_SECTIONS:
+        rows = [(label, fmt(report[key])) for key, label, fmt in figures if report.get(key) is not None]
+        shown.update(key for key, _, _ in figures)
+        if rows:
+            sections.append((heading, rows))
+    rest = []
+    for key, value in report.items():
+        if key in shown or key.startswith("_"):
+            continue
+        for name, item in value.items() if isinstance(value, dict) else [("", value)]:
+            rest.append((f"{key}.{name}" if name else key, _count(item)))
+    if rest:
+        sections.append(("other", rest))
+    return sections
+
+
+def slo_verdict(report: dict) -> str:
+    """One line: the SLOs met or missed, judged on the p99s (99 % of the finished requests
+    within the TTFT and the TPOT bounds), naming each figure that missed."""
+    if not report.get("num_finished"):
+        return "SLO: no request finished, nothing to judge"
+    checks = (("TTFT p99", report["ttft_ms_p99"], report["slo_ttft_ms"]),)
+    checks += (("TPOT p99", report["tpot_ms_p99"], report["slo_tpot_ms"]),)
+    missed = [f"{name} {format_ms(value)} > {format_ms(bound)}" for name, value, bound in checks if value > bound]
+    if missed:
+        return "SLO missed: " + ", ".join(missed)
+    within = ", ".join(f"{name} {format_ms(value)} <= {format_ms(bound)}" for name, value, bound in checks)
+    return f"SLO met: {within}"
+
+
+def cpu_load() -> float | None:
+    """The 1-minute load average (None where the platform has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def report_notes(report: dict, loads: Iterable[float | None] = (), num_cpus: int | None = None) -> list[str]:
+    """The SLO verdict, then a warning when the run was cut short, and one when the CPU was
+    oversubscribed (a load average sampled during the run, `loads`, above `num_cpus`): the
+    timings then include waiting for a CPU, not only the work."""
+    notes = [slo_verdict(report)]
+    if report.get("interrupted"):
+        finished, total = report.get("num_finished", 0), report.get("num_requests", 0)
+        notes.append(
+            f"warning: the run was cut short; the figures cover the {finished} of {total} requests that finished"
+        )
+    loads = [load for load in loads if load is not None]
+    num_cpus = num_cpus if num_cpus is not None else os.cpu_count()
+    if num_cpus and loads and max(loads) > num_cpus:
+        sampled = ", ".join(f"{load:.1f}" for load in loads)
+        notes.append(
+            f"warning: the CPU was oversubscribed (load average {sampled} on {num_cpus} CPUs): "
+            "the timings include waiting for a CPU"
+        )
+    return notes
