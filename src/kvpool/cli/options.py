@@ -307,16 +307,15 @@ def add_threads_option(parser: argparse.ArgumentParser) -> None:
     add_option(parser, THREADS, default=None, note="default: torch's choice")
 
 
-def add_tp_option(parser: argparse.ArgumentParser, *, default: int | None = 1, note: str = "") -> None:
-    """--tensor-parallel-size / -tp (alias --tp); the engine's note unless `note` is given."""
-    add_option(
-        parser,
-        TENSOR_PARALLEL_SIZE,
-        default=default,
-        note=note
-        or "SmolLM2: 1 or 3, under torchrun --nproc-per-node N; each rank keeps its share of the heads and of "
-        "every KV block (kvpool.models.tensor_parallel)",
-    )
+ENGINE_TP_NOTE = (
+    "SmolLM2: 1 or 3, under torchrun --nproc-per-node N; each rank keeps its share of the heads and of every KV "
+    "block (kvpool.models.tensor_parallel)"
+)
+
+
+def add_tp_option(parser: argparse.ArgumentParser, *, default: int | None = 1, note: str = ENGINE_TP_NOTE) -> None:
+    """--tensor-parallel-size / -tp (alias --tp), with the engine's note unless given another."""
+    add_option(parser, TENSOR_PARALLEL_SIZE, default=default, note=note)
 
 
 # ---- the table of docs/options.md -------------------------------------------------------

@@ -85,10 +85,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser,
         GPU_MEMORY_UTILIZATION,
         default=1.0,
-        note="a GPU, or --memory-gib, less this share's complement: the capacity the ledger plans in",
+        note="--gpu's or --memory-gib's",
     )
-    parser.add_argument("--num-gpus", type=positive_int, default=None, help="GPUs in all (default: --tp)")
-    add_tp_option(parser, note="GPUs one model replica is sharded over")
+    parser.add_argument(
+        "--num-gpus", type=positive_int, default=None, help="GPUs in all (default: --tensor-parallel-size)"
+    )
+    add_tp_option(parser, note="of one model replica")
     add_option(parser, MAX_MODEL_LEN, default=None, note="the context the plan holds (default: the model's maximum)")
     parser.add_argument(
         "--ep",

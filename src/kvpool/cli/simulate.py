@@ -98,9 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser,
         GPU_MEMORY_UTILIZATION,
         default=1.0,
-        note="each GPU's memory the replica plans its KV pool in (not with --gpu cpu)",
+        note="not with --gpu cpu",
     )
-    add_tp_option(parser, default=None, note="GPUs per replica (default: the fewest that fit)")
+    add_tp_option(parser, default=None, note="of one replica (default: the fewest GPUs that fit)")
     parser.add_argument("--workload", choices=WORKLOADS, default="chat", help="chat, agentic or uniform")
     parser.add_argument(
         "--trace", default=None, help="replay a JSONL trace instead (docs/SIM_TRACE.md; default: --workload)"
