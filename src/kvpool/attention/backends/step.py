@@ -24,13 +24,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import torch
 
 # attend(layer, q [N, H, D], k / v [N, KVH, D]) -> [N, H, D]: one layer's attention of the
 # step's N tokens (a paged backend also writes k / v into the pool first)
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class StepAttention(Protocol):
+    """What every step object has (its per-layer calls are its kind's: the module's table)."""
+
+    @property
+    def num_tokens(self) -> int:
+        """The N tokens of the flat batch the step was planned for."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -42,7 +51,7 @@ class StepMetadata:
     logit_rows: the rows of the flat batch whose logits to return, in that order (None:
     all N)."""
 
-    attention: Any
+    attention: StepAttention
     logit_rows: Sequence[int] | None = None
 
     def check(self, token_ids: torch.Tensor, positions: torch.Tensor) -> None:
