@@ -376,25 +376,39 @@ from triton.compiler import ASTSource
 from kvpool.attention.backends.triton_extend import _extend_kernel as fn
 
 names = ("TileSeq", "TileStart", "QRows", "QLens", "KvIndptr", "KvIndices", "KvTails", "CtxLens", "PartRows")
-tables = dict.fromkeys(names, "*i32")
+kvh, d, page = 8, 128, 16
+# a launch's strides (K [blocks, 8, 128, 16], V [blocks, 8, 16, 128], scales [blocks, 8, 1]), which it
+# specialises on: 1 as a constant, multiples of 16 as such (and pointers 16-byte aligned)
+strides = dict(s_qn=32 * d, s_qh=d, s_on=32 * d, s_oh=d, s_kb=kvh * d * page, s_kh=d * page, s_kd=page, s_ks=1,
+               s_vb=kvh * d * page, s_vh=d * page, s_vs=d, s_vd=1, s_sb=kvh, s_sh=1, s_ss=0, split_len=64)
+for t in ("k", "v"):
+    strides.update({f"s_t{t}{a[-1]}": v for a, v in strides.items() if a.startswith(f"s_{t}")})
 cases = (("*bf16", "*bf16", False, False, 16, 1), ("*fp32", "*fp32", False, False, 16, 1),
          ("*bf16", "*fp8e4nv", True, True, 16, 1), ("*bf16", "*fp8e4nv", True, True, 4, 4))
 for q, pages, quant, tails, block_m, splits in cases:  # block_m 4: a step of decodes, 16 rows
-    types = dict(tables, Q=q, Out=q, K=pages, V=pages, KScale="*fp32", VScale="*fp32", TailK=q, TailV=q)
-    types.update(Part="*fp32", Lse="*fp32")
-    types["sm_scale"] = "fp32"
-    consts = dict(HEAD_DIM=128, BLOCK_D=128, GROUP=4, GROUP_P=4, BLOCK_M=block_m, BLOCK_N=64, PAGE=16, QUANT=quant,
+    types = dict.fromkeys(names, "*i32")
+    types.update(Q=q, Out=q, K=pages, V=pages, KScale="*fp32", VScale="*fp32", TailK=q, TailV=q)
+    types.update(Part="*fp32", Lse="*fp32", sm_scale="fp32")
+    consts = dict(HEAD_DIM=d, BLOCK_D=d, GROUP=4, GROUP_P=4, BLOCK_M=block_m, BLOCK_N=64, PAGE=page, QUANT=quant,
                   ACC=tl.float32, TAILS=tails, WIDEN=False, NUM_SPLITS=splits)
+    consts.update({a: 1 for a, v in strides.items() if v == 1})
     signature = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
-    kernel = triton.compile(ASTSource(fn, signature, consts), target=GPUTarget("cuda", 90, 32))
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+             if signature[a].startswith("*") or (signature[a] == "i32" and strides.get(a, 1) % 16 == 0)}
+    kernel = triton.compile(ASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", 90, 32))
+    ptx = kernel.asm["ptx"]
     assert kernel.asm["cubin"], (q, pages)
+    if not quant:  # the K^T and V tiles in 16-byte vectors, no element loaded alone
+        assert "ld.global.b16" not in ptx and ptx.count("cp.async.cg.shared.global") >= 32, (q, pages)
 print("compiled")
 """
 
 
 def test_the_extend_kernel_compiles_for_sm90() -> None:
     """bf16 and fp32 pools, fp8 e4m3 codes with block scales and tails (bf16 compute; chunks,
-    and decodes: 16 rows, their keys split in 4), Llama-3.1-8B's head dim and GQA group."""
+    and decodes: 16 rows, their keys split in 4), Llama-3.1-8B's head dim and GQA group, with
+    the specialisations a launch makes; unquantized, the K^T and V tiles load as 16-byte
+    vectors (a per-key mask made bf16 K^T 64 two-byte loads a thread a tile)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1] / "src"), env.get("PYTHONPATH", "")])
     run = subprocess.run([sys.executable, "-c", AOT], env=env, capture_output=True, text=True, timeout=300)
