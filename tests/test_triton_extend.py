@@ -295,13 +295,13 @@ def test_bad_tables_are_named() -> None:
         plan_extend([1], [10], [0, 1], [4], 16, 8, 3, "cpu")
 
 
-@pytest.mark.parametrize(("fmt", "num_splits"), [("fp8_e4m3", None), ("fp8_e4m3_token", None), ("fp8_e4m3", 2)])
-def test_quantized_backend_steps_equal_the_dequantizing_torch_path(fmt, num_splits) -> None:
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e4m3_token"])
+def test_quantized_backend_steps_equal_the_dequantizing_torch_path(fmt) -> None:
     """Three steps of two sequences through TritonQuantBackend and through DequantBackend
     (dequantize, then torch attention), each on its own pool fed the same K / V, 2 layers,
     fp64 compute: prefills (A 40 tokens, its last block a tail; B 20), then A's decode with
-    B's chunk over its prefix, then two decodes; the keys unsplit (the rule, at 132 SMs: these
-    contexts are too short), or split in 2."""
+    B's chunk over its prefix, then two decodes (unsplit: the rule, at 132 SMs, finds these
+    contexts too short; the split itself: test_keys_split_across_programs_merge_exactly)."""
     from kvpool.attention.backends import PagedStepMetadata
     from kvpool.attention.backends.quant import DequantBackend
     from kvpool.attention.backends.triton_quant import TritonQuantBackend
@@ -312,7 +312,7 @@ def test_quantized_backend_steps_equal_the_dequantizing_torch_path(fmt, num_spli
     pools = [
         QuantizedKVStorage(num_layers, 32, bs, num_kv_heads, D, kv_schema(fmt), dtype, device=DEVICE) for _ in range(2)
     ]
-    triton_backend = TritonQuantBackend(pools[0], num_heads, None, dtype, num_splits=num_splits)
+    triton_backend = TritonQuantBackend(pools[0], num_heads, None, dtype)
     torch_backend = DequantBackend(pools[1], num_heads, None, dtype, decode_path="bags")
     g = torch.Generator().manual_seed(17)
     for spans in ({"A": (0, 40), "B": (0, 20)}, {"A": (40, 41), "B": (20, 50)}, {"A": (41, 42), "B": (50, 51)}):
@@ -344,6 +344,8 @@ def test_quantized_backend_refuses_what_it_cannot_read() -> None:
     fp8 = QuantizedKVStorage(1, 4, 16, 2, D, kv_schema("fp8_e4m3"), torch.float32)
     with pytest.raises(ValueError, match="attends by its kernel, not by 'bags'"):
         TritonQuantBackend(fp8, 8, None, torch.float32, decode_path="bags")
+    with pytest.raises(ValueError, match="num_sms and num_splits must be positive, got 132, 0"):
+        TritonQuantBackend(fp8, 8, None, torch.float32, num_splits=0)
 
 
 def test_an_8bit_pool_off_the_cpu_is_paged_q8_and_gets_the_triton_backend(monkeypatch) -> None:
