@@ -595,7 +595,7 @@ def test_kvpool_eval_kv_quant_on_smollm2(tmp_path) -> None:
     for flags, needle in [
         (["--text", str(tmp_path)], "is a directory, not a file"),
         (["--plot", str(tmp_path / "q.png" / "x.png")], "is a file, not a directory"),
-        (["--plot", str(tmp_path / "q.svg")], "expected a .png file name"),
+        (["--plot", str(tmp_path / "q.txt")], "matplotlib cannot write .txt files"),
         (["--formats", "int8,kivi2"], "kivi2: the residual R=128 (tokens quantized together) does not divide the"),
         (["--greedy-steps", "-1"], "--greedy-steps must be >= 0, got -1"),
         (["--prefill", "64"], "--prefill 64 leaves none of the text's 64 tokens to decode"),

@@ -67,12 +67,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check_plot(path: str | None) -> None:
+    from kvpool.sim.plots import check_plot_format
+
     if path is None:
         return
-    if not path.endswith(".png"):
-        raise ValueError(f"--plot {path!r}: expected a .png file name")
     if os.path.isdir(path):
-        raise ValueError(f"--plot {path!r} is a directory; expected a .png file name")
+        raise ValueError(f"--plot {path!r} is a directory; expected a file name such as kv_quant.png")
+    check_plot_format("--plot", path)
     check_output_dir("--plot", path, os.path.dirname(os.path.abspath(path)))
 
 
@@ -159,14 +160,14 @@ def _plot(report: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from kvpool.sim.plots import save_png
+    from kvpool.sim.plots import save_figure
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for r in report["formats"]:
         left.plot([layer["out_rel"] for layer in r["layers"]], marker=".", label=r["name"])
     left.set_yscale("log")
     left.set(xlabel="layer", ylabel="attention output, relative error", title="per layer, on exact inputs")
-    left.legend(fontsize=8)
+    left.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)  # covers no line
     left.grid(alpha=0.3)
     for r in report["formats"]:
         right.scatter(r["bytes_per_token"], max(r["kl_mean"], 1e-12))
@@ -177,7 +178,7 @@ def _plot(report: dict, path: str) -> None:
     fig.suptitle(f"{report['model']}, {report['tokens']} tokens")
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    save_png(fig, directory, os.path.basename(path))
+    save_figure(fig, path)
 
 
 def _run_v4(args: argparse.Namespace) -> int:

@@ -193,10 +193,13 @@ def _planner_options(args: argparse.Namespace, assumptions: LedgerAssumptions) -
 
 
 def check_plot_path(path: str) -> None:
-    """ValueError naming the problem if a PNG cannot be written at `path`, before minutes of
-    planning and drawing are spent."""
+    """ValueError naming the problem if the plot cannot be written at `path` (a type matplotlib
+    cannot write included: the extension names it), before minutes of planning and drawing."""
+    from kvpool.sim.plots import check_plot_format
+
     if os.path.isdir(path):
         raise ValueError(f"--plot {path} is a directory; give a file name, e.g. {os.path.join(path, 'kv.png')}")
+    check_plot_format("--plot", path)
     parent = os.path.dirname(path) or "."
     if not os.path.exists(parent):
         raise ValueError(f"--plot {path}: the directory {parent} does not exist")
@@ -453,6 +456,8 @@ def plot_kv_vs_context(models: list[ModelSpec], path: str, kv_dtype: str = "auto
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from kvpool.sim.plots import save_figure
+
     contexts = [1 << k for k in range(10, 21)]  # 1 Ki .. 1 Mi tokens
     fig, ax = plt.subplots(figsize=(8, 5))
     for m in models:
@@ -472,11 +477,8 @@ def plot_kv_vs_context(models: list[ModelSpec], path: str, kv_dtype: str = "auto
     ax.set_ylabel("KV cache of one request (GiB, whole model)")
     ax.set_title("KV bytes vs context length (dashed: past the model's max positions)")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)  # covers no line
     try:
-        fig.savefig(path, format="png", dpi=120)
+        save_figure(fig, path)  # the type from the extension, which check_plot_path accepted
     except OSError as e:  # check_plot_path looked first; the disk can still be full or read-only
         raise ValueError(f"--plot {path}: cannot write: {e.strerror or e}") from e
-    finally:
-        plt.close(fig)

@@ -1,5 +1,8 @@
-"""PNG plots of simulator runs (matplotlib, no display): latency CDFs, KV occupancy over
-time, a comparison chart of several runs, and goodput against rate for a sweep."""
+"""Plots of simulator runs (matplotlib, no display): latency CDFs with the SLO bounds, KV
+occupancy over time, a comparison chart of several runs (values written on the bars), and
+goodput against rate for a sweep. The rules every kvpool plot keeps: an axis that shows a
+rate or a share starts at 0; legends sit outside the axes, so they cover no data; a file's
+type is its name's extension (`check_plot_format` refuses one matplotlib cannot write)."""
 
 from __future__ import annotations
 
@@ -27,6 +30,12 @@ def _label(report: dict) -> str:
     return ", ".join(parts)
 
 
+def _legend_outside(ax, fontsize: int = 8) -> None:
+    """The legend right of the axes, top-aligned: it covers no curve (save_figure keeps it
+    inside the image by cropping to the drawn content)."""
+    ax.legend(fontsize=fontsize, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
+
+
 def plot_runs(reports: list[dict], directory: str) -> list[str]:
     """latency_cdf.png, kv_occupancy.png and, for several runs, comparison.png."""
     plt = _pyplot()
@@ -41,12 +50,15 @@ def plot_runs(reports: list[dict], directory: str) -> list[str]:
             if values:
                 n = len(values)
                 ax.plot(values, [(i + 1) / n for i in range(n)], label=_label(r))
-    for ax, name in zip(axes, ("TTFT", "TPOT"), strict=True):
+    for ax, name, slo_key in zip(axes, ("TTFT", "TPOT"), ("slo_ttft_ms", "slo_tpot_ms"), strict=True):
+        slo_ms = reports[0][slo_key]  # a comparison shares its SLOs
+        ax.axvline(slo_ms, color="black", linestyle=":", linewidth=1.2, label=f"SLO {slo_ms:g} ms")
         ax.set_xscale("log")
+        ax.set_ylim(0, 1.02)  # a share of the requests: from 0
         ax.set_xlabel(f"{name} (ms, virtual time)")
         ax.set_ylabel("fraction of requests")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    _legend_outside(axes[1])  # one legend: both panels draw the same runs
     fig.suptitle(f"latency CDFs: {title}")
     paths.append(save_png(fig, directory, "latency_cdf.png"))
 
@@ -66,7 +78,7 @@ def plot_runs(reports: list[dict], directory: str) -> list[str]:
     ax.set_ylabel("KV blocks held (% of the pool)")
     ax.set_ylim(0, min(105.0, max(1.0, top * 1.1)))
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    _legend_outside(ax, fontsize=7)
     ax.set_title(f"KV occupancy: {title}")
     paths.append(save_png(fig, directory, "kv_occupancy.png"))
 
@@ -82,7 +94,10 @@ def plot_runs(reports: list[dict], directory: str) -> list[str]:
         fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 4))
         labels = [_label(r) for r in reports]
         for ax, (key, name) in zip(axes, metrics, strict=True):
-            ax.bar(range(len(reports)), [r[key] for r in reports], color=[f"C{i}" for i in range(len(reports))])
+            values = [r[key] for r in reports]
+            bars = ax.bar(range(len(reports)), values, color=[f"C{i}" for i in range(len(reports))])
+            ax.bar_label(bars, fmt="%.3g", fontsize=8, padding=2)
+            ax.set_ylim(0, max(max(values), 1e-9) * 1.15)  # from 0, with room for the values above the bars
             ax.set_xticks(range(len(reports)), labels, rotation=20, ha="right", fontsize=8)
             ax.set_title(name, fontsize=10)
             ax.grid(axis="y", alpha=0.3)
@@ -108,25 +123,47 @@ def plot_sweep(rows: list[dict], directory: str) -> list[str]:
             ax.plot(*zip(*points, strict=True), marker="o", label=label)
     ax.set_xlabel("arrival rate (sessions / s)")
     ax.set_ylabel("goodput (requests / s within SLO)")
+    ax.set_xlim(left=0)  # both rates: from 0
+    ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    _legend_outside(ax)
     ax.set_title(f"goodput vs rate: {rows[0]['model']} on {rows[0]['gpu']}")
     return [save_png(fig, directory, "goodput_vs_rate.png")]
 
 
-def save_png(fig, directory: str, name: str) -> str:
-    """Write `name` into `directory` atomically: drawn under a temporary name beside it, then
-    renamed, so an interrupted or failed save leaves the previous image or none, never half."""
+def check_plot_format(flag: str, path: str) -> None:
+    """ValueError in one line when matplotlib cannot write the file type named by `path`'s
+    extension (`--plot kv.txt`), before any work is spent."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    ext = os.path.splitext(path)[1].lower().lstrip(".")
+    supported = FigureCanvasAgg.get_supported_filetypes()
+    if ext not in supported:
+        named = f"matplotlib cannot write .{ext} files" if ext else "no file extension to take the type from"
+        raise ValueError(f"{flag} {path}: {named}; name a .png, .svg or .pdf file (or {', '.join(sorted(supported))})")
+
+
+def save_figure(fig, path: str) -> str:
+    """Write `fig` to `path`, the type taken from its extension, atomically: drawn under a
+    temporary name beside it, then renamed, so an interrupted or failed save leaves the
+    previous image or none, never half. Cropped to what is drawn, legends outside the axes
+    included."""
     import matplotlib.pyplot as plt
 
-    path = os.path.join(directory, name)
+    directory, name = os.path.split(os.path.abspath(path))
+    ext = os.path.splitext(name)[1].lower().lstrip(".")
     tmp = os.path.join(directory, f".{name}.{os.getpid()}.tmp")
     try:
         fig.tight_layout()
-        fig.savefig(tmp, dpi=110, format="png")
+        fig.savefig(tmp, dpi=110, format=ext, bbox_inches="tight")
         os.replace(tmp, path)
     finally:
         plt.close(fig)
         if os.path.exists(tmp):
             os.remove(tmp)
     return path
+
+
+def save_png(fig, directory: str, name: str) -> str:
+    """save_figure into `directory` (the simulator's plots keep fixed .png names)."""
+    return save_figure(fig, os.path.join(directory, name))
