@@ -95,4 +95,5 @@ def test_the_headline_tables_commands_parse():
 def test_the_main_job(main_job):
     out, err = main_job.communicate(timeout=600)
     assert main_job.returncode == 0, err
-    assert "goodput" in out and "ttft" in out  # the performance report
+    report = out.lower()  # the performance report, as a table of any format
+    assert "goodput" in report and "ttft" in report
