@@ -504,6 +504,7 @@ def test_every_group_kind_keeps_the_whole_group_protocol():
         "name",
         "kind",
         "pool",
+        "state_pool",
         "granularity",
         "reads_whole_prefix",
         "has_table",

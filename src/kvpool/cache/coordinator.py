@@ -230,6 +230,12 @@ class HybridCacheManager:
     def num_free_blocks(self) -> int:
         return sum(pool.num_free for pool in self._block_pools)
 
+    @property
+    def pools(self) -> list[BlockPool]:
+        """Every pool the groups draw from, each once: table pools and state pools."""
+        state_pools = [g.state_pool for g in self._group_list if g.state_pool is not None]
+        return list(dict.fromkeys([*self._pools, *state_pools]))
+
     def is_shared(self, group: str) -> bool:
         """Whether the group draws from a pool that other groups draw from too."""
         return len(self._pools[self.groups[group].pool]) > 1

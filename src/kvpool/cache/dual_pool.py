@@ -167,16 +167,27 @@ class DualPoolGroupSpec:
             raise ValueError("checkpoints in slots (num_checkpoints) or pooled (checkpoint_blocks), not both")
 
     def build(
-        self, size: object, *, enable_caching: bool, hash_algo: str, shared_pool: BlockPool | None
+        self,
+        size: object,
+        *,
+        enable_caching: bool,
+        hash_algo: str,
+        shared_pool: BlockPool | None,
+        record_published: bool = False,
     ) -> DualPoolGroup:
-        """The group; `size` is the pair (classical blocks, state blocks), both positive."""
+        """The group; `size` is the pair (classical blocks, state blocks), both positive.
+        record_published: every classical block published at a commit is recorded
+        (`take_published`)."""
         if not (isinstance(size, tuple) and len(size) == 2 and all(isinstance(n, int) and n > 0 for n in size)):
             raise ValueError(
                 f"dual-pool group {self.name!r} needs (classical blocks, state blocks), both positive, got {size!r}"
             )
         if self.restore == "checkpoint" and enable_caching and not (self.num_checkpoints or self.checkpoint_blocks):
             raise ValueError("restore='checkpoint' needs num_checkpoints > 0 or checkpoint_blocks > 0")
-        return DualPoolGroup(self, *size, enable_caching=enable_caching, hash_algo=hash_algo)
+        group = DualPoolGroup(self, *size, enable_caching=enable_caching, hash_algo=hash_algo)
+        if record_published and enable_caching:
+            group._published = []
+        return group
 
     @classmethod
     def from_dsv4(cls, name: str, spec: DSV4Spec, **restore: Any) -> DualPoolGroupSpec:
@@ -186,6 +197,29 @@ class DualPoolGroupSpec:
     def replay_start(self, point: int) -> int:
         """The first token the restore of a hit at `point` replays."""
         return max(0, point - self.replay_len)
+
+
+def _register_in_order(
+    pool: BlockPool,
+    parent: PrefixBlock,
+    block_ids: Sequence[int],
+    blocks: Sequence[PrefixBlock],
+    published: list[tuple[int, PrefixBlock]] | None = None,
+) -> list[PrefixBlock]:
+    """Publish consecutive spans after `parent`, in order; each one's findable prefix block
+    (itself unregistered after a collision). A span whose predecessor joined an equal copy
+    another request published first is hung under that copy (same content, same hash).
+    published: receives (block id, prefix block) of each span published."""
+    out = []
+    for block_id, block in zip(block_ids, blocks, strict=True):
+        if block.parent is not parent:
+            block = pool.chain(parent, block.token_bytes, block.extra)
+        registered = pool.register(block_id, block)
+        if registered is not None and published is not None:
+            published.append((block_id, registered))
+        parent = registered or block
+        out.append(parent)
+    return out
 
 
 @dataclass
@@ -285,6 +319,7 @@ class DualPoolGroup(CacheGroup):
         self._checkpoints: dict[bytes, _Checkpoint] = {}  # boundary block hash -> findable checkpoint
         self._clock = 0
         self._evicted: list[tuple[int, PrefixBlock]] | None = None  # record_evictions
+        self._published: list[tuple[int, PrefixBlock]] | None = None  # the spec's build(record_published=True)
 
     # ---- prefix hits -------------------------------------------------------------------
 
@@ -480,14 +515,9 @@ class DualPoolGroup(CacheGroup):
         pending = state.pending
         assert pending is not None
         new_ids = state.block_ids[len(state.block_ids) - pending.num_new :]
-        parent = state.chain[-1] if state.chain else state.root
-        for k, block in enumerate(pending.chain):  # empty when caching is off
-            if block.parent is not parent:
-                # The previous span was published as a copy that another request computed
-                # first: hang this one under that copy (same content, so the same hash).
-                block = self.pool.chain(parent, block.token_bytes, block.extra)
-            parent = pending.chain[k] = self.pool.register(new_ids[k], block) or block
-        state.chain.extend(pending.chain)
+        if pending.chain:  # (empty when caching is off)
+            parent = state.chain[-1] if state.chain else state.root
+            state.chain += _register_in_order(self.pool, parent, new_ids, pending.chain, self._published)
         state.pending = None
         if pending.snapshot_ids:
             self._commit_pooled(state, pending.checkpoints, pending.snapshot_ids)
@@ -602,6 +632,12 @@ class DualPoolGroup(CacheGroup):
         evicted, self._evicted = self._evicted, []
         return evicted
 
+    def take_published(self) -> list[tuple[int, PrefixBlock]]:
+        if not self._published:
+            return []
+        published, self._published = self._published, []
+        return published
+
     def prefetch_candidates(self, root: PrefixBlock, token_ids: Sequence[int]) -> tuple[list[int], list[PrefixBlock]]:
         """(the device hit's blocks, the prompt's full spans after it as unregistered prefix
         blocks, leaving >= 1 token to compute): what a lower tier may hold and `install`
@@ -634,11 +670,9 @@ class DualPoolGroup(CacheGroup):
         """The first `num_loaded` installed blocks hold their content (copied and checked):
         they are published, in order, as cached blocks nobody holds (an admission hits them
         like any cached block); every installed block is then freed, the tail first."""
-        parent = None
-        for block_id, block in list(zip(block_ids, blocks, strict=True))[:num_loaded]:
-            if parent is not None and block.parent is not parent:
-                block = self.pool.chain(parent, block.token_bytes, block.extra)
-            parent = self.pool.register(block_id, block) or block
+        if num_loaded:
+            assert blocks[0].parent is not None and len(block_ids) == len(blocks)
+            _register_in_order(self.pool, blocks[0].parent, block_ids[:num_loaded], blocks[:num_loaded])
         self.pool.decref(reversed(block_ids))
 
     # ---- queries on a request's state ---------------------------------------------------
@@ -806,6 +840,7 @@ class DSV4CacheManager(HybridCacheManager):
         hash_algo: str = "xxh3_128",
         restore_cost: RestoreCost | None = None,
         checkpoint_blocks: int = 0,
+        record_published: bool = False,
     ) -> None:
         group = DualPoolGroupSpec.from_dsv4(
             "v4",
@@ -820,6 +855,7 @@ class DSV4CacheManager(HybridCacheManager):
             descriptor,
             enable_prefix_caching=enable_prefix_caching,
             hash_algo=hash_algo,
+            record_published=record_published,
         )
         self.group = cast(DualPoolGroup, self.groups["v4"])  # built from a DualPoolGroupSpec
         self.span, self.restore, self.checkpoint_blocks = spec.span, restore, checkpoint_blocks

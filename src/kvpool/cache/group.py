@@ -79,6 +79,7 @@ class CacheGroup(Protocol):
     # query that names none; no call of the coordinator branches on it
     kind: str
     pool: BlockPool  # the pool `blocks_needed` counts against (a shared pool for some attention groups)
+    state_pool: BlockPool | None = None  # per-request state blocks apart from `pool` (V4's dual pool)
     granularity: int  # tokens of one hash unit: block size, checkpoint interval, span
     reads_whole_prefix: bool  # a point needs every unit before it: its hits end at the first miss
     has_table: bool  # keeps block tables (`block_ids`); False: only per-request state

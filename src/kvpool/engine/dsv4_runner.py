@@ -102,6 +102,7 @@ class DSV4Runner(ModelRunner):
         )
         descriptor = descriptor_for(model, kv_format, indexer_format)
         restore_cost = MeasuredRestoreCost()  # restore="auto": what copies and replays took here
+        bridge = TierBridge(host_tier, persistent_tiers, spec.span, enable_prefix_caching=enable_prefix_caching)
         cache = DSV4CacheManager(
             spec,
             num_classical_blocks,
@@ -111,8 +112,8 @@ class DSV4Runner(ModelRunner):
             restore=restore,
             num_checkpoints=num_checkpoints,
             restore_cost=restore_cost,
+            record_published=bool(bridge.persistent_tiers),  # written through as they complete
         )
-        bridge = TierBridge(host_tier, persistent_tiers, spec.span, enable_prefix_caching=enable_prefix_caching)
         if bridge.tier is not None:
             cache.record_evictions()
         # The unfinished span lives in the state block, so one request holds up to

@@ -209,11 +209,6 @@ class ModelRunner:
         self.capacity_tokens = capacity_tokens
         self.max_model_len = max_model_len
         self.preemption = preemption
-        # each distinct pool once (V4's dual pool: the classical pool; its state blocks are
-        # counted as the runner takes them)
-        groups = getattr(cache, "groups", None)
-        self._pools = list({g.pool: None for g in groups.values()}) if groups is not None else [cache.pool]
-        self._num_states_taken = 0
         # dual: the cache is V4's dual pool (DSV4CacheManager), whose lower-tier blocks come
         # back by prefetch before an admission, whose completed blocks show at commit as the
         # table's growth, and whose steps run in pieces cut at the state checkpoints
@@ -314,7 +309,6 @@ class ModelRunner:
         next step."""
         restore = adm.restore
         assert restore is not None
-        self._num_states_taken += 1
         if restore.method == "checkpoint":  # (the copy overwrites the whole slot)
             assert restore.checkpoint_slot is not None
             self._copy_state(restore.checkpoint_slot, restore.state_slot)
@@ -371,14 +365,8 @@ class ModelRunner:
         """The step's tokens have their KV written; each request's sampled token (None: no
         token, or the request has finished) joins it. The blocks the step completed are
         written through to the persistent tiers."""
-        if not self.persistent_tiers:
-            self.cache.commit_step(request_ids, num_tokens, next_token_ids)
-        elif self.dual:
-            before = [len(self.cache.block_ids(r)) for r in request_ids]
-            self.cache.commit_step(request_ids, num_tokens, next_token_ids)
-            self._persist_completed(request_ids, before)
-        else:
-            self.cache.commit_step(request_ids, num_tokens, next_token_ids)
+        self.cache.commit_step(request_ids, num_tokens, next_token_ids)
+        if self.persistent_tiers:
             self._persist_published()
 
     def fork(self, parent_id: str, child_id: str) -> bool:
@@ -388,7 +376,6 @@ class ModelRunner:
         if not self.cache.fork(parent_id, child_id):
             return False
         if self.executor.has_state:
-            self._num_states_taken += 1
             self.executor.copy_state(self.cache.state_slot(parent_id), self.cache.state_slot(child_id))
         return True
 
@@ -459,21 +446,26 @@ class ModelRunner:
         counts = [n for _, n in work]
         if not self.reserve(ids, counts):
             return None
-        starts = [self._pending(request_id).start for request_id in ids]
-        logits = self.run_reservations(ids)
+        chunks = self._reserved_chunks(ids)
+        logits = self._forward_in_pieces(chunks, all_logits=True).split(counts)
         self.commit(ids, counts, [None] * len(ids))
-        return [StepResult(r, start, lg) for r, start, lg in zip(ids, starts, logits, strict=True)]
+        return [StepResult(c.request_id, c.start, lg) for c, lg in zip(chunks, logits, strict=True)]
 
     def run_reservations(self, request_ids: Sequence[str]) -> list[torch.Tensor]:
         """V4's dual pool: forward passes for the requests' pending reservations; logits
         [num_tokens, vocab] of every token each computed."""
-        chunks = []
-        for request_id in request_ids:
-            res = self._pending(request_id)
-            ids = self.cache.token_ids(request_id)[res.start : res.start + res.num_tokens]
-            chunks.append(ScheduledChunk(request_id, ids, res.start, True))
+        chunks = self._reserved_chunks(request_ids)
         logits = self._forward_in_pieces(chunks, all_logits=True)
         return list(logits.split([len(c.token_ids) for c in chunks]))
+
+    def _reserved_chunks(self, request_ids: Sequence[str]) -> list[ScheduledChunk]:
+        """Each request's reserved positions [computed, reserved) as a chunk."""
+        chunks = []
+        for request_id in request_ids:
+            start, end = self.cache.num_computed_tokens(request_id), self.cache.num_reserved_tokens(request_id)
+            assert end > start, f"request {request_id!r} has no reservation"
+            chunks.append(ScheduledChunk(request_id, self.cache.token_ids(request_id)[start:end], start, True))
+        return chunks
 
     def _pending(self, request_id: str) -> Reservation:
         res = self.cache.pending_reservation(request_id)
@@ -661,8 +653,8 @@ class ModelRunner:
         return len(got)
 
     def _persist_published(self) -> None:
-        """The blocks this step completed, copied and handed to the persistent tiers'
-        background writers; a block every one of them holds is skipped."""
+        """The blocks this step completed (published), copied and handed to the persistent
+        tiers' background writers; a block every one of them holds is skipped."""
         published = self.cache.take_published()
         if not published:
             return
@@ -673,9 +665,12 @@ class ModelRunner:
             if entry is not None:
                 todo.append((block_id, *entry))
         if todo:
+            moves = self.tier_moves
             blocks = self.executor.to_host([b for b, _, _ in todo])
             for (_, key, descriptor), tensors in zip(todo, blocks, strict=True):
-                self.tier_moves.num_persisted += self.bridge.persist(key, descriptor, tensors) > 0
+                num_bytes = self.bridge.persist(key, descriptor, tensors)
+                moves.num_persisted += num_bytes > 0
+                moves.persisted_bytes += num_bytes
         self.tier_moves.persist_s += time.perf_counter() - start
 
     # ---- V4's dual pool and its tiers: prefetch, window snapshots, completed blocks ------------
@@ -764,26 +759,6 @@ class ModelRunner:
         self.swa_moves.snapshot_bytes_persisted += num_bytes
         self.swa_moves.persist_s += time.perf_counter() - began
 
-    def _persist_completed(self, request_ids: Sequence[str], num_before: Sequence[int]) -> None:
-        """The classical blocks the commit completed (the tables' growth from `num_before`)
-        written through to the persistent tiers (those they hold already skipped)."""
-        began = time.perf_counter()
-        moves = self.swa_moves
-        for request_id, before in zip(request_ids, num_before, strict=True):
-            block_ids = self.cache.block_ids(request_id)
-            if len(block_ids) == before:
-                continue
-            chain = self.cache.prefix_blocks(request_id)
-            for k in range(before, len(block_ids)):
-                if not self.cache.pool.is_published(chain[k]):
-                    continue  # a hash collision's copy: findable by nobody
-                entry = self.bridge.unpersisted(chain[k])
-                if entry is not None:
-                    num_bytes = self.bridge.persist(*entry, self.executor.to_host([block_ids[k]])[0])
-                    moves.num_blocks_persisted += num_bytes > 0
-                    moves.block_bytes_persisted += num_bytes
-        moves.persist_s += time.perf_counter() - began
-
     def flush_tiers(self, timeout: float | None = None) -> bool:
         """Wait for the persistent tiers' background writes (before a process exits)."""
         return self.bridge.flush(timeout)
@@ -799,11 +774,10 @@ class ModelRunner:
         reports = own(self.num_steps_run) if own is not None else {}
         if self.tier is None:
             return reports
-        if self.dual:
-            return {**reports, **self._dual_tier_reports()}
         moves = self.tier_moves
-        hit_tokens = self.cache.stats.num_lower_tier_hit_tokens
-        reports.update(self.bridge.persistent_reports(hit_tokens_per_get=self.block_size))
+        # the hit tokens a lower tier gave: loaded at admission, or (V4) installed before it
+        hit_tokens = moves.num_loaded * self.block_size if self.dual else self.cache.stats.num_lower_tier_hit_tokens
+        reports.update(self.bridge.persistent_reports(hit_tokens_per_get=None if self.dual else self.block_size))
         if self.persistent_tiers:
             reports["tiers"] = {
                 "lookup_order": self.bridge.lookup_order(),
@@ -813,52 +787,34 @@ class ModelRunner:
                 "blocks_loaded": moves.num_loaded,
                 "load_ms": round(moves.load_s * 1e3, 3),
             }
-        if self.host_tier is None:
+        if self.host_tier is not None:
+            swaps = {
+                "preemption": self.preemption,
+                "swapped_out": moves.num_swapped_out,
+                "swapped_in": moves.num_swapped_in,
+                "tail_tokens_restored": moves.num_tail_tokens_restored,
+            }
+            reports["host_tier"] = self.bridge.host_report(hit_tokens, swaps)
+        if self.swa is None:
             return reports
-        swaps = {
-            "preemption": self.preemption,
-            "swapped_out": moves.num_swapped_out,
-            "swapped_in": moves.num_swapped_in,
-            "tail_tokens_restored": moves.num_tail_tokens_restored,
-        }
-        return {**reports, "host_tier": self.bridge.host_report(hit_tokens, swaps)}
-
-    def _dual_tier_reports(self) -> dict[str, dict[str, object]]:
-        reports: dict[str, dict[str, object]] = {}
-        span, loaded = self.block_size, self.tier_moves
-        if self.host_tier is not None:  # hit tokens: the prefix tokens whose blocks came from a tier
-            reports["host_tier"] = self.bridge.host_report(loaded.num_loaded * span, {})
-        reports.update(self.bridge.persistent_reports(hit_tokens_per_get=None))
-        if not self.persistent_tiers:
-            return reports
-        assert self.swa is not None
-        moves = self.swa_moves
-        reports["tiers"] = {
-            "lookup_order": self.bridge.lookup_order(),
-            "blocks_loaded": loaded.num_loaded,
-            "hit_tokens_loaded": loaded.num_loaded * span,
-            "load_ms": round(loaded.load_s * 1e3, 3),
-        }
-        stored_tokens = moves.num_blocks_persisted * span
+        swa, stored_tokens = self.swa_moves, moves.num_persisted * self.block_size
         reports["swa"] = {
             "strategy": self.swa.kind,
             "period": self.swa.period,
-            "blocks_persisted": moves.num_blocks_persisted,
-            "block_bytes_persisted": moves.block_bytes_persisted,
-            "snapshots_persisted": moves.num_snapshots_persisted,
-            "snapshot_bytes_persisted": moves.snapshot_bytes_persisted,
+            "blocks_persisted": moves.num_persisted,
+            "block_bytes_persisted": moves.persisted_bytes,
+            "snapshots_persisted": swa.num_snapshots_persisted,
+            "snapshot_bytes_persisted": swa.snapshot_bytes_persisted,
             # bytes written per token of the blocks written: entries + window snapshots
-            "bytes_per_cached_token": round(
-                (moves.block_bytes_persisted + moves.snapshot_bytes_persisted) / stored_tokens, 1
-            )
+            "bytes_per_cached_token": round((moves.persisted_bytes + swa.snapshot_bytes_persisted) / stored_tokens, 1)
             if stored_tokens
             else None,
-            "persist_ms": round(moves.persist_s * 1e3, 3),
-            "restores_from_snapshots": moves.num_restores,
-            "snapshots_loaded": moves.num_loaded,
-            "snapshot_bytes_loaded": moves.load_bytes,
-            "snapshot_load_ms": round(moves.load_s * 1e3, 3),
-            "snapshot_misses": moves.num_misses,
+            "persist_ms": round((moves.persist_s + swa.persist_s) * 1e3, 3),
+            "restores_from_snapshots": swa.num_restores,
+            "snapshots_loaded": swa.num_loaded,
+            "snapshot_bytes_loaded": swa.load_bytes,
+            "snapshot_load_ms": round(swa.load_s * 1e3, 3),
+            "snapshot_misses": swa.num_misses,
             "replayed_tokens": self.num_replayed_tokens,
             "replay_ms": round(self.replay_s * 1e3, 3),
         }
@@ -867,9 +823,9 @@ class ModelRunner:
     # ---- figures ----------------------------------------------------------------------------
 
     def num_allocations(self) -> int:
-        """Blocks (and state slots) taken from the pools so far. The engine tells the admit /
-        reserve calls that allocated from the ones that took nothing."""
-        return sum(pool.num_allocated for pool in self._pools) + self._num_states_taken
+        """Blocks and state slots taken from the cache's pools so far. The engine tells the
+        admit / reserve calls that allocated from the ones that took nothing."""
+        return sum(pool.num_allocated for pool in self.cache.pools)
 
     def kv_read_bytes(self, num_context_tokens: int) -> int:
         """Cache bytes one query over `num_context_tokens` tokens of context reads."""
@@ -901,7 +857,7 @@ class ModelRunner:
             "prefix_hit_tokens": stats.num_hit_tokens,
             "prefix_hit_rate": stats.hit_rate,
             "readmitted_hit_tokens": stats.num_readmitted_hit_tokens,
-            "hash_collisions": sum(pool.num_collisions for pool in self._pools),
+            "hash_collisions": sum(pool.num_collisions for pool in self.cache.pools),
             **self.executor.cache_stats(cache),
             **({"replayed_tokens": self.num_replayed_tokens} if self.dual else {}),
         }

@@ -33,16 +33,15 @@ class TierMoves:
     num_swapped_in: int = 0  # ... whose tail block came back (their full blocks come back as prefix hits)
     num_tail_tokens_restored: int = 0
     num_persisted: int = 0  # blocks handed to the persistent tiers (disk, Redis) as they completed
+    persisted_bytes: int = 0  # their bytes
     persist_s: float = 0.0  # the step's share of that: the gather and the hand-over
 
 
 @dataclass
 class SWAMoves:
-    """V4: what the persistent tiers took and gave back: classical blocks and window
-    snapshots written through, and the snapshots a hit restored its state from."""
+    """V4: the window snapshots written through to the persistent tiers (the blocks are
+    `TierMoves`'), and those a hit restored its state from."""
 
-    num_blocks_persisted: int = 0
-    block_bytes_persisted: int = 0
     num_snapshots_persisted: int = 0
     snapshot_bytes_persisted: int = 0
     persist_s: float = 0.0  # the steps' share: gathers and hand-overs (the writes run behind)

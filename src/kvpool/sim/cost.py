@@ -500,18 +500,18 @@ _TERMS = {"gqa": _gqa_terms, "mla": _mla_terms, "dsv4": _dsv4_terms}
 @dataclass(frozen=True)
 class RestoreCostModel:
     """A V4 prefix hit's state restore priced in seconds (cache/dual_pool.py `RestoreCost`),
-    as the cost executor (sim/executor.py) prices what it does: a checkpoint copy moves the
-    state block twice (read and write) at the effective bandwidth; computing tokens (a
+    as the cost executor (sim/executor.py) prices what it does: a checkpoint copy moves its
+    `checkpoint_bytes` twice (read and write) at the effective bandwidth; computing tokens (a
     replay, or the tokens a cut hit computes again as prompt) costs their FLOPs at the
     effective peak, the time they add to a step (the weights are read once for the whole
     step whatever it computes)."""
 
     cost: CostModel
-    state_block_bytes: int
+    checkpoint_bytes: int  # one checkpoint: the state at a span boundary (less than a state block)
 
     def checkpoint_cost(self) -> float:
         gpu = self.cost.gpu
-        return 2 * self.state_block_bytes / (gpu.hbm_bandwidth_bytes_per_s * self.cost.bandwidth_efficiency)
+        return 2 * self.checkpoint_bytes / (gpu.hbm_bandwidth_bytes_per_s * self.cost.bandwidth_efficiency)
 
     def compute_cost(self, num_tokens: int, context_len: int) -> float:
         return self.cost.step_cost([(num_tokens, context_len)]).compute_s
