@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.cache import CacheDescriptor, DSV4CacheManager, Reservation, StateRestore
+from kvpool.cache import CacheDescriptor, DSV4CacheManager, StateRestore
 from kvpool.cache.dual_pool import RestoreChoice, TokenCost, choose_restore
 from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG
 from kvpool.spec.dsv4 import DSV4Spec
@@ -59,7 +59,7 @@ def test_a_decode_batch_takes_a_block_only_at_a_span_boundary() -> None:
     m.commit_step(["a"], [1], [5])
     # a decodes token 14 (inside span 0), b token 15 (the end of span 0): one block, b's
     assert m.reserve_step(["a", "b"], [1, 1])
-    assert m.pending_reservation("a") == Reservation(14, 1, (), (), ())
+    assert m.pending_reservation("a")[:5] == (14, 1, (), (), ())
     assert m.pending_reservation("b").start == 15 and m.pending_reservation("b").new_block_ids == (0,)
     m.check_integrity()
     m.commit_step(["a", "b"], [1, 1], [6, None])
@@ -81,7 +81,7 @@ def test_admission_waits_for_a_state_block() -> None:
     m = make(11, 1)
     assert m.admit("a", _ids(5)) is not None
     assert m.admit("b", _ids(5)) is None  # waits: nothing changed
-    assert "b" not in m and m.num_free_state_blocks == 0
+    assert "b" not in m and m.usage().num_free_state_blocks == 0
     m.check_integrity()
     assert m.release("a") and m.admit("b", _ids(5)) is not None
     m.check_integrity()
@@ -90,7 +90,7 @@ def test_admission_waits_for_a_state_block() -> None:
 def test_reserve_that_does_not_fit_leaves_no_trace() -> None:
     m = make(2, 1)
     assert m.admit("a", _ids(60)) is None  # the whole prompt: 3 spans, 2 blocks
-    assert m.num_free_state_blocks == 1 and "a" not in m
+    assert m.usage().num_free_state_blocks == 1 and "a" not in m
     m.admit("a", _ids(60), 0)
     assert m.reserve("a", 48) is None  # 3 spans, 2 blocks
     assert m.num_free_blocks == 2 and m.num_computed_tokens("a") == 0
@@ -240,7 +240,7 @@ def test_release_is_tail_first_and_once() -> None:
     assert m.release("a") is True
     assert m.pool.free_queue()[-3:] == [2, 1, 0]  # the chain's tail is evicted first
     assert m.release("a") is False
-    assert m.num_free_state_blocks == 1
+    assert m.usage().num_free_state_blocks == 1
     m.check_integrity()
 
 
@@ -293,10 +293,10 @@ class Model:
             assert all(restore.checkpoint_slot != s for _, _, c in self.pending.values() for _, s in c)
         if not num_hit:
             assert restore.method == "none"
-        elif self.m.restore == "auto":
+        elif self.m.groups["v4"].spec.restore == "auto":
             assert restore.method in ("checkpoint", "recompute")
         else:
-            assert restore.method == self.m.restore
+            assert restore.method == self.m.groups["v4"].spec.restore
         self.tables[rid] = hits
         self.computed[rid] = adm.num_cached_tokens
         if adm.num_scheduled_tokens:
@@ -311,11 +311,11 @@ class Model:
         assert not set(res.new_block_ids) & self.held()
         assert all(p % SPAN == 0 and start < p <= start + res.num_tokens for p, _ in res.checkpoints)
         self.pending[rid] = (res.num_tokens, res.new_block_ids, res.checkpoints)
-        if self.m.checkpoint_blocks:
+        if self.m.groups["v4"].spec.checkpoint_blocks:
             pending = self.m._get(rid).states["v4"].pending  # None: the step took no block
             snapshots = pending.snapshot_ids if pending is not None else []
             assert [ids[0] for ids in snapshots] == [slot for _, slot in res.checkpoints]
-            assert all(len(ids) == self.m.checkpoint_blocks for ids in snapshots)
+            assert all(len(ids) == self.m.groups["v4"].spec.checkpoint_blocks for ids in snapshots)
             self.snapshots[rid] = snapshots
             undo = self.undo[rid] = {}
             for block_id in [*res.new_block_ids, *(b for ids in snapshots for b in ids)]:
@@ -328,7 +328,7 @@ class Model:
         for k, block_id in enumerate(new_ids):
             self.block_content[block_id] = self.prefix(rid, (first + k + 1) * SPAN)
         for k, (position, slot) in enumerate(checkpoints):
-            ids = self.snapshots[rid][k] if self.m.checkpoint_blocks else [slot]
+            ids = self.snapshots[rid][k] if self.m.groups["v4"].spec.checkpoint_blocks else [slot]
             self.parts[slot] = ids
             for block_id in ids:
                 self.slot_content[block_id] = self.prefix(rid, position)
@@ -351,11 +351,12 @@ class Model:
         assert sorted(m.request_ids) == sorted(self.tables)
         counts = [0] * m.num_blocks
         for rid, table in self.tables.items():
-            assert m.block_ids(rid) == table and m.num_computed_tokens(rid) == self.computed[rid]
+            reserved = table + list(self.pending[rid][1] if rid in self.pending else ())  # the reserved step's too
+            assert m.block_ids(rid) == reserved and m.num_computed_tokens(rid) == self.computed[rid]
             assert m.token_ids(rid) == self.tokens[rid]
             res = m.pending_reservation(rid)
             assert (res is None) == (rid not in self.pending)
-            for block_id in table + list(self.pending[rid][1] if rid in self.pending else ()):
+            for block_id in reserved:
                 counts[block_id] += 1
             for ids in self.snapshots.get(rid, ()):
                 for block_id in ids:
@@ -363,7 +364,8 @@ class Model:
         assert [m.pool.refcount(b) for b in range(m.num_blocks)] == counts
         assert m.num_free_blocks == m.num_blocks - len(self.held())
         slots = [m.state_slot(rid) for rid in self.tables]
-        assert len(set(slots)) == len(slots) and m.num_free_state_blocks == m.num_state_blocks - len(slots)
+        usage = m.usage()
+        assert len(set(slots)) == len(slots) and usage.num_free_state_blocks == usage.num_state_blocks - len(slots)
 
 
 OPS = st.sampled_from(
@@ -457,7 +459,7 @@ def test_lifecycle_against_a_model(
                 model.computed[child] = model.computed[rid]
                 model.tables[child] = list(model.tables[rid])
             else:
-                assert m.num_free_state_blocks == 0 and child not in m
+                assert m.usage().num_free_state_blocks == 0 and child not in m
         elif op == "release":  # flag: a preemption (the request may be admitted again)
             for r in [r for r in m.request_ids if r == rid or r.startswith(rid + "-")]:
                 how = "preempt" if flag else "finish"
@@ -477,15 +479,15 @@ def test_lifecycle_against_a_model(
             else:
                 assert not set(ids) & (model.held() | set(hit))
                 num_loaded = num if flag else num - 1
-                for block_id in ids if m.checkpoint_blocks else ():
+                for block_id in ids if m.groups["v4"].spec.checkpoint_blocks else ():
                     model.slot_content.pop(block_id, None)  # a pooled snapshot's block written over
                 for j, block_id in enumerate(ids[:num_loaded]):
                     model.block_content[block_id] = (tenant, tuple(tokens[: (len(hit) + j + 1) * SPAN]))
                 m.publish_installed(ids, candidates[:num], num_loaded)
-                if m.enable_prefix_caching and num_loaded and m.restore == "recompute":
+                if m.enable_prefix_caching and num_loaded and m.groups["v4"].spec.restore == "recompute":
                     assert m.lookup_prefix(tokens, tenant_salt=tenant) >= (len(hit) + num_loaded) * SPAN
         model.check()
     for rid in m.request_ids:
         m.release(rid)
     m.check_integrity()
-    assert m.num_free_blocks == 8 and m.num_free_state_blocks == 3
+    assert m.num_free_blocks == 8 and m.usage().num_free_state_blocks == 3

@@ -42,7 +42,9 @@ def _assert_greedy_matches_oracle(model: TinyDSV4, prompt: list[int], output: li
 def test_generate_greedy_equals_oracle(restore: str | None) -> None:
     engine = build_engine(TinyDSV4(), max_num_batched_tokens=64, restore=restore)  # chunked prefill
     assert isinstance(engine, Engine)
-    assert engine.runner.cache.restore == restore or (restore is None and engine.runner.cache.restore == "auto")
+    assert engine.runner.cache.groups["v4"].spec.restore == restore or (
+        restore is None and engine.runner.cache.groups["v4"].spec.restore == "auto"
+    )
     prompts = _prompts()
     outs = engine.generate(prompts, SamplingParams(max_tokens=12))
     model = engine.runner.model  # type: ignore[attr-defined]
@@ -68,7 +70,7 @@ def test_preemption_under_a_small_classical_pool() -> None:
         _assert_greedy_matches_oracle(model, prompt, out.completions[0].token_ids)
     assert engine.num_preemptions > 0
     runner.check_integrity()
-    assert runner.cache.num_free_blocks == 2 and runner.cache.num_free_state_blocks == 3
+    assert runner.cache.num_free_blocks == 2 and runner.cache.usage().num_free_state_blocks == 3
 
 
 def test_parallel_samples_fork_the_state() -> None:
@@ -99,7 +101,7 @@ def test_parallel_samples_without_a_free_state_block_wait_and_recompute() -> Non
         assert c.finish_reason == "length"
         _assert_greedy_matches_oracle(model, prompt, c.token_ids)
     runner.check_integrity()
-    assert runner.cache.num_free_state_blocks == 2 and runner.cache.num_free_blocks == 8
+    assert runner.cache.usage().num_free_state_blocks == 2 and runner.cache.num_free_blocks == 8
 
 
 def _generate_args(**kw: object):

@@ -310,10 +310,10 @@ def test_release_frees_state_and_drops_classical_refs(v64: Verifier) -> None:
     runner.add_request("r", ids)
     assert runner.add_request("waiting", ids) is None  # one state block: admission waits
     assert runner.step([("r", 200)]) is not None
-    assert runner.cache.pool.refcount(0) == 1 and runner.cache.num_free_state_blocks == 0
+    assert runner.cache.pool.refcount(0) == 1 and runner.cache.usage().num_free_state_blocks == 0
     runner.check_integrity()
     assert runner.release("r") is True
-    assert runner.cache.pool.refcount(0) == 0 and runner.cache.num_free_state_blocks == 1
+    assert runner.cache.pool.refcount(0) == 0 and runner.cache.usage().num_free_state_blocks == 1
     assert runner.cache.pool.is_free_cached(0)  # the span stays findable for prefix reuse
     runner.check_integrity()
     assert runner.release("r") is False  # a second release is a no-op

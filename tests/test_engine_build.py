@@ -19,7 +19,7 @@ from kvpool.storage.dsv4 import DSV4Pools
 def test_each_model_kind_gets_its_runner_and_options() -> None:
     v4 = build_engine(TinyDSV4(), num_blocks=12, num_state_blocks=2, max_num_seqs=3, restore="checkpoint")
     assert isinstance(v4.runner, DSV4Runner)
-    assert v4.runner.cache.num_blocks == 12 and v4.runner.cache.num_state_blocks == 3  # a state per sequence
+    assert v4.runner.cache.num_blocks == 12 and v4.runner.cache.usage().num_state_blocks == 3  # a state per sequence
     assert v4.max_num_seqs == 3
     hybrid = build_engine(TinyHybrid(TINY_RECURRENT), num_blocks=20, block_size=4, num_slots=6)
     assert isinstance(hybrid.runner, HybridRunner)

@@ -257,12 +257,16 @@ def test_dual(restore: str, host_blocks: int) -> None:
         model, num_blocks, num_states, restore=restore, num_checkpoints=num_checkpoints, host_tier=tiers[0]
     )
     real = Side(real_runner, real_runner.cache, _dual_tables, DUAL, **kw)
-    cache = DSV4CacheManager(
-        model.spec, num_blocks, num_states, dsv4_descriptor(model), restore=restore, num_checkpoints=num_checkpoints
-    )
     bridge = TierBridge(tiers[1], (), model.spec.span, enable_prefix_caching=True)
-    if host_blocks:
-        cache.record_evictions()  # (as the V4 runner does for its tier)
+    cache = DSV4CacheManager(
+        model.spec,
+        num_blocks,
+        num_states,
+        dsv4_descriptor(model),
+        restore=restore,
+        num_checkpoints=num_checkpoints,
+        lower_tier=bridge.index,  # (as the V4 runner does for its tier)
+    )
     executor = _cost_executor(real_runner, VirtualClock(), block_bytes=block_bytes, checkpoint_bytes=1, has_state=True)
     sim = _sim_side(real_runner, cache, bridge, executor, _dual_tables, DUAL, **kw)
     views, answers = _lockstep(real, sim, DUAL)

@@ -504,7 +504,6 @@ def test_dsv4_install_publishes_only_what_was_loaded() -> None:
 
     spec = DSV4Spec.from_config(SMALL_DSV4_CONFIG)
     m = DSV4CacheManager(spec, 6, 2, CacheDescriptor("v4", layout_id="span16"))
-    m.record_evictions()
     prompt = list(range(50, 50 + 3 * spec.span + 1))
     hit, candidates = m.prefetch_candidates(prompt)
     assert hit == [] and len(candidates) == 3

@@ -295,10 +295,27 @@ class HybridCacheManager:
         g = self._group(group, self._table_groups, "block-table")
         return g.first_block(self._get(request_id).states[g.name])
 
-    def prefix_chain(self, request_id: str, group: str | None = None) -> list[PrefixBlock]:
-        """The prefix blocks of the request's computed full blocks, in order (caching on)."""
+    def prefix_chain(self, request_id: str, group: str | None = None, *, reserved: bool = False) -> list[PrefixBlock]:
+        """The prefix blocks of the request's computed full blocks, in order (caching on);
+        reserved: then those of the blocks its reserved step completes, where the group
+        chains them at reservation (a dual pool: a runner names tier entries by them)."""
         g = self._group(group, self._table_groups, "block-table")
-        return list(g.prefix_chain(self._get(request_id).states[g.name]))
+        state = self._get(request_id).states[g.name]
+        return [*g.prefix_chain(state), *g.pending_chain(state)] if reserved else list(g.prefix_chain(state))
+
+    def pending_reservation(self, request_id: str) -> Reservation | None:
+        """The request's reserved, uncommitted step (None when none): its positions and each
+        group's part, where the group keeps it (`CacheGroup.pending`)."""
+        req = self._get(request_id)
+        if req.end == req.num_computed:
+            return None
+        parts = {name: g.pending(req.states[name]) for name, g in self.groups.items()}
+        return self._reservation(req.num_computed, req.end - req.num_computed, parts)
+
+    def _reservation(self, start: int, num_tokens: int, parts: dict[str, GroupReservation]) -> Reservation:
+        first = parts[self._table_groups[0].name] if self._table_groups else GroupReservation()
+        checkpoints = parts[self._state_groups[0].name].checkpoints if self._state_groups else ()
+        return Reservation(start, num_tokens, first.new_block_ids, first.copies, checkpoints, parts)
 
     def state_slot(self, request_id: str, group: str | None = None) -> int:
         """The live state slot of a recurrent group or the state block of a dual-pool group
@@ -417,6 +434,30 @@ class HybridCacheManager:
                 ids.update(g.held_blocks(req.states[name]))
             held[name] = len(ids)
         return held
+
+    # ---- a lower tier that fills a one-group cache's prefix cache before an admission ----
+
+    def prefetch_candidates(
+        self, token_ids: Sequence[int], *, tenant_salt: str = ""
+    ) -> tuple[list[int], list[PrefixBlock]]:
+        """(the device hit's blocks, the prompt's full blocks after it as unregistered prefix
+        blocks): what a lower tier may hold and `install` can bring in (`CacheGroup.
+        prefetch_candidates`). ([], []) for a cache of more than one group, or one whose
+        admission loads a lower tier's blocks itself (`Admission.loads`). Changes nothing."""
+        if len(self._group_list) != 1 or len(token_ids) == 0:
+            return [], []
+        return self._group_list[0].prefetch_candidates(self._root(tenant_salt), list(token_ids))
+
+    def install(self, num_blocks: int, hold: Sequence[int] = ()) -> list[int] | None:
+        """Fresh blocks for the lower-tier content of `prefetch_candidates` (the runner writes
+        them, then `publish_installed`); None, nothing taken, when that many are not free."""
+        return self._group_list[0].install(num_blocks, hold)
+
+    def publish_installed(self, block_ids: Sequence[int], blocks: Sequence[PrefixBlock], num_loaded: int) -> None:
+        """The first `num_loaded` installed blocks hold their content (copied and checked):
+        published, in order, as cached blocks an admission hits; every installed block is
+        then freed, the tail first."""
+        self._group_list[0].publish_installed(block_ids, blocks, num_loaded)
 
     # ---- prefix hits -------------------------------------------------------------------
 
@@ -699,9 +740,22 @@ class HybridCacheManager:
         if not self._fits(self._needs([req], [end])):
             return None
         parts = {name: res[0] for name, res in self._apply_reserve([req], [end]).items()}
-        first = parts[self._table_groups[0].name] if self._table_groups else GroupReservation()
-        checkpoints = parts[self._state_groups[0].name].checkpoints if self._state_groups else ()
-        return Reservation(start, num_new_tokens, first.new_block_ids, first.copies, checkpoints, parts)
+        return self._reservation(start, num_new_tokens, parts)
+
+    def unreserve(self, request_id: str) -> None:
+        """Undo the request's reserved step, whose forward has not run (another request of
+        the batch did not fit, say), exactly: every group as it was before the reservation.
+        Nothing reserved: nothing done. ValueError, nothing done, when a group cannot
+        (`CacheGroup.can_unreserve`)."""
+        req = self._get(request_id)
+        if req.end == req.num_computed:
+            return
+        cannot = [name for name, g in self.groups.items() if not g.can_unreserve]
+        if cannot:
+            raise ValueError(f"request {request_id!r}: groups {cannot} cannot undo a reserved step")
+        for name, g in self.groups.items():
+            g.unreserve(req.states[name])
+        req.end = req.num_computed
 
     def reserve_step(self, request_ids: Sequence[str], num_new_tokens: Sequence[int]) -> bool:
         """`reserve` for a whole step, all or nothing: False (nothing changed) when the step

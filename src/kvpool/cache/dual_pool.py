@@ -56,7 +56,7 @@ steps complete, filed under the boundary block's prefix block, in one of two way
 
 A reserved step that took blocks or checkpoint slots records what undoing it needs
 (`unreserve`: everything goes back where it was, the checkpoints it pushed out findable
-again). The lower-tier hooks (`record_evictions`, `take_evicted`, `prefetch_candidates`,
+again). The lower-tier hooks (`take_evicted` with a lower tier, `prefetch_candidates`,
 `install`, `publish_installed`) let a runner save evicted spans and bring them back.
 """
 
@@ -66,13 +66,13 @@ import sys
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, NamedTuple, Protocol, cast
+from typing import Any, Literal, NamedTuple, Protocol
 
-from kvpool.cache.base import mm_extra_key
+from kvpool.cache.base import LowerTier, mm_extra_key
 from kvpool.cache.chains import chain_units, check_chain
 from kvpool.cache.coordinator import HybridCacheManager
 from kvpool.cache.group import CacheGroup, GroupUsage, StepRequest
-from kvpool.cache.types import CacheDescriptor, GroupReservation, MMItem, Reservation, StateRestore
+from kvpool.cache.types import CacheDescriptor, GroupReservation, MMItem, StateRestore
 from kvpool.pool import BlockPool, PrefixBlock
 from kvpool.pool.hashing import TOKEN_BYTES, token_bytes
 from kvpool.spec.dsv4 import DSV4Spec
@@ -173,11 +173,13 @@ class DualPoolGroupSpec:
         enable_caching: bool,
         hash_algo: str,
         shared_pool: BlockPool | None,
+        lower_tier: LowerTier | None = None,
         record_published: bool = False,
     ) -> DualPoolGroup:
         """The group; `size` is the pair (classical blocks, state blocks), both positive.
-        record_published: every classical block published at a commit is recorded
-        (`take_published`)."""
+        With `lower_tier` (which `prefetch_candidates` serves: the group does not look it up)
+        the cached classical blocks an allocation evicts are recorded (`take_evicted`); with
+        `record_published`, those a commit publishes (`take_published`)."""
         if not (isinstance(size, tuple) and len(size) == 2 and all(isinstance(n, int) and n > 0 for n in size)):
             raise ValueError(
                 f"dual-pool group {self.name!r} needs (classical blocks, state blocks), both positive, got {size!r}"
@@ -185,6 +187,8 @@ class DualPoolGroupSpec:
         if self.restore == "checkpoint" and enable_caching and not (self.num_checkpoints or self.checkpoint_blocks):
             raise ValueError("restore='checkpoint' needs num_checkpoints > 0 or checkpoint_blocks > 0")
         group = DualPoolGroup(self, *size, enable_caching=enable_caching, hash_algo=hash_algo)
+        if lower_tier is not None:
+            group._evicted = []
         if record_published and enable_caching:
             group._published = []
         return group
@@ -292,6 +296,7 @@ class DualPoolGroup(CacheGroup):
     has_table = True
     whole_steps = True
     has_state = True
+    can_unreserve = True
 
     def __init__(
         self,
@@ -318,7 +323,7 @@ class DualPoolGroup(CacheGroup):
         self._free_checkpoints: deque[int] = deque(range(first, first + spec.num_checkpoints))
         self._checkpoints: dict[bytes, _Checkpoint] = {}  # boundary block hash -> findable checkpoint
         self._clock = 0
-        self._evicted: list[tuple[int, PrefixBlock]] | None = None  # record_evictions
+        self._evicted: list[tuple[int, PrefixBlock]] | None = None  # the spec's build(lower_tier=...)
         self._published: list[tuple[int, PrefixBlock]] | None = None  # the spec's build(record_published=True)
 
     # ---- prefix hits -------------------------------------------------------------------
@@ -606,7 +611,7 @@ class DualPoolGroup(CacheGroup):
 
     def _note_evicted(self, evicted: list[tuple[int, PrefixBlock]], dropped: list[tuple[bytes, _Checkpoint]]) -> None:
         """Cached blocks an allocation just evicted: classical ones go to the tier record
-        (`record_evictions`); a pooled checkpoint that lost its last copy of a part is
+        (with a lower tier); a pooled checkpoint that lost its last copy of a part is
         dropped (into `dropped`, for an undo to put back)."""
         if self.spec.checkpoint_blocks:
             for _, block in evicted:
@@ -619,12 +624,6 @@ class DualPoolGroup(CacheGroup):
             self._evicted.extend(e for e in evicted if not _state_part(e[1]))
 
     # ---- a tier below the classical pool (kvpool.tiers) ----------------------------------
-
-    def record_evictions(self) -> None:
-        """From now on, every cached classical block the allocator evicts is recorded for
-        the runner to save to a lower tier before anything overwrites it (`take_evicted`)."""
-        if self._evicted is None:
-            self._evicted = []
 
     def take_evicted(self) -> list[tuple[int, PrefixBlock]]:
         if not self._evicted:
@@ -639,9 +638,6 @@ class DualPoolGroup(CacheGroup):
         return published
 
     def prefetch_candidates(self, root: PrefixBlock, token_ids: Sequence[int]) -> tuple[list[int], list[PrefixBlock]]:
-        """(the device hit's blocks, the prompt's full spans after it as unregistered prefix
-        blocks, leaving >= 1 token to compute): what a lower tier may hold and `install`
-        can bring in. Changes nothing."""
         if not self.pool.enable_caching or len(token_ids) == 0:
             return [], []
         span = self.span
@@ -653,9 +649,6 @@ class DualPoolGroup(CacheGroup):
         return hit.block_ids, chain_units(self.pool, parent, list(token_ids), (), span, len(hit.block_ids), num)
 
     def install(self, num_blocks: int, hold: Sequence[int] = ()) -> list[int] | None:
-        """Fresh classical blocks for lower-tier content (the runner writes them, then
-        `publish_installed`); None, nothing taken, when that many are not free. `hold`: the
-        device hit the content continues, kept out of this allocation's reach."""
         if num_blocks > self.pool.num_free - sum(1 for b in hold if self.pool.refcount(b) == 0):
             return None  # (checked first: holding would move the hit in the LRU order)
         self.pool.incref(hold)
@@ -667,9 +660,6 @@ class DualPoolGroup(CacheGroup):
         return ids
 
     def publish_installed(self, block_ids: Sequence[int], blocks: Sequence[PrefixBlock], num_loaded: int) -> None:
-        """The first `num_loaded` installed blocks hold their content (copied and checked):
-        they are published, in order, as cached blocks nobody holds (an admission hits them
-        like any cached block); every installed block is then freed, the tail first."""
         if num_loaded:
             assert blocks[0].parent is not None and len(block_ids) == len(blocks)
             _register_in_order(self.pool, blocks[0].parent, block_ids[:num_loaded], blocks[:num_loaded])
@@ -698,6 +688,15 @@ class DualPoolGroup(CacheGroup):
 
     def prefix_chain(self, state: DualPoolState) -> list[PrefixBlock]:
         return state.chain
+
+    def pending(self, state: DualPoolState) -> GroupReservation:
+        pending = state.pending
+        if pending is None:  # the step took no block (most decodes): no checkpoint either
+            return _NO_RESERVATION
+        return GroupReservation(tuple(state.block_ids[-pending.num_new :]), (), pending.checkpoints)
+
+    def pending_chain(self, state: DualPoolState) -> list[PrefixBlock]:
+        return state.pending.chain if state.pending is not None else []
 
     def metadata_bytes(self, state: DualPoolState) -> int:
         return sys.getsizeof(state) + sys.getsizeof(state.block_ids) + sys.getsizeof(state.chain)
@@ -823,9 +822,8 @@ class DualPoolGroup(CacheGroup):
 
 class DSV4CacheManager(HybridCacheManager):
     """DeepSeek-V4's cache: the coordinator over one dual-pool group named "v4" (the module
-    docstring), plus the queries a V4 runner makes of it: the pending step, the prefix
-    blocks of the committed and reserved spans, the undo of a step, the lower-tier hooks.
-    `block_ids` are the committed spans' blocks (a pending step's are in its reservation)."""
+    docstring). lower_tier: the cached classical blocks the allocator evicts are recorded
+    for it (`take_evicted`); record_published: so are the blocks a commit publishes."""
 
     def __init__(
         self,
@@ -840,75 +838,16 @@ class DSV4CacheManager(HybridCacheManager):
         hash_algo: str = "xxh3_128",
         restore_cost: RestoreCost | None = None,
         checkpoint_blocks: int = 0,
+        lower_tier: LowerTier | None = None,
         record_published: bool = False,
     ) -> None:
-        group = DualPoolGroupSpec.from_dsv4(
-            "v4",
-            spec,
-            restore=restore,
-            num_checkpoints=num_checkpoints,
-            checkpoint_blocks=checkpoint_blocks,
-            restore_cost=restore_cost,
-        )
+        restores = dict(restore=restore, num_checkpoints=num_checkpoints, checkpoint_blocks=checkpoint_blocks)
+        group = DualPoolGroupSpec.from_dsv4("v4", spec, restore_cost=restore_cost, **restores)
         super().__init__(
             [(group, (num_classical_blocks, num_state_blocks))],
             descriptor,
             enable_prefix_caching=enable_prefix_caching,
             hash_algo=hash_algo,
+            lower_tier=lower_tier,
             record_published=record_published,
         )
-        self.group = cast(DualPoolGroup, self.groups["v4"])  # built from a DualPoolGroupSpec
-        self.span, self.restore, self.checkpoint_blocks = spec.span, restore, checkpoint_blocks
-        self.num_state_blocks = num_state_blocks
-
-    @property
-    def num_free_state_blocks(self) -> int:
-        return self.group.state_pool.num_free
-
-    def block_ids(self, request_id: str, group: str | None = None) -> list[int]:
-        """The classical blocks of the request's committed spans (a reserved step's new
-        blocks are its `pending_reservation`'s)."""
-        g = self._group(group, self._table_groups, "block-table")
-        req = self._get(request_id)
-        return req.states[g.name].block_ids[: req.num_computed // self.span]
-
-    def pending_reservation(self, request_id: str) -> Reservation | None:
-        """The reserved, not yet committed step of a request, if any."""
-        req = self._get(request_id)
-        nc, end = req.num_computed, req.end
-        if end == nc:
-            return None
-        pending = req.states["v4"].pending
-        if pending is None:  # the step took no block (most decodes): no checkpoint either
-            return Reservation(nc, end - nc, ())
-        new_ids = tuple(req.states["v4"].block_ids[-pending.num_new :])
-        return Reservation(nc, end - nc, new_ids, (), pending.checkpoints)
-
-    def prefix_blocks(self, request_id: str) -> list[PrefixBlock]:
-        """The prefix blocks of the request's complete spans, committed then reserved, in
-        order (empty with prefix caching off): a runner names tier entries by them."""
-        state = self._get(request_id).states["v4"]
-        return state.chain + (state.pending.chain if state.pending is not None else [])
-
-    def unreserve(self, request_id: str) -> None:
-        """Undo the request's reserved step whose forward has not run, exactly (the group's
-        `unreserve`); nothing pending: nothing done."""
-        req = self._get(request_id)
-        self.group.unreserve(req.states["v4"])
-        req.end = req.num_computed
-
-    # ---- a tier below the classical pool: the group's hooks ----------------------------
-
-    def record_evictions(self) -> None:
-        self.group.record_evictions()
-
-    def prefetch_candidates(
-        self, token_ids: Sequence[int], *, tenant_salt: str = ""
-    ) -> tuple[list[int], list[PrefixBlock]]:
-        return self.group.prefetch_candidates(self._root(tenant_salt), list(token_ids))
-
-    def install(self, num_blocks: int, hold: Sequence[int] = ()) -> list[int] | None:
-        return self.group.install(num_blocks, hold)
-
-    def publish_installed(self, block_ids: Sequence[int], blocks: Sequence[PrefixBlock], num_loaded: int) -> None:
-        self.group.publish_installed(block_ids, blocks, num_loaded)

@@ -33,6 +33,8 @@ from typing import Any, NamedTuple, Protocol
 from kvpool.cache.types import BlockCopy, GroupReservation, MMItem, StateRestore
 from kvpool.pool import BlockPool, PrefixBlock
 
+_NO_RESERVATION = GroupReservation()
+
 
 def check_pool_size(name: str, size: object) -> int:
     """A group's own pool size, a positive int; ValueError naming the group otherwise."""
@@ -80,6 +82,7 @@ class CacheGroup(Protocol):
     kind: str
     pool: BlockPool  # the pool `blocks_needed` counts against (a shared pool for some attention groups)
     state_pool: BlockPool | None = None  # per-request state blocks apart from `pool` (V4's dual pool)
+    can_unreserve: bool = False  # `unreserve` undoes a reserved step exactly
     granularity: int  # tokens of one hash unit: block size, checkpoint interval, span
     reads_whole_prefix: bool  # a point needs every unit before it: its hits end at the first miss
     has_table: bool  # keeps block tables (`block_ids`); False: only per-request state
@@ -196,6 +199,34 @@ class CacheGroup(Protocol):
         tiers. [] unless recorded."""
         return []
 
+    def pending(self, state: Any) -> GroupReservation:
+        """The reserved, uncommitted step's part (new blocks, checkpoints), for a group that
+        keeps it; empty for one that does not (an attention group: its table is its part)."""
+        return _NO_RESERVATION
+
+    def unreserve(self, state: Any) -> None:
+        """Undo the reserved step, whose forward has not run, exactly (`can_unreserve`)."""
+        raise AssertionError(f"group {self.name!r} cannot undo a step (can_unreserve said so)")
+
+    # ---- a lower tier that fills the prefix cache before an admission --------------------
+
+    def prefetch_candidates(self, root: PrefixBlock, token_ids: Sequence[int]) -> tuple[list[int], list[PrefixBlock]]:
+        """(the device hit's blocks, the prompt's full units after it as unregistered prefix
+        blocks, leaving a token to compute): what a lower tier may hold and `install` can
+        bring in before the admission. ([], []) for a group whose admission loads a lower
+        tier's blocks itself (`loads`), or that has none. Changes nothing."""
+        return [], []
+
+    def install(self, num_blocks: int, hold: Sequence[int]) -> list[int] | None:
+        """Fresh blocks for lower-tier content (`prefetch_candidates`); None, nothing taken,
+        when that many are not free. `hold`: the device hit, kept out of reach."""
+        raise AssertionError(f"group {self.name!r} has no prefetch candidates to install")
+
+    def publish_installed(self, block_ids: Sequence[int], blocks: Sequence[PrefixBlock], num_loaded: int) -> None:
+        """The first `num_loaded` installed blocks hold `blocks`' content: published, in
+        order, as cached blocks nobody holds; every installed block is then freed."""
+        raise AssertionError(f"group {self.name!r} has no prefetch candidates to install")
+
     # ---- queries on a request's state ---------------------------------------------------
 
     def block_ids(self, state: Any) -> list[int]:
@@ -213,6 +244,11 @@ class CacheGroup(Protocol):
     def prefix_chain(self, state: Any) -> list[PrefixBlock]:
         """The prefix blocks of the request's computed hash units, in order (caching on)."""
         ...
+
+    def pending_chain(self, state: Any) -> list[PrefixBlock]:
+        """The prefix blocks of the units the reserved step completes, for a group that
+        chains them at reservation; [] for one that chains them at commit."""
+        return []
 
     def metadata_bytes(self, state: Any) -> int:
         """Bytes of the request's bookkeeping in the group (sys.getsizeof)."""

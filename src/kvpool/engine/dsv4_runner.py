@@ -112,10 +112,9 @@ class DSV4Runner(ModelRunner):
             restore=restore,
             num_checkpoints=num_checkpoints,
             restore_cost=restore_cost,
+            lower_tier=bridge.index,  # (None without tiers) its evicted blocks are saved to the host tier
             record_published=bool(bridge.persistent_tiers),  # written through as they complete
         )
-        if bridge.tier is not None:
-            cache.record_evictions()
         # The unfinished span lives in the state block, so one request holds up to
         # num_classical_blocks full spans plus span - 1 tokens.
         capacity = num_classical_blocks * spec.span + spec.span - 1
@@ -195,9 +194,7 @@ class DSV4Executor:
         span = self.spec.span
         plans = []
         for c in chunks:
-            res = cache.pending_reservation(c.request_id)
-            assert res is not None, f"request {c.request_id!r} has no reservation"
-            table = cache.block_ids(c.request_id) + list(res.new_block_ids)
+            table = cache.block_ids(c.request_id)  # (the reserved step's new blocks included)
             pos, stop = c.start, c.start + len(c.token_ids)
             slot = cache.state_slot(c.request_id)
             plans.append(ChunkPlan(pos, stop - pos, slot, table[: pos // span], table[pos // span : stop // span]))
@@ -296,9 +293,9 @@ class DSV4Executor:
         pools = self.pools
         return {
             "kv_capacity_bytes": pools.classical_block_bytes() * cache.num_blocks
-            + pools.state_block_bytes() * cache.num_state_blocks,
+            + pools.state_block_bytes() * cache.usage().num_state_blocks,
             "classical_block_bytes": pools.classical_block_bytes(),
-            "state_blocks": cache.num_state_blocks,
+            "state_blocks": cache.usage().num_state_blocks,
             "state_block_bytes": pools.state_block_bytes(),
         }
 

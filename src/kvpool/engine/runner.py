@@ -21,9 +21,9 @@ evicted), the step (V4: cut at the state checkpoints and window snapshots it tak
 commit (with the write-through of the blocks it published), release (with the swap-out
 decision of a preemption), fork (with the state copy), and the figures.
 
-Where V4's dual pool is still called differently (DSV4CacheManager's own queries:
-lower-tier blocks by prefetch before admission, completed blocks seen as the table's
-growth at commit, pending reservations with checkpoints), `dual` marks the path.
+`dual` marks what is V4's alone: a step cut into pieces at its state checkpoints and
+window snapshots (the executor copies no state inside a forward), the window snapshots,
+and the tier figures (a lower tier's blocks come back by prefetch before admission).
 
 The executor interface (`Executor` below) is what a model's tensors must do and nothing
 more; it never changes the cache (it may read the tables the cache holds, to turn them
@@ -209,10 +209,7 @@ class ModelRunner:
         self.capacity_tokens = capacity_tokens
         self.max_model_len = max_model_len
         self.preemption = preemption
-        # dual: the cache is V4's dual pool (DSV4CacheManager), whose lower-tier blocks come
-        # back by prefetch before an admission, whose completed blocks show at commit as the
-        # table's growth, and whose steps run in pieces cut at the state checkpoints
-        self.dual = dual
+        self.dual = dual  # V4's dual pool: steps in pieces, window snapshots (module docstring)
         self.restore_cost = restore_cost if restore_cost is not None else MeasuredRestoreCost()
         self.num_replayed_tokens = 0  # tokens recomputed by prefix-hit restores (for reports)
         self.replay_s = 0.0
@@ -284,7 +281,7 @@ class ModelRunner:
         tenant_salt: str,
         defer_replay: bool,
     ) -> Admission | None:
-        if self.dual and self.tier is not None:
+        if self.tier is not None:
             self._prefetch(token_ids, tenant_salt)
         adm = self.cache.admit(request_id, token_ids, max_new_tokens, tenant_salt=tenant_salt)
         if adm is None:
@@ -673,11 +670,12 @@ class ModelRunner:
                 moves.persisted_bytes += num_bytes
         self.tier_moves.persist_s += time.perf_counter() - start
 
-    # ---- V4's dual pool and its tiers: prefetch, window snapshots, completed blocks ------------
+    # ---- a lower tier before admission (prefetch), and V4's window snapshots ---------------
 
     def _prefetch(self, token_ids: Sequence[int], tenant_salt: str) -> None:
-        """The spans after the device hit that the tier holds valid: into fresh classical
-        blocks, checked, then published as cached blocks for the admission to hit."""
+        """The blocks after the device hit that the tier holds valid, where the cache takes
+        them before an admission (V4's dual pool): into fresh blocks, checked, then
+        published as cached blocks for the admission to hit."""
         assert self.tier_index is not None
         hit, candidates = self.cache.prefetch_candidates(token_ids, tenant_salt=tenant_salt)
         num_found = self.tier_index.find(candidates) if candidates else 0
@@ -708,7 +706,7 @@ class ModelRunner:
         if not points:
             return 0
         began = time.perf_counter()
-        chain = self.cache.prefix_blocks(request_id)
+        chain = self.cache.prefix_chain(request_id, reserved=True)
         moves = self.swa_moves
         for point, needed in points:
             snapshots = []
@@ -740,7 +738,7 @@ class ModelRunner:
         if not positions:
             return {}
         assert isinstance(self.tier, TierStack)
-        chain = self.cache.prefix_blocks(request_id)
+        chain = self.cache.prefix_chain(request_id, reserved=True)
         wanted = {}
         for boundary in positions:
             key, descriptor = self._snapshot_entry(chain[boundary // span - 1])

@@ -59,7 +59,7 @@ class BuiltLayout:
     @property
     def num_state_blocks(self) -> int:
         """V4 dual: the state blocks (one per running request); else 0."""
-        return self.manager.num_state_blocks if self.state_block_bytes else 0
+        return self.manager.usage().num_state_blocks if self.state_block_bytes else 0
 
     @property
     def kv_capacity_bytes(self) -> int:
