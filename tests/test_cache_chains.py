@@ -18,8 +18,8 @@ def test_a_run_computed_twice_at_once_joins_the_first_copies_block_by_block():
     # block 0, and b's block 4 must be chained after that copy to join block 1 (chained
     # after b's own block 3 it would read as a collision and stay unpublished).
     m = FullAttentionManager(10, 4, DESC)
-    assert m.admit("a", A).block_ids == (0, 1, 2)
-    assert m.admit("b", A).block_ids == (3, 4, 5)
+    assert m.admit("a", A).groups["full"].block_ids == (0, 1, 2)
+    assert m.admit("b", A).groups["full"].block_ids == (3, 4, 5)
     m.commit("a", 10)
     m.commit("b", 10)
     m.check_integrity()
@@ -30,7 +30,8 @@ def test_a_run_computed_twice_at_once_joins_the_first_copies_block_by_block():
     # Both copies serve: with a gone, c shares b's held copies, not a's free ones.
     assert m.release("a")
     admission = m.admit("c", A)
-    assert admission.num_cached_tokens == 8 and admission.block_ids == (3, 4, 6)  # (6: the first unhashed free block)
+    assert admission.num_cached_tokens == 8
+    assert admission.groups["full"].block_ids == (3, 4, 6)  # (6: the first unhashed free block)
     m.check_integrity()
 
 

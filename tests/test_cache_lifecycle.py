@@ -122,7 +122,7 @@ class Lifecycle(RuleBasedStateMachine):
         assert admission.num_cached_tokens % BLOCK_SIZE == 0
         assert admission.num_cached_tokens <= len(prompt) - 1
         assert admission.num_scheduled_tokens == len(prompt) - admission.num_cached_tokens
-        table = list(admission.block_ids)
+        table = list(admission.groups["full"].block_ids)
         assert len(table) == blocks_for(len(prompt))
         fresh = table[admission.num_cached_tokens // BLOCK_SIZE :]
         assert not set(fresh) & self._held(), "a fresh block that another table holds"
@@ -147,12 +147,12 @@ class Lifecycle(RuleBasedStateMachine):
             del self.seq[rid][start:]
             return
         table = self.tables[rid]
-        for copy in reservation.copies:
+        for copy in reservation.groups["full"].copies:
             index = table.index(copy.src)
             assert index == start // BLOCK_SIZE and copy.dst not in self._held()
             table[index] = copy.dst
-        assert not set(reservation.new_block_ids) & self._held()
-        table.extend(reservation.new_block_ids)
+        assert not set(reservation.groups["full"].new_block_ids) & self._held()
+        table.extend(reservation.groups["full"].new_block_ids)
         self._write(rid, start, start + len(extra))
         self.m.commit(rid, len(extra))
 

@@ -167,7 +167,7 @@ def test_seed_fork_and_writable_tail():
     m.append_token_ids("child", [4])
     reservation = m.reserve("child", 1)
     assert reservation is not None
-    assert reservation.copies == (BlockCopy(src=7, dst=9),) and reservation.new_block_ids == ()
+    assert reservation.groups["full"] == ((), (BlockCopy(src=7, dst=9),), ())  # no new block, one copy
     assert m.take_copies() == {"full": [BlockCopy(7, 9)]}
     assert m.take_copies() == {}
     m.check_integrity()
@@ -177,7 +177,7 @@ def test_seed_fork_and_writable_tail():
     assert (m.pool.refcount(7), m.pool.refcount(9)) == (1, 1)
     # The parent, now exclusive again, writes in place with no copy.
     m.append_token_ids("parent", [5])
-    assert m.reserve("parent", 1)[:5] == (3, 1, (), (), ())  # start 3, one token, no block, no copy
+    assert m.reserve("parent", 1) == (3, 1, {"full": ((), (), ())})  # start 3, one token, no block, no copy
     m.commit("parent", 1)
     m.check_integrity()
 
@@ -234,7 +234,9 @@ def test_rollback_releases_blocks_past_the_end_and_keeps_a_shared_tail_intact():
     # a writes position 6 into block 1, which b shares: copy-on-write, b is untouched.
     m.append_token_ids("a", [42])
     reservation = m.reserve("a", 1)
-    assert reservation is not None and reservation.copies == (BlockCopy(1, 4),)  # 4: the first unhashed free block
+    assert reservation is not None and reservation.groups["full"].copies == (
+        BlockCopy(1, 4),
+    )  # 4: the first unhashed free block
     m.commit("a", 1)
     m.check_integrity()
     assert m.block_ids("b")[:2] == [0, 1]
@@ -247,7 +249,7 @@ def test_rollback_into_an_exclusive_registered_block_unregisters_before_writing(
     m.rollback("a", 6)
     assert m.pool.block_hash(1) is not None  # still valid content until overwritten
     m.append_token_ids("a", [42])
-    assert m.reserve("a", 1)[:5] == (6, 1, (), (), ())
+    assert m.reserve("a", 1) == (6, 1, {"full": ((), (), ())})
     assert m.pool.block_hash(1) is None  # no longer published: its content will change
     m.check_integrity()
     m.commit("a", 1)

@@ -38,11 +38,11 @@ def test_blocks_only_for_complete_spans() -> None:
     m = make(11, 2)
     assert m.admit("a", _ids(40), 0) is not None
     res = _compute(m, "a", 15)
-    assert res.new_block_ids == () and m.block_ids("a") == []  # 15 tokens: no complete span
+    assert res.groups["v4"].new_block_ids == () and m.block_ids("a") == []  # 15 tokens: no complete span
     res = _compute(m, "a", 1)
-    assert res.new_block_ids == (0,) and m.block_ids("a") == [0]  # token 16 completes span 0
+    assert res.groups["v4"].new_block_ids == (0,) and m.block_ids("a") == [0]  # token 16 completes span 0
     res = _compute(m, "a", 24)  # 40 tokens: spans 1 (32) complete, 8 tail tokens in state
-    assert res.new_block_ids == (1,) and m.block_ids("a") == [0, 1]
+    assert res.groups["v4"].new_block_ids == (1,) and m.block_ids("a") == [0, 1]
     assert m.num_computed_tokens("a") == 40 and m.num_free_blocks == 9
 
 
@@ -59,8 +59,8 @@ def test_a_decode_batch_takes_a_block_only_at_a_span_boundary() -> None:
     m.commit_step(["a"], [1], [5])
     # a decodes token 14 (inside span 0), b token 15 (the end of span 0): one block, b's
     assert m.reserve_step(["a", "b"], [1, 1])
-    assert m.pending_reservation("a")[:5] == (14, 1, (), (), ())
-    assert m.pending_reservation("b").start == 15 and m.pending_reservation("b").new_block_ids == (0,)
+    assert m.pending_reservation("a") == (14, 1, {"v4": ((), (), ())})
+    assert m.pending_reservation("b").start == 15 and m.pending_reservation("b").groups["v4"].new_block_ids == (0,)
     m.check_integrity()
     m.commit_step(["a", "b"], [1, 1], [6, None])
     assert (m.block_ids("a"), m.block_ids("b")) == ([], [0])
@@ -95,7 +95,7 @@ def test_reserve_that_does_not_fit_leaves_no_trace() -> None:
     assert m.reserve("a", 48) is None  # 3 spans, 2 blocks
     assert m.num_free_blocks == 2 and m.num_computed_tokens("a") == 0
     m.check_integrity()
-    assert _compute(m, "a", 32).new_block_ids == (0, 1)
+    assert _compute(m, "a", 32).groups["v4"].new_block_ids == (0, 1)
 
 
 def test_prefix_hit_leaves_one_token_and_respects_tenants() -> None:
@@ -105,11 +105,11 @@ def test_prefix_hit_leaves_one_token_and_respects_tenants() -> None:
     assert m.block_ids("a") == [0, 1, 2]
     same = m.admit("b", _ids(48))  # exactly 3 spans: the last must be computed again
     assert same is not None and same.num_cached_tokens == 32 and same.num_scheduled_tokens == 16
-    assert same.block_ids == (0, 1, 3)  # the hit, then a fresh block for span 2
-    assert same.restore == StateRestore(1, "recompute", replay_start=0)  # 32 < n_win * L = 64
+    assert same.groups["v4"].block_ids == (0, 1, 3)  # the hit, then a fresh block for span 2
+    assert same.groups["v4"].restore == StateRestore(1, "recompute", replay_start=0)  # 32 < n_win * L = 64
     assert [m.pool.refcount(b) for b in (0, 1, 2)] == [2, 2, 1]
     other = m.admit("c", _ids(48), tenant_salt="tenant-2")
-    assert other is not None and other.num_cached_tokens == 0 and other.restore == StateRestore(2, "none")
+    assert other is not None and other.num_cached_tokens == 0 and other.groups["v4"].restore == StateRestore(2, "none")
     m.check_integrity()
 
 
@@ -119,19 +119,19 @@ def test_recompute_replays_only_the_last_window_tokens() -> None:
     _compute(m, "a", 150)
     adm = m.admit("b", _ids(140) + [1, 2, 3])
     assert adm is not None and adm.num_cached_tokens == 128
-    assert adm.restore is not None and adm.restore.replay_start == 128 - 16 * 4
+    assert adm.groups["v4"].restore is not None and adm.groups["v4"].restore.replay_start == 128 - 16 * 4
 
 
 def test_checkpoint_restore_cuts_the_hit_to_a_checkpointed_boundary() -> None:
     m = make(11, 3, restore="checkpoint", num_checkpoints=1)
     m.admit("a", _ids(50), 0)
     res = _compute(m, "a", 50)
-    assert [p for p, _ in res.checkpoints] == [48]  # one slot: the latest boundary only
+    assert [p for p, _ in res.groups["v4"].checkpoints] == [48]  # one slot: the latest boundary only
     adm = m.admit("b", _ids(50))
     assert adm is not None and adm.num_cached_tokens == 48
-    assert adm.restore == StateRestore(1, "checkpoint", 3)  # checkpoint slots follow the 3 state slots
+    assert adm.groups["v4"].restore == StateRestore(1, "checkpoint", 3)  # checkpoint slots follow the 3 state slots
     short = m.admit("c", _ids(40))  # blocks 0, 1 hit, but no checkpoint at 16 or 32: no hit
-    assert short is not None and short.num_cached_tokens == 0 and short.restore == StateRestore(2, "none")
+    assert short is not None and short.num_cached_tokens == 0 and short.groups["v4"].restore == StateRestore(2, "none")
     m.check_integrity()
 
 
@@ -189,18 +189,18 @@ def _install(m: DSV4CacheManager, prompt: list[int], num_blocks: int) -> None:
 def test_auto_restore_chooses_per_admission_by_cost() -> None:
     m = make(20, 4, restore="auto", num_checkpoints=3)
     m.admit("a", _ids(50), 0)
-    assert [p for p, _ in _compute(m, "a", 50).checkpoints] == [16, 32, 48]  # slots 4, 5, 6
+    assert [p for p, _ in _compute(m, "a", 50).groups["v4"].checkpoints] == [16, 32, 48]  # slots 4, 5, 6
     _install(m, _ids(200), 5)  # spans 3..7 (to 128) cached, no checkpoint past 48
     m.check_integrity()
     # hit 48, checkpointed there: copied (TokenCost: a copy is free)
-    assert m.admit("b", _ids(50)).restore == StateRestore(1, "checkpoint", 6)
+    assert m.admit("b", _ids(50)).groups["v4"].restore == StateRestore(1, "checkpoint", 6)
     assert m.lookup_prefix(_ids(97)) == 48 and m.lookup_prefix(_ids(129)) == 128  # as the admissions below
     # hit 96: cut to 48 computes 48 tokens, the replay 64: cut
     c = m.admit("c", _ids(97))
-    assert c.num_cached_tokens == 48 and c.restore == StateRestore(2, "checkpoint", 6)
+    assert c.num_cached_tokens == 48 and c.groups["v4"].restore == StateRestore(2, "checkpoint", 6)
     # hit 128: cut to 48 computes 80 tokens, the replay 64: recompute [64, 128)
     d = m.admit("d", _ids(129))
-    assert d.num_cached_tokens == 128 and d.restore == StateRestore(3, "recompute", replay_start=64)
+    assert d.num_cached_tokens == 128 and d.groups["v4"].restore == StateRestore(3, "recompute", replay_start=64)
     # c's first step took every slot for its own boundaries (64, 80, 96): 96 is recomputed now
     assert m.lookup_prefix(_ids(97)) == 96
     m.check_integrity()
@@ -211,25 +211,26 @@ def test_pooled_checkpoints_live_in_the_classical_pool_and_leave_in_its_lru_orde
     m.admit("a", _ids(40), 0)
     res = _compute(m, "a", 40)
     # spans 0, 1 -> blocks 0, 1; the snapshots at 16 and 32 take blocks 2-3 and 4-5
-    assert res.new_block_ids == (0, 1) and res.checkpoints == ((16, 2), (32, 4))
+    assert res.groups["v4"].new_block_ids == (0, 1) and res.groups["v4"].checkpoints == ((16, 2), (32, 4))
     assert m.num_free_blocks == 10  # the snapshots are cached free blocks now
     b = m.admit("b", _ids(40) + [1])
-    assert b.num_cached_tokens == 32 and b.restore == StateRestore(1, "checkpoint", 4)  # 4, 5: used last
+    assert b.num_cached_tokens == 32 and b.groups["v4"].restore == StateRestore(1, "checkpoint", 4)  # 4, 5: used last
     m.release("b")
     # c takes the 6 unhashed blocks and the least recently used cached one (2), and its
     # snapshot at 112 the next two (3, 4): both snapshots of a lost a block
     c = m.admit("c", _ids(130, offset=1), 112)
-    assert c.block_ids == (6, 7, 8, 9, 10, 11, 2) and m.pending_reservation("c").checkpoints == ((112, 3),)
+    assert c.groups["v4"].block_ids == (6, 7, 8, 9, 10, 11, 2)
+    assert m.pending_reservation("c").groups["v4"].checkpoints == ((112, 3),)
     assert m.num_free_blocks == 1
     m.check_integrity()
     d = m.admit("d", _ids(33))  # the hit at 32 is recomputed now
-    assert d.num_cached_tokens == 32 and d.restore == StateRestore(1, "recompute", replay_start=0)
+    assert d.num_cached_tokens == 32 and d.groups["v4"].restore == StateRestore(1, "recompute", replay_start=0)
     m.release("d")
     m.unreserve("c")  # blocks 2, 3, 4 go back, findable again, and the two snapshots with them
     m.check_integrity()
-    assert m.admit("e", _ids(33)).restore == StateRestore(1, "checkpoint", 4)
+    assert m.admit("e", _ids(33)).groups["v4"].restore == StateRestore(1, "checkpoint", 4)
     m.release("e")
-    assert m.admit("f", _ids(17)).restore == StateRestore(1, "checkpoint", 2)
+    assert m.admit("f", _ids(17)).groups["v4"].restore == StateRestore(1, "checkpoint", 2)
     m.check_integrity()
 
 
@@ -283,10 +284,10 @@ class Model:
     def admitted(self, rid: str, tokens: list[int], tenant: str, adm) -> None:
         self.tokens[rid], self.tenant[rid] = list(tokens), tenant
         num_hit = adm.num_cached_tokens // SPAN
-        hits = list(adm.block_ids[:num_hit])
+        hits = list(adm.groups["v4"].block_ids[:num_hit])
         for j, block_id in enumerate(hits):  # a hit holds exactly this prompt's prefix
             assert self.block_content[block_id] == self.prefix(rid, (j + 1) * SPAN), (rid, j, block_id)
-        restore = adm.restore
+        restore = adm.groups["v4"].restore
         if num_hit and restore.method == "checkpoint":
             for slot in self.parts.get(restore.checkpoint_slot, [restore.checkpoint_slot]):
                 assert self.slot_content[slot] == self.prefix(rid, adm.num_cached_tokens)
@@ -301,24 +302,24 @@ class Model:
         self.computed[rid] = adm.num_cached_tokens
         if adm.num_scheduled_tokens:
             res = self.m.pending_reservation(rid)
-            assert res.new_block_ids == adm.block_ids[num_hit:]
+            assert res.groups["v4"].new_block_ids == adm.groups["v4"].block_ids[num_hit:]
             self.reserved(rid, res)
 
     def reserved(self, rid: str, res) -> None:
         start = self.computed[rid]
         assert res.start == start
-        assert len(res.new_block_ids) == (start + res.num_tokens) // SPAN - start // SPAN
-        assert not set(res.new_block_ids) & self.held()
-        assert all(p % SPAN == 0 and start < p <= start + res.num_tokens for p, _ in res.checkpoints)
-        self.pending[rid] = (res.num_tokens, res.new_block_ids, res.checkpoints)
+        assert len(res.groups["v4"].new_block_ids) == (start + res.num_tokens) // SPAN - start // SPAN
+        assert not set(res.groups["v4"].new_block_ids) & self.held()
+        assert all(p % SPAN == 0 and start < p <= start + res.num_tokens for p, _ in res.groups["v4"].checkpoints)
+        self.pending[rid] = (res.num_tokens, res.groups["v4"].new_block_ids, res.groups["v4"].checkpoints)
         if self.m.groups["v4"].spec.checkpoint_blocks:
             pending = self.m._get(rid).states["v4"].pending  # None: the step took no block
             snapshots = pending.snapshot_ids if pending is not None else []
-            assert [ids[0] for ids in snapshots] == [slot for _, slot in res.checkpoints]
+            assert [ids[0] for ids in snapshots] == [slot for _, slot in res.groups["v4"].checkpoints]
             assert all(len(ids) == self.m.groups["v4"].spec.checkpoint_blocks for ids in snapshots)
             self.snapshots[rid] = snapshots
             undo = self.undo[rid] = {}
-            for block_id in [*res.new_block_ids, *(b for ids in snapshots for b in ids)]:
+            for block_id in [*res.groups["v4"].new_block_ids, *(b for ids in snapshots for b in ids)]:
                 if block_id in self.slot_content:  # overwritten once the step runs
                     undo[block_id] = self.slot_content.pop(block_id)
 

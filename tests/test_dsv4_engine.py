@@ -160,7 +160,7 @@ def test_a_deferred_restore_leaves_with_its_request() -> None:
     runner.commit(["a"], [len(a)], [None])
     b = a[:128] + [1, 2, 3]
     adm = runner.admit("b", b, 3)
-    assert adm.num_cached_tokens == 128 and adm.restore.method == "recompute"
+    assert adm.num_cached_tokens == 128 and adm.groups["v4"].restore.method == "recompute"
     assert list(runner._replays) == ["b"]
     assert runner.release("b", "preempt")
     assert not runner._replays

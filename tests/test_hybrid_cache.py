@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.cache import BlockCopy, CacheDescriptor, GroupAdmission, StateRestore
+from kvpool.cache import Admission, BlockCopy, CacheDescriptor, GroupAdmission, StateRestore
 from kvpool.cache.coordinator import HybridCacheManager
 from kvpool.cache.dual_pool import DualPoolGroupSpec
 from kvpool.cache.recurrent import RecurrentGroupSpec
@@ -35,13 +35,20 @@ def decode(m: HybridCacheManager, rid: str, token: int) -> None:
     m.check_integrity()
 
 
+def head(adm: Admission, table: str, state: str) -> tuple:
+    """An admission's counts, then one table group's blocks, one stateful group's restore
+    and the table group's loads."""
+    part = adm.groups[table]
+    return (adm.num_cached_tokens, adm.num_scheduled_tokens, part.block_ids, adm.groups[state].restore, part.loads)
+
+
 def test_figure_12_hit_is_the_largest_point_every_group_has():
     # Attention blocks of 512 tokens, a recurrent checkpoint every 1024: after a 1600-token
     # prompt the attention blocks end at {512, 1024, 1536}, the checkpoints at {0, 1024}.
     m = HybridCacheManager([(AttentionGroupSpec("mla", 512), 8), (RecurrentGroupSpec("kda", 1024), 4)], DESC)
     prompt = list(range(1600))
     admission = m.admit("a", prompt)
-    assert admission[:5] == (0, 1600, (0, 1, 2, 3), StateRestore(0, "none"), ())
+    assert head(admission, "mla", "kda") == (0, 1600, (0, 1, 2, 3), StateRestore(0, "none"), ())
     assert m.checkpoints("a") == [(1024, 1)]  # slot 1 snapshots the state after 1024 tokens
     m.commit("a", 1600)
     m.check_integrity()
@@ -56,7 +63,7 @@ def test_figure_12_hit_is_the_largest_point_every_group_has():
     m.check_integrity()
     # 1024 cached tokens: attention blocks 0 and 1 shared, the state restored from slot 1
     # into a fresh live slot 2; blocks 4 and 5 for [1024, 1601).
-    assert admission[:5] == (1024, 577, (0, 1, 4, 5), StateRestore(2, "checkpoint", 1), ())
+    assert head(admission, "mla", "kda") == (1024, 577, (0, 1, 4, 5), StateRestore(2, "checkpoint", 1), ())
     assert m.state_restore("b").checkpoint_slot == 1 and m.groups["kda"].pool.refcount(1) == 1
     assert m.checkpoints("b") == []  # the step reaches no new boundary (2048 > 1601)
     m.commit("b", 577)
@@ -70,7 +77,7 @@ def test_a_hit_inside_an_attention_block_copies_the_block_on_write():
     m = HybridCacheManager([(AttentionGroupSpec("mla", 1024), 4), (RecurrentGroupSpec("kda", 512), 3)], DESC)
     a = list(range(1100))
     admission = m.admit("a", a)
-    assert admission.block_ids == (0, 1)
+    assert admission.groups["mla"].block_ids == (0, 1)
     assert m.checkpoints("a") == [(512, 1), (1024, 2)]
     m.commit("a", 1100)
     m.release("a")
@@ -86,7 +93,7 @@ def test_a_hit_inside_an_attention_block_copies_the_block_on_write():
     m.check_integrity()
     # Hit at 512, inside attention block 0: b gets a copy of block 0 in block 1 (free
     # queue head), block 0 stays held (the copy's source) until b's first commit.
-    assert admission[:5] == (512, 589, (1, 2), StateRestore(0, "checkpoint", 1), ())
+    assert head(admission, "mla", "kda") == (512, 589, (1, 2), StateRestore(0, "checkpoint", 1), ())
     # Each group's part: the attention table and its copy, the recurrent restore; no
     # snapshot of 1024 (slots 0, 1, 2 are b's live state, its source and d's live state)
     assert admission.groups == {
@@ -112,7 +119,7 @@ def test_sliding_window_releases_blocks_as_the_request_advances_and_hits_from_th
     assert (m.first_block("a"), m.block_ids("a")) == (1, [1, 2])
     assert pool.free_queue() == [3, 4, 5, 6, 7, 8, 9, 0] and pool.block_hash(0) is not None
     m.append_token_ids("a", [seq[12]])
-    assert m.reserve("a", 1).new_block_ids == (3,)
+    assert m.reserve("a", 1).groups["swa"].new_block_ids == (3,)
     m.commit("a", 1)
     m.check_integrity()
     assert (m.first_block("a"), m.block_ids("a")) == (1, [1, 2, 3])  # keys [6, 13] still read block 1
@@ -219,10 +226,10 @@ def test_fork_shares_blocks_and_takes_its_own_state():
     # The shared partial tail [8, 10) is copied by the first writer; the second writes in place.
     m.append_token_ids("c", [1])
     res = m.reserve("c", 1)
-    assert res.copies == (BlockCopy(2, 3),) and m.block_ids("c") == [0, 1, 3]
+    assert res.groups["full"].copies == (BlockCopy(2, 3),) and m.block_ids("c") == [0, 1, 3]
     m.commit("c", 1)
     m.append_token_ids("p", [2])
-    assert m.reserve("p", 1).copies == ()
+    assert m.reserve("p", 1).groups["full"].copies == ()
     m.commit("p", 1)
     m.check_integrity()
 
@@ -322,8 +329,8 @@ def test_a_follow_up_turn_hits_at_the_previous_turn_end_off_the_checkpoint_grid(
     m.check_integrity()
     # Hit 12: blocks 0, 1, 2 shared (12 is a block end), the state restored from slot 0 into
     # slot 2, the first unhashed slot.
-    assert admission.num_cached_tokens == 12 and admission.restore == StateRestore(2, "checkpoint", 0)
-    assert admission.block_ids == (0, 1, 2, 3)  # block 3 ([12, 16)) fresh: t1 never filled it
+    assert admission.num_cached_tokens == 12 and admission.groups["r"].restore == StateRestore(2, "checkpoint", 0)
+    assert admission.groups["full"].block_ids == (0, 1, 2, 3)  # block 3 ([12, 16)) fresh: t1 never filled it
     m.commit("t2", admission.num_scheduled_tokens)
     m.check_integrity()
     # An explicit turn end mid-request: 15 computed, a fresh slot filed at 15 and held until
@@ -358,7 +365,7 @@ def test_a_dual_pool_group_hits_only_where_the_recurrent_group_agrees_on_a_span_
     # 30 tokens: classical blocks 0, 1, 2 for the spans ending at 8, 16, 24 (the 6 tokens of
     # [24, 30) live in state block 0 only); live slot 0, checkpoints at 12 and 24 in slots 1, 2.
     admission = m.admit("a", a)
-    assert admission[:5] == (0, 30, (0, 1, 2), StateRestore(0, "none"), ())
+    assert head(admission, "v4", "r") == (0, 30, (0, 1, 2), StateRestore(0, "none"), ())
     assert m.state_slot("a", "v4") == 0 and m.state_restore("a", "v4") == StateRestore(0, "none")
     assert m.checkpoints("a") == [(12, 1), (24, 2)]
     assert all(classical.block_hash(b) is None for b in (0, 1, 2))  # published at the commit, not before
@@ -373,7 +380,7 @@ def test_a_dual_pool_group_hits_only_where_the_recurrent_group_agrees_on_a_span_
     m.check_integrity()
     # Hit 24: classical blocks 0, 1, 2 shared (refcount 2), state block 1 rebuilt by
     # replaying [18, 24); the recurrent state restored from slot 2 into live slot 3.
-    assert admission[:5] == (24, 7, (0, 1, 2), StateRestore(3, "checkpoint", 2), ())
+    assert head(admission, "v4", "r") == (24, 7, (0, 1, 2), StateRestore(3, "checkpoint", 2), ())
     assert m.state_restore("b", "v4") == StateRestore(1, "recompute", replay_start=18)
     assert [classical.refcount(k) for k in (0, 1, 2)] == [2, 2, 2]
     m.commit("b", 7)  # [24, 31) completes no span: no classical block, no copy
@@ -400,7 +407,7 @@ def test_a_dual_pool_group_hits_only_where_the_recurrent_group_agrees_on_a_span_
     m.check_integrity()
     # No hit: three fresh classical blocks, state block 0, live slot 4; the recurrent group
     # checkpoints 24 in slot 5 (12 is cached already).
-    assert admission[:5] == (0, 24, (3, 4, 5), StateRestore(4, "none"), ())
+    assert head(admission, "v4", "r") == (0, 24, (3, 4, 5), StateRestore(4, "none"), ())
     assert m.state_slot("c", "v4") == 0 and m.checkpoints("c") == [(24, 5)]
     m.commit("c", 24)
     m.check_integrity()
@@ -444,7 +451,7 @@ def test_a_turn_end_at_a_span_boundary_is_a_hit_for_the_dual_pool_and_the_recurr
     assert m.block_ids("t1", "v4") == [0] and m.checkpoints("t1") == []  # 12's snapshot went to slot 1
     decode(m, "t1", 50)
     m.append_token_ids("t1", [51])
-    assert m.reserve("t1", 1).new_block_ids == (1,)  # position 15 completes span 1
+    assert m.reserve("t1", 1).groups["v4"].new_block_ids == (1,)  # position 15 completes span 1
     m.commit("t1", 1)
     m.append_token_ids("t1", [52])
     history = list(range(14)) + [50, 51, 52]
@@ -461,7 +468,7 @@ def test_a_turn_end_at_a_span_boundary_is_a_hit_for_the_dual_pool_and_the_recurr
     # Hit 16: classical blocks 0, 1 revived from the free queue; state block 1 (0 went back
     # to the end of the queue) replays [10, 16); the recurrent state restored from slot 0
     # into slot 2.
-    assert admission[:5] == (16, 3, (0, 1), StateRestore(2, "checkpoint", 0), ())
+    assert head(admission, "v4", "r") == (16, 3, (0, 1), StateRestore(2, "checkpoint", 0), ())
     assert m.state_restore("t2", "v4") == StateRestore(1, "recompute", replay_start=10)
     m.commit("t2", 3)
     m.check_integrity()
@@ -563,7 +570,7 @@ def test_a_follow_up_turn_hits_inside_the_attention_block_where_the_previous_tur
     # Hit 10: blocks 0 and 1 shared; block 2's 2 tokens copied into block 3 (the first
     # unhashed free block), which t2 writes from position 10 on; block 4 for [12, 13).
     # The state is restored from the turn-end checkpoint in slot 0 into slot 2.
-    assert admission[:5] == (10, 3, (0, 1, 3, 4), StateRestore(2, "checkpoint", 0), ())
+    assert head(admission, "full", "r") == (10, 3, (0, 1, 3, 4), StateRestore(2, "checkpoint", 0), ())
     assert admission.groups["full"].copies == (BlockCopy(2, 3),)
     assert m.take_copies() == {"full": [BlockCopy(2, 3)]}
     # The source is held until t2's first commit (nothing may reuse it before the copy)

@@ -120,9 +120,11 @@ def test_a_follow_up_turn_resumes_inside_the_block_where_the_previous_turn_ended
         # The block of the hit point is copied into 6, the first unhashed free block: a's
         # partial block 5 (turn ends), else a's full block 4 (hit 36); block 7 for [40, 46)
         if turn_ends:
-            assert adm.groups["full"].copies == (BlockCopy(5, 6),) and adm.block_ids == (0, 1, 2, 3, 4, 6)
+            full = adm.groups["full"]
+            assert full.copies == (BlockCopy(5, 6),) and full.block_ids == (0, 1, 2, 3, 4, 6)
         else:
-            assert adm.groups["full"].copies == (BlockCopy(4, 6),) and adm.block_ids == (0, 1, 2, 3, 6, 7)
+            full = adm.groups["full"]
+            assert full.copies == (BlockCopy(4, 6),) and full.block_ids == (0, 1, 2, 3, 6, 7)
         logits = runner.run([("b", b[want:], want)])[0]
         runner.commit(["b"], [len(b) - want], [None])
         runner.check_integrity()

@@ -111,7 +111,7 @@ def test_the_v4_collision_guard_and_a_table_that_holds_a_block_twice():
     assert m.lookup_prefix(x + x + [7]) == 16  # block 1 would be block 0 again: refused
     assert m.lookup_prefix(x + [9], tenant_salt="tenant-2") == 0
     adm = m.admit("b", x + x + [7])
-    assert adm is not None and adm.block_ids == (0, 1)  # block 1 is a fresh block for span 1
+    assert adm is not None and adm.groups["v4"].block_ids == (0, 1)  # block 1 is a fresh block for span 1
     m.check_integrity()
     # A table holding one block twice (refcounts made to agree) is rejected.
     req = m._requests["a"]
@@ -183,11 +183,11 @@ def test_a_queued_copy_a_fork_shares_stays_and_copies_keep_their_order():
     prefill(m, "p", [1, 2, 3, 4, 5, 6])  # blocks 0, 1
     m.fork("p", "q")  # block 1 is shared
     m.append_token_ids("p", [7])
-    assert m.reserve("p", 1).copies == (BlockCopy(1, 2),)
+    assert m.reserve("p", 1).groups["full"].copies == (BlockCopy(1, 2),)
     m.fork("p", "c")
     assert m.block_ids("c") == [0, 2]
     m.append_token_ids("c", [8])
-    assert m.reserve("c", 1).copies == (BlockCopy(2, 3),)
+    assert m.reserve("c", 1).groups["full"].copies == (BlockCopy(2, 3),)
     assert m.release("p")
     m.check_integrity()
     assert m.take_copies() == {"full": [BlockCopy(1, 2), BlockCopy(2, 3)]}
@@ -195,7 +195,7 @@ def test_a_queued_copy_a_fork_shares_stays_and_copies_keep_their_order():
     # leaves... r holds 4: the copy stays; r leaves too: it is dropped.
     m.fork("q", "r")
     m.append_token_ids("r", [9])
-    assert m.reserve("r", 1).copies == (BlockCopy(1, 4),)
+    assert m.reserve("r", 1).groups["full"].copies == (BlockCopy(1, 4),)
     assert m.release("r")
     assert m.take_copies() == {}
     m.check_integrity()
@@ -207,7 +207,7 @@ def test_a_rollback_drops_a_queued_copy_into_a_block_it_gives_up():
     m.fork("p", "c")
     m.append_token_ids("c", [7, 8, 9, 10, 11, 12])
     # positions 6..11: blocks 2 and 3 are taken; the copy of the shared tail 1 goes into the last
-    assert m.reserve("c", 6).copies == (BlockCopy(1, 3),)
+    assert m.reserve("c", 6).groups["full"].copies == (BlockCopy(1, 3),)
     assert m.block_ids("c") == [0, 3, 2]
     m.rollback("c", 4)  # back to the first block: blocks 2 and 3 are released
     assert m.block_ids("c") == [0]
@@ -226,14 +226,15 @@ def test_an_undone_v4_reservation_restores_the_checkpoint_it_pushed_out():
     assert adm is not None
     lru = {h: (c.slot, c.last_used) for h, c in m.groups["v4"]._checkpoints.items()}
     res = m.reserve("b", 16)  # its boundary at 16 takes the only checkpoint slot: a's is pushed out
-    assert res is not None and res.checkpoints == ((16, 3),)
+    assert res is not None and res.groups["v4"].checkpoints == ((16, 3),)
     assert m.lookup_prefix(a) == 0
     m.unreserve("b")
     assert m.lookup_prefix(a) == 16  # undone: a's checkpoint is findable again
     assert {h: (c.slot, c.last_used) for h, c in m.groups["v4"]._checkpoints.items()} == lru  # with its LRU place
     adm = m.admit("c", a + [5])
-    assert adm is not None and adm.restore is not None
-    assert (adm.num_cached_tokens, adm.restore.method, adm.restore.checkpoint_slot) == (16, "checkpoint", 3)
+    assert adm is not None and adm.groups["v4"].restore is not None
+    restore = adm.groups["v4"].restore
+    assert (adm.num_cached_tokens, restore.method, restore.checkpoint_slot) == (16, "checkpoint", 3)
     m.check_integrity()
 
 
@@ -274,14 +275,14 @@ def test_an_undo_does_not_revive_a_checkpoint_filed_again_since():
     prefill(m, "d", d)
     assert m.release("c") and m.release("d")
     assert m.admit("a", list(range(300, 340)), 0) is not None
-    assert m.reserve("a", 16).checkpoints == ((16, 3),)  # c's slot, the least recently used
+    assert m.reserve("a", 16).groups["v4"].checkpoints == ((16, 3),)  # c's slot, the least recently used
     assert m.lookup_prefix(c) == 0
     assert prefill(m, "b", c + [1]) == 0  # recomputes c's span; files it in d's slot
     assert m.lookup_prefix(d) == 0 and m.lookup_prefix(c) == 16
     m.unreserve("a")
     m.check_integrity()  # no slot leaked or filed twice
     adm = m.admit("e", c + [2])
-    assert adm.restore.checkpoint_slot == 4  # b's, not the old one
+    assert adm.groups["v4"].restore.checkpoint_slot == 4  # b's, not the old one
     m.check_integrity()
 
 
@@ -308,7 +309,7 @@ def test_an_undo_gives_back_the_cached_blocks_its_allocation_evicted():
     assert m.release("a")
     assert m.pool.free_queue() == [1, 0] and m.lookup_prefix(a) == 32
     assert m.admit("b", list(range(400, 440)), 0) is not None
-    assert m.reserve("b", 32).new_block_ids == (1, 0)  # both evicted
+    assert m.reserve("b", 32).groups["v4"].new_block_ids == (1, 0)  # both evicted
     assert m.lookup_prefix(a) == 0
     m.unreserve("b")
     assert m.pool.free_queue() == [1, 0] and m.lookup_prefix(a) == 32  # as before the reservation

@@ -94,7 +94,7 @@ class Side:
             adm = admit(seq_id, token_ids, max_new_tokens, **kw)
             if adm is not None:  # the hit, the first step, the table, the restore; each group's part
                 groups = tuple((name, part[:5]) for name, part in sorted(adm.groups.items()))
-                self.admissions.append((seq_id, *adm[:4], groups))
+                self.admissions.append((seq_id, *adm[:2], groups))
             return adm
 
         runner.execute, runner.admit = recording_execute, recording_admit
@@ -271,7 +271,7 @@ def test_dual(restore: str, host_blocks: int) -> None:
     sim = _sim_side(real_runner, cache, bridge, executor, _dual_tables, DUAL, **kw)
     views, answers = _lockstep(real, sim, DUAL)
     _check_exercised(views, answers, DUAL)
-    methods = [adm[4].method for adm in real.admissions if adm[1] > 0]  # the hits' restores
+    methods = [dict(adm[3])["v4"][3].method for adm in real.admissions if adm[1] > 0]  # the hits' restores
     assert methods and set(methods) == {restore}
     if restore == "recompute":
         assert real_runner.num_replayed_tokens > 0 and executor.num_replayed_tokens == real_runner.num_replayed_tokens

@@ -46,13 +46,13 @@ class Store:
             return None
         self.offload(m, index, tier)  # before the loads overwrite the fresh blocks
         loaded = 0
-        for block_id, block in adm.loads:
+        for block_id, block in adm.groups["full"].loads:
             tensors = tier.get(*index.describe(block))
             if tensors is None:
                 break
             self.blocks[block_id] = tuple(tensors["content"].tolist())
             loaded += 1
-        if adm.loads:
+        if adm.groups["full"].loads:
             adm = m.complete_loads(rid, loaded)
         m.check_integrity()
         return adm
@@ -100,7 +100,7 @@ def test_a_prefix_half_on_the_device_half_on_the_host() -> None:
     m.release("a")  # blocks 0-3 cached, freed tail-first: block 3 leaves first
     filler = list(range(500, 513))  # 13 tokens: 4 blocks, 2 of them evicted cached ones
     adm = store.admit(m, index, tier, "f", filler)
-    assert adm.loads == () and tier.num_entries == 2  # a's blocks 3 and 2 went to the host
+    assert adm.groups["full"].loads == () and tier.num_entries == 2  # a's blocks 3 and 2 went to the host
     store.compute(m, "f", filler, 0)
     m.release("f")
     again = p + [7, 8]
@@ -122,8 +122,8 @@ def test_a_load_that_fails_is_computed_instead() -> None:
     _serve_and_push_out(store, m, index, tier, p + [1], filler_len=13)
     adm = m.admit("b", p + [7], 3)  # first step of 3 tokens at most
     store.offload(m, index, tier)
-    assert [b for b, _ in adm.loads] and adm.num_cached_tokens == 16
-    first = adm.loads[0]
+    assert [b for b, _ in adm.groups["full"].loads] and adm.num_cached_tokens == 16
+    first = adm.groups["full"].loads[0]
     store.blocks[first[0]] = tuple(p[:12])  # loaded
     fixed = m.complete_loads("b", 1)  # the second block is gone: computed instead
     assert (fixed.num_cached_tokens, fixed.num_scheduled_tokens) == (12, 3)
@@ -157,7 +157,7 @@ def test_a_descriptor_mismatch_is_a_miss_counted_by_field_and_reclaimed() -> Non
     # another engine on the same host tier, with new weights: found by content, refused
     m2, index2 = make(6, tier, dataclasses.replace(DESC, weights_version="w2"))
     adm = m2.admit("b", p + [2])
-    assert adm.num_cached_tokens == 0 and adm.loads == ()
+    assert adm.num_cached_tokens == 0 and adm.groups["full"].loads == ()
     assert tier.stats.mismatches == {"weights_version": 1}  # the first block; the probe stops there
     assert tier.stats.num_reclaimed == 1 and tier.num_entries == entries - 1
     # a layout switch on the next block

@@ -43,7 +43,7 @@ they need of each pool (`plan_admit`, `blocks_needed`, `can_fork`: read-only), a
 nothing unless every pool has it (one group out of room: nothing changes in any group).
 Optional checkpoint slots are taken last, from what is left. A release frees every group
 exactly once. An admission and a reservation carry every group's part (`groups`: table,
-copies, restore, checkpoints); their other fields are the first table group's.
+copies, restore, checkpoints, loads) besides the request's counts.
 
 Pools. Each group has a pool of its own, or the attention groups draw from one shared
 pool (`shared_blocks`; vLLM's hybrid allocator, and what a serving engine does when the
@@ -310,12 +310,7 @@ class HybridCacheManager:
         if req.end == req.num_computed:
             return None
         parts = {name: g.pending(req.states[name]) for name, g in self.groups.items()}
-        return self._reservation(req.num_computed, req.end - req.num_computed, parts)
-
-    def _reservation(self, start: int, num_tokens: int, parts: dict[str, GroupReservation]) -> Reservation:
-        first = parts[self._table_groups[0].name] if self._table_groups else GroupReservation()
-        checkpoints = parts[self._state_groups[0].name].checkpoints if self._state_groups else ()
-        return Reservation(start, num_tokens, first.new_block_ids, first.copies, checkpoints, parts)
+        return Reservation(req.num_computed, req.end - req.num_computed, parts)
 
     def state_slot(self, request_id: str, group: str | None = None) -> int:
         """The live state slot of a recurrent group or the state block of a dual-pool group
@@ -443,7 +438,7 @@ class HybridCacheManager:
         """(the device hit's blocks, the prompt's full blocks after it as unregistered prefix
         blocks): what a lower tier may hold and `install` can bring in (`CacheGroup.
         prefetch_candidates`). ([], []) for a cache of more than one group, or one whose
-        admission loads a lower tier's blocks itself (`Admission.loads`). Changes nothing."""
+        admission loads a lower tier's blocks itself (`GroupAdmission.loads`). Changes nothing."""
         if len(self._group_list) != 1 or len(token_ids) == 0:
             return [], []
         return self._group_list[0].prefetch_candidates(self._root(tenant_salt), list(token_ids))
@@ -569,7 +564,7 @@ class HybridCacheManager:
         coordinator's for this request (another adapter, say); a request never hits blocks of
         another descriptor or tenant salt. ValueError for an id in use, an empty prompt, a bad
         count. With a lower tier, the hit may end in blocks the tier holds: they are not
-        computed until `complete_loads` (`Admission.loads` names them)."""
+        computed until `complete_loads` (`GroupAdmission.loads` names them)."""
         self._check_new(request_id, token_ids, max_new_tokens)
         req = self._new_request(request_id, token_ids, tenant_salt, mm_items, descriptor)
         hits = self._hits(req, admission=True) if self._caching else {}
@@ -601,24 +596,30 @@ class HybridCacheManager:
         req.readmitted = request_id in self._preempted
         self._count_admission(request_id, len(req.token_ids), req.num_computed)
         step = self._apply_reserve([req], [end]) if n else {}
+        return Admission(point, n, self._admission_parts(req, admit_copies, step))
+
+    def _admission_parts(
+        self,
+        req: _Request,
+        admit_copies: dict[str, tuple[BlockCopy, ...]] | None = None,
+        step: dict[str, list[GroupReservation] | None] | None = None,
+    ) -> dict[str, GroupAdmission]:
+        """Each group's part of an admission: its table now, the admission's copies and the
+        first step's (`step`: `_apply_reserve`'s result), its restore, checkpoints, loads."""
         parts = {}
         for name, g in self.groups.items():
-            state, res = req.states[name], step[name][0] if step else None
-            copies = admit_copies[name] + res.copies if res is not None else admit_copies[name]
+            state, step_parts = req.states[name], (step or {}).get(name)
+            res = step_parts[0] if step_parts else None
+            copies = admit_copies[name] if admit_copies else ()
             parts[name] = GroupAdmission(
                 tuple(g.block_ids(state)),
                 g.first_block(state),
-                copies,
+                copies + res.copies if res is not None else copies,
                 g.restore(state),
                 res.checkpoints if res is not None else (),
                 tuple(g.loads(state)),
             )
-        # The first table group's blocks and loads, the first stateful group's restore (recurrent first)
-        table = parts[self._table_groups[0].name] if self._table_groups else None
-        restore = parts[self._state_groups[0].name].restore if self._state_groups else None
-        if table is None:
-            return Admission(point, n, (), restore, groups=parts)
-        return Admission(point, n, table.block_ids, restore, table.loads, parts)
+        return parts
 
     def complete_loads(self, request_id: str, num_loaded: int) -> Admission:
         """The first `num_loaded` blocks of the admission's `loads` hold their content now
@@ -645,8 +646,7 @@ class HybridCacheManager:
             stats.num_hit_tokens += loaded_tokens
         n = min(req.budget, len(req.token_ids) - req.num_computed)
         assert req.num_computed + n <= req.end, "the admission's blocks cover the step"
-        table = tuple(self.block_ids(request_id)) if self._table_groups else ()
-        return Admission(req.num_computed, n, table)
+        return Admission(req.num_computed, n, self._admission_parts(req))
 
     def _check_new(self, request_id: str, token_ids: Sequence[int], max_new_tokens: int | None) -> None:
         if request_id in self._requests:
@@ -736,11 +736,11 @@ class HybridCacheManager:
         start = req.num_computed
         end = start + num_new_tokens
         if not self.exact_steps and end <= req.end:
-            return Reservation(start, num_new_tokens, ())  # inside the reservation: nothing to take
+            return Reservation(start, num_new_tokens, dict.fromkeys(self.groups, GroupReservation()))  # nothing to take
         if not self._fits(self._needs([req], [end])):
             return None
         parts = {name: res[0] for name, res in self._apply_reserve([req], [end]).items()}
-        return self._reservation(start, num_new_tokens, parts)
+        return Reservation(start, num_new_tokens, parts)
 
     def unreserve(self, request_id: str) -> None:
         """Undo the request's reserved step, whose forward has not run (another request of

@@ -29,7 +29,7 @@ from kvpool.pool import PrefixBlock
 
 class FullAttentionManager(HybridCacheManager):
     """lower_tier: a tier below device memory (kvpool.tiers): admission takes the longest
-    prefix across the device pool and the tier (`Admission.loads`, `complete_loads`), and
+    prefix across the device pool and the tier (`GroupAdmission.loads`, `complete_loads`), and
     every cached block the allocator evicts is recorded (`take_evicted`). record_published:
     every block that becomes a full cached block is recorded (`take_published`)."""
 
@@ -107,7 +107,7 @@ class FullAttentionManager(HybridCacheManager):
         # the first step stays inside the admission's reservation (a block boundary past nc)
         n = min(req.budget, len(req.token_ids) - req.num_computed, req.end - req.num_computed)
         assert n > 0
-        return Admission(req.num_computed, n, tuple(self.block_ids(request_id)))
+        return Admission(req.num_computed, n, self._admission_parts(req))
 
     # ---- prefix queries ----------------------------------------------------------------------
 

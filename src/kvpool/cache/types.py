@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from types import MappingProxyType
 from typing import Any, Literal, NamedTuple, get_args
 
 ReleaseReason = Literal["finish", "cancel", "preempt"]
@@ -86,35 +85,22 @@ class GroupAdmission(NamedTuple):
     loads: tuple[tuple[int, Any], ...] = ()  # (fresh block, prefix block) a lower tier loads (`complete_loads`)
 
 
-_NO_GROUPS: Mapping[str, Any] = MappingProxyType({})
-
-
 class Admission(NamedTuple):
-    """A request taken in: its cached prefix and its first step's reservation. A
-    coordinator's admission carries every group's part in `groups`; the fields before it
-    are the first table group's (and the first stateful group's restore)."""
+    """A request taken in: its cached prefix, its first step's reservation, and each group's
+    part of both (`groups`: group name -> its table, copies, restore, checkpoints, loads)."""
 
     num_cached_tokens: int  # tokens [0, num_cached) already computed (prefix-cache hit)
     num_scheduled_tokens: int  # tokens [num_cached, num_cached + n) reserved for the first step
-    block_ids: tuple[int, ...]  # the request's blocks after admission: the hit, then the first step's new ones
-    restore: StateRestore | None = None  # managers with per-request state only
-    # Blocks of the hit that a lower tier holds: (device block, its prefix block), to be
-    # loaded into those fresh device blocks before they are read (`complete_loads`)
-    loads: tuple[tuple[int, Any], ...] = ()
-    groups: Mapping[str, GroupAdmission] = _NO_GROUPS  # group name -> its part (coordinator only)
+    groups: Mapping[str, GroupAdmission]
 
 
 class Reservation(NamedTuple):
-    """Room for positions [start, start + num_tokens) of one request. A coordinator's
-    reservation carries every group's part in `groups`; `new_block_ids` and `copies` are
-    the first table group's, `checkpoints` the first recurrent group's."""
+    """Room for positions [start, start + num_tokens) of one request, and each group's part
+    (`groups`: group name -> its new blocks, copies, checkpoints)."""
 
     start: int
     num_tokens: int
-    new_block_ids: tuple[int, ...]  # blocks appended to the request's table
-    copies: tuple[BlockCopy, ...] = ()  # copy-on-write: each dst replaced its src in the table in place
-    checkpoints: tuple[tuple[int, int], ...] = ()  # (position, slot): snapshot the state there
-    groups: Mapping[str, GroupReservation] = _NO_GROUPS  # group name -> its part (coordinator only)
+    groups: Mapping[str, GroupReservation]
 
 
 @dataclass

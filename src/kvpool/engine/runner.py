@@ -213,9 +213,9 @@ class ModelRunner:
         self.restore_cost = restore_cost if restore_cost is not None else MeasuredRestoreCost()
         self.num_replayed_tokens = 0  # tokens recomputed by prefix-hit restores (for reports)
         self.replay_s = 0.0
-        # deferred restores by recompute, by request, oldest first: (admission, first
-        # position to recompute, first window position the state holds)
-        self._replays: dict[str, tuple[Admission, int, int]] = {}
+        # deferred restores by recompute, by request, oldest first: (the hit's tokens, the
+        # state slot, first position to recompute, first window position the state holds)
+        self._replays: dict[str, tuple[int, int, int, int]] = {}
         self.num_steps_run = 0  # engine steps executed (for per-step figures)
         # request -> (computed tokens at preemption, its tail block's tokens): restored on resume
         self._swapped: dict[str, tuple[int, int]] = {}
@@ -290,22 +290,22 @@ class ModelRunner:
             # The fresh blocks may be evicted cached ones: save what they held before the
             # loads (or the step) overwrite them.
             self._offload_evicted()
-            if adm.loads:
-                adm = self.cache.complete_loads(request_id, self._load(adm.loads))
+            loads = [load for part in adm.groups.values() for load in part.loads]
+            if loads:
+                adm = self.cache.complete_loads(request_id, self._load(loads))
             swapped = self._swapped.pop(request_id, None)
             if swapped is not None:
                 adm = self._swap_in_tail(request_id, adm, *swapped)
-        if adm.restore is not None:
+        if any(part.restore is not None for part in adm.groups.values()):
             self._restore_state(request_id, adm, token_ids, defer_replay)
         return adm
 
     def _restore_state(self, request_id: str, adm: Admission, token_ids: Sequence[int], defer_replay: bool) -> None:
-        """The state restore the cache chose for the admission: a fresh state, the checkpoint
-        copied into the live slot, or (V4) a replay of the hit's tokens on top of its cached
-        blocks, from the latest window snapshot the persistent tiers restore, now or in the
-        next step."""
-        restore = adm.restore
-        assert restore is not None
+        """The state restore the cache chose for the admission (of its default stateful
+        group): a fresh state, the checkpoint copied into the live slot, or (V4) a replay of
+        the hit's tokens on top of its cached blocks, from the latest window snapshot the
+        persistent tiers restore, now or in the next step."""
+        restore = self.cache.state_restore(request_id)
         if restore.method == "checkpoint":  # (the copy overwrites the whole slot)
             assert restore.checkpoint_slot is not None
             self._copy_state(restore.checkpoint_slot, restore.state_slot)
@@ -313,25 +313,24 @@ class ModelRunner:
         self.executor.reset_state(restore.state_slot)
         if restore.method == "recompute":
             start = valid_from = restore.replay_start  # the zero strategy: nothing before start
-            point = self._restore_window(request_id, adm)
+            point = self._restore_window(request_id, adm.num_cached_tokens, restore.state_slot)
             if point:  # the state at `point` came from window snapshots: recompute the rest
                 start, valid_from = point, 0
             if start >= adm.num_cached_tokens:
                 pass
-            elif defer_replay:
-                self._replays[request_id] = (adm, start, valid_from)  # a newer admission replaces it
+            elif defer_replay:  # (a newer admission replaces it)
+                self._replays[request_id] = (adm.num_cached_tokens, restore.state_slot, start, valid_from)
             else:
-                self._replay(adm, list(token_ids), start, valid_from)
+                self._replay(request_id, list(token_ids), adm.num_cached_tokens, restore.state_slot, start, valid_from)
 
-    def _replay(self, adm: Admission, token_ids: list[int], start: int, valid_from: int) -> None:
-        """Recompute tokens [start, num_cached) of the admission's hit on top of its cached
-        blocks (DEEPSEEK_V4.md section 6), timed for the "auto" restore."""
-        restore = adm.restore
-        assert restore is not None
+    def _replay(
+        self, request_id: str, token_ids: list[int], num_cached: int, state_slot: int, start: int, valid_from: int
+    ) -> None:
+        """Recompute tokens [start, num_cached) of the request's prefix hit into `state_slot`
+        on top of its cached blocks (DEEPSEEK_V4.md section 6), timed for the "auto" restore."""
         began = time.perf_counter()
-        num_cached = adm.num_cached_tokens
-        table = adm.block_ids[: num_cached // self.block_size]
-        self.executor.replay(token_ids[start:num_cached], start, table, restore.state_slot, valid_from)
+        table = self.cache.block_ids(request_id)[: num_cached // self.block_size]
+        self.executor.replay(token_ids[start:num_cached], start, table, state_slot, valid_from)
         self.num_replayed_tokens += num_cached - start
         self.replay_s += time.perf_counter() - began
         self.restore_cost.num_replayed_tokens = self.num_replayed_tokens
@@ -477,9 +476,9 @@ class ModelRunner:
         inside a chunk is one forward. Logits as `execute` returns them: [rows, vocab] of
         every chunk token (all_logits) or of the last token of each chunk with
         needs_logits, in chunk order."""
-        for request_id, (adm, start, valid_from) in self._replays.items():
+        for request_id, replay in self._replays.items():
             if request_id in self.cache:  # (a release through the cache alone leaves it here)
-                self._replay(adm, self.cache.token_ids(request_id), start, valid_from)
+                self._replay(request_id, self.cache.token_ids(request_id), *replay)
         self._replays.clear()
         # by request, only where the step has any: the positions to cut at, the checkpoint
         # slots to copy the state to, the window snapshots to persist
@@ -491,12 +490,13 @@ class ModelRunner:
             res = self._pending(c.request_id)
             end = c.start + len(c.token_ids)
             assert res.start == c.start and res.start + res.num_tokens == end, "chunk != reservation"
-            at = [p for p, _ in res.checkpoints]
-            if self.swa is not None and res.new_block_ids:
+            (part,) = res.groups.values()  # V4: the one dual-pool group's new blocks and checkpoints
+            at = [p for p, _ in part.checkpoints]
+            if self.swa is not None and part.new_block_ids:
                 snapshots[c.request_id] = self._snapshots_wanted(c.request_id, res)
                 at += list(snapshots[c.request_id])
             if at:
-                checkpoints[c.request_id] = res.checkpoints
+                checkpoints[c.request_id] = part.checkpoints
                 cuts[c.request_id] = at
                 whole = whole and all(not c.start < p < end for p in at)
         if whole:
@@ -695,14 +695,14 @@ class ModelRunner:
         key, descriptor = self.tier_index.describe(block)
         return snapshot_key(key, rows), snapshot_descriptor(key, descriptor, rows)
 
-    def _restore_window(self, request_id: str, adm: Admission) -> int:
-        """The state at the latest snapshot the SWA strategy can restore this hit from (an
-        earlier one when a snapshot is missing), written into the request's state block;
+    def _restore_window(self, request_id: str, num_cached: int, state_slot: int) -> int:
+        """The state at the latest snapshot the SWA strategy can restore a hit of `num_cached`
+        tokens from (an earlier one when a snapshot is missing), written into `state_slot`;
         that boundary, or 0 (none: recompute)."""
         if self.swa is None or self.tier is None:
             return 0
         spec, span = self.executor.spec, self.block_size
-        points = self.swa.restore_points(adm.num_cached_tokens, span, spec.window, spec.num_layers)
+        points = self.swa.restore_points(num_cached, span, spec.window, spec.num_layers)
         if not points:
             return 0
         began = time.perf_counter()
@@ -718,8 +718,7 @@ class ModelRunner:
                     break
                 snapshots.append((boundary, tensors))
             else:
-                assert adm.restore is not None
-                self.executor.restore_window(adm.restore.state_slot, point, snapshots)
+                self.executor.restore_window(state_slot, point, snapshots)
                 moves.num_restores += 1
                 moves.num_loaded += len(snapshots)
                 moves.load_bytes += sum(t.numel() * t.element_size() for _, ts in snapshots for t in ts.values())

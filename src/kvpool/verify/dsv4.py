@@ -241,11 +241,12 @@ class Verifier:
         adm = runner.add_request("b", b)
         assert adm is not None
         assert adm.num_cached_tokens == span * num_blocks, f"hit {adm.num_cached_tokens} tokens"
-        assert adm.restore is not None and adm.restore.method == restore, adm.restore
+        (part,) = adm.groups.values()  # the one dual-pool group's
+        assert part.restore is not None and part.restore.method == restore, part.restore
         if restore == "recompute":
             window_tokens = model.spec.window * model.spec.num_layers
-            assert adm.restore.replay_start == max(0, span * num_blocks - window_tokens)
-        for block_id in adm.block_ids:
+            assert part.restore.replay_start == max(0, span * num_blocks - window_tokens)
+        for block_id in part.block_ids:
             assert runner.cache.pool.refcount(block_id) == 2
         out_b = runner.step([("b", len(b) - adm.num_cached_tokens)])
         assert out_b is not None
