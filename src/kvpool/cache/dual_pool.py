@@ -69,7 +69,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NamedTuple, Protocol
 
 from kvpool.cache.base import LowerTier, mm_extra_key
-from kvpool.cache.chains import chain_units, check_chain
+from kvpool.cache.chains import chain_units, check_chain, register_run
 from kvpool.cache.coordinator import HybridCacheManager
 from kvpool.cache.group import CacheGroup, GroupUsage, StepRequest
 from kvpool.cache.types import CacheDescriptor, GroupReservation, MMItem, StateRestore
@@ -201,29 +201,6 @@ class DualPoolGroupSpec:
     def replay_start(self, point: int) -> int:
         """The first token the restore of a hit at `point` replays."""
         return max(0, point - self.replay_len)
-
-
-def _register_in_order(
-    pool: BlockPool,
-    parent: PrefixBlock,
-    block_ids: Sequence[int],
-    blocks: Sequence[PrefixBlock],
-    published: list[tuple[int, PrefixBlock]] | None = None,
-) -> list[PrefixBlock]:
-    """Publish consecutive spans after `parent`, in order; each one's findable prefix block
-    (itself unregistered after a collision). A span whose predecessor joined an equal copy
-    another request published first is hung under that copy (same content, same hash).
-    published: receives (block id, prefix block) of each span published."""
-    out = []
-    for block_id, block in zip(block_ids, blocks, strict=True):
-        if block.parent is not parent:
-            block = pool.chain(parent, block.token_bytes, block.extra)
-        registered = pool.register(block_id, block)
-        if registered is not None and published is not None:
-            published.append((block_id, registered))
-        parent = registered or block
-        out.append(parent)
-    return out
 
 
 @dataclass
@@ -522,7 +499,11 @@ class DualPoolGroup(CacheGroup):
         new_ids = state.block_ids[len(state.block_ids) - pending.num_new :]
         if pending.chain:  # (empty when caching is off)
             parent = state.chain[-1] if state.chain else state.root
-            state.chain += _register_in_order(self.pool, parent, new_ids, pending.chain, self._published)
+            run = register_run(self.pool, parent, zip(new_ids, pending.chain, strict=True))
+            state.chain += run
+            if self._published is not None:  # (a collision's copy is findable by nobody: not recorded)
+                published = zip(new_ids, run, strict=True)
+                self._published += [(b, block) for b, block in published if self.pool.is_published(block)]
         state.pending = None
         if pending.snapshot_ids:
             self._commit_pooled(state, pending.checkpoints, pending.snapshot_ids)
@@ -661,8 +642,8 @@ class DualPoolGroup(CacheGroup):
 
     def publish_installed(self, block_ids: Sequence[int], blocks: Sequence[PrefixBlock], num_loaded: int) -> None:
         if num_loaded:
-            assert blocks[0].parent is not None and len(block_ids) == len(blocks)
-            _register_in_order(self.pool, blocks[0].parent, block_ids[:num_loaded], blocks[:num_loaded])
+            assert blocks[0].parent is not None
+            register_run(self.pool, blocks[0].parent, list(zip(block_ids, blocks, strict=True))[:num_loaded])
         self.pool.decref(reversed(block_ids))
 
     # ---- queries on a request's state ---------------------------------------------------
