@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
+from fractions import Fraction
 
 import pytest
 from hypothesis import given
@@ -84,10 +86,30 @@ def test_sliding_window_layers_read_and_attend_at_most_the_window() -> None:
 # ----- MoE --------------------------------------------------------------------------------
 
 
-def test_moe_experts_touched_is_batch_times_topk_then_saturates_at_all_experts() -> None:
+def _enumerated_experts_touched(num_experts: int, top_k: int, num_tokens: int) -> Fraction:
+    """The mean number of distinct experts over every equally likely routing of `num_tokens`
+    tokens to `top_k` distinct experts each, by enumeration (exact, in rationals)."""
+    choices = list(itertools.combinations(range(num_experts), top_k))
+    total = sum(len(set().union(*routing)) for routing in itertools.product(choices, repeat=num_tokens))
+    return Fraction(total, len(choices) ** num_tokens)
+
+
+def test_moe_experts_touched_is_the_uniform_routing_expectation_by_enumeration() -> None:
+    model = load_preset("gpt-oss-120b")
+    for e, k, n in ((6, 2, 1), (6, 2, 3), (5, 3, 4), (8, 1, 5)):
+        moe = dataclasses.replace(model.moe, num_experts=e, experts_per_token=k)
+        cm = CostModel(dataclasses.replace(model, moe=moe), H200)
+        assert cm.experts_touched(n) == pytest.approx(float(_enumerated_experts_touched(e, k, n)), rel=1e-12)
+
+
+def test_moe_experts_touched_starts_at_top_k_and_stays_below_the_old_bound() -> None:
     model = load_preset("deepseek-v3")  # 256 experts, top-8, 58 MoE layers, FP8 weights
     cm = CostModel(model, H200)
-    assert [cm.experts_touched(n) for n in (1, 2, 31, 32, 1000)] == [8, 16, 248, 256, 256]
+    assert cm.experts_touched(1) == pytest.approx(8, rel=1e-12)
+    # the issue's figure: 32 tokens touch ~163 experts on average, not min(256, 32 x 8) = 256
+    assert cm.experts_touched(32) == pytest.approx(256 * (1 - (31 / 32) ** 32), rel=1e-12)
+    assert 163 < cm.experts_touched(32) < 164
+    assert all(cm.experts_touched(n) < min(256, 8 * n) for n in (2, 31, 32, 1000))
     expert = 3 * 7168 * 2048 * (1 + 4 / (128 * 128))  # gate, up, down in block FP8
     assert cm.expert_bytes == pytest.approx(expert, rel=1e-12)
     row = 7168 * 2  # a BF16 embedding row per token
@@ -95,17 +117,18 @@ def test_moe_experts_touched_is_batch_times_topk_then_saturates_at_all_experts()
     def weights_read(batch: int) -> float:
         return cm.step_cost([(1, 1000)] * batch).weight_bytes
 
+    # one token more reads its row and the experts it is expected to add: 8 x (1 - 8/256)
     small = weights_read(2) - weights_read(1)
-    assert small == pytest.approx(58 * 8 * expert + row, rel=1e-9)
-    saturated = weights_read(128) - weights_read(64)
-    assert saturated == pytest.approx(64 * row, rel=1e-9)  # every expert already read at 64
-    assert weights_read(64) == pytest.approx(cm.weights.per_gpu_bytes - 129_280 * row + 64 * row, rel=1e-12)
+    assert small == pytest.approx(58 * 8 * (1 - 8 / 256) * expert + row, rel=1e-9)
+    # at 4096 tokens every expert is read (the expected miss is 256 x (31/32)^4096, ~1e-54)
+    everything = cm.weights.per_gpu_bytes - 129_280 * row
+    assert weights_read(4096) == pytest.approx(everything + 4096 * row, rel=1e-12)
 
 
 def test_moe_flops_count_only_the_routed_top_k() -> None:
     model = load_preset("gpt-oss-120b")  # 128 experts, top-4, every layer MoE
     cm = CostModel(model, H200)
-    assert [cm.experts_touched(n) for n in (1, 10, 32, 100)] == [4, 40, 128, 128]
+    assert cm.experts_touched(1) == pytest.approx(4, rel=1e-12)
     p = cm.weights.params
     per_expert = 3 * model.hidden_size * model.moe.expert_intermediate_size
     active = p.attention + p.attention_replicated + p.mlp + p.router + 36 * 4 * per_expert

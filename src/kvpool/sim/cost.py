@@ -4,7 +4,7 @@ A step runs one chunk per scheduled sequence: chunk i computes n_i new tokens af
 cached ones, so its context after the step is ctx_i = c_i + n_i (a decode is (1, ctx)).
 All figures are per GPU of a tensor-parallel group of `tp`:
 
-    time_s    = max(compute_s, memory_s) + step_overhead_s + C x seq_overhead_s
+    time_s    = max(compute_s, memory_s) + comm_s + step_overhead_s + C x seq_overhead_s
                 + (chunks with n_i > 1) x prefill_chunk_overhead_s
     compute_s = linear_flops / (peak(weights) x compute_efficiency)
               + attention_flops / (peak(attention) x compute_efficiency)
@@ -31,7 +31,7 @@ Bytes:
 
     weight_bytes = dense bytes (all weights but the routed experts and, when the head does
                    not reuse it, the embedding table) + N embedding rows
-                   + sum_moe_layers min(num_experts, N x top_k) x bytes of one expert
+                   + sum_moe_layers experts_touched(N) x bytes of one expert
     kv_bytes     = sum_i read(n_i, ctx_i) + N x write_bytes_per_token
     read(n, ctx) = sum_terms num_layers x entry_bytes x U(n, ctx)
     U(n, ctx)    = every entry:   ctx // tokens_per_entry
@@ -39,12 +39,29 @@ Bytes:
                    top-k K:       min(ctx // tokens_per_entry, n x K)
     kv_read_bytes(ctx) = read(1, ctx): one decode query's reads.
 
-The batch touches min(num_experts, N x top_k) experts of a MoE layer: the distinct experts
-of N tokens routed to top_k each, at most all of them (a uniform-routing upper bound).
+The batch touches E x (1 - (1 - top_k / E)^N) of a MoE layer's E experts: the expected
+number of distinct experts N tokens route to under uniform routing (`experts_touched`
+derives it), an assumption the report names ("moe_routing": "uniform").
 The KV a chunk reads is the union of what its queries see: all of it for full attention.
 KV written is each new token's bytes per token (V4: its classical share plus its SWA entry
 in every layer). V4's fp32 compressor state traffic is not counted: at 128k context it is
 under 1% of a decode's reads (about 0.7 MB against 112 MB for V4-Flash).
+
+Tensor-parallel communication (`allreduce_s`): a TP layer ends its attention and its MLP
+(or MoE) in a row-parallel GEMM whose partial sums all GPUs add up, two all-reduces per
+layer of the step's N activations of hidden_size at the activation width a (2 bytes, bf16;
+4 with fp32 weights), over NVLink as a ring:
+
+    comm_s       = 2 x num_layers x allreduce_s(N)               (0 at tp 1)
+    allreduce_s  = 2 (tp - 1) / tp x bytes / nvlink_bw + 2 (tp - 1) x nvlink_latency
+    bytes        = N x hidden_size x a
+
+A ring all-reduce is a reduce-scatter then an all-gather, each tp - 1 steps in which every
+GPU sends (and receives) bytes / tp: 2 (tp - 1) steps, each paying the link's latency.
+nvlink_bw is the GPU's figure in one direction (`kvpool.spec.gpus`). The all-reduces
+serialise with the layers' kernels (the next GEMM needs their result), so comm_s adds to
+the roofline rather than overlapping it. TP past one node's GPUs (`gpus_per_node`) is
+refused: its all-reduces would cross the inter-node network, which is not modelled.
 
 Terms (`AttentionTerm`), by attention kind, H query heads, d head dim:
 - GQA: one term per window group of `kv_layout`: every token (or a window w), entry = the
@@ -185,7 +202,8 @@ class StepCost:
     kv_bytes: float
     compute_s: float
     memory_s: float
-    time_s: float  # max(compute_s, memory_s) + the step overhead
+    time_s: float  # max(compute_s, memory_s) + comm_s + the step overhead
+    comm_s: float = 0.0  # the tensor-parallel all-reduces
 
     @property
     def flops(self) -> float:
@@ -237,6 +255,14 @@ class CostModel:
         for field in overheads:
             if not getattr(self, field) >= 0:
                 raise ValueError(f"{field} must be >= 0, got {getattr(self, field)}")
+        if self.tp > 1 and self.tp > self.gpu.gpus_per_node:
+            raise ValueError(
+                f"tp={self.tp} spans more than one node of {self.gpu.gpus_per_node} {self.gpu.name} GPUs: "
+                "the simulator prices NVLink all-reduces within a node only; use tp <= "
+                f"{self.gpu.gpus_per_node} (more replicas for more GPUs)"
+            )
+        if self.tp > 1 and math.isnan(self.gpu.nvlink_bytes_per_s + self.gpu.nvlink_latency_s):
+            raise ValueError(f"GPU {self.gpu.name} has no NVLink figure to price tp={self.tp}'s all-reduces")
         # Resolve the formats now: a bad dtype or tp fails here, naming itself.
         _ = self.weights, self.layout, self.attention_terms
 
@@ -303,12 +329,38 @@ class CostModel:
         swa = sum(t.num_layers * t.entry_bytes for t in self.attention_terms if t.name == "swa-window")
         return self.layout.bytes_per_token + swa
 
-    def experts_touched(self, num_tokens: int) -> int:
-        """Experts of one MoE layer that `num_tokens` tokens route to, at most: min(E, N x top_k)."""
+    def experts_touched(self, num_tokens: int) -> float:
+        """Distinct experts of one MoE layer that `num_tokens` tokens route to, expected under
+        uniform routing: E x (1 - (1 - k / E)^N), E experts, top-k each.
+
+        Derivation. Under uniform routing a token picks k distinct experts of E, every k-subset
+        equally likely, so it misses a given expert with probability C(E-1, k) / C(E, k) =
+        (E - k) / E = 1 - k / E. The N tokens route independently, so the expert stays
+        untouched with probability (1 - k / E)^N. The touched count is a sum of E indicators;
+        by linearity of expectation its mean is E x (1 - (1 - k / E)^N). It is N x k at
+        N = 1, at most min(E, N x k) (the old upper bound) and tends to E as N grows; for
+        DeepSeek-V3 (E 256, k 8) at N 32 it is ~163.3 experts, where min(E, N x k) said 256.
+        Real routers are skewed, which touches fewer experts than this at the same N."""
         moe = self.model.moe
         if moe is None:
-            return 0
-        return min(moe.num_experts, num_tokens * moe.experts_per_token)
+            return 0.0
+        e, k = moe.num_experts, moe.experts_per_token
+        return e * (1.0 - (1.0 - k / e) ** num_tokens)
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes of one activation element: 4 with fp32 weights, else 2 (bf16)."""
+        return 4 if self.weights.weight_dtype == "fp32" else 2
+
+    def allreduce_s(self, num_tokens: int) -> float:
+        """Seconds of one ring all-reduce of `num_tokens` activations over the TP group's NVLink
+        (0 at tp 1): 2 (tp - 1) / tp x bytes / bandwidth + 2 (tp - 1) x latency."""
+        tp = self.tp
+        if tp == 1:
+            return 0.0
+        num_bytes = num_tokens * self.model.hidden_size * self.activation_bytes
+        gpu = self.gpu
+        return 2 * (tp - 1) / tp * num_bytes / gpu.nvlink_bytes_per_s + 2 * (tp - 1) * gpu.nvlink_latency_s
 
     # ----- the cost of a step ------------------------------------------------------------
 
@@ -380,6 +432,7 @@ class CostModel:
         weight = self.dense_weight_bytes + num_tokens * self.embedding_row_bytes + touched * self.expert_bytes
         compute_s = (linear_flops / peak_linear + attention_flops / peak_attention) / self.compute_efficiency
         memory_s = (weight + kv_bytes) / (gpu.hbm_bandwidth_bytes_per_s * self.bandwidth_efficiency)
+        comm_s = 2 * model.num_layers * self.allreduce_s(num_tokens)
         return StepCost(
             num_tokens=num_tokens,
             linear_flops=linear_flops,
@@ -389,9 +442,11 @@ class CostModel:
             compute_s=compute_s,
             memory_s=memory_s,
             time_s=max(compute_s, memory_s)
+            + comm_s
             + self.step_overhead_s
             + len(chunks) * self.seq_overhead_s
             + num_prefill_chunks * self.prefill_chunk_overhead_s,
+            comm_s=comm_s,
         )
 
     def step_time(self, chunks: Sequence[tuple[int, int]]) -> float:

@@ -25,6 +25,7 @@ def describe_cost(cost: CostModel) -> dict:
         "prefill_chunk_overhead_s": cost.prefill_chunk_overhead_s,
         "weight_dtype": cost.weight_dtype,
         "kv_dtype": cost.kv_dtype,
+        "moe_routing": "uniform" if cost.model.moe else None,  # the experts_touched assumption
     }
 
 

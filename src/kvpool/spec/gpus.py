@@ -14,6 +14,19 @@ of `kvpool.sim.cost` divides a step's FLOPs by them.
 | H100 SXM | 989 TFLOPS | 1,979 TFLOPS | 67 TFLOPS | H100 data sheet (its BF16 1,979 / FP8 3,958: sparse) |
 | H200 SXM | 989 TFLOPS | 1,979 TFLOPS | 67 TFLOPS | H200 data sheet: Hopper's compute, more HBM |
 | B200 | 2.25 PFLOPS | 4.5 PFLOPS | 75 TFLOPS | DGX / HGX B200: 72 PF FP8, 36 PF BF16 sparse / 8 GPUs / 2 |
+
+NVLink, for the tensor-parallel all-reduces of `kvpool.sim.cost`: the figure per GPU in each
+direction (what a ring all-reduce step sends while it receives as much), half the vendor's
+bidirectional figure, and the GPUs one NVLink domain (a node) holds:
+| GPU | NVLink | per direction | GPUs per node | source |
+|---|---|---|---|---|
+| H100 SXM | NVLink 4, 900 GB/s bidirectional | 450 GB/s | 8 | H100 data sheet (HGX H100 8-GPU) |
+| H200 SXM | NVLink 4, 900 GB/s bidirectional | 450 GB/s | 8 | H200 data sheet (HGX H200 8-GPU) |
+| B200 | NVLink 5, 1.8 TB/s bidirectional | 900 GB/s | 8 | DGX / HGX B200 data sheet |
+`nvlink_latency_s` is the time one step of a ring takes beyond its bytes (launch, the
+NVSwitch hop, the handshake): 1 us, an assumption (neither a vendor figure nor measured
+here) that puts a small all-reduce over 8 GPUs, a ring of 14 steps, at 14 us; a
+calibration on a real node should replace it.
 A GPU without a figure (a custom GPU, `cpu_device()`) carries NaN, "unknown": inf would
 make compute free and 0 infinitely slow, so the cost model refuses NaN with a ValueError.
 
@@ -41,6 +54,10 @@ class GPUSpec:
     peak_bf16_flops: float = math.nan
     peak_fp8_flops: float = math.nan
     peak_fp32_flops: float = math.nan
+    # NVLink per GPU and direction, a ring step's latency, GPUs per node (module docstring)
+    nvlink_bytes_per_s: float = math.nan
+    nvlink_latency_s: float = math.nan
+    gpus_per_node: int = 8
 
     def __post_init__(self) -> None:
         if self.memory_bytes <= 0:
@@ -51,6 +68,12 @@ class GPUSpec:
             value = getattr(self, f"peak_{precision}_flops")
             if not (math.isnan(value) or value > 0):
                 raise ValueError(f"peak_{precision}_flops must be positive or NaN (unknown), got {value}")
+        for field in ("nvlink_bytes_per_s", "nvlink_latency_s"):
+            value = getattr(self, field)
+            if not (math.isnan(value) or value >= 0):
+                raise ValueError(f"{field} must be >= 0 or NaN (unknown), got {value}")
+        if self.gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
 
     def peak_flops(self, precision: str) -> float:
         """Dense peak FLOPs per second at `precision` ("bf16", "fp8", "fp32"); ValueError
@@ -70,15 +93,36 @@ class GPUSpec:
         return self.memory_bytes / GIB
 
 
+# NVLink 4 (H100, H200): 900 GB/s bidirectional per GPU; NVLink 5 (B200): 1.8 TB/s (module docstring).
+_NVLINK4 = {"nvlink_bytes_per_s": 450e9, "nvlink_latency_s": 1e-6}
+_NVLINK5 = {"nvlink_bytes_per_s": 900e9, "nvlink_latency_s": 1e-6}
 GPUS: dict[str, GPUSpec] = {
     "H100": GPUSpec(
-        "H100", 81_559 * MIB, 3.35e12, peak_bf16_flops=989e12, peak_fp8_flops=1979e12, peak_fp32_flops=67e12
+        "H100",
+        81_559 * MIB,
+        3.35e12,
+        peak_bf16_flops=989e12,
+        peak_fp8_flops=1979e12,
+        peak_fp32_flops=67e12,
+        **_NVLINK4,
     ),
     "H200": GPUSpec(
-        "H200", 143_771 * MIB, 4.8e12, peak_bf16_flops=989e12, peak_fp8_flops=1979e12, peak_fp32_flops=67e12
+        "H200",
+        143_771 * MIB,
+        4.8e12,
+        peak_bf16_flops=989e12,
+        peak_fp8_flops=1979e12,
+        peak_fp32_flops=67e12,
+        **_NVLINK4,
     ),
     "B200": GPUSpec(
-        "B200", 183_359 * MIB, 8.0e12, peak_bf16_flops=2.25e15, peak_fp8_flops=4.5e15, peak_fp32_flops=75e12
+        "B200",
+        183_359 * MIB,
+        8.0e12,
+        peak_bf16_flops=2.25e15,
+        peak_fp8_flops=4.5e15,
+        peak_fp32_flops=75e12,
+        **_NVLINK5,
     ),
 }
 
