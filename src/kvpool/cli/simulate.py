@@ -47,6 +47,10 @@ if TYPE_CHECKING:  # rich loads on output only: --help stays fast
     from rich.table import Table
 
 WORKLOADS = ("chat", "agentic", "uniform")
+# kvpool.capacity.weights WEIGHT_DTYPES and kvpool.sim.cost HOST_MODES, spelled here so that
+# --help imports neither (tests/test_sim_cost_host.py checks that they agree)
+WEIGHT_DTYPES = ("auto", "bf16", "fp8", "mxfp4", "fp4+fp8", "fp32")
+HOST_MODES = ("graph", "eager")
 SUMMARY_KEYS = (
     "layout",
     "routing",
@@ -167,6 +171,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_kv_cache_dtype_option(parser, planner=True)
     parser.add_argument(
+        "--weight-dtype",
+        choices=WEIGHT_DTYPES,
+        default="auto",
+        help="weight format the GPUs hold and the GEMMs run in (auto: the model's own; fp32 on --gpu cpu)",
+    )
+    parser.add_argument(
+        "--host-mode",
+        choices=HOST_MODES,
+        default="graph",
+        help="graph: decode-only steps replay a CUDA graph (vLLM's default); eager: every step launches each "
+        "layer's kernels",
+    )
+    parser.add_argument(
         "--slo-ttft-ms", type=positive_float, default=2000.0, help="goodput SLO: time to first token, ms"
     )
     parser.add_argument(
@@ -230,7 +247,7 @@ def _fit_tp(model, gpu, args) -> int:
     kv_layout(model, args.kv_dtype)  # a format the model cannot take is said as such, not as "does not fit"
     for tp in (1, 2, 4, 8):
         try:
-            p = plan(model, gpu, num_gpus=tp, tp=tp, kv_dtype=args.kv_dtype)
+            p = plan(model, gpu, num_gpus=tp, tp=tp, kv_dtype=args.kv_dtype, weight_dtype=args.weight_dtype)
         except ValueError:
             continue
         if p.ledger.pool_bytes > 4 * p.layout.bytes_per_block_all_groups + p.layout.state_block_bytes * 4:
@@ -269,6 +286,8 @@ def _one(args, combo: dict, progress: bool) -> dict:
     from kvpool.sim.simulator import SimConfig, check_request_lens, simulate
 
     model, gpu = planner_model(args.model), _gpu(args.gpu, args.gpu_memory_utilization)
+    if gpu.kind == "cpu" and args.weight_dtype not in ("auto", "fp32"):
+        raise ValueError(f"--weight-dtype {args.weight_dtype}: --gpu cpu is kvpool's CPU engine, fp32 weights only")
     tp = _fit_tp(model, gpu, args)
     config = SimConfig(
         layout=combo["layout"],
@@ -282,6 +301,7 @@ def _one(args, combo: dict, progress: bool) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         kv_dtype=args.kv_dtype,
+        weight_dtype=args.weight_dtype,
         v4_restore=args.v4_restore,
         num_checkpoints=args.v4_checkpoints,
         slo_ttft_ms=args.slo_ttft_ms,
@@ -289,7 +309,9 @@ def _one(args, combo: dict, progress: bool) -> dict:
     )
     workload = _workload(args, model, combo["rate"])
     check_request_lens(model, workload, args.max_model_len, flag="--max-model-len")
-    cost = CostModel(model, gpu, kv_dtype=args.kv_dtype, tp=tp)
+    cost = CostModel(
+        model, gpu, weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype, tp=tp, host_mode=args.host_mode
+    )
     bar = _Progress(workload.num_requests) if progress else None
     try:
         report = simulate(model, gpu, workload, config, cost, bar.update if bar else None)

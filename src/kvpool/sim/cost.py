@@ -4,8 +4,9 @@ A step runs one chunk per scheduled sequence: chunk i computes n_i new tokens af
 cached ones, so its context after the step is ctx_i = c_i + n_i (a decode is (1, ctx)).
 All figures are per GPU of a tensor-parallel group of `tp`:
 
-    time_s    = max(compute_s, memory_s) + comm_s + step_overhead_s + C x seq_overhead_s
-                + (chunks with n_i > 1) x prefill_chunk_overhead_s
+    time_s    = max(compute_s, memory_s) + comm_s + host_s
+    host_s    = step_overhead_s + (eager ? num_layers x layer_launch_s : 0)
+                + C x seq_overhead_s + (chunks with n_i > 1) x prefill_chunk_overhead_s
     compute_s = linear_flops / (peak(weights) x compute_efficiency)
               + attention_flops / (peak(attention) x compute_efficiency)
     memory_s  = (weight_bytes + kv_bytes) / (bandwidth x bandwidth_efficiency)
@@ -78,7 +79,18 @@ Default efficiencies (`DEVICE_DEFAULTS`, by device kind):
 - cuda: compute 0.5 (serving prefill sustains roughly half the dense tensor peak: cuBLAS
   reaches ~70% on large BF16 GEMMs, attention, norms and small GEMMs pull it down),
   bandwidth 0.8 (decode GEMVs and paged-attention kernels stream at 75-90% of HBM peak),
-  overhead 2 ms (scheduling, input preparation and sampling of a Python engine step).
+  host overhead (`host_s`) as a CUDA-graph or an eager step: 0.75 ms a step (scheduling,
+  input preparation, sampling, a graph replay's launch) and, for a step that does not
+  replay a graph, 76 us a layer (its kernels launched one by one from Python). A
+  "graph" model (the default, as vLLM and SGLang serve) replays a captured graph for a
+  step of decodes only with at most graph_max_batch (512) sequences; any step with a
+  prefill chunk, or a bigger batch, runs eagerly; an "eager" model never replays. Both
+  figures come from issue 31's H200 measurement of a Llama-3.1-8B decode at batch 1
+  (torch 2.11, bf16), not from one taken here: 4.71 ms with a CUDA graph, 7.14 ms eager.
+  The eager gap, 2.43 ms over 32 layers, is 76 us a layer; 4.71 ms less this model's
+  3.91 ms of weight reads (15.0 GB, all but the untied embedding table, at 0.8 of
+  4.8 TB/s; the measurement's context is not stated, 128 tokens assumed) leaves ~0.8 ms,
+  0.75 ms a step.
 - cpu: what kvpool's own CPU engine reaches of `cpu_preset()`'s measured peaks, fitted
   by `kvpool bench sim` (sim/calibrate.py `fit_engine`: decodes of 1 and 8 sequences over
   256 tokens of context, fresh prefills of 256 and 64 tokens) on 2026-12-02, each the
@@ -104,6 +116,7 @@ from kvpool.spec.gpus import cpu_preset as cpu_preset  # re-exported: the simula
 from kvpool.spec.kv_formats import QUANTIZED
 from kvpool.spec.models import ModelSpec
 
+HOST_MODES: tuple[str, ...] = ("graph", "eager")
 # The GEMM precision of each weight format (see the module docstring).
 WEIGHT_PRECISION: dict[str, str] = {"bf16": "bf16", "mxfp4": "bf16", "fp8": "fp8", "fp4+fp8": "fp8", "fp32": "fp32"}
 # The attention math precision of each KV dtype.
@@ -124,10 +137,13 @@ class DeviceDefaults:
     step_overhead_s: float
     seq_overhead_s: float = 0.0
     prefill_chunk_overhead_s: float = 0.0
+    layer_launch_s: float = 0.0  # an eager step's launches, per layer
 
 
 DEVICE_DEFAULTS: dict[str, DeviceDefaults] = {
-    "cuda": DeviceDefaults(compute_efficiency=0.5, bandwidth_efficiency=0.8, step_overhead_s=2e-3),
+    "cuda": DeviceDefaults(
+        compute_efficiency=0.5, bandwidth_efficiency=0.8, step_overhead_s=0.75e-3, layer_launch_s=76e-6
+    ),
     "cpu": DeviceDefaults(
         compute_efficiency=0.76,
         bandwidth_efficiency=0.56,
@@ -202,8 +218,9 @@ class StepCost:
     kv_bytes: float
     compute_s: float
     memory_s: float
-    time_s: float  # max(compute_s, memory_s) + comm_s + the step overhead
+    time_s: float  # max(compute_s, memory_s) + comm_s + host_s
     comm_s: float = 0.0  # the tensor-parallel all-reduces
+    host_s: float = 0.0  # the host's overheads: per step, per layer launch (eager), per sequence
 
     @property
     def flops(self) -> float:
@@ -225,7 +242,9 @@ class CostModel:
     weight_dtype: a `kvpool.capacity.weights` format ("auto" = the model's own); kv_dtype:
     a `kvpool.capacity.kv` dtype ("auto" = the model's serving format). On a "cpu" device
     "auto" is "fp32" for both: kvpool's CPU engine holds fp32 weights and KV. Efficiencies
-    and overhead left None take the device kind's `DEVICE_DEFAULTS`.
+    and overheads left None take the device kind's `DEVICE_DEFAULTS`. host_mode: "graph"
+    (decode-only steps of at most graph_max_batch sequences replay a CUDA graph) or
+    "eager" (every step pays its layers' launches).
     """
 
     model: ModelSpec
@@ -238,13 +257,16 @@ class CostModel:
     step_overhead_s: float | None = None
     seq_overhead_s: float | None = None
     prefill_chunk_overhead_s: float | None = None
+    layer_launch_s: float | None = None
+    host_mode: str = "graph"
+    graph_max_batch: int = 512
     indexer_format: str | None = None  # V3.2 / V4 indexer keys: "fp8" (default), "mxfp4", "bf16"
 
     def __post_init__(self) -> None:
         if self.gpu.kind not in DEVICE_DEFAULTS:
             raise ValueError(f"GPU {self.gpu.name} has kind {self.gpu.kind!r}; known: {sorted(DEVICE_DEFAULTS)}")
         defaults = DEVICE_DEFAULTS[self.gpu.kind]
-        overheads = ("step_overhead_s", "seq_overhead_s", "prefill_chunk_overhead_s")
+        overheads = ("step_overhead_s", "seq_overhead_s", "prefill_chunk_overhead_s", "layer_launch_s")
         for field in ("compute_efficiency", "bandwidth_efficiency", *overheads):
             if getattr(self, field) is None:
                 object.__setattr__(self, field, getattr(defaults, field))
@@ -255,6 +277,10 @@ class CostModel:
         for field in overheads:
             if not getattr(self, field) >= 0:
                 raise ValueError(f"{field} must be >= 0, got {getattr(self, field)}")
+        if self.host_mode not in HOST_MODES:
+            raise ValueError(f"host_mode must be one of {HOST_MODES}, got {self.host_mode!r}")
+        if self.graph_max_batch < 0:
+            raise ValueError(f"graph_max_batch must be >= 0, got {self.graph_max_batch}")
         if self.tp > 1 and self.tp > self.gpu.gpus_per_node:
             raise ValueError(
                 f"tp={self.tp} spans more than one node of {self.gpu.gpus_per_node} {self.gpu.name} GPUs: "
@@ -433,6 +459,7 @@ class CostModel:
         compute_s = (linear_flops / peak_linear + attention_flops / peak_attention) / self.compute_efficiency
         memory_s = (weight + kv_bytes) / (gpu.hbm_bandwidth_bytes_per_s * self.bandwidth_efficiency)
         comm_s = 2 * model.num_layers * self.allreduce_s(num_tokens)
+        host_s = self.host_s(len(chunks), num_prefill_chunks)
         return StepCost(
             num_tokens=num_tokens,
             linear_flops=linear_flops,
@@ -441,12 +468,25 @@ class CostModel:
             kv_bytes=kv_bytes,
             compute_s=compute_s,
             memory_s=memory_s,
-            time_s=max(compute_s, memory_s)
-            + comm_s
-            + self.step_overhead_s
-            + len(chunks) * self.seq_overhead_s
-            + num_prefill_chunks * self.prefill_chunk_overhead_s,
+            time_s=max(compute_s, memory_s) + comm_s + host_s,
             comm_s=comm_s,
+            host_s=host_s,
+        )
+
+    def replays_graph(self, num_chunks: int, num_prefill_chunks: int) -> bool:
+        """Whether a step of `num_chunks` sequences, `num_prefill_chunks` of them prefill
+        chunks, replays a captured CUDA graph: decodes only, at most graph_max_batch."""
+        return self.host_mode == "graph" and num_prefill_chunks == 0 and num_chunks <= self.graph_max_batch
+
+    def host_s(self, num_chunks: int, num_prefill_chunks: int) -> float:
+        """The host's seconds in a step (module docstring): per step, per sequence, per prefill
+        chunk, and each layer's launches unless the step replays a graph."""
+        launches = 0.0 if self.replays_graph(num_chunks, num_prefill_chunks) else self.model.num_layers
+        return (
+            self.step_overhead_s
+            + launches * self.layer_launch_s
+            + num_chunks * self.seq_overhead_s
+            + num_prefill_chunks * self.prefill_chunk_overhead_s
         )
 
     def step_time(self, chunks: Sequence[tuple[int, int]]) -> float:

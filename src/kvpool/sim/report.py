@@ -20,11 +20,15 @@ def describe_cost(cost: CostModel) -> dict:
     return {
         "compute_efficiency": cost.compute_efficiency,
         "bandwidth_efficiency": cost.bandwidth_efficiency,
+        "host_mode": cost.host_mode,
         "step_overhead_s": cost.step_overhead_s,
+        "layer_launch_s": cost.layer_launch_s,
         "seq_overhead_s": cost.seq_overhead_s,
         "prefill_chunk_overhead_s": cost.prefill_chunk_overhead_s,
-        "weight_dtype": cost.weight_dtype,
-        "kv_dtype": cost.kv_dtype,
+        # the formats used ("auto" resolved): the weights' and the cache's
+        "weight_dtype": cost.weights.weight_dtype,
+        "kv_dtype": cost.layout.kv_dtype,
+        "tp_allreduce": "ring over NVLink" if cost.tp > 1 else None,
         "moe_routing": "uniform" if cost.model.moe else None,  # the experts_touched assumption
     }
 

@@ -56,6 +56,7 @@ class SimConfig:
     max_model_len: int | None = None  # None: the workload's longest request
     num_blocks: int | None = None  # paged: this many blocks instead of the planner's pool (an engine's own)
     kv_dtype: str = "auto"
+    weight_dtype: str = "auto"  # the planner's weight bytes (kvpool.capacity.weights formats)
     v4_restore: str = "auto"  # V4 dual: how a prefix hit rebuilds the state (cache/dual_pool.py RESTORE_METHODS)
     num_checkpoints: int | None = None  # V4 snapshots: this many slots of their own (None: pooled)
     slo_ttft_ms: float = 2000.0
@@ -141,7 +142,15 @@ class Replica:
 
 def plan_replica(model: ModelSpec, gpu: GPUSpec, config: SimConfig) -> Plan:
     """The planner's pool for one replica (tp GPUs); the context asked of it is the model's."""
-    return plan(model, gpu, num_gpus=config.tp, tp=config.tp, block_size=config.block_size, kv_dtype=config.kv_dtype)
+    return plan(
+        model,
+        gpu,
+        num_gpus=config.tp,
+        tp=config.tp,
+        block_size=config.block_size,
+        kv_dtype=config.kv_dtype,
+        weight_dtype=config.weight_dtype,
+    )
 
 
 def _make_replica(index: int, model: ModelSpec, p: Plan, config: SimConfig, cost: CostModel, max_len: int) -> Replica:
