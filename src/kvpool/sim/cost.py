@@ -67,10 +67,22 @@ refused: its all-reduces would cross the inter-node network, which is not modell
 Terms (`AttentionTerm`), by attention kind, H query heads, d head dim:
 - GQA: one term per window group of `kv_layout`: every token (or a window w), entry = the
   layer's K + V bytes on this GPU, flops_per_entry = 4 x (H / tp) x d (QK^T and PV).
-- MLA: the latent (kv_lora_rank r + rope dims), attended in the absorbed form:
+- MLA: the latent (kv_lora_rank r + rope dims). A decode attends it in the absorbed form:
   flops_per_entry = 2 x (H / tp) x (r + rope) for scores + 2 x (H / tp) x r for values.
-  DeepSeek-V3.2 attends only the indexer's top-k latents and adds an indexer term over
-  every key: flops_per_entry = 2 x index_heads x index_head_dim, on every rank (replicated).
+  A prefill chunk of dense MLA (no indexer: V2, V3) runs as serving engines run it, in the
+  decompressed MHA form: kv_b_proj turns each of the chunk's ctx latents into per-head
+  K (nope) and V, then MHA attends them: prefill_flops_per_entry = 2 x (H / tp) x
+  (nope + rope) + 2 x (H / tp) x v_head_dim; the decompression costs
+  decompress_flops_per_token = 2 x r x (H / tp) x (nope + v_head_dim) per context token
+  (a GEMM at the weights' peak), counted for the ctx - n cached ones: P_active already
+  holds kv_b_proj's 2 x n x r x (H / tp) x (nope + v) for the chunk's own tokens (what the
+  absorbed form spends absorbing W_UK into q and W_UV into the output). Its K / V,
+  (H / tp) x (nope + rope + v) bf16 values a token, are written then read once
+  (decompress_bytes_per_token = 2 x that x 2 bytes).
+  For V3 at TP 8 that is 10,240 FLOPs an entry instead of the absorbed form's 34,816.
+  DeepSeek-V3.2 attends only the indexer's top-k latents (its prefill too, absorbed, as
+  its sparse kernels run it) and adds an indexer term over every key: flops_per_entry =
+  2 x index_heads x index_head_dim, on every rank (replicated).
 - DeepSeek-V4 (DEEPSEEK_V4.md sections 2-5): the SWA window on every layer; on CSA layers
   the top-k of the visible k // m entries plus the indexer over all of them; on HCA layers
   every visible k // m' entry. Main entries: 4 x (H / tp) x d, one vector is K and V.
@@ -170,6 +182,10 @@ class AttentionTerm:
     tokens_per_entry: int = 1
     cap: int | None = None
     selection: str = "all"  # "all" | "window" | "topk"
+    # a prefill chunk in another form than a decode (MLA decompressed; None: the same):
+    prefill_flops_per_entry: float | None = None
+    decompress_flops_per_token: float = 0.0  # per context token per layer, a prefill chunk's
+    decompress_bytes_per_token: float = 0.0  # its written and read K / V, per token per layer
 
     def attended(self, num_cached: int, context_len: int) -> int:
         """Entries attended by the queries at positions [num_cached, context_len), summed."""
@@ -452,7 +468,12 @@ class CostModel:
             # queries at positions [ctx - n, ctx): the cached prefix is [0, ctx - n)
             num_prefill_chunks += 1
             for t in self.attention_terms:
-                attention_flops += t.num_layers * t.flops_per_entry * t.attended(ctx - n, ctx)
+                per_entry = t.flops_per_entry if t.prefill_flops_per_entry is None else t.prefill_flops_per_entry
+                attention_flops += t.num_layers * per_entry * t.attended(ctx - n, ctx)
+                if t.decompress_flops_per_token:
+                    # P_active already counts kv_b_proj on the n new tokens: the rest of ctx
+                    linear_flops += t.num_layers * t.decompress_flops_per_token * (ctx - n)
+                    kv_bytes += t.num_layers * t.decompress_bytes_per_token * ctx
             kv_bytes += self._read_bytes(n, ctx)
         touched = len(model.moe.moe_layers) * self.experts_touched(num_tokens) if model.moe else 0
         weight = self.dense_weight_bytes + num_tokens * self.embedding_row_bytes + touched * self.expert_bytes
@@ -538,13 +559,18 @@ def _mla_terms(model: ModelSpec, layout: KVLayout, tp: int) -> tuple[AttentionTe
     assert mla is not None
     groups = {g.name: g for g in layout.groups}
     r, heads = mla.kv_lora_rank, model.num_heads // tp
+    nope, rope, v = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
+    decompressed = idx is None  # V3.2's prefill attends its top-k latents, absorbed, as its decode
     latent = AttentionTerm(
         name="mla-latent",
         num_layers=model.num_layers,
         entry_bytes=groups["mla-latent"].entry_bytes,
-        flops_per_entry=2 * heads * (r + mla.qk_rope_head_dim) + 2 * heads * r,
+        flops_per_entry=2 * heads * (r + rope) + 2 * heads * r,
         cap=None if idx is None else idx.topk,
         selection="all" if idx is None else "topk",
+        prefill_flops_per_entry=2 * heads * (nope + rope) + 2 * heads * v if decompressed else None,
+        decompress_flops_per_token=2 * r * heads * (nope + v) if decompressed else 0.0,
+        decompress_bytes_per_token=2 * heads * (nope + rope + v) * 2 if decompressed else 0.0,
     )
     if idx is None:
         return (latent,)
