@@ -4,12 +4,24 @@ A step runs one chunk per scheduled sequence: chunk i computes n_i new tokens af
 cached ones, so its context after the step is ctx_i = c_i + n_i (a decode is (1, ctx)).
 All figures are per GPU of a tensor-parallel group of `tp`:
 
-    time_s    = max(compute_s, memory_s) + comm_s + host_s
+    time_s    = gemm_s + prefill_attention_s + decode_attention_s + comm_s + host_s
+    gemm_s    = max(linear_flops / (peak(weights) x ce), weight_bytes / (bandwidth x be))
+    prefill_attention_s = max(prefill chunks' attention_flops / (peak(attention) x ce),
+                              their kv bytes (read, written) / (bandwidth x be))
+    decode_attention_s  = the same over the decodes
     host_s    = step_overhead_s + (eager ? num_layers x layer_launch_s : 0)
                 + C x seq_overhead_s + (chunks with n_i > 1) x prefill_chunk_overhead_s
-    compute_s = linear_flops / (peak(weights) x compute_efficiency)
-              + attention_flops / (peak(attention) x compute_efficiency)
-    memory_s  = (weight_bytes + kv_bytes) / (bandwidth x bandwidth_efficiency)
+    compute_s = linear_flops / (peak(weights) x ce) + attention_flops / (peak(attention) x ce)
+    memory_s  = (weight_bytes + kv_bytes) / (bandwidth x be)
+
+ce, be: compute_efficiency, bandwidth_efficiency. A step runs its kinds of kernel one
+after the other (per layer: the projections' and MLP's GEMMs, the prefill chunks'
+attention, the decodes' attention), each bound by its own resource, so the step sums the
+phases' rooflines instead of taking one roofline over the step's total FLOPs and bytes: a
+chunked prefill's compute-bound GEMMs no longer hide its decodes' memory-bound attention.
+For a step of decodes only, or one prefill chunk, the sum is the old single roofline
+(each phase bound by the same resource); compute_s and memory_s stay the step's totals.
+The decompression of MLA's prefill (below) is a GEMM: it joins the GEMM phase's FLOPs.
 
 peak(weights) is the GPU's figure for the GEMM precision of the weight format (bf16 and
 mxfp4 -> bf16: gpt-oss's MXFP4 experts are dequantized into BF16 GEMMs on Hopper; fp8 and
@@ -234,9 +246,12 @@ class StepCost:
     kv_bytes: float
     compute_s: float
     memory_s: float
-    time_s: float  # max(compute_s, memory_s) + comm_s + host_s
+    time_s: float  # gemm_s + prefill_attention_s + decode_attention_s + comm_s + host_s
     comm_s: float = 0.0  # the tensor-parallel all-reduces
     host_s: float = 0.0  # the host's overheads: per step, per layer launch (eager), per sequence
+    gemm_s: float = 0.0  # the phases (module docstring): the GEMMs at their roofline,
+    prefill_attention_s: float = 0.0  # the prefill chunks' attention at theirs,
+    decode_attention_s: float = 0.0  # the decodes' attention at theirs
 
     @property
     def flops(self) -> float:
@@ -450,35 +465,45 @@ class CostModel:
         num_tokens = sum(n for n, _ in chunks)
         head_flops = 2 * len(chunks) * model.vocab_size * model.hidden_size / self.tp
         linear_flops = 2 * num_tokens * self.active_params_per_token + head_flops
-        attention_flops = 0.0
-        kv_bytes = num_tokens * self.kv_write_bytes_per_token
+        write = self.kv_write_bytes_per_token
+        decode_flops = prefill_flops = 0.0  # attention, by phase
+        decode_bytes = prefill_bytes = 0.0  # cache read and written, by phase
         decode_terms = self._decode_terms
         num_prefill_chunks = 0
         for n, ctx in chunks:
             if n == 1:
                 # a decode: its one query attends and reads min(cap, ctx // tokens_per_entry)
                 # entries of each term (attended == read_entries at n = 1)
+                decode_bytes += write
                 for flops_w, bytes_w, per_entry, cap in decode_terms:
                     e = ctx // per_entry
                     if cap is not None and e > cap:
                         e = cap
-                    attention_flops += flops_w * e
-                    kv_bytes += bytes_w * e
+                    decode_flops += flops_w * e
+                    decode_bytes += bytes_w * e
                 continue
             # queries at positions [ctx - n, ctx): the cached prefix is [0, ctx - n)
             num_prefill_chunks += 1
+            prefill_bytes += n * write + self._read_bytes(n, ctx)
             for t in self.attention_terms:
                 per_entry = t.flops_per_entry if t.prefill_flops_per_entry is None else t.prefill_flops_per_entry
-                attention_flops += t.num_layers * per_entry * t.attended(ctx - n, ctx)
+                prefill_flops += t.num_layers * per_entry * t.attended(ctx - n, ctx)
                 if t.decompress_flops_per_token:
                     # P_active already counts kv_b_proj on the n new tokens: the rest of ctx
                     linear_flops += t.num_layers * t.decompress_flops_per_token * (ctx - n)
-                    kv_bytes += t.num_layers * t.decompress_bytes_per_token * ctx
-            kv_bytes += self._read_bytes(n, ctx)
+                    prefill_bytes += t.num_layers * t.decompress_bytes_per_token * ctx
         touched = len(model.moe.moe_layers) * self.experts_touched(num_tokens) if model.moe else 0
         weight = self.dense_weight_bytes + num_tokens * self.embedding_row_bytes + touched * self.expert_bytes
-        compute_s = (linear_flops / peak_linear + attention_flops / peak_attention) / self.compute_efficiency
-        memory_s = (weight + kv_bytes) / (gpu.hbm_bandwidth_bytes_per_s * self.bandwidth_efficiency)
+        attention_flops, kv_bytes = prefill_flops + decode_flops, prefill_bytes + decode_bytes
+        flop_s = peak_linear * self.compute_efficiency  # the GEMMs'
+        attention_flop_s = peak_attention * self.compute_efficiency
+        byte_s = gpu.hbm_bandwidth_bytes_per_s * self.bandwidth_efficiency
+        compute_s = linear_flops / flop_s + attention_flops / attention_flop_s
+        memory_s = (weight + kv_bytes) / byte_s
+        # the phases run one after the other, each at its own roofline (module docstring)
+        gemm_s = max(linear_flops / flop_s, weight / byte_s)
+        prefill_s = max(prefill_flops / attention_flop_s, prefill_bytes / byte_s)
+        decode_s = max(decode_flops / attention_flop_s, decode_bytes / byte_s)
         comm_s = 2 * model.num_layers * self.allreduce_s(num_tokens)
         host_s = self.host_s(len(chunks), num_prefill_chunks)
         return StepCost(
@@ -489,9 +514,12 @@ class CostModel:
             kv_bytes=kv_bytes,
             compute_s=compute_s,
             memory_s=memory_s,
-            time_s=max(compute_s, memory_s) + comm_s + host_s,
+            time_s=gemm_s + prefill_s + decode_s + comm_s + host_s,
             comm_s=comm_s,
             host_s=host_s,
+            gemm_s=gemm_s,
+            prefill_attention_s=prefill_s,
+            decode_attention_s=decode_s,
         )
 
     def replays_graph(self, num_chunks: int, num_prefill_chunks: int) -> bool:
