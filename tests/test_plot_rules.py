@@ -81,10 +81,12 @@ def test_latency_cdfs_start_at_0_and_draw_the_slos_and_the_legend_covers_nothing
     paths = plots.plot_runs(reports, str(tmp_path))
     assert [p.rsplit("/", 1)[-1] for p in paths] == ["latency_cdf.png", "kv_occupancy.png", "comparison.png"]
     cdf = drawn["latency_cdf.png"]
-    for ax, slo in zip(cdf.axes, (200.0, 25.0), strict=True):
+    for ax, name, slo in zip(cdf.axes, ("TTFT", "TPOT"), (200.0, 25.0), strict=True):
         assert ax.get_ylim()[0] == 0  # a share of the requests
         slo_lines = [line for line in ax.get_lines() if list(line.get_xdata()) == [slo, slo]]
-        assert len(slo_lines) == 1 and slo_lines[0].get_label() == f"SLO {slo:g} ms"
+        assert len(slo_lines) == 1 and slo_lines[0].get_label() == f"{name} SLO {slo:g} ms"
+    legend = [t.get_text() for t in cdf.axes[1].get_legend().get_texts()]
+    assert legend == ["paged, block 16", "contiguous, 16 tokens a request", "TTFT SLO 200 ms", "TPOT SLO 25 ms"]
     assert _legends_cover_no_axes(cdf) and _legends_cover_no_axes(drawn["kv_occupancy.png"])
     assert drawn["kv_occupancy.png"].axes[0].get_ylim()[0] == 0
     bars = drawn["comparison.png"].axes

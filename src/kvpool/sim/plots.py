@@ -52,13 +52,23 @@ def plot_runs(reports: list[dict], directory: str) -> list[str]:
                 ax.plot(values, [(i + 1) / n for i in range(n)], label=_label(r))
     for ax, name, slo_key in zip(axes, ("TTFT", "TPOT"), ("slo_ttft_ms", "slo_tpot_ms"), strict=True):
         slo_ms = reports[0][slo_key]  # a comparison shares its SLOs
-        ax.axvline(slo_ms, color="black", linestyle=":", linewidth=1.2, label=f"SLO {slo_ms:g} ms")
+        ax.axvline(slo_ms, color="black", linestyle=":", linewidth=1.2, label=f"{name} SLO {slo_ms:g} ms")
         ax.set_xscale("log")
         ax.set_ylim(0, 1.02)  # a share of the requests: from 0
         ax.set_xlabel(f"{name} (ms, virtual time)")
         ax.set_ylabel("fraction of requests")
         ax.grid(alpha=0.3)
-    _legend_outside(axes[1])  # one legend: both panels draw the same runs
+    # one legend: both panels draw the same runs; each panel adds its SLO line (drawn last)
+    handles, labels = axes[0].get_legend_handles_labels()
+    tpot_handles, tpot_labels = axes[1].get_legend_handles_labels()
+    axes[1].legend(
+        [*handles, tpot_handles[-1]],
+        [*labels, tpot_labels[-1]],
+        fontsize=8,
+        loc="upper left",
+        bbox_to_anchor=(1.02, 1.0),
+        borderaxespad=0.0,
+    )
     fig.suptitle(f"latency CDFs: {title}")
     paths.append(save_png(fig, directory, "latency_cdf.png"))
 
