@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from kvpool.cli.main import main
 from kvpool.workload import metrics
 from kvpool.workload.metrics import (
     cpu_load,
@@ -134,3 +135,17 @@ def test_kvpool_runs_text_report_and_its_json(monkeypatch, capsys):
     assert "warning: the CPU was oversubscribed (load average 3.5, 1.0 on 2 CPUs)" in out
     print_report(report, [1.0, 1.0])
     assert "oversubscribed" not in capsys.readouterr().out
+
+
+def test_simulates_text_report_shares_the_headings_units_and_verdict(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    argv = ["simulate", "--model", "llama-3.1-8b", "--requests", "8", "--slo-tpot-ms", "2"]
+    assert main(argv + ["--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    verdict = f"SLO missed: TPOT p99 {format_ms(report['tpot_ms_p99'])} > 2.00 ms"
+    assert report["tpot_ms_p99"] > 2 and verdict in out  # the virtual decode step is over 2 ms
+    for heading in ("capacity", "latency", "throughput", "cache"):
+        assert f" {heading} " in out
+    assert format_bytes(report["kv_capacity_bytes"]) in out and "sim_wall_s" in out

@@ -419,7 +419,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print(reports: list[dict]) -> None:
+    from rich.markup import escape
     from rich.table import Table
+
+    from kvpool.workload.metrics import report_notes, report_sections
 
     tables = []
     if len(reports) == 1:
@@ -430,10 +433,12 @@ def _print(reports: list[dict]) -> None:
         )
         table.add_column("metric")
         table.add_column("value", justify="right")
-        for key, value in r.items():
-            if key not in ("per_replica", "cost_model", "workload_params"):
-                is_int = isinstance(value, int) and not isinstance(value, bool)
-                table.add_row(key, f"{value:,}" if is_int else str(value))
+        # the figures kvpool run prints, under the same headings with the same units
+        for heading, rows in report_sections(r, skip=("per_replica", "cost_model", "workload_params")):
+            table.add_row(f"[bold]{heading}[/bold]", "")
+            for label, value in rows:
+                table.add_row(f"  {escape(label)}", escape(value))
+            table.add_section()
         tables.append(table)
         if r["replicas"] > 1:
             tables.append(_replicas_table(r))
@@ -447,6 +452,9 @@ def _print(reports: list[dict]) -> None:
     console = _console(tables)
     for table in tables:
         console.print(table)
+    if len(reports) == 1:  # virtual times: no CPU to oversubscribe, only the SLO verdict
+        for note in report_notes(reports[0]):
+            console.print(escape(note), highlight=False, soft_wrap=True)
 
 
 def _console(tables: list) -> Console:
