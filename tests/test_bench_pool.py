@@ -1,5 +1,5 @@
 """`kvpool bench pool` runs its traces to completion with their own correctness checks and
-prints one JSON object with the figures the README quotes. Timings are not asserted; the
+prints one JSON object with the figures docs/benchmarks.md quotes. Timings are not asserted; the
 counts are, from the trace definitions (src/kvpool/bench/pool.py)."""
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Every command of the README, run as a user runs it (this checkout's src/ first on the
 path): the quick start's commands and Python example, whose shown output (or excerpt) must
 appear in what they print; the main job; the venv line in a temporary directory; the test
-command, whose parts must be what .ci/run runs. The commands the headline table names (the
-benchmarks, minutes each) are parsed by the CLI's own parser, so a renamed flag fails here.
+command, whose parts must be what .ci/run runs. The headline table links each figure to the
+docs section with its command (the benchmarks take minutes each); those commands are
+parsed by the CLI's own parser, so a renamed flag fails here.
 The main job (its arrivals span ~13 s) runs beside the others."""
 
 from __future__ import annotations
@@ -81,12 +82,30 @@ def test_the_venv_line(tmp_path):
     assert done.stdout.strip() == str(tmp_path / ".venv")
 
 
-def test_the_headline_tables_commands_parse():
+def test_the_headline_tables_links_and_commands():
+    """The headline table links each figure to the docs section that holds its command and
+    output (the benchmarks take minutes each: they are not run here); every link lands on a
+    heading that exists, and every command of docs/benchmarks.md's table parses with the
+    CLI's own parser, so a renamed flag fails here."""
+    from markdown.extensions.toc import slugify
+
     from kvpool.cli.main import build_parser
 
     table = README[README.index("## Headline figures") : README.index("## Documentation")]
-    commands = re.findall(r"`python3 -m kvpool ([^`]+)`", table)
-    assert len(commands) >= 4
+    assert "python3 -m kvpool" not in table  # every README command is one this file runs
+    links = re.findall(r"\]\((docs/[^)#]+)(?:#([^)]+))?\)", table)
+    assert len(links) >= 8
+    for page, anchor in links:
+        text = (ROOT / page).read_text()
+        assert text, page
+        if anchor:
+            slugs = {slugify(h, "-") for h in re.findall(r"^#+ (.+)$", text, re.M)}
+            assert anchor in slugs, f"{page}#{anchor}: no such heading"
+    bench = (ROOT / "docs" / "benchmarks.md").read_text()
+    where = bench[bench.index("## Where each benchmark's figures are") :]
+    where = where[: where.index("\n## ")]
+    commands = [c for c in re.findall(r"`kvpool ([^`]+)`", where)]
+    assert len(commands) >= 10
     parser = build_parser()
     for command in commands:
         parser.parse_args(shlex.split(command))  # argparse exits (SystemExit) on an unknown flag

@@ -27,7 +27,7 @@ with no per-index dispatch and no padding, and is the engine's default on fp32 C
 `decode_attention_padded` is the plain twin (gather the batch's blocks into a padded
 [B, KVH, T, D], one masked SDPA), selectable with decode_path="padded": it copies every
 block it reads, so it is the slowest of the three. `kvpool bench engine --parts attention`
-times all three against SDPA on a contiguous cache (the README gives the figures); small
+times all three against SDPA on a contiguous cache (docs/engine.md gives the figures); small
 blocks cost the bags more (a block size of 16 makes 64-byte K^T rows, where per-index
 work shows).
 

@@ -7,7 +7,7 @@
      blocks scattered over the pool (block size 256, plus the ratio at block sizes 16 and 64);
   4. glue: what a batch-1 step is made of. The matmuls alone (the weight-read floor), one
      call of each torch op against its C kernel, and the sampler's two top-p paths.
-Timings on a shared CPU are noisy: run it on an idle machine for README figures.
+Timings on a shared CPU are noisy: run it on an idle machine for the figures of docs/engine.md.
 """
 
 from __future__ import annotations

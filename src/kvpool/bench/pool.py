@@ -157,7 +157,7 @@ def measure(repeats: int = 5, hash_algo: str = "xxh3_128") -> dict[str, float | 
     return result
 
 
-# the README's targets for the timed figures (shown beside them)
+# the targets for the timed figures (docs/benchmarks.md) (shown beside them)
 TARGETS = {
     "decode_step_us_per_request": 0.5,
     "block_op_ns": 300.0,

@@ -1,7 +1,7 @@
 """`kvpool bench engine`: the engine against transformers, measured side by side in one run:
 decode throughput, cached-prefix TTFT, paged against contiguous attention, and what a
 batch-1 step is made of (kvpool/bench/engine.py says what each part times and how).
-Timings on a shared CPU are noisy: run it on an idle machine for README figures.
+Timings on a shared CPU are noisy: run it on an idle machine for the figures of docs/engine.md.
 """
 
 from __future__ import annotations

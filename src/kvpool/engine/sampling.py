@@ -66,7 +66,7 @@ class SamplingParams:
 
 # Top-p looks for the nucleus among this many most likely tokens first; the full sort of
 # every logit (an order of magnitude slower over SmolLM2's 49,152: `kvpool bench engine
-# --parts glue` times both, the README gives the figures) runs only when their mass falls short.
+# --parts glue` times both, docs/engine.md gives the figures) runs only when their mass falls short.
 NUCLEUS_CANDIDATES = 256
 
 

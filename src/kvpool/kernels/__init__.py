@@ -2,7 +2,7 @@
 
 At batch 1 a step is the weight reads of its matmuls plus ~15 small torch ops a layer,
 each paying torch's dispatch (`kvpool bench engine --parts glue` times the step's matmuls
-and these ops against the kernels; the README gives the figures). The kernels fold the
+and these ops against the kernels; docs/engine.md gives the figures). The kernels fold the
 work between two matmuls into one call: residual add + RMSNorm, RoPE in place, the K/V
 write into the pool, decode attention straight from the blocks, SiLU * up. Each has a torch twin
 (the code that runs without them) and a test that the two agree (tests/test_kernels.py).
