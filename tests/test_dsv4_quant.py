@@ -179,9 +179,9 @@ def test_the_cli_takes_the_v4_layout_and_refuses_what_cannot_work() -> None:
     assert report["classical_block_bytes"] == spec.classical_bytes_per_block(SERVING, "mxfp4")
     for flags, needle in [
         (["--kv-dtype", "int8"], "tiny-dsv4 takes fp32 (exact) or fp8"),
-        (["--kv-dtype", "fp8", "--hisparse", "8"], "--kv-dtype fp8 with --hisparse"),
+        (["--kv-dtype", "fp8", "--hisparse", "8"], "--kv-cache-dtype fp8 with --hisparse"),
         (["--kv-dtype", "fp8", "--host-cache-gib", "1"], "the tiers keep unquantized blocks only"),
-        (["--indexer-format", "mxfp4"], "--indexer-format is for tiny-dsv4 with --kv-dtype fp8"),
+        (["--indexer-format", "mxfp4"], "--indexer-format is for tiny-dsv4 with --kv-cache-dtype fp8"),
     ]:
         proc = subprocess.run([*argv, "2", *flags], capture_output=True, text=True, timeout=60)
         lines = proc.stderr.strip().splitlines()

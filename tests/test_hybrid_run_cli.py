@@ -65,8 +65,8 @@ def test_run_on_a_tiny_hybrid_model_reports_real_figures(capsys, model, state_by
 @pytest.mark.parametrize(
     ("flags", "line"),
     [
-        ("--tp 2", "--tp is not supported with --model tiny-gemma2"),
-        ("--kv-dtype fp8_e4m3", "--kv-dtype fp8_e4m3 is not supported with --model tiny-gemma2"),
+        ("--tp 2", "--tensor-parallel-size is not supported with --model tiny-gemma2"),
+        ("--kv-dtype fp8_e4m3", "--kv-cache-dtype fp8_e4m3 is not supported with --model tiny-gemma2"),
         ("--host-cache-gib 1", "--host-cache-gib is not supported with --model tiny-gemma2"),
         ("--hisparse 64", "--hisparse is not supported with --model tiny-gemma2"),
         ("--preemption swap --host-cache-gib 1", "--host-cache-gib is not supported with --model tiny-gemma2"),

@@ -516,7 +516,7 @@ def test_the_cli_takes_kv_dtype_and_refuses_what_cannot_work() -> None:
     report = json.loads(proc.stdout)
     assert report["kv_format"] == "fp8_e4m3" and report["memory"]["details"]["kv_pool"]["quant_scales"] > 0
     for flags, needle in [
-        (["--kv-dtype", "int8", "--host-cache-gib", "1"], "--kv-dtype int8 with --host-cache-gib: the tiers keep"),
+        (["--kv-dtype", "int8", "--host-cache-gib", "1"], "--kv-cache-dtype int8 with --host-cache-gib: the tiers"),
         (["--model", "tiny-dsv4", "--no-chat", "--kv-dtype", "fp8_e4m3"], "tiny-dsv4 takes fp32 (exact) or fp8"),
         (["--kv-dtype", "fp4"], "unknown KV format 'fp4'"),
         (["--kv-dtype", "kivi2"], "the residual R=128 (tokens quantized together) does not divide the block size 16"),

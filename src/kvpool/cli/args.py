@@ -275,28 +275,28 @@ def check_kv_dtype(args: argparse.Namespace) -> str | None:
     name = None if name == "auto" else name
     indexer = getattr(args, "indexer_format", None)
     if indexer is not None and (name != "fp8" or getattr(args, "model", None) != "tiny-dsv4"):
-        raise ValueError("--indexer-format is for tiny-dsv4 with --kv-dtype fp8 (its indexer keys)")
+        raise ValueError("--indexer-format is for tiny-dsv4 with --kv-cache-dtype fp8 (its indexer keys)")
     if getattr(args, "hisparse", None) is not None and name == "fp8":
-        raise ValueError("--kv-dtype fp8 with --hisparse: HiSparse keeps exact classical entries")
+        raise ValueError("--kv-cache-dtype fp8 with --hisparse: HiSparse keeps exact classical entries")
     if name is None:
         return None
     v4 = getattr(args, "model", None) == "tiny-dsv4"
     if v4 and name not in ("fp32", "fp8"):
-        raise ValueError(f"--kv-dtype {name}: tiny-dsv4 takes fp32 (exact) or fp8 (DeepSeek-V4's serving layout)")
+        raise ValueError(f"--kv-cache-dtype {name}: tiny-dsv4 takes fp32 (exact) or fp8 (DeepSeek-V4's serving layout)")
     if not v4 and name == "fp8":
         raise ValueError(
-            "--kv-dtype fp8 is DeepSeek-V4's layout (tiny-dsv4); for SmolLM2 name the format: fp8_e4m3 (a scale "
+            "--kv-cache-dtype fp8 is DeepSeek-V4's layout (tiny-dsv4); for SmolLM2 name the format: fp8_e4m3 (a scale "
             "per block and KV head), fp8_e4m3_token, fp8_e5m2, ..."
         )
     tiers = [f for f in ("host_cache_gib", "disk_cache", "redis") if getattr(args, f, None) is not None]
     if tiers and name != "fp32":
         flag = "--" + tiers[0].replace("_", "-")
-        raise ValueError(f"--kv-dtype {name} with {flag}: the tiers keep unquantized blocks only")
+        raise ValueError(f"--kv-cache-dtype {name} with {flag}: the tiers keep unquantized blocks only")
     return name
 
 
 def v4_kv_format(args: argparse.Namespace) -> dict[str, str]:
-    """tiny-dsv4's classical-pool layout from --kv-dtype / --indexer-format (checked by
+    """tiny-dsv4's classical-pool layout from --kv-cache-dtype / --indexer-format (checked by
     check_kv_dtype): DSV4Runner's kv_format and indexer_format."""
     fp8 = getattr(args, "kv_dtype", None) == "fp8"
     return {"kv_format": "fp8" if fp8 else "exact", "indexer_format": getattr(args, "indexer_format", None) or "fp8"}

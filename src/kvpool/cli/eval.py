@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--plot",
         default=None,
-        metavar="FILE.png",
+        metavar="FILE.png|svg|pdf",
         help="per-layer error and the quality-vs-bytes frontier (default: no plot)",
     )
     p.set_defaults(_name="eval kv-quant")

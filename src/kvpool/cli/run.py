@@ -211,11 +211,15 @@ def check_hybrid(args: argparse.Namespace) -> None:
         if getattr(args, attr, None) is not None:
             raise ValueError(f"{flag} is not supported with --model {model}: {why}")
     if getattr(args, "kv_dtype", None) not in (None, "auto", "fp32"):
-        raise ValueError(f"--kv-dtype {args.kv_dtype} is not supported with --model {model}: it keeps float32 K/V")
+        raise ValueError(
+            f"--kv-cache-dtype {args.kv_dtype} is not supported with --model {model}: it keeps float32 K/V"
+        )
     if getattr(args, "preemption", "recompute") != "recompute":
         raise ValueError(f"--preemption {args.preemption} is not supported with --model {model}: it recomputes")
     if getattr(args, "tp", 1) > 1:
-        raise ValueError(f"--tp is not supported with --model {model}: the hybrid runner runs on one process")
+        raise ValueError(
+            f"--tensor-parallel-size is not supported with --model {model}: the hybrid runner runs on one process"
+        )
 
 
 def hybrid_engine(args: argparse.Namespace):
@@ -313,9 +317,11 @@ def build(args: argparse.Namespace):
     check_preemption(args)
     persistent_cache_options(args)  # a flag tiny-dsv4 cannot take is refused before anything loads
     if args.model == TINY_MODEL and args.tp > 1:
-        raise ValueError("--tp is for the Llama path (SmolLM2); tiny-dsv4 runs on one process")
+        raise ValueError("--tensor-parallel-size is for the Llama path (SmolLM2); tiny-dsv4 runs on one process")
     if args.tp > 1 and getattr(args, "preemption", "recompute") == "auto":
-        raise ValueError("--preemption auto decides by each process's timings; with --tp use recompute or swap")
+        raise ValueError(
+            "--preemption auto decides by each process's timings; with --tensor-parallel-size use recompute or swap"
+        )
     if args.model == TINY_MODEL:
         from kvpool.engine.build import build_engine
         from kvpool.models.tiny_dsv4 import TinyDSV4

@@ -88,7 +88,7 @@ class DSV4Runner(ModelRunner):
         if persistent_tiers and restore != "recompute":
             raise ValueError("persistent tiers restore a V4 hit's state by their SWA strategy: restore='recompute'")
         if kv_format == "fp8" and (host_tier is not None or persistent_tiers):
-            raise ValueError("--kv-dtype fp8: the tiers keep exact classical blocks only")
+            raise ValueError("--kv-cache-dtype fp8: the tiers keep exact classical blocks only")
         spec = model.spec
         executor = DSV4Executor(
             model,

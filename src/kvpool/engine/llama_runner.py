@@ -61,7 +61,9 @@ class LlamaRunner(ModelRunner):
         fp8_e5m2, int8); None or the model's own dtype: unquantized, in the model's dtype."""
         fmt = kv_format_for(model, kv_format)
         if fmt is not None and (host_tier is not None or persistent_tiers):
-            raise ValueError(f"--kv-dtype {fmt.name}: the host, disk and Redis tiers keep unquantized blocks only")
+            raise ValueError(
+                f"--kv-cache-dtype {fmt.name}: the host, disk and Redis tiers keep unquantized blocks only"
+            )
         if model.shard is not None and preemption == "auto":
             raise ValueError(
                 "preemption 'auto' decides by this process's timings, which the tensor-parallel ranks differ in"

@@ -97,7 +97,7 @@ def build_layout(
     model, layout = plan.model, plan.layout
     pool = int(plan.ledger.pool_bytes)
     if pool <= 0:
-        fix = "pick a smaller model" if plan.gpu.kind == "cpu" else "raise --tp"
+        fix = "pick a smaller model" if plan.gpu.kind == "cpu" else "raise --tensor-parallel-size"
         raise ValueError(
             f"{model.name} leaves no KV pool on {plan.tp} x {plan.gpu.name} (weights "
             f"{plan.weights.per_gpu_bytes / 2**30:.1f} GiB per device): {fix}"

@@ -10,8 +10,8 @@ then every rank runs it on its shard. Passes when every request's greedy tokens 
 same, the prefix hit and the preemption happened alike, and every logit is within 8 times
 the single-process engine's own fp32 error against the fp64 model (teacher-forced over the
 same tokens: rounding in another order is all tensor parallelism may change). Also
-reported: each rank's KV pool bytes per token, against `kvpool plan --tp T --kv-dtype fp32`
-per GPU.
+reported: each rank's KV pool bytes per token, against
+`kvpool plan --tensor-parallel-size T --kv-cache-dtype fp32` per GPU.
 """
 
 from __future__ import annotations
