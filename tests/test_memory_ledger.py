@@ -172,3 +172,11 @@ def test_a_ledger_says_what_it_does_not_explain():
     d = ledger.as_dict()
     assert (d["weights"], d["kv_pool"], d["workspace"], d["accounted"], d["unaccounted"]) == (600, 250, 0, 850, 150)
     assert d["unaccounted_share"] == 0.15
+
+
+def test_the_plan_of_this_machine_speaks_of_no_gpu(capsys):
+    from kvpool.cli.main import main
+
+    assert main(["plan", "--model", "smollm2-135m", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "KV pool of this machine" in out and "per GPU" not in out

@@ -156,3 +156,12 @@ def test_a_piped_comparison_table_is_not_cut_to_80_columns(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "…" not in out and "sim_wall_s" in out and "contiguous" in out, out
     assert max(len(line) for line in out.splitlines()) > 80
+
+
+def test_the_title_names_the_deployment_in_words():
+    from kvpool.cli.simulate import _count, _deployment
+
+    assert _count(1, "request") == "1 request" and _count(1200, "request") == "1,200 requests"
+    assert _deployment(1, 1, "H200") == "1 H200"
+    assert _deployment(2, 4, "H200") == "8 H200 (2 replicas of TP 4)"
+    assert _deployment(1, 8, "B200") == "8 B200 (1 replica of TP 8)"

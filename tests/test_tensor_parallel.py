@@ -91,3 +91,11 @@ def test_kvpool_run_tp_3_reports_once_with_per_rank_kv() -> None:
     # the same default KV budget per rank holds three times the tokens
     assert report["kv_capacity_tokens"] == 3 * one["kv_capacity_tokens"]
     assert report["prefix_hit_tokens"] == one["prefix_hit_tokens"] > 0  # the follow-up turns hit alike
+
+
+def test_generate_tp_3_says_its_note_once() -> None:
+    # the text and the note that it stopped at --max-tokens come from rank 0 only
+    proc = _torchrun(3, "generate", "hi", "--max-tokens", "2", "--tp", "3", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("stopped at --max-tokens 2") == 1, proc.stderr
+    assert len(proc.stdout.strip().splitlines()) == 1, proc.stdout

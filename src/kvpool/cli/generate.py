@@ -174,6 +174,14 @@ def run(args: argparse.Namespace) -> int:
         engine.runner.close()  # the disk and Redis tiers' background writes land before the process ends
 
 
+def _reports() -> bool:
+    """Whether this process reports: the only one, or rank 0 of a --tensor-parallel-size run
+    (the other ranks compute their shards of the same tokens and say nothing)."""
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 def _tensor_parallel(args: argparse.Namespace, loaded) -> int:
     """--tp: this process's rank, its model shard in `loaded` (ValueError for a --tp the
     model's heads or the torchrun world do not fit)."""
@@ -253,6 +261,7 @@ def _generate(args, engine, loaded, prompt_ids, params, num_blocks, runtime_byte
         print(json.dumps(report))
     else:
         sys.stdout.write("\n")
-        if completion.finish_reason == "length":
+        if completion.finish_reason == "length" and _reports():
+            sys.stdout.flush()  # the text first, then the note, also through one pipe
             print(length_note(args.max_tokens), file=sys.stderr)
     return 0

@@ -387,6 +387,9 @@ def print_plan(p: Plan) -> None:
         (f"KV at {p.context_len:,} tokens (model)", _gib(d["kv_bytes_at_context"])),
         (f"KV at {p.context_len:,} tokens (per GPU, paged)", _gib(d["kv_bytes_at_context_per_gpu"])),
     ]
+    if p.gpu.kind == "cpu":  # one process, no GPU: the per-GPU rows would repeat the model's under a wrong name
+        rows = [(k, v) for k, v in rows if "per GPU" not in k]
+        rows.append((f"KV at {p.context_len:,} tokens (paged)", _gib(d["kv_bytes_at_context_per_gpu"])))
     for k, v in rows:
         head.add_row(k, v)
     console.print(head)
@@ -413,7 +416,7 @@ def print_plan(p: Plan) -> None:
     out = Table(title="plan", show_header=False)
     out.add_column(style="bold")
     out.add_column(justify="right")
-    out.add_row("KV pool per GPU", _gib(p.ledger.pool_bytes))
+    out.add_row("KV pool of this machine" if on_cpu else "KV pool per GPU", _gib(p.ledger.pool_bytes))
     n = p.max_concurrent_per_replica
     out.add_row(f"  filled with {n:,} requests of {p.context_len:,} tokens", "", style="dim")
     for sub, value in p.occupancy.items():

@@ -428,8 +428,8 @@ def _print(reports: list[dict]) -> None:
     if len(reports) == 1:
         r = reports[0]
         table = Table(
-            title=f"kvpool simulate: {r['num_requests']} requests, {r['model']} on {r['replicas']} x "
-            f"{r['tp']} {r['gpu']}, layout {r['layout']}"
+            title=f"kvpool simulate: {_count(r['num_requests'], 'request')}, {r['model']} on "
+            f"{_deployment(r['replicas'], r['tp'], r['gpu'])}, layout {r['layout']}"
         )
         table.add_column("metric")
         table.add_column("value", justify="right")
@@ -481,3 +481,15 @@ def _replicas_table(report: dict) -> Table:
     for row in rows:
         table.add_row(*(str(v) for v in row.values()))
     return table
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
+def _deployment(replicas: int, tp: int, gpu: str) -> str:
+    """'1 H200', '8 H200 (2 replicas of TP 4)': the GPUs in all, then how they are split."""
+    gpus = f"{replicas * tp:,} {gpu}"
+    if replicas == 1 and tp == 1:
+        return gpus
+    return f"{gpus} ({_count(replicas, 'replica')} of TP {tp})"
