@@ -507,7 +507,7 @@ def test_every_group_kind_keeps_the_whole_group_protocol():
     )
     methods = {n: f for n, f in vars(CacheGroup).items() if inspect.isfunction(f) and not n.startswith("_")}
     attributes = [n for n in CacheGroup.__annotations__ if not n.startswith("_")]
-    assert len(methods) == 40 and attributes == [
+    assert len(methods) == 43 and attributes == [
         "name",
         "kind",
         "pool",
@@ -532,6 +532,33 @@ def test_every_group_kind_keeps_the_whole_group_protocol():
         if isinstance(node, ast.ImportFrom) and node.module
     }
     assert not imported & {"kvpool.cache.window", "kvpool.cache.recurrent", "kvpool.cache.dual_pool"}
+
+
+def test_prefix_queries_and_the_swap_are_the_coordinators_answered_by_each_group():
+    # The P/D prefix queries and the partial-block swap are coordinator calls: an attention
+    # group answers them (a one-group coordinator over it is a FullAttentionManager), a
+    # group without such blocks answers empty or None, a hybrid cache refuses in one line.
+    tokens = list(range(10))
+    m = HybridCacheManager([(AttentionGroupSpec("full", 4), 8)], DESC, exact_steps=False)
+    assert prefill(m, "a", tokens) == 0  # blocks 0, 1 full (tokens 0-7), block 2 partial (8, 9)
+    ids, chain = m.prefix_blocks(tokens + [99])
+    hashes = [b.block_hash for b in m.prefix_chain("a")]
+    assert ids == m.block_ids("a")[:2] and [b.block_hash for b in chain] == hashes and len(hashes) == 2
+    longer = m.chain_for(tokens + [99, 98])  # three full blocks, the third not cached
+    assert [b.block_hash for b in longer[:2]] == hashes and len(longer) == 3 and not longer[2].block_ids
+    block_id, block, n = m.tail_block("a")
+    assert (block_id, n) == (m.block_ids("a")[2], 2) and m.pool.block_hash(block_id) is None
+    r = HybridCacheManager([(RecurrentGroupSpec("r", 4), 2)], DESC)
+    prefill(r, "a", tokens)
+    assert r.prefix_blocks(tokens) == ([], []) and r.chain_for(tokens) == [] and r.tail_block("a") is None
+    h = HybridCacheManager([(AttentionGroupSpec("full", 4), 8), (RecurrentGroupSpec("r", 4), 2)], DESC)
+    prefill(h, "a", tokens)
+    with pytest.raises(ValueError, match="prefix_blocks serves a one-group cache, got 2 groups"):
+        h.prefix_blocks(tokens)
+    with pytest.raises(ValueError, match="a cache of 2 groups restores no partial block"):
+        h.restore_tail("a", 2)
+    assert h.tail_block("a") is None and h.tail_block_for_restore("a", 2) is None
+    h.check_integrity()
 
 
 def test_a_follow_up_turn_hits_inside_the_attention_block_where_the_previous_turn_ended():

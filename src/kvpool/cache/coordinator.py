@@ -454,6 +454,75 @@ class HybridCacheManager:
         then freed, the tail first."""
         self._group_list[0].publish_installed(block_ids, blocks, num_loaded)
 
+    # ---- a one-group cache's P/D prefix queries and partial-block swap ------------------
+
+    def _one_group(self, what: str) -> CacheGroup:
+        if len(self._group_list) != 1:
+            raise ValueError(f"{what} serves a one-group cache, got {len(self._group_list)} groups")
+        return self._group_list[0]
+
+    def prefix_blocks(self, token_ids: Sequence[int], *, tenant_salt: str = "") -> tuple[list[int], list[PrefixBlock]]:
+        """`CacheGroup.prefix_blocks` under `tenant_salt`: ids valid until the pool next allocates."""
+        return self._one_group("prefix_blocks").prefix_blocks(self._root(tenant_salt), list(token_ids))
+
+    def chain_for(self, token_ids: Sequence[int], *, tenant_salt: str = "") -> list[PrefixBlock]:
+        """`CacheGroup.chain_for` under this cache's descriptor and `tenant_salt`."""
+        return self._one_group("chain_for").chain_for(self._root(tenant_salt), list(token_ids))
+
+    def tail_block(self, request_id: str) -> tuple[int, PrefixBlock, int] | None:
+        """(block id, an unregistered prefix block for its content, tokens) of the computed partial
+        block, saved at preemption; None on a block boundary, caching off, or no such block."""
+        req = self._get(request_id)
+        nc, bs = req.num_computed, self.block_size
+        if len(self._group_list) != 1 or not self.pool.enable_caching or nc % bs == 0:
+            return None
+        g = self._group_list[0]
+        tail = g.partial_block(req.states[g.name], req.token_ids, req.mm_items, nc - nc % bs, nc)
+        return None if tail is None else (*tail, nc % bs)
+
+    def tail_block_for_restore(self, request_id: str, num_tokens: int) -> tuple[int, PrefixBlock] | None:
+        """(block id, prefix block of its would-be content) for restoring `num_tokens`
+        positions after the computed full blocks (`restore_tail`); None when they cannot be."""
+        req = self._get(request_id)
+        if self._restore_refusal(req, num_tokens) is not None:
+            return None
+        g, nc = self._group_list[0], req.num_computed
+        return g.partial_block(req.states[g.name], req.token_ids, req.mm_items, nc, nc + num_tokens)
+
+    def _restore_refusal(self, req: _Request, num_tokens: int) -> str | None:
+        """Why `num_tokens` positions after the computed prefix cannot be restored, or None."""
+        nc, bs = req.num_computed, self.block_size
+        if len(self._group_list) != 1:
+            return f"request {req.request_id!r}: a cache of {len(self._group_list)} groups restores no partial block"
+        if req.num_loading or nc % bs or not 0 < num_tokens < bs or nc + num_tokens >= len(req.token_ids):
+            return (
+                f"request {req.request_id!r}: cannot restore {num_tokens} tokens after {nc} computed "
+                f"({len(req.token_ids)} known, block size {bs})"
+            )
+        if nc + num_tokens > req.end:
+            return f"request {req.request_id!r}: {num_tokens} restored tokens lie past its reservation"
+        return None
+
+    def restore_tail(self, request_id: str, num_tokens: int) -> Admission:
+        """The KV of `num_tokens` positions after the computed full blocks is loaded back into
+        the request's fresh block before its first step: they count as computed (a token is
+        left to compute). Returns the admission the engine follows."""
+        req, tail = self._get(request_id), self.tail_block_for_restore(request_id, num_tokens)
+        if tail is None:
+            raise ValueError(
+                self._restore_refusal(req, num_tokens) or f"request {request_id!r}: its group swaps no block"
+            )
+        assert self.pool.refcount(tail[0]) == 1 and self.pool.block_hash(tail[0]) is None, "a fresh block"
+        req.num_computed += num_tokens
+        if req.readmitted:
+            self.stats.num_readmitted_hit_tokens += num_tokens
+        else:
+            self.stats.num_hit_tokens += num_tokens
+        # the first step stays inside the admission's reservation (a block boundary past nc)
+        n = min(req.budget, len(req.token_ids) - req.num_computed, req.end - req.num_computed)
+        assert n > 0
+        return Admission(req.num_computed, n, self._admission_parts(req))
+
     # ---- prefix hits -------------------------------------------------------------------
 
     def _root(self, tenant_salt: str) -> PrefixBlock:

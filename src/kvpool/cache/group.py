@@ -227,6 +227,23 @@ class CacheGroup(Protocol):
         order, as cached blocks nobody holds; every installed block is then freed."""
         raise AssertionError(f"group {self.name!r} has no prefetch candidates to install")
 
+    # ---- prefix queries for P/D transfer, the swap of a partial block -------------------
+
+    def prefix_blocks(self, root: PrefixBlock, token_ids: list[int]) -> tuple[list[int], list[PrefixBlock]]:
+        """Ids and prefix blocks of the cached full units of `token_ids` from the first (all may
+        match, unlike an admission's hit); ([], []) without such blocks. Changes nothing."""
+        return [], []
+
+    def chain_for(self, root: PrefixBlock, token_ids: list[int]) -> list[PrefixBlock]:
+        """The prefix blocks of `token_ids`' full units, cached or not; [] without such blocks."""
+        return []
+
+    def partial_block(
+        self, state: Any, token_ids: list[int], mm_items: tuple[MMItem, ...], start: int, end: int
+    ) -> tuple[int, PrefixBlock] | None:
+        """(block id, unregistered prefix block of [start, end)) a swap saves or restores; None: no such block."""
+        return None
+
     # ---- queries on a request's state ---------------------------------------------------
 
     def block_ids(self, state: Any) -> list[int]:

@@ -414,11 +414,18 @@ class AttentionGroup(CacheGroup):
     def metadata_bytes(self, state: AttentionState) -> int:
         return sys.getsizeof(state) + sys.getsizeof(state.block_ids) + sys.getsizeof(state.chain)
 
+    def prefix_blocks(self, root: PrefixBlock, token_ids: list[int]) -> tuple[list[int], list[PrefixBlock]]:
+        chain = self.hits(root, token_ids, ()).chain
+        return [chains.held_copy(self.pool, block) for block in chain], chain
+
+    def chain_for(self, root: PrefixBlock, token_ids: list[int]) -> list[PrefixBlock]:
+        n = len(token_ids) // self.block_size
+        return chains.chain_units(self.pool, root, token_ids, (), self.block_size, 0, n)
+
     def partial_block(
         self, state: AttentionState, token_ids: list[int], mm_items: tuple[MMItem, ...], start: int, end: int
     ) -> tuple[int, PrefixBlock]:
-        """(block id, an unregistered prefix block of positions [start, end)) of the block
-        after the request's chain, which ends at `start` (the swap of a partial block)."""
+        """The block after the request's chain, which ends at `start`."""
         index = start // self.block_size
         parent = state.chain[-1] if state.chain else state.root
         block = self.pool.chain(
