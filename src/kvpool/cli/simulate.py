@@ -8,7 +8,8 @@
 
 A comma list in --layout, --routing, --block-size or --rate runs every combination (contiguous
 has no block size: it runs once per rate, whatever --block-size lists); `sweep` runs them in
-parallel processes and writes one JSON line per run. --plot DIR writes PNGs: latency CDFs, KV
+parallel processes (or Ray tasks: --executor ray) and writes one JSON line per run, then the
+cheapest deployment meeting the SLO. --plot DIR writes PNGs: latency CDFs, KV
 occupancy over time and, for several runs, a comparison chart. Output paths are checked
 before anything is simulated: a run of minutes must not end in a path error.
 """
@@ -19,9 +20,7 @@ import argparse
 import itertools
 import json
 import math
-import multiprocessing
 import os
-import signal
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -193,6 +192,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots into DIR (default: no plots)")
     parser.add_argument("--out", default=None, help="sweep: the JSONL file to write (default: stdout)")
     parser.add_argument("--jobs", type=positive_int, default=None, help="sweep: parallel processes (default: cores)")
+    parser.add_argument(
+        "--executor",
+        choices=("processes", "ray"),
+        default="processes",
+        help="sweep: a process pool on this host, or Ray (the [ray] extra; local mode unless --ray-address)",
+    )
+    parser.add_argument(
+        "--ray-address",
+        default=None,
+        help="sweep, --executor ray: a Ray cluster to join (default: none, Ray in local mode on this machine)",
+    )
+    parser.add_argument(
+        "--slo-attainment",
+        type=positive_float,
+        default=0.9,
+        help="sweep: a run meets the SLO when this fraction of its requests is within both bounds; the "
+        "cheapest such deployment (GPUs per goodput) is printed",
+    )
 
 
 def _gpu(name: str, utilization: float = 1.0):
@@ -360,10 +377,6 @@ def _public(report: dict) -> dict:
     return {k: v for k, v in report.items() if not k.startswith("_")}
 
 
-def _ignore_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
 def _sweep_one(payload: tuple[argparse.Namespace, dict]) -> dict:
     args, combo = payload
     return _public(_one(args, combo, progress=False))
@@ -373,21 +386,18 @@ def run(args: argparse.Namespace) -> int:
     _check_output_paths(args)
     combos = _runs(args)
     if args.mode == "sweep":
-        rows = []
+        from kvpool.cli.sweep import cheapest_deployment, describe, map_processes, map_ray
+
+        if args.ray_address and args.executor != "ray":
+            raise ValueError("--ray-address: a Ray cluster runs the sweep only with --executor ray")
+        if not args.slo_attainment <= 1.0:
+            raise ValueError(f"--slo-attainment: expected a fraction in (0, 1], got {args.slo_attainment}")
         jobs = min(args.jobs or os.cpu_count() or 1, len(combos))
-        if jobs > 1:
-            # workers ignore Ctrl-C; the parent stops them and reports one line (cli/main.py)
-            pool = multiprocessing.get_context("spawn").Pool(jobs, initializer=_ignore_sigint)
-            try:
-                rows = pool.map(_sweep_one, [(args, c) for c in combos])
-                pool.close()
-            except BaseException:
-                pool.terminate()
-                raise
-            finally:
-                pool.join()
+        payloads = [(args, c) for c in combos]
+        if args.executor == "ray":
+            rows = map_ray(_sweep_one, payloads, jobs, args.ray_address)
         else:
-            rows = [_sweep_one((args, c)) for c in combos]
+            rows = map_processes(_sweep_one, payloads, jobs)
         text = "".join(json.dumps(r) + "\n" for r in rows)
         if args.out:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -403,6 +413,7 @@ def run(args: argparse.Namespace) -> int:
 
             for path in plot_sweep(rows, args.plot):
                 print(f"kvpool simulate sweep: wrote {path}", file=sys.stderr)
+        print(describe(cheapest_deployment(rows, args.slo_attainment), args.slo_attainment), file=sys.stderr)
         return 0
     reports = [_one(args, c, progress=True) for c in combos]
     if args.plot:
