@@ -139,7 +139,7 @@ def test_context_beyond_the_models_positions_warns_and_still_plans(capsys: pytes
     out = json.loads(captured.out)
     assert out["context_len"] == 262_144 and out["max_position_embeddings"] == 131_072
     assert captured.err == (
-        "kvpool plan: warning: --context 262,144 is beyond llama-3.1-8b's maximum position 131,072 "
+        "kvpool plan: warning: --max-model-len 262,144 is beyond llama-3.1-8b's maximum position 131,072 "
         "(max_position_embeddings); the figures extrapolate\n"
     )
     assert main(["plan", "--model", "llama-3.1-8b", "--context", "131072", "--memory-gib", "1000", "--json"]) == 0

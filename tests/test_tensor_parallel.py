@@ -46,7 +46,9 @@ def test_a_tp_degree_the_heads_cannot_take_is_refused() -> None:
     smollm2 = LlamaConfig(30, 576, 1536, 9, 3, 64, 1e5, 1e-5, 49152, 8192, True)
     check_tp(smollm2, 3)
     with pytest.raises(
-        ValueError, match="--tp 2 does not divide the model's 9 query heads, 3 KV heads .* use --tp 1 or 3"
+        ValueError,
+        match="--tensor-parallel-size 2 does not divide the model's 9 query heads, 3 KV heads "
+        ".* use --tensor-parallel-size 1 or 3",
     ):
         check_tp(smollm2, 2)
     proc = subprocess.run(
@@ -58,7 +60,7 @@ def test_a_tp_degree_the_heads_cannot_take_is_refused() -> None:
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "runs under torchrun" in lines[0], proc.stderr
     proc = _torchrun(2, "generate", "hi", "--max-tokens", "2", "--tp", "2", timeout=120)
-    assert proc.returncode != 0 and "--tp 2 does not divide the model's 9 query heads" in proc.stderr
+    assert proc.returncode != 0 and "--tensor-parallel-size 2 does not divide the model's 9 query heads" in proc.stderr
 
 
 def test_generate_tp_3_prints_one_report() -> None:

@@ -129,9 +129,11 @@ def run(args: argparse.Namespace) -> int:
     kv_format = check_kv_dtype(args)
     tiers = persistent_cache_options(args)
     if getattr(args, "tp", 1) > 1 and args.model == "tiny-dsv4":
-        raise ValueError("--tp is for the Llama path (SmolLM2); tiny-dsv4 runs on one process")
+        raise ValueError("--tensor-parallel-size is for the Llama path (SmolLM2); tiny-dsv4 runs on one process")
     if getattr(args, "tp", 1) > 1 and preemption == "auto":
-        raise ValueError("--preemption auto decides by each process's timings; with --tp use recompute or swap")
+        raise ValueError(
+            "--preemption auto decides by each process's timings; with --tensor-parallel-size use recompute or swap"
+        )
     check_device_model(args, ("tiny-dsv4",))
     dtype, device = model_placement(args)
     if args.model == "tiny-dsv4":  # DeepSeek-V4 dual pool: token ids in, token ids out
@@ -183,8 +185,8 @@ def _reports() -> bool:
 
 
 def _tensor_parallel(args: argparse.Namespace, loaded) -> int:
-    """--tp: this process's rank, its model shard in `loaded` (ValueError for a --tp the
-    model's heads or the torchrun world do not fit)."""
+    """--tensor-parallel-size: this process's rank, its model shard in `loaded` (ValueError
+    for a size the model's heads or the torchrun world do not fit)."""
     from kvpool.models.tensor_parallel import check_tp, init_tp, shard_llama
 
     tp = getattr(args, "tp", 1)
@@ -196,8 +198,8 @@ def _tensor_parallel(args: argparse.Namespace, loaded) -> int:
 
 
 def agree_across_ranks(loaded, what: str, *parts: object) -> None:
-    """Under --tp: every rank holds the same `parts` (RankError naming the ranks that differ);
-    nothing to check on one process."""
+    """Under --tensor-parallel-size: every rank holds the same `parts` (RankError naming the
+    ranks that differ); nothing to check on one process."""
     if loaded.model.shard is None:
         return
     from kvpool.models.tensor_parallel import check_same, digest

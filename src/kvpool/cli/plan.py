@@ -138,7 +138,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prompt-len", type=positive_int, default=None, help="--pd: tokens of a prompt (default: --max-model-len / 2)"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw KV bytes vs context (default: none)")
+    parser.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE.png|svg|pdf",
+        help="draw KV bytes vs context, the type from the extension (default: none)",
+    )
     parser.add_argument(
         "--plot-models", default=None, help=f"comma-separated presets for --plot (default: {','.join(PLOT_MODELS)})"
     )
@@ -214,7 +219,7 @@ def warn_beyond_max_position(model: ModelSpec, context_len: int | None) -> None:
     the user should know that the model was not built for that context."""
     if context_len is not None and context_len > model.max_position_embeddings:
         print(
-            f"kvpool plan: warning: --context {context_len:,} is beyond {model.name}'s maximum position "
+            f"kvpool plan: warning: --max-model-len {context_len:,} is beyond {model.name}'s maximum position "
             f"{model.max_position_embeddings:,} (max_position_embeddings); the figures extrapolate",
             file=sys.stderr,
         )
@@ -224,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         model = _load_model(args)
         if model is None and not args.plot:
-            raise ValueError("give --model NAME or --config PATH (or --plot FILE.png alone)")
+            raise ValueError("give --model NAME or --config PATH (or --plot FILE.png|svg|pdf alone)")
         plot_names: list[str] = []
         if args.plot:
             check_plot_path(args.plot)

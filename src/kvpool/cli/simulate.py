@@ -250,12 +250,12 @@ def _workload(args, model, rate_value: float):
 
 
 def _fit_tp(model, gpu, args) -> int:
-    """--tp, or the fewest GPUs (1, 2, 4, 8) whose pool holds a block."""
+    """--tensor-parallel-size, or the fewest GPUs (1, 2, 4, 8) whose pool holds a block."""
     from kvpool.capacity.planner import plan
 
     if gpu.kind == "cpu":  # one machine: no tensor parallelism across CPUs
         if args.tp not in (None, 1):
-            raise ValueError("--tp: the cpu preset is one machine; tensor parallelism needs GPUs")
+            raise ValueError("--tensor-parallel-size: the cpu preset is one machine; tensor parallelism needs GPUs")
         return 1
     if args.tp:
         return args.tp

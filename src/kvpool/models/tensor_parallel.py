@@ -121,7 +121,7 @@ def collective(peers: Sequence[Peer] | None, call: Callable[[], T]) -> T:
 def check_tp(config, tp: int) -> None:
     """ValueError naming the counts when `tp` ranks cannot each hold whole heads."""
     if tp <= 0:
-        raise ValueError(f"--tp must be positive, got {tp}")
+        raise ValueError(f"--tensor-parallel-size must be positive, got {tp}")
     bad = [
         f"{n} {what}"
         for n, what in (
@@ -135,8 +135,8 @@ def check_tp(config, tp: int) -> None:
         divisors = [t for t in range(1, config.num_kv_heads + 1) if config.num_kv_heads % t == 0]
         divisors = [t for t in divisors if config.num_heads % t == 0 and config.intermediate_size % t == 0]
         raise ValueError(
-            f"--tp {tp} does not divide the model's {', '.join(bad)} (each rank keeps whole heads, none "
-            f"replicated); use --tp {' or '.join(str(t) for t in divisors)}"
+            f"--tensor-parallel-size {tp} does not divide the model's {', '.join(bad)} (each rank keeps whole "
+            f"heads, none replicated); use --tensor-parallel-size {' or '.join(str(t) for t in divisors)}"
         )
 
 
@@ -185,15 +185,21 @@ def shard_llama(model: LlamaModel, rank: int, world: int, group: dist.ProcessGro
 
 
 def init_tp(tp: int) -> tuple[int, int]:
-    """(rank, world size) for --tp `tp`: 1 rank without torchrun; under torchrun its world,
-    which must be `tp`; the gloo process group set up. ValueError otherwise."""
+    """(rank, world size) for --tensor-parallel-size `tp`: 1 rank without torchrun; under
+    torchrun its world, which must be `tp`; the gloo process group set up. ValueError
+    otherwise."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if tp == 1 and world == 1:
         return 0, 1
     if "RANK" not in os.environ:
-        raise ValueError(f"--tp {tp} runs under torchrun: torchrun --nproc-per-node {tp} -m kvpool ... --tp {tp}")
+        raise ValueError(
+            f"--tensor-parallel-size {tp} runs under torchrun: torchrun --nproc-per-node {tp} -m kvpool ... "
+            f"--tensor-parallel-size {tp}"
+        )
     if world != tp:
-        raise ValueError(f"--tp {tp} under torchrun with {world} processes: start --nproc-per-node {tp}")
+        raise ValueError(
+            f"--tensor-parallel-size {tp} under torchrun with {world} processes: start --nproc-per-node {tp}"
+        )
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     return dist.get_rank(), world
