@@ -175,7 +175,6 @@ def _sim_side(real, cache, bridge: TierBridge, executor: CostExecutor, tables, w
         capacity_tokens=real.capacity_tokens,
         max_model_len=real.max_model_len,
         preemption=real.preemption,
-        dual=real.dual,
     )
     return Side(runner, cache, tables, wl, clock=executor.clock, **kw)
 

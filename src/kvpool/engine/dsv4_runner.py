@@ -126,7 +126,6 @@ class DSV4Runner(ModelRunner):
             block_size=spec.span,
             capacity_tokens=capacity,
             max_model_len=min(spec.max_position_embeddings, capacity),
-            dual=True,
             restore_cost=restore_cost,
             swa=swa,
         )

@@ -21,9 +21,12 @@ evicted), the step (V4: cut at the state checkpoints and window snapshots it tak
 commit (with the write-through of the blocks it published), release (with the swap-out
 decision of a preemption), fork (with the state copy), and the figures.
 
-`dual` marks what is V4's alone: a step cut into pieces at its state checkpoints and
-window snapshots (the executor copies no state inside a forward), the window snapshots,
-and the tier figures (a lower tier's blocks come back by prefetch before admission).
+`pieces` (a cache with a V4 dual-pool group, read off the cache) marks what is V4's
+alone: a step cut into pieces at its state checkpoints and window snapshots (the executor
+copies no state inside a forward; a hybrid model's executor copies its recurrent
+checkpoints itself), the window snapshots (they need the executor's window), and the
+report's `replayed_tokens`. The tier figures need no mark: a lower tier's blocks come
+back by prefetch (counted in `_prefetched_tokens`) or by an admission's loads.
 
 The executor interface (`Executor` below) is what a model's tensors must do and nothing
 more; it never changes the cache (it may read the tables the cache holds, to turn them
@@ -194,7 +197,6 @@ class ModelRunner:
         capacity_tokens: int,
         max_model_len: int,
         preemption: str = "recompute",
-        dual: bool = False,
         restore_cost: MeasuredRestoreCost | None = None,
         swa: SWAStrategy | None = None,
     ) -> None:
@@ -209,7 +211,7 @@ class ModelRunner:
         self.capacity_tokens = capacity_tokens
         self.max_model_len = max_model_len
         self.preemption = preemption
-        self.dual = dual  # V4's dual pool: steps in pieces, window snapshots (module docstring)
+        self.pieces = bool(cache.dual_groups)  # V4's dual pool: steps in pieces, window snapshots
         self.restore_cost = restore_cost if restore_cost is not None else MeasuredRestoreCost()
         self.num_replayed_tokens = 0  # tokens recomputed by prefix-hit restores (for reports)
         self.replay_s = 0.0
@@ -221,6 +223,7 @@ class ModelRunner:
         self._swapped: dict[str, tuple[int, int]] = {}
         self._prefill_tokens = 0  # tokens of the steps that carried a prefill chunk, and their seconds (auto)
         self._prefill_s = 0.0
+        self._prefetched_tokens = 0  # tokens of the blocks `_prefetch` loaded (a lower tier's hits)
         # the step metadata in persistent buffers (attention/backends/step_buffers.py) that a
         # GPU backend or a CUDA graph reads; None: the backends plan from the step's tables
         self.step_buffers: StepBuffers | None = None
@@ -231,7 +234,7 @@ class ModelRunner:
         if self.persistent_tiers:  # disk, Redis: an entry that is not a block of this storage is a corrupt miss
             self.bridge.expect_blocks(descriptor, executor.block_layout)
         # window snapshots at block boundaries (dual pool with persistent tiers, tiers/swa.py)
-        self.swa = (swa or SWAStrategy()).check(block_size) if dual and self.persistent_tiers else None
+        self.swa = (swa or SWAStrategy()).check(block_size) if self.pieces and self.persistent_tiers else None
         self.swa_moves = SWAMoves()
         if self.host_tier is not None:
             if hasattr(self.host_tier, "reclaim"):
@@ -408,7 +411,7 @@ class ModelRunner:
         copies = self.cache.take_copies()
         if copies:
             self.executor.copy_blocks(copies)  # copy-on-write copies before anything writes
-        if self.dual:
+        if self.pieces:
             out = self._forward_in_pieces(chunks, all_logits)
         else:
             if self.step_buffers is not None:  # the step's metadata into the persistent buffers
@@ -686,6 +689,7 @@ class ModelRunner:
         if block_ids is None:
             return
         num_loaded = self._load(list(zip(block_ids, candidates, strict=False)))
+        self._prefetched_tokens += num_loaded * self.block_size
         self.cache.publish_installed(block_ids, candidates[:num_found], num_loaded)
 
     def _snapshot_entry(self, block: PrefixBlock) -> tuple[bytes, BlockDescriptor]:
@@ -772,9 +776,10 @@ class ModelRunner:
         if self.tier is None:
             return reports
         moves = self.tier_moves
-        # the hit tokens a lower tier gave: loaded at admission, or (V4) installed before it
-        hit_tokens = moves.num_loaded * self.block_size if self.dual else self.cache.stats.num_lower_tier_hit_tokens
-        reports.update(self.bridge.persistent_reports(hit_tokens_per_get=None if self.dual else self.block_size))
+        # the hit tokens a lower tier gave: loaded at admission, or installed before it
+        hit_tokens = self.cache.stats.num_lower_tier_hit_tokens + self._prefetched_tokens
+        per_get = None if self.swa is not None else self.block_size  # a get is a block, or a window snapshot
+        reports.update(self.bridge.persistent_reports(hit_tokens_per_get=per_get))
         if self.persistent_tiers:
             reports["tiers"] = {
                 "lookup_order": self.bridge.lookup_order(),
@@ -856,5 +861,5 @@ class ModelRunner:
             "readmitted_hit_tokens": stats.num_readmitted_hit_tokens,
             "hash_collisions": sum(pool.num_collisions for pool in self.cache.pools),
             **self.executor.cache_stats(cache),
-            **({"replayed_tokens": self.num_replayed_tokens} if self.dual else {}),
+            **({"replayed_tokens": self.num_replayed_tokens} if self.pieces else {}),
         }

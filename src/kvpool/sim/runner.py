@@ -27,5 +27,4 @@ def sim_runner(built: BuiltLayout, executor: CostExecutor, max_model_len: int) -
         block_size=built.block_size,
         capacity_tokens=built.capacity_tokens,
         max_model_len=min(max_model_len, built.capacity_tokens),
-        dual=built.name == "dual",  # V4's dual pool: steps cut at the state checkpoints
     )
