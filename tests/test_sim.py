@@ -124,7 +124,7 @@ def test_cli_runs_and_reports_the_runs_keys(capsys, tmp_path):
     ("flags", "message"),
     [
         (["--model", "no-such-model"], "--model: unknown model 'no-such-model'"),
-        (["--gpu", "a100"], "--gpu: unknown GPU 'a100'"),
+        (["--gpu", "a100"], "--gpu: unknown GPU 'a100'; known: B200, H100, H200"),
         (["--model", "llama-3.1-8b", "--layout", "dual"], "layout 'dual' is DeepSeek-V4's"),
         (["--model", "smollm2-135m", "--workload", "agentic"], "holds 8,192"),
     ],

@@ -436,7 +436,7 @@ def _parse_rope_scaling(value: Any) -> YarnScaling | None:
 def load_preset_config(name: str) -> dict[str, Any]:
     """The shipped config.json dict of a V4 preset."""
     if name not in PRESET_NAMES:
-        raise ValueError(f"unknown DeepSeek-V4 preset {name!r}; known: {list(PRESET_NAMES)}")
+        raise ValueError(f"unknown DeepSeek-V4 preset {name!r}; known: {', '.join(PRESET_NAMES)}")
     text = resources.files("kvpool").joinpath("presets", f"{name}.json").read_text(encoding="utf-8")
     return json.loads(text)
 

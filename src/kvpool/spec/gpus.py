@@ -79,7 +79,7 @@ class GPUSpec:
         """Dense peak FLOPs per second at `precision` ("bf16", "fp8", "fp32"); ValueError
         when the figure is unknown, so that no step time is ever computed from a guess."""
         if precision not in PRECISIONS:
-            raise ValueError(f"unknown precision {precision!r}; known: {list(PRECISIONS)}")
+            raise ValueError(f"unknown precision {precision!r}; known: {', '.join(PRECISIONS)}")
         value = getattr(self, f"peak_{precision}_flops")
         if math.isnan(value):
             raise ValueError(
@@ -132,7 +132,7 @@ def get_gpu(name: str) -> GPUSpec:
     for key, spec in GPUS.items():
         if key.lower() == name.lower():
             return spec
-    raise ValueError(f"unknown GPU {name!r}; known: {sorted(GPUS)}")
+    raise ValueError(f"unknown GPU {name!r}; known: {', '.join(sorted(GPUS))}")
 
 
 def custom_gpu(memory_gib: float, name: str | None = None) -> GPUSpec:

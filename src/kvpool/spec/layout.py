@@ -39,7 +39,7 @@ def dtype_bytes(dtype: str) -> float:
     try:
         return DTYPE_BYTES[dtype]
     except KeyError:
-        raise ValueError(f"unknown storage dtype {dtype!r}; known: {sorted(DTYPE_BYTES)}") from None
+        raise ValueError(f"unknown storage dtype {dtype!r}; known: {', '.join(sorted(DTYPE_BYTES))}") from None
 
 
 @dataclass(frozen=True)

@@ -522,13 +522,13 @@ def from_hf_config(cfg: dict[str, Any], name: str | None = None) -> ModelSpec:
         if not known:
             raise ValueError(
                 "config is missing required key 'model_type' and names no architecture kvpool knows "
-                f"(architectures={architectures}); known model types: {list(KNOWN_MODEL_TYPES)}"
+                f"(architectures={architectures}); known model types: {', '.join(KNOWN_MODEL_TYPES)}"
             )
         model_type = known[0]
     if model_type not in _PARSERS:
         raise ValueError(
             f"unknown model kind: model_type {model_type!r} (architectures={architectures}) is not one kvpool "
-            f"understands; known model types: {list(KNOWN_MODEL_TYPES)}"
+            f"understands; known model types: {', '.join(KNOWN_MODEL_TYPES)}"
         )
     return _PARSERS[model_type](cfg, name or str(cfg.get("_name_or_path") or model_type), model_type)
 
@@ -553,7 +553,7 @@ PRESET_NAMES: tuple[str, ...] = (
 def load_preset_config(name: str) -> dict[str, Any]:
     key = name.lower()
     if key not in PRESET_NAMES:
-        raise ValueError(f"unknown model preset {name!r}; known: {list(PRESET_NAMES)}")
+        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESET_NAMES)}")
     if key in dsv4_spec.PRESET_NAMES:
         return dsv4_spec.load_preset_config(key)
     text = resources.files("kvpool").joinpath("presets", f"{key}.json").read_text(encoding="utf-8")
