@@ -95,6 +95,14 @@ def test_sections_group_the_figures_with_units_and_keep_the_rest_raw():
             "SLO met: TTFT p99 1.00 s <= 1.00 s, TPOT p99 150.0 ms <= 200.0 ms",
         ),  # the bound holds
         ({"num_finished": 0}, "SLO: no request finished, nothing to judge"),
+        (
+            {"ttft_ms_p99": 1500.0, "num_within_slo": 9},
+            "SLO missed: TTFT p99 1.50 s > 1.00 s (9 of 10 finished requests within both)",
+        ),
+        (
+            {"slo_attainment": 0.995},
+            "SLO met: TTFT p99 900.0 ms <= 1.00 s, TPOT p99 150.0 ms <= 200.0 ms (99.5 % of the requests within both)",
+        ),
     ],
 )
 def test_the_slo_verdict(changes, verdict):

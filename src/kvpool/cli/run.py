@@ -23,7 +23,8 @@ Figures:
   read_bandwidth     KV bytes attention read (every sequence reads its whole context each
                      step) over the whole step time, weights included: the effective KV
                      read rate of serving, not a kernel's peak
-  goodput_req_s      requests within both SLOs (TTFT and TPOT) per second of wall time
+  goodput_req_s      requests within both SLOs (TTFT and TPOT) per second of wall time;
+                     num_within_slo counts them
 """
 
 from __future__ import annotations
@@ -564,6 +565,7 @@ def make_report(engine, args, model_name, wall, step_time, frag_samples, bytes_r
         **latency_report(done, 1),
         "throughput_tok_s": ratio(num_generated, wall, 2),
         "goodput_req_s": ratio(good, wall, 3),
+        "num_within_slo": good,
         "slo_ttft_ms": args.slo_ttft_ms,
         "slo_tpot_ms": args.slo_tpot_ms,
         "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
