@@ -183,6 +183,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "layer's kernels",
     )
     parser.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="MoE: spread the routed experts whole over the replica's TP GPUs (expert parallelism, ep = TP), "
+        "dispatching and combining tokens by all-to-alls over NVLink (vLLM's name; default: experts sharded by TP)",
+    )
+    parser.add_argument(
         "--slo-ttft-ms", type=positive_float, default=2000.0, help="goodput SLO: time to first token, ms"
     )
     parser.add_argument(
@@ -305,6 +311,8 @@ def _one(args, combo: dict, progress: bool) -> dict:
     model, gpu = planner_model(args.model), _gpu(args.gpu, args.gpu_memory_utilization)
     if gpu.kind == "cpu" and args.weight_dtype not in ("auto", "fp32"):
         raise ValueError(f"--weight-dtype {args.weight_dtype}: --gpu cpu is kvpool's CPU engine, fp32 weights only")
+    if args.enable_expert_parallel and model.moe is None:
+        raise ValueError(f"--enable-expert-parallel: {model.name} has no MoE layers (no routed experts to spread)")
     tp = _fit_tp(model, gpu, args)
     config = SimConfig(
         layout=combo["layout"],
@@ -327,7 +335,13 @@ def _one(args, combo: dict, progress: bool) -> dict:
     workload = _workload(args, model, combo["rate"])
     check_request_lens(model, workload, args.max_model_len, flag="--max-model-len")
     cost = CostModel(
-        model, gpu, weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype, tp=tp, host_mode=args.host_mode
+        model,
+        gpu,
+        weight_dtype=args.weight_dtype,
+        kv_dtype=args.kv_dtype,
+        tp=tp,
+        host_mode=args.host_mode,
+        expert_parallel=args.enable_expert_parallel,
     )
     bar = _Progress(workload.num_requests) if progress else None
     try:

@@ -76,6 +76,31 @@ serialise with the layers' kernels (the next GEMM needs their result), so comm_s
 the roofline rather than overlapping it. TP past one node's GPUs (`gpus_per_node`) is
 refused: its all-reduces would cross the inter-node network, which is not modelled.
 
+Expert parallelism (`expert_parallel`, vLLM's --enable-expert-parallel over the replica's
+TP group: ep = tp GPUs, ep = 1 without it): each GPU holds E / ep whole routed experts
+instead of a 1/tp slice of every expert. A MoE layer then moves tokens, not partial sums:
+the attention's all-reduce is split into a reduce-scatter (each GPU keeps N / ep of the
+tokens) and, after the MoE, an all-gather (the next layer needs them all), the same bytes
+and steps as one all-reduce; between them each GPU dispatches its tokens to the GPUs of
+their top-k experts and combines the expert outputs back, two all-to-alls in place of the
+MoE's all-reduce:
+
+    comm_s       = 2 x dense_layers x allreduce_s(N)
+                   + moe_layers x (allreduce_s(N) + 2 x alltoall_s(N))
+    alltoall_s   = sent_bytes / nvlink_bw + nvlink_latency
+    sent_bytes   = N / ep x top_k x hidden_size x a x (ep - 1) / ep
+
+A token's k (token, expert) pairs land on a uniformly random GPU each, so (ep - 1) / ep of
+them leave the GPU; every GPU sends to its ep - 1 peers at once through the node's
+NVSwitch, one step, one latency. Sending a token once per destination GPU rather than per
+expert (as DeepEP does) sends less; so does an fp8 dispatch: not modelled. Against TP's MoE
+all-reduce, 2 (ep - 1) / ep x N x hidden x a bytes in 2 (ep - 1) steps, the all-to-alls
+send k / ep of its bytes (the same for DeepSeek-V3 at ep 8, k 8) in 2 steps: EP pays off
+where latency dominates (decodes) and where k < ep. The expert weights a step reads on one
+GPU are its share of the touched experts, experts_touched(N) / ep whole experts, the same
+expected bytes as TP's 1/tp slice of each (ep = tp); the busiest GPU, which the step waits
+for, reads more than this mean under any real routing: not modelled either.
+
 Terms (`AttentionTerm`), by attention kind, H query heads, d head dim:
 - GQA: one term per window group of `kv_layout`: every token (or a window w), entry = the
   layer's K + V bytes on this GPU, flops_per_entry = 4 x (H / tp) x d (QK^T and PV).
@@ -247,7 +272,7 @@ class StepCost:
     compute_s: float
     memory_s: float
     time_s: float  # gemm_s + prefill_attention_s + decode_attention_s + comm_s + host_s
-    comm_s: float = 0.0  # the tensor-parallel all-reduces
+    comm_s: float = 0.0  # the tensor-parallel all-reduces and expert-parallel all-to-alls
     host_s: float = 0.0  # the host's overheads: per step, per layer launch (eager), per sequence
     gemm_s: float = 0.0  # the phases (module docstring): the GEMMs at their roofline,
     prefill_attention_s: float = 0.0  # the prefill chunks' attention at theirs,
@@ -292,6 +317,7 @@ class CostModel:
     host_mode: str = "graph"
     graph_max_batch: int = 512
     indexer_format: str | None = None  # V3.2 / V4 indexer keys: "fp8" (default), "mxfp4", "bf16"
+    expert_parallel: bool = False  # routed experts spread whole over the TP group (ep = tp)
 
     def __post_init__(self) -> None:
         if self.gpu.kind not in DEVICE_DEFAULTS:
@@ -318,6 +344,8 @@ class CostModel:
                 "the simulator prices NVLink all-reduces within a node only; use tp <= "
                 f"{self.gpu.gpus_per_node} (more replicas for more GPUs)"
             )
+        if self.expert_parallel and self.model.moe is None:
+            raise ValueError(f"expert parallelism spreads routed experts; {self.model.name} has no MoE layers")
         if self.tp > 1 and math.isnan(self.gpu.nvlink_bytes_per_s + self.gpu.nvlink_latency_s):
             raise ValueError(f"GPU {self.gpu.name} has no NVLink figure to price tp={self.tp}'s all-reduces")
         # Resolve the formats now: a bad dtype or tp fails here, naming itself.
@@ -345,14 +373,23 @@ class CostModel:
         return _bytes_per_param(self.weights.weight_dtype)
 
     @property
+    def ep(self) -> int:
+        """GPUs the routed experts are spread over: the TP group under expert parallelism, else 1."""
+        return self.tp if self.expert_parallel else 1
+
+    @property
     def expert_bytes(self) -> float:
-        """One routed expert of one MoE layer on this GPU (0 for a dense model)."""
+        """What reading one touched routed expert of one MoE layer costs this GPU, on average
+        (0 for a dense model): a 1/tp slice of it under TP; under EP the whole expert on one
+        GPU of ep, 1/ep of the time. Both are its bytes / tp (ep = tp)."""
         moe = self.model.moe
         if moe is None:
             return 0.0
         p, b = self.weights.params, self._bytes_per_param
-        all_experts = (p.experts * b["experts"] + p.expert_biases * b["expert_biases"]) / self.tp
-        return all_experts / (len(moe.moe_layers) * moe.num_experts)
+        one_expert = (p.experts * b["experts"] + p.expert_biases * b["expert_biases"]) / (
+            len(moe.moe_layers) * moe.num_experts
+        )
+        return one_expert / self.tp  # (the same whether sliced or placed whole: ep = tp)
 
     @property
     def embedding_row_bytes(self) -> float:
@@ -418,6 +455,30 @@ class CostModel:
         num_bytes = num_tokens * self.model.hidden_size * self.activation_bytes
         gpu = self.gpu
         return 2 * (tp - 1) / tp * num_bytes / gpu.nvlink_bytes_per_s + 2 * (tp - 1) * gpu.nvlink_latency_s
+
+    def alltoall_s(self, num_tokens: int) -> float:
+        """Seconds of one expert-parallel all-to-all (a dispatch or a combine) of a step of
+        `num_tokens` tokens (0 without expert parallelism or at ep 1): every GPU sends its
+        N / ep tokens' top-k hidden vectors, the (ep - 1) / ep share bound for other GPUs,
+        to all its peers at once: sent_bytes / bandwidth + latency."""
+        ep, moe = self.ep, self.model.moe
+        if ep == 1 or moe is None:
+            return 0.0
+        per_gpu = num_tokens / ep * moe.experts_per_token * self.model.hidden_size * self.activation_bytes
+        sent = per_gpu * (ep - 1) / ep
+        return sent / self.gpu.nvlink_bytes_per_s + self.gpu.nvlink_latency_s
+
+    def comm_s(self, num_tokens: int) -> float:
+        """A step's communication (module docstring): two all-reduces a layer, or for a MoE
+        layer under expert parallelism one all-reduce's worth (a reduce-scatter and an
+        all-gather) and a dispatch and a combine all-to-all."""
+        allreduce = self.allreduce_s(num_tokens)
+        num_layers = self.model.num_layers
+        if self.ep == 1:
+            return 2 * num_layers * allreduce
+        assert self.model.moe is not None
+        num_moe = len(self.model.moe.moe_layers)
+        return 2 * (num_layers - num_moe) * allreduce + num_moe * (allreduce + 2 * self.alltoall_s(num_tokens))
 
     # ----- the cost of a step ------------------------------------------------------------
 
@@ -504,7 +565,7 @@ class CostModel:
         gemm_s = max(linear_flops / flop_s, weight / byte_s)
         prefill_s = max(prefill_flops / attention_flop_s, prefill_bytes / byte_s)
         decode_s = max(decode_flops / attention_flop_s, decode_bytes / byte_s)
-        comm_s = 2 * model.num_layers * self.allreduce_s(num_tokens)
+        comm_s = self.comm_s(num_tokens)
         host_s = self.host_s(len(chunks), num_prefill_chunks)
         return StepCost(
             num_tokens=num_tokens,

@@ -30,6 +30,7 @@ def describe_cost(cost: CostModel) -> dict:
         "kv_dtype": cost.layout.kv_dtype,
         "tp_allreduce": "ring over NVLink" if cost.tp > 1 else None,
         "moe_routing": "uniform" if cost.model.moe else None,  # the experts_touched assumption
+        "expert_parallel_size": cost.ep if cost.model.moe else None,  # routed experts spread over ep GPUs
     }
 
 
