@@ -189,6 +189,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "dispatching and combining tokens by all-to-alls over NVLink (vLLM's name; default: experts sharded by TP)",
     )
     parser.add_argument(
+        "--calibration",
+        default=None,
+        metavar="NAME|FILE",
+        help="a GPU calibration: the efficiencies and host overheads fitted to a measured run (kvpool.sim.gpufit; "
+        "shipped: h200-issue31), in place of the GPU defaults (compute 0.5, bandwidth 0.8)",
+    )
+    parser.add_argument(
         "--slo-ttft-ms", type=positive_float, default=2000.0, help="goodput SLO: time to first token, ms"
     )
     parser.add_argument(
@@ -234,6 +241,21 @@ def _gpu(name: str, utilization: float = 1.0):
     except ValueError as e:
         raise ValueError(f"--gpu: {e}") from None
     return dataclasses.replace(gpu, memory_bytes=int(gpu.memory_bytes * utilization))
+
+
+def _calibration(name: str | None, gpu) -> dict[str, float]:
+    """--calibration's fitted CostModel parameters ({} without one). A calibration is a GPU's:
+    the cpu preset has its own engine fit (kvpool bench sim)."""
+    if name is None:
+        return {}
+    if gpu.kind != "cuda":
+        raise ValueError(f"--calibration fits a GPU's cost model; --gpu {gpu.name} is not a GPU")
+    from kvpool.sim.gpufit import load_fit
+
+    try:
+        return load_fit(name).overrides()
+    except ValueError as e:
+        raise ValueError(f"--calibration: {e}") from None
 
 
 def _workload(args, model, rate_value: float):
@@ -342,6 +364,7 @@ def _one(args, combo: dict, progress: bool) -> dict:
         tp=tp,
         host_mode=args.host_mode,
         expert_parallel=args.enable_expert_parallel,
+        **_calibration(args.calibration, gpu),
     )
     bar = _Progress(workload.num_requests) if progress else None
     try:

@@ -1,8 +1,10 @@
-"""Measure this machine for the simulator's `cpu` preset: read bandwidth and fp32 matmul FLOPs.
+"""Measure this machine for the simulator's `cpu` preset: read bandwidth and fp32 matmul FLOPs;
+or fit the GPU cost model to a measured run (`--fit`, kvpool/sim/gpufit.py).
 
     python3 -m kvpool.sim.calibrate [--repeats 20] [--buffer-mib 512] [--processes 8]
+    python3 -m kvpool.sim.calibrate --fit h200-issue31|FILE.json [--json]
 
-prints one JSON object. Each figure is the best of `--repeats` timed runs in one process (a
+The first prints one JSON object. Each figure is the best of `--repeats` timed runs in one process (a
 shared VM is noisy, and the best run is the closest to what the hardware can do), with
 torch's default thread count, which is what kvpool's CPU engine runs with. On the VMs this
 was written on, the figure also depends on the process: where its memory lands, fixed for
@@ -297,7 +299,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=20, help="timed runs per figure; the best counts")
     parser.add_argument("--buffer-mib", type=int, default=512, help="size of the fp32 tensor torch.sum reads")
     parser.add_argument("--processes", type=int, default=8, help="fresh processes to measure in (1: this one)")
+    parser.add_argument(
+        "--fit",
+        default=None,
+        metavar="NAME|FILE",
+        help="instead: fit the GPU cost model to a measurement file (shipped: h200-issue31) and print the fit",
+    )
+    parser.add_argument("--json", action="store_true", help="--fit: the fit as one JSON object")
     args = parser.parse_args(argv)
+    if args.fit is not None:
+        from kvpool.sim.gpufit import format_fit, load_fit
+
+        try:
+            fit = load_fit(args.fit)
+        except ValueError as e:
+            parser.error(str(e))
+        print(json.dumps(fit.to_json(), indent=2) if args.json else format_fit(fit))
+        return
     if args.processes == 1:
         result = calibrate(args.buffer_mib, args.repeats)
     else:
