@@ -61,9 +61,11 @@ def test_every_alias_parses_as_the_vllm_name() -> None:
             if option is None or option.dest not in SAMPLES and option.kind != "switch":
                 continue
             if option.kind == "switch":  # --no-enable-prefix-caching and the former --no-prefix-caching: off
-                assert _parse(command, []).enable_prefix_caching is True, command
+                dest = option.dest
+                assert getattr(_parse(command, []), dest) is action.default, command
+                assert getattr(_parse(command, [option.name]), dest) is True, (command, option.name)
                 for flag in (f"--no-{option.name[2:]}", *option.aliases):
-                    assert _parse(command, [flag]).enable_prefix_caching is False, (command, flag)
+                    assert getattr(_parse(command, [flag]), dest) is False, (command, flag)
                 checked += 1
                 continue
             text, expected = SAMPLES[option.dest]

@@ -168,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
         preemption=preemption,
         kv_format=kv_format,
         enable_prefix_caching=args.enable_prefix_caching,
+        enforce_eager=args.enforce_eager,
         **tiers,
     )
     try:

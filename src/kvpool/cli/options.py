@@ -155,12 +155,21 @@ DTYPE = SharedOption(
     model_dtype,
     choices=tuple(MODEL_DTYPES),
 )
+ENFORCE_EAGER = SharedOption(
+    "CUDA graphs off",
+    ("--enforce-eager",),
+    "enforce_eager",
+    "run every step eagerly: no CUDA graphs for the decode steps (on CUDA they are captured per batch bucket "
+    "and replayed; the CPU runs eagerly either way)",
+    kind="switch",
+)
 THREADS = SharedOption("CPU threads", ("--threads",), "threads", "torch's CPU threads", positive_int, metavar="N")
 
 SHARED_OPTIONS: tuple[SharedOption, ...] = (
     MODEL,
     DEVICE,
     DTYPE,
+    ENFORCE_EAGER,
     THREADS,
     MAX_MODEL_LEN,
     MAX_NUM_SEQS,
@@ -298,9 +307,11 @@ def add_kv_memory_option(parser: argparse.ArgumentParser, *, default: str | None
 
 
 def add_device_arguments(parser: argparse.ArgumentParser) -> None:
-    """--device and --dtype (run, generate, serve; args.model_placement reads them)."""
+    """--device, --dtype (run, generate, serve; args.model_placement reads them) and
+    --enforce-eager."""
     add_option(parser, DEVICE, default="auto")
     add_option(parser, DTYPE, default="fp32")
+    add_option(parser, ENFORCE_EAGER, default=False)
 
 
 def add_threads_option(parser: argparse.ArgumentParser) -> None:

@@ -287,6 +287,9 @@ def config_engine(args: argparse.Namespace):
         descriptor,
         kv_format=check_kv_dtype(args),
         enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
+        decode_mode="eager" if getattr(args, "enforce_eager", False) or model.device.type != "cuda" else "graphs",
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
     )
     engine = Engine(
         runner,
@@ -401,6 +404,7 @@ def llama_engine(loaded, args: argparse.Namespace, kv_memory_bytes: int):
         host_cache_bytes=host_cache_bytes(args),
         preemption=getattr(args, "preemption", "recompute"),
         kv_format=check_kv_dtype(args),
+        enforce_eager=getattr(args, "enforce_eager", False),
         **persistent_cache_options(args),
     )
 

@@ -196,6 +196,7 @@ def _llama_engine(
     redis_url: str | None = None,
     kv_format: str | None = None,
     decode_path: str | None = None,
+    enforce_eager: bool = False,
 ) -> Engine:
     if num_blocks is None:
         num_blocks = (
@@ -218,6 +219,10 @@ def _llama_engine(
         preemption=preemption,
         persistent_tiers=persistent,
         kv_format=kv_format,
+        # CUDA: pure-decode steps replayed from graphs captured per batch bucket (cuda_graph.py)
+        decode_mode="eager" if enforce_eager or loaded.model.device.type != "cuda" else "graphs",
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
     )
     tok = loaded.tokenizer
     eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
@@ -336,7 +341,8 @@ def build_engine(model: LoadedModel | TinyDSV4 | TinyHybrid, **options) -> Engin
     format: kvpool.storage.quant's names for Llama, None: the model's dtype; "exact" or
     "fp8" for V4). Llama: block_size, preemption ("recompute", "swap", "auto": LlamaRunner;
     swap and auto need the host tier), decode_path (the attention backend's
-    implementation, attention/backends). V4: num_state_blocks, restore (None: "auto", or
+    implementation, attention/backends), enforce_eager (no CUDA graphs: on CUDA the decode
+    steps are otherwise replayed from graphs, engine/cuda_graph.py). V4: num_state_blocks, restore (None: "auto", or
     "recompute" with disk / Redis tiers), hot_set_entries (HiSparse), swa (tiers/swa.py),
     indexer_format. Hybrid: num_slots, block_size, checkpoint_interval. An option the
     model's runner does not take is a TypeError naming it."""

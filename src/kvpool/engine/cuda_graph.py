@@ -15,11 +15,22 @@ only it. A step larger than the largest bucket, or not a pure decode, runs eager
 The graphs share one memory pool (captured largest first, as each smaller graph's
 intermediates fit in what the larger one reserved).
 
-The attention a captured forward can run is attention/backends/buffered.py
-`buffered_decode_attend` (every step value read from the buffers). The engine does not
-capture its Llama decode yet: models/llama.py's forward checks `int(positions.max())` on
-the host, a synchronisation a capture refuses, and the executor plans each step's attention
-from host lists; a forward reading only the buffers is what `DecodeGraphs` takes.
+The attention a captured forward runs is a backend's `begin_decode(buffers, num_seqs)`
+(attention/backends: the torch paged backend's `buffered_decode_attend`, the Triton
+backend's `paged_decode_dense`), every step value read from the buffers; the model's
+forward takes the step's largest position from the host (`StepMetadata.max_position`), so
+nothing in it synchronises. The engine's Llama executor (engine/llama_runner.py) runs its
+pure-decode steps through `DecodeGraphs` in one of `DECODE_MODES`:
+
+  eager    no step buffers: every step planned from the cache's tables (the CPU default,
+           and `--enforce-eager`);
+  static   the padded static-buffer step without capture (any device: what the CPU tests
+           run to check the graph path's logic, tokens and pool writes);
+  graphs   captured lazily per bucket and replayed (the CUDA default when the attention
+           backend has `begin_decode`).
+
+Any other step (a prefill chunk, a mixed step, one larger than the largest bucket, a
+backend without `begin_decode`, tensor parallelism) runs eagerly.
 """
 
 from __future__ import annotations
@@ -56,12 +67,18 @@ def bucket_for(num_seqs: int, buckets: Sequence[int]) -> int | None:
     return next((b for b in buckets if b >= num_seqs), None)
 
 
+DECODE_MODES = ("eager", "static", "graphs")
+
+
 class DecodeGraphs:
-    """Decode steps replayed from CUDA graphs captured per bucket.
+    """Decode steps over the static inputs, padded to their bucket, and on CUDA replayed
+    from graphs captured lazily per bucket (the first step of a bucket captures it).
 
     forward: one decode step over the static inputs (`DecodeForward`); buffers: the step
     buffers it reads (with a dummy block to pad with); input_ids [max_num_seqs] int64: the
-    step's token ids, static too (the caller writes them, `set_input_ids`)."""
+    step's token ids, static too (the caller writes them, `set_input_ids`). capture: False
+    runs the same padded static-buffer step without a graph ("static": what the CPU tests
+    run; the buffers may then be on any device); True captures (CUDA only)."""
 
     def __init__(
         self,
@@ -69,54 +86,79 @@ class DecodeGraphs:
         buffers: StepBuffers,
         *,
         buckets: Sequence[int] = BATCH_BUCKETS,
+        capture: bool = True,
     ) -> None:
-        if buffers.device.type != "cuda":
+        if capture and buffers.device.type != "cuda":
             raise ValueError(f"CUDA graphs need step buffers on a CUDA device, got {buffers.device}")
         if buffers.dummy_block is None:
             raise ValueError("CUDA graphs need step buffers with a dummy block for the padded rows")
-        self.forward, self.buffers = forward, buffers
+        self.forward, self.buffers, self.capturing = forward, buffers, capture
         self.buckets = buckets_up_to(buffers.max_num_seqs, buckets)
         self.input_ids = torch.zeros(buffers.max_num_seqs, dtype=torch.int64, device=buffers.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # bucket -> the graph's logits [bucket, vocab]
-        self.num_replays = self.num_eager = 0
+        self._pool = None  # the memory pool every graph shares (they never replay at once)
+        self.num_replays = self.num_eager = self.num_static = 0
+        self.steps_by_bucket: dict[int, int] = {}  # padded steps run per bucket (replayed or static)
 
     def set_input_ids(self, token_ids: Sequence[int]) -> None:
         """The step's token ids into the static input (rows [len, ...) keep whatever; the
         padded rows' tokens only reach the dummy block)."""
-        self.input_ids[: len(token_ids)].copy_(torch.tensor(token_ids, dtype=torch.int64), non_blocking=True)
+        ids = torch.tensor(token_ids, dtype=torch.int64)
+        if self.input_ids.device.type == "cpu":
+            self.input_ids[: len(token_ids)].copy_(ids)
+        else:  # from pinned memory, so that the copy is queued, not waited for
+            self.input_ids[: len(token_ids)].copy_(ids.pin_memory(), non_blocking=True)
 
     def capture(self) -> None:
-        """Capture every bucket's graph, largest first, into one memory pool, each over a
-        step of padding only (it writes and reads only the dummy block). Leaves the buffers
-        holding an empty step: the next `update` fills them."""
-        buffers, device = self.buffers, self.buffers.device
-        pool = None
+        """Capture every bucket's graph now, largest first (each smaller graph's
+        intermediates fit in what the larger one reserved), each over a step of padding
+        only (it writes and reads only the dummy block). Leaves the buffers holding an
+        empty step: the next `update` fills them."""
+        for bucket in sorted(self.buckets, reverse=True):
+            if bucket not in self.graphs:
+                self.buffers.clear()
+                self.buffers.pad(bucket)
+                self._capture(bucket)
+        self.buffers.clear()
+
+    def _capture(self, bucket: int) -> None:
+        """Capture `bucket`'s graph over the step the buffers hold now (padded to it): two
+        eager warm-up runs first (lazy initialisation and autotuning must not be captured),
+        all on a side stream, as torch's capture wants. The warm-ups compute the held step
+        itself: they write the same K/V to the same slots as its replay will."""
+        device = self.buffers.device
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            for bucket in sorted(self.buckets, reverse=True):
-                buffers.clear()
-                buffers.pad(bucket)
-                for _ in range(2):  # warm up: lazy initialisation and autotuning outside the capture
-                    self.forward(bucket)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.outputs[bucket] = self.forward(bucket)
-                pool = graph.pool()
-                self.graphs[bucket] = graph
+            for _ in range(2):
+                self.forward(bucket)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                self.outputs[bucket] = self.forward(bucket)
         torch.cuda.current_stream(device).wait_stream(stream)
-        torch.cuda.synchronize(device)
-        buffers.clear()
+        self._pool = graph.pool()
+        self.graphs[bucket] = graph
 
     def run(self, num_seqs: int) -> torch.Tensor:
         """logits [num_seqs, vocab] of the decode step in the buffers (num_seqs sequences,
-        one token each): a graph's replay when a bucket holds it, else the eager forward."""
+        one token each): padded to its bucket and replayed (captured first if new), or
+        with capture off run padded without a graph; past the largest bucket (or when the
+        buffers do not hold a decode of num_seqs) the forward of num_seqs rows, eagerly.
+        A new tensor: a replay rewrites the graph's output (and, through the shared pool,
+        maybe another bucket's), and a caller may keep the logits of a step."""
         bucket = bucket_for(num_seqs, self.buckets)
-        if bucket is None or bucket not in self.graphs or self.buffers.num_tokens != num_seqs:
+        buffers = self.buffers
+        if bucket is None or buffers.num_tokens != num_seqs or buffers.num_seqs != num_seqs:
             self.num_eager += 1
             return self.forward(num_seqs)
-        self.buffers.pad(bucket)
+        buffers.pad(bucket)
+        self.steps_by_bucket[bucket] = self.steps_by_bucket.get(bucket, 0) + 1
+        if not self.capturing:
+            self.num_static += 1
+            return self.forward(bucket)[:num_seqs]
+        if bucket not in self.graphs:
+            self._capture(bucket)
         self.graphs[bucket].replay()
         self.num_replays += 1
-        return self.outputs[bucket][:num_seqs]
+        return self.outputs[bucket][:num_seqs].clone()

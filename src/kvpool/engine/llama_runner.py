@@ -16,7 +16,9 @@ from typing import Any
 import torch
 
 from kvpool.attention.backends import PagedStepMetadata, StepMetadata, paged_format, select_backend
+from kvpool.attention.backends.step_buffers import StepBuffers
 from kvpool.cache import BlockCopy, CacheDescriptor, FullAttentionManager
+from kvpool.engine.cuda_graph import DECODE_MODES, DecodeGraphs
 from kvpool.engine.memory import StepPeaks
 from kvpool.engine.runner import ModelRunner, ScheduledChunk
 from kvpool.engine.tier_bridge import TierBridge
@@ -53,12 +55,19 @@ class LlamaRunner(ModelRunner):
         preemption: str = "recompute",
         persistent_tiers: Sequence[Tier] = (),
         kv_format: str | None = None,
+        decode_mode: str = "eager",
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
     ):
         """decode_path: the attention backend's implementation, "native" / "bags" / "padded"
         (attention/backends); None picks "native" when the model runs the C kernels, else
         "bags". host_tier, persistent_tiers, preemption: as ModelRunner takes them.
         kv_format: the KV cache's storage format (storage/quant.py: bf16, fp16, fp8_e4m3,
-        fp8_e5m2, int8); None or the model's own dtype: unquantized, in the model's dtype."""
+        fp8_e5m2, int8); None or the model's own dtype: unquantized, in the model's dtype.
+        decode_mode: how pure-decode steps run (engine/cuda_graph.py DECODE_MODES: "eager",
+        "static" buffers without capture, CUDA "graphs"); max_num_seqs,
+        max_num_batched_tokens: the engine's, which size the step buffers of the last two
+        (a step they cannot hold runs eagerly)."""
         fmt = kv_format_for(model, kv_format)
         if fmt is not None and (host_tier is not None or persistent_tiers):
             raise ValueError(
@@ -68,7 +77,9 @@ class LlamaRunner(ModelRunner):
             raise ValueError(
                 "preemption 'auto' decides by this process's timings, which the tensor-parallel ranks differ in"
             )
-        executor = LlamaExecutor(model, num_blocks, block_size, fmt, decode_path)
+        executor = LlamaExecutor(
+            model, num_blocks, block_size, fmt, decode_path, decode_mode, max_num_seqs, max_num_batched_tokens
+        )
         bridge = TierBridge(host_tier, persistent_tiers, block_size, enable_prefix_caching=enable_prefix_caching)
         cache = FullAttentionManager(
             num_blocks,
@@ -94,14 +105,36 @@ class LlamaRunner(ModelRunner):
 class LlamaExecutor:
     """A Llama's tensors on `num_blocks` paged blocks of `block_size` tokens, stored in `fmt`
     (None: unquantized, in the model's dtype); the attention backend's implementation
-    `decode_path` (None: the best this process runs)."""
+    `decode_path` (None: the best this process runs).
+
+    decode_mode (engine/cuda_graph.py DECODE_MODES): "static" or "graphs" keep the step's
+    metadata in persistent buffers (`step_buffers`, which the runner updates every step)
+    for max_num_seqs sequences and max_num_tokens tokens, and one more block in the pool
+    than the cache hands out, block num_blocks, the dummy block that padded rows write;
+    pure-decode steps then run through `DecodeGraphs`. They fall back to "eager" where
+    the attention backend cannot read the buffers (no `begin_decode`: the C kernels, a
+    quantized pool) or the model is sharded (tensor parallel)."""
 
     has_state = False
 
     def __init__(
-        self, model: LlamaModel, num_blocks: int, block_size: int, fmt: KVSchema | None, decode_path: str | None
+        self,
+        model: LlamaModel,
+        num_blocks: int,
+        block_size: int,
+        fmt: KVSchema | None,
+        decode_path: str | None,
+        decode_mode: str = "eager",
+        max_num_seqs: int = 64,
+        max_num_tokens: int = 512,
     ) -> None:
+        if decode_mode not in DECODE_MODES:
+            raise ValueError(f"unknown decode mode {decode_mode!r}; one of {', '.join(DECODE_MODES)}")
+        if decode_mode == "graphs" and model.device.type != "cuda":
+            raise ValueError(f"decode mode 'graphs' captures CUDA graphs: the model is on {model.device.type}")
         cfg = model.config
+        buffered = decode_mode != "eager"
+        num_blocks += buffered  # the dummy block, past the cache's
         self.model = model
         self.vocab_size = cfg.vocab_size
         self.kv_format = fmt.name if fmt is not None else str(model.dtype).removeprefix("torch.")
@@ -135,6 +168,17 @@ class LlamaExecutor:
         self.decode_path = decode_path
         self.last_decode_path: str | None = None  # the path the last step's decodes took
         self.peaks = StepPeaks()  # the largest step's allocations, for the memory ledger
+        # pure-decode steps over persistent buffers (engine/cuda_graph.py); None: eager
+        self.step_buffers: StepBuffers | None = None
+        self._graphs: DecodeGraphs | None = None
+        self._decode_max_position = 0  # the step's largest position, for the forward a graph captures
+        if buffered and model.shard is None and hasattr(self.attention, "begin_decode"):
+            max_blocks = -(-min(cfg.max_position, (num_blocks - 1) * block_size) // block_size)
+            self.step_buffers = StepBuffers(
+                max_num_seqs, max_num_tokens, max_blocks, block_size, model.device, dummy_block=num_blocks - 1
+            )
+            self._graphs = DecodeGraphs(self._decode_forward, self.step_buffers, capture=decode_mode == "graphs")
+        self.decode_mode = decode_mode if self._graphs is not None else "eager"
 
     @property
     def decode_path(self) -> str:
@@ -259,7 +303,8 @@ class LlamaExecutor:
         return num_context_tokens * self.storage.bytes_per_token
 
     def check_integrity(self) -> None:
-        pass
+        if self.step_buffers is not None:
+            self.step_buffers.check_integrity()
 
     def cache_stats(self, cache: Any) -> dict[str, float]:
         return {
@@ -290,8 +335,36 @@ class LlamaExecutor:
             self.wait_for_loads()  # a copy may read a block just loaded
             self.storage.apply_copies(full)
 
+    def _decode_forward(self, num_seqs: int) -> torch.Tensor:
+        """The `DecodeForward` of `DecodeGraphs`: a decode step of the first num_seqs rows of
+        the step buffers and the graphs' static token ids, nothing read from the host but the
+        position bound (`_decode_forward`'s caller checked it) -> logits [num_seqs, vocab]."""
+        buffers, graphs = self.step_buffers, self._graphs
+        assert buffers is not None and graphs is not None
+        step = self.attention.begin_decode(buffers, num_seqs)
+        meta = StepMetadata(step, None, self._decode_max_position)
+        return self.model.forward(graphs.input_ids[:num_seqs], buffers.positions[:num_seqs], meta)
+
+    def _takes_decode(self, chunks: Sequence[ScheduledChunk]) -> bool:
+        """Whether the step goes through the graphs: a pure decode (one token a chunk, each
+        sampled) that the runner put in the step buffers, with a backend that reads them."""
+        buffers = self.step_buffers
+        n = len(chunks)
+        return (
+            buffers is not None
+            and buffers.num_seqs == buffers.num_tokens == n > 0
+            and all(len(c.token_ids) == 1 and c.needs_logits for c in chunks)
+            and hasattr(self.attention, "begin_decode")
+        )
+
     def forward(self, chunks: Sequence[ScheduledChunk], cache: Any, all_logits: bool = False) -> torch.Tensor:
         """Run one step; logits [num chunks with needs_logits, vocab] (or every token's, [N, vocab])."""
+        if self._graphs is not None:
+            if self._takes_decode(chunks):
+                return self._forward_decode(chunks)
+            # the buffers hold a step only between the runner's update and this forward, so
+            # a step the runner did not put there (a caller's own forward) is never taken
+            self.step_buffers.clear()
         device = self.model.device
         token_ids: list[int] = []
         positions: list[int] = []
@@ -320,6 +393,25 @@ class LlamaExecutor:
         self.peaks.note("chunked_prefill", step.prefill_bytes)
         ids_t = torch.tensor(token_ids, dtype=torch.long, device=device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=device)
-        logits = self.model.forward(ids_t, pos_t, StepMetadata(step, None if all_logits else logit_rows))
+        top = max(c.start + len(c.token_ids) for c in chunks) - 1 if chunks else 0
+        logits = self.model.forward(ids_t, pos_t, StepMetadata(step, None if all_logits else logit_rows, top))
         self._note_forward(len(token_ids), step.attend, logits)
+        return logits
+
+    def _forward_decode(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+        """A pure-decode step through `DecodeGraphs` (the runner has put it in the step
+        buffers): logits [len(chunks), vocab], every row sampled."""
+        graphs = self._graphs
+        assert graphs is not None
+        top = max(c.start for c in chunks)
+        max_position = self.model.config.max_position
+        if top >= max_position:
+            raise ValueError(f"position {top} exceeds the model's context {max_position}")
+        self._decode_max_position = top
+        self.wait_for_loads()  # outside the graph: a replay must not wait on this step's events
+        graphs.set_input_ids([c.token_ids[0] for c in chunks])
+        logits = graphs.run(len(chunks))
+        self.step_buffers.clear()  # (type narrowed by _takes_decode) a step is taken once: see forward
+        self.last_decode_path = self.attention.name
+        self._note_forward(len(chunks), None, logits)
         return logits

@@ -225,8 +225,9 @@ class ModelRunner:
         self._prefill_s = 0.0
         self._prefetched_tokens = 0  # tokens of the blocks `_prefetch` loaded (a lower tier's hits)
         # the step metadata in persistent buffers (attention/backends/step_buffers.py) that a
-        # GPU backend or a CUDA graph reads; None: the backends plan from the step's tables
-        self.step_buffers: StepBuffers | None = None
+        # GPU backend or a CUDA graph reads, the executor's when it keeps them (the Llama
+        # executor's decode modes); None: the backends plan from the step's tables
+        self.step_buffers: StepBuffers | None = getattr(executor, "step_buffers", None)
         self.bridge = bridge
         # the names the CLI, P/D and the tests read: the bridge's own objects, not copies
         self.host_tier, self.persistent_tiers = self.bridge.host_tier, self.bridge.persistent_tiers
@@ -414,10 +415,14 @@ class ModelRunner:
         if self.pieces:
             out = self._forward_in_pieces(chunks, all_logits)
         else:
-            if self.step_buffers is not None:  # the step's metadata into the persistent buffers
+            buffers = self.step_buffers
+            if buffers is not None:  # the step's metadata into the persistent buffers
                 ids = [c.request_id for c in chunks]
                 ends = [c.start + len(c.token_ids) for c in chunks]
-                self.step_buffers.update(ids, [c.start for c in chunks], ends, self.cache.tables(ids))
+                if buffers.fits(ids, sum(len(c.token_ids) for c in chunks)):
+                    buffers.update(ids, [c.start for c in chunks], ends, self.cache.tables(ids))
+                else:  # a step larger than the buffers: eager, its requests' rows written whole next time
+                    buffers.skip(ids)
             out = self.executor.forward(chunks, self.cache, all_logits)
         self.num_steps_run += 1
         if self.preemption == "auto" and any(len(c.token_ids) > 1 for c in chunks):  # the prefill rate

@@ -213,8 +213,10 @@ class LlamaModel:
         path even when the kernels are loaded (the oracle's)."""
         metadata.check(token_ids, positions)
         cfg = self.config
-        if int(positions.max()) >= cfg.max_position:
-            raise ValueError(f"position {int(positions.max())} exceeds the model's context {cfg.max_position}")
+        # the bound from the host when the caller knows it: reading the tensor synchronises
+        top = metadata.max_position if metadata.max_position is not None else int(positions.max())
+        if top >= cfg.max_position:
+            raise ValueError(f"position {top} exceeds the model's context {cfg.max_position}")
         attend = metadata.attention.attend
         if fused and self.kernels is not None:
             hidden = self._forward_fused(token_ids, positions, attend)

@@ -3,7 +3,9 @@
 The runner hands a backend `PagedStepMetadata` (what the cache manager's step tables say);
 the backend turns it into the attention plan (`attention/paged.py` `plan_step`) once for
 the step, and into the `PagedStep` whose `attend(layer, q, k, v)` the model calls for
-every layer (as `StepMetadata.attention`, step.py).
+every layer (as `StepMetadata.attention`, step.py). A backend that can also read a decode
+step from the persistent step buffers (torch_paged.py, triton_paged.py) has
+`begin_decode(buffers, num_seqs) -> BufferedStep`: nothing planned on the host.
 """
 
 from __future__ import annotations
@@ -49,6 +51,17 @@ class PagedStep:
     def num_tokens(self) -> int:
         """The step's N tokens (one slot each)."""
         return self.plan.slots.shape[0]
+
+
+@dataclass(frozen=True)
+class BufferedStep:
+    """A decode step whose attention reads every step value (slots, table rows, context
+    lengths) from the runner's persistent step buffers (step_buffers.py), none from the
+    host: a backend's `begin_decode(buffers, num_seqs)`, what a CUDA graph captures.
+    num_tokens: the step's rows, one token a sequence (a graph's bucket, padding included)."""
+
+    attend: Attend
+    num_tokens: int
 
 
 def make_step(plan: StepPlan, attend: Attend, block_size: int, num_kv_heads: int, head_dim: int, dtype) -> PagedStep:

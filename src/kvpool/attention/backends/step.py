@@ -49,10 +49,13 @@ class StepMetadata:
     attention: the step's attention (a backend's `begin_step`, or a `FunctionStep`); its
     `num_tokens` is the N the token ids must have.
     logit_rows: the rows of the flat batch whose logits to return, in that order (None:
-    all N)."""
+    all N). max_position: the largest of the step's positions, known on the host."""
 
     attention: StepAttention
     logit_rows: Sequence[int] | None = None
+    # the step's largest position when the caller knows it on the host (None: the forward
+    # reads it off the positions tensor, a device synchronisation a CUDA graph capture refuses)
+    max_position: int | None = None
 
     def check(self, token_ids: torch.Tensor, positions: torch.Tensor) -> None:
         """ValueError naming the mismatch when token_ids / positions are not the [N] the

@@ -130,6 +130,24 @@ class StepBuffers:
         if row is not None:
             self._free_rows.append(row)
 
+    def fits(self, request_ids: Sequence[str], num_tokens: int) -> bool:
+        """Whether `update` can take a step of these requests and num_tokens tokens: at most
+        max_num_seqs sequences and max_num_tokens tokens, and a free row for each request
+        the buffers do not hold yet (the block counts are the caller's to keep within
+        max_blocks_per_seq)."""
+        if len(request_ids) > self.max_num_seqs or num_tokens > self.max_num_tokens:
+            return False
+        rows = self._rows
+        return sum(1 for rid in request_ids if rid not in rows) <= len(self._free_rows)
+
+    def skip(self, request_ids: Sequence[str]) -> None:
+        """A step the buffers do not hold (`fits` said no): its requests are forgotten, so
+        their next step writes whole rows again (the entries this step changes never reach
+        the buffers), and the buffers hold no step until the next `update`."""
+        for rid in request_ids:
+            self.forget(rid)
+        self.clear()
+
     def clear(self) -> None:
         """An empty step (rows stay held): what a capture pads from."""
         self.num_seqs = self.num_tokens = 0
@@ -231,7 +249,8 @@ class StepBuffers:
             staging.numpy()[0], staging.numpy()[1] = changed_idx, changed_val
             dev = staging.to(self.device, non_blocking=True)
             self.block_tables.view(-1).index_copy_(0, dev[0], dev[1].to(torch.int32))
-        self._vec.copy_(self._vec_host, non_blocking=True)
+        used = 3 * self.max_num_seqs + 1 + num_tokens  # the vectors up to the step's last slot
+        self._vec[:used].copy_(self._vec_host[:used], non_blocking=True)
         self._pos[:num_tokens].copy_(self._pos_host[:num_tokens], non_blocking=True)
         self._sent = torch.cuda.Event()
         self._sent.record()
@@ -269,9 +288,12 @@ class StepBuffers:
         vec[2 * s + n + 1 : 2 * s + num_seqs + 1] = np.arange(n + 1, num_seqs + 1)
         vec[3 * s + 1 + n : 3 * s + 1 + num_seqs] = self.dummy_block * self.block_size
         pos[n:num_seqs] = 0
-        if self.device.type != "cpu":
-            self._vec.copy_(self._vec_host, non_blocking=True)
+        if self.device.type != "cpu" and num_seqs > n:
+            used = 3 * s + 1 + num_seqs
+            self._vec[:used].copy_(self._vec_host[:used], non_blocking=True)
             self._pos[:num_seqs].copy_(self._pos_host[:num_seqs], non_blocking=True)
+            self._sent = torch.cuda.Event()
+            self._sent.record()
         return self.view(num_seqs, num_seqs)
 
     def check_integrity(self, tables: dict[str, Sequence[int]] | None = None) -> None:

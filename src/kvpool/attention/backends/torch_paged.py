@@ -1,14 +1,17 @@
 """The plain torch paged attention (attention/paged.py): decodes through embedding_bag sums
 in place ("bags") or gathered into a padded batch ("padded", the plain twin), prefill
-chunks through SDPA over their gathered blocks. Any device, any unquantized dtype.
+chunks through SDPA over their gathered blocks. Any device, any unquantized dtype. A
+decode step can also be read from the persistent step buffers (`begin_decode`, buffered.py).
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvpool.attention.backends.buffered import buffered_decode_attend
 from kvpool.attention.backends.native import NativeAttend
-from kvpool.attention.backends.paged_step import PagedBackend, PagedStep, PagedStepMetadata
+from kvpool.attention.backends.paged_step import BufferedStep, PagedBackend, PagedStep, PagedStepMetadata
+from kvpool.attention.backends.step_buffers import StepBuffers
 from kvpool.attention.paged import paged_attention
 from kvpool.storage.kv import PagedKVStorage
 
@@ -44,3 +47,10 @@ class TorchPagedBackend(PagedBackend):
             return paged_attention(q, k_layers[layer], v_layers[layer], plan, scale)
 
         return self._step(plan, attend)
+
+    def begin_decode(self, buffers: StepBuffers, num_seqs: int) -> BufferedStep:
+        """A decode step of the first num_seqs rows of `buffers` (one token each), every
+        step value read from the buffers' tensors (buffered.py): graph-capturable. The
+        caller waits for the tier loads in flight first (no before_read here: a captured
+        graph would replay the wait)."""
+        return BufferedStep(buffered_decode_attend(self.storage, buffers, num_seqs), num_seqs)

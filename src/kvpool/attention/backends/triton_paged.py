@@ -23,7 +23,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from kvpool.attention.backends.paged_step import PagedBackend, PagedStep, PagedStepMetadata, make_step
+from kvpool.attention.backends.paged_step import BufferedStep, PagedBackend, PagedStep, PagedStepMetadata, make_step
+from kvpool.attention.backends.step_buffers import StepBuffers
 from kvpool.attention.paged import StepPlan
 from kvpool.storage.kv import PagedKVStorage
 
@@ -209,6 +210,32 @@ class TritonPagedBackend(PagedBackend):
             acc_bytes = 8 if self.dtype == torch.float64 else 4
             extra += len(seqs) * self.num_heads * decode.num_splits * (st.head_dim + 1) * acc_bytes
         return dataclasses.replace(step, decode_path="triton", table_bytes=step.table_bytes + extra)
+
+    def begin_decode(self, buffers: StepBuffers, num_seqs: int) -> BufferedStep:
+        """A decode step of the first num_seqs rows of `buffers` (one token each) through
+        `write_kv` and `paged_decode_dense`, every step value read from the buffers' tensors
+        (rows query_start[:n], table rows seq_rows[:n], ctx_lens[:n], slots): nothing
+        planned on the host, so a CUDA graph captures it. The split count is fixed by the
+        batch and the buffers' longest possible context (max_blocks_per_seq blocks), not by
+        the step's lengths: a graph replays the split it captured (a split past a shorter
+        sequence's end weighs nothing). The caller waits for the tier loads in flight first."""
+        st, scale, ops, n = self.storage, self.scale, self.ops, num_seqs
+        splits = self.num_splits
+        if splits is None:
+            longest = buffers.max_blocks_per_seq * st.block_size
+            splits = ops.num_splits_for(n, st.num_kv_heads, longest, self.num_sms)
+        rows, slots = buffers.query_start[:n], buffers.slot_mapping[:n]
+        seq_rows, ctx_lens, tables = buffers.seq_rows[:n], buffers.ctx_lens[:n], buffers.block_tables
+        k_layers, v_layers = st.k_layers, st.v_layers
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            k_cache, v_cache = k_layers[layer], v_layers[layer]
+            ops.write_kv(_rows_contiguous(k), _rows_contiguous(v), slots, k_cache, v_cache)
+            q = _rows_contiguous(q)
+            out = torch.empty_like(q)
+            return ops.paged_decode_dense(q, rows, seq_rows, tables, ctx_lens, k_cache, v_cache, scale, out, splits)
+
+        return BufferedStep(attend, n)
 
 
 def _int32(values: Sequence[int], device: torch.device) -> torch.Tensor:

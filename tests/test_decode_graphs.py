@@ -1,0 +1,193 @@
+"""The engine's pure-decode steps over the persistent step buffers (engine/cuda_graph.py
+DecodeGraphs, driven by engine/llama_runner.py's executor): on the CPU the "static" mode
+runs the graph path's padded static-buffer step without capture, against the ordinary
+("eager") path of the same engine: the same tokens, logits equal to fp64 rounding, padded
+rows that write only the dummy block. On CUDA (skipped without one) the captured graphs'
+replays against eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpool.attention.backends.step_buffers import StepBuffers
+from kvpool.engine.engine import Engine
+from kvpool.engine.llama_runner import LlamaRunner
+from kvpool.engine.sampling import SamplingParams
+from random_llama import DESCRIPTOR, random_ids, random_llama
+
+TOL64 = 1e-12  # relative to the largest logit: fp64 sums in another order
+
+
+@pytest.fixture(scope="module")
+def model64():
+    return random_llama("cpu", torch.float64)
+
+
+def _serve(model, mode: str, *, runner_seqs: int, decode_path: str = "padded"):
+    """Requests joining and leaving: 2 at first, 4 more after 3 steps, each its own output
+    length, so the decode batch runs 1..6 sequences (buckets 1, 2, 4, 8, and past the
+    runner's buffers when runner_seqs < 6). Returns the engine, its runner, the request ids."""
+    runner = LlamaRunner(
+        model,
+        48,
+        4,
+        DESCRIPTOR,
+        decode_path=decode_path,
+        decode_mode=mode,
+        max_num_seqs=runner_seqs,
+        max_num_batched_tokens=32,
+    )
+    engine = Engine(runner, max_num_batched_tokens=32, max_num_seqs=6, record_logits=True)
+    ids = [
+        engine.add_request(random_ids(5 + 3 * i, i), SamplingParams(max_tokens=4 + 2 * i, ignore_eos=True))
+        for i in range(2)
+    ]
+    for step in range(200):
+        if step == 3:
+            ids += [
+                engine.add_request(random_ids(3 + i, 10 + i), SamplingParams(max_tokens=9 - i, ignore_eos=True))
+                for i in range(4)
+            ]
+        if not engine.has_unfinished():
+            break
+        engine.step()
+        runner.check_integrity()
+    return engine, runner, ids
+
+
+def _assert_same_outputs(a: Engine, ids_a: list[str], b: Engine, ids_b: list[str]) -> None:
+    for x, y in zip(ids_a, ids_b, strict=True):
+        sa, sb = a.requests[x].seqs[0], b.requests[y].seqs[0]
+        assert sa.token_ids == sb.token_ids
+        la, lb = torch.stack(sa.logits).cpu(), torch.stack(sb.logits).cpu()
+        assert (la - lb).abs().max() <= TOL64 * lb.abs().max().clamp(min=1)
+
+
+@pytest.mark.parametrize("runner_seqs", [8, 4], ids=["every-decode-buffered", "larger-steps-eager"])
+def test_static_buffer_decodes_equal_the_ordinary_path_as_requests_join_and_leave(model64, runner_seqs):
+    eager, eager_runner, eager_ids = _serve(model64, "eager", runner_seqs=runner_seqs)
+    static, runner, ids = _serve(model64, "static", runner_seqs=runner_seqs)
+    assert eager_runner.executor.decode_mode == "eager" and eager_runner.step_buffers is None
+    _assert_same_outputs(eager, eager_ids, static, ids)
+    graphs = runner.executor._graphs
+    if runner_seqs == 8:  # decodes of 1 to 6 sequences, each in its bucket
+        assert set(graphs.steps_by_bucket) == {1, 2, 4, 8} and graphs.num_eager == 0
+    else:  # steps of 5 or 6 sequences do not fit 4 rows: skipped by the buffers, run eagerly
+        assert set(graphs.steps_by_bucket) == {1, 2, 4}
+    # the pools alike outside the dummy block (block 48, past the cache's 48)
+    keep = slice(0, 48)
+    for pool in ("k", "v"):
+        got, want = getattr(runner.executor.storage, pool), getattr(eager_runner.executor.storage, pool)
+        assert got.shape[1] == want.shape[1] + 1 == 49
+        assert (got[:, keep] - want).abs().max() <= TOL64 * want.abs().max()
+
+
+def test_a_padded_decode_writes_only_its_slots_and_the_dummy_block(model64):
+    runner = LlamaRunner(model64, 24, 4, DESCRIPTOR, decode_path="padded", decode_mode="static", max_num_seqs=8)
+    engine = Engine(runner, max_num_batched_tokens=64, max_num_seqs=8)
+    for i in range(3):
+        engine.add_request(random_ids(6 + i, i), SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.step()  # the three prompts
+    storage = runner.executor.storage
+    before_k, before_v = storage.k.clone(), storage.v.clone()
+    positions = [len(s.token_ids) - 1 for r in engine.requests.values() for s in r.seqs]
+    engine.step()  # 3 decodes, padded to the bucket of 4
+    assert runner.executor._graphs.steps_by_bucket == {4: 1}
+    # the step's slots, from the cache: each sequence's decoded position in its table
+    slots = {
+        (runner.cache.block_ids(s.seq_id)[p // 4], p % 4)
+        for p, s in zip(positions, [s for r in engine.requests.values() for s in r.seqs], strict=True)
+    }
+    # which (block, offset) slots changed, in any layer, head or dimension
+    changed_k = (storage.k != before_k).any(dim=(0, 2, 3)).nonzero().tolist()  # K^T: [L, B, KVH, D, bs]
+    changed_v = (storage.v != before_v).any(dim=(0, 2, 4)).nonzero().tolist()  # V: [L, B, KVH, bs, D]
+    dummy = 24
+    assert {tuple(x) for x in changed_k} == {tuple(x) for x in changed_v} == slots | {(dummy, 0)}
+
+
+def test_the_triton_backend_reads_the_decode_from_the_buffers(model64, monkeypatch):
+    """The Triton backend's buffered decode (paged_decode_dense over the step buffers, in
+    Triton's interpreter here) in static mode against the torch backend's ordinary path."""
+    pytest.importorskip("triton")
+    from kvpool.attention.backends import BACKENDS, BackendKey
+    from kvpool.attention.backends.triton_decode import interpreted
+    from kvpool.attention.backends.triton_paged import TritonPagedBackend
+
+    if not interpreted():
+        pytest.skip("the interpreted Triton backend runs on the CPU only under TRITON_INTERPRET=1")
+    monkeypatch.setitem(BACKENDS, BackendKey("full", "paged", "cpu", "triton"), TritonPagedBackend)
+
+    def serve(path: str, mode: str):
+        runner = LlamaRunner(model64, 16, 4, DESCRIPTOR, decode_path=path, decode_mode=mode, max_num_seqs=4)
+        engine = Engine(runner, max_num_batched_tokens=32, max_num_seqs=4, record_logits=True)
+        ids = [
+            engine.add_request(random_ids(4 + 3 * i, i), SamplingParams(max_tokens=2 + i, ignore_eos=True))
+            for i in range(3)
+        ]
+        while engine.has_unfinished():
+            engine.step()
+            runner.check_integrity()
+        return engine, runner, ids
+
+    ref, _, ref_ids = serve("padded", "eager")
+    got, runner, ids = serve("triton", "static")
+    assert runner.executor._graphs.num_static >= 3 and runner.executor.last_decode_path == "triton"
+    _assert_same_outputs(ref, ref_ids, got, ids)
+
+
+def test_bad_decode_modes_are_refused_naming_them(model64):
+    with pytest.raises(ValueError, match="unknown decode mode 'fast'; one of eager, static, graphs"):
+        LlamaRunner(model64, 8, 4, DESCRIPTOR, decode_mode="fast")
+    with pytest.raises(ValueError, match="decode mode 'graphs' captures CUDA graphs: the model is on cpu"):
+        LlamaRunner(model64, 8, 4, DESCRIPTOR, decode_mode="graphs")
+    # a backend that cannot read the buffers (the C kernels: none in fp64, so a quantized
+    # pool here) keeps the ordinary path
+    runner = LlamaRunner(model64, 8, 4, DESCRIPTOR, decode_mode="static", kv_format="int8")
+    assert runner.executor.decode_mode == "eager" and runner.step_buffers is None
+
+
+def test_buffers_refuse_a_step_they_cannot_hold_and_forget_its_requests():
+    b = StepBuffers(max_num_seqs=2, max_num_tokens=4, max_blocks_per_seq=2, block_size=4, dummy_block=7)
+    b.update(["a", "b"], [0, 0], [2, 2], [[0], [1]])
+    assert b.fits(["a", "b"], 2) and not b.fits(["a", "b"], 5) and not b.fits(["a", "c"], 2)
+    assert not b.fits(["a", "b", "c"], 3)
+    b.skip(["a"])  # "a" is forgotten: its row is free, and the buffers hold no step
+    assert (b.num_seqs, b.num_tokens) == (0, 0) and b.fits(["c", "b"], 2)
+    v = b.update(["c", "b"], [0, 2], [1, 3], [[3], [1]])
+    assert v.seq_rows.tolist() == [0, 1] and v.slot_mapping.tolist() == [12, 6]
+    b.check_integrity({"c": [3], "b": [1]})
+
+
+# ---- on CUDA ------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("decode_path", ["triton", "bags"])
+def test_graph_replays_equal_the_eager_engine_on_cuda(decode_path):
+    """fp32 on CUDA: the same greedy tokens; logits within 1e-4 of the largest (the two
+    paths sum in other orders: the eager path's decodes through the CSR kernel, the graphs'
+    through the dense one, over other batch shapes); replays, and no device synchronisation
+    inside a replayed step."""
+    if decode_path == "triton":
+        pytest.importorskip("triton")
+    model = random_llama("cuda", torch.float32)
+    eager, _, eager_ids = _serve(model, "eager", runner_seqs=8, decode_path=decode_path)
+    graphed, runner, ids = _serve(model, "graphs", runner_seqs=8, decode_path=decode_path)
+    graphs = runner.executor._graphs
+    assert graphs.num_replays > 10 and len(graphs.graphs) >= 3
+    for x, y in zip(eager_ids, ids, strict=True):
+        sa, sb = eager.requests[x].seqs[0], graphed.requests[y].seqs[0]
+        assert sa.token_ids == sb.token_ids
+        la, lb = torch.stack(sa.logits), torch.stack(sb.logits)
+        assert (la - lb).abs().max() <= 1e-4 * la.abs().max()
+    # a replay of a captured bucket queues its work without waiting on the device
+    buffers = runner.step_buffers
+    buffers.update(["x"], [0], [1], [[0]])
+    graphs.set_input_ids([1])
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        graphs.run(1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    buffers.forget("x")
