@@ -14,6 +14,7 @@ def _run_report(layout: str, goodput: float, ttft_ms: list[float]) -> dict:
         "gpu": "g",
         "layout": layout,
         "replicas": 1,
+        "tp": 1,
         "routing": "round_robin",
         "block_size": 16,
         "slo_ttft_ms": 200.0,
@@ -106,3 +107,10 @@ def test_goodput_against_rate_from_0_on_both_axes(tmp_path, drawn):
     (line,) = ax.get_lines()
     assert list(line.get_xdata()) == [2.0, 4.0] and list(line.get_ydata()) == [1.9, 3.2]  # "inf" has no rate
     assert _legends_cover_no_axes(drawn["goodput_vs_rate.png"])
+    # per GPU: a second deployment of 2 GPUs serves 4.0 req/s at rate 4, 2.0 a GPU
+    rows.append({**_run_report("paged", 4.0, [1.0]), "tp": 2, "request_rate": "4"})
+    plots.plot_sweep(rows, str(tmp_path))
+    per_gpu = drawn["goodput_per_gpu_vs_rate.png"].axes[0]
+    assert per_gpu.get_ylim()[0] == 0 and per_gpu.get_xlim()[0] == 0
+    lines = {ln.get_label(): list(zip(ln.get_xdata(), ln.get_ydata(), strict=True)) for ln in per_gpu.get_lines()}
+    assert lines == {"1 g, paged, block 16": [(2.0, 1.9), (4.0, 3.2)], "2 g (1 x TP 2), paged, block 16": [(4.0, 2.0)]}

@@ -1,6 +1,9 @@
 """`kvpool simulate sweep`'s executors and its summary: Ray in local mode gives the process
 pool's JSONL rows (all but the wall-clock keys), the cheapest deployment meeting the SLO is
-picked by GPUs per goodput on hand-made rows, and bad flags are one line."""
+picked by GPUs per goodput on hand-made rows and on a models x TP x rates grid checked by
+hand from its JSONL, rows are written as their points finish (a failing point keeps the
+earlier ones), deployments that cannot run are left out in a line, and bad flags are one
+line."""
 
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ GRID = ["--model", "llama-3.1-8b", "--requests", "12", "--layout", "paged,contig
 
 
 def _rows(path) -> list[dict]:
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    """The rows in grid order (they are written as their points finish)."""
+    rows = sorted((json.loads(line) for line in path.read_text().splitlines()), key=lambda r: r["point"])
     return [{k: v for k, v in r.items() if k not in WALL_CLOCK_KEYS} for r in rows]
 
 
@@ -29,6 +33,7 @@ def test_ray_local_mode_writes_the_process_pools_rows(tmp_path, capsys):
     assert main(["simulate", "sweep", *GRID, "--out", str(ray_out), "--jobs", "2", "--executor", "ray"]) == 0
     ray_err = capsys.readouterr().err
     pool_rows, ray_rows = _rows(pool_out), _rows(ray_out)
+    assert [r["point"] for r in ray_rows] == [0, 1, 2, 3]
     assert [(r["layout"], r["request_rate"]) for r in ray_rows] == [
         ("paged", 2.0),
         ("paged", 8.0),
@@ -67,7 +72,8 @@ def test_the_cheapest_deployment_is_the_fewest_gpus_per_goodput_meeting_the_slo(
     best = cheapest_deployment(rows, 0.9)
     assert best is not None and best.row is rows[2] and best.num_gpus == 4
     assert best.gpus_per_goodput == pytest.approx(4 / 12, rel=1e-12)
-    assert "2 x tp 2 H200 (4 GPUs)" in describe(best, 0.9) and "0.333 GPUs per req/s" in describe(best, 0.9)
+    assert "m on 4 H200 (2 replicas of TP 2), layout paged" in describe(best, 0.9)
+    assert "0.333 GPUs per req/s" in describe(best, 0.9)
     # at 50 % the one-GPU run at 8 req/s qualifies and wins (1 / 5 = 0.2)
     assert cheapest_deployment(rows, 0.5).row is rows[1]
     # a tie goes to the first in grid order
@@ -103,3 +109,79 @@ def test_ray_missing_is_one_line(monkeypatch, capsys):
     assert main(["simulate", "sweep", *GRID, "--executor", "ray"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ['kvpool simulate: error: --executor ray: ray is not installed (pip install "kvpool[ray]")']
+
+
+# 2 models x 2 TP x 2 rates of short uniform requests; at rate 64 on one GPU a third of them
+# miss the 9 ms TPOT bound, at TP 2 one of twelve does
+SMALL_GRID = ["--model", "llama-3.1-8b,qwen3-8b", "-tp", "1,2", "--rate", "4,64", "--workload", "uniform"]
+SMALL_GRID += ["--requests", "12", "--prompt-len", "200:2000", "--output-len", "20:80"]
+SMALL_GRID += ["--slo-tpot-ms", "9", "--slo-ttft-ms", "300"]
+WORDS = {1: "1 H200", 2: "2 H200 (1 replica of TP 2)"}  # simulate's title, by hand
+
+
+def test_a_models_by_tp_by_rates_grid_picks_what_its_jsonl_says(tmp_path, capsys):
+    out = tmp_path / "grid.jsonl"
+    assert main(["simulate", "sweep", *SMALL_GRID, "--slo-attainment", "0.95", "--jobs", "2", "--out", str(out)]) == 0
+    err = capsys.readouterr().err.splitlines()
+    rows = _rows(out)
+    assert [(r["model"], r["tp"], r["request_rate"]) for r in rows] == [
+        (m, tp, rate) for m in ("llama-3.1-8b", "qwen3-8b") for tp in (1, 2) for rate in (4.0, 64.0)
+    ]
+    # by hand: GPUs / goodput over the rows with at least 95 % of requests within both bounds
+    ok = [r for r in rows if r["slo_attainment"] >= 0.95 and r["goodput_req_s"] > 0]
+    pick = min(ok, key=lambda r: (r["tp"] / r["goodput_req_s"], r["point"]))
+    unfiltered = min(rows, key=lambda r: r["tp"] / r["goodput_req_s"])
+    assert unfiltered["slo_attainment"] < 0.95 and pick is not unfiltered  # the SLO decides this grid
+    expected = (
+        "kvpool simulate sweep: cheapest deployment meeting the SLO (95% within TTFT 300 ms, TPOT 9 ms): "
+        f"{pick['model']} on {WORDS[pick['tp']]}, layout paged block 16, rate {pick['request_rate']}: "
+        f"goodput {pick['goodput_req_s']:g} req/s, {pick['tp'] / pick['goodput_req_s']:.3g} GPUs per req/s"
+    )
+    assert err[-1] == expected
+
+
+def test_rows_are_on_disk_as_their_points_finish_and_a_failing_point_keeps_them(tmp_path, capsys, monkeypatch):
+    from kvpool.cli import simulate
+
+    out = tmp_path / "grid.jsonl"
+    real = simulate._sweep_one
+    seen: list[list[str]] = []
+
+    def second_fails(payload):
+        _, combo = payload
+        seen.append(out.read_text().splitlines())  # what the file holds as this point starts
+        if len(seen) == 2:
+            raise ValueError(f"point at rate {combo['rate']} failed")
+        return real(payload)
+
+    monkeypatch.setattr(simulate, "_sweep_one", second_fails)
+    assert main(["simulate", "sweep", *GRID, "--jobs", "1", "--out", str(out)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["kvpool simulate: error: point at rate 8.0 failed"]
+    assert len(seen) == 2 and seen[0] == [] and len(seen[1]) == 1
+    (row,) = _rows(out)  # the finished point stayed
+    assert (row["point"], row["layout"], row["request_rate"]) == (0, "paged", 2.0)
+
+
+def test_deployments_that_cannot_run_are_left_out_in_a_line(tmp_path, capsys):
+    out = tmp_path / "grid.jsonl"
+    flags = ["--model", "deepseek-v3", "-tp", "2,8", "--workload", "uniform", "--requests", "2", "--rate", "4"]
+    flags += ["--prompt-len", "100:200", "--output-len", "4:8", "--jobs", "1", "--out", str(out)]
+    assert main(["simulate", "sweep", *flags]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == (
+        "kvpool simulate sweep: left out deepseek-v3 on h200 at TP 2: deepseek-v3 leaves no KV pool on 2 x H200 "
+        "(weights 314.0 GiB per device): raise --tensor-parallel-size"
+    )
+    assert [(r["point"], r["tp"]) for r in _rows(out)] == [(0, 8)]
+    assert main(["simulate", "sweep", *flags[:2], "-tp", "2", *flags[4:]]) == 2
+    assert (
+        capsys.readouterr()
+        .err.splitlines()[-1]
+        .startswith("kvpool simulate: error: no point of the grid can run: deepseek-v3 leaves no KV pool on 2 x H200")
+    )
+
+
+def test_one_run_takes_one_model_gpu_and_tp(capsys):
+    assert main(["simulate", "--model", "llama-3.1-8b,qwen3-8b", "--requests", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["kvpool simulate: error: --model: a list (llama-3.1-8b, qwen3-8b) is a grid: kvpool simulate sweep"]

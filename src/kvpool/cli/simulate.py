@@ -34,10 +34,10 @@ from kvpool.cli.options import (
     MAX_NUM_BATCHED_TOKENS,
     MAX_NUM_SEQS,
     PREFIX_CACHING,
+    TENSOR_PARALLEL_SIZE,
     add_kv_cache_dtype_option,
     add_option,
     add_planner_model_option,
-    add_tp_option,
     planner_model,
 )
 
@@ -95,15 +95,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("mode", nargs="?", choices=("run", "sweep"), default="run", help="one run (or a few) / a sweep")
     # The default model must hold the default workload: 4-turn chats reach ~9k tokens, past
     # SmolLM2's 8,192 positions; Llama-3.1-8B on one H200 is the common serving setup.
-    add_planner_model_option(parser, default="llama-3.1-8b")
-    parser.add_argument("--gpu", default="h200", help="h100, h200, b200 (any case) or cpu (this machine, calibrated)")
+    add_planner_model_option(parser, default="llama-3.1-8b", note="; sweep: a comma list")
+    parser.add_argument(
+        "--gpu", default="h200", help="h100, h200, b200 (any case) or cpu (this machine, calibrated); sweep: a list"
+    )
     add_option(
         parser,
         GPU_MEMORY_UTILIZATION,
         default=1.0,
         note="not with --gpu cpu",
     )
-    add_tp_option(parser, default=None, note="of one replica (default: the fewest GPUs that fit)")
+    add_option(
+        parser,
+        TENSOR_PARALLEL_SIZE,
+        default=None,
+        type=_list(positive_int),
+        note="of one replica (default: the fewest GPUs that fit); sweep: a comma list",
+    )
     parser.add_argument("--workload", choices=WORKLOADS, default="chat", help="chat, agentic or uniform")
     parser.add_argument(
         "--trace", default=None, help="replay a JSONL trace instead (docs/SIM_TRACE.md; default: --workload)"
@@ -277,16 +285,16 @@ def _workload(args, model, rate_value: float):
     return make(sessions, turns, rate_value, vocab, args.seed)
 
 
-def _fit_tp(model, gpu, args) -> int:
-    """--tensor-parallel-size, or the fewest GPUs (1, 2, 4, 8) whose pool holds a block."""
+def _fit_tp(model, gpu, tp: int | None, args) -> int:
+    """`tp` (one of --tensor-parallel-size's), or the fewest GPUs (1, 2, 4, 8) whose pool holds a block."""
     from kvpool.capacity.planner import plan
 
     if gpu.kind == "cpu":  # one machine: no tensor parallelism across CPUs
-        if args.tp not in (None, 1):
+        if tp not in (None, 1):
             raise ValueError("--tensor-parallel-size: the cpu preset is one machine; tensor parallelism needs GPUs")
         return 1
-    if args.tp:
-        return args.tp
+    if tp:
+        return tp
     from kvpool.capacity.kv import kv_layout
 
     kv_layout(model, args.kv_dtype)  # a format the model cannot take is said as such, not as "does not fit"
@@ -300,16 +308,32 @@ def _fit_tp(model, gpu, args) -> int:
     raise ValueError(f"{model.name} does not fit 8 x {gpu.name}")
 
 
+def _names(text: str) -> tuple[str, ...]:
+    """A comma list of --model or --gpu ("llama-3.1-8b,qwen3-8b"), each as given."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
 def _runs(args) -> list[dict]:
-    """Every distinct combination the flags ask for, as keyword sets of `_one`, in flag order.
-    Contiguous reserves max_model_len per request whatever the block size, so it runs once
-    per rate (at the planner's default block size, which only sizes paged-only reservations),
-    not once per block size as identical runs under the same label."""
+    """Every distinct combination the flags ask for, as keyword sets of `_one`, in flag order:
+    models x GPUs x TP x layouts x block sizes x routings x rates (a sweep's grid; one run
+    takes one model, GPU and TP). Contiguous reserves max_model_len per request whatever the
+    block size, so it runs once per rate (at the planner's default block size, which only
+    sizes paged-only reservations), not once per block size as identical runs under the
+    same label."""
+    models, gpus, tps = _names(args.model), _names(args.gpu), args.tp or (None,)
+    if args.mode != "sweep":
+        for flag, values in (("--model", models), ("--gpu", gpus), ("--tensor-parallel-size", tps)):
+            if len(values) > 1:
+                raise ValueError(f"{flag}: a list ({', '.join(map(str, values))}) is a grid: kvpool simulate sweep")
+    if not models or not gpus:
+        raise ValueError(f"{'--model' if not models else '--gpu'}: an empty list")
     layouts = args.layout or (None,)
     rates = (math.nan,) if args.trace else args.rate  # a trace carries its own arrival times
     runs: list[dict] = []
-    for lay, bs, ro, ra in itertools.product(layouts, args.block_size, args.routing, rates):
-        combo = {"layout": lay, "block_size": None if lay == "contiguous" else bs, "routing": ro, "rate": ra}
+    grid = itertools.product(models, gpus, tps, layouts, args.block_size, args.routing, rates)
+    for mo, gp, tp, lay, bs, ro, ra in grid:
+        combo = {"model": mo, "gpu": gp, "tp": tp, "layout": lay, "block_size": None if lay == "contiguous" else bs}
+        combo |= {"routing": ro, "rate": ra}
         if combo not in runs:  # (nan != nan: a trace has a single rate, so no duplicate slips by)
             runs.append(combo)
     return runs
@@ -326,16 +350,19 @@ def _check_output_paths(args) -> None:
         check_output_dir("--out", args.out, os.path.dirname(os.path.abspath(args.out)))
 
 
-def _one(args, combo: dict, progress: bool) -> dict:
+def _deployment_of(args, combo: dict):
+    """(model, gpu, tp, cost model, SimConfig) of one combination; ValueError naming what
+    cannot run (an unknown model or GPU, a deployment the model does not fit)."""
     from kvpool.sim.cost import CostModel
-    from kvpool.sim.simulator import SimConfig, check_request_lens, simulate
+    from kvpool.sim.layouts import check_pool
+    from kvpool.sim.simulator import SimConfig, plan_replica
 
-    model, gpu = planner_model(args.model), _gpu(args.gpu, args.gpu_memory_utilization)
+    model, gpu = planner_model(combo["model"]), _gpu(combo["gpu"], args.gpu_memory_utilization)
     if gpu.kind == "cpu" and args.weight_dtype not in ("auto", "fp32"):
         raise ValueError(f"--weight-dtype {args.weight_dtype}: --gpu cpu is kvpool's CPU engine, fp32 weights only")
     if args.enable_expert_parallel and model.moe is None:
         raise ValueError(f"--enable-expert-parallel: {model.name} has no MoE layers (no routed experts to spread)")
-    tp = _fit_tp(model, gpu, args)
+    tp = _fit_tp(model, gpu, combo["tp"], args)
     config = SimConfig(
         layout=combo["layout"],
         block_size=combo["block_size"],
@@ -354,8 +381,6 @@ def _one(args, combo: dict, progress: bool) -> dict:
         slo_ttft_ms=args.slo_ttft_ms,
         slo_tpot_ms=args.slo_tpot_ms,
     )
-    workload = _workload(args, model, combo["rate"])
-    check_request_lens(model, workload, args.max_model_len, flag="--max-model-len")
     cost = CostModel(
         model,
         gpu,
@@ -366,6 +391,16 @@ def _one(args, combo: dict, progress: bool) -> dict:
         expert_parallel=args.enable_expert_parallel,
         **_calibration(args.calibration, gpu),
     )
+    check_pool(plan_replica(model, gpu, config))  # a model that leaves no KV pool on tp GPUs says so here
+    return model, gpu, tp, cost, config
+
+
+def _one(args, combo: dict, progress: bool) -> dict:
+    from kvpool.sim.simulator import check_request_lens, simulate
+
+    model, gpu, _, cost, config = _deployment_of(args, combo)
+    workload = _workload(args, model, combo["rate"])
+    check_request_lens(model, workload, args.max_model_len, flag="--max-model-len")
     bar = _Progress(workload.num_requests) if progress else None
     try:
         report = simulate(model, gpu, workload, config, cost, bar.update if bar else None)
@@ -423,35 +458,9 @@ def run(args: argparse.Namespace) -> int:
     _check_output_paths(args)
     combos = _runs(args)
     if args.mode == "sweep":
-        from kvpool.cli.sweep import cheapest_deployment, describe, map_processes, map_ray
+        from kvpool.cli.sweep import run_sweep
 
-        if args.ray_address and args.executor != "ray":
-            raise ValueError("--ray-address: a Ray cluster runs the sweep only with --executor ray")
-        if not args.slo_attainment <= 1.0:
-            raise ValueError(f"--slo-attainment: expected a fraction in (0, 1], got {args.slo_attainment}")
-        jobs = min(args.jobs or os.cpu_count() or 1, len(combos))
-        payloads = [(args, c) for c in combos]
-        if args.executor == "ray":
-            rows = map_ray(_sweep_one, payloads, jobs, args.ray_address)
-        else:
-            rows = map_processes(_sweep_one, payloads, jobs)
-        text = "".join(json.dumps(r) + "\n" for r in rows)
-        if args.out:
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            tmp = f"{args.out}.tmp"
-            with open(tmp, "w") as f:
-                f.write(text)
-            os.replace(tmp, args.out)  # nothing half-written
-            print(f"kvpool simulate sweep: {len(rows)} runs -> {args.out}", file=sys.stderr)
-        else:
-            sys.stdout.write(text)
-        if args.plot:
-            from kvpool.sim.plots import plot_sweep
-
-            for path in plot_sweep(rows, args.plot):
-                print(f"kvpool simulate sweep: wrote {path}", file=sys.stderr)
-        print(describe(cheapest_deployment(rows, args.slo_attainment), args.slo_attainment), file=sys.stderr)
-        return 0
+        return run_sweep(args, combos)
     reports = [_one(args, c, progress=True) for c in combos]
     if args.plot:
         from kvpool.sim.plots import plot_runs

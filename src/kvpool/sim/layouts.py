@@ -73,6 +73,18 @@ def default_layout(plan: Plan) -> str:
     return "hybrid" if any(g.window is not None for g in plan.layout.groups) else "paged"
 
 
+def check_pool(plan: Plan) -> int:
+    """The plan's KV pool bytes; ValueError naming the model and the GPUs when it has none."""
+    pool = int(plan.ledger.pool_bytes)
+    if pool <= 0:
+        fix = "pick a smaller model" if plan.gpu.kind == "cpu" else "raise --tensor-parallel-size"
+        raise ValueError(
+            f"{plan.model.name} leaves no KV pool on {plan.tp} x {plan.gpu.name} (weights "
+            f"{plan.weights.per_gpu_bytes / 2**30:.1f} GiB per device): {fix}"
+        )
+    return pool
+
+
 def build_layout(
     plan: Plan,
     name: str,
@@ -95,13 +107,7 @@ def build_layout(
     if num_blocks is not None and name != "paged":
         raise ValueError(f"num_blocks sizes the paged layout only, not {name!r}")
     model, layout = plan.model, plan.layout
-    pool = int(plan.ledger.pool_bytes)
-    if pool <= 0:
-        fix = "pick a smaller model" if plan.gpu.kind == "cpu" else "raise --tensor-parallel-size"
-        raise ValueError(
-            f"{model.name} leaves no KV pool on {plan.tp} x {plan.gpu.name} (weights "
-            f"{plan.weights.per_gpu_bytes / 2**30:.1f} GiB per device): {fix}"
-        )
+    pool = check_pool(plan)
     q = layout.block_size
     descriptor = CacheDescriptor(model_id=model.name, layout_id=f"sim:{name}:{q}:{layout.kv_dtype}:tp{plan.tp}")
     v4 = model.dsv4

@@ -1,6 +1,6 @@
 """Plots of simulator runs (matplotlib, no display): latency CDFs with the SLO bounds, KV
 occupancy over time, a comparison chart of several runs (values written on the bars), and
-goodput against rate for a sweep. The rules every kvpool plot keeps: an axis that shows a
+goodput (and goodput per GPU) against rate for a sweep. The rules every kvpool plot keeps: an axis that shows a
 rate or a share starts at 0; legends sit outside the axes, so they cover no data; a file's
 type is its name's extension (`check_plot_format` refuses one matplotlib cannot write)."""
 
@@ -116,29 +116,51 @@ def plot_runs(reports: list[dict], directory: str) -> list[str]:
     return paths
 
 
+def _deployment_label(row: dict, varying: tuple[str, ...]) -> str:
+    """What tells a sweep's lines apart beyond the layout: the model, the GPU, the TP and the
+    replicas, those of them the rows differ in."""
+    parts = [row["model"]] if "model" in varying else []
+    if {"gpu", "tp", "replicas"} & set(varying):
+        gpus = row["replicas"] * row["tp"]
+        split = f" ({row['replicas']} x TP {row['tp']})" if gpus > 1 else ""
+        parts.append(f"{gpus} {row['gpu']}{split}")
+    return ", ".join([*parts, _label(row)])
+
+
 def plot_sweep(rows: list[dict], directory: str) -> list[str]:
-    """goodput_vs_rate.png: one line per (layout, block size, routing)."""
+    """goodput_vs_rate.png and goodput_per_gpu_vs_rate.png: one line per deployment (model,
+    GPUs, TP, where the rows differ in them) and (layout, block size, routing)."""
     plt = _pyplot()
     os.makedirs(directory, exist_ok=True)
-    lines: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    varying = tuple(k for k in ("model", "gpu", "tp", "replicas") if len({r[k] for r in rows}) > 1)
+    lines: dict[str, list[tuple[float, float, int]]] = defaultdict(list)
     for r in rows:
         if r["request_rate"] in ("inf", "trace"):  # all at once, or a trace's own times: no rate to plot
             continue
         rate = float(r["request_rate"])
-        lines[_label(r)].append((rate, r["goodput_req_s"]))
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for label, points in sorted(lines.items()):
-        points = sorted(points)
-        if points:
-            ax.plot(*zip(*points, strict=True), marker="o", label=label)
-    ax.set_xlabel("arrival rate (sessions / s)")
-    ax.set_ylabel("goodput (requests / s within SLO)")
-    ax.set_xlim(left=0)  # both rates: from 0
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    _legend_outside(ax)
-    ax.set_title(f"goodput vs rate: {rows[0]['model']} on {rows[0]['gpu']}")
-    return [save_png(fig, directory, "goodput_vs_rate.png")]
+        lines[_deployment_label(r, varying)].append((rate, r["goodput_req_s"], r["replicas"] * r["tp"]))
+    if varying:
+        title = "goodput vs rate"
+    else:
+        title = f"goodput vs rate: {rows[0]['model']} on {rows[0]['gpu']}"
+    paths = []
+    for name, per_gpu in (("goodput_vs_rate.png", False), ("goodput_per_gpu_vs_rate.png", True)):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for label, points in sorted(lines.items()):
+            points = sorted(points)
+            if points:
+                xs = [rate for rate, _, _ in points]
+                ys = [goodput / gpus if per_gpu else goodput for _, goodput, gpus in points]
+                ax.plot(xs, ys, marker="o", label=label)
+        ax.set_xlabel("arrival rate (sessions / s)")
+        ax.set_ylabel("goodput per GPU (requests / s)" if per_gpu else "goodput (requests / s within SLO)")
+        ax.set_xlim(left=0)  # both rates: from 0
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        _legend_outside(ax)
+        ax.set_title(title.replace("goodput", "goodput per GPU", 1) if per_gpu else title)
+        paths.append(save_png(fig, directory, name))
+    return paths
 
 
 def check_plot_format(flag: str, path: str) -> None:
