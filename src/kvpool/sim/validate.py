@@ -1,0 +1,258 @@
+"""Predicted against published: the simulator on serving figures others measured and published.
+
+    python3 -m kvpool.sim.validate [--json] [--calibration NAME|FILE]
+
+`src/kvpool/sim/data/published.json` holds each figure with the page it was read on, the
+rows or sentences it came from (verbatim) and its configuration: model, GPU, TP, weight and
+KV formats, input and output lengths, the concurrency or "all at once", the metric, and
+what the simulation assumes where the source is silent. Each is run through the simulator
+itself (`kvpool.sim.simulator.simulate`, the engine's scheduler and cache over the cost
+model), as the source ran it, with fixed lengths:
+
+- a fixed concurrency C (a latency benchmark's batch, a client keeping C requests in flight):
+  C requests arriving together with at most C running. With every prompt and answer the
+  same length, a closed loop runs wave after wave of this one, so one wave's TTFT, TPOT and
+  end-to-end latency are the steady state's (and its TTFT has no queueing in it);
+- "all at once" (an offline maximum-throughput run, every request queued): a wave of B
+  requests, B the most requests of input + output tokens the replica's KV pool holds (the
+  planner's `max_concurrent_per_replica` at that context), at most `MAX_BATCH`; the output
+  tokens per second over the wave (a queue of identical requests is served as such waves,
+  each costing the same).
+
+Metrics: latency_ms (p50 of the requests' end-to-end latency), ttft_ms, tpot_ms (p50; the
+time per output token after the first, which NIM's ITL and vLLM's TPOT report), output_tok_s
+(generated tokens / the wave's span) and output_tok_s_per_gpu (that / TP). The ratio is
+predicted / published, read with the metric's sense: under 1 a time is predicted too fast,
+a throughput too slow (`RowResult.error` says which). The parameters are the GPU defaults
+(what `kvpool simulate` runs), or a calibration's (`--calibration`, kvpool.sim.gpufit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from dataclasses import dataclass
+
+from kvpool.sim.gpufit import DATA_DIR
+
+PUBLISHED = os.path.join(DATA_DIR, "published.json")
+MAX_BATCH = 2048  # the batch limit of an "all at once" run whose source states none
+METRICS: dict[str, tuple[str, str, bool]] = {  # metric -> (report key, unit, higher is faster)
+    "latency_ms": ("latency_ms_p50", "ms", False),
+    "ttft_ms": ("ttft_ms_p50", "ms", False),
+    "tpot_ms": ("tpot_ms_p50", "ms", False),
+    "output_tok_s": ("throughput_tok_s", "tok/s", True),
+    "output_tok_s_per_gpu": ("throughput_tok_s", "tok/s/GPU", True),
+}
+
+
+@dataclass(frozen=True)
+class PublishedRow:
+    id: str
+    engine: str
+    source_url: str
+    quote: tuple[str, ...]
+    model: str
+    gpu: str
+    tp: int
+    weight_dtype: str
+    kv_dtype: str
+    input_len: int
+    output_len: int
+    concurrency: int | None  # None: every request at once (maximum throughput)
+    metric: str
+    published: float
+    assumed: str = ""
+
+    def __post_init__(self) -> None:
+        if self.metric not in METRICS:
+            raise ValueError(f"row {self.id}: unknown metric {self.metric!r}; known: {', '.join(METRICS)}")
+        for name in ("tp", "input_len", "output_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"row {self.id}: {name} must be >= 1, got {getattr(self, name)}")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"row {self.id}: concurrency must be >= 1 or null, got {self.concurrency}")
+        if not self.published > 0 or not self.quote or not self.source_url.startswith("https://"):
+            raise ValueError(f"row {self.id}: needs a positive published figure, its quote and its https source")
+
+    @property
+    def configuration(self) -> str:
+        load = f"concurrency {self.concurrency}" if self.concurrency else "max throughput"
+        dtypes = f"{self.weight_dtype} weights, {self.kv_dtype} KV"
+        return (
+            f"{self.model}, {self.gpu} TP {self.tp}, {dtypes}, {self.input_len:,} in / {self.output_len:,} out, {load}"
+        )
+
+
+@dataclass(frozen=True)
+class RowResult:
+    row: PublishedRow
+    predicted: float
+    batch: int  # requests in the simulated wave
+    preemptions: int
+
+    @property
+    def ratio(self) -> float:
+        return self.predicted / self.row.published
+
+    @property
+    def error(self) -> str:
+        """'too fast' or 'too slow' (or 'exact'): which way the prediction errs."""
+        if self.ratio == 1:
+            return "exact"
+        faster = self.ratio > 1 if METRICS[self.row.metric][2] else self.ratio < 1
+        return "too fast" if faster else "too slow"
+
+
+def load_rows(path: str = PUBLISHED) -> list[PublishedRow]:
+    with open(path) as f:
+        data = json.load(f)
+    rows = []
+    for i, raw in enumerate(data["rows"]):
+        try:
+            rows.append(PublishedRow(**{**raw, "quote": tuple(raw["quote"])}))
+        except TypeError as e:
+            raise ValueError(f"{path}: row {i}: {e}") from None
+    ids = [r.id for r in rows]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{path}: row ids repeat")
+    return rows
+
+
+def simulate_row(row: PublishedRow, overrides: dict[str, float] | None = None) -> RowResult:
+    """Simulate `row` as its source ran it (module docstring); `overrides`: CostModel
+    parameters (a calibration's `GPUFit.overrides()`), else the GPU defaults."""
+    from kvpool.capacity.planner import plan
+    from kvpool.sim.cost import CostModel
+    from kvpool.sim.simulator import SimConfig, simulate
+    from kvpool.spec.gpus import get_gpu
+    from kvpool.spec.models import load_preset
+    from kvpool.workload.sessions import uniform_workload
+
+    model, gpu = load_preset(row.model), get_gpu(row.gpu)
+    total_len = row.input_len + row.output_len
+    if row.concurrency is not None:
+        batch = row.concurrency
+    else:
+        p = plan(
+            model,
+            gpu,
+            num_gpus=row.tp,
+            tp=row.tp,
+            context_len=total_len,
+            kv_dtype=row.kv_dtype,
+            weight_dtype=row.weight_dtype,
+        )
+        batch = min(MAX_BATCH, p.max_concurrent_per_replica)
+        if batch < 1:
+            raise ValueError(f"row {row.id}: one request of {total_len:,} tokens does not fit the KV pool")
+    config = SimConfig(
+        tp=row.tp,
+        max_num_seqs=batch,
+        max_num_batched_tokens=max(8192, row.input_len),
+        max_model_len=total_len,
+        kv_dtype=row.kv_dtype,
+        weight_dtype=row.weight_dtype,
+        enable_prefix_caching=False,  # random prompts: nothing to hit
+    )
+    cost = CostModel(model, gpu, weight_dtype=row.weight_dtype, kv_dtype=row.kv_dtype, tp=row.tp, **(overrides or {}))
+    workload = uniform_workload(
+        batch, math.inf, model.vocab_size, 0, prompt_len=(row.input_len,) * 2, output_len=(row.output_len,) * 2
+    )
+    report = simulate(model, gpu, workload, config, cost)
+    value = float(report[METRICS[row.metric][0]])
+    if row.metric == "output_tok_s_per_gpu":
+        value /= row.tp
+    return RowResult(row, value, batch, int(report["preemptions"]))
+
+
+def validate(rows: list[PublishedRow], overrides: dict[str, float] | None = None) -> list[RowResult]:
+    return [simulate_row(r, overrides) for r in rows]
+
+
+def _figure(value: float) -> str:
+    return f"{value:,.0f}" if value >= 1000 else f"{value:,.1f}" if value >= 100 else f"{value:.2f}"
+
+
+def markdown_table(results: list[RowResult], calibrated: list[RowResult] | None = None) -> str:
+    """The comparison as a Markdown table (what docs/simulator.md shows)."""
+    head = "| configuration | source | metric | published | predicted | ratio |"
+    rule = "|---|---|---|---|---|---|"
+    if calibrated is not None:
+        head += " calibrated | ratio |"
+        rule += "---|---|"
+    lines = [head, rule]
+    for i, res in enumerate(results):
+        row = res.row
+        unit = METRICS[row.metric][1]
+        cells = [
+            row.configuration,
+            f"[{row.engine}]({row.source_url})",
+            f"{row.metric.split('_')[0] if row.metric.endswith('_ms') else 'output'} ({unit})",
+            _figure(row.published),
+            _figure(res.predicted),
+            f"{res.ratio:.2f}",
+        ]
+        if calibrated is not None:
+            cells += [_figure(calibrated[i].predicted), f"{calibrated[i].ratio:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def as_json(results: list[RowResult], calibrated: list[RowResult] | None = None) -> list[dict]:
+    out = []
+    for i, res in enumerate(results):
+        row = res.row
+        item = {
+            "id": row.id,
+            "configuration": row.configuration,
+            "engine": row.engine,
+            "source_url": row.source_url,
+            "quote": list(row.quote),
+            "metric": row.metric,
+            "published": row.published,
+            "predicted": res.predicted,
+            "ratio": res.ratio,
+            "error": res.error,
+            "simulated_batch": res.batch,
+            "preemptions": res.preemptions,
+            "assumed": row.assumed,
+        }
+        if calibrated is not None:
+            item |= {"predicted_calibrated": calibrated[i].predicted, "ratio_calibrated": calibrated[i].ratio}
+        out.append(item)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python3 -m kvpool.sim.validate", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="one JSON object per row, in a list")
+    parser.add_argument(
+        "--calibration",
+        default=None,
+        metavar="NAME|FILE",
+        help="also predict with this GPU calibration (kvpool.sim.gpufit; shipped: h200-issue31)",
+    )
+    parser.add_argument("--data", default=PUBLISHED, help="the published figures (default: the shipped file)")
+    args = parser.parse_args(argv)
+    from kvpool.sim.gpufit import load_fit
+
+    rows = load_rows(args.data)
+    results = validate(rows)
+    calibrated = None
+    if args.calibration is not None:
+        try:
+            overrides = load_fit(args.calibration).overrides()
+        except ValueError as e:
+            parser.error(str(e))
+        calibrated = validate(rows, overrides)
+    if args.json:
+        print(json.dumps(as_json(results, calibrated), indent=2))
+    else:
+        print(markdown_table(results, calibrated))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Predicted against published (kvpool.sim.validate): every row carries its source and the
+figure as the source printed it, the docs table is what the validation computes today, and
+one row's prediction is computed here by hand from the model's shapes and the GPU's data."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from kvpool.sim.validate import PublishedRow, load_rows, markdown_table, simulate_row, validate
+
+DOCS = Path(__file__).parent.parent / "docs" / "simulator.md"
+
+
+def test_every_row_names_its_source_and_quotes_the_figure_it_reports() -> None:
+    rows = load_rows()
+    assert len(rows) >= 8
+    for row in rows:
+        quoted = " ".join(q.replace(",", "") for q in row.quote)
+        assert f"{row.published:g}" in quoted, row.id  # the figure is read off its quote
+        assert row.source_url.startswith("https://") and row.assumed, row.id
+    # the mix the issue asks for: low batch and saturation, dense and MoE, TP 1 and more, H100 and H200
+    assert {r.concurrency is None for r in rows} == {True, False}
+    assert {r.model for r in rows} >= {"llama-3.1-8b", "gpt-oss-120b"}
+    assert {r.tp for r in rows} >= {1, 2, 4} and {r.gpu for r in rows} == {"H100", "H200"}
+    assert {r.metric for r in rows} >= {"latency_ms", "ttft_ms", "tpot_ms", "output_tok_s", "output_tok_s_per_gpu"}
+
+
+def test_the_docs_table_is_what_the_validation_computes_now() -> None:
+    page = DOCS.read_text()
+    shown = re.search(r"<!-- validate:begin -->\n(.*?)\n<!-- validate:end -->", page, re.S)
+    assert shown is not None
+    assert shown.group(1).strip() == markdown_table(validate(load_rows()))
+
+
+def test_a_batch_of_8_decodes_latency_by_hand() -> None:
+    """vLLM's latency benchmark row: 8 prompts of 32 tokens, 128 tokens each, Llama-3.1-8B in
+    bf16 on one H200 with the cuda defaults (compute 0.5, bandwidth 0.8, 0.75 ms a step, 76 us
+    a layer when a step does not replay a CUDA graph). One prefill step of the 8 prompts (it
+    gives each its first token), then 127 decode steps of 8 sequences at 33 .. 159 tokens of
+    context; every phase at its own roofline."""
+    row = next(r for r in load_rows() if r.id == "vllm-8b-h200-b8")
+    h, layers, heads, kv_heads, d, inter, vocab = 4096, 32, 32, 8, 128, 14336, 128_256
+    linear = layers * (h * h + 2 * h * kv_heads * d + h * h + 3 * h * inter)  # per token, the head apart
+    norms = layers * 2 * h + h
+    dense_bytes = 2 * (linear + norms + vocab * h)  # bf16; the untied embedding table is not read whole
+    kv_per_token = layers * 2 * kv_heads * d * 2  # K and V, bf16
+    flop_s, byte_s = 989e12 * 0.5, 4.8e12 * 0.8
+    attention_per_entry = layers * 4 * heads * d  # QK^T and PV, one query and one key
+
+    def gemm_s(num_tokens: int, num_seqs: int) -> float:
+        flops = 2 * num_tokens * linear + 2 * num_seqs * vocab * h  # one logits row per sequence
+        return max(flops / flop_s, (dense_bytes + num_tokens * h * 2) / byte_s)
+
+    causal = sum(range(1, 33))  # the prompt's queries see 1 .. 32 tokens
+    prefill = (
+        gemm_s(8 * 32, 8)
+        + max(8 * attention_per_entry * causal / flop_s, 8 * 2 * 32 * kv_per_token / byte_s)  # read + write
+        + 0.75e-3
+        + 32 * 76e-6
+    )
+    decodes = sum(
+        gemm_s(8, 8) + max(8 * attention_per_entry * ctx / flop_s, 8 * (ctx + 1) * kv_per_token / byte_s) + 0.75e-3
+        for ctx in range(33, 160)
+    )
+    hand_ms = (prefill + decodes) * 1e3
+    assert hand_ms == pytest.approx(605.48, abs=0.01)  # and the validation's figure, by the simulator:
+    assert simulate_row(row).predicted == pytest.approx(hand_ms, abs=0.005)
+
+
+def test_a_row_without_its_source_or_with_an_unknown_metric_is_refused() -> None:
+    row = load_rows()[0]
+    with pytest.raises(ValueError, match=r"^row vllm-8b-h200-b8: unknown metric 'tokens'; known: latency_ms, "):
+        dataclasses.replace(row, metric="tokens")
+    with pytest.raises(ValueError, match=r"needs a positive published figure, its quote and its https source$"):
+        PublishedRow(**{**dataclasses.asdict(row), "quote": ()})
