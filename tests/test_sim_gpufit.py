@@ -124,6 +124,7 @@ def test_calibrate_fit_prints_the_fit_and_simulate_runs_on_it(capsys) -> None:
     assert main(["simulate", "--requests", "4", "--calibration", "h200-issue31", "--json"]) in (0, None)
     report = json.loads(capsys.readouterr().out)
     assert {p: report["cost_model"][p] for p in PARAMS} == fit.overrides()
+    assert report["cost_model"]["calibration"] == "h200-issue31"
     assert cli._calibration("h200-issue31", get_gpu("H200")) == fit.overrides()
     assert cli._calibration(None, get_gpu("H200")) == {}
     with pytest.raises(ValueError, match=r"^--calibration: calibration 'nope': no such file, and not a shipped"):

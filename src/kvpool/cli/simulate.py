@@ -410,6 +410,7 @@ def _one(args, combo: dict, progress: bool) -> dict:
     report["workload"] = "trace" if args.trace else args.workload
     report["request_rate"] = "trace" if args.trace else combo["rate"] if math.isfinite(combo["rate"]) else "inf"
     report["workload_params"] = workload.params
+    report["cost_model"]["calibration"] = args.calibration  # None: the GPU defaults
     return report
 
 
