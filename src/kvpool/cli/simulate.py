@@ -3,6 +3,7 @@
     kvpool simulate --model deepseek-v4-flash --gpu h200 -tp 8 --workload chat --requests 2000
     kvpool simulate ... --layout dual,paged,contiguous      (one run each, compared)
     kvpool simulate ... --replicas 4 --routing round-robin,prefix-aware
+    kvpool simulate ... --prefill-replicas 1 --replicas 3         (P/D: sim/pd.py)
     kvpool simulate ... --trace FILE.jsonl                   (docs/SIM_TRACE.md)
     kvpool simulate sweep ... --layout dual,paged --rate 1,2,4 --block-size 128,256 --out runs.jsonl
 
@@ -26,7 +27,16 @@ import time
 from typing import TYPE_CHECKING
 
 from kvpool.cache.dual_pool import RESTORE_METHODS
-from kvpool.cli.args import check_output_dir, comma_choices, non_negative_int, positive_float, positive_int, rate
+from kvpool.cli.args import (
+    byte_size,
+    check_output_dir,
+    comma_choices,
+    non_negative_int,
+    parsed_number,
+    positive_float,
+    positive_int,
+    rate,
+)
 from kvpool.cli.options import (
     BLOCK_SIZE,
     GPU_MEMORY_UTILIZATION,
@@ -77,6 +87,24 @@ def _list(parse):
         return items
 
     return parse_list
+
+
+def _bandwidth(text: str) -> float:
+    """A link's bandwidth, bytes per second: a size, "/s" optional ("50GB/s", "400G")."""
+    size = text.strip().removesuffix("/s")
+    try:
+        value = byte_size(size)
+    except argparse.ArgumentTypeError:
+        expected = "a size per second such as 50GB/s or 25GiB/s"
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a bandwidth > 0, got {text!r}")
+    return float(value)
+
+
+def _milliseconds(text: str) -> float:
+    """A finite duration >= 0, ms."""
+    return parsed_number(text, float, lambda v: math.isfinite(v) and v >= 0, "a number of ms >= 0")
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -154,7 +182,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "128 for V4",
     )
     add_option(parser, PREFIX_CACHING, default=True)
-    parser.add_argument("--replicas", type=positive_int, default=1, help="engine replicas behind the router")
+    parser.add_argument(
+        "--replicas",
+        type=positive_int,
+        default=1,
+        help="engine replicas behind the router (with --prefill-replicas: the decode replicas)",
+    )
+    parser.add_argument(
+        "--prefill-replicas",
+        type=non_negative_int,
+        default=0,
+        help="prefill / decode disaggregation: this many prefill replicas compute prompts and send their KV to the "
+        "--replicas decode replicas (default 0: each replica does both)",
+    )
+    parser.add_argument(
+        "--kv-transfer-bandwidth",
+        type=_bandwidth,
+        default="50GB/s",
+        metavar="SIZE/s",
+        help="--prefill-replicas: the link from each prefill replica to the decode side (its NICs together)",
+    )
+    parser.add_argument(
+        "--kv-transfer-latency-ms",
+        type=_milliseconds,
+        default=0.1,
+        help="--prefill-replicas: the link's latency per transfer, ms",
+    )
     parser.add_argument(
         "--routing", type=comma_choices(ROUTINGS), default="round-robin", help=f"{', '.join(ROUTINGS)}; a list"
     )
@@ -403,7 +456,14 @@ def _one(args, combo: dict, progress: bool) -> dict:
     check_request_lens(model, workload, args.max_model_len, flag="--max-model-len")
     bar = _Progress(workload.num_requests) if progress else None
     try:
-        report = simulate(model, gpu, workload, config, cost, bar.update if bar else None)
+        if args.prefill_replicas:
+            from kvpool.sim.pd import KVLink, simulate_pd
+
+            link = KVLink(args.kv_transfer_bandwidth, args.kv_transfer_latency_ms / 1e3)
+            update = bar.update if bar else None
+            report = simulate_pd(model, gpu, workload, config, cost, args.prefill_replicas, link, update)
+        else:
+            report = simulate(model, gpu, workload, config, cost, bar.update if bar else None)
     finally:
         if bar:
             bar.close()
@@ -487,7 +547,7 @@ def _print(reports: list[dict]) -> None:
         r = reports[0]
         table = Table(
             title=f"kvpool simulate: {_count(r['num_requests'], 'request')}, {r['model']} on "
-            f"{_deployment(r['replicas'], r['tp'], r['gpu'])}, layout {r['layout']}"
+            f"{_deployment(r['replicas'], r['tp'], r['gpu'], r.get('prefill_replicas', 0))}, layout {r['layout']}"
         )
         table.add_column("metric")
         table.add_column("value", justify="right")
@@ -545,9 +605,12 @@ def _count(n: int, noun: str) -> str:
     return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
-def _deployment(replicas: int, tp: int, gpu: str) -> str:
-    """'1 H200', '8 H200 (2 replicas of TP 4)': the GPUs in all, then how they are split."""
+def _deployment(replicas: int, tp: int, gpu: str, prefill_replicas: int = 0) -> str:
+    """'1 H200', '8 H200 (2 replicas of TP 4)', '4 H200 (1 prefill + 3 decode replicas of
+    TP 1)': the GPUs in all, then how they are split (`replicas` counts both P/D sides)."""
     gpus = f"{replicas * tp:,} {gpu}"
+    if prefill_replicas:
+        return f"{gpus} ({prefill_replicas} prefill + {replicas - prefill_replicas} decode replicas of TP {tp})"
     if replicas == 1 and tp == 1:
         return gpus
     return f"{gpus} ({_count(replicas, 'replica')} of TP {tp})"

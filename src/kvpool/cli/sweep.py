@@ -213,10 +213,11 @@ def describe(best: Deployment | None, min_attainment: float) -> str:
     if best is None:
         return f"kvpool simulate sweep: no run meets the SLO ({min_attainment:.0%} of requests within both bounds)"
     r = best.row
+    where = _deployment(r["replicas"], r["tp"], r["gpu"], r.get("prefill_replicas", 0))
     block = f" block {r['block_size']}" if r.get("block_size") is not None else ""
     return (
         f"kvpool simulate sweep: cheapest deployment meeting the SLO ({min_attainment:.0%} within "
         f"TTFT {r['slo_ttft_ms']:g} ms, TPOT {r['slo_tpot_ms']:g} ms): {r['model']} on "
-        f"{_deployment(r['replicas'], r['tp'], r['gpu'])}, layout {r['layout']}{block}, rate "
+        f"{where}, layout {r['layout']}{block}, rate "
         f"{r['request_rate']}: goodput {r['goodput_req_s']:g} req/s, {best.gpus_per_goodput:.3g} GPUs per req/s"
     )
