@@ -5,12 +5,14 @@ one row's prediction is computed here by hand from the model's shapes and the GP
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from pathlib import Path
 
 import pytest
 
-from kvpool.sim.validate import PublishedRow, load_rows, markdown_table, simulate_row, validate
+from kvpool.sim.gpufit import load_fit
+from kvpool.sim.validate import PublishedRow, load_rows, main, markdown_table, simulate_row, validate
 
 DOCS = Path(__file__).parent.parent / "docs" / "simulator.md"
 
@@ -77,3 +79,21 @@ def test_a_row_without_its_source_or_with_an_unknown_metric_is_refused() -> None
         dataclasses.replace(row, metric="tokens")
     with pytest.raises(ValueError, match=r"needs a positive published figure, its quote and its https source$"):
         PublishedRow(**{**dataclasses.asdict(row), "quote": ()})
+
+
+def test_the_command_prints_each_row_with_its_source_and_both_predictions(tmp_path, capsys) -> None:
+    row = next(r for r in load_rows() if r.id == "nim-70b-h100-tp2-c1-500-itl")  # one request: cheap
+    raw = {**dataclasses.asdict(row), "quote": list(row.quote)}
+    path = tmp_path / "one.json"
+    path.write_text(json.dumps({"rows": [raw]}))
+    main(["--data", str(path), "--json", "--calibration", "h200-issue31"])
+    (printed,) = json.loads(capsys.readouterr().out)
+    assert printed["source_url"] == row.source_url and printed["quote"] == list(row.quote)
+    assert printed["ratio"] == pytest.approx(printed["predicted"] / 18.91, rel=1e-12)
+    assert printed["error"] == ("too fast" if printed["ratio"] < 1 else "too slow")
+    fitted = simulate_row(row, load_fit("h200-issue31").overrides()).predicted
+    assert printed["predicted_calibrated"] == fitted != printed["predicted"]
+    path.write_text(json.dumps({"rows": [{**raw, "metric": "tokens"}]}))
+    with pytest.raises(SystemExit):
+        main(["--data", str(path)])
+    assert "row nim-70b-h100-tp2-c1-500-itl: unknown metric 'tokens'" in capsys.readouterr().err

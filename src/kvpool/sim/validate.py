@@ -107,8 +107,15 @@ class RowResult:
 
 
 def load_rows(path: str = PUBLISHED) -> list[PublishedRow]:
+    """The rows of a published-figures file (the shipped one by default); ValueError naming
+    the row and the field at fault."""
     with open(path) as f:
-        data = json.load(f)
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not JSON ({e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+        raise ValueError("expected an object with a 'rows' list")
     rows = []
     for i, raw in enumerate(data["rows"]):
         try:
@@ -239,7 +246,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from kvpool.sim.gpufit import load_fit
 
-    rows = load_rows(args.data)
+    try:
+        rows = load_rows(args.data)
+    except (OSError, ValueError, KeyError) as e:
+        parser.error(f"--data {args.data}: {e}")
     results = validate(rows)
     calibrated = None
     if args.calibration is not None:
