@@ -108,3 +108,27 @@ def test_a_pd_deployment_is_named_by_its_sides_and_a_layout_it_cannot_move_is_re
     assert capsys.readouterr().err.strip() == (
         "kvpool simulate: error: P/D moves the blocks of a paged cache (--layout paged); gemma-2-9b runs layout hybrid"
     )
+
+
+def test_installs_keep_the_decode_cache_whole(monkeypatch) -> None:
+    """Chat turns over two prefill and two decode replicas with a small decode pool: after
+    every install the cache passes check_integrity(), and nothing is installed that was not
+    sent."""
+    import kvpool.sim.pd as pd
+    from kvpool.workload.sessions import chat_workload
+
+    real, installs = pd._install, []
+
+    def checked(rep, transfer, block_size):
+        num = real(rep, transfer, block_size)
+        rep.runner.cache.check_integrity()
+        assert 0 <= num <= transfer.num_blocks
+        installs.append(num)
+        return num
+
+    monkeypatch.setattr(pd, "_install", checked)
+    workload = chat_workload(12, 4, 8.0, MODEL.vocab_size, 0)
+    config = SimConfig(num_blocks=3000, replicas=2, routing="prefix-aware")
+    report = simulate_pd(MODEL, H200, workload, config, CostModel(MODEL, H200), 2, KVLink(50e9, 1e-4))
+    assert report["num_finished"] == 48 and len(installs) == 48
+    assert sum(installs) == report["kv_transfer"]["installed_blocks"] <= report["kv_transfer"]["sent_blocks"]
