@@ -3,13 +3,15 @@
     kvpool simulate --model deepseek-v4-flash --gpu h200 -tp 8 --workload chat --requests 2000
     kvpool simulate ... --layout dual,paged,contiguous      (one run each, compared)
     kvpool simulate ... --replicas 4 --routing round-robin,prefix-aware
-    kvpool simulate ... --prefill-replicas 1 --replicas 3         (P/D: sim/pd.py)
+    kvpool simulate ... --prefill-replicas 1 --replicas 3    (P/D: sim/pd.py)
     kvpool simulate ... --trace FILE.jsonl                   (docs/SIM_TRACE.md)
     kvpool simulate sweep ... --layout dual,paged --rate 1,2,4 --block-size 128,256 --out runs.jsonl
+    kvpool simulate sweep --model llama-3.1-8b,qwen3-8b --gpu h100,h200 -tp 1,2 --rate 8,32 --out runs.jsonl
 
 A comma list in --layout, --routing, --block-size or --rate runs every combination (contiguous
-has no block size: it runs once per rate, whatever --block-size lists); `sweep` runs them in
-parallel processes (or Ray tasks: --executor ray) and writes one JSON line per run, then the
+has no block size: it runs once per rate, whatever --block-size lists); `sweep` also takes
+lists of --model, --gpu and -tp, runs the grid in parallel processes (or Ray tasks:
+--executor ray), writes one JSON line per run as it finishes (cli/sweep.py), then the
 cheapest deployment meeting the SLO. --plot DIR writes PNGs: latency CDFs, KV
 occupancy over time and, for several runs, a comparison chart. Output paths are checked
 before anything is simulated: a run of minutes must not end in a path error.
