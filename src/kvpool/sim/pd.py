@@ -266,7 +266,9 @@ def simulate_pd(
         "num_transfers": len(transfer_s),
         "sent_blocks": sent_blocks,
         "sent_bytes": int(sent_bytes),
-        "installed_blocks": installed_blocks,  # fewer than sent: evicted or no room before the request came
+        # fewer than sent where the decode replica got some meanwhile (another request of the
+        # same prefix landed first), lost its hit before them, or had no room
+        "installed_blocks": installed_blocks,
         **p50_p99("transfer_ms", [s * 1e3 for s in transfer_s], 3),
         **p50_p99("link_wait_ms", [s * 1e3 for s in wait_s], 3),
     }
