@@ -8,11 +8,72 @@ computed as every report computes them (kvpool/workload/metrics.py)."""
 
 from __future__ import annotations
 
+from array import array
+from dataclasses import dataclass
+
 from kvpool.capacity.planner import Plan
 from kvpool.sim.cost import CostModel
 from kvpool.spec.gpus import GPUSpec
 from kvpool.spec.models import ModelSpec
-from kvpool.workload.metrics import latency_report, mean, num_within_slo, p50_p99, ratio
+from kvpool.workload.metrics import mean, p50_p99, ratio, within_slo
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """A finished request, as the simulator hands it to the report (and to `on_finish`)."""
+
+    request_id: str
+    replica: int
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+    cached_tokens: int
+    ttft_s: float | None
+    tpot_s: float | None
+    latency_s: float  # a record is made when the request finished
+
+
+class FinishedRequests:
+    """What the report needs of the finished requests, kept as they finish instead of the
+    records: counts and sums (requests, generated tokens in all and per replica, requests
+    within both SLOs), the span's ends (first arrival, last finish), and each latency that
+    was measured, in ms, in an array('d'): 24 bytes a request for exact percentiles (a
+    100k-request run holds 2.4 MB; a record each held about 200 bytes). The figures are
+    those the list of records gave: the same float operations in the same order."""
+
+    def __init__(self, num_replicas: int, slo_ttft_ms: float, slo_tpot_ms: float) -> None:
+        self.slo_ttft_ms, self.slo_tpot_ms = slo_ttft_ms, slo_tpot_ms
+        self.num_finished = 0
+        self.num_within_slo = 0
+        self.generated_tokens = [0] * num_replicas  # per replica
+        self.start_s = 0.0  # the first arrival (0.0 before any request finished)
+        self.end_s = 0.0  # the last finish
+        self.ttft_ms = array("d")  # of the requests that measured it
+        self.tpot_ms = array("d")
+        self.latency_ms = array("d")
+
+    def add(self, r: RequestRecord) -> None:
+        end = r.arrival_s + r.latency_s
+        if self.num_finished:
+            self.start_s, self.end_s = min(self.start_s, r.arrival_s), max(self.end_s, end)
+        else:
+            self.start_s, self.end_s = r.arrival_s, end
+        self.num_finished += 1
+        self.num_within_slo += within_slo(r, self.slo_ttft_ms, self.slo_tpot_ms)
+        self.generated_tokens[r.replica] += r.output_len
+        if r.ttft_s is not None:
+            self.ttft_ms.append(r.ttft_s * 1e3)
+        if r.tpot_s is not None:
+            self.tpot_ms.append(r.tpot_s * 1e3)
+        self.latency_ms.append(r.latency_s * 1e3)
+
+    def latency_report(self, digits: int) -> dict[str, float]:
+        """metrics.latency_report's keys: ttft_ms, tpot_ms, latency_ms at p50 / p99."""
+        return (
+            p50_p99("ttft_ms", self.ttft_ms, digits)
+            | p50_p99("tpot_ms", self.tpot_ms, digits)
+            | p50_p99("latency_ms", self.latency_ms, digits)
+        )
 
 
 def describe_cost(cost: CostModel) -> dict:
@@ -51,16 +112,14 @@ def build_report(
     p: Plan,
     config,
     replicas,
-    records,
+    finished: FinishedRequests,
     num_requests: int,
     sim_wall_s: float,
     cost: CostModel,
 ) -> dict:
-    start = min((r.arrival_s for r in records), default=0.0)
-    end = max((r.arrival_s + r.latency_s for r in records), default=0.0)
-    span = end - start
-    generated = sum(r.output_len for r in records)
-    good = num_within_slo(records, config.slo_ttft_ms, config.slo_tpot_ms)
+    span = finished.end_s - finished.start_s
+    generated = sum(finished.generated_tokens)
+    good = finished.num_within_slo
     stats = [rep.runner.cache_stats() for rep in replicas]
     queried = sum(s["prefix_queried_tokens"] for s in stats)
     hit = sum(s["prefix_hit_tokens"] for s in stats)
@@ -69,7 +128,6 @@ def build_report(
     first = replicas[0]
     per_replica = []
     for rep, st in zip(replicas, stats, strict=True):
-        mine = [r for r in records if r.replica == rep.index]
         per_replica.append(
             {
                 "replica": rep.index,
@@ -79,7 +137,7 @@ def build_report(
                 "busy_share": ratio(rep.executor.busy_s, span, 4),
                 "preemptions": rep.engine.num_preemptions,
                 "num_steps": rep.engine.num_steps,
-                "generated_tokens": sum(r.output_len for r in mine),
+                "generated_tokens": finished.generated_tokens[rep.index],
             }
         )
     report = {
@@ -108,16 +166,16 @@ def build_report(
         **p50_p99("alloc_latency_us", alloc_us, 2),
         "num_alloc_calls": sum(rep.engine.stats.num_alloc_calls for rep in replicas),
         "num_noop_alloc_calls": sum(rep.engine.stats.num_noop_calls for rep in replicas),
-        **latency_report(records, 2),
+        **finished.latency_report(2),
         "throughput_tok_s": ratio(generated, span, 2),
         "goodput_req_s": ratio(good, span, 4),
-        "slo_attainment": ratio(good, len(records), 4),
+        "slo_attainment": ratio(good, finished.num_finished, 4),
         "slo_ttft_ms": config.slo_ttft_ms,
         "slo_tpot_ms": config.slo_tpot_ms,
         "peak_running": max(rep.peak_running for rep in replicas),
         "preemptions": sum(rep.engine.num_preemptions for rep in replicas),
         "num_requests": num_requests,
-        "num_finished": len(records),
+        "num_finished": finished.num_finished,
         "num_generated_tokens": generated,
         "num_steps": sum(rep.engine.num_steps for rep in replicas),
         "wall_s": round(span, 3),
@@ -131,8 +189,8 @@ def build_report(
         report["group_blocks_per_request"] = groups
     # series for the plots (not printed in the table)
     report["_series"] = {
-        "ttft_ms": sorted(r.ttft_s * 1e3 for r in records if r.ttft_s is not None),
-        "tpot_ms": sorted(r.tpot_s * 1e3 for r in records if r.tpot_s is not None),
+        "ttft_ms": sorted(finished.ttft_ms),
+        "tpot_ms": sorted(finished.tpot_ms),
         "occupancy": [rep.occupancy for rep in replicas],
     }
     return report

@@ -13,8 +13,11 @@ the simulated model gave) can hit that replica's prefix cache.
 Routing: sim/routing.py.
 
 Per step the simulator's own work is the engine's (bounded by the running batch), a heap
-operation and O(1) samples; nothing grows with the requests already finished (each is
-popped from its engine and kept as one small record).
+operation and O(1) samples. Memory follows the requests in flight, not the run: requests
+stream in (a generated workload makes each session when its first turn arrives) and
+finished ones stream out (popped from the engine, the session dropped after its last turn,
+the report's figures kept as running sums and three latencies a request:
+sim/report.py FinishedRequests).
 """
 
 from __future__ import annotations
@@ -33,11 +36,12 @@ from kvpool.engine.sampling import SamplingParams
 from kvpool.sim.cost import CostModel
 from kvpool.sim.executor import AnswerSampler, CostExecutor, VirtualClock, answer_seed
 from kvpool.sim.layouts import LAYOUTS, BuiltLayout, build_layout, default_layout
+from kvpool.sim.report import FinishedRequests, RequestRecord, build_report
 from kvpool.sim.routing import ROUTINGS, Router
 from kvpool.sim.runner import sim_runner
 from kvpool.spec.gpus import GPUSpec
 from kvpool.spec.models import ModelSpec
-from kvpool.workload.sessions import Workload
+from kvpool.workload.sessions import Session, Workload
 
 _OCCUPANCY_POINTS = 2000  # occupancy samples kept per replica (thinned as the run goes)
 
@@ -89,19 +93,6 @@ class SimConfig:
         pool's free memory, as many as it holds), or `num_checkpoints` slots carved out of
         the pool; 0 for recompute."""
         return 0 if self.v4_restore == "recompute" else self.num_checkpoints
-
-
-@dataclass
-class RequestRecord:
-    request_id: str
-    replica: int
-    arrival_s: float
-    prompt_len: int
-    output_len: int
-    cached_tokens: int
-    ttft_s: float | None
-    tpot_s: float | None
-    latency_s: float  # a record is made when the request finished
 
 
 @dataclass
@@ -215,8 +206,11 @@ def simulate(
     config: SimConfig,
     cost: CostModel,
     progress: Callable[[int, int], None] | None = None,
+    on_finish: Callable[[RequestRecord], None] | None = None,
 ) -> dict:
-    """Run `workload` to the end; the report (sim/report.py keys) with per-replica figures."""
+    """Run `workload` to the end; the report (sim/report.py keys) with per-replica figures.
+    `progress(finished, total)` after each step; `on_finish(record)` as each request
+    finishes (the report keeps no record: sim/report.py FinishedRequests)."""
     started = time.perf_counter()
     check_request_lens(model, workload, config.max_model_len)
     longest = workload.max_request_len()
@@ -230,22 +224,30 @@ def simulate(
                 f"({r.runner.capacity_tokens:,} tokens, layout {r.layout.name})"
             )
     router = Router(config.routing, replicas, config.load_cap)
-    sessions = {s.session_id: s for s in workload.sessions}
     total = workload.num_requests
-    # arrivals: (time, order, session id, turn)
+    finished = FinishedRequests(len(replicas), config.slo_ttft_ms, config.slo_tpot_ms)
+    # Requests stream in: the sessions come in the order of their turn 0's arrival, each made
+    # when it is next (`upcoming`); a later turn waits in `later` (arrival, order, session,
+    # turn). A turn 0 arriving with a later turn goes first. A session is dropped when its
+    # last turn finished: nothing here grows with the requests already done.
+    sessions = workload.in_arrival_order()
+    upcoming = next(sessions, None)
+    later: list[tuple[float, int, Session, int]] = []
     order = itertools.count()
-    arrivals: list[tuple[float, int, str, int]] = [(s.start_s, next(order), s.session_id, 0) for s in workload.sessions]
-    heapq.heapify(arrivals)
-    records: list[RequestRecord] = []
-    turn_of: dict[str, tuple[str, int, int, float]] = {}  # request id -> (session, turn, replica, arrival)
+    in_flight: dict[str, tuple[Session, int, int, float]] = {}  # request id -> (session, turn, replica, arrival)
     steps = 0
     timeline = [(0, time.perf_counter())]  # (steps done, wall clock) every 1,024 steps
-    while arrivals or any(r.engine.has_unfinished() for r in replicas):
+    while upcoming is not None or later or any(r.engine.has_unfinished() for r in replicas):
         busy = [r for r in replicas if r.engine.has_unfinished()]
         next_step = min(busy, key=lambda r: (r.clock(), r.index)) if busy else None
-        if arrivals and (next_step is None or arrivals[0][0] <= next_step.clock()):
-            t, _, sid, turn = heapq.heappop(arrivals)
-            session = sessions[sid]
+        first_turn = upcoming is not None and (not later or upcoming.start_s <= later[0][0])
+        t = upcoming.start_s if first_turn else later[0][0] if later else None
+        if t is not None and (next_step is None or t <= next_step.clock()):
+            if first_turn:
+                session, turn = upcoming, 0
+                upcoming = next(sessions, None)
+            else:
+                _, _, session, turn = heapq.heappop(later)
             prompt = session.prompt_ids(turn, model.vocab_size)
             rep = router.route(prompt, session.tenant)
             rep.num_routed += 1
@@ -255,39 +257,37 @@ def simulate(
             out_len = session.turns[turn].output_len
             params = SamplingParams(max_tokens=out_len, ignore_eos=True, seed=answer_seed(rid))
             rep.engine.add_request(prompt, params, rid, arrival_time=t, tenant=session.tenant)
-            turn_of[rid] = (sid, turn, rep.index, t)
+            in_flight[rid] = (session, turn, rep.index, t)
             continue
         assert next_step is not None
-        finished = next_step.engine.step()
+        done = next_step.engine.step()
         steps += 1
         if steps % 1024 == 0:
             timeline.append((steps, time.perf_counter()))
         next_step.sample()
-        for rid in finished:
+        for rid in done:
             out = next_step.engine.pop_output(rid)
-            sid, turn, index, arrival = turn_of.pop(rid)
-            session = sessions[sid]
-            records.append(
-                RequestRecord(
-                    rid,
-                    index,
-                    arrival,
-                    len(out.prompt_token_ids),
-                    len(out.completions[0].token_ids),
-                    out.num_cached_tokens,
-                    out.ttft_s,
-                    out.tpot_s,
-                    out.latency_s,
-                )
+            session, turn, index, arrival = in_flight.pop(rid)
+            record = RequestRecord(
+                rid,
+                index,
+                arrival,
+                len(out.prompt_token_ids),
+                len(out.completions[0].token_ids),
+                out.num_cached_tokens,
+                out.ttft_s,
+                out.tpot_s,
+                out.latency_s,
             )
+            finished.add(record)
+            if on_finish is not None:
+                on_finish(record)
             if turn + 1 < len(session.turns):
                 t_next = next_step.clock() + session.turns[turn + 1].think_s
-                heapq.heappush(arrivals, (t_next, next(order), sid, turn + 1))
+                heapq.heappush(later, (t_next, next(order), session, turn + 1))
         if progress is not None:
-            progress(len(records), total)
-    from kvpool.sim.report import build_report
-
-    report = build_report(model, gpu, p, config, replicas, records, total, time.perf_counter() - started, cost)
+            progress(finished.num_finished, total)
+    report = build_report(model, gpu, p, config, replicas, finished, total, time.perf_counter() - started, cost)
     report["sim_us_per_step_by_quarter"] = _quarters(timeline)
     return report
 

@@ -16,7 +16,7 @@ No imports but `os`: the CLI loads it for every command.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 
@@ -38,7 +38,7 @@ class Finished(Timed, Protocol):
     def latency_s(self) -> float | None: ...
 
 
-def percentile(values: list[float], q: float) -> float:
+def percentile(values: Sequence[float], q: float) -> float:
     """Linear interpolation between the order statistics (numpy's default); 0 for none."""
     if not values:
         return 0.0
@@ -48,7 +48,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
-def p50_p99(name: str, values: list[float], digits: int) -> dict[str, float]:
+def p50_p99(name: str, values: Sequence[float], digits: int) -> dict[str, float]:
     """{name_p50, name_p99} of `values`, rounded to `digits` decimals (0.0 for none)."""
     return {
         f"{name}_p50": round(percentile(values, 0.5), digits),

@@ -36,19 +36,23 @@ Generators and their parameters (lengths in tokens, times in seconds; "log-norma
 
 Session starts: arrivals.py's Poisson process at `rate` sessions per second (exponential
 gaps, the first one gap after 0), or all at 0 when `rate` is math.inf.
+
+A generator draws every length, start and think time up front (numpy arrays: the draws stay
+in their order, so a seed gives the workload it always gave) and makes a session's token
+ids only when the session is read (GeneratedSessions): a run streams its sessions in.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, overload
 
 import numpy as np
 
 from kvpool.workload.arrivals import poisson_arrivals
-from kvpool.workload.tokens import batch_text_ids, stream_key, stream_tokens
+from kvpool.workload.tokens import batch_text_ids, int_table, stream_key, stream_tokens
 
 # --- argument checks: a ValueError that names the parameter ---------------------------------
 
@@ -147,18 +151,25 @@ class Session:
 
 @dataclass(frozen=True, slots=True)
 class Workload:
+    """`sessions`: a tuple (a trace, a hand-built workload) or, from the generators,
+    GeneratedSessions, which makes each session when it is read."""
+
     name: str
-    sessions: tuple[Session, ...]
+    sessions: tuple[Session, ...] | GeneratedSessions
     vocab_size: int
     params: dict[str, object] = field(default_factory=dict)  # the generator's parameters, for the report
 
     def __post_init__(self) -> None:
+        if isinstance(self.sessions, GeneratedSessions):
+            return  # ids f"{kind}{i}": unique by construction
         ids = {s.session_id for s in self.sessions}
         if len(ids) != len(self.sessions):
             raise ValueError(f"workload {self.name!r}: session ids are not unique")
 
     @property
     def num_requests(self) -> int:
+        if isinstance(self.sessions, GeneratedSessions):
+            return self.sessions.num_requests
         return sum(len(s.turns) for s in self.sessions)
 
     def max_request_len(self) -> int:
@@ -168,6 +179,8 @@ class Workload:
 
     def longest_request(self) -> RequestLen | None:
         """The first request of the longest prompt + output, from lengths alone (None if empty)."""
+        if isinstance(self.sessions, GeneratedSessions):
+            return self.sessions.longest_request()
         longest = None
         for s in self.sessions:
             done = len(s.prefix_ids)  # tokens of the conversation before the current turn
@@ -176,6 +189,13 @@ class Workload:
                 if longest is None or done > longest.num_tokens:
                     longest = RequestLen(s, k, done)
         return longest
+
+    def in_arrival_order(self) -> Iterator[Session]:
+        """The sessions by the arrival of their turn 0 (ties in their order here), one at a
+        time: generated ones are made as they are read (their starts never decrease)."""
+        if isinstance(self.sessions, GeneratedSessions):
+            return iter(self.sessions)
+        return iter(sorted(self.sessions, key=lambda s: s.start_s))
 
 
 class RequestLen(NamedTuple):
@@ -313,9 +333,9 @@ def uniform_workload(
     _check_range("output_len", output_len, 1)
     rng = np.random.default_rng(seed)
     starts = poisson_arrivals(num_requests, rate, rng)
-    prompt_lens = _uniform(prompt_len)(rng, num_requests).tolist()
-    output_lens = _uniform(output_len)(rng, num_requests).tolist()
-    sessions = _build_sessions("req", starts, [()] * num_requests, 1, prompt_lens, output_lens, None, vocab_size)
+    prompt_lens = _uniform(prompt_len)(rng, num_requests)
+    output_lens = _uniform(output_len)(rng, num_requests)
+    sessions = GeneratedSessions("req", starts, [()], [0] * num_requests, 1, prompt_lens, output_lens, None, vocab_size)
     params = {
         "num_requests": num_requests,
         "rate": rate,
@@ -349,7 +369,7 @@ def _shared_prefix_sessions(
     user_len: Sampler,
     output_len: Sampler,
     think_s: float,
-) -> tuple[tuple[Session, ...], list[int]]:
+) -> tuple[GeneratedSessions, list[int]]:
     """`num_sessions` sessions of `turns` turns, each on one of `num_prefixes` shared
     prefixes (chat's system prompts, agentic's documents), and the prefixes' lengths.
     Drawn from default_rng(seed) in this order: session starts, the prefixes' lengths, each
@@ -358,38 +378,121 @@ def _shared_prefix_sessions(
     rng = np.random.default_rng(seed)
     starts = poisson_arrivals(num_sessions, rate, rng)
     prefix_lens = prefix_len(rng, num_prefixes).tolist()
-    picks = rng.integers(num_prefixes, size=num_sessions).tolist()
+    picks = rng.integers(num_prefixes, size=num_sessions)
     n = num_sessions * turns
-    user_lens, output_lens = user_len(rng, n).tolist(), output_len(rng, n).tolist()
-    thinks = rng.exponential(think_s, size=n).tolist() if think_s > 0 else None
+    user_lens, output_lens = user_len(rng, n), output_len(rng, n)
+    thinks = rng.exponential(think_s, size=n) if think_s > 0 else None
     # each prefix once (text_ids is ~0.5 us a token in pure Python; this is the batched twin)
     prefixes = batch_text_ids([f"{prefix_name}{k}" for k in range(num_prefixes)], prefix_lens, vocab_size)
-    sessions = _build_sessions(
-        kind, starts, [prefixes[k] for k in picks], turns, user_lens, output_lens, thinks, vocab_size
-    )
+    sessions = GeneratedSessions(kind, starts, prefixes, picks, turns, user_lens, output_lens, thinks, vocab_size)
     return sessions, prefix_lens
 
 
-def _build_sessions(
-    kind: str,
-    starts: list[float],
-    prefixes: list[tuple[int, ...]],
-    turns: int,
-    user_lens: list[int],
-    output_lens: list[int],
-    thinks: list[float] | None,
-    vocab_size: int,
-) -> tuple[Session, ...]:
-    """Session i = f"{kind}{i}"; its turn j takes entry i * turns + j of the flat length lists."""
-    session_ids = [f"{kind}{i}" for i in range(len(starts))]
-    names = [f"{sid}-u{j}" for sid in session_ids for j in range(turns)]
-    messages = batch_text_ids(names, user_lens, vocab_size)
-    sessions = []
-    for i, sid in enumerate(session_ids):
-        base = i * turns
-        session_turns = tuple(
-            Turn(messages[base + j], output_lens[base + j], thinks[base + j] if thinks and j else 0.0)
-            for j in range(turns)
+class GeneratedSessions(Sequence[Session]):
+    """A generator's sessions, each made when it is read.
+
+    Held: each session's start and prefix (an index into the shared prefixes, held once),
+    each turn's user and output lengths and think time: numpy arrays, about 30 bytes a
+    request. `[i]` makes session i = f"{kind}{i}": its turn j's user message is
+    text_ids(f"{kind}{i}-u{j}", user_lens[i * turns + j]), the same tokens the whole
+    workload built up front held. Nothing keeps a session made: the simulator reads them in
+    arrival order (`iter`) and drops each when its last turn finished, so a run holds the
+    sessions in flight, not every session's token ids (a 100k-request chat built up front
+    held about 250 MB of them)."""
+
+    def __init__(
+        self,
+        kind: str,
+        starts: Sequence[float],
+        prefixes: Sequence[tuple[int, ...]],
+        picks: Sequence[int],
+        turns: int,
+        user_lens: Sequence[int],
+        output_lens: Sequence[int],
+        thinks: Sequence[float] | None,
+        vocab_size: int,
+    ) -> None:
+        num = len(starts)
+        if not (len(picks) == num and len(user_lens) == len(output_lens) == num * turns):
+            raise ValueError(f"{num} sessions of {turns} turns: got {len(picks)} picks, {len(user_lens)} lengths")
+        self.kind, self.turns, self.vocab_size = kind, turns, vocab_size
+        self.prefixes = tuple(prefixes)
+        self._starts = np.asarray(starts, dtype=np.float64)  # [sessions] seconds, non-decreasing
+        if num and not np.all(np.diff(self._starts) >= 0):
+            raise ValueError("generated sessions start in order: the starts must not decrease")
+        self._picks = np.asarray(picks, dtype=np.int64)  # [sessions] index into prefixes
+        self._user_lens = np.asarray(user_lens, dtype=np.int64)  # [sessions * turns]
+        self._output_lens = np.asarray(output_lens, dtype=np.int64)  # [sessions * turns]
+        self._thinks = None if thinks is None else np.asarray(thinks, dtype=np.float64)  # [sessions * turns]
+        self._table = int_table(vocab_size)  # the token ints every session shares
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self) * self.turns
+
+    @overload
+    def __getitem__(self, index: int) -> Session: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[Session, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> Session | tuple[Session, ...]:
+        if isinstance(index, slice):
+            return tuple(self[i] for i in range(*index.indices(len(self))))
+        num = len(self)
+        if not -num <= index < num:
+            raise IndexError(f"session {index} of {num}")
+        i = index % num
+        session_id = f"{self.kind}{i}"
+        base, turns = i * self.turns, range(self.turns)
+        messages = batch_text_ids(
+            [f"{session_id}-u{j}" for j in turns],
+            self._user_lens[base : base + self.turns].tolist(),
+            self.vocab_size,
+            self._table,
         )
-        sessions.append(Session(sid, starts[i], session_turns, prefix_ids=prefixes[i]))
-    return tuple(sessions)
+        outputs = self._output_lens[base : base + self.turns].tolist()
+        thinks = [0.0] * self.turns if self._thinks is None else self._thinks[base : base + self.turns].tolist()
+        session_turns = tuple(Turn(messages[j], outputs[j], thinks[j] if j else 0.0) for j in turns)
+        return Session(session_id, float(self._starts[i]), session_turns, prefix_ids=self.prefixes[self._picks[i]])
+
+    def __iter__(self) -> Iterator[Session]:
+        return (self[i] for i in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, GeneratedSessions):
+            return NotImplemented
+        same_thinks = (self._thinks is None and other._thinks is None) or (
+            self._thinks is not None and other._thinks is not None and np.array_equal(self._thinks, other._thinks)
+        )
+        return (
+            (self.kind, self.turns, self.vocab_size, self.prefixes)
+            == (other.kind, other.turns, other.vocab_size, other.prefixes)
+            and same_thinks
+            and all(
+                np.array_equal(a, b)
+                for a, b in (
+                    (self._starts, other._starts),
+                    (self._picks, other._picks),
+                    (self._user_lens, other._user_lens),
+                    (self._output_lens, other._output_lens),
+                )
+            )
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def longest_request(self) -> RequestLen | None:
+        """Workload.longest_request from the lengths: the first (session, turn), in that
+        order, of the most prompt + output tokens; only that session is made."""
+        if not len(self):
+            return None
+        per_turn = (self._user_lens + self._output_lens).reshape(len(self), self.turns)
+        prefix_lens = np.array([len(p) for p in self.prefixes], dtype=np.int64)[self._picks]
+        done = prefix_lens[:, None] + np.cumsum(per_turn, axis=1)  # [sessions, turns] tokens so far
+        flat = int(np.argmax(done))  # the first of the largest, row by row
+        i, k = divmod(flat, self.turns)
+        return RequestLen(self[i], k, int(done[i, k]))

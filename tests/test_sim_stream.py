@@ -1,0 +1,147 @@
+"""The simulator at fleet scale streams: requests in (a generated workload makes each
+session when its first turn arrives) and finished ones out (the report keeps running sums
+and three latencies a request, not the records). Streaming changes no figure: the report
+equals what the list of every finished request gives (the former all-in-memory path), a
+workload made lazily equals the one its documented draws give up front, and a run over
+the lazy workload equals the run over the same sessions held as a tuple, in any order."""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import numpy as np
+import pytest
+
+from kvpool.sim.cost import CostModel
+from kvpool.sim.simulator import SimConfig, simulate
+from kvpool.spec.gpus import get_gpu
+from kvpool.spec.models import load_preset
+from kvpool.workload.arrivals import poisson_arrivals
+from kvpool.workload.metrics import latency_report, num_within_slo, ratio
+from kvpool.workload.sessions import (
+    CHAT_OUTPUT_LEN,
+    CHAT_SYSTEM_LEN,
+    CHAT_USER_LEN,
+    GeneratedSessions,
+    Session,
+    Workload,
+    chat_workload,
+    uniform_workload,
+)
+from kvpool.workload.tokens import text_ids
+
+VOCAB = 1000
+SAME = ("sim_wall_s", "sim_us_per_step_by_quarter", "alloc_latency_us_p50", "alloc_latency_us_p99")
+
+
+def _setup(replicas: int = 2, routing: str = "prefix-aware"):
+    model, gpu = load_preset("llama-3.1-8b"), get_gpu("h100")
+    config = SimConfig(replicas=replicas, routing=routing, slo_ttft_ms=40.0, slo_tpot_ms=7.5)
+    return model, gpu, config, CostModel(model, gpu)
+
+
+def _figures(report: dict) -> dict:
+    """The report but its wall-clock figures (the simulator's own time, allocation latency)."""
+    return {k: v for k, v in report.items() if k not in SAME}
+
+
+def test_streamed_report_equals_the_figures_of_every_record():
+    model, gpu, config, cost = _setup()
+    workload = chat_workload(40, 3, 8.0, model.vocab_size, seed=4)
+    records = []
+    report = simulate(model, gpu, workload, config, cost, on_finish=records.append)
+    assert len(records) == report["num_finished"] == report["num_requests"] == 120
+    # what build_report computed from the list of records before it streamed them
+    start = min(r.arrival_s for r in records)
+    span = max(r.arrival_s + r.latency_s for r in records) - start
+    generated = sum(r.output_len for r in records)
+    good = num_within_slo(records, config.slo_ttft_ms, config.slo_tpot_ms)
+    assert 0 < good < len(records)  # the SLOs split the requests: the count is tested
+    assert report["wall_s"] == round(span, 3)
+    assert report["num_generated_tokens"] == generated
+    assert report["throughput_tok_s"] == ratio(generated, span, 2)
+    assert report["goodput_req_s"] == ratio(good, span, 4)
+    assert report["slo_attainment"] == ratio(good, len(records), 4)
+    assert {k: report[k] for k in latency_report(records, 2)} == latency_report(records, 2)
+    assert report["_series"]["ttft_ms"] == sorted(r.ttft_s * 1e3 for r in records)
+    assert report["_series"]["tpot_ms"] == sorted(r.tpot_s * 1e3 for r in records if r.tpot_s is not None)
+    per_replica = [sum(r.output_len for r in records if r.replica == i) for i in range(2)]
+    assert [row["generated_tokens"] for row in report["per_replica"]] == per_replica
+    assert all(per_replica)
+
+
+def test_generated_chat_equals_its_documented_draws_made_up_front():
+    """Session i of chat_workload against the draws of its docstring, in their order, with
+    every user message built as the whole workload once built them."""
+    num, turns, seed = 25, 3, 11
+    w = chat_workload(num, turns, 5.0, VOCAB, seed=seed)
+    assert isinstance(w.sessions, GeneratedSessions) and len(w.sessions) == num
+    rng = np.random.default_rng(seed)
+    starts = poisson_arrivals(num, 5.0, rng)
+    system_lens = CHAT_SYSTEM_LEN.sample(rng, 4).tolist()
+    picks = rng.integers(4, size=num).tolist()
+    user_lens = CHAT_USER_LEN.sample(rng, num * turns).tolist()
+    output_lens = CHAT_OUTPUT_LEN.sample(rng, num * turns).tolist()
+    thinks = rng.exponential(5.0, size=num * turns).tolist()
+    for i, s in enumerate(w.sessions):
+        assert (s.session_id, s.start_s) == (f"chat{i}", starts[i])
+        assert s.prefix_ids == tuple(text_ids(f"system{picks[i]}", system_lens[picks[i]], VOCAB))
+        for j, t in enumerate(s.turns):
+            k = i * turns + j
+            assert t.user_ids == tuple(text_ids(f"chat{i}-u{j}", user_lens[k], VOCAB))
+            assert (t.output_len, t.think_s) == (output_lens[k], thinks[k] if j else 0.0)
+    assert w.sessions[-1] == w.sessions[num - 1] and w.sessions[1:3] == (w.sessions[1], w.sessions[2])
+    with pytest.raises(IndexError, match="session 25 of 25"):
+        w.sessions[num]
+    # longest_request from the arrays: the first of the longest, as the loop over sessions finds it
+    eager = Workload("chat", tuple(w.sessions), VOCAB)
+    assert w.longest_request() == eager.longest_request() and w.num_requests == eager.num_requests == 75
+
+
+def test_generated_sessions_start_in_order():
+    with pytest.raises(ValueError, match="must not decrease"):
+        GeneratedSessions("x", [1.0, 0.5], [()], [0, 0], 1, [3, 3], [2, 2], None, VOCAB)
+    with pytest.raises(ValueError, match="2 sessions of 1 turns: got 1 picks"):
+        GeneratedSessions("x", [0.5, 1.0], [()], [0], 1, [3, 3], [2, 2], None, VOCAB)
+
+
+@pytest.mark.parametrize("routing", ["prefix-aware", "round-robin"])
+def test_a_run_over_made_sessions_equals_the_run_over_them_held_in_any_order(routing):
+    model, gpu, config, cost = _setup(routing=routing)
+    lazy = chat_workload(30, 3, 6.0, model.vocab_size, seed=2)
+    shuffled = list(lazy.sessions)
+    random.Random(0).shuffle(shuffled)
+    held = Workload("chat", tuple(shuffled), model.vocab_size, lazy.params)
+    a, b = simulate(model, gpu, lazy, config, cost), simulate(model, gpu, held, config, cost)
+    assert _figures(a) == _figures(b)
+    assert a["num_finished"] == 90 and a["prefix_hit_tokens"] > 0
+
+
+def test_the_run_holds_the_sessions_in_flight_not_every_session():
+    """Counted on the heap of live objects as requests finish: the sessions alive are those
+    made (read) so far less those done, a few, not the workload's 120."""
+    model, gpu, config, cost = _setup(replicas=1)
+    s = uniform_workload(120, 4.0, model.vocab_size, seed=1).sessions  # one-turn sessions
+    made = []
+
+    class Counted(GeneratedSessions):
+        def __getitem__(self, index):
+            made.append(index)
+            return super().__getitem__(index)
+
+    counted = Counted(s.kind, s._starts, s.prefixes, s._picks, 1, s._user_lens, s._output_lens, None, s.vocab_size)
+    finished, samples = [], []
+
+    def on_finish(record) -> None:
+        finished.append(record)
+        if len(finished) % 20 == 0:  # (no gc.collect: a session dropped is freed by its count)
+            alive = sum(1 for o in gc.get_objects() if type(o) is Session and o.session_id.startswith("req"))
+            samples.append((alive, len(made), len(finished)))
+
+    report = simulate(model, gpu, Workload("u", counted, s.vocab_size), config, cost, on_finish=on_finish)
+    assert report["num_finished"] == len(finished) == 120 and len(samples) == 6
+    # in flight: made less finished before this one (this one is still referenced)
+    assert all(alive <= num_made - num_done + 1 for alive, num_made, num_done in samples)
+    assert max(alive for alive, _, _ in samples) < 30
+    assert samples[0][1] < 60  # streamed in: the 20th finish came before the 60th arrival
