@@ -9,6 +9,7 @@ computed as every report computes them (kvpool/workload/metrics.py)."""
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvpool.capacity.planner import Plan
@@ -41,11 +42,11 @@ class FinishedRequests:
     100k-request run holds 2.4 MB; a record each held about 200 bytes). The figures are
     those the list of records gave: the same float operations in the same order."""
 
-    def __init__(self, num_replicas: int, slo_ttft_ms: float, slo_tpot_ms: float) -> None:
+    def __init__(self, slo_ttft_ms: float, slo_tpot_ms: float) -> None:
         self.slo_ttft_ms, self.slo_tpot_ms = slo_ttft_ms, slo_tpot_ms
         self.num_finished = 0
         self.num_within_slo = 0
-        self.generated_tokens = [0] * num_replicas  # per replica
+        self.generated_tokens: dict[int, int] = {}  # replica index -> tokens its requests generated
         self.start_s = 0.0  # the first arrival (0.0 before any request finished)
         self.end_s = 0.0  # the last finish
         self.ttft_ms = array("d")  # of the requests that measured it
@@ -60,7 +61,7 @@ class FinishedRequests:
             self.start_s, self.end_s = r.arrival_s, end
         self.num_finished += 1
         self.num_within_slo += within_slo(r, self.slo_ttft_ms, self.slo_tpot_ms)
-        self.generated_tokens[r.replica] += r.output_len
+        self.generated_tokens[r.replica] = self.generated_tokens.get(r.replica, 0) + r.output_len
         if r.ttft_s is not None:
             self.ttft_ms.append(r.ttft_s * 1e3)
         if r.tpot_s is not None:
@@ -112,13 +113,19 @@ def build_report(
     p: Plan,
     config,
     replicas,
-    finished: FinishedRequests,
+    finished: FinishedRequests | Iterable[RequestRecord],
     num_requests: int,
     sim_wall_s: float,
     cost: CostModel,
 ) -> dict:
+    """The report of a run whose finished requests `finished` holds (records are tallied
+    first: a caller that kept them)."""
+    if not isinstance(finished, FinishedRequests):
+        records, finished = finished, FinishedRequests(config.slo_ttft_ms, config.slo_tpot_ms)
+        for r in records:
+            finished.add(r)
     span = finished.end_s - finished.start_s
-    generated = sum(finished.generated_tokens)
+    generated = sum(finished.generated_tokens.values())
     good = finished.num_within_slo
     stats = [rep.runner.cache_stats() for rep in replicas]
     queried = sum(s["prefix_queried_tokens"] for s in stats)
@@ -137,7 +144,7 @@ def build_report(
                 "busy_share": ratio(rep.executor.busy_s, span, 4),
                 "preemptions": rep.engine.num_preemptions,
                 "num_steps": rep.engine.num_steps,
-                "generated_tokens": finished.generated_tokens[rep.index],
+                "generated_tokens": finished.generated_tokens.get(rep.index, 0),
             }
         )
     report = {

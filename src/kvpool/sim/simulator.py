@@ -225,7 +225,7 @@ def simulate(
             )
     router = Router(config.routing, replicas, config.load_cap)
     total = workload.num_requests
-    finished = FinishedRequests(len(replicas), config.slo_ttft_ms, config.slo_tpot_ms)
+    finished = FinishedRequests(config.slo_ttft_ms, config.slo_tpot_ms)
     # Requests stream in: the sessions come in the order of their turn 0's arrival, each made
     # when it is next (`upcoming`); a later turn waits in `later` (arrival, order, session,
     # turn). A turn 0 arriving with a later turn goes first. A session is dropped when its
