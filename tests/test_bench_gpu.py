@@ -42,6 +42,8 @@ def test_the_host_part_times_each_piece_of_a_decode_step(capsys):
     assert sum(host[p] for p in parts) == pytest.approx(host["step_ms"], abs=2e-4)
     # a decode rewrites one table entry a sequence: the block it writes in
     assert host["table_entries_written_per_step"] == 6.0
+    # through the engine's own decode path: its step buffers, in the largest bucket (the batch)
+    assert host["decode_path"] == "static step buffers, padded to bucket 6"
 
 
 def test_a_model_is_a_config_path_or_a_preset():

@@ -147,6 +147,19 @@ def test_bad_decode_modes_are_refused_naming_them(model64):
     assert runner.executor.decode_mode == "eager" and runner.step_buffers is None
 
 
+def test_the_forward_takes_the_position_bound_from_the_host_when_given(model64):
+    """A captured forward cannot read positions.max() (a synchronisation): given the step's
+    largest position on the host, the forward checks that one, not the tensor's."""
+    from kvpool.attention.backends.step import StepMetadata, function_step
+
+    attend = function_step(lambda layer, q, k, v: q, 1).attention  # (any attention: never reached)
+    ids, positions = torch.tensor([1]), torch.tensor([3])
+    with pytest.raises(ValueError, match="position 2048 exceeds the model's context 2048"):
+        model64.forward(ids, positions, StepMetadata(attend, None, 2048))
+    with pytest.raises(ValueError, match="position 4000 exceeds the model's context 2048"):
+        model64.forward(ids, torch.tensor([4000]), StepMetadata(attend, None))  # no bound: the tensor's
+
+
 def test_buffers_refuse_a_step_they_cannot_hold_and_forget_its_requests():
     b = StepBuffers(max_num_seqs=2, max_num_tokens=4, max_blocks_per_seq=2, block_size=4, dummy_block=7)
     b.update(["a", "b"], [0, 0], [2, 2], [[0], [1]])

@@ -1,10 +1,12 @@
 """The batched device sampler `sample_batch` against the one-row sampler `sample_token`.
 
-Greedy rows must give sample_token's token exactly; stochastic rows draw from the same
-distribution with a uniform of their own (a hash of seed, sample index and position), so
-they are held to frequency bounds: 5 binomial standard errors (a correct sampler misses one
-with probability ~6e-7), which a distribution off by 0.04 or more at n = 3000 fails. The
-draws are a fixed function of the code (no generator state): no test here can flake.
+Both draw with the same uniform (`uniform_draw`: a hash of seed, sample index and
+position) through the same arithmetic, so on the CPU every row's token is sample_token's,
+greedy or not (a mixed batch of temperatures, top-k, top-p and seeds, row by row, and the
+engine's tokens either way). The distributions are held to frequency bounds: 5 binomial
+standard errors (a correct sampler misses one with probability ~6e-7), which a
+distribution off by 0.04 or more at n = 3000 fails. The draws are a fixed function of the
+code (no generator state): no test here can flake.
 """
 
 from __future__ import annotations
@@ -43,6 +45,29 @@ def test_greedy_rows_equal_sample_token_even_beside_stochastic_rows(dtype):
             assert got[i] == sample_token(logits[i], p, i, 7)
         else:
             assert 0 <= got[i] < 5000
+
+
+@pytest.mark.parametrize("scale", [1.0, 6.0], ids=["flat", "peaked"])  # peaked: sample_token's nucleus shortcut
+def test_every_row_of_a_mixed_batch_is_sample_tokens_token(scale):
+    vocab, num_rows = 3000, 96
+    logits = scale * torch.randn(num_rows, vocab, generator=torch.Generator().manual_seed(3))
+    kinds = [
+        {},  # greedy
+        {"temperature": 0.8},
+        {"temperature": 1.3, "top_k": 40},
+        {"temperature": 0.7, "top_p": 0.9},
+        {"temperature": 1.0, "top_k": 500, "top_p": 0.5},
+        {"temperature": 2.0, "top_k": 1},
+    ]
+    seeds = [0, 7, -1, (1 << 63) - 1, -(1 << 63)]
+    params = [SamplingParams(seed=seeds[i % 5], **kinds[i % 6]) for i in range(num_rows)]
+    indices, positions = [i % 3 for i in range(num_rows)], [(7 * i) % 41 for i in range(num_rows)]
+    got = sample_batch(logits, params, indices, positions)
+    want = [sample_token(logits[i], params[i], indices[i], positions[i]) for i in range(num_rows)]
+    assert got == want
+    # not a constant: the seeds, sample indices and positions move the stochastic rows' tokens
+    hot = [p for p in params if not p.greedy and p.top_k != 1]
+    assert len({sample_token(logits[0], hot[0], 0, pos) for pos in range(20)}) > 1
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
@@ -156,10 +181,12 @@ def _serve(engine, prompts, params):
     return [[c.token_ids for c in engine.output(i).completions] for i in ids]
 
 
-def test_the_engine_batched_greedy_equals_row_by_row_and_stochastic_ignores_batching():
+def test_the_engine_batched_equals_row_by_row_and_stochastic_ignores_batching():
     prompts = [random_ids(5 + 7 * i, seed=i) for i in range(5)]
     greedy = SamplingParams(max_tokens=6, ignore_eos=True)
     assert _serve(_engine(True), prompts, greedy) == _serve(_engine(False), prompts, greedy)
+    seeded = SamplingParams(max_tokens=6, ignore_eos=True, temperature=20.0, top_p=0.95, seed=-5, n=2)
+    assert _serve(_engine(True), prompts, seeded) == _serve(_engine(False), prompts, seeded)
     # a stochastic request samples the same tokens alone as beside four others (the random
     # logits spread ~11: a hot temperature; n = 2: the fork's first token is drawn from
     # the parent's logits)

@@ -1,16 +1,21 @@
 """`kvpool bench gpu`: kvpool on a CUDA GPU, side by side in one run.
 
-- host: the host's work per decode step at batch B (`host_step`): schedule (with the
-  reservation), the step metadata into the persistent buffers (StepBuffers), sampling
-  (`sample_batch`: its parameter table, launch and one synchronisation) and the
-  bookkeeping (commit, the tokens' acceptance), with the model's forward replaced by
-  logits made once: what the host adds to every step whatever the GPU does. Runs on any
-  device (`--host-only` on a machine without CUDA).
+- host: the host's work per decode step at batch B (`host_step`), through the engine's
+  own decode path (the Llama executor's static step buffers and `DecodeGraphs`, as a
+  CUDA-graph engine runs it): schedule (with the reservation), the step metadata into the
+  persistent buffers (StepBuffers), sampling (`sample_batch`: its parameter table, launch
+  and one synchronisation) and the bookkeeping (commit, the tokens' acceptance, the token
+  ids into the static input, the padding to the bucket), with the model's decode step
+  (what a graph replays on the device) replaced by logits made once: what the host adds to
+  every step whatever the GPU does (the replay's own launch call not included). Runs on
+  any device (`--parts host` on a machine without CUDA).
 - attention: paged decode through the CUDA backend against SDPA on a contiguous copy of
   the same K/V (batch x context 1x4k, 16x4k, 64x4k, 16x32k; Llama-3.1-8B's heads), in
   GB/s of K/V read; extend (a chunk over a cached prefix) against SDPA causal.
 - engine: TPOT and tokens/s at batch 1, 32 and 128 of a model from an HF config with
-  seeded random weights (models/hf_config.py), greedy, 128-token prompts.
+  seeded random weights (models/hf_config.py), greedy, 128-token prompts; its decode steps
+  replayed from CUDA graphs (engine/cuda_graph.py) unless `--enforce-eager`, each row
+  saying which (`decode_mode`, and the steps replayed).
 - numerics: a small random Llama in fp32 on the GPU against transformers' on the same
   weights (max |logit difference| relative to the largest logit, greedy tokens equal).
 
@@ -86,7 +91,6 @@ def host_step(
 def _host_step(batch: int, context: int, num_steps: int, block_size: int, device: str) -> dict[str, float]:
     import torch
 
-    from kvpool.attention.backends.step_buffers import StepBuffers
     from kvpool.cache import CacheDescriptor
     from kvpool.engine.engine import Engine
     from kvpool.engine.llama_runner import LlamaRunner
@@ -98,10 +102,22 @@ def _host_step(batch: int, context: int, num_steps: int, block_size: int, device
     model = random_llama(config, seed=0, dtype=torch.float32, device=device)
     blocks_per_seq = -(-(context + num_steps + 2) // block_size)
     num_blocks = batch * blocks_per_seq + 1
-    runner = LlamaRunner(model, num_blocks, block_size, CacheDescriptor("bench-host", "seed0"))
-    runner.step_buffers = StepBuffers(batch, batch * context, blocks_per_seq, block_size, device)
+    # the engine's decode path without the model: the static step buffers (what a CUDA
+    # graph reads) and DecodeGraphs' padding, its decode step (a replay on a GPU) fixed logits
+    runner = LlamaRunner(
+        model,
+        num_blocks,
+        block_size,
+        CacheDescriptor("bench-host", "seed0"),
+        decode_mode="static",
+        max_num_seqs=batch,
+        max_num_batched_tokens=batch * context,
+    )
     logits = torch.randn(batch * context, config.vocab_size, generator=torch.Generator().manual_seed(0)).to(device)
-    runner.executor.forward = lambda chunks, cache, all_logits=False: logits[: sum(c.needs_logits for c in chunks)]
+    graphs = runner.executor._graphs
+    graphs.forward = lambda num_seqs: logits[:num_seqs]
+    # the prefill step: the model's forward replaced alike (a row per sampled chunk)
+    runner.executor.model.forward = lambda ids, pos, meta: logits[: len(meta.logit_rows)]
     engine = Engine(runner, max_num_batched_tokens=batch * context, max_num_seqs=batch, batched_sampling=True)
     params = SamplingParams(max_tokens=num_steps + 4, ignore_eos=True)
     g = torch.Generator().manual_seed(1)
@@ -137,6 +153,7 @@ def _host_step(batch: int, context: int, num_steps: int, block_size: int, device
         runner.cache.step_tables(running, [e - 1 for e in ends], ends, check=False)
         timed["tables"][-1] = time.perf_counter() - began
     ms = {name: statistics.median(values) * 1e3 for name, values in timed.items()}
+    assert graphs.num_static == num_steps, "every timed step took the engine's static-buffer decode path"
     return {
         "batch": batch,
         "context": context,
@@ -149,6 +166,7 @@ def _host_step(batch: int, context: int, num_steps: int, block_size: int, device
         "bookkeeping_ms": round(ms["step"] - ms["schedule"] - ms["metadata"] - ms["sampling"], 4),
         "list_step_tables_ms": round(ms["tables"], 4),
         "table_entries_written_per_step": round((runner.step_buffers.num_table_writes - writes_before) / num_steps, 2),
+        "decode_path": "static step buffers, padded to bucket " + ",".join(map(str, sorted(graphs.steps_by_bucket))),
     }
 
 
@@ -290,10 +308,13 @@ def engine_tpot(
     prompt_len: int = 128,
     new_tokens: int = 128,
     progress: Progress = no_progress,
+    enforce_eager: bool = False,
 ) -> list[dict]:
     """TPOT (decode seconds per step) and tokens/s of the engine at each batch, greedy, on a
     model of `model`'s config with seeded random weights, and the weight-read floor (the
-    weights' bytes at the measured device-to-device copy rate)."""
+    weights' bytes at the measured device-to-device copy rate). Decode steps replayed from
+    CUDA graphs as the engine runs them, unless enforce_eager; each row says which it ran
+    (decode_mode: "graphs" or "eager", with the steps replayed and run eagerly)."""
     import torch
 
     require_cuda("the engine's TPOT needs one")
@@ -314,8 +335,17 @@ def engine_tpot(
     for batch in batches:
         progress(f"engine batch {batch}")
         per_seq = -(-(prompt_len + new_tokens + 1) // block_size)
-        runner = LlamaRunner(llama, batch * per_seq + 1, block_size, CacheDescriptor("bench-gpu", "seed0"))
-        engine = Engine(runner, max_num_batched_tokens=max(2048, prompt_len), max_num_seqs=batch, batched_sampling=True)
+        budget = max(2048, prompt_len)
+        runner = LlamaRunner(
+            llama,
+            batch * per_seq + 1,
+            block_size,
+            CacheDescriptor("bench-gpu", "seed0"),
+            decode_mode="eager" if enforce_eager else "graphs",
+            max_num_seqs=batch,
+            max_num_batched_tokens=budget,
+        )
+        engine = Engine(runner, max_num_batched_tokens=budget, max_num_seqs=batch, batched_sampling=True)
         g = torch.Generator().manual_seed(batch)
         params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
         for _ in range(batch):
@@ -329,12 +359,18 @@ def engine_tpot(
             if not prefill:
                 step_s.append(time.perf_counter() - began)
         tpot = statistics.median(step_s)
+        graphs = runner.executor._graphs
         rows.append(
             {
                 "batch": batch,
                 "tpot_ms": round(tpot * 1e3, 3),
                 "tok_s": round(batch / tpot, 1),
                 "decode_path": runner.executor.last_decode_path,
+                # what ran the decode steps: graphs off by --enforce-eager, or because the
+                # backend cannot read the step buffers (decode_mode "eager" then)
+                "decode_mode": runner.executor.decode_mode,
+                "graph_replays": 0 if graphs is None else graphs.num_replays,
+                "eager_decode_steps": len(step_s) - (0 if graphs is None else graphs.num_replays),
             }
         )
     floor = {
@@ -398,6 +434,7 @@ def measure(
     batch: int = 128,
     context: int = 1024,
     progress: Progress = no_progress,
+    enforce_eager: bool = False,
 ) -> dict:
     """The parts asked for (PARTS) in one report. NoCuda (one line) when a part other than
     host is asked for without a CUDA GPU."""
@@ -416,7 +453,7 @@ def measure(
         report["decode_attention"] = decode_attention(torch_dtype, progress=progress)
         report["extend_attention"] = extend_attention(torch_dtype, progress=progress)
     if "engine" in parts:
-        report["engine"] = engine_tpot(model, torch_dtype, progress=progress)
+        report["engine"] = engine_tpot(model, torch_dtype, progress=progress, enforce_eager=enforce_eager)
     if "numerics" in parts:
         progress("numerics against transformers")
         report["numerics"] = numerics()

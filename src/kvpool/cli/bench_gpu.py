@@ -9,7 +9,7 @@ import sys
 from kvpool.bench.gpu import DTYPES, PARTS, NoCuda, measure
 from kvpool.cli.args import comma_choices, positive_int
 from kvpool.cli.bench import call_with_flags, print_table, printed_json, stderr_progress
-from kvpool.cli.options import add_planner_model_option
+from kvpool.cli.options import ENFORCE_EAGER, add_option, add_planner_model_option
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,6 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16", help="the GPU parts' dtype")
     parser.add_argument("--batch", type=positive_int, default=128, help="the host part's decode batch")
     parser.add_argument("--context", type=positive_int, default=1024, help="the host part's context per request")
+    add_option(parser, ENFORCE_EAGER, default=False, note="the engine part's decode steps")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -95,6 +95,11 @@ class DecodeGraphs:
         self.forward, self.buffers, self.capturing = forward, buffers, capture
         self.buckets = buckets_up_to(buffers.max_num_seqs, buckets)
         self.input_ids = torch.zeros(buffers.max_num_seqs, dtype=torch.int64, device=buffers.device)
+        # its host twin (pinned on CUDA: the copy is queued, not waited for), written through numpy
+        on_cpu = buffers.device.type == "cpu"
+        self._ids_host = self.input_ids if on_cpu else torch.zeros_like(self.input_ids, device="cpu").pin_memory()
+        self._ids_np = self._ids_host.numpy()
+        self._ids_sent: torch.cuda.Event | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # bucket -> the graph's logits [bucket, vocab]
         self._pool = None  # the memory pool every graph shares (they never replay at once)
@@ -104,11 +109,14 @@ class DecodeGraphs:
     def set_input_ids(self, token_ids: Sequence[int]) -> None:
         """The step's token ids into the static input (rows [len, ...) keep whatever; the
         padded rows' tokens only reach the dummy block)."""
-        ids = torch.tensor(token_ids, dtype=torch.int64)
-        if self.input_ids.device.type == "cpu":
-            self.input_ids[: len(token_ids)].copy_(ids)
-        else:  # from pinned memory, so that the copy is queued, not waited for
-            self.input_ids[: len(token_ids)].copy_(ids.pin_memory(), non_blocking=True)
+        n = len(token_ids)
+        if self._ids_sent is not None:
+            self._ids_sent.synchronize()  # the last copy out of the pinned twin is done (it was long ago)
+        self._ids_np[:n] = token_ids
+        if self._ids_host is not self.input_ids:
+            self.input_ids[:n].copy_(self._ids_host[:n], non_blocking=True)
+            self._ids_sent = torch.cuda.Event()
+            self._ids_sent.record()
 
     def capture(self) -> None:
         """Capture every bucket's graph now, largest first (each smaller graph's

@@ -350,10 +350,10 @@ class LlamaExecutor:
         sampled) that the runner put in the step buffers, with a backend that reads them."""
         buffers = self.step_buffers
         n = len(chunks)
-        return (
+        return (  # (n chunks of n tokens in the buffers: one token each)
             buffers is not None
             and buffers.num_seqs == buffers.num_tokens == n > 0
-            and all(len(c.token_ids) == 1 and c.needs_logits for c in chunks)
+            and all(c.needs_logits for c in chunks)
             and hasattr(self.attention, "begin_decode")
         )
 

@@ -418,9 +418,10 @@ class ModelRunner:
             buffers = self.step_buffers
             if buffers is not None:  # the step's metadata into the persistent buffers
                 ids = [c.request_id for c in chunks]
+                starts = [c.start for c in chunks]
                 ends = [c.start + len(c.token_ids) for c in chunks]
-                if buffers.fits(ids, sum(len(c.token_ids) for c in chunks)):
-                    buffers.update(ids, [c.start for c in chunks], ends, self.cache.tables(ids))
+                if buffers.fits(ids, sum(ends) - sum(starts)):
+                    buffers.update(ids, starts, ends, self.cache.tables(ids))
                 else:  # a step larger than the buffers: eager, its requests' rows written whole next time
                     buffers.skip(ids)
             out = self.executor.forward(chunks, self.cache, all_logits)

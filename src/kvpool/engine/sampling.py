@@ -1,15 +1,22 @@
 """Sampling parameters and the samplers: greedy, or temperature / top-k / top-p with a seed.
 
-Randomness is drawn from a generator seeded by (seed, sample index, output position), so a
-token depends only on the logits and where it sits: a request preempted and recomputed,
-or batched with different neighbours, samples exactly the same tokens.
+A draw's randomness is one uniform, `uniform_draw(seed, sample index, output position)`: a
+counter-based hash, no generator state, so a token depends only on the logits and where
+it sits: a request preempted and recomputed, or batched with different neighbours,
+samples exactly the same tokens.
 
-Two samplers: `sample_token` (one row at a time, on the CPU) and `sample_batch` (every row
-of a step at once, in tensors on the logits' device, one host synchronisation for the
-step's tokens). Greedy rows give the same token in both; a stochastic row draws from the
-same distribution, but with a uniform of its own (`uniform_draw`: a hash of seed, sample
-index and position, computed on the host, no generator per row), so the two samplers'
-stochastic tokens differ.
+Two samplers with the same results: `sample_token` (one row at a time, on the CPU) and
+`sample_batch` (every row of a step at once, in tensors on the logits' device, one host
+synchronisation for the step's tokens). Both take the same uniform and the same
+arithmetic: the temperature divides the fp32 logits; top-k keeps `topk(scores, k)` and
+takes the softmax of those; top-p takes the softmax over the whole vocabulary (in
+vocabulary order), then the candidates by decreasing probability; the draw is the first
+candidate whose cumulative weight exceeds u * total. So on the same logits they give the
+same token, except where two candidates tie exactly in probability (topk and sort may
+order tied values differently) and, on a GPU, where its sums round otherwise.
+`sample_token` looks for a top-p nucleus among the NUCLEUS_CANDIDATES most likely tokens
+first (exact: the same candidates, sums and draw as the full sort's, the rest weighing
+nothing), which costs it a synchronisation `sample_batch` does not make.
 """
 
 from __future__ import annotations
@@ -90,10 +97,11 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, sample_index: int
     """logits [vocab] fp32 -> one token id.
 
     The kept tokens (top-k, then the top-p nucleus: the most likely tokens until their mass
-    reaches top_p) are drawn by inverse CDF with one uniform from the seeded generator."""
+    reaches top_p) are drawn by inverse CDF with `uniform_draw`'s uniform."""
     if params.greedy:
         return int(torch.argmax(logits))  # no scratch beyond a scalar
-    scores = logits.float().cpu() / params.temperature
+    # divided by the fp32 temperature as sample_batch divides its rows (same rounding)
+    scores = logits.float().cpu() / torch.tensor(params.temperature, dtype=torch.float32)
     vocab = scores.shape[-1]
     k = min(params.top_k, vocab) if params.top_k else vocab
     ids: torch.Tensor | None = None  # candidates' token ids, most likely first; None: all tokens
@@ -119,9 +127,7 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, sample_index: int
         probs = probs.masked_fill(dropped, 0.0)
     # the tensors alive at the draw, and the draw's CDF: one more vector of the candidates
     _note_scratch(scores, full if full is not probs else None, probs, ids, cumulative, extra=probs.nbytes)
-    generator = torch.Generator(device="cpu")
-    generator.manual_seed(_draw_seed(params.seed, sample_index, position))
-    j = _draw(probs, generator)
+    j = _draw(probs, uniform_draw(params.seed, sample_index, position))
     return int(ids[j]) if ids is not None else j
 
 
@@ -139,25 +145,20 @@ def _mix64(seed: int, sample_index: int, position: int) -> int:
     return x
 
 
-def _draw_seed(seed: int, sample_index: int, position: int) -> int:
-    """The generator's seed for one draw: `_mix64`'s halves folded together. CPU generators
-    take only the low 32 bits of a seed, so every bit of the request's seed must reach them."""
-    x = _mix64(seed, sample_index, position)
-    return (x ^ (x >> 32)) & 0xFFFFFFFF
-
-
 def uniform_draw(seed: int, sample_index: int, position: int) -> float:
-    """`sample_batch`'s uniform in [0, 1) for one draw: the top 53 bits of `_mix64` (a
-    counter-based draw: no generator state, so no per-row generator on the device)."""
+    """Both samplers' uniform in [0, 1) for one draw: the top 53 bits of `_mix64` (a
+    counter-based draw: no generator state, so no per-row generator on the device; ~1 us
+    on the host, against ~20 us for seeding a torch generator per draw)."""
     return (_mix64(seed, sample_index, position) >> 11) * 2.0**-53
 
 
-def _draw(weights: torch.Tensor, generator: torch.Generator) -> int:
-    """An index i with probability weights[i] / sum (weights [m] >= 0): the first i whose
-    cumulative weight exceeds u * total. A zero weight adds no width, so it is never drawn."""
+def _draw(weights: torch.Tensor, u: float) -> int:
+    """An index i with probability weights[i] / sum (weights [m] >= 0) for the uniform u:
+    the first i whose cumulative weight exceeds u * total (u rounded to the weights'
+    dtype, as `sample_batch` rounds it). A zero weight adds no width, so it is never drawn."""
     cdf = torch.cumsum(weights, dim=-1)
-    u = torch.rand((), generator=generator, dtype=cdf.dtype) * cdf[-1]
-    i = int(torch.searchsorted(cdf, u, right=True))
+    target = torch.tensor(u, dtype=torch.float64).to(cdf.dtype) * cdf[-1]
+    i = int(torch.searchsorted(cdf, target, right=True))
     if i >= len(cdf):  # u * total rounded up to the total: the last token of non-zero weight
         i = int(torch.nonzero(weights)[-1])
     return i
@@ -184,10 +185,11 @@ def sample_batch(
     """logits [rows, vocab] (any float dtype, any device) -> one token id per row, row i
     sampled by params[i] at (sample_indices[i], positions[i]).
 
-    Every row in one batch of tensor ops on the logits' device; the host synchronises once,
-    for the tokens. Greedy rows are the argmax (as `sample_token`); a stochastic row keeps
-    its top-k, then its top-p nucleus (both renormalised, as `sample_token`), and draws by
-    inverse CDF with `uniform_draw`'s uniform."""
+    Every row in tensor ops on the logits' device (one group of ops per kind of top-k /
+    top-p among the rows); the host synchronises once, for the tokens. Greedy rows are the
+    argmax; a stochastic row keeps its top-k, then its top-p nucleus (both renormalised),
+    and draws by inverse CDF with `uniform_draw`'s uniform: `sample_token`'s token (the
+    module docstring says where they can differ)."""
     num_rows = logits.shape[0]
     if not len(params) == len(sample_indices) == len(positions) == num_rows:
         raise ValueError(
@@ -222,32 +224,50 @@ def sample_batch(
 
 def _sample_rows(logits: torch.Tensor, table: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """logits [m, vocab], table [m, 4] fp64 (temperature, top_p, top_k (vocab: off), u) ->
-    [m] int64 token ids. `params` (the rows' SamplingParams) only choose, on the host,
-    whether a sort is needed."""
+    [m] int64 token ids. The rows go in groups of one top-k and top-p kind, each through
+    `sample_token`'s arithmetic (the module docstring); `params` (the rows' SamplingParams)
+    only form the groups, on the host."""
     vocab = logits.shape[-1]
-    temperature, top_p = table[:, 0:1].float(), table[:, 1:2].float()
-    top_k, u = table[:, 2:3].long(), table[:, 3]
-    scores = logits.float() / temperature  # [m, vocab]
-    ids: torch.Tensor | None = None  # [m, vocab]: the candidates' token ids, most likely first
-    if any(p.top_k or p.top_p < 1.0 for p in params):
-        scores, ids = torch.sort(scores, dim=-1, descending=True)
-        # top-k: the ranks at or past a row's k are out (k = vocab: none)
-        ranks = torch.arange(vocab, device=logits.device)
-        scores = scores.masked_fill(ranks >= top_k, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    if any(p.top_p < 1.0 for p in params):
+    groups: dict[tuple[int, bool], list[int]] = {}  # (k, top-p on) -> rows
+    for i, p in enumerate(params):
+        groups.setdefault((min(p.top_k, vocab) if p.top_k else vocab, p.top_p < 1.0), []).append(i)
+    if len(groups) == 1:  # (the usual step: every row alike, no regrouping)
+        ((k, nucleus),) = groups
+        return _sample_group(logits, table, k, nucleus)
+    out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    for (k, nucleus), rows in groups.items():
+        index = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
+        sampled = _sample_group(logits.index_select(0, index), table.index_select(0, index), k, nucleus)
+        out.index_copy_(0, index, sampled)
+    return out
+
+
+def _sample_group(logits: torch.Tensor, table: torch.Tensor, k: int, nucleus: bool) -> torch.Tensor:
+    """Rows of one kind: logits [g, vocab], table [g, 4] as `_sample_rows` takes it, every
+    row's top-k k (vocab: off) and top-p on or off (nucleus) -> [g] int64 token ids."""
+    vocab = logits.shape[-1]
+    temperature, top_p, u = table[:, 0:1].float(), table[:, 1:2].float(), table[:, 3]
+    scores = logits.float() / temperature  # [g, vocab]
+    ids: torch.Tensor | None = None  # [g, candidates]: their token ids, most likely first
+    if k < vocab:
+        top = torch.topk(scores, k, dim=-1)
+        probs, ids = torch.softmax(top.values, dim=-1), top.indices
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    if nucleus:
+        if ids is None:
+            probs, ids = torch.sort(probs, dim=-1, descending=True)
         # drop a token when the tokens before it already reach top_p; the first always stays
-        # (a row with top_p 1 keeps everything its top-k kept: its cumulative sum before a
-        # kept token is below 1, or equal to 1 only where the rest of the mass rounds to 0)
         cumulative = torch.cumsum(probs, dim=-1)
         dropped = (cumulative - probs) >= top_p
         dropped[:, 0] = False
-        probs = probs.masked_fill(dropped & (top_p < 1.0), 0.0)
+        probs = probs.masked_fill(dropped, 0.0)
     # inverse CDF: the first index whose cumulative weight exceeds u * total; when u * total
     # rounds up to the total, the last index of non-zero weight (a zero weight is never drawn)
     cdf = torch.cumsum(probs, dim=-1)
     target = (u.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
     j = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    last = (vocab - 1) - torch.argmax(torch.flip(probs > 0, dims=[-1]).to(torch.uint8), dim=-1)
+    width = probs.shape[-1]
+    last = (width - 1) - torch.argmax(torch.flip(probs > 0, dims=[-1]).to(torch.uint8), dim=-1)
     j = torch.minimum(j, last)
     return j if ids is None else ids.gather(-1, j.unsqueeze(-1)).squeeze(-1)
