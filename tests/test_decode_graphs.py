@@ -147,6 +147,37 @@ def test_bad_decode_modes_are_refused_naming_them(model64):
     assert runner.executor.decode_mode == "eager" and runner.step_buffers is None
 
 
+HOST_READS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "numpy", "cpu")
+
+
+def test_a_buffered_decode_step_reads_the_device_once_for_its_sampled_tokens(model64, monkeypatch):
+    """A decode step through the static buffers with batched sampling reads tensor values on
+    the host exactly once, the sampled ids' `.tolist()` (each such read is a device
+    synchronisation on CUDA): greedy rows and stochastic ones (temperature, top-k, top-p,
+    seeds) alike, in one step."""
+    runner = LlamaRunner(model64, 32, 4, DESCRIPTOR, decode_path="padded", decode_mode="static", max_num_seqs=4)
+    engine = Engine(runner, max_num_batched_tokens=64, max_num_seqs=4, batched_sampling=True)
+    kinds = [{}, {"temperature": 0.9, "seed": 3}, {"temperature": 1.2, "top_k": 20, "seed": -4}, {"top_p": 0.8}]
+    for i, kind in enumerate(kinds):
+        engine.add_request(random_ids(5 + i, i), SamplingParams(max_tokens=4, ignore_eos=True, **kind))
+    engine.step()  # the prompts
+    reads: list[str] = []
+    for name in HOST_READS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _name=name, _original=original, **kwargs):
+            reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    for _ in range(2):
+        reads.clear()
+        engine.step()
+        assert reads == ["tolist"]
+    monkeypatch.undo()
+    assert runner.executor._graphs.steps_by_bucket == {4: 2}
+
+
 def test_the_forward_takes_the_position_bound_from_the_host_when_given(model64):
     """A captured forward cannot read positions.max() (a synchronisation): given the step's
     largest position on the host, the forward checks that one, not the tensor's."""

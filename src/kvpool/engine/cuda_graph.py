@@ -12,8 +12,11 @@ of n sequences replays the smallest bucket b >= n, its rows [n, b) padded by
 `StepBuffers.pad`: one token at position 0 in the padding row, whose only block is the
 reserved dummy block, so a padded row writes its K/V only into the dummy block and reads
 only it. A step larger than the largest bucket, or not a pure decode, runs eagerly.
-The graphs share one memory pool (captured largest first, as each smaller graph's
-intermediates fit in what the larger one reserved).
+A bucket's graph is captured the first time a step of its size runs (`capture` takes them
+all at once, largest first). The graphs share one memory pool: they never replay at once,
+and a replay's intermediates are written before they are read; but a replay may overwrite
+what another graph left in the pool, its output included, so `run` returns a copy of the
+logits (a caller keeps a step's logits: recorded, forked, sampled later).
 
 The attention a captured forward runs is a backend's `begin_decode(buffers, num_seqs)`
 (attention/backends: the torch paged backend's `buffered_decode_attend`, the Triton
