@@ -248,8 +248,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--enable-expert-parallel",
         action="store_true",
-        help="MoE: spread the routed experts whole over the replica's TP GPUs (expert parallelism, ep = TP), "
-        "dispatching and combining tokens by all-to-alls over NVLink (vLLM's name; default: experts sharded by TP)",
+        help="MoE: the routed experts whole over the replica's TP GPUs (ep = TP) instead of a slice of each on every "
+        "GPU; vLLM's flag at data parallelism 1: every GPU keeps all tokens and the MoE's output is all-reduced as "
+        "under TP, so the modelled step time is TP's (no all-to-all; needs -tp > 1)",
     )
     parser.add_argument(
         "--calibration",
@@ -418,6 +419,10 @@ def _deployment_of(args, combo: dict):
     if args.enable_expert_parallel and model.moe is None:
         raise ValueError(f"--enable-expert-parallel: {model.name} has no MoE layers (no routed experts to spread)")
     tp = _fit_tp(model, gpu, combo["tp"], args)
+    if args.enable_expert_parallel and tp == 1:
+        raise ValueError(
+            "--enable-expert-parallel spreads the routed experts over a replica's TP GPUs; TP 1 is one GPU"
+        )
     config = SimConfig(
         layout=combo["layout"],
         block_size=combo["block_size"],

@@ -76,30 +76,19 @@ serialise with the layers' kernels (the next GEMM needs their result), so comm_s
 the roofline rather than overlapping it. TP past one node's GPUs (`gpus_per_node`) is
 refused: its all-reduces would cross the inter-node network, which is not modelled.
 
-Expert parallelism (`expert_parallel`, vLLM's --enable-expert-parallel over the replica's
-TP group: ep = tp GPUs, ep = 1 without it): each GPU holds E / ep whole routed experts
-instead of a 1/tp slice of every expert. A MoE layer then moves tokens, not partial sums:
-the attention's all-reduce is split into a reduce-scatter (each GPU keeps N / ep of the
-tokens) and, after the MoE, an all-gather (the next layer needs them all), the same bytes
-and steps as one all-reduce; between them each GPU dispatches its tokens to the GPUs of
-their top-k experts and combines the expert outputs back, two all-to-alls in place of the
-MoE's all-reduce:
-
-    comm_s       = 2 x dense_layers x allreduce_s(N)
-                   + moe_layers x (allreduce_s(N) + 2 x alltoall_s(N))
-    alltoall_s   = sent_bytes / nvlink_bw + nvlink_latency
-    sent_bytes   = N / ep x top_k x hidden_size x a x (ep - 1) / ep
-
-A token's k (token, expert) pairs land on a uniformly random GPU each, so (ep - 1) / ep of
-them leave the GPU; every GPU sends to its ep - 1 peers at once through the node's
-NVSwitch, one step, one latency. Sending a token once per destination GPU rather than per
-expert (as DeepEP does) sends less; so does an fp8 dispatch: not modelled. Against TP's MoE
-all-reduce, 2 (ep - 1) / ep x N x hidden x a bytes in 2 (ep - 1) steps, the all-to-alls
-send k / ep of its bytes (the same for DeepSeek-V3 at ep 8, k 8) in 2 steps: EP pays off
-where latency dominates (decodes) and where k < ep. The expert weights a step reads on one
-GPU are its share of the touched experts, experts_touched(N) / ep whole experts, the same
-expected bytes as TP's 1/tp slice of each (ep = tp); the busiest GPU, which the step waits
-for, reads more than this mean under any real routing: not modelled either.
+Expert parallelism (`expert_parallel`, vLLM's --enable-expert-parallel at data parallelism
+1: ep = tp GPUs, ep = 1 without it): each GPU holds E / ep whole routed experts instead of a
+1/tp slice of every expert; everything else is TP's. Every GPU keeps all N tokens (vLLM runs
+its all-to-all kernels only with data (or context) parallelism > 1:
+FusedMoEParallelConfig.use_all2all_kernels), a GPU's experts produce partial outputs for the tokens routed to them,
+and the MoE's output is all-reduced as under TP, so comm_s is the formula above, unchanged.
+The expert weights a step reads on one GPU are its share of the touched experts,
+experts_touched(N) / ep whole experts: the same expected bytes as TP's 1/tp slice of each
+(ep = tp), and the same FLOPs. So the step's time is TP's: the busiest GPU, which the step
+waits for, reads more than this mean under any real routing (not modelled), and the
+dispatch / combine all-to-all of attention data parallelism (vLLM --data-parallel-size
+with expert parallelism, SGLang --enable-dp-attention; attention and shared experts whole
+on each GPU) is not modelled.
 
 Terms (`AttentionTerm`), by attention kind, H query heads, d head dim:
 - GQA: one term per window group of `kv_layout`: every token (or a window w), entry = the
@@ -272,7 +261,7 @@ class StepCost:
     compute_s: float
     memory_s: float
     time_s: float  # gemm_s + prefill_attention_s + decode_attention_s + comm_s + host_s
-    comm_s: float = 0.0  # the tensor-parallel all-reduces and expert-parallel all-to-alls
+    comm_s: float = 0.0  # the tensor-parallel all-reduces
     host_s: float = 0.0  # the host's overheads: per step, per layer launch (eager), per sequence
     gemm_s: float = 0.0  # the phases (module docstring): the GEMMs at their roofline,
     prefill_attention_s: float = 0.0  # the prefill chunks' attention at theirs,
@@ -317,7 +306,7 @@ class CostModel:
     host_mode: str = "graph"
     graph_max_batch: int = 512
     indexer_format: str | None = None  # V3.2 / V4 indexer keys: "fp8" (default), "mxfp4", "bf16"
-    expert_parallel: bool = False  # routed experts spread whole over the TP group (ep = tp)
+    expert_parallel: bool = False  # routed experts whole over the TP group (ep = tp), data parallelism 1
 
     def __post_init__(self) -> None:
         if self.gpu.kind not in DEVICE_DEFAULTS:
@@ -346,6 +335,8 @@ class CostModel:
             )
         if self.expert_parallel and self.model.moe is None:
             raise ValueError(f"expert parallelism spreads routed experts; {self.model.name} has no MoE layers")
+        if self.expert_parallel and self.tp == 1:
+            raise ValueError("expert parallelism spreads the routed experts over the TP GPUs; tp=1 has one GPU")
         if self.tp > 1 and math.isnan(self.gpu.nvlink_bytes_per_s + self.gpu.nvlink_latency_s):
             raise ValueError(f"GPU {self.gpu.name} has no NVLink figure to price tp={self.tp}'s all-reduces")
         # Resolve the formats now: a bad dtype or tp fails here, naming itself.
@@ -456,29 +447,10 @@ class CostModel:
         gpu = self.gpu
         return 2 * (tp - 1) / tp * num_bytes / gpu.nvlink_bytes_per_s + 2 * (tp - 1) * gpu.nvlink_latency_s
 
-    def alltoall_s(self, num_tokens: int) -> float:
-        """Seconds of one expert-parallel all-to-all (a dispatch or a combine) of a step of
-        `num_tokens` tokens (0 without expert parallelism or at ep 1): every GPU sends its
-        N / ep tokens' top-k hidden vectors, the (ep - 1) / ep share bound for other GPUs,
-        to all its peers at once: sent_bytes / bandwidth + latency."""
-        ep, moe = self.ep, self.model.moe
-        if ep == 1 or moe is None:
-            return 0.0
-        per_gpu = num_tokens / ep * moe.experts_per_token * self.model.hidden_size * self.activation_bytes
-        sent = per_gpu * (ep - 1) / ep
-        return sent / self.gpu.nvlink_bytes_per_s + self.gpu.nvlink_latency_s
-
     def comm_s(self, num_tokens: int) -> float:
-        """A step's communication (module docstring): two all-reduces a layer, or for a MoE
-        layer under expert parallelism one all-reduce's worth (a reduce-scatter and an
-        all-gather) and a dispatch and a combine all-to-all."""
-        allreduce = self.allreduce_s(num_tokens)
-        num_layers = self.model.num_layers
-        if self.ep == 1:
-            return 2 * num_layers * allreduce
-        assert self.model.moe is not None
-        num_moe = len(self.model.moe.moe_layers)
-        return 2 * (num_layers - num_moe) * allreduce + num_moe * (allreduce + 2 * self.alltoall_s(num_tokens))
+        """A step's communication (module docstring): two all-reduces a layer, with or without
+        expert parallelism (at data parallelism 1 the MoE's output is all-reduced either way)."""
+        return 2 * self.model.num_layers * self.allreduce_s(num_tokens)
 
     # ----- the cost of a step ------------------------------------------------------------
 
