@@ -215,11 +215,21 @@ def sample_batch(
                 for i, p in zip(stochastic, picked, strict=True)
             ],
             dtype=torch.float64,
-        ).to(device, non_blocking=True)
-        rows = torch.tensor(stochastic, dtype=torch.long).to(device, non_blocking=True)
+        )
+        table = _to_device(table, device)
+        rows = _to_device(torch.tensor(stochastic, dtype=torch.long), device)
         sampled = _sample_rows(logits.index_select(0, rows), table, picked)
         tokens = tokens.index_copy(0, rows, sampled)
     return tokens.tolist()  # the step's one host synchronisation
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device`, its copy queued, not waited for: through pinned
+    memory on CUDA (a copy out of pageable memory first waits for the stream, here for the
+    step's forward: a second synchronisation before the tokens' own)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _sample_rows(logits: torch.Tensor, table: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -236,7 +246,7 @@ def _sample_rows(logits: torch.Tensor, table: torch.Tensor, params: Sequence[Sam
         return _sample_group(logits, table, k, nucleus)
     out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     for (k, nucleus), rows in groups.items():
-        index = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
+        index = _to_device(torch.tensor(rows, dtype=torch.long), logits.device)
         sampled = _sample_group(logits.index_select(0, index), table.index_select(0, index), k, nucleus)
         out.index_copy_(0, index, sampled)
     return out
