@@ -15,7 +15,7 @@
 - engine: TPOT and tokens/s at batch 1, 32 and 128 of a model from an HF config with
   seeded random weights (models/hf_config.py), greedy, 128-token prompts; its decode steps
   replayed from CUDA graphs (engine/cuda_graph.py) unless `--enforce-eager`, each row
-  saying which (`decode_mode`, and the steps replayed).
+  saying which (`decode_mode`, and how many of its decode steps were replays).
 - numerics: a small random Llama in fp32 on the GPU against transformers' on the same
   weights (max |logit difference| relative to the largest logit, greedy tokens equal).
 
@@ -314,7 +314,7 @@ def engine_tpot(
     model of `model`'s config with seeded random weights, and the weight-read floor (the
     weights' bytes at the measured device-to-device copy rate). Decode steps replayed from
     CUDA graphs as the engine runs them, unless enforce_eager; each row says which it ran
-    (decode_mode: "graphs" or "eager", with the steps replayed and run eagerly)."""
+    (decode_mode: "graphs" or "eager", the decode steps timed and the graph replays)."""
     import torch
 
     require_cuda("the engine's TPOT needs one")
@@ -369,8 +369,8 @@ def engine_tpot(
                 # what ran the decode steps: graphs off by --enforce-eager, or because the
                 # backend cannot read the step buffers (decode_mode "eager" then)
                 "decode_mode": runner.executor.decode_mode,
+                "decode_steps": len(step_s),  # the steps timed: every one after the last prefill chunk
                 "graph_replays": 0 if graphs is None else graphs.num_replays,
-                "eager_decode_steps": len(step_s) - (0 if graphs is None else graphs.num_replays),
             }
         )
     floor = {
