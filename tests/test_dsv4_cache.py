@@ -362,6 +362,15 @@ class Model:
             for ids in self.snapshots.get(rid, ()):
                 for block_id in ids:
                     counts[block_id] += 1
+        # the batched query of the step's reservations: those that took blocks or checkpoints
+        ids = sorted(self.pending)
+        starts = [self.computed[r] for r in ids]
+        ends = [self.computed[r] + self.pending[r][0] for r in ids]
+        took = {r: m.pending_reservation(r) for r in ids if self.pending[r][1] or self.pending[r][2]}
+        assert m.step_reservations(ids, starts, ends) == took
+        if ids:
+            with pytest.raises(ValueError, match="not its reserved step"):
+                m.step_reservations(ids, starts, [e + 1 for e in ends])
         assert [m.pool.refcount(b) for b in range(m.num_blocks)] == counts
         assert m.num_free_blocks == m.num_blocks - len(self.held())
         slots = [m.state_slot(rid) for rid in self.tables]

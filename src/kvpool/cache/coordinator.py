@@ -93,6 +93,8 @@ from kvpool.cache.types import (
 )
 from kvpool.pool import BlockPool, PrefixBlock, StepTables, step_tables, token_bytes
 
+_EMPTY_PART = GroupReservation()  # a group's part of a step that took nothing
+
 
 class GroupSpec(Protocol):
     """A frozen spec that builds its group (cache/window.py, recurrent.py, dual_pool.py)."""
@@ -311,6 +313,35 @@ class HybridCacheManager:
             return None
         parts = {name: g.pending(req.states[name]) for name, g in self.groups.items()}
         return Reservation(req.num_computed, req.end - req.num_computed, parts)
+
+    def step_reservations(
+        self, request_ids: Sequence[str], starts: Sequence[int], ends: Sequence[int]
+    ) -> dict[str, Reservation]:
+        """`pending_reservation` for a whole step whose request i computes [starts[i],
+        ends[i]), which must be its reserved step (ValueError naming the request otherwise):
+        only the requests whose step took anything in some group (blocks, copies,
+        checkpoints), in step order. A decode inside its span or block takes nothing and
+        costs a lookup, two comparisons and one `pending` call per group."""
+        if not len(request_ids) == len(starts) == len(ends):
+            raise ValueError(f"{len(request_ids)} requests, {len(starts)} starts, {len(ends)} ends")
+        requests, groups, exact = self._requests, self._group_list, self.exact_steps
+        out: dict[str, Reservation] = {}
+        for request_id, start, end in zip(request_ids, starts, ends, strict=True):
+            req = requests.get(request_id)
+            if req is None:
+                raise KeyError(f"unknown request {request_id!r}")
+            if start != req.num_computed or (end != req.end if exact else not start < end <= req.end):
+                raise ValueError(
+                    f"request {request_id!r}: positions [{start}, {end}) are not its reserved step "
+                    f"[{req.num_computed}, {req.end})"
+                )
+            states = req.states
+            for g in groups:
+                if g.pending(states[g.name]) != _EMPTY_PART:
+                    parts = {g.name: g.pending(states[g.name]) for g in groups}
+                    out[request_id] = Reservation(start, end - start, parts)
+                    break
+        return out
 
     def state_slot(self, request_id: str, group: str | None = None) -> int:
         """The live state slot of a recurrent group or the state block of a dual-pool group

@@ -472,11 +472,6 @@ class ModelRunner:
             chunks.append(ScheduledChunk(request_id, self.cache.token_ids(request_id)[start:end], start, True))
         return chunks
 
-    def _pending(self, request_id: str) -> Reservation:
-        res = self.cache.pending_reservation(request_id)
-        assert res is not None, f"request {request_id!r} has no reservation"
-        return res
-
     def _forward_in_pieces(self, chunks: Sequence[ScheduledChunk], all_logits: bool) -> torch.Tensor:
         """V4's dual pool: the deferred replays first, then the chunks (each its request's
         whole reservation) in forwards cut at their checkpoint positions (the state is
@@ -495,27 +490,34 @@ class ModelRunner:
         checkpoints: dict[str, tuple[tuple[int, int], ...]] = {}
         snapshots: dict[str, dict[int, tuple[bytes, BlockDescriptor]]] = {}
         whole = True  # no cut strictly inside a chunk: the step is one forward
-        for c in chunks:
-            res = self._pending(c.request_id)
-            end = c.start + len(c.token_ids)
-            assert res.start == c.start and res.start + res.num_tokens == end, "chunk != reservation"
+        # (each chunk is its request's reservation, the cache checks; only the steps that took
+        # blocks or checkpoints come back: a decode inside its span took nothing)
+        starts = [c.start for c in chunks]
+        ends = [c.start + len(c.token_ids) for c in chunks]
+        taken = self.cache.step_reservations([c.request_id for c in chunks], starts, ends)
+        for request_id, res in taken.items():
             (part,) = res.groups.values()  # V4: the one dual-pool group's new blocks and checkpoints
             at = [p for p, _ in part.checkpoints]
             if self.swa is not None and part.new_block_ids:
-                snapshots[c.request_id] = self._snapshots_wanted(c.request_id, res)
-                at += list(snapshots[c.request_id])
+                snapshots[request_id] = self._snapshots_wanted(request_id, res)
+                at += list(snapshots[request_id])
             if at:
-                checkpoints[c.request_id] = part.checkpoints
-                cuts[c.request_id] = at
-                whole = whole and all(not c.start < p < end for p in at)
+                checkpoints[request_id] = part.checkpoints
+                cuts[request_id] = at
+                whole = whole and all(not res.start < p < res.start + res.num_tokens for p in at)
         if whole:
             out = self.executor.forward(chunks, self.cache, all_logits)
             for c in chunks:
                 if c.request_id in cuts:
                     self._after_piece(c.request_id, c.start + len(c.token_ids), checkpoints, snapshots)
             return out
+        # Each forward takes every chunk's next piece (up to its next cut). all_logits: every
+        # piece's logits, by request in piece order; else only the row of each request's
+        # latest token (an int), gathered once at the end rather than a slice per piece
         cursor = {c.request_id: c.start for c in chunks}
-        pieces: dict[str, list[torch.Tensor]] = {c.request_id: [] for c in chunks}
+        pieces: dict[str, list[torch.Tensor]] = {c.request_id: [] for c in chunks} if all_logits else {}
+        last_row: dict[str, tuple[int, int]] = {}  # request -> (forward, row in its output)
+        outs: list[torch.Tensor] = []
         while True:
             todo = []
             for c in chunks:
@@ -526,18 +528,34 @@ class ModelRunner:
             if not todo:
                 break
             out = self.executor.forward(todo, self.cache, True)
-            offset = 0
+            k, offset = len(outs), 0
+            outs.append(out)
             for piece in todo:
                 request_id, n = piece.request_id, len(piece.token_ids)
-                pieces[request_id].append(out[offset : offset + n])
+                if all_logits:
+                    pieces[request_id].append(out[offset : offset + n])
                 offset += n
+                last_row[request_id] = (k, offset - 1)
                 cursor[request_id] = piece.start + n
-                self._after_piece(request_id, piece.start + n, checkpoints, snapshots)
+                if request_id in cuts:
+                    self._after_piece(request_id, piece.start + n, checkpoints, snapshots)
         if all_logits:
             rows = [lg for c in chunks for lg in pieces[c.request_id]]
-        else:
-            rows = [pieces[c.request_id][-1][-1:] for c in chunks if c.needs_logits]
-        return torch.cat(rows) if rows else torch.zeros(0, self.vocab_size)
+            return torch.cat(rows) if rows else torch.zeros(0, self.vocab_size)
+        wanted = [last_row[c.request_id] for c in chunks if c.needs_logits]
+        if not wanted:
+            return torch.zeros(0, self.vocab_size)
+        # the wanted rows of each forward's output, then into chunk order
+        by_out: list[list[int]] = [[] for _ in outs]
+        for k, row in wanted:
+            by_out[k].append(row)
+        picked = [out[torch.tensor(rows)] for out, rows in zip(outs, by_out, strict=True) if rows]
+        place, n = {}, 0
+        for k, rows in enumerate(by_out):
+            for i, row in enumerate(rows):
+                place[k, row] = n + i
+            n += len(rows)
+        return torch.cat(picked)[torch.tensor([place[w] for w in wanted])]
 
     def _after_piece(
         self,
