@@ -882,6 +882,13 @@ class HybridCacheManager:
                 if req.num_loading or end > len(req.token_ids):
                     self._check_reserve(req, 1)  # raises
                 ends.append(end)
+        elif self.exact_steps and num_new_tokens.count(1) == len(request_ids):  # exact steps, all decodes
+            pending, ends = self._step_requests(request_ids, num_new_tokens), []
+            for req in pending:  # one pass: checked (`_check_reserve` names what is wrong), and the ends
+                nc = req.num_computed
+                if req.end != nc or req.num_loading or nc >= len(req.token_ids):
+                    self._check_reserve(req, 1)  # raises
+                ends.append(nc + 1)
         else:
             reqs = self._step_requests(request_ids, num_new_tokens)
             if min(num_new_tokens) < 0:
@@ -926,7 +933,14 @@ class HybridCacheManager:
             return
         decode = num_tokens.count(1) == len(reqs)  # all decodes: the engine's common step
         bad = None
-        if self.exact_steps:
+        if self.exact_steps and decode:
+            bad = next((req for req in reqs if req.end - req.num_computed != 1), None)
+            if bad is not None:
+                raise ValueError(
+                    f"request {bad.request_id!r}: commit of 1 token, but the step reserved "
+                    f"{bad.end - bad.num_computed} (a recurrent state advances by whole steps)"
+                )
+        elif self.exact_steps:
             for req, n in zip(reqs, num_tokens, strict=True):
                 if n != req.end - req.num_computed:
                     raise ValueError(
@@ -981,7 +995,7 @@ class HybridCacheManager:
                     changed.append(req)
                 if next_token_id is not None:
                     req.token_ids.append(next_token_id)
-        if self.exact_steps:
+        if self.exact_steps and not decode:  # (a decode's end is num_computed + 1 already: checked above)
             for req in reqs:
                 req.end = req.num_computed
         if changed:

@@ -33,6 +33,9 @@ from kvpool.engine.runner import ModelRunner, ScheduledChunk
 from kvpool.engine.sampling import SamplingParams, sample_batch, sample_token, token_logprobs
 
 _T = TypeVar("_T")
+# ScheduledChunk(...) without the named tuple's Python-level __new__: the engine makes one
+# per sequence per step
+_new_chunk = tuple.__new__
 LATENCY_SAMPLES = 1 << 16  # admit / reserve latencies kept per kind (the latest)
 
 
@@ -165,6 +168,8 @@ class Engine:
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
         self._scheduled: list[SequenceState] = []  # the sequences of the last schedule(), in chunk order
+        self._step_ids: list[str] = []
+        self._step_counts: list[int] = []
         self.stats = EngineStats()
         self._ids = itertools.count()
 
@@ -320,18 +325,30 @@ class Engine:
         start = seq.num_computed
         end = start + n
         tokens = seq.token_ids
-        return ScheduledChunk(seq.seq_id, tokens[start:end], start, end == len(tokens))
+        return _new_chunk(ScheduledChunk, (seq.seq_id, tokens[start:end], start, end == len(tokens)))
 
-    def _plan_running(self, budget: int) -> list[tuple[SequenceState, int]]:
-        plan = []
+    def _plan_running(self, budget: int) -> tuple[list[SequenceState], list[str], list[int], list[ScheduledChunk]]:
+        """The running sequences' next chunks, in arrival order, within `budget` tokens: the
+        sequences, their ids, token counts and chunks (one pass: a decode is one token)."""
+        seqs: list[SequenceState] = []
+        ids: list[str] = []
+        counts: list[int] = []
+        chunks: list[ScheduledChunk] = []
         for seq in self.running:
             if budget <= 0:
                 break
-            n = min(len(seq.token_ids) - seq.num_computed, budget)
+            tokens, start = seq.token_ids, seq.num_computed
+            n = len(tokens) - start
+            if n > budget:
+                n = budget
             assert n > 0, "a running sequence always has a token to compute"
-            plan.append((seq, n))
+            end = start + n
+            seqs.append(seq)
+            ids.append(seq.seq_id)
+            counts.append(n)
+            chunks.append(_new_chunk(ScheduledChunk, (seq.seq_id, tokens[start:end], start, end == len(tokens))))
             budget -= n
-        return plan
+        return seqs, ids, counts, chunks
 
     def _reserve_with_preemption(self) -> list[tuple[SequenceState, int]]:
         """The step does not fit: reserve sequence by sequence, in arrival order, preempting
@@ -355,18 +372,18 @@ class Engine:
         return plan
 
     def schedule(self) -> list[ScheduledChunk]:
-        plan = self._plan_running(self.max_num_batched_tokens)
+        scheduled, ids, counts, chunks = self._plan_running(self.max_num_batched_tokens)
         preempted = False
-        if plan:
-            ids, counts = [s.seq_id for s, _ in plan], [n for _, n in plan]
-            if not self._timed(lambda: self.runner.reserve(ids, counts)):
-                num_preemptions = self.stats.num_preemptions
-                plan = self._reserve_with_preemption()
-                preempted = self.stats.num_preemptions > num_preemptions
-        chunk = self._chunk
-        chunks = [chunk(seq, n) for seq, n in plan]
-        scheduled = [seq for seq, _ in plan]  # chunks[i] is scheduled[i]'s
-        budget = self.max_num_batched_tokens - sum(n for _, n in plan)
+        if ids and not self._timed(lambda: self.runner.reserve(ids, counts)):
+            num_preemptions = self.stats.num_preemptions
+            plan = self._reserve_with_preemption()
+            preempted = self.stats.num_preemptions > num_preemptions
+            chunk = self._chunk
+            chunks = [chunk(seq, n) for seq, n in plan]
+            scheduled = [seq for seq, _ in plan]  # chunks[i] is scheduled[i]'s
+            counts = [n for _, n in plan]
+            ids = [seq.seq_id for seq in scheduled]
+        budget = self.max_num_batched_tokens - sum(counts)
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             admitted = self._timed(
@@ -385,7 +402,10 @@ class Engine:
                 req.num_cached_tokens = min(admitted.num_cached_tokens, req.num_prompt_tokens)
             self.running.append(seq)
             scheduled.append(seq)
-            chunks.append(self._chunk(seq, admitted.num_scheduled_tokens))
+            chunk = self._chunk(seq, admitted.num_scheduled_tokens)
+            chunks.append(chunk)
+            ids.append(seq.seq_id)
+            counts.append(len(chunk.token_ids))
             budget -= admitted.num_scheduled_tokens
         if not chunks and self.waiting:
             head = self.waiting[0]
@@ -394,6 +414,7 @@ class Engine:
                 f"of {self.runner.capacity_tokens} tokens"
             )
         self._scheduled = scheduled
+        self._step_ids, self._step_counts = ids, counts  # chunks[i]'s request id and token count
         return chunks
 
     # ---- one step -------------------------------------------------------------------
@@ -403,52 +424,55 @@ class Engine:
         chunks = self.schedule()
         if not chunks:
             return []
-        self.stats.num_steps += 1
+        stats = self.stats
+        stats.num_steps += 1
         logits = self.runner.execute(chunks)
         now = self.clock()
         next_token_ids: list[int | None] = [None] * len(chunks)
         done: list[tuple[SequenceState, str]] = []
-        forks: list[tuple[SequenceState, torch.Tensor]] = []
+        forks: list[tuple[SequenceState, int]] = []  # (a parent, its row of the logits)
         # With contain_request_faults, a request whose own sampling or text raises fails
         # alone, after the step's commit; the others go on. (A fault of the step itself,
         # schedule or forward, always raises.)
         failed: dict[str, tuple[str, str]] = {}  # request id -> (message, traceback)
         sampled = self._sample_step(chunks, logits) if self.batched_sampling else None
+        accept = self._accept_token
         row = 0
-        stats = self.stats
+        num_decode = 0  # chunks of one token after the prompt
         for i, (seq, chunk) in enumerate(zip(self._scheduled, chunks, strict=True)):
             n = len(chunk.token_ids)
             seq.num_computed += n
-            if n == 1 and chunk.start >= seq.request.num_prompt_tokens:
-                stats.num_decode_tokens += 1
-            else:
-                stats.num_prefill_tokens += n
+            req = seq.request
+            if n == 1 and chunk.start >= len(req.prompt_ids):
+                num_decode += 1
             if not chunk.needs_logits:
                 continue
-            seq_logits = logits[row]
             token = sampled[row] if sampled is not None else None
             row += 1
-            if seq.request.request_id in failed:
+            if failed and req.request_id in failed:
                 continue
             try:
-                reason = self._accept_token(seq, seq_logits, now, token)
+                reason = accept(seq, logits, row - 1, now, token)
             except Exception as error:
                 if not self.contain_request_faults:
                     raise
-                failed[seq.request.request_id] = (f"{type(error).__name__}: {error}", traceback.format_exc())
+                failed[req.request_id] = (f"{type(error).__name__}: {error}", traceback.format_exc())
                 continue
-            if seq.request.params.n > 1 and not seq.request.forked:
-                forks.append((seq, seq_logits))
+            if req.params.n > 1 and not req.forked:
+                forks.append((seq, row - 1))
             if reason is None:
                 next_token_ids[i] = seq.token_ids[-1]
             else:
                 done.append((seq, reason))
-        self.runner.commit([c.request_id for c in chunks], [len(c.token_ids) for c in chunks], next_token_ids)
-        for parent, parent_logits in forks:
+        counts = self._step_counts
+        stats.num_decode_tokens += num_decode
+        stats.num_prefill_tokens += sum(counts) - num_decode
+        self.runner.commit(self._step_ids, counts, next_token_ids)
+        for parent, parent_row in forks:
             if parent.request.request_id in failed:
                 continue
             try:
-                self._fork_samples(parent, parent_logits, now, done)
+                self._fork_samples(parent, logits, parent_row, now, done)
             except Exception as error:
                 if not self.contain_request_faults:
                     raise
@@ -475,11 +499,11 @@ class Engine:
         return sample_batch(logits[: len(seqs)], params, [seq.sample_index for seq in seqs], positions)
 
     def _fork_samples(
-        self, parent: SequenceState, logits: torch.Tensor, now: float, done: list[tuple[SequenceState, str]]
+        self, parent: SequenceState, logits: torch.Tensor, row: int, now: float, done: list[tuple[SequenceState, str]]
     ) -> None:
         """The prompt is computed once: the other samples fork off it (they share its blocks;
         the shared tail block is copied on their first write) and take their first token
-        from the same logits."""
+        from the same logits (the step's row `row`)."""
         req = parent.request
         req.forked = True
         prompt = parent.token_ids[: parent.num_computed]
@@ -495,7 +519,7 @@ class Engine:
                 child = SequenceState(child_id, req, j, list(prompt), 0, False)
                 waiting.append(child)
             req.seqs.append(child)
-            reason = self._accept_token(child, logits, now)
+            reason = self._accept_token(child, logits, row, now)
             if reason is not None:
                 done.append((child, reason))
             elif child.in_runner:  # a waiting sequence hands over all its tokens when admitted
@@ -505,22 +529,24 @@ class Engine:
         self.waiting.extendleft(reversed(waiting))
 
     def _accept_token(
-        self, seq: SequenceState, logits: torch.Tensor, now: float, token: int | None = None
+        self, seq: SequenceState, logits: torch.Tensor, row: int, now: float, token: int | None = None
     ) -> str | None:
-        """Sample the sequence's next token (unless `token`: sampled already, with the step's
-        batch) and append it; the finish reason, if it ends here."""
+        """Sample the sequence's next token from row `row` of the step's logits (unless
+        `token`: sampled already, with the step's batch) and append it; the finish reason,
+        if it ends here. The row is indexed only when something reads it (a tensor view per
+        sequence per step is a cost the batched path does without)."""
         req = seq.request
         params = req.params
         position = len(seq.token_ids) - len(req.prompt_ids)  # seq.num_output_tokens, before this token
         if token is None:
             if self.batched_sampling:
-                token = sample_batch(logits[None], [params], [seq.sample_index], [position])[0]
+                token = sample_batch(logits[row : row + 1], [params], [seq.sample_index], [position])[0]
             else:
-                token = self.sampler(logits, params, seq.sample_index, position)
+                token = self.sampler(logits[row], params, seq.sample_index, position)
         if self.record_logits:
-            seq.logits.append(logits.detach().clone())
+            seq.logits.append(logits[row].detach().clone())
         if params.logprobs is not None:
-            seq.logprobs.append(token_logprobs(logits, token, params.logprobs))
+            seq.logprobs.append(token_logprobs(logits[row], token, params.logprobs))
         if req.first_token_time is None:
             req.first_token_time = now
         seq.token_ids.append(token)

@@ -507,9 +507,9 @@ class ModelRunner:
                 whole = whole and all(not res.start < p < res.start + res.num_tokens for p in at)
         if whole:
             out = self.executor.forward(chunks, self.cache, all_logits)
-            for c in chunks:
-                if c.request_id in cuts:
-                    self._after_piece(c.request_id, c.start + len(c.token_ids), checkpoints, snapshots)
+            for request_id in cuts:  # (in chunk order, as `taken`)
+                res = taken[request_id]
+                self._after_piece(request_id, res.start + res.num_tokens, checkpoints, snapshots)
             return out
         # Each forward takes every chunk's next piece (up to its next cut). all_logits: every
         # piece's logits, by request in piece order; else only the row of each request's
