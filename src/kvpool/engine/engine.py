@@ -78,6 +78,12 @@ class RequestState:
     error_trace: str | None = None  # the traceback of a contained fault, for the operator's log
     forked: bool = False
     tenant: str = ""  # the cache's tenant salt: no prefix is shared across tenants
+    # What ends a sequence of it, fixed at add_request and read per token (_accept_token): its
+    # length in tokens by max_tokens (prompt + max_tokens), the ids that stop it (the engine's
+    # EOS ids, none with ignore_eos), whether its stop strings are matched in decoded text
+    end_len: int = 0
+    stop_ids: frozenset[int] = frozenset()
+    matches_text: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -219,7 +225,16 @@ class Engine:
             bad = [t for t in prompt if not 0 <= t < vocab]
             raise ValueError(f"request {request_id!r}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
         arrival = self.clock() if arrival_time is None else arrival_time
-        req = RequestState(request_id, prompt, params, arrival, tenant=tenant)
+        req = RequestState(
+            request_id,
+            prompt,
+            params,
+            arrival,
+            tenant=tenant,
+            end_len=len(prompt) + params.max_tokens,
+            stop_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+            matches_text=bool(params.stop) and self.decode_text is not None,
+        )
         seq = SequenceState(f"{request_id}/0", req, 0, list(prompt))
         req.seqs.append(seq)
         self.requests[request_id] = req
@@ -330,11 +345,20 @@ class Engine:
     def _plan_running(self, budget: int) -> tuple[list[SequenceState], list[str], list[int], list[ScheduledChunk]]:
         """The running sequences' next chunks, in arrival order, within `budget` tokens: the
         sequences, their ids, token counts and chunks (one pass: a decode is one token)."""
+        running = self.running
+        counts = [len(seq.token_ids) - seq.num_computed for seq in running]
+        if running and sum(counts) <= budget:  # every sequence's whole rest fits (a decode step): list comprehensions
+            assert min(counts) > 0, "a running sequence always has a token to compute"
+            chunks = [
+                _new_chunk(ScheduledChunk, (seq.seq_id, seq.token_ids[seq.num_computed :], seq.num_computed, True))
+                for seq in running
+            ]
+            return list(running), [seq.seq_id for seq in running], counts, chunks
         seqs: list[SequenceState] = []
         ids: list[str] = []
-        counts: list[int] = []
-        chunks: list[ScheduledChunk] = []
-        for seq in self.running:
+        counts = []
+        chunks = []
+        for seq in running:
             if budget <= 0:
                 break
             tokens, start = seq.token_ids, seq.num_computed
@@ -537,7 +561,8 @@ class Engine:
         sequence per step is a cost the batched path does without)."""
         req = seq.request
         params = req.params
-        position = len(seq.token_ids) - len(req.prompt_ids)  # seq.num_output_tokens, before this token
+        tokens = seq.token_ids
+        position = len(tokens) - len(req.prompt_ids)  # seq.num_output_tokens, before this token
         if token is None:
             if self.batched_sampling:
                 token = sample_batch(logits[row : row + 1], [params], [seq.sample_index], [position])[0]
@@ -549,7 +574,16 @@ class Engine:
             seq.logprobs.append(token_logprobs(logits[row], token, params.logprobs))
         if req.first_token_time is None:
             req.first_token_time = now
-        seq.token_ids.append(token)
+        tokens.append(token)
+        # The common token ends nothing: exactly the negation of the checks below, on what
+        # the request fixed at add_request (its length, its stop ids, whether text matters)
+        if (
+            not req.matches_text
+            and token not in req.stop_ids
+            and len(tokens) < req.end_len
+            and len(tokens) < self.runner.max_model_len
+        ):
+            return None
         reason = None
         stop_text: str | None = None
         if token in self.eos_token_ids and not params.ignore_eos:
