@@ -5,6 +5,7 @@ produce exactly the tokens it produces alone. Fast: no tensors beyond the logits
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
 import torch
@@ -142,3 +143,49 @@ def test_parallel_samples_share_the_prompt_and_match_their_solo_runs():
     assert [c.token_ids for c in out.completions] == [expected(list(range(1, 11)), 5)] * 3
     assert runner.manager.stats.num_requests == 1  # the children never went through admission
     assert runner.manager.num_free_blocks == 16
+
+
+def _decode_text(ids: list[int]) -> str:
+    return "".join(chr(97 + t % 26) for t in ids)
+
+
+def test_the_inline_decode_path_equals_accept_token():
+    # Engine.step takes a plain request's decode tokens inline; `inline_decode = False` sends
+    # every token through `_accept_token`. Both must give the same outputs on random requests:
+    # EOS (ignored or not), stop strings over decoded text, max_tokens, max_model_len, n > 1,
+    # logprobs, seeded temperature sampling, batched sampling or not, a small pool (preemption).
+    rng = random.Random(7)
+    for case in range(12):
+        batched = case % 2 == 1
+        requests = []
+        for _ in range(10):
+            params = SamplingParams(
+                max_tokens=rng.randint(1, 14),
+                temperature=rng.choice([0.0, 0.9]),
+                seed=rng.randrange(1000),
+                ignore_eos=rng.random() < 0.3,
+                stop=tuple(rng.sample(["ab", "k", "zq", "e"], rng.randint(0, 2))),
+                n=rng.choice([1, 1, 1, 2]),
+                logprobs=rng.choice([None, None, 2]),
+            )
+            requests.append(([rng.randrange(VOCAB) for _ in range(rng.randint(1, 9))], params))
+        outputs = []
+        for inline in (True, False):
+            runner = PrefixModelRunner(12, 4)
+            runner.max_model_len = 16
+            engine = Engine(
+                runner,
+                max_num_batched_tokens=24,
+                max_num_seqs=6,
+                eos_token_ids=(3, 5, 40),
+                decode_text=_decode_text,
+                batched_sampling=batched,
+            )
+            engine.inline_decode = inline
+            ids = [engine.add_request(prompt, params) for prompt, params in requests]
+            run(engine)
+            outs = [engine.output(rid) for rid in ids]
+            outputs.append([[(c.token_ids, c.text, c.finish_reason) for c in o.completions] for o in outs])
+            outputs[-1].append([s.logprobs for rid in ids for s in engine.requests[rid].seqs])
+        assert outputs[0] == outputs[1], case
+        assert any(len(c[0]) > 3 for out in outputs[0][:-1] for c in out)  # decodes happened

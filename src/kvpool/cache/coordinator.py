@@ -289,8 +289,11 @@ class HybridCacheManager:
         appends blocks, and a copy-on-write replaces the entry of the block a step starts in
         (attention/backends/step_buffers.py relies on nothing else changing)."""
         g = self._group(group, self._table_groups, "block-table")
-        name = g.name
-        return [g.block_ids(self._get(r).states[name]) for r in request_ids]
+        name, block_ids, requests = g.name, g.block_ids, self._requests
+        try:
+            return [block_ids(requests[r].states[name]) for r in request_ids]  # (once per step: no `_get` a request)
+        except KeyError as missing:
+            raise KeyError(f"unknown request {missing.args[0]!r}") from None
 
     def first_block(self, request_id: str, group: str | None = None) -> int:
         """The logical index of the request's first held block in a table group."""
@@ -325,6 +328,7 @@ class HybridCacheManager:
         if not len(request_ids) == len(starts) == len(ends):
             raise ValueError(f"{len(request_ids)} requests, {len(starts)} starts, {len(ends)} ends")
         requests, groups, exact = self._requests, self._group_list, self.exact_steps
+        one = groups[0] if len(groups) == 1 else None
         out: dict[str, Reservation] = {}
         for request_id, start, end in zip(request_ids, starts, ends, strict=True):
             req = requests.get(request_id)
@@ -336,6 +340,11 @@ class HybridCacheManager:
                     f"[{req.num_computed}, {req.end})"
                 )
             states = req.states
+            if one is not None:  # (one group: its pending part, once)
+                part = one.pending(states[one.name])
+                if part != _EMPTY_PART:
+                    out[request_id] = Reservation(start, end - start, {one.name: part})
+                continue
             for g in groups:
                 if g.pending(states[g.name]) != _EMPTY_PART:
                     parts = {g.name: g.pending(states[g.name]) for g in groups}

@@ -418,7 +418,7 @@ class DualPoolGroup(CacheGroup):
     def blocks_needed(self, reqs: Sequence[StepRequest], ends: Sequence[int]) -> int:
         """Classical blocks a step takes: one per span it completes."""
         name, span = self.name, self.span
-        return sum(end // span - len(req.states[name].block_ids) for req, end in zip(reqs, ends, strict=True))
+        return sum([end // span - len(req.states[name].block_ids) for req, end in zip(reqs, ends, strict=True)])
 
     def apply_reserve(
         self, reqs: Sequence[StepRequest], ends: Sequence[int], *, detail: bool = True
@@ -429,6 +429,8 @@ class DualPoolGroup(CacheGroup):
         needs = [end // span - len(req.states[name].block_ids) for req, end in zip(reqs, ends, strict=True)]
         keep = sum(needs)  # free blocks the requests after this one take
         out = [_NO_RESERVATION] * len(reqs)  # the common decode step: no span completes
+        if not keep:
+            return out
         for i, need in enumerate(needs):
             if need:
                 keep -= need

@@ -84,6 +84,7 @@ class RequestState:
     end_len: int = 0
     stop_ids: frozenset[int] = frozenset()
     matches_text: bool = False
+    plain: bool = False  # one sample and no logprobs: its decode tokens take the step's inline path
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -170,6 +171,9 @@ class Engine:
         # as any bug does. Only a consumer that reads `error` sets it (the server's engine
         # thread): elsewhere a contained fault would pass as a quietly aborted request.
         self.contain_request_faults = False
+        # A plain request's decode tokens are taken inline in `step` (the common token), not
+        # through `_accept_token`; off: every token goes through it (the twin, for tests)
+        self.inline_decode = True
         self.requests: dict[str, RequestState] = {}
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
@@ -234,6 +238,7 @@ class Engine:
             end_len=len(prompt) + params.max_tokens,
             stop_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
             matches_text=bool(params.stop) and self.decode_text is not None,
+            plain=params.n == 1 and params.logprobs is None,
         )
         seq = SequenceState(f"{request_id}/0", req, 0, list(prompt))
         req.seqs.append(seq)
@@ -461,6 +466,10 @@ class Engine:
         failed: dict[str, tuple[str, str]] = {}  # request id -> (message, traceback)
         sampled = self._sample_step(chunks, logits) if self.batched_sampling else None
         accept = self._accept_token
+        # the per-token fast path (below) holds while nothing is recorded per token; a
+        # batched step has every token sampled already (`sampled`)
+        plain = self.inline_decode and not self.record_logits
+        max_model_len = self.runner.max_model_len
         row = 0
         num_decode = 0  # chunks of one token after the prompt
         for i, (seq, chunk) in enumerate(zip(self._scheduled, chunks, strict=True)):
@@ -476,7 +485,26 @@ class Engine:
             if failed and req.request_id in failed:
                 continue
             try:
-                reason = accept(seq, logits, row - 1, now, token)
+                if plain and req.plain and req.first_token_time is not None:
+                    # A decode token of a plain request (no logprobs, one sample, not its first
+                    # token, nothing recorded): `_accept_token`'s work without its checks (its
+                    # twin: tests/test_engine_scheduler.py runs both paths on the same requests)
+                    tokens = seq.token_ids
+                    if token is None:
+                        position = len(tokens) - len(req.prompt_ids)
+                        token = self.sampler(logits[row - 1], req.params, seq.sample_index, position)
+                    tokens.append(token)
+                    if (
+                        not req.matches_text
+                        and token not in req.stop_ids
+                        and len(tokens) < req.end_len
+                        and len(tokens) < max_model_len
+                    ):
+                        next_token_ids[i] = token
+                        continue
+                    reason = self._stop_reason(seq, token)
+                else:
+                    reason = accept(seq, logits, row - 1, now, token)
             except Exception as error:
                 if not self.contain_request_faults:
                     raise
@@ -584,6 +612,14 @@ class Engine:
             and len(tokens) < self.runner.max_model_len
         ):
             return None
+        return self._stop_reason(seq, token)
+
+    def _stop_reason(self, seq: SequenceState, token: int) -> str | None:
+        """Why the sequence ends with `token`, its last token (None: it goes on), and then its
+        text."""
+        req = seq.request
+        params = req.params
+        position = len(seq.token_ids) - 1 - len(req.prompt_ids)  # the output position of `token`
         reason = None
         stop_text: str | None = None
         if token in self.eos_token_ids and not params.ignore_eos:
