@@ -518,15 +518,16 @@ class ModelRunner:
         pieces: dict[str, list[torch.Tensor]] = {c.request_id: [] for c in chunks} if all_logits else {}
         last_row: dict[str, tuple[int, int]] = {}  # request -> (forward, row in its output)
         outs: list[torch.Tensor] = []
-        while True:
-            todo = []
-            for c in chunks:
+        active = [c for c in chunks if c.token_ids]  # with pieces left: after the first forward, only cut ones
+        while active:
+            todo, left = [], []
+            for c in active:
                 pos, end = cursor[c.request_id], c.start + len(c.token_ids)
-                if pos < end:
-                    stop = min([end] + [p for p in cuts.get(c.request_id, ()) if p > pos])
-                    todo.append(ScheduledChunk(c.request_id, c.token_ids[pos - c.start : stop - c.start], pos, False))
-            if not todo:
-                break
+                stop = min([end] + [p for p in cuts.get(c.request_id, ()) if p > pos])
+                todo.append(ScheduledChunk(c.request_id, c.token_ids[pos - c.start : stop - c.start], pos, False))
+                if stop < end:
+                    left.append(c)
+            active = left
             out = self.executor.forward(todo, self.cache, True)
             k, offset = len(outs), 0
             outs.append(out)
