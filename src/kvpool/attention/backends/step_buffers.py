@@ -30,6 +30,7 @@ the entries on the device. On the CPU the host buffers are the device buffers.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -171,6 +172,8 @@ class StepBuffers:
         on_cpu = self.device.type == "cpu"
         if self._sent is not None:
             self._sent.synchronize()  # the pinned twins are read by the last step's copies until then
+        if n <= self.max_num_tokens and self._update_decodes(request_ids, starts, ends, tables):
+            return self.view(n, n, 1)
         # the step's values in Python lists first, written into the buffers by a few bulk
         # numpy assignments after the loop (one element at a time costs ~10x more)
         changed_idx: list[int] = []  # flat index into block_tables of each entry written
@@ -239,7 +242,46 @@ class StepBuffers:
             self._send(changed_idx, changed_val, num_tokens)
         return self.view(n, num_tokens, max_query_len)
 
-    def _send(self, changed_idx: list[int], changed_val: list[int], num_tokens: int) -> None:
+    def _update_decodes(
+        self,
+        request_ids: Sequence[str],
+        starts: Sequence[int],
+        ends: Sequence[int],
+        tables: Sequence[Sequence[int]],
+    ) -> bool:
+        """`update`'s common case in numpy: a pure decode step (one new token a sequence) of
+        requests that all hold rows, each rewriting one table entry, the block its token
+        goes in. False (nothing written) for any other step, which the general loop takes
+        (and refuses, naming the problem, when it must)."""
+        rows = self._rows
+        n = len(request_ids)
+        held = [rows.get(rid) for rid in request_ids]
+        if None in held:
+            return False
+        st = np.fromiter(starts, np.int64, n)
+        if not (np.fromiter(ends, np.int64, n) - st == 1).all():
+            return False
+        bs, width, s = self.block_size, self.max_blocks_per_seq, self.max_num_seqs
+        first = st // bs  # the entry each token writes in: [0, first) unchanged | first rewritten
+        if (st < 0).any() or (first >= width).any() or (first >= np.fromiter(map(len, tables), np.int64, n)).any():
+            return False
+        blocks = np.fromiter(map(operator.getitem, tables, first.tolist()), np.int64, n)
+        seq_rows = np.array(held, dtype=np.int64)
+        changed_idx = seq_rows * width + first
+        self._tables_np.reshape(-1)[changed_idx] = blocks
+        self.num_table_writes += n
+        vec = self._vec_np
+        vec[:n] = seq_rows
+        vec[s : s + n] = st + 1
+        vec[2 * s : 2 * s + n + 1] = np.arange(n + 1)
+        vec[3 * s + 1 : 3 * s + 1 + n] = blocks * bs + st % bs
+        self._pos_np[:n] = st
+        self.num_seqs = self.num_tokens = n
+        if self.device.type != "cpu":
+            self._send(changed_idx, blocks, n)
+        return True
+
+    def _send(self, changed_idx: Sequence[int], changed_val: Sequence[int], num_tokens: int) -> None:
         """The step's changed table entries and vectors to the device: one copy each, in order
         on the current stream (the pinned staging is rewritten only by the next step's
         update, after this step's kernels were queued behind these copies)."""
