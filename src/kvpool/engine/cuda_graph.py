@@ -29,8 +29,9 @@ pure-decode steps through `DecodeGraphs` in one of `DECODE_MODES`:
            and `--enforce-eager`);
   static   the padded static-buffer step without capture (any device: what the CPU tests
            run to check the graph path's logic, tokens and pool writes);
-  graphs   captured lazily per bucket and replayed (the CUDA default when the attention
-           backend has `begin_decode`).
+  graphs   captured lazily per bucket and replayed (the CUDA default, on the Triton
+           backend: the torch backend's buffered decode gathers every row's whole table
+           width, which a GPU's pool makes far too large).
 
 Any other step (a prefill chunk, a mixed step, one larger than the largest bucket, a
 backend without `begin_decode`, tensor parallelism) runs eagerly.

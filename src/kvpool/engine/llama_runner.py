@@ -113,7 +113,8 @@ class LlamaExecutor:
     than the cache hands out, block num_blocks, the dummy block that padded rows write;
     pure-decode steps then run through `DecodeGraphs`. They fall back to "eager" where
     the attention backend cannot read the buffers (no `begin_decode`: the C kernels, a
-    quantized pool) or the model is sharded (tensor parallel)."""
+    quantized pool; for "graphs", any backend but Triton's) or the model is sharded
+    (tensor parallel)."""
 
     has_state = False
 
@@ -172,7 +173,10 @@ class LlamaExecutor:
         self.step_buffers: StepBuffers | None = None
         self._graphs: DecodeGraphs | None = None
         self._decode_max_position = 0  # the step's largest position, for the forward a graph captures
-        if buffered and model.shard is None and hasattr(self.attention, "begin_decode"):
+        # graphs need the Triton backend: the torch one's buffered decode gathers every row's
+        # whole table width (buffered.py), fine for the CPU tests' small pools, not a GPU's
+        readable = hasattr(self.attention, "begin_decode") and (decode_mode == "static" or self.decode_path == "triton")
+        if buffered and model.shard is None and readable:
             max_blocks = -(-min(cfg.max_position, (num_blocks - 1) * block_size) // block_size)
             self.step_buffers = StepBuffers(
                 max_num_seqs, max_num_tokens, max_blocks, block_size, model.device, dummy_block=num_blocks - 1
