@@ -9,11 +9,11 @@ import pytest
 
 from kvpool.cli.main import main
 from kvpool.sim.cost import CostModel
-from kvpool.sim.pd import KVLink, simulate_pd
+from kvpool.sim.pd import KVLink, Landing, simulate_pd
 from kvpool.sim.simulator import SimConfig
 from kvpool.spec.gpus import get_gpu
 from kvpool.spec.models import load_preset
-from kvpool.workload.sessions import uniform_workload
+from kvpool.workload.sessions import Session, Turn, Workload, uniform_workload
 
 MODEL, H200 = load_preset("llama-3.1-8b"), get_gpu("H200")
 KV_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2  # layers x KV heads x head dim x (K, V) x bf16 = 131,072
@@ -84,6 +84,12 @@ def test_pd_flags_and_what_it_refuses_are_one_line(capsys) -> None:
         with pytest.raises(SystemExit):
             main([*flags, "--prefill-replicas", "1", *extra])
         assert expected in capsys.readouterr().err
+    for extra in (["--kv-transfer-bandwidth", "25GiB/s"], ["--kv-transfer-latency-ms", "0"]):
+        assert main([*flags, *extra]) == 2
+        flag = extra[0]
+        assert capsys.readouterr().err.strip() == (
+            f"kvpool simulate: error: {flag}: the KV link of P/D; it needs --prefill-replicas"
+        )
     assert main([*flags, "--prefill-replicas", "1", "--no-enable-prefix-caching"]) == 2
     assert capsys.readouterr().err.strip() == (
         "kvpool simulate: error: P/D: the decode side finds the transferred blocks by their content; "
@@ -110,25 +116,158 @@ def test_a_pd_deployment_is_named_by_its_sides_and_a_layout_it_cannot_move_is_re
     )
 
 
-def test_installs_keep_the_decode_cache_whole(monkeypatch) -> None:
-    """Chat turns over two prefill and two decode replicas with a small decode pool: after
-    every install the cache passes check_integrity(), and nothing is installed that was not
-    sent."""
+def _spy_installs(monkeypatch) -> list:
+    """(decode replica, transfer, landing) of every install; the cache whole after each."""
     import kvpool.sim.pd as pd
-    from kvpool.workload.sessions import chat_workload
 
     real, installs = pd._install, []
 
     def checked(rep, transfer, block_size):
-        num = real(rep, transfer, block_size)
+        landing = real(rep, transfer, block_size)
         rep.runner.cache.check_integrity()
-        assert 0 <= num <= transfer.num_blocks
-        installs.append(num)
-        return num
+        installs.append((rep, transfer, landing))
+        return landing
 
     monkeypatch.setattr(pd, "_install", checked)
-    workload = chat_workload(12, 4, 8.0, MODEL.vocab_size, 0)
-    config = SimConfig(num_blocks=3000, replicas=2, routing="prefix-aware")
+    return installs
+
+
+def test_the_decode_sides_hits_are_what_it_held_before_the_kv_landed(monkeypatch) -> None:
+    """Two turns of one session (1,000 prompt tokens, 10 out; then 100 more) on 1 prefill and
+    1 decode replica. Turn 0: both sides hit nothing; 62 blocks go over the link, the decode
+    side computes the 8-token tail. Turn 1 (1,110 tokens): the prefill side holds turn 0's
+    prompt blocks (992 tokens); the decode side turn 0's prompt and 9 computed output tokens
+    (1,009: 63 blocks, 1,008 tokens), so 1,109 // 16 - 63 = 6 blocks are sent, and its
+    admission's hit of 1,104 counts 1,008 as its own, 96 as transferred; it computes 6."""
+    installs = _spy_installs(monkeypatch)
+    session = Session("c", 0.0, (Turn(tuple(range(5, 1005)), 10), Turn(tuple(range(7, 107)), 10, 1.0)))
+    records: list = []
+    report = simulate_pd(
+        MODEL, H200, Workload("two turns", (session,), MODEL.vocab_size), SimConfig(block_size=BLOCK),
+        CostModel(MODEL, H200), 1, KVLink(50e9, 1e-4), on_finish=records.append,
+    )  # fmt: skip
+    assert [(t.first_block, t.num_blocks, landing) for _, t, landing in installs] == [
+        (0, 62, Landing(62, 0)),
+        (63, 6, Landing(6, 1008)),
+    ]
+    assert report["prefix_by_role"] == {
+        "prefill": {"prefix_queried_tokens": 2110, "prefix_hit_tokens": 992, "prefix_hit_rate": round(992 / 2110, 4)},
+        "decode": {"prefix_queried_tokens": 2110, "prefix_hit_tokens": 1008, "prefix_hit_rate": round(1008 / 2110, 4)},
+    }
+    assert report["kv_transfer"]["transferred_hit_tokens"] == 992 + 96
+    assert [r.cached_tokens for r in records] == [0, 1008]
+    (decode, _, _), _ = installs
+    assert decode.engine.stats.num_prefill_tokens == 8 + 6  # the tails only
+    assert decode.runner.cache.stats.num_requests == 2  # the installs are not requests
+
+
+def test_a_prefix_that_landed_with_another_request_is_not_installed_again(monkeypatch) -> None:
+    """Two requests of one 992-token prefix and 8 tokens of their own, prefilled in one step,
+    each sends 62 blocks over a 1 GB/s link (130 ms each, the second waits). The first
+    installs 62; when the second lands the decode replica holds all 62: nothing installed,
+    its hit (992) is the decode replica's own. The decode side computes the two 8-token
+    tails only, and the second's TTFT is the prefill, two transfers and its tail's step."""
+    installs = _spy_installs(monkeypatch)
+    prefix = tuple(range(1000, 1992))
+    sessions = tuple(
+        Session(n, 0.0, (Turn(tuple(range(k, k + 8)), 4),), prefix_ids=prefix) for n, k in (("a", 10), ("b", 20))
+    )
+    cost = CostModel(MODEL, H200)
+    report = simulate_pd(
+        MODEL, H200, Workload("one prefix", sessions, MODEL.vocab_size), SimConfig(block_size=BLOCK), cost, 1,
+        KVLink(1e9, 0.0),
+    )  # fmt: skip
+    assert [landing for _, _, landing in installs] == [Landing(62, 0), Landing(0, 992)]
+    t = report["kv_transfer"]
+    assert (t["sent_blocks"], t["installed_blocks"], t["transferred_hit_tokens"]) == (124, 62, 992)
+    assert report["prefix_by_role"]["decode"]["prefix_hit_tokens"] == 992
+    (decode, _, _), _ = installs
+    assert decode.engine.stats.num_prefill_tokens == 16
+    transfer = 62 * BLOCK * KV_BYTES_PER_TOKEN / 1e9
+    prefill = cost.step_time([(PROMPT, PROMPT), (PROMPT, PROMPT)])
+    assert max(report["_series"]["ttft_ms"]) == pytest.approx(
+        (prefill + 2 * transfer + cost.step_time([(8, PROMPT)])) * 1e3, rel=1e-9
+    )
+
+
+def test_an_install_after_eviction_or_without_room_installs_nothing() -> None:
+    """On an 80-block decode pool: a 1,000-token prompt's 62 blocks install. A second
+    transfer sent its next 6 blocks (first block 62), but before it lands another request's
+    1,200 tokens evict the 62: a gap, nothing installed, the replica's hits all its own.
+    Then a request holding 70 blocks leaves no room for 62: nothing installed. The cache is
+    whole and its prefix counters untouched after each."""
+    from kvpool.sim.pd import _install, _Transfer
+    from kvpool.sim.simulator import _make_replica, plan_replica
+
+    config = SimConfig(block_size=BLOCK, num_blocks=80)
+    rep = _make_replica(0, MODEL, plan_replica(MODEL, H200, config), config, CostModel(MODEL, H200), 2000)
+    cache = rep.runner.cache
+    prompt = list(range(5, 1005))
+    assert _install(rep, _Transfer("x", prompt, "", rep, 0, 62), BLOCK) == Landing(62, 0)
+    assert cache.lookup_prefix(prompt) == 992
+    assert cache.admit("evictor", list(range(2000, 3200))) is not None  # 75 blocks: 18 free + 57 evicted
+    cache.release("evictor", "cancel")
+    cache.check_integrity()
+    longer = prompt + list(range(7, 107))
+    assert cache.lookup_prefix(longer) < 62 * BLOCK
+    assert _install(rep, _Transfer("y", longer, "", rep, 62, 6), BLOCK) == Landing(0, 1100)
+    cache.check_integrity()
+    assert cache.admit("holder", list(range(4000, 5120))) is not None  # 70 blocks held
+    assert _install(rep, _Transfer("z", prompt, "", rep, 0, 62), BLOCK) == Landing(0, 1000)
+    cache.check_integrity()
+    assert (cache.stats.num_requests, cache.stats.num_queried_tokens) == (2, 1200 + 1120)
+
+
+def test_prefix_aware_prefill_routing_spreads_by_the_tokens_left_to_compute() -> None:
+    """One request of a 992-token prefix warms prefill replica 0; a second later eight more
+    of that prefix arrive together on the two prefill replicas, prefix-aware (eligible: a
+    load at most 1.5 x the least + 4; then the longest hit). By prompt tokens still to
+    compute (1,000 a queued request), by hand: replica 0 takes #1 (1,000 : 0), #2 goes to
+    replica 1 (1,000 > 4), #3 to 0 (cap 1,504), #4 to 1, #5 and #6 to 0 (3,000 <= 3,004),
+    #7 to 1, #8 to 0: 6 and 3 with the first. By sequences (each load ~1) replica 0 stays
+    under the cap for five in a row: 7 and 2."""
+    prefix = tuple(range(1000, 1992))
+    sessions = tuple(
+        Session(f"s{i}", 0.0 if i == 0 else 1.0, (Turn(tuple(range(10 * i, 10 * i + 8)), 4),), prefix_ids=prefix)
+        for i in range(9)
+    )
+    config = SimConfig(block_size=BLOCK, routing="prefix-aware")
+    workload = Workload("one prefix", sessions, MODEL.vocab_size)
     report = simulate_pd(MODEL, H200, workload, config, CostModel(MODEL, H200), 2, KVLink(50e9, 1e-4))
-    assert report["num_finished"] == 48 and len(installs) == 48
-    assert sum(installs) == report["kv_transfer"]["installed_blocks"] <= report["kv_transfer"]["sent_blocks"]
+    prefill_rows = [r for r in report["per_replica"] if r["role"] == "prefill"]
+    assert [r["num_requests"] for r in prefill_rows] == [6, 3]
+    assert [r["peak_running"] for r in prefill_rows] == [5, 3]  # counted in the step that ran them
+
+
+def test_pd_holds_the_sessions_in_flight_not_every_session() -> None:
+    """As simulate() does (tests/test_sim_stream.py): counted on the heap of live objects as
+    requests finish, the sessions alive are those read so far less those done, not the
+    workload's 120; the report keeps no record."""
+    import gc
+
+    from kvpool.workload.sessions import GeneratedSessions
+
+    s = uniform_workload(120, 4.0, MODEL.vocab_size, seed=1).sessions  # one-turn sessions
+    made: list[int] = []
+
+    class Counted(GeneratedSessions):
+        def __getitem__(self, index):
+            made.append(index)
+            return super().__getitem__(index)
+
+    counted = Counted(s.kind, s._starts, s.prefixes, s._picks, 1, s._user_lens, s._output_lens, None, s.vocab_size)
+    finished, samples = [], []
+
+    def on_finish(record) -> None:
+        finished.append(record)
+        if len(finished) % 20 == 0:  # (no gc.collect: a session dropped is freed by its count)
+            alive = sum(1 for o in gc.get_objects() if type(o) is Session and o.session_id.startswith("req"))
+            samples.append((alive, len(made), len(finished)))
+
+    workload = Workload("u", counted, s.vocab_size)
+    config = SimConfig(block_size=BLOCK)
+    report = simulate_pd(MODEL, H200, workload, config, CostModel(MODEL, H200), 1, KVLink(50e9, 1e-4), None, on_finish)
+    assert report["num_finished"] == len(finished) == 120 and len(samples) == 6
+    assert all(alive <= num_made - num_done + 1 for alive, num_made, num_done in samples)
+    assert max(alive for alive, _, _ in samples) < 30
+    assert samples[0][1] < 60  # streamed in: the 20th finish came before the 60th arrival

@@ -185,3 +185,25 @@ def test_one_run_takes_one_model_gpu_and_tp(capsys):
     assert main(["simulate", "--model", "llama-3.1-8b,qwen3-8b", "--requests", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["kvpool simulate: error: --model: a list (llama-3.1-8b, qwen3-8b) is a grid: kvpool simulate sweep"]
+
+
+def test_a_pd_sweep_leaves_out_the_layouts_pd_cannot_move(tmp_path, capsys):
+    out = tmp_path / "pd.jsonl"
+    flags = ["--layout", "paged,contiguous", "--prefill-replicas", "1", "--workload", "uniform", "--requests", "2"]
+    flags += ["--rate", "4", "--prompt-len", "100:200", "--output-len", "4:8", "--jobs", "1", "--out", str(out)]
+    assert main(["simulate", "sweep", *flags]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == (
+        "kvpool simulate sweep: left out llama-3.1-8b on h200: P/D moves the blocks of a paged cache "
+        "(--layout paged); llama-3.1-8b runs layout contiguous"
+    )
+    assert [(r["point"], r["layout"], r["prefill_replicas"]) for r in _rows(out)] == [(0, "paged", 1)]
+
+
+def test_the_cheapest_deployment_says_it_counts_gpus_of_different_kinds():
+    h100, h200 = _row(1, 1, 4.0, 1.0, 4.0) | {"gpu": "H100"}, _row(1, 1, 5.0, 1.0, 4.0)
+    best = cheapest_deployment([h100, h200], 0.9)
+    assert best is not None and best.row is h200 and best.gpu_kinds == ("H100", "H200")
+    assert describe(best, 0.9).endswith("0.2 GPUs per req/s (GPU counts compared across H100, H200, not their prices)")
+    alone = cheapest_deployment([h200], 0.9)
+    assert alone is not None and describe(alone, 0.9).endswith("0.2 GPUs per req/s")

@@ -200,15 +200,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-transfer-bandwidth",
         type=_bandwidth,
-        default="50GB/s",
+        default=None,
         metavar="SIZE/s",
-        help="--prefill-replicas: the link from each prefill replica to the decode side (its NICs together)",
+        help="--prefill-replicas: the link from each prefill replica to the decode side (its NICs together; "
+        "default 50GB/s)",
     )
     parser.add_argument(
         "--kv-transfer-latency-ms",
         type=_milliseconds,
-        default=0.1,
-        help="--prefill-replicas: the link's latency per transfer, ms",
+        default=None,
+        help="--prefill-replicas: the link's latency per transfer, ms (default 0.1)",
     )
     parser.add_argument(
         "--routing", type=comma_choices(ROUTINGS), default="round-robin", help=f"{', '.join(ROUTINGS)}; a list"
@@ -418,6 +419,9 @@ def _deployment_of(args, combo: dict):
         raise ValueError(f"--weight-dtype {args.weight_dtype}: --gpu cpu is kvpool's CPU engine, fp32 weights only")
     if args.enable_expert_parallel and model.moe is None:
         raise ValueError(f"--enable-expert-parallel: {model.name} has no MoE layers (no routed experts to spread)")
+    for flag in ("kv_transfer_bandwidth", "kv_transfer_latency_ms"):
+        if getattr(args, flag) is not None and not args.prefill_replicas:
+            raise ValueError(f"--{flag.replace('_', '-')}: the KV link of P/D; it needs --prefill-replicas")
     tp = _fit_tp(model, gpu, combo["tp"], args)
     if args.enable_expert_parallel and tp == 1:
         raise ValueError(
@@ -451,7 +455,13 @@ def _deployment_of(args, combo: dict):
         expert_parallel=args.enable_expert_parallel,
         **_calibration(args.calibration, gpu),
     )
-    check_pool(plan_replica(model, gpu, config))  # a model that leaves no KV pool on tp GPUs says so here
+    p = plan_replica(model, gpu, config)
+    check_pool(p)  # a model that leaves no KV pool on tp GPUs says so here
+    if args.prefill_replicas:  # what P/D cannot move, before a sweep runs anything
+        from kvpool.sim.layouts import default_layout
+        from kvpool.sim.pd import check_pd
+
+        check_pd(model, config.layout or default_layout(p), config.enable_prefix_caching)
     return model, gpu, tp, cost, config
 
 
@@ -466,7 +476,10 @@ def _one(args, combo: dict, progress: bool) -> dict:
         if args.prefill_replicas:
             from kvpool.sim.pd import KVLink, simulate_pd
 
-            link = KVLink(args.kv_transfer_bandwidth, args.kv_transfer_latency_ms / 1e3)
+            link = KVLink(
+                50e9 if args.kv_transfer_bandwidth is None else args.kv_transfer_bandwidth,
+                (0.1 if args.kv_transfer_latency_ms is None else args.kv_transfer_latency_ms) / 1e3,
+            )
             update = bar.update if bar else None
             report = simulate_pd(model, gpu, workload, config, cost, args.prefill_replicas, link, update)
         else:

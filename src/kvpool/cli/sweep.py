@@ -109,10 +109,11 @@ def runnable(args: argparse.Namespace, combos: Sequence[dict]) -> list[dict]:
     from kvpool.cli.simulate import _deployment_of
 
     keep: list[dict] = []
-    checked: dict[tuple, str] = {}  # (model, gpu, tp, block size) -> why it cannot run ("": it can)
+    # (model, gpu, tp, block size, layout) -> why it cannot run ("": it can)
+    checked: dict[tuple, str] = {}
     left_out: set[tuple] = set()
     for combo in combos:
-        key = (combo["model"], combo["gpu"], combo["tp"], combo["block_size"])
+        key = (combo["model"], combo["gpu"], combo["tp"], combo["block_size"], combo["layout"])
         if key not in checked:
             try:
                 _deployment_of(args, combo)
@@ -121,8 +122,8 @@ def runnable(args: argparse.Namespace, combos: Sequence[dict]) -> list[dict]:
                 checked[key] = str(error)
         if not checked[key]:
             keep.append(combo)
-        elif key[:3] not in left_out:  # its reason once per model, GPU and TP
-            left_out.add(key[:3])
+        elif (*key[:3], checked[key]) not in left_out:  # its reason once per model, GPU and TP
+            left_out.add((*key[:3], checked[key]))
             tp = "" if combo["tp"] is None else f" at TP {combo['tp']}"
             print(f"kvpool simulate sweep: left out {key[0]} on {key[1]}{tp}: {checked[key]}", file=sys.stderr)
     if not keep:
@@ -186,12 +187,14 @@ class Deployment(NamedTuple):
     row: dict
     num_gpus: int
     gpus_per_goodput: float
+    gpu_kinds: tuple[str, ...] = ()  # the GPUs of the rows compared: counts, whatever each costs
 
 
 def cheapest_deployment(rows: Sequence[dict], min_attainment: float) -> Deployment | None:
     """Among rows with slo_attainment >= min_attainment and goodput > 0, the fewest
     replicas x tp GPUs per request/s of goodput; the first in grid order on a tie. None when
-    no run meets the SLO."""
+    no run meets the SLO. GPUs are counted: an H100 and an H200 count one each (the
+    Deployment names the kinds compared)."""
     if not 0.0 < min_attainment <= 1.0:
         raise ValueError(f"--slo-attainment: expected a fraction in (0, 1], got {min_attainment}")
     best: Deployment | None = None
@@ -203,7 +206,9 @@ def cheapest_deployment(rows: Sequence[dict], min_attainment: float) -> Deployme
         candidate = Deployment(row, num_gpus, num_gpus / goodput)
         if best is None or candidate.gpus_per_goodput < best.gpus_per_goodput:
             best = candidate
-    return best
+    if best is None:
+        return None
+    return best._replace(gpu_kinds=tuple(dict.fromkeys(row["gpu"] for row in rows)))
 
 
 def describe(best: Deployment | None, min_attainment: float) -> str:
@@ -213,6 +218,7 @@ def describe(best: Deployment | None, min_attainment: float) -> str:
     if best is None:
         return f"kvpool simulate sweep: no run meets the SLO ({min_attainment:.0%} of requests within both bounds)"
     r = best.row
+    mixed = len(best.gpu_kinds) > 1
     where = _deployment(r["replicas"], r["tp"], r["gpu"], r.get("prefill_replicas", 0))
     block = f" block {r['block_size']}" if r.get("block_size") is not None else ""
     return (
@@ -220,4 +226,5 @@ def describe(best: Deployment | None, min_attainment: float) -> str:
         f"TTFT {r['slo_ttft_ms']:g} ms, TPOT {r['slo_tpot_ms']:g} ms): {r['model']} on "
         f"{where}, layout {r['layout']}{block}, rate "
         f"{r['request_rate']}: goodput {r['goodput_req_s']:g} req/s, {best.gpus_per_goodput:.3g} GPUs per req/s"
+        + (f" (GPU counts compared across {', '.join(best.gpu_kinds)}, not their prices)" if mixed else "")
     )

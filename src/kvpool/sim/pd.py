@@ -26,10 +26,25 @@ served: a transfer starts when the prefill finishes or when the link is free, wh
 is later, so transfers queue behind each other. A block evicted from the decode replica
 between the transfer and the request's admission is computed there again (as a landing
 tier too small does in the engine). Both sides run the same model, GPU, TP and layout,
-which must be `paged`: the install admits the blocks' tokens into the decode replica's
-cache and commits them (`_install`), which publishes full-attention blocks by their
-content; a window, a contiguous reservation or V4's state would need more than that.
-The router's policy (`--routing`) picks a replica on each side.
+which must be `paged` (`check_pd`): the install admits the blocks' tokens into the decode
+replica's cache and commits them (`_install`), which publishes the blocks by their
+content; the hybrid, contiguous and dual layouts are refused. A model with sliding-window
+layers (gemma-2, gpt-oss) on `--layout paged` keeps every layer's whole context, so its
+window layers' full context is sent too, as a paged cache holds it.
+
+The router's policy (`--routing`) picks a replica on each side; the prefill side's load is
+its queued and running prompt tokens still to compute (its requests leave after one step,
+so a count of sequences would read ~0 and prefix-aware routing would send every prompt to
+one replica).
+
+Prefix-cache figures: a decode replica's own admission of a request finds the transferred
+blocks in its cache; those tokens came over the link, so they are left out of its hit
+tokens (its hits are what it held of the prompt before the request's KV landed), and an
+install is not a request. The report's `prefix_by_role` gives each side's figures.
+
+Requests stream in and out as in sim/simulator.py: sessions are read in arrival order, a
+finished request is tallied (sim/report.py FinishedRequests) and dropped, and the transfer
+times are kept as array('d').
 """
 
 from __future__ import annotations
@@ -37,16 +52,19 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from array import array
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 from kvpool.engine.sampling import SamplingParams
 from kvpool.sim.cost import CostModel
 from kvpool.sim.executor import answer_seed
+from kvpool.sim.layouts import default_layout
+from kvpool.sim.report import FinishedRequests, RequestRecord, build_report
 from kvpool.sim.routing import Router
 from kvpool.sim.simulator import (
     Replica,
-    RequestRecord,
     SimConfig,
     _make_replica,
     _quarters,
@@ -55,8 +73,8 @@ from kvpool.sim.simulator import (
 )
 from kvpool.spec.gpus import GPUSpec
 from kvpool.spec.models import ModelSpec
-from kvpool.workload.metrics import p50_p99
-from kvpool.workload.sessions import Workload
+from kvpool.workload.metrics import p50_p99, ratio
+from kvpool.workload.sessions import Session, Workload
 
 
 @dataclass(frozen=True)
@@ -83,40 +101,71 @@ class _Transfer:
     request_id: str
     prompt: list[int]
     tenant: str
-    arrival_s: float
     dst: Replica
     first_block: int  # the decode replica's hit when the transfer started, in blocks
     num_blocks: int  # blocks sent: [first_block, first_block + num_blocks) of the prompt
 
 
-def _install(rep: Replica, t: _Transfer, block_size: int) -> int:
+class Landing(NamedTuple):
+    """What an install did: blocks put into the decode replica's cache, and the prompt's
+    tokens that replica held before them (the request's hits past these came over the link;
+    the whole prompt when nothing was installed)."""
+
+    num_blocks: int
+    held_tokens: int
+
+
+def check_pd(model: ModelSpec, layout: str, enable_prefix_caching: bool) -> None:
+    """ValueError naming what P/D cannot move: a layout other than paged, no prefix caching."""
+    if not enable_prefix_caching:
+        raise ValueError("P/D: the decode side finds the transferred blocks by their content; it needs prefix caching")
+    if layout != "paged":
+        raise ValueError(f"P/D moves the blocks of a paged cache (--layout paged); {model.name} runs layout {layout}")
+
+
+def prefill_load(rep: Replica) -> int:
+    """A prefill replica's load for the router: the prompt tokens its queued and running
+    requests have still to compute."""
+    engine = rep.engine
+    return sum(s.request.num_prompt_tokens - s.num_computed for s in itertools.chain(engine.waiting, engine.running))
+
+
+def _install(rep: Replica, t: _Transfer, block_size: int) -> Landing:
     """Put the transferred blocks into the decode replica's cache as cached blocks nobody
     holds (what the engine's landing tier and admission do): admitted under an id of their
-    own, reserved, committed (each full block published), released; the number of blocks
-    installed. Nothing is priced: the link carried the bytes. When the replica's hit has
-    shrunk since the transfer started, the blocks before the transferred ones are gone and
-    nothing is installed (the decode replica computes the prompt from its hit); so it is
-    when the pool cannot take them now. An install is not a request: it is left out of the
-    replica's prefix-cache figures."""
+    own, reserved, committed (each full block published), released. Nothing is priced: the
+    link carried the bytes. When the replica's hit has shrunk since the transfer started,
+    the blocks before the transferred ones are gone and nothing is installed (the decode
+    replica computes the prompt from its hit); so it is when the pool cannot take them now,
+    and when it holds them all already.
+    An install is not a request: the replica's prefix-cache counters are left as they were."""
+    nothing = Landing(0, len(t.prompt))
     if t.num_blocks == 0:
-        return 0
+        return nothing
     cache = rep.runner.cache
     end = (t.first_block + t.num_blocks) * block_size
     tokens = t.prompt[:end]
+    # [0, held) the replica holds now | [held, end) to install; an admission would leave the
+    # last block to compute, so a span held whole (another request of the same prefix landed
+    # it meanwhile) is not admitted: nothing to install
+    held = min(cache.lookup_prefix(t.prompt, tenant_salt=t.tenant), end)  # (a lookup of `tokens` stops a block short)
+    if held < t.first_block * block_size:  # a gap before the transferred blocks
+        return nothing
+    if held == end:
+        return Landing(0, held)
     stats = cache.stats
-    counted = stats.num_queried_tokens, stats.num_hit_tokens
+    counted = [getattr(stats, f.name) for f in fields(stats)]
     install_id = f"{t.request_id} (P/D install)"
     admission = cache.admit(install_id, tokens, tenant_salt=t.tenant)
-    stats.num_queried_tokens, stats.num_hit_tokens = counted
+    for f, value in zip(fields(stats), counted, strict=True):
+        setattr(stats, f.name, value)
     if admission is None:
-        return 0
+        return nothing
     hit = cache.num_computed_tokens(install_id)
-    if hit < t.first_block * block_size:  # a gap before the transferred blocks
-        cache.release(install_id, "cancel")
-        return 0
+    assert hit == held, (hit, held)  # nothing changed the cache since the lookup
     cache.commit(install_id, end - hit)
     cache.release(install_id, "finish")
-    return (end - hit) // block_size
+    return Landing((end - hit) // block_size, hit)
 
 
 def simulate_pd(
@@ -128,27 +177,23 @@ def simulate_pd(
     num_prefill_replicas: int,
     link: KVLink,
     progress: Callable[[int, int], None] | None = None,
+    on_finish: Callable[[RequestRecord], None] | None = None,
 ) -> dict:
     """Run `workload` on `num_prefill_replicas` prefill and `config.replicas` decode replicas;
-    the simulator's report (sim/report.py) over all of them, with "prefill_replicas" and
-    "kv_transfer"."""
+    the simulator's report (sim/report.py) over all of them, with "prefill_replicas",
+    "prefix_by_role" and "kv_transfer". `on_finish(record)` as each request finishes (its
+    cached_tokens: the decode replica's own hit)."""
     if num_prefill_replicas < 1:
         raise ValueError(f"prefill replicas must be >= 1, got {num_prefill_replicas}")
-    if not config.enable_prefix_caching:
-        raise ValueError("P/D: the decode side finds the transferred blocks by their content; it needs prefix caching")
     started = time.perf_counter()
     check_request_lens(model, workload, config.max_model_len)
     longest = workload.max_request_len()
     max_len = config.max_model_len or longest
     p = plan_replica(model, gpu, config)
+    check_pd(model, config.layout or default_layout(p), config.enable_prefix_caching)
     num_p = num_prefill_replicas
     replicas = [_make_replica(i, model, p, config, cost, max_len) for i in range(num_p + config.replicas)]
     prefill, decode = replicas[:num_p], replicas[num_p:]
-    if replicas[0].layout.name != "paged":
-        raise ValueError(
-            f"P/D moves the blocks of a paged cache (--layout paged); {model.name} runs layout "
-            f"{replicas[0].layout.name}"
-        )
     for r in replicas:
         if r.runner.max_model_len < longest:
             raise ValueError(
@@ -157,65 +202,72 @@ def simulate_pd(
             )
     block_size = replicas[0].layout.block_size
     kv_bytes_per_token = p.as_dict()["kv_bytes_per_token"]  # the planner's, whole model
-    prefill_router = Router(config.routing, prefill, config.load_cap)
+    prefill_router = Router(config.routing, prefill, config.load_cap, load=prefill_load)
     decode_router = Router(config.routing, decode, config.load_cap)
     link_free = [0.0] * num_p  # when each prefill replica's link is next free
-    sessions = {s.session_id: s for s in workload.sessions}
     total = workload.num_requests
+    finished = FinishedRequests(config.slo_ttft_ms, config.slo_tpot_ms)
+    # Requests stream in as in simulate(): sessions in the order of their turn 0's arrival
+    # (`upcoming`); timed events wait in `later` (time, order, kind, payload): "arrive"
+    # (session, turn) at a prefill replica, "land" (a _Transfer) at its decode replica. A
+    # turn 0 arriving with an event goes first.
+    sessions = workload.in_arrival_order()
+    upcoming = next(sessions, None)
+    later: list[tuple[float, int, str, object]] = []
     order = itertools.count()
-    # timed events: (time, order, kind, payload): "arrive" (session id, turn) at a prefill
-    # replica, "land" (a _Transfer) at its decode replica
-    events: list[tuple[float, int, str, object]] = [
-        (s.start_s, next(order), "arrive", (s.session_id, 0)) for s in workload.sessions
-    ]
-    heapq.heapify(events)
-    turn_of: dict[str, tuple[str, int, float]] = {}  # request id -> (session, turn, arrival)
-    records: list[RequestRecord] = []
-    sent_bytes, sent_blocks, installed_blocks = 0.0, 0, 0
-    transfer_s: list[float] = []
-    wait_s: list[float] = []
+    in_flight: dict[str, tuple[Session, int, float]] = {}  # request id -> (session, turn, first arrival)
+    held: dict[str, int] = {}  # request id -> prompt tokens its decode replica held before its KV landed
+    sent_bytes, sent_blocks, installed_blocks, transferred_hit_tokens = 0.0, 0, 0, 0
+    transfer_ms, wait_ms = array("d"), array("d")
     steps = 0
     timeline = [(0, time.perf_counter())]
-    while events or any(r.engine.has_unfinished() for r in replicas):
+    while upcoming is not None or later or any(r.engine.has_unfinished() for r in replicas):
         busy = [r for r in replicas if r.engine.has_unfinished()]
         next_step = min(busy, key=lambda r: (r.clock(), r.index)) if busy else None
-        if events and (next_step is None or events[0][0] <= next_step.clock()):
-            t, _, kind, payload = heapq.heappop(events)
+        first_turn = upcoming is not None and (not later or upcoming.start_s <= later[0][0])
+        t = upcoming.start_s if first_turn else later[0][0] if later else None
+        if t is not None and (next_step is None or t <= next_step.clock()):
+            if first_turn:
+                assert upcoming is not None
+                kind, payload = "arrive", (upcoming, 0)
+                upcoming = next(sessions, None)
+            else:
+                _, _, kind, payload = heapq.heappop(later)
             if kind == "arrive":
-                sid, turn = payload  # type: ignore[misc]
-                session = sessions[sid]
+                session, turn = payload  # type: ignore[misc]
                 prompt = session.prompt_ids(turn, model.vocab_size)
                 rep = prefill_router.route(prompt, session.tenant)
-                rid = session.request_id(turn)
+                rid, arrival = session.request_id(turn), t
                 params = SamplingParams(max_tokens=1, ignore_eos=True, seed=answer_seed(rid))
+                in_flight[rid] = (session, turn, t)
             else:
                 tr: _Transfer = payload  # type: ignore[assignment]
-                rep = tr.dst
-                installed_blocks += _install(rep, tr, block_size)
-                rid, prompt, sid = tr.request_id, tr.prompt, turn_of[tr.request_id][0]
-                session = sessions[sid]
-                out_len = session.turns[turn_of[rid][1]].output_len
+                rep, rid, prompt = tr.dst, tr.request_id, tr.prompt
+                landing = _install(rep, tr, block_size)
+                installed_blocks += landing.num_blocks
+                held[rid] = landing.held_tokens
+                session, turn, arrival = in_flight[rid]  # TTFT counts from the first arrival
+                out_len = session.turns[turn].output_len
                 params = SamplingParams(max_tokens=out_len, ignore_eos=True, seed=answer_seed(rid))
             rep.num_routed += 1
             if not rep.engine.has_unfinished():
                 rep.clock.now = max(rep.clock(), t)  # an idle replica waits for the request
-            arrival = t if kind == "arrive" else tr.arrival_s  # TTFT counts from the first arrival
             rep.engine.add_request(prompt, params, rid, arrival_time=arrival, tenant=session.tenant)
-            if kind == "arrive":
-                turn_of[rid] = (sid, turn, t)
             continue
         assert next_step is not None
-        finished = next_step.engine.step()
+        done = next_step.engine.step()
         steps += 1
         if steps % 1024 == 0:
             timeline.append((steps, time.perf_counter()))
         next_step.sample()
-        for rid in finished:
+        is_prefill = next_step.index < num_p
+        if is_prefill:  # its requests finish in the step that ran them: count them there
+            next_step.peak_running = max(next_step.peak_running, len(next_step.engine.running) + len(done))
+        for rid in done:
             out = next_step.engine.pop_output(rid)
-            sid, turn, arrival = turn_of[rid]
-            session = sessions[sid]
-            if next_step.index < num_p:  # prefilled: its KV leaves over this replica's link
-                done = next_step.clock()
+            session, turn, arrival = in_flight[rid]
+            if is_prefill:  # prefilled: its KV leaves over this replica's link
+                now = next_step.clock()
                 prompt = list(out.prompt_token_ids)
                 dst = decode_router.route(prompt, session.tenant)
                 # the prompt's full blocks past what the decode replica holds (a prompt of
@@ -223,53 +275,68 @@ def simulate_pd(
                 first = dst.runner.cache.lookup_prefix(prompt, tenant_salt=session.tenant) // block_size
                 num_blocks = max(0, (len(prompt) - 1) // block_size - first)
                 num_bytes = num_blocks * block_size * kv_bytes_per_token
-                start = max(done, link_free[next_step.index])
+                start = max(now, link_free[next_step.index])
                 seconds = link.transfer_s(num_bytes)
                 link_free[next_step.index] = start + seconds
                 sent_bytes += num_bytes
                 sent_blocks += num_blocks
-                transfer_s.append(seconds)
-                wait_s.append(start - done)
-                tr = _Transfer(rid, prompt, session.tenant, arrival, dst, first, num_blocks)
-                heapq.heappush(events, (start + seconds, next(order), "land", tr))
+                transfer_ms.append(seconds * 1e3)
+                wait_ms.append((start - now) * 1e3)
+                tr = _Transfer(rid, prompt, session.tenant, dst, first, num_blocks)
+                heapq.heappush(later, (start + seconds, next(order), "land", tr))
                 continue
-            del turn_of[rid]
-            records.append(
-                RequestRecord(
-                    rid,
-                    next_step.index,
-                    arrival,
-                    len(out.prompt_token_ids),
-                    len(out.completions[0].token_ids),
-                    out.num_cached_tokens,
-                    out.ttft_s,
-                    out.tpot_s,
-                    out.latency_s,
-                )
+            del in_flight[rid]
+            # the hits past what this replica held when the KV landed came over the link
+            own = min(out.num_cached_tokens, held.pop(rid))
+            next_step.runner.cache.stats.num_hit_tokens -= out.num_cached_tokens - own
+            transferred_hit_tokens += out.num_cached_tokens - own
+            record = RequestRecord(
+                rid,
+                next_step.index,
+                arrival,
+                len(out.prompt_token_ids),
+                len(out.completions[0].token_ids),
+                own,
+                out.ttft_s,
+                out.tpot_s,
+                out.latency_s,
             )
+            finished.add(record)
+            if on_finish is not None:
+                on_finish(record)
             if turn + 1 < len(session.turns):
                 t_next = next_step.clock() + session.turns[turn + 1].think_s
-                heapq.heappush(events, (t_next, next(order), "arrive", (sid, turn + 1)))
+                heapq.heappush(later, (t_next, next(order), "arrive", (session, turn + 1)))
         if progress is not None:
-            progress(len(records), total)
-    from kvpool.sim.report import build_report
-
-    report = build_report(model, gpu, p, config, replicas, records, total, time.perf_counter() - started, cost)
+            progress(finished.num_finished, total)
+    report = build_report(model, gpu, p, config, replicas, finished, total, time.perf_counter() - started, cost)
     report["sim_us_per_step_by_quarter"] = _quarters(timeline)
     report["prefill_replicas"] = num_p
     for row in report["per_replica"]:
         row["role"] = "prefill" if row["replica"] < num_p else "decode"
+    report["prefix_by_role"] = {
+        role: _prefix_figures(reps) for role, reps in (("prefill", prefill), ("decode", decode))
+    }
     report["kv_transfer"] = {
         "bandwidth_bytes_per_s": link.bandwidth_bytes_per_s,
         "latency_s": link.latency_s,
         "kv_bytes_per_token": kv_bytes_per_token,
-        "num_transfers": len(transfer_s),
+        "num_transfers": len(transfer_ms),
         "sent_blocks": sent_blocks,
         "sent_bytes": int(sent_bytes),
         # fewer than sent where the decode replica got some meanwhile (another request of the
         # same prefix landed first), lost its hit before them, or had no room
         "installed_blocks": installed_blocks,
-        **p50_p99("transfer_ms", [s * 1e3 for s in transfer_s], 3),
-        **p50_p99("link_wait_ms", [s * 1e3 for s in wait_s], 3),
+        # transferred tokens the decode side's admissions found (left out of its hits)
+        "transferred_hit_tokens": transferred_hit_tokens,
+        **p50_p99("transfer_ms", transfer_ms, 3),
+        **p50_p99("link_wait_ms", wait_ms, 3),
     }
     return report
+
+
+def _prefix_figures(replicas: list[Replica]) -> dict:
+    """One side's prefix-cache figures: the prompt tokens its admissions looked up and found."""
+    stats = [r.runner.cache.stats for r in replicas]
+    queried, hit = sum(s.num_queried_tokens for s in stats), sum(s.num_hit_tokens for s in stats)
+    return {"prefix_queried_tokens": queried, "prefix_hit_tokens": hit, "prefix_hit_rate": ratio(hit, queried, 4)}

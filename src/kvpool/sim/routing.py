@@ -11,6 +11,7 @@ Policies:
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -23,9 +24,15 @@ LAYOUTS: tuple[str, ...] = ("paged", "contiguous", "dual", "hybrid")
 
 
 class Router:
-    def __init__(self, policy: str, replicas: list[Replica], load_cap: float) -> None:
+    """`load(replica)`: what least-loaded and prefix-aware compare (default: its running +
+    waiting sequences; P/D's prefill side passes its prompt tokens still to compute)."""
+
+    def __init__(
+        self, policy: str, replicas: list[Replica], load_cap: float, load: Callable[[Replica], int] | None = None
+    ) -> None:
         self.policy, self.replicas, self.load_cap = policy, replicas, load_cap
         self._next = itertools.cycle(range(len(replicas)))
+        self._load = load or (lambda r: r.load)
 
     def route(self, prompt: list[int], tenant: str = "") -> Replica:
         reps = self.replicas
@@ -33,10 +40,12 @@ class Router:
             return reps[0]
         if self.policy == "round-robin":
             return reps[next(self._next)]
-        least = min(r.load for r in reps)
+        loads = {r.index: self._load(r) for r in reps}
+        least = min(loads.values())
         if self.policy == "least-loaded":
-            return min(reps, key=lambda r: (r.load, r.num_routed))
-        eligible = [r for r in reps if r.load <= self.load_cap * least + 4]
+            return min(reps, key=lambda r: (loads[r.index], r.num_routed))
+        eligible = [r for r in reps if loads[r.index] <= self.load_cap * least + 4]
         return max(
-            eligible, key=lambda r: (r.runner.cache.lookup_prefix(prompt, tenant_salt=tenant), -r.load, -r.index)
+            eligible,
+            key=lambda r: (r.runner.cache.lookup_prefix(prompt, tenant_salt=tenant), -loads[r.index], -r.index),
         )
