@@ -151,8 +151,12 @@ def test_the_decode_sides_hits_are_what_it_held_before_the_kv_landed(monkeypatch
         (63, 6, Landing(6, 1008)),
     ]
     assert report["prefix_by_role"] == {
-        "prefill": {"prefix_queried_tokens": 2110, "prefix_hit_tokens": 992, "prefix_hit_rate": round(992 / 2110, 4)},
-        "decode": {"prefix_queried_tokens": 2110, "prefix_hit_tokens": 1008, "prefix_hit_rate": round(1008 / 2110, 4)},
+        "prefill_queried_tokens": 2110,
+        "prefill_hit_tokens": 992,
+        "prefill_hit_rate": round(992 / 2110, 4),
+        "decode_queried_tokens": 2110,
+        "decode_hit_tokens": 1008,
+        "decode_hit_rate": round(1008 / 2110, 4),
     }
     assert report["kv_transfer"]["transferred_hit_tokens"] == 992 + 96
     assert [r.cached_tokens for r in records] == [0, 1008]
@@ -180,7 +184,7 @@ def test_a_prefix_that_landed_with_another_request_is_not_installed_again(monkey
     assert [landing for _, _, landing in installs] == [Landing(62, 0), Landing(0, 992)]
     t = report["kv_transfer"]
     assert (t["sent_blocks"], t["installed_blocks"], t["transferred_hit_tokens"]) == (124, 62, 992)
-    assert report["prefix_by_role"]["decode"]["prefix_hit_tokens"] == 992
+    assert report["prefix_by_role"]["decode_hit_tokens"] == 992
     (decode, _, _), _ = installs
     assert decode.engine.stats.num_prefill_tokens == 16
     transfer = 62 * BLOCK * KV_BYTES_PER_TOKEN / 1e9

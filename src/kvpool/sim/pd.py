@@ -314,9 +314,7 @@ def simulate_pd(
     report["prefill_replicas"] = num_p
     for row in report["per_replica"]:
         row["role"] = "prefill" if row["replica"] < num_p else "decode"
-    report["prefix_by_role"] = {
-        role: _prefix_figures(reps) for role, reps in (("prefill", prefill), ("decode", decode))
-    }
+    report["prefix_by_role"] = _prefix_figures("prefill", prefill) | _prefix_figures("decode", decode)
     report["kv_transfer"] = {
         "bandwidth_bytes_per_s": link.bandwidth_bytes_per_s,
         "latency_s": link.latency_s,
@@ -335,8 +333,9 @@ def simulate_pd(
     return report
 
 
-def _prefix_figures(replicas: list[Replica]) -> dict:
-    """One side's prefix-cache figures: the prompt tokens its admissions looked up and found."""
+def _prefix_figures(role: str, replicas: list[Replica]) -> dict:
+    """One side's prefix-cache figures (flat keys, as the report's table shows them): the
+    prompt tokens its admissions looked up and found."""
     stats = [r.runner.cache.stats for r in replicas]
     queried, hit = sum(s.num_queried_tokens for s in stats), sum(s.num_hit_tokens for s in stats)
-    return {"prefix_queried_tokens": queried, "prefix_hit_tokens": hit, "prefix_hit_rate": ratio(hit, queried, 4)}
+    return {f"{role}_queried_tokens": queried, f"{role}_hit_tokens": hit, f"{role}_hit_rate": ratio(hit, queried, 4)}
