@@ -275,3 +275,19 @@ def test_pd_holds_the_sessions_in_flight_not_every_session() -> None:
     assert all(alive <= num_made - num_done + 1 for alive, num_made, num_done in samples)
     assert max(alive for alive, _, _ in samples) < 30
     assert samples[0][1] < 60  # streamed in: the 20th finish came before the 60th arrival
+
+
+def test_installs_on_a_small_decode_pool_keep_its_cache_whole(monkeypatch) -> None:
+    """Chat turns over two prefill and two decode replicas of 400 blocks each: the decode
+    cache passes check_integrity() after every install, among which some installed every
+    block sent and some none (evicted before landing, or no room), and every request ends."""
+    from kvpool.workload.sessions import chat_workload
+
+    installs = _spy_installs(monkeypatch)
+    workload = chat_workload(12, 4, 8.0, MODEL.vocab_size, 0)
+    config = SimConfig(num_blocks=400, replicas=2, routing="prefix-aware")
+    report = simulate_pd(MODEL, H200, workload, config, CostModel(MODEL, H200), 2, KVLink(50e9, 1e-4))
+    assert report["num_finished"] == 48 and len(installs) == 48
+    sent = [(t.num_blocks, landing.num_blocks) for _, t, landing in installs if t.num_blocks]
+    assert any(n == m for n, m in sent) and any(m == 0 for _, m in sent)
+    assert report["kv_transfer"]["installed_blocks"] == sum(m for _, m in sent)
