@@ -83,6 +83,35 @@ def test_static_buffer_decodes_equal_the_ordinary_path_as_requests_join_and_leav
         assert (got[:, keep] - want).abs().max() <= TOL64 * want.abs().max()
 
 
+def test_buckets_stop_at_the_token_budget_when_it_is_below_max_num_seqs(model64):
+    """max_num_batched_tokens 5 < max_num_seqs 8: the buffers hold 5 slots and positions,
+    so a decode of 5 sequences replays a bucket of 5, not 8 (padding to 8 used to cut
+    slot_mapping and positions at 5 and fail the forward); same tokens and logits as eager."""
+
+    def serve(mode: str):
+        runner = LlamaRunner(
+            model64, 48, 4, DESCRIPTOR, decode_path="padded", decode_mode=mode, max_num_seqs=8, max_num_batched_tokens=5
+        )
+        engine = Engine(runner, max_num_batched_tokens=5, max_num_seqs=8, record_logits=True)
+        ids = [
+            engine.add_request(random_ids(1, i), SamplingParams(max_tokens=3 + i % 2, ignore_eos=True))
+            for i in range(5)
+        ]
+        while engine.has_unfinished():
+            engine.step()
+            runner.check_integrity()
+        return engine, runner, ids
+
+    eager, _, eager_ids = serve("eager")
+    static, runner, ids = serve("static")
+    _assert_same_outputs(eager, eager_ids, static, ids)
+    graphs = runner.executor._graphs
+    assert graphs.buckets == (1, 2, 4, 5)
+    assert set(graphs.steps_by_bucket) == {2, 5} and graphs.num_eager == 0  # 5 rows, then the 2 with 4 tokens
+    with pytest.raises(ValueError, match="cannot pad to 6 sequences of one token, more than max_num_tokens 5"):
+        runner.step_buffers.pad(6)
+
+
 def test_a_padded_decode_writes_only_its_slots_and_the_dummy_block(model64):
     runner = LlamaRunner(model64, 24, 4, DESCRIPTOR, decode_path="padded", decode_mode="static", max_num_seqs=8)
     engine = Engine(runner, max_num_batched_tokens=64, max_num_seqs=8)

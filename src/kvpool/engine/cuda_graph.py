@@ -7,8 +7,10 @@ never moves, rewritten in place before each replay. `StepBuffers` (attention/bac
 step_buffers.py) are such tensors for the step's metadata; `DecodeGraphs` adds the token
 ids and keeps the output.
 
-A graph is captured per bucket of batch sizes (`BATCH_BUCKETS`: 1, 2, 4, ..., 256); a step
-of n sequences replays the smallest bucket b >= n, its rows [n, b) padded by
+A graph is captured per bucket of batch sizes (`BATCH_BUCKETS`: 1, 2, 4, ..., 256, the last
+capped at the most sequences a decode step can hold: the buffers' max_num_seqs, or their
+max_num_tokens when smaller, one token a sequence); a step of n sequences replays the
+smallest bucket b >= n, its rows [n, b) padded by
 `StepBuffers.pad`: one token at position 0 in the padding row, whose only block is the
 reserved dummy block, so a padded row writes its K/V only into the dummy block and reads
 only it. A step larger than the largest bucket, or not a pure decode, runs eagerly.
@@ -97,7 +99,9 @@ class DecodeGraphs:
         if buffers.dummy_block is None:
             raise ValueError("CUDA graphs need step buffers with a dummy block for the padded rows")
         self.forward, self.buffers, self.capturing = forward, buffers, capture
-        self.buckets = buckets_up_to(buffers.max_num_seqs, buckets)
+        # a decode step holds one token a sequence: no more sequences than the buffers'
+        # tokens (slot_mapping, positions) either, whichever bound is smaller
+        self.buckets = buckets_up_to(min(buffers.max_num_seqs, buffers.max_num_tokens), buckets)
         self.input_ids = torch.zeros(buffers.max_num_seqs, dtype=torch.int64, device=buffers.device)
         # its host twin (pinned on CUDA: the copy is queued, not waited for), written through numpy
         on_cpu = buffers.device.type == "cpu"

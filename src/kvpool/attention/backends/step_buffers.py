@@ -312,7 +312,8 @@ class StepBuffers:
 
     def pad(self, num_seqs: int) -> StepView:
         """The last update, a decode step (one token a sequence), padded to `num_seqs`
-        sequences (a CUDA graph's batch bucket): each padded sequence is one token at
+        sequences (a CUDA graph's batch bucket; at most max_num_seqs and, one token each,
+        max_num_tokens): each padded sequence is one token at
         position 0 in the padding row, whose only block is the dummy block, so it writes
         its K/V only to the dummy block's slot 0 and reads only that slot."""
         n, s = self.num_seqs, self.max_num_seqs
@@ -324,6 +325,11 @@ class StepBuffers:
             )
         if not n <= num_seqs <= s:
             raise ValueError(f"StepBuffers.pad: cannot pad {n} sequences to {num_seqs} (max_num_seqs {s})")
+        if num_seqs > self.max_num_tokens:  # one token a sequence: slot_mapping and positions end there
+            raise ValueError(
+                f"StepBuffers.pad: cannot pad to {num_seqs} sequences of one token, more than "
+                f"max_num_tokens {self.max_num_tokens}"
+            )
         vec, pos = self._vec_np, self._pos_np
         vec[n:num_seqs] = self.padding_row
         vec[s + n : s + num_seqs] = 1
