@@ -13,7 +13,9 @@ import random
 import numpy as np
 import pytest
 
+from kvpool.engine.sampling import SamplingParams
 from kvpool.sim.cost import CostModel
+from kvpool.sim.executor import AnswerSampler, answer_seed
 from kvpool.sim.simulator import SimConfig, simulate
 from kvpool.spec.gpus import get_gpu
 from kvpool.spec.models import load_preset
@@ -29,7 +31,7 @@ from kvpool.workload.sessions import (
     chat_workload,
     uniform_workload,
 )
-from kvpool.workload.tokens import text_ids
+from kvpool.workload.tokens import answer_ids, stream_key, text_ids, token_at
 
 VOCAB = 1000
 SAME = ("sim_wall_s", "sim_us_per_step_by_quarter", "alloc_latency_us_p50", "alloc_latency_us_p99")
@@ -145,3 +147,14 @@ def test_the_run_holds_the_sessions_in_flight_not_every_session():
     assert all(alive <= num_made - num_done + 1 for alive, num_made, num_done in samples)
     assert max(alive for alive, _, _ in samples) < 30
     assert samples[0][1] < 60  # streamed in: the 20th finish came before the 60th arrival
+
+
+def test_the_inlined_answer_sampler_is_token_at():
+    """AnswerSampler inlines token_at: a request's answer is answer_ids(its id), and sample
+    j > 0 the stream f"{seed}/{j}" names, at every position."""
+    sampler = AnswerSampler(VOCAB)
+    for rid in ("chat0-t0", "chat7-t3", "req123-t0"):
+        params = SamplingParams(max_tokens=50, seed=answer_seed(rid))
+        assert [sampler(None, params, 0, p) for p in range(50)] == answer_ids(rid, 50, VOCAB)
+        key = stream_key(f"{params.seed}/2")
+        assert [sampler(None, params, 2, p) for p in range(50)] == [token_at(key, p, VOCAB) for p in range(50)]

@@ -33,7 +33,9 @@ from kvpool.cache import BlockCopy
 from kvpool.engine.memory import StepPeaks
 from kvpool.engine.runner import ScheduledChunk
 from kvpool.engine.sampling import SamplingParams
-from kvpool.workload.tokens import stream_key, token_at
+from kvpool.workload.tokens import MASK64, STREAM_MIX, STREAM_MULT, stream_key
+
+_MOD = 1 << 64  # a signed seed back to its stream key
 
 
 @dataclass
@@ -114,13 +116,15 @@ class CostExecutor:
         request, when the clock is next read (the engine reads it as the step's forward
         returns), with every copy made for it."""
         step = self._step
+        num_rows = 0
         for c in chunks:
-            end = c.start + len(c.token_ids)
+            start = c.start
             first = step.get(c.request_id)
-            step[c.request_id] = (c.start if first is None else first[0], end)
+            step[c.request_id] = (start if first is None else first[0], start + len(c.token_ids))
+            num_rows += c.needs_logits
         if all_logits:
             return torch.empty(sum(len(c.token_ids) for c in chunks), 0)
-        return [None] * sum(c.needs_logits for c in chunks)
+        return [None] * num_rows
 
     def _price_step(self) -> None:
         """Advance the clock by the step's price: its chunks, then the replays before it,
@@ -202,11 +206,18 @@ class AnswerSampler:
     """The engine's sampler for the simulator: token `position` of the answer stream the
     request's seed names (`answer_seed`: deterministic per request, so a later turn of a
     session carries exactly the answer its prefix cache holds); sample j > 0 of a request
-    with n > 1 answers a stream of its own. The logits row is not read."""
+    with n > 1 answers a stream of its own. The logits row is not read.
+
+    Called once per generated token (millions in a fleet run): workload/tokens.py
+    `token_at` inlined, the naive twin tests/test_sim_stream.py compares it with."""
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
 
     def __call__(self, row: object, params: SamplingParams, sample_index: int, position: int) -> int:
-        key = params.seed % (1 << 64) if not sample_index else stream_key(f"{params.seed}/{sample_index}")
-        return token_at(key, position, self.vocab_size)
+        key = params.seed % _MOD if not sample_index else stream_key(f"{params.seed}/{sample_index}")
+        x = (key + (position + 1) * STREAM_MULT) & MASK64  # token_at(key, position, vocab_size)
+        x ^= x >> 31
+        x = (x * STREAM_MIX) & MASK64
+        x ^= x >> 29
+        return x % self.vocab_size

@@ -237,12 +237,14 @@ def simulate(
     in_flight: dict[str, tuple[Session, int, int, float]] = {}  # request id -> (session, turn, replica, arrival)
     steps = 0
     timeline = [(0, time.perf_counter())]  # (steps done, wall clock) every 1,024 steps
-    while upcoming is not None or later or any(r.engine.has_unfinished() for r in replicas):
-        busy = [r for r in replicas if r.engine.has_unfinished()]
-        next_step = min(busy, key=lambda r: (r.clock(), r.index)) if busy else None
+    # (clock, index) of each replica with requests, one entry each: the next to step is the
+    # earliest (ties to the lower index). A replica's clock moves only in its own steps and,
+    # idle, to an arrival, so its entry is pushed after each step and when work arrives.
+    ready: list[tuple[float, int]] = []
+    while upcoming is not None or later or ready:
         first_turn = upcoming is not None and (not later or upcoming.start_s <= later[0][0])
         t = upcoming.start_s if first_turn else later[0][0] if later else None
-        if t is not None and (next_step is None or t <= next_step.clock()):
+        if t is not None and (not ready or t <= ready[0][0]):
             if first_turn:
                 session, turn = upcoming, 0
                 upcoming = next(sessions, None)
@@ -251,15 +253,18 @@ def simulate(
             prompt = session.prompt_ids(turn, model.vocab_size)
             rep = router.route(prompt, session.tenant)
             rep.num_routed += 1
-            if not rep.engine.has_unfinished():
+            idle = not rep.engine.has_unfinished()
+            if idle:
                 rep.clock.now = max(rep.clock(), t)  # an idle replica waits for the arrival
             rid = session.request_id(turn)
             out_len = session.turns[turn].output_len
             params = SamplingParams(max_tokens=out_len, ignore_eos=True, seed=answer_seed(rid))
             rep.engine.add_request(prompt, params, rid, arrival_time=t, tenant=session.tenant)
             in_flight[rid] = (session, turn, rep.index, t)
+            if idle:
+                heapq.heappush(ready, (rep.clock(), rep.index))
             continue
-        assert next_step is not None
+        next_step = replicas[heapq.heappop(ready)[1]]
         done = next_step.engine.step()
         steps += 1
         if steps % 1024 == 0:
@@ -285,6 +290,8 @@ def simulate(
             if turn + 1 < len(session.turns):
                 t_next = next_step.clock() + session.turns[turn + 1].think_s
                 heapq.heappush(later, (t_next, next(order), session, turn + 1))
+        if next_step.engine.has_unfinished():
+            heapq.heappush(ready, (next_step.clock(), next_step.index))
         if progress is not None:
             progress(finished.num_finished, total)
     report = build_report(model, gpu, p, config, replicas, finished, total, time.perf_counter() - started, cost)

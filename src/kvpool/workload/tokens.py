@@ -9,9 +9,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-_MULT = 0x9E3779B97F4A7C15  # odd 64-bit constant: position -> a well-spread stream
-_MIX = 0xBF58476D1CE4E5B9
-_MASK = (1 << 64) - 1
+# token_at's constants (sim/executor.py AnswerSampler inlines it)
+STREAM_MULT = 0x9E3779B97F4A7C15  # odd 64-bit constant: position -> a well-spread stream
+STREAM_MIX = 0xBF58476D1CE4E5B9
+MASK64 = (1 << 64) - 1
 
 
 def stream_key(name: str) -> int:
@@ -21,9 +22,9 @@ def stream_key(name: str) -> int:
 
 def token_at(key: int, position: int, vocab_size: int) -> int:
     """Token `position` of the stream `key`, in [0, vocab_size)."""
-    x = (key + (position + 1) * _MULT) & _MASK
+    x = (key + (position + 1) * STREAM_MULT) & MASK64
     x ^= x >> 31
-    x = (x * _MIX) & _MASK
+    x = (x * STREAM_MIX) & MASK64
     x ^= x >> 29
     return x % vocab_size
 
@@ -41,8 +42,8 @@ def text_ids(name: str, num_tokens: int, vocab_size: int) -> list[int]:
 
 
 # token_at's constants in uint64 (wrapping) arithmetic: the vectorised twins below
-_MULT_U64 = np.uint64(_MULT)
-_MIX_U64 = np.uint64(_MIX)
+_MULT_U64 = np.uint64(STREAM_MULT)
+_MIX_U64 = np.uint64(STREAM_MIX)
 _CHUNK = 1 << 20  # tokens per vectorised pass in batch_text_ids
 
 
