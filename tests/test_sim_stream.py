@@ -31,7 +31,7 @@ from kvpool.workload.sessions import (
     chat_workload,
     uniform_workload,
 )
-from kvpool.workload.tokens import answer_ids, stream_key, text_ids, token_at
+from kvpool.workload.tokens import answer_ids, int_table, stream_key, text_ids, token_at
 
 VOCAB = 1000
 SAME = ("sim_wall_s", "sim_us_per_step_by_quarter", "alloc_latency_us_p50", "alloc_latency_us_p99")
@@ -158,3 +158,25 @@ def test_the_inlined_answer_sampler_is_token_at():
         assert [sampler(None, params, 0, p) for p in range(50)] == answer_ids(rid, 50, VOCAB)
         key = stream_key(f"{params.seed}/2")
         assert [sampler(None, params, 2, p) for p in range(50)] == [token_at(key, p, VOCAB) for p in range(50)]
+
+
+def test_prompts_and_answers_share_one_int_per_token():
+    """With the simulator's int table, a prompt's answers and a sampled token are the
+    table's objects (a token kept costs a pointer), and the values are those without it."""
+    table = int_table(VOCAB)
+    s = chat_workload(2, 3, 1.0, VOCAB, seed=5).sessions[1]
+    shared, plain = s.prompt_ids(2, VOCAB, table), s.prompt_ids(2, VOCAB)
+    assert shared == plain
+    # prefix | user_0 | answer_0 | user_1 | answer_1 | user_2: the answers' positions
+    t0, t1 = s.turns[0], s.turns[1]
+    a0 = len(s.prefix_ids) + len(t0.user_ids)
+    a1 = a0 + t0.output_len + len(t1.user_ids)
+    answers = list(range(a0, a0 + t0.output_len)) + list(range(a1, a1 + t1.output_len))
+    assert all(shared[i] is table[shared[i]] for i in answers)
+    assert not all(plain[i] is table[plain[i]] for i in answers)  # .tolist() made new ints
+    ints = table.tolist()
+    params = SamplingParams(max_tokens=9, seed=answer_seed("chat1-t2"))
+    tokens = [AnswerSampler(VOCAB, ints)(None, params, 0, p) for p in range(9)]
+    assert tokens == answer_ids("chat1-t2", 9, VOCAB) and all(t is ints[t] for t in tokens)
+    with pytest.raises(ValueError, match="ints holds 3 tokens, not the vocabulary's 1000"):
+        AnswerSampler(VOCAB, [0, 1, 2])

@@ -211,8 +211,13 @@ class AnswerSampler:
     Called once per generated token (millions in a fleet run): workload/tokens.py
     `token_at` inlined, the naive twin tests/test_sim_stream.py compares it with."""
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, ints: Sequence[int] | None = None) -> None:
         self.vocab_size = vocab_size
+        # the token ints, one object each (tokens.int_table: shared with the prompts and the
+        # other replicas), so a token kept costs a pointer, not a new int
+        self._ints = list(range(vocab_size)) if ints is None else ints
+        if len(self._ints) != vocab_size:
+            raise ValueError(f"ints holds {len(self._ints)} tokens, not the vocabulary's {vocab_size}")
 
     def __call__(self, row: object, params: SamplingParams, sample_index: int, position: int) -> int:
         key = params.seed % _MOD if not sample_index else stream_key(f"{params.seed}/{sample_index}")
@@ -220,4 +225,4 @@ class AnswerSampler:
         x ^= x >> 31
         x = (x * STREAM_MIX) & MASK64
         x ^= x >> 29
-        return x % self.vocab_size
+        return self._ints[x % self.vocab_size]

@@ -25,7 +25,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvpool.cache.dual_pool import RESTORE_METHODS
@@ -42,6 +42,7 @@ from kvpool.sim.runner import sim_runner
 from kvpool.spec.gpus import GPUSpec
 from kvpool.spec.models import ModelSpec
 from kvpool.workload.sessions import Session, Workload
+from kvpool.workload.tokens import int_table
 
 _OCCUPANCY_POINTS = 2000  # occupancy samples kept per replica (thinned as the run goes)
 
@@ -144,7 +145,16 @@ def plan_replica(model: ModelSpec, gpu: GPUSpec, config: SimConfig) -> Plan:
     )
 
 
-def _make_replica(index: int, model: ModelSpec, p: Plan, config: SimConfig, cost: CostModel, max_len: int) -> Replica:
+def _make_replica(
+    index: int,
+    model: ModelSpec,
+    p: Plan,
+    config: SimConfig,
+    cost: CostModel,
+    max_len: int,
+    ints: Sequence[int] | None = None,
+) -> Replica:
+    """Replica `index`; `ints`: the token ints its sampler answers with (None: its own)."""
     clock = VirtualClock()
     bandwidth = cost.gpu.hbm_bandwidth_bytes_per_s * cost.bandwidth_efficiency  # COW copies move bytes
     name = config.layout or default_layout(p)
@@ -176,7 +186,7 @@ def _make_replica(index: int, model: ModelSpec, p: Plan, config: SimConfig, cost
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_num_seqs=config.max_num_seqs,
         clock=clock,
-        sampler=AnswerSampler(model.vocab_size),
+        sampler=AnswerSampler(model.vocab_size, ints),
     )
     return Replica(index, engine, runner, executor, clock, built)
 
@@ -216,7 +226,11 @@ def simulate(
     longest = workload.max_request_len()
     max_len = config.max_model_len or longest
     p = plan_replica(model, gpu, config)
-    replicas = [_make_replica(i, model, p, config, cost, max_len) for i in range(config.replicas)]
+    # one object per token id, shared by the prompts and every replica's answers: the cache
+    # and the engine keep tokens, and a fresh int per token costs 32 bytes more than a pointer
+    table = int_table(model.vocab_size)
+    ints = table.tolist()
+    replicas = [_make_replica(i, model, p, config, cost, max_len, ints) for i in range(config.replicas)]
     for r in replicas:
         if r.runner.max_model_len < longest:
             raise ValueError(
@@ -250,7 +264,7 @@ def simulate(
                 upcoming = next(sessions, None)
             else:
                 _, _, session, turn = heapq.heappop(later)
-            prompt = session.prompt_ids(turn, model.vocab_size)
+            prompt = session.prompt_ids(turn, model.vocab_size, table)
             rep = router.route(prompt, session.tenant)
             rep.num_routed += 1
             idle = not rep.engine.has_unfinished()

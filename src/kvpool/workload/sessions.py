@@ -125,16 +125,19 @@ class Session:
         history = sum(len(t.user_ids) + t.output_len for t in self.turns[:turn])
         return len(self.prefix_ids) + history + len(self.turns[turn].user_ids)
 
-    def prompt_ids(self, turn: int, vocab_size: int) -> list[int]:
-        """prefix_ids | user_0 | answer_0 | ... | user_{turn-1} | answer_{turn-1} | user_turn."""
+    def prompt_ids(self, turn: int, vocab_size: int, table: np.ndarray | None = None) -> list[int]:
+        """prefix_ids | user_0 | answer_0 | ... | user_{turn-1} | answer_{turn-1} | user_turn.
+        `table` (tokens.int_table(vocab_size)): the answers' ints are its shared objects, not
+        new ones (8 bytes a token where a prompt is kept, not 40)."""
         self._check_turn(turn)
         earlier = self.turns[:turn]
         # every earlier answer in one vectorised pass: [answer_0 | answer_1 | ... ] end to end
-        answers = stream_tokens(
+        streams = stream_tokens(
             [stream_key(self.request_id(j)) for j in range(turn)],
             [t.output_len for t in earlier],
             vocab_size,
-        ).tolist()
+        )
+        answers = (streams if table is None else table[streams.astype(np.intp)]).tolist()
         ids = list(self.prefix_ids)
         start = 0
         for t in earlier:
