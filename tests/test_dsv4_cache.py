@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
 from hypothesis import given, settings
@@ -501,3 +502,38 @@ def test_lifecycle_against_a_model(
         m.release(rid)
     m.check_integrity()
     assert m.num_free_blocks == 8 and m.usage().num_free_state_blocks == 3
+
+
+@pytest.mark.parametrize("kw", [{}, {"restore": "checkpoint", "num_checkpoints": 2}, {"checkpoint_blocks": 1}])
+def test_the_decode_reserve_asks_the_group_at_span_ends_only(kw: dict) -> None:
+    # reserve_step of a decode-only step hands the dual pool only the requests whose step
+    # completes a span (decode_reserve_period); with the periods unset (None) it hands all,
+    # as any other step. Both must take the same blocks and checkpoints, refuse the same
+    # steps (nothing changed), and leave the same pools, on staggered requests in a tight pool.
+    managers = [make(12, 4, **kw), make(12, 4, **kw)]
+    managers[1]._decode_periods = None
+    rng = random.Random(3)
+    for m in managers:
+        for i, n in enumerate((SPAN - 2, 2 * SPAN - 5, 3, SPAN + 1)):
+            assert m.admit(f"r{i}", _ids(n + 1, offset=i)) is not None
+            m.commit_step([f"r{i}"], [n + 1], [None])
+    refused = 0
+    for step in range(3 * SPAN):
+        ids = sorted(managers[0].request_ids)
+        token = rng.randrange(251)
+        results = []
+        for m in managers:
+            for r in ids:
+                if m.num_tokens(r) == m.num_computed_tokens(r):
+                    m.append_token_ids(r, [token])
+            fits = m.reserve_step(ids, [1] * len(ids))
+            results.append((fits, [m.pending_reservation(r) for r in ids], m.pool.free_queue(), m.num_free_blocks))
+            if fits:
+                m.commit_step(ids, [1] * len(ids), [None] * len(ids))
+            m.check_integrity()
+        assert results[0] == results[1], step
+        if not results[0][0]:
+            refused += 1
+            for m in managers:  # make room: the latest request goes
+                m.release(ids[-1], "preempt")
+    assert refused  # the pool ran out at least once

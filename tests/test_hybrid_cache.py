@@ -519,6 +519,7 @@ def test_every_group_kind_keeps_the_whole_group_protocol():
         "has_state",
         "whole_steps",
         "commit_period",
+        "decode_reserve_period",
     ]
     for g in m.groups.values():
         for name in attributes:

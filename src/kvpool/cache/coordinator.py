@@ -213,6 +213,11 @@ class HybridCacheManager:
         self.exact_steps = exact_steps
         self.hit_granularity = math.gcd(*(g.granularity for g in built.values()))
         self._commit_period = math.gcd(*(g.commit_period for g in built.values()))
+        # Every group says at which ends an exact decode step may change it: the decode
+        # reserve asks the groups about those requests only (None: some group may change
+        # at any step, and is asked about every request)
+        periods = {g.decode_reserve_period for g in built.values()}
+        self._decode_periods = None if None in periods else sorted(periods)
         # Requests admitted, forked or marked at a turn end since their last commit: the
         # decode path's commit does not skip them (a held copy source, a restore to end)
         self._fresh: set[str] = set()
@@ -898,6 +903,23 @@ class HybridCacheManager:
                 if req.end != nc or req.num_loading or nc >= len(req.token_ids):
                     self._check_reserve(req, 1)  # raises
                 ends.append(nc + 1)
+            periods = self._decode_periods
+            if periods is not None:
+                # Only the requests at a period's end take or change anything in a group; the
+                # others' steps are their new ends alone
+                if len(periods) == 1:
+                    (period,) = periods
+                    touched = [i for i, end in enumerate(ends) if not end % period]
+                else:
+                    touched = [i for i, end in enumerate(ends) if any(end % p == 0 for p in periods)]
+                if touched:
+                    reqs, step_ends = [pending[i] for i in touched], [ends[i] for i in touched]
+                    if not self._fits(self._needs(reqs, step_ends)):
+                        return False
+                    self._apply_reserve(reqs, step_ends, detail=False)
+                for req, end in zip(pending, ends, strict=True):
+                    req.end = end
+                return True
         else:
             reqs = self._step_requests(request_ids, num_new_tokens)
             if min(num_new_tokens) < 0:

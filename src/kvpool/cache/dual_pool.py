@@ -289,7 +289,8 @@ class DualPoolGroup(CacheGroup):
         self.span = spec.span
         self.pool = BlockPool(num_classical_blocks, enable_caching=enable_caching, hash_algo=hash_algo)
         self.state_pool = BlockPool(num_state_blocks, enable_caching=False)
-        self.granularity = self.commit_period = spec.span
+        # (a request without a pending step holds num_computed // span blocks: check_state)
+        self.granularity = self.commit_period = self.decode_reserve_period = spec.span
         self.restore_cost: RestoreCost = spec.restore_cost if spec.restore_cost is not None else TokenCost()
         # snapshots are taken at span boundaries (checkpoint, auto), when there is room for them
         self.checkpointing = (

@@ -95,6 +95,11 @@ class CacheGroup(Protocol):
     # turn end since its last commit, changes nothing in the group: the coordinator's
     # decode path skips it
     commit_period: int
+    # An exact decode step [num_computed, num_computed + 1) of a request with no step pending
+    # takes or changes something in the group only when num_computed + 1 is a multiple of
+    # this (the dual pool: the step that completes a span); the coordinator's decode reserve
+    # hands the group only those requests. None: any decode step may (it hands them all)
+    decode_reserve_period: int | None = None
 
     # ---- prefix hits (read-only) --------------------------------------------------------
 
