@@ -333,7 +333,8 @@ class HybridCacheManager:
         if not len(request_ids) == len(starts) == len(ends):
             raise ValueError(f"{len(request_ids)} requests, {len(starts)} starts, {len(ends)} ends")
         requests, groups, exact = self._requests, self._group_list, self.exact_steps
-        one = groups[0] if len(groups) == 1 else None
+        # one group (V4): its `pending` and name looked up once, not per request
+        one_pending, one_name = (groups[0].pending, groups[0].name) if len(groups) == 1 else (None, "")
         out: dict[str, Reservation] = {}
         for request_id, start, end in zip(request_ids, starts, ends, strict=True):
             req = requests.get(request_id)
@@ -345,10 +346,10 @@ class HybridCacheManager:
                     f"[{req.num_computed}, {req.end})"
                 )
             states = req.states
-            if one is not None:  # (one group: its pending part, once)
-                part = one.pending(states[one.name])
+            if one_pending is not None:
+                part = one_pending(states[one_name])
                 if part != _EMPTY_PART:
-                    out[request_id] = Reservation(start, end - start, {one.name: part})
+                    out[request_id] = Reservation(start, end - start, {one_name: part})
                 continue
             for g in groups:
                 if g.pending(states[g.name]) != _EMPTY_PART:
