@@ -202,6 +202,8 @@ class HybridCacheManager:
         for g in built.values():
             self._pools.setdefault(g.pool, []).append(g)
         self._block_pools = list(dict.fromkeys(g.pool for g in self._table_groups))
+        state_pools = [g.state_pool for g in self._group_list if g.state_pool is not None]
+        self._all_pools = tuple(dict.fromkeys([*self._pools, *state_pools]))
         # On a shared pool the group's name is in its root: groups never find each other's blocks
         self._root_keys = {
             name: b"|group=" + name.encode() if len(self._pools[g.pool]) > 1 else b"" for name, g in built.items()
@@ -239,9 +241,9 @@ class HybridCacheManager:
 
     @property
     def pools(self) -> list[BlockPool]:
-        """Every pool the groups draw from, each once: table pools and state pools."""
-        state_pools = [g.state_pool for g in self._group_list if g.state_pool is not None]
-        return list(dict.fromkeys([*self._pools, *state_pools]))
+        """Every pool the groups draw from, each once: table pools and state pools (fixed at
+        construction: the engine counts their allocations around every admit and reserve)."""
+        return list(self._all_pools)
 
     def is_shared(self, group: str) -> bool:
         """Whether the group draws from a pool that other groups draw from too."""
