@@ -20,6 +20,7 @@ from kvpool.spec.models import load_preset
 H200 = get_gpu("H200")
 H200_EFFECTIVE_BW = 4.8e12 * 0.8  # the cuda default bandwidth efficiency
 GRAPH_STEP = 0.75e-3  # a decode-only step replaying a CUDA graph: the host's per-step time
+LAYER_FIXED = 36.6e-6  # the GPU's fixed time per layer per step (H100 / H200 / B200 presets)
 
 
 def eager_step(num_layers: int) -> float:
@@ -37,7 +38,7 @@ def test_dense_decode_at_short_context_sits_on_the_weight_bytes_floor() -> None:
     # what the step reads: every weight but the untied embedding table, whose lookup reads one row
     table = 128_256 * 4096 * 2
     kv = 128 * 32 * 2 * 8 * 128 * 2 + 32 * 2 * 8 * 128 * 2  # read 128 tokens, write 1
-    exact = (cm.weights.per_gpu_bytes - table + 4096 * 2 + kv) / H200_EFFECTIVE_BW + GRAPH_STEP
+    exact = (cm.weights.per_gpu_bytes - table + 4096 * 2 + kv) / H200_EFFECTIVE_BW + GRAPH_STEP + 32 * LAYER_FIXED
     assert cost.time_s == pytest.approx(exact, rel=1e-12)
     floor = (cm.weights.per_gpu_bytes - table) / H200_EFFECTIVE_BW  # 15 GB: all weights but the table
     assert cost.memory_s == pytest.approx(floor, rel=0.005)  # the KV, 17 MB, is 0.1 % of it
@@ -62,7 +63,8 @@ def test_prefill_of_8k_tokens_is_compute_bound_and_its_flops_are_the_hand_count(
     attention = layers * 4 * heads * d * (8192 * 8193 // 2)  # query k sees k tokens: sum 1..8192
     assert cost.linear_flops == linear
     assert cost.attention_flops == attention
-    assert cost.time_s == pytest.approx((linear + attention) / (989e12 * 0.5) + eager_step(30), rel=1e-12)
+    exact = (linear + attention) / (989e12 * 0.5) + eager_step(30) + 30 * LAYER_FIXED
+    assert cost.time_s == pytest.approx(exact, rel=1e-12)
 
 
 def test_chunked_prefill_attends_the_exact_causal_sum() -> None:

@@ -15,7 +15,7 @@ from kvpool.cli import simulate as cli
 from kvpool.cli.main import main
 from kvpool.sim.calibrate import main as calibrate_main
 from kvpool.sim.cost import DEVICE_DEFAULTS, CostModel
-from kvpool.sim.gpufit import PARAMS, fit_gpu, format_fit, load_fit, load_run, predict
+from kvpool.sim.gpufit import PARAMS, derive_layer_fixed_s, fit_gpu, format_fit, load_fit, load_run, predict
 from kvpool.spec.gpus import get_gpu
 from kvpool.spec.models import load_preset
 
@@ -80,10 +80,13 @@ def test_the_shipped_h200_fit_reproduces_issue_31s_measurements_within_10_percen
     before = sum(math.log(r.ratio_before) ** 2 for r in fit.rows)
     after = sum(math.log(r.ratio_after) ** 2 for r in fit.rows)
     assert after < before / 4
-    assert {r.name: r for r in fit.rows}["prefill, 8,192 tokens"].ratio_before == pytest.approx(1.319, abs=0.001)
+    assert {r.name: r for r in fit.rows}["prefill, 8,192 tokens"].ratio_before == pytest.approx(1.325, abs=0.001)
     # the fitted values, rounded as docs/simulator.md states them
     got = (fit.compute_efficiency, fit.bandwidth_efficiency, fit.step_overhead_s * 1e3, fit.layer_launch_s * 1e6)
-    assert tuple(round(v, 3) for v in got[:3]) + (round(got[3], 1),) == (0.703, 0.866, 1.218, 71.7)
+    assert tuple(round(v, 3) for v in got[:3]) + (round(got[3], 1),) == (0.703, 0.866, 0.047, 71.7)
+    # the step's host and its layers' fixed GPU time are one constant to the fit: before the
+    # per-layer term existed the same fit put 1.218 ms a step there; now 32 x 36.6 us + 0.047 ms
+    assert fit.step_overhead_s + 32 * 36.6e-6 == pytest.approx(1.218e-3, abs=1e-6)
     # each row's "after" is the cost model's own step time at the fitted parameters
     model, h200 = load_preset("llama-3.1-8b"), get_gpu("H200")
     cost = CostModel(model, h200, weight_dtype="bf16", kv_dtype="bf16", **fit.overrides())
@@ -92,6 +95,25 @@ def test_the_shipped_h200_fit_reproduces_issue_31s_measurements_within_10_percen
     )
     assert set(fit.overrides()) == set(PARAMS)
     assert all(getattr(DEVICE_DEFAULTS["cuda"], p) > 0 for p in PARAMS)
+
+
+def test_a_layers_fixed_time_is_the_bare_batch_1_graph_decode_past_its_bytes_at_the_copy_rate(tmp_path) -> None:
+    # issue 31's H200 run, by hand: Llama-3.1-8B reads 7,504,928,768 bf16 parameters a
+    # decode step (32 layers of 218,112,000, the final norm, the untied LM head, one
+    # embedding row: all but the table) and 1,025 tokens x 131,072 B of KV (read 1,024,
+    # write 1: 32 layers x 8 KV heads x 128 x K and V x 2 B); at the measured 4.28 TB/s that
+    # is 3.538 ms of the 4.71 ms, leaving 36.61 us for each of 32 layers
+    weights = (32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096) + 4096 + 2 * 128_256 * 4096) * 2
+    weights -= 128_256 * 4096 * 2 - 4096 * 2  # the lookup reads one row of the table
+    kv = 1025 * 32 * 8 * 128 * 2 * 2
+    hand = (4.71e-3 - (weights + kv) / 4.28e12) / 32
+    assert derive_layer_fixed_s(load_run("h200-issue31")) == pytest.approx(hand, rel=1e-12)
+    assert hand == pytest.approx(36.61e-6, abs=0.01e-6)
+    assert get_gpu("H200").layer_fixed_s == get_gpu("H100").layer_fixed_s == round(hand, 7) == 36.6e-6
+    # a run without the two figures it needs says so
+    path = _file(tmp_path, [{"name": "gemm", "kind": "gemm", "m": 64, "k": 64, "n": 64, "value": 1.0}])
+    with pytest.raises(ValueError, match="needs a batch-1 CUDA-graph decode and a device copy"):
+        derive_layer_fixed_s(load_run(path))
 
 
 @pytest.mark.parametrize(

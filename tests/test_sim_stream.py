@@ -39,7 +39,7 @@ SAME = ("sim_wall_s", "sim_us_per_step_by_quarter", "alloc_latency_us_p50", "all
 
 def _setup(replicas: int = 2, routing: str = "prefix-aware"):
     model, gpu = load_preset("llama-3.1-8b"), get_gpu("h100")
-    config = SimConfig(replicas=replicas, routing=routing, slo_ttft_ms=40.0, slo_tpot_ms=7.5)
+    config = SimConfig(replicas=replicas, routing=routing, slo_ttft_ms=40.0, slo_tpot_ms=8.5)
     return model, gpu, config, CostModel(model, gpu)
 
 

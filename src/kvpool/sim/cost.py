@@ -4,13 +4,14 @@ A step runs one chunk per scheduled sequence: chunk i computes n_i new tokens af
 cached ones, so its context after the step is ctx_i = c_i + n_i (a decode is (1, ctx)).
 All figures are per GPU of a tensor-parallel group of `tp`:
 
-    time_s    = gemm_s + prefill_attention_s + decode_attention_s + comm_s + host_s
+    time_s    = gemm_s + prefill_attention_s + decode_attention_s + comm_s + host_s + fixed_s
     gemm_s    = max(linear_flops / (peak(weights) x ce), weight_bytes / (bandwidth x be))
     prefill_attention_s = max(prefill chunks' attention_flops / (peak(attention) x ce),
                               their kv bytes (read, written) / (bandwidth x be))
     decode_attention_s  = the same over the decodes
     host_s    = step_overhead_s + (eager ? num_layers x layer_launch_s : 0)
                 + C x seq_overhead_s + (chunks with n_i > 1) x prefill_chunk_overhead_s
+    fixed_s   = num_layers x layer_fixed_s        (the GPU's, graph or eager: below)
     compute_s = linear_flops / (peak(weights) x ce) + attention_flops / (peak(attention) x ce)
     memory_s  = (weight_bytes + kv_bytes) / (bandwidth x be)
 
@@ -113,6 +114,15 @@ Terms (`AttentionTerm`), by attention kind, H query heads, d head dim:
   the top-k of the visible k // m entries plus the indexer over all of them; on HCA layers
   every visible k // m' entry. Main entries: 4 x (H / tp) x d, one vector is K and V.
 
+A layer's fixed GPU time (`layer_fixed_s`, the GPU preset's: `kvpool.spec.gpus`): a layer
+runs its ten or so kernels one after the other, and each boundary costs the GPU a few
+microseconds no roofline holds (the next kernel's launch, its prologue and the last one's
+tail with SMs idle, the small kernels: norms, rotary, activations). A CUDA graph removes the
+host's launches (layer_launch_s), not these. 36.6 us a layer on Hopper, read from issue
+31's H200 batch-1 graph decode (the GPU preset's docstring); it is what makes a batch-1
+or batch-8 decode of a deep model slower than its weight read (80 layers of Llama-70B:
+2.9 ms a step), and a few percent of a large batch's step.
+
 Default efficiencies (`DEVICE_DEFAULTS`, by device kind):
 - cuda: compute 0.5 (serving prefill sustains roughly half the dense tensor peak: cuBLAS
   reaches ~70% on large BF16 GEMMs, attention, norms and small GEMMs pull it down),
@@ -125,10 +135,14 @@ Default efficiencies (`DEVICE_DEFAULTS`, by device kind):
   prefill chunk, or a bigger batch, runs eagerly; an "eager" model never replays. Both
   figures come from issue 31's H200 measurement of a Llama-3.1-8B decode at batch 1
   (torch 2.11, bf16), not from one taken here: 4.71 ms with a CUDA graph, 7.14 ms eager.
-  The eager gap, 2.43 ms over 32 layers, is 76 us a layer; 4.71 ms less this model's
-  3.91 ms of weight reads (15.0 GB, all but the untied embedding table, at 0.8 of
-  4.8 TB/s; the measurement's context is not stated, 128 tokens assumed) leaves ~0.8 ms,
-  0.75 ms a step.
+  The eager gap, 2.43 ms over 32 layers, is 76 us a layer. The 0.75 ms a step was first
+  read from the same graph decode (4.71 ms less 3.91 ms of weight reads at 0.8 of
+  4.8 TB/s), when no other term could hold that gap; that run was a bare forward replayed
+  from a graph, whose host does no scheduling or sampling, and the gap is now the GPU's, a
+  layer's fixed time (`layer_fixed_s`, above). 0.75 ms stays as a serving engine's host
+  step (scheduling, input preparation, sampling, the replay's launch), which the bare
+  forward does not have: no measurement of its own backs it (the H200 fit finds 0.05 ms in
+  the bare forward); the published low-batch rows (kvpool.sim.validate) are its check.
 - cpu: what kvpool's own CPU engine reaches of `cpu_preset()`'s measured peaks, fitted
   by `kvpool bench sim` (sim/calibrate.py `fit_engine`: decodes of 1 and 8 sequences over
   256 tokens of context, fresh prefills of 256 and 64 tokens) on 2026-12-02, each the
@@ -260,12 +274,13 @@ class StepCost:
     kv_bytes: float
     compute_s: float
     memory_s: float
-    time_s: float  # gemm_s + prefill_attention_s + decode_attention_s + comm_s + host_s
+    time_s: float  # gemm_s + prefill_attention_s + decode_attention_s + comm_s + host_s + fixed_s
     comm_s: float = 0.0  # the tensor-parallel all-reduces
     host_s: float = 0.0  # the host's overheads: per step, per layer launch (eager), per sequence
     gemm_s: float = 0.0  # the phases (module docstring): the GEMMs at their roofline,
     prefill_attention_s: float = 0.0  # the prefill chunks' attention at theirs,
     decode_attention_s: float = 0.0  # the decodes' attention at theirs
+    fixed_s: float = 0.0  # num_layers x layer_fixed_s: the kernels' fixed GPU time
 
     @property
     def flops(self) -> float:
@@ -303,6 +318,7 @@ class CostModel:
     seq_overhead_s: float | None = None
     prefill_chunk_overhead_s: float | None = None
     layer_launch_s: float | None = None
+    layer_fixed_s: float | None = None  # None: the GPU preset's (kvpool.spec.gpus)
     host_mode: str = "graph"
     graph_max_batch: int = 512
     indexer_format: str | None = None  # V3.2 / V4 indexer keys: "fp8" (default), "mxfp4", "bf16"
@@ -316,6 +332,10 @@ class CostModel:
         for field in ("compute_efficiency", "bandwidth_efficiency", *overheads):
             if getattr(self, field) is None:
                 object.__setattr__(self, field, getattr(defaults, field))
+        if self.layer_fixed_s is None:
+            object.__setattr__(self, "layer_fixed_s", self.gpu.layer_fixed_s)
+        if not self.layer_fixed_s >= 0:
+            raise ValueError(f"layer_fixed_s must be >= 0, got {self.layer_fixed_s}")
         for field in ("compute_efficiency", "bandwidth_efficiency"):
             value = getattr(self, field)
             if not 0 < value <= 1:
@@ -539,6 +559,7 @@ class CostModel:
         decode_s = max(decode_flops / attention_flop_s, decode_bytes / byte_s)
         comm_s = self.comm_s(num_tokens)
         host_s = self.host_s(len(chunks), num_prefill_chunks)
+        fixed_s = model.num_layers * self.layer_fixed_s
         return StepCost(
             num_tokens=num_tokens,
             linear_flops=linear_flops,
@@ -547,12 +568,13 @@ class CostModel:
             kv_bytes=kv_bytes,
             compute_s=compute_s,
             memory_s=memory_s,
-            time_s=gemm_s + prefill_s + decode_s + comm_s + host_s,
+            time_s=gemm_s + prefill_s + decode_s + comm_s + host_s + fixed_s,
             comm_s=comm_s,
             host_s=host_s,
             gemm_s=gemm_s,
             prefill_attention_s=prefill_s,
             decode_attention_s=decode_s,
+            fixed_s=fixed_s,
         )
 
     def replays_graph(self, num_chunks: int, num_prefill_chunks: int) -> bool:

@@ -12,6 +12,18 @@ bandwidth efficiency, P the GPU's dense peak at bf16 and B its HBM bandwidth:
                                 over context_len tokens each (a step of (1, context_len) chunks)
     prefill (tokens, host_mode; ms)  CostModel.step_time of one fresh chunk of `tokens`
 
+A layer's fixed GPU time (`layer_fixed_s`, cost.py) stays at the GPU preset's in the fit:
+in one model's steps it and the per-step host overhead are the same constant (num_layers x
+layer_fixed_s + step_overhead_s), so no set of one model's figures can tell them apart.
+The preset's figure comes from this file's own batch-1 CUDA-graph decode, a bare forward
+whose host does nothing but launch the graph (`derive_layer_fixed_s`):
+
+    layer_fixed_s = (t_decode(batch 1, graph) - bytes / copy_bandwidth) / num_layers
+
+with bytes the step's weight and KV bytes (CostModel.step_cost) and copy_bandwidth the
+file's measured device copy: the most a batch-1 GEMV streams. The fit then puts what the
+bare forward spends per step on the host in step_overhead_s (a few tens of microseconds).
+
 The fit is the theta = (ce, be, step_overhead_s, layer_launch_s) that minimises
 
     sum_i log(predicted_i(theta) / measured_i)^2
@@ -115,6 +127,7 @@ class GPUFit:
             "weight_dtype": self.run.weight_dtype,
             "kv_dtype": self.run.kv_dtype,
             **self.overrides(),
+            "layer_fixed_s": self.run.gpu.layer_fixed_s,  # held at the GPU preset's, not fitted
             "defaults": {p: getattr(DEVICE_DEFAULTS["cuda"], p) for p in PARAMS},
             "rows": [
                 {
@@ -189,6 +202,23 @@ def load_run(name_or_path: str) -> MeasuredRun:
         measurements=tuple(measurements),
         source=data.get("source", ""),
     )
+
+
+def derive_layer_fixed_s(run: MeasuredRun) -> float:
+    """A layer's fixed GPU time from `run`'s batch-1 CUDA-graph decode and its device copy
+    (module docstring): what the decode takes beyond its bytes at the measured copy
+    bandwidth, over the model's layers; ValueError when the run lacks either figure."""
+    decodes = [
+        m for m in run.measurements if m.kind == "decode" and m.shape["batch"] == 1 and m.shape["host_mode"] == "graph"
+    ]
+    copies = [m for m in run.measurements if m.kind == "copy"]
+    if not decodes or not copies:
+        raise ValueError(f"{run.name}: needs a batch-1 CUDA-graph decode and a device copy to derive layer_fixed_s")
+    decode, copy = decodes[0], copies[0]
+    cost = CostModel(run.model, run.gpu, weight_dtype=run.weight_dtype, kv_dtype=run.kv_dtype)
+    step = cost.step_cost([(1, decode.shape["context_len"])])
+    stream_s = (step.weight_bytes + step.kv_bytes) / (copy.value * 1e12)
+    return (decode.value * 1e-3 - stream_s) / run.model.num_layers
 
 
 def predict(m: Measurement, run: MeasuredRun, params: dict[str, float]) -> float:
@@ -284,6 +314,7 @@ def format_fit(fit: GPUFit) -> str:
         f"  bandwidth efficiency  {defaults.bandwidth_efficiency:.3f} -> {fit.bandwidth_efficiency:.3f}",
         f"  host, per step        {defaults.step_overhead_s * 1e3:.3f} -> {fit.step_overhead_s * 1e3:.3f} ms",
         f"  host, per layer eager {defaults.layer_launch_s * 1e6:.1f} -> {fit.layer_launch_s * 1e6:.1f} us",
+        f"  GPU, per layer fixed  {run.gpu.layer_fixed_s * 1e6:.1f} us, held (the GPU preset's)",
         "",
         f"  {'figure':<30} {'measured':>10} {'before':>10} {'ratio':>6} {'after':>10} {'ratio':>6}",
     ]

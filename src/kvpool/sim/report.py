@@ -85,6 +85,7 @@ def describe_cost(cost: CostModel) -> dict:
         "host_mode": cost.host_mode,
         "step_overhead_s": cost.step_overhead_s,
         "layer_launch_s": cost.layer_launch_s,
+        "layer_fixed_s": cost.layer_fixed_s,  # the GPU's fixed time per layer per step
         "seq_overhead_s": cost.seq_overhead_s,
         "prefill_chunk_overhead_s": cost.prefill_chunk_overhead_s,
         # the formats used ("auto" resolved): the weights' and the cache's

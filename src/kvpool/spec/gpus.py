@@ -27,6 +27,21 @@ bidirectional figure, and the GPUs one NVLink domain (a node) holds:
 NVSwitch hop, the handshake): 1 us, an assumption (neither a vendor figure nor measured
 here) that puts a small all-reduce over 8 GPUs, a ring of 14 steps, at 14 us; a
 calibration on a real node should replace it.
+`layer_fixed_s` is the GPU time each layer of each step costs beyond its bytes and FLOPs at
+the efficiencies' rates, whether the step replays a CUDA graph or not: a layer runs ten or so
+kernels one after another, and each boundary costs a few microseconds that no roofline
+holds (the next kernel's launch from the graph or the stream, its prologue and the
+previous one's tail while part of the SMs idle, small kernels, norms, activations, rotary,
+that never reach the bandwidth). It is read from issue 31's H200 measurement of a
+Llama-3.1-8B bf16 decode at batch 1 replayed from a CUDA graph (4.71 ms), a bare forward
+with no scheduler or sampler, so its host share is one graph launch (taken as 0): its
+15.14 GB (the weights the step reads and 1,024 tokens of KV) at the run's own measured
+copy bandwidth, 4.28 TB/s, take 3.54 ms, leaving 1.17 ms over 32 layers, 36.6 us a layer
+(`kvpool.sim.gpufit.derive_layer_fixed_s` computes it from the shipped file). The bytes at
+the copy's rate is the best a batch-1 GEMV streams, so 36.6 us is what the gap leaves at
+least. H100 is the same chip (GH100) with less HBM and takes the figure; B200 takes it
+too, unmeasured (a Blackwell measurement should replace it). 0 for a custom GPU or a CPU.
+
 A GPU without a figure (a custom GPU, `cpu_device()`) carries NaN, "unknown": inf would
 make compute free and 0 infinitely slow, so the cost model refuses NaN with a ValueError.
 
@@ -58,6 +73,8 @@ class GPUSpec:
     nvlink_bytes_per_s: float = math.nan
     nvlink_latency_s: float = math.nan
     gpus_per_node: int = 8
+    # GPU time every layer of every step costs beyond its bytes and FLOPs (module docstring)
+    layer_fixed_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.memory_bytes <= 0:
@@ -72,6 +89,8 @@ class GPUSpec:
             value = getattr(self, field)
             if not (math.isnan(value) or value >= 0):
                 raise ValueError(f"{field} must be >= 0 or NaN (unknown), got {value}")
+        if not self.layer_fixed_s >= 0:
+            raise ValueError(f"layer_fixed_s must be >= 0, got {self.layer_fixed_s}")
         if self.gpus_per_node < 1:
             raise ValueError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
 
@@ -96,6 +115,9 @@ class GPUSpec:
 # NVLink 4 (H100, H200): 900 GB/s bidirectional per GPU; NVLink 5 (B200): 1.8 TB/s (module docstring).
 _NVLINK4 = {"nvlink_bytes_per_s": 450e9, "nvlink_latency_s": 1e-6}
 _NVLINK5 = {"nvlink_bytes_per_s": 900e9, "nvlink_latency_s": 1e-6}
+# A layer's fixed GPU time per step, from issue 31's H200 batch-1 CUDA-graph decode
+# (sim/gpufit.py `derive_layer_fixed_s`, module docstring); H100 and B200 take it too.
+LAYER_FIXED_S = 36.6e-6
 GPUS: dict[str, GPUSpec] = {
     "H100": GPUSpec(
         "H100",
@@ -104,6 +126,7 @@ GPUS: dict[str, GPUSpec] = {
         peak_bf16_flops=989e12,
         peak_fp8_flops=1979e12,
         peak_fp32_flops=67e12,
+        layer_fixed_s=LAYER_FIXED_S,
         **_NVLINK4,
     ),
     "H200": GPUSpec(
@@ -113,6 +136,7 @@ GPUS: dict[str, GPUSpec] = {
         peak_bf16_flops=989e12,
         peak_fp8_flops=1979e12,
         peak_fp32_flops=67e12,
+        layer_fixed_s=LAYER_FIXED_S,
         **_NVLINK4,
     ),
     "B200": GPUSpec(
@@ -122,6 +146,7 @@ GPUS: dict[str, GPUSpec] = {
         peak_bf16_flops=2.25e15,
         peak_fp8_flops=4.5e15,
         peak_fp32_flops=75e12,
+        layer_fixed_s=LAYER_FIXED_S,
         **_NVLINK5,
     ),
 }
