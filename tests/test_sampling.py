@@ -1,9 +1,10 @@
-"""The sampler: greedy, temperature, top-k and top-p, drawn from a seeded generator.
+"""The sampler: greedy, temperature, top-k and top-p, each draw's uniform a hash of (seed,
+sample index, position).
 
-No test here can flake: every draw comes from a generator seeded by (seed, sample index,
-position), so the counts are a fixed function of the code (torch's CPU Mersenne Twister is
-the same on every machine; a machine's fp32 rounding of the softmax could move a draw only
-where the uniform lands within ~1e-7 of a cumulative boundary). The frequency bounds are
+No test here can flake: the uniforms are a fixed function of the code (integer
+arithmetic, the same on every machine), and so are the counts (a machine's fp32 rounding
+of the softmax could move a draw only where the uniform lands within ~1e-7 of a
+cumulative boundary). The frequency bounds are
 still those a correct sampler meets for almost any seed: 5 binomial standard errors
 (a correct sampler misses one with probability ~6e-7; the shares drawn here lie within 1),
 while a wrong distribution, off by 0.04 or more at n = 3000, fails.

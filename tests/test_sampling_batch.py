@@ -12,6 +12,7 @@ code (no generator state): no test here can flake.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import Counter
 
 import pytest
@@ -19,7 +20,7 @@ import torch
 
 from kvpool.engine.engine import Engine
 from kvpool.engine.llama_runner import LlamaRunner
-from kvpool.engine.sampling import SamplingParams, sample_batch, sample_token, uniform_draw
+from kvpool.engine.sampling import SamplingParams, _splitmix64, sample_batch, sample_token, uniform_draw
 from random_llama import DESCRIPTOR, random_ids, random_llama
 
 N = 3000
@@ -161,6 +162,32 @@ def test_uniform_draw_is_uniform_and_seeded_by_all_64_bits():
     for lo in (0.0, 0.25, 0.5, 0.75):
         assert_frequency(Counter(lo <= u < lo + 0.25 for u in us), True, 0.25)
     assert uniform_draw(-1, 0, 0) != uniform_draw((1 << 63) - 1, 0, 0)
+
+
+def test_the_hash_rounds_are_splitmix64():
+    # SplitMix64's first output from state 0 (Vigna's splitmix64.c; Java's SplittableRandom)
+    assert _splitmix64(0) == 0xE220A8397B1DCDAF
+
+
+def test_a_sample_index_never_replays_another_seeds_draws():
+    """(seed s, sample i) and (seed s ^ i, sample 0) draw apart (a hash that xors the index
+    into the raw seed gives them the same uniforms: with n > 1, requests seeded 0, 1, 2, ...
+    repeat each other's samples); every (seed, sample, position) of a small grid draws its
+    own uniform, and neighbouring seeds' and aliased pairs' draws are uncorrelated: their
+    sample correlation over N positions within 5 standard errors (1 / sqrt(N)) of 0."""
+    grid = {uniform_draw(s, i, k) for s in range(8) for i in range(4) for k in range(64)}
+    assert len(grid) == 8 * 4 * 64
+    bound = 5 / math.sqrt(N)
+    for s in range(4):
+        for other, i in ((s + 1, 0), (s ^ 1, 1), (s ^ 3, 3)):
+            a = [uniform_draw(s, i, k) for k in range(N)]
+            b = [uniform_draw(other, 0, k) for k in range(N)]
+            assert abs(statistics.correlation(a, b)) <= bound, (s, i, other)
+    # through the sampler: a flat 50-token row, the two samples' tokens over 40 positions
+    flat, hot = torch.zeros(50), SamplingParams(temperature=1.0, seed=2)
+    aliased = SamplingParams(temperature=1.0, seed=3)  # 3 = 2 ^ 1
+    drawn = [sample_token(flat, hot, 1, k) for k in range(40)]
+    assert drawn != [sample_token(flat, aliased, 0, k) for k in range(40)]
 
 
 def test_mismatched_lengths_are_refused_naming_them():

@@ -134,15 +134,23 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, sample_index: int
 _MASK64 = (1 << 64) - 1
 
 
+def _splitmix64(x: int) -> int:
+    """One SplitMix64 output for the state x in [0, 2^64): the golden-ratio increment,
+    then its finalizer (a bijection of 64-bit words that spreads every input bit)."""
+    x = x + 0x9E3779B97F4A7C15 & _MASK64
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+    return x ^ (x >> 31)
+
+
 def _mix64(seed: int, sample_index: int, position: int) -> int:
-    """The 64-bit seed, sample index and position mixed by SplitMix64's finalizer."""
-    x = seed & _MASK64
-    for v in (sample_index, position):
-        x = (x ^ v) + 0x9E3779B97F4A7C15 & _MASK64
-        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
-        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
-        x ^= x >> 31
-    return x
+    """The 64-bit seed, sample index and position mixed one after another, each through a
+    SplitMix64 round: the seed is mixed on its own first, so no two (seed, sample index)
+    pairs share an input word (xoring the index into the raw seed gave (s, i) the draws of
+    (s ^ i, 0): with n > 1, seeds 0, 1, 2, ... repeated each other's samples)."""
+    x = _splitmix64(seed & _MASK64)
+    x = _splitmix64(x ^ sample_index)
+    return _splitmix64(x ^ position)
 
 
 def uniform_draw(seed: int, sample_index: int, position: int) -> float:
