@@ -174,6 +174,11 @@ def test_bad_decode_modes_are_refused_naming_them(model64):
     # pool here) keeps the ordinary path
     runner = LlamaRunner(model64, 8, 4, DESCRIPTOR, decode_mode="static", kv_format="int8")
     assert runner.executor.decode_mode == "eager" and runner.step_buffers is None
+    # ... and so holds no dummy block: the pool and its capacity are the eager runner's
+    eager = LlamaRunner(model64, 8, 4, DESCRIPTOR, kv_format="int8")
+    assert runner.executor.storage.k.shape[1] == eager.executor.storage.k.shape[1] == 8
+    stats, eager_stats = runner.executor.cache_stats(runner.cache), eager.executor.cache_stats(eager.cache)
+    assert stats["kv_capacity_bytes"] == eager_stats["kv_capacity_bytes"]
 
 
 HOST_READS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "numpy", "cpu")
@@ -186,7 +191,12 @@ def test_a_buffered_decode_step_reads_the_device_once_for_its_sampled_tokens(mod
     seeds) alike, in one step."""
     runner = LlamaRunner(model64, 32, 4, DESCRIPTOR, decode_path="padded", decode_mode="static", max_num_seqs=4)
     engine = Engine(runner, max_num_batched_tokens=64, max_num_seqs=4, batched_sampling=True)
-    kinds = [{}, {"temperature": 0.9, "seed": 3}, {"temperature": 1.2, "top_k": 20, "seed": -4}, {"top_p": 0.8}]
+    kinds = [
+        {},
+        {"temperature": 0.9, "seed": 3},
+        {"temperature": 1.2, "top_k": 20, "seed": -4},
+        {"temperature": 0.8, "top_p": 0.8},
+    ]
     for i, kind in enumerate(kinds):
         engine.add_request(random_ids(5 + i, i), SamplingParams(max_tokens=4, ignore_eos=True, **kind))
     engine.step()  # the prompts
@@ -239,29 +249,45 @@ def test_buffers_refuse_a_step_they_cannot_hold_and_forget_its_requests():
 def test_graph_replays_equal_the_eager_engine_on_cuda():
     """fp32 on CUDA: the same greedy tokens; logits within 1e-4 of the largest (the two
     paths sum in other orders: the eager path's decodes through the CSR kernel, the graphs'
-    through the dense one, over other batch shapes); replays, and no device synchronisation
-    inside a replayed step. The torch backend keeps the eager path under "graphs"."""
+    through the dense one, over other batch shapes); every bucket captured when the runner
+    is built, none while serving, and the graphs' pool in the memory ledger; the decode
+    forward a capture warms up with (run eagerly) never synchronises. The torch backend
+    keeps the eager path under "graphs"."""
     pytest.importorskip("triton")
     decode_path = "triton"
     bags = LlamaRunner(random_llama("cuda", torch.float32), 8, 4, DESCRIPTOR, decode_path="bags", decode_mode="graphs")
     assert bags.executor.decode_mode == "eager" and bags.step_buffers is None
     model = random_llama("cuda", torch.float32)
+    built = LlamaRunner(model, 48, 4, DESCRIPTOR, decode_path=decode_path, decode_mode="graphs", max_num_seqs=8)
+    graphs = built.executor._graphs
+    assert set(graphs.graphs) == set(graphs.buckets) == {1, 2, 4, 8} and graphs.num_replays == 0
+    from kvpool.engine.memory import measure
+
+    workspace = measure(built, 0, 0).details["workspace"]
+    assert workspace["graph_logits"] == (1 + 2 + 4 + 8) * model.config.vocab_size * 4  # fp32 rows
+    assert workspace["graph_pool"] > 0
     eager, _, eager_ids = _serve(model, "eager", runner_seqs=8, decode_path=decode_path)
     graphed, runner, ids = _serve(model, "graphs", runner_seqs=8, decode_path=decode_path)
     graphs = runner.executor._graphs
-    assert graphs.num_replays > 10 and len(graphs.graphs) >= 3
+    assert graphs.num_replays > 10 and len(graphs.graphs) == 4  # (captured at build: none since)
     for x, y in zip(eager_ids, ids, strict=True):
         sa, sb = eager.requests[x].seqs[0], graphed.requests[y].seqs[0]
         assert sa.token_ids == sb.token_ids
         la, lb = torch.stack(sa.logits), torch.stack(sb.logits)
         assert (la - lb).abs().max() <= 1e-4 * la.abs().max()
-    # a replay of a captured bucket queues its work without waiting on the device
-    buffers = runner.step_buffers
-    buffers.update(["x"], [0], [1], [[0]])
+    # the decode forward that a capture's warm-ups run eagerly (a replay cannot synchronise,
+    # and the capture itself synchronises first) waits on the device nowhere: a step of one
+    # sequence at the dummy block's slot 0, padded to bucket 2
+    buffers, executor = runner.step_buffers, runner.executor
+    buffers.update(["x"], [0], [1], [[buffers.dummy_block]])
     graphs.set_input_ids([1])
+    buffers.pad(2)
+    executor._decode_max_position = 0
+    torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        graphs.run(1)
+        executor._decode_forward(2)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     buffers.forget("x")
+    buffers.clear()

@@ -14,8 +14,9 @@ smallest bucket b >= n, its rows [n, b) padded by
 `StepBuffers.pad`: one token at position 0 in the padding row, whose only block is the
 reserved dummy block, so a padded row writes its K/V only into the dummy block and reads
 only it. A step larger than the largest bucket, or not a pure decode, runs eagerly.
-A bucket's graph is captured the first time a step of its size runs (`capture` takes them
-all at once, largest first). The graphs share one memory pool: they never replay at once,
+`capture` takes every bucket's graph at once, largest first: the engine's executor does so
+when it is built in "graphs" mode, so no live request waits for a capture (`run` captures a
+bucket not captured yet, for a caller that did not). The graphs share one memory pool: they never replay at once,
 and a replay's intermediates are written before they are read; but a replay may overwrite
 what another graph left in the pool, its output included, so `run` returns a copy of the
 logits (a caller keeps a step's logits: recorded, forked, sampled later).
@@ -31,7 +32,7 @@ pure-decode steps through `DecodeGraphs` in one of `DECODE_MODES`:
            and `--enforce-eager`);
   static   the padded static-buffer step without capture (any device: what the CPU tests
            run to check the graph path's logic, tokens and pool writes);
-  graphs   captured lazily per bucket and replayed (the CUDA default, on the Triton
+  graphs   captured per bucket at build and replayed (the CUDA default, on the Triton
            backend: the torch backend's buffered decode gathers every row's whole table
            width, which a GPU's pool makes far too large).
 
@@ -78,7 +79,8 @@ DECODE_MODES = ("eager", "static", "graphs")
 
 class DecodeGraphs:
     """Decode steps over the static inputs, padded to their bucket, and on CUDA replayed
-    from graphs captured lazily per bucket (the first step of a bucket captures it).
+    from graphs captured per bucket (all at once by `capture`; else a bucket's first step
+    captures it).
 
     forward: one decode step over the static inputs (`DecodeForward`); buffers: the step
     buffers it reads (with a dummy block to pad with); input_ids [max_num_seqs] int64: the
@@ -137,6 +139,16 @@ class DecodeGraphs:
                 self.buffers.pad(bucket)
                 self._capture(bucket)
         self.buffers.clear()
+
+    def pool_bytes(self) -> int:
+        """The device memory of the graphs' shared pool (its allocator segments: every
+        graph's intermediates and outputs; reserved for the graphs, so no eager step can
+        use it); 0 before any capture."""
+        if self._pool is None:
+            return 0
+        pool = tuple(self._pool)
+        segments = torch.cuda.memory_snapshot()
+        return sum(seg["total_size"] for seg in segments if tuple(seg["segment_pool_id"]) == pool)
 
     def _capture(self, bucket: int) -> None:
         """Capture `bucket`'s graph over the step the buffers hold now (padded to it): two

@@ -134,7 +134,17 @@ class LlamaExecutor:
         if decode_mode == "graphs" and model.device.type != "cuda":
             raise ValueError(f"decode mode 'graphs' captures CUDA graphs: the model is on {model.device.type}")
         cfg = model.config
-        buffered = decode_mode != "eager"
+        # Buffered decodes need a backend that reads the step buffers (`begin_decode`: the
+        # torch paged backend, and Triton's; graphs only Triton's: the torch one's buffered
+        # decode gathers every row's whole table width, fine for the CPU tests' small pools,
+        # not a GPU's), an unquantized pool and no tensor parallelism. Decided before the
+        # pool is allocated, so that only then does it hold the dummy block.
+        buffered = False
+        if decode_mode != "eager" and fmt is None and model.shard is None:
+            key, backend = select_backend(
+                "full", "paged", model.device.type, decode_path, has_kernels=model.kernels is not None
+            )
+            buffered = hasattr(backend, "begin_decode") and (decode_mode == "static" or key.impl == "triton")
         num_blocks += buffered  # the dummy block, past the cache's
         self.model = model
         self.vocab_size = cfg.vocab_size
@@ -173,16 +183,16 @@ class LlamaExecutor:
         self.step_buffers: StepBuffers | None = None
         self._graphs: DecodeGraphs | None = None
         self._decode_max_position = 0  # the step's largest position, for the forward a graph captures
-        # graphs need the Triton backend: the torch one's buffered decode gathers every row's
-        # whole table width (buffered.py), fine for the CPU tests' small pools, not a GPU's
-        readable = hasattr(self.attention, "begin_decode") and (decode_mode == "static" or self.decode_path == "triton")
-        if buffered and model.shard is None and readable:
+        if buffered:
+            assert hasattr(self.attention, "begin_decode"), "the backend chosen is not the one predicted"
             max_blocks = -(-min(cfg.max_position, (num_blocks - 1) * block_size) // block_size)
             self.step_buffers = StepBuffers(
                 max_num_seqs, max_num_tokens, max_blocks, block_size, model.device, dummy_block=num_blocks - 1
             )
             self._graphs = DecodeGraphs(self._decode_forward, self.step_buffers, capture=decode_mode == "graphs")
         self.decode_mode = decode_mode if self._graphs is not None else "eager"
+        if self.decode_mode == "graphs":
+            self._capture_graphs()
 
     @property
     def decode_path(self) -> str:
@@ -348,6 +358,22 @@ class LlamaExecutor:
         step = self.attention.begin_decode(buffers, num_seqs)
         meta = StepMetadata(step, None, self._decode_max_position)
         return self.model.forward(graphs.input_ids[:num_seqs], buffers.positions[:num_seqs], meta)
+
+    def _capture_graphs(self) -> None:
+        """Every bucket's CUDA graph, now, at build: a capture compiles, warms up and records
+        the step, which inside a live request would stall it (captured over padding only:
+        position 0 of the dummy block). The memory ledger gets the graphs' shared pool: its
+        segments, the buckets' output logits [bucket, vocab] among them, which no eager
+        step can use (engine/memory.py, workspace)."""
+        graphs = self._graphs
+        assert graphs is not None and graphs.capturing
+        self._decode_max_position = 0
+        graphs.capture()
+        logits = sum(t.nbytes for t in graphs.outputs.values())
+        pool = graphs.pool_bytes()
+        assert pool >= logits, f"the graphs' pool holds {pool} bytes, less than their outputs' {logits}"
+        self.peaks.note("graph_logits", logits)
+        self.peaks.note("graph_pool", pool - logits)
 
     def _takes_decode(self, chunks: Sequence[ScheduledChunk]) -> bool:
         """Whether the step goes through the graphs: a pure decode (one token a chunk, each

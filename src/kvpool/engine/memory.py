@@ -10,8 +10,9 @@ allocated:
               per-request tables and token ids (`metadata_bytes`, sys.getsizeof)
   workspace   the largest step's buffers: the forward's step buffers (`step_buffer_bytes`)
               and attention output, the logits tensor, the largest scratch a sampler call
-              held (`scratch_peak_bytes`), and a quantized pool's dequantization scratch
-              (`kv_dequant`: one layer of the pool in the compute dtype)
+              held (`scratch_peak_bytes`), a quantized pool's dequantization scratch
+              (`kv_dequant`: one layer of the pool in the compute dtype), and on CUDA the
+              decode graphs' memory pool (`graph_pool`, `graph_logits`: their outputs)
   transient   the largest step's copy-on-write staging (the source blocks' K, then V, of
               every layer) and a prefill chunk's key / value gathers and fp32 SDPA mask
   runtime     the interpreter, torch and the libraries before the model loads (RSS then),
@@ -111,6 +112,8 @@ class StepPeaks:
     cow_staging: int = 0  # copy-on-write: the copied blocks, staged once
     chunked_prefill: int = 0  # a prefill chunk's keys and values gathered for attention (one layer)
     bookkeeping: int = 0  # the cache manager's Python structures, where a harness samples them
+    graph_pool: int = 0  # CUDA graphs: their shared pool's segments but the output logits
+    graph_logits: int = 0  # CUDA graphs: every bucket's output logits [bucket, vocab], in that pool
 
     def note(self, kind: str, num_bytes: int) -> None:
         if num_bytes > getattr(self, kind):
@@ -204,6 +207,9 @@ def measure(runner, runtime_bytes: int, tokenizer_bytes: int) -> MeasuredLedger:
                 # block-scaled / KIVI formats: the full-precision tails of blocks not yet whole
                 # (their tensor only grows, so its size now is its peak)
                 **({"kv_tails": storage.tail_bytes} if getattr(storage, "tail_bytes", 0) else {}),
+                # decode CUDA graphs (captured at build): their pool's segments, held for them
+                # whole, and the buckets' output logits in it (no lines without graphs)
+                **({"graph_pool": peaks.graph_pool, "graph_logits": peaks.graph_logits} if peaks.graph_logits else {}),
             },
             "transient": {"cow_staging": peaks.cow_staging, "chunked_prefill": peaks.chunked_prefill},
             "runtime": {
