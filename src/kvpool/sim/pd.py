@@ -66,9 +66,9 @@ from kvpool.sim.routing import Router
 from kvpool.sim.simulator import (
     Replica,
     SimConfig,
-    _make_replica,
     _quarters,
     check_request_lens,
+    make_replicas,
     plan_replica,
 )
 from kvpool.spec.gpus import GPUSpec
@@ -187,19 +187,11 @@ def simulate_pd(
         raise ValueError(f"prefill replicas must be >= 1, got {num_prefill_replicas}")
     started = time.perf_counter()
     check_request_lens(model, workload, config.max_model_len)
-    longest = workload.max_request_len()
-    max_len = config.max_model_len or longest
     p = plan_replica(model, gpu, config)
     check_pd(model, config.layout or default_layout(p), config.enable_prefix_caching)
     num_p = num_prefill_replicas
-    replicas = [_make_replica(i, model, p, config, cost, max_len) for i in range(num_p + config.replicas)]
+    replicas, table = make_replicas(model, p, workload, config, cost, num_p + config.replicas)
     prefill, decode = replicas[:num_p], replicas[num_p:]
-    for r in replicas:
-        if r.runner.max_model_len < longest:
-            raise ValueError(
-                f"the workload's longest request ({longest:,} tokens) does not fit one replica's cache "
-                f"({r.runner.capacity_tokens:,} tokens, layout {r.layout.name})"
-            )
     block_size = replicas[0].layout.block_size
     kv_bytes_per_token = p.as_dict()["kv_bytes_per_token"]  # the planner's, whole model
     prefill_router = Router(config.routing, prefill, config.load_cap, load=prefill_load)
@@ -235,7 +227,7 @@ def simulate_pd(
                 _, _, kind, payload = heapq.heappop(later)
             if kind == "arrive":
                 session, turn = payload  # type: ignore[misc]
-                prompt = session.prompt_ids(turn, model.vocab_size)
+                prompt = session.prompt_ids(turn, model.vocab_size, table)
                 rep = prefill_router.route(prompt, session.tenant)
                 rid, arrival = session.request_id(turn), t
                 params = SamplingParams(max_tokens=1, ignore_eos=True, seed=answer_seed(rid))

@@ -28,6 +28,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvpool.cache.dual_pool import RESTORE_METHODS
 from kvpool.capacity.planner import Plan, plan
 from kvpool.engine.engine import Engine
@@ -209,6 +211,27 @@ def check_request_lens(model: ModelSpec, workload: Workload, max_model_len: int 
         )
 
 
+def make_replicas(
+    model: ModelSpec, p: Plan, workload: Workload, config: SimConfig, cost: CostModel, count: int
+) -> tuple[list[Replica], np.ndarray]:
+    """`count` replicas of plan `p` for `workload` (its lengths checked: check_request_lens),
+    and the int table their prompts and answers share: one object per token id (the cache and
+    the engine keep tokens, and a fresh int per token costs 32 bytes more than a pointer).
+    ValueError when the workload's longest request does not fit one replica's cache."""
+    longest = workload.max_request_len()
+    max_len = config.max_model_len or longest
+    table = int_table(model.vocab_size)
+    ints = table.tolist()
+    replicas = [_make_replica(i, model, p, config, cost, max_len, ints) for i in range(count)]
+    for r in replicas:
+        if r.runner.max_model_len < longest:
+            raise ValueError(
+                f"the workload's longest request ({longest:,} tokens) does not fit one replica's cache "
+                f"({r.runner.capacity_tokens:,} tokens, layout {r.layout.name})"
+            )
+    return replicas, table
+
+
 def simulate(
     model: ModelSpec,
     gpu: GPUSpec,
@@ -223,20 +246,8 @@ def simulate(
     finishes (the report keeps no record: sim/report.py FinishedRequests)."""
     started = time.perf_counter()
     check_request_lens(model, workload, config.max_model_len)
-    longest = workload.max_request_len()
-    max_len = config.max_model_len or longest
     p = plan_replica(model, gpu, config)
-    # one object per token id, shared by the prompts and every replica's answers: the cache
-    # and the engine keep tokens, and a fresh int per token costs 32 bytes more than a pointer
-    table = int_table(model.vocab_size)
-    ints = table.tolist()
-    replicas = [_make_replica(i, model, p, config, cost, max_len, ints) for i in range(config.replicas)]
-    for r in replicas:
-        if r.runner.max_model_len < longest:
-            raise ValueError(
-                f"the workload's longest request ({longest:,} tokens) does not fit one replica's cache "
-                f"({r.runner.capacity_tokens:,} tokens, layout {r.layout.name})"
-            )
+    replicas, table = make_replicas(model, p, workload, config, cost, config.replicas)
     router = Router(config.routing, replicas, config.load_cap)
     total = workload.num_requests
     finished = FinishedRequests(config.slo_ttft_ms, config.slo_tpot_ms)
