@@ -14,6 +14,7 @@ from kvpool.sim.simulator import SimConfig
 from kvpool.spec.gpus import get_gpu
 from kvpool.spec.models import load_preset
 from kvpool.workload.sessions import Session, Turn, Workload, uniform_workload
+from session_census import census
 
 MODEL, H200 = load_preset("llama-3.1-8b"), get_gpu("H200")
 KV_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2  # layers x KV heads x head dim x (K, V) x bf16 = 131,072
@@ -247,34 +248,10 @@ def test_pd_holds_the_sessions_in_flight_not_every_session() -> None:
     """As simulate() does (tests/test_sim_stream.py): counted on the heap of live objects as
     requests finish, the sessions alive are those read so far less those done, not the
     workload's 120; the report keeps no record."""
-    import gc
-
-    from kvpool.workload.sessions import GeneratedSessions
-
-    s = uniform_workload(120, 4.0, MODEL.vocab_size, seed=1).sessions  # one-turn sessions
-    made: list[int] = []
-
-    class Counted(GeneratedSessions):
-        def __getitem__(self, index):
-            made.append(index)
-            return super().__getitem__(index)
-
-    counted = Counted(s.kind, s._starts, s.prefixes, s._picks, 1, s._user_lens, s._output_lens, None, s.vocab_size)
-    finished, samples = [], []
-
-    def on_finish(record) -> None:
-        finished.append(record)
-        if len(finished) % 20 == 0:  # (no gc.collect: a session dropped is freed by its count)
-            alive = sum(1 for o in gc.get_objects() if type(o) is Session and o.session_id.startswith("req"))
-            samples.append((alive, len(made), len(finished)))
-
-    workload = Workload("u", counted, s.vocab_size)
+    c = census(MODEL.vocab_size)
     config = SimConfig(block_size=BLOCK)
-    report = simulate_pd(MODEL, H200, workload, config, CostModel(MODEL, H200), 1, KVLink(50e9, 1e-4), None, on_finish)
-    assert report["num_finished"] == len(finished) == 120 and len(samples) == 6
-    assert all(alive <= num_made - num_done + 1 for alive, num_made, num_done in samples)
-    assert max(alive for alive, _, _ in samples) < 30
-    assert samples[0][1] < 60  # streamed in: the 20th finish came before the 60th arrival
+    cost = CostModel(MODEL, H200)
+    c.check_in_flight(simulate_pd(MODEL, H200, c.workload, config, cost, 1, KVLink(50e9, 1e-4), None, c.on_finish))
 
 
 def test_installs_on_a_small_decode_pool_keep_its_cache_whole(monkeypatch) -> None:

@@ -7,7 +7,6 @@ the lazy workload equals the run over the same sessions held as a tuple, in any 
 
 from __future__ import annotations
 
-import gc
 import random
 
 import numpy as np
@@ -26,12 +25,11 @@ from kvpool.workload.sessions import (
     CHAT_SYSTEM_LEN,
     CHAT_USER_LEN,
     GeneratedSessions,
-    Session,
     Workload,
     chat_workload,
-    uniform_workload,
 )
 from kvpool.workload.tokens import answer_ids, int_table, stream_key, text_ids, token_at
+from session_census import census
 
 VOCAB = 1000
 SAME = ("sim_wall_s", "sim_us_per_step_by_quarter", "alloc_latency_us_p50", "alloc_latency_us_p99")
@@ -124,29 +122,8 @@ def test_the_run_holds_the_sessions_in_flight_not_every_session():
     """Counted on the heap of live objects as requests finish: the sessions alive are those
     made (read) so far less those done, a few, not the workload's 120."""
     model, gpu, config, cost = _setup(replicas=1)
-    s = uniform_workload(120, 4.0, model.vocab_size, seed=1).sessions  # one-turn sessions
-    made = []
-
-    class Counted(GeneratedSessions):
-        def __getitem__(self, index):
-            made.append(index)
-            return super().__getitem__(index)
-
-    counted = Counted(s.kind, s._starts, s.prefixes, s._picks, 1, s._user_lens, s._output_lens, None, s.vocab_size)
-    finished, samples = [], []
-
-    def on_finish(record) -> None:
-        finished.append(record)
-        if len(finished) % 20 == 0:  # (no gc.collect: a session dropped is freed by its count)
-            alive = sum(1 for o in gc.get_objects() if type(o) is Session and o.session_id.startswith("req"))
-            samples.append((alive, len(made), len(finished)))
-
-    report = simulate(model, gpu, Workload("u", counted, s.vocab_size), config, cost, on_finish=on_finish)
-    assert report["num_finished"] == len(finished) == 120 and len(samples) == 6
-    # in flight: made less finished before this one (this one is still referenced)
-    assert all(alive <= num_made - num_done + 1 for alive, num_made, num_done in samples)
-    assert max(alive for alive, _, _ in samples) < 30
-    assert samples[0][1] < 60  # streamed in: the 20th finish came before the 60th arrival
+    c = census(model.vocab_size)
+    c.check_in_flight(simulate(model, gpu, c.workload, config, cost, on_finish=c.on_finish))
 
 
 def test_the_inlined_answer_sampler_is_token_at():
