@@ -151,7 +151,8 @@ def _decode_text(ids: list[int]) -> str:
 
 def test_the_inline_decode_path_equals_accept_token():
     # Engine.step takes a plain request's decode tokens inline; `inline_decode = False` sends
-    # every token through `_accept_token`. Both must give the same outputs on random requests:
+    # every token through `_accept_token` and `_stop_reason`'s checks in full (neither
+    # shortcut for a token that ends nothing). Both must give the same outputs on random requests:
     # EOS (ignored or not), stop strings over decoded text, max_tokens, max_model_len, n > 1,
     # logprobs, seeded temperature sampling, batched sampling or not, a small pool (preemption).
     rng = random.Random(7)

@@ -172,7 +172,8 @@ class Engine:
         # thread): elsewhere a contained fault would pass as a quietly aborted request.
         self.contain_request_faults = False
         # A plain request's decode tokens are taken inline in `step` (the common token), not
-        # through `_accept_token`; off: every token goes through it (the twin, for tests)
+        # through `_accept_token`; off: every token goes through it and its stop checks in full
+        # (`_stop_reason`, without the shortcut for a token that ends nothing: the twin, for tests)
         self.inline_decode = True
         self.requests: dict[str, RequestState] = {}
         self.waiting: deque[SequenceState] = deque()
@@ -363,19 +364,15 @@ class Engine:
         ids: list[str] = []
         counts = []
         chunks = []
-        for seq in running:
+        for seq in running:  # over budget (the common decode step took the path above)
             if budget <= 0:
                 break
-            tokens, start = seq.token_ids, seq.num_computed
-            n = len(tokens) - start
-            if n > budget:
-                n = budget
+            n = min(len(seq.token_ids) - seq.num_computed, budget)
             assert n > 0, "a running sequence always has a token to compute"
-            end = start + n
             seqs.append(seq)
             ids.append(seq.seq_id)
             counts.append(n)
-            chunks.append(_new_chunk(ScheduledChunk, (seq.seq_id, tokens[start:end], start, end == len(tokens))))
+            chunks.append(self._chunk(seq, n))
             budget -= n
         return seqs, ids, counts, chunks
 
@@ -603,10 +600,13 @@ class Engine:
         if req.first_token_time is None:
             req.first_token_time = now
         tokens.append(token)
-        # The common token ends nothing: exactly the negation of the checks below, on what
-        # the request fixed at add_request (its length, its stop ids, whether text matters)
+        # The common token ends nothing: exactly the negation of `_stop_reason`'s checks, on
+        # what the request fixed at add_request (its length, its stop ids, whether text
+        # matters). Off with `inline_decode`: every token then meets `_stop_reason` itself, the
+        # reference that tests/test_engine_scheduler.py holds both shortcuts to
         if (
-            not req.matches_text
+            self.inline_decode
+            and not req.matches_text
             and token not in req.stop_ids
             and len(tokens) < req.end_len
             and len(tokens) < self.runner.max_model_len
