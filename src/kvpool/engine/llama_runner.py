@@ -425,7 +425,7 @@ class LlamaExecutor:
         self.peaks.note("chunked_prefill", step.prefill_bytes)
         ids_t = torch.tensor(token_ids, dtype=torch.long, device=device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=device)
-        top = max(c.start + len(c.token_ids) for c in chunks) - 1 if chunks else 0
+        top = max(ctx_lens) - 1 if ctx_lens else 0
         logits = self.model.forward(ids_t, pos_t, StepMetadata(step, None if all_logits else logit_rows, top))
         self._note_forward(len(token_ids), step.attend, logits)
         return logits

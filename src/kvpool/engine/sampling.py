@@ -101,7 +101,7 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, sample_index: int
     if params.greedy:
         return int(torch.argmax(logits))  # no scratch beyond a scalar
     # divided by the fp32 temperature as sample_batch divides its rows (same rounding)
-    scores = logits.float().cpu() / torch.tensor(params.temperature, dtype=torch.float32)
+    scores = logits.float().cpu() / params.temperature
     vocab = scores.shape[-1]
     k = min(params.top_k, vocab) if params.top_k else vocab
     ids: torch.Tensor | None = None  # candidates' token ids, most likely first; None: all tokens
@@ -165,7 +165,7 @@ def _draw(weights: torch.Tensor, u: float) -> int:
     the first i whose cumulative weight exceeds u * total (u rounded to the weights'
     dtype, as `sample_batch` rounds it). A zero weight adds no width, so it is never drawn."""
     cdf = torch.cumsum(weights, dim=-1)
-    target = torch.tensor(u, dtype=torch.float64).to(cdf.dtype) * cdf[-1]
+    target = cdf[-1] * u  # a Python float meets the tensor in its dtype: u rounded to it
     i = int(torch.searchsorted(cdf, target, right=True))
     if i >= len(cdf):  # u * total rounded up to the total: the last token of non-zero weight
         i = int(torch.nonzero(weights)[-1])
