@@ -9,7 +9,6 @@ computed as every report computes them (kvpool/workload/metrics.py)."""
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvpool.capacity.planner import Plan
@@ -114,17 +113,12 @@ def build_report(
     p: Plan,
     config,
     replicas,
-    finished: FinishedRequests | Iterable[RequestRecord],
+    finished: FinishedRequests,
     num_requests: int,
     sim_wall_s: float,
     cost: CostModel,
 ) -> dict:
-    """The report of a run whose finished requests `finished` holds (records are tallied
-    first: a caller that kept them)."""
-    if not isinstance(finished, FinishedRequests):
-        records, finished = finished, FinishedRequests(config.slo_ttft_ms, config.slo_tpot_ms)
-        for r in records:
-            finished.add(r)
+    """The report of a run whose finished requests `finished` holds."""
     span = finished.end_s - finished.start_s
     generated = sum(finished.generated_tokens.values())
     good = finished.num_within_slo
