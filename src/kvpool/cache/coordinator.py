@@ -218,8 +218,9 @@ class HybridCacheManager:
         # Every group says at which ends an exact decode step may change it: the decode
         # reserve asks the groups about those requests only (None: some group may change
         # at any step, and is asked about every request)
-        periods = {g.decode_reserve_period for g in built.values()}
-        self._decode_periods = None if None in periods else sorted(periods)
+        periods = [g.decode_reserve_period for g in built.values()]
+        # their gcd, as `_commit_period`: a multiple of any group's period is one of it
+        self._decode_period = None if None in periods else math.gcd(*periods)
         # Requests admitted, forked or marked at a turn end since their last commit: the
         # decode path's commit does not skip them (a held copy source, a restore to end)
         self._fresh: set[str] = set()
@@ -906,15 +907,11 @@ class HybridCacheManager:
                 if req.end != nc or req.num_loading or nc >= len(req.token_ids):
                     self._check_reserve(req, 1)  # raises
                 ends.append(nc + 1)
-            periods = self._decode_periods
-            if periods is not None:
+            period = self._decode_period
+            if period is not None:
                 # Only the requests at a period's end take or change anything in a group; the
                 # others' steps are their new ends alone
-                if len(periods) == 1:
-                    (period,) = periods
-                    touched = [i for i, end in enumerate(ends) if not end % period]
-                else:
-                    touched = [i for i, end in enumerate(ends) if any(end % p == 0 for p in periods)]
+                touched = [i for i, end in enumerate(ends) if not end % period]
                 if touched:
                     reqs, step_ends = [pending[i] for i in touched], [ends[i] for i in touched]
                     if not self._fits(self._needs(reqs, step_ends)):
