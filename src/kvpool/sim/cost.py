@@ -499,6 +499,57 @@ class CostModel:
         )
 
     @cached_property
+    def _decode_scale(self) -> int | None:
+        """2^d such that every decode term's FLOPs and bytes per entry and the write bytes per
+        token, times 2^d, are integers (d <= 16: V4's write is 28,962.25 bytes, d = 2); None
+        when there is none. Then the decode loop of `step_cost` adds only multiples of 2^-d, and
+        while its sums stay below 2^53 x 2^-d every partial sum is exact: the float result is
+        the exact sum, whatever the order, which `_decode_sums` computes in integers."""
+        values = [self.kv_write_bytes_per_token] + [v for t in self._decode_terms for v in t[:2]]
+        for d in range(17):
+            scale = 1 << d
+            if all(float(v * scale).is_integer() for v in values):
+                return scale
+        return None
+
+    @cached_property
+    def _decode_memo(self) -> dict[int, tuple[int, int]]:
+        """context length -> one decode's (attention FLOPs, bytes), times `_decode_scale`, as
+        integers; filled as contexts come (at most one entry per context length)."""
+        return {}
+
+    def _decode_entry(self, ctx: int) -> tuple[int, int]:
+        scale = self._decode_scale
+        assert scale is not None
+        flops, num_bytes = 0, int(self.kv_write_bytes_per_token * scale)
+        for flops_w, bytes_w, per_entry, cap in self._decode_terms:
+            e = ctx // per_entry
+            if cap is not None and e > cap:
+                e = cap
+            flops += int(flops_w * scale) * e
+            num_bytes += int(bytes_w * scale) * e
+        entry = self._decode_memo[ctx] = (flops, num_bytes)
+        return entry
+
+    def _decode_sums(self, chunks: Sequence[tuple[int, int]]) -> tuple[float, float] | None:
+        """The decodes' (attention FLOPs, bytes) as `step_cost`'s loop sums them, from integer
+        sums per context (one dict lookup a decode instead of a pass over the terms); None
+        where that is not exact (no `_decode_scale`, or sums past 2^53): the loop then adds."""
+        scale = self._decode_scale
+        if scale is None:
+            return None
+        memo, entry = self._decode_memo, self._decode_entry
+        flops = num_bytes = 0
+        for n, ctx in chunks:
+            if n == 1:
+                f, b = memo.get(ctx) or entry(ctx)
+                flops += f
+                num_bytes += b
+        if flops >= 1 << 53 or num_bytes >= 1 << 53:
+            return None
+        return flops / scale, num_bytes / scale
+
+    @cached_property
     def _peaks(self) -> tuple[float, float]:
         """(peak FLOPs for the weights' GEMMs, for attention); ValueError for a GPU without a
         bandwidth figure."""
@@ -523,10 +574,14 @@ class CostModel:
         decode_bytes = prefill_bytes = 0.0  # cache read and written, by phase
         decode_terms = self._decode_terms
         num_prefill_chunks = 0
-        for n, ctx in chunks:
+        sums = self._decode_sums(chunks)
+        if sums is not None:  # the decodes' sums, exactly as the loop below adds them
+            decode_flops, decode_bytes = sums
+        for n, ctx in chunks if sums is None else [c for c in chunks if c[0] != 1]:
             if n == 1:
                 # a decode: its one query attends and reads min(cap, ctx // tokens_per_entry)
-                # entries of each term (attended == read_entries at n = 1)
+                # entries of each term (attended == read_entries at n = 1); `_decode_sums` is
+                # this loop's fast twin
                 decode_bytes += write
                 for flops_w, bytes_w, per_entry, cap in decode_terms:
                     e = ctx // per_entry

@@ -91,7 +91,11 @@ class CostExecutor:
         self.num_state_blocks = num_state_blocks
         self.checkpoint_bytes = checkpoint_bytes
         self.has_state = has_state
-        self._step: dict[str, tuple[int, int]] = {}  # request -> [start, end) the step computed so far
+        # The step so far: its first forward's chunks as they came (`_pieces`: the common step
+        # of one forward, priced from them), or, once a second piece came, request -> [start,
+        # end) the step computed so far (`_step`, in the order requests first came)
+        self._pieces: list[Sequence[ScheduledChunk]] = []
+        self._step: dict[str, tuple[int, int]] = {}
         self._replays: list[tuple[int, int]] = []  # (tokens, context) recomputed in the next step
         self._moved = 0  # bytes the copies since the last step move
         self.num_replayed_tokens = 0
@@ -115,25 +119,38 @@ class CostExecutor:
         piece extends its request's part of the step; the step is priced, one chunk per
         request, when the clock is next read (the engine reads it as the step's forward
         returns), with every copy made for it."""
+        if self._pieces or self._step:  # the step's second piece: merged by request
+            for piece in self._pieces:
+                self._add_piece(piece)
+            self._pieces.clear()
+            self._add_piece(chunks)
+        elif chunks:  # its first: kept as it is (one chunk per request), read when priced
+            self._pieces.append(chunks)
+        if all_logits:
+            return torch.empty(sum(len(c.token_ids) for c in chunks), 0)
+        return [None] * sum(c.needs_logits for c in chunks)
+
+    def _add_piece(self, chunks: Sequence[ScheduledChunk]) -> None:
+        """Extend each chunk's request's [start, end) in the step by the piece."""
         step = self._step
-        num_rows = 0
         for c in chunks:
             start = c.start
             first = step.get(c.request_id)
             step[c.request_id] = (start if first is None else first[0], start + len(c.token_ids))
-            num_rows += c.needs_logits
-        if all_logits:
-            return torch.empty(sum(len(c.token_ids) for c in chunks), 0)
-        return [None] * num_rows
 
     def _price_step(self) -> None:
         """Advance the clock by the step's price: its chunks, then the replays before it,
         with the bytes its copies moved. (Nothing to price before a step ran: the copies
         and replays issued since wait for the next.)"""
-        if not self._step:
+        if self._pieces:  # one forward: its chunks, one per request (the engine's step)
+            (chunks,) = self._pieces
+            work = [(len(c.token_ids), c.start + len(c.token_ids)) for c in chunks]
+            self._pieces.clear()
+        elif self._step:  # pieces, merged by request (`_add_piece`)
+            work = [(end - start, end) for start, end in self._step.values()]
+            self._step.clear()
+        else:
             return
-        work = [(end - start, end) for start, end in self._step.values()]
-        self._step.clear()
         if self._replays:
             work.extend(self._replays)  # the states rebuilt over their cached prefixes
             self._replays.clear()

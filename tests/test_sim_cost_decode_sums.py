@@ -1,0 +1,56 @@
+"""The decodes' sums of `CostModel.step_cost` from integer sums per context (`_decode_sums`,
+the fast path a fleet simulation takes every step) against its naive twin, the loop over
+every decode and attention term: the same StepCost, bit for bit, on every preset."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from kvpool.sim.cost import CostModel
+from kvpool.spec.gpus import get_gpu
+from kvpool.spec.models import PRESET_NAMES, load_preset
+
+H200 = get_gpu("H200")
+
+
+def _twin(cm: CostModel) -> CostModel:
+    """A copy of `cm` that adds every decode in the loop (no `_decode_scale`)."""
+    loop = dataclasses.replace(cm)
+    loop.__dict__["_decode_scale"] = None  # the cached property, set before its first read
+    return loop
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_the_decode_sums_equal_the_loops_bit_for_bit_on_every_preset(name: str) -> None:
+    model = load_preset(name)
+    rng = random.Random(name)
+    models = []
+    for kv_dtype in ("auto", "fp8"):
+        for tp in (1, 2):
+            try:
+                models.append(CostModel(model, H200, kv_dtype=kv_dtype, tp=tp))
+            except ValueError:  # a format or a split the model cannot take
+                continue
+    assert models
+    for cm in models:
+        assert cm._decode_scale is not None  # the fast path is taken
+        loop = _twin(cm)
+        top = model.max_position_embeddings
+        for batch in (1, 7, 256):
+            decodes = [(1, rng.randrange(1, top + 1)) for _ in range(batch)]
+            prefills = [(n, n + rng.randrange(0, 4096)) for n in (2, 512)]
+            for chunks in (decodes, prefills + decodes, decodes[:3] + prefills + decodes[3:]):
+                assert cm.step_cost(chunks) == loop.step_cost(chunks), (name, cm.kv_dtype, cm.tp, batch)
+
+
+def test_sums_past_2_to_the_53_leave_the_fast_path_for_the_loop() -> None:
+    cm = CostModel(load_preset("deepseek-v4-flash"), H200, tp=2)
+    assert cm._decode_scale == 4  # V4's write bytes per token: 28,962.25
+    huge = [(1, 10**12)] * 3  # each reads 10^12 // 4 compressed entries of its CSA indexer keys
+    assert cm._decode_sums(huge) is None
+    assert cm._decode_sums(huge[:1] + [(1, 5000)]) is None
+    assert cm._decode_sums([(1, 5000)]) is not None
+    assert cm.step_cost(huge) == _twin(cm).step_cost(huge)
