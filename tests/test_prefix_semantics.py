@@ -224,13 +224,14 @@ def test_an_undone_v4_reservation_restores_the_checkpoint_it_pushed_out():
     b = list(range(200, 240))
     adm = m.admit("b", b, 0)  # admitted, nothing reserved yet
     assert adm is not None
-    lru = {h: (c.slot, c.last_used) for h, c in m.groups["v4"]._checkpoints.items()}
+    v4 = m.groups["v4"]
+    lru = ({h: c.slot for h, c in v4._checkpoints.items()}, v4.checkpoint_pool.free_queue())
     res = m.reserve("b", 16)  # its boundary at 16 takes the only checkpoint slot: a's is pushed out
     assert res is not None and res.groups["v4"].checkpoints == ((16, 3),)
     assert m.lookup_prefix(a) == 0
     m.unreserve("b")
     assert m.lookup_prefix(a) == 16  # undone: a's checkpoint is findable again
-    assert {h: (c.slot, c.last_used) for h, c in m.groups["v4"]._checkpoints.items()} == lru  # with its LRU place
+    assert ({h: c.slot for h, c in v4._checkpoints.items()}, v4.checkpoint_pool.free_queue()) == lru  # its LRU place
     adm = m.admit("c", a + [5])
     assert adm is not None and adm.groups["v4"].restore is not None
     restore = adm.groups["v4"].restore

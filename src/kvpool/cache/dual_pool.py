@@ -42,17 +42,18 @@ Restore: the state at a hit P = q * span is rebuilt exactly (section 6) by one o
 The request's `restore` says which until its first commit.
 
 Checkpoints ("checkpoint", "auto") snapshot a request's state at the span boundaries its
-steps complete, filed under the boundary block's prefix block, in one of two ways:
-  slots   (`num_checkpoints` > 0): that many extra state slots, numbered after the state
-          blocks, LRU among themselves (the engine: its state tensors have that many rows
-          more); a step that finds none free pushes out the least recently used;
-  pooled  (`checkpoint_blocks` > 0): each checkpoint occupies that many classical blocks
-          (a state block's bytes in classical blocks), registered in the prefix index under
-          the boundary block and freed at once as cached blocks, so checkpoints and cached
-          classical blocks share the pool's free memory and its one LRU eviction order (as
-          vLLM v1 keeps Mamba states in its block pool): as many as free memory holds, none
-          taken from a running request. A snapshot that finds too few free blocks is
-          skipped; an allocation that evicts one of its blocks drops it.
+steps complete. A checkpoint is blocks of a BlockPool registered in its prefix index under
+the boundary block (part i chained after it with `_STATE_EXTRA` i) and freed at once as
+cached blocks: the pool's LRU queue orders them, an allocation that evicts one of its
+blocks drops it, and an undo (`BlockPool.unallocate`) makes it findable again. The pool is
+  slots   (`num_checkpoints` > 0): a pool of its own of that many one-block checkpoints,
+          numbered after the state blocks (the engine: its state tensors have that many
+          rows more); a step that finds none free pushes out the least recently used;
+  pooled  (`checkpoint_blocks` > 0): the classical pool, that many blocks each (a state
+          block's bytes in classical blocks), so checkpoints and cached classical blocks
+          share the pool's free memory and its one LRU eviction order (as vLLM v1 keeps
+          Mamba states in its block pool): as many as free memory holds, none taken from a
+          running request. A snapshot that finds too few free blocks is skipped.
 
 A reserved step that took blocks or checkpoint slots records what undoing it needs
 (`unreserve`: everything goes back where it was, the checkpoints it pushed out findable
@@ -63,7 +64,6 @@ again). The lower-tier hooks (`take_evicted` with a lower tier, `prefetch_candid
 from __future__ import annotations
 
 import sys
-from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NamedTuple, Protocol
@@ -205,10 +205,9 @@ class DualPoolGroupSpec:
 
 @dataclass
 class _Checkpoint:
-    slot: int  # pooled: the first of its blocks
+    slot: int  # the state slot a restore copies (pooled: the first of its blocks)
     block: PrefixBlock  # the boundary block whose prefix the snapshot is the state of
-    last_used: int  # LRU stamp (slots; pooled: the pool's LRU order)
-    parts: tuple[PrefixBlock, ...] = ()  # pooled: the registered contents of its blocks
+    parts: tuple[PrefixBlock, ...]  # the registered contents of its blocks
 
 
 _STATE_EXTRA = b"v4-state:"  # a pooled checkpoint's part i: chained after its boundary block
@@ -226,10 +225,10 @@ class _Pending:
     num_new: int  # the fresh blocks at the table's end
     chain: list[PrefixBlock]  # prefix blocks of the spans the step completes (caching on)
     checkpoints: tuple[tuple[int, int], ...]  # (position, slot): snapshot the state there
-    evicted: list[tuple[bytes, _Checkpoint]]  # checkpoints pushed out for its slots (undo restores them)
-    fresh_slots: list[int]  # checkpoint slots it took from the free list
-    evicted_blocks: list[tuple[int, PrefixBlock]]  # cached blocks its allocation evicted (undo restores them)
-    snapshot_ids: list[list[int]]  # pooled: each checkpoint's blocks
+    dropped: list[tuple[bytes, _Checkpoint]]  # checkpoints its allocations pushed out (undo restores them)
+    evicted_blocks: list[tuple[int, PrefixBlock]]  # cached blocks its allocations evicted (undo restores them)
+    snapshot_ids: list[list[int]]  # each checkpoint's blocks in the checkpoint pool
+    snapshot_evicted: list[tuple[int, PrefixBlock]]  # slots: what its checkpoints' allocation evicted
 
 
 @dataclass(slots=True)
@@ -296,11 +295,14 @@ class DualPoolGroup(CacheGroup):
         self.checkpointing = (
             spec.restore != "recompute" and enable_caching and (spec.num_checkpoints or spec.checkpoint_blocks) > 0
         )
-        # Checkpoint slots follow the state slots: [num_state_blocks, + num_checkpoints)
-        first = num_state_blocks
-        self._free_checkpoints: deque[int] = deque(range(first, first + spec.num_checkpoints))
+        # Where checkpoints live: the classical pool (pooled), or a pool of one-block slots
+        # numbered after the state slots, [num_state_blocks, + num_checkpoints)
+        self.checkpoint_pool = self.pool
+        self._slot_base, self._parts = 0, spec.checkpoint_blocks
+        if spec.num_checkpoints:
+            self.checkpoint_pool = BlockPool(spec.num_checkpoints, enable_caching=enable_caching, hash_algo=hash_algo)
+            self._slot_base, self._parts = num_state_blocks, 1
         self._checkpoints: dict[bytes, _Checkpoint] = {}  # boundary block hash -> findable checkpoint
-        self._clock = 0
         self._evicted: list[tuple[int, PrefixBlock]] | None = None  # the spec's build(lower_tier=...)
         self._published: list[tuple[int, PrefixBlock]] | None = None  # the spec's build(record_published=True)
 
@@ -455,35 +457,28 @@ class DualPoolGroup(CacheGroup):
             parent = state.chain[-1] if state.chain else state.root
             chain = chain_units(self.pool, parent, token_ids, mm_items, span, first, first + num_new)
         checkpoints: list[tuple[int, int]] = []
-        evicted: list[tuple[bytes, _Checkpoint]] = []
-        fresh: list[int] = []
+        dropped: list[tuple[bytes, _Checkpoint]] = []
         snapshot_ids: list[list[int]] = []
+        pooled = self.checkpoint_pool is self.pool
+        snapshot_evicted = evicted_blocks if pooled else []
         if self.checkpointing:
             wanted = [(first + k + 1) * span for k, b in enumerate(chain) if not self._has_checkpoint(b.block_hash)]
-            c = self.spec.checkpoint_blocks
-            if c:
-                # Pooled: the latest boundaries whose blocks are free now (a snapshot never makes
-                # a step wait); taking them may evict cached blocks, checkpoints included.
-                for position in wanted[max(0, len(wanted) - (self.pool.num_free - keep) // c) :]:
-                    ids = self.pool.allocate(c, evicted_blocks)
-                    assert ids is not None
-                    snapshot_ids.append(ids)
-                    checkpoints.append((position, ids[0]))
-            else:
-                # A long prefill may cross more boundaries than there are slots: keep the latest.
-                available = len(self._free_checkpoints) + len(self._checkpoints)
-                for position in wanted[max(0, len(wanted) - available) :]:
-                    if self._free_checkpoints:
-                        slot = self._free_checkpoints.popleft()
-                        fresh.append(slot)
-                    else:  # push out the least recently used checkpoint (undo puts it back)
-                        block_hash = min(self._checkpoints, key=lambda h: self._checkpoints[h].last_used)
-                        ckpt = self._checkpoints.pop(block_hash)
-                        evicted.append((block_hash, ckpt))
-                        slot = ckpt.slot
-                    checkpoints.append((position, slot))
-        self._note_evicted(evicted_blocks, evicted)
-        state.pending = _Pending(num_new, chain, tuple(checkpoints), evicted, fresh, evicted_blocks, snapshot_ids)
+            # The latest boundaries whose blocks are free now (a snapshot never makes a step
+            # wait; a long prefill may cross more boundaries than that); taking them may
+            # evict cached blocks, checkpoints included (the least recently used first).
+            c, base = self._parts, self._slot_base
+            num = (self.checkpoint_pool.num_free - (keep if pooled else 0)) // c
+            for position in wanted[max(0, len(wanted) - num) :]:
+                ids = self.checkpoint_pool.allocate(c, snapshot_evicted)
+                assert ids is not None
+                snapshot_ids.append(ids)
+                checkpoints.append((position, base + ids[0]))
+        self._note_evicted(evicted_blocks, dropped)
+        if not pooled:
+            self._note_evicted(snapshot_evicted, dropped)
+        state.pending = _Pending(
+            num_new, chain, tuple(checkpoints), dropped, evicted_blocks, snapshot_ids, snapshot_evicted
+        )
         return GroupReservation(tuple(new_ids), (), tuple(checkpoints))
 
     def commit(self, reqs: Sequence[StepRequest]) -> None:
@@ -508,40 +503,24 @@ class DualPoolGroup(CacheGroup):
                 published = zip(new_ids, run, strict=True)
                 self._published += [(b, block) for b, block in published if self.pool.is_published(block)]
         state.pending = None
-        if pending.snapshot_ids:
-            self._commit_pooled(state, pending.checkpoints, pending.snapshot_ids)
-            return
-        for position, slot in pending.checkpoints:
-            block = state.chain[position // self.span - 1]
-            if not self.pool.is_published(block) or self._has_checkpoint(block.block_hash):
-                # not findable (a collision), or another request checkpointed the prefix first
-                self._free_checkpoints.append(slot)
-                continue
-            stale = self._checkpoints.get(block.block_hash)
-            if stale is not None:  # a checkpoint of an evicted copy of the prefix gives way
-                self._free_checkpoints.append(stale.slot)
-            self._clock += 1
-            self._checkpoints[block.block_hash] = _Checkpoint(slot, block, self._clock)
-
-    def _commit_pooled(
-        self, state: DualPoolState, checkpoints: Sequence[tuple[int, int]], snapshot_ids: list[list[int]]
-    ) -> None:
-        """Pooled checkpoints the step wrote: each one's blocks registered under its boundary
-        block (part i: `_STATE_EXTRA` i), then freed as cached blocks (the newest of the
-        LRU queue); blocks that cannot be published (the boundary is not findable, or
-        another request checkpointed it first) are freed unhashed."""
-        for (position, _), ids in zip(checkpoints, snapshot_ids, strict=True):
+        # The checkpoints the step wrote: each one's blocks registered under its boundary
+        # block (part i: `_STATE_EXTRA` i), then freed as cached blocks (the newest of the
+        # LRU queue; a checkpoint of an evicted copy of the prefix gives way, `register`);
+        # blocks that cannot be published (the boundary is not findable, or another request
+        # checkpointed it first) are freed unhashed.
+        pool = self.checkpoint_pool
+        for (position, slot), ids in zip(pending.checkpoints, pending.snapshot_ids, strict=True):
             block = state.chain[position // self.span - 1]
             if self.pool.is_published(block) and not self._has_checkpoint(block.block_hash):
                 parts = []
                 for i, block_id in enumerate(ids):
-                    part = self.pool.register(block_id, self.pool.chain(block, b"", _STATE_EXTRA + str(i).encode()))
+                    part = pool.register(block_id, pool.chain(block, b"", _STATE_EXTRA + str(i).encode()))
                     if part is None:  # a collision: this checkpoint is not findable
                         break
                     parts.append(part)
                 if len(parts) == len(ids):
-                    self._checkpoints[block.block_hash] = _Checkpoint(ids[0], block, 0, tuple(parts))
-            self.pool.decref(ids)
+                    self._checkpoints[block.block_hash] = _Checkpoint(slot, block, tuple(parts))
+            pool.decref(ids)
 
     def unreserve(self, state: DualPoolState) -> None:
         """Undo the reserved step, whose forward has not run (e.g. another request of the
@@ -555,15 +534,14 @@ class DualPoolGroup(CacheGroup):
             return
         new_ids = state.block_ids[len(state.block_ids) - pending.num_new :]
         del state.block_ids[len(state.block_ids) - pending.num_new :]
-        self.pool.unallocate([*new_ids, *(b for ids in pending.snapshot_ids for b in ids)], pending.evicted_blocks)
-        self._free_checkpoints.extendleft(reversed(pending.fresh_slots))
-        for block_hash, ckpt in pending.evicted:
-            if ckpt.parts:  # pooled: back unless a later allocation took another of its blocks
-                if block_hash not in self._checkpoints and all(self.pool.is_published(p) for p in ckpt.parts):
-                    self._checkpoints[block_hash] = ckpt
-            elif block_hash in self._checkpoints:
-                self._free_checkpoints.append(ckpt.slot)
-            else:
+        snapshot_ids = [b for ids in pending.snapshot_ids for b in ids]
+        if self.checkpoint_pool is self.pool:
+            self.pool.unallocate([*new_ids, *snapshot_ids], pending.evicted_blocks)
+        else:
+            self.pool.unallocate(new_ids, pending.evicted_blocks)
+            self.checkpoint_pool.unallocate(snapshot_ids, pending.snapshot_evicted)
+        for block_hash, ckpt in pending.dropped:  # back unless a later allocation took another of its blocks
+            if block_hash not in self._checkpoints and all(self.checkpoint_pool.is_published(p) for p in ckpt.parts):
                 self._checkpoints[block_hash] = ckpt
         if self._evicted is not None and pending.evicted_blocks:  # not evicted after all: the tier needs them not
             undone = {block_id for block_id, _ in pending.evicted_blocks}
@@ -583,28 +561,24 @@ class DualPoolGroup(CacheGroup):
         return ckpt if ckpt is not None and ckpt.block is block else None
 
     def _touch(self, ckpt: _Checkpoint) -> None:
-        """A restore used `ckpt`: most recently used now (pooled: its blocks go to the end of
-        the pool's LRU queue)."""
-        if ckpt.parts:
-            ids = [part.block_ids[0] for part in ckpt.parts]
-            self.pool.incref(ids)
-            self.pool.decref(ids)
-            return
-        self._clock += 1
-        ckpt.last_used = self._clock
+        """A restore used `ckpt`: most recently used now (its blocks go to the end of the
+        checkpoint pool's LRU queue)."""
+        ids = [part.block_ids[0] for part in ckpt.parts]
+        self.checkpoint_pool.incref(ids)
+        self.checkpoint_pool.decref(ids)
 
     def _note_evicted(self, evicted: list[tuple[int, PrefixBlock]], dropped: list[tuple[bytes, _Checkpoint]]) -> None:
         """Cached blocks an allocation just evicted: classical ones go to the tier record
-        (with a lower tier); a pooled checkpoint that lost its last copy of a part is
-        dropped (into `dropped`, for an undo to put back)."""
-        if self.spec.checkpoint_blocks:
+        (with a lower tier); a checkpoint that lost its last copy of a part is dropped
+        (into `dropped`, for an undo to put back)."""
+        if self._checkpoints:
             for _, block in evicted:
                 if _state_part(block) and not block.block_ids:
                     assert block.parent is not None
                     ckpt = self._checkpoints.get(block.parent.block_hash)
                     if ckpt is not None and block in ckpt.parts:
                         dropped.append((block.parent.block_hash, self._checkpoints.pop(block.parent.block_hash)))
-        if self._evicted is not None:
+        if self._evicted is not None and evicted:
             self._evicted.extend(e for e in evicted if not _state_part(e[1]))
 
     # ---- a tier below the classical pool (kvpool.tiers) ----------------------------------
@@ -655,7 +629,7 @@ class DualPoolGroup(CacheGroup):
         return state.block_ids
 
     def held_blocks(self, state: DualPoolState) -> list[int]:
-        if state.pending is None or not state.pending.snapshot_ids:
+        if state.pending is None or not state.pending.snapshot_ids or self.checkpoint_pool is not self.pool:
             return state.block_ids
         return state.block_ids + [b for ids in state.pending.snapshot_ids for b in ids]
 
@@ -710,10 +684,7 @@ class DualPoolGroup(CacheGroup):
             new_ids = state.block_ids[len(state.block_ids) - pending.num_new :]
             del state.block_ids[len(state.block_ids) - pending.num_new :]
             self.pool.decref(reversed(new_ids))
-            if pending.snapshot_ids:
-                self.pool.decref(b for ids in reversed(pending.snapshot_ids) for b in ids)
-            else:
-                self._free_checkpoints.extend(slot for _, slot in pending.checkpoints)
+            self.checkpoint_pool.decref(b for ids in reversed(pending.snapshot_ids) for b in ids)
             state.pending = None
         self.pool.decref(reversed(state.block_ids))
         self.state_pool.decref((state.state_slot,))
@@ -769,8 +740,8 @@ class DualPoolGroup(CacheGroup):
 
     def check_states(self, states: dict[str, DualPoolState]) -> None:
         """Each request holds one state block of its own; the others are free. Every
-        checkpoint slot is findable, free or taken by a pending step, once; every pooled
-        checkpoint is findable in all its parts."""
+        checkpoint is findable in all its parts; a pool of checkpoint slots of its own holds
+        free slots and those of pending steps, once."""
         self.state_pool.check_integrity()
         held = sorted(s.state_slot for s in states.values())
         free = sorted(self.state_pool.free_queue())
@@ -782,26 +753,24 @@ class DualPoolGroup(CacheGroup):
                     f"group {self.name!r}: request {rid!r}'s state block {s.state_slot} has refcount "
                     f"{self.state_pool.refcount(s.state_slot)}"
                 )
-        if self.spec.checkpoint_blocks:
-            for block_hash, ckpt in self._checkpoints.items():
-                if ckpt.block.block_hash != block_hash or len(ckpt.parts) != self.spec.checkpoint_blocks:
-                    raise AssertionError(
-                        f"pooled checkpoint of {block_hash.hex()[:12]} is not {self.spec.checkpoint_blocks} parts"
-                    )
-                for part in ckpt.parts:
-                    if not part.block_ids or not self.pool.is_published(part) or part.parent is not ckpt.block:
-                        raise AssertionError(
-                            f"pooled checkpoint of {block_hash.hex()[:12]} lost a part: it is not findable"
-                        )
-            return
-        pending = [slot for s in states.values() if s.pending is not None for _, slot in s.pending.checkpoints]
-        slots = [c.slot for c in self._checkpoints.values()] + list(self._free_checkpoints) + pending
-        first = self.state_pool.num_blocks
-        if sorted(slots) != list(range(first, first + self.spec.num_checkpoints)):
-            raise AssertionError(f"group {self.name!r}: checkpoint slots leaked or doubled: {sorted(slots)}")
+        pool = self.checkpoint_pool
         for block_hash, ckpt in self._checkpoints.items():
-            if ckpt.block.block_hash != block_hash:
-                raise AssertionError(f"checkpoint in slot {ckpt.slot} is filed under another hash")
+            if ckpt.block.block_hash != block_hash or len(ckpt.parts) != self._parts:
+                raise AssertionError(f"checkpoint of {block_hash.hex()[:12]} is not {self._parts} parts")
+            for part in ckpt.parts:
+                if not part.block_ids or not pool.is_published(part) or part.parent is not ckpt.block:
+                    raise AssertionError(f"checkpoint of {block_hash.hex()[:12]} lost a part: it is not findable")
+            if ckpt.slot - self._slot_base not in ckpt.parts[0].block_ids:
+                raise AssertionError(f"checkpoint in slot {ckpt.slot} is filed under another block")
+        if pool is not self.pool:  # slots: held by pending steps only (pooled: the coordinator counts them)
+            pool.check_integrity()
+            held = [b for s in states.values() if s.pending is not None for ids in s.pending.snapshot_ids for b in ids]
+            for b in range(pool.num_blocks):
+                if pool.refcount(b) != held.count(b):
+                    raise AssertionError(
+                        f"group {self.name!r}: checkpoint slot {self._slot_base + b} has refcount "
+                        f"{pool.refcount(b)}, held {held.count(b)} times"
+                    )
 
 
 class DSV4CacheManager(HybridCacheManager):
