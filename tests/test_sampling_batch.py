@@ -12,15 +12,26 @@ code (no generator state): no test here can flake.
 from __future__ import annotations
 
 import math
+import random
 import statistics
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
 from kvpool.engine.engine import Engine
 from kvpool.engine.llama_runner import LlamaRunner
-from kvpool.engine.sampling import SamplingParams, _splitmix64, sample_batch, sample_token, uniform_draw
+from kvpool.engine.sampling import (
+    SEED_MAX,
+    SEED_MIN,
+    SamplingParams,
+    _splitmix64,
+    sample_batch,
+    sample_token,
+    uniform_draw,
+    uniform_draws,
+)
 from random_llama import DESCRIPTOR, random_ids, random_llama
 
 N = 3000
@@ -167,6 +178,21 @@ def test_uniform_draw_is_uniform_and_seeded_by_all_64_bits():
 def test_the_hash_rounds_are_splitmix64():
     # SplitMix64's first output from state 0 (Vigna's splitmix64.c; Java's SplittableRandom)
     assert _splitmix64(0) == 0xE220A8397B1DCDAF
+
+
+def test_the_batch_of_draws_is_uniform_draw_bit_for_bit():
+    """`uniform_draws` (numpy's wrapping uint64) against `uniform_draw` (Python integers
+    masked to 64 bits), draw by draw, float64 equality: seeds over the whole signed range
+    and its ends, indices and positions small and near 2^63, where a lost carry or an
+    arithmetic (sign-extending) shift would show."""
+    rng = random.Random(7)
+    seeds = [SEED_MIN, SEED_MAX, -1, 0, 1] + [rng.randint(SEED_MIN, SEED_MAX) for _ in range(2000)]
+    indices = [rng.choice((0, 1, 7, (1 << 63) - 1, rng.randrange(1 << 63))) for _ in seeds]
+    positions = [rng.choice((0, 5, 4095, (1 << 62) + 3, rng.randrange(1 << 63))) for _ in seeds]
+    got = uniform_draws(seeds, indices, positions)
+    assert got.dtype == np.float64 and got.shape == (len(seeds),)
+    assert got.tolist() == [uniform_draw(*key) for key in zip(seeds, indices, positions, strict=True)]
+    assert uniform_draws([], [], []).shape == (0,)
 
 
 def test_a_sample_index_never_replays_another_seeds_draws():

@@ -22,9 +22,11 @@ nothing), which costs it a synchronisation `sample_batch` does not make.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 # Temperatures below this sample greedily (vLLM's threshold). The scaled logits overflow fp32
@@ -160,6 +162,33 @@ def uniform_draw(seed: int, sample_index: int, position: int) -> float:
     return (_mix64(seed, sample_index, position) >> 11) * 2.0**-53
 
 
+_GOLDEN, _MUL1, _MUL2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def _splitmix64_np(x: np.ndarray) -> np.ndarray:
+    """`_splitmix64` of every word of x [n] uint64, in numpy's uint64 arithmetic, which
+    wraps modulo 2^64 as `_splitmix64`'s `& _MASK64` does, and shifts logically: the same
+    bits."""
+    x = x + _GOLDEN
+    x = (x ^ (x >> np.uint64(30))) * _MUL1
+    x = (x ^ (x >> np.uint64(27))) * _MUL2
+    return x ^ (x >> np.uint64(31))
+
+
+def uniform_draws(seeds: Sequence[int], sample_indices: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+    """`uniform_draw` of each (seeds[i], sample_indices[i], positions[i]) at once -> [n]
+    float64, bit for bit (tests/test_sampling_batch.py): a batch's draws in a few numpy
+    calls instead of three Python SplitMix64 rounds a row (~2 us a row on the host, 0.25 ms
+    at batch 128). Seeds are signed 64-bit (their two's complement words are `seed &
+    _MASK64`); indices and positions are non-negative and below 2^63."""
+    n = len(seeds)
+    x = _splitmix64_np(np.fromiter(seeds, np.int64, n).view(np.uint64))
+    x = _splitmix64_np(x ^ np.fromiter(sample_indices, np.int64, n).view(np.uint64))
+    x = _splitmix64_np(x ^ np.fromiter(positions, np.int64, n).view(np.uint64))
+    # the top 53 bits, below 2^53: exact in float64, and the power of two scales exactly
+    return (x >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
 def _draw(weights: torch.Tensor, u: float) -> int:
     """An index i with probability weights[i] / sum (weights [m] >= 0) for the uniform u:
     the first i whose cumulative weight exceeds u * total (u rounded to the weights'
@@ -182,6 +211,9 @@ def token_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, lis
         values, ids = torch.topk(logp, min(k, logp.shape[-1]))
         top = list(zip(ids.tolist(), values.tolist(), strict=True))
     return float(logp[token]), top
+
+
+_TEMPERATURE = operator.attrgetter("temperature")
 
 
 def sample_batch(
@@ -207,26 +239,24 @@ def sample_batch(
     if num_rows == 0:
         return []
     tokens = torch.argmax(logits, dim=-1)  # [rows] int64
-    stochastic = [i for i, p in enumerate(params) if not p.greedy]
-    if stochastic:
+    # the rows that are not `greedy` (temperature >= GREEDY_TEMPERATURE), in numpy: one
+    # attribute read a row, no Python comparison a row
+    temperature = np.fromiter(map(_TEMPERATURE, params), np.float64, num_rows)
+    stochastic = np.flatnonzero(temperature >= GREEDY_TEMPERATURE)  # [m] int64, increasing
+    if len(stochastic):
         device, vocab = logits.device, logits.shape[-1]
-        picked = [params[i] for i in stochastic]
+        at = stochastic.tolist()
+        picked = [params[i] for i in at]
         # the per-row parameters, one host-to-device copy: temperature, top_p, top_k, u
-        table = torch.tensor(
-            [
-                (
-                    p.temperature,
-                    p.top_p,
-                    min(p.top_k, vocab) if p.top_k else vocab,
-                    uniform_draw(p.seed, sample_indices[i], positions[i]),
-                )
-                for i, p in zip(stochastic, picked, strict=True)
-            ],
-            dtype=torch.float64,
+        table = np.empty((len(at), 4), dtype=np.float64)
+        table[:, 0] = temperature[stochastic]
+        table[:, 1] = [p.top_p for p in picked]
+        table[:, 2] = [min(p.top_k, vocab) if p.top_k else vocab for p in picked]
+        table[:, 3] = uniform_draws(
+            [p.seed for p in picked], [sample_indices[i] for i in at], [positions[i] for i in at]
         )
-        table = _to_device(table, device)
-        rows = _to_device(torch.tensor(stochastic, dtype=torch.long), device)
-        sampled = _sample_rows(logits.index_select(0, rows), table, picked)
+        rows = _to_device(torch.from_numpy(stochastic), device)
+        sampled = _sample_rows(logits.index_select(0, rows), _to_device(torch.from_numpy(table), device), picked)
         tokens = tokens.index_copy(0, rows, sampled)
     return tokens.tolist()  # the step's one host synchronisation
 
