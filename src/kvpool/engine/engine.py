@@ -20,6 +20,7 @@ victim of a younger one), so the loop cannot deadlock. The scheduler only asks t
 from __future__ import annotations
 
 import itertools
+import operator
 import time
 import traceback
 from collections import deque
@@ -36,6 +37,7 @@ _T = TypeVar("_T")
 # ScheduledChunk(...) without the named tuple's Python-level __new__: the engine makes one
 # per sequence per step
 _new_chunk = tuple.__new__
+_NEEDS_LOGITS = operator.attrgetter("needs_logits")
 LATENCY_SAMPLES = 1 << 16  # admit / reserve latencies kept per kind (the latest)
 
 
@@ -79,8 +81,10 @@ class RequestState:
     forked: bool = False
     tenant: str = ""  # the cache's tenant salt: no prefix is shared across tenants
     # What ends a sequence of it, fixed at add_request and read per token (_accept_token): its
-    # length in tokens by max_tokens (prompt + max_tokens), the ids that stop it (the engine's
-    # EOS ids, none with ignore_eos), whether its stop strings are matched in decoded text
+    # length in tokens at which it ends by length (prompt + max_tokens, or the runner's
+    # max_model_len where that is less: one comparison a token), the ids that stop it (the
+    # engine's EOS ids, none with ignore_eos), whether its stop strings are matched in
+    # decoded text
     end_len: int = 0
     stop_ids: frozenset[int] = frozenset()
     matches_text: bool = False
@@ -236,7 +240,7 @@ class Engine:
             params,
             arrival,
             tenant=tenant,
-            end_len=len(prompt) + params.max_tokens,
+            end_len=min(len(prompt) + params.max_tokens, limit),
             stop_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
             matches_text=bool(params.stop) and self.decode_text is not None,
             plain=params.n == 1 and params.logprobs is None,
@@ -466,11 +470,10 @@ class Engine:
         # the per-token fast path (below) holds while nothing is recorded per token; a
         # batched step has every token sampled already (`sampled`)
         plain = self.inline_decode and not self.record_logits
-        max_model_len = self.runner.max_model_len
         row = 0
         num_decode = 0  # chunks of one token after the prompt
-        for i, (seq, chunk) in enumerate(zip(self._scheduled, chunks, strict=True)):
-            n = len(chunk.token_ids)
+        counts = self._step_counts  # (counts[i] is len(chunks[i].token_ids))
+        for i, (seq, chunk, n) in enumerate(zip(self._scheduled, chunks, counts, strict=True)):
             seq.num_computed += n
             req = seq.request
             if n == 1 and chunk.start >= len(req.prompt_ids):
@@ -491,12 +494,7 @@ class Engine:
                         position = len(tokens) - len(req.prompt_ids)
                         token = self.sampler(logits[row - 1], req.params, seq.sample_index, position)
                     tokens.append(token)
-                    if (
-                        not req.matches_text
-                        and token not in req.stop_ids
-                        and len(tokens) < req.end_len
-                        and len(tokens) < max_model_len
-                    ):
+                    if not req.matches_text and token not in req.stop_ids and len(tokens) < req.end_len:
                         next_token_ids[i] = token
                         continue
                     reason = self._stop_reason(seq, token)
@@ -513,7 +511,6 @@ class Engine:
                 next_token_ids[i] = seq.token_ids[-1]
             else:
                 done.append((seq, reason))
-        counts = self._step_counts
         stats.num_decode_tokens += num_decode
         stats.num_prefill_tokens += sum(counts) - num_decode
         self.runner.commit(self._step_ids, counts, next_token_ids)
@@ -542,7 +539,9 @@ class Engine:
 
     def _sample_step(self, chunks: Sequence[ScheduledChunk], logits: torch.Tensor) -> list[int]:
         """Every sampled row's token (the chunks needing logits, in order), in one batch."""
-        seqs = [seq for seq, c in zip(self._scheduled, chunks, strict=True) if c.needs_logits]
+        seqs = self._scheduled
+        if not all(map(_NEEDS_LOGITS, chunks)):  # (a decode step samples every chunk: no filtered copy)
+            seqs = [seq for seq, c in zip(seqs, chunks, strict=True) if c.needs_logits]
         params = [seq.request.params for seq in seqs]
         positions = [len(seq.token_ids) - len(seq.request.prompt_ids) for seq in seqs]
         return sample_batch(logits[: len(seqs)], params, [seq.sample_index for seq in seqs], positions)
@@ -604,13 +603,7 @@ class Engine:
         # what the request fixed at add_request (its length, its stop ids, whether text
         # matters). Off with `inline_decode`: every token then meets `_stop_reason` itself, the
         # reference that tests/test_engine_scheduler.py holds both shortcuts to
-        if (
-            self.inline_decode
-            and not req.matches_text
-            and token not in req.stop_ids
-            and len(tokens) < req.end_len
-            and len(tokens) < self.runner.max_model_len
-        ):
+        if self.inline_decode and not req.matches_text and token not in req.stop_ids and len(tokens) < req.end_len:
             return None
         return self._stop_reason(seq, token)
 
