@@ -40,10 +40,16 @@ def test_the_host_part_times_each_piece_of_a_decode_step(capsys):
     parts = ("schedule_ms", "metadata_ms", "sampling_ms", "bookkeeping_ms")
     assert all(host[p] > 0 for p in parts)
     assert sum(host[p] for p in parts) == pytest.approx(host["step_ms"], abs=2e-4)
-    # a decode rewrites one table entry a sequence: the block it writes in
-    assert host["table_entries_written_per_step"] == 6.0
+    # the first decode after the prefill writes each sequence's entry of the block it writes
+    # in; the 49 after it advance in place, writing an entry only where a token opens a
+    # block (16 tokens): positions 41-89 open 48, 64 and 80. (6 + 6 * 3) / 50 entries a step
+    assert host["steps_advanced_in_place"] == 49
+    assert host["table_entries_written_per_step"] == (6 + 6 * 3) / 50
     # through the engine's own decode path: its step buffers, in the largest bucket (the batch)
     assert host["decode_path"] == "static step buffers, padded to bucket 6"
+    # the fixed logits' columns, and a temperature batch of the same rows timed apart
+    assert host["vocab"] == 16
+    assert host["temperature_sampling_ms"] > 0
 
 
 def test_a_model_is_a_config_path_or_a_preset():

@@ -4,6 +4,8 @@ checked against the cache's own step tables (the CSR and slots the backends plan
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -76,6 +78,108 @@ def test_rows_run_out_only_while_every_row_is_held():
     b.check_integrity()
 
 
+def _host_state(b: StepBuffers, tables: dict[str, list[int]]) -> tuple:
+    """What a kernel reads of the last step: its vectors, and each of its requests' row up to
+    the blocks its context covers."""
+    v = b.view(b.num_seqs, b.num_tokens)
+    rows = v.seq_rows.tolist()
+    rids = {row: rid for rid, row in b._rows.items()}
+    covered = [-(-end // b.block_size) for end in v.ctx_lens.tolist()]
+    return (
+        [rids[r] for r in rows],
+        v.ctx_lens.tolist(),
+        v.query_start.tolist(),
+        v.slot_mapping.tolist(),
+        v.positions.tolist(),
+        [b.block_tables[r, :k].tolist() for r, k in zip(rows, covered, strict=True)],
+        [tables[rids[r]][:k] for r, k in zip(rows, covered, strict=True)],
+    )
+
+
+def test_advance_writes_what_update_writes_step_by_step():
+    """Random decode runs over two buffers, one advancing in place where it can, the other
+    always rewritten by `update`: after every step both hold the same vectors and rows, and
+    those rows are the tables'. Requests open blocks (block size 4), join, leave, reorder,
+    take a prefill chunk, and have a tail block replaced (copy-on-write: no advance then)."""
+    rng = random.Random(3)
+    a, b = (StepBuffers(max_num_seqs=6, max_num_tokens=32, max_blocks_per_seq=12, block_size=4) for _ in range(2))
+    tables: dict[str, list[int]] = {}
+    ends: dict[str, int] = {}
+    next_block = [100]
+
+    def block() -> int:
+        next_block[0] += 1
+        return next_block[0]
+
+    def admit(rid: str) -> None:
+        ends[rid] = 0
+        tables[rid] = []
+
+    for rid in "abcd":
+        admit(rid)
+    advanced = 0
+    for step in range(300):
+        cow = False
+        event = rng.random()
+        if event < 0.04 and len(ends) > 1:  # one leaves
+            gone = rng.choice(sorted(ends))
+            del ends[gone], tables[gone]
+            a.forget(gone)
+            b.forget(gone)
+        elif event < 0.08 and len(ends) < 6:
+            admit(f"r{step}")
+        elif event < 0.11:  # a shared tail block is copied before this step writes it
+            rid = rng.choice(sorted(ends))
+            if ends[rid] % 4:
+                tables[rid][ends[rid] // 4] = block()
+                cow = True
+        order = sorted(ends)
+        if event > 0.97:
+            rng.shuffle(order)
+        # a new request prefills 1-5 tokens; a running one decodes one (a chunk of 2 at times)
+        q = {rid: (rng.randint(1, 5) if ends[rid] == 0 else 2 if event > 0.99 else 1) for rid in order}
+        starts = [ends[rid] for rid in order]
+        new_ends = [ends[rid] + q[rid] for rid in order]
+        for rid, end in zip(order, new_ends, strict=True):
+            while len(tables[rid]) * 4 < end:
+                tables[rid].append(block())
+            ends[rid] = end
+        rows = [tables[rid] for rid in order]
+        ids = tuple(order)
+        if not cow and a.advance(ids, starts, new_ends, lambda some: [tables[r] for r in some]):
+            advanced += 1
+        else:
+            a.update(ids, starts, new_ends, rows)
+        b.update(ids, starts, new_ends, rows)
+        assert _host_state(a, tables) == _host_state(b, tables), step
+        got = _host_state(a, tables)
+        assert got[5] == got[6], step  # the rows are the tables'
+        a.check_integrity({rid: tables[rid] for rid in order})
+        for rid in order:  # a request of 40 tokens finishes (12 blocks of 4 a row)
+            if ends[rid] >= 40:
+                del ends[rid], tables[rid]
+                a.forget(rid)
+                b.forget(rid)
+        if not ends:
+            admit(f"s{step}")
+    assert advanced == a.num_advanced > 150
+    assert a.num_table_writes < b.num_table_writes
+
+
+def test_advance_refuses_after_padding_overwrote_the_last_step():
+    b = StepBuffers(max_num_seqs=4, max_num_tokens=8, max_blocks_per_seq=2, block_size=4, dummy_block=9)
+    tables = {"a": [3], "b": [5]}
+    b.update(("a", "b"), [0, 0], [1, 1], [tables["a"], tables["b"]])
+    b.update(("a", "b"), [1, 1], [2, 2], [tables["a"], tables["b"]])  # a decode: `advance` may follow
+    b.clear()
+    b.pad(4)  # (a capture pads from an empty step: rows [0, 4) become padding)
+    assert not b.advance(("a", "b"), [2, 2], [3, 3], lambda ids: [tables[r] for r in ids])
+    assert b.num_advanced == 0
+    b.update(("a", "b"), [2, 2], [3, 3], [tables["a"], tables["b"]])
+    assert b.advance(("a", "b"), [3, 3], [4, 4], lambda ids: [tables[r] for r in ids])
+    assert b.view(2, 2).slot_mapping.tolist() == [3 * 4 + 3, 5 * 4 + 3]
+
+
 def _checked_engine(num_blocks: int, block_size: int, max_num_seqs: int, **kw) -> tuple[Engine, list[int]]:
     """An engine whose runner fills step buffers; every step's buffers are compared with the
     cache's step tables (CSR and slots) before the forward. Returns it and a step counter."""
@@ -120,6 +224,7 @@ def test_every_step_of_forks_and_prefix_hits_equals_the_caches_tables():
             e.runner.check_integrity()
     assert e.runner.cache.stats.num_hit_tokens == 3 * 8
     assert checked[0] == e.num_steps > 10
+    assert e.runner.step_buffers.num_advanced > 0  # (decodes one token on, taken in place)
 
 
 def test_every_step_of_preempted_and_readmitted_requests_equals_the_caches_tables():

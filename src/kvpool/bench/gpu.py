@@ -3,11 +3,14 @@
 - host: the host's work per decode step at batch B (`host_step`), through the engine's
   own decode path (the Llama executor's static step buffers and `DecodeGraphs`, as a
   CUDA-graph engine runs it): schedule (with the reservation), the step metadata into the
-  persistent buffers (StepBuffers), sampling (`sample_batch`: its parameter table, launch
-  and one synchronisation) and the bookkeeping (commit, the tokens' acceptance, the token
-  ids into the static input, the padding to the bucket), with the model's decode step
-  (what a graph replays on the device) replaced by logits made once: what the host adds to
-  every step whatever the GPU does (the replay's own launch call not included). Runs on
+  persistent buffers (StepBuffers: `advance` in place, or `update`), sampling
+  (`sample_batch`: its parameter table, launch and one synchronisation) and the
+  bookkeeping (commit, the tokens' acceptance, the token ids into the static input, the
+  padding to the bucket), with the model's decode step (what a graph replays on the
+  device) replaced by logits made once, 16 columns wide (`HOST_VOCAB`: on the CPU a
+  kernel's compute over a real vocabulary would be timed as host work): what the host
+  adds to every step whatever the GPU does (the replay's own launch call not included).
+  A temperature batch of the same rows is timed apart (`sample_batch` alone). Runs on
   any device (`--parts host` on a machine without CUDA).
 - attention: paged decode through the CUDA backend against SDPA on a contiguous copy of
   the same K/V (batch x context 1x4k, 16x4k, 64x4k, 16x32k; Llama-3.1-8B's heads), in
@@ -67,17 +70,27 @@ def config_path(model: str) -> Path:
 # ---- the host's work per step -----------------------------------------------------------
 
 
+# The fixed logits' columns. On a GPU the sampler's kernels run on the device and its host
+# only launches them and reads back the tokens; on the CPU their compute is host time too
+# (torch's argmax over 128 x 512 fp32: ~0.08 ms on the 2-vCPU EPYC, one thread). Over 16
+# columns a kernel's compute is ~1 us, so what the sampling figure times is its dispatch,
+# the parameter table and the tokens' trip to Python: what a GPU step's host does.
+HOST_VOCAB = 16
+
+
 def host_step(
     batch: int = 128, context: int = 1024, num_steps: int = 50, block_size: int = 16, device: str = "cpu"
 ) -> dict[str, float]:
     """Median milliseconds per decode step of `batch` requests of `context` tokens, by part
     (schedule, metadata, sampling, bookkeeping: the rest of Engine.step) and in all, the
-    model's forward replaced by a fixed logits tensor on `device` (the random test Llama's
-    vocabulary of 512, so that sampling's figure is its host work, not an argmax over a
-    large vocabulary). Also: the list-built step tables of the same steps (the cache's
-    `step_tables`, what the non-buffered backends plan from), for comparison. On the CPU
-    with one intra-op thread: the step's tensors are tiny, and on a shared machine waking a
-    second thread for an argmax of 128 x 512 was measured at ~30 ms."""
+    model's forward replaced by a fixed logits tensor on `device` of `HOST_VOCAB` columns
+    (below). Also: the list-built step tables of the same steps (the cache's
+    `step_tables`, what the non-buffered backends plan from), for comparison, and
+    `sample_batch` on the same rows at temperature 0.8 (each request its own seed: the
+    draws' hashes, the parameter table and the stochastic rows' ops), apart from the
+    engine's greedy steps. On the CPU with one intra-op thread: the step's tensors are tiny,
+    and on a shared machine waking a second thread for an argmax of 128 x 512 was measured
+    at ~30 ms."""
     import torch
 
     threads = torch.get_num_threads()
@@ -94,7 +107,7 @@ def _host_step(batch: int, context: int, num_steps: int, block_size: int, device
     from kvpool.cache import CacheDescriptor
     from kvpool.engine.engine import Engine
     from kvpool.engine.llama_runner import LlamaRunner
-    from kvpool.engine.sampling import SamplingParams
+    from kvpool.engine.sampling import SamplingParams, sample_batch
     from kvpool.models.gguf import LlamaConfig
     from kvpool.models.hf_config import random_llama
 
@@ -113,7 +126,7 @@ def _host_step(batch: int, context: int, num_steps: int, block_size: int, device
         max_num_seqs=batch,
         max_num_batched_tokens=batch * context,
     )
-    logits = torch.randn(batch * context, config.vocab_size, generator=torch.Generator().manual_seed(0)).to(device)
+    logits = torch.randn(batch * context, HOST_VOCAB, generator=torch.Generator().manual_seed(0)).to(device)
     graphs = runner.executor._graphs
     graphs.forward = lambda num_seqs: logits[:num_seqs]
     # the prefill step: the model's forward replaced alike (a row per sampled chunk)
@@ -137,8 +150,10 @@ def _host_step(batch: int, context: int, num_steps: int, block_size: int, device
 
     engine.schedule = timer("schedule", engine.schedule)
     runner.step_buffers.update = timer("metadata", runner.step_buffers.update)
+    runner.step_buffers.advance = timer("metadata", runner.step_buffers.advance)
     engine._sample_step = timer("sampling", engine._sample_step)
     writes_before = runner.step_buffers.num_table_writes
+    advanced_before = runner.step_buffers.num_advanced
     for _ in range(num_steps):
         for values in timed.values():
             values.append(0.0)
@@ -152,6 +167,18 @@ def _host_step(batch: int, context: int, num_steps: int, block_size: int, device
         began = time.perf_counter()
         runner.cache.step_tables(running, [e - 1 for e in ends], ends, check=False)
         timed["tables"][-1] = time.perf_counter() - began
+    # a temperature batch of the same rows, sampled as the engine's batched step samples
+    seqs = engine.running
+    hot = [SamplingParams(max_tokens=1, temperature=0.8, seed=i) for i in range(len(seqs))]
+    indices = [seq.sample_index for seq in seqs]
+    positions = [seq.num_output_tokens for seq in seqs]
+    timed["temperature"] = []
+    for _ in range(num_steps):
+        began = time.perf_counter()
+        sample_batch(logits[: len(seqs)], hot, indices, positions)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        timed["temperature"].append(time.perf_counter() - began)
     ms = {name: statistics.median(values) * 1e3 for name, values in timed.items()}
     assert graphs.num_static == num_steps, "every timed step took the engine's static-buffer decode path"
     return {
@@ -165,7 +192,10 @@ def _host_step(batch: int, context: int, num_steps: int, block_size: int, device
         "sampling_ms": round(ms["sampling"], 4),
         "bookkeeping_ms": round(ms["step"] - ms["schedule"] - ms["metadata"] - ms["sampling"], 4),
         "list_step_tables_ms": round(ms["tables"], 4),
+        "temperature_sampling_ms": round(ms["temperature"], 4),
+        "vocab": HOST_VOCAB,
         "table_entries_written_per_step": round((runner.step_buffers.num_table_writes - writes_before) / num_steps, 2),
+        "steps_advanced_in_place": runner.step_buffers.num_advanced - advanced_before,
         "decode_path": "static step buffers, padded to bucket " + ",".join(map(str, sorted(graphs.steps_by_bucket))),
     }
 

@@ -10,6 +10,7 @@ tables from the cache.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -27,6 +28,8 @@ from kvpool.models.tensor_parallel import check_same_step, step_digest
 from kvpool.storage.kv import PagedKVStorage, QuantizedKVStorage
 from kvpool.storage.quant import KVSchema, code_dtype, kv_schema
 from kvpool.tiers import Tier
+
+_FIRST = operator.itemgetter(0)
 
 
 def kv_format_for(model: LlamaModel, name: str | None) -> KVSchema | None:
@@ -377,23 +380,26 @@ class LlamaExecutor:
         self.peaks.note("graph_logits", logits)
         self.peaks.note("graph_pool", max(pool - logits, 0))
 
-    def _takes_decode(self, chunks: Sequence[ScheduledChunk]) -> bool:
-        """Whether the step goes through the graphs: a pure decode (one token a chunk, each
-        sampled) that the runner put in the step buffers, with a backend that reads them."""
+    def _takes_decode(self, chunks: Sequence[ScheduledChunk]) -> tuple[tuple[list[int], ...], tuple[int, ...]] | None:
+        """The step's token ids and starts (the chunks' columns) when it goes through the
+        graphs: a pure decode (one token a chunk, each sampled) that the runner put in the
+        step buffers, with a backend that reads them; else None."""
         buffers = self.step_buffers
         n = len(chunks)
-        return (  # (n chunks of n tokens in the buffers: one token each)
-            buffers is not None
-            and buffers.num_seqs == buffers.num_tokens == n > 0
-            and all(c.needs_logits for c in chunks)
-            and hasattr(self.attention, "begin_decode")
-        )
+        # (n chunks of n tokens in the buffers: one token each)
+        if buffers is None or not buffers.num_seqs == buffers.num_tokens == n > 0:
+            return None
+        if not hasattr(self.attention, "begin_decode"):
+            return None
+        _, token_ids, starts, needs_logits = zip(*chunks, strict=True)  # the chunks' columns
+        return (token_ids, starts) if all(needs_logits) else None
 
     def forward(self, chunks: Sequence[ScheduledChunk], cache: Any, all_logits: bool = False) -> torch.Tensor:
         """Run one step; logits [num chunks with needs_logits, vocab] (or every token's, [N, vocab])."""
         if self._graphs is not None:
-            if self._takes_decode(chunks):
-                return self._forward_decode(chunks)
+            decode = self._takes_decode(chunks)
+            if decode is not None:
+                return self._forward_decode(*decode)
             # the buffers hold a step only between the runner's update and this forward, so
             # a step the runner did not put there (a caller's own forward) is never taken
             self.step_buffers.clear()
@@ -430,20 +436,21 @@ class LlamaExecutor:
         self._note_forward(len(token_ids), step.attend, logits)
         return logits
 
-    def _forward_decode(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+    def _forward_decode(self, token_ids: Sequence[list[int]], starts: Sequence[int]) -> torch.Tensor:
         """A pure-decode step through `DecodeGraphs` (the runner has put it in the step
-        buffers): logits [len(chunks), vocab], every row sampled."""
-        graphs = self._graphs
-        assert graphs is not None
-        top = max(c.start for c in chunks)
+        buffers), its chunks' columns: token_ids[i] the i-th sequence's one token (a list of
+        one), starts[i] its position -> logits [len(starts), vocab], every row sampled."""
+        graphs, buffers = self._graphs, self.step_buffers
+        assert graphs is not None and buffers is not None
+        top = max(starts)
         max_position = self.model.config.max_position
         if top >= max_position:
             raise ValueError(f"position {top} exceeds the model's context {max_position}")
         self._decode_max_position = top
         self.wait_for_loads()  # outside the graph: a replay must not wait on this step's events
-        graphs.set_input_ids([c.token_ids[0] for c in chunks])
-        logits = graphs.run(len(chunks))
-        self.step_buffers.clear()  # (type narrowed by _takes_decode) a step is taken once: see forward
+        graphs.set_input_ids(list(map(_FIRST, token_ids)))
+        logits = graphs.run(len(starts))
+        buffers.clear()  # a step is taken once: see forward
         self.last_decode_path = self.attention.name
-        self._note_forward(len(chunks), None, logits)
+        self._note_forward(len(starts), None, logits)
         return logits

@@ -420,10 +420,12 @@ class ModelRunner:
                 ids = [c.request_id for c in chunks]
                 starts = [c.start for c in chunks]
                 ends = [c.start + len(c.token_ids) for c in chunks]
-                if buffers.fits(ids, sum(ends) - sum(starts)):
-                    buffers.update(ids, starts, ends, self.cache.tables(ids))
-                else:  # a step larger than the buffers: eager, its requests' rows written whole next time
-                    buffers.skip(ids)
+                # the last decode step one token on, no copy-on-write: only opened blocks are read
+                if copies or not buffers.advance(ids, starts, ends, self.cache.tables):
+                    if buffers.fits(ids, sum(ends) - sum(starts)):
+                        buffers.update(ids, starts, ends, self.cache.tables(ids))
+                    else:  # a step larger than the buffers: eager, its requests' rows written whole next time
+                        buffers.skip(ids)
             out = self.executor.forward(chunks, self.cache, all_logits)
         self.num_steps_run += 1
         if self.preemption == "auto" and any(len(c.token_ids) > 1 for c in chunks):  # the prefill rate

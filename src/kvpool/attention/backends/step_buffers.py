@@ -22,6 +22,11 @@ it appends blocks, and a copy-on-write replaces the entry of the block a step st
 the row's entries [start // block_size, ceil(end / block_size)) (one entry for a decode),
 and a request the buffers have not seen (new, or readmitted after `forget`) its whole row.
 A released request must be forgotten (`forget`): a readmission gets other blocks.
+The common step goes further (`advance`): the last decode step's requests, in the same
+order, one token on, with no copy-on-write in between (the runner knows: the cache hands it
+the step's copies). Rows and query_start then stand, lengths, positions and slots move by
+one in place, and only the requests whose token opens a block (one step in block_size) have
+their table read and their new entry written.
 
 On CUDA the host keeps a pinned twin of every buffer; a step sends the changed table
 entries (flat index, block id) and the per-step vectors with one copy each, and scatters
@@ -31,29 +36,49 @@ the entries on the device. On the CPU the host buffers are the device buffers.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 
-@dataclass(frozen=True)
-class StepView:
+class StepView(NamedTuple):
     """One step's slices of the persistent buffers (device tensors, views: no copies).
     num_seqs sequences, num_tokens flat tokens; the tensors as `StepBuffers` describes,
     cut to the step: seq_rows / ctx_lens [num_seqs], query_start [num_seqs + 1],
-    slot_mapping / positions [num_tokens], block_tables whole (rows by seq_rows)."""
+    slot_mapping / positions [num_tokens], block_tables whole (rows by seq_rows).
+    The slices are cut when read: `update` and `pad` return a view every step, and the
+    engine's decode step reads none of it (a tensor slice costs ~1 us on the host)."""
 
     num_seqs: int
     num_tokens: int
     max_query_len: int
-    block_tables: torch.Tensor
-    seq_rows: torch.Tensor
-    ctx_lens: torch.Tensor
-    query_start: torch.Tensor
-    slot_mapping: torch.Tensor
-    positions: torch.Tensor
+    buffers: StepBuffers
+
+    @property
+    def block_tables(self) -> torch.Tensor:
+        return self.buffers.block_tables
+
+    @property
+    def seq_rows(self) -> torch.Tensor:
+        return self.buffers.seq_rows[: self.num_seqs]
+
+    @property
+    def ctx_lens(self) -> torch.Tensor:
+        return self.buffers.ctx_lens[: self.num_seqs]
+
+    @property
+    def query_start(self) -> torch.Tensor:
+        return self.buffers.query_start[: self.num_seqs + 1]
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        return self.buffers.slot_mapping[: self.num_tokens]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.buffers.positions[: self.num_tokens]
 
 
 class StepBuffers:
@@ -114,6 +139,8 @@ class StepBuffers:
         self._vec_np = self._vec_host.numpy()
         self._pos_np = self._pos_host.numpy()
         self._tables_np = self._tables_host.numpy()
+        self._tables_flat = self._tables_np.reshape(-1)  # (a view: the same memory)
+        self._iota = np.arange(s + 1)  # a decode step's query_start: [0, 1, ..., n]
         self._rows: dict[str, int] = {}  # request id -> its row of block_tables
         self._free_rows = list(range(s - 1, -1, -1))  # popped from the end: row 0 first
         self.padding_row = s
@@ -122,7 +149,12 @@ class StepBuffers:
             if not on_cpu:
                 self.block_tables[s].fill_(dummy_block)
         self.num_seqs = self.num_tokens = 0  # the last update's
+        # the last decode step's request ids, in order, while rows [0, n) of the vectors hold
+        # it (None once a row it used is freed, or the vectors were rewritten otherwise):
+        # what `advance` moves one token on
+        self._decoded: tuple[str, ...] | None = None
         self.num_table_writes = 0  # table entries written so far (the incremental figure)
+        self.num_advanced = 0  # steps taken by `advance` (the last decode one token on, in place)
 
     def forget(self, request_id: str) -> None:
         """The request left the cache (finished, cancelled, preempted): its row is free, and a
@@ -130,6 +162,7 @@ class StepBuffers:
         row = self._rows.pop(request_id, None)
         if row is not None:
             self._free_rows.append(row)
+            self._decoded = None
 
     def fits(self, request_ids: Sequence[str], num_tokens: int) -> bool:
         """Whether `update` can take a step of these requests and num_tokens tokens: at most
@@ -138,8 +171,8 @@ class StepBuffers:
         max_blocks_per_seq)."""
         if len(request_ids) > self.max_num_seqs or num_tokens > self.max_num_tokens:
             return False
-        rows = self._rows
-        return sum(1 for rid in request_ids if rid not in rows) <= len(self._free_rows)
+        held = sum(map(self._rows.__contains__, request_ids))  # (no Python frame a request)
+        return len(request_ids) - held <= len(self._free_rows)
 
     def skip(self, request_ids: Sequence[str]) -> None:
         """A step the buffers do not hold (`fits` said no): its requests are forgotten, so
@@ -168,7 +201,7 @@ class StepBuffers:
         if n > self.max_num_seqs:
             raise ValueError(f"StepBuffers: a step of {n} sequences, more than max_num_seqs {self.max_num_seqs}")
         bs, width, s = self.block_size, self.max_blocks_per_seq, self.max_num_seqs
-        vec, pos, tables_np, rows = self._vec_np, self._pos_np, self._tables_np, self._rows
+        vec, pos, rows = self._vec_np, self._pos_np, self._rows
         on_cpu = self.device.type == "cpu"
         if self._sent is not None:
             self._sent.synchronize()  # the pinned twins are read by the last step's copies until then
@@ -229,7 +262,7 @@ class StepBuffers:
             if q_len > max_query_len:
                 max_query_len = q_len
         if changed_idx:
-            tables_np.reshape(-1)[changed_idx] = changed_val
+            self._tables_flat[changed_idx] = changed_val
         self.num_table_writes += len(changed_idx)
         vec[:n] = seq_rows
         vec[s : s + n] = ends
@@ -238,6 +271,7 @@ class StepBuffers:
         vec[3 * s + 1 : 3 * s + 1 + num_tokens] = slots
         pos[:num_tokens] = positions
         self.num_seqs, self.num_tokens = n, num_tokens
+        self._decoded = None
         if not on_cpu:
             self._send(changed_idx, changed_val, num_tokens)
         return self.view(n, num_tokens, max_query_len)
@@ -253,32 +287,89 @@ class StepBuffers:
         requests that all hold rows, each rewriting one table entry, the block its token
         goes in. False (nothing written) for any other step, which the general loop takes
         (and refuses, naming the problem, when it must)."""
-        rows = self._rows
         n = len(request_ids)
-        held = [rows.get(rid) for rid in request_ids]
-        if None in held:
+        held = list(map(self._rows.get, request_ids))
+        if not n or None in held:
             return False
         st = np.fromiter(starts, np.int64, n)
-        if not (np.fromiter(ends, np.int64, n) - st == 1).all():
+        if not np.array_equal(np.fromiter(ends, np.int64, n), st + 1):
             return False
         bs, width, s = self.block_size, self.max_blocks_per_seq, self.max_num_seqs
         first = st // bs  # the entry each token writes in: [0, first) unchanged | first rewritten
-        if (st < 0).any() or (first >= width).any() or (first >= np.fromiter(map(len, tables), np.int64, n)).any():
+        if first.min() < 0 or first.max() >= width:
             return False
-        blocks = np.fromiter(map(operator.getitem, tables, first.tolist()), np.int64, n)
+        try:  # (a table too short for its step: IndexError, and the general loop names it)
+            blocks = np.fromiter(map(operator.getitem, tables, first.tolist()), np.int64, n)
+        except IndexError:
+            return False
         seq_rows = np.array(held, dtype=np.int64)
         changed_idx = seq_rows * width + first
-        self._tables_np.reshape(-1)[changed_idx] = blocks
+        self._tables_flat[changed_idx] = blocks
         self.num_table_writes += n
         vec = self._vec_np
         vec[:n] = seq_rows
         vec[s : s + n] = st + 1
-        vec[2 * s : 2 * s + n + 1] = np.arange(n + 1)
+        vec[2 * s : 2 * s + n + 1] = self._iota[: n + 1]
         vec[3 * s + 1 : 3 * s + 1 + n] = blocks * bs + st % bs
         self._pos_np[:n] = st
         self.num_seqs = self.num_tokens = n
+        self._decoded = tuple(request_ids)
         if self.device.type != "cpu":
             self._send(changed_idx, blocks, n)
+        return True
+
+    def advance(
+        self,
+        request_ids: Sequence[str],
+        starts: Sequence[int],
+        ends: Sequence[int],
+        tables: Callable[[list[str]], Sequence[Sequence[int]]],
+    ) -> bool:
+        """`update` for the decode step right after the last one, when nothing but appended
+        blocks changed the requests' tables in between (the caller knows: no copy-on-write
+        this step): the same request ids in the same order, each one token on (starts[i] is
+        the last step's ends[i], ends[i] = starts[i] + 1). Then the rows and query_start
+        stand; lengths, positions and slots move by one in place, and only a token that
+        starts a block (starts[i] % block_size == 0) has its table read (`tables(ids)`: the
+        tables of those requests, the cache's `tables`) and its new entry written: the
+        buffers then hold exactly what `update` writes. False, with nothing written, for any
+        other step (the caller then calls `update`)."""
+        n = len(request_ids)
+        if not n or tuple(request_ids) != self._decoded:  # (C-level: the same str objects compare by identity)
+            return False
+        if self._sent is not None:
+            self._sent.synchronize()  # the pinned twins are read by the last step's copies until then
+        s, bs, width = self.max_num_seqs, self.block_size, self.max_blocks_per_seq
+        vec = self._vec_np
+        st = np.fromiter(starts, np.int64, n)
+        # [0, n) of ctx_lens still holds the last step's ends (pad writes only [n, bucket))
+        if not (np.array_equal(st, vec[s : s + n]) and np.array_equal(np.fromiter(ends, np.int64, n), st + 1)):
+            return False
+        crossing = np.flatnonzero(st % bs == 0)  # tokens that open a block: [m] int64
+        blocks = crossing  # (nothing read when none opens a block)
+        if len(crossing):
+            first = st[crossing] // bs  # the new entry's index in its row
+            if first.max() >= width:
+                return False
+            opened = crossing.tolist()
+            opened_tables = tables([request_ids[i] for i in opened])
+            try:  # (a table without its new block: IndexError, and `update` names the problem)
+                blocks = np.fromiter(map(operator.getitem, opened_tables, first.tolist()), np.int64, len(opened))
+            except IndexError:
+                return False
+            changed_idx = vec[crossing].astype(np.int64) * width + first  # (seq_rows: vec[:n])
+            self._tables_flat[changed_idx] = blocks
+            self.num_table_writes += len(opened)
+        vec[s : s + n] += 1  # ctx_lens
+        slots = vec[3 * s + 1 : 3 * s + 1 + n]
+        slots += 1  # the next slot of the same block, but where a block opens:
+        if len(crossing):
+            slots[crossing] = blocks * bs
+        self._pos_np[:n] = st
+        self.num_seqs = self.num_tokens = n
+        self.num_advanced += 1
+        if self.device.type != "cpu":
+            self._send(changed_idx if len(crossing) else [], blocks, n)
         return True
 
     def _send(self, changed_idx: Sequence[int], changed_val: Sequence[int], num_tokens: int) -> None:
@@ -298,17 +389,7 @@ class StepBuffers:
         self._sent.record()
 
     def view(self, num_seqs: int, num_tokens: int, max_query_len: int = 1) -> StepView:
-        return StepView(
-            num_seqs,
-            num_tokens,
-            max_query_len,
-            self.block_tables,
-            self.seq_rows[:num_seqs],
-            self.ctx_lens[:num_seqs],
-            self.query_start[: num_seqs + 1],
-            self.slot_mapping[:num_tokens],
-            self.positions[:num_tokens],
-        )
+        return StepView(num_seqs, num_tokens, max_query_len, self)
 
     def pad(self, num_seqs: int) -> StepView:
         """The last update, a decode step (one token a sequence), padded to `num_seqs`
@@ -330,13 +411,17 @@ class StepBuffers:
                 f"StepBuffers.pad: cannot pad to {num_seqs} sequences of one token, more than "
                 f"max_num_tokens {self.max_num_tokens}"
             )
+        if num_seqs == n:  # (a step that fills its bucket: nothing to pad)
+            return self.view(num_seqs, num_seqs)
         vec, pos = self._vec_np, self._pos_np
+        if self._decoded is not None and n < len(self._decoded):
+            self._decoded = None  # the padding overwrites rows of the last decode step
         vec[n:num_seqs] = self.padding_row
         vec[s + n : s + num_seqs] = 1
-        vec[2 * s + n + 1 : 2 * s + num_seqs + 1] = np.arange(n + 1, num_seqs + 1)
+        vec[2 * s + n + 1 : 2 * s + num_seqs + 1] = self._iota[n + 1 : num_seqs + 1]
         vec[3 * s + 1 + n : 3 * s + 1 + num_seqs] = self.dummy_block * self.block_size
         pos[n:num_seqs] = 0
-        if self.device.type != "cpu" and num_seqs > n:
+        if self.device.type != "cpu":
             used = 3 * s + 1 + num_seqs
             self._vec[:used].copy_(self._vec_host[:used], non_blocking=True)
             self._pos[:num_seqs].copy_(self._pos_host[:num_seqs], non_blocking=True)
