@@ -32,7 +32,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -152,18 +152,15 @@ class EngineFit:
     seq_overhead_s: float
     prefill_chunk_overhead_s: float
 
+    def overrides(self) -> dict[str, float]:
+        """CostModel keyword arguments: the five fitted parameters (every field but `times`),
+        as gpufit's GPUFit.overrides() gives a GPU fit's."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "times"}
+
     def cost_model(self, model, gpu):
         from kvpool.sim.cost import CostModel
 
-        return CostModel(
-            model,
-            gpu,
-            compute_efficiency=self.compute_efficiency,
-            bandwidth_efficiency=self.bandwidth_efficiency,
-            step_overhead_s=self.step_overhead_s,
-            seq_overhead_s=self.seq_overhead_s,
-            prefill_chunk_overhead_s=self.prefill_chunk_overhead_s,
-        )
+        return CostModel(model, gpu, **self.overrides())
 
 
 def _median_step_s(engine, steps: int) -> float:
