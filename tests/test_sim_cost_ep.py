@@ -59,14 +59,12 @@ def test_expert_parallelism_of_a_dense_model_or_one_gpu_is_refused_in_one_line(c
         CostModel(V3, H200, tp=1, expert_parallel=True)
     assert main(["simulate", "--requests", "2", "--enable-expert-parallel"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [
-        "kvpool simulate: error: --enable-expert-parallel: llama-3.1-8b has no MoE layers (no routed experts to spread)"
-    ]
+    # simulate leaves the refusal to the CostModel (one check, one line: the same as above)
+    assert err == ["kvpool simulate: error: expert parallelism spreads routed experts; llama-3.1-8b has no MoE layers"]
     flags = ["simulate", "--model", "gpt-oss-120b", "--requests", "2", "--enable-expert-parallel", "-tp", "1"]
     assert main(flags) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "kvpool simulate: error: --enable-expert-parallel spreads the routed experts over a replica's TP GPUs; "
-        "TP 1 is one GPU"
+        "kvpool simulate: error: expert parallelism spreads the routed experts over the TP GPUs; tp=1 has one GPU"
     ]
 
 

@@ -417,16 +417,10 @@ def _deployment_of(args, combo: dict):
     model, gpu = planner_model(combo["model"]), _gpu(combo["gpu"], args.gpu_memory_utilization)
     if gpu.kind == "cpu" and args.weight_dtype not in ("auto", "fp32"):
         raise ValueError(f"--weight-dtype {args.weight_dtype}: --gpu cpu is kvpool's CPU engine, fp32 weights only")
-    if args.enable_expert_parallel and model.moe is None:
-        raise ValueError(f"--enable-expert-parallel: {model.name} has no MoE layers (no routed experts to spread)")
     for flag in ("kv_transfer_bandwidth", "kv_transfer_latency_ms"):
         if getattr(args, flag) is not None and not args.prefill_replicas:
             raise ValueError(f"--{flag.replace('_', '-')}: the KV link of P/D; it needs --prefill-replicas")
     tp = _fit_tp(model, gpu, combo["tp"], args)
-    if args.enable_expert_parallel and tp == 1:
-        raise ValueError(
-            "--enable-expert-parallel spreads the routed experts over a replica's TP GPUs; TP 1 is one GPU"
-        )
     config = SimConfig(
         layout=combo["layout"],
         block_size=combo["block_size"],
