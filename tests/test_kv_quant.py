@@ -594,7 +594,8 @@ def test_kvpool_eval_kv_quant_on_smollm2(tmp_path) -> None:
     assert (tmp_path / "q.png").stat().st_size > 10_000
     for flags, needle in [
         (["--text", str(tmp_path)], "is a directory, not a file"),
-        (["--plot", str(tmp_path / "q.png" / "x.png")], "is a file, not a directory"),
+        (["--plot", str(tmp_path / "q.png" / "x.png")], "q.png is not a directory"),
+        (["--plot", str(tmp_path / "missing" / "q.png")], "missing does not exist"),  # savefig makes no directory
         (["--plot", str(tmp_path / "q.txt")], "matplotlib cannot write .txt files"),
         (["--formats", "int8,kivi2"], "kivi2: the residual R=128 (tokens quantized together) does not divide the"),
         (["--greedy-steps", "-1"], "--greedy-steps must be >= 0, got -1"),

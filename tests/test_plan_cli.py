@@ -121,7 +121,7 @@ def test_plot_path_problems_are_one_line_errors(
         assert captured.err.startswith("kvpool plan: error: --plot ") and message in captured.err
         assert captured.err.count("\n") == 1 and captured.out == ""  # refused before the plan printed
     # an unwritable directory (root may write anywhere, so the check is what is simulated)
-    monkeypatch.setattr("kvpool.cli.plan.os.access", lambda path, mode: False)
+    monkeypatch.setattr("kvpool.cli.args.os.access", lambda path, mode: False)
     target = tmp_path / "kv.png"
     assert main(["plan", "--plot", str(target)]) == 2
     assert capsys.readouterr().err == f"kvpool plan: error: --plot {target}: no permission to write there\n"

@@ -14,7 +14,7 @@ import re
 import sys
 import textwrap
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from kvpool.spec.kv_formats import KV_SCHEMAS, kv_schema
 
@@ -147,6 +147,30 @@ def check_output_dir(flag: str, given: str, directory: str) -> None:
         raise ValueError(f"{flag} {given!r}: {path!r} is a file, not a directory")
     if not os.access(path, os.W_OK | os.X_OK):
         raise ValueError(f"{flag} {given!r}: directory {path!r} is not writable")
+
+
+def add_plot_file_argument(parser: argparse.ArgumentParser, help: str) -> None:
+    """--plot FILE: one figure, its type from the extension (plan, eval kv-quant); the command
+    checks the path with check_plot_path before its work starts."""
+    parser.add_argument("--plot", default=None, metavar="FILE.png|svg|pdf", help=help)
+
+
+def check_plot_path(path: str) -> None:
+    """ValueError naming the problem if --plot's figure cannot be written at `path` (a type
+    matplotlib cannot write included: the extension names it), before minutes of work. The
+    directory must exist: save_figure makes none."""
+    from kvpool.sim.plots import check_plot_format
+
+    if os.path.isdir(path):
+        raise ValueError(f"--plot {path} is a directory; give a file name, e.g. {os.path.join(path, 'kv.png')}")
+    check_plot_format("--plot", path)
+    parent = os.path.dirname(path) or "."
+    if not os.path.exists(parent):
+        raise ValueError(f"--plot {path}: the directory {parent} does not exist")
+    if not os.path.isdir(parent):
+        raise ValueError(f"--plot {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"--plot {path}: no permission to write there")
 
 
 def shown_default(value: object) -> str:
@@ -431,6 +455,33 @@ def host_cache_bytes(args: argparse.Namespace) -> int | None:
     if gib is None:
         return None
     return max(1, int(gib * (1 << 30)))
+
+
+class EngineFlags(NamedTuple):
+    """What `check_engine_flags` read: --preemption, --kv-cache-dtype's storage format (None:
+    the model's own) and build_engine's tier options (persistent_cache_options)."""
+
+    preemption: str
+    kv_format: str | None
+    tiers: dict[str, object]
+
+
+def check_engine_flags(args: argparse.Namespace) -> EngineFlags:
+    """The engine flags run, generate and serve share, checked before any model loads:
+    --hisparse, --preemption, --kv-cache-dtype, the tier flags, and what
+    --tensor-parallel-size cannot go with. ValueError naming the first that cannot work."""
+    check_hisparse(args)
+    preemption = check_preemption(args)
+    kv_format = check_kv_dtype(args)
+    tiers = persistent_cache_options(args)
+    tp = getattr(args, "tp", 1)
+    if tp > 1 and getattr(args, "model", None) == "tiny-dsv4":
+        raise ValueError("--tensor-parallel-size is for the Llama path (SmolLM2); tiny-dsv4 runs on one process")
+    if tp > 1 and preemption == "auto":
+        raise ValueError(
+            "--preemption auto decides by each process's timings; with --tensor-parallel-size use recompute or swap"
+        )
+    return EngineFlags(preemption, kv_format, tiers)
 
 
 # --device / --dtype of run, generate and serve (cli/options.py DEVICE, DTYPE): where the Llama

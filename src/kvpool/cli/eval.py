@@ -19,7 +19,15 @@ import math
 import os
 import sys
 
-from kvpool.cli.args import KV_DTYPES, HelpFormatter, check_output_dir, comma_list, kv_dtype, positive_int
+from kvpool.cli.args import (
+    KV_DTYPES,
+    HelpFormatter,
+    add_plot_file_argument,
+    check_plot_path,
+    comma_list,
+    kv_dtype,
+    positive_int,
+)
 from kvpool.cli.bench import call_with_flags, print_table, printed_json
 from kvpool.cli.options import BLOCK_SIZE, add_engine_model_option, add_option, add_threads_option, gguf_path
 
@@ -57,24 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_model_option(p, note="; or tiny-dsv4 (its fp8 layout against fp32)")
     add_threads_option(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    p.add_argument(
-        "--plot",
-        default=None,
-        metavar="FILE.png|svg|pdf",
-        help="per-layer error and the quality-vs-bytes frontier (default: no plot)",
-    )
+    add_plot_file_argument(p, "per-layer error and the quality-vs-bytes frontier (default: no plot)")
     p.set_defaults(_name="eval kv-quant")
-
-
-def _check_plot(path: str | None) -> None:
-    from kvpool.sim.plots import check_plot_format
-
-    if path is None:
-        return
-    if os.path.isdir(path):
-        raise ValueError(f"--plot {path!r} is a directory; expected a file name such as kv_quant.png")
-    check_plot_format("--plot", path)
-    check_output_dir("--plot", path, os.path.dirname(os.path.abspath(path)))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
     from kvpool.engine.build import load_model
     from kvpool.verify.kv_quant import quality_report, reference_text
 
-    _check_plot(args.plot)
+    if args.plot is not None:
+        check_plot_path(args.plot)
     if args.greedy_steps < 0:
         raise ValueError(f"--greedy-steps must be >= 0, got {args.greedy_steps}")
     if args.model == "tiny-dsv4":

@@ -15,13 +15,10 @@ from kvpool.cli.args import (
     add_persistent_cache_arguments,
     add_preemption_argument,
     check_device_model,
-    check_hisparse,
-    check_kv_dtype,
-    check_preemption,
+    check_engine_flags,
     host_cache_bytes,
     model_placement,
     non_negative_int,
-    persistent_cache_options,
     positive_int,
 )
 from kvpool.cli.options import (
@@ -124,16 +121,7 @@ def run(args: argparse.Namespace) -> int:
     runtime_bytes = memory.runtime_baseline()
     if args.threads:
         torch.set_num_threads(args.threads)
-    check_hisparse(args)
-    preemption = check_preemption(args)
-    kv_format = check_kv_dtype(args)
-    tiers = persistent_cache_options(args)
-    if getattr(args, "tp", 1) > 1 and args.model == "tiny-dsv4":
-        raise ValueError("--tensor-parallel-size is for the Llama path (SmolLM2); tiny-dsv4 runs on one process")
-    if getattr(args, "tp", 1) > 1 and preemption == "auto":
-        raise ValueError(
-            "--preemption auto decides by each process's timings; with --tensor-parallel-size use recompute or swap"
-        )
+    preemption, kv_format, tiers = check_engine_flags(args)
     check_device_model(args, ("tiny-dsv4",))
     dtype, device = model_placement(args)
     if args.model == "tiny-dsv4":  # DeepSeek-V4 dual pool: token ids in, token ids out

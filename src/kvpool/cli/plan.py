@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -21,7 +20,14 @@ from kvpool.capacity.kv import INDEXER_FORMATS, kv_layout
 from kvpool.capacity.ledger import LedgerAssumptions
 from kvpool.capacity.planner import Plan, plan
 from kvpool.capacity.weights import WEIGHT_DTYPES
-from kvpool.cli.args import byte_size, non_negative_int, positive_float, positive_int
+from kvpool.cli.args import (
+    add_plot_file_argument,
+    byte_size,
+    check_plot_path,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from kvpool.cli.options import (
     BLOCK_SIZE,
     GPU_MEMORY_UTILIZATION,
@@ -138,12 +144,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prompt-len", type=positive_int, default=None, help="--pd: tokens of a prompt (default: --max-model-len / 2)"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    parser.add_argument(
-        "--plot",
-        default=None,
-        metavar="FILE.png|svg|pdf",
-        help="draw KV bytes vs context, the type from the extension (default: none)",
-    )
+    add_plot_file_argument(parser, "draw KV bytes vs context, the type from the extension (default: none)")
     parser.add_argument(
         "--plot-models", default=None, help=f"comma-separated presets for --plot (default: {','.join(PLOT_MODELS)})"
     )
@@ -195,23 +196,6 @@ def _planner_options(args: argparse.Namespace, assumptions: LedgerAssumptions) -
         "assumptions": assumptions,
         "seed": args.seed,
     }
-
-
-def check_plot_path(path: str) -> None:
-    """ValueError naming the problem if the plot cannot be written at `path` (a type matplotlib
-    cannot write included: the extension names it), before minutes of planning and drawing."""
-    from kvpool.sim.plots import check_plot_format
-
-    if os.path.isdir(path):
-        raise ValueError(f"--plot {path} is a directory; give a file name, e.g. {os.path.join(path, 'kv.png')}")
-    check_plot_format("--plot", path)
-    parent = os.path.dirname(path) or "."
-    if not os.path.exists(parent):
-        raise ValueError(f"--plot {path}: the directory {parent} does not exist")
-    if not os.path.isdir(parent):
-        raise ValueError(f"--plot {path}: {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise ValueError(f"--plot {path}: no permission to write there")
 
 
 def warn_beyond_max_position(model: ModelSpec, context_len: int | None) -> None:

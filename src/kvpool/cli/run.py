@@ -44,9 +44,8 @@ from kvpool.cli.args import (
     add_persistent_cache_arguments,
     add_preemption_argument,
     check_device_model,
-    check_hisparse,
+    check_engine_flags,
     check_kv_dtype,
-    check_preemption,
     host_cache_bytes,
     model_placement,
     non_negative_int,
@@ -317,15 +316,6 @@ def build(args: argparse.Namespace):
             args.model,
             None,
         )
-    check_hisparse(args)
-    check_preemption(args)
-    persistent_cache_options(args)  # a flag tiny-dsv4 cannot take is refused before anything loads
-    if args.model == TINY_MODEL and args.tp > 1:
-        raise ValueError("--tensor-parallel-size is for the Llama path (SmolLM2); tiny-dsv4 runs on one process")
-    if args.tp > 1 and getattr(args, "preemption", "recompute") == "auto":
-        raise ValueError(
-            "--preemption auto decides by each process's timings; with --tensor-parallel-size use recompute or swap"
-        )
     if args.model == TINY_MODEL:
         from kvpool.engine.build import build_engine
         from kvpool.models.tiny_dsv4 import TinyDSV4
@@ -430,10 +420,7 @@ def _run(args: argparse.Namespace) -> int:
         device = "cpu" if tiny else model_device
         memory.check_fits(parse_bytes(args.kv_memory), device, f"--kv-memory {args.kv_memory}")
     check_hybrid(args)  # before the checks below, whose lines speak of the Llama and V4 models
-    check_hisparse(args)
-    check_preemption(args)
-    check_kv_dtype(args)
-    persistent_cache_options(args)  # ... and so are bad tier flags
+    check_engine_flags(args)  # ... and so are bad engine and tier flags (build counts on it)
     quiet = args.json or not sys.stdout.isatty()
     if quiet:
         print("kvpool run: loading the model", file=sys.stderr)

@@ -24,12 +24,10 @@ from kvpool.cli.args import (
     add_host_cache_argument,
     add_persistent_cache_arguments,
     add_preemption_argument,
-    check_kv_dtype,
-    check_preemption,
+    check_engine_flags,
     model_placement,
     parse_bytes,
     parsed_number,
-    persistent_cache_options,
     positive_int,
     size_text,
 )
@@ -142,9 +140,7 @@ def run(args: argparse.Namespace) -> int:
     api_keys = api_keys_from(args)
     max_request_bytes = parse_bytes(args.max_request_bytes, "--max-request-bytes")
     kv_bytes = parse_bytes(args.kv_memory)
-    check_preemption(args)  # (llama_engine reads --preemption)
-    check_kv_dtype(args)  # (and --kv-cache-dtype)
-    persistent_cache_options(args)  # (and these)
+    check_engine_flags(args)  # (llama_engine reads --preemption, --kv-cache-dtype and the tier flags)
     if args.threads:
         torch.set_num_threads(args.threads)
     gguf = gguf_path(args.model)
