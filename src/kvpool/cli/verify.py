@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Callable
 
 from kvpool.cli.args import HelpFormatter, positive_int
 from kvpool.cli.options import BLOCK_SIZE, add_option
@@ -72,41 +73,7 @@ def _add_matrix_arguments(parser: argparse.ArgumentParser, seed_help: str) -> No
     )
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="target", required=True)
-    dsv4 = sub.add_parser(
-        "dsv4",
-        help="DeepSeek-V4 Classical + State pools against the contiguous oracle",
-        description="DeepSeek-V4 Classical + State pools against the contiguous oracle, case by case.",
-        formatter_class=HelpFormatter,
-    )
-    _add_matrix_arguments(dsv4, "seed of the tiny model's weights")
-
-    hybrid = sub.add_parser(
-        "hybrid",
-        help="tiny hybrid models (window / full / recurrent layers) on the cache coordinator against a full recompute",
-        description=(
-            "Tiny hybrid models (a Gemma-2-like window / full model and a recurrent / full model) on the hybrid "
-            "cache coordinator against a full recompute, case by case (kvpool.verify.hybrid)."
-        ),
-        formatter_class=HelpFormatter,
-    )
-    _add_matrix_arguments(hybrid, "seed of the tiny models' weights")
-    add_cp_arguments(sub)
-    add_tp_arguments(sub)
-    add_pd_arguments(sub)
-
-
-def add_cp_arguments(sub) -> None:
-    cp = sub.add_parser(
-        "cp",
-        help="context-parallel decode attention over torch.distributed against one rank (under torchrun)",
-        description=(
-            "Context-parallel decode attention (kvpool.verify.context_parallel): each rank holds a share of every "
-            "sequence's blocks; run under torchrun --nproc-per-node R -m kvpool verify cp. Rank 0 prints the result."
-        ),
-        formatter_class=HelpFormatter,
-    )
+def _add_cp_arguments(cp: argparse.ArgumentParser) -> None:
     cp.add_argument("--context", type=positive_int, default=32768, help="tokens of each random sequence")
     cp.add_argument("--batch", type=positive_int, default=4, help="random decode sequences")
     add_option(cp, BLOCK_SIZE, default=16)
@@ -118,16 +85,7 @@ def add_cp_arguments(sub) -> None:
     cp.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def add_tp_arguments(sub) -> None:
-    tp = sub.add_parser(
-        "tp",
-        help="the tensor-parallel engine against the single-process one on SmolLM2 (under torchrun)",
-        description=(
-            "The tensor-parallel engine (kvpool.verify.tensor_parallel) against the single-process engine: "
-            "run under torchrun --nproc-per-node 3 -m kvpool verify tp. Rank 0 prints the result."
-        ),
-        formatter_class=HelpFormatter,
-    )
+def _add_tp_arguments(tp: argparse.ArgumentParser) -> None:
     tp.add_argument("--max-tokens", type=positive_int, default=8, help="greedy tokens of the short requests")
     tp.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -157,16 +115,7 @@ def run_tp(args: argparse.Namespace) -> int:
     return 0 if result["passed"] else 1
 
 
-def add_pd_arguments(sub) -> None:
-    pd = sub.add_parser(
-        "pd",
-        help="prefill / decode disaggregation on SmolLM2 against one process (under torchrun)",
-        description=(
-            "Prefill / decode disaggregation (kvpool.verify.disaggregated): prefill ranks first, then decode ranks; "
-            "run under torchrun --nproc-per-node P+D -m kvpool verify pd. The decode leader prints the result."
-        ),
-        formatter_class=HelpFormatter,
-    )
+def _add_pd_arguments(pd: argparse.ArgumentParser) -> None:
     pd.add_argument("--prefill-tp", type=positive_int, default=1, help="tensor-parallel size of the prefill side")
     pd.add_argument("--decode-tp", type=positive_int, default=1, help="tensor-parallel size of the decode side")
     pd.add_argument("--prefill-block-size", type=positive_int, default=16, help="the prefill side's KV block size")
@@ -295,15 +244,8 @@ def _case_json(r, **extra: object) -> dict[str, object]:
     return case
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.target == "hybrid":
-        return run_hybrid(args)
-    if args.target == "cp":
-        return run_cp(args)
-    if args.target == "tp":
-        return run_tp(args)
-    if args.target == "pd":
-        return run_pd(args)
+def run_dsv4(args: argparse.Namespace) -> int:
+    """`kvpool verify dsv4`: one row per case; 1 if any case fails (an undecided one does not)."""
     from kvpool.verify.dsv4 import Verifier
     from kvpool.verify.dsv4_tolerance import FP64_TOLERANCE
 
@@ -344,3 +286,53 @@ def run(args: argparse.Namespace) -> int:
             + (f"; {num_undecided} undecided: rerun with --dtype fp64" if num_undecided else "")
         )
     return 1 if any(r.verdict == "fail" for r in results) else 0
+
+
+# target -> (one-line help, description, its options, its run)
+TARGETS: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
+    "dsv4": (
+        "DeepSeek-V4 Classical + State pools against the contiguous oracle",
+        "DeepSeek-V4 Classical + State pools against the contiguous oracle, case by case.",
+        lambda p: _add_matrix_arguments(p, "seed of the tiny model's weights"),
+        run_dsv4,
+    ),
+    "hybrid": (
+        "tiny hybrid models (window / full / recurrent layers) on the cache coordinator against a full recompute",
+        "Tiny hybrid models (a Gemma-2-like window / full model and a recurrent / full model) on the hybrid "
+        "cache coordinator against a full recompute, case by case (kvpool.verify.hybrid).",
+        lambda p: _add_matrix_arguments(p, "seed of the tiny models' weights"),
+        run_hybrid,
+    ),
+    "cp": (
+        "context-parallel decode attention over torch.distributed against one rank (under torchrun)",
+        "Context-parallel decode attention (kvpool.verify.context_parallel): each rank holds a share of every "
+        "sequence's blocks; run under torchrun --nproc-per-node R -m kvpool verify cp. Rank 0 prints the result.",
+        _add_cp_arguments,
+        run_cp,
+    ),
+    "tp": (
+        "the tensor-parallel engine against the single-process one on SmolLM2 (under torchrun)",
+        "The tensor-parallel engine (kvpool.verify.tensor_parallel) against the single-process engine: "
+        "run under torchrun --nproc-per-node 3 -m kvpool verify tp. Rank 0 prints the result.",
+        _add_tp_arguments,
+        run_tp,
+    ),
+    "pd": (
+        "prefill / decode disaggregation on SmolLM2 against one process (under torchrun)",
+        "Prefill / decode disaggregation (kvpool.verify.disaggregated): prefill ranks first, then decode ranks; "
+        "run under torchrun --nproc-per-node P+D -m kvpool verify pd. The decode leader prints the result.",
+        _add_pd_arguments,
+        run_pd,
+    ),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="target", required=True)
+    for name, (help_line, description, add_options, _) in TARGETS.items():
+        target = sub.add_parser(name, help=help_line, description=description, formatter_class=HelpFormatter)
+        add_options(target)
+
+
+def run(args: argparse.Namespace) -> int:
+    return TARGETS[args.target][3](args)
