@@ -254,28 +254,22 @@ def chat_workload(
 ) -> Workload:
     """Multi-turn chat: `turns` turns per session over `num_system_prompts` shared system
     prompts (parameters in the module docstring)."""
-    _check_count("num_sessions", num_sessions, 1)
-    _check_count("turns", turns, 1)
-    _check_count("vocab_size", vocab_size, 1)
-    _check_count("num_system_prompts", num_system_prompts, 1)
-    _check_mean("think_s", think_s)
-    draw = (system_len.sample, user_len.sample, output_len.sample)
-    sessions, system_lens = _shared_prefix_sessions(
-        "chat", "system", num_sessions, turns, rate, vocab_size, seed, num_system_prompts, *draw, think_s
-    )
-    params = {
-        "num_sessions": num_sessions,
-        "turns": turns,
-        "rate": rate,
-        "seed": seed,
-        "num_system_prompts": num_system_prompts,
-        "system_len": asdict(system_len),
-        "user_len": asdict(user_len),
-        "output_len": asdict(output_len),
-        "think_s": think_s,
-        "system_lens": system_lens,
+    lengths = {
+        "system_len": (system_len.sample, asdict(system_len)),
+        "user_len": (user_len.sample, asdict(user_len)),
+        "output_len": (output_len.sample, asdict(output_len)),
     }
-    return Workload("chat", sessions, vocab_size, params)
+    return _shared_prefix_workload(
+        ("chat", "chat", "system"),
+        num_sessions,
+        turns,
+        rate,
+        vocab_size,
+        seed,
+        ("num_system_prompts", num_system_prompts),
+        lengths,
+        think_s,
+    )
 
 
 def agentic_workload(
@@ -293,31 +287,25 @@ def agentic_workload(
 ) -> Workload:
     """Long shared documents, short follow-ups: each session reads one of `num_contexts`
     documents and asks `turns` short questions (parameters in the module docstring)."""
-    _check_count("num_sessions", num_sessions, 1)
-    _check_count("turns", turns, 1)
-    _check_count("vocab_size", vocab_size, 1)
-    _check_count("num_contexts", num_contexts, 1)
     _check_range("context_len", context_len, 1)
     _check_range("question_len", question_len, 1)
     _check_range("answer_len", answer_len, 1)
-    _check_mean("think_s", think_s)
-    draw = (_uniform(context_len), _uniform(question_len), _uniform(answer_len))
-    sessions, context_lens = _shared_prefix_sessions(
-        "agent", "doc", num_sessions, turns, rate, vocab_size, seed, num_contexts, *draw, think_s
-    )
-    params = {
-        "num_sessions": num_sessions,
-        "turns": turns,
-        "rate": rate,
-        "seed": seed,
-        "num_contexts": num_contexts,
-        "context_len": list(context_len),
-        "question_len": list(question_len),
-        "answer_len": list(answer_len),
-        "think_s": think_s,
-        "context_lens": context_lens,
+    lengths = {
+        "context_len": (_uniform(context_len), list(context_len)),
+        "question_len": (_uniform(question_len), list(question_len)),
+        "answer_len": (_uniform(answer_len), list(answer_len)),
     }
-    return Workload("agentic", sessions, vocab_size, params)
+    return _shared_prefix_workload(
+        ("agentic", "agent", "doc"),
+        num_sessions,
+        turns,
+        rate,
+        vocab_size,
+        seed,
+        ("num_contexts", num_contexts),
+        lengths,
+        think_s,
+    )
 
 
 def uniform_workload(
@@ -359,36 +347,46 @@ def _uniform(lo_hi: tuple[int, int]) -> Sampler:
     return lambda rng, n: rng.integers(lo, hi, size=n, endpoint=True)
 
 
-def _shared_prefix_sessions(
-    kind: str,
-    prefix_name: str,
+def _shared_prefix_workload(
+    names: tuple[str, str, str],
     num_sessions: int,
     turns: int,
     rate: float,
     vocab_size: int,
     seed: int,
-    num_prefixes: int,
-    prefix_len: Sampler,
-    user_len: Sampler,
-    output_len: Sampler,
+    num_prefixes: tuple[str, int],
+    lengths: dict[str, tuple[Sampler, object]],
     think_s: float,
-) -> tuple[GeneratedSessions, list[int]]:
+) -> Workload:
     """`num_sessions` sessions of `turns` turns, each on one of `num_prefixes` shared
-    prefixes (chat's system prompts, agentic's documents), and the prefixes' lengths.
-    Drawn from default_rng(seed) in this order: session starts, the prefixes' lengths, each
-    session's prefix, every turn's user and output lengths, the think times (none when
-    think_s is 0). Prefix k is text_ids(f"{prefix_name}{k}", its length)."""
+    prefixes (chat's system prompts, agentic's documents). names: (the workload's name, its
+    sessions' kind, the prefixes' name); num_prefixes: (its parameter's name, the count);
+    lengths: the prefix's, a user turn's and an output's length parameter -> (its sampler,
+    how `params` shows it). `params` also holds the prefixes' drawn lengths, under the
+    prefix length's name + "s". Drawn from default_rng(seed) in this order: session starts,
+    the prefixes' lengths, each session's prefix, every turn's user and output lengths, the
+    think times (none when think_s is 0). Prefix k is text_ids(f"{prefix_name}{k}", its length)."""
+    name, kind, prefix_name = names
+    count_name, count = num_prefixes
+    for what, value in (("num_sessions", num_sessions), ("turns", turns), ("vocab_size", vocab_size), num_prefixes):
+        _check_count(what, value, 1)
+    _check_mean("think_s", think_s)
+    (prefix_len, _), (user_len, _), (output_len, _) = lengths.values()
     rng = np.random.default_rng(seed)
     starts = poisson_arrivals(num_sessions, rate, rng)
-    prefix_lens = prefix_len(rng, num_prefixes).tolist()
-    picks = rng.integers(num_prefixes, size=num_sessions)
+    prefix_lens = prefix_len(rng, count).tolist()
+    picks = rng.integers(count, size=num_sessions)
     n = num_sessions * turns
     user_lens, output_lens = user_len(rng, n), output_len(rng, n)
     thinks = rng.exponential(think_s, size=n) if think_s > 0 else None
     # each prefix once (text_ids is ~0.5 us a token in pure Python; this is the batched twin)
-    prefixes = batch_text_ids([f"{prefix_name}{k}" for k in range(num_prefixes)], prefix_lens, vocab_size)
+    prefixes = batch_text_ids([f"{prefix_name}{k}" for k in range(count)], prefix_lens, vocab_size)
     sessions = GeneratedSessions(kind, starts, prefixes, picks, turns, user_lens, output_lens, thinks, vocab_size)
-    return sessions, prefix_lens
+    params: dict[str, object] = {"num_sessions": num_sessions, "turns": turns, "rate": rate, "seed": seed}
+    params[count_name] = count
+    params |= {what: shown for what, (_, shown) in lengths.items()}
+    params |= {"think_s": think_s, f"{next(iter(lengths))}s": prefix_lens}
+    return Workload(name, sessions, vocab_size, params)
 
 
 class GeneratedSessions(Sequence[Session]):
