@@ -421,33 +421,27 @@ def _deployment_of(args, combo: dict):
         if getattr(args, flag) is not None and not args.prefill_replicas:
             raise ValueError(f"--{flag.replace('_', '-')}: the KV link of P/D; it needs --prefill-replicas")
     tp = _fit_tp(model, gpu, combo["tp"], args)
+    # the deployment, as the simulator's config and the cost model take it
+    deployment = {"tp": tp, "kv_dtype": args.kv_dtype, "weight_dtype": args.weight_dtype}
     config = SimConfig(
         layout=combo["layout"],
         block_size=combo["block_size"],
         enable_prefix_caching=args.enable_prefix_caching,
-        tp=tp,
         replicas=args.replicas,
         routing=combo["routing"],
         load_cap=args.load_cap,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
-        kv_dtype=args.kv_dtype,
-        weight_dtype=args.weight_dtype,
         v4_restore=args.v4_restore,
         num_checkpoints=args.v4_checkpoints,
         slo_ttft_ms=args.slo_ttft_ms,
         slo_tpot_ms=args.slo_tpot_ms,
+        **deployment,
     )
+    calibration = _calibration(args.calibration, gpu)
     cost = CostModel(
-        model,
-        gpu,
-        weight_dtype=args.weight_dtype,
-        kv_dtype=args.kv_dtype,
-        tp=tp,
-        host_mode=args.host_mode,
-        expert_parallel=args.enable_expert_parallel,
-        **_calibration(args.calibration, gpu),
+        model, gpu, host_mode=args.host_mode, expert_parallel=args.enable_expert_parallel, **deployment, **calibration
     )
     p = plan_replica(model, gpu, config)
     check_pool(p)  # a model that leaves no KV pool on tp GPUs says so here

@@ -140,31 +140,23 @@ def simulate_row(row: PublishedRow, overrides: dict[str, float] | None = None) -
 
     model, gpu = load_preset(row.model), get_gpu(row.gpu)
     total_len = row.input_len + row.output_len
+    # the row's deployment, as the planner, the simulator's config and the cost model take it
+    deployment = {"tp": row.tp, "kv_dtype": row.kv_dtype, "weight_dtype": row.weight_dtype}
     if row.concurrency is not None:
         batch = row.concurrency
     else:
-        p = plan(
-            model,
-            gpu,
-            num_gpus=row.tp,
-            tp=row.tp,
-            context_len=total_len,
-            kv_dtype=row.kv_dtype,
-            weight_dtype=row.weight_dtype,
-        )
+        p = plan(model, gpu, num_gpus=row.tp, context_len=total_len, **deployment)
         batch = min(MAX_BATCH, p.max_concurrent_per_replica)
         if batch < 1:
             raise ValueError(f"row {row.id}: one request of {total_len:,} tokens does not fit the KV pool")
     config = SimConfig(
-        tp=row.tp,
         max_num_seqs=batch,
         max_num_batched_tokens=max(8192, row.input_len),
         max_model_len=total_len,
-        kv_dtype=row.kv_dtype,
-        weight_dtype=row.weight_dtype,
         enable_prefix_caching=False,  # random prompts: nothing to hit
+        **deployment,
     )
-    cost = CostModel(model, gpu, weight_dtype=row.weight_dtype, kv_dtype=row.kv_dtype, tp=row.tp, **(overrides or {}))
+    cost = CostModel(model, gpu, **deployment, **(overrides or {}))
     workload = uniform_workload(
         batch, math.inf, model.vocab_size, 0, prompt_len=(row.input_len,) * 2, output_len=(row.output_len,) * 2
     )
