@@ -314,6 +314,17 @@ def add_device_arguments(parser: argparse.ArgumentParser) -> None:
     add_option(parser, ENFORCE_EAGER, default=False)
 
 
+def add_engine_batch_options(
+    parser: argparse.ArgumentParser, *, max_num_batched_tokens: int, max_num_seqs: int
+) -> None:
+    """--max-model-len, --max-num-batched-tokens, --max-num-seqs and --enable-prefix-caching of
+    the engine's serving commands (run, serve; run.llama_engine and limit_model_len read them)."""
+    add_option(parser, MAX_MODEL_LEN, default=None, note="default: the model's positions or what the pool holds")
+    add_option(parser, MAX_NUM_BATCHED_TOKENS, default=max_num_batched_tokens)
+    add_option(parser, MAX_NUM_SEQS, default=max_num_seqs)
+    add_option(parser, PREFIX_CACHING, default=True)
+
+
 def add_threads_option(parser: argparse.ArgumentParser) -> None:
     add_option(parser, THREADS, default=None, note="default: torch's choice")
 

@@ -60,11 +60,8 @@ from kvpool.cli.generate import _tensor_parallel, agree_across_ranks
 from kvpool.cli.main import EXIT_INTERRUPTED, EXIT_TERMINATED, Terminated, terminate_like_ctrl_c
 from kvpool.cli.options import (
     BLOCK_SIZE,
-    MAX_MODEL_LEN,
-    MAX_NUM_BATCHED_TOKENS,
-    MAX_NUM_SEQS,
-    PREFIX_CACHING,
     add_device_arguments,
+    add_engine_batch_options,
     add_engine_model_option,
     add_kv_cache_dtype_option,
     add_kv_memory_option,
@@ -148,10 +145,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         note="default: 256MiB for SmolLM2, 16MiB for the tiny hybrid models, 16MiB of classical blocks for "
         "tiny-dsv4 (its state blocks come on top)",
     )
-    add_option(parser, MAX_MODEL_LEN, default=None, note="default: the model's positions or what the pool holds")
-    add_option(parser, MAX_NUM_BATCHED_TOKENS, default=RUN_DEFAULTS.max_num_batched_tokens)
-    add_option(parser, MAX_NUM_SEQS, default=RUN_DEFAULTS.max_num_seqs)
-    add_option(parser, PREFIX_CACHING, default=True)
+    add_engine_batch_options(
+        parser, max_num_batched_tokens=RUN_DEFAULTS.max_num_batched_tokens, max_num_seqs=RUN_DEFAULTS.max_num_seqs
+    )
     parser.add_argument(
         "--slo-ttft-ms", type=positive_float, default=1000.0, help="goodput SLO: time to first token, ms"
     )

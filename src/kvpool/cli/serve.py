@@ -35,11 +35,8 @@ from kvpool.cli.options import (
     BLOCK_SIZE,
     DEFAULT_MODEL,
     ENGINE_MODELS,
-    MAX_MODEL_LEN,
-    MAX_NUM_BATCHED_TOKENS,
-    MAX_NUM_SEQS,
-    PREFIX_CACHING,
     add_device_arguments,
+    add_engine_batch_options,
     add_engine_model_option,
     add_kv_cache_dtype_option,
     add_kv_memory_option,
@@ -93,10 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_kv_memory_option(parser, default=DEFAULT_KV_MEMORY)
     parser.add_argument("--num-blocks", type=positive_int, default=None, help="KV blocks (default: from --kv-memory)")
     add_option(parser, BLOCK_SIZE, default=16)
-    add_option(parser, MAX_MODEL_LEN, default=None, note="default: the model's positions or what the pool holds")
-    add_option(parser, MAX_NUM_BATCHED_TOKENS, default=512)
-    add_option(parser, MAX_NUM_SEQS, default=64)
-    add_option(parser, PREFIX_CACHING, default=True)
+    add_engine_batch_options(parser, max_num_batched_tokens=512, max_num_seqs=64)
     add_kv_cache_dtype_option(parser)
     add_host_cache_argument(parser)
     add_persistent_cache_arguments(parser, swa=False)
