@@ -63,6 +63,19 @@ def test_a_tp_degree_the_heads_cannot_take_is_refused() -> None:
     assert proc.returncode != 0 and "--tensor-parallel-size 2 does not divide the model's 9 query heads" in proc.stderr
 
 
+@pytest.mark.parametrize("command", [["generate", "--no-chat", "1,2"], ["run"]])
+def test_what_tp_cannot_go_with_is_refused_alike_by_generate_and_run(command, capsys) -> None:
+    """One check (cli/args.py check_engine_flags) for both commands, before any model loads."""
+    from kvpool.cli.main import main
+
+    name = command[0]
+    tiny = "--tensor-parallel-size is for the Llama path (SmolLM2); tiny-dsv4 runs on one process"
+    auto = "--preemption auto decides by each process's timings; with --tensor-parallel-size use recompute or swap"
+    for flags, message in ((["--model", "tiny-dsv4"], tiny), (["--preemption", "auto", "--host-cache-gib", "1"], auto)):
+        assert main([*command, *flags, "--tp", "3"]) == 2
+        assert capsys.readouterr().err == f"kvpool {name}: error: {message}\n"
+
+
 def test_generate_tp_3_prints_one_report() -> None:
     proc = _torchrun(3, "generate", "What is the capital of France?", "--max-tokens", "6", "--tp", "3", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
