@@ -262,22 +262,21 @@ def _chunk_attention(
     keys: Tensor = win_keys
     valid = win_valid
     if ratio:
+
+        def compress(
+            kv_state: Tensor, score_state: Tensor, new_kv: Tensor, new_score: Tensor, width: int, norm: Tensor
+        ) -> Tensor:
+            """The entries the chunk completes in one compressor of this layer (the main one, or
+            the indexer's at a CSA layer: the same ratio, positions and RoPE); its state rows of
+            this request (kv_state / score_state: every slot's) are updated."""
+            return _compress_chunk(
+                kv_state[slot], score_state[slot], new_kv, new_score, ratio, width, start, end, norm, eps, freqs
+            )
+
         comp = w.compressor
         assert comp is not None and st.comp_kv is not None and st.comp_score is not None
         assert cl.main is not None and st.tail_main is not None
-        new_entries = _compress_chunk(
-            st.comp_kv[slot],
-            st.comp_score[slot],
-            p.comp_kv,
-            p.comp_score,
-            ratio,
-            spec.head_dim,
-            start,
-            end,
-            comp.norm,
-            eps,
-            freqs,
-        )
+        new_entries = compress(st.comp_kv, st.comp_score, p.comp_kv, p.comp_score, spec.head_dim, comp.norm)
         hot = cl.hot if ratio == CSA_RATIO else None
         if hot is None:
             entries = _entries_for_chunk(cl.main, st.tail_main[slot], new_entries, ratio, spec.span, c)
@@ -288,19 +287,7 @@ def _chunk_attention(
             ix = w.indexer
             assert ix is not None and st.idx_kv is not None and st.idx_score is not None
             assert cl.idx is not None and st.tail_idx is not None
-            new_keys = _compress_chunk(
-                st.idx_kv[slot],
-                st.idx_score[slot],
-                p.idx_kv,
-                p.idx_score,
-                CSA_RATIO,
-                spec.index_head_dim,
-                start,
-                end,
-                ix.compressor.norm,
-                eps,
-                freqs,
-            )
+            new_keys = compress(st.idx_kv, st.idx_score, p.idx_kv, p.idx_score, spec.index_head_dim, ix.compressor.norm)
             idx_keys = _entries_for_chunk(cl.idx, st.tail_idx[slot], new_keys, ratio, spec.span, c)
             if idx_keys.shape[0]:  # (the indexer keys stay on the device: one per entry)
                 scores = indexer_scores(p.idx_q, p.idx_w, idx_keys)  # [n, E]
