@@ -26,6 +26,8 @@ from kvpool.engine.sampling import (
     SEED_MAX,
     SEED_MIN,
     SamplingParams,
+    _draw,
+    _sample_group,
     _splitmix64,
     sample_batch,
     sample_token,
@@ -178,6 +180,19 @@ def test_uniform_draw_is_uniform_and_seeded_by_all_64_bits():
 def test_the_hash_rounds_are_splitmix64():
     # SplitMix64's first output from state 0 (Vigna's splitmix64.c; Java's SplittableRandom)
     assert _splitmix64(0) == 0xE220A8397B1DCDAF
+
+
+def test_a_draw_at_the_very_top_takes_the_last_token_of_non_zero_weight():
+    """u = 1 - 2^-53 rounds to 1.0 in fp32, so u * total is the total itself and no cdf entry
+    exceeds it: the draw is then the last token of non-zero weight (hand-picked rows whose
+    zero weights, from -inf logits, trail it or sit between); u = 0 takes the first."""
+    inf = float("inf")
+    logits = torch.tensor([[0.0, 0.0, -inf, -inf], [0.0, -inf, 0.0, -inf], [-inf, 1.0, -inf, 2.0]])
+    top = 1.0 - 2.0**-53
+    table = torch.tensor([[1.0, 1.0, 4.0, top], [1.0, 1.0, 4.0, top], [1.0, 1.0, 4.0, 0.0]], dtype=torch.float64)
+    assert torch.tensor(top, dtype=torch.float64).float().item() == 1.0
+    assert _sample_group(logits, table, 4, False).tolist() == [1, 2, 1]
+    assert [_draw(torch.softmax(row, -1), u) for row, u in zip(logits, (top, top, 0.0), strict=True)] == [1, 2, 1]
 
 
 def test_the_batch_of_draws_is_uniform_draw_bit_for_bit():

@@ -238,26 +238,27 @@ def sample_batch(
         )
     if num_rows == 0:
         return []
-    tokens = torch.argmax(logits, dim=-1)  # [rows] int64
     # the rows that are not `greedy` (temperature >= GREEDY_TEMPERATURE), in numpy: one
     # attribute read a row, no Python comparison a row
     temperature = np.fromiter(map(_TEMPERATURE, params), np.float64, num_rows)
     stochastic = np.flatnonzero(temperature >= GREEDY_TEMPERATURE)  # [m] int64, increasing
-    if len(stochastic):
-        device, vocab = logits.device, logits.shape[-1]
-        at = stochastic.tolist()
-        picked = [params[i] for i in at]
-        # the per-row parameters, one host-to-device copy: temperature, top_p, top_k, u
-        table = np.empty((len(at), 4), dtype=np.float64)
-        table[:, 0] = temperature[stochastic]
-        table[:, 1] = [p.top_p for p in picked]
-        table[:, 2] = [min(p.top_k, vocab) if p.top_k else vocab for p in picked]
-        table[:, 3] = uniform_draws(
-            [p.seed for p in picked], [sample_indices[i] for i in at], [positions[i] for i in at]
-        )
-        rows = _to_device(torch.from_numpy(stochastic), device)
-        sampled = _sample_rows(logits.index_select(0, rows), _to_device(torch.from_numpy(table), device), picked)
-        tokens = tokens.index_copy(0, rows, sampled)
+    if not len(stochastic):
+        return torch.argmax(logits, dim=-1).tolist()  # the step's one host synchronisation
+    device, vocab = logits.device, logits.shape[-1]
+    at = stochastic.tolist()
+    picked = [params[i] for i in at]
+    # the per-row parameters, one host-to-device copy: temperature, top_p, top_k, u
+    table = np.empty((len(at), 4), dtype=np.float64)
+    table[:, 0] = temperature[stochastic]
+    table[:, 1] = [p.top_p for p in picked]
+    table[:, 2] = [min(p.top_k, vocab) if p.top_k else vocab for p in picked]
+    table[:, 3] = uniform_draws([p.seed for p in picked], [sample_indices[i] for i in at], [positions[i] for i in at])
+    table_t = _to_device(torch.from_numpy(table), device)
+    if len(at) == num_rows:  # every row draws: no greedy rows to merge them with
+        return _sample_rows(logits, table_t, table).tolist()
+    tokens = torch.argmax(logits, dim=-1)  # [rows] int64
+    rows = _to_device(torch.from_numpy(stochastic), device)
+    tokens = tokens.index_copy(0, rows, _sample_rows(logits.index_select(0, rows), table_t, table))
     return tokens.tolist()  # the step's one host synchronisation
 
 
@@ -270,22 +271,21 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def _sample_rows(logits: torch.Tensor, table: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+def _sample_rows(logits: torch.Tensor, table: torch.Tensor, host_table: np.ndarray) -> torch.Tensor:
     """logits [m, vocab], table [m, 4] fp64 (temperature, top_p, top_k (vocab: off), u) ->
     [m] int64 token ids. The rows go in groups of one top-k and top-p kind, each through
-    `sample_token`'s arithmetic (the module docstring); `params` (the rows' SamplingParams)
-    only form the groups, on the host."""
-    vocab = logits.shape[-1]
-    groups: dict[tuple[int, bool], list[int]] = {}  # (k, top-p on) -> rows
-    for i, p in enumerate(params):
-        groups.setdefault((min(p.top_k, vocab) if p.top_k else vocab, p.top_p < 1.0), []).append(i)
-    if len(groups) == 1:  # (the usual step: every row alike, no regrouping)
-        ((k, nucleus),) = groups
-        return _sample_group(logits, table, k, nucleus)
+    `sample_token`'s arithmetic (the module docstring); `host_table` (the same table in
+    host memory) only forms the groups, on the host."""
+    k, nucleus = host_table[:, 2], host_table[:, 1] < 1.0  # [m] each: the group's key
+    if (k == k[0]).all() and (nucleus == nucleus[0]).all():  # (the usual step: every row alike)
+        return _sample_group(logits, table, int(k[0]), bool(nucleus[0]))
+    groups: dict[tuple[int, bool], list[int]] = {}  # (k, top-p on) -> rows, in first-row order
+    for i, key in enumerate(zip(k.astype(np.int64).tolist(), nucleus.tolist(), strict=True)):
+        groups.setdefault(key, []).append(i)
     out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-    for (k, nucleus), rows in groups.items():
+    for (group_k, group_nucleus), rows in groups.items():
         index = _to_device(torch.tensor(rows, dtype=torch.long), logits.device)
-        sampled = _sample_group(logits.index_select(0, index), table.index_select(0, index), k, nucleus)
+        sampled = _sample_group(logits.index_select(0, index), table.index_select(0, index), group_k, group_nucleus)
         out.index_copy_(0, index, sampled)
     return out
 
@@ -294,7 +294,9 @@ def _sample_group(logits: torch.Tensor, table: torch.Tensor, k: int, nucleus: bo
     """Rows of one kind: logits [g, vocab], table [g, 4] as `_sample_rows` takes it, every
     row's top-k k (vocab: off) and top-p on or off (nucleus) -> [g] int64 token ids."""
     vocab = logits.shape[-1]
-    temperature, top_p, u = table[:, 0:1].float(), table[:, 1:2].float(), table[:, 3]
+    # the columns in fp32, as the arithmetic reads them (one conversion, views of it): [g, 1] each
+    columns = table.float()
+    temperature, top_p, u = columns[:, 0:1], columns[:, 1:2], columns[:, 3:4]
     scores = logits.float() / temperature  # [g, vocab]
     ids: torch.Tensor | None = None  # [g, candidates]: their token ids, most likely first
     if k < vocab:
@@ -312,10 +314,11 @@ def _sample_group(logits: torch.Tensor, table: torch.Tensor, k: int, nucleus: bo
         probs = probs.masked_fill(dropped, 0.0)
     # inverse CDF: the first index whose cumulative weight exceeds u * total; when u * total
     # rounds up to the total, the last index of non-zero weight (a zero weight is never drawn)
-    cdf = torch.cumsum(probs, dim=-1)
-    target = (u.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
-    j = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    width = probs.shape[-1]
-    last = (width - 1) - torch.argmax(torch.flip(probs > 0, dims=[-1]).to(torch.uint8), dim=-1)
+    cdf = torch.cumsum(probs, dim=-1)  # [g, width] fp32
+    j = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # [g, 1]
+    # the last index of non-zero weight: where the count of non-zero weights so far first
+    # reaches its total (argmax takes the first of equal maxima)
+    last = torch.argmax(torch.cumsum(probs > 0, dim=-1), dim=-1, keepdim=True)  # [g, 1]
     j = torch.minimum(j, last)
-    return j if ids is None else ids.gather(-1, j.unsqueeze(-1)).squeeze(-1)
+    # (each op here is a kernel launch on a GPU: views and no extra copies keep them few)
+    return (j if ids is None else ids.gather(-1, j)).squeeze(-1)
