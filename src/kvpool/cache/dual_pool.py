@@ -303,8 +303,6 @@ class DualPoolGroup(CacheGroup):
             self.checkpoint_pool = BlockPool(spec.num_checkpoints, enable_caching=enable_caching, hash_algo=hash_algo)
             self._slot_base, self._parts = num_state_blocks, 1
         self._checkpoints: dict[bytes, _Checkpoint] = {}  # boundary block hash -> findable checkpoint
-        self._evicted: list[tuple[int, PrefixBlock]] | None = None  # the spec's build(lower_tier=...)
-        self._published: list[tuple[int, PrefixBlock]] | None = None  # the spec's build(record_published=True)
 
     # ---- prefix hits -------------------------------------------------------------------
 
@@ -342,7 +340,7 @@ class DualPoolGroup(CacheGroup):
         if restore == "recompute":
             return DualPoolHits(block_ids, chain, "recompute")
         k = len(block_ids)  # the last boundary within the hit whose state is checkpointed
-        while k and self._findable_checkpoint(chain[k - 1]) is None:
+        while k and self._checkpoint(chain[k - 1]) is None:
             k -= 1
         if restore == "checkpoint":  # the hit is usable only up to there
             return DualPoolHits(block_ids[:k], chain[:k], "checkpoint" if k else "none")
@@ -359,7 +357,7 @@ class DualPoolGroup(CacheGroup):
         q, r = divmod(point, self.span)
         if r or q > len(hits.block_ids):
             return False
-        return not q or self.spec.restore != "checkpoint" or self._findable_checkpoint(hits.chain[q - 1]) is not None
+        return not q or self.spec.restore != "checkpoint" or self._checkpoint(hits.chain[q - 1]) is not None
 
     def plan_admit(
         self,
@@ -384,7 +382,7 @@ class DualPoolGroup(CacheGroup):
         plan = DualPoolAdmit(hit_ids, chain, None)
         if q:
             assert hits is not None
-            ckpt = self._findable_checkpoint(chain[q - 1])
+            ckpt = self._checkpoint(chain[q - 1])
             if q == len(hits.block_ids):
                 method = hits.method
             elif self.spec.restore == "auto" and ckpt is not None:
@@ -462,7 +460,7 @@ class DualPoolGroup(CacheGroup):
         pooled = self.checkpoint_pool is self.pool
         snapshot_evicted = evicted_blocks if pooled else []
         if self.checkpointing:
-            wanted = [(first + k + 1) * span for k, b in enumerate(chain) if not self._has_checkpoint(b.block_hash)]
+            wanted = [(first + k + 1) * span for k, b in enumerate(chain) if self._checkpoint(b) is None]
             # The latest boundaries whose blocks are free now (a snapshot never makes a step
             # wait; a long prefill may cross more boundaries than that); taking them may
             # evict cached blocks, checkpoints included (the least recently used first).
@@ -511,7 +509,7 @@ class DualPoolGroup(CacheGroup):
         pool = self.checkpoint_pool
         for (position, slot), ids in zip(pending.checkpoints, pending.snapshot_ids, strict=True):
             block = state.chain[position // self.span - 1]
-            if self.pool.is_published(block) and not self._has_checkpoint(block.block_hash):
+            if self.pool.is_published(block) and self._checkpoint(block) is None:
                 parts = []
                 for i, block_id in enumerate(ids):
                     part = pool.register(block_id, pool.chain(block, b"", _STATE_EXTRA + str(i).encode()))
@@ -550,15 +548,12 @@ class DualPoolGroup(CacheGroup):
 
     # ---- checkpoints ---------------------------------------------------------------------
 
-    def _has_checkpoint(self, block_hash: bytes) -> bool:
-        """A findable checkpoint is filed under this hash: its boundary block is the content
-        the index holds (a checkpoint of an evicted prefix is stale: it is replaced)."""
-        ckpt = self._checkpoints.get(block_hash)
-        return ckpt is not None and self.pool.is_published(ckpt.block)
-
-    def _findable_checkpoint(self, block: PrefixBlock) -> _Checkpoint | None:
+    def _checkpoint(self, block: PrefixBlock) -> _Checkpoint | None:
+        """The findable checkpoint of `block`'s prefix: filed under its hash, its boundary
+        block the content the index holds (a checkpoint of an evicted prefix is stale: it
+        is replaced)."""
         ckpt = self._checkpoints.get(block.block_hash)
-        return ckpt if ckpt is not None and ckpt.block is block else None
+        return ckpt if ckpt is not None and self.pool.is_published(ckpt.block) else None
 
     def _touch(self, ckpt: _Checkpoint) -> None:
         """A restore used `ckpt`: most recently used now (its blocks go to the end of the
@@ -582,18 +577,6 @@ class DualPoolGroup(CacheGroup):
             self._evicted.extend(e for e in evicted if not _state_part(e[1]))
 
     # ---- a tier below the classical pool (kvpool.tiers) ----------------------------------
-
-    def take_evicted(self) -> list[tuple[int, PrefixBlock]]:
-        if not self._evicted:
-            return []
-        evicted, self._evicted = self._evicted, []
-        return evicted
-
-    def take_published(self) -> list[tuple[int, PrefixBlock]]:
-        if not self._published:
-            return []
-        published, self._published = self._published, []
-        return published
 
     def prefetch_candidates(self, root: PrefixBlock, token_ids: Sequence[int]) -> tuple[list[int], list[PrefixBlock]]:
         if not self.pool.enable_caching or len(token_ids) == 0:

@@ -83,6 +83,11 @@ class CacheGroup(Protocol):
     pool: BlockPool  # the pool `blocks_needed` counts against (a shared pool for some attention groups)
     state_pool: BlockPool | None = None  # per-request state blocks apart from `pool` (V4's dual pool)
     can_unreserve: bool = False  # `unreserve` undoes a reserved step exactly
+    # Tier records, for the group's `take_evicted` / `take_published` (None: not recorded):
+    # cached blocks the allocator evicted that the runner has not saved yet, blocks
+    # published since the runner last took them
+    _evicted: list[tuple[int, PrefixBlock]] | None = None
+    _published: list[tuple[int, PrefixBlock]] | None = None
     granularity: int  # tokens of one hash unit: block size, checkpoint interval, span
     reads_whole_prefix: bool  # a point needs every unit before it: its hits end at the first miss
     has_table: bool  # keeps block tables (`block_ids`); False: only per-request state
@@ -195,14 +200,21 @@ class CacheGroup(Protocol):
         return []
 
     def take_evicted(self) -> list[tuple[int, PrefixBlock]]:
-        """Cached blocks the allocator evicted since the last call, (block id, its content):
-        for a lower tier to save before the next forward overwrites them. [] without one."""
-        return []
+        """Cached blocks the allocator evicted since the last call, (block id, its content),
+        oldest first: for a lower tier to save before the next forward overwrites them. []
+        without one. (Read from `_evicted`, which a group with a lower tier keeps.)"""
+        evicted = self._evicted
+        if evicted:
+            self._evicted = []
+        return evicted or []
 
     def take_published(self) -> list[tuple[int, PrefixBlock]]:
         """Blocks published since the last call, (block id, its content), for write-through
-        tiers. [] unless recorded."""
-        return []
+        tiers. [] unless recorded (in `_published`)."""
+        published = self._published
+        if published:
+            self._published = []
+        return published or []
 
     def pending(self, state: Any) -> GroupReservation:
         """The reserved, uncommitted step's part (new blocks, checkpoints), for a group that

@@ -134,10 +134,9 @@ class AttentionGroup(CacheGroup):
         # let a block go at any position)
         self.commit_period = spec.block_size if spec.window is None else 1
         self.lower_tier = lower_tier if pool.enable_caching else None
-        # Evicted cached blocks the runner has not saved yet; blocks published since the
-        # runner last took them (None: not recorded)
-        self._evicted: list[tuple[int, PrefixBlock]] | None = [] if self.lower_tier is not None else None
-        self._published: list[tuple[int, PrefixBlock]] | None = [] if record_published and pool.enable_caching else None
+        # The tier records (cache/group.py; None: not recorded)
+        self._evicted = [] if self.lower_tier is not None else None
+        self._published = [] if record_published and pool.enable_caching else None
         # Copy-on-write copies not yet taken, in the order they were made (a later copy may
         # read an earlier one's destination). One leaves only when nobody reads it.
         self._pending_copies: list[BlockCopy] = []
@@ -384,18 +383,6 @@ class AttentionGroup(CacheGroup):
                 read.add(copy.src)
         kept.reverse()
         return kept
-
-    def take_evicted(self) -> list[tuple[int, PrefixBlock]]:
-        evicted = self._evicted  # (oldest first: their slots hold that content until the next forward)
-        if evicted:
-            self._evicted = []
-        return evicted or []
-
-    def take_published(self) -> list[tuple[int, PrefixBlock]]:
-        published = self._published
-        if published:
-            self._published = []
-        return published or []
 
     # ---- queries on a request's state ---------------------------------------------------
 
