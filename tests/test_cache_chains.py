@@ -25,7 +25,7 @@ def test_a_run_computed_twice_at_once_joins_the_first_copies_block_by_block():
     m.check_integrity()
     assert m.pool.num_collisions == 0
     assert [m.pool.prefix_block(b) for b in (3, 4)] == [m.pool.prefix_block(b) for b in (0, 1)]
-    assert m.prefix_chain("b") == m.prefix_chain("a")
+    assert m.part("b").prefix_chain() == m.part("a").prefix_chain()
     assert m.pool.prefix_block(0).block_ids == (0, 3) and m.pool.prefix_block(1).block_ids == (1, 4)
     # Both copies serve: with a gone, c shares b's held copies, not a's free ones.
     assert m.release("a")

@@ -252,7 +252,7 @@ def test_fork_shares_blocks_and_takes_a_state_block() -> None:
     _compute(m, "a", 20)
     m.append_token_ids("a", [7])  # sampled, not computed: the child does not inherit it
     assert m.fork("a", "b") is True
-    assert m.state_slot("b") == 1 and m.block_ids("b") == [0] and m.pool.refcount(0) == 2
+    assert m.part("b").state_slot == 1 and m.block_ids("b") == [0] and m.pool.refcount(0) == 2
     assert m.token_ids("b") == _ids(20)
     assert m.fork("a", "c") is False  # no third state block
     assert "c" not in m
@@ -374,7 +374,7 @@ class Model:
                 m.step_reservations(ids, starts, [e + 1 for e in ends])
         assert [m.pool.refcount(b) for b in range(m.num_blocks)] == counts
         assert m.num_free_blocks == m.num_blocks - len(self.held())
-        slots = [m.state_slot(rid) for rid in self.tables]
+        slots = [m.part(rid).state_slot for rid in self.tables]
         usage = m.usage()
         assert len(set(slots)) == len(slots) and usage.num_free_state_blocks == usage.num_state_blocks - len(slots)
 

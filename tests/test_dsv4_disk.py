@@ -73,7 +73,7 @@ def test_a_window_snapshot_restores_the_state_it_was_taken_from(model) -> None:
     prompt = _ids(3 * 128 + 1, 1)
     runner.add_request("a", prompt)
     runner.step([("a", 3 * 128)])  # the state now stands at the boundary 384
-    slot = runner.cache.state_slot("a")
+    slot = runner.cache.part("a").state_slot
     pools = runner.executor.pools
     snapshot = {k: v.clone() for k, v in pools.window_snapshot(slot, 384, 128).items()}
     pools.restore_window(2, 384, [(384, snapshot)])

@@ -49,7 +49,7 @@ def test_figure_12_hit_is_the_largest_point_every_group_has():
     prompt = list(range(1600))
     admission = m.admit("a", prompt)
     assert head(admission, "mla", "kda") == (0, 1600, (0, 1, 2, 3), StateRestore(0, "none"), ())
-    assert m.checkpoints("a") == [(1024, 1)]  # slot 1 snapshots the state after 1024 tokens
+    assert m.part("a").checkpoints == [(1024, 1)]  # slot 1 snapshots the state after 1024 tokens
     m.commit("a", 1600)
     m.check_integrity()
     follow_up = prompt + [7]
@@ -64,12 +64,12 @@ def test_figure_12_hit_is_the_largest_point_every_group_has():
     # 1024 cached tokens: attention blocks 0 and 1 shared, the state restored from slot 1
     # into a fresh live slot 2; blocks 4 and 5 for [1024, 1601).
     assert head(admission, "mla", "kda") == (1024, 577, (0, 1, 4, 5), StateRestore(2, "checkpoint", 1), ())
-    assert m.state_restore("b").checkpoint_slot == 1 and m.groups["kda"].pool.refcount(1) == 1
-    assert m.checkpoints("b") == []  # the step reaches no new boundary (2048 > 1601)
+    assert m.part("b").restore.checkpoint_slot == 1 and m.groups["kda"].pool.refcount(1) == 1
+    assert m.part("b").checkpoints == []  # the step reaches no new boundary (2048 > 1601)
     m.commit("b", 577)
     m.check_integrity()
     # slot 1 was held until the first commit
-    assert m.state_restore("b").checkpoint_slot is None and m.groups["kda"].pool.is_free_cached(1)
+    assert m.part("b").restore.checkpoint_slot is None and m.groups["kda"].pool.is_free_cached(1)
 
 
 def test_a_hit_inside_an_attention_block_copies_the_block_on_write():
@@ -78,14 +78,14 @@ def test_a_hit_inside_an_attention_block_copies_the_block_on_write():
     a = list(range(1100))
     admission = m.admit("a", a)
     assert admission.groups["mla"].block_ids == (0, 1)
-    assert m.checkpoints("a") == [(512, 1), (1024, 2)]
+    assert m.part("a").checkpoints == [(512, 1), (1024, 2)]
     m.commit("a", 1100)
     m.release("a")
     # a's checkpoints were freed tail-first: 1024 (slot 2) is older in the LRU than 512 (slot 1).
     assert m.groups["kda"].pool.free_queue() == [0, 2, 1]
     prefill(m, "c", [7] * 10)  # takes the unhashed slot 0
     prefill(m, "d", [8] * 10)  # evicts the least recently used checkpoint: 1024 (slot 2)
-    assert m.state_slot("c") == 0 and m.state_slot("d") == 2
+    assert m.part("c").state_slot == 0 and m.part("d").state_slot == 2
     m.release("c")
     b = a + [5]
     assert m.group_hit_points(b) == {"mla": [0, 512, 1024], "kda": [0, 512]}
@@ -116,18 +116,18 @@ def test_sliding_window_releases_blocks_as_the_request_advances_and_hits_from_th
     seq = list(range(100, 124))
     assert prefill(m, "a", seq[:12]) == 0
     # After 12 tokens the next query (position 12) reads keys [5, 12]: block 0 ([0, 4)) left.
-    assert (m.first_block("a"), m.block_ids("a")) == (1, [1, 2])
+    assert (m.part("a").first_block, m.block_ids("a")) == (1, [1, 2])
     assert pool.free_queue() == [3, 4, 5, 6, 7, 8, 9, 0] and pool.block_hash(0) is not None
     m.append_token_ids("a", [seq[12]])
     assert m.reserve("a", 1).groups["swa"].new_block_ids == (3,)
     m.commit("a", 1)
     m.check_integrity()
-    assert (m.first_block("a"), m.block_ids("a")) == (1, [1, 2, 3])  # keys [6, 13] still read block 1
+    assert (m.part("a").first_block, m.block_ids("a")) == (1, [1, 2, 3])  # keys [6, 13] still read block 1
     for t in range(13, 20):
         decode(m, "a", seq[t])
     # 20 tokens computed: the next query reads [13, 20] -> blocks 3 and 4 ([12, 20)) and the
     # next position's block; blocks 0, 1, 2 went back to the free queue, tail-first each time.
-    assert (m.first_block("a"), m.block_ids("a")) == (3, [3, 4])
+    assert (m.part("a").first_block, m.block_ids("a")) == (3, [3, 4])
     assert pool.free_queue() == [5, 6, 7, 8, 9, 0, 1, 2]
     assert all(pool.block_hash(b) is not None for b in (0, 1, 2))  # still findable while cached
     # While a step computes position L - 1, the table is what the planner counts for a
@@ -138,7 +138,7 @@ def test_sliding_window_releases_blocks_as_the_request_advances_and_hits_from_th
         m.reserve("a", 1)
         assert len(m.block_ids("a")) == planner.num_blocks(t + 1)
         m.commit("a", 1)
-    assert (m.first_block("a"), m.block_ids("a")) == (4, [4, 5])
+    assert (m.part("a").first_block, m.block_ids("a")) == (4, [4, 5])
     assert pool.free_queue() == [6, 7, 8, 9, 0, 1, 2, 3]
 
     # A 24-token prompt takes 6 blocks during its prefill: the 4 unhashed ones, then the
@@ -158,7 +158,7 @@ def test_sliding_window_releases_blocks_as_the_request_advances_and_hits_from_th
     assert admission.num_cached_tokens == 20
     # Block 3 is revived from the free queue, block 4 shared with a; the step's block
     # evicts the LRU head, block 2.
-    assert (m.first_block("b"), m.block_ids("b")) == (3, [3, 4, 2])
+    assert (m.part("b").first_block, m.block_ids("b")) == (3, [3, 4, 2])
     assert [pool.refcount(b) for b in (3, 4, 2)] == [1, 2, 1]
 
 
@@ -222,7 +222,7 @@ def test_fork_shares_blocks_and_takes_its_own_state():
     assert m.usage() == (8, 5, 3, 10, 4, 4, 2)  # shared blocks count once; c has its own state
     m.check_integrity()
     assert m.block_ids("c") == m.block_ids("p") == [0, 1, 2]
-    assert m.state_slot("c") != m.state_slot("p")
+    assert m.part("c").state_slot != m.part("p").state_slot
     # The shared partial tail [8, 10) is copied by the first writer; the second writes in place.
     m.append_token_ids("c", [1])
     res = m.reserve("c", 1)
@@ -268,7 +268,7 @@ def test_a_shared_pool_gives_the_blocks_a_window_lets_go_to_any_group():
     # the commit the next query (position 12) reads [9, 12]: the window group keeps block 2
     # and lets 1 and 0 go, tail-first, cached.
     assert prefill(m, "a", a) == 0
-    assert (m.first_block("a", "swa"), m.block_ids("a", "swa"), m.block_ids("a", "full")) == (2, [2], [3, 4, 5])
+    assert (m.part("a", "swa").first_block, m.block_ids("a", "swa"), m.block_ids("a", "full")) == (2, [2], [3, 4, 5])
     assert pool.free_queue() == [6, 7, 1, 0] and m.group_held_blocks() == {"swa": 1, "full": 3}
     assert m.usage() == (8, 4, 4, 4 + 12, 4, 0, 0)  # the window's block holds 4 computed tokens
     # 20 new tokens need 5 blocks in each group: 10 > 4 free, refused with no trace.
@@ -312,7 +312,7 @@ def test_a_follow_up_turn_hits_at_the_previous_turn_end_off_the_checkpoint_grid(
     )
     turn1 = list(range(10))
     assert prefill(m, "t1", turn1) == 0
-    assert m.state_slot("t1") == 0 and m.groups["r"].pool.block_hash(1) is not None  # checkpoint of 8 in slot 1
+    assert m.part("t1").state_slot == 0 and m.groups["r"].pool.block_hash(1) is not None  # checkpoint of 8 in slot 1
     for tok in (50, 51):
         decode(m, "t1", tok)
     m.append_token_ids("t1", [52])
@@ -366,8 +366,8 @@ def test_a_dual_pool_group_hits_only_where_the_recurrent_group_agrees_on_a_span_
     # [24, 30) live in state block 0 only); live slot 0, checkpoints at 12 and 24 in slots 1, 2.
     admission = m.admit("a", a)
     assert head(admission, "v4", "r") == (0, 30, (0, 1, 2), StateRestore(0, "none"), ())
-    assert m.state_slot("a", "v4") == 0 and m.state_restore("a", "v4") == StateRestore(0, "none")
-    assert m.checkpoints("a") == [(12, 1), (24, 2)]
+    assert m.part("a", "v4").state_slot == 0 and m.part("a", "v4").restore == StateRestore(0, "none")
+    assert m.part("a").checkpoints == [(12, 1), (24, 2)]
     assert all(classical.block_hash(b) is None for b in (0, 1, 2))  # published at the commit, not before
     m.commit("a", 30)
     m.check_integrity()
@@ -381,11 +381,11 @@ def test_a_dual_pool_group_hits_only_where_the_recurrent_group_agrees_on_a_span_
     # Hit 24: classical blocks 0, 1, 2 shared (refcount 2), state block 1 rebuilt by
     # replaying [18, 24); the recurrent state restored from slot 2 into live slot 3.
     assert head(admission, "v4", "r") == (24, 7, (0, 1, 2), StateRestore(3, "checkpoint", 2), ())
-    assert m.state_restore("b", "v4") == StateRestore(1, "recompute", replay_start=18)
+    assert m.part("b", "v4").restore == StateRestore(1, "recompute", replay_start=18)
     assert [classical.refcount(k) for k in (0, 1, 2)] == [2, 2, 2]
     m.commit("b", 7)  # [24, 31) completes no span: no classical block, no copy
     m.check_integrity()
-    assert m.block_ids("b", "v4") == [0, 1, 2] and m.state_restore("b", "v4") == StateRestore(1, "none")
+    assert m.block_ids("b", "v4") == [0, 1, 2] and m.part("b", "v4").restore == StateRestore(1, "none")
 
     # c shares 20 tokens: the dual pool alone could serve 16, the recurrent group alone 12;
     # no point but 0 is served by both.
@@ -408,7 +408,7 @@ def test_a_dual_pool_group_hits_only_where_the_recurrent_group_agrees_on_a_span_
     # No hit: three fresh classical blocks, state block 0, live slot 4; the recurrent group
     # checkpoints 24 in slot 5 (12 is cached already).
     assert head(admission, "v4", "r") == (0, 24, (3, 4, 5), StateRestore(4, "none"), ())
-    assert m.state_slot("c", "v4") == 0 and m.checkpoints("c") == [(24, 5)]
+    assert m.part("c", "v4").state_slot == 0 and m.part("c").checkpoints == [(24, 5)]
     m.commit("c", 24)
     m.check_integrity()
     # c's first two spans are a's: blocks 3 and 4 are published as second copies of 0 and 1.
@@ -421,7 +421,7 @@ def test_a_dual_pool_group_hits_only_where_the_recurrent_group_agrees_on_a_span_
     # A fork shares b's complete spans and takes the free state block (the runner copies
     # b's state, the unfinished span [24, 31) included, into it).
     assert m.fork("b", "b2")
-    assert m.block_ids("b2", "v4") == [0, 1, 2] and m.state_slot("b2", "v4") == 0
+    assert m.block_ids("b2", "v4") == [0, 1, 2] and m.part("b2", "v4").state_slot == 0
     assert [classical.refcount(k) for k in (0, 1, 2)] == [2, 2, 2] and states.free_queue() == []
     m.check_integrity()
     # Position 31 completes span 3 for both: each writes a block of its own (6, then 7);
@@ -448,7 +448,7 @@ def test_a_turn_end_at_a_span_boundary_is_a_hit_for_the_dual_pool_and_the_recurr
     v4 = DualPoolGroupSpec("v4", 8, replay_len=6)
     m = HybridCacheManager([(v4, (6, 2)), (RecurrentGroupSpec("r", 12), 4)], DESC, turn_end_checkpoints=True)
     assert prefill(m, "t1", list(range(14))) == 0
-    assert m.block_ids("t1", "v4") == [0] and m.checkpoints("t1") == []  # 12's snapshot went to slot 1
+    assert m.block_ids("t1", "v4") == [0] and m.part("t1").checkpoints == []  # 12's snapshot went to slot 1
     decode(m, "t1", 50)
     m.append_token_ids("t1", [51])
     assert m.reserve("t1", 1).groups["v4"].new_block_ids == (1,)  # position 15 completes span 1
@@ -469,7 +469,7 @@ def test_a_turn_end_at_a_span_boundary_is_a_hit_for_the_dual_pool_and_the_recurr
     # to the end of the queue) replays [10, 16); the recurrent state restored from slot 0
     # into slot 2.
     assert head(admission, "v4", "r") == (16, 3, (0, 1), StateRestore(2, "checkpoint", 0), ())
-    assert m.state_restore("t2", "v4") == StateRestore(1, "recompute", replay_start=10)
+    assert m.part("t2", "v4").restore == StateRestore(1, "recompute", replay_start=10)
     m.commit("t2", 3)
     m.check_integrity()
 
@@ -487,8 +487,8 @@ def test_a_dual_pool_group_is_named_right():
         HybridCacheManager([(AttentionGroupSpec("full", 4), (4, 2))], DESC)
     m = HybridCacheManager([(DualPoolGroupSpec("v4", 8), (4, 2))], DESC)
     prefill(m, "a", [1, 2, 3])
-    with pytest.raises(KeyError, match="no recurrent or dual-pool group 'nope'"):
-        m.state_restore("a", "nope")
+    with pytest.raises(KeyError, match="no group 'nope'; the groups are \\['v4'\\]"):
+        m.part("a", "nope")
 
 
 def test_every_group_kind_keeps_the_whole_group_protocol():
@@ -543,7 +543,7 @@ def test_prefix_queries_and_the_swap_are_the_coordinators_answered_by_each_group
     m = HybridCacheManager([(AttentionGroupSpec("full", 4), 8)], DESC, exact_steps=False)
     assert prefill(m, "a", tokens) == 0  # blocks 0, 1 full (tokens 0-7), block 2 partial (8, 9)
     ids, chain = m.prefix_blocks(tokens + [99])
-    hashes = [b.block_hash for b in m.prefix_chain("a")]
+    hashes = [b.block_hash for b in m.part("a").prefix_chain()]
     assert ids == m.block_ids("a")[:2] and [b.block_hash for b in chain] == hashes and len(hashes) == 2
     longer = m.chain_for(tokens + [99, 98])  # three full blocks, the third not cached
     assert [b.block_hash for b in longer[:2]] == hashes and len(longer) == 3 and not longer[2].block_ids
@@ -582,7 +582,7 @@ def test_a_follow_up_turn_hits_inside_the_attention_block_where_the_previous_tur
 
     m = make(turn_ends=True)
     assert prefill(m, "t1", turn1) == 0
-    assert m.block_ids("t1") == [0, 1, 2] and m.state_slot("t1") == 0
+    assert m.block_ids("t1") == [0, 1, 2] and m.part("t1").state_slot == 0
     assert m.release("t1")
     m.check_integrity()
     pool = m.groups["full"].pool

@@ -88,8 +88,8 @@ class Lifecycle(RuleBasedStateMachine):
         checkpoint, or replay [replay_start, point) on top of the cached spans the request holds."""
         tenant, seq = self.tenant[rid], tuple(self.seq[rid])
         for g in self.m.dual_groups:
-            restore = self.m.state_restore(rid, g.name)
-            assert restore.state_slot == self.m.state_slot(rid, g.name)
+            restore = self.m.part(rid, g.name).restore
+            assert restore.state_slot == self.m.part(rid, g.name).state_slot
             if not point:
                 assert restore.method == "none"
                 self.states[g.name][restore.state_slot] = (tenant, ())
@@ -120,7 +120,7 @@ class Lifecycle(RuleBasedStateMachine):
                         slots.pop(copy.dst * BS + offset, None)
 
     def _slot(self, rid: str, group: str, pos: int) -> int:
-        first = self.m.first_block(rid, group)
+        first = self.m.part(rid, group).first_block
         return self.m.block_ids(rid, group)[pos // BS - first] * BS + pos % BS
 
     def _forward(self, rid: str, start: int, end: int) -> None:
@@ -131,19 +131,19 @@ class Lifecycle(RuleBasedStateMachine):
             for pos in range(start, end):
                 self.content[g.name][self._slot(rid, g.name, pos)] = (g.name, tenant, tuple(seq[: pos + 1]))
         for g in self.m.dual_groups:
-            state_slot = self.m.state_slot(rid, g.name)
+            state_slot = self.m.part(rid, g.name).state_slot
             assert self.states[g.name][state_slot] == (tenant, tuple(seq[:start])), "the state the step starts from"
             table = self.m.block_ids(rid, g.name)
             for k in range(start // g.span, end // g.span):  # the spans the step completes
                 self.content[g.name][table[k]] = (g.name, tenant, tuple(seq[: (k + 1) * g.span]))
-            for position, slot in self.m.checkpoints(rid, g.name):  # snapshots of the state
+            for position, slot in self.m.part(rid, g.name).checkpoints:  # snapshots of the state
                 assert start < position <= end and position % g.span == 0
                 self.states[g.name][slot] = (tenant, tuple(seq[:position]))
             self.states[g.name][state_slot] = (tenant, tuple(seq[:end]))
         rec = self.content["rec"]
-        live = self.m.state_slot(rid)
+        live = self.m.part(rid).state_slot
         assert rec[live] == (tenant, tuple(seq[:start])), "the state the step starts from"
-        for position, slot in self.m.checkpoints(rid):
+        for position, slot in self.m.part(rid).checkpoints:
             assert start < position <= end
             rec[slot] = (tenant, tuple(seq[:position]))
         rec[live] = (tenant, tuple(seq[:end]))
@@ -175,7 +175,7 @@ class Lifecycle(RuleBasedStateMachine):
         assert point == expected_hit and point <= len(prompt) - 1
         self.seq[rid], self.tenant[rid] = list(prompt), tenant
         self._apply_copies()
-        live, src = self.m.state_slot(rid), self.m.state_restore(rid).checkpoint_slot
+        live, src = self.m.part(rid).state_slot, self.m.part(rid).restore.checkpoint_slot
         if point:
             assert src is not None
             self.content["rec"][live] = self.content["rec"][src]
@@ -239,10 +239,10 @@ class Lifecycle(RuleBasedStateMachine):
         self.seq[child] = self.seq[parent][:n]
         self.tenant[child] = self.tenant[parent]
         rec = self.content["rec"]
-        rec[self.m.state_slot(child)] = rec[self.m.state_slot(parent)]
+        rec[self.m.part(child).state_slot] = rec[self.m.part(parent).state_slot]
         for g in self.m.dual_groups:
             states = self.states[g.name]
-            states[self.m.state_slot(child, g.name)] = states[self.m.state_slot(parent, g.name)]
+            states[self.m.part(child, g.name).state_slot] = states[self.m.part(parent, g.name).state_slot]
         return child
 
     @rule(rid=requests)
@@ -252,7 +252,7 @@ class Lifecycle(RuleBasedStateMachine):
             return
         rec = self.content["rec"]
         for slot in self.m.mark_turn_end(rid).values():
-            rec[slot] = rec[self.m.state_slot(rid)]
+            rec[slot] = rec[self.m.part(rid).state_slot]
 
     @rule(rid=consumes(requests), how=st.sampled_from(["finish", "cancel", "preempt"]))
     def release(self, rid, how):
@@ -277,7 +277,7 @@ class Lifecycle(RuleBasedStateMachine):
                 for pos in range(g.spec.first_needed(n), n):
                     slot = self._slot(rid, g.name, pos)
                     assert self.content[g.name].get(slot) == (g.name, tenant, tuple(seq[: pos + 1])), (rid, g.name, pos)
-            assert rec.get(self.m.state_slot(rid)) == (tenant, tuple(seq[:n])), rid
+            assert rec.get(self.m.part(rid).state_slot) == (tenant, tuple(seq[:n])), rid
             for g in self.m.dual_groups:
                 table = self.m.block_ids(rid, g.name)
                 for k in range(n // g.span):
@@ -286,7 +286,7 @@ class Lifecycle(RuleBasedStateMachine):
                         g.name,
                         k,
                     )
-                assert self.states[g.name].get(self.m.state_slot(rid, g.name)) == (tenant, tuple(seq[:n])), rid
+                assert self.states[g.name].get(self.m.part(rid, g.name).state_slot) == (tenant, tuple(seq[:n])), rid
 
     @invariant()
     def free_counts_add_up(self):

@@ -236,7 +236,7 @@ DUAL = Workload(vocab=256, system_len=40, num_sessions=4, num_turns=3, user_len=
 
 
 def _dual_tables(cache, seq_id: str) -> tuple:
-    return tuple(cache.block_ids(seq_id)), cache.state_slot(seq_id)
+    return tuple(cache.block_ids(seq_id)), cache.part(seq_id).state_slot
 
 
 @pytest.mark.parametrize(
@@ -289,10 +289,10 @@ HYBRID = Workload(vocab=96, system_len=20, num_sessions=4, num_turns=3, user_len
 
 def _hybrid_tables(cache, seq_id: str) -> tuple:
     tables = tuple(
-        (g.name, cache.first_block(seq_id, g.name), tuple(cache.block_ids(seq_id, g.name)))
+        (g.name, cache.part(seq_id, g.name).first_block, tuple(cache.block_ids(seq_id, g.name)))
         for g in cache.attention_groups
     )
-    slots = tuple(cache.state_slot(seq_id, g.name) for g in cache.recurrent_groups)
+    slots = tuple(cache.part(seq_id, g.name).state_slot for g in cache.recurrent_groups)
     return tables, slots
 
 

@@ -176,7 +176,7 @@ def test_block_descriptors_name_every_field_and_round_trip() -> None:
     prompt = list(range(100, 110))
     m.admit("a", prompt)
     m.commit("a", 10)
-    chain = m.prefix_chain("a")
+    chain = m.part("a").prefix_chain()
     key0, d0 = index.describe(chain[0])
     key1, d1 = index.describe(chain[1])
     assert (d0.num_computed_tokens, d0.token_ids, d1.token_ids) == (4, (100, 101, 102, 103), (104, 105, 106, 107))
@@ -192,7 +192,7 @@ def test_block_descriptors_name_every_field_and_round_trip() -> None:
     other, other_index = make(6, tier, dataclasses.replace(DESC, weights_version="w9"))
     other.admit("a", prompt)
     other.commit("a", 10)
-    assert other_index.describe(other.prefix_chain("a")[1])[0] == key1
+    assert other_index.describe(other.part("a").prefix_chain()[1])[0] == key1
 
 
 # ----- the tier itself -------------------------------------------------------------------
@@ -201,7 +201,7 @@ def test_block_descriptors_name_every_field_and_round_trip() -> None:
 def _entry(index: TierIndex, m: FullAttentionManager, rid: str, prompt: list[int]):
     m.admit(rid, prompt)
     m.commit(rid, len(prompt))
-    return [index.describe(b) for b in m.prefix_chain(rid)]
+    return [index.describe(b) for b in m.part(rid).prefix_chain()]
 
 
 def test_lru_under_a_byte_limit() -> None:

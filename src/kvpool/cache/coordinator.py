@@ -62,9 +62,8 @@ take part of the reservation, and a decode inside its block costs one comparison
 `reserve_step` and one in `commit_step`'s validation. Every group is called once per step
 with the step's requests (the group protocol's calls are batched).
 
-Pure Python: the runner applies the groups' copies (`take_copies`) and restores
-(`state_restore`) and writes the snapshots (`checkpoints`) that the
-coordinator records.
+Pure Python: the runner applies the groups' copies (`take_copies`) and restores, and writes
+the snapshots, that the coordinator records (`part`: one group's part of a request).
 """
 
 from __future__ import annotations
@@ -73,7 +72,7 @@ import math
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from kvpool.cache.base import LowerTier, check_mm_items
 from kvpool.cache.group import CacheGroup
@@ -94,6 +93,51 @@ from kvpool.cache.types import (
 from kvpool.pool import BlockPool, PrefixBlock, StepTables, step_tables, token_bytes
 
 _EMPTY_PART = GroupReservation()  # a group's part of a step that took nothing
+
+
+class RequestPart(NamedTuple):
+    """One group's part of one request now (`HybridCacheManager.part`): the group, its
+    bookkeeping of the request, and the request's tokens and computed count. Read it, never
+    change it (`token_ids` is the coordinator's own list)."""
+
+    group: CacheGroup
+    state: Any
+    token_ids: list[int]
+    mm_items: tuple[MMItem, ...]
+    num_computed: int
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The group's table of the request, logical blocks [first_block, ...); [] without one."""
+        return list(self.group.block_ids(self.state))
+
+    @property
+    def first_block(self) -> int:
+        return self.group.first_block(self.state)
+
+    @property
+    def state_slot(self) -> int | None:
+        """The live state slot (recurrent) or state block (dual pool); None without state."""
+        return self.group.state_slot(self.state)
+
+    @property
+    def restore(self) -> StateRestore | None:
+        """How the runner rebuilds the state before the first step: from a checkpoint (its
+        slot is `checkpoint_slot`), by replaying tokens on top of the cached classical blocks
+        (dual pool), or "none" (a fresh state, or the restore is done); None without state."""
+        return self.group.restore(self.state)
+
+    @property
+    def checkpoints(self) -> list[tuple[int, int]]:
+        """(position b, slot) of the reserved step: snapshot the state after b tokens there."""
+        return list(self.group.checkpoints(self.state))
+
+    def prefix_chain(self, reserved: bool = False) -> list[PrefixBlock]:
+        """The prefix blocks of the computed full blocks, in order (caching on); reserved:
+        then those of the blocks the reserved step completes, where the group chains them at
+        reservation (a dual pool: a runner names tier entries by them)."""
+        chain = self.group.prefix_chain(self.state)
+        return [*chain, *self.group.pending_chain(self.state)] if reserved else list(chain)
 
 
 class GroupSpec(Protocol):
@@ -303,18 +347,18 @@ class HybridCacheManager:
         except KeyError as missing:
             raise KeyError(f"unknown request {missing.args[0]!r}") from None
 
-    def first_block(self, request_id: str, group: str | None = None) -> int:
-        """The logical index of the request's first held block in a table group."""
-        g = self._group(group, self._table_groups, "block-table")
-        return g.first_block(self._get(request_id).states[g.name])
-
-    def prefix_chain(self, request_id: str, group: str | None = None, *, reserved: bool = False) -> list[PrefixBlock]:
-        """The prefix blocks of the request's computed full blocks, in order (caching on);
-        reserved: then those of the blocks its reserved step completes, where the group
-        chains them at reservation (a dual pool: a runner names tier entries by them)."""
-        g = self._group(group, self._table_groups, "block-table")
-        state = self._get(request_id).states[g.name]
-        return [*g.prefix_chain(state), *g.pending_chain(state)] if reserved else list(g.prefix_chain(state))
+    def part(self, request_id: str, group: str | None = None) -> RequestPart:
+        """One group's part of the request (default: the first group with per-request state,
+        recurrent first, else the first table group, attention first)."""
+        req = self._get(request_id)
+        g = (
+            (self._state_groups or self._table_groups or self._group_list)[0]
+            if group is None
+            else self.groups.get(group)
+        )
+        if g is None:
+            raise KeyError(f"no group {group!r}; the groups are {sorted(self.groups)}")
+        return RequestPart(g, req.states[g.name], req.token_ids, req.mm_items, req.num_computed)
 
     def pending_reservation(self, request_id: str) -> Reservation | None:
         """The request's reserved, uncommitted step (None when none): its positions and each
@@ -360,29 +404,6 @@ class HybridCacheManager:
                     out[request_id] = Reservation(start, end - start, parts)
                     break
         return out
-
-    def state_slot(self, request_id: str, group: str | None = None) -> int:
-        """The live state slot of a recurrent group or the state block of a dual-pool group
-        (default: the first recurrent group, else the first dual pool)."""
-        g = self._group(group, self._state_groups, "stateful")
-        slot = g.state_slot(self._get(request_id).states[g.name])
-        assert slot is not None
-        return slot
-
-    def state_restore(self, request_id: str, group: str | None = None) -> StateRestore:
-        """How the runner rebuilds the request's state in a recurrent or dual-pool group
-        (default: as `state_slot`) before its first step: from a checkpoint (its slot is
-        `checkpoint_slot`), by replaying tokens on top of the cached classical blocks (dual
-        pool), or "none" (a fresh state, or the restore is done)."""
-        g = self._group(group, self._state_groups, "recurrent or dual-pool")
-        restore = g.restore(self._get(request_id).states[g.name])
-        assert restore is not None
-        return restore
-
-    def checkpoints(self, request_id: str, group: str | None = None) -> list[tuple[int, int]]:
-        """(position b, slot) of the reserved step: snapshot the state after b tokens there."""
-        g = self._group(group, self._state_groups, "stateful")
-        return list(g.checkpoints(self._get(request_id).states[g.name]))
 
     def take_copies(self) -> dict[str, list[BlockCopy]]:
         """Per group that queued any, the copies to apply before the next forward, in order."""

@@ -195,7 +195,7 @@ class DSV4Executor:
         for c in chunks:
             table = cache.block_ids(c.request_id)  # (the reserved step's new blocks included)
             pos, stop = c.start, c.start + len(c.token_ids)
-            slot = cache.state_slot(c.request_id)
+            slot = cache.part(c.request_id).state_slot
             plans.append(ChunkPlan(pos, stop - pos, slot, table[: pos // span], table[pos // span : stop // span]))
         rows = None if all_logits else last_token_rows(chunks)
         return self._forward([t for c in chunks for t in c.token_ids], plans, rows)

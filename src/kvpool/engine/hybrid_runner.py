@@ -128,14 +128,12 @@ class HybridExecutor:
     def _chunk(self, cache: HybridCacheManager, c: ScheduledChunk) -> HybridChunk:
         """A chunk's tables in every attention group, its state slot and checkpoints."""
         request_id, start = c.request_id, c.start
-        tables = {
-            g.name: GroupTable(
-                cache.first_block(request_id, g.name), cache.block_ids(request_id, g.name), g.spec.first_needed(start)
-            )
-            for g in cache.attention_groups
-        }
-        state_slot = cache.state_slot(request_id) if self.has_state else None
-        checkpoints = tuple(cache.checkpoints(request_id)) if self.has_state else ()
+        tables = {}
+        for g in cache.attention_groups:
+            part = cache.part(request_id, g.name)
+            tables[g.name] = GroupTable(part.first_block, part.block_ids, g.spec.first_needed(start))
+        state = cache.part(request_id) if self.has_state else None
+        state_slot, checkpoints = (state.state_slot, tuple(state.checkpoints)) if state is not None else (None, ())
         return HybridChunk(start, len(c.token_ids), tables, state_slot, checkpoints)
 
     def forward(self, chunks: Sequence[ScheduledChunk], cache: HybridCacheManager, all_logits: bool) -> Tensor:

@@ -309,7 +309,8 @@ class ModelRunner:
         group): a fresh state, the checkpoint copied into the live slot, or (V4) a replay of
         the hit's tokens on top of its cached blocks, from the latest window snapshot the
         persistent tiers restore, now or in the next step."""
-        restore = self.cache.state_restore(request_id)
+        restore = self.cache.part(request_id).restore
+        assert restore is not None
         if restore.method == "checkpoint":  # (the copy overwrites the whole slot)
             assert restore.checkpoint_slot is not None
             self._copy_state(restore.checkpoint_slot, restore.state_slot)
@@ -376,7 +377,7 @@ class ModelRunner:
         if not self.cache.fork(parent_id, child_id):
             return False
         if self.executor.has_state:
-            self.executor.copy_state(self.cache.state_slot(parent_id), self.cache.state_slot(child_id))
+            self.executor.copy_state(self.cache.part(parent_id).state_slot, self.cache.part(child_id).state_slot)
         return True
 
     def release(self, request_id: str, reason: ReleaseReason = "finish") -> bool:
@@ -572,7 +573,7 @@ class ModelRunner:
         SWA strategy keeps there."""
         for position, checkpoint_slot in checkpoints.get(request_id, ()):
             if position == stop:
-                self._copy_state(self.cache.state_slot(request_id), checkpoint_slot)
+                self._copy_state(self.cache.part(request_id).state_slot, checkpoint_slot)
         wanted = snapshots.get(request_id, {}).get(stop)
         if wanted is not None:
             self._persist_snapshot(request_id, stop, wanted)
@@ -603,7 +604,7 @@ class ModelRunner:
         assert self.tier is not None and self.tier_index is not None
         cache = self.cache
         todo = []
-        chain = cache.prefix_chain(request_id)  # the full computed blocks' prefix blocks
+        chain = cache.part(request_id).prefix_chain()  # the full computed blocks' prefix blocks
         for block_id, block in zip(cache.block_ids(request_id), chain, strict=False):
             entry = self.bridge.unheld(block)
             if entry is not None:
@@ -737,7 +738,7 @@ class ModelRunner:
         if not points:
             return 0
         began = time.perf_counter()
-        chain = self.cache.prefix_chain(request_id, reserved=True)
+        chain = self.cache.part(request_id).prefix_chain(reserved=True)
         moves = self.swa_moves
         for point, needed in points:
             snapshots = []
@@ -768,7 +769,7 @@ class ModelRunner:
         if not positions:
             return {}
         assert isinstance(self.tier, TierStack)
-        chain = self.cache.prefix_chain(request_id, reserved=True)
+        chain = self.cache.part(request_id).prefix_chain(reserved=True)
         wanted = {}
         for boundary in positions:
             key, descriptor = self._snapshot_entry(chain[boundary // span - 1])
@@ -781,7 +782,7 @@ class ModelRunner:
         assert self.swa is not None
         began = time.perf_counter()
         rows = self.swa.window_rows(self.block_size, self.executor.spec.window)
-        tensors = self.executor.window_snapshot(self.cache.state_slot(request_id), boundary, rows)
+        tensors = self.executor.window_snapshot(self.cache.part(request_id).state_slot, boundary, rows)
         num_bytes = self.bridge.persist(*entry, tensors)
         self.swa_moves.num_snapshots_persisted += num_bytes > 0
         self.swa_moves.snapshot_bytes_persisted += num_bytes
