@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from kvpool.cache import CacheDescriptor, DSV4CacheManager, StateRestore
 from kvpool.cache.dual_pool import RestoreChoice, TokenCost, choose_restore
+from kvpool.engine import tier_bridge
 from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG
 from kvpool.spec.dsv4 import DSV4Spec
 
@@ -181,10 +182,10 @@ def test_choose_restore_refuses_a_checkpoint_beyond_the_hit() -> None:
 def _install(m: DSV4CacheManager, prompt: list[int], num_blocks: int) -> None:
     """Publish `num_blocks` spans after the device hit as if a lower tier held them (no
     checkpoint comes with them)."""
-    hit, candidates = m.prefetch_candidates(prompt)
-    ids = m.install(num_blocks, hold=hit)
+    hit, candidates = tier_bridge.prefetch_candidates(m, prompt)
+    ids = m.groups["v4"].install(num_blocks, hold=hit)
     assert ids is not None
-    m.publish_installed(ids, candidates[:num_blocks], num_blocks)
+    m.groups["v4"].publish_installed(ids, candidates[:num_blocks], num_blocks)
 
 
 def test_auto_restore_chooses_per_admission_by_cost() -> None:
@@ -480,11 +481,11 @@ def test_lifecycle_against_a_model(
             # a lower tier brings back spans after the device hit of r<who>'s prompt: up to 3
             # blocks installed, all loaded (flag) or the last one missing
             tokens, tenant = _ids(n + 30, offset=who % 2), "t2" if flag and who == 3 else ""
-            hit, candidates = m.prefetch_candidates(tokens, tenant_salt=tenant)
+            hit, candidates = tier_bridge.prefetch_candidates(m, tokens, tenant)
             assert len(hit) + len(candidates) == (len(tokens) - 1) // SPAN
             num = min(len(candidates), 1 + n % 3)
             free_before = m.pool.free_queue()
-            ids = m.install(num, hold=hit) if num else None
+            ids = m.groups["v4"].install(num, hold=hit) if num else None
             if ids is None:
                 assert m.pool.free_queue() == free_before
             else:
@@ -494,7 +495,7 @@ def test_lifecycle_against_a_model(
                     model.slot_content.pop(block_id, None)  # a pooled snapshot's block written over
                 for j, block_id in enumerate(ids[:num_loaded]):
                     model.block_content[block_id] = (tenant, tuple(tokens[: (len(hit) + j + 1) * SPAN]))
-                m.publish_installed(ids, candidates[:num], num_loaded)
+                m.groups["v4"].publish_installed(ids, candidates[:num], num_loaded)
                 if m.enable_prefix_caching and num_loaded and m.groups["v4"].spec.restore == "recompute":
                     assert m.lookup_prefix(tokens, tenant_salt=tenant) >= (len(hit) + num_loaded) * SPAN
         model.check()

@@ -14,6 +14,7 @@ from kvpool.cache.dual_pool import DualPoolGroupSpec
 from kvpool.cache.recurrent import RecurrentGroupSpec
 from kvpool.cache.window import AttentionGroupSpec
 from kvpool.capacity.kv import PageGroup
+from kvpool.engine import tier_bridge
 
 DESC = CacheDescriptor("tiny-hybrid", weights_version="v1")
 
@@ -535,30 +536,32 @@ def test_every_group_kind_keeps_the_whole_group_protocol():
     assert not imported & {"kvpool.cache.window", "kvpool.cache.recurrent", "kvpool.cache.dual_pool"}
 
 
-def test_prefix_queries_and_the_swap_are_the_coordinators_answered_by_each_group():
-    # The P/D prefix queries and the partial-block swap are coordinator calls: an attention
-    # group answers them (a one-group coordinator over it is a FullAttentionManager), a
-    # group without such blocks answers empty or None, a hybrid cache refuses in one line.
+def test_prefix_queries_and_the_swap_are_the_tier_bridges_answered_by_each_group():
+    # The P/D prefix queries and the partial-block swap are the tier bridge's, over a
+    # one-group coordinator: an attention group answers them (a one-group coordinator over it
+    # is a FullAttentionManager), a group without such blocks answers empty or None, a hybrid
+    # cache refuses in one line.
     tokens = list(range(10))
     m = HybridCacheManager([(AttentionGroupSpec("full", 4), 8)], DESC, exact_steps=False)
     assert prefill(m, "a", tokens) == 0  # blocks 0, 1 full (tokens 0-7), block 2 partial (8, 9)
-    ids, chain = m.prefix_blocks(tokens + [99])
+    ids, chain = tier_bridge.prefix_blocks(m, tokens + [99])
     hashes = [b.block_hash for b in m.part("a").prefix_chain()]
     assert ids == m.block_ids("a")[:2] and [b.block_hash for b in chain] == hashes and len(hashes) == 2
-    longer = m.chain_for(tokens + [99, 98])  # three full blocks, the third not cached
+    longer = tier_bridge.chain_for(m, tokens + [99, 98])  # three full blocks, the third not cached
     assert [b.block_hash for b in longer[:2]] == hashes and len(longer) == 3 and not longer[2].block_ids
-    block_id, block, n = m.tail_block("a")
+    block_id, block, n = tier_bridge.tail_block(m, "a")
     assert (block_id, n) == (m.block_ids("a")[2], 2) and m.pool.block_hash(block_id) is None
     r = HybridCacheManager([(RecurrentGroupSpec("r", 4), 2)], DESC)
     prefill(r, "a", tokens)
-    assert r.prefix_blocks(tokens) == ([], []) and r.chain_for(tokens) == [] and r.tail_block("a") is None
+    assert tier_bridge.prefix_blocks(r, tokens) == ([], []) and tier_bridge.chain_for(r, tokens) == []
+    assert tier_bridge.tail_block(r, "a") is None
     h = HybridCacheManager([(AttentionGroupSpec("full", 4), 8), (RecurrentGroupSpec("r", 4), 2)], DESC)
     prefill(h, "a", tokens)
     with pytest.raises(ValueError, match="prefix_blocks serves a one-group cache, got 2 groups"):
-        h.prefix_blocks(tokens)
+        tier_bridge.prefix_blocks(h, tokens)
     with pytest.raises(ValueError, match="a cache of 2 groups restores no partial block"):
         h.restore_tail("a", 2)
-    assert h.tail_block("a") is None and h.tail_block_for_restore("a", 2) is None
+    assert tier_bridge.tail_block(h, "a") is None and tier_bridge.tail_block_for_restore(h, "a", 2) is None
     h.check_integrity()
 
 

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.cache import CacheDescriptor, FullAttentionManager
+from kvpool.engine import tier_bridge
 from kvpool.tiers import BlockDescriptor, HostTier, TierIndex
 
 DESC = CacheDescriptor("m", weights_version="w1", layout_id="bs4:fp32")
@@ -34,7 +35,7 @@ class Store:
 
     def offload(self, m: FullAttentionManager, index: TierIndex, tier: HostTier) -> None:
         """What the runner does after each allocation: save the evicted blocks' content."""
-        for block_id, block in m.take_evicted():
+        for block_id, block in tier_bridge.take_evicted(m):
             key, descriptor = index.describe(block)
             content = torch.tensor(self.blocks[block_id], dtype=torch.int64)
             assert descriptor.num_computed_tokens == len(content)
@@ -505,14 +506,15 @@ def test_dsv4_install_publishes_only_what_was_loaded() -> None:
     spec = DSV4Spec.from_config(SMALL_DSV4_CONFIG)
     m = DSV4CacheManager(spec, 6, 2, CacheDescriptor("v4", layout_id="span16"))
     prompt = list(range(50, 50 + 3 * spec.span + 1))
-    hit, candidates = m.prefetch_candidates(prompt)
+    hit, candidates = tier_bridge.prefetch_candidates(m, prompt)
     assert hit == [] and len(candidates) == 3
-    ids = m.install(3)
+    group = m.groups["v4"]
+    ids = group.install(3, hold=())
     assert ids is not None and m.num_free_blocks == 3
-    m.publish_installed(ids, candidates, 2)  # the third could not be loaded
+    group.publish_installed(ids, candidates, 2)  # the third could not be loaded
     m.check_integrity()
     assert m.num_free_blocks == 6 and m.lookup_prefix(prompt) == 2 * spec.span
-    assert m.install(7) is None and m.num_free_blocks == 6  # nothing taken
+    assert group.install(7, hold=()) is None and m.num_free_blocks == 6  # nothing taken
 
 
 def test_a_preempted_v4_request_gets_its_blocks_back_from_the_host_exactly() -> None:

@@ -414,17 +414,6 @@ class HybridCacheManager:
                 out[name] = copies
         return out
 
-    def take_evicted(self) -> list[tuple[int, PrefixBlock]]:
-        """Cached blocks the allocator evicted since the last call, (block id, the content it
-        held), oldest first: their slots still hold that content until the next forward
-        writes them. Empty without a lower tier (which serves a one-group model)."""
-        return [e for g in self._group_list for e in g.take_evicted()]
-
-    def take_published(self) -> list[tuple[int, PrefixBlock]]:
-        """Blocks that became full cached blocks since the last call, (block id, its prefix
-        block), in order: their content is final. Empty unless `record_published`."""
-        return [p for g in self._group_list for p in g.take_published()]
-
     def slot_mapping(self, request_id: str, start: int, end: int, group: str | None = None) -> list[int]:
         """Physical slots of positions [start, end) in a table from block 0 (full attention);
         they must lie within the reservation."""
@@ -500,88 +489,36 @@ class HybridCacheManager:
             held[name] = len(ids)
         return held
 
-    # ---- a lower tier that fills a one-group cache's prefix cache before an admission ----
+    # ---- a one-group cache's partial-block swap (the tier queries: engine/tier_bridge.py) ----
 
-    def prefetch_candidates(
-        self, token_ids: Sequence[int], *, tenant_salt: str = ""
-    ) -> tuple[list[int], list[PrefixBlock]]:
-        """(the device hit's blocks, the prompt's full blocks after it as unregistered prefix
-        blocks): what a lower tier may hold and `install` can bring in (`CacheGroup.
-        prefetch_candidates`). ([], []) for a cache of more than one group, or one whose
-        admission loads a lower tier's blocks itself (`GroupAdmission.loads`). Changes nothing."""
-        if len(self._group_list) != 1 or len(token_ids) == 0:
-            return [], []
-        return self._group_list[0].prefetch_candidates(self._root(tenant_salt), list(token_ids))
-
-    def install(self, num_blocks: int, hold: Sequence[int] = ()) -> list[int] | None:
-        """Fresh blocks for the lower-tier content of `prefetch_candidates` (the runner writes
-        them, then `publish_installed`); None, nothing taken, when that many are not free."""
-        return self._group_list[0].install(num_blocks, hold)
-
-    def publish_installed(self, block_ids: Sequence[int], blocks: Sequence[PrefixBlock], num_loaded: int) -> None:
-        """The first `num_loaded` installed blocks hold their content (copied and checked):
-        published, in order, as cached blocks an admission hits; every installed block is
-        then freed, the tail first."""
-        self._group_list[0].publish_installed(block_ids, blocks, num_loaded)
-
-    # ---- a one-group cache's P/D prefix queries and partial-block swap ------------------
-
-    def _one_group(self, what: str) -> CacheGroup:
-        if len(self._group_list) != 1:
-            raise ValueError(f"{what} serves a one-group cache, got {len(self._group_list)} groups")
-        return self._group_list[0]
-
-    def prefix_blocks(self, token_ids: Sequence[int], *, tenant_salt: str = "") -> tuple[list[int], list[PrefixBlock]]:
-        """`CacheGroup.prefix_blocks` under `tenant_salt`: ids valid until the pool next allocates."""
-        return self._one_group("prefix_blocks").prefix_blocks(self._root(tenant_salt), list(token_ids))
-
-    def chain_for(self, token_ids: Sequence[int], *, tenant_salt: str = "") -> list[PrefixBlock]:
-        """`CacheGroup.chain_for` under this cache's descriptor and `tenant_salt`."""
-        return self._one_group("chain_for").chain_for(self._root(tenant_salt), list(token_ids))
-
-    def tail_block(self, request_id: str) -> tuple[int, PrefixBlock, int] | None:
-        """(block id, an unregistered prefix block for its content, tokens) of the computed partial
-        block, saved at preemption; None on a block boundary, caching off, or no such block."""
-        req = self._get(request_id)
-        nc, bs = req.num_computed, self.block_size
-        if len(self._group_list) != 1 or not self.pool.enable_caching or nc % bs == 0:
-            return None
-        g = self._group_list[0]
-        tail = g.partial_block(req.states[g.name], req.token_ids, req.mm_items, nc - nc % bs, nc)
-        return None if tail is None else (*tail, nc % bs)
-
-    def tail_block_for_restore(self, request_id: str, num_tokens: int) -> tuple[int, PrefixBlock] | None:
-        """(block id, prefix block of its would-be content) for restoring `num_tokens`
-        positions after the computed full blocks (`restore_tail`); None when they cannot be."""
-        req = self._get(request_id)
-        if self._restore_refusal(req, num_tokens) is not None:
-            return None
-        g, nc = self._group_list[0], req.num_computed
-        return g.partial_block(req.states[g.name], req.token_ids, req.mm_items, nc, nc + num_tokens)
-
-    def _restore_refusal(self, req: _Request, num_tokens: int) -> str | None:
+    def restore_refusal(self, request_id: str, num_tokens: int) -> str | None:
         """Why `num_tokens` positions after the computed prefix cannot be restored, or None."""
+        req = self._get(request_id)
         nc, bs = req.num_computed, self.block_size
         if len(self._group_list) != 1:
-            return f"request {req.request_id!r}: a cache of {len(self._group_list)} groups restores no partial block"
+            return f"request {request_id!r}: a cache of {len(self._group_list)} groups restores no partial block"
         if req.num_loading or nc % bs or not 0 < num_tokens < bs or nc + num_tokens >= len(req.token_ids):
             return (
-                f"request {req.request_id!r}: cannot restore {num_tokens} tokens after {nc} computed "
+                f"request {request_id!r}: cannot restore {num_tokens} tokens after {nc} computed "
                 f"({len(req.token_ids)} known, block size {bs})"
             )
         if nc + num_tokens > req.end:
-            return f"request {req.request_id!r}: {num_tokens} restored tokens lie past its reservation"
+            return f"request {request_id!r}: {num_tokens} restored tokens lie past its reservation"
         return None
 
     def restore_tail(self, request_id: str, num_tokens: int) -> Admission:
         """The KV of `num_tokens` positions after the computed full blocks is loaded back into
-        the request's fresh block before its first step: they count as computed (a token is
-        left to compute). Returns the admission the engine follows."""
-        req, tail = self._get(request_id), self.tail_block_for_restore(request_id, num_tokens)
+        the request's fresh block (`CacheGroup.partial_block`) before its first step: they
+        count as computed (a token is left to compute). Returns the admission the engine
+        follows. ValueError, nothing changed, naming why they cannot be (`restore_refusal`)."""
+        refusal = self.restore_refusal(request_id, num_tokens)
+        if refusal is not None:
+            raise ValueError(refusal)
+        req, g = self._requests[request_id], self._group_list[0]
+        nc = req.num_computed
+        tail = g.partial_block(req.states[g.name], req.token_ids, req.mm_items, nc, nc + num_tokens)
         if tail is None:
-            raise ValueError(
-                self._restore_refusal(req, num_tokens) or f"request {request_id!r}: its group swaps no block"
-            )
+            raise ValueError(f"request {request_id!r}: its group swaps no block")
         assert self.pool.refcount(tail[0]) == 1 and self.pool.block_hash(tail[0]) is None, "a fresh block"
         req.num_computed += num_tokens
         if req.readmitted:
@@ -595,9 +532,9 @@ class HybridCacheManager:
 
     # ---- prefix hits -------------------------------------------------------------------
 
-    def _root(self, tenant_salt: str) -> PrefixBlock:
-        """The root of `pool`'s chains, for a one-group model (FullAttentionManager,
-        DSV4CacheManager: its group's root key is empty)."""
+    def root(self, tenant_salt: str = "") -> PrefixBlock:
+        """The root of `pool`'s chains under the coordinator's descriptor, for a one-group
+        model (its group's root key is empty)."""
         return self.pool.root(self._descriptor_key, tenant_salt)
 
     def _new_request(

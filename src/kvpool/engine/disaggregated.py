@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from kvpool.engine import tier_bridge
 from kvpool.engine.engine import Engine
 from kvpool.tiers import HostTier
 
@@ -150,7 +151,7 @@ def extract(engine: Engine, token_ids, start: int, end: int, tenant: str) -> tup
     """The prefill side: K and V of tokens [start, end) (token-major, this rank's heads)
     from the engine's cached full blocks of `token_ids`. ValueError when they are not cached."""
     runner = engine.runner
-    ids, _ = runner.cache.prefix_blocks(list(token_ids), tenant_salt=tenant)
+    ids, _ = tier_bridge.prefix_blocks(runner.cache, token_ids, tenant)
     bs = runner.block_size
     if len(ids) * bs < end:
         raise ValueError(f"the prefill cache holds {len(ids) * bs} tokens of the prompt, {end} were asked for")
@@ -190,8 +191,8 @@ def needed_range(engine: Engine, landing: HostTier, token_ids, tenant: str) -> t
     runner = engine.runner
     bs = runner.block_size
     end = ((len(token_ids) - 1) // bs) * bs  # an admission computes at least the last token
-    have, _ = runner.cache.prefix_blocks(list(token_ids), tenant_salt=tenant)
-    chain = runner.cache.chain_for(list(token_ids), tenant_salt=tenant)
+    have, _ = tier_bridge.prefix_blocks(runner.cache, token_ids, tenant)
+    chain = tier_bridge.chain_for(runner.cache, token_ids, tenant)
     n = len(have)
     index = runner.tier_index
     while n < len(chain) and index is not None and landing.holds(*index.describe(chain[n])):
@@ -206,7 +207,7 @@ def install(engine: Engine, landing: HostTier, token_ids, tenant: str, start: in
     index = runner.tier_index
     assert index is not None, "the decode engine needs its landing tier"
     bs = runner.block_size
-    chain = runner.cache.chain_for(list(token_ids), tenant_salt=tenant)
+    chain = tier_bridge.chain_for(runner.cache, token_ids, tenant)
     layers, t, kvh, d = k.shape
     for j in range(start // bs, (start + t) // bs):
         kb = k[:, j * bs - start : (j + 1) * bs - start]  # [layers, bs, kvh, d]
@@ -277,7 +278,7 @@ class Disaggregation:
         self.engine.pop_output(rid)
         # what this side's cache holds of the range, in whole decode blocks (its own partial
         # last block is not cached: the decode side computes what is not sent)
-        held = len(self.engine.runner.cache.prefix_blocks(list(token_ids), tenant_salt=self.tenant)[0])
+        held = len(tier_bridge.prefix_blocks(self.engine.runner.cache, token_ids, self.tenant)[0])
         end = max(start, min(end, (held * self.engine.runner.block_size // decode_bs) * decode_bs))
         k, v = extract(self.engine, token_ids, start, end, self.tenant)
         mine = self.heads[self.rank]

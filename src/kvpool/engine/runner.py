@@ -66,6 +66,7 @@ import torch
 
 from kvpool.attention.backends.step_buffers import StepBuffers
 from kvpool.cache import Admission, BlockCopy, CacheDescriptor, CacheUsage, ReleaseReason, Reservation
+from kvpool.engine import tier_bridge
 from kvpool.engine.memory import StepPeaks
 from kvpool.engine.tier_bridge import SWAMoves, TierBridge
 from kvpool.pool import PrefixBlock
@@ -609,7 +610,7 @@ class ModelRunner:
             entry = self.bridge.unheld(block)
             if entry is not None:
                 todo.append((block_id, *entry))
-        tail = cache.tail_block(request_id)
+        tail = tier_bridge.tail_block(cache, request_id)
         if tail is not None:
             block_id, block, num_tokens = tail
             key, descriptor = self.tier_index.describe(block)
@@ -625,7 +626,7 @@ class ModelRunner:
         assert self.tier is not None and self.tier_index is not None
         if admission.num_cached_tokens != num_computed - num_tail:
             return admission  # fewer full blocks came back: the rest is computed again
-        tail = self.cache.tail_block_for_restore(request_id, num_tail)
+        tail = tier_bridge.tail_block_for_restore(self.cache, request_id, num_tail)
         if tail is None:
             return admission
         block_id, block = tail
@@ -645,7 +646,7 @@ class ModelRunner:
         """Write the cached blocks the allocator just evicted to the tier (a block whose
         content the tier already holds is not written again)."""
         todo = []
-        for block_id, block in self.cache.take_evicted():
+        for block_id, block in tier_bridge.take_evicted(self.cache):
             entry = self.bridge.unheld(block)
             if entry is not None:
                 todo.append((block_id, *entry))
@@ -683,7 +684,7 @@ class ModelRunner:
     def _persist_published(self) -> None:
         """The blocks this step completed (published), copied and handed to the persistent
         tiers' background writers; a block every one of them holds is skipped."""
-        published = self.cache.take_published()
+        published = tier_bridge.take_published(self.cache)
         if not published:
             return
         start = time.perf_counter()
@@ -708,17 +709,18 @@ class ModelRunner:
         them before an admission (V4's dual pool): into fresh blocks, checked, then
         published as cached blocks for the admission to hit."""
         assert self.tier_index is not None
-        hit, candidates = self.cache.prefetch_candidates(token_ids, tenant_salt=tenant_salt)
+        hit, candidates = tier_bridge.prefetch_candidates(self.cache, token_ids, tenant_salt)
         num_found = self.tier_index.find(candidates) if candidates else 0
         if not num_found:
             return
-        block_ids = self.cache.install(num_found, hold=hit)
+        group = tier_bridge.one_group(self.cache, "prefetch")
+        block_ids = group.install(num_found, hold=hit)
         self._offload_evicted()  # the fresh blocks may be evicted ones: save them first
         if block_ids is None:
             return
         num_loaded = self._load(list(zip(block_ids, candidates, strict=False)))
         self._prefetched_tokens += num_loaded * self.block_size
-        self.cache.publish_installed(block_ids, candidates[:num_found], num_loaded)
+        group.publish_installed(block_ids, candidates[:num_found], num_loaded)
 
     def _snapshot_entry(self, block: PrefixBlock) -> tuple[bytes, BlockDescriptor]:
         """(tier key, descriptor) of the window snapshot at the end of prefix block `block`."""

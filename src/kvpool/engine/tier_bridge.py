@@ -7,6 +7,13 @@ held already, persisted already, hand this entry over) and reports them; it neve
 a device tensor. What differs stays with the runner: how blocks are gathered (Llama: every
 layer of many blocks in one gather; V4: one block's compressed pools at a time), the Llama
 host tier's swapped tails, V4's window snapshots.
+
+The functions below the class ask a one-group cache (a coordinator of cache/) what the tiers
+and P/D transfer need of its group: the blocks a tier may fill before an admission
+(prefetch, install, publish), the evicted and published blocks, the prompt's prefix blocks,
+and a request's partial tail block for a swap. They go through the coordinator's `root` and
+`part` to the group's own calls (`CacheGroup`'s contract docstrings say what each changes);
+the coordinator keeps only what changes a request (`complete_loads`, `restore_tail`).
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpool.cache import CacheDescriptor
+from kvpool.cache import CacheDescriptor, CacheGroup, HybridCacheManager
 from kvpool.pool import PrefixBlock
 from kvpool.tiers import BlockDescriptor, Tier, TierIndex, TierStack
 
@@ -154,3 +161,77 @@ class TierBridge:
     def lookup_order(self) -> list[str]:
         assert isinstance(self.tier, TierStack)
         return [t.name for t in self.tier.tiers]
+
+
+# ---- a one-group cache's tier and P/D queries, asked of its group ------------------------
+
+
+def one_group(cache: HybridCacheManager, what: str) -> CacheGroup:
+    """The cache's one group; ValueError naming `what` for a cache of several."""
+    if len(cache.groups) != 1:
+        raise ValueError(f"{what} serves a one-group cache, got {len(cache.groups)} groups")
+    (group,) = cache.groups.values()
+    return group
+
+
+def prefetch_candidates(
+    cache: HybridCacheManager, token_ids: Sequence[int], tenant_salt: str = ""
+) -> tuple[list[int], list[PrefixBlock]]:
+    """(the device hit's blocks, the prompt's full blocks after it as unregistered prefix
+    blocks): what a lower tier may hold and the group's `install` can bring in before the
+    admission (its `publish_installed` then makes them hits). ([], []) for a cache of more
+    than one group, or one whose admission loads a lower tier's blocks itself
+    (`GroupAdmission.loads`). Changes nothing."""
+    if len(cache.groups) != 1 or len(token_ids) == 0:
+        return [], []
+    return one_group(cache, "prefetch").prefetch_candidates(cache.root(tenant_salt), list(token_ids))
+
+
+def take_evicted(cache: HybridCacheManager) -> list[tuple[int, PrefixBlock]]:
+    """Cached blocks the allocator evicted since the last call, (block id, the content it
+    held), oldest first: their slots hold that content until the next forward writes them.
+    Empty without a lower tier (which serves a one-group cache)."""
+    return [e for g in cache.groups.values() for e in g.take_evicted()]
+
+
+def take_published(cache: HybridCacheManager) -> list[tuple[int, PrefixBlock]]:
+    """Blocks that became full cached blocks since the last call, (block id, its prefix
+    block), in order: their content is final. Empty unless the cache records them."""
+    return [p for g in cache.groups.values() for p in g.take_published()]
+
+
+def prefix_blocks(
+    cache: HybridCacheManager, token_ids: Sequence[int], tenant_salt: str = ""
+) -> tuple[list[int], list[PrefixBlock]]:
+    """`CacheGroup.prefix_blocks` under `tenant_salt`: ids valid until the pool next allocates."""
+    return one_group(cache, "prefix_blocks").prefix_blocks(cache.root(tenant_salt), list(token_ids))
+
+
+def chain_for(cache: HybridCacheManager, token_ids: Sequence[int], tenant_salt: str = "") -> list[PrefixBlock]:
+    """`CacheGroup.chain_for` under the cache's descriptor and `tenant_salt`."""
+    return one_group(cache, "chain_for").chain_for(cache.root(tenant_salt), list(token_ids))
+
+
+def tail_block(cache: HybridCacheManager, request_id: str) -> tuple[int, PrefixBlock, int] | None:
+    """(block id, an unregistered prefix block for its content, tokens) of the request's
+    computed partial block, saved at preemption; None on a block boundary, caching off, a
+    cache of several groups, or a group without such blocks."""
+    nc, bs = cache.num_computed_tokens(request_id), cache.block_size
+    if len(cache.groups) != 1 or not cache.pool.enable_caching or nc % bs == 0:
+        return None
+    part = cache.part(request_id)
+    tail = part.group.partial_block(part.state, part.token_ids, part.mm_items, nc - nc % bs, nc)
+    return None if tail is None else (*tail, nc % bs)
+
+
+def tail_block_for_restore(
+    cache: HybridCacheManager, request_id: str, num_tokens: int
+) -> tuple[int, PrefixBlock] | None:
+    """(block id, prefix block of its would-be content) for restoring `num_tokens` positions
+    after the computed full blocks (the coordinator's `restore_tail`); None when they cannot
+    be (`restore_refusal`)."""
+    if cache.restore_refusal(request_id, num_tokens) is not None:
+        return None
+    part = cache.part(request_id)
+    nc = part.num_computed
+    return part.group.partial_block(part.state, part.token_ids, part.mm_items, nc, nc + num_tokens)
