@@ -1,13 +1,7 @@
-"""kvpool.cache: per-request block tables and the request lifecycle on top of the block pool.
-Pure Python, no torch.
-
-One implementation keeps the cache contract for every model: `HybridCacheManager`
-(cache/coordinator.py; `CacheManager` is its other name), over a model's layer groups, each
-reached through the `CacheGroup` protocol (cache/group.py): attention groups, full or sliding-window
-(cache/window.py), recurrent-state checkpoint groups (cache/recurrent.py) and V4 dual-pool
-groups (cache/dual_pool.py). `FullAttentionManager` (cache/full.py) is the coordinator over
-one full-attention group (the engine's paged Llama path); `DSV4CacheManager`
-(cache/dual_pool.py) the coordinator over one V4 dual-pool group."""
+"""kvpool.cache: per-request block tables and the request lifecycle on top of the block pool,
+pure Python. The one implementation is the coordinator (cache/coordinator.py,
+`HybridCacheManager`, also named `CacheManager`) over a model's groups (cache/group.py);
+`FullAttentionManager` and `DSV4CacheManager` are it over one group."""
 
 from kvpool.cache.base import LowerTier
 from kvpool.cache.coordinator import HybridCacheManager
@@ -31,7 +25,7 @@ from kvpool.cache.types import (
 from kvpool.cache.window import AttentionGroupSpec
 from kvpool.pool.block_table import BlockTableCSR
 
-CacheManager = HybridCacheManager  # the one implementation of the cache contract (cache/coordinator.py)
+CacheManager = HybridCacheManager
 
 __all__ = [
     "Admission",

@@ -521,10 +521,7 @@ class HybridCacheManager:
             raise ValueError(f"request {request_id!r}: its group swaps no block")
         assert self.pool.refcount(tail[0]) == 1 and self.pool.block_hash(tail[0]) is None, "a fresh block"
         req.num_computed += num_tokens
-        if req.readmitted:
-            self.stats.num_readmitted_hit_tokens += num_tokens
-        else:
-            self.stats.num_hit_tokens += num_tokens
+        self._count_hit(req, num_tokens)
         # the first step stays inside the admission's reservation (a block boundary past nc)
         n = min(req.budget, len(req.token_ids) - req.num_computed, req.end - req.num_computed)
         assert n > 0
@@ -641,7 +638,10 @@ class HybridCacheManager:
         another descriptor or tenant salt. ValueError for an id in use, an empty prompt, a bad
         count. With a lower tier, the hit may end in blocks the tier holds: they are not
         computed until `complete_loads` (`GroupAdmission.loads` names them)."""
-        self._check_new(request_id, token_ids, max_new_tokens)
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already admitted")
+        if max_new_tokens is not None and max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         req = self._new_request(request_id, token_ids, tenant_salt, mm_items, descriptor)
         hits = self._hits(req, admission=True) if self._caching else {}
         req.prompt_bytes = b""  # an admitted request keeps no second copy of its prompt
@@ -670,7 +670,7 @@ class HybridCacheManager:
         self._requests[request_id] = req
         self._fresh.add(request_id)
         req.readmitted = request_id in self._preempted
-        self._count_admission(request_id, len(req.token_ids), req.num_computed)
+        self._count_admission(req)
         step = self._apply_reserve([req], [end]) if n else {}
         return Admission(point, n, self._admission_parts(req, admit_copies, step))
 
@@ -714,32 +714,27 @@ class HybridCacheManager:
             loaded_tokens = num_loaded * g.granularity
         req.num_computed += loaded_tokens
         req.num_loading = 0
-        stats = self.stats
-        stats.num_lower_tier_hit_tokens += loaded_tokens
-        if req.readmitted:
-            stats.num_readmitted_hit_tokens += loaded_tokens
-        else:
-            stats.num_hit_tokens += loaded_tokens
+        self.stats.num_lower_tier_hit_tokens += loaded_tokens
+        self._count_hit(req, loaded_tokens)
         n = min(req.budget, len(req.token_ids) - req.num_computed)
         assert req.num_computed + n <= req.end, "the admission's blocks cover the step"
         return Admission(req.num_computed, n, self._admission_parts(req))
 
-    def _check_new(self, request_id: str, token_ids: Sequence[int], max_new_tokens: int | None) -> None:
-        if request_id in self._requests:
-            raise ValueError(f"request {request_id!r} is already admitted")
-        if max_new_tokens is not None and max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-
-    def _count_admission(self, request_id: str, num_prompt_tokens: int, num_cached_tokens: int) -> None:
-        stats = self.stats
-        if request_id in self._preempted:
-            self._preempted.discard(request_id)
-            stats.num_readmissions += 1
-            stats.num_readmitted_hit_tokens += num_cached_tokens
+    def _count_admission(self, req: _Request) -> None:
+        if req.readmitted:
+            self._preempted.discard(req.request_id)
+            self.stats.num_readmissions += 1
         else:
-            stats.num_requests += 1
-            stats.num_queried_tokens += num_prompt_tokens
-            stats.num_hit_tokens += num_cached_tokens
+            self.stats.num_requests += 1
+            self.stats.num_queried_tokens += len(req.token_ids)
+        self._count_hit(req, req.num_computed)
+
+    def _count_hit(self, req: _Request, num_tokens: int) -> None:
+        """`num_tokens` more of the request's prefix came from the cache (or a lower tier)."""
+        if req.readmitted:
+            self.stats.num_readmitted_hit_tokens += num_tokens
+        else:
+            self.stats.num_hit_tokens += num_tokens
 
     def _step_requests(
         self,
@@ -922,14 +917,7 @@ class HybridCacheManager:
             return
         decode = num_tokens.count(1) == len(reqs)  # all decodes: the engine's common step
         bad = None
-        if self.exact_steps and decode:
-            bad = next((req for req in reqs if req.end - req.num_computed != 1), None)
-            if bad is not None:
-                raise ValueError(
-                    f"request {bad.request_id!r}: commit of 1 token, but the step reserved "
-                    f"{bad.end - bad.num_computed} (a recurrent state advances by whole steps)"
-                )
-        elif self.exact_steps:
+        if self.exact_steps:
             for req, n in zip(reqs, num_tokens, strict=True):
                 if n != req.end - req.num_computed:
                     raise ValueError(
