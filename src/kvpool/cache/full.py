@@ -9,7 +9,7 @@ One request's token positions, against its block table (bs = block_size):
   [num_reserved, ...)          no slots yet
 
 Reservations are block-granular (`exact_steps=False`: the coordinator's "Steps"). Every call
-is the coordinator's, the partial-block swap and the P/D prefix queries included.
+is the coordinator's; the tier and P/D queries are engine/tier_bridge.py's, over it.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from kvpool.cache.window import AttentionGroupSpec
 class FullAttentionManager(HybridCacheManager):
     """lower_tier: a tier below device memory (kvpool.tiers): admission takes the longest
     prefix across the device pool and the tier (`GroupAdmission.loads`, `complete_loads`), and
-    every cached block the allocator evicts is recorded (`take_evicted`). record_published:
-    every block that becomes a full cached block is recorded (`take_published`)."""
+    every cached block the allocator evicts is recorded. record_published: so is every block
+    that becomes a full cached block (engine/tier_bridge.py `take_evicted`, `take_published`)."""
 
     def __init__(
         self,
