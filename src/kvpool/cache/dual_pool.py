@@ -524,9 +524,10 @@ class DualPoolGroup(CacheGroup):
         """Undo the reserved step, whose forward has not run (e.g. another request of the
         batch did not fit), exactly: its blocks go back where they were (cached blocks its
         allocation evicted are findable again), its checkpoint slots go back, and every
-        checkpoint it pushed out is findable again with its LRU place, unless the same
-        prefix has been checkpointed since (then the slot is free) or, pooled, another
-        allocation has since taken one of its other blocks. Nothing to undo: nothing done."""
+        checkpoint it pushed out is findable again at the head of the LRU queue (its place,
+        when steps are undone latest first), unless the same prefix has been checkpointed
+        since (then the slot is free) or another allocation has since taken one of its
+        other blocks. Nothing to undo: nothing done."""
         pending = state.pending
         if pending is None:
             return
@@ -667,7 +668,8 @@ class DualPoolGroup(CacheGroup):
             new_ids = state.block_ids[len(state.block_ids) - pending.num_new :]
             del state.block_ids[len(state.block_ids) - pending.num_new :]
             self.pool.decref(reversed(new_ids))
-            self.checkpoint_pool.decref(b for ids in reversed(pending.snapshot_ids) for b in ids)
+            snapshots = pending.snapshot_ids if self._slot_base else reversed(pending.snapshot_ids)
+            self.checkpoint_pool.decref(b for ids in snapshots for b in ids)  # (slots: in the order taken)
             state.pending = None
         self.pool.decref(reversed(state.block_ids))
         self.state_pool.decref((state.state_slot,))
