@@ -165,6 +165,58 @@ def test_the_triton_backend_reads_the_decode_from_the_buffers(model64, monkeypat
     _assert_same_outputs(ref, ref_ids, got, ids)
 
 
+def test_the_triton_backend_plans_prefill_and_mixed_steps_from_the_buffers(model64, monkeypatch):
+    """Static mode on the Triton backend: every step the runner puts in the step buffers
+    that is not a pure decode (prefills, chunks over a cached prefix, chunked prefills
+    beside decodes) is planned from the buffers (`begin_buffered_step`: the dense table
+    rows, slots and positions) instead of the cache's lists. The same kernels over the
+    same blocks: tokens and every logit bit for bit the eager engine's on the same
+    backend, which plans every step from the lists."""
+    pytest.importorskip("triton")
+    from kvpool.attention.backends import BACKENDS, BackendKey
+    from kvpool.attention.backends.triton_decode import interpreted
+    from kvpool.attention.backends.triton_paged import TritonPagedBackend
+
+    if not interpreted():
+        pytest.skip("the interpreted Triton backend runs on the CPU only under TRITON_INTERPRET=1")
+    monkeypatch.setitem(BACKENDS, BackendKey("full", "paged", "cpu", "triton"), TritonPagedBackend)
+    shared = random_ids(9, 50)
+
+    planned: list[list[int]] = []  # the q_lens of each step planned from the buffers
+
+    def serve(mode: str):
+        runner = LlamaRunner(model64, 24, 4, DESCRIPTOR, decode_path="triton", decode_mode=mode, max_num_seqs=4)
+        attention = runner.executor.attention
+        begin = attention.begin_buffered_step
+        attention.begin_buffered_step = lambda buffers, q_lens, ctx_lens: (
+            planned.append(list(q_lens)) or begin(buffers, q_lens, ctx_lens)
+        )
+        # a budget of 12 tokens: prompts are cut into chunks that share steps with decodes
+        engine = Engine(runner, max_num_batched_tokens=12, max_num_seqs=4, record_logits=True)
+        ids = []
+        for i in range(3):  # the later ones hit the first's prompt blocks: chunks over a cached prefix
+            prompt = shared + random_ids(2 + 5 * i, i)
+            ids.append(engine.add_request(prompt, SamplingParams(max_tokens=2 + i, ignore_eos=True)))
+            engine.step()
+        while engine.has_unfinished():
+            engine.step()
+            runner.check_integrity()
+        return engine, runner, ids
+
+    ref, ref_runner, ref_ids = serve("eager")
+    got, runner, ids = serve("static")
+    executor = runner.executor
+    assert ref_runner.executor.num_buffered_steps == 0 and ref.runner.cache.stats.num_hit_tokens > 0
+    # every step the graphs did not take was planned from the buffers
+    assert executor.num_buffered_steps == got.num_steps - executor._graphs.num_static == len(planned) >= 3
+    # prefills alone, and chunks beside decodes (both kernels of a mixed step)
+    assert any(min(q) > 1 for q in planned) and any(min(q) == 1 < max(q) for q in planned)
+    for x, y in zip(ref_ids, ids, strict=True):
+        a, b = ref.requests[x].seqs[0], got.requests[y].seqs[0]
+        assert a.token_ids == b.token_ids
+        assert torch.equal(torch.stack(a.logits), torch.stack(b.logits))
+
+
 def test_bad_decode_modes_are_refused_naming_them(model64):
     with pytest.raises(ValueError, match="unknown decode mode 'fast'; one of eager, static, graphs"):
         LlamaRunner(model64, 8, 4, DESCRIPTOR, decode_mode="fast")

@@ -304,6 +304,46 @@ def test_backend_step_equals_the_torch_backend(ops, dtype, num_splits) -> None:
                 assert err <= 4 * (want.double() - exact).abs().max() + 16 * U32 * st.v.abs().max()
 
 
+@pytest.mark.parametrize("num_splits", [None, 3], ids=["rule", "split3"])
+def test_a_step_planned_from_the_step_buffers_equals_the_list_plan(ops, num_splits) -> None:
+    """The mixed step above (a chunk after a cached prefix, a prefill from 0, three
+    decodes) and a prefill-only step, fp32, block size 16, GQA group 4: planned from
+    persistent step buffers (`begin_buffered_step`: table rows at seq_rows, not rows 0..4,
+    slots from the buffers) and from the lists (`begin_step`), on copies of one pool. The
+    same kernels over the same blocks: the outputs and the pools after the writes are
+    equal bit for bit."""
+    from kvpool.attention.backends.step_buffers import StepBuffers
+
+    bs, g, dtype = 16, 4, torch.float32
+    ctx_lens = [160, 50, 17, 9, 64]
+    st, indptr, ids = pool_with_context(dtype, bs, ctx_lens, seed=5)
+    twin = copy_of(st, dtype)
+    buffered = TritonPagedBackend(st, KVH * g, None, dtype, num_splits=num_splits)
+    listed = TritonPagedBackend(twin, KVH * g, None, dtype, num_splits=num_splits)
+    buffers = StepBuffers(max_num_seqs=8, max_num_tokens=64, max_blocks_per_seq=12, block_size=bs, device=DEVICE)
+    buffers.update(["x", "y", "z"], [0, 0, 0], [1, 1, 1], [[0], [1], [2]])
+    buffers.forget("x")
+    buffers.forget("z")  # rows 0 and 2 free, row 1 held: the step's rows are not 0..4
+    names = [f"s{i}" for i in range(5)]
+    tables = [ids[indptr[i] : indptr[i + 1]] for i in range(5)]
+    for q_lens in ([1, 20, 1, 9, 1], [30, 2, 17, 9, 4]):
+        starts = [c - q for c, q in zip(ctx_lens, q_lens, strict=True)]
+        buffers.update(names, starts, ctx_lens, tables)
+        spans = zip(tables, starts, ctx_lens, strict=True)
+        slots = [t[p // bs] * bs + p % bs for t, s, c in spans for p in range(s, c)]
+        n = sum(q_lens)
+        assert buffers.view(5, n).slot_mapping.tolist() == slots
+        step = buffered.begin_buffered_step(buffers, q_lens, ctx_lens)
+        want_step = listed.begin_step(PagedStepMetadata(q_lens, ctx_lens, slots, indptr, ids))
+        assert step.decode_path == want_step.decode_path and step.num_tokens == n
+        for layer in range(2):
+            q, k, v = (torch.randn(n, h, D, dtype=torch.float64).to(DEVICE, dtype) for h in (KVH * g, KVH, KVH))
+            assert torch.equal(step.attend(layer, q, k, v), want_step.attend(layer, q, k, v))
+            assert torch.equal(st.k, twin.k) and torch.equal(st.v, twin.v)
+    with pytest.raises(ValueError, match=r"hold 5 sequences of 62 tokens, not 5 of 5 \(5 context lengths\)"):
+        buffered.begin_buffered_step(buffers, [1] * 5, ctx_lens)
+
+
 def test_the_engine_on_the_triton_backend_equals_the_torch_path(ops, monkeypatch) -> None:
     """The engine, its runner as it is, on the Triton backend (registered for this device for
     the test) against the padded torch backend: a random 4-layer Llama in fp64, chunked

@@ -37,7 +37,9 @@ pure-decode steps through `DecodeGraphs` in one of `DECODE_MODES`:
            width, which a GPU's pool makes far too large).
 
 Any other step (a prefill chunk, a mixed step, one larger than the largest bucket, a
-backend without `begin_decode`, tensor parallelism) runs eagerly.
+backend without `begin_decode`, tensor parallelism) runs eagerly; a backend with
+`begin_buffered_step` (Triton's) still plans a prefill or mixed step the buffers hold from
+them, not from the cache's lists.
 """
 
 from __future__ import annotations

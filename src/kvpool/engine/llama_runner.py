@@ -114,7 +114,9 @@ class LlamaExecutor:
     metadata in persistent buffers (`step_buffers`, which the runner updates every step)
     for max_num_seqs sequences and max_num_tokens tokens, and one more block in the pool
     than the cache hands out, block num_blocks, the dummy block that padded rows write;
-    pure-decode steps then run through `DecodeGraphs`. They fall back to "eager" where
+    pure-decode steps then run through `DecodeGraphs`, and a backend with
+    `begin_buffered_step` (Triton's) plans the other steps the buffers hold from them
+    (eagerly: no graph), not from the cache's step tables. They fall back to "eager" where
     the attention backend cannot read the buffers (no `begin_decode`: the C kernels, a
     quantized pool; for "graphs", any backend but Triton's) or the model is sharded
     (tensor parallel)."""
@@ -186,6 +188,7 @@ class LlamaExecutor:
         self.step_buffers: StepBuffers | None = None
         self._graphs: DecodeGraphs | None = None
         self._decode_max_position = 0  # the step's largest position, for the forward a graph captures
+        self.num_buffered_steps = 0  # other steps planned from the buffers (`begin_buffered_step`)
         if buffered:
             assert hasattr(self.attention, "begin_decode"), "the backend chosen is not the one predicted"
             max_blocks = -(-min(cfg.max_position, (num_blocks - 1) * block_size) // block_size)
@@ -396,13 +399,13 @@ class LlamaExecutor:
 
     def forward(self, chunks: Sequence[ScheduledChunk], cache: Any, all_logits: bool = False) -> torch.Tensor:
         """Run one step; logits [num chunks with needs_logits, vocab] (or every token's, [N, vocab])."""
+        buffers = self.step_buffers
+        held = False  # the step is in the buffers, for a backend that plans from them
         if self._graphs is not None:
             decode = self._takes_decode(chunks)
             if decode is not None:
                 return self._forward_decode(*decode)
-            # the buffers hold a step only between the runner's update and this forward, so
-            # a step the runner did not put there (a caller's own forward) is never taken
-            self.step_buffers.clear()
+            held = buffers.num_seqs == len(chunks) > 0 and hasattr(self.attention, "begin_buffered_step")
         device = self.model.device
         token_ids: list[int] = []
         positions: list[int] = []
@@ -417,20 +420,31 @@ class LlamaExecutor:
             ctx_lens.append(c.start + n)
             if c.needs_logits:
                 logit_rows.append(len(token_ids) - 1)
-        # Validates that each chunk continues its computed prefix within its reservation.
-        tables = cache.step_tables([c.request_id for c in chunks], [c.start for c in chunks], ctx_lens)
-        if self.model.shard is not None:  # tensor parallel: every rank must run the same tokens alike
-            request_ids, starts = [c.request_id for c in chunks], [c.start for c in chunks]
-            check_same_step(step_digest(request_ids, starts, [c.token_ids for c in chunks], tables.slots), self.model)
-        step = self.attention.begin_step(
-            PagedStepMetadata(q_lens, ctx_lens, tables.slots, tables.csr.indptr, tables.csr.indices)
-        )
+        held = held and buffers.num_tokens == len(token_ids)
+        if held:  # the runner's update wrote the step's tables, slots and positions: plan from them
+            step = self.attention.begin_buffered_step(buffers, q_lens, ctx_lens)
+            pos_t = buffers.positions[: len(token_ids)]
+            self.num_buffered_steps += 1
+        else:
+            # Validates that each chunk continues its computed prefix within its reservation.
+            tables = cache.step_tables([c.request_id for c in chunks], [c.start for c in chunks], ctx_lens)
+            if self.model.shard is not None:  # tensor parallel: every rank must run the same tokens alike
+                request_ids, starts = [c.request_id for c in chunks], [c.start for c in chunks]
+                digest = step_digest(request_ids, starts, [c.token_ids for c in chunks], tables.slots)
+                check_same_step(digest, self.model)
+            step = self.attention.begin_step(
+                PagedStepMetadata(q_lens, ctx_lens, tables.slots, tables.csr.indptr, tables.csr.indices)
+            )
+            pos_t = torch.tensor(positions, dtype=torch.long, device=device)
+        if buffers is not None:
+            # the buffers hold a step only between the runner's update and this forward, so
+            # a step the runner did not put there (a caller's own forward) is never taken
+            buffers.clear()
         if step.decode_path is not None:
             self.last_decode_path = step.decode_path
         self.peaks.note("step_tables", step.table_bytes)  # the plan's tensors (for the memory ledger)
         self.peaks.note("chunked_prefill", step.prefill_bytes)
         ids_t = torch.tensor(token_ids, dtype=torch.long, device=device)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=device)
         top = max(ctx_lens) - 1 if ctx_lens else 0
         logits = self.model.forward(ids_t, pos_t, StepMetadata(step, None if all_logits else logit_rows, top))
         self._note_forward(len(token_ids), step.attend, logits)

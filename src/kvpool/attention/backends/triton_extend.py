@@ -75,7 +75,7 @@ class ExtendPlan:
     q_rows: torch.Tensor  # [B]: sequence i's queries are rows [q_rows[i], q_rows[i] + q_lens[i]) of q
     q_lens: torch.Tensor  # [B]
     kv_indptr: torch.Tensor  # [B + 1]: its blocks are kv_indices[kv_indptr[i] : kv_indptr[i + 1]]
-    kv_indices: torch.Tensor  # [nnz] block ids
+    kv_indices: torch.Tensor  # [nnz] block ids (dense tables: kv_indptr [B] row offsets into the flat table)
     ctx_lens: torch.Tensor  # [B]: keys [0, ctx_len) readable, this step's own included
     tile_seq: torch.Tensor  # [num_tiles]: the sequence of each query tile
     tile_start: torch.Tensor  # [num_tiles]: its first query, counted within the sequence's chunk
@@ -120,8 +120,8 @@ def _pow2(n: int) -> int:
 def plan_extend(
     q_lens: Sequence[int],
     ctx_lens: Sequence[int],
-    indptr: Sequence[int],
-    indices: Sequence[int],
+    indptr: Sequence[int] | torch.Tensor,
+    indices: Sequence[int] | torch.Tensor,
     block_size: int,
     num_heads: int,
     num_kv_heads: int,
@@ -139,15 +139,22 @@ def plan_extend(
     num_splits: programs per (tile, KV head), each a range of the keys, merged by
     log-sum-exp; num_sms: choose it instead by triton_decode's rule for this GPU's SM count
     (split when the tiles x KV heads cannot give every SM two programs, no split shorter
-    than its MIN_SPLIT_TOKENS). ValueError naming the first inconsistency."""
+    than its MIN_SPLIT_TOKENS). ValueError naming the first inconsistency.
+
+    Dense tables (the persistent step buffers'): indptr and indices as int32 tensors on
+    `device`, indptr [B] the offset of sequence i's table row in the flat table `indices`
+    (row * max_blocks_per_seq), the kernel reading entry indptr[i] + t // block_size for
+    key t as it reads the CSR; the rows' coverage is the buffers' to check (their update
+    did), and the tensors are used as they are, nothing copied."""
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    if len(q_lens) != len(ctx_lens) or len(indptr) != len(q_lens) + 1:
+    dense = isinstance(indices, torch.Tensor)
+    if len(q_lens) != len(ctx_lens) or len(indptr) != len(q_lens) + (not dense):
         raise ValueError(f"{len(q_lens)} q_lens, {len(ctx_lens)} ctx_lens and {len(indptr)} indptr entries disagree")
     for i, (q_len, ctx_len) in enumerate(zip(q_lens, ctx_lens, strict=True)):
         if not 0 < q_len <= ctx_len:
             raise ValueError(f"sequence {i}: q_len {q_len} must be in [1, ctx_len {ctx_len}]")
-        if indptr[i + 1] - indptr[i] != -(-ctx_len // block_size):
+        if not dense and indptr[i + 1] - indptr[i] != -(-ctx_len // block_size):
             raise ValueError(
                 f"sequence {i}: {indptr[i + 1] - indptr[i]} blocks do not cover exactly {ctx_len} tokens "
                 f"of block size {block_size}"
@@ -185,8 +192,9 @@ def plan_extend(
     def t(x: Sequence[int]) -> torch.Tensor:
         return torch.tensor(list(x), dtype=torch.int32, device=device)
 
+    kv_indptr, kv_indices = (indptr, indices) if dense else (t(indptr), t(indices))
     return ExtendPlan(
-        t(q_rows), t(q_lens), t(indptr), t(indices), t(ctx_lens), t(tile_seq), t(tile_start), block_m, group, num_rows,
+        t(q_rows), t(q_lens), kv_indptr, kv_indices, t(ctx_lens), t(tile_seq), t(tile_start), block_m, group, num_rows,
         num_splits, split_len, t(itertools.accumulate(q_lens, initial=0)), t(merge_rows),
     )  # fmt: skip
 

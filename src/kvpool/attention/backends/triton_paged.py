@@ -7,6 +7,11 @@ The registry's ("full", "paged", "cuda", "triton").
 
 The pool keeps its layout (storage/kv.py; why it suits the GPU: triton_decode.py).
 
+A step's metadata comes from the cache's lists (`begin_step`: CSR tables and slots made
+into tensors each step) or from the runner's persistent step buffers (step_buffers.py):
+`begin_decode` for a decode a CUDA graph captures, `begin_buffered_step` for any other step
+they hold (prefill chunks, mixed steps), the same kernels over dense table rows.
+
 Devices: a CUDA pool; or, for tests on machines without a GPU, a CPU pool when the kernels
 were imported in Triton's interpreter (TRITON_INTERPRET=1 set before triton's first
 import, as tests/conftest.py does without a GPU): the backend follows its pool's device and refuses
@@ -210,6 +215,97 @@ class TritonPagedBackend(PagedBackend):
             acc_bytes = 8 if self.dtype == torch.float64 else 4
             extra += len(seqs) * self.num_heads * decode.num_splits * (st.head_dim + 1) * acc_bytes
         return dataclasses.replace(step, decode_path="triton", table_bytes=step.table_bytes + extra)
+
+    def begin_buffered_step(self, buffers: StepBuffers, q_lens: Sequence[int], ctx_lens: Sequence[int]) -> PagedStep:
+        """`begin_step` for the step the buffers hold (their last `update`, sequences in its
+        order: sequence i's q_lens[i] new tokens, its context ctx_lens[i] after them), read
+        from the buffers instead of the cache's lists: K/V written through slot_mapping, the
+        decodes (q_len 1) by `paged_decode_dense` and the prefill chunks by the extend
+        kernel, both over the sequences' rows of block_tables (seq_rows), so neither the
+        CSR tables nor the slots are built on the host; it lists only which sequences
+        decode and the extend kernel's query tiles. The same kernels over the same blocks,
+        lengths and split counts as `begin_step` over the cache's tables: the same outputs
+        (tests/test_triton_kernels.py, tests/test_decode_graphs.py)."""
+        st, scale, before_read, ops = self.storage, self.scale, self.before_read, self.ops
+        bs, device = st.block_size, st.k.device
+        n, num_tokens = len(q_lens), sum(q_lens)
+        if len(ctx_lens) != n or buffers.num_seqs != n or buffers.num_tokens != num_tokens:
+            raise ValueError(
+                f"the step buffers hold {buffers.num_seqs} sequences of {buffers.num_tokens} tokens, "
+                f"not {n} of {num_tokens} ({len(ctx_lens)} context lengths)"
+            )
+        prefill_seqs, prefill_rows, seqs, rows = [], [], [], []
+        row = 0
+        for i, (q_len, ctx_len) in enumerate(zip(q_lens, ctx_lens, strict=True)):
+            if ctx_len < q_len or q_len < 1:
+                raise ValueError(f"sequence {i}: {ctx_len} tokens with {q_len} new ones")
+            if q_len == 1:
+                seqs.append(i)
+                rows.append(row)
+            else:
+                prefill_seqs.append(i)
+                prefill_rows.append(row)
+            row += q_len
+        view = buffers.view(n, num_tokens)
+        slots, tables = view.slot_mapping, buffers.block_tables  # [N] int32, [rows, width] int32
+        decode = None
+        if seqs:  # the decodes' query rows, table rows and lengths: [B] int32 each
+            if len(seqs) == n:
+                picked = (view.query_start[:n], view.seq_rows, view.ctx_lens)
+            else:
+                index = torch.tensor(seqs, dtype=torch.long).to(device)
+                picked = tuple(t.index_select(0, index) for t in (view.query_start[:n], view.seq_rows, view.ctx_lens))
+            splits = self.num_splits
+            if splits is None:
+                max_ctx_len = max(ctx_lens[i] for i in seqs)
+                splits = ops.num_splits_for(len(seqs), st.num_kv_heads, max_ctx_len, self.num_sms)
+            decode = (*picked, splits)
+        extend = None
+        if prefill_seqs:  # the chunks' table rows as offsets into the flat table: [P] int32
+            index = torch.tensor(prefill_seqs, dtype=torch.long).to(device)
+            offsets = view.seq_rows.index_select(0, index) * buffers.max_blocks_per_seq
+            extend = self.extend_ops.plan_extend(
+                [q_lens[i] for i in prefill_seqs],
+                [ctx_lens[i] for i in prefill_seqs],
+                offsets,
+                tables.view(-1),
+                bs,
+                self.num_heads,
+                st.num_kv_heads,
+                device,
+                q_rows=prefill_rows,
+                num_rows=num_tokens,
+            )
+        extend_attention = self.extend_ops.extend_attention
+        k_layers, v_layers = st.k_layers, st.v_layers
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if layer == 0 and before_read is not None:
+                before_read()  # the first read of the cache this step
+            k_cache, v_cache = k_layers[layer], v_layers[layer]
+            ops.write_kv(_rows_contiguous(k), _rows_contiguous(v), slots, k_cache, v_cache)
+            q = _rows_contiguous(q)
+            out = torch.empty_like(q)
+            if decode is not None:
+                d_rows, d_seq_rows, d_ctx_lens, d_splits = decode
+                ops.paged_decode_dense(
+                    q, d_rows, d_seq_rows, tables, d_ctx_lens, k_cache, v_cache, scale, out, d_splits
+                )
+            if extend is not None:  # the prefill chunks' rows; the decodes' are left as they are
+                extend_attention(q, k_cache, v_cache, extend, scale, out=out)
+            return out
+
+        # the buffers' tensors are allocated once (not the step's): only the step's own index
+        # tensors and the extend kernel's tile lists count as its tables
+        step = make_step(StepPlan(slots, None, []), attend, bs, st.num_kv_heads, st.head_dim, self.dtype)
+        table_bytes = 0 if extend is None else extend.num_bytes - extend.kv_indices.nbytes
+        extra_path = None
+        if decode is not None:
+            extra_path = "triton"
+            if decode[3] > 1:  # the partial outputs and log-sum-exps the merge reads
+                acc_bytes = 8 if self.dtype == torch.float64 else 4
+                table_bytes += len(seqs) * self.num_heads * decode[3] * (st.head_dim + 1) * acc_bytes
+        return dataclasses.replace(step, decode_path=extra_path, table_bytes=table_bytes)
 
     def begin_decode(self, buffers: StepBuffers, num_seqs: int) -> BufferedStep:
         """A decode step of the first num_seqs rows of `buffers` (one token each) through
