@@ -49,7 +49,6 @@ times are kept as array('d').
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import time
 from array import array
@@ -64,9 +63,10 @@ from kvpool.sim.layouts import default_layout
 from kvpool.sim.report import FinishedRequests, RequestRecord, build_report
 from kvpool.sim.routing import Router
 from kvpool.sim.simulator import (
+    Arrivals,
     Replica,
     SimConfig,
-    _quarters,
+    StepTimeline,
     check_request_lens,
     make_replicas,
     plan_replica,
@@ -199,32 +199,20 @@ def simulate_pd(
     link_free = [0.0] * num_p  # when each prefill replica's link is next free
     total = workload.num_requests
     finished = FinishedRequests(config.slo_ttft_ms, config.slo_tpot_ms)
-    # Requests stream in as in simulate(): sessions in the order of their turn 0's arrival
-    # (`upcoming`); timed events wait in `later` (time, order, kind, payload): "arrive"
-    # (session, turn) at a prefill replica, "land" (a _Transfer) at its decode replica. A
-    # turn 0 arriving with an event goes first.
-    sessions = workload.in_arrival_order()
-    upcoming = next(sessions, None)
-    later: list[tuple[float, int, str, object]] = []
-    order = itertools.count()
+    # Requests stream in as in simulate() (Arrivals): "arrive" (session, turn) at a prefill
+    # replica, and "land" (a _Transfer) at its decode replica when its KV has crossed the link
+    arrivals = Arrivals(workload)
     in_flight: dict[str, tuple[Session, int, float]] = {}  # request id -> (session, turn, first arrival)
     held: dict[str, int] = {}  # request id -> prompt tokens its decode replica held before its KV landed
     sent_bytes, sent_blocks, installed_blocks, transferred_hit_tokens = 0.0, 0, 0, 0
     transfer_ms, wait_ms = array("d"), array("d")
-    steps = 0
-    timeline = [(0, time.perf_counter())]
-    while upcoming is not None or later or any(r.engine.has_unfinished() for r in replicas):
+    timeline = StepTimeline()
+    while arrivals or any(r.engine.has_unfinished() for r in replicas):
         busy = [r for r in replicas if r.engine.has_unfinished()]
         next_step = min(busy, key=lambda r: (r.clock(), r.index)) if busy else None
-        first_turn = upcoming is not None and (not later or upcoming.start_s <= later[0][0])
-        t = upcoming.start_s if first_turn else later[0][0] if later else None
+        t = arrivals.next_time()
         if t is not None and (next_step is None or t <= next_step.clock()):
-            if first_turn:
-                assert upcoming is not None
-                kind, payload = "arrive", (upcoming, 0)
-                upcoming = next(sessions, None)
-            else:
-                _, _, kind, payload = heapq.heappop(later)
+            kind, payload = arrivals.pop()
             if kind == "arrive":
                 session, turn = payload  # type: ignore[misc]
                 prompt = session.prompt_ids(turn, model.vocab_size, table)
@@ -248,9 +236,7 @@ def simulate_pd(
             continue
         assert next_step is not None
         done = next_step.engine.step()
-        steps += 1
-        if steps % 1024 == 0:
-            timeline.append((steps, time.perf_counter()))
+        timeline.tick()
         next_step.sample()
         is_prefill = next_step.index < num_p
         if is_prefill:  # its requests finish in the step that ran them: count them there
@@ -274,35 +260,22 @@ def simulate_pd(
                 sent_blocks += num_blocks
                 transfer_ms.append(seconds * 1e3)
                 wait_ms.append((start - now) * 1e3)
-                tr = _Transfer(rid, prompt, session.tenant, dst, first, num_blocks)
-                heapq.heappush(later, (start + seconds, next(order), "land", tr))
+                arrivals.push(start + seconds, "land", _Transfer(rid, prompt, session.tenant, dst, first, num_blocks))
                 continue
             del in_flight[rid]
             # the hits past what this replica held when the KV landed came over the link
             own = min(out.num_cached_tokens, held.pop(rid))
             next_step.runner.cache.stats.num_hit_tokens -= out.num_cached_tokens - own
             transferred_hit_tokens += out.num_cached_tokens - own
-            record = RequestRecord(
-                rid,
-                next_step.index,
-                arrival,
-                len(out.prompt_token_ids),
-                len(out.completions[0].token_ids),
-                own,
-                out.ttft_s,
-                out.tpot_s,
-                out.latency_s,
-            )
+            record = RequestRecord.of(out, next_step.index, arrival, own)
             finished.add(record)
             if on_finish is not None:
                 on_finish(record)
-            if turn + 1 < len(session.turns):
-                t_next = next_step.clock() + session.turns[turn + 1].think_s
-                heapq.heappush(later, (t_next, next(order), "arrive", (session, turn + 1)))
+            arrivals.next_turn(session, turn, next_step.clock())
         if progress is not None:
             progress(finished.num_finished, total)
     report = build_report(model, gpu, p, config, replicas, finished, total, time.perf_counter() - started, cost)
-    report["sim_us_per_step_by_quarter"] = _quarters(timeline)
+    report["sim_us_per_step_by_quarter"] = timeline.quarters()
     report["prefill_replicas"] = num_p
     for row in report["per_replica"]:
         row["role"] = "prefill" if row["replica"] < num_p else "decode"

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvpool.capacity.planner import Plan
 from kvpool.sim.cost import CostModel
 from kvpool.spec.gpus import GPUSpec
 from kvpool.spec.models import ModelSpec
 from kvpool.workload.metrics import mean, p50_p99, ratio, within_slo
+
+if TYPE_CHECKING:
+    from kvpool.engine.engine import RequestOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +35,22 @@ class RequestRecord:
     ttft_s: float | None
     tpot_s: float | None
     latency_s: float  # a record is made when the request finished
+
+    @classmethod
+    def of(cls, out: RequestOutput, replica: int, arrival_s: float, cached_tokens: int) -> RequestRecord:
+        """The record of a finished request's output (its first completion's tokens)."""
+        assert out.latency_s is not None, f"request {out.request_id!r} has not finished"
+        return cls(
+            out.request_id,
+            replica,
+            arrival_s,
+            len(out.prompt_token_ids),
+            len(out.completions[0].token_ids),
+            cached_tokens,
+            out.ttft_s,
+            out.tpot_s,
+            out.latency_s,
+        )
 
 
 class FinishedRequests:

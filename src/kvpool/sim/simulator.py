@@ -251,30 +251,17 @@ def simulate(
     router = Router(config.routing, replicas, config.load_cap)
     total = workload.num_requests
     finished = FinishedRequests(config.slo_ttft_ms, config.slo_tpot_ms)
-    # Requests stream in: the sessions come in the order of their turn 0's arrival, each made
-    # when it is next (`upcoming`); a later turn waits in `later` (arrival, order, session,
-    # turn). A turn 0 arriving with a later turn goes first. A session is dropped when its
-    # last turn finished: nothing here grows with the requests already done.
-    sessions = workload.in_arrival_order()
-    upcoming = next(sessions, None)
-    later: list[tuple[float, int, Session, int]] = []
-    order = itertools.count()
+    arrivals = Arrivals(workload)  # turns as they arrive; a turn's next one pushed as it finishes
     in_flight: dict[str, tuple[Session, int, int, float]] = {}  # request id -> (session, turn, replica, arrival)
-    steps = 0
-    timeline = [(0, time.perf_counter())]  # (steps done, wall clock) every 1,024 steps
+    timeline = StepTimeline()
     # (clock, index) of each replica with requests, one entry each: the next to step is the
     # earliest (ties to the lower index). A replica's clock moves only in its own steps and,
     # idle, to an arrival, so its entry is pushed after each step and when work arrives.
     ready: list[tuple[float, int]] = []
-    while upcoming is not None or later or ready:
-        first_turn = upcoming is not None and (not later or upcoming.start_s <= later[0][0])
-        t = upcoming.start_s if first_turn else later[0][0] if later else None
+    while arrivals or ready:
+        t = arrivals.next_time()
         if t is not None and (not ready or t <= ready[0][0]):
-            if first_turn:
-                session, turn = upcoming, 0
-                upcoming = next(sessions, None)
-            else:
-                _, _, session, turn = heapq.heappop(later)
+            _, (session, turn) = arrivals.pop()
             prompt = session.prompt_ids(turn, model.vocab_size, table)
             rep = router.route(prompt, session.tenant)
             rep.num_routed += 1
@@ -291,47 +278,91 @@ def simulate(
             continue
         next_step = replicas[heapq.heappop(ready)[1]]
         done = next_step.engine.step()
-        steps += 1
-        if steps % 1024 == 0:
-            timeline.append((steps, time.perf_counter()))
+        timeline.tick()
         next_step.sample()
         for rid in done:
             out = next_step.engine.pop_output(rid)
             session, turn, index, arrival = in_flight.pop(rid)
-            record = RequestRecord(
-                rid,
-                index,
-                arrival,
-                len(out.prompt_token_ids),
-                len(out.completions[0].token_ids),
-                out.num_cached_tokens,
-                out.ttft_s,
-                out.tpot_s,
-                out.latency_s,
-            )
+            record = RequestRecord.of(out, index, arrival, out.num_cached_tokens)
             finished.add(record)
             if on_finish is not None:
                 on_finish(record)
-            if turn + 1 < len(session.turns):
-                t_next = next_step.clock() + session.turns[turn + 1].think_s
-                heapq.heappush(later, (t_next, next(order), session, turn + 1))
+            arrivals.next_turn(session, turn, next_step.clock())
         if next_step.engine.has_unfinished():
             heapq.heappush(ready, (next_step.clock(), next_step.index))
         if progress is not None:
             progress(finished.num_finished, total)
     report = build_report(model, gpu, p, config, replicas, finished, total, time.perf_counter() - started, cost)
-    report["sim_us_per_step_by_quarter"] = _quarters(timeline)
+    report["sim_us_per_step_by_quarter"] = timeline.quarters()
     return report
 
 
-def _quarters(timeline: list[tuple[int, float]]) -> list[float]:
-    """The simulator's own wall time per step in each quarter of the run (by steps): flat
-    when a step's cost does not grow with the requests already finished."""
-    if len(timeline) < 5:
-        return []
-    n = len(timeline) - 1
-    out = []
-    for q in range(4):
-        (s0, t0), (s1, t1) = timeline[q * n // 4], timeline[(q + 1) * n // 4]
-        out.append(round((t1 - t0) / (s1 - s0) * 1e6, 1) if s1 > s0 else 0.0)
-    return out
+class Arrivals:
+    """The requests and events to come, in time order, streamed (simulate, simulate_pd):
+    sessions in the order of their turn 0's arrival, each made when it is next
+    (`Workload.in_arrival_order`), and timed events in a heap (time, order, kind, payload):
+    a session's later turn ("arrive", (session, turn)) or what a caller pushes. A turn 0
+    arriving with an event goes first. A session is dropped once its last turn finished:
+    nothing here grows with the requests already done."""
+
+    def __init__(self, workload: Workload) -> None:
+        self._sessions = workload.in_arrival_order()
+        self._upcoming = next(self._sessions, None)
+        self._later: list[tuple[float, int, str, object]] = []
+        self._order = itertools.count()
+
+    def __bool__(self) -> bool:
+        return self._upcoming is not None or bool(self._later)
+
+    def _turn_zero_first(self) -> bool:
+        up = self._upcoming
+        return up is not None and (not self._later or up.start_s <= self._later[0][0])
+
+    def next_time(self) -> float | None:
+        """When the next event comes (None: none left)."""
+        if self._turn_zero_first():
+            return self._upcoming.start_s  # type: ignore[union-attr]
+        return self._later[0][0] if self._later else None
+
+    def pop(self) -> tuple[str, object]:
+        """The next event as (kind, payload): ("arrive", (session, turn)) or a pushed one."""
+        if self._turn_zero_first():
+            session = self._upcoming
+            self._upcoming = next(self._sessions, None)
+            return "arrive", (session, 0)
+        _, _, kind, payload = heapq.heappop(self._later)
+        return kind, payload
+
+    def push(self, t: float, kind: str, payload: object) -> None:
+        heapq.heappush(self._later, (t, next(self._order), kind, payload))
+
+    def next_turn(self, session: Session, turn: int, now: float) -> None:
+        """`turn` of `session` finished at `now`: its next turn arrives after its think time."""
+        if turn + 1 < len(session.turns):
+            self.push(now + session.turns[turn + 1].think_s, "arrive", (session, turn + 1))
+
+
+class StepTimeline:
+    """(steps done, wall clock) every 1,024 steps, for `quarters`."""
+
+    def __init__(self) -> None:
+        self.num_steps = 0
+        self._points = [(0, time.perf_counter())]
+
+    def tick(self) -> None:
+        self.num_steps += 1
+        if self.num_steps % 1024 == 0:
+            self._points.append((self.num_steps, time.perf_counter()))
+
+    def quarters(self) -> list[float]:
+        """The simulator's own wall time per step in each quarter of the run (by steps): flat
+        when a step's cost does not grow with the requests already finished."""
+        timeline = self._points
+        if len(timeline) < 5:
+            return []
+        n = len(timeline) - 1
+        out = []
+        for q in range(4):
+            (s0, t0), (s1, t1) = timeline[q * n // 4], timeline[(q + 1) * n // 4]
+            out.append(round((t1 - t0) / (s1 - s0) * 1e6, 1) if s1 > s0 else 0.0)
+        return out
