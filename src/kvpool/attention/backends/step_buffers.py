@@ -208,13 +208,12 @@ class StepBuffers:
         if n <= self.max_num_tokens and self._update_decodes(request_ids, starts, ends, tables):
             return self.view(n, n, 1)
         # the step's values in Python lists first, written into the buffers by a few bulk
-        # numpy assignments after the loop (one element at a time costs ~10x more)
+        # numpy assignments after the loop (one element at a time costs ~10x more); the
+        # tokens' positions and slots in numpy after it, from the rows (no Python a token)
         changed_idx: list[int] = []  # flat index into block_tables of each entry written
         changed_val: list[int] = []
         seq_rows: list[int] = []
         query_start: list[int] = []
-        slots: list[int] = []
-        positions: list[int] = []
         num_tokens = max_query_len = 0
         for i in range(n):
             rid, start, end, table = request_ids[i], starts[i], ends[i], tables[i]
@@ -251,24 +250,24 @@ class StepBuffers:
                 changed_val.extend(table[first:num_blocks])
             seq_rows.append(row)
             query_start.append(num_tokens)
-            if q_len == 1:  # the decode case
-                slots.append(table[start // bs] * bs + start % bs)
-                positions.append(start)
-            else:
-                span = range(start, end)
-                slots.extend([table[p // bs] * bs + p % bs for p in span])
-                positions.extend(span)
             num_tokens += q_len
             if q_len > max_query_len:
                 max_query_len = q_len
         if changed_idx:
             self._tables_flat[changed_idx] = changed_val
         self.num_table_writes += len(changed_idx)
+        # flat token j of sequence i sits at position starts[i] + (j - query_start[i]), in the
+        # block its row now holds at entry position // block_size (entries [0, first) from
+        # earlier steps, the rest just written): [num_tokens] int64 each
+        q_lens = np.fromiter(ends, np.int64, n) - np.fromiter(starts, np.int64, n)
+        shift = np.fromiter(starts, np.int64, n) - np.array(query_start, dtype=np.int64)
+        positions = np.arange(num_tokens) + np.repeat(shift, q_lens)
+        entries = np.repeat(np.array(seq_rows, dtype=np.int64) * width, q_lens) + positions // bs
         vec[:n] = seq_rows
         vec[s : s + n] = ends
         query_start.append(num_tokens)
         vec[2 * s : 2 * s + n + 1] = query_start
-        vec[3 * s + 1 : 3 * s + 1 + num_tokens] = slots
+        vec[3 * s + 1 : 3 * s + 1 + num_tokens] = self._tables_flat[entries] * bs + positions % bs
         pos[:num_tokens] = positions
         self.num_seqs, self.num_tokens = n, num_tokens
         self._decoded = None
