@@ -98,7 +98,8 @@ _EMPTY_PART = GroupReservation()  # a group's part of a step that took nothing
 class RequestPart(NamedTuple):
     """One group's part of one request now (`HybridCacheManager.part`): the group, its
     bookkeeping of the request, and the request's tokens and computed count. Read it, never
-    change it (`token_ids` is the coordinator's own list)."""
+    change it (`token_ids` is the coordinator's own list). Each property is the group's call
+    of that name on `state` (cache/group.py says what it returns)."""
 
     group: CacheGroup
     state: Any
@@ -108,7 +109,6 @@ class RequestPart(NamedTuple):
 
     @property
     def block_ids(self) -> list[int]:
-        """The group's table of the request, logical blocks [first_block, ...); [] without one."""
         return list(self.group.block_ids(self.state))
 
     @property
@@ -117,25 +117,19 @@ class RequestPart(NamedTuple):
 
     @property
     def state_slot(self) -> int | None:
-        """The live state slot (recurrent) or state block (dual pool); None without state."""
         return self.group.state_slot(self.state)
 
     @property
     def restore(self) -> StateRestore | None:
-        """How the runner rebuilds the state before the first step: from a checkpoint (its
-        slot is `checkpoint_slot`), by replaying tokens on top of the cached classical blocks
-        (dual pool), or "none" (a fresh state, or the restore is done); None without state."""
         return self.group.restore(self.state)
 
     @property
     def checkpoints(self) -> list[tuple[int, int]]:
-        """(position b, slot) of the reserved step: snapshot the state after b tokens there."""
         return list(self.group.checkpoints(self.state))
 
     def prefix_chain(self, reserved: bool = False) -> list[PrefixBlock]:
-        """The prefix blocks of the computed full blocks, in order (caching on); reserved:
-        then those of the blocks the reserved step completes, where the group chains them at
-        reservation (a dual pool: a runner names tier entries by them)."""
+        """reserved: then the prefix blocks of the units the reserved step completes, where
+        the group chains them at reservation (a dual pool: a runner names tier entries by them)."""
         chain = self.group.prefix_chain(self.state)
         return [*chain, *self.group.pending_chain(self.state)] if reserved else list(chain)
 
