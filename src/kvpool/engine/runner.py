@@ -26,7 +26,8 @@ alone: a step cut into pieces at its state checkpoints and window snapshots (the
 copies no state inside a forward; a hybrid model's executor copies its recurrent
 checkpoints itself), the window snapshots (they need the executor's window), and the
 report's `replayed_tokens`. The tier figures need no mark: a lower tier's blocks come
-back by prefetch (counted in `_prefetched_tokens`) or by an admission's loads.
+back by prefetch (the bridge counts them) or by an admission's loads. The block moves
+themselves (eviction saves, loads, prefetch, write-through, swap) are the bridge's.
 
 The executor interface (`Executor` below) is what a model's tensors must do and nothing
 more; it never changes the cache (it may read the tables the cache holds, to turn them
@@ -66,7 +67,6 @@ import torch
 
 from kvpool.attention.backends.step_buffers import StepBuffers
 from kvpool.cache import Admission, BlockCopy, CacheDescriptor, CacheUsage, ReleaseReason, Reservation
-from kvpool.engine import tier_bridge
 from kvpool.engine.memory import StepPeaks
 from kvpool.engine.tier_bridge import SWAMoves, TierBridge
 from kvpool.pool import PrefixBlock
@@ -220,11 +220,8 @@ class ModelRunner:
         # state slot, first position to recompute, first window position the state holds)
         self._replays: dict[str, tuple[int, int, int, int]] = {}
         self.num_steps_run = 0  # engine steps executed (for per-step figures)
-        # request -> (computed tokens at preemption, its tail block's tokens): restored on resume
-        self._swapped: dict[str, tuple[int, int]] = {}
         self._prefill_tokens = 0  # tokens of the steps that carried a prefill chunk, and their seconds (auto)
         self._prefill_s = 0.0
-        self._prefetched_tokens = 0  # tokens of the blocks `_prefetch` loaded (a lower tier's hits)
         # the step metadata in persistent buffers (attention/backends/step_buffers.py) that a
         # GPU backend or a CUDA graph reads, the executor's when it keeps them (the Llama
         # executor's decode modes); None: the backends plan from the step's tables
@@ -287,20 +284,18 @@ class ModelRunner:
         defer_replay: bool,
     ) -> Admission | None:
         if self.tier is not None:
-            self._prefetch(token_ids, tenant_salt)
+            self.bridge.prefetch(self.cache, self.executor, token_ids, tenant_salt)
         adm = self.cache.admit(request_id, token_ids, max_new_tokens, tenant_salt=tenant_salt)
         if adm is None:
             return None
         if self.tier is not None:
             # The fresh blocks may be evicted cached ones: save what they held before the
             # loads (or the step) overwrite them.
-            self._offload_evicted()
+            self.bridge.save_evicted(self.cache, self.executor)
             loads = [load for part in adm.groups.values() for load in part.loads]
             if loads:
-                adm = self.cache.complete_loads(request_id, self._load(loads))
-            swapped = self._swapped.pop(request_id, None)
-            if swapped is not None:
-                adm = self._swap_in_tail(request_id, adm, *swapped)
+                adm = self.cache.complete_loads(request_id, self.bridge.load(self.executor, loads))
+            adm = self.bridge.swap_in(self.cache, self.executor, request_id, adm)
         if any(part.restore is not None for part in adm.groups.values()):
             self._restore_state(request_id, adm, token_ids, defer_replay)
         return adm
@@ -354,7 +349,7 @@ class ModelRunner:
         nothing. The cached blocks the reservation evicted are saved to the tier first."""
         fits = self.cache.reserve_step(request_ids, num_new_tokens)
         if self.tier is not None:
-            self._offload_evicted()
+            self.bridge.save_evicted(self.cache, self.executor)
         return fits
 
     def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
@@ -369,7 +364,7 @@ class ModelRunner:
         written through to the persistent tiers."""
         self.cache.commit_step(request_ids, num_tokens, next_token_ids)
         if self.persistent_tiers:
-            self._persist_published()
+            self.bridge.write_through(self.cache, self.executor)
 
     def fork(self, parent_id: str, child_id: str) -> bool:
         """A child sharing every computed token of the parent (copy-on-write on write), its
@@ -385,14 +380,14 @@ class ModelRunner:
         """Free the request's cache: reason is "finish", "cancel" or "preempt"; a preempted
         request is swapped out first when the preemption mode says so, a restore still
         waiting to replay goes. Once only: False for a request the runner does not hold."""
-        self._swapped.pop(request_id, None)
+        self.bridge.swapped.pop(request_id, None)
         self._replays.pop(request_id, None)
         if self.step_buffers is not None:
             self.step_buffers.forget(request_id)
         if request_id not in self.cache:
             return self.cache.release(request_id, reason)
         if reason == "preempt" and self._should_swap(request_id):
-            self._swap_out(request_id)
+            self.bridge.swap_out(self.cache, self.executor, request_id)
         if not self.executor.keeps_block_state:
             return self.cache.release(request_id, reason)
         held = self.cache.block_ids(request_id)
@@ -597,130 +592,7 @@ class ModelRunner:
         recompute_s = nc * self._prefill_s / self._prefill_tokens
         return move_s < recompute_s
 
-    def _swap_out(self, request_id: str) -> None:
-        """Write the request's computed blocks to the host tier now: its full blocks under
-        their content keys (skipped when the tier holds them), its partial tail block under
-        the partial content's key; remember what to restore. A block that does not fit is
-        simply computed again on resume."""
-        assert self.tier is not None and self.tier_index is not None
-        cache = self.cache
-        todo = []
-        chain = cache.part(request_id).prefix_chain()  # the full computed blocks' prefix blocks
-        for block_id, block in zip(cache.block_ids(request_id), chain, strict=False):
-            entry = self.bridge.unheld(block)
-            if entry is not None:
-                todo.append((block_id, *entry))
-        tail = tier_bridge.tail_block(cache, request_id)
-        if tail is not None:
-            block_id, block, num_tokens = tail
-            key, descriptor = self.tier_index.describe(block)
-            todo.append((block_id, key, descriptor))
-        self._write_to_tier(todo)
-        self.tier_moves.num_swapped_out += 1
-        if tail is not None and self.tier.holds(todo[-1][1], todo[-1][2]):
-            self._swapped[request_id] = (cache.num_computed_tokens(request_id), tail[2])
-
-    def _swap_in_tail(self, request_id: str, admission: Admission, num_computed: int, num_tail: int) -> Admission:
-        """After the full blocks came back (device or host), the tail block's KV from the
-        tier, if it is still there and the prefix before it is exactly the swapped one."""
-        assert self.tier is not None and self.tier_index is not None
-        if admission.num_cached_tokens != num_computed - num_tail:
-            return admission  # fewer full blocks came back: the rest is computed again
-        tail = tier_bridge.tail_block_for_restore(self.cache, request_id, num_tail)
-        if tail is None:
-            return admission
-        block_id, block = tail
-        start = time.perf_counter()
-        tensors = self.bridge.get(block)
-        if tensors is None:
-            return admission
-        self.executor.to_device([block_id], [tensors])
-        self.tier.evict(self.tier_index.describe(block)[0])  # a partial block serves this request only
-        self.tier_moves.load_s += time.perf_counter() - start
-        self.tier_moves.num_loaded += 1
-        self.tier_moves.num_swapped_in += 1
-        self.tier_moves.num_tail_tokens_restored += num_tail
-        return self.cache.restore_tail(request_id, num_tail)
-
-    def _offload_evicted(self) -> None:
-        """Write the cached blocks the allocator just evicted to the tier (a block whose
-        content the tier already holds is not written again)."""
-        todo = []
-        for block_id, block in tier_bridge.take_evicted(self.cache):
-            entry = self.bridge.unheld(block)
-            if entry is not None:
-                todo.append((block_id, *entry))
-        self._write_to_tier(todo)
-
-    def _write_to_tier(self, todo: list[tuple[int, bytes, Any]]) -> None:
-        """(device block, content key, descriptor) -> the tier."""
-        assert self.tier is not None
-        if not todo:
-            return
-        start = time.perf_counter()
-        blocks = self.executor.to_host([block_id for block_id, _, _ in todo])
-        for (_, key, descriptor), tensors in zip(todo, blocks, strict=True):
-            if self.tier.put(key, descriptor, tensors):
-                self.tier_moves.num_offloaded += 1
-        self.tier_moves.offload_s += time.perf_counter() - start
-
-    def _load(self, loads: Sequence[tuple[int, Any]]) -> int:
-        """Copy the admission's lower-tier blocks into their device blocks, in order, up to
-        the first the tier no longer holds valid; how many were loaded. A block becomes
-        visible (findable, readable) only after this, through `complete_loads`."""
-        start = time.perf_counter()
-        got: list[tuple[int, dict[str, torch.Tensor]]] = []
-        for block_id, block in loads:
-            tensors = self.bridge.get(block)
-            if tensors is None:
-                break
-            got.append((block_id, tensors))
-        if got:
-            self.executor.to_device([block_id for block_id, _ in got], [t for _, t in got])
-            self.tier_moves.num_loaded += len(got)
-        self.tier_moves.load_s += time.perf_counter() - start
-        return len(got)
-
-    def _persist_published(self) -> None:
-        """The blocks this step completed (published), copied and handed to the persistent
-        tiers' background writers; a block every one of them holds is skipped."""
-        published = tier_bridge.take_published(self.cache)
-        if not published:
-            return
-        start = time.perf_counter()
-        todo = []
-        for block_id, block in published:
-            entry = self.bridge.unpersisted(block)
-            if entry is not None:
-                todo.append((block_id, *entry))
-        if todo:
-            moves = self.tier_moves
-            blocks = self.executor.to_host([b for b, _, _ in todo])
-            for (_, key, descriptor), tensors in zip(todo, blocks, strict=True):
-                num_bytes = self.bridge.persist(key, descriptor, tensors)
-                moves.num_persisted += num_bytes > 0
-                moves.persisted_bytes += num_bytes
-        self.tier_moves.persist_s += time.perf_counter() - start
-
-    # ---- a lower tier before admission (prefetch), and V4's window snapshots ---------------
-
-    def _prefetch(self, token_ids: Sequence[int], tenant_salt: str) -> None:
-        """The blocks after the device hit that the tier holds valid, where the cache takes
-        them before an admission (V4's dual pool): into fresh blocks, checked, then
-        published as cached blocks for the admission to hit."""
-        assert self.tier_index is not None
-        hit, candidates = tier_bridge.prefetch_candidates(self.cache, token_ids, tenant_salt)
-        num_found = self.tier_index.find(candidates) if candidates else 0
-        if not num_found:
-            return
-        group = tier_bridge.one_group(self.cache, "prefetch")
-        block_ids = group.install(num_found, hold=hit)
-        self._offload_evicted()  # the fresh blocks may be evicted ones: save them first
-        if block_ids is None:
-            return
-        num_loaded = self._load(list(zip(block_ids, candidates, strict=False)))
-        self._prefetched_tokens += num_loaded * self.block_size
-        group.publish_installed(block_ids, candidates[:num_found], num_loaded)
+    # ---- V4's window snapshots ---------------------------------------------------------------
 
     def _snapshot_entry(self, block: PrefixBlock) -> tuple[bytes, BlockDescriptor]:
         """(tier key, descriptor) of the window snapshot at the end of prefix block `block`."""
@@ -807,7 +679,7 @@ class ModelRunner:
             return reports
         moves = self.tier_moves
         # the hit tokens a lower tier gave: loaded at admission, or installed before it
-        hit_tokens = self.cache.stats.num_lower_tier_hit_tokens + self._prefetched_tokens
+        hit_tokens = self.cache.stats.num_lower_tier_hit_tokens + moves.num_prefetched_tokens
         per_get = None if self.swa is not None else self.block_size  # a get is a block, or a window snapshot
         reports.update(self.bridge.persistent_reports(hit_tokens_per_get=per_get))
         if self.persistent_tiers:

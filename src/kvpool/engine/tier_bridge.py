@@ -18,12 +18,14 @@ the coordinator keeps only what changes a request (`complete_loads`, `restore_ta
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from kvpool.cache import CacheDescriptor, CacheGroup, HybridCacheManager
+from kvpool.cache import Admission, CacheDescriptor, CacheGroup, HybridCacheManager
 from kvpool.pool import PrefixBlock
 from kvpool.tiers import BlockDescriptor, Tier, TierIndex, TierStack
 
@@ -39,6 +41,7 @@ class TierMoves:
     num_swapped_out: int = 0  # preempted sequences written to the tier
     num_swapped_in: int = 0  # ... whose tail block came back (their full blocks come back as prefix hits)
     num_tail_tokens_restored: int = 0
+    num_prefetched_tokens: int = 0  # tokens of the blocks `prefetch` loaded (a lower tier's hits)
     num_persisted: int = 0  # blocks handed to the persistent tiers (disk, Redis) as they completed
     persisted_bytes: int = 0  # their bytes
     persist_s: float = 0.0  # the step's share of that: the gather and the hand-over
@@ -78,7 +81,10 @@ class TierBridge:
         if self.persistent_tiers:
             self.tier = TierStack(self.host_tier, self.persistent_tiers)
         self.index = TierIndex(self.tier, block_size) if self.tier is not None else None
+        self.block_size = block_size
         self.moves = TierMoves()
+        # request -> (computed tokens at preemption, its tail block's tokens): restored on resume
+        self.swapped: dict[str, tuple[int, int]] = {}
 
     def expect_blocks(
         self, descriptor: CacheDescriptor, blocks: dict[str, tuple[torch.dtype, tuple[int, ...]]]
@@ -114,6 +120,138 @@ class TierBridge:
         if self.tier.persist(key, descriptor, tensors) == 0:
             return 0
         return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    # ---- the block moves between a runner's device pool (`executor`) and the tiers ------------
+    # (executor: `to_host(block_ids)` / `to_device(block_ids, blocks)`, engine/runner.py's
+    # Executor; cache: the runner's coordinator, a one-group cache where a tier serves it)
+
+    def save_evicted(self, cache: HybridCacheManager, executor: Any) -> None:
+        """Write the cached blocks the allocator just evicted to the tier (a block whose
+        content the tier already holds is not written again)."""
+        todo = []
+        for block_id, block in take_evicted(cache):
+            entry = self.unheld(block)
+            if entry is not None:
+                todo.append((block_id, *entry))
+        self.write(executor, todo)
+
+    def write(self, executor: Any, todo: list[tuple[int, bytes, BlockDescriptor]]) -> None:
+        """(device block, content key, descriptor) -> the tier."""
+        assert self.tier is not None
+        if not todo:
+            return
+        start = time.perf_counter()
+        blocks = executor.to_host([block_id for block_id, _, _ in todo])
+        for (_, key, descriptor), tensors in zip(todo, blocks, strict=True):
+            if self.tier.put(key, descriptor, tensors):
+                self.moves.num_offloaded += 1
+        self.moves.offload_s += time.perf_counter() - start
+
+    def load(self, executor: Any, loads: Sequence[tuple[int, PrefixBlock]]) -> int:
+        """Copy lower-tier blocks into their device blocks (device block, prefix block), in
+        order, up to the first the tier no longer holds valid; how many were loaded. A block
+        becomes visible (findable, readable) only after this, through the cache's
+        `complete_loads` or the group's `publish_installed`."""
+        start = time.perf_counter()
+        got: list[tuple[int, dict[str, torch.Tensor]]] = []
+        for block_id, block in loads:
+            tensors = self.get(block)
+            if tensors is None:
+                break
+            got.append((block_id, tensors))
+        if got:
+            executor.to_device([block_id for block_id, _ in got], [t for _, t in got])
+            self.moves.num_loaded += len(got)
+        self.moves.load_s += time.perf_counter() - start
+        return len(got)
+
+    def write_through(self, cache: HybridCacheManager, executor: Any) -> None:
+        """The blocks the step completed (published), copied and handed to the persistent
+        tiers' background writers; a block every one of them holds is skipped."""
+        published = take_published(cache)
+        if not published:
+            return
+        start = time.perf_counter()
+        todo = []
+        for block_id, block in published:
+            entry = self.unpersisted(block)
+            if entry is not None:
+                todo.append((block_id, *entry))
+        moves = self.moves
+        if todo:
+            blocks = executor.to_host([b for b, _, _ in todo])
+            for (_, key, descriptor), tensors in zip(todo, blocks, strict=True):
+                num_bytes = self.persist(key, descriptor, tensors)
+                moves.num_persisted += num_bytes > 0
+                moves.persisted_bytes += num_bytes
+        moves.persist_s += time.perf_counter() - start
+
+    def prefetch(self, cache: HybridCacheManager, executor: Any, token_ids: Sequence[int], tenant_salt: str) -> None:
+        """The blocks after the device hit that the tier holds valid, where the cache takes
+        them before an admission (V4's dual pool): into fresh blocks, checked, then
+        published as cached blocks for the admission to hit."""
+        assert self.index is not None
+        hit, candidates = prefetch_candidates(cache, token_ids, tenant_salt)
+        num_found = self.index.find(candidates) if candidates else 0
+        if not num_found:
+            return
+        group = one_group(cache, "prefetch")
+        block_ids = group.install(num_found, hold=hit)
+        self.save_evicted(cache, executor)  # the fresh blocks may be evicted ones: save them first
+        if block_ids is None:
+            return
+        num_loaded = self.load(executor, list(zip(block_ids, candidates, strict=False)))
+        self.moves.num_prefetched_tokens += num_loaded * self.block_size
+        group.publish_installed(block_ids, candidates[:num_found], num_loaded)
+
+    def swap_out(self, cache: HybridCacheManager, executor: Any, request_id: str) -> None:
+        """Write a preempted request's computed blocks to the host tier now: its full blocks
+        under their content keys (skipped when the tier holds them), its partial tail block
+        under the partial content's key; remember what `swap_in` restores. A block that does
+        not fit is simply computed again on resume."""
+        assert self.tier is not None and self.index is not None
+        todo = []
+        chain = cache.part(request_id).prefix_chain()  # the full computed blocks' prefix blocks
+        for block_id, block in zip(cache.block_ids(request_id), chain, strict=False):
+            entry = self.unheld(block)
+            if entry is not None:
+                todo.append((block_id, *entry))
+        tail = tail_block(cache, request_id)
+        if tail is not None:
+            todo.append((tail[0], *self.index.describe(tail[1])))
+        self.write(executor, todo)
+        self.moves.num_swapped_out += 1
+        if tail is not None and self.tier.holds(todo[-1][1], todo[-1][2]):
+            self.swapped[request_id] = (cache.num_computed_tokens(request_id), tail[2])
+
+    def swap_in(self, cache: HybridCacheManager, executor: Any, request_id: str, admission: Admission) -> Admission:
+        """After the full blocks of a swapped-out request came back (device or host) at its
+        admission, the tail block's KV from the tier, if it is still there and the prefix
+        before it is exactly the swapped one: the admission to follow (`restore_tail`'s, or
+        `admission` as it was)."""
+        assert self.tier is not None and self.index is not None
+        swapped = self.swapped.pop(request_id, None)
+        if swapped is None:
+            return admission
+        num_computed, num_tail = swapped
+        if admission.num_cached_tokens != num_computed - num_tail:
+            return admission  # fewer full blocks came back: the rest is computed again
+        tail = tail_block_for_restore(cache, request_id, num_tail)
+        if tail is None:
+            return admission
+        block_id, block = tail
+        start = time.perf_counter()
+        tensors = self.get(block)
+        if tensors is None:
+            return admission
+        executor.to_device([block_id], [tensors])
+        self.tier.evict(self.index.describe(block)[0])  # a partial block serves this request only
+        moves = self.moves
+        moves.load_s += time.perf_counter() - start
+        moves.num_loaded += 1
+        moves.num_swapped_in += 1
+        moves.num_tail_tokens_restored += num_tail
+        return cache.restore_tail(request_id, num_tail)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for the persistent tiers' background writes (before a process exits)."""
