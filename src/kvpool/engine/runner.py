@@ -26,8 +26,9 @@ alone: a step cut into pieces at its state checkpoints and window snapshots (the
 copies no state inside a forward; a hybrid model's executor copies its recurrent
 checkpoints itself), the window snapshots (they need the executor's window), and the
 report's `replayed_tokens`. The tier figures need no mark: a lower tier's blocks come
-back by prefetch (the bridge counts them) or by an admission's loads. The block moves
-themselves (eviction saves, loads, prefetch, write-through, swap) are the bridge's.
+back by prefetch (the bridge counts them) or by an admission's loads. The moves
+themselves (eviction saves, loads, prefetch, write-through, swap, window snapshots) are
+the bridge's, called here with the cache and the executor.
 
 The executor interface (`Executor` below) is what a model's tensors must do and nothing
 more; it never changes the cache (it may read the tables the cache holds, to turn them
@@ -66,12 +67,11 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from kvpool.attention.backends.step_buffers import StepBuffers
-from kvpool.cache import Admission, BlockCopy, CacheDescriptor, CacheUsage, ReleaseReason, Reservation
+from kvpool.cache import Admission, BlockCopy, CacheDescriptor, CacheUsage, ReleaseReason
 from kvpool.engine.memory import StepPeaks
-from kvpool.engine.tier_bridge import SWAMoves, TierBridge
-from kvpool.pool import PrefixBlock
-from kvpool.tiers import BlockDescriptor, TierStack
-from kvpool.tiers.swa import SWAStrategy, snapshot_descriptor, snapshot_key
+from kvpool.engine.tier_bridge import TierBridge
+from kvpool.tiers import BlockDescriptor
+from kvpool.tiers.swa import SWAStrategy
 
 PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap", "auto")
 
@@ -233,8 +233,9 @@ class ModelRunner:
         if self.persistent_tiers:  # disk, Redis: an entry that is not a block of this storage is a corrupt miss
             self.bridge.expect_blocks(descriptor, executor.block_layout)
         # window snapshots at block boundaries (dual pool with persistent tiers, tiers/swa.py)
-        self.swa = (swa or SWAStrategy()).check(block_size) if self.pieces and self.persistent_tiers else None
-        self.swa_moves = SWAMoves()
+        if self.pieces and self.persistent_tiers:
+            self.bridge.swa = (swa or SWAStrategy()).check(block_size)
+        self.swa, self.swa_moves = self.bridge.swa, self.bridge.swa_moves
         if self.host_tier is not None:
             if hasattr(self.host_tier, "reclaim"):
                 self.host_tier.reclaim(descriptor)  # a tier kept from an engine of other weights
@@ -314,7 +315,9 @@ class ModelRunner:
         self.executor.reset_state(restore.state_slot)
         if restore.method == "recompute":
             start = valid_from = restore.replay_start  # the zero strategy: nothing before start
-            point = self._restore_window(request_id, adm.num_cached_tokens, restore.state_slot)
+            point = self.bridge.restore_window(
+                self.cache, self.executor, request_id, adm.num_cached_tokens, restore.state_slot
+            )
             if point:  # the state at `point` came from window snapshots: recompute the rest
                 start, valid_from = point, 0
             if start >= adm.num_cached_tokens:
@@ -498,7 +501,7 @@ class ModelRunner:
             (part,) = res.groups.values()  # V4: the one dual-pool group's new blocks and checkpoints
             at = [p for p, _ in part.checkpoints]
             if self.swa is not None and part.new_block_ids:
-                snapshots[request_id] = self._snapshots_wanted(request_id, res)
+                snapshots[request_id] = self.bridge.snapshots_wanted(self.cache, self.executor, request_id, res)
                 at += list(snapshots[request_id])
             if at:
                 checkpoints[request_id] = part.checkpoints
@@ -572,7 +575,7 @@ class ModelRunner:
                 self._copy_state(self.cache.part(request_id).state_slot, checkpoint_slot)
         wanted = snapshots.get(request_id, {}).get(stop)
         if wanted is not None:
-            self._persist_snapshot(request_id, stop, wanted)
+            self.bridge.persist_snapshot(self.cache, self.executor, request_id, stop, wanted)
 
     # ---- the tiers -----------------------------------------------------------------------
 
@@ -591,76 +594,6 @@ class ModelRunner:
         move_s = -(-nc // self.block_size) * copy_s / copied
         recompute_s = nc * self._prefill_s / self._prefill_tokens
         return move_s < recompute_s
-
-    # ---- V4's window snapshots ---------------------------------------------------------------
-
-    def _snapshot_entry(self, block: PrefixBlock) -> tuple[bytes, BlockDescriptor]:
-        """(tier key, descriptor) of the window snapshot at the end of prefix block `block`."""
-        assert self.swa is not None and self.tier_index is not None
-        rows = self.swa.window_rows(self.block_size, self.executor.spec.window)
-        key, descriptor = self.tier_index.describe(block)
-        return snapshot_key(key, rows), snapshot_descriptor(key, descriptor, rows)
-
-    def _restore_window(self, request_id: str, num_cached: int, state_slot: int) -> int:
-        """The state at the latest snapshot the SWA strategy can restore a hit of `num_cached`
-        tokens from (an earlier one when a snapshot is missing), written into `state_slot`;
-        that boundary, or 0 (none: recompute)."""
-        if self.swa is None or self.tier is None:
-            return 0
-        spec, span = self.executor.spec, self.block_size
-        points = self.swa.restore_points(num_cached, span, spec.window, spec.num_layers)
-        if not points:
-            return 0
-        began = time.perf_counter()
-        chain = self.cache.part(request_id).prefix_chain(reserved=True)
-        moves = self.swa_moves
-        for point, needed in points:
-            snapshots = []
-            for boundary in needed:
-                key, descriptor = self._snapshot_entry(chain[boundary // span - 1])
-                tensors = self.tier.get(key, descriptor) if self.tier.lookup(key, descriptor) else None
-                if tensors is None:
-                    moves.num_misses += 1
-                    break
-                snapshots.append((boundary, tensors))
-            else:
-                self.executor.restore_window(state_slot, point, snapshots)
-                moves.num_restores += 1
-                moves.num_loaded += len(snapshots)
-                moves.load_bytes += sum(t.numel() * t.element_size() for _, ts in snapshots for t in ts.values())
-                moves.load_s += time.perf_counter() - began
-                return point
-        moves.load_s += time.perf_counter() - began
-        return 0
-
-    def _snapshots_wanted(self, request_id: str, res: Reservation) -> dict[int, tuple[bytes, BlockDescriptor]]:
-        """Boundaries the step crosses where the SWA strategy keeps a snapshot that the
-        persistent tiers lack: boundary -> (tier key, descriptor)."""
-        if self.swa is None or self.swa.kind == "zero":
-            return {}
-        span = self.block_size
-        positions = self.swa.snapshot_positions(res.start, res.start + res.num_tokens, span)
-        if not positions:
-            return {}
-        assert isinstance(self.tier, TierStack)
-        chain = self.cache.part(request_id).prefix_chain(reserved=True)
-        wanted = {}
-        for boundary in positions:
-            key, descriptor = self._snapshot_entry(chain[boundary // span - 1])
-            if not self.tier.persisted(key, descriptor):
-                wanted[boundary] = (key, descriptor)
-        return wanted
-
-    def _persist_snapshot(self, request_id: str, boundary: int, entry: tuple[bytes, BlockDescriptor]) -> None:
-        """The request's state at `boundary` handed to the persistent tiers as a window snapshot."""
-        assert self.swa is not None
-        began = time.perf_counter()
-        rows = self.swa.window_rows(self.block_size, self.executor.spec.window)
-        tensors = self.executor.window_snapshot(self.cache.part(request_id).state_slot, boundary, rows)
-        num_bytes = self.bridge.persist(*entry, tensors)
-        self.swa_moves.num_snapshots_persisted += num_bytes > 0
-        self.swa_moves.snapshot_bytes_persisted += num_bytes
-        self.swa_moves.persist_s += time.perf_counter() - began
 
     def flush_tiers(self, timeout: float | None = None) -> bool:
         """Wait for the persistent tiers' background writes (before a process exits)."""

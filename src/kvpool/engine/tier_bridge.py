@@ -1,12 +1,14 @@
 """The tiers below a runner's device pool, set up, asked and reported in one place.
 
-Every runner with tiers (Llama, V4) owns one `TierBridge`: the host tier, the persistent
-tiers (disk, Redis) stacked under it, their content-key index and the counters of the
-blocks that moved. The bridge answers what each runner asks of the tiers (is this block
-held already, persisted already, hand this entry over) and reports them; it never touches
-a device tensor. What differs stays with the runner: how blocks are gathered (Llama: every
-layer of many blocks in one gather; V4: one block's compressed pools at a time), the Llama
-host tier's swapped tails, V4's window snapshots.
+The model runner (engine/runner.py) owns one `TierBridge`: the host tier, the persistent
+tiers (disk, Redis) stacked under it, their content-key index, the counters of the blocks
+that moved, and the moves themselves: eviction saves, lower-tier loads, V4's prefetch
+before admission, the write-through of published blocks, the swap of a preempted request
+(its full blocks and its partial tail), and V4's window snapshots. The runner decides when
+(admission, reservation, commit, preemption, the step's pieces) and hands in its cache and
+executor; the bridge never touches a device tensor itself: the executor gathers and writes
+the blocks (`to_host`, `to_device`; Llama: every layer of many blocks in one gather, V4:
+one block's compressed pools at a time) and the window snapshots.
 
 The functions below the class ask a one-group cache (a coordinator of cache/) what the tiers
 and P/D transfer need of its group: the blocks a tier may fill before an admission
@@ -25,9 +27,10 @@ from typing import Any
 
 import torch
 
-from kvpool.cache import Admission, CacheDescriptor, CacheGroup, HybridCacheManager
+from kvpool.cache import Admission, CacheDescriptor, CacheGroup, HybridCacheManager, Reservation
 from kvpool.pool import PrefixBlock
 from kvpool.tiers import BlockDescriptor, Tier, TierIndex, TierStack
+from kvpool.tiers.swa import SWAStrategy, snapshot_descriptor, snapshot_key
 
 
 @dataclass
@@ -85,6 +88,8 @@ class TierBridge:
         self.moves = TierMoves()
         # request -> (computed tokens at preemption, its tail block's tokens): restored on resume
         self.swapped: dict[str, tuple[int, int]] = {}
+        self.swa: SWAStrategy | None = None  # V4's window snapshots (set by a runner that keeps them)
+        self.swa_moves = SWAMoves()
 
     def expect_blocks(
         self, descriptor: CacheDescriptor, blocks: dict[str, tuple[torch.dtype, tuple[int, ...]]]
@@ -252,6 +257,87 @@ class TierBridge:
         moves.num_swapped_in += 1
         moves.num_tail_tokens_restored += num_tail
         return cache.restore_tail(request_id, num_tail)
+
+    # ---- V4's window snapshots at block boundaries (dual pool with persistent tiers) ---------
+
+    def _snapshot_entry(self, block: PrefixBlock, window: int) -> tuple[bytes, BlockDescriptor]:
+        """(tier key, descriptor) of the window snapshot at the end of prefix block `block`."""
+        assert self.swa is not None and self.index is not None
+        rows = self.swa.window_rows(self.block_size, window)
+        key, descriptor = self.index.describe(block)
+        return snapshot_key(key, rows), snapshot_descriptor(key, descriptor, rows)
+
+    def restore_window(
+        self, cache: HybridCacheManager, executor: Any, request_id: str, num_cached: int, state_slot: int
+    ) -> int:
+        """The state at the latest snapshot the SWA strategy can restore a hit of `num_cached`
+        tokens from (an earlier one when a snapshot is missing), written into `state_slot`;
+        that boundary, or 0 (none: recompute)."""
+        if self.swa is None or self.tier is None:
+            return 0
+        spec, span = executor.spec, self.block_size
+        points = self.swa.restore_points(num_cached, span, spec.window, spec.num_layers)
+        if not points:
+            return 0
+        began = time.perf_counter()
+        chain = cache.part(request_id).prefix_chain(reserved=True)
+        moves = self.swa_moves
+        for point, needed in points:
+            snapshots = []
+            for boundary in needed:
+                key, descriptor = self._snapshot_entry(chain[boundary // span - 1], spec.window)
+                tensors = self.tier.get(key, descriptor) if self.tier.lookup(key, descriptor) else None
+                if tensors is None:
+                    moves.num_misses += 1
+                    break
+                snapshots.append((boundary, tensors))
+            else:
+                executor.restore_window(state_slot, point, snapshots)
+                moves.num_restores += 1
+                moves.num_loaded += len(snapshots)
+                moves.load_bytes += sum(t.numel() * t.element_size() for _, ts in snapshots for t in ts.values())
+                moves.load_s += time.perf_counter() - began
+                return point
+        moves.load_s += time.perf_counter() - began
+        return 0
+
+    def snapshots_wanted(
+        self, cache: HybridCacheManager, executor: Any, request_id: str, res: Reservation
+    ) -> dict[int, tuple[bytes, BlockDescriptor]]:
+        """Boundaries the step crosses where the SWA strategy keeps a snapshot that the
+        persistent tiers lack: boundary -> (tier key, descriptor)."""
+        if self.swa is None or self.swa.kind == "zero":
+            return {}
+        span = self.block_size
+        positions = self.swa.snapshot_positions(res.start, res.start + res.num_tokens, span)
+        if not positions:
+            return {}
+        assert isinstance(self.tier, TierStack)
+        chain = cache.part(request_id).prefix_chain(reserved=True)
+        wanted = {}
+        for boundary in positions:
+            key, descriptor = self._snapshot_entry(chain[boundary // span - 1], executor.spec.window)
+            if not self.tier.persisted(key, descriptor):
+                wanted[boundary] = (key, descriptor)
+        return wanted
+
+    def persist_snapshot(
+        self,
+        cache: HybridCacheManager,
+        executor: Any,
+        request_id: str,
+        boundary: int,
+        entry: tuple[bytes, BlockDescriptor],
+    ) -> None:
+        """The request's state at `boundary` handed to the persistent tiers as a window snapshot."""
+        assert self.swa is not None
+        began = time.perf_counter()
+        rows = self.swa.window_rows(self.block_size, executor.spec.window)
+        tensors = executor.window_snapshot(cache.part(request_id).state_slot, boundary, rows)
+        num_bytes = self.persist(*entry, tensors)
+        self.swa_moves.num_snapshots_persisted += num_bytes > 0
+        self.swa_moves.snapshot_bytes_persisted += num_bytes
+        self.swa_moves.persist_s += time.perf_counter() - began
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for the persistent tiers' background writes (before a process exits)."""
