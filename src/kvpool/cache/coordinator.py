@@ -911,7 +911,14 @@ class HybridCacheManager:
             return
         decode = num_tokens.count(1) == len(reqs)  # all decodes: the engine's common step
         bad = None
-        if self.exact_steps:
+        if self.exact_steps and decode:  # (the general check below with n = 1, without the zip: 2.5x faster)
+            bad = next((req for req in reqs if req.end - req.num_computed != 1), None)
+            if bad is not None:
+                raise ValueError(
+                    f"request {bad.request_id!r}: commit of 1 token, but the step reserved "
+                    f"{bad.end - bad.num_computed} (a recurrent state advances by whole steps)"
+                )
+        elif self.exact_steps:
             for req, n in zip(reqs, num_tokens, strict=True):
                 if n != req.end - req.num_computed:
                     raise ValueError(
