@@ -50,7 +50,23 @@ def test_sums_past_2_to_the_53_leave_the_fast_path_for_the_loop() -> None:
     cm = CostModel(load_preset("deepseek-v4-flash"), H200, tp=2)
     assert cm._decode_scale == 4  # V4's write bytes per token: 28,962.25
     huge = [(1, 10**12)] * 3  # each reads 10^12 // 4 compressed entries of its CSA indexer keys
-    assert cm._decode_sums(huge) is None
-    assert cm._decode_sums(huge[:1] + [(1, 5000)]) is None
-    assert cm._decode_sums([(1, 5000)]) is not None
+    assert cm._decode_scan(huge) is None
+    assert cm._decode_scan(huge[:1] + [(1, 5000)]) is None
+    assert cm._decode_scan([(1, 5000)]) is not None
     assert cm.step_cost(huge) == _twin(cm).step_cost(huge)
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "deepseek-v4-flash"])
+def test_a_bad_chunk_is_named_on_the_fast_path_as_by_the_loop(name: str) -> None:
+    cm = CostModel(load_preset(name), H200, tp=2)
+    for chunks, message in (
+        ([], "a step needs at least one chunk, got none"),
+        ([(1, 9), (0, 5)], "chunk 1: num_new_tokens must be >= 1, got 0"),
+        ([(1, 9), (3, 2)], "chunk 1: context_len=2 is shorter than its num_new_tokens=3"),
+        ([(1, 5.0)], "chunk 0: context_len must be an integer, got 5.0"),
+        ([(True, 5)], "chunk 0: num_new_tokens must be an integer, got True"),
+        ([(1, 2, 3)], r"chunk 0 must be \(num_new_tokens, context_len\), got \(1, 2, 3\)"),
+    ):
+        for model in (cm, _twin(cm)):
+            with pytest.raises(ValueError, match=f"^{message}$"):
+                model.step_cost(chunks)

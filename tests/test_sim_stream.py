@@ -137,6 +137,25 @@ def test_the_inlined_answer_sampler_is_token_at():
         assert [sampler(None, params, 2, p) for p in range(50)] == [token_at(key, p, VOCAB) for p in range(50)]
 
 
+def test_the_answer_sampler_held_answers_are_token_at_in_any_order():
+    """The answers AnswerSampler makes whole and holds give token_at's token at every
+    position, however the calls interleave: requests side by side, a position read again,
+    past max_tokens (token_at itself), after the last token dropped the answer, and when
+    the held answers are cleared at max_streams."""
+    rng = random.Random(7)
+    sampler = AnswerSampler(VOCAB, max_streams=3)
+    requests = [SamplingParams(max_tokens=rng.randrange(1, 40), seed=answer_seed(f"r{i}")) for i in range(6)]
+    calls = [(params, p) for params in requests for p in range(params.max_tokens + 3)] * 2
+    rng.shuffle(calls)
+    for params, p in calls:
+        assert sampler(None, params, 0, p) == token_at(params.seed % (1 << 64), p, VOCAB), (params, p)
+        assert len(sampler._answers) <= 3
+    params = requests[0]
+    tokens = [sampler(None, params, 0, p) for p in range(params.max_tokens)]  # in order: the engine's
+    assert params.seed not in sampler._answers  # dropped with its last token
+    assert tokens == [token_at(params.seed % (1 << 64), p, VOCAB) for p in range(params.max_tokens)]
+
+
 def test_prompts_and_answers_share_one_int_per_token():
     """With the simulator's int table, a prompt's answers and a sampled token are the
     table's objects (a token kept costs a pointer), and the values are those without it."""

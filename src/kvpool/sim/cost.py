@@ -531,23 +531,39 @@ class CostModel:
         entry = self._decode_memo[ctx] = (flops, num_bytes)
         return entry
 
-    def _decode_sums(self, chunks: Sequence[tuple[int, int]]) -> tuple[float, float] | None:
-        """The decodes' (attention FLOPs, bytes) as `step_cost`'s loop sums them, from integer
-        sums per context (one dict lookup a decode instead of a pass over the terms); None
-        where that is not exact (no `_decode_scale`, or sums past 2^53): the loop then adds."""
+    def _decode_scan(
+        self, chunks: Sequence[tuple[int, int]]
+    ) -> tuple[int, tuple[float, float], list[tuple[int, int]]] | None:
+        """One pass over a step's chunks, checked as `_check_chunks` checks them (its error
+        for a bad one): (the step's tokens, its decodes' (attention FLOPs, bytes) as
+        `step_cost`'s loop sums them, the chunks that are not decodes). The decodes' sums are
+        integer sums per context (one dict lookup a decode instead of a pass over the
+        terms). None where that is not exact (no `_decode_scale`, or sums past 2^53): the
+        loop then adds every chunk."""
         scale = self._decode_scale
-        if scale is None:
+        if scale is None or not chunks:
             return None
         memo, entry = self._decode_memo, self._decode_entry
-        flops = num_bytes = 0
-        for n, ctx in chunks:
-            if n == 1:
-                f, b = memo.get(ctx) or entry(ctx)
-                flops += f
-                num_bytes += b
+        num_tokens = flops = num_bytes = 0
+        rest = []
+        try:
+            for chunk in chunks:
+                n, ctx = chunk
+                if type(n) is not int or type(ctx) is not int or not 1 <= n <= ctx:
+                    raise ValueError
+                num_tokens += n
+                if n == 1:
+                    f, b = memo.get(ctx) or entry(ctx)
+                    flops += f
+                    num_bytes += b
+                else:
+                    rest.append(chunk)
+        except (TypeError, ValueError):
+            _check_chunks(chunks)  # names the bad chunk
+            raise
         if flops >= 1 << 53 or num_bytes >= 1 << 53:
             return None
-        return flops / scale, num_bytes / scale
+        return num_tokens, (flops / scale, num_bytes / scale), rest
 
     @cached_property
     def _peaks(self) -> tuple[float, float]:
@@ -563,10 +579,14 @@ class CostModel:
     def step_cost(self, chunks: Sequence[tuple[int, int]]) -> StepCost:
         """The cost of one step over `chunks`: (num_new_tokens, context_len after the chunk)
         per scheduled sequence."""
-        _check_chunks(chunks)
+        scan = self._decode_scan(chunks)  # (checks the chunks as _check_chunks does)
+        if scan is None:
+            _check_chunks(chunks)
+            num_tokens, rest = sum(n for n, _ in chunks), chunks
+        else:  # the decodes' sums, exactly as the loop below adds them; the rest to price
+            num_tokens, decode_sums, rest = scan
         model, gpu = self.model, self.gpu
         peak_linear, peak_attention = self._peaks
-        num_tokens = sum(n for n, _ in chunks)
         head_flops = 2 * len(chunks) * model.vocab_size * model.hidden_size / self.tp
         linear_flops = 2 * num_tokens * self.active_params_per_token + head_flops
         write = self.kv_write_bytes_per_token
@@ -574,13 +594,12 @@ class CostModel:
         decode_bytes = prefill_bytes = 0.0  # cache read and written, by phase
         decode_terms = self._decode_terms
         num_prefill_chunks = 0
-        sums = self._decode_sums(chunks)
-        if sums is not None:  # the decodes' sums, exactly as the loop below adds them
-            decode_flops, decode_bytes = sums
-        for n, ctx in chunks if sums is None else [c for c in chunks if c[0] != 1]:
+        if scan is not None:
+            decode_flops, decode_bytes = decode_sums
+        for n, ctx in rest:
             if n == 1:
                 # a decode: its one query attends and reads min(cap, ctx // tokens_per_entry)
-                # entries of each term (attended == read_entries at n = 1); `_decode_sums` is
+                # entries of each term (attended == read_entries at n = 1); `_decode_scan` is
                 # this loop's fast twin
                 decode_bytes += write
                 for flops_w, bytes_w, per_entry, cap in decode_terms:

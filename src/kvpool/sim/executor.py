@@ -33,7 +33,7 @@ from kvpool.cache import BlockCopy
 from kvpool.engine.memory import StepPeaks
 from kvpool.engine.runner import ScheduledChunk
 from kvpool.engine.sampling import SamplingParams
-from kvpool.workload.tokens import MASK64, STREAM_MIX, STREAM_MULT, stream_key
+from kvpool.workload.tokens import MASK64, STREAM_MIX, STREAM_MULT, stream_key, stream_tokens
 
 _MOD = 1 << 64  # a signed seed back to its stream key
 
@@ -225,21 +225,48 @@ class AnswerSampler:
     session carries exactly the answer its prefix cache holds); sample j > 0 of a request
     with n > 1 answers a stream of its own. The logits row is not read.
 
-    Called once per generated token (millions in a fleet run): workload/tokens.py
-    `token_at` inlined, the naive twin tests/test_sim_stream.py compares it with."""
+    Called once per generated token (millions in a fleet run): a request's first call makes
+    its whole answer, max_tokens tokens, in one vectorised pass (workload/tokens.py
+    `stream_tokens`), and each call then reads its position from it; the answer goes when
+    its last token is read (the request ends there: ignore_eos), and all of them when more
+    than `max_streams` are held (a request that ends early: they are remade on demand, the
+    same tokens). Past its max_tokens, and for sample j > 0, a token is `token_at` inlined.
+    Its naive twin: token_at, which tests/test_sim_stream.py compares it with."""
 
-    def __init__(self, vocab_size: int, ints: Sequence[int] | None = None) -> None:
+    def __init__(self, vocab_size: int, ints: Sequence[int] | None = None, max_streams: int = 65536) -> None:
         self.vocab_size = vocab_size
         # the token ints, one object each (tokens.int_table: shared with the prompts and the
         # other replicas), so a token kept costs a pointer, not a new int
         self._ints = list(range(vocab_size)) if ints is None else ints
         if len(self._ints) != vocab_size:
             raise ValueError(f"ints holds {len(self._ints)} tokens, not the vocabulary's {vocab_size}")
+        self.max_streams = max_streams
+        self._answers: dict[int, list[int]] = {}  # seed -> its answer's tokens, while its request runs
 
     def __call__(self, row: object, params: SamplingParams, sample_index: int, position: int) -> int:
-        key = params.seed % _MOD if not sample_index else stream_key(f"{params.seed}/{sample_index}")
+        if not sample_index:
+            answer = self._answers.get(params.seed)
+            if answer is None:
+                answer = self._answer(params)
+            if position < len(answer) - 1:
+                return answer[position]
+            if position == len(answer) - 1:  # its last token: the request ends with it
+                del self._answers[params.seed]
+                return answer[position]
+            key = params.seed % _MOD
+        else:
+            key = stream_key(f"{params.seed}/{sample_index}")
         x = (key + (position + 1) * STREAM_MULT) & MASK64  # token_at(key, position, vocab_size)
         x ^= x >> 31
         x = (x * STREAM_MIX) & MASK64
         x ^= x >> 29
         return self._ints[x % self.vocab_size]
+
+    def _answer(self, params: SamplingParams) -> list[int]:
+        """The request's answer, positions [0, max_tokens), held until its last token is read."""
+        if len(self._answers) >= self.max_streams:
+            self._answers.clear()
+        ints = self._ints
+        tokens = stream_tokens([params.seed % _MOD], [params.max_tokens], self.vocab_size).tolist()
+        answer = self._answers[params.seed] = [ints[t] for t in tokens]
+        return answer
