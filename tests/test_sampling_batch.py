@@ -195,6 +195,21 @@ def test_a_draw_at_the_very_top_takes_the_last_token_of_non_zero_weight():
     assert [_draw(torch.softmax(row, -1), u) for row, u in zip(logits, (top, top, 0.0), strict=True)] == [1, 2, 1]
 
 
+def test_a_row_without_finite_probabilities_draws_as_sample_token_does():
+    """A row whose softmax is NaN (every logit -inf, a +inf, a NaN) has no finite cumulative
+    weight: both samplers then take the last index whose weight is not zero, NaN counting as
+    not zero (as `_draw`'s torch.nonzero counts it): the row's last token (4) without top-k,
+    the last top-k candidate with it. Such a row beside an ordinary one in one batch."""
+    inf, nan = float("inf"), float("nan")
+    rows = torch.tensor([[-inf] * 5, [0.0, inf, 1.0, inf, 0.0], [0.0, nan, 1.0, 2.0, 0.0], [0.3, -0.2, 1.1, 0.0, 0.5]])
+    for top_k, top_p in ((0, 1.0), (0, 0.5), (3, 1.0), (3, 0.5)):
+        params = [SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p, seed=3 + i) for i in range(len(rows))]
+        expected = [sample_token(row, p, 0, 5) for row, p in zip(rows, params, strict=True)]
+        assert sample_batch(rows, params, [0] * len(rows), [5] * len(rows)) == expected, (top_k, top_p)
+        if top_k == 0:
+            assert expected[:3] == [4, 4, 4]  # the last index, by hand
+
+
 def test_the_batch_of_draws_is_uniform_draw_bit_for_bit():
     """`uniform_draws` (numpy's wrapping uint64) against `uniform_draw` (Python integers
     masked to 64 bits), draw by draw, float64 equality: seeds over the whole signed range

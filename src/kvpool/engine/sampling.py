@@ -317,8 +317,10 @@ def _sample_group(logits: torch.Tensor, table: torch.Tensor, k: int, nucleus: bo
     cdf = torch.cumsum(probs, dim=-1)  # [g, width] fp32
     j = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # [g, 1]
     # the last index of non-zero weight: where the count of non-zero weights so far first
-    # reaches its total (argmax takes the first of equal maxima)
-    last = torch.argmax(torch.cumsum(probs > 0, dim=-1), dim=-1, keepdim=True)  # [g, 1]
+    # reaches its total (argmax takes the first of equal maxima). `!= 0`, not `> 0`: a NaN
+    # weight (a row of all -inf logits, a +inf, a NaN) counts, as torch.nonzero counts it in
+    # `_draw`, so a row without finite weights takes sample_token's last index, not index 0
+    last = torch.argmax(torch.cumsum(probs != 0, dim=-1), dim=-1, keepdim=True)  # [g, 1]
     j = torch.minimum(j, last)
     # (each op here is a kernel launch on a GPU: views and no extra copies keep them few)
     return (j if ids is None else ids.gather(-1, j)).squeeze(-1)
