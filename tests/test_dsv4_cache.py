@@ -538,3 +538,36 @@ def test_the_decode_reserve_asks_the_group_at_span_ends_only(kw: dict) -> None:
             for m in managers:  # make room: the latest request goes
                 m.release(ids[-1], "preempt")
     assert refused  # the pool ran out at least once
+
+
+def _collide_checkpoint_parts(pool) -> None:
+    """Every checkpoint part of `pool` hashes alike from now on (a forced hash collision)."""
+    digest = pool.hasher.digest
+    pool.hasher.digest = lambda data: digest(b"x") if b"v4-state:" in data else digest(data)
+
+
+@pytest.mark.parametrize("kw", [{"num_checkpoints": 2}, {"checkpoint_blocks": 1}])
+def test_a_checkpoint_hash_collision_is_counted_over_the_caches_pools(kw: dict) -> None:
+    # The engine report's hash_collisions sums over `pools`: a pool of checkpoint slots of
+    # its own is one of them, as are the state blocks (before: only the classical pool)
+    m = make(8, 3, restore="checkpoint", **kw)
+    g = m.groups["v4"]
+    _collide_checkpoint_parts(g.checkpoint_pool)
+    m.admit("a", _ids(40))
+    m.commit("a", 40)  # checkpoints at 16 and 32: the second's part collides with the first's
+    m.check_integrity()
+    assert len(g._checkpoints) == 1 and g.checkpoint_pool.num_collisions == 1
+    assert sum(pool.num_collisions for pool in m.pools) == 1
+    own = [g.checkpoint_pool] if kw.get("num_checkpoints") else []
+    assert m.pools == [g.pool, g.state_pool, *own]
+
+
+@pytest.mark.parametrize("kw", [{"checkpoint_blocks": 1}, {"num_checkpoints": 2}])
+def test_metadata_bytes_counts_every_pool(kw: dict) -> None:
+    import sys
+
+    m = make(8, 3, restore="checkpoint", **kw)
+    g = m.groups["v4"]
+    pools = [g.pool, g.state_pool] + ([g.checkpoint_pool] if kw.get("num_checkpoints") else [])
+    # no request yet: the pools' own structures and an empty request table
+    assert m.metadata_bytes() == sum(pool.metadata_bytes() for pool in pools) + sys.getsizeof({})

@@ -184,3 +184,17 @@ def test_measured_restore_cost_prices_in_tokens_until_it_knows_both_rates() -> N
     assert (cost.checkpoint_cost(), cost.compute_cost(10, 100)) == (0.0, 10.0)  # no replay timed yet
     cost.num_replayed_tokens, cost.replay_s = 100, 0.5
     assert cost.checkpoint_cost() == pytest.approx(0.002) and cost.compute_cost(10, 100) == pytest.approx(0.05)
+
+
+def test_the_engine_report_counts_a_hash_collision_among_checkpoint_slots() -> None:
+    # A pool of checkpoint slots of its own (num_checkpoints) is one of the cache's pools:
+    # the report's hash_collisions sums over them (before: the slot pool was left out, 0)
+    runner = DSV4Runner(TinyDSV4(), 8, 3, restore="checkpoint", num_checkpoints=2)
+    slots = runner.cache.groups["v4"].checkpoint_pool
+    digest = slots.hasher.digest
+    slots.hasher.digest = lambda data: digest(b"x") if b"v4-state:" in data else digest(data)
+    prompt = torch.randint(0, 256, (2 * 128 + 5,), generator=torch.Generator().manual_seed(3)).tolist()
+    runner.add_request("a", prompt)
+    runner.step([("a", len(prompt))])  # checkpoints at 128 and 256: the second collides
+    runner.check_integrity()
+    assert slots.num_collisions == 1 and runner.cache_stats()["hash_collisions"] == 1

@@ -512,7 +512,7 @@ def test_every_group_kind_keeps_the_whole_group_protocol():
         "name",
         "kind",
         "pool",
-        "state_pool",
+        "extra_pools",
         "can_unreserve",
         "granularity",
         "reads_whole_prefix",

@@ -240,8 +240,8 @@ class HybridCacheManager:
         for g in built.values():
             self._pools.setdefault(g.pool, []).append(g)
         self._block_pools = list(dict.fromkeys(g.pool for g in self._table_groups))
-        state_pools = [g.state_pool for g in self._group_list if g.state_pool is not None]
-        self._all_pools = tuple(dict.fromkeys([*self._pools, *state_pools]))
+        extra_pools = [pool for g in self._group_list for pool in g.extra_pools]
+        self._all_pools = tuple(dict.fromkeys([*self._pools, *extra_pools]))
         # On a shared pool the group's name is in its root: groups never find each other's blocks
         self._root_keys = {
             name: b"|group=" + name.encode() if len(self._pools[g.pool]) > 1 else b"" for name, g in built.items()
@@ -280,8 +280,10 @@ class HybridCacheManager:
 
     @property
     def pools(self) -> list[BlockPool]:
-        """Every pool the groups draw from, each once: table pools and state pools (fixed at
-        construction: the engine counts their allocations around every admit and reserve)."""
+        """Every pool the groups draw from, each once: the pools their tables and slots count
+        against, then each group's `extra_pools` (state pools, a pool of checkpoint slots).
+        Fixed at construction: the engine counts their allocations around every admit and
+        reserve, and sums their hash collisions."""
         return list(self._all_pools)
 
     def is_shared(self, group: str) -> bool:
@@ -441,12 +443,12 @@ class HybridCacheManager:
         return step_tables([req.states[name].block_ids for req in reqs], starts, ends, g.granularity)
 
     def metadata_bytes(self) -> int:
-        """Bytes of the coordinator's Python structures: the pools', and every request's
+        """Bytes of the coordinator's Python structures: every pool's (`pools`), and every request's
         token ids and each group's bookkeeping of it (sys.getsizeof). A token id is an int
         object of 28 B (ids up to 2^30; the shared small ints below 257 make this a slight
         overcount), counted, not walked: a harness calls this every step."""
         size = sys.getsizeof
-        total = sum(pool.metadata_bytes() for pool in self._pools) + size(self._requests)
+        total = sum(pool.metadata_bytes() for pool in self._all_pools) + size(self._requests)
         for req in self._requests.values():
             total += size(req) + size(req.token_ids) + _INT_BYTES * len(req.token_ids)
             total += sum(g.metadata_bytes(req.states[name]) for name, g in self.groups.items())

@@ -302,6 +302,8 @@ class DualPoolGroup(CacheGroup):
         if spec.num_checkpoints:
             self.checkpoint_pool = BlockPool(spec.num_checkpoints, enable_caching=enable_caching, hash_algo=hash_algo)
             self._slot_base, self._parts = num_state_blocks, 1
+        pooled = self.checkpoint_pool is self.pool
+        self.extra_pools = (self.state_pool,) if pooled else (self.state_pool, self.checkpoint_pool)
         self._checkpoints: dict[bytes, _Checkpoint] = {}  # boundary block hash -> findable checkpoint
 
     # ---- prefix hits -------------------------------------------------------------------

@@ -81,7 +81,11 @@ class CacheGroup(Protocol):
     # query that names none; no call of the coordinator branches on it
     kind: str
     pool: BlockPool  # the pool `blocks_needed` counts against (a shared pool for some attention groups)
-    state_pool: BlockPool | None = None  # per-request state blocks apart from `pool` (V4's dual pool)
+    # Pools the group draws from apart from `pool` (V4's dual pool: its state blocks, and
+    # its checkpoint slots when they are a pool of their own): the coordinator lists them
+    # in `pools` (the engine's allocation and hash-collision counts), `metadata_bytes`
+    # and nothing else; the group checks their integrity in `check_states`
+    extra_pools: tuple[BlockPool, ...] = ()
     can_unreserve: bool = False  # `unreserve` undoes a reserved step exactly
     # Tier records, for the group's `take_evicted` / `take_published` (None: not recorded):
     # cached blocks the allocator evicted that the runner has not saved yet, blocks
