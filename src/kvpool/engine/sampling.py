@@ -214,6 +214,8 @@ def token_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, lis
 
 
 _TEMPERATURE = operator.attrgetter("temperature")
+# The least positive fp32 (a subnormal): sample_batch's least top_p in its fp32 arithmetic.
+TOP_P_MIN = 2.0**-149
 
 
 def sample_batch(
@@ -244,17 +246,24 @@ def sample_batch(
     stochastic = np.flatnonzero(temperature >= GREEDY_TEMPERATURE)  # [m] int64, increasing
     if not len(stochastic):
         return torch.argmax(logits, dim=-1).tolist()  # the step's one host synchronisation
-    device, vocab = logits.device, logits.shape[-1]
-    at = stochastic.tolist()
-    picked = [params[i] for i in at]
-    # the per-row parameters, one host-to-device copy: temperature, top_p, top_k, u
-    table = np.empty((len(at), 4), dtype=np.float64)
+    device, vocab, m = logits.device, logits.shape[-1], len(stochastic)
+    if m == num_rows:  # every row draws (a temperature step): the rows as they come
+        picked, indices, at = params, sample_indices, positions
+    else:
+        rows_at = stochastic.tolist()
+        picked = [params[i] for i in rows_at]
+        indices, at = [sample_indices[i] for i in rows_at], [positions[i] for i in rows_at]
+    # the per-row parameters, one host-to-device copy: temperature, top_p, top_k, u. A top_p
+    # is at least TOP_P_MIN, the least positive fp32: one that fp32 rounds to 0 keeps the
+    # first candidate by itself (0 >= top_p would drop it), as sample_token's does
+    table = np.empty((m, 4), dtype=np.float64)
     table[:, 0] = temperature[stochastic]
     table[:, 1] = [p.top_p for p in picked]
+    np.maximum(table[:, 1], TOP_P_MIN, out=table[:, 1])
     table[:, 2] = [min(p.top_k, vocab) if p.top_k else vocab for p in picked]
-    table[:, 3] = uniform_draws([p.seed for p in picked], [sample_indices[i] for i in at], [positions[i] for i in at])
+    table[:, 3] = uniform_draws([p.seed for p in picked], indices, at)
     table_t = _to_device(torch.from_numpy(table), device)
-    if len(at) == num_rows:  # every row draws: no greedy rows to merge them with
+    if m == num_rows:  # every row draws: no greedy rows to merge them with
         return _sample_rows(logits, table_t, table).tolist()
     tokens = torch.argmax(logits, dim=-1)  # [rows] int64
     rows = _to_device(torch.from_numpy(stochastic), device)
@@ -307,11 +316,13 @@ def _sample_group(logits: torch.Tensor, table: torch.Tensor, k: int, nucleus: bo
     if nucleus:
         if ids is None:
             probs, ids = torch.sort(probs, dim=-1, descending=True)
-        # drop a token when the tokens before it already reach top_p; the first always stays
+        # drop a token when the tokens before it already reach top_p. The first always stays
+        # without a write of its own: its tokens before weigh exactly 0 (cumsum's first entry
+        # is the entry itself), below any top_p (>= TOP_P_MIN, sample_batch's table); a later
+        # token's weigh at least the first's (>= 1 / width, far above TOP_P_MIN), so it is
+        # dropped exactly where a top_p rounded to 0 dropped it; NaN is never >= anything
         cumulative = torch.cumsum(probs, dim=-1)
-        dropped = (cumulative - probs) >= top_p
-        dropped[:, 0] = False
-        probs = probs.masked_fill(dropped, 0.0)
+        probs = probs.masked_fill((cumulative - probs) >= top_p, 0.0)
     # inverse CDF: the first index whose cumulative weight exceeds u * total; when u * total
     # rounds up to the total, the last index of non-zero weight (a zero weight is never drawn)
     cdf = torch.cumsum(probs, dim=-1)  # [g, width] fp32
