@@ -50,6 +50,14 @@ def test_the_host_part_times_each_piece_of_a_decode_step(capsys):
     # the fixed logits' columns, and a temperature batch of the same rows timed apart
     assert host["vocab"] == 16
     assert host["temperature_sampling_ms"] > 0
+    # the same engine's step with every row at temperature 0.8 / top-p 0.95, its sampling a part of it
+    assert 0 < host["temperature_step_sampling_ms"] < host["temperature_step_ms"]
+    # churn: max(1, 6 // 32) = 1 request finishes and one joins every step, so every step
+    # is a mixed one of the 6 rows (one a prefill) through `update`: none advances in place
+    # and none is a decode-only (graph) step
+    assert (host["churn_rows_per_step"], host["churn_finished_per_step"]) == (6, 1)
+    assert (host["churn_steps_advanced_in_place"], host["churn_decode_only_steps"]) == (0, 0)
+    assert 0 < host["churn_attention_plan_ms"] < host["churn_step_ms"]
 
 
 def test_a_model_is_a_config_path_or_a_preset():

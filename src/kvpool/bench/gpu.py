@@ -9,9 +9,13 @@
   padding to the bucket), with the model's decode step (what a graph replays on the
   device) replaced by logits made once, 16 columns wide (`HOST_VOCAB`: on the CPU a
   kernel's compute over a real vocabulary would be timed as host work): what the host
-  adds to every step whatever the GPU does (the replay's own launch call not included).
-  A temperature batch of the same rows is timed apart (`sample_batch` alone). Runs on
-  any device (`--parts host` on a machine without CUDA).
+  adds to every step whatever the GPU does. Greedy, a fixed batch (every step after the
+  first advances the buffers in place); beside it the same engine's step with every
+  request at temperature / top-p, and with requests finishing and joining every step
+  (churn: mixed steps, `update`); a temperature batch of the same rows is timed apart
+  (`sample_batch` alone). On a CPU it is a stand-in: a CUDA step's host-to-device copies
+  and events, the replay's launch, the logits' clone and the synchronisation do not run.
+  Runs on any device (`--parts host` on a machine without CUDA).
 - attention: paged decode through the CUDA backend against SDPA on a contiguous copy of
   the same K/V (batch x context 1x4k, 16x4k, 64x4k, 16x32k; Llama-3.1-8B's heads), in
   GB/s of K/V read; extend (a chunk over a cached prefix) against SDPA causal.
@@ -77,37 +81,60 @@ def config_path(model: str) -> Path:
 # the parameter table and the tokens' trip to Python: what a GPU step's host does.
 HOST_VOCAB = 16
 
+# The churn workload's requests that finish, and as many that join, every step: one in
+# CHURN_EVERY of the batch (4 of 128), at least one.
+CHURN_EVERY = 32
+
 
 def host_step(
-    batch: int = 128, context: int = 1024, num_steps: int = 50, block_size: int = 16, device: str = "cpu"
+    batch: int = 128,
+    context: int = 1024,
+    num_steps: int = 50,
+    block_size: int = 16,
+    device: str = "cpu",
+    churn: int | None = None,
 ) -> dict[str, float]:
     """Median milliseconds per decode step of `batch` requests of `context` tokens, by part
     (schedule, metadata, sampling, bookkeeping: the rest of Engine.step) and in all, the
     model's forward replaced by a fixed logits tensor on `device` of `HOST_VOCAB` columns
-    (below). Also: the list-built step tables of the same steps (the cache's
-    `step_tables`, what the non-buffered backends plan from), for comparison, and
-    `sample_batch` on the same rows at temperature 0.8 (each request its own seed: the
-    draws' hashes, the parameter table and the stochastic rows' ops), apart from the
-    engine's greedy steps. On the CPU with one intra-op thread: the step's tensors are tiny,
-    and on a shared machine waking a second thread for an argmax of 128 x 512 was measured
-    at ~30 ms."""
+    (below): greedy, a fixed batch (no request joins or leaves: after the first step every
+    step is `StepBuffers.advance` in place). Beside it, the same engine's whole step
+    (`_host_engine`'s, the forward replaced alike) in two other workloads: every request
+    at temperature 0.8 and top-p 0.95, its own seed (`temperature_step_ms`, its sampling
+    `temperature_step_sampling_ms`), and greedy with `churn` requests finishing and as
+    many joining every step (`churn_step_ms`: each step a mixed one, the joiners' prompts
+    of `context` tokens prefilled in it, the buffers rewritten by `update`; churn None:
+    batch // CHURN_EVERY, at least 1). Also: the
+    list-built step tables of the greedy steps (the cache's `step_tables`, what the
+    non-buffered backends plan from), and `sample_batch` alone on the same rows at
+    temperature 0.8. On the CPU with one intra-op thread: the step's tensors are tiny, and
+    on a shared machine waking a second thread for an argmax of 128 x 512 was measured at
+    ~30 ms."""
     import torch
 
+    churn = max(1, batch // CHURN_EVERY) if churn is None else churn
+    if not 0 < churn < batch:
+        raise ValueError(f"churn must be in [1, batch {batch}), got {churn}")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _host_step(batch, context, num_steps, block_size, device)
+        report = _host_step(batch, context, num_steps, block_size, device)
+        report.update(_temperature_step(batch, context, num_steps, block_size, device))
+        report.update(_churn_step(batch, context, num_steps, block_size, device, churn))
+        return report
     finally:
         torch.set_num_threads(threads)
 
 
-def _host_step(batch: int, context: int, num_steps: int, block_size: int, device: str) -> dict[str, float]:
+def _host_engine(batch: int, context: int, num_steps: int, block_size: int, device: str):
+    """An engine of `batch` request slots over a 2-layer random Llama whose forward, decode
+    (what a graph replays on a GPU) and prefill alike, returns rows of one fixed logits
+    tensor [batch * context, HOST_VOCAB] on `device`: (engine, runner, graphs, logits)."""
     import torch
 
     from kvpool.cache import CacheDescriptor
     from kvpool.engine.engine import Engine
     from kvpool.engine.llama_runner import LlamaRunner
-    from kvpool.engine.sampling import SamplingParams, sample_batch
     from kvpool.models.gguf import LlamaConfig
     from kvpool.models.hf_config import random_llama
 
@@ -132,10 +159,118 @@ def _host_step(batch: int, context: int, num_steps: int, block_size: int, device
     # the prefill step: the model's forward replaced alike (a row per sampled chunk)
     runner.executor.model.forward = lambda ids, pos, meta: logits[: len(meta.logit_rows)]
     engine = Engine(runner, max_num_batched_tokens=batch * context, max_num_seqs=batch, batched_sampling=True)
+    return engine, runner, graphs, logits
+
+
+def _prompts(n: int, context: int, seed: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 512, (context,), generator=g).tolist() for _ in range(n)]
+
+
+def _timed_step(engine, device: str) -> tuple[float, list[str]]:
+    import torch
+
+    began = time.perf_counter()
+    finished = engine.step()
+    if device != "cpu":
+        torch.cuda.synchronize()
+    return time.perf_counter() - began, finished
+
+
+def _temperature_step(batch: int, context: int, num_steps: int, block_size: int, device: str) -> dict[str, float]:
+    """The fixed batch's whole engine step with every request at temperature 0.8, top-p
+    0.95, each its own seed: the sampler's stochastic path inside the engine."""
+    from kvpool.engine.sampling import SamplingParams
+
+    engine, _, graphs, _ = _host_engine(batch, context, num_steps, block_size, device)
+    for i, prompt in enumerate(_prompts(batch, context, 1)):
+        params = SamplingParams(max_tokens=num_steps + 4, ignore_eos=True, temperature=0.8, top_p=0.95, seed=i)
+        engine.add_request(prompt, params)
+    engine.step()  # every prefill in one step
+    sampling: list[float] = [0.0]
+    sample_step = engine._sample_step
+
+    def timed_sample_step(*args):
+        began = time.perf_counter()
+        out = sample_step(*args)
+        sampling[-1] += time.perf_counter() - began
+        return out
+
+    engine._sample_step = timed_sample_step
+    steps = []
+    for _ in range(num_steps):
+        sampling.append(0.0)
+        steps.append(_timed_step(engine, device)[0])
+    assert graphs.num_static == num_steps, "every timed step took the engine's static-buffer decode path"
+    return {
+        "temperature_step_ms": round(statistics.median(steps) * 1e3, 4),
+        "temperature_step_sampling_ms": round(statistics.median(sampling[1:]) * 1e3, 4),
+    }
+
+
+def _churn_step(batch: int, context: int, num_steps: int, block_size: int, device: str, churn: int) -> dict[str, float]:
+    """Greedy steps of `batch` rows in which `churn` requests finish and `churn` join: the
+    first batch's max_tokens staggered (churn of them end at each step), a joiner's
+    batch // churn, so each step's finished are replaced before the next and every step
+    runs `batch` rows, `churn` of them a new request's `context`-token prefill."""
+    from kvpool.engine.sampling import SamplingParams
+
+    engine, runner, graphs, _ = _host_engine(batch, context, num_steps, block_size, device)
+    for i, prompt in enumerate(_prompts(batch, context, 1)):
+        engine.add_request(prompt, SamplingParams(max_tokens=2 + i // churn, ignore_eos=True))
+    joiner = SamplingParams(max_tokens=batch // churn, ignore_eos=True)
+    prompts = iter(_prompts(num_steps * churn + churn, context, 2))
+    engine.step()  # every prefill in one step
+    _, finished = _timed_step(engine, device)  # the first decode: `churn` finish
+    buffers = runner.step_buffers
+    advanced_before, static_before = buffers.num_advanced, graphs.num_static
+    # the attention backend's plan of the step, timed apart: on the CPU the torch backend
+    # plans every row's context (its bags); a GPU's Triton backend plans a step the buffers
+    # hold from them (`begin_buffered_step`), not timed here
+    attention = runner.executor.attention
+    plans: list[float] = []
+    begin_step = attention.begin_step
+
+    def timed_begin_step(*args, **kwargs):
+        began = time.perf_counter()
+        out = begin_step(*args, **kwargs)
+        plans[-1] += time.perf_counter() - began
+        return out
+
+    attention.begin_step = timed_begin_step
+    steps, rows, num_finished = [], 0, 0
+    for _ in range(num_steps):
+        for _ in finished:
+            engine.add_request(next(prompts), joiner)
+        rows += len(engine.running) + len(engine.waiting)
+        plans.append(0.0)
+        elapsed, finished = _timed_step(engine, device)
+        steps.append(elapsed)
+        num_finished += len(finished)
+    del attention.begin_step
+    step_ms, plan_ms = statistics.median(steps) * 1e3, statistics.median(plans) * 1e3
+    return {
+        "churn_step_ms": round(step_ms, 4),
+        "churn_attention_plan_ms": round(plan_ms, 4),
+        "churn_attention_backend": attention.name,
+        "churn_rows_per_step": round(rows / num_steps, 2),
+        "churn_finished_per_step": round(num_finished / num_steps, 2),
+        "churn_steps_advanced_in_place": buffers.num_advanced - advanced_before,
+        "churn_decode_only_steps": graphs.num_static - static_before,
+    }
+
+
+def _host_step(batch: int, context: int, num_steps: int, block_size: int, device: str) -> dict[str, float]:
+    import torch
+
+    from kvpool.engine.sampling import SamplingParams, sample_batch
+
+    engine, runner, graphs, logits = _host_engine(batch, context, num_steps, block_size, device)
     params = SamplingParams(max_tokens=num_steps + 4, ignore_eos=True)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(batch):
-        engine.add_request(torch.randint(0, config.vocab_size, (context,), generator=g).tolist(), params)
+    for prompt in _prompts(batch, context, 1):
+        engine.add_request(prompt, params)
     engine.step()  # every prefill in one step
     timed: dict[str, list[float]] = {"schedule": [], "metadata": [], "sampling": [], "step": [], "tables": []}
 
@@ -157,11 +292,7 @@ def _host_step(batch: int, context: int, num_steps: int, block_size: int, device
     for _ in range(num_steps):
         for values in timed.values():
             values.append(0.0)
-        began = time.perf_counter()
-        engine.step()
-        if device != "cpu":
-            torch.cuda.synchronize()
-        timed["step"][-1] = time.perf_counter() - began
+        timed["step"][-1] = _timed_step(engine, device)[0]
         running = [s.seq_id for s in engine.running]
         ends = [runner.num_computed_tokens(r) for r in running]  # (the last step's tables again)
         began = time.perf_counter()
