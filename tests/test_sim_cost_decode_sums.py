@@ -1,4 +1,4 @@
-"""The decodes' sums of `CostModel.step_cost` from integer sums per context (`_decode_sums`,
+"""The decodes' sums of `CostModel.step_cost` from integer sums per context (`_decode_scan`,
 the fast path a fleet simulation takes every step) against its naive twin, the loop over
 every decode and attention term: the same StepCost, bit for bit, on every preset."""
 

@@ -504,7 +504,7 @@ class CostModel:
         token, times 2^d, are integers (d <= 16: V4's write is 28,962.25 bytes, d = 2); None
         when there is none. Then the decode loop of `step_cost` adds only multiples of 2^-d, and
         while its sums stay below 2^53 x 2^-d every partial sum is exact: the float result is
-        the exact sum, whatever the order, which `_decode_sums` computes in integers."""
+        the exact sum, whatever the order, which `_decode_scan` computes in integers."""
         values = [self.kv_write_bytes_per_token] + [v for t in self._decode_terms for v in t[:2]]
         for d in range(17):
             scale = 1 << d
