@@ -50,7 +50,7 @@ def test_figure_12_hit_is_the_largest_point_every_group_has():
     prompt = list(range(1600))
     admission = m.admit("a", prompt)
     assert head(admission, "mla", "kda") == (0, 1600, (0, 1, 2, 3), StateRestore(0, "none"), ())
-    assert m.part("a").checkpoints == [(1024, 1)]  # slot 1 snapshots the state after 1024 tokens
+    assert m.part("a", "kda").checkpoints == [(1024, 1)]  # slot 1 snapshots the state after 1024 tokens
     m.commit("a", 1600)
     m.check_integrity()
     follow_up = prompt + [7]
@@ -65,12 +65,12 @@ def test_figure_12_hit_is_the_largest_point_every_group_has():
     # 1024 cached tokens: attention blocks 0 and 1 shared, the state restored from slot 1
     # into a fresh live slot 2; blocks 4 and 5 for [1024, 1601).
     assert head(admission, "mla", "kda") == (1024, 577, (0, 1, 4, 5), StateRestore(2, "checkpoint", 1), ())
-    assert m.part("b").restore.checkpoint_slot == 1 and m.groups["kda"].pool.refcount(1) == 1
-    assert m.part("b").checkpoints == []  # the step reaches no new boundary (2048 > 1601)
+    assert m.part("b", "kda").restore.checkpoint_slot == 1 and m.groups["kda"].pool.refcount(1) == 1
+    assert m.part("b", "kda").checkpoints == []  # the step reaches no new boundary (2048 > 1601)
     m.commit("b", 577)
     m.check_integrity()
     # slot 1 was held until the first commit
-    assert m.part("b").restore.checkpoint_slot is None and m.groups["kda"].pool.is_free_cached(1)
+    assert m.part("b", "kda").restore.checkpoint_slot is None and m.groups["kda"].pool.is_free_cached(1)
 
 
 def test_a_hit_inside_an_attention_block_copies_the_block_on_write():
@@ -79,14 +79,14 @@ def test_a_hit_inside_an_attention_block_copies_the_block_on_write():
     a = list(range(1100))
     admission = m.admit("a", a)
     assert admission.groups["mla"].block_ids == (0, 1)
-    assert m.part("a").checkpoints == [(512, 1), (1024, 2)]
+    assert m.part("a", "kda").checkpoints == [(512, 1), (1024, 2)]
     m.commit("a", 1100)
     m.release("a")
     # a's checkpoints were freed tail-first: 1024 (slot 2) is older in the LRU than 512 (slot 1).
     assert m.groups["kda"].pool.free_queue() == [0, 2, 1]
     prefill(m, "c", [7] * 10)  # takes the unhashed slot 0
     prefill(m, "d", [8] * 10)  # evicts the least recently used checkpoint: 1024 (slot 2)
-    assert m.part("c").state_slot == 0 and m.part("d").state_slot == 2
+    assert m.part("c", "kda").state_slot == 0 and m.part("d", "kda").state_slot == 2
     m.release("c")
     b = a + [5]
     assert m.group_hit_points(b) == {"mla": [0, 512, 1024], "kda": [0, 512]}
@@ -223,7 +223,7 @@ def test_fork_shares_blocks_and_takes_its_own_state():
     assert m.usage() == (8, 5, 3, 10, 4, 4, 2)  # shared blocks count once; c has its own state
     m.check_integrity()
     assert m.block_ids("c") == m.block_ids("p") == [0, 1, 2]
-    assert m.part("c").state_slot != m.part("p").state_slot
+    assert m.part("c", "r").state_slot != m.part("p", "r").state_slot
     # The shared partial tail [8, 10) is copied by the first writer; the second writes in place.
     m.append_token_ids("c", [1])
     res = m.reserve("c", 1)
@@ -313,7 +313,9 @@ def test_a_follow_up_turn_hits_at_the_previous_turn_end_off_the_checkpoint_grid(
     )
     turn1 = list(range(10))
     assert prefill(m, "t1", turn1) == 0
-    assert m.part("t1").state_slot == 0 and m.groups["r"].pool.block_hash(1) is not None  # checkpoint of 8 in slot 1
+    assert (
+        m.part("t1", "r").state_slot == 0 and m.groups["r"].pool.block_hash(1) is not None
+    )  # checkpoint of 8 in slot 1
     for tok in (50, 51):
         decode(m, "t1", tok)
     m.append_token_ids("t1", [52])
@@ -368,7 +370,7 @@ def test_a_dual_pool_group_hits_only_where_the_recurrent_group_agrees_on_a_span_
     admission = m.admit("a", a)
     assert head(admission, "v4", "r") == (0, 30, (0, 1, 2), StateRestore(0, "none"), ())
     assert m.part("a", "v4").state_slot == 0 and m.part("a", "v4").restore == StateRestore(0, "none")
-    assert m.part("a").checkpoints == [(12, 1), (24, 2)]
+    assert m.part("a", "r").checkpoints == [(12, 1), (24, 2)]
     assert all(classical.block_hash(b) is None for b in (0, 1, 2))  # published at the commit, not before
     m.commit("a", 30)
     m.check_integrity()
@@ -409,7 +411,7 @@ def test_a_dual_pool_group_hits_only_where_the_recurrent_group_agrees_on_a_span_
     # No hit: three fresh classical blocks, state block 0, live slot 4; the recurrent group
     # checkpoints 24 in slot 5 (12 is cached already).
     assert head(admission, "v4", "r") == (0, 24, (3, 4, 5), StateRestore(4, "none"), ())
-    assert m.part("c", "v4").state_slot == 0 and m.part("c").checkpoints == [(24, 5)]
+    assert m.part("c", "v4").state_slot == 0 and m.part("c", "r").checkpoints == [(24, 5)]
     m.commit("c", 24)
     m.check_integrity()
     # c's first two spans are a's: blocks 3 and 4 are published as second copies of 0 and 1.
@@ -449,7 +451,7 @@ def test_a_turn_end_at_a_span_boundary_is_a_hit_for_the_dual_pool_and_the_recurr
     v4 = DualPoolGroupSpec("v4", 8, replay_len=6)
     m = HybridCacheManager([(v4, (6, 2)), (RecurrentGroupSpec("r", 12), 4)], DESC, turn_end_checkpoints=True)
     assert prefill(m, "t1", list(range(14))) == 0
-    assert m.block_ids("t1", "v4") == [0] and m.part("t1").checkpoints == []  # 12's snapshot went to slot 1
+    assert m.block_ids("t1", "v4") == [0] and m.part("t1", "r").checkpoints == []  # 12's snapshot went to slot 1
     decode(m, "t1", 50)
     m.append_token_ids("t1", [51])
     assert m.reserve("t1", 1).groups["v4"].new_block_ids == (1,)  # position 15 completes span 1
@@ -490,6 +492,20 @@ def test_a_dual_pool_group_is_named_right():
     prefill(m, "a", [1, 2, 3])
     with pytest.raises(KeyError, match="no group 'nope'; the groups are \\['v4'\\]"):
         m.part("a", "nope")
+
+
+def test_part_of_a_cache_of_several_groups_names_its_group():
+    # No default group answers both kinds of question: before, part("a") was the recurrent
+    # group's (its block_ids []) while block_ids("a") was the attention group's
+    m = HybridCacheManager([(AttentionGroupSpec("mla", 4), 8), (RecurrentGroupSpec("kda", 4), 4)], DESC)
+    assert prefill(m, "a", list(range(10))) == 0  # blocks 0, 1, 2; state slot 0, checkpoints in 1, 2
+    with pytest.raises(ValueError, match=r"^part\('a'\): the cache has several groups; name one of \['kda', 'mla'\]$"):
+        m.part("a")
+    assert m.part("a", "mla").block_ids == m.block_ids("a") == [0, 1, 2]
+    assert m.part("a", "kda").block_ids == [] and m.part("a", "kda").state_slot == 0
+    one = HybridCacheManager([(AttentionGroupSpec("mla", 4), 8)], DESC)
+    prefill(one, "a", list(range(10)))
+    assert one.part("a").group is one.groups["mla"] and one.part("a").block_ids == [0, 1, 2]
 
 
 def test_every_group_kind_keeps_the_whole_group_protocol():
@@ -585,7 +601,7 @@ def test_a_follow_up_turn_hits_inside_the_attention_block_where_the_previous_tur
 
     m = make(turn_ends=True)
     assert prefill(m, "t1", turn1) == 0
-    assert m.block_ids("t1") == [0, 1, 2] and m.part("t1").state_slot == 0
+    assert m.block_ids("t1") == [0, 1, 2] and m.part("t1", "r").state_slot == 0
     assert m.release("t1")
     m.check_integrity()
     pool = m.groups["full"].pool

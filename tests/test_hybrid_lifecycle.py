@@ -141,9 +141,9 @@ class Lifecycle(RuleBasedStateMachine):
                 self.states[g.name][slot] = (tenant, tuple(seq[:position]))
             self.states[g.name][state_slot] = (tenant, tuple(seq[:end]))
         rec = self.content["rec"]
-        live = self.m.part(rid).state_slot
+        live = self.m.part(rid, "rec").state_slot
         assert rec[live] == (tenant, tuple(seq[:start])), "the state the step starts from"
-        for position, slot in self.m.part(rid).checkpoints:
+        for position, slot in self.m.part(rid, "rec").checkpoints:
             assert start < position <= end
             rec[slot] = (tenant, tuple(seq[:position]))
         rec[live] = (tenant, tuple(seq[:end]))
@@ -175,7 +175,7 @@ class Lifecycle(RuleBasedStateMachine):
         assert point == expected_hit and point <= len(prompt) - 1
         self.seq[rid], self.tenant[rid] = list(prompt), tenant
         self._apply_copies()
-        live, src = self.m.part(rid).state_slot, self.m.part(rid).restore.checkpoint_slot
+        live, src = self.m.part(rid, "rec").state_slot, self.m.part(rid, "rec").restore.checkpoint_slot
         if point:
             assert src is not None
             self.content["rec"][live] = self.content["rec"][src]
@@ -239,7 +239,7 @@ class Lifecycle(RuleBasedStateMachine):
         self.seq[child] = self.seq[parent][:n]
         self.tenant[child] = self.tenant[parent]
         rec = self.content["rec"]
-        rec[self.m.part(child).state_slot] = rec[self.m.part(parent).state_slot]
+        rec[self.m.part(child, "rec").state_slot] = rec[self.m.part(parent, "rec").state_slot]
         for g in self.m.dual_groups:
             states = self.states[g.name]
             states[self.m.part(child, g.name).state_slot] = states[self.m.part(parent, g.name).state_slot]
@@ -252,7 +252,7 @@ class Lifecycle(RuleBasedStateMachine):
             return
         rec = self.content["rec"]
         for slot in self.m.mark_turn_end(rid).values():
-            rec[slot] = rec[self.m.part(rid).state_slot]
+            rec[slot] = rec[self.m.part(rid, "rec").state_slot]
 
     @rule(rid=consumes(requests), how=st.sampled_from(["finish", "cancel", "preempt"]))
     def release(self, rid, how):
@@ -277,7 +277,7 @@ class Lifecycle(RuleBasedStateMachine):
                 for pos in range(g.spec.first_needed(n), n):
                     slot = self._slot(rid, g.name, pos)
                     assert self.content[g.name].get(slot) == (g.name, tenant, tuple(seq[: pos + 1])), (rid, g.name, pos)
-            assert rec.get(self.m.part(rid).state_slot) == (tenant, tuple(seq[:n])), rid
+            assert rec.get(self.m.part(rid, "rec").state_slot) == (tenant, tuple(seq[:n])), rid
             for g in self.m.dual_groups:
                 table = self.m.block_ids(rid, g.name)
                 for k in range(n // g.span):

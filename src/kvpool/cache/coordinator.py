@@ -224,9 +224,8 @@ class HybridCacheManager:
         if len(sizes) > 1:
             raise ValueError(f"attention groups must share one block size, got {sorted(sizes)}")
         # Groups with block tables, attention first: the default of `block_ids` and of an
-        # admission's blocks; groups with state, recurrent first: the default of the state queries
+        # admission's blocks (`part` has no default on a cache of several groups)
         self._table_groups = sorted((g for g in built.values() if g.has_table), key=lambda g: g.kind != "attention")
-        self._state_groups = sorted((g for g in built.values() if g.has_state), key=lambda g: g.kind != "recurrent")
         first = self._table_groups[0] if self._table_groups else next(iter(built.values()))
         self.pool, self.block_size = first.pool, first.granularity  # the default table group's
         self.descriptor, self._descriptor_key = descriptor, descriptor.key()
@@ -344,14 +343,18 @@ class HybridCacheManager:
             raise KeyError(f"unknown request {missing.args[0]!r}") from None
 
     def part(self, request_id: str, group: str | None = None) -> RequestPart:
-        """One group's part of the request (default: the first group with per-request state,
-        recurrent first, else the first table group, attention first)."""
+        """One group's part of the request. `group` may be left out on a cache of one group
+        only: of several, no default would answer both a table question and a state question
+        (ValueError naming the groups)."""
         req = self._get(request_id)
-        g = (
-            (self._state_groups or self._table_groups or self._group_list)[0]
-            if group is None
-            else self.groups.get(group)
-        )
+        if group is None:
+            if len(self._group_list) > 1:
+                raise ValueError(
+                    f"part({request_id!r}): the cache has several groups; name one of {sorted(self.groups)}"
+                )
+            g: CacheGroup | None = self._group_list[0]
+        else:
+            g = self.groups.get(group)
         if g is None:
             raise KeyError(f"no group {group!r}; the groups are {sorted(self.groups)}")
         return RequestPart(g, req.states[g.name], req.token_ids, req.mm_items, req.num_computed)

@@ -132,7 +132,7 @@ class HybridExecutor:
         for g in cache.attention_groups:
             part = cache.part(request_id, g.name)
             tables[g.name] = GroupTable(part.first_block, part.block_ids, g.spec.first_needed(start))
-        state = cache.part(request_id) if self.has_state else None
+        state = cache.part(request_id, cache.recurrent_groups[0].name) if self.has_state else None
         state_slot, checkpoints = (state.state_slot, tuple(state.checkpoints)) if state is not None else (None, ())
         return HybridChunk(start, len(c.token_ids), tables, state_slot, checkpoints)
 

@@ -213,6 +213,10 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.preemption = preemption
         self.pieces = bool(cache.dual_groups)  # V4's dual pool: steps in pieces, window snapshots
+        # The group whose state slot the executor keeps (recurrent layers, else V4's dual
+        # pool; None: no state), named in the cache's `part` (no default of several groups)
+        stateful = [*cache.recurrent_groups, *cache.dual_groups]
+        self.state_group = stateful[0].name if stateful else None
         self.restore_cost = restore_cost if restore_cost is not None else MeasuredRestoreCost()
         self.num_replayed_tokens = 0  # tokens recomputed by prefix-hit restores (for reports)
         self.replay_s = 0.0
@@ -306,7 +310,7 @@ class ModelRunner:
         group): a fresh state, the checkpoint copied into the live slot, or (V4) a replay of
         the hit's tokens on top of its cached blocks, from the latest window snapshot the
         persistent tiers restore, now or in the next step."""
-        restore = self.cache.part(request_id).restore
+        restore = self.cache.part(request_id, self.state_group).restore
         assert restore is not None
         if restore.method == "checkpoint":  # (the copy overwrites the whole slot)
             assert restore.checkpoint_slot is not None
@@ -376,7 +380,10 @@ class ModelRunner:
         if not self.cache.fork(parent_id, child_id):
             return False
         if self.executor.has_state:
-            self.executor.copy_state(self.cache.part(parent_id).state_slot, self.cache.part(child_id).state_slot)
+            part = self.cache.part
+            self.executor.copy_state(
+                part(parent_id, self.state_group).state_slot, part(child_id, self.state_group).state_slot
+            )
         return True
 
     def release(self, request_id: str, reason: ReleaseReason = "finish") -> bool:
@@ -572,7 +579,7 @@ class ModelRunner:
         SWA strategy keeps there."""
         for position, checkpoint_slot in checkpoints.get(request_id, ()):
             if position == stop:
-                self._copy_state(self.cache.part(request_id).state_slot, checkpoint_slot)
+                self._copy_state(self.cache.part(request_id, self.state_group).state_slot, checkpoint_slot)
         wanted = snapshots.get(request_id, {}).get(stop)
         if wanted is not None:
             self.bridge.persist_snapshot(self.cache, self.executor, request_id, stop, wanted)
