@@ -165,6 +165,35 @@ def test_the_triton_backend_reads_the_decode_from_the_buffers(model64, monkeypat
     _assert_same_outputs(ref, ref_ids, got, ids)
 
 
+@pytest.mark.parametrize("mode", ["eager", "static"])
+def test_a_chunk_that_skips_the_computed_prefix_is_refused_in_either_mode(model64, monkeypatch, mode):
+    """runner.run of positions [4, 8) of a request admitted with 8 tokens and none computed:
+    eager mode plans from the cache's lists (step_tables checks the chunk), static mode
+    from the step buffers (the forward's own check): the same one-line ValueError either
+    way, not attention over K/V [0, 4) never written. The whole prompt then runs, its
+    logits bit for bit a fresh eager runner's."""
+    pytest.importorskip("triton")
+    from kvpool.attention.backends import BACKENDS, BackendKey
+    from kvpool.attention.backends.triton_decode import interpreted
+    from kvpool.attention.backends.triton_paged import TritonPagedBackend
+
+    if not interpreted():
+        pytest.skip("the interpreted Triton backend runs on the CPU only under TRITON_INTERPRET=1")
+    monkeypatch.setitem(BACKENDS, BackendKey("full", "paged", "cpu", "triton"), TritonPagedBackend)
+    ids = random_ids(8, 3)
+    runner = LlamaRunner(model64, 16, 4, DESCRIPTOR, decode_path="triton", decode_mode=mode)
+    runner.admit("a", ids, None)
+    message = r"request 'a': positions \[4, 8\) do not continue its 0 computed tokens within the reserved \[0, 8\)"
+    with pytest.raises(ValueError, match=message):
+        runner.run([("a", ids[4:], 4)])
+    assert runner.num_computed_tokens("a") == 0
+    (logits,) = runner.run([("a", ids, 0)])
+    assert runner.executor.num_buffered_steps == (mode == "static")  # the refused step planned nothing
+    fresh = LlamaRunner(model64, 16, 4, DESCRIPTOR, decode_path="triton", decode_mode="eager")
+    fresh.admit("a", ids, None)
+    assert torch.equal(logits, fresh.run([("a", ids, 0)])[0])  # as if nothing had been refused
+
+
 def test_the_triton_backend_plans_prefill_and_mixed_steps_from_the_buffers(model64, monkeypatch):
     """Static mode on the Triton backend: every step the runner puts in the step buffers
     that is not a pure decode (prefills, chunks over a cached prefix, chunked prefills
