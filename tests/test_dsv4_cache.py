@@ -397,14 +397,45 @@ def test_lifecycle_against_a_model(
     checkpoints: tuple[str, dict[str, int]], ops: list[tuple[str, int, int, bool]]
 ) -> None:
     restore, kw = checkpoints
-    m = make(8, 3, restore=restore, **kw)
+    _lifecycle(make(8, 3, restore=restore, **kw), ops, 30)
+
+
+# steps reserved and undone more often than in OPS: a reservation that pushes a checkpoint
+# out is undone (its checkpoint back) or committed, about as often
+UNDO_OPS = st.sampled_from(["admit", "admit", "step", "step", "unreserve", "unreserve", "decode", "commit", "release"])
+
+
+@settings(max_examples=int(os.environ.get("KVPOOL_HYPOTHESIS_EXAMPLES", "150")) // 3, deadline=None)
+@given(
+    restore=st.sampled_from(["checkpoint", "auto"]),
+    ops=st.lists(st.tuples(UNDO_OPS, st.integers(0, 3), st.integers(1, 40), st.booleans()), min_size=10, max_size=60),
+)
+def test_lifecycle_with_one_checkpoint_slot(restore: str, ops: list[tuple[str, int, int, bool]]) -> None:
+    # One slot and prompts of 3-5 spans: nearly every step that reaches a boundary pushes
+    # the checkpoint out of the slot, and an unreserve puts it back (out of order too)
+    _lifecycle(make(8, 3, restore=restore, num_checkpoints=1), ops, 50, undo_at_once=True)
+
+
+def _lru(m: DSV4CacheManager) -> tuple[dict[bytes, int], list[int], list[int]]:
+    """The findable checkpoints (boundary hash -> slot), the slot pool's and the classical
+    pool's free queues, in LRU order."""
+    g = m.groups["v4"]
+    return {h: c.slot for h, c in g._checkpoints.items()}, g.checkpoint_pool.free_queue(), m.pool.free_queue()
+
+
+def _lifecycle(
+    m: DSV4CacheManager, ops: list[tuple[str, int, int, bool]], prompt_len: int, *, undo_at_once: bool = False
+) -> None:
+    """Run `ops` on `m` against the Model (check_integrity after every op): op, request
+    r<who>, a count n (prompts of n + prompt_len tokens), a flag. undo_at_once: a "step"
+    with the flag that reserves is undone at once, and must leave `_lru` as it was."""
     model = Model(m)
     num_forks = 0
     for op, who, n, flag in ops:
         rid = f"r{who}"
         if op == "admit" and rid not in m:
             tenant = "t2" if flag and who == 3 else ""
-            tokens = _ids(n + 30, offset=who % 2)  # r0 / r2 and r1 / r3 share prefixes
+            tokens = _ids(n + prompt_len, offset=who % 2)  # r0 / r2 and r1 / r3 share prefixes
             free_before = m.pool.free_queue()
             adm = m.admit(rid, tokens, None if flag else n, tenant_salt=tenant)  # whole prompt, or a chunk
             if adm is None:
@@ -421,8 +452,13 @@ def test_lifecycle_against_a_model(
                     m.append_token_ids(rid, [n])
                     model.tokens[rid].append(n)
                     left = 1
+                before = _lru(m) if undo_at_once and flag else None
                 res = m.reserve(rid, min(n, left))
-                if res is not None:
+                if res is not None and before is not None:
+                    m.unreserve(rid)  # undone latest first: every pool and checkpoint as it was
+                    m.check_integrity()
+                    assert _lru(m) == before
+                elif res is not None:
                     model.reserved(rid, res)
         elif op == "decode":
             # the engine's decode steps: every request without a pending step, one token each,
@@ -480,7 +516,7 @@ def test_lifecycle_against_a_model(
         elif op == "install":
             # a lower tier brings back spans after the device hit of r<who>'s prompt: up to 3
             # blocks installed, all loaded (flag) or the last one missing
-            tokens, tenant = _ids(n + 30, offset=who % 2), "t2" if flag and who == 3 else ""
+            tokens, tenant = _ids(n + prompt_len, offset=who % 2), "t2" if flag and who == 3 else ""
             hit, candidates = tier_bridge.prefetch_candidates(m, tokens, tenant)
             assert len(hit) + len(candidates) == (len(tokens) - 1) // SPAN
             num = min(len(candidates), 1 + n % 3)
@@ -571,3 +607,35 @@ def test_metadata_bytes_counts_every_pool(kw: dict) -> None:
     pools = [g.pool, g.state_pool] + ([g.checkpoint_pool] if kw.get("num_checkpoints") else [])
     # no request yet: the pools' own structures and an empty request table
     assert m.metadata_bytes() == sum(pool.metadata_bytes() for pool in pools) + sys.getsizeof({})
+
+
+def test_a_stale_slot_checkpoint_is_replaced_when_its_prefix_is_computed_again() -> None:
+    # 3 classical blocks, 3 state slots, checkpoint slots 3-7 (slot pool blocks 0-4)
+    m = make(3, 3, restore="checkpoint", num_checkpoints=5)
+    g = m.groups["v4"]
+    slots = g.checkpoint_pool
+
+    def checkpoints() -> dict[int, bool]:  # slot -> its boundary block still findable
+        return {c.slot: g.pool.is_published(c.block) for c in g._checkpoints.values()}
+
+    a = _ids(20, offset=1)
+    m.admit("a", a, 0)
+    _compute(m, "a", 20)
+    m.release("a")
+    assert m.lookup_prefix(a) == 16 and checkpoints() == {3: True}
+    m.admit("b", _ids(49, offset=50), 0)  # three spans: every classical block, a's evicted
+    _compute(m, "b", 49)
+    m.release("b")
+    assert m.lookup_prefix(a) == 0 and checkpoints() == {3: False, 4: True, 5: True, 6: True}
+    # a's prefix computed again: its new checkpoint (slot 7, the free one) replaces the
+    # stale one, whose slot goes back unhashed, first to be taken; c's block evicted b's
+    # last span (released tail first), so the checkpoint at b's 48 is stale now
+    m.admit("c", a, 0)
+    _compute(m, "c", 20)
+    m.release("c")
+    m.check_integrity()
+    assert m.lookup_prefix(a) == 16 and checkpoints() == {7: True, 4: True, 5: True, 6: False}
+    assert slots.free_queue()[0] == 0 and slots.block_hash(0) is None
+    d = m.admit("d", a + [9])
+    assert d.num_cached_tokens == 16 and d.groups["v4"].restore == StateRestore(0, "checkpoint", 7)
+    m.check_integrity()
