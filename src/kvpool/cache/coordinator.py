@@ -814,9 +814,14 @@ class HybridCacheManager:
 
     def unreserve(self, request_id: str) -> None:
         """Undo the request's reserved step, whose forward has not run (another request of
-        the batch did not fit, say), exactly: every group as it was before the reservation.
-        Nothing reserved: nothing done. ValueError, nothing done, when a group cannot
-        (`CacheGroup.can_unreserve`)."""
+        the batch did not fit, say): its blocks and slots go back, and what its allocations
+        evicted or pushed out is findable again. Undone latest first (no call since that
+        changed the cache), every group is exactly as it was before the reservation; out of
+        order, a V4 checkpoint it pushed out comes back at the head of the LRU queue, not at
+        its old place, and not at all when another allocation has since taken one of its
+        blocks or the prefix was checkpointed again (each group's `unreserve` says what it
+        restores). Nothing reserved: nothing done. ValueError, nothing done, when a group
+        cannot (`CacheGroup.can_unreserve`)."""
         req = self._get(request_id)
         if req.end == req.num_computed:
             return

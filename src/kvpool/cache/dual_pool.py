@@ -763,7 +763,8 @@ class DualPoolGroup(CacheGroup):
 class DSV4CacheManager(HybridCacheManager):
     """DeepSeek-V4's cache: the coordinator over one dual-pool group named "v4" (the module
     docstring). lower_tier: the cached classical blocks the allocator evicts are recorded
-    for it (`take_evicted`); record_published: so are the blocks a commit publishes."""
+    for it; record_published: so are the blocks a commit publishes (engine/tier_bridge.py's
+    `take_evicted(cache)` / `take_published(cache)` take them)."""
 
     def __init__(
         self,
