@@ -240,6 +240,8 @@ class Engine:
             params,
             arrival,
             tenant=tenant,
+            # the runner's max_model_len as of now: it is set before any request is added
+            # (cli/run.py's limit_model_len) and not changed after; _stop_reason reads it live
             end_len=min(len(prompt) + params.max_tokens, limit),
             stop_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
             matches_text=bool(params.stop) and self.decode_text is not None,
@@ -630,6 +632,8 @@ class Engine:
                 if hits:
                     stop_text = text[: min(hits)]  # the text ends before the stop string
                     reason = "stop"
+        # (the live max_model_len, which the request's end_len took at add_request: the same
+        # while nothing changes it once requests are in, as nothing does)
         if reason is None and (position + 1 >= params.max_tokens or len(seq.token_ids) >= self.runner.max_model_len):
             reason = "length"
         if reason is not None:
