@@ -426,6 +426,52 @@ def test_a_swap_that_does_not_fit_falls_back_to_recompute(fp64_model) -> None:
     assert engine.runner.cache.num_free_blocks == 10
 
 
+class _Slots:
+    """An executor's block moves as a model: block id -> the tensors it holds."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, dict[str, torch.Tensor]] = {}
+
+    def to_host(self, block_ids: list[int]) -> list[dict[str, torch.Tensor]]:
+        return [{"kv": torch.tensor([block_id, 7])} for block_id in block_ids]
+
+    def to_device(self, block_ids: list[int], tensors: list[dict[str, torch.Tensor]]) -> None:
+        self.blocks.update(zip(block_ids, tensors, strict=True))
+
+
+@pytest.mark.parametrize("resume", ["restored", "refused", "fewer blocks"])
+def test_a_swapped_tail_leaves_the_host_tier_restored_or_not(resume: str) -> None:
+    # "a": 10 tokens, blocks 0, 1 full and the tail block 2 holding 2; swapped out, then
+    # admitted again with a sampled token more (the tail comes back), with no token more
+    # (restore_refusal: a token must be left to compute) or with its first block only:
+    # either way the tail's entry leaves the tier (before: it stayed unless restored)
+    from kvpool.engine.tier_bridge import TierBridge
+
+    tier = HostTier(1 << 20)
+    bridge = TierBridge(tier, [], BS, enable_prefix_caching=True)
+    m, slots = FullAttentionManager(8, BS, DESC), _Slots()
+    tokens = list(range(10))
+    m.admit("a", tokens)
+    m.commit("a", 10)
+    tail_id, tail, num_tail = tier_bridge.tail_block(m, "a")
+    assert (tail_id, num_tail) == (2, 2)
+    tail_key = bridge.index.describe(tail)[0]
+    bridge.swap_out(m, slots, "a")
+    m.release("a", "preempt")
+    assert tier.num_entries == 3 and tier.contains(tail_key) and bridge.swapped["a"][:2] == (10, 2)
+    prompt = {"restored": tokens + [42], "refused": tokens, "fewer blocks": tokens[:4] + [99] * 7}[resume]
+    adm = bridge.swap_in(m, slots, "a", m.admit("a", prompt))
+    m.check_integrity()
+    assert not tier.contains(tail_key) and tier.num_entries == 2 and "a" not in bridge.swapped
+    if resume == "restored":  # blocks 0, 1 hit on the device; a fresh block 3 gets block 2's tail
+        assert m.num_computed_tokens("a") == 10 and bridge.moves.num_tail_tokens_restored == 2
+        assert m.block_ids("a") == [0, 1, 3] and slots.blocks[3]["kv"].tolist() == [2, 7]
+    else:
+        hit = 8 if resume == "refused" else 4
+        assert adm.num_cached_tokens == m.num_computed_tokens("a") == hit and not slots.blocks
+        assert bridge.moves.num_swapped_in == 0
+
+
 def test_swap_needs_a_host_tier() -> None:
     from kvpool.engine.build import build_engine, load_model
 

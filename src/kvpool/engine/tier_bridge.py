@@ -86,8 +86,9 @@ class TierBridge:
         self.index = TierIndex(self.tier, block_size) if self.tier is not None else None
         self.block_size = block_size
         self.moves = TierMoves()
-        # request -> (computed tokens at preemption, its tail block's tokens): restored on resume
-        self.swapped: dict[str, tuple[int, int]] = {}
+        # request -> (computed tokens at preemption, its tail block's tokens, the tail's
+        # tier key): restored on resume
+        self.swapped: dict[str, tuple[int, int, bytes]] = {}
         self.swa: SWAStrategy | None = None  # V4's window snapshots (set by a runner that keeps them)
         self.swa_moves = SWAMoves()
 
@@ -227,30 +228,33 @@ class TierBridge:
         self.write(executor, todo)
         self.moves.num_swapped_out += 1
         if tail is not None and self.tier.holds(todo[-1][1], todo[-1][2]):
-            self.swapped[request_id] = (cache.num_computed_tokens(request_id), tail[2])
+            self.swapped[request_id] = (cache.num_computed_tokens(request_id), tail[2], todo[-1][1])
 
     def swap_in(self, cache: HybridCacheManager, executor: Any, request_id: str, admission: Admission) -> Admission:
         """After the full blocks of a swapped-out request came back (device or host) at its
         admission, the tail block's KV from the tier, if it is still there and the prefix
         before it is exactly the swapped one: the admission to follow (`restore_tail`'s, or
-        `admission` as it was)."""
+        `admission` as it was). The tail's entry leaves the tier either way: a partial block
+        serves this request only, and a tail not restored now is computed again."""
         assert self.tier is not None and self.index is not None
         swapped = self.swapped.pop(request_id, None)
         if swapped is None:
             return admission
-        num_computed, num_tail = swapped
-        if admission.num_cached_tokens != num_computed - num_tail:
-            return admission  # fewer full blocks came back: the rest is computed again
-        tail = tail_block_for_restore(cache, request_id, num_tail)
+        num_computed, num_tail, key = swapped
+        tail = None
+        if admission.num_cached_tokens == num_computed - num_tail:  # else fewer full blocks came back
+            tail = tail_block_for_restore(cache, request_id, num_tail)
         if tail is None:
+            self.tier.evict(key)
             return admission
         block_id, block = tail
         start = time.perf_counter()
         tensors = self.get(block)
         if tensors is None:
+            self.tier.evict(key)  # (a corrupt entry: gone already, or now)
             return admission
         executor.to_device([block_id], [tensors])
-        self.tier.evict(self.index.describe(block)[0])  # a partial block serves this request only
+        self.tier.evict(key)
         moves = self.moves
         moves.load_s += time.perf_counter() - start
         moves.num_loaded += 1
