@@ -472,6 +472,45 @@ def test_a_swapped_tail_leaves_the_host_tier_restored_or_not(resume: str) -> Non
         assert bridge.moves.num_swapped_in == 0
 
 
+def test_a_swapped_request_released_while_it_waits_leaves_no_tail_in_the_tier() -> None:
+    # "a" swapped out as above (blocks 0, 1 full, tail block 2 holding 2 tokens), then
+    # cancelled before it resumes: the tail's entry leaves the tier with it (before: it
+    # stayed until the LRU evicted it); the full blocks' entries stay for later hits
+    from kvpool.engine.tier_bridge import TierBridge
+
+    tier = HostTier(1 << 20)
+    bridge = TierBridge(tier, [], BS, enable_prefix_caching=True)
+    m, slots = FullAttentionManager(8, BS, DESC), _Slots()
+    m.admit("a", list(range(10)))
+    m.commit("a", 10)
+    tail_key = bridge.index.describe(tier_bridge.tail_block(m, "a")[1])[0]
+    bridge.swap_out(m, slots, "a")
+    m.release("a", "preempt")
+    assert tier.num_entries == 3 and tier.contains(tail_key)
+    bridge.drop_swapped("a")
+    bridge.drop_swapped("a")  # once only: nothing else goes
+    m.check_integrity()
+    assert not tier.contains(tail_key) and tier.num_entries == 2 and "a" not in bridge.swapped
+
+
+def test_an_engine_request_aborted_while_swapped_out_takes_its_tail_out_of_the_tier(fp64_model) -> None:
+    # the runner's release of a request swapped out and not resumed drops its tail's entry
+    from kvpool.engine.build import build_engine
+    from kvpool.engine.sampling import SamplingParams
+
+    engine = build_engine(fp64_model, num_blocks=10, block_size=16, host_cache_bytes=1 << 28, preemption="swap")
+    for i in range(4):
+        engine.add_request(_prompt(20 + i, 10 + i), SamplingParams(max_tokens=30, ignore_eos=True), f"r{i}")
+    bridge = engine.runner.bridge
+    while not bridge.swapped:
+        engine.step()
+    rid, (_, _, key) = next(iter(bridge.swapped.items()))
+    assert engine.runner.tier.contains(key)
+    assert engine.abort(rid.rsplit("/", 1)[0])  # the cache holds sequence ids: request/index
+    engine.runner.check_integrity()
+    assert rid not in bridge.swapped and not engine.runner.tier.contains(key)
+
+
 def test_swap_needs_a_host_tier() -> None:
     from kvpool.engine.build import build_engine, load_model
 

@@ -390,7 +390,7 @@ class ModelRunner:
         """Free the request's cache: reason is "finish", "cancel" or "preempt"; a preempted
         request is swapped out first when the preemption mode says so, a restore still
         waiting to replay goes. Once only: False for a request the runner does not hold."""
-        self.bridge.swapped.pop(request_id, None)
+        self.bridge.drop_swapped(request_id)
         self._replays.pop(request_id, None)
         if self.step_buffers is not None:
             self.step_buffers.forget(request_id)

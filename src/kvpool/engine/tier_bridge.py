@@ -230,6 +230,13 @@ class TierBridge:
         if tail is not None and self.tier.holds(todo[-1][1], todo[-1][2]):
             self.swapped[request_id] = (cache.num_computed_tokens(request_id), tail[2], todo[-1][1])
 
+    def drop_swapped(self, request_id: str) -> None:
+        """Forget a swapped-out request that will not resume (released while it waited):
+        its tail's tier entry goes, as a tail not restored at `swap_in` does."""
+        swapped = self.swapped.pop(request_id, None)
+        if swapped is not None and self.tier is not None:
+            self.tier.evict(swapped[2])
+
     def swap_in(self, cache: HybridCacheManager, executor: Any, request_id: str, admission: Admission) -> Admission:
         """After the full blocks of a swapped-out request came back (device or host) at its
         admission, the tail block's KV from the tier, if it is still there and the prefix
