@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvpool.cache import BlockCopy, CacheDescriptor, DSV4CacheManager, FullAttentionManager
+from kvpool.cache.coordinator import pack_prompt
 from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG
 from kvpool.spec.dsv4 import DSV4Spec
 
@@ -100,6 +101,33 @@ def test_the_collision_guard_compares_the_parent_the_tokens_and_the_root():
     assert m.lookup_prefix(x + [9], descriptor=CacheDescriptor("tiny-model", weights_version="v2")) == 0
     assert m.lookup_prefix(x + [9]) == 4
     m.check_integrity()
+
+
+def test_a_prompt_packed_once_is_looked_up_in_caches_with_other_contents_and_roots():
+    # The router's path: one pack_prompt, a lookup in each replica. Three caches hold
+    # 0, 1 and 2 blocks of the prompt; a tenant salt and a descriptor are other roots.
+    a, b, c = make(), make(), make()
+    prefill(b, "x", P8[:4] + [99])  # block 0 only
+    prefill(c, "x", P8 + [99])  # blocks 0 and 1
+    prompt = P8 + [20]
+    packed = pack_prompt(prompt)
+    assert [m.lookup_packed(packed) for m in (a, b, c)] == [0, 4, 8]
+    assert [m.lookup_prefix(prompt) for m in (a, b, c)] == [0, 4, 8]
+    assert c.lookup_packed(packed, tenant_salt="tenant-2") == 0
+    assert c.lookup_packed(packed, descriptor=CacheDescriptor("tiny-model", weights_version="v2")) == 0
+    # A V4 cache (span 16) packed by the same call: its span boundary only.
+    v4 = DSV4CacheManager(SPEC, 8, 3, DESC)
+    prefill(v4, "x", list(range(16)) + [9])
+    assert v4.lookup_packed(pack_prompt(list(range(16)) + [5, 6])) == 16
+    assert v4.lookup_packed(pack_prompt(list(range(15)) + [0, 5])) == 0  # token 15 differs
+    for m in (a, b, c, v4):
+        m.check_integrity()
+    with pytest.raises(TypeError, match="LookupPrompt, got list"):
+        c.lookup_packed(prompt)
+    with pytest.raises(ValueError, match="empty prompt"):
+        pack_prompt([])
+    with pytest.raises(ValueError, match="token id -1"):
+        pack_prompt([1, -1])
 
 
 def test_the_v4_collision_guard_and_a_table_that_holds_a_block_twice():

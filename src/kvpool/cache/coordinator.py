@@ -134,6 +134,29 @@ class RequestPart(NamedTuple):
         return [*chain, *self.group.pending_chain(self.state)] if reserved else list(chain)
 
 
+class LookupPrompt(NamedTuple):
+    """A prompt checked and packed once, for lookups in several caches (the router asks
+    every replica; `pack_prompt` builds it). The packing is the whole prompt's and is the
+    same bytes in every cache (token ids as little-endian uint32), so one serves them all;
+    each cache still chains the hashes from its own roots."""
+
+    token_ids: list[int]
+    mm_items: tuple[MMItem, ...]
+    packed: bytes  # token_bytes(token_ids)
+
+
+def pack_prompt(
+    token_ids: Sequence[int], mm_items: Sequence[MMItem] = (), request_id: str = "<lookup>"
+) -> LookupPrompt:
+    """`token_ids` and its items checked (ValueError: an empty prompt, an id that is no
+    token, a bad item) and packed for `lookup_packed`."""
+    if len(token_ids) == 0:
+        raise ValueError(f"request {request_id!r} has an empty prompt")
+    items = check_mm_items(mm_items, len(token_ids))
+    packed = token_bytes(token_ids)  # ValueError for an id that is no token; packed once for the groups
+    return LookupPrompt(list(token_ids), items, packed)
+
+
 class GroupSpec(Protocol):
     """A frozen spec that builds its group (cache/window.py, recurrent.py, dual_pool.py)."""
 
@@ -534,22 +557,15 @@ class HybridCacheManager:
         return self.pool.root(self._descriptor_key, tenant_salt)
 
     def _new_request(
-        self,
-        request_id: str,
-        token_ids: Sequence[int],
-        tenant_salt: str,
-        mm_items: Sequence[MMItem],
-        descriptor: CacheDescriptor | None,
+        self, request_id: str, prompt: LookupPrompt, tenant_salt: str, descriptor: CacheDescriptor | None
     ) -> _Request:
-        if len(token_ids) == 0:
-            raise ValueError(f"request {request_id!r} has an empty prompt")
-        items = check_mm_items(mm_items, len(token_ids))
-        packed = token_bytes(token_ids)  # ValueError for an id that is no token; packed once for the groups
+        """prompt: `pack_prompt`'s. A lookup's request shares the prompt's token list (it
+        changes nothing); an admission's prompt is packed for it alone."""
         if descriptor is not None and not isinstance(descriptor, CacheDescriptor):
             raise TypeError(f"descriptor must be a CacheDescriptor, got {type(descriptor).__name__}")
         key = self._descriptor_key if descriptor is None else descriptor.key()
         roots = {name: g.pool.root(key + self._root_keys[name], tenant_salt) for name, g in self.groups.items()}
-        return _Request(request_id, list(token_ids), items, roots, prompt_bytes=packed)
+        return _Request(request_id, prompt.token_ids, prompt.mm_items, roots, prompt_bytes=prompt.packed)
 
     def _hits(self, req: _Request, bounded: bool = True, admission: bool = False) -> dict[str, Any]:
         """Each group's hits. bounded: whole-prefix groups first, and the others look no
@@ -595,7 +611,7 @@ class HybridCacheManager:
 
     def group_hit_points(self, token_ids: Sequence[int], *, tenant_salt: str = "") -> dict[str, list[int]]:
         """Per group, every point it alone could serve (for reports and tests). Changes nothing."""
-        req = self._new_request("<lookup>", token_ids, tenant_salt, (), None)
+        req = self._new_request("<lookup>", pack_prompt(token_ids), tenant_salt, None)
         hits = self._hits(req, bounded=False)
         g = self.hit_granularity
         extras = {p for name, group in self.groups.items() for p in group.extra_points(hits[name])}
@@ -614,7 +630,18 @@ class HybridCacheManager:
         (no counter either)."""
         if not self._caching:
             return 0
-        req = self._new_request("<lookup>", token_ids, tenant_salt, mm_items, descriptor)
+        return self.lookup_packed(pack_prompt(token_ids, mm_items), tenant_salt=tenant_salt, descriptor=descriptor)
+
+    def lookup_packed(
+        self, prompt: LookupPrompt, *, tenant_salt: str = "", descriptor: CacheDescriptor | None = None
+    ) -> int:
+        """`lookup_prefix` of a prompt `pack_prompt` packed: a prompt looked up in several
+        caches is checked and packed once (the router's prefix-aware policy)."""
+        if not isinstance(prompt, LookupPrompt):
+            raise TypeError(f"prompt must be pack_prompt's LookupPrompt, got {type(prompt).__name__}")
+        if not self._caching:
+            return 0
+        req = self._new_request("<lookup>", prompt, tenant_salt, descriptor)
         return self.hit_point(self._hits(req), len(req.token_ids))
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -641,7 +668,7 @@ class HybridCacheManager:
             raise ValueError(f"request {request_id!r} is already admitted")
         if max_new_tokens is not None and max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        req = self._new_request(request_id, token_ids, tenant_salt, mm_items, descriptor)
+        req = self._new_request(request_id, pack_prompt(token_ids, mm_items, request_id), tenant_salt, descriptor)
         hits = self._hits(req, admission=True) if self._caching else {}
         req.prompt_bytes = b""  # an admitted request keeps no second copy of its prompt
         point = self.hit_point(hits, len(req.token_ids)) if self._caching else 0

@@ -4,8 +4,9 @@ Policies:
   round-robin    requests in turn;
   least-loaded   the replica with the fewest running + waiting sequences;
   prefix-aware   the replica whose cache holds the longest prefix of the prompt
-                 (`lookup_prefix`, which changes nothing), among the replicas whose load
-                 is at most `load_cap` x the least load + 4; ties to the least loaded.
+                 (`lookup_packed`, which changes nothing; the prompt is packed once for
+                 all of them), among the replicas whose load is at most `load_cap` x the
+                 least load + 4; ties to the least loaded.
 """
 
 from __future__ import annotations
@@ -45,7 +46,12 @@ class Router:
         if self.policy == "least-loaded":
             return min(reps, key=lambda r: (loads[r.index], r.num_routed))
         eligible = [r for r in reps if loads[r.index] <= self.load_cap * least + 4]
+        if len(eligible) == 1:  # no lookup to make (a lookup changes nothing)
+            return eligible[0]
+        from kvpool.cache.coordinator import pack_prompt  # here: the CLI's parser imports this module
+
+        packed = pack_prompt(prompt)  # checked and packed once for every replica's lookup
         return max(
             eligible,
-            key=lambda r: (r.runner.cache.lookup_prefix(prompt, tenant_salt=tenant), -loads[r.index], -r.index),
+            key=lambda r: (r.runner.cache.lookup_packed(packed, tenant_salt=tenant), -loads[r.index], -r.index),
         )
