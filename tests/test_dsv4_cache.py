@@ -373,6 +373,10 @@ class Model:
         if ids:
             with pytest.raises(ValueError, match="not its reserved step"):
                 m.step_reservations(ids, starts, [e + 1 for e in ends])
+            with pytest.raises(ValueError, match=rf"request '{ids[-1]}': positions \[{starts[-1] + 1},"):
+                m.step_reservations(ids, starts[:-1] + [starts[-1] + 1], ends)
+            with pytest.raises(KeyError, match="unknown request 'nobody'"):
+                m.step_reservations([*ids, "nobody"], [*starts, 0], [*ends, 1])
         assert [m.pool.refcount(b) for b in range(m.num_blocks)] == counts
         assert m.num_free_blocks == m.num_blocks - len(self.held())
         slots = [m.part(rid).state_slot for rid in self.tables]

@@ -402,30 +402,38 @@ class HybridCacheManager:
         if not len(request_ids) == len(starts) == len(ends):
             raise ValueError(f"{len(request_ids)} requests, {len(starts)} starts, {len(ends)} ends")
         requests, groups, exact = self._requests, self._group_list, self.exact_steps
-        # one group (V4): its `pending` and name looked up once, not per request
-        one_pending, one_name = (groups[0].pending, groups[0].name) if len(groups) == 1 else (None, "")
         out: dict[str, Reservation] = {}
+        if exact and len(groups) == 1:  # V4 (the simulator's every step): one pass, `pending` looked up once
+            pending, name, empty = groups[0].pending, groups[0].name, _EMPTY_PART
+            for request_id, start, end in zip(request_ids, starts, ends, strict=True):
+                req = requests.get(request_id)
+                if req is None or start != req.num_computed or end != req.end:
+                    self._not_reserved(request_id, start, end)  # raises
+                part = pending(req.states[name])
+                if part != empty:
+                    out[request_id] = Reservation(start, end - start, {name: part})
+            return out
         for request_id, start, end in zip(request_ids, starts, ends, strict=True):
             req = requests.get(request_id)
-            if req is None:
-                raise KeyError(f"unknown request {request_id!r}")
-            if start != req.num_computed or (end != req.end if exact else not start < end <= req.end):
-                raise ValueError(
-                    f"request {request_id!r}: positions [{start}, {end}) are not its reserved step "
-                    f"[{req.num_computed}, {req.end})"
-                )
+            if req is None or start != req.num_computed or (end != req.end if exact else not start < end <= req.end):
+                self._not_reserved(request_id, start, end)  # raises
             states = req.states
-            if one_pending is not None:
-                part = one_pending(states[one_name])
-                if part != _EMPTY_PART:
-                    out[request_id] = Reservation(start, end - start, {one_name: part})
-                continue
             for g in groups:
                 if g.pending(states[g.name]) != _EMPTY_PART:
                     parts = {g.name: g.pending(states[g.name]) for g in groups}
                     out[request_id] = Reservation(start, end - start, parts)
                     break
         return out
+
+    def _not_reserved(self, request_id: str, start: int, end: int) -> None:
+        """`step_reservations`' error for a step that is not the request's reserved one."""
+        req = self._requests.get(request_id)
+        if req is None:
+            raise KeyError(f"unknown request {request_id!r}")
+        raise ValueError(
+            f"request {request_id!r}: positions [{start}, {end}) are not its reserved step "
+            f"[{req.num_computed}, {req.end})"
+        )
 
     def take_copies(self) -> dict[str, list[BlockCopy]]:
         """Per group that queued any, the copies to apply before the next forward, in order."""
