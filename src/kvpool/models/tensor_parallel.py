@@ -25,6 +25,7 @@ crashed) makes the others' next collective fail: they stop with a RankError nami
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import socket
@@ -202,7 +203,16 @@ def init_tp(tp: int) -> tuple[int, int]:
         )
     if not dist.is_initialized():
         dist.init_process_group("gloo")
+        atexit.register(_leave_process_group)
     return dist.get_rank(), world
+
+
+def _leave_process_group() -> None:
+    """Destroy the process group `init_tp` made before the interpreter exits: left to
+    interpreter shutdown, gloo's threads could outlive it and a rank abort at exit
+    ("terminate called without an active exception"; seen once in CI on `run --tp 3`)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def digest(*parts: object) -> int:
