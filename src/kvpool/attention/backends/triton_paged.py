@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -156,9 +157,32 @@ class TritonPagedBackend(PagedBackend):
             num_rows=num_rows,
         )
 
+    def _attend(self, slots: torch.Tensor, attend_decodes: Callable | None, extend: Any) -> Callable:
+        """The attend every layer of a step calls: the step's K/V written through `slots`,
+        then its decodes by `attend_decodes(q, k_cache, v_cache, out)` (None: no decode)
+        and its prefill chunks by the extend kernel over the plan `extend` (None: none)."""
+        st, scale, before_read, ops = self.storage, self.scale, self.before_read, self.ops
+        extend_attention = self.extend_ops.extend_attention
+        k_layers, v_layers = st.k_layers, st.v_layers
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if layer == 0 and before_read is not None:
+                before_read()  # the first read of the cache this step
+            k_cache, v_cache = k_layers[layer], v_layers[layer]
+            ops.write_kv(_rows_contiguous(k), _rows_contiguous(v), slots, k_cache, v_cache)
+            q = _rows_contiguous(q)
+            out = torch.empty_like(q)
+            if attend_decodes is not None:
+                attend_decodes(q, k_cache, v_cache, out)
+            if extend is not None:  # the prefill chunks' rows; the decodes' are left as they are
+                extend_attention(q, k_cache, v_cache, extend, scale, out=out)
+            return out
+
+        return attend
+
     def begin_step(self, meta: PagedStepMetadata) -> PagedStep:
         """The step's plan (built once) and the attend every layer calls."""
-        st, scale, before_read, ops = self.storage, self.scale, self.before_read, self.ops
+        st, scale, ops = self.storage, self.scale, self.ops
         bs, device = st.block_size, st.k.device
         prefill_seqs, prefill_rows, seqs, rows = [], [], [], []
         row = 0
@@ -179,33 +203,22 @@ class TritonPagedBackend(PagedBackend):
         slots = torch.tensor(meta.slots, dtype=torch.long, device=device)
         decode = self._plan_decodes(meta, seqs, rows) if seqs else None
         extend = self._plan_extend(meta, prefill_seqs, prefill_rows, row) if prefill_seqs else None
-        extend_attention = self.extend_ops.extend_attention
-        k_layers, v_layers = st.k_layers, st.v_layers
 
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            if layer == 0 and before_read is not None:
-                before_read()  # the first read of the cache this step
-            k_cache, v_cache = k_layers[layer], v_layers[layer]
-            ops.write_kv(_rows_contiguous(k), _rows_contiguous(v), slots, k_cache, v_cache)
-            q = _rows_contiguous(q)
-            out = torch.empty_like(q)
-            if decode is not None:
-                ops.paged_decode(
-                    q,
-                    decode.rows,
-                    decode.indptr,
-                    decode.indices,
-                    decode.last_len,
-                    k_cache,
-                    v_cache,
-                    scale,
-                    out,
-                    decode.num_splits,
-                )
-            if extend is not None:  # the prefill chunks' rows; the decodes' are left as they are
-                extend_attention(q, k_cache, v_cache, extend, scale, out=out)
-            return out
+        def attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> None:
+            ops.paged_decode(
+                q,
+                decode.rows,
+                decode.indptr,
+                decode.indices,
+                decode.last_len,
+                k_cache,
+                v_cache,
+                scale,
+                out,
+                decode.num_splits,
+            )
 
+        attend = self._attend(slots, attend_decodes if decode is not None else None, extend)
         step = make_step(StepPlan(slots, None, []), attend, bs, st.num_kv_heads, st.head_dim, self.dtype)
         extra = 0 if extend is None else extend.num_bytes  # no prefill chunk is gathered
         if decode is None:
@@ -226,7 +239,7 @@ class TritonPagedBackend(PagedBackend):
         decode and the extend kernel's query tiles. The same kernels over the same blocks,
         lengths and split counts as `begin_step` over the cache's tables: the same outputs
         (tests/test_triton_kernels.py, tests/test_decode_graphs.py)."""
-        st, scale, before_read, ops = self.storage, self.scale, self.before_read, self.ops
+        st, scale, ops = self.storage, self.scale, self.ops
         bs, device = st.block_size, st.k.device
         n, num_tokens = len(q_lens), sum(q_lens)
         if len(ctx_lens) != n or buffers.num_seqs != n or buffers.num_tokens != num_tokens:
@@ -276,25 +289,12 @@ class TritonPagedBackend(PagedBackend):
                 q_rows=prefill_rows,
                 num_rows=num_tokens,
             )
-        extend_attention = self.extend_ops.extend_attention
-        k_layers, v_layers = st.k_layers, st.v_layers
 
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            if layer == 0 and before_read is not None:
-                before_read()  # the first read of the cache this step
-            k_cache, v_cache = k_layers[layer], v_layers[layer]
-            ops.write_kv(_rows_contiguous(k), _rows_contiguous(v), slots, k_cache, v_cache)
-            q = _rows_contiguous(q)
-            out = torch.empty_like(q)
-            if decode is not None:
-                d_rows, d_seq_rows, d_ctx_lens, d_splits = decode
-                ops.paged_decode_dense(
-                    q, d_rows, d_seq_rows, tables, d_ctx_lens, k_cache, v_cache, scale, out, d_splits
-                )
-            if extend is not None:  # the prefill chunks' rows; the decodes' are left as they are
-                extend_attention(q, k_cache, v_cache, extend, scale, out=out)
-            return out
+        def attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> None:
+            d_rows, d_seq_rows, d_ctx_lens, d_splits = decode
+            ops.paged_decode_dense(q, d_rows, d_seq_rows, tables, d_ctx_lens, k_cache, v_cache, scale, out, d_splits)
 
+        attend = self._attend(slots, attend_decodes if decode is not None else None, extend)
         # the buffers' tensors are allocated once (not the step's): only the step's own index
         # tensors and the extend kernel's tile lists count as its tables
         step = make_step(StepPlan(slots, None, []), attend, bs, st.num_kv_heads, st.head_dim, self.dtype)
