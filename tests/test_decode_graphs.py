@@ -194,6 +194,55 @@ def test_a_chunk_that_skips_the_computed_prefix_is_refused_in_either_mode(model6
     assert torch.equal(logits, fresh.run([("a", ids, 0)])[0])  # as if nothing had been refused
 
 
+@pytest.mark.parametrize("mode", ["eager", "static"])
+def test_a_decode_past_its_reservation_is_refused_in_either_mode_and_writes_nothing(model64, mode):
+    """Two requests each prefilled and committed ("a" fills its two blocks of 4, so its
+    reservation ends at 8), then a decode step in which "b" was reserved its next token and
+    "a" was not: the eager path plans from the cache's lists (step_tables refuses "a"),
+    static mode from the step buffers (a pure decode the graphs would take: the runner's own
+    check; the buffers used to refuse it with a message of their own), and a decode of "b"
+    at a position it has computed (static mode used to run it). The same one-line
+    ValueError either way, and in static mode the buffers exactly as they were."""
+    from kvpool.engine.runner import ScheduledChunk
+    from test_step_buffers import assert_same_snapshot, snapshot
+
+    runner = LlamaRunner(model64, 16, 4, DESCRIPTOR, decode_path="padded", decode_mode=mode, max_num_seqs=4)
+    prompts = {"a": random_ids(8, 1), "b": random_ids(5, 2)}
+    for rid, ids in prompts.items():
+        assert runner.admit(rid, ids, None) is not None
+    chunks = [ScheduledChunk(rid, ids, 0, True) for rid, ids in prompts.items()]
+    firsts = runner.execute(chunks).argmax(dim=-1).tolist()
+    runner.commit(list(prompts), [8, 5], firsts)
+    assert runner.reserve(["b"], [1])
+    buffers = runner.step_buffers
+    before = snapshot(buffers) if buffers is not None else None
+    decode = [ScheduledChunk("a", [firsts[0]], 8, True), ScheduledChunk("b", [firsts[1]], 5, True)]
+    message = r"request 'a': positions \[8, 9\) do not continue its 8 computed tokens within the reserved \[0, 8\)"
+    with pytest.raises(ValueError, match=message):
+        runner.execute(decode)
+    # ... and a decode that rewrites a computed position within the reservation
+    again = [ScheduledChunk("b", [firsts[1]], 4, True)]
+    message = r"request 'b': positions \[4, 5\) do not continue its 5 computed tokens within the reserved \[0, 8\)"
+    with pytest.raises(ValueError, match=message):
+        runner.execute(again)
+    if buffers is not None:
+        assert_same_snapshot(before, snapshot(buffers))
+        assert runner.executor._graphs.num_static == 0
+    runner.check_integrity()
+    # reserved, the same step runs, and its logits are the eager runner's
+    assert runner.reserve(["a"], [1])
+    logits = runner.execute(decode)
+    fresh = LlamaRunner(model64, 16, 4, DESCRIPTOR, decode_path="padded")
+    for rid, ids in prompts.items():
+        fresh.admit(rid, ids, None)
+    fresh.execute(chunks)
+    fresh.commit(list(prompts), [8, 5], firsts)
+    assert fresh.reserve(["a", "b"], [1, 1])
+    expected = fresh.execute(decode)
+    scale = expected.abs().max()
+    assert ((logits - expected).abs().max() / scale).item() <= TOL64
+
+
 def test_the_triton_backend_plans_prefill_and_mixed_steps_from_the_buffers(model64, monkeypatch):
     """Static mode on the Triton backend: every step the runner puts in the step buffers
     that is not a pure decode (prefills, chunks over a cached prefix, chunked prefills

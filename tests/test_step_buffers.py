@@ -78,6 +78,48 @@ def test_rows_run_out_only_while_every_row_is_held():
     b.check_integrity()
 
 
+def snapshot(b: StepBuffers) -> tuple:
+    """Everything a step can change in the buffers: every tensor's values, the rows held and
+    free, the step's counts, what `advance` continues, the counters."""
+    tensors = (b.block_tables, b.seq_rows, b.ctx_lens, b.query_start, b.slot_mapping, b.positions)
+    return (
+        [t.clone() for t in tensors],
+        dict(b._rows),
+        list(b._free_rows),
+        (b.num_seqs, b.num_tokens, b._decoded, b.num_table_writes, b.num_advanced),
+    )
+
+
+def assert_same_snapshot(a: tuple, b: tuple) -> None:
+    assert all(torch.equal(x, y) for x, y in zip(a[0], b[0], strict=True)) and a[1:] == b[1:]
+
+
+@pytest.mark.parametrize(
+    "ids, starts, ends, tables, match",
+    [
+        # a new request "c" (a row free for it) before a request whose table is too short
+        (["a", "c", "b"], [1, 0, 1], [2, 3, 9], [[0], [4], [1]], r"'b' positions \[1, 9\) are not a step"),
+        # two new requests, one row free: the second is refused, the first must take none
+        (["c", "d"], [0, 0], [1, 1], [[4], [5]], "no free row for 'd'"),
+        # a new request, then the step's tokens run past max_num_tokens
+        (["c", "a"], [0, 1], [3, 7], [[4], [0, 2]], "more than max_num_tokens 8"),
+    ],
+)
+def test_a_refused_step_leaves_the_buffers_exactly_as_they_were(ids, starts, ends, tables, match):
+    """`update` checks the whole step before it writes anything: the rows, tables and vectors
+    of a refused step are those of the step before it (a request refused after another was
+    given a row used to keep that row)."""
+    b = StepBuffers(max_num_seqs=3, max_num_tokens=8, max_blocks_per_seq=3, block_size=4, dummy_block=9)
+    b.update(["a", "b"], [0, 0], [1, 1], [[0], [1]])
+    before = snapshot(b)
+    with pytest.raises(ValueError, match=match):
+        b.update(ids, starts, ends, tables)
+    assert_same_snapshot(before, snapshot(b))
+    b.check_integrity({"a": [0], "b": [1]})
+    # and the step after it is the one it would have been
+    assert b.update(["c", "a"], [0, 1], [1, 2], [[4], [0]]).seq_rows.tolist() == [2, 0]
+
+
 def _host_state(b: StepBuffers, tables: dict[str, list[int]]) -> tuple:
     """What a kernel reads of the last step: its vectors, and each of its requests' row up to
     the blocks its context covers."""

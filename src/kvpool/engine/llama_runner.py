@@ -422,18 +422,7 @@ class LlamaExecutor:
                 logit_rows.append(len(token_ids) - 1)
         held = held and buffers.num_tokens == len(token_ids)
         if held:  # the runner's update wrote the step's tables, slots and positions: plan from them
-            # cache.step_tables' check on the eager path, with its message: each chunk
-            # continues its request's computed prefix within the reservation (the buffers
-            # hold whatever was asked: a chunk past the computed count would read unwritten K/V)
-            #   [0, computed) written | [start = computed, end) this chunk | end <= reserved
-            for c, end in zip(chunks, ctx_lens, strict=True):
-                computed, reserved = cache.num_computed_tokens(c.request_id), cache.num_reserved_tokens(c.request_id)
-                if c.start != computed or end > reserved:
-                    buffers.clear()
-                    raise ValueError(
-                        f"request {c.request_id!r}: positions [{c.start}, {end}) do not continue its "
-                        f"{computed} computed tokens within the reserved [0, {reserved})"
-                    )
+            # (the runner checked the step as cache.step_tables checks it, before writing it)
             step = self.attention.begin_buffered_step(buffers, q_lens, ctx_lens)
             pos_t = buffers.positions[: len(token_ids)]
             self.num_buffered_steps += 1

@@ -210,6 +210,7 @@ class StepBuffers:
         # the step's values in Python lists first, written into the buffers by a few bulk
         # numpy assignments after the loop (one element at a time costs ~10x more); the
         # tokens' positions and slots in numpy after it, from the rows (no Python a token)
+        free, new_rows = self._free_rows, {}  # new request id -> the free row it takes
         changed_idx: list[int] = []  # flat index into block_tables of each entry written
         changed_val: list[int] = []
         seq_rows: list[int] = []
@@ -232,11 +233,13 @@ class StepBuffers:
                 raise ValueError(f"StepBuffers: a step of more than max_num_tokens {self.max_num_tokens} tokens")
             row = rows.get(rid)
             if row is None:
-                if not self._free_rows:
+                row = new_rows.get(rid)
+            if row is None:  # rows are taken after the loop: a refused step holds none
+                if len(new_rows) == len(free):
                     raise ValueError(
                         f"StepBuffers: no free row for {rid!r}: {s} requests hold rows (forget released ones)"
                     )
-                row = rows[rid] = self._free_rows.pop()
+                row = new_rows[rid] = free[-1 - len(new_rows)]  # the row `free.pop()` gives it
                 first = 0
             else:
                 first = start // bs
@@ -253,6 +256,9 @@ class StepBuffers:
             num_tokens += q_len
             if q_len > max_query_len:
                 max_query_len = q_len
+        # checked: now written (a refused step left every buffer and row as it was)
+        for rid in new_rows:
+            rows[rid] = free.pop()
         if changed_idx:
             self._tables_flat[changed_idx] = changed_val
         self.num_table_writes += len(changed_idx)
