@@ -12,7 +12,17 @@ from pathlib import Path
 import pytest
 
 from kvpool.sim.gpufit import load_fit
-from kvpool.sim.validate import PublishedRow, load_rows, main, markdown_table, simulate_row, validate
+from kvpool.sim.validate import (
+    PublishedRow,
+    RowResult,
+    SettingSource,
+    as_json,
+    load_rows,
+    main,
+    markdown_table,
+    simulate_row,
+    validate,
+)
 
 DOCS = Path(__file__).parent.parent / "docs" / "simulator.md"
 
@@ -29,6 +39,21 @@ def test_every_row_names_its_source_and_quotes_the_figure_it_reports() -> None:
     assert {r.model for r in rows} >= {"llama-3.1-8b", "gpt-oss-120b"}
     assert {r.tp for r in rows} >= {1, 2, 4} and {r.gpu for r in rows} == {"H100", "H200"}
     assert {r.metric for r in rows} >= {"latency_ms", "ttft_ms", "tpot_ms", "output_tok_s", "output_tok_s_per_gpu"}
+
+
+def test_a_kv_format_read_off_another_page_is_what_that_page_maps_the_checkpoint_to() -> None:
+    """TensorRT-LLM's dense rows take their KV format from the benchmarking page their perf
+    overview links: its table maps a checkpoint's compute and KV quantization to the cache
+    trtllm-bench runs. Every mapping row quoted for the row's weight format (whatever the
+    checkpoint's own KV entry) must give the row's KV dtype."""
+    cited = [r for r in load_rows() if any(s.settles == "kv_dtype" for s in r.setting_sources)]
+    assert {r.id for r in cited} >= {"trtllm-8b-h200-max", "trtllm-70b-h100-tp2-max"}
+    for row in cited:
+        (source,) = [s for s in row.setting_sources if s.settles == "kv_dtype"]
+        assert source.url.startswith("https://github.com/NVIDIA/TensorRT-LLM/blob/"), row.id
+        table = [[c.strip(" `") for c in q.strip("| ").split("|")] for q in source.quote if q.startswith("| ")]
+        mapped = {kv for compute, _checkpoint_kv, kv, _note in table if compute.lower() == row.weight_dtype}
+        assert mapped == {row.kv_dtype.upper()}, row.id  # FP8 checkpoint, FP8 or null KV: an FP8 cache
 
 
 def test_the_docs_table_is_what_the_validation_computes_now() -> None:
@@ -84,6 +109,14 @@ def test_a_row_without_its_source_or_with_an_unknown_metric_is_refused() -> None
         dataclasses.replace(row, metric="tokens")
     with pytest.raises(ValueError, match=r"needs a positive published figure, its quote and its https source$"):
         PublishedRow(**{**dataclasses.asdict(row), "quote": ()})
+    for bad in (SettingSource("kv_format", "https://x.org/p", ("FP8",)), SettingSource("kv_dtype", "x.org", ("FP8",))):
+        with pytest.raises(ValueError, match=r"^row vllm-8b-h200-b8: a setting source needs a row field to settle"):
+            dataclasses.replace(row, setting_sources=(bad,))
+    cited = next(r for r in load_rows() if r.setting_sources)
+    (shown,) = as_json([RowResult(cited, predicted=1.0, batch=1, preemptions=0)])
+    assert shown["setting_sources"] == [
+        {"settles": s.settles, "url": s.url, "quote": list(s.quote)} for s in cited.setting_sources
+    ]
 
 
 def test_the_command_prints_each_row_with_its_source_and_both_predictions(tmp_path, capsys) -> None:

@@ -5,7 +5,10 @@
 `src/kvpool/sim/data/published.json` holds each figure with the page it was read on, the
 rows or sentences it came from (verbatim) and its configuration: model, GPU, TP, weight and
 KV formats, input and output lengths, the concurrency or "all at once", the metric, and
-what the simulation assumes where the source is silent. Each is run through the simulator
+what the simulation assumes where the source is silent. A setting the figure's own page
+does not state but another page of its source does (the KV format TensorRT-LLM's benchmark
+picks, say) cites that page too: `setting_sources`, each the setting it settles, its URL
+and the sentences or table rows read there (verbatim). Each is run through the simulator
 itself (`kvpool.sim.simulator.simulate`, the engine's scheduler and cache over the cost
 model), as the source ran it, with fixed lengths:
 
@@ -30,6 +33,7 @@ a throughput too slow (`RowResult.error` says which). The parameters are the GPU
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -49,6 +53,16 @@ METRICS: dict[str, tuple[str, str, bool]] = {  # metric -> (report key, unit, hi
 
 
 @dataclass(frozen=True)
+class SettingSource:
+    """Where a row's setting (`settles`: a PublishedRow field, e.g. "kv_dtype") is read, when
+    not on the figure's own page: the page and what it says there, verbatim."""
+
+    settles: str
+    url: str
+    quote: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class PublishedRow:
     id: str
     engine: str
@@ -65,6 +79,7 @@ class PublishedRow:
     metric: str
     published: float
     assumed: str = ""
+    setting_sources: tuple[SettingSource, ...] = ()
 
     def __post_init__(self) -> None:
         if self.metric not in METRICS:
@@ -76,6 +91,13 @@ class PublishedRow:
             raise ValueError(f"row {self.id}: concurrency must be >= 1 or null, got {self.concurrency}")
         if not self.published > 0 or not self.quote or not self.source_url.startswith("https://"):
             raise ValueError(f"row {self.id}: needs a positive published figure, its quote and its https source")
+        fields = {f.name for f in dataclasses.fields(self)}
+        for src in self.setting_sources:
+            if src.settles not in fields or not src.quote or not src.url.startswith("https://"):
+                raise ValueError(
+                    f"row {self.id}: a setting source needs a row field to settle ({src.settles!r}), "
+                    "its quote and its https page"
+                )
 
     @property
     def configuration(self) -> str:
@@ -119,8 +141,11 @@ def load_rows(path: str = PUBLISHED) -> list[PublishedRow]:
     rows = []
     for i, raw in enumerate(data["rows"]):
         try:
-            rows.append(PublishedRow(**{**raw, "quote": tuple(raw["quote"])}))
-        except TypeError as e:
+            sources = tuple(
+                SettingSource(**{**src, "quote": tuple(src["quote"])}) for src in raw.get("setting_sources", ())
+            )
+            rows.append(PublishedRow(**{**raw, "quote": tuple(raw["quote"]), "setting_sources": sources}))
+        except (TypeError, KeyError) as e:
             raise ValueError(f"{path}: row {i}: {e}") from None
     ids = [r.id for r in rows]
     if len(set(ids)) != len(ids):
@@ -218,6 +243,9 @@ def as_json(results: list[RowResult], calibrated: list[RowResult] | None = None)
             "simulated_batch": res.batch,
             "preemptions": res.preemptions,
             "assumed": row.assumed,
+            "setting_sources": [
+                {"settles": s.settles, "url": s.url, "quote": list(s.quote)} for s in row.setting_sources
+            ],
         }
         if calibrated is not None:
             item |= {"predicted_calibrated": calibrated[i].predicted, "ratio_calibrated": calibrated[i].ratio}
