@@ -367,3 +367,21 @@ def test_v4_restore_costs_a_copy_by_its_bytes_and_a_replay_by_its_flops() -> Non
     assert replay >= 2 * 5504 * cm.active_params_per_token / (1979e12 * 0.5)
     assert replay > 1000 * price.checkpoint_cost()
     assert price.compute_cost(64, 5504) < price.compute_cost(128, 5504) < replay
+
+
+def test_v4_restore_compute_cost_kept_per_length_pair_equals_the_step_cost_each_time() -> None:
+    from kvpool.sim.cost import RestoreCostModel
+
+    cm = CostModel(load_preset("deepseek-v4-flash"), H200, tp=2)
+    price = RestoreCostModel(cm, 4_074_496)
+    pairs = [(n, ctx) for ctx in (128, 1024, 5504, 8192) for n in (1, 64, 128, ctx)]
+    for _ in range(2):  # the second round reads what the first kept
+        for n, ctx in pairs:
+            assert price.compute_cost(n, ctx) == cm.step_cost([(n, ctx)]).compute_s, (n, ctx)
+    # the 15 pairs cost 15 different times: a value kept under the wrong key would show
+    assert len({price.compute_cost(n, ctx) for n, ctx in set(pairs)}) == len(set(pairs)) == 15
+    # a bool or a float equal to a kept key is not served from it: step_cost refuses it
+    with pytest.raises(ValueError, match="num_new_tokens must be an integer, got True"):
+        price.compute_cost(True, 128)
+    with pytest.raises(ValueError, match="context_len must be an integer, got 128.0"):
+        price.compute_cost(1, 128.0)

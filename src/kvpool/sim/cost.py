@@ -157,7 +157,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 from kvpool.capacity.kv import KVLayout, kv_layout
@@ -786,10 +786,20 @@ class RestoreCostModel:
 
     cost: CostModel
     checkpoint_bytes: int  # one checkpoint: the state at a span boundary (less than a state block)
+    # (num_tokens, context_len) -> compute_cost: every prefix lookup prices its hit's restore
+    # (a fleet router looks a prompt up on every replica), always at whole spans of the
+    # same few lengths, and a step's cost is a pure function of them
+    _computed: dict[tuple[int, int], float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def checkpoint_cost(self) -> float:
         gpu = self.cost.gpu
         return 2 * self.checkpoint_bytes / (gpu.hbm_bandwidth_bytes_per_s * self.cost.bandwidth_efficiency)
 
     def compute_cost(self, num_tokens: int, context_len: int) -> float:
-        return self.cost.step_cost([(num_tokens, context_len)]).compute_s
+        key = (num_tokens, context_len)
+        if type(num_tokens) is not int or type(context_len) is not int:  # (True == 1 as a key): unkept, step_cost checks
+            return self.cost.step_cost([key]).compute_s
+        seconds = self._computed.get(key)
+        if seconds is None:
+            seconds = self._computed[key] = self.cost.step_cost([key]).compute_s
+        return seconds
