@@ -157,7 +157,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from functools import cached_property
 
 from kvpool.capacity.kv import KVLayout, kv_layout
@@ -789,7 +790,9 @@ class RestoreCostModel:
     # (num_tokens, context_len) -> compute_cost: every prefix lookup prices its hit's restore
     # (a fleet router looks a prompt up on every replica), always at whole spans of the
     # same few lengths, and a step's cost is a pure function of them
-    _computed: dict[tuple[int, int], float] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _computed: dict[tuple[int, int], float] = dataclass_field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def checkpoint_cost(self) -> float:
         gpu = self.cost.gpu
@@ -797,7 +800,7 @@ class RestoreCostModel:
 
     def compute_cost(self, num_tokens: int, context_len: int) -> float:
         key = (num_tokens, context_len)
-        if type(num_tokens) is not int or type(context_len) is not int:  # (True == 1 as a key): unkept, step_cost checks
+        if type(num_tokens) is not int or type(context_len) is not int:  # True == 1 as a key: step_cost refuses it
             return self.cost.step_cost([key]).compute_s
         seconds = self._computed.get(key)
         if seconds is None:
