@@ -307,3 +307,34 @@ def test_v4_auto_restore_keeps_every_hit_in_pooled_checkpoints_while_memory_is_f
     assert auto["prefix_hit_tokens"] == paged["prefix_hit_tokens"] == replay["prefix_hit_tokens"] > 0
     assert auto["replayed_tokens"] == 0 and auto["checkpoint_copies"] > 0
     assert auto["ttft_ms_p50"] < replay["ttft_ms_p50"]
+
+
+def test_a_step_in_pieces_is_priced_one_chunk_per_request_from_its_first_start_to_its_last_end():
+    from kvpool.engine.runner import ScheduledChunk
+
+    clock, priced = VirtualClock(), []
+    executor = CostExecutor(
+        10,
+        step_time=lambda work, moved: priced.append((work, moved)) or 1.0,
+        kv_read_bytes=lambda n: n,
+        clock=clock,
+        block_bytes=4,
+        kv_capacity_bytes=0,
+    )
+
+    def chunk(request_id: str, start: int, end: int) -> ScheduledChunk:
+        return ScheduledChunk(request_id, list(range(start, end)), start, False)
+
+    # the runner's V4 step cut at b's checkpoints (positions 14 and 20): every request's first
+    # piece, then b's next two, the second with d, which the first forward did not carry
+    executor.forward([chunk("a", 0, 1), chunk("b", 10, 14), chunk("c", 5, 6)], None, True)
+    executor.copy_state(0, 1)  # the state copied at 14: 2 x checkpoint_bytes (0 here)
+    executor.forward([chunk("b", 14, 20)], None, True)
+    executor.copy_blocks({"g": [object()]})  # one copy-on-write block: 2 x 4 bytes
+    executor.forward([chunk("b", 20, 22), chunk("d", 0, 3)], None, True)
+    assert clock() == 1.0
+    assert priced == [([(1, 1), (12, 22), (1, 6), (3, 3)], 8)]
+    # the next step starts afresh: one forward, priced as it came
+    executor.forward([chunk("b", 22, 23), chunk("a", 1, 2)], None, False)
+    assert clock() == 2.0 and clock() == 2.0  # (read twice: priced once)
+    assert priced[1:] == [([(1, 23), (1, 2)], 0)]

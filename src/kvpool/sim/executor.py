@@ -91,11 +91,12 @@ class CostExecutor:
         self.num_state_blocks = num_state_blocks
         self.checkpoint_bytes = checkpoint_bytes
         self.has_state = has_state
-        # The step so far: its first forward's chunks as they came (`_pieces`: the common step
-        # of one forward, priced from them), or, once a second piece came, request -> [start,
-        # end) the step computed so far (`_step`, in the order requests first came)
-        self._pieces: list[Sequence[ScheduledChunk]] = []
-        self._step: dict[str, tuple[int, int]] = {}
+        # The step so far: its first forward's chunks as they came (one per request; the
+        # common step is that one forward), and, for the requests of its later pieces only,
+        # request -> [start, end) they computed in those pieces (`_later`, in the order they
+        # came): a later piece costs its own chunks, not a merge of the whole first forward
+        self._first: Sequence[ScheduledChunk] = ()
+        self._later: dict[str, tuple[int, int]] = {}
         self._replays: list[tuple[int, int]] = []  # (tokens, context) recomputed in the next step
         self._moved = 0  # bytes the copies since the last step move
         self.num_replayed_tokens = 0
@@ -119,38 +120,37 @@ class CostExecutor:
         piece extends its request's part of the step; the step is priced, one chunk per
         request, when the clock is next read (the engine reads it as the step's forward
         returns), with every copy made for it."""
-        if self._pieces or self._step:  # the step's second piece: merged by request
-            for piece in self._pieces:
-                self._add_piece(piece)
-            self._pieces.clear()
-            self._add_piece(chunks)
+        if self._first:  # a later piece: its requests' parts reach further
+            later = self._later
+            for c in chunks:
+                seen = later.get(c.request_id)
+                later[c.request_id] = (c.start if seen is None else seen[0], c.start + len(c.token_ids))
         elif chunks:  # its first: kept as it is (one chunk per request), read when priced
-            self._pieces.append(chunks)
+            self._first = chunks
         if all_logits:
             return torch.empty(sum(len(c.token_ids) for c in chunks), 0)
         return [None] * sum(c.needs_logits for c in chunks)
-
-    def _add_piece(self, chunks: Sequence[ScheduledChunk]) -> None:
-        """Extend each chunk's request's [start, end) in the step by the piece."""
-        step = self._step
-        for c in chunks:
-            start = c.start
-            first = step.get(c.request_id)
-            step[c.request_id] = (start if first is None else first[0], start + len(c.token_ids))
 
     def _price_step(self) -> None:
         """Advance the clock by the step's price: its chunks, then the replays before it,
         with the bytes its copies moved. (Nothing to price before a step ran: the copies
         and replays issued since wait for the next.)"""
-        if self._pieces:  # one forward: its chunks, one per request (the engine's step)
-            (chunks,) = self._pieces
-            work = [(len(c.token_ids), c.start + len(c.token_ids)) for c in chunks]
-            self._pieces.clear()
-        elif self._step:  # pieces, merged by request (`_add_piece`)
-            work = [(end - start, end) for start, end in self._step.values()]
-            self._step.clear()
-        else:
+        first = self._first
+        if not first:
             return
+        # one chunk per request: (tokens, context after them), in the order requests came
+        work = [(len(c.token_ids), c.start + len(c.token_ids)) for c in first]
+        self._first = ()
+        if self._later:  # the step came in pieces: its requests' later pieces extend their part
+            at = {c.request_id: i for i, c in enumerate(first)}
+            for request_id, (start, end) in self._later.items():
+                i = at.get(request_id)
+                if i is None:  # none in the first forward: after its requests
+                    work.append((end - start, end))
+                else:  # from its first piece's start to its last piece's end
+                    start = first[i].start
+                    work[i] = (end - start, end)
+            self._later = {}
         if self._replays:
             work.extend(self._replays)  # the states rebuilt over their cached prefixes
             self._replays.clear()
