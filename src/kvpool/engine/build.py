@@ -1,8 +1,10 @@
 """The one engine builder: `build_engine(model, **options)` assembles the runner (cache,
 storage, attention backend, tiers) and the engine for a Llama GGUF (`load_model`: weights,
 tokenizer, digest), the tiny V4 model or a tiny hybrid model, through the plain dict
-`ENGINE_BUILDERS` keyed by the model's type. `kvpool run`, `generate`, `serve`, the
-verify programs and the benchmarks all build their engines here."""
+`ENGINE_BUILDERS` keyed by the model's type. `kvpool run`, `generate`, `serve`,
+`kvpool.LLM` and the benchmarks and verify programs build their engines here, except
+`kvpool run --model CONFIG.json` (cli/run.py), `bench gpu` (bench/gpu.py) and `verify
+kv-quant`'s greedy agreement (verify/kv_quant.py), which still make theirs inline."""
 
 from __future__ import annotations
 
@@ -328,8 +330,8 @@ ENGINE_BUILDERS: dict[type, Callable[..., Engine]] = {
 
 
 def build_engine(model: LoadedModel | TinyDSV4 | TinyHybrid, **options) -> Engine:
-    """The one engine builder (`kvpool run`, `generate`, `serve`, the verify programs and the
-    benchmarks): the runner for the model's kind, its cache and tiers, the engine over it.
+    """The engine builder (the module docstring says who uses it): the runner for the
+    model's kind, its cache and tiers, the engine over it.
 
     model: a loaded Llama GGUF (`load_model`), the tiny V4 model, or a tiny hybrid model.
     Options every model takes: num_blocks (the KV blocks; V4: classical blocks),

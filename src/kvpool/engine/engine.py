@@ -5,7 +5,8 @@ Each step the scheduler (continuous batching under a token budget):
      decode, up to the remaining budget for a prompt still being prefilled (chunked
      prefill), and reserves room for all of them in one call to the runner. Only when the
      cache cannot hold that step does it go sequence by sequence, preempting the
-     latest-arrived running sequence (its cache released; it recomputes later) until each
+     latest-arrived running sequence (released as preempted: the runner drops its cache, or
+     swaps it to the host tier in swap mode; it is admitted again later) until each
      reservation fits;
   2. admits waiting sequences in arrival order with the budget left (the runner looks up
      their cached prefix, so only the uncached part is prefilled).
