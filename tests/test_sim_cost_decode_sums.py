@@ -70,3 +70,28 @@ def test_a_bad_chunk_is_named_on_the_fast_path_as_by_the_loop(name: str) -> None
         for model in (cm, _twin(cm)):
             with pytest.raises(ValueError, match=f"^{message}$"):
                 model.step_cost(chunks)
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_step_time_is_the_step_costs_time_bit_for_bit_on_every_preset(name: str) -> None:
+    """step_time prices a step of decodes only from terms kept per batch size: the same float
+    as step_cost's time_s, for graph and eager steps, any TP, batches on both sides of the
+    graph's largest, and steps with a prefill chunk (which take step_cost itself)."""
+    model = load_preset(name)
+    rng = random.Random(f"{name}/time")
+    models = [CostModel(model, H200, host_mode=mode) for mode in ("graph", "eager")]
+    try:
+        models.append(CostModel(model, H200, tp=2, kv_dtype="fp8"))
+    except ValueError:  # a format the model cannot take
+        pass
+    top = model.max_position_embeddings
+    for cm in models:
+        for batch in (1, 2, 7, cm.graph_max_batch, cm.graph_max_batch + 1):
+            for _ in range(2):  # the second step of a size reads the kept terms
+                decodes = [(1, rng.randrange(1, top + 1)) for _ in range(batch)]
+                assert cm.step_time(decodes) == cm.step_cost(decodes).time_s, (name, cm.host_mode, cm.tp, batch)
+            mixed = decodes[:1] + [(300, 300 + rng.randrange(0, 4096))] + decodes[1:]
+            assert cm.step_time(mixed) == cm.step_cost(mixed).time_s, (name, cm.host_mode, cm.tp, batch)
+    # the kept terms are per batch size: two sizes' steps over the same contexts differ
+    cm = models[0]
+    assert cm.step_time([(1, 4000)] * 3) != cm.step_time([(1, 4000)] * 4)

@@ -669,8 +669,35 @@ class CostModel:
         )
 
     def step_time(self, chunks: Sequence[tuple[int, int]]) -> float:
-        """Seconds one step over `chunks` takes (see `step_cost`)."""
-        return self.step_cost(chunks).time_s
+        """Seconds one step over `chunks` takes: `step_cost(chunks).time_s`, the same float.
+        A step of decodes only (a fleet run's common step) is priced from its decodes' sums
+        and the terms that depend on its batch size alone (`_decode_batch_terms`), without
+        the rest of `step_cost`."""
+        scan = self._decode_scan(chunks)  # (checks the chunks as step_cost does)
+        if scan is None or scan[2]:  # a prefill chunk, or sums the loop adds: the whole cost
+            return self.step_cost(chunks).time_s
+        decode_flops, decode_bytes = scan[1]
+        gemm_s, comm_s, host_s, fixed_s = self._decode_batch_terms(len(chunks))
+        attention_flop_s = self._peaks[1] * self.compute_efficiency  # as step_cost computes them
+        byte_s = self.gpu.hbm_bandwidth_bytes_per_s * self.bandwidth_efficiency
+        decode_s = max(decode_flops / attention_flop_s, decode_bytes / byte_s)
+        # step_cost's sum in its order; its prefill phase is max(0.0, 0.0) = 0.0, and x + 0.0 == x
+        return gemm_s + decode_s + comm_s + host_s + fixed_s
+
+    def _decode_batch_terms(self, num_decodes: int) -> tuple[float, float, float, float]:
+        """(gemm_s, comm_s, host_s, fixed_s) of a step of `num_decodes` decodes: they depend on
+        the batch size alone (N = C = num_decodes tokens and chunks, no prefill chunk), not on
+        the contexts, so they are `step_cost`'s own figures for any such step, kept per size."""
+        terms = self._decode_batch_memo.get(num_decodes)
+        if terms is None:
+            cost = self.step_cost([(1, 1)] * num_decodes)
+            terms = self._decode_batch_memo[num_decodes] = (cost.gemm_s, cost.comm_s, cost.host_s, cost.fixed_s)
+        return terms
+
+    @cached_property
+    def _decode_batch_memo(self) -> dict[int, tuple[float, float, float, float]]:
+        """batch size -> `_decode_batch_terms` (at most one entry per size: max_num_seqs)."""
+        return {}
 
 
 def _check_chunks(chunks: Sequence[tuple[int, int]]) -> None:
