@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpool.sim.calibrate import EngineStepTimes, fit_engine
-from kvpool.sim.cost import DEVICE_DEFAULTS, CostModel, sum_visible
+from kvpool.sim.cost import DEVICE_DEFAULTS, CostModel, moe_block_m, sum_visible
 from kvpool.spec.dsv4 import SERVING
 from kvpool.spec.gpus import GIB, GPUS, GPUSpec, cpu_preset, custom_gpu, get_gpu
 from kvpool.spec.models import load_preset
@@ -147,6 +147,44 @@ def test_moe_flops_count_only_the_routed_top_k() -> None:
     assert p8 == p
     hand = (p.attention + p.mlp) / 8 + p.attention_replicated + p.router + 36 * 4 * per_expert / 8
     assert CostModel(model, H200, tp=8).active_params_per_token == hand
+
+
+def test_moe_block_m_is_triton_kernels_tile_rule() -> None:
+    """opt_flags.py (NVIDIA): next_pow2(2 t) held to [16, 64] for t <= 64 rows an expert,
+    next_pow2(t) held to [16, 128] above."""
+    hand = {1: 16, 8: 16, 9: 32, 16: 32, 17: 64, 33: 64, 64: 64, 65: 128, 128: 128, 129: 128, 5000: 128}
+    assert {t: moe_block_m(t) for t in hand} == hand
+    with pytest.raises(ValueError, match=r"^tokens_per_expert must be >= 1, got 0$"):
+        moe_block_m(0)
+
+
+def test_mxfp4_experts_compute_whole_tiles_of_rows() -> None:
+    """gpt-oss-120b's MXFP4 experts run in a ragged grouped GEMM that computes each expert's
+    rows in whole tiles: a decode step of 1,057 sequences routes 4,228 rows, 33 an expert by
+    the kernel's estimate (tiles of 64), over the ~128 experts they touch, each computing 64
+    rows where 33.0 are real. FP8 DeepSeek-V3 experts are priced as before."""
+    model = load_preset("gpt-oss-120b")
+    cm = CostModel(model, H200)
+    h, inter, vocab, layers = 2880, 2880, 201_088, 36
+    n = 1057
+    touched = 128 * (1 - (1 - 4 / 128) ** n)
+    padding = touched * math.ceil(4 * n / touched / 64) * 64 - 4 * n  # 64 rows each, 33.0 real
+    hand = 2 * n * cm.active_params_per_token + 2 * n * vocab * h + layers * 2 * 3 * h * inter * padding
+    cost = cm.step_cost([(1, 1500)] * n)
+    assert cost.linear_flops == pytest.approx(hand, rel=1e-12)
+    assert cost.gemm_s == pytest.approx(hand / (989e12 * 0.5), rel=1e-12)  # compute-bound: 36.3 ms
+    # a prefill chunk of 8,192 tokens fills its tiles (256 rows an expert, tiles of 128)
+    chunk = cm.step_cost([(8192, 8192)])
+    assert chunk.linear_flops == pytest.approx(2 * 8192 * cm.active_params_per_token + 2 * vocab * h, rel=1e-9)
+    # 8 decodes: 32 rows, tiles of 16 over ~28.6 experts, padding 14x the rows, but the GEMMs
+    # still wait on the weights: the padding costs nothing
+    small = cm.step_cost([(1, 1500)] * 8)
+    assert small.linear_flops > 10 * 2 * 8 * cm.active_params_per_token
+    assert small.gemm_s == small.weight_bytes / H200_EFFECTIVE_BW
+    v3 = CostModel(load_preset("deepseek-v3"), H200, tp=8)  # FP8 experts: no tile term
+    assert v3.step_cost([(1, 1500)] * n).linear_flops == pytest.approx(
+        2 * n * v3.active_params_per_token + 2 * n * 129_280 * 7168 / 8, rel=1e-12
+    )
 
 
 # ----- DeepSeek-V3.2 and V4 ------------------------------------------------------------------

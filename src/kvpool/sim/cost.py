@@ -41,6 +41,27 @@ The query at position k - 1 sees k tokens (causal, itself included), so S is the
 over the chunk's queries of the entries each one attends. The embedding lookup costs no
 FLOPs; norms, biases and activations are not counted (a fraction of a percent).
 
+MXFP4 routed experts (gpt-oss) on a GPU add the padding of their grouped GEMM's tiles:
+
+    moe_tile_flops = moe_layers x 2 x 3 x hidden x expert_intermediate / tp
+                     x (T x ceil(N x top_k / T / block_m) x block_m - N x top_k)
+    T       = experts_touched(N), the touched experts, each holding N x top_k / T rows
+    block_m = moe_block_m(t), t = max(1, N x top_k // E): clamp(next_pow2(2 t), 16, 64)
+              for t <= 64, else clamp(next_pow2(t), 16, 128)
+
+On Hopper these experts run in triton_kernels' ragged grouped GEMM (`matmul_ogs`: the MXFP4
+weights upcast to BF16 inside it), which TensorRT-LLM's TRITON MoE backend calls (its
+perf overview's gpt-oss options: "# Hopper: use TRITON"); the kernel computes each expert's
+rows in tiles of block_m, chosen by the rule above from its expected rows an expert
+(opt_flags.py: "Ragged and likely memory bound; set the block size higher to minimize
+loading weights more than once"), so an expert of 33 rows computes 64. The padding rows are
+computed like the others (at the GEMMs' compute efficiency); they cost nothing while the
+step's GEMMs are bound by their weight reads, and up to 1.9-3.6x the experts' FLOPs in the
+large decode batches of a maximum-throughput run (1,057 and 562 sequences of gpt-oss-120b).
+The rows of one expert vary about their mean (not modelled: the mean's tiles are priced).
+The term applies on every GPU preset; on Blackwell TensorRT-LLM runs these experts in other
+(CUTLASS) kernels whose tiles are not modelled apart.
+
 Bytes:
 
     weight_bytes = dense bytes (all weights but the routed experts and, when the head does
@@ -453,6 +474,25 @@ class CostModel:
         e, k = moe.num_experts, moe.experts_per_token
         return e * (1.0 - (1.0 - k / e) ** num_tokens)
 
+    @cached_property
+    def _moe_tiles(self) -> bool:
+        """Whether the routed experts run as triton_kernels' ragged grouped GEMM, whose tiles
+        of rows this model prices (module docstring): MXFP4 experts on a GPU."""
+        return self.model.moe is not None and self.weights.weight_dtype == "mxfp4" and self.gpu.kind == "cuda"
+
+    def _moe_tile_flops(self, num_tokens: int) -> float:
+        """FLOPs this GPU spends on the padding rows of a step's routed-expert GEMMs: each of
+        the experts_touched(N) experts of a MoE layer holds N x k / touched rows on average
+        and computes them in whole tiles of moe_block_m rows (module docstring)."""
+        moe = self.model.moe
+        assert moe is not None
+        rows = num_tokens * moe.experts_per_token
+        block_m = moe_block_m(max(1, rows // moe.num_experts))
+        touched = self.experts_touched(num_tokens)
+        padding = touched * math.ceil(rows / touched / block_m) * block_m - rows
+        per_row = 2 * 3 * self.model.hidden_size * moe.expert_intermediate_size / self.tp
+        return len(moe.moe_layers) * per_row * padding
+
     @property
     def activation_bytes(self) -> int:
         """Bytes of one activation element: 4 with fp32 weights, else 2 (bf16)."""
@@ -621,6 +661,8 @@ class CostModel:
                     linear_flops += t.num_layers * t.decompress_flops_per_token * (ctx - n)
                     prefill_bytes += t.num_layers * t.decompress_bytes_per_token * ctx
         touched = len(model.moe.moe_layers) * self.experts_touched(num_tokens) if model.moe else 0
+        if self._moe_tiles:  # the padded rows of the ragged grouped GEMM (module docstring)
+            linear_flops += self._moe_tile_flops(num_tokens)
         weight = self.dense_weight_bytes + num_tokens * self.embedding_row_bytes + touched * self.expert_bytes
         attention_flops, kv_bytes = prefill_flops + decode_flops, prefill_bytes + decode_bytes
         flop_s = peak_linear * self.compute_efficiency  # the GEMMs'
@@ -698,6 +740,24 @@ class CostModel:
     def _decode_batch_memo(self) -> dict[int, tuple[float, float, float, float]]:
         """batch size -> `_decode_batch_terms` (at most one entry per size: max_num_seqs)."""
         return {}
+
+
+def moe_block_m(tokens_per_expert: int) -> int:
+    """The tile height (rows) triton_kernels' ragged grouped GEMM (matmul_ogs, the TRITON MoE
+    backend's) picks for an expected `tokens_per_expert` rows an expert (its
+    max(1, rows // experts)), by its NVIDIA heuristic (matmul_ogs_details/opt_flags.py,
+    make_default_opt_flags_nvidia): next_pow2(2 x tokens) held to [16, 64] at most 64 rows
+    ("Ragged and likely memory bound"), else next_pow2(tokens) held to [16, 128]."""
+    if tokens_per_expert < 1:
+        raise ValueError(f"tokens_per_expert must be >= 1, got {tokens_per_expert}")
+    if tokens_per_expert <= 64:
+        return max(16, min(_next_pow2(2 * tokens_per_expert), 64))
+    return max(16, min(_next_pow2(tokens_per_expert), 128))
+
+
+def _next_pow2(n: int) -> int:
+    """The least power of two >= n (1 for n <= 1), as triton.next_power_of_2."""
+    return 1 << max(0, n - 1).bit_length()
 
 
 def _check_chunks(chunks: Sequence[tuple[int, int]]) -> None:
