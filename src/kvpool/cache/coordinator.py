@@ -473,8 +473,8 @@ class HybridCacheManager:
                         f"request {req.request_id!r}: positions [{start}, {end}) do not continue its "
                         f"{req.num_computed} computed tokens within the reserved [0, {req.end})"
                     )
-        name = g.name
-        return step_tables([req.states[name].block_ids for req in reqs], starts, ends, g.granularity)
+        name, block_ids = g.name, g.block_ids
+        return step_tables([block_ids(req.states[name]) for req in reqs], starts, ends, g.granularity)
 
     def metadata_bytes(self) -> int:
         """Bytes of the coordinator's Python structures: every pool's (`pools`), and every request's
