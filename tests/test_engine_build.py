@@ -81,3 +81,35 @@ def test_a_built_hybrid_engine_decodes_what_the_oracle_predicts() -> None:
             assert token == int(model.reference_logits(history)[-1].argmax())
             history.append(token)
     engine.runner.check_integrity()
+
+
+def test_a_bare_llama_model_is_built_by_the_same_builder_and_decodes_what_the_reference_predicts() -> None:
+    """`kvpool run --model CONFIG.json` and `verify kv-quant` hand build_engine a LlamaModel
+    without a file or tokenizer: its engine pages the cache like a GGUF's, and every greedy
+    token is the argmax of the contiguous reference's logits over the history (fp64: no
+    near-tie can flip)."""
+    from kvpool.attention.reference import reference_logits
+    from kvpool.engine.llama_runner import LlamaRunner
+    from random_llama import DESCRIPTOR, random_llama
+
+    model = random_llama(dtype=torch.float64)
+    engine = build_engine(model, descriptor=DESCRIPTOR, num_blocks=12, block_size=4, max_num_seqs=2)
+    assert type(engine.runner) is LlamaRunner and engine.runner.cache.num_blocks == 12
+    assert engine.runner.block_size == 4 and engine.max_num_seqs == 2
+    prompts = [[5, 9, 2, 7, 1, 4, 4, 8, 3], [5, 9, 2, 7, 1, 4, 4, 8, 30, 6]]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    for prompt in prompts:  # one after the other: the second hits the first's two full blocks
+        (out,) = engine.generate([prompt], params)
+        history = list(prompt)
+        for token in out.completions[0].token_ids:
+            assert token == int(reference_logits(model, history)[-1].argmax())
+            history.append(token)
+    assert engine.runner.cache_stats()["prefix_hit_tokens"] == 8
+    engine.runner.check_integrity()
+
+
+def test_a_bare_llama_model_needs_a_descriptor() -> None:
+    from random_llama import random_llama
+
+    with pytest.raises(TypeError, match=r"needs descriptor=CacheDescriptor\(...\) .* got NoneType"):
+        build_engine(random_llama(), num_blocks=8)

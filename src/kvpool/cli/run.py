@@ -253,8 +253,7 @@ def config_engine(args: argparse.Namespace):
     --dtype, over --num-blocks blocks or what --kv-memory holds; token ids in and out (no
     tokenizer), no tiers."""
     from kvpool.cache import CacheDescriptor
-    from kvpool.engine.engine import Engine
-    from kvpool.engine.llama_runner import LlamaRunner
+    from kvpool.engine.build import build_engine
     from kvpool.models.hf_config import llama_config, random_llama
 
     if host_cache_bytes(args) is not None or any(persistent_cache_options(args).values()):
@@ -266,31 +265,17 @@ def config_engine(args: argparse.Namespace):
     hf = llama_config(args.model)
     dtype, device = model_placement(args)
     model = random_llama(hf.config, seed=args.seed, dtype=dtype, device=device)
-    num_blocks = args.num_blocks
-    if num_blocks is None:
-        cfg = model.config
-        block_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize * args.block_size
-        kv_bytes = parse_bytes(args.kv_memory) if args.kv_memory else RUN_DEFAULTS.kv_memory_bytes
-        num_blocks = kv_bytes // block_bytes
-        if num_blocks <= 0:
-            raise ValueError(f"--kv-memory {args.kv_memory} holds no block of {block_bytes} bytes")
-    descriptor = CacheDescriptor(hf.name, weights_version=f"random-seed{args.seed}")
-    runner = LlamaRunner(
+    engine = build_engine(
         model,
-        num_blocks,
-        args.block_size,
-        descriptor,
+        descriptor=CacheDescriptor(hf.name, weights_version=f"random-seed{args.seed}"),
+        num_blocks=args.num_blocks,
+        kv_memory_bytes=parse_bytes(args.kv_memory) if args.kv_memory else RUN_DEFAULTS.kv_memory_bytes,
+        block_size=args.block_size,
         kv_format=check_kv_dtype(args),
         enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
-        decode_mode="eager" if getattr(args, "enforce_eager", False) or model.device.type != "cuda" else "graphs",
+        enforce_eager=getattr(args, "enforce_eager", False),
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-    )
-    engine = Engine(
-        runner,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        batched_sampling=model.device.type == "cuda",
     )
     return engine, hf.name, hf.config.vocab_size
 

@@ -1,10 +1,9 @@
-"""The one engine builder: `build_engine(model, **options)` assembles the runner (cache,
-storage, attention backend, tiers) and the engine for a Llama GGUF (`load_model`: weights,
-tokenizer, digest), the tiny V4 model or a tiny hybrid model, through the plain dict
-`ENGINE_BUILDERS` keyed by the model's type. `kvpool run`, `generate`, `serve`,
-`kvpool.LLM` and the benchmarks and verify programs build their engines here, except
-`kvpool run --model CONFIG.json` (cli/run.py), `bench gpu` (bench/gpu.py) and `verify
-kv-quant`'s greedy agreement (verify/kv_quant.py), which still make theirs inline."""
+"""The engine builder: `build_engine(model, **options)` assembles the runner (cache, storage,
+attention backend, tiers) and the engine for a Llama GGUF (`load_model`: weights,
+tokenizer, digest), a bare LlamaModel, the tiny V4 model or a tiny hybrid model, through
+the plain dict `ENGINE_BUILDERS` keyed by the model's type. `kvpool run`, `generate`,
+`serve`, `kvpool.LLM` and the benchmarks and verify programs build their engines here,
+except `bench gpu` (bench/gpu.py), which still makes its own."""
 
 from __future__ import annotations
 
@@ -126,23 +125,28 @@ def descriptor_for(loaded: LoadedModel, block_size: int, kv_format: str | None =
 
 def cache_spec_for(loaded: LoadedModel, block_size: int) -> CacheSpec:
     """The paged K/V layout of the model's cache: what the storage allocates per block."""
-    cfg = loaded.model.config
-    dtype = str(loaded.model.dtype).removeprefix("torch.")
-    name = os.path.basename(loaded.gguf.path)
+    return _cache_spec(loaded.model, os.path.basename(loaded.gguf.path), block_size)
+
+
+def _cache_spec(model: LlamaModel, name: str, block_size: int) -> CacheSpec:
+    cfg = model.config
+    dtype = str(model.dtype).removeprefix("torch.")
     return CacheSpec.uniform(name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, block_size=block_size)
 
 
 def bytes_per_block(loaded: LoadedModel, block_size: int, kv_format: str | None = None) -> int:
     """A block's bytes in the pool: K and V of every layer, or for a quantized format the
     stored block and its share of the dequantization scratch (one layer, compute dtype)."""
-    fmt = kv_format_for(loaded.model, kv_format)
+    return _bytes_per_block(loaded.model, block_size, kv_format)
+
+
+def _bytes_per_block(model: LlamaModel, block_size: int, kv_format: str | None) -> int:
+    fmt = kv_format_for(model, kv_format)
     if fmt is None:
-        return int(cache_spec_for(loaded, block_size).bytes_per_block)
-    cfg = loaded.model.config
+        return int(_cache_spec(model, "paged", block_size).bytes_per_block)
+    cfg = model.config
     per_block = QuantizedKVStorage.block_bytes(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, fmt)
-    return per_block + QuantizedKVStorage.scratch_block_bytes(
-        block_size, cfg.num_kv_heads, cfg.head_dim, loaded.model.dtype
-    )
+    return per_block + QuantizedKVStorage.scratch_block_bytes(block_size, cfg.num_kv_heads, cfg.head_dim, model.dtype)
 
 
 def num_blocks_for_memory(
@@ -153,19 +157,23 @@ def num_blocks_for_memory(
     for the formats quantized a chunk at a time, for the full-precision tails of up to two
     blocks a sequence (KIVI: three), `max_num_seqs` of them (the tail store grows by doubling: the next
     power of two)."""
-    fmt = kv_format_for(loaded.model, kv_format)
-    cfg = loaded.model.config
+    return _num_blocks_for_memory(loaded.model, block_size, kv_memory_bytes, kv_format, max_num_seqs)
+
+
+def _num_blocks_for_memory(
+    model: LlamaModel, block_size: int, kv_memory_bytes: int, kv_format: str | None, max_num_seqs: int
+) -> int:
+    fmt = kv_format_for(model, kv_format)
+    cfg = model.config
     reserved = 0
-    per_block = bytes_per_block(loaded, block_size, kv_format)
+    per_block = _bytes_per_block(model, block_size, kv_format)
     if fmt is not None:
         if fmt.flush(block_size) > 1 and max_num_seqs > 0:
             # a step may hold two a sequence: the block a chunk fills, and the one it opens;
             # KIVI three: the block a chunk completes, and the two its V window may span
             per_seq = 3 if fmt.value_window else 2
             tails = 1 << (per_seq * max_num_seqs - 1).bit_length()
-            layer = QuantizedKVStorage.scratch_block_bytes(
-                block_size, cfg.num_kv_heads, cfg.head_dim, loaded.model.dtype
-            )
+            layer = QuantizedKVStorage.scratch_block_bytes(block_size, cfg.num_kv_heads, cfg.head_dim, model.dtype)
             reserved = tails * cfg.num_layers * layer
     num_blocks = (kv_memory_bytes - reserved) // per_block
     if num_blocks <= 0:
@@ -181,8 +189,38 @@ def _tiers(host_cache_bytes: int | None, disk_cache, disk_cache_bytes: int, redi
     return host, open_persistent_tiers(disk_cache, disk_cache_bytes, redis_url)
 
 
-def _llama_engine(
-    loaded: LoadedModel,
+def _llama_engine(loaded: LoadedModel, *, block_size: int = 16, kv_format: str | None = None, **options) -> Engine:
+    """A loaded GGUF: its descriptor, and its tokenizer's end-of-turn tokens and text."""
+    tok = loaded.tokenizer
+    eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    im_end = tok.tokenizer.token_to_id("<|im_end|>")
+    if im_end is not None:
+        eos.add(im_end)  # chat models end a turn with <|im_end|>
+    return _paged_engine(
+        loaded.model,
+        descriptor_for(loaded, block_size, kv_format),
+        block_size=block_size,
+        kv_format=kv_format,
+        eos_token_ids=sorted(eos),
+        decode_text=tok.decode,
+        **options,
+    )
+
+
+def _bare_llama_engine(model: LlamaModel, *, descriptor: CacheDescriptor | None = None, **options) -> Engine:
+    """A LlamaModel without a file or a tokenizer (random weights from a config.json, a test's
+    model): token ids in and out, no end-of-turn token; `descriptor` names its weights."""
+    if not isinstance(descriptor, CacheDescriptor):
+        raise TypeError(
+            f"build_engine(LlamaModel) needs descriptor=CacheDescriptor(...) naming the model and its weights, "
+            f"got {type(descriptor).__name__}"
+        )
+    return _paged_engine(model, descriptor, **options)
+
+
+def _paged_engine(
+    model: LlamaModel,
+    descriptor: CacheDescriptor,
     *,
     num_blocks: int | None = None,
     kv_memory_bytes: int | None = None,
@@ -199,22 +237,24 @@ def _llama_engine(
     kv_format: str | None = None,
     decode_path: str | None = None,
     enforce_eager: bool = False,
+    eos_token_ids: list[int] | None = None,
+    decode_text: Callable[[list[int]], str] | None = None,
 ) -> Engine:
     if num_blocks is None:
         num_blocks = (
             1024
             if kv_memory_bytes is None
-            else num_blocks_for_memory(loaded, block_size, kv_memory_bytes, kv_format, max_num_seqs)
+            else _num_blocks_for_memory(model, block_size, kv_memory_bytes, kv_format, max_num_seqs)
         )
-    pool_bytes = num_blocks * bytes_per_block(loaded, block_size, kv_format)
+    pool_bytes = num_blocks * _bytes_per_block(model, block_size, kv_format)
     where = f"the KV pool of {num_blocks} blocks of {block_size} tokens"
-    check_fits(pool_bytes, loaded.model.device, where, "lower --kv-memory or --num-blocks")
+    check_fits(pool_bytes, model.device, where, "lower --kv-memory or --num-blocks")
     host, persistent = _tiers(host_cache_bytes, disk_cache, disk_cache_bytes, redis_url)
     runner = LlamaRunner(
-        loaded.model,
+        model,
         num_blocks,
         block_size,
-        descriptor_for(loaded, block_size, kv_format),
+        descriptor,
         enable_prefix_caching=enable_prefix_caching,
         decode_path=decode_path,
         host_tier=host,
@@ -222,24 +262,19 @@ def _llama_engine(
         persistent_tiers=persistent,
         kv_format=kv_format,
         # CUDA: pure-decode steps replayed from graphs captured per batch bucket (cuda_graph.py)
-        decode_mode="eager" if enforce_eager or loaded.model.device.type != "cuda" else "graphs",
+        decode_mode="eager" if enforce_eager or model.device.type != "cuda" else "graphs",
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
     )
-    tok = loaded.tokenizer
-    eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-    im_end = tok.tokenizer.token_to_id("<|im_end|>")
-    if im_end is not None:
-        eos.add(im_end)  # chat models end a turn with <|im_end|>
     return Engine(
         runner,
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
-        eos_token_ids=sorted(eos),
-        decode_text=tok.decode,
+        eos_token_ids=eos_token_ids or (),
+        decode_text=decode_text,
         record_logits=record_logits,
         # on a GPU a step's rows are sampled on the device with one synchronisation
-        batched_sampling=loaded.model.device.type == "cuda",
+        batched_sampling=model.device.type == "cuda",
     )
 
 
@@ -324,16 +359,19 @@ def _hybrid_engine(
 # the model's type -> the part of the builder that makes its runner and engine
 ENGINE_BUILDERS: dict[type, Callable[..., Engine]] = {
     LoadedModel: _llama_engine,
+    LlamaModel: _bare_llama_engine,
     TinyDSV4: _dsv4_engine,
     TinyHybrid: _hybrid_engine,
 }
 
 
-def build_engine(model: LoadedModel | TinyDSV4 | TinyHybrid, **options) -> Engine:
+def build_engine(model: LoadedModel | LlamaModel | TinyDSV4 | TinyHybrid, **options) -> Engine:
     """The engine builder (the module docstring says who uses it): the runner for the
     model's kind, its cache and tiers, the engine over it.
 
-    model: a loaded Llama GGUF (`load_model`), the tiny V4 model, or a tiny hybrid model.
+    model: a loaded Llama GGUF (`load_model`), a bare LlamaModel (no tokenizer: it needs
+    descriptor=, the CacheDescriptor naming it and its weights), the tiny V4 model, or a
+    tiny hybrid model.
     Options every model takes: num_blocks (the KV blocks; V4: classical blocks),
     max_num_batched_tokens, max_num_seqs, enable_prefix_caching, record_logits. Llama and
     V4: kv_memory_bytes (the blocks those bytes hold, when num_blocks is None),

@@ -242,16 +242,23 @@ def greedy_agreement(
     """Per format: (the share of `steps` greedy tokens equal to the fp32 engine's at the same
     step, the first step that differs or None), decoded by the engine over paged blocks."""
     from kvpool.cache import CacheDescriptor
-    from kvpool.engine.engine import Engine
-    from kvpool.engine.llama_runner import LlamaRunner
+    from kvpool.engine.build import build_engine
     from kvpool.engine.sampling import SamplingParams
 
     num_blocks = -(-(len(prompt) + steps) // block_size) + 1
 
     def decode(name: str | None) -> list[int]:
-        descriptor = CacheDescriptor("eval-kv-quant", layout_id=f"bs{block_size}:{name}")
-        runner = LlamaRunner(model, num_blocks, block_size, descriptor, kv_format=name, enable_prefix_caching=False)
-        engine = Engine(runner, max_num_batched_tokens=max(len(prompt), 1), max_num_seqs=1)
+        engine = build_engine(
+            model,
+            descriptor=CacheDescriptor("eval-kv-quant", layout_id=f"bs{block_size}:{name}"),
+            num_blocks=num_blocks,
+            block_size=block_size,
+            kv_format=name,
+            enable_prefix_caching=False,
+            max_num_batched_tokens=max(len(prompt), 1),
+            max_num_seqs=1,
+            enforce_eager=True,  # every format decoded on the eager path, as the fp32 reference
+        )
         rid = engine.add_request(list(prompt), SamplingParams(max_tokens=steps, ignore_eos=True))
         while engine.has_unfinished():
             engine.step()
