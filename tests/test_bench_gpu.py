@@ -54,11 +54,19 @@ def test_the_host_part_times_each_piece_of_a_decode_step(capsys):
     # the same engine's step with every row at temperature 0.8 / top-p 0.95, its sampling a part of it
     assert 0 < host["temperature_step_sampling_ms"] < host["temperature_step_ms"]
     # churn: max(1, 6 // 32) = 1 request finishes and one joins every step, so every step
-    # is a mixed one of the 6 rows (one a prefill) through `update`: none advances in place
-    # and none is a decode-only (graph) step
-    assert (host["churn_rows_per_step"], host["churn_finished_per_step"]) == (6, 1)
-    assert (host["churn_steps_advanced_in_place"], host["churn_decode_only_steps"]) == (0, 0)
-    assert 0 < host["churn_attention_plan_ms"] < host["churn_step_ms"]
+    # is a mixed one of the 6 rows (one a prefill of 40 tokens, or of one block's 16 in the
+    # short churn) through `update`: none advances in place and none is a decode-only
+    # (graph) step; each is planned by the Triton backend from the step buffers, as on a
+    # GPU (here in Triton's interpreter, its kernels never run: the forward is replaced)
+    for key, prompt_len in (("churn", 40), ("churn_short", 16)):
+        assert (host[f"{key}_rows_per_step"], host[f"{key}_finished_per_step"]) == (6, 1)
+        assert host[f"{key}_prompt_tokens_per_step"] == prompt_len
+        assert (host[f"{key}_steps_advanced_in_place"], host[f"{key}_decode_only_steps"]) == (0, 0)
+        assert host[f"{key}_attention_backend"] == "triton"
+        assert host[f"{key}_plan_path"] == "50 from the step buffers (begin_buffered_step)"
+        pieces = [f"{key}_{p}_ms" for p in ("schedule", "metadata", "plan", "sampling", "commit")]
+        assert all(host[p] > 0 for p in pieces)
+        assert sum(host[p] for p in [*pieces, f"{key}_rest_ms"]) == pytest.approx(host[f"{key}_step_ms"], abs=1e-9)
 
 
 def test_a_model_is_a_config_path_or_a_preset():

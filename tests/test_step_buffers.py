@@ -4,6 +4,7 @@ checked against the cache's own step tables (the CSR and slots the backends plan
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -206,6 +207,70 @@ def test_advance_writes_what_update_writes_step_by_step():
             admit(f"s{step}")
     assert advanced == a.num_advanced > 150
     assert a.num_table_writes < b.num_table_writes
+
+
+def test_update_of_churning_steps_equals_a_naive_plan_of_each_step():
+    """Random steps of a batch that churns: requests join with prompts of several blocks
+    (chunked over steps at times), decode, leave, copy a shared tail, change order. After
+    every `update`, the step's vectors equal a naive plan made from the tables alone (token
+    by token: position, slot = table[position // 4] * 4 + position % 4), and the entries it
+    wrote are exactly the ones the step can have changed: a joining request's whole row, a
+    running one's [start // 4, ceil(end / 4))."""
+    rng = random.Random(7)
+    b = StepBuffers(max_num_seqs=6, max_num_tokens=64, max_blocks_per_seq=16, block_size=4, dummy_block=0)
+    ends: dict[str, int] = {}  # request -> computed tokens
+    prompts: dict[str, int] = {}  # request -> prompt length, while it is being prefilled
+    tables: dict[str, list[int]] = {}
+    held: set[str] = set()  # requests the buffers have seen since they last joined
+    next_block = iter(range(1, 10**6))
+    for step in range(400):
+        event = rng.random()
+        if event < 0.15 and ends:  # one leaves
+            gone = rng.choice(sorted(ends))
+            del ends[gone], tables[gone]
+            prompts.pop(gone, None)
+            held.discard(gone)
+            b.forget(gone)
+        if len(ends) < 6 and (event > 0.7 or not ends):  # one joins, its prompt 1-30 tokens
+            rid = f"r{step}"
+            ends[rid], prompts[rid], tables[rid] = 0, rng.randint(1, 30), []
+        if event < 0.2:  # a shared tail block copied before this step writes it
+            rid = rng.choice(sorted(ends))
+            if ends[rid] % 4:
+                tables[rid][ends[rid] // 4] = next(next_block)
+        order = sorted(ends)
+        rng.shuffle(order)
+        # a prompt in chunks of up to 12 tokens; a running request decodes one
+        q = [min(prompts[r] - ends[r], rng.randint(1, 12)) if r in prompts else 1 for r in order]
+        starts = [ends[r] for r in order]
+        new_ends = [e + k for e, k in zip(starts, q, strict=True)]
+        for rid, end in zip(order, new_ends, strict=True):
+            while len(tables[rid]) * 4 < end:
+                tables[rid].append(next(next_block))
+        # the entries the step may have changed, each counted once
+        want_writes = sum(
+            -(-e // 4) - (s // 4 if r in held else 0) for r, s, e in zip(order, starts, new_ends, strict=True)
+        )
+        writes = b.num_table_writes
+        v = b.update(order, starts, new_ends, [tables[r] for r in order])
+        assert b.num_table_writes - writes == want_writes, step
+        positions = [p for s, e in zip(starts, new_ends, strict=True) for p in range(s, e)]
+        owners = [r for r, s, e in zip(order, starts, new_ends, strict=True) for _ in range(s, e)]
+        assert v.positions.tolist() == positions, step
+        slots = [tables[r][p // 4] * 4 + p % 4 for r, p in zip(owners, positions, strict=True)]
+        assert v.slot_mapping.tolist() == slots, step
+        assert v.ctx_lens.tolist() == new_ends and v.query_start.tolist() == [0, *itertools.accumulate(q)], step
+        assert (v.num_seqs, v.num_tokens, v.max_query_len) == (len(order), len(positions), max(q)), step
+        b.check_integrity({r: tables[r] for r in order})
+        for rid, end in zip(order, new_ends, strict=True):
+            ends[rid] = end
+            held.add(rid)
+            if rid in prompts and end == prompts[rid]:
+                del prompts[rid]
+            elif end >= 48:  # a request of 48 tokens finishes (12 blocks of the row's 16)
+                del ends[rid], tables[rid]
+                held.discard(rid)
+                b.forget(rid)
 
 
 def test_advance_refuses_after_padding_overwrote_the_last_step():

@@ -31,7 +31,9 @@ Without CUDA every part but host refuses in one line (`NoCuda`).
 
 from __future__ import annotations
 
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -103,8 +105,10 @@ def host_step(
     at temperature 0.8 and top-p 0.95, its own seed (`temperature_step_ms`, its sampling
     `temperature_step_sampling_ms`), and greedy with `churn` requests finishing and as
     many joining every step (`churn_step_ms`: each step a mixed one, the joiners' prompts
-    of `context` tokens prefilled in it, the buffers rewritten by `update`; churn None:
-    batch // CHURN_EVERY, at least 1). Also: the
+    of `context` tokens prefilled in it, the buffers written by `update`, the plan made
+    by the Triton backend from the buffers where it runs here; churn None: batch //
+    CHURN_EVERY, at least 1), and the same with joiners of one block's prompt
+    (`churn_short_step_ms`: the step apart from the joiners' own prefill). Also: the
     list-built step tables of the greedy steps (the cache's `step_tables`, what the
     non-buffered backends plan from), and `sample_batch` alone on the same rows at
     temperature 0.8. On the CPU with one intra-op thread: the step's tensors are tiny, and
@@ -115,12 +119,19 @@ def host_step(
     churn = max(1, batch // CHURN_EVERY) if churn is None else churn
     if not 0 < churn < batch:
         raise ValueError(f"churn must be in [1, batch {batch}), got {churn}")
+    if device == "cpu" and "triton" not in sys.modules:
+        # Triton's backend on the CPU pool runs in its interpreter, which triton reads at its
+        # first import (the kernels never run here: `_host_engine` replaces the forward)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         report = _host_step(batch, context, num_steps, block_size, device)
         report.update(_temperature_step(batch, context, num_steps, block_size, device))
-        report.update(_churn_step(batch, context, num_steps, block_size, device, churn))
+        report.update(_churn_step(batch, context, num_steps, block_size, device, churn, context, "churn"))
+        # the same churn with joiners of one block's prompt: what the step costs apart from
+        # the joiners' own prefill tokens
+        report.update(_churn_step(batch, context, num_steps, block_size, device, churn, block_size, "churn_short"))
         return report
     finally:
         torch.set_num_threads(threads)
@@ -153,13 +164,36 @@ def _host_engine(batch: int, context: int, num_steps: int, block_size: int, devi
         max_num_seqs=batch,
         max_num_batched_tokens=batch * context,
     )
+    executor = runner.executor
+    if device == "cpu" and _interpreted_triton():
+        # the backend a CUDA engine picks, Triton's, on this CPU pool: a step the buffers
+        # hold and the graphs do not take is planned from them (`begin_buffered_step`), as
+        # on a GPU; its kernels never run here (the forward is replaced below)
+        from kvpool.attention.backends.triton_paged import TritonPagedBackend
+
+        executor.attention = TritonPagedBackend(
+            executor.storage, config.num_heads, None, model.dtype, executor.wait_for_loads, decode_path="triton"
+        )
     logits = torch.randn(batch * context, HOST_VOCAB, generator=torch.Generator().manual_seed(0)).to(device)
-    graphs = runner.executor._graphs
+    graphs = executor._graphs
     graphs.forward = lambda num_seqs: logits[:num_seqs]
     # the prefill step: the model's forward replaced alike (a row per sampled chunk)
     runner.executor.model.forward = lambda ids, pos, meta: logits[: len(meta.logit_rows)]
     engine = Engine(runner, max_num_batched_tokens=batch * context, max_num_seqs=batch, batched_sampling=True)
     return engine, runner, graphs, logits
+
+
+def _interpreted_triton() -> bool:
+    """Whether Triton's backend can be built on a CPU pool here: triton installed and its
+    kernels made in its interpreter (TRITON_INTERPRET=1 before triton's first import, which
+    `host_step` sets on a machine without CUDA when triton is not imported yet)."""
+    from kvpool.attention.backends.triton_paged import triton_importable
+
+    if not triton_importable():
+        return False
+    from kvpool.attention.backends.triton_decode import interpreted
+
+    return interpreted()
 
 
 def _prompts(n: int, context: int, seed: int) -> list[list[int]]:
@@ -210,56 +244,90 @@ def _temperature_step(batch: int, context: int, num_steps: int, block_size: int,
     }
 
 
-def _churn_step(batch: int, context: int, num_steps: int, block_size: int, device: str, churn: int) -> dict[str, float]:
+def _churn_step(
+    batch: int, context: int, num_steps: int, block_size: int, device: str, churn: int, prompt_len: int, key: str
+) -> dict[str, float | str]:
     """Greedy steps of `batch` rows in which `churn` requests finish and `churn` join: the
     first batch's max_tokens staggered (churn of them end at each step), a joiner's
     batch // churn, so each step's finished are replaced before the next and every step
-    runs `batch` rows, `churn` of them a new request's `context`-token prefill."""
+    runs `batch` rows, `churn` of them a new request's `prompt_len`-token prefill. The
+    figures' names start with `key`; the step's pieces: schedule (the joiners' admission
+    and its prefix lookup included), the step buffers (`update`), the attention backend's
+    plan (from the buffers, `begin_buffered_step`, or from the cache's lists, `begin_step`:
+    `{key}_plan_path` says which ran), sampling, the commit (the joiners' full blocks
+    hashed and registered), and the rest of Engine.step."""
     from kvpool.engine.sampling import SamplingParams
 
     engine, runner, graphs, _ = _host_engine(batch, context, num_steps, block_size, device)
     for i, prompt in enumerate(_prompts(batch, context, 1)):
         engine.add_request(prompt, SamplingParams(max_tokens=2 + i // churn, ignore_eos=True))
     joiner = SamplingParams(max_tokens=batch // churn, ignore_eos=True)
-    prompts = iter(_prompts(num_steps * churn + churn, context, 2))
+    prompts = iter(p[:prompt_len] for p in _prompts(num_steps * churn + churn, context, 2))
     engine.step()  # every prefill in one step
     _, finished = _timed_step(engine, device)  # the first decode: `churn` finish
-    buffers = runner.step_buffers
+    buffers, attention = runner.step_buffers, runner.executor.attention
     advanced_before, static_before = buffers.num_advanced, graphs.num_static
-    # the attention backend's plan of the step, timed apart: on the CPU the torch backend
-    # plans every row's context (its bags); a GPU's Triton backend plans a step the buffers
-    # hold from them (`begin_buffered_step`), not timed here
-    attention = runner.executor.attention
-    plans: list[float] = []
-    begin_step = attention.begin_step
+    planned_before = runner.executor.num_buffered_steps
+    timed: dict[str, list[float]] = {k: [] for k in ("schedule", "metadata", "plan", "sampling", "commit")}
+    lists_planned = [0]  # steps the backend planned from the cache's lists
 
-    def timed_begin_step(*args, **kwargs):
-        began = time.perf_counter()
-        out = begin_step(*args, **kwargs)
-        plans[-1] += time.perf_counter() - began
-        return out
+    def timer(name: str, fn: Callable, counter: list[int] | None = None) -> Callable:
+        def call(*args, **kwargs):
+            began = time.perf_counter()
+            out = fn(*args, **kwargs)
+            timed[name][-1] += time.perf_counter() - began
+            if counter is not None:
+                counter[0] += 1
+            return out
 
-    attention.begin_step = timed_begin_step
-    steps, rows, num_finished = [], 0, 0
+        return call
+
+    engine.schedule = timer("schedule", engine.schedule)
+    buffers.update = timer("metadata", buffers.update)
+    buffers.advance = timer("metadata", buffers.advance)
+    attention.begin_step = timer("plan", attention.begin_step, lists_planned)
+    if hasattr(attention, "begin_buffered_step"):
+        attention.begin_buffered_step = timer("plan", attention.begin_buffered_step)
+    engine._sample_step = timer("sampling", engine._sample_step)
+    runner.commit = timer("commit", runner.commit)
+    steps, rows, prompt_tokens, num_finished = [], 0, 0, 0
     for _ in range(num_steps):
         for _ in finished:
-            engine.add_request(next(prompts), joiner)
+            prompt = next(prompts)
+            prompt_tokens += len(prompt)
+            engine.add_request(prompt, joiner)
         rows += len(engine.running) + len(engine.waiting)
-        plans.append(0.0)
+        for values in timed.values():
+            values.append(0.0)
         elapsed, finished = _timed_step(engine, device)
         steps.append(elapsed)
         num_finished += len(finished)
-    del attention.begin_step
-    step_ms, plan_ms = statistics.median(steps) * 1e3, statistics.median(plans) * 1e3
-    return {
-        "churn_step_ms": round(step_ms, 4),
-        "churn_attention_plan_ms": round(plan_ms, 4),
-        "churn_attention_backend": attention.name,
-        "churn_rows_per_step": round(rows / num_steps, 2),
-        "churn_finished_per_step": round(num_finished / num_steps, 2),
-        "churn_steps_advanced_in_place": buffers.num_advanced - advanced_before,
-        "churn_decode_only_steps": graphs.num_static - static_before,
-    }
+    for obj, name in ((engine, "schedule"), (buffers, "update"), (buffers, "advance"), (attention, "begin_step")):
+        delattr(obj, name)
+    for obj, name in ((attention, "begin_buffered_step"), (engine, "_sample_step"), (runner, "commit")):
+        if name in vars(obj):
+            delattr(obj, name)
+    buffered = runner.executor.num_buffered_steps - planned_before
+    paths = [f"{buffered} from the step buffers (begin_buffered_step)"] if buffered else []
+    paths += [f"{lists_planned[0]} from the cache's lists (begin_step)"] if lists_planned[0] else []
+    # the printed pieces add up to the printed step: the rest is what they leave
+    step = round(statistics.median(steps) * 1e3, 4)
+    pieces = {name: round(statistics.median(values) * 1e3, 4) for name, values in timed.items()}
+    report: dict[str, float | str] = {f"{key}_step_ms": step}
+    report.update({f"{key}_{name}_ms": ms for name, ms in pieces.items()})
+    report[f"{key}_rest_ms"] = round(step - sum(pieces.values()), 4)
+    report.update(
+        {
+            f"{key}_attention_backend": attention.name,
+            f"{key}_plan_path": ", ".join(paths),
+            f"{key}_rows_per_step": round(rows / num_steps, 2),
+            f"{key}_prompt_tokens_per_step": round(prompt_tokens / num_steps, 2),
+            f"{key}_finished_per_step": round(num_finished / num_steps, 2),
+            f"{key}_steps_advanced_in_place": buffers.num_advanced - advanced_before,
+            f"{key}_decode_only_steps": graphs.num_static - static_before,
+        }
+    )
+    return report
 
 
 def _host_step(batch: int, context: int, num_steps: int, block_size: int, device: str) -> dict[str, float]:

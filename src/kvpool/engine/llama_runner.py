@@ -10,10 +10,12 @@ tables from the cache.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvpool.attention.backends import PagedStepMetadata, StepMetadata, paged_format, select_backend
@@ -407,36 +409,35 @@ class LlamaExecutor:
                 return self._forward_decode(*decode)
             held = buffers.num_seqs == len(chunks) > 0 and hasattr(self.attention, "begin_buffered_step")
         device = self.model.device
-        token_ids: list[int] = []
-        positions: list[int] = []
-        q_lens: list[int] = []
-        ctx_lens: list[int] = []
-        logit_rows: list[int] = []
-        for c in chunks:
-            n = len(c.token_ids)
-            token_ids.extend(c.token_ids)
-            positions.extend(range(c.start, c.start + n))
-            q_lens.append(n)
-            ctx_lens.append(c.start + n)
-            if c.needs_logits:
-                logit_rows.append(len(token_ids) - 1)
-        held = held and buffers.num_tokens == len(token_ids)
+        # the chunks' columns, and what the step computes from them in numpy (no Python loop a
+        # chunk or a token): [n] int64 q_lens, ctx_lens; the flat tokens' ids [N]
+        n = len(chunks)
+        request_ids, token_lists, starts, needs_logits = zip(*chunks, strict=True) if n else ((), (), (), ())
+        q_lens = np.fromiter(map(len, token_lists), np.int64, n)
+        ctx_lens = np.fromiter(starts, np.int64, n) + q_lens
+        ends = np.cumsum(q_lens)  # [n]: each chunk's end among the step's N tokens
+        num_tokens = int(ends[-1]) if n else 0
+        flat_ids = np.fromiter(itertools.chain.from_iterable(token_lists), np.int64, num_tokens)
+        logit_rows = (ends - 1)[np.fromiter(needs_logits, bool, n)].tolist()  # each sampled chunk's last token
+        held = held and buffers.num_tokens == num_tokens
         if held:  # the runner's update wrote the step's tables, slots and positions: plan from them
             # (the runner checked the step as cache.step_tables checks it, before writing it)
             step = self.attention.begin_buffered_step(buffers, q_lens, ctx_lens)
-            pos_t = buffers.positions[: len(token_ids)]
+            pos_t = buffers.positions[:num_tokens]
             self.num_buffered_steps += 1
         else:
+            q_list, ctx_list = q_lens.tolist(), ctx_lens.tolist()
             # Validates that each chunk continues its computed prefix within its reservation.
-            tables = cache.step_tables([c.request_id for c in chunks], [c.start for c in chunks], ctx_lens)
+            tables = cache.step_tables(request_ids, starts, ctx_list)
             if self.model.shard is not None:  # tensor parallel: every rank must run the same tokens alike
-                request_ids, starts = [c.request_id for c in chunks], [c.start for c in chunks]
-                digest = step_digest(request_ids, starts, [c.token_ids for c in chunks], tables.slots)
+                digest = step_digest(list(request_ids), list(starts), list(token_lists), tables.slots)
                 check_same_step(digest, self.model)
             step = self.attention.begin_step(
-                PagedStepMetadata(q_lens, ctx_lens, tables.slots, tables.csr.indptr, tables.csr.indices)
+                PagedStepMetadata(q_list, ctx_list, tables.slots, tables.csr.indptr, tables.csr.indices)
             )
-            pos_t = torch.tensor(positions, dtype=torch.long, device=device)
+            # flat token j of chunk i sits at position starts[i] + (j - its first row)
+            positions = np.arange(num_tokens) + np.repeat(ctx_lens - ends, q_lens)
+            pos_t = torch.from_numpy(positions).to(device)
         if buffers is not None:
             # the buffers hold a step only between the runner's update and this forward, so
             # a step the runner did not put there (a caller's own forward) is never taken
@@ -445,10 +446,10 @@ class LlamaExecutor:
             self.last_decode_path = step.decode_path
         self.peaks.note("step_tables", step.table_bytes)  # the plan's tensors (for the memory ledger)
         self.peaks.note("chunked_prefill", step.prefill_bytes)
-        ids_t = torch.tensor(token_ids, dtype=torch.long, device=device)
-        top = max(ctx_lens) - 1 if ctx_lens else 0
+        ids_t = torch.from_numpy(flat_ids).to(device)
+        top = int(ctx_lens.max()) - 1 if n else 0
         logits = self.model.forward(ids_t, pos_t, StepMetadata(step, None if all_logits else logit_rows, top))
-        self._note_forward(len(token_ids), step.attend, logits)
+        self._note_forward(num_tokens, step.attend, logits)
         return logits
 
     def _forward_decode(self, token_ids: Sequence[list[int]], starts: Sequence[int]) -> torch.Tensor:

@@ -196,132 +196,110 @@ class StepBuffers:
     ) -> StepView:
         """The step computing positions [starts[i], ends[i]) of request_ids[i], whose block
         table (the cache's, logical block k at tables[i][k]) covers its first ends[i]
-        positions. ValueError naming the problem for a step the buffers cannot hold."""
+        positions. ValueError naming the problem for a step the buffers cannot hold; the
+        whole step is checked before anything is written, so a refused step leaves the
+        buffers as they were.
+
+        A request's cost is its own: the step's columns go through numpy (a few C-level
+        passes over the ids, no Python loop a request), a held request whose step stays in
+        one block writes that one entry, and only the requests that join (a whole row) or
+        compute several tokens (the blocks they span) are visited in Python."""
         n = len(request_ids)
         if n > self.max_num_seqs:
             raise ValueError(f"StepBuffers: a step of {n} sequences, more than max_num_seqs {self.max_num_seqs}")
         bs, width, s = self.block_size, self.max_blocks_per_seq, self.max_num_seqs
-        vec, pos, rows = self._vec_np, self._pos_np, self._rows
-        on_cpu = self.device.type == "cpu"
         if self._sent is not None:
             self._sent.synchronize()  # the pinned twins are read by the last step's copies until then
-        if n <= self.max_num_tokens and self._update_decodes(request_ids, starts, ends, tables):
-            return self.view(n, n, 1)
-        # the step's values in Python lists first, written into the buffers by a few bulk
-        # numpy assignments after the loop (one element at a time costs ~10x more); the
-        # tokens' positions and slots in numpy after it, from the rows (no Python a token)
-        free, new_rows = self._free_rows, {}  # new request id -> the free row it takes
-        changed_idx: list[int] = []  # flat index into block_tables of each entry written
-        changed_val: list[int] = []
-        seq_rows: list[int] = []
-        query_start: list[int] = []
-        num_tokens = max_query_len = 0
-        for i in range(n):
-            rid, start, end, table = request_ids[i], starts[i], ends[i], tables[i]
-            q_len = end - start
-            num_blocks = -(-end // bs)
-            if q_len <= 0 or start < 0 or num_blocks > len(table):
+        # the step's columns: [n] int64 each
+        st = np.fromiter(starts, np.int64, n)
+        en = np.fromiter(ends, np.int64, n)
+        q_lens = en - st
+        num_blocks = -(-en // bs)  # the blocks the step's context covers
+        held = list(map(self._rows.get, request_ids))  # each request's row, None: it joins now
+        # the checks, each a mask over the requests; the first request failing any is named
+        # (by the first check it fails, in this order), as a loop over them would
+        uncovered = (q_lens <= 0) | (st < 0) | (num_blocks > np.fromiter(map(len, tables), np.int64, n))
+        too_wide = num_blocks > width
+        over = np.cumsum(q_lens) > self.max_num_tokens
+        free, new_rows = self._free_rows, {}  # new request id -> the free row it takes (after the checks)
+        joins: list[int] = []  # the step's positions of those requests (a repeated id joins once)
+        no_row = n
+        for i in [i for i, row in enumerate(held) if row is None] if None in held else ():
+            rid = request_ids[i]
+            if rid in new_rows:
+                held[i] = new_rows[rid]
+                continue
+            if len(new_rows) == len(free):
+                no_row = i
+                break
+            held[i] = new_rows[rid] = free[-1 - len(new_rows)]  # the row `free.pop()` gives it
+            joins.append(i)
+        failing = np.flatnonzero(uncovered | too_wide | over)
+        first_bad = min(int(failing[0]) if len(failing) else n, no_row)
+        if first_bad < n:
+            i = first_bad
+            rid = request_ids[i]
+            if uncovered[i]:
                 raise ValueError(
-                    f"StepBuffers: request {rid!r} positions [{start}, {end}) are not a step its "
-                    f"{len(table)} blocks of {bs} cover"
+                    f"StepBuffers: request {rid!r} positions [{st[i]}, {en[i]}) are not a step its "
+                    f"{len(tables[i])} blocks of {bs} cover"
                 )
-            if num_blocks > width:
+            if too_wide[i]:
                 raise ValueError(
-                    f"StepBuffers: request {rid!r} needs {num_blocks} blocks, more than max_blocks_per_seq {width}"
+                    f"StepBuffers: request {rid!r} needs {num_blocks[i]} blocks, more than max_blocks_per_seq {width}"
                 )
-            if num_tokens + q_len > self.max_num_tokens:
+            if over[i]:
                 raise ValueError(f"StepBuffers: a step of more than max_num_tokens {self.max_num_tokens} tokens")
-            row = rows.get(rid)
-            if row is None:
-                row = new_rows.get(rid)
-            if row is None:  # rows are taken after the loop: a refused step holds none
-                if len(new_rows) == len(free):
-                    raise ValueError(
-                        f"StepBuffers: no free row for {rid!r}: {s} requests hold rows (forget released ones)"
-                    )
-                row = new_rows[rid] = free[-1 - len(new_rows)]  # the row `free.pop()` gives it
-                first = 0
-            else:
-                first = start // bs
-            # [0, first) unchanged since the request's last step | [first, num_blocks) rewritten
-            base = row * width
-            if num_blocks - first == 1:  # the decode case
-                changed_idx.append(base + first)
-                changed_val.append(table[first])
-            else:
-                changed_idx.extend(range(base + first, base + num_blocks))
-                changed_val.extend(table[first:num_blocks])
-            seq_rows.append(row)
-            query_start.append(num_tokens)
-            num_tokens += q_len
-            if q_len > max_query_len:
-                max_query_len = q_len
+            raise ValueError(f"StepBuffers: no free row for {rid!r}: {s} requests hold rows (forget released ones)")
         # checked: now written (a refused step left every buffer and row as it was)
+        rows = self._rows
         for rid in new_rows:
             rows[rid] = free.pop()
-        if changed_idx:
-            self._tables_flat[changed_idx] = changed_val
+        seq_rows = np.array(held, dtype=np.int64)  # [n]
+        # each request's entries [first, num_blocks) are rewritten: [0, first) unchanged since
+        # its last step | [first, num_blocks) written now (a joining request: its whole row)
+        first = st // bs
+        first[joins] = 0
+        spans = num_blocks - first  # >= 1: a step's last token lies in block num_blocks - 1 >= first
+        one = np.flatnonzero(spans == 1)  # [m]: the decodes, and chunks within one block
+        one_tables = map(tables.__getitem__, one.tolist())
+        one_blocks = np.fromiter(map(operator.getitem, one_tables, first[one].tolist()), np.int64, len(one))
+        changed_idx = seq_rows[one] * width + first[one]  # flat indices into block_tables
+        changed_val = one_blocks
+        if len(one) < n:  # the requests that span several blocks: a joining one, a prompt chunk
+            idx: list[int] = []
+            val: list[int] = []
+            for i in np.flatnonzero(spans > 1).tolist():
+                base, lo, hi = held[i] * width, int(first[i]), int(num_blocks[i])
+                idx.extend(range(base + lo, base + hi))
+                val.extend(tables[i][lo:hi])
+            changed_idx = np.concatenate((changed_idx, np.array(idx, dtype=np.int64)))
+            changed_val = np.concatenate((changed_val, np.array(val, dtype=np.int64)))
+        self._tables_flat[changed_idx] = changed_val
         self.num_table_writes += len(changed_idx)
         # flat token j of sequence i sits at position starts[i] + (j - query_start[i]), in the
         # block its row now holds at entry position // block_size (entries [0, first) from
         # earlier steps, the rest just written): [num_tokens] int64 each
-        q_lens = np.fromiter(ends, np.int64, n) - np.fromiter(starts, np.int64, n)
-        shift = np.fromiter(starts, np.int64, n) - np.array(query_start, dtype=np.int64)
-        positions = np.arange(num_tokens) + np.repeat(shift, q_lens)
-        entries = np.repeat(np.array(seq_rows, dtype=np.int64) * width, q_lens) + positions // bs
+        num_tokens = int(q_lens.sum())
+        vec, pos = self._vec_np, self._pos_np
+        query_start = np.cumsum(q_lens) - q_lens  # [n]
+        if num_tokens == n:  # one token a sequence (a decode step): positions are the starts
+            positions, entries = st, seq_rows * width + st // bs
+        else:
+            positions = np.arange(num_tokens) + np.repeat(st - query_start, q_lens)
+            entries = np.repeat(seq_rows * width, q_lens) + positions // bs
         vec[:n] = seq_rows
-        vec[s : s + n] = ends
-        query_start.append(num_tokens)
-        vec[2 * s : 2 * s + n + 1] = query_start
+        vec[s : s + n] = en
+        vec[2 * s : 2 * s + n] = query_start
+        vec[2 * s + n] = num_tokens
         vec[3 * s + 1 : 3 * s + 1 + num_tokens] = self._tables_flat[entries] * bs + positions % bs
         pos[:num_tokens] = positions
         self.num_seqs, self.num_tokens = n, num_tokens
-        self._decoded = None
-        if not on_cpu:
-            self._send(changed_idx, changed_val, num_tokens)
-        return self.view(n, num_tokens, max_query_len)
-
-    def _update_decodes(
-        self,
-        request_ids: Sequence[str],
-        starts: Sequence[int],
-        ends: Sequence[int],
-        tables: Sequence[Sequence[int]],
-    ) -> bool:
-        """`update`'s common case in numpy: a pure decode step (one new token a sequence) of
-        requests that all hold rows, each rewriting one table entry, the block its token
-        goes in. False (nothing written) for any other step, which the general loop takes
-        (and refuses, naming the problem, when it must)."""
-        n = len(request_ids)
-        held = list(map(self._rows.get, request_ids))
-        if not n or None in held:
-            return False
-        st = np.fromiter(starts, np.int64, n)
-        if not np.array_equal(np.fromiter(ends, np.int64, n), st + 1):
-            return False
-        bs, width, s = self.block_size, self.max_blocks_per_seq, self.max_num_seqs
-        first = st // bs  # the entry each token writes in: [0, first) unchanged | first rewritten
-        if first.min() < 0 or first.max() >= width:
-            return False
-        try:  # (a table too short for its step: IndexError, and the general loop names it)
-            blocks = np.fromiter(map(operator.getitem, tables, first.tolist()), np.int64, n)
-        except IndexError:
-            return False
-        seq_rows = np.array(held, dtype=np.int64)
-        changed_idx = seq_rows * width + first
-        self._tables_flat[changed_idx] = blocks
-        self.num_table_writes += n
-        vec = self._vec_np
-        vec[:n] = seq_rows
-        vec[s : s + n] = st + 1
-        vec[2 * s : 2 * s + n + 1] = self._iota[: n + 1]
-        vec[3 * s + 1 : 3 * s + 1 + n] = blocks * bs + st % bs
-        self._pos_np[:n] = st
-        self.num_seqs = self.num_tokens = n
-        self._decoded = tuple(request_ids)
+        # a decode step of these requests in this order: what `advance` moves one token on
+        self._decoded = tuple(request_ids) if num_tokens == n else None
         if self.device.type != "cpu":
-            self._send(changed_idx, blocks, n)
-        return True
+            self._send(changed_idx, changed_val, num_tokens)
+        return self.view(n, num_tokens, int(q_lens.max()) if n else 0)
 
     def advance(
         self,

@@ -229,7 +229,9 @@ class TritonPagedBackend(PagedBackend):
             extra += len(seqs) * self.num_heads * decode.num_splits * (st.head_dim + 1) * acc_bytes
         return dataclasses.replace(step, decode_path="triton", table_bytes=step.table_bytes + extra)
 
-    def begin_buffered_step(self, buffers: StepBuffers, q_lens: Sequence[int], ctx_lens: Sequence[int]) -> PagedStep:
+    def begin_buffered_step(
+        self, buffers: StepBuffers, q_lens: Sequence[int] | np.ndarray, ctx_lens: Sequence[int] | np.ndarray
+    ) -> PagedStep:
         """`begin_step` for the step the buffers hold (their last `update`, sequences in its
         order: sequence i's q_lens[i] new tokens, its context ctx_lens[i] after them), read
         from the buffers instead of the cache's lists: K/V written through slot_mapping, the
@@ -241,52 +243,51 @@ class TritonPagedBackend(PagedBackend):
         (tests/test_triton_kernels.py, tests/test_decode_graphs.py)."""
         st, scale, ops = self.storage, self.scale, self.ops
         bs, device = st.block_size, st.k.device
-        n, num_tokens = len(q_lens), sum(q_lens)
-        if len(ctx_lens) != n or buffers.num_seqs != n or buffers.num_tokens != num_tokens:
+        # the step's columns in numpy, not a Python loop a sequence: [n] int64 each
+        q, c = np.asarray(q_lens, dtype=np.int64), np.asarray(ctx_lens, dtype=np.int64)
+        n, num_tokens = len(q), int(q.sum())
+        if len(c) != n or buffers.num_seqs != n or buffers.num_tokens != num_tokens:
             raise ValueError(
                 f"the step buffers hold {buffers.num_seqs} sequences of {buffers.num_tokens} tokens, "
-                f"not {n} of {num_tokens} ({len(ctx_lens)} context lengths)"
+                f"not {n} of {num_tokens} ({len(c)} context lengths)"
             )
-        prefill_seqs, prefill_rows, seqs, rows = [], [], [], []
-        row = 0
-        for i, (q_len, ctx_len) in enumerate(zip(q_lens, ctx_lens, strict=True)):
-            if ctx_len < q_len or q_len < 1:
-                raise ValueError(f"sequence {i}: {ctx_len} tokens with {q_len} new ones")
-            if q_len == 1:
-                seqs.append(i)
-                rows.append(row)
-            else:
-                prefill_seqs.append(i)
-                prefill_rows.append(row)
-            row += q_len
+        bad = np.flatnonzero((c < q) | (q < 1))
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(f"sequence {i}: {c[i]} tokens with {q[i]} new ones")
+        first_rows = np.cumsum(q) - q  # [n]: each sequence's first row of the step's tokens
+        seqs, prefill_seqs = np.flatnonzero(q == 1), np.flatnonzero(q > 1)  # [B], [P]: increasing
         view = buffers.view(n, num_tokens)
         slots, tables = view.slot_mapping, buffers.block_tables  # [N] int32, [rows, width] int32
         decode = None
-        if seqs:  # the decodes' query rows, table rows and lengths: [B] int32 each
-            if len(seqs) == n:
-                picked = (view.query_start[:n], view.seq_rows, view.ctx_lens)
+        vectors = (buffers.query_start, buffers.seq_rows, buffers.ctx_lens)  # [max_num_seqs (+ 1)] int32
+        if len(seqs):  # the decodes' query rows, table rows and lengths: [B] int32 each
+            if seqs[-1] == len(seqs) - 1:  # the decodes first (the engine's order): views
+                picked = tuple(t[: len(seqs)] for t in vectors)
             else:
-                index = torch.tensor(seqs, dtype=torch.long).to(device)
-                picked = tuple(t.index_select(0, index) for t in (view.query_start[:n], view.seq_rows, view.ctx_lens))
+                index = torch.from_numpy(seqs).to(device)
+                picked = tuple(t[:n].index_select(0, index) for t in vectors)
             splits = self.num_splits
             if splits is None:
-                max_ctx_len = max(ctx_lens[i] for i in seqs)
-                splits = ops.num_splits_for(len(seqs), st.num_kv_heads, max_ctx_len, self.num_sms)
+                splits = ops.num_splits_for(len(seqs), st.num_kv_heads, int(c[seqs].max()), self.num_sms)
             decode = (*picked, splits)
         extend = None
-        if prefill_seqs:  # the chunks' table rows as offsets into the flat table: [P] int32
-            index = torch.tensor(prefill_seqs, dtype=torch.long).to(device)
-            offsets = view.seq_rows.index_select(0, index) * buffers.max_blocks_per_seq
+        if len(prefill_seqs):  # the chunks' table rows as offsets into the flat table: [P] int32
+            if prefill_seqs[0] == n - len(prefill_seqs):  # the chunks last (the engine's order): a view
+                chunk_rows = buffers.seq_rows[prefill_seqs[0] : n]
+            else:
+                chunk_rows = buffers.seq_rows[:n].index_select(0, torch.from_numpy(prefill_seqs).to(device))
+            offsets = chunk_rows * buffers.max_blocks_per_seq
             extend = self.extend_ops.plan_extend(
-                [q_lens[i] for i in prefill_seqs],
-                [ctx_lens[i] for i in prefill_seqs],
+                q[prefill_seqs],
+                c[prefill_seqs],
                 offsets,
                 tables.view(-1),
                 bs,
                 self.num_heads,
                 st.num_kv_heads,
                 device,
-                q_rows=prefill_rows,
+                q_rows=first_rows[prefill_seqs],
                 num_rows=num_tokens,
             )
 
