@@ -25,6 +25,7 @@ from kvpool.engine.llama_runner import LlamaRunner
 from kvpool.engine.sampling import (
     SEED_MAX,
     SEED_MIN,
+    BatchSampler,
     SamplingParams,
     _draw,
     _sample_group,
@@ -244,6 +245,56 @@ def test_a_sample_index_never_replays_another_seeds_draws():
     aliased = SamplingParams(temperature=1.0, seed=3)  # 3 = 2 ^ 1
     drawn = [sample_token(flat, hot, 1, k) for k in range(40)]
     assert drawn != [sample_token(flat, aliased, 0, k) for k in range(40)]
+
+
+def test_the_batch_sampler_keeps_a_batch_and_samples_sample_batchs_tokens():
+    """`BatchSampler` over 300 steps of a batch that changes as an engine's does (rows finish,
+    join, a step samples a few rows only, the order changes; a new owner with another's
+    parameters), each row at its own position: every token is `sample_batch`'s on the same
+    rows, and the rows' parameters are read again exactly when the owners changed."""
+    rng = random.Random(5)
+    kinds = [
+        {},
+        {"temperature": 0.7, "seed": 11},
+        {"temperature": 1.3, "top_p": 0.8, "seed": -2},
+        {"temperature": 0.9, "top_k": 5, "top_p": 0.9, "seed": SEED_MAX},
+        {"temperature": 2.0, "top_k": 3},
+    ]
+
+    class Owner:  # an engine's sequence: its params and sample index fixed while it runs
+        def __init__(self) -> None:
+            self.params = SamplingParams(**rng.choice(kinds))
+            self.index, self.position = rng.randint(0, 3), rng.randint(0, 50)
+
+    sampler = BatchSampler()
+    batch = [Owner() for _ in range(6)]
+    reads, last = 0, []
+    for step in range(300):
+        event = rng.random()
+        if event < 0.1:  # one finishes, one joins
+            batch.pop(rng.randrange(len(batch)))
+            batch.append(Owner())
+        elif event < 0.15:
+            rng.shuffle(batch)
+        rows = batch if event < 0.9 else rng.sample(batch, 3)  # a step that samples some rows only
+        logits = torch.randn(len(rows), 24, generator=torch.Generator().manual_seed(step)) * 3
+        read_before = reads
+
+        def params_of(rows=rows):
+            nonlocal reads
+            reads += 1
+            return [o.params for o in rows], [o.index for o in rows]
+
+        got = sampler.sample(logits, rows, params_of, lambda rows=rows: [o.position for o in rows])
+        want = sample_batch(logits, [o.params for o in rows], [o.index for o in rows], [o.position for o in rows])
+        assert got == want, step
+        # read again exactly when the rows are not the last step's objects in the same order
+        changed = len(rows) != len(last) or any(a is not b for a, b in zip(rows, last, strict=False))
+        assert reads - read_before == changed, step
+        last = list(rows)
+        for o in rows:
+            o.position += 1
+    assert 30 < reads < 150  # most steps kept their batch
 
 
 def test_mismatched_lengths_are_refused_naming_them():

@@ -32,7 +32,7 @@ from typing import TypeVar
 import torch
 
 from kvpool.engine.runner import ModelRunner, ScheduledChunk
-from kvpool.engine.sampling import SamplingParams, sample_batch, sample_token, token_logprobs
+from kvpool.engine.sampling import BatchSampler, SamplingParams, sample_batch, sample_token, token_logprobs
 
 _T = TypeVar("_T")
 # ScheduledChunk(...) without the named tuple's Python-level __new__: the engine makes one
@@ -171,6 +171,7 @@ class Engine:
         self.clock = clock
         self.sampler = sampler
         self.batched_sampling = batched_sampling
+        self._batch_sampler = BatchSampler()  # the batched steps' (keeps a batch's table while it runs)
         # A fault of one request's own work (its sampling, stop-string text or fork) fails
         # that request alone (`fail`, RequestOutput.error) when this is set; else it raises,
         # as any bug does. Only a consumer that reads `error` sets it (the server's engine
@@ -541,13 +542,21 @@ class Engine:
         return finished
 
     def _sample_step(self, chunks: Sequence[ScheduledChunk], logits: torch.Tensor) -> list[int]:
-        """Every sampled row's token (the chunks needing logits, in order), in one batch."""
+        """Every sampled row's token (the chunks needing logits, in order), in one batch. The
+        batch sampler keeps the rows' parameter table and seed words while the step samples
+        the same sequences in the same order (a decode step of the same batch): then only
+        the positions are read, and only when a row draws."""
         seqs = self._scheduled
         if not all(map(_NEEDS_LOGITS, chunks)):  # (a decode step samples every chunk: no filtered copy)
             seqs = [seq for seq, c in zip(seqs, chunks, strict=True) if c.needs_logits]
-        params = [seq.request.params for seq in seqs]
-        positions = [len(seq.token_ids) - len(seq.request.prompt_ids) for seq in seqs]
-        return sample_batch(logits[: len(seqs)], params, [seq.sample_index for seq in seqs], positions)
+
+        def rows() -> tuple[list[SamplingParams], list[int]]:
+            return [seq.request.params for seq in seqs], [seq.sample_index for seq in seqs]
+
+        def positions() -> list[int]:
+            return [len(seq.token_ids) - len(seq.request.prompt_ids) for seq in seqs]
+
+        return self._batch_sampler.sample(logits[: len(seqs)], seqs, rows, positions)
 
     def _fork_samples(
         self, parent: SequenceState, logits: torch.Tensor, row: int, now: float, done: list[tuple[SequenceState, str]]

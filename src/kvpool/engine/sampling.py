@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -240,35 +240,115 @@ def sample_batch(
         )
     if num_rows == 0:
         return []
-    # the rows that are not `greedy` (temperature >= GREEDY_TEMPERATURE), in numpy: one
-    # attribute read a row, no Python comparison a row
-    temperature = np.fromiter(map(_TEMPERATURE, params), np.float64, num_rows)
-    stochastic = np.flatnonzero(temperature >= GREEDY_TEMPERATURE)  # [m] int64, increasing
-    if not len(stochastic):
-        return torch.argmax(logits, dim=-1).tolist()  # the step's one host synchronisation
-    device, vocab, m = logits.device, logits.shape[-1], len(stochastic)
-    if m == num_rows:  # every row draws (a temperature step): the rows as they come
-        picked, indices, at = params, sample_indices, positions
-    else:
-        rows_at = stochastic.tolist()
-        picked = [params[i] for i in rows_at]
-        indices, at = [sample_indices[i] for i in rows_at], [positions[i] for i in rows_at]
-    # the per-row parameters, one host-to-device copy: temperature, top_p, top_k, u. A top_p
-    # is at least TOP_P_MIN, the least positive fp32: one that fp32 rounds to 0 keeps the
-    # first candidate by itself (0 >= top_p would drop it), as sample_token's does
-    table = np.empty((m, 4), dtype=np.float64)
-    table[:, 0] = temperature[stochastic]
-    table[:, 1] = [p.top_p for p in picked]
-    np.maximum(table[:, 1], TOP_P_MIN, out=table[:, 1])
-    table[:, 2] = [min(p.top_k, vocab) if p.top_k else vocab for p in picked]
-    table[:, 3] = uniform_draws([p.seed for p in picked], indices, at)
-    table_t = _to_device(torch.from_numpy(table), device)
-    if m == num_rows:  # every row draws: no greedy rows to merge them with
-        return _sample_rows(logits, table_t, table).tolist()
-    tokens = torch.argmax(logits, dim=-1)  # [rows] int64
-    rows = _to_device(torch.from_numpy(stochastic), device)
-    tokens = tokens.index_copy(0, rows, _sample_rows(logits.index_select(0, rows), table_t, table))
-    return tokens.tolist()  # the step's one host synchronisation
+    rows = _BatchRows.of(params, sample_indices, logits.shape[-1])
+    return rows.sample(logits, positions)
+
+
+class _BatchRows:
+    """What `sample_batch` derives from a batch's parameters alone, made once for a batch of
+    rows (`BatchSampler` keeps it while the rows stay): which rows draw, their parameter
+    table (temperature, top_p, top_k; the draw's column written per step) and their draws'
+    seed words, `_mix64`'s first two rounds of (seed, sample index), which only the position
+    (its third round) changes from step to step."""
+
+    __slots__ = ("num_rows", "stochastic", "table", "mixed")
+
+    def __init__(self, num_rows: int, stochastic: np.ndarray, table: np.ndarray, mixed: np.ndarray) -> None:
+        self.num_rows = num_rows
+        self.stochastic = stochastic  # [m] int64, increasing: the rows that draw
+        self.table = table  # [m, 4] float64: temperature, top_p, top_k (vocab: off), u (per step)
+        self.mixed = mixed  # [m] uint64: _splitmix64(_splitmix64(seed) ^ sample index)
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams], sample_indices: Sequence[int], vocab: int) -> _BatchRows:
+        num_rows = len(params)
+        # the rows that are not `greedy` (temperature >= GREEDY_TEMPERATURE), in numpy: one
+        # attribute read a row, no Python comparison a row
+        temperature = np.fromiter(map(_TEMPERATURE, params), np.float64, num_rows)
+        stochastic = np.flatnonzero(temperature >= GREEDY_TEMPERATURE)  # [m] int64, increasing
+        m = len(stochastic)
+        if m == num_rows:  # every row draws (a temperature step): the rows as they come
+            picked, indices = params, sample_indices
+        else:
+            rows_at = stochastic.tolist()
+            picked, indices = [params[i] for i in rows_at], [sample_indices[i] for i in rows_at]
+        # the per-row parameters. A top_p is at least TOP_P_MIN, the least positive fp32: one
+        # that fp32 rounds to 0 keeps the first candidate by itself (0 >= top_p would drop
+        # it), as sample_token's does
+        table = np.empty((m, 4), dtype=np.float64)
+        table[:, 0] = temperature[stochastic]
+        table[:, 1] = [p.top_p for p in picked]
+        np.maximum(table[:, 1], TOP_P_MIN, out=table[:, 1])
+        table[:, 2] = [min(p.top_k, vocab) if p.top_k else vocab for p in picked]
+        x = _splitmix64_np(np.fromiter([p.seed for p in picked], np.int64, m).view(np.uint64))
+        mixed = _splitmix64_np(x ^ np.fromiter(indices, np.int64, m).view(np.uint64))
+        return cls(num_rows, stochastic, table, mixed)
+
+    def sample(self, logits: torch.Tensor, positions: Sequence[int] | Callable[[], Sequence[int]]) -> list[int]:
+        """logits [num_rows, vocab] -> a token a row, the rows' output positions given (or
+        a callable giving them, called only when a row draws): `sample_batch`'s tokens."""
+        stochastic, m = self.stochastic, len(self.stochastic)
+        if not m:
+            return torch.argmax(logits, dim=-1).tolist()  # the step's one host synchronisation
+        at = np.fromiter(positions() if callable(positions) else positions, np.int64, self.num_rows)
+        if m < self.num_rows:
+            at = at[stochastic]
+        # the draws' third round, on the position: uniform_draws' words bit for bit
+        x = _splitmix64_np(self.mixed ^ at.view(np.uint64))
+        table = self.table
+        table[:, 3] = (x >> np.uint64(11)).astype(np.float64) * 2.0**-53
+        device = logits.device
+        # (on CUDA a pinned copy is sent, so the next step may rewrite the table; on the CPU
+        # the ops below read it before this call returns)
+        table_t = _to_device(torch.from_numpy(table), device)
+        if m == self.num_rows:  # every row draws: no greedy rows to merge them with
+            return _sample_rows(logits, table_t, table).tolist()
+        tokens = torch.argmax(logits, dim=-1)  # [rows] int64
+        rows = _to_device(torch.from_numpy(stochastic), device)
+        tokens = tokens.index_copy(0, rows, _sample_rows(logits.index_select(0, rows), table_t, table))
+        return tokens.tolist()  # the step's one host synchronisation
+
+
+class BatchSampler:
+    """`sample_batch` for an engine's steps, keeping what a batch's parameters alone
+    determine (`_BatchRows`: which rows draw, their parameter table, their seeds' hash
+    words) from one step to the next while the step samples the same rows in the same
+    order (a decode step of the same requests), the way vLLM's persistent batch keeps its
+    requests' sampling parameters in arrays by row. A step of other rows (one joined, left
+    or moved) builds them again. Its tokens are `sample_batch`'s, bit for bit
+    (tests/test_sampling_batch.py): the same table, the same draws, the same tensor ops."""
+
+    def __init__(self) -> None:
+        self._owners: list[object] = []  # the last batch's rows' owners, compared by identity
+        self._rows: _BatchRows | None = None
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        owners: Sequence[object],
+        rows: Callable[[], tuple[Sequence[SamplingParams], Sequence[int]]],
+        positions: Callable[[], Sequence[int]],
+    ) -> list[int]:
+        """logits [rows, vocab] -> a token a row. owners[i]: the object that row i samples
+        for (the engine's sequence: the same object for as long as it runs, its parameters
+        fixed); rows(): every row's params and sample index, called only when the owners
+        differ from the last call's; positions(): every row's output position, called only
+        when a row draws."""
+        n = logits.shape[0]
+        if len(owners) != n:
+            raise ValueError(f"BatchSampler: {n} logit rows but {len(owners)} owners")
+        if n == 0:
+            return []
+        last = self._owners
+        if self._rows is None or len(last) != n or not all(map(operator.is_, owners, last)):
+            params, sample_indices = rows()
+            if not len(params) == len(sample_indices) == n:
+                raise ValueError(
+                    f"BatchSampler: {n} logit rows but {len(params)} params, {len(sample_indices)} sample indices"
+                )
+            self._rows = _BatchRows.of(params, sample_indices, logits.shape[-1])
+            self._owners = list(owners)  # (held: an owner's id is never another's while it is here)
+        return self._rows.sample(logits, positions)
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
