@@ -48,7 +48,7 @@ from kvpool.spec import dsv4 as dsv4_spec
 @dataclass
 class BuiltLayout:
     name: str
-    manager: FullAttentionManager | DSV4CacheManager | HybridCacheManager
+    cache: FullAttentionManager | DSV4CacheManager | HybridCacheManager
     block_bytes: int  # bytes of one block (contiguous: one request's reservation)
     state_block_bytes: int  # V4 dual: one state block; else 0
     pool_bytes: int  # the replica's KV pool (per GPU of its TP group)
@@ -59,11 +59,11 @@ class BuiltLayout:
     @property
     def num_state_blocks(self) -> int:
         """V4 dual: the state blocks (one per running request); else 0."""
-        return self.manager.usage().num_state_blocks if self.state_block_bytes else 0
+        return self.cache.usage().num_state_blocks if self.state_block_bytes else 0
 
     @property
     def kv_capacity_bytes(self) -> int:
-        return self.block_bytes * self.manager.num_blocks + self.state_block_bytes * self.num_state_blocks
+        return self.block_bytes * self.cache.num_blocks + self.state_block_bytes * self.num_state_blocks
 
 
 def default_layout(plan: Plan) -> str:

@@ -17,7 +17,7 @@ from kvpool.sim.layouts import BuiltLayout
 def sim_runner(built: BuiltLayout, executor: CostExecutor, max_model_len: int) -> ModelRunner:
     """The engine's runner over the layout's cache and `executor`, without tiers (a
     layout's cache has no lower tier); requests up to `max_model_len` tokens."""
-    cache = built.manager
+    cache = built.cache
     bridge = TierBridge(None, (), built.block_size, enable_prefix_caching=cache.enable_prefix_caching)
     return ModelRunner(
         cache,
