@@ -23,58 +23,58 @@ class PrefixModelRunner:
     from what the cache says the sequence holds (so a wrong prefix shows as a wrong token)."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.manager = FullAttentionManager(num_blocks, block_size, CacheDescriptor("prefix-model"))
+        self.cache = FullAttentionManager(num_blocks, block_size, CacheDescriptor("prefix-model"))
         self.vocab_size = VOCAB
         self.capacity_tokens = num_blocks * block_size
         self.max_model_len = self.capacity_tokens
 
     def admit(self, request_id, token_ids, max_new_tokens, *, tenant_salt=""):
-        return self.manager.admit(request_id, token_ids, max_new_tokens, tenant_salt=tenant_salt)
+        return self.cache.admit(request_id, token_ids, max_new_tokens, tenant_salt=tenant_salt)
 
     def reserve(self, request_ids, num_new_tokens):
-        return self.manager.reserve_step(request_ids, num_new_tokens)
+        return self.cache.reserve_step(request_ids, num_new_tokens)
 
     def append_tokens(self, request_id, token_ids):
-        self.manager.append_token_ids(request_id, token_ids)
+        self.cache.append_token_ids(request_id, token_ids)
 
     def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
-        self.manager.take_copies()
-        tables = self.manager.step_tables(
+        self.cache.take_copies()
+        tables = self.cache.step_tables(
             [c.request_id for c in chunks], [c.start for c in chunks], [c.start + len(c.token_ids) for c in chunks]
         )
         assert len(tables.slots) == sum(len(c.token_ids) for c in chunks)
         rows = []
         for c in chunks:
             if c.needs_logits:
-                prefix = self.manager.token_ids(c.request_id)[: c.start] + c.token_ids
+                prefix = self.cache.token_ids(c.request_id)[: c.start] + c.token_ids
                 row = torch.zeros(VOCAB)
                 row[(sum(prefix) * 31 + len(prefix)) % VOCAB] = 1.0
                 rows.append(row)
         return torch.stack(rows) if rows else torch.zeros(0, VOCAB)
 
     def commit(self, request_ids, num_tokens, next_token_ids):
-        self.manager.commit_step(request_ids, num_tokens, next_token_ids)
+        self.cache.commit_step(request_ids, num_tokens, next_token_ids)
 
     def fork(self, parent_id, child_id):
-        return self.manager.fork(parent_id, child_id)
+        return self.cache.fork(parent_id, child_id)
 
     def release(self, request_id, reason):
-        return self.manager.release(request_id, reason)
+        return self.cache.release(request_id, reason)
 
     def num_computed_tokens(self, request_id):
-        return self.manager.num_computed_tokens(request_id)
+        return self.cache.num_computed_tokens(request_id)
 
     def num_allocations(self):
-        return self.manager.pool.num_allocated
+        return self.cache.pool.num_allocated
 
     def kv_read_bytes(self, num_context_tokens):
         return num_context_tokens
 
     def usage(self):
-        return self.manager.usage()
+        return self.cache.usage()
 
     def check_integrity(self):
-        self.manager.check_integrity()
+        self.cache.check_integrity()
 
     def cache_stats(self):
         return {}
@@ -109,7 +109,7 @@ def test_a_sequence_that_preempts_itself_resumes_with_the_same_tokens():
     assert engine.num_preemptions > 0
     for rid, prompt in zip(ids, prompts, strict=True):
         assert engine.output(rid).completions[0].token_ids == expected(prompt, 8)
-    assert runner.manager.num_free_blocks == 4 and not runner.manager._preempted
+    assert runner.cache.num_free_blocks == 4 and not runner.cache._preempted
 
 
 def test_an_aborted_sequence_that_waits_after_preemption_leaves_nothing_behind():
@@ -124,13 +124,13 @@ def test_an_aborted_sequence_that_waits_after_preemption_leaves_nothing_behind()
         engine.step()
     assert engine.num_preemptions == 1
     (victim,) = [s for s in engine.waiting]
-    assert victim.request.request_id == b and victim.seq_id in runner.manager._preempted
+    assert victim.request.request_id == b and victim.seq_id in runner.cache._preempted
     assert engine.abort(b)
-    assert not runner.manager._preempted and b + "/0" not in runner.manager
+    assert not runner.cache._preempted and b + "/0" not in runner.cache
     run(engine)
     assert engine.output(a).completions[0].token_ids == expected([1, 2, 3, 4, 5], 8)
     assert engine.output(b).completions[0].finish_reason == "abort"
-    assert runner.manager.num_free_blocks == 4
+    assert runner.cache.num_free_blocks == 4
 
 
 def test_parallel_samples_share_the_prompt_and_match_their_solo_runs():
@@ -141,8 +141,8 @@ def test_parallel_samples_share_the_prompt_and_match_their_solo_runs():
     run(engine)
     out = engine.output(rid)
     assert [c.token_ids for c in out.completions] == [expected(list(range(1, 11)), 5)] * 3
-    assert runner.manager.stats.num_requests == 1  # the children never went through admission
-    assert runner.manager.num_free_blocks == 16
+    assert runner.cache.stats.num_requests == 1  # the children never went through admission
+    assert runner.cache.num_free_blocks == 16
 
 
 def _decode_text(ids: list[int]) -> str:
