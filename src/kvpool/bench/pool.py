@@ -43,37 +43,37 @@ def _prompt(seed: int, length: int) -> list[int]:
 
 def trace_t1(hash_algo: str) -> dict[str, float]:
     """One run of T1: its three timed figures and its two counts."""
-    manager = FullAttentionManager(T1_BLOCKS, BLOCK_SIZE, CacheDescriptor("bench-t1"), hash_algo=hash_algo)
+    cache = FullAttentionManager(T1_BLOCKS, BLOCK_SIZE, CacheDescriptor("bench-t1"), hash_algo=hash_algo)
     request_ids = [f"t1-{i}" for i in range(T1_REQUESTS)]
     for i, request_id in enumerate(request_ids):
-        assert manager.admit(request_id, _prompt(i, T1_PROMPT)) is not None
-        manager.commit(request_id, T1_PROMPT)
-        manager.append_token_ids(request_id, [i % VOCAB])  # the first sampled token
-    allocated_before = manager.pool.num_allocated
+        assert cache.admit(request_id, _prompt(i, T1_PROMPT)) is not None
+        cache.commit(request_id, T1_PROMPT)
+        cache.append_token_ids(request_id, [i % VOCAB])  # the first sampled token
+    allocated_before = cache.pool.num_allocated
     next_tokens = [[(step * 31 + i) % VOCAB for i in range(T1_REQUESTS)] for step in range(T1_STEPS)]
     ones = [1] * T1_REQUESTS
     decode_s = tables_s = 0.0
-    starts = [manager.num_computed_tokens(r) for r in request_ids]
+    starts = [cache.num_computed_tokens(r) for r in request_ids]
     for step in range(T1_STEPS):
         start = time.perf_counter()
-        assert manager.reserve_step(request_ids, ones)
+        assert cache.reserve_step(request_ids, ones)
         reserved = time.perf_counter()
         # What LlamaExecutor.forward takes from the cache for a decode step (`step_tables`).
         ends = [n + 1 for n in starts]
         t0 = time.perf_counter()
-        manager.step_tables(request_ids, starts, ends)
+        cache.step_tables(request_ids, starts, ends)
         exported = time.perf_counter()
-        manager.commit_step(request_ids, ones, next_tokens[step])
+        cache.commit_step(request_ids, ones, next_tokens[step])
         decode_s += (reserved - start) + (time.perf_counter() - exported)
         tables_s += exported - t0
         starts = ends
-    num_new_blocks = manager.pool.num_allocated - allocated_before
-    num_registered = manager.pool.num_cached
+    num_new_blocks = cache.pool.num_allocated - allocated_before
+    num_registered = cache.pool.num_cached
     for request_id in request_ids:
-        assert manager.num_computed_tokens(request_id) == T1_PROMPT + T1_STEPS
-        manager.release(request_id)
-    manager.check_integrity()
-    assert manager.num_free_blocks == T1_BLOCKS
+        assert cache.num_computed_tokens(request_id) == T1_PROMPT + T1_STEPS
+        cache.release(request_id)
+    cache.check_integrity()
+    assert cache.num_free_blocks == T1_BLOCKS
 
     pool = BlockPool(T1_BLOCKS)
     start = time.perf_counter()
@@ -93,17 +93,17 @@ def trace_t1(hash_algo: str) -> dict[str, float]:
 
 def trace_t2(hash_algo: str) -> dict[str, float]:
     """One run of T2: hash_ns, prefix_lookup_ns, their sum, and the blocks hit."""
-    manager = FullAttentionManager(T2_BLOCKS, BLOCK_SIZE, CacheDescriptor("bench-t2"), hash_algo=hash_algo)
+    cache = FullAttentionManager(T2_BLOCKS, BLOCK_SIZE, CacheDescriptor("bench-t2"), hash_algo=hash_algo)
     prefix = _prompt(10_000, T2_PREFIX)
-    manager.admit("resident", prefix + [1])
-    manager.commit("resident", T2_PREFIX + 1)
+    cache.admit("resident", prefix + [1])
+    cache.commit("resident", T2_PREFIX + 1)
     prompts = [prefix + _prompt(20_000 + i, T2_UNIQUE) for i in range(T2_REQUESTS)]
     num_prefix_blocks = T2_PREFIX // BLOCK_SIZE
 
     # Hashing alone, as admission does it: the prompt's token bytes once, then the chained
     # hash of each prefix block (BlockHasher.chain of the parent's hash, as BlockPool.match).
-    hasher = manager.pool.hasher
-    root = manager.pool.root(manager.descriptor.key())
+    hasher = cache.pool.hasher
+    root = cache.pool.root(cache.descriptor.key())
     width = BLOCK_SIZE * TOKEN_BYTES
     start = time.perf_counter()
     for prompt in prompts:
@@ -117,7 +117,7 @@ def trace_t2(hash_algo: str) -> dict[str, float]:
     num_hits = 0
     start = time.perf_counter()
     for prompt in prompts:
-        num_hit = manager.lookup_prefix(prompt)
+        num_hit = cache.lookup_prefix(prompt)
         assert num_hit == T2_PREFIX, f"expected {T2_PREFIX} cached tokens, found {num_hit}"
         num_hits += num_hit // BLOCK_SIZE
     lookup_s = time.perf_counter() - start
