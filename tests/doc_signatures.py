@@ -28,6 +28,7 @@ MODULES = [
     "kvpool.engine.tier_bridge",
     "kvpool.attention.backends",
     "kvpool.attention.backends.step",
+    "kvpool.attention.backends.paged_step",
     "kvpool.storage.dsv4",
     "kvpool.tiers",
     "kvpool.tiers.swa",
@@ -95,9 +96,29 @@ def _closing(text: str, start: int) -> int:
     return -1
 
 
+def _written(name: str, args: str, text: str, line: int) -> Written:
+    params, complete, keyword_only = [], True, False
+    for part in _split_top(args):
+        if part == "...":
+            complete = False
+        elif part == "*":
+            keyword_only = True
+        elif part.startswith("**"):
+            complete = False
+        else:
+            param, eq, default = part.partition("=")
+            param = param.strip()
+            if re.fullmatch(r"[A-Za-z_]\w*", param):
+                params.append(Param(param, default.strip() if eq else None, keyword_only))
+            else:
+                params.append(Param(None, None, keyword_only))
+    return Written(name, tuple(params), complete, text, line)
+
+
 def written_signatures(page: str) -> list[Written]:
     """Every inline code span of the page (fenced blocks left out) that is a call with its
-    argument list: `name(args)` optionally followed by `-> X`."""
+    argument list: `name(args)` optionally followed by `-> X`; a returned `-> Name(fields)`
+    is checked as a constructor too."""
     prose = re.sub(r"^```.*?^```\n", lambda m: "\n" * m.group(0).count("\n"), page, flags=re.S | re.M)
     found = []
     for m in re.finditer(r"`([^`]+)`", prose):
@@ -109,23 +130,11 @@ def written_signatures(page: str) -> list[Written]:
         rest = span[close + 1 :].strip() if close >= 0 else None
         if rest is None or (rest and not rest.startswith("->")):
             continue
-        params, complete, keyword_only = [], True, False
-        for part in _split_top(span[head.end() : close]):
-            if part == "...":
-                complete = False
-            elif part == "*":
-                keyword_only = True
-            elif part.startswith("**"):
-                complete = False
-            else:
-                name, eq, default = part.partition("=")
-                name = name.strip()
-                if re.fullmatch(r"[A-Za-z_]\w*", name):
-                    params.append(Param(name, default.strip() if eq else None, keyword_only))
-                else:
-                    params.append(Param(None, None, keyword_only))
         line = prose.count("\n", 0, m.start()) + 1
-        found.append(Written(head.group(1), tuple(params), complete, span, line))
+        found.append(_written(head.group(1), span[head.end() : close], span, line))
+        returned = re.fullmatch(r"->\s*([A-Z]\w*)\((.*)\)", rest)
+        if returned:
+            found.append(_written(returned.group(1), returned.group(2), rest, line))
     return found
 
 
