@@ -279,6 +279,10 @@ class Model:
         self.snapshots: dict[str, list[list[int]]] = {}
         self.parts: dict[int, list[int]] = {}  # a pooled checkpoint's first block -> its blocks
         self.undo: dict[str, dict[int, tuple]] = {}  # the snapshot contents a pending step overwrites
+        # turn ends: state block -> (tenant, prefix) it holds, oldest kept first; finished
+        # turns (tenant, tokens)
+        self.kept: dict[int, tuple] = {}
+        self.turns: list[tuple[str, list[int]]] = []
 
     def prefix(self, rid: str, end: int) -> tuple:
         return (self.tenant[rid], tuple(self.tokens[rid][:end]))
@@ -290,11 +294,18 @@ class Model:
         for j, block_id in enumerate(hits):  # a hit holds exactly this prompt's prefix
             assert self.block_content[block_id] == self.prefix(rid, (j + 1) * SPAN), (rid, j, block_id)
         restore = adm.groups["v4"].restore
-        if num_hit and restore.method == "checkpoint":
+        self.took_state(restore.state_slot, adopted=restore.method == "adopt")
+        if adm.num_cached_tokens % SPAN:  # only a kept turn end serves a point inside a span
+            assert restore.method == "adopt" and self.kept.pop(restore.state_slot) == self.prefix(
+                rid, adm.num_cached_tokens
+            )
+        elif num_hit and restore.method == "checkpoint":
             for slot in self.parts.get(restore.checkpoint_slot, [restore.checkpoint_slot]):
                 assert self.slot_content[slot] == self.prefix(rid, adm.num_cached_tokens)
             assert all(restore.checkpoint_slot != s for _, _, c in self.pending.values() for _, s in c)
-        if not num_hit:
+        if adm.num_cached_tokens % SPAN:
+            pass
+        elif not num_hit:
             assert restore.method == "none"
         elif self.m.groups["v4"].spec.restore == "auto":
             assert restore.method in ("checkpoint", "recompute")
@@ -324,6 +335,29 @@ class Model:
             for block_id in [*res.groups["v4"].new_block_ids, *(b for ids in snapshots for b in ids)]:
                 if block_id in self.slot_content:  # overwritten once the step runs
                     undo[block_id] = self.slot_content.pop(block_id)
+
+    def took_state(self, slot: int, *, adopted: bool = False) -> None:
+        """A state block taken by an admission or a fork: a kept turn end in it is gone, which
+        an allocation does only when every free state block is a kept one, the oldest first."""
+        if slot in self.kept and not adopted:
+            assert next(iter(self.kept)) == slot and self.m.usage().num_free_state_blocks + 1 == len(self.kept)
+            del self.kept[slot]
+
+    def finished(self, rid: str, slot: int) -> None:
+        """A finish: the state block is kept exactly when turn ends are on, the turn ends
+        inside a span with no step pending, and no block keeps that prefix yet (a restore
+        still pending is one at a span boundary, or an adoption: the state is there)."""
+        n, prefix = self.computed[rid], self.prefix(rid, self.computed[rid])
+        keep = (
+            self.m.turn_end_checkpoints
+            and n % SPAN != 0
+            and rid not in self.pending
+            and prefix not in self.kept.values()
+        )
+        assert (self.m.groups["v4"].state_pool.block_hash(slot) is not None) == keep, (rid, n, keep)
+        if keep:
+            self.kept[slot] = prefix
+        self.turns.append((self.tenant[rid], list(self.tokens[rid])))
 
     def committed(self, rid: str) -> None:
         num_tokens, new_ids, checkpoints = self.pending.pop(rid)
@@ -382,6 +416,9 @@ class Model:
         slots = [m.part(rid).state_slot for rid in self.tables]
         usage = m.usage()
         assert len(set(slots)) == len(slots) and usage.num_free_state_blocks == usage.num_state_blocks - len(slots)
+        states = m.groups["v4"].state_pool
+        kept = [b for b in range(states.num_blocks) if states.block_hash(b) is not None]
+        assert kept == sorted(self.kept) and all(states.refcount(b) == 0 for b in kept)
 
 
 OPS = st.sampled_from(
@@ -420,6 +457,27 @@ def test_lifecycle_with_one_checkpoint_slot(restore: str, ops: list[tuple[str, i
     _lifecycle(make(8, 3, restore=restore, num_checkpoints=1), ops, 50, undo_at_once=True)
 
 
+# finishes and follow-up turns (a finished conversation's tokens and two more) mixed with
+# everything else: turn ends kept, adopted, evicted by admissions and forks
+TURN_OPS = st.sampled_from(
+    ["admit", "follow", "follow", "step", "step", "decode", "commit", "unreserve", "fork", "release", "finish"]
+)
+
+
+@settings(max_examples=int(os.environ.get("KVPOOL_HYPOTHESIS_EXAMPLES", "150")) // 2, deadline=None)
+@given(
+    checkpoints=st.sampled_from(
+        [("recompute", {}), ("auto", {"num_checkpoints": 2}), ("auto", {"checkpoint_blocks": 1})]
+    ),
+    ops=st.lists(st.tuples(TURN_OPS, st.integers(0, 3), st.integers(1, 40), st.booleans()), min_size=10, max_size=60),
+)
+def test_lifecycle_with_turn_ends(
+    checkpoints: tuple[str, dict[str, int]], ops: list[tuple[str, int, int, bool]]
+) -> None:
+    restore, kw = checkpoints
+    _lifecycle(make(8, 3, restore=restore, turn_end_checkpoints=True, **kw), ops, 30)
+
+
 def _lru(m: DSV4CacheManager) -> tuple[dict[bytes, int], list[int], list[int]]:
     """The findable checkpoints (boundary hash -> slot), the slot pool's and the classical
     pool's free queues, in LRU order."""
@@ -437,9 +495,12 @@ def _lifecycle(
     num_forks = 0
     for op, who, n, flag in ops:
         rid = f"r{who}"
-        if op == "admit" and rid not in m:
+        if op in ("admit", "follow") and rid not in m:
             tenant = "t2" if flag and who == 3 else ""
             tokens = _ids(n + prompt_len, offset=who % 2)  # r0 / r2 and r1 / r3 share prefixes
+            if op == "follow" and model.turns:  # the next turn of a finished conversation
+                tenant, tokens = model.turns[-1 - n % len(model.turns)]
+                tokens = tokens + [n, 3]
             free_before = m.pool.free_queue()
             adm = m.admit(rid, tokens, None if flag else n, tenant_salt=tenant)  # whole prompt, or a chunk
             if adm is None:
@@ -506,16 +567,33 @@ def _lifecycle(
             num_forks += 1
             child = f"{rid}-fork{num_forks}"
             if m.fork(rid, child):
+                model.took_state(m.part(child).state_slot)
                 model.tokens[child] = model.tokens[rid][: model.computed[rid]]
                 model.tenant[child] = model.tenant[rid]
                 model.computed[child] = model.computed[rid]
                 model.tables[child] = list(model.tables[rid])
             else:
                 assert m.usage().num_free_state_blocks == 0 and child not in m
+        elif op == "finish" and rid in m:  # its pending step committed (flag: undone), then a finish
+            if rid in model.pending and flag:
+                m.unreserve(rid)
+                del model.pending[rid]
+                model.snapshots.pop(rid, None)
+                model.slot_content.update(model.undo.pop(rid, {}))
+            elif rid in model.pending:
+                m.commit(rid, model.pending[rid][0])
+                model.committed(rid)
+            slot = m.part(rid).state_slot
+            assert m.release(rid) is True
+            model.finished(rid, slot)
+            model.released(rid)
         elif op == "release":  # flag: a preemption (the request may be admitted again)
             for r in [r for r in m.request_ids if r == rid or r.startswith(rid + "-")]:
                 how = "preempt" if flag else "finish"
+                slot = m.part(r).state_slot
                 assert m.release(r, how) is True and m.release(r, how) is False
+                if how == "finish":
+                    model.finished(r, slot)
                 model.released(r)
         elif op == "install":
             # a lower tier brings back spans after the device hit of r<who>'s prompt: up to 3
@@ -643,3 +721,37 @@ def test_a_stale_slot_checkpoint_is_replaced_when_its_prefix_is_computed_again()
     d = m.admit("d", a + [9])
     assert d.num_cached_tokens == 16 and d.groups["v4"].restore == StateRestore(0, "checkpoint", 7)
     m.check_integrity()
+
+
+def test_a_follow_up_turn_adopts_the_state_block_its_turn_left_inside_a_span() -> None:
+    m = make(11, 3, turn_end_checkpoints=True)
+    m.admit("x", _ids(32, 3), 0)
+    _compute(m, "x", 32)  # state block 0
+    m.admit("a", _ids(40), 0)
+    _compute(m, "a", 40)  # state block 1; spans 0, 1 in blocks 2, 3, tokens [32, 40) in the state block
+    assert m.block_ids("a") == [2, 3]
+    states = m.groups["v4"].state_pool
+    m.release("a")  # its turn ends at 40, inside span 2: block 1 is kept, free and findable
+    m.release("x")  # x ends on a span boundary: nothing kept
+    assert states.free_queue() == [2, 0, 1] and states.block_hash(1) is not None and states.block_hash(0) is None
+    m.check_integrity()
+    follow_up = _ids(40) + [1, 2, 3]
+    assert m.group_hit_points(follow_up) == {"v4": [0, 16, 32, 40]}
+    b = m.admit("b", follow_up)  # hits the turn end: 8 tokens past paging's 32, block 1 adopted
+    assert b is not None and (b.num_cached_tokens, b.num_scheduled_tokens) == (40, 3)
+    assert b.groups["v4"].block_ids == (2, 3) and b.groups["v4"].restore == StateRestore(1, "adopt")
+    assert states.block_hash(1) is None and states.free_queue() == [2, 0]  # out of the index: b writes it
+    m.check_integrity()
+    c = m.admit("c", follow_up)  # the second follow-up to 40: the turn end is gone, the boundary 32 it is
+    assert c is not None and (c.num_cached_tokens, c.num_scheduled_tokens) == (32, 11)
+    assert c.groups["v4"].restore == StateRestore(2, "recompute", replay_start=0)
+    m.commit("b", 3)
+    m.commit("c", 11)
+    m.release("c")  # ends at 43: block 2 kept under 43 tokens
+    assert states.free_queue() == [0, 2] and states.block_hash(2) is not None
+    d = m.admit("d", _ids(20, 5))  # a fresh block: the unhashed one first, the kept one stays
+    e = m.admit("e", _ids(20, 6))  # none unhashed left: the kept one is evicted, reset
+    assert d is not None and d.groups["v4"].restore == StateRestore(0, "none")
+    assert e is not None and e.groups["v4"].restore == StateRestore(2, "none") and states.block_hash(2) is None
+    m.check_integrity()
+    assert m.stats.num_hit_tokens == 40 + 32

@@ -85,7 +85,8 @@ class Lifecycle(RuleBasedStateMachine):
 
     def _restore_dual(self, rid: str, point: int) -> None:
         """Rebuild each dual pool's state after a hit at `point` as the restore says: copy a
-        checkpoint, or replay [replay_start, point) on top of the cached spans the request holds."""
+        checkpoint, replay [replay_start, point) on top of the cached spans the request holds, or
+        adopt a kept turn-end state."""
         tenant, seq = self.tenant[rid], tuple(self.seq[rid])
         for g in self.m.dual_groups:
             restore = self.m.part(rid, g.name).restore
@@ -98,6 +99,9 @@ class Lifecycle(RuleBasedStateMachine):
             table = self.m.block_ids(rid, g.name)
             for k in range(point // g.span):
                 assert self.content[g.name].get(table[k]) == (g.name, tenant, seq[: (k + 1) * g.span]), (rid, k)
+            if restore.method == "adopt":  # a turn end's kept state block: the state at point already
+                assert point % g.span and self.states[g.name].get(restore.state_slot) == (tenant, seq[:point])
+                continue
             if restore.method == "checkpoint":
                 assert g.spec.restore != "recompute" and restore.checkpoint_slot is not None
                 assert self.states[g.name].get(restore.checkpoint_slot) == (tenant, seq[:point]), "the checkpoint"

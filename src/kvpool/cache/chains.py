@@ -215,5 +215,10 @@ class TurnEnds:
                     out[end] = found
         return out
 
+    def listed(self, block: PrefixBlock) -> bool:
+        """Whether `block` (registered) is listed under its parent, where `find` probes."""
+        assert block.parent is not None
+        return any(kept is block for kept in self._by_parent.get(block.parent.block_hash, ()))
+
     def _kept(self, parent: PrefixBlock) -> list[PrefixBlock]:
         return [b for b in self._by_parent.get(parent.block_hash, ()) if b.block_ids]

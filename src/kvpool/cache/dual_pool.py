@@ -10,8 +10,8 @@ of cache/window.py and cache/recurrent.py):
                   copy-on-write. An incomplete block never exists in the pool.
   state pool      a fixed number of state blocks (SWA window, compressor tails, the
                   unfinished span's entries), one per request, taken at admission and
-                  returned at release. Mutable every step, never shared. A BlockPool with
-                  caching off: its free queue is FIFO.
+                  returned at release. Mutable every step, never shared. A BlockPool whose
+                  free unhashed blocks go FIFO; with turn ends kept (below), a cache.
 
 Per request, while it computes [num_computed, end):
 
@@ -39,7 +39,22 @@ Restore: the state at a hit P = q * span is rebuilt exactly (section 6) by one o
                 cheaper than the replay, else the replay over the whole hit, unless cutting
                 the hit back to the last checkpoint held within it (its tokens computed
                 again, as prompt) costs less than that replay.
+  "adopt":      the hit is a turn end (below): the request takes the kept state block
+                over as its own; nothing is copied or recomputed.
 The request's `restore` says which until its first commit.
+
+Turn ends (the coordinator's `turn_end_checkpoints`; Figure 12). A request that finishes
+after P computed tokens, P usually inside a span, leaves its state block holding the state
+at P exactly: the window, the compressor tails and the unfinished span's entries, on top of
+the classical blocks of the P // span complete spans before P. `keep_turn_end` files that
+block in the state pool's index under the chain of those spans plus the partial span's
+tokens (`TurnEnds`, cache/chains.py) and the release frees it as a cached block: kept
+states are free state blocks in LRU order, taken (evicted) only when no unhashed state
+block is left, so they never cost an admission a state block. A follow-up prompt that
+repeats the P tokens and whose P // span spans are cached hits at P (`extra_points`: up to
+span - 1 tokens past the last span boundary) and adopts the block as its live state: out of
+the index (it is about to change), no copy, no reset. A second follow-up to the same P
+then finds no turn end there and hits at the last span boundary.
 
 Checkpoints ("checkpoint", "auto") snapshot a request's state at the span boundaries its
 steps complete. A checkpoint is blocks of a BlockPool registered in its prefix index under
@@ -69,7 +84,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NamedTuple, Protocol
 
 from kvpool.cache.base import LowerTier, mm_extra_key
-from kvpool.cache.chains import chain_units, check_chain, register_run
+from kvpool.cache.chains import TurnEnds, chain_units, check_chain, register_run
 from kvpool.cache.coordinator import HybridCacheManager
 from kvpool.cache.group import CacheGroup, GroupUsage, StepRequest
 from kvpool.cache.types import CacheDescriptor, GroupReservation, MMItem, StateRestore
@@ -239,7 +254,7 @@ class DualPoolState:
     state_slot: int  # the request's state block
     block_ids: list[int] = field(default_factory=list)  # classical blocks of spans [0, end // span)
     chain: list[PrefixBlock] = field(default_factory=list)  # spans [0, num_computed // span) (caching on)
-    restore: StateRestore | None = None  # a hit's restore to run ("checkpoint" or "recompute"), until the first commit
+    restore: StateRestore | None = None  # a hit's restore to run or done ("adopt"), until the first commit
     pending: _Pending | None = None  # the reserved step, when it took blocks
 
 
@@ -250,6 +265,11 @@ class DualPoolHits:
     block_ids: list[int]
     chain: list[PrefixBlock]
     method: str = "none"  # "none" (no hit), "checkpoint" or "recompute"
+    # Turn ends T -> the kept state block's content (state pool), each after cached spans of
+    # the whole run (`turn_ids`, `turn_chain`: before the restore's cut) or in the span after it
+    turn_ends: dict[int, PrefixBlock] = field(default_factory=dict)
+    turn_ids: list[int] = field(default_factory=list)
+    turn_chain: list[PrefixBlock] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -258,6 +278,7 @@ class DualPoolAdmit:
     chain: list[PrefixBlock]
     replay_start: int | None  # a restore by recompute from there
     checkpoint: _Checkpoint | None = None  # a restore from this checkpoint
+    adopt: int | None = None  # the kept turn-end state block taken over
 
 
 _NO_RESERVATION = GroupReservation()
@@ -287,7 +308,9 @@ class DualPoolGroup(CacheGroup):
         self.name = spec.name
         self.span = spec.span
         self.pool = BlockPool(num_classical_blocks, enable_caching=enable_caching, hash_algo=hash_algo)
-        self.state_pool = BlockPool(num_state_blocks, enable_caching=False)
+        # (caching on: kept turn-end states are registered in it; without any, FIFO as before)
+        self.state_pool = BlockPool(num_state_blocks, enable_caching=enable_caching, hash_algo=hash_algo)
+        self._turn_ends = TurnEnds(self.state_pool, spec.span)
         # (a request without a pending step holds num_computed // span blocks: check_state)
         self.granularity = self.commit_period = self.decode_reserve_period = spec.span
         self.restore_cost: RestoreCost = spec.restore_cost if spec.restore_cost is not None else TokenCost()
@@ -336,7 +359,18 @@ class DualPoolGroup(CacheGroup):
             count_collisions=admission,
         )
         block_ids, chain = hit.block_ids, hit.chain
-        restore = self.spec.restore
+        out = self._cut(block_ids, chain)
+        if self._turn_ends:  # kept states inside the run's spans or the next one (one token left)
+            top = len(token_ids) - 1 if limit is None else min(len(token_ids) - 1, limit)
+            for k, parent in enumerate([root, *chain]):
+                out.turn_ends.update(self._turn_ends.find(parent, k * span, token_ids, mm_items, top))
+            if out.turn_ends:
+                out.turn_ids, out.turn_chain = block_ids, chain
+        return out
+
+    def _cut(self, block_ids: list[int], chain: list[PrefixBlock]) -> DualPoolHits:
+        """The run of cached spans cut as the restore method chooses."""
+        span, restore = self.span, self.spec.restore
         if not block_ids:
             return DualPoolHits([], [])
         if restore == "recompute":
@@ -351,13 +385,19 @@ class DualPoolGroup(CacheGroup):
         return DualPoolHits(block_ids[:k], chain[:k], choice.method)
 
     def upper_bound(self, hits: DualPoolHits) -> int:
-        return len(hits.block_ids) * self.span
+        bound = len(hits.block_ids) * self.span
+        return max(bound, *hits.turn_ends) if hits.turn_ends else bound
+
+    def extra_points(self, hits: DualPoolHits) -> list[int]:
+        return sorted(hits.turn_ends)
 
     def serves(self, hits: DualPoolHits, point: int) -> bool:
         """A span boundary whose spans before it are all cached (or the start); restoring
-        by checkpoint only, one with a checkpoint."""
+        by checkpoint only, one with a checkpoint. Inside a span: a kept turn end."""
         q, r = divmod(point, self.span)
-        if r or q > len(hits.block_ids):
+        if r:
+            return point in hits.turn_ends
+        if q > len(hits.block_ids):
             return False
         return not q or self.spec.restore != "checkpoint" or self._checkpoint(hits.chain[q - 1]) is not None
 
@@ -374,9 +414,17 @@ class DualPoolGroup(CacheGroup):
         `end`: the step's fresh classical blocks, the hit's blocks revived out of the free
         queue, and one state block. The restore: the one `hits` chose at its end; at a point
         below it (another group's bound), a checkpoint where one is held and priced no
-        dearer than the replay, else the replay."""
-        q = point // self.span
-        assert q * self.span == point, f"group {self.name!r} serves no point inside a span ({point})"
+        dearer than the replay, else the replay; at a turn end, its kept state block
+        adopted (one state block out of the free queue all the same)."""
+        q, r = divmod(point, self.span)
+        if r:
+            assert hits is not None and point in hits.turn_ends, f"group {self.name!r} keeps no turn end at {point}"
+            hit_ids = hits.turn_ids[:q]
+            assert len(hit_ids) == q, "a turn end follows cached spans"
+            revived = sum(1 for b in hit_ids if self.pool.refcount(b) == 0)
+            (kept,) = hits.turn_ends[point].block_ids  # (filed once: `TurnEnds.new_block`)
+            plan = DualPoolAdmit(list(hit_ids), list(hits.turn_chain[:q]), None, adopt=kept)
+            return plan, {self.pool: end // self.span - q + revived, self.state_pool: 1}
         hit_ids = list(hits.block_ids[:q]) if hits is not None else []
         assert len(hit_ids) == q, "serves() was checked"
         revived = sum(1 for b in hit_ids if self.pool.refcount(b) == 0)
@@ -404,9 +452,17 @@ class DualPoolGroup(CacheGroup):
         self.pool.incref(plan.hit_ids)
         if plan.checkpoint is not None:
             self._touch(plan.checkpoint)
+        if plan.adopt is not None:  # out of the free queue: no allocation can take it now
+            self.state_pool.incref((plan.adopt,))
 
     def apply_admit(self, plan: DualPoolAdmit, root: PrefixBlock) -> tuple[DualPoolState, tuple]:
-        """After `claim`: the state block (the first step's blocks come with its reservation)."""
+        """After `claim`: the state block (the first step's blocks come with its reservation);
+        an adopted one leaves the index, since the request's steps change it."""
+        if plan.adopt is not None:
+            self.state_pool.unregister(plan.adopt)
+            state = DualPoolState(root, plan.adopt, list(plan.hit_ids), list(plan.chain))
+            state.restore = StateRestore(plan.adopt, "adopt")
+            return state, ()
         slot = self.state_pool.allocate(1)
         assert slot is not None, "the coordinator checked the free counts"
         state = DualPoolState(root, slot[0], list(plan.hit_ids), list(plan.chain))
@@ -645,6 +701,20 @@ class DualPoolGroup(CacheGroup):
     def metadata_bytes(self, state: DualPoolState) -> int:
         return sys.getsizeof(state) + sys.getsizeof(state.block_ids) + sys.getsizeof(state.chain)
 
+    def keep_turn_end(
+        self, state: DualPoolState, token_ids: list[int], mm_items: tuple[MMItem, ...], num_computed: int
+    ) -> bool:
+        """At a finish inside a span: the state block holds the state after `num_computed`
+        tokens: file it (the release then frees it as a cached block). Not on a span
+        boundary (a checkpoint's place), where every restore but an adoption is: a
+        state block whose restore is pending is kept only when it was adopted (it holds
+        that state already)."""
+        if state.pending is not None:  # (a restore pending is one at a span boundary, or adopted)
+            return False
+        parent = state.chain[-1] if state.chain else state.root
+        block = self._turn_ends.new_block(parent, token_ids, mm_items, num_computed)
+        return block is not None and self._turn_ends.file(state.state_slot, block, orphan_ok=True)
+
     def can_fork(self) -> bool:
         return self.state_pool.num_free > 0
 
@@ -716,9 +786,12 @@ class DualPoolGroup(CacheGroup):
         restore = state.restore
         if restore is not None and not (
             0 < num_computed
-            and num_computed % span == 0
             and restore.state_slot == state.state_slot
-            and (restore.method == "checkpoint" or restore.replay_start == self.spec.replay_start(num_computed))
+            and (
+                restore.method == "adopt"
+                or num_computed % span == 0
+                and (restore.method == "checkpoint" or restore.replay_start == self.spec.replay_start(num_computed))
+            )
         ):
             raise AssertionError(f"{where}: a restore {restore} pending at {num_computed} computed")
         if self.pool.enable_caching:
@@ -726,19 +799,29 @@ class DualPoolGroup(CacheGroup):
             check_chain(where, self.pool, chain, root, token_ids, num_computed, span, block_ids=state.block_ids)
 
     def check_states(self, states: dict[str, DualPoolState]) -> None:
-        """Each request holds one state block of its own; the others are free. Every
+        """Each request holds one state block of its own, unregistered; the others are
+        free. Every kept turn-end state is a free block, findable, filed once. Every
         checkpoint is findable in all its parts; a pool of checkpoint slots of its own holds
         free slots and those of pending steps, once."""
-        self.state_pool.check_integrity()
+        states_pool = self.state_pool
+        states_pool.check_integrity()
         held = sorted(s.state_slot for s in states.values())
-        free = sorted(self.state_pool.free_queue())
-        if sorted(held + free) != list(range(self.state_pool.num_blocks)):
+        free = sorted(states_pool.free_queue())
+        if sorted(held + free) != list(range(states_pool.num_blocks)):
             raise AssertionError(f"group {self.name!r}: state blocks leaked or doubled: held {held}, free {free}")
         for rid, s in states.items():
-            if self.state_pool.refcount(s.state_slot) != 1:
+            if states_pool.refcount(s.state_slot) != 1 or states_pool.block_hash(s.state_slot) is not None:
                 raise AssertionError(
                     f"group {self.name!r}: request {rid!r}'s state block {s.state_slot} has refcount "
-                    f"{self.state_pool.refcount(s.state_slot)}"
+                    f"{states_pool.refcount(s.state_slot)}, kept {states_pool.block_hash(s.state_slot) is not None}"
+                )
+        for b in range(states_pool.num_blocks):
+            kept = states_pool.prefix_block(b)
+            if kept is not None and (
+                kept.block_ids != (b,) or not states_pool.is_published(kept) or not self._turn_ends.listed(kept)
+            ):
+                raise AssertionError(
+                    f"group {self.name!r}: kept state block {b} is not findable once (copies {kept.block_ids})"
                 )
         pool = self.checkpoint_pool
         for block_hash, ckpt in self._checkpoints.items():
@@ -764,7 +847,8 @@ class DSV4CacheManager(HybridCacheManager):
     """DeepSeek-V4's cache: the coordinator over one dual-pool group named "v4" (the module
     docstring). lower_tier: the cached classical blocks the allocator evicts are recorded
     for it; record_published: so are the blocks a commit publishes (engine/tier_bridge.py's
-    `take_evicted(cache)` / `take_published(cache)` take them)."""
+    `take_evicted(cache)` / `take_published(cache)` take them). turn_end_checkpoints: a
+    finished request's state block is kept at its turn end for a follow-up to adopt."""
 
     def __init__(
         self,
@@ -781,6 +865,7 @@ class DSV4CacheManager(HybridCacheManager):
         checkpoint_blocks: int = 0,
         lower_tier: LowerTier | None = None,
         record_published: bool = False,
+        turn_end_checkpoints: bool = False,
     ) -> None:
         restores = dict(restore=restore, num_checkpoints=num_checkpoints, checkpoint_blocks=checkpoint_blocks)
         group = DualPoolGroupSpec.from_dsv4("v4", spec, restore_cost=restore_cost, **restores)
@@ -791,4 +876,5 @@ class DSV4CacheManager(HybridCacheManager):
             hash_algo=hash_algo,
             lower_tier=lower_tier,
             record_published=record_published,
+            turn_end_checkpoints=turn_end_checkpoints,
         )

@@ -56,11 +56,13 @@ class StateRestore:
 
     method "none": a fresh state, computed from token 0. "checkpoint": copy
     `checkpoint_slot` into `state_slot`. "recompute": replay tokens
-    [replay_start, num_cached_tokens) on top of the cached blocks.
+    [replay_start, num_cached_tokens) on top of the cached blocks. "adopt" (V4): the
+    state slot is a kept turn-end state that holds the hit's state already: neither reset
+    nor copied.
     """
 
     state_slot: int
-    method: Literal["none", "checkpoint", "recompute"]
+    method: Literal["none", "checkpoint", "recompute", "adopt"]
     checkpoint_slot: int | None = None
     replay_start: int = 0
 

@@ -308,11 +308,14 @@ class ModelRunner:
 
     def _restore_state(self, request_id: str, adm: Admission, token_ids: Sequence[int], defer_replay: bool) -> None:
         """The state restore the cache chose for the admission (of its default stateful
-        group): a fresh state, the checkpoint copied into the live slot, or (V4) a replay of
+        group): a fresh state, the checkpoint copied into the live slot, (V4) a replay of
         the hit's tokens on top of its cached blocks, from the latest window snapshot the
-        persistent tiers restore, now or in the next step."""
+        persistent tiers restore, now or in the next step, or (V4) nothing at all: an
+        adopted turn-end state block holds the hit's state already."""
         restore = self.cache.part(request_id, self.state_group).restore
         assert restore is not None
+        if restore.method == "adopt":  # neither reset nor copied: it is the state at the hit
+            return
         if restore.method == "checkpoint":  # (the copy overwrites the whole slot)
             assert restore.checkpoint_slot is not None
             self._copy_state(restore.checkpoint_slot, restore.state_slot)
