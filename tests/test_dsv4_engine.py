@@ -11,7 +11,7 @@ from kvpool.engine.engine import Engine
 from kvpool.engine.runner import MeasuredRestoreCost, ScheduledChunk
 from kvpool.engine.sampling import SamplingParams
 from kvpool.models.tiny_dsv4 import TinyDSV4
-from kvpool.verify.dsv4_tolerance import derived_fp32_tolerance
+from kvpool.verify.dsv4_tolerance import FP64_TOLERANCE, derived_fp32_tolerance
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -198,3 +198,35 @@ def test_the_engine_report_counts_a_hash_collision_among_checkpoint_slots() -> N
     runner.step([("a", len(prompt))])  # checkpoints at 128 and 256: the second collides
     runner.check_integrity()
     assert slots.num_collisions == 1 and runner.cache_stats()["hash_collisions"] == 1
+
+
+def test_a_follow_up_turn_adopts_the_state_its_turn_left_and_equals_the_oracle() -> None:
+    """fp64: a conversation's next turn resumes inside a span, on the state block its turn
+    left (nothing reset, copied or replayed), and its logits are the contiguous oracle's
+    over the whole prompt; the same follow-up again (the kept block is gone) hits the span
+    boundary and replays, equally exact."""
+    model = TinyDSV4(dtype=torch.float64)  # span 128, n_win 128, 5 layers
+    runner = DSV4Runner(model, 16, 4, restore="recompute", turn_end_checkpoints=True)
+    engine = Engine(runner, max_num_batched_tokens=256, max_num_seqs=4, record_logits=True)
+    moves: list[tuple[str, int]] = []
+    reset, copy = runner.executor.reset_state, runner.executor.copy_state
+    runner.executor.reset_state = lambda slot: (moves.append(("reset", slot)), reset(slot))[1]  # type: ignore[method-assign]
+    runner.executor.copy_state = lambda src, dst: (moves.append(("copy", dst)), copy(src, dst))[1]  # type: ignore[method-assign]
+    prompt = _prompts()[1]  # 130 tokens
+    (first,) = engine.generate([prompt], SamplingParams(max_tokens=12))
+    states = runner.cache.groups["v4"].state_pool
+    (kept,) = [b for b in range(states.num_blocks) if states.block_hash(b) is not None]
+    assert moves == [("reset", kept)]  # turn 1: a fresh state; it ends at 130 + 11 = 141, in span 1
+    follow_up = prompt + first.completions[0].token_ids + [5, 7, 11]
+    for expected_hit, expected_moves in ((141, []), (128, [("reset", 1)])):
+        moves.clear()
+        hits, replayed = runner.cache.stats.num_hit_tokens, runner.num_replayed_tokens
+        (out,) = engine.generate([follow_up], SamplingParams(max_tokens=6))
+        assert runner.cache.stats.num_hit_tokens - hits == expected_hit
+        assert moves == expected_moves and runner.restore_cost.num_copies == 0
+        assert runner.num_replayed_tokens - replayed == (expected_hit if expected_hit == 128 else 0)
+        tokens = out.completions[0].token_ids
+        got = torch.stack(list(engine.requests.values())[-1].seqs[0].logits)
+        want = model.reference_logits(follow_up + tokens[:-1])[len(follow_up) - 1 :]
+        assert got.shape == want.shape and (got - want).abs().max().item() <= FP64_TOLERANCE
+    runner.check_integrity()

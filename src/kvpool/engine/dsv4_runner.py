@@ -72,6 +72,7 @@ class DSV4Runner(ModelRunner):
         swa: SWAStrategy | None = None,
         kv_format: str = "exact",
         indexer_format: str = "fp8",
+        turn_end_checkpoints: bool = False,
     ) -> None:
         """kv_format: the classical pool's entries exact in the model's dtype ("exact"), or
         in V4's serving layout ("fp8": non-RoPE dims FP8 E4M3 with a power-of-two scale per
@@ -84,7 +85,10 @@ class DSV4Runner(ModelRunner):
         persistent_tiers: the disk and Redis tiers, below the host tier: every classical
         block that completes is written through to them, and, by the SWA strategy `swa`
         (tiers/swa.py; zero by default), window snapshots at block boundaries, from which
-        a prefix hit restores its state instead of recomputing it."""
+        a prefix hit restores its state instead of recomputing it.
+        turn_end_checkpoints: a request that finishes inside a span leaves its state block
+        kept (cache/dual_pool.py); a follow-up turn hits there and takes the block over as
+        its own state, neither reset nor copied."""
         if persistent_tiers and restore != "recompute":
             raise ValueError("persistent tiers restore a V4 hit's state by their SWA strategy: restore='recompute'")
         if kv_format == "fp8" and (host_tier is not None or persistent_tiers):
@@ -114,6 +118,7 @@ class DSV4Runner(ModelRunner):
             restore_cost=restore_cost,
             lower_tier=bridge.index,  # (None without tiers) its evicted blocks are saved to the host tier
             record_published=bool(bridge.persistent_tiers),  # written through as they complete
+            turn_end_checkpoints=turn_end_checkpoints,
         )
         # The unfinished span lives in the state block, so one request holds up to
         # num_classical_blocks full spans plus span - 1 tokens.
