@@ -428,9 +428,9 @@ class ModelRunner:
         else:
             buffers = self.step_buffers
             if buffers is not None:  # the step's metadata into the persistent buffers
-                ids = [c.request_id for c in chunks]
-                starts = [c.start for c in chunks]
-                ends = [c.start + len(c.token_ids) for c in chunks]
+                # the chunks' columns in one C-level pass (a chunk is a named tuple)
+                ids, token_ids, starts, _ = zip(*chunks, strict=True) if chunks else ((), (), (), ())
+                ends = list(map(add, starts, map(len, token_ids)))
                 # checked before anything is written: a refused step leaves the buffers as they were
                 self._check_step(ids, starts, ends)
                 # the last decode step one token on, no copy-on-write: only opened blocks are read

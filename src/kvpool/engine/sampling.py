@@ -267,6 +267,8 @@ class _BatchRows:
         temperature = np.fromiter(map(_TEMPERATURE, params), np.float64, num_rows)
         stochastic = np.flatnonzero(temperature >= GREEDY_TEMPERATURE)  # [m] int64, increasing
         m = len(stochastic)
+        if not m:  # a greedy batch: nothing to draw with
+            return cls(num_rows, stochastic, np.empty((0, 4)), np.empty(0, dtype=np.uint64))
         if m == num_rows:  # every row draws (a temperature step): the rows as they come
             picked, indices = params, sample_indices
         else:
