@@ -181,7 +181,7 @@ def plan_extend(
     if num_seqs and (rows.min() < 0 or ends.max() > num_rows):
         raise ValueError(f"query rows {rows.tolist()} with lengths {q.tolist()} do not fit {num_rows} rows")
 
-    max_ctx_len = int(max(ctx_lens, default=1))
+    max_ctx_len = int(np.max(ctx_lens)) if len(ctx_lens) else 1
     if num_sms is not None:
         from kvpool.attention.backends.triton_decode import num_splits_for
 

@@ -298,15 +298,16 @@ class TritonPagedBackend(PagedBackend):
         attend = self._attend(slots, attend_decodes if decode is not None else None, extend)
         # the buffers' tensors are allocated once (not the step's): only the step's own index
         # tensors and the extend kernel's tile lists count as its tables
-        step = make_step(StepPlan(slots, None, []), attend, bs, st.num_kv_heads, st.head_dim, self.dtype)
         table_bytes = 0 if extend is None else extend.num_bytes - extend.kv_indices.nbytes
-        extra_path = None
+        decode_path = None
         if decode is not None:
-            extra_path = "triton"
+            decode_path = "triton"
             if decode[3] > 1:  # the partial outputs and log-sum-exps the merge reads
                 acc_bytes = 8 if self.dtype == torch.float64 else 4
                 table_bytes += len(seqs) * self.num_heads * decode[3] * (st.head_dim + 1) * acc_bytes
-        return dataclasses.replace(step, decode_path=extra_path, table_bytes=table_bytes)
+        # (make_step's figures without its walk over a plan that has no list-built tables:
+        # no prefill chunk is gathered, the extend kernel reads the keys in place)
+        return PagedStep(StepPlan(slots, None, []), attend, decode_path, table_bytes, 0)
 
     def begin_decode(self, buffers: StepBuffers, num_seqs: int) -> BufferedStep:
         """A decode step of the first num_seqs rows of `buffers` (one token each) through
