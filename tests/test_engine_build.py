@@ -113,3 +113,23 @@ def test_a_bare_llama_model_needs_a_descriptor() -> None:
 
     with pytest.raises(TypeError, match=r"needs descriptor=CacheDescriptor\(...\) .* got NoneType"):
         build_engine(random_llama(), num_blocks=8)
+
+
+def test_kv_memory_too_small_for_a_quantized_pool_names_the_tails_it_keeps() -> None:
+    """A format quantized a chunk at a time keeps full-precision tails for every sequence out
+    of the same budget: when they leave no block, the error says so and how to fix it, not
+    that one block is bigger than the budget (review of 425f5b4)."""
+    from random_llama import DESCRIPTOR, random_llama
+
+    model = random_llama()
+    one_mib = 1 << 20
+    engine = build_engine(
+        model, descriptor=DESCRIPTOR, kv_memory_bytes=one_mib, kv_format="fp8_e4m3", block_size=4, max_num_seqs=2
+    )
+    assert engine.runner.cache.num_blocks > 0  # two sequences' tails leave room
+    with pytest.raises(ValueError, match=r"after the \d+ bytes of full-precision tails .* --max-num-seqs 4096: raise"):
+        build_engine(
+            model, descriptor=DESCRIPTOR, kv_memory_bytes=one_mib, kv_format="fp8_e4m3", block_size=4, max_num_seqs=4096
+        )
+    with pytest.raises(ValueError, match=r"--kv-memory 16 bytes holds no block of \d+ bytes$"):
+        build_engine(model, descriptor=DESCRIPTOR, kv_memory_bytes=16, block_size=4)

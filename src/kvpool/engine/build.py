@@ -177,7 +177,13 @@ def _num_blocks_for_memory(
             reserved = tails * cfg.num_layers * layer
     num_blocks = (kv_memory_bytes - reserved) // per_block
     if num_blocks <= 0:
-        raise ValueError(f"KV memory of {kv_memory_bytes} bytes holds no block of {per_block} bytes")
+        if reserved:
+            raise ValueError(
+                f"--kv-memory {kv_memory_bytes} bytes holds no block of {per_block} bytes after the "
+                f"{reserved} bytes of full-precision tails that {fmt.name} keeps for --max-num-seqs "
+                f"{max_num_seqs}: raise --kv-memory or lower --max-num-seqs"
+            )
+        raise ValueError(f"--kv-memory {kv_memory_bytes} bytes holds no block of {per_block} bytes")
     return int(num_blocks)
 
 
