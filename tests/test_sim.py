@@ -279,12 +279,13 @@ def test_the_sample_trace_replays(capsys):
 def test_v4_checkpoint_restore_replays_nothing_and_costs_state_blocks():
     """A V4 prefix hit by recompute replays the last n_win x layers tokens (all of a chat
     prompt); from a checkpoint it copies one state block instead, whose slots come out of
-    the classical pool."""
+    the classical pool. (Turn ends off: a follow-up adopting its turn's state restores neither way.)"""
     from kvpool.workload.sessions import chat_workload
 
     wl = chat_workload(20, 3, 4.0, 129_280, seed=5)
-    replay = _simulate("deepseek-v4-flash", wl, tp=2, max_num_seqs=32, v4_restore="recompute")
-    ckpt = _simulate("deepseek-v4-flash", wl, tp=2, max_num_seqs=32, v4_restore="checkpoint", num_checkpoints=64)
+    off = {"tp": 2, "max_num_seqs": 32, "v4_turn_ends": False}
+    replay = _simulate("deepseek-v4-flash", wl, v4_restore="recompute", **off)
+    ckpt = _simulate("deepseek-v4-flash", wl, v4_restore="checkpoint", num_checkpoints=64, **off)
     assert replay["replayed_tokens"] == replay["prefix_hit_tokens"] > 0  # every hit shorter than 5,504 tokens
     assert ckpt["replayed_tokens"] == 0 and ckpt["checkpoint_copies"] > 0 and ckpt["prefix_hit_tokens"] > 0
     assert ckpt["ttft_ms_p50"] < replay["ttft_ms_p50"]
@@ -296,17 +297,46 @@ def test_v4_auto_restore_keeps_every_hit_in_pooled_checkpoints_while_memory_is_f
     """The default V4 restore ("auto", checkpoints pooled in the classical pool's free
     memory): with memory to spare every hit's boundary keeps its snapshot, so the dual pool
     hits what uniform paging hits (which keeps every window entry) and replays nothing,
-    and no block is carved out for checkpoints."""
+    and no block is carved out for checkpoints. (Turn ends off: with them a follow-up hits
+    past paging's block, the next test.)"""
     from kvpool.workload.sessions import chat_workload
 
     wl = chat_workload(20, 3, 4.0, 129_280, seed=5)
-    auto = _simulate("deepseek-v4-flash", wl, tp=2, max_num_seqs=32)
-    replay = _simulate("deepseek-v4-flash", wl, tp=2, max_num_seqs=32, v4_restore="recompute")
+    auto = _simulate("deepseek-v4-flash", wl, tp=2, max_num_seqs=32, v4_turn_ends=False)
+    replay = _simulate("deepseek-v4-flash", wl, tp=2, max_num_seqs=32, v4_restore="recompute", v4_turn_ends=False)
     paged = _simulate("deepseek-v4-flash", wl, tp=2, max_num_seqs=32, layout="paged", block_size=128)
     assert auto["v4_restore"] == "auto" and auto["num_blocks"] == replay["num_blocks"]
     assert auto["prefix_hit_tokens"] == paged["prefix_hit_tokens"] == replay["prefix_hit_tokens"] > 0
     assert auto["replayed_tokens"] == 0 and auto["checkpoint_copies"] > 0
     assert auto["ttft_ms_p50"] < replay["ttft_ms_p50"]
+
+
+def test_v4_follow_up_turns_adopt_their_turns_states_and_hit_past_paging():
+    """The dual layout's default: a turn that ends inside a span keeps its state block, and
+    the session's next turn hits there and adopts it. On the chat workload of the tests
+    above every follow-up hits its whole history, up to 127 tokens past paging's block-
+    aligned hit (its answer's last token is not computed); nothing is replayed and the
+    copies are the snapshots the steps take, fewer than without turn ends (no restores)."""
+    from kvpool.workload.sessions import chat_workload
+
+    wl = chat_workload(20, 3, 4.0, 129_280, seed=5)
+    on = _simulate("deepseek-v4-flash", wl, tp=2, max_num_seqs=32)
+    off = _simulate("deepseek-v4-flash", wl, tp=2, max_num_seqs=32, v4_turn_ends=False)
+    paged = _simulate("deepseek-v4-flash", wl, tp=2, max_num_seqs=32, layout="paged", block_size=128)
+    assert on["prefix_hit_tokens"] - paged["prefix_hit_tokens"] == _turn_end_extra(wl, 128) > 0
+    assert off["prefix_hit_tokens"] == paged["prefix_hit_tokens"]
+    assert on["replayed_tokens"] == 0 and 0 < on["checkpoint_copies"] < off["checkpoint_copies"]
+
+
+def _turn_end_extra(wl, span: int) -> int:
+    """The tokens a turn-end adoption hits past the block-aligned hit, by hand: each
+    follow-up's previous turn ends after its prompt and answer less the last token."""
+    extra = 0
+    for session in wl.in_arrival_order():
+        for k in range(1, len(session.turns)):
+            ended = session.prompt_len(k - 1) + session.turns[k - 1].output_len - 1
+            extra += ended % span
+    return extra
 
 
 def test_a_step_in_pieces_is_priced_one_chunk_per_request_from_its_first_start_to_its_last_end():

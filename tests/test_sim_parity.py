@@ -240,20 +240,28 @@ def _dual_tables(cache, seq_id: str) -> tuple:
 
 
 @pytest.mark.parametrize(
-    ("restore", "host_blocks"),
-    [("recompute", 0), ("checkpoint", 0), ("recompute", 4)],
-    ids=["recompute", "checkpoint", "host-tier"],
+    ("restore", "host_blocks", "turn_ends"),
+    [("recompute", 0, False), ("checkpoint", 0, False), ("recompute", 4, False), ("recompute", 0, True)],
+    ids=["recompute", "checkpoint", "host-tier", "turn-ends"],
 )
-def test_dual(restore: str, host_blocks: int) -> None:
+def test_dual(restore: str, host_blocks: int, turn_ends: bool) -> None:
     """host-tier: the classical blocks the pool evicts go to a host tier of 4 blocks, and
-    come back by prefetch before an admission hits them."""
+    come back by prefetch before an admission hits them. turn-ends: a finished turn's state
+    block is kept, and the session's next turn adopts it (nothing moves, on either side)."""
     model = TinyDSV4(SMALL_DSV4_CONFIG, seed=0)
-    num_blocks, num_states, num_checkpoints = 6, 3, 0 if restore == "recompute" else 4
+    num_blocks, num_checkpoints = 6, 0 if restore == "recompute" else 4
+    num_states = 5 if turn_ends else 3  # (3 running at most: the kept ones wait in the other two)
     kw = {"max_num_batched_tokens": 48, "max_num_seqs": 3}
     block_bytes = DSV4Pools(model.spec, 1, 1).classical_block_bytes()
     tiers = [HostTier(host_blocks * block_bytes) if host_blocks else None for _ in range(2)]
     real_runner = DSV4Runner(
-        model, num_blocks, num_states, restore=restore, num_checkpoints=num_checkpoints, host_tier=tiers[0]
+        model,
+        num_blocks,
+        num_states,
+        restore=restore,
+        num_checkpoints=num_checkpoints,
+        host_tier=tiers[0],
+        turn_end_checkpoints=turn_ends,
     )
     real = Side(real_runner, real_runner.cache, _dual_tables, DUAL, **kw)
     bridge = TierBridge(tiers[1], (), model.spec.span, enable_prefix_caching=True)
@@ -265,15 +273,17 @@ def test_dual(restore: str, host_blocks: int) -> None:
         restore=restore,
         num_checkpoints=num_checkpoints,
         lower_tier=bridge.index,  # (as the V4 runner does for its tier)
+        turn_end_checkpoints=turn_ends,
     )
     executor = _cost_executor(real_runner, VirtualClock(), block_bytes=block_bytes, checkpoint_bytes=1, has_state=True)
     sim = _sim_side(real_runner, cache, bridge, executor, _dual_tables, DUAL, **kw)
     views, answers = _lockstep(real, sim, DUAL)
     _check_exercised(views, answers, DUAL)
     methods = [dict(adm[3])["v4"][3].method for adm in real.admissions if adm[1] > 0]  # the hits' restores
-    assert methods and set(methods) == {restore}
+    assert methods and set(methods) == ({restore, "adopt"} if turn_ends else {restore}), methods
     if restore == "recompute":
         assert real_runner.num_replayed_tokens > 0 and executor.num_replayed_tokens == real_runner.num_replayed_tokens
+        assert executor.num_checkpoint_copies == real_runner.restore_cost.num_copies == 0  # an adoption moves nothing
     else:  # every state copy priced: the restores and the snapshots the steps took
         assert executor.num_checkpoint_copies == real_runner.restore_cost.num_copies > 0
     if host_blocks:

@@ -22,7 +22,10 @@ planner's KV pool (`kvpool plan`'s ledger) for one replica:
               of a state block for V4-Flash, in ceil(its bytes / block) classical blocks
               cached in the pool's free memory and evicted in its LRU order with the cached
               classical blocks, cache/dual_pool.py), or `num_checkpoints` whole state blocks
-              carved out of the pool up front;
+              carved out of the pool up front. A request that finishes inside a span
+              keeps its state block (free, evicted last: `turn_ends`, on by default),
+              and the session's next turn hits there and adopts it: nothing is copied
+              or replayed, and the hit reaches up to span - 1 tokens past paging's;
   hybrid      models with sliding-window layers (Gemma-2, gpt-oss): the hybrid coordinator
               (HybridCacheManager) with a full-attention group and a window group per
               window, all drawing from one shared pool of pages of one byte size, so a
@@ -96,12 +99,14 @@ def build_layout(
     num_checkpoints: int | None = 0,
     num_blocks: int | None = None,
     cost: CostModel | None = None,
+    turn_ends: bool = True,
 ) -> BuiltLayout:
     """The manager of layout `name` over the plan's pool. ValueError when the layout does not
     apply to the model or the pool holds nothing of it. num_blocks (paged only): exactly
     that many blocks, at most what the pool holds (to replay an engine's own pool).
     cost (dual): prices each admission's state restore when v4_restore is "auto" (None:
-    by token counts, cache/dual_pool.py TokenCost)."""
+    by token counts, cache/dual_pool.py TokenCost). turn_ends (dual): a request that
+    finishes inside a span keeps its state block for a follow-up turn to adopt."""
     if name not in LAYOUTS:
         raise ValueError(f"unknown layout {name!r}; one of {', '.join(LAYOUTS)}")
     if num_blocks is not None and name != "paged":
@@ -145,6 +150,7 @@ def build_layout(
             num_checkpoints=slots,
             checkpoint_blocks=-(-checkpoint // block) if pooled else 0,
             restore_cost=None if cost is None else RestoreCostModel(cost, checkpoint),
+            turn_end_checkpoints=turn_ends,
         )
         # the unfinished span lives in the state block (engine/dsv4_runner.py)
         capacity = num_blocks * q + q - 1

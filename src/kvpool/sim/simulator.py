@@ -66,6 +66,7 @@ class SimConfig:
     weight_dtype: str = "auto"  # the planner's weight bytes (kvpool.capacity.weights formats)
     v4_restore: str = "auto"  # V4 dual: how a prefix hit rebuilds the state (cache/dual_pool.py RESTORE_METHODS)
     num_checkpoints: int | None = None  # V4 snapshots: this many slots of their own (None: pooled)
+    v4_turn_ends: bool = True  # V4 dual: a finished turn's state block kept for the next turn to adopt
     slo_ttft_ms: float = 2000.0
     slo_tpot_ms: float = 100.0
 
@@ -170,6 +171,7 @@ def _make_replica(
         num_checkpoints=config.checkpoint_slots,
         num_blocks=config.num_blocks,
         cost=cost,
+        turn_ends=config.v4_turn_ends,
     )
     executor = CostExecutor(
         model.vocab_size,
