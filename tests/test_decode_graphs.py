@@ -421,3 +421,23 @@ def test_graph_replays_equal_the_eager_engine_on_cuda():
         torch.cuda.set_sync_debug_mode("default")
     buffers.forget("x")
     buffers.clear()
+
+
+def test_an_empty_chunk_in_static_mode_is_refused_by_name(model64):
+    """The step buffers plan chunks of at least one token: an empty chunk at the computed
+    position is refused with a message that says so (it read "positions [5, 5) do not
+    continue its 5 computed tokens", which contradicts itself), the buffers untouched."""
+    from kvpool.engine.runner import ScheduledChunk
+    from test_step_buffers import assert_same_snapshot, snapshot
+
+    runner = LlamaRunner(model64, 16, 4, DESCRIPTOR, decode_path="padded", decode_mode="static", max_num_seqs=4)
+    ids = random_ids(5, 2)
+    assert runner.admit("b", ids, None) is not None
+    first = runner.execute([ScheduledChunk("b", ids, 0, True)]).argmax(dim=-1).tolist()
+    runner.commit(["b"], [5], first)
+    assert runner.reserve(["b"], [1])
+    before = snapshot(runner.step_buffers)
+    with pytest.raises(ValueError, match=r"request 'b': an empty chunk at position 5: a step planned from"):
+        runner.execute([ScheduledChunk("b", [], 5, False)])
+    assert_same_snapshot(before, snapshot(runner.step_buffers))
+    runner.check_integrity()

@@ -456,6 +456,11 @@ class ModelRunner:
         computed, reserved = self.cache.num_computed_tokens, self.cache.num_reserved_tokens
         for request_id, start, end in zip(request_ids, starts, ends, strict=True):
             if start != computed(request_id) or not start < end <= reserved(request_id):
+                if start == end == computed(request_id):
+                    raise ValueError(
+                        f"request {request_id!r}: an empty chunk at position {start}: a step planned from "
+                        "the step buffers computes at least one token a request"
+                    )
                 raise ValueError(
                     f"request {request_id!r}: positions [{start}, {end}) do not continue its "
                     f"{computed(request_id)} computed tokens within the reserved [0, {reserved(request_id)})"
