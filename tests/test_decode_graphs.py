@@ -212,8 +212,8 @@ def test_a_decode_past_its_reservation_is_refused_in_either_mode_and_writes_noth
         assert runner.admit(rid, ids, None) is not None
     chunks = [ScheduledChunk(rid, ids, 0, True) for rid, ids in prompts.items()]
     firsts = runner.execute(chunks).argmax(dim=-1).tolist()
-    runner.commit(list(prompts), [8, 5], firsts)
-    assert runner.reserve(["b"], [1])
+    runner.commit_step(list(prompts), [8, 5], firsts)
+    assert runner.reserve_step(["b"], [1])
     buffers = runner.step_buffers
     before = snapshot(buffers) if buffers is not None else None
     decode = [ScheduledChunk("a", [firsts[0]], 8, True), ScheduledChunk("b", [firsts[1]], 5, True)]
@@ -230,14 +230,14 @@ def test_a_decode_past_its_reservation_is_refused_in_either_mode_and_writes_noth
         assert runner.executor._graphs.num_static == 0
     runner.check_integrity()
     # reserved, the same step runs, and its logits are the eager runner's
-    assert runner.reserve(["a"], [1])
+    assert runner.reserve_step(["a"], [1])
     logits = runner.execute(decode)
     fresh = LlamaRunner(model64, 16, 4, DESCRIPTOR, decode_path="padded")
     for rid, ids in prompts.items():
         fresh.admit(rid, ids, None)
     fresh.execute(chunks)
-    fresh.commit(list(prompts), [8, 5], firsts)
-    assert fresh.reserve(["a", "b"], [1, 1])
+    fresh.commit_step(list(prompts), [8, 5], firsts)
+    assert fresh.reserve_step(["a", "b"], [1, 1])
     expected = fresh.execute(decode)
     scale = expected.abs().max()
     assert ((logits - expected).abs().max() / scale).item() <= TOL64
@@ -434,8 +434,8 @@ def test_an_empty_chunk_in_static_mode_is_refused_by_name(model64):
     ids = random_ids(5, 2)
     assert runner.admit("b", ids, None) is not None
     first = runner.execute([ScheduledChunk("b", ids, 0, True)]).argmax(dim=-1).tolist()
-    runner.commit(["b"], [5], first)
-    assert runner.reserve(["b"], [1])
+    runner.commit_step(["b"], [5], first)
+    assert runner.reserve_step(["b"], [1])
     before = snapshot(runner.step_buffers)
     with pytest.raises(ValueError, match=r"request 'b': an empty chunk at position 5: a step planned from"):
         runner.execute([ScheduledChunk("b", [], 5, False)])

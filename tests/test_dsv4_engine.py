@@ -157,7 +157,7 @@ def test_a_deferred_restore_leaves_with_its_request() -> None:
     a = _prompts()[1]
     assert runner.admit("a", a, len(a)) is not None
     runner.execute([ScheduledChunk("a", a, 0, True)])
-    runner.commit(["a"], [len(a)], [None])
+    runner.commit_step(["a"], [len(a)], [None])
     b = a[:128] + [1, 2, 3]
     adm = runner.admit("b", b, 3)
     assert adm.num_cached_tokens == 128 and adm.groups["v4"].restore.method == "recompute"
@@ -166,14 +166,14 @@ def test_a_deferred_restore_leaves_with_its_request() -> None:
     assert not runner._replays
     assert runner.admit("c", [7, 8, 9], 3) is not None
     runner.execute([ScheduledChunk("c", [7, 8, 9], 0, True)])
-    runner.commit(["c"], [3], [None])
+    runner.commit_step(["c"], [3], [None])
     adm = runner.admit("b", b, 3)
     (logits,) = runner.execute([ScheduledChunk("b", b[128:], 128, True)])
     model = runner.model
     ref32, ref64 = model.reference_logits(b)[-1], model.to(torch.float64).reference_logits(b)[-1]
     tol = derived_fp32_tolerance(float((ref32.double() - ref64).abs().max()), float(ref64.abs().max()))
     assert float((logits.double() - ref64).abs().max()) <= tol  # a missing or doubled replay is O(0.1)
-    runner.commit(["b"], [3], [None])
+    runner.commit_step(["b"], [3], [None])
     runner.check_integrity()
 
 

@@ -290,7 +290,7 @@ def test_classical_pool_never_holds_an_incomplete_block(v64: Verifier) -> None:
     runner = DSV4Runner(v64.model, 8, 1)
     ids = v64.tokens(130, seed=50)
     runner.add_request("r", ids[:1])
-    runner.append_tokens("r", ids[1:])
+    runner.append_token_ids("r", ids[1:])
     watcher = ClassicalPoolWatcher(runner)
     zero = [t.clone() for cl in runner.executor.pools.classical for t in (cl.main, cl.idx) if t is not None]
     for pos in range(130):

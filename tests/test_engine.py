@@ -123,13 +123,13 @@ def test_runner_all_positions_match_reference(models):
     admission = runner.admit("s", prompt, 13)
     assert admission is not None and (admission.num_cached_tokens, admission.num_scheduled_tokens) == (0, 13)
     parts = [runner.execute([ScheduledChunk("s", prompt[:13], 0, False)], all_logits=True)]
-    runner.commit(["s"], [13], [None])
-    assert runner.reserve(["s"], [11])
+    runner.commit_step(["s"], [13], [None])
+    assert runner.reserve_step(["s"], [11])
     parts.append(runner.execute([ScheduledChunk("s", prompt[13:24], 13, False)], all_logits=True))
-    runner.commit(["s"], [11], [None])
-    assert runner.reserve(["s"], [1])
+    runner.commit_step(["s"], [11], [None])
+    assert runner.reserve_step(["s"], [1])
     parts.append(runner.execute([ScheduledChunk("s", prompt[24:], 24, True)], all_logits=True))
-    runner.commit(["s"], [1], [None])
+    runner.commit_step(["s"], [1], [None])
     got = torch.cat(parts).double()
     assert (got - ref).abs().max().item() <= FP64_TOL
     runner.check_integrity()

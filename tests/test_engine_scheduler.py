@@ -31,10 +31,10 @@ class PrefixModelRunner:
     def admit(self, request_id, token_ids, max_new_tokens, *, tenant_salt=""):
         return self.cache.admit(request_id, token_ids, max_new_tokens, tenant_salt=tenant_salt)
 
-    def reserve(self, request_ids, num_new_tokens):
+    def reserve_step(self, request_ids, num_new_tokens):
         return self.cache.reserve_step(request_ids, num_new_tokens)
 
-    def append_tokens(self, request_id, token_ids):
+    def append_token_ids(self, request_id, token_ids):
         self.cache.append_token_ids(request_id, token_ids)
 
     def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
@@ -52,7 +52,7 @@ class PrefixModelRunner:
                 rows.append(row)
         return torch.stack(rows) if rows else torch.zeros(0, VOCAB)
 
-    def commit(self, request_ids, num_tokens, next_token_ids):
+    def commit_step(self, request_ids, num_tokens, next_token_ids):
         self.cache.commit_step(request_ids, num_tokens, next_token_ids)
 
     def fork(self, parent_id, child_id):

@@ -68,13 +68,13 @@ def _second_turn(model: TinyHybrid, broken: bool) -> tuple[int, torch.Tensor, li
     a = torch.randint(0, model.vocab_size, (41,), generator=g).tolist()
     runner.admit("a", a, None)
     runner.run([("a", a, 0)])
-    runner.commit(["a"], [41], [None])
+    runner.commit_step(["a"], [41], [None])
     b = a[:40] + [3, 1, 4, 1, 5]
     points = runner.cache.group_hit_points(b)
     assert points["full"][-1] == 40 and points["recurrent"][-1] == (44 if broken else 36)  # broken: serves all
     adm = runner.admit("b", b, None)
     logits = runner.run([("b", b[adm.num_cached_tokens :], adm.num_cached_tokens)])[0]
-    runner.commit(["b"], [len(b) - adm.num_cached_tokens], [None])
+    runner.commit_step(["b"], [len(b) - adm.num_cached_tokens], [None])
     runner.check_integrity()
     return adm.num_cached_tokens, logits, b
 
@@ -113,7 +113,7 @@ def test_a_follow_up_turn_resumes_inside_the_block_where_the_previous_turn_ended
         runner = HybridRunner(twin, 32, 8, block_size=8, checkpoint_interval=12, cache=cache)
         runner.admit("a", a, None)
         runner.run([("a", a, 0)])
-        runner.commit(["a"], [41], [None])
+        runner.commit_step(["a"], [41], [None])
         assert runner.release("a", "finish")
         adm = runner.admit("b", b, None)
         assert adm is not None and adm.num_cached_tokens == want
@@ -126,7 +126,7 @@ def test_a_follow_up_turn_resumes_inside_the_block_where_the_previous_turn_ended
             full = adm.groups["full"]
             assert full.copies == (BlockCopy(4, 6),) and full.block_ids == (0, 1, 2, 3, 6, 7)
         logits = runner.run([("b", b[want:], want)])[0]
-        runner.commit(["b"], [len(b) - want], [None])
+        runner.commit_step(["b"], [len(b) - want], [None])
         runner.check_integrity()
         assert float((logits - exact[want:]).abs().max()) <= 1e-12
 

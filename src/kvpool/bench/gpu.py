@@ -289,7 +289,7 @@ def _churn_step(
     if hasattr(attention, "begin_buffered_step"):
         attention.begin_buffered_step = timer("plan", attention.begin_buffered_step)
     engine._sample_step = timer("sampling", engine._sample_step)
-    runner.commit = timer("commit", runner.commit)
+    runner.commit_step = timer("commit", runner.commit_step)
     steps, rows, prompt_tokens, num_finished = [], 0, 0, 0
     for _ in range(num_steps):
         for _ in finished:
@@ -304,7 +304,7 @@ def _churn_step(
         num_finished += len(finished)
     for obj, name in ((engine, "schedule"), (buffers, "update"), (buffers, "advance"), (attention, "begin_step")):
         delattr(obj, name)
-    for obj, name in ((attention, "begin_buffered_step"), (engine, "_sample_step"), (runner, "commit")):
+    for obj, name in ((attention, "begin_buffered_step"), (engine, "_sample_step"), (runner, "commit_step")):
         if name in vars(obj):
             delattr(obj, name)
     buffered = runner.executor.num_buffered_steps - planned_before

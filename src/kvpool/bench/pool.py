@@ -5,9 +5,9 @@ T1 (decode bookkeeping): 16,384 blocks of 16 tokens; 256 requests with distinct 
 prompts are admitted and prefilled; 256 decode steps give every request one more token
 (a new block every 16 tokens; each completed block is hashed and registered); then all are
 freed. Each decode step is what the engine runs for its cache, with the same arguments:
-`runner.reserve(ids, counts)` is `FullAttentionManager.reserve_step` and
-`runner.commit(ids, counts, sampled)` is `FullAttentionManager.commit_step`
-(engine/runner.py `ModelRunner`; the engine calls each once per step). decode_step_us_per_request
+`runner.reserve_step(ids, counts)` and `runner.commit_step(ids, counts, sampled)`
+(engine/runner.py `ModelRunner`; the engine calls each once per step) are
+`FullAttentionManager.reserve_step` and `commit_step`. decode_step_us_per_request
 = their time / (256 * 256). decode_tables_us_per_request: the block tables the runner then
 exports for attention in the same step (each chunk's slot mapping and the batch's CSR).
 block_op_ns = allocate + free of 12,288 blocks, per block.

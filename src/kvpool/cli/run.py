@@ -18,7 +18,7 @@ simulator and the load generator share.
 Figures:
   fragmentation      1 - committed tokens / slots of the blocks held, each physical block
                      counted once however many requests share it; averaged over steps
-  alloc_latency_us   p50 / p99 of the runner's admit / reserve calls that took blocks
+  alloc_latency_us   p50 / p99 of the runner's admit / reserve_step calls that took blocks
                      (a decode inside its block takes none: those are counted apart)
   read_bandwidth     KV bytes attention read (every sequence reads its whole context each
                      step) over the whole step time, weights included: the effective KV

@@ -39,7 +39,7 @@ _T = TypeVar("_T")
 # per sequence per step
 _new_chunk = tuple.__new__
 _NEEDS_LOGITS = operator.attrgetter("needs_logits")
-LATENCY_SAMPLES = 1 << 16  # admit / reserve latencies kept per kind (the latest)
+LATENCY_SAMPLES = 1 << 16  # admit / reserve_step latencies kept per kind (the latest)
 
 
 @dataclass(slots=True)
@@ -103,7 +103,7 @@ class RequestState:
 @dataclass
 class EngineStats:
     """What the engine measures itself: steps, preemptions, and the latency of the runner's
-    admit / reserve calls, apart for the calls that took blocks from the pools and the ones
+    admit / reserve_step calls, apart for the calls that took blocks from the pools and the ones
     that took none (a decode inside its block)."""
 
     num_steps: int = 0
@@ -393,7 +393,7 @@ class Engine:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(len(seq.token_ids) - seq.num_computed, budget)
-            while not self._timed(lambda seq=seq, n=n: self.runner.reserve([seq.seq_id], [n])):
+            while not self._timed(lambda seq=seq, n=n: self.runner.reserve_step([seq.seq_id], [n])):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
@@ -408,7 +408,7 @@ class Engine:
     def schedule(self) -> list[ScheduledChunk]:
         scheduled, ids, counts, chunks = self._plan_running(self.max_num_batched_tokens)
         preempted = False
-        if ids and not self._timed(lambda: self.runner.reserve(ids, counts)):
+        if ids and not self._timed(lambda: self.runner.reserve_step(ids, counts)):
             num_preemptions = self.stats.num_preemptions
             plan = self._reserve_with_preemption()
             preempted = self.stats.num_preemptions > num_preemptions
@@ -517,7 +517,7 @@ class Engine:
                 done.append((seq, reason))
         stats.num_decode_tokens += num_decode
         stats.num_prefill_tokens += sum(counts) - num_decode
-        self.runner.commit(self._step_ids, counts, next_token_ids)
+        self.runner.commit_step(self._step_ids, counts, next_token_ids)
         for parent, parent_row in forks:
             if parent.request.request_id in failed:
                 continue
@@ -583,7 +583,7 @@ class Engine:
             if reason is not None:
                 done.append((child, reason))
             elif child.in_runner:  # a waiting sequence hands over all its tokens when admitted
-                self.runner.append_tokens(child_id, [child.token_ids[-1]])
+                self.runner.append_token_ids(child_id, [child.token_ids[-1]])
         # The children that wait go first, in sample order (ahead of the queue, as preempted
         # ones); one that finishes on its first token leaves the queue again in _finish.
         self.waiting.extendleft(reversed(waiting))

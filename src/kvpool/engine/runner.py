@@ -355,7 +355,7 @@ class ModelRunner:
         self.restore_cost.num_copies += 1
         self.restore_cost.copy_s += time.perf_counter() - began
 
-    def reserve(self, request_ids: Sequence[str], num_new_tokens: Sequence[int]) -> bool:
+    def reserve_step(self, request_ids: Sequence[str], num_new_tokens: Sequence[int]) -> bool:
         """Room for the next num_new_tokens[i] tokens of each admitted request; all or
         nothing. The cached blocks the reservation evicted are saved to the tier first."""
         fits = self.cache.reserve_step(request_ids, num_new_tokens)
@@ -363,11 +363,11 @@ class ModelRunner:
             self.bridge.save_evicted(self.cache, self.executor)
         return fits
 
-    def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
+    def append_token_ids(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Sampled tokens join the request (their KV is computed by a later step)."""
         self.cache.append_token_ids(request_id, token_ids)
 
-    def commit(
+    def commit_step(
         self, request_ids: Sequence[str], num_tokens: Sequence[int], next_token_ids: Sequence[int | None]
     ) -> None:
         """The step's tokens have their KV written; each request's sampled token (None: no
@@ -484,11 +484,11 @@ class ModelRunner:
         changes)."""
         ids = [request_id for request_id, _ in work]
         counts = [n for _, n in work]
-        if not self.reserve(ids, counts):
+        if not self.reserve_step(ids, counts):
             return None
         chunks = self._reserved_chunks(ids)
         logits = self._forward_in_pieces(chunks, all_logits=True).split(counts)
-        self.commit(ids, counts, [None] * len(ids))
+        self.commit_step(ids, counts, [None] * len(ids))
         return [StepResult(c.request_id, c.start, lg) for c, lg in zip(chunks, logits, strict=True)]
 
     def run_reservations(self, request_ids: Sequence[str]) -> list[torch.Tensor]:
@@ -695,7 +695,7 @@ class ModelRunner:
 
     def num_allocations(self) -> int:
         """Blocks and state slots taken from the cache's pools so far. The engine tells the
-        admit / reserve calls that allocated from the ones that took nothing."""
+        admit / reserve_step calls that allocated from the ones that took nothing."""
         return sum(pool.num_allocated for pool in self.cache.pools)
 
     def kv_read_bytes(self, num_context_tokens: int) -> int:

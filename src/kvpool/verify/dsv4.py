@@ -192,7 +192,7 @@ class Verifier:
         for _ in range(num_steps):
             nxt = int(logits[-1][-1].argmax())
             ids.append(nxt)
-            runner.append_tokens("r", [nxt])
+            runner.append_token_ids("r", [nxt])
             out = runner.step([("r", 1)])
             assert out is not None
             logits.append(out[0].logits)
@@ -213,7 +213,7 @@ class Verifier:
             for rid, ids in seqs.items():
                 nxt = int(logits[rid][-1][-1].argmax())
                 ids.append(nxt)
-                runner.append_tokens(rid, [nxt])
+                runner.append_token_ids(rid, [nxt])
             out = runner.step([(rid, 1) for rid in seqs])
             assert out is not None
             for r in out:
@@ -277,7 +277,7 @@ class Verifier:
             for ids, lg, rid in ((a, logits_a, "a"), (b, logits_b, "b")):
                 nxt = int(lg[-1][-1].argmax())
                 ids.append(nxt)
-                runner.append_tokens(rid, [nxt])
+                runner.append_token_ids(rid, [nxt])
             out = runner.step([("a", 1), ("b", 1)])
             assert out is not None
             logits_a.append(out[0].logits)

@@ -147,13 +147,13 @@ class Verifier:
         n = adm.num_scheduled_tokens
         while True:
             pieces.append(runner.run([(rid, ids[pos : pos + n], pos)])[0])
-            runner.commit([rid], [n], [None])
+            runner.commit_step([rid], [n], [None])
             runner.check_integrity()
             pos += n
             if pos == len(ids):
                 return adm.num_cached_tokens, torch.cat(pieces)
             n = min(chunk or len(ids), len(ids) - pos)
-            assert runner.reserve([rid], [n])
+            assert runner.reserve_step([rid], [n])
 
     def prompt(self, model_name: str, length: int, chunk: int | None = None) -> list[Segment]:
         model = self.models[model_name]
@@ -172,10 +172,10 @@ class Verifier:
         rows = [logits]
         for _ in range(num_steps):
             ids.append(int(rows[-1][-1].argmax()))
-            runner.append_tokens("r", [ids[-1]])
-            assert runner.reserve(["r"], [1])
+            runner.append_token_ids("r", [ids[-1]])
+            assert runner.reserve_step(["r"], [1])
             rows.append(runner.run([("r", [ids[-1]], len(ids) - 1)])[0])
-            runner.commit(["r"], [1], [None])
+            runner.commit_step(["r"], [1], [None])
             runner.check_integrity()
         return [Segment(model, tuple(ids), 0, torch.cat(rows))]
 

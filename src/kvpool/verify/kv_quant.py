@@ -132,12 +132,12 @@ def served_log_probs(
     out = torch.empty(len(ids) - prefill, model.config.vocab_size, dtype=dtype)
     logits = runner.execute([ScheduledChunk(seq, ids[:prefill], 0, True)])
     out[0] = F.log_softmax(logits[0].to(dtype), dim=-1)
-    runner.commit([seq], [prefill], [ids[prefill]])
+    runner.commit_step([seq], [prefill], [ids[prefill]])
     for pos in range(prefill, len(ids) - 1):
-        assert runner.reserve([seq], [1])
+        assert runner.reserve_step([seq], [1])
         logits = runner.execute([ScheduledChunk(seq, [ids[pos]], pos, True)])
         out[pos - prefill + 1] = F.log_softmax(logits[0].to(dtype), dim=-1)
-        runner.commit([seq], [1], [ids[pos + 1]])
+        runner.commit_step([seq], [1], [ids[pos + 1]])
     runner.release(seq, "finish")
     return out
 
