@@ -154,7 +154,9 @@ def _host_engine(batch: int, context: int, num_steps: int, block_size: int, devi
     blocks_per_seq = -(-(context + num_steps + 2) // block_size)
     num_blocks = batch * blocks_per_seq + 1
     # the engine's decode path without the model: the static step buffers (what a CUDA
-    # graph reads) and DecodeGraphs' padding, its decode step (a replay on a GPU) fixed logits
+    # graph reads) and DecodeGraphs' padding, its decode step (a replay on a GPU) fixed logits.
+    # Not build_engine: it derives the decode mode and batched sampling from the device
+    # (neither on a CPU), and this stand-in needs both on any device
     runner = LlamaRunner(
         model,
         num_blocks,
@@ -550,8 +552,7 @@ def engine_tpot(
 
     require_cuda("the engine's TPOT needs one")
     from kvpool.cache import CacheDescriptor
-    from kvpool.engine.engine import Engine
-    from kvpool.engine.llama_runner import LlamaRunner
+    from kvpool.engine.build import build_engine
     from kvpool.engine.sampling import SamplingParams
     from kvpool.models.hf_config import llama_config, random_llama
 
@@ -567,16 +568,18 @@ def engine_tpot(
         progress(f"engine batch {batch}")
         per_seq = -(-(prompt_len + new_tokens + 1) // block_size)
         budget = max(2048, prompt_len)
-        runner = LlamaRunner(
+        # on CUDA the builder replays decode steps from graphs (unless enforce_eager) and
+        # samples a step's rows on the device, as `kvpool run` does
+        engine = build_engine(
             llama,
-            batch * per_seq + 1,
-            block_size,
-            CacheDescriptor("bench-gpu", "seed0"),
-            decode_mode="eager" if enforce_eager else "graphs",
+            descriptor=CacheDescriptor("bench-gpu", "seed0"),
+            num_blocks=batch * per_seq + 1,
+            block_size=block_size,
             max_num_seqs=batch,
             max_num_batched_tokens=budget,
+            enforce_eager=enforce_eager,
         )
-        engine = Engine(runner, max_num_batched_tokens=budget, max_num_seqs=batch, batched_sampling=True)
+        runner = engine.runner
         g = torch.Generator().manual_seed(batch)
         params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
         for _ in range(batch):

@@ -3,7 +3,9 @@ attention backend, tiers) and the engine for a Llama GGUF (`load_model`: weights
 tokenizer, digest), a bare LlamaModel, the tiny V4 model or a tiny hybrid model, through
 the plain dict `ENGINE_BUILDERS` keyed by the model's type. `kvpool run`, `generate`,
 `serve`, `kvpool.LLM` and the benchmarks and verify programs build their engines here,
-except `bench gpu` (bench/gpu.py), which still makes its own."""
+except `bench gpu`'s host part (bench/gpu.py `_host_engine`): it needs the static step
+buffers (decode_mode "static") and batched sampling on a CPU, which this builder derives
+from the device (graphs and batched sampling on CUDA only)."""
 
 from __future__ import annotations
 
