@@ -741,6 +741,7 @@ def test_a_follow_up_turn_adopts_the_state_block_its_turn_left_inside_a_span() -
     assert b is not None and (b.num_cached_tokens, b.num_scheduled_tokens) == (40, 3)
     assert b.groups["v4"].block_ids == (2, 3) and b.groups["v4"].restore == StateRestore(1, "adopt")
     assert states.block_hash(1) is None and states.free_queue() == [2, 0]  # out of the index: b writes it
+    assert m.groups["v4"]._turn_ends.num_listed() == 0  # and out of the turn-end list
     m.check_integrity()
     c = m.admit("c", follow_up)  # the second follow-up to 40: the turn end is gone, the boundary 32 it is
     assert c is not None and (c.num_cached_tokens, c.num_scheduled_tokens) == (32, 11)
@@ -755,3 +756,27 @@ def test_a_follow_up_turn_adopts_the_state_block_its_turn_left_inside_a_span() -
     assert e is not None and e.groups["v4"].restore == StateRestore(2, "none") and states.block_hash(2) is None
     m.check_integrity()
     assert m.stats.num_hit_tokens == 40 + 32
+
+
+def test_the_turn_end_list_stays_bounded_over_many_conversations() -> None:
+    # Two turns per conversation on 4 state blocks: each finished turn keeps a state block,
+    # most are then adopted or taken for another admission. Dead entries are unlisted, so the
+    # list holds the live kept blocks (those the pool still indexes) plus at most as many dead
+    # ones: never more than twice the pool's 4 blocks (before the fix: ~1,500 at 1,000 turns).
+    m = make(40, 4, turn_end_checkpoints=True)
+    g = m.groups["v4"]
+    rng = random.Random(1)
+    num_adopted = 0
+    for i in range(500):
+        conv = [rng.randrange(251) for _ in range(rng.randrange(SPAN + 1, 3 * SPAN))]
+        for turn in range(2):
+            a = m.admit(f"r{i}-{turn}", conv)
+            assert a is not None
+            num_adopted += a.groups["v4"].restore.method == "adopt"
+            m.commit(f"r{i}-{turn}", len(conv) - a.num_cached_tokens)
+            m.release(f"r{i}-{turn}")
+            live = sum(g.state_pool.block_hash(b) is not None for b in range(4))  # kept: free and indexed
+            assert live <= g._turn_ends.num_listed() <= 2 * 4
+            conv = conv + [rng.randrange(251) for _ in range(rng.randrange(1, SPAN))]
+        m.check_integrity()
+    assert num_adopted > 100  # the adoption path was taken, not only evictions

@@ -6,6 +6,8 @@ span boundaries only, one state block per request)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from kvpool.cache import Admission, BlockCopy, CacheDescriptor, GroupAdmission, StateRestore
@@ -632,3 +634,30 @@ def test_a_follow_up_turn_hits_inside_the_attention_block_where_the_previous_tur
     assert m.lookup_prefix(follow_up[:12] + [1]) == 10
     m.release("t2")
     m.check_integrity()
+
+
+def test_the_turn_end_lists_stay_bounded_over_many_conversations():
+    # Each finished turn off the grid keeps a checkpoint slot (recurrent) and a partial block
+    # (full attention); later admissions take most of them. Dead entries are unlisted: each
+    # group's list holds at most twice its pool's blocks, and at least the live kept ones.
+    m = HybridCacheManager(
+        [(AttentionGroupSpec("full", 4), 24), (RecurrentGroupSpec("r", 8), 4)], DESC, turn_end_checkpoints=True
+    )
+    rng = random.Random(2)
+    for i in range(300):
+        conv = [rng.randrange(251) for _ in range(rng.randrange(9, 20))]
+        for turn in range(2):
+            admission = m.admit(f"c{i}-{turn}", conv)
+            assert admission is not None
+            m.commit(f"c{i}-{turn}", admission.num_scheduled_tokens)
+            assert m.release(f"c{i}-{turn}")
+            for g in m.groups.values():
+                pool, turn_ends = g.pool, g._turn_ends
+                live = sum(
+                    (b := pool.prefix_block(k)) is not None and b.extra.startswith(b"turn")
+                    for k in range(pool.num_blocks)
+                )
+                assert live <= turn_ends.num_listed() <= 2 * pool.num_blocks
+            conv = conv + [rng.randrange(251) for _ in range(rng.randrange(1, 8))]
+        m.check_integrity()
+    assert m.groups["r"]._turn_ends.num_listed() > 0 and m.groups["full"]._turn_ends.num_listed() > 0

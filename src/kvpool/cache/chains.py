@@ -163,12 +163,20 @@ class TurnEnds:
     """Turn ends (Figure 12): where a request finished (or marked a turn end) inside a unit,
     the group files what it holds there (an attention group its partial block, a recurrent
     group a checkpoint) under the partial unit's tokens with a "turn" key, and lists it by
-    its parent's hash, so a prompt probes only the turn ends kept after its own units."""
+    its parent's hash, so a prompt probes only the turn ends kept after its own units.
+
+    A kept block dies (leaves the pool's index) when an admission adopts it (`drop`) or when
+    the pool takes it for an allocation, which tells nobody. Dead entries are dropped when a
+    probe or a filing meets them under their parent, and all of them at once when a filing
+    finds more than twice the pool's blocks listed: the live ones (each holds a block of its
+    own) are at most the pool's blocks, so the list never exceeds twice that, and a sweep
+    comes at most once per `pool.num_blocks` filings (amortized O(1) per filing)."""
 
     def __init__(self, pool: BlockPool, unit: int) -> None:
         self.pool = pool
         self.unit = unit
-        self._by_parent: dict[bytes, list[PrefixBlock]] = {}  # stale (evicted) entries dropped as met
+        self._by_parent: dict[bytes, list[PrefixBlock]] = {}  # dead (evicted, adopted) entries dropped as met
+        self._num_listed = 0  # entries over all parents, live or dead
 
     def __bool__(self) -> bool:
         return bool(self._by_parent)
@@ -198,14 +206,23 @@ class TurnEnds:
             return False
         assert block.parent is not None
         self._by_parent[block.parent.block_hash] = [*self._kept(block.parent), block]
+        self._num_listed += 1
+        if self._num_listed > 2 * self.pool.num_blocks:
+            self._sweep()
         return True
+
+    def drop(self, block: PrefixBlock) -> None:
+        """Unlist `block` (no longer in the pool's index: an admission adopted it)."""
+        assert not block.block_ids, f"turn end {block!r} is still registered"
+        assert block.parent is not None
+        self._kept(block.parent)
 
     def find(
         self, parent: PrefixBlock, start: int, token_ids: list[int], mm_items: tuple[MMItem, ...], limit: int
     ) -> dict[int, PrefixBlock]:
         """The turn ends T <= limit kept after `parent` (whose units end at `start`) whose
         tokens the prompt repeats: T -> the cached block (verified by the pool's content
-        guard). Changes nothing."""
+        guard). Changes nothing but the list of dead entries under `parent`."""
         out = {}
         for kept in self._kept(parent):
             end = start + len(kept.token_bytes) // TOKEN_BYTES
@@ -220,5 +237,38 @@ class TurnEnds:
         assert block.parent is not None
         return any(kept is block for kept in self._by_parent.get(block.parent.block_hash, ()))
 
+    def num_listed(self) -> int:
+        """Entries listed, live or dead (at most twice the pool's blocks)."""
+        return self._num_listed
+
+    def check_integrity(self) -> None:
+        """The count matches the lists, no list is empty, and the bound holds."""
+        lists = self._by_parent.values()
+        if self._num_listed != sum(map(len, lists)) or not all(lists):
+            raise AssertionError(f"turn ends: {self._num_listed} counted, lists {[len(v) for v in lists]}")
+        if self._num_listed > 2 * self.pool.num_blocks:
+            raise AssertionError(f"turn ends: {self._num_listed} listed, over twice {self.pool.num_blocks} blocks")
+
     def _kept(self, parent: PrefixBlock) -> list[PrefixBlock]:
-        return [b for b in self._by_parent.get(parent.block_hash, ()) if b.block_ids]
+        """The live entries under `parent`; the dead ones are unlisted here."""
+        listed = self._by_parent.get(parent.block_hash)
+        if listed is None:
+            return []
+        kept = [b for b in listed if b.block_ids]
+        if len(kept) != len(listed):
+            self._num_listed -= len(listed) - len(kept)
+            if kept:
+                self._by_parent[parent.block_hash] = kept
+            else:
+                del self._by_parent[parent.block_hash]
+        return kept
+
+    def _sweep(self) -> None:
+        """Unlist every dead entry."""
+        for parent_hash, listed in list(self._by_parent.items()):
+            kept = [b for b in listed if b.block_ids]
+            self._num_listed -= len(listed) - len(kept)
+            if kept:
+                self._by_parent[parent_hash] = kept
+            else:
+                del self._by_parent[parent_hash]

@@ -459,7 +459,10 @@ class DualPoolGroup(CacheGroup):
         """After `claim`: the state block (the first step's blocks come with its reservation);
         an adopted one leaves the index, since the request's steps change it."""
         if plan.adopt is not None:
+            adopted = self.state_pool.prefix_block(plan.adopt)
+            assert adopted is not None
             self.state_pool.unregister(plan.adopt)
+            self._turn_ends.drop(adopted)
             state = DualPoolState(root, plan.adopt, list(plan.hit_ids), list(plan.chain))
             state.restore = StateRestore(plan.adopt, "adopt")
             return state, ()
@@ -805,6 +808,7 @@ class DualPoolGroup(CacheGroup):
         free slots and those of pending steps, once."""
         states_pool = self.state_pool
         states_pool.check_integrity()
+        self._turn_ends.check_integrity()
         held = sorted(s.state_slot for s in states.values())
         free = sorted(states_pool.free_queue())
         if sorted(held + free) != list(range(states_pool.num_blocks)):

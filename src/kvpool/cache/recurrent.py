@@ -287,6 +287,9 @@ class RecurrentGroup(CacheGroup):
         """No table blocks; every slot (live states and checkpoints) as a state block."""
         return GroupUsage(0, 0, self.pool.num_blocks, self.pool.num_free)
 
+    def check_states(self, states: dict[str, RecurrentState]) -> None:
+        self._turn_ends.check_integrity()
+
     def check_state(
         self, rid: str, state: RecurrentState, token_ids: list[int], num_computed: int, end: int, holders: list[int]
     ) -> None:

@@ -477,6 +477,7 @@ class AttentionGroup(CacheGroup):
         return GroupUsage(len(counts), sum(counts.values()))
 
     def check_states(self, states: dict[str, Any]) -> None:
+        self._turn_ends.check_integrity()
         if self._live_copies() != self._pending_copies:
             raise AssertionError(f"group {self.name!r}: a queued copy nobody reads: {self._pending_copies}")
 
