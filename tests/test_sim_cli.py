@@ -165,3 +165,19 @@ def test_the_title_names_the_deployment_in_words():
     assert _deployment(1, 1, "H200") == "1 H200"
     assert _deployment(2, 4, "H200") == "8 H200 (2 replicas of TP 4)"
     assert _deployment(1, 8, "B200") == "8 B200 (1 replica of TP 8)"
+
+
+def test_no_v4_turn_ends_hits_as_paging_does_and_the_report_says_so(capsys):
+    # A V4 chat run: the dual pool's hits beyond paging's (at span boundaries) are the kept
+    # turn-end states its follow-up turns adopt; switched off, it hits exactly where paging does.
+    runs = {}
+    for flags in ([], ["--no-v4-turn-ends"]):
+        argv = ["simulate", "--model", "deepseek-v4-flash", "--gpu", "h200", "--requests", "100"]
+        assert main([*argv, "--layout", "dual,paged", "--json", *flags]) == 0
+        runs[bool(flags)] = {r["layout"]: r for r in json.loads(capsys.readouterr().out)["runs"]}
+    off, on = runs[True], runs[False]
+    assert off["dual"]["v4_turn_ends"] is False and on["dual"]["v4_turn_ends"] is True
+    assert off["dual"]["state_adoptions"] == 0 < on["dual"]["state_adoptions"]
+    assert off["dual"]["prefix_hit_tokens"] == off["paged"]["prefix_hit_tokens"] == on["paged"]["prefix_hit_tokens"]
+    assert on["dual"]["prefix_hit_tokens"] > on["paged"]["prefix_hit_tokens"]
+    assert off["paged"]["state_adoptions"] == 0

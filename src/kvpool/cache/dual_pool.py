@@ -311,6 +311,7 @@ class DualPoolGroup(CacheGroup):
         # (caching on: kept turn-end states are registered in it; without any, FIFO as before)
         self.state_pool = BlockPool(num_state_blocks, enable_caching=enable_caching, hash_algo=hash_algo)
         self._turn_ends = TurnEnds(self.state_pool, spec.span)
+        self.num_adoptions = 0  # admissions that took a kept turn-end state over (for reports)
         # (a request without a pending step holds num_computed // span blocks: check_state)
         self.granularity = self.commit_period = self.decode_reserve_period = spec.span
         self.restore_cost: RestoreCost = spec.restore_cost if spec.restore_cost is not None else TokenCost()
@@ -463,6 +464,7 @@ class DualPoolGroup(CacheGroup):
             assert adopted is not None
             self.state_pool.unregister(plan.adopt)
             self._turn_ends.drop(adopted)
+            self.num_adoptions += 1
             state = DualPoolState(root, plan.adopt, list(plan.hit_ids), list(plan.chain))
             state.restore = StateRestore(plan.adopt, "adopt")
             return state, ()

@@ -226,6 +226,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "or whichever costs less per admission (auto)",
     )
     parser.add_argument(
+        "--v4-turn-ends",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="V4 dual: a request that finishes inside a span keeps its state block for the next turn to adopt "
+        "(--no-v4-turn-ends: hits at span boundaries only, as paging's)",
+    )
+    parser.add_argument(
         "--v4-checkpoints",
         type=non_negative_int,
         default=None,
@@ -434,6 +441,7 @@ def _deployment_of(args, combo: dict):
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         v4_restore=args.v4_restore,
+        v4_turn_ends=args.v4_turn_ends,
         num_checkpoints=args.v4_checkpoints,
         slo_ttft_ms=args.slo_ttft_ms,
         slo_tpot_ms=args.slo_tpot_ms,
