@@ -22,12 +22,10 @@ sim/report.py FinishedRequests).
 
 from __future__ import annotations
 
-import gc
 import heapq
 import itertools
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -236,39 +234,6 @@ def make_replicas(
     return replicas, table
 
 
-# Young collections this far apart during a run (`spaced_collections`)
-YOUNG_COLLECTION_EVERY = 50_000
-
-
-@contextmanager
-def spaced_collections(every: int = YOUNG_COLLECTION_EVERY) -> Iterator[None]:
-    """Python's cyclic collector, for the length of a run, collecting its young objects every
-    `every` container allocations net instead of 700, and considering the whole heap after
-    every second middle collection (threshold 1, not 10), where the heap's own rule still
-    gates it (the objects that lived long grew by a quarter since the last): the thresholds
-    only, restored after; a collector that is off, or set to 0, is left as it is.
-
-    Why: a run's heap is mostly bookkeeping that lives long (cached blocks and their chains,
-    the running requests' token lists), and the default (700, 10, 10) walks it often: in a
-    5,000-request 8-replica V4 chat run, CPU time inside collections (gc.callbacks with
-    time.process_time, whole process) was 2.2-2.4 s of 24-27 s in 1,265 young, 115 middle
-    and 8 full collections, and 1.3 s in 364 / 33 / 4 spaced out (most of those before the
-    run, at start-up). Peak RSS 527 -> 568 MB: a finished request's state is a cycle
-    (request <-> sequences), freed at the next young collection, not at once. Collections
-    free memory only: nothing the simulation computes depends on when they run."""
-    young, middle, _ = gc.get_threshold()
-    if not gc.isenabled() or young == 0:
-        yield
-        return
-    saved = gc.get_threshold()
-    gc.set_threshold(every, middle, 1)
-    try:
-        yield
-    finally:
-        gc.set_threshold(*saved)
-
-
-@spaced_collections()
 def simulate(
     model: ModelSpec,
     gpu: GPUSpec,
