@@ -26,10 +26,11 @@ def test_run_tiny_dsv4_report_follows_its_definitions(capsys):
     # nothing is cached yet, so first turns hit nothing. Each answer is 4 tokens (the tiny
     # model has no EOS); a follow-up is 320 + 4 + 12 = 336 tokens, of which the first turn
     # computed 323: 2 complete 128-token spans, 256 tokens, hit by each of the 3 follow-ups.
+    # (--no-v4-turn-ends: hits at span boundaries only; the next test has the kept turn ends)
     report = _run_json(
         capsys,
         *"--model tiny-dsv4 --num-requests 3 --turns 2 --num-long 0 --max-tokens 4 --request-rate inf".split(),
-        *"--max-batch-tokens 1024 --slo-ttft-ms 1e9 --slo-tpot-ms 1e9".split(),
+        *"--max-batch-tokens 1024 --slo-ttft-ms 1e9 --slo-tpot-ms 1e9 --no-v4-turn-ends".split(),
     )
     assert (report["num_requests"], report["num_finished"], report["num_generated_tokens"]) == (6, 6, 24)
     assert report["prefix_queried_tokens"] == 3 * 320 + 3 * 336
@@ -43,6 +44,79 @@ def test_run_tiny_dsv4_report_follows_its_definitions(capsys):
     assert report["num_alloc_calls"] >= 6
     # with SLOs nobody misses, goodput is every request over the wall time
     assert report["goodput_req_s"] == pytest.approx(6 / report["wall_s"], rel=0.01)
+
+
+TINY_DSV4_RUN = (
+    "--model tiny-dsv4 --num-requests 3 --num-long 0 --max-tokens 4 --request-rate inf --max-batch-tokens 1024"
+)
+
+
+def test_run_tiny_dsv4_adopts_turn_end_states_by_default(capsys):
+    # The workload of the test above: each first turn computes 320 + 4 - 1 = 323 tokens and,
+    # kept at its turn end, its state block is adopted by its follow-up, which then hits all
+    # 323 (2 spans + 67 tokens) instead of 256; off, the report above's figures.
+    on = _run_json(capsys, *TINY_DSV4_RUN.split(), "--turns", "2")
+    off = _run_json(capsys, *TINY_DSV4_RUN.split(), "--turns", "2", "--no-v4-turn-ends")
+    assert (on["v4_turn_ends"], on["state_adoptions"]) == (True, 3)
+    assert (off["v4_turn_ends"], off["state_adoptions"]) == (False, 0)
+    assert on["prefix_hit_tokens"] == 3 * 323 and off["prefix_hit_tokens"] == 3 * 256
+    assert on["prefix_queried_tokens"] == off["prefix_queried_tokens"] == 3 * 320 + 3 * 336
+
+
+def _greedy_turns(flags: list[str], turns: int) -> tuple[dict[str, list[int]], int]:
+    """`kvpool run`'s engine and workload for `flags` (cli/run.py build), served turn by turn
+    with greedy sampling: ({request id: its tokens}, the admissions that adopted a kept state)."""
+    import argparse
+    import random
+
+    from kvpool.cache.dual_pool import DualPoolGroup
+    from kvpool.cli import run
+    from kvpool.engine.sampling import SamplingParams
+    from kvpool.workload.live import request_id
+
+    parser = argparse.ArgumentParser()
+    run.add_arguments(parser)
+    args = parser.parse_args([*flags, "--turns", str(turns)])
+    engine, make_workload, _, _ = run.build(args)
+    workload = make_workload(random.Random(args.seed))
+    params = SamplingParams(max_tokens=args.max_tokens)  # greedy
+    tokens: dict[str, list[int]] = {}
+    prompts = {request_id(c, 0): p for c, p in enumerate(workload.first_prompts)}
+    for turn in range(turns):
+        for rid, prompt in prompts.items():
+            engine.add_request(prompt, params, rid)
+        while engine.has_unfinished():
+            engine.step()
+        tokens.update((rid, engine.output(rid).completions[0].token_ids) for rid in prompts)
+        prompts = {
+            request_id(c, turn + 1): workload.follow_up(conv, tokens[request_id(c, turn)], "")
+            for c, conv in enumerate(workload.conversations)
+        }
+    adopted = sum(g.num_adoptions for g in engine.runner.cache.groups.values() if isinstance(g, DualPoolGroup))
+    return tokens, adopted
+
+
+def test_run_tiny_dsv4_turn_ends_change_no_token():
+    # An adopted state is the one recomputing the turn's tail gives: every request of three
+    # turns draws the same greedy tokens with the kept turn ends as without them.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (as `kvpool run --threads 1` above: tiny steps on shared cores)
+    try:
+        with_turn_ends, adopted = _greedy_turns(TINY_DSV4_RUN.split(), turns=3)
+        without, none = _greedy_turns([*TINY_DSV4_RUN.split(), "--no-v4-turn-ends"], turns=3)
+    finally:
+        torch.set_num_threads(threads)
+    assert (adopted, none) == (6, 0)  # each follow-up of turns 2 and 3 adopted its predecessor's state
+    assert len(with_turn_ends) == 9 and all(len(t) == 4 for t in with_turn_ends.values())
+    assert with_turn_ends == without
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "tiny-gemma2"])
+def test_v4_turn_ends_is_refused_for_a_model_without_them(capsys, model):
+    for flag in ("--v4-turn-ends", "--no-v4-turn-ends"):
+        assert main(["run", "--model", model, flag]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "--v4-turn-ends / --no-v4-turn-ends" in err and "only tiny-dsv4" in err, err
 
 
 def test_run_smollm2_report_follows_its_definitions(capsys):

@@ -457,6 +457,12 @@ def host_cache_bytes(args: argparse.Namespace) -> int | None:
     return max(1, int(gib * (1 << 30)))
 
 
+def check_v4_turn_ends(args: argparse.Namespace) -> None:
+    """ValueError for --v4-turn-ends / --no-v4-turn-ends on a model without V4's dual pool."""
+    if getattr(args, "v4_turn_ends", None) is not None and getattr(args, "model", None) != "tiny-dsv4":
+        raise ValueError("--v4-turn-ends / --no-v4-turn-ends: only tiny-dsv4 (DeepSeek-V4) keeps turn-end states")
+
+
 class EngineFlags(NamedTuple):
     """What `check_engine_flags` read: --preemption, --kv-cache-dtype's storage format (None:
     the model's own) and build_engine's tier options (persistent_cache_options)."""
@@ -468,9 +474,10 @@ class EngineFlags(NamedTuple):
 
 def check_engine_flags(args: argparse.Namespace) -> EngineFlags:
     """The engine flags run, generate and serve share, checked before any model loads:
-    --hisparse, --preemption, --kv-cache-dtype, the tier flags, and what
+    --hisparse, --v4-turn-ends, --preemption, --kv-cache-dtype, the tier flags, and what
     --tensor-parallel-size cannot go with. ValueError naming the first that cannot work."""
     check_hisparse(args)
+    check_v4_turn_ends(args)
     preemption = check_preemption(args)
     kv_format = check_kv_dtype(args)
     tiers = persistent_cache_options(args)

@@ -163,6 +163,14 @@ ENFORCE_EAGER = SharedOption(
     "and replayed; the CPU runs eagerly either way)",
     kind="switch",
 )
+V4_TURN_ENDS = SharedOption(
+    "V4 turn-end states",
+    ("--v4-turn-ends",),
+    "v4_turn_ends",
+    "V4 dual pool: a request that finishes inside a span keeps its state block for the next turn to adopt "
+    "(--no-v4-turn-ends: hits at span boundaries only, as paging's)",
+    kind="switch",
+)
 THREADS = SharedOption("CPU threads", ("--threads",), "threads", "torch's CPU threads", positive_int, metavar="N")
 
 SHARED_OPTIONS: tuple[SharedOption, ...] = (
@@ -180,6 +188,7 @@ SHARED_OPTIONS: tuple[SharedOption, ...] = (
     BLOCK_SIZE,
     GPU_MEMORY_UTILIZATION,
     KV_MEMORY,
+    V4_TURN_ENDS,
 )
 
 
@@ -381,8 +390,8 @@ def options_table() -> str:
             action = taken.get(option.name)
             if action is None:
                 cells.append("·")
-            elif isinstance(action, argparse.BooleanOptionalAction):
-                cells.append("on" if action.default else "off")
+            elif isinstance(action, argparse.BooleanOptionalAction):  # (None: on or off by the model)
+                cells.append("-" if action.default is None else "on" if action.default else "off")
             elif action.default is None or isinstance(action.default, tuple) and set(action.default) == {None}:
                 cells.append("-")
             else:

@@ -60,6 +60,7 @@ from kvpool.cli.generate import _tensor_parallel, agree_across_ranks
 from kvpool.cli.main import EXIT_INTERRUPTED, EXIT_TERMINATED, Terminated, terminate_like_ctrl_c
 from kvpool.cli.options import (
     BLOCK_SIZE,
+    V4_TURN_ENDS,
     add_device_arguments,
     add_engine_batch_options,
     add_engine_model_option,
@@ -95,6 +96,7 @@ HYBRID_REFUSED = (
     ("swa_period", "--swa-period", "the hybrid runner has no cache tiers"),
     ("hisparse", "--hisparse", "only tiny-dsv4 has CSA layers"),
     ("indexer_format", "--indexer-format", "only tiny-dsv4 has CSA layers"),
+    ("v4_turn_ends", "--v4-turn-ends / --no-v4-turn-ends", "only tiny-dsv4 keeps turn-end states"),
 )
 # the flags that shape what every tensor-parallel rank must do alike (the workload's and the engine's)
 AGREED_FLAGS = (
@@ -138,6 +140,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_device_arguments(parser)
     add_persistent_cache_arguments(parser)
     add_hisparse_argument(parser)
+    add_option(parser, V4_TURN_ENDS, default=None, note="tiny-dsv4 only (default: on, as `kvpool simulate`'s)")
     add_preemption_argument(parser)
     add_kv_memory_option(
         parser,
@@ -314,6 +317,7 @@ def build(args: argparse.Namespace):
             host_cache_bytes=host_cache_bytes(args),
             **persistent_cache_options(args),
             **v4_kv_format(args),
+            turn_end_checkpoints=args.v4_turn_ends is not False,  # (None: not given, on)
         )
         limit_model_len(engine, args.max_model_len)
         return (
@@ -548,8 +552,21 @@ def make_report(engine, args, model_name, wall, step_time, frag_samples, bytes_r
         "num_steps": engine.num_steps,
         "wall_s": round(wall, 3),
         "interrupted": interrupted,
+        **v4_turn_end_report(engine.runner.cache),
         **engine.runner.tier_reports(),
     }
+
+
+def v4_turn_end_report(cache) -> dict[str, object]:
+    """V4's dual pool (tiny-dsv4): whether finished turns keep their state blocks
+    (v4_turn_ends) and how many admissions adopted one (state_adoptions), the keys
+    `kvpool simulate` reports; {} for a cache without a dual-pool group."""
+    from kvpool.cache.dual_pool import DualPoolGroup
+
+    duals = [g for g in getattr(cache, "groups", {}).values() if isinstance(g, DualPoolGroup)]
+    if not duals:
+        return {}
+    return {"v4_turn_ends": cache.turn_end_checkpoints, "state_adoptions": sum(g.num_adoptions for g in duals)}
 
 
 def print_report(report: dict, loads: list[float | None] | None = None) -> None:

@@ -47,6 +47,7 @@ from kvpool.cli.options import (
     MAX_NUM_SEQS,
     PREFIX_CACHING,
     TENSOR_PARALLEL_SIZE,
+    V4_TURN_ENDS,
     add_kv_cache_dtype_option,
     add_option,
     add_planner_model_option,
@@ -225,13 +226,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="V4 dual: a prefix hit's state by replaying the last n_win x layers tokens, from a checkpoint, "
         "or whichever costs less per admission (auto)",
     )
-    parser.add_argument(
-        "--v4-turn-ends",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="V4 dual: a request that finishes inside a span keeps its state block for the next turn to adopt "
-        "(--no-v4-turn-ends: hits at span boundaries only, as paging's)",
-    )
+    add_option(parser, V4_TURN_ENDS, default=True, note="the dual layout (--layout dual)")
     parser.add_argument(
         "--v4-checkpoints",
         type=non_negative_int,

@@ -305,6 +305,7 @@ def _dsv4_engine(
     swa: SWAStrategy | None = None,
     kv_format: str | None = None,
     indexer_format: str = "fp8",
+    turn_end_checkpoints: bool = True,
 ) -> Engine:
     kv_format = kv_format or "exact"
     if num_blocks is None:
@@ -333,6 +334,7 @@ def _dsv4_engine(
         swa=swa,
         kv_format=kv_format,
         indexer_format=indexer_format,
+        turn_end_checkpoints=turn_end_checkpoints,
     )
     return Engine(
         runner, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, record_logits=record_logits
@@ -392,7 +394,9 @@ def build_engine(model: LoadedModel | LlamaModel | TinyDSV4 | TinyHybrid, **opti
     implementation, attention/backends), enforce_eager (no CUDA graphs: on CUDA the decode
     steps are otherwise replayed from graphs, engine/cuda_graph.py). V4: num_state_blocks, restore (None: "auto", or
     "recompute" with disk / Redis tiers), hot_set_entries (HiSparse), swa (tiers/swa.py),
-    indexer_format. Hybrid: num_slots, block_size, checkpoint_interval. An option the
+    indexer_format, turn_end_checkpoints (default on, as the simulator's dual layout: a
+    finished turn's state block is kept for the next turn to adopt; DSV4Runner's own
+    default is off). Hybrid: num_slots, block_size, checkpoint_interval. An option the
     model's runner does not take is a TypeError naming it."""
     builder = ENGINE_BUILDERS.get(type(model))
     if builder is None:
