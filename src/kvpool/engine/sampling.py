@@ -181,10 +181,20 @@ def uniform_draws(seeds: Sequence[int], sample_indices: Sequence[int], positions
     calls instead of three Python SplitMix64 rounds a row (~2 us a row on the host, 0.25 ms
     at batch 128). Seeds are signed 64-bit (their two's complement words are `seed &
     _MASK64`); indices and positions are non-negative and below 2^63."""
+    return _draws_at(_seed_words(seeds, sample_indices), np.fromiter(positions, np.int64, len(positions)))
+
+
+def _seed_words(seeds: Sequence[int], sample_indices: Sequence[int]) -> np.ndarray:
+    """`uniform_draws`' first two SplitMix64 rounds, of (seed, sample index): [n] uint64,
+    what a row's draws share from step to step."""
     n = len(seeds)
     x = _splitmix64_np(np.fromiter(seeds, np.int64, n).view(np.uint64))
-    x = _splitmix64_np(x ^ np.fromiter(sample_indices, np.int64, n).view(np.uint64))
-    x = _splitmix64_np(x ^ np.fromiter(positions, np.int64, n).view(np.uint64))
+    return _splitmix64_np(x ^ np.fromiter(sample_indices, np.int64, n).view(np.uint64))
+
+
+def _draws_at(words: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """`uniform_draws`' third round, on the positions ([n] int64), and the draws it gives."""
+    x = _splitmix64_np(words ^ positions.view(np.uint64))
     # the top 53 bits, below 2^53: exact in float64, and the power of two scales exactly
     return (x >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
@@ -257,7 +267,7 @@ class _BatchRows:
         self.num_rows = num_rows
         self.stochastic = stochastic  # [m] int64, increasing: the rows that draw
         self.table = table  # [m, 4] float64: temperature, top_p, top_k (vocab: off), u (per step)
-        self.mixed = mixed  # [m] uint64: _splitmix64(_splitmix64(seed) ^ sample index)
+        self.mixed = mixed  # [m] uint64: `_seed_words` of the rows that draw
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams], sample_indices: Sequence[int], vocab: int) -> _BatchRows:
@@ -282,9 +292,7 @@ class _BatchRows:
         table[:, 1] = [p.top_p for p in picked]
         np.maximum(table[:, 1], TOP_P_MIN, out=table[:, 1])
         table[:, 2] = [min(p.top_k, vocab) if p.top_k else vocab for p in picked]
-        x = _splitmix64_np(np.fromiter([p.seed for p in picked], np.int64, m).view(np.uint64))
-        mixed = _splitmix64_np(x ^ np.fromiter(indices, np.int64, m).view(np.uint64))
-        return cls(num_rows, stochastic, table, mixed)
+        return cls(num_rows, stochastic, table, _seed_words([p.seed for p in picked], indices))
 
     def sample(self, logits: torch.Tensor, positions: Sequence[int] | Callable[[], Sequence[int]]) -> list[int]:
         """logits [num_rows, vocab] -> a token a row, the rows' output positions given (or
@@ -295,10 +303,8 @@ class _BatchRows:
         at = np.fromiter(positions() if callable(positions) else positions, np.int64, self.num_rows)
         if m < self.num_rows:
             at = at[stochastic]
-        # the draws' third round, on the position: uniform_draws' words bit for bit
-        x = _splitmix64_np(self.mixed ^ at.view(np.uint64))
         table = self.table
-        table[:, 3] = (x >> np.uint64(11)).astype(np.float64) * 2.0**-53
+        table[:, 3] = _draws_at(self.mixed, at)  # uniform_draws' draws, bit for bit
         device = logits.device
         # (on CUDA a pinned copy is sent, so the next step may rewrite the table; on the CPU
         # the ops below read it before this call returns)
