@@ -190,9 +190,10 @@ def test_a_draw_at_the_very_top_takes_the_last_token_of_non_zero_weight():
     inf = float("inf")
     logits = torch.tensor([[0.0, 0.0, -inf, -inf], [0.0, -inf, 0.0, -inf], [-inf, 1.0, -inf, 2.0]])
     top = 1.0 - 2.0**-53
-    table = torch.tensor([[1.0, 1.0, 4.0, top], [1.0, 1.0, 4.0, top], [1.0, 1.0, 4.0, 0.0]], dtype=torch.float64)
-    assert torch.tensor(top, dtype=torch.float64).float().item() == 1.0
-    assert _sample_group(logits, table, 4, False).tolist() == [1, 2, 1]
+    u = torch.tensor([[top], [top], [0.0]], dtype=torch.float64).float()
+    assert u[0].item() == 1.0
+    ones = torch.ones(3, 1)
+    assert _sample_group(logits, ones, ones, u, 4, False, at_top=True).tolist() == [1, 2, 1]
     assert [_draw(torch.softmax(row, -1), u) for row, u in zip(logits, (top, top, 0.0), strict=True)] == [1, 2, 1]
 
 
@@ -209,6 +210,95 @@ def test_a_row_without_finite_probabilities_draws_as_sample_token_does():
         assert sample_batch(rows, params, [0] * len(rows), [5] * len(rows)) == expected, (top_k, top_p)
         if top_k == 0:
             assert expected[:3] == [4, 4, 4]  # the last index, by hand
+
+
+# (seed 0, sample 0, position 22,601,155): a draw of 0.99999997..., which fp32 rounds to 1.0
+# (~2^-25 of draws do); found by a numpy scan of seed 0's positions, checked below
+TOP_DRAW = (0, 0, 22_601_155)
+
+
+def test_the_shortcut_where_no_draw_rounds_to_one_equals_the_full_last_index(one_thread):
+    """`_sample_group` clamps the searched index (at_top False) where no row's u is 1.0 in
+    fp32, instead of the last index of non-zero weight: the same token on every row, finite
+    or not (random rows with -inf, +inf and NaN logits, u up to 1 - 2^-24, the largest fp32
+    below 1), top-k and top-p on and off. And a draw that does round to 1.0 goes the full
+    way inside `sample_batch`: rows whose nucleus leaves trailing zero weights take their
+    last kept token, as sample_token's `_draw` does."""
+    gen = torch.Generator().manual_seed(11)
+    inf, nan = float("inf"), float("nan")
+    for case in range(200):
+        rows, vocab = 1 + case % 9, 1 + case % 23
+        logits = torch.randn(rows, vocab, generator=gen) * (0.3 + case % 5)
+        odd = torch.rand(rows, vocab, generator=gen)
+        logits[odd < 0.05], logits[(odd > 0.1) & (odd < 0.13)] = -inf, inf
+        logits[(odd > 0.2) & (odd < 0.21)] = nan
+        temperature = torch.rand(rows, 1, generator=gen) * 2 + 0.01
+        top_p = torch.where(torch.rand(rows, 1, generator=gen) < 0.5, 1.0, torch.rand(rows, 1, generator=gen))
+        u = torch.rand(rows, 1, generator=gen)
+        u[torch.rand(rows, 1, generator=gen) < 0.2] = 1 - 2.0**-24
+        k = (case % 4) if case % 4 < vocab else vocab
+        k = vocab if k == 0 else k
+        for nucleus in (False, True):
+            fast = _sample_group(logits, temperature, top_p, u, k, nucleus, at_top=False)
+            full = _sample_group(logits, temperature, top_p, u, k, nucleus, at_top=True)
+            assert fast.tolist() == full.tolist(), (case, nucleus)
+    seed, index, position = TOP_DRAW
+    assert np.float32(uniform_draw(seed, index, position)) == 1.0
+    flat = torch.tensor([[2.0, 1.9, 1.8, -3.0, -9.0, 1.7, -inf]] * 3)
+    params = [SamplingParams(temperature=1.0, seed=seed, top_p=p) for p in (1.0, 0.6, 0.9)]
+    got = sample_batch(flat, params, [index] * 3, [position] * 3)
+    assert got == [sample_token(row, p, index, position) for row, p in zip(flat, params, strict=True)]
+    # the last token of non-zero weight: without top-p in vocabulary order (1.7: -inf weighs 0),
+    # with it the nucleus's last by probability (top-p 0.6: 2.0, 1.9, 1.8; 0.9: and 1.7)
+    assert got == [5, 2, 5]
+
+
+def test_thousands_of_random_batches_equal_sample_token_row_by_row(one_thread):
+    """2,000 random batches (1 to 12 rows, vocabularies of 1 to 40, fp32 / fp64 / bf16
+    logits, a fifth of the rows with -inf, +inf or NaN logits), each row its own mix of
+    temperature (greedy ones too), top-k, top-p, seed, sample index and position: every
+    token of `sample_batch`, and of a `BatchSampler` kept over two steps, is sample_token's
+    (continuous logits: no two candidates tie in probability, where the two may order them
+    apart)."""
+    rng = random.Random(17)
+    gen = torch.Generator().manual_seed(17)
+    inf, nan = float("inf"), float("nan")
+    drawn = odd_rows = 0
+    for case in range(2000):
+        rows, vocab = rng.randint(1, 12), rng.randint(1, 40)
+        logits = torch.randn(rows, vocab, generator=gen) * rng.choice((0.2, 1.0, 4.0))
+        for r in range(rows):
+            kind = rng.random()
+            if kind < 0.2:
+                odd_rows += 1
+                if kind < 0.04:
+                    logits[r] = -inf
+                else:
+                    logits[r, rng.randrange(vocab)] = (inf, nan, -inf)[int(kind * 100) % 3]
+        logits = logits.to(rng.choice((torch.float32, torch.float32, torch.float64)))
+        shared = rng.random() < 0.4  # a batch of one kind (the usual step) or of every kind
+
+        def draw_params(rng=rng, vocab=vocab):
+            return SamplingParams(
+                temperature=rng.choice((0.0, 1e-6, 0.4, 0.8, 1.0, 1.7)),
+                top_p=rng.choice((1.0, 1.0, 0.95, 0.6, 1e-9)),
+                top_k=rng.choice((0, 0, 1, 3, vocab, vocab + 5)),
+                seed=rng.randint(SEED_MIN, SEED_MAX),
+            )
+
+        one = draw_params()
+        params = [one if shared else draw_params() for _ in range(rows)]
+        indices = [rng.randint(0, 3) for _ in range(rows)]
+        positions = [rng.randint(0, 9999) for _ in range(rows)]
+        want = [sample_token(logits[r], params[r], indices[r], positions[r]) for r in range(rows)]
+        assert sample_batch(logits, params, indices, positions) == want, case
+        sampler, owners = BatchSampler(), list(range(rows))
+        for step in range(2):
+            at = [p + step for p in positions]
+            got = sampler.sample(logits, owners, lambda p=params, i=indices: (p, i), lambda at=at: at)
+            assert got == [sample_token(logits[r], params[r], indices[r], at[r]) for r in range(rows)], (case, step)
+        drawn += sum(not p.greedy for p in params)
+    assert drawn > 5000 and odd_rows > 1500  # (what the batches held)
 
 
 def test_the_batch_of_draws_is_uniform_draw_bit_for_bit():
