@@ -149,19 +149,27 @@ def plan_extend(
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     dense = isinstance(indices, torch.Tensor)
-    if len(q_lens) != len(ctx_lens) or len(indptr) != len(q_lens) + (not dense):
-        raise ValueError(f"{len(q_lens)} q_lens, {len(ctx_lens)} ctx_lens and {len(indptr)} indptr entries disagree")
-    for i, (q_len, ctx_len) in enumerate(zip(q_lens, ctx_lens, strict=True)):
-        if not 0 < q_len <= ctx_len:
-            raise ValueError(f"sequence {i}: q_len {q_len} must be in [1, ctx_len {ctx_len}]")
-        if not dense and indptr[i + 1] - indptr[i] != -(-ctx_len // block_size):
-            raise ValueError(
-                f"sequence {i}: {indptr[i + 1] - indptr[i]} blocks do not cover exactly {ctx_len} tokens "
-                f"of block size {block_size}"
-            )
-    group = num_heads // num_kv_heads
     q = np.asarray(q_lens, dtype=np.int64)  # [B]
+    c = np.asarray(ctx_lens, dtype=np.int64)  # [B]
     num_seqs = len(q)
+    if len(c) != num_seqs or len(indptr) != num_seqs + (not dense):
+        raise ValueError(f"{len(q_lens)} q_lens, {len(ctx_lens)} ctx_lens and {len(indptr)} indptr entries disagree")
+    # the checks over every sequence at once; the first failing one is named, by the first
+    # check it fails (as a loop over them would)
+    bad_len = (q <= 0) | (q > c)  # [B]
+    bad = bad_len
+    if not dense:
+        bounds = np.asarray(indptr, dtype=np.int64)
+        bad = bad_len | (bounds[1:] - bounds[:-1] != -(-c // block_size))
+    if num_seqs and bad.any():
+        i = int(np.argmax(bad))
+        if bad_len[i]:
+            raise ValueError(f"sequence {i}: q_len {q[i]} must be in [1, ctx_len {c[i]}]")
+        raise ValueError(
+            f"sequence {i}: {bounds[i + 1] - bounds[i]} blocks do not cover exactly {c[i]} tokens "
+            f"of block size {block_size}"
+        )
+    group = num_heads // num_kv_heads
     # a tile's queries: ROWS rows' worth, fewer when no chunk is that long (a step of
     # decodes fills MIN_ROWS rows, not ROWS, with padding); a power of two (tl.arange)
     g = _pow2(group)
@@ -181,7 +189,7 @@ def plan_extend(
     if num_seqs and (rows.min() < 0 or ends.max() > num_rows):
         raise ValueError(f"query rows {rows.tolist()} with lengths {q.tolist()} do not fit {num_rows} rows")
 
-    max_ctx_len = int(np.max(ctx_lens)) if len(ctx_lens) else 1
+    max_ctx_len = int(c.max()) if num_seqs else 1
     if num_sms is not None:
         from kvpool.attention.backends.triton_decode import num_splits_for
 
@@ -194,14 +202,14 @@ def plan_extend(
     merge_rows = np.arange(int(firsts[-1])) + np.repeat(rows - firsts[:-1], q)
 
     # every table in one int32 buffer, sent to the device in one copy, each a slice of it
-    parts = [rows, q, ctx_lens, tile_seq, tile_start, firsts, merge_rows]
+    parts = [rows, q, c, tile_seq, tile_start, firsts, merge_rows]
     if not dense:
-        parts += [indptr, indices]
+        parts += [bounds, np.asarray(indices, dtype=np.int64)]
     lengths = [len(x) for x in parts]
-    packed = torch.from_numpy(np.concatenate([np.asarray(x, dtype=np.int32) for x in parts]))  # (a new array)
+    packed = torch.from_numpy(np.concatenate(parts).astype(np.int32))  # (a new array)
     if torch.device(device).type != "cpu":
         packed = packed.to(device)
-    tables = packed.split(lengths)
+    tables = packed.split_with_sizes(lengths)
     kv_indptr, kv_indices = (indptr, indices) if dense else tables[7:]
     return ExtendPlan(
         tables[0], tables[1], kv_indptr, kv_indices, tables[2], tables[3], tables[4], block_m, group, num_rows,

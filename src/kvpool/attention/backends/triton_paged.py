@@ -251,31 +251,37 @@ class TritonPagedBackend(PagedBackend):
                 f"the step buffers hold {buffers.num_seqs} sequences of {buffers.num_tokens} tokens, "
                 f"not {n} of {num_tokens} ({len(c)} context lengths)"
             )
-        bad = np.flatnonzero((c < q) | (q < 1))
-        if len(bad):
-            i = int(bad[0])
+        bad = (c < q) | (q < 1)
+        if bad.any():
+            i = int(np.argmax(bad))
             raise ValueError(f"sequence {i}: {c[i]} tokens with {q[i]} new ones")
-        first_rows = np.cumsum(q) - q  # [n]: each sequence's first row of the step's tokens
-        seqs, prefill_seqs = np.flatnonzero(q == 1), np.flatnonzero(q > 1)  # [B], [P]: increasing
-        view = buffers.view(n, num_tokens)
-        slots, tables = view.slot_mapping, buffers.block_tables  # [N] int32, [rows, width] int32
+        is_decode = q == 1  # [n]
+        num_decodes = int(np.count_nonzero(is_decode))
+        # the engine's order, the decodes first and the chunks after them: slices, no index
+        decodes_first = bool(is_decode[:num_decodes].all())
+        slots, tables = buffers.slot_mapping[:num_tokens], buffers.block_tables  # [N] int32, [rows, width] int32
         decode = None
-        vectors = (buffers.query_start, buffers.seq_rows, buffers.ctx_lens)  # [max_num_seqs (+ 1)] int32
-        if len(seqs):  # the decodes' query rows, table rows and lengths: [B] int32 each
-            if seqs[-1] == len(seqs) - 1:  # the decodes first (the engine's order): views
-                picked = tuple(t[: len(seqs)] for t in vectors)
+        if num_decodes:  # the decodes' query rows, table rows and lengths: [B] int32 each
+            vectors = (buffers.query_start, buffers.seq_rows, buffers.ctx_lens)  # [max_num_seqs (+ 1)] int32
+            if decodes_first:
+                picked = (vectors[0][:num_decodes], vectors[1][:num_decodes], vectors[2][:num_decodes])
+                longest = int(c[:num_decodes].max())
             else:
+                seqs = np.flatnonzero(is_decode)  # [B], increasing
                 index = torch.from_numpy(seqs).to(device)
                 picked = tuple(t[:n].index_select(0, index) for t in vectors)
+                longest = int(c[seqs].max())
             splits = self.num_splits
             if splits is None:
-                splits = ops.num_splits_for(len(seqs), st.num_kv_heads, int(c[seqs].max()), self.num_sms)
+                splits = ops.num_splits_for(num_decodes, st.num_kv_heads, longest, self.num_sms)
             decode = (*picked, splits)
         extend = None
-        if len(prefill_seqs):  # the chunks' table rows as offsets into the flat table: [P] int32
-            if prefill_seqs[0] == n - len(prefill_seqs):  # the chunks last (the engine's order): a view
-                chunk_rows = buffers.seq_rows[prefill_seqs[0] : n]
+        if num_decodes < n:  # the chunks' table rows as offsets into the flat table: [P] int32
+            if decodes_first:
+                prefill_seqs: slice | np.ndarray = slice(num_decodes, n)
+                chunk_rows = buffers.seq_rows[num_decodes:n]
             else:
+                prefill_seqs = np.flatnonzero(~is_decode)  # [P], increasing
                 chunk_rows = buffers.seq_rows[:n].index_select(0, torch.from_numpy(prefill_seqs).to(device))
             offsets = chunk_rows * buffers.max_blocks_per_seq
             extend = self.extend_ops.plan_extend(
@@ -287,7 +293,7 @@ class TritonPagedBackend(PagedBackend):
                 self.num_heads,
                 st.num_kv_heads,
                 device,
-                q_rows=first_rows[prefill_seqs],
+                q_rows=(np.cumsum(q) - q)[prefill_seqs],  # each chunk's first row of the step's tokens
                 num_rows=num_tokens,
             )
 
@@ -304,7 +310,7 @@ class TritonPagedBackend(PagedBackend):
             decode_path = "triton"
             if decode[3] > 1:  # the partial outputs and log-sum-exps the merge reads
                 acc_bytes = 8 if self.dtype == torch.float64 else 4
-                table_bytes += len(seqs) * self.num_heads * decode[3] * (st.head_dim + 1) * acc_bytes
+                table_bytes += num_decodes * self.num_heads * decode[3] * (st.head_dim + 1) * acc_bytes
         # (make_step's figures without its walk over a plan that has no list-built tables:
         # no prefill chunk is gathered, the extend kernel reads the keys in place)
         return PagedStep(StepPlan(slots, None, []), attend, decode_path, table_bytes, 0)
