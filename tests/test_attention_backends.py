@@ -11,7 +11,7 @@ from kvpool.attention.backends.native import NativeBackend
 from kvpool.attention.backends.quant import DequantBackend, QuantNativeBackend
 from kvpool.attention.backends.torch_paged import TorchPagedBackend
 from kvpool.attention.backends.triton_paged import TritonPagedBackend, triton_importable
-from kvpool.engine.llama_runner import LlamaRunner
+from kvpool.engine.llama_runner import llama_runner
 from kvpool.models.llama import LlamaModel
 from random_llama import CONFIG, DESCRIPTOR, random_llama
 
@@ -40,7 +40,7 @@ def fp32_model(kernels) -> LlamaModel:
 )
 def test_the_llama_runner_gets_the_expected_backend(kernels, model_kind, kv_format, decode_path, want, impl) -> None:
     model = fp32_model(kernels) if model_kind == "fp32" else random_llama("cpu", torch.float64)
-    runner = LlamaRunner(model, 8, 16, DESCRIPTOR, kv_format=kv_format, decode_path=decode_path)
+    runner = llama_runner(model, 8, 16, DESCRIPTOR, kv_format=kv_format, decode_path=decode_path)
     assert type(runner.attention) is want
     assert runner.executor.decode_path == impl
     runner.executor.decode_path = "padded"  # choosing another implementation picks the backend again
@@ -100,35 +100,35 @@ def test_an_unknown_combination_names_itself_and_what_exists() -> None:
 
 def test_a_runner_refuses_a_path_its_model_cannot_run() -> None:
     with pytest.raises(ValueError, match="needs the CPU kernels"):
-        LlamaRunner(random_llama("cpu", torch.float64), 8, 16, DESCRIPTOR, decode_path="native")
+        llama_runner(random_llama("cpu", torch.float64), 8, 16, DESCRIPTOR, decode_path="native")
     with pytest.raises(ValueError, match="'fast'"):
-        LlamaRunner(random_llama("cpu", torch.float64), 8, 16, DESCRIPTOR, decode_path="fast")
+        llama_runner(random_llama("cpu", torch.float64), 8, 16, DESCRIPTOR, decode_path="fast")
 
 
 @pytest.mark.parametrize(("kv_format", "fmt"), [("exact", "dsv4-exact"), ("fp8", "dsv4-fp8")])
 def test_the_v4_runner_gets_the_sparse_backend_over_its_pools(kv_format, fmt) -> None:
     from kvpool.attention.backends import DSV4SparseBackend
-    from kvpool.engine.dsv4_runner import DSV4Runner
+    from kvpool.engine.dsv4_runner import dsv4_runner
     from kvpool.models.tiny_dsv4 import TinyDSV4
 
-    runner = DSV4Runner(TinyDSV4(), 4, 2, kv_format=kv_format)
+    runner = dsv4_runner(TinyDSV4(), 4, 2, kv_format=kv_format)
     assert type(runner.attention) is DSV4SparseBackend and runner.attention.pools is runner.executor.pools
     assert select_backend("dsv4-sparse", fmt, "cpu").backend is DSV4SparseBackend
 
 
 def test_the_hybrid_runner_gets_a_slot_backend_per_group_and_the_recurrent_update() -> None:
     from kvpool.attention.backends import RecurrentBackend, SlotAttentionBackend
-    from kvpool.engine.hybrid_runner import HybridRunner
+    from kvpool.engine.hybrid_runner import hybrid_runner
     from kvpool.models.tiny_hybrid import TINY_GEMMA2, TINY_RECURRENT, TinyHybrid
 
-    gemma = HybridRunner(TinyHybrid(TINY_GEMMA2), 10, 3, block_size=4)
+    gemma = hybrid_runner(TinyHybrid(TINY_GEMMA2), 10, 3, block_size=4)
     groups = gemma.attention.groups
     assert sorted(groups) == ["full", "window"] and all(type(b) is SlotAttentionBackend for b in groups.values())
     assert groups["window"].window == TINY_GEMMA2["window"] and groups["full"].window is None
     # [blocks * block size, the group's layers (2 of 4 each), K and V, kv heads, head dim]
     assert groups["full"].kv.shape == (40, 2, 2, TINY_GEMMA2["num_kv_heads"], TINY_GEMMA2["head_dim"])
     assert gemma.attention.recurrent.state.shape[0] == 0  # no recurrent layer: no state slots
-    rec = HybridRunner(TinyHybrid(TINY_RECURRENT), 10, 3, block_size=4)
+    rec = hybrid_runner(TinyHybrid(TINY_RECURRENT), 10, 3, block_size=4)
     assert sorted(rec.attention.groups) == ["full"] and type(rec.attention.recurrent) is RecurrentBackend
     heads, hd = TINY_RECURRENT["num_heads"], TINY_RECURRENT["head_dim"]
     assert rec.attention.recurrent.state.shape == (3, 2, heads, hd, hd)
@@ -155,7 +155,7 @@ def test_a_new_backend_plugs_in_through_the_dict_alone(monkeypatch) -> None:
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [2, 7, 1, 8, 2, 8]]
     logits = {}
     for path in ("counting", "padded"):
-        runner = LlamaRunner(model, 8, 4, DESCRIPTOR, decode_path=path)
+        runner = llama_runner(model, 8, 4, DESCRIPTOR, decode_path=path)
         engine = Engine(runner, max_num_batched_tokens=8, record_logits=True)
         engine.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
         logits[path] = [torch.stack(s.logits) for r in engine.requests.values() for s in r.seqs]

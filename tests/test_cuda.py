@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from kvpool.engine.engine import Engine
-from kvpool.engine.llama_runner import LlamaRunner
+from kvpool.engine.llama_runner import llama_runner
+from kvpool.engine.runner import ModelRunner
 from kvpool.engine.sampling import SamplingParams
 from kvpool.models.llama import LlamaModel
 from kvpool.tiers import DiskTier, HostTier
@@ -32,8 +33,8 @@ def model() -> LlamaModel:
 _ids = random_ids
 
 
-def _engine(model, num_blocks: int, **kw) -> tuple[Engine, LlamaRunner]:
-    runner = LlamaRunner(model, num_blocks, 16, DESCRIPTOR, **kw)
+def _engine(model, num_blocks: int, **kw) -> tuple[Engine, ModelRunner]:
+    runner = llama_runner(model, num_blocks, 16, DESCRIPTOR, **kw)
     return Engine(runner, max_num_batched_tokens=256, max_num_seqs=4, record_logits=True), runner
 
 

@@ -12,7 +12,7 @@ import torch
 
 from kvpool.attention.backends.step_buffers import StepBuffers
 from kvpool.engine.engine import Engine
-from kvpool.engine.llama_runner import LlamaRunner
+from kvpool.engine.llama_runner import llama_runner
 from kvpool.engine.sampling import SamplingParams
 from random_llama import DESCRIPTOR, random_ids, random_llama
 
@@ -28,7 +28,7 @@ def _serve(model, mode: str, *, runner_seqs: int, decode_path: str = "padded"):
     """Requests joining and leaving: 2 at first, 4 more after 3 steps, each its own output
     length, so the decode batch runs 1..6 sequences (buckets 1, 2, 4, 8, and past the
     runner's buffers when runner_seqs < 6). Returns the engine, its runner, the request ids."""
-    runner = LlamaRunner(
+    runner = llama_runner(
         model,
         48,
         4,
@@ -89,7 +89,7 @@ def test_buckets_stop_at_the_token_budget_when_it_is_below_max_num_seqs(model64)
     slot_mapping and positions at 5 and fail the forward); same tokens and logits as eager."""
 
     def serve(mode: str):
-        runner = LlamaRunner(
+        runner = llama_runner(
             model64, 48, 4, DESCRIPTOR, decode_path="padded", decode_mode=mode, max_num_seqs=8, max_num_batched_tokens=5
         )
         engine = Engine(runner, max_num_batched_tokens=5, max_num_seqs=8, record_logits=True)
@@ -113,7 +113,7 @@ def test_buckets_stop_at_the_token_budget_when_it_is_below_max_num_seqs(model64)
 
 
 def test_a_padded_decode_writes_only_its_slots_and_the_dummy_block(model64):
-    runner = LlamaRunner(model64, 24, 4, DESCRIPTOR, decode_path="padded", decode_mode="static", max_num_seqs=8)
+    runner = llama_runner(model64, 24, 4, DESCRIPTOR, decode_path="padded", decode_mode="static", max_num_seqs=8)
     engine = Engine(runner, max_num_batched_tokens=64, max_num_seqs=8)
     for i in range(3):
         engine.add_request(random_ids(6 + i, i), SamplingParams(max_tokens=5, ignore_eos=True))
@@ -148,7 +148,7 @@ def test_the_triton_backend_reads_the_decode_from_the_buffers(model64, monkeypat
     monkeypatch.setitem(BACKENDS, BackendKey("full", "paged", "cpu", "triton"), TritonPagedBackend)
 
     def serve(path: str, mode: str):
-        runner = LlamaRunner(model64, 16, 4, DESCRIPTOR, decode_path=path, decode_mode=mode, max_num_seqs=4)
+        runner = llama_runner(model64, 16, 4, DESCRIPTOR, decode_path=path, decode_mode=mode, max_num_seqs=4)
         engine = Engine(runner, max_num_batched_tokens=32, max_num_seqs=4, record_logits=True)
         ids = [
             engine.add_request(random_ids(4 + 3 * i, i), SamplingParams(max_tokens=2 + i, ignore_eos=True))
@@ -181,7 +181,7 @@ def test_a_chunk_that_skips_the_computed_prefix_is_refused_in_either_mode(model6
         pytest.skip("the interpreted Triton backend runs on the CPU only under TRITON_INTERPRET=1")
     monkeypatch.setitem(BACKENDS, BackendKey("full", "paged", "cpu", "triton"), TritonPagedBackend)
     ids = random_ids(8, 3)
-    runner = LlamaRunner(model64, 16, 4, DESCRIPTOR, decode_path="triton", decode_mode=mode)
+    runner = llama_runner(model64, 16, 4, DESCRIPTOR, decode_path="triton", decode_mode=mode)
     runner.admit("a", ids, None)
     message = r"request 'a': positions \[4, 8\) do not continue its 0 computed tokens within the reserved \[0, 8\)"
     with pytest.raises(ValueError, match=message):
@@ -189,7 +189,7 @@ def test_a_chunk_that_skips_the_computed_prefix_is_refused_in_either_mode(model6
     assert runner.num_computed_tokens("a") == 0
     (logits,) = runner.run([("a", ids, 0)])
     assert runner.executor.num_buffered_steps == (mode == "static")  # the refused step planned nothing
-    fresh = LlamaRunner(model64, 16, 4, DESCRIPTOR, decode_path="triton", decode_mode="eager")
+    fresh = llama_runner(model64, 16, 4, DESCRIPTOR, decode_path="triton", decode_mode="eager")
     fresh.admit("a", ids, None)
     assert torch.equal(logits, fresh.run([("a", ids, 0)])[0])  # as if nothing had been refused
 
@@ -206,7 +206,7 @@ def test_a_decode_past_its_reservation_is_refused_in_either_mode_and_writes_noth
     from kvpool.engine.runner import ScheduledChunk
     from test_step_buffers import assert_same_snapshot, snapshot
 
-    runner = LlamaRunner(model64, 16, 4, DESCRIPTOR, decode_path="padded", decode_mode=mode, max_num_seqs=4)
+    runner = llama_runner(model64, 16, 4, DESCRIPTOR, decode_path="padded", decode_mode=mode, max_num_seqs=4)
     prompts = {"a": random_ids(8, 1), "b": random_ids(5, 2)}
     for rid, ids in prompts.items():
         assert runner.admit(rid, ids, None) is not None
@@ -232,7 +232,7 @@ def test_a_decode_past_its_reservation_is_refused_in_either_mode_and_writes_noth
     # reserved, the same step runs, and its logits are the eager runner's
     assert runner.reserve_step(["a"], [1])
     logits = runner.execute(decode)
-    fresh = LlamaRunner(model64, 16, 4, DESCRIPTOR, decode_path="padded")
+    fresh = llama_runner(model64, 16, 4, DESCRIPTOR, decode_path="padded")
     for rid, ids in prompts.items():
         fresh.admit(rid, ids, None)
     fresh.execute(chunks)
@@ -263,7 +263,7 @@ def test_the_triton_backend_plans_prefill_and_mixed_steps_from_the_buffers(model
     planned: list[list[int]] = []  # the q_lens of each step planned from the buffers
 
     def serve(mode: str):
-        runner = LlamaRunner(model64, 24, 4, DESCRIPTOR, decode_path="triton", decode_mode=mode, max_num_seqs=4)
+        runner = llama_runner(model64, 24, 4, DESCRIPTOR, decode_path="triton", decode_mode=mode, max_num_seqs=4)
         attention = runner.executor.attention
         begin = attention.begin_buffered_step
         attention.begin_buffered_step = lambda buffers, q_lens, ctx_lens: (
@@ -297,15 +297,15 @@ def test_the_triton_backend_plans_prefill_and_mixed_steps_from_the_buffers(model
 
 def test_bad_decode_modes_are_refused_naming_them(model64):
     with pytest.raises(ValueError, match="unknown decode mode 'fast'; one of eager, static, graphs"):
-        LlamaRunner(model64, 8, 4, DESCRIPTOR, decode_mode="fast")
+        llama_runner(model64, 8, 4, DESCRIPTOR, decode_mode="fast")
     with pytest.raises(ValueError, match="decode mode 'graphs' captures CUDA graphs: the model is on cpu"):
-        LlamaRunner(model64, 8, 4, DESCRIPTOR, decode_mode="graphs")
+        llama_runner(model64, 8, 4, DESCRIPTOR, decode_mode="graphs")
     # a backend that cannot read the buffers (the C kernels: none in fp64, so a quantized
     # pool here) keeps the ordinary path
-    runner = LlamaRunner(model64, 8, 4, DESCRIPTOR, decode_mode="static", kv_format="int8")
+    runner = llama_runner(model64, 8, 4, DESCRIPTOR, decode_mode="static", kv_format="int8")
     assert runner.executor.decode_mode == "eager" and runner.step_buffers is None
     # ... and so holds no dummy block: the pool and its capacity are the eager runner's
-    eager = LlamaRunner(model64, 8, 4, DESCRIPTOR, kv_format="int8")
+    eager = llama_runner(model64, 8, 4, DESCRIPTOR, kv_format="int8")
     assert runner.executor.storage.k.shape[1] == eager.executor.storage.k.shape[1] == 8
     stats, eager_stats = runner.executor.cache_stats(runner.cache), eager.executor.cache_stats(eager.cache)
     assert stats["kv_capacity_bytes"] == eager_stats["kv_capacity_bytes"]
@@ -319,7 +319,7 @@ def test_a_buffered_decode_step_reads_the_device_once_for_its_sampled_tokens(mod
     the host exactly once, the sampled ids' `.tolist()` (each such read is a device
     synchronisation on CUDA): greedy rows and stochastic ones (temperature, top-k, top-p,
     seeds) alike, in one step."""
-    runner = LlamaRunner(model64, 32, 4, DESCRIPTOR, decode_path="padded", decode_mode="static", max_num_seqs=4)
+    runner = llama_runner(model64, 32, 4, DESCRIPTOR, decode_path="padded", decode_mode="static", max_num_seqs=4)
     engine = Engine(runner, max_num_batched_tokens=64, max_num_seqs=4, batched_sampling=True)
     kinds = [
         {},
@@ -385,10 +385,10 @@ def test_graph_replays_equal_the_eager_engine_on_cuda():
     keeps the eager path under "graphs"."""
     pytest.importorskip("triton")
     decode_path = "triton"
-    bags = LlamaRunner(random_llama("cuda", torch.float32), 8, 4, DESCRIPTOR, decode_path="bags", decode_mode="graphs")
+    bags = llama_runner(random_llama("cuda", torch.float32), 8, 4, DESCRIPTOR, decode_path="bags", decode_mode="graphs")
     assert bags.executor.decode_mode == "eager" and bags.step_buffers is None
     model = random_llama("cuda", torch.float32)
-    built = LlamaRunner(model, 48, 4, DESCRIPTOR, decode_path=decode_path, decode_mode="graphs", max_num_seqs=8)
+    built = llama_runner(model, 48, 4, DESCRIPTOR, decode_path=decode_path, decode_mode="graphs", max_num_seqs=8)
     graphs = built.executor._graphs
     assert set(graphs.graphs) == set(graphs.buckets) == {1, 2, 4, 8} and graphs.num_replays == 0
     from kvpool.engine.memory import measure
@@ -430,7 +430,7 @@ def test_an_empty_chunk_in_static_mode_is_refused_by_name(model64):
     from kvpool.engine.runner import ScheduledChunk
     from test_step_buffers import assert_same_snapshot, snapshot
 
-    runner = LlamaRunner(model64, 16, 4, DESCRIPTOR, decode_path="padded", decode_mode="static", max_num_seqs=4)
+    runner = llama_runner(model64, 16, 4, DESCRIPTOR, decode_path="padded", decode_mode="static", max_num_seqs=4)
     ids = random_ids(5, 2)
     assert runner.admit("b", ids, None) is not None
     first = runner.execute([ScheduledChunk("b", ids, 0, True)]).argmax(dim=-1).tolist()

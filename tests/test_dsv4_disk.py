@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpool.engine.dsv4_runner import DSV4Runner
+from kvpool.engine.dsv4_runner import dsv4_runner
 from kvpool.engine.engine import Engine
 from kvpool.engine.sampling import SamplingParams
 from kvpool.models.tiny_dsv4 import TinyDSV4
@@ -69,7 +69,7 @@ def test_what_each_strategy_stores_and_restores_from() -> None:
 
 
 def test_a_window_snapshot_restores_the_state_it_was_taken_from(model) -> None:
-    runner = DSV4Runner(model, 8, 3)
+    runner = dsv4_runner(model, 8, 3)
     prompt = _ids(3 * 128 + 1, 1)
     runner.add_request("a", prompt)
     runner.step([("a", 3 * 128)])  # the state now stands at the boundary 384
@@ -96,7 +96,7 @@ def _snapshot_bytes(spec, rows: int) -> int:
 
 
 def _serve(model, tiers, strategy, prompt, rid="r", tenant="", seed_model=None):
-    runner = DSV4Runner(seed_model or model, 16, 2, persistent_tiers=tiers, swa=strategy)
+    runner = dsv4_runner(seed_model or model, 16, 2, persistent_tiers=tiers, swa=strategy)
     engine = Engine(runner, max_num_batched_tokens=512, max_num_seqs=2, record_logits=True)
     engine.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True), rid, tenant=tenant)
     while engine.has_unfinished():

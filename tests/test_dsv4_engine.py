@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvpool.engine.build import build_engine
-from kvpool.engine.dsv4_runner import DSV4Runner
+from kvpool.engine.dsv4_runner import dsv4_runner
 from kvpool.engine.engine import Engine
 from kvpool.engine.runner import MeasuredRestoreCost, ScheduledChunk
 from kvpool.engine.sampling import SamplingParams
@@ -62,7 +62,7 @@ def test_generate_greedy_equals_oracle(restore: str | None) -> None:
 
 def test_preemption_under_a_small_classical_pool() -> None:
     model = TinyDSV4(seed=0)
-    runner = DSV4Runner(model, num_classical_blocks=2, num_state_blocks=3)
+    runner = dsv4_runner(model, num_classical_blocks=2, num_state_blocks=3)
     engine = Engine(runner, max_num_batched_tokens=256, max_num_seqs=3)
     prompts = _prompts()
     outs = engine.generate(prompts, SamplingParams(max_tokens=60))  # 200 + 60 tokens need 2 blocks alone
@@ -88,7 +88,7 @@ def test_parallel_samples_without_a_free_state_block_wait_and_recompute() -> Non
     # their first token from the shared prompt logits, wait, and are recomputed through
     # the prefix cache once a sample finishes. Greedy: all four must equal the oracle.
     model = TinyDSV4(seed=0)
-    runner = DSV4Runner(model, num_classical_blocks=8, num_state_blocks=2)
+    runner = dsv4_runner(model, num_classical_blocks=8, num_state_blocks=2)
     engine = Engine(runner, max_num_batched_tokens=256, max_num_seqs=4)
     forks: list[bool] = []
     fork = runner.fork
@@ -153,7 +153,7 @@ def test_a_deferred_restore_leaves_with_its_request() -> None:
     # b hits a's first span and is restored by recompute, which waits for b's first step;
     # b is preempted before that step: its replay must not run (nor fail) in c's step, and
     # b admitted again is restored by its own, new replay.
-    runner = DSV4Runner(TinyDSV4(seed=0), num_classical_blocks=8, num_state_blocks=3)
+    runner = dsv4_runner(TinyDSV4(seed=0), num_classical_blocks=8, num_state_blocks=3)
     a = _prompts()[1]
     assert runner.admit("a", a, len(a)) is not None
     runner.execute([ScheduledChunk("a", a, 0, True)])
@@ -189,7 +189,7 @@ def test_measured_restore_cost_prices_in_tokens_until_it_knows_both_rates() -> N
 def test_the_engine_report_counts_a_hash_collision_among_checkpoint_slots() -> None:
     # A pool of checkpoint slots of its own (num_checkpoints) is one of the cache's pools:
     # the report's hash_collisions sums over them (before: the slot pool was left out, 0)
-    runner = DSV4Runner(TinyDSV4(), 8, 3, restore="checkpoint", num_checkpoints=2)
+    runner = dsv4_runner(TinyDSV4(), 8, 3, restore="checkpoint", num_checkpoints=2)
     slots = runner.cache.groups["v4"].checkpoint_pool
     digest = slots.hasher.digest
     slots.hasher.digest = lambda data: digest(b"x") if b"v4-state:" in data else digest(data)
@@ -206,7 +206,7 @@ def test_a_follow_up_turn_adopts_the_state_its_turn_left_and_equals_the_oracle()
     over the whole prompt; the same follow-up again (the kept block is gone) hits the span
     boundary and replays, equally exact."""
     model = TinyDSV4(dtype=torch.float64)  # span 128, n_win 128, 5 layers
-    runner = DSV4Runner(model, 16, 4, restore="recompute", turn_end_checkpoints=True)
+    runner = dsv4_runner(model, 16, 4, restore="recompute", turn_end_checkpoints=True)
     engine = Engine(runner, max_num_batched_tokens=256, max_num_seqs=4, record_logits=True)
     moves: list[tuple[str, int]] = []
     reset, copy = runner.executor.reset_state, runner.executor.copy_state

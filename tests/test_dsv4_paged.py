@@ -24,7 +24,8 @@ from torch import Tensor
 import kvpool.attention.dsv4_paged as dsv4_paged
 from kvpool.attention.dsv4_paged import ChunkPlan
 from kvpool.attention.dsv4_reference import IndexerTrace
-from kvpool.engine.dsv4_runner import DSV4Runner
+from kvpool.engine.dsv4_runner import dsv4_runner
+from kvpool.engine.runner import ModelRunner
 from kvpool.models.tiny_dsv4 import TinyDSV4
 from kvpool.spec.dsv4 import DSV4Spec
 from kvpool.storage.dsv4 import LayerState
@@ -76,8 +77,8 @@ def test_chunked_prefill(v64: Verifier, chunk: int) -> None:
     _assert_exact(v64, v64.prompt(300, chunk))
 
 
-def _state_after(model: TinyDSV4, ids: list[int], chunk: int) -> DSV4Runner:
-    runner = DSV4Runner(model, 8, 1)
+def _state_after(model: TinyDSV4, ids: list[int], chunk: int) -> ModelRunner:
+    runner = dsv4_runner(model, 8, 1)
     runner.add_request("r", ids)
     pos = 0
     while pos < len(ids):
@@ -287,7 +288,7 @@ def test_a_bad_tolerance_is_rejected(v64: Verifier, bad: float) -> None:
 
 
 def test_classical_pool_never_holds_an_incomplete_block(v64: Verifier) -> None:
-    runner = DSV4Runner(v64.model, 8, 1)
+    runner = dsv4_runner(v64.model, 8, 1)
     ids = v64.tokens(130, seed=50)
     runner.add_request("r", ids[:1])
     runner.append_token_ids("r", ids[1:])
@@ -305,7 +306,7 @@ def test_classical_pool_never_holds_an_incomplete_block(v64: Verifier) -> None:
 
 
 def test_release_frees_state_and_drops_classical_refs(v64: Verifier) -> None:
-    runner = DSV4Runner(v64.model, 4, 1)
+    runner = dsv4_runner(v64.model, 4, 1)
     ids = v64.tokens(200, seed=60)
     runner.add_request("r", ids)
     assert runner.add_request("waiting", ids) is None  # one state block: admission waits
@@ -322,7 +323,7 @@ def test_release_frees_state_and_drops_classical_refs(v64: Verifier) -> None:
 
 
 def test_step_that_does_not_fit_changes_nothing(v64: Verifier) -> None:
-    runner = DSV4Runner(v64.model, 1, 2)
+    runner = dsv4_runner(v64.model, 1, 2)
     a, b = v64.tokens(130, seed=70), v64.tokens(130, seed=71)
     runner.add_request("a", a)
     runner.add_request("b", b)

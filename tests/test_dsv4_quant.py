@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.engine.dsv4_runner import DSV4Runner, descriptor_for
+from kvpool.engine.dsv4_runner import descriptor_for, dsv4_runner
 from kvpool.engine.engine import Engine
 from kvpool.engine.sampling import SamplingParams
 from kvpool.models.tiny_dsv4 import TinyDSV4
@@ -98,7 +98,7 @@ def test_the_bytes_of_a_classical_block_are_the_planners() -> None:
 
 
 def _engine(model: TinyDSV4, kv_format: str, indexer_format: str = "fp8", chunk: int = 1024) -> Engine:
-    runner = DSV4Runner(model, 16, 2, kv_format=kv_format, indexer_format=indexer_format)
+    runner = dsv4_runner(model, 16, 2, kv_format=kv_format, indexer_format=indexer_format)
     return Engine(runner, max_num_batched_tokens=chunk, max_num_seqs=2, record_logits=True)
 
 

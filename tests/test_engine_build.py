@@ -3,12 +3,18 @@ its options, and an engine it builds serving tokens the model's oracle agrees wi
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import pkgutil
+
 import pytest
 import torch
 
+import kvpool.engine
 from kvpool.engine.build import build_engine
-from kvpool.engine.dsv4_runner import DSV4Runner
-from kvpool.engine.hybrid_runner import HybridRunner
+from kvpool.engine.dsv4_runner import DSV4Executor
+from kvpool.engine.hybrid_runner import HybridExecutor
+from kvpool.engine.llama_runner import LlamaExecutor
 from kvpool.engine.runner import ModelRunner
 from kvpool.engine.sampling import SamplingParams
 from kvpool.models.tiny_dsv4 import TinyDSV4
@@ -18,37 +24,36 @@ from kvpool.storage.dsv4 import DSV4Pools
 
 def test_each_model_kind_gets_its_runner_and_options() -> None:
     v4 = build_engine(TinyDSV4(), num_blocks=12, num_state_blocks=2, max_num_seqs=3, restore="checkpoint")
-    assert isinstance(v4.runner, DSV4Runner)
+    assert isinstance(v4.runner.executor, DSV4Executor) and [g.name for g in v4.runner.cache.dual_groups] == ["v4"]
     assert v4.runner.cache.num_blocks == 12 and v4.runner.cache.usage().num_state_blocks == 3  # a state per sequence
     assert v4.max_num_seqs == 3
     hybrid = build_engine(TinyHybrid(TINY_RECURRENT), num_blocks=20, block_size=4, num_slots=6)
-    assert isinstance(hybrid.runner, HybridRunner)
+    assert isinstance(hybrid.runner.executor, HybridExecutor) and hybrid.runner.cache.recurrent_groups
     assert hybrid.runner.block_size == 4 and hybrid.runner.attention.recurrent.state.shape[0] == 6
 
 
-def _own_methods(runner: object) -> set[str]:
-    """Methods a runner's class (or a class between it and ModelRunner) defines itself."""
-    out = set()
-    for cls in type(runner).__mro__:
-        if cls is ModelRunner:
-            return out
-        out |= {name for name, value in vars(cls).items() if callable(value) and name != "__init__"}
-    raise AssertionError(f"{type(runner).__name__} is not a ModelRunner")
-
-
 def test_every_model_kind_runs_on_the_one_runner_class(smollm2_for_commands) -> None:
-    # A Llama, the V4 dual pool and both hybrid models: the same ModelRunner methods (their
-    # named runners only construct one), each with its own executor.
+    # A Llama, the V4 dual pool and both hybrid models: each engine's runner is a ModelRunner
+    # itself, not a subclass (llama_runner, dsv4_runner and hybrid_runner are functions that
+    # build one), each with its own executor.
     engines = [
         build_engine(smollm2_for_commands, num_blocks=16, block_size=4),
         build_engine(TinyDSV4(), num_blocks=12, num_state_blocks=2),
         build_engine(TinyHybrid(TINY_RECURRENT), num_blocks=20, block_size=4, num_slots=6),
         build_engine(TinyHybrid(), num_blocks=20, block_size=4),
     ]
-    for engine in engines:
-        assert _own_methods(engine.runner) == set(), type(engine.runner).__name__
+    assert [type(engine.runner) for engine in engines] == [ModelRunner] * 4
     executors = [type(engine.runner.executor).__name__ for engine in engines]
     assert executors == ["LlamaExecutor", "DSV4Executor", "HybridExecutor", "HybridExecutor"]
+    # No other runner class in engine/: of every class defined in a kvpool.engine module,
+    # only ModelRunner reserves a step (a subclass would inherit `reserve_step`).
+    runners = []
+    for info in pkgutil.iter_modules(kvpool.engine.__path__):
+        module = importlib.import_module(f"kvpool.engine.{info.name}")
+        for name, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ == module.__name__ and hasattr(cls, "reserve_step"):
+                runners.append(f"{module.__name__}.{name}")
+    assert runners == ["kvpool.engine.runner.ModelRunner"]
 
 
 def test_kv_memory_sizes_the_v4_classical_pool() -> None:
@@ -89,12 +94,12 @@ def test_a_bare_llama_model_is_built_by_the_same_builder_and_decodes_what_the_re
     token is the argmax of the contiguous reference's logits over the history (fp64: no
     near-tie can flip)."""
     from kvpool.attention.reference import reference_logits
-    from kvpool.engine.llama_runner import LlamaRunner
     from random_llama import DESCRIPTOR, random_llama
 
     model = random_llama(dtype=torch.float64)
     engine = build_engine(model, descriptor=DESCRIPTOR, num_blocks=12, block_size=4, max_num_seqs=2)
-    assert type(engine.runner) is LlamaRunner and engine.runner.cache.num_blocks == 12
+    assert type(engine.runner) is ModelRunner and isinstance(engine.runner.executor, LlamaExecutor)
+    assert engine.runner.cache.num_blocks == 12
     assert engine.runner.block_size == 4 and engine.max_num_seqs == 2
     prompts = [[5, 9, 2, 7, 1, 4, 4, 8, 3], [5, 9, 2, 7, 1, 4, 4, 8, 30, 6]]
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from kvpool.engine.dsv4_runner import DSV4Runner
+from kvpool.engine.dsv4_runner import dsv4_runner
 from kvpool.engine.engine import Engine
 from kvpool.engine.sampling import SamplingParams
 from kvpool.models.tiny_dsv4 import TinyDSV4
@@ -19,7 +19,7 @@ from kvpool.storage.dsv4 import DSV4Pools, HotSet
 
 
 def _serve(model: TinyDSV4, hot: int | None, prompt_len: int = 700):
-    runner = DSV4Runner(model, 64, 4, hot_set_entries=hot)
+    runner = dsv4_runner(model, 64, 4, hot_set_entries=hot)
     engine = Engine(runner, max_num_batched_tokens=256, max_num_seqs=4, record_logits=True)
     rng = random.Random(0)
     ids = [
@@ -59,7 +59,7 @@ def test_reused_classical_blocks_never_serve_a_stale_hot_entry() -> None:
     model = TinyDSV4(dtype=torch.float64)
 
     def waves(hot: int | None):
-        runner = DSV4Runner(model, 16, 2, hot_set_entries=hot)
+        runner = dsv4_runner(model, 16, 2, hot_set_entries=hot)
         engine = Engine(runner, max_num_batched_tokens=256, max_num_seqs=2, record_logits=True)
         rng = random.Random(1)
         logits = []

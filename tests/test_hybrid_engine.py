@@ -17,7 +17,8 @@ from kvpool.cache.recurrent import RecurrentAdmit, RecurrentGroup
 from kvpool.capacity.kv import PageGroup
 from kvpool.cli.main import main
 from kvpool.engine.engine import Engine
-from kvpool.engine.hybrid_runner import HybridRunner, descriptor_for, group_specs
+from kvpool.engine.hybrid_runner import descriptor_for, group_specs, hybrid_runner
+from kvpool.engine.runner import ModelRunner
 from kvpool.engine.sampling import SamplingParams
 from kvpool.models.tiny_hybrid import TINY_GEMMA2, TINY_RECURRENT, TinyHybrid
 from kvpool.verify.dsv4_tolerance import derived_fp32_tolerance
@@ -53,11 +54,11 @@ class AttentionOnlyReuse(RecurrentGroup):
         return RecurrentAdmit(src, chain), {self.pool: need}
 
 
-def _runner(model: TinyHybrid, broken: bool) -> HybridRunner:
+def _runner(model: TinyHybrid, broken: bool) -> ModelRunner:
     cache = HybridCacheManager(group_specs(model, 8, 12, 32, 8), descriptor_for(model, 8))
     if broken:
         cache.groups["recurrent"].__class__ = AttentionOnlyReuse
-    return HybridRunner(model, 32, 8, block_size=8, checkpoint_interval=12, cache=cache)
+    return hybrid_runner(model, 32, 8, block_size=8, checkpoint_interval=12, cache=cache)
 
 
 def _second_turn(model: TinyHybrid, broken: bool) -> tuple[int, torch.Tensor, list[int]]:
@@ -110,7 +111,7 @@ def test_a_follow_up_turn_resumes_inside_the_block_where_the_previous_turn_ended
     for turn_ends, want in ((False, 36), (True, 41)):
         specs = group_specs(twin, 8, 12, 32, 8)
         cache = HybridCacheManager(specs, descriptor_for(twin, 8), turn_end_checkpoints=turn_ends)
-        runner = HybridRunner(twin, 32, 8, block_size=8, checkpoint_interval=12, cache=cache)
+        runner = hybrid_runner(twin, 32, 8, block_size=8, checkpoint_interval=12, cache=cache)
         runner.admit("a", a, None)
         runner.run([("a", a, 0)])
         runner.commit_step(["a"], [41], [None])
@@ -134,7 +135,7 @@ def test_a_follow_up_turn_resumes_inside_the_block_where_the_previous_turn_ended
 def test_window_groups_hold_about_one_window_per_request_at_8w(one_thread):
     model = TinyHybrid(TINY_GEMMA2, seed=0)
     w, bs = model.window, 8
-    runner = HybridRunner(model, num_blocks=80, num_slots=1, block_size=bs)
+    runner = hybrid_runner(model, num_blocks=80, num_slots=1, block_size=bs)
     held: list[dict[str, int]] = []
     execute = runner.execute
 

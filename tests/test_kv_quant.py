@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from kvpool.attention.backends import paged_step as runner_module  # where the backends plan a step
 from kvpool.attention.backends.step import function_step
 from kvpool.engine.engine import Engine
-from kvpool.engine.llama_runner import LlamaRunner
+from kvpool.engine.llama_runner import llama_runner
+from kvpool.engine.runner import ModelRunner
 from kvpool.engine.sampling import SamplingParams
 from kvpool.spec.kv_formats import KV_SCHEMAS, kv_schema
 from kvpool.storage.kv import QuantizedKVStorage, SeqSpan
@@ -284,7 +285,7 @@ class AttentionAudit:
     (and in fp32, for the fp32 path's tolerance). KIVI (`attends_new_exactly`): a step reads
     the cache as it held the sequence before the step, then the step's own K / V exact."""
 
-    def __init__(self, runner: LlamaRunner, monkeypatch: pytest.MonkeyPatch):
+    def __init__(self, runner: ModelRunner, monkeypatch: pytest.MonkeyPatch):
         self.runner = runner
         self.worst = 0.0  # |paged - reference| / the reference's own fp32 error (fp32), or the error (fp64)
         self.checked = 0
@@ -342,7 +343,7 @@ class AttentionAudit:
             row += n
 
 
-def _shared_prefix_and_fork(runner: LlamaRunner) -> Engine:
+def _shared_prefix_and_fork(runner: ModelRunner) -> Engine:
     """a, then b sharing a's first 48 tokens (a prefix hit) with two samples (a fork: the
     shared partial tail block copied on write); 40-token steps chunk a's prefill."""
     engine = Engine(runner, max_num_batched_tokens=40, max_num_seqs=4, record_logits=True)
@@ -365,7 +366,7 @@ def _shared_prefix_and_fork(runner: LlamaRunner) -> Engine:
 def test_paged_attention_over_quantized_blocks_equals_the_reference_over_the_same_bytes(
     model, name, monkeypatch
 ) -> None:
-    runner = LlamaRunner(model, 24, 16, DESCRIPTOR, kv_format=name)
+    runner = llama_runner(model, 24, 16, DESCRIPTOR, kv_format=name)
     copies: list[int] = []
     apply_copies = runner.executor.storage.apply_copies
     monkeypatch.setattr(runner.executor.storage, "apply_copies", lambda c: (copies.append(len(c)), apply_copies(c)))
@@ -402,7 +403,7 @@ def test_the_c_kernel_decodes_from_the_codes_as_the_contiguous_reference_does(ke
 
     base = random_llama("cpu", torch.float32)
     model = LlamaModel(CONFIG, base.embed, base.norm, base.layers, None, "cpu", kernels)
-    runner = LlamaRunner(model, 24, 16, DESCRIPTOR, kv_format=name)
+    runner = llama_runner(model, 24, 16, DESCRIPTOR, kv_format=name)
     assert runner.executor.storage.reads_natively and runner.executor.decode_path == "native"
     calls = []
     real = kernels.decode_attention_q8
@@ -480,7 +481,7 @@ def test_quantized_blocks_never_meet_the_tiers_or_another_format(model, fp64_mod
     from kvpool.tiers import HostTier
 
     with pytest.raises(ValueError, match="tiers keep unquantized blocks only"):
-        LlamaRunner(model, 10, 16, DESCRIPTOR, kv_format="int8", host_tier=HostTier(1 << 20))
+        llama_runner(model, 10, 16, DESCRIPTOR, kv_format="int8", host_tier=HostTier(1 << 20))
     names = [*KV_SCHEMAS, "kivi2-g16-r32", "kivi2-g32-r64"]
     layouts = {name: descriptor_for(fp64_model, 128, name).layout_id for name in names}
     assert len(set(layouts.values())) == len(names) and ":int8/" in layouts["int8"]

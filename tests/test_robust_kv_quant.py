@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from kvpool.attention.backends.step import function_step
 from kvpool.engine.engine import Engine
-from kvpool.engine.llama_runner import LlamaRunner
+from kvpool.engine.llama_runner import llama_runner
+from kvpool.engine.runner import ModelRunner
 from kvpool.engine.sampling import SamplingParams
 from kvpool.spec.kv_formats import kv_schema
 from kvpool.storage.quant import dequantize_k, dequantize_v, quantize_k, quantize_v
@@ -40,7 +41,7 @@ class Steps:
     """Records, per engine step and layer, the step's q / k / v (exact: the model computed
     them) and the attention output the runner returned."""
 
-    def __init__(self, runner: LlamaRunner, monkeypatch: pytest.MonkeyPatch):
+    def __init__(self, runner: ModelRunner, monkeypatch: pytest.MonkeyPatch):
         self.calls: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         real = runner.model.forward
 
@@ -62,7 +63,7 @@ class Steps:
         return out
 
 
-def _state(runner: LlamaRunner, rid: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _state(runner: ModelRunner, rid: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """What the storage holds for the request's computed tokens: K, V [n, KVH, D]."""
     seq = f"{rid}/0"
     n = runner.num_computed_tokens(seq)
@@ -78,7 +79,7 @@ def test_a_step_attends_to_its_own_kv_in_full_precision_and_stores_the_codes(mod
     precision; a decode step reads its token before it is quantized), in fp64 to 1e-12;
     the stored blocks then hold the quantized codes of those K/V."""
     fmt = kv_schema(name)
-    runner = LlamaRunner(model, 16, 16, DESCRIPTOR, kv_format=name, enable_prefix_caching=False)
+    runner = llama_runner(model, 16, 16, DESCRIPTOR, kv_format=name, enable_prefix_caching=False)
     steps = Steps(runner, monkeypatch)
     engine = Engine(runner, max_num_batched_tokens=24, max_num_seqs=1)
     engine.add_request(random_ids(40, 1), SamplingParams(max_tokens=4, ignore_eos=True), "a")
@@ -119,7 +120,7 @@ def test_the_value_residual_is_the_last_r_tokens_whatever_n_mod_r(model, name, c
     request (the window spans at most two blocks) plus one retired at the next step."""
     fmt = kv_schema(name)
     r = fmt.residual
-    runner = LlamaRunner(model, 16, 16, DESCRIPTOR, kv_format=name, enable_prefix_caching=False)
+    runner = llama_runner(model, 16, 16, DESCRIPTOR, kv_format=name, enable_prefix_caching=False)
     steps = Steps(runner, monkeypatch)
     engine = Engine(runner, max_num_batched_tokens=chunk, max_num_seqs=1)
     engine.add_request(random_ids(2 * chunk + 1, 2), SamplingParams(max_tokens=48, ignore_eos=True), "a")
@@ -166,14 +167,14 @@ def test_the_eval_drives_the_engines_prefill_then_decode_steps_and_names_the_reg
     from kvpool.verify.kv_quant import evaluate
 
     steps: list[tuple[str, list[tuple[int, int]]]] = []
-    real = LlamaRunner.execute
+    real = ModelRunner.execute
 
     def execute(self, chunks, all_logits=False):
         fmt = getattr(self.executor.storage, "fmt", None)
         steps.append((fmt.name if fmt is not None else "exact", [(c.start, len(c.token_ids)) for c in chunks]))
         return real(self, chunks, all_logits)
 
-    monkeypatch.setattr(LlamaRunner, "execute", execute)
+    monkeypatch.setattr(ModelRunner, "execute", execute)
     ids = random_ids(56, 7)
     ev = evaluate(model, ids, ["fp16", "kivi2-g8-r16"], block_size=16, prefill=24)
     for name in ("exact", "fp16", "kivi2-g8-r16"):

@@ -2,7 +2,7 @@
 Each test starts its own redis-server on 127.0.0.1 and a free port (the `redis_server`
 fixture) and faults it for real: a key of the wrong type, a database the server does not
 have, SIGSTOP, FLUSHALL, a kill and restart, `maxmemory` with `noeviction`. The engine
-tests run a small random Llama (tests/random_llama.py) in fp64 through LlamaRunner and
+tests run a small random Llama (tests/random_llama.py) in fp64 through the runner llama_runner builds and
 compare its tokens and logits with the same requests on an engine without the tier."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import redis
 import torch
 
 from kvpool.engine.engine import Engine
-from kvpool.engine.llama_runner import LlamaRunner
+from kvpool.engine.llama_runner import llama_runner
 from kvpool.engine.sampling import SamplingParams
 from kvpool.tiers.redis_tier import RedisTier
 from random_llama import DESCRIPTOR, random_ids, random_llama
@@ -56,7 +56,7 @@ def model(one_thread):
 
 
 def engine(model, tiers=(), num_blocks: int = 32) -> Engine:
-    runner = LlamaRunner(model, num_blocks, 16, DESCRIPTOR, persistent_tiers=list(tiers))
+    runner = llama_runner(model, num_blocks, 16, DESCRIPTOR, persistent_tiers=list(tiers))
     return Engine(runner, record_logits=True)
 
 

@@ -151,7 +151,7 @@ def test_stop_strings_are_found_where_a_full_decode_finds_them() -> None:
     import random
 
     from kvpool.engine.engine import Engine
-    from kvpool.engine.llama_runner import LlamaRunner
+    from kvpool.engine.llama_runner import llama_runner
     from random_llama import DESCRIPTOR, random_ids, random_llama
 
     model = random_llama()
@@ -170,9 +170,9 @@ def test_stop_strings_are_found_where_a_full_decode_finds_them() -> None:
         raise AssertionError("the first stop string is cut from this text: it must be found")
 
     rng = random.Random(3)
-    runner = LlamaRunner(model, 64, 16, DESCRIPTOR)
+    runner = llama_runner(model, 64, 16, DESCRIPTOR)
     engine = Engine(runner, max_num_batched_tokens=64, max_num_seqs=4, decode_text=decode)
-    free = Engine(LlamaRunner(model, 64, 16, DESCRIPTOR), max_num_batched_tokens=64, max_num_seqs=4)
+    free = Engine(llama_runner(model, 64, 16, DESCRIPTOR), max_num_batched_tokens=64, max_num_seqs=4)
     for case in range(12):
         params = SamplingParams(max_tokens=40, temperature=1.5, seed=case, ignore_eos=True)
         rid = free.add_request(random_ids(12, case), params, f"f{case}")  # the same samples, never stopped

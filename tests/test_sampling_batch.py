@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from kvpool.engine.engine import Engine
-from kvpool.engine.llama_runner import LlamaRunner
+from kvpool.engine.llama_runner import llama_runner
 from kvpool.engine.sampling import (
     SEED_MAX,
     SEED_MIN,
@@ -393,7 +393,7 @@ def test_mismatched_lengths_are_refused_naming_them():
 
 
 def _engine(batched: bool):
-    runner = LlamaRunner(random_llama("cpu", torch.float32), 64, 16, DESCRIPTOR)
+    runner = llama_runner(random_llama("cpu", torch.float32), 64, 16, DESCRIPTOR)
     return Engine(runner, max_num_batched_tokens=256, max_num_seqs=8, batched_sampling=batched)
 
 

@@ -1,7 +1,7 @@
 """The simulator: the engine's scheduler and the real cache managers on a virtual clock.
 
 The central claim: only the clock and the forward differ from the engine. The same small
-SmolLM2 workload through the engine (LlamaRunner: the model computes every token) and
+SmolLM2 workload through the engine (llama_runner: the model computes every token) and
 through the same runner with the simulator's cost executor makes identical cache decisions, step by
 step: the same sequences run, with the same blocks, the same prefix hits, the same
 preemptions. Both sample through one deterministic sampler, so the token streams agree."""
@@ -15,7 +15,7 @@ import pytest
 from kvpool.cache import FullAttentionManager
 from kvpool.engine.build import descriptor_for, load_model
 from kvpool.engine.engine import Engine
-from kvpool.engine.llama_runner import LlamaRunner
+from kvpool.engine.llama_runner import llama_runner
 from kvpool.engine.runner import ModelRunner
 from kvpool.engine.sampling import SamplingParams
 from kvpool.engine.tier_bridge import TierBridge
@@ -58,7 +58,7 @@ def smollm2():
 
 def test_the_simulator_makes_the_engines_cache_decisions(smollm2):
     kw = {"max_num_batched_tokens": 24, "max_num_seqs": 4}
-    real = LlamaRunner(smollm2.model, NUM_BLOCKS, BLOCK, descriptor_for(smollm2, BLOCK))
+    real = llama_runner(smollm2.model, NUM_BLOCKS, BLOCK, descriptor_for(smollm2, BLOCK))
     engine = Engine(real, sampler=_sampler, **kw)
     real_steps, real_out = _trace(engine, real.cache)
 

@@ -21,12 +21,12 @@ from dataclasses import dataclass
 import pytest
 
 from kvpool.cache import DSV4CacheManager, FullAttentionManager, HybridCacheManager
-from kvpool.engine.dsv4_runner import DSV4Runner
 from kvpool.engine.dsv4_runner import descriptor_for as dsv4_descriptor
+from kvpool.engine.dsv4_runner import dsv4_runner
 from kvpool.engine.engine import Engine
-from kvpool.engine.hybrid_runner import HybridRunner, group_specs
 from kvpool.engine.hybrid_runner import descriptor_for as hybrid_descriptor
-from kvpool.engine.llama_runner import LlamaRunner
+from kvpool.engine.hybrid_runner import group_specs, hybrid_runner
+from kvpool.engine.llama_runner import llama_runner
 from kvpool.engine.runner import ModelRunner
 from kvpool.engine.sampling import SamplingParams
 from kvpool.engine.tier_bridge import TierBridge
@@ -208,7 +208,7 @@ def test_paged(llama, preemption: str) -> None:
     have the real blocks' bytes)."""
     num_blocks, block = 14, 8
     kw = {"max_num_batched_tokens": 32, "max_num_seqs": 4}
-    real_runner = LlamaRunner(llama, num_blocks, block, DESCRIPTOR, preemption=preemption, **_tier(preemption))
+    real_runner = llama_runner(llama, num_blocks, block, DESCRIPTOR, preemption=preemption, **_tier(preemption))
     real = Side(real_runner, real_runner.cache, _paged_tables, PAGED, **kw)
     bridge = TierBridge(_tier(preemption).get("host_tier"), (), block, enable_prefix_caching=True)
     cache = FullAttentionManager(num_blocks, block, DESCRIPTOR, lower_tier=bridge.index)
@@ -254,7 +254,7 @@ def test_dual(restore: str, host_blocks: int, turn_ends: bool) -> None:
     kw = {"max_num_batched_tokens": 48, "max_num_seqs": 3}
     block_bytes = DSV4Pools(model.spec, 1, 1).classical_block_bytes()
     tiers = [HostTier(host_blocks * block_bytes) if host_blocks else None for _ in range(2)]
-    real_runner = DSV4Runner(
+    real_runner = dsv4_runner(
         model,
         num_blocks,
         num_states,
@@ -311,7 +311,7 @@ def test_hybrid(config: dict) -> None:
     model = TinyHybrid(config, seed=0)
     num_blocks, num_slots, block, interval = 12, 8, 8, 12
     kw = {"max_num_batched_tokens": 32, "max_num_seqs": 4}
-    real_runner = HybridRunner(model, num_blocks, num_slots, block_size=block, checkpoint_interval=interval)
+    real_runner = hybrid_runner(model, num_blocks, num_slots, block_size=block, checkpoint_interval=interval)
     real = Side(real_runner, real_runner.cache, _hybrid_tables, HYBRID, **kw)
     cache = HybridCacheManager(
         group_specs(model, block, interval, num_blocks, num_slots), hybrid_descriptor(model, block)

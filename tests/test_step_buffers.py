@@ -12,7 +12,7 @@ import torch
 
 from kvpool.attention.backends.step_buffers import StepBuffers
 from kvpool.engine.engine import Engine
-from kvpool.engine.llama_runner import LlamaRunner
+from kvpool.engine.llama_runner import llama_runner
 from kvpool.engine.sampling import SamplingParams
 from random_llama import DESCRIPTOR, random_ids, random_llama
 
@@ -290,7 +290,7 @@ def test_advance_refuses_after_padding_overwrote_the_last_step():
 def _checked_engine(num_blocks: int, block_size: int, max_num_seqs: int, **kw) -> tuple[Engine, list[int]]:
     """An engine whose runner fills step buffers; every step's buffers are compared with the
     cache's step tables (CSR and slots) before the forward. Returns it and a step counter."""
-    runner = LlamaRunner(random_llama("cpu", torch.float32), num_blocks, block_size, DESCRIPTOR, **kw)
+    runner = llama_runner(random_llama("cpu", torch.float32), num_blocks, block_size, DESCRIPTOR, **kw)
     # (forks run beside the engine's max_num_seqs requests: room for more)
     runner.step_buffers = buffers = StepBuffers(4 * max_num_seqs, 256, num_blocks, block_size)
     forward = runner.executor.forward

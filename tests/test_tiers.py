@@ -551,7 +551,7 @@ def test_holds_means_this_very_block() -> None:
 
 
 def test_tiny_v4_logits_with_the_host_tier_equal_a_device_hit() -> None:
-    from kvpool.engine.dsv4_runner import DSV4Runner
+    from kvpool.engine.dsv4_runner import dsv4_runner
     from kvpool.engine.engine import Engine
     from kvpool.engine.sampling import SamplingParams
     from kvpool.models.tiny_dsv4 import TinyDSV4
@@ -563,7 +563,7 @@ def test_tiny_v4_logits_with_the_host_tier_equal_a_device_hit() -> None:
     prompts = [p + [7], filler, p + [rng.randrange(256) for _ in range(30)]]
 
     def serve(num_blocks: int, tier):
-        runner = DSV4Runner(model, num_blocks, 2, host_tier=tier)
+        runner = dsv4_runner(model, num_blocks, 2, host_tier=tier)
         engine = Engine(runner, max_num_batched_tokens=512, max_num_seqs=2, record_logits=True)
         outs = []
         for i, prompt in enumerate(prompts):
@@ -603,7 +603,7 @@ def test_dsv4_install_publishes_only_what_was_loaded() -> None:
 
 
 def test_a_preempted_v4_request_gets_its_blocks_back_from_the_host_exactly() -> None:
-    from kvpool.engine.dsv4_runner import DSV4Runner
+    from kvpool.engine.dsv4_runner import dsv4_runner
     from kvpool.engine.engine import Engine
     from kvpool.engine.sampling import SamplingParams
     from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG, TinyDSV4
@@ -613,7 +613,7 @@ def test_a_preempted_v4_request_gets_its_blocks_back_from_the_host_exactly() -> 
     prompts = [[rng.randrange(256) for _ in range(20 + i)] for i in range(4)]
 
     def serve(num_blocks: int, tier):
-        runner = DSV4Runner(model, num_blocks, 4, host_tier=tier)
+        runner = dsv4_runner(model, num_blocks, 4, host_tier=tier)
         engine = Engine(runner, max_num_batched_tokens=64, max_num_seqs=4, record_logits=True)
         for i, p in enumerate(prompts):
             engine.add_request(p, SamplingParams(max_tokens=30, ignore_eos=True), f"r{i}")

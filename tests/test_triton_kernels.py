@@ -351,7 +351,7 @@ def test_the_engine_on_the_triton_backend_equals_the_torch_path(ops, monkeypatch
     every logit within 1e-12 (relative to the largest)."""
     from kvpool.attention.backends import BACKENDS, BackendKey
     from kvpool.engine.engine import Engine
-    from kvpool.engine.llama_runner import LlamaRunner
+    from kvpool.engine.llama_runner import llama_runner
     from kvpool.engine.sampling import SamplingParams
     from random_llama import DESCRIPTOR, random_llama
 
@@ -360,7 +360,7 @@ def test_the_engine_on_the_triton_backend_equals_the_torch_path(ops, monkeypatch
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [3, 1, 4, 1, 5, 9, 2, 6, 7, 7], [2, 7, 1, 8, 2, 8]]
     logits = {}
     for path in ("triton", "padded"):
-        runner = LlamaRunner(model, 16, 4, DESCRIPTOR, decode_path=path)
+        runner = llama_runner(model, 16, 4, DESCRIPTOR, decode_path=path)
         engine = Engine(runner, max_num_batched_tokens=8, record_logits=True)
         params = SamplingParams(max_tokens=4, ignore_eos=True)
         engine.generate(prompts[:1], params)

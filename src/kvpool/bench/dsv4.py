@@ -53,7 +53,7 @@ def timing_report(contexts: list[int], steps: int, repeats: int) -> list[dict[st
     """One row per context: paged and oracle milliseconds per decode step, and their ratio."""
     import torch
 
-    from kvpool.engine.dsv4_runner import DSV4Runner
+    from kvpool.engine.dsv4_runner import dsv4_runner
     from kvpool.models.tiny_dsv4 import TinyDSV4
 
     torch.set_num_threads(1)
@@ -65,7 +65,7 @@ def timing_report(contexts: list[int], steps: int, repeats: int) -> list[dict[st
         ).tolist()
         paged, oracle = [], []
         for _ in range(repeats):
-            runner = DSV4Runner(model, context // model.spec.span + steps // model.spec.span + 2, 1)
+            runner = dsv4_runner(model, context // model.spec.span + steps // model.spec.span + 2, 1)
             runner.add_request("r", ids)
             assert runner.step([("r", context)]) is not None
             start = time.perf_counter()

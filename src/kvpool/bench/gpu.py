@@ -145,7 +145,7 @@ def _host_engine(batch: int, context: int, num_steps: int, block_size: int, devi
 
     from kvpool.cache import CacheDescriptor
     from kvpool.engine.engine import Engine
-    from kvpool.engine.llama_runner import LlamaRunner
+    from kvpool.engine.llama_runner import llama_runner
     from kvpool.models.gguf import LlamaConfig
     from kvpool.models.hf_config import random_llama
 
@@ -157,7 +157,7 @@ def _host_engine(batch: int, context: int, num_steps: int, block_size: int, devi
     # graph reads) and DecodeGraphs' padding, its decode step (a replay on a GPU) fixed logits.
     # Not build_engine: it derives the decode mode and batched sampling from the device
     # (neither on a CPU), and this stand-in needs both on any device
-    runner = LlamaRunner(
+    runner = llama_runner(
         model,
         num_blocks,
         block_size,

@@ -321,7 +321,7 @@ def check_kv_dtype(args: argparse.Namespace) -> str | None:
 
 def v4_kv_format(args: argparse.Namespace) -> dict[str, str]:
     """tiny-dsv4's classical-pool layout from --kv-cache-dtype / --indexer-format (checked by
-    check_kv_dtype): DSV4Runner's kv_format and indexer_format."""
+    check_kv_dtype): dsv4_runner's kv_format and indexer_format."""
     fp8 = getattr(args, "kv_dtype", None) == "fp8"
     return {"kv_format": "fp8" if fp8 else "exact", "indexer_format": getattr(args, "indexer_format", None) or "fp8"}
 

@@ -2,8 +2,8 @@
 
 The tiny model has no tokenizer: the prompt is token ids ("5,17,42" or "5 17 42"), and the
 output is token ids. It runs on the Classical + State dual pool under the same scheduler
-as the Llama path (`kvpool.engine.dsv4_runner.DSV4Runner`). `kvpool.cli.generate`
-hands over to `run` here when `--model tiny-dsv4`.
+and the same ModelRunner as the Llama path (`kvpool.engine.dsv4_runner.dsv4_runner` builds
+it). `kvpool.cli.generate` hands over to `run` here when `--model tiny-dsv4`.
 """
 
 from __future__ import annotations

@@ -21,10 +21,10 @@ import xxhash
 
 from kvpool.cache import CacheDescriptor
 from kvpool.cache.dual_pool import RestoreMethod
-from kvpool.engine.dsv4_runner import DSV4Runner
+from kvpool.engine.dsv4_runner import dsv4_runner
 from kvpool.engine.engine import Engine
-from kvpool.engine.hybrid_runner import HybridRunner
-from kvpool.engine.llama_runner import LlamaRunner, kv_format_for
+from kvpool.engine.hybrid_runner import hybrid_runner
+from kvpool.engine.llama_runner import kv_format_for, llama_runner
 from kvpool.engine.memory import check_fits, rss_bytes
 from kvpool.kernels import cpu_kernels
 from kvpool.models import weight_cache
@@ -258,7 +258,7 @@ def _paged_engine(
     where = f"the KV pool of {num_blocks} blocks of {block_size} tokens"
     check_fits(pool_bytes, model.device, where, "lower --kv-memory or --num-blocks")
     host, persistent = _tiers(host_cache_bytes, disk_cache, disk_cache_bytes, redis_url)
-    runner = LlamaRunner(
+    runner = llama_runner(
         model,
         num_blocks,
         block_size,
@@ -321,7 +321,7 @@ def _dsv4_engine(
     host, persistent = _tiers(host_cache_bytes, disk_cache, disk_cache_bytes, redis_url)
     if restore is None:  # chosen per admission by measured costs; the persistent tiers restore by their SWA strategy
         restore = "recompute" if persistent else "auto"
-    runner = DSV4Runner(
+    runner = dsv4_runner(
         model,
         num_blocks,
         max(num_state_blocks, max_num_seqs),
@@ -353,7 +353,7 @@ def _hybrid_engine(
     enable_prefix_caching: bool = True,
     record_logits: bool = False,
 ) -> Engine:
-    runner = HybridRunner(
+    runner = hybrid_runner(
         model,
         64 if num_blocks is None else num_blocks,
         num_slots,
@@ -389,13 +389,13 @@ def build_engine(model: LoadedModel | LlamaModel | TinyDSV4 | TinyHybrid, **opti
     disk_cache / disk_cache_bytes (a crash-safe disk tier, LRU under the limit), redis_url
     (a shared Redis tier; lookups go host -> disk -> Redis), kv_format (the KV storage
     format: kvpool.storage.quant's names for Llama, None: the model's dtype; "exact" or
-    "fp8" for V4). Llama: block_size, preemption ("recompute", "swap", "auto": LlamaRunner;
+    "fp8" for V4). Llama: block_size, preemption ("recompute", "swap", "auto": ModelRunner;
     swap and auto need the host tier), decode_path (the attention backend's
     implementation, attention/backends), enforce_eager (no CUDA graphs: on CUDA the decode
     steps are otherwise replayed from graphs, engine/cuda_graph.py). V4: num_state_blocks, restore (None: "auto", or
     "recompute" with disk / Redis tiers), hot_set_entries (HiSparse), swa (tiers/swa.py),
     indexer_format, turn_end_checkpoints (default on, as the simulator's dual layout: a
-    finished turn's state block is kept for the next turn to adopt; DSV4Runner's own
+    finished turn's state block is kept for the next turn to adopt; dsv4_runner's own
     default is off). Hybrid: num_slots, block_size, checkpoint_interval. An option the
     model's runner does not take is a TypeError naming it."""
     builder = ENGINE_BUILDERS.get(type(model))

@@ -1,5 +1,5 @@
 """A V4-architecture model on the dual pool: `DSV4Executor`, the tensor side of the one
-ModelRunner (engine/runner.py), and `DSV4Runner`, its constructor.
+ModelRunner (engine/runner.py), and `dsv4_runner`, which builds that runner.
 
 The cache (DSV4CacheManager) keeps the ids and decides the hits and restore methods; the
 runner applies them (a checkpoint copied, a replay deferred to the step that needs the
@@ -50,91 +50,87 @@ def descriptor_for(model: TinyDSV4, kv_format: str = "exact", indexer_format: st
     )
 
 
-class DSV4Runner(ModelRunner):
-    """The one runner over a DSV4CacheManager and a DSV4Executor (a constructor only).
-    `fork` returns False when no state block is free (a V4 child needs its own): the engine
-    then queues the child, which is admitted later through the prefix cache like a
-    preempted request."""
+def dsv4_runner(
+    model: TinyDSV4,
+    num_classical_blocks: int = 64,
+    num_state_blocks: int = 16,
+    *,
+    restore: RestoreMethod = "recompute",
+    num_checkpoints: int = 0,
+    enable_prefix_caching: bool = True,
+    replay_chunk: int = 256,
+    hot_set_entries: int | None = None,
+    host_tier: Tier | None = None,
+    persistent_tiers: Sequence[Tier] = (),
+    swa: SWAStrategy | None = None,
+    kv_format: str = "exact",
+    indexer_format: str = "fp8",
+    turn_end_checkpoints: bool = False,
+) -> ModelRunner:
+    """The one runner over a DSV4CacheManager and a DSV4Executor. Its `fork` returns False
+    when no state block is free (a V4 child needs its own): the engine then queues the
+    child, which is admitted later through the prefix cache like a preempted request.
 
-    def __init__(
-        self,
-        model: TinyDSV4,
-        num_classical_blocks: int = 64,
-        num_state_blocks: int = 16,
-        *,
-        restore: RestoreMethod = "recompute",
-        num_checkpoints: int = 0,
-        enable_prefix_caching: bool = True,
-        replay_chunk: int = 256,
-        hot_set_entries: int | None = None,
-        host_tier: Tier | None = None,
-        persistent_tiers: Sequence[Tier] = (),
-        swa: SWAStrategy | None = None,
-        kv_format: str = "exact",
-        indexer_format: str = "fp8",
-        turn_end_checkpoints: bool = False,
-    ) -> None:
-        """kv_format: the classical pool's entries exact in the model's dtype ("exact"), or
-        in V4's serving layout ("fp8": non-RoPE dims FP8 E4M3 with a power-of-two scale per
-        64, RoPE dims BF16; indexer keys `indexer_format`, FP8 or MXFP4: storage/dsv4.py).
-        hot_set_entries: HiSparse (storage/dsv4.py HotSet): the CSA main entries each CSA
-        layer keeps on the device; the rest of the CSA main pool is in host memory.
-        host_tier: classical blocks the pool evicts are saved to it, and before an
-        admission the spans it holds after the device hit are brought back into the pool's
-        prefix cache (written, checked, then published), where the admission hits them.
-        persistent_tiers: the disk and Redis tiers, below the host tier: every classical
-        block that completes is written through to them, and, by the SWA strategy `swa`
-        (tiers/swa.py; zero by default), window snapshots at block boundaries, from which
-        a prefix hit restores its state instead of recomputing it.
-        turn_end_checkpoints: a request that finishes inside a span leaves its state block
-        kept (cache/dual_pool.py); a follow-up turn hits there and takes the block over as
-        its own state, neither reset nor copied."""
-        if persistent_tiers and restore != "recompute":
-            raise ValueError("persistent tiers restore a V4 hit's state by their SWA strategy: restore='recompute'")
-        if kv_format == "fp8" and (host_tier is not None or persistent_tiers):
-            raise ValueError("--kv-cache-dtype fp8: the tiers keep exact classical blocks only")
-        spec = model.spec
-        executor = DSV4Executor(
-            model,
-            num_classical_blocks,
-            num_state_blocks,
-            num_checkpoints,
-            hot_set_entries,
-            kv_format,
-            indexer_format,
-            replay_chunk,
-        )
-        descriptor = descriptor_for(model, kv_format, indexer_format)
-        restore_cost = MeasuredRestoreCost()  # restore="auto": what copies and replays took here
-        bridge = TierBridge(host_tier, persistent_tiers, spec.span, enable_prefix_caching=enable_prefix_caching)
-        cache = DSV4CacheManager(
-            spec,
-            num_classical_blocks,
-            num_state_blocks,
-            descriptor,
-            enable_prefix_caching=enable_prefix_caching,
-            restore=restore,
-            num_checkpoints=num_checkpoints,
-            restore_cost=restore_cost,
-            lower_tier=bridge.index,  # (None without tiers) its evicted blocks are saved to the host tier
-            record_published=bool(bridge.persistent_tiers),  # written through as they complete
-            turn_end_checkpoints=turn_end_checkpoints,
-        )
-        # The unfinished span lives in the state block, so one request holds up to
-        # num_classical_blocks full spans plus span - 1 tokens.
-        capacity = num_classical_blocks * spec.span + spec.span - 1
-        super().__init__(
-            cache,
-            executor,
-            bridge,
-            descriptor=descriptor,
-            block_size=spec.span,
-            capacity_tokens=capacity,
-            max_model_len=min(spec.max_position_embeddings, capacity),
-            restore_cost=restore_cost,
-            swa=swa,
-        )
-        self.spec = spec
+    kv_format: the classical pool's entries exact in the model's dtype ("exact"), or
+    in V4's serving layout ("fp8": non-RoPE dims FP8 E4M3 with a power-of-two scale per
+    64, RoPE dims BF16; indexer keys `indexer_format`, FP8 or MXFP4: storage/dsv4.py).
+    hot_set_entries: HiSparse (storage/dsv4.py HotSet): the CSA main entries each CSA
+    layer keeps on the device; the rest of the CSA main pool is in host memory.
+    host_tier: classical blocks the pool evicts are saved to it, and before an
+    admission the spans it holds after the device hit are brought back into the pool's
+    prefix cache (written, checked, then published), where the admission hits them.
+    persistent_tiers: the disk and Redis tiers, below the host tier: every classical
+    block that completes is written through to them, and, by the SWA strategy `swa`
+    (tiers/swa.py; zero by default), window snapshots at block boundaries, from which
+    a prefix hit restores its state instead of recomputing it.
+    turn_end_checkpoints: a request that finishes inside a span leaves its state block
+    kept (cache/dual_pool.py); a follow-up turn hits there and takes the block over as
+    its own state, neither reset nor copied."""
+    if persistent_tiers and restore != "recompute":
+        raise ValueError("persistent tiers restore a V4 hit's state by their SWA strategy: restore='recompute'")
+    if kv_format == "fp8" and (host_tier is not None or persistent_tiers):
+        raise ValueError("--kv-cache-dtype fp8: the tiers keep exact classical blocks only")
+    spec = model.spec
+    executor = DSV4Executor(
+        model,
+        num_classical_blocks,
+        num_state_blocks,
+        num_checkpoints,
+        hot_set_entries,
+        kv_format,
+        indexer_format,
+        replay_chunk,
+    )
+    descriptor = descriptor_for(model, kv_format, indexer_format)
+    restore_cost = MeasuredRestoreCost()  # restore="auto": what copies and replays took here
+    bridge = TierBridge(host_tier, persistent_tiers, spec.span, enable_prefix_caching=enable_prefix_caching)
+    cache = DSV4CacheManager(
+        spec,
+        num_classical_blocks,
+        num_state_blocks,
+        descriptor,
+        enable_prefix_caching=enable_prefix_caching,
+        restore=restore,
+        num_checkpoints=num_checkpoints,
+        restore_cost=restore_cost,
+        lower_tier=bridge.index,  # (None without tiers) its evicted blocks are saved to the host tier
+        record_published=bool(bridge.persistent_tiers),  # written through as they complete
+        turn_end_checkpoints=turn_end_checkpoints,
+    )
+    # The unfinished span lives in the state block, so one request holds up to
+    # num_classical_blocks full spans plus span - 1 tokens.
+    capacity = num_classical_blocks * spec.span + spec.span - 1
+    return ModelRunner(
+        cache,
+        executor,
+        bridge,
+        descriptor=descriptor,
+        block_size=spec.span,
+        capacity_tokens=capacity,
+        max_model_len=min(spec.max_position_embeddings, capacity),
+        restore_cost=restore_cost,
+        swa=swa,
+    )
 
 
 class DSV4Executor:

@@ -1,6 +1,6 @@
 """A tiny hybrid model (models/tiny_hybrid.py) on the hybrid cache coordinator:
 `HybridExecutor`, the tensor side of the one ModelRunner (engine/runner.py), and
-`HybridRunner`, its constructor.
+`hybrid_runner`, which builds that runner.
 
 The coordinator (cache/coordinator.py) keeps the ids; the attention backends chosen at
 construction (attention/backends: slot attention per group, the recurrent state update)
@@ -67,44 +67,41 @@ def attention_for(model: TinyHybrid, num_blocks: int, block_size: int, num_slots
     )
 
 
-class HybridRunner(ModelRunner):
-    """The one runner over a HybridCacheManager and a HybridExecutor (a constructor only).
-    num_blocks: blocks of each attention group's pool; num_slots: recurrent state slots
-    (live states and checkpoints). `cache` may be a coordinator built over the same groups
-    (a test passes a deliberately broken one). No tier serves a hybrid cache."""
-
-    def __init__(
-        self,
-        model: TinyHybrid,
-        num_blocks: int = 64,
-        num_slots: int = 16,
-        *,
-        block_size: int = 8,
-        checkpoint_interval: int = 16,
-        enable_prefix_caching: bool = True,
-        cache: HybridCacheManager | None = None,
-    ) -> None:
-        descriptor = descriptor_for(model, block_size)
-        if cache is None:
-            cache = HybridCacheManager(
-                group_specs(model, block_size, checkpoint_interval, num_blocks, num_slots),
-                descriptor,
-                enable_prefix_caching=enable_prefix_caching,
-            )
-        full = [g for g in cache.attention_groups if g.spec.window is None]
-        # A request alone can grow until a full-attention group runs out (a window group
-        # holds at most its window, plus the step's blocks).
-        max_position = model.config["max_position_embeddings"]
-        capacity = num_blocks * block_size if full else max_position
-        super().__init__(
-            cache,
-            HybridExecutor(model, num_blocks, block_size, num_slots),
-            TierBridge(None, (), block_size, enable_prefix_caching=enable_prefix_caching),
-            descriptor=descriptor,
-            block_size=block_size,
-            capacity_tokens=capacity,
-            max_model_len=min(max_position, capacity),
+def hybrid_runner(
+    model: TinyHybrid,
+    num_blocks: int = 64,
+    num_slots: int = 16,
+    *,
+    block_size: int = 8,
+    checkpoint_interval: int = 16,
+    enable_prefix_caching: bool = True,
+    cache: HybridCacheManager | None = None,
+) -> ModelRunner:
+    """The one runner over a HybridCacheManager and a HybridExecutor. num_blocks: blocks of
+    each attention group's pool; num_slots: recurrent state slots (live states and
+    checkpoints). `cache` may be a coordinator built over the same groups (a test passes a
+    deliberately broken one). No tier serves a hybrid cache."""
+    descriptor = descriptor_for(model, block_size)
+    if cache is None:
+        cache = HybridCacheManager(
+            group_specs(model, block_size, checkpoint_interval, num_blocks, num_slots),
+            descriptor,
+            enable_prefix_caching=enable_prefix_caching,
         )
+    full = [g for g in cache.attention_groups if g.spec.window is None]
+    # A request alone can grow until a full-attention group runs out (a window group
+    # holds at most its window, plus the step's blocks).
+    max_position = model.config["max_position_embeddings"]
+    capacity = num_blocks * block_size if full else max_position
+    return ModelRunner(
+        cache,
+        HybridExecutor(model, num_blocks, block_size, num_slots),
+        TierBridge(None, (), block_size, enable_prefix_caching=enable_prefix_caching),
+        descriptor=descriptor,
+        block_size=block_size,
+        capacity_tokens=capacity,
+        max_model_len=min(max_position, capacity),
+    )
 
 
 class HybridExecutor:

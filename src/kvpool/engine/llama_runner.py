@@ -1,5 +1,5 @@
 """A Llama model on the paged KV pool: `LlamaExecutor`, the tensor side of the one
-ModelRunner (engine/runner.py), and `LlamaRunner`, its constructor.
+ModelRunner (engine/runner.py), and `llama_runner`, which builds that runner.
 
 The executor owns the paged K/V storage (plain or quantized), the attention backend chosen
 for it (attention/backends), the CUDA copy stream of the tier moves, and the step's
@@ -44,67 +44,63 @@ def kv_format_for(model: LlamaModel, name: str | None) -> KVSchema | None:
     return None if not fmt.scaled and code_dtype(fmt) == model.dtype else fmt
 
 
-class LlamaRunner(ModelRunner):
-    """The one runner over a FullAttentionManager and a LlamaExecutor (a constructor only)."""
+def llama_runner(
+    model: LlamaModel,
+    num_blocks: int,
+    block_size: int,
+    descriptor: CacheDescriptor,
+    *,
+    enable_prefix_caching: bool = True,
+    decode_path: str | None = None,
+    host_tier: Tier | None = None,
+    preemption: str = "recompute",
+    persistent_tiers: Sequence[Tier] = (),
+    kv_format: str | None = None,
+    decode_mode: str = "eager",
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 512,
+) -> ModelRunner:
+    """The one runner over a FullAttentionManager and a LlamaExecutor.
 
-    def __init__(
-        self,
-        model: LlamaModel,
-        num_blocks: int,
-        block_size: int,
-        descriptor: CacheDescriptor,
-        *,
-        enable_prefix_caching: bool = True,
-        decode_path: str | None = None,
-        host_tier: Tier | None = None,
-        preemption: str = "recompute",
-        persistent_tiers: Sequence[Tier] = (),
-        kv_format: str | None = None,
-        decode_mode: str = "eager",
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 512,
-    ):
-        """decode_path: the attention backend's implementation, "native" / "bags" / "padded"
-        (attention/backends); None picks "native" when the model runs the C kernels, else
-        "bags". host_tier, persistent_tiers, preemption: as ModelRunner takes them.
-        kv_format: the KV cache's storage format (storage/quant.py: bf16, fp16, fp8_e4m3,
-        fp8_e5m2, int8); None or the model's own dtype: unquantized, in the model's dtype.
-        decode_mode: how pure-decode steps run (engine/cuda_graph.py DECODE_MODES: "eager",
-        "static" buffers without capture, CUDA "graphs"); max_num_seqs,
-        max_num_batched_tokens: the engine's, which size the step buffers of the last two
-        (a step they cannot hold runs eagerly)."""
-        fmt = kv_format_for(model, kv_format)
-        if fmt is not None and (host_tier is not None or persistent_tiers):
-            raise ValueError(
-                f"--kv-cache-dtype {fmt.name}: the host, disk and Redis tiers keep unquantized blocks only"
-            )
-        if model.shard is not None and preemption == "auto":
-            raise ValueError(
-                "preemption 'auto' decides by this process's timings, which the tensor-parallel ranks differ in"
-            )
-        executor = LlamaExecutor(
-            model, num_blocks, block_size, fmt, decode_path, decode_mode, max_num_seqs, max_num_batched_tokens
+    decode_path: the attention backend's implementation, "native" / "bags" / "padded"
+    (attention/backends); None picks "native" when the model runs the C kernels, else
+    "bags". host_tier, persistent_tiers, preemption: as ModelRunner takes them.
+    kv_format: the KV cache's storage format (storage/quant.py: bf16, fp16, fp8_e4m3,
+    fp8_e5m2, int8); None or the model's own dtype: unquantized, in the model's dtype.
+    decode_mode: how pure-decode steps run (engine/cuda_graph.py DECODE_MODES: "eager",
+    "static" buffers without capture, CUDA "graphs"); max_num_seqs,
+    max_num_batched_tokens: the engine's, which size the step buffers of the last two
+    (a step they cannot hold runs eagerly)."""
+    fmt = kv_format_for(model, kv_format)
+    if fmt is not None and (host_tier is not None or persistent_tiers):
+        raise ValueError(f"--kv-cache-dtype {fmt.name}: the host, disk and Redis tiers keep unquantized blocks only")
+    if model.shard is not None and preemption == "auto":
+        raise ValueError(
+            "preemption 'auto' decides by this process's timings, which the tensor-parallel ranks differ in"
         )
-        bridge = TierBridge(host_tier, persistent_tiers, block_size, enable_prefix_caching=enable_prefix_caching)
-        cache = FullAttentionManager(
-            num_blocks,
-            block_size,
-            descriptor,
-            enable_prefix_caching=enable_prefix_caching,
-            lower_tier=bridge.index,
-            record_published=bool(bridge.persistent_tiers),
-        )
-        capacity = num_blocks * block_size
-        super().__init__(
-            cache,
-            executor,
-            bridge,
-            descriptor=descriptor,
-            block_size=block_size,
-            capacity_tokens=capacity,
-            max_model_len=min(model.config.max_position, capacity),
-            preemption=preemption,
-        )
+    executor = LlamaExecutor(
+        model, num_blocks, block_size, fmt, decode_path, decode_mode, max_num_seqs, max_num_batched_tokens
+    )
+    bridge = TierBridge(host_tier, persistent_tiers, block_size, enable_prefix_caching=enable_prefix_caching)
+    cache = FullAttentionManager(
+        num_blocks,
+        block_size,
+        descriptor,
+        enable_prefix_caching=enable_prefix_caching,
+        lower_tier=bridge.index,
+        record_published=bool(bridge.persistent_tiers),
+    )
+    capacity = num_blocks * block_size
+    return ModelRunner(
+        cache,
+        executor,
+        bridge,
+        descriptor=descriptor,
+        block_size=block_size,
+        capacity_tokens=capacity,
+        max_model_len=min(model.config.max_position, capacity),
+        preemption=preemption,
+    )
 
 
 class LlamaExecutor:

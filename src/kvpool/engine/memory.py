@@ -163,9 +163,10 @@ def runtime_baseline() -> int:
 
 
 def measure(runner, runtime_bytes: int, tokenizer_bytes: int) -> MeasuredLedger:
-    """The ledger of a LlamaRunner after (or during) a run. Each line is its own largest
-    value over the run; the lines need not peak in the same step, so their sum can exceed
-    what was alive at the moment of the peak (then `unaccounted` reads low).
+    """The ledger of a Llama's runner (engine/llama_runner.py) after (or during) a run. Each
+    line is its own largest value over the run; the lines need not peak in the same step,
+    so their sum can exceed what was alive at the moment of the peak (then `unaccounted`
+    reads low).
 
     On CUDA the peak counts device memory only: the lines that live in host memory (the
     manager's bookkeeping, the sampler's scratch, the runtime) are reported under `host`,

@@ -28,7 +28,8 @@ import torch
 from torch import Tensor
 
 from kvpool.attention.dsv4_reference import IndexerTrace
-from kvpool.engine.dsv4_runner import DSV4Runner
+from kvpool.engine.dsv4_runner import dsv4_runner
+from kvpool.engine.runner import ModelRunner
 from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG, TinyDSV4
 from kvpool.verify.dsv4_tolerance import (
     FP32_SELECTION_K,
@@ -126,10 +127,10 @@ class Verifier:
             self._twins[id(model)] = model.to(torch.float64)
         return self._twins[id(model)]
 
-    def runner(self, model: TinyDSV4 | None = None, **kw: object) -> DSV4Runner:
+    def runner(self, model: TinyDSV4 | None = None, **kw: object) -> ModelRunner:
         kw.setdefault("num_classical_blocks", 16)
         kw.setdefault("num_state_blocks", 4)
-        return DSV4Runner(model or self.model, **kw)  # type: ignore[arg-type]
+        return dsv4_runner(model or self.model, **kw)  # type: ignore[arg-type]
 
     def evaluate(self, name: str, segments: list[Segment], tolerance: float | None = None) -> CaseResult:
         """Compare every segment with its oracle under the module docstring's rules."""
@@ -175,7 +176,7 @@ class Verifier:
             assert out is not None
             pieces.append(out[0].logits)
             pos += n
-        assert len(runner.cache.block_ids("r")) == length // runner.spec.span
+        assert len(runner.cache.block_ids("r")) == length // runner.executor.spec.span
         runner.check_integrity()
         return [Segment(self.model, tuple(ids), 0, torch.cat(pieces))]
 
@@ -341,7 +342,7 @@ class ClassicalPoolWatcher:
     tensors are non-zero only while some request holds it, a held block never changes once
     written, and a request holds exactly num_computed // span blocks (check_integrity)."""
 
-    def __init__(self, runner: DSV4Runner) -> None:
+    def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.seen: dict[int, list[Tensor]] = {}
 

@@ -29,7 +29,8 @@ from torch import Tensor
 
 from kvpool.engine.build import build_engine
 from kvpool.engine.engine import Engine
-from kvpool.engine.hybrid_runner import HybridRunner
+from kvpool.engine.hybrid_runner import hybrid_runner
+from kvpool.engine.runner import ModelRunner
 from kvpool.engine.sampling import SamplingParams
 from kvpool.models.tiny_hybrid import TINY_GEMMA2, TINY_RECURRENT, TinyHybrid
 from kvpool.verify.dsv4_tolerance import FP64_TOLERANCE, check_tolerance, derived_fp32_tolerance
@@ -98,8 +99,8 @@ class Verifier:
             self._twins[id(model)] = model.to(torch.float64)
         return self._twins[id(model)]
 
-    def runner(self, model: TinyHybrid, num_blocks: int = 64, num_slots: int = 16) -> HybridRunner:
-        return HybridRunner(
+    def runner(self, model: TinyHybrid, num_blocks: int = 64, num_slots: int = 16) -> ModelRunner:
+        return hybrid_runner(
             model, num_blocks, num_slots, block_size=BLOCK_SIZE, checkpoint_interval=CHECKPOINT_INTERVAL
         )
 
@@ -139,7 +140,7 @@ class Verifier:
 
     # ---- direct runs (the runner, no scheduler) ----------------------------------------
 
-    def _prefill(self, runner: HybridRunner, rid: str, ids: list[int], chunk: int | None) -> tuple[int, Tensor]:
+    def _prefill(self, runner: ModelRunner, rid: str, ids: list[int], chunk: int | None) -> tuple[int, Tensor]:
         """Admit `ids` and compute the rest in chunks; (hit point, logits of [hit, len))."""
         adm = runner.admit(rid, ids, chunk)
         assert adm is not None, "the pool holds the prompt"

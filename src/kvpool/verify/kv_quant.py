@@ -118,13 +118,13 @@ def served_log_probs(
     prefill's last position and of each decode step (they predict token_ids[prefill:]), fp32
     (fp64 for an fp64 model)."""
     from kvpool.cache import CacheDescriptor
-    from kvpool.engine.llama_runner import LlamaRunner
+    from kvpool.engine.llama_runner import llama_runner
     from kvpool.engine.runner import ScheduledChunk
 
     ids = list(token_ids)
     descriptor = CacheDescriptor("eval-kv-quant", layout_id=f"bs{block_size}:{kv_format}")
     num_blocks = -(-len(ids) // block_size) + 1
-    runner = LlamaRunner(model, num_blocks, block_size, descriptor, kv_format=kv_format, enable_prefix_caching=False)
+    runner = llama_runner(model, num_blocks, block_size, descriptor, kv_format=kv_format, enable_prefix_caching=False)
     seq = "text"
     admitted = runner.admit(seq, ids[:prefill], prefill)
     assert admitted is not None and admitted.num_scheduled_tokens == prefill, "a fresh pool holds the text"
