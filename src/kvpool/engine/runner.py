@@ -62,7 +62,8 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from operator import add
+from itertools import accumulate, compress
+from operator import add, attrgetter
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -75,6 +76,7 @@ from kvpool.tiers import BlockDescriptor
 from kvpool.tiers.swa import SWAStrategy
 
 PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap", "auto")
+_NEEDS_LOGITS = attrgetter("needs_logits")
 
 
 class ScheduledChunk(NamedTuple):
@@ -547,52 +549,98 @@ class ModelRunner:
                 res = taken[request_id]
                 self._after_piece(request_id, res.start + res.num_tokens, checkpoints, snapshots)
             return out
-        # Each forward takes every chunk's next piece (up to its next cut). all_logits: every
-        # piece's logits, by request in piece order; else only the row of each request's
-        # latest token (an int), gathered once at the end rather than a slice per piece
-        cursor = {c.request_id: c.start for c in chunks}
-        pieces: dict[str, list[torch.Tensor]] = {c.request_id: [] for c in chunks} if all_logits else {}
-        last_row: dict[str, tuple[int, int]] = {}  # request -> (forward, row in its output)
-        outs: list[torch.Tensor] = []
-        active = [c for c in chunks if c.token_ids]  # with pieces left: after the first forward, only cut ones
+        return self._forward_cut(chunks, all_logits, ids, token_ids, cuts, checkpoints, snapshots)
+
+    def _forward_cut(
+        self,
+        chunks: Sequence[ScheduledChunk],
+        all_logits: bool,
+        ids: Sequence[str],
+        token_ids: Sequence[list[int]],
+        cuts: dict[str, list[int]],
+        checkpoints: dict[str, tuple[tuple[int, int], ...]],
+        snapshots: dict[str, dict[int, tuple[bytes, BlockDescriptor]]],
+    ) -> torch.Tensor:
+        """`_forward_in_pieces` for a step with a cut inside a chunk. Each forward takes
+        every chunk's next piece (up to its next cut): the first forward every chunk with
+        tokens, as it is where nothing cuts it (the executor reads a chunk's positions; with
+        all_logits, not its needs_logits), the later ones only the chunks a cut left
+        unfinished. Python per chunk only for the `cuts` requests (a prefill chunk that
+        crosses a checkpoint beside a batch of decodes: the decodes cost C-level passes).
+        Logits as `_forward_in_pieces` returns them."""
+        # the first forward: chunk i is todo[first_at[i]] (chunks without tokens compute nothing)
+        lens = list(map(len, token_ids))
+        first_lens = list(lens)  # each chunk's tokens in the first forward
+        if 0 in lens:
+            first_at = list(accumulate(map(bool, lens), initial=-1))[1:]
+            todo = [c for c, n in zip(chunks, lens, strict=True) if n]
+        else:
+            first_at = range(len(chunks))
+            todo = list(chunks)
+        index = dict(zip(ids, range(len(ids)), strict=True))
+        cursor: dict[str, int] = {}  # a cut request -> its next position
+        left: list[ScheduledChunk] = []  # the chunks a cut left unfinished, in chunk order
+        for request_id in cuts:  # (in chunk order)
+            i = index[request_id]
+            c = chunks[i]
+            if not lens[i]:
+                continue
+            end = c.start + lens[i]
+            stop = min([end] + [p for p in cuts[request_id] if p > c.start])
+            cursor[request_id] = stop
+            if stop < end:
+                first_lens[i] = stop - c.start
+                todo[first_at[i]] = ScheduledChunk(request_id, c.token_ids[: stop - c.start], c.start, False)
+                left.append(c)
+        outs = [self.executor.forward(todo, self.cache, True)]
+        for request_id, stop in cursor.items():
+            self._after_piece(request_id, stop, checkpoints, snapshots)
+        # the later forwards: a piece of each unfinished chunk; (forward, row in its output) of
+        # each cut request's latest token, and (all_logits) its pieces' rows
+        later_rows: dict[str, list[tuple[int, int, int]]] = {c.request_id: [] for c in left}
+        active = left
         while active:
             todo, left = [], []
             for c in active:
                 pos, end = cursor[c.request_id], c.start + len(c.token_ids)
-                stop = min([end] + [p for p in cuts.get(c.request_id, ()) if p > pos])
+                stop = min([end] + [p for p in cuts[c.request_id] if p > pos])
                 todo.append(ScheduledChunk(c.request_id, c.token_ids[pos - c.start : stop - c.start], pos, False))
                 if stop < end:
                     left.append(c)
             active = left
-            out = self.executor.forward(todo, self.cache, True)
             k, offset = len(outs), 0
-            outs.append(out)
+            outs.append(self.executor.forward(todo, self.cache, True))
             for piece in todo:
                 request_id, n = piece.request_id, len(piece.token_ids)
-                if all_logits:
-                    pieces[request_id].append(out[offset : offset + n])
+                later_rows[request_id].append((k, offset, offset + n))
                 offset += n
-                last_row[request_id] = (k, offset - 1)
                 cursor[request_id] = piece.start + n
-                if request_id in cuts:
-                    self._after_piece(request_id, piece.start + n, checkpoints, snapshots)
+                self._after_piece(request_id, piece.start + n, checkpoints, snapshots)
+        # chunk i's rows in the first forward's output: [ends0[i] - first_lens[i], ends0[i])
+        ends0 = list(accumulate(first_lens))
         if all_logits:
-            rows = [lg for c in chunks for lg in pieces[c.request_id]]
+            rows: list[torch.Tensor] = []
+            for i, c in enumerate(chunks):
+                rows.append(outs[0][ends0[i] - first_lens[i] : ends0[i]])
+                rows.extend(outs[k][a:b] for k, a, b in later_rows.get(c.request_id, ()))
             return torch.cat(rows) if rows else torch.zeros(0, self.vocab_size)
-        wanted = [last_row[c.request_id] for c in chunks if c.needs_logits]
+        # the rows wanted (each chunk with needs_logits: its last token's), in chunk order
+        needs = list(map(_NEEDS_LOGITS, chunks))
+        assert 0 not in compress(lens, needs), "a chunk without tokens has no logits"
+        wanted = [end - 1 for end in compress(ends0, needs)]
         if not wanted:
             return torch.zeros(0, self.vocab_size)
-        # the wanted rows of each forward's output, then into chunk order
-        by_out: list[list[int]] = [[] for _ in outs]
-        for k, row in wanted:
-            by_out[k].append(row)
-        picked = [out[torch.tensor(rows)] for out, rows in zip(outs, by_out, strict=True) if rows]
-        place, n = {}, 0
-        for k, rows in enumerate(by_out):
-            for i, row in enumerate(rows):
-                place[k, row] = n + i
-            n += len(rows)
-        return torch.cat(picked)[torch.tensor([place[w] for w in wanted])]
+        if not any(chunks[index[r]].needs_logits for r in later_rows):  # all in the first forward's
+            return outs[0][torch.tensor(wanted)]
+        # some in a later forward's: rows of the forwards' outputs joined
+        base = list(accumulate((len(out) for out in outs), initial=0))
+        place = list(accumulate(needs, initial=0))  # chunk i's place in `wanted`
+        for request_id, pieces in later_rows.items():
+            i = index[request_id]
+            if needs[i]:
+                k, _, b = pieces[-1]
+                wanted[place[i]] = base[k] + b - 1
+        return torch.cat(outs)[torch.tensor(wanted)]
 
     def _after_piece(
         self,
