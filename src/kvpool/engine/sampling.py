@@ -223,7 +223,8 @@ def token_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, lis
     return float(logp[token]), top
 
 
-_TEMPERATURE = operator.attrgetter("temperature")
+_TEMPERATURE, _TOP_P, _TOP_K, _SEED = map(operator.attrgetter, ("temperature", "top_p", "top_k", "seed"))
+_NO_WORDS, _NO_DRAWS = np.empty(0, dtype=np.uint64), np.empty((0, 1), dtype=np.float32)  # (never written)
 # The least positive fp32 (a subnormal): sample_batch's least top_p in its fp32 arithmetic.
 TOP_P_MIN = 2.0**-149
 
@@ -269,11 +270,13 @@ class _BatchRows:
         self.num_rows = num_rows
         self.stochastic = stochastic  # [m] int64, increasing: the rows that draw
         self.stochastic_t: torch.Tensor | None = None  # the same on the device, when some rows are greedy
-        self.mixed = np.empty(0, dtype=np.uint64)  # [m] uint64: `_seed_words` of the rows that draw
+        # the rest is set by `of` where some row draws (m > 0)
+        self.mixed = _NO_WORDS  # [m] uint64: `_seed_words` of the rows that draw
         self.groups: list[_Group] = []
         self.order: np.ndarray | None = None  # [m]: the drawing rows in group order; None: one group
-        self.u_host = self.u = torch.empty(0)  # [m, 1] fp32 each: the uniforms, in group order
-        self.u_np = np.empty((0, 1), dtype=np.float32)  # u_host's memory
+        self.u_host: torch.Tensor | None = None  # [m, 1] fp32: the uniforms, in group order (pinned on CUDA)
+        self.u: torch.Tensor | None = None  # the same on the device (u_host itself on the CPU)
+        self.u_np = _NO_DRAWS  # [m, 1] fp32: u_host's memory
 
     @classmethod
     def of(
@@ -294,14 +297,17 @@ class _BatchRows:
             rows_at = stochastic.tolist()
             picked, indices = [params[i] for i in rows_at], [sample_indices[i] for i in rows_at]
             rows.stochastic_t = _to_device(torch.from_numpy(stochastic), device)
-        rows.mixed = _seed_words([p.seed for p in picked], indices)
+        rows.mixed = _seed_words(list(map(_SEED, picked)), indices)
         # the per-row parameters in fp32, as the arithmetic reads them (torch's conversion of
         # the fp64 values). A top_p is at least TOP_P_MIN, the least positive fp32: one that
         # fp32 rounds to 0 keeps the first candidate by itself (0 >= top_p would drop it), as
         # sample_token's does
-        top_p = np.maximum(np.fromiter((p.top_p for p in picked), np.float64, m), TOP_P_MIN)
-        columns = torch.from_numpy(np.stack([temperature[stochastic], top_p], axis=1)).float()  # [m, 2]
-        k = np.fromiter((min(p.top_k, vocab) if p.top_k else vocab for p in picked), np.int64, m)
+        top_p = np.maximum(np.fromiter(map(_TOP_P, picked), np.float64, m), TOP_P_MIN)
+        host_columns = np.empty((m, 2))  # [m, 2] fp64: temperature, top_p
+        host_columns[:, 0], host_columns[:, 1] = temperature[stochastic] if m < num_rows else temperature, top_p
+        columns = torch.from_numpy(host_columns).float()  # [m, 2] fp32
+        k = np.fromiter(map(_TOP_K, picked), np.int64, m)
+        k[(k == 0) | (k > vocab)] = vocab  # top-k off (0), or at least the vocabulary: all of it
         nucleus = top_p < 1.0
         # the groups of one (k, top-p on) kind, in their first rows' order
         keys = (k << 1) | nucleus  # [m] int64: one key a kind
