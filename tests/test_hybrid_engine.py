@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from kvpool.cache import BlockCopy
-from kvpool.cache.chains import chain_units
 from kvpool.cache.coordinator import HybridCacheManager
 from kvpool.cache.recurrent import RecurrentAdmit, RecurrentGroup
 from kvpool.capacity.kv import PageGroup
@@ -45,12 +44,12 @@ class AttentionOnlyReuse(RecurrentGroup):
     def upper_bound(self, hits):
         return 1 << 62  # bounds nothing: every point is served
 
-    def plan_admit(self, hits, root, token_ids, mm_items, point, end):
+    def plan_admit(self, hits, point, end):
         c = self.granularity
         found = [b for b in hits.found[: point // c] if b is not None] if hits else []
         src = found[-1].block_ids[0] if found else None
         need = 1 + (src is not None and self.pool.refcount(src) == 0)
-        chain = chain_units(self.pool, root, token_ids, mm_items, c, 0, point // c)
+        chain = hits.chain[: point // c] if hits else []  # the prompt's units, cached or not
         return RecurrentAdmit(src, chain), {self.pool: need}
 
 

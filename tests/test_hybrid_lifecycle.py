@@ -424,8 +424,8 @@ class _HitsInsideSpans(DualPoolGroup):
     def upper_bound(self, hits):
         return (len(hits.block_ids) + 1) * self.span - 1
 
-    def plan_admit(self, hits, root, token_ids, mm_items, point, end):
-        plan, need = super().plan_admit(hits, root, token_ids, mm_items, point // self.span * self.span, end)
+    def plan_admit(self, hits, point, end):
+        plan, need = super().plan_admit(hits, point // self.span * self.span, end)
         plan.replay_start = self.spec.replay_start(point) if point else None
         return plan, need
 

@@ -3,11 +3,10 @@ pure Python. The one implementation is the coordinator (cache/coordinator.py,
 `HybridCacheManager`, also named `CacheManager`) over a model's groups (cache/group.py);
 `FullAttentionManager` and `DSV4CacheManager` are it over one group."""
 
-from kvpool.cache.base import LowerTier
 from kvpool.cache.coordinator import HybridCacheManager
 from kvpool.cache.dual_pool import DSV4CacheManager, DualPoolGroupSpec
 from kvpool.cache.full import FullAttentionManager
-from kvpool.cache.group import CacheGroup, GroupUsage
+from kvpool.cache.group import CacheGroup, GroupUsage, LowerTier
 from kvpool.cache.recurrent import RecurrentGroupSpec
 from kvpool.cache.types import (
     Admission,

@@ -10,13 +10,27 @@ of its computed units, each chained from the one before it or from an equal copy
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvpool.cache.base import mm_extra_key
 from kvpool.cache.types import MMItem
 from kvpool.pool import BlockPool, PrefixBlock
 from kvpool.pool.hashing import TOKEN_BYTES, token_bytes
+
+
+def mm_extra_key(mm_items: Sequence[MMItem], block_size: int, block_index: int) -> bytes:
+    """Extra hash key of one block: for every multimodal item that overlaps it, the item's
+    identity and its offset relative to the block's first position (negative when it started
+    in an earlier block). Two prompts with the same placeholder tokens and the same images
+    placed differently inside a block get different keys. b"" when no item overlaps."""
+    lo = block_index * block_size
+    hi = lo + block_size
+    parts = [
+        [item.content_hash, item.start - lo] for item in mm_items if item.start < hi and lo < item.start + item.length
+    ]
+    # JSON: an identity may hold any character and still not run into the next item's
+    return b"mm" + json.dumps(parts, separators=(",", ":")).encode() if parts else b""
 
 
 def unit_extra(mm_items: tuple[MMItem, ...], unit: int, k: int) -> bytes:
@@ -50,14 +64,14 @@ def find_units(
     mm_items: tuple[MMItem, ...],
     unit: int,
     num: int,
-    packed: bytes | None = None,
+    packed: bytes,
 ) -> UnitHits:
     """Each of the first `num` units of a prompt looked up on its own (`BlockPool.lookup`),
     so a unit is found after the units before it were evicted; the chain goes on through the
     copies found, where the next lookup's content walk stops. `packed`: token_bytes(token_ids)
-    if the caller has it. Changes nothing."""
+    (or of its first `num` units at least). Changes nothing."""
     width = unit * TOKEN_BYTES
-    data = packed[: num * width] if packed is not None else token_bytes(token_ids[: num * unit])
+    data = packed[: num * width]
     found: list[PrefixBlock | None] = []
     chain = []
     parent = root
@@ -119,18 +133,20 @@ def check_chain(
                 raise AssertionError(f"invariant 6: {where} block {k} is registered as other content")
 
 
-def check_held(where: str, pool: BlockPool, held: list[int], written: Iterable[int], holders: list[int]) -> None:
+def check_held(
+    where: str, pool: BlockPool, held: list[int], written: Iterable[int], holders: list[int], what: str = "block"
+) -> None:
     """Assert invariants 1 and 2 of one request: it holds no block twice (each held block
     adds 1 to `holders[b]`), and the blocks its reserved step writes are its own (refcount 1)
-    and unpublished."""
+    and unpublished. `what`: the kind of block, for the messages."""
     if len(set(held)) != len(held):
-        raise AssertionError(f"invariant 1: {where} holds a block twice: {held}")
+        raise AssertionError(f"invariant 1: {where} holds a {what} twice: {held}")
     for b in held:
         holders[b] += 1
     for b in written:
         if pool.refcount(b) != 1 or pool.block_hash(b) is not None:
             raise AssertionError(
-                f"invariant 2 (copy-on-write before a write): {where} will write into block {b} "
+                f"invariant 2 (copy-on-write before a write): {where} will write into {what} {b} "
                 f"(refcount {pool.refcount(b)}, registered {pool.block_hash(b) is not None})"
             )
 
@@ -205,7 +221,7 @@ class TurnEnds:
         if self.pool.register(block_id, block, orphan_ok=orphan_ok) is None:
             return False
         assert block.parent is not None
-        self._by_parent[block.parent.block_hash] = [*self._kept(block.parent), block]
+        self._by_parent[block.parent.block_hash] = [*self._kept(block.parent.block_hash), block]
         self._num_listed += 1
         if self._num_listed > 2 * self.pool.num_blocks:
             self._sweep()
@@ -215,7 +231,7 @@ class TurnEnds:
         """Unlist `block` (no longer in the pool's index: an admission adopted it)."""
         assert not block.block_ids, f"turn end {block!r} is still registered"
         assert block.parent is not None
-        self._kept(block.parent)
+        self._kept(block.parent.block_hash)
 
     def find(
         self, parent: PrefixBlock, start: int, token_ids: list[int], mm_items: tuple[MMItem, ...], limit: int
@@ -224,7 +240,7 @@ class TurnEnds:
         tokens the prompt repeats: T -> the cached block (verified by the pool's content
         guard). Changes nothing but the list of dead entries under `parent`."""
         out = {}
-        for kept in self._kept(parent):
+        for kept in self._kept(parent.block_hash):
             end = start + len(kept.token_bytes) // TOKEN_BYTES
             if end <= limit:
                 found = self.pool.lookup(self.block(parent, token_ids, mm_items, start, end))
@@ -249,26 +265,19 @@ class TurnEnds:
         if self._num_listed > 2 * self.pool.num_blocks:
             raise AssertionError(f"turn ends: {self._num_listed} listed, over twice {self.pool.num_blocks} blocks")
 
-    def _kept(self, parent: PrefixBlock) -> list[PrefixBlock]:
-        """The live entries under `parent`; the dead ones are unlisted here."""
-        listed = self._by_parent.get(parent.block_hash)
-        if listed is None:
-            return []
+    def _kept(self, parent_hash: bytes) -> list[PrefixBlock]:
+        """The live entries under the parent of that hash; the dead ones are unlisted here."""
+        listed = self._by_parent.get(parent_hash, [])
         kept = [b for b in listed if b.block_ids]
         if len(kept) != len(listed):
-            self._num_listed -= len(listed) - len(kept)
-            if kept:
-                self._by_parent[parent.block_hash] = kept
-            else:
-                del self._by_parent[parent.block_hash]
-        return kept
-
-    def _sweep(self) -> None:
-        """Unlist every dead entry."""
-        for parent_hash, listed in list(self._by_parent.items()):
-            kept = [b for b in listed if b.block_ids]
             self._num_listed -= len(listed) - len(kept)
             if kept:
                 self._by_parent[parent_hash] = kept
             else:
                 del self._by_parent[parent_hash]
+        return kept
+
+    def _sweep(self) -> None:
+        """Unlist every dead entry."""
+        for parent_hash in list(self._by_parent):
+            self._kept(parent_hash)

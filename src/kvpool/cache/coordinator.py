@@ -1,69 +1,37 @@
 """The cache coordinator: per-request block tables and the request lifecycle over every layer
-group of a model. Pure Python, no torch; every model's cache is one (`FullAttentionManager`,
-cache/full.py, and `DSV4CacheManager`, cache/dual_pool.py, are it over one group).
-
-Lifecycle of a request, and the rules every call keeps:
+group of a model, reached through the `CacheGroup` protocol only (cache/group.py: what a
+group keeps, and the transaction rule every call here follows). Pure Python, no torch;
+`FullAttentionManager` (cache/full.py) and `DSV4CacheManager` (cache/dual_pool.py) are it
+over one group.
 
   admit -> (reserve -> [the model writes the reserved positions] -> commit)* -> release
            append_token_ids whenever sampled tokens join the sequence
 
-- Check, then mutate. A call that returns None or False (out of blocks or state) or raises
-  leaves every structure exactly as it was; batched calls (`reserve_step`, `commit_step`)
-  validate every request before they change any.
-- `append_token_ids` must precede a `reserve` past the known tokens: a reservation covers
-  positions whose token ids the coordinator already has (hashed when their unit completes).
-- Only committed positions are readable; a full block is published to the prefix cache
-  when its last token is committed.
-- A release (finish, cancel, preempt) happens once; a repeat returns False and does nothing.
-  A preempted request that is admitted again is counted apart in `stats`, not in the hit rate.
+- A call that returns None or False (out of blocks or state) or raises leaves every group
+  as it was; batched calls (`reserve_step`, `commit_step`) validate every request first.
+- A reservation covers positions whose token ids are known (`append_token_ids` first). Only
+  committed positions are readable; a unit is published when its last token is committed.
+- A release happens once (a repeat returns False and does nothing). A preempted request
+  that is admitted again is counted apart in `stats`, not in the hit rate.
 
-A model's layers fall into groups whose caches differ in kind and granularity
-(DEEPSEEK_V4.md section 8, Kimi K3's Figure 12): full-attention and sliding-window groups
-keep physical blocks of K/V (cache/window.py), recurrent groups one state per request plus
-checkpoints of it (cache/recurrent.py), a V4 dual-pool group immutable classical blocks of
-complete spans plus one state block per request (cache/dual_pool.py). The coordinator
-keeps one token history and one computed count per request and moves every group
-together, through the `CacheGroup` protocol (cache/group.py) only: each spec builds its
-group (`spec.build`), and no call here asks what kind a group is.
+Prefix hits. The hit is the largest point P every group serves (candidates: multiples of
+the gcd of the groups' granularities, at most len(prompt) - 1, and the points off that grid
+some group offers, such as turn ends). An attention group whose cached blocks end at {512,
+1024, 1536} and a recurrent group with checkpoints at {0, 1024} give P = 1024: K/V up to
+1536 with a recurrent state from anywhere else than 1536 is not the state of that prefix.
 
-Prefix hits. Every group reports which hit points it can serve; the coordinator takes the
-largest point P that every group serves (candidates: multiples of the gcd of the groups'
-granularities, at most len(prompt) - 1, so one token is left to compute, and the points
-off that grid some group offers). Example: an attention group whose cached blocks end at
-{512, 1024, 1536} and a recurrent group with checkpoints at {0, 1024} give P = 1024.
-Reusing only one side is wrong: attention K/V up to 1536 with a recurrent state from
-anywhere else than 1536 is not the state of that prefix. A P inside an attention block
-copies that block on write (cache/window.py): a cached full block, or the partial block an
-earlier request left at its turn end (`turn_end_checkpoints`), where the recurrent groups
-keep their turn-end checkpoint; a dual-pool group serves span boundaries only, so P is one
-(its blocks are never copied).
+Pools. Each group has a pool of its own, or the attention groups draw from one shared pool
+(`shared_blocks`; vLLM's hybrid allocator): a block that leaves a window goes back to the
+one free queue, where any group's next step can take it. On a shared pool the group's name
+is in its chain root, so a group never finds another group's blocks; the free counts that
+a transaction checks are summed per pool.
 
-Transactions. `admit`, `reserve`, `reserve_step` and `fork` first ask every group what
-they need of each pool (`plan_admit`, `blocks_needed`, `can_fork`: read-only), and change
-nothing unless every pool has it (one group out of room: nothing changes in any group).
-Optional checkpoint slots are taken last, from what is left. A release frees every group
-exactly once. An admission and a reservation carry every group's part (`groups`: table,
-copies, restore, checkpoints, loads) besides the request's counts.
-
-Pools. Each group has a pool of its own, or the attention groups draw from one shared
-pool (`shared_blocks`; vLLM's hybrid allocator, and what a serving engine does when the
-groups' pages have one byte size): a block that leaves a window goes back to the one
-free queue, where any group's next step can take it, so the pool holds what the requests
-really hold. Each group chains its hashes from a root of its own (the group's name is in
-the root), so a group never finds another group's blocks; the free counts that a
-transaction checks are summed per pool.
-
-Steps. With `exact_steps` (the default, and required by recurrent and dual-pool groups)
-a reservation covers [num_computed, end) and the commit is of exactly those tokens (a
-recurrent state advances by whole steps). Without (attention groups only: the engine's
-one-group `FullAttentionManager`), reservations are block-granular: the blocks a step may
-write are writable to their end, `num_reserved_tokens` is the table's end, a commit may
-take part of the reservation, and a decode inside its block costs one comparison in
-`reserve_step` and one in `commit_step`'s validation. Every group is called once per step
-with the step's requests (the group protocol's calls are batched).
-
-Pure Python: the runner applies the groups' copies (`take_copies`) and restores, and writes
-the snapshots, that the coordinator records (`part`: one group's part of a request).
+Steps. With `exact_steps` (the default, and required by recurrent and dual-pool groups) a
+reservation covers [num_computed, end) and the commit is of exactly those tokens. Without
+(attention groups only: `FullAttentionManager`), reservations are block-granular:
+`num_reserved_tokens` is the table's end, a commit may take part of the reservation, and a
+decode inside its block costs one comparison in `reserve_step` and one in `commit_step`.
+The runner applies the copies (`take_copies`), restores and snapshots the groups record.
 """
 
 from __future__ import annotations
@@ -74,9 +42,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
-from kvpool.cache.base import LowerTier, check_mm_items
-from kvpool.cache.group import CacheGroup
+from kvpool.cache.group import CacheGroup, LowerTier
 from kvpool.cache.types import (
+    NO_RESERVATION,
     RELEASE_REASONS,
     Admission,
     BlockCopy,
@@ -84,6 +52,7 @@ from kvpool.cache.types import (
     CacheUsage,
     GroupAdmission,
     GroupReservation,
+    LookupPrompt,
     MMItem,
     PrefixStats,
     ReleaseReason,
@@ -91,8 +60,6 @@ from kvpool.cache.types import (
     StateRestore,
 )
 from kvpool.pool import BlockPool, PrefixBlock, StepTables, step_tables, token_bytes
-
-_EMPTY_PART = GroupReservation()  # a group's part of a step that took nothing
 
 
 class RequestPart(NamedTuple):
@@ -134,15 +101,12 @@ class RequestPart(NamedTuple):
         return [*chain, *self.group.pending_chain(self.state)] if reserved else list(chain)
 
 
-class LookupPrompt(NamedTuple):
-    """A prompt checked and packed once, for lookups in several caches (the router asks
-    every replica; `pack_prompt` builds it). The packing is the whole prompt's and is the
-    same bytes in every cache (token ids as little-endian uint32), so one serves them all;
-    each cache still chains the hashes from its own roots."""
-
-    token_ids: list[int]
-    mm_items: tuple[MMItem, ...]
-    packed: bytes  # token_bytes(token_ids)
+def check_mm_items(mm_items: Sequence[MMItem], num_tokens: int) -> tuple[MMItem, ...]:
+    items = tuple(MMItem(*item) for item in mm_items)
+    for item in items:
+        if item.start < 0 or item.length <= 0 or item.start + item.length > num_tokens:
+            raise ValueError(f"multimodal item {item} lies outside the prompt of {num_tokens} tokens")
+    return items
 
 
 def pack_prompt(
@@ -181,7 +145,7 @@ class _Request:
     budget: int = 0  # the admission's max_new_tokens (or the rest of the prompt): for complete_loads
     num_loading: int = 0  # tokens of the hit a lower tier is still loading (complete_loads)
     readmitted: bool = False  # admitted after a preemption (its hits count apart)
-    prompt_bytes: bytes = b""  # token_bytes(token_ids) while its hits are looked up (dropped after)
+    prompt: LookupPrompt | None = None  # while its hits are looked up (an admission drops it after)
 
 
 class HybridCacheManager:
@@ -404,7 +368,7 @@ class HybridCacheManager:
         requests, groups, exact = self._requests, self._group_list, self.exact_steps
         out: dict[str, Reservation] = {}
         if exact and len(groups) == 1:  # V4 (the simulator's every step): one pass, `pending` looked up once
-            pending, name, empty = groups[0].pending, groups[0].name, _EMPTY_PART
+            pending, name, empty = groups[0].pending, groups[0].name, NO_RESERVATION
             for request_id, start, end in zip(request_ids, starts, ends, strict=True):
                 req = requests.get(request_id)
                 if req is None or start != req.num_computed or end != req.end:
@@ -419,7 +383,7 @@ class HybridCacheManager:
                 self._not_reserved(request_id, start, end)  # raises
             states = req.states
             for g in groups:
-                if g.pending(states[g.name]) != _EMPTY_PART:
+                if g.pending(states[g.name]) != NO_RESERVATION:
                     parts = {g.name: g.pending(states[g.name]) for g in groups}
                     out[request_id] = Reservation(start, end - start, parts)
                     break
@@ -573,7 +537,7 @@ class HybridCacheManager:
             raise TypeError(f"descriptor must be a CacheDescriptor, got {type(descriptor).__name__}")
         key = self._descriptor_key if descriptor is None else descriptor.key()
         roots = {name: g.pool.root(key + self._root_keys[name], tenant_salt) for name, g in self.groups.items()}
-        return _Request(request_id, prompt.token_ids, prompt.mm_items, roots, prompt_bytes=prompt.packed)
+        return _Request(request_id, prompt.token_ids, prompt.mm_items, roots, prompt=prompt)
 
     def _hits(self, req: _Request, bounded: bool = True, admission: bool = False) -> dict[str, Any]:
         """Each group's hits. bounded: whole-prefix groups first, and the others look no
@@ -582,9 +546,7 @@ class HybridCacheManager:
         limit: int | None = None
         hits = {}
         for name, g in self._lookup_order:
-            hits[name] = g.hits(
-                req.roots[name], req.token_ids, req.mm_items, limit, admission=admission, packed=req.prompt_bytes
-            )
+            hits[name] = g.hits(req.roots[name], req.prompt, limit, admission=admission)
             if bounded:
                 bound = g.upper_bound(hits[name])
                 limit = bound if limit is None else min(limit, bound)
@@ -678,7 +640,7 @@ class HybridCacheManager:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         req = self._new_request(request_id, pack_prompt(token_ids, mm_items, request_id), tenant_salt, descriptor)
         hits = self._hits(req, admission=True) if self._caching else {}
-        req.prompt_bytes = b""  # an admitted request keeps no second copy of its prompt
+        req.prompt = None  # an admitted request keeps no second copy of its prompt
         point = self.hit_point(hits, len(req.token_ids)) if self._caching else 0
         rest = len(req.token_ids) - point
         n = rest if max_new_tokens is None else min(max_new_tokens, rest)
@@ -686,7 +648,7 @@ class HybridCacheManager:
         plans: dict[str, Any] = {}
         needs: dict[BlockPool, int] = {}
         for name, g in self.groups.items():
-            plans[name], need = g.plan_admit(hits.get(name), req.roots[name], req.token_ids, req.mm_items, point, end)
+            plans[name], need = g.plan_admit(hits.get(name), point, end)
             for pool, k in need.items():
                 needs[pool] = needs.get(pool, 0) + k
         if not self._fits(needs):
@@ -841,7 +803,7 @@ class HybridCacheManager:
         start = req.num_computed
         end = start + num_new_tokens
         if not self.exact_steps and end <= req.end:
-            return Reservation(start, num_new_tokens, dict.fromkeys(self.groups, GroupReservation()))  # nothing to take
+            return Reservation(start, num_new_tokens, dict.fromkeys(self.groups, NO_RESERVATION))  # nothing to take
         if not self._fits(self._needs([req], [end])):
             return None
         parts = {name: res[0] for name, res in self._apply_reserve([req], [end]).items()}
@@ -849,14 +811,10 @@ class HybridCacheManager:
 
     def unreserve(self, request_id: str) -> None:
         """Undo the request's reserved step, whose forward has not run (another request of
-        the batch did not fit, say): its blocks and slots go back, and what its allocations
-        evicted or pushed out is findable again. Undone latest first (no call since that
-        changed the cache), every group is exactly as it was before the reservation; out of
-        order, a V4 checkpoint it pushed out comes back at the head of the LRU queue, not at
-        its old place, and not at all when another allocation has since taken one of its
-        blocks or the prefix was checkpointed again (each group's `unreserve` says what it
-        restores). Nothing reserved: nothing done. ValueError, nothing done, when a group
-        cannot (`CacheGroup.can_unreserve`)."""
+        the batch did not fit, say). Undone latest first (no call since that changed the
+        cache), every group is exactly as it was before the reservation; out of order, each
+        group's `unreserve` says what it restores. Nothing reserved: nothing done.
+        ValueError, nothing done, when a group cannot (`CacheGroup.can_unreserve`)."""
         req = self._get(request_id)
         if req.end == req.num_computed:
             return

@@ -1,7 +1,5 @@
-"""DeepSeek-V4's dual pool as one group of the coordinator (cache/coordinator.py). No torch.
-
-DEEPSEEK_V4.md sections 5 and 6, cut to the group protocol the coordinator drives (the one
-of cache/window.py and cache/recurrent.py):
+"""DeepSeek-V4's dual pool (DEEPSEEK_V4.md sections 5 and 6) as one `CacheGroup`
+(cache/group.py) of the coordinator. No torch.
 
   classical pool  blocks of `span` tokens of compressed entries (a BlockPool: refcounts,
                   LRU free queue, the chained-hash prefix index). A block is taken by the
@@ -23,10 +21,8 @@ Per request, while it computes [num_computed, end):
 
 Prefix hits. The prompt's complete spans are chained like full-attention blocks (a hit
 point needs every span before it: CSA / HCA read all compressed entries), and a point P is
-served only at a span boundary, P = q * span with the first q spans cached: the
-compressed entries of an unfinished span are never stored. The coordinator takes the
-largest point every group serves, so an in-span point another group offers (a block end,
-a recurrent checkpoint) is passed over for the largest common span boundary.
+served at a span boundary only, P = q * span with the first q spans cached (the compressed
+entries of an unfinished span are never stored), or at a kept turn end.
 
 Restore: the state at a hit P = q * span is rebuilt exactly (section 6) by one of
   "recompute":  the runner replays tokens [max(0, P - replay_len), P) on top of the q cached
@@ -35,26 +31,19 @@ Restore: the state at a hit P = q * span is rebuilt exactly (section 6) by one o
   "checkpoint": the hit is cut to the longest prefix whose boundary has a checkpoint; the
                 runner copies the checkpoint slot into the request's state block;
   "auto":       chosen per admission by cost (`choose_restore`, priced by the spec's
-                `RestoreCost`): the checkpoint held at the hit's end when copying it is
-                cheaper than the replay, else the replay over the whole hit, unless cutting
-                the hit back to the last checkpoint held within it (its tokens computed
-                again, as prompt) costs less than that replay.
+                `RestoreCost`);
   "adopt":      the hit is a turn end (below): the request takes the kept state block
                 over as its own; nothing is copied or recomputed.
 The request's `restore` says which until its first commit.
 
 Turn ends (the coordinator's `turn_end_checkpoints`; Figure 12). A request that finishes
-after P computed tokens, P usually inside a span, leaves its state block holding the state
-at P exactly: the window, the compressor tails and the unfinished span's entries, on top of
-the classical blocks of the P // span complete spans before P. `keep_turn_end` files that
-block in the state pool's index under the chain of those spans plus the partial span's
-tokens (`TurnEnds`, cache/chains.py) and the release frees it as a cached block: kept
-states are free state blocks in LRU order, taken (evicted) only when no unhashed state
-block is left, so they never cost an admission a state block. A follow-up prompt that
-repeats the P tokens and whose P // span spans are cached hits at P (`extra_points`: up to
-span - 1 tokens past the last span boundary) and adopts the block as its live state: out of
-the index (it is about to change), no copy, no reset. A second follow-up to the same P
-then finds no turn end there and hits at the last span boundary.
+after P computed tokens, P inside a span, leaves its state block holding the state at P
+exactly, on top of the classical blocks of the P // span spans before P. `keep_turn_end`
+files that block in the state pool's index (`TurnEnds`, cache/chains.py) and the release
+frees it as a cached block: kept states are free state blocks in LRU order, taken (evicted)
+only when no unhashed state block is left, so they never cost an admission a state block.
+A follow-up that repeats the P tokens and whose P // span spans are cached hits at P and
+adopts the block: out of the index (it is about to change), no copy, no reset.
 
 Checkpoints ("checkpoint", "auto") snapshot a request's state at the span boundaries its
 steps complete. A checkpoint is blocks of a BlockPool registered in its prefix index under
@@ -69,11 +58,6 @@ blocks drops it, and an undo (`BlockPool.unallocate`) makes it findable again. T
           share the pool's free memory and its one LRU eviction order (as vLLM v1 keeps
           Mamba states in its block pool): as many as free memory holds, none taken from a
           running request. A snapshot that finds too few free blocks is skipped.
-
-A reserved step that took blocks or checkpoint slots records what undoing it needs
-(`unreserve`: everything goes back where it was, the checkpoints it pushed out findable
-again). The lower-tier hooks (`take_evicted` with a lower tier, `prefetch_candidates`,
-`install`, `publish_installed`) let a runner save evicted spans and bring them back.
 """
 
 from __future__ import annotations
@@ -83,11 +67,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NamedTuple, Protocol
 
-from kvpool.cache.base import LowerTier, mm_extra_key
-from kvpool.cache.chains import TurnEnds, chain_units, check_chain, register_run
+from kvpool.cache.chains import TurnEnds, chain_units, check_chain, check_held, mm_extra_key, register_run
 from kvpool.cache.coordinator import HybridCacheManager
-from kvpool.cache.group import CacheGroup, GroupUsage, StepRequest
-from kvpool.cache.types import CacheDescriptor, GroupReservation, MMItem, StateRestore
+from kvpool.cache.group import CacheGroup, GroupUsage, LowerTier, StepRequest
+from kvpool.cache.types import NO_RESERVATION, CacheDescriptor, GroupReservation, LookupPrompt, MMItem, StateRestore
 from kvpool.pool import BlockPool, PrefixBlock
 from kvpool.pool.hashing import TOKEN_BYTES, token_bytes
 from kvpool.spec.dsv4 import DSV4Spec
@@ -281,9 +264,6 @@ class DualPoolAdmit:
     adopt: int | None = None  # the kept turn-end state block taken over
 
 
-_NO_RESERVATION = GroupReservation()
-
-
 class DualPoolGroup(CacheGroup):
     """A `CacheGroup` (cache/group.py): classical blocks of complete spans, one state block
     per request, optional checkpoints of the state."""
@@ -333,27 +313,19 @@ class DualPoolGroup(CacheGroup):
     # ---- prefix hits -------------------------------------------------------------------
 
     def hits(
-        self,
-        root: PrefixBlock,
-        token_ids: list[int],
-        mm_items: tuple[MMItem, ...],
-        limit: int | None = None,
-        *,
-        admission: bool = False,
-        packed: bytes | None = None,
+        self, root: PrefixBlock, prompt: LookupPrompt, limit: int | None, *, admission: bool = False
     ) -> DualPoolHits:
-        """The leading run of cached complete spans, leaving a token to compute, and no
-        further than `limit` tokens (another group's upper bound), cut as the restore
-        method chooses. Changes nothing but the collision count of an admission."""
+        """The leading run of cached complete spans, leaving a token to compute, cut as the
+        restore method chooses; the turn ends kept after its spans."""
         if not self.pool.enable_caching:
             return DualPoolHits([], [])
-        span = self.span
+        span, (token_ids, mm_items, packed) = self.span, prompt
         num = (len(token_ids) - 1) // span
         if limit is not None:
             num = min(num, limit // span)
         hit = self.pool.match(
             root,
-            packed[: num * span * TOKEN_BYTES] if packed is not None else token_bytes(token_ids[: num * span]),
+            packed[: num * span * TOKEN_BYTES],
             span * TOKEN_BYTES,
             num,
             [mm_extra_key(mm_items, span, k) for k in range(num)] if mm_items else None,
@@ -402,38 +374,25 @@ class DualPoolGroup(CacheGroup):
             return False
         return not q or self.spec.restore != "checkpoint" or self._checkpoint(hits.chain[q - 1]) is not None
 
-    def plan_admit(
-        self,
-        hits: DualPoolHits | None,
-        root: PrefixBlock,
-        token_ids: list[int],
-        mm_items: tuple[MMItem, ...],
-        point: int,
-        end: int,
-    ) -> tuple[DualPoolAdmit, dict[BlockPool, int]]:
-        """(the plan, free blocks it needs per pool) for a hit at `point` and a first step to
-        `end`: the step's fresh classical blocks, the hit's blocks revived out of the free
-        queue, and one state block. The restore: the one `hits` chose at its end; at a point
-        below it (another group's bound), a checkpoint where one is held and priced no
-        dearer than the replay, else the replay; at a turn end, its kept state block
-        adopted (one state block out of the free queue all the same)."""
+    def plan_admit(self, hits: DualPoolHits | None, point: int, end: int) -> tuple[DualPoolAdmit, dict[BlockPool, int]]:
+        """The restore: the one `hits` chose at its end; at a point below it (another
+        group's bound), a checkpoint where one is held and priced no dearer than the
+        replay, else the replay; at a turn end, its kept state block adopted (one state
+        block out of the free queue all the same)."""
         q, r = divmod(point, self.span)
         if r:
             assert hits is not None and point in hits.turn_ends, f"group {self.name!r} keeps no turn end at {point}"
-            hit_ids = hits.turn_ids[:q]
-            assert len(hit_ids) == q, "a turn end follows cached spans"
-            revived = sum(1 for b in hit_ids if self.pool.refcount(b) == 0)
             (kept,) = hits.turn_ends[point].block_ids  # (filed once: `TurnEnds.new_block`)
-            plan = DualPoolAdmit(list(hit_ids), list(hits.turn_chain[:q]), None, adopt=kept)
-            return plan, {self.pool: end // self.span - q + revived, self.state_pool: 1}
-        hit_ids = list(hits.block_ids[:q]) if hits is not None else []
-        assert len(hit_ids) == q, "serves() was checked"
-        revived = sum(1 for b in hit_ids if self.pool.refcount(b) == 0)
-        chain = list(hits.chain[:q]) if hits is not None and self.pool.enable_caching else []
-        plan = DualPoolAdmit(hit_ids, chain, None)
-        if q:
+            plan = DualPoolAdmit(list(hits.turn_ids[:q]), list(hits.turn_chain[:q]), None, adopt=kept)
+            assert len(plan.hit_ids) == q, "a turn end follows cached spans"
+        else:
+            hit_ids = list(hits.block_ids[:q]) if hits is not None else []
+            assert len(hit_ids) == q, "serves() was checked"
+            chain = list(hits.chain[:q]) if hits is not None and self.pool.enable_caching else []
+            plan = DualPoolAdmit(hit_ids, chain, None)
+        if q and not r:
             assert hits is not None
-            ckpt = self._checkpoint(chain[q - 1])
+            ckpt = self._checkpoint(plan.chain[q - 1])
             if q == len(hits.block_ids):
                 method = hits.method
             elif self.spec.restore == "auto" and ckpt is not None:
@@ -444,12 +403,11 @@ class DualPoolGroup(CacheGroup):
                 plan.checkpoint = ckpt
             else:
                 plan.replay_start = self.spec.replay_start(point)
-        num_new = end // self.span - q
-        return plan, {self.pool: num_new + revived, self.state_pool: 1}
+        revived = sum(1 for b in plan.hit_ids if self.pool.refcount(b) == 0)  # (out of the free queue)
+        return plan, {self.pool: end // self.span - q + revived, self.state_pool: 1}
 
     def claim(self, plan: DualPoolAdmit) -> None:
-        """Hold the hit's blocks before any group allocates; a checkpoint it restores from is
-        the most recently used now."""
+        """A checkpoint the plan restores from is the most recently used now."""
         self.pool.incref(plan.hit_ids)
         if plan.checkpoint is not None:
             self._touch(plan.checkpoint)
@@ -457,8 +415,8 @@ class DualPoolGroup(CacheGroup):
             self.state_pool.incref((plan.adopt,))
 
     def apply_admit(self, plan: DualPoolAdmit, root: PrefixBlock) -> tuple[DualPoolState, tuple]:
-        """After `claim`: the state block (the first step's blocks come with its reservation);
-        an adopted one leaves the index, since the request's steps change it."""
+        """The state block (the first step's blocks come with its reservation); an adopted
+        one leaves the index, since the request's steps change it."""
         if plan.adopt is not None:
             adopted = self.state_pool.prefix_block(plan.adopt)
             assert adopted is not None
@@ -492,7 +450,7 @@ class DualPoolGroup(CacheGroup):
         name, span = self.name, self.span
         needs = [end // span - len(req.states[name].block_ids) for req, end in zip(reqs, ends, strict=True)]
         keep = sum(needs)  # free blocks the requests after this one take
-        out = [_NO_RESERVATION] * len(reqs)  # the common decode step: no span completes
+        out = [NO_RESERVATION] * len(reqs)  # the common decode step: no span completes
         if not keep:
             return out
         for i, need in enumerate(needs):
@@ -684,8 +642,6 @@ class DualPoolGroup(CacheGroup):
         return state.state_slot
 
     def restore(self, state: DualPoolState) -> StateRestore | None:
-        """A hit's restore (a checkpoint copy, or a replay on top of the cached spans), until
-        the first commit; else "none"."""
         return state.restore if state.restore is not None else StateRestore(state.state_slot, "none")
 
     def checkpoints(self, state: DualPoolState) -> list[tuple[int, int]]:
@@ -697,7 +653,7 @@ class DualPoolGroup(CacheGroup):
     def pending(self, state: DualPoolState) -> GroupReservation:
         pending = state.pending
         if pending is None:  # the step took no block (most decodes): no checkpoint either
-            return _NO_RESERVATION
+            return NO_RESERVATION
         return GroupReservation(tuple(state.block_ids[-pending.num_new :]), (), pending.checkpoints)
 
     def pending_chain(self, state: DualPoolState) -> list[PrefixBlock]:
@@ -774,20 +730,11 @@ class DualPoolGroup(CacheGroup):
                 f"only complete spans are pooled: {where} holds {len(state.block_ids)} classical blocks for "
                 f"{end} reserved tokens (span {span})"
             )
-        held = self.held_blocks(state)
-        if len(set(held)) != len(held):
-            raise AssertionError(f"invariant 1: {where} holds a classical block twice")
-        for b in held:
-            holders[b] += 1
+        written = state.block_ids[num_computed // span :]  # (V4 never copies: each is written once)
+        check_held(where, self.pool, self.held_blocks(state), written, holders, what="classical block")
         pending = state.pending
         if pending is not None and (pending.num_new != end // span - num_computed // span or not pending.num_new):
             raise AssertionError(f"{where}: a pending step of {pending.num_new} blocks for [{num_computed}, {end})")
-        for b in state.block_ids[num_computed // span :]:
-            if self.pool.refcount(b) != 1 or self.pool.block_hash(b) is not None:
-                raise AssertionError(
-                    f"written once: {where} will write classical block {b} (refcount {self.pool.refcount(b)}, "
-                    f"published {self.pool.block_hash(b) is not None})"
-                )
         restore = state.restore
         if restore is not None and not (
             0 < num_computed
@@ -851,10 +798,7 @@ class DualPoolGroup(CacheGroup):
 
 class DSV4CacheManager(HybridCacheManager):
     """DeepSeek-V4's cache: the coordinator over one dual-pool group named "v4" (the module
-    docstring). lower_tier: the cached classical blocks the allocator evicts are recorded
-    for it; record_published: so are the blocks a commit publishes (engine/tier_bridge.py's
-    `take_evicted(cache)` / `take_published(cache)` take them). turn_end_checkpoints: a
-    finished request's state block is kept at its turn end for a follow-up to adopt."""
+    docstring; the tier hooks: `DualPoolGroupSpec.build`)."""
 
     def __init__(
         self,

@@ -14,17 +14,14 @@ is the coordinator's; the tier and P/D queries are engine/tier_bridge.py's, over
 
 from __future__ import annotations
 
-from kvpool.cache.base import LowerTier
 from kvpool.cache.coordinator import HybridCacheManager
+from kvpool.cache.group import LowerTier
 from kvpool.cache.types import CacheDescriptor
 from kvpool.cache.window import AttentionGroupSpec
 
 
 class FullAttentionManager(HybridCacheManager):
-    """lower_tier: a tier below device memory (kvpool.tiers): admission takes the longest
-    prefix across the device pool and the tier (`GroupAdmission.loads`, `complete_loads`), and
-    every cached block the allocator evicts is recorded. record_published: so is every block
-    that becomes a full cached block (engine/tier_bridge.py `take_evicted`, `take_published`)."""
+    """lower_tier, record_published: the attention group's tier hooks (cache/window.py)."""
 
     def __init__(
         self,

@@ -30,10 +30,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 
-from kvpool.cache.types import BlockCopy, GroupReservation, MMItem, StateRestore
+from kvpool.cache.types import NO_RESERVATION, BlockCopy, GroupReservation, LookupPrompt, MMItem, StateRestore
 from kvpool.pool import BlockPool, PrefixBlock
 
-_NO_RESERVATION = GroupReservation()
+
+class LowerTier(Protocol):
+    """A tier below device memory as a cache manager sees it (kvpool.tiers.TierIndex)."""
+
+    def find(self, chain: Sequence[PrefixBlock]) -> int:
+        """How many blocks of `chain` (consecutive full blocks of a prompt), from the
+        first, the tier holds with a valid descriptor."""
+        ...
 
 
 def check_pool_size(name: str, size: object) -> int:
@@ -112,21 +119,11 @@ class CacheGroup(Protocol):
 
     # ---- prefix hits (read-only) --------------------------------------------------------
 
-    def hits(
-        self,
-        root: PrefixBlock,
-        token_ids: list[int],
-        mm_items: tuple[MMItem, ...],
-        limit: int | None,
-        *,
-        admission: bool = False,
-        packed: bytes | None = None,
-    ) -> Any:
-        """What the group's cache holds of the prompt, looking no further than `limit` tokens
-        (another group's `upper_bound`) when given. Changes nothing, not even a counter,
-        unless `admission` (the lookup of an admission: it counts hash collisions and may
-        consult a lower tier). `packed`: token_bytes(token_ids) when the caller has it (the
-        coordinator packs a prompt once), for a group to slice instead of packing again."""
+    def hits(self, root: PrefixBlock, prompt: LookupPrompt, limit: int | None, *, admission: bool = False) -> Any:
+        """What the group's cache holds of the prompt (packed once by the coordinator, for
+        every group to slice), looking no further than `limit` tokens (another group's
+        `upper_bound`) when given. Changes nothing, not even a counter, unless `admission`
+        (the lookup of an admission: it counts hash collisions and may consult a lower tier)."""
         ...
 
     def upper_bound(self, hits: Any) -> int:
@@ -143,15 +140,7 @@ class CacheGroup(Protocol):
 
     # ---- admission ----------------------------------------------------------------------
 
-    def plan_admit(
-        self,
-        hits: Any | None,
-        root: PrefixBlock,
-        token_ids: list[int],
-        mm_items: tuple[MMItem, ...],
-        point: int,
-        end: int,
-    ) -> tuple[Any, dict[BlockPool, int]]:
+    def plan_admit(self, hits: Any | None, point: int, end: int) -> tuple[Any, dict[BlockPool, int]]:
         """(a plan, free blocks it needs per pool) for a hit at `point` (one `serves`
         accepted; hits None: caching is off and point is 0) and a first step [point, end).
         Changes nothing; blocks of the hit that sit in the free queue count as needed."""
@@ -223,7 +212,7 @@ class CacheGroup(Protocol):
     def pending(self, state: Any) -> GroupReservation:
         """The reserved, uncommitted step's part (new blocks, checkpoints), for a group that
         keeps it; empty for one that does not (an attention group: its table is its part)."""
-        return _NO_RESERVATION
+        return NO_RESERVATION
 
     def unreserve(self, state: Any) -> None:
         """Undo the reserved step, whose forward has not run, exactly (`can_unreserve`)."""

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from kvpool.cache import chains
 from kvpool.cache.chains import TurnEnds, UnitHits
 from kvpool.cache.group import CacheGroup, GroupUsage, StepRequest, check_pool_size
-from kvpool.cache.types import BlockCopy, GroupReservation, MMItem, StateRestore
+from kvpool.cache.types import NO_RESERVATION, BlockCopy, GroupReservation, LookupPrompt, MMItem, StateRestore
 from kvpool.pool import BlockPool, PrefixBlock
 
 
@@ -81,9 +81,6 @@ class RecurrentAdmit:
     chain: list[PrefixBlock]
 
 
-_NO_RESERVATION = GroupReservation()
-
-
 class RecurrentGroup(CacheGroup):
     """One live state per request and checkpoints of it."""
 
@@ -102,20 +99,12 @@ class RecurrentGroup(CacheGroup):
 
     # ---- prefix hits -------------------------------------------------------------------
 
-    def hits(
-        self,
-        root: PrefixBlock,
-        token_ids: list[int],
-        mm_items: tuple[MMItem, ...],
-        limit: int | None = None,
-        *,
-        admission: bool = False,
-        packed: bytes | None = None,
-    ) -> UnitHits:
+    def hits(self, root: PrefixBlock, prompt: LookupPrompt, limit: int | None, *, admission: bool = False) -> UnitHits:
         """Per C-chunk k, the checkpoint of the state after (k + 1) * C tokens, and the turn
         ends (points off the grid), up to `limit`, leaving a token to compute."""
         if not self.pool.enable_caching:
             return UnitHits([], [])
+        token_ids, mm_items, packed = prompt
         c = self.granularity
         top = min(len(token_ids) - 1, len(token_ids) if limit is None else limit)
         hits = chains.find_units(self.pool, root, token_ids, mm_items, c, top // c, packed)
@@ -136,15 +125,7 @@ class RecurrentGroup(CacheGroup):
             return point in hits.turn_ends
         return k == 0 or (k <= len(hits.found) and hits.found[k - 1] is not None)
 
-    def plan_admit(
-        self,
-        hits: UnitHits | None,
-        root: PrefixBlock,
-        token_ids: list[int],
-        mm_items: tuple[MMItem, ...],
-        point: int,
-        end: int,
-    ) -> tuple[RecurrentAdmit, dict[BlockPool, int]]:
+    def plan_admit(self, hits: UnitHits | None, point: int, end: int) -> tuple[RecurrentAdmit, dict[BlockPool, int]]:
         """A live slot, and the checkpoint if it is free."""
         src, need, chain = None, 1, []
         if point:
@@ -180,7 +161,7 @@ class RecurrentGroup(CacheGroup):
             state = req.states[self.name]
             k0, k1 = req.num_computed // c, end // c
             if k1 == k0 or not pool.enable_caching:
-                out.append(_NO_RESERVATION)
+                out.append(NO_RESERVATION)
                 continue
             parent = state.chain[-1] if state.chain else state.root
             state.step_chain = chains.chain_units(pool, parent, req.token_ids, req.mm_items, c, k0, k1)
@@ -190,7 +171,7 @@ class RecurrentGroup(CacheGroup):
             assert slots is not None
             taken = tuple(zip(wanted, slots, strict=True))
             state.pending.extend(taken)
-            out.append(GroupReservation(checkpoints=taken) if taken else _NO_RESERVATION)
+            out.append(GroupReservation(checkpoints=taken) if taken else NO_RESERVATION)
         return out
 
     def commit(self, reqs: Sequence[StepRequest]) -> None:

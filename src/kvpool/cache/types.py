@@ -42,6 +42,17 @@ class MMItem(NamedTuple):
     content_hash: str
 
 
+class LookupPrompt(NamedTuple):
+    """A prompt checked and packed once, for lookups in several caches (the router asks
+    every replica; `pack_prompt` builds it). The packing is the whole prompt's and is the
+    same bytes in every cache (token ids as little-endian uint32), so one serves them all;
+    each cache still chains the hashes from its own roots."""
+
+    token_ids: list[int]
+    mm_items: tuple[MMItem, ...]
+    packed: bytes  # token_bytes(token_ids)
+
+
 class BlockCopy(NamedTuple):
     """Copy-on-write: copy block `src` into `dst` before writing into `dst`."""
 
@@ -73,6 +84,9 @@ class GroupReservation(NamedTuple):
     new_block_ids: tuple[int, ...] = ()  # blocks appended to the group's table
     copies: tuple[BlockCopy, ...] = ()  # copy-on-write: each dst replaced its src in the table in place
     checkpoints: tuple[tuple[int, int], ...] = ()  # (position, slot): snapshot the state there
+
+
+NO_RESERVATION = GroupReservation()  # a group's part of a step that took nothing
 
 
 class GroupAdmission(NamedTuple):

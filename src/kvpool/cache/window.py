@@ -37,14 +37,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.cache import chains
-from kvpool.cache.base import LowerTier
 from kvpool.cache.chains import TurnEnds, UnitHits
-from kvpool.cache.group import CacheGroup, GroupUsage, StepRequest, check_pool_size
-from kvpool.cache.types import BlockCopy, GroupReservation, MMItem
+from kvpool.cache.group import CacheGroup, GroupUsage, LowerTier, StepRequest, check_pool_size
+from kvpool.cache.types import NO_RESERVATION, BlockCopy, GroupReservation, LookupPrompt, MMItem
 from kvpool.pool import BlockPool, PrefixBlock
 from kvpool.pool.hashing import TOKEN_BYTES, block_packer, token_bytes
 
-_NO_RESERVATION = GroupReservation()
 _tuple_new = tuple.__new__  # a NamedTuple without its Python-level __new__: the decode path's
 
 
@@ -145,27 +143,19 @@ class AttentionGroup(CacheGroup):
 
     # ---- prefix hits -------------------------------------------------------------------
 
-    def hits(
-        self,
-        root: PrefixBlock,
-        token_ids: list[int],
-        mm_items: tuple[MMItem, ...],
-        limit: int | None = None,
-        *,
-        admission: bool = False,
-        packed: bytes | None = None,
-    ) -> UnitHits:
+    def hits(self, root: PrefixBlock, prompt: LookupPrompt, limit: int | None, *, admission: bool = False) -> UnitHits:
         """A window: each block up to `limit` on its own (`chains.find_units`). Full attention:
         the leading run (the lower tier's blocks after it at an admission, and the turn ends
         after it)."""
         bs = self.block_size
         if not self.pool.enable_caching:
             return UnitHits([], [])
+        token_ids, mm_items, packed = prompt
         num = len(token_ids) // bs if limit is None else min(len(token_ids) // bs, -(-limit // bs))
         if self.spec.window is not None:
             return chains.find_units(self.pool, root, token_ids, mm_items, bs, num, packed)
         width = bs * TOKEN_BYTES
-        data = packed[: num * width] if packed is not None else token_bytes(token_ids[: num * bs])  # sliced per block
+        data = packed[: num * width]  # sliced per block
         extras = [chains.unit_extra(mm_items, bs, k) for k in range(num)] if mm_items else None
         # The run that leaves a token to compute, then the prompt's last full block (a
         # point inside it copies it) without counting a collision there
@@ -205,15 +195,7 @@ class AttentionGroup(CacheGroup):
         first = self.spec.first_needed(point) // bs
         return all(hits.found[k] is not None for k in range(first, last))
 
-    def plan_admit(
-        self,
-        hits: UnitHits | None,
-        root: PrefixBlock,
-        token_ids: list[int],
-        mm_items: tuple[MMItem, ...],
-        point: int,
-        end: int,
-    ) -> tuple[AttentionAdmit, dict[BlockPool, int]]:
+    def plan_admit(self, hits: UnitHits | None, point: int, end: int) -> tuple[AttentionAdmit, dict[BlockPool, int]]:
         if hits is None:
             hits = UnitHits([], [])
         bs = self.block_size
@@ -307,7 +289,7 @@ class AttentionGroup(CacheGroup):
             # (an earlier copy of this step may have freed a tail)
             tail = self._tail(state, nc, end) if nc % bs else None
             if num_new <= 0 and tail is None:
-                out.append(_NO_RESERVATION)  # the common decode step: the table has room
+                out.append(NO_RESERVATION)  # the common decode step: the table has room
                 continue
             num_new = max(0, num_new)
             copy = tail is not None and pool.refcount(tail) > 1
@@ -402,7 +384,8 @@ class AttentionGroup(CacheGroup):
         return sys.getsizeof(state) + sys.getsizeof(state.block_ids) + sys.getsizeof(state.chain)
 
     def prefix_blocks(self, root: PrefixBlock, token_ids: list[int]) -> tuple[list[int], list[PrefixBlock]]:
-        chain = self.hits(root, token_ids, ()).chain
+        full = token_ids[: len(token_ids) // self.block_size * self.block_size]  # (a partial block matches none)
+        chain = self.hits(root, LookupPrompt(full, (), token_bytes(full)), None).chain
         return [chains.held_copy(self.pool, block) for block in chain], chain
 
     def chain_for(self, root: PrefixBlock, token_ids: list[int]) -> list[PrefixBlock]:
