@@ -522,11 +522,9 @@ class DualPoolGroup(CacheGroup):
                 published = zip(new_ids, run, strict=True)
                 self._published += [(b, block) for b, block in published if self.pool.is_published(block)]
         state.pending = None
-        # The checkpoints the step wrote: each one's blocks registered under its boundary
-        # block (part i: `_STATE_EXTRA` i), then freed as cached blocks (the newest of the
-        # LRU queue; a checkpoint of an evicted copy of the prefix gives way, `register`);
-        # blocks that cannot be published (the boundary is not findable, or another request
-        # checkpointed it first) are freed unhashed.
+        # The step's checkpoints (the module docstring); a checkpoint of an evicted copy of the
+        # prefix gives way (`register`), and blocks that cannot be published (the boundary is
+        # not findable, or another request checkpointed it first) are freed unhashed.
         pool = self.checkpoint_pool
         for (position, slot), ids in zip(pending.checkpoints, pending.snapshot_ids, strict=True):
             block = state.chain[position // self.span - 1]

@@ -144,10 +144,7 @@ class AttentionGroup(CacheGroup):
     # ---- prefix hits -------------------------------------------------------------------
 
     def hits(self, root: PrefixBlock, prompt: LookupPrompt, limit: int | None, *, admission: bool = False) -> UnitHits:
-        """A window: each block up to `limit` on its own (`chains.find_units`). Full attention:
-        the leading run (the lower tier's blocks after it at an admission, and the turn ends
-        after it)."""
-        bs = self.block_size
+        bs = self.block_size  # (the module docstring's "Hits")
         if not self.pool.enable_caching:
             return UnitHits([], [])
         token_ids, mm_items, packed = prompt
