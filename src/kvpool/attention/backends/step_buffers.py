@@ -326,9 +326,10 @@ class StepBuffers:
         vec = self._vec_np
         st = np.fromiter(starts, np.int64, n)
         # [0, n) of ctx_lens still holds the last step's ends (pad writes only [n, bucket))
-        if not (np.array_equal(st, vec[s : s + n]) and np.array_equal(np.fromiter(ends, np.int64, n), st + 1)):
+        # (comparisons of equal shapes, without np.array_equal's Python-level checks)
+        if not ((st == vec[s : s + n]).all() and (np.fromiter(ends, np.int64, n) - st == 1).all()):
             return False
-        crossing = np.flatnonzero(st % bs == 0)  # tokens that open a block: [m] int64
+        crossing = (st % bs == 0).nonzero()[0]  # tokens that open a block: [m] int64
         blocks = crossing  # (nothing read when none opens a block)
         if len(crossing):
             first = st[crossing] // bs  # the new entry's index in its row
