@@ -5,13 +5,14 @@ produce exactly the tokens it produces alone. Fast: no tensors beyond the logits
 
 from __future__ import annotations
 
+import gc
 import random
 from collections.abc import Sequence
 
 import torch
 
 from kvpool.cache import CacheDescriptor, FullAttentionManager
-from kvpool.engine.engine import Engine
+from kvpool.engine.engine import Engine, RequestState, SequenceState
 from kvpool.engine.runner import ScheduledChunk
 from kvpool.engine.sampling import SamplingParams
 
@@ -131,6 +132,34 @@ def test_an_aborted_sequence_that_waits_after_preemption_leaves_nothing_behind()
     assert engine.output(a).completions[0].token_ids == expected([1, 2, 3, 4, 5], 8)
     assert engine.output(b).completions[0].finish_reason == "abort"
     assert runner.cache.num_free_blocks == 4
+
+
+def test_a_popped_request_is_freed_without_the_cyclic_collector():
+    # A request and its sequences refer to each other; once popped, refcounting alone must
+    # free them (the collector is off here), forks included: nothing of them stays tracked.
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        engine = Engine(PrefixModelRunner(16, 4), max_num_batched_tokens=64)
+        a = engine.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=3, ignore_eos=True), "popped-a")
+        b = engine.add_request(list(range(1, 11)), SamplingParams(max_tokens=4, n=3, ignore_eos=True), "popped-b")
+        run(engine)
+        engine.step()  # an idle step: the engine lets go of the last step's sequences
+        out_a, out_b = engine.pop_output(a), engine.pop_output(b)
+        left = [
+            o
+            for o in gc.get_objects()
+            if (isinstance(o, RequestState) and o.request_id in (a, b))
+            or (isinstance(o, SequenceState) and o.seq_id.split("/")[0] in (a, b))
+        ]
+        assert left == []
+    finally:
+        if enabled:
+            gc.enable()
+    assert out_a.completions[0].token_ids == expected([1, 2, 3, 4, 5], 3)
+    assert [c.token_ids for c in out_b.completions] == [expected(list(range(1, 11)), 4)] * 3
+    assert a not in engine.requests and b not in engine.requests
 
 
 def test_parallel_samples_share_the_prompt_and_match_their_solo_runs():

@@ -298,7 +298,8 @@ class Engine:
 
     def pop_output(self, request_id: str) -> RequestOutput:
         """The output of a finished request, which the engine then forgets (a long-running
-        server or simulator keeps no finished request). ValueError while it runs."""
+        server or simulator keeps no finished request), its state freed at once (no cycle
+        left for the collector). ValueError while it runs."""
         req = self.requests.get(request_id)
         if req is None:
             raise ValueError(f"unknown request id {request_id!r}")
@@ -306,6 +307,11 @@ class Engine:
             raise ValueError(f"request {request_id!r} has not finished")
         out = self.output(request_id)
         del self.requests[request_id]
+        # The request and its sequences refer to each other (req.seqs, seq.request): a cycle
+        # that only the cyclic collector frees, after the objects it holds (prompt and output
+        # lists, params) have waited in the heap it walks. Unlinked, refcounting frees them
+        # here (the output holds its own lists and the prompt).
+        req.seqs.clear()
         return out
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None) -> list[RequestOutput]:
