@@ -20,17 +20,15 @@ import numpy as np
 import pytest
 import torch
 
+from kvpool.engine.batch_sampler import BatchSampler, _sample_group, sample_batch
 from kvpool.engine.engine import Engine
 from kvpool.engine.llama_runner import llama_runner
 from kvpool.engine.sampling import (
     SEED_MAX,
     SEED_MIN,
-    BatchSampler,
     SamplingParams,
     _draw,
-    _sample_group,
     _splitmix64,
-    sample_batch,
     sample_token,
     uniform_draw,
     uniform_draws,

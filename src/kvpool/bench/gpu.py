@@ -335,7 +335,8 @@ def _churn_step(
 def _host_step(batch: int, context: int, num_steps: int, block_size: int, device: str) -> dict[str, float]:
     import torch
 
-    from kvpool.engine.sampling import SamplingParams, sample_batch
+    from kvpool.engine.batch_sampler import sample_batch
+    from kvpool.engine.sampling import SamplingParams
 
     engine, runner, graphs, logits = _host_engine(batch, context, num_steps, block_size, device)
     params = SamplingParams(max_tokens=num_steps + 4, ignore_eos=True)

@@ -31,8 +31,9 @@ from typing import TypeVar
 
 import torch
 
+from kvpool.engine.batch_sampler import BatchSampler, sample_batch
 from kvpool.engine.runner import ModelRunner, ScheduledChunk
-from kvpool.engine.sampling import BatchSampler, SamplingParams, sample_batch, sample_token, token_logprobs
+from kvpool.engine.sampling import SamplingParams, sample_token, token_logprobs
 
 _T = TypeVar("_T")
 # ScheduledChunk(...) without the named tuple's Python-level __new__: the engine makes one
@@ -155,7 +156,7 @@ class Engine:
         runner's logits, params, sample index, output position) -> token id; a runner
         without a model (sim/runner.py) returns rows its own sampler reads.
         batched_sampling: sample a step's rows at once on the logits' device
-        (sampling.py `sample_batch`, one host synchronisation a step) instead of `sampler`
+        (batch_sampler.py `sample_batch`, one host synchronisation a step) instead of `sampler`
         row by row; greedy tokens are the same, stochastic ones are drawn differently."""
         if max_num_batched_tokens <= 0 or max_num_seqs <= 0:
             raise ValueError(

@@ -1,0 +1,300 @@
+"""The batched sampler: every row of a step at once, in tensors on the logits' device.
+
+`sample_batch` samples a step's rows (greedy, temperature, top-k, top-p, per-request seeds)
+with one host synchronisation, for the tokens; `BatchSampler` keeps what a batch's
+parameters alone determine from one step to the next while an engine samples the same
+rows. Their tokens are sampling.py's `sample_token`'s, row by row: the same uniform
+(`uniform_draw`) through the same arithmetic (sampling.py's module docstring says where the
+two can differ: exact ties in probability, a GPU's other rounding).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from kvpool.engine.sampling import GREEDY_TEMPERATURE, SamplingParams, draws_at, seed_words
+
+_TEMPERATURE, _TOP_P, _TOP_K, _SEED = map(operator.attrgetter, ("temperature", "top_p", "top_k", "seed"))
+_NO_WORDS, _NO_DRAWS = np.empty(0, dtype=np.uint64), np.empty((0, 1), dtype=np.float32)  # (never written)
+# The least positive fp32 (a subnormal): sample_batch's least top_p in its fp32 arithmetic.
+TOP_P_MIN = 2.0**-149
+
+
+def sample_batch(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    sample_indices: Sequence[int],
+    positions: Sequence[int],
+) -> list[int]:
+    """logits [rows, vocab] (any float dtype, any device) -> one token id per row, row i
+    sampled by params[i] at (sample_indices[i], positions[i]).
+
+    Every row in tensor ops on the logits' device (one group of ops per kind of top-k /
+    top-p among the rows); the host synchronises once, for the tokens. Greedy rows are the
+    argmax; a stochastic row keeps its top-k, then its top-p nucleus (both renormalised),
+    and draws by inverse CDF with `uniform_draw`'s uniform: `sample_token`'s token (the
+    module docstring says where they can differ)."""
+    num_rows = logits.shape[0]
+    if not len(params) == len(sample_indices) == len(positions) == num_rows:
+        raise ValueError(
+            f"sample_batch: {num_rows} logit rows but {len(params)} params, "
+            f"{len(sample_indices)} sample indices, {len(positions)} positions"
+        )
+    if num_rows == 0:
+        return []
+    rows = _BatchRows.of(params, sample_indices, logits.shape[-1], logits.device)
+    return rows.sample(logits, positions)
+
+
+class _BatchRows:
+    """What `sample_batch` derives from a batch's parameters alone, made once for a batch of
+    rows (`BatchSampler` keeps it while the rows stay), in persistent tensors on the logits'
+    device: which rows draw, their groups of one top-k and top-p kind with each group's fp32
+    temperature and top_p columns, the draws' seed words (`_mix64`'s first two rounds of
+    (seed, sample index), which only the position, its third round, changes from step to
+    step) and the buffer a step writes its fp32 uniforms into. A step then costs the draws'
+    numpy rounds, one copy of the uniforms (none on the CPU) and the groups' tensor ops."""
+
+    __slots__ = ("num_rows", "stochastic", "stochastic_t", "mixed", "groups", "order", "u_host", "u_np", "u")
+
+    def __init__(self, num_rows: int, stochastic: np.ndarray) -> None:
+        self.num_rows = num_rows
+        self.stochastic = stochastic  # [m] int64, increasing: the rows that draw
+        self.stochastic_t: torch.Tensor | None = None  # the same on the device, when some rows are greedy
+        # the rest is set by `of` where some row draws (m > 0)
+        self.mixed = _NO_WORDS  # [m] uint64: `seed_words` of the rows that draw
+        self.groups: list[_Group] = []
+        self.order: np.ndarray | None = None  # [m]: the drawing rows in group order; None: one group
+        self.u_host: torch.Tensor | None = None  # [m, 1] fp32: the uniforms, in group order (pinned on CUDA)
+        self.u: torch.Tensor | None = None  # the same on the device (u_host itself on the CPU)
+        self.u_np = _NO_DRAWS  # [m, 1] fp32: u_host's memory
+
+    @classmethod
+    def of(
+        cls, params: Sequence[SamplingParams], sample_indices: Sequence[int], vocab: int, device: torch.device
+    ) -> _BatchRows:
+        num_rows = len(params)
+        # the rows that are not `greedy` (temperature >= GREEDY_TEMPERATURE), in numpy: one
+        # attribute read a row, no Python comparison a row
+        temperature = np.fromiter(map(_TEMPERATURE, params), np.float64, num_rows)
+        stochastic = np.flatnonzero(temperature >= GREEDY_TEMPERATURE)  # [m] int64, increasing
+        rows = cls(num_rows, stochastic)
+        m = len(stochastic)
+        if not m:  # a greedy batch: nothing to draw with
+            return rows
+        if m == num_rows:  # every row draws (a temperature step): the rows as they come
+            picked, indices = params, sample_indices
+        else:
+            rows_at = stochastic.tolist()
+            picked, indices = [params[i] for i in rows_at], [sample_indices[i] for i in rows_at]
+            rows.stochastic_t = _to_device(torch.from_numpy(stochastic), device)
+        rows.mixed = seed_words(list(map(_SEED, picked)), indices)
+        # the per-row parameters in fp32, as the arithmetic reads them (torch's conversion of
+        # the fp64 values). A top_p is at least TOP_P_MIN, the least positive fp32: one that
+        # fp32 rounds to 0 keeps the first candidate by itself (0 >= top_p would drop it), as
+        # sample_token's does
+        top_p = np.maximum(np.fromiter(map(_TOP_P, picked), np.float64, m), TOP_P_MIN)
+        host_columns = np.empty((m, 2))  # [m, 2] fp64: temperature, top_p
+        host_columns[:, 0], host_columns[:, 1] = temperature[stochastic] if m < num_rows else temperature, top_p
+        columns = torch.from_numpy(host_columns).float()  # [m, 2] fp32
+        k = np.fromiter(map(_TOP_K, picked), np.int64, m)
+        k[(k == 0) | (k > vocab)] = vocab  # top-k off (0), or at least the vocabulary: all of it
+        nucleus = top_p < 1.0
+        # the groups of one (k, top-p on) kind, in their first rows' order
+        keys = (k << 1) | nucleus  # [m] int64: one key a kind
+        if (keys == keys[0]).all():  # (the usual step: every row alike)
+            members = [np.arange(m)]
+        else:
+            _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+            members = [np.flatnonzero(inverse == g) for g in np.argsort(first, kind="stable")]
+            rows.order = np.concatenate(members)
+        pin = device.type == "cuda"
+        rows.u_host = torch.empty((m, 1), dtype=torch.float32, pin_memory=pin)
+        rows.u_np = rows.u_host.numpy()
+        rows.u = rows.u_host if device.type == "cpu" else torch.empty((m, 1), dtype=torch.float32, device=device)
+        start = 0
+        for member in members:
+            g = len(member)
+            index = None if g == m else _to_device(torch.from_numpy(member), device)
+            picked_columns = _to_device(columns if g == m else columns[torch.from_numpy(member)], device)
+            rows.groups.append(
+                _Group(
+                    int(k[member[0]]),
+                    bool(nucleus[member[0]]),
+                    index,
+                    picked_columns[:, 0:1],
+                    picked_columns[:, 1:2],
+                    rows.u[start : start + g],
+                )
+            )
+            start += g
+        return rows
+
+    def sample(self, logits: torch.Tensor, positions: Sequence[int] | Callable[[], Sequence[int]]) -> list[int]:
+        """logits [num_rows, vocab] -> a token a row, the rows' output positions given (or
+        a callable giving them, called only when a row draws): `sample_batch`'s tokens."""
+        stochastic, m = self.stochastic, len(self.stochastic)
+        if not m:
+            return torch.argmax(logits, dim=-1).tolist()  # the step's one host synchronisation
+        at = np.fromiter(positions() if callable(positions) else positions, np.int64, self.num_rows)
+        if m < self.num_rows:
+            at = at[stochastic]
+        draws = draws_at(self.mixed, at)  # [m] float64: uniform_draws' draws, bit for bit
+        # fp32, as the arithmetic reads them (IEEE round to nearest, as torch's .float()).
+        # (the buffer is rewritten only after the last step's tokens were read: a copy from
+        # it has ended by then)
+        self.u_np[:, 0] = draws if self.order is None else draws[self.order]
+        if self.u is not self.u_host:
+            self.u.copy_(self.u_host, non_blocking=True)
+        # a draw whose u rounds to 1.0 in fp32 (~2^-25 a draw) needs the last index of
+        # non-zero weight (`_sample_group`)
+        at_top = bool(self.u_np.max() >= 1.0)
+        if m == self.num_rows and len(self.groups) == 1:  # every row draws, in one group
+            return self.groups[0].sample(logits, at_top).tolist()  # the step's one host synchronisation
+        if m == self.num_rows:
+            out = torch.empty(m, dtype=torch.long, device=logits.device)
+            for group in self.groups:
+                out.index_copy_(0, group.index, group.sample(logits.index_select(0, group.index), at_top))
+            return out.tolist()
+        tokens = torch.argmax(logits, dim=-1)  # [rows] int64
+        drawn = logits.index_select(0, self.stochastic_t)
+        if len(self.groups) == 1:
+            sampled = self.groups[0].sample(drawn, at_top)
+        else:
+            sampled = torch.empty(m, dtype=torch.long, device=logits.device)
+            for group in self.groups:
+                sampled.index_copy_(0, group.index, group.sample(drawn.index_select(0, group.index), at_top))
+        return tokens.index_copy_(0, self.stochastic_t, sampled).tolist()  # the step's one host synchronisation
+
+
+class _Group:
+    """Drawing rows of one top-k and top-p kind: their index among the drawing rows (None:
+    all of them) and their fp32 columns [g, 1] on the device: temperature, top_p, and the
+    uniform (a view of the batch's buffer, written per step)."""
+
+    __slots__ = ("k", "nucleus", "index", "temperature", "top_p", "u")
+
+    def __init__(
+        self,
+        k: int,
+        nucleus: bool,
+        index: torch.Tensor | None,
+        temperature: torch.Tensor,
+        top_p: torch.Tensor,
+        u: torch.Tensor,
+    ) -> None:
+        self.k, self.nucleus, self.index = k, nucleus, index
+        self.temperature, self.top_p, self.u = temperature, top_p, u
+
+    def sample(self, logits: torch.Tensor, at_top: bool) -> torch.Tensor:
+        return _sample_group(logits, self.temperature, self.top_p, self.u, self.k, self.nucleus, at_top)
+
+
+class BatchSampler:
+    """`sample_batch` for an engine's steps, keeping what a batch's parameters alone
+    determine (`_BatchRows`: which rows draw, their groups and fp32 parameter columns, their seeds' hash
+    words) from one step to the next while the step samples the same rows in the same
+    order (a decode step of the same requests), the way vLLM's persistent batch keeps its
+    requests' sampling parameters in arrays by row. A step of other rows (one joined, left
+    or moved) builds them again. Its tokens are `sample_batch`'s, bit for bit
+    (tests/test_sampling_batch.py): the same columns, the same draws, the same tensor ops."""
+
+    def __init__(self) -> None:
+        self._owners: list[object] = []  # the last batch's rows' owners, compared by identity
+        self._rows: _BatchRows | None = None
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        owners: Sequence[object],
+        rows: Callable[[], tuple[Sequence[SamplingParams], Sequence[int]]],
+        positions: Callable[[], Sequence[int]],
+    ) -> list[int]:
+        """logits [rows, vocab] -> a token a row. owners[i]: the object that row i samples
+        for (the engine's sequence: the same object for as long as it runs, its parameters
+        fixed); rows(): every row's params and sample index, called only when the owners
+        differ from the last call's; positions(): every row's output position, called only
+        when a row draws."""
+        n = logits.shape[0]
+        if len(owners) != n:
+            raise ValueError(f"BatchSampler: {n} logit rows but {len(owners)} owners")
+        if n == 0:
+            return []
+        last = self._owners
+        if self._rows is None or len(last) != n or not all(map(operator.is_, owners, last)):
+            params, sample_indices = rows()
+            if not len(params) == len(sample_indices) == n:
+                raise ValueError(
+                    f"BatchSampler: {n} logit rows but {len(params)} params, {len(sample_indices)} sample indices"
+                )
+            self._rows = _BatchRows.of(params, sample_indices, logits.shape[-1], logits.device)
+            self._owners = list(owners)  # (held: an owner's id is never another's while it is here)
+        return self._rows.sample(logits, positions)
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device`, its copy queued, not waited for: through pinned
+    memory on CUDA (a copy out of pageable memory first waits for the stream, here for the
+    step's forward: a second synchronisation before the tokens' own)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _sample_group(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    u: torch.Tensor,
+    k: int,
+    nucleus: bool,
+    at_top: bool = True,
+) -> torch.Tensor:
+    """Rows of one kind: logits [g, vocab], their fp32 columns [g, 1] each (temperature,
+    top_p >= TOP_P_MIN, u in [0, 1]), every row's top-k k (vocab: off) and top-p on or off
+    (nucleus) -> [g] int64 token ids, through `sample_token`'s arithmetic (the module
+    docstring). at_top: whether some u is 1.0 (False where none is: one op, not four)."""
+    vocab = logits.shape[-1]
+    scores = logits.float() / temperature  # [g, vocab]
+    ids: torch.Tensor | None = None  # [g, candidates]: their token ids, most likely first
+    if k < vocab:
+        top = torch.topk(scores, k, dim=-1)
+        probs, ids = torch.softmax(top.values, dim=-1), top.indices
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    if nucleus:
+        if ids is None:
+            probs, ids = torch.sort(probs, dim=-1, descending=True)
+        # drop a token when the tokens before it already reach top_p. The first always stays
+        # without a write of its own: its tokens before weigh exactly 0 (cumsum's first entry
+        # is the entry itself), below any top_p (>= TOP_P_MIN, `_BatchRows.of`); a later
+        # token's weigh at least the first's (>= 1 / width, far above TOP_P_MIN), so it is
+        # dropped exactly where a top_p rounded to 0 dropped it; NaN is never >= anything.
+        # (in place: probs and the sums are this call's own tensors)
+        before = torch.cumsum(probs, dim=-1).sub_(probs)
+        probs.masked_fill_(before >= top_p, 0.0)
+    # inverse CDF: the first index whose cumulative weight exceeds u * total; when u * total
+    # rounds up to the total, the last index of non-zero weight (a zero weight is never drawn)
+    cdf = torch.cumsum(probs, dim=-1)  # [g, width] fp32
+    j = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # [g, 1]
+    if at_top:
+        # the last index of non-zero weight: where the count of non-zero weights so far first
+        # reaches its total (argmax takes the first of equal maxima). `!= 0`, not `> 0`: a NaN
+        # weight (a row of all -inf logits, a +inf, a NaN) counts, as torch.nonzero counts it
+        # in `_draw`, so a row without finite weights takes sample_token's last index, not 0
+        j = torch.minimum(j, torch.argmax(torch.cumsum(probs != 0, dim=-1), dim=-1, keepdim=True))
+    else:
+        # The same index where no u is 1.0. A row's softmax is either finite (its maximum
+        # exp(0) = 1 in the sum) or NaN throughout (an inf or NaN logit, or every logit -inf,
+        # makes the maximum or the sum NaN). Finite: u < 1 in fp32 is at most 1 - 2^-24, so
+        # u * total rounds below the total (the product lies at least half an ulp below it,
+        # exactly representable where the total is a power of two): j < width, a token of
+        # non-zero weight (cdf[j] > cdf[j - 1]), at most the last. NaN: every weight
+        # counts, the last index is width - 1, and searchsorted may give width
+        j = j.clamp_(max=cdf.shape[-1] - 1)
+    # (each op here is a kernel launch on a GPU: views and no extra copies keep them few)
+    return (j if ids is None else ids.gather(-1, j)).view(-1)
