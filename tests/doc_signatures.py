@@ -33,6 +33,8 @@ MODULES = [
     "kvpool.tiers",
     "kvpool.tiers.swa",
     "kvpool.sim.runner",
+    "kvpool.sim.deployment",
+    "kvpool.sim.sweep",
 ]
 # a dotted prefix a page writes for a module: `tier_bridge.take_evicted(cache)`
 MODULE_ALIASES = {"tier_bridge": "kvpool.engine.tier_bridge", "kvpool.sim.runner": "kvpool.sim.runner"}

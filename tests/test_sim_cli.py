@@ -159,12 +159,12 @@ def test_a_piped_comparison_table_is_not_cut_to_80_columns(capsys, monkeypatch):
 
 
 def test_the_title_names_the_deployment_in_words():
-    from kvpool.cli.simulate import _count, _deployment
+    from kvpool.sim.deployment import count_words, deployment_words
 
-    assert _count(1, "request") == "1 request" and _count(1200, "request") == "1,200 requests"
-    assert _deployment(1, 1, "H200") == "1 H200"
-    assert _deployment(2, 4, "H200") == "8 H200 (2 replicas of TP 4)"
-    assert _deployment(1, 8, "B200") == "8 B200 (1 replica of TP 8)"
+    assert count_words(1, "request") == "1 request" and count_words(1200, "request") == "1,200 requests"
+    assert deployment_words(1, 1, "H200") == "1 H200"
+    assert deployment_words(2, 4, "H200") == "8 H200 (2 replicas of TP 4)"
+    assert deployment_words(1, 8, "B200") == "8 B200 (1 replica of TP 8)"
 
 
 def test_no_v4_turn_ends_hits_as_paging_does_and_the_report_says_so(capsys):

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.cli import simulate as cli
 from kvpool.cli.main import main
 from kvpool.sim.calibrate import main as calibrate_main
 from kvpool.sim.cost import DEVICE_DEFAULTS, CostModel
@@ -139,6 +138,8 @@ def test_a_bad_measurement_file_is_refused_in_one_line(tmp_path, measurement: di
 
 
 def test_calibrate_fit_prints_the_fit_and_simulate_runs_on_it(capsys) -> None:
+    from kvpool.sim.deployment import load_calibration
+
     calibrate_main(["--fit", "h200-issue31", "--json"])
     printed = json.loads(capsys.readouterr().out)
     fit = load_fit("h200-issue31")
@@ -147,10 +148,10 @@ def test_calibrate_fit_prints_the_fit_and_simulate_runs_on_it(capsys) -> None:
     report = json.loads(capsys.readouterr().out)
     assert {p: report["cost_model"][p] for p in PARAMS} == fit.overrides()
     assert report["cost_model"]["calibration"] == "h200-issue31"
-    assert cli._calibration("h200-issue31", get_gpu("H200")) == fit.overrides()
-    assert cli._calibration(None, get_gpu("H200")) == {}
+    assert load_calibration("h200-issue31", get_gpu("H200")) == fit.overrides()
+    assert load_calibration(None, get_gpu("H200")) == {}
     with pytest.raises(ValueError, match=r"^--calibration: calibration 'nope': no such file, and not a shipped"):
-        cli._calibration("nope", get_gpu("H200"))
+        load_calibration("nope", get_gpu("H200"))
 
 
 def test_the_docs_show_the_fit_as_it_prints_today() -> None:

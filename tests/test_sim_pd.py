@@ -99,7 +99,7 @@ def test_pd_flags_and_what_it_refuses_are_one_line(capsys) -> None:
 
 
 def test_a_pd_deployment_is_named_by_its_sides_and_a_layout_it_cannot_move_is_refused(capsys) -> None:
-    from kvpool.cli.sweep import cheapest_deployment, describe
+    from kvpool.sim.sweep import cheapest_deployment, describe
 
     flags = ["simulate", "--workload", "uniform", "--requests", "2", "--prompt-len", "100:200", "--output-len", "4:8"]
     assert main([*flags, "--prefill-replicas", "1", "--replicas", "3"]) == 0

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from kvpool.cli.main import main
-from kvpool.cli.sweep import cheapest_deployment, describe
+from kvpool.sim.sweep import cheapest_deployment, describe
 
 # measured on this machine's clock, not the simulated one: they differ from run to run
 WALL_CLOCK_KEYS = ("sim_wall_s", "alloc_latency_us_p50", "alloc_latency_us_p99", "sim_us_per_step_by_quarter")
@@ -141,10 +141,10 @@ def test_a_models_by_tp_by_rates_grid_picks_what_its_jsonl_says(tmp_path, capsys
 
 
 def test_rows_are_on_disk_as_their_points_finish_and_a_failing_point_keeps_them(tmp_path, capsys, monkeypatch):
-    from kvpool.cli import simulate
+    from kvpool.sim import deployment
 
     out = tmp_path / "grid.jsonl"
-    real = simulate._sweep_one
+    real = deployment.sweep_point
     seen: list[list[str]] = []
 
     def second_fails(payload):
@@ -154,7 +154,7 @@ def test_rows_are_on_disk_as_their_points_finish_and_a_failing_point_keeps_them(
             raise ValueError(f"point at rate {combo['rate']} failed")
         return real(payload)
 
-    monkeypatch.setattr(simulate, "_sweep_one", second_fails)
+    monkeypatch.setattr(deployment, "sweep_point", second_fails)
     assert main(["simulate", "sweep", *GRID, "--jobs", "1", "--out", str(out)]) == 2
     assert capsys.readouterr().err.strip().splitlines() == ["kvpool simulate: error: point at rate 8.0 failed"]
     assert len(seen) == 2 and seen[0] == [] and len(seen[1]) == 1

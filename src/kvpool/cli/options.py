@@ -280,18 +280,10 @@ def add_planner_model_option(parser: argparse.ArgumentParser | Any, *, default: 
 
 
 def planner_model(name: str):
-    """The ModelSpec of a --model of plan / simulate: a preset (any case) or a config.json
-    (or the folder holding one); ValueError naming the presets otherwise."""
-    from kvpool.spec.models import PRESET_NAMES, load_config_file, load_preset
+    """The ModelSpec of a --model of plan / simulate (spec/models.py `model_by_name`)."""
+    from kvpool.spec.models import model_by_name
 
-    if name.lower() in PRESET_NAMES:
-        return load_preset(name)
-    if os.path.exists(name):
-        return load_config_file(name)
-    raise ValueError(
-        f"--model: unknown model {name!r}: not a config.json path, and an unknown model preset "
-        f"(presets: {', '.join(PRESET_NAMES)})"
-    )
+    return model_by_name(name)
 
 
 def add_engine_model_option(parser: argparse.ArgumentParser, note: str = "") -> None:

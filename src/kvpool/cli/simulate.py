@@ -20,7 +20,6 @@ before anything is simulated: a run of minutes must not end in a path error.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import os
@@ -51,14 +50,15 @@ from kvpool.cli.options import (
     add_kv_cache_dtype_option,
     add_option,
     add_planner_model_option,
-    planner_model,
 )
+from kvpool.sim.deployment import WORKLOADS  # (stdlib imports only: --help stays fast)
 
 if TYPE_CHECKING:  # rich loads on output only: --help stays fast
     from rich.console import Console
     from rich.table import Table
 
-WORKLOADS = ("chat", "agentic", "uniform")
+    from kvpool.sim.deployment import SimOptions
+
 # kvpool.capacity.weights WEIGHT_DTYPES and kvpool.sim.cost HOST_MODES, spelled here so that
 # --help imports neither (tests/test_sim_cost_host.py checks that they agree)
 WEIGHT_DTYPES = ("auto", "bf16", "fp8", "mxfp4", "fp4+fp8", "fp32")
@@ -292,93 +292,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _gpu(name: str, utilization: float = 1.0):
-    """--gpu's preset (any case) at --gpu-memory-utilization of its memory, or the cpu preset."""
-    import dataclasses
-
-    from kvpool.sim.cost import cpu_preset
-    from kvpool.spec.gpus import get_gpu
-
-    if name.lower() == "cpu":
-        if utilization != 1.0:
-            raise ValueError("--gpu-memory-utilization sizes a GPU; --gpu cpu is this machine, calibrated")
-        return cpu_preset()
-    try:
-        gpu = get_gpu(name)
-    except ValueError as e:
-        raise ValueError(f"--gpu: {e}") from None
-    return dataclasses.replace(gpu, memory_bytes=int(gpu.memory_bytes * utilization))
-
-
-def _calibration(name: str | None, gpu) -> dict[str, float]:
-    """--calibration's fitted CostModel parameters ({} without one). A calibration is a GPU's:
-    the cpu preset has its own engine fit (kvpool bench sim)."""
-    if name is None:
-        return {}
-    if gpu.kind != "cuda":
-        raise ValueError(f"--calibration fits a GPU's cost model; --gpu {gpu.name} is not a GPU")
-    from kvpool.sim.gpufit import load_fit
-
-    try:
-        return load_fit(name).overrides()
-    except ValueError as e:
-        raise ValueError(f"--calibration: {e}") from None
-
-
-def _workload(args, model, rate_value: float):
-    from kvpool.workload import sessions as wl
-    from kvpool.workload.trace import load_trace
-
-    vocab = model.vocab_size
-    if args.trace:
-        return load_trace(args.trace, vocab, block_size=args.trace_block_size)
-    if args.workload == "uniform":
-        if args.sessions or args.turns:
-            raise ValueError("--sessions and --turns shape chat and agentic sessions; uniform has single requests")
-        return wl.uniform_workload(
-            args.requests, rate_value, vocab, args.seed, prompt_len=args.prompt_len, output_len=args.output_len
-        )
-    turns = args.turns or (4 if args.workload == "chat" else 8)
-    sessions = args.sessions or max(1, math.ceil(args.requests / turns))
-    make = wl.chat_workload if args.workload == "chat" else wl.agentic_workload
-    return make(sessions, turns, rate_value, vocab, args.seed)
-
-
-def _fit_tp(model, gpu, tp: int | None, args) -> int:
-    """`tp` (one of --tensor-parallel-size's), or the fewest GPUs (1, 2, 4, 8) whose pool holds a block."""
-    from kvpool.capacity.planner import plan
-
-    if gpu.kind == "cpu":  # one machine: no tensor parallelism across CPUs
-        if tp not in (None, 1):
-            raise ValueError("--tensor-parallel-size: the cpu preset is one machine; tensor parallelism needs GPUs")
-        return 1
-    if tp:
-        return tp
-    from kvpool.capacity.kv import kv_layout
-
-    kv_layout(model, args.kv_dtype)  # a format the model cannot take is said as such, not as "does not fit"
-    for tp in (1, 2, 4, 8):
-        try:
-            p = plan(model, gpu, num_gpus=tp, tp=tp, kv_dtype=args.kv_dtype, weight_dtype=args.weight_dtype)
-        except ValueError:
-            continue
-        if p.ledger.pool_bytes > 4 * p.layout.bytes_per_block_all_groups + p.layout.state_block_bytes * 4:
-            return tp
-    raise ValueError(f"{model.name} does not fit 8 x {gpu.name}")
-
-
 def _names(text: str) -> tuple[str, ...]:
     """A comma list of --model or --gpu ("llama-3.1-8b,qwen3-8b"), each as given."""
     return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
 def _runs(args) -> list[dict]:
-    """Every distinct combination the flags ask for, as keyword sets of `_one`, in flag order:
-    models x GPUs x TP x layouts x block sizes x routings x rates (a sweep's grid; one run
-    takes one model, GPU and TP). Contiguous reserves max_model_len per request whatever the
-    block size, so it runs once per rate (at the planner's default block size, which only
-    sizes paged-only reservations), not once per block size as identical runs under the
-    same label."""
+    """Every distinct combination the flags ask for (sim/deployment.py `grid`), in flag
+    order; one run (not a sweep) takes one model, GPU and TP. A trace carries its own
+    arrival times: one rate."""
     models, gpus, tps = _names(args.model), _names(args.gpu), args.tp or (None,)
     if args.mode != "sweep":
         for flag, values in (("--model", models), ("--gpu", gpus), ("--tensor-parallel-size", tps)):
@@ -386,16 +308,47 @@ def _runs(args) -> list[dict]:
                 raise ValueError(f"{flag}: a list ({', '.join(map(str, values))}) is a grid: kvpool simulate sweep")
     if not models or not gpus:
         raise ValueError(f"{'--model' if not models else '--gpu'}: an empty list")
-    layouts = args.layout or (None,)
-    rates = (math.nan,) if args.trace else args.rate  # a trace carries its own arrival times
-    runs: list[dict] = []
-    grid = itertools.product(models, gpus, tps, layouts, args.block_size, args.routing, rates)
-    for mo, gp, tp, lay, bs, ro, ra in grid:
-        combo = {"model": mo, "gpu": gp, "tp": tp, "layout": lay, "block_size": None if lay == "contiguous" else bs}
-        combo |= {"routing": ro, "rate": ra}
-        if combo not in runs:  # (nan != nan: a trace has a single rate, so no duplicate slips by)
-            runs.append(combo)
-    return runs
+    from kvpool.sim.deployment import grid
+
+    rates = (math.nan,) if args.trace else args.rate
+    return grid(models, gpus, tps, args.layout or (None,), args.block_size, args.routing, rates)
+
+
+def sim_options(args: argparse.Namespace) -> SimOptions:
+    """The settings every run of the grid shares, from the flags of the same names."""
+    from kvpool.sim.deployment import SimOptions
+
+    return SimOptions(
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_dtype=args.kv_dtype,
+        weight_dtype=args.weight_dtype,
+        host_mode=args.host_mode,
+        enable_expert_parallel=args.enable_expert_parallel,
+        calibration=args.calibration,
+        replicas=args.replicas,
+        prefill_replicas=args.prefill_replicas,
+        kv_transfer_bandwidth=args.kv_transfer_bandwidth,
+        kv_transfer_latency_ms=args.kv_transfer_latency_ms,
+        load_cap=args.load_cap,
+        enable_prefix_caching=args.enable_prefix_caching,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        v4_restore=args.v4_restore,
+        v4_turn_ends=args.v4_turn_ends,
+        v4_checkpoints=args.v4_checkpoints,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
+        workload=args.workload,
+        trace=args.trace,
+        trace_block_size=args.trace_block_size,
+        requests=args.requests,
+        sessions=args.sessions,
+        turns=args.turns,
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
+        seed=args.seed,
+    )
 
 
 def _check_output_paths(args) -> None:
@@ -409,93 +362,29 @@ def _check_output_paths(args) -> None:
         check_output_dir("--out", args.out, os.path.dirname(os.path.abspath(args.out)))
 
 
-def _deployment_of(args, combo: dict):
-    """(model, gpu, tp, cost model, SimConfig) of one combination; ValueError naming what
-    cannot run (an unknown model or GPU, a deployment the model does not fit)."""
-    from kvpool.sim.cost import CostModel
-    from kvpool.sim.layouts import check_pool
-    from kvpool.sim.simulator import SimConfig, plan_replica
+def _one(options: SimOptions, combo: dict) -> dict:
+    """One run, its progress on stderr."""
+    from kvpool.sim.deployment import simulate_deployment
 
-    model, gpu = planner_model(combo["model"]), _gpu(combo["gpu"], args.gpu_memory_utilization)
-    if gpu.kind == "cpu" and args.weight_dtype not in ("auto", "fp32"):
-        raise ValueError(f"--weight-dtype {args.weight_dtype}: --gpu cpu is kvpool's CPU engine, fp32 weights only")
-    for flag in ("kv_transfer_bandwidth", "kv_transfer_latency_ms"):
-        if getattr(args, flag) is not None and not args.prefill_replicas:
-            raise ValueError(f"--{flag.replace('_', '-')}: the KV link of P/D; it needs --prefill-replicas")
-    tp = _fit_tp(model, gpu, combo["tp"], args)
-    # the deployment, as the simulator's config and the cost model take it
-    deployment = {"tp": tp, "kv_dtype": args.kv_dtype, "weight_dtype": args.weight_dtype}
-    config = SimConfig(
-        layout=combo["layout"],
-        block_size=combo["block_size"],
-        enable_prefix_caching=args.enable_prefix_caching,
-        replicas=args.replicas,
-        routing=combo["routing"],
-        load_cap=args.load_cap,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        v4_restore=args.v4_restore,
-        v4_turn_ends=args.v4_turn_ends,
-        num_checkpoints=args.v4_checkpoints,
-        slo_ttft_ms=args.slo_ttft_ms,
-        slo_tpot_ms=args.slo_tpot_ms,
-        **deployment,
-    )
-    calibration = _calibration(args.calibration, gpu)
-    cost = CostModel(
-        model, gpu, host_mode=args.host_mode, expert_parallel=args.enable_expert_parallel, **deployment, **calibration
-    )
-    p = plan_replica(model, gpu, config)
-    check_pool(p)  # a model that leaves no KV pool on tp GPUs says so here
-    if args.prefill_replicas:  # what P/D cannot move, before a sweep runs anything
-        from kvpool.sim.layouts import default_layout
-        from kvpool.sim.pd import check_pd
-
-        check_pd(model, config.layout or default_layout(p), config.enable_prefix_caching)
-    return model, gpu, tp, cost, config
-
-
-def _one(args, combo: dict, progress: bool) -> dict:
-    from kvpool.sim.simulator import check_request_lens, simulate
-
-    model, gpu, _, cost, config = _deployment_of(args, combo)
-    workload = _workload(args, model, combo["rate"])
-    check_request_lens(model, workload, args.max_model_len, flag="--max-model-len")
-    bar = _Progress(workload.num_requests) if progress else None
+    bar = _Progress()
     try:
-        if args.prefill_replicas:
-            from kvpool.sim.pd import KVLink, simulate_pd
-
-            link = KVLink(
-                50e9 if args.kv_transfer_bandwidth is None else args.kv_transfer_bandwidth,
-                (0.1 if args.kv_transfer_latency_ms is None else args.kv_transfer_latency_ms) / 1e3,
-            )
-            update = bar.update if bar else None
-            report = simulate_pd(model, gpu, workload, config, cost, args.prefill_replicas, link, update)
-        else:
-            report = simulate(model, gpu, workload, config, cost, bar.update if bar else None)
+        return simulate_deployment(options, combo, bar.update)
     finally:
-        if bar:
-            bar.close()
-    report["workload"] = "trace" if args.trace else args.workload
-    report["request_rate"] = "trace" if args.trace else combo["rate"] if math.isfinite(combo["rate"]) else "inf"
-    report["workload_params"] = workload.params
-    report["cost_model"]["calibration"] = args.calibration  # None: the GPU defaults
-    return report
+        bar.close()
 
 
 class _Progress:
-    """Progress on stderr once a run has taken a second: a bar on a terminal, else (piped,
-    CI) a line every 15 s. Updates are throttled: the simulator calls it every step."""
+    """Progress on stderr once a run has simulated for a second: a bar on a terminal, else
+    (piped, CI) a line every 15 s. Updates are throttled: the simulator calls it every step."""
 
-    def __init__(self, total: int) -> None:
-        self.total, self.start, self.bar, self.task = total, time.perf_counter(), None, None
+    def __init__(self) -> None:
+        self.bar, self.task, self._next = None, None, None
         self.tty = sys.stderr.isatty()
-        self._next = self.start + 1.0
 
     def update(self, done: int, total: int) -> None:
         now = time.perf_counter()
+        if self._next is None:  # the first step: the clock starts once the run is planned
+            self._next = now + 1.0
         if now < self._next:
             return
         if not self.tty:
@@ -517,33 +406,27 @@ class _Progress:
             self.bar.stop()
 
 
-def _public(report: dict) -> dict:
-    return {k: v for k, v in report.items() if not k.startswith("_")}
-
-
-def _sweep_one(payload: tuple[argparse.Namespace, dict]) -> dict:
-    args, combo = payload
-    return _public(_one(args, combo, progress=False))
-
-
 def run(args: argparse.Namespace) -> int:
+    from kvpool.sim.deployment import public
+
     _check_output_paths(args)
     combos = _runs(args)
+    options = sim_options(args)
     if args.mode == "sweep":
         from kvpool.cli.sweep import run_sweep
 
-        return run_sweep(args, combos)
-    reports = [_one(args, c, progress=True) for c in combos]
+        return run_sweep(args, options, combos)
+    reports = [_one(options, c) for c in combos]
     if args.plot:
         from kvpool.sim.plots import plot_runs
 
         for path in plot_runs(reports, args.plot):
             print(f"kvpool simulate: wrote {path}", file=sys.stderr)
-    public = [_public(r) for r in reports]
+    public_reports = [public(r) for r in reports]
     if args.json:
-        print(json.dumps(public[0] if len(public) == 1 else {"runs": public}))
+        print(json.dumps(public_reports[0] if len(public_reports) == 1 else {"runs": public_reports}))
     else:
-        _print(public)
+        _print(public_reports)
     return 0
 
 
@@ -551,14 +434,15 @@ def _print(reports: list[dict]) -> None:
     from rich.markup import escape
     from rich.table import Table
 
+    from kvpool.sim.deployment import count_words, deployment_words
     from kvpool.workload.metrics import report_notes, report_sections
 
     tables = []
     if len(reports) == 1:
         r = reports[0]
         table = Table(
-            title=f"kvpool simulate: {_count(r['num_requests'], 'request')}, {r['model']} on "
-            f"{_deployment(r['replicas'], r['tp'], r['gpu'], r.get('prefill_replicas', 0))}, layout {r['layout']}"
+            title=f"kvpool simulate: {count_words(r['num_requests'], 'request')}, {r['model']} on "
+            f"{deployment_words(r['replicas'], r['tp'], r['gpu'], r.get('prefill_replicas', 0))}, layout {r['layout']}"
         )
         table.add_column("metric")
         table.add_column("value", justify="right")
@@ -610,18 +494,3 @@ def _replicas_table(report: dict) -> Table:
     for row in rows:
         table.add_row(*(str(v) for v in row.values()))
     return table
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n:,} {noun}{'' if n == 1 else 's'}"
-
-
-def _deployment(replicas: int, tp: int, gpu: str, prefill_replicas: int = 0) -> str:
-    """'1 H200', '8 H200 (2 replicas of TP 4)', '4 H200 (1 prefill + 3 decode replicas of
-    TP 1)': the GPUs in all, then how they are split (`replicas` counts both P/D sides)."""
-    gpus = f"{replicas * tp:,} {gpu}"
-    if prefill_replicas:
-        return f"{gpus} ({prefill_replicas} prefill + {replicas - prefill_replicas} decode replicas of TP {tp})"
-    if replicas == 1 and tp == 1:
-        return gpus
-    return f"{gpus} ({_count(replicas, 'replica')} of TP {tp})"

@@ -579,3 +579,16 @@ def load_config_file(path: str | Path) -> ModelSpec:
     default_name = path.parent.name if path.name == "config.json" and path.parent.name else path.stem
     name = str(cfg.get("_name_or_path") or default_name) if isinstance(cfg, dict) else default_name
     return from_hf_config(cfg, name=name)
+
+
+def model_by_name(name: str) -> ModelSpec:
+    """The ModelSpec of a --model of plan / simulate: a preset (any case) or a config.json
+    (or the folder holding one); ValueError naming the presets otherwise."""
+    if name.lower() in PRESET_NAMES:
+        return load_preset(name)
+    if Path(name).exists():
+        return load_config_file(name)
+    raise ValueError(
+        f"--model: unknown model {name!r}: not a config.json path, and an unknown model preset "
+        f"(presets: {', '.join(PRESET_NAMES)})"
+    )

@@ -1,0 +1,192 @@
+"""A sweep's engine: the points of a grid that can run, two ways of running them in parallel,
+and the cheapest deployment among the finished rows.
+
+    from kvpool.sim.deployment import SimOptions, grid, sweep_point
+    from kvpool.sim.sweep import cheapest_deployment, map_processes, runnable
+
+    points = runnable(options, grid(...)).points
+    rows = [{"point": i, **row} for i, row in map_processes(sweep_point, [(options, p) for p in points], jobs=4)]
+    best = cheapest_deployment(rows, min_attainment=0.9)
+
+`map_processes` and `map_ray` yield (index, row) as each point finishes, in the order they
+finish, so a caller can write each row down at once (`kvpool simulate sweep` streams them
+into JSONL: cli/sweep.py). Both give the same rows; tests/test_sim_sweep.py checks it. Ray
+is an optional extra (`pip install "kvpool[ray]"`); its workers on a cluster need kvpool
+installed, as Ray ships the function by reference, not its package.
+
+`cheapest_deployment` reads the rows: among the runs meeting the SLO (at least
+`min_attainment` of their requests within both the TTFT and the TPOT bound), the one with
+the fewest GPUs per unit of goodput (replicas x tp / goodput_req_s); `describe` names it in
+the words of `kvpool simulate`'s title ("1 H200", "8 H200 (2 replicas of TP 4)").
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import multiprocessing
+import signal
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+from kvpool.sim.deployment import SimOptions, deployment_of, deployment_words
+
+EXECUTORS = ("processes", "ray")
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _indexed(fn: Callable[[Any], dict], item: tuple[int, Any]) -> tuple[int, dict]:
+    index, payload = item
+    return index, fn(payload)
+
+
+def map_processes(fn: Callable[[Any], dict], payloads: Sequence[Any], jobs: int) -> Iterator[tuple[int, dict]]:
+    """(index, fn(payload)) as each finishes, over `jobs` spawned processes (in this one, in
+    order, if jobs == 1). `fn` must be importable by name (a module-level function)."""
+    if jobs <= 1:
+        for item in enumerate(payloads):
+            yield _indexed(fn, item)
+        return
+    # workers ignore Ctrl-C; the parent stops them (the CLI reports one line: cli/main.py)
+    pool = multiprocessing.get_context("spawn").Pool(jobs, initializer=_ignore_sigint)
+    try:
+        yield from pool.imap_unordered(functools.partial(_indexed, fn), enumerate(payloads))
+        pool.close()
+    except BaseException:  # a failed point, or the caller stopped: the other workers stop too
+        pool.terminate()
+        raise
+    finally:
+        pool.join()
+
+
+def map_ray(
+    fn: Callable[[Any], dict], payloads: Sequence[Any], jobs: int, address: str | None
+) -> Iterator[tuple[int, dict]]:
+    """(index, fn(payload)) as each Ray task finishes. Without an address Ray starts in local
+    mode on `jobs` CPUs of this machine (no dashboard) and stops afterwards; with one it joins
+    that cluster and leaves it running. A Ray session already open in this process is reused."""
+    try:
+        import ray
+    except ImportError:
+        raise ValueError('--executor ray: ray is not installed (pip install "kvpool[ray]")') from None
+    started = not ray.is_initialized()
+    if started:
+        if address:
+            ray.init(address=address, log_to_driver=False)
+        else:
+            ray.init(num_cpus=jobs, include_dashboard=False, log_to_driver=False)
+    try:
+        task = ray.remote(num_cpus=1)(fn)
+        refs = [task.remote(p) for p in payloads]
+        index = {ref: i for i, ref in enumerate(refs)}
+        pending = list(refs)
+        while pending:  # as they finish: the first failure surfaces without waiting for the rest
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                row = ray.get(done[0])
+            except ray.exceptions.RayTaskError as error:
+                for ref in pending:
+                    ray.cancel(ref)
+                cause = error.cause if isinstance(error.cause, Exception) else None
+                if isinstance(cause, ValueError | FileNotFoundError):  # a caller's mistake: one line
+                    raise cause from None
+                raise
+            yield index[done[0]], row
+    finally:
+        if started:
+            ray.shutdown()
+
+
+class LeftOut(NamedTuple):
+    """A deployment of the grid that cannot run, once per model, GPU, TP and reason."""
+
+    model: str
+    gpu: str
+    tp: int | None  # as the grid gave it (None: the fewest GPUs that fit)
+    reason: str
+
+
+class Runnable(NamedTuple):
+    points: list[dict[str, Any]]  # the grid's points that can run, in grid order
+    left_out: list[LeftOut]
+
+
+def runnable(options: SimOptions, points: Sequence[dict[str, Any]]) -> Runnable:
+    """The points whose deployment can run (sim/deployment.py `deployment_of` accepts it), and
+    why the others cannot (none can: `points` is empty, `left_out` says why)."""
+    keep: list[dict[str, Any]] = []
+    left_out: list[LeftOut] = []
+    # (model, gpu, tp, block size, layout) -> why it cannot run ("": it can)
+    checked: dict[tuple, str] = {}
+    for point in points:
+        key = (point["model"], point["gpu"], point["tp"], point["block_size"], point["layout"])
+        if key not in checked:
+            try:
+                deployment_of(options, point)
+                checked[key] = ""
+            except ValueError as error:
+                checked[key] = str(error)
+        if not checked[key]:
+            keep.append(point)
+        else:
+            why = LeftOut(*key[:3], checked[key])
+            if why not in left_out:  # its reason once per model, GPU and TP
+                left_out.append(why)
+    return Runnable(keep, left_out)
+
+
+def read_rows(path: str) -> list[dict]:
+    """A sweep's JSONL rows, in grid order (by `point`)."""
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return sorted(rows, key=lambda r: r["point"])
+
+
+class Deployment(NamedTuple):
+    """The cheapest run meeting the SLO: its row and its GPUs per unit of goodput (req/s)."""
+
+    row: dict
+    num_gpus: int
+    gpus_per_goodput: float
+    gpu_kinds: tuple[str, ...] = ()  # the GPUs of the rows compared: counts, whatever each costs
+
+
+def cheapest_deployment(rows: Sequence[dict], min_attainment: float) -> Deployment | None:
+    """Among rows with slo_attainment >= min_attainment and goodput > 0, the fewest
+    replicas x tp GPUs per request/s of goodput; the first in grid order on a tie. None when
+    no run meets the SLO. GPUs are counted: an H100 and an H200 count one each (the
+    Deployment names the kinds compared)."""
+    if not 0.0 < min_attainment <= 1.0:
+        raise ValueError(f"--slo-attainment: expected a fraction in (0, 1], got {min_attainment}")
+    best: Deployment | None = None
+    for row in rows:
+        goodput = row["goodput_req_s"]
+        if row["slo_attainment"] < min_attainment or not goodput > 0:
+            continue
+        num_gpus = row["replicas"] * row["tp"]
+        candidate = Deployment(row, num_gpus, num_gpus / goodput)
+        if best is None or candidate.gpus_per_goodput < best.gpus_per_goodput:
+            best = candidate
+    if best is None:
+        return None
+    return best._replace(gpu_kinds=tuple(dict.fromkeys(row["gpu"] for row in rows)))
+
+
+def describe(best: Deployment | None, min_attainment: float) -> str:
+    """The summary line a sweep prints on stderr, the deployment in `kvpool simulate`'s words."""
+    if best is None:
+        return f"kvpool simulate sweep: no run meets the SLO ({min_attainment:.0%} of requests within both bounds)"
+    r = best.row
+    mixed = len(best.gpu_kinds) > 1
+    where = deployment_words(r["replicas"], r["tp"], r["gpu"], r.get("prefill_replicas", 0))
+    block = f" block {r['block_size']}" if r.get("block_size") is not None else ""
+    return (
+        f"kvpool simulate sweep: cheapest deployment meeting the SLO ({min_attainment:.0%} within "
+        f"TTFT {r['slo_ttft_ms']:g} ms, TPOT {r['slo_tpot_ms']:g} ms): {r['model']} on "
+        f"{where}, layout {r['layout']}{block}, rate "
+        f"{r['request_rate']}: goodput {r['goodput_req_s']:g} req/s, {best.gpus_per_goodput:.3g} GPUs per req/s"
+        + (f" (GPU counts compared across {', '.join(best.gpu_kinds)}, not their prices)" if mixed else "")
+    )

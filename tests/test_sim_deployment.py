@@ -1,0 +1,131 @@
+"""kvpool.sim.deployment and kvpool.sim.sweep as a library user calls them, with no flags: the
+grid's points counted by hand, the TP a deployment needs, a point's run against the
+simulator driven directly, the points of a grid that cannot run and why, the process pool's
+rows, the cheapest deployment of hand-made rows."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvpool.sim.deployment import (
+    SimOptions,
+    deployment_of,
+    fit_tp,
+    gpu_preset,
+    grid,
+    public,
+    simulate_deployment,
+)
+from kvpool.sim.sweep import LeftOut, cheapest_deployment, map_processes, runnable
+
+UNIFORM = SimOptions(workload="uniform", requests=6, prompt_len=(100, 200), output_len=(4, 8), seed=3)
+# measured on this machine's clock, not the simulated one
+WALL_CLOCK_KEYS = ("sim_wall_s", "alloc_latency_us_p50", "alloc_latency_us_p99", "sim_us_per_step_by_quarter")
+
+
+def test_the_grid_is_every_distinct_point_in_flag_order():
+    points = grid(("m",), ("h200",), (None, 2), ("paged", "contiguous"), (16, 32), ("round-robin",), (2.0, 8.0))
+    # paged: 2 TPs x 2 block sizes x 2 rates; contiguous ignores the block size: 2 TPs x 2 rates
+    assert len(points) == 8 + 4
+    assert points[0] == {
+        "model": "m",
+        "gpu": "h200",
+        "tp": None,
+        "layout": "paged",
+        "block_size": 16,
+        "routing": "round-robin",
+        "rate": 2.0,
+    }
+    contiguous = [p for p in points if p["layout"] == "contiguous"]
+    assert [(p["tp"], p["block_size"], p["rate"]) for p in contiguous] == [
+        (None, None, 2.0),
+        (None, None, 8.0),
+        (2, None, 2.0),
+        (2, None, 8.0),
+    ]
+
+
+def test_the_fewest_gpus_that_hold_the_model():
+    from kvpool.spec.models import model_by_name
+
+    h200 = gpu_preset("H200")
+    assert fit_tp(model_by_name("llama-3.1-8b"), h200, None) == 1
+    assert fit_tp(model_by_name("llama-3.1-8b"), h200, 4) == 4  # given: taken as it is
+    # DeepSeek-V3's 671 B parameters in fp8: ~671 GB of weights, more than 4 x 141 GB
+    assert fit_tp(model_by_name("deepseek-v3"), h200, None) == 8
+    with pytest.raises(ValueError, match=r"^--tensor-parallel-size: the cpu preset is one machine"):
+        fit_tp(model_by_name("llama-3.1-8b"), gpu_preset("cpu"), 2)
+    assert gpu_preset("h100", 0.5).memory_bytes == gpu_preset("h100").memory_bytes // 2
+
+
+def test_a_point_runs_as_the_simulator_driven_by_hand():
+    from kvpool.sim.cost import CostModel
+    from kvpool.sim.simulator import SimConfig, simulate
+    from kvpool.spec.gpus import get_gpu
+    from kvpool.spec.models import load_preset
+    from kvpool.workload.sessions import uniform_workload
+
+    (point,) = grid(("llama-3.1-8b",), ("h200",), (None,), (None,), (None,), ("round-robin",), (4.0,))
+    report = simulate_deployment(UNIFORM, point)
+    assert report["num_finished"] == 6 and report["request_rate"] == 4.0 and report["workload"] == "uniform"
+
+    model, gpu = load_preset("llama-3.1-8b"), get_gpu("H200")
+    workload = uniform_workload(6, 4.0, model.vocab_size, 3, prompt_len=(100, 200), output_len=(4, 8))
+    cost = CostModel(model, gpu, tp=1, kv_dtype="auto", weight_dtype="auto", host_mode="graph", expert_parallel=False)
+    reference = simulate(model, gpu, workload, SimConfig(tp=1), cost)
+    keys = [k for k in reference if k not in WALL_CLOCK_KEYS and not k.startswith("_") and k != "cost_model"]
+    assert {k: report[k] for k in keys} == {k: reference[k] for k in keys}
+    assert public(report).keys() == {k for k in report if not k.startswith("_")}
+
+
+def test_a_deployment_is_planned_from_the_options():
+    options = SimOptions(replicas=2, max_num_seqs=32, kv_dtype="fp8", slo_ttft_ms=500.0)
+    point = {"model": "qwen3-8b", "gpu": "h100", "tp": 2, "layout": "paged", "block_size": 32}
+    model, gpu, tp, cost, config = deployment_of(options, point | {"routing": "prefix-aware", "rate": 1.0})
+    assert (model.name, gpu.name, tp) == ("qwen3-8b", "H100", 2)
+    assert (config.tp, config.replicas, config.max_num_seqs, config.kv_dtype) == (2, 2, 32, "fp8")
+    assert (config.block_size, config.routing, config.slo_ttft_ms) == (32, "prefix-aware", 500.0)
+    with pytest.raises(ValueError, match=r"^--kv-transfer-latency-ms: the KV link of P/D"):
+        deployment_of(SimOptions(kv_transfer_latency_ms=1.0), point | {"routing": "round-robin", "rate": 1.0})
+
+
+def test_the_points_that_cannot_run_are_left_out_with_their_reason():
+    points = grid(("deepseek-v3",), ("h200",), (2, 8), (None,), (None,), ("round-robin",), (1.0, 4.0))
+    kept, left_out = runnable(UNIFORM, points)
+    assert [(p["tp"], p["rate"]) for p in kept] == [(8, 1.0), (8, 4.0)]
+    assert left_out == [
+        LeftOut(
+            "deepseek-v3",
+            "h200",
+            2,
+            "deepseek-v3 leaves no KV pool on 2 x H200 (weights 314.0 GiB per device): raise --tensor-parallel-size",
+        )
+    ]  # once, though two points of it were left out
+    assert runnable(UNIFORM, points[:2]).points == []
+
+
+def test_the_process_pool_returns_every_row_by_its_index():
+    payloads = [[("a", 1)], [("b", 2)], [("c", 3)]]
+    assert sorted(map_processes(dict, payloads, jobs=2)) == [(0, {"a": 1}), (1, {"b": 2}), (2, {"c": 3})]
+    assert list(map_processes(dict, payloads, jobs=1)) == [(0, {"a": 1}), (1, {"b": 2}), (2, {"c": 3})]
+
+
+def test_the_cheapest_deployment_of_hand_made_rows():
+    def row(gpu, replicas, tp, goodput, attainment):
+        return {"gpu": gpu, "replicas": replicas, "tp": tp, "goodput_req_s": goodput, "slo_attainment": attainment}
+
+    rows = [
+        row("H200", 1, 1, 2.0, 0.8),  # 0.5 GPUs per req/s, but misses the SLO
+        row("H200", 1, 2, 5.0, 0.95),  # 0.4
+        row("H100", 2, 1, 5.0, 1.0),  # 0.4: a tie, the first in grid order wins
+        row("H100", 4, 1, 8.0, 0.99),  # 0.5
+        row("H100", 1, 1, 0.0, 1.0),  # no goodput
+    ]
+    best = cheapest_deployment(rows, 0.9)
+    assert best is not None and best.row is rows[1] and best.num_gpus == 2
+    assert math.isclose(best.gpus_per_goodput, 0.4) and best.gpu_kinds == ("H200", "H100")
+    assert cheapest_deployment(rows, 0.999).row is rows[2] and cheapest_deployment(rows[:1], 0.9) is None
+    with pytest.raises(ValueError, match=r"^--slo-attainment: expected a fraction in \(0, 1\], got 1.5"):
+        cheapest_deployment(rows, 1.5)
