@@ -220,7 +220,8 @@ class StepBuffers:
         # (by the first check it fails, in this order), as a loop over them would
         uncovered = (q_lens <= 0) | (st < 0) | (num_blocks > np.fromiter(map(len, tables), np.int64, n))
         too_wide = num_blocks > width
-        over = np.cumsum(q_lens) > self.max_num_tokens
+        token_ends = np.cumsum(q_lens)  # [n]: each request's end among the step's tokens
+        over = token_ends > self.max_num_tokens
         free, new_rows = self._free_rows, {}  # new request id -> the free row it takes (after the checks)
         joins: list[int] = []  # the step's positions of those requests (a repeated id joins once)
         no_row = n
@@ -234,8 +235,8 @@ class StepBuffers:
                 break
             held[i] = new_rows[rid] = free[-1 - len(new_rows)]  # the row `free.pop()` gives it
             joins.append(i)
-        failing = np.flatnonzero(uncovered | too_wide | over)
-        first_bad = min(int(failing[0]) if len(failing) else n, no_row)
+        failing = uncovered | too_wide | over
+        first_bad = min(int(failing.argmax()) if failing.any() else n, no_row)
         if first_bad < n:
             i = first_bad
             rid = request_ids[i]
@@ -261,7 +262,7 @@ class StepBuffers:
         first = st // bs
         first[joins] = 0
         spans = num_blocks - first  # >= 1: a step's last token lies in block num_blocks - 1 >= first
-        one = np.flatnonzero(spans == 1)  # [m]: the decodes, and chunks within one block
+        one = (spans == 1).nonzero()[0]  # [m]: the decodes, and chunks within one block
         one_tables = map(tables.__getitem__, one.tolist())
         one_blocks = np.fromiter(map(operator.getitem, one_tables, first[one].tolist()), np.int64, len(one))
         changed_idx = seq_rows[one] * width + first[one]  # flat indices into block_tables
@@ -269,7 +270,7 @@ class StepBuffers:
         if len(one) < n:  # the requests that span several blocks: a joining one, a prompt chunk
             idx: list[int] = []
             val: list[int] = []
-            for i in np.flatnonzero(spans > 1).tolist():
+            for i in (spans > 1).nonzero()[0].tolist():
                 base, lo, hi = held[i] * width, int(first[i]), int(num_blocks[i])
                 idx.extend(range(base + lo, base + hi))
                 val.extend(tables[i][lo:hi])
@@ -282,7 +283,7 @@ class StepBuffers:
         # earlier steps, the rest just written): [num_tokens] int64 each
         num_tokens = int(q_lens.sum())
         vec, pos = self._vec_np, self._pos_np
-        query_start = np.cumsum(q_lens) - q_lens  # [n]
+        query_start = token_ends - q_lens  # [n]
         if num_tokens == n:  # one token a sequence (a decode step): positions are the starts
             positions, entries = st, seq_rows * width + st // bs
         else:
