@@ -176,3 +176,30 @@ def test_prompts_and_answers_share_one_int_per_token():
     assert tokens == answer_ids("chat1-t2", 9, VOCAB) and all(t is ints[t] for t in tokens)
     with pytest.raises(ValueError, match="ints holds 3 tokens, not the vocabulary's 1000"):
         AnswerSampler(VOCAB, [0, 1, 2])
+
+
+def test_a_run_spaces_the_collectors_young_collections_and_restores_its_thresholds():
+    import gc
+
+    from kvpool.sim.simulator import YOUNG_COLLECTION_EVERY, spaced_collections
+
+    model, gpu, config, cost = _setup()
+    workload = chat_workload(6, 2, 8.0, model.vocab_size, seed=4)
+    before = gc.get_threshold()
+    seen = []  # the thresholds while the run's requests finish
+    plain = simulate(model, gpu, workload, config, cost)  # (a first run: same figures after)
+    report = simulate(model, gpu, workload, config, cost, on_finish=lambda r: seen.append(gc.get_threshold()))
+    assert seen and set(seen) == {(YOUNG_COLLECTION_EVERY, before[1], 1)} != {before}
+    assert gc.get_threshold() == before
+    assert _figures(report) == _figures(plain)
+    # restored after a failing run too; a collector that is off is left alone
+    with pytest.raises(RuntimeError), spaced_collections(1234):
+        assert gc.get_threshold() == (1234, before[1], 1)
+        raise RuntimeError("a run that fails")
+    assert gc.get_threshold() == before
+    gc.disable()
+    try:
+        with spaced_collections(1234):
+            assert gc.get_threshold() == before and not gc.isenabled()
+    finally:
+        gc.enable()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from kvpool.engine.sampling import SamplingParams
 from kvpool.workload.tokens import MASK64, STREAM_MIX, STREAM_MULT, stream_key, stream_tokens
 
 _MOD = 1 << 64  # a signed seed back to its stream key
+_NEEDS_LOGITS = attrgetter("needs_logits")
 
 
 @dataclass
@@ -129,7 +131,7 @@ class CostExecutor:
             self._first = chunks
         if all_logits:
             return torch.empty(sum(len(c.token_ids) for c in chunks), 0)
-        return [None] * sum(c.needs_logits for c in chunks)
+        return [None] * sum(map(_NEEDS_LOGITS, chunks))
 
     def _price_step(self) -> None:
         """Advance the clock by the step's price: its chunks, then the replays before it,
@@ -268,5 +270,5 @@ class AnswerSampler:
             self._answers.clear()
         ints = self._ints
         tokens = stream_tokens([params.seed % _MOD], [params.max_tokens], self.vocab_size).tolist()
-        answer = self._answers[params.seed] = [ints[t] for t in tokens]
+        answer = self._answers[params.seed] = list(map(ints.__getitem__, tokens))  # (C-level: a third of a loop's time)
         return answer

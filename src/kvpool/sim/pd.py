@@ -70,6 +70,7 @@ from kvpool.sim.simulator import (
     check_request_lens,
     make_replicas,
     plan_replica,
+    spaced_collections,
 )
 from kvpool.spec.gpus import GPUSpec
 from kvpool.spec.models import ModelSpec
@@ -168,6 +169,7 @@ def _install(rep: Replica, t: _Transfer, block_size: int) -> Landing:
     return Landing((end - hit) // block_size, hit)
 
 
+@spaced_collections()
 def simulate_pd(
     model: ModelSpec,
     gpu: GPUSpec,

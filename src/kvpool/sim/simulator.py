@@ -22,10 +22,12 @@ sim/report.py FinishedRequests).
 
 from __future__ import annotations
 
+import gc
 import heapq
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -234,6 +236,40 @@ def make_replicas(
     return replicas, table
 
 
+# Young collections this far apart during a run (`spaced_collections`)
+YOUNG_COLLECTION_EVERY = 50_000
+
+
+@contextmanager
+def spaced_collections(every: int = YOUNG_COLLECTION_EVERY) -> Iterator[None]:
+    """Python's cyclic collector, for the length of a run, collecting its young objects every
+    `every` container allocations net instead of 700, and considering the whole heap after
+    every second middle collection (threshold 1, not 10), where the heap's own rule still
+    gates it (the objects that lived long grew by a quarter since the last): the thresholds
+    only, restored after; a collector that is off, or set to 0, is left as it is.
+
+    Why: a run's heap is mostly bookkeeping that lives long (cached blocks and their chains,
+    the running requests' token lists), and the default (700, 10, 10) walks it often. CPU
+    time inside collections (gc.callbacks with time.process_time, whole process) in a
+    12,000-request 8-replica V4 chat run: 7.3 s of 79 s in 3,416 young, 310 middle and 13
+    full collections with the default (peak RSS 708 MB), 5.1 s (634 MB) once a popped
+    request no longer waits for the collector (Engine.pop_output unlinks it from its
+    sequences), 1.4 s in 21 / 2 / 0 spaced out (635 MB: the garbage only a collection frees
+    no longer grows with the requests). Collections free memory only: nothing the
+    simulation computes depends on when they run."""
+    young, middle, _ = gc.get_threshold()
+    if not gc.isenabled() or young == 0:
+        yield
+        return
+    saved = gc.get_threshold()
+    gc.set_threshold(every, middle, 1)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*saved)
+
+
+@spaced_collections()
 def simulate(
     model: ModelSpec,
     gpu: GPUSpec,
