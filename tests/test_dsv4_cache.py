@@ -780,3 +780,14 @@ def test_the_turn_end_list_stays_bounded_over_many_conversations() -> None:
             conv = conv + [rng.randrange(251) for _ in range(rng.randrange(1, SPAN))]
         m.check_integrity()
     assert num_adopted > 100  # the adoption path was taken, not only evictions
+
+
+def test_a_classical_block_shared_before_its_step_writes_it_is_named_as_v4s_write_once_rule() -> None:
+    m = make(4, 2)
+    m.admit("a", _ids(40), 0)
+    res = m.reserve("a", 16)  # the step writes span 0's block
+    (block,) = res.groups["v4"].new_block_ids
+    m.pool.incref([block])  # a corruption: someone else holds the block the step writes
+    named = rf"written once \(V4 never copies\): .* classical block {block} \(refcount 2"
+    with pytest.raises(AssertionError, match=named):
+        m.check_integrity()

@@ -123,6 +123,16 @@ def test_top_k_then_top_p_as_sample_token():
     assert set(Counter(sample_token(logits, params, 0, k) for k in range(500))) == {0, 2}
 
 
+@pytest.mark.parametrize("top_k", [2**63, 10**20])
+def test_a_top_k_beyond_int64_keeps_the_whole_vocabulary_as_sample_token(top_k):
+    # SamplingParams and the server take any top_k >= 0; the batch's numpy columns must not
+    # overflow on one (a step's error would fail every request in the batch)
+    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(5))
+    params = [SamplingParams(temperature=1.0, top_k=top_k, seed=1 + i) for i in range(3)]
+    expected = [sample_token(logits[i], params[i], 0, 4) for i in range(3)]
+    assert sample_batch(logits, params, [0, 0, 0], [4, 4, 4]) == expected
+
+
 def test_rows_of_different_parameters_in_one_batch_each_follow_their_own():
     probs = torch.tensor([0.4, 0.05, 0.3, 0.05, 0.2])
     row_params = [

@@ -218,6 +218,7 @@ def test_the_split_rule(ops) -> None:
     assert num_splits_for(1, 8, 4096, 132) == 8
     assert num_splits_for(1, 8, 700, 132) == 1  # too short to split
     assert num_splits_for(2, 2, 100, 4) == 1
+    assert num_splits_for(0, 8, 0, 132) == 1  # an empty step: nothing to split (was a ZeroDivisionError)
 
 
 def test_dense_decode_over_step_buffers(ops) -> None:

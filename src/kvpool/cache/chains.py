@@ -134,11 +134,18 @@ def check_chain(
 
 
 def check_held(
-    where: str, pool: BlockPool, held: list[int], written: Iterable[int], holders: list[int], what: str = "block"
+    where: str,
+    pool: BlockPool,
+    held: list[int],
+    written: Iterable[int],
+    holders: list[int],
+    what: str = "block",
+    rule: str = "invariant 2 (copy-on-write before a write)",
 ) -> None:
     """Assert invariants 1 and 2 of one request: it holds no block twice (each held block
     adds 1 to `holders[b]`), and the blocks its reserved step writes are its own (refcount 1)
-    and unpublished. `what`: the kind of block, for the messages."""
+    and unpublished. `what`: the kind of block, `rule`: the rule a write breaks, for the
+    messages."""
     if len(set(held)) != len(held):
         raise AssertionError(f"invariant 1: {where} holds a {what} twice: {held}")
     for b in held:
@@ -146,7 +153,7 @@ def check_held(
     for b in written:
         if pool.refcount(b) != 1 or pool.block_hash(b) is not None:
             raise AssertionError(
-                f"invariant 2 (copy-on-write before a write): {where} will write into {what} {b} "
+                f"{rule}: {where} will write into {what} {b} "
                 f"(refcount {pool.refcount(b)}, registered {pool.block_hash(b) is not None})"
             )
 

@@ -728,8 +728,9 @@ class DualPoolGroup(CacheGroup):
                 f"only complete spans are pooled: {where} holds {len(state.block_ids)} classical blocks for "
                 f"{end} reserved tokens (span {span})"
             )
-        written = state.block_ids[num_computed // span :]  # (V4 never copies: each is written once)
-        check_held(where, self.pool, self.held_blocks(state), written, holders, what="classical block")
+        written = state.block_ids[num_computed // span :]
+        rule = "written once (V4 never copies)"
+        check_held(where, self.pool, self.held_blocks(state), written, holders, "classical block", rule)
         pending = state.pending
         if pending is not None and (pending.num_new != end // span - num_computed // span or not pending.num_new):
             raise AssertionError(f"{where}: a pending step of {pending.num_new} blocks for [{num_computed}, {end})")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
+from itertools import repeat
 
 import numpy as np
 import torch
@@ -101,8 +102,9 @@ class _BatchRows:
         host_columns = np.empty((m, 2))  # [m, 2] fp64: temperature, top_p
         host_columns[:, 0], host_columns[:, 1] = temperature[stochastic] if m < num_rows else temperature, top_p
         columns = torch.from_numpy(host_columns).float()  # [m, 2] fp32
-        k = np.fromiter(map(_TOP_K, picked), np.int64, m)
-        k[(k == 0) | (k > vocab)] = vocab  # top-k off (0), or at least the vocabulary: all of it
+        # clamped in Python first: a top_k may be any int, beyond int64 too
+        k = np.fromiter(map(min, map(_TOP_K, picked), repeat(vocab)), np.int64, m)
+        k[k == 0] = vocab  # top-k off (0), or at least the vocabulary: all of it
         nucleus = top_p < 1.0
         # the groups of one (k, top-p on) kind, in their first rows' order
         keys = (k << 1) | nucleus  # [m] int64: one key a kind

@@ -90,7 +90,7 @@ def num_splits_for(num_seqs: int, num_kv_heads: int, max_ctx_len: int, num_sms: 
     MIN_SPLIT_TOKENS (below it the merge's extra launch and partial outputs are likely to cost
     more than the split saves; the floor is a choice, not a GPU measurement)."""
     programs = num_seqs * num_kv_heads
-    if programs >= 2 * num_sms:
+    if programs == 0 or programs >= 2 * num_sms:  # (no sequence: nothing to split)
         return 1
     wanted = -(-2 * num_sms // programs)
     return max(1, min(wanted, max_ctx_len // MIN_SPLIT_TOKENS))
