@@ -262,7 +262,7 @@ def test_the_shortcut_where_no_draw_rounds_to_one_equals_the_full_last_index(one
 
 
 def test_thousands_of_random_batches_equal_sample_token_row_by_row(one_thread):
-    """2,000 random batches (1 to 12 rows, vocabularies of 1 to 40, fp32 / fp64 / bf16
+    """2,000 random batches (1 to 12 rows, vocabularies of 1 to 40, fp32 / fp64
     logits, a fifth of the rows with -inf, +inf or NaN logits), each row its own mix of
     temperature (greedy ones too), top-k, top-p, seed, sample index and position: every
     token of `sample_batch`, and of a `BatchSampler` kept over two steps, is sample_token's
