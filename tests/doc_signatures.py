@@ -22,6 +22,7 @@ MODULES = [
     "kvpool.cache.dual_pool",
     "kvpool.engine.runner",
     "kvpool.engine.build",
+    "kvpool.engine.live",
     "kvpool.engine.llama_runner",
     "kvpool.engine.hybrid_runner",
     "kvpool.engine.dsv4_runner",
@@ -35,6 +36,7 @@ MODULES = [
     "kvpool.sim.runner",
     "kvpool.sim.deployment",
     "kvpool.sim.sweep",
+    "kvpool.workload.metrics",
 ]
 # a dotted prefix a page writes for a module: `tier_bridge.take_evicted(cache)`
 MODULE_ALIASES = {"tier_bridge": "kvpool.engine.tier_bridge", "kvpool.sim.runner": "kvpool.sim.runner"}

@@ -216,7 +216,7 @@ REPORT_KEYS = (
 
 
 def _fake_engine(num_requests: int, seed: int) -> SimpleNamespace:
-    """What make_report reads of an engine: outputs, cache stats, allocation timings, the
+    """What run_report reads of an engine: outputs, cache stats, allocation timings, the
     cache's groups (a one-group paged cache: no V4 turn-end keys)."""
     r = np.random.default_rng(seed)
     outputs = {}
@@ -244,13 +244,21 @@ def _fake_engine(num_requests: int, seed: int) -> SimpleNamespace:
 
 
 def test_kvpool_runs_report_against_numpy_and_a_hand_count_of_the_slos():
-    from argparse import Namespace
-
-    from kvpool.cli.run import make_report
+    from kvpool.workload.metrics import run_report
 
     engine = _fake_engine(40, 1)
-    args = Namespace(slo_ttft_ms=800.0, slo_tpot_ms=100.0, request_rate=2.0)
-    report = make_report(engine, args, "m", 20.0, 5.0, [0.1, 0.2], 10**9, False)
+    report = run_report(
+        engine,
+        model_name="m",
+        wall_s=20.0,
+        step_s=5.0,
+        fragmentation=[0.1, 0.2],
+        kv_read_bytes=10**9,
+        interrupted=False,
+        slo_ttft_ms=800.0,
+        slo_tpot_ms=100.0,
+        request_rate=2.0,
+    )
     assert set(REPORT_KEYS) <= set(report) and "read_bandwidth_gbps" in report
     done = [engine.output(rid) for rid in engine.requests if engine.output(rid).completions[0].finish_reason == "stop"]
     assert report["num_finished"] == len(done) == 34

@@ -12,8 +12,10 @@ the latency of the runner's allocating calls) and the runner protocol (`cache_st
 `usage`, `kv_read_bytes`), so any model runner serves: `--model tiny-dsv4` runs the same
 workload in token ids on DeepSeek-V4's dual pool, `--model tiny-gemma2` / `tiny-recurrent`
 on the hybrid cache coordinator (window + full attention; recurrent + full layers). The workload, its arrivals and the
-report's figures come from kvpool/workload/ (live.py, arrivals.py, metrics.py), which the
-simulator and the load generator share.
+report's figures come from kvpool/workload/ (live.py, arrivals.py, metrics.py `run_report`),
+which the simulator and the load generator share; the loop that serves the workload through
+the engine (arrivals, follow-ups, step timing, Ctrl-C) is engine/live.py `serve_live`. This
+module parses the flags, builds the engine they ask for and prints the report.
 
 Figures:
   fragmentation      1 - committed tokens / slots of the blocks held, each physical block
@@ -31,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import sys
 import time
@@ -71,17 +72,8 @@ from kvpool.cli.options import (
     add_tp_option,
     gguf_path,
 )
-from kvpool.workload.live import live_chat, live_token_ids, request_id
-from kvpool.workload.metrics import (
-    cpu_load,
-    latency_report,
-    mean,
-    num_within_slo,
-    p50_p99,
-    ratio,
-    report_notes,
-    report_sections,
-)
+from kvpool.workload.live import live_chat, live_token_ids
+from kvpool.workload.metrics import cpu_load, report_notes, report_sections, run_report
 
 TINY_MODEL = "tiny-dsv4"
 # the tiny hybrid models (models/tiny_hybrid.py) on the hybrid cache coordinator (engine/hybrid_runner.py)
@@ -187,14 +179,14 @@ class Progress:
             self.task = self.bar.add_task("serving", total=total)
             self.bar.start()
 
-    def advance(self, n: int, start: float) -> None:
+    def advance(self, n: int, elapsed_s: float) -> None:
         self.done += n
         now = time.perf_counter()
         if self.bar is not None:
             self.bar.advance(self.task, n)
         elif now - self.last >= 5.0 or self.done == self.total:
             self.last = now
-            print(f"kvpool run: {self.done}/{self.total} requests finished, {now - start:.1f} s", file=sys.stderr)
+            print(f"kvpool run: {self.done}/{self.total} requests finished, {elapsed_s:.1f} s", file=sys.stderr)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -285,6 +277,8 @@ def config_engine(args: argparse.Namespace):
 
 def build(args: argparse.Namespace):
     """(engine, workload-making function, model name) for --model."""
+    from kvpool.engine.build import limit_model_len
+
     check_hybrid(args)
     check_device_model(args, (TINY_MODEL, *HYBRID_MODELS))
     if args.model is not None and args.model.endswith(".json"):
@@ -347,20 +341,6 @@ def build(args: argparse.Namespace):
     )
 
 
-def limit_model_len(engine, max_model_len: int | None) -> None:
-    """--max-model-len: the engine's longest request (prompt and output), at most what the
-    model's positions and the KV pool allow (the runner's own limit); None keeps that."""
-    if max_model_len is None:
-        return
-    most = engine.runner.max_model_len
-    if max_model_len > most:
-        raise ValueError(
-            f"--max-model-len {max_model_len}: this model and KV pool hold at most {most} tokens a request "
-            "(a larger --kv-memory or --num-blocks holds more, up to the model's positions)"
-        )
-    engine.runner.max_model_len = max_model_len
-
-
 def llama_engine(loaded, args: argparse.Namespace, kv_memory_bytes: int):
     """The engine over a loaded GGUF (engine/build.py `build_engine`) from the flags `kvpool
     run` and `kvpool serve` share: --num-blocks (else what `kv_memory_bytes` holds),
@@ -393,6 +373,7 @@ def _run(args: argparse.Namespace) -> int:
     import torch
 
     from kvpool.engine import memory
+    from kvpool.engine.live import num_live_requests, serve_live
     from kvpool.engine.sampling import SamplingParams
 
     runtime_bytes = memory.runtime_baseline()
@@ -424,76 +405,44 @@ def _run(args: argparse.Namespace) -> int:
             params,
             [getattr(args, name, None) for name in AGREED_FLAGS],
         )
-    pending = workload.first_requests(args.request_rate, rng)
-    conversation_of = {request_id(c, 0): c for c in range(len(workload.conversations))}
-    total = len(workload.first_prompts) * args.turns + len(workload.long_prompts)
-    runner = engine.runner
-    frag_samples: list[float] = []
-    bytes_read = 0
-    step_time = 0.0
-    interrupted = ""  # or how the run was stopped: "interrupted" (Ctrl-C), "terminated" (SIGTERM)
+    total = num_live_requests(workload, args.turns)
     progress = Progress(total, args.json)
     if quiet:
         print(f"kvpool run: serving {total} requests on {model_name}", file=sys.stderr)
-    # tensor parallel: every rank's engine must see the same requests at the same steps, so
-    # rank 0's clock decides which arrivals are due and the others follow (one broadcast a step)
-    tp_model = getattr(loaded, "model", None)
-    tp_sync = tp_model is not None and tp_model.shard is not None
     loads = [cpu_load()]  # at the start and the end: an oversubscribed CPU skews every timing
-    start = time.perf_counter()
     try:
-        while pending or engine.has_unfinished():
-            now = time.perf_counter()
-            due = sum(1 for item in pending if start + item.arrival_s <= now)
-            if tp_sync:
-                import torch.distributed as dist
-
-                from kvpool.models.tensor_parallel import collective
-
-                count = torch.tensor([due], dtype=torch.int64)
-                collective(tp_model.tp_peers, lambda c=count: dist.broadcast(c, src=0, group=tp_model.tp_group))
-                due = int(count)
-            for _ in range(due):
-                t, rid, prompt = pending.pop(0)
-                engine.add_request(prompt, params, rid, arrival_time=start + t)
-            if not engine.has_unfinished():
-                if not tp_sync:
-                    time.sleep(max(0.0, start + pending[0].arrival_s - time.perf_counter()))
-                else:  # rank 0 sleeps; the others wait for its broadcast
-                    time.sleep(max(0.0, min(0.01, start + pending[0].arrival_s - time.perf_counter())))
-                continue
-            t0 = time.perf_counter()
-            finished = engine.step()
-            step_time += time.perf_counter() - t0
-            frag_samples.append(runner.usage().fragmentation)
-            if loaded is not None:  # the manager's Python structures at their largest, for the ledger
-                runner.note_bookkeeping()
-            # Every running sequence read its whole context this step (prefills included).
-            bytes_read += sum(runner.kv_read_bytes(s.num_computed) for s in engine.running)
-            progress.advance(len(finished), start)
-            for rid in finished:
-                c = conversation_of.get(rid)
-                if c is None:
-                    continue
-                conv = workload.conversations[c]
-                if conv.turn + 1 < args.turns:
-                    completion = engine.output(rid).completions[0]
-                    prompt = workload.follow_up(conv, completion.token_ids, completion.text)
-                    conv.turn += 1
-                    nid = request_id(c, conv.turn)
-                    engine.add_request(prompt, params, nid)
-                    conversation_of[nid] = c
-    except KeyboardInterrupt as stop:
-        interrupted = "terminated" if isinstance(stop, Terminated) else "interrupted"
-        for rid in list(engine.requests):
-            engine.abort(rid)
+        live = serve_live(
+            engine,
+            workload,
+            params,
+            turns=args.turns,
+            request_rate=args.request_rate,
+            rng=rng,
+            on_progress=progress.advance,
+            note_bookkeeping=loaded is not None,
+            tp_model=getattr(loaded, "model", None),
+        )
     finally:
         progress.close()
-    wall = time.perf_counter() - start
     loads.append(cpu_load())
+    interrupted = ""  # or how the run was stopped: "interrupted" (Ctrl-C), "terminated" (SIGTERM)
+    if live.stopped is not None:
+        interrupted = "terminated" if isinstance(live.stopped, Terminated) else "interrupted"
+    runner = engine.runner
     if hasattr(runner, "close"):
         runner.close()  # the disk and Redis tiers' background writes land (counted in the report)
-    report = make_report(engine, args, model_name, wall, step_time, frag_samples, bytes_read, bool(interrupted))
+    report = run_report(
+        engine,
+        model_name=model_name,
+        wall_s=live.wall_s,
+        step_s=live.step_s,
+        fragmentation=live.fragmentation,
+        kv_read_bytes=live.kv_read_bytes,
+        interrupted=bool(interrupted),
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
+        request_rate=args.request_rate,
+    )
     report["tp"] = getattr(args, "tp", 1)
     if loaded is not None:
         report["kv_bytes_per_token_per_rank"] = engine.runner.executor.storage.bytes_per_token
@@ -514,59 +463,6 @@ def _run(args: argparse.Namespace) -> int:
         )
         return EXIT_TERMINATED if interrupted == "terminated" else EXIT_INTERRUPTED
     return 0
-
-
-def make_report(engine, args, model_name, wall, step_time, frag_samples, bytes_read, interrupted) -> dict:
-    outputs = [engine.output(r) for r in engine.requests]
-    done = [o for o in outputs if o.completions and all(c.finish_reason in ("stop", "length") for c in o.completions)]
-    num_generated = sum(len(c.token_ids) for o in done for c in o.completions)
-    good = num_within_slo(done, args.slo_ttft_ms, args.slo_tpot_ms)
-    stats = engine.runner.cache_stats()
-    alloc_us = [s * 1e6 for s in engine.stats.alloc_call_s]
-    return {
-        "model": model_name,
-        "kv_capacity_tokens": int(stats["kv_capacity_tokens"]),
-        "kv_capacity_bytes": int(stats["kv_capacity_bytes"]),
-        "kv_format": getattr(engine.runner, "kv_format", "float32"),
-        "block_size": int(stats["block_size"]),
-        "num_blocks": int(stats["num_blocks"]),
-        "fragmentation": mean(frag_samples, 4),
-        "prefix_hit_rate": round(stats["prefix_hit_rate"], 4),
-        "prefix_queried_tokens": int(stats["prefix_queried_tokens"]),
-        "prefix_hit_tokens": int(stats["prefix_hit_tokens"]),
-        **p50_p99("alloc_latency_us", alloc_us, 2),
-        "num_alloc_calls": engine.stats.num_alloc_calls,
-        "num_noop_alloc_calls": engine.stats.num_noop_calls,
-        "read_bandwidth_gbps": round(bytes_read / step_time / 1e9, 3) if step_time else 0.0,
-        **latency_report(done, 1),
-        "throughput_tok_s": ratio(num_generated, wall, 2),
-        "goodput_req_s": ratio(good, wall, 3),
-        "num_within_slo": good,
-        "slo_ttft_ms": args.slo_ttft_ms,
-        "slo_tpot_ms": args.slo_tpot_ms,
-        "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
-        "preemptions": engine.num_preemptions,
-        "num_requests": len(outputs),
-        "num_finished": len(done),
-        "num_generated_tokens": num_generated,
-        "num_steps": engine.num_steps,
-        "wall_s": round(wall, 3),
-        "interrupted": interrupted,
-        **v4_turn_end_report(engine.runner.cache),
-        **engine.runner.tier_reports(),
-    }
-
-
-def v4_turn_end_report(cache) -> dict[str, object]:
-    """V4's dual pool (tiny-dsv4): whether finished turns keep their state blocks
-    (v4_turn_ends) and how many admissions adopted one (state_adoptions), the keys
-    `kvpool simulate` reports; {} for a cache without a dual-pool group."""
-    from kvpool.cache.dual_pool import DualPoolGroup
-
-    duals = [g for g in getattr(cache, "groups", {}).values() if isinstance(g, DualPoolGroup)]
-    if not duals:
-        return {}
-    return {"v4_turn_ends": cache.turn_end_checkpoints, "state_adoptions": sum(g.num_adoptions for g in duals)}
 
 
 def print_report(report: dict, loads: list[float | None] | None = None) -> None:

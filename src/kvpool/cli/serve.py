@@ -200,8 +200,8 @@ def _serve(
 ) -> int:
     import uvicorn
 
-    from kvpool.cli.run import limit_model_len, llama_engine
-    from kvpool.engine.build import load_model
+    from kvpool.cli.run import llama_engine
+    from kvpool.engine.build import limit_model_len, load_model
     from kvpool.server.app import ServerState, build_app
     from kvpool.server.engine_thread import EngineThread
     from kvpool.server.metrics import ServerMetrics

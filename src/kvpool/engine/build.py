@@ -403,3 +403,18 @@ def build_engine(model: LoadedModel | LlamaModel | TinyDSV4 | TinyHybrid, **opti
         kinds = ", ".join(t.__name__ for t in ENGINE_BUILDERS)
         raise TypeError(f"no engine builder for a {type(model).__name__}; one of {kinds}")
     return builder(model, **options)
+
+
+def limit_model_len(engine: Engine, max_model_len: int | None) -> None:
+    """Cap the engine's longest request (prompt and output) at `max_model_len` (--max-model-len),
+    at most what the model's positions and the KV pool allow (the runner's own limit); None
+    keeps that limit. A larger value is a ValueError naming both."""
+    if max_model_len is None:
+        return
+    most = engine.runner.max_model_len
+    if max_model_len > most:
+        raise ValueError(
+            f"--max-model-len {max_model_len}: this model and KV pool hold at most {most} tokens a request "
+            "(a larger --kv-memory or --num-blocks holds more, up to the model's positions)"
+        )
+    engine.runner.max_model_len = max_model_len

@@ -8,16 +8,18 @@ way for `kvpool run`, `kvpool simulate` and the load generator of `kvpool bench 
   throughput     generated tokens per second of the span (`ratio`)
 
 Each report keeps its own keys and rounding (run's latencies in 0.1 ms, the simulator's
-in 0.01 ms): `digits` says how many. `report_sections` and `report_notes` turn a report into
+in 0.01 ms): `digits` says how many. `run_report` is `kvpool run`'s report of an engine that served a
+live workload (engine/live.py); `report_sections` and `report_notes` turn a report into
 what a person reads (units, headings, the SLO verdict, warnings); `--json` prints the raw keys.
-No imports but `os`: the CLI loads it for every command.
+No imports but `os` and `math`: the CLI loads it for every command.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class Timed(Protocol):
@@ -224,6 +226,76 @@ def _attainment(report: dict) -> str:
     if "slo_attainment" in report:
         return f" ({format_share(report['slo_attainment'])} of the requests within both)"
     return ""
+
+
+def run_report(
+    engine: Any,
+    *,
+    model_name: str,
+    wall_s: float,
+    step_s: float,
+    fragmentation: list[float],
+    kv_read_bytes: int,
+    interrupted: bool,
+    slo_ttft_ms: float,
+    slo_tpot_ms: float,
+    request_rate: float,
+) -> dict[str, Any]:
+    """`kvpool run`'s report (its --json object, before the memory ledger and the load keys)
+    of an `engine` (engine/engine.py `Engine`: its outputs, statistics and runner; untyped
+    here, as workload/ sits below the engine) that served for `wall_s` seconds, `step_s` of
+    them in its steps, with the fragmentation sampled after each step and `kv_read_bytes`
+    read (engine/live.py `LiveRun`). A request counts as finished when every completion
+    stopped or reached its length; the rest (aborted) count only in num_requests."""
+    outputs = [engine.output(r) for r in engine.requests]
+    done = [o for o in outputs if o.completions and all(c.finish_reason in ("stop", "length") for c in o.completions)]
+    num_generated = sum(len(c.token_ids) for o in done for c in o.completions)
+    good = num_within_slo(done, slo_ttft_ms, slo_tpot_ms)
+    stats = engine.runner.cache_stats()
+    alloc_us = [s * 1e6 for s in engine.stats.alloc_call_s]
+    return {
+        "model": model_name,
+        "kv_capacity_tokens": int(stats["kv_capacity_tokens"]),
+        "kv_capacity_bytes": int(stats["kv_capacity_bytes"]),
+        "kv_format": getattr(engine.runner, "kv_format", "float32"),
+        "block_size": int(stats["block_size"]),
+        "num_blocks": int(stats["num_blocks"]),
+        "fragmentation": mean(fragmentation, 4),
+        "prefix_hit_rate": round(stats["prefix_hit_rate"], 4),
+        "prefix_queried_tokens": int(stats["prefix_queried_tokens"]),
+        "prefix_hit_tokens": int(stats["prefix_hit_tokens"]),
+        **p50_p99("alloc_latency_us", alloc_us, 2),
+        "num_alloc_calls": engine.stats.num_alloc_calls,
+        "num_noop_alloc_calls": engine.stats.num_noop_calls,
+        "read_bandwidth_gbps": round(kv_read_bytes / step_s / 1e9, 3) if step_s else 0.0,
+        **latency_report(done, 1),
+        "throughput_tok_s": ratio(num_generated, wall_s, 2),
+        "goodput_req_s": ratio(good, wall_s, 3),
+        "num_within_slo": good,
+        "slo_ttft_ms": slo_ttft_ms,
+        "slo_tpot_ms": slo_tpot_ms,
+        "request_rate": request_rate if math.isfinite(request_rate) else "inf",
+        "preemptions": engine.num_preemptions,
+        "num_requests": len(outputs),
+        "num_finished": len(done),
+        "num_generated_tokens": num_generated,
+        "num_steps": engine.num_steps,
+        "wall_s": round(wall_s, 3),
+        "interrupted": interrupted,
+        **v4_turn_end_report(engine.runner.cache),
+        **engine.runner.tier_reports(),
+    }
+
+
+def v4_turn_end_report(cache: Any) -> dict[str, object]:
+    """V4's dual pool (tiny-dsv4): whether finished turns keep their state blocks
+    (v4_turn_ends) and how many admissions adopted one (state_adoptions), the keys
+    `kvpool simulate` reports; {} for a cache without a dual-pool group (the groups that
+    count adoptions: cache/dual_pool.py `DualPoolGroup.num_adoptions`)."""
+    duals = [g for g in getattr(cache, "groups", {}).values() if hasattr(g, "num_adoptions")]
+    if not duals:
+        return {}
+    return {"v4_turn_ends": cache.turn_end_checkpoints, "state_adoptions": sum(g.num_adoptions for g in duals)}
 
 
 def cpu_load() -> float | None:

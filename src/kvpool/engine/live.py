@@ -1,0 +1,134 @@
+"""A live workload served by an engine on the wall clock: what `kvpool run` measures.
+
+    run = serve_live(engine, workload, params, turns=2, request_rate=2.0, rng=rng)
+    report = run_report(engine, model_name="tiny", wall_s=run.wall_s, ...)  # workload/metrics.py
+
+First turns and long prompts arrive as a Poisson process of `request_rate` per second
+(workload/live.py `first_requests`; inf: all at time 0) and join the engine once the clock
+passes their arrival; a follow-up turn joins when the previous turn of its conversation
+finishes, its prompt made from that turn's completion (`workload.follow_up`). TTFT counts
+from a request's arrival. Between steps with nothing to run the loop sleeps until the next
+arrival.
+
+Each step is timed on its own (`step_s`: the steps' time, not the sleeps), the runner's
+fragmentation is sampled after it, and every running sequence's whole context is counted as
+read (`kv_read_bytes`: prefills included). Ctrl-C (KeyboardInterrupt, or a subclass a
+SIGTERM handler raises) stops the loop: every unfinished request is aborted, and `stopped`
+holds the exception, so the report covers the requests that finished.
+
+Tensor parallelism: every rank's engine must see the same requests at the same steps, so
+rank 0's clock decides which arrivals are due and the others follow (one broadcast a step);
+pass the rank's model as `tp_model`.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from kvpool.workload.live import LiveWorkload, request_id
+
+if TYPE_CHECKING:
+    from kvpool.engine.engine import Engine
+    from kvpool.engine.sampling import SamplingParams
+
+
+class LiveRun(NamedTuple):
+    """What the loop measured."""
+
+    wall_s: float  # first arrival's clock start to the last step (or the stop)
+    step_s: float  # the engine's steps only
+    fragmentation: list[float]  # runner.usage().fragmentation after each step
+    kv_read_bytes: int  # KV bytes attention read over all steps
+    stopped: KeyboardInterrupt | None  # what stopped the run early (None: every request finished)
+
+
+def num_live_requests(workload: LiveWorkload, turns: int) -> int:
+    """The requests a run serves: every conversation's `turns` turns and the long prompts."""
+    return len(workload.first_prompts) * turns + len(workload.long_prompts)
+
+
+def serve_live(
+    engine: Engine,
+    workload: LiveWorkload,
+    params: SamplingParams,
+    *,
+    turns: int,
+    request_rate: float,
+    rng: random.Random,
+    on_progress: Callable[[int, float], None] | None = None,
+    note_bookkeeping: bool = False,
+    tp_model: Any = None,
+) -> LiveRun:
+    """Serve `workload` (`turns` turns a conversation) through `engine` until every request
+    finished or Ctrl-C. `on_progress(num_finished, elapsed_s)` after each step (the requests
+    that step finished, the seconds since the start); `note_bookkeeping`: the runner notes its Python structures
+    at their largest after each step (the memory ledger's); `tp_model`: this rank's model
+    under tensor parallelism (None: one process)."""
+    if turns <= 0:
+        raise ValueError(f"turns must be positive, got {turns}")
+    pending = workload.first_requests(request_rate, rng)
+    conversation_of = {request_id(c, 0): c for c in range(len(workload.conversations))}
+    runner = engine.runner
+    fragmentation: list[float] = []
+    kv_read_bytes = 0
+    step_s = 0.0
+    stopped: KeyboardInterrupt | None = None
+    tp_sync = tp_model is not None and tp_model.shard is not None
+    start = time.perf_counter()
+    try:
+        while pending or engine.has_unfinished():
+            now = time.perf_counter()
+            due = sum(1 for item in pending if start + item.arrival_s <= now)
+            if tp_sync:
+                due = _rank0_count(tp_model, due)
+            for _ in range(due):
+                t, rid, prompt = pending.pop(0)
+                engine.add_request(prompt, params, rid, arrival_time=start + t)
+            if not engine.has_unfinished():
+                if not tp_sync:
+                    time.sleep(max(0.0, start + pending[0].arrival_s - time.perf_counter()))
+                else:  # rank 0 sleeps; the others wait for its broadcast
+                    time.sleep(max(0.0, min(0.01, start + pending[0].arrival_s - time.perf_counter())))
+                continue
+            t0 = time.perf_counter()
+            finished = engine.step()
+            step_s += time.perf_counter() - t0
+            fragmentation.append(runner.usage().fragmentation)
+            if note_bookkeeping:  # the manager's Python structures at their largest, for the ledger
+                runner.note_bookkeeping()
+            # Every running sequence read its whole context this step (prefills included).
+            kv_read_bytes += sum(runner.kv_read_bytes(s.num_computed) for s in engine.running)
+            if on_progress is not None:
+                on_progress(len(finished), time.perf_counter() - start)
+            for rid in finished:
+                c = conversation_of.get(rid)
+                if c is None:
+                    continue
+                conv = workload.conversations[c]
+                if conv.turn + 1 < turns:
+                    completion = engine.output(rid).completions[0]
+                    prompt = workload.follow_up(conv, completion.token_ids, completion.text)
+                    conv.turn += 1
+                    nid = request_id(c, conv.turn)
+                    engine.add_request(prompt, params, nid)
+                    conversation_of[nid] = c
+    except KeyboardInterrupt as stop:
+        stopped = stop
+        for rid in list(engine.requests):
+            engine.abort(rid)
+    return LiveRun(time.perf_counter() - start, step_s, fragmentation, kv_read_bytes, stopped)
+
+
+def _rank0_count(tp_model: Any, due: int) -> int:
+    """Rank 0's count of due arrivals, broadcast to every rank."""
+    import torch
+    import torch.distributed as dist
+
+    from kvpool.models.tensor_parallel import collective
+
+    count = torch.tensor([due], dtype=torch.int64)
+    collective(tp_model.tp_peers, lambda c=count: dist.broadcast(c, src=0, group=tp_model.tp_group))
+    return int(count)

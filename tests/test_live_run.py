@@ -1,0 +1,112 @@
+"""kvpool run's pieces as a library user calls them, with no flags: engine/live.py
+`serve_live` driving the tiny V4 engine over the live workload (the finished count, the
+prefix hits counted by hand, the kept turn-end states adopted), Ctrl-C in the middle of a
+run, and engine/build.py `limit_model_len`."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvpool.engine.build import build_engine, limit_model_len
+from kvpool.engine.live import num_live_requests, serve_live
+from kvpool.engine.sampling import SamplingParams
+from kvpool.models.tiny_dsv4 import TinyDSV4
+from kvpool.workload.live import live_token_ids
+from kvpool.workload.metrics import run_report
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny steps on shared cores
+    yield
+    torch.set_num_threads(threads)
+
+
+def _tiny_v4(turn_ends: bool):
+    """`kvpool run --model tiny-dsv4 --max-batch-tokens 1024`'s engine."""
+    model = TinyDSV4(seed=0)
+    engine = build_engine(
+        model,
+        kv_memory_bytes=16 * 2**20,
+        num_state_blocks=16,
+        max_num_batched_tokens=1024,
+        max_num_seqs=16,
+        turn_end_checkpoints=turn_ends,
+    )
+    return engine, model.vocab_size
+
+
+def _serve(engine, vocab_size: int, num_conversations: int, **kwargs):
+    rng = random.Random(0)
+    workload = live_token_ids(vocab_size, num_conversations, 0, rng)
+    params = SamplingParams(max_tokens=4, temperature=0.7, top_p=0.9, seed=0)
+    run = serve_live(engine, workload, params, turns=2, request_rate=float("inf"), rng=rng, **kwargs)
+    return workload, run
+
+
+def _report(engine, run) -> dict:
+    return run_report(
+        engine,
+        model_name="tiny-dsv4",
+        wall_s=run.wall_s,
+        step_s=run.step_s,
+        fragmentation=run.fragmentation,
+        kv_read_bytes=run.kv_read_bytes,
+        interrupted=run.stopped is not None,
+        slo_ttft_ms=1e9,
+        slo_tpot_ms=1e9,
+        request_rate=float("inf"),
+    )
+
+
+@pytest.mark.parametrize("turn_ends", [False, True])
+def test_serve_live_runs_every_turn_and_the_follow_ups_hit_their_first_turns(turn_ends):
+    # 3 conversations over 3 distinct 300-token system prompts + 20-token questions, all at
+    # once: first turns hit nothing. Each answer is 4 tokens (no EOS in the tiny model); a
+    # follow-up is 320 + 4 + 12 = 336 tokens, of which its first turn computed 323: 2 whole
+    # 128-token spans (256) without turn-end states, all 323 with them (the kept state adopted).
+    engine, vocab_size = _tiny_v4(turn_ends)
+    progress: list[int] = []
+    workload, run = _serve(engine, vocab_size, 3, on_progress=lambda n, _: progress.append(n))
+    assert run.stopped is None and num_live_requests(workload, 2) == 6 and sum(progress) == 6
+    assert len(run.fragmentation) == len(progress) == engine.num_steps and run.step_s <= run.wall_s
+    report = _report(engine, run)
+    assert (report["num_requests"], report["num_finished"], report["num_generated_tokens"]) == (6, 6, 24)
+    assert report["prefix_queried_tokens"] == 3 * 320 + 3 * 336
+    assert report["prefix_hit_tokens"] == 3 * (323 if turn_ends else 256)
+    assert (report["v4_turn_ends"], report["state_adoptions"]) == (turn_ends, 3 if turn_ends else 0)
+    assert report["goodput_req_s"] == round(6 / run.wall_s, 3) and report["request_rate"] == "inf"
+    assert report["read_bandwidth_gbps"] == round(run.kv_read_bytes / run.step_s / 1e9, 3) > 0
+
+
+def test_ctrl_c_aborts_what_is_left_and_the_report_covers_what_finished():
+    engine, vocab_size = _tiny_v4(True)
+    step, calls = engine.step, []
+
+    def interrupted_step():
+        calls.append(1)
+        if len(calls) == 8:  # past the first turns (4 tokens each: 4 steps), inside the follow-ups
+            raise KeyboardInterrupt
+        return step()
+
+    engine.step = interrupted_step
+    _, run = _serve(engine, vocab_size, 3)
+    assert isinstance(run.stopped, KeyboardInterrupt) and not engine.has_unfinished()
+    assert len(run.fragmentation) == 7  # the steps that ran
+    report = _report(engine, run)
+    assert report["interrupted"] is True and report["num_finished"] == 3 and report["num_requests"] == 6
+
+
+def test_limit_model_len_caps_the_runner_and_refuses_more_than_it_holds():
+    engine, _ = _tiny_v4(False)
+    most = engine.runner.max_model_len
+    limit_model_len(engine, None)
+    assert engine.runner.max_model_len == most
+    with pytest.raises(ValueError, match=rf"^--max-model-len {most + 1}: this model and KV pool hold at most {most} "):
+        limit_model_len(engine, most + 1)
+    limit_model_len(engine, 500)
+    assert engine.runner.max_model_len == 500
