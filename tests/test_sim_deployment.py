@@ -25,6 +25,20 @@ UNIFORM = SimOptions(workload="uniform", requests=6, prompt_len=(100, 200), outp
 WALL_CLOCK_KEYS = ("sim_wall_s", "alloc_latency_us_p50", "alloc_latency_us_p99", "sim_us_per_step_by_quarter")
 
 
+def test_the_options_defaults_are_kvpool_simulates():
+    import argparse
+
+    from kvpool.cli.simulate import add_arguments, sim_options
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert sim_options(parser.parse_args([])) == SimOptions()
+    flags = ["--requests", "7", "--prompt-len", "5:9", "--no-v4-turn-ends", "--kv-transfer-latency-ms", "2"]
+    given = sim_options(parser.parse_args(flags))
+    assert (given.requests, given.prompt_len, given.v4_turn_ends) == (7, (5, 9), False)
+    assert given.kv_transfer_latency_ms == 2.0 and given.seed == 0
+
+
 def test_the_grid_is_every_distinct_point_in_flag_order():
     points = grid(("m",), ("h200",), (None, 2), ("paged", "contiguous"), (16, 32), ("round-robin",), (2.0, 8.0))
     # paged: 2 TPs x 2 block sizes x 2 rates; contiguous ignores the block size: 2 TPs x 2 rates

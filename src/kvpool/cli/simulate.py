@@ -316,39 +316,11 @@ def _runs(args) -> list[dict]:
 
 def sim_options(args: argparse.Namespace) -> SimOptions:
     """The settings every run of the grid shares, from the flags of the same names."""
+    import dataclasses
+
     from kvpool.sim.deployment import SimOptions
 
-    return SimOptions(
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_dtype=args.kv_dtype,
-        weight_dtype=args.weight_dtype,
-        host_mode=args.host_mode,
-        enable_expert_parallel=args.enable_expert_parallel,
-        calibration=args.calibration,
-        replicas=args.replicas,
-        prefill_replicas=args.prefill_replicas,
-        kv_transfer_bandwidth=args.kv_transfer_bandwidth,
-        kv_transfer_latency_ms=args.kv_transfer_latency_ms,
-        load_cap=args.load_cap,
-        enable_prefix_caching=args.enable_prefix_caching,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        v4_restore=args.v4_restore,
-        v4_turn_ends=args.v4_turn_ends,
-        v4_checkpoints=args.v4_checkpoints,
-        slo_ttft_ms=args.slo_ttft_ms,
-        slo_tpot_ms=args.slo_tpot_ms,
-        workload=args.workload,
-        trace=args.trace,
-        trace_block_size=args.trace_block_size,
-        requests=args.requests,
-        sessions=args.sessions,
-        turns=args.turns,
-        prompt_len=args.prompt_len,
-        output_len=args.output_len,
-        seed=args.seed,
-    )
+    return SimOptions(**{field.name: getattr(args, field.name) for field in dataclasses.fields(SimOptions)})
 
 
 def _check_output_paths(args) -> None:
