@@ -8,7 +8,8 @@ combination of its flags, callable without them.
     report = simulate_deployment(options, point)  # the dict `kvpool simulate --json` prints
 
 A point of the grid (`grid`) is a dict of the axes a sweep varies: model, gpu, tp, layout,
-block_size, routing, rate (None: the planner's or the model's default). `SimOptions` holds
+block_size, routing, rate (tp, layout, block_size None: the planner's or the model's
+default; rate: new sessions a second, inf: all at once). `SimOptions` holds
 everything the points of one grid share: the deployment's formats and engine limits, the
 SLO, the workload. `deployment_of` turns a point into the planner's model spec, the GPU
 preset, the tensor-parallel size, the cost model and the simulator's `SimConfig`, refusing
@@ -38,8 +39,8 @@ WORKLOADS = ("chat", "agentic", "uniform")
 
 @dataclass(frozen=True)
 class SimOptions:
-    """The settings every point of a grid shares (`kvpool simulate`'s flags of the same names;
-    the defaults are its defaults)."""
+    """The settings every point of a grid shares (`kvpool simulate`'s flags of the same names,
+    kv_dtype's being --kv-cache-dtype; the defaults are its defaults)."""
 
     # the deployment
     gpu_memory_utilization: float = 1.0
