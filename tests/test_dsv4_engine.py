@@ -230,3 +230,35 @@ def test_a_follow_up_turn_adopts_the_state_its_turn_left_and_equals_the_oracle()
         want = model.reference_logits(follow_up + tokens[:-1])[len(follow_up) - 1 :]
         assert got.shape == want.shape and (got - want).abs().max().item() <= FP64_TOLERANCE
     runner.check_integrity()
+
+
+@pytest.mark.parametrize("restore", ["checkpoint", "auto"])
+def test_a_pooled_checkpoint_restore_equals_the_oracle(restore: str) -> None:
+    """fp64: checkpoints pooled in the classical pool (2 blocks each), taken at 128 and 256
+    inside a chunked prefill; follow-ups hitting 256 and 128 restore their state from them
+    (nothing replayed), and every logit is the contiguous oracle's. The snapshots' first
+    blocks are classical ids that are state slots too (0-2): a copy from the state slot of
+    that number instead of the snapshot's own row is O(0.1) off."""
+    model = TinyDSV4(dtype=torch.float64)  # span 128, n_win 128, 5 layers
+    runner = dsv4_runner(model, 12, 3, restore=restore, checkpoint_blocks=2)
+    engine = Engine(runner, max_num_batched_tokens=96, max_num_seqs=3, record_logits=True)
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, 256, (300,), generator=g).tolist()
+    admissions, restored = [], []
+    admit = runner.admit
+    runner.admit = lambda *a, **kw: admissions.append(admit(*a, **kw)) or admissions[-1]  # type: ignore[method-assign]
+    for hit in (None, 256, 128):
+        ids = prompt if hit is None else prompt[:hit] + torch.randint(0, 256, (10,), generator=g).tolist()
+        (out,) = engine.generate([ids], SamplingParams(max_tokens=5))
+        tokens = out.completions[0].token_ids
+        got = torch.stack(list(engine.requests.values())[-1].seqs[0].logits)
+        want = model.reference_logits(ids + tokens[:-1])[len(ids) - 1 :]
+        assert got.shape == want.shape and (got - want).abs().max().item() <= FP64_TOLERANCE
+        assert tokens == want.argmax(dim=-1).tolist()
+        if hit is not None:
+            part = admissions[-1].groups["v4"]
+            assert admissions[-1].num_cached_tokens == hit and part.restore.method == "checkpoint"
+            restored.append(part.restore.checkpoint_slot)
+    assert restored == [4, 1]  # (128's snapshot: blocks 1, 2; 256's: 4, 5; block 0 and 3 are spans)
+    assert runner.num_replayed_tokens == 0 and runner.restore_cost.num_copies == 4  # 2 taken, 2 restored
+    runner.check_integrity()

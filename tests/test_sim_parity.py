@@ -16,7 +16,7 @@ full attention groups; recurrent + full attention groups)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -239,54 +239,96 @@ def _dual_tables(cache, seq_id: str) -> tuple:
     return tuple(cache.block_ids(seq_id)), cache.part(seq_id).state_slot
 
 
-@pytest.mark.parametrize(
-    ("restore", "host_blocks", "turn_ends"),
-    [("recompute", 0, False), ("checkpoint", 0, False), ("recompute", 4, False), ("recompute", 0, True)],
-    ids=["recompute", "checkpoint", "host-tier", "turn-ends"],
-)
-def test_dual(restore: str, host_blocks: int, turn_ends: bool) -> None:
-    """host-tier: the classical blocks the pool evicts go to a host tier of 4 blocks, and
-    come back by prefetch before an admission hits them. turn-ends: a finished turn's state
-    block is kept, and the session's next turn adopts it (nothing moves, on either side)."""
+class _Priced:
+    """The "auto" restore's `RestoreCost` (cache/dual_pool.py), one object handed to both
+    sides: a checkpoint copy costs as much as computing 40 tokens. With a replay window of
+    16 x 4 = 64 tokens, a hit of up to 32 tokens is replayed (the cache's default
+    TokenCost, a free copy, would restore the shared system prompt's 32 from its
+    checkpoint), a longer one copied from its checkpoint where one is held at the hit or
+    up to 24 tokens before it."""
+
+    def checkpoint_cost(self) -> float:
+        return 40.0
+
+    def compute_cost(self, num_tokens: int, context_len: int) -> float:
+        return float(num_tokens)
+
+
+@dataclass(frozen=True)
+class DualCase:
+    """One V4 configuration, the same on both sides."""
+
+    restore: str = "recompute"
+    num_checkpoints: int = 0  # checkpoint slots of their own
+    checkpoint_blocks: int = 0  # or pooled: classical blocks per checkpoint
+    host_blocks: int = 0  # a host tier of this many classical blocks
+    turn_ends: bool = False
+    num_blocks: int = 6
+    num_states: int = 3
+    max_num_seqs: int = 3
+    workload: Workload = DUAL
+
+
+DUAL_CASES = {
+    "recompute": DualCase(),
+    "checkpoint": DualCase("checkpoint", num_checkpoints=4),
+    # (pooled checkpoints need free classical blocks: a larger pool, longer answers to preempt)
+    "auto-pooled": DualCase("auto", checkpoint_blocks=1, num_blocks=12, workload=replace(DUAL, max_tokens=10)),
+    "host-tier": DualCase(host_blocks=4),
+    "turn-ends": DualCase(turn_ends=True, num_states=5),  # (3 running at most: the kept ones wait in the other two)
+}
+
+
+@pytest.mark.parametrize("name", list(DUAL_CASES))
+def test_dual(name: str) -> None:
+    """checkpoint: 4 checkpoint slots of their own. auto-pooled: the simulator's default,
+    checkpoints pooled in the classical pool (when free), each hit's restore chosen by one
+    `_Priced` cost on both sides. host-tier: the classical blocks the pool evicts go to a
+    host tier of 4 blocks, and come back by prefetch before an admission hits them.
+    turn-ends: a finished turn's state block is kept, and the session's next turn adopts it
+    (nothing moves, on either side)."""
+    case = DUAL_CASES[name]
     model = TinyDSV4(SMALL_DSV4_CONFIG, seed=0)
-    num_blocks, num_checkpoints = 6, 0 if restore == "recompute" else 4
-    num_states = 5 if turn_ends else 3  # (3 running at most: the kept ones wait in the other two)
-    kw = {"max_num_batched_tokens": 48, "max_num_seqs": 3}
+    restore, wl = case.restore, case.workload
+    restores = {
+        "restore": restore,
+        "num_checkpoints": case.num_checkpoints,
+        "checkpoint_blocks": case.checkpoint_blocks,
+        "restore_cost": _Priced() if restore == "auto" else None,
+    }
+    num_blocks, num_states = case.num_blocks, case.num_states
+    kw = {"max_num_batched_tokens": 48, "max_num_seqs": case.max_num_seqs}
     block_bytes = DSV4Pools(model.spec, 1, 1).classical_block_bytes()
-    tiers = [HostTier(host_blocks * block_bytes) if host_blocks else None for _ in range(2)]
+    tiers = [HostTier(case.host_blocks * block_bytes) if case.host_blocks else None for _ in range(2)]
     real_runner = dsv4_runner(
-        model,
-        num_blocks,
-        num_states,
-        restore=restore,
-        num_checkpoints=num_checkpoints,
-        host_tier=tiers[0],
-        turn_end_checkpoints=turn_ends,
+        model, num_blocks, num_states, **restores, host_tier=tiers[0], turn_end_checkpoints=case.turn_ends
     )
-    real = Side(real_runner, real_runner.cache, _dual_tables, DUAL, **kw)
+    real = Side(real_runner, real_runner.cache, _dual_tables, wl, **kw)
     bridge = TierBridge(tiers[1], (), model.spec.span, enable_prefix_caching=True)
     cache = DSV4CacheManager(
         model.spec,
         num_blocks,
         num_states,
         dsv4_descriptor(model),
-        restore=restore,
-        num_checkpoints=num_checkpoints,
+        **restores,
         lower_tier=bridge.index,  # (as the V4 runner does for its tier)
-        turn_end_checkpoints=turn_ends,
+        turn_end_checkpoints=case.turn_ends,
     )
     executor = _cost_executor(real_runner, VirtualClock(), block_bytes=block_bytes, checkpoint_bytes=1, has_state=True)
-    sim = _sim_side(real_runner, cache, bridge, executor, _dual_tables, DUAL, **kw)
-    views, answers = _lockstep(real, sim, DUAL)
-    _check_exercised(views, answers, DUAL)
+    sim = _sim_side(real_runner, cache, bridge, executor, _dual_tables, wl, **kw)
+    views, answers = _lockstep(real, sim, wl)
+    _check_exercised(views, answers, wl)
     methods = [dict(adm[3])["v4"][3].method for adm in real.admissions if adm[1] > 0]  # the hits' restores
-    assert methods and set(methods) == ({restore, "adopt"} if turn_ends else {restore}), methods
+    expected = {"checkpoint", "recompute"} if restore == "auto" else {restore}
+    assert methods and set(methods) == (expected | {"adopt"} if case.turn_ends else expected), methods
+    if case.checkpoint_blocks:  # restored from pooled snapshots (the real side: from their rows)
+        assert methods.count("checkpoint") >= 3, methods
     if restore == "recompute":
         assert real_runner.num_replayed_tokens > 0 and executor.num_replayed_tokens == real_runner.num_replayed_tokens
         assert executor.num_checkpoint_copies == real_runner.restore_cost.num_copies == 0  # an adoption moves nothing
     else:  # every state copy priced: the restores and the snapshots the steps took
-        assert executor.num_checkpoint_copies == real_runner.restore_cost.num_copies > 0
-    if host_blocks:
+        assert executor.num_checkpoint_copies == real_runner.restore_cost.num_copies > methods.count("checkpoint")
+    if case.host_blocks:
         moves = real_runner.tier_moves
         assert moves.num_loaded > 0 and tiers[0].stats.num_evictions > 0  # prefetched; the tier evicted
         assert (executor.num_blocks_to_host, executor.num_blocks_to_device) == (moves.num_offloaded, moves.num_loaded)

@@ -24,7 +24,7 @@ from torch import Tensor
 from kvpool.attention.backends import StepMetadata, select_backend
 from kvpool.attention.dsv4_paged import ChunkPlan
 from kvpool.cache import BlockCopy, CacheDescriptor, DSV4CacheManager
-from kvpool.cache.dual_pool import RestoreMethod
+from kvpool.cache.dual_pool import RestoreCost, RestoreMethod
 from kvpool.engine.memory import StepPeaks
 from kvpool.engine.runner import MeasuredRestoreCost, ModelRunner, ScheduledChunk, last_token_rows
 from kvpool.engine.tier_bridge import TierBridge
@@ -57,6 +57,8 @@ def dsv4_runner(
     *,
     restore: RestoreMethod = "recompute",
     num_checkpoints: int = 0,
+    checkpoint_blocks: int = 0,
+    restore_cost: RestoreCost | None = None,
     enable_prefix_caching: bool = True,
     replay_chunk: int = 256,
     hot_set_entries: int | None = None,
@@ -70,6 +72,14 @@ def dsv4_runner(
     """The one runner over a DSV4CacheManager and a DSV4Executor. Its `fork` returns False
     when no state block is free (a V4 child needs its own): the engine then queues the
     child, which is admitted later through the prefix cache like a preempted request.
+
+    restore: how a prefix hit's state is rebuilt (cache/dual_pool.py): "recompute",
+    "checkpoint" or "auto" (by `restore_cost`), from snapshots in `num_checkpoints` slots
+    of their own or pooled, `checkpoint_blocks` classical blocks each (the executor keeps a
+    pooled snapshot's state in a row of its own: storage/dsv4.py).
+    restore_cost: what "auto" prices a restore by; None: the runner's own timings
+    (MeasuredRestoreCost). A given one is the cache's alone (a test hands one cost to a
+    real and a simulated runner); the runner still times its copies and replays.
 
     kv_format: the classical pool's entries exact in the model's dtype ("exact"), or
     in V4's serving layout ("fp8": non-RoPE dims FP8 E4M3 with a power-of-two scale per
@@ -100,9 +110,10 @@ def dsv4_runner(
         kv_format,
         indexer_format,
         replay_chunk,
+        pooled_checkpoints=checkpoint_blocks > 0,
     )
     descriptor = descriptor_for(model, kv_format, indexer_format)
-    restore_cost = MeasuredRestoreCost()  # restore="auto": what copies and replays took here
+    measured = MeasuredRestoreCost()  # what copies and replays took here (restore="auto" by default)
     bridge = TierBridge(host_tier, persistent_tiers, spec.span, enable_prefix_caching=enable_prefix_caching)
     cache = DSV4CacheManager(
         spec,
@@ -112,7 +123,8 @@ def dsv4_runner(
         enable_prefix_caching=enable_prefix_caching,
         restore=restore,
         num_checkpoints=num_checkpoints,
-        restore_cost=restore_cost,
+        checkpoint_blocks=checkpoint_blocks,
+        restore_cost=measured if restore_cost is None else restore_cost,
         lower_tier=bridge.index,  # (None without tiers) its evicted blocks are saved to the host tier
         record_published=bool(bridge.persistent_tiers),  # written through as they complete
         turn_end_checkpoints=turn_end_checkpoints,
@@ -128,14 +140,16 @@ def dsv4_runner(
         block_size=spec.span,
         capacity_tokens=capacity,
         max_model_len=min(spec.max_position_embeddings, capacity),
-        restore_cost=restore_cost,
+        restore_cost=measured,
+        checkpoint_base=executor.pools.checkpoint_base,
         swa=swa,
     )
 
 
 class DSV4Executor:
     """A V4 model's tensors: the classical and state pools (num_checkpoints checkpoint
-    slots after the num_state_blocks state blocks) and the sparse attention over them."""
+    slots after the num_state_blocks state blocks, or with pooled_checkpoints a state row
+    per classical block for the pooled snapshots) and the sparse attention over them."""
 
     keeps_block_state = False
     has_state = True
@@ -150,6 +164,8 @@ class DSV4Executor:
         kv_format: str,
         indexer_format: str,
         replay_chunk: int = 256,
+        *,
+        pooled_checkpoints: bool = False,
     ) -> None:
         self.model = model
         self.spec = model.spec
@@ -165,6 +181,7 @@ class DSV4Executor:
             hot_set_entries=hot_set_entries,
             entry_format=kv_format,
             indexer_format=indexer_format,
+            pooled_checkpoints=pooled_checkpoints,
         )
         # V4's sparse attention over these pools, chosen once (attention/backends)
         device = self.pools.state[0].ring.device.type

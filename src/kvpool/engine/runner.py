@@ -188,7 +188,9 @@ class ModelRunner:
     findable in the prefix cache and the tier like anyone's, the rest is computed again),
     "swap" (its blocks are written to the host tier at once, its partial tail block too,
     and loaded back when it resumes), "auto" (swap when moving the bytes costs less than
-    recomputing the tokens, by the rates this runner has measured)."""
+    recomputing the tokens, by the rates this runner has measured). checkpoint_base: the
+    executor's state slot of the cache's checkpoint slot s is checkpoint_base + s (V4's
+    pooled checkpoints: s is the snapshot's first classical block, storage/dsv4.py)."""
 
     def __init__(
         self,
@@ -201,6 +203,7 @@ class ModelRunner:
         capacity_tokens: int,
         max_model_len: int,
         preemption: str = "recompute",
+        checkpoint_base: int = 0,
         restore_cost: MeasuredRestoreCost | None = None,
         swa: SWAStrategy | None = None,
     ) -> None:
@@ -221,6 +224,7 @@ class ModelRunner:
         stateful = [*cache.recurrent_groups, *cache.dual_groups]
         self.state_group = stateful[0].name if stateful else None
         self.restore_cost = restore_cost if restore_cost is not None else MeasuredRestoreCost()
+        self.checkpoint_base = checkpoint_base
         self.num_replayed_tokens = 0  # tokens recomputed by prefix-hit restores (for reports)
         self.replay_s = 0.0
         # deferred restores by recompute, by request, oldest first: (the hit's tokens, the
@@ -320,7 +324,7 @@ class ModelRunner:
             return
         if restore.method == "checkpoint":  # (the copy overwrites the whole slot)
             assert restore.checkpoint_slot is not None
-            self._copy_state(restore.checkpoint_slot, restore.state_slot)
+            self._copy_state(self.checkpoint_base + restore.checkpoint_slot, restore.state_slot)
             return
         self.executor.reset_state(restore.state_slot)
         if restore.method == "recompute":
@@ -654,7 +658,8 @@ class ModelRunner:
         SWA strategy keeps there."""
         for position, checkpoint_slot in checkpoints.get(request_id, ()):
             if position == stop:
-                self._copy_state(self.cache.part(request_id, self.state_group).state_slot, checkpoint_slot)
+                state_slot = self.cache.part(request_id, self.state_group).state_slot
+                self._copy_state(state_slot, self.checkpoint_base + checkpoint_slot)
         wanted = snapshots.get(request_id, {}).get(stop)
         if wanted is not None:
             self.bridge.persist_snapshot(self.cache, self.executor, request_id, stop, wanted)

@@ -9,6 +9,12 @@ A block is written once, whole, when its span completes; afterwards it is read-o
 State pool, per layer, indexed by a state slot. Slots [0, num_state_blocks) are request
 state blocks; slots [num_state_blocks, num_state_blocks + num_checkpoints) hold state
 checkpoints taken at classical block boundaries (a checkpoint is a slot-to-slot copy).
+Pooled checkpoints (cache/dual_pool.py `checkpoint_blocks`: a snapshot is a few classical
+blocks, named by its first) take slots [num_state_blocks, + num_classical_blocks) instead:
+the snapshot whose first block is b is slot `checkpoint_base + b`. The cache counts the
+snapshot's blocks against the classical pool; its state is kept here, in a row of its own
+(so these rows are extra memory, not the classical blocks' bytes reused). A findable
+snapshot holds its first block, so no two live snapshots share a row.
   ring       [slots, n_win, head_dim]      SWA window; token p in row p % n_win
   comp_kv    [slots, coff*ratio, coff*d]   compressor tail, fp32 (DEEPSEEK_V4.md §3; fp64 pools: fp64)
   comp_score [slots, coff*ratio, coff*d]
@@ -273,12 +279,19 @@ class DSV4Pools:
         hot_set_entries: int | None = None,
         entry_format: str = "exact",
         indexer_format: str = "fp8",
+        pooled_checkpoints: bool = False,
     ) -> None:
         """hot_set_entries: HiSparse, the CSA main entries each CSA layer keeps on the
         device (HotSet); the layer's main pool moves to host memory (pinned, on CUDA).
         entry_format: the classical pool's entries in `dtype` ("exact") or in V4's serving
         layout ("fp8": V4EntryPool, indexer keys in `indexer_format`, "fp8" or "mxfp4");
-        the state pool (window, compressor tails, unfinished span) stays in `dtype`."""
+        the state pool (window, compressor tails, unfinished span) stays in `dtype`.
+        pooled_checkpoints: a state row per classical block for the pooled snapshots (the
+        module docstring), in place of `num_checkpoints` slots."""
+        if pooled_checkpoints and num_checkpoints:
+            raise ValueError(
+                f"checkpoints in slots (num_checkpoints={num_checkpoints}) or pooled (pooled_checkpoints), not both"
+            )
         if entry_format not in ENTRY_FORMATS:
             raise ValueError(f"unknown V4 entry format {entry_format!r}; one of {', '.join(ENTRY_FORMATS)}")
         if indexer_format not in INDEXER_KEY_FORMATS:
@@ -294,7 +307,10 @@ class DSV4Pools:
         self.num_classical_blocks = num_classical_blocks
         self.num_state_blocks = num_state_blocks
         self.num_checkpoints = num_checkpoints
-        self.num_slots = num_state_blocks + num_checkpoints
+        # the state slot of the cache's checkpoint slot s: checkpoint_base + s (slots: the
+        # cache numbers them after the state blocks already; pooled: s is a classical block)
+        self.checkpoint_base = num_state_blocks if pooled_checkpoints else 0
+        self.num_slots = num_state_blocks + (num_classical_blocks if pooled_checkpoints else num_checkpoints)
         self.dtype = dtype
         self.entry_format = entry_format
         self.indexer_format = indexer_format
