@@ -7,16 +7,19 @@ logits, so their token streams agree, and a session's next turn (its previous pr
 answer, a new user message) is sent to both when its previous turn finishes on both.
 After every step both sides must show the same scheduled chunks (sequence, start,
 length), the same block tables (and state slots), the same prefix hits, the same
-preemptions and the same free block counts; integrity is checked on both.
+preemptions, the same free block counts and the same tier moves (blocks and window
+snapshots, counted and in bytes); integrity is checked on both.
 
 Layouts: paged (a Llama on the paged pool; recompute preemption, and swap preemption to a
-host tier), V4's dual pool (restore by recompute and by checkpoint), hybrid (window +
-full attention groups; recurrent + full attention groups)."""
+host tier), V4's dual pool (restore by recompute, by checkpoint slots, "auto" over pooled
+checkpoints, from a host tier, from a disk tier's window snapshots, by adopting turn
+ends), hybrid (window + full attention groups; recurrent + full attention groups)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass, fields, replace
+from pathlib import Path
 
 import pytest
 
@@ -34,7 +37,8 @@ from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG, TinyDSV4
 from kvpool.models.tiny_hybrid import TINY_GEMMA2, TINY_RECURRENT, TinyHybrid
 from kvpool.sim.executor import CostExecutor, VirtualClock
 from kvpool.storage.dsv4 import DSV4Pools
-from kvpool.tiers import HostTier
+from kvpool.tiers import DiskTier, HostTier
+from kvpool.tiers.swa import SWAStrategy
 from kvpool.workload.tokens import stream_key, text_ids, token_at
 from random_llama import DESCRIPTOR, random_llama
 
@@ -105,10 +109,12 @@ class Side:
     def view(self) -> tuple:
         """What must agree after a step: the chunks, the admissions (hit, table, restore),
         each running sequence's computed tokens and tables, the waiting queue, preemptions,
-        prefix hits (first admissions and readmissions), free blocks."""
+        prefix hits (first admissions and readmissions), free blocks, the tier moves
+        (blocks and window snapshots, counts and bytes; not their seconds)."""
         self.runner.check_integrity()
         stats = self.cache.stats
         admitted, self.num_compared = self.admissions[self.num_compared :], len(self.admissions)
+        bridge = self.runner.bridge
         return (
             tuple(self.chunks),
             tuple(admitted),
@@ -117,7 +123,14 @@ class Side:
             self.engine.num_preemptions,
             (stats.num_queried_tokens, stats.num_hit_tokens, stats.num_readmitted_hit_tokens),
             self.cache.usage(),
+            _counts(bridge.moves),
+            _counts(bridge.swa_moves),
         )
+
+
+def _counts(moves) -> tuple:
+    """A TierMoves' or SWAMoves' counts and bytes (its seconds are wall-clock)."""
+    return tuple(v for f, v in zip(fields(moves), astuple(moves), strict=True) if not f.name.endswith("_s"))
 
 
 def _lockstep(real: Side, sim: Side, wl: Workload) -> tuple[list[tuple], dict[str, list[int]]]:
@@ -137,6 +150,8 @@ def _lockstep(real: Side, sim: Side, wl: Workload) -> tuple[list[tuple], dict[st
     while real.engine.has_unfinished() or sim.engine.has_unfinished():
         finished = real.engine.step()
         assert sim.engine.step() == finished, f"step {len(views)}: other requests finished"
+        for side in (real, sim):  # a disk tier writes in the background: all of it visible now
+            assert side.runner.flush_tiers(timeout=30)
         view = real.view()
         assert sim.view() == view, f"step {len(views)}: the simulator's runner decided otherwise"
         views.append(view)
@@ -175,6 +190,7 @@ def _sim_side(real, cache, bridge: TierBridge, executor: CostExecutor, tables, w
         capacity_tokens=real.capacity_tokens,
         max_model_len=real.max_model_len,
         preemption=real.preemption,
+        swa=real.swa,
     )
     return Side(runner, cache, tables, wl, clock=executor.clock, **kw)
 
@@ -262,6 +278,7 @@ class DualCase:
     num_checkpoints: int = 0  # checkpoint slots of their own
     checkpoint_blocks: int = 0  # or pooled: classical blocks per checkpoint
     host_blocks: int = 0  # a host tier of this many classical blocks
+    swa: SWAStrategy | None = None  # a disk tier (restore "recompute"), window snapshots by this strategy
     turn_ends: bool = False
     num_blocks: int = 6
     num_states: int = 3
@@ -275,18 +292,23 @@ DUAL_CASES = {
     # (pooled checkpoints need free classical blocks: a larger pool, longer answers to preempt)
     "auto-pooled": DualCase("auto", checkpoint_blocks=1, num_blocks=12, workload=replace(DUAL, max_tokens=10)),
     "host-tier": DualCase(host_blocks=4),
+    # a snapshot every 2 spans: a hit at 32 restores the state from the tier, at 48 from
+    # the one at 32 and replays 16 tokens; the blocks the pool evicts come back from disk
+    "disk-tier": DualCase(swa=SWAStrategy("periodic", 32)),
     "turn-ends": DualCase(turn_ends=True, num_states=5),  # (3 running at most: the kept ones wait in the other two)
 }
 
 
 @pytest.mark.parametrize("name", list(DUAL_CASES))
-def test_dual(name: str) -> None:
+def test_dual(name: str, tmp_path: Path) -> None:
     """checkpoint: 4 checkpoint slots of their own. auto-pooled: the simulator's default,
     checkpoints pooled in the classical pool (when free), each hit's restore chosen by one
     `_Priced` cost on both sides. host-tier: the classical blocks the pool evicts go to a
     host tier of 4 blocks, and come back by prefetch before an admission hits them.
-    turn-ends: a finished turn's state block is kept, and the session's next turn adopts it
-    (nothing moves, on either side)."""
+    disk-tier: every block and window snapshot the SWA strategy keeps written through to a
+    disk tier (one a side, in tmp_path), hits restored from them. turn-ends: a finished
+    turn's state block is kept, and the session's next turn adopts it (nothing moves, on
+    either side)."""
     case = DUAL_CASES[name]
     model = TinyDSV4(SMALL_DSV4_CONFIG, seed=0)
     restore, wl = case.restore, case.workload
@@ -300,21 +322,35 @@ def test_dual(name: str) -> None:
     kw = {"max_num_batched_tokens": 48, "max_num_seqs": case.max_num_seqs}
     block_bytes = DSV4Pools(model.spec, 1, 1).classical_block_bytes()
     tiers = [HostTier(case.host_blocks * block_bytes) if case.host_blocks else None for _ in range(2)]
+    disks = [[DiskTier(tmp_path / side, 1 << 30)] if case.swa else [] for side in ("real", "sim")]
     real_runner = dsv4_runner(
-        model, num_blocks, num_states, **restores, host_tier=tiers[0], turn_end_checkpoints=case.turn_ends
+        model,
+        num_blocks,
+        num_states,
+        **restores,
+        host_tier=tiers[0],
+        persistent_tiers=disks[0],
+        swa=case.swa,
+        turn_end_checkpoints=case.turn_ends,
     )
     real = Side(real_runner, real_runner.cache, _dual_tables, wl, **kw)
-    bridge = TierBridge(tiers[1], (), model.spec.span, enable_prefix_caching=True)
+    bridge = TierBridge(tiers[1], disks[1], model.spec.span, enable_prefix_caching=True)
     cache = DSV4CacheManager(
         model.spec,
         num_blocks,
         num_states,
         dsv4_descriptor(model),
         **restores,
-        lower_tier=bridge.index,  # (as the V4 runner does for its tier)
+        lower_tier=bridge.index,  # (as the V4 runner does for its tiers)
+        record_published=bool(disks[1]),  # (written through as they complete)
         turn_end_checkpoints=case.turn_ends,
     )
-    executor = _cost_executor(real_runner, VirtualClock(), block_bytes=block_bytes, checkpoint_bytes=1, has_state=True)
+    spec = model.spec  # (fp32 pools: each layer's window row, and the CSA compressors' carried rows)
+    snapshots = {"spec": spec, "window_row_bytes": spec.num_layers * spec.head_dim * 4}
+    snapshots["boundary_bytes"] = int(spec.boundary_compressor_bytes(dtype="float32"))
+    executor = _cost_executor(
+        real_runner, VirtualClock(), block_bytes=block_bytes, checkpoint_bytes=1, has_state=True, **snapshots
+    )
     sim = _sim_side(real_runner, cache, bridge, executor, _dual_tables, wl, **kw)
     views, answers = _lockstep(real, sim, wl)
     _check_exercised(views, answers, wl)
@@ -328,10 +364,24 @@ def test_dual(name: str) -> None:
         assert executor.num_checkpoint_copies == real_runner.restore_cost.num_copies == 0  # an adoption moves nothing
     else:  # every state copy priced: the restores and the snapshots the steps took
         assert executor.num_checkpoint_copies == real_runner.restore_cost.num_copies > methods.count("checkpoint")
+    moves = real_runner.tier_moves
     if case.host_blocks:
-        moves = real_runner.tier_moves
         assert moves.num_loaded > 0 and tiers[0].stats.num_evictions > 0  # prefetched; the tier evicted
-        assert (executor.num_blocks_to_host, executor.num_blocks_to_device) == (moves.num_offloaded, moves.num_loaded)
+    if case.swa:  # snapshots taken and restored from (the real side's bytes priced), blocks back from disk
+        swa = real_runner.swa_moves
+        assert swa.num_restores >= 3 and swa.num_misses == 0 and moves.num_loaded > 0, (swa, moves)
+        assert (executor.num_window_snapshots, executor.num_window_restores) == (
+            swa.num_snapshots_persisted,
+            swa.num_restores,
+        )
+        assert sim.runner.swa_moves.snapshot_bytes_persisted == swa.snapshot_bytes_persisted > 0
+        assert sim.runner.swa_moves.load_bytes == swa.load_bytes > 0
+    assert (executor.num_blocks_to_host, executor.num_blocks_to_device) == (
+        moves.num_offloaded + moves.num_persisted,
+        moves.num_loaded,
+    )
+    for side in (real, sim):
+        side.runner.close()
 
 
 # ---- hybrid: window or recurrent groups beside full attention ------------------------------

@@ -19,6 +19,9 @@ executor calls, which only ever move or compute tensors, by pricing them:
     (so a host tier's byte limit evicts as it would for the real blocks), not priced: the
     GPU presets carry no host-link bandwidth. (`kvpool simulate` runs without tiers
     (`sim_runner`); only a runner given a host tier, as tests/test_sim_parity.py's, moves.)
+  - `window_snapshot` / `restore_window` (V4 with persistent tiers and an SWA strategy):
+    a snapshot's bytes (`snapshot_bytes`) read from the state, or written into it, priced
+    as bytes moved in the step; the tier entry is those bytes.
 """
 
 from __future__ import annotations
@@ -61,7 +64,9 @@ class CostExecutor:
 
     block_bytes: one block's bytes (a copy-on-write copy moves it twice; a host tier entry
     holds it); checkpoint_bytes: what one state copy moves (V4 dual, recurrent);
-    has_state: requests hold a state slot (their admissions restore it)."""
+    has_state: requests hold a state slot (their admissions restore it). V4 window
+    snapshots: `spec` (the DSV4Spec: window, layers), `window_row_bytes` (one token's SWA KV
+    over every layer) and `boundary_bytes` (the compressor rows pending at a block boundary)."""
 
     attention = None  # no attention backend: nothing attends
     keeps_block_state = False
@@ -78,6 +83,9 @@ class CostExecutor:
         num_state_blocks: int = 0,
         checkpoint_bytes: int = 0,
         has_state: bool = False,
+        spec: Any = None,
+        window_row_bytes: int = 0,
+        boundary_bytes: int = 0,
     ) -> None:
         self.model = None  # no weights: the cost model stands for them
         self.vocab_size = vocab_size
@@ -93,6 +101,9 @@ class CostExecutor:
         self.num_state_blocks = num_state_blocks
         self.checkpoint_bytes = checkpoint_bytes
         self.has_state = has_state
+        self.spec = spec
+        self.window_row_bytes = window_row_bytes
+        self.boundary_bytes = boundary_bytes
         # The step so far: its first forward's chunks as they came (one per request; the
         # common step is that one forward), and, for the requests of its later pieces only,
         # request -> [start, end) they computed in those pieces (`_later`, in the order they
@@ -106,6 +117,8 @@ class CostExecutor:
         self.num_copied_blocks = 0
         self.num_blocks_to_host = 0
         self.num_blocks_to_device = 0
+        self.num_window_snapshots = 0  # V4 window snapshots taken, and restores from them
+        self.num_window_restores = 0
         self.busy_s = 0.0  # the sum of step times: the replica's busy time
 
     # ---- the step ---------------------------------------------------------------------------
@@ -195,6 +208,25 @@ class CostExecutor:
 
     def drop_blocks(self, block_ids: Sequence[int]) -> None:
         pass
+
+    # ---- V4's window snapshots (persistent tiers) --------------------------------------------
+
+    def snapshot_bytes(self, boundary: int, num_rows: int) -> int:
+        """A window snapshot at `boundary` (storage/dsv4.py `window_snapshot`): the window
+        rows of its last min(num_rows, boundary, n_win) tokens, every layer, and the
+        compressor rows pending there."""
+        return min(num_rows, boundary, self.spec.window) * self.window_row_bytes + self.boundary_bytes
+
+    def window_snapshot(self, slot: int, boundary: int, num_rows: int) -> dict[str, torch.Tensor]:
+        """The tier entry: `snapshot_bytes` bytes (none behind them until a tier copies them)."""
+        num_bytes = self.snapshot_bytes(boundary, num_rows)
+        self.num_window_snapshots += 1
+        self._moved += num_bytes  # read from the state
+        return {"window": torch.zeros(1, dtype=torch.uint8).expand(num_bytes)}
+
+    def restore_window(self, slot: int, boundary: int, snapshots: list[tuple[int, dict[str, torch.Tensor]]]) -> None:
+        self.num_window_restores += 1
+        self._moved += sum(t.numel() * t.element_size() for _, ts in snapshots for t in ts.values())  # into the state
 
     # ---- figures ---------------------------------------------------------------------------
 
