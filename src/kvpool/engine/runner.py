@@ -458,19 +458,22 @@ class ModelRunner:
         computed prefix within its reservation:
           [0, computed) written | [start = computed, end) this step | end <= reserved
         A step past its reservation would write K/V into blocks the request does not hold,
-        one past the computed count would read K/V never written. ~0.16 us a request."""
-        computed, reserved = self.cache.num_computed_tokens, self.cache.num_reserved_tokens
-        for request_id, start, end in zip(request_ids, starts, ends, strict=True):
-            if start != computed(request_id) or not start < end <= reserved(request_id):
-                if start == end == computed(request_id):
-                    raise ValueError(
-                        f"request {request_id!r}: an empty chunk at position {start}: a step planned from "
-                        "the step buffers computes at least one token a request"
-                    )
-                raise ValueError(
-                    f"request {request_id!r}: positions [{start}, {end}) do not continue its "
-                    f"{computed(request_id)} computed tokens within the reserved [0, {reserved(request_id)})"
-                )
+        one past the computed count would read K/V never written. The coordinator finds the
+        request at fault in one pass (~0.07 us a request); its counts are read only then."""
+        i = self.cache.first_off_step(request_ids, starts, ends)
+        if i is None:
+            return
+        request_id, start, end = request_ids[i], starts[i], ends[i]
+        computed, reserved = self.cache.num_computed_tokens(request_id), self.cache.num_reserved_tokens(request_id)
+        if start == end == computed:
+            raise ValueError(
+                f"request {request_id!r}: an empty chunk at position {start}: a step planned from "
+                "the step buffers computes at least one token a request"
+            )
+        raise ValueError(
+            f"request {request_id!r}: positions [{start}, {end}) do not continue its "
+            f"{computed} computed tokens within the reserved [0, {reserved})"
+        )
 
     def run(self, work: Sequence[tuple[str, list[int], int]]) -> list[torch.Tensor]:
         """One forward over reserved chunks (request id, token ids, start): logits
