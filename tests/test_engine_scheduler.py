@@ -212,8 +212,12 @@ def test_the_inline_decode_path_equals_accept_token():
                 batched_sampling=batched,
             )
             engine.inline_decode = inline
+            taken = []  # the decode steps `step` took through `_take_decode_tokens`
+            take = engine._take_decode_tokens
+            engine._take_decode_tokens = lambda *args, take=take, taken=taken: taken.append(1) or take(*args)
             ids = [engine.add_request(prompt, params) for prompt, params in requests]
             run(engine)
+            assert bool(taken) == (inline and batched), case  # the decode step's loop ran where it holds
             outs = [engine.output(rid) for rid in ids]
             outputs.append([[(c.token_ids, c.text, c.finish_reason) for c in o.completions] for o in outs])
             outputs[-1].append([s.logprobs for rid in ids for s in engine.requests[rid].seqs])

@@ -484,44 +484,48 @@ class Engine:
         row = 0
         num_decode = 0  # chunks of one token after the prompt
         counts = self._step_counts  # (counts[i] is len(chunks[i].token_ids))
-        for i, (seq, chunk, n) in enumerate(zip(self._scheduled, chunks, counts, strict=True)):
-            seq.num_computed += n
-            req = seq.request
-            if n == 1 and chunk.start >= len(req.prompt_ids):
-                num_decode += 1
-            if not chunk.needs_logits:
-                continue
-            token = sampled[row] if sampled is not None else None
-            row += 1
-            if failed and req.request_id in failed:
-                continue
-            try:
-                if plain and req.plain and req.first_token_time is not None:
-                    # A decode token of a plain request (no logprobs, one sample, not its first
-                    # token, nothing recorded): `_accept_token`'s work without its checks (its
-                    # twin: tests/test_engine_scheduler.py runs both paths on the same requests)
-                    tokens = seq.token_ids
-                    if token is None:
-                        position = len(tokens) - len(req.prompt_ids)
-                        token = self.sampler(logits[row - 1], req.params, seq.sample_index, position)
-                    tokens.append(token)
-                    if not req.matches_text and token not in req.stop_ids and len(tokens) < req.end_len:
-                        next_token_ids[i] = token
-                        continue
-                    reason = self._stop_reason(seq, token)
+        if plain and sampled is not None and len(sampled) == len(chunks) == counts.count(1):
+            # a decode step (one sampled token a chunk): the loop below without its per-chunk branches
+            next_token_ids, num_decode = self._take_decode_tokens(sampled, logits, now, done, forks, failed)
+        else:
+            for i, (seq, chunk, n) in enumerate(zip(self._scheduled, chunks, counts, strict=True)):
+                seq.num_computed += n
+                req = seq.request
+                if n == 1 and chunk.start >= len(req.prompt_ids):
+                    num_decode += 1
+                if not chunk.needs_logits:
+                    continue
+                token = sampled[row] if sampled is not None else None
+                row += 1
+                if failed and req.request_id in failed:
+                    continue
+                try:
+                    if plain and req.plain and req.first_token_time is not None:
+                        # A decode token of a plain request (no logprobs, one sample, not its first
+                        # token, nothing recorded): `_accept_token`'s work without its checks (its
+                        # twin: tests/test_engine_scheduler.py runs both paths on the same requests)
+                        tokens = seq.token_ids
+                        if token is None:
+                            position = len(tokens) - len(req.prompt_ids)
+                            token = self.sampler(logits[row - 1], req.params, seq.sample_index, position)
+                        tokens.append(token)
+                        if not req.matches_text and token not in req.stop_ids and len(tokens) < req.end_len:
+                            next_token_ids[i] = token
+                            continue
+                        reason = self._stop_reason(seq, token)
+                    else:
+                        reason = accept(seq, logits, row - 1, now, token)
+                except Exception as error:
+                    if not self.contain_request_faults:
+                        raise
+                    failed[req.request_id] = (f"{type(error).__name__}: {error}", traceback.format_exc())
+                    continue
+                if req.params.n > 1 and not req.forked:
+                    forks.append((seq, row - 1))
+                if reason is None:
+                    next_token_ids[i] = seq.token_ids[-1]
                 else:
-                    reason = accept(seq, logits, row - 1, now, token)
-            except Exception as error:
-                if not self.contain_request_faults:
-                    raise
-                failed[req.request_id] = (f"{type(error).__name__}: {error}", traceback.format_exc())
-                continue
-            if req.params.n > 1 and not req.forked:
-                forks.append((seq, row - 1))
-            if reason is None:
-                next_token_ids[i] = seq.token_ids[-1]
-            else:
-                done.append((seq, reason))
+                    done.append((seq, reason))
         stats.num_decode_tokens += num_decode
         stats.num_prefill_tokens += sum(counts) - num_decode
         self.runner.commit_step(self._step_ids, counts, next_token_ids)
@@ -547,6 +551,55 @@ class Engine:
             self.fail(request_id, message, trace)
             finished.append(request_id)
         return finished
+
+    def _take_decode_tokens(
+        self,
+        sampled: list[int],
+        logits: torch.Tensor,
+        now: float,
+        done: list[tuple[SequenceState, str]],
+        forks: list[tuple[SequenceState, int]],
+        failed: dict[str, tuple[str, str]],
+    ) -> tuple[list[int | None], int]:
+        """`step`'s loop for a step of one sampled token a chunk, every chunk (`sampled[i]`:
+        the token of the i-th scheduled sequence), nothing recorded per token: the same work,
+        without the branches a prefill chunk takes. Returns each chunk's next token id for the
+        commit (None: none, its request finished or failed) and the number of decode chunks
+        (those after the prompt)."""
+        next_token_ids: list[int | None] = []
+        put = next_token_ids.append
+        num_decode = 0
+        accept = self._accept_token
+        for row, (seq, token) in enumerate(zip(self._scheduled, sampled, strict=True)):
+            req = seq.request
+            start = seq.num_computed  # (the chunk's start)
+            if start >= len(req.prompt_ids):
+                num_decode += 1
+            seq.num_computed = start + 1
+            try:
+                if req.plain and req.first_token_time is not None:  # `step`'s inline path
+                    tokens = seq.token_ids
+                    tokens.append(token)
+                    if not req.matches_text and token not in req.stop_ids and len(tokens) < req.end_len:
+                        put(token)
+                        continue
+                    reason = self._stop_reason(seq, token)
+                else:
+                    reason = accept(seq, logits, row, now, token)
+            except Exception as error:
+                if not self.contain_request_faults:
+                    raise
+                failed[req.request_id] = (f"{type(error).__name__}: {error}", traceback.format_exc())
+                put(None)
+                continue
+            if req.params.n > 1 and not req.forked:
+                forks.append((seq, row))
+            if reason is None:
+                put(seq.token_ids[-1])
+            else:
+                put(None)
+                done.append((seq, reason))
+        return next_token_ids, num_decode
 
     def _sample_step(self, chunks: Sequence[ScheduledChunk], logits: torch.Tensor) -> list[int]:
         """Every sampled row's token (the chunks needing logits, in order), in one batch. The
