@@ -321,6 +321,29 @@ def test_csr_export():
     assert to_csr([[0, 1, 2], [3]], [8, 4], 4) == ([0, 2, 3], [0, 1, 3], [4, 4])
 
 
+def test_first_off_step_finds_the_first_request_outside_its_reservation():
+    # The runner's check of a step planned from the step buffers: request i's positions
+    # [starts[i], ends[i]) start at its computed count, hold a token, end within its reservation.
+    m = make(num_blocks=10)
+    prefill(m, "a", A)  # 10 computed: blocks [0, 1, 2]
+    prefill(m, "b", [5, 6, 7])  # 3 computed: block [3]
+    m.append_token_ids("a", [1])
+    m.append_token_ids("b", [1])
+    assert m.reserve_step(["a", "b"], [1, 1])
+    # not exact steps: a request may write its last block to its end
+    assert (m.num_reserved_tokens("a"), m.num_reserved_tokens("b")) == (12, 4)
+    assert m.first_off_step(["a", "b"], [10, 3], [11, 4]) is None
+    assert m.first_off_step(["a", "b"], [10, 3], [12, 4]) is None  # up to the reserved end
+    assert m.first_off_step(["a", "b"], [10, 3], [11, 5]) == 1  # b past its reservation
+    assert m.first_off_step(["a", "b"], [10, 2], [11, 4]) == 1  # b rewrites a computed position
+    assert m.first_off_step(["a", "b"], [10, 3], [10, 4]) == 0  # a's empty chunk
+    assert m.first_off_step(["b", "a"], [4, 11], [5, 12]) == 0  # both off: the first
+    with pytest.raises(KeyError, match="unknown request 'zzz'"):
+        m.first_off_step(["a", "zzz"], [10, 0], [11, 1])
+    assert (m.num_computed_tokens("a"), m.num_computed_tokens("b")) == (10, 3)
+    m.check_integrity()
+
+
 def test_bad_input_gets_clear_errors_and_changes_nothing():
     m = make()
     prefill(m, "a", A)

@@ -305,14 +305,21 @@ class HybridCacheManager:
           [0, computed) written | [start = computed, end) the step | start < end <= reserved
         None when every request's do (a planned step's check in one pass, ~0.07 us a
         request). KeyError for an unknown id."""
+        requests = self._requests
         try:
-            reqs = list(map(self._requests.__getitem__, request_ids))
+            for req, start, end in zip(map(requests.__getitem__, request_ids), starts, ends, strict=True):
+                if start != req.num_computed or not start < end <= req.end:
+                    break
+            else:
+                return None
         except KeyError as missing:
             raise KeyError(f"unknown request {missing.args[0]!r}") from None
-        for i, (req, start, end) in enumerate(zip(reqs, starts, ends, strict=True)):
+        # a refusal: a second pass finds its index (the pass above counts nothing, ~20 % faster)
+        for i, (request_id, start, end) in enumerate(zip(request_ids, starts, ends, strict=True)):
+            req = requests[request_id]
             if start != req.num_computed or not start < end <= req.end:
                 return i
-        return None
+        raise AssertionError("the first pass found a request at fault")
 
     def _get(self, request_id: str) -> _Request:
         try:
