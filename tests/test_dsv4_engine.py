@@ -262,3 +262,24 @@ def test_a_pooled_checkpoint_restore_equals_the_oracle(restore: str) -> None:
     assert restored == [4, 1]  # (128's snapshot: blocks 1, 2; 256's: 4, 5; block 0 and 3 are spans)
     assert runner.num_replayed_tokens == 0 and runner.restore_cost.num_copies == 4  # 2 taken, 2 restored
     runner.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("kw", "checkpoint_rows"),
+    [
+        ({}, 0),
+        ({"restore": "checkpoint", "num_checkpoints": 4}, 4),
+        ({"restore": "auto", "checkpoint_blocks": 2}, 64),  # a row per classical block
+        ({"restore": "recompute", "checkpoint_blocks": 2}, 0),  # the cache takes no snapshot
+        ({"restore": "auto", "checkpoint_blocks": 2, "enable_prefix_caching": False}, 0),
+    ],
+)
+def test_kv_capacity_bytes_counts_every_state_row_the_executor_allocates(kw: dict, checkpoint_rows: int) -> None:
+    from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG
+
+    runner = dsv4_runner(TinyDSV4(SMALL_DSV4_CONFIG), 64, 16, **kw)
+    pools = runner.executor.pools
+    assert pools.num_slots == 16 + checkpoint_rows
+    allocated = sum(t.numel() * t.element_size() for st in pools.state for t in st.tensors())
+    allocated += pools.classical_block_bytes() * 64
+    assert runner.cache_stats()["kv_capacity_bytes"] == allocated

@@ -81,6 +81,11 @@ def test_serve_live_runs_every_turn_and_the_follow_ups_hit_their_first_turns(tur
     assert (report["v4_turn_ends"], report["state_adoptions"]) == (turn_ends, 3 if turn_ends else 0)
     assert report["goodput_req_s"] == round(6 / run.wall_s, 3) and report["request_rate"] == "inf"
     assert report["read_bandwidth_gbps"] == round(run.kv_read_bytes / run.step_s / 1e9, 3) > 0
+    # the run moved the conversations on: serving them again would give no follow-up turns
+    fresh, _ = _tiny_v4(turn_ends)
+    with pytest.raises(ValueError, match="conversations were served already"):
+        serve_live(fresh, workload, SamplingParams(max_tokens=4), turns=2, request_rate=1.0, rng=random.Random(0))
+    assert not fresh.has_unfinished() and fresh.num_steps == 0
 
 
 def test_ctrl_c_aborts_what_is_left_and_the_report_covers_what_finished():

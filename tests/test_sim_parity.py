@@ -384,6 +384,8 @@ def test_dual(name: str, tmp_path: Path) -> None:
         )
         assert sim.runner.swa_moves.snapshot_bytes_persisted == swa.snapshot_bytes_persisted > 0
         assert sim.runner.swa_moves.load_bytes == swa.load_bytes > 0
+        # and the simulated steps priced those bytes: the real tensors' written and read
+        assert executor.window_bytes_moved == swa.snapshot_bytes_persisted + swa.load_bytes
     assert (executor.num_blocks_to_host, executor.num_blocks_to_device) == (
         moves.num_offloaded + moves.num_persisted,
         moves.num_loaded,

@@ -101,17 +101,6 @@ def dsv4_runner(
     if kv_format == "fp8" and (host_tier is not None or persistent_tiers):
         raise ValueError("--kv-cache-dtype fp8: the tiers keep exact classical blocks only")
     spec = model.spec
-    executor = DSV4Executor(
-        model,
-        num_classical_blocks,
-        num_state_blocks,
-        num_checkpoints,
-        hot_set_entries,
-        kv_format,
-        indexer_format,
-        replay_chunk,
-        pooled_checkpoints=checkpoint_blocks > 0,
-    )
     descriptor = descriptor_for(model, kv_format, indexer_format)
     measured = MeasuredRestoreCost()  # what copies and replays took here (restore="auto" by default)
     bridge = TierBridge(host_tier, persistent_tiers, spec.span, enable_prefix_caching=enable_prefix_caching)
@@ -128,6 +117,18 @@ def dsv4_runner(
         lower_tier=bridge.index,  # (None without tiers) its evicted blocks are saved to the host tier
         record_published=bool(bridge.persistent_tiers),  # written through as they complete
         turn_end_checkpoints=turn_end_checkpoints,
+    )
+    executor = DSV4Executor(
+        model,
+        num_classical_blocks,
+        num_state_blocks,
+        num_checkpoints,
+        hot_set_entries,
+        kv_format,
+        indexer_format,
+        replay_chunk,
+        # a pooled snapshot's state row per classical block, only where the cache takes them
+        pooled_checkpoints=checkpoint_blocks > 0 and cache.groups["v4"].checkpointing,
     )
     # The unfinished span lives in the state block, so one request holds up to
     # num_classical_blocks full spans plus span - 1 tokens.
@@ -308,9 +309,10 @@ class DSV4Executor:
 
     def cache_stats(self, cache: Any) -> dict[str, float]:
         pools = self.pools
+        # every state row: the state blocks', then the checkpoints' (slots, or pooled rows)
         return {
             "kv_capacity_bytes": pools.classical_block_bytes() * cache.num_blocks
-            + pools.state_block_bytes() * cache.usage().num_state_blocks,
+            + pools.state_block_bytes() * pools.num_slots,
             "classical_block_bytes": pools.classical_block_bytes(),
             "state_blocks": cache.usage().num_state_blocks,
             "state_block_bytes": pools.state_block_bytes(),

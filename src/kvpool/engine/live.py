@@ -66,9 +66,13 @@ def serve_live(
     finished or Ctrl-C. `on_progress(num_finished, elapsed_s)` after each step (the requests
     that step finished, the seconds since the start); `note_bookkeeping`: the runner notes its Python structures
     at their largest after each step (the memory ledger's); `tp_model`: this rank's model
-    under tensor parallelism (None: one process)."""
+    under tensor parallelism (None: one process). The run moves the workload's
+    conversations on (their turns and histories): a workload served with follow-ups is
+    spent, and serving it again is refused."""
     if turns <= 0:
         raise ValueError(f"turns must be positive, got {turns}")
+    if any(conv.turn for conv in workload.conversations):
+        raise ValueError("this workload's conversations were served already (follow-ups spent): make a new one")
     pending = workload.first_requests(request_rate, rng)
     conversation_of = {request_id(c, 0): c for c in range(len(workload.conversations))}
     runner = engine.runner

@@ -119,6 +119,7 @@ class CostExecutor:
         self.num_blocks_to_device = 0
         self.num_window_snapshots = 0  # V4 window snapshots taken, and restores from them
         self.num_window_restores = 0
+        self.window_bytes_moved = 0  # the bytes those priced, out of the state and into it
         self.busy_s = 0.0  # the sum of step times: the replica's busy time
 
     # ---- the step ---------------------------------------------------------------------------
@@ -221,12 +222,15 @@ class CostExecutor:
         """The tier entry: `snapshot_bytes` bytes (none behind them until a tier copies them)."""
         num_bytes = self.snapshot_bytes(boundary, num_rows)
         self.num_window_snapshots += 1
+        self.window_bytes_moved += num_bytes
         self._moved += num_bytes  # read from the state
         return {"window": torch.zeros(1, dtype=torch.uint8).expand(num_bytes)}
 
     def restore_window(self, slot: int, boundary: int, snapshots: list[tuple[int, dict[str, torch.Tensor]]]) -> None:
         self.num_window_restores += 1
-        self._moved += sum(t.numel() * t.element_size() for _, ts in snapshots for t in ts.values())  # into the state
+        num_bytes = sum(t.numel() * t.element_size() for _, ts in snapshots for t in ts.values())
+        self.window_bytes_moved += num_bytes
+        self._moved += num_bytes  # into the state
 
     # ---- figures ---------------------------------------------------------------------------
 
