@@ -570,7 +570,7 @@ class Engine:
         put = next_token_ids.append
         num_decode = 0
         accept = self._accept_token
-        for row, (seq, token) in enumerate(zip(self._scheduled, sampled, strict=True)):
+        for seq, token in zip(self._scheduled, sampled, strict=True):
             req = seq.request
             start = seq.num_computed  # (the chunk's start)
             if start >= len(req.prompt_ids):
@@ -585,7 +585,7 @@ class Engine:
                         continue
                     reason = self._stop_reason(seq, token)
                 else:
-                    reason = accept(seq, logits, row, now, token)
+                    reason = accept(seq, logits, len(next_token_ids), now, token)  # (the row: one put a row)
             except Exception as error:
                 if not self.contain_request_faults:
                     raise
@@ -593,7 +593,7 @@ class Engine:
                 put(None)
                 continue
             if req.params.n > 1 and not req.forked:
-                forks.append((seq, row))
+                forks.append((seq, len(next_token_ids)))
             if reason is None:
                 put(seq.token_ids[-1])
             else:
