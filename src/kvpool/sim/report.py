@@ -12,7 +12,6 @@ from array import array
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvpool.cache.dual_pool import DualPoolGroup
 from kvpool.capacity.planner import Plan
 from kvpool.sim.cost import CostModel
 from kvpool.spec.gpus import GPUSpec
@@ -187,12 +186,7 @@ def build_report(
         "checkpoint_copies": int(sum(s["checkpoint_copies"] for s in stats)),
         "v4_restore": config.v4_restore,
         "v4_turn_ends": config.v4_turn_ends,
-        "state_adoptions": sum(
-            g.num_adoptions
-            for rep in replicas
-            for g in rep.runner.cache.groups.values()
-            if isinstance(g, DualPoolGroup)
-        ),
+        "state_adoptions": sum(g.num_adoptions for rep in replicas for g in rep.runner.cache.dual_groups),
         **p50_p99("alloc_latency_us", alloc_us, 2),
         "num_alloc_calls": sum(rep.engine.stats.num_alloc_calls for rep in replicas),
         "num_noop_alloc_calls": sum(rep.engine.stats.num_noop_calls for rep in replicas),

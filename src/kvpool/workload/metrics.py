@@ -291,8 +291,8 @@ def v4_turn_end_report(cache: Any) -> dict[str, object]:
     """V4's dual pool (tiny-dsv4): whether finished turns keep their state blocks
     (v4_turn_ends) and how many admissions adopted one (state_adoptions), the keys
     `kvpool simulate` reports; {} for a cache without a dual-pool group (the groups that
-    count adoptions: cache/dual_pool.py `DualPoolGroup.num_adoptions`)."""
-    duals = [g for g in getattr(cache, "groups", {}).values() if hasattr(g, "num_adoptions")]
+    count adoptions: the coordinator's `dual_groups`, cache/dual_pool.py)."""
+    duals = getattr(cache, "dual_groups", [])
     if not duals:
         return {}
     return {"v4_turn_ends": cache.turn_end_checkpoints, "state_adoptions": sum(g.num_adoptions for g in duals)}
