@@ -178,6 +178,34 @@ def _decode_text(ids: list[int]) -> str:
     return "".join(chr(97 + t % 26) for t in ids)
 
 
+def test_a_request_failed_by_one_sample_takes_no_token_for_its_others_in_a_decode_step():
+    # n = 2: both samples decode in one step; the first one's acceptance raises. With
+    # contain_request_faults the request fails alone, with that first error, and its other
+    # sample is not accepted after it (as in step's general loop)
+    runner = PrefixModelRunner(12, 4)
+    engine = Engine(runner, max_num_batched_tokens=24, max_num_seqs=6, batched_sampling=True)
+    engine.contain_request_faults = True
+    bad = engine.add_request([1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True, n=2))
+    good = engine.add_request([4, 5, 6], SamplingParams(max_tokens=8, ignore_eos=True))
+    while len(engine.requests[bad].seqs) < 2 or engine.requests[bad].seqs[0].request.first_token_time is None:
+        engine.step()
+    calls: list[int] = []
+    accept = engine._accept_token
+
+    def failing(seq, *args):
+        if seq.request.request_id == bad:
+            calls.append(seq.seq_id)
+            raise RuntimeError(f"sample {len(calls)} broke")
+        return accept(seq, *args)
+
+    engine._accept_token = failing
+    finished = engine.step()
+    assert bad in finished and len(calls) == 1
+    assert engine.output(bad).error.startswith("RuntimeError: sample 1 broke")
+    run(engine)
+    assert len(engine.output(good).completions[0].token_ids) == 8
+
+
 def test_the_inline_decode_path_equals_accept_token():
     # Engine.step takes a plain request's decode tokens inline; `inline_decode = False` sends
     # every token through `_accept_token` and `_stop_reason`'s checks in full (neither

@@ -576,6 +576,9 @@ class Engine:
             if start >= len(req.prompt_ids):
                 num_decode += 1
             seq.num_computed = start + 1
+            if failed and req.request_id in failed:  # (a sibling sample failed it this step)
+                put(None)
+                continue
             try:
                 if req.plain and req.first_token_time is not None:  # `step`'s inline path
                     tokens = seq.token_ids
