@@ -568,19 +568,15 @@ class Engine:
         (those after the prompt)."""
         next_token_ids: list[int | None] = []
         put = next_token_ids.append
-        num_decode = 0
+        num_in_prompt = 0  # chunks inside the prompt (a prompt's last token): not decodes
         accept = self._accept_token
         for seq, token in zip(self._scheduled, sampled, strict=True):
             req = seq.request
-            start = seq.num_computed  # (the chunk's start)
-            if start >= len(req.prompt_ids):
-                num_decode += 1
-            seq.num_computed = start + 1
-            if failed and req.request_id in failed:  # (a sibling sample failed it this step)
-                put(None)
-                continue
+            seq.num_computed += 1
             try:
                 if req.plain and req.first_token_time is not None:  # `step`'s inline path
+                    # (one sample, so no sibling failed it; a decode: its chunk, the last
+                    # token, starts past the prompt, as the sequence has its first token)
                     tokens = seq.token_ids
                     tokens.append(token)
                     if not req.matches_text and token not in req.stop_ids and len(tokens) < req.end_len:
@@ -588,6 +584,11 @@ class Engine:
                         continue
                     reason = self._stop_reason(seq, token)
                 else:
+                    if seq.num_computed <= len(req.prompt_ids):  # (the chunk's start < the prompt's length)
+                        num_in_prompt += 1
+                    if failed and req.request_id in failed:  # a sibling sample failed it this step
+                        put(None)
+                        continue
                     reason = accept(seq, logits, len(next_token_ids), now, token)  # (the row: one put a row)
             except Exception as error:
                 if not self.contain_request_faults:
@@ -602,7 +603,7 @@ class Engine:
             else:
                 put(None)
                 done.append((seq, reason))
-        return next_token_ids, num_decode
+        return next_token_ids, len(sampled) - num_in_prompt
 
     def _sample_step(self, chunks: Sequence[ScheduledChunk], logits: torch.Tensor) -> list[int]:
         """Every sampled row's token (the chunks needing logits, in order), in one batch. The
