@@ -71,6 +71,8 @@ def test_the_fewest_gpus_that_hold_the_model():
     assert fit_tp(model_by_name("deepseek-v3"), h200, None) == 8
     with pytest.raises(ValueError, match=r"^--tensor-parallel-size: the cpu preset is one machine"):
         fit_tp(model_by_name("llama-3.1-8b"), gpu_preset("cpu"), 2)
+    with pytest.raises(ValueError, match=r"^--tensor-parallel-size 3: llama-3.1-8b's 32 attention heads do not split"):
+        fit_tp(model_by_name("llama-3.1-8b"), h200, 3)
     assert gpu_preset("h100", 0.5).memory_bytes == gpu_preset("h100").memory_bytes // 2
 
 

@@ -203,3 +203,12 @@ def test_a_run_spaces_the_collectors_young_collections_and_restores_its_threshol
             assert gc.get_threshold() == before and not gc.isenabled()
     finally:
         gc.enable()
+    # runs that overlap and end out of order (threads): the last one out restores
+    first, second = spaced_collections(1234), spaced_collections(99)
+    first.__enter__()
+    second.__enter__()
+    assert gc.get_threshold() == (1234, before[1], 1)
+    first.__exit__(None, None, None)
+    assert gc.get_threshold() == (1234, before[1], 1)  # the second run still going
+    second.__exit__(None, None, None)
+    assert gc.get_threshold() == before

@@ -154,6 +154,9 @@ def fit_tp(model: ModelSpec, gpu: GPUSpec, tp: int | None, kv_dtype: str = "auto
             raise ValueError("--tensor-parallel-size: the cpu preset is one machine; tensor parallelism needs GPUs")
         return 1
     if tp:
+        if model.num_heads % tp:  # (the planner would say it without the flag)
+            heads = f"{model.name}'s {model.num_heads} attention heads"
+            raise ValueError(f"--tensor-parallel-size {tp}: {heads} do not split over {tp} GPUs")
         return tp
     from kvpool.capacity.kv import kv_layout
 

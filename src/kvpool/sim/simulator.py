@@ -25,6 +25,7 @@ from __future__ import annotations
 import gc
 import heapq
 import itertools
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -238,6 +239,9 @@ def make_replicas(
 
 # Young collections this far apart during a run (`spaced_collections`)
 YOUNG_COLLECTION_EVERY = 50_000
+_spacing = threading.Lock()
+_spaced_depth = 0  # the runs inside spaced_collections now
+_spaced_saved: tuple[int, int, int] | None = None  # the thresholds the first of them found
 
 
 @contextmanager
@@ -257,16 +261,23 @@ def spaced_collections(every: int = YOUNG_COLLECTION_EVERY) -> Iterator[None]:
     sequences), 1.4 s in 21 / 2 / 0 spaced out (635 MB: the garbage only a collection frees
     no longer grows with the requests). Collections free memory only: nothing the
     simulation computes depends on when they run."""
-    young, middle, _ = gc.get_threshold()
-    if not gc.isenabled() or young == 0:
-        yield
-        return
-    saved = gc.get_threshold()
-    gc.set_threshold(every, middle, 1)
+    global _spaced_depth, _spaced_saved
+    with _spacing:  # runs may overlap (threads, nested calls): the first in sets, the last out restores
+        if not _spaced_depth:
+            young, middle, _ = _spaced_saved = gc.get_threshold()
+            if not gc.isenabled() or young == 0:
+                _spaced_saved = None
+            else:
+                gc.set_threshold(every, middle, 1)
+        _spaced_depth += 1
     try:
         yield
     finally:
-        gc.set_threshold(*saved)
+        with _spacing:
+            _spaced_depth -= 1
+            if not _spaced_depth and _spaced_saved is not None:
+                gc.set_threshold(*_spaced_saved)
+                _spaced_saved = None
 
 
 @spaced_collections()
