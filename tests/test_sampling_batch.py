@@ -303,7 +303,7 @@ def test_thousands_of_random_batches_equal_sample_token_row_by_row(one_thread):
         sampler, owners = BatchSampler(), list(range(rows))
         for step in range(2):
             at = [p + step for p in positions]
-            got = sampler.sample(logits, owners, lambda p=params, i=indices: (p, i), lambda at=at: at)
+            got = sampler.sample(logits, owners, lambda p=params, i=indices, o=[0] * rows: (p, i, o), lambda at=at: at)
             assert got == [sample_token(logits[r], params[r], indices[r], at[r]) for r in range(rows)], (case, step)
         drawn += sum(not p.greedy for p in params)
     assert drawn > 5000 and odd_rows > 1500  # (what the batches held)
@@ -363,6 +363,7 @@ def test_the_batch_sampler_keeps_a_batch_and_samples_sample_batchs_tokens(one_th
         def __init__(self) -> None:
             self.params = SamplingParams(**rng.choice(kinds))
             self.index, self.position = rng.randint(0, 3), rng.randint(0, 50)
+            self.origin = self.position % 7  # (its length is origin + position)
 
     sampler = BatchSampler()
     batch = [Owner() for _ in range(6)]
@@ -381,9 +382,9 @@ def test_the_batch_sampler_keeps_a_batch_and_samples_sample_batchs_tokens(one_th
         def params_of(rows=rows):
             nonlocal reads
             reads += 1
-            return [o.params for o in rows], [o.index for o in rows]
+            return [o.params for o in rows], [o.index for o in rows], [o.origin for o in rows]
 
-        got = sampler.sample(logits, rows, params_of, lambda rows=rows: [o.position for o in rows])
+        got = sampler.sample(logits, rows, params_of, lambda rows=rows: [o.origin + o.position for o in rows])
         want = sample_batch(logits, [o.params for o in rows], [o.index for o in rows], [o.position for o in rows])
         assert got == want, step
         # read again exactly when the rows are not the last step's objects in the same order
@@ -398,6 +399,8 @@ def test_the_batch_sampler_keeps_a_batch_and_samples_sample_batchs_tokens(one_th
 def test_mismatched_lengths_are_refused_naming_them():
     with pytest.raises(ValueError, match="3 logit rows but 2 params"):
         sample_batch(torch.zeros(3, 4), [SamplingParams()] * 2, [0] * 3, [0] * 3)
+    with pytest.raises(ValueError, match="2 logit rows but 2 params, 2 sample indices, 1 origins"):
+        BatchSampler().sample(torch.zeros(2, 4), [1, 2], lambda: ([SamplingParams()] * 2, [0] * 2, [0]), list)
 
 
 def _engine(batched: bool):

@@ -11,7 +11,7 @@ two can differ: exact ties in probability, a GPU's other rounding).
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
 
 import numpy as np
@@ -47,8 +47,9 @@ def sample_batch(
         )
     if num_rows == 0:
         return []
-    rows = _BatchRows.of(params, sample_indices, logits.shape[-1], logits.device)
-    return rows.sample(logits, positions)
+    with torch.inference_mode():  # (no autograd bookkeeping in the dispatch of each op)
+        rows = _BatchRows.of(params, sample_indices, logits.shape[-1], logits.device)
+        return rows.sample(logits, lambda: np.fromiter(positions, np.int64, num_rows))
 
 
 class _BatchRows:
@@ -136,13 +137,13 @@ class _BatchRows:
             start += g
         return rows
 
-    def sample(self, logits: torch.Tensor, positions: Sequence[int] | Callable[[], Sequence[int]]) -> list[int]:
-        """logits [num_rows, vocab] -> a token a row, the rows' output positions given (or
-        a callable giving them, called only when a row draws): `sample_batch`'s tokens."""
+    def sample(self, logits: torch.Tensor, positions: Callable[[], np.ndarray]) -> list[int]:
+        """logits [num_rows, vocab] -> a token a row; positions() gives the rows' output
+        positions ([num_rows] int64), called only when a row draws: `sample_batch`'s tokens."""
         stochastic, m = self.stochastic, len(self.stochastic)
         if not m:
             return torch.argmax(logits, dim=-1).tolist()  # the step's one host synchronisation
-        at = np.fromiter(positions() if callable(positions) else positions, np.int64, self.num_rows)
+        at = positions()
         if m < self.num_rows:
             at = at[stochastic]
         draws = draws_at(self.mixed, at)  # [m] float64: uniform_draws' draws, bit for bit
@@ -199,28 +200,31 @@ class _Group:
 class BatchSampler:
     """`sample_batch` for an engine's steps, keeping what a batch's parameters alone
     determine (`_BatchRows`: which rows draw, their groups and fp32 parameter columns, their seeds' hash
-    words) from one step to the next while the step samples the same rows in the same
-    order (a decode step of the same requests), the way vLLM's persistent batch keeps its
-    requests' sampling parameters in arrays by row. A step of other rows (one joined, left
-    or moved) builds them again. Its tokens are `sample_batch`'s, bit for bit
-    (tests/test_sampling_batch.py): the same columns, the same draws, the same tensor ops."""
+    words; each row's origin, from which its output positions count) from one step to the
+    next while the step samples the same rows in the same order (a decode step of the same
+    requests), the way vLLM's persistent batch keeps its requests' sampling parameters in
+    arrays by row. A step of other rows (one joined, left or moved) builds them again. Its
+    tokens are `sample_batch`'s, bit for bit (tests/test_sampling_batch.py): the same
+    columns, the same draws, the same tensor ops."""
 
     def __init__(self) -> None:
         self._owners: list[object] = []  # the last batch's rows' owners, compared by identity
         self._rows: _BatchRows | None = None
+        self._origins = np.empty(0, dtype=np.int64)  # [rows]: where each row's output begins
 
     def sample(
         self,
         logits: torch.Tensor,
         owners: Sequence[object],
-        rows: Callable[[], tuple[Sequence[SamplingParams], Sequence[int]]],
-        positions: Callable[[], Sequence[int]],
+        rows: Callable[[], tuple[Sequence[SamplingParams], Sequence[int], Sequence[int]]],
+        lengths: Callable[[], Iterable[int]],
     ) -> list[int]:
         """logits [rows, vocab] -> a token a row. owners[i]: the object that row i samples
         for (the engine's sequence: the same object for as long as it runs, its parameters
-        fixed); rows(): every row's params and sample index, called only when the owners
-        differ from the last call's; positions(): every row's output position, called only
-        when a row draws."""
+        fixed); rows(): every row's params, sample index and origin (the length at which its
+        output begins, fixed: the engine's prompt length), called only when the owners
+        differ from the last call's; lengths(): every row's length now, called only when a
+        row draws. Row i draws at output position lengths()[i] - origin[i]."""
         n = logits.shape[0]
         if len(owners) != n:
             raise ValueError(f"BatchSampler: {n} logit rows but {len(owners)} owners")
@@ -228,14 +232,18 @@ class BatchSampler:
             return []
         last = self._owners
         if self._rows is None or len(last) != n or not all(map(operator.is_, owners, last)):
-            params, sample_indices = rows()
-            if not len(params) == len(sample_indices) == n:
+            params, sample_indices, origins = rows()
+            if not len(params) == len(sample_indices) == len(origins) == n:
                 raise ValueError(
-                    f"BatchSampler: {n} logit rows but {len(params)} params, {len(sample_indices)} sample indices"
+                    f"BatchSampler: {n} logit rows but {len(params)} params, {len(sample_indices)} sample "
+                    f"indices, {len(origins)} origins"
                 )
             self._rows = _BatchRows.of(params, sample_indices, logits.shape[-1], logits.device)
+            self._origins = np.fromiter(origins, np.int64, n)
             self._owners = list(owners)  # (held: an owner's id is never another's while it is here)
-        return self._rows.sample(logits, positions)
+        origins = self._origins
+        with torch.inference_mode():  # (no autograd bookkeeping in the dispatch of each op)
+            return self._rows.sample(logits, lambda: np.fromiter(lengths(), np.int64, n) - origins)
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -609,18 +609,22 @@ class Engine:
         """Every sampled row's token (the chunks needing logits, in order), in one batch. The
         batch sampler keeps the rows' parameter table and seed words while the step samples
         the same sequences in the same order (a decode step of the same batch): then only
-        the positions are read, and only when a row draws."""
+        the sequences' lengths are read, and only when a row draws."""
         seqs = self._scheduled
         if not all(map(_NEEDS_LOGITS, chunks)):  # (a decode step samples every chunk: no filtered copy)
             seqs = [seq for seq, c in zip(seqs, chunks, strict=True) if c.needs_logits]
 
-        def rows() -> tuple[list[SamplingParams], list[int]]:
-            return [seq.request.params for seq in seqs], [seq.sample_index for seq in seqs]
+        def rows() -> tuple[list[SamplingParams], list[int], list[int]]:
+            # (a sequence's output positions count from its prompt's length)
+            params, origins = [seq.request.params for seq in seqs], [len(seq.request.prompt_ids) for seq in seqs]
+            return params, [seq.sample_index for seq in seqs], origins
 
-        def positions() -> list[int]:
-            return [len(seq.token_ids) - len(seq.request.prompt_ids) for seq in seqs]
+        def lengths() -> list[int]:
+            return [len(seq.token_ids) for seq in seqs]
 
-        return self._batch_sampler.sample(logits[: len(seqs)], seqs, rows, positions)
+        if logits.shape[0] != len(seqs):
+            logits = logits[: len(seqs)]
+        return self._batch_sampler.sample(logits, seqs, rows, lengths)
 
     def _fork_samples(
         self, parent: SequenceState, logits: torch.Tensor, row: int, now: float, done: list[tuple[SequenceState, str]]
