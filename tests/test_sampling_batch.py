@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvpool.engine.batch_sampler import BatchSampler, _sample_group, sample_batch
+from kvpool.engine.batch_sampler import AHEAD, BatchSampler, _sample_group, sample_batch
 from kvpool.engine.engine import Engine
 from kvpool.engine.llama_runner import llama_runner
 from kvpool.engine.sampling import (
@@ -394,6 +394,32 @@ def test_the_batch_sampler_keeps_a_batch_and_samples_sample_batchs_tokens(one_th
         for o in rows:
             o.position += 1
     assert 15 < reads < 75  # most steps kept their batch
+
+
+def test_a_kept_batch_at_consecutive_positions_draws_sample_tokens_tokens(one_thread):
+    """A kept batch whose rows step one position at a time takes its uniforms from a table
+    of the coming AHEAD steps' draws: over 100 steps (tables made at steps 1, 33, 65, and
+    again after the positions jump), every token is sample_token's at the row's position,
+    and the step at TOP_DRAW, whose uniform rounds to 1.0 in fp32, read from inside a table,
+    takes each row's last token of non-zero weight (as by hand in the test above)."""
+    seed, index, top = TOP_DRAW
+    flat = torch.tensor([[2.0, 1.9, 1.8, -3.0, -9.0, 1.7, -float("inf")]] * 3)
+    params = [SamplingParams(temperature=1.0, seed=seed, top_p=p) for p in (1.0, 0.6, 0.9)]
+    sampler, owners = BatchSampler(), ["a", "b", "c"]
+    origins = [7, 0, 100]
+    at = [top - 40] * 3
+    for step in range(100):
+        if step == 70:  # every row jumps: the table goes
+            at = [a + 5 for a in at]
+        if step == 80:  # one row falls behind the others by a position
+            at[1] -= 1
+        lengths = [o + a for o, a in zip(origins, at, strict=True)]
+        got = sampler.sample(flat, owners, lambda: (params, [index] * 3, origins), lambda lengths=lengths: lengths)
+        assert got == [sample_token(row, p, index, a) for row, p, a in zip(flat, params, at, strict=True)], step
+        if step == 40:
+            assert at == [top] * 3 and got == [5, 2, 5]
+        at = [a + 1 for a in at]
+    assert AHEAD < 40 < 2 * AHEAD  # (TOP_DRAW's step lies in the second table, not at its start)
 
 
 def test_mismatched_lengths_are_refused_naming_them():

@@ -23,6 +23,9 @@ _TEMPERATURE, _TOP_P, _TOP_K, _SEED = map(operator.attrgetter, ("temperature", "
 _NO_WORDS, _NO_DRAWS = np.empty(0, dtype=np.uint64), np.empty((0, 1), dtype=np.float32)  # (never written)
 # The least positive fp32 (a subnormal): sample_batch's least top_p in its fp32 arithmetic.
 TOP_P_MIN = 2.0**-149
+# A kept batch whose rows draw at consecutive positions hashes this many steps' uniforms at
+# once (`_BatchRows.uniforms`): ~13 numpy calls every AHEAD steps instead of every step.
+AHEAD = 32
 
 
 def sample_batch(
@@ -58,10 +61,25 @@ class _BatchRows:
     device: which rows draw, their groups of one top-k and top-p kind with each group's fp32
     temperature and top_p columns, the draws' seed words (`_mix64`'s first two rounds of
     (seed, sample index), which only the position, its third round, changes from step to
-    step) and the buffer a step writes its fp32 uniforms into. A step then costs the draws'
-    numpy rounds, one copy of the uniforms (none on the CPU) and the groups' tensor ops."""
+    step) and the buffer a step writes its fp32 uniforms into. A step then costs its
+    uniforms (`uniforms`: most steps of a kept batch copy them from a table of the next
+    AHEAD steps' draws), one copy of them (none on the CPU) and the groups' tensor ops."""
 
-    __slots__ = ("num_rows", "stochastic", "stochastic_t", "mixed", "groups", "order", "u_host", "u_np", "u")
+    __slots__ = (
+        "num_rows",
+        "stochastic",
+        "stochastic_t",
+        "mixed",
+        "groups",
+        "order",
+        "u_host",
+        "u_np",
+        "u",
+        "next_at",
+        "ahead",
+        "ahead_top",
+        "num_ahead_used",
+    )
 
     def __init__(self, num_rows: int, stochastic: np.ndarray) -> None:
         self.num_rows = num_rows
@@ -74,6 +92,14 @@ class _BatchRows:
         self.u_host: torch.Tensor | None = None  # [m, 1] fp32: the uniforms, in group order (pinned on CUDA)
         self.u: torch.Tensor | None = None  # the same on the device (u_host itself on the CPU)
         self.u_np = _NO_DRAWS  # [m, 1] fp32: u_host's memory
+        # `uniforms`' state: the drawing rows' positions one on from the last step's (None
+        # before the first step); the table of AHEAD steps' uniforms made at the second of
+        # consecutive steps, ahead[j] [m] fp32 in group order the j-th step's from there
+        # (ahead_top[j]: whether one is 1.0), num_ahead_used of them taken
+        self.next_at: np.ndarray | None = None  # [m] int64
+        self.ahead: np.ndarray | None = None  # [AHEAD, m] fp32
+        self.ahead_top: list[bool] = []
+        self.num_ahead_used = 0
 
     @classmethod
     def of(
@@ -146,16 +172,11 @@ class _BatchRows:
         at = positions()
         if m < self.num_rows:
             at = at[stochastic]
-        draws = draws_at(self.mixed, at)  # [m] float64: uniform_draws' draws, bit for bit
-        # fp32, as the arithmetic reads them (IEEE round to nearest, as torch's .float()).
         # (the buffer is rewritten only after the last step's tokens were read: a copy from
         # it has ended by then)
-        self.u_np[:, 0] = draws if self.order is None else draws[self.order]
+        at_top = self.uniforms(at)
         if self.u is not self.u_host:
             self.u.copy_(self.u_host, non_blocking=True)
-        # a draw whose u rounds to 1.0 in fp32 (~2^-25 a draw) needs the last index of
-        # non-zero weight (`_sample_group`)
-        at_top = bool(self.u_np.max() >= 1.0)
         if m == self.num_rows and len(self.groups) == 1:  # every row draws, in one group
             return self.groups[0].sample(logits, at_top).tolist()  # the step's one host synchronisation
         if m == self.num_rows:
@@ -172,6 +193,34 @@ class _BatchRows:
             for group in self.groups:
                 sampled.index_copy_(0, group.index, group.sample(drawn.index_select(0, group.index), at_top))
         return tokens.index_copy_(0, self.stochastic_t, sampled).tolist()  # the step's one host synchronisation
+
+    def uniforms(self, at: np.ndarray) -> bool:
+        """The drawing rows' uniforms at positions at ([m] int64) into u_np, in group order:
+        `uniform_draws`' draws rounded to fp32 (IEEE round to nearest, as torch's .float()),
+        and whether one of them is 1.0 (~2^-25 of draws: `_sample_group` then takes the last
+        index of non-zero weight). Where every row is one position on from the last step,
+        from the table of the coming steps' draws (made at the second such step, for AHEAD
+        steps); any other step hashes its own and the table goes."""
+        nxt, ahead = self.next_at, self.ahead
+        consecutive = nxt is not None and bool((at == nxt).all())
+        self.next_at = at + 1
+        if not consecutive:  # a first step, or positions that moved otherwise: this step alone
+            self.ahead = None
+            draws = draws_at(self.mixed, at)  # [m] float64: uniform_draws' draws, bit for bit
+            u = self.u_np
+            u[:, 0] = draws if self.order is None else draws[self.order]
+            return bool(u.max() >= 1.0)
+        j = self.num_ahead_used
+        if ahead is None or j == AHEAD:
+            # the steps at at, at + 1, ..., at + AHEAD - 1: [AHEAD, m] draws in one pass
+            steps = at + np.arange(AHEAD, dtype=np.int64)[:, None]
+            draws = draws_at(np.broadcast_to(self.mixed, steps.shape), steps)
+            ahead = self.ahead = (draws if self.order is None else draws[:, self.order]).astype(np.float32)
+            self.ahead_top = (ahead >= 1.0).any(axis=1).tolist()
+            j = 0
+        self.u_np[:, 0] = ahead[j]
+        self.num_ahead_used = j + 1
+        return self.ahead_top[j]
 
 
 class _Group:
