@@ -51,10 +51,7 @@ def sample_batch(
     if num_rows == 0:
         return []
     rows = _BatchRows.of(params, sample_indices, logits.shape[-1], logits.device)
-    if not len(rows.stochastic):  # a greedy batch: one op, not worth inference_mode's ~1 us
-        return torch.argmax(logits, dim=-1).tolist()  # the step's one host synchronisation
-    with torch.inference_mode():  # (no autograd bookkeeping in the dispatch of each op)
-        return rows.sample(logits, lambda: np.fromiter(positions, np.int64, num_rows))
+    return rows.sample(logits, lambda: np.fromiter(positions, np.int64, num_rows))
 
 
 class _BatchRows:
@@ -292,12 +289,8 @@ class BatchSampler:
             self._rows = _BatchRows.of(params, sample_indices, logits.shape[-1], logits.device)
             self._origins = np.fromiter(origins, np.int64, n)
             self._owners = list(owners)  # (held: an owner's id is never another's while it is here)
-        kept = self._rows
-        if not len(kept.stochastic):  # a greedy batch: one op, not worth inference_mode's ~1 us
-            return torch.argmax(logits, dim=-1).tolist()  # the step's one host synchronisation
         origins = self._origins
-        with torch.inference_mode():  # (no autograd bookkeeping in the dispatch of each op)
-            return kept.sample(logits, lambda: np.fromiter(lengths(), np.int64, n) - origins)
+        return self._rows.sample(logits, lambda: np.fromiter(lengths(), np.int64, n) - origins)
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
