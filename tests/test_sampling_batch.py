@@ -29,9 +29,10 @@ from kvpool.engine.sampling import (
     SamplingParams,
     _draw,
     _splitmix64,
+    draws_at,
     sample_token,
+    seed_words,
     uniform_draw,
-    uniform_draws,
 )
 from random_llama import DESCRIPTOR, random_ids, random_llama
 
@@ -310,7 +311,7 @@ def test_thousands_of_random_batches_equal_sample_token_row_by_row(one_thread):
 
 
 def test_the_batch_of_draws_is_uniform_draw_bit_for_bit():
-    """`uniform_draws` (numpy's wrapping uint64) against `uniform_draw` (Python integers
+    """`draws_at(seed_words(...), positions)` (numpy's wrapping uint64) against `uniform_draw` (Python integers
     masked to 64 bits), draw by draw, float64 equality: seeds over the whole signed range
     and its ends, indices and positions small and near 2^63, where a lost carry or an
     arithmetic (sign-extending) shift would show."""
@@ -318,10 +319,10 @@ def test_the_batch_of_draws_is_uniform_draw_bit_for_bit():
     seeds = [SEED_MIN, SEED_MAX, -1, 0, 1] + [rng.randint(SEED_MIN, SEED_MAX) for _ in range(2000)]
     indices = [rng.choice((0, 1, 7, (1 << 63) - 1, rng.randrange(1 << 63))) for _ in seeds]
     positions = [rng.choice((0, 5, 4095, (1 << 62) + 3, rng.randrange(1 << 63))) for _ in seeds]
-    got = uniform_draws(seeds, indices, positions)
+    got = draws_at(seed_words(seeds, indices), np.array(positions, np.int64))
     assert got.dtype == np.float64 and got.shape == (len(seeds),)
     assert got.tolist() == [uniform_draw(*key) for key in zip(seeds, indices, positions, strict=True)]
-    assert uniform_draws([], [], []).shape == (0,)
+    assert draws_at(seed_words([], []), np.array([], np.int64)).shape == (0,)
 
 
 def test_a_sample_index_never_replays_another_seeds_draws():

@@ -195,7 +195,7 @@ class _BatchRows:
 
     def uniforms(self, at: np.ndarray) -> bool:
         """The drawing rows' uniforms at positions at ([m] int64) into u_np, in group order:
-        `uniform_draws`' draws rounded to fp32 (IEEE round to nearest, as torch's .float()),
+        `uniform_draw`'s draws rounded to fp32 (IEEE round to nearest, as torch's .float()),
         and whether one of them is 1.0 (~2^-25 of draws: `_sample_group` then takes the last
         index of non-zero weight). Where every row is one position on from the last step,
         from the table of the coming steps' draws (made at the second such step, for AHEAD
@@ -205,7 +205,7 @@ class _BatchRows:
         self.next_at = at + 1
         if not consecutive:  # a first step, or positions that moved otherwise: this step alone
             self.ahead = None
-            draws = draws_at(self.mixed, at)  # [m] float64: uniform_draws' draws, bit for bit
+            draws = draws_at(self.mixed, at)  # [m] float64: uniform_draw's draws, bit for bit
             u = self.u_np
             u[:, 0] = draws if self.order is None else draws[self.order]
             return bool(u.max() >= 1.0)
@@ -309,7 +309,7 @@ def _sample_group(
     u: torch.Tensor,
     k: int,
     nucleus: bool,
-    at_top: bool = True,
+    at_top: bool,
 ) -> torch.Tensor:
     """Rows of one kind: logits [g, vocab], their fp32 columns [g, 1] each (temperature,
     top_p >= TOP_P_MIN, u in [0, 1]), every row's top-k k (vocab: off) and top-p on or off

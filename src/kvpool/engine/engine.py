@@ -172,7 +172,7 @@ class Engine:
         self.clock = clock
         self.sampler = sampler
         self.batched_sampling = batched_sampling
-        self._batch_sampler = BatchSampler()  # the batched steps' (keeps a batch's table while it runs)
+        self._batch_sampler = BatchSampler()  # the batched steps' (keeps a batch's rows while it runs)
         # A fault of one request's own work (its sampling, stop-string text or fork) fails
         # that request alone (`fail`, RequestOutput.error) when this is set; else it raises,
         # as any bug does. Only a consumer that reads `error` sets it (the server's engine
@@ -244,7 +244,7 @@ class Engine:
             arrival,
             tenant=tenant,
             # the runner's max_model_len as of now: it is set before any request is added
-            # (cli/run.py's limit_model_len) and not changed after; _stop_reason reads it live
+            # (engine/build.py's limit_model_len) and not changed after; _stop_reason reads it live
             end_len=min(len(prompt) + params.max_tokens, limit),
             stop_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
             matches_text=bool(params.stop) and self.decode_text is not None,
@@ -607,7 +607,7 @@ class Engine:
 
     def _sample_step(self, chunks: Sequence[ScheduledChunk], logits: torch.Tensor) -> list[int]:
         """Every sampled row's token (the chunks needing logits, in order), in one batch. The
-        batch sampler keeps the rows' parameter table and seed words while the step samples
+        batch sampler keeps the rows' columns, seed words and prompt lengths while the step samples
         the same sequences in the same order (a decode step of the same batch): then only
         the sequences' lengths are read, and only when a row draws."""
         seqs = self._scheduled

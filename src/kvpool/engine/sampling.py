@@ -174,25 +174,19 @@ def _splitmix64_np(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def uniform_draws(seeds: Sequence[int], sample_indices: Sequence[int], positions: Sequence[int]) -> np.ndarray:
-    """`uniform_draw` of each (seeds[i], sample_indices[i], positions[i]) at once -> [n]
-    float64, bit for bit (tests/test_sampling_batch.py): a batch's draws in a few numpy
-    calls instead of three Python SplitMix64 rounds a row (~2 us a row on the host, 0.25 ms
-    at batch 128). Seeds are signed 64-bit (their two's complement words are `seed &
-    _MASK64`); indices and positions are non-negative and below 2^63."""
-    return draws_at(seed_words(seeds, sample_indices), np.fromiter(positions, np.int64, len(positions)))
-
-
 def seed_words(seeds: Sequence[int], sample_indices: Sequence[int]) -> np.ndarray:
-    """`uniform_draws`' first two SplitMix64 rounds, of (seed, sample index): [n] uint64,
-    what a row's draws share from step to step."""
+    """The first two of `uniform_draw`'s SplitMix64 rounds for a batch, of (seed, sample
+    index): [n] uint64, what a row's draws share from step to step (numpy's wrapping uint64:
+    a batch's draws in a few calls, not three Python rounds a row). Seeds are signed 64-bit
+    (their two's complement words); indices are non-negative and below 2^63."""
     n = len(seeds)
     x = _splitmix64_np(np.fromiter(seeds, np.int64, n).view(np.uint64))
     return _splitmix64_np(x ^ np.fromiter(sample_indices, np.int64, n).view(np.uint64))
 
 
 def draws_at(words: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """`uniform_draws`' third round, on the positions ([n] int64), and the draws it gives."""
+    """The third round, on the positions ([n] int64, non-negative), and the draws it gives:
+    `uniform_draw` of each row, bit for bit (tests/test_sampling_batch.py)."""
     x = _splitmix64_np(words ^ positions.view(np.uint64))
     # the top 53 bits, below 2^53: exact in float64, and the power of two scales exactly
     return (x >> np.uint64(11)).astype(np.float64) * 2.0**-53
