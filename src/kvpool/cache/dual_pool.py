@@ -390,19 +390,19 @@ class DualPoolGroup(CacheGroup):
             assert len(hit_ids) == q, "serves() was checked"
             chain = list(hits.chain[:q]) if hits is not None and self.pool.enable_caching else []
             plan = DualPoolAdmit(hit_ids, chain, None)
-        if q and not r:
-            assert hits is not None
-            ckpt = self._checkpoint(plan.chain[q - 1])
-            if q == len(hits.block_ids):
-                method = hits.method
-            elif self.spec.restore == "auto" and ckpt is not None:
-                method = choose_restore(point, point, self.spec.replay_len, self.restore_cost).method
-            else:
-                method = "checkpoint" if self.spec.restore == "checkpoint" else "recompute"
-            if method == "checkpoint":
-                plan.checkpoint = ckpt
-            else:
-                plan.replay_start = self.spec.replay_start(point)
+            if q:  # (hit_ids holds q blocks: hits is there)
+                assert hits is not None
+                ckpt = self._checkpoint(plan.chain[q - 1])
+                if q == len(hits.block_ids):
+                    method = hits.method
+                elif self.spec.restore == "auto" and ckpt is not None:
+                    method = choose_restore(point, point, self.spec.replay_len, self.restore_cost).method
+                else:
+                    method = "checkpoint" if self.spec.restore == "checkpoint" else "recompute"
+                if method == "checkpoint":
+                    plan.checkpoint = ckpt
+                else:
+                    plan.replay_start = self.spec.replay_start(point)
         revived = sum(1 for b in plan.hit_ids if self.pool.refcount(b) == 0)  # (out of the free queue)
         return plan, {self.pool: end // self.span - q + revived, self.state_pool: 1}
 

@@ -279,13 +279,6 @@ def add_planner_model_option(parser: argparse.ArgumentParser | Any, *, default: 
     )
 
 
-def planner_model(name: str):
-    """The ModelSpec of a --model of plan / simulate (spec/models.py `model_by_name`)."""
-    from kvpool.spec.models import model_by_name
-
-    return model_by_name(name)
-
-
 def add_engine_model_option(parser: argparse.ArgumentParser, note: str = "") -> None:
     """--model of the engine's commands (default: the embedded SmolLM2-135M-Instruct)."""
     add_option(

@@ -39,10 +39,9 @@ from kvpool.cli.options import (
     add_option,
     add_planner_model_option,
     add_tp_option,
-    planner_model,
 )
 from kvpool.spec.gpus import GPUS, GPUSpec, cpu_device, custom_gpu, get_gpu
-from kvpool.spec.models import ModelSpec, load_config_file, load_preset
+from kvpool.spec.models import ModelSpec, load_config_file, load_preset, model_by_name
 
 GIB = 1 << 30
 
@@ -152,7 +151,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _load_model(args: argparse.Namespace) -> ModelSpec | None:
     if args.model:
-        return planner_model(args.model)
+        return model_by_name(args.model)
     if args.config:
         return load_config_file(args.config)
     return None

@@ -253,14 +253,12 @@ def spaced_collections(every: int = YOUNG_COLLECTION_EVERY) -> Iterator[None]:
     only, restored after; a collector that is off, or set to 0, is left as it is.
 
     Why: a run's heap is mostly bookkeeping that lives long (cached blocks and their chains,
-    the running requests' token lists), and the default (700, 10, 10) walks it often. CPU
-    time inside collections (gc.callbacks with time.process_time, whole process) in a
-    12,000-request 8-replica V4 chat run: 7.3 s of 79 s in 3,416 young, 310 middle and 13
-    full collections with the default (peak RSS 708 MB), 5.1 s (634 MB) once a popped
-    request no longer waits for the collector (Engine.pop_output unlinks it from its
-    sequences), 1.4 s in 21 / 2 / 0 spaced out (635 MB: the garbage only a collection frees
-    no longer grows with the requests). Collections free memory only: nothing the
-    simulation computes depends on when they run."""
+    the running requests' token lists), and the default (700, 10, 10) walks it often; once
+    a popped request no longer waits for the collector (Engine.pop_output unlinks it from
+    its sequences), the garbage only a collection frees does not grow with the requests,
+    so spacing the collections out costs no memory (the CPU and peak-RSS figures of a
+    12,000-request V4 chat run, measured with gc.callbacks: commit 5b19842's message).
+    Collections free memory only: nothing the simulation computes depends on when they run."""
     global _spaced_depth, _spaced_saved
     with _spacing:  # runs may overlap (threads, nested calls): the first in sets, the last out restores
         if not _spaced_depth:

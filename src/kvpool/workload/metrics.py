@@ -292,7 +292,7 @@ def v4_turn_end_report(cache: Any) -> dict[str, object]:
     (v4_turn_ends) and how many admissions adopted one (state_adoptions), the keys
     `kvpool simulate` reports; {} for a cache without a dual-pool group (the groups that
     count adoptions: the coordinator's `dual_groups`, cache/dual_pool.py)."""
-    duals = getattr(cache, "dual_groups", [])
+    duals = cache.dual_groups
     if not duals:
         return {}
     return {"v4_turn_ends": cache.turn_end_checkpoints, "state_adoptions": sum(g.num_adoptions for g in duals)}
