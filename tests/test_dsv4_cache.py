@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.cache import CacheDescriptor, DSV4CacheManager, StateRestore
+from kvpool.cache import CacheDescriptor, DSV4CacheManager, FullAttentionManager, StateRestore
+from kvpool.cache.coordinator import HybridCacheManager
 from kvpool.cache.dual_pool import RestoreChoice, TokenCost, choose_restore
 from kvpool.engine import tier_bridge
 from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG
@@ -624,38 +625,120 @@ def _lifecycle(
 
 
 @pytest.mark.parametrize("kw", [{}, {"restore": "checkpoint", "num_checkpoints": 2}, {"checkpoint_blocks": 1}])
-def test_the_decode_reserve_asks_the_group_at_span_ends_only(kw: dict) -> None:
-    # reserve_step of a decode-only step hands the dual pool only the requests whose step
-    # completes a span (decode_reserve_period); with the periods unset (None) it hands all,
-    # as any other step. Both must take the same blocks and checkpoints, refuse the same
-    # steps (nothing changed), and leave the same pools, on staggered requests in a tight pool.
+def test_the_decode_step_asks_the_group_at_span_ends_only(kw: dict) -> None:
+    # A decode step's reserve_step and step_reservations hand the dual pool only the requests
+    # whose step completes a span (decode_reserve_period), and commit_step only those whose
+    # one token completes one (commit_period), in a mixed step (a newcomer's prefill joins
+    # the decodes) too; their naive twins (the periods unset, and `_commit_each`) ask about
+    # every request. Both must take the same blocks and checkpoints, report the same
+    # reservations, refuse the same steps (nothing changed), and leave the same pools and
+    # requests, on staggered requests in a tight pool.
     managers = [make(12, 4, **kw), make(12, 4, **kw)]
-    managers[1]._decode_periods = None
+    managers[1]._decode_period, managers[1]._commit_period = None, 1
     rng = random.Random(3)
     for m in managers:
         for i, n in enumerate((SPAN - 2, 2 * SPAN - 5, 3, SPAN + 1)):
             assert m.admit(f"r{i}", _ids(n + 1, offset=i)) is not None
             m.commit_step([f"r{i}"], [n + 1], [None])
-    refused = 0
+    refused = taken = mixed = 0
     for step in range(3 * SPAN):
         ids = sorted(managers[0].request_ids)
         token = rng.randrange(251)
+        newcomer = f"n{step}" if step % 5 == 4 else None
         results = []
-        for m in managers:
+        for k, m in enumerate(managers):
             for r in ids:
                 if m.num_tokens(r) == m.num_computed_tokens(r):
                     m.append_token_ids(r, [token])
             fits = m.reserve_step(ids, [1] * len(ids))
-            results.append((fits, [m.pending_reservation(r) for r in ids], m.pool.free_queue(), m.num_free_blocks))
+            step_ids, counts = list(ids), [1] * len(ids)
+            if fits and newcomer is not None and m.admit(newcomer, _ids(SPAN + 3, offset=step)) is not None:
+                step_ids.append(newcomer)
+                counts.append(SPAN + 3)
+            starts = [m.num_computed_tokens(r) for r in step_ids]
+            ends = [s + n for s, n in zip(starts, counts, strict=True)]
+            step_res = m.step_reservations(step_ids, starts, ends) if fits else None
+            results.append((fits, step_ids, step_res, [m.pending_reservation(r) for r in ids], m.pool.free_queue()))
             if fits:
-                m.commit_step(ids, [1] * len(ids), [None] * len(ids))
+                nexts = [None if (step + i) % 3 == 0 else token for i in range(len(step_ids))]
+                (m.commit_step if k == 0 else m._commit_each)(step_ids, counts, nexts)
             m.check_integrity()
         assert results[0] == results[1], step
+        taken += bool(results[0][2])
+        mixed += len(results[0][1]) > len(ids)
         if not results[0][0]:
             refused += 1
             for m in managers:  # make room: the latest request goes
                 m.release(ids[-1], "preempt")
-    assert refused  # the pool ran out at least once
+        requests = [[(r, m.num_computed_tokens(r), m.token_ids(r)) for r in m.request_ids] for m in managers]
+        assert requests[0] == requests[1], step
+    assert refused and taken and mixed  # the pool ran out; some steps completed spans; some were mixed
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_decode_step_with_a_request_at_fault_changes_nothing(exact: bool) -> None:
+    # The decode paths of reserve_step and commit_step check and change each request in one
+    # pass: a request at fault (unknown, listed twice, a step already reserved, no token id,
+    # a commit of a step not reserved) anywhere in the batch undoes the changes before it
+    # and raises what the naive twin names. V4 (exact steps) and a paged cache.
+    def build() -> HybridCacheManager:
+        if exact:
+            m: HybridCacheManager = make(12, 6)
+        else:
+            m = FullAttentionManager(40, 4, DESC)
+        for i in range(4):
+            rid = f"r{i}"
+            assert m.admit(rid, _ids(SPAN - 1 + i, offset=i)) is not None
+            m.commit_step([rid], [SPAN - 1 + i], [i])  # r0's decode ends on a span: it takes a block
+        return m
+
+    def snapshot(m: HybridCacheManager) -> tuple:
+        return (
+            [(r, m.num_computed_tokens(r), m.num_reserved_tokens(r), m.token_ids(r)) for r in m.request_ids],
+            m.pool.free_queue(),
+        )
+
+    ids = ["r0", "r1", "r2", "r3"]
+    cases = [
+        (["r0", "r1", "ghost", "r3"], KeyError, "unknown request 'ghost'"),
+        (["r0", "r1", "r2", "r1"], ValueError, "appears twice"),
+    ]
+    for bad_ids, error, message in cases:
+        m = build()
+        before = snapshot(m)
+        with pytest.raises(error, match=message):
+            m.reserve_step(bad_ids, [1] * 4)
+        assert snapshot(m) == before
+        m.check_integrity()
+    if exact:  # (not exact steps: a decode inside its reserved block is checked at its commit)
+        m = build()
+        assert m.reserve_step(["r2"], [1])
+        before = snapshot(m)
+        with pytest.raises(ValueError, match="'r2' already has an uncommitted reservation"):
+            m.reserve_step(ids, [1] * 4)
+        assert snapshot(m) == before
+        m.commit_step(["r2"], [1], [None])  # r2 knows no next token now
+        before = snapshot(m)
+        with pytest.raises(ValueError, match="'r2'.* token ids are known"):
+            m.reserve_step(ids, [1] * 4)
+        assert snapshot(m) == before
+    # commits: r2's step is not reserved (exact), or r2's token id is not known
+    m = build()
+    assert m.reserve_step(["r0", "r1", "r3"], [1, 1, 1])
+    if not exact:
+        m.commit_step(["r2"], [1], [None])  # inside its reserved block, its next token id not known
+    before = snapshot(m)
+    with pytest.raises(ValueError, match="request 'r2': commit of 1 token"):
+        m.commit_step(["r0", "r1", "r2", "r3"], [1] * 4, [7, 8, 9, 10])
+    assert snapshot(m) == before
+    for bad_ids, error, message in cases:
+        with pytest.raises(error, match=message):
+            m.commit_step(bad_ids, [1] * 4, [7, 8, 9, 10])
+        assert snapshot(m) == before
+    m.check_integrity()
+    m.commit_step(["r0", "r1", "r3"], [1] * 3, [7, 8, 10])
+    assert [m.token_ids(r)[-1] for r in ("r0", "r1", "r3")] == [7, 8, 10]
+    m.check_integrity()
 
 
 def _collide_checkpoint_parts(pool) -> None:

@@ -383,22 +383,35 @@ class HybridCacheManager:
         """`pending_reservation` for a whole step whose request i computes [starts[i],
         ends[i]), which must be its reserved step (ValueError naming the request otherwise):
         only the requests whose step took anything in some group (blocks, copies,
-        checkpoints), in step order. A decode inside its span or block takes nothing and
-        costs a lookup, two comparisons and one `pending` call per group."""
+        checkpoints), in step order. Exact steps whose groups all have a decode period (V4):
+        a decode that ends off it costs a lookup and four comparisons, no group asked;
+        otherwise every group is asked about every request (`_each_reservation`)."""
         if not len(request_ids) == len(starts) == len(ends):
             raise ValueError(f"{len(request_ids)} requests, {len(starts)} starts, {len(ends)} ends")
+        period = self._decode_period
+        if not self.exact_steps or period is None:
+            return self._each_reservation(request_ids, starts, ends)
+        requests, groups, empty = self._requests, self._group_list, NO_RESERVATION
+        out: dict[str, Reservation] = {}
+        for request_id, start, end in zip(request_ids, starts, ends, strict=True):
+            req = requests.get(request_id)
+            if req is None or start != req.num_computed or end != req.end:
+                self._not_reserved(request_id, start, end)  # raises
+            if end % period and end - start == 1:
+                continue  # a decode ending off the period took nothing in any group (`decode_reserve_period`)
+            states = req.states
+            parts = {g.name: g.pending(states[g.name]) for g in groups}
+            if any(part != empty for part in parts.values()):
+                out[request_id] = Reservation(start, end - start, parts)
+        return out
+
+    def _each_reservation(
+        self, request_ids: Sequence[str], starts: Sequence[int], ends: Sequence[int]
+    ) -> dict[str, Reservation]:
+        """`step_reservations` request by request, every group asked about each: the naive
+        twin of its decode-period path (tests/test_dsv4_cache.py holds them equal)."""
         requests, groups, exact = self._requests, self._group_list, self.exact_steps
         out: dict[str, Reservation] = {}
-        if exact and len(groups) == 1:  # V4 (the simulator's every step): one pass, `pending` looked up once
-            pending, name, empty = groups[0].pending, groups[0].name, NO_RESERVATION
-            for request_id, start, end in zip(request_ids, starts, ends, strict=True):
-                req = requests.get(request_id)
-                if req is None or start != req.num_computed or end != req.end:
-                    self._not_reserved(request_id, start, end)  # raises
-                part = pending(req.states[name])
-                if part != empty:
-                    out[request_id] = Reservation(start, end - start, {name: part})
-            return out
         for request_id, start, end in zip(request_ids, starts, ends, strict=True):
             req = requests.get(request_id)
             if req is None or start != req.num_computed or (end != req.end if exact else not start < end <= req.end):
@@ -857,6 +870,52 @@ class HybridCacheManager:
             raise ValueError(f"{len(request_ids)} requests but {len(num_new_tokens)} token counts")
         if not request_ids:
             return True
+        period = self._decode_period
+        if self.exact_steps and period is not None and num_new_tokens.count(1) == len(request_ids):  # all decodes
+            fits = self._reserve_decodes(request_ids, period)
+            if fits is not None:
+                return fits
+            # a request at fault, nothing changed: the twin names it
+        return self._reserve_each(request_ids, num_new_tokens)
+
+    def _reserve_decodes(self, request_ids: Sequence[str], period: int) -> bool | None:
+        """An exact decode step's reservation in one pass that checks each request and moves
+        its end; only the requests whose step ends on the decode period go to the groups
+        (`decode_reserve_period`). True, or False when the step does not fit, or None when a
+        request is unknown, listed twice (its second entry finds a step reserved) or cannot
+        reserve; on False or None every end is back (nothing changed). `_reserve_each` is
+        its naive twin (tests/test_dsv4_cache.py holds them equal)."""
+        requests = self._requests
+        touched: list[_Request] = []
+        i = 0
+        try:
+            for request_id in request_ids:
+                req = requests[request_id]
+                nc = req.num_computed
+                if req.end != nc or req.num_loading or nc >= len(req.token_ids):
+                    break
+                req.end = nc = nc + 1
+                if not nc % period:
+                    touched.append(req)
+                i += 1
+        except KeyError:
+            pass
+        if i < len(request_ids):  # undo the ends moved before the request at fault
+            for request_id in request_ids[:i]:
+                requests[request_id].end -= 1
+            return None
+        if touched:
+            ends = [req.end for req in touched]
+            if not self._fits(self._needs(touched, ends)):
+                for request_id in request_ids:
+                    requests[request_id].end -= 1
+                return False
+            self._apply_reserve(touched, ends, detail=False)
+        return True
+
+    def _reserve_each(self, request_ids: Sequence[str], num_new_tokens: Sequence[int]) -> bool:
+        """`reserve_step` request by request: every request checked, then the groups asked
+        about every request that takes anything."""
         if not self.exact_steps and num_new_tokens.count(1) == len(request_ids):  # all decodes
             try:
                 pending = [r for r in map(self._requests.__getitem__, request_ids) if r.num_computed >= r.end]
@@ -879,19 +938,6 @@ class HybridCacheManager:
                 if req.end != nc or req.num_loading or nc >= len(req.token_ids):
                     self._check_reserve(req, 1)  # raises
                 ends.append(nc + 1)
-            period = self._decode_period
-            if period is not None:
-                # Only the requests at a period's end take or change anything in a group; the
-                # others' steps are their new ends alone
-                touched = [i for i, end in enumerate(ends) if not end % period]
-                if touched:
-                    reqs, step_ends = [pending[i] for i in touched], [ends[i] for i in touched]
-                    if not self._fits(self._needs(reqs, step_ends)):
-                        return False
-                    self._apply_reserve(reqs, step_ends, detail=False)
-                for req, end in zip(pending, ends, strict=True):
-                    req.end = end
-                return True
         else:
             reqs = self._step_requests(request_ids, num_new_tokens)
             if min(num_new_tokens) < 0:
@@ -929,8 +975,77 @@ class HybridCacheManager:
     ) -> None:
         """`commit` for a whole step, validated first, then each request's sampled token joins
         its sequence (None: no token, e.g. a prefill chunk that ends before the prompt does).
-        Every group is called once, with the requests whose commit may change it (a decode
-        step: those that complete one of its units, or that are new since their last commit)."""
+        Every group is called once, with the requests whose commit may change it: those of
+        more than one token, and those of one that complete one of its units (`commit_period`)
+        or that are new since their last commit."""
+        if not len(request_ids) == len(num_tokens) == len(next_token_ids):
+            raise ValueError(
+                f"{len(request_ids)} requests, {len(num_tokens)} token counts, {len(next_token_ids)} next tokens"
+            )
+        if request_ids and num_tokens.count(1) == len(request_ids):  # all decodes: the engine's common step
+            changed = self._commit_decodes(request_ids, next_token_ids)
+            if changed is not None:
+                if changed:
+                    self._commit_groups(changed)
+                return
+            # a request at fault, nothing changed: the twin below names it
+        self._commit_each(request_ids, num_tokens, next_token_ids)
+
+    def _commit_decodes(
+        self, request_ids: Sequence[str], next_token_ids: Sequence[int | None]
+    ) -> list[_Request] | None:
+        """A decode step's commit in one pass that checks and changes each request: the
+        requests the groups must see (`commit_step`), or None when a request is unknown or
+        listed twice, or its commit is not of one reserved token whose id is known: then
+        every change is undone (None: nothing changed). `_commit_each` is its naive twin
+        (tests/test_dsv4_cache.py holds them equal)."""
+        requests, period, exact = self._requests, self._commit_period, self.exact_steps
+        if not exact and len(set(request_ids)) != len(request_ids):
+            return None  # (exact steps: a request's second entry finds its one token committed)
+        changed: list[_Request] = []
+        i = 0
+        try:
+            for request_id, next_token_id in zip(request_ids, next_token_ids, strict=True):
+                req = requests[request_id]
+                nc = req.num_computed + 1
+                # exact: the step reserved this one token; else: it lies within the reservation, its id known
+                if (req.end != nc) if exact else (nc > req.end or nc > len(req.token_ids)):
+                    break
+                req.num_computed = nc
+                if not nc % period:
+                    changed.append(req)
+                if next_token_id is not None:
+                    req.token_ids.append(next_token_id)
+                i += 1
+        except KeyError:
+            pass
+        if i < len(request_ids):  # undo the requests before the one at fault, latest first
+            for request_id, next_token_id in zip(reversed(request_ids[:i]), reversed(next_token_ids[:i]), strict=True):
+                req = requests[request_id]
+                req.num_computed -= 1
+                if next_token_id is not None:
+                    req.token_ids.pop()
+            return None
+        fresh = self._fresh
+        if fresh:  # (in step order: the order groups publish in decides which copy is findable)
+            changed = [
+                req
+                for req in map(requests.__getitem__, request_ids)
+                if not req.num_computed % period or req.request_id in fresh
+            ]
+        return changed
+
+    def _commit_groups(self, changed: list[_Request]) -> None:
+        """Every group commits the requests whose commit may change it; they are not fresh any more."""
+        for g in self._group_list:
+            g.commit(changed)
+        if self._fresh:
+            self._fresh.difference_update(req.request_id for req in changed)
+
+    def _commit_each(
+        self, request_ids: Sequence[str], num_tokens: Sequence[int], next_token_ids: Sequence[int | None]
+    ) -> None:
+        """`commit_step` request by request: every request checked, then changed."""
         reqs = self._step_requests(request_ids, num_tokens, next_token_ids)
         if not reqs:
             return
@@ -991,21 +1106,22 @@ class HybridCacheManager:
             if fresh:  # (in step order: the order groups publish in decides which copy is findable)
                 changed = [req for req in reqs if req.num_computed % period == 0 or req.request_id in fresh]
         else:
+            period = self._commit_period
             changed = []
             for req, n, next_token_id in zip(reqs, num_tokens, next_token_ids, strict=True):
                 if n:
-                    req.num_computed += n
-                    changed.append(req)
+                    nc = req.num_computed + n
+                    req.num_computed = nc
+                    # the decodes of a mixed step (a prefill chunk joined them) as the decode path's
+                    if n != 1 or not nc % period or req.request_id in fresh:
+                        changed.append(req)
                 if next_token_id is not None:
                     req.token_ids.append(next_token_id)
         if self.exact_steps and not decode:  # (a decode's end is num_computed + 1 already: checked above)
             for req in reqs:
                 req.end = req.num_computed
         if changed:
-            for g in self._group_list:
-                g.commit(changed)
-            if fresh:
-                fresh.difference_update(req.request_id for req in changed)
+            self._commit_groups(changed)
 
     def fork(self, parent_id: str, child_id: str) -> bool:
         """A child sharing the parent's computed blocks, with its own live state in every

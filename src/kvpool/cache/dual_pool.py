@@ -309,6 +309,8 @@ class DualPoolGroup(CacheGroup):
         pooled = self.checkpoint_pool is self.pool
         self.extra_pools = (self.state_pool,) if pooled else (self.state_pool, self.checkpoint_pool)
         self._checkpoints: dict[bytes, _Checkpoint] = {}  # boundary block hash -> findable checkpoint
+        # each part's extra key, made once (a commit that completes a span registers every part)
+        self._part_extras = tuple(_STATE_EXTRA + str(i).encode() for i in range(self._parts))
 
     # ---- prefix hits -------------------------------------------------------------------
 
@@ -530,9 +532,9 @@ class DualPoolGroup(CacheGroup):
             block = state.chain[position // self.span - 1]
             if self.pool.is_published(block) and self._checkpoint(block) is None:
                 parts = []
-                for i, block_id in enumerate(ids):
-                    part = pool.register(block_id, pool.chain(block, b"", _STATE_EXTRA + str(i).encode()))
-                    if part is None:  # a collision: this checkpoint is not findable
+                for block_id, extra in zip(ids, self._part_extras, strict=True):
+                    part = pool.publish(block_id, block, b"", extra)  # (`chain` and `register` in one call)
+                    if pool.prefix_block(block_id) is not part:  # a collision: this checkpoint is not findable
                         break
                     parts.append(part)
                 if len(parts) == len(ids):

@@ -113,8 +113,9 @@ class CacheGroup(Protocol):
     commit_period: int
     # An exact decode step [num_computed, num_computed + 1) of a request with no step pending
     # takes or changes something in the group only when num_computed + 1 is a multiple of
-    # this (the dual pool: the step that completes a span); the coordinator's decode reserve
-    # hands the group only those requests. None: any decode step may (it hands them all)
+    # this (the dual pool: the step that completes a span), and its `pending` is empty
+    # otherwise; the coordinator's decode reserve hands the group only those requests, and
+    # `step_reservations` asks it only about them. None: any decode step may (all are asked)
     decode_reserve_period: int | None = None
 
     # ---- prefix hits (read-only) --------------------------------------------------------
