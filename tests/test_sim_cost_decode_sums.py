@@ -8,6 +8,8 @@ import dataclasses
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvpool.sim.cost import CostModel
 from kvpool.spec.gpus import get_gpu
@@ -95,3 +97,92 @@ def test_step_time_is_the_step_costs_time_bit_for_bit_on_every_preset(name: str)
     # the kept terms are per batch size: two sizes' steps over the same contexts differ
     cm = models[0]
     assert cm.step_time([(1, 4000)] * 3) != cm.step_time([(1, 4000)] * 4)
+
+
+# ----- decode_step_time: a step of decodes from one sum over packed entries per position -----
+
+_V4 = CostModel(load_preset("deepseek-v4-flash"), H200, tp=2)
+_LLAMA = CostModel(load_preset("llama-3.1-8b"), H200)
+
+
+def _naive(cm: CostModel, positions: list[int]) -> float:
+    """A step of one decode at each position, priced by the loop over every decode and term."""
+    return _twin(cm).step_cost([(1, p + 1) for p in positions]).time_s
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    which=st.sampled_from(["v4", "llama"]),
+    positions=st.lists(st.integers(0, 200_000), min_size=1, max_size=600),
+    repeat=st.booleans(),
+)
+def test_decode_step_time_is_the_loops_time_bit_for_bit(which: str, positions: list[int], repeat: bool) -> None:
+    cm = _V4 if which == "v4" else _LLAMA
+    if repeat:  # the same positions again: every entry read from the memo
+        cm.decode_step_time(positions)
+    assert cm.decode_step_time(positions) == cm.step_time([(1, p + 1) for p in positions]) == _naive(cm, positions)
+    assert cm._packed_decode_memo.keys() >= set(positions)  # (the sum over the memo priced it)
+
+
+def test_decode_step_time_names_a_bad_position_as_step_time_does() -> None:
+    cm = CostModel(load_preset("deepseek-v4-flash"), H200, tp=2)
+    cm.decode_step_time([5])  # position 5's entry kept: a float 5.0 would find it in the memo
+    for positions, message in (
+        ([], "a step needs at least one chunk, got none"),
+        ([5.0], "chunk 0: context_len must be an integer, got 6.0"),
+        ([7, -1], "chunk 1: context_len=0 is shorter than its num_new_tokens=1"),
+    ):
+        with pytest.raises(ValueError, match=f"^{message}$"):
+            cm.decode_step_time(positions)
+    assert cm.decode_step_time([True, 5]) == cm.step_time([(1, 2), (1, 6)])  # True + 1 is the int 2
+
+
+def test_decode_step_time_leaves_its_sums_for_the_loop_past_2_to_the_53_or_2_to_the_11_decodes() -> None:
+    cm = CostModel(load_preset("deepseek-v4-flash"), H200, tp=2)
+    huge = [10**12] * 3  # each reads 10^12 // 4 compressed entries of its CSA indexer keys
+    assert cm.decode_step_time(huge) == _naive(cm, huge)
+    assert 10**12 not in cm._packed_decode_memo  # an entry past 2^53 is not packed
+    many = [4000 + i % 7 for i in range(1 << 11)]  # as many decodes as 2^11: two 64-bit halves could carry
+    assert cm.decode_step_time(many) == _naive(cm, many)
+    assert cm.decode_step_time(many[:-1]) == _naive(cm, many[:-1])
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    steps=st.lists(st.tuples(st.lists(st.integers(0, 50_000), min_size=1, max_size=40), st.integers(0, 3)), max_size=8)
+)
+def test_the_executors_decode_pricing_is_its_naive_pricing_bit_for_bit(steps) -> None:
+    """CostExecutor prices a step of one-token chunks by `decode_step_time`; without it, by
+    `step_time` over (tokens, context) per chunk: the clocks read the same floats, step after
+    step, with the bytes the state copies between the steps move, and steps with a prefill
+    chunk (which take step_time either way)."""
+    from kvpool.engine.runner import ScheduledChunk
+    from kvpool.sim.executor import CostExecutor, VirtualClock
+
+    cm, bandwidth = _V4, 3.3e12
+    executors = []
+    for fast in (True, False):
+        executors.append(
+            CostExecutor(
+                10,
+                step_time=lambda work, moved: cm.step_time(work) + moved / bandwidth,
+                decode_step_time=(lambda positions, moved: cm.decode_step_time(positions) + moved / bandwidth)
+                if fast
+                else None,
+                kv_read_bytes=lambda n: n,
+                clock=VirtualClock(),
+                block_bytes=4,
+                kv_capacity_bytes=0,
+                checkpoint_bytes=1 << 20,
+            )
+        )
+    for k, (starts, num_copies) in enumerate(steps):
+        chunks = [ScheduledChunk(f"r{i}", [7], start, True) for i, start in enumerate(starts)]
+        if k % 3 == 2:  # a prefill chunk among the decodes
+            chunks.append(ScheduledChunk("p", list(range(300)), 1000, True))
+        for ex in executors:
+            for _ in range(num_copies):
+                ex.copy_state(0, 1)
+            assert ex.forward(chunks, None, False) == [None] * len(chunks)
+        fast, naive = (ex.clock() for ex in executors)
+        assert fast == naive and executors[0].busy_s == executors[1].busy_s

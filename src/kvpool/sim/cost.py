@@ -191,6 +191,10 @@ from kvpool.spec.kv_formats import QUANTIZED
 from kvpool.spec.models import ModelSpec
 
 HOST_MODES: tuple[str, ...] = ("graph", "eager")
+# decode_step_time's packed sums: two 64-bit halves, each entry's below 2^53, fewer than 2^11 entries
+_LOW64 = (1 << 64) - 1
+_MAX_PACKED_DECODES = 1 << 11
+_INT_ONLY = {int}
 # The GEMM precision of each weight format (see the module docstring).
 WEIGHT_PRECISION: dict[str, str] = {"bf16": "bf16", "mxfp4": "bf16", "fp8": "fp8", "fp4+fp8": "fp8", "fp32": "fp32"}
 # The attention math precision of each KV dtype.
@@ -620,7 +624,12 @@ class CostModel:
     def step_cost(self, chunks: Sequence[tuple[int, int]]) -> StepCost:
         """The cost of one step over `chunks`: (num_new_tokens, context_len after the chunk)
         per scheduled sequence."""
-        scan = self._decode_scan(chunks)  # (checks the chunks as _check_chunks does)
+        return self._step_cost(chunks, self._decode_scan(chunks))  # (the scan checks the chunks)
+
+    def _step_cost(
+        self, chunks: Sequence[tuple[int, int]], scan: tuple[int, tuple[float, float], list[tuple[int, int]]] | None
+    ) -> StepCost:
+        """`step_cost` with the chunks' `_decode_scan` done (step_time has it already)."""
         if scan is None:
             _check_chunks(chunks)
             num_tokens, rest = sum(n for n, _ in chunks), chunks
@@ -717,14 +726,60 @@ class CostModel:
         the rest of `step_cost`."""
         scan = self._decode_scan(chunks)  # (checks the chunks as step_cost does)
         if scan is None or scan[2]:  # a prefill chunk, or sums the loop adds: the whole cost
-            return self.step_cost(chunks).time_s
-        decode_flops, decode_bytes = scan[1]
-        gemm_s, comm_s, host_s, fixed_s = self._decode_batch_terms(len(chunks))
+            return self._step_cost(chunks, scan).time_s  # (not scanned twice)
+        return self._decodes_time(len(chunks), *scan[1])
+
+    def _decodes_time(self, num_decodes: int, decode_flops: float, decode_bytes: float) -> float:
+        """`step_cost(...).time_s` of a step of `num_decodes` decodes whose attention sums
+        (`_decode_scan`'s) are decode_flops and decode_bytes: the batch's terms kept per size
+        and the decodes' phase, added in step_cost's order."""
+        gemm_s, comm_s, host_s, fixed_s = self._decode_batch_terms(num_decodes)
         attention_flop_s = self._peaks[1] * self.compute_efficiency  # as step_cost computes them
         byte_s = self.gpu.hbm_bandwidth_bytes_per_s * self.bandwidth_efficiency
         decode_s = max(decode_flops / attention_flop_s, decode_bytes / byte_s)
         # step_cost's sum in its order; its prefill phase is max(0.0, 0.0) = 0.0, and x + 0.0 == x
         return gemm_s + decode_s + comm_s + host_s + fixed_s
+
+    def decode_step_time(self, positions: Sequence[int]) -> float:
+        """Seconds of a step of one decode at each of `positions` (the decoded token's
+        position: its context after the step is position + 1): `step_time([(1, p + 1) for p
+        in positions])`, the same float, or its ValueError. The simulator's common step,
+        priced from one C-level sum over a memo per position of the decode's scaled integer
+        FLOPs and bytes packed in one int (`_packed_decode`), without a (tokens, context)
+        tuple per decode; `step_time` is its naive twin (tests/test_sim_cost_decode_sums.py)."""
+        scale, memo = self._decode_scale, self._packed_decode_memo
+        # the sums fit their 64-bit halves (each packed entry's halves are below 2^53)
+        if scale is None or not 0 < len(positions) < _MAX_PACKED_DECODES:
+            return self.step_time([(1, p + 1) for p in positions])
+        # ints only (a float would find an int's entry; step_time names it), none negative
+        if set(map(type, positions)) != _INT_ONLY or min(positions) < 0:
+            return self.step_time([(1, p + 1) for p in positions])
+        try:
+            total = sum(map(memo.__getitem__, positions))
+        except KeyError:  # positions first seen: their entries, then the sum again
+            for p in positions:
+                if p not in memo and not self._packed_decode(p):
+                    return self.step_time([(1, p + 1) for p in positions])
+            total = sum(map(memo.__getitem__, positions))
+        flops, num_bytes = total >> 64, total & _LOW64
+        if flops >= 1 << 53 or num_bytes >= 1 << 53:  # past exact float sums: the loop's
+            return self.step_time([(1, p + 1) for p in positions])
+        return self._decodes_time(len(positions), flops / scale, num_bytes / scale)
+
+    def _packed_decode(self, position: int) -> bool:
+        """Memoise the decode at `position` for `decode_step_time`: its `_decode_entry`
+        (FLOPs, bytes) x `_decode_scale` as FLOPs << 64 | bytes. False (nothing kept) when
+        either is 2^53 or more: a sum of fewer than 2^11 of them could then carry across."""
+        flops, num_bytes = self._decode_memo.get(position + 1) or self._decode_entry(position + 1)
+        if flops >= 1 << 53 or num_bytes >= 1 << 53:
+            return False
+        self._packed_decode_memo[position] = flops << 64 | num_bytes
+        return True
+
+    @cached_property
+    def _packed_decode_memo(self) -> dict[int, int]:
+        """position -> `_packed_decode`'s int (at most one entry per position)."""
+        return {}
 
     def _decode_batch_terms(self, num_decodes: int) -> tuple[float, float, float, float]:
         """(gemm_s, comm_s, host_s, fixed_s) of a step of `num_decodes` decodes: they depend on

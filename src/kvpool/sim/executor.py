@@ -41,6 +41,7 @@ from kvpool.workload.tokens import MASK64, STREAM_MIX, STREAM_MULT, stream_key, 
 
 _MOD = 1 << 64  # a signed seed back to its stream key
 _NEEDS_LOGITS = attrgetter("needs_logits")
+_ONE_TOKEN = {1}
 
 
 @dataclass
@@ -60,7 +61,10 @@ class VirtualClock:
 class CostExecutor:
     """The executor protocol (engine/runner.py) priced by `step_time((num_new_tokens,
     context_len) per chunk, bytes moved) -> seconds` on `clock`; `kv_read_bytes(context)`:
-    the cache bytes one query reads.
+    the cache bytes one query reads. `decode_step_time(positions, bytes moved) -> seconds`
+    (optional): step_time's fast twin for a step of one-token chunks at those positions, the
+    same float (sim/cost.py `CostModel.decode_step_time`), a fleet run's common step priced
+    without a (tokens, context) tuple per chunk.
 
     block_bytes: one block's bytes (a copy-on-write copy moves it twice; a host tier entry
     holds it); checkpoint_bytes: what one state copy moves (V4 dual, recurrent);
@@ -76,6 +80,7 @@ class CostExecutor:
         vocab_size: int,
         *,
         step_time: Callable[[Sequence[tuple[int, int]], int], float],
+        decode_step_time: Callable[[Sequence[int], int], float] | None = None,
         kv_read_bytes: Callable[[int], int],
         clock: VirtualClock,
         block_bytes: int,
@@ -92,6 +97,7 @@ class CostExecutor:
         self.kv_format = "simulated"
         self.peaks = StepPeaks()
         self.step_time = step_time
+        self.decode_step_time = decode_step_time
         self._kv_read_bytes = kv_read_bytes
         self.clock = clock
         clock.settle = self._price_step  # a step is priced when its time is read
@@ -154,9 +160,23 @@ class CostExecutor:
         first = self._first
         if not first:
             return
-        # one chunk per request: (tokens, context after them), in the order requests came
-        work = [(len(c.token_ids), c.start + len(c.token_ids)) for c in first]
         self._first = ()
+        seconds = None
+        if self.decode_step_time is not None and not self._later and not self._replays:
+            # one forward of one chunk per request: a step of decodes when every chunk is one token
+            _, token_ids, starts, _ = zip(*first, strict=True)
+            if set(map(len, token_ids)) == _ONE_TOKEN:
+                seconds = self.decode_step_time(starts, self._moved)
+        if seconds is None:
+            seconds = self.step_time(self._work(first), self._moved)
+        self._moved = 0
+        self.clock.now += seconds
+        self.busy_s += seconds
+
+    def _work(self, first: Sequence[ScheduledChunk]) -> list[tuple[int, int]]:
+        """The step's (tokens, context after them): one chunk per request, in the order
+        requests came, then the replays before it; `_later` and the replays taken."""
+        work = [(len(c.token_ids), c.start + len(c.token_ids)) for c in first]
         if self._later:  # the step came in pieces: its requests' later pieces extend their part
             at = {c.request_id: i for i, c in enumerate(first)}
             for request_id, (start, end) in self._later.items():
@@ -170,10 +190,7 @@ class CostExecutor:
         if self._replays:
             work.extend(self._replays)  # the states rebuilt over their cached prefixes
             self._replays.clear()
-        seconds = self.step_time(work, self._moved)
-        self._moved = 0
-        self.clock.now += seconds
-        self.busy_s += seconds
+        return work
 
     def copy_blocks(self, copies: Mapping[str, Sequence[BlockCopy]]) -> None:
         num = sum(len(cs) for cs in copies.values())

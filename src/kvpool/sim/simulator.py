@@ -179,6 +179,7 @@ def _make_replica(
     executor = CostExecutor(
         model.vocab_size,
         step_time=lambda work, moved: cost.step_time(work) + moved / bandwidth,
+        decode_step_time=lambda positions, moved: cost.decode_step_time(positions) + moved / bandwidth,
         kv_read_bytes=cost.kv_read_bytes,
         clock=clock,
         block_bytes=built.block_bytes,
