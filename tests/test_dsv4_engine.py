@@ -8,7 +8,7 @@ import torch
 from kvpool.engine.build import build_engine
 from kvpool.engine.dsv4_runner import dsv4_runner
 from kvpool.engine.engine import Engine
-from kvpool.engine.runner import MeasuredRestoreCost, ScheduledChunk
+from kvpool.engine.runner import MeasuredRestoreCost, ScheduledChunk, last_token_rows
 from kvpool.engine.sampling import SamplingParams
 from kvpool.models.tiny_dsv4 import TinyDSV4
 from kvpool.verify.dsv4_tolerance import FP64_TOLERANCE, derived_fp32_tolerance
@@ -283,3 +283,46 @@ def test_kv_capacity_bytes_counts_every_state_row_the_executor_allocates(kw: dic
     allocated = sum(t.numel() * t.element_size() for st in pools.state for t in st.tensors())
     allocated += pools.classical_block_bytes() * 64
     assert runner.cache_stats()["kv_capacity_bytes"] == allocated
+
+
+def test_a_step_cut_at_checkpoints_computes_only_the_rows_it_returns() -> None:
+    """fp64, checkpoints at 128 and 256: a step whose first and third chunks cross them (a
+    chunk with logits cut in three, one without cut in two) beside a chunk that needs none
+    and a decode-sized prompt. Without all_logits each piece forward computes only the rows
+    the step returns, which the runner puts in chunk order: the rows of the same step on a
+    twin runner computed with every token's logits, at the chunks' last tokens."""
+    g = torch.Generator().manual_seed(11)
+    prompts = {
+        name: torch.randint(0, 256, (n,), generator=g).tolist() for name, n in (("a", 300), ("b", 5), ("c", 200))
+    }
+    chunks = [
+        ScheduledChunk("a", prompts["a"], 0, True),
+        ScheduledChunk("b", prompts["b"], 0, True),
+        ScheduledChunk("c", prompts["c"][:150], 0, False),
+    ]
+    got = []
+    for all_logits in (False, True):
+        runner = dsv4_runner(TinyDSV4(dtype=torch.float64), 16, 4, restore="checkpoint", checkpoint_blocks=2)
+        forwards: list[tuple[list[int], int]] = []  # each forward's chunk lengths and rows of logits
+
+        def counted(c, cache, every, forward=runner.executor.forward, forwards=forwards):
+            out = forward(c, cache, every)
+            forwards.append(([len(x.token_ids) for x in c], len(out)))
+            return out
+
+        runner.executor.forward = counted  # type: ignore[method-assign]
+        for name, prompt in prompts.items():
+            assert runner.admit(name, prompt, 150 if name == "c" else len(prompt)) is not None
+        logits = runner.execute(chunks, all_logits=all_logits)
+        rows = [1, 0, 1] if not all_logits else [261, 150, 44]  # b's, then a's last token's
+        assert forwards == list(
+            zip([[128, 5, 128], [128, 22], [44]], rows, strict=True)
+        )  # cut at a's 128, 256, c's 128
+        got.append(logits if not all_logits else logits[last_token_rows(chunks)])
+        runner.commit_step(["a", "b", "c"], [300, 5, 150], [None, None, None])
+        runner.check_integrity()
+    assert got[0].shape == (2, got[0].shape[1])
+    assert (got[0] - got[1]).abs().max().item() <= FP64_TOLERANCE
+    model = TinyDSV4(dtype=torch.float64)
+    want = torch.stack([model.reference_logits(prompts[name])[-1] for name in ("a", "b")])
+    assert (got[0] - want).abs().max().item() <= FP64_TOLERANCE

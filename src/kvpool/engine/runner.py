@@ -62,7 +62,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, compress
+from itertools import accumulate, chain, compress, pairwise
 from operator import add, attrgetter
 from typing import Any, NamedTuple, Protocol
 
@@ -77,6 +77,17 @@ from kvpool.tiers.swa import SWAStrategy
 
 PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap", "auto")
 _NEEDS_LOGITS = attrgetter("needs_logits")
+
+
+def _join_rows(outs: Sequence[Any], order: list[int] | None) -> Any:
+    """The logits rows of several forwards joined, then (order) those rows in that order:
+    tensors [rows, vocab] joined as one, or the lists of rows a cost executor returns
+    (sim/executor.py `CostExecutor.forward`: the engine indexes one row per token)."""
+    if isinstance(outs[0], torch.Tensor):
+        joined = torch.cat(outs)
+        return joined if order is None else joined[torch.tensor(order, dtype=torch.long)]
+    rows = list(chain.from_iterable(outs))
+    return rows if order is None else [rows[i] for i in order]
 
 
 class ScheduledChunk(NamedTuple):
@@ -568,13 +579,14 @@ class ModelRunner:
         checkpoints: dict[str, tuple[tuple[int, int], ...]],
         snapshots: dict[str, dict[int, tuple[bytes, BlockDescriptor]]],
     ) -> torch.Tensor:
-        """`_forward_in_pieces` for a step with a cut inside a chunk. Each forward takes
-        every chunk's next piece (up to its next cut): the first forward every chunk with
-        tokens, as it is where nothing cuts it (the executor reads a chunk's positions; with
-        all_logits, not its needs_logits), the later ones only the chunks a cut left
-        unfinished. Python per chunk only for the `cuts` requests (a prefill chunk that
-        crosses a checkpoint beside a batch of decodes: the decodes cost C-level passes).
-        Logits as `_forward_in_pieces` returns them."""
+        """`_forward_in_pieces` for a step with a cut inside a chunk. Forward k takes piece k
+        of every chunk that has one: the first forward every chunk with tokens, as it is
+        where nothing cuts it, the later ones only the pieces of the chunks a cut divides.
+        A chunk's last piece carries its needs_logits (the others' are False), so without
+        all_logits each forward computes only the rows the step returns. Python per piece
+        only for the `cuts` requests (a prefill chunk that crosses checkpoints beside a batch
+        of decodes: the decodes cost C-level passes). Logits as `_forward_in_pieces`
+        returns them."""
         # the first forward: chunk i is todo[first_at[i]] (chunks without tokens compute nothing)
         lens = list(map(len, token_ids))
         first_lens = list(lens)  # each chunk's tokens in the first forward
@@ -584,70 +596,69 @@ class ModelRunner:
         else:
             first_at = range(len(chunks))
             todo = list(chunks)
-        index = dict(zip(ids, range(len(ids)), strict=True))
-        cursor: dict[str, int] = {}  # a cut request -> its next position
-        left: list[ScheduledChunk] = []  # the chunks a cut left unfinished, in chunk order
-        for request_id in cuts:  # (in chunk order)
-            i = index[request_id]
-            c = chunks[i]
-            if not lens[i]:
+        # each divided chunk's later pieces [a, b), in chunk order (the `cuts` requests are):
+        # [start, b0) first | [b0, b1) | ... | [b_last, end) with its needs_logits
+        later: list[tuple[int, list[tuple[int, int]]]] = []  # (chunk, its pieces after the first)
+        stops: list[tuple[str, int]] = []  # each `cuts` request's first piece's end
+        i = -1
+        for request_id in cuts:  # (in chunk order, as `taken`: each found after the last)
+            i = ids.index(request_id, i + 1)
+            c, n = chunks[i], lens[i]
+            if not n:
                 continue
-            end = c.start + lens[i]
-            stop = min([end] + [p for p in cuts[request_id] if p > c.start])
-            cursor[request_id] = stop
-            if stop < end:
-                first_lens[i] = stop - c.start
-                todo[first_at[i]] = ScheduledChunk(request_id, c.token_ids[: stop - c.start], c.start, False)
-                left.append(c)
-        outs = [self.executor.forward(todo, self.cache, True)]
-        for request_id, stop in cursor.items():
+            end = c.start + n
+            bounds = sorted({p for p in cuts[request_id] if c.start < p < end})
+            stops.append((request_id, bounds[0] if bounds else end))
+            if bounds:
+                first_lens[i] = bounds[0] - c.start
+                todo[first_at[i]] = ScheduledChunk(request_id, c.token_ids[: first_lens[i]], c.start, False)
+                bounds.append(end)
+                later.append((i, list(pairwise(bounds))))
+        outs = [self.executor.forward(todo, self.cache, all_logits)]
+        for request_id, stop in stops:
             self._after_piece(request_id, stop, checkpoints, snapshots)
-        # the later forwards: a piece of each unfinished chunk; (forward, row in its output) of
-        # each cut request's latest token, and (all_logits) its pieces' rows
-        later_rows: dict[str, list[tuple[int, int, int]]] = {c.request_id: [] for c in left}
-        active = left
-        while active:
-            todo, left = [], []
-            for c in active:
-                pos, end = cursor[c.request_id], c.start + len(c.token_ids)
-                stop = min([end] + [p for p in cuts[c.request_id] if p > pos])
-                todo.append(ScheduledChunk(c.request_id, c.token_ids[pos - c.start : stop - c.start], pos, False))
-                if stop < end:
-                    left.append(c)
-            active = left
-            k, offset = len(outs), 0
-            outs.append(self.executor.forward(todo, self.cache, True))
-            for piece in todo:
-                request_id, n = piece.request_id, len(piece.token_ids)
-                later_rows[request_id].append((k, offset, offset + n))
+        # the later forwards; (forward, rows in its output) of each later piece (all_logits),
+        # and (forward, row) of each divided chunk's last token where it needs logits
+        piece_rows: dict[int, list[tuple[int, int, int]]] = {i: [] for i, _ in later}
+        last_rows: dict[int, tuple[int, int]] = {}
+        for k in range(1, 1 + max((len(pieces) for _, pieces in later), default=0)):
+            todo, wanted = [], []
+            for i, pieces in later:
+                if k <= len(pieces):
+                    a, b = pieces[k - 1]
+                    c = chunks[i]
+                    last = k == len(pieces) and c.needs_logits
+                    todo.append(ScheduledChunk(c.request_id, c.token_ids[a - c.start : b - c.start], a, last))
+                    wanted.append((i, last))
+            outs.append(self.executor.forward(todo, self.cache, all_logits))
+            offset = row = 0
+            for (i, last), piece in zip(wanted, todo, strict=True):
+                n = len(piece.token_ids)
+                piece_rows[i].append((k, offset, offset + n))
                 offset += n
-                cursor[request_id] = piece.start + n
-                self._after_piece(request_id, piece.start + n, checkpoints, snapshots)
-        # chunk i's rows in the first forward's output: [ends0[i] - first_lens[i], ends0[i])
-        ends0 = list(accumulate(first_lens))
-        if all_logits:
+                if last:
+                    last_rows[i] = (k, row)
+                    row += 1
+                self._after_piece(piece.request_id, piece.start + n, checkpoints, snapshots)
+        if all_logits:  # chunk i's rows in the first forward's output: [ends0[i] - first_lens[i], ends0[i])
+            ends0 = list(accumulate(first_lens))
             rows: list[torch.Tensor] = []
-            for i, c in enumerate(chunks):
+            for i in range(len(chunks)):
                 rows.append(outs[0][ends0[i] - first_lens[i] : ends0[i]])
-                rows.extend(outs[k][a:b] for k, a, b in later_rows.get(c.request_id, ()))
+                rows.extend(outs[k][a:b] for k, a, b in piece_rows.get(i, ()))
             return torch.cat(rows) if rows else torch.zeros(0, self.vocab_size)
-        # the rows wanted (each chunk with needs_logits: its last token's), in chunk order
+        # the rows wanted, each chunk with needs_logits its last token's, in chunk order: the
+        # first forward's (its undivided chunks', in chunk order), each divided chunk's put in
+        # its place from the forward of its last piece
         needs = list(map(_NEEDS_LOGITS, chunks))
         assert 0 not in compress(lens, needs), "a chunk without tokens has no logits"
-        wanted = [end - 1 for end in compress(ends0, needs)]
-        if not wanted:
-            return torch.zeros(0, self.vocab_size)
-        if not any(chunks[index[r]].needs_logits for r in later_rows):  # all in the first forward's
-            return outs[0][torch.tensor(wanted)]
-        # some in a later forward's: rows of the forwards' outputs joined
-        base = list(accumulate((len(out) for out in outs), initial=0))
-        place = list(accumulate(needs, initial=0))  # chunk i's place in `wanted`
-        for request_id, pieces in later_rows.items():
-            i = index[request_id]
-            if needs[i]:
-                k, _, b = pieces[-1]
-                wanted[place[i]] = base[k] + b - 1
-        return torch.cat(outs)[torch.tensor(wanted)]
+        if not last_rows:
+            return outs[0]
+        base = list(accumulate(map(len, outs), initial=0))
+        order = list(range(len(outs[0])))
+        for i, (k, row) in sorted(last_rows.items()):  # (in chunk order: each one's place counts those before it)
+            order.insert(needs[:i].count(True), base[k] + row)
+        return _join_rows(outs, None if order == list(range(base[-1])) else order)
 
     def _after_piece(
         self,
