@@ -9,9 +9,11 @@ import gc
 import random
 from collections.abc import Sequence
 
+import pytest
 import torch
 
 from kvpool.cache import CacheDescriptor, FullAttentionManager
+from kvpool.engine.batch_sampler import BatchSampler
 from kvpool.engine.engine import Engine, RequestState, SequenceState
 from kvpool.engine.runner import ScheduledChunk
 from kvpool.engine.sampling import SamplingParams
@@ -252,3 +254,9 @@ def test_the_inline_decode_path_equals_accept_token():
             outputs[-1].append([engine.stats.num_decode_tokens, engine.stats.num_prefill_tokens])
         assert outputs[0] == outputs[1], case
         assert any(len(c[0]) > 3 for out in outputs[0][:-2] for c in out)  # decodes happened
+
+
+def test_a_step_sampler_samples_batched_steps_only():
+    # a step sampler without batched sampling would never be called: the engine says so
+    with pytest.raises(ValueError, match="step_sampler samples batched steps: pass batched_sampling=True"):
+        Engine(PrefixModelRunner(12, 4), step_sampler=BatchSampler())

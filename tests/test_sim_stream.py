@@ -156,6 +156,59 @@ def test_the_answer_sampler_held_answers_are_token_at_in_any_order():
     assert tokens == [token_at(params.seed % (1 << 64), p, VOCAB) for p in range(params.max_tokens)]
 
 
+class _Row:
+    """A batch row's owner for AnswerSampler.sample: its params, sample index, origin and
+    length now (an engine's sequence)."""
+
+    def __init__(self, params: SamplingParams, sample_index: int, origin: int) -> None:
+        self.params, self.sample_index, self.origin, self.length = params, sample_index, origin, origin
+
+
+def test_the_answer_samplers_batch_form_is_a_call_a_row():
+    """AnswerSampler.sample (the engine's batched steps) gives each row the token its
+    per-row call gives (its twin), over random steps: rows joining, leaving, moving, a row
+    left out of a step and back, samples j > 0, rows past max_tokens, and two rows of one
+    seed; rows() only where an owner is new to the batch."""
+    rng = random.Random(11)
+    ints = int_table(VOCAB).tolist()
+    batch, twin = AnswerSampler(VOCAB, ints), AnswerSampler(VOCAB, ints)
+    pool = [
+        _Row(
+            SamplingParams(max_tokens=rng.randrange(1, 30), seed=answer_seed(f"r{i % 9}")),
+            i % 3 == 0,
+            rng.randrange(1, 50),
+        )
+        for i in range(14)
+    ]
+    asked: list[int] = []
+
+    def rows():
+        asked.append(len(owners))
+        return [r.params for r in owners], [r.sample_index for r in owners], [r.origin for r in owners]
+
+    owners: list[_Row] = []
+    for _ in range(300):
+        last = owners
+        if rng.random() < 0.3:  # the batch changes: rows join, leave or move
+            owners = rng.sample(pool, rng.randrange(0, 8))
+        num_asked = len(asked)
+        tokens = batch.sample([None] * len(owners), owners, rows, lambda owners=owners: [r.length for r in owners])
+        assert tokens == [twin(None, r.params, r.sample_index, r.length - r.origin) for r in owners]
+        assert all(t is ints[t] for t in tokens)
+        joined = {id(r) for r in owners} - {id(r) for r in last}
+        assert len(asked) - num_asked == (1 if joined else 0)  # a batch of kept rows reads no params
+        for r in owners:  # the engine appends each row's token
+            r.length += 1
+    assert 0 < len(asked) < 100
+    assert any(r.length - r.origin > r.params.max_tokens for r in pool)  # read past max_tokens
+    with pytest.raises(ValueError, match="1 logit rows but 2 owners"):
+        batch.sample([None], pool[:2], rows, lambda: [1, 1])
+    assert twin.sample_rows([None, None], [pool[0].params, pool[1].params], [0, 2], [3, 4]) == [
+        twin(None, pool[0].params, 0, 3),
+        twin(None, pool[1].params, 2, 4),
+    ]
+
+
 def test_prompts_and_answers_share_one_int_per_token():
     """With the simulator's int table, a prompt's answers and a sampled token are the
     table's objects (a token kept costs a pointer), and the values are those without it."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -245,6 +246,29 @@ class _Group:
         return _sample_group(logits, self.temperature, self.top_p, self.u, self.k, self.nucleus, at_top)
 
 
+class StepSampler(Protocol):
+    """What an engine's batched steps sample with (Engine's `step_sampler`): `BatchSampler`,
+    over the logits' rows in tensors, or a runner's own where its logits hold nothing to
+    sample (the simulator's sim/executor.py `AnswerSampler`, whose rows name streams)."""
+
+    def sample(
+        self,
+        logits: Any,
+        owners: Sequence[object],
+        rows: Callable[[], tuple[Sequence[SamplingParams], Sequence[int], Sequence[int]]],
+        lengths: Callable[[], Iterable[int]],
+    ) -> list[int]:
+        """A step's rows (`BatchSampler.sample`'s contract): a token for each."""
+        ...
+
+    def sample_rows(
+        self, logits: Any, params: Sequence[SamplingParams], sample_indices: Sequence[int], positions: Sequence[int]
+    ) -> list[int]:
+        """Rows outside a step's batch (a forked sample's first token): `sample_batch`'s
+        contract, keeping nothing."""
+        ...
+
+
 class BatchSampler:
     """`sample_batch` for an engine's steps, keeping what a batch's parameters alone
     determine (`_BatchRows`: which rows draw, their groups and fp32 parameter columns, their seeds' hash
@@ -291,6 +315,16 @@ class BatchSampler:
             self._owners = list(owners)  # (held: an owner's id is never another's while it is here)
         origins = self._origins
         return self._rows.sample(logits, lambda: np.fromiter(lengths(), np.int64, n) - origins)
+
+    def sample_rows(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        sample_indices: Sequence[int],
+        positions: Sequence[int],
+    ) -> list[int]:
+        """`sample_batch` itself: the kept batch is left as it is."""
+        return sample_batch(logits, params, sample_indices, positions)
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

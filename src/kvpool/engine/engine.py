@@ -31,7 +31,7 @@ from typing import TypeVar
 
 import torch
 
-from kvpool.engine.batch_sampler import BatchSampler, sample_batch
+from kvpool.engine.batch_sampler import BatchSampler, StepSampler
 from kvpool.engine.runner import ModelRunner, ScheduledChunk
 from kvpool.engine.sampling import SamplingParams, sample_token, token_logprobs
 
@@ -151,13 +151,19 @@ class Engine:
         clock: Callable[[], float] = time.perf_counter,
         sampler: Callable[[torch.Tensor, SamplingParams, int, int], int] = sample_token,
         batched_sampling: bool = False,
+        step_sampler: StepSampler | None = None,
     ):
         """clock: when things happen (the simulator's is virtual). sampler: (a row of the
         runner's logits, params, sample index, output position) -> token id; a runner
         without a model (sim/runner.py) returns rows its own sampler reads.
         batched_sampling: sample a step's rows at once on the logits' device
         (batch_sampler.py `sample_batch`, one host synchronisation a step) instead of `sampler`
-        row by row; greedy tokens are the same, stochastic ones are drawn differently."""
+        row by row; greedy tokens are the same, stochastic ones are drawn differently.
+        step_sampler: what a batched step samples with (default: a `BatchSampler` of the
+        logits); a runner without a model passes its own (the simulator's `AnswerSampler`:
+        the same tokens as its per-row `sampler`), so its steps take the batched path."""
+        if step_sampler is not None and not batched_sampling:
+            raise ValueError("step_sampler samples batched steps: pass batched_sampling=True with it")
         if max_num_batched_tokens <= 0 or max_num_seqs <= 0:
             raise ValueError(
                 f"max_num_batched_tokens and max_num_seqs must be positive, "
@@ -172,7 +178,8 @@ class Engine:
         self.clock = clock
         self.sampler = sampler
         self.batched_sampling = batched_sampling
-        self._batch_sampler = BatchSampler()  # the batched steps' (keeps a batch's rows while it runs)
+        # the batched steps' (BatchSampler keeps a batch's rows while it runs)
+        self._batch_sampler: StepSampler = BatchSampler() if step_sampler is None else step_sampler
         # A fault of one request's own work (its sampling, stop-string text or fork) fails
         # that request alone (`fail`, RequestOutput.error) when this is set; else it raises,
         # as any bug does. Only a consumer that reads `error` sets it (the server's engine
@@ -622,7 +629,7 @@ class Engine:
         def lengths() -> list[int]:
             return [len(seq.token_ids) for seq in seqs]
 
-        if logits.shape[0] != len(seqs):
+        if len(logits) != len(seqs):  # (a tensor's rows, or a runner's list of empty rows)
             logits = logits[: len(seqs)]
         return self._batch_sampler.sample(logits, seqs, rows, lengths)
 
@@ -669,7 +676,9 @@ class Engine:
         position = len(tokens) - len(req.prompt_ids)  # seq.num_output_tokens, before this token
         if token is None:
             if self.batched_sampling:
-                token = sample_batch(logits[row : row + 1], [params], [seq.sample_index], [position])[0]
+                token = self._batch_sampler.sample_rows(
+                    logits[row : row + 1], [params], [seq.sample_index], [position]
+                )[0]
             else:
                 token = self.sampler(logits[row], params, seq.sample_index, position)
         if self.record_logits:

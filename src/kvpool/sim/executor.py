@@ -26,9 +26,9 @@ executor calls, which only ever move or compute tensors, by pricing them:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from operator import attrgetter
+from operator import attrgetter, is_, sub
 from typing import Any
 
 import torch
@@ -286,7 +286,11 @@ class AnswerSampler:
     its last token is read (the request ends there: ignore_eos), and all of them when more
     than `max_streams` are held (a request that ends early: they are remade on demand, the
     same tokens). Past its max_tokens, and for sample j > 0, a token is `token_at` inlined.
-    Its naive twin: token_at, which tests/test_sim_stream.py compares it with."""
+    Its naive twin: token_at, which tests/test_sim_stream.py compares it with.
+
+    `sample` is its batch form (engine/batch_sampler.py `StepSampler`): a step's rows at once,
+    the same tokens as a call a row (its twin, which tests/test_sim_stream.py compares it
+    with), so the engine takes its batched decode path, one call a step."""
 
     def __init__(self, vocab_size: int, ints: Sequence[int] | None = None, max_streams: int = 65536) -> None:
         self.vocab_size = vocab_size
@@ -297,6 +301,13 @@ class AnswerSampler:
             raise ValueError(f"ints holds {len(self._ints)} tokens, not the vocabulary's {vocab_size}")
         self.max_streams = max_streams
         self._answers: dict[int, list[int]] = {}  # seed -> its answer's tokens, while its request runs
+        # `sample`'s batch: the last step's owners (held, so no id in _kept is another
+        # object's), each row's stream [0, max_tokens) and origin, and id(owner) -> (stream,
+        # origin, params, sample index) for the owners of that batch
+        self._owners: list[object] = []
+        self._streams: list[list[int]] = []
+        self._origins: list[int] = []
+        self._kept: dict[int, tuple[list[int], int, SamplingParams, int]] = {}
 
     def __call__(self, row: object, params: SamplingParams, sample_index: int, position: int) -> int:
         if not sample_index:
@@ -325,3 +336,79 @@ class AnswerSampler:
         tokens = stream_tokens([params.seed % _MOD], [params.max_tokens], self.vocab_size).tolist()
         answer = self._answers[params.seed] = list(map(ints.__getitem__, tokens))  # (C-level: a third of a loop's time)
         return answer
+
+    def sample(
+        self,
+        logits: Sequence[object],
+        owners: Sequence[object],
+        rows: Callable[[], tuple[Sequence[SamplingParams], Sequence[int], Sequence[int]]],
+        lengths: Callable[[], Iterable[int]],
+    ) -> list[int]:
+        """A step's tokens (BatchSampler.sample's contract; the logits are not read): row i's
+        is `self(None, params[i], sample_indices[i], lengths()[i] - origins[i])`, read from
+        its stream, which is kept while its owner stays in the batch (an owner that joins has
+        its stream made in one vectorised pass with the others that join). rows() is called
+        only when the owners differ from the last step's."""
+        n = len(owners)
+        if len(logits) != n:
+            raise ValueError(f"AnswerSampler: {len(logits)} logit rows but {len(owners)} owners")
+        last = self._owners
+        if len(last) != n or not all(map(is_, owners, last)):
+            self._batch(owners, rows)
+        streams = self._streams
+        positions = list(map(sub, lengths(), self._origins))  # (>= 0: a sequence holds its prompt)
+        if min(positions, default=0) < 0:
+            raise ValueError(f"AnswerSampler: a row's length is shorter than its origin ({min(positions)})")
+        try:
+            return [stream[p] for stream, p in zip(streams, positions, strict=True)]
+        except IndexError:  # past a row's max_tokens (the engine ends a sequence there): the call
+            kept = self._kept
+            return [
+                stream[p] if p < len(stream) else self(None, entry[2], entry[3], p)
+                for stream, p, entry in zip(
+                    streams, positions, map(kept.__getitem__, map(id, self._owners)), strict=True
+                )
+            ]
+
+    def sample_rows(
+        self,
+        logits: Sequence[object],
+        params: Sequence[SamplingParams],
+        sample_indices: Sequence[int],
+        positions: Sequence[int],
+    ) -> list[int]:
+        """Rows outside a step's batch (a forked sample's first token): a call each."""
+        return [self(None, p, j, position) for p, j, position in zip(params, sample_indices, positions, strict=True)]
+
+    def _batch(
+        self,
+        owners: Sequence[object],
+        rows: Callable[[], tuple[Sequence[SamplingParams], Sequence[int], Sequence[int]]],
+    ) -> None:
+        """Take `owners` as the batch: the rows of owners kept from the last batch as they
+        were, the others' streams made at once (positions [0, max_tokens): `_answer`'s for
+        sample 0, token_at's stream for j > 0)."""
+        kept = self._kept
+        entries = list(map(kept.get, map(id, owners)))
+        joined = [i for i, entry in enumerate(entries) if entry is None]
+        if joined:
+            params, sample_indices, origins = rows()
+            if not len(params) == len(sample_indices) == len(origins) == len(owners):
+                raise ValueError(
+                    f"AnswerSampler: {len(owners)} owners but {len(params)} params, {len(sample_indices)} "
+                    f"sample indices, {len(origins)} origins"
+                )
+            keys = [
+                params[i].seed % _MOD if not sample_indices[i] else stream_key(f"{params[i].seed}/{sample_indices[i]}")
+                for i in joined
+            ]
+            lens = [params[i].max_tokens for i in joined]
+            tokens = list(map(self._ints.__getitem__, stream_tokens(keys, lens, self.vocab_size).tolist()))
+            start = 0
+            for i, num in zip(joined, lens, strict=True):
+                entries[i] = (tokens[start : start + num], origins[i], params[i], sample_indices[i])
+                start += num
+        self._owners = list(owners)
+        self._kept = dict(zip(map(id, owners), entries, strict=True))
+        self._streams = [entry[0] for entry in entries]
+        self._origins = [entry[1] for entry in entries]

@@ -189,12 +189,17 @@ def _make_replica(
         has_state=built.num_state_blocks > 0,
     )
     runner = sim_runner(built, executor, max_len)
+    answers = AnswerSampler(model.vocab_size, ints)
     engine = Engine(
         runner,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_num_seqs=config.max_num_seqs,
         clock=clock,
-        sampler=AnswerSampler(model.vocab_size, ints),
+        sampler=answers,
+        # a step's tokens in one call (the answers' batch form): the engine's batched decode
+        # path, a GPU engine's
+        batched_sampling=True,
+        step_sampler=answers,
     )
     return Replica(index, engine, runner, executor, clock, built)
 
