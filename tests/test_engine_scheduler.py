@@ -214,9 +214,13 @@ def test_the_inline_decode_path_equals_accept_token():
     # shortcut for a token that ends nothing). Both must give the same outputs on random requests:
     # EOS (ignored or not), stop strings over decoded text, max_tokens, max_model_len, n > 1,
     # logprobs, seeded temperature sampling, batched sampling or not, a small pool (preemption).
+    # Cases 12 on are plain requests only (one sample, no logprobs, no stop strings): their
+    # batched decode steps, and a mixed step's leading decode rows, take `_take_inline_tokens`,
+    # rows ending by EOS and by length among them.
     rng = random.Random(7)
-    for case in range(12):
+    for case in range(18):
         batched = case % 2 == 1
+        plain = case >= 12
         requests = []
         for _ in range(10):
             params = SamplingParams(
@@ -224,9 +228,9 @@ def test_the_inline_decode_path_equals_accept_token():
                 temperature=rng.choice([0.0, 0.9]),
                 seed=rng.randrange(1000),
                 ignore_eos=rng.random() < 0.3,
-                stop=tuple(rng.sample(["ab", "k", "zq", "e"], rng.randint(0, 2))),
-                n=rng.choice([1, 1, 1, 2]),
-                logprobs=rng.choice([None, None, 2]),
+                stop=() if plain else tuple(rng.sample(["ab", "k", "zq", "e"], rng.randint(0, 2))),
+                n=1 if plain else rng.choice([1, 1, 1, 2]),
+                logprobs=None if plain else rng.choice([None, None, 2]),
             )
             requests.append(([rng.randrange(VOCAB) for _ in range(rng.randint(1, 9))], params))
         outputs = []
@@ -245,9 +249,19 @@ def test_the_inline_decode_path_equals_accept_token():
             taken = []  # the decode steps `step` took through `_take_decode_tokens`
             take = engine._take_decode_tokens
             engine._take_decode_tokens = lambda *args, take=take, taken=taken: taken.append(1) or take(*args)
+            passes = []  # the steps (or a mixed step's leading rows) it took as inline rows only
+            take_inline = engine._take_inline_tokens
+
+            def take_inline_rows(*args, take=take_inline, passes=passes):
+                taken = take(*args)
+                passes.append(taken is not None)
+                return taken
+
+            engine._take_inline_tokens = take_inline_rows
             ids = [engine.add_request(prompt, params) for prompt, params in requests]
             run(engine)
             assert bool(taken) == (inline and batched), case  # the decode step's loop ran where it holds
+            assert any(passes) == (inline and batched and plain), case
             outs = [engine.output(rid) for rid in ids]
             outputs.append([[(c.token_ids, c.text, c.finish_reason) for c in o.completions] for o in outs])
             outputs[-1].append([s.logprobs for rid in ids for s in engine.requests[rid].seqs])
@@ -260,3 +274,27 @@ def test_a_step_sampler_samples_batched_steps_only():
     # a step sampler without batched sampling would never be called: the engine says so
     with pytest.raises(ValueError, match="step_sampler samples batched steps: pass batched_sampling=True"):
         Engine(PrefixModelRunner(12, 4), step_sampler=BatchSampler())
+
+
+def test_a_decode_steps_chunks_are_each_sequences_chunk():
+    # _plan_running builds a decode step's chunks, ids and counts in list comprehensions; `_chunk`,
+    # one sequence at a time (the over-budget path's), is its twin: the same tuples, at every
+    # step of random requests (prompts prefilled in pieces, decodes, finishes, preemption)
+    rng = random.Random(3)
+    runner = PrefixModelRunner(12, 4)
+    engine = Engine(runner, max_num_batched_tokens=10, max_num_seqs=5, batched_sampling=True)
+    for _ in range(12):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 12))]
+        engine.add_request(prompt, SamplingParams(max_tokens=rng.randint(1, 10), ignore_eos=True))
+    num_whole = 0
+    while engine.has_unfinished():
+        running = list(engine.running)
+        rests = [len(seq.token_ids) - seq.num_computed for seq in running]
+        seqs, ids, counts, chunks = engine._plan_running(10**6)
+        assert seqs == running and ids == [seq.seq_id for seq in running] and counts == rests
+        assert chunks == [Engine._chunk(seq, n) for seq, n in zip(running, rests, strict=True)]
+        assert all(type(c) is ScheduledChunk for c in chunks)
+        num_whole += bool(running)
+        engine.step()
+        runner.check_integrity()
+    assert num_whole > 20 and engine.stats.num_decode_tokens > 30

@@ -27,6 +27,7 @@ import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import TypeVar
 
 import torch
@@ -91,6 +92,9 @@ class RequestState:
     stop_ids: frozenset[int] = frozenset()
     matches_text: bool = False
     plain: bool = False  # one sample and no logprobs: its decode tokens take the step's inline path
+    # plain, its first token taken (by `_accept_token`) and no stop strings to match in text:
+    # a batched decode step takes its tokens in C-level passes (`_take_decode_tokens`)
+    inline: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -377,6 +381,9 @@ class Engine:
         counts = [len(seq.token_ids) - seq.num_computed for seq in running]
         if running and sum(counts) <= budget:  # every sequence's whole rest fits (a decode step): list comprehensions
             assert min(counts) > 0, "a running sequence always has a token to compute"
+            # (chunk i is _chunk(running[i], counts[i]), below: tests/test_engine_scheduler.py
+            # holds them to it; on Python 3.11 these comprehensions beat map() over
+            # attrgetters by a third)
             chunks = [
                 _new_chunk(ScheduledChunk, (seq.seq_id, seq.token_ids[seq.num_computed :], seq.num_computed, True))
                 for seq in running
@@ -491,11 +498,28 @@ class Engine:
         row = 0
         num_decode = 0  # chunks of one token after the prompt
         counts = self._step_counts  # (counts[i] is len(chunks[i].token_ids))
+        scheduled = self._scheduled
+        head = 0  # chunks [0, head) taken before the loop below (a mixed step's leading decode tokens)
         if plain and sampled is not None and len(sampled) == len(chunks) == counts.count(1):
             # a decode step (one sampled token a chunk): the loop below without its per-chunk branches
             next_token_ids, num_decode = self._take_decode_tokens(sampled, logits, now, done, forks, failed)
         else:
-            for i, (seq, chunk, n) in enumerate(zip(self._scheduled, chunks, counts, strict=True)):
+            if plain and sampled is not None:
+                # A mixed step (a prompt chunk among them, most often an admitted request's
+                # after the running ones): its leading chunks of one sampled token each, where
+                # every one is a plain request's decode token, go through _take_inline_tokens'
+                # passes, the rest through the loop below (from chunk `head`: sampled row `head`)
+                head = next(itertools.compress(itertools.count(), map(operator.ne, counts, repeat(1))), len(counts))
+                taken = None
+                if head and all(map(_NEEDS_LOGITS, chunks[:head])):
+                    taken = self._take_inline_tokens(scheduled[:head], sampled[:head], done, failed)
+                if taken is None:
+                    head = 0
+                else:
+                    next_token_ids[:head] = taken
+                    num_decode = row = head
+            rest = zip(scheduled, chunks, counts, strict=True)
+            for i, (seq, chunk, n) in enumerate(itertools.islice(rest, head, None) if head else rest, head):
                 seq.num_computed += n
                 req = seq.request
                 if n == 1 and chunk.start >= len(req.prompt_ids):
@@ -573,6 +597,9 @@ class Engine:
         without the branches a prefill chunk takes. Returns each chunk's next token id for the
         commit (None: none, its request finished or failed) and the number of decode chunks
         (those after the prompt)."""
+        inline = self._take_inline_tokens(self._scheduled, sampled, done, failed)
+        if inline is not None:  # every row a plain request's decode token, no text to match
+            return inline, len(sampled)
         next_token_ids: list[int | None] = []
         put = next_token_ids.append
         num_in_prompt = 0  # chunks inside the prompt (a prompt's last token): not decodes
@@ -611,6 +638,52 @@ class Engine:
                 put(None)
                 done.append((seq, reason))
         return next_token_ids, len(sampled) - num_in_prompt
+
+    def _take_inline_tokens(
+        self,
+        seqs: list[SequenceState],
+        sampled: list[int],
+        done: list[tuple[SequenceState, str]],
+        failed: dict[str, tuple[str, str]],
+    ) -> list[int | None] | None:
+        """`_take_decode_tokens`' loop where every row is `inline` (a plain request past its
+        first token, no stop string to match), in its least work a row: the sequence computed
+        its last token and appends its sampled one; then, in a second pass only when some row
+        ended (its token a stop id, or its end length reached: the inline path's checks), the
+        rows that ended meet `_stop_reason` in row order. (seqs[i]: the sequence of the step's
+        chunk i, a decode of one token; sampled[i] its token.) The next token ids for the
+        commit (None where a request finished or failed), or None, with nothing taken, where
+        some row is not inline."""
+        for seq in seqs:  # (a loop: on Python 3.11 faster than all(map(attrgetter)))
+            if not seq.request.inline:
+                return None
+        ended = False
+        for seq, token in zip(seqs, sampled, strict=True):
+            seq.num_computed += 1
+            tokens = seq.token_ids
+            tokens.append(token)
+            req = seq.request
+            if token in req.stop_ids or len(tokens) >= req.end_len:
+                ended = True
+        next_token_ids: list[int | None] = list(sampled)
+        if not ended:  # (the common step)
+            return next_token_ids
+        for i, (seq, token) in enumerate(zip(seqs, sampled, strict=True)):
+            req = seq.request
+            if token not in req.stop_ids and len(seq.token_ids) < req.end_len:
+                continue
+            try:
+                reason = self._stop_reason(seq, token)
+            except Exception as error:
+                if not self.contain_request_faults:
+                    raise
+                failed[req.request_id] = (f"{type(error).__name__}: {error}", traceback.format_exc())
+                next_token_ids[i] = None
+                continue
+            if reason is not None:
+                next_token_ids[i] = None
+                done.append((seq, reason))
+        return next_token_ids
 
     def _sample_step(self, chunks: Sequence[ScheduledChunk], logits: torch.Tensor) -> list[int]:
         """Every sampled row's token (the chunks needing logits, in order), in one batch. The
@@ -687,6 +760,7 @@ class Engine:
             seq.logprobs.append(token_logprobs(logits[row], token, params.logprobs))
         if req.first_token_time is None:
             req.first_token_time = now
+            req.inline = req.plain and not req.matches_text
         tokens.append(token)
         # The common token ends nothing: exactly the negation of `_stop_reason`'s checks, on
         # what the request fixed at add_request (its length, its stop ids, whether text

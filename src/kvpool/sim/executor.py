@@ -28,7 +28,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from operator import attrgetter, is_, sub
+from itertools import compress, repeat
+from operator import attrgetter, getitem, is_, itemgetter, sub
 from typing import Any
 
 import torch
@@ -357,10 +358,10 @@ class AnswerSampler:
             self._batch(owners, rows)
         streams = self._streams
         positions = list(map(sub, lengths(), self._origins))  # (>= 0: a sequence holds its prompt)
-        if min(positions, default=0) < 0:
-            raise ValueError(f"AnswerSampler: a row's length is shorter than its origin ({min(positions)})")
+        if len(positions) != n or min(positions, default=0) < 0:
+            raise ValueError(f"AnswerSampler: {n} rows but lengths minus origins {positions}")
         try:
-            return [stream[p] for stream, p in zip(streams, positions, strict=True)]
+            return list(map(getitem, streams, positions))  # (C-level: no Python frame a row)
         except IndexError:  # past a row's max_tokens (the engine ends a sequence there): the call
             kept = self._kept
             return [
@@ -390,7 +391,7 @@ class AnswerSampler:
         sample 0, token_at's stream for j > 0)."""
         kept = self._kept
         entries = list(map(kept.get, map(id, owners)))
-        joined = [i for i, entry in enumerate(entries) if entry is None]
+        joined = list(compress(range(len(entries)), map(is_, entries, repeat(None))))
         if joined:
             params, sample_indices, origins = rows()
             if not len(params) == len(sample_indices) == len(origins) == len(owners):
@@ -410,5 +411,5 @@ class AnswerSampler:
                 start += num
         self._owners = list(owners)
         self._kept = dict(zip(map(id, owners), entries, strict=True))
-        self._streams = [entry[0] for entry in entries]
-        self._origins = [entry[1] for entry in entries]
+        self._streams = list(map(itemgetter(0), entries))
+        self._origins = list(map(itemgetter(1), entries))
