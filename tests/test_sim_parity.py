@@ -288,6 +288,7 @@ class DualCase:
     host_blocks: int = 0  # a host tier of this many classical blocks
     swa: SWAStrategy | None = None  # a disk tier (restore "recompute"), window snapshots by this strategy
     turn_ends: bool = False
+    preemption: str = "recompute"  # "swap": the host tier takes a preempted request's spans and state
     num_blocks: int = 6
     num_states: int = 3
     max_num_seqs: int = 3
@@ -304,6 +305,10 @@ DUAL_CASES = {
     # the one at 32 and replays 16 tokens; the blocks the pool evicts come back from disk
     "disk-tier": DualCase(swa=SWAStrategy("periodic", 32)),
     "turn-ends": DualCase(turn_ends=True, num_states=5),  # (3 running at most: the kept ones wait in the other two)
+    # a preempted request's state entry (and its spans the tier lacks) go to a host tier of
+    # 24 blocks' bytes (a state entry is ~9 blocks' here: 16 window rows x 4 layers), which
+    # evicts; a resume at the span boundary before it takes the state back
+    "swap": DualCase(host_blocks=24, num_blocks=5, workload=replace(DUAL, max_tokens=10), preemption="swap"),
 }
 
 
@@ -316,7 +321,9 @@ def test_dual(name: str, tmp_path: Path) -> None:
     disk-tier: every block and window snapshot the SWA strategy keeps written through to a
     disk tier (one a side, in tmp_path), hits restored from them. turn-ends: a finished
     turn's state block is kept, and the session's next turn adopts it (nothing moves, on
-    either side)."""
+    either side). swap: a preemption writes the request's state (and the spans the host tier
+    lacks) to the tier, and a resume that hits the span boundary before it restores the
+    state from there instead of replaying (on both sides, the same bytes)."""
     case = DUAL_CASES[name]
     model = TinyDSV4(SMALL_DSV4_CONFIG, seed=0)
     restore, wl = case.restore, case.workload
@@ -340,6 +347,7 @@ def test_dual(name: str, tmp_path: Path) -> None:
         persistent_tiers=disks[0],
         swa=case.swa,
         turn_end_checkpoints=case.turn_ends,
+        preemption=case.preemption,
     )
     real = Side(real_runner, real_runner.cache, _dual_tables, wl, **kw)
     bridge = TierBridge(tiers[1], disks[1], model.spec.span, enable_prefix_caching=True)
@@ -366,7 +374,9 @@ def test_dual(name: str, tmp_path: Path) -> None:
     _check_exercised(views, answers, wl, least)
     methods = [dict(adm[3])["v4"][3].method for adm in real.admissions if adm[1] > 0]  # the hits' restores
     expected = {"checkpoint", "recompute"} if restore == "auto" else {restore}
-    assert methods and set(methods) == (expected | {"adopt"} if case.turn_ends else expected), methods
+    expected |= {"adopt"} if case.turn_ends else set()
+    expected |= {"swap"} if case.preemption == "swap" else set()
+    assert methods and set(methods) == expected, methods
     if restore == "recompute":
         assert real_runner.num_replayed_tokens > 0 and executor.num_replayed_tokens == real_runner.num_replayed_tokens
         assert executor.num_checkpoint_copies == real_runner.restore_cost.num_copies == 0  # an adoption moves nothing
@@ -375,6 +385,9 @@ def test_dual(name: str, tmp_path: Path) -> None:
     moves = real_runner.tier_moves
     if case.host_blocks:
         assert moves.num_loaded > 0 and tiers[0].stats.num_evictions > 0  # prefetched; the tier evicted
+    if case.preemption == "swap":  # states written and taken back, the same bytes on both sides
+        assert moves.num_swapped_in > 0 and moves.num_tail_tokens_restored > 0, moves
+        assert sim.runner.tier_moves.state_bytes_swapped_out == moves.state_bytes_swapped_out > 0
     if case.swa:  # snapshots taken and restored from (the real side's bytes priced), blocks back from disk
         swa = real_runner.swa_moves
         assert swa.num_misses == 0 and moves.num_loaded > 0, (swa, moves)

@@ -556,6 +556,40 @@ class HybridCacheManager:
         assert n > 0
         return Admission(req.num_computed, n, self._admission_parts(req))
 
+    def swapped_state_refusal(self, request_id: str, num_tokens: int) -> str | None:
+        """Why a swapped-out state `num_tokens` positions after the admission's hit cannot come
+        back (`restore_swapped_state`), or None."""
+        req = self._get(request_id)
+        nc, bs = req.num_computed, self.block_size
+        if len(self._group_list) != 1:
+            return f"request {request_id!r}: a cache of {len(self._group_list)} groups restores no swapped state"
+        if req.num_loading or nc % bs or not 0 <= num_tokens < bs or nc + num_tokens >= len(req.token_ids):
+            return (
+                f"request {request_id!r}: cannot restore a state {num_tokens} tokens after {nc} computed "
+                f"({len(req.token_ids)} known, block size {bs})"
+            )
+        if nc + num_tokens >= req.end:  # (the first step must keep a token of its reservation)
+            return f"request {request_id!r}: a state {num_tokens} tokens on leaves no reserved token to compute"
+        return None
+
+    def restore_swapped_state(self, request_id: str, num_tokens: int) -> Admission:
+        """A swapped-out request's state came back into its state block (the runner wrote it
+        from the tier entry `CacheGroup.swap_state_block` named): the `num_tokens` tokens of
+        its unfinished span after the admission's hit (a span boundary) count as computed (a
+        token is left to compute) and the group's restore is done ("swap"). Returns the
+        admission the engine follows. ValueError, nothing changed, naming why it cannot be
+        (`swapped_state_refusal`)."""
+        refusal = self.swapped_state_refusal(request_id, num_tokens)
+        if refusal is not None:
+            raise ValueError(refusal)
+        req, g = self._requests[request_id], self._group_list[0]
+        g.restore_swapped(req.states[g.name])
+        req.num_computed += num_tokens
+        self._count_hit(req, num_tokens)
+        n = min(req.budget, len(req.token_ids) - req.num_computed, req.end - req.num_computed)
+        assert n > 0
+        return Admission(req.num_computed, n, self._admission_parts(req))
+
     # ---- prefix hits -------------------------------------------------------------------
 
     def root(self, tenant_salt: str = "") -> PrefixBlock:

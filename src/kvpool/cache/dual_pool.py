@@ -67,7 +67,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NamedTuple, Protocol
 
-from kvpool.cache.chains import TurnEnds, chain_units, check_chain, check_held, mm_extra_key, register_run
+from kvpool.cache.chains import (
+    TurnEnds,
+    chain_units,
+    check_chain,
+    check_held,
+    mm_extra_key,
+    register_run,
+    unit_extra,
+)
 from kvpool.cache.coordinator import HybridCacheManager
 from kvpool.cache.group import CacheGroup, GroupUsage, LowerTier, StepRequest
 from kvpool.cache.types import NO_RESERVATION, CacheDescriptor, GroupReservation, LookupPrompt, MMItem, StateRestore
@@ -209,6 +217,9 @@ class _Checkpoint:
 
 
 _STATE_EXTRA = b"v4-state:"  # a pooled checkpoint's part i: chained after its boundary block
+
+
+_SWAP_EXTRA = b"v4-swap:"  # a swapped-out state's tier entry: never a span's or a turn end's key
 
 
 def _state_part(block: PrefixBlock) -> bool:
@@ -676,6 +687,26 @@ class DualPoolGroup(CacheGroup):
         block = self._turn_ends.new_block(parent, token_ids, mm_items, num_computed)
         return block is not None and self._turn_ends.file(state.state_slot, block, orphan_ok=True)
 
+    def swap_state_block(
+        self, state: DualPoolState, token_ids: list[int], mm_items: tuple[MMItem, ...], num_computed: int
+    ) -> PrefixBlock | None:
+        """The state after `num_computed` tokens, named as the unfinished span's tokens
+        [num_computed // span * span, num_computed) chained after the computed spans, under a
+        swap key of its own (a span boundary: no tokens); the tier keys it by the whole
+        prefix. None with caching off (no content keys) or nothing computed."""
+        if not self.pool.enable_caching or num_computed <= 0:
+            return None
+        start = num_computed - num_computed % self.span
+        assert len(state.chain) == start // self.span, "the chain covers the computed spans"
+        parent = state.chain[-1] if state.chain else state.root
+        extra = _SWAP_EXTRA + unit_extra(mm_items, self.span, start // self.span)
+        return self.pool.chain(parent, token_bytes(token_ids[start:num_computed]), extra)
+
+    def restore_swapped(self, state: DualPoolState) -> None:
+        """The runner wrote the state block from the swapped-out state's tier entry: in place
+        of the admission's restore (a replay, a checkpoint copy) there is nothing to run."""
+        state.restore = StateRestore(state.state_slot, "swap")
+
     def can_fork(self) -> bool:
         return self.state_pool.num_free > 0
 
@@ -741,7 +772,7 @@ class DualPoolGroup(CacheGroup):
             0 < num_computed
             and restore.state_slot == state.state_slot
             and (
-                restore.method == "adopt"
+                restore.method in ("adopt", "swap")
                 or num_computed % span == 0
                 and (restore.method == "checkpoint" or restore.replay_start == self.spec.replay_start(num_computed))
             )

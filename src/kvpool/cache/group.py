@@ -255,6 +255,19 @@ class CacheGroup(Protocol):
         """(block id, unregistered prefix block of [start, end)) a swap saves or restores; None: no such block."""
         return None
 
+    def swap_state_block(
+        self, state: Any, token_ids: list[int], mm_items: tuple[MMItem, ...], num_computed: int
+    ) -> PrefixBlock | None:
+        """An unregistered prefix block naming the request's live state after `num_computed`
+        tokens (its content: the prefix up to there), under which a swap files that state as
+        a tier entry; None for a group whose state a swap does not save. Changes nothing."""
+        return None
+
+    def restore_swapped(self, state: Any) -> None:
+        """The request's state block now holds its state at its computed tokens, written from
+        a swapped-out state's tier entry: no restore is left to run."""
+        raise ValueError(f"group {self.name!r} keeps no swapped state")
+
     # ---- queries on a request's state ---------------------------------------------------
 
     def block_ids(self, state: Any) -> list[int]:

@@ -69,11 +69,12 @@ class StateRestore:
     `checkpoint_slot` into `state_slot`. "recompute": replay tokens
     [replay_start, num_cached_tokens) on top of the cached blocks. "adopt" (V4): the
     state slot is a kept turn-end state that holds the hit's state already: neither reset
-    nor copied.
+    nor copied. "swap" (V4): the runner wrote the state slot from a swapped-out request's
+    tier entry (engine/tier_bridge.py `swap_in`): nothing left to run.
     """
 
     state_slot: int
-    method: Literal["none", "checkpoint", "recompute", "adopt"]
+    method: Literal["none", "checkpoint", "recompute", "adopt", "swap"]
     checkpoint_slot: int | None = None
     replay_start: int = 0
 

@@ -429,7 +429,8 @@ def add_preemption_argument(parser: argparse.ArgumentParser) -> None:
         choices=("recompute", "swap", "auto"),
         default="recompute",
         help="a preempted request's cache: recomputed (its full blocks stay findable), swapped to the host tier "
-        "and back (needs --host-cache-gib), or auto (swap when moving the bytes costs less than recomputing)",
+        "and back (needs --host-cache-gib; tiny-dsv4: its spans and its state, so a resume replays nothing), "
+        "or auto (swap when moving the bytes costs less than recomputing)",
     )
 
 
@@ -438,8 +439,6 @@ def check_preemption(args: argparse.Namespace) -> str:
     preemption = getattr(args, "preemption", "recompute")
     if preemption != "recompute" and getattr(args, "host_cache_gib", None) is None:
         raise ValueError(f"--preemption {preemption} swaps to the host tier: give --host-cache-gib too")
-    if preemption != "recompute" and getattr(args, "model", None) == "tiny-dsv4":
-        raise ValueError(f"--preemption {preemption}: tiny-dsv4 preempts by recompute (its spans come back as hits)")
     return preemption
 
 

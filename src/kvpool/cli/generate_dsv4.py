@@ -55,6 +55,7 @@ def run(args: argparse.Namespace, tiers: dict[str, object] | None = None) -> int
         num_blocks=num_blocks,
         hot_set_entries=getattr(args, "hisparse", None),
         host_cache_bytes=host_cache_bytes(args),
+        preemption=getattr(args, "preemption", "recompute"),
         enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
         **(tiers or {}),
         **v4_kv_format(args),

@@ -312,6 +312,7 @@ def build(args: argparse.Namespace):
             **persistent_cache_options(args),
             **v4_kv_format(args),
             turn_end_checkpoints=args.v4_turn_ends is not False,  # (None: not given, on)
+            preemption=getattr(args, "preemption", "recompute"),
         )
         limit_model_len(engine, args.max_model_len)
         return (

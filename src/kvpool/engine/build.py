@@ -306,6 +306,7 @@ def _dsv4_engine(
     kv_format: str | None = None,
     indexer_format: str = "fp8",
     turn_end_checkpoints: bool = True,
+    preemption: str = "recompute",
 ) -> Engine:
     kv_format = kv_format or "exact"
     if num_blocks is None:
@@ -335,6 +336,7 @@ def _dsv4_engine(
         kv_format=kv_format,
         indexer_format=indexer_format,
         turn_end_checkpoints=turn_end_checkpoints,
+        preemption=preemption,
     )
     return Engine(
         runner, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, record_logits=record_logits
@@ -389,8 +391,8 @@ def build_engine(model: LoadedModel | LlamaModel | TinyDSV4 | TinyHybrid, **opti
     disk_cache / disk_cache_bytes (a crash-safe disk tier, LRU under the limit), redis_url
     (a shared Redis tier; lookups go host -> disk -> Redis), kv_format (the KV storage
     format: kvpool.storage.quant's names for Llama, None: the model's dtype; "exact" or
-    "fp8" for V4). Llama: block_size, preemption ("recompute", "swap", "auto": ModelRunner;
-    swap and auto need the host tier), decode_path (the attention backend's
+    "fp8" for V4). Llama and V4: preemption ("recompute", "swap", "auto": ModelRunner;
+    swap and auto need the host tier; V4 swaps its state too). Llama: block_size, decode_path (the attention backend's
     implementation, attention/backends), enforce_eager (no CUDA graphs: on CUDA the decode
     steps are otherwise replayed from graphs, engine/cuda_graph.py). V4: num_state_blocks, restore (None: "auto", or
     "recompute" with disk / Redis tiers), hot_set_entries (HiSparse), swa (tiers/swa.py),

@@ -68,6 +68,7 @@ def dsv4_runner(
     kv_format: str = "exact",
     indexer_format: str = "fp8",
     turn_end_checkpoints: bool = False,
+    preemption: str = "recompute",
 ) -> ModelRunner:
     """The one runner over a DSV4CacheManager and a DSV4Executor. Its `fork` returns False
     when no state block is free (a V4 child needs its own): the engine then queues the
@@ -95,7 +96,11 @@ def dsv4_runner(
     a prefix hit restores its state instead of recomputing it.
     turn_end_checkpoints: a request that finishes inside a span leaves its state block
     kept (cache/dual_pool.py); a follow-up turn hits there and takes the block over as
-    its own state, neither reset nor copied."""
+    its own state, neither reset nor copied.
+    preemption: "recompute" (a preempted request's spans stay findable, its state is
+    restored as a hit's), "swap" (needs `host_tier`: its spans the tier lacks and its state
+    are written there, and the state comes back on resume: nothing replayed) or "auto"
+    (swap when moving the state costs less than recomputing, by the measured rates)."""
     if persistent_tiers and restore != "recompute":
         raise ValueError("persistent tiers restore a V4 hit's state by their SWA strategy: restore='recompute'")
     if kv_format == "fp8" and (host_tier is not None or persistent_tiers):
@@ -144,6 +149,7 @@ def dsv4_runner(
         restore_cost=measured,
         checkpoint_base=executor.pools.checkpoint_base,
         swa=swa,
+        preemption=preemption,
     )
 
 
@@ -250,9 +256,12 @@ class DSV4Executor:
     def copy_state(self, src: int, dst: int) -> None:
         self.pools.copy_state(src, dst)
 
-    def window_snapshot(self, slot: int, boundary: int, num_rows: int) -> dict[str, Tensor]:
-        """The state of `slot` at block boundary `boundary` as a tier entry (views)."""
-        return self.pools.window_snapshot(slot, boundary, num_rows)
+    def window_snapshot(
+        self, slot: int, boundary: int, num_rows: int, *, unfinished_span: bool = False
+    ) -> dict[str, Tensor]:
+        """The state of `slot` at block boundary `boundary` (unfinished_span: any position)
+        as a tier entry (views)."""
+        return self.pools.window_snapshot(slot, boundary, num_rows, unfinished_span=unfinished_span)
 
     def restore_window(self, slot: int, boundary: int, snapshots: list[tuple[int, dict[str, Tensor]]]) -> None:
         self.pools.restore_window(slot, boundary, snapshots)

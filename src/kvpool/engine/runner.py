@@ -48,8 +48,9 @@ every call without tensors:
   - `replay(token_ids, start, block_ids, state_slot, valid_from)`: recompute a V4 state
     over tokens [start, start + len(token_ids)) on top of cached blocks (a cost: a forward
     of those tokens with their context).
-  - V4 only: `window_snapshot(slot, boundary, num_rows)` (the state at a block boundary
-    as a tier entry), `restore_window(slot, boundary, snapshots)` (the state set from
+  - V4 only: `window_snapshot(slot, boundary, num_rows, unfinished_span=False)` (the state
+    at a block boundary as a tier entry; unfinished_span: at any position, a swap's state
+    entry), `restore_window(slot, boundary, snapshots)` (the state set from
     them); `spec` (the model's DSV4Spec).
   - `drop_blocks(block_ids)`: blocks nobody holds any more (a quantized pool's tails).
   - `kv_read_bytes(num_context_tokens)`, `cache_stats(cache)` (the report's figures of
@@ -198,8 +199,10 @@ class ModelRunner:
     preempted request's cache becomes (PREEMPTION_MODES): "recompute" (its full blocks stay
     findable in the prefix cache and the tier like anyone's, the rest is computed again),
     "swap" (its blocks are written to the host tier at once, its partial tail block too,
-    and loaded back when it resumes), "auto" (swap when moving the bytes costs less than
-    recomputing the tokens, by the rates this runner has measured). checkpoint_base: the
+    V4 its state (window, pending compressor rows, unfinished span's entries) as a state
+    entry, and loaded back when it resumes: a V4 resume replays nothing), "auto" (swap
+    when moving the bytes costs less than recomputing the tokens, by the rates this runner
+    has measured). checkpoint_base: the
     executor's state slot of the cache's checkpoint slot s is checkpoint_base + s (V4's
     pooled checkpoints: s is the snapshot's first classical block, storage/dsv4.py)."""
 
@@ -328,10 +331,11 @@ class ModelRunner:
         group): a fresh state, the checkpoint copied into the live slot, (V4) a replay of
         the hit's tokens on top of its cached blocks, from the latest window snapshot the
         persistent tiers restore, now or in the next step, or (V4) nothing at all: an
-        adopted turn-end state block holds the hit's state already."""
+        adopted turn-end state block holds the hit's state already, and so does one the
+        swap-in of a preempted request wrote from its state entry."""
         restore = self.cache.part(request_id, self.state_group).restore
         assert restore is not None
-        if restore.method == "adopt":  # neither reset nor copied: it is the state at the hit
+        if restore.method in ("adopt", "swap"):  # neither reset nor copied: it is the state at the hit
             return
         if restore.method == "checkpoint":  # (the copy overwrites the whole slot)
             assert restore.checkpoint_slot is not None
@@ -692,6 +696,22 @@ class ModelRunner:
         if not copied or not self._prefill_tokens:
             return True
         nc = self.cache.num_computed_tokens(request_id)
+        if self.pieces:
+            # V4: the spans come back as hits either way (the blocks the pool evicts are
+            # saved), so a swap moves the state entry out and back, at the copy rate per
+            # block byte (the state entries' mean size so far, else a block's), against
+            # recomputing what a resume without it does: the replay window before the last
+            # span boundary and the unfinished span's tokens
+            (group,) = self.cache.dual_groups
+            boundary = nc - nc % self.block_size
+            state_bytes = self.executor.block_bytes
+            if moves.num_states_swapped_out:
+                state_bytes = moves.state_bytes_swapped_out / moves.num_states_swapped_out
+            move_s = 2 * state_bytes / self.executor.block_bytes * copy_s / copied
+            recompute_s = (boundary - group.spec.replay_start(boundary) + nc % self.block_size) * (
+                self._prefill_s / self._prefill_tokens
+            )
+            return move_s < recompute_s
         move_s = -(-nc // self.block_size) * copy_s / copied
         recompute_s = nc * self._prefill_s / self._prefill_tokens
         return move_s < recompute_s
@@ -731,6 +751,14 @@ class ModelRunner:
                 "swapped_out": moves.num_swapped_out,
                 "swapped_in": moves.num_swapped_in,
                 "tail_tokens_restored": moves.num_tail_tokens_restored,
+                **(
+                    {
+                        "states_swapped_out": moves.num_states_swapped_out,
+                        "state_bytes_swapped_out": moves.state_bytes_swapped_out,
+                    }
+                    if self.pieces
+                    else {}
+                ),
             }
             reports["host_tier"] = self.bridge.host_report(hit_tokens, swaps)
         if self.swa is None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -42,8 +42,10 @@ class TierMoves:
     offload_s: float = 0.0
     load_s: float = 0.0
     num_swapped_out: int = 0  # preempted sequences written to the tier
-    num_swapped_in: int = 0  # ... whose tail block came back (their full blocks come back as prefix hits)
-    num_tail_tokens_restored: int = 0
+    num_swapped_in: int = 0  # ... whose tail block (V4: state) came back (their full blocks come back as hits)
+    num_tail_tokens_restored: int = 0  # tokens past the last full block those restored
+    num_states_swapped_out: int = 0  # V4: state entries written by swap-outs, and their bytes
+    state_bytes_swapped_out: int = 0
     num_prefetched_tokens: int = 0  # tokens of the blocks `prefetch` loaded (a lower tier's hits)
     num_persisted: int = 0  # blocks handed to the persistent tiers (disk, Redis) as they completed
     persisted_bytes: int = 0  # their bytes
@@ -89,6 +91,8 @@ class TierBridge:
         # request -> (computed tokens at preemption, its tail block's tokens, the tail's
         # tier key): restored on resume
         self.swapped: dict[str, tuple[int, int, bytes]] = {}
+        # V4: request -> (computed tokens at preemption, its state entry's tier key)
+        self.swapped_states: dict[str, tuple[int, bytes]] = {}
         self.swa: SWAStrategy | None = None  # V4's window snapshots (set by a runner that keeps them)
         self.swa_moves = SWAMoves()
 
@@ -213,8 +217,10 @@ class TierBridge:
     def swap_out(self, cache: HybridCacheManager, executor: Any, request_id: str) -> None:
         """Write a preempted request's computed blocks to the host tier now: its full blocks
         under their content keys (skipped when the tier holds them), its partial tail block
-        under the partial content's key; remember what `swap_in` restores. A block that does
-        not fit is simply computed again on resume."""
+        under the partial content's key, or (V4) its state after its computed tokens as a
+        state entry (`swap_state_block`): the window, the pending compressor rows and the
+        unfinished span's entries, as a window snapshot taken there; remember what `swap_in`
+        restores. A block or state that does not fit is simply computed again on resume."""
         assert self.tier is not None and self.index is not None
         todo = []
         chain = cache.part(request_id).prefix_chain()  # the full computed blocks' prefix blocks
@@ -229,21 +235,54 @@ class TierBridge:
         self.moves.num_swapped_out += 1
         if tail is not None and self.tier.holds(todo[-1][1], todo[-1][2]):
             self.swapped[request_id] = (cache.num_computed_tokens(request_id), tail[2], todo[-1][1])
+        state = swap_state_block(cache, request_id)
+        if state is not None:
+            self._swap_state_out(cache, executor, request_id, state)
+
+    def _swap_state_out(self, cache: HybridCacheManager, executor: Any, request_id: str, block: PrefixBlock) -> None:
+        """V4: the request's live state as a window snapshot of the whole window at its
+        computed tokens (the unfinished span's entries included), filed in the tier under
+        `block`'s content key with its layout marked as a swapped state."""
+        assert self.tier is not None
+        start = time.perf_counter()
+        num_computed = cache.num_computed_tokens(request_id)
+        key, descriptor = self._swap_state_entry(block, executor.spec.window)
+        slot = cache.part(request_id).state_slot
+        tensors = executor.window_snapshot(slot, num_computed, executor.spec.window, unfinished_span=True)
+        moves = self.moves
+        if self.tier.put(key, descriptor, tensors):
+            moves.num_states_swapped_out += 1
+            moves.state_bytes_swapped_out += sum(t.numel() * t.element_size() for t in tensors.values())
+            self.swapped_states[request_id] = (num_computed, key)
+        moves.offload_s += time.perf_counter() - start
+
+    def _swap_state_entry(self, block: PrefixBlock, window: int) -> tuple[bytes, BlockDescriptor]:
+        """(tier key, descriptor) of a swapped-out state named by `block` (its content key:
+        the whole prefix up to the state), the layout marked as a swapped state."""
+        assert self.index is not None
+        key, descriptor = self.index.describe(block)
+        return key, replace(descriptor, layout_id=f"{descriptor.layout_id}:v4-swap-state{window}")
 
     def drop_swapped(self, request_id: str) -> None:
         """Forget a swapped-out request that will not resume (released while it waited):
-        its tail's tier entry goes, as a tail not restored at `swap_in` does."""
+        its tail's (V4: state's) tier entry goes, as one not restored at `swap_in` does."""
         swapped = self.swapped.pop(request_id, None)
         if swapped is not None and self.tier is not None:
             self.tier.evict(swapped[2])
+        state = self.swapped_states.pop(request_id, None)
+        if state is not None and self.tier is not None:
+            self.tier.evict(state[1])
 
     def swap_in(self, cache: HybridCacheManager, executor: Any, request_id: str, admission: Admission) -> Admission:
         """After the full blocks of a swapped-out request came back (device or host) at its
         admission, the tail block's KV from the tier, if it is still there and the prefix
         before it is exactly the swapped one: the admission to follow (`restore_tail`'s, or
         `admission` as it was). The tail's entry leaves the tier either way: a partial block
-        serves this request only, and a tail not restored now is computed again."""
+        serves this request only, and a tail not restored now is computed again. V4: the
+        state entry, the same way (`_swap_state_in`)."""
         assert self.tier is not None and self.index is not None
+        if request_id in self.swapped_states:
+            return self._swap_state_in(cache, executor, request_id, admission)
         swapped = self.swapped.pop(request_id, None)
         if swapped is None:
             return admission
@@ -268,6 +307,41 @@ class TierBridge:
         moves.num_swapped_in += 1
         moves.num_tail_tokens_restored += num_tail
         return cache.restore_tail(request_id, num_tail)
+
+    def _swap_state_in(
+        self, cache: HybridCacheManager, executor: Any, request_id: str, admission: Admission
+    ) -> Admission:
+        """V4: the swapped-out state back into the request's state block, when the admission
+        hit the last span boundary before it (its spans came back, device or host), the
+        state entry is still there and the cache can count its unfinished span's tokens as
+        computed (`swapped_state_refusal`): then nothing is replayed, and the admission to
+        follow is `restore_swapped_state`'s. Otherwise `admission` as it was (its replay or
+        checkpoint restore, as without a swap). The entry leaves the tier either way."""
+        assert self.tier is not None
+        num_computed, key = self.swapped_states.pop(request_id)
+        span = self.block_size
+        num_tail = num_computed % span
+        block = None
+        if admission.num_cached_tokens == num_computed - num_tail and not cache.swapped_state_refusal(
+            request_id, num_tail
+        ):
+            # the prefix is the swapped one: the name comes out the same, else it is a miss
+            block = swap_state_block(cache, request_id, num_computed)
+        if block is None:
+            self.tier.evict(key)
+            return admission
+        start = time.perf_counter()
+        entry = self._swap_state_entry(block, executor.spec.window)
+        tensors = self.tier.get(*entry) if entry[0] == key else None
+        self.tier.evict(key)
+        if tensors is None:  # (gone, or corrupt)
+            return admission
+        executor.restore_window(cache.part(request_id).state_slot, num_computed, [(num_computed, tensors)])
+        moves = self.moves
+        moves.load_s += time.perf_counter() - start
+        moves.num_swapped_in += 1
+        moves.num_tail_tokens_restored += num_tail
+        return cache.restore_swapped_state(request_id, num_tail)
 
     # ---- V4's window snapshots at block boundaries (dual pool with persistent tiers) ---------
 
@@ -470,3 +544,14 @@ def tail_block_for_restore(
     part = cache.part(request_id)
     nc = part.num_computed
     return part.group.partial_block(part.state, part.token_ids, part.mm_items, nc, nc + num_tokens)
+
+
+def swap_state_block(cache: HybridCacheManager, request_id: str, num_computed: int | None = None) -> PrefixBlock | None:
+    """`CacheGroup.swap_state_block` of the request's state after `num_computed` tokens (None:
+    its computed tokens), on a one-group cache with caching on; None otherwise, or for a
+    group whose state a swap does not save."""
+    if len(cache.groups) != 1 or not cache.pool.enable_caching:
+        return None
+    part = cache.part(request_id)
+    n = part.num_computed if num_computed is None else num_computed
+    return part.group.swap_state_block(part.state, part.token_ids, part.mm_items, n)

@@ -19,9 +19,10 @@ executor calls, which only ever move or compute tensors, by pricing them:
     (so a host tier's byte limit evicts as it would for the real blocks), not priced: the
     GPU presets carry no host-link bandwidth. (`kvpool simulate` runs without tiers
     (`sim_runner`); only a runner given a host tier, as tests/test_sim_parity.py's, moves.)
-  - `window_snapshot` / `restore_window` (V4 with persistent tiers and an SWA strategy):
-    a snapshot's bytes (`snapshot_bytes`) read from the state, or written into it, priced
-    as bytes moved in the step; the tier entry is those bytes.
+  - `window_snapshot` / `restore_window` (V4 with persistent tiers and an SWA strategy,
+    and a swap preemption's state entry): a snapshot's bytes (`snapshot_bytes`) read from
+    the state, or written into it, priced as bytes moved in the step; the tier entry is
+    those bytes.
 """
 
 from __future__ import annotations
@@ -71,7 +72,10 @@ class CostExecutor:
     holds it); checkpoint_bytes: what one state copy moves (V4 dual, recurrent);
     has_state: requests hold a state slot (their admissions restore it). V4 window
     snapshots: `spec` (the DSV4Spec: window, layers), `window_row_bytes` (one token's SWA KV
-    over every layer) and `boundary_bytes` (the compressor rows pending at a block boundary)."""
+    over every layer) and `boundary_bytes` (the compressor rows pending at a block boundary);
+    a swapped-out state inside a span (`window_snapshot` with unfinished_span) prices the rows
+    pending there and the unfinished span's entries by the spec, in `state_dtype` (the
+    compressors in fp32, fp64 beside fp64 storage, as storage/dsv4.py keeps them)."""
 
     attention = None  # no attention backend: nothing attends
     keeps_block_state = False
@@ -92,6 +96,7 @@ class CostExecutor:
         spec: Any = None,
         window_row_bytes: int = 0,
         boundary_bytes: int = 0,
+        state_dtype: str = "float32",
     ) -> None:
         self.model = None  # no weights: the cost model stands for them
         self.vocab_size = vocab_size
@@ -111,6 +116,7 @@ class CostExecutor:
         self.spec = spec
         self.window_row_bytes = window_row_bytes
         self.boundary_bytes = boundary_bytes
+        self.state_dtype = state_dtype
         # The step so far: its first forward's chunks as they came (one per request; the
         # common step is that one forward), and, for the requests of its later pieces only,
         # request -> [start, end) they computed in those pieces (`_later`, in the order they
@@ -233,10 +239,17 @@ class CostExecutor:
     def snapshot_bytes(self, boundary: int, num_rows: int) -> int:
         """A window snapshot at `boundary` (storage/dsv4.py `window_snapshot`): the window
         rows of its last min(num_rows, boundary, n_win) tokens, every layer, and the
-        compressor rows pending there."""
-        return min(num_rows, boundary, self.spec.window) * self.window_row_bytes + self.boundary_bytes
+        compressor rows pending there; inside a span (a swapped-out state) also the
+        unfinished span's entries (`DSV4Spec.pending_state_bytes`)."""
+        window = min(num_rows, boundary, self.spec.window) * self.window_row_bytes
+        if boundary % self.spec.span == 0:
+            return window + self.boundary_bytes
+        compressor = "float64" if self.state_dtype in ("float64", "fp64") else "float32"
+        return window + int(self.spec.pending_state_bytes(boundary, self.state_dtype, compressor))
 
-    def window_snapshot(self, slot: int, boundary: int, num_rows: int) -> dict[str, torch.Tensor]:
+    def window_snapshot(
+        self, slot: int, boundary: int, num_rows: int, *, unfinished_span: bool = False
+    ) -> dict[str, torch.Tensor]:
         """The tier entry: `snapshot_bytes` bytes (none behind them until a tier copies them)."""
         num_bytes = self.snapshot_bytes(boundary, num_rows)
         self.num_window_snapshots += 1

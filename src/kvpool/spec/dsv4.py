@@ -348,6 +348,23 @@ class DSV4Spec:
                 total += 2 * carried * self.coff(ratio) * self.index_head_dim * elem
         return total
 
+    def pending_state_bytes(self, num_tokens: int, dtype: str = "float32", compressor_dtype: str = "float32") -> float:
+        """After `num_tokens` tokens, the state beside the window (storage/dsv4.py
+        `live_state`): each compressor's pending rows (an overlapping one's previous block,
+        m rows, plus the num_tokens % m rows of its block so far; kv and score), and the
+        unfinished span's complete entries (main, and CSA indexer keys) in `dtype`. At a
+        span boundary this is `boundary_compressor_bytes`: no unfinished span."""
+        elem, comp = dtype_bytes(dtype), dtype_bytes(compressor_dtype)
+        total = 0.0
+        for ratio in self.layer_ratios:
+            if ratio == 0:
+                continue
+            rows = (ratio if ratio == CSA_RATIO else 0) + num_tokens % ratio
+            tail = num_tokens // ratio - (num_tokens // self.span) * (self.span // ratio)
+            width = self.head_dim + (self.index_head_dim if ratio == CSA_RATIO else 0)
+            total += 2 * rows * self.coff(ratio) * width * comp + tail * width * elem
+        return total
+
     def boundary_state_bytes(
         self, dtype: str = SERVING, include_mtp: bool = False, compressor_dtype: str = "float32"
     ) -> float:

@@ -405,24 +405,26 @@ class DSV4Pools:
             out.append(live)
         return out
 
-    def window_snapshot(self, slot: int, boundary: int, num_rows: int) -> dict[str, Tensor]:
+    def window_snapshot(
+        self, slot: int, boundary: int, num_rows: int, *, unfinished_span: bool = False
+    ) -> dict[str, Tensor]:
         """The state of `slot` at a classical block boundary as a tier entry's tensors (views;
         the tier copies them): per layer l, `ring{l}` the SWA KV of tokens
         [boundary - num_rows, boundary) in position order (fewer at the start), and the
         compressor rows pending there (`comp_kv{l}`, `comp_score{l}`, `idx_kv{l}`,
         `idx_score{l}`: the overlapping compressors' previous block). A boundary has no
-        unfinished span, so no tail entries."""
-        if boundary <= 0 or boundary % self.spec.span:
+        unfinished span, so no tail entries. unfinished_span: `boundary` may be any position
+        after the first token (a swapped-out request's state, engine/tier_bridge.py): inside a
+        span the entry also holds the compressor rows pending there and the unfinished span's
+        complete entries (`tail_main{l}`, `tail_idx{l}`), all a resume needs."""
+        if boundary <= 0 or (boundary % self.spec.span and not unfinished_span):
             raise ValueError(f"a window snapshot is taken at a block boundary, got position {boundary}")
         out: dict[str, Tensor] = {}
         for layer, live in enumerate(self.live_state(slot, boundary)):
             for name, t in live.items():
                 if name == "ring":
                     t = t[max(0, t.shape[0] - num_rows) :]
-                elif name.startswith("tail"):
-                    assert t.shape[0] == 0, "an unfinished span at a block boundary"
-                    continue
-                if t.shape[0]:
+                if t.shape[0]:  # (a boundary: no tail entries, live_state's views are empty)
                     out[f"{name}{layer}"] = t
         return out
 
@@ -430,8 +432,9 @@ class DSV4Pools:
         """Set `slot` to the state at `boundary` from window snapshots: (their boundary, their
         tensors), the one at `boundary` first (its compressor rows are the state's), then
         earlier ones for older window rows when one snapshot holds less than the window.
-        What the state needs and the snapshots lack is an AssertionError (their layout
-        passed the descriptor check)."""
+        `boundary` inside a span: the one snapshot taken there with `unfinished_span` (its
+        tail entries are the state's too). What the state needs and the snapshots lack is an
+        AssertionError (their layout passed the descriptor check)."""
         n_win = self.spec.window
         if not snapshots or snapshots[0][0] != boundary:
             raise ValueError(f"the snapshots must start with the one at {boundary}")
@@ -447,17 +450,19 @@ class DSV4Pools:
                 covered[positions[keep]] = True
             if not bool(covered[needed].all()):
                 raise AssertionError(f"window snapshots at {[b for b, _ in snapshots]} miss rows of layer {layer}")
-        # the compressor rows pending at the boundary: live_state's views of them (the one
-        # place that says how many there are), from the snapshot at the boundary
+        # the compressor rows pending at the boundary and (inside a span) the unfinished
+        # span's entries: live_state's views of them (the one place that says how many
+        # there are), from the snapshot at the boundary
         top = snapshots[0][1]
         for layer, live in enumerate(self.live_state(slot, boundary)):
-            for name in ("comp_kv", "comp_score", "idx_kv", "idx_score"):
+            for name in ("comp_kv", "comp_score", "idx_kv", "idx_score", "tail_main", "tail_idx"):
                 dst = live.get(name)
                 if dst is None or dst.shape[0] == 0:
                     continue
-                src = top[f"{name}{layer}"]
-                if src.shape != dst.shape:
-                    raise AssertionError(f"snapshot {name}{layer}: {tuple(src.shape)}, the state {tuple(dst.shape)}")
+                src = top.get(f"{name}{layer}")
+                if src is None or src.shape != dst.shape:
+                    got = None if src is None else tuple(src.shape)
+                    raise AssertionError(f"snapshot {name}{layer}: {got}, the state {tuple(dst.shape)}")
                 dst.copy_(src)
 
     def classical_block_bytes(self) -> int:
