@@ -296,7 +296,9 @@ class Model:
             assert self.block_content[block_id] == self.prefix(rid, (j + 1) * SPAN), (rid, j, block_id)
         restore = adm.groups["v4"].restore
         self.took_state(restore.state_slot, adopted=restore.method == "adopt")
-        if adm.num_cached_tokens % SPAN:  # only a kept turn end serves a point inside a span
+        if restore.method == "swap":  # a swapped-out state came back: the op checked it
+            pass
+        elif adm.num_cached_tokens % SPAN:  # only a kept turn end serves a point inside a span
             assert restore.method == "adopt" and self.kept.pop(restore.state_slot) == self.prefix(
                 rid, adm.num_cached_tokens
             )
@@ -304,7 +306,7 @@ class Model:
             for slot in self.parts.get(restore.checkpoint_slot, [restore.checkpoint_slot]):
                 assert self.slot_content[slot] == self.prefix(rid, adm.num_cached_tokens)
             assert all(restore.checkpoint_slot != s for _, _, c in self.pending.values() for _, s in c)
-        if adm.num_cached_tokens % SPAN:
+        if adm.num_cached_tokens % SPAN or restore.method == "swap":
             pass
         elif not num_hit:
             assert restore.method == "none"
@@ -479,6 +481,27 @@ def test_lifecycle_with_turn_ends(
     _lifecycle(make(8, 3, restore=restore, turn_end_checkpoints=True, **kw), ops, 30)
 
 
+# swap preemptions and resumes mixed with everything else, turn ends on or off
+SWAP_OPS = st.sampled_from(
+    ["admit", "follow", "step", "step", "decode", "commit", "swapback", "swapback", "unreserve", "fork", "finish"]
+)
+
+
+@settings(max_examples=int(os.environ.get("KVPOOL_HYPOTHESIS_EXAMPLES", "150")) // 2, deadline=None)
+@given(
+    checkpoints=st.sampled_from(
+        [("recompute", {}), ("auto", {"num_checkpoints": 2}), ("auto", {"checkpoint_blocks": 1})]
+    ),
+    turn_ends=st.booleans(),
+    ops=st.lists(st.tuples(SWAP_OPS, st.integers(0, 3), st.integers(1, 40), st.booleans()), min_size=10, max_size=60),
+)
+def test_lifecycle_with_swapped_states(
+    checkpoints: tuple[str, dict[str, int]], turn_ends: bool, ops: list[tuple[str, int, int, bool]]
+) -> None:
+    restore, kw = checkpoints
+    _lifecycle(make(8, 3, restore=restore, turn_end_checkpoints=turn_ends, **kw), ops, 30)
+
+
 def _lru(m: DSV4CacheManager) -> tuple[dict[bytes, int], list[int], list[int]]:
     """The findable checkpoints (boundary hash -> slot), the slot pool's and the classical
     pool's free queues, in LRU order."""
@@ -596,6 +619,30 @@ def _lifecycle(
                 if how == "finish":
                     model.finished(r, slot)
                 model.released(r)
+        elif op == "swapback" and rid in m and (model.computed[rid] or rid in model.pending):
+            # a swap preemption and its resume (engine/tier_bridge.py swap_out / swap_in): its
+            # pending step committed, the request is released and admitted again with its
+            # tokens (one more when all are computed); where its hit is the span boundary
+            # before its computed tokens, its state comes back and the tokens past the
+            # boundary count as computed
+            if rid in model.pending:
+                m.commit(rid, model.pending[rid][0])
+                model.committed(rid)
+            nc, tenant = model.computed[rid], model.tenant[rid]
+            tokens = model.tokens[rid] + ([n] if len(model.tokens[rid]) == nc else [])
+            assert m.release(rid, "preempt") is True
+            model.released(rid)
+            adm = m.admit(rid, tokens, None if flag else n, tenant_salt=tenant)
+            if adm is not None:
+                tail, refusal = nc % SPAN, m.swapped_state_refusal(rid, nc % SPAN)
+                if adm.num_cached_tokens == nc - tail and refusal is None:
+                    adm = m.restore_swapped_state(rid, tail)
+                    assert adm.num_cached_tokens == nc and adm.groups["v4"].restore.method == "swap"
+                elif adm.num_cached_tokens == nc - tail:  # the first step keeps no reserved token
+                    assert nc >= adm.num_cached_tokens + adm.num_scheduled_tokens, refusal
+                    with pytest.raises(ValueError, match=f"request '{rid}'"):
+                        m.restore_swapped_state(rid, tail)
+                model.admitted(rid, tokens, tenant, adm)
         elif op == "install":
             # a lower tier brings back spans after the device hit of r<who>'s prompt: up to 3
             # blocks installed, all loaded (flag) or the last one missing
