@@ -4,9 +4,9 @@ The model runner (engine/runner.py) owns one `TierBridge`: the host tier, the pe
 tiers (disk, Redis) stacked under it, their content-key index, the counters of the blocks
 that moved, and the moves themselves: eviction saves, lower-tier loads, V4's prefetch
 before admission, the write-through of published blocks, the swap of a preempted request
-(its full blocks and its partial tail), and V4's window snapshots. The runner decides when
-(admission, reservation, commit, preemption, the step's pieces) and hands in its cache and
-executor; the bridge never touches a device tensor itself: the executor gathers and writes
+(its full blocks and its partial tail; V4: its state, as a window snapshot taken where it
+stopped), and V4's window snapshots. The runner decides when (admission, reservation,
+commit, preemption, the step's pieces) and hands in its cache and executor; the bridge never touches a device tensor itself: the executor gathers and writes
 the blocks (`to_host`, `to_device`; Llama: every layer of many blocks in one gather, V4:
 one block's compressed pools at a time) and the window snapshots.
 
