@@ -13,7 +13,8 @@ snapshots, counted and in bytes); integrity is checked on both.
 Layouts: paged (a Llama on the paged pool; recompute preemption, and swap preemption to a
 host tier), V4's dual pool (restore by recompute, by checkpoint slots, "auto" over pooled
 checkpoints, from a host tier, from a disk tier's window snapshots, by adopting turn
-ends, from a swap preemption's state entry), hybrid (window + full attention groups; recurrent + full attention groups)."""
+ends, from a swap preemption's state entry), hybrid (window + full attention groups;
+recurrent + full attention groups)."""
 
 from __future__ import annotations
 

@@ -6,9 +6,10 @@ that moved, and the moves themselves: eviction saves, lower-tier loads, V4's pre
 before admission, the write-through of published blocks, the swap of a preempted request
 (its full blocks and its partial tail; V4: its state, as a window snapshot taken where it
 stopped), and V4's window snapshots. The runner decides when (admission, reservation,
-commit, preemption, the step's pieces) and hands in its cache and executor; the bridge never touches a device tensor itself: the executor gathers and writes
-the blocks (`to_host`, `to_device`; Llama: every layer of many blocks in one gather, V4:
-one block's compressed pools at a time) and the window snapshots.
+commit, preemption, the step's pieces) and hands in its cache and executor; the bridge
+never touches a device tensor itself: the executor gathers and writes the blocks
+(`to_host`, `to_device`; Llama: every layer of many blocks in one gather, V4: one block's
+compressed pools at a time) and the window snapshots.
 
 The functions below the class ask a one-group cache (a coordinator of cache/) what the tiers
 and P/D transfer need of its group: the blocks a tier may fill before an admission
