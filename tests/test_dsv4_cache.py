@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.cache import CacheDescriptor, DSV4CacheManager, FullAttentionManager, StateRestore
-from kvpool.cache.coordinator import HybridCacheManager
+from kvpool.cache.coordinator import HybridCacheManager, pack_prompt
 from kvpool.cache.dual_pool import RestoreChoice, TokenCost, choose_restore
 from kvpool.engine import tier_bridge
 from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG
@@ -526,7 +526,15 @@ def _lifecycle(
                 tenant, tokens = model.turns[-1 - n % len(model.turns)]
                 tokens = tokens + [n, 3]
             free_before = m.pool.free_queue()
-            adm = m.admit(rid, tokens, None if flag else n, tenant_salt=tenant)  # whole prompt, or a chunk
+            packed = None
+            if n % 2:  # the router's path: a lookup of the packed prompt, whose memo the admission reuses
+                packed = pack_prompt(tokens)
+                looked = m.lookup_packed(packed, tenant_salt=tenant)
+            adm = m.admit(
+                rid, tokens, None if flag else n, tenant_salt=tenant, prompt=packed
+            )  # whole prompt, or a chunk
+            if packed is not None and adm is not None:
+                assert adm.num_cached_tokens == looked
             if adm is None:
                 assert rid not in m and m.pool.free_queue() == free_before
             else:

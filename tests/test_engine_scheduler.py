@@ -31,8 +31,8 @@ class PrefixModelRunner:
         self.capacity_tokens = num_blocks * block_size
         self.max_model_len = self.capacity_tokens
 
-    def admit(self, request_id, token_ids, max_new_tokens, *, tenant_salt=""):
-        return self.cache.admit(request_id, token_ids, max_new_tokens, tenant_salt=tenant_salt)
+    def admit(self, request_id, token_ids, max_new_tokens, *, tenant_salt="", prompt=None):
+        return self.cache.admit(request_id, token_ids, max_new_tokens, tenant_salt=tenant_salt, prompt=prompt)
 
     def reserve_step(self, request_ids, num_new_tokens):
         return self.cache.reserve_step(request_ids, num_new_tokens)
@@ -298,3 +298,38 @@ def test_a_decode_steps_chunks_are_each_sequences_chunk():
         engine.step()
         runner.check_integrity()
     assert num_whole > 20 and engine.stats.num_decode_tokens > 30
+
+
+def test_a_prompt_is_checked_packed_once_and_its_packing_serves_the_first_admission_only():
+    import numpy as np
+
+    from kvpool.cache.coordinator import pack_prompt
+
+    runner = PrefixModelRunner(8, 4)
+    engine = Engine(runner, max_num_batched_tokens=32)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    # Ids that are no Python ints are converted (numpy's, torch's); a bad id is named
+    a = engine.add_request(np.array([1, 2, 3, 4, 5]), params)
+    b = engine.add_request(torch.tensor([1, 2, 3, 4, 6]), params)
+    assert [type(t) for t in engine.requests[a].prompt_ids + engine.requests[b].prompt_ids] == [int] * 10
+    for bad, named in (([1, VOCAB], f"[{VOCAB}]"), ([1, -2], "[-2]"), ([2**40], f"[{2**40}]")):
+        with pytest.raises(ValueError, match=rf"token ids \{named}\ outside the vocabulary \[0, {VOCAB}\)"):
+            engine.add_request(bad, params)
+    with pytest.raises(ValueError, match="no multimodal items"):
+        engine.add_request(pack_prompt([1, 2], [(0, 1, "img")]), params)
+    run(engine)
+    # A packed prompt (the router's) is the prompt; its admission hashes no block the
+    # lookup hashed (the prompt's memo holds them), and the packing is dropped once admitted
+    packed = pack_prompt([1, 2, 3, 4, 5, 7])
+    assert runner.cache.lookup_packed(packed) == 4  # a's first block
+    calls: list[int] = []
+    digest = runner.cache.pool.hasher.digest
+    runner.cache.pool.hasher.digest = lambda data: calls.append(1) or digest(data)
+    c = engine.add_request(packed, params)
+    seq = engine.requests[c].seqs[0]
+    assert seq.prompt is packed and seq.token_ids == packed.token_ids and seq.token_ids is not packed.token_ids
+    engine.step()  # admitted (4 tokens cached), its 2 computed: no block filled, none hashed
+    assert seq.prompt is None and seq.num_computed == 6 and calls == []
+    run(engine)
+    for rid, prompt in ((a, [1, 2, 3, 4, 5]), (b, [1, 2, 3, 4, 6]), (c, [1, 2, 3, 4, 5, 7])):
+        assert engine.output(rid).completions[0].token_ids == expected(prompt, 3)

@@ -81,3 +81,46 @@ def test_pool_match_guards_the_parent_and_counts_a_collision():
     assert pool.register(b, pool.chain(block, token_bytes([1, 2]))) is None and pool.num_collisions == 2
     assert pool.register(b, pool.chain(pool.root(b"other"), token_bytes([1, 2]))) is None
     pool.check_integrity()
+
+
+def test_a_memo_of_hashes_serves_pools_of_the_same_root_and_never_replaces_the_guard():
+    # Two pools under one descriptor: their roots hash alike, so the chained hashes of a
+    # prompt are the same in both and the memo computes each once. Block size 2 tokens.
+    calls = []
+    pools = [BlockPool(6), BlockPool(6)]
+    for pool in pools:
+        digest = pool.hasher.digest
+        pool.hasher.digest = lambda data, digest=digest: calls.append(1) or digest(data)
+    roots = [pool.root(b"desc") for pool in pools]
+    blocks = [token_bytes([1, 2]), token_bytes([3, 4]), token_bytes([5, 6])]
+    held = []
+    for pool, root, n in zip(pools, roots, (1, 3), strict=True):  # pool 0 holds block 0, pool 1 all three
+        parent = root
+        for t in blocks[:n]:
+            (b,) = pool.allocate(1)
+            parent = pool.register(b, pool.chain(parent, t))
+            held.append(b)
+    prompt = b"".join(blocks)
+    memo: dict = {}
+    calls.clear()
+    first = pools[0].match(roots[0], prompt, 8, 3, memo=memo)
+    assert first.block_ids == [0] and len(calls) == 2  # block 0 hits, block 1 misses: hashed, kept
+    second = pools[1].match(roots[1], prompt, 8, 3, memo=memo)
+    assert second.block_ids == [0, 1, 2] and len(calls) == 3  # only block 2 was left to hash
+    assert memo == {("xxh3_128", roots[0].block_hash, 8): [c.block_hash for c in second.chain]}
+    # The naive twin: no memo, every block hashed, the same runs
+    for pool, root, hit in zip(pools, roots, (first, second), strict=True):
+        assert pool.match(root, prompt, 8, 3) == hit
+    # A memo only says where to look: hashes of other content lead to entries the guard
+    # refuses (tokens 1 2 | 3 4 looked up with a memo that points at 5 6's entry)
+    forged = {("xxh3_128", roots[1].block_hash, 8): [second.chain[0].block_hash, second.chain[2].block_hash]}
+    assert pools[1].match(roots[1], prompt, 8, 3, memo=forged).block_ids == [0]
+    assert pools[1].num_collisions == 1  # (the entry's parent is live: counted as one)
+    # Another width or root is another key; extras are never memoized
+    other: dict = {}
+    assert pools[1].match(roots[1], prompt, 4, 2, memo=other).block_ids == []
+    assert pools[1].match(pools[1].root(b"desc", "tenant"), prompt, 8, 3, memo=other).block_ids == []
+    assert pools[1].match(roots[1], prompt, 8, 3, [b"", b"", b""], memo=other).block_ids == [0, 1, 2]
+    assert sorted(len(v) for v in other.values()) == [1, 1]
+    for pool in pools:
+        pool.check_integrity()

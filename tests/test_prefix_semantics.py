@@ -130,6 +130,48 @@ def test_a_prompt_packed_once_is_looked_up_in_caches_with_other_contents_and_roo
         pack_prompt([1, -1])
 
 
+def count_digests(m) -> list[int]:
+    calls: list[int] = []
+    digest = m.pool.hasher.digest
+    m.pool.hasher.digest = lambda data: calls.append(1) or digest(data)
+    return calls
+
+
+def test_a_packed_prompt_hashes_each_block_once_over_its_lookups_and_admission():
+    # The router's caches of the test above, counting the hashes each computes: the prompt's
+    # memo holds block 0's hash after a's lookup and block 1's after b's; c and then c's
+    # admission hash nothing, and the admission is the one an unpacked prompt gets (twin d).
+    a, b, c, d = make(), make(), make(), make()
+    for m in (b, c, d):
+        prefill(m, "x", P8[:4] + [99])
+    for m in (c, d):
+        prefill(m, "y", P8 + [99])
+    assert a.lookup_prefix([1]) == 0  # (its pool interns the root now: the counts below are of blocks)
+    calls = [count_digests(m) for m in (a, b, c)]
+    prompt = P8 + [20]
+    packed = pack_prompt(prompt)
+    assert [m.lookup_packed(packed) for m in (a, b, c)] == [0, 4, 8]
+    assert [len(n) for n in calls] == [1, 1, 0]
+    adm = c.admit("z", prompt, prompt=packed)
+    assert adm == d.admit("z", prompt) and adm is not None
+    # x took blocks 0 and 1 (its 99), y hit 0 and took 2 and 3: z hits 0 and 2, takes 4
+    assert adm.num_cached_tokens == 8 and c.block_ids("z") == d.block_ids("z") == [0, 2, 4]
+    assert len(calls[2]) == 0
+    # The request's token list is its own: the packed prompt's does not grow with it
+    c.commit("z", 1)
+    c.append_token_ids("z", [5])
+    assert packed.token_ids == prompt and c.token_ids("z") == [*prompt, 5]
+    for m in (a, b, c, d):
+        m.check_integrity()
+    # A packed prompt of other tokens, or not a LookupPrompt: refused, nothing admitted
+    with pytest.raises(ValueError, match="packed prompt is not of these token ids"):
+        a.admit("w", P8 + [21], prompt=packed)
+    with pytest.raises(TypeError, match="LookupPrompt, got list"):
+        a.admit("w", prompt, prompt=prompt)
+    assert "w" not in a
+    a.check_integrity()
+
+
 def test_the_v4_collision_guard_and_a_table_that_holds_a_block_twice():
     m = DSV4CacheManager(SPEC, 8, 3, DESC)
     constant_hash(m)

@@ -255,6 +255,19 @@ class TurnEnds:
                     out[end] = found
         return out
 
+    def find_along(
+        self, parents: Sequence[PrefixBlock], token_ids: list[int], mm_items: tuple[MMItem, ...], limit: int
+    ) -> dict[int, PrefixBlock]:
+        """`find` after each of `parents` (a root and its chain of units: parents[k]'s units end
+        at k * unit), merged in that order; only the parents that have turn ends listed are
+        probed (a prompt's chain has few or none: a lookup costs a set test a unit)."""
+        out: dict[int, PrefixBlock] = {}
+        listed, unit = self._by_parent, self.unit
+        for k, parent in enumerate(parents):
+            if parent.block_hash in listed:
+                out.update(self.find(parent, k * unit, token_ids, mm_items, limit))
+        return out
+
     def listed(self, block: PrefixBlock) -> bool:
         """Whether `block` (registered) is listed under its parent, where `find` probes."""
         assert block.parent is not None

@@ -118,7 +118,7 @@ def pack_prompt(
         raise ValueError(f"request {request_id!r} has an empty prompt")
     items = check_mm_items(mm_items, len(token_ids))
     packed = token_bytes(token_ids)  # ValueError for an id that is no token; packed once for the groups
-    return LookupPrompt(list(token_ids), items, packed)
+    return LookupPrompt(list(token_ids), items, packed, {})
 
 
 class GroupSpec(Protocol):
@@ -248,6 +248,10 @@ class HybridCacheManager:
         # Requests admitted, forked or marked at a turn end since their last commit: the
         # decode path's commit does not skip them (a held copy source, a restore to end)
         self._fresh: set[str] = set()
+        # Per tenant salt, each group's root under the coordinator's descriptor (`_new_request`):
+        # the pools intern them, this spares the preimage a lookup. Read-only dicts, shared by
+        # the requests; as many as the salts seen, as the pools' interned roots are
+        self._default_roots: dict[str, dict[str, PrefixBlock]] = {}
 
     # ---- queries -----------------------------------------------------------------------
 
@@ -604,9 +608,19 @@ class HybridCacheManager:
         changes nothing); an admission's prompt is packed for it alone."""
         if descriptor is not None and not isinstance(descriptor, CacheDescriptor):
             raise TypeError(f"descriptor must be a CacheDescriptor, got {type(descriptor).__name__}")
-        key = self._descriptor_key if descriptor is None else descriptor.key()
-        roots = {name: g.pool.root(key + self._root_keys[name], tenant_salt) for name, g in self.groups.items()}
+        if descriptor is None:  # the coordinator's descriptor: its roots per salt, made once
+            roots = self._default_roots.get(tenant_salt)
+            if roots is None:
+                roots = self._default_roots[tenant_salt] = self._roots(self._descriptor_key, tenant_salt)
+        else:
+            roots = self._roots(descriptor.key(), tenant_salt)
         return _Request(request_id, prompt.token_ids, prompt.mm_items, roots, prompt=prompt)
+
+    def _roots(self, descriptor_key: bytes, tenant_salt: str) -> dict[str, PrefixBlock]:
+        """Each group's chain root under a descriptor and salt (interned by its pool)."""
+        return {
+            name: g.pool.root(descriptor_key + self._root_keys[name], tenant_salt) for name, g in self.groups.items()
+        }
 
     def _hits(self, req: _Request, bounded: bool = True, admission: bool = False) -> dict[str, Any]:
         """Each group's hits. bounded: whole-prefix groups first, and the others look no
@@ -694,6 +708,7 @@ class HybridCacheManager:
         tenant_salt: str = "",
         mm_items: Sequence[MMItem] = (),
         descriptor: CacheDescriptor | None = None,
+        prompt: LookupPrompt | None = None,
     ) -> Admission | None:
         """Take a request in: its longest cached prefix (always leaving at least one prompt
         token to compute, whose logits are needed) and a reservation for the next
@@ -702,12 +717,25 @@ class HybridCacheManager:
         coordinator's for this request (another adapter, say); a request never hits blocks of
         another descriptor or tenant salt. ValueError for an id in use, an empty prompt, a bad
         count. With a lower tier, the hit may end in blocks the tier holds: they are not
-        computed until `complete_loads` (`GroupAdmission.loads` names them)."""
+        computed until `complete_loads` (`GroupAdmission.loads` names them). `prompt`:
+        `token_ids` and `mm_items` as `pack_prompt` packed them already (the engine's
+        add_request, the router's lookups): its packing and the hashes its lookups chained
+        are reused, not redone; ValueError when it holds other tokens or items."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already admitted")
         if max_new_tokens is not None and max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        req = self._new_request(request_id, pack_prompt(token_ids, mm_items, request_id), tenant_salt, descriptor)
+        if prompt is None:
+            prompt = pack_prompt(token_ids, mm_items, request_id)
+        elif not isinstance(prompt, LookupPrompt):
+            raise TypeError(f"prompt must be pack_prompt's LookupPrompt, got {type(prompt).__name__}")
+        else:
+            own = list(token_ids)  # the request's own list (append_token_ids extends it)
+            # (a list comparison: C speed, and the same int objects compare by identity first)
+            if prompt.token_ids != own or prompt.mm_items != check_mm_items(mm_items, len(own)):
+                raise ValueError(f"request {request_id!r}: the packed prompt is not of these token ids and items")
+            prompt = prompt._replace(token_ids=own)  # (its bytes and its memo of hashes: shared)
+        req = self._new_request(request_id, prompt, tenant_salt, descriptor)
         hits = self._hits(req, admission=True) if self._caching else {}
         req.prompt = None  # an admitted request keeps no second copy of its prompt
         point = self.hit_point(hits, len(req.token_ids)) if self._caching else 0

@@ -332,7 +332,7 @@ class DualPoolGroup(CacheGroup):
         restore method chooses; the turn ends kept after its spans."""
         if not self.pool.enable_caching:
             return DualPoolHits([], [])
-        span, (token_ids, mm_items, packed) = self.span, prompt
+        span, (token_ids, mm_items, packed, memo) = self.span, prompt
         num = (len(token_ids) - 1) // span
         if limit is not None:
             num = min(num, limit // span)
@@ -343,13 +343,13 @@ class DualPoolGroup(CacheGroup):
             num,
             [mm_extra_key(mm_items, span, k) for k in range(num)] if mm_items else None,
             count_collisions=admission,
+            memo=memo,
         )
         block_ids, chain = hit.block_ids, hit.chain
         out = self._cut(block_ids, chain)
         if self._turn_ends:  # kept states inside the run's spans or the next one (one token left)
             top = len(token_ids) - 1 if limit is None else min(len(token_ids) - 1, limit)
-            for k, parent in enumerate([root, *chain]):
-                out.turn_ends.update(self._turn_ends.find(parent, k * span, token_ids, mm_items, top))
+            out.turn_ends.update(self._turn_ends.find_along([root, *chain], token_ids, mm_items, top))
             if out.turn_ends:
                 out.turn_ids, out.turn_chain = block_ids, chain
         return out

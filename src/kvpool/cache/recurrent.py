@@ -104,7 +104,7 @@ class RecurrentGroup(CacheGroup):
         ends (points off the grid), up to `limit`, leaving a token to compute."""
         if not self.pool.enable_caching:
             return UnitHits([], [])
-        token_ids, mm_items, packed = prompt
+        token_ids, mm_items, packed, _ = prompt
         c = self.granularity
         top = min(len(token_ids) - 1, len(token_ids) if limit is None else limit)
         hits = chains.find_units(self.pool, root, token_ids, mm_items, c, top // c, packed)

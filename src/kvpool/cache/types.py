@@ -44,13 +44,18 @@ class MMItem(NamedTuple):
 
 class LookupPrompt(NamedTuple):
     """A prompt checked and packed once, for lookups in several caches (the router asks
-    every replica; `pack_prompt` builds it). The packing is the whole prompt's and is the
-    same bytes in every cache (token ids as little-endian uint32), so one serves them all;
-    each cache still chains the hashes from its own roots."""
+    every replica, then the admission in the replica it chose; `pack_prompt` builds it).
+    The packing is the whole prompt's and is the same bytes in every cache (token ids as
+    little-endian uint32), so one serves them all. Each cache chains the hashes from its
+    own roots; where two caches' roots hash alike (same descriptor, tenant salt, algorithm
+    and block width) the chained hashes are alike too, and `hashes` keeps them
+    (`BlockPool.match`'s memo; None: none kept). Treat it as the pools' memo: read it, never
+    fill it by hand."""
 
     token_ids: list[int]
     mm_items: tuple[MMItem, ...]
     packed: bytes  # token_bytes(token_ids)
+    hashes: dict[tuple[str, bytes, int], list[bytes]] | None = None
 
 
 class BlockCopy(NamedTuple):

@@ -147,7 +147,7 @@ class AttentionGroup(CacheGroup):
         bs = self.block_size  # (the module docstring's "Hits")
         if not self.pool.enable_caching:
             return UnitHits([], [])
-        token_ids, mm_items, packed = prompt
+        token_ids, mm_items, packed, memo = prompt
         num = len(token_ids) // bs if limit is None else min(len(token_ids) // bs, -(-limit // bs))
         if self.spec.window is not None:
             return chains.find_units(self.pool, root, token_ids, mm_items, bs, num, packed)
@@ -157,7 +157,7 @@ class AttentionGroup(CacheGroup):
         # The run that leaves a token to compute, then the prompt's last full block (a
         # point inside it copies it) without counting a collision there
         top = min(num, (len(token_ids) - 1) // bs)
-        chain = self.pool.match(root, data, width, top, extras, count_collisions=admission).chain
+        chain = self.pool.match(root, data, width, top, extras, count_collisions=admission, memo=memo).chain
         if len(chain) == top < num:
             parent = chain[-1] if chain else root
             more = self.pool.match(

@@ -30,8 +30,11 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import TypeVar
 
+import numpy as np
 import torch
 
+from kvpool.cache.coordinator import pack_prompt
+from kvpool.cache.types import LookupPrompt
 from kvpool.engine.batch_sampler import BatchSampler, StepSampler
 from kvpool.engine.runner import ModelRunner, ScheduledChunk
 from kvpool.engine.sampling import SamplingParams, sample_token, token_logprobs
@@ -58,6 +61,8 @@ class SequenceState:
     # per output token, when the params ask (SamplingParams.logprobs): (log-probability of
     # the sampled token, the most likely tokens' (id, log-probability), most likely first)
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # the prompt as add_request packed it, for the first admission's lookup (then dropped)
+    prompt: LookupPrompt | None = None
 
     @property
     def output_ids(self) -> list[int]:
@@ -214,7 +219,7 @@ class Engine:
 
     def add_request(
         self,
-        prompt_ids: Sequence[int],
+        prompt_ids: Sequence[int] | LookupPrompt,
         params: SamplingParams | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
@@ -223,7 +228,9 @@ class Engine:
         """Queue a request. ValueError (and nothing queued) for an empty or too-long prompt,
         or a tenant that is not text UTF-8 can encode (a lone surrogate).
         `arrival_time` (on the engine's clock; default: now) is where TTFT counts from.
-        `tenant` salts the request's prefix chain: it hits only its own tenant's cache."""
+        `tenant` salts the request's prefix chain: it hits only its own tenant's cache.
+        `prompt_ids` may be `pack_prompt`'s packing of them (the simulator's router packed
+        it for its lookups): its admission then hashes no block those lookups hashed."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
@@ -234,9 +241,20 @@ class Engine:
             raise ValueError(
                 f"request {request_id!r}: tenant {tenant!r} is not valid Unicode text ({error.reason} at {error.start})"
             ) from None
-        prompt = list(map(int, prompt_ids))
+        packed = prompt_ids if isinstance(prompt_ids, LookupPrompt) else None
+        prompt = list(packed.token_ids if packed is not None else prompt_ids)
         if not prompt:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
+        if packed is not None and packed.mm_items:
+            raise ValueError(
+                f"request {request_id!r}: the engine takes no multimodal items ({len(packed.mm_items)} given)"
+            )
+        # The ids as Python ints, in one C pass where they are (the common case): `sum` stays
+        # an exact int over exact ints and bools, and turns into a numpy or torch integer (or
+        # a float) at the first such id; only then is every id converted (as int() does)
+        if type(sum(prompt)) is not int:
+            prompt = list(map(int, prompt))
+            packed = None
         limit = self.runner.max_model_len
         if len(prompt) >= limit:
             raise ValueError(
@@ -244,7 +262,13 @@ class Engine:
                 f"at most {limit - 1} tokens fit (max_model_len {limit}, leaving room for one output token)"
             )
         vocab = self.runner.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab:
+        try:
+            if packed is None:  # checked and packed once: the admission's lookup reuses it
+                packed = pack_prompt(prompt, request_id=request_id)
+            top = int(np.frombuffer(packed.packed, dtype="<u4").max())  # (packed: ids in [0, 2**32))
+        except ValueError:
+            top = -1  # an id below 0 or past 2**32: named below
+        if not 0 <= top < vocab:
             bad = [t for t in prompt if not 0 <= t < vocab]
             raise ValueError(f"request {request_id!r}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
         arrival = self.clock() if arrival_time is None else arrival_time
@@ -261,7 +285,7 @@ class Engine:
             matches_text=bool(params.stop) and self.decode_text is not None,
             plain=params.n == 1 and params.logprobs is None,
         )
-        seq = SequenceState(f"{request_id}/0", req, 0, list(prompt))
+        seq = SequenceState(f"{request_id}/0", req, 0, list(prompt), prompt=packed)
         req.seqs.append(seq)
         self.requests[request_id] = req
         self.waiting.append(seq)
@@ -443,12 +467,13 @@ class Engine:
             seq = self.waiting[0]
             admitted = self._timed(
                 lambda seq=seq, budget=budget: self.runner.admit(
-                    seq.seq_id, seq.token_ids, budget, tenant_salt=seq.request.tenant
+                    seq.seq_id, seq.token_ids, budget, tenant_salt=seq.request.tenant, prompt=seq.prompt
                 )
             )
             if admitted is None:
                 break
             self.waiting.popleft()
+            seq.prompt = None  # (a readmission after a preemption holds more tokens: packed anew)
             seq.in_runner = True
             seq.num_computed = admitted.num_cached_tokens
             req = seq.request

@@ -71,6 +71,7 @@ import torch
 
 from kvpool.attention.backends.step_buffers import StepBuffers
 from kvpool.cache import Admission, BlockCopy, CacheDescriptor, CacheUsage, ReleaseReason
+from kvpool.cache.types import LookupPrompt
 from kvpool.engine.memory import StepPeaks
 from kvpool.engine.tier_bridge import TierBridge
 from kvpool.tiers import BlockDescriptor
@@ -284,17 +285,24 @@ class ModelRunner:
     # ---- requests ------------------------------------------------------------------------
 
     def admit(
-        self, request_id: str, token_ids: Sequence[int], max_new_tokens: int | None, *, tenant_salt: str = ""
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        max_new_tokens: int | None,
+        *,
+        tenant_salt: str = "",
+        prompt: LookupPrompt | None = None,
     ) -> Admission | None:
         """Look up the cached prefix of `token_ids` (under the tenant's salt: no tenant hits
         another's), take it (loading what a lower tier holds of it), restore the request's
         state, and reserve room for up to `max_new_tokens` of the rest (None: all of it).
         None: no room now, nothing changed. A restore by recompute is deferred to the start
         of the next `execute` (the admission stays bookkeeping; the replay is compute, done
-        in the step that needs the state)."""
+        in the step that needs the state). `prompt`: `token_ids` packed already
+        (`HybridCacheManager.admit`)."""
         if max_new_tokens is not None and max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
-        return self._admit(request_id, token_ids, max_new_tokens, tenant_salt, defer_replay=True)
+        return self._admit(request_id, token_ids, max_new_tokens, tenant_salt, defer_replay=True, prompt=prompt)
 
     def add_request(self, request_id: str, token_ids: Sequence[int], *, tenant_salt: str = "") -> Admission | None:
         """V4's dual pool: admit with nothing reserved yet (`step` does that) and the state of
@@ -308,10 +316,11 @@ class ModelRunner:
         max_new_tokens: int | None,
         tenant_salt: str,
         defer_replay: bool,
+        prompt: LookupPrompt | None = None,
     ) -> Admission | None:
         if self.tier is not None:
             self.bridge.prefetch(self.cache, self.executor, token_ids, tenant_salt)
-        adm = self.cache.admit(request_id, token_ids, max_new_tokens, tenant_salt=tenant_salt)
+        adm = self.cache.admit(request_id, token_ids, max_new_tokens, tenant_salt=tenant_salt, prompt=prompt)
         if adm is None:
             return None
         if self.tier is not None:

@@ -266,24 +266,50 @@ class BlockPool:
         extras: Sequence[bytes] | None = None,
         *,
         count_collisions: bool = True,
+        memo: dict[tuple[str, bytes, int], list[bytes]] | None = None,
     ) -> PrefixMatch:
         """The longest run of cached blocks for `prompt_bytes`, in blocks of `block_width`
         bytes, at most `max_blocks`. extras[i]: block i's extra keys (None: none at all).
-        Changes nothing but the collision counter (and not that with count_collisions=False)."""
+        memo: the prompt's chained hashes already computed (`LookupPrompt.hashes`), read and
+        extended here, so that a prompt looked up in several pools (the router's replicas,
+        then the admission) hashes each block once; without extras only, keyed by the
+        algorithm, the hash `root` starts from and the width (what the hashes depend on).
+        The memo only says where to look: the collision guard compares every hit's parent,
+        token bytes and extra keys all the same. Changes nothing but the collision counter
+        (and not that with count_collisions=False) and the memo."""
         digest = self.hasher.digest
         index = self._index
         refcounts = self._refcounts
+        hashes = None  # (with multimodal keys: hashed here each time)
+        if memo is not None and extras is None:
+            hashes = memo.setdefault((self.hasher.algo, root.block_hash, block_width), [])
         parent = root
         block_ids: list[int] = []
         chain: list[PrefixBlock] = []
+        extra = b""
         for i in range(max_blocks):
-            chunk = prompt_bytes[i * block_width : (i + 1) * block_width]
-            extra = extras[i] if extras is not None else b""
-            # BlockHasher.chain, inlined (a call per block costs ~40 % of a lookup: kvpool bench pool)
-            found = index.get(digest(parent.block_hash + chunk + extra))
+            start = i * block_width
+            if extras is not None:
+                extra = extras[i]
+            if hashes is not None and i < len(hashes):
+                block_hash = hashes[i]  # (the memo holds blocks [0, len(hashes)) of this root's chain)
+            else:
+                chunk = prompt_bytes[start : start + block_width]
+                # BlockHasher.chain, inlined (a call per block costs ~40 % of a lookup: kvpool bench pool)
+                block_hash = digest(parent.block_hash + chunk + extra)
+                if hashes is not None and len(chunk) == block_width:
+                    hashes.append(block_hash)  # (i == len(hashes): the loop goes in order from 0)
+            found = index.get(block_hash)
             if found is None:
                 break
-            if found.parent is not parent or found.token_bytes != chunk or found.extra != extra:
+            stored = found.token_bytes
+            # stored == prompt_bytes[start : start + block_width], without slicing a copy
+            if (
+                found.parent is not parent
+                or found.extra != extra
+                or len(stored) != block_width
+                or not prompt_bytes.startswith(stored, start)
+            ):
                 # The collision guard. A stored block whose own parent has left the index is
                 # a stale orphan (its prefix was evicted or rewritten first), not a collision.
                 if count_collisions and found.parent.is_live:  # an index entry always has a parent

@@ -5,17 +5,18 @@ Policies:
   least-loaded   the replica with the fewest running + waiting sequences;
   prefix-aware   the replica whose cache holds the longest prefix of the prompt
                  (`lookup_packed`, which changes nothing; the prompt is packed once for
-                 all of them), among the replicas whose load is at most `load_cap` x the
+                 all of them, and each block hashed once), among the replicas whose load is at most `load_cap` x the
                  least load + 4; ties to the least loaded.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from kvpool.cache.types import LookupPrompt
     from kvpool.sim.simulator import Replica
 
 ROUTINGS: tuple[str, ...] = ("round-robin", "least-loaded", "prefix-aware")
@@ -35,7 +36,9 @@ class Router:
         self._next = itertools.cycle(range(len(replicas)))
         self._load = load or (lambda r: r.load)
 
-    def route(self, prompt: list[int], tenant: str = "") -> Replica:
+    def route(self, prompt: Sequence[int] | LookupPrompt, tenant: str = "") -> Replica:
+        """The replica for `prompt`; pass it packed (`pack_prompt`) where the chosen
+        replica's engine takes it next: the lookups' hashes then serve its admission."""
         reps = self.replicas
         if len(reps) == 1:
             return reps[0]
@@ -49,8 +52,11 @@ class Router:
         if len(eligible) == 1:  # no lookup to make (a lookup changes nothing)
             return eligible[0]
         from kvpool.cache.coordinator import pack_prompt  # here: the CLI's parser imports this module
+        from kvpool.cache.types import LookupPrompt
 
-        packed = pack_prompt(prompt)  # checked and packed once for every replica's lookup
+        # checked and packed once for every replica's lookup; its memo of block hashes makes
+        # each replica's lookup hash only the blocks no replica before it hashed
+        packed = prompt if isinstance(prompt, LookupPrompt) else pack_prompt(prompt)
         return max(
             eligible,
             key=lambda r: (r.runner.cache.lookup_packed(packed, tenant_salt=tenant), -loads[r.index], -r.index),

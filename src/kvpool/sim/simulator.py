@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvpool.cache.coordinator import pack_prompt
 from kvpool.cache.dual_pool import RESTORE_METHODS
 from kvpool.capacity.planner import Plan, plan
 from kvpool.engine.engine import Engine
@@ -315,7 +316,9 @@ def simulate(
         t = arrivals.next_time()
         if t is not None and (not ready or t <= ready[0][0]):
             _, (session, turn) = arrivals.pop()
-            prompt = session.prompt_ids(turn, model.vocab_size, table)
+            # packed once: the router's lookups and the chosen engine's admission share its
+            # packing and block hashes
+            prompt = pack_prompt(session.prompt_ids(turn, model.vocab_size, table))
             rep = router.route(prompt, session.tenant)
             rep.num_routed += 1
             idle = not rep.engine.has_unfinished()
