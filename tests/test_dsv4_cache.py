@@ -791,8 +791,22 @@ def test_a_decode_step_with_a_request_at_fault_changes_nothing(exact: bool) -> N
             m.commit_step(bad_ids, [1] * 4, [7, 8, 9, 10])
         assert snapshot(m) == before
     m.check_integrity()
-    m.commit_step(["r0", "r1", "r3"], [1] * 3, [7, 8, 10])
-    assert [m.token_ids(r)[-1] for r in ("r0", "r1", "r3")] == [7, 8, 10]
+    # a mixed step: a newcomer's prefill among the decodes (its commit of one token too many)
+    prompt = _ids(SPAN + 5, offset=5)
+    assert m.admit("new", prompt) is not None and m.num_computed_tokens("new") == 0
+    before = snapshot(m)
+    mixed_cases = [
+        (["r0", "r1", "new", "ghost"], [1, 1, SPAN + 5, 1], KeyError, "unknown request 'ghost'"),
+        (["r0", "new", "r1", "r0"], [1, SPAN + 5, 1, 1], ValueError, "appears twice"),
+        (["r0", "r1", "r3", "new"], [1, 1, 1, SPAN + 6], ValueError, f"request 'new': commit of {SPAN + 6} tokens"),
+    ]
+    for bad_ids, counts, error, message in mixed_cases:
+        with pytest.raises(error, match=message):
+            m.commit_step(bad_ids, counts, [7, 8, 9, 10])
+        assert snapshot(m) == before
+    m.commit_step(["r0", "r1", "new", "r3"], [1, 1, SPAN + 5, 1], [7, 8, 9, 10])
+    assert [m.token_ids(r)[-1] for r in ("r0", "r1", "new", "r3")] == [7, 8, 9, 10]
+    assert m.token_ids("new") == [*prompt, 9] and m.num_computed_tokens("new") == SPAN + 5
     m.check_integrity()
 
 

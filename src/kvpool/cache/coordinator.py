@@ -1044,8 +1044,11 @@ class HybridCacheManager:
             raise ValueError(
                 f"{len(request_ids)} requests, {len(num_tokens)} token counts, {len(next_token_ids)} next tokens"
             )
-        if request_ids and num_tokens.count(1) == len(request_ids):  # all decodes: the engine's common step
-            changed = self._commit_decodes(request_ids, next_token_ids)
+        if request_ids:
+            if num_tokens.count(1) == len(request_ids):  # all decodes: the engine's common step
+                changed = self._commit_decodes(request_ids, next_token_ids)
+            else:  # prefill chunks, with the decodes of the running requests
+                changed = self._commit_chunks(request_ids, num_tokens, next_token_ids)
             if changed is not None:
                 if changed:
                     self._commit_groups(changed)
@@ -1095,6 +1098,45 @@ class HybridCacheManager:
                 for req in map(requests.__getitem__, request_ids)
                 if not req.num_computed % period or req.request_id in fresh
             ]
+        return changed
+
+    def _commit_chunks(
+        self, request_ids: Sequence[str], num_tokens: Sequence[int], next_token_ids: Sequence[int | None]
+    ) -> list[_Request] | None:
+        """`_commit_decodes` for a step of any token counts (an admitted request's prefill
+        chunk among the decodes): the requests the groups must see, or None when a request
+        is unknown or listed twice, or its commit is not of its reserved step (exact steps)
+        or does not lie within its reservation and known token ids: then every change is
+        undone. `_commit_each` is its naive twin (tests/test_dsv4_cache.py holds them equal)."""
+        if len(set(request_ids)) != len(request_ids):
+            return None
+        requests, period, exact, fresh = self._requests, self._commit_period, self.exact_steps, self._fresh
+        changed: list[_Request] = []
+        i = 0
+        try:
+            for request_id, n, next_token_id in zip(request_ids, num_tokens, next_token_ids, strict=True):
+                req = requests[request_id]
+                nc = req.num_computed + n
+                # exact: the whole reserved step (its end stays num_computed after); else within it, ids known
+                if (req.end != nc) if exact else (n < 0 or nc > req.end or nc > len(req.token_ids)):
+                    break
+                if n:
+                    req.num_computed = nc
+                    # a one-token commit off the period of a request not fresh changes no group (`commit_period`)
+                    if n != 1 or not nc % period or request_id in fresh:
+                        changed.append(req)
+                if next_token_id is not None:
+                    req.token_ids.append(next_token_id)
+                i += 1
+        except KeyError:
+            pass
+        if i < len(request_ids):  # undo the requests before the one at fault, latest first
+            for j in reversed(range(i)):
+                req = requests[request_ids[j]]
+                req.num_computed -= num_tokens[j]
+                if next_token_ids[j] is not None:
+                    req.token_ids.pop()
+            return None
         return changed
 
     def _commit_groups(self, changed: list[_Request]) -> None:

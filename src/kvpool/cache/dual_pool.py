@@ -601,7 +601,8 @@ class DualPoolGroup(CacheGroup):
         (into `dropped`, for an undo to put back)."""
         if self._checkpoints:
             for _, block in evicted:
-                if _state_part(block) and not block.block_ids:
+                # (`_state_part` inlined: every block an allocation evicts passes here)
+                if not block.block_ids and not block.token_bytes and block.extra.startswith(_STATE_EXTRA):
                     assert block.parent is not None
                     ckpt = self._checkpoints.get(block.parent.block_hash)
                     if ckpt is not None and block in ckpt.parts:

@@ -400,6 +400,11 @@ class BlockPool:
         cached = self._cached[block_id]
         assert cached is not None
         self._cached[block_id] = None
+        if len(cached.block_ids) == 1:  # its one copy (an eviction's common case): no tuple to filter
+            assert cached.block_ids == (block_id,)
+            cached.block_ids = ()
+            del self._index[cached.block_hash]
+            return
         cached.block_ids = tuple(b for b in cached.block_ids if b != block_id)
         if not cached.block_ids:
             del self._index[cached.block_hash]
