@@ -20,6 +20,9 @@ def test_bench_pool_json_counts_follow_the_trace_definitions(capsys):
     assert result["t1_blocks_registered"] == 256 * (512 + 256) // 16
     # T2: 64 requests each find the 2,048-token prefix, 128 blocks
     assert result["t2_hit_blocks"] == 64 * 2048 // 16
+    # T3: 128 requests x 1,024 decode steps complete 8 spans of 128 tokens each, every one
+    # checkpointed (the pool's free memory always holds a checkpoint's 9 blocks)
+    assert result["t3_spans_completed"] == result["t3_checkpoints_taken"] == 128 * 1024 // 128
     # the lookup figure is the whole lookup minus the hashing alone (rounded to 0.1 ns)
     assert result["prefix_lookup_ns"] == pytest.approx(
         max(result["hash_plus_lookup_ns"] - result["hash_ns"], 0.0), abs=0.11

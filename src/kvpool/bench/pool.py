@@ -17,9 +17,19 @@ requests arrive with that prefix plus 64 unique tokens each. hash_ns = time to h
 prefix blocks, per block; prefix_lookup_ns = time to find the longest cached prefix (hash
 hits plus the collision guard), per block. Every request must find exactly 128 blocks.
 
+T3 (V4 decode bookkeeping): DeepSeek-V4-Flash's dual pool as `kvpool simulate` builds it
+on an H200 (128-token spans, "auto" restore, pooled checkpoints of 9 classical blocks, turn
+ends kept) with 16,384 classical blocks and 256 state blocks; 128 requests with distinct
+prompts of 900 + 37 i tokens (their span ends spread over the steps) are admitted and
+prefilled; 1,024 decode steps (8 spans each) make the three calls the V4 runner makes per
+step: `reserve_step`, `step_reservations` (engine/runner.py `_forward_in_pieces`) and
+`commit_step`. v4_decode_step_us_per_request = their time / (1,024 * 128): a decode inside
+its span, and the amortized work of the one in 128 that completes a span (a block, its
+hash, a checkpoint of 9 blocks, published at commit).
+
 Each figure is the median of `repeats` runs (`--repeats`), with the garbage collector on, as a serving
 process runs (the collections the traces' own allocations trigger are billed to them).
-The counts (requests, steps, blocks taken and registered, hits) are part of the output:
+The counts (requests, steps, blocks taken and registered, hits, spans, checkpoints) are part of the output:
 each follows from the trace definitions above.
 """
 
@@ -28,12 +38,14 @@ from __future__ import annotations
 import statistics
 import time
 
-from kvpool.cache import CacheDescriptor, FullAttentionManager
+from kvpool.cache import CacheDescriptor, DSV4CacheManager, FullAttentionManager
 from kvpool.pool.block_pool import BlockPool
 from kvpool.pool.hashing import TOKEN_BYTES, token_bytes
+from kvpool.spec.dsv4 import load_preset
 
 T1_BLOCKS, BLOCK_SIZE, T1_REQUESTS, T1_PROMPT, T1_STEPS, BLOCK_OPS = 16_384, 16, 256, 512, 256, 12_288
 T2_BLOCKS, T2_PREFIX, T2_REQUESTS, T2_UNIQUE = 4_096, 2_048, 64, 64
+T3_BLOCKS, T3_STATES, T3_REQUESTS, T3_STEPS, T3_SPAN, T3_CHECKPOINT_BLOCKS = 16_384, 256, 128, 1_024, 128, 9
 VOCAB = 49_152
 
 
@@ -132,15 +144,66 @@ def trace_t2(hash_algo: str) -> dict[str, float]:
     }
 
 
-COUNTS = ("t1_decode_blocks_taken", "t1_blocks_registered", "t2_hit_blocks")
+def trace_t3(hash_algo: str) -> dict[str, float]:
+    """One run of T3: its timed figure and its two counts."""
+    spec = load_preset("deepseek-v4-flash", block_span=T3_SPAN)
+    cache = DSV4CacheManager(
+        spec,
+        T3_BLOCKS,
+        T3_STATES,
+        CacheDescriptor("bench-t3"),
+        restore="auto",
+        checkpoint_blocks=T3_CHECKPOINT_BLOCKS,
+        turn_end_checkpoints=True,
+        hash_algo=hash_algo,
+    )
+    request_ids = [f"t3-{i}" for i in range(T3_REQUESTS)]
+    for i, request_id in enumerate(request_ids):
+        num_prompt = 900 + 37 * i
+        assert cache.admit(request_id, _prompt(30_000 + i, num_prompt)) is not None
+        cache.commit(request_id, num_prompt)
+        cache.append_token_ids(request_id, [i % VOCAB])  # the first sampled token
+    held_before = sum(len(cache.block_ids(r)) for r in request_ids)
+    next_tokens = [[(step * 31 + i) % VOCAB for i in range(T3_REQUESTS)] for step in range(T3_STEPS)]
+    ones = [1] * T3_REQUESTS
+    starts = [cache.num_computed_tokens(r) for r in request_ids]
+    decode_s = 0.0
+    num_checkpoints = 0
+    for step in range(T3_STEPS):
+        ends = [n + 1 for n in starts]
+        start = time.perf_counter()
+        assert cache.reserve_step(request_ids, ones)
+        taken = cache.step_reservations(request_ids, starts, ends)
+        cache.commit_step(request_ids, ones, next_tokens[step])
+        decode_s += time.perf_counter() - start
+        num_checkpoints += sum(len(res.groups["v4"].checkpoints) for res in taken.values())
+        starts = ends
+    num_spans = sum(len(cache.block_ids(r)) for r in request_ids) - held_before
+    for request_id in request_ids:
+        cache.release(request_id)
+    cache.check_integrity()
+    return {
+        "v4_decode_step_us_per_request": decode_s / (T3_STEPS * T3_REQUESTS) * 1e6,
+        "t3_spans_completed": num_spans,
+        "t3_checkpoints_taken": num_checkpoints,
+    }
+
+
+COUNTS = (
+    "t1_decode_blocks_taken",
+    "t1_blocks_registered",
+    "t2_hit_blocks",
+    "t3_spans_completed",
+    "t3_checkpoints_taken",
+)
 
 
 def measure(repeats: int = 5, hash_algo: str = "xxh3_128") -> dict[str, float | str | int]:
-    """Both traces `repeats` times: each figure's median, the counts (equal in every run), and
+    """The three traces `repeats` times: each figure's median, the counts (equal in every run), and
     the settings. The dict `kvpool bench pool --json` prints."""
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
-    runs = [trace_t1(hash_algo) | trace_t2(hash_algo) for _ in range(repeats)]
+    runs = [trace_t1(hash_algo) | trace_t2(hash_algo) | trace_t3(hash_algo) for _ in range(repeats)]
     result: dict[str, float | str | int] = {}
     for key in runs[0]:
         if key in COUNTS:
