@@ -167,12 +167,13 @@ def test_restore_swapped_state_names_what_it_refuses(model) -> None:
 @pytest.mark.parametrize("preemption", ["swap", "auto"])
 def test_engine_logits_through_swap_preemptions_equal_the_oracle(model, preemption: str) -> None:
     """fp64: three requests on 6 classical blocks preempt each other; every logit of every
-    request is the contiguous oracle's, and some resumes took their state from the tier."""
+    request is the contiguous oracle's, and (swap) some resumes took their state from the
+    tier. (auto decides by the rates it measures: swap or not, the logits are exact.)"""
     runner = dsv4_runner(model, 6, 3, host_tier=HostTier(1 << 24), preemption=preemption)
     engine = Engine(runner, max_num_batched_tokens=48, max_num_seqs=3, record_logits=True)
     prompts = [_ids(n, 10 + n) for n in (20, 37, 45)]
     outs = engine.generate(prompts, SamplingParams(max_tokens=30))
-    assert engine.num_preemptions > 0 and runner.tier_moves.num_swapped_in > 0
+    assert engine.num_preemptions > 0 and (runner.tier_moves.num_swapped_in > 0 or preemption == "auto")
     for request, prompt, out in zip(engine.requests.values(), prompts, outs, strict=True):
         tokens = out.completions[0].token_ids
         got = torch.stack(request.seqs[0].logits)
@@ -181,4 +182,25 @@ def test_engine_logits_through_swap_preemptions_equal_the_oracle(model, preempti
     runner.check_integrity()
     assert runner.cache.usage().num_free_state_blocks == 3 and not runner.bridge.swapped_states
     report = runner.tier_reports()["host_tier"]
-    assert report["swapped_in"] == runner.tier_moves.num_swapped_in and report["states_swapped_out"] > 0
+    assert report["swapped_in"] == runner.tier_moves.num_swapped_in
+    assert report["states_swapped_out"] == runner.tier_moves.num_states_swapped_out
+
+
+def test_auto_prices_the_state_entry_against_the_replay_it_saves(model) -> None:
+    """The rule on rates set by hand: a request 40 tokens in (boundary 32, 8 past it) would
+    recompute the window before 32 (n_win x layers = 64 tokens back: all 32) and the 8: 40
+    tokens; a swap moves its state entry out and back, two blocks' bytes each way, at 1 s
+    over the 16 blocks' bytes moved so far (10 blocks, 3 state entries): 0.25 s."""
+    runner = dsv4_runner(model, 6, 2, host_tier=HostTier(1 << 24), preemption="auto")
+    prompt = _ids(40, 5)
+    runner.admit("x", prompt, None)
+    _step(runner, "x", prompt, 0, 5)
+    moves, block_bytes = runner.tier_moves, runner.executor.block_bytes
+    moves.offload_s, moves.load_s, moves.num_offloaded, moves.num_loaded = 1.0, 0.0, 10, 0  # 0.1 s a block
+    moves.num_states_swapped_out, moves.state_bytes_swapped_out = 3, 6 * block_bytes  # 2 blocks' bytes each
+    runner._prefill_tokens, runner._prefill_s = 1000, 1.0  # 1 ms a token: recompute 40 ms < move 250 ms
+    assert not runner._should_swap("x")
+    runner._prefill_s = 6.0  # 6 ms a token: recompute 240 ms, still less
+    assert not runner._should_swap("x")
+    runner._prefill_s = 7.0  # 7 ms a token: recompute 280 ms > move 250 ms
+    assert runner._should_swap("x")

@@ -707,16 +707,19 @@ class ModelRunner:
         nc = self.cache.num_computed_tokens(request_id)
         if self.pieces:
             # V4: the spans come back as hits either way (the blocks the pool evicts are
-            # saved), so a swap moves the state entry out and back, at the copy rate per
-            # block byte (the state entries' mean size so far, else a block's), against
-            # recomputing what a resume without it does: the replay window before the last
-            # span boundary and the unfinished span's tokens
+            # saved), so a swap moves the state entry out and back (the entries' mean size
+            # so far, else a block's) at the copy rate per byte (the moves' seconds over the
+            # blocks' and the state entries' bytes), against recomputing what a resume
+            # without it does: the replay window before the last span boundary and the
+            # unfinished span's tokens
             (group,) = self.cache.dual_groups
             boundary = nc - nc % self.block_size
-            state_bytes = self.executor.block_bytes
+            block_bytes = self.executor.block_bytes
+            state_bytes = block_bytes
             if moves.num_states_swapped_out:
                 state_bytes = moves.state_bytes_swapped_out / moves.num_states_swapped_out
-            move_s = 2 * state_bytes / self.executor.block_bytes * copy_s / copied
+            moved = copied * block_bytes + moves.state_bytes_swapped_out + moves.state_bytes_swapped_in
+            move_s = 2 * state_bytes * copy_s / moved
             recompute_s = (boundary - group.spec.replay_start(boundary) + nc % self.block_size) * (
                 self._prefill_s / self._prefill_tokens
             )

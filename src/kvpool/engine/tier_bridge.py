@@ -47,6 +47,7 @@ class TierMoves:
     num_tail_tokens_restored: int = 0  # tokens past the last full block those restored
     num_states_swapped_out: int = 0  # V4: state entries written by swap-outs, and their bytes
     state_bytes_swapped_out: int = 0
+    state_bytes_swapped_in: int = 0  # ... and the bytes of those swap-ins took back
     num_prefetched_tokens: int = 0  # tokens of the blocks `prefetch` loaded (a lower tier's hits)
     num_persisted: int = 0  # blocks handed to the persistent tiers (disk, Redis) as they completed
     persisted_bytes: int = 0  # their bytes
@@ -342,6 +343,7 @@ class TierBridge:
         moves.load_s += time.perf_counter() - start
         moves.num_swapped_in += 1
         moves.num_tail_tokens_restored += num_tail
+        moves.state_bytes_swapped_in += sum(t.numel() * t.element_size() for t in tensors.values())
         return cache.restore_swapped_state(request_id, num_tail)
 
     # ---- V4's window snapshots at block boundaries (dual pool with persistent tiers) ---------
