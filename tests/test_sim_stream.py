@@ -216,6 +216,9 @@ def test_prompts_and_answers_share_one_int_per_token():
     s = chat_workload(2, 3, 1.0, VOCAB, seed=5).sessions[1]
     shared, plain = s.prompt_ids(2, VOCAB, table), s.prompt_ids(2, VOCAB)
     assert shared == plain
+    # made from the previous turn's prompt (the simulator's way): the same values and objects
+    extended = s.prompt_ids(2, VOCAB, table, previous=s.prompt_ids(1, VOCAB, table))
+    assert extended == shared and all(a is b for a, b in zip(extended, shared, strict=True))
     # prefix | user_0 | answer_0 | user_1 | answer_1 | user_2: the answers' positions
     t0, t1 = s.turns[0], s.turns[1]
     a0 = len(s.prefix_ids) + len(t0.user_ids)

@@ -88,6 +88,14 @@ def test_hand_built_session_prompts_and_lengths():
     assert w.max_request_len() == 25  # t: 4 + 20 prompt + 1 output (s's longest: 11 + 1)
     with pytest.raises(ValueError, match="turn"):
         s.prompt_ids(3, 10)
+    # A caller that kept the previous turn's prompt gets the same list, made from it
+    first = s.prompt_ids(0, 10)
+    assert s.prompt_ids(1, 10, previous=first) == [1, 2, 3, *a0, 4] and first == [1, 2, 3]
+    assert s.prompt_ids(2, 10, previous=s.prompt_ids(1, 10)) == s.prompt_ids(2, 10)
+    with pytest.raises(ValueError, match=r"previous holds 3 tokens; prompt_ids\(1\) of session 's' holds 6"):
+        s.prompt_ids(2, 10, previous=first)
+    with pytest.raises(ValueError, match="no turn -1"):
+        s.prompt_ids(0, 10, previous=[])
     with pytest.raises(ValueError, match="output_len"):
         Turn((1,), 0)
     with pytest.raises(ValueError, match="no turns"):
@@ -120,6 +128,7 @@ def test_chat_turn_prompt_extends_the_previous_prompt_and_its_answer():
             if k:
                 before = s.prompt_ids(k - 1, VOCAB) + answer_ids(s.request_id(k - 1), s.turns[k - 1].output_len, VOCAB)
                 assert prompt[: len(before)] == before
+                assert s.prompt_ids(k, VOCAB, previous=s.prompt_ids(k - 1, VOCAB)) == prompt  # the simulator's way
             # the user message is the session's own named text
             user = s.turns[k].user_ids
             assert list(user) == text_ids(f"{s.session_id}-u{k}", len(user), VOCAB)

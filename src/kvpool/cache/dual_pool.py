@@ -338,7 +338,7 @@ class DualPoolGroup(CacheGroup):
             num = min(num, limit // span)
         hit = self.pool.match(
             root,
-            packed[: num * span * TOKEN_BYTES],
+            packed,  # (num spans of it at most: match reads them in place, no slice copied)
             span * TOKEN_BYTES,
             num,
             [mm_extra_key(mm_items, span, k) for k in range(num)] if mm_items else None,

@@ -14,7 +14,8 @@ Routing: sim/routing.py.
 
 Per step the simulator's own work is the engine's (bounded by the running batch), a heap
 operation and O(1) samples. Memory follows the requests in flight, not the run: requests
-stream in (a generated workload makes each session when its first turn arrives) and
+stream in (a generated workload makes each session when its first turn arrives, and a
+session's latest prompt is kept until its next turn extends it) and
 finished ones stream out (popped from the engine, the session dropped after its last turn,
 the report's figures kept as running sums and three latencies a request:
 sim/report.py FinishedRequests).
@@ -307,28 +308,37 @@ def simulate(
     finished = FinishedRequests(config.slo_ttft_ms, config.slo_tpot_ms)
     arrivals = Arrivals(workload)  # turns as they arrive; a turn's next one pushed as it finishes
     in_flight: dict[str, tuple[Session, int, int, float]] = {}  # request id -> (session, turn, replica, arrival)
+    # session id -> the prompt of its latest turn, while a later one is to come: the next
+    # prompt extends it (Session.prompt_ids' `previous`) instead of making every earlier answer again
+    latest: dict[str, list[int]] = {}
     timeline = StepTimeline()
     # (clock, index) of each replica with requests, one entry each: the next to step is the
     # earliest (ties to the lower index). A replica's clock moves only in its own steps and,
     # idle, to an arrival, so its entry is pushed after each step and when work arrives.
     ready: list[tuple[float, int]] = []
-    while arrivals or ready:
-        t = arrivals.next_time()
+    # when the next arrival comes (None: none left): it changes only as arrivals are popped
+    # and pushed (a finished turn's next one), so it is asked then, not every step
+    t = arrivals.next_time()
+    while t is not None or ready:
         if t is not None and (not ready or t <= ready[0][0]):
             _, (session, turn) = arrivals.pop()
+            arrival, t = t, arrivals.next_time()
             # packed once: the router's lookups and the chosen engine's admission share its
             # packing and block hashes
-            prompt = pack_prompt(session.prompt_ids(turn, model.vocab_size, table))
+            ids = session.prompt_ids(turn, model.vocab_size, table, latest.pop(session.session_id, None))
+            if turn + 1 < len(session.turns):
+                latest[session.session_id] = ids
+            prompt = pack_prompt(ids)
             rep = router.route(prompt, session.tenant)
             rep.num_routed += 1
             idle = not rep.engine.has_unfinished()
             if idle:
-                rep.clock.now = max(rep.clock(), t)  # an idle replica waits for the arrival
+                rep.clock.now = max(rep.clock(), arrival)  # an idle replica waits for the arrival
             rid = session.request_id(turn)
             out_len = session.turns[turn].output_len
             params = SamplingParams(max_tokens=out_len, ignore_eos=True, seed=answer_seed(rid))
-            rep.engine.add_request(prompt, params, rid, arrival_time=t, tenant=session.tenant)
-            in_flight[rid] = (session, turn, rep.index, t)
+            rep.engine.add_request(prompt, params, rid, arrival_time=arrival, tenant=session.tenant)
+            in_flight[rid] = (session, turn, rep.index, arrival)
             if idle:
                 heapq.heappush(ready, (rep.clock(), rep.index))
             continue
@@ -344,6 +354,8 @@ def simulate(
             if on_finish is not None:
                 on_finish(record)
             arrivals.next_turn(session, turn, next_step.clock())
+        if done:
+            t = arrivals.next_time()
         if next_step.engine.has_unfinished():
             heapq.heappush(ready, (next_step.clock(), next_step.index))
         if progress is not None:

@@ -125,11 +125,29 @@ class Session:
         history = sum(len(t.user_ids) + t.output_len for t in self.turns[:turn])
         return len(self.prefix_ids) + history + len(self.turns[turn].user_ids)
 
-    def prompt_ids(self, turn: int, vocab_size: int, table: np.ndarray | None = None) -> list[int]:
+    def prompt_ids(
+        self, turn: int, vocab_size: int, table: np.ndarray | None = None, previous: Sequence[int] | None = None
+    ) -> list[int]:
         """prefix_ids | user_0 | answer_0 | ... | user_{turn-1} | answer_{turn-1} | user_turn.
         `table` (tokens.int_table(vocab_size)): the answers' ints are its shared objects, not
-        new ones (8 bytes a token where a prompt is kept, not 40)."""
+        new ones (8 bytes a token where a prompt is kept, not 40). `previous`: what
+        prompt_ids(turn - 1) returned, kept by the caller (the simulator, between a turn and
+        the next): the prompt is then it, answer_{turn-1} and user_turn, made in the time of
+        those tokens rather than of every earlier answer (ValueError for turn 0 or a list
+        that is not that prompt's length; its tokens are the caller's word)."""
         self._check_turn(turn)
+        if previous is not None:
+            if turn == 0 or len(previous) != self.prompt_len(turn - 1):
+                raise ValueError(
+                    f"previous holds {len(previous)} tokens; prompt_ids({turn - 1}) of session "
+                    f"{self.session_id!r} holds {self.prompt_len(turn - 1) if turn else 'nothing (no turn -1)'}"
+                )
+            last = self.turns[turn - 1]
+            answer = stream_tokens([stream_key(self.request_id(turn - 1))], [last.output_len], vocab_size)
+            ids = list(previous)
+            ids += (answer if table is None else table[answer.astype(np.intp)]).tolist()
+            ids += self.turns[turn].user_ids
+            return ids
         earlier = self.turns[:turn]
         # every earlier answer in one vectorised pass: [answer_0 | answer_1 | ... ] end to end
         streams = stream_tokens(

@@ -44,12 +44,22 @@ def text_ids(name: str, num_tokens: int, vocab_size: int) -> list[int]:
 # token_at's constants in uint64 (wrapping) arithmetic: the vectorised twins below
 _MULT_U64 = np.uint64(STREAM_MULT)
 _MIX_U64 = np.uint64(STREAM_MIX)
+_SHIFT_31, _SHIFT_29 = np.uint64(31), np.uint64(29)
 _CHUNK = 1 << 20  # tokens per vectorised pass in batch_text_ids
 
 
 def stream_tokens(keys: Sequence[int], lens: Sequence[int], vocab_size: int) -> np.ndarray:
     """token_at(keys[i], p, vocab_size) for p in range(lens[i]), the streams end to end:
     [sum(lens)] uint64."""
+    if len(keys) == 1:  # one stream (a turn's answer): positions 1.. n at once, no repeat of keys
+        x = np.arange(1, int(lens[0]) + 1, dtype=np.uint64)
+        x *= _MULT_U64
+        x += np.uint64(keys[0])  # (wrapping uint64: the same sum in the other order)
+        x ^= x >> _SHIFT_31
+        x *= _MIX_U64
+        x ^= x >> _SHIFT_29
+        x %= np.uint64(vocab_size)
+        return x
     lens_arr = np.asarray(lens, dtype=np.int64)
     firsts = np.cumsum(lens_arr) - lens_arr  # flat index of each stream's token 0
     positions = np.arange(int(lens_arr.sum()), dtype=np.int64) - np.repeat(firsts, lens_arr)
