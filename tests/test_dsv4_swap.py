@@ -204,3 +204,29 @@ def test_auto_prices_the_state_entry_against_the_replay_it_saves(model) -> None:
     assert not runner._should_swap("x")
     runner._prefill_s = 7.0  # 7 ms a token: recompute 280 ms > move 250 ms
     assert runner._should_swap("x")
+
+
+def test_a_request_preempted_before_its_deferred_replay_swaps_no_state(model) -> None:
+    """ "b" hits "a"'s two spans (32 tokens, blocks 0 and 1) and its restore by replay waits
+    for the next step; preempted before that step, its state block holds no state of its own
+    yet: the swap writes the two blocks (the tier lacks them) and no state entry; its resume
+    replays as without a swap, and its logits are the oracle's."""
+    runner = dsv4_runner(model, 6, 2, host_tier=HostTier(1 << 24), preemption="swap")
+    prompt = _ids(40, 6)
+    runner.admit("a", prompt, None)
+    _step(runner, "a", prompt, 0, 5)
+    runner.release("a")
+    calls = _recording(runner)
+    follow = prompt[:32] + _ids(12, 7)
+    adm = runner.admit("b", follow, None)
+    assert (adm.num_cached_tokens, adm.groups["v4"].restore.method) == (32, "recompute")
+    runner.release("b", "preempt")
+    assert calls == [("to_host", [0, 1])] and "b" not in runner.bridge.swapped_states
+    assert runner.tier_moves.num_states_swapped_out == 0
+    calls.clear()
+    adm = runner.admit("b", follow, None)
+    assert (adm.num_cached_tokens, adm.groups["v4"].restore.method) == (32, "recompute")
+    logits = _step(runner, "b", follow[32:], 32, 1)
+    assert calls == [("replay", 0, 32, adm.groups["v4"].restore.state_slot)]
+    assert (logits - model.reference_logits(follow)[32:]).abs().max().item() <= FP64_TOLERANCE
+    runner.check_integrity()

@@ -425,13 +425,14 @@ class ModelRunner:
         request is swapped out first when the preemption mode says so, a restore still
         waiting to replay goes. Once only: False for a request the runner does not hold."""
         self.bridge.drop_swapped(request_id)
-        self._replays.pop(request_id, None)
+        # a replay still deferred: the state block does not hold the request's state yet
+        replay_pending = self._replays.pop(request_id, None) is not None
         if self.step_buffers is not None:
             self.step_buffers.forget(request_id)
         if request_id not in self.cache:
             return self.cache.release(request_id, reason)
         if reason == "preempt" and self._should_swap(request_id):
-            self.bridge.swap_out(self.cache, self.executor, request_id)
+            self.bridge.swap_out(self.cache, self.executor, request_id, with_state=not replay_pending)
         if not self.executor.keeps_block_state:
             return self.cache.release(request_id, reason)
         held = self.cache.block_ids(request_id)

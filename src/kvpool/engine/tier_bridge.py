@@ -216,13 +216,15 @@ class TierBridge:
         self.moves.num_prefetched_tokens += num_loaded * self.block_size
         group.publish_installed(block_ids, candidates[:num_found], num_loaded)
 
-    def swap_out(self, cache: HybridCacheManager, executor: Any, request_id: str) -> None:
+    def swap_out(self, cache: HybridCacheManager, executor: Any, request_id: str, *, with_state: bool = True) -> None:
         """Write a preempted request's computed blocks to the host tier now: its full blocks
         under their content keys (skipped when the tier holds them), its partial tail block
         under the partial content's key, or (V4) its state after its computed tokens as a
         state entry (`swap_state_block`): the window, the pending compressor rows and the
         unfinished span's entries, as a window snapshot taken there; remember what `swap_in`
-        restores. A block or state that does not fit is simply computed again on resume."""
+        restores. A block or state that does not fit is simply computed again on resume.
+        with_state=False: the state block does not hold the state yet (its admission's
+        replay was still deferred to the next step): the blocks only."""
         assert self.tier is not None and self.index is not None
         todo = []
         chain = cache.part(request_id).prefix_chain()  # the full computed blocks' prefix blocks
@@ -237,7 +239,7 @@ class TierBridge:
         self.moves.num_swapped_out += 1
         if tail is not None and self.tier.holds(todo[-1][1], todo[-1][2]):
             self.swapped[request_id] = (cache.num_computed_tokens(request_id), tail[2], todo[-1][1])
-        state = swap_state_block(cache, request_id)
+        state = swap_state_block(cache, request_id) if with_state else None
         if state is not None:
             self._swap_state_out(cache, executor, request_id, state)
 
