@@ -170,8 +170,9 @@ class CostExecutor:
         self._first = ()
         seconds = None
         if self.decode_step_time is not None and not self._later and not self._replays:
-            # one forward of one chunk per request: a step of decodes when every chunk is one token
-            _, token_ids, starts, _ = zip(*first, strict=True)
+            # one forward of one chunk per request: a step of decodes when every chunk is one
+            # token (a chunk is a named tuple of four fields: strict would check nothing)
+            _, token_ids, starts, _ = zip(*first, strict=False)
             if set(map(len, token_ids)) == _ONE_TOKEN:
                 seconds = self.decode_step_time(starts, self._moved)
         if seconds is None:
