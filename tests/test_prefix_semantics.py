@@ -385,3 +385,24 @@ def test_an_undo_gives_back_the_cached_blocks_its_allocation_evicted():
     m.unreserve("b")
     assert m.pool.free_queue() == [1, 0] and m.lookup_prefix(a) == 32  # as before the reservation
     m.check_integrity()
+
+
+def test_a_one_group_lookup_is_the_largest_point_its_group_serves():
+    # hit_point's one-group path against group_hit_points (every point the group alone
+    # serves, from unbounded hits): a V4 cache with turn ends kept (points off the span
+    # grid) and a full-attention cache, prompts that extend, cut and leave the cached tokens
+    v4 = DSV4CacheManager(SPEC, 12, 4, DESC, turn_end_checkpoints=True)
+    base = list(range(1, 41))  # 2 spans and 8 tokens
+    prefill(v4, "a", base)
+    assert v4.release("a")  # a finish: its turn end at 40 kept
+    full = make()
+    prefill(full, "a", P8 + [99])
+    for m, prompts in (
+        (v4, [base + [7], base[:30] + [7], base[:41], base[:16], [5] + base, base + base]),
+        (full, [P8 + [1], P8[:5], P8, [11, 12, 13, 14, 1], [1]]),
+    ):
+        (name,) = m.groups
+        for prompt in prompts:
+            assert m.lookup_prefix(prompt) == max(m.group_hit_points(prompt)[name]), prompt
+        m.check_integrity()
+    assert v4.lookup_prefix(base + [7]) == 40  # the turn end, off the span grid

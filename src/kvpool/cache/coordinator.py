@@ -145,7 +145,6 @@ class _Request:
     budget: int = 0  # the admission's max_new_tokens (or the rest of the prompt): for complete_loads
     num_loading: int = 0  # tokens of the hit a lower tier is still loading (complete_loads)
     readmitted: bool = False  # admitted after a preemption (its hits count apart)
-    prompt: LookupPrompt | None = None  # while its hits are looked up (an admission drops it after)
 
 
 class HybridCacheManager:
@@ -604,17 +603,21 @@ class HybridCacheManager:
     def _new_request(
         self, request_id: str, prompt: LookupPrompt, tenant_salt: str, descriptor: CacheDescriptor | None
     ) -> _Request:
-        """prompt: `pack_prompt`'s. A lookup's request shares the prompt's token list (it
-        changes nothing); an admission's prompt is packed for it alone."""
-        if descriptor is not None and not isinstance(descriptor, CacheDescriptor):
-            raise TypeError(f"descriptor must be a CacheDescriptor, got {type(descriptor).__name__}")
-        if descriptor is None:  # the coordinator's descriptor: its roots per salt, made once
+        """prompt: `pack_prompt`'s, packed for the admission alone."""
+        roots = self._request_roots(tenant_salt, descriptor)
+        return _Request(request_id, prompt.token_ids, prompt.mm_items, roots)
+
+    def _request_roots(self, tenant_salt: str, descriptor: CacheDescriptor | None) -> dict[str, PrefixBlock]:
+        """Each group's chain root for a request of that salt and descriptor (None: the
+        coordinator's, whose roots are made once per salt). Read it, never change it."""
+        if descriptor is None:
             roots = self._default_roots.get(tenant_salt)
             if roots is None:
                 roots = self._default_roots[tenant_salt] = self._roots(self._descriptor_key, tenant_salt)
-        else:
-            roots = self._roots(descriptor.key(), tenant_salt)
-        return _Request(request_id, prompt.token_ids, prompt.mm_items, roots, prompt=prompt)
+            return roots
+        if not isinstance(descriptor, CacheDescriptor):
+            raise TypeError(f"descriptor must be a CacheDescriptor, got {type(descriptor).__name__}")
+        return self._roots(descriptor.key(), tenant_salt)
 
     def _roots(self, descriptor_key: bytes, tenant_salt: str) -> dict[str, PrefixBlock]:
         """Each group's chain root under a descriptor and salt (interned by its pool)."""
@@ -622,34 +625,43 @@ class HybridCacheManager:
             name: g.pool.root(descriptor_key + self._root_keys[name], tenant_salt) for name, g in self.groups.items()
         }
 
-    def _hits(self, req: _Request, bounded: bool = True, admission: bool = False) -> dict[str, Any]:
-        """Each group's hits. bounded: whole-prefix groups first, and the others look no
-        further than the smallest bound so far (a cold prompt then costs a block's hash per
-        group, not the whole prompt's: the simulator retries a waiting admission every step)."""
+    def _hits(
+        self, roots: dict[str, PrefixBlock], prompt: LookupPrompt, bounded: bool = True, admission: bool = False
+    ) -> dict[str, Any]:
+        """Each group's hits of `prompt` from its root. bounded: whole-prefix groups first, and
+        the others look no further than the smallest bound so far (a cold prompt then costs a
+        block's hash per group, not the whole prompt's: the simulator retries a waiting
+        admission every step). A lookup makes no request: it reads the roots and the prompt."""
         limit: int | None = None
         hits = {}
         for name, g in self._lookup_order:
-            hits[name] = g.hits(req.roots[name], req.prompt, limit, admission=admission)
+            hits[name] = found = g.hits(roots[name], prompt, limit, admission=admission)
             if bounded:
-                bound = g.upper_bound(hits[name])
-                limit = bound if limit is None else min(limit, bound)
+                bound = g.upper_bound(found)
+                limit = bound if limit is None or bound < limit else limit
         return hits
 
     def hit_point(self, hits: dict[str, Any], num_tokens: int) -> int:
         """The largest point every group serves, leaving one token to compute: candidates are
         the multiples of the hit granularity and the points off that grid some group offers
-        (a recurrent group's turn ends)."""
+        (a recurrent group's turn ends). `hits`: `_hits`' (every group's)."""
         g = self.hit_granularity
+        parts = [(group, hits[name]) for name, group in self.groups.items()]
         top = num_tokens - 1
-        if hits:
-            top = min(top, *(group.upper_bound(hits[name]) for name, group in self.groups.items()))
-        extras = sorted(
-            {p for name, group in self.groups.items() if hits for p in group.extra_points(hits[name]) if 0 < p <= top},
-            reverse=True,
-        )
+        for group, found in parts:
+            bound = group.upper_bound(found)
+            if bound < top:
+                top = bound
+        extras = sorted({p for group, found in parts for p in group.extra_points(found) if 0 < p <= top}, reverse=True)
+        if len(parts) == 1:  # (one group, a V4 or a one-attention cache: its own test, no all())
+            serves, found = parts[0][0].serves, parts[0][1]
 
-        def served(p: int) -> bool:
-            return all(group.serves(hits[name], p) for name, group in self.groups.items())
+            def served(p: int) -> bool:
+                return serves(found, p)
+        else:
+
+            def served(p: int) -> bool:
+                return all(group.serves(found, p) for group, found in parts)
 
         point, i = top // g * g, 0
         while point > 0:
@@ -664,8 +676,7 @@ class HybridCacheManager:
 
     def group_hit_points(self, token_ids: Sequence[int], *, tenant_salt: str = "") -> dict[str, list[int]]:
         """Per group, every point it alone could serve (for reports and tests). Changes nothing."""
-        req = self._new_request("<lookup>", pack_prompt(token_ids), tenant_salt, None)
-        hits = self._hits(req, bounded=False)
+        hits = self._hits(self._request_roots(tenant_salt, None), pack_prompt(token_ids), bounded=False)
         g = self.hit_granularity
         extras = {p for name, group in self.groups.items() for p in group.extra_points(hits[name])}
         points = sorted({*range(0, (len(token_ids) - 1) // g * g + 1, g), *(p for p in extras if p < len(token_ids))})
@@ -694,8 +705,7 @@ class HybridCacheManager:
             raise TypeError(f"prompt must be pack_prompt's LookupPrompt, got {type(prompt).__name__}")
         if not self._caching:
             return 0
-        req = self._new_request("<lookup>", prompt, tenant_salt, descriptor)
-        return self.hit_point(self._hits(req), len(req.token_ids))
+        return self.hit_point(self._hits(self._request_roots(tenant_salt, descriptor), prompt), len(prompt.token_ids))
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -736,8 +746,7 @@ class HybridCacheManager:
                 raise ValueError(f"request {request_id!r}: the packed prompt is not of these token ids and items")
             prompt = prompt._replace(token_ids=own)  # (its bytes and its memo of hashes: shared)
         req = self._new_request(request_id, prompt, tenant_salt, descriptor)
-        hits = self._hits(req, admission=True) if self._caching else {}
-        req.prompt = None  # an admitted request keeps no second copy of its prompt
+        hits = self._hits(req.roots, prompt, admission=True) if self._caching else {}
         point = self.hit_point(hits, len(req.token_ids)) if self._caching else 0
         rest = len(req.token_ids) - point
         n = rest if max_new_tokens is None else min(max_new_tokens, rest)

@@ -283,6 +283,10 @@ class BlockPool:
         hashes = None  # (with multimodal keys: hashed here each time)
         if memo is not None and extras is None:
             hashes = memo.setdefault((self.hasher.algo, root.block_hash, block_width), [])
+        # blocks [0, num_known) of this root's chain are in the memo (those appended below
+        # are past every block this call reads again)
+        known = hashes if hashes is not None else []
+        num_known = len(known)
         parent = root
         block_ids: list[int] = []
         chain: list[PrefixBlock] = []
@@ -291,8 +295,8 @@ class BlockPool:
             start = i * block_width
             if extras is not None:
                 extra = extras[i]
-            if hashes is not None and i < len(hashes):
-                block_hash = hashes[i]  # (the memo holds blocks [0, len(hashes)) of this root's chain)
+            if i < num_known:
+                block_hash = known[i]
             else:
                 chunk = prompt_bytes[start : start + block_width]
                 # BlockHasher.chain, inlined (a call per block costs ~40 % of a lookup: kvpool bench pool)
