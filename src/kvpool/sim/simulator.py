@@ -15,7 +15,7 @@ Routing: sim/routing.py.
 Per step the simulator's own work is the engine's (bounded by the running batch), a heap
 operation and O(1) samples. Memory follows the requests in flight, not the run: requests
 stream in (a generated workload makes each session when its first turn arrives, and a
-session's latest prompt is kept until its next turn extends it) and
+finished turn's prompt is kept while its session thinks, for the next turn to extend) and
 finished ones stream out (popped from the engine, the session dropped after its last turn,
 the report's figures kept as running sums and three latencies a request:
 sim/report.py FinishedRequests).
@@ -308,8 +308,9 @@ def simulate(
     finished = FinishedRequests(config.slo_ttft_ms, config.slo_tpot_ms)
     arrivals = Arrivals(workload)  # turns as they arrive; a turn's next one pushed as it finishes
     in_flight: dict[str, tuple[Session, int, int, float]] = {}  # request id -> (session, turn, replica, arrival)
-    # session id -> the prompt of its latest turn, while a later one is to come: the next
-    # prompt extends it (Session.prompt_ids' `previous`) instead of making every earlier answer again
+    # session id -> the prompt of its finished turn (the engine's, from its output), while the
+    # next turn thinks: that turn's prompt extends it (Session.prompt_ids' `previous`) instead
+    # of making every earlier answer again; nothing is kept while a turn runs
     latest: dict[str, list[int]] = {}
     timeline = StepTimeline()
     # (clock, index) of each replica with requests, one entry each: the next to step is the
@@ -325,10 +326,9 @@ def simulate(
             arrival, t = t, arrivals.next_time()
             # packed once: the router's lookups and the chosen engine's admission share its
             # packing and block hashes
-            ids = session.prompt_ids(turn, model.vocab_size, table, latest.pop(session.session_id, None))
-            if turn + 1 < len(session.turns):
-                latest[session.session_id] = ids
-            prompt = pack_prompt(ids)
+            prompt = pack_prompt(
+                session.prompt_ids(turn, model.vocab_size, table, latest.pop(session.session_id, None))
+            )
             rep = router.route(prompt, session.tenant)
             rep.num_routed += 1
             idle = not rep.engine.has_unfinished()
@@ -353,6 +353,8 @@ def simulate(
             finished.add(record)
             if on_finish is not None:
                 on_finish(record)
+            if turn + 1 < len(session.turns):
+                latest[session.session_id] = out.prompt_token_ids
             arrivals.next_turn(session, turn, next_step.clock())
         if done:
             t = arrivals.next_time()
