@@ -82,7 +82,7 @@ def test_a_swapped_state_comes_back_and_resumes_exactly(model) -> None:
     assert calls == [("to_host", [0, 1]), ("snapshot", 0, 40, 16, True)]
     moves = runner.tier_moves
     assert (moves.num_offloaded, moves.num_swapped_out, moves.num_states_swapped_out) == (2, 1, 1)
-    (computed, key) = runner.bridge.swapped_states["a"]
+    (computed, key, _) = runner.bridge.swapped_states["a"]
     assert computed == 40 and runner.host_tier.num_entries == 3
     runner.check_integrity()
 
@@ -147,7 +147,7 @@ def test_a_released_swapped_request_leaves_no_state_entry(model) -> None:
     runner.admit("c", prompt, None)
     _step(runner, "c", prompt, 0, 5)
     runner.release("c", "preempt")
-    (_, key) = runner.bridge.swapped_states["c"]
+    (_, key, _) = runner.bridge.swapped_states["c"]
     assert runner.host_tier.contains(key)
     assert not runner.release("c", "cancel")  # cancelled while it waited: its entry goes
     assert not runner.host_tier.contains(key) and "c" not in runner.bridge.swapped_states
@@ -184,6 +184,31 @@ def test_engine_logits_through_swap_preemptions_equal_the_oracle(model, preempti
     report = runner.tier_reports()["host_tier"]
     assert report["swapped_in"] == runner.tier_moves.num_swapped_in
     assert report["states_swapped_out"] == runner.tier_moves.num_states_swapped_out
+
+
+@pytest.mark.parametrize(
+    "restore", [dict(restore="auto", num_checkpoints=8), dict(restore="checkpoint", num_checkpoints=2)]
+)
+def test_a_checkpoint_cut_keeps_a_swapped_states_boundary(model, restore: dict) -> None:
+    """Restoring from checkpoints (build_engine's V4 default is auto with 8), a resume's hit
+    used to be cut back to the last checkpointed boundary (or 0), below the swapped state,
+    which was then thrown away. The span boundary before a state waiting in the tier stays
+    a hit point: the state comes back, nothing is replayed, the logits are the oracle's,
+    and the boundaries held are released with the states."""
+    runner = dsv4_runner(model, 8, 3, host_tier=HostTier(1 << 24), preemption="swap", **restore)
+    engine = Engine(runner, max_num_batched_tokens=48, max_num_seqs=3, record_logits=True)
+    prompts = [_ids(n, 10 + n) for n in (20, 37, 45)]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=30, temperature=1.0, seed=5))
+    moves = runner.tier_moves
+    assert engine.num_preemptions > 0 and moves.num_states_swapped_out > 0
+    assert moves.num_swapped_in > 0 and runner.num_replayed_tokens == 0
+    for request, prompt, out in zip(engine.requests.values(), prompts, outs, strict=True):
+        tokens = out.completions[0].token_ids
+        got = torch.stack(request.seqs[0].logits)
+        want = model.reference_logits(prompt + tokens[:-1])[len(prompt) - 1 :]
+        assert got.shape == want.shape and (got - want).abs().max().item() <= FP64_TOLERANCE
+    runner.check_integrity()
+    assert not runner.bridge.swapped_states and not next(iter(runner.cache.groups.values()))._swap_boundaries
 
 
 def test_auto_prices_the_state_entry_against_the_replay_it_saves(model) -> None:

@@ -593,6 +593,13 @@ class HybridCacheManager:
         assert n > 0
         return Admission(req.num_computed, n, self._admission_parts(req))
 
+    def hold_swapped_state(self, block: PrefixBlock, held: bool) -> None:
+        """A swapped-out state named `block` (`CacheGroup.swap_state_block`) was filed in a
+        tier (held) or left it (taken back, dropped): the group keeps its span boundary a hit
+        point (`CacheGroup.hold_swapped`). One group only, as the swap of a state."""
+        assert len(self._group_list) == 1, "a state swap is a one-group cache's"
+        self._group_list[0].hold_swapped(block, held)
+
     # ---- prefix hits -------------------------------------------------------------------
 
     def root(self, tenant_salt: str = "") -> PrefixBlock:

@@ -302,6 +302,10 @@ class DualPoolGroup(CacheGroup):
         # (caching on: kept turn-end states are registered in it; without any, FIFO as before)
         self.state_pool = BlockPool(num_state_blocks, enable_caching=enable_caching, hash_algo=hash_algo)
         self._turn_ends = TurnEnds(self.state_pool, spec.span)
+        # the span boundaries (their prefix blocks' hashes) where swapped-out states wait, with
+        # how many: a hit is not cut below one (`_cut`), since the resume restores its state
+        # there. A hint only: the hit is still served exactly (a replay if the state is gone).
+        self._swap_boundaries: dict[bytes, int] = {}
         self.num_adoptions = 0  # admissions that took a kept turn-end state over (for reports)
         # (a request without a pending step holds num_computed // span blocks: check_state)
         self.granularity = self.commit_period = self.decode_reserve_period = spec.span
@@ -365,10 +369,17 @@ class DualPoolGroup(CacheGroup):
         while k and self._checkpoint(chain[k - 1]) is None:
             k -= 1
         if restore == "checkpoint":  # the hit is usable only up to there
-            return DualPoolHits(block_ids[:k], chain[:k], "checkpoint" if k else "none")
-        choice = choose_restore(len(block_ids) * span, k * span, self.spec.replay_len, self.restore_cost)
-        k = choice.num_cached_tokens // span
-        return DualPoolHits(block_ids[:k], chain[:k], choice.method)
+            method = "checkpoint" if k else "none"
+        else:
+            choice = choose_restore(len(block_ids) * span, k * span, self.spec.replay_len, self.restore_cost)
+            k, method = choice.num_cached_tokens // span, choice.method
+        if self._swap_boundaries:  # a swapped-out state's boundary past the cut: the hit reaches it
+            j = len(block_ids)
+            while j > k and chain[j - 1].block_hash not in self._swap_boundaries:
+                j -= 1
+            if j > k:  # (a replay there, unless its state comes back: the tier bridge's swap-in)
+                k, method = j, "checkpoint" if self._checkpoint(chain[j - 1]) is not None else "recompute"
+        return DualPoolHits(block_ids[:k], chain[:k], method)
 
     def upper_bound(self, hits: DualPoolHits) -> int:
         bound = len(hits.block_ids) * self.span
@@ -385,7 +396,10 @@ class DualPoolGroup(CacheGroup):
             return point in hits.turn_ends
         if q > len(hits.block_ids):
             return False
-        return not q or self.spec.restore != "checkpoint" or self._checkpoint(hits.chain[q - 1]) is not None
+        if not q or self.spec.restore != "checkpoint":
+            return True
+        boundary = hits.chain[q - 1]
+        return self._checkpoint(boundary) is not None or boundary.block_hash in self._swap_boundaries
 
     def plan_admit(self, hits: DualPoolHits | None, point: int, end: int) -> tuple[DualPoolAdmit, dict[BlockPool, int]]:
         """The restore: the one `hits` chose at its end; at a point below it (another
@@ -702,6 +716,19 @@ class DualPoolGroup(CacheGroup):
         parent = state.chain[-1] if state.chain else state.root
         extra = _SWAP_EXTRA + unit_extra(mm_items, self.span, start // self.span)
         return self.pool.chain(parent, token_bytes(token_ids[start:num_computed]), extra)
+
+    def hold_swapped(self, block: PrefixBlock, held: bool) -> None:
+        boundary = block.parent  # (the state's unfinished span hangs off its last computed span)
+        if boundary is None or boundary.parent is None:  # at the start: no hit to keep
+            return
+        key, counts = boundary.block_hash, self._swap_boundaries
+        if held:
+            counts[key] = counts.get(key, 0) + 1
+        elif counts.get(key, 0) > 1:
+            counts[key] -= 1
+        else:
+            assert key in counts, "a swapped state released once"
+            del counts[key]
 
     def restore_swapped(self, state: DualPoolState) -> None:
         """The runner wrote the state block from the swapped-out state's tier entry: in place

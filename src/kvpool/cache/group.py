@@ -268,6 +268,12 @@ class CacheGroup(Protocol):
         a swapped-out state's tier entry: no restore is left to run."""
         raise ValueError(f"group {self.name!r} keeps no swapped state")
 
+    def hold_swapped(self, block: PrefixBlock, held: bool) -> None:
+        """A swapped-out state named `block` (`swap_state_block`) now waits in a tier (held)
+        or no longer does: a group that cuts its hits at checkpoints keeps the span boundary
+        before it servable, so the state's resume is not cut below it. Changes no request
+        and no table; a group whose state a swap does not save ignores it."""
+
     # ---- queries on a request's state ---------------------------------------------------
 
     def block_ids(self, state: Any) -> list[int]:

@@ -429,7 +429,8 @@ def add_preemption_argument(parser: argparse.ArgumentParser) -> None:
         choices=("recompute", "swap", "auto"),
         default="recompute",
         help="a preempted request's cache: recomputed (its full blocks stay findable), swapped to the host tier "
-        "and back (needs --host-cache-gib; tiny-dsv4: its spans and its state, so a resume replays nothing), "
+        "and back (needs --host-cache-gib; tiny-dsv4: its spans and its state, so a resume at its span boundary "
+        "replays nothing), "
         "or auto (swap when moving the bytes costs less than recomputing)",
     )
 

@@ -424,7 +424,7 @@ class ModelRunner:
         """Free the request's cache: reason is "finish", "cancel" or "preempt"; a preempted
         request is swapped out first when the preemption mode says so, a restore still
         waiting to replay goes. Once only: False for a request the runner does not hold."""
-        self.bridge.drop_swapped(request_id)
+        self.bridge.drop_swapped(request_id, self.cache)
         # a replay still deferred: the state block does not hold the request's state yet
         replay_pending = self._replays.pop(request_id, None) is not None
         if self.step_buffers is not None:

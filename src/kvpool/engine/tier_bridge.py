@@ -94,7 +94,7 @@ class TierBridge:
         # tier key): restored on resume
         self.swapped: dict[str, tuple[int, int, bytes]] = {}
         # V4: request -> (computed tokens at preemption, its state entry's tier key)
-        self.swapped_states: dict[str, tuple[int, bytes]] = {}
+        self.swapped_states: dict[str, tuple[int, bytes, PrefixBlock]] = {}
         self.swa: SWAStrategy | None = None  # V4's window snapshots (set by a runner that keeps them)
         self.swa_moves = SWAMoves()
 
@@ -257,7 +257,8 @@ class TierBridge:
         if self.tier.put(key, descriptor, tensors):
             moves.num_states_swapped_out += 1
             moves.state_bytes_swapped_out += sum(t.numel() * t.element_size() for t in tensors.values())
-            self.swapped_states[request_id] = (num_computed, key)
+            self.swapped_states[request_id] = (num_computed, key, block)
+            cache.hold_swapped_state(block, True)  # its resume's hit is not cut below its span boundary
         moves.offload_s += time.perf_counter() - start
 
     def _swap_state_entry(self, block: PrefixBlock, window: int) -> tuple[bytes, BlockDescriptor]:
@@ -267,15 +268,18 @@ class TierBridge:
         key, descriptor = self.index.describe(block)
         return key, replace(descriptor, layout_id=f"{descriptor.layout_id}:v4-swap-state{window}")
 
-    def drop_swapped(self, request_id: str) -> None:
+    def drop_swapped(self, request_id: str, cache: HybridCacheManager | None = None) -> None:
         """Forget a swapped-out request that will not resume (released while it waited):
-        its tail's (V4: state's) tier entry goes, as one not restored at `swap_in` does."""
+        its tail's (V4: state's) tier entry goes, as one not restored at `swap_in` does
+        (`cache`: the cache that holds the state's boundary, V4)."""
         swapped = self.swapped.pop(request_id, None)
         if swapped is not None and self.tier is not None:
             self.tier.evict(swapped[2])
         state = self.swapped_states.pop(request_id, None)
         if state is not None and self.tier is not None:
             self.tier.evict(state[1])
+            assert cache is not None, "a swapped state's boundary is held in the cache"
+            cache.hold_swapped_state(state[2], False)
 
     def swap_in(self, cache: HybridCacheManager, executor: Any, request_id: str, admission: Admission) -> Admission:
         """After the full blocks of a swapped-out request came back (device or host) at its
@@ -322,7 +326,8 @@ class TierBridge:
         follow is `restore_swapped_state`'s. Otherwise `admission` as it was (its replay or
         checkpoint restore, as without a swap). The entry leaves the tier either way."""
         assert self.tier is not None
-        num_computed, key = self.swapped_states.pop(request_id)
+        num_computed, key, swapped = self.swapped_states.pop(request_id)
+        cache.hold_swapped_state(swapped, False)  # (the admission is made: the boundary served its hit)
         span = self.block_size
         num_tail = num_computed % span
         block = None
