@@ -168,7 +168,7 @@ def test_the_answer_samplers_batch_form_is_a_call_a_row():
     """AnswerSampler.sample (the engine's batched steps) gives each row the token its
     per-row call gives (its twin), over random steps: rows joining, leaving, moving, a row
     left out of a step and back, samples j > 0, rows past max_tokens, and two rows of one
-    seed; rows() only where an owner is new to the batch."""
+    seed; rows(which) only for the rows of owners it has not seen."""
     rng = random.Random(11)
     ints = int_table(VOCAB).tolist()
     batch, twin = AnswerSampler(VOCAB, ints), AnswerSampler(VOCAB, ints)
@@ -180,13 +180,16 @@ def test_the_answer_samplers_batch_form_is_a_call_a_row():
         )
         for i in range(14)
     ]
-    asked: list[int] = []
+    asked: list[list[int]] = []  # the rows each rows() call asked for
 
-    def rows():
-        asked.append(len(owners))
-        return [r.params for r in owners], [r.sample_index for r in owners], [r.origin for r in owners]
+    def rows(which=None):
+        asked.append(which)
+        picked = [owners[i] for i in which]
+        return [r.params for r in picked], [r.sample_index for r in picked], [r.origin for r in picked]
 
     owners: list[_Row] = []
+    seen: set[_Row] = set()
+    num_changes = 0
     for _ in range(300):
         last = owners
         if rng.random() < 0.3:  # the batch changes: rows join, leave or move
@@ -195,11 +198,15 @@ def test_the_answer_samplers_batch_form_is_a_call_a_row():
         tokens = batch.sample([None] * len(owners), owners, rows, lambda owners=owners: [r.length for r in owners])
         assert tokens == [twin(None, r.params, r.sample_index, r.length - r.origin) for r in owners]
         assert all(t is ints[t] for t in tokens)
-        joined = {id(r) for r in owners} - {id(r) for r in last}
-        assert len(asked) - num_asked == (1 if joined else 0)  # a batch of kept rows reads no params
+        new = [i for i, r in enumerate(owners) if r not in seen]  # rows of owners never sampled before
+        assert asked[num_asked:] == ([new] if new else [])  # rows() reads the joiners' rows only
+        seen.update(owners)
+        if owners != last:
+            num_changes += 1
         for r in owners:  # the engine appends each row's token
             r.length += 1
-    assert 0 < len(asked) < 100
+    # each owner's row read once: kept while it is away and when it comes back
+    assert sum(map(len, asked)) == len(seen) > 10 and num_changes > 60
     assert any(r.length - r.origin > r.params.max_tokens for r in pool)  # read past max_tokens
     with pytest.raises(ValueError, match="1 logit rows but 2 owners"):
         batch.sample([None], pool[:2], rows, lambda: [1, 1])

@@ -246,6 +246,11 @@ class _Group:
         return _sample_group(logits, self.temperature, self.top_p, self.u, self.k, self.nucleus, at_top)
 
 
+# rows(which): the params, sample indices and origins of a step's rows `which` (None: every
+# row), in that order (the engine's closure over its step's sequences)
+RowsOf = Callable[[Sequence[int] | None], tuple[Sequence[SamplingParams], Sequence[int], Sequence[int]]]
+
+
 class StepSampler(Protocol):
     """What an engine's batched steps sample with (Engine's `step_sampler`): `BatchSampler`,
     over the logits' rows in tensors, or a runner's own where its logits hold nothing to
@@ -255,10 +260,11 @@ class StepSampler(Protocol):
         self,
         logits: Any,
         owners: Sequence[object],
-        rows: Callable[[], tuple[Sequence[SamplingParams], Sequence[int], Sequence[int]]],
+        rows: RowsOf,
         lengths: Callable[[], Iterable[int]],
     ) -> list[int]:
-        """A step's rows (`BatchSampler.sample`'s contract): a token for each."""
+        """A step's rows (`BatchSampler.sample`'s contract): a token for each. rows(which)
+        may ask for some rows only (BatchSampler asks for all, with rows())."""
         ...
 
     def sample_rows(

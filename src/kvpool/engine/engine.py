@@ -719,10 +719,11 @@ class Engine:
         if not all(map(_NEEDS_LOGITS, chunks)):  # (a decode step samples every chunk: no filtered copy)
             seqs = [seq for seq, c in zip(seqs, chunks, strict=True) if c.needs_logits]
 
-        def rows() -> tuple[list[SamplingParams], list[int], list[int]]:
+        def rows(which: Sequence[int] | None = None) -> tuple[list[SamplingParams], list[int], list[int]]:
+            picked = seqs if which is None else [seqs[i] for i in which]
             # (a sequence's output positions count from its prompt's length)
-            params, origins = [seq.request.params for seq in seqs], [len(seq.request.prompt_ids) for seq in seqs]
-            return params, [seq.sample_index for seq in seqs], origins
+            params, origins = [seq.request.params for seq in picked], [len(seq.request.prompt_ids) for seq in picked]
+            return params, [seq.sample_index for seq in picked], origins
 
         def lengths() -> list[int]:
             return [len(seq.token_ids) for seq in seqs]

@@ -33,9 +33,11 @@ from itertools import compress, repeat
 from operator import attrgetter, getitem, is_, itemgetter, sub
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvpool.cache import BlockCopy
+from kvpool.engine.batch_sampler import RowsOf
 from kvpool.engine.memory import StepPeaks
 from kvpool.engine.runner import ScheduledChunk
 from kvpool.engine.sampling import SamplingParams
@@ -314,15 +316,19 @@ class AnswerSampler:
         self._ints = list(range(vocab_size)) if ints is None else ints
         if len(self._ints) != vocab_size:
             raise ValueError(f"ints holds {len(self._ints)} tokens, not the vocabulary's {vocab_size}")
+        # the same objects in an object array: a stream's token ids index it in numpy (a third
+        # of map(ints.__getitem__, ids.tolist())'s time, no int made on the way)
+        self._int_array = np.array(self._ints, dtype=object)
         self.max_streams = max_streams
         self._answers: dict[int, list[int]] = {}  # seed -> its answer's tokens, while its request runs
-        # `sample`'s batch: the last step's owners (held, so no id in _kept is another
-        # object's), each row's stream [0, max_tokens) and origin, and id(owner) -> (stream,
-        # origin, params, sample index) for the owners of that batch
+        # `sample`'s batch: the last step's owners, each row's stream [0, max_tokens) and
+        # origin, and id(owner) -> (stream, origin, params, sample index, owner) for the
+        # owners of the last batches (the entry holds its owner, so no id in it is another
+        # object's; pruned to the batch's when it holds more than twice as many)
         self._owners: list[object] = []
         self._streams: list[list[int]] = []
         self._origins: list[int] = []
-        self._kept: dict[int, tuple[list[int], int, SamplingParams, int]] = {}
+        self._kept: dict[int, tuple[list[int], int, SamplingParams, int, object]] = {}
 
     def __call__(self, row: object, params: SamplingParams, sample_index: int, position: int) -> int:
         if not sample_index:
@@ -347,23 +353,22 @@ class AnswerSampler:
         """The request's answer, positions [0, max_tokens), held until its last token is read."""
         if len(self._answers) >= self.max_streams:
             self._answers.clear()
-        ints = self._ints
-        tokens = stream_tokens([params.seed % _MOD], [params.max_tokens], self.vocab_size).tolist()
-        answer = self._answers[params.seed] = list(map(ints.__getitem__, tokens))  # (C-level: a third of a loop's time)
+        tokens = stream_tokens([params.seed % _MOD], [params.max_tokens], self.vocab_size)
+        answer = self._answers[params.seed] = self._int_array[tokens].tolist()
         return answer
 
     def sample(
         self,
         logits: Sequence[object],
         owners: Sequence[object],
-        rows: Callable[[], tuple[Sequence[SamplingParams], Sequence[int], Sequence[int]]],
+        rows: RowsOf,
         lengths: Callable[[], Iterable[int]],
     ) -> list[int]:
-        """A step's tokens (BatchSampler.sample's contract; the logits are not read): row i's
+        """A step's tokens (StepSampler.sample's contract; the logits are not read): row i's
         is `self(None, params[i], sample_indices[i], lengths()[i] - origins[i])`, read from
-        its stream, which is kept while its owner stays in the batch (an owner that joins has
-        its stream made in one vectorised pass with the others that join). rows() is called
-        only when the owners differ from the last step's."""
+        its stream, which is kept while its owner stays in the batch (the owners that join
+        have their streams made in one vectorised pass, their rows read with rows(joined)).
+        A step of the last step's owners reads only their lengths."""
         n = len(owners)
         if len(logits) != n:
             raise ValueError(f"AnswerSampler: {len(logits)} logit rows but {len(owners)} owners")
@@ -395,35 +400,33 @@ class AnswerSampler:
         """Rows outside a step's batch (a forked sample's first token): a call each."""
         return [self(None, p, j, position) for p, j, position in zip(params, sample_indices, positions, strict=True)]
 
-    def _batch(
-        self,
-        owners: Sequence[object],
-        rows: Callable[[], tuple[Sequence[SamplingParams], Sequence[int], Sequence[int]]],
-    ) -> None:
-        """Take `owners` as the batch: the rows of owners kept from the last batch as they
+    def _batch(self, owners: Sequence[object], rows: RowsOf) -> None:
+        """Take `owners` as the batch: the rows of owners kept from earlier batches as they
         were, the others' streams made at once (positions [0, max_tokens): `_answer`'s for
         sample 0, token_at's stream for j > 0)."""
         kept = self._kept
         entries = list(map(kept.get, map(id, owners)))
-        joined = list(compress(range(len(entries)), map(is_, entries, repeat(None))))
-        if joined:
-            params, sample_indices, origins = rows()
-            if not len(params) == len(sample_indices) == len(origins) == len(owners):
+        if None in entries:  # (an entry is a tuple: `in` compares it with None by identity first)
+            joined = list(compress(range(len(entries)), map(is_, entries, repeat(None))))
+            params, sample_indices, origins = rows(joined)
+            if not len(params) == len(sample_indices) == len(origins) == len(joined):
                 raise ValueError(
-                    f"AnswerSampler: {len(owners)} owners but {len(params)} params, {len(sample_indices)} "
-                    f"sample indices, {len(origins)} origins"
+                    f"AnswerSampler: {len(joined)} rows joined but rows() gave {len(params)} params, "
+                    f"{len(sample_indices)} sample indices, {len(origins)} origins"
                 )
             keys = [
-                params[i].seed % _MOD if not sample_indices[i] else stream_key(f"{params[i].seed}/{sample_indices[i]}")
-                for i in joined
+                p.seed % _MOD if not j else stream_key(f"{p.seed}/{j}")
+                for p, j in zip(params, sample_indices, strict=True)
             ]
-            lens = [params[i].max_tokens for i in joined]
-            tokens = list(map(self._ints.__getitem__, stream_tokens(keys, lens, self.vocab_size).tolist()))
+            lens = [p.max_tokens for p in params]
+            tokens = self._int_array[stream_tokens(keys, lens, self.vocab_size)].tolist()
+            if len(kept) + len(joined) > 2 * len(owners) + 64:  # the owners gone since: forgotten
+                kept = self._kept = {id(owner): entry for owner, entry in zip(owners, entries, strict=True) if entry}
             start = 0
-            for i, num in zip(joined, lens, strict=True):
-                entries[i] = (tokens[start : start + num], origins[i], params[i], sample_indices[i])
-                start += num
+            for i, p, j, origin in zip(joined, params, sample_indices, origins, strict=True):
+                owner = owners[i]
+                entries[i] = kept[id(owner)] = (tokens[start : start + p.max_tokens], origin, p, j, owner)
+                start += p.max_tokens
         self._owners = list(owners)
-        self._kept = dict(zip(map(id, owners), entries, strict=True))
         self._streams = list(map(itemgetter(0), entries))
         self._origins = list(map(itemgetter(1), entries))
