@@ -98,7 +98,7 @@ class RequestState:
     matches_text: bool = False
     plain: bool = False  # one sample and no logprobs: its decode tokens take the step's inline path
     # plain, its first token taken (by `_accept_token`) and no stop strings to match in text:
-    # a batched decode step takes its tokens in C-level passes (`_take_decode_tokens`)
+    # a batched decode step takes its tokens in one tight loop (`_take_inline_tokens`)
     inline: bool = False
 
     @property
@@ -203,6 +203,10 @@ class Engine:
         self.running: list[SequenceState] = []
         self._scheduled: list[SequenceState] = []  # the sequences of the last schedule(), in chunk order
         self._step_ids: list[str] = []
+        # the sequences and ids of the last step where it was a decode of every one of them
+        # that ended none (so each is one token behind now), else None (`_plan_running`)
+        self._decode_rows: list[SequenceState] | None = None
+        self._decode_ids: list[str] = []
         self._step_counts: list[int] = []
         self.stats = EngineStats()
         self._ids = itertools.count()
@@ -402,6 +406,16 @@ class Engine:
         """The running sequences' next chunks, in arrival order, within `budget` tokens: the
         sequences, their ids, token counts and chunks (one pass: a decode is one token)."""
         running = self.running
+        rows = self._decode_rows
+        if rows is not None and len(rows) == len(running) <= budget and all(map(operator.is_, running, rows)):
+            # the running sequences of the last step, a decode of them all that ended none:
+            # each has one token to compute (its last), so its count is 1 and its id the last
+            # step's (the test of _chunk below holds these to the computed ones too)
+            chunks = [
+                _new_chunk(ScheduledChunk, (seq.seq_id, seq.token_ids[seq.num_computed :], seq.num_computed, True))
+                for seq in running
+            ]
+            return list(running), self._decode_ids.copy(), [1] * len(running), chunks
         counts = [len(seq.token_ids) - seq.num_computed for seq in running]
         if running and sum(counts) <= budget:  # every sequence's whole rest fits (a decode step): list comprehensions
             assert min(counts) > 0, "a running sequence always has a token to compute"
@@ -525,9 +539,12 @@ class Engine:
         counts = self._step_counts  # (counts[i] is len(chunks[i].token_ids))
         scheduled = self._scheduled
         head = 0  # chunks [0, head) taken before the loop below (a mixed step's leading decode tokens)
+        self._decode_rows = None
         if plain and sampled is not None and len(sampled) == len(chunks) == counts.count(1):
             # a decode step (one sampled token a chunk): the loop below without its per-chunk branches
             next_token_ids, num_decode = self._take_decode_tokens(sampled, logits, now, done, forks, failed)
+            if not done and not forks and not failed:  # each of them one token behind now
+                self._decode_rows, self._decode_ids = scheduled, self._step_ids
         else:
             if plain and sampled is not None:
                 # A mixed step (a prompt chunk among them, most often an admitted request's
