@@ -207,6 +207,16 @@ def test_the_answer_samplers_batch_form_is_a_call_a_row():
             r.length += 1
     # each owner's row read once: kept while it is away and when it comes back
     assert sum(map(len, asked)) == len(seen) > 10 and num_changes > 60
+    # many owners through small batches: the rows of owners gone are forgotten (at most 16
+    # held past the batch's), the tokens the same
+    many = [_Row(SamplingParams(max_tokens=9, seed=answer_seed(f"m{i}")), i % 2, 4) for i in range(90)]
+    for step in range(40):
+        owners = many[2 * step : 2 * step + 3]
+        tokens = batch.sample([None] * 3, owners, rows, lambda owners=owners: [r.length for r in owners])
+        assert tokens == [twin(None, r.params, r.sample_index, r.length - r.origin) for r in owners]
+        assert len(batch._kept) <= 3 + 16
+        for r in owners:
+            r.length += 1
     assert any(r.length - r.origin > r.params.max_tokens for r in pool)  # read past max_tokens
     with pytest.raises(ValueError, match="1 logit rows but 2 owners"):
         batch.sample([None], pool[:2], rows, lambda: [1, 1])

@@ -324,7 +324,8 @@ class AnswerSampler:
         # `sample`'s batch: the last step's owners, each row's stream [0, max_tokens) and
         # origin, and id(owner) -> (stream, origin, params, sample index, owner) for the
         # owners of the last batches (the entry holds its owner, so no id in it is another
-        # object's; pruned to the batch's when it holds more than twice as many)
+        # object's; pruned to the batch's when it holds 16 more: a finished request's sequence
+        # held is its tokens' memory)
         self._owners: list[object] = []
         self._streams: list[list[int]] = []
         self._origins: list[int] = []
@@ -420,7 +421,7 @@ class AnswerSampler:
             ]
             lens = [p.max_tokens for p in params]
             tokens = self._int_array[stream_tokens(keys, lens, self.vocab_size)].tolist()
-            if len(kept) + len(joined) > 2 * len(owners) + 64:  # the owners gone since: forgotten
+            if len(kept) + len(joined) > len(owners) + 16:  # over 16 owners gone since: forgotten
                 kept = self._kept = {id(owner): entry for owner, entry in zip(owners, entries, strict=True) if entry}
             start = 0
             for i, p, j, origin in zip(joined, params, sample_indices, origins, strict=True):
