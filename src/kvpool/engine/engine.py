@@ -47,7 +47,10 @@ _NEEDS_LOGITS = operator.attrgetter("needs_logits")
 LATENCY_SAMPLES = 1 << 16  # admit / reserve_step latencies kept per kind (the latest)
 
 
-@dataclass(slots=True)
+# eq=False: a sequence (a request) is itself, compared by identity. The engine's queue
+# removals and membership tests (`seq in self.running`) compared every field of every
+# element they passed, the token lists included, at a request's finish or preemption.
+@dataclass(slots=True, eq=False)
 class SequenceState:
     seq_id: str
     request: RequestState
@@ -73,7 +76,7 @@ class SequenceState:
         return len(self.token_ids) - len(self.request.prompt_ids)  # (no copy of the output)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class RequestState:
     request_id: str
     prompt_ids: list[int]
