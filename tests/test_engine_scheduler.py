@@ -317,6 +317,17 @@ def test_a_prompt_is_checked_packed_once_and_its_packing_serves_the_first_admiss
             engine.add_request(bad, params)
     with pytest.raises(ValueError, match="no multimodal items"):
         engine.add_request(pack_prompt([1, 2], [(0, 1, "img")]), params)
+    with pytest.raises(ValueError, match=r"token ids must be integers, got 'x'"):
+        engine.add_request([1, "x", 3], params)
+    # A packing whose list was changed after pack_prompt is not these ids' packing: refused
+    # (its lookup would compare the old bytes), an id past the vocabulary included
+    stale = pack_prompt([1, 2, 3, 4, 5])
+    stale.token_ids[:4] = [5, 6, 7, 8]
+    with pytest.raises(ValueError, match="the packed prompt is not the packing of its token ids"):
+        engine.add_request(stale, params)
+    with pytest.raises(ValueError, match=rf"token ids \[{VOCAB + 5}\] outside the vocabulary"):
+        engine.add_request(pack_prompt([1, VOCAB + 5]), params)  # a true packing: its ids checked
+    assert len(engine.requests) == 2  # nothing refused was added
     run(engine)
     # A packed prompt (the router's) is the prompt; its admission hashes no block the
     # lookup hashed (the prompt's memo holds them), and the packing is dropped once admitted

@@ -406,3 +406,26 @@ def test_a_one_group_lookup_is_the_largest_point_its_group_serves():
             assert m.lookup_prefix(prompt) == max(m.group_hit_points(prompt)[name]), prompt
         m.check_integrity()
     assert v4.lookup_prefix(base + [7]) == 40  # the turn end, off the span grid
+
+
+def test_a_stale_packing_is_refused_and_the_salt_memo_stays_bounded():
+    # A LookupPrompt whose list changed after pack_prompt carries the old bytes: its
+    # admission would compare them. Refused, nothing admitted.
+    from kvpool.cache.coordinator import MAX_MEMO_SALTS
+
+    m = make()
+    prefill(m, "x", P8 + [99])
+    stale = pack_prompt(P8 + [20])
+    stale.token_ids[:8] = [50 + t for t in range(8)]
+    with pytest.raises(ValueError, match="packed prompt is not of these token ids"):
+        m.admit("y", list(stale.token_ids), prompt=stale)
+    assert "y" not in m.request_ids
+    m.check_integrity()
+    # Lookups under ever new tenant salts keep at most MAX_MEMO_SALTS of them at hand;
+    # a cached prefix still hits under its own salt afterwards
+    prefill(m, "t", P8 + [7], tenant_salt="tenant-0")
+    for k in range(MAX_MEMO_SALTS + 5):
+        m.lookup_prefix(P8 + [9], tenant_salt=f"user-{k}")
+    assert len(m._default_roots) <= MAX_MEMO_SALTS
+    assert m.lookup_prefix(P8 + [9], tenant_salt="tenant-0") == 8
+    m.check_integrity()

@@ -109,6 +109,9 @@ def check_mm_items(mm_items: Sequence[MMItem], num_tokens: int) -> tuple[MMItem,
     return items
 
 
+MAX_MEMO_SALTS = 1024  # tenant salts whose roots a coordinator keeps at hand (`_request_roots`)
+
+
 def pack_prompt(
     token_ids: Sequence[int], mm_items: Sequence[MMItem] = (), request_id: str = "<lookup>"
 ) -> LookupPrompt:
@@ -248,8 +251,10 @@ class HybridCacheManager:
         # decode path's commit does not skip them (a held copy source, a restore to end)
         self._fresh: set[str] = set()
         # Per tenant salt, each group's root under the coordinator's descriptor (`_new_request`):
-        # the pools intern them, this spares the preimage a lookup. Read-only dicts, shared by
-        # the requests; as many as the salts seen, as the pools' interned roots are
+        # this spares the preimage a lookup. Read-only dicts, shared by the requests. A memo
+        # only: the pools intern roots (weakly: a root with cached blocks lives on through
+        # them), so it is emptied when it holds MAX_MEMO_SALTS salts, not kept for every salt
+        # ever seen (per-user tenants)
         self._default_roots: dict[str, dict[str, PrefixBlock]] = {}
 
     # ---- queries -----------------------------------------------------------------------
@@ -620,6 +625,8 @@ class HybridCacheManager:
         if descriptor is None:
             roots = self._default_roots.get(tenant_salt)
             if roots is None:
+                if len(self._default_roots) >= MAX_MEMO_SALTS:
+                    self._default_roots.clear()
                 roots = self._default_roots[tenant_salt] = self._roots(self._descriptor_key, tenant_salt)
             return roots
         if not isinstance(descriptor, CacheDescriptor):
@@ -749,7 +756,13 @@ class HybridCacheManager:
         else:
             own = list(token_ids)  # the request's own list (append_token_ids extends it)
             # (a list comparison: C speed, and the same int objects compare by identity first)
-            if prompt.token_ids != own or prompt.mm_items != check_mm_items(mm_items, len(own)):
+            # (and its bytes are these ids' packing: a LookupPrompt whose list was changed after
+            # pack_prompt, or one built by hand, would have the lookup compare other bytes)
+            if (
+                prompt.token_ids != own
+                or prompt.mm_items != check_mm_items(mm_items, len(own))
+                or prompt.packed != token_bytes(own)
+            ):
                 raise ValueError(f"request {request_id!r}: the packed prompt is not of these token ids and items")
             prompt = prompt._replace(token_ids=own)  # (its bytes and its memo of hashes: shared)
         req = self._new_request(request_id, prompt, tenant_salt, descriptor)

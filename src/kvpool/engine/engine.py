@@ -38,6 +38,7 @@ from kvpool.cache.types import LookupPrompt
 from kvpool.engine.batch_sampler import BatchSampler, StepSampler
 from kvpool.engine.runner import ModelRunner, ScheduledChunk
 from kvpool.engine.sampling import SamplingParams, sample_token, token_logprobs
+from kvpool.pool import token_bytes
 
 _T = TypeVar("_T")
 # ScheduledChunk(...) without the named tuple's Python-level __new__: the engine makes one
@@ -259,7 +260,12 @@ class Engine:
         # The ids as Python ints, in one C pass where they are (the common case): `sum` stays
         # an exact int over exact ints and bools, and turns into a numpy or torch integer (or
         # a float) at the first such id; only then is every id converted (as int() does)
-        if type(sum(prompt)) is not int:
+        try:
+            total = sum(prompt)
+        except TypeError:  # (a str, bytes, None... among the ids)
+            bad = next((t for t in prompt if not isinstance(t, (int, float, np.number, torch.Tensor))), None)
+            raise ValueError(f"request {request_id!r}: token ids must be integers, got {bad!r}") from None
+        if type(total) is not int:
             prompt = list(map(int, prompt))
             packed = None
         limit = self.runner.max_model_len
@@ -269,12 +275,17 @@ class Engine:
                 f"at most {limit - 1} tokens fit (max_model_len {limit}, leaving room for one output token)"
             )
         vocab = self.runner.vocab_size
+        stale = False
         try:
             if packed is None:  # checked and packed once: the admission's lookup reuses it
                 packed = pack_prompt(prompt, request_id=request_id)
+            elif packed.packed != token_bytes(prompt):  # (its list changed after pack_prompt, or hand-built)
+                stale = True
             top = int(np.frombuffer(packed.packed, dtype="<u4").max())  # (packed: ids in [0, 2**32))
         except ValueError:
             top = -1  # an id below 0 or past 2**32: named below
+        if stale:
+            raise ValueError(f"request {request_id!r}: the packed prompt is not the packing of its token ids")
         if not 0 <= top < vocab:
             bad = [t for t in prompt if not 0 <= t < vocab]
             raise ValueError(f"request {request_id!r}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
