@@ -217,6 +217,15 @@ def test_the_answer_samplers_batch_form_is_a_call_a_row():
         assert len(batch._kept) <= 3 + 16
         for r in owners:
             r.length += 1
+    # a batch that drains (rows leave, none joins: a replica's last requests) forgets them too
+    draining = [_Row(SamplingParams(max_tokens=60, seed=answer_seed(f"d{i}")), 0, 4) for i in range(40)]
+    for step in range(40):
+        owners = draining[step:]
+        tokens = batch.sample([None] * len(owners), owners, rows, lambda owners=owners: [r.length for r in owners])
+        assert tokens == [twin(None, r.params, r.sample_index, r.length - r.origin) for r in owners]
+        assert len(batch._kept) <= len(owners) + 16
+        for r in owners:
+            r.length += 1
     assert any(r.length - r.origin > r.params.max_tokens for r in pool)  # read past max_tokens
     with pytest.raises(ValueError, match="1 logit rows but 2 owners"):
         batch.sample([None], pool[:2], rows, lambda: [1, 1])

@@ -428,6 +428,8 @@ class AnswerSampler:
                 owner = owners[i]
                 entries[i] = kept[id(owner)] = (tokens[start : start + p.max_tokens], origin, p, j, owner)
                 start += p.max_tokens
+        elif len(kept) > len(owners) + 16:  # a batch that shrank with none joining (a replica draining)
+            self._kept = {id(owner): entry for owner, entry in zip(owners, entries, strict=True)}
         self._owners = list(owners)
         self._streams = list(map(itemgetter(0), entries))
         self._origins = list(map(itemgetter(1), entries))
