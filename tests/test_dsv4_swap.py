@@ -164,6 +164,16 @@ def test_restore_swapped_state_names_what_it_refuses(model) -> None:
     runner.check_integrity()
 
 
+def _assert_logits_are_the_oracles(model, engine, prompts, outs) -> None:
+    """Every logit row each request recorded is the contiguous oracle's over its prompt and
+    the tokens it generated before it (fp64)."""
+    for request, prompt, out in zip(engine.requests.values(), prompts, outs, strict=True):
+        tokens = out.completions[0].token_ids
+        got = torch.stack(request.seqs[0].logits)
+        want = model.reference_logits(prompt + tokens[:-1])[len(prompt) - 1 :]
+        assert got.shape == want.shape and (got - want).abs().max().item() <= FP64_TOLERANCE
+
+
 @pytest.mark.parametrize("preemption", ["swap", "auto"])
 def test_engine_logits_through_swap_preemptions_equal_the_oracle(model, preemption: str) -> None:
     """fp64: three requests on 6 classical blocks preempt each other; every logit of every
@@ -174,11 +184,7 @@ def test_engine_logits_through_swap_preemptions_equal_the_oracle(model, preempti
     prompts = [_ids(n, 10 + n) for n in (20, 37, 45)]
     outs = engine.generate(prompts, SamplingParams(max_tokens=30))
     assert engine.num_preemptions > 0 and (runner.tier_moves.num_swapped_in > 0 or preemption == "auto")
-    for request, prompt, out in zip(engine.requests.values(), prompts, outs, strict=True):
-        tokens = out.completions[0].token_ids
-        got = torch.stack(request.seqs[0].logits)
-        want = model.reference_logits(prompt + tokens[:-1])[len(prompt) - 1 :]
-        assert got.shape == want.shape and (got - want).abs().max().item() <= FP64_TOLERANCE
+    _assert_logits_are_the_oracles(model, engine, prompts, outs)
     runner.check_integrity()
     assert runner.cache.usage().num_free_state_blocks == 3 and not runner.bridge.swapped_states
     report = runner.tier_reports()["host_tier"]
@@ -202,11 +208,7 @@ def test_a_checkpoint_cut_keeps_a_swapped_states_boundary(model, restore: dict) 
     moves = runner.tier_moves
     assert engine.num_preemptions > 0 and moves.num_states_swapped_out > 0
     assert moves.num_swapped_in > 0 and runner.num_replayed_tokens == 0
-    for request, prompt, out in zip(engine.requests.values(), prompts, outs, strict=True):
-        tokens = out.completions[0].token_ids
-        got = torch.stack(request.seqs[0].logits)
-        want = model.reference_logits(prompt + tokens[:-1])[len(prompt) - 1 :]
-        assert got.shape == want.shape and (got - want).abs().max().item() <= FP64_TOLERANCE
+    _assert_logits_are_the_oracles(model, engine, prompts, outs)
     runner.check_integrity()
     assert not runner.bridge.swapped_states and not next(iter(runner.cache.groups.values()))._swap_boundaries
 
