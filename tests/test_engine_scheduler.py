@@ -286,7 +286,7 @@ def test_a_decode_steps_chunks_are_each_sequences_chunk():
     for _ in range(12):
         prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 12))]
         engine.add_request(prompt, SamplingParams(max_tokens=rng.randint(1, 10), ignore_eos=True))
-    num_whole = 0
+    num_whole = num_columns = 0
     while engine.has_unfinished():
         running = list(engine.running)
         rests = [len(seq.token_ids) - seq.num_computed for seq in running]
@@ -294,10 +294,57 @@ def test_a_decode_steps_chunks_are_each_sequences_chunk():
         assert seqs == running and ids == [seq.seq_id for seq in running] and counts == rests
         assert chunks == [Engine._chunk(seq, n) for seq, n in zip(running, rests, strict=True)]
         assert all(type(c) is ScheduledChunk for c in chunks)
+        if engine._plan_columns is not None:  # planned from the last step's columns (a batch kept)
+            assert engine._plan_ends == [seq.num_computed + 1 for seq in running] == [len(s.token_ids) for s in running]
+            num_columns += 1
         num_whole += bool(running)
         engine.step()
         runner.check_integrity()
-    assert num_whole > 20 and engine.stats.num_decode_tokens > 30
+    assert num_whole > 20 and engine.stats.num_decode_tokens > 30 and num_columns > 5
+
+
+def test_a_batch_taken_as_columns_ends_its_rows_as_accept_token_does():
+    # A decode step of the last step's rows, every one a plain request's inline token, plans
+    # and takes them from the columns the engine kept (`_take_column_tokens`: appends in C,
+    # the end checks on the rows' least slack to their end lengths and on their stop ids, one
+    # set for every row or a set a row). Its twin: `inline_decode = False`, every token
+    # through `_accept_token` and `_stop_reason` in full. Long decodes keep batches for many
+    # steps; rows end by EOS (all rows stopped by the engine's EOS ids, none, or some) and by
+    # length (max_tokens, or max_model_len where it is shorter), rows join and leave.
+    rng = random.Random(11)
+    reasons = set()
+    for case in range(12):
+        eos = ("all", "none", "some")[case % 3]
+        requests = []
+        for _ in range(rng.randint(2, 9)):
+            ignore = {"all": False, "none": True, "some": rng.random() < 0.5}[eos]
+            params = SamplingParams(
+                max_tokens=rng.randint(1, 40),
+                temperature=rng.choice([0.0, 0.9]),
+                seed=rng.randrange(1000),
+                ignore_eos=ignore,
+            )
+            requests.append(([rng.randrange(VOCAB) for _ in range(rng.randint(1, 7))], params))
+        outputs = []
+        for inline in (True, False):
+            runner = PrefixModelRunner(64, 4)
+            runner.max_model_len = 30 if case >= 6 else 256
+            engine = Engine(
+                runner, max_num_batched_tokens=16, max_num_seqs=6, eos_token_ids=(3, 5, 40), batched_sampling=True
+            )
+            engine.inline_decode = inline
+            taken = []  # the decode steps taken through the columns
+            take = engine._take_column_tokens
+            engine._take_column_tokens = lambda *args, take=take, taken=taken: taken.append(1) or take(*args)
+            ids = [engine.add_request(prompt, params) for prompt, params in requests]
+            run(engine)
+            assert (len(taken) > 3) == inline, case
+            outs = [engine.output(rid) for rid in ids]
+            outputs.append([[(c.token_ids, c.finish_reason) for c in o.completions] for o in outs])
+            outputs[-1].append([engine.stats.num_decode_tokens, engine.stats.num_prefill_tokens])
+        assert outputs[0] == outputs[1], case
+        reasons.update(c[1] for out in outputs[0][:-1] for c in out)
+    assert reasons == {"stop", "length"}
 
 
 def test_a_prompt_is_checked_packed_once_and_its_packing_serves_the_first_admission_only():

@@ -45,6 +45,8 @@ _T = TypeVar("_T")
 # per sequence per step
 _new_chunk = tuple.__new__
 _NEEDS_LOGITS = operator.attrgetter("needs_logits")
+_TOKEN_IDS, _REQUEST, _NUM_COMPUTED = map(operator.attrgetter, ("token_ids", "request", "num_computed"))
+_STOP_IDS, _END_LEN = map(operator.attrgetter, ("stop_ids", "end_len"))
 LATENCY_SAMPLES = 1 << 16  # admit / reserve_step latencies kept per kind (the latest)
 
 
@@ -112,6 +114,28 @@ class RequestState:
     @property
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.seqs) and (self.forked or self.params.n == 1)
+
+
+@dataclass(slots=True, eq=False)
+class _DecodeColumns:
+    """A decode batch as columns: the rows of a decode step where every row was a plain
+    request's inline token (`_take_inline_tokens`) and none ended. Each row is then one token
+    behind (its last, the one sampled), so the next step of the same rows plans, samples and
+    takes from these columns (`_plan_running`, `_take_column_tokens`) in C-level passes,
+    without reading each sequence's attributes again: at a fleet run's scale every object a
+    row touches is a likely cache miss. Row i is seqs[i]; the lists are kept as they are
+    (the step replaces `computed` and `last_tokens` with new ones), never mutated."""
+
+    seqs: list[SequenceState]
+    ids: list[str]  # seqs[i].seq_id
+    token_lists: list[list[int]]  # seqs[i].token_ids: the lists themselves, which the take appends to
+    computed: list[int]  # seqs[i].num_computed = len(token_lists[i]) - 1: the next chunk's start
+    last_tokens: list[int]  # token_lists[i][-1]: the next chunk's one token
+    row_stop_ids: list[frozenset[int]]  # seqs[i].request.stop_ids
+    stop_ids: frozenset[int] | None  # every row's stop ids where they are one set; None: they differ
+    # min over rows of end_len - len(token_ids) (>= 1: none ended): a row can end by length in
+    # the next step only where it is 1 (its token then reaches its end length)
+    slack: int
 
 
 @dataclass
@@ -212,6 +236,14 @@ class Engine:
         self._decode_rows: list[SequenceState] | None = None
         self._decode_ids: list[str] = []
         self._step_counts: list[int] = []
+        # the last step's rows as columns where it was an inline decode of them all that ended
+        # none, else None; `_plan_running` plans from them when the running sequences are still
+        # those rows (`_plan_columns`, with `_plan_ends`: each row's chunk end), and the step
+        # takes its tokens through them (`_step_columns`) where its chunks are exactly that plan
+        self._columns: _DecodeColumns | None = None
+        self._plan_columns: _DecodeColumns | None = None
+        self._plan_ends: list[int] = []
+        self._step_columns: _DecodeColumns | None = None
         self.stats = EngineStats()
         self._ids = itertools.count()
 
@@ -420,6 +452,22 @@ class Engine:
         """The running sequences' next chunks, in arrival order, within `budget` tokens: the
         sequences, their ids, token counts and chunks (one pass: a decode is one token)."""
         running = self.running
+        cols = self._columns
+        if cols is not None and len(cols.seqs) == len(running) <= budget and all(map(operator.is_, running, cols.seqs)):
+            # the rows of the last step's columns, each one token behind: chunk i is
+            # (ids[i], [last_tokens[i]], computed[i], True), built in C-level passes (zip
+            # hands tuple.__new__ each row's fields; the test of _chunk below holds them to it)
+            starts = cols.computed
+            self._plan_columns, self._plan_ends = cols, list(map(operator.add, starts, repeat(1)))
+            chunks = list(
+                map(
+                    _new_chunk,
+                    repeat(ScheduledChunk),
+                    zip(cols.ids, map(list, zip(cols.last_tokens)), starts, repeat(True)),
+                )
+            )
+            return list(running), cols.ids.copy(), [1] * len(running), chunks
+        self._plan_columns = None
         rows = self._decode_rows
         if rows is not None and len(rows) == len(running) <= budget and all(map(operator.is_, running, rows)):
             # the running sequences of the last step, a decode of them all that ended none:
@@ -480,8 +528,10 @@ class Engine:
 
     def schedule(self) -> list[ScheduledChunk]:
         scheduled, ids, counts, chunks = self._plan_running(self.max_num_batched_tokens)
+        columns = self._plan_columns
         preempted = False
         if ids and not self._timed(lambda: self.runner.reserve_step(ids, counts)):
+            columns = None  # (the plan is taken again, sequence by sequence)
             num_preemptions = self.stats.num_preemptions
             plan = self._reserve_with_preemption()
             preempted = self.stats.num_preemptions > num_preemptions
@@ -523,6 +573,8 @@ class Engine:
             )
         self._scheduled = scheduled
         self._step_ids, self._step_counts = ids, counts  # chunks[i]'s request id and token count
+        # the step's chunks are the columns' plan where nothing joined it (admissions append)
+        self._step_columns = columns if columns is not None and len(chunks) == len(columns.seqs) else None
         return chunks
 
     # ---- one step -------------------------------------------------------------------
@@ -553,7 +605,7 @@ class Engine:
         counts = self._step_counts  # (counts[i] is len(chunks[i].token_ids))
         scheduled = self._scheduled
         head = 0  # chunks [0, head) taken before the loop below (a mixed step's leading decode tokens)
-        self._decode_rows = None
+        self._decode_rows = self._columns = None
         if plain and sampled is not None and len(sampled) == len(chunks) == counts.count(1):
             # a decode step (one sampled token a chunk): the loop below without its per-chunk branches
             next_token_ids, num_decode = self._take_decode_tokens(sampled, logits, now, done, forks, failed)
@@ -653,8 +705,16 @@ class Engine:
         without the branches a prefill chunk takes. Returns each chunk's next token id for the
         commit (None: none, its request finished or failed) and the number of decode chunks
         (those after the prompt)."""
+        columns = self._step_columns
+        if columns is not None:  # the last step's rows, as columns
+            taken = self._take_column_tokens(columns, sampled, done, failed)
+            if not done and not failed:
+                self._columns = columns
+            return taken, len(sampled)
         inline = self._take_inline_tokens(self._scheduled, sampled, done, failed)
         if inline is not None:  # every row a plain request's decode token, no text to match
+            if not done and not failed:
+                self._columns = self._form_columns(self._scheduled, self._step_ids, sampled)
             return inline, len(sampled)
         next_token_ids: list[int | None] = []
         put = next_token_ids.append
@@ -722,8 +782,21 @@ class Engine:
             if token in req.stop_ids or len(tokens) >= req.end_len:
                 ended = True
         next_token_ids: list[int | None] = list(sampled)
-        if not ended:  # (the common step)
-            return next_token_ids
+        if ended:
+            self._end_rows(seqs, sampled, next_token_ids, done, failed)
+        return next_token_ids
+
+    def _end_rows(
+        self,
+        seqs: list[SequenceState],
+        sampled: list[int],
+        next_token_ids: list[int | None],
+        done: list[tuple[SequenceState, str]],
+        failed: dict[str, tuple[str, str]],
+    ) -> None:
+        """The inline takes' second pass, for a step where some row may have ended (each
+        row's token appended): the rows whose token is a stop id or reaches their end length
+        meet `_stop_reason`, in row order; next_token_ids[i] is None where one ended or failed."""
         for i, (seq, token) in enumerate(zip(seqs, sampled, strict=True)):
             req = seq.request
             if token not in req.stop_ids and len(seq.token_ids) < req.end_len:
@@ -739,7 +812,56 @@ class Engine:
             if reason is not None:
                 next_token_ids[i] = None
                 done.append((seq, reason))
+
+    def _take_column_tokens(
+        self,
+        cols: _DecodeColumns,
+        sampled: list[int],
+        done: list[tuple[SequenceState, str]],
+        failed: dict[str, tuple[str, str]],
+    ) -> list[int | None]:
+        """`_take_inline_tokens` for a step of the columns' rows (`_step_columns`: every row
+        inline, each one token behind, as when the columns formed): each row's token appended
+        and its computed count set to its chunk's end, in C-level passes, and the end checks
+        on the columns (the rows' least slack to their end lengths, their stop ids) instead of
+        each request's; only where some row may have ended do the rows meet `_end_rows`. The
+        next token ids for the commit; the columns move on one token."""
+        ends = self._plan_ends  # (row i's chunk [computed[i], ends[i]): one token)
+        # (append and setattr return None: any() runs each map to its end)
+        any(map(list.append, cols.token_lists, sampled))
+        any(map(setattr, cols.seqs, repeat("num_computed"), ends))
+        cols.computed, cols.last_tokens = ends, sampled
+        cols.slack -= 1
+        stop_ids = cols.stop_ids
+        if cols.slack <= 0:  # some row's token reached its end length
+            ended = True
+        elif stop_ids is None:  # the rows' stop ids differ: row by row, in C
+            ended = any(map(operator.contains, cols.row_stop_ids, sampled))
+        else:
+            ended = bool(stop_ids) and not stop_ids.isdisjoint(sampled)
+        next_token_ids: list[int | None] = list(sampled)
+        if ended:
+            self._end_rows(cols.seqs, sampled, next_token_ids, done, failed)
         return next_token_ids
+
+    @staticmethod
+    def _form_columns(seqs: list[SequenceState], ids: list[str], sampled: list[int]) -> _DecodeColumns:
+        """The columns of an inline decode step's rows that ended none (each row's token
+        appended): read off the sequences in C-level passes."""
+        reqs = list(map(_REQUEST, seqs))
+        lists = list(map(_TOKEN_IDS, seqs))
+        row_stop_ids = list(map(_STOP_IDS, reqs))
+        first = row_stop_ids[0]
+        return _DecodeColumns(
+            seqs,
+            ids,
+            lists,
+            list(map(_NUM_COMPUTED, seqs)),
+            sampled,
+            row_stop_ids,
+            first if row_stop_ids.count(first) == len(row_stop_ids) else None,
+            min(map(operator.sub, map(_END_LEN, reqs), map(len, lists))),
+        )
 
     def _sample_step(self, chunks: Sequence[ScheduledChunk], logits: torch.Tensor) -> list[int]:
         """Every sampled row's token (the chunks needing logits, in order), in one batch. The
@@ -757,6 +879,8 @@ class Engine:
             return params, [seq.sample_index for seq in picked], origins
 
         def lengths() -> list[int]:
+            if self._step_columns is not None:  # the columns' rows: each one's length is its chunk's end
+                return self._plan_ends
             return [len(seq.token_ids) for seq in seqs]
 
         if len(logits) != len(seqs):  # (a tensor's rows, or a runner's list of empty rows)
