@@ -186,3 +186,124 @@ def test_the_executors_decode_pricing_is_its_naive_pricing_bit_for_bit(steps) ->
             assert ex.forward(chunks, None, False) == [None] * len(chunks)
         fast, naive = (ex.clock() for ex in executors)
         assert fast == naive and executors[0].busy_s == executors[1].busy_s
+
+
+# ----- split_step_time: a mixed step's decodes from the packed sum, its other chunks by the loop -----
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    which=st.sampled_from(["v4", "llama"]),
+    positions=st.lists(st.integers(0, 200_000), max_size=300),
+    others=st.lists(st.tuples(st.integers(2, 4096), st.integers(0, 100_000)), min_size=1, max_size=4),
+    data=st.data(),
+)
+def test_split_step_time_is_the_steps_time_in_any_order_bit_for_bit(which, positions, others, data) -> None:
+    """A step of decodes at `positions` and the other chunks, wherever those fall among the
+    decodes: split_step_time is step_time's float over the step in that order and the loop's
+    (the twin without `_decode_scale`, which adds every decode in the step's order)."""
+    cm = _V4 if which == "v4" else _LLAMA
+    rest = [(n, n + extra) for n, extra in others]
+    step = [(1, p + 1) for p in positions]
+    for chunk in rest:  # each after the last one placed: their own order kept
+        at = data.draw(st.integers(0, len(step)))
+        step.insert(at, chunk)
+    seconds = cm.split_step_time(positions, rest)
+    assert seconds is not None
+    assert seconds == cm.step_time(step) == _twin(cm).step_cost(step).time_s
+
+
+def test_split_step_time_leaves_what_it_cannot_tell_to_step_time() -> None:
+    """None, never a wrong float or another error, for what step_time names or where the sums
+    are not exact: the executor then prices the step with step_time."""
+    cm = CostModel(load_preset("deepseek-v4-flash"), H200, tp=2)
+    good = [(300, 1300)]
+    assert cm.split_step_time([5, 9], good) == cm.step_time([(1, 6), (300, 1300), (1, 10)])
+    for positions, others in (
+        ([5], []),  # no other chunk: decode_step_time's step
+        ([5.0], good),  # a float position (its int's entry is kept)
+        ([-1], good),
+        ([5], [(1, 9)]),  # a decode among the others
+        ([5], [(300, 299)]),  # shorter than its tokens
+        ([5], [(300.0, 1300)]),
+        ([5], [(300, 1300, 1)]),
+        ([5], [[300, 1300]]),
+        ([10**12] * 3, good),  # sums past 2^53
+        ([4000] * (1 << 11), good),  # 2^11 decodes: the packed halves could carry
+    ):
+        assert cm.split_step_time(positions, others) is None, (positions[:3], others)
+    assert _twin(cm).split_step_time([5], good) is None  # no `_decode_scale`: the loop's order matters
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.lists(st.integers(1, 50_000), min_size=1, max_size=40),  # the decodes' positions
+            st.integers(0, 3),  # state copies before the step
+            # replays (tokens, start): one token is a decode
+            st.lists(st.tuples(st.one_of(st.just(1), st.integers(2, 300)), st.integers(0, 5000)), max_size=2),
+            st.integers(0, 3),  # 1: a prefill chunk among the decodes; 2: and a later piece; 3: pieces only
+            st.integers(0, 39),  # where the prefill chunk goes, and which decode a later piece extends
+        ),
+        max_size=8,
+    )
+)
+def test_the_executors_fast_pricing_is_its_naive_pricing_bit_for_bit(steps) -> None:
+    """CostExecutor prices a step of one-token chunks by `decode_step_time` and any other
+    (a prefill chunk among the decodes, a step in pieces, replays before it) by
+    `split_step_time`; without them, by `step_time` over `_work`'s (tokens, context) per
+    chunk: the clocks read the same floats, step after step, with the bytes the state copies
+    between the steps move."""
+    from kvpool.engine.runner import ScheduledChunk
+    from kvpool.sim.executor import CostExecutor, VirtualClock
+
+    cm, bandwidth = _V4, 3.3e12
+
+    def split(positions, others, moved):
+        seconds = cm.split_step_time(positions, others)
+        return None if seconds is None else seconds + moved / bandwidth
+
+    def naive(work, moved):
+        return cm.step_time(work) + moved / bandwidth
+
+    def unused(work, moved):
+        raise AssertionError(f"step_time called for {work}: the fast twins price every step here")
+
+    executors = []
+    for fast in (True, False):
+        executors.append(
+            CostExecutor(
+                10,
+                step_time=unused if fast else naive,
+                decode_step_time=(lambda positions, moved: cm.decode_step_time(positions) + moved / bandwidth)
+                if fast
+                else None,
+                split_step_time=split if fast else None,
+                kv_read_bytes=lambda n: n,
+                clock=VirtualClock(),
+                block_bytes=4,
+                kv_capacity_bytes=0,
+                checkpoint_bytes=1 << 20,
+            )
+        )
+    for starts, num_copies, replays, kind, at in steps:
+        chunks = [ScheduledChunk(f"r{i}", [7], start, True) for i, start in enumerate(starts)]
+        if kind in (1, 2):
+            chunks.insert(at % (len(chunks) + 1), ScheduledChunk("p", list(range(300)), 1000, True))
+        pieces = []
+        if kind >= 2:  # the step cut at a checkpoint: a decode's request computes on, and a new one
+            c = chunks[at % len(chunks)]
+            end = c.start + len(c.token_ids)
+            pieces = [[ScheduledChunk(c.request_id, [7] * 5, end, True)], [ScheduledChunk("q", [7] * 9, 40, True)]]
+        for ex in executors:
+            for _ in range(num_copies):
+                ex.copy_state(0, 1)
+            for num_tokens, start in replays:
+                ex.replay([7] * num_tokens, start, [], 0, 0)
+            assert ex.forward(chunks, None, False) == [None] * len(chunks)
+            for piece in pieces:
+                ex.forward(piece, None, False)
+        fast, naive = (ex.clock() for ex in executors)
+        assert fast == naive and executors[0].busy_s == executors[1].busy_s
+        assert not executors[0]._later and not executors[0]._replays  # taken with the step

@@ -624,12 +624,17 @@ class CostModel:
     def step_cost(self, chunks: Sequence[tuple[int, int]]) -> StepCost:
         """The cost of one step over `chunks`: (num_new_tokens, context_len after the chunk)
         per scheduled sequence."""
-        return self._step_cost(chunks, self._decode_scan(chunks))  # (the scan checks the chunks)
+        return self._step_cost(chunks, self._decode_scan(chunks), len(chunks))  # (the scan checks the chunks)
 
     def _step_cost(
-        self, chunks: Sequence[tuple[int, int]], scan: tuple[int, tuple[float, float], list[tuple[int, int]]] | None
+        self,
+        chunks: Sequence[tuple[int, int]],
+        scan: tuple[int, tuple[float, float], Sequence[tuple[int, int]]] | None,
+        num_chunks: int,
     ) -> StepCost:
-        """`step_cost` with the chunks' `_decode_scan` done (step_time has it already)."""
+        """`step_cost` with the chunks' `_decode_scan` done (step_time has it already);
+        `num_chunks`: the step's chunks, decodes included (`split_step_time` passes its scan
+        and only the chunks that are not decodes)."""
         if scan is None:
             _check_chunks(chunks)
             num_tokens, rest = sum(n for n, _ in chunks), chunks
@@ -637,7 +642,7 @@ class CostModel:
             num_tokens, decode_sums, rest = scan
         model, gpu = self.model, self.gpu
         peak_linear, peak_attention = self._peaks
-        head_flops = 2 * len(chunks) * model.vocab_size * model.hidden_size / self.tp
+        head_flops = 2 * num_chunks * model.vocab_size * model.hidden_size / self.tp
         linear_flops = 2 * num_tokens * self.active_params_per_token + head_flops
         write = self.kv_write_bytes_per_token
         decode_flops = prefill_flops = 0.0  # attention, by phase
@@ -684,7 +689,7 @@ class CostModel:
         prefill_s = max(prefill_flops / attention_flop_s, prefill_bytes / byte_s)
         decode_s = max(decode_flops / attention_flop_s, decode_bytes / byte_s)
         comm_s = self.comm_s(num_tokens)
-        host_s = self.host_s(len(chunks), num_prefill_chunks)
+        host_s = self.host_s(num_chunks, num_prefill_chunks)
         fixed_s = model.num_layers * self.layer_fixed_s
         return StepCost(
             num_tokens=num_tokens,
@@ -726,7 +731,7 @@ class CostModel:
         the rest of `step_cost`."""
         scan = self._decode_scan(chunks)  # (checks the chunks as step_cost does)
         if scan is None or scan[2]:  # a prefill chunk, or sums the loop adds: the whole cost
-            return self._step_cost(chunks, scan).time_s  # (not scanned twice)
+            return self._step_cost(chunks, scan, len(chunks)).time_s  # (not scanned twice)
         return self._decodes_time(len(chunks), *scan[1])
 
     def _decodes_time(self, num_decodes: int, decode_flops: float, decode_bytes: float) -> float:
@@ -765,6 +770,45 @@ class CostModel:
         if flops >= 1 << 53 or num_bytes >= 1 << 53:  # past exact float sums: the loop's
             return self.step_time([(1, p + 1) for p in positions])
         return self._decodes_time(len(positions), flops / scale, num_bytes / scale)
+
+    def split_step_time(self, positions: Sequence[int], others: Sequence[tuple[int, int]]) -> float | None:
+        """Seconds of a step of one decode at each of `positions` and the chunks `others`
+        ((num_new_tokens, context_len), more than one token each), in any order that keeps
+        `others`' own: `step_time` of that step, the same float, or None where this cannot
+        tell it (a bad position or chunk, no `_decode_scale`, sums past the packed halves):
+        the caller then prices the step in its order with `step_time`, which names a bad
+        chunk. A mixed step (a prefill chunk among a fleet run's decodes) priced from
+        `decode_step_time`'s packed sum for its decodes and `step_cost`'s loop over its few
+        other chunks, without a (tokens, context) tuple and a pass in Python per decode:
+        with `_decode_scale` the decodes' sums are exact integers, whatever their order and
+        wherever the other chunks fall among them (`_decode_scale`), so `_step_cost` gets
+        the same scan as from the step in its order. Its naive twin: `step_time`
+        (tests/test_sim_cost_decode_sums.py)."""
+        scale, memo = self._decode_scale, self._packed_decode_memo
+        if scale is None or len(positions) >= _MAX_PACKED_DECODES or not others:
+            return None
+        if positions and (set(map(type, positions)) != _INT_ONLY or min(positions) < 0):
+            return None
+        num_tokens = len(positions)
+        for chunk in others:  # (`_decode_scan`'s test; a chunk of one token is a decode: not here)
+            if type(chunk) is not tuple or len(chunk) != 2:
+                return None
+            n, ctx = chunk
+            if type(n) is not int or type(ctx) is not int or not 2 <= n <= ctx:
+                return None
+            num_tokens += n
+        try:
+            total = sum(map(memo.__getitem__, positions))
+        except KeyError:  # positions first seen: their entries, then the sum again
+            for p in positions:
+                if p not in memo and not self._packed_decode(p):
+                    return None
+            total = sum(map(memo.__getitem__, positions))
+        flops, num_bytes = total >> 64, total & _LOW64
+        if flops >= 1 << 53 or num_bytes >= 1 << 53:  # past exact float sums: the loop's
+            return None
+        scan = (num_tokens, (flops / scale, num_bytes / scale), others)
+        return self._step_cost(others, scan, len(positions) + len(others)).time_s
 
     def _packed_decode(self, position: int) -> bool:
         """Memoise the decode at `position` for `decode_step_time`: its `_decode_entry`

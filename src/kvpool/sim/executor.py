@@ -45,7 +45,6 @@ from kvpool.workload.tokens import MASK64, STREAM_MIX, STREAM_MULT, stream_key, 
 
 _MOD = 1 << 64  # a signed seed back to its stream key
 _NEEDS_LOGITS = attrgetter("needs_logits")
-_ONE_TOKEN = {1}
 
 
 @dataclass
@@ -68,7 +67,11 @@ class CostExecutor:
     the cache bytes one query reads. `decode_step_time(positions, bytes moved) -> seconds`
     (optional): step_time's fast twin for a step of one-token chunks at those positions, the
     same float (sim/cost.py `CostModel.decode_step_time`), a fleet run's common step priced
-    without a (tokens, context) tuple per chunk.
+    without a (tokens, context) tuple per chunk. `split_step_time(positions, others, bytes
+    moved) -> seconds or None` (optional): the same for a step of decodes at `positions` and
+    the chunks `others` ((tokens, context), more than one token each, in the step's order):
+    a mixed step, a prefill chunk among the decodes (`CostModel.split_step_time`); None:
+    step_time prices it.
 
     block_bytes: one block's bytes (a copy-on-write copy moves it twice; a host tier entry
     holds it); checkpoint_bytes: what one state copy moves (V4 dual, recurrent);
@@ -88,6 +91,7 @@ class CostExecutor:
         *,
         step_time: Callable[[Sequence[tuple[int, int]], int], float],
         decode_step_time: Callable[[Sequence[int], int], float] | None = None,
+        split_step_time: Callable[[Sequence[int], Sequence[tuple[int, int]], int], float | None] | None = None,
         kv_read_bytes: Callable[[int], int],
         clock: VirtualClock,
         block_bytes: int,
@@ -106,6 +110,7 @@ class CostExecutor:
         self.peaks = StepPeaks()
         self.step_time = step_time
         self.decode_step_time = decode_step_time
+        self.split_step_time = split_step_time
         self._kv_read_bytes = kv_read_bytes
         self.clock = clock
         clock.settle = self._price_step  # a step is priced when its time is read
@@ -171,17 +176,54 @@ class CostExecutor:
             return
         self._first = ()
         seconds = None
-        if self.decode_step_time is not None and not self._later and not self._replays:
-            # one forward of one chunk per request: a step of decodes when every chunk is one
-            # token (a chunk is a named tuple of four fields: strict would check nothing)
-            _, token_ids, starts, _ = zip(*first, strict=False)
-            if set(map(len, token_ids)) == _ONE_TOKEN:
-                seconds = self.decode_step_time(starts, self._moved)
-        if seconds is None:
+        if self.decode_step_time is not None or self.split_step_time is not None:
+            seconds = self._fast_price(first)
+        if seconds is None:  # (`_work` takes `_later` and the replays)
             seconds = self.step_time(self._work(first), self._moved)
+        else:
+            if self._later:
+                self._later = {}
+            self._replays.clear()
         self._moved = 0
         self.clock.now += seconds
         self.busy_s += seconds
+
+    def _fast_price(self, first: Sequence[ScheduledChunk]) -> float | None:
+        """`_work`'s step priced by the fast twins, the same float as step_time over it: a
+        step of decodes (one forward, every chunk one token) by `decode_step_time`, any other
+        by `split_step_time`, its decodes' positions apart from its other chunks, which keep
+        `_work`'s order (the decodes' sums do not depend on theirs). None where neither can
+        price it (step_time then does). Reads `_later` and the replays, takes nothing."""
+        # (a chunk is a named tuple of four fields: strict would check nothing)
+        request_ids, token_ids, starts, _ = zip(*first, strict=False)
+        lens = list(map(len, token_ids))
+        later, replays = self._later, self._replays
+        if not later and not replays and lens.count(1) == len(lens):
+            if self.decode_step_time is not None:  # the common step
+                return self.decode_step_time(starts, self._moved)
+            return None
+        if self.split_step_time is None:
+            return None
+        tail = []  # `_work`'s entries after the first forward's: later-only requests, replays
+        if later:  # the step came in pieces: its requests' later pieces extend their part
+            at = dict(zip(request_ids, range(len(request_ids)), strict=True))
+            for request_id, (start, end) in later.items():
+                i = at.get(request_id)
+                if i is None:  # none in the first forward: after its requests
+                    tail.append((end - start, end))
+                else:  # from its first piece's start to its last piece's end
+                    lens[i] = end - starts[i]
+        tail += replays
+        positions = [start for n, start in zip(lens, starts, strict=True) if n == 1]
+        others = [(n, start + n) for n, start in zip(lens, starts, strict=True) if n != 1]
+        for n, end in tail:
+            if n == 1:
+                positions.append(end - 1)
+            else:
+                others.append((n, end))
+        if not others:  # decodes only after all (a piece or replay of one token)
+            return None if self.decode_step_time is None else self.decode_step_time(positions, self._moved)
+        return self.split_step_time(positions, others, self._moved)
 
     def _work(self, first: Sequence[ScheduledChunk]) -> list[tuple[int, int]]:
         """The step's (tokens, context after them): one chunk per request, in the order

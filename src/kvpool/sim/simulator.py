@@ -182,6 +182,7 @@ def _make_replica(
         model.vocab_size,
         step_time=lambda work, moved: cost.step_time(work) + moved / bandwidth,
         decode_step_time=lambda positions, moved: cost.decode_step_time(positions) + moved / bandwidth,
+        split_step_time=lambda positions, rest, moved: _plus(cost.split_step_time(positions, rest), moved / bandwidth),
         kv_read_bytes=cost.kv_read_bytes,
         clock=clock,
         block_bytes=built.block_bytes,
@@ -204,6 +205,11 @@ def _make_replica(
         step_sampler=answers,
     )
     return Replica(index, engine, runner, executor, clock, built)
+
+
+def _plus(seconds: float | None, more: float) -> float | None:
+    """seconds + more, where seconds is a price (None: none, the caller prices the step otherwise)."""
+    return None if seconds is None else seconds + more
 
 
 def check_request_lens(model: ModelSpec, workload: Workload, max_model_len: int | None, flag: str = "") -> None:
