@@ -422,6 +422,17 @@ class Model:
         states = m.groups["v4"].state_pool
         kept = [b for b in range(states.num_blocks) if states.block_hash(b) is not None]
         assert kept == sorted(self.kept) and all(states.refcount(b) == 0 for b in kept)
+        # the one-group lookup (`_hits`, `hit_point`) against its twin over any number of
+        # groups: the finished turns' prompts one token on (kept turn ends: points off the
+        # grid) and the running ones, at the prompt's length and at shorter ones
+        running = [(self.tenant[r], self.tokens[r]) for r in sorted(self.tables)[:2]]
+        for tenant, tokens in [*self.turns[-3:], *running]:
+            prompt = pack_prompt([*tokens, 3])
+            roots = m._request_roots(tenant, None)
+            hits = m._hits(roots, prompt)
+            assert hits == m._hits_of_groups(roots, prompt, True, False)
+            for n in {len(prompt.token_ids), len(tokens), 2 * SPAN + 1, SPAN}:
+                assert m.hit_point(hits, n) == m._hit_point_of_groups(hits, n), (tokens, n)
 
 
 OPS = st.sampled_from(
