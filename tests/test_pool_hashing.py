@@ -6,6 +6,7 @@ import hashlib
 import subprocess
 import sys
 
+import pytest
 import xxhash
 
 from kvpool.pool import BlockHasher, BlockPool, token_bytes
@@ -124,3 +125,63 @@ def test_a_memo_of_hashes_serves_pools_of_the_same_root_and_never_replaces_the_g
     assert sorted(len(v) for v in other.values()) == [1, 1]
     for pool in pools:
         pool.check_integrity()
+
+
+def _publish_loop(pool: BlockPool, block_ids: list[int], parent, extras: list[bytes]):
+    """`publish_parts`' naive twin: `publish` block by block, stopping at the first part that
+    is not registered as its own content."""
+    parts = []
+    for block_id, extra in zip(block_ids, extras, strict=True):
+        part = pool.publish(block_id, parent, b"", extra)
+        if pool.prefix_block(block_id) is not part:
+            return None
+        parts.append(part)
+    return tuple(parts)
+
+
+def _index_view(pool: BlockPool) -> list[tuple[int, bytes | None]]:
+    return [(b, pool.block_hash(b)) for b in range(pool.num_blocks)]
+
+
+def test_publish_parts_agrees_with_publish_block_by_block():
+    extras = [b"part:0", b"part:1", b"part:2"]
+    # (caching, part taken before, every hash alike) -> whether the parts come back
+    cases = {
+        (True, None, False): True,  # each part its own new content
+        (True, 1, False): True,  # part 1's content is held by another block: it joins that copy
+        (True, None, True): False,  # part 0 collides with the boundary's hash: the run stops there
+        (False, None, False): False,  # nothing is published
+    }
+    for (caching, taken, collide), published in cases.items():
+        out, views = [], []
+        for publish in ("fast", "twin"):
+            pool = BlockPool(8, enable_caching=caching)
+            if collide:
+                pool.hasher.digest = lambda data: b"h" * 16
+            root = pool.root(b"desc")
+            (b0,) = pool.allocate(1)
+            boundary = pool.register(b0, pool.chain(root, token_bytes([5, 6]))) or pool.chain(root, b"")
+            if taken is not None:
+                (other,) = pool.allocate(1)
+                pool.publish(other, boundary, b"", extras[taken])
+            ids = pool.allocate(3)
+            if publish == "fast":
+                parts = pool.publish_parts(ids, boundary, extras)
+            else:
+                parts = _publish_loop(pool, ids, boundary, extras)
+            out.append(
+                None if parts is None else [(p.block_hash, p.parent.block_hash, p.extra, p.block_ids) for p in parts]
+            )
+            views.append(_index_view(pool))
+            pool.check_integrity()
+        assert out[0] == out[1] and views[0] == views[1]
+        assert (out[0] is not None) == published
+        if taken is not None:
+            assert out[0][taken][3] == (1, 3)  # joined: the other block's copy and ours
+
+
+def test_publish_parts_names_a_length_mismatch():
+    pool = BlockPool(4)
+    root = pool.root(b"desc")
+    with pytest.raises(ValueError, match="2 blocks but 1 extra keys"):
+        pool.publish_parts([0, 1], root, [b"x"])

@@ -471,20 +471,23 @@ class DualPoolGroup(CacheGroup):
 
     def apply_reserve(
         self, reqs: Sequence[StepRequest], ends: Sequence[int], *, detail: bool = True
-    ) -> list[GroupReservation]:
+    ) -> list[GroupReservation] | None:
         """The blocks of the spans each step completes, and checkpoint slots (or pooled
-        snapshot blocks) for their boundaries, from what the rest of the step leaves."""
+        snapshot blocks) for their boundaries, from what the rest of the step leaves. detail
+        False (the engine's step, which reads them back through `pending`): None."""
         name, span = self.name, self.span
         needs = [end // span - len(req.states[name].block_ids) for req, end in zip(reqs, ends, strict=True)]
         keep = sum(needs)  # free blocks the requests after this one take
-        out = [NO_RESERVATION] * len(reqs)  # the common decode step: no span completes
+        out = [NO_RESERVATION] * len(reqs) if detail else None  # the common decode step: no span completes
         if not keep:
             return out
         for i, need in enumerate(needs):
             if need:
                 keep -= need
                 req = reqs[i]
-                out[i] = self._reserve(req.states[name], req.token_ids, req.mm_items, need, keep)
+                part = self._reserve(req.states[name], req.token_ids, req.mm_items, need, keep)
+                if out is not None:
+                    out[i] = part
         return out
 
     def _reserve(
@@ -492,20 +495,24 @@ class DualPoolGroup(CacheGroup):
     ) -> GroupReservation:
         """Reserve a checked step's `num_new` blocks; `keep`: free blocks the rest of its batch
         needs (pooled snapshots leave them alone)."""
-        span = self.span
+        span, pool = self.span, self.pool
         evicted_blocks: list[tuple[int, PrefixBlock]] = []
-        new_ids = self.pool.allocate(num_new, evicted_blocks)
+        new_ids = pool.allocate(num_new, evicted_blocks)
         assert new_ids is not None, "the coordinator checked the free count"
         first = len(state.block_ids)
-        state.block_ids.extend(new_ids)
+        state.block_ids += new_ids
         chain: list[PrefixBlock] = []
-        if self.pool.enable_caching:
+        if pool.enable_caching:
             parent = state.chain[-1] if state.chain else state.root
-            chain = chain_units(self.pool, parent, token_ids, mm_items, span, first, first + num_new)
+            if num_new == 1 and not mm_items:  # a decode crossing its span boundary: `chain_units` of one span
+                chain = [pool.chain(parent, token_bytes(token_ids[first * span : (first + 1) * span]))]
+            else:
+                chain = chain_units(pool, parent, token_ids, mm_items, span, first, first + num_new)
         checkpoints: list[tuple[int, int]] = []
         dropped: list[tuple[bytes, _Checkpoint]] = []
         snapshot_ids: list[list[int]] = []
-        pooled = self.checkpoint_pool is self.pool
+        ckpt_pool = self.checkpoint_pool
+        pooled = ckpt_pool is pool
         snapshot_evicted = evicted_blocks if pooled else []
         if self.checkpointing:
             wanted = [(first + k + 1) * span for k, b in enumerate(chain) if self._checkpoint(b) is None]
@@ -513,58 +520,61 @@ class DualPoolGroup(CacheGroup):
             # wait; a long prefill may cross more boundaries than that); taking them may
             # evict cached blocks, checkpoints included (the least recently used first).
             c, base = self._parts, self._slot_base
-            num = (self.checkpoint_pool.num_free - (keep if pooled else 0)) // c
+            num = (ckpt_pool.num_free - (keep if pooled else 0)) // c
             for position in wanted[max(0, len(wanted) - num) :]:
-                ids = self.checkpoint_pool.allocate(c, snapshot_evicted)
+                ids = ckpt_pool.allocate(c, snapshot_evicted)
                 assert ids is not None
                 snapshot_ids.append(ids)
                 checkpoints.append((position, base + ids[0]))
-        self._note_evicted(evicted_blocks, dropped)
-        if not pooled:
+        if evicted_blocks:  # (most crossings take unhashed blocks: nothing evicted, nothing to note)
+            self._note_evicted(evicted_blocks, dropped)
+        if not pooled and snapshot_evicted:
             self._note_evicted(snapshot_evicted, dropped)
         state.pending = _Pending(
             num_new, chain, tuple(checkpoints), dropped, evicted_blocks, snapshot_ids, snapshot_evicted
         )
-        return GroupReservation(tuple(new_ids), (), tuple(checkpoints))
+        return GroupReservation(tuple(new_ids), (), state.pending.checkpoints)
 
     def commit(self, reqs: Sequence[StepRequest]) -> None:
         """The steps are computed: publish the spans they completed (each written once, now
         immutable), file their checkpoints; a hit's restore is done."""
+        name, span = self.name, self.span
         for req in reqs:
-            state = req.states[self.name]
+            state = req.states[name]
             state.restore = None
             if state.pending is not None:
                 self._commit(state)
-            assert len(state.block_ids) == req.num_computed // self.span, "a commit is of the whole reserved step"
+            assert len(state.block_ids) == req.num_computed // span, "a commit is of the whole reserved step"
 
     def _commit(self, state: DualPoolState) -> None:
         pending = state.pending
         assert pending is not None
-        new_ids = state.block_ids[len(state.block_ids) - pending.num_new :]
+        pool = self.pool
+        num_new = pending.num_new
+        new_ids = state.block_ids[len(state.block_ids) - num_new :]
         if pending.chain:  # (empty when caching is off)
             parent = state.chain[-1] if state.chain else state.root
-            run = register_run(self.pool, parent, zip(new_ids, pending.chain, strict=True))
+            block = pending.chain[0]
+            if num_new == 1 and block.parent is parent:  # a decode's crossing: `register_run` of one block
+                run = [pool.register(new_ids[0], block) or block]
+            else:
+                run = register_run(pool, parent, zip(new_ids, pending.chain, strict=True))
             state.chain += run
             if self._published is not None:  # (a collision's copy is findable by nobody: not recorded)
                 published = zip(new_ids, run, strict=True)
-                self._published += [(b, block) for b, block in published if self.pool.is_published(block)]
+                self._published += [(b, block) for b, block in published if pool.is_published(block)]
         state.pending = None
         # The step's checkpoints (the module docstring); a checkpoint of an evicted copy of the
         # prefix gives way (`register`), and blocks that cannot be published (the boundary is
         # not findable, or another request checkpointed it first) are freed unhashed.
-        pool = self.checkpoint_pool
+        ckpt_pool = self.checkpoint_pool
         for (position, slot), ids in zip(pending.checkpoints, pending.snapshot_ids, strict=True):
             block = state.chain[position // self.span - 1]
-            if self.pool.is_published(block) and self._checkpoint(block) is None:
-                parts = []
-                for block_id, extra in zip(ids, self._part_extras, strict=True):
-                    part = pool.publish(block_id, block, b"", extra)  # (`chain` and `register` in one call)
-                    if pool.prefix_block(block_id) is not part:  # a collision: this checkpoint is not findable
-                        break
-                    parts.append(part)
-                if len(parts) == len(ids):
-                    self._checkpoints[block.block_hash] = _Checkpoint(slot, block, tuple(parts))
-            pool.decref(ids)
+            if pool.is_published(block) and self._checkpoint(block) is None:
+                parts = ckpt_pool.publish_parts(ids, block, self._part_extras)
+                if parts is not None:
+                    self._checkpoints[block.block_hash] = _Checkpoint(slot, block, parts)
+            ckpt_pool.decref(ids)
 
     def unreserve(self, state: DualPoolState) -> None:
         """Undo the reserved step, whose forward has not run (e.g. another request of the

@@ -342,6 +342,34 @@ class BlockPool:
         block = PrefixBlock(block_hash, parent, block_token_bytes, extra)
         return self.register(block_id, block) or block
 
+    def publish_parts(
+        self, block_ids: Sequence[int], parent: PrefixBlock, extras: Sequence[bytes]
+    ) -> tuple[PrefixBlock, ...] | None:
+        """`publish(block_ids[i], parent, b"", extras[i])` for each block in order (the parts
+        of one content that spans several blocks, each chained after `parent`, such as a
+        pooled V4 checkpoint), stopping at the first that ends up unregistered (a collision,
+        a parent out of the index, caching off): None then, with the parts before it left
+        published. The parts otherwise (one may be an equal copy's, which the block joined).
+        tests/test_pool_hashing.py holds it to the loop of `publish` calls."""
+        if len(block_ids) != len(extras):
+            raise ValueError(f"{len(block_ids)} blocks but {len(extras)} extra keys")
+        digest, index, cached, refcounts = self.hasher.digest, self._index, self._cached, self._refcounts
+        head = parent.block_hash
+        parts = []
+        for block_id, extra in zip(block_ids, extras, strict=True):
+            block_hash = digest(head + extra)
+            if self.enable_caching and block_hash not in index and (parent.parent is None or parent.block_ids):
+                # `publish`'s common case, inlined: a new content after a live parent
+                assert refcounts[block_id] > 0 and cached[block_id] is None, f"publish of block {block_id}"
+                part = index[block_hash] = PrefixBlock(block_hash, parent, b"", extra, (block_id,))
+                cached[block_id] = part
+            else:
+                part = self.publish(block_id, parent, b"", extra)
+                if cached[block_id] is not part:
+                    return None
+            parts.append(part)
+        return tuple(parts)
+
     def lookup(self, block: PrefixBlock) -> PrefixBlock | None:
         """The index entry holding `block`'s content, or None. Unlike `match`, the chain
         before `block` need not be in the index (a sliding-window group finds the blocks of
