@@ -185,3 +185,48 @@ def test_publish_parts_names_a_length_mismatch():
     root = pool.root(b"desc")
     with pytest.raises(ValueError, match="2 blocks but 1 extra keys"):
         pool.publish_parts([0, 1], root, [b"x"])
+
+
+def test_publish_run_agrees_with_chain_units_and_register_run():
+    from kvpool.cache.chains import chain_units, register_run
+
+    ids4 = [[1, 2], [3, 4], [5, 6], [7, 8]]
+    tokens = [t for pair in ids4 for t in pair]
+    # (caching, blocks another request published first, every hash alike) -> the run's contents
+    cases = [(True, 0, False), (True, 2, False), (True, 4, False), (True, 0, True), (False, 0, False)]
+    for caching, num_before, collide in cases:
+        results = []
+        for publish in ("fast", "twin"):
+            pool = BlockPool(12, enable_caching=caching)
+            if collide:
+                pool.hasher.digest = lambda data: b"h" * 16
+            root = pool.root(b"desc")
+            if num_before:  # another request computed the first blocks: ours join its copies
+                other = pool.allocate(num_before)
+                register_run(pool, root, zip(other, chain_units(pool, root, tokens, (), 2, 0, num_before), strict=True))
+            ours = pool.allocate(4)
+            if publish == "fast":
+                run = pool.publish_run(ours, root, token_bytes(tokens), 2 * 4)
+            else:
+                run = register_run(pool, root, zip(ours, chain_units(pool, root, tokens, (), 2, 0, 4), strict=True))
+            results.append(
+                (
+                    [(b.block_hash, b.parent.block_hash, b.token_bytes, b.extra, b.block_ids) for b in run],
+                    _index_view(pool),
+                    pool.num_collisions,
+                )
+            )
+            pool.check_integrity()
+        assert results[0] == results[1]
+        run, _, collisions = results[0]
+        if caching and not collide:  # every block findable: its own copy, or joined to the other's
+            assert [ids for *_, ids in run] == [
+                (k, num_before + k) if k < num_before else (num_before + k,) for k in range(4)
+            ]
+        assert collisions == (1 if collide else 0)  # a collision stops the run: one counted, the rest orphans
+
+
+def test_publish_run_names_a_length_mismatch():
+    pool = BlockPool(4)
+    with pytest.raises(ValueError, match="9 bytes for 2 blocks of 8"):
+        pool.publish_run([0, 1], pool.root(b"desc"), b"x" * 9, 8)

@@ -321,11 +321,19 @@ class AttentionGroup(CacheGroup):
                     chain.append(parent)
                     if published is not None:
                         published.append((block_id, parent))
-                else:  # (a window's parent may have left the index: orphan_ok)
+                else:
                     parent = chain[-1] if k0 else state.root
-                    ids = state.block_ids[k0 - state.first : nc // bs - state.first]
-                    blocks = chains.chain_units(pool, parent, req.token_ids, req.mm_items, bs, k0, nc // bs)
-                    run = chains.register_run(pool, parent, zip(ids, blocks, strict=True), orphan_ok=window is not None)
+                    k1 = nc // bs
+                    ids = state.block_ids[k0 - state.first : k1 - state.first]
+                    if window is None and not req.mm_items:  # a prefill chunk's blocks: one pool call
+                        run = pool.publish_run(
+                            ids, parent, token_bytes(req.token_ids[k0 * bs : k1 * bs]), bs * TOKEN_BYTES
+                        )
+                    else:  # (a window's parent may have left the index: orphan_ok)
+                        blocks = chains.chain_units(pool, parent, req.token_ids, req.mm_items, bs, k0, k1)
+                        run = chains.register_run(
+                            pool, parent, zip(ids, blocks, strict=True), orphan_ok=window is not None
+                        )
                     chain += run
                     if published is not None:
                         published += zip(ids, run, strict=True)

@@ -342,6 +342,36 @@ class BlockPool:
         block = PrefixBlock(block_hash, parent, block_token_bytes, extra)
         return self.register(block_id, block) or block
 
+    def publish_run(
+        self, block_ids: Sequence[int], parent: PrefixBlock, data: bytes, block_width: int
+    ) -> list[PrefixBlock]:
+        """`publish` for a run of full blocks without extra keys: block i holds
+        data[i * block_width : (i + 1) * block_width] and is chained after the prefix block
+        that block i - 1 became (`parent` for block 0). The run's prefix blocks, one per
+        block, as `chain` + `register` (cache/chains.py `register_run`) make them: each its
+        own new content, or the equal copy it joined, or (a collision, caching off, a parent
+        out of the index) unregistered. tests/test_pool_hashing.py holds it to that twin."""
+        if len(data) != len(block_ids) * block_width:
+            raise ValueError(f"{len(data)} bytes for {len(block_ids)} blocks of {block_width}")
+        digest, index, cached, refcounts = self.hasher.digest, self._index, self._cached, self._refcounts
+        caching = self.enable_caching
+        run = []
+        start = 0
+        for block_id in block_ids:
+            chunk = data[start : start + block_width]
+            start += block_width
+            block_hash = digest(parent.block_hash + chunk)
+            if caching and block_hash not in index and (parent.parent is None or parent.block_ids):
+                # `publish`'s common case, inlined: a new content after a live parent
+                assert refcounts[block_id] > 0 and cached[block_id] is None, f"publish of block {block_id}"
+                parent = index[block_hash] = PrefixBlock(block_hash, parent, chunk, b"", (block_id,))
+                cached[block_id] = parent
+            else:  # an equal copy to join, a collision, a parent gone, caching off
+                block = PrefixBlock(block_hash, parent, chunk, b"")
+                parent = self.register(block_id, block) or block
+            run.append(parent)
+        return run
+
     def publish_parts(
         self, block_ids: Sequence[int], parent: PrefixBlock, extras: Sequence[bytes]
     ) -> tuple[PrefixBlock, ...] | None:
