@@ -42,6 +42,13 @@ def _agree(m: HybridCacheManager, tokens: list[int], tenant: str) -> int:
     assert _key(hits) == _key(m._hits_of_groups(roots, prompt, True, False))
     for n in range(1, len(tokens) + 2):
         assert m.hit_point(hits, n) == m._hit_point_of_groups(hits, n), (tokens, n)
+    # the turn ends after the cached run, found in the packing and by hashing (the twin)
+    g = m.groups["full"]
+    parent = hits["full"].chain[-1] if hits["full"].chain else roots["full"]
+    start = len(hits["full"].chain) * BS
+    for limit in range(start, len(tokens) + 1):
+        by_bytes = g._turn_ends.find(parent, start, tokens, (), limit, prompt.packed)
+        assert by_bytes == g._turn_ends.find(parent, start, tokens, (), limit)
     return m.hit_point(hits, len(tokens))
 
 

@@ -433,6 +433,14 @@ class Model:
             assert hits == m._hits_of_groups(roots, prompt, True, False)
             for n in {len(prompt.token_ids), len(tokens), 2 * SPAN + 1, SPAN}:
                 assert m.hit_point(hits, n) == m._hit_point_of_groups(hits, n), (tokens, n)
+            # the turn ends found by comparing the kept tokens in the packing, and by hashing
+            # the prompt's blocks (the twin), after every cached span of the prompt
+            g = m.groups["v4"]
+            num = len(tokens) // SPAN
+            parents = [roots["v4"], *g.pool.match(roots["v4"], prompt.packed, SPAN * 4, num).chain]
+            for limit in (len(tokens), len(tokens) - 3):
+                by_bytes = g._turn_ends.find_along(parents, prompt.token_ids, (), limit, prompt.packed)
+                assert by_bytes == g._turn_ends.find_along(parents, prompt.token_ids, (), limit)
 
 
 OPS = st.sampled_from(

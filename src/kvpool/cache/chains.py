@@ -241,22 +241,52 @@ class TurnEnds:
         self._kept(block.parent.block_hash)
 
     def find(
-        self, parent: PrefixBlock, start: int, token_ids: list[int], mm_items: tuple[MMItem, ...], limit: int
+        self,
+        parent: PrefixBlock,
+        start: int,
+        token_ids: list[int],
+        mm_items: tuple[MMItem, ...],
+        limit: int,
+        packed: bytes | None = None,
     ) -> dict[int, PrefixBlock]:
         """The turn ends T <= limit kept after `parent` (whose units end at `start`) whose
         tokens the prompt repeats: T -> the cached block (verified by the pool's content
-        guard). Changes nothing but the list of dead entries under `parent`."""
+        guard). Changes nothing but the list of dead entries under `parent`.
+
+        packed: `token_bytes(token_ids)` (a lookup's `LookupPrompt.packed`). Then a kept
+        entry's tokens and extra keys are compared with the prompt's in place, and only one
+        the prompt repeats is probed, under the entry's own hash: the hash the prompt's
+        block would have (the same parent hash, tokens and extra keys), so the pool's guard
+        walks the same chains. An entry the prompt does not repeat has another hash; a
+        cached block of that other hash under this parent is a turn end listed here too,
+        found on its own turn. None: each entry's block is built and hashed from the
+        prompt's tokens (the twin, and the path for a caller without the packing)."""
         out = {}
+        extra = b"turn" + unit_extra(mm_items, self.unit, start // self.unit)
+        offset = start * TOKEN_BYTES
         for kept in self._kept(parent.block_hash):
-            end = start + len(kept.token_bytes) // TOKEN_BYTES
-            if end <= limit:
-                found = self.pool.lookup(self.block(parent, token_ids, mm_items, start, end))
-                if found is not None:
-                    out[end] = found
+            stored = kept.token_bytes
+            end = start + len(stored) // TOKEN_BYTES
+            if end > limit:
+                continue
+            if packed is None:
+                probe = self.block(parent, token_ids, mm_items, start, end)
+            elif kept.extra == extra and packed.startswith(stored, offset):
+                probe = PrefixBlock(kept.block_hash, parent, stored, extra)
+            else:
+                continue
+            found = self.pool.lookup(probe)
+            if found is not None:
+                out[end] = found
         return out
 
     def find_along(
-        self, parents: Sequence[PrefixBlock], token_ids: list[int], mm_items: tuple[MMItem, ...], limit: int
+        self,
+        parents: Sequence[PrefixBlock],
+        token_ids: list[int],
+        mm_items: tuple[MMItem, ...],
+        limit: int,
+        packed: bytes | None = None,
     ) -> dict[int, PrefixBlock]:
         """`find` after each of `parents` (a root and its chain of units: parents[k]'s units end
         at k * unit), merged in that order; only the parents that have turn ends listed are
@@ -265,7 +295,7 @@ class TurnEnds:
         listed, unit = self._by_parent, self.unit
         for k, parent in enumerate(parents):
             if parent.block_hash in listed:
-                out.update(self.find(parent, k * unit, token_ids, mm_items, limit))
+                out.update(self.find(parent, k * unit, token_ids, mm_items, limit, packed))
         return out
 
     def listed(self, block: PrefixBlock) -> bool:

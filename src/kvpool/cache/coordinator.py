@@ -678,20 +678,39 @@ class HybridCacheManager:
     def hit_point(self, hits: dict[str, Any], num_tokens: int) -> int:
         """The largest point every group serves, leaving one token to compute: candidates are
         the multiples of the hit granularity and the points off that grid some group offers
-        (a recurrent group's turn ends). `hits`: `_hits`' (every group's). One group offering
-        no such point (the common lookup: the router asks it 8 times an arrival) walks the
-        grid down from its bound directly: what `_hit_point_of_groups` gives it, without the
-        candidate set and the closures (~4 us a call)."""
-        if self._one_group is not None:
-            name, group = self._one_group
-            found = hits[name]
-            if not group.extra_points(found):
-                g, serves = self.hit_granularity, group.serves
-                point = min(num_tokens - 1, group.upper_bound(found)) // g * g
-                while point > 0 and not serves(found, point):
-                    point -= g
-                return max(point, 0)  # (below 0 only for an empty prompt's num_tokens - 1)
-        return self._hit_point_of_groups(hits, num_tokens)
+        (a recurrent group's turn ends). `hits`: `_hits`' (every group's). One group (the
+        common lookup: the router asks it 8 times an arrival) walks its grid and its own
+        off-grid points down from its bound directly: what `_hit_point_of_groups` gives it,
+        without the candidate set and the closures (~4 us a call)."""
+        if self._one_group is None:
+            return self._hit_point_of_groups(hits, num_tokens)
+        name, group = self._one_group
+        found = hits[name]
+        g, serves = self.hit_granularity, group.serves
+        top = min(num_tokens - 1, group.upper_bound(found))
+        point = top // g * g
+        extras = group.extra_points(found)  # increasing, each once (a group's turn ends)
+        if not extras:
+            while point > 0 and not serves(found, point):
+                point -= g
+            return max(point, 0)  # (below 0 only for an empty prompt's num_tokens - 1)
+        # the grid and the off-grid points merged, from the top down: the first served wins
+        i = len(extras) - 1
+        while i >= 0 and extras[i] > top:
+            i -= 1
+        while point > 0:
+            while i >= 0 and extras[i] > point:
+                if serves(found, extras[i]):
+                    return extras[i]
+                i -= 1
+            if serves(found, point):
+                return point
+            point -= g
+        while i >= 0 and extras[i] > 0:
+            if serves(found, extras[i]):
+                return extras[i]
+            i -= 1
+        return 0
 
     def _hit_point_of_groups(self, hits: dict[str, Any], num_tokens: int) -> int:
         """`hit_point` over any number of groups and off-grid points (the one-group path's twin)."""

@@ -353,7 +353,7 @@ class DualPoolGroup(CacheGroup):
         out = self._cut(block_ids, chain)
         if self._turn_ends:  # kept states inside the run's spans or the next one (one token left)
             top = len(token_ids) - 1 if limit is None else min(len(token_ids) - 1, limit)
-            out.turn_ends.update(self._turn_ends.find_along([root, *chain], token_ids, mm_items, top))
+            out.turn_ends.update(self._turn_ends.find_along([root, *chain], token_ids, mm_items, top, packed))
             if out.turn_ends:
                 out.turn_ids, out.turn_chain = block_ids, chain
         return out

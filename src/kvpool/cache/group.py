@@ -132,7 +132,8 @@ class CacheGroup(Protocol):
         ...
 
     def extra_points(self, hits: Any) -> list[int]:
-        """Points off the group's `granularity` grid it can serve (a turn end)."""
+        """Points off the group's `granularity` grid it can serve (a turn end), in increasing
+        order, each once (the coordinator's one-group `hit_point` walks them down)."""
         return []
 
     def serves(self, hits: Any, point: int) -> bool:

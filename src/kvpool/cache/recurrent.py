@@ -110,7 +110,7 @@ class RecurrentGroup(CacheGroup):
         hits = chains.find_units(self.pool, root, token_ids, mm_items, c, top // c, packed)
         if self._turn_ends:
             for k, parent in enumerate([root, *hits.chain]):
-                hits.turn_ends.update(self._turn_ends.find(parent, k * c, token_ids, mm_items, top))
+                hits.turn_ends.update(self._turn_ends.find(parent, k * c, token_ids, mm_items, top, packed))
         return hits
 
     def upper_bound(self, hits: UnitHits) -> int:

@@ -170,7 +170,7 @@ class AttentionGroup(CacheGroup):
             lower = chains.chain_units(self.pool, parent, token_ids, mm_items, bs, len(chain), top)
             hits.lower = lower[: self.lower_tier.find(lower)]
         if self._turn_ends:
-            hits.turn_ends = self._turn_ends.find(parent, len(chain) * bs, token_ids, mm_items, len(token_ids))
+            hits.turn_ends = self._turn_ends.find(parent, len(chain) * bs, token_ids, mm_items, len(token_ids), packed)
         return hits
 
     def upper_bound(self, hits: UnitHits) -> int:
