@@ -333,13 +333,17 @@ class BlockPool:
         caller's chain goes on with, registered, or (when it cannot be published) not."""
         # BlockHasher.chain, inlined: digest(parent hash || tokens || extra).
         block_hash = self.hasher.digest(parent.block_hash + block_token_bytes + extra)
-        if self.enable_caching and block_hash not in self._index and (parent.parent is None or parent.block_ids):
+        if self.enable_caching and (parent.parent is None or parent.block_ids):
             assert self._refcounts[block_id] > 0 and self._cached[block_id] is None, f"publish of block {block_id}"
-            # The common case, a new content after a live parent: what `register` does, in short.
-            block = self._index[block_hash] = PrefixBlock(block_hash, parent, block_token_bytes, extra, (block_id,))
-            self._cached[block_id] = block
-            return block
-        block = PrefixBlock(block_hash, parent, block_token_bytes, extra)
+            # The common case, a new content after a live parent: what `register` does, in short,
+            # with one probe of the index (a large dict: each probe is a cache miss at scale)
+            block = PrefixBlock(block_hash, parent, block_token_bytes, extra, (block_id,))
+            if self._index.setdefault(block_hash, block) is block:
+                self._cached[block_id] = block
+                return block
+            block.block_ids = ()  # the hash is taken: `register` joins that copy or counts a collision
+        else:
+            block = PrefixBlock(block_hash, parent, block_token_bytes, extra)
         return self.register(block_id, block) or block
 
     def publish_run(
@@ -361,14 +365,18 @@ class BlockPool:
             chunk = data[start : start + block_width]
             start += block_width
             block_hash = digest(parent.block_hash + chunk)
-            if caching and block_hash not in index and (parent.parent is None or parent.block_ids):
-                # `publish`'s common case, inlined: a new content after a live parent
+            if caching and (parent.parent is None or parent.block_ids):
+                # `publish`'s common case, inlined: a new content after a live parent (one probe)
                 assert refcounts[block_id] > 0 and cached[block_id] is None, f"publish of block {block_id}"
-                parent = index[block_hash] = PrefixBlock(block_hash, parent, chunk, b"", (block_id,))
-                cached[block_id] = parent
-            else:  # an equal copy to join, a collision, a parent gone, caching off
+                block = PrefixBlock(block_hash, parent, chunk, b"", (block_id,))
+                if index.setdefault(block_hash, block) is block:
+                    cached[block_id] = parent = block
+                    run.append(block)
+                    continue
+                block.block_ids = ()  # the hash is taken: an equal copy to join, or a collision
+            else:  # a parent gone, caching off
                 block = PrefixBlock(block_hash, parent, chunk, b"")
-                parent = self.register(block_id, block) or block
+            parent = self.register(block_id, block) or block
             run.append(parent)
         return run
 
@@ -385,18 +393,21 @@ class BlockPool:
             raise ValueError(f"{len(block_ids)} blocks but {len(extras)} extra keys")
         digest, index, cached, refcounts = self.hasher.digest, self._index, self._cached, self._refcounts
         head = parent.block_hash
+        live = self.enable_caching and (parent.parent is None or bool(parent.block_ids))  # (the parts' one parent)
         parts = []
         for block_id, extra in zip(block_ids, extras, strict=True):
             block_hash = digest(head + extra)
-            if self.enable_caching and block_hash not in index and (parent.parent is None or parent.block_ids):
-                # `publish`'s common case, inlined: a new content after a live parent
+            if live:
+                # `publish`'s common case, inlined: a new content after a live parent (one probe)
                 assert refcounts[block_id] > 0 and cached[block_id] is None, f"publish of block {block_id}"
-                part = index[block_hash] = PrefixBlock(block_hash, parent, b"", extra, (block_id,))
-                cached[block_id] = part
-            else:
-                part = self.publish(block_id, parent, b"", extra)
-                if cached[block_id] is not part:
-                    return None
+                part = PrefixBlock(block_hash, parent, b"", extra, (block_id,))
+                if index.setdefault(block_hash, part) is part:
+                    cached[block_id] = part
+                    parts.append(part)
+                    continue
+            part = self.publish(block_id, parent, b"", extra)
+            if cached[block_id] is not part:
+                return None
             parts.append(part)
         return tuple(parts)
 
