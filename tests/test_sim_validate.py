@@ -32,13 +32,35 @@ def test_every_row_names_its_source_and_quotes_the_figure_it_reports() -> None:
     assert len(rows) >= 8
     for row in rows:
         quoted = " ".join(q.replace(",", "") for q in row.quote)
-        assert f"{row.published:g}" in quoted, row.id  # the figure is read off its quote
+        assert repr(row.published).removesuffix(".0") in quoted, row.id  # the figure is read off its quote
         assert row.source_url.startswith("https://") and row.assumed, row.id
     # the mix the issue asks for: low batch and saturation, dense and MoE, TP 1 and more, H100 and H200
     assert {r.concurrency is None for r in rows} == {True, False}
     assert {r.model for r in rows} >= {"llama-3.1-8b", "gpt-oss-120b"}
     assert {r.tp for r in rows} >= {1, 2, 4} and {r.gpu for r in rows} == {"H100", "H200"}
-    assert {r.metric for r in rows} >= {"latency_ms", "ttft_ms", "tpot_ms", "output_tok_s", "output_tok_s_per_gpu"}
+    assert {r.metric for r in rows} >= {
+        "latency_ms",
+        "ttft_ms",
+        "tpot_ms",
+        "output_tok_s",
+        "output_tok_s_per_gpu",
+        "total_tok_s",
+    }
+
+
+def test_a_run_of_n_requests_at_once_is_the_run_its_quote_reports_under_its_engines_limits() -> None:
+    """GPUStack's vLLM runs: each row's request count is the benchmark's "Successful requests",
+    its figure the run's own line, and the scheduler limits it sets are read off a cited page."""
+    runs = [r for r in load_rows() if r.num_requests is not None]
+    assert len(runs) >= 6
+    for row in runs:
+        assert any(re.fullmatch(rf"Successful requests: +{row.num_requests}", q) for q in row.quote), row.id
+        assert row.metric == "total_tok_s" and row.concurrency is None, row.id
+        cited = {s.settles for s in row.setting_sources}
+        assert {"max_num_seqs", "max_num_batched_tokens"} <= cited, row.id
+        for source in row.setting_sources:  # the limit, as the cited code sets it for an API server
+            limit = getattr(row, source.settles)
+            assert any(q.strip() == f"UsageContext.OPENAI_API_SERVER: {limit}," for q in source.quote), row.id
 
 
 def test_a_kv_format_read_off_another_page_is_what_that_page_maps_the_checkpoint_to() -> None:
@@ -63,14 +85,13 @@ def test_the_docs_table_is_what_the_validation_computes_now() -> None:
     assert shown.group(1).strip() == markdown_table(validate(load_rows()))
 
 
-def test_a_batch_of_8_decodes_latency_by_hand() -> None:
+def _batch_of_8_ms_by_hand() -> float:
     """vLLM's latency benchmark row: 8 prompts of 32 tokens, 128 tokens each, Llama-3.1-8B in
     bf16 on one H200 with the cuda defaults (compute 0.5, bandwidth 0.8, 0.75 ms a step, 76 us
     a layer when a step does not replay a CUDA graph) and the H200's 36.6 us of fixed GPU
     time a layer, every step. One prefill step of the 8 prompts (it
     gives each its first token), then 127 decode steps of 8 sequences at 33 .. 159 tokens of
     context; every phase at its own roofline."""
-    row = next(r for r in load_rows() if r.id == "vllm-8b-h200-b8")
     h, layers, heads, kv_heads, d, inter, vocab = 4096, 32, 32, 8, 128, 14336, 128_256
     linear = layers * (h * h + 2 * h * kv_heads * d + h * h + 3 * h * inter)  # per token, the head apart
     norms = layers * 2 * h + h
@@ -98,9 +119,41 @@ def test_a_batch_of_8_decodes_latency_by_hand() -> None:
         + 32 * 36.6e-6
         for ctx in range(33, 160)
     )
-    hand_ms = (prefill + decodes) * 1e3
+    return (prefill + decodes) * 1e3
+
+
+def test_a_batch_of_8_decodes_latency_by_hand() -> None:
+    row = next(r for r in load_rows() if r.id == "vllm-8b-h200-b8")
+    hand_ms = _batch_of_8_ms_by_hand()
     assert hand_ms == pytest.approx(755.40, abs=0.01)  # and the validation's figure, by the simulator:
     assert simulate_row(row).predicted == pytest.approx(hand_ms, abs=0.005)
+
+
+def test_total_and_output_tokens_per_second_of_the_batch_of_8_by_hand() -> None:
+    """The same wave read as throughput: its 8 requests end together, so the span is the
+    latency by hand; output counts the 8 x 128 generated tokens, total adds the 8 x 32 of
+    the prompts (vLLM's "Total Token throughput")."""
+    row = next(r for r in load_rows() if r.id == "vllm-8b-h200-b8")
+    span_s = _batch_of_8_ms_by_hand() / 1e3
+    output = simulate_row(dataclasses.replace(row, metric="output_tok_s")).predicted
+    total = simulate_row(dataclasses.replace(row, metric="total_tok_s")).predicted
+    assert output == pytest.approx(8 * 128 / span_s, rel=1e-5)  # 1,355.6 tok/s
+    assert total == pytest.approx(8 * (32 + 128) / span_s, rel=1e-5)  # 1,694.5 tok/s
+
+
+def test_n_requests_at_once_past_the_engines_batch_run_as_waves_of_that_batch() -> None:
+    """16 equal requests sent at once to an engine of at most 4 sequences: four waves, each
+    the one a client keeping 4 in flight runs (the concurrency path, an independent twin),
+    back to back: the same tokens per second, and the same per wave."""
+    row = next(r for r in load_rows() if r.id == "vllm-8b-h200-b8")
+    closed = dataclasses.replace(row, concurrency=4, metric="total_tok_s")
+    at_once = dataclasses.replace(closed, concurrency=None, num_requests=16, max_num_seqs=4)
+    assert "16 requests at once" in at_once.configuration
+    twin, run = simulate_row(closed), simulate_row(at_once)
+    assert (run.batch, twin.batch) == (16, 4) and run.preemptions == 0
+    assert run.predicted == pytest.approx(twin.predicted, rel=1e-4)
+    # without the engine's limit all 16 run as one wave, a different (faster) run
+    assert simulate_row(dataclasses.replace(at_once, max_num_seqs=None)).predicted > 1.5 * run.predicted
 
 
 def test_a_row_without_its_source_or_with_an_unknown_metric_is_refused() -> None:
@@ -109,6 +162,10 @@ def test_a_row_without_its_source_or_with_an_unknown_metric_is_refused() -> None
         dataclasses.replace(row, metric="tokens")
     with pytest.raises(ValueError, match=r"needs a positive published figure, its quote and its https source$"):
         PublishedRow(**{**dataclasses.asdict(row), "quote": ()})
+    with pytest.raises(ValueError, match=r"^row vllm-8b-h200-b8: num_requests \(all sent at once\) and a concurrency"):
+        dataclasses.replace(row, num_requests=100)
+    with pytest.raises(ValueError, match=r"^row vllm-8b-h200-b8: max_num_seqs must be >= 1 or null, got 0$"):
+        dataclasses.replace(row, max_num_seqs=0)
     for bad in (SettingSource("kv_format", "https://x.org/p", ("FP8",)), SettingSource("kv_dtype", "x.org", ("FP8",))):
         with pytest.raises(ValueError, match=r"^row vllm-8b-h200-b8: a setting source needs a row field to settle"):
             dataclasses.replace(row, setting_sources=(bad,))

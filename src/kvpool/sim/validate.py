@@ -20,11 +20,21 @@ model), as the source ran it, with fixed lengths:
   requests, B the most requests of input + output tokens the replica's KV pool holds (the
   planner's `max_concurrent_per_replica` at that context), at most `MAX_BATCH`; the output
   tokens per second over the wave (a queue of identical requests is served as such waves,
-  each costing the same).
+  each costing the same);
+- N requests at once (`num_requests`: a serving benchmark that sends its N requests at an
+  infinite request rate, vLLM's `bench serve` default): the N requests arriving together,
+  the engine's scheduler admitting what its limits and KV pool hold, over the whole run
+  (the span runs from their arrival to the last one's end, as the benchmark's duration).
+
+The engine's scheduler limits are the row's `max_num_seqs` and `max_num_batched_tokens`
+where its source's engine sets them (stated, or its defaults: `setting_sources`); else the
+batch above and max(8,192, input length) tokens a step.
 
 Metrics: latency_ms (p50 of the requests' end-to-end latency), ttft_ms, tpot_ms (p50; the
 time per output token after the first, which NIM's ITL and vLLM's TPOT report), output_tok_s
-(generated tokens / the wave's span) and output_tok_s_per_gpu (that / TP). The ratio is
+(generated tokens / the wave's span), output_tok_s_per_gpu (that / TP) and total_tok_s
+(input + output tokens / the span, vLLM's "Total Token throughput": every request
+generates its output length, so it is output_tok_s x (input + output) / output). The ratio is
 predicted / published, read with the metric's sense: under 1 a time is predicted too fast,
 a throughput too slow (`RowResult.error` says which). The parameters are the GPU defaults
 (what `kvpool simulate` runs), or a calibration's (`--calibration`, kvpool.sim.gpufit).
@@ -49,6 +59,7 @@ METRICS: dict[str, tuple[str, str, bool]] = {  # metric -> (report key, unit, hi
     "tpot_ms": ("tpot_ms_p50", "ms", False),
     "output_tok_s": ("throughput_tok_s", "tok/s", True),
     "output_tok_s_per_gpu": ("throughput_tok_s", "tok/s/GPU", True),
+    "total_tok_s": ("throughput_tok_s", "tok/s", True),
 }
 
 
@@ -80,6 +91,9 @@ class PublishedRow:
     published: float
     assumed: str = ""
     setting_sources: tuple[SettingSource, ...] = ()
+    num_requests: int | None = None  # N requests sent at once (concurrency None): the run is all of them
+    max_num_seqs: int | None = None  # the engine's scheduler limits, where its source's engine sets them
+    max_num_batched_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.metric not in METRICS:
@@ -89,6 +103,11 @@ class PublishedRow:
                 raise ValueError(f"row {self.id}: {name} must be >= 1, got {getattr(self, name)}")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError(f"row {self.id}: concurrency must be >= 1 or null, got {self.concurrency}")
+        for name in ("num_requests", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"row {self.id}: {name} must be >= 1 or null, got {getattr(self, name)}")
+        if self.num_requests is not None and self.concurrency is not None:
+            raise ValueError(f"row {self.id}: num_requests (all sent at once) and a concurrency exclude each other")
         if not self.published > 0 or not self.quote or not self.source_url.startswith("https://"):
             raise ValueError(f"row {self.id}: needs a positive published figure, its quote and its https source")
         fields = {f.name for f in dataclasses.fields(self)}
@@ -101,7 +120,12 @@ class PublishedRow:
 
     @property
     def configuration(self) -> str:
-        load = f"concurrency {self.concurrency}" if self.concurrency else "max throughput"
+        if self.concurrency:
+            load = f"concurrency {self.concurrency}"
+        elif self.num_requests:
+            load = f"{self.num_requests:,} requests at once"
+        else:
+            load = "max throughput"
         dtypes = f"{self.weight_dtype} weights, {self.kv_dtype} KV"
         return (
             f"{self.model}, {self.gpu} TP {self.tp}, {dtypes}, {self.input_len:,} in / {self.output_len:,} out, {load}"
@@ -112,7 +136,7 @@ class PublishedRow:
 class RowResult:
     row: PublishedRow
     predicted: float
-    batch: int  # requests in the simulated wave
+    batch: int  # requests simulated: the wave, or the row's num_requests
     preemptions: int
 
     @property
@@ -169,14 +193,19 @@ def simulate_row(row: PublishedRow, overrides: dict[str, float] | None = None) -
     deployment = {"tp": row.tp, "kv_dtype": row.kv_dtype, "weight_dtype": row.weight_dtype}
     if row.concurrency is not None:
         batch = row.concurrency
+    elif row.num_requests is not None:
+        batch = row.num_requests
     else:
         p = plan(model, gpu, num_gpus=row.tp, context_len=total_len, **deployment)
         batch = min(MAX_BATCH, p.max_concurrent_per_replica)
         if batch < 1:
             raise ValueError(f"row {row.id}: one request of {total_len:,} tokens does not fit the KV pool")
+    max_num_seqs = batch if row.num_requests is None else MAX_BATCH
+    if row.max_num_seqs is not None:  # the engine's own limit, which a larger wave queues behind
+        max_num_seqs = row.max_num_seqs
     config = SimConfig(
-        max_num_seqs=batch,
-        max_num_batched_tokens=max(8192, row.input_len),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=row.max_num_batched_tokens or max(8192, row.input_len),
         max_model_len=total_len,
         enable_prefix_caching=False,  # random prompts: nothing to hit
         **deployment,
@@ -189,6 +218,12 @@ def simulate_row(row: PublishedRow, overrides: dict[str, float] | None = None) -
     value = float(report[METRICS[row.metric][0]])
     if row.metric == "output_tok_s_per_gpu":
         value /= row.tp
+    elif row.metric == "total_tok_s":
+        if report["num_generated_tokens"] != batch * row.output_len:  # every request its whole answer
+            raise ValueError(
+                f"row {row.id}: {report['num_generated_tokens']:,} tokens generated, not {batch:,} x {row.output_len:,}"
+            )
+        value *= total_len / row.output_len
     return RowResult(row, value, batch, int(report["preemptions"]))
 
 
@@ -211,10 +246,12 @@ def markdown_table(results: list[RowResult], calibrated: list[RowResult] | None 
     for i, res in enumerate(results):
         row = res.row
         unit = METRICS[row.metric][1]
+        # a time by its name (ttft, tpot, latency), a throughput by what it counts (total, output)
+        kind = row.metric.split("_")[0] if row.metric.endswith("_ms") or row.metric.startswith("total") else "output"
         cells = [
             row.configuration,
             f"[{row.engine}]({row.source_url})",
-            f"{row.metric.split('_')[0] if row.metric.endswith('_ms') else 'output'} ({unit})",
+            f"{kind} ({unit})",
             _figure(row.published),
             _figure(res.predicted),
             f"{res.ratio:.2f}",
@@ -242,6 +279,9 @@ def as_json(results: list[RowResult], calibrated: list[RowResult] | None = None)
             "error": res.error,
             "simulated_batch": res.batch,
             "preemptions": res.preemptions,
+            "num_requests": row.num_requests,
+            "max_num_seqs": row.max_num_seqs,
+            "max_num_batched_tokens": row.max_num_batched_tokens,
             "assumed": row.assumed,
             "setting_sources": [
                 {"settles": s.settles, "url": s.url, "quote": list(s.quote)} for s in row.setting_sources
