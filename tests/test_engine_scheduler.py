@@ -31,8 +31,10 @@ class PrefixModelRunner:
         self.capacity_tokens = num_blocks * block_size
         self.max_model_len = self.capacity_tokens
 
-    def admit(self, request_id, token_ids, max_new_tokens, *, tenant_salt="", prompt=None):
-        return self.cache.admit(request_id, token_ids, max_new_tokens, tenant_salt=tenant_salt, prompt=prompt)
+    def admit(self, request_id, token_ids, max_new_tokens, *, tenant_salt="", prompt=None, check_packing=True):
+        return self.cache.admit(
+            request_id, token_ids, max_new_tokens, tenant_salt=tenant_salt, prompt=prompt, check_packing=check_packing
+        )
 
     def reserve_step(self, request_ids, num_new_tokens):
         return self.cache.reserve_step(request_ids, num_new_tokens)
@@ -350,6 +352,7 @@ def test_a_batch_taken_as_columns_ends_its_rows_as_accept_token_does():
 def test_a_prompt_is_checked_packed_once_and_its_packing_serves_the_first_admission_only():
     import numpy as np
 
+    from kvpool.cache import coordinator
     from kvpool.cache.coordinator import pack_prompt
 
     runner = PrefixModelRunner(8, 4)
@@ -385,9 +388,20 @@ def test_a_prompt_is_checked_packed_once_and_its_packing_serves_the_first_admiss
     runner.cache.pool.hasher.digest = lambda data: calls.append(1) or digest(data)
     c = engine.add_request(packed, params)
     seq = engine.requests[c].seqs[0]
-    assert seq.prompt is packed and seq.token_ids == packed.token_ids and seq.token_ids is not packed.token_ids
-    engine.step()  # admitted (4 tokens cached), its 2 computed: no block filled, none hashed
-    assert seq.prompt is None and seq.num_computed == 6 and calls == []
+    # its bytes and memo of hashes, over the engine's own list (the caller's may change)
+    assert seq.prompt.packed is packed.packed and seq.prompt.hashes is packed.hashes
+    assert seq.prompt.token_ids is engine.requests[c].prompt_ids and seq.token_ids == packed.token_ids
+    assert seq.token_ids is not packed.token_ids and seq.prompt.token_ids is not packed.token_ids
+    packed.token_ids[5] = 9  # (changed after add_request: the request keeps its ids)
+    packings: list[int] = []
+    to_bytes = coordinator.token_bytes
+    coordinator.token_bytes = lambda ids: packings.append(len(ids)) or to_bytes(ids)
+    try:
+        engine.step()  # admitted (4 tokens cached), its 2 computed: no block filled, none hashed
+    finally:
+        coordinator.token_bytes = to_bytes
+    # and the admission packed nothing again: add_request checked the packing
+    assert seq.prompt is None and seq.num_computed == 6 and calls == [] and packings == []
     run(engine)
     for rid, prompt in ((a, [1, 2, 3, 4, 5]), (b, [1, 2, 3, 4, 6]), (c, [1, 2, 3, 4, 5, 7])):
         assert engine.output(rid).completions[0].token_ids == expected(prompt, 3)

@@ -419,6 +419,9 @@ def test_a_stale_packing_is_refused_and_the_salt_memo_stays_bounded():
     stale.token_ids[:8] = [50 + t for t in range(8)]
     with pytest.raises(ValueError, match="packed prompt is not of these token ids"):
         m.admit("y", list(stale.token_ids), prompt=stale)
+    # a caller that checked the bytes itself (check_packing=False) still has the ids compared
+    with pytest.raises(ValueError, match="packed prompt is not of these token ids"):
+        m.admit("y", P8 + [20], prompt=stale, check_packing=False)
     assert "y" not in m.request_ids
     m.check_integrity()
     # Lookups under ever new tenant salts keep at most MAX_MEMO_SALTS of them at hand;

@@ -321,6 +321,10 @@ class Engine:
         if not 0 <= top < vocab:
             bad = [t for t in prompt if not 0 <= t < vocab]
             raise ValueError(f"request {request_id!r}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        # The packing over the engine's own list (the caller's may change after this call; its
+        # bytes and memo of hashes are shared): the bytes are these ids' (checked or packed
+        # just now), so the admission compares the ids and does not pack them again
+        packed = LookupPrompt(prompt, (), packed.packed, packed.hashes)
         arrival = self.clock() if arrival_time is None else arrival_time
         req = RequestState(
             request_id,
@@ -545,7 +549,12 @@ class Engine:
             seq = self.waiting[0]
             admitted = self._timed(
                 lambda seq=seq, budget=budget: self.runner.admit(
-                    seq.seq_id, seq.token_ids, budget, tenant_salt=seq.request.tenant, prompt=seq.prompt
+                    seq.seq_id,
+                    seq.token_ids,
+                    budget,
+                    tenant_salt=seq.request.tenant,
+                    prompt=seq.prompt,
+                    check_packing=False,  # (add_request checked seq.prompt's bytes)
                 )
             )
             if admitted is None:

@@ -292,6 +292,7 @@ class ModelRunner:
         *,
         tenant_salt: str = "",
         prompt: LookupPrompt | None = None,
+        check_packing: bool = True,
     ) -> Admission | None:
         """Look up the cached prefix of `token_ids` (under the tenant's salt: no tenant hits
         another's), take it (loading what a lower tier holds of it), restore the request's
@@ -299,10 +300,18 @@ class ModelRunner:
         None: no room now, nothing changed. A restore by recompute is deferred to the start
         of the next `execute` (the admission stays bookkeeping; the replay is compute, done
         in the step that needs the state). `prompt`: `token_ids` packed already
-        (`HybridCacheManager.admit`)."""
+        (`HybridCacheManager.admit`, as `check_packing`)."""
         if max_new_tokens is not None and max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
-        return self._admit(request_id, token_ids, max_new_tokens, tenant_salt, defer_replay=True, prompt=prompt)
+        return self._admit(
+            request_id,
+            token_ids,
+            max_new_tokens,
+            tenant_salt,
+            defer_replay=True,
+            prompt=prompt,
+            check_packing=check_packing,
+        )
 
     def add_request(self, request_id: str, token_ids: Sequence[int], *, tenant_salt: str = "") -> Admission | None:
         """V4's dual pool: admit with nothing reserved yet (`step` does that) and the state of
@@ -317,10 +326,13 @@ class ModelRunner:
         tenant_salt: str,
         defer_replay: bool,
         prompt: LookupPrompt | None = None,
+        check_packing: bool = True,
     ) -> Admission | None:
         if self.tier is not None:
             self.bridge.prefetch(self.cache, self.executor, token_ids, tenant_salt)
-        adm = self.cache.admit(request_id, token_ids, max_new_tokens, tenant_salt=tenant_salt, prompt=prompt)
+        adm = self.cache.admit(
+            request_id, token_ids, max_new_tokens, tenant_salt=tenant_salt, prompt=prompt, check_packing=check_packing
+        )
         if adm is None:
             return None
         if self.tier is not None:
