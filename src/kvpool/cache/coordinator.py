@@ -414,8 +414,10 @@ class HybridCacheManager:
                     continue  # a decode ending off the period took nothing in any group (`decode_reserve_period`)
                 states = req.states
                 parts = {g.name: g.pending(states[g.name]) for g in groups}
-                if any(part != empty for part in parts.values()):
-                    out[request_id] = Reservation(start, end - start, parts)
+                for part in parts.values():  # (a loop, not any() over a generator: one per crossing)
+                    if part != empty:
+                        out[request_id] = Reservation(start, end - start, parts)
+                        break
         except KeyError:
             if request_id in requests:
                 raise  # (not the step's id: a group's own KeyError)

@@ -485,16 +485,23 @@ class DualPoolGroup(CacheGroup):
             if need:
                 keep -= need
                 req = reqs[i]
-                part = self._reserve(req.states[name], req.token_ids, req.mm_items, need, keep)
-                if out is not None:
+                part = self._reserve(req.states[name], req.token_ids, req.mm_items, need, keep, out is not None)
+                if out is not None and part is not None:
                     out[i] = part
         return out
 
     def _reserve(
-        self, state: DualPoolState, token_ids: list[int], mm_items: tuple[MMItem, ...], num_new: int, keep: int
-    ) -> GroupReservation:
+        self,
+        state: DualPoolState,
+        token_ids: list[int],
+        mm_items: tuple[MMItem, ...],
+        num_new: int,
+        keep: int,
+        detail: bool = True,
+    ) -> GroupReservation | None:
         """Reserve a checked step's `num_new` blocks; `keep`: free blocks the rest of its batch
-        needs (pooled snapshots leave them alone)."""
+        needs (pooled snapshots leave them alone). The step's part, or None without `detail`
+        (the engine's step reads it back through `pending`: no result for the collector)."""
         span, pool = self.span, self.pool
         evicted_blocks: list[tuple[int, PrefixBlock]] = []
         new_ids = pool.allocate(num_new, evicted_blocks)
@@ -533,7 +540,7 @@ class DualPoolGroup(CacheGroup):
         state.pending = _Pending(
             num_new, chain, tuple(checkpoints), dropped, evicted_blocks, snapshot_ids, snapshot_evicted
         )
-        return GroupReservation(tuple(new_ids), (), state.pending.checkpoints)
+        return GroupReservation(tuple(new_ids), (), state.pending.checkpoints) if detail else None
 
     def commit(self, reqs: Sequence[StepRequest]) -> None:
         """The steps are computed: publish the spans they completed (each written once, now
