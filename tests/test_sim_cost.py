@@ -12,12 +12,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpool.sim.calibrate import EngineStepTimes, fit_engine
-from kvpool.sim.cost import DEVICE_DEFAULTS, CostModel, moe_block_m, sum_visible
+from kvpool.sim.cost import DEVICE_DEFAULTS, MXFP4_EXPERT_COMPUTE_EFFICIENCY, CostModel, moe_block_m, sum_visible
 from kvpool.spec.dsv4 import SERVING
 from kvpool.spec.gpus import GIB, GPUS, GPUSpec, cpu_preset, custom_gpu, get_gpu
 from kvpool.spec.models import load_preset
 
 H200 = get_gpu("H200")
+H100, B200 = get_gpu("H100"), get_gpu("B200")
 H200_EFFECTIVE_BW = 4.8e12 * 0.8  # the cuda default bandwidth efficiency
 GRAPH_STEP = 0.75e-3  # a decode-only step replaying a CUDA graph: the host's per-step time
 LAYER_FIXED = 36.6e-6  # the GPU's fixed time per layer per step (H100 / H200 / B200 presets)
@@ -172,7 +173,10 @@ def test_mxfp4_experts_compute_whole_tiles_of_rows() -> None:
     hand = 2 * n * cm.active_params_per_token + 2 * n * vocab * h + layers * 2 * 3 * h * inter * padding
     cost = cm.step_cost([(1, 1500)] * n)
     assert cost.linear_flops == pytest.approx(hand, rel=1e-12)
-    assert cost.gemm_s == pytest.approx(hand / (989e12 * 0.5), rel=1e-12)  # compute-bound: 36.3 ms
+    # compute-bound: the experts' computed rows (4 n real + padding) at 0.257 of the peak on
+    # Hopper, the rest at 0.5 (test_mxfp4_experts_run_at_their_hopper_efficiency)
+    experts = layers * 2 * 3 * h * inter * (4 * n + padding)
+    assert cost.gemm_s == pytest.approx((hand - experts) / (989e12 * 0.5) + experts / (989e12 * 0.257), rel=1e-12)
     # a prefill chunk of 8,192 tokens fills its tiles (256 rows an expert, tiles of 128)
     chunk = cm.step_cost([(8192, 8192)])
     assert chunk.linear_flops == pytest.approx(2 * 8192 * cm.active_params_per_token + 2 * vocab * h, rel=1e-9)
@@ -185,6 +189,44 @@ def test_mxfp4_experts_compute_whole_tiles_of_rows() -> None:
     assert v3.step_cost([(1, 1500)] * n).linear_flops == pytest.approx(
         2 * n * v3.active_params_per_token + 2 * n * 129_280 * 7168 / 8, rel=1e-12
     )
+
+
+def test_mxfp4_experts_run_at_their_hopper_efficiency() -> None:
+    """On H100 and H200 gpt-oss-120b's MXFP4 experts' GEMMs run at 0.257 of the BF16 peak
+    (SGLang PR 38884's Marlin figure: 254 of 989 TFLOP/s), the rest of the linear layers at
+    the compute efficiency; B200 and FP8 experts keep the one efficiency; steps bound by
+    their weight reads do not change."""
+    model = load_preset("gpt-oss-120b")
+    h, inter, vocab, layers = 2880, 2880, 201_088, 36
+    assert MXFP4_EXPERT_COMPUTE_EFFICIENCY == {"H100": 0.257, "H200": 0.257}
+    # a prefill chunk of 8,192 tokens: 256 rows an expert in tiles of 128, no padding
+    for gpu in (H100, H200):
+        cm = CostModel(model, gpu)
+        cost = cm.step_cost([(8192, 8192)])
+        experts = layers * 2 * 3 * h * inter * 8192 * 4
+        dense = 2 * 8192 * cm.active_params_per_token + 2 * vocab * h - experts
+        assert cost.linear_flops == pytest.approx(dense + experts, rel=1e-12)
+        assert cost.gemm_s == pytest.approx(dense / (989e12 * 0.5) + experts / (989e12 * 0.257), rel=1e-12)
+        assert cost.compute_s == pytest.approx(
+            cost.gemm_s + cost.attention_flops / (989e12 * 0.5), rel=1e-12
+        )  # compute-bound: the GEMM phase is its compute
+        # at TP 2 every expert's slice is half as wide: half the FLOPs, the same rate
+        cm2 = CostModel(model, gpu, tp=2)
+        cost2 = cm2.step_cost([(8192, 8192)])
+        dense2 = 2 * 8192 * cm2.active_params_per_token + 2 * vocab * h / 2 - experts / 2
+        assert cost2.gemm_s == pytest.approx(dense2 / (989e12 * 0.5) + experts / 2 / (989e12 * 0.257), rel=1e-12)
+    # a compute efficiency set by hand moves the rest, not the experts
+    cm = CostModel(model, H200, compute_efficiency=0.4)
+    cost = cm.step_cost([(8192, 8192)])
+    experts = layers * 2 * 3 * h * inter * 8192 * 4
+    dense = 2 * 8192 * cm.active_params_per_token + 2 * vocab * h - experts
+    assert cost.gemm_s == pytest.approx(dense / (989e12 * 0.4) + experts / (989e12 * 0.257), rel=1e-12)
+    # B200 has FP4 tensor cores and no figure here: its experts run at the one efficiency
+    b200 = CostModel(model, B200).step_cost([(8192, 8192)])
+    assert b200.gemm_s == pytest.approx(b200.linear_flops / (2.25e15 * 0.5), rel=1e-12)
+    # 4 decodes wait on the weights (10.4 GB on an H100): the experts' rate changes nothing
+    small = CostModel(model, H100).step_cost([(1, 500)] * 4)
+    assert small.gemm_s == small.weight_bytes / (3.35e12 * 0.8)
 
 
 # ----- DeepSeek-V3.2 and V4 ------------------------------------------------------------------

@@ -5,7 +5,7 @@ cached ones, so its context after the step is ctx_i = c_i + n_i (a decode is (1,
 All figures are per GPU of a tensor-parallel group of `tp`:
 
     time_s    = gemm_s + prefill_attention_s + decode_attention_s + comm_s + host_s + fixed_s
-    gemm_s    = max(linear_flops / (peak(weights) x ce), weight_bytes / (bandwidth x be))
+    gemm_s    = max(linear_flops / (peak(weights) x ce) + moe_s, weight_bytes / (bandwidth x be))
     prefill_attention_s = max(prefill chunks' attention_flops / (peak(attention) x ce),
                               their kv bytes (read, written) / (bandwidth x be))
     decode_attention_s  = the same over the decodes
@@ -61,6 +61,31 @@ large decode batches of a maximum-throughput run (1,057 and 562 sequences of gpt
 The rows of one expert vary about their mean (not modelled: the mean's tiles are priced).
 The term applies on every GPU preset; on Blackwell TensorRT-LLM runs these experts in other
 (CUTLASS) kernels whose tiles are not modelled apart.
+
+On Hopper (the H100 and H200 presets) those GEMMs also run at their own fraction of the BF16
+peak, 0.257 (`MXFP4_EXPERT_COMPUTE_EFFICIENCY`), instead of ce:
+
+    moe_s = moe_flops / (peak(weights) x 0.257) - moe_flops / (peak(weights) x ce)
+    moe_flops = moe_layers x 2 x 3 x hidden x expert_intermediate / tp x (N x top_k + padding)
+
+(the rows the grouped GEMM computes, its tiles' padding included), so the GEMM phase prices
+the experts at 0.257 and the rest of linear_flops at ce. The figure is the one kernel-level
+measurement of an MXFP4 MoE GEMM on Hopper found (2026-12-05), SGLang PR 38884
+(https://github.com/sgl-project/sglang/pull/38884), from an nsys capture of a live W4A16
+DeepSeek-V4-Flash server on H100s, 16,384-token prefill chunks: "MoE marlin W4A16 GEMM",
+"1.237 TFLOP per layer per GPU in 4.863 ms is **254 TFLOPS, 25.7% of H100 BF16 peak**,
+while reading 856 MB/layer", "It is issue-bound, not bandwidth-bound: the SASS inner loop
+spends 64 of 220 instructions per 32-K step on `HMMA`, the rest on dequant, scale and pack."
+Its shape checks out here: 16,384 tokens x top-6 x 2 x 3 x hidden 4,096 x intermediate
+2,048 / 4 GPUs is 1.237 TFLOP, and 256 experts of MXFP4 (4.25 bits) over 4 GPUs 856 MB.
+It is Marlin's (the kernel vLLM picks on Hopper without triton_kernels installed), at 384
+rows an expert (full tiles) and a 512-wide expert slice; no kernel-level figure for
+triton_kernels' matmul_ogs (TensorRT-LLM's TRITON backend on Hopper) or at gpt-oss's
+shapes was found, so the one figure stands for every MXFP4 expert GEMM on Hopper. Being
+issue-bound (dequantizing each weight tile costs instructions a tile of rows amortizes),
+it is taken as the rate of every computed row; the tiles' padding rows are priced by
+`moe_block_m` above. No kernel-level figure of these kernels' bandwidth at small batches
+was found, so their weight reads keep be. Other GPUs (B200, custom) price the experts at ce.
 
 Bytes:
 
@@ -197,6 +222,12 @@ _MAX_PACKED_DECODES = 1 << 11
 _INT_ONLY = {int}
 # The GEMM precision of each weight format (see the module docstring).
 WEIGHT_PRECISION: dict[str, str] = {"bf16": "bf16", "mxfp4": "bf16", "fp8": "fp8", "fp4+fp8": "fp8", "fp32": "fp32"}
+# The fraction of the BF16 dense peak MXFP4 routed experts' grouped GEMMs reach on a Hopper
+# GPU preset, which has no FP4 tensor cores and upcasts the weights inside the GEMM: 254 of
+# 989 TFLOP/s, SGLang PR 38884's kernel-level figure for Marlin's W4A16 MoE GEMM on an H100
+# (module docstring). The H200 has the H100's SMs, clocks and peak; its faster HBM does not
+# help a GEMM its author finds bound by instruction issue. Other GPUs: compute_efficiency.
+MXFP4_EXPERT_COMPUTE_EFFICIENCY: dict[str, float] = {"H100": 0.257, "H200": 0.257}
 # The attention math precision of each KV dtype.
 ATTENTION_PRECISION: dict[str, str] = {
     "bf16": "bf16",
@@ -497,6 +528,27 @@ class CostModel:
         per_row = 2 * 3 * self.model.hidden_size * moe.expert_intermediate_size / self.tp
         return len(moe.moe_layers) * per_row * padding
 
+    @cached_property
+    def _moe_compute_efficiency(self) -> float | None:
+        """The fraction of the BF16 peak this GPU's MXFP4 expert GEMMs reach, where a kernel-level
+        figure exists (`MXFP4_EXPERT_COMPUTE_EFFICIENCY`: Hopper); None: compute_efficiency."""
+        return MXFP4_EXPERT_COMPUTE_EFFICIENCY.get(self.gpu.name) if self._moe_tiles else None
+
+    def _moe_compute_s(self, num_tokens: int) -> float:
+        """Seconds a step's routed-expert GEMMs add beyond their FLOPs at compute_efficiency
+        (0 where no figure of their own exists): the rows they compute, padding included
+        (N x k real rows + `_moe_tile_flops`'s), at _moe_compute_efficiency of the peak
+        instead of compute_efficiency (module docstring)."""
+        efficiency = self._moe_compute_efficiency
+        if efficiency is None:
+            return 0.0
+        moe = self.model.moe
+        assert moe is not None
+        per_row = 2 * 3 * self.model.hidden_size * moe.expert_intermediate_size / self.tp
+        computed = len(moe.moe_layers) * per_row * num_tokens * moe.experts_per_token + self._moe_tile_flops(num_tokens)
+        peak = self._peaks[0]
+        return computed / (peak * efficiency) - computed / (peak * self.compute_efficiency)
+
     @property
     def activation_bytes(self) -> int:
         """Bytes of one activation element: 4 with fp32 weights, else 2 (bf16)."""
@@ -675,17 +727,20 @@ class CostModel:
                     linear_flops += t.num_layers * t.decompress_flops_per_token * (ctx - n)
                     prefill_bytes += t.num_layers * t.decompress_bytes_per_token * ctx
         touched = len(model.moe.moe_layers) * self.experts_touched(num_tokens) if model.moe else 0
+        moe_s = 0.0  # the routed experts' GEMMs at their own efficiency, beyond linear_flops / flop_s
         if self._moe_tiles:  # the padded rows of the ragged grouped GEMM (module docstring)
             linear_flops += self._moe_tile_flops(num_tokens)
+            moe_s = self._moe_compute_s(num_tokens)
         weight = self.dense_weight_bytes + num_tokens * self.embedding_row_bytes + touched * self.expert_bytes
         attention_flops, kv_bytes = prefill_flops + decode_flops, prefill_bytes + decode_bytes
         flop_s = peak_linear * self.compute_efficiency  # the GEMMs'
         attention_flop_s = peak_attention * self.compute_efficiency
         byte_s = gpu.hbm_bandwidth_bytes_per_s * self.bandwidth_efficiency
-        compute_s = linear_flops / flop_s + attention_flops / attention_flop_s
+        gemm_compute_s = linear_flops / flop_s + moe_s
+        compute_s = gemm_compute_s + attention_flops / attention_flop_s
         memory_s = (weight + kv_bytes) / byte_s
         # the phases run one after the other, each at its own roofline (module docstring)
-        gemm_s = max(linear_flops / flop_s, weight / byte_s)
+        gemm_s = max(gemm_compute_s, weight / byte_s)
         prefill_s = max(prefill_flops / attention_flop_s, prefill_bytes / byte_s)
         decode_s = max(decode_flops / attention_flop_s, decode_bytes / byte_s)
         comm_s = self.comm_s(num_tokens)
