@@ -271,7 +271,9 @@ def test_a_run_spaces_the_collectors_young_collections_and_restores_its_threshol
     seen = []  # the thresholds while the run's requests finish
     plain = simulate(model, gpu, workload, config, cost)  # (a first run: same figures after)
     report = simulate(model, gpu, workload, config, cost, on_finish=lambda r: seen.append(gc.get_threshold()))
-    assert seen and set(seen) == {(YOUNG_COLLECTION_EVERY, before[1], 1)} != {before}
+    # (the young spacing doubles after a collection that freed nothing: test below)
+    spacings = {YOUNG_COLLECTION_EVERY << k for k in range(7)}
+    assert seen and all(young in spacings and (middle, old) == (before[1], 1) for young, middle, old in seen)
     assert gc.get_threshold() == before
     assert _figures(report) == _figures(plain)
     # restored after a failing run too; a collector that is off is left alone
@@ -293,4 +295,28 @@ def test_a_run_spaces_the_collectors_young_collections_and_restores_its_threshol
     first.__exit__(None, None, None)
     assert gc.get_threshold() == (1234, before[1], 1)  # the second run still going
     second.__exit__(None, None, None)
+    assert gc.get_threshold() == before
+
+
+def test_collections_that_free_nothing_are_spaced_further_and_one_that_frees_resets_them():
+    import gc
+
+    from kvpool.sim.simulator import MAX_BACK_OFF, _back_off, spaced_collections
+
+    before = gc.get_threshold()
+    gc.collect()  # the garbage made before: not this test's collections' to find
+    with spaced_collections(1000):
+        assert gc.get_threshold() == (1000, before[1], 1) and _back_off in gc.callbacks
+        kept = []
+        for k in range(1, 9):  # each collection finds only live objects: twice as far apart after it
+            gc.collect(0)
+            assert gc.get_threshold()[0] == 1000 * min(1 << k, MAX_BACK_OFF)
+            kept.append([[] for _ in range(10)])
+        cycle: list[object] = []
+        cycle.append(cycle)
+        del cycle  # garbage that only a collection frees: back to the base
+        assert gc.collect(0) >= 1
+        assert gc.get_threshold() == (1000, before[1], 1)
+    assert gc.get_threshold() == before and _back_off not in gc.callbacks
+    gc.collect(0)  # the callback is gone: nothing changes the thresholds
     assert gc.get_threshold() == before
