@@ -251,19 +251,19 @@ def test_the_inline_decode_path_equals_accept_token():
             taken = []  # the decode steps `step` took through `_take_decode_tokens`
             take = engine._take_decode_tokens
             engine._take_decode_tokens = lambda *args, take=take, taken=taken: taken.append(1) or take(*args)
-            passes = []  # the steps (or a mixed step's leading rows) it took as inline rows only
+            passes = []  # whether each call took some rows inline (a decode step's or a mixed step's leading rows)
             take_inline = engine._take_inline_tokens
 
             def take_inline_rows(*args, take=take_inline, passes=passes):
                 taken = take(*args)
-                passes.append(taken is not None)
+                passes.append(bool(taken))
                 return taken
 
             engine._take_inline_tokens = take_inline_rows
             ids = [engine.add_request(prompt, params) for prompt, params in requests]
             run(engine)
             assert bool(taken) == (inline and batched), case  # the decode step's loop ran where it holds
-            assert any(passes) == (inline and batched and plain), case
+            assert any(passes) == (inline and batched) or not plain, case
             outs = [engine.output(rid) for rid in ids]
             outputs.append([[(c.token_ids, c.text, c.finish_reason) for c in o.completions] for o in outs])
             outputs[-1].append([s.logprobs for rid in ids for s in engine.requests[rid].seqs])
@@ -279,16 +279,18 @@ def test_a_step_sampler_samples_batched_steps_only():
 
 
 def test_a_decode_steps_chunks_are_each_sequences_chunk():
-    # _plan_running builds a decode step's chunks, ids and counts in list comprehensions; `_chunk`,
-    # one sequence at a time (the over-budget path's), is its twin: the same tuples, at every
-    # step of random requests (prompts prefilled in pieces, decodes, finishes, preemption)
+    # _plan_running builds a decode step's chunks, ids and counts in list comprehensions (and
+    # the leading rows' from the columns the engine keeps); `_chunk`, one sequence at a time,
+    # is its twin: the same tuples, at every step of random requests (prompts prefilled in
+    # pieces, decodes, finishes, preemption); and over a small budget, the same plan as the
+    # sequences one by one in order, each its rest or what the budget leaves
     rng = random.Random(3)
     runner = PrefixModelRunner(12, 4)
     engine = Engine(runner, max_num_batched_tokens=10, max_num_seqs=5, batched_sampling=True)
     for _ in range(12):
         prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 12))]
         engine.add_request(prompt, SamplingParams(max_tokens=rng.randint(1, 10), ignore_eos=True))
-    num_whole = num_columns = 0
+    num_whole = num_columns = num_cut = 0
     while engine.has_unfinished():
         running = list(engine.running)
         rests = [len(seq.token_ids) - seq.num_computed for seq in running]
@@ -296,57 +298,109 @@ def test_a_decode_steps_chunks_are_each_sequences_chunk():
         assert seqs == running and ids == [seq.seq_id for seq in running] and counts == rests
         assert chunks == [Engine._chunk(seq, n) for seq, n in zip(running, rests, strict=True)]
         assert all(type(c) is ScheduledChunk for c in chunks)
-        if engine._plan_columns is not None:  # planned from the last step's columns (a batch kept)
-            assert engine._plan_ends == [seq.num_computed + 1 for seq in running] == [len(s.token_ids) for s in running]
+        if engine._plan_columns is not None:  # the leading rows planned from the last step's columns
+            lead = running[: len(engine._plan_columns.seqs)]
+            assert engine._plan_ends == [seq.num_computed + 1 for seq in lead] == [len(s.token_ids) for s in lead]
             num_columns += 1
+        for budget in (3, 6):  # over budget: each sequence in order its rest or what is left, then none
+            plan, left = [], budget
+            for seq, rest in zip(running, rests, strict=True):
+                if left > 0:
+                    plan.append((seq, min(rest, left)))
+                    left -= min(rest, left)
+            seqs, ids, counts, chunks = engine._plan_running(budget)
+            assert seqs == [seq for seq, _ in plan] and ids == [seq.seq_id for seq in seqs]
+            assert counts == [n for _, n in plan] and chunks == [Engine._chunk(seq, n) for seq, n in plan]
+            num_cut += engine._plan_columns is not None and sum(rests) > budget
         num_whole += bool(running)
         engine.step()
         runner.check_integrity()
-    assert num_whole > 20 and engine.stats.num_decode_tokens > 30 and num_columns > 5
+    assert num_whole > 20 and engine.stats.num_decode_tokens > 30 and num_columns > 5 and num_cut > 5
+
+
+def _check_columns(engine: Engine) -> None:
+    """The engine's decode columns (if any) describe the leading running sequences as they are."""
+    cols = engine._columns
+    if cols is None:
+        return
+    seqs = cols.seqs
+    assert seqs and engine.running[: len(seqs)] == seqs
+    assert cols.ids == [seq.seq_id for seq in seqs]
+    assert all(a is seq.token_ids for a, seq in zip(cols.token_lists, seqs, strict=True))
+    assert cols.computed == [seq.num_computed for seq in seqs] == [len(seq.token_ids) - 1 for seq in seqs]
+    assert cols.last_tokens == [seq.token_ids[-1] for seq in seqs]
+    assert cols.row_stop_ids == [seq.request.stop_ids for seq in seqs]
+    assert cols.end_lens == [seq.request.end_len for seq in seqs]
+    assert cols.stop_ids is None or all(ids == cols.stop_ids for ids in cols.row_stop_ids)
+    assert cols.slack <= min(seq.request.end_len - len(seq.token_ids) for seq in seqs) >= 1
+    assert all(seq.request.inline for seq in seqs)
 
 
 def test_a_batch_taken_as_columns_ends_its_rows_as_accept_token_does():
-    # A decode step of the last step's rows, every one a plain request's inline token, plans
-    # and takes them from the columns the engine kept (`_take_column_tokens`: appends in C,
-    # the end checks on the rows' least slack to their end lengths and on their stop ids, one
-    # set for every row or a set a row). Its twin: `inline_decode = False`, every token
-    # through `_accept_token` and `_stop_reason` in full. Long decodes keep batches for many
-    # steps; rows end by EOS (all rows stopped by the engine's EOS ids, none, or some) and by
-    # length (max_tokens, or max_model_len where it is shorter), rows join and leave.
+    # The leading running sequences that the last step took as plain requests' inline decode
+    # tokens are planned and taken from the columns the engine keeps (`_take_column_tokens`:
+    # appends in C, the end checks on the rows' least slack to their end lengths and on their
+    # stop ids, one set for every row or a set a row); rows that end leave the columns, rows
+    # that join behind them join them. Its twin: `inline_decode = False`, every token through
+    # `_accept_token` and `_stop_reason` in full. Long decodes keep batches for many steps;
+    # rows end by EOS (all rows stopped by the engine's EOS ids, none, or some) and by length
+    # (max_tokens, or max_model_len where it is shorter); admissions make mixed steps; from
+    # case 6 on some requests are not plain (stop strings, logprobs, two samples), so rows
+    # outside the columns take the step's other paths behind them. The columns are checked
+    # against the sequences after every step.
     rng = random.Random(11)
     reasons = set()
+    num_behind = 0  # steps with rows of requests not plain behind the columns' rows
     for case in range(12):
         eos = ("all", "none", "some")[case % 3]
         requests = []
         for _ in range(rng.randint(2, 9)):
             ignore = {"all": False, "none": True, "some": rng.random() < 0.5}[eos]
+            odd = case >= 6 and rng.random() < 0.3
             params = SamplingParams(
                 max_tokens=rng.randint(1, 40),
                 temperature=rng.choice([0.0, 0.9]),
                 seed=rng.randrange(1000),
                 ignore_eos=ignore,
+                stop=("zq",) if odd and rng.random() < 0.5 else (),
+                n=rng.choice([1, 2]) if odd else 1,
+                logprobs=rng.choice([None, 2]) if odd else None,
             )
             requests.append(([rng.randrange(VOCAB) for _ in range(rng.randint(1, 7))], params))
         outputs = []
         for inline in (True, False):
             runner = PrefixModelRunner(64, 4)
-            runner.max_model_len = 30 if case >= 6 else 256
+            runner.max_model_len = 30 if case % 2 else 256
             engine = Engine(
-                runner, max_num_batched_tokens=16, max_num_seqs=6, eos_token_ids=(3, 5, 40), batched_sampling=True
+                runner,
+                max_num_batched_tokens=16,
+                max_num_seqs=6,
+                eos_token_ids=(3, 5, 40),
+                decode_text=_decode_text,
+                batched_sampling=True,
             )
             engine.inline_decode = inline
-            taken = []  # the decode steps taken through the columns
+            taken = []  # the steps that took rows through the columns
             take = engine._take_column_tokens
             engine._take_column_tokens = lambda *args, take=take, taken=taken: taken.append(1) or take(*args)
             ids = [engine.add_request(prompt, params) for prompt, params in requests]
-            run(engine)
-            assert (len(taken) > 3) == inline, case
+            while engine.has_unfinished():
+                engine.step()
+                runner.check_integrity()
+                _check_columns(engine)
+                cols = engine._step_columns  # (the step's columns, its leading rows)
+                if cols is not None and inline:
+                    num_behind += any(not seq.request.plain for seq in engine._scheduled[len(cols.seqs) :])
+            # (from case 6 on, columns form only where the leading rows are plain)
+            assert (len(taken) > 3) == inline or case >= 6, case
+            assert inline or not taken
             outs = [engine.output(rid) for rid in ids]
-            outputs.append([[(c.token_ids, c.finish_reason) for c in o.completions] for o in outs])
+            outputs.append([[(c.token_ids, c.text, c.finish_reason) for c in o.completions] for o in outs])
+            outputs[-1].append([s.logprobs for rid in ids for s in engine.requests[rid].seqs])
             outputs[-1].append([engine.stats.num_decode_tokens, engine.stats.num_prefill_tokens])
         assert outputs[0] == outputs[1], case
-        reasons.update(c[1] for out in outputs[0][:-1] for c in out)
-    assert reasons == {"stop", "length"}
+        reasons.update(c[2] for out in outputs[0][:-2] for c in out)
+    assert reasons == {"stop", "length"} and num_behind > 10
 
 
 def test_a_prompt_is_checked_packed_once_and_its_packing_serves_the_first_admission_only():

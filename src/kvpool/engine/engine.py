@@ -27,7 +27,7 @@ import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import compress, islice, repeat
 from typing import TypeVar
 
 import numpy as np
@@ -118,13 +118,15 @@ class RequestState:
 
 @dataclass(slots=True, eq=False)
 class _DecodeColumns:
-    """A decode batch as columns: the rows of a decode step where every row was a plain
-    request's inline token (`_take_inline_tokens`) and none ended. Each row is then one token
-    behind (its last, the one sampled), so the next step of the same rows plans, samples and
-    takes from these columns (`_plan_running`, `_take_column_tokens`) in C-level passes,
-    without reading each sequence's attributes again: at a fleet run's scale every object a
-    row touches is a likely cache miss. Row i is seqs[i]; the lists are kept as they are
-    (the step replaces `computed` and `last_tokens` with new ones), never mutated."""
+    """Decode rows as columns: the leading running sequences, in order, that the last step
+    took as plain requests' inline decode tokens (`_take_column_tokens`, `_take_inline_tokens`)
+    and that did not end there. Each is then one token behind (its last, the one sampled), so
+    the next step plans, samples and takes these rows from the columns (`_plan_running`,
+    `_take_column_tokens`) in C-level passes, without reading each sequence's attributes
+    again: at a fleet run's scale every object a row touches is a likely cache miss. Rows
+    that end leave the columns (`without`); rows that join the running list behind them join
+    them once a step took them inline (`joined`). Row i is seqs[i]; the lists are never
+    mutated (a step replaces `computed` and `last_tokens` with new ones)."""
 
     seqs: list[SequenceState]
     ids: list[str]  # seqs[i].seq_id
@@ -132,10 +134,49 @@ class _DecodeColumns:
     computed: list[int]  # seqs[i].num_computed = len(token_lists[i]) - 1: the next chunk's start
     last_tokens: list[int]  # token_lists[i][-1]: the next chunk's one token
     row_stop_ids: list[frozenset[int]]  # seqs[i].request.stop_ids
+    end_lens: list[int]  # seqs[i].request.end_len
     stop_ids: frozenset[int] | None  # every row's stop ids where they are one set; None: they differ
-    # min over rows of end_len - len(token_ids) (>= 1: none ended): a row can end by length in
-    # the next step only where it is 1 (its token then reaches its end length)
+    # at most the least over rows of end_len - len(token_ids) (which is >= 1: none ended): a
+    # row can end by length in the next step only where that least is 1 (its token then
+    # reaches its end length). A bound, not the least itself, once rows left (`without`):
+    # the take computes the least where the bound says a row may end
     slack: int
+
+    def joined(self, other: _DecodeColumns) -> _DecodeColumns:
+        """These rows, then `other`'s."""
+        stop_ids = self.stop_ids if self.stop_ids is not None and self.stop_ids == other.stop_ids else None
+        return _DecodeColumns(
+            self.seqs + other.seqs,
+            self.ids + other.ids,
+            self.token_lists + other.token_lists,
+            self.computed + other.computed,
+            self.last_tokens + other.last_tokens,
+            self.row_stop_ids + other.row_stop_ids,
+            self.end_lens + other.end_lens,
+            stop_ids,
+            min(self.slack, other.slack),
+        )
+
+    def without(self, rows: list[int]) -> _DecodeColumns | None:
+        """The rows but `rows` (increasing row numbers: those that ended), or None where none
+        is left. (Each column copied, then those rows deleted: a step ends a few rows of many,
+        and a copy and a few deletions cost a third of a filter of every row.)"""
+        if len(rows) == len(self.seqs):
+            return None
+        columns = (
+            self.seqs.copy(),
+            self.ids.copy(),
+            self.token_lists.copy(),
+            self.computed.copy(),
+            self.last_tokens.copy(),
+            self.row_stop_ids.copy(),
+            self.end_lens.copy(),
+        )
+        for i in reversed(rows):
+            for column in columns:
+                del column[i]
+        # (the slack of every row bounds the least of those left)
+        return _DecodeColumns(*columns, self.stop_ids, self.slack)
 
 
 @dataclass
@@ -236,10 +277,10 @@ class Engine:
         self._decode_rows: list[SequenceState] | None = None
         self._decode_ids: list[str] = []
         self._step_counts: list[int] = []
-        # the last step's rows as columns where it was an inline decode of them all that ended
-        # none, else None; `_plan_running` plans from them when the running sequences are still
-        # those rows (`_plan_columns`, with `_plan_ends`: each row's chunk end), and the step
-        # takes its tokens through them (`_step_columns`) where its chunks are exactly that plan
+        # the leading running sequences as columns (_DecodeColumns), else None; `_plan_running`
+        # plans from them when the running sequences still begin with those rows
+        # (`_plan_columns`, with `_plan_ends`: each row's chunk end), and the step takes their
+        # tokens (its leading chunks) through them (`_step_columns`) where its reservation held
         self._columns: _DecodeColumns | None = None
         self._plan_columns: _DecodeColumns | None = None
         self._plan_ends: list[int] = []
@@ -456,21 +497,38 @@ class Engine:
         """The running sequences' next chunks, in arrival order, within `budget` tokens: the
         sequences, their ids, token counts and chunks (one pass: a decode is one token)."""
         running = self.running
-        cols = self._columns
-        if cols is not None and len(cols.seqs) == len(running) <= budget and all(map(operator.is_, running, cols.seqs)):
-            # the rows of the last step's columns, each one token behind: chunk i is
-            # (ids[i], [last_tokens[i]], computed[i], True), built in C-level passes (zip
-            # hands tuple.__new__ each row's fields; the test of _chunk below holds them to it)
-            starts = cols.computed
-            self._plan_columns, self._plan_ends = cols, list(map(operator.add, starts, repeat(1)))
-            chunks = list(
-                map(
-                    _new_chunk,
-                    repeat(ScheduledChunk),
-                    zip(cols.ids, map(list, zip(cols.last_tokens)), starts, repeat(True)),
+        cols = self._plan_columns = self._columns
+        if cols is not None and len(cols.seqs) <= len(running) and all(map(operator.is_, running, cols.seqs)):
+            # the running sequences begin with the columns' rows, each one token behind: chunk
+            # i < k is (ids[i], [last_tokens[i]], computed[i], True), built in C-level passes
+            # (zip hands tuple.__new__ each row's fields); the rows after them (joined since)
+            # as below, in what the columns' rows leave of the budget (the test of _chunk
+            # below holds them all to it)
+            k = len(cols.seqs)
+            if k <= budget:
+                starts = cols.computed
+                self._plan_ends = [start + 1 for start in starts]
+                chunks = list(
+                    map(
+                        _new_chunk,
+                        repeat(ScheduledChunk),
+                        zip(cols.ids, map(list, zip(cols.last_tokens)), starts, repeat(True)),
+                    )
                 )
-            )
-            return list(running), cols.ids.copy(), [1] * len(running), chunks
+                if k == len(running):
+                    return list(running), cols.ids.copy(), [1] * k, chunks
+                extras = running[k:]
+                counts = [len(seq.token_ids) - seq.num_computed for seq in extras]
+                assert min(counts) > 0, "a running sequence always has a token to compute"
+                if sum(counts) <= budget - k:  # every one's whole rest fits
+                    chunks += [
+                        _new_chunk(
+                            ScheduledChunk, (seq.seq_id, seq.token_ids[seq.num_computed :], seq.num_computed, True)
+                        )
+                        for seq in extras
+                    ]
+                    return list(running), cols.ids + [seq.seq_id for seq in extras], [1] * k + counts, chunks
+                return self._plan_over_budget(extras, budget - k, list(cols.seqs), cols.ids.copy(), [1] * k, chunks)
         self._plan_columns = None
         rows = self._decode_rows
         if rows is not None and len(rows) == len(running) <= budget and all(map(operator.is_, running, rows)):
@@ -493,11 +551,21 @@ class Engine:
                 for seq in running
             ]
             return list(running), [seq.seq_id for seq in running], counts, chunks
-        seqs: list[SequenceState] = []
-        ids: list[str] = []
-        counts = []
-        chunks = []
-        for seq in running:  # over budget (the common decode step took the path above)
+        return self._plan_over_budget(running, budget, [], [], [], [])  # (the common decode step took the paths above)
+
+    def _plan_over_budget(
+        self,
+        running: list[SequenceState],
+        budget: int,
+        seqs: list[SequenceState],
+        ids: list[str],
+        counts: list[int],
+        chunks: list[ScheduledChunk],
+    ) -> tuple[list[SequenceState], list[str], list[int], list[ScheduledChunk]]:
+        """`_plan_running` where the sequences' whole rests do not fit `budget`: `running`
+        (the running sequences after those planned in seqs, ids, counts, chunks) one by one
+        while the budget lasts, each its rest or what the budget leaves."""
+        for seq in running:
             if budget <= 0:
                 break
             n = min(len(seq.token_ids) - seq.num_computed, budget)
@@ -582,8 +650,8 @@ class Engine:
             )
         self._scheduled = scheduled
         self._step_ids, self._step_counts = ids, counts  # chunks[i]'s request id and token count
-        # the step's chunks are the columns' plan where nothing joined it (admissions append)
-        self._step_columns = columns if columns is not None and len(chunks) == len(columns.seqs) else None
+        # the step's leading chunks are the columns' rows (admissions append after them)
+        self._step_columns = columns
         return chunks
 
     # ---- one step -------------------------------------------------------------------
@@ -617,24 +685,31 @@ class Engine:
         self._decode_rows = self._columns = None
         if plain and sampled is not None and len(sampled) == len(chunks) == counts.count(1):
             # a decode step (one sampled token a chunk): the loop below without its per-chunk branches
-            next_token_ids, num_decode = self._take_decode_tokens(sampled, logits, now, done, forks, failed)
+            next_token_ids, num_decode, end = self._take_decode_tokens(sampled, logits, now, done, forks, failed)
+            columns = self._step_columns
+            if done or failed or columns is None or end != len(columns.seqs):
+                columns = self._next_columns(next_token_ids, end, sampled, bool(done or failed))
+            self._columns = columns  # (the step's columns, one token on, where they are all its rows and none ended)
             if not done and not forks and not failed:  # each of them one token behind now
                 self._decode_rows, self._decode_ids = scheduled, self._step_ids
         else:
             if plain and sampled is not None:
                 # A mixed step (a prompt chunk among them, most often an admitted request's
                 # after the running ones): its leading chunks of one sampled token each, where
-                # every one is a plain request's decode token, go through _take_inline_tokens'
-                # passes, the rest through the loop below (from chunk `head`: sampled row `head`)
-                head = next(itertools.compress(itertools.count(), map(operator.ne, counts, repeat(1))), len(counts))
-                taken = None
-                if head and all(map(_NEEDS_LOGITS, chunks[:head])):
-                    taken = self._take_inline_tokens(scheduled[:head], sampled[:head], done, failed)
-                if taken is None:
-                    head = 0
-                else:
-                    next_token_ids[:head] = taken
-                    num_decode = row = head
+                # every one is a plain request's decode token, go through the columns' take
+                # (the columns' rows, which lead) and _take_inline_tokens' passes (the rest of
+                # them), the rest through the loop below (from chunk `head`: sampled row `head`)
+                end = next(itertools.compress(itertools.count(), map(operator.ne, counts, repeat(1))), len(counts))
+                columns = self._step_columns
+                if columns is not None:  # (its rows, each a decode, are chunks and sampled rows [0, k))
+                    head = len(columns.seqs)
+                    next_token_ids[:head] = self._take_column_tokens(columns, sampled[:head], done, failed)
+                if end > head and all(map(_NEEDS_LOGITS, chunks[head:end])):
+                    taken = self._take_inline_tokens(scheduled[head:end], sampled[head:end], done, failed)
+                    next_token_ids[head : head + len(taken)] = taken
+                    head += len(taken)
+                self._columns = self._next_columns(next_token_ids, head, sampled, bool(done or failed))
+                num_decode = row = head
             rest = zip(scheduled, chunks, counts, strict=True)
             for i, (seq, chunk, n) in enumerate(itertools.islice(rest, head, None) if head else rest, head):
                 seq.num_computed += n
@@ -711,25 +786,31 @@ class Engine:
     ) -> tuple[list[int | None], int]:
         """`step`'s loop for a step of one sampled token a chunk, every chunk (`sampled[i]`:
         the token of the i-th scheduled sequence), nothing recorded per token: the same work,
-        without the branches a prefill chunk takes. Returns each chunk's next token id for the
-        commit (None: none, its request finished or failed) and the number of decode chunks
-        (those after the prompt)."""
+        without the branches a prefill chunk takes. The columns' rows (the leading chunks)
+        go through `_take_column_tokens`, the others through `_take_inline_tokens` where every
+        one is a plain request's decode token, else through the loop below. Returns each
+        chunk's next token id for the commit (None: none, its request finished or failed),
+        the number of decode chunks (those after the prompt), and the number of leading chunks
+        taken through the columns and the inline take (`_next_columns`)."""
+        n = len(sampled)
         columns = self._step_columns
-        if columns is not None:  # the last step's rows, as columns
-            taken = self._take_column_tokens(columns, sampled, done, failed)
-            if not done and not failed:
-                self._columns = columns
-            return taken, len(sampled)
-        inline = self._take_inline_tokens(self._scheduled, sampled, done, failed)
-        if inline is not None:  # every row a plain request's decode token, no text to match
-            if not done and not failed:
-                self._columns = self._form_columns(self._scheduled, self._step_ids, sampled)
-            return inline, len(sampled)
-        next_token_ids: list[int | None] = []
+        if columns is None:
+            k = 0
+            next_token_ids: list[int | None] = []
+        else:
+            k = len(columns.seqs)
+            next_token_ids = self._take_column_tokens(columns, sampled if k == n else sampled[:k], done, failed)
+            if k == n:
+                return next_token_ids, n, n
+        inline = self._take_inline_tokens(self._scheduled[k:], sampled[k:], done, failed)
+        next_token_ids += inline  # (the leading rows that are plain requests' decode tokens, no text to match)
+        k += len(inline)
+        if k == n:
+            return next_token_ids, n, n
         put = next_token_ids.append
         num_in_prompt = 0  # chunks inside the prompt (a prompt's last token): not decodes
         accept = self._accept_token
-        for seq, token in zip(self._scheduled, sampled, strict=True):
+        for seq, token in zip(islice(self._scheduled, k, None), islice(sampled, k, None), strict=True):
             req = seq.request
             seq.num_computed += 1
             try:
@@ -762,7 +843,7 @@ class Engine:
             else:
                 put(None)
                 done.append((seq, reason))
-        return next_token_ids, len(sampled) - num_in_prompt
+        return next_token_ids, n - num_in_prompt, k
 
     def _take_inline_tokens(
         self,
@@ -770,18 +851,19 @@ class Engine:
         sampled: list[int],
         done: list[tuple[SequenceState, str]],
         failed: dict[str, tuple[str, str]],
-    ) -> list[int | None] | None:
-        """`_take_decode_tokens`' loop where every row is `inline` (a plain request past its
-        first token, no stop string to match), in its least work a row: the sequence computed
-        its last token and appends its sampled one; then, in a second pass only when some row
-        ended (its token a stop id, or its end length reached: the inline path's checks), the
-        rows that ended meet `_stop_reason` in row order. (seqs[i]: the sequence of the step's
-        chunk i, a decode of one token; sampled[i] its token.) The next token ids for the
-        commit (None where a request finished or failed), or None, with nothing taken, where
-        some row is not inline."""
-        for seq in seqs:  # (a loop: on Python 3.11 faster than all(map(attrgetter)))
+    ) -> list[int | None]:
+        """`_take_decode_tokens`' loop for the leading rows that are `inline` (a plain request
+        past its first token, no stop string to match), up to the first that is not, in its
+        least work a row: the sequence computed its last token and appends its sampled one;
+        then, in a second pass only when some row ended (its token a stop id, or its end
+        length reached: the inline path's checks), the rows that ended meet `_stop_reason` in
+        row order. (seqs[i]: the sequence of the step's chunk i, a decode of one token;
+        sampled[i] its token.) The next token ids for the commit of the rows taken, the first
+        len(result) (None where a request finished or failed); the others are left as they were."""
+        for i, seq in enumerate(seqs):  # (a loop: on Python 3.11 faster than map(attrgetter))
             if not seq.request.inline:
-                return None
+                seqs, sampled = seqs[:i], sampled[:i]
+                break
         ended = False
         for seq, token in zip(seqs, sampled, strict=True):
             seq.num_computed += 1
@@ -841,6 +923,8 @@ class Engine:
         any(map(setattr, cols.seqs, repeat("num_computed"), ends))
         cols.computed, cols.last_tokens = ends, sampled
         cols.slack -= 1
+        if cols.slack <= 0:  # (a bound: the least itself, len(token_ids) being ends[i] + 1)
+            cols.slack = min(map(operator.sub, cols.end_lens, ends)) - 1
         stop_ids = cols.stop_ids
         if cols.slack <= 0:  # some row's token reached its end length
             ended = True
@@ -853,13 +937,33 @@ class Engine:
             self._end_rows(cols.seqs, sampled, next_token_ids, done, failed)
         return next_token_ids
 
+    def _next_columns(
+        self, next_token_ids: list[int | None], end: int, sampled: list[int], ended: bool
+    ) -> _DecodeColumns | None:
+        """The columns for the next step: the step's leading chunks [0, end), each a plain
+        request's decode token, taken through the step's columns (the first k) and
+        `_take_inline_tokens` (the others, which join them), less the rows that ended or
+        failed (next_token_ids[i] None; looked for only where `ended`: the step ended some
+        row). None where no row is left."""
+        cols = self._step_columns
+        k = 0 if cols is None else len(cols.seqs)
+        if end > k:
+            seqs, ids = self._scheduled, self._step_ids
+            more = self._form_columns(seqs[k:end], ids[k:end], sampled[k:end])
+            cols = more if cols is None else cols.joined(more)
+        if cols is None or not ended:
+            return cols
+        gone = list(compress(itertools.count(), map(operator.is_, islice(next_token_ids, end), repeat(None))))
+        return cols.without(gone) if gone else cols
+
     @staticmethod
     def _form_columns(seqs: list[SequenceState], ids: list[str], sampled: list[int]) -> _DecodeColumns:
-        """The columns of an inline decode step's rows that ended none (each row's token
-        appended): read off the sequences in C-level passes."""
+        """The columns of rows an inline take took (each row's token appended), read off
+        the sequences in C-level passes. (Rows that ended leave them after: `without`.)"""
         reqs = list(map(_REQUEST, seqs))
         lists = list(map(_TOKEN_IDS, seqs))
         row_stop_ids = list(map(_STOP_IDS, reqs))
+        end_lens = list(map(_END_LEN, reqs))
         first = row_stop_ids[0]
         return _DecodeColumns(
             seqs,
@@ -868,8 +972,9 @@ class Engine:
             list(map(_NUM_COMPUTED, seqs)),
             sampled,
             row_stop_ids,
+            end_lens,
             first if row_stop_ids.count(first) == len(row_stop_ids) else None,
-            min(map(operator.sub, map(_END_LEN, reqs), map(len, lists))),
+            min(map(operator.sub, end_lens, map(len, lists))),
         )
 
     def _sample_step(self, chunks: Sequence[ScheduledChunk], logits: torch.Tensor) -> list[int]:
@@ -888,9 +993,12 @@ class Engine:
             return params, [seq.sample_index for seq in picked], origins
 
         def lengths() -> list[int]:
-            if self._step_columns is not None:  # the columns' rows: each one's length is its chunk's end
-                return self._plan_ends
-            return [len(seq.token_ids) for seq in seqs]
+            columns = self._step_columns
+            if columns is None:
+                return [len(seq.token_ids) for seq in seqs]
+            # the columns' rows lead (each a decode, sampled): each one's length is its chunk's end
+            k = len(columns.seqs)
+            return self._plan_ends if k == len(seqs) else self._plan_ends + [len(seq.token_ids) for seq in seqs[k:]]
 
         if len(logits) != len(seqs):  # (a tensor's rows, or a runner's list of empty rows)
             logits = logits[: len(seqs)]
