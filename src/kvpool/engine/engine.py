@@ -665,7 +665,7 @@ class Engine:
         stats.num_steps += 1
         logits = self.runner.execute(chunks)
         now = self.clock()
-        next_token_ids: list[int | None] = [None] * len(chunks)
+        next_token_ids: list[int | None]
         done: list[tuple[SequenceState, str]] = []
         forks: list[tuple[SequenceState, int]] = []  # (a parent, its row of the logits)
         # With contain_request_faults, a request whose own sampling or text raises fails
@@ -683,16 +683,24 @@ class Engine:
         scheduled = self._scheduled
         head = 0  # chunks [0, head) taken before the loop below (a mixed step's leading decode tokens)
         self._decode_rows = self._columns = None
-        if plain and sampled is not None and len(sampled) == len(chunks) == counts.count(1):
+        step_columns = self._step_columns
+        if (
+            plain
+            and sampled is not None
+            and len(sampled) == len(chunks)
+            # (a step of the columns' rows alone is one of decodes: no count of its counts)
+            and ((step_columns is not None and len(step_columns.seqs) == len(chunks)) or counts.count(1) == len(chunks))
+        ):
             # a decode step (one sampled token a chunk): the loop below without its per-chunk branches
             next_token_ids, num_decode, end = self._take_decode_tokens(sampled, logits, now, done, forks, failed)
-            columns = self._step_columns
+            columns = step_columns
             if done or failed or columns is None or end != len(columns.seqs):
                 columns = self._next_columns(next_token_ids, end, sampled, bool(done or failed))
             self._columns = columns  # (the step's columns, one token on, where they are all its rows and none ended)
             if not done and not forks and not failed:  # each of them one token behind now
                 self._decode_rows, self._decode_ids = scheduled, self._step_ids
         else:
+            next_token_ids = [None] * len(chunks)
             if plain and sampled is not None:
                 # A mixed step (a prompt chunk among them, most often an admitted request's
                 # after the running ones): its leading chunks of one sampled token each, where
@@ -700,7 +708,7 @@ class Engine:
                 # (the columns' rows, which lead) and _take_inline_tokens' passes (the rest of
                 # them), the rest through the loop below (from chunk `head`: sampled row `head`)
                 end = next(itertools.compress(itertools.count(), map(operator.ne, counts, repeat(1))), len(counts))
-                columns = self._step_columns
+                columns = step_columns
                 if columns is not None:  # (its rows, each a decode, are chunks and sampled rows [0, k))
                     head = len(columns.seqs)
                     next_token_ids[:head] = self._take_column_tokens(columns, sampled[:head], done, failed)
@@ -983,7 +991,9 @@ class Engine:
         the same sequences in the same order (a decode step of the same batch): then only
         the sequences' lengths are read, and only when a row draws."""
         seqs = self._scheduled
-        if not all(map(_NEEDS_LOGITS, chunks)):  # (a decode step samples every chunk: no filtered copy)
+        columns = self._step_columns
+        # (a decode step samples every chunk: no filtered copy; the columns' rows all need logits)
+        if (columns is None or len(columns.seqs) != len(chunks)) and not all(map(_NEEDS_LOGITS, chunks)):
             seqs = [seq for seq, c in zip(seqs, chunks, strict=True) if c.needs_logits]
 
         def rows(which: Sequence[int] | None = None) -> tuple[list[SamplingParams], list[int], list[int]]:
