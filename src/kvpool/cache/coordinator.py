@@ -218,7 +218,17 @@ class HybridCacheManager:
         first = self._table_groups[0] if self._table_groups else next(iter(built.values()))
         self.pool, self.block_size = first.pool, first.granularity  # the default table group's
         self.descriptor, self._descriptor_key = descriptor, descriptor.key()
+        # Changed only by `_add_request` and `_pop_request` (tests/test_coordinator_resolve.py
+        # holds the source to it): they bump the version that `_resolve`'s memo is valid at
         self._requests: dict[str, _Request] = {}
+        self._requests_version = 0
+        # `_resolve`'s memo: the last decode step's ids (a copy as a list and as a tuple: the
+        # engine passes a list to reserve_step and commit_step, the runner a tuple to
+        # step_reservations), their requests, and the version they were looked up at
+        self._resolved_list: list[str] = []
+        self._resolved_tuple: tuple[str, ...] = ()
+        self._resolved: list[_Request] = []
+        self._resolved_at = -1
         self._preempted: set[str] = set()  # released by preemption, not yet admitted again
         self.stats = PrefixStats()
         self.groups = built
@@ -332,6 +342,43 @@ class HybridCacheManager:
                 return i
         raise AssertionError("the first pass found a request at fault")
 
+    def _add_request(self, req: _Request) -> None:
+        """The one place a request joins `_requests`: `_resolve`'s memo is stale from here."""
+        self._requests[req.request_id] = req
+        self._requests_version += 1
+
+    def _pop_request(self, request_id: str) -> _Request | None:
+        """The one place a request leaves `_requests` (None: it was not there). The memo lets
+        go of its requests too: a replica gone idle keeps no finished request's tokens."""
+        req = self._requests.pop(request_id, None)
+        if req is not None:
+            self._requests_version += 1
+            self._resolved = []
+        return req
+
+    def _resolve(self, request_ids: Sequence[str]) -> list[_Request]:
+        """A step's requests, in order; KeyError (the dict's, the id alone) for an unknown
+        id. The last call's list again when no request joined or left since and the ids are
+        equal: a C-level comparison that finds the same string objects by identity (the
+        engine's ids of an unchanged batch), without a dict lookup per row. Three passes of
+        a decode step (reserve, step_reservations, commit) and the next step's share it.
+        Callers read the list, never change it; the ids' requests are the same objects, but
+        their counts are checked by each pass as before. Other sequence types: looked up,
+        not kept."""
+        kind = type(request_ids)
+        if kind is list:
+            if request_ids == self._resolved_list and self._resolved_at == self._requests_version:
+                return self._resolved
+        elif kind is tuple:
+            if request_ids == self._resolved_tuple and self._resolved_at == self._requests_version:
+                return self._resolved
+        else:
+            return list(map(self._requests.__getitem__, request_ids))
+        reqs = list(map(self._requests.__getitem__, request_ids))  # (raises before the memo changes)
+        self._resolved_list, self._resolved_tuple = list(request_ids), tuple(request_ids)
+        self._resolved, self._resolved_at = reqs, self._requests_version
+        return reqs
+
     def _get(self, request_id: str) -> _Request:
         try:
             return self._requests[request_id]
@@ -395,33 +442,31 @@ class HybridCacheManager:
         ends[i]), which must be its reserved step (ValueError naming the request otherwise):
         only the requests whose step took anything in some group (blocks, copies,
         checkpoints), in step order. Exact steps whose groups all have a decode period (V4):
-        a decode that ends off it costs a lookup and four comparisons, no group asked;
+        a decode that ends off it costs four comparisons, no group asked (its request from
+        `_resolve`: no lookup while the batch is unchanged);
         otherwise every group is asked about every request (`_each_reservation`)."""
         if not len(request_ids) == len(starts) == len(ends):
             raise ValueError(f"{len(request_ids)} requests, {len(starts)} starts, {len(ends)} ends")
         period = self._decode_period
         if not self.exact_steps or period is None:
             return self._each_reservation(request_ids, starts, ends)
-        requests, groups, empty = self._requests, self._group_list, NO_RESERVATION
+        groups, empty = self._group_list, NO_RESERVATION
+        try:
+            reqs = self._resolve(request_ids)
+        except KeyError:  # an unknown id: the twin raises what is wrong first, in step order
+            return self._each_reservation(request_ids, starts, ends)
         out: dict[str, Reservation] = {}
-        request_id, start, end = "", 0, 0
-        try:  # (a subscript, not `get`: a method call per row costs a sixth of the pass)
-            for request_id, start, end in zip(request_ids, starts, ends, strict=True):
-                req = requests[request_id]
-                if start != req.num_computed or end != req.end:
-                    self._not_reserved(request_id, start, end)  # raises
-                if end % period and end - start == 1:
-                    continue  # a decode ending off the period took nothing in any group (`decode_reserve_period`)
-                states = req.states
-                parts = {g.name: g.pending(states[g.name]) for g in groups}
-                for part in parts.values():  # (a loop, not any() over a generator: one per crossing)
-                    if part != empty:
-                        out[request_id] = Reservation(start, end - start, parts)
-                        break
-        except KeyError:
-            if request_id in requests:
-                raise  # (not the step's id: a group's own KeyError)
-            self._not_reserved(request_id, start, end)  # raises the KeyError naming the request
+        for req, start, end in zip(reqs, starts, ends, strict=True):
+            if start != req.num_computed or end != req.end:
+                self._not_reserved(req.request_id, start, end)  # raises
+            if end % period and end - start == 1:
+                continue  # a decode ending off the period took nothing in any group (`decode_reserve_period`)
+            states = req.states
+            parts = {g.name: g.pending(states[g.name]) for g in groups}
+            for part in parts.values():  # (a loop, not any() over a generator: one per crossing)
+                if part != empty:
+                    out[req.request_id] = Reservation(start, end - start, parts)
+                    break
         return out
 
     def _each_reservation(
@@ -852,7 +897,7 @@ class HybridCacheManager:
         req.num_loading = sum(len(g.loads(req.states[name])) * g.granularity for name, g in self.groups.items())
         req.num_computed = req.end = point - req.num_loading
         req.budget = rest if max_new_tokens is None else max_new_tokens
-        self._requests[request_id] = req
+        self._add_request(req)
         self._fresh.add(request_id)
         req.readmitted = request_id in self._preempted
         self._count_admission(req)
@@ -1039,30 +1084,29 @@ class HybridCacheManager:
         request is unknown, listed twice (its second entry finds a step reserved) or cannot
         reserve; on False or None every end is back (nothing changed). `_reserve_each` is
         its naive twin (tests/test_dsv4_cache.py holds them equal)."""
-        requests = self._requests
+        try:
+            reqs = self._resolve(request_ids)
+        except KeyError:
+            return None
         touched: list[_Request] = []
         i = 0
-        try:
-            for request_id in request_ids:
-                req = requests[request_id]
-                nc = req.num_computed
-                if req.end != nc or req.num_loading or nc >= len(req.token_ids):
-                    break
-                req.end = nc = nc + 1
-                if not nc % period:
-                    touched.append(req)
-                i += 1
-        except KeyError:
-            pass
-        if i < len(request_ids):  # undo the ends moved before the request at fault
-            for request_id in request_ids[:i]:
-                requests[request_id].end -= 1
+        for req in reqs:
+            nc = req.num_computed
+            if req.end != nc or req.num_loading or nc >= len(req.token_ids):
+                break  # (a request listed twice: its second entry finds its step reserved)
+            req.end = nc = nc + 1
+            if not nc % period:
+                touched.append(req)
+            i += 1
+        if i < len(reqs):  # undo the ends moved before the request at fault
+            for req in reqs[:i]:
+                req.end -= 1
             return None
         if touched:
             ends = [req.end for req in touched]
             if not self._fits(self._needs(touched, ends)):
-                for request_id in request_ids:
-                    requests[request_id].end -= 1
+                for req in reqs:
+                    req.end -= 1
                 return False
             for g in self._group_list:  # `_apply_reserve`, whose loop over the ends is done above
                 g.apply_reserve(touched, ends, detail=False)
@@ -1157,40 +1201,35 @@ class HybridCacheManager:
         listed twice, or its commit is not of one reserved token whose id is known: then
         every change is undone (None: nothing changed). `_commit_each` is its naive twin
         (tests/test_dsv4_cache.py holds them equal)."""
-        requests, period, exact = self._requests, self._commit_period, self.exact_steps
+        period, exact = self._commit_period, self.exact_steps
         if not exact and len(set(request_ids)) != len(request_ids):
             return None  # (exact steps: a request's second entry finds its one token committed)
+        try:
+            reqs = self._resolve(request_ids)
+        except KeyError:
+            return None
         changed: list[_Request] = []
         i = 0
-        try:
-            for request_id, next_token_id in zip(request_ids, next_token_ids, strict=True):
-                req = requests[request_id]
-                nc = req.num_computed + 1
-                # exact: the step reserved this one token; else: it lies within the reservation, its id known
-                if (req.end != nc) if exact else (nc > req.end or nc > len(req.token_ids)):
-                    break
-                req.num_computed = nc
-                if not nc % period:
-                    changed.append(req)
-                if next_token_id is not None:
-                    req.token_ids.append(next_token_id)
-                i += 1
-        except KeyError:
-            pass
-        if i < len(request_ids):  # undo the requests before the one at fault, latest first
-            for request_id, next_token_id in zip(reversed(request_ids[:i]), reversed(next_token_ids[:i]), strict=True):
-                req = requests[request_id]
+        for req, next_token_id in zip(reqs, next_token_ids, strict=True):
+            nc = req.num_computed + 1
+            # exact: the step reserved this one token; else: it lies within the reservation, its id known
+            if (req.end != nc) if exact else (nc > req.end or nc > len(req.token_ids)):
+                break
+            req.num_computed = nc
+            if not nc % period:
+                changed.append(req)
+            if next_token_id is not None:
+                req.token_ids.append(next_token_id)
+            i += 1
+        if i < len(reqs):  # undo the requests before the one at fault, latest first
+            for req, next_token_id in zip(reversed(reqs[:i]), reversed(next_token_ids[:i]), strict=True):
                 req.num_computed -= 1
                 if next_token_id is not None:
                     req.token_ids.pop()
             return None
         fresh = self._fresh
         if fresh:  # (in step order: the order groups publish in decides which copy is findable)
-            changed = [
-                req
-                for req in map(requests.__getitem__, request_ids)
-                if not req.num_computed % period or req.request_id in fresh
-            ]
+            changed = [req for req in reqs if not req.num_computed % period or req.request_id in fresh]
         return changed
 
     def _commit_chunks(
@@ -1203,29 +1242,29 @@ class HybridCacheManager:
         undone. `_commit_each` is its naive twin (tests/test_dsv4_cache.py holds them equal)."""
         if len(set(request_ids)) != len(request_ids):
             return None
-        requests, period, exact, fresh = self._requests, self._commit_period, self.exact_steps, self._fresh
+        period, exact, fresh = self._commit_period, self.exact_steps, self._fresh
+        try:
+            reqs = self._resolve(request_ids)
+        except KeyError:
+            return None
         changed: list[_Request] = []
         i = 0
-        try:
-            for request_id, n, next_token_id in zip(request_ids, num_tokens, next_token_ids, strict=True):
-                req = requests[request_id]
-                nc = req.num_computed + n
-                # exact: the whole reserved step (its end stays num_computed after); else within it, ids known
-                if (req.end != nc) if exact else (n < 0 or nc > req.end or nc > len(req.token_ids)):
-                    break
-                if n:
-                    req.num_computed = nc
-                    # a one-token commit off the period of a request not fresh changes no group (`commit_period`)
-                    if n != 1 or not nc % period or request_id in fresh:
-                        changed.append(req)
-                if next_token_id is not None:
-                    req.token_ids.append(next_token_id)
-                i += 1
-        except KeyError:
-            pass
-        if i < len(request_ids):  # undo the requests before the one at fault, latest first
+        for req, n, next_token_id in zip(reqs, num_tokens, next_token_ids, strict=True):
+            nc = req.num_computed + n
+            # exact: the whole reserved step (its end stays num_computed after); else within it, ids known
+            if (req.end != nc) if exact else (n < 0 or nc > req.end or nc > len(req.token_ids)):
+                break
+            if n:
+                req.num_computed = nc
+                # a one-token commit off the period of a request not fresh changes no group (`commit_period`)
+                if n != 1 or not nc % period or req.request_id in fresh:
+                    changed.append(req)
+            if next_token_id is not None:
+                req.token_ids.append(next_token_id)
+            i += 1
+        if i < len(reqs):  # undo the requests before the one at fault, latest first
             for j in reversed(range(i)):
-                req = requests[request_ids[j]]
+                req = reqs[j]
                 req.num_computed -= num_tokens[j]
                 if next_token_ids[j] is not None:
                     req.token_ids.pop()
@@ -1342,7 +1381,7 @@ class HybridCacheManager:
         child.num_computed = child.end = nc
         for name, g in self.groups.items():
             child.states[name] = g.fork(parent.states[name])
-        self._requests[child_id] = child
+        self._add_request(child)
         self._fresh.add(child_id)
         return True
 
@@ -1388,7 +1427,7 @@ class HybridCacheManager:
         slot holds it: nothing to copy), an attention group's partial last block."""
         if reason not in RELEASE_REASONS:
             raise ValueError(f"unknown release reason {reason!r}; one of {RELEASE_REASONS}")
-        req = self._requests.pop(request_id, None)
+        req = self._pop_request(request_id)
         # `_preempted` stays exact: a preemption marks the request; any other release of it
         # (a cancel of a preempted request that waits, say) clears the mark.
         if reason != "preempt":

@@ -1,0 +1,232 @@
+"""The coordinator's memo of a step's requests (`HybridCacheManager._resolve`): the decode
+passes (reserve_step, step_reservations, commit_step) reuse the last step's `_Request` list
+while the ids are equal and no request joined or left. Held to the naive twins
+(`_reserve_each`, `_each_reservation`, `_commit_each`, which look every id up) through
+lifecycles that change the requests between steps under the SAME ids list object."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpool.cache import CacheDescriptor, DSV4CacheManager, FullAttentionManager, coordinator
+from kvpool.cache.coordinator import HybridCacheManager
+from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG
+from kvpool.spec.dsv4 import DSV4Spec
+
+SPEC = DSV4Spec.from_config(SMALL_DSV4_CONFIG)  # span 16
+DESC = CacheDescriptor("small-dsv4", layout_id="span16:fp32")
+MUTATORS = {"pop", "popitem", "clear", "update", "setdefault", "__setitem__", "__delitem__"}
+
+
+def _ids(n: int, offset: int = 0) -> list[int]:
+    return [(offset + 7 * i) % 251 for i in range(n)]
+
+
+def test_requests_change_only_where_the_memo_goes_stale() -> None:
+    # Every change of `_requests` must bump the version `_resolve` checks: the source holds
+    # its assignments, deletions and mutating calls (through `self._requests` or a local
+    # alias of it) to `_add_request` and `_pop_request` (and the empty dict of __init__)
+    tree = ast.parse(inspect.getsource(coordinator))
+    found = []
+    for func in ast.walk(tree):
+        if not isinstance(func, ast.FunctionDef):
+            continue
+        aliases = set()
+        for node in ast.walk(func):  # `requests = self._requests`, `requests, x = self._requests, ...`
+            if isinstance(node, ast.Assign):
+                pairs = []
+                for target in node.targets:
+                    if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple):
+                        pairs += zip(target.elts, node.value.elts, strict=False)
+                    else:
+                        pairs.append((target, node.value))
+                for target, value in pairs:
+                    if isinstance(target, ast.Name) and ast.unparse(value) == "self._requests":
+                        aliases.add(target.id)
+        names = {"self._requests", *aliases}
+
+        def is_requests(node: ast.AST, names: set[str] = names) -> bool:
+            return ast.unparse(node) in names
+
+        for node in ast.walk(func):
+            targets = []
+            if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            elif isinstance(node, ast.Delete):
+                targets = node.targets
+            for target in targets:
+                if isinstance(target, ast.Subscript) and is_requests(target.value):
+                    found.append((func.name, ast.unparse(node)))
+                if ast.unparse(target) == "self._requests" and func.name != "__init__":
+                    found.append((func.name, ast.unparse(node)))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                if node.func.attr in MUTATORS and is_requests(node.func.value):
+                    found.append((func.name, ast.unparse(node)))
+    assert sorted({name for name, _ in found}) == ["_add_request", "_pop_request"], found
+
+
+def test_a_request_released_and_admitted_again_under_the_same_ids_is_the_new_one() -> None:
+    # The engine's ids list of an unchanged batch, the same object step after step: r1 is
+    # released and admitted again between two steps (a preemption that recomputes), the
+    # list unchanged. The next step must see the new r1 (computed 4 + 1), not the one gone
+    m = DSV4CacheManager(SPEC, 12, 4, DESC)
+    for rid, n in (("r0", 10), ("r1", 6)):
+        assert m.admit(rid, _ids(n)) is not None
+        m.commit_step([rid], [n], [1])
+    ids = ["r0", "r1"]
+    assert m.reserve_step(ids, [1, 1])
+    assert m.step_reservations(tuple(ids), (10, 6), (11, 7)) == {}
+    m.commit_step(ids, [1, 1], [2, 2])
+    assert [m.num_computed_tokens(r) for r in ids] == [11, 7]
+    m.release("r1", "preempt")
+    assert m.admit("r1", _ids(4)) is not None  # a shorter prompt: another request under the id
+    m.commit_step(["r1"], [4], [3])
+    assert m.reserve_step(ids, [1, 1])
+    assert m.step_reservations(tuple(ids), (11, 4), (12, 5)) == {}
+    m.commit_step(ids, [1, 1], [4, 4])
+    assert [m.num_computed_tokens(r) for r in ids] == [12, 5]
+    assert m.token_ids("r1") == [*_ids(4), 3, 4]
+    m.check_integrity()
+    # the list changed in place (the batch reordered): equal to nothing kept, looked up again
+    ids.reverse()
+    assert m.reserve_step(ids, [1, 1])
+    m.commit_step(ids, [1, 1], [5, 6])
+    assert (m.token_ids("r0")[-1], m.token_ids("r1")[-1]) == (6, 5)
+    m.check_integrity()
+
+
+class _Twins:
+    """Two caches driven alike: `fast` through reserve_step / step_reservations /
+    commit_step (the memo), `twin` through their naive twins."""
+
+    def __init__(self, paged: bool) -> None:
+        def build() -> HybridCacheManager:
+            if paged:
+                return FullAttentionManager(24, 4, DESC)
+            return DSV4CacheManager(SPEC, 12, 4, DESC)
+
+        self.fast, self.twin = build(), build()
+        self.twin._decode_period = None  # reserve_step -> _reserve_each, step_reservations -> _each_reservation
+        self.both = (self.fast, self.twin)
+
+    def commit(self, m: HybridCacheManager, ids: list[str], counts: list[int], nexts: list[int | None]) -> None:
+        (m.commit_step if m is self.fast else m._commit_each)(ids, counts, nexts)
+
+    def check(self) -> None:
+        views = []
+        for m in self.both:
+            m.check_integrity()
+            views.append(
+                (
+                    [(r, m.num_computed_tokens(r), m.num_reserved_tokens(r), m.token_ids(r)) for r in m.request_ids],
+                    m.pool.free_queue(),
+                    m.usage(),
+                )
+            )
+        assert views[0] == views[1]
+
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["step", "admit", "finish", "preempt", "readmit", "fork", "reverse", "rollback"]),
+        st.integers(0, 7),
+        st.integers(1, 40),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(paged=st.booleans(), ops=OPS)
+def test_the_memo_agrees_with_the_naive_twins_through_lifecycles(paged: bool, ops: list) -> None:
+    t = _Twins(paged)
+    ids: list[str] = []  # the engine's list: one object all along, changed in place
+    num_new = 0
+    for op, who, n in ops:
+        rid = ids[who % len(ids)] if ids else None
+        if op == "admit" or (op == "readmit" and rid is not None):
+            if op == "admit":
+                num_new += 1
+                rid = f"r{num_new}"
+            else:  # released and admitted again under the same id, the list unchanged
+                for m in t.both:
+                    assert m.release(rid, "preempt") is True
+            tokens = _ids(n, offset=num_new)
+            admitted = [m.admit(rid, tokens) for m in t.both]
+            assert admitted[0] == admitted[1]
+            if admitted[0] is None:
+                if op == "readmit":
+                    ids.remove(rid)
+            else:
+                for m in t.both:
+                    t.commit(m, [rid], [admitted[0].num_scheduled_tokens], [n % 251])
+                if op == "admit":
+                    ids.append(rid)
+        elif op in ("finish", "preempt") and rid is not None:
+            for m in t.both:
+                assert m.release(rid, op) is True
+            if n % 2:
+                ids.remove(rid)
+            else:  # the list still names it for a moment: the next step refuses it, nothing changed
+                for m in t.both:
+                    try:
+                        m.reserve_step(ids, [1] * len(ids))
+                    except KeyError as error:
+                        assert repr(rid) in str(error)
+                    else:
+                        raise AssertionError("a released request's step was reserved")
+                ids.remove(rid)
+        elif op == "fork" and rid is not None:
+            child = f"{rid}.{n}"
+            if child not in t.fast:
+                forked = [m.fork(rid, child) for m in t.both]
+                assert forked[0] == forked[1]
+                if forked[0]:
+                    ids.append(child)
+        elif op == "reverse":
+            ids.reverse()
+        elif op == "rollback" and rid is not None and paged:
+            to = t.fast.num_computed_tokens(rid) - n % 5
+            if to >= 0:
+                for m in t.both:
+                    m.rollback(rid, to)
+        elif op == "step" and ids:
+            for _ in range(1 + n % 3):  # unchanged batches: the memo's hits
+                for m in t.both:
+                    for r in ids:
+                        if m.num_tokens(r) == m.num_computed_tokens(r):
+                            m.append_token_ids(r, [n])
+                fits = [m.reserve_step(ids, [1] * len(ids)) for m in t.both]
+                assert fits[0] == fits[1]
+                if not fits[0]:
+                    break
+                starts = [t.fast.num_computed_tokens(r) for r in ids]
+                ends = [s + 1 for s in starts]
+                # the runner passes a tuple of the same ids
+                assert t.fast.step_reservations(tuple(ids), starts, ends) == t.twin.step_reservations(
+                    tuple(ids), starts, ends
+                )
+                nexts = [None if (i + n) % 4 == 0 else n for i in range(len(ids))]
+                for m in t.both:
+                    t.commit(m, ids, [1] * len(ids), nexts)
+                t.check()
+        t.check()
+
+
+def test_a_release_lets_go_of_the_memos_requests() -> None:
+    # An idle replica must not keep its last batch's finished requests (their token lists)
+    # alive through the memo
+    m = DSV4CacheManager(SPEC, 12, 4, DESC)
+    assert m.admit("r0", _ids(10)) is not None
+    m.commit_step(["r0"], [10], [1])
+    ids = ["r0"]
+    assert m.reserve_step(ids, [1])
+    m.commit_step(ids, [1], [2])
+    assert [r.request_id for r in m._resolved] == ["r0"]
+    m.release("r0")
+    assert m._resolved == []
+    m.check_integrity()
