@@ -80,3 +80,28 @@ def test_one_group_lookups_agree_with_their_twins(window: int | None, turns: lis
         m.check_integrity()
         assert _agree(m, tokens, tenant) == m.lookup_prefix(tokens, tenant_salt=tenant)
         seen.append(tokens)
+
+
+class _UnsortedExtras:
+    """A group whose off-grid points come out of order and repeated (the protocol asks for
+    increasing points, each once): the one-group walk must give its twin's answer anyway."""
+
+    def upper_bound(self, found: object) -> int:
+        return 20
+
+    def extra_points(self, found: object) -> list[int]:
+        return [6, 13, 6]
+
+    def serves(self, found: object, point: int) -> bool:
+        return point in (13, 6)
+
+
+def test_one_group_hit_point_takes_unsorted_extra_points_as_its_twin() -> None:
+    cache = HybridCacheManager([(AttentionGroupSpec("full", BS), 12)], DESC)
+    group = _UnsortedExtras()
+    cache._one_group = ("full", group)
+    cache.groups = {"full": group}
+    # the largest served point under min(21 - 1, 20) is 13 (neither grid point 20..4 is served)
+    assert cache._hit_point_of_groups({"full": None}, 21) == 13
+    assert cache.hit_point({"full": None}, 21) == 13
+    assert cache.hit_point({"full": None}, 10) == 6  # 13 > 9: the next served below is 6

@@ -37,6 +37,7 @@ The runner applies the copies (`take_copies`), restores and snapshots the groups
 from __future__ import annotations
 
 import math
+import operator
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -737,6 +738,9 @@ class HybridCacheManager:
         top = min(num_tokens - 1, group.upper_bound(found))
         point = top // g * g
         extras = group.extra_points(found)  # increasing, each once (a group's turn ends)
+        if any(map(operator.ge, extras, extras[1:])):
+            # the protocol's order, where a group broke it: the walk below reads them in order
+            extras = sorted(set(extras))
         if not extras:
             while point > 0 and not serves(found, point):
                 point -= g
