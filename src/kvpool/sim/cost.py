@@ -525,8 +525,17 @@ class CostModel:
         block_m = moe_block_m(max(1, rows // moe.num_experts))
         touched = self.experts_touched(num_tokens)
         padding = touched * math.ceil(rows / touched / block_m) * block_m - rows
+        return self._moe_row_flops * padding
+
+    @cached_property
+    def _moe_row_flops(self) -> float:
+        """FLOPs one row costs the routed-expert GEMMs of all MoE layers on this GPU: gate, up
+        and down projections of one expert slice (2 x 3 x hidden x expert_intermediate / tp)
+        a layer."""
+        moe = self.model.moe
+        assert moe is not None
         per_row = 2 * 3 * self.model.hidden_size * moe.expert_intermediate_size / self.tp
-        return len(moe.moe_layers) * per_row * padding
+        return len(moe.moe_layers) * per_row
 
     @cached_property
     def _moe_compute_efficiency(self) -> float | None:
@@ -544,8 +553,7 @@ class CostModel:
             return 0.0
         moe = self.model.moe
         assert moe is not None
-        per_row = 2 * 3 * self.model.hidden_size * moe.expert_intermediate_size / self.tp
-        computed = len(moe.moe_layers) * per_row * num_tokens * moe.experts_per_token + self._moe_tile_flops(num_tokens)
+        computed = self._moe_row_flops * num_tokens * moe.experts_per_token + self._moe_tile_flops(num_tokens)
         peak = self._peaks[0]
         return computed / (peak * efficiency) - computed / (peak * self.compute_efficiency)
 
