@@ -11,11 +11,13 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvpool.cache import CacheDescriptor, FullAttentionManager
 from kvpool.engine.batch_sampler import BatchSampler
-from kvpool.engine.engine import Engine, RequestState, SequenceState
-from kvpool.engine.runner import ScheduledChunk
+from kvpool.engine.engine import Engine, RequestState, SequenceState, _DecodeColumns
+from kvpool.engine.runner import ScheduledChunk, StepChunks, step_columns
 from kvpool.engine.sampling import SamplingParams
 
 VOCAB = 97
@@ -30,6 +32,7 @@ class PrefixModelRunner:
         self.vocab_size = VOCAB
         self.capacity_tokens = num_blocks * block_size
         self.max_model_len = self.capacity_tokens
+        self.num_planned = 0  # steps whose chunks came with the engine's columns (StepChunks)
 
     def admit(self, request_id, token_ids, max_new_tokens, *, tenant_salt="", prompt=None, check_packing=True):
         return self.cache.admit(
@@ -43,6 +46,17 @@ class PrefixModelRunner:
         self.cache.append_token_ids(request_id, token_ids)
 
     def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+        if type(chunks) is StepChunks:
+            # the columns the engine gave are the chunks' own: step_columns reads them, and
+            # its twin (the chunks transposed) gives the same ids, starts and ends
+            self.num_planned += 1
+            columns = [list(column) for column in step_columns(chunks)]
+            assert columns == [list(column) for column in step_columns(list(chunks))]
+            assert columns == [
+                [c.request_id for c in chunks],
+                [c.start for c in chunks],
+                [c.start + len(c.token_ids) for c in chunks],
+            ]
         self.cache.take_copies()
         tables = self.cache.step_tables(
             [c.request_id for c in chunks], [c.start for c in chunks], [c.start + len(c.token_ids) for c in chunks]
@@ -393,6 +407,7 @@ def test_a_batch_taken_as_columns_ends_its_rows_as_accept_token_does():
                     num_behind += any(not seq.request.plain for seq in engine._scheduled[len(cols.seqs) :])
             # (from case 6 on, columns form only where the leading rows are plain)
             assert (len(taken) > 3) == inline or case >= 6, case
+            assert (runner.num_planned == len(taken)) or not inline  # each such step's chunks came with columns
             assert inline or not taken
             outs = [engine.output(rid) for rid in ids]
             outputs.append([[(c.token_ids, c.text, c.finish_reason) for c in o.completions] for o in outs])
@@ -459,3 +474,50 @@ def test_a_prompt_is_checked_packed_once_and_its_packing_serves_the_first_admiss
     run(engine)
     for rid, prompt in ((a, [1, 2, 3, 4, 5]), (b, [1, 2, 3, 4, 6]), (c, [1, 2, 3, 4, 5, 7])):
         assert engine.output(rid).completions[0].token_ids == expected(prompt, 3)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.integers(0, 6), st.integers(1, 4), st.sampled_from([frozenset(), frozenset({3}), frozenset({3, 5})])
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+    shared=st.booleans(),
+)
+def test_the_columns_rows_that_may_end_are_those_end_rows_ends(rows, shared):
+    # `_take_column_tokens` hands `_end_rows` only the rows `_column_end_rows` finds in C
+    # (a token among the row's stop ids; with `left`, its length at its end length); its twin
+    # is `_end_rows` over every row, whose own check is: the token is a stop id, or
+    # len(token_ids) >= end_len. Each row: its token, its end length's distance from the
+    # chunk's end + 1 (left[i] = end_len - end: 1 or less is reached), its stop ids (the
+    # columns' one set where shared, else a set a row)
+    if shared:
+        rows = [(token, left, rows[0][2]) for token, left, _ in rows]
+    ends = [100 + 7 * i for i in range(len(rows))]  # each row's chunk end: len(token_ids) - 1
+    sampled = [token for token, _, _ in rows]
+    end_lens = [end + left for end, (_, left, _) in zip(ends, rows, strict=True)]
+    row_stop_ids = [stop_ids for _, _, stop_ids in rows]
+    cols = _DecodeColumns(
+        [],
+        [],
+        [],
+        ends,
+        sampled,
+        row_stop_ids,
+        end_lens,
+        row_stop_ids[0] if shared else None,
+        0,
+    )
+    twin = [
+        i
+        for i, (token, stop_ids, end, end_len) in enumerate(zip(sampled, row_stop_ids, ends, end_lens, strict=True))
+        if token in stop_ids or end + 1 >= end_len
+    ]
+    left = [end_len - end for end_len, end in zip(end_lens, ends, strict=True)]
+    # the take passes `left` exactly where the least of it says some row reached its end length
+    assert Engine._column_end_rows(cols, sampled, left if min(left) <= 1 else None) == twin
+    if min(left) > 1:
+        assert Engine._column_end_rows(cols, sampled, left) == twin  # (a bound that says nothing more)

@@ -25,7 +25,7 @@ import operator
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import compress, islice, repeat
 from typing import TypeVar
@@ -36,7 +36,7 @@ import torch
 from kvpool.cache.coordinator import pack_prompt
 from kvpool.cache.types import LookupPrompt
 from kvpool.engine.batch_sampler import BatchSampler, StepSampler
-from kvpool.engine.runner import ModelRunner, ScheduledChunk
+from kvpool.engine.runner import ModelRunner, ScheduledChunk, StepChunks
 from kvpool.engine.sampling import SamplingParams, sample_token, token_logprobs
 from kvpool.pool import token_bytes
 
@@ -652,7 +652,16 @@ class Engine:
         self._step_ids, self._step_counts = ids, counts  # chunks[i]'s request id and token count
         # the step's leading chunks are the columns' rows (admissions append after them)
         self._step_columns = columns
-        return chunks
+        if columns is None:
+            return chunks
+        # the columns' rows' starts and ends at hand (their chunks [computed[i], ends[i])):
+        # the chunks go with their columns, which the runner reads instead of transposing them
+        k = len(columns.seqs)
+        starts, ends = columns.computed, self._plan_ends
+        if len(chunks) > k:
+            more = [chunk.start for chunk in islice(chunks, k, None)]
+            starts, ends = starts + more, ends + list(map(operator.add, more, islice(counts, k, None)))
+        return StepChunks(chunks, ids, starts, ends)
 
     # ---- one step -------------------------------------------------------------------
 
@@ -892,11 +901,17 @@ class Engine:
         next_token_ids: list[int | None],
         done: list[tuple[SequenceState, str]],
         failed: dict[str, tuple[str, str]],
+        rows: Iterable[int] | None = None,
     ) -> None:
         """The inline takes' second pass, for a step where some row may have ended (each
         row's token appended): the rows whose token is a stop id or reaches their end length
-        meet `_stop_reason`, in row order; next_token_ids[i] is None where one ended or failed."""
-        for i, (seq, token) in enumerate(zip(seqs, sampled, strict=True)):
+        meet `_stop_reason`, in row order; next_token_ids[i] is None where one ended or failed.
+        rows: the only rows that may have (increasing; `_column_end_rows` finds them in C),
+        else every row is looked at (the twin)."""
+        if rows is None:
+            rows = range(len(seqs))
+        for i in rows:
+            seq, token = seqs[i], sampled[i]
             req = seq.request
             if token not in req.stop_ids and len(seq.token_ids) < req.end_len:
                 continue
@@ -931,8 +946,10 @@ class Engine:
         any(map(setattr, cols.seqs, repeat("num_computed"), ends))
         cols.computed, cols.last_tokens = ends, sampled
         cols.slack -= 1
+        left = None  # [k]: end_lens[i] - ends[i], where the slack was recomputed
         if cols.slack <= 0:  # (a bound: the least itself, len(token_ids) being ends[i] + 1)
-            cols.slack = min(map(operator.sub, cols.end_lens, ends)) - 1
+            left = list(map(operator.sub, cols.end_lens, ends))
+            cols.slack = min(left) - 1
         stop_ids = cols.stop_ids
         if cols.slack <= 0:  # some row's token reached its end length
             ended = True
@@ -942,8 +959,30 @@ class Engine:
             ended = bool(stop_ids) and not stop_ids.isdisjoint(sampled)
         next_token_ids: list[int | None] = list(sampled)
         if ended:
-            self._end_rows(cols.seqs, sampled, next_token_ids, done, failed)
+            # only the rows that may have ended meet `_end_rows` (a step ends a few of many)
+            rows = self._column_end_rows(cols, sampled, left if cols.slack <= 0 else None)
+            self._end_rows(cols.seqs, sampled, next_token_ids, done, failed, rows)
         return next_token_ids
+
+    @staticmethod
+    def _column_end_rows(cols: _DecodeColumns, sampled: list[int], left: list[int] | None) -> list[int]:
+        """The rows of a columns' step (each row's token appended: sampled[i]) that may have
+        ended, increasing: those whose token is one of their stop ids, and (left: end_lens[i]
+        minus the row's chunk end, given where some row reached its end length) those whose
+        length reached their end length (left[i] <= 1, len(token_ids) being the chunk's end
+        + 1). Found in C-level passes; `_end_rows` checks each again, as it checks every
+        row without them (tests/test_engine_scheduler.py holds the two to each other)."""
+        stop_ids = cols.stop_ids
+        if stop_ids is None:  # the rows' stop ids differ: row by row
+            stops = compress(itertools.count(), map(operator.contains, cols.row_stop_ids, sampled))
+        elif stop_ids:
+            stops = compress(itertools.count(), map(stop_ids.__contains__, sampled))
+        else:
+            stops = iter(())
+        if left is None:
+            return list(stops)
+        by_length = compress(itertools.count(), map(operator.ge, repeat(1), left))
+        return sorted({*stops, *by_length})
 
     def _next_columns(
         self, next_token_ids: list[int | None], end: int, sampled: list[int], ended: bool

@@ -64,7 +64,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, chain, compress, pairwise
-from operator import add, attrgetter
+from operator import add, attrgetter, sub
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -102,6 +102,35 @@ class ScheduledChunk(NamedTuple):
     token_ids: list[int]
     start: int
     needs_logits: bool  # True when the chunk ends at the sequence's last known token (sample next)
+
+
+class StepChunks(list[ScheduledChunk]):
+    """A step's chunks as the engine planned them (a list of `ScheduledChunk`, equal to the
+    plain list of the same chunks), with their columns, which the engine had at hand:
+    request_ids[i], starts[i] and ends[i] are chunk i's request_id, start and start +
+    len(token_ids). `step_columns` reads them instead of transposing the chunks (a new
+    tuple a chunk, then a pass over their lengths); callers never change them."""
+
+    __slots__ = ("request_ids", "starts", "ends")
+
+    def __init__(
+        self, chunks: Sequence[ScheduledChunk], request_ids: Sequence[str], starts: Sequence[int], ends: Sequence[int]
+    ) -> None:
+        super().__init__(chunks)
+        self.request_ids, self.starts, self.ends = request_ids, starts, ends
+
+
+def step_columns(chunks: Sequence[ScheduledChunk]) -> tuple[Sequence[str], Sequence[int], Sequence[int]]:
+    """The chunks' request ids, starts and ends (start + len(token_ids)): a `StepChunks`'
+    own, else the chunks transposed in C-level passes (the twin: the test runner of
+    tests/test_engine_scheduler.py holds every StepChunks' columns to it)."""
+    if type(chunks) is StepChunks:
+        return chunks.request_ids, chunks.starts, chunks.ends
+    if not chunks:
+        return (), (), []
+    # (a chunk is a named tuple of four fields: strict would check nothing, at a fifth of the pass)
+    ids, token_ids, starts, _ = zip(*chunks, strict=False)
+    return ids, starts, list(map(add, starts, map(len, token_ids)))
 
 
 def last_token_rows(chunks: Sequence[ScheduledChunk]) -> list[int]:
@@ -471,10 +500,7 @@ class ModelRunner:
         else:
             buffers = self.step_buffers
             if buffers is not None:  # the step's metadata into the persistent buffers
-                # the chunks' columns in one C-level pass (a chunk is a named tuple of four
-                # fields: strict would check nothing, at a fifth of the pass)
-                ids, token_ids, starts, _ = zip(*chunks, strict=False) if chunks else ((), (), (), ())
-                ends = list(map(add, starts, map(len, token_ids)))
+                ids, starts, ends = step_columns(chunks)
                 # checked before anything is written: a refused step leaves the buffers as they were
                 self._check_step(ids, starts, ends)
                 # the last decode step one token on, no copy-on-write: only opened blocks are read
@@ -574,11 +600,8 @@ class ModelRunner:
         whole = True  # no cut strictly inside a chunk: the step is one forward
         # (each chunk is its request's reservation, the cache checks; only the steps that took
         # blocks or checkpoints come back: a decode inside its span took nothing)
-        # the chunks' ids and starts unzipped in one C-level pass (a chunk is a named tuple of
-        # four fields: strict would check nothing, at a fifth of the pass): three list
-        # comprehensions cost a third more per step
-        ids, token_ids, starts, _ = zip(*chunks, strict=False) if chunks else ((), (), (), ())
-        taken = self.cache.step_reservations(ids, starts, list(map(add, starts, map(len, token_ids))))
+        ids, starts, ends = step_columns(chunks)
+        taken = self.cache.step_reservations(ids, starts, ends)
         for request_id, res in taken.items():
             (part,) = res.groups.values()  # V4: the one dual-pool group's new blocks and checkpoints
             at = [p for p, _ in part.checkpoints]
@@ -595,14 +618,14 @@ class ModelRunner:
                 res = taken[request_id]
                 self._after_piece(request_id, res.start + res.num_tokens, checkpoints, snapshots)
             return out
-        return self._forward_cut(chunks, all_logits, ids, token_ids, cuts, checkpoints, snapshots)
+        return self._forward_cut(chunks, all_logits, ids, list(map(sub, ends, starts)), cuts, checkpoints, snapshots)
 
     def _forward_cut(
         self,
         chunks: Sequence[ScheduledChunk],
         all_logits: bool,
         ids: Sequence[str],
-        token_ids: Sequence[list[int]],
+        lens: list[int],
         cuts: dict[str, list[int]],
         checkpoints: dict[str, tuple[tuple[int, int], ...]],
         snapshots: dict[str, dict[int, tuple[bytes, BlockDescriptor]]],
@@ -615,8 +638,8 @@ class ModelRunner:
         only for the `cuts` requests (a prefill chunk that crosses checkpoints beside a batch
         of decodes: the decodes cost C-level passes). Logits as `_forward_in_pieces`
         returns them."""
-        # the first forward: chunk i is todo[first_at[i]] (chunks without tokens compute nothing)
-        lens = list(map(len, token_ids))
+        # the first forward: chunk i is todo[first_at[i]] (chunks without tokens compute
+        # nothing; lens[i] is len(chunks[i].token_ids))
         first_lens = list(lens)  # each chunk's tokens in the first forward
         if 0 in lens:
             first_at = list(accumulate(map(bool, lens), initial=-1))[1:]
