@@ -10,12 +10,25 @@ import pytest
 import xxhash
 
 from kvpool.pool import BlockHasher, BlockPool, token_bytes
-from kvpool.pool.hashing import block_packer
+from kvpool.pool.hashing import token_array
 
 
 def test_token_bytes_is_little_endian_uint32():
     assert token_bytes([1, 256, 2**32 - 1]) == bytes([1, 0, 0, 0, 0, 1, 0, 0, 255, 255, 255, 255])
-    assert block_packer(3)([1, 256, 2**32 - 1]) == token_bytes([1, 256, 2**32 - 1])
+
+
+def test_token_array_is_the_packed_ids_and_packs_back_to_them():
+    # A cache's own ids (token_array of a prompt's packing): the same ids, and token_bytes of
+    # the array or of any slice of it is the list's packing (the array's fast path)
+    ids = [1, 256, 2**32 - 1, 0, 70_000]
+    arr = token_array(token_bytes(ids))
+    assert arr.typecode == "I" and arr.tolist() == ids
+    for a, b in [(0, 5), (1, 3), (2, 2), (4, 5)]:
+        assert token_bytes(arr[a:b]) == token_bytes(ids[a:b])
+    arr.append(9)
+    assert token_bytes(arr) == token_bytes([*ids, 9])
+    with pytest.raises(ValueError, match="7 bytes are not whole 4-byte token ids"):
+        token_array(b"\x00" * 7)
 
 
 def test_chain_is_hash_of_parent_tokens_and_extra():

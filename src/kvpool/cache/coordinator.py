@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 import operator
 import sys
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
@@ -61,17 +62,18 @@ from kvpool.cache.types import (
     StateRestore,
 )
 from kvpool.pool import BlockPool, PrefixBlock, StepTables, step_tables, token_bytes
+from kvpool.pool.hashing import token_array
 
 
 class RequestPart(NamedTuple):
     """One group's part of one request now (`HybridCacheManager.part`): the group, its
     bookkeeping of the request, and the request's tokens and computed count. Read it, never
-    change it (`token_ids` is the coordinator's own list). Each property is the group's call
-    of that name on `state` (cache/group.py says what it returns)."""
+    change it (`token_ids` is the coordinator's own array, `_Request.token_ids`). Each property
+    is the group's call of that name on `state` (cache/group.py says what it returns)."""
 
     group: CacheGroup
     state: Any
-    token_ids: list[int]
+    token_ids: array[int]
     mm_items: tuple[MMItem, ...]
     num_computed: int
 
@@ -138,7 +140,12 @@ class GroupSpec(Protocol):
 @dataclass(slots=True, eq=False)
 class _Request:
     request_id: str
-    token_ids: list[int]
+    # The request's token ids, the coordinator's own: an array("I") made from the prompt's
+    # packing (`token_array`: one copy of its bytes, where a list would take a reference to
+    # every id's int object at admission and drop them all at release, a cache miss an id
+    # in a big run), 4 bytes an id; sampled ids are appended. A block's hash bytes are a
+    # slice of it (`token_bytes` of an array slice: no id converted)
+    token_ids: array[int]
     mm_items: tuple[MMItem, ...]
     roots: dict[str, PrefixBlock]  # per group (each pool interns its own roots)
     num_computed: int = 0
@@ -313,7 +320,7 @@ class HybridCacheManager:
         return request_id in self._requests
 
     def token_ids(self, request_id: str) -> list[int]:
-        return list(self._get(request_id).token_ids)
+        return self._get(request_id).token_ids.tolist()
 
     def num_tokens(self, request_id: str) -> int:
         return len(self._get(request_id).token_ids)
@@ -542,13 +549,12 @@ class HybridCacheManager:
 
     def metadata_bytes(self) -> int:
         """Bytes of the coordinator's Python structures: every pool's (`pools`), and every request's
-        token ids and each group's bookkeeping of it (sys.getsizeof). A token id is an int
-        object of 28 B (ids up to 2^30; the shared small ints below 257 make this a slight
-        overcount), counted, not walked: a harness calls this every step."""
+        token ids (an array: its buffer, 4 B an id, is in its getsizeof) and each group's
+        bookkeeping of it (sys.getsizeof). Counted, not walked: a harness calls this every step."""
         size = sys.getsizeof
         total = sum(pool.metadata_bytes() for pool in self._all_pools) + size(self._requests)
         for req in self._requests.values():
-            total += size(req) + size(req.token_ids) + _INT_BYTES * len(req.token_ids)
+            total += size(req) + size(req.token_ids)
             total += sum(g.metadata_bytes(req.states[name]) for name, g in self.groups.items())
         return total
 
@@ -672,9 +678,9 @@ class HybridCacheManager:
     def _new_request(
         self, request_id: str, prompt: LookupPrompt, tenant_salt: str, descriptor: CacheDescriptor | None
     ) -> _Request:
-        """prompt: `pack_prompt`'s, packed for the admission alone."""
+        """prompt: `pack_prompt`'s, its packing checked: the request's ids are made from its bytes."""
         roots = self._request_roots(tenant_salt, descriptor)
-        return _Request(request_id, prompt.token_ids, prompt.mm_items, roots)
+        return _Request(request_id, token_array(prompt.packed), prompt.mm_items, roots)
 
     def _request_roots(self, tenant_salt: str, descriptor: CacheDescriptor | None) -> dict[str, PrefixBlock]:
         """Each group's chain root for a request of that salt and descriptor (None: the
@@ -865,18 +871,18 @@ class HybridCacheManager:
         elif not isinstance(prompt, LookupPrompt):
             raise TypeError(f"prompt must be pack_prompt's LookupPrompt, got {type(prompt).__name__}")
         else:
-            own = list(token_ids)  # the request's own list (append_token_ids extends it)
-            # (a list comparison: C speed, and the same int objects compare by identity first)
-            # (and its bytes are these ids' packing: a LookupPrompt whose list was changed after
-            # pack_prompt, or one built by hand, would have the lookup compare other bytes)
+            # The request's own ids are made from `prompt.packed` (`_new_request`), and the
+            # lookups read `prompt`: both must be these ids'. Nothing is copied: a list
+            # comparison (C speed; the same int objects compare by identity first), and the
+            # bytes, unless the caller vouches for them (a LookupPrompt whose list was changed
+            # after pack_prompt, or one built by hand, would have other bytes)
+            ids = token_ids if type(token_ids) is list else list(token_ids)
             if (
-                prompt.token_ids != own
-                or prompt.mm_items != (check_mm_items(mm_items, len(own)) if mm_items else ())
-                or (check_packing and prompt.packed != token_bytes(own))
+                prompt.token_ids != ids
+                or prompt.mm_items != (check_mm_items(mm_items, len(ids)) if mm_items else ())
+                or (check_packing and prompt.packed != token_bytes(ids))
             ):
                 raise ValueError(f"request {request_id!r}: the packed prompt is not of these token ids and items")
-            # (its bytes and its memo of hashes: shared; built, not `_replace`d: ~1 us less)
-            prompt = LookupPrompt(own, prompt.mm_items, prompt.packed, prompt.hashes)
         req = self._new_request(request_id, prompt, tenant_salt, descriptor)
         hits = self._hits(req.roots, prompt, admission=True) if self._caching else {}
         point = self.hit_point(hits, len(req.token_ids)) if self._caching else 0
@@ -1165,8 +1171,10 @@ class HybridCacheManager:
         return True
 
     def append_token_ids(self, request_id: str, token_ids: Iterable[int]) -> None:
-        """Sampled tokens join the sequence; a later step computes them."""
-        self._get(request_id).token_ids.extend(token_ids)
+        """Sampled tokens join the sequence; a later step computes them. ValueError, nothing
+        changed, for an id that is no int in [0, 2**32)."""
+        req = self._get(request_id)
+        req.token_ids.extend(_token_ids_array(request_id, token_ids))
 
     def commit(self, request_id: str, num_tokens: int) -> None:
         """The next `num_tokens` reserved positions are written: they become readable, and
@@ -1214,17 +1222,20 @@ class HybridCacheManager:
             return None
         changed: list[_Request] = []
         i = 0
-        for req, next_token_id in zip(reqs, next_token_ids, strict=True):
-            nc = req.num_computed + 1
-            # exact: the step reserved this one token; else: it lies within the reservation, its id known
-            if (req.end != nc) if exact else (nc > req.end or nc > len(req.token_ids)):
-                break
-            req.num_computed = nc
-            if not nc % period:
-                changed.append(req)
-            if next_token_id is not None:
-                req.token_ids.append(next_token_id)
-            i += 1
+        try:
+            for req, next_token_id in zip(reqs, next_token_ids, strict=True):
+                nc = req.num_computed + 1
+                # exact: the step reserved this one token; else: it lies within the reservation, its id known
+                if (req.end != nc) if exact else (nc > req.end or nc > len(req.token_ids)):
+                    break
+                req.num_computed = nc
+                if not nc % period:
+                    changed.append(req)
+                if next_token_id is not None:
+                    req.token_ids.append(next_token_id)
+                i += 1
+        except (OverflowError, TypeError):  # an id the array cannot hold: undone, the twin names it
+            reqs[i].num_computed -= 1
         if i < len(reqs):  # undo the requests before the one at fault, latest first
             for req, next_token_id in zip(reversed(reqs[:i]), reversed(next_token_ids[:i]), strict=True):
                 req.num_computed -= 1
@@ -1253,19 +1264,22 @@ class HybridCacheManager:
             return None
         changed: list[_Request] = []
         i = 0
-        for req, n, next_token_id in zip(reqs, num_tokens, next_token_ids, strict=True):
-            nc = req.num_computed + n
-            # exact: the whole reserved step (its end stays num_computed after); else within it, ids known
-            if (req.end != nc) if exact else (n < 0 or nc > req.end or nc > len(req.token_ids)):
-                break
-            if n:
-                req.num_computed = nc
-                # a one-token commit off the period of a request not fresh changes no group (`commit_period`)
-                if n != 1 or not nc % period or req.request_id in fresh:
-                    changed.append(req)
-            if next_token_id is not None:
-                req.token_ids.append(next_token_id)
-            i += 1
+        try:
+            for req, n, next_token_id in zip(reqs, num_tokens, next_token_ids, strict=True):
+                nc = req.num_computed + n
+                # exact: the whole reserved step (its end stays num_computed after); else within it, ids known
+                if (req.end != nc) if exact else (n < 0 or nc > req.end or nc > len(req.token_ids)):
+                    break
+                if n:
+                    req.num_computed = nc
+                    # a one-token commit off the period of a request not fresh changes no group (`commit_period`)
+                    if n != 1 or not nc % period or req.request_id in fresh:
+                        changed.append(req)
+                if next_token_id is not None:
+                    req.token_ids.append(next_token_id)
+                i += 1
+        except (OverflowError, TypeError):  # an id the array cannot hold: undone, the twin names it
+            reqs[i].num_computed -= num_tokens[i]
         if i < len(reqs):  # undo the requests before the one at fault, latest first
             for j in reversed(range(i)):
                 req = reqs[j]
@@ -1289,6 +1303,9 @@ class HybridCacheManager:
         reqs = self._step_requests(request_ids, num_tokens, next_token_ids)
         if not reqs:
             return
+        for req, next_token_id in zip(reqs, next_token_ids, strict=True):  # (the arrays take them below)
+            if next_token_id is not None:
+                _token_ids_array(req.request_id, (next_token_id,))  # ValueError naming a bad id
         decode = num_tokens.count(1) == len(reqs)  # all decodes: the engine's common step
         bad = None
         if self.exact_steps and decode:  # (the general check below with n = 1, without the zip: 2.5x faster)
@@ -1487,4 +1504,16 @@ class HybridCacheManager:
                         )
 
 
-_INT_BYTES = sys.getsizeof(1 << 20)  # an int object of 28 B on 64-bit CPython
+def _token_ids_array(request_id: str, token_ids: Iterable[int]) -> array[int]:
+    """Ids that join a request, as its array holds them (`_Request.token_ids`); ValueError
+    naming the first that is no int in [0, 2**32), before anything changes."""
+    ids = list(token_ids)
+    try:
+        return array("I", ids)
+    except (OverflowError, TypeError):
+        for t in ids:
+            try:
+                array("I", [t])
+            except (OverflowError, TypeError):
+                raise ValueError(f"request {request_id!r}: token id {t!r} is no int in [0, 2**32)") from None
+        raise

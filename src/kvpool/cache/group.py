@@ -27,6 +27,7 @@ serves.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -58,10 +59,11 @@ def check_pool_size(name: str, size: object) -> int:
 
 
 class StepRequest(Protocol):
-    """A request as a group's step calls see it (the coordinator's request record)."""
+    """A request as a group's step calls see it (the coordinator's request record). Read it,
+    never change it; `token_ids` is an array("I"): `token_bytes` of a slice is its packing."""
 
     request_id: str
-    token_ids: list[int]
+    token_ids: array[int]
     mm_items: tuple[MMItem, ...]
     num_computed: int
     states: dict[str, Any]  # group name -> that group's state of the request

@@ -41,7 +41,7 @@ from kvpool.cache.chains import TurnEnds, UnitHits
 from kvpool.cache.group import CacheGroup, GroupUsage, LowerTier, StepRequest, check_pool_size
 from kvpool.cache.types import NO_RESERVATION, BlockCopy, GroupReservation, LookupPrompt, MMItem
 from kvpool.pool import BlockPool, PrefixBlock
-from kvpool.pool.hashing import TOKEN_BYTES, block_packer, token_bytes
+from kvpool.pool.hashing import TOKEN_BYTES, token_bytes
 
 _tuple_new = tuple.__new__  # a NamedTuple without its Python-level __new__: the decode path's
 
@@ -138,7 +138,6 @@ class AttentionGroup(CacheGroup):
         # Copy-on-write copies not yet taken, in the order they were made (a later copy may
         # read an earlier one's destination). One leaves only when nobody reads it.
         self._pending_copies: list[BlockCopy] = []
-        self._pack_block = block_packer(spec.block_size)
         self._turn_ends = TurnEnds(pool, spec.block_size)  # partial blocks kept at turn ends
 
     # ---- prefix hits -------------------------------------------------------------------
@@ -306,7 +305,7 @@ class AttentionGroup(CacheGroup):
         """Publish the blocks the steps complete, then release the blocks that left the
         window (tail-first) and a held copy source."""
         bs, name, pool, window = self.block_size, self.name, self.pool, self.spec.window
-        caching, published, publish, pack = pool.enable_caching, self._published, pool.publish, self._pack_block
+        caching, published, publish = pool.enable_caching, self._published, pool.publish
         for req in reqs:
             state = req.states[name]
             nc = req.num_computed
@@ -315,9 +314,9 @@ class AttentionGroup(CacheGroup):
             if caching and nc >= (k0 + 1) * bs:  # (most decode steps complete no block)
                 if nc < (k0 + 2) * bs and window is None and not req.mm_items:  # one block: the decode case
                     block_id = state.block_ids[k0]
-                    parent = publish(
-                        block_id, chain[-1] if k0 else state.root, pack(req.token_ids[nc - nc % bs - bs : nc - nc % bs])
-                    )
+                    # (the request's ids are an array("I"): the block's bytes are one slice's copy)
+                    block = token_bytes(req.token_ids[nc - nc % bs - bs : nc - nc % bs])
+                    parent = publish(block_id, chain[-1] if k0 else state.root, block)
                     chain.append(parent)
                     if published is not None:
                         published.append((block_id, parent))

@@ -13,7 +13,6 @@ the extra keys (the collision guard, pool/block_pool.py).
 from __future__ import annotations
 
 import hashlib
-import struct
 import sys
 from array import array
 from collections.abc import Callable, Sequence
@@ -27,7 +26,15 @@ TOKEN_BYTES = 4
 
 
 def token_bytes(token_ids: Sequence[int]) -> bytes:
-    """Token ids as little-endian uint32 bytes (ValueError for ids outside [0, 2**32))."""
+    """Token ids as little-endian uint32 bytes (ValueError for ids outside [0, 2**32)). An
+    `array("I")` (a cache's own token ids, `token_array`) is that layout already: its bytes,
+    one copy, no id converted."""
+    if type(token_ids) is array and token_ids.typecode == "I":
+        if _BIG_ENDIAN:
+            swapped = array("I", token_ids)
+            swapped.byteswap()
+            return swapped.tobytes()
+        return token_ids.tobytes()
     try:
         packed = array("I", token_ids)
     except OverflowError:
@@ -38,17 +45,16 @@ def token_bytes(token_ids: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
-def block_packer(block_size: int) -> Callable[[Sequence[int]], bytes]:
-    """A fast `token_bytes` for exactly `block_size` ids (one precompiled struct)."""
-    pack = struct.Struct(f"<{block_size}I").pack
-
-    def pack_block(token_ids: Sequence[int]) -> bytes:
-        try:
-            return pack(*token_ids)
-        except struct.error:
-            return token_bytes(token_ids)  # raises the ValueError naming the bad id
-
-    return pack_block
+def token_array(packed: bytes) -> array[int]:
+    """The ids `token_bytes` packed, as a growable `array("I")`: one copy of the bytes, no
+    int object made or touched (a request's token ids as the cache keeps them: 4 bytes a
+    token, freed as one buffer). ValueError for bytes that are no whole number of ids."""
+    if len(packed) % TOKEN_BYTES:
+        raise ValueError(f"{len(packed)} bytes are not whole {TOKEN_BYTES}-byte token ids")
+    ids = array("I", packed)
+    if _BIG_ENDIAN:
+        ids.byteswap()
+    return ids
 
 
 def _sha256(data: bytes) -> bytes:
