@@ -156,6 +156,30 @@ def test_n_requests_at_once_past_the_engines_batch_run_as_waves_of_that_batch() 
     assert simulate_row(dataclasses.replace(at_once, max_num_seqs=None)).predicted > 1.5 * run.predicted
 
 
+def test_a_loop_over_answers_of_varying_length_decodes_beside_the_prefills_that_replace_its_neighbours() -> None:
+    """GPUStack's ShareGPT run: 100 requests, 4 in flight, lengths varying. Spread as
+    varying lengths spread them, each request's 216 decode intervals are 213 steps of 4
+    decodes and 3 steps where a neighbour's replacement prefills its 229 tokens beside 3
+    decodes, priced here by the cost model alone at the decodes' mean context (the steps'
+    attention is linear in it). Equal waves (the row without the spread) have no such step."""
+    from kvpool.sim.cost import CostModel
+    from kvpool.spec.gpus import get_gpu
+    from kvpool.spec.models import load_preset
+
+    row = next(r for r in load_rows() if r.id == "gpustack-gptoss120b-h100-tp1-sharegpt-c4")
+    assert (row.staggered_requests, row.concurrency, row.input_len, row.output_len) == (100, 4, 229, 217)
+    cost = CostModel(load_preset("gpt-oss-120b"), get_gpu("H100"), tp=1, kv_dtype="bf16")
+    ctx = 229 + 1 + 108  # the mean context after a step, over one request's decodes and its neighbours'
+    decode = cost.step_cost([(1, ctx)] * 4).time_s
+    mixed = cost.step_cost([(1, ctx)] * 3 + [(229, 229)]).time_s  # a 229-token prefill reads all 128 experts
+    assert mixed > 4 * decode
+    spread = simulate_row(row)
+    assert spread.batch == 100 and spread.preemptions == 0
+    assert spread.predicted == pytest.approx((213 * decode + 3 * mixed) / 216 * 1e3, rel=2e-3)  # 6.28 ms
+    waves = simulate_row(dataclasses.replace(row, staggered_requests=None))
+    assert waves.batch == 4 and waves.predicted == pytest.approx(decode * 1e3, rel=2e-3)  # 5.96 ms
+
+
 def test_a_row_without_its_source_or_with_an_unknown_metric_is_refused() -> None:
     row = load_rows()[0]
     with pytest.raises(ValueError, match=r"^row vllm-8b-h200-b8: unknown metric 'tokens'; known: latency_ms, "):
@@ -166,6 +190,15 @@ def test_a_row_without_its_source_or_with_an_unknown_metric_is_refused() -> None
         dataclasses.replace(row, num_requests=100)
     with pytest.raises(ValueError, match=r"^row vllm-8b-h200-b8: max_num_seqs must be >= 1 or null, got 0$"):
         dataclasses.replace(row, max_num_seqs=0)
+    stagger = r"^row vllm-8b-h200-b8: staggered_requests \({}\) runs through a concurrency and needs more requests "
+    with pytest.raises(ValueError, match=stagger.format(8) + r"than it \(concurrency 8\)$"):
+        dataclasses.replace(row, staggered_requests=8, metric="tpot_ms")
+    with pytest.raises(ValueError, match=stagger.format(100) + r"than it \(concurrency None\)$"):
+        dataclasses.replace(row, concurrency=None, staggered_requests=100, metric="tpot_ms")
+    with pytest.raises(ValueError, match=r"^row vllm-8b-h200-b8: staggered_requests times no latency_ms \(queued"):
+        dataclasses.replace(row, staggered_requests=100)
+    with pytest.raises(ValueError, match=r"of output_len, which needs output_len >= 8, got 4$"):
+        dataclasses.replace(row, staggered_requests=100, metric="tpot_ms", output_len=4)
     for bad in (SettingSource("kv_format", "https://x.org/p", ("FP8",)), SettingSource("kv_dtype", "x.org", ("FP8",))):
         with pytest.raises(ValueError, match=r"^row vllm-8b-h200-b8: a setting source needs a row field to settle"):
             dataclasses.replace(row, setting_sources=(bad,))

@@ -24,7 +24,19 @@ model), as the source ran it, with fixed lengths:
 - N requests at once (`num_requests`: a serving benchmark that sends its N requests at an
   infinite request rate, vLLM's `bench serve` default): the N requests arriving together,
   the engine's scheduler admitting what its limits and KV pool hold, over the whole run
-  (the span runs from their arrival to the last one's end, as the benchmark's duration).
+  (the span runs from their arrival to the last one's end, as the benchmark's duration);
+- a concurrency C over N requests of varying length (`staggered_requests`: a client keeping
+  C in flight over a dataset such as ShareGPT, whose prompts and answers differ): the
+  requests do not start and end together as equal ones would, so each request's decodes
+  share steps with the prefills of the requests that replace its neighbours. Simulated as N
+  requests of the row's mean lengths, at most C running, the first C - 1 answering k / C of
+  the output length (k = 1 .. C - 1): the C slots then turn over evenly spread, and every
+  later request decodes beside C - 1 other prefills, one per neighbouring slot, the count a
+  loop of varying lengths with these means gives a request on average (C slots, each turning
+  over once per mean answer). Equal waves would give it none. Dense models barely notice (a
+  prefill chunk reads the weights a decode step reads anyway); a MoE model's prefill of a
+  few hundred tokens routes to every expert, and its step reads all of them (gpt-oss-120b:
+  64 GB against a batch-4 decode's 10 GB).
 
 The engine's scheduler limits are the row's `max_num_seqs` and `max_num_batched_tokens`
 where its source's engine sets them (stated, or its defaults: `setting_sources`); else the
@@ -48,8 +60,12 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvpool.sim.gpufit import DATA_DIR
+
+if TYPE_CHECKING:
+    from kvpool.workload.sessions import Workload
 
 PUBLISHED = os.path.join(DATA_DIR, "published.json")
 MAX_BATCH = 2048  # the batch limit of an "all at once" run whose source states none
@@ -92,6 +108,7 @@ class PublishedRow:
     assumed: str = ""
     setting_sources: tuple[SettingSource, ...] = ()
     num_requests: int | None = None  # N requests sent at once (concurrency None): the run is all of them
+    staggered_requests: int | None = None  # N requests of varying length through the concurrency (docstring)
     max_num_seqs: int | None = None  # the engine's scheduler limits, where its source's engine sets them
     max_num_batched_tokens: int | None = None
 
@@ -103,11 +120,26 @@ class PublishedRow:
                 raise ValueError(f"row {self.id}: {name} must be >= 1, got {getattr(self, name)}")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError(f"row {self.id}: concurrency must be >= 1 or null, got {self.concurrency}")
-        for name in ("num_requests", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("num_requests", "staggered_requests", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"row {self.id}: {name} must be >= 1 or null, got {getattr(self, name)}")
         if self.num_requests is not None and self.concurrency is not None:
             raise ValueError(f"row {self.id}: num_requests (all sent at once) and a concurrency exclude each other")
+        if self.staggered_requests is not None:
+            if self.concurrency is None or self.staggered_requests <= self.concurrency:
+                raise ValueError(
+                    f"row {self.id}: staggered_requests ({self.staggered_requests}) runs through a concurrency "
+                    f"and needs more requests than it (concurrency {self.concurrency})"
+                )
+            if self.output_len < self.concurrency:
+                raise ValueError(
+                    f"row {self.id}: staggered_requests spreads the first answers over k / {self.concurrency} "
+                    f"of output_len, which needs output_len >= {self.concurrency}, got {self.output_len}"
+                )
+            if self.metric in ("ttft_ms", "latency_ms"):
+                # the simulated requests all queue from time 0; a client keeping C in flight sends
+                # each when a slot frees, so a time that counts from the arrival is not its
+                raise ValueError(f"row {self.id}: staggered_requests times no {self.metric} (queued from time 0)")
         if not self.published > 0 or not self.quote or not self.source_url.startswith("https://"):
             raise ValueError(f"row {self.id}: needs a positive published figure, its quote and its https source")
         fields = {f.name for f in dataclasses.fields(self)}
@@ -120,7 +152,9 @@ class PublishedRow:
 
     @property
     def configuration(self) -> str:
-        if self.concurrency:
+        if self.concurrency and self.staggered_requests:
+            load = f"concurrency {self.concurrency}, {self.staggered_requests:,} requests of varying length"
+        elif self.concurrency:
             load = f"concurrency {self.concurrency}"
         elif self.num_requests:
             load = f"{self.num_requests:,} requests at once"
@@ -136,7 +170,7 @@ class PublishedRow:
 class RowResult:
     row: PublishedRow
     predicted: float
-    batch: int  # requests simulated: the wave, or the row's num_requests
+    batch: int  # requests simulated: the wave, or the row's num_requests or staggered_requests
     preemptions: int
 
     @property
@@ -211,20 +245,41 @@ def simulate_row(row: PublishedRow, overrides: dict[str, float] | None = None) -
         **deployment,
     )
     cost = CostModel(model, gpu, **deployment, **(overrides or {}))
-    workload = uniform_workload(
-        batch, math.inf, model.vocab_size, 0, prompt_len=(row.input_len,) * 2, output_len=(row.output_len,) * 2
-    )
+    if row.staggered_requests is None:
+        workload = uniform_workload(
+            batch, math.inf, model.vocab_size, 0, prompt_len=(row.input_len,) * 2, output_len=(row.output_len,) * 2
+        )
+    else:
+        workload = staggered_workload(row, model.vocab_size)
     report = simulate(model, gpu, workload, config, cost)
     value = float(report[METRICS[row.metric][0]])
     if row.metric == "output_tok_s_per_gpu":
         value /= row.tp
+    elif row.metric == "total_tok_s" and row.staggered_requests is not None:
+        generated = report["num_generated_tokens"]  # the first C - 1 answer less: count what ran
+        value *= (row.staggered_requests * row.input_len + generated) / generated
     elif row.metric == "total_tok_s":
         if report["num_generated_tokens"] != batch * row.output_len:  # every request its whole answer
             raise ValueError(
                 f"row {row.id}: {report['num_generated_tokens']:,} tokens generated, not {batch:,} x {row.output_len:,}"
             )
         value *= total_len / row.output_len
-    return RowResult(row, value, batch, int(report["preemptions"]))
+    return RowResult(row, value, row.staggered_requests or batch, int(report["preemptions"]))
+
+
+def staggered_workload(row: PublishedRow, vocab_size: int) -> Workload:
+    """The row's `staggered_requests` requests of its input length, all arriving at time 0
+    (the engine's limit of `concurrency` running keeps the loop): the first C - 1 answer
+    output_len x k // C tokens (k = 1 .. C - 1), every other one output_len, so the C slots
+    turn over evenly spread (module docstring)."""
+    from kvpool.workload.sessions import GeneratedSessions, Workload
+
+    n, c = row.staggered_requests, row.concurrency
+    assert n is not None and c is not None  # (PublishedRow checks both)
+    outputs = [row.output_len * k // c for k in range(1, c)] + [row.output_len] * (n - c + 1)
+    sessions = GeneratedSessions("req", [0.0] * n, [()], [0] * n, 1, [row.input_len] * n, outputs, None, vocab_size)
+    params = {"num_requests": n, "concurrency": c, "prompt_len": row.input_len, "output_len": row.output_len}
+    return Workload("staggered", sessions, vocab_size, params)
 
 
 def validate(rows: list[PublishedRow], overrides: dict[str, float] | None = None) -> list[RowResult]:
@@ -280,6 +335,7 @@ def as_json(results: list[RowResult], calibrated: list[RowResult] | None = None)
             "simulated_batch": res.batch,
             "preemptions": res.preemptions,
             "num_requests": row.num_requests,
+            "staggered_requests": row.staggered_requests,
             "max_num_seqs": row.max_num_seqs,
             "max_num_batched_tokens": row.max_num_batched_tokens,
             "assumed": row.assumed,
