@@ -36,7 +36,8 @@ the entries on the device. On the CPU the host buffers are the device buffers.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from itertools import compress, count
 from typing import NamedTuple
 
 import numpy as np
@@ -140,7 +141,6 @@ class StepBuffers:
         self._pos_np = self._pos_host.numpy()
         self._tables_np = self._tables_host.numpy()
         self._tables_flat = self._tables_np.reshape(-1)  # (a view: the same memory)
-        self._iota = np.arange(s + 1)  # a decode step's query_start: [0, 1, ..., n]
         self._rows: dict[str, int] = {}  # request id -> its row of block_tables
         self._free_rows = list(range(s - 1, -1, -1))  # popped from the end: row 0 first
         self.padding_row = s
@@ -149,12 +149,18 @@ class StepBuffers:
             if not on_cpu:
                 self.block_tables[s].fill_(dummy_block)
         self.num_seqs = self.num_tokens = 0  # the last update's
-        # the last decode step's request ids, in order, while rows [0, n) of the vectors hold
-        # it (None once a row it used is freed, or the vectors were rewritten otherwise):
-        # what `advance` moves one token on
-        self._decoded: tuple[str, ...] | None = None
+        # the last step's request ids, in order, and its flat tokens, while rows [0, n) and
+        # tokens [0, num_tokens) of the vectors hold it (None once they were rewritten
+        # otherwise): what `advance` moves on
+        self._last: tuple[str, ...] | None = None
+        self._last_num_tokens = 0
+        self._gone: list[int] = []  # the last step's sequences whose requests were forgotten since
+        self._row_seq = np.zeros(s + 1, dtype=np.int64)  # row -> its sequence in the last step (while it ran there)
+        self._on_cpu = on_cpu
         self.num_table_writes = 0  # table entries written so far (the incremental figure)
         self.num_advanced = 0  # steps taken by `advance` (the last decode one token on, in place)
+        self.num_advanced_changed = 0  # steps of a changed batch taken by `advance` (kept rows moved)
+        self._arange = np.arange(max(t, s + 1))  # [0, 1, 2, ...]: a decode step's query_start, and offsets
 
     def forget(self, request_id: str) -> None:
         """The request left the cache (finished, cancelled, preempted): its row is free, and a
@@ -162,7 +168,12 @@ class StepBuffers:
         row = self._rows.pop(request_id, None)
         if row is not None:
             self._free_rows.append(row)
-            self._decoded = None
+            # the last step's vectors stand: `advance` keeps its requests but this one
+            last = self._last
+            if last is not None:
+                seq = int(self._row_seq[row])
+                if seq < len(last) and last[seq] == request_id:  # (its ids are distinct: `update`)
+                    self._gone.append(seq)
 
     def fits(self, request_ids: Sequence[str], num_tokens: int) -> bool:
         """Whether `update` can take a step of these requests and num_tokens tokens: at most
@@ -181,6 +192,7 @@ class StepBuffers:
         for rid in request_ids:
             self.forget(rid)
         self.clear()
+        self._stepped(None, 0)  # (the step the vectors hold is not the last one any more)
 
     def clear(self) -> None:
         """An empty step (rows stay held): what a capture pads from."""
@@ -296,8 +308,9 @@ class StepBuffers:
         vec[3 * s + 1 : 3 * s + 1 + num_tokens] = self._tables_flat[entries] * bs + positions % bs
         pos[:num_tokens] = positions
         self.num_seqs, self.num_tokens = n, num_tokens
-        # a decode step of these requests in this order: what `advance` moves one token on
-        self._decoded = tuple(request_ids) if num_tokens == n else None
+        # what `advance` moves on, where the ids are distinct (`forget` finds a request by its row)
+        ids = tuple(request_ids)
+        self._stepped(ids if len(set(ids)) == n else None, num_tokens)
         if self.device.type != "cpu":
             self._send(changed_idx, changed_val, num_tokens)
         return self.view(n, num_tokens, int(q_lens.max()) if n else 0)
@@ -309,18 +322,26 @@ class StepBuffers:
         ends: Sequence[int],
         tables: Callable[[list[str]], Sequence[Sequence[int]]],
     ) -> bool:
-        """`update` for the decode step right after the last one, when nothing but appended
-        blocks changed the requests' tables in between (the caller knows: no copy-on-write
-        this step): the same request ids in the same order, each one token on (starts[i] is
-        the last step's ends[i], ends[i] = starts[i] + 1). Then the rows and query_start
+        """`update` for a step right after the last one, when nothing but appended blocks
+        changed the requests' tables in between (the caller knows: no copy-on-write this
+        step), written from the last step's vectors instead of every request's table: the
+        buffers then hold exactly what `update` writes. `tables(ids)`: the tables of those
+        requests (the cache's `tables`), read only for the rows it must write.
+
+        The last decode step's request ids in the same order, each one token on (starts[i]
+        is the last step's ends[i], ends[i] = starts[i] + 1): the rows and query_start
         stand; lengths, positions and slots move by one in place, and only a token that
-        starts a block (starts[i] % block_size == 0) has its table read (`tables(ids)`: the
-        tables of those requests, the cache's `tables`) and its new entry written: the
-        buffers then hold exactly what `update` writes. False, with nothing written, for any
-        other step (the caller then calls `update`)."""
+        starts a block (starts[i] % block_size == 0) has its table read and its new entry
+        written. A changed batch (`_advance_changed`): the last step's requests still held
+        (finished ones forgotten), in its order, one token on each, then the others (joining
+        requests, prompt chunks). False, with nothing written, for any other step (the
+        caller then calls `update`)."""
         n = len(request_ids)
-        if not n or tuple(request_ids) != self._decoded:  # (C-level: the same str objects compare by identity)
+        last = self._last
+        if not n or last is None:
             return False
+        if self._gone or self._last_num_tokens != len(last) or tuple(request_ids) != last:  # (C-level)
+            return self._advance_changed(request_ids, starts, ends, tables)
         if self._sent is not None:
             self._sent.synchronize()  # the pinned twins are read by the last step's copies until then
         s, bs, width = self.max_num_seqs, self.block_size, self.max_blocks_per_seq
@@ -356,6 +377,156 @@ class StepBuffers:
         if self.device.type != "cpu":
             self._send(changed_idx if len(crossing) else [], blocks, n)
         return True
+
+    def _advance_changed(
+        self,
+        request_ids: Sequence[str],
+        starts: Sequence[int],
+        ends: Sequence[int],
+        tables: Callable[[list[str]], Sequence[Sequence[int]]],
+    ) -> bool:
+        """`advance` for a changed batch: the engine removes finished requests and appends
+        joining ones, so the step opens with the last step's requests still held, in its
+        order; the leading run of them that decode one token on from their last context
+        (sequences [0, p)) is moved on from the last step's vectors with a few numpy
+        passes, and only the rest (sequences [p, n): joining requests, chunks, requests
+        back from a step they sat out) is written as `update` writes it, from their tables.
+        The tables a kept decode holds are the buffers' up to its last step's blocks (no
+        copy-on-write in between: the caller's word), so only a token opening a block
+        reads its table. False, nothing written, where it cannot be sure: no kept request
+        leads the step, an id repeats, or the step is one `update` refuses (it names why)."""
+        last, n = self._last, len(request_ids)
+        assert last is not None
+        n_prev = len(last)
+        rows, free = self._rows, self._free_rows
+        s, bs, width = self.max_num_seqs, self.block_size, self.max_blocks_per_seq
+        if n > s:
+            return False
+        vec = self._vec_np
+        # the kept requests: the last step's less those forgotten since (`forget` noted
+        # their sequences), in its order, with their last contexts
+        kept_ctx = vec[s : s + n_prev].tolist()
+        if self._gone:
+            gone = sorted(set(self._gone))
+            kept_ids = list(last)
+            for j in reversed(gone):
+                del kept_ids[j], kept_ctx[j]
+            kept = tuple(kept_ids)
+            keep = np.ones(n_prev, dtype=bool)
+            keep[gone] = False
+            picked: slice | np.ndarray = keep.nonzero()[0]  # [k]: their sequences in the last step
+        else:
+            kept, picked = last, slice(None)
+        # the step's leading run of them, each one token on: sequences [0, p), C-level passes
+        p = min(n, len(kept))
+        head = tuple(request_ids[:p])
+        if head != kept[:p]:
+            p = _first_false(map(operator.eq, head, kept), p)
+        head_starts = list(starts[:p])
+        if head_starts != kept_ctx[:p]:
+            p = _first_false(map(operator.eq, head_starts, kept_ctx), p)
+        head_ends = list(ends[:p])
+        if head_ends != list(map((1).__add__, kept_ctx[:p])):
+            p = _first_false(map(operator.eq, head_ends, map((1).__add__, kept_ctx)), p)
+        if not p:
+            return False
+        # the run's rows, positions (their last contexts) and last slots: [p] int64 each,
+        # copies ([0, n_prev) of the vectors still hold the last step: pad writes past them)
+        if isinstance(picked, slice):
+            picked = slice(0, p)
+        else:
+            picked = picked[:p]
+        p_rows = vec[:n_prev][picked].astype(np.int64)
+        p_ctx = vec[s : s + n_prev][picked].astype(np.int64)
+        if self._last_num_tokens == n_prev:  # a decode step: sequence i's token is flat token i
+            p_slots = vec[3 * s + 1 : 3 * s + 1 + n_prev][picked] + 1
+        else:  # its last token is flat token query_start[i + 1] - 1
+            p_slots = vec[3 * s + vec[2 * s + 1 : 2 * s + 1 + n_prev][picked]] + 1
+        crossing = (p_ctx % bs == 0).nonzero()[0]  # [m]: tokens that open a block
+        first = p_ctx[crossing] // bs  # [m]: the new entry's index in its row
+        if len(crossing) and first.max() >= width:
+            return False
+        # the others: sequences [p, n), as update writes them (a joining request takes the
+        # free row update would give it, its whole row written)
+        num_others = n - p
+        o_ids = list(request_ids[p:])
+        o_starts, o_ends = list(starts[p:]), list(ends[p:])
+        o_rows = list(map(rows.get, o_ids))
+        joined = [row is None for row in o_rows]
+        if num_others and (len(set(o_ids)) < num_others or not all(joined) and not set(o_ids).isdisjoint(head[:p])):
+            return False  # an id repeated past the run (update lets its sequences share one row)
+        new_rows: dict[str, int] = {}
+        for j in compress(range(num_others), joined):
+            if len(new_rows) == len(free):
+                return False
+            o_rows[j] = new_rows[o_ids[j]] = free[-1 - len(new_rows)]  # the row `free.pop()` gives it
+        wanted = o_ids + [kept[i] for i in crossing.tolist()]  # the others', and the kept tokens' opening a block
+        got = tables(wanted) if wanted else ()
+        idx: list[int] = []  # the others' changed entries: flat index, block id
+        val: list[int] = []
+        o_lens = []
+        for j in range(num_others):
+            start, end, table = o_starts[j], o_ends[j], got[j]
+            num_blocks = -(-end // bs)
+            if end <= start or start < 0 or num_blocks > len(table) or num_blocks > width:
+                return False
+            base, lo = o_rows[j] * width, 0 if joined[j] else start // bs
+            idx.extend(range(base + lo, base + num_blocks))
+            val.extend(table[lo:num_blocks])
+            o_lens.append(end - start)
+        num_tokens = p + sum(o_lens)
+        if num_tokens > self.max_num_tokens:
+            return False
+        try:  # (a table without its new block: IndexError, and `update` names the problem)
+            blocks = np.fromiter(map(operator.getitem, got[num_others:], first.tolist()), np.int64, len(first))
+        except IndexError:
+            return False
+        # checked: now written
+        if self._sent is not None:
+            self._sent.synchronize()  # the pinned twins are read by the last step's copies until then
+        for rid in new_rows:
+            rows[rid] = free.pop()
+        idx.extend((p_rows[crossing] * width + first).tolist())
+        val.extend(blocks.tolist())
+        changed_idx, changed_val = np.array(idx, dtype=np.int64), np.array(val, dtype=np.int64)
+        self._tables_flat[changed_idx] = changed_val
+        self.num_table_writes += len(idx)
+        pos = self._pos_np
+        # [0, p): the kept decodes, a token each at their last context, the next slot of
+        # the same block but where a block opens
+        p_slots[crossing] = blocks * bs
+        pos[:p] = p_ctx
+        vec[:p] = p_rows
+        vec[s : s + p] = p_ctx + 1
+        vec[2 * s : 2 * s + p + 1] = self._arange[: p + 1]
+        vec[3 * s + 1 : 3 * s + 1 + p] = p_slots
+        if num_others:  # [p, n): flat tokens [p, num_tokens), as update computes them
+            o_rows_np, o_starts_np, q_lens = np.array((o_rows, o_starts, o_lens), dtype=np.int64)  # [n - p] each
+            token_ends = np.add.accumulate(q_lens) + p  # [n - p]: each one's end among the step's tokens
+            vec[p:n] = o_rows_np
+            vec[s + p : s + n] = o_ends
+            vec[2 * s + p + 1 : 2 * s + n + 1] = token_ends
+            if num_tokens - p == num_others:  # one token each
+                positions, entries = o_starts_np, o_rows_np * width + o_starts_np // bs
+            else:
+                positions = self._arange[p:num_tokens] + np.repeat(o_starts_np - (token_ends - q_lens), q_lens)
+                entries = np.repeat(o_rows_np * width, q_lens) + positions // bs
+            pos[p:num_tokens] = positions
+            vec[3 * s + 1 + p : 3 * s + 1 + num_tokens] = self._tables_flat[entries] * bs + positions % bs
+        self.num_seqs, self.num_tokens = n, num_tokens
+        self._stepped(tuple(request_ids), num_tokens)
+        self.num_advanced_changed += 1
+        if not self._on_cpu:
+            self._send(changed_idx, changed_val, num_tokens)
+        return True
+
+    def _stepped(self, request_ids: tuple[str, ...] | None, num_tokens: int) -> None:
+        """The step just written is what `advance` moves on (None: none is): its ids, its
+        tokens, and each row's sequence in it (what `forget` looks a forgotten row up in)."""
+        self._last, self._last_num_tokens = request_ids, num_tokens
+        self._gone = []
+        if request_ids is not None:
+            self._row_seq[self._vec_np[: len(request_ids)]] = self._arange[: len(request_ids)]
 
     def _send(self, changed_idx: Sequence[int], changed_val: Sequence[int], num_tokens: int) -> None:
         """The step's changed table entries and vectors to the device: one copy each, in order
@@ -399,11 +570,11 @@ class StepBuffers:
         if num_seqs == n:  # (a step that fills its bucket: nothing to pad)
             return self.view(num_seqs, num_seqs)
         vec, pos = self._vec_np, self._pos_np
-        if self._decoded is not None and n < len(self._decoded):
-            self._decoded = None  # the padding overwrites rows of the last decode step
+        if n < self._last_num_tokens:
+            self._stepped(None, 0)  # the padding overwrites rows (and tokens) of the last step
         vec[n:num_seqs] = self.padding_row
         vec[s + n : s + num_seqs] = 1
-        vec[2 * s + n + 1 : 2 * s + num_seqs + 1] = self._iota[n + 1 : num_seqs + 1]
+        vec[2 * s + n + 1 : 2 * s + num_seqs + 1] = self._arange[n + 1 : num_seqs + 1]
         vec[3 * s + 1 + n : 3 * s + 1 + num_seqs] = self.dummy_block * self.block_size
         pos[n:num_seqs] = 0
         if self.device.type != "cpu":
@@ -434,3 +605,8 @@ class StepBuffers:
             want = list(tables[rid][:num_blocks])
             assert self._tables_np[row, :num_blocks].tolist() == want, f"{rid}: host row differs from its table"
             assert device_tables[row, :num_blocks].tolist() == want, f"{rid}: device row differs from its table"
+
+
+def _first_false(flags: Iterable[object], default: int) -> int:
+    """The index of the first false flag, `default` if none is (a C-level pass)."""
+    return next(compress(count(), map(operator.not_, flags)), default)
