@@ -37,11 +37,16 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Iterable, Sequence
-from itertools import compress, count
+from itertools import accumulate, chain, compress, count
 from typing import NamedTuple
 
 import numpy as np
 import torch
+
+# the blocks a changed batch's other requests span (joining prompts, chunks) up to which
+# `advance` lists their slots as ranges, in C-level list passes (~0.3 us a block), rather
+# than in update's numpy passes over their tokens (~12 passes of ~1 us, and more a token)
+SMALL_SPANS = 32
 
 
 class StepView(NamedTuple):
@@ -138,6 +143,9 @@ class StepBuffers:
         # numpy views of the host buffers: an element written from Python costs ~0.1 us
         # through numpy, ~1 us through a tensor's __setitem__
         self._vec_np = self._vec_host.numpy()
+        self._rows_ctx = self._vec_np[: 2 * s].reshape(2, s)  # seq_rows and ctx_lens as one [2, s] view
+        self._keep = np.ones(s, dtype=bool)  # (a mask `advance` borrows)
+        self.small_spans = SMALL_SPANS  # (a test sets 0: every changed batch through numpy)
         self._pos_np = self._pos_host.numpy()
         self._tables_np = self._tables_host.numpy()
         self._tables_flat = self._tables_np.reshape(-1)  # (a view: the same memory)
@@ -402,21 +410,25 @@ class StepBuffers:
         s, bs, width = self.max_num_seqs, self.block_size, self.max_blocks_per_seq
         if n > s:
             return False
-        vec = self._vec_np
+        vec, rows_ctx = self._vec_np, self._rows_ctx
         # the kept requests: the last step's less those forgotten since (`forget` noted
-        # their sequences), in its order, with their last contexts
-        kept_ctx = vec[s : s + n_prev].tolist()
+        # their sequences), in its order; their rows and last contexts: [2, k] int32, a copy
+        # ([0, n_prev) of the vectors still hold the last step: pad writes past them)
         if self._gone:
-            gone = sorted(set(self._gone))
+            gone = sorted(self._gone)
             kept_ids = list(last)
             for j in reversed(gone):
-                del kept_ids[j], kept_ctx[j]
+                del kept_ids[j]
             kept = tuple(kept_ids)
-            keep = np.ones(n_prev, dtype=bool)
+            keep = self._keep[:n_prev]  # (all true between calls)
             keep[gone] = False
-            picked: slice | np.ndarray = keep.nonzero()[0]  # [k]: their sequences in the last step
+            picked = keep.nonzero()[0]  # [k]: their sequences in the last step
+            keep[gone] = True
+            kept_rc = rows_ctx.take(picked, axis=1)  # (take: a fifth of fancy indexing's time)
         else:
-            kept, picked = last, slice(None)
+            kept, picked = last, self._arange[:n_prev]
+            kept_rc = rows_ctx[:, :n_prev].copy()
+        kept_ctx = kept_rc[1].tolist()
         # the step's leading run of them, each one token on: sequences [0, p), C-level passes
         p = min(n, len(kept))
         head = tuple(request_ids[:p])
@@ -430,20 +442,14 @@ class StepBuffers:
             p = _first_false(map(operator.eq, head_ends, map((1).__add__, kept_ctx)), p)
         if not p:
             return False
-        # the run's rows, positions (their last contexts) and last slots: [p] int64 each,
-        # copies ([0, n_prev) of the vectors still hold the last step: pad writes past them)
-        if isinstance(picked, slice):
-            picked = slice(0, p)
+        p_rc = kept_rc[:, :p]  # [2, p]: rows, contexts (the tokens' positions)
+        # the run's last slots: flat token query_start[i + 1] - 1 of the last step's sequence i
+        if self._last_num_tokens == n_prev:  # (a decode step: token i)
+            p_slots = vec.take(picked[:p] + (3 * s + 1))
         else:
-            picked = picked[:p]
-        p_rows = vec[:n_prev][picked].astype(np.int64)
-        p_ctx = vec[s : s + n_prev][picked].astype(np.int64)
-        if self._last_num_tokens == n_prev:  # a decode step: sequence i's token is flat token i
-            p_slots = vec[3 * s + 1 : 3 * s + 1 + n_prev][picked] + 1
-        else:  # its last token is flat token query_start[i + 1] - 1
-            p_slots = vec[3 * s + vec[2 * s + 1 : 2 * s + 1 + n_prev][picked]] + 1
-        crossing = (p_ctx % bs == 0).nonzero()[0]  # [m]: tokens that open a block
-        first = p_ctx[crossing] // bs  # [m]: the new entry's index in its row
+            p_slots = vec.take(vec.take(picked[:p] + (2 * s + 1)) + 3 * s)
+        crossing = (p_rc[1] % bs == 0).nonzero()[0]  # [m]: tokens that open a block
+        first = p_rc[1, crossing] // bs  # [m]: the new entry's index in its row
         if len(crossing) and first.max() >= width:
             return False
         # the others: sequences [p, n), as update writes them (a joining request takes the
@@ -460,11 +466,15 @@ class StepBuffers:
             if len(new_rows) == len(free):
                 return False
             o_rows[j] = new_rows[o_ids[j]] = free[-1 - len(new_rows)]  # the row `free.pop()` gives it
-        wanted = o_ids + [kept[i] for i in crossing.tolist()]  # the others', and the kept tokens' opening a block
+        crossing_list = crossing.tolist()
+        wanted = o_ids + [kept[i] for i in crossing_list]  # the others', and the kept tokens' opening a block
         got = tables(wanted) if wanted else ()
         idx: list[int] = []  # the others' changed entries: flat index, block id
         val: list[int] = []
         o_lens = []
+        # each other's tokens' slots, a range a block it spans (while they are few)
+        spans: list[range] = []
+        num_spans = 0
         for j in range(num_others):
             start, end, table = o_starts[j], o_ends[j], got[j]
             num_blocks = -(-end // bs)
@@ -474,45 +484,55 @@ class StepBuffers:
             idx.extend(range(base + lo, base + num_blocks))
             val.extend(table[lo:num_blocks])
             o_lens.append(end - start)
+            k = start // bs
+            num_spans += num_blocks - k
+            if num_spans <= self.small_spans:  # [start, end) over blocks k .. num_blocks - 1
+                for block in table[k:num_blocks]:
+                    spans.append(range(block * bs + max(start - k * bs, 0), block * bs + min(end - k * bs, bs)))
+                    k += 1
         num_tokens = p + sum(o_lens)
         if num_tokens > self.max_num_tokens:
             return False
-        try:  # (a table without its new block: IndexError, and `update` names the problem)
-            blocks = np.fromiter(map(operator.getitem, got[num_others:], first.tolist()), np.int64, len(first))
-        except IndexError:
-            return False
+        if crossing_list:
+            firsts = first.tolist()
+            try:  # (a table without its new block: IndexError, and `update` names the problem)
+                blocks = list(map(operator.getitem, got[num_others:], firsts))
+            except IndexError:
+                return False
+            idx.extend(map(operator.add, map((width).__mul__, p_rc[0, crossing].tolist()), firsts))
+            val.extend(blocks)
         # checked: now written
         if self._sent is not None:
             self._sent.synchronize()  # the pinned twins are read by the last step's copies until then
         for rid in new_rows:
             rows[rid] = free.pop()
-        idx.extend((p_rows[crossing] * width + first).tolist())
-        val.extend(blocks.tolist())
         changed_idx, changed_val = np.array(idx, dtype=np.int64), np.array(val, dtype=np.int64)
         self._tables_flat[changed_idx] = changed_val
         self.num_table_writes += len(idx)
         pos = self._pos_np
         # [0, p): the kept decodes, a token each at their last context, the next slot of
         # the same block but where a block opens
-        p_slots[crossing] = blocks * bs
-        pos[:p] = p_ctx
-        vec[:p] = p_rows
-        vec[s : s + p] = p_ctx + 1
+        pos[:p] = p_rc[1]
+        p_slots += 1
+        if crossing_list:
+            p_slots[crossing] = changed_val[len(idx) - len(crossing_list) :] * bs
+        p_rc[1] += 1
+        rows_ctx[:, :p] = p_rc
         vec[2 * s : 2 * s + p + 1] = self._arange[: p + 1]
         vec[3 * s + 1 : 3 * s + 1 + p] = p_slots
-        if num_others:  # [p, n): flat tokens [p, num_tokens), as update computes them
-            o_rows_np, o_starts_np, q_lens = np.array((o_rows, o_starts, o_lens), dtype=np.int64)  # [n - p] each
-            token_ends = np.add.accumulate(q_lens) + p  # [n - p]: each one's end among the step's tokens
-            vec[p:n] = o_rows_np
-            vec[s + p : s + n] = o_ends
-            vec[2 * s + p + 1 : 2 * s + n + 1] = token_ends
-            if num_tokens - p == num_others:  # one token each
-                positions, entries = o_starts_np, o_rows_np * width + o_starts_np // bs
-            else:
+        if num_others:  # [p, n): flat tokens [p, num_tokens)
+            rows_ctx[:, p:n] = (o_rows, o_ends)
+            vec[2 * s + p + 1 : 2 * s + n + 1] = list(accumulate(o_lens, initial=p))[1:]
+            if num_spans <= self.small_spans:  # a few blocks: their slots as ranges, in C-level list passes
+                pos[p:num_tokens] = list(chain.from_iterable(map(range, o_starts, o_ends)))
+                vec[3 * s + 1 + p : 3 * s + 1 + num_tokens] = list(chain.from_iterable(spans))
+            else:  # as update computes them, a numpy pass a step (a long prompt's chunk)
+                o_rows_np, o_starts_np, q_lens = np.array((o_rows, o_starts, o_lens), dtype=np.int64)  # [n - p]
+                token_ends = np.add.accumulate(q_lens) + p  # [n - p]: each one's end among the step's tokens
                 positions = self._arange[p:num_tokens] + np.repeat(o_starts_np - (token_ends - q_lens), q_lens)
                 entries = np.repeat(o_rows_np * width, q_lens) + positions // bs
-            pos[p:num_tokens] = positions
-            vec[3 * s + 1 + p : 3 * s + 1 + num_tokens] = self._tables_flat[entries] * bs + positions % bs
+                pos[p:num_tokens] = positions
+                vec[3 * s + 1 + p : 3 * s + 1 + num_tokens] = self._tables_flat[entries] * bs + positions % bs
         self.num_seqs, self.num_tokens = n, num_tokens
         self._stepped(tuple(request_ids), num_tokens)
         self.num_advanced_changed += 1
