@@ -41,11 +41,12 @@ def test_the_host_part_times_each_piece_of_a_decode_step(capsys):
     assert all(host[p] > 0 for p in parts)
     # the printed pieces add up to the printed step (each rounded to 4 decimals, the rest last)
     assert sum(host[p] for p in parts) == pytest.approx(host["step_ms"], abs=1e-9)
-    # the first decode after the prefill writes each sequence's entry of the block it writes
-    # in; the 49 after it advance in place, writing an entry only where a token opens a
-    # block (16 tokens): positions 41-89 open 48, 64 and 80. (6 + 6 * 3) / 50 entries a step
+    # the first decode after the prefill is moved on from the prefill's vectors (`advance`
+    # of a changed batch: the prefill's 40 tokens, each sequence's one now); the 49 after it
+    # advance in place; both write an entry only where a token opens a block (16 tokens):
+    # positions 40-89 open 48, 64 and 80. 6 * 3 / 50 entries a step
     assert host["steps_advanced_in_place"] == 49
-    assert host["table_entries_written_per_step"] == (6 + 6 * 3) / 50
+    assert host["table_entries_written_per_step"] == 6 * 3 / 50
     # through the engine's own decode path: its step buffers, in the largest bucket (the batch)
     assert host["decode_path"] == "static step buffers, padded to bucket 6"
     # the fixed logits' columns, and a temperature batch of the same rows timed apart
@@ -55,13 +56,15 @@ def test_the_host_part_times_each_piece_of_a_decode_step(capsys):
     assert 0 < host["temperature_step_sampling_ms"] < host["temperature_step_ms"]
     # churn: max(1, 6 // 32) = 1 request finishes and one joins every step, so every step
     # is a mixed one of the 6 rows (one a prefill of 40 tokens, or of one block's 16 in the
-    # short churn) through `update`: none advances in place and none is a decode-only
-    # (graph) step; each is planned by the Triton backend from the step buffers, as on a
-    # GPU (here in Triton's interpreter, its kernels never run: the forward is replaced)
+    # short churn): each is moved on from the last step's vectors with the joiner's row
+    # written (`advance` of a changed batch), none is a decode-only (graph) step; each is
+    # planned by the Triton backend from the step buffers, as on a GPU (here in Triton's
+    # interpreter, its kernels never run: the forward is replaced)
     for key, prompt_len in (("churn", 40), ("churn_short", 16)):
         assert (host[f"{key}_rows_per_step"], host[f"{key}_finished_per_step"]) == (6, 1)
         assert host[f"{key}_prompt_tokens_per_step"] == prompt_len
         assert (host[f"{key}_steps_advanced_in_place"], host[f"{key}_decode_only_steps"]) == (0, 0)
+        assert host[f"{key}_steps_advanced_changed"] == 50
         assert host[f"{key}_attention_backend"] == "triton"
         assert host[f"{key}_plan_path"] == "50 from the step buffers (begin_buffered_step)"
         pieces = [f"{key}_{p}_ms" for p in ("schedule", "metadata", "plan", "sampling", "commit")]

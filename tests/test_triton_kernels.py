@@ -308,7 +308,8 @@ def test_backend_step_equals_the_torch_backend(ops, dtype, num_splits) -> None:
 @pytest.mark.parametrize("num_splits", [None, 3], ids=["rule", "split3"])
 def test_a_step_planned_from_the_step_buffers_equals_the_list_plan(ops, num_splits) -> None:
     """The mixed step above (a chunk after a cached prefix, a prefill from 0, three
-    decodes) and a prefill-only step, fp32, block size 16, GQA group 4: planned from
+    decodes), the engine's order of one (the decodes first, then the chunks) and a
+    prefill-only step, fp32, block size 16, GQA group 4: planned from
     persistent step buffers (`begin_buffered_step`: table rows at seq_rows, not rows 0..4,
     slots from the buffers) and from the lists (`begin_step`), on copies of one pool. The
     same kernels over the same blocks: the outputs and the pools after the writes are
@@ -327,7 +328,7 @@ def test_a_step_planned_from_the_step_buffers_equals_the_list_plan(ops, num_spli
     buffers.forget("z")  # rows 0 and 2 free, row 1 held: the step's rows are not 0..4
     names = [f"s{i}" for i in range(5)]
     tables = [ids[indptr[i] : indptr[i + 1]] for i in range(5)]
-    for q_lens in ([1, 20, 1, 9, 1], [30, 2, 17, 9, 4]):
+    for q_lens in ([1, 20, 1, 9, 1], [1, 1, 1, 9, 30], [30, 2, 17, 9, 4]):
         starts = [c - q for c, q in zip(ctx_lens, q_lens, strict=True)]
         buffers.update(names, starts, ctx_lens, tables)
         spans = zip(tables, starts, ctx_lens, strict=True)

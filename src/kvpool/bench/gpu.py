@@ -269,6 +269,7 @@ def _churn_step(
     _, finished = _timed_step(engine, device)  # the first decode: `churn` finish
     buffers, attention = runner.step_buffers, runner.executor.attention
     advanced_before, static_before = buffers.num_advanced, graphs.num_static
+    changed_before = buffers.num_advanced_changed
     planned_before = runner.executor.num_buffered_steps
     timed: dict[str, list[float]] = {k: [] for k in ("schedule", "metadata", "plan", "sampling", "commit")}
     lists_planned = [0]  # steps the backend planned from the cache's lists
@@ -326,6 +327,8 @@ def _churn_step(
             f"{key}_prompt_tokens_per_step": round(prompt_tokens / num_steps, 2),
             f"{key}_finished_per_step": round(num_finished / num_steps, 2),
             f"{key}_steps_advanced_in_place": buffers.num_advanced - advanced_before,
+            # (a changed batch moved on from the last step's vectors, only its new rows written)
+            f"{key}_steps_advanced_changed": buffers.num_advanced_changed - changed_before,
             f"{key}_decode_only_steps": graphs.num_static - static_before,
         }
     )

@@ -130,22 +130,25 @@ def plan_extend(
     num_rows: int | None = None,
     num_splits: int = 1,
     num_sms: int | None = None,
+    first_row: int = 0,
 ) -> ExtendPlan:
     """The tables of one step: sequence i's q_lens[i] queries at positions [ctx_lens[i] -
     q_lens[i], ctx_lens[i]), its blocks indices[indptr[i]:indptr[i + 1]] covering exactly
     ctx_lens[i] tokens. q_rows: the row of q holding each sequence's first query (None: the
-    sequences' rows follow one another from row 0); num_rows: q's rows (None: the last
-    sequence's end), e.g. a mixed step whose decode rows another kernel attends.
+    sequences' rows follow one another from row `first_row`); num_rows: q's rows (None: the
+    last sequence's end), e.g. a mixed step whose decode rows another kernel attends.
     num_splits: programs per (tile, KV head), each a range of the keys, merged by
     log-sum-exp; num_sms: choose it instead by triton_decode's rule for this GPU's SM count
     (split when the tiles x KV heads cannot give every SM two programs, no split shorter
     than its MIN_SPLIT_TOKENS). ValueError naming the first inconsistency.
 
-    Dense tables (the persistent step buffers'): indptr and indices as int32 tensors on
-    `device`, indptr [B] the offset of sequence i's table row in the flat table `indices`
-    (row * max_blocks_per_seq), the kernel reading entry indptr[i] + t // block_size for
-    key t as it reads the CSR; the rows' coverage is the buffers' to check (their update
-    did), and the tensors are used as they are, nothing copied."""
+    Dense tables (the persistent step buffers'): indices an int32 tensor on `device`, the
+    flat table, and indptr [B] the offset of sequence i's table row in it (row *
+    max_blocks_per_seq), an int32 tensor on `device` used as it is or host integers sent
+    with the plan's other tables (one copy); the kernel reads entry indptr[i] + t //
+    block_size for key t as it reads the CSR; the rows' coverage is the buffers' to check
+    (their update did), and the flat table is used as it is, nothing copied. The merge's
+    rows (`merge_rows`) are listed only for a split plan: nothing else reads them."""
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     dense = isinstance(indices, torch.Tensor)
@@ -161,7 +164,7 @@ def plan_extend(
     if not dense:
         bounds = np.asarray(indptr, dtype=np.int64)
         bad = bad_len | (bounds[1:] - bounds[:-1] != -(-c // block_size))
-    if num_seqs and bad.any():
+    if num_seqs and bad.any():  # (bad.any() over [B] bools: as cheap as any reduction)
         i = int(np.argmax(bad))
         if bad_len[i]:
             raise ValueError(f"sequence {i}: q_len {q[i]} must be in [1, ctx_len {c[i]}]")
@@ -182,7 +185,7 @@ def plan_extend(
     tile_seq = np.repeat(np.arange(num_seqs), num_tiles)  # [T]
     tile_first = np.repeat(np.cumsum(num_tiles) - num_tiles, num_tiles)  # [T]: its sequence's first tile
     tile_start = (np.arange(len(tile_seq)) - tile_first) * block_m
-    rows = firsts[:-1] if q_rows is None else np.asarray(q_rows, dtype=np.int64)  # [B]
+    rows = firsts[:-1] + first_row if q_rows is None else np.asarray(q_rows, dtype=np.int64)  # [B]
     ends = rows + q
     if num_rows is None:
         num_rows = int(ends.max()) if num_seqs else 0
@@ -198,19 +201,28 @@ def plan_extend(
         raise ValueError(f"num_splits must be at least 1, got {num_splits}")
     per_split = -(-max_ctx_len // num_splits)
     split_len = -(-per_split // BLOCK_N) * BLOCK_N
-    # every row of every sequence, sequence by sequence: [R], R = sum(q_lens)
-    merge_rows = np.arange(int(firsts[-1])) + np.repeat(rows - firsts[:-1], q)
+    # every row of every sequence, sequence by sequence: [R], R = sum(q_lens), for the
+    # merge of a split plan ([0] without a split: an unsplit kernel writes its rows itself)
+    if num_splits > 1:
+        merge_rows = np.arange(int(firsts[-1])) + np.repeat(rows - firsts[:-1], q)
+    else:
+        merge_rows = firsts[:0]
 
     # every table in one int32 buffer, sent to the device in one copy, each a slice of it
     parts = [rows, q, c, tile_seq, tile_start, firsts, merge_rows]
     if not dense:
         parts += [bounds, np.asarray(indices, dtype=np.int64)]
+    elif not isinstance(indptr, torch.Tensor):  # host row offsets: sent with the rest
+        parts.append(np.asarray(indptr))
     lengths = [len(x) for x in parts]
     packed = torch.from_numpy(np.concatenate(parts).astype(np.int32))  # (a new array)
     if torch.device(device).type != "cpu":
         packed = packed.to(device)
     tables = packed.split_with_sizes(lengths)
-    kv_indptr, kv_indices = (indptr, indices) if dense else tables[7:]
+    if not dense:
+        kv_indptr, kv_indices = tables[7:]
+    else:
+        kv_indptr, kv_indices = (indptr if isinstance(indptr, torch.Tensor) else tables[7]), indices
     return ExtendPlan(
         tables[0], tables[1], kv_indptr, kv_indices, tables[2], tables[3], tables[4], block_m, group, num_rows,
         num_splits, split_len, tables[5], tables[6],

@@ -251,22 +251,21 @@ class TritonPagedBackend(PagedBackend):
                 f"the step buffers hold {buffers.num_seqs} sequences of {buffers.num_tokens} tokens, "
                 f"not {n} of {num_tokens} ({len(c)} context lengths)"
             )
-        bad = (c < q) | (q < 1)
-        if bad.any():
-            i = int(np.argmax(bad))
+        if n and (q.min() < 1 or (c - q).min() < 0):  # (two reductions; the masks only to name one)
+            i = int(np.argmax((c < q) | (q < 1)))
             raise ValueError(f"sequence {i}: {c[i]} tokens with {q[i]} new ones")
         is_decode = q == 1  # [n]
         num_decodes = int(np.count_nonzero(is_decode))
         # the engine's order, the decodes first and the chunks after them: slices, no index
-        decodes_first = bool(is_decode[:num_decodes].all())
+        decodes_first = not num_decodes or int(q[:num_decodes].max()) == 1
         slots, tables = buffers.slot_mapping[:num_tokens], buffers.block_tables  # [N] int32, [rows, width] int32
         decode = None
         if num_decodes:  # the decodes' query rows, table rows and lengths: [B] int32 each
-            vectors = (buffers.query_start, buffers.seq_rows, buffers.ctx_lens)  # [max_num_seqs (+ 1)] int32
             if decodes_first:
-                picked = (vectors[0][:num_decodes], vectors[1][:num_decodes], vectors[2][:num_decodes])
+                picked = buffers.leading(num_decodes)
                 longest = int(c[:num_decodes].max())
             else:
+                vectors = (buffers.query_start, buffers.seq_rows, buffers.ctx_lens)  # [max_num_seqs (+ 1)] int32
                 seqs = np.flatnonzero(is_decode)  # [B], increasing
                 index = torch.from_numpy(seqs).to(device)
                 picked = tuple(t[:n].index_select(0, index) for t in vectors)
@@ -276,25 +275,27 @@ class TritonPagedBackend(PagedBackend):
                 splits = ops.num_splits_for(num_decodes, st.num_kv_heads, longest, self.num_sms)
             decode = (*picked, splits)
         extend = None
-        if num_decodes < n:  # the chunks' table rows as offsets into the flat table: [P] int32
-            if decodes_first:
+        if num_decodes < n:  # the chunks, their table rows as offsets into the flat table
+            # (from the host twin of seq_rows, sent with the plan's tables: no device op)
+            width = buffers.max_blocks_per_seq
+            if decodes_first:  # the chunks' rows follow the decodes' from row num_decodes
                 prefill_seqs: slice | np.ndarray = slice(num_decodes, n)
-                chunk_rows = buffers.seq_rows[num_decodes:n]
+                q_rows = None
             else:
                 prefill_seqs = np.flatnonzero(~is_decode)  # [P], increasing
-                chunk_rows = buffers.seq_rows[:n].index_select(0, torch.from_numpy(prefill_seqs).to(device))
-            offsets = chunk_rows * buffers.max_blocks_per_seq
+                q_rows = (np.cumsum(q) - q)[prefill_seqs]  # each chunk's first row of the step's tokens
             extend = self.extend_ops.plan_extend(
                 q[prefill_seqs],
                 c[prefill_seqs],
-                offsets,
-                tables.view(-1),
+                buffers.host_seq_rows()[prefill_seqs] * width,  # [P] int32
+                buffers.block_tables_flat,
                 bs,
                 self.num_heads,
                 st.num_kv_heads,
                 device,
-                q_rows=(np.cumsum(q) - q)[prefill_seqs],  # each chunk's first row of the step's tokens
+                q_rows=q_rows,
                 num_rows=num_tokens,
+                first_row=num_decodes,
             )
 
         def attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> None:
