@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpool.attention.backends.step_buffers import SMALL_SPANS, StepBuffers
+from kvpool.attention.backends.step_buffers import LONG_BLOCKS, StepBuffers
 
 BS = 4  # tokens a block
 WIDTH = 12  # blocks a row: a request of 48 tokens finishes
@@ -38,15 +38,15 @@ def _state(b: StepBuffers) -> tuple:
     )
 
 
-@pytest.mark.parametrize("small_spans", [SMALL_SPANS, 0])
+@pytest.mark.parametrize("long_blocks", [LONG_BLOCKS, 0])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
-def test_advance_of_changed_batches_equals_update_after_every_step(small_spans, data):
+def test_advance_of_changed_batches_equals_update_after_every_step(long_blocks, data):
     a, b = (
         StepBuffers(max_num_seqs=8, max_num_tokens=40, max_blocks_per_seq=WIDTH, block_size=BS, dummy_block=0)
         for _ in range(2)
     )
-    a.small_spans = small_spans  # (0: the others' slots through numpy, as update's)
+    a.long_blocks = long_blocks  # (0: every other request's slots from its row, in numpy)
     running: list[str] = []  # the engine's order: arrival, joiners appended
     computed: dict[str, int] = {}  # request -> tokens computed
     prompt: dict[str, int] = {}  # request -> its prompt length while it prefills

@@ -43,10 +43,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-# the blocks a changed batch's other requests span (joining prompts, chunks) up to which
-# `advance` lists their slots as ranges, in C-level list passes (~0.3 us a block), rather
-# than in update's numpy passes over their tokens (~12 passes of ~1 us, and more a token)
-SMALL_SPANS = 32
+# a changed batch's other request (joining, a chunk) whose step writes more table entries
+# than this is long to `advance`: its entries written as a slice and its slots from its row
+# in numpy passes (~1 us each); a short one's are listed in C-level list passes (~0.3 us an
+# entry or a block), which for a few blocks is cheaper than update's ~12 numpy passes
+LONG_BLOCKS = 8
 
 
 class StepView(NamedTuple):
@@ -149,7 +150,7 @@ class StepBuffers:
         self._vec_np = self._vec_host.numpy()
         self._rows_ctx = self._vec_np[: 2 * s].reshape(2, s)  # seq_rows and ctx_lens as one [2, s] view
         self._keep = np.ones(s, dtype=bool)  # (a mask `advance` borrows)
-        self.small_spans = SMALL_SPANS  # (a test sets 0: every changed batch through numpy)
+        self.long_blocks = LONG_BLOCKS  # (a test sets 0: every other request a long one)
         self._pos_np = self._pos_host.numpy()
         self._tables_np = self._tables_host.numpy()
         self._tables_flat = self._tables_np.reshape(-1)  # (a view: the same memory)
@@ -473,27 +474,33 @@ class StepBuffers:
         crossing_list = crossing.tolist()
         wanted = o_ids + [kept[i] for i in crossing_list]  # the others', and the kept tokens' opening a block
         got = tables(wanted) if wanted else ()
-        idx: list[int] = []  # the others' changed entries: flat index, block id
+        idx: list[int] = []  # the short others' (and the kept tokens') changed entries: flat index, block id
         val: list[int] = []
         o_lens = []
-        # each other's tokens' slots, a range a block it spans (while they are few)
-        spans: list[range] = []
-        num_spans = 0
+        # a short other (a few blocks): its entries listed, its slots a range a block; a long
+        # one (a prompt's chunk): its entries written as a slice, its slots from its row
+        longs: list[int] = []  # (the others that are long)
+        spans: list[list[range]] = []  # each other's slot ranges ([] for a long one)
         for j in range(num_others):
             start, end, table = o_starts[j], o_ends[j], got[j]
             num_blocks = -(-end // bs)
             if end <= start or start < 0 or num_blocks > len(table) or num_blocks > width:
                 return False
             base, lo = o_rows[j] * width, 0 if joined[j] else start // bs
+            o_lens.append(end - start)
+            if num_blocks - lo > self.long_blocks:
+                longs.append(j)
+                spans.append([])
+                continue
             idx.extend(range(base + lo, base + num_blocks))
             val.extend(table[lo:num_blocks])
-            o_lens.append(end - start)
-            k = start // bs
-            num_spans += num_blocks - k
-            if num_spans <= self.small_spans:  # [start, end) over blocks k .. num_blocks - 1
-                for block in table[k:num_blocks]:
-                    spans.append(range(block * bs + max(start - k * bs, 0), block * bs + min(end - k * bs, bs)))
-                    k += 1
+            k = start // bs  # [start, end) over blocks k .. num_blocks - 1
+            spans.append(
+                [
+                    range(block * bs + max(start - (k + i) * bs, 0), block * bs + min(end - (k + i) * bs, bs))
+                    for i, block in enumerate(table[k:num_blocks])
+                ]
+            )
         num_tokens = p + sum(o_lens)
         if num_tokens > self.max_num_tokens:
             return False
@@ -510,9 +517,22 @@ class StepBuffers:
             self._sent.synchronize()  # the pinned twins are read by the last step's copies until then
         for rid in new_rows:
             rows[rid] = free.pop()
+        tables_flat = self._tables_flat
         changed_idx, changed_val = np.array(idx, dtype=np.int64), np.array(val, dtype=np.int64)
-        self._tables_flat[changed_idx] = changed_val
+        tables_flat[changed_idx] = changed_val
         self.num_table_writes += len(idx)
+        if longs:  # their entries [lo, num_blocks), a slice each
+            wide_idx, wide_val = [changed_idx], [changed_val]
+            for j in longs:
+                start, end = o_starts[j], o_ends[j]
+                base, lo, num_blocks = o_rows[j] * width, 0 if joined[j] else start // bs, -(-end // bs)
+                tables_flat[base + lo : base + num_blocks] = got[j][lo:num_blocks]
+                self.num_table_writes += num_blocks - lo
+                if not self._on_cpu:  # (the device's copy takes them as entries)
+                    wide_idx.append(self._arange[base + lo : base + num_blocks])
+                    wide_val.append(tables_flat[base + lo : base + num_blocks].astype(np.int64))
+            if not self._on_cpu:
+                changed_idx, changed_val = np.concatenate(wide_idx), np.concatenate(wide_val)
         pos = self._pos_np
         # [0, p): the kept decodes, a token each at their last context, the next slot of
         # the same block but where a block opens
@@ -527,16 +547,22 @@ class StepBuffers:
         if num_others:  # [p, n): flat tokens [p, num_tokens)
             rows_ctx[:, p:n] = (o_rows, o_ends)
             vec[2 * s + p + 1 : 2 * s + n + 1] = list(accumulate(o_lens, initial=p))[1:]
-            if num_spans <= self.small_spans:  # a few blocks: their slots as ranges, in C-level list passes
+            if not longs:  # a few blocks: the positions and slots as ranges, in C-level list passes
                 pos[p:num_tokens] = list(chain.from_iterable(map(range, o_starts, o_ends)))
-                vec[3 * s + 1 + p : 3 * s + 1 + num_tokens] = list(chain.from_iterable(spans))
-            else:  # as update computes them, a numpy pass a step (a long prompt's chunk)
-                o_rows_np, o_starts_np, q_lens = np.array((o_rows, o_starts, o_lens), dtype=np.int64)  # [n - p]
-                token_ends = np.add.accumulate(q_lens) + p  # [n - p]: each one's end among the step's tokens
-                positions = self._arange[p:num_tokens] + np.repeat(o_starts_np - (token_ends - q_lens), q_lens)
-                entries = np.repeat(o_rows_np * width, q_lens) + positions // bs
-                pos[p:num_tokens] = positions
-                vec[3 * s + 1 + p : 3 * s + 1 + num_tokens] = self._tables_flat[entries] * bs + positions % bs
+                vec[3 * s + 1 + p : 3 * s + 1 + num_tokens] = list(chain.from_iterable(chain.from_iterable(spans)))
+            else:  # each other's tokens [t, t + q) apart
+                t = p
+                for j in range(num_others):
+                    start, end, q = o_starts[j], o_ends[j], o_lens[j]
+                    pos[t : t + q] = self._arange[start:end]
+                    if spans[j]:
+                        vec[3 * s + 1 + t : 3 * s + 1 + t + q] = list(chain.from_iterable(spans[j]))
+                    else:  # block b's slots b * bs + [0, bs), from its row just written: [blocks, bs]
+                        k, base = start // bs, o_rows[j] * width
+                        blocks = tables_flat[base + k : base + -(-end // bs)]
+                        slots = np.add.outer(blocks * bs, self._arange[:bs]).reshape(-1)
+                        vec[3 * s + 1 + t : 3 * s + 1 + t + q] = slots[start - k * bs : end - k * bs]
+                    t += q
         self.num_seqs, self.num_tokens = n, num_tokens
         self._stepped(tuple(request_ids), num_tokens)
         self.num_advanced_changed += 1
