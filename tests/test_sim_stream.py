@@ -12,10 +12,11 @@ import random
 import numpy as np
 import pytest
 
+from kvpool.cache.coordinator import pack_prompt
 from kvpool.engine.sampling import SamplingParams
 from kvpool.sim.cost import CostModel
 from kvpool.sim.executor import AnswerSampler, answer_seed
-from kvpool.sim.simulator import SimConfig, simulate
+from kvpool.sim.simulator import SimConfig, simulate, turn_prompt
 from kvpool.spec.gpus import get_gpu
 from kvpool.spec.models import load_preset
 from kvpool.workload.arrivals import poisson_arrivals
@@ -258,6 +259,35 @@ def test_prompts_and_answers_share_one_int_per_token():
     assert tokens == answer_ids("chat1-t2", 9, VOCAB) and all(t is ints[t] for t in tokens)
     with pytest.raises(ValueError, match="ints holds 3 tokens, not the vocabulary's 1000"):
         AnswerSampler(VOCAB, [0, 1, 2])
+
+
+def test_a_turns_prompt_extended_from_the_last_equals_the_whole_prompt_packed():
+    """turn_prompt: a turn's prompt made from the previous one (consumed: extended in place)
+    equals the twin's, pack_prompt of the whole history (ids, the same int objects, the
+    bytes), turn after turn, over sessions of many lengths; a list of another length, or
+    turn 0, is refused."""
+    table = int_table(VOCAB)
+    sessions = chat_workload(6, 5, 2.0, VOCAB, seed=9).sessions
+    for s in sessions:
+        previous = None
+        for turn in range(len(s.turns)):
+            twin = pack_prompt(s.prompt_ids(turn, VOCAB, table))
+            prompt = turn_prompt(s, turn, VOCAB, table, previous)
+            assert prompt.token_ids == twin.token_ids and prompt.packed == twin.packed
+            assert prompt.mm_items == () and prompt.hashes == {}
+            assert all(a is b for a, b in zip(prompt.token_ids, twin.token_ids, strict=True))  # the same objects
+            if previous is not None:
+                assert prompt.token_ids is previous  # consumed: extended in place, not copied
+            # the engine's output gives back a list of its own (a copy of the prompt)
+            previous = list(prompt.token_ids)
+    s = sessions[0]
+    whole = turn_prompt(s, 1, VOCAB, table)
+    with pytest.raises(ValueError, match=r"previous holds \d+ tokens; turn 1 of session 'chat0' has \d+ tokens"):
+        turn_prompt(s, 2, VOCAB, table, whole.token_ids[:-1])
+    with pytest.raises(ValueError, match="turn -1 of session 'chat0' has no tokens"):
+        turn_prompt(s, 0, VOCAB, table, [])
+    with pytest.raises(ValueError, match="turn 0 of session 'chat0' extends no earlier prompt"):
+        s.turn_tail(0, VOCAB)
 
 
 def test_a_run_spaces_the_collectors_young_collections_and_restores_its_thresholds():

@@ -36,10 +36,12 @@ import numpy as np
 
 from kvpool.cache.coordinator import pack_prompt
 from kvpool.cache.dual_pool import RESTORE_METHODS
+from kvpool.cache.types import LookupPrompt
 from kvpool.capacity.planner import Plan, plan
 from kvpool.engine.engine import Engine
 from kvpool.engine.runner import ModelRunner
 from kvpool.engine.sampling import SamplingParams
+from kvpool.pool.hashing import token_bytes
 from kvpool.sim.cost import CostModel
 from kvpool.sim.executor import AnswerSampler, CostExecutor, VirtualClock, answer_seed
 from kvpool.sim.layouts import LAYOUTS, BuiltLayout, build_layout, default_layout
@@ -343,9 +345,9 @@ def simulate(
     finished = FinishedRequests(config.slo_ttft_ms, config.slo_tpot_ms)
     arrivals = Arrivals(workload)  # turns as they arrive; a turn's next one pushed as it finishes
     in_flight: dict[str, tuple[Session, int, int, float]] = {}  # request id -> (session, turn, replica, arrival)
-    # session id -> the prompt of its finished turn (the engine's, from its output), while the
-    # next turn thinks: that turn's prompt extends it (Session.prompt_ids' `previous`) instead
-    # of making every earlier answer again; nothing is kept while a turn runs
+    # session id -> the prompt of its finished turn (the engine's list, from its output), while
+    # the next turn thinks: that turn's prompt extends it in place (`turn_prompt`) instead of
+    # making every earlier answer again; nothing is kept while a turn runs
     latest: dict[str, list[int]] = {}
     timeline = StepTimeline()
     # (clock, index) of each replica with requests, one entry each: the next to step is the
@@ -361,9 +363,7 @@ def simulate(
             arrival, t = t, arrivals.next_time()
             # packed once: the router's lookups and the chosen engine's admission share its
             # packing and block hashes
-            prompt = pack_prompt(
-                session.prompt_ids(turn, model.vocab_size, table, latest.pop(session.session_id, None))
-            )
+            prompt = turn_prompt(session, turn, model.vocab_size, table, latest.pop(session.session_id, None))
             rep = router.route(prompt, session.tenant)
             rep.num_routed += 1
             idle = not rep.engine.has_unfinished()
@@ -400,6 +400,34 @@ def simulate(
     report = build_report(model, gpu, p, config, replicas, finished, total, time.perf_counter() - started, cost)
     report["sim_us_per_step_by_quarter"] = timeline.quarters()
     return report
+
+
+def turn_prompt(
+    session: Session, turn: int, vocab_size: int, table: np.ndarray, previous: list[int] | None = None
+) -> LookupPrompt:
+    """Turn `turn`'s prompt, packed as `pack_prompt` packs it; its ints are `table`'s
+    (tokens.int_table(vocab_size)). `previous`: the prompt of turn - 1 as the engine's
+    output gave it back (`RequestOutput.prompt_token_ids`, the caller's once popped), which
+    is consumed: extended in place into this prompt by what the turn adds (answer_{turn-1} |
+    user_turn, ~370 tokens of a ~2,100-token chat prompt at the medians), and packed without
+    a copy of the list first. The twin, what None does, `pack_prompt(session.prompt_ids(...))`,
+    copies the history twice (prompt_ids' list, pack_prompt's) before packing it. ValueError
+    for turn 0 or a `previous` not of turn - 1's length."""
+    if previous is None:
+        return pack_prompt(session.prompt_ids(turn, vocab_size, table), request_id=session.request_id(turn))
+    expected = session.prompt_len(turn - 1) if turn else 0
+    if not turn or len(previous) != expected:
+        raise ValueError(
+            f"previous holds {len(previous)} tokens; turn {turn - 1} of session {session.session_id!r} "
+            f"has {expected if turn else 'no'} tokens"
+        )
+    answer, user = session.turn_tail(turn, vocab_size)
+    ids = previous
+    ids += table[answer.astype(np.intp)].tolist()
+    ids += user
+    # (token_bytes: the ValueError for an id outside [0, 2**32), pack_prompt's check; the
+    # engine's add_request checks the vocabulary)
+    return LookupPrompt(ids, (), token_bytes(ids), {})
 
 
 class Arrivals:

@@ -142,11 +142,10 @@ class Session:
                     f"previous holds {len(previous)} tokens; prompt_ids({turn - 1}) of session "
                     f"{self.session_id!r} holds {self.prompt_len(turn - 1) if turn else 'nothing (no turn -1)'}"
                 )
-            last = self.turns[turn - 1]
-            answer = stream_tokens([stream_key(self.request_id(turn - 1))], [last.output_len], vocab_size)
+            answer, user = self.turn_tail(turn, vocab_size)
             ids = list(previous)
             ids += (answer if table is None else table[answer.astype(np.intp)]).tolist()
-            ids += self.turns[turn].user_ids
+            ids += user
             return ids
         earlier = self.turns[:turn]
         # every earlier answer in one vectorised pass: [answer_0 | answer_1 | ... ] end to end
@@ -164,6 +163,15 @@ class Session:
             start += t.output_len
         ids += self.turns[turn].user_ids
         return ids
+
+    def turn_tail(self, turn: int, vocab_size: int) -> tuple[np.ndarray, tuple[int, ...]]:
+        """What turn `turn` (>= 1) appends to prompt_ids(turn - 1): answer_{turn-1}'s tokens
+        ([output_len] uint64, `stream_tokens`') and user_turn's ids. ValueError for turn 0."""
+        self._check_turn(turn)
+        if turn == 0:
+            raise ValueError(f"turn 0 of session {self.session_id!r} extends no earlier prompt")
+        key = stream_key(self.request_id(turn - 1))
+        return stream_tokens([key], [self.turns[turn - 1].output_len], vocab_size), self.turns[turn].user_ids
 
     def _check_turn(self, turn: int) -> None:
         if not 0 <= turn < len(self.turns):
