@@ -493,35 +493,31 @@ class Engine:
         tokens = seq.token_ids
         return _new_chunk(ScheduledChunk, (seq.seq_id, tokens[start:end], start, end == len(tokens)))
 
-    def _plan_running(self, budget: int) -> tuple[list[SequenceState], list[str], list[int], list[ScheduledChunk]]:
+    def _plan_running(
+        self, budget: int
+    ) -> tuple[list[SequenceState], list[str], list[int], list[ScheduledChunk] | StepChunks]:
         """The running sequences' next chunks, in arrival order, within `budget` tokens: the
         sequences, their ids, token counts and chunks (one pass: a decode is one token)."""
         running = self.running
         cols = self._plan_columns = self._columns
         if cols is not None and len(cols.seqs) <= len(running) and all(map(operator.is_, running, cols.seqs)):
             # the running sequences begin with the columns' rows, each one token behind: chunk
-            # i < k is (ids[i], [last_tokens[i]], computed[i], True), built in C-level passes
-            # (zip hands tuple.__new__ each row's fields); the rows after them (joined since)
-            # as below, in what the columns' rows leave of the budget (the test of _chunk
-            # below holds them all to it)
+            # i < k is (ids[i], [last_tokens[i]], computed[i], True), held as those columns
+            # (StepChunks: made as chunks only where something reads them so); the rows after
+            # them (joined since) as below, in what the columns' rows leave of the budget
+            # (the test of _chunk below holds them all to it)
             k = len(cols.seqs)
             if k <= budget:
                 starts = cols.computed
                 self._plan_ends = [start + 1 for start in starts]
-                chunks = list(
-                    map(
-                        _new_chunk,
-                        repeat(ScheduledChunk),
-                        zip(cols.ids, map(list, zip(cols.last_tokens)), starts, repeat(True)),
-                    )
-                )
+                chunks = StepChunks(cols.ids, cols.last_tokens, starts)
                 if k == len(running):
                     return list(running), cols.ids.copy(), [1] * k, chunks
                 extras = running[k:]
                 counts = [len(seq.token_ids) - seq.num_computed for seq in extras]
                 assert min(counts) > 0, "a running sequence always has a token to compute"
                 if sum(counts) <= budget - k:  # every one's whole rest fits
-                    chunks += [
+                    chunks.rest += [
                         _new_chunk(
                             ScheduledChunk, (seq.seq_id, seq.token_ids[seq.num_computed :], seq.num_computed, True)
                         )
@@ -560,8 +556,8 @@ class Engine:
         seqs: list[SequenceState],
         ids: list[str],
         counts: list[int],
-        chunks: list[ScheduledChunk],
-    ) -> tuple[list[SequenceState], list[str], list[int], list[ScheduledChunk]]:
+        chunks: list[ScheduledChunk] | StepChunks,
+    ) -> tuple[list[SequenceState], list[str], list[int], list[ScheduledChunk] | StepChunks]:
         """`_plan_running` where the sequences' whole rests do not fit `budget`: `running`
         (the running sequences after those planned in seqs, ids, counts, chunks) one by one
         while the budget lasts, each its rest or what the budget leaves."""
@@ -598,7 +594,7 @@ class Engine:
             i += 1
         return plan
 
-    def schedule(self) -> list[ScheduledChunk]:
+    def schedule(self) -> list[ScheduledChunk] | StepChunks:
         scheduled, ids, counts, chunks = self._plan_running(self.max_num_batched_tokens)
         columns = self._plan_columns
         preempted = False
@@ -654,14 +650,16 @@ class Engine:
         self._step_columns = columns
         if columns is None:
             return chunks
-        # the columns' rows' starts and ends at hand (their chunks [computed[i], ends[i])):
-        # the chunks go with their columns, which the runner reads instead of transposing them
-        k = len(columns.seqs)
+        # (the plan held: chunks is the StepChunks of the columns' rows, then the rest.) Their
+        # starts and ends are at hand (chunks [computed[i], ends[i])): the chunks go with
+        # every chunk's columns, which the runner reads instead of transposing the chunks
+        assert type(chunks) is StepChunks
         starts, ends = columns.computed, self._plan_ends
-        if len(chunks) > k:
-            more = [chunk.start for chunk in islice(chunks, k, None)]
-            starts, ends = starts + more, ends + list(map(operator.add, more, islice(counts, k, None)))
-        return StepChunks(chunks, ids, starts, ends)
+        if chunks.rest:
+            more = [chunk.start for chunk in chunks.rest]
+            starts, ends = starts + more, ends + list(map(operator.add, more, islice(counts, len(columns.seqs), None)))
+        chunks.columns = (ids, starts, ends)
+        return chunks
 
     # ---- one step -------------------------------------------------------------------
 
@@ -716,10 +714,15 @@ class Engine:
                 # every one is a plain request's decode token, go through the columns' take
                 # (the columns' rows, which lead) and _take_inline_tokens' passes (the rest of
                 # them), the rest through the loop below (from chunk `head`: sampled row `head`)
-                end = next(itertools.compress(itertools.count(), map(operator.ne, counts, repeat(1))), len(counts))
                 columns = step_columns
+                k = 0 if columns is None else len(columns.seqs)
+                # the first chunk of more than one token (the columns' rows are one token each:
+                # the search starts after them)
+                end = next(
+                    compress(itertools.count(k), map(operator.ne, islice(counts, k, None), repeat(1))), len(counts)
+                )
                 if columns is not None:  # (its rows, each a decode, are chunks and sampled rows [0, k))
-                    head = len(columns.seqs)
+                    head = k
                     next_token_ids[:head] = self._take_column_tokens(columns, sampled[:head], done, failed)
                 if end > head and all(map(_NEEDS_LOGITS, chunks[head:end])):
                     taken = self._take_inline_tokens(scheduled[head:end], sampled[head:end], done, failed)
@@ -727,8 +730,9 @@ class Engine:
                     head += len(taken)
                 self._columns = self._next_columns(next_token_ids, head, sampled, bool(done or failed))
                 num_decode = row = head
-            rest = zip(scheduled, chunks, counts, strict=True)
-            for i, (seq, chunk, n) in enumerate(itertools.islice(rest, head, None) if head else rest, head):
+            # (a slice from head: a StepChunks' leading chunks, all before head, are not made)
+            rest = zip(islice(scheduled, head, None), chunks[head:], islice(counts, head, None), strict=True)
+            for i, (seq, chunk, n) in enumerate(rest, head):
                 seq.num_computed += n
                 req = seq.request
                 if n == 1 and chunk.start >= len(req.prompt_ids):
@@ -1031,9 +1035,11 @@ class Engine:
         the sequences' lengths are read, and only when a row draws."""
         seqs = self._scheduled
         columns = self._step_columns
-        # (a decode step samples every chunk: no filtered copy; the columns' rows all need logits)
-        if (columns is None or len(columns.seqs) != len(chunks)) and not all(map(_NEEDS_LOGITS, chunks)):
-            seqs = [seq for seq, c in zip(seqs, chunks, strict=True) if c.needs_logits]
+        # (a decode step samples every chunk: no filtered copy; the columns' rows all need
+        # logits: only the chunks after them are read, a StepChunks' leading ones not made)
+        k = 0 if columns is None else len(columns.seqs)
+        if k != len(chunks) and not all(map(_NEEDS_LOGITS, chunks[k:])):
+            seqs = seqs[:k] + [seq for seq, c in zip(seqs[k:], chunks[k:], strict=True) if c.needs_logits]
 
         def rows(which: Sequence[int] | None = None) -> tuple[list[SamplingParams], list[int], list[int]]:
             picked = seqs if which is None else [seqs[i] for i in which]

@@ -61,11 +61,11 @@ every call without tensors:
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, chain, compress, pairwise
+from itertools import accumulate, chain, compress, pairwise, repeat
 from operator import add, attrgetter, sub
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, overload
 
 import torch
 
@@ -78,7 +78,7 @@ from kvpool.tiers import BlockDescriptor
 from kvpool.tiers.swa import SWAStrategy
 
 PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap", "auto")
-_NEEDS_LOGITS = attrgetter("needs_logits")
+_NEEDS_LOGITS, _NUM_ALLOCATED = attrgetter("needs_logits"), attrgetter("num_allocated")
 
 
 def _join_rows(outs: Sequence[Any], order: list[int] | None) -> Any:
@@ -104,33 +104,110 @@ class ScheduledChunk(NamedTuple):
     needs_logits: bool  # True when the chunk ends at the sequence's last known token (sample next)
 
 
-class StepChunks(list[ScheduledChunk]):
-    """A step's chunks as the engine planned them (a list of `ScheduledChunk`, equal to the
-    plain list of the same chunks), with their columns, which the engine had at hand:
-    request_ids[i], starts[i] and ends[i] are chunk i's request_id, start and start +
-    len(token_ids). `step_columns` reads them instead of transposing the chunks (a new
-    tuple a chunk, then a pass over their lengths); callers never change them."""
+class StepChunks(Sequence[ScheduledChunk]):
+    """A step's chunks as the engine plans a step that begins with its decode columns: the
+    leading decodes held as columns, chunk i < len(lead_tokens) being
+    ScheduledChunk(lead_ids[i], [lead_tokens[i]], lead_starts[i], True), then the other
+    chunks as they are (`rest`). The leading chunks are made only when something reads
+    them as chunks (iterating, indexing below them: `rows`); a reader of columns takes
+    `columns` (every chunk's request id, start and end = start + len(token_ids), which the
+    engine sets once the step is planned) through `step_columns`, and the count of chunks
+    needing logits through `num_logits`. A sequence equal to the list of its chunks; the
+    columns are never changed (the engine makes new ones each step)."""
 
-    __slots__ = ("request_ids", "starts", "ends")
+    __slots__ = ("lead_ids", "lead_tokens", "lead_starts", "rest", "columns", "_rows")
 
     def __init__(
-        self, chunks: Sequence[ScheduledChunk], request_ids: Sequence[str], starts: Sequence[int], ends: Sequence[int]
+        self,
+        lead_ids: Sequence[str],
+        lead_tokens: Sequence[int],
+        lead_starts: Sequence[int],
+        rest: Sequence[ScheduledChunk] = (),
     ) -> None:
-        super().__init__(chunks)
-        self.request_ids, self.starts, self.ends = request_ids, starts, ends
+        if not len(lead_ids) == len(lead_tokens) == len(lead_starts):
+            raise ValueError(f"StepChunks: {len(lead_ids)} ids, {len(lead_tokens)} tokens, {len(lead_starts)} starts")
+        self.lead_ids, self.lead_tokens, self.lead_starts = lead_ids, lead_tokens, lead_starts
+        self.rest: list[ScheduledChunk] = list(rest)
+        # (request ids, starts, ends) of every chunk, in order: set by the planner, None till then
+        self.columns: tuple[Sequence[str], Sequence[int], Sequence[int]] | None = None
+        self._rows: list[ScheduledChunk] | None = None
+
+    def append(self, chunk: ScheduledChunk) -> None:
+        """A chunk after the others (the columns, if set, no longer cover it: unset)."""
+        self.rest.append(chunk)
+        if self._rows is not None:
+            self._rows.append(chunk)
+        self.columns = None
+
+    def rows(self) -> list[ScheduledChunk]:
+        """Every chunk as a ScheduledChunk, in order (the leading ones made here, once:
+        tuple.__new__ over the zipped columns, a named tuple's own __new__ being Python)."""
+        rows = self._rows
+        if rows is None:
+            lead = zip(self.lead_ids, map(list, zip(self.lead_tokens)), self.lead_starts, repeat(True))
+            rows = self._rows = list(map(tuple.__new__, repeat(ScheduledChunk), lead))
+            rows += self.rest
+        return rows
+
+    def __len__(self) -> int:
+        return len(self.lead_tokens) + len(self.rest)
+
+    def __iter__(self) -> Iterator[ScheduledChunk]:
+        return iter(self.rows())
+
+    @overload
+    def __getitem__(self, index: int) -> ScheduledChunk: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[ScheduledChunk]: ...
+
+    def __getitem__(self, index: int | slice) -> ScheduledChunk | list[ScheduledChunk]:
+        """A chunk, or a list of them; the `rest` alone are read without making the leading ones."""
+        k = len(self.lead_tokens)
+        if self._rows is None:
+            if isinstance(index, slice):
+                start, stop, step = index.indices(len(self))
+                if step == 1 and start >= k:
+                    return self.rest[start - k : max(stop - k, 0)]
+            else:
+                i = index + len(self) if index < 0 else index
+                if k <= i < len(self):
+                    return self.rest[i - k]
+        return self.rows()[index]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, StepChunks):
+            return self.rows() == other.rows()
+        if isinstance(other, list):
+            return self.rows() == other
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # (mutable, as a list)
+
+    def __repr__(self) -> str:
+        return f"StepChunks({self.rows()!r})"
 
 
 def step_columns(chunks: Sequence[ScheduledChunk]) -> tuple[Sequence[str], Sequence[int], Sequence[int]]:
     """The chunks' request ids, starts and ends (start + len(token_ids)): a `StepChunks`'
-    own, else the chunks transposed in C-level passes (the twin: the test runner of
-    tests/test_engine_scheduler.py holds every StepChunks' columns to it)."""
-    if type(chunks) is StepChunks:
-        return chunks.request_ids, chunks.starts, chunks.ends
+    columns where the engine set them, else the chunks transposed in C-level passes (the
+    twin: the test runner of tests/test_engine_scheduler.py holds every StepChunks' columns
+    to it)."""
+    if type(chunks) is StepChunks and chunks.columns is not None:
+        return chunks.columns
     if not chunks:
         return (), (), []
     # (a chunk is a named tuple of four fields: strict would check nothing, at a fifth of the pass)
     ids, token_ids, starts, _ = zip(*chunks, strict=False)
     return ids, starts, list(map(add, starts, map(len, token_ids)))
+
+
+def num_logits(chunks: Sequence[ScheduledChunk]) -> int:
+    """How many of the chunks need logits: a `StepChunks`' leading decodes all do (counted
+    without making them), the other chunks' needs_logits counted."""
+    if type(chunks) is StepChunks:
+        return len(chunks.lead_tokens) + sum(map(_NEEDS_LOGITS, chunks.rest))
+    return sum(map(_NEEDS_LOGITS, chunks))
 
 
 def last_token_rows(chunks: Sequence[ScheduledChunk]) -> list[int]:
@@ -841,7 +918,7 @@ class ModelRunner:
     def num_allocations(self) -> int:
         """Blocks and state slots taken from the cache's pools so far. The engine tells the
         admit / reserve_step calls that allocated from the ones that took nothing."""
-        return sum(pool.num_allocated for pool in self.cache.pools)
+        return sum(map(_NUM_ALLOCATED, self.cache.pools))  # (the engine asks twice an admit or reserve_step)
 
     def kv_read_bytes(self, num_context_tokens: int) -> int:
         """Cache bytes one query over `num_context_tokens` tokens of context reads."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import compress, repeat
-from operator import attrgetter, getitem, is_, itemgetter, sub
+from operator import getitem, is_, itemgetter, sub
 from typing import Any
 
 import numpy as np
@@ -39,12 +39,11 @@ import torch
 from kvpool.cache import BlockCopy
 from kvpool.engine.batch_sampler import RowsOf
 from kvpool.engine.memory import StepPeaks
-from kvpool.engine.runner import ScheduledChunk
+from kvpool.engine.runner import ScheduledChunk, num_logits, step_columns
 from kvpool.engine.sampling import SamplingParams
 from kvpool.workload.tokens import MASK64, STREAM_MIX, STREAM_MULT, stream_key, stream_tokens
 
 _MOD = 1 << 64  # a signed seed back to its stream key
-_NEEDS_LOGITS = attrgetter("needs_logits")
 
 
 @dataclass
@@ -165,7 +164,7 @@ class CostExecutor:
             self._first = chunks
         if all_logits:
             return torch.empty(sum(len(c.token_ids) for c in chunks), 0)
-        return [None] * sum(map(_NEEDS_LOGITS, chunks))
+        return [None] * num_logits(chunks)  # (a StepChunks' leading decodes counted, not made)
 
     def _price_step(self) -> None:
         """Advance the clock by the step's price: its chunks, then the replays before it,
@@ -194,9 +193,9 @@ class CostExecutor:
         by `split_step_time`, its decodes' positions apart from its other chunks, which keep
         `_work`'s order (the decodes' sums do not depend on theirs). None where neither can
         price it (step_time then does). Reads `_later` and the replays, takes nothing."""
-        # (a chunk is a named tuple of four fields: strict would check nothing)
-        request_ids, token_ids, starts, _ = zip(*first, strict=False)
-        lens = list(map(len, token_ids))
+        # the chunks' columns: the engine's, where it planned them (no chunk read), else transposed
+        request_ids, starts, ends = step_columns(first)
+        lens = list(map(sub, ends, starts))
         later, replays = self._later, self._replays
         if not later and not replays and lens.count(1) == len(lens):
             if self.decode_step_time is not None:  # the common step

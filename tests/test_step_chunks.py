@@ -1,0 +1,115 @@
+"""StepChunks (engine/runner.py): a step's leading decodes held as columns, the other chunks
+as they are. Its twin is the plain list of the same ScheduledChunk tuples: every way a
+reader takes chunks (length, iteration, indexing, slices, equality, appends, the columns,
+the count needing logits) must give what the list gives."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpool.engine.runner import ScheduledChunk, StepChunks, num_logits, step_columns
+
+
+def _chunks(num_lead: int, rest: list[tuple[int, int, bool]]) -> tuple[StepChunks, list[ScheduledChunk]]:
+    """A StepChunks of num_lead decodes then `rest` ((start, number of tokens, needs_logits)
+    each), and its twin: the list of the same chunks."""
+    ids = [f"r{i}/0" for i in range(num_lead)]
+    tokens = [7 * i % 11 for i in range(num_lead)]
+    starts = [10 + 3 * i for i in range(num_lead)]
+    others = [
+        ScheduledChunk(f"s{j}/0", list(range(start, start + n)), start, needs)
+        for j, (start, n, needs) in enumerate(rest)
+    ]
+    twin = [ScheduledChunk(i, [t], s, True) for i, t, s in zip(ids, tokens, starts, strict=True)] + others
+    return StepChunks(ids, tokens, starts, others), twin
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    num_lead=st.integers(0, 6),
+    rest=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 5), st.booleans()), max_size=5),
+    reads=st.lists(
+        st.one_of(
+            st.tuples(st.just("index"), st.integers(-12, 12)),
+            st.tuples(
+                st.just("slice"),
+                st.one_of(st.none(), st.integers(-12, 12)),
+                st.one_of(st.none(), st.integers(-12, 12)),
+                st.sampled_from([None, 1, 2, -1]),
+            ),
+            st.tuples(st.just("append"), st.integers(0, 40)),
+            st.tuples(st.just("iter")),
+        ),
+        max_size=8,
+    ),
+)
+def test_step_chunks_read_as_the_list_of_its_chunks(num_lead, rest, reads):
+    chunks, twin = _chunks(num_lead, rest)
+    assert num_logits(chunks) == num_logits(twin) == sum(c.needs_logits for c in twin)
+    for read in reads:
+        assert len(chunks) == len(twin)
+        if read[0] == "index":
+            i = read[1]
+            if -len(twin) <= i < len(twin):
+                assert chunks[i] == twin[i] and type(chunks[i]) is ScheduledChunk
+            else:
+                with pytest.raises(IndexError):
+                    chunks[i]
+        elif read[0] == "slice":
+            cut = slice(*read[1:])
+            assert chunks[cut] == twin[cut] and type(chunks[cut]) is list
+        elif read[0] == "append":
+            chunk = ScheduledChunk("new/0", [1, 2], read[1], False)
+            chunks.append(chunk)
+            twin.append(chunk)
+            assert chunks.columns is None  # (the columns no longer cover every chunk)
+        else:
+            assert list(chunks) == twin
+    assert chunks == twin and chunks == StepChunks([], [], [], twin) and twin == chunks
+    assert num_logits(chunks) == sum(c.needs_logits for c in twin)
+    # the columns where the planner set them, else the twin's transposition
+    columns = [list(c) for c in step_columns(chunks)]
+    assert columns == [
+        [c.request_id for c in twin],
+        [c.start for c in twin],
+        [c.start + len(c.token_ids) for c in twin],
+    ]
+    assert columns == [list(c) for c in step_columns(twin)]
+    chunks.columns = (["x"], [0], [1])  # (what the planner sets is what step_columns gives: never checked)
+    assert step_columns(chunks) == (["x"], [0], [1])
+
+
+def test_step_chunks_make_their_leading_chunks_only_when_read_as_chunks():
+    # a reader of the columns, of the chunks after the leading ones, of the count needing
+    # logits makes no leading chunk; iterating or indexing below them makes them, once
+    chunks, twin = _chunks(3, [(5, 2, True), (9, 1, False)])
+    assert chunks[3:] == twin[3:] and chunks[4] == twin[4] and chunks[-1] == twin[-1] and num_logits(chunks) == 4
+    assert chunks._rows is None
+    assert chunks[1] == twin[1]
+    made = chunks._rows
+    assert made == twin and list(chunks) == twin and chunks._rows is made
+    with pytest.raises(ValueError, match="StepChunks: 2 ids, 1 tokens, 2 starts"):
+        StepChunks(["a", "b"], [1], [0, 1])
+
+
+def test_every_slice_and_index_of_unmade_step_chunks_is_the_lists():
+    # each read on StepChunks whose leading chunks are not made yet (a read of the chunks
+    # after them takes `rest` alone, any other makes them first): every index and slice of
+    # 3 leading decodes and 3 other chunks against the list's
+    rest = [(5, 2, True), (9, 1, False), (20, 3, True)]
+    _, twin = _chunks(3, rest)
+    bounds = [None, *range(-8, 9)]
+    for start in bounds:
+        for stop in bounds:
+            for step in (None, 1, 2, -1):
+                chunks, _ = _chunks(3, rest)
+                assert chunks[start:stop:step] == twin[start:stop:step], (start, stop, step)
+    for i in range(-8, 8):
+        chunks, _ = _chunks(3, rest)
+        if -6 <= i < 6:
+            assert chunks[i] == twin[i], i
+        else:
+            with pytest.raises(IndexError):
+                chunks[i]
