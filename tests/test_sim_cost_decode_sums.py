@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -131,9 +133,15 @@ def test_decode_step_time_names_a_bad_position_as_step_time_does() -> None:
         ([], "a step needs at least one chunk, got none"),
         ([5.0], "chunk 0: context_len must be an integer, got 6.0"),
         ([7, -1], "chunk 1: context_len=0 is shorter than its num_new_tokens=1"),
+        # 9 first seen: its entry is made before the negative position is met
+        ([9, 5, -1], "chunk 2: context_len=0 is shorter than its num_new_tokens=1"),
+        ([6, 7.0], "chunk 1: context_len must be an integer, got 8.0"),  # a float after ints
+        ([5, np.int64(7)], re.escape(f"chunk 1: context_len must be an integer, got {np.int64(8)!r}")),
     ):
         with pytest.raises(ValueError, match=f"^{message}$"):
             cm.decode_step_time(positions)
+    with pytest.raises(TypeError):  # as step_time's (1, p + 1) raises it
+        cm.decode_step_time([5, "7"])
     assert cm.decode_step_time([True, 5]) == cm.step_time([(1, 2), (1, 6)])  # True + 1 is the int 2
 
 
@@ -223,6 +231,10 @@ def test_split_step_time_leaves_what_it_cannot_tell_to_step_time() -> None:
         ([5], []),  # no other chunk: decode_step_time's step
         ([5.0], good),  # a float position (its int's entry is kept)
         ([-1], good),
+        ([9, 5, -1], good),  # a negative position after one first seen
+        ([6, 7.0], good),
+        ([5, np.int64(9)], good),  # a numpy integer (its int's entry is kept)
+        ([5, "9"], good),
         ([5], [(1, 9)]),  # a decode among the others
         ([5], [(300, 299)]),  # shorter than its tokens
         ([5], [(300.0, 1300)]),

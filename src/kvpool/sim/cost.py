@@ -219,7 +219,20 @@ HOST_MODES: tuple[str, ...] = ("graph", "eager")
 # decode_step_time's packed sums: two 64-bit halves, each entry's below 2^53, fewer than 2^11 entries
 _LOW64 = (1 << 64) - 1
 _MAX_PACKED_DECODES = 1 << 11
-_INT_ONLY = {int}
+
+
+def _ints_only(positions: Sequence[int]) -> bool:
+    """Whether every position is a Python int (a bool or an int subclass counts: p + 1 is
+    then an int, as step_time reads it), in one C-level pass: a sum of ints (and bools) is
+    an int, and turns into a float or a numpy integer at the first such one (a str, None...
+    raise TypeError: not ints either). Signs are not checked: a negative position is never
+    a memo's key, so its lookup misses, and the miss path checks it."""
+    try:
+        return type(sum(positions)) is int
+    except TypeError:
+        return False
+
+
 # The GEMM precision of each weight format (see the module docstring).
 WEIGHT_PRECISION: dict[str, str] = {"bf16": "bf16", "mxfp4": "bf16", "fp8": "fp8", "fp4+fp8": "fp8", "fp32": "fp32"}
 # The fraction of the BF16 dense peak MXFP4 routed experts' grouped GEMMs reach on a Hopper
@@ -819,14 +832,14 @@ class CostModel:
         # the sums fit their 64-bit halves (each packed entry's halves are below 2^53)
         if scale is None or not 0 < len(positions) < _MAX_PACKED_DECODES:
             return self.step_time([(1, p + 1) for p in positions])
-        # ints only (a float would find an int's entry; step_time names it), none negative
-        if set(map(type, positions)) != _INT_ONLY or min(positions) < 0:
+        # ints only (a float, a numpy integer would find an int's entry; step_time names it)
+        if not _ints_only(positions):
             return self.step_time([(1, p + 1) for p in positions])
         try:
             total = sum(map(memo.__getitem__, positions))
-        except KeyError:  # positions first seen: their entries, then the sum again
+        except KeyError:  # positions first seen (a negative one never is): their entries, then the sum again
             for p in positions:
-                if p not in memo and not self._packed_decode(p):
+                if p not in memo and (p < 0 or not self._packed_decode(p)):
                     return self.step_time([(1, p + 1) for p in positions])
             total = sum(map(memo.__getitem__, positions))
         flops, num_bytes = total >> 64, total & _LOW64
@@ -850,7 +863,7 @@ class CostModel:
         scale, memo = self._decode_scale, self._packed_decode_memo
         if scale is None or len(positions) >= _MAX_PACKED_DECODES or not others:
             return None
-        if positions and (set(map(type, positions)) != _INT_ONLY or min(positions) < 0):
+        if positions and not _ints_only(positions):
             return None
         num_tokens = len(positions)
         for chunk in others:  # (`_decode_scan`'s test; a chunk of one token is a decode: not here)
@@ -862,9 +875,9 @@ class CostModel:
             num_tokens += n
         try:
             total = sum(map(memo.__getitem__, positions))
-        except KeyError:  # positions first seen: their entries, then the sum again
+        except KeyError:  # positions first seen (a negative one never is): their entries, then the sum again
             for p in positions:
-                if p not in memo and not self._packed_decode(p):
+                if p not in memo and (p < 0 or not self._packed_decode(p)):
                     return None
             total = sum(map(memo.__getitem__, positions))
         flops, num_bytes = total >> 64, total & _LOW64
