@@ -649,14 +649,24 @@ class StepBuffers:
         return self.view(num_seqs, num_seqs)
 
     def check_integrity(self, tables: dict[str, Sequence[int]] | None = None) -> None:
-        """Rows and free rows partition [0, max_num_seqs); with `tables` (request id -> the
-        cache's table), every request's row holds its table's entries up to its last
+        """Rows and free rows partition [0, max_num_seqs); what `advance` moves on is the
+        vectors' step: the last step's requests still held keep the rows its seq_rows name,
+        the forgotten ones are the noted sequences (`forget`); with `tables` (request id ->
+        the cache's table), every request's row holds its table's entries up to its last
         step's blocks (the entries a kernel reads), on the host and on the device."""
         used = sorted(self._rows.values())
         assert len(set(used)) == len(used), "a row held twice"
         assert sorted(used + self._free_rows) == list(range(self.max_num_seqs)), "rows lost or duplicated"
         if self.dummy_block is not None:
             assert (self._tables_np[self.padding_row] == self.dummy_block).all(), "the padding row changed"
+        last = self._last
+        if last is not None:
+            assert len(set(last)) == len(last), "the last step's ids repeat"
+            seq_rows = self._vec_np[: len(last)].tolist()
+            gone = [j for j, rid in enumerate(last) if rid not in self._rows]
+            assert sorted(self._gone) == gone, f"forgotten sequences {sorted(self._gone)}, not {gone}"
+            for j, rid in enumerate(last):
+                assert rid not in self._rows or self._rows[rid] == seq_rows[j], f"{rid}: not the row it stepped in"
         if tables is None:
             return
         s = self.max_num_seqs
