@@ -547,9 +547,14 @@ class StepBuffers:
         if num_others:  # [p, n): flat tokens [p, num_tokens)
             rows_ctx[:, p:n] = (o_rows, o_ends)
             vec[2 * s + p + 1 : 2 * s + n + 1] = list(accumulate(o_lens, initial=p))[1:]
-            if not longs:  # a few blocks: the positions and slots as ranges, in C-level list passes
-                pos[p:num_tokens] = list(chain.from_iterable(map(range, o_starts, o_ends)))
-                vec[3 * s + 1 + p : 3 * s + 1 + num_tokens] = list(chain.from_iterable(chain.from_iterable(spans)))
+            if not longs:  # a few blocks: positions a slice each, the slots from their ranges in one pass
+                t = p
+                for start, end in zip(o_starts, o_ends, strict=True):
+                    pos[t : t + end - start] = self._arange[start:end]
+                    t += end - start
+                vec[3 * s + 1 + p : 3 * s + 1 + num_tokens] = np.fromiter(
+                    chain.from_iterable(chain.from_iterable(spans)), np.int32, num_tokens - p
+                )
             else:  # each other's tokens [t, t + q) apart
                 t = p
                 for j in range(num_others):
