@@ -158,3 +158,24 @@ def test_a_changed_batch_moves_the_kept_rows_and_writes_only_the_joiners_rows():
     assert b.num_table_writes - writes == 1 + 2  # c's third entry, e's two
     assert b.block_tables[1, :2].tolist() == [50, 51] and b.block_tables[2, :3].tolist() == [30, 31, 32]
     b.check_integrity(tables)
+
+
+@pytest.mark.parametrize("long_blocks", [LONG_BLOCKS, 0])
+def test_a_changed_batch_past_max_num_tokens_and_one_block_wider_than_a_step(long_blocks):
+    """Positions, flat-table indices and a block's offsets are not bounded by a step's
+    tokens: a step of at most 4 tokens in blocks of 8, a kept request at position 21, a
+    joining one whose prompt chunk [16, 19) follows a cached prefix (its first two blocks)."""
+    b = StepBuffers(max_num_seqs=2, max_num_tokens=4, max_blocks_per_seq=4, block_size=8, dummy_block=0)
+    b.long_blocks = long_blocks
+    tables = {"a": [1, 2, 3], "b": [4, 5, 6], "c": [7, 8, 9]}
+    b.update(("a", "b"), [20, 20], [21, 21], [tables["a"], tables["b"]])
+    b.forget("b")
+    assert b.advance(("a", "c"), [21, 16], [22, 19], lambda ids: [tables[r] for r in ids])
+    assert b.num_advanced_changed == 1
+    v = b.view(2, 4)
+    assert v.seq_rows.tolist() == [0, 1] and v.ctx_lens.tolist() == [22, 19]
+    assert v.query_start.tolist() == [0, 1, 4]
+    assert v.positions.tolist() == [21, 16, 17, 18]
+    assert v.slot_mapping.tolist() == [3 * 8 + 5, 9 * 8, 9 * 8 + 1, 9 * 8 + 2]
+    assert b.block_tables[1, :3].tolist() == [7, 8, 9]  # c's whole row: it joined
+    b.check_integrity(tables)

@@ -173,7 +173,9 @@ class StepBuffers:
         self.num_table_writes = 0  # table entries written so far (the incremental figure)
         self.num_advanced = 0  # steps taken by `advance` (the last decode one token on, in place)
         self.num_advanced_changed = 0  # steps of a changed batch taken by `advance` (kept rows moved)
-        self._arange = np.arange(max(t, s + 1))  # [0, 1, 2, ...]: a decode step's query_start, and offsets
+        # [0, 1, 2, ...]: a decode step's query_start, sequence and token indices (not positions)
+        self._arange = np.arange(max(t, s + 1))
+        self._offsets = np.arange(block_size)  # a block's slots' offsets
 
     def forget(self, request_id: str) -> None:
         """The request left the cache (finished, cancelled, preempted): its row is free, and a
@@ -529,7 +531,7 @@ class StepBuffers:
                 tables_flat[base + lo : base + num_blocks] = got[j][lo:num_blocks]
                 self.num_table_writes += num_blocks - lo
                 if not self._on_cpu:  # (the device's copy takes them as entries)
-                    wide_idx.append(self._arange[base + lo : base + num_blocks])
+                    wide_idx.append(np.arange(base + lo, base + num_blocks))
                     wide_val.append(tables_flat[base + lo : base + num_blocks].astype(np.int64))
             if not self._on_cpu:
                 changed_idx, changed_val = np.concatenate(wide_idx), np.concatenate(wide_val)
@@ -550,7 +552,7 @@ class StepBuffers:
             if not longs:  # a few blocks: positions a slice each, the slots from their ranges in one pass
                 t = p
                 for start, end in zip(o_starts, o_ends, strict=True):
-                    pos[t : t + end - start] = self._arange[start:end]
+                    pos[t : t + end - start] = np.arange(start, end)
                     t += end - start
                 vec[3 * s + 1 + p : 3 * s + 1 + num_tokens] = np.fromiter(
                     chain.from_iterable(chain.from_iterable(spans)), np.int32, num_tokens - p
@@ -559,13 +561,13 @@ class StepBuffers:
                 t = p
                 for j in range(num_others):
                     start, end, q = o_starts[j], o_ends[j], o_lens[j]
-                    pos[t : t + q] = self._arange[start:end]
+                    pos[t : t + q] = np.arange(start, end)
                     if spans[j]:
                         vec[3 * s + 1 + t : 3 * s + 1 + t + q] = list(chain.from_iterable(spans[j]))
                     else:  # block b's slots b * bs + [0, bs), from its row just written: [blocks, bs]
                         k, base = start // bs, o_rows[j] * width
                         blocks = tables_flat[base + k : base + -(-end // bs)]
-                        slots = np.add.outer(blocks * bs, self._arange[:bs]).reshape(-1)
+                        slots = np.add.outer(blocks * bs, self._offsets).reshape(-1)
                         vec[3 * s + 1 + t : 3 * s + 1 + t + q] = slots[start - k * bs : end - k * bs]
                     t += q
         self.num_seqs, self.num_tokens = n, num_tokens
