@@ -8,6 +8,7 @@ those rows are the tables'."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -38,15 +39,31 @@ def _state(b: StepBuffers) -> tuple:
     )
 
 
-@pytest.mark.parametrize("long_blocks", [LONG_BLOCKS, 0])
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def _send_to_a_twin(b: StepBuffers) -> np.ndarray:
+    """b's sends to the device, as a CUDA step buffers' make them (the changed table entries,
+    `_send`), applied to a numpy twin of the device's tables instead: [rows, width] int32."""
+    twin = b.block_tables.numpy().copy()
+
+    def send(changed_idx, changed_val, num_tokens: int) -> None:
+        twin.reshape(-1)[np.asarray(changed_idx, dtype=np.int64)] = np.asarray(changed_val, dtype=np.int64)
+
+    b._on_cpu = False  # (every step sends its changes, as on a GPU)
+    b._send = send
+    return twin
+
+
+@pytest.mark.parametrize("long_blocks, device", [(LONG_BLOCKS, False), (0, False), (LONG_BLOCKS, True), (0, True)])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
-def test_advance_of_changed_batches_equals_update_after_every_step(long_blocks, data):
+def test_advance_of_changed_batches_equals_update_after_every_step(long_blocks, device, data):
+    """(device: the entries each step sends to a CUDA device's tables, applied to a twin of
+    them, give the host's rows: what a kernel reads there.)"""
     a, b = (
         StepBuffers(max_num_seqs=8, max_num_tokens=40, max_blocks_per_seq=WIDTH, block_size=BS, dummy_block=0)
         for _ in range(2)
     )
     a.long_blocks = long_blocks  # (0: every other request's slots from its row, in numpy)
+    device_tables = _send_to_a_twin(a) if device else None
     running: list[str] = []  # the engine's order: arrival, joiners appended
     computed: dict[str, int] = {}  # request -> tokens computed
     prompt: dict[str, int] = {}  # request -> its prompt length while it prefills
@@ -111,7 +128,11 @@ def test_advance_of_changed_batches_equals_update_after_every_step(long_blocks, 
         b.update(ids, starts, ends, [tables[r] for r in ids])
         assert _state(a) == _state(b), step
         a.check_integrity({r: tables[r] for r in ids})
-        if a.num_tokens == a.num_seqs and data.draw(st.booleans(), label="pad"):
+        if device_tables is not None:
+            rows = a.view(a.num_seqs, a.num_tokens).seq_rows.tolist()
+            for rid, row, end in zip(ids, rows, ends, strict=True):
+                assert device_tables[row, : -(-end // BS)].tolist() == tables[rid][: -(-end // BS)], (step, rid)
+        elif a.num_tokens == a.num_seqs and data.draw(st.booleans(), label="pad"):
             a.pad(8)  # a graph's bucket: rows past the step become padding
             b.pad(8)
         a.clear()  # (the forward took the step)
@@ -126,7 +147,7 @@ def test_advance_of_changed_batches_equals_update_after_every_step(long_blocks, 
 
 def test_the_random_steps_took_the_changed_batch_path():
     """(after the property above, in file order: its examples did exercise the path)"""
-    assert len(CHANGED) > 60 and sum(CHANGED) > 5 * len(CHANGED)
+    assert len(CHANGED) > 100 and sum(CHANGED) > 5 * len(CHANGED)
 
 
 def test_a_changed_batch_moves_the_kept_rows_and_writes_only_the_joiners_rows():

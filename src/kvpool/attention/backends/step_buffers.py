@@ -326,7 +326,7 @@ class StepBuffers:
         # what `advance` moves on, where the ids are distinct (`forget` finds a request by its row)
         ids = tuple(request_ids)
         self._stepped(ids if len(set(ids)) == n else None, num_tokens)
-        if self.device.type != "cpu":
+        if not self._on_cpu:
             self._send(changed_idx, changed_val, num_tokens)
         return self.view(n, num_tokens, int(q_lens.max()) if n else 0)
 
@@ -389,7 +389,7 @@ class StepBuffers:
         self._pos_np[:n] = st
         self.num_seqs = self.num_tokens = n
         self.num_advanced += 1
-        if self.device.type != "cpu":
+        if not self._on_cpu:
             self._send(changed_idx if len(crossing) else [], blocks, n)
         return True
 
@@ -523,6 +523,7 @@ class StepBuffers:
         changed_idx, changed_val = np.array(idx, dtype=np.int64), np.array(val, dtype=np.int64)
         tables_flat[changed_idx] = changed_val
         self.num_table_writes += len(idx)
+        opened_blocks = changed_val[len(idx) - len(crossing_list) :]  # [m]: the kept tokens' new blocks (listed last)
         if longs:  # their entries [lo, num_blocks), a slice each
             wide_idx, wide_val = [changed_idx], [changed_val]
             for j in longs:
@@ -541,7 +542,7 @@ class StepBuffers:
         pos[:p] = p_rc[1]
         p_slots += 1
         if crossing_list:
-            p_slots[crossing] = changed_val[len(idx) - len(crossing_list) :] * bs
+            p_slots[crossing] = opened_blocks * bs
         p_rc[1] += 1
         rows_ctx[:, :p] = p_rc
         vec[2 * s : 2 * s + p + 1] = self._arange[: p + 1]
@@ -647,7 +648,7 @@ class StepBuffers:
         vec[2 * s + n + 1 : 2 * s + num_seqs + 1] = self._arange[n + 1 : num_seqs + 1]
         vec[3 * s + 1 + n : 3 * s + 1 + num_seqs] = self.dummy_block * self.block_size
         pos[n:num_seqs] = 0
-        if self.device.type != "cpu":
+        if not self._on_cpu:
             used = 3 * s + 1 + num_seqs
             self._vec[:used].copy_(self._vec_host[:used], non_blocking=True)
             self._pos[:num_seqs].copy_(self._pos_host[:num_seqs], non_blocking=True)
