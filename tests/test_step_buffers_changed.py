@@ -1,7 +1,7 @@
 """`StepBuffers.advance` on a changed batch (attention/backends/step_buffers.py) against its
 naive twin, `update`: random steps of an engine-like batch (requests finish at any
 position, join at the end with prompts chunked over steps, are preempted and readmitted,
-sit a step out, copy a shared tail at a step's start, change order) drive two buffers, one
+sit a step out, roll back tokens, copy a shared tail at a step's start, change order) drive two buffers, one
 advancing where the runner lets it (no copy-on-write this step) and one always rewritten by
 `update`; after every step both hold the same rows, free rows, vectors and table rows, and
 those rows are the tables'."""
@@ -99,6 +99,12 @@ def test_advance_of_changed_batches_equals_update_after_every_step(long_blocks, 
             order = data.draw(st.permutations(order), label="order")
         if len(order) > 1 and data.draw(st.integers(0, 6), label="sit out") == 0:
             order.remove(data.draw(st.sampled_from(order), label="sits out"))  # not scheduled this step
+        if data.draw(st.integers(0, 6), label="rollback") == 0:  # (a speculative step's rejected tokens)
+            rid = data.draw(st.sampled_from(order), label="rolls back")
+            back = min(computed[rid], data.draw(st.integers(1, 6), label="tokens back"))
+            if rid not in prompt and back:
+                computed[rid] -= back  # its blocks past the kept tokens freed; others appended later
+                del tables[rid][-(-computed[rid] // BS) :]
         # a shared partial tail copied at this step's start (copy-on-write): no advance then
         cow = False
         if data.draw(st.integers(0, 6), label="cow") == 0:
