@@ -22,6 +22,7 @@ from kvpool.engine.sampling import GREEDY_TEMPERATURE, SamplingParams, draws_at,
 
 _TEMPERATURE, _TOP_P, _TOP_K, _SEED = map(operator.attrgetter, ("temperature", "top_p", "top_k", "seed"))
 _NO_WORDS, _NO_DRAWS = np.empty(0, dtype=np.uint64), np.empty((0, 1), dtype=np.float32)  # (never written)
+_NO_ROWS = np.empty(0, dtype=np.int64)  # a greedy batch's rows that draw (never written)
 # The least positive fp32 (a subnormal): sample_batch's least top_p in its fp32 arithmetic.
 TOP_P_MIN = 2.0**-149
 # A kept batch whose rows draw at consecutive positions hashes this many steps' uniforms at
@@ -281,28 +282,36 @@ class BatchSampler:
     words; each row's origin, from which its output positions count) from one step to the
     next while the step samples the same rows in the same order (a decode step of the same
     requests), the way vLLM's persistent batch keeps its requests' sampling parameters in
-    arrays by row. A step of other rows (one joined, left or moved) builds them again. Its
+    arrays by row. A step of other rows (one joined, left or moved) builds them again, but
+    where the last batch was greedy throughout: then only the rows that joined it are read
+    (rows(joined)), and greedy too, the batch is greedy throughout as it stands (a greedy
+    batch keeps nothing per row; `incremental` False reads every row: the twin). Its
     tokens are `sample_batch`'s, bit for bit (tests/test_sampling_batch.py): the same
     columns, the same draws, the same tensor ops."""
 
     def __init__(self) -> None:
         self._owners: list[object] = []  # the last batch's rows' owners, compared by identity
         self._rows: _BatchRows | None = None
-        self._origins = np.empty(0, dtype=np.int64)  # [rows]: where each row's output begins
+        # [rows]: where each row's output begins (None: not read, in a greedy batch nothing draws)
+        self._origins: np.ndarray | None = np.empty(0, dtype=np.int64)
+        # every owner of the last batch where it is greedy throughout, else None
+        self._greedy_owners: set[object] | None = None
+        self.incremental = True
 
     def sample(
         self,
         logits: torch.Tensor,
         owners: Sequence[object],
-        rows: Callable[[], tuple[Sequence[SamplingParams], Sequence[int], Sequence[int]]],
+        rows: RowsOf,
         lengths: Callable[[], Iterable[int]],
     ) -> list[int]:
         """logits [rows, vocab] -> a token a row. owners[i]: the object that row i samples
         for (the engine's sequence: the same object for as long as it runs, its parameters
-        fixed); rows(): every row's params, sample index and origin (the length at which its
-        output begins, fixed: the engine's prompt length), called only when the owners
-        differ from the last call's; lengths(): every row's length now, called only when a
-        row draws. Row i draws at output position lengths()[i] - origin[i]."""
+        fixed); rows(which): the params, sample index and origin (the length at which its
+        output begins, fixed: the engine's prompt length) of rows `which` (None: every row),
+        called only when the owners differ from the last call's (`which`: the rows that
+        joined a greedy batch); lengths(): every row's length now, called only when a row
+        draws. Row i draws at output position lengths()[i] - origin[i]."""
         n = logits.shape[0]
         if len(owners) != n:
             raise ValueError(f"BatchSampler: {n} logit rows but {len(owners)} owners")
@@ -310,17 +319,40 @@ class BatchSampler:
             return []
         last = self._owners
         if self._rows is None or len(last) != n or not all(map(operator.is_, owners, last)):
-            params, sample_indices, origins = rows()
-            if not len(params) == len(sample_indices) == len(origins) == n:
-                raise ValueError(
-                    f"BatchSampler: {n} logit rows but {len(params)} params, {len(sample_indices)} sample "
-                    f"indices, {len(origins)} origins"
-                )
-            self._rows = _BatchRows.of(params, sample_indices, logits.shape[-1], logits.device)
-            self._origins = np.fromiter(origins, np.int64, n)
-            self._owners = list(owners)  # (held: an owner's id is never another's while it is here)
+            self._take(owners, rows, logits)
         origins = self._origins
         return self._rows.sample(logits, lambda: np.fromiter(lengths(), np.int64, n) - origins)
+
+    def _take(self, owners: Sequence[object], rows: RowsOf, logits: torch.Tensor) -> None:
+        """The batch of `owners` kept: after a greedy batch, the params of the owners that
+        joined it read, and where they are greedy too the batch is (nothing else read);
+        else every row's parameters read and the batch's rows built (`_BatchRows.of`)."""
+        n = len(owners)
+        kept = self._greedy_owners
+        if kept is not None and self.incremental and (new := _identity_set(owners)) is not None:
+            # the rows whose owner was not in the last batch: a set difference, then each one's
+            # row (list.index: a C-level scan by identity, a few joined at a time)
+            joined = sorted(map(owners.index, new - kept))
+            params = rows(joined)[0] if joined else ()
+            if len(params) != len(joined):
+                raise ValueError(f"BatchSampler: {len(joined)} rows joined but rows() gave {len(params)} params")
+            # (`_BatchRows.of`'s test of a row that draws, negated for each)
+            if not any(map(GREEDY_TEMPERATURE.__le__, map(_TEMPERATURE, params))):
+                self._rows = _BatchRows(n, _NO_ROWS)
+                self._origins = None  # (read only where a row draws)
+                self._owners = list(owners)
+                self._greedy_owners = new
+                return
+        params, sample_indices, origins = rows()
+        if not len(params) == len(sample_indices) == len(origins) == n:
+            raise ValueError(
+                f"BatchSampler: {n} logit rows but {len(params)} params, {len(sample_indices)} sample "
+                f"indices, {len(origins)} origins"
+            )
+        self._rows = _BatchRows.of(params, sample_indices, logits.shape[-1], logits.device)
+        self._origins = np.fromiter(origins, np.int64, n)
+        self._owners = list(owners)  # (held: an owner's id is never another's while it is here)
+        self._greedy_owners = None if len(self._rows.stochastic) else _identity_set(self._owners)
 
     def sample_rows(
         self,
@@ -331,6 +363,19 @@ class BatchSampler:
     ) -> list[int]:
         """`sample_batch` itself: the kept batch is left as it is."""
         return sample_batch(logits, params, sample_indices, positions)
+
+
+def _identity_set(owners: Sequence[object]) -> set[object] | None:
+    """The owners as a set where a set tells them apart by identity: all of one type that
+    compares and hashes as `object` does (the engine's sequences: dataclasses with eq=False).
+    None for any other owners (a set would take equal ones for one): read whole."""
+    kinds = set(map(type, owners))
+    if len(kinds) != 1:
+        return None
+    (kind,) = kinds
+    if kind.__eq__ is not object.__eq__ or kind.__hash__ is not object.__hash__:
+        return None
+    return set(owners)
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
