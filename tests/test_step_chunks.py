@@ -113,3 +113,48 @@ def test_every_slice_and_index_of_unmade_step_chunks_is_the_lists():
         else:
             with pytest.raises(IndexError):
                 chunks[i]
+
+
+def test_a_static_decode_of_the_columns_alone_takes_their_columns_and_equals_the_eager_engine():
+    # an engine with batched sampling plans its plain decodes from its columns (StepChunks);
+    # a decode step of the columns alone goes through the static buffers' decode with the
+    # columns' tokens and starts as they are (no chunk made), as requests finish and join.
+    # Its twin: the eager engine (no buffers, the chunks' own tokens), the same tokens
+    import torch
+
+    from kvpool.engine.engine import Engine
+    from kvpool.engine.llama_runner import llama_runner
+    from kvpool.engine.sampling import SamplingParams
+    from random_llama import DESCRIPTOR, random_ids, random_llama
+
+    model = random_llama(seed=0, dtype=torch.float64)
+    outputs, columns_alone = [], []
+    for mode in ("static", "eager"):
+        runner = llama_runner(model, 64, 4, DESCRIPTOR, decode_mode=mode, max_num_seqs=8, max_num_batched_tokens=32)
+        engine = Engine(runner, max_num_batched_tokens=32, max_num_seqs=6, batched_sampling=True)
+        made = []  # per decode step of the columns alone: it made no chunk
+        if mode == "static":
+            takes = runner.executor._takes_decode
+
+            def taking(chunks, takes=takes, made=made):
+                out = takes(chunks)
+                if type(chunks) is StepChunks and not chunks.rest and out is not None:
+                    made.append(chunks._rows is None)
+                return out
+
+            runner.executor._takes_decode = taking
+        ids = [
+            engine.add_request(random_ids(5 + 3 * i, i), SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True))
+            for i in range(3)
+        ]
+        for step in range(200):
+            if step in (4, 9):
+                ids += [engine.add_request(random_ids(4, 20 + step), SamplingParams(max_tokens=5, ignore_eos=True))]
+            if not engine.has_unfinished():
+                break
+            engine.step()
+            runner.check_integrity()
+        outputs.append([engine.output(i).completions[0].token_ids for i in ids])
+        columns_alone.append(made)
+    assert outputs[0] == outputs[1]
+    assert sum(columns_alone[0]) > 5 and all(columns_alone[0])

@@ -23,7 +23,7 @@ from kvpool.attention.backends.step_buffers import StepBuffers
 from kvpool.cache import BlockCopy, CacheDescriptor, FullAttentionManager
 from kvpool.engine.cuda_graph import DECODE_MODES, DecodeGraphs
 from kvpool.engine.memory import StepPeaks
-from kvpool.engine.runner import ModelRunner, ScheduledChunk
+from kvpool.engine.runner import ModelRunner, ScheduledChunk, StepChunks
 from kvpool.engine.tier_bridge import TierBridge
 from kvpool.models.llama import LlamaModel
 from kvpool.models.tensor_parallel import check_same_step, step_digest
@@ -381,10 +381,10 @@ class LlamaExecutor:
         self.peaks.note("graph_logits", logits)
         self.peaks.note("graph_pool", max(pool - logits, 0))
 
-    def _takes_decode(self, chunks: Sequence[ScheduledChunk]) -> tuple[tuple[list[int], ...], tuple[int, ...]] | None:
-        """The step's token ids and starts (the chunks' columns) when it goes through the
-        graphs: a pure decode (one token a chunk, each sampled) that the runner put in the
-        step buffers, with a backend that reads them; else None."""
+    def _takes_decode(self, chunks: Sequence[ScheduledChunk]) -> tuple[Sequence[int], Sequence[int]] | None:
+        """The step's tokens (each chunk's one) and starts when it goes through the graphs: a
+        pure decode (one token a chunk, each sampled) that the runner put in the step
+        buffers, with a backend that reads them; else None."""
         buffers = self.step_buffers
         n = len(chunks)
         # (n chunks of n tokens in the buffers: one token each)
@@ -392,8 +392,12 @@ class LlamaExecutor:
             return None
         if not hasattr(self.attention, "begin_decode"):
             return None
+        if type(chunks) is StepChunks and not chunks.rest:
+            # the engine's decode columns alone (each a sampled token): their own columns,
+            # no chunk tuple made (engine/runner.py StepChunks)
+            return chunks.lead_tokens, chunks.lead_starts
         _, token_ids, starts, needs_logits = zip(*chunks, strict=True)  # the chunks' columns
-        return (token_ids, starts) if all(needs_logits) else None
+        return (list(map(_FIRST, token_ids)), starts) if all(needs_logits) else None
 
     def forward(self, chunks: Sequence[ScheduledChunk], cache: Any, all_logits: bool = False) -> torch.Tensor:
         """Run one step; logits [num chunks with needs_logits, vocab] (or every token's, [N, vocab])."""
@@ -451,10 +455,10 @@ class LlamaExecutor:
         self._note_forward(num_tokens, step.attend, logits)
         return logits
 
-    def _forward_decode(self, token_ids: Sequence[list[int]], starts: Sequence[int]) -> torch.Tensor:
+    def _forward_decode(self, tokens: Sequence[int], starts: Sequence[int]) -> torch.Tensor:
         """A pure-decode step through `DecodeGraphs` (the runner has put it in the step
-        buffers), its chunks' columns: token_ids[i] the i-th sequence's one token (a list of
-        one), starts[i] its position -> logits [len(starts), vocab], every row sampled."""
+        buffers), its chunks' columns: tokens[i] the i-th sequence's one token, starts[i]
+        its position -> logits [len(starts), vocab], every row sampled."""
         graphs, buffers = self._graphs, self.step_buffers
         assert graphs is not None and buffers is not None
         top = max(starts)
@@ -463,7 +467,7 @@ class LlamaExecutor:
             raise ValueError(f"position {top} exceeds the model's context {max_position}")
         self._decode_max_position = top
         self.wait_for_loads()  # outside the graph: a replay must not wait on this step's events
-        graphs.set_input_ids(list(map(_FIRST, token_ids)))
+        graphs.set_input_ids(tokens)
         logits = graphs.run(len(starts))
         buffers.clear()  # a step is taken once: see forward
         self.last_decode_path = self.attention.name
