@@ -178,6 +178,9 @@ def test_a_loop_over_answers_of_varying_length_decodes_beside_the_prefills_that_
     assert spread.predicted == pytest.approx((213 * decode + 3 * mixed) / 216 * 1e3, rel=2e-3)  # 6.28 ms
     waves = simulate_row(dataclasses.replace(row, staggered_requests=None))
     assert waves.batch == 4 and waves.predicted == pytest.approx(decode * 1e3, rel=2e-3)  # 5.96 ms
+    # the engine's own limit (vLLM's default 256) never lifts the client's 4 in flight
+    limited = simulate_row(dataclasses.replace(row, max_num_seqs=256))
+    assert limited.predicted == spread.predicted
 
 
 def test_a_row_without_its_source_or_with_an_unknown_metric_is_refused() -> None:

@@ -236,7 +236,9 @@ def simulate_row(row: PublishedRow, overrides: dict[str, float] | None = None) -
             raise ValueError(f"row {row.id}: one request of {total_len:,} tokens does not fit the KV pool")
     max_num_seqs = batch if row.num_requests is None else MAX_BATCH
     if row.max_num_seqs is not None:  # the engine's own limit, which a larger wave queues behind
-        max_num_seqs = row.max_num_seqs
+        # (under a client's concurrency the engine never runs more than the client keeps in
+        # flight: a staggered row's requests all arrive at 0, and this limit is the client's)
+        max_num_seqs = row.max_num_seqs if row.concurrency is None else min(batch, row.max_num_seqs)
     config = SimConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=row.max_num_batched_tokens or max(8192, row.input_len),
