@@ -224,6 +224,22 @@ def test_a_request_failed_by_one_sample_takes_no_token_for_its_others_in_a_decod
     assert len(engine.output(good).completions[0].token_ids) == 8
 
 
+def _twin_engine(runner, max_model_len: int, max_num_batched_tokens: int, batched: bool, inline: bool) -> Engine:
+    """An engine of the twin tests below: EOS ids 3, 5 and 40, text by `_decode_text`, 6
+    sequences at most; `inline` False takes every token through `_accept_token` (the twin)."""
+    runner.max_model_len = max_model_len
+    engine = Engine(
+        runner,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=6,
+        eos_token_ids=(3, 5, 40),
+        decode_text=_decode_text,
+        batched_sampling=batched,
+    )
+    engine.inline_decode = inline
+    return engine
+
+
 def test_the_inline_decode_path_equals_accept_token():
     # Engine.step takes a plain request's decode tokens inline; `inline_decode = False` sends
     # every token through `_accept_token` and `_stop_reason`'s checks in full (neither
@@ -252,16 +268,7 @@ def test_the_inline_decode_path_equals_accept_token():
         outputs = []
         for inline in (True, False):
             runner = PrefixModelRunner(12, 4)
-            runner.max_model_len = 16
-            engine = Engine(
-                runner,
-                max_num_batched_tokens=24,
-                max_num_seqs=6,
-                eos_token_ids=(3, 5, 40),
-                decode_text=_decode_text,
-                batched_sampling=batched,
-            )
-            engine.inline_decode = inline
+            engine = _twin_engine(runner, 16, 24, batched, inline)
             taken = []  # the decode steps `step` took through `_take_decode_tokens`
             take = engine._take_decode_tokens
             engine._take_decode_tokens = lambda *args, take=take, taken=taken: taken.append(1) or take(*args)
@@ -384,16 +391,7 @@ def test_a_batch_taken_as_columns_ends_its_rows_as_accept_token_does():
         outputs = []
         for inline in (True, False):
             runner = PrefixModelRunner(64, 4)
-            runner.max_model_len = 30 if case % 2 else 256
-            engine = Engine(
-                runner,
-                max_num_batched_tokens=16,
-                max_num_seqs=6,
-                eos_token_ids=(3, 5, 40),
-                decode_text=_decode_text,
-                batched_sampling=True,
-            )
-            engine.inline_decode = inline
+            engine = _twin_engine(runner, 30 if case % 2 else 256, 16, True, inline)
             taken = []  # the steps that took rows through the columns
             take = engine._take_column_tokens
             engine._take_column_tokens = lambda *args, take=take, taken=taken: taken.append(1) or take(*args)
