@@ -76,3 +76,58 @@ def test_a_model_is_a_config_path_or_a_preset():
     assert config_path("Llama-3.1-8B").name == "llama-3.1-8b.json"
     with pytest.raises(ValueError, match="--model 'nope': no such config.json, nor a preset"):
         config_path("nope")
+
+
+def _counting_plans(monkeypatch) -> tuple[list[int], list[int]]:
+    """Count the backend's `begin_step` calls (plans made) in all, and those made inside each
+    timed call of the attention part (`_device_time`'s function)."""
+    from kvpool.bench import gpu
+
+    planned: list[int] = []
+    inside: list[int] = []
+    paged_case, device_time = gpu._paged_case, gpu._device_time
+
+    def counting_case(*args, **kwargs):
+        impl, attention, *rest = paged_case(*args, **kwargs)
+        begin_step = attention.begin_step
+
+        def counted(meta):
+            planned.append(1)
+            return begin_step(meta)
+
+        attention.begin_step = counted
+        return (impl, attention, *rest)
+
+    def watching(fn, device, *args):
+        def watched():
+            before = len(planned)
+            out = fn()
+            inside.append(len(planned) - before)
+            return out
+
+        return device_time(watched, device, *args)
+
+    monkeypatch.setattr(gpu, "_paged_case", counting_case)
+    monkeypatch.setattr(gpu, "_device_time", watching)
+    return planned, inside
+
+
+def test_the_attention_figures_time_the_attention_over_a_plan_made_before(monkeypatch):
+    from kvpool.bench import gpu
+
+    planned, inside = _counting_plans(monkeypatch)
+    heads = (4, 2, 16)
+    rows = gpu.decode_attention(torch.float32, ((1, 48), (3, 40)), device="cpu", heads=heads)
+    extend = gpu.extend_attention(torch.float32, 2, 48, 16, device="cpu", heads=heads)
+    # every timed call (paged and SDPA, warm-ups included) made no plan: the paged calls
+    # attend over the step planned before the timing
+    assert len(inside) == 3 * 2 * (2 + gpu.CPU_REPEAT) and set(inside) == {0}
+    # the plans were made and timed apart: per row, the warm-up, CPU_REPEAT timed, the one attended over
+    assert len(planned) == 3 * (1 + gpu.CPU_REPEAT + 1)
+    for row in [*rows, extend]:
+        assert row["backend"] == "bags"  # the CPU's backend (no C kernels asked for)
+        assert row["plan_host_ms"] > 0 and row["paged_ms"] > 0 and row["sdpa_ms"] > 0
+        # the paged step's output is SDPA's on the contiguous copy
+        assert row["max_abs_diff"] < 1e-5
+    assert [(r["batch"], r["context"]) for r in rows] == [(1, 48), (3, 40)]
+    assert (extend["batch"], extend["context"], extend["chunk"]) == (2, 48, 16)

@@ -18,7 +18,10 @@
   Runs on any device (`--parts host` on a machine without CUDA).
 - attention: paged decode through the CUDA backend against SDPA on a contiguous copy of
   the same K/V (batch x context 1x4k, 16x4k, 64x4k, 16x32k; Llama-3.1-8B's heads), in
-  GB/s of K/V read; extend (a chunk over a cached prefix) against SDPA causal.
+  GB/s of K/V read; extend (a chunk over a cached prefix) against SDPA causal. The paged
+  figures time the backend's `attend` (the K/V write and the kernels) over a step planned
+  once before the timing; the plan (`begin_step`: the CSR tables made from the cache's
+  Python lists and copied to the device) is timed apart on the host, `plan_host_ms`.
 - engine: TPOT and tokens/s at batch 1, 32 and 128 of a model from an HF config with
   seeded random weights (models/hf_config.py), greedy, 128-token prompts; its decode steps
   replayed from CUDA graphs (engine/cuda_graph.py) unless `--enforce-eager`, each row
@@ -407,87 +410,142 @@ def _host_step(batch: int, context: int, num_steps: int, block_size: int, device
     }
 
 
-# ---- attention: the CUDA backend against SDPA on a contiguous copy ---------------------------
+# ---- attention: the paged backend against SDPA on a contiguous copy --------------------------
+
+LLAMA_8B_HEADS = (32, 8, 128)  # Llama-3.1-8B's attention: query heads, KV heads, head dim
+# Without CUDA the attention part runs these (the same heads, short contexts): the CPU backend
+# against SDPA on the CPU, bounded to a second or so, no GPU figure
+CPU_DECODE_SHAPES = ((1, 512), (4, 512))
+CPU_EXTEND = (1, 256, 64)  # batch, context, chunk
+CPU_REPEAT = 5  # samples of one call each on the CPU (a GPU's: `repeat` of `inner` calls)
 
 
-def _cuda_time(fn: Callable[[], object], repeat: int = 20) -> float:
-    """Median seconds of `fn` on the GPU (CUDA events), after two warm-up calls."""
+def _device_time(fn: Callable[[], object], device: str, repeat: int = 20, inner: int = 5) -> float:
+    """Median seconds of one call of `fn` on `device`: each of `repeat` samples times `inner`
+    calls back to back (on CUDA between two events, so the host's launches of a call run ahead
+    of the GPU behind the one before it and the events count the kernels, not the host's
+    Python between them; on the CPU the wall clock of CPU_REPEAT single calls), after two
+    warm-up calls."""
     import torch
 
     fn()
     fn()
     times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+    for _ in range(repeat if device == "cuda" else CPU_REPEAT):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(inner):
+                fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3 / inner)
+        else:
+            began = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - began)
     return statistics.median(times)
 
 
-def _paged_case(batch: int, context: int, q_len: int, dtype: torch.dtype, block_size: int = 16, seed: int = 0):
-    """A one-layer pool of Llama-3.1-8B's attention (32 query / 8 KV heads, head dim 128)
-    holding `batch` sequences of `context` tokens in scattered blocks; the backend the
-    engine picks for it on CUDA; the step's metadata (q_len new tokens a sequence, the last
-    of their context) and q / k / v; and the same K / V as contiguous [batch, 8, context, 128]."""
+def _host_time(fn: Callable[[], object], device: str, repeat: int = 10) -> float:
+    """Median wall seconds of `fn` on the host, the device synchronised after each call (what
+    the host spends making a step's plan, its copies to the device included)."""
+    import torch
+
+    fn()
+    times = []
+    for _ in range(repeat if device == "cuda" else CPU_REPEAT):
+        began = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
+def _paged_case(
+    batch: int,
+    context: int,
+    q_len: int,
+    dtype: torch.dtype,
+    device: str = "cuda",
+    heads: tuple[int, int, int] = LLAMA_8B_HEADS,
+    block_size: int = 16,
+    seed: int = 0,
+):
+    """A one-layer pool of `heads` (query heads, KV heads, head dim; Llama-3.1-8B's by
+    default) holding `batch` sequences of `context` tokens in scattered blocks on `device`;
+    the backend the engine picks for it there (CUDA: Triton's where it imports; the CPU:
+    the torch bags path); the step's metadata (q_len new tokens a sequence, the last of its
+    context), q [batch * q_len, H, D] and the new k / v [batch * q_len, KVH, D]; and the
+    same K / V as contiguous [batch, KVH, context, D]."""
     import torch
 
     from kvpool.attention.backends import PagedStepMetadata, select_backend
     from kvpool.storage.kv import PagedKVStorage
 
-    heads, kv_heads, dim = 32, 8, 128
+    num_heads, kv_heads, dim = heads
     per_seq = -(-context // block_size)
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    storage = PagedKVStorage(1, batch * per_seq, block_size, kv_heads, dim, dtype, "cuda")
-    k = torch.randn(batch, context, kv_heads, dim, generator=g, device="cuda").to(dtype)
-    v = torch.randn(batch, context, kv_heads, dim, generator=g, device="cuda").to(dtype)
+    g = torch.Generator(device=device).manual_seed(seed)
+    storage = PagedKVStorage(1, batch * per_seq, block_size, kv_heads, dim, dtype, device)
+    k = torch.randn(batch, context, kv_heads, dim, generator=g, device=device).to(dtype)
+    v = torch.randn(batch, context, kv_heads, dim, generator=g, device=device).to(dtype)
     order = torch.randperm(batch * per_seq, generator=torch.Generator().manual_seed(seed)).tolist()
     tables = [order[i * per_seq : (i + 1) * per_seq] for i in range(batch)]
     slots = [t[p // block_size] * block_size + p % block_size for t in tables for p in range(context)]
-    index = storage.write_index(slots)
+    index = storage.write_index(torch.tensor(slots, dtype=torch.long, device=device))
     storage.write(0, index, k.reshape(-1, kv_heads, dim), v.reshape(-1, kv_heads, dim))
-    key, backend = select_backend("full", "paged", "cuda")
-    attention = backend(storage, heads, None, dtype, decode_path=key.impl)
+    key, backend = select_backend("full", "paged", device)
+    attention = backend(storage, num_heads, None, dtype, decode_path=key.impl)
     step_slots = [
         t[p // block_size] * block_size + p % block_size for t in tables for p in range(context - q_len, context)
     ]
     indptr = [i * per_seq for i in range(batch + 1)]
     meta = PagedStepMetadata([q_len] * batch, [context] * batch, step_slots, indptr, [b for t in tables for b in t])
-    q = torch.randn(batch * q_len, heads, dim, generator=g, device="cuda").to(dtype)
+    q = torch.randn(batch * q_len, num_heads, dim, generator=g, device=device).to(dtype)
     new_k = k[:, context - q_len :].reshape(-1, kv_heads, dim)
     new_v = v[:, context - q_len :].reshape(-1, kv_heads, dim)
     return key.impl, attention, meta, q, new_k, new_v, k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
 
 
-def decode_attention(dtype: torch.dtype, shapes=DECODE_SHAPES, progress: Progress = no_progress) -> list[dict]:
-    """Per (batch, context): the paged decode step (plan + K/V write + attention, one layer)
-    and SDPA over contiguous K / V, their milliseconds and GB/s of K / V read, and the
-    largest difference of their outputs."""
-    require_cuda("decode attention needs one")
+def decode_attention(
+    dtype: torch.dtype,
+    shapes=DECODE_SHAPES,
+    progress: Progress = no_progress,
+    device: str = "cuda",
+    heads: tuple[int, int, int] = LLAMA_8B_HEADS,
+) -> list[dict]:
+    """Per (batch, context): one layer's paged decode step (the K/V write and the attention)
+    over a plan made once before the timing, and SDPA over contiguous K / V, their
+    milliseconds and GB/s of K / V read, the largest difference of their outputs, and the
+    host's time to make the step's plan (`plan_host_ms`, timed apart: the backend's
+    `begin_step` builds its tables from Python lists, which on a GPU would otherwise leave
+    the device idle inside the timed window)."""
     rows = []
     for batch, context in shapes:
         progress(f"decode attention {batch}x{context}")
-        rows.append(_decode_row(batch, context, dtype))
+        rows.append(_decode_row(batch, context, dtype, device, heads))
     return rows
 
 
-def _decode_row(batch: int, context: int, dtype: torch.dtype) -> dict:
+def _decode_row(batch: int, context: int, dtype: torch.dtype, device: str, heads: tuple[int, int, int]) -> dict:
     import torch
 
-    impl, attention, meta, q, k_new, v_new, k, v = _paged_case(batch, context, 1, dtype)
-    qs = q.view(batch, 32, 1, 128)
+    num_heads, _, dim = heads
+    impl, attention, meta, q, k_new, v_new, k, v = _paged_case(batch, context, 1, dtype, device, heads)
+    qs = q.view(batch, num_heads, 1, dim)
+    plan_s = _host_time(lambda: attention.begin_step(meta), device)
+    step = attention.begin_step(meta)  # the plan, made once: every timed call attends over it
 
     def paged():
-        return attention.begin_step(meta).attend(0, q, k_new, v_new)
+        return step.attend(0, q, k_new, v_new)
 
     def sdpa():
         return torch.nn.functional.scaled_dot_product_attention(qs, k, v, enable_gqa=True)
 
     kv_bytes = k.nbytes + v.nbytes
-    paged_s, sdpa_s = _cuda_time(paged), _cuda_time(sdpa)
-    diff = (paged().view(batch, 32, 128).float() - sdpa().view(batch, 32, 128).float()).abs().max().item()
+    paged_s, sdpa_s = _device_time(paged, device), _device_time(sdpa, device)
+    got, want = paged().view(batch, num_heads, dim).float(), sdpa().view(batch, num_heads, dim).float()
     return {
         "batch": batch,
         "context": context,
@@ -497,32 +555,42 @@ def _decode_row(batch: int, context: int, dtype: torch.dtype) -> dict:
         "paged_gb_s": round(kv_bytes / paged_s / 1e9, 1),
         "sdpa_gb_s": round(kv_bytes / sdpa_s / 1e9, 1),
         "paged_over_sdpa": round(sdpa_s / paged_s, 3),
-        "max_abs_diff": diff,
+        "plan_host_ms": round(plan_s * 1e3, 4),
+        "max_abs_diff": (got - want).abs().max().item(),
     }
 
 
 def extend_attention(
-    dtype: torch.dtype, batch: int = 4, context: int = 4096, chunk: int = 512, progress: Progress = no_progress
+    dtype: torch.dtype,
+    batch: int = 4,
+    context: int = 4096,
+    chunk: int = 512,
+    progress: Progress = no_progress,
+    device: str = "cuda",
+    heads: tuple[int, int, int] = LLAMA_8B_HEADS,
 ) -> dict:
     """A chunk of `chunk` new tokens a sequence over a cached prefix (context - chunk):
-    the paged step against SDPA causal over the contiguous K / V (the chunk's queries at
-    the end of the context: a bottom-right causal mask)."""
+    the paged step over a plan made once before the timing against SDPA causal over the
+    contiguous K / V (the chunk's queries at the end of the context: a bottom-right causal
+    mask); the plan's host time apart (`plan_host_ms`)."""
     import torch
 
-    require_cuda("extend attention needs one")
+    num_heads, _, dim = heads
     progress(f"extend attention {batch}x{context} chunk {chunk}")
-    impl, attention, meta, q, k_new, v_new, k, v = _paged_case(batch, context, chunk, dtype)
-    qs = q.view(batch, chunk, 32, 128).transpose(1, 2)
-    mask = torch.ones(chunk, context, dtype=torch.bool, device="cuda").tril(context - chunk)
+    impl, attention, meta, q, k_new, v_new, k, v = _paged_case(batch, context, chunk, dtype, device, heads)
+    qs = q.view(batch, chunk, num_heads, dim).transpose(1, 2)
+    mask = torch.ones(chunk, context, dtype=torch.bool, device=device).tril(context - chunk)
+    plan_s = _host_time(lambda: attention.begin_step(meta), device)
+    step = attention.begin_step(meta)
 
     def paged():
-        return attention.begin_step(meta).attend(0, q, k_new, v_new)
+        return step.attend(0, q, k_new, v_new)
 
     def sdpa():
         return torch.nn.functional.scaled_dot_product_attention(qs, k, v, attn_mask=mask, enable_gqa=True)
 
-    paged_s, sdpa_s = _cuda_time(paged, 10), _cuda_time(sdpa, 10)
-    diff = (paged().view(batch, chunk, 32, 128).float() - sdpa().transpose(1, 2).float()).abs().max().item()
+    paged_s, sdpa_s = _device_time(paged, device, 10), _device_time(sdpa, device, 10)
+    got, want = paged().view(batch, chunk, num_heads, dim).float(), sdpa().transpose(1, 2).float()
     return {
         "batch": batch,
         "context": context,
@@ -531,7 +599,8 @@ def extend_attention(
         "paged_ms": round(paged_s * 1e3, 4),
         "sdpa_ms": round(sdpa_s * 1e3, 4),
         "paged_over_sdpa": round(sdpa_s / paged_s, 3),
-        "max_abs_diff": diff,
+        "plan_host_ms": round(plan_s * 1e3, 4),
+        "max_abs_diff": (got - want).abs().max().item(),
     }
 
 
@@ -565,7 +634,7 @@ def engine_tpot(
     llama = random_llama(hf.config, seed=0, dtype=dtype, device="cuda")
     weight_bytes = llama.weight_bytes()
     scratch = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
-    copy_rate = 2 * scratch.nbytes / _cuda_time(scratch.clone, 5)  # bytes read + written per second
+    copy_rate = 2 * scratch.nbytes / _device_time(scratch.clone, "cuda", 5, 1)  # bytes read + written per second
     rows = []
     block_size = 16
     for batch in batches:
