@@ -16,14 +16,20 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from itertools import accumulate
 from pathlib import Path
+from unittest.mock import patch
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("triton", reason="triton is not installed (setup.sh test installs it)")
 
+from kvpool.attention.backends import triton_extend  # noqa: E402
 from kvpool.attention.backends.triton_extend import QuantPages, extend_attention, interpreted, plan_extend  # noqa: E402
 from kvpool.cache import BlockCopy  # noqa: E402
 from kvpool.spec.kv_formats import kv_schema  # noqa: E402
@@ -293,6 +299,58 @@ def test_bad_tables_are_named() -> None:
         plan_extend([11], [10], [0, 1], [4], 16, 8, 2, "cpu")
     with pytest.raises(ValueError, match="not a multiple of 3 KV heads"):
         plan_extend([1], [10], [0, 1], [4], 16, 8, 3, "cpu")
+
+
+def _plan_fields(plan) -> tuple:
+    """Every field of an ExtendPlan, its tensors as lists (the flat table: its identity)."""
+    out = []
+    for name in plan._fields:
+        value = getattr(plan, name)
+        if name == "kv_indices":
+            out.append(id(value))
+        elif isinstance(value, torch.Tensor):
+            out.append((name, value.dtype, value.tolist()))
+        else:
+            out.append((name, value))
+    return tuple(out)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    chunks=st.lists(st.tuples(st.integers(1, 300), st.integers(0, 500), st.integers(0, 40)), min_size=0, max_size=6),
+    first_row=st.integers(0, 200),
+    heads=st.sampled_from([(8, 2), (4, 4), (6, 2), (32, 8)]),
+    bs=st.sampled_from([1, 16, 32]),
+    explicit_rows=st.booleans(),
+)
+def test_a_few_dense_sequences_plan_as_the_numpy_path(chunks, first_row, heads, bs, explicit_rows) -> None:
+    """The few-sequence dense plan (`_plan_few`, listed in Python: what a step buffers' plan
+    of a step's prompt chunks takes) equals the numpy path's tables, its twin (FEW_SEQS 0
+    sends every plan there): query rows given or following from first_row."""
+    q_lens = [q for q, _, _ in chunks]
+    ctx_lens = [q + prefix for q, prefix, _ in chunks]
+    offsets = np.array([row * 40 for _, _, row in chunks], dtype=np.int32)
+    flat = torch.zeros(41 * 40, dtype=torch.int32)
+    q_rows = list(accumulate(q_lens, initial=first_row))[:-1] if explicit_rows else None
+    num_rows = first_row + sum(q_lens) + 3
+    args = (q_lens, ctx_lens, offsets, flat, bs, *heads, "cpu")
+    few = plan_extend(*args, q_rows=q_rows, num_rows=num_rows, first_row=0 if explicit_rows else first_row)
+    with patch.object(triton_extend, "FEW_SEQS", -1):
+        twin = plan_extend(*args, q_rows=q_rows, num_rows=num_rows, first_row=0 if explicit_rows else first_row)
+    assert _plan_fields(few) == _plan_fields(twin)
+    assert few.num_bytes == twin.num_bytes
+
+
+def test_a_few_dense_sequences_name_bad_lengths_as_the_numpy_path() -> None:
+    flat = torch.zeros(80, dtype=torch.int32)
+    for few_seqs in (triton_extend.FEW_SEQS, -1):
+        with patch.object(triton_extend, "FEW_SEQS", few_seqs):
+            with pytest.raises(ValueError, match=r"sequence 1: q_len 11 must be in \[1, ctx_len 10\]"):
+                plan_extend([3, 11], [10, 10], np.array([0, 40]), flat, 16, 8, 2, "cpu")
+            with pytest.raises(ValueError, match="2 q_lens, 2 ctx_lens and 1 indptr entries disagree"):
+                plan_extend([3, 4], [10, 10], np.array([0]), flat, 16, 8, 2, "cpu")
+            with pytest.raises(ValueError, match=r"query rows \[0, 2\] with lengths \[3, 4\] do not fit 5 rows"):
+                plan_extend([3, 4], [10, 10], np.array([0, 40]), flat, 16, 8, 2, "cpu", q_rows=[0, 2], num_rows=5)
 
 
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e4m3_token"])

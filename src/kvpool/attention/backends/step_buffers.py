@@ -128,14 +128,23 @@ class StepBuffers:
         self._vec_host = host((3 * s + 1 + t,), torch.int32)
         self._pos_host = host((t,), torch.int64)
         self._tables_host = host((s + 1, max_blocks_per_seq), torch.int32)
+        # a step plan's own int32 tables, packed end to end (`plan_tables`): a plan of P <= s
+        # sequences and T <= t + s query tiles lists at most 5P + 1 + 2T values
+        self._plan_host = host((7 * s + 1 + 2 * t,), torch.int32)
         if on_cpu:
             self._vec, self._pos, self.block_tables = self._vec_host, self._pos_host, self._tables_host
+            self._plan = self._plan_host
         else:
             self._vec = torch.zeros_like(self._vec_host, device=self.device)
             self._pos = torch.zeros_like(self._pos_host, device=self.device)
             self.block_tables = torch.zeros_like(self._tables_host, device=self.device)
+            self._plan = torch.zeros_like(self._plan_host, device=self.device)
             # the changed table entries of a step: [0] flat index, [1] block id
             self._changes_host = host((2, (s + 1) * max_blocks_per_seq), torch.int64)
+        self._plan_np = self._plan_host.numpy()
+        # the plan area's views by the parts' lengths (a tensor view costs ~1.5 us on the
+        # host, a plan takes eight): a step's few prompt chunks repeat a handful of shapes
+        self._plan_views: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = {}
         self._sent: torch.cuda.Event | None = None  # the last step's copies out of the pinned twins
         v = self._vec
         self.seq_rows, self.ctx_lens = v[:s], v[s : 2 * s]
@@ -145,6 +154,7 @@ class StepBuffers:
         # the first k sequences' query_start, seq_rows and ctx_lens (views, made once a k: a
         # tensor slice costs ~1.5 us on the host, a step's plan takes three)
         self._leading: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._slot_views: dict[int, torch.Tensor] = {}  # slot_mapping[:k] by k (`leading_slots`)
         # numpy views of the host buffers: an element written from Python costs ~0.1 us
         # through numpy, ~1 us through a tensor's __setitem__
         self._vec_np = self._vec_host.numpy()
@@ -609,6 +619,40 @@ class StepBuffers:
         if views is None:
             views = self._leading[k] = (self.query_start[:k], self.seq_rows[:k], self.ctx_lens[:k])
         return views
+
+    def plan_tables(self, values: list[int], sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+        """A step plan's int32 tables in the persistent plan area: `values` the tables end to
+        end, sizes[k] the k-th one's length -> one device view each (made once a `sizes`),
+        written now (on CUDA one copy, ordered before the step's kernels on the current
+        stream). They hold until the next call: a plan reads them in its own step only."""
+        num_values = len(values)
+        if num_values != sum(sizes) or num_values > len(self._plan_np):
+            raise ValueError(
+                f"StepBuffers.plan_tables: {num_values} values for tables of {list(sizes)} "
+                f"(the plan area holds {len(self._plan_np)})"
+            )
+        views = self._plan_views.get(sizes)
+        if views is None:
+            if len(self._plan_views) >= 256:  # (a bound on shapes kept: prompts of many lengths)
+                self._plan_views.clear()
+            views = self._plan_views[sizes] = self._plan[:num_values].split_with_sizes(list(sizes))
+        if self._sent is not None:
+            self._sent.synchronize()  # the pinned twin is read by the last step's copies until then
+        self._plan_np[:num_values] = values
+        if not self._on_cpu:
+            self._plan[:num_values].copy_(self._plan_host[:num_values], non_blocking=True)
+            self._sent = torch.cuda.Event()
+            self._sent.record()
+        return views
+
+    def leading_slots(self, num_tokens: int) -> torch.Tensor:
+        """slot_mapping[:num_tokens] ([num_tokens] int32, a device view made once a length)."""
+        view = self._slot_views.get(num_tokens)
+        if view is None:
+            if len(self._slot_views) >= 4096:  # (a bound on lengths kept)
+                self._slot_views.clear()
+            view = self._slot_views[num_tokens] = self.slot_mapping[:num_tokens]
+        return view
 
     def host_seq_rows(self) -> np.ndarray:
         """seq_rows on the host [max_num_seqs] int32 (a numpy view of the host twin, which the

@@ -53,8 +53,10 @@ them in the compute dtype.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate, chain
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -66,11 +68,15 @@ __all__ = ["ExtendPlan", "QuantPages", "extend_attention", "interpreted", "plan_
 BLOCK_N = 64  # keys per iteration
 ROWS = 64  # query rows (queries x heads of a group) per program at most ...
 MIN_ROWS = 16  # ... and at least (tl.dot's smallest M)
+# a dense plan of at most this many sequences, unsplit, is listed in Python (`_plan_few`,
+# ~10 us for a step's few prompt chunks) instead of plan_extend's ~25 numpy passes (~40 us
+# whatever the count); its twin is the numpy path (tests/test_triton_extend.py)
+FEW_SEQS = 16
 
 
-@dataclass(frozen=True)
-class ExtendPlan:
-    """One step's tables for the kernel, int32 on the pool's device, built once per step."""
+class ExtendPlan(NamedTuple):
+    """One step's tables for the kernel, int32 on the pool's device, built once per step.
+    (A named tuple: a frozen dataclass's fourteen fields cost ~4 us to set, every step.)"""
 
     q_rows: torch.Tensor  # [B]: sequence i's queries are rows [q_rows[i], q_rows[i] + q_lens[i]) of q
     q_lens: torch.Tensor  # [B]
@@ -131,6 +137,7 @@ def plan_extend(
     num_splits: int = 1,
     num_sms: int | None = None,
     first_row: int = 0,
+    store: Callable[[list[int], tuple[int, ...]], Sequence[torch.Tensor]] | None = None,
 ) -> ExtendPlan:
     """The tables of one step: sequence i's q_lens[i] queries at positions [ctx_lens[i] -
     q_lens[i], ctx_lens[i]), its blocks indices[indptr[i]:indptr[i + 1]] covering exactly
@@ -148,10 +155,21 @@ def plan_extend(
     with the plan's other tables (one copy); the kernel reads entry indptr[i] + t //
     block_size for key t as it reads the CSR; the rows' coverage is the buffers' to check
     (their update did), and the flat table is used as it is, nothing copied. The merge's
-    rows (`merge_rows`) are listed only for a split plan: nothing else reads them."""
+    rows (`merge_rows`) are listed only for a split plan: nothing else reads them.
+
+    store: where a plan of a few sequences over dense tables with host row offsets, unsplit
+    (`_plan_few`), puts its tables: store(values, sizes) -> the tables, the values end to
+    end (the step buffers' persistent plan area, `StepBuffers.plan_tables`); None: a new
+    tensor each plan, as every other plan."""
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     dense = isinstance(indices, torch.Tensor)
+    if dense and num_splits == 1 and num_sms is None and len(q_lens) <= FEW_SEQS:
+        if not isinstance(indptr, torch.Tensor):
+            group = num_heads // num_kv_heads
+            return _plan_few(
+                q_lens, ctx_lens, indptr, indices, block_size, group, device, q_rows, num_rows, first_row, store
+            )
     q = np.asarray(q_lens, dtype=np.int64)  # [B]
     c = np.asarray(ctx_lens, dtype=np.int64)  # [B]
     num_seqs = len(q)
@@ -236,6 +254,67 @@ def plan_extend(
         tables[0], tables[1], kv_indptr, kv_indices, tables[2], tables[3], tables[4], block_m, group, num_rows,
         num_splits, split_len, tables[5], tables[6],
     )  # fmt: skip
+
+
+def _plan_few(
+    q_lens: Sequence[int],
+    ctx_lens: Sequence[int],
+    indptr: Sequence[int],
+    indices: torch.Tensor,
+    block_size: int,
+    group: int,
+    device: torch.device | str,
+    q_rows: Sequence[int] | None,
+    num_rows: int | None,
+    first_row: int,
+    store: Callable[[list[int], tuple[int, ...]], Sequence[torch.Tensor]] | None,
+) -> ExtendPlan:
+    """`plan_extend` of a few sequences over dense tables with host row offsets, unsplit:
+    the same tables (the same values, checks and messages) listed in Python, a few C-level
+    list passes a sequence instead of numpy passes of ~1 us each over the whole step."""
+    q = q_lens.tolist() if isinstance(q_lens, np.ndarray) else list(q_lens)  # [B] Python ints
+    c = ctx_lens.tolist() if isinstance(ctx_lens, np.ndarray) else list(ctx_lens)
+    offsets = indptr.tolist() if isinstance(indptr, np.ndarray) else list(indptr)
+    num_seqs = len(q)
+    if len(c) != num_seqs or len(offsets) != num_seqs:
+        raise ValueError(f"{len(q)} q_lens, {len(c)} ctx_lens and {len(offsets)} indptr entries disagree")
+    for i, (q_len, ctx_len) in enumerate(zip(q, c, strict=True)):
+        if not 0 < q_len <= ctx_len:
+            raise ValueError(f"sequence {i}: q_len {q_len} must be in [1, ctx_len {ctx_len}]")
+    g = _pow2(group)
+    block_m = max(1, MIN_ROWS // g, min(ROWS // g, _pow2(max(q)) if num_seqs else 1))
+    firsts = list(accumulate(q, initial=0))  # [B + 1]: sequence i's first query among all
+    # sequence i's tiles start at its queries 0, block_m, 2 * block_m, ... (below q_len)
+    tile_seq: list[int] = []
+    tile_start: list[int] = []
+    for i, q_len in enumerate(q):
+        starts = range(0, q_len, block_m)
+        tile_seq += [i] * len(starts)
+        tile_start += starts
+    if q_rows is None:  # one after another from first_row
+        rows = [first + first_row for first in firsts[:-1]]
+        lowest, highest = first_row, firsts[-1] + first_row
+    else:
+        rows = q_rows.tolist() if isinstance(q_rows, np.ndarray) else list(q_rows)
+        lowest, highest = (min(rows), max(map(int.__add__, rows, q))) if num_seqs else (0, 0)
+    if num_rows is None:
+        num_rows = highest if num_seqs else 0
+    if num_seqs and (lowest < 0 or highest > num_rows):
+        raise ValueError(f"query rows {rows} with lengths {q} do not fit {num_rows} rows")
+    max_ctx_len = max(c) if num_seqs else 1
+    split_len = -(-max_ctx_len // BLOCK_N) * BLOCK_N  # (one split: all the keys)
+    # every table in one int32 buffer, sent in one copy: rows, q, c, tiles' sequences and
+    # starts, firsts, no merge rows (unsplit), the row offsets
+    parts = (rows, q, c, tile_seq, tile_start, firsts, (), offsets)
+    values = list(chain.from_iterable(parts))
+    if store is not None:
+        t = store(values, tuple(map(len, parts)))
+    else:
+        packed = torch.from_numpy(np.array(values, dtype=np.int32))
+        if torch.device(device).type != "cpu":
+            packed = packed.to(device)
+        t = packed.split_with_sizes(list(map(len, parts)))
+    return ExtendPlan(t[0], t[1], t[7], indices, t[2], t[3], t[4], block_m, group, num_rows, 1, split_len, t[5], t[6])
 
 
 def extend_attention(

@@ -244,29 +244,33 @@ class TritonPagedBackend(PagedBackend):
         st, scale, ops = self.storage, self.scale, self.ops
         bs, device = st.block_size, st.k.device
         # the step's columns in numpy, not a Python loop a sequence: [n] int64 each
+        # (ufuncs' reductions called directly: the array methods add a Python frame, ~1 us each)
         q, c = np.asarray(q_lens, dtype=np.int64), np.asarray(ctx_lens, dtype=np.int64)
-        n, num_tokens = len(q), int(q.sum())
+        n, num_tokens = len(q), int(np.add.reduce(q))
         if len(c) != n or buffers.num_seqs != n or buffers.num_tokens != num_tokens:
             raise ValueError(
                 f"the step buffers hold {buffers.num_seqs} sequences of {buffers.num_tokens} tokens, "
                 f"not {n} of {num_tokens} ({len(c)} context lengths)"
             )
-        if n and (q.min() < 1 or (c - q).min() < 0):  # (two reductions; the masks only to name one)
+        if n and (np.minimum.reduce(q) < 1 or np.minimum.reduce(c - q) < 0):  # (the masks only to name one)
             i = int(np.argmax((c < q) | (q < 1)))
             raise ValueError(f"sequence {i}: {c[i]} tokens with {q[i]} new ones")
-        is_decode = q == 1  # [n]
-        num_decodes = int(np.count_nonzero(is_decode))
+        # the chunks (more than one token: q >= 1 now) and the decodes, the rest
+        chunk_seqs = (q > 1).nonzero()[0]  # [P], increasing
+        num_chunks = len(chunk_seqs)
+        num_decodes = n - num_chunks
         # the engine's order, the decodes first and the chunks after them: slices, no index
-        decodes_first = not num_decodes or int(q[:num_decodes].max()) == 1
-        slots, tables = buffers.slot_mapping[:num_tokens], buffers.block_tables  # [N] int32, [rows, width] int32
+        # (the chunks are sequences [num_decodes, n) iff the first of them is num_decodes)
+        decodes_first = not num_chunks or chunk_seqs[0] == num_decodes
+        slots, tables = buffers.leading_slots(num_tokens), buffers.block_tables  # [N] int32, [rows, width] int32
         decode = None
         if num_decodes:  # the decodes' query rows, table rows and lengths: [B] int32 each
             if decodes_first:
                 picked = buffers.leading(num_decodes)
-                longest = int(c[:num_decodes].max())
+                longest = int(np.maximum.reduce(c[:num_decodes]))
             else:
                 vectors = (buffers.query_start, buffers.seq_rows, buffers.ctx_lens)  # [max_num_seqs (+ 1)] int32
-                seqs = np.flatnonzero(is_decode)  # [B], increasing
+                seqs = (q == 1).nonzero()[0]  # [B], increasing
                 index = torch.from_numpy(seqs).to(device)
                 picked = tuple(t[:n].index_select(0, index) for t in vectors)
                 longest = int(c[seqs].max())
@@ -275,14 +279,15 @@ class TritonPagedBackend(PagedBackend):
                 splits = ops.num_splits_for(num_decodes, st.num_kv_heads, longest, self.num_sms)
             decode = (*picked, splits)
         extend = None
-        if num_decodes < n:  # the chunks, their table rows as offsets into the flat table
+        table_bytes = 0  # the step's own index tensors (the buffers' are allocated once)
+        if num_chunks:  # the chunks, their table rows as offsets into the flat table
             # (from the host twin of seq_rows, sent with the plan's tables: no device op)
             width = buffers.max_blocks_per_seq
             if decodes_first:  # the chunks' rows follow the decodes' from row num_decodes
                 prefill_seqs: slice | np.ndarray = slice(num_decodes, n)
                 q_rows = None
             else:
-                prefill_seqs = np.flatnonzero(~is_decode)  # [P], increasing
+                prefill_seqs = chunk_seqs
                 q_rows = (np.cumsum(q) - q)[prefill_seqs]  # each chunk's first row of the step's tokens
             extend = self.extend_ops.plan_extend(
                 q[prefill_seqs],
@@ -296,16 +301,19 @@ class TritonPagedBackend(PagedBackend):
                 q_rows=q_rows,
                 num_rows=num_tokens,
                 first_row=num_decodes,
+                store=buffers.plan_tables,
             )
+            # the plan's tables but the flat table (ExtendPlan.num_bytes less kv_indices),
+            # counted without a pass over its tensors: [P] q_rows, q_lens, kv_indptr,
+            # ctx_lens, [P + 1] part_rows, [T] tile_seq, tile_start, [R] merge_rows, int32
+            num_tiles, num_merge = len(extend.tile_seq), len(extend.merge_rows)
+            table_bytes = 4 * (5 * num_chunks + 1 + 2 * num_tiles + num_merge)
 
         def attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> None:
             d_rows, d_seq_rows, d_ctx_lens, d_splits = decode
             ops.paged_decode_dense(q, d_rows, d_seq_rows, tables, d_ctx_lens, k_cache, v_cache, scale, out, d_splits)
 
         attend = self._attend(slots, attend_decodes if decode is not None else None, extend)
-        # the buffers' tensors are allocated once (not the step's): only the step's own index
-        # tensors and the extend kernel's tile lists count as its tables
-        table_bytes = 0 if extend is None else extend.num_bytes - extend.kv_indices.nbytes
         decode_path = None
         if decode is not None:
             decode_path = "triton"
