@@ -118,7 +118,8 @@ def test_every_slice_and_index_of_unmade_step_chunks_is_the_lists():
 def test_a_static_decode_of_the_columns_alone_takes_their_columns_and_equals_the_eager_engine():
     # an engine with batched sampling plans its plain decodes from its columns (StepChunks);
     # a decode step of the columns alone goes through the static buffers' decode with the
-    # columns' tokens and starts as they are (no chunk made), as requests finish and join.
+    # columns' tokens and starts as they are (no chunk made), as requests finish and join;
+    # a step of the columns and other chunks is computed from the columns and the others.
     # Its twin: the eager engine (no buffers, the chunks' own tokens), the same tokens
     import torch
 
@@ -128,11 +129,12 @@ def test_a_static_decode_of_the_columns_alone_takes_their_columns_and_equals_the
     from random_llama import DESCRIPTOR, random_ids, random_llama
 
     model = random_llama(seed=0, dtype=torch.float64)
-    outputs, columns_alone = [], []
+    outputs, columns_alone, columns_and_chunks = [], [], []
     for mode in ("static", "eager"):
         runner = llama_runner(model, 64, 4, DESCRIPTOR, decode_mode=mode, max_num_seqs=8, max_num_batched_tokens=32)
         engine = Engine(runner, max_num_batched_tokens=32, max_num_seqs=6, batched_sampling=True)
         made = []  # per decode step of the columns alone: it made no chunk
+        mixed: list[bool] = []  # per step of the columns and other chunks: its forward made no chunk
         if mode == "static":
             takes = runner.executor._takes_decode
 
@@ -143,6 +145,15 @@ def test_a_static_decode_of_the_columns_alone_takes_their_columns_and_equals_the
                 return out
 
             runner.executor._takes_decode = taking
+            forward = runner.executor.forward
+
+            def forwarding(chunks, cache, all_logits=False, forward=forward, mixed=mixed):
+                out = forward(chunks, cache, all_logits)
+                if type(chunks) is StepChunks and chunks.rest and chunks.lead_tokens and chunks.columns is not None:
+                    mixed.append(chunks._rows is None)  # (a step of columns and other chunks)
+                return out
+
+            runner.executor.forward = forwarding
         ids = [
             engine.add_request(random_ids(5 + 3 * i, i), SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True))
             for i in range(3)
@@ -156,5 +167,9 @@ def test_a_static_decode_of_the_columns_alone_takes_their_columns_and_equals_the
             runner.check_integrity()
         outputs.append([engine.output(i).completions[0].token_ids for i in ids])
         columns_alone.append(made)
+        columns_and_chunks.append(mixed)
     assert outputs[0] == outputs[1]
     assert sum(columns_alone[0]) > 5 and all(columns_alone[0])
+    # the forward of a step of the columns and other chunks (the joiners' prompts) reads the
+    # columns and the other chunks, the leading chunks never made
+    assert len(columns_and_chunks[0]) >= 2 and all(columns_and_chunks[0])

@@ -32,6 +32,8 @@ from kvpool.storage.quant import KVSchema, code_dtype, kv_schema
 from kvpool.tiers import Tier
 
 _FIRST = operator.itemgetter(0)
+_NEEDS_LOGITS = operator.attrgetter("needs_logits")
+_TOKEN_IDS = operator.attrgetter("token_ids")
 
 
 def kv_format_for(model: LlamaModel, name: str | None) -> KVSchema | None:
@@ -392,10 +394,16 @@ class LlamaExecutor:
             return None
         if not hasattr(self.attention, "begin_decode"):
             return None
-        if type(chunks) is StepChunks and not chunks.rest:
-            # the engine's decode columns alone (each a sampled token): their own columns,
-            # no chunk tuple made (engine/runner.py StepChunks)
-            return chunks.lead_tokens, chunks.lead_starts
+        if type(chunks) is StepChunks:
+            rest = chunks.rest
+            if not rest:
+                # the engine's decode columns alone (each a sampled token): their own columns,
+                # no chunk tuple made (engine/runner.py StepChunks)
+                return chunks.lead_tokens, chunks.lead_starts
+            if chunks.columns is not None:  # the columns, then other chunks of one token each
+                if not all(map(_NEEDS_LOGITS, rest)):
+                    return None
+                return [*chunks.lead_tokens, *map(_FIRST, map(_TOKEN_IDS, rest))], chunks.columns[1]
         _, token_ids, starts, needs_logits = zip(*chunks, strict=True)  # the chunks' columns
         return (list(map(_FIRST, token_ids)), starts) if all(needs_logits) else None
 
@@ -412,16 +420,33 @@ class LlamaExecutor:
         # the chunks' columns, and what the step computes from them in numpy (no Python loop a
         # chunk or a token): [n] int64 q_lens, ctx_lens; the flat tokens' ids [N]
         n = len(chunks)
-        request_ids, token_lists, starts, needs_logits = zip(*chunks, strict=True) if n else ((), (), (), ())
-        q_lens = np.fromiter(map(len, token_lists), np.int64, n)
-        ctx_lens = np.fromiter(starts, np.int64, n) + q_lens
+        columns = chunks.columns if type(chunks) is StepChunks else None
+        if columns is not None:
+            # the engine's decode columns (a token each, sampled) then the other chunks: read
+            # from the columns and `rest`, the leading chunks not made (engine/runner.py StepChunks)
+            rest = chunks.rest
+            k = n - len(rest)
+            request_ids, starts, chunk_ends = columns
+            rest_tokens = [c.token_ids for c in rest]
+            token_lists: Sequence[Sequence[int]] | None = None  # (made only where read: below)
+            q_lens = np.fromiter(itertools.chain(itertools.repeat(1, k), map(len, rest_tokens)), np.int64, n)
+            ctx_lens = np.fromiter(chunk_ends, np.int64, n)
+            tokens = itertools.chain(chunks.lead_tokens, itertools.chain.from_iterable(rest_tokens))
+            needs_logits = itertools.chain(itertools.repeat(True, k), map(_NEEDS_LOGITS, rest))
+            every_chunk_samples = all(map(_NEEDS_LOGITS, rest))
+        else:
+            request_ids, token_lists, starts, needs = zip(*chunks, strict=True) if n else ((), (), (), ())
+            q_lens = np.fromiter(map(len, token_lists), np.int64, n)
+            ctx_lens = np.fromiter(starts, np.int64, n) + q_lens
+            tokens = itertools.chain.from_iterable(token_lists)
+            needs_logits, every_chunk_samples = iter(needs), all(needs)
         # [n]: each chunk's end among the step's N tokens (the ufunc itself: np.cumsum adds ~2 us)
         ends = np.add.accumulate(q_lens)
         num_tokens = int(ends[-1]) if n else 0
-        flat_ids = np.fromiter(itertools.chain.from_iterable(token_lists), np.int64, num_tokens)
+        flat_ids = np.fromiter(tokens, np.int64, num_tokens)
         # each sampled chunk's last token (every chunk's in the common step: no mask made then)
         last_rows = ends - 1
-        logit_rows = (last_rows if all(needs_logits) else last_rows[np.fromiter(needs_logits, bool, n)]).tolist()
+        logit_rows = (last_rows if every_chunk_samples else last_rows[np.fromiter(needs_logits, bool, n)]).tolist()
         held = held and buffers.num_tokens == num_tokens
         if held:  # the runner's update wrote the step's tables, slots and positions: plan from them
             # (the runner checked the step as cache.step_tables checks it, before writing it)
@@ -433,6 +458,8 @@ class LlamaExecutor:
             # Validates that each chunk continues its computed prefix within its reservation.
             tables = cache.step_tables(request_ids, starts, ctx_list)
             if self.model.shard is not None:  # tensor parallel: every rank must run the same tokens alike
+                if token_lists is None:
+                    token_lists = [c.token_ids for c in chunks]
                 digest = step_digest(list(request_ids), list(starts), list(token_lists), tables.slots)
                 check_same_step(digest, self.model)
             step = self.attention.begin_step(
