@@ -14,7 +14,7 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvpool.cache.types import MMItem
+from kvpool.cache.types import LookupPrompt, MMItem
 from kvpool.pool import BlockPool, PrefixBlock
 from kvpool.pool.hashing import TOKEN_BYTES, token_bytes
 
@@ -82,6 +82,40 @@ def find_units(
         parent = hit if hit is not None else block
         chain.append(parent)
     return UnitHits(found, chain)
+
+
+def may_reach(
+    pool: BlockPool, turn_ends: TurnEnds, root: PrefixBlock, prompt: LookupPrompt, point: int, unit: int
+) -> bool:
+    """`CacheGroup.may_reach` of a group whose hits are a run of units from the root (full
+    attention, the dual pool: `BlockPool.match`) and the turn ends kept after them. False
+    only when it serves no point >= `point` (> 0) of `prompt`: with q = ceil(point / unit),
+
+      a point p >= point on the unit grid, or inside a found unit: units [0, ceil(p / unit))
+          found, so a run of q units, unit q - 1 a whole unit of the prompt;
+      a turn end p inside unit k (after a run of k units): k >= q - 1, and k > q - 1 is the
+          case above; k == q - 1 (p off the grid, point too) needs a turn end listed after
+          unit q - 2 (the root when q == 1).
+
+    A run of m units needs each in the index: the deepest of them whose hash the prompt's
+    memo holds (an earlier lookup of the same root left it there) is probed. Without such a
+    hash (no memo, multimodal keys, nothing hashed yet) the answer is True. Changes nothing."""
+    memo = prompt.hashes
+    if memo is None or prompt.mm_items:
+        return True
+    q = -(-point // unit)
+    hashes = memo.get(pool.memo_key(root, unit * TOKEN_BYTES), ())
+
+    def run_may_be_found(m: int) -> bool:
+        return m == 0 or not hashes or pool.is_indexed(hashes[min(m, len(hashes)) - 1])
+
+    if q * unit <= len(prompt.token_ids) and run_may_be_found(q):  # (a partial unit is never found)
+        return True
+    if not point % unit or not turn_ends or not run_may_be_found(q - 1):
+        return False
+    if q == 1:
+        return turn_ends.lists_after(root.block_hash)
+    return len(hashes) < q - 1 or turn_ends.lists_after(hashes[q - 2])
 
 
 def register_run(
@@ -297,6 +331,11 @@ class TurnEnds:
             if parent.block_hash in listed:
                 out.update(self.find(parent, k * unit, token_ids, mm_items, limit, packed))
         return out
+
+    def lists_after(self, parent_hash: bytes) -> bool:
+        """Whether any turn end (live or dead) is listed after the unit of this hash (or root):
+        False: a probe there finds none."""
+        return parent_hash in self._by_parent
 
     def listed(self, block: PrefixBlock) -> bool:
         """Whether `block` (registered) is listed under its parent, where `find` probes."""

@@ -833,6 +833,24 @@ class HybridCacheManager:
             return 0
         return self.hit_point(self._hits(self._request_roots(tenant_salt, descriptor), prompt), len(prompt.token_ids))
 
+    def may_reach(
+        self, prompt: LookupPrompt, num_tokens: int, *, tenant_salt: str = "", descriptor: CacheDescriptor | None = None
+    ) -> bool:
+        """Whether `lookup_packed` of these arguments may be at least `num_tokens`: False only
+        when it is surely below, told without its walk (a probe of the prompt's memo of
+        hashes in each group that keeps a run from the root: `CacheGroup.may_reach`). The
+        hit is a point every group serves, so one group that serves none at or past
+        `num_tokens` rules it out. The router asks this before a full lookup, for the replicas
+        that could beat the best hit so far only by reaching it. Changes nothing."""
+        if not isinstance(prompt, LookupPrompt):
+            raise TypeError(f"prompt must be pack_prompt's LookupPrompt, got {type(prompt).__name__}")
+        if num_tokens <= 0:
+            return True
+        if not self._caching or num_tokens >= len(prompt.token_ids):  # (a hit leaves a token to compute)
+            return False
+        roots = self._request_roots(tenant_salt, descriptor)
+        return all(g.may_reach(roots[name], prompt, num_tokens) for name, g in self.groups.items())
+
     # ---- lifecycle ---------------------------------------------------------------------
 
     def admit(

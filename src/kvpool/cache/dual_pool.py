@@ -72,6 +72,7 @@ from kvpool.cache.chains import (
     chain_units,
     check_chain,
     check_held,
+    may_reach,
     mm_extra_key,
     register_run,
     unit_extra,
@@ -357,6 +358,14 @@ class DualPoolGroup(CacheGroup):
             if out.turn_ends:
                 out.turn_ids, out.turn_chain = block_ids, chain
         return out
+
+    def may_reach(self, root: PrefixBlock, prompt: LookupPrompt, point: int) -> bool:
+        """A probe of the span before `point` (`chains.may_reach`): every point `hits` serves
+        lies within its run of cached spans (the cut keeps a prefix of it) or is a turn end
+        kept after one of them."""
+        if point <= 0:
+            return True
+        return self.pool.enable_caching and may_reach(self.pool, self._turn_ends, root, prompt, point, self.span)
 
     def _cut(self, block_ids: list[int], chain: list[PrefixBlock]) -> DualPoolHits:
         """The run of cached spans cut as the restore method chooses."""

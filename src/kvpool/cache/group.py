@@ -129,6 +129,13 @@ class CacheGroup(Protocol):
         (the lookup of an admission: it counts hash collisions and may consult a lower tier)."""
         ...
 
+    def may_reach(self, root: PrefixBlock, prompt: LookupPrompt, point: int) -> bool:
+        """Whether `hits(root, prompt, None)` may serve a point >= `point` (> 0): False only
+        when it surely serves none, found without the lookup's walk (a probe: the router
+        rules replicas out with it). True, the default, where no probe is known (a window,
+        a recurrent group, whose units are found each on its own). Changes nothing."""
+        return True
+
     def upper_bound(self, hits: Any) -> int:
         """No point above this is served (lets the coordinator skip hopeless points)."""
         ...

@@ -172,6 +172,16 @@ class AttentionGroup(CacheGroup):
             hits.turn_ends = self._turn_ends.find(parent, len(chain) * bs, token_ids, mm_items, len(token_ids), packed)
         return hits
 
+    def may_reach(self, root: PrefixBlock, prompt: LookupPrompt, point: int) -> bool:
+        """Full attention: a probe of the block before `point` (`chains.may_reach`; its hits
+        are the run of cached blocks from the root and the turn ends kept after it). A
+        window finds each block on its own: no probe (True)."""
+        if point <= 0 or self.spec.window is not None:
+            return True
+        return self.pool.enable_caching and chains.may_reach(
+            self.pool, self._turn_ends, root, prompt, point, self.block_size
+        )
+
     def upper_bound(self, hits: UnitHits) -> int:
         return hits.upper_bound(self.block_size)
 

@@ -282,7 +282,7 @@ class BlockPool:
         refcounts = self._refcounts
         hashes = None  # (with multimodal keys: hashed here each time)
         if memo is not None and extras is None:
-            hashes = memo.setdefault((self.hasher.algo, root.block_hash, block_width), [])
+            hashes = memo.setdefault(self.memo_key(root, block_width), [])
         # blocks [0, num_known) of this root's chain are in the memo (those appended below
         # are past every block this call reads again)
         known = hashes if hashes is not None else []
@@ -327,6 +327,16 @@ class BlockPool:
             chain.append(found)
             parent = found
         return PrefixMatch(block_ids, chain)
+
+    def memo_key(self, root: PrefixBlock, block_width: int) -> tuple[str, bytes, int]:
+        """The key of a prompt's chained hashes in a lookup memo (`match`): what they depend
+        on, the algorithm, the hash `root` starts from and the width."""
+        return (self.hasher.algo, root.block_hash, block_width)
+
+    def is_indexed(self, block_hash: bytes) -> bool:
+        """Whether a content of this chained hash is in the prefix index (a run that `match`
+        finds past a block needs it there: one probe rules the run out without a walk)."""
+        return block_hash in self._index
 
     def publish(self, block_id: int, parent: PrefixBlock, block_token_bytes: bytes, extra: bytes = b"") -> PrefixBlock:
         """`chain` and `register` in one call, the decode path's: the prefix block the

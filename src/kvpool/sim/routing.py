@@ -5,8 +5,17 @@ Policies:
   least-loaded   the replica with the fewest running + waiting sequences;
   prefix-aware   the replica whose cache holds the longest prefix of the prompt
                  (`lookup_packed`, which changes nothing; the prompt is packed once for
-                 all of them, and each block hashed once), among the replicas whose load is at most `load_cap` x the
-                 least load + 4; ties to the least loaded.
+                 all of them, and each block hashed once), among the replicas whose load
+                 is at most `load_cap` x the least load + 4; ties to the least loaded, then
+                 to the lowest index.
+
+The prefix-aware choice is the max of (hit, -load, -index), but only the winner's hit
+matters: the first replica asked (the caller's `hint`, where the session's previous turn
+went, else the least loaded) is looked up in full, and each other one only when it may beat
+the best so far, which it does only with a hit of at least that best hit (a better tie-break)
+or one token more: `HybridCacheManager.may_reach` rules a replica out by a probe of the
+prompt's block hashes, without a walk. The choice is the one the full lookups of every
+replica give (`_choose_by_lookups`, the naive twin), whatever the hint.
 """
 
 from __future__ import annotations
@@ -36,9 +45,12 @@ class Router:
         self._next = itertools.cycle(range(len(replicas)))
         self._load = load or (lambda r: r.load)
 
-    def route(self, prompt: Sequence[int] | LookupPrompt, tenant: str = "") -> Replica:
+    def route(self, prompt: Sequence[int] | LookupPrompt, tenant: str = "", hint: int | None = None) -> Replica:
         """The replica for `prompt`; pass it packed (`pack_prompt`) where the chosen
-        replica's engine takes it next: the lookups' hashes then serve its admission."""
+        replica's engine takes it next: the lookups' hashes then serve its admission.
+        hint: the index of the replica likely to hold the longest hit (the one the
+        session's previous turn went to), looked up first (prefix-aware): it saves lookups
+        when right and changes no choice either way."""
         reps = self.replicas
         if len(reps) == 1:
             return reps[0]
@@ -55,9 +67,43 @@ class Router:
         from kvpool.cache.types import LookupPrompt
 
         # checked and packed once for every replica's lookup; its memo of block hashes makes
-        # each replica's lookup hash only the blocks no replica before it hashed
+        # each replica's lookup hash only the blocks no replica before it hashed, and holds
+        # the hashes the probes read
         packed = prompt if isinstance(prompt, LookupPrompt) else pack_prompt(prompt)
-        return max(
-            eligible,
-            key=lambda r: (r.runner.cache.lookup_packed(packed, tenant_salt=tenant), -loads[r.index], -r.index),
-        )
+        return _choose_by_probes(eligible, loads, packed, tenant, hint)
+
+
+def _choose_by_probes(
+    eligible: list[Replica], loads: dict[int, int], packed: LookupPrompt, tenant: str, hint: int | None
+) -> Replica:
+    """The max of (hit, -load, -index) over `eligible` (two or more), each replica after the
+    first looked up only when `may_reach` says its hit may be enough to win."""
+    # the best tie-break first, so that a replica after it needs a hit one token longer
+    # (the probe's rule-out works only past 0); the hint before it
+    order = sorted(eligible, key=lambda r: (loads[r.index], r.index))
+    if hint is not None:
+        first = next((r for r in order if r.index == hint), None)
+        if first is not None:
+            order.remove(first)
+            order.insert(0, first)
+    best = order[0]
+    best_hit = best.runner.cache.lookup_packed(packed, tenant_salt=tenant)
+    for r in order[1:]:
+        # r wins with an equal hit when its (load, index) is lower, else only with a longer one
+        wins_tie = (loads[r.index], r.index) < (loads[best.index], best.index)
+        need = best_hit if wins_tie else best_hit + 1
+        cache = r.runner.cache
+        if not cache.may_reach(packed, need, tenant_salt=tenant):
+            continue
+        hit = cache.lookup_packed(packed, tenant_salt=tenant)
+        if hit > best_hit or (hit == best_hit and wins_tie):
+            best, best_hit = r, hit
+    return best
+
+
+def _choose_by_lookups(eligible: list[Replica], loads: dict[int, int], packed: LookupPrompt, tenant: str) -> Replica:
+    """`_choose_by_probes`' naive twin: every replica looked up in full."""
+    return max(
+        eligible,
+        key=lambda r: (r.runner.cache.lookup_packed(packed, tenant_salt=tenant), -loads[r.index], -r.index),
+    )

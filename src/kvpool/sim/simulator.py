@@ -349,6 +349,9 @@ def simulate(
     # the next turn thinks: that turn's prompt extends it in place (`turn_prompt`) instead of
     # making every earlier answer again; nothing is kept while a turn runs
     latest: dict[str, list[int]] = {}
+    # session id -> the replica its finished turn ran on, while the next turn thinks: the
+    # router looks there first (the longest hit, most likely), which spares lookups elsewhere
+    went: dict[str, int] = {}
     timeline = StepTimeline()
     # (clock, index) of each replica with requests, one entry each: the next to step is the
     # earliest (ties to the lower index). A replica's clock moves only in its own steps and,
@@ -364,7 +367,7 @@ def simulate(
             # packed once: the router's lookups and the chosen engine's admission share its
             # packing and block hashes
             prompt = turn_prompt(session, turn, model.vocab_size, table, latest.pop(session.session_id, None))
-            rep = router.route(prompt, session.tenant)
+            rep = router.route(prompt, session.tenant, went.pop(session.session_id, None))
             rep.num_routed += 1
             idle = not rep.engine.has_unfinished()
             if idle:
@@ -390,6 +393,7 @@ def simulate(
                 on_finish(record)
             if turn + 1 < len(session.turns):
                 latest[session.session_id] = out.prompt_token_ids
+                went[session.session_id] = index
             arrivals.next_turn(session, turn, next_step.clock())
         if done:
             t = arrivals.next_time()
