@@ -319,3 +319,84 @@ def test_the_executors_fast_pricing_is_its_naive_pricing_bit_for_bit(steps) -> N
         fast, naive = (ex.clock() for ex in executors)
         assert fast == naive and executors[0].busy_s == executors[1].busy_s
         assert not executors[0]._later and not executors[0]._replays  # taken with the step
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.lists(st.integers(1, 50_000), max_size=40),  # the leading decodes' starts (the columns)
+            # the chunks after them: a decode (one token) or a prompt's chunk, (tokens, start)
+            st.lists(st.tuples(st.one_of(st.just(1), st.integers(2, 300)), st.integers(0, 5000)), max_size=4),
+            st.integers(0, 2),  # state copies before the step
+            st.booleans(),  # the engine set the columns
+            st.integers(0, 4),  # 1: a replay before the step; 2: a later piece; else neither
+        ),
+        max_size=8,
+    )
+)
+def test_the_executors_pricing_of_step_chunks_is_its_naive_pricing_bit_for_bit(steps) -> None:
+    """The engine's StepChunks (its leading decodes held as columns, the rows that joined
+    after them) priced from the leading starts and the rest's chunks, no column read: the
+    clock reads step_time's float over the same chunks as a plain list, step after step
+    (with copies' bytes, and a replay or a later piece, which take the general path)."""
+    from kvpool.engine.runner import ScheduledChunk, StepChunks
+    from kvpool.sim.executor import CostExecutor, VirtualClock
+
+    cm, bandwidth = _V4, 3.3e12
+
+    def split(positions, others, moved):
+        seconds = cm.split_step_time(positions, others)
+        return None if seconds is None else seconds + moved / bandwidth
+
+    def naive(work, moved):
+        return cm.step_time(work) + moved / bandwidth
+
+    def unused(work, moved):
+        raise AssertionError(f"step_time called for {work}: the fast twins price every step here")
+
+    fast = CostExecutor(
+        10,
+        step_time=unused,
+        decode_step_time=lambda positions, moved: cm.decode_step_time(positions) + moved / bandwidth,
+        split_step_time=split,
+        kv_read_bytes=lambda n: n,
+        clock=VirtualClock(),
+        block_bytes=4,
+        kv_capacity_bytes=0,
+        checkpoint_bytes=1 << 20,
+    )
+    twin = CostExecutor(
+        10,
+        step_time=naive,
+        kv_read_bytes=lambda n: n,
+        clock=VirtualClock(),
+        block_bytes=4,
+        kv_capacity_bytes=0,
+        checkpoint_bytes=1 << 20,
+    )
+    for k, (starts, rest, num_copies, with_columns, extra) in enumerate(steps):
+        ids = [f"r{i}" for i in range(len(starts))]
+        tokens = [7] * len(starts)
+        others = [ScheduledChunk(f"j{i}", [7] * n, start, True) for i, (n, start) in enumerate(rest)]
+        if not starts and not others:
+            continue
+        chunks = StepChunks(ids, tokens, starts, others)
+        if with_columns:  # as the engine sets them: every chunk's id, start and end
+            chunks.columns = (
+                ids + [c.request_id for c in others],
+                starts + [c.start for c in others],
+                [s + 1 for s in starts] + [c.start + len(c.token_ids) for c in others],
+            )
+        plain = [ScheduledChunk(i, [t], s, True) for i, t, s in zip(ids, tokens, starts, strict=True)] + others
+        for ex, step in ((fast, chunks), (twin, plain)):
+            for _ in range(num_copies):
+                ex.copy_state(0, 1)
+            if extra == 1:
+                ex.replay([7] * 40, 100 + k, [], 0, 0)
+            assert ex.forward(step, None, False) == [None] * len(plain)
+            if extra == 2:  # the step cut at a checkpoint: a new request's piece after the first
+                ex.forward([ScheduledChunk("q", [7] * 9, 40, True)], None, False)
+        assert fast.clock() == twin.clock() and fast.busy_s == twin.busy_s
+        assert not fast._later and not fast._replays  # taken with the step
+        assert chunks._rows is None or extra  # the leading chunks never made on the fast path

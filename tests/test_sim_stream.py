@@ -236,6 +236,79 @@ def test_the_answer_samplers_batch_form_is_a_call_a_row():
     ]
 
 
+class _Rebuilding(AnswerSampler):
+    """AnswerSampler whose every changed batch is made whole (`_rebuild`): `_batch`'s twin."""
+
+    def _batch(self, owners, rows):
+        self._rebuild(owners, rows)
+
+
+def test_a_batch_edited_in_place_equals_the_batch_made_whole():
+    """Batches that change as the engine's do (rows end anywhere, rows join at the end, now
+    and then a preempted row back or the batch made anew): `_batch` edits the last batch's
+    lists in place, and every step's tokens, lists and kept rows equal those of the twin
+    that makes them whole, and a call a row; rows() reads only owners never seen."""
+    rng = random.Random(5)
+    ints = int_table(VOCAB).tolist()
+    batch, twin = AnswerSampler(VOCAB, ints), _Rebuilding(VOCAB, ints)
+    rebuilt = []
+    batch._rebuild = lambda owners, rows: (rebuilt.append(len(owners)), AnswerSampler._rebuild(batch, owners, rows))
+    made = 0
+    asked: list[list[int]] = []
+
+    def new_row() -> _Row:
+        nonlocal made
+        made += 1
+        params = SamplingParams(max_tokens=rng.randrange(1, 60), seed=answer_seed(f"e{made % 40}"))
+        return _Row(params, int(made % 5 == 0), rng.randrange(1, 80))
+
+    def rows(which, asked=asked):
+        asked.append(which)
+        picked = [owners[i] for i in which]
+        return [r.params for r in picked], [r.sample_index for r in picked], [r.origin for r in picked]
+
+    twin_asked: list[list[int]] = []
+
+    def twin_rows(which):
+        return rows(which, twin_asked)
+
+    owners = [new_row() for _ in range(30)]
+    away: list[_Row] = []  # rows that left for a while (preempted): they come back at the end
+    seen: set[int] = set()
+    num_changed = num_in_place = 0
+    for step in range(400):
+        changed = step and rng.random() < 0.5
+        if changed:
+            owners = list(owners)
+            for _ in range(rng.choice((1, 1, 2, 3, 12))):  # rows end (or leave) anywhere
+                if owners:
+                    gone = owners.pop(rng.randrange(len(owners)))
+                    if rng.random() < 0.2:
+                        away.append(gone)
+            owners += [new_row() for _ in range(rng.choice((0, 1, 1, 2)))]  # rows join at the end
+            if away and rng.random() < 0.3:
+                owners.append(away.pop(0))
+            if rng.random() < 0.05:  # a batch of its own
+                owners = [new_row() for _ in range(rng.randrange(0, 40))]
+        num_asked, num_rebuilt = len(asked), len(rebuilt)
+        lengths = [r.length for r in owners]
+        tokens = batch.sample([None] * len(owners), owners, rows, lambda lengths=lengths: lengths)
+        assert tokens == twin.sample([None] * len(owners), owners, twin_rows, lambda lengths=lengths: lengths)
+        assert tokens == [twin(None, r.params, r.sample_index, r.length - r.origin) for r in owners]
+        assert batch._owners == owners and batch._streams == twin._streams and batch._origins == twin._origins
+        assert batch._kept == twin._kept
+        # the rows read: the twin's, those of owners not kept (never seen, or forgotten while away)
+        assert asked == twin_asked
+        new = [i for i, r in enumerate(owners) if id(r) not in seen]
+        assert set(new) <= {i for which in asked[num_asked:] for i in which}
+        seen.update(map(id, owners))
+        num_changed += bool(changed)
+        num_in_place += bool(changed) and len(rebuilt) == num_rebuilt
+        for r in owners:
+            r.length += 1
+    assert num_in_place > 0.8 * num_changed > 150 and len(rebuilt) > 5  # most changes edited in place
+
+
 def test_prompts_and_answers_share_one_int_per_token():
     """With the simulator's int table, a prompt's answers and a sampled token are the
     table's objects (a token kept costs a pointer), and the values are those without it."""

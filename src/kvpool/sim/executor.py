@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import compress, repeat
-from operator import getitem, is_, itemgetter, sub
+from itertools import compress, count, islice, repeat
+from operator import getitem, is_, is_not, itemgetter, sub
 from typing import Any
 
 import numpy as np
@@ -39,7 +39,7 @@ import torch
 from kvpool.cache import BlockCopy
 from kvpool.engine.batch_sampler import RowsOf
 from kvpool.engine.memory import StepPeaks
-from kvpool.engine.runner import ScheduledChunk, num_logits, step_columns
+from kvpool.engine.runner import ScheduledChunk, StepChunks, num_logits, step_columns
 from kvpool.engine.sampling import SamplingParams
 from kvpool.workload.tokens import MASK64, STREAM_MIX, STREAM_MULT, stream_key, stream_tokens
 
@@ -193,10 +193,20 @@ class CostExecutor:
         by `split_step_time`, its decodes' positions apart from its other chunks, which keep
         `_work`'s order (the decodes' sums do not depend on theirs). None where neither can
         price it (step_time then does). Reads `_later` and the replays, takes nothing."""
+        later, replays = self._later, self._replays
+        if type(first) is StepChunks and not later and not replays:
+            # the engine's leading decodes as columns: chunk i < len(lead_starts) is one token
+            # at lead_starts[i] (StepChunks' definition), so those are the decodes' positions,
+            # with no (start, end) column read, no length made and counted a row
+            if not first.rest:  # the common step: the columns' rows alone
+                if self.decode_step_time is not None:
+                    return self.decode_step_time(first.lead_starts, self._moved)
+                return None
+            if self.split_step_time is not None:
+                return self._price_rest(first.lead_starts, first.rest)
         # the chunks' columns: the engine's, where it planned them (no chunk read), else transposed
         request_ids, starts, ends = step_columns(first)
         lens = list(map(sub, ends, starts))
-        later, replays = self._later, self._replays
         if not later and not replays and lens.count(1) == len(lens):
             if self.decode_step_time is not None:  # the common step
                 return self.decode_step_time(starts, self._moved)
@@ -223,6 +233,23 @@ class CostExecutor:
         if not others:  # decodes only after all (a piece or replay of one token)
             return None if self.decode_step_time is None else self.decode_step_time(positions, self._moved)
         return self.split_step_time(positions, others, self._moved)
+
+    def _price_rest(self, lead_starts: Sequence[int], rest: Sequence[ScheduledChunk]) -> float | None:
+        """`_fast_price` of a StepChunks with chunks after its leading decodes (rows that
+        joined: their first decodes, a prompt's chunk), in one piece, no replays: the leading
+        decodes' positions as they are, the rest's decodes after them and its other chunks in
+        their order (the decodes' sums do not depend on where they fall)."""
+        positions = list(lead_starts)
+        others = []
+        for c in rest:
+            n = len(c.token_ids)
+            if n == 1:
+                positions.append(c.start)
+            else:
+                others.append((n, c.start + n))
+        if not others:  # the rows that joined decode too
+            return None if self.decode_step_time is None else self.decode_step_time(positions, self._moved)
+        return self.split_step_time(positions, others, self._moved)  # type: ignore[misc]
 
     def _work(self, first: Sequence[ScheduledChunk]) -> list[tuple[int, int]]:
         """The step's (tokens, context after them): one chunk per request, in the order
@@ -443,34 +470,97 @@ class AnswerSampler:
         return [self(None, p, j, position) for p, j, position in zip(params, sample_indices, positions, strict=True)]
 
     def _batch(self, owners: Sequence[object], rows: RowsOf) -> None:
-        """Take `owners` as the batch: the rows of owners kept from earlier batches as they
-        were, the others' streams made at once (positions [0, max_tokens): `_answer`'s for
-        sample 0, token_at's stream for j > 0)."""
+        """Take `owners` as the batch. Where it is the last batch less some rows, then rows
+        appended (the engine's: rows end anywhere, rows join at the end), the last batch's
+        lists are edited in place (`_leavers`): the rows that left deleted, the others' streams
+        and origins kept where they are, no row's object read (a new list of every row's
+        stream would touch each one: a cache miss a row at a fleet run's scale); else they
+        are made again from `_kept`. Either way the rows whose owners `_kept` holds are as
+        they were and the others' streams are made at once (positions [0, max_tokens):
+        `_answer`'s for sample 0, token_at's stream for j > 0). Its twin: the same lists
+        made whole (`_rebuild`), which tests/test_sim_stream.py holds it to."""
+        last = self._owners
+        gone = _leavers(owners, last)
+        if gone is None:
+            self._rebuild(owners, rows)
+            return
+        streams, origins = self._streams, self._origins
+        for i in reversed(gone):
+            del last[i], streams[i], origins[i]
+        # last is owners[:len(last)] now: the rows after it joined (or came back)
+        start = len(last)
+        if start < len(owners):
+            kept = self._kept
+            entries = list(map(kept.get, map(id, owners[start:])))
+            if None in entries:
+                self._join(owners, rows, entries, start)
+                kept = self._kept
+            last += owners[start:]
+            streams += map(itemgetter(0), entries)
+            origins += map(itemgetter(1), entries)
+        elif gone and len(self._kept) > len(owners) + 16:  # a batch that shrank with none joining
+            kept = self._kept
+            self._kept = {id(owner): kept[id(owner)] for owner in owners}
+
+    def _join(self, owners: Sequence[object], rows: RowsOf, entries: list[Any], start: int) -> None:
+        """Make the streams of the rows `entries` (owners[start:]'s `_kept` entries) lacks:
+        entries[i] becomes row start + i's entry, kept in `_kept` (pruned to the batch's
+        owners first when it holds over 16 more)."""
+        joined = [start + i for i in compress(range(len(entries)), map(is_, entries, repeat(None)))]
+        params, sample_indices, origins = rows(joined)
+        if not len(params) == len(sample_indices) == len(origins) == len(joined):
+            raise ValueError(
+                f"AnswerSampler: {len(joined)} rows joined but rows() gave {len(params)} params, "
+                f"{len(sample_indices)} sample indices, {len(origins)} origins"
+            )
+        keys = [
+            p.seed % _MOD if not j else stream_key(f"{p.seed}/{j}") for p, j in zip(params, sample_indices, strict=True)
+        ]
+        lens = [p.max_tokens for p in params]
+        tokens = self._int_array[stream_tokens(keys, lens, self.vocab_size)].tolist()
+        kept = self._kept
+        if len(kept) + len(joined) > len(owners) + 16:  # over 16 owners gone since: forgotten
+            kept = self._kept = {id(owner): kept[id(owner)] for owner in owners[:start]}
+            kept.update((id(owners[start + i]), e) for i, e in enumerate(entries) if e is not None)
+        at = 0
+        for i, p, j, origin in zip(joined, params, sample_indices, origins, strict=True):
+            owner = owners[i]
+            entries[i - start] = kept[id(owner)] = (tokens[at : at + p.max_tokens], origin, p, j, owner)
+            at += p.max_tokens
+
+    def _rebuild(self, owners: Sequence[object], rows: RowsOf) -> None:
+        """`_batch` made whole: every row's entry looked up in `_kept` by its owner, those
+        missing made (`_join`), the lists new."""
         kept = self._kept
         entries = list(map(kept.get, map(id, owners)))
         if None in entries:  # (an entry is a tuple: `in` compares it with None by identity first)
-            joined = list(compress(range(len(entries)), map(is_, entries, repeat(None))))
-            params, sample_indices, origins = rows(joined)
-            if not len(params) == len(sample_indices) == len(origins) == len(joined):
-                raise ValueError(
-                    f"AnswerSampler: {len(joined)} rows joined but rows() gave {len(params)} params, "
-                    f"{len(sample_indices)} sample indices, {len(origins)} origins"
-                )
-            keys = [
-                p.seed % _MOD if not j else stream_key(f"{p.seed}/{j}")
-                for p, j in zip(params, sample_indices, strict=True)
-            ]
-            lens = [p.max_tokens for p in params]
-            tokens = self._int_array[stream_tokens(keys, lens, self.vocab_size)].tolist()
-            if len(kept) + len(joined) > len(owners) + 16:  # over 16 owners gone since: forgotten
-                kept = self._kept = {id(owner): entry for owner, entry in zip(owners, entries, strict=True) if entry}
-            start = 0
-            for i, p, j, origin in zip(joined, params, sample_indices, origins, strict=True):
-                owner = owners[i]
-                entries[i] = kept[id(owner)] = (tokens[start : start + p.max_tokens], origin, p, j, owner)
-                start += p.max_tokens
+            self._join(owners, rows, entries, 0)
         elif len(kept) > len(owners) + 16:  # a batch that shrank with none joining (a replica draining)
             self._kept = {id(owner): entry for owner, entry in zip(owners, entries, strict=True)}
         self._owners = list(owners)
         self._streams = list(map(itemgetter(0), entries))
         self._origins = list(map(itemgetter(1), entries))
+
+
+def _leavers(owners: Sequence[object], last: list[object]) -> list[int] | None:
+    """The rows of `last` (increasing) whose deletion leaves owners[:k] for some k, found
+    by identity in C-level runs between them (a pass each: a step ends a few rows of many);
+    None where more than max(4, a quarter of last's rows) would go (a batch of its own:
+    `_rebuild` makes it whole). A row that moved is one that left, then came back."""
+    gone: list[int] = []
+    i = j = 0
+    n, m = len(owners), len(last)
+    limit = max(4, m // 4)
+    while j < m:
+        # the run of rows in place from (i, j): owners[i + t] is last[j + t]
+        run = next(compress(count(), map(is_not, islice(owners, i, None), islice(last, j, None))), None)
+        if run is None:
+            run = min(n - i, m - j)
+        i += run
+        j += run
+        if j < m:  # last[j] is not owners[i] (or owners ended): it left
+            if len(gone) == limit:
+                return None
+            gone.append(j)
+            j += 1
+    return gone
