@@ -526,7 +526,7 @@ def test_every_group_kind_keeps_the_whole_group_protocol():
     )
     methods = {n: f for n, f in vars(CacheGroup).items() if inspect.isfunction(f) and not n.startswith("_")}
     attributes = [n for n in CacheGroup.__annotations__ if not n.startswith("_")]
-    assert len(methods) == 46 and attributes == [
+    assert len(methods) == 47 and attributes == [
         "name",
         "kind",
         "pool",
