@@ -98,24 +98,25 @@ def may_reach(
           unit q - 2 (the root when q == 1).
 
     A run of m units needs each in the index: the deepest of them whose hash the prompt's
-    memo holds (an earlier lookup of the same root left it there) is probed. Without such a
-    hash (no memo, multimodal keys, nothing hashed yet) the answer is True. Changes nothing."""
+    memo holds (an earlier lookup of the same root left it there) is probed; with none known
+    (no memo, multimodal keys, nothing hashed yet) the run may be found. Changes nothing."""
     memo = prompt.hashes
     if memo is None or prompt.mm_items:
         return True
     q = -(-point // unit)
-    hashes = memo.get(pool.memo_key(root, unit * TOKEN_BYTES), ())
-
-    def run_may_be_found(m: int) -> bool:
-        return m == 0 or not hashes or pool.is_indexed(hashes[min(m, len(hashes)) - 1])
-
-    if q * unit <= len(prompt.token_ids) and run_may_be_found(q):  # (a partial unit is never found)
+    hashes = memo.get(pool.memo_key(root, unit * TOKEN_BYTES)) or ()
+    num_known = len(hashes)
+    # A run of m units may be found unless the deepest hash the memo knows below m is not
+    # in the index. Unit q - 1 whole in the prompt (a partial unit is never found):
+    if q * unit <= len(prompt.token_ids) and (not num_known or pool.is_indexed(hashes[min(q, num_known) - 1])):
         return True
-    if not point % unit or not turn_ends or not run_may_be_found(q - 1):
+    if not point % unit or not turn_ends:
         return False
     if q == 1:
         return turn_ends.lists_after(root.block_hash)
-    return len(hashes) < q - 1 or turn_ends.lists_after(hashes[q - 2])
+    if num_known and not pool.is_indexed(hashes[min(q - 1, num_known) - 1]):
+        return False
+    return num_known < q - 1 or turn_ends.lists_after(hashes[q - 2])
 
 
 def register_run(

@@ -849,6 +849,9 @@ class HybridCacheManager:
         if not self._caching or num_tokens >= len(prompt.token_ids):  # (a hit leaves a token to compute)
             return False
         roots = self._request_roots(tenant_salt, descriptor)
+        if self._one_group is not None:  # (V4's dual pool, one attention kind: the router's common case)
+            name, group = self._one_group
+            return group.may_reach(roots[name], prompt, num_tokens)
         return all(g.may_reach(roots[name], prompt, num_tokens) for name, g in self.groups.items())
 
     # ---- lifecycle ---------------------------------------------------------------------

@@ -277,55 +277,73 @@ class BlockPool:
         The memo only says where to look: the collision guard compares every hit's parent,
         token bytes and extra keys all the same. Changes nothing but the collision counter
         (and not that with count_collisions=False) and the memo."""
-        digest = self.hasher.digest
-        index = self._index
+        index_get = self._index.get
         refcounts = self._refcounts
         hashes = None  # (with multimodal keys: hashed here each time)
         if memo is not None and extras is None:
             hashes = memo.setdefault(self.memo_key(root, block_width), [])
-        # blocks [0, num_known) of this root's chain are in the memo (those appended below
-        # are past every block this call reads again)
-        known = hashes if hashes is not None else []
-        num_known = len(known)
         parent = root
         block_ids: list[int] = []
         chain: list[PrefixBlock] = []
-        extra = b""
-        for i in range(max_blocks):
-            start = i * block_width
-            if extras is not None:
-                extra = extras[i]
-            if i < num_known:
-                block_hash = known[i]
-            else:
+        start = 0  # prompt_bytes[start : start + block_width] is the next block's
+        refused = None  # an entry of the block's hash that the collision guard refused
+        # Blocks [0, len(hashes)) of this root's chain have their hashes in the memo: the walk
+        # reads them without a hash or an extra key to look at (the router's lookups after the
+        # first, the admission after them)
+        for block_hash in hashes[:max_blocks] if hashes else ():
+            found = index_get(block_hash)
+            if found is None:
+                return PrefixMatch(block_ids, chain)
+            stored = found.token_bytes
+            # the guard: stored == prompt_bytes[start : start + block_width], without slicing a copy
+            if (
+                found.parent is not parent
+                or found.extra
+                or len(stored) != block_width
+                or not prompt_bytes.startswith(stored, start)
+            ):
+                refused = found
+                break
+            ids = found.block_ids
+            # several copies: share one that is held rather than revive a free one
+            block_ids.append(ids[0] if len(ids) == 1 else next((b for b in ids if refcounts[b]), ids[0]))
+            chain.append(found)
+            parent = found
+            start += block_width
+        else:
+            # the blocks past the memo: hashed here (and kept in the memo, in order from
+            # len(hashes), which is where this loop starts), extra keys compared
+            digest = self.hasher.digest
+            extra = b""
+            for i in range(len(chain), max_blocks):
+                if extras is not None:
+                    extra = extras[i]
                 chunk = prompt_bytes[start : start + block_width]
                 # BlockHasher.chain, inlined (a call per block costs ~40 % of a lookup: kvpool bench pool)
                 block_hash = digest(parent.block_hash + chunk + extra)
                 if hashes is not None and len(chunk) == block_width:
-                    hashes.append(block_hash)  # (i == len(hashes): the loop goes in order from 0)
-            found = index.get(block_hash)
-            if found is None:
-                break
-            stored = found.token_bytes
-            # stored == prompt_bytes[start : start + block_width], without slicing a copy
-            if (
-                found.parent is not parent
-                or found.extra != extra
-                or len(stored) != block_width
-                or not prompt_bytes.startswith(stored, start)
-            ):
-                # The collision guard. A stored block whose own parent has left the index is
-                # a stale orphan (its prefix was evicted or rewritten first), not a collision.
-                if count_collisions and found.parent.is_live:  # an index entry always has a parent
-                    self.num_collisions += 1
-                break
-            ids = found.block_ids
-            block_id = ids[0]
-            if len(ids) > 1:  # several copies: share one that is held rather than revive a free one
-                block_id = next((b for b in ids if refcounts[b]), block_id)
-            block_ids.append(block_id)
-            chain.append(found)
-            parent = found
+                    hashes.append(block_hash)
+                found = index_get(block_hash)
+                if found is None:
+                    break
+                stored = found.token_bytes
+                if (
+                    found.parent is not parent
+                    or found.extra != extra
+                    or len(stored) != block_width
+                    or not prompt_bytes.startswith(stored, start)
+                ):
+                    refused = found
+                    break
+                ids = found.block_ids
+                block_ids.append(ids[0] if len(ids) == 1 else next((b for b in ids if refcounts[b]), ids[0]))
+                chain.append(found)
+                parent = found
+                start += block_width
+        # A refused entry whose own parent has left the index is a stale orphan (its prefix
+        # was evicted or rewritten first), not a collision
+        if refused is not None and count_collisions and refused.parent.is_live:  # (an index entry has a parent)
+            self.num_collisions += 1
         return PrefixMatch(block_ids, chain)
 
     def memo_key(self, root: PrefixBlock, block_width: int) -> tuple[str, bytes, int]:
