@@ -364,3 +364,14 @@ def test_plan_tables_are_views_of_one_area_made_once_a_shape():
         b.plan_tables([1, 2, 3, 4, 5], (2, 2))
     with pytest.raises(ValueError, match=r"46 values for tables of \[46\]"):
         b.plan_tables([0] * 46, (46,))
+
+
+def test_leading_views_are_the_vectors_first_entries_made_once_a_length():
+    b = StepBuffers(max_num_seqs=4, max_num_tokens=8, max_blocks_per_seq=3, block_size=4)
+    b.update(["a", "b"], [0, 5], [3, 6], [[7], [8, 9]])  # slots 28, 29, 30 then 37; positions 0, 1, 2, 5
+    slots, positions = b.leading_slots(4), b.leading_positions(4)
+    assert slots.tolist() == [28, 29, 30, 37] and positions.tolist() == [0, 1, 2, 5]
+    assert b.leading_slots(4) is slots and b.leading_positions(4) is positions
+    b.update(["a"], [3], [4], [[7]])  # the same views hold the next step's values
+    assert b.leading_slots(1).tolist() == [31] and b.leading_positions(1).tolist() == [3]
+    assert slots.tolist()[0] == 31 and positions.tolist()[0] == 3

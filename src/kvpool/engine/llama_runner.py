@@ -451,7 +451,7 @@ class LlamaExecutor:
         if held:  # the runner's update wrote the step's tables, slots and positions: plan from them
             # (the runner checked the step as cache.step_tables checks it, before writing it)
             step = self.attention.begin_buffered_step(buffers, q_lens, ctx_lens)
-            pos_t = buffers.positions[:num_tokens]
+            pos_t = buffers.leading_positions(num_tokens)  # (a view made once a length)
             self.num_buffered_steps += 1
         else:
             q_list, ctx_list = q_lens.tolist(), ctx_lens.tolist()
@@ -476,8 +476,10 @@ class LlamaExecutor:
             self.last_decode_path = step.decode_path
         self.peaks.note("step_tables", step.table_bytes)  # the plan's tensors (for the memory ledger)
         self.peaks.note("chunked_prefill", step.prefill_bytes)
-        ids_t = torch.from_numpy(flat_ids).to(device)
-        top = int(ctx_lens.max()) - 1 if n else 0
+        ids_t = torch.from_numpy(flat_ids)
+        if device.type != "cpu":  # (a CPU tensor's .to(cpu) is itself, after ~2 us of dispatch)
+            ids_t = ids_t.to(device)
+        top = int(np.maximum.reduce(ctx_lens)) - 1 if n else 0  # (the ufunc: no Python frame)
         logits = self.model.forward(ids_t, pos_t, StepMetadata(step, None if all_logits else logit_rows, top))
         self._note_forward(num_tokens, step.attend, logits)
         return logits

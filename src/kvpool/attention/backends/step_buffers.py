@@ -155,6 +155,7 @@ class StepBuffers:
         # tensor slice costs ~1.5 us on the host, a step's plan takes three)
         self._leading: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._slot_views: dict[int, torch.Tensor] = {}  # slot_mapping[:k] by k (`leading_slots`)
+        self._position_views: dict[int, torch.Tensor] = {}  # positions[:k] by k (`leading_positions`)
         # numpy views of the host buffers: an element written from Python costs ~0.1 us
         # through numpy, ~1 us through a tensor's __setitem__
         self._vec_np = self._vec_host.numpy()
@@ -572,10 +573,10 @@ class StepBuffers:
                     chain.from_iterable(chain.from_iterable(spans)), np.int32, num_tokens - p
                 )
             else:  # each other's tokens [t, t + q) apart
-                t = p
+                t, arange = p, self._arange
                 for j in range(num_others):
                     start, end, q = o_starts[j], o_ends[j], o_lens[j]
-                    pos[t : t + q] = np.arange(start, end)
+                    pos[t : t + q] = arange[start:end] if end <= len(arange) else np.arange(start, end)
                     if spans[j]:
                         vec[3 * s + 1 + t : 3 * s + 1 + t + q] = list(chain.from_iterable(spans[j]))
                     else:  # block b's slots b * bs + [0, bs), from its row just written: [blocks, bs]
@@ -655,6 +656,15 @@ class StepBuffers:
             if len(self._slot_views) >= 4096:  # (a bound on lengths kept)
                 self._slot_views.clear()
             view = self._slot_views[num_tokens] = self.slot_mapping[:num_tokens]
+        return view
+
+    def leading_positions(self, num_tokens: int) -> torch.Tensor:
+        """positions[:num_tokens] ([num_tokens] int64, a device view made once a length)."""
+        view = self._position_views.get(num_tokens)
+        if view is None:
+            if len(self._position_views) >= 4096:  # (a bound on lengths kept)
+                self._position_views.clear()
+            view = self._position_views[num_tokens] = self.positions[:num_tokens]
         return view
 
     def host_seq_rows(self) -> np.ndarray:

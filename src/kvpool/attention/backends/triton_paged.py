@@ -242,7 +242,8 @@ class TritonPagedBackend(PagedBackend):
         lengths and split counts as `begin_step` over the cache's tables: the same outputs
         (tests/test_triton_kernels.py, tests/test_decode_graphs.py)."""
         st, scale, ops = self.storage, self.scale, self.ops
-        bs, device = st.block_size, st.k.device
+        # (the buffers' device is the pool's: a tensor's .device costs ~1 us on the host)
+        bs, device = st.block_size, buffers.device
         # the step's columns in numpy, not a Python loop a sequence: [n] int64 each
         # (ufuncs' reductions called directly: the array methods add a Python frame, ~1 us each)
         q, c = np.asarray(q_lens, dtype=np.int64), np.asarray(ctx_lens, dtype=np.int64)
@@ -306,7 +307,7 @@ class TritonPagedBackend(PagedBackend):
             # the plan's tables but the flat table (ExtendPlan.num_bytes less kv_indices),
             # counted without a pass over its tensors: [P] q_rows, q_lens, kv_indptr,
             # ctx_lens, [P + 1] part_rows, [T] tile_seq, tile_start, [R] merge_rows, int32
-            num_tiles, num_merge = len(extend.tile_seq), len(extend.merge_rows)
+            num_tiles, num_merge = extend.tile_seq.shape[0], extend.merge_rows.shape[0]
             table_bytes = 4 * (5 * num_chunks + 1 + 2 * num_tiles + num_merge)
 
         def attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> None:
