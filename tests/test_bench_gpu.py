@@ -1,5 +1,7 @@
-"""`kvpool bench gpu`: without CUDA only the host part runs, any other part is one line;
-the host part's figures on a small batch."""
+"""`kvpool bench gpu`: the host part's figures on a small batch; without CUDA the other parts
+on the CPU at small shapes: the attention figures time no plan, the engine's rows beside
+transformers and the plain forward, the prefill, and numerics that a perturbed engine fails;
+transformers and the plain forward hold the engine's model's weights (their logits equal)."""
 
 from __future__ import annotations
 
@@ -11,26 +13,34 @@ import sys
 import pytest
 import torch
 
-from kvpool.bench.gpu import config_path
+from kvpool.attention.reference import reference_logits
+from kvpool.bench.gpu import _interpreted_triton, config_path
+from kvpool.bench.gpu_engine import TINY
 from kvpool.cli.main import main
+from kvpool.models.gguf import LlamaConfig
+from kvpool.models.hf_config import random_llama
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
-def test_without_cuda_the_gpu_parts_exit_with_one_line():
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's run is for machines without CUDA")
+def test_without_cuda_a_gpu_part_runs_on_the_cpu_at_small_shapes():
     env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), "..", "src")}
     done = subprocess.run(
-        [sys.executable, "-m", "kvpool", "bench", "gpu", "--parts", "host,attention"],
+        [sys.executable, "-m", "kvpool", "bench", "gpu", "--parts", "attention", "--dtype", "fp32", "--json"],
         capture_output=True,
         text=True,
         env=env,
-        timeout=120,
+        timeout=300,
     )
-    assert done.returncode == 1 and done.stdout == ""
-    lines = done.stderr.strip().splitlines()
-    assert lines == [
-        "kvpool bench gpu: no CUDA GPU here (torch.cuda.is_available() is False): "
-        "--parts attention need one; --parts host runs without"
-    ]
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert (report["device"], report["dtype"]) == ("cpu", "fp32")
+    rows = report["decode_attention"]
+    assert [(r["batch"], r["context"]) for r in rows] == [(1, 512), (4, 512)]  # CPU_DECODE_SHAPES
+    extend = report["extend_attention"]
+    assert (extend["batch"], extend["context"], extend["chunk"]) == (1, 256, 64)  # CPU_EXTEND
+    for row in [*rows, extend]:
+        assert row["paged_ms"] > 0 and row["sdpa_ms"] > 0 and row["plan_host_ms"] > 0
+        assert row["max_abs_diff"] < 1e-4
 
 
 def test_the_host_part_times_each_piece_of_a_decode_step(capsys):
@@ -131,3 +141,94 @@ def test_the_attention_figures_time_the_attention_over_a_plan_made_before(monkey
         assert row["max_abs_diff"] < 1e-5
     assert [(r["batch"], r["context"]) for r in rows] == [(1, 48), (3, 40)]
     assert (extend["batch"], extend["context"], extend["chunk"]) == (2, 48, 16)
+
+
+SMALL = LlamaConfig(2, 64, 160, 4, 2, 16, 10000.0, 1e-5, 300, 256, False)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_transformers_and_the_plain_forward_hold_the_engines_weights(tied):
+    pytest.importorskip("transformers")
+    from dataclasses import replace
+
+    from kvpool.bench.gpu_baselines import ContiguousLlama, transformers_llama
+
+    cfg = replace(SMALL, tie_embeddings=tied)
+    hf = transformers_llama(cfg, 3, torch.float32, "cpu")
+    ids = torch.randint(0, cfg.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hf(ids).logits  # [2, 20, vocab]
+    scale = want.abs().max()
+    assert scale > 1.0
+    for b in range(2):  # the engine's model of the same seed: the same logits (fp32 rounding apart)
+        ours = reference_logits(random_llama(cfg, 3), ids[b].tolist(), fused=False)
+        assert (ours - want[b]).abs().max() <= 1e-5 * scale
+    other = reference_logits(random_llama(cfg, 4), ids[0].tolist(), fused=False)
+    assert (other - want[0]).abs().max() > 0.1 * scale  # another seed is another model
+    # the plain forward over its contiguous cache: a 12-token prefill, then 8 decode steps
+    plain = ContiguousLlama(hf, 2, 24)
+    assert (plain.prefill(ids[:, :12]) - want[:, 11]).abs().max() <= 1e-5 * scale
+    for t in range(12, 20):
+        plain.ids.copy_(ids[:, t])
+        plain.pos.fill_(t)
+        assert (plain.decode() - want[:, t]).abs().max() <= 1e-5 * scale
+
+
+def test_the_engine_part_sets_transformers_and_the_plain_forward_beside_the_engine():
+    pytest.importorskip("transformers")
+    from kvpool.bench.gpu_engine import engine_tpot
+
+    head, *rows = engine_tpot(None, torch.float32, batches=(1, 3), prompt_len=40, new_tokens=4, device="cpu")
+    assert head["model"].startswith("tiny") and head["device"] == "cpu"
+    assert (head["prompt_len"], head["new_tokens"]) == (40, 4)
+    assert head["weight_bytes"] == random_llama(TINY).weight_bytes()
+    assert head["copy_gb_s"] > 0 and head["weight_read_ms"] > 0
+    assert [r["batch"] for r in rows] == [1, 3]
+    for row in rows:
+        # the first token comes from the prefill step; the 3 after it are the timed decodes
+        assert (row["decode_steps"], row["decode_mode"], row["graph_replays"]) == (3, "eager", 0)
+        assert row["plain_decode"] == "eager (CPU)"
+        for key in ("tpot_ms", "transformers_tpot_ms", "plain_tpot_ms"):
+            assert row[key] > 0
+        assert row["tok_s"] == pytest.approx(row["batch"] / row["tpot_ms"] * 1e3, rel=1e-3, abs=0.05)  # (rounded)
+        assert row["tpot_over_plain"] == pytest.approx(row["tpot_ms"] / row["plain_tpot_ms"], rel=1e-2)
+
+
+def test_the_prefill_part_times_one_prompt_in_one_step():
+    pytest.importorskip("transformers")
+    from kvpool.bench.gpu_engine import prefill
+
+    report = prefill(None, torch.float32, prompt_len=64, runs=1, device="cpu")
+    assert (report["prompt_len"], report["model"][:4]) == (64, "tiny")
+    assert report["engine_ms"] > 0 and report["plain_ms"] > 0
+    with pytest.raises(ValueError, match="a 4096-token prefill exceeds"):
+        prefill(None, torch.float32, prompt_len=4096, device="cpu")
+
+
+def test_numerics_go_through_the_engine_and_a_perturbed_engine_fails_them(monkeypatch):
+    pytest.importorskip("transformers")
+    from kvpool.bench import gpu_engine
+    from kvpool.models.llama import LlamaModel
+
+    rows = gpu_engine.numerics("cpu", triton_on_cpu=True)
+    backends = ["bags", "triton"] if _interpreted_triton() else ["bags"]
+    assert [(r["dtype"], r["backend"]) for r in rows] == [(d, b) for d in ("fp32", "bf16") for b in backends]
+    for row in rows:
+        assert row["within"], row
+        if row["dtype"] == "fp32":
+            assert row["bound"] == 1e-3 and row["max_rel_diff"] < 1e-5 and row["greedy_equal"]
+        else:  # transformers' own bf16 error is far above fp32's, and the bound is 2x it
+            assert row["transformers_rel_diff"] > 1e-3
+            assert row["bound"] == 2 * row["transformers_rel_diff"]
+    # the engine's logits 3% of the largest off in one column: both dtypes fail
+    logits = LlamaModel.logits
+
+    def perturbed(self, hidden):
+        out = logits(self, hidden).clone()
+        if out.numel():  # (a prefill chunk that samples nothing has no row)
+            out[:, 0] += 0.03 * out.abs().max()
+        return out
+
+    monkeypatch.setattr(LlamaModel, "logits", perturbed)
+    rows = gpu_engine.numerics("cpu")
+    assert [(r["dtype"], r["within"]) for r in rows] == [("fp32", False), ("bf16", False)]

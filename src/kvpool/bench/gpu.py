@@ -22,14 +22,15 @@
   figures time the backend's `attend` (the K/V write and the kernels) over a step planned
   once before the timing; the plan (`begin_step`: the CSR tables made from the cache's
   Python lists and copied to the device) is timed apart on the host, `plan_host_ms`.
-- engine: TPOT and tokens/s at batch 1, 32 and 128 of a model from an HF config with
-  seeded random weights (models/hf_config.py), greedy, 128-token prompts; its decode steps
-  replayed from CUDA graphs (engine/cuda_graph.py) unless `--enforce-eager`, each row
-  saying which (`decode_mode`, and how many of its decode steps were replays).
-- numerics: a small random Llama in fp32 on the GPU against transformers' on the same
-  weights (max |logit difference| relative to the largest logit, greedy tokens equal).
+- engine, prefill, numerics (gpu_engine.py): the engine's TPOT and tokens/s at batch 1, 32
+  and 128 beside transformers on the same weights and a plain torch forward over a
+  contiguous cache (a CUDA graph on CUDA, eager on the CPU) and the weight-read floor; an
+  8,192-token prefill, the engine against the plain forward; the engine's logits against
+  transformers' in fp32 and bf16.
 
-Without CUDA every part but host refuses in one line (`NoCuda`).
+Without CUDA every part runs on the CPU at small shapes (CPU_DECODE_SHAPES, CPU_EXTEND,
+gpu_engine.py's TINY model and CPU_SHAPES), in seconds: it checks that the parts run and
+what they compare, and is no measure of a GPU. Every section says its device.
 """
 
 from __future__ import annotations
@@ -48,20 +49,8 @@ if TYPE_CHECKING:
     import torch  # (imported where used: `kvpool --help` imports no torch)
 
 DECODE_SHAPES = ((1, 4096), (16, 4096), (64, 4096), (16, 32768))
-ENGINE_BATCHES = (1, 32, 128)
 PRESETS = Path(__file__).resolve().parent.parent / "presets"
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype -> torch's name
-
-
-class NoCuda(RuntimeError):
-    """A GPU measurement asked for on a machine without CUDA."""
-
-
-def require_cuda(what: str) -> None:
-    import torch
-
-    if not torch.cuda.is_available():
-        raise NoCuda(f"no CUDA GPU here (torch.cuda.is_available() is False): {what}")
 
 
 def config_path(model: str) -> Path:
@@ -604,164 +593,54 @@ def extend_attention(
     }
 
 
-# ---- the engine ---------------------------------------------------------------------------------
-
-
-def engine_tpot(
-    model: str,
-    dtype: torch.dtype,
-    batches=ENGINE_BATCHES,
-    prompt_len: int = 128,
-    new_tokens: int = 128,
-    progress: Progress = no_progress,
-    enforce_eager: bool = False,
-) -> list[dict]:
-    """TPOT (decode seconds per step) and tokens/s of the engine at each batch, greedy, on a
-    model of `model`'s config with seeded random weights, and the weight-read floor (the
-    weights' bytes at the measured device-to-device copy rate). Decode steps replayed from
-    CUDA graphs as the engine runs them, unless enforce_eager; each row says which it ran
-    (decode_mode: "graphs" or "eager", the decode steps timed and the graph replays)."""
-    import torch
-
-    require_cuda("the engine's TPOT needs one")
-    from kvpool.cache import CacheDescriptor
-    from kvpool.engine.build import build_engine
-    from kvpool.engine.sampling import SamplingParams
-    from kvpool.models.hf_config import llama_config, random_llama
-
-    hf = llama_config(config_path(model))
-    progress(f"random {hf.name} weights")
-    llama = random_llama(hf.config, seed=0, dtype=dtype, device="cuda")
-    weight_bytes = llama.weight_bytes()
-    scratch = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
-    copy_rate = 2 * scratch.nbytes / _device_time(scratch.clone, "cuda", 5, 1)  # bytes read + written per second
-    rows = []
-    block_size = 16
-    for batch in batches:
-        progress(f"engine batch {batch}")
-        per_seq = -(-(prompt_len + new_tokens + 1) // block_size)
-        budget = max(2048, prompt_len)
-        # on CUDA the builder replays decode steps from graphs (unless enforce_eager) and
-        # samples a step's rows on the device, as `kvpool run` does
-        engine = build_engine(
-            llama,
-            descriptor=CacheDescriptor("bench-gpu", "seed0"),
-            num_blocks=batch * per_seq + 1,
-            block_size=block_size,
-            max_num_seqs=batch,
-            max_num_batched_tokens=budget,
-            enforce_eager=enforce_eager,
-        )
-        runner = engine.runner
-        g = torch.Generator().manual_seed(batch)
-        params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-        for _ in range(batch):
-            engine.add_request(torch.randint(0, hf.config.vocab_size, (prompt_len,), generator=g).tolist(), params)
-        step_s: list[float] = []
-        while engine.has_unfinished():
-            prefill = any(s.num_computed < len(s.request.prompt_ids) for s in engine.running) or engine.waiting
-            began = time.perf_counter()
-            engine.step()
-            torch.cuda.synchronize()
-            if not prefill:
-                step_s.append(time.perf_counter() - began)
-        tpot = statistics.median(step_s)
-        graphs = runner.executor._graphs
-        rows.append(
-            {
-                "batch": batch,
-                "tpot_ms": round(tpot * 1e3, 3),
-                "tok_s": round(batch / tpot, 1),
-                "decode_path": runner.executor.last_decode_path,
-                # what ran the decode steps: graphs off by --enforce-eager, or because the
-                # backend cannot read the step buffers (decode_mode "eager" then)
-                "decode_mode": runner.executor.decode_mode,
-                "decode_steps": len(step_s),  # the steps timed: every one after the last prefill chunk
-                "graph_replays": 0 if graphs is None else graphs.num_replays,
-            }
-        )
-    floor = {
-        "weight_bytes": weight_bytes,
-        "copy_gb_s": round(copy_rate / 1e9, 1),
-        "weight_read_ms": round(weight_bytes / copy_rate * 1e3, 3),
-    }
-    return [{"model": hf.name, "ignored": list(hf.ignored), **floor}, *rows]
-
-
-def numerics(dtype: torch.dtype | None = None) -> dict:
-    """A 2-layer random Llama on the GPU against transformers' LlamaForCausalLM on the same
-    weights on the GPU: the largest |logit difference| over the largest |logit|, and
-    whether the greedy tokens of every position agree."""
-    import torch
-
-    require_cuda("numerics on the GPU needs one")
-    dtype = dtype or torch.float32
-    import transformers
-
-    from kvpool.attention.reference import reference_logits
-    from kvpool.models.gguf import LlamaConfig
-    from kvpool.models.hf_config import hf_tensor_name, random_tensors
-
-    raw = {
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 2,
-        "vocab_size": 1000,
-        "max_position_embeddings": 512,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-    }
-    cfg = LlamaConfig(2, 256, 512, 8, 2, 32, 10000.0, 1e-5, 1000, 512, False)
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**raw)).to("cuda", dtype).eval()
-    hf.load_state_dict({hf_tensor_name(n): t for n, t in random_tensors(cfg, 1, dtype, "cuda")})
-    from kvpool.models.llama import LlamaModel
-
-    ours = LlamaModel.from_tensors(cfg, random_tensors(cfg, 1, dtype, "cuda"), "cuda")
-    ids = torch.randint(0, 1000, (200,), generator=torch.Generator().manual_seed(0)).tolist()
-    with torch.no_grad():
-        want = hf(torch.tensor([ids], device="cuda")).logits[0].float()
-    got = reference_logits(ours, ids, fused=False).float()
-    return {
-        "dtype": str(dtype).removeprefix("torch."),
-        "max_rel_diff": ((got - want).abs().max() / want.abs().max()).item(),
-        "greedy_equal": bool(torch.equal(got.argmax(-1), want.argmax(-1))),
-    }
-
-
-PARTS = ("host", "attention", "engine", "numerics")
+PARTS = ("host", "attention", "engine", "prefill", "numerics")
 
 
 def measure(
     parts: tuple[str, ...] = PARTS,
-    model: str = "llama-3.1-8b",
+    model: str | None = None,
     dtype: str = "bf16",
     batch: int = 128,
     context: int = 1024,
     progress: Progress = no_progress,
     enforce_eager: bool = False,
 ) -> dict:
-    """The parts asked for (PARTS) in one report. NoCuda (one line) when a part other than
-    host is asked for without a CUDA GPU."""
+    """The parts asked for (PARTS) in one report, on CUDA where it is, else on the CPU at
+    the CPU's shapes (CPU_DECODE_SHAPES, CPU_EXTEND; gpu_engine.py's TINY model and
+    CPU_SHAPES unless `model`): seconds, and no GPU figure."""
     import torch
 
-    gpu_parts = [p for p in parts if p != "host"]
-    if gpu_parts:
-        require_cuda(f"--parts {','.join(gpu_parts)} need one; --parts host runs without")
+    from kvpool.bench.gpu_engine import engine_tpot, numerics, prefill
+
     torch_dtype = getattr(torch, DTYPES[dtype])
     device = "cuda" if torch.cuda.is_available() else "cpu"
     report: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "dtype": dtype}
     if "host" in parts:
         progress("host work per step")
         report["host"] = host_step(batch=batch, context=context, device=device)
-    if "attention" in parts:
-        report["decode_attention"] = decode_attention(torch_dtype, progress=progress)
-        report["extend_attention"] = extend_attention(torch_dtype, progress=progress)
-    if "engine" in parts:
-        report["engine"] = engine_tpot(model, torch_dtype, progress=progress, enforce_eager=enforce_eager)
-    if "numerics" in parts:
-        progress("numerics against transformers")
-        report["numerics"] = numerics()
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        # the CPU's shapes are small: on a shared machine a second intra-op thread costs
+        # more to wake than it saves (host_step's docstring)
+        torch.set_num_threads(1)
+    try:
+        if "attention" in parts:
+            if device == "cuda":
+                report["decode_attention"] = decode_attention(torch_dtype, progress=progress)
+                report["extend_attention"] = extend_attention(torch_dtype, progress=progress)
+            else:
+                shapes = CPU_DECODE_SHAPES
+                report["decode_attention"] = decode_attention(torch_dtype, shapes, progress, device)
+                report["extend_attention"] = extend_attention(torch_dtype, *CPU_EXTEND, progress, device)
+        if "engine" in parts:
+            report["engine"] = engine_tpot(
+                model, torch_dtype, progress=progress, enforce_eager=enforce_eager, device=device
+            )
+        if "prefill" in parts:
+            report["prefill"] = prefill(model, torch_dtype, progress=progress, device=device)
+        if "numerics" in parts:
+            progress("numerics against transformers")
+            report["numerics"] = numerics(device, progress=progress)
+    finally:
+        torch.set_num_threads(threads)
     return report
