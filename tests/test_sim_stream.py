@@ -337,26 +337,33 @@ def test_prompts_and_answers_share_one_int_per_token():
 def test_a_turns_prompt_extended_from_the_last_equals_the_whole_prompt_packed():
     """turn_prompt: a turn's prompt made from the previous one (consumed: extended in place)
     equals the twin's, pack_prompt of the whole history (ids, the same int objects, the
-    bytes), turn after turn, over sessions of many lengths; a list of another length, or
-    turn 0, is refused."""
+    bytes), turn after turn, over sessions of many lengths, with the previous prompt's packing
+    extended (the loop's way) or without it; a list of another length, a packing of another
+    length, or turn 0, is refused."""
     table = int_table(VOCAB)
     sessions = chat_workload(6, 5, 2.0, VOCAB, seed=9).sessions
-    for s in sessions:
-        previous = None
+    for k, s in enumerate(sessions):
+        previous = packed = None
         for turn in range(len(s.turns)):
             twin = pack_prompt(s.prompt_ids(turn, VOCAB, table))
-            prompt = turn_prompt(s, turn, VOCAB, table, previous)
+            prompt = turn_prompt(s, turn, VOCAB, table, previous, packed)
             assert prompt.token_ids == twin.token_ids and prompt.packed == twin.packed
+            assert type(prompt.packed) is bytes
             assert prompt.mm_items == () and prompt.hashes == {}
             assert all(a is b for a, b in zip(prompt.token_ids, twin.token_ids, strict=True))  # the same objects
             if previous is not None:
                 assert prompt.token_ids is previous  # consumed: extended in place, not copied
             # the engine's output gives back a list of its own (a copy of the prompt)
             previous = list(prompt.token_ids)
+            packed = prompt.packed if k % 2 else None
     s = sessions[0]
     whole = turn_prompt(s, 1, VOCAB, table)
     with pytest.raises(ValueError, match=r"previous holds \d+ tokens; turn 1 of session 'chat0' has \d+ tokens"):
         turn_prompt(s, 2, VOCAB, table, whole.token_ids[:-1])
+    with pytest.raises(ValueError, match=r"previous_packed holds \d+ bytes, not the \d+ of turn 1's \d+ tokens"):
+        turn_prompt(s, 2, VOCAB, table, list(whole.token_ids), whole.packed[:-4])
+    with pytest.raises(ValueError, match="previous_packed without previous"):
+        turn_prompt(s, 1, VOCAB, table, None, b"")
     with pytest.raises(ValueError, match="turn -1 of session 'chat0' has no tokens"):
         turn_prompt(s, 0, VOCAB, table, [])
     with pytest.raises(ValueError, match="turn 0 of session 'chat0' extends no earlier prompt"):

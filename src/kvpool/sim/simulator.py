@@ -41,7 +41,7 @@ from kvpool.capacity.planner import Plan, plan
 from kvpool.engine.engine import Engine
 from kvpool.engine.runner import ModelRunner
 from kvpool.engine.sampling import SamplingParams
-from kvpool.pool.hashing import token_bytes
+from kvpool.pool.hashing import TOKEN_BYTES, token_bytes
 from kvpool.sim.cost import CostModel
 from kvpool.sim.executor import AnswerSampler, CostExecutor, VirtualClock, answer_seed
 from kvpool.sim.layouts import LAYOUTS, BuiltLayout, build_layout, default_layout
@@ -344,11 +344,13 @@ def simulate(
     total = workload.num_requests
     finished = FinishedRequests(config.slo_ttft_ms, config.slo_tpot_ms)
     arrivals = Arrivals(workload)  # turns as they arrive; a turn's next one pushed as it finishes
-    in_flight: dict[str, tuple[Session, int, int, float]] = {}  # request id -> (session, turn, replica, arrival)
-    # session id -> the prompt of its finished turn (the engine's list, from its output), while
-    # the next turn thinks: that turn's prompt extends it in place (`turn_prompt`) instead of
-    # making every earlier answer again; nothing is kept while a turn runs
-    latest: dict[str, list[int]] = {}
+    # request id -> (session, turn, replica, arrival, its prompt's packing where a turn follows)
+    in_flight: dict[str, tuple[Session, int, int, float, bytes | None]] = {}
+    # session id -> the prompt of its finished turn (the engine's list, from its output) and
+    # its packing (kept in in_flight while a turn with a next one runs), while the next turn
+    # thinks: that turn's prompt extends them (`turn_prompt`) instead of making every earlier
+    # answer again and packing every earlier id again
+    latest: dict[str, tuple[list[int], bytes | None]] = {}
     # session id -> the replica its finished turn ran on, while the next turn thinks: the
     # router looks there first (the longest hit, most likely), which spares lookups elsewhere
     went: dict[str, int] = {}
@@ -366,7 +368,7 @@ def simulate(
             arrival, t = t, arrivals.next_time()
             # packed once: the router's lookups and the chosen engine's admission share its
             # packing and block hashes
-            prompt = turn_prompt(session, turn, model.vocab_size, table, latest.pop(session.session_id, None))
+            prompt = turn_prompt(session, turn, model.vocab_size, table, *latest.pop(session.session_id, (None, None)))
             rep = router.route(prompt, session.tenant, went.pop(session.session_id, None))
             rep.num_routed += 1
             idle = not rep.engine.has_unfinished()
@@ -376,7 +378,13 @@ def simulate(
             out_len = session.turns[turn].output_len
             params = SamplingParams(max_tokens=out_len, ignore_eos=True, seed=answer_seed(rid))
             rep.engine.add_request(prompt, params, rid, arrival_time=arrival, tenant=session.tenant)
-            in_flight[rid] = (session, turn, rep.index, arrival)
+            in_flight[rid] = (
+                session,
+                turn,
+                rep.index,
+                arrival,
+                prompt.packed if turn + 1 < len(session.turns) else None,
+            )
             if idle:
                 heapq.heappush(ready, (rep.clock(), rep.index))
             continue
@@ -386,13 +394,13 @@ def simulate(
         next_step.sample()
         for rid in done:
             out = next_step.engine.pop_output(rid)
-            session, turn, index, arrival = in_flight.pop(rid)
+            session, turn, index, arrival, packed = in_flight.pop(rid)
             record = RequestRecord.of(out, index, arrival, out.num_cached_tokens)
             finished.add(record)
             if on_finish is not None:
                 on_finish(record)
             if turn + 1 < len(session.turns):
-                latest[session.session_id] = out.prompt_token_ids
+                latest[session.session_id] = (out.prompt_token_ids, packed)
                 went[session.session_id] = index
             arrivals.next_turn(session, turn, next_step.clock())
         if done:
@@ -407,17 +415,28 @@ def simulate(
 
 
 def turn_prompt(
-    session: Session, turn: int, vocab_size: int, table: np.ndarray, previous: list[int] | None = None
+    session: Session,
+    turn: int,
+    vocab_size: int,
+    table: np.ndarray,
+    previous: list[int] | None = None,
+    previous_packed: bytes | None = None,
 ) -> LookupPrompt:
     """Turn `turn`'s prompt, packed as `pack_prompt` packs it; its ints are `table`'s
     (tokens.int_table(vocab_size)). `previous`: the prompt of turn - 1 as the engine's
     output gave it back (`RequestOutput.prompt_token_ids`, the caller's once popped), which
     is consumed: extended in place into this prompt by what the turn adds (answer_{turn-1} |
     user_turn, ~370 tokens of a ~2,100-token chat prompt at the medians), and packed without
-    a copy of the list first. The twin, what None does, `pack_prompt(session.prompt_ids(...))`,
-    copies the history twice (prompt_ids' list, pack_prompt's) before packing it. ValueError
-    for turn 0 or a `previous` not of turn - 1's length."""
+    a copy of the list first. `previous_packed`: that prompt's packing (its LookupPrompt's
+    `packed`, token_bytes of `previous`): this one's is it and the tail's bytes (the answer's
+    from its token array, no int read), instead of every id of the history read again (an
+    id's int a likely cache miss: most of a long prompt's packing time in a fleet run). The
+    twin, what None does, `pack_prompt(session.prompt_ids(...))`, copies the history twice
+    (prompt_ids' list, pack_prompt's) before packing it. ValueError for turn 0, a `previous`
+    not of turn - 1's length, or a `previous_packed` not of its bytes' length."""
     if previous is None:
+        if previous_packed is not None:
+            raise ValueError("previous_packed without previous: the packing of which prompt?")
         return pack_prompt(session.prompt_ids(turn, vocab_size, table), request_id=session.request_id(turn))
     expected = session.prompt_len(turn - 1) if turn else 0
     if not turn or len(previous) != expected:
@@ -425,13 +444,23 @@ def turn_prompt(
             f"previous holds {len(previous)} tokens; turn {turn - 1} of session {session.session_id!r} "
             f"has {expected if turn else 'no'} tokens"
         )
+    if previous_packed is not None and len(previous_packed) != TOKEN_BYTES * expected:
+        raise ValueError(
+            f"previous_packed holds {len(previous_packed)} bytes, not the {TOKEN_BYTES * expected} of "
+            f"turn {turn - 1}'s {expected} tokens"
+        )
     answer, user = session.turn_tail(turn, vocab_size)
     ids = previous
     ids += table[answer.astype(np.intp)].tolist()
     ids += user
     # (token_bytes: the ValueError for an id outside [0, 2**32), pack_prompt's check; the
     # engine's add_request checks the vocabulary)
-    return LookupPrompt(ids, (), token_bytes(ids), {})
+    if previous_packed is None:
+        return LookupPrompt(ids, (), token_bytes(ids), {})
+    # the answer's ids are below vocab_size (stream_tokens' draws), so its uint32 cast is
+    # exact; token_bytes' little-endian uint32 layout
+    packed = b"".join((previous_packed, answer.astype("<u4").tobytes(), token_bytes(user)))
+    return LookupPrompt(ids, (), packed, {})
 
 
 class Arrivals:
