@@ -81,8 +81,9 @@ for splits, part, dense in ((1, "*bf16", False), (4, "*fp32", True)):
     ptx = compile(td._decode, dict(q="*bf16", out=part, lse=part, **cache, **tables), consts)
     # K^T and V tiles in 16-byte vectors, no bf16 loaded one element at a time
     assert "ld.global.b16" not in ptx and ptx.count("cp.async.cg.shared.global") >= 16, splits
-merge = dict(H=32, D=128, NUM_SPLITS=4, BLOCK_S=4, BLOCK_D=128)
-compile(td._merge, dict(part="*fp32", lse="*fp32", rows="*i32", out="*bf16"), merge)
+for splits in (4, td.MAX_SPLITS):  # the rule's widest merge too: a [64, 128] fp32 tile
+    merge = dict(H=32, D=128, NUM_SPLITS=splits, BLOCK_S=splits, BLOCK_D=128)
+    compile(td._merge, dict(part="*fp32", lse="*fp32", rows="*i32", out="*bf16"), merge)
 print("compiled")
 """
 
@@ -182,7 +183,9 @@ def test_split_decode_equals_unsplit_in_fp64(ops) -> None:
     indptr, indices, last = csr(tables, lens, 16)
     rows = torch.arange(len(lens), dtype=torch.int32, device=DEVICE)
     whole = ops.paged_decode(q, rows, indptr, indices, last, k_cache, v_cache, 0.2, torch.empty_like(q), 1)
-    for splits in (2, 4):  # 4: ranges of one tile, 3 of the short sequence's empty
+    # 4: ranges of one tile, 3 of the short sequence's empty; 64: the rule's cap (the merge's
+    # widest tile), all but 4 of the long sequence's ranges empty
+    for splits in (2, 4, 64):
         split = ops.paged_decode(q, rows, indptr, indices, last, k_cache, v_cache, 0.2, torch.empty_like(q), splits)
         assert (split - whole).abs().max() <= TOL64
 
@@ -212,13 +215,50 @@ def test_the_split_rule(ops) -> None:
 
     # 132 SMs: 64 sequences x 8 KV heads = 512 programs fill them: no split, however long
     assert num_splits_for(64, 8, 32768, 132) == 1
-    # 16 x 32k at 8 KV heads: 128 programs; 2 per SM wants ceil(264 / 128) = 3 each
-    assert num_splits_for(16, 8, 32768, 132) == 3
-    # one 4k sequence: ceil(264 / 8) = 33 wanted, 4096 // 512 = 8 allowed
+    # 16 x 32k at 8 KV heads: 128 programs; 2 per SM wants ceil(264 / 128) = 3 each, rounded up to 4
+    assert num_splits_for(16, 8, 32768, 132) == 4
+    # one 4k sequence: ceil(264 / 8) = 33 wanted (64 rounded up), 4096 // 512 = 8 allowed
     assert num_splits_for(1, 8, 4096, 132) == 8
+    # 4k + 511: still 8 (8 * 512 <= 4607 < 16 * 512; the unrounded rule took 8 here too) ...
+    assert num_splits_for(1, 8, 4607, 132) == 8
+    # ... and 6k: 12 allowed, rounded down to 8 (the unrounded rule's 12, a new constexpr)
+    assert num_splits_for(1, 8, 6144, 132) == 8
+    assert num_splits_for(1, 8, 128 * 1024, 132) == 64  # 33 wanted -> 64, 256 allowed
+    assert num_splits_for(1, 1, 128 * 1024, 132) == 64  # 264 wanted -> 512, 256 allowed: the cap
     assert num_splits_for(1, 8, 700, 132) == 1  # too short to split
     assert num_splits_for(2, 2, 100, 4) == 1
     assert num_splits_for(0, 8, 0, 132) == 1  # an empty step: nothing to split (was a ZeroDivisionError)
+
+
+def test_the_split_rule_takes_few_values(ops) -> None:
+    """The split count is a constexpr: each new value compiles `_decode` and `_merge` again
+    (seconds, mid-step, on a GPU). Over every context 1..131072 and batch 1..256 at 1, 2, 3
+    and 8 KV heads and 132 / 114 / 80 SMs, the rule takes powers of two <= MAX_SPLITS = 64
+    only: at most 7 values (the unrounded rule took 33 at batch 1 and 8 KV heads on 132 SMs).
+    The context enters only as ctx // MIN_SPLIT_TOKENS, so the contexts 1 and k * 512
+    (k = 1..256) stand for every context of [1, 131072]. Each value still keeps the rule:
+    no split under 512 tokens, and a count below 2 programs an SM only where that floor or
+    the cap stops it."""
+    from kvpool.attention.backends.triton_decode import MAX_SPLITS, MIN_SPLIT_TOKENS, num_splits_for
+
+    assert MAX_SPLITS == 64 and MIN_SPLIT_TOKENS == 512
+    contexts = [1] + [k * 512 for k in range(1, 257)]
+    seen = set()
+    for num_sms in (132, 114, 80):
+        for kvh in (1, 2, 3, 8):
+            for batch in range(1, 257):
+                programs = batch * kvh
+                for ctx in contexts:
+                    n = num_splits_for(batch, kvh, ctx, num_sms)
+                    seen.add(n)
+                    assert n & (n - 1) == 0 and 1 <= n <= MAX_SPLITS, (batch, kvh, ctx, n)
+                    assert n == 1 or n * MIN_SPLIT_TOKENS <= ctx, (batch, kvh, ctx, n)
+                    if programs * n < 2 * num_sms:  # short of two per SM: the floor or the cap
+                        assert n == MAX_SPLITS or 2 * n * MIN_SPLIT_TOKENS > ctx, (batch, kvh, ctx, n)
+    assert seen == {1, 2, 4, 8, 16, 32, 64}
+    # the 33 of the unrounded rule, min(ceil(264 / 8), ctx // 512), against this one's 7
+    unrounded = {min(33, max(1, c // 512)) for c in contexts}
+    assert len(unrounded) == 33 and len({num_splits_for(1, 8, c, 132) for c in contexts}) == 7
 
 
 def test_dense_decode_over_step_buffers(ops) -> None:

@@ -47,7 +47,8 @@ query head) combines them exactly: out = sum_s exp(lse_s - m) o_s / sum_s exp(ls
 m = max_s lse_s. A split that starts past a shorter sequence's end writes lse = -inf and
 weighs nothing. `num_splits_for` is the rule, taken on the host from the step's lengths;
 the split count is a constexpr, so a CUDA graph captured per batch bucket needs its count
-fixed for the bucket. (Elsewhere: SGLang's Triton decode computes a split count per
+fixed for the bucket, and the rule takes powers of two only (at most 7 counts ever compiled,
+not one per 512-token step of the longest context). (Elsewhere: SGLang's Triton decode computes a split count per
 sequence on the device, from the lengths and the GPU's core count, up to a maximum, and
 merges by log-sum-exp in a second kernel; vLLM's Triton decode kernel splits every
 sequence into a fixed number of ranges; FlashInfer's planner picks a chunk size so that
@@ -73,6 +74,10 @@ import triton.language as tl
 MIN_ROWS = 16  # tl.dot's smallest M: the GQA group's rows are padded to it
 TILE_TOKENS = 64  # tokens a decode program reads per iteration (whole blocks; more when a block is larger)
 MIN_SPLIT_TOKENS = 512  # a split reads at least this much context (a chosen floor, not measured on a GPU)
+# the most splits the rule chooses: `_merge` holds a [splits, head_dim] tile of partial
+# outputs per program (64 x 128 fp32: 32 KiB of registers across its warps); a chosen cap,
+# not measured on a GPU
+MAX_SPLITS = 64
 LOG2E = 1.4426950408889634
 
 
@@ -85,15 +90,27 @@ def interpreted() -> bool:
 
 
 def num_splits_for(num_seqs: int, num_kv_heads: int, max_ctx_len: int, num_sms: int) -> int:
-    """How many programs share one (sequence, KV head)'s context: 1 when num_seqs * num_kv_heads
-    programs already give every SM two, else enough to give it two, but no split shorter than
-    MIN_SPLIT_TOKENS (below it the merge's extra launch and partial outputs are likely to cost
-    more than the split saves; the floor is a choice, not a GPU measurement)."""
+    """How many programs share one (sequence, KV head)'s context: a power of two, at most
+    MAX_SPLITS. 1 when num_seqs * num_kv_heads programs already give every SM two; else the
+    power of two that gives every SM two (rounded up), but no split shorter than
+    MIN_SPLIT_TOKENS (rounded down: below it the merge's extra launch and partial outputs
+    are likely to cost more than the split saves; the floor is a choice, not a GPU
+    measurement).
+
+    Powers of two because the count is a constexpr of `_decode` and `_merge` (and of the
+    extend kernel, which takes this rule): every new value compiles them again, seconds of
+    stall inside a serving step. Taken from each step's longest context, the unrounded rule
+    gave 33 distinct counts over contexts up to 128k at batch 1 and 8 KV heads; this one
+    gives at most log2(MAX_SPLITS) + 1 = 7 whatever the batch, heads, context or SM count
+    (tests/test_triton_kernels.py::test_the_split_rule_takes_few_values)."""
     programs = num_seqs * num_kv_heads
     if programs == 0 or programs >= 2 * num_sms:  # (no sequence: nothing to split)
         return 1
     wanted = -(-2 * num_sms // programs)
-    return max(1, min(wanted, max_ctx_len // MIN_SPLIT_TOKENS))
+    up = 1 << (wanted - 1).bit_length()  # the power of two at or above wanted
+    floor = max_ctx_len // MIN_SPLIT_TOKENS
+    down = 1 << (floor.bit_length() - 1) if floor > 1 else 1  # the power of two at or below it
+    return min(up, down, MAX_SPLITS)
 
 
 @triton.jit
