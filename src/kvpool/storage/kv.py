@@ -392,17 +392,26 @@ class QuantizedKVStorage:
 
     # ---- writes --------------------------------------------------------------------------
 
-    def write_index(self, slots: torch.Tensor, seqs: Sequence[SeqSpan] | None = None) -> QuantWriteIndex:
+    def write_index(
+        self, slots: torch.Tensor, seqs: Sequence[SeqSpan] | None = None, *, host_slots: Sequence[int] | None = None
+    ) -> QuantWriteIndex:
         """Where the step's N new tokens go, for every layer; slots: [N] int64. Chunked
         formats also take the tail slots of the blocks written and list the chunks the
         step completes. KIVI needs `seqs` (each written sequence's blocks and span, the
-        slots being theirs in order) to move V's window; ValueError without it."""
+        slots being theirs in order) to move V's window; ValueError without it.
+
+        host_slots: the same N slots as host integers (the step's list the slots tensor was
+        made from). The chunked formats' bookkeeping is per block on the host: given them,
+        it reads them instead of `slots.tolist()`, which on a CUDA pool is a device-to-host
+        copy and a synchronisation every step (the Triton backend passes them)."""
         kvh, d, bs = self.num_kv_heads, self.head_dim, self.block_size
         if self.window and seqs is None:
             raise ValueError(
                 f"{self.fmt.name} keeps each sequence's last {self.window} values exact: "
                 "write_index needs the sequences' block tables and spans (seqs)"
             )
+        if host_slots is not None and len(host_slots) != slots.shape[0]:
+            raise ValueError(f"{len(host_slots)} host slots for a step of {slots.shape[0]} slots")
         self._retire_filled()
         if self.flush == 1:
             k_pos, v_pos = write_positions(slots, kvh, d, bs)
@@ -410,8 +419,10 @@ class QuantizedKVStorage:
             heads = torch.arange(kvh, device=slots.device).view(1, -1)
             s_pos = ((block_idx.view(-1, 1) * kvh + heads) * bs + offset_idx.view(-1, 1)).reshape(-1)
             return QuantWriteIndex(k_pos, v_pos, s_pos, None, None, None)
-        blocks = (slots // bs).tolist()
-        offsets = (slots % bs).tolist()
+        if host_slots is None:  # (a device read on CUDA: host_slots above)
+            host_slots = slots.tolist()
+        blocks = [slot // bs for slot in host_slots]
+        offsets = [slot % bs for slot in host_slots]
         first: dict[int, int] = {}
         last: dict[int, int] = {}
         rows_of: dict[int, list[int]] = {}

@@ -86,7 +86,7 @@ class TritonQuantBackend(PagedBackend):
         st, scale, before_read, ops = self.storage, self.scale, self.before_read, self.ops
         device = st.k.device
         slots = torch.tensor(meta.slots, dtype=torch.long, device=device)
-        index = st.write_index(slots)
+        index = st.write_index(slots, host_slots=meta.slots)  # the list: no read back from the device
         plan = ops.plan_extend(
             meta.q_lens,
             meta.ctx_lens,
