@@ -81,6 +81,10 @@ for splits, part, dense in ((1, "*bf16", False), (4, "*fp32", True)):
     ptx = compile(td._decode, dict(q="*bf16", out=part, lse=part, **cache, **tables), consts)
     # K^T and V tiles in 16-byte vectors, no bf16 loaded one element at a time
     assert "ld.global.b16" not in ptx and ptx.count("cp.async.cg.shared.global") >= 16, splits
+# a block size that is not a power of two compiles too (tiles of 64 cutting blocks of 24)
+consts.update(BS=24, NUM_SPLITS=1, DENSE=False)
+compile(td._decode, dict(q="*bf16", out="*bf16", lse="*bf16", **cache, **tables), consts)
+compile(td._write_kv, dict(k_new="*bf16", v_new="*bf16", slots="*i32", **cache), dict(KVH=8, D=128, BS=24, BLOCK_D=128))
 for splits in (4, td.MAX_SPLITS):  # the rule's widest merge too: a [64, 128] fp32 tile
     merge = dict(H=32, D=128, NUM_SPLITS=splits, BLOCK_S=splits, BLOCK_D=128)
     compile(td._merge, dict(part="*fp32", lse="*fp32", rows="*i32", out="*bf16"), merge)
@@ -261,13 +265,15 @@ def test_the_split_rule_takes_few_values(ops) -> None:
     assert len(unrounded) == 33 and len({num_splits_for(1, 8, c, 132) for c in contexts}) == 7
 
 
-def test_dense_decode_over_step_buffers(ops) -> None:
+@pytest.mark.parametrize("bs", [16, 24])
+def test_dense_decode_over_step_buffers(ops, bs) -> None:
     """The decode over persistent step buffers' dense tables (as a CUDA graph replays them)
     equals contiguous SDPA; padded to a bucket, each padding row reads only the dummy
-    block's slot 0, so its output is that slot's V (one key: softmax weight exactly 1)."""
+    block's slot 0, so its output is that slot's V (one key: softmax weight exactly 1).
+    Blocks of 24: tiles that cut blocks, over dense rows."""
     from kvpool.attention.backends.step_buffers import StepBuffers
 
-    bs, g, lens = 16, 4, [37, 1, 130]
+    g, lens = 4, [37, 1, 130]
     q, k_cache, v_cache, tables = scattered(lens, bs, g, torch.float64, seed=7)
     used = {blk for t in tables for blk in t}
     dummy = next(blk for blk in range(k_cache.shape[0]) if blk not in used)  # scattered() leaves 5 unused
@@ -307,15 +313,22 @@ def copy_of(st: PagedKVStorage, dtype: torch.dtype) -> PagedKVStorage:
     return twin
 
 
-@pytest.mark.parametrize(("dtype", "num_splits"), [(torch.float64, 3), (torch.float32, None)], ids=["fp64", "fp32"])
-def test_backend_step_equals_the_torch_backend(ops, dtype, num_splits) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "num_splits", "bs"),
+    [(torch.float64, 3, 16), (torch.float32, None, 16), (torch.float64, 3, 5), (torch.float64, 2, 24)]
+    + [(torch.float64, 1, 48), (torch.float64, 2, 96)],
+    ids=["fp64", "fp32", "fp64-bs5", "fp64-bs24", "fp64-bs48", "fp64-bs96"],
+)
+def test_backend_step_equals_the_torch_backend(ops, dtype, num_splits, bs) -> None:
     """A mixed step (a prefill chunk after a cached prefix, a prefill from 0, three decodes),
     then a step of decodes only (each sequence's last token again: the step's own tables),
     through the Triton backend (its decodes split in 3, or by the rule: 1) and through the
     torch backend (padded) on copies of one pool: the same pool after the writes, the same
     attention (fp32: within 4x the torch backend's own fp32 error against its fp64 run + 16
-    ulps of max|v|)."""
-    bs, g = 16, 4
+    ulps of max|v|). Block sizes that are not powers of two too: the decode's 64-token tiles
+    (128 for blocks of 96) then start and end inside blocks, each token's block looked up
+    by t // block_size; a split range (a multiple of the tile) starts inside one too."""
+    g = 4
     ctx_lens = [160, 50, 17, 9, 64]
     st, indptr, ids = pool_with_context(dtype, bs, ctx_lens, seed=3)
     twin, exact_pool = copy_of(st, dtype), copy_of(st, torch.float64)
@@ -420,8 +433,6 @@ def test_backend_registry_and_refusals(ops) -> None:
     st = PagedKVStorage(1, 4, 16, KVH, D, torch.float32, DEVICE)
     with pytest.raises(ValueError, match="not by 'bags'"):
         TritonPagedBackend(st, 4, None, torch.float32, decode_path="bags")
-    with pytest.raises(ValueError, match="power-of-two block size, got 24"):
-        TritonPagedBackend(PagedKVStorage(1, 4, 24, KVH, D, torch.float32, DEVICE), 4, None, torch.float32)
     with pytest.raises(ValueError, match="num_splits must be at least 1, got 0"):
         TritonPagedBackend(st, 4, None, torch.float32, num_splits=0)
     backend = TritonPagedBackend(st, 4, None, torch.float32, num_sms=4)

@@ -33,7 +33,9 @@ block read, its slots past the end dropped from the scores), every K and V load 
 Decode (`paged_decode`): one program per (sequence, KV head, split) holds that KV head's
 G = heads / kv_heads query heads as the rows of one tile (padded to 16 rows, the smallest
 tl.dot), so each K/V byte is read once for the whole GQA group. It walks the sequence's
-blocks indices[indptr[b] : indptr[b + 1]] TILE tokens at a time (a tile is whole blocks),
+blocks indices[indptr[b] : indptr[b + 1]] TILE tokens at a time (a tile is whole blocks
+when the block size is a power of two; any other size is read too, a tile then cutting
+blocks, each token's block looked up by t // block_size, without the 16-byte K^T loads),
 with an online softmax in fp32 (fp64 for an fp64 pool). The context length is
 (num_blocks - 1) * block_size + last_block_len[b]. `paged_decode_dense` is the same kernel
 over dense block-table rows and context lengths, as the persistent step buffers hold them
@@ -227,7 +229,10 @@ def _decode(
     acc = tl.zeros([BLOCK_G, BLOCK_D], ACC)
     t_in = tl.arange(0, TILE)
     for t0 in range(start, end, TILE):
-        t = t0 + t_in  # [TILE] token positions; t0 is a multiple of TILE, so of BS
+        # [TILE] token positions; t0 is a multiple of TILE, so of BS when BS is a power of two
+        # (any other BS: the tile starts and ends inside blocks; each token's block and slot
+        # come from t alone, so the tile need not align, it only loses the vector loads)
+        t = t0 + t_in
         tm = t < end
         # The K^T tile is read by whole blocks (mask bm, constant over a block's BS slots):
         # a token mask (tm) would change inside a row of BS slots, and the compiler then
@@ -364,7 +369,8 @@ def _launch(q, rows, seqs, tables, lens, table_stride, dense, k_cache, v_cache, 
         "G": h // kvh,
         "D": d,
         "BS": bs,
-        "TILE": max(TILE_TOKENS, bs),
+        # a power of two (tl.arange): whole blocks when bs is one; else tiles cut blocks
+        "TILE": max(TILE_TOKENS, triton.next_power_of_2(bs)),
         "BLOCK_G": max(MIN_ROWS, triton.next_power_of_2(h // kvh)),
         "BLOCK_D": max(MIN_ROWS, triton.next_power_of_2(d)),  # tl.dot's K is at least 16 too
         "NUM_SPLITS": num_splits,

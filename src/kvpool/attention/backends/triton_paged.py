@@ -101,9 +101,6 @@ class TritonPagedBackend(PagedBackend):
             raise ValueError(f"the triton backend reads an unquantized PagedKVStorage, got {type(storage).__name__}")
         if not triton_importable():
             raise ValueError("the triton attention backend needs triton (pip install triton)")
-        bs = storage.block_size
-        if bs & (bs - 1):
-            raise ValueError(f"the triton backend needs a power-of-two block size, got {bs}")
         device = storage.k.device
         if device.type == "cpu":
             from kvpool.attention.backends import triton_decode
