@@ -166,15 +166,17 @@ def test_keys_split_across_programs_merge_exactly(fmt) -> None:
 
 def _bound(qs, ks, vs, dtype) -> tuple[torch.Tensor, float]:
     """The fp64 reference and the error allowed in `dtype`. fp32: 4x the reference's own
-    error (the same SDPA in fp32 against fp64; the kernel sums in another order). bf16: 2x
-    that, plus bf16's rounding of the probabilities before the p @ V product (a relative
-    2^-8 each, so at most 2^-8 max|v| in the output), which the GPU's dot needs and SDPA's
-    CPU kernel, summing in fp32, does without."""
+    error (the same SDPA in fp32 against fp64; the kernel sums in another order). bf16 and
+    fp16: 2x that, plus the rounding of the probabilities to the dtype before the p @ V
+    product (a relative u each, u = 2^-8 in bf16 and 2^-11 in fp16, so at most u max|v| in
+    the output), which the GPU's dot needs and SDPA's CPU kernel, summing in fp32, does
+    without."""
     exact = _reference(qs, ks, vs, torch.float64)
     own = (_reference(qs, ks, vs, dtype).double() - exact).abs().max().item()
     if dtype == torch.float32:
         return exact, 4 * own
-    return exact, 2 * own + 2**-8 * max(v.abs().max().item() for v in vs)
+    u = torch.finfo(dtype).eps / 2  # 2^-8 for bf16, 2^-11 for fp16
+    return exact, 2 * own + u * max(v.abs().max().item() for v in vs)
 
 
 @pytest.mark.parametrize(
@@ -186,6 +188,9 @@ def _bound(qs, ks, vs, dtype) -> tuple[torch.Tensor, float]:
         (torch.bfloat16, 2, 2, 64),
         (torch.bfloat16, 8, 2, 16),
         (torch.bfloat16, 8, 1, 32),
+        # fp16: the GPU's branch (no WIDEN), 16-bit operands into the interpreter's dot
+        (torch.float16, 8, 2, 16),
+        (torch.float16, 8, 1, 24),
     ],
 )
 def test_fp32_and_bf16_pools_within_the_references_own_error(dtype, num_heads, num_kv_heads, bs) -> None:

@@ -40,6 +40,7 @@ if importlib.util.find_spec("triton") is None:
 KVH, D = 2, 32
 U32 = 2.0**-24
 U_BF16 = 2.0**-8
+U_FP16 = 2.0**-11
 TOL64 = 1e-12
 MODULE = "kvpool.attention.backends.triton_decode"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -156,8 +157,9 @@ def check_close(out, q, k_cache, v_cache, tables, lens) -> None:
             assert err.max() <= TOL64, (i, err.max())
         elif out.dtype == torch.float32:  # 4x SDPA's own fp32 error + 16 ulps of max|v|
             assert err.max() <= 4 * (own[i] - exact[i]).abs().max() + 16 * U32 * vmax, (i, err.max())
-        else:  # bf16: module docstring, per element; 1e-5 for the fp32 sums
-            assert (err <= U_BF16 * (exact[i].abs() + vmax) + 1e-5).all(), (i, err.max())
+        else:  # bf16 / fp16: module docstring, per element (u = 2^-8 / 2^-11); 1e-5 for the fp32 sums
+            u = U_BF16 if out.dtype == torch.bfloat16 else U_FP16
+            assert (err <= u * (exact[i].abs() + vmax) + 1e-5).all(), (i, err.max())
 
 
 # GQA groups 1, 4, 8 and block sizes 16, 32, 64; lengths off the block size, one of a single
@@ -192,6 +194,38 @@ def test_split_decode_equals_unsplit_in_fp64(ops) -> None:
     for splits in (2, 4, 64):
         split = ops.paged_decode(q, rows, indptr, indices, last, k_cache, v_cache, 0.2, torch.empty_like(q), splits)
         assert (split - whole).abs().max() <= TOL64
+
+
+def test_the_gpu_branch_of_the_16_bit_dots_in_fp16(ops) -> None:
+    """The decode's dots as a GPU runs them for bf16 and fp16 pools (UPCAST off: the 16-bit
+    q, K^T, p and V tiles straight into tl.dot, p rounded to the pool's dtype first), run
+    here in fp16: the interpreter's fp16 dot multiplies the values, its bf16 dot does not
+    (it is widened to fp32 there: the branch a GPU never runs). CSR unsplit and split in 4,
+    dense rows, against SDPA in fp64 within fp16's bound (check_close).
+
+    What it proves: that branch's operands, their dtypes and the rounding of p feed the
+    dots correctly, so the branch a GPU takes gives the right numbers in a 16-bit dtype.
+    What it cannot: bf16 itself in that branch (only the compiled kernel on a GPU runs it:
+    tests/test_cuda_engine.py's bf16 commands, which check no numbers), nor the tensor
+    cores' own accumulation order and rounding, nor what ptxas makes of it beyond compiling
+    (test_the_kernels_compile_for_sm90)."""
+    from kvpool.attention.backends.step_buffers import StepBuffers
+
+    assert not ops.dots_widened(torch.float16) and not ops.dots_widened(torch.float32)
+    assert ops.dots_widened(torch.bfloat16) == (DEVICE == "cpu")  # the interpreter's only
+    bs, g, lens = 16, 4, [37, 1, 130, 200]
+    q, k_cache, v_cache, tables = scattered(lens, bs, g, torch.float16, seed=11)
+    indptr, indices, last = csr(tables, lens, bs)
+    rows = torch.arange(len(lens), dtype=torch.int32, device=DEVICE)
+    for splits in (1, 4):
+        out = ops.paged_decode(q, rows, indptr, indices, last, k_cache, v_cache, D**-0.5, torch.empty_like(q), splits)
+        check_close(out, q, k_cache, v_cache, tables, lens)
+    buffers = StepBuffers(4, 4, 13, bs, DEVICE)
+    buffers.update(["a", "b", "c", "d"], [n - 1 for n in lens], lens, tables)
+    view = buffers.view(4, 4)
+    out = torch.empty_like(q)
+    ops.paged_decode_dense(q, rows, view.seq_rows, view.block_tables, view.ctx_lens, k_cache, v_cache, D**-0.5, out)
+    check_close(out, q, k_cache, v_cache, tables, lens)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

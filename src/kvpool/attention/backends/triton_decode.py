@@ -64,7 +64,10 @@ interpreter multiplies tl.dot's bf16 operands as their raw 16-bit patterns (it k
 as uint16 and calls numpy's matmul on them: results ~1e10 off), so there a bf16 decode
 converts the dot operands to fp32 first. The values are the GPU's: a product of two bf16
 values is exact in fp32, both accumulate in fp32, and p is rounded to bf16 before p @ V
-either way; only the order of the sums may differ.
+either way; only the order of the sums may differ. Its fp16 dot multiplies the values
+(numpy's float16), so an interpreted fp16 decode runs the branch a GPU runs for bf16 and
+fp16, the 16-bit operands straight into tl.dot (`dots_widened`; tests/test_triton_kernels.py
+::test_the_gpu_branch_of_the_16_bit_dots_in_fp16).
 """
 
 from __future__ import annotations
@@ -89,6 +92,13 @@ def interpreted() -> bool:
     from triton.runtime.interpreter import InterpretedFunction
 
     return isinstance(_write_kv, InterpretedFunction)
+
+
+def dots_widened(dtype: torch.dtype) -> bool:
+    """Whether the decode's dots take fp32 copies of `dtype` operands (UPCAST): only bf16 in
+    the interpreter (module docstring). Every other case, a GPU's bf16 and fp16 included,
+    feeds the pool's dtype to tl.dot."""
+    return dtype == torch.bfloat16 and interpreted()
 
 
 def num_splits_for(num_seqs: int, num_kv_heads: int, max_ctx_len: int, num_sms: int) -> int:
@@ -376,7 +386,7 @@ def _launch(q, rows, seqs, tables, lens, table_stride, dense, k_cache, v_cache, 
         "NUM_SPLITS": num_splits,
         "ACC": tl.float64 if acc == torch.float64 else tl.float32,
         "PRECISION": "ieee",
-        "UPCAST": q.dtype == torch.bfloat16 and interpreted(),
+        "UPCAST": dots_widened(q.dtype),
         "DENSE": dense,
     }
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), table_stride)

@@ -31,9 +31,11 @@ triton_decode's `_merge` combines them exactly. The rule is the decode's
 Scores and the online softmax are in fp32 (fp64 for an fp64 pool, which makes the kernel
 exact against an fp64 reference up to summation order); both products are tl.dot
 with input_precision "ieee" (no TF32 on fp32). Triton 3.9's interpreter multiplies a
-bf16 / fp16 tl.dot's operands as their raw bits (its create_dot converts only fp8), so the
-interpreted kernel widens those operands to fp32 first (`WIDEN`): the same products (one
-of two 16-bit floats is exact in fp32) and the same fp32 sums as the GPU's dot.
+bf16 tl.dot's operands as their raw bits (numpy has no bf16: it keeps them as uint16), so
+the interpreted kernel widens bf16 operands to fp32 first (`WIDEN`): the same products (one
+of two bf16 values is exact in fp32) and the same fp32 sums as the GPU's dot. Its fp16 dot
+multiplies the values (numpy's float16), so an fp16 step runs the GPU's branch, its 16-bit
+operands straight into tl.dot (tests/test_triton_extend.py's fp16 cases).
 
 Layouts are the CPU pool's (storage/kv.py), passed by strides, so another layout with the
 same four axes reads through the same kernel:
@@ -372,7 +374,7 @@ def extend_attention(
         HEAD_DIM=d, BLOCK_D=max(16, _pow2(d)), GROUP=group, GROUP_P=_pow2(group),
         BLOCK_M=plan.block_m, BLOCK_N=BLOCK_N, PAGE=bs, QUANT=quant is not None,
         ACC=tl.float64 if acc == torch.float64 else tl.float32,
-        TAILS=has_tails, WIDEN=q.element_size() == 2 and interpreted(), NUM_SPLITS=splits,
+        TAILS=has_tails, WIDEN=q.dtype == torch.bfloat16 and interpreted(), NUM_SPLITS=splits,
     )  # fmt: skip
     if splits > 1:
         from kvpool.attention.backends.triton_decode import _merge  # the decode's split merge
