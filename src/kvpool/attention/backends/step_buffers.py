@@ -606,7 +606,9 @@ class StepBuffers:
         update, after this step's kernels were queued behind these copies)."""
         k = len(changed_idx)
         if k:
-            staging = self._changes_host[:, :k]
+            # the flat buffer's first 2k entries as a contiguous [2, k]: its column slice [:, :k]
+            # is strided, which .to() first copies into pageable memory (no pinned, async copy)
+            staging = self._changes_host.view(-1)[: 2 * k].view(2, k)
             staging.numpy()[0], staging.numpy()[1] = changed_idx, changed_val
             dev = staging.to(self.device, non_blocking=True)
             self.block_tables.view(-1).index_copy_(0, dev[0], dev[1].to(torch.int32))
