@@ -259,8 +259,9 @@ def load_gguf(path: str | None = None, dtype: torch.dtype = torch.float32, diges
     """
     import gguf  # heavy-ish import kept local
 
-    if dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
+    # fp16 too: --dtype fp16 on run / generate / serve (cli/args.py MODEL_DTYPES) loads through here
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
     path = path or default_gguf_path()
     check_gguf_file(path)
     try:
