@@ -9,7 +9,8 @@ from __future__ import annotations
 import ast
 import inspect
 
-from hypothesis import given, settings
+import pytest
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvpool.cache import CacheDescriptor, DSV4CacheManager, FullAttentionManager, coordinator
@@ -142,6 +143,8 @@ OPS = st.lists(
 
 @settings(max_examples=60, deadline=None)
 @given(paged=st.booleans(), ops=OPS)
+# (V4 steps whose reserved step is undone, named one off, or committed before the query)
+@example(paged=False, ops=[("admit", 0, 20), ("admit", 0, 30), ("step", 1, 1), ("step", 0, 2), ("step", 1, 3)])
 def test_the_memo_agrees_with_the_naive_twins_through_lifecycles(paged: bool, ops: list) -> None:
     t = _Twins(paged)
     ids: list[str] = []  # the engine's list: one object all along, changed in place
@@ -206,15 +209,111 @@ def test_the_memo_agrees_with_the_naive_twins_through_lifecycles(paged: bool, op
                     break
                 starts = [t.fast.num_computed_tokens(r) for r in ids]
                 ends = [s + 1 for s in starts]
+                if n % 4 == 1 and not paged:  # a row's reserved step undone (V4 can) before the query: refused
+                    for m in t.both:
+                        m.unreserve(rid)
+                    t.check()
+                    _same_answer(t, tuple(ids), starts, ends)
+                    for m in t.both:  # reserved again: the same step as before
+                        assert m.reserve_step([rid], [1])
+                    t.check()
+                if n % 4 == 2:  # a row's start named one off: both refuse it
+                    off = list(starts)
+                    off[who % len(ids)] -= 1
+                    _same_answer(t, tuple(ids), off, ends)
                 # the runner passes a tuple of the same ids
                 assert t.fast.step_reservations(tuple(ids), starts, ends) == t.twin.step_reservations(
                     tuple(ids), starts, ends
                 )
-                nexts = [None if (i + n) % 4 == 0 else n for i in range(len(ids))]
+                # (a step with no None: the next step's reserve reads the committed memo)
+                nexts = [None if n % 2 and (i + n) % 4 == 0 else n for i in range(len(ids))]
                 for m in t.both:
                     t.commit(m, ids, [1] * len(ids), nexts)
                 t.check()
+                if n % 4 == 3:  # the committed step asked about again: its rows are not reserved now
+                    _same_answer(t, tuple(ids), starts, ends)
         t.check()
+
+
+def _same_answer(t: _Twins, ids: tuple[str, ...], starts: list[int], ends: list[int]) -> None:
+    """step_reservations of both caches: the same reservations, or the same error."""
+    answers = []
+    for m in t.both:
+        try:
+            answers.append(m.step_reservations(ids, starts, ends))
+        except (KeyError, ValueError) as error:
+            answers.append((type(error), str(error)))
+    assert answers[0] == answers[1]
+
+
+def test_the_reserved_step_memo_is_dropped_wherever_counts_move() -> None:
+    # `step_reservations` answers the step `_reserve_decodes` reserved from its memo, which
+    # holds while no request's `end` or `num_computed` moved: every function of the
+    # coordinator that writes either drops the memo before its first write
+    tree = ast.parse(inspect.getsource(coordinator))
+    writers = {}
+    for func in ast.walk(tree):
+        if not isinstance(func, ast.FunctionDef):
+            continue
+        first_write = first_drop = None
+        for node in ast.walk(func):
+            pairs: list[tuple[ast.expr, ast.expr | None]] = []  # (target, its value where known)
+            if isinstance(node, ast.Assign):
+                for target in node.targets:
+                    if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple):
+                        pairs += zip(target.elts, node.value.elts, strict=False)
+                    else:
+                        pairs += [(t, node.value) for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
+            elif isinstance(node, ast.AugAssign):
+                pairs = [(node.target, None)]
+            for t, value in pairs:
+                if isinstance(t, ast.Attribute) and t.attr in ("end", "num_computed"):
+                    first_write = min(first_write or node.lineno, node.lineno)
+                if ast.unparse(t) == "self._decode_step" and isinstance(value, ast.Constant) and value.value is None:
+                    first_drop = min(first_drop or node.lineno, node.lineno)
+        if first_write is not None:
+            writers[func.name] = first_drop is not None and first_drop < first_write
+    assert len(writers) >= 12 and "_reserve_decodes" in writers, sorted(writers)
+    assert [name for name, dropped in writers.items() if not dropped] == []
+
+
+def test_the_reserved_step_memo_answers_as_the_loop() -> None:
+    # A decode step on the V4 cache (span 16): r0's step ends on the span (a block, asked
+    # about), r1's does not. The memo's answer equals the loop's (the memo dropped by hand);
+    # any other starts or ends, or the step committed, go to the loop, which names the row
+    m = DSV4CacheManager(SPEC, 12, 4, DESC)
+    for rid, n in (("r0", 15), ("r1", 6)):
+        assert m.admit(rid, _ids(n)) is not None
+        m.commit_step([rid], [n], [1])
+    ids = ["r0", "r1"]
+    assert m.reserve_step(ids, [1, 1])
+    assert m._decode_step is not None and [r.request_id for r in m._decode_step[2]] == ["r0"]
+    m.check_integrity()
+    fast = m.step_reservations(tuple(ids), [15, 6], [16, 7])
+    assert list(fast) == ["r0"] and (fast["r0"].start, fast["r0"].num_tokens) == (15, 1)
+    assert fast["r0"].groups["v4"].new_block_ids  # r0's step took its span's next block
+    memo, m._decode_step = m._decode_step, None
+    assert m.step_reservations(tuple(ids), [15, 6], [16, 7]) == fast
+    m._decode_step = memo
+    for starts, ends, bad in (([15, 5], [16, 7], "'r1': positions \\[5, 7\\)"), ([15, 6], [16, 8], "'r1'")):
+        with pytest.raises(ValueError, match=bad):
+            m.step_reservations(tuple(ids), starts, ends)
+    m.commit_step(ids, [1, 1], [2, 2])
+    assert m._decode_step is not None and m._decode_step[3] is False  # committed: no step to ask about
+    with pytest.raises(ValueError, match="'r0': positions \\[15, 16\\) are not its reserved step \\[16, 16\\)"):
+        m.step_reservations(tuple(ids), [15, 6], [16, 7])
+    m.check_integrity()
+    # the next step's reserve from the committed memo: the same ends and blocks as the loop's
+    assert m.reserve_step(ids, [1, 1])
+    assert m._decode_step is not None and m._decode_step[1:] == ([17, 8], [], True)
+    assert [m.num_reserved_tokens(r) for r in ids] == [17, 8]
+    m.check_integrity()
+    m.commit_step(ids, [1, 1], [3, None])  # r1's next token id not given: no committed memo
+    assert m._decode_step is None
+    with pytest.raises(ValueError, match="'r1'.* token ids are known"):
+        m.reserve_step(ids, [1, 1])
+    assert [m.num_reserved_tokens(r) for r in ids] == [17, 8]
+    m.check_integrity()
 
 
 def test_a_release_lets_go_of_the_memos_requests() -> None:

@@ -237,6 +237,18 @@ class HybridCacheManager:
         self._resolved_tuple: tuple[str, ...] = ()
         self._resolved: list[_Request] = []
         self._resolved_at = -1
+        # The last exact decode step, while no request's counts moved since: (its `_resolve`
+        # list, each row's end, the rows whose end is on the decode period in step order, and
+        # pending). pending (`_reserve_decodes` reserved it): row i's reserved step is
+        # [ends[i] - 1, ends[i]); not pending (`_commit_decodes` committed it, every row's
+        # next token id given): row i is computed to ends[i], no step pending, nothing
+        # loading, its token id at ends[i] known. Every function that writes a request's
+        # `end` or `num_computed` sets it to None first (tests/test_coordinator_resolve.py
+        # holds the source to it; `check_integrity` holds the rows to it). It spares the
+        # passes of the step's other calls their checks: `step_reservations` reads the rows
+        # on the period from it (one C-level comparison of the ends), `commit_step` and the
+        # next step's `reserve_step` move the counts unchecked
+        self._decode_step: tuple[list[_Request], list[int], list[_Request], bool] | None = None
         self._preempted: set[str] = set()  # released by preemption, not yet admitted again
         self.stats = PrefixStats()
         self.groups = built
@@ -362,6 +374,7 @@ class HybridCacheManager:
         if req is not None:
             self._requests_version += 1
             self._resolved = []
+            self._decode_step = None
         return req
 
     def _resolve(self, request_ids: Sequence[str]) -> list[_Request]:
@@ -464,6 +477,25 @@ class HybridCacheManager:
         except KeyError:  # an unknown id: the twin raises what is wrong first, in step order
             return self._each_reservation(request_ids, starts, ends)
         out: dict[str, Reservation] = {}
+        reserved = self._decode_step
+        if (
+            reserved is not None
+            and reserved[3]
+            and reqs is reserved[0]
+            and ends == reserved[1]
+            and list(map(operator.sub, ends, starts)).count(1) == len(reqs)
+        ):
+            # The step `_reserve_decodes` reserved, nothing moved since: row i's reserved step
+            # is [ends[i] - 1, ends[i]) (the memo's invariant), which the ends and starts name
+            # (lengths equal: checked above). Only its rows on the period took anything
+            for req in reserved[2]:
+                states = req.states
+                parts = {g.name: g.pending(states[g.name]) for g in groups}
+                for part in parts.values():
+                    if part != empty:
+                        out[req.request_id] = Reservation(req.end - 1, 1, parts)
+                        break
+            return out
         for req, start, end in zip(reqs, starts, ends, strict=True):
             if start != req.num_computed or end != req.end:
                 self._not_reserved(req.request_id, start, end)  # raises
@@ -611,6 +643,7 @@ class HybridCacheManager:
         the request's fresh block (`CacheGroup.partial_block`) before its first step: they
         count as computed (a token is left to compute). Returns the admission the engine
         follows. ValueError, nothing changed, naming why they cannot be (`restore_refusal`)."""
+        self._decode_step = None  # (the counts move below)
         refusal = self.restore_refusal(request_id, num_tokens)
         if refusal is not None:
             raise ValueError(refusal)
@@ -650,6 +683,7 @@ class HybridCacheManager:
         token is left to compute) and the group's restore is done ("swap"). Returns the
         admission the engine follows. ValueError, nothing changed, naming why it cannot be
         (`swapped_state_refusal`)."""
+        self._decode_step = None  # (the counts move below)
         refusal = self.swapped_state_refusal(request_id, num_tokens)
         if refusal is not None:
             raise ValueError(refusal)
@@ -883,6 +917,7 @@ class HybridCacheManager:
         `prompt.token_ids` (the engine checked it at add_request, in a list of its own that
         nothing changes before the admission): the ids and items are compared, the bytes
         are not packed again (~5 ns a token)."""
+        self._decode_step = None  # (the counts move below)
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already admitted")
         if max_new_tokens is not None and max_new_tokens < 0:
@@ -964,6 +999,7 @@ class HybridCacheManager:
         in order. The rest (a lower-tier entry gone or refused since admission) are computed
         instead: the returned Admission is the one the engine must follow, its first step
         starting after the loaded blocks."""
+        self._decode_step = None  # (the counts move below)
         req = self._get(request_id)
         loading = [(name, g) for name, g in self.groups.items() if g.loads(req.states[name])]
         num_blocks = sum(len(g.loads(req.states[name])) for name, g in loading)
@@ -1047,6 +1083,7 @@ class HybridCacheManager:
         self, reqs: list[_Request], ends: list[int], detail: bool = True
     ) -> dict[str, list[GroupReservation] | None]:
         """Every group's part of the step, per request; the requests' reserved ends move."""
+        self._decode_step = None  # (the counts move below)
         parts = {g.name: g.apply_reserve(reqs, ends, detail=detail) for g in self._group_list}
         if self.exact_steps:
             for req, end in zip(reqs, ends, strict=True):
@@ -1080,6 +1117,7 @@ class HybridCacheManager:
         cache), every group is exactly as it was before the reservation; out of order, each
         group's `unreserve` says what it restores. Nothing reserved: nothing done.
         ValueError, nothing done, when a group cannot (`CacheGroup.can_unreserve`)."""
+        self._decode_step = None  # (the counts move below)
         req = self._get(request_id)
         if req.end == req.num_computed:
             return
@@ -1115,32 +1153,44 @@ class HybridCacheManager:
         request is unknown, listed twice (its second entry finds a step reserved) or cannot
         reserve; on False or None every end is back (nothing changed). `_reserve_each` is
         its naive twin (tests/test_dsv4_cache.py holds them equal)."""
+        committed, self._decode_step = self._decode_step, None
         try:
             reqs = self._resolve(request_ids)
         except KeyError:
             return None
         touched: list[_Request] = []
-        i = 0
-        for req in reqs:
-            nc = req.num_computed
-            if req.end != nc or req.num_loading or nc >= len(req.token_ids):
-                break  # (a request listed twice: its second entry finds its step reserved)
-            req.end = nc = nc + 1
-            if not nc % period:
-                touched.append(req)
-            i += 1
-        if i < len(reqs):  # undo the ends moved before the request at fault
-            for req in reqs[:i]:
-                req.end -= 1
-            return None
+        ends: list[int] = []  # (its length counts the requests moved)
+        if committed is not None and not committed[3] and reqs is committed[0]:
+            # The step `_commit_decodes` committed, nothing moved since: row i is computed to
+            # ends[i] with no step pending, nothing loading, its next token id known (the
+            # memo's invariant): its step [ends[i], ends[i] + 1) needs no check
+            for req, end in zip(reqs, committed[1], strict=True):
+                req.end = end = end + 1
+                ends.append(end)
+                if not end % period:
+                    touched.append(req)
+        else:
+            for req in reqs:
+                nc = req.num_computed
+                if req.end != nc or req.num_loading or nc >= len(req.token_ids):
+                    break  # (a request listed twice: its second entry finds its step reserved)
+                req.end = nc = nc + 1
+                ends.append(nc)
+                if not nc % period:
+                    touched.append(req)
+            if len(ends) < len(reqs):  # undo the ends moved before the request at fault
+                for req in reqs[: len(ends)]:
+                    req.end -= 1
+                return None
         if touched:
-            ends = [req.end for req in touched]
-            if not self._fits(self._needs(touched, ends)):
+            touched_ends = [req.end for req in touched]
+            if not self._fits(self._needs(touched, touched_ends)):
                 for req in reqs:
                     req.end -= 1
                 return False
             for g in self._group_list:  # `_apply_reserve`, whose loop over the ends is done above
-                g.apply_reserve(touched, ends, detail=False)
+                g.apply_reserve(touched, touched_ends, detail=False)
+        self._decode_step = (reqs, ends, touched, True)
         return True
 
     def _reserve_each(self, request_ids: Sequence[str], num_new_tokens: Sequence[int]) -> bool:
@@ -1234,6 +1284,7 @@ class HybridCacheManager:
         listed twice, or its commit is not of one reserved token whose id is known: then
         every change is undone (None: nothing changed). `_commit_each` is its naive twin
         (tests/test_dsv4_cache.py holds them equal)."""
+        reserved, self._decode_step = self._decode_step, None  # (the counts move below)
         period, exact = self._commit_period, self.exact_steps
         if not exact and len(set(request_ids)) != len(request_ids):
             return None  # (exact steps: a request's second entry finds its one token committed)
@@ -1244,17 +1295,36 @@ class HybridCacheManager:
         changed: list[_Request] = []
         i = 0
         try:
-            for req, next_token_id in zip(reqs, next_token_ids, strict=True):
-                nc = req.num_computed + 1
-                # exact: the step reserved this one token; else: it lies within the reservation, its id known
-                if (req.end != nc) if exact else (nc > req.end or nc > len(req.token_ids)):
-                    break
-                req.num_computed = nc
-                if not nc % period:
-                    changed.append(req)
-                if next_token_id is not None:
-                    req.token_ids.append(next_token_id)
-                i += 1
+            if reserved is not None and reserved[3] and reqs is reserved[0]:
+                # The step `_reserve_decodes` reserved, nothing moved since: row i's reserved
+                # step is its one token [ends[i] - 1, ends[i]) (the memo's invariant), nothing
+                # to check; the rows on the decode period are the memo's
+                unknown = False  # a row's next token id not given
+                for req, end, next_token_id in zip(reqs, reserved[1], next_token_ids, strict=True):
+                    req.num_computed = end
+                    if next_token_id is not None:
+                        req.token_ids.append(next_token_id)
+                    else:
+                        unknown = True
+                    i += 1
+                if period == self._decode_period:
+                    changed = reserved[2]
+                else:
+                    changed = [req for req, end in zip(reqs, reserved[1], strict=True) if not end % period]
+                if not unknown:  # the next step's reserve needs no check (see __init__)
+                    self._decode_step = (reqs, reserved[1], [], False)
+            else:
+                for req, next_token_id in zip(reqs, next_token_ids, strict=True):
+                    nc = req.num_computed + 1
+                    # exact: the step reserved this one token; else: it lies within the reservation, its id known
+                    if (req.end != nc) if exact else (nc > req.end or nc > len(req.token_ids)):
+                        break
+                    req.num_computed = nc
+                    if not nc % period:
+                        changed.append(req)
+                    if next_token_id is not None:
+                        req.token_ids.append(next_token_id)
+                    i += 1
         except (OverflowError, TypeError):  # an id the array cannot hold: undone, the twin names it
             reqs[i].num_computed -= 1
         if i < len(reqs):  # undo the requests before the one at fault, latest first
@@ -1276,6 +1346,7 @@ class HybridCacheManager:
         is unknown or listed twice, or its commit is not of its reserved step (exact steps)
         or does not lie within its reservation and known token ids: then every change is
         undone. `_commit_each` is its naive twin (tests/test_dsv4_cache.py holds them equal)."""
+        self._decode_step = None  # (the counts move below)
         if len(set(request_ids)) != len(request_ids):
             return None
         period, exact, fresh = self._commit_period, self.exact_steps, self._fresh
@@ -1321,6 +1392,7 @@ class HybridCacheManager:
         self, request_ids: Sequence[str], num_tokens: Sequence[int], next_token_ids: Sequence[int | None]
     ) -> None:
         """`commit_step` request by request: every request checked, then changed."""
+        self._decode_step = None  # (the counts move below)
         reqs = self._step_requests(request_ids, num_tokens, next_token_ids)
         if not reqs:
             return
@@ -1407,6 +1479,7 @@ class HybridCacheManager:
         the parent's into them). False, nothing changed, when one of them has no free slot.
         Not exact steps: the parent gives up its reservation past its computed tokens (the
         shared tail is read-only for both; each side copies it on its next write)."""
+        self._decode_step = None  # (the counts move below)
         parent = self._get(parent_id)
         if child_id in self._requests:
             raise ValueError(f"request {child_id!r} already exists")
@@ -1431,6 +1504,7 @@ class HybridCacheManager:
         """Shrink to `num_computed_tokens` (e.g. rejected speculative tokens): every group
         goes back (blocks past the new end released tail-first), the token ids past it are
         dropped. ValueError, nothing changed, when a group cannot (a recurrent state)."""
+        self._decode_step = None  # (the counts move below)
         req = self._get(request_id)
         if not 0 <= num_computed_tokens <= req.num_computed:
             raise ValueError(
@@ -1489,6 +1563,23 @@ class HybridCacheManager:
     # ---- invariants --------------------------------------------------------------------
 
     def check_integrity(self) -> None:
+        memo = self._decode_step
+        if memo is not None:  # the last decode step's memo (see __init__)
+            reqs, ends, touched, pending = memo
+            period = self._decode_period
+            assert self.exact_steps and period is not None, "a decode-step memo without a decode period"
+            assert len(ends) == len(reqs) == len(set(map(id, reqs))), "the memo's rows are one step's"
+            for req, end in zip(reqs, ends, strict=True):
+                assert self._requests.get(req.request_id) is req, f"memo: request {req.request_id!r} left"
+                computed, known = (end - 1, end) if pending else (end, end + 1)
+                if not (req.num_computed == computed and req.end == end and len(req.token_ids) >= known):
+                    raise AssertionError(
+                        f"memo: request {req.request_id!r} computed {req.num_computed}, reserved to {req.end}, "
+                        f"knows {len(req.token_ids)} tokens; the memo's step ends at {end} (pending: {pending})"
+                    )
+                assert not req.num_loading, f"memo: request {req.request_id!r} loads"
+            rows = [req for req, end in zip(reqs, ends, strict=True) if not end % period] if pending else []
+            assert touched == rows, "the memo's rows on the period"
         holders = {pool: [0] * pool.num_blocks for pool in self._pools}
         for rid, req in self._requests.items():
             known = len(req.token_ids)
