@@ -157,21 +157,25 @@ class _DecodeColumns:
             min(self.slack, other.slack),
         )
 
-    def without(self, rows: list[int]) -> _DecodeColumns | None:
+    def without(self, rows: list[int], fresh: bool = False) -> _DecodeColumns | None:
         """The rows but `rows` (increasing row numbers: those that ended), or None where none
         is left. (Each column copied, then those rows deleted: a step ends a few rows of many,
-        and a copy and a few deletions cost a third of a filter of every row.)"""
+        and a copy and a few deletions cost a third of a filter of every row.) fresh: these
+        columns' lists were made for this step alone (`joined`, `_form_columns`), nothing
+        else holds them: the rows are deleted from them in place, no copy."""
         if len(rows) == len(self.seqs):
             return None
         columns = (
-            self.seqs.copy(),
-            self.ids.copy(),
-            self.token_lists.copy(),
-            self.computed.copy(),
-            self.last_tokens.copy(),
-            self.row_stop_ids.copy(),
-            self.end_lens.copy(),
+            self.seqs,
+            self.ids,
+            self.token_lists,
+            self.computed,
+            self.last_tokens,
+            self.row_stop_ids,
+            self.end_lens,
         )
+        if not fresh:
+            columns = tuple(column.copy() for column in columns)
         for i in reversed(rows):
             for column in columns:
                 del column[i]
@@ -998,14 +1002,15 @@ class Engine:
         row). None where no row is left."""
         cols = self._step_columns
         k = 0 if cols is None else len(cols.seqs)
-        if end > k:
+        fresh = end > k  # (the columns' lists made here, of slices and concatenations: ours alone)
+        if fresh:
             seqs, ids = self._scheduled, self._step_ids
             more = self._form_columns(seqs[k:end], ids[k:end], sampled[k:end])
             cols = more if cols is None else cols.joined(more)
         if cols is None or not ended:
             return cols
         gone = list(compress(itertools.count(), map(operator.is_, islice(next_token_ids, end), repeat(None))))
-        return cols.without(gone) if gone else cols
+        return cols.without(gone, fresh) if gone else cols
 
     @staticmethod
     def _form_columns(seqs: list[SequenceState], ids: list[str], sampled: list[int]) -> _DecodeColumns:
