@@ -70,7 +70,9 @@ def test_the_host_part_times_each_piece_of_a_decode_step(capsys):
     # written (`advance` of a changed batch), none is a decode-only (graph) step; each is
     # planned by the Triton backend from the step buffers, as on a GPU (here in Triton's
     # interpreter, its kernels never run: the forward is replaced)
-    for key, prompt_len in (("churn", 40), ("churn_short", 16)):
+    # churn1_short: one finishes and one joins every step whatever the batch (at batch 128,
+    # steady serving's changed step: issue 30's 0.3 ms is checked against it)
+    for key, prompt_len in (("churn", 40), ("churn_short", 16), ("churn1_short", 16)):
         assert (host[f"{key}_rows_per_step"], host[f"{key}_finished_per_step"]) == (6, 1)
         assert host[f"{key}_prompt_tokens_per_step"] == prompt_len
         assert (host[f"{key}_steps_advanced_in_place"], host[f"{key}_decode_only_steps"]) == (0, 0)
@@ -251,3 +253,16 @@ def test_on_cuda_the_engine_parts_run_and_the_numerics_hold(tmp_path):
     assert prefill(str(config), torch.bfloat16, prompt_len=512, runs=1, device="cuda")["engine_ms"] > 0
     rows = numerics("cuda")
     assert [r["dtype"] for r in rows] == ["fp32", "bf16"] and all(r["within"] for r in rows), rows
+
+
+def test_the_one_leave_one_join_churn_is_one_whatever_the_batch():
+    # at batch 64 the churn is 64 // 32 = 2 a step; churn1_short stays at one finishing and
+    # one joining (a block's prompt of 16 tokens), every step a mixed one of the 64 rows
+    from kvpool.bench.gpu import host_step
+
+    host = host_step(batch=64, context=32, num_steps=6)
+    assert (host["churn_rows_per_step"], host["churn_finished_per_step"]) == (64, 2)
+    assert (host["churn_short_finished_per_step"], host["churn_short_prompt_tokens_per_step"]) == (2, 32)
+    assert (host["churn1_short_rows_per_step"], host["churn1_short_finished_per_step"]) == (64, 1)
+    assert host["churn1_short_prompt_tokens_per_step"] == 16
+    assert host["churn1_short_steps_advanced_changed"] == 6 and host["churn1_short_decode_only_steps"] == 0

@@ -100,7 +100,10 @@ def host_step(
     of `context` tokens prefilled in it, the buffers written by `update`, the plan made
     by the Triton backend from the buffers where it runs here; churn None: batch //
     CHURN_EVERY, at least 1), and the same with joiners of one block's prompt
-    (`churn_short_step_ms`: the step apart from the joiners' own prefill). Also: the
+    (`churn_short_step_ms`: the step apart from the joiners' own prefill), and that short
+    churn with one request finishing and one joining every step (`churn1_short_step_ms`:
+    steady serving's step at batch 128, where about one request leaves and one joins a
+    step; issue 30's 0.3 ms of host work a step is checked against it). Also: the
     list-built step tables of the greedy steps (the cache's `step_tables`, what the
     non-buffered backends plan from), and `sample_batch` alone on the same rows at
     temperature 0.8. On the CPU with one intra-op thread: the step's tensors are tiny, and
@@ -124,6 +127,8 @@ def host_step(
         # the same churn with joiners of one block's prompt: what the step costs apart from
         # the joiners' own prefill tokens
         report.update(_churn_step(batch, context, num_steps, block_size, device, churn, block_size, "churn_short"))
+        # one leaves and one joins each step: steady serving's changed batch
+        report.update(_churn_step(batch, context, num_steps, block_size, device, 1, block_size, "churn1_short"))
         return report
     finally:
         torch.set_num_threads(threads)
