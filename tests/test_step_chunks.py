@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.engine.runner import ScheduledChunk, StepChunks, num_logits, step_columns
+from kvpool.engine.runner import ScheduledChunk, StepChunks, num_logits, prefill_step_tokens, step_columns
 
 
 def _chunks(num_lead: int, rest: list[tuple[int, int, bool]]) -> tuple[StepChunks, list[ScheduledChunk]]:
@@ -79,6 +79,30 @@ def test_step_chunks_read_as_the_list_of_its_chunks(num_lead, rest, reads):
     assert columns == [list(c) for c in step_columns(twin)]
     chunks.columns = (["x"], [0], [1])  # (what the planner sets is what step_columns gives: never checked)
     assert step_columns(chunks) == (["x"], [0], [1])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    num_lead=st.integers(0, 6),
+    rest=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 5), st.booleans()), max_size=5),
+)
+def test_a_prefill_steps_tokens_are_counted_without_making_the_leading_chunks(num_lead, rest):
+    # the auto preemption's prefill rate: a step's tokens where some chunk has more than
+    # one, else 0; StepChunks read only their other chunks, the list (the twin) every chunk
+    chunks, twin = _chunks(num_lead, rest)
+    num_tokens = sum(len(c.token_ids) for c in twin)
+    expected = num_tokens if any(len(c.token_ids) > 1 for c in twin) else 0
+    assert prefill_step_tokens(chunks) == prefill_step_tokens(twin) == expected
+    assert chunks._rows is None
+
+
+def test_a_step_with_one_row_gone_and_one_joined_counts_its_prefill_tokens():
+    # 3 leading decodes, the last joiner's decode, a new joiner's 3-token prompt: 7 tokens;
+    # without the prompt chunk, a step of decodes alone: 0
+    chunks, _ = _chunks(3, [(7, 1, True), (0, 3, True)])
+    assert prefill_step_tokens(chunks) == 7 and chunks._rows is None
+    decodes, _ = _chunks(3, [(7, 1, True)])
+    assert prefill_step_tokens(decodes) == 0 and prefill_step_tokens([]) == 0
 
 
 def test_step_chunks_make_their_leading_chunks_only_when_read_as_chunks():

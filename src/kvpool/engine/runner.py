@@ -210,6 +210,21 @@ def num_logits(chunks: Sequence[ScheduledChunk]) -> int:
     return sum(map(_NEEDS_LOGITS, chunks))
 
 
+def prefill_step_tokens(chunks: Sequence[ScheduledChunk]) -> int:
+    """The step's number of tokens where some chunk computes more than one (a step with a
+    prefill chunk), else 0. A `StepChunks`' leading decodes (one token each) are counted,
+    not made: only its other chunks are read (any other sequence of chunks is read whole,
+    the twin: tests/test_step_chunks.py holds the two to each other)."""
+    if type(chunks) is StepChunks:
+        rest = chunks.rest
+        if all(len(chunk.token_ids) == 1 for chunk in rest):
+            return 0
+        return len(chunks.lead_tokens) + sum(len(chunk.token_ids) for chunk in rest)
+    if any(len(chunk.token_ids) > 1 for chunk in chunks):
+        return sum(len(chunk.token_ids) for chunk in chunks)
+    return 0
+
+
 def last_token_rows(chunks: Sequence[ScheduledChunk]) -> list[int]:
     """The row of each chunk's last token in the step's tokens (the chunks' in order), for
     the chunks that need logits: where an all-token forward's logits are sampled."""
@@ -588,9 +603,11 @@ class ModelRunner:
                         buffers.skip(ids)
             out = self.executor.forward(chunks, self.cache, all_logits)
         self.num_steps_run += 1
-        if self.preemption == "auto" and any(len(c.token_ids) > 1 for c in chunks):  # the prefill rate
-            self._prefill_tokens += sum(len(c.token_ids) for c in chunks)
-            self._prefill_s += time.perf_counter() - start
+        if self.preemption == "auto":  # the prefill rate
+            num_tokens = prefill_step_tokens(chunks)
+            if num_tokens:
+                self._prefill_tokens += num_tokens
+                self._prefill_s += time.perf_counter() - start
         return out
 
     def _check_step(self, request_ids: Sequence[str], starts: Sequence[int], ends: Sequence[int]) -> None:
