@@ -347,23 +347,28 @@ def test_every_step_of_preempted_and_readmitted_requests_equals_the_caches_table
 
 
 def test_plan_tables_are_views_of_one_area_made_once_a_shape():
-    """A step plan's tables (`plan_tables`): the values end to end, split by the parts'
-    lengths into views of the persistent plan area, the same views for the same lengths
-    (holding the last call's values), other views for other lengths; a call whose values
-    do not fill its lengths is named."""
+    """A step plan's tables (`plan_tables`): the values end to end, each table padded to a
+    multiple of TABLE_ALIGN entries, split by the parts' lengths into views of the
+    persistent plan area that each start 16-byte aligned, the same views for the same
+    lengths (holding the last call's values), other views for other lengths; a call whose
+    values do not fill its padded lengths is named."""
     b = StepBuffers(max_num_seqs=4, max_num_tokens=8, max_blocks_per_seq=3, block_size=4)
-    first = b.plan_tables([1, 2, 3, 4, 5], (2, 0, 3))
+    first = b.plan_tables([1, 2, 0, 0, 3, 4, 5, 0], (2, 0, 3))
     assert [t.tolist() for t in first] == [[1, 2], [], [3, 4, 5]]
     assert all(t.dtype == torch.int32 for t in first)
-    again = b.plan_tables([9, 8, 7, 6, 5], (2, 0, 3))
+    assert [t.storage_offset() for t in first] == [0, 4, 4]
+    again = b.plan_tables([9, 8, 0, 0, 7, 6, 5, 0], (2, 0, 3))
     assert [id(t) for t in again] == [id(t) for t in first]
     assert [t.tolist() for t in first] == [[9, 8], [], [7, 6, 5]]
-    other = b.plan_tables([1, 2, 3, 4, 5], (3, 2))
+    other = b.plan_tables([1, 2, 3, 0, 4, 5, 0, 0], (3, 2))
     assert [t.tolist() for t in other] == [[1, 2, 3], [4, 5]]
-    with pytest.raises(ValueError, match=r"5 values for tables of \[2, 2\] \(the plan area holds 45\)"):
+    assert [t.storage_offset() for t in other] == [0, 4]
+    with pytest.raises(
+        ValueError, match=r"5 values for tables of \[2, 2\], each padded to a multiple of 4 \(the plan area holds 69\)"
+    ):
         b.plan_tables([1, 2, 3, 4, 5], (2, 2))
-    with pytest.raises(ValueError, match=r"46 values for tables of \[46\]"):
-        b.plan_tables([0] * 46, (46,))
+    with pytest.raises(ValueError, match=r"72 values for tables of \[72\]"):
+        b.plan_tables([0] * 72, (72,))
 
 
 def test_leading_views_are_the_vectors_first_entries_made_once_a_length():

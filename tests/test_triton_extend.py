@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 pytest.importorskip("triton", reason="triton is not installed (setup.sh test installs it)")
 
 from kvpool.attention.backends import triton_extend  # noqa: E402
+from kvpool.attention.backends.step_buffers import StepBuffers  # noqa: E402
 from kvpool.attention.backends.triton_extend import QuantPages, extend_attention, interpreted, plan_extend  # noqa: E402
 from kvpool.cache import BlockCopy  # noqa: E402
 from kvpool.spec.kv_formats import kv_schema  # noqa: E402
@@ -344,6 +345,46 @@ def test_a_few_dense_sequences_plan_as_the_numpy_path(chunks, first_row, heads, 
         twin = plan_extend(*args, q_rows=q_rows, num_rows=num_rows, first_row=0 if explicit_rows else first_row)
     assert _plan_fields(few) == _plan_fields(twin)
     assert few.num_bytes == twin.num_bytes
+    # the step buffers' plan area holds the same tables; every plan's tables start 16-byte
+    # aligned in their buffers (one compiled kernel for every step: TABLE_ALIGN)
+    buffers = StepBuffers(max_num_seqs=8, max_num_tokens=2048, max_blocks_per_seq=2, block_size=16)
+    stored = plan_extend(
+        *args, q_rows=q_rows, num_rows=num_rows, first_row=0 if explicit_rows else first_row, store=buffers.plan_tables
+    )
+    assert _plan_fields(stored) == _plan_fields(few)
+    for plan in (few, twin, stored):
+        assert _misaligned_tables(plan) == []
+
+
+def _misaligned_tables(plan) -> list[str]:
+    """The plan's int32 tables that do not start on a 16-byte boundary of their buffer."""
+    return [
+        name
+        for name, value in plan._asdict().items()
+        if isinstance(value, torch.Tensor) and value.storage_offset() * value.element_size() % 16
+    ]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lens=st.lists(st.tuples(st.integers(1, 70), st.integers(0, 90)), min_size=1, max_size=7),
+    num_splits=st.sampled_from([1, 2, 3]),
+)
+def test_every_plan_table_starts_16_byte_aligned(lens, num_splits) -> None:
+    """Triton compiles a kernel again for each pattern of its pointer arguments' 16-byte
+    alignment: CSR plans, split or not, cut their tables from one buffer at offsets the
+    step's lengths decide, so each table is padded to start aligned (TABLE_ALIGN). Without
+    the padding, lengths like these give several patterns."""
+    bs = 16
+    q_lens = [q for q, _ in lens]
+    ctx_lens = [q + prefix for q, prefix in lens]
+    counts = [-(-c // bs) for c in ctx_lens]
+    indptr = list(accumulate(counts, initial=0))
+    indices = list(range(indptr[-1]))
+    plan = plan_extend(q_lens, ctx_lens, indptr, indices, bs, 8, 2, "cpu", num_splits=num_splits)
+    assert _misaligned_tables(plan) == []
+    assert plan.kv_indices.tolist() == indices and plan.q_lens.tolist() == q_lens
+    assert plan.kv_indptr.tolist() == indptr and plan.ctx_lens.tolist() == ctx_lens
 
 
 def test_a_few_dense_sequences_name_bad_lengths_as_the_numpy_path() -> None:

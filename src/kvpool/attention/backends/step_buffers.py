@@ -50,6 +50,34 @@ import torch
 LONG_BLOCKS = 8
 
 
+# Every int32 table a Triton plan hands its kernel starts on a 16-byte boundary (a multiple of
+# TABLE_ALIGN entries into its buffer): Triton specializes a pointer argument on whether it
+# is 16-byte aligned and compiles the kernel again for each new pattern, so tables cut from
+# one buffer at the step's own offsets would compile mid-serving (8 patterns in 300 random
+# steps); padded, every plan meets one. The padding entries are zeros nothing reads.
+TABLE_ALIGN = 4
+
+
+def _aligned(n: int) -> int:
+    """n table entries rounded up to a multiple of TABLE_ALIGN."""
+    return -(-n // TABLE_ALIGN) * TABLE_ALIGN
+
+
+def _pad(values: list[int], n: int) -> None:
+    """Zeros after a table of n entries to the next multiple of TABLE_ALIGN (in place)."""
+    if n % TABLE_ALIGN:
+        values += _ZEROS[n % TABLE_ALIGN]
+
+
+_ZEROS = {r: [0] * (TABLE_ALIGN - r) for r in range(1, TABLE_ALIGN)}
+
+
+def split_aligned(packed: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
+    """The tables of sizes[k] entries each that `packed` holds, each padded to a multiple of
+    TABLE_ALIGN (`_pad`): views of it, each starting on a 16-byte boundary of its buffer."""
+    return [t[:n] for t, n in zip(packed.split_with_sizes([_aligned(n) for n in sizes]), sizes, strict=True)]
+
+
 class StepView(NamedTuple):
     """One step's slices of the persistent buffers (device tensors, views: no copies).
     num_seqs sequences, num_tokens flat tokens; the tensors as `StepBuffers` describes,
@@ -129,8 +157,9 @@ class StepBuffers:
         self._pos_host = host((t,), torch.int64)
         self._tables_host = host((s + 1, max_blocks_per_seq), torch.int32)
         # a step plan's own int32 tables, packed end to end (`plan_tables`): a plan of P <= s
-        # sequences and T <= t + s query tiles lists at most 5P + 1 + 2T values
-        self._plan_host = host((7 * s + 1 + 2 * t,), torch.int32)
+        # sequences and T <= t + s query tiles lists at most 5P + 1 + 2T values, and each of
+        # its eight tables at most 3 zeros of padding (TABLE_ALIGN)
+        self._plan_host = host((7 * s + 1 + 2 * t + 24,), torch.int32)
         if on_cpu:
             self._vec, self._pos, self.block_tables = self._vec_host, self._pos_host, self._tables_host
             self._plan = self._plan_host
@@ -628,20 +657,22 @@ class StepBuffers:
 
     def plan_tables(self, values: list[int], sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
         """A step plan's int32 tables in the persistent plan area: `values` the tables end to
-        end, sizes[k] the k-th one's length -> one device view each (made once a `sizes`),
-        written now (on CUDA one copy, ordered before the step's kernels on the current
-        stream). They hold until the next call: a plan reads them in its own step only."""
+        end, each padded with zeros to a multiple of TABLE_ALIGN entries (`_pad`: every
+        table starts 16-byte aligned, so one compiled kernel reads every plan), sizes[k] the
+        k-th one's length -> one device view each (made once a `sizes`), written now
+        (on CUDA one copy, ordered before the step's kernels on the current stream). They
+        hold until the next call: a plan reads them in its own step only."""
         num_values = len(values)
-        if num_values != sum(sizes) or num_values > len(self._plan_np):
+        if num_values != sum(map(_aligned, sizes)) or num_values > len(self._plan_np):
             raise ValueError(
-                f"StepBuffers.plan_tables: {num_values} values for tables of {list(sizes)} "
-                f"(the plan area holds {len(self._plan_np)})"
+                f"StepBuffers.plan_tables: {num_values} values for tables of {list(sizes)}, each padded "
+                f"to a multiple of 4 (the plan area holds {len(self._plan_np)})"
             )
         views = self._plan_views.get(sizes)
         if views is None:
             if len(self._plan_views) >= 256:  # (a bound on shapes kept: prompts of many lengths)
                 self._plan_views.clear()
-            views = self._plan_views[sizes] = self._plan[:num_values].split_with_sizes(list(sizes))
+            views = self._plan_views[sizes] = tuple(split_aligned(self._plan[:num_values], sizes))
         if self._sent is not None:
             self._sent.synchronize()  # the pinned twin is read by the last step's copies until then
         self._plan_np[:num_values] = values

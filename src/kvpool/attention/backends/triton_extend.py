@@ -57,13 +57,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, chain
+from itertools import accumulate
 from typing import NamedTuple
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
+
+from kvpool.attention.backends.step_buffers import _aligned, _pad, split_aligned
 
 __all__ = ["ExtendPlan", "QuantPages", "extend_attention", "interpreted", "plan_extend"]
 
@@ -161,8 +163,10 @@ def plan_extend(
 
     store: where a plan of a few sequences over dense tables with host row offsets, unsplit
     (`_plan_few`), puts its tables: store(values, sizes) -> the tables, the values end to
-    end (the step buffers' persistent plan area, `StepBuffers.plan_tables`); None: a new
-    tensor each plan, as every other plan."""
+    end, table k's sizes[k] entries padded with zeros to a multiple of TABLE_ALIGN (the step
+    buffers' persistent plan area, `StepBuffers.plan_tables`); None: a new tensor each
+    plan, as every other plan. Every table starts 16-byte aligned in its buffer
+    (TABLE_ALIGN: one compiled kernel for every plan)."""
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     dense = isinstance(indices, torch.Tensor)
@@ -244,10 +248,15 @@ def plan_extend(
     elif not isinstance(indptr, torch.Tensor):  # host row offsets: sent with the rest
         parts.append(np.asarray(indptr))
     lengths = [len(x) for x in parts]
-    packed = torch.from_numpy(np.concatenate(parts).astype(np.int32))  # (a new array)
+    buffer = np.zeros(sum(map(_aligned, lengths)), dtype=np.int32)  # each table 16-byte aligned (TABLE_ALIGN)
+    at = 0
+    for part, n in zip(parts, lengths, strict=True):
+        buffer[at : at + n] = part
+        at += _aligned(n)
+    packed = torch.from_numpy(buffer)
     if torch.device(device).type != "cpu":
         packed = packed.to(device)
-    tables = packed.split_with_sizes(lengths)
+    tables = split_aligned(packed, lengths)
     if not dense:
         kv_indptr, kv_indices = tables[7:]
     else:
@@ -306,16 +315,20 @@ def _plan_few(
     max_ctx_len = max(c) if num_seqs else 1
     split_len = -(-max_ctx_len // BLOCK_N) * BLOCK_N  # (one split: all the keys)
     # every table in one int32 buffer, sent in one copy: rows, q, c, tiles' sequences and
-    # starts, firsts, no merge rows (unsplit), the row offsets
+    # starts, firsts, no merge rows (unsplit), the row offsets; each padded to TABLE_ALIGN
     parts = (rows, q, c, tile_seq, tile_start, firsts, (), offsets)
-    values = list(chain.from_iterable(parts))
+    sizes = tuple(map(len, parts))
+    values: list[int] = []
+    for part, n in zip(parts, sizes, strict=True):
+        values += part
+        _pad(values, n)
     if store is not None:
-        t = store(values, tuple(map(len, parts)))
+        t = store(values, sizes)
     else:
         packed = torch.from_numpy(np.array(values, dtype=np.int32))
         if torch.device(device).type != "cpu":
             packed = packed.to(device)
-        t = packed.split_with_sizes(list(map(len, parts)))
+        t = split_aligned(packed, sizes)
     return ExtendPlan(t[0], t[1], t[7], indices, t[2], t[3], t[4], block_m, group, num_rows, 1, split_len, t[5], t[6])
 
 
