@@ -78,6 +78,17 @@ def split_aligned(packed: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tens
     return [t[:n] for t, n in zip(packed.split_with_sizes([_aligned(n) for n in sizes]), sizes, strict=True)]
 
 
+def _leading_view(views: dict[int, torch.Tensor], tensor: torch.Tensor, n: int) -> torch.Tensor:
+    """tensor[:n], a view made once an n and kept in `views` (a view costs ~1.5 us on the
+    host), at most 4,096 lengths kept."""
+    view = views.get(n)
+    if view is None:
+        if len(views) >= 4096:  # (a bound on lengths kept)
+            views.clear()
+        view = views[n] = tensor[:n]
+    return view
+
+
 class StepView(NamedTuple):
     """One step's slices of the persistent buffers (device tensors, views: no copies).
     num_seqs sequences, num_tokens flat tokens; the tensors as `StepBuffers` describes,
@@ -684,21 +695,11 @@ class StepBuffers:
 
     def leading_slots(self, num_tokens: int) -> torch.Tensor:
         """slot_mapping[:num_tokens] ([num_tokens] int32, a device view made once a length)."""
-        view = self._slot_views.get(num_tokens)
-        if view is None:
-            if len(self._slot_views) >= 4096:  # (a bound on lengths kept)
-                self._slot_views.clear()
-            view = self._slot_views[num_tokens] = self.slot_mapping[:num_tokens]
-        return view
+        return _leading_view(self._slot_views, self.slot_mapping, num_tokens)
 
     def leading_positions(self, num_tokens: int) -> torch.Tensor:
         """positions[:num_tokens] ([num_tokens] int64, a device view made once a length)."""
-        view = self._position_views.get(num_tokens)
-        if view is None:
-            if len(self._position_views) >= 4096:  # (a bound on lengths kept)
-                self._position_views.clear()
-            view = self._position_views[num_tokens] = self.positions[:num_tokens]
-        return view
+        return _leading_view(self._position_views, self.positions, num_tokens)
 
     def host_seq_rows(self) -> np.ndarray:
         """seq_rows on the host [max_num_seqs] int32 (a numpy view of the host twin, which the
