@@ -60,13 +60,6 @@ def model_config(model: str | None, device: str) -> tuple[str, LlamaConfig, tupl
     return hf.name, hf.config, hf.ignored
 
 
-def _sync(device: str) -> None:
-    import torch
-
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def _free(device: str) -> None:
     """Give the memory of the models and engines dropped so far back to the device (the
     engine's graphs and runner hold reference cycles, so collect them first)."""
@@ -122,7 +115,7 @@ def engine_tpot(
     to each. prompt_len / new_tokens None: GPU_SHAPES on CUDA, CPU_SHAPES on the CPU."""
     import torch
 
-    from kvpool.bench.gpu_baselines import plain_tpot, transformers_llama, transformers_tpot
+    from kvpool.bench.gpu_baselines import _sync, plain_tpot, transformers_llama, transformers_tpot
     from kvpool.engine.sampling import SamplingParams
     from kvpool.models.hf_config import random_llama
 
@@ -227,7 +220,7 @@ def prefill(
     (gpu_baselines.py `plain_prefill_s`) on the same weights."""
     import torch
 
-    from kvpool.bench.gpu_baselines import plain_prefill_s, transformers_llama
+    from kvpool.bench.gpu_baselines import _sync, plain_prefill_s, transformers_llama
     from kvpool.engine.sampling import SamplingParams
     from kvpool.models.hf_config import random_llama
 

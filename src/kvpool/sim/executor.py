@@ -230,9 +230,15 @@ class CostExecutor:
                 positions.append(end - 1)
             else:
                 others.append((n, end))
-        if not others:  # decodes only after all (a piece or replay of one token)
+        return self._price_split(positions, others)
+
+    def _price_split(self, positions: list[int], others: list[tuple[int, int]]) -> float | None:
+        """A step of one decode at each of `positions` and the chunks `others` ((tokens,
+        context after them), more than one token each) priced by the fast twins: decodes
+        only by `decode_step_time`, else `split_step_time`; None where they cannot."""
+        if not others:  # decodes only after all (a piece or replay of one token, rows that joined)
             return None if self.decode_step_time is None else self.decode_step_time(positions, self._moved)
-        return self.split_step_time(positions, others, self._moved)
+        return self.split_step_time(positions, others, self._moved)  # type: ignore[misc]
 
     def _price_rest(self, lead_starts: Sequence[int], rest: Sequence[ScheduledChunk]) -> float | None:
         """`_fast_price` of a StepChunks with chunks after its leading decodes (rows that
@@ -247,9 +253,7 @@ class CostExecutor:
                 positions.append(c.start)
             else:
                 others.append((n, c.start + n))
-        if not others:  # the rows that joined decode too
-            return None if self.decode_step_time is None else self.decode_step_time(positions, self._moved)
-        return self.split_step_time(positions, others, self._moved)  # type: ignore[misc]
+        return self._price_split(positions, others)
 
     def _work(self, first: Sequence[ScheduledChunk]) -> list[tuple[int, int]]:
         """The step's (tokens, context after them): one chunk per request, in the order
@@ -494,7 +498,6 @@ class AnswerSampler:
             entries = list(map(kept.get, map(id, owners[start:])))
             if None in entries:
                 self._join(owners, rows, entries, start)
-                kept = self._kept
             last += owners[start:]
             streams += map(itemgetter(0), entries)
             origins += map(itemgetter(1), entries)

@@ -369,6 +369,8 @@ def extend_attention(
         has_tails = False
         tails = plan.kv_indices
         scale_strides = (0, 0, 0)
+    from kvpool.attention.backends.triton_decode import dots_widened  # (the decode's rule for bf16 dots)
+
     group = plan.group
     splits = plan.num_splits
     grid = (plan.tile_seq.shape[0], kvh, splits)
@@ -387,7 +389,7 @@ def extend_attention(
         HEAD_DIM=d, BLOCK_D=max(16, _pow2(d)), GROUP=group, GROUP_P=_pow2(group),
         BLOCK_M=plan.block_m, BLOCK_N=BLOCK_N, PAGE=bs, QUANT=quant is not None,
         ACC=tl.float64 if acc == torch.float64 else tl.float32,
-        TAILS=has_tails, WIDEN=q.dtype == torch.bfloat16 and interpreted(), NUM_SPLITS=splits,
+        TAILS=has_tails, WIDEN=dots_widened(q.dtype), NUM_SPLITS=splits,
     )  # fmt: skip
     if splits > 1:
         from kvpool.attention.backends.triton_decode import _merge  # the decode's split merge
