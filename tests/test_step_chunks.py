@@ -197,3 +197,83 @@ def test_a_static_decode_of_the_columns_alone_takes_their_columns_and_equals_the
     # the forward of a step of the columns and other chunks (the joiners' prompts) reads the
     # columns and the other chunks, the leading chunks never made
     assert len(columns_and_chunks[0]) >= 2 and all(columns_and_chunks[0])
+
+
+def test_a_v4_step_cut_at_checkpoints_forwards_step_chunks_as_the_list_of_its_chunks_does():
+    # V4's dual pool cuts a step whose prefill chunk crosses checkpoint positions
+    # (`_forward_cut`): the engine's StepChunks go to the first forward as a StepChunks
+    # with its columns (the divided chunks' first pieces in its rest), the leading decodes
+    # never made as chunks. Its twin: the same steps with the chunks as a plain list. Every
+    # forward gets the same chunks in the same order, the step the same logits, bit for bit
+    import torch
+
+    from kvpool.engine.dsv4_runner import dsv4_runner
+    from kvpool.engine.engine import Engine
+    from kvpool.engine.sampling import SamplingParams
+    from kvpool.models.tiny_dsv4 import TinyDSV4
+
+    torch.manual_seed(0)
+    model = TinyDSV4(seed=0)
+    runs = []
+    for as_list in (False, True):
+        runner = dsv4_runner(
+            model, num_classical_blocks=64, num_state_blocks=8, restore="checkpoint", num_checkpoints=8
+        )
+        engine = Engine(runner, max_num_batched_tokens=512, max_num_seqs=8, batched_sampling=True)
+        forwards: list[list[ScheduledChunk]] = []
+        logits: list[torch.Tensor] = []
+        cut_firsts: list[bool] = []  # per cut step's first forward: a StepChunks, its leading chunks unmade
+        in_cut = [False]
+        executor_forward, cut, execute = runner.executor.forward, runner._forward_cut, runner.execute
+
+        def forward(
+            chunks,
+            cache,
+            all_logits,
+            forwards=forwards,
+            in_cut=in_cut,
+            cut_firsts=cut_firsts,
+            executor_forward=executor_forward,
+        ):
+            if in_cut[0]:
+                in_cut[0] = False
+                cut_firsts.append(type(chunks) is StepChunks and chunks._rows is None)
+            if type(chunks) is StepChunks and chunks.columns is not None:
+                # the columns it carries are its chunks' own
+                assert tuple(map(list, chunks.columns)) == tuple(map(list, step_columns(list(chunks))))
+            forwards.append(list(chunks))
+            return executor_forward(chunks, cache, all_logits)
+
+        def forward_cut(chunks, *args, as_list=as_list, in_cut=in_cut, cut=cut):
+            assert type(chunks) is StepChunks and chunks.lead_tokens  # (the steps cut here: decodes, a joiner)
+            in_cut[0] = True
+            return cut(list(chunks) if as_list else chunks, *args)
+
+        def executing(chunks, all_logits=False, logits=logits, execute=execute):
+            out = execute(chunks, all_logits)
+            logits.append(out.clone())
+            return out
+
+        runner.executor.forward, runner._forward_cut, runner.execute = forward, forward_cut, executing
+        g = torch.Generator().manual_seed(5)
+        ids = [
+            engine.add_request(torch.randint(0, 256, (n,), generator=g).tolist(), SamplingParams(max_tokens=40))
+            for n in (5, 9)
+        ]
+        for step in range(80):
+            if step in (3, 6):  # joiners whose prompts cross one and two span boundaries (128, 256)
+                prompt = torch.randint(0, 256, (150 if step == 3 else 300,), generator=g).tolist()
+                ids.append(engine.add_request(prompt, SamplingParams(max_tokens=5)))
+            if not engine.has_unfinished():
+                break
+            engine.step()
+            runner.check_integrity()
+        outputs = [engine.output(i).completions[0].token_ids for i in ids]
+        runs.append((forwards, logits, outputs, cut_firsts))
+    (forwards, logits, outputs, cut_firsts), (twin_forwards, twin_logits, twin_outputs, twin_cut_firsts) = runs
+    # each joiner's prefill came cut beside the decodes' columns; the cut step's first forward
+    # took a StepChunks, its leading chunks unmade (the twin's: a list)
+    assert cut_firsts == [True, True] and twin_cut_firsts == [False, False]
+    assert forwards == twin_forwards
+    assert len(logits) == len(twin_logits) and all(torch.equal(a, b) for a, b in zip(logits, twin_logits, strict=True))
+    assert outputs == twin_outputs and all(len(o) == 40 for o in outputs[:2])

@@ -712,32 +712,46 @@ class ModelRunner:
                 res = taken[request_id]
                 self._after_piece(request_id, res.start + res.num_tokens, checkpoints, snapshots)
             return out
-        return self._forward_cut(chunks, all_logits, ids, list(map(sub, ends, starts)), cuts, checkpoints, snapshots)
+        return self._forward_cut(chunks, all_logits, ids, starts, ends, cuts, checkpoints, snapshots)
 
     def _forward_cut(
         self,
         chunks: Sequence[ScheduledChunk],
         all_logits: bool,
         ids: Sequence[str],
-        lens: list[int],
+        starts: Sequence[int],
+        ends: Sequence[int],
         cuts: dict[str, list[int]],
         checkpoints: dict[str, tuple[tuple[int, int], ...]],
         snapshots: dict[str, dict[int, tuple[bytes, BlockDescriptor]]],
     ) -> torch.Tensor:
-        """`_forward_in_pieces` for a step with a cut inside a chunk. Forward k takes piece k
+        """`_forward_in_pieces` for a step with a cut inside a chunk (ids, starts, ends: the
+        chunks' columns, `step_columns`). Forward k takes piece k
         of every chunk that has one: the first forward every chunk with tokens, as it is
         where nothing cuts it, the later ones only the pieces of the chunks a cut divides.
         A chunk's last piece carries its needs_logits (the others' are False), so without
         all_logits each forward computes only the rows the step returns. Python per piece
         only for the `cuts` requests (a prefill chunk that crosses checkpoints beside a batch
-        of decodes: the decodes cost C-level passes). Logits as `_forward_in_pieces`
+        of decodes: the decodes cost C-level passes). The engine's `StepChunks` (every chunk
+        with tokens) go to the first forward as a `StepChunks` too, with its columns: its
+        leading decodes (one token: no cut falls strictly inside one) neither made as chunks
+        nor transposed again, only the divided chunks of its `rest` replaced by their first
+        pieces (the list of its chunks, the twin, takes the general path: tests/
+        test_step_chunks.py holds the two to each other). Logits as `_forward_in_pieces`
         returns them."""
+        lens = list(map(sub, ends, starts))  # lens[i] is len(chunks[i].token_ids)
         # the first forward: chunk i is todo[first_at[i]] (chunks without tokens compute
-        # nothing; lens[i] is len(chunks[i].token_ids))
+        # nothing)
         first_lens = list(lens)  # each chunk's tokens in the first forward
+        lead = 0  # (a StepChunks: its leading chunks, which no cut divides)
+        first_ends: list[int] | None = None  # (a StepChunks: each chunk's end in the first forward)
+        todo: list[ScheduledChunk] | StepChunks
         if 0 in lens:
-            first_at = list(accumulate(map(bool, lens), initial=-1))[1:]
+            first_at: Sequence[int] = list(accumulate(map(bool, lens), initial=-1))[1:]
             todo = [c for c, n in zip(chunks, lens, strict=True) if n]
+        elif type(chunks) is StepChunks and chunks.columns is not None:
+            lead, first_at, first_ends = len(chunks.lead_tokens), range(len(chunks)), list(ends)
+            todo = StepChunks(chunks.lead_ids, chunks.lead_tokens, chunks.lead_starts, chunks.rest)
         else:
             first_at = range(len(chunks))
             todo = list(chunks)
@@ -756,9 +770,18 @@ class ModelRunner:
             stops.append((request_id, bounds[0] if bounds else end))
             if bounds:
                 first_lens[i] = bounds[0] - c.start
-                todo[first_at[i]] = ScheduledChunk(request_id, c.token_ids[: first_lens[i]], c.start, False)
+                piece = ScheduledChunk(request_id, c.token_ids[: first_lens[i]], c.start, False)
+                if first_ends is None:
+                    todo[first_at[i]] = piece
+                else:  # a StepChunks' rest (a leading chunk is one token: nothing inside it to cut)
+                    assert i >= lead, f"a cut inside the one-token chunk of {request_id!r}"
+                    todo.rest[i - lead] = piece
+                    first_ends[i] = bounds[0]
                 bounds.append(end)
                 later.append((i, list(pairwise(bounds))))
+        if first_ends is not None:
+            assert type(todo) is StepChunks
+            todo.columns = (ids, starts, first_ends)
         outs = [self.executor.forward(todo, self.cache, all_logits)]
         for request_id, stop in stops:
             self._after_piece(request_id, stop, checkpoints, snapshots)
@@ -795,14 +818,16 @@ class ModelRunner:
         # the rows wanted, each chunk with needs_logits its last token's, in chunk order: the
         # first forward's (its undivided chunks', in chunk order), each divided chunk's put in
         # its place from the forward of its last piece
-        needs = list(map(_NEEDS_LOGITS, chunks))
-        assert 0 not in compress(lens, needs), "a chunk without tokens has no logits"
+        # (a StepChunks' leading chunks all need logits: only its rest is read)
+        rest = chunks.rest if type(chunks) is StepChunks and lead else chunks
+        needs = list(map(_NEEDS_LOGITS, rest))  # needs[i] is chunks[lead + i].needs_logits
+        assert 0 not in compress(lens[lead:], needs), "a chunk without tokens has no logits"
         if not last_rows:
             return outs[0]
         base = list(accumulate(map(len, outs), initial=0))
         order = list(range(len(outs[0])))
         for i, (k, row) in sorted(last_rows.items()):  # (in chunk order: each one's place counts those before it)
-            order.insert(needs[:i].count(True), base[k] + row)
+            order.insert(lead + needs[: i - lead].count(True), base[k] + row)
         return _join_rows(outs, None if order == list(range(base[-1])) else order)
 
     def _after_piece(
