@@ -1,0 +1,204 @@
+"""The copies that exist only on a GPU, checked on the twin device (tests/twin_device.py:
+meta tensors shadowed by CPU twins, so the device branches run without a GPU and what they
+leave on the "device" can be read).
+
+Four copies are a GPU's only way to see a step's values, and on the CPU (where the host
+buffers are the device's) they never run: `StepBuffers.pad`'s padded rows (a CUDA graph's
+padded rows then reach only the dummy block), `StepBuffers.plan_tables`' plan area (a mixed
+step's extend kernel reads it), `DecodeGraphs.set_input_ids`' token ids (the graph's static
+input), and the batched sampler's uniforms. Each test reads what the device holds after the
+code ran and compares it with exact values and with the CPU's buffers (the independent
+twin: the same calls on device="cpu"). Dropping any of the four copies, or sending it to
+other entries, fails its test (audit13's planted faults P2, P4, P8, P9)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvpool.attention.backends.step_buffers import StepBuffers
+from kvpool.attention.backends.triton_extend import plan_extend
+from kvpool.engine.batch_sampler import BatchSampler, sample_batch
+from kvpool.engine.cuda_graph import DecodeGraphs, bucket_for, buckets_up_to
+from kvpool.engine.sampling import SamplingParams
+from twin_device import TwinDevice, patch_cuda
+
+
+@pytest.fixture
+def device(monkeypatch):
+    twin = TwinDevice()
+    patch_cuda(monkeypatch, twin)
+    with twin:
+        yield twin
+
+
+def on_device(device: TwinDevice, tensor: torch.Tensor) -> list:
+    return device.values(tensor).tolist()
+
+
+def step_vectors(device: TwinDevice | None, view) -> tuple[list, ...]:
+    """A step's vectors as a kernel reads them: from the device (twins) or the CPU buffers."""
+    tensors = (view.seq_rows, view.ctx_lens, view.query_start, view.slot_mapping, view.positions)
+    return tuple(t.tolist() if device is None else on_device(device, t) for t in tensors)
+
+
+def test_a_padded_decode_step_reaches_the_device(device) -> None:
+    """pad's rows on the device: the step's sequences, then padding rows of one token at
+    position 0 in the padding row (4), its slot the dummy block's first (9 * 4 = 36). The
+    second step shrinks to one sequence: its padded row 1 must overwrite what the first
+    step left there on the device (pad's copy dropped leaves seq_rows [1, 1])."""
+    b = StepBuffers(max_num_seqs=4, max_num_tokens=8, max_blocks_per_seq=3, block_size=4, device="meta", dummy_block=9)
+    b.update(["a", "b"], [0, 0], [5, 3], [[7, 2], [5]])  # prefills
+    b.update(["a", "b"], [5, 3], [6, 4], [[7, 2], [5]])  # decodes: a at position 5 (block 2), b at 3 (block 5)
+    view = b.pad(4)
+    assert step_vectors(device, view) == ([0, 1, 4, 4], [6, 4, 1, 1], [0, 1, 2, 3, 4], [9, 23, 36, 36], [5, 3, 0, 0])
+    device.caught_up()
+    b.forget("a")
+    b.update(["b"], [4], [5], [[5, 8]])  # b opens block 8
+    view = b.pad(2)
+    assert step_vectors(device, view) == ([1, 4], [5, 1], [0, 1, 2], [32, 36], [4, 0])
+    assert on_device(device, b.block_tables[1]) == [5, 8, 0] and on_device(device, b.block_tables[4]) == [9, 9, 9]
+
+
+def test_random_decode_steps_padded_to_their_buckets_equal_the_cpu_buffers_on_the_device(device) -> None:
+    """120 random decode steps (requests joining with prompts, leaving, decoding through
+    block boundaries), each through `advance` where it takes the step and `update` where not,
+    then padded to its bucket as DecodeGraphs.run pads it: the device's step vectors and
+    block table rows equal those of the same calls on CPU buffers, step by step."""
+    rng = random.Random(13)
+    bs, width, s = 4, 8, 8
+    kwargs = dict(max_num_seqs=s, max_num_tokens=32, max_blocks_per_seq=width, block_size=bs, dummy_block=40)
+    on_meta, on_cpu = StepBuffers(device="meta", **kwargs), StepBuffers(device="cpu", **kwargs)
+    buckets = buckets_up_to(s)
+    free = list(range(40))
+    rng.shuffle(free)
+    tables: dict[str, list[int]] = {}
+    lens: dict[str, int] = {}
+    running: list[str] = []
+    for step in range(120):
+        for rid in [r for r in running if rng.random() < 0.1 or lens[r] >= bs * width - 1]:
+            running.remove(rid)
+            free += tables.pop(rid)
+            on_meta.forget(rid), on_cpu.forget(rid)
+        joining = []
+        while len(running) + len(joining) < s and rng.random() < 0.3:
+            rid, prompt = f"r{step}.{len(joining)}", rng.randint(1, 9)
+            tables[rid] = [free.pop() for _ in range(-(-prompt // bs))]
+            lens[rid] = prompt
+            joining.append(rid)
+        if joining:  # their prompts in one step (no decode beside them: pad takes decodes only)
+            starts = [0] * len(joining)
+            ends = [lens[r] for r in joining]
+            for b in (on_meta, on_cpu):
+                b.update(joining, starts, ends, [tables[r] for r in joining])
+            running += joining
+            continue
+        if not running:
+            continue
+        for rid in running:  # one token each, a block opened where it starts one
+            if lens[rid] % bs == 0:
+                tables[rid].append(free.pop())
+        starts = [lens[r] for r in running]
+        ends = [n + 1 for n in starts]
+        for b in (on_meta, on_cpu):
+            if not b.advance(running, starts, ends, lambda ids: [tables[r] for r in ids]):
+                b.update(running, starts, ends, [tables[r] for r in running])
+        for rid in running:
+            lens[rid] += 1
+        bucket = bucket_for(len(running), buckets)
+        want, got = on_cpu.pad(bucket), on_meta.pad(bucket)
+        assert step_vectors(device, got) == step_vectors(None, want), step
+        assert on_device(device, on_meta.block_tables) == on_cpu.block_tables.tolist(), step
+        on_meta.check_integrity(tables)
+        device.caught_up()  # (the step's sampled tokens read: the device is done with it)
+
+
+def test_the_plan_tables_reach_the_device(device) -> None:
+    """plan_tables' views read, on the device, the tables just planned: two plans of other
+    shapes one after another, the second's values where the first's were (plan_tables'
+    copy dropped leaves zeros; a copy of the first plan's length only, its tail)."""
+    b = StepBuffers(max_num_seqs=4, max_num_tokens=16, max_blocks_per_seq=4, block_size=4, device="meta")
+    first = b.plan_tables([3, 1, 4, 0, 1, 5, 0, 0], (3, 2))
+    assert [on_device(device, t) for t in first] == [[3, 1, 4], [1, 5]]
+    device.caught_up()
+    second = b.plan_tables([2, 7, 1, 8, 2, 8, 0, 0, 9, 0, 0, 0, 6, 6, 6, 6], (4, 2, 1, 4))
+    assert [on_device(device, t) for t in second] == [[2, 7, 1, 8], [2, 8], [9], [6, 6, 6, 6]]
+
+
+def test_a_mixed_steps_plan_in_the_plan_area_equals_a_new_plan_on_the_device(device) -> None:
+    """plan_extend of a mixed step (two decodes and a prompt chunk, over the buffers' dense
+    tables with host row offsets) stored in the plan area: every table, read on the device,
+    equals the same plan made into new CPU tensors (store=None)."""
+    b = StepBuffers(max_num_seqs=4, max_num_tokens=16, max_blocks_per_seq=4, block_size=4, device="meta")
+    cpu_tables = torch.zeros(4 * 4, dtype=torch.int32)
+    args = dict(block_size=4, num_heads=6, num_kv_heads=2)
+    for step, (q_lens, ctx_lens, rows) in enumerate((([1, 1, 9], [7, 3, 9], [0, 1, 2]), ([5, 1], [14, 10], [2, 1]))):
+        offsets = [row * 4 for row in rows]
+        stored = plan_extend(q_lens, ctx_lens, offsets, b.block_tables_flat, device="meta", store=b.plan_tables, **args)
+        want = plan_extend(q_lens, ctx_lens, offsets, cpu_tables, device="cpu", **args)
+        for name in ("q_rows", "q_lens", "kv_indptr", "ctx_lens", "tile_seq", "tile_start", "part_rows", "merge_rows"):
+            assert on_device(device, getattr(stored, name)) == getattr(want, name).tolist(), (step, name)
+        assert (stored.block_m, stored.num_rows, stored.split_len) == (want.block_m, want.num_rows, want.split_len)
+        device.caught_up()
+
+
+def test_the_graphs_token_ids_reach_the_device(device) -> None:
+    """DecodeGraphs' forward reads the step's token ids from its static input on the
+    device: a step of 3 (padded to 4), then one of 2 (set_input_ids' copy dropped, the
+    forward reads zeros; a copy of the last step's length, 3 ids)."""
+    b = StepBuffers(max_num_seqs=4, max_num_tokens=8, max_blocks_per_seq=3, block_size=4, device="meta", dummy_block=9)
+    seen: list[tuple[list[int], list[int]]] = []
+
+    def forward(num_seqs: int) -> torch.Tensor:  # what a captured forward reads: the static inputs
+        seen.append((on_device(device, graphs.input_ids[:num_seqs]), on_device(device, b.slot_mapping[:num_seqs])))
+        return torch.zeros(num_seqs, 5, device="meta")
+
+    graphs = DecodeGraphs(forward, b, capture=False)
+    b.update(["a", "b", "c"], [0, 0, 0], [2, 3, 1], [[7], [5], [6]])
+    b.update(["a", "b", "c"], [2, 3, 1], [3, 4, 2], [[7], [5], [6]])
+    graphs.set_input_ids([11, 12, 13])
+    assert graphs.run(3).shape == (3, 5)
+    device.caught_up()
+    b.forget("b")
+    b.update(["a", "c"], [3, 2], [4, 3], [[7], [6]])
+    graphs.set_input_ids([21, 23])
+    graphs.run(2)
+    assert seen == [([11, 12, 13, 0], [30, 23, 25, 36]), ([21, 23], [31, 26])]
+    assert graphs.num_static == 2
+
+
+PARAMS = [
+    SamplingParams(temperature=0.9, seed=5),
+    SamplingParams(),  # greedy
+    SamplingParams(temperature=1.3, top_p=0.8, seed=-2),
+    SamplingParams(temperature=0.7, top_k=3, seed=9),
+    SamplingParams(temperature=1.0, top_k=4, top_p=0.9, seed=1),
+]
+
+
+@pytest.mark.parametrize("params", [PARAMS, [PARAMS[0], PARAMS[2]] * 2], ids=["mixed", "all_draw"])
+def test_the_samplers_uniforms_reach_the_device(device, params) -> None:
+    """A kept batch sampled over 36 steps at consecutive positions (the table of the coming
+    AHEAD steps' uniforms, then its next) from logits on the device: every step the device's
+    uniforms are the host's and every token is the CPU sampler's (the uniforms' copy dropped,
+    the device keeps uninitialised memory; a copy of the first step only, its stale draws)."""
+    rows = len(params)
+    generator = torch.Generator().manual_seed(rows)
+    on_meta, on_cpu, owners = BatchSampler(), BatchSampler(), list(range(rows))
+    origins = [3 * i for i in range(rows)]
+    for step in range(36):  # (the table made at step 1 serves steps 1-32; the next, from step 33)
+        logits = torch.randn(rows, 6, generator=generator, dtype=torch.float64).float()
+        lengths = [o + step for o in origins]
+        of = lambda which=None: (params, list(range(rows)), origins)  # noqa: E731
+        got = on_meta.sample(logits.to("meta"), owners, of, lambda lengths=lengths: lengths)
+        want = on_cpu.sample(logits, owners, of, lambda lengths=lengths: lengths)
+        kept = on_meta._rows
+        assert kept.u.device.type == "meta" and device.values(kept.u).equal(kept.u_host), step
+        assert got == want, step
+        positions = [step] * rows
+        assert sample_batch(logits.to("meta"), params, list(range(rows)), positions) == sample_batch(
+            logits, params, list(range(rows)), positions
+        ), step
+        device.caught_up()
