@@ -112,6 +112,9 @@ class _Twins:
 
         self.fast, self.twin = build(), build()
         self.twin._decode_period = None  # reserve_step -> _reserve_each, step_reservations -> _each_reservation
+        # the twin looks every id up, every call: no memo, carried or not (`_resolve_changed`)
+        twin = self.twin
+        twin._resolve = lambda ids: list(map(twin._requests.__getitem__, ids))  # type: ignore[method-assign]
         self.both = (self.fast, self.twin)
 
     def commit(self, m: HybridCacheManager, ids: list[str], counts: list[int], nexts: list[int | None]) -> None:
@@ -313,6 +316,93 @@ def test_the_reserved_step_memo_answers_as_the_loop() -> None:
     with pytest.raises(ValueError, match="'r1'.* token ids are known"):
         m.reserve_step(ids, [1, 1])
     assert [m.num_reserved_tokens(r) for r in ids] == [17, 8]
+    m.check_integrity()
+
+
+def _fresh_lookup(m: HybridCacheManager, ids: list[str]) -> list[object]:
+    return [m._requests[r] for r in ids]
+
+
+def test_the_memo_is_carried_through_rows_that_leave_and_join() -> None:
+    # Steady serving on the paged cache: between two steps r1 finishes and r4 joins at the
+    # end. The step's ids are the memo's less r1 plus r4: its requests come from the memo
+    # (r1's row deleted, r4 looked up), the ids known distinct without a count
+    m = FullAttentionManager(40, 4, DESC)
+    for i in range(4):
+        assert m.admit(f"r{i}", _ids(6, i)) is not None
+        m.commit_step([f"r{i}"], [6], [1])
+    ids = ["r0", "r1", "r2", "r3"]
+    assert m.reserve_step(ids, [1] * 4)
+    m.commit_step(ids, [1] * 4, [2] * 4)
+    assert m._resolved_distinct is True and m._left == []
+    m.release("r1")
+    assert m._left == ["r1"] and [r.request_id for r in m._resolved] == ids  # (held until the next step)
+    assert m.admit("r4", _ids(3)) is not None
+    ids = ["r0", "r2", "r3", "r4"]
+    assert m._resolve_changed(ids) == (_fresh_lookup(m, ids), True)
+    assert m.first_off_step(ids, [7, 7, 7, 0], [8, 8, 8, 3]) is None
+    assert m._resolved == _fresh_lookup(m, ids) and m._left == [] and m._resolved_distinct is True
+    m.commit_step(ids, [1, 1, 1, 3], [3, 3, 3, 3])
+    assert [m.num_computed_tokens(r) for r in ids] == [8, 8, 8, 3]
+    m.check_integrity()
+    # a step of the rows that stay, none joining: carried alike
+    m.release("r0")
+    decodes = ["r2", "r3", "r4"]
+    assert m.reserve_step(decodes, [1, 1, 1])
+    assert m._resolve_changed(decodes) == (_fresh_lookup(m, decodes), True)
+    assert m.first_off_step(decodes, [8, 8, 3], [9, 9, 4]) is None
+    assert m._resolved == _fresh_lookup(m, decodes) and m._left == []
+    m.commit_step(decodes, [1, 1, 1], [4, 4, 4])
+    assert [m.num_computed_tokens(r) for r in decodes] == [9, 9, 4]
+    m.check_integrity()
+
+
+def test_a_carried_memo_refuses_what_the_lookup_refuses() -> None:
+    # A new row names a request twice, or one unknown, or a request released and admitted
+    # again under its old id in its old place: each is refused as the naive twin refuses
+    # it (nothing changed), or looked up anew, never answered from a stale memo
+    m = FullAttentionManager(40, 4, DESC)
+    for i in range(3):
+        assert m.admit(f"r{i}", _ids(6, i)) is not None
+        m.commit_step([f"r{i}"], [6], [1])
+    ids = ["r0", "r1", "r2"]
+    assert m.reserve_step(ids, [1] * 3)
+    m.commit_step(ids, [1] * 3, [2] * 3)
+    assert m.admit("r3", _ids(3)) is not None
+    with pytest.raises(ValueError, match="appears twice"):
+        m.commit_step([*ids, "r3", "r3"], [1, 1, 1, 3, 3], [2] * 5)
+    with pytest.raises(ValueError, match="appears twice"):  # an old row named again at the end
+        m.commit_step([*ids, "r0"], [1, 1, 1, 1], [2] * 4)
+    with pytest.raises(KeyError, match="'r9'"):
+        m.commit_step([*ids, "r9"], [1, 1, 1, 1], [2] * 4)
+    assert [m.num_computed_tokens(r) for r in [*ids, "r3"]] == [7, 7, 7, 0]
+    m.check_integrity()
+    # r1 preempted and admitted again at once, the list unchanged: the new r1 is looked up
+    m.release("r1", "preempt")
+    assert m.admit("r1", _ids(2)) is not None
+    assert m._resolve_changed(ids) is None
+    assert m._resolve(ids) == _fresh_lookup(m, ids)
+    m.check_integrity()
+
+
+def test_a_busy_cache_lets_go_of_the_memo_after_many_leave() -> None:
+    # The memo holds the requests that left since it was made: at most MAX_LEFT_CARRIED
+    m = FullAttentionManager(400, 4, DESC)
+    n = coordinator.MAX_LEFT_CARRIED + 2
+    ids = [f"r{i}" for i in range(n)]
+    for i, rid in enumerate(ids):
+        assert m.admit(rid, _ids(4, i)) is not None
+        m.commit_step([rid], [4], [1])
+    assert m.reserve_step(ids, [1] * n)
+    m.commit_step(ids, [1] * n, [2] * n)
+    assert len(m._resolved) == n
+    for rid in ids[: coordinator.MAX_LEFT_CARRIED]:
+        m.release(rid)
+    assert len(m._left) == coordinator.MAX_LEFT_CARRIED and len(m._resolved) == n
+    m.release(ids[-2])
+    assert m._left is None and m._resolved == []
+    assert m.reserve_step(ids[-1:], [1]) and m.first_off_step(ids[-1:], [5], [6]) is None
+    assert m._resolved == _fresh_lookup(m, ids[-1:])
     m.check_integrity()
 
 

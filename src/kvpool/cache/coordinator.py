@@ -113,6 +113,8 @@ def check_mm_items(mm_items: Sequence[MMItem], num_tokens: int) -> tuple[MMItem,
 
 
 MAX_MEMO_SALTS = 1024  # tenant salts whose roots a coordinator keeps at hand (`_request_roots`)
+# requests that may leave between two steps with `_resolve`'s memo carried (`_resolve_changed`)
+MAX_LEFT_CARRIED = 32
 
 
 def pack_prompt(
@@ -156,6 +158,7 @@ class _Request:
     budget: int = 0  # the admission's max_new_tokens (or the rest of the prompt): for complete_loads
     num_loading: int = 0  # tokens of the hit a lower tier is still loading (complete_loads)
     readmitted: bool = False  # admitted after a preemption (its hits count apart)
+    joined_at: int = 0  # the coordinator's `_requests_version` when it joined (`_add_request`)
 
 
 class HybridCacheManager:
@@ -237,6 +240,12 @@ class HybridCacheManager:
         self._resolved_tuple: tuple[str, ...] = ()
         self._resolved: list[_Request] = []
         self._resolved_at = -1
+        # The memo carried through a batch change (`_resolve_changed`): the ids that left
+        # `_requests` since `_resolved_at`, in order (None: more than MAX_LEFT_CARRIED, or the
+        # memo let go of its requests), and whether the memo's ids are distinct (None: not
+        # known yet; `_distinct` finds out once per list)
+        self._left: list[str] | None = []
+        self._resolved_distinct: bool | None = None
         # The last exact decode step, while no request's counts moved since: (its `_resolve`
         # list, each row's end, the rows whose end is on the decode period in step order, and
         # pending). pending (`_reserve_decodes` reserved it): row i's reserved step is
@@ -348,7 +357,8 @@ class HybridCacheManager:
         request). KeyError for an unknown id."""
         requests = self._requests
         try:
-            for req, start, end in zip(map(requests.__getitem__, request_ids), starts, ends, strict=True):
+            # (`_resolve`: the step's ids are the reserve's, or they with the joiners at the end)
+            for req, start, end in zip(self._resolve(request_ids), starts, ends, strict=True):
                 if start != req.num_computed or not start < end <= req.end:
                     break
             else:
@@ -363,29 +373,38 @@ class HybridCacheManager:
         raise AssertionError("the first pass found a request at fault")
 
     def _add_request(self, req: _Request) -> None:
-        """The one place a request joins `_requests`: `_resolve`'s memo is stale from here."""
+        """The one place a request joins `_requests`: `_resolve`'s memo is stale from here
+        (`joined_at` tells `_resolve_changed` the request is newer than the memo)."""
         self._requests[req.request_id] = req
         self._requests_version += 1
+        req.joined_at = self._requests_version
 
     def _pop_request(self, request_id: str) -> _Request | None:
-        """The one place a request leaves `_requests` (None: it was not there). The memo lets
-        go of its requests too: a replica gone idle keeps no finished request's tokens."""
+        """The one place a request leaves `_requests` (None: it was not there): `_resolve`'s
+        memo is stale from here, its id noted for `_resolve_changed`. The memo lets go of its
+        requests when the cache is empty or more than MAX_LEFT_CARRIED left since: a replica
+        gone idle keeps no finished request's tokens, a busy one at most that many."""
         req = self._requests.pop(request_id, None)
         if req is not None:
             self._requests_version += 1
-            self._resolved = []
             self._decode_step = None
+            left = self._left
+            if left is None or len(left) >= MAX_LEFT_CARRIED or not self._requests:
+                self._resolved, self._resolved_list, self._resolved_tuple, self._left = [], [], (), None
+            else:
+                left.append(request_id)
         return req
 
-    def _resolve(self, request_ids: Sequence[str]) -> list[_Request]:
+    def _resolve(self, request_ids: Sequence[str], keep: bool = True) -> list[_Request]:
         """A step's requests, in order; KeyError (the dict's, the id alone) for an unknown
         id. The last call's list again when no request joined or left since and the ids are
         equal: a C-level comparison that finds the same string objects by identity (the
         engine's ids of an unchanged batch), without a dict lookup per row. Three passes of
         a decode step (reserve, step_reservations, commit) and the next step's share it.
         Callers read the list, never change it; the ids' requests are the same objects, but
-        their counts are checked by each pass as before. Other sequence types: looked up,
-        not kept."""
+        their counts are checked by each pass as before. Other sequence types, and any
+        other ids with keep=False (a query about some of the step's rows): looked up, not
+        kept."""
         kind = type(request_ids)
         if kind is list:
             if request_ids == self._resolved_list and self._resolved_at == self._requests_version:
@@ -395,10 +414,61 @@ class HybridCacheManager:
                 return self._resolved
         else:
             return list(map(self._requests.__getitem__, request_ids))
-        reqs = list(map(self._requests.__getitem__, request_ids))  # (raises before the memo changes)
+        if not keep:
+            return list(map(self._requests.__getitem__, request_ids))
+        carried = self._resolve_changed(request_ids)  # (raises before the memo changes)
+        if carried is None:
+            reqs = list(map(self._requests.__getitem__, request_ids))  # (raises before the memo changes)
+            distinct = None
+        else:
+            reqs, distinct = carried
         self._resolved_list, self._resolved_tuple = list(request_ids), tuple(request_ids)
         self._resolved, self._resolved_at = reqs, self._requests_version
+        self._left, self._resolved_distinct = [], distinct
         return reqs
+
+    def _resolve_changed(self, request_ids: list[str] | tuple[str, ...]) -> tuple[list[_Request], bool | None] | None:
+        """`_resolve` of a batch that is the memo's less the rows whose requests left since,
+        plus rows at the end (steady serving: a few finish, a few join): the memo's requests
+        with those rows deleted and the new rows looked up, in C-level passes (a comparison
+        of the kept ids, a lookup per new row), not a lookup per row. Sound because an id
+        that did not leave since the memo names the same request (an id joins `_requests`
+        only when it is not there). Also whether the ids are distinct, where that follows
+        from the memo's (its own were, and the new rows are of requests that joined after
+        it, each once); None when the batch is no such change (the caller looks every id
+        up). KeyError (the dict's) for an unknown new row's id."""
+        left, kept_ids, kept = self._left, self._resolved_list, self._resolved
+        if left is None or not kept or not self._resolved_distinct:
+            return None  # (an id named twice: its every row would have to go)
+        if left:
+            kept_ids, kept = kept_ids.copy(), kept.copy()
+            for request_id in left:  # (one row each at most: the memo's ids are distinct)
+                try:
+                    i = kept_ids.index(request_id)
+                except ValueError:
+                    continue  # (a request that was not in the step)
+                del kept_ids[i], kept[i]
+        k = len(kept_ids)
+        if len(request_ids) < k or request_ids[:k] != (kept_ids if type(request_ids) is list else tuple(kept_ids)):
+            return None
+        if len(request_ids) == k:
+            return kept, True
+        new = list(map(self._requests.__getitem__, request_ids[k:]))
+        at = self._resolved_at
+        distinct = None
+        if all(req.joined_at > at for req in new) and len(set(map(id, new))) == len(new):
+            distinct = True
+        return kept + new, distinct
+
+    def _distinct(self, request_ids: Sequence[str], reqs: list[_Request]) -> bool:
+        """Whether the step names each request once; `reqs`: `_resolve(request_ids)`. Known
+        from the memo where it is `_resolve`'s (its list's ids were counted once, or a
+        change of it kept them distinct: `_resolve_changed`), else counted."""
+        if reqs is self._resolved:
+            if self._resolved_distinct is None:
+                self._resolved_distinct = len(set(request_ids)) == len(request_ids)
+            return self._resolved_distinct
+        return len(set(request_ids)) == len(request_ids)
 
     def _get(self, request_id: str) -> _Request:
         try:
@@ -424,9 +494,11 @@ class HybridCacheManager:
         appends blocks, and a copy-on-write replaces the entry of the block a step starts in
         (attention/backends/step_buffers.py relies on nothing else changing)."""
         g = self._group(group, self._table_groups, "block-table")
-        name, block_ids, requests = g.name, g.block_ids, self._requests
+        name, block_ids = g.name, g.block_ids
         try:
-            return [block_ids(requests[r].states[name]) for r in request_ids]  # (once per step: no `_get` a request)
+            # (the step's rows after `first_off_step` of the same ids: `_resolve`'s memo; the
+            # step buffers' question about a few of them leaves it as it is)
+            return [block_ids(req.states[name]) for req in self._resolve(request_ids, keep=False)]
         except KeyError as missing:
             raise KeyError(f"unknown request {missing.args[0]!r}") from None
 
@@ -1286,12 +1358,12 @@ class HybridCacheManager:
         (tests/test_dsv4_cache.py holds them equal)."""
         reserved, self._decode_step = self._decode_step, None  # (the counts move below)
         period, exact = self._commit_period, self.exact_steps
-        if not exact and len(set(request_ids)) != len(request_ids):
-            return None  # (exact steps: a request's second entry finds its one token committed)
         try:
             reqs = self._resolve(request_ids)
         except KeyError:
             return None
+        if not exact and not self._distinct(request_ids, reqs):
+            return None  # (exact steps: a request's second entry finds its one token committed)
         changed: list[_Request] = []
         i = 0
         try:
@@ -1347,12 +1419,12 @@ class HybridCacheManager:
         or does not lie within its reservation and known token ids: then every change is
         undone. `_commit_each` is its naive twin (tests/test_dsv4_cache.py holds them equal)."""
         self._decode_step = None  # (the counts move below)
-        if len(set(request_ids)) != len(request_ids):
-            return None
         period, exact, fresh = self._commit_period, self.exact_steps, self._fresh
         try:
             reqs = self._resolve(request_ids)
         except KeyError:
+            return None
+        if not self._distinct(request_ids, reqs):
             return None
         changed: list[_Request] = []
         i = 0
@@ -1563,6 +1635,17 @@ class HybridCacheManager:
     # ---- invariants --------------------------------------------------------------------
 
     def check_integrity(self) -> None:
+        # `_resolve`'s memo: each row's request is the one its id names, unless the id left
+        # since (`_left`: the rows `_resolve_changed` deletes); its distinct flag is true
+        assert (self._left is not None) or not self._resolved, "a memo without its log of the ids that left"
+        left = set(self._left or ())
+        assert len(self._resolved) == len(self._resolved_list) == len(self._resolved_tuple)
+        for request_id, req in zip(self._resolved_list, self._resolved, strict=True):
+            assert request_id == req.request_id and (request_id in left or self._requests.get(request_id) is req), (
+                f"resolve memo: row {request_id!r} is not its request"
+            )
+        if self._resolved_distinct is not None:
+            assert self._resolved_distinct == (len(set(self._resolved_list)) == len(self._resolved_list))
         memo = self._decode_step
         if memo is not None:  # the last decode step's memo (see __init__)
             reqs, ends, touched, pending = memo
