@@ -186,6 +186,7 @@ class StepBuffers:
         # host, a plan takes eight): a step's few prompt chunks repeat a handful of shapes
         self._plan_views: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = {}
         self._sent: torch.cuda.Event | None = None  # the last step's copies out of the pinned twins
+        self._plan_sent: torch.cuda.Event | None = None  # the last plan's copy out of the pinned plan area
         v = self._vec
         self.seq_rows, self.ctx_lens = v[:s], v[s : 2 * s]
         self.query_start, self.slot_mapping = v[2 * s : 3 * s + 1], v[3 * s + 1 :]
@@ -684,13 +685,19 @@ class StepBuffers:
             if len(self._plan_views) >= 256:  # (a bound on shapes kept: prompts of many lengths)
                 self._plan_views.clear()
             views = self._plan_views[sizes] = tuple(split_aligned(self._plan[:num_values], sizes))
-        if self._sent is not None:
-            self._sent.synchronize()  # the pinned twin is read by the last step's copies until then
+        # The pinned area is read by the last plan's copy until its event passes. A host wait
+        # (Event.synchronize), but on an earlier step's copy, which that step's read of its
+        # sampled tokens (queued after it) already waited for: it returns at once. Not
+        # `_sent`: in a mixed step that is this step's own vector copy, just queued, which
+        # the host would wait for, a second synchronisation a step (audit13 G4), for a
+        # buffer the plan does not write
+        if self._plan_sent is not None:
+            self._plan_sent.synchronize()
         self._plan_np[:num_values] = values
         if not self._on_cpu:
             self._plan[:num_values].copy_(self._plan_host[:num_values], non_blocking=True)
-            self._sent = torch.cuda.Event()
-            self._sent.record()
+            self._plan_sent = torch.cuda.Event()
+            self._plan_sent.record()
         return views
 
     def leading_slots(self, num_tokens: int) -> torch.Tensor:
