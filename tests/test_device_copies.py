@@ -202,3 +202,33 @@ def test_the_samplers_uniforms_reach_the_device(device, params) -> None:
             logits, params, list(range(rows)), positions
         ), step
         device.caught_up()
+
+
+def test_a_mixed_step_does_not_wait_on_the_host_for_its_own_copies(device) -> None:
+    """A mixed step (a prompt chunk beside decodes) writes its vectors (update) and then its
+    plan (plan_tables, as the Triton backend's begin_buffered_step stores it) into pinned
+    host twins, each copied to the device. The host waits only where a copy still reading a
+    twin it rewrites was queued by an earlier step: after a step's one synchronisation (its
+    sampled tokens' read, `caught_up`) no Event.synchronize stalls. The plan area waiting on
+    the step's own vector copy (audit13 G4: another buffer, just queued) stalled every mixed
+    step once. Two plans in one step without a read in between must still wait once (the
+    first one's copy may be reading the area)."""
+    b = StepBuffers(max_num_seqs=4, max_num_tokens=32, max_blocks_per_seq=4, block_size=4, device="meta")
+    tables = {"a": [7, 2], "b": [5, 9], "c": [1, 3, 8]}  # (b opens 9 at its third step)
+    steps = [
+        (["a", "b"], [0, 0], [6, 3]),  # two prompts
+        (["a", "b", "c"], [6, 3, 0], [7, 4, 5]),  # two decodes and c's first chunk
+        (["a", "b", "c"], [7, 4, 5], [8, 5, 10]),  # two decodes and c's second chunk
+    ]
+    for ids, starts, ends in steps:
+        b.update(ids, starts, ends, [tables[r] for r in ids])
+        q_lens = [e - s for s, e in zip(starts, ends, strict=True)]
+        offsets = [int(r) * 4 for r in b.host_seq_rows()[: len(ids)]]
+        plan = plan_extend(q_lens, ends, offsets, b.block_tables_flat, 4, 4, 2, device="meta", store=b.plan_tables)
+        assert on_device(device, plan.ctx_lens) == ends  # (the plan reached the device)
+        assert device.host_waits == 0, (ids, starts)
+        device.caught_up()  # the step's sampled tokens read
+    b.plan_tables([1, 2, 0, 0], (2,))
+    assert device.host_waits == 0
+    b.plan_tables([3, 0, 0, 0], (1,))  # a second plan, the first's copy not known to be done
+    assert device.host_waits == 1
