@@ -330,16 +330,22 @@ def test_the_executors_fast_pricing_is_its_naive_pricing_bit_for_bit(steps) -> N
             st.lists(st.tuples(st.one_of(st.just(1), st.integers(2, 300)), st.integers(0, 5000)), max_size=4),
             st.integers(0, 2),  # state copies before the step
             st.booleans(),  # the engine set the columns
-            st.integers(0, 4),  # 1: a replay before the step; 2: a later piece; else neither
+            # bits: 1 a replay before the step; later pieces (the step cut at checkpoints): 2 a
+            # request not in the first forward, 4 the rest's first chunk divided (its first
+            # piece in the rest), 8 a leading decode's request (never the engine's: a decode
+            # is one token; the general path prices it)
+            st.integers(0, 15),
         ),
         max_size=8,
     )
 )
 def test_the_executors_pricing_of_step_chunks_is_its_naive_pricing_bit_for_bit(steps) -> None:
     """The engine's StepChunks (its leading decodes held as columns, the rows that joined
-    after them) priced from the leading starts and the rest's chunks, no column read: the
-    clock reads step_time's float over the same chunks as a plain list, step after step
-    (with copies' bytes, and a replay or a later piece, which take the general path)."""
+    after them) priced from the leading starts and the rest's chunks, no column read, also
+    when the step came in pieces (runner._forward_cut: a divided chunk's first piece in the
+    rest, its later pieces, a request only in a later piece) and with replays: the clock
+    reads step_time's float over the same chunks as a plain list, step after step (with
+    copies' bytes)."""
     from kvpool.engine.runner import ScheduledChunk, StepChunks
     from kvpool.sim.executor import CostExecutor, VirtualClock
 
@@ -392,11 +398,25 @@ def test_the_executors_pricing_of_step_chunks_is_its_naive_pricing_bit_for_bit(s
         for ex, step in ((fast, chunks), (twin, plain)):
             for _ in range(num_copies):
                 ex.copy_state(0, 1)
-            if extra == 1:
+            if extra & 1:
                 ex.replay([7] * 40, 100 + k, [], 0, 0)
             assert ex.forward(step, None, False) == [None] * len(plain)
-            if extra == 2:  # the step cut at a checkpoint: a new request's piece after the first
-                ex.forward([ScheduledChunk("q", [7] * 9, 40, True)], None, False)
+            pieces = []
+            if extra & 4 and others:  # the rest's first chunk goes on past its first piece
+                c = others[0]
+                end = c.start + len(c.token_ids)
+                pieces += [
+                    ScheduledChunk(c.request_id, [7] * 3, end, False),
+                    ScheduledChunk(c.request_id, [7] * 2, end + 3, True),
+                ]
+            if extra & 2:  # a request with no chunk in the first forward
+                pieces.append(ScheduledChunk("q", [7] * (k % 3 + 1), 40, True))
+            if extra & 8 and starts:  # a leading decode's request
+                pieces.append(ScheduledChunk(ids[-1], [7] * 4, starts[-1] + 1, True))
+            for piece in pieces:  # (a forward a piece: their requests' parts reach further)
+                ex.forward([piece], None, False)
         assert fast.clock() == twin.clock() and fast.busy_s == twin.busy_s
         assert not fast._later and not fast._replays  # taken with the step
-        assert chunks._rows is None or extra  # the leading chunks never made on the fast path
+        # the leading chunks never made on the fast path (the general one transposes them
+        # where the engine set no columns)
+        assert chunks._rows is None or (extra & 8 and starts and not with_columns)

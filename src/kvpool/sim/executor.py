@@ -194,16 +194,25 @@ class CostExecutor:
         `_work`'s order (the decodes' sums do not depend on theirs). None where neither can
         price it (step_time then does). Reads `_later` and the replays, takes nothing."""
         later, replays = self._later, self._replays
-        if type(first) is StepChunks and not later and not replays:
+        if type(first) is StepChunks:
             # the engine's leading decodes as columns: chunk i < len(lead_starts) is one token
             # at lead_starts[i] (StepChunks' definition), so those are the decodes' positions,
             # with no (start, end) column read, no length made and counted a row
-            if not first.rest:  # the common step: the columns' rows alone
+            if not first.rest and not later and not replays:  # the common step: the columns' rows alone
                 if self.decode_step_time is not None:
                     return self.decode_step_time(first.lead_starts, self._moved)
                 return None
             if self.split_step_time is not None:
-                return self._price_rest(first.lead_starts, first.rest)
+                split = self._split_rest(first, later, replays)
+                if split is not None:
+                    return self._price_split(*split)
+        return self._price_columns(first)
+
+    def _price_columns(self, first: Sequence[ScheduledChunk]) -> float | None:
+        """`_fast_price` of any first forward, from its columns: a row a decode or not. (The
+        twin of `_split_rest`'s StepChunks path, which tests/test_sim_cost_decode_sums.py
+        holds to it.)"""
+        later, replays = self._later, self._replays
         # the chunks' columns: the engine's, where it planned them (no chunk read), else transposed
         request_ids, starts, ends = step_columns(first)
         lens = list(map(sub, ends, starts))
@@ -240,20 +249,49 @@ class CostExecutor:
             return None if self.decode_step_time is None else self.decode_step_time(positions, self._moved)
         return self.split_step_time(positions, others, self._moved)  # type: ignore[misc]
 
-    def _price_rest(self, lead_starts: Sequence[int], rest: Sequence[ScheduledChunk]) -> float | None:
-        """`_fast_price` of a StepChunks with chunks after its leading decodes (rows that
-        joined: their first decodes, a prompt's chunk), in one piece, no replays: the leading
-        decodes' positions as they are, the rest's decodes after them and its other chunks in
-        their order (the decodes' sums do not depend on where they fall)."""
-        positions = list(lead_starts)
+    def _split_rest(
+        self, first: StepChunks, later: Mapping[str, tuple[int, int]], replays: Sequence[tuple[int, int]]
+    ) -> tuple[list[int], list[tuple[int, int]]] | None:
+        """`_price_columns`' (positions, others) of a StepChunks first forward, read from its
+        leading decodes' starts and its rest alone (rows that joined: their first decodes, a
+        prompt's chunk; a divided chunk's first piece): a decode, one token, is never cut, so
+        the requests of the later pieces (`later`) are the rest's or none of the first
+        forward's (after its requests, as `_work` puts them), then the replays. The leading
+        decodes' positions as they are (no row read), the others in `_work`'s order (the
+        decodes' sums do not depend on where they fall). None where a later piece's request
+        is a leading decode's or two of the rest's (`_price_columns` then prices the step)."""
+        rest = first.rest
+        positions = list(first.lead_starts)
         others = []
+        if later:
+            rest_ids = {c.request_id for c in rest}
+            if len(rest_ids) != len(rest):  # a request with two chunks: `_work`'s dict extends its last
+                return None
         for c in rest:
             n = len(c.token_ids)
+            if later:
+                seen = later.get(c.request_id)
+                if seen is not None:  # from its first piece's start to its last piece's end
+                    n = seen[1] - c.start
             if n == 1:
                 positions.append(c.start)
             else:
                 others.append((n, c.start + n))
-        return self._price_split(positions, others)
+        for request_id, (start, end) in later.items():
+            if request_id in rest_ids:
+                continue
+            if request_id in first.lead_ids:  # (never: a decode is one token)
+                return None
+            if end - start == 1:  # none in the first forward: after its requests
+                positions.append(end - 1)
+            else:
+                others.append((end - start, end))
+        for n, end in replays:
+            if n == 1:
+                positions.append(end - 1)
+            else:
+                others.append((n, end))
+        return positions, others
 
     def _work(self, first: Sequence[ScheduledChunk]) -> list[tuple[int, int]]:
         """The step's (tokens, context after them): one chunk per request, in the order
