@@ -63,18 +63,14 @@ def _aligned(n: int) -> int:
     return -(-n // TABLE_ALIGN) * TABLE_ALIGN
 
 
-def _pad(values: list[int], n: int) -> None:
-    """Zeros after a table of n entries to the next multiple of TABLE_ALIGN (in place)."""
-    if n % TABLE_ALIGN:
-        values += _ZEROS[n % TABLE_ALIGN]
-
-
-_ZEROS = {r: [0] * (TABLE_ALIGN - r) for r in range(1, TABLE_ALIGN)}
+# the zeros after a table of n entries to the next multiple of TABLE_ALIGN, by n % TABLE_ALIGN
+# (a plan lists its tables with them in one list display: no call a table)
+_PADS = tuple([0] * (-r % TABLE_ALIGN) for r in range(TABLE_ALIGN))
 
 
 def split_aligned(packed: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
     """The tables of sizes[k] entries each that `packed` holds, each padded to a multiple of
-    TABLE_ALIGN (`_pad`): views of it, each starting on a 16-byte boundary of its buffer."""
+    TABLE_ALIGN (`_PADS`): views of it, each starting on a 16-byte boundary of its buffer."""
     return [t[:n] for t, n in zip(packed.split_with_sizes([_aligned(n) for n in sizes]), sizes, strict=True)]
 
 
@@ -183,8 +179,9 @@ class StepBuffers:
             self._changes_host = host((2, (s + 1) * max_blocks_per_seq), torch.int64)
         self._plan_np = self._plan_host.numpy()
         # the plan area's views by the parts' lengths (a tensor view costs ~1.5 us on the
-        # host, a plan takes eight): a step's few prompt chunks repeat a handful of shapes
-        self._plan_views: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = {}
+        # host, a plan takes eight): a step's few prompt chunks repeat a handful of shapes.
+        # Each: the padded count of values, the views, the area's leading device and host slices
+        self._plan_views: dict[tuple[int, ...], tuple[int, tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]] = {}
         self._sent: torch.cuda.Event | None = None  # the last step's copies out of the pinned twins
         self._plan_sent: torch.cuda.Event | None = None  # the last plan's copy out of the pinned plan area
         v = self._vec
@@ -669,22 +666,27 @@ class StepBuffers:
 
     def plan_tables(self, values: list[int], sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
         """A step plan's int32 tables in the persistent plan area: `values` the tables end to
-        end, each padded with zeros to a multiple of TABLE_ALIGN entries (`_pad`: every
+        end, each padded with zeros to a multiple of TABLE_ALIGN entries (`_PADS`: every
         table starts 16-byte aligned, so one compiled kernel reads every plan), sizes[k] the
         k-th one's length -> one device view each (made once a `sizes`), written now
         (on CUDA one copy, ordered before the step's kernels on the current stream). They
         hold until the next call: a plan reads them in its own step only."""
         num_values = len(values)
-        if num_values != sum(map(_aligned, sizes)) or num_values > len(self._plan_np):
-            raise ValueError(
-                f"StepBuffers.plan_tables: {num_values} values for tables of {list(sizes)}, each padded "
-                f"to a multiple of 4 (the plan area holds {len(self._plan_np)})"
-            )
-        views = self._plan_views.get(sizes)
-        if views is None:
+        # (the views made once a `sizes`, with the values' padded count they take: checked
+        # against it, not summed again, where the shape was seen)
+        known = self._plan_views.get(sizes)
+        if known is None or known[0] != num_values:
+            if num_values != sum(map(_aligned, sizes)) or num_values > len(self._plan_np):
+                raise ValueError(
+                    f"StepBuffers.plan_tables: {num_values} values for tables of {list(sizes)}, each padded "
+                    f"to a multiple of 4 (the plan area holds {len(self._plan_np)})"
+                )
             if len(self._plan_views) >= 256:  # (a bound on shapes kept: prompts of many lengths)
                 self._plan_views.clear()
-            views = self._plan_views[sizes] = tuple(split_aligned(self._plan[:num_values], sizes))
+            views = tuple(split_aligned(self._plan[:num_values], sizes))
+            # (and the area's leading slices a CUDA step copies: ~1.5 us a slice, made once too)
+            known = self._plan_views[sizes] = (num_values, views, self._plan[:num_values], self._plan_host[:num_values])
+        _, views, device_area, host_area = known
         # The pinned area is read by the last plan's copy until its event passes. A host wait
         # (Event.synchronize), but on an earlier step's copy, which that step's read of its
         # sampled tokens (queued after it) already waited for: it returns at once. Not
@@ -695,7 +697,7 @@ class StepBuffers:
             self._plan_sent.synchronize()
         self._plan_np[:num_values] = values
         if not self._on_cpu:
-            self._plan[:num_values].copy_(self._plan_host[:num_values], non_blocking=True)
+            device_area.copy_(host_area, non_blocking=True)
             self._plan_sent = torch.cuda.Event()
             self._plan_sent.record()
         return views

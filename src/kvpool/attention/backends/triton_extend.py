@@ -55,6 +55,7 @@ them in the compute dtype.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
@@ -65,7 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvpool.attention.backends.step_buffers import _aligned, _pad, split_aligned
+from kvpool.attention.backends.step_buffers import _PADS, TABLE_ALIGN, _aligned, split_aligned
 
 __all__ = ["ExtendPlan", "QuantPages", "extend_attention", "interpreted", "plan_extend"]
 
@@ -289,19 +290,24 @@ def _plan_few(
     num_seqs = len(q)
     if len(c) != num_seqs or len(offsets) != num_seqs:
         raise ValueError(f"{len(q)} q_lens, {len(c)} ctx_lens and {len(offsets)} indptr entries disagree")
-    for i, (q_len, ctx_len) in enumerate(zip(q, c, strict=True)):
-        if not 0 < q_len <= ctx_len:
-            raise ValueError(f"sequence {i}: q_len {q_len} must be in [1, ctx_len {ctx_len}]")
+    # (two C-level reductions; the loop only to name the first bad sequence)
+    if num_seqs and (min(q) < 1 or min(map(operator.sub, c, q)) < 0):
+        for i, (q_len, ctx_len) in enumerate(zip(q, c, strict=True)):
+            if not 0 < q_len <= ctx_len:
+                raise ValueError(f"sequence {i}: q_len {q_len} must be in [1, ctx_len {ctx_len}]")
     g = _pow2(group)
-    block_m = max(1, MIN_ROWS // g, min(ROWS // g, _pow2(max(q)) if num_seqs else 1))
+    longest = max(q) if num_seqs else 1
+    block_m = max(1, MIN_ROWS // g, min(ROWS // g, _pow2(longest)))
     firsts = list(accumulate(q, initial=0))  # [B + 1]: sequence i's first query among all
     # sequence i's tiles start at its queries 0, block_m, 2 * block_m, ... (below q_len)
-    tile_seq: list[int] = []
-    tile_start: list[int] = []
-    for i, q_len in enumerate(q):
-        starts = range(0, q_len, block_m)
-        tile_seq += [i] * len(starts)
-        tile_start += starts
+    if longest <= block_m:  # (one tile a sequence: the common step's few short chunks)
+        tile_seq, tile_start = list(range(num_seqs)), [0] * num_seqs
+    else:
+        tile_seq, tile_start = [], []
+        for i, q_len in enumerate(q):
+            starts = range(0, q_len, block_m)
+            tile_seq += [i] * len(starts)
+            tile_start += starts
     if q_rows is None:  # one after another from first_row
         rows = [first + first_row for first in firsts[:-1]]
         lowest, highest = first_row, firsts[-1] + first_row
@@ -315,13 +321,19 @@ def _plan_few(
     max_ctx_len = max(c) if num_seqs else 1
     split_len = -(-max_ctx_len // BLOCK_N) * BLOCK_N  # (one split: all the keys)
     # every table in one int32 buffer, sent in one copy: rows, q, c, tiles' sequences and
-    # starts, firsts, no merge rows (unsplit), the row offsets; each padded to TABLE_ALIGN
-    parts = (rows, q, c, tile_seq, tile_start, firsts, (), offsets)
-    sizes = tuple(map(len, parts))
-    values: list[int] = []
-    for part, n in zip(parts, sizes, strict=True):
-        values += part
-        _pad(values, n)
+    # starts, firsts, no merge rows (unsplit), the row offsets; each padded with zeros to a
+    # multiple of TABLE_ALIGN (`_PADS`, by its length: one list display, no call a table)
+    num_tiles = len(tile_seq)
+    pad_b, pad_t, pad_f = (
+        _PADS[num_seqs % TABLE_ALIGN],
+        _PADS[num_tiles % TABLE_ALIGN],
+        _PADS[(num_seqs + 1) % TABLE_ALIGN],
+    )
+    values = [
+        *rows, *pad_b, *q, *pad_b, *c, *pad_b, *tile_seq, *pad_t, *tile_start, *pad_t, *firsts, *pad_f,
+        *offsets, *pad_b,
+    ]  # fmt: skip
+    sizes = (num_seqs, num_seqs, num_seqs, num_tiles, num_tiles, num_seqs + 1, 0, num_seqs)
     if store is not None:
         t = store(values, sizes)
     else:
