@@ -36,6 +36,7 @@ the entries on the device. On the CPU the host buffers are the device buffers.
 from __future__ import annotations
 
 import operator
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Sequence
 from itertools import accumulate, chain, compress, count
 from typing import NamedTuple
@@ -198,8 +199,6 @@ class StepBuffers:
         # through numpy, ~1 us through a tensor's __setitem__
         self._vec_np = self._vec_host.numpy()
         self._rows_ctx = self._vec_np[: 2 * s].reshape(2, s)  # seq_rows and ctx_lens as one [2, s] view
-        self._keep = np.ones(s, dtype=bool)  # (a mask `advance` borrows)
-        self._ones = [1] * s  # (a decode's token count, a list to compare with)
         self.long_blocks = LONG_BLOCKS  # (a test sets 0: every other request a long one)
         self._pos_np = self._pos_host.numpy()
         self._tables_np = self._tables_host.numpy()
@@ -217,6 +216,7 @@ class StepBuffers:
         # otherwise): what `advance` moves on
         self._last: tuple[str, ...] | None = None
         self._last_num_tokens = 0
+        self._last_lead = 0  # its leading sequences of one token each (`_stepped`)
         self._gone: list[int] = []  # the last step's sequences whose requests were forgotten since
         self._row_seq = np.zeros(s + 1, dtype=np.int64)  # row -> its sequence in the last step (while it ran there)
         self._on_cpu = on_cpu
@@ -375,7 +375,8 @@ class StepBuffers:
         self.num_seqs, self.num_tokens = n, num_tokens
         # what `advance` moves on, where the ids are distinct (`forget` finds a request by its row)
         ids = tuple(request_ids)
-        self._stepped(ids if len(set(ids)) == n else None, num_tokens)
+        lead = n if num_tokens == n else int((q_lens != 1).argmax())  # (the first of several tokens)
+        self._stepped(ids if len(set(ids)) == n else None, num_tokens, lead)
         if not self._on_cpu:
             self._send(changed_idx, changed_val, num_tokens)
         return self.view(n, num_tokens, int(q_lens.max()) if n else 0)
@@ -468,26 +469,19 @@ class StepBuffers:
         if n > s:
             return False
         vec, rows_ctx = self._vec_np, self._rows_ctx
-        # the kept requests: the last step's less those forgotten since (`forget` noted
-        # their sequences), in its order; their rows and last contexts: [2, k] int32, a copy
-        # ([0, n_prev) of the vectors still hold the last step: pad writes past them)
-        if self._gone:
-            gone = sorted(self._gone)
+        # the kept requests: the last step's less those forgotten since (`forget` noted their
+        # sequences), in its order; their last contexts, and those one on, as lists ([0,
+        # n_prev) of the vectors still hold the last step: pad writes past them)
+        gone = sorted(self._gone)
+        kept_ctx = vec[s : s + n_prev].tolist()
+        kept_ends = (vec[s : s + n_prev] + 1).tolist()
+        if gone:
             kept_ids = list(last)
             for j in reversed(gone):
-                del kept_ids[j]
+                del kept_ids[j], kept_ctx[j], kept_ends[j]
             kept = tuple(kept_ids)
-            keep = self._keep  # (all true between calls; an element set from Python: ~0.1 us)
-            for j in gone:
-                keep[j] = False
-            picked = keep[:n_prev].nonzero()[0]  # [k]: their sequences in the last step
-            for j in gone:
-                keep[j] = True
-            kept_rc = rows_ctx.take(picked, axis=1)  # (take: a fifth of fancy indexing's time)
         else:
-            kept, picked = last, self._arange[:n_prev]
-            kept_rc = rows_ctx[:, :n_prev].copy()
-        kept_ctx = kept_rc[1].tolist()
+            kept = last
         # the step's leading run of them, each one token on: sequences [0, p), C-level passes
         p = min(n, len(kept))
         head = tuple(request_ids[:p])
@@ -496,19 +490,22 @@ class StepBuffers:
         head_starts = list(starts[:p])
         if head_starts != kept_ctx[:p]:
             p = _first_false(map(operator.eq, head_starts, kept_ctx), p)
-        head_ends = list(ends[:p])  # (each one on from its start: C-level subtractions)
-        if list(map(operator.sub, head_ends, head_starts)) != self._ones[:p]:
-            p = _first_false(map((1).__eq__, map(operator.sub, head_ends, head_starts)), p)
+        head_ends = list(ends[:p])  # (each one on from its start: its start is its last context)
+        if head_ends != kept_ends[:p]:
+            p = _first_false(map(operator.eq, head_ends, kept_ends), p)
         if not p:
             return False
-        p_rc = kept_rc[:, :p]  # [2, p]: rows, contexts (the tokens' positions)
-        # the run's last slots: flat token query_start[i + 1] - 1 of the last step's sequence i
-        if self._last_num_tokens == n_prev:  # (a decode step: token i)
-            p_slots = vec.take(picked[:p] + (3 * s + 1))
-        else:
-            p_slots = vec.take(vec.take(picked[:p] + (2 * s + 1)) + 3 * s)
-        crossing = (p_rc[1] % bs == 0).nonzero()[0]  # [m]: tokens that open a block
-        crossing_list = crossing.tolist()
+        # the run's tokens that open a block (a context a multiple of block_size): found among
+        # the last step's contexts in numpy, each one's sequence now its last step's less the
+        # forgotten before it (a few a step: a Python pass over them)
+        gone_set = set(gone)
+        crossing_list = []
+        for j in (vec[s : s + n_prev] % bs == 0).nonzero()[0].tolist():
+            i = j - bisect_left(gone, j)  # (ascending: so are the sequences now)
+            if i >= p:
+                break
+            if j not in gone_set:
+                crossing_list.append(i)
         firsts = [kept_ctx[i] // bs for i in crossing_list]  # the new entries' indices in their rows
         if crossing_list and max(firsts) >= width:
             return False
@@ -560,11 +557,12 @@ class StepBuffers:
             return False
         if crossing_list:
             try:  # (a table without its new block: IndexError, and `update` names the problem)
-                blocks = list(map(operator.getitem, got[num_others:], firsts))
+                opened = list(map(operator.getitem, got[num_others:], firsts))
             except IndexError:
                 return False
-            idx.extend(map(operator.add, map((width).__mul__, p_rc[0, crossing].tolist()), firsts))
-            val.extend(blocks)
+            crossing_rows = map(rows.__getitem__, map(kept.__getitem__, crossing_list))  # (the rows they hold)
+            idx.extend(map(operator.add, map((width).__mul__, crossing_rows), firsts))
+            val.extend(opened)
         # checked: now written
         if self._sent is not None:
             self._sent.synchronize()  # the pinned twins are read by the last step's copies until then
@@ -574,7 +572,6 @@ class StepBuffers:
         changed_idx, changed_val = np.array(idx, dtype=np.int64), np.array(val, dtype=np.int64)
         tables_flat[changed_idx] = changed_val
         self.num_table_writes += len(idx)
-        opened_blocks = changed_val[len(idx) - len(crossing_list) :]  # [m]: the kept tokens' new blocks (listed last)
         if longs:  # their entries [lo, num_blocks), a slice each
             wide_idx, wide_val = [changed_idx], [changed_val]
             for j in longs:
@@ -589,15 +586,38 @@ class StepBuffers:
                 changed_idx, changed_val = np.concatenate(wide_idx), np.concatenate(wide_val)
         pos = self._pos_np
         # [0, p): the kept decodes, a token each at their last context, the next slot of
-        # the same block but where a block opens
-        pos[:p] = p_rc[1]
-        p_slots += 1
-        if crossing_list:
-            p_slots[crossing] = opened_blocks * bs
-        p_rc[1] += 1
-        rows_ctx[:, :p] = p_rc
-        vec[2 * s : 2 * s + p + 1] = self._arange[: p + 1]
-        vec[3 * s + 1 : 3 * s + 1 + p] = p_slots
+        # the same block but where a block opens, moved in place. The last step's sequences
+        # [0, lead) had a token each (sequence j's last slot is token j's); a later one's last
+        # slot is its last token's, read before anything moves (a few: the last step's chunks)
+        lead, slots_at = self._last_lead, 3 * s + 1
+        tails = []  # (its sequence now, its last slot)
+        for j in range(lead, n_prev):
+            i = j - bisect_left(gone, j)
+            if i >= p:
+                break
+            if j not in gone_set:
+                tails.append((i, vec[slots_at + vec[2 * s + j + 1] - 1]))
+        # the forgotten sequences' gaps closed: the kept run between gone[t] and gone[t + 1]
+        # moves down t + 1 places (rows and contexts; slots where it lies in [0, lead))
+        for t, g in enumerate(gone):
+            src, stop = g + 1, gone[t + 1] if t + 1 < len(gone) else n_prev
+            dst = src - (t + 1)
+            stop = min(stop, p + t + 1)  # (only the run's sequences: [0, p) once moved)
+            if stop > src:
+                rows_ctx[:, dst : dst + stop - src] = rows_ctx[:, src:stop]  # (numpy copies overlaps safely)
+                below = min(stop, lead)  # (the slots of sequences [src, below) are tokens [src, below))
+                if below > src:
+                    vec[slots_at + dst : slots_at + below - (t + 1)] = vec[slots_at + src : slots_at + below]
+        slots = vec[slots_at : slots_at + p]
+        for i, slot in tails:
+            slots[i] = slot
+        pos[:p] = rows_ctx[1, :p]
+        rows_ctx[1, :p] += 1
+        slots += 1
+        for i, block in zip(crossing_list, opened, strict=True) if crossing_list else ():
+            slots[i] = block * bs
+        if p > lead:  # query_start [0, lead] is the arange already
+            vec[2 * s + lead + 1 : 2 * s + p + 1] = self._arange[lead + 1 : p + 1]
         if num_others:  # [p, n): flat tokens [p, num_tokens)
             vec[p:n], vec[s + p : s + n] = o_rows, o_ends  # seq_rows, ctx_lens
             vec[2 * s + p + 1 : 2 * s + n + 1] = list(accumulate(o_lens, initial=p))[1:]
@@ -624,16 +644,20 @@ class StepBuffers:
                         vec[3 * s + 1 + t : 3 * s + 1 + t + q] = slots[start - k * bs : end - k * bs]
                     t += q
         self.num_seqs, self.num_tokens = n, num_tokens
-        self._stepped(tuple(request_ids), num_tokens)
+        # the leading sequences of one token each: the run, and the others' that lead
+        lead = n if num_tokens == n else p + _first_false(map((1).__eq__, o_lens), num_others)
+        self._stepped(tuple(request_ids), num_tokens, lead)
         self.num_advanced_changed += 1
         if not self._on_cpu:
             self._send(changed_idx, changed_val, num_tokens)
         return True
 
-    def _stepped(self, request_ids: tuple[str, ...] | None, num_tokens: int) -> None:
+    def _stepped(self, request_ids: tuple[str, ...] | None, num_tokens: int, lead: int = 0) -> None:
         """The step just written is what `advance` moves on (None: none is): its ids, its
-        tokens, and each row's sequence in it (what `forget` looks a forgotten row up in)."""
-        self._last, self._last_num_tokens = request_ids, num_tokens
+        tokens, its leading sequences of one token each (sequences [0, lead): sequence i's
+        token is token i), and each row's sequence in it (what `forget` looks a forgotten
+        row up in)."""
+        self._last, self._last_num_tokens, self._last_lead = request_ids, num_tokens, lead
         self._gone = []
         if request_ids is not None:
             self._row_seq[self._vec_np[: len(request_ids)]] = self._arange[: len(request_ids)]
