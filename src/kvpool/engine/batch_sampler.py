@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Iterable, Sequence
-from itertools import repeat
+from itertools import count, repeat
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from kvpool.engine.sampling import GREEDY_TEMPERATURE, SamplingParams, draws_at, seed_words
+from kvpool.engine.sampling import _MASK64, GREEDY_TEMPERATURE, SamplingParams, _splitmix64, draws_at, seed_words
 
 _TEMPERATURE, _TOP_P, _TOP_K, _SEED = map(operator.attrgetter, ("temperature", "top_p", "top_k", "seed"))
 _NO_WORDS, _NO_DRAWS = np.empty(0, dtype=np.uint64), np.empty((0, 1), dtype=np.float32)  # (never written)
@@ -28,6 +28,9 @@ TOP_P_MIN = 2.0**-149
 # A kept batch whose rows draw at consecutive positions hashes this many steps' uniforms at
 # once (`_BatchRows.uniforms`): ~13 numpy calls every AHEAD steps instead of every step.
 AHEAD = 32
+# A drawing batch edited in place (`_BatchRows.edited`) hashes this many joined rows' seed
+# words in Python, more in numpy (`seed_words`, its twin: the same bits)
+FEW_JOINED = 8
 
 
 def sample_batch(
@@ -80,6 +83,8 @@ class _BatchRows:
         "ahead",
         "ahead_top",
         "num_ahead_used",
+        "host_columns",
+        "fresh",
     )
 
     def __init__(self, num_rows: int, stochastic: np.ndarray) -> None:
@@ -101,6 +106,10 @@ class _BatchRows:
         self.ahead: np.ndarray | None = None  # [AHEAD, m] fp32
         self.ahead_top: list[bool] = []
         self.num_ahead_used = 0
+        self.host_columns: np.ndarray | None = None  # [m, 2] fp64: temperature, top_p (what `edited` moves)
+        # [f] int64: drawing rows that joined by `edited`, whose columns of the table are
+        # filled at the next step (their positions are known then); None: none
+        self.fresh: np.ndarray | None = None
 
     @classmethod
     def of(
@@ -129,6 +138,7 @@ class _BatchRows:
         top_p = np.maximum(np.fromiter(map(_TOP_P, picked), np.float64, m), TOP_P_MIN)
         host_columns = np.empty((m, 2))  # [m, 2] fp64: temperature, top_p
         host_columns[:, 0], host_columns[:, 1] = temperature[stochastic] if m < num_rows else temperature, top_p
+        rows.host_columns = host_columns
         columns = torch.from_numpy(host_columns).float()  # [m, 2] fp32
         # clamped in Python first: a top_k may be any int, beyond int64 too
         k = np.fromiter(map(min, map(_TOP_K, picked), repeat(vocab)), np.int64, m)
@@ -162,6 +172,76 @@ class _BatchRows:
                 )
             )
             start += g
+        return rows
+
+    def edited(
+        self,
+        src: np.ndarray,
+        joined: list[int],
+        params: Sequence[SamplingParams],
+        sample_indices: Sequence[int],
+        vocab: int,
+        device: torch.device,
+    ) -> _BatchRows | None:
+        """These rows for a batch that changed by a few rows (`BatchSampler`): src [n] int64,
+        each new row's row here (-1 for the rows `joined`, increasing, whose params and
+        sample indices are given) -> the new batch's rows, the kept rows' seed words,
+        parameter columns, positions and table of coming draws moved with them (a few numpy
+        passes) and only the joined rows' made; their columns of the table are filled at the
+        next step (`uniforms`, where their positions are known). `of` builds the same rows
+        (its twin: BatchSampler.incremental False). None where the edit does not hold and the
+        rows are built anew: here or there a row that does not draw, more than one group of
+        top-k / top-p kinds (or a joined row of another kind than the rows here)."""
+        m, n = len(self.stochastic), len(src)
+        if not m or m != self.num_rows or len(self.groups) != 1 or self.host_columns is None:
+            return None
+        group = self.groups[0]
+        num_joined = len(joined)
+        # (`of`'s rules, each joined row against the one group's kind: a few rows, in Python)
+        temperature = list(map(_TEMPERATURE, params))
+        top_p = [max(p, TOP_P_MIN) for p in map(_TOP_P, params)]
+        for t, p, top_k in zip(temperature, top_p, map(_TOP_K, params), strict=True):
+            k = min(top_k, vocab)
+            if t < GREEDY_TEMPERATURE or (k if k else vocab) != group.k or (p < 1.0) != group.nucleus:
+                return None
+        rows = _BatchRows(n, self.stochastic if n == m else np.arange(n))
+        kept_at = (src >= 0).nonzero()[0]  # [n - num_joined]: the kept rows, now
+        taken = src.take(kept_at)  # [n - num_joined]: their rows here
+        # where they go: the leading rows where the joined ones are appended (the engine's
+        # batch: a slice, no index), else by index (`take` reads: a fifth of indexing's time)
+        num_kept = n - num_joined
+        place: slice | np.ndarray = slice(0, num_kept) if not joined or joined[0] == num_kept else kept_at
+        rows.mixed = np.empty(n, dtype=np.uint64)
+        rows.mixed[place] = self.mixed.take(taken)
+        host_columns = np.empty((n, 2))
+        host_columns[place] = self.host_columns.take(taken, axis=0)
+        if num_joined:
+            seeds = list(map(_SEED, params))
+            if num_joined <= FEW_JOINED:  # `seed_words`' two rounds in Python: ~1 us a row, not ~9 us of numpy
+                rows.mixed[joined] = [
+                    _splitmix64(_splitmix64(seed & _MASK64) ^ index)
+                    for seed, index in zip(seeds, sample_indices, strict=True)
+                ]
+            else:
+                rows.mixed[joined] = seed_words(seeds, sample_indices)
+            host_columns[joined, 0], host_columns[joined, 1] = temperature, top_p
+        rows.host_columns = host_columns
+        columns = _to_device(torch.from_numpy(host_columns).float(), device)  # [n, 2] fp32
+        if n == m:  # the uniforms' buffers kept (their size is the batch's)
+            rows.u_host, rows.u_np, rows.u = self.u_host, self.u_np, self.u
+        else:
+            rows.u_host = torch.empty((n, 1), dtype=torch.float32, pin_memory=device.type == "cuda")
+            rows.u_np = rows.u_host.numpy()
+            rows.u = rows.u_host if device.type == "cpu" else torch.empty((n, 1), dtype=torch.float32, device=device)
+        rows.groups.append(_Group(group.k, group.nucleus, None, columns[:, 0:1], columns[:, 1:2], rows.u[0:n]))
+        if self.next_at is not None:  # the kept rows' next positions, the joined ones' set at the next step
+            rows.next_at = np.zeros(n, dtype=np.int64)
+            rows.next_at[place] = self.next_at.take(taken)
+            rows.fresh = np.array(joined, dtype=np.int64)
+            if self.ahead is not None:  # the kept rows' columns of the table (one group: rows in order)
+                rows.ahead = np.empty((AHEAD, n), dtype=np.float32)
+                rows.ahead[:, place] = self.ahead.take(taken, axis=1)
+                rows.num_ahead_used = self.num_ahead_used
         return rows
 
     def sample(self, logits: torch.Tensor, positions: Callable[[], np.ndarray]) -> list[int]:
@@ -202,7 +282,10 @@ class _BatchRows:
         index of non-zero weight). Where every row is one position on from the last step,
         from the table of the coming steps' draws (made at the second such step, for AHEAD
         steps); any other step hashes its own and the table goes."""
-        nxt, ahead = self.next_at, self.ahead
+        nxt, ahead, fresh = self.next_at, self.ahead, self.fresh
+        if fresh is not None:  # rows that joined (`edited`): their positions start here
+            self.fresh = None
+            nxt[fresh] = at[fresh]
         consecutive = nxt is not None and bool((at == nxt).all())
         self.next_at = at + 1
         if not consecutive:  # a first step, or positions that moved otherwise: this step alone
@@ -219,6 +302,11 @@ class _BatchRows:
             ahead = self.ahead = (draws if self.order is None else draws[:, self.order]).astype(np.float32)
             self.ahead_top = (ahead >= 1.0).any(axis=1).tolist()
             j = 0
+        elif fresh is not None:  # a table kept through an edit: the joined rows' columns, from here
+            if len(fresh):
+                steps = at[fresh] + np.arange(AHEAD - j, dtype=np.int64)[:, None]  # [AHEAD - j, f]
+                ahead[j:, fresh] = draws_at(np.broadcast_to(self.mixed[fresh], steps.shape), steps)
+            self.ahead_top = (ahead >= 1.0).any(axis=1).tolist()  # (rows left and joined: every step's again)
         self.u_np[:, 0] = ahead[j]
         self.num_ahead_used = j + 1
         return self.ahead_top[j]
@@ -285,7 +373,10 @@ class BatchSampler:
     arrays by row. A step of other rows (one joined, left or moved) builds them again, but
     where the last batch was greedy throughout: then only the rows that joined it are read
     (rows(joined)), and greedy too, the batch is greedy throughout as it stands (a greedy
-    batch keeps nothing per row; `incremental` False reads every row: the twin). Its
+    batch keeps nothing per row); and where it drew throughout in one group: then only the
+    joined rows are read too, and drawing in that group, the kept rows' columns and table
+    of coming draws are moved with them (`_BatchRows.edited`; a joined row of another kind
+    reads the batch whole after all). `incremental` False reads every row: the twin. Its
     tokens are `sample_batch`'s, bit for bit (tests/test_sampling_batch.py): the same
     columns, the same draws, the same tensor ops."""
 
@@ -297,6 +388,7 @@ class BatchSampler:
         # every owner of the last batch where it is greedy throughout, else None
         self._greedy_owners: set[object] | None = None
         self.incremental = True
+        self.num_edited = 0  # batches of drawing rows edited in place (`_BatchRows.edited`), not built anew
 
     def sample(
         self,
@@ -326,6 +418,8 @@ class BatchSampler:
     def _take(self, owners: Sequence[object], rows: RowsOf, logits: torch.Tensor) -> None:
         """The batch of `owners` kept: after a greedy batch, the params of the owners that
         joined it read, and where they are greedy too the batch is (nothing else read);
+        after a batch that draws throughout in one group, the joined owners' params read
+        and, where they draw in that group too, the kept rows moved (`_BatchRows.edited`);
         else every row's parameters read and the batch's rows built (`_BatchRows.of`)."""
         n = len(owners)
         kept = self._greedy_owners
@@ -343,6 +437,35 @@ class BatchSampler:
                 self._owners = list(owners)
                 self._greedy_owners = new
                 return
+        last_rows = self._rows
+        if (
+            self.incremental
+            and last_rows is not None
+            and len(last_rows.groups) == 1
+            and len(last_rows.stochastic) == last_rows.num_rows
+            and _by_identity(owners)
+            and _by_identity(self._owners)
+        ):
+            # a batch that draws throughout, in one group: each new row's row in it (by
+            # identity: the owners hash as `object`), the joined rows' params read, and the
+            # kept rows moved (`_BatchRows.edited`), the table of coming draws with them
+            row_of = dict(zip(self._owners, count()))
+            src = np.fromiter(map(row_of.get, owners, repeat(-1)), np.int64, n)
+            joined = (src < 0).nonzero()[0].tolist()
+            if len(joined) < n:  # (some row kept: else nothing to move)
+                params, sample_indices, origins = rows(joined) if joined else ((), (), ())
+                if not len(params) == len(sample_indices) == len(origins) == len(joined):
+                    raise ValueError(
+                        f"BatchSampler: {len(joined)} rows joined but rows() gave {len(params)} params, "
+                        f"{len(sample_indices)} sample indices, {len(origins)} origins"
+                    )
+                edited = last_rows.edited(src, joined, params, sample_indices, logits.shape[-1], logits.device)
+                if edited is not None:
+                    kept_origins = self._origins.take(src)  # (the joined rows' entries, -1's, set next)
+                    kept_origins[joined] = origins
+                    self._rows, self._origins, self._owners = edited, kept_origins, list(owners)
+                    self.num_edited += 1
+                    return
         params, sample_indices, origins = rows()
         if not len(params) == len(sample_indices) == len(origins) == n:
             raise ValueError(
@@ -366,16 +489,20 @@ class BatchSampler:
 
 
 def _identity_set(owners: Sequence[object]) -> set[object] | None:
-    """The owners as a set where a set tells them apart by identity: all of one type that
-    compares and hashes as `object` does (the engine's sequences: dataclasses with eq=False).
-    None for any other owners (a set would take equal ones for one): read whole."""
+    """The owners as a set where a set tells them apart by identity (`_by_identity`). None
+    for any other owners (a set would take equal ones for one): read whole."""
+    return set(owners) if _by_identity(owners) else None
+
+
+def _by_identity(owners: Sequence[object]) -> bool:
+    """Whether the owners are all of one type that compares and hashes as `object` does (the
+    engine's sequences: dataclasses with eq=False): a set or a dict of them tells them apart
+    by identity."""
     kinds = set(map(type, owners))
     if len(kinds) != 1:
-        return None
+        return False
     (kind,) = kinds
-    if kind.__eq__ is not object.__eq__ or kind.__hash__ is not object.__hash__:
-        return None
-    return set(owners)
+    return kind.__eq__ is object.__eq__ and kind.__hash__ is object.__hash__
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
