@@ -618,9 +618,14 @@ class StepBuffers:
             slots[i] = block * bs
         if p > lead:  # query_start [0, lead] is the arange already
             vec[2 * s + lead + 1 : 2 * s + p + 1] = self._arange[lead + 1 : p + 1]
-        if num_others:  # [p, n): flat tokens [p, num_tokens)
-            vec[p:n], vec[s + p : s + n] = o_rows, o_ends  # seq_rows, ctx_lens
+        # [p, n): the others' seq_rows, ctx_lens and query_start (one other: elements, ~0.1 us
+        # each, not slices from lists), then their flat tokens [p, num_tokens)
+        if num_others == 1:
+            vec[p], vec[s + p], vec[2 * s + n] = o_rows[0], o_ends[0], num_tokens
+        elif num_others:
+            vec[p:n], vec[s + p : s + n] = o_rows, o_ends
             vec[2 * s + p + 1 : 2 * s + n + 1] = list(accumulate(o_lens, initial=p))[1:]
+        if num_others:
             if not longs:  # a few blocks: positions a slice each, the slots from their ranges in one pass
                 t, arange = p, self._arange
                 for start, end in zip(o_starts, o_ends, strict=True):
