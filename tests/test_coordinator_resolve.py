@@ -149,6 +149,12 @@ OPS = st.lists(
 # (V4 steps whose reserved step is undone, named one off, or committed before the query)
 @example(paged=False, ops=[("admit", 0, 20), ("admit", 0, 30), ("step", 1, 1), ("step", 0, 2), ("step", 1, 3)])
 def test_the_memo_agrees_with_the_naive_twins_through_lifecycles(paged: bool, ops: list) -> None:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(coordinator, "MIN_ROWS_CARRIED", 1)  # (these small batches carry the memo too)
+        _lifecycle(paged, ops)
+
+
+def _lifecycle(paged: bool, ops: list) -> None:
     t = _Twins(paged)
     ids: list[str] = []  # the engine's list: one object all along, changed in place
     num_new = 0
@@ -323,7 +329,8 @@ def _fresh_lookup(m: HybridCacheManager, ids: list[str]) -> list[object]:
     return [m._requests[r] for r in ids]
 
 
-def test_the_memo_is_carried_through_rows_that_leave_and_join() -> None:
+def test_the_memo_is_carried_through_rows_that_leave_and_join(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(coordinator, "MIN_ROWS_CARRIED", 1)  # (a few rows carry the memo too)
     # Steady serving on the paged cache: between two steps r1 finishes and r4 joins at the
     # end. The step's ids are the memo's less r1 plus r4: its requests come from the memo
     # (r1's row deleted, r4 looked up), the ids known distinct without a count
@@ -357,7 +364,8 @@ def test_the_memo_is_carried_through_rows_that_leave_and_join() -> None:
     m.check_integrity()
 
 
-def test_a_carried_memo_refuses_what_the_lookup_refuses() -> None:
+def test_a_carried_memo_refuses_what_the_lookup_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(coordinator, "MIN_ROWS_CARRIED", 1)  # (a few rows carry the memo too)
     # A new row names a request twice, or one unknown, or a request released and admitted
     # again under its old id in its old place: each is refused as the naive twin refuses
     # it (nothing changed), or looked up anew, never answered from a stale memo

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.cache import CacheDescriptor, DSV4CacheManager, FullAttentionManager, StateRestore
+from kvpool.cache import CacheDescriptor, DSV4CacheManager, FullAttentionManager, StateRestore, coordinator
 from kvpool.cache.coordinator import HybridCacheManager, pack_prompt
 from kvpool.cache.dual_pool import RestoreChoice, TokenCost, choose_restore
 from kvpool.engine import tier_bridge
@@ -747,6 +747,42 @@ def test_the_decode_step_asks_the_group_at_span_ends_only(kw: dict) -> None:
         requests = [[(r, m.num_computed_tokens(r), m.token_ids(r)) for r in m.request_ids] for m in managers]
         assert requests[0] == requests[1], step
     assert refused and taken and mixed  # the pool ran out; some steps completed spans; some were mixed
+
+
+@pytest.mark.parametrize("apart", [True, False])
+@pytest.mark.parametrize("paged", [True, False])
+def test_a_forks_first_decode_in_a_mixed_step_reaches_the_groups(
+    paged: bool, apart: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A fork's first step is a decode off the commit period beside a newcomer's prefill
+    # chunk: the commit's pass looks for the few fresh requests after it
+    # (`_fresh_decodes`), not at every row (apart=False: more than MAX_FRESH_APART, asked
+    # about at every row). The groups must see the fork's row (it is not fresh after, as
+    # the naive twin `_commit_each` leaves it), in step order, and the caches must agree
+    # in every count, token and block
+    if not apart:
+        monkeypatch.setattr(coordinator, "MAX_FRESH_APART", 0)
+
+    def build() -> HybridCacheManager:
+        return FullAttentionManager(40, 4, DESC) if paged else make(12, 6)
+
+    managers = [build(), build()]
+    views = []
+    for k, m in enumerate(managers):
+        assert m.admit("r0", _ids(SPAN + 5)) is not None
+        m.commit_step(["r0"], [SPAN + 5], [9])
+        assert m.fork("r0", "c0")
+        m.append_token_ids("c0", [8])
+        assert m._fresh == {"c0"}
+        assert m.reserve_step(["r0", "c0"], [1, 1])
+        assert m.admit("n0", _ids(SPAN + 3, offset=1)) is not None
+        ids, counts = ["r0", "c0", "n0"], [1, 1, SPAN + 3]
+        (m.commit_step if k == 0 else m._commit_each)(ids, counts, [4, 5, 6])
+        m.check_integrity()
+        assert m._fresh == set()
+        views.append(([(r, m.num_computed_tokens(r), m.token_ids(r)) for r in ids], m.pool.free_queue(), m.usage()))
+    assert views[0] == views[1]
+    assert views[0][0][:2] == [("r0", SPAN + 6, [*_ids(SPAN + 5), 9, 4]), ("c0", SPAN + 6, [*_ids(SPAN + 5), 8, 5])]
 
 
 @pytest.mark.parametrize("exact", [True, False])

@@ -115,6 +115,11 @@ def check_mm_items(mm_items: Sequence[MMItem], num_tokens: int) -> tuple[MMItem,
 MAX_MEMO_SALTS = 1024  # tenant salts whose roots a coordinator keeps at hand (`_request_roots`)
 # requests that may leave between two steps with `_resolve`'s memo carried (`_resolve_changed`)
 MAX_LEFT_CARRIED = 32
+# the fewest rows a carried memo serves: a smaller step is looked up id by id at less cost
+# (an admission's commit of one request, the simulator's small batches)
+MIN_ROWS_CARRIED = 16
+# fresh requests (`_fresh`) that a commit's pass finds apart, not by a question at every row
+MAX_FRESH_APART = 8
 
 
 def pack_prompt(
@@ -438,7 +443,7 @@ class HybridCacheManager:
         it, each once); None when the batch is no such change (the caller looks every id
         up). KeyError (the dict's) for an unknown new row's id."""
         left, kept_ids, kept = self._left, self._resolved_list, self._resolved
-        if left is None or not kept or not self._resolved_distinct:
+        if left is None or len(request_ids) < MIN_ROWS_CARRIED or not self._resolved_distinct:
             return None  # (an id named twice: its every row would have to go)
         if left:
             kept_ids, kept = kept_ids.copy(), kept.copy()
@@ -1427,31 +1432,57 @@ class HybridCacheManager:
         if not self._distinct(request_ids, reqs):
             return None
         changed: list[_Request] = []
-        i = 0
+        # A few fresh requests (the joiners, whose chunks change the groups anyway) are
+        # looked for after the pass, not asked about at every decode row
+        ask_fresh = len(fresh) > MAX_FRESH_APART
+        failed = False
         try:
             for req, n, next_token_id in zip(reqs, num_tokens, next_token_ids, strict=True):
                 nc = req.num_computed + n
                 # exact: the whole reserved step (its end stays num_computed after); else within it, ids known
                 if (req.end != nc) if exact else (n < 0 or nc > req.end or nc > len(req.token_ids)):
+                    failed = True
                     break
                 if n:
                     req.num_computed = nc
                     # a one-token commit off the period of a request not fresh changes no group (`commit_period`)
-                    if n != 1 or not nc % period or req.request_id in fresh:
+                    if n != 1 or not nc % period or (ask_fresh and req.request_id in fresh):
                         changed.append(req)
                 if next_token_id is not None:
                     req.token_ids.append(next_token_id)
-                i += 1
         except (OverflowError, TypeError):  # an id the array cannot hold: undone, the twin names it
-            reqs[i].num_computed -= num_tokens[i]
-        if i < len(reqs):  # undo the requests before the one at fault, latest first
-            for j in reversed(range(i)):
+            req.num_computed -= n
+            failed = True
+        if failed:  # undo the requests before the one at fault, latest first (`req`: distinct rows)
+            for j in reversed(range(reqs.index(req))):
                 req = reqs[j]
                 req.num_computed -= num_tokens[j]
                 if next_token_ids[j] is not None:
                     req.token_ids.pop()
             return None
+        if fresh and not ask_fresh and self._fresh_decodes(request_ids, reqs, num_tokens):
+            # a fresh request's one-token commit off the period (a fork's first decode, say):
+            # the groups see it too, in step order (the order groups publish in decides which
+            # copy is findable)
+            changed = [
+                req
+                for req, n in zip(reqs, num_tokens, strict=True)
+                if n and (n != 1 or not req.num_computed % period or req.request_id in fresh)
+            ]
         return changed
+
+    def _fresh_decodes(self, request_ids: Sequence[str], reqs: list[_Request], num_tokens: Sequence[int]) -> bool:
+        """Whether a fresh request's row in a committed step is a one-token commit off the
+        commit period (which the pass over the rows left out of the changed ones)."""
+        period = self._commit_period
+        for request_id in self._fresh:
+            try:
+                i = request_ids.index(request_id)
+            except ValueError:
+                continue  # (not in this step)
+            if num_tokens[i] == 1 and reqs[i].num_computed % period:
+                return True
+        return False
 
     def _commit_groups(self, changed: list[_Request]) -> None:
         """Every group commits the requests whose commit may change it; they are not fresh any more."""
