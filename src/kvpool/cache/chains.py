@@ -207,8 +207,13 @@ class UnitHits:
     def upper_bound(self, unit: int) -> int:
         """No point is served above the last found unit, the lower tier's units after the
         found ones (full attention's: its found units are a run) and the last turn end."""
-        num = next((k + 1 for k in range(len(self.found) - 1, -1, -1) if self.found[k] is not None), 0)
-        return max([(num + len(self.lower)) * unit, *self.turn_ends])
+        found = self.found
+        if found and found[-1] is not None:  # (a run, full attention's hits: no walk back)
+            num = len(found)
+        else:
+            num = next((k + 1 for k in range(len(found) - 1, -1, -1) if found[k] is not None), 0)
+        top = (num + len(self.lower)) * unit
+        return max(top, *self.turn_ends) if self.turn_ends else top
 
 
 def held_copy(pool: BlockPool, block: PrefixBlock) -> int:

@@ -333,7 +333,10 @@ class HybridCacheManager:
 
     def _fits(self, needs: dict[BlockPool, int]) -> bool:
         """Whether every pool has the free blocks the groups need of it together."""
-        return all(n <= pool.num_free for pool, n in needs.items())
+        for pool, n in needs.items():  # (a loop: all() over a generator costs more for one or two pools)
+            if n > pool.num_free:
+                return False
+        return True
 
     def num_reserved_tokens(self, request_id: str) -> int:
         return self._get(request_id).end
@@ -853,6 +856,8 @@ class HybridCacheManager:
         found = hits[name]
         g, serves = self.hit_granularity, group.serves
         top = min(num_tokens - 1, group.upper_bound(found))
+        if top <= 0:
+            return 0  # (nothing cached: no point, on the grid or off it, lies in (0, top])
         point = top // g * g
         extras = group.extra_points(found)  # increasing, each once (a group's turn ends)
         if any(map(operator.ge, extras, extras[1:])):
@@ -1037,8 +1042,13 @@ class HybridCacheManager:
         for name, g in self.groups.items():
             req.states[name], admit_copies[name] = g.apply_admit(plans[name], req.roots[name])
         # The lower tier's blocks are in flight until loaded: not computed, not findable
-        req.num_loading = sum(len(g.loads(req.states[name])) * g.granularity for name, g in self.groups.items())
-        req.num_computed = req.end = point - req.num_loading
+        num_loading = 0
+        for name, g in self.groups.items():
+            loads = g.loads(req.states[name])
+            if loads:
+                num_loading += len(loads) * g.granularity
+        req.num_loading = num_loading
+        req.num_computed = req.end = point - num_loading
         req.budget = rest if max_new_tokens is None else max_new_tokens
         self._add_request(req)
         self._fresh.add(request_id)

@@ -156,7 +156,9 @@ class AttentionGroup(CacheGroup):
         # The run that leaves a token to compute, then the prompt's last full block (a
         # point inside it copies it) without counting a collision there
         top = min(num, (len(token_ids) - 1) // bs)
-        chain = self.pool.match(root, data, width, top, extras, count_collisions=admission, memo=memo).chain
+        chain: list[PrefixBlock] = []  # (a prompt of a block or less: no run to walk, its last block below)
+        if top:
+            chain = self.pool.match(root, data, width, top, extras, count_collisions=admission, memo=memo).chain
         if len(chain) == top < num:
             parent = chain[-1] if chain else root
             more = self.pool.match(
@@ -205,7 +207,7 @@ class AttentionGroup(CacheGroup):
         if hits is None:
             hits = UnitHits([], [])
         bs = self.block_size
-        first = self.spec.first_needed(point) // bs
+        first = 0 if self.spec.window is None else self.spec.first_needed(point) // bs
         last = -(-point // bs)
         on_device = min(last, len(hits.found))
         hit_ids = []
@@ -219,7 +221,7 @@ class AttentionGroup(CacheGroup):
             hit_ids.append(chains.held_copy(self.pool, hits.turn_ends[min(e for e in hits.turn_ends if e >= point)]))
             lower = []
         num_new = -(-end // bs) - first - len(hit_ids) + copy_tail
-        revived = sum(1 for b in set(hit_ids) if self.pool.refcount(b) == 0)
+        revived = sum(1 for b in set(hit_ids) if self.pool.refcount(b) == 0) if hit_ids else 0
         plan = AttentionAdmit(first, hit_ids, num_new, copy_tail, hits.chain[: min(point // bs, on_device)], lower)
         return plan, {self.pool: num_new + revived}
 
@@ -349,7 +351,9 @@ class AttentionGroup(CacheGroup):
             if state.held_src is not None:
                 pool.decref((state.held_src,))
                 state.held_src = None
-            first = self.spec.first_needed(nc) // bs  # (full attention: 0)
+            if window is None:
+                continue  # (full attention keeps every block: none leaves a window)
+            first = self.spec.first_needed(nc) // bs
             if first > state.first:
                 gone = state.block_ids[: first - state.first]
                 del state.block_ids[: first - state.first]
