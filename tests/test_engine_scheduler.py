@@ -6,6 +6,7 @@ produce exactly the tokens it produces alone. Fast: no tensors beyond the logits
 from __future__ import annotations
 
 import gc
+import operator
 import random
 from collections.abc import Sequence
 
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 
 from kvpool.cache import CacheDescriptor, FullAttentionManager
 from kvpool.engine.batch_sampler import BatchSampler
-from kvpool.engine.engine import Engine, RequestState, SequenceState, _DecodeColumns
+from kvpool.engine.engine import Engine, RequestState, SequenceState, _DecodeColumns, _leads
 from kvpool.engine.runner import ScheduledChunk, StepChunks, step_columns
 from kvpool.engine.sampling import SamplingParams
 
@@ -489,7 +490,8 @@ def test_a_prompt_is_checked_packed_once_and_its_packing_serves_the_first_admiss
 )
 def test_the_columns_rows_that_may_end_are_those_end_rows_ends(rows, shared):
     # `_take_column_tokens` hands `_end_rows` only the rows `_column_end_rows` finds in C
-    # (a token among the row's stop ids; with `left`, its length at its end length); its twin
+    # (a token among the row's stop ids; the rows `_rows_at_end` finds due: its length at its
+    # end length); its twin
     # is `_end_rows` over every row, whose own check is: the token is a stop id, or
     # len(token_ids) >= end_len. Each row: its token, its end length's distance from the
     # chunk's end + 1 (left[i] = end_len - end: 1 or less is reached), its stop ids (the
@@ -517,7 +519,33 @@ def test_the_columns_rows_that_may_end_are_those_end_rows_ends(rows, shared):
         if token in stop_ids or end + 1 >= end_len
     ]
     left = [end_len - end for end_len, end in zip(end_lens, ends, strict=True)]
-    # the take passes `left` exactly where the least of it says some row reached its end length
-    assert Engine._column_end_rows(cols, sampled, left if min(left) <= 1 else None) == twin
+    # the rows due: those whose length reaches their end length (left is at least 1)
+    due = Engine._rows_at_end(left)
+    assert due == [i for i, n in enumerate(left) if n <= 1]
+    # the take passes the rows due where the slack was recomputed, else None
+    assert Engine._column_end_rows(cols, sampled, due) == twin
     if min(left) > 1:
-        assert Engine._column_end_rows(cols, sampled, left) == twin  # (a bound that says nothing more)
+        assert Engine._column_end_rows(cols, sampled, None) == twin  # (no row due: the same rows)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    num_running=st.integers(0, 8),
+    prefix=st.integers(0, 8),
+    picks=st.lists(st.integers(0, 9), max_size=3),
+)
+def test_the_running_sequences_lead_with_the_columns_rows_by_identity_alone(num_running, prefix, picks):
+    # `_plan_running` plans from the columns where the running sequences begin with the
+    # columns' rows, the same objects in order (`_leads`: lists compared with ==, identity
+    # since SequenceState compares by identity). Its twin: all(map(operator.is_, ...)).
+    # Every sequence here has the same fields (a twin of equal values is still another row);
+    # seqs: the first `prefix` running sequences, then `picks` (an index past the running
+    # ones picks such a twin)
+    req = RequestState("r", [1, 2], SamplingParams(), 0.0)
+    running = [SequenceState("r/0", req, 0, [1, 2]) for _ in range(num_running)]
+    stranger = SequenceState("r/0", req, 0, [1, 2])
+    seqs = running[:prefix] + [running[i] if i < num_running else stranger for i in picks]
+    twin = len(seqs) <= len(running) and all(map(operator.is_, running, seqs))
+    assert _leads(running, seqs) == twin
+    if seqs and len(seqs) <= len(running):
+        assert not _leads(running, [*seqs[:-1], stranger])  # equal fields, another object

@@ -50,6 +50,15 @@ _STOP_IDS, _END_LEN = map(operator.attrgetter, ("stop_ids", "end_len"))
 LATENCY_SAMPLES = 1 << 16  # admit / reserve_step latencies kept per kind (the latest)
 
 
+def _leads(running: list[SequenceState], seqs: list[SequenceState]) -> bool:
+    """Whether `running` begins with `seqs`, the same objects in the same order (no longer
+    than it). Lists compared with ==: a sequence equals only itself (SequenceState's eq=False),
+    and the list's compare tests identity before equality, so a match is a pointer compare a
+    row in C; the twin, all(map(operator.is_, running, seqs)), is held to it by
+    tests/test_engine_scheduler.py."""
+    return (running if len(running) == len(seqs) else running[: len(seqs)]) == seqs
+
+
 # eq=False: a sequence (a request) is itself, compared by identity. The engine's queue
 # removals and membership tests (`seq in self.running`) compared every field of every
 # element they passed, the token lists included, at a request's finish or preemption.
@@ -281,6 +290,7 @@ class Engine:
         self._decode_rows: list[SequenceState] | None = None
         self._decode_ids: list[str] = []
         self._step_counts: list[int] = []
+        self._step_num_tokens = 0  # sum(self._step_counts)
         # the leading running sequences as columns (_DecodeColumns), else None; `_plan_running`
         # plans from them when the running sequences still begin with those rows
         # (`_plan_columns`, with `_plan_ends`: each row's chunk end), and the step takes their
@@ -504,7 +514,7 @@ class Engine:
         sequences, their ids, token counts and chunks (one pass: a decode is one token)."""
         running = self.running
         cols = self._plan_columns = self._columns
-        if cols is not None and len(cols.seqs) <= len(running) and all(map(operator.is_, running, cols.seqs)):
+        if cols is not None and len(cols.seqs) <= len(running) and _leads(running, cols.seqs):
             # the running sequences begin with the columns' rows, each one token behind: chunk
             # i < k is (ids[i], [last_tokens[i]], computed[i], True), held as those columns
             # (StepChunks: made as chunks only where something reads them so); the rows after
@@ -531,7 +541,7 @@ class Engine:
                 return self._plan_over_budget(extras, budget - k, list(cols.seqs), cols.ids.copy(), [1] * k, chunks)
         self._plan_columns = None
         rows = self._decode_rows
-        if rows is not None and len(rows) == len(running) <= budget and all(map(operator.is_, running, rows)):
+        if rows is not None and len(rows) == len(running) <= budget and running == rows:  # (identity: `_leads`)
             # the running sequences of the last step, a decode of them all that ended none:
             # each has one token to compute (its last), so its count is 1 and its id the last
             # step's (the test of _chunk below holds these to the computed ones too)
@@ -612,7 +622,9 @@ class Engine:
             scheduled = [seq for seq, _ in plan]  # chunks[i] is scheduled[i]'s
             counts = [n for _, n in plan]
             ids = [seq.seq_id for seq in scheduled]
-        budget = self.max_num_batched_tokens - sum(counts)
+        # the step's tokens so far (a plan of the columns' rows alone: one each, not summed)
+        num_tokens = len(counts) if columns is not None and len(counts) == len(columns.seqs) else sum(counts)
+        budget = self.max_num_batched_tokens - num_tokens
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             admitted = self._timed(
@@ -650,6 +662,7 @@ class Engine:
             )
         self._scheduled = scheduled
         self._step_ids, self._step_counts = ids, counts  # chunks[i]'s request id and token count
+        self._step_num_tokens = self.max_num_batched_tokens - budget  # sum(counts)
         # the step's leading chunks are the columns' rows (admissions append after them)
         self._step_columns = columns
         if columns is None:
@@ -703,10 +716,11 @@ class Engine:
             and ((step_columns is not None and len(step_columns.seqs) == len(chunks)) or counts.count(1) == len(chunks))
         ):
             # a decode step (one sampled token a chunk): the loop below without its per-chunk branches
-            next_token_ids, num_decode, end = self._take_decode_tokens(sampled, logits, now, done, forks, failed)
+            gone: list[int] = []  # the rows [0, end) the takes below ended or failed, increasing
+            next_token_ids, num_decode, end = self._take_decode_tokens(sampled, logits, now, done, forks, failed, gone)
             columns = step_columns
-            if done or failed or columns is None or end != len(columns.seqs):
-                columns = self._next_columns(next_token_ids, end, sampled, bool(done or failed))
+            if gone or columns is None or end != len(columns.seqs):
+                columns = self._next_columns(gone, end, sampled)
             self._columns = columns  # (the step's columns, one token on, where they are all its rows and none ended)
             if not done and not forks and not failed:  # each of them one token behind now
                 self._decode_rows, self._decode_ids = scheduled, self._step_ids
@@ -725,14 +739,15 @@ class Engine:
                 end = next(
                     compress(itertools.count(k), map(operator.ne, islice(counts, k, None), repeat(1))), len(counts)
                 )
+                gone = []  # the rows [0, head) the takes below ended or failed, increasing
                 if columns is not None:  # (its rows, each a decode, are chunks and sampled rows [0, k))
                     head = k
-                    next_token_ids[:head] = self._take_column_tokens(columns, sampled[:head], done, failed)
+                    next_token_ids[:head] = self._take_column_tokens(columns, sampled[:head], done, failed, gone)
                 if end > head and all(map(_NEEDS_LOGITS, chunks[head:end])):
-                    taken = self._take_inline_tokens(scheduled[head:end], sampled[head:end], done, failed)
+                    taken = self._take_inline_tokens(scheduled[head:end], sampled[head:end], done, failed, gone, head)
                     next_token_ids[head : head + len(taken)] = taken
                     head += len(taken)
-                self._columns = self._next_columns(next_token_ids, head, sampled, bool(done or failed))
+                self._columns = self._next_columns(gone, head, sampled)
                 num_decode = row = head
             # (a slice from head: a StepChunks' leading chunks, all before head, are not made)
             rest = zip(islice(scheduled, head, None), chunks[head:], islice(counts, head, None), strict=True)
@@ -775,7 +790,7 @@ class Engine:
                 else:
                     done.append((seq, reason))
         stats.num_decode_tokens += num_decode
-        stats.num_prefill_tokens += sum(counts) - num_decode
+        stats.num_prefill_tokens += self._step_num_tokens - num_decode
         self.runner.commit_step(self._step_ids, counts, next_token_ids)
         for parent, parent_row in forks:
             if parent.request.request_id in failed:
@@ -808,7 +823,8 @@ class Engine:
         done: list[tuple[SequenceState, str]],
         forks: list[tuple[SequenceState, int]],
         failed: dict[str, tuple[str, str]],
-    ) -> tuple[list[int | None], int]:
+        gone: list[int],
+    ) -> tuple[list[int | None], int, int]:
         """`step`'s loop for a step of one sampled token a chunk, every chunk (`sampled[i]`:
         the token of the i-th scheduled sequence), nothing recorded per token: the same work,
         without the branches a prefill chunk takes. The columns' rows (the leading chunks)
@@ -824,10 +840,10 @@ class Engine:
             next_token_ids: list[int | None] = []
         else:
             k = len(columns.seqs)
-            next_token_ids = self._take_column_tokens(columns, sampled if k == n else sampled[:k], done, failed)
+            next_token_ids = self._take_column_tokens(columns, sampled if k == n else sampled[:k], done, failed, gone)
             if k == n:
                 return next_token_ids, n, n
-        inline = self._take_inline_tokens(self._scheduled[k:], sampled[k:], done, failed)
+        inline = self._take_inline_tokens(self._scheduled[k:], sampled[k:], done, failed, gone, k)
         next_token_ids += inline  # (the leading rows that are plain requests' decode tokens, no text to match)
         k += len(inline)
         if k == n:
@@ -876,6 +892,8 @@ class Engine:
         sampled: list[int],
         done: list[tuple[SequenceState, str]],
         failed: dict[str, tuple[str, str]],
+        gone: list[int],
+        first_row: int = 0,
     ) -> list[int | None]:
         """`_take_decode_tokens`' loop for the leading rows that are `inline` (a plain request
         past its first token, no stop string to match), up to the first that is not, in its
@@ -884,7 +902,8 @@ class Engine:
         length reached: the inline path's checks), the rows that ended meet `_stop_reason` in
         row order. (seqs[i]: the sequence of the step's chunk i, a decode of one token;
         sampled[i] its token.) The next token ids for the commit of the rows taken, the first
-        len(result) (None where a request finished or failed); the others are left as they were."""
+        len(result) (None where a request finished or failed, its step row, first_row + its
+        row here, then in `gone`); the others are left as they were."""
         for i, seq in enumerate(seqs):  # (a loop: on Python 3.11 faster than map(attrgetter))
             if not seq.request.inline:
                 seqs, sampled = seqs[:i], sampled[:i]
@@ -899,7 +918,7 @@ class Engine:
                 ended = True
         next_token_ids: list[int | None] = list(sampled)
         if ended:
-            self._end_rows(seqs, sampled, next_token_ids, done, failed)
+            self._end_rows(seqs, sampled, next_token_ids, done, failed, gone, first_row)
         return next_token_ids
 
     def _end_rows(
@@ -909,11 +928,14 @@ class Engine:
         next_token_ids: list[int | None],
         done: list[tuple[SequenceState, str]],
         failed: dict[str, tuple[str, str]],
+        gone: list[int],
+        first_row: int,
         rows: Iterable[int] | None = None,
     ) -> None:
         """The inline takes' second pass, for a step where some row may have ended (each
         row's token appended): the rows whose token is a stop id or reaches their end length
-        meet `_stop_reason`, in row order; next_token_ids[i] is None where one ended or failed.
+        meet `_stop_reason`, in row order; next_token_ids[i] is None where one ended or failed,
+        and first_row + i joins `gone` (the step's row of seqs[i]: `_next_columns` drops those).
         rows: the only rows that may have (increasing; `_column_end_rows` finds them in C),
         else every row is looked at (the twin)."""
         if rows is None:
@@ -930,9 +952,11 @@ class Engine:
                     raise
                 failed[req.request_id] = (f"{type(error).__name__}: {error}", traceback.format_exc())
                 next_token_ids[i] = None
+                gone.append(first_row + i)
                 continue
             if reason is not None:
                 next_token_ids[i] = None
+                gone.append(first_row + i)
                 done.append((seq, reason))
 
     def _take_column_tokens(
@@ -941,6 +965,7 @@ class Engine:
         sampled: list[int],
         done: list[tuple[SequenceState, str]],
         failed: dict[str, tuple[str, str]],
+        gone: list[int],
     ) -> list[int | None]:
         """`_take_inline_tokens` for a step of the columns' rows (`_step_columns`: every row
         inline, each one token behind, as when the columns formed): each row's token appended
@@ -954,12 +979,14 @@ class Engine:
         any(map(setattr, cols.seqs, repeat("num_computed"), ends))
         cols.computed, cols.last_tokens = ends, sampled
         cols.slack -= 1
-        left = None  # [k]: end_lens[i] - ends[i], where the slack was recomputed
+        due = None  # the rows whose token reaches their end length, where the slack was recomputed
         if cols.slack <= 0:  # (a bound: the least itself, len(token_ids) being ends[i] + 1)
+            # [k]: end_lens[i] - ends[i], at least 1 (a row at its end length ended before)
             left = list(map(operator.sub, cols.end_lens, ends))
-            cols.slack = min(left) - 1
+            due = self._rows_at_end(left)
+            cols.slack = 0 if due else min(left) - 1
         stop_ids = cols.stop_ids
-        if cols.slack <= 0:  # some row's token reached its end length
+        if due:  # some row's token reached its end length
             ended = True
         elif stop_ids is None:  # the rows' stop ids differ: row by row, in C
             ended = any(map(operator.contains, cols.row_stop_ids, sampled))
@@ -968,38 +995,48 @@ class Engine:
         next_token_ids: list[int | None] = list(sampled)
         if ended:
             # only the rows that may have ended meet `_end_rows` (a step ends a few of many)
-            rows = self._column_end_rows(cols, sampled, left if cols.slack <= 0 else None)
-            self._end_rows(cols.seqs, sampled, next_token_ids, done, failed, rows)
+            rows = self._column_end_rows(cols, sampled, due)
+            self._end_rows(cols.seqs, sampled, next_token_ids, done, failed, gone, 0, rows)
         return next_token_ids
 
     @staticmethod
-    def _column_end_rows(cols: _DecodeColumns, sampled: list[int], left: list[int] | None) -> list[int]:
+    def _rows_at_end(left: list[int]) -> list[int]:
+        """The rows of a columns' step whose token reaches their end length, increasing:
+        those where left[i] (end_lens[i] minus the row's chunk end, len(token_ids) being that
+        end + 1) is 1, the least it can be (a row whose length reached its end length ended
+        then). Counted, then found, in C: no pass a row in Python, none at all past the
+        count where no row is due (tests/test_engine_scheduler.py holds them to a filter)."""
+        rows: list[int] = []
+        i = -1
+        for _ in range(left.count(1)):
+            i = left.index(1, i + 1)
+            rows.append(i)
+        return rows
+
+    @staticmethod
+    def _column_end_rows(cols: _DecodeColumns, sampled: list[int], due: list[int] | None) -> list[int]:
         """The rows of a columns' step (each row's token appended: sampled[i]) that may have
-        ended, increasing: those whose token is one of their stop ids, and (left: end_lens[i]
-        minus the row's chunk end, given where some row reached its end length) those whose
-        length reached their end length (left[i] <= 1, len(token_ids) being the chunk's end
-        + 1). Found in C-level passes; `_end_rows` checks each again, as it checks every
-        row without them (tests/test_engine_scheduler.py holds the two to each other)."""
+        ended, increasing: those whose token is one of their stop ids, and `due` (the rows
+        whose length reached their end length, `_rows_at_end`, given where the slack was
+        recomputed). Found in C-level passes; `_end_rows` checks each again, as it checks
+        every row without them (tests/test_engine_scheduler.py holds the two to each other)."""
         stop_ids = cols.stop_ids
         if stop_ids is None:  # the rows' stop ids differ: row by row
-            stops = compress(itertools.count(), map(operator.contains, cols.row_stop_ids, sampled))
+            stops = list(compress(itertools.count(), map(operator.contains, cols.row_stop_ids, sampled)))
         elif stop_ids:
-            stops = compress(itertools.count(), map(stop_ids.__contains__, sampled))
+            stops = list(compress(itertools.count(), map(stop_ids.__contains__, sampled)))
         else:
-            stops = iter(())
-        if left is None:
-            return list(stops)
-        by_length = compress(itertools.count(), map(operator.ge, repeat(1), left))
-        return sorted({*stops, *by_length})
+            stops = []
+        if not due:
+            return stops
+        return sorted({*stops, *due}) if stops else due
 
-    def _next_columns(
-        self, next_token_ids: list[int | None], end: int, sampled: list[int], ended: bool
-    ) -> _DecodeColumns | None:
+    def _next_columns(self, gone: list[int], end: int, sampled: list[int]) -> _DecodeColumns | None:
         """The columns for the next step: the step's leading chunks [0, end), each a plain
         request's decode token, taken through the step's columns (the first k) and
         `_take_inline_tokens` (the others, which join them), less the rows that ended or
-        failed (next_token_ids[i] None; looked for only where `ended`: the step ended some
-        row). None where no row is left."""
+        failed (`gone`, increasing: the takes' `_end_rows` named them, so no row is looked
+        at for them). None where no row is left."""
         cols = self._step_columns
         k = 0 if cols is None else len(cols.seqs)
         fresh = end > k  # (the columns' lists made here, of slices and concatenations: ours alone)
@@ -1007,10 +1044,9 @@ class Engine:
             seqs, ids = self._scheduled, self._step_ids
             more = self._form_columns(seqs[k:end], ids[k:end], sampled[k:end])
             cols = more if cols is None else cols.joined(more)
-        if cols is None or not ended:
+        if cols is None or not gone:
             return cols
-        gone = list(compress(itertools.count(), map(operator.is_, islice(next_token_ids, end), repeat(None))))
-        return cols.without(gone, fresh) if gone else cols
+        return cols.without(gone, fresh)
 
     @staticmethod
     def _form_columns(seqs: list[SequenceState], ids: list[str], sampled: list[int]) -> _DecodeColumns:

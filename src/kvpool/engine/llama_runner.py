@@ -429,24 +429,29 @@ class LlamaExecutor:
             request_ids, starts, chunk_ends = columns
             rest_tokens = [c.token_ids for c in rest]
             token_lists: Sequence[Sequence[int]] | None = None  # (made only where read: below)
-            q_lens = np.fromiter(itertools.chain(itertools.repeat(1, k), map(len, rest_tokens)), np.int64, n)
+            rest_lens = list(map(len, rest_tokens))
+            ends: np.ndarray | None = None  # [n] each chunk's end among the step's N tokens: not made here
+            q_lens = np.ones(n, np.int64)  # (the leading decodes' one token each)
+            q_lens[k:] = rest_lens
             ctx_lens = np.fromiter(chunk_ends, np.int64, n)
+            num_tokens = k + sum(rest_lens)
             tokens = itertools.chain(chunks.lead_tokens, itertools.chain.from_iterable(rest_tokens))
-            needs_logits = itertools.chain(itertools.repeat(True, k), map(_NEEDS_LOGITS, rest))
-            every_chunk_samples = all(map(_NEEDS_LOGITS, rest))
+            # the sampled chunks' last tokens: decode i's is row i, then each of the rest's that
+            # samples its end - 1 (the rest's ends: k + its tokens and those before it)
+            rest_ends = itertools.islice(itertools.accumulate(rest_lens, initial=k), 1, None)
+            logit_rows = [*range(k), *(end - 1 for end, c in zip(rest_ends, rest, strict=True) if c.needs_logits)]
         else:
             request_ids, token_lists, starts, needs = zip(*chunks, strict=True) if n else ((), (), (), ())
             q_lens = np.fromiter(map(len, token_lists), np.int64, n)
             ctx_lens = np.fromiter(starts, np.int64, n) + q_lens
             tokens = itertools.chain.from_iterable(token_lists)
-            needs_logits, every_chunk_samples = iter(needs), all(needs)
-        # [n]: each chunk's end among the step's N tokens (the ufunc itself: np.cumsum adds ~2 us)
-        ends = np.add.accumulate(q_lens)
-        num_tokens = int(ends[-1]) if n else 0
+            # [n]: each chunk's end among the step's N tokens (the ufunc itself: np.cumsum adds ~2 us)
+            ends = np.add.accumulate(q_lens)
+            num_tokens = int(ends[-1]) if n else 0
+            # each sampled chunk's last token (every chunk's in the common step: no mask made then)
+            last_rows = ends - 1
+            logit_rows = (last_rows if all(needs) else last_rows[np.fromiter(needs, bool, n)]).tolist()
         flat_ids = np.fromiter(tokens, np.int64, num_tokens)
-        # each sampled chunk's last token (every chunk's in the common step: no mask made then)
-        last_rows = ends - 1
-        logit_rows = (last_rows if every_chunk_samples else last_rows[np.fromiter(needs_logits, bool, n)]).tolist()
         held = held and buffers.num_tokens == num_tokens
         if held:  # the runner's update wrote the step's tables, slots and positions: plan from them
             # (the runner checked the step as cache.step_tables checks it, before writing it)
@@ -466,6 +471,8 @@ class LlamaExecutor:
                 PagedStepMetadata(q_list, ctx_list, tables.slots, tables.csr.indptr, tables.csr.indices)
             )
             # flat token j of chunk i sits at position starts[i] + (j - its first row)
+            if ends is None:  # (the columns' path did not need them)
+                ends = np.add.accumulate(q_lens)
             positions = np.arange(num_tokens) + np.repeat(ctx_lens - ends, q_lens)
             pos_t = torch.from_numpy(positions).to(device)
         if buffers is not None:

@@ -348,6 +348,9 @@ class ModelRunner:
         if preemption != "recompute" and bridge.host_tier is None:
             raise ValueError(f"preemption {preemption!r} needs a host tier (--host-cache-gib) and prefix caching")
         self.cache = cache
+        # the cache's pools (fixed at its construction), whose allocations the engine counts
+        # around every admit and reserve_step: `cache.pools` makes a new list a call
+        self._pools = tuple(cache.pools)
         self.executor = executor
         self.block_size = block_size
         self.vocab_size = executor.vocab_size
@@ -960,7 +963,7 @@ class ModelRunner:
     def num_allocations(self) -> int:
         """Blocks and state slots taken from the cache's pools so far. The engine tells the
         admit / reserve_step calls that allocated from the ones that took nothing."""
-        return sum(map(_NUM_ALLOCATED, self.cache.pools))  # (the engine asks twice an admit or reserve_step)
+        return sum(map(_NUM_ALLOCATED, self._pools))  # (the engine asks twice an admit or reserve_step)
 
     def kv_read_bytes(self, num_context_tokens: int) -> int:
         """Cache bytes one query over `num_context_tokens` tokens of context reads."""
