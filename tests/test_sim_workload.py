@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvpool.workload import tokens as tokens_module
 from kvpool.workload.arrivals import poisson_arrivals
 from kvpool.workload.sessions import (
     CHAT_OUTPUT_LEN,
@@ -31,7 +32,15 @@ from kvpool.workload.sessions import (
     chat_workload,
     uniform_workload,
 )
-from kvpool.workload.tokens import answer_ids, batch_answer_ids, batch_text_ids, text_ids
+from kvpool.workload.tokens import (
+    answer_ids,
+    batch_answer_ids,
+    batch_text_ids,
+    stream_key,
+    stream_tokens,
+    text_ids,
+    token_at,
+)
 from kvpool.workload.trace import load_trace, sample_trace_path
 
 VOCAB = 32_000
@@ -60,6 +69,38 @@ def test_batched_twins_equal_the_naive_token_streams(names, lens, vocab):
     lens = [k for _, k in pairs]
     assert batch_text_ids(names, lens, vocab) == [tuple(text_ids(n, k, vocab)) for n, k in pairs]
     assert batch_answer_ids(names, lens, vocab) == [answer_ids(n, k, vocab) for n, k in pairs]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    keys=st.lists(st.integers(0, (1 << 64) - 1), min_size=1, max_size=70),
+    lens=st.lists(st.integers(0, 30), min_size=70, max_size=70),
+    vocab=st.sampled_from([1, 7, 129_280]),
+)
+def test_stream_tokens_from_the_step_table_equal_token_at(keys, lens, vocab):
+    """stream_tokens' few-stream path (the positions' terms read from tokens._STEPS: up to 64
+    streams) and its general path (past 64 streams) give token_at's streams end to end."""
+    lens = lens[: len(keys)]
+    expected = [token_at(key, p, vocab) for key, n in zip(keys, lens, strict=True) for p in range(n)]
+    assert stream_tokens(keys, lens, vocab).tolist() == expected
+    assert stream_tokens(keys[:1], lens[:1], vocab).tolist() == expected[: lens[0]]
+
+
+def test_stream_tokens_past_the_step_table():
+    """A stream longer than the table (tokens._STEP_ROWS) takes the general path, alone or
+    beside a short one: token_at's tokens, at the table's edge and past it."""
+    rows = tokens_module._STEP_ROWS
+    for lens in ([rows], [rows + 3], [2, rows + 1], [rows, 1]):
+        keys = [stream_key(f"k{i}") for i in range(len(lens))]
+        got = stream_tokens(keys, lens, VOCAB)
+        starts = [sum(lens[:i]) for i in range(len(lens))]
+        for key, n, start in zip(keys, lens, starts, strict=True):
+            for p in (0, 1, rows - 1, n - 1):
+                if p < n:
+                    assert got[start + p] == token_at(key, p, VOCAB), (lens, p)
+    with pytest.raises(ValueError):  # a negative length, as np.repeat names it
+        stream_tokens([1, 2], [3, -1], VOCAB)
+    assert stream_tokens([5], [-2], VOCAB).tolist() == []  # (one stream: an empty range, as before)
 
 
 def test_batch_text_ids_across_chunks():

@@ -46,11 +46,27 @@ _MULT_U64 = np.uint64(STREAM_MULT)
 _MIX_U64 = np.uint64(STREAM_MIX)
 _SHIFT_31, _SHIFT_29 = np.uint64(31), np.uint64(29)
 _CHUNK = 1 << 20  # tokens per vectorised pass in batch_text_ids
+# (p + 1) x STREAM_MULT for p in [0, _STEP_ROWS), wrapping: token_at's first term, read for a
+# stream's positions instead of made (an arange and a product); 512 KiB, never written
+_STEP_ROWS = 1 << 16
+_STEPS = np.arange(1, _STEP_ROWS + 1, dtype=np.uint64) * _MULT_U64
+_STEPS.flags.writeable = False
+_FEW_STREAMS = 64  # streams at most that take the slices of _STEPS (a slice each, in Python)
 
 
 def stream_tokens(keys: Sequence[int], lens: Sequence[int], vocab_size: int) -> np.ndarray:
     """token_at(keys[i], p, vocab_size) for p in range(lens[i]), the streams end to end:
-    [sum(lens)] uint64."""
+    [sum(lens)] uint64. A few streams (a request's answer, a session's messages, the rows
+    that join a step: called once for each) within _STEP_ROWS tokens each start from the
+    slices of `_STEPS` (`_few_streams`); the general path makes the positions' terms."""
+    if len(keys) <= _FEW_STREAMS:
+        x = _few_streams(keys, lens)
+        if x is not None:
+            x ^= x >> _SHIFT_31
+            x *= _MIX_U64
+            x ^= x >> _SHIFT_29
+            x %= np.uint64(vocab_size)
+            return x
     if len(keys) == 1:  # one stream (a turn's answer): positions 1.. n at once, no repeat of keys
         x = np.arange(1, int(lens[0]) + 1, dtype=np.uint64)
         x *= _MULT_U64
@@ -69,6 +85,24 @@ def stream_tokens(keys: Sequence[int], lens: Sequence[int], vocab_size: int) -> 
     x *= _MIX_U64
     x ^= x >> np.uint64(29)
     return x % np.uint64(vocab_size)
+
+
+def _few_streams(keys: Sequence[int], lens: Sequence[int]) -> np.ndarray | None:
+    """key + (p + 1) x STREAM_MULT (wrapping) of every stream's positions, end to end: the
+    `_STEPS` slices of their lengths (one for one stream) with each stream's key added, a
+    new array; None where a length is past _STEP_ROWS or negative (the general path then
+    makes them, or raises)."""
+    if len(keys) != len(lens):
+        return None  # (the general path's error)
+    if len(keys) == 1:
+        n = int(lens[0])
+        return _STEPS[:n] + np.uint64(keys[0]) if 0 <= n <= _STEP_ROWS else None
+    ns = [int(n) for n in lens]
+    if not ns or min(ns) < 0 or max(ns) > _STEP_ROWS:
+        return None
+    x = np.repeat(np.asarray(keys, dtype=np.uint64), ns)
+    x += np.concatenate([_STEPS[:n] for n in ns])
+    return x
 
 
 def int_table(vocab_size: int) -> np.ndarray:
