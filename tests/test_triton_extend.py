@@ -519,3 +519,18 @@ def test_the_extend_kernel_compiles_for_sm90() -> None:
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1] / "src"), env.get("PYTHONPATH", "")])
     run = subprocess.run([sys.executable, "-c", AOT], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
+
+
+def test_the_extend_launches_of_smollm2_and_every_8_bit_format_compile_for_sm90() -> None:
+    """The extend kernel as `--device cuda` launches it on SmolLM2-135M's shape, compiled for
+    sm_90 by launching the backends' own code with each launch compiling instead of running
+    (tests/sm90_launches.py: the constexprs and argument specialisations are the launch's):
+    a mixed step from the step buffers in bf16, fp16 and fp32, and TritonQuantBackend's steps
+    on every 8-bit format it reads in place (fp8_e4m3, fp8_e5m2, their per-token twins,
+    int8; bf16 compute, with and without tails, and a long decode whose keys the rule
+    splits)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1] / "src"), env.get("PYTHONPATH", "")])
+    script = str(Path(__file__).parent / "sm90_launches.py")
+    run = subprocess.run([sys.executable, script, "extend"], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]

@@ -103,6 +103,21 @@ def test_the_kernels_compile_for_sm90() -> None:
     assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
 
 
+def test_smollm2s_decode_launches_compile_for_sm90() -> None:
+    """What `--device cuda` launches for SmolLM2-135M's decodes (heads 9 / 3, head dim 64,
+    blocks of 16), compiled for sm_90 by launching the backends' own code with each kernel
+    launch compiling instead of running (tests/sm90_launches.py: the constexprs and argument
+    specialisations are the launch's): a CUDA graph's decode of each bucket at the split the
+    rule gives it (every bucket in bf16; the first and the last in fp16 and fp32), its
+    write_kv and merges, and bf16's eager CSR decode; no 16-bit tile loaded an element at
+    a time."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1] / "src"), env.get("PYTHONPATH", "")])
+    script = str(Path(__file__).parent / "sm90_launches.py")
+    run = subprocess.run([sys.executable, script, "decode"], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
+
+
 def scattered(lens: list[int], bs: int, g: int, dtype: torch.dtype, seed: int):
     """A pool of random K^T / V blocks, each sequence's blocks at random ids, one query each."""
     rng = random.Random(seed)
