@@ -204,6 +204,46 @@ def test_the_samplers_uniforms_reach_the_device(device, params) -> None:
         device.caught_up()
 
 
+class _Row:  # an engine sequence as the sampler sees it: an owner compared by identity
+    def __init__(self, params: SamplingParams, index: int, origin: int) -> None:
+        self.params, self.index, self.origin = params, index, origin
+
+
+def test_a_changing_batchs_parameters_and_uniforms_reach_the_device(device) -> None:
+    """A batch drawing throughout in one group while rows leave and join (the sampler edits
+    its rows in place: the parameter columns sent again, the uniforms' buffers kept where
+    the size stays): over 30 steps on the device, every token is the CPU sampler's and the
+    device's uniforms are the host's; the edit path was taken."""
+    generator = torch.Generator().manual_seed(7)
+    made = iter(range(1000))
+
+    def row() -> _Row:
+        i = next(made)
+        return _Row(SamplingParams(temperature=0.5 + 0.1 * (i % 7), top_p=0.9, seed=i), i, 2 * i)
+
+    batch = [row() for _ in range(5)]
+    on_meta, on_cpu = BatchSampler(), BatchSampler()
+    for step in range(30):
+        if step % 4 == 1:  # one leaves, one joins at the end: the same size
+            batch = batch[1:] + [row()]
+        elif step % 4 == 2 and len(batch) > 2:  # one leaves from the middle
+            batch = batch[:1] + batch[2:]
+        elif step % 4 == 3:  # two join
+            batch = batch + [row(), row()]
+        logits = torch.randn(len(batch), 6, generator=generator, dtype=torch.float64).float()
+
+        def of(which=None, batch=batch):
+            picked = batch if which is None else [batch[i] for i in which]
+            return [r.params for r in picked], [r.index for r in picked], [r.origin for r in picked]
+
+        lengths = [r.origin + step for r in batch]
+        got = on_meta.sample(logits.to("meta"), batch, of, lambda lengths=lengths: lengths)
+        assert got == on_cpu.sample(logits, batch, of, lambda lengths=lengths: lengths), step
+        assert device.values(on_meta._rows.u).equal(on_meta._rows.u_host), step
+        device.caught_up()
+    assert on_meta.num_edited == on_cpu.num_edited > 5
+
+
 def test_a_mixed_step_does_not_wait_on_the_host_for_its_own_copies(device) -> None:
     """A mixed step (a prompt chunk beside decodes) writes its vectors (update) and then its
     plan (plan_tables, as the Triton backend's begin_buffered_step stores it) into pinned
