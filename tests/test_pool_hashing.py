@@ -121,7 +121,12 @@ def test_a_memo_of_hashes_serves_pools_of_the_same_root_and_never_replaces_the_g
     assert first.block_ids == [0] and len(calls) == 2  # block 0 hits, block 1 misses: hashed, kept
     second = pools[1].match(roots[1], prompt, 8, 3, memo=memo)
     assert second.block_ids == [0, 1, 2] and len(calls) == 3  # only block 2 was left to hash
-    assert memo == {("xxh3_128", roots[0].block_hash, 8): [c.block_hash for c in second.chain]}
+    key = ("xxh3_128", roots[0].block_hash, 8)
+    assert {k: v for k, v in memo.items() if len(k) == 3} == {key: [c.block_hash for c in second.chain]}
+    # and per pool, the run its walk accepted (`match` takes it again while it holds)
+    assert memo[(*key, id(pools[0]))] == tuple(first.chain) and memo[(*key, id(pools[1]))] == tuple(second.chain)
+    calls.clear()
+    assert pools[1].match(roots[1], prompt, 8, 3, memo=memo) == second and calls == []
     # The naive twin: no memo, every block hashed, the same runs
     for pool, root, hit in zip(pools, roots, (first, second), strict=True):
         assert pool.match(root, prompt, 8, 3) == hit

@@ -103,3 +103,46 @@ def test_a_memo_hash_that_leads_to_an_entry_after_another_parent_is_refused():
         assert hit == naive_match(pool, root, prompt, 2) and hit.block_ids == [b]
     assert len(memo[pool.memo_key(root, WIDTH)]) == 2
     pool.check_integrity()
+
+
+@settings(max_examples=int(os.environ.get("KVPOOL_HYPOTHESIS_EXAMPLES", "150")), deadline=None)
+@given(
+    weak_hash=st.booleans(),
+    steps=st.lists(st.tuples(OPS, st.integers(0, 6)), min_size=1, max_size=6),
+    prompts=st.lists(st.lists(st.integers(0, 2), min_size=0, max_size=10), min_size=1, max_size=3),
+)
+def test_a_memo_kept_across_changes_of_the_pool_matches_as_the_naive_twin(
+    weak_hash: bool, steps: list[tuple[list[tuple[str, list[int]]], int]], prompts: list[list[int]]
+) -> None:
+    # A prompt's memo lives while the pool changes (the router's lookup, then the admission a
+    # step or more later): the run its last walk accepted is taken again only while the
+    # index holds each of its blocks; chains registered, freed, evicted and taken in between
+    # (under a weak hash, equal hashes of other content) must never make it answer otherwise
+    pool = BlockPool(8)
+    if weak_hash:
+        pool.hasher.digest = lambda data: bytes([sum(data) % 5]) * 16  # type: ignore[method-assign]
+    root = pool.root(b"desc")
+    memos: list[dict] = [{} for _ in prompts]
+    held: list[list[int]] = []
+    for ops, max_blocks in steps:
+        for op, tokens in ops:
+            if op == "add":
+                data = token_bytes(tokens)
+                ids = pool.allocate(len(tokens) // BS)
+                if ids is None:
+                    continue
+                parent = root
+                for k, b in enumerate(ids):
+                    block = pool.chain(parent, data[k * WIDTH : (k + 1) * WIDTH])
+                    parent = pool.register(b, block) or block
+                held.append(ids)
+            elif op == "free" and held:
+                pool.decref(reversed(held.pop(0)))
+            elif op == "take" and pool.num_free:
+                held.append(pool.allocate(1) or [])
+        for tokens, memo in zip(prompts, memos, strict=True):
+            prompt = token_bytes(tokens)
+            for n in (max_blocks, len(tokens) // BS):
+                expected = naive_match(pool, root, prompt, n)
+                assert pool.match(root, prompt, WIDTH, n, count_collisions=False, memo=memo) == expected
+        pool.check_integrity()

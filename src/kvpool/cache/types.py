@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, NamedTuple, get_args
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args
+
+if TYPE_CHECKING:
+    from kvpool.pool.block_pool import MatchMemo
 
 ReleaseReason = Literal["finish", "cancel", "preempt"]
 RELEASE_REASONS: tuple[str, ...] = get_args(ReleaseReason)
@@ -55,7 +58,7 @@ class LookupPrompt(NamedTuple):
     token_ids: list[int]
     mm_items: tuple[MMItem, ...]
     packed: bytes  # token_bytes(token_ids)
-    hashes: dict[tuple[str, bytes, int], list[bytes]] | None = None
+    hashes: MatchMemo | None = None
 
 
 class BlockCopy(NamedTuple):

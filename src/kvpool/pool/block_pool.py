@@ -31,6 +31,7 @@ Pure Python integers, no torch.
 
 from __future__ import annotations
 
+import operator
 import sys
 import weakref
 from collections import OrderedDict, deque
@@ -83,6 +84,14 @@ def same_content(a: PrefixBlock | None, b: PrefixBlock | None) -> bool:
             return False
         a, b = a.parent, b.parent
     return True
+
+
+_BLOCK_IDS = operator.attrgetter("block_ids")
+
+# A prompt's lookup memo (`match`, `LookupPrompt.hashes`): under (algorithm, root hash,
+# width) its chained hashes; under that key and a pool's id, the run that pool's last walk
+# of the prompt accepted
+MatchMemo = dict[tuple[str, bytes, int] | tuple[str, bytes, int, int], "list[bytes] | tuple[PrefixBlock, ...]"]
 
 
 class PrefixMatch(NamedTuple):
@@ -266,7 +275,7 @@ class BlockPool:
         extras: Sequence[bytes] | None = None,
         *,
         count_collisions: bool = True,
-        memo: dict[tuple[str, bytes, int], list[bytes]] | None = None,
+        memo: MatchMemo | None = None,
     ) -> PrefixMatch:
         """The longest run of cached blocks for `prompt_bytes`, in blocks of `block_width`
         bytes, at most `max_blocks`. extras[i]: block i's extra keys (None: none at all).
@@ -275,22 +284,45 @@ class BlockPool:
         then the admission) hashes each block once; without extras only, keyed by the
         algorithm, the hash `root` starts from and the width (what the hashes depend on).
         The memo only says where to look: the collision guard compares every hit's parent,
-        token bytes and extra keys all the same. Changes nothing but the collision counter
-        (and not that with count_collisions=False) and the memo."""
+        token bytes and extra keys all the same. It also keeps, per pool, the run this
+        pool's last walk of the prompt accepted (`walked_key`): a later walk in the same
+        pool (the admission after the router's lookup, an admission retried every step)
+        takes that run again while the index holds each of its very blocks under its hash
+        (one C-level lookup and comparison a block: a block the guard accepted for these
+        bytes and this root stays acceptable, its parent, bytes and keys never change),
+        and walks on from its end. Changes nothing but the collision counter (and not that
+        with count_collisions=False) and the memo."""
         index_get = self._index.get
         refcounts = self._refcounts
         hashes = None  # (with multimodal keys: hashed here each time)
-        if memo is not None and extras is None:
-            hashes = memo.setdefault(self.memo_key(root, block_width), [])
         parent = root
         block_ids: list[int] = []
         chain: list[PrefixBlock] = []
-        start = 0  # prompt_bytes[start : start + block_width] is the next block's
+        walked_key = None
+        kept = 0  # blocks of the memo's run that still hold
+        if memo is not None and extras is None:
+            key = self.memo_key(root, block_width)
+            hashes = memo.setdefault(key, [])  # type: ignore[assignment]  (a hashes key holds a list)
+            walked_key = (*key, id(self))
+            walked = memo.get(walked_key)
+            if walked and max_blocks:
+                n = min(len(walked), max_blocks)
+                found = list(map(index_get, hashes[:n]))
+                # (element by element: identity, a PrefixBlock has no __eq__; its root: the chain's first parent)
+                if found == list(walked[:n]) and found[0].parent is root:
+                    kept = len(walked)
+                    chain = found
+                    for ids in map(_BLOCK_IDS, found):  # `held_copy`, as the walk below picks it
+                        block_ids.append(ids[0] if len(ids) == 1 else next((b for b in ids if refcounts[b]), ids[0]))
+                    parent = found[-1]
+                else:
+                    del memo[walked_key]  # (stale: some block left the index or another took its hash)
+        start = len(chain) * block_width  # prompt_bytes[start : start + block_width] is the next block's
         refused = None  # an entry of the block's hash that the collision guard refused
         # Blocks [0, len(hashes)) of this root's chain have their hashes in the memo: the walk
         # reads them without a hash or an extra key to look at (the router's lookups after the
         # first, the admission after them)
-        for block_hash in hashes[:max_blocks] if hashes else ():
+        for block_hash in hashes[len(chain) : max_blocks] if hashes else ():
             found = index_get(block_hash)
             if found is None:
                 return PrefixMatch(block_ids, chain)
@@ -344,6 +376,8 @@ class BlockPool:
         # was evicted or rewritten first), not a collision
         if refused is not None and count_collisions and refused.parent.is_live:  # (an index entry has a parent)
             self.num_collisions += 1
+        if walked_key is not None and len(chain) > kept:
+            memo[walked_key] = tuple(chain)  # (a copy: callers extend the chain they get)
         return PrefixMatch(block_ids, chain)
 
     def memo_key(self, root: PrefixBlock, block_width: int) -> tuple[str, bytes, int]:
