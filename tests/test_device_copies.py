@@ -272,3 +272,29 @@ def test_a_mixed_step_does_not_wait_on_the_host_for_its_own_copies(device) -> No
     assert device.host_waits == 0
     b.plan_tables([3, 0, 0, 0], (1,))  # a second plan, the first's copy not known to be done
     assert device.host_waits == 1
+
+
+def test_a_graphs_decode_step_does_not_wait_on_the_host(device) -> None:
+    """Decode steps as the runner drives a CUDA graph's (the buffers' update or advance, the
+    token ids, the padded run): no Event.synchronize stalls once each step's tokens are
+    read, over steps that open a block, shrink the batch and pad to another bucket."""
+    b = StepBuffers(max_num_seqs=4, max_num_tokens=8, max_blocks_per_seq=3, block_size=4, device="meta", dummy_block=9)
+    graphs = DecodeGraphs(lambda n: torch.zeros(n, 5, device="meta"), b, capture=False)
+    tables = {"a": [7, 2], "b": [5, 8], "c": [6]}
+    b.update(["a", "b", "c"], [0, 0, 0], [3, 3, 2], [tables[r] for r in "abc"])
+    device.caught_up()
+    lens = {"a": 3, "b": 3, "c": 2}
+    for step, ids in enumerate([["a", "b", "c"], ["a", "b", "c"], ["a", "b"], ["a", "b"]]):
+        if step == 2:
+            b.forget("c")
+        starts = [lens[r] for r in ids]
+        ends = [n + 1 for n in starts]
+        if not b.advance(ids, starts, ends, lambda want: [tables[r] for r in want]):
+            b.update(ids, starts, ends, [tables[r] for r in ids])
+        graphs.set_input_ids([10 + i for i in range(len(ids))])
+        graphs.run(len(ids))
+        assert device.host_waits == 0, step
+        device.caught_up()
+        for r in ids:
+            lens[r] += 1
+    assert graphs.steps_by_bucket == {4: 2, 2: 2} and b.num_advanced >= 2
