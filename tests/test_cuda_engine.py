@@ -34,11 +34,11 @@ U32 = 2.0**-24
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype -> the KV format's name
 
 
-def _generate(model: LlamaModel, **options) -> list[tuple[list[int], torch.Tensor]]:
+def _generate(model: LlamaModel, engines: list | None = None, **options) -> list[tuple[list[int], torch.Tensor]]:
     """Greedy requests of prompts 5, 19 and 33 tokens long, two more joining after two
     steps (so decode batches of 1..5 rows, a prefill beside decodes, blocks of 16 crossed),
     each its own length: every request's generated ids and the logits of each ([n, vocab]
-    fp64 on the CPU)."""
+    fp64 on the CPU). The engine is appended to `engines` when given."""
     engine = build_engine(
         model,
         descriptor=DESCRIPTOR,
@@ -49,6 +49,8 @@ def _generate(model: LlamaModel, **options) -> list[tuple[list[int], torch.Tenso
         record_logits=True,
         **options,
     )
+    if engines is not None:
+        engines.append(engine)
     ids = [
         engine.add_request(random_ids(5 + 14 * i, i), SamplingParams(max_tokens=6 + 2 * i, ignore_eos=True))
         for i in range(3)
@@ -93,7 +95,15 @@ def test_the_engine_on_the_device_in_fp32_equals_the_cpu_engine(cpu_runs, enforc
 
         monkeypatch.setitem(BACKENDS, BackendKey("full", "paged", "cpu", "triton"), TritonPagedBackend)
         options["decode_path"] = "triton"
-    device = _generate(random_llama(DEVICE, torch.float32), **options)
+    engines: list = []
+    device = _generate(random_llama(DEVICE, torch.float32), engines, **options)
+    # the run went the way it says: on CUDA without enforce_eager its pure-decode steps were
+    # replayed from graphs (and none under it); the CPU stand-in has no graphs
+    executor = engines[0].runner.executor
+    graphs = DEVICE == "cuda" and not enforce_eager
+    assert executor.decode_mode == ("graphs" if graphs else "eager")
+    replays = 0 if executor._graphs is None else executor._graphs.num_replays
+    assert (replays > 0) if graphs else replays == 0
     for (ids64, l64), (ids32, l32), (ids_d, l_d) in zip(exact, cpu32, device, strict=True):
         assert ids32 == ids64 and ids_d == ids64
         tol = 4 * (l32 - l64).abs().max().item() + 16 * U32 * l64.abs().max().item()
