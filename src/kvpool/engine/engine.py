@@ -432,7 +432,7 @@ class Engine:
             Completion(s.output_ids, s.text if self.decode_text else "", s.finish_reason or "") for s in req.seqs
         ]
         ttft = None if req.first_token_time is None else req.first_token_time - req.arrival_time
-        n_out = max(len(s.output_ids) for s in req.seqs)
+        n_out = max(s.num_output_tokens for s in req.seqs)  # (counted: no second copy of the outputs)
         tpot = None
         if req.finish_time is not None and req.first_token_time is not None and n_out > 1:
             tpot = (req.finish_time - req.first_token_time) / (n_out - 1)
@@ -486,7 +486,11 @@ class Engine:
         self.runner.release(seq.seq_id, "preempt")
         seq.in_runner = False
         seq.num_computed = 0
-        self.running.remove(seq)
+        running = self.running
+        if running and running[-1] is seq:  # (the victim is the latest-arrived: no scan of the list from its start)
+            running.pop()
+        else:
+            running.remove(seq)
         self.waiting.appendleft(seq)
         self.stats.num_preemptions += 1
 
@@ -495,10 +499,13 @@ class Engine:
         # Also for a sequence that waits (preempted): the runner forgets it, holding nothing.
         self.runner.release(seq.seq_id, "cancel" if reason == "abort" else "finish")
         seq.in_runner = False
-        if seq in self.running:
+        # (one scan of the running list, not a membership test and then the removal's own: a
+        # sequence compares by identity, but every other one it passes costs a call to __eq__)
+        try:
             self.running.remove(seq)
-        elif seq in self.waiting:  # (a running sequence never waits: no scan of the queue)
-            self.waiting.remove(seq)
+        except ValueError:  # not running: a sequence that waits (preempted, or a fork's child)
+            if seq in self.waiting:  # (a running sequence never waits: no scan of the queue)
+                self.waiting.remove(seq)
 
     @staticmethod
     def _chunk(seq: SequenceState, n: int) -> ScheduledChunk:
