@@ -236,6 +236,17 @@ def test_the_answer_samplers_batch_form_is_a_call_a_row():
     ]
 
 
+def _stream(r: _Row) -> list[int]:
+    """Row `r`'s answer stream, positions [0, max_tokens), by the naive twin."""
+    key = r.params.seed % (1 << 64) if not r.sample_index else stream_key(f"{r.params.seed}/{r.sample_index}")
+    return [token_at(key, p, VOCAB) for p in range(r.params.max_tokens)]
+
+
+def _kept(sampler: AnswerSampler) -> dict[int, tuple]:
+    """`_kept` with each stream as a list (comparable)."""
+    return {k: (stream.tolist(), *rest) for k, (stream, *rest) in sampler._kept.items()}
+
+
 class _Rebuilding(AnswerSampler):
     """AnswerSampler whose every changed batch is made whole (`_rebuild`): `_batch`'s twin."""
 
@@ -295,8 +306,9 @@ def test_a_batch_edited_in_place_equals_the_batch_made_whole():
         tokens = batch.sample([None] * len(owners), owners, rows, lambda lengths=lengths: lengths)
         assert tokens == twin.sample([None] * len(owners), owners, twin_rows, lambda lengths=lengths: lengths)
         assert tokens == [twin(None, r.params, r.sample_index, r.length - r.origin) for r in owners]
-        assert batch._owners == owners and batch._streams == twin._streams and batch._origins == twin._origins
-        assert batch._kept == twin._kept
+        assert batch._owners == owners and batch.batch_rows() == twin.batch_rows()
+        assert batch.batch_rows() == [(_stream(r), r.origin) for r in owners]
+        assert _kept(batch) == _kept(twin)
         # the rows read: the twin's, those of owners not kept (never seen, or forgotten while away)
         assert asked == twin_asked
         new = [i for i, r in enumerate(owners) if id(r) not in seen]
@@ -307,6 +319,39 @@ def test_a_batch_edited_in_place_equals_the_batch_made_whole():
         for r in owners:
             r.length += 1
     assert num_in_place > 0.8 * num_changed > 150 and len(rebuilt) > 5  # most changes edited in place
+
+
+def test_a_batch_that_grows_past_its_columns_and_its_streams_room_is_a_call_a_row():
+    """Rows join a batch of 250 in steps of 10 (edited in place: `_append`): its columns grow
+    past their 256 rows and its streams past `_flat`'s room (packed anew, `_pack`), and each
+    step's tokens are a call a row's, the batch's rows the naive streams, no row rebuilt."""
+    ints = int_table(VOCAB).tolist()
+    batch, twin = AnswerSampler(VOCAB, ints), AnswerSampler(VOCAB, ints)
+    packs: list[int] = []
+    batch._pack = lambda entries: (packs.append(len(entries)), AnswerSampler._pack(batch, entries))
+    made = [
+        _Row(
+            SamplingParams(max_tokens=40 + i % 7 if i < 250 else 200 + i % 5, seed=answer_seed(f"g{i}")),
+            i % 9 == 0,
+            5 + i,
+        )
+        for i in range(500)
+    ]
+
+    def rows(which):
+        picked = [owners[i] for i in which]
+        return [r.params for r in picked], [r.sample_index for r in picked], [r.origin for r in picked]
+
+    for step in range(26):
+        owners = made[: 250 + 10 * step]
+        tokens = batch.sample([None] * len(owners), owners, rows, lambda owners=owners: [r.length for r in owners])
+        assert tokens == [twin(None, r.params, r.sample_index, r.length - r.origin) for r in owners]
+        assert batch.batch_rows() == [(_stream(r), r.origin) for r in owners]
+        for r in owners:
+            r.length += 1
+    assert batch._cols.shape[1] >= 500 and packs[0] == 250  # the first batch packed, then grown in place
+    # packed once more: the joiners' ~200 tokens each filled the room left of 4 x 10,750
+    assert len(packs) == 2 and 250 < packs[1] < 500
 
 
 def test_prompts_and_answers_share_one_int_per_token():

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import compress, count, islice, repeat
-from operator import getitem, is_, is_not, itemgetter, sub
+from itertools import accumulate, compress, count, islice, repeat
+from operator import is_, is_not, sub
 from typing import Any
 
 import numpy as np
@@ -431,15 +431,29 @@ class AnswerSampler:
         self._int_array = np.array(self._ints, dtype=object)
         self.max_streams = max_streams
         self._answers: dict[int, list[int]] = {}  # seed -> its answer's tokens, while its request runs
-        # `sample`'s batch: the last step's owners, each row's stream [0, max_tokens) and
-        # origin, and id(owner) -> (stream, origin, params, sample index, owner) for the
-        # owners of the last batches (the entry holds its owner, so no id in it is another
-        # object's; pruned to the batch's when it holds 16 more: a finished request's sequence
-        # held is its tokens' memory)
+        # `sample`'s batch: the last step's owners, and id(owner) -> (stream, origin, params,
+        # sample index, owner) for the owners of the last batches (stream: positions [0,
+        # max_tokens), an object array of the table's ints; the entry holds its owner, so no
+        # id in it is another object's; pruned to the batch's when it holds 16 more: a
+        # finished request's sequence held is its tokens' memory). The batch's streams lie in
+        # one object array (`_flat`, [capacity], filled to `_top`; rows that left leave their
+        # tokens there until it is packed again), row i's position p at _flat[offsets[i] +
+        # origins[i] + p]: `_cols` [3, capacity] int64, rows [0, len(_owners)) used, holds each
+        # row's origin, its stream's length and its stream's first index in `_flat` less its
+        # origin (`_origins`, `_sizes`, `_offsets`: views of those rows), so a step's tokens
+        # are one numpy gather at lengths() + offsets (`sample`), no row's objects read but
+        # its token's.
         self._owners: list[object] = []
-        self._streams: list[list[int]] = []
-        self._origins: list[int] = []
-        self._kept: dict[int, tuple[list[int], int, SamplingParams, int, object]] = {}
+        self._kept: dict[int, tuple[np.ndarray, int, SamplingParams, int, object]] = {}
+        self._cols = np.zeros((3, 256), dtype=np.int64)
+        self._flat = np.empty(0, dtype=object)
+        self._top = 0
+        self._views()
+
+    def _views(self) -> None:
+        """`_origins`, `_sizes`, `_offsets`: the batch's rows of `_cols` (after it changed)."""
+        cols, n = self._cols, len(self._owners)
+        self._origins, self._sizes, self._offsets = cols[0, :n], cols[1, :n], cols[2, :n]
 
     def __call__(self, row: object, params: SamplingParams, sample_index: int, position: int) -> int:
         if not sample_index:
@@ -479,27 +493,43 @@ class AnswerSampler:
         is `self(None, params[i], sample_indices[i], lengths()[i] - origins[i])`, read from
         its stream, which is kept while its owner stays in the batch (the owners that join
         have their streams made in one vectorised pass, their rows read with rows(joined)).
-        A step of the last step's owners reads only their lengths."""
+        A step of the last step's owners reads only their lengths: in numpy, one gather from
+        the batch's streams (`_flat`) at each row's length plus its offset, checked against
+        each row's origin and stream length at once (no Python int made or read a row but
+        the lengths and the tokens: at a fleet run's scale each object a row reads is a
+        likely cache miss)."""
         n = len(owners)
         if len(logits) != n:
             raise ValueError(f"AnswerSampler: {len(logits)} logit rows but {len(owners)} owners")
         last = self._owners
         if len(last) != n or not all(map(is_, owners, last)):
             self._batch(owners, rows)
-        streams = self._streams
-        positions = list(map(sub, lengths(), self._origins))  # (>= 0: a sequence holds its prompt)
-        if len(positions) != n or min(positions, default=0) < 0:
-            raise ValueError(f"AnswerSampler: {n} rows but lengths minus origins {positions}")
-        try:
-            return list(map(getitem, streams, positions))  # (C-level: no Python frame a row)
-        except IndexError:  # past a row's max_tokens (the engine ends a sequence there): the call
-            kept = self._kept
-            return [
-                stream[p] if p < len(stream) else self(None, entry[2], entry[3], p)
-                for stream, p, entry in zip(
-                    streams, positions, map(kept.__getitem__, map(id, self._owners)), strict=True
-                )
-            ]
+        ends = lengths()
+        at = np.array(ends, dtype=None if n else np.int64)  # (ints: int64, any other is the slow path)
+        if at.shape != (n,) or at.dtype != np.int64:
+            return self._sample_rows(list(ends))
+        positions = at - self._origins
+        # every row's position in [0, its stream's length): a negative one is past 2^63 as a uint64
+        if not (positions.view(np.uint64) < self._sizes.view(np.uint64)).all():
+            return self._sample_rows(list(ends))
+        at += self._offsets
+        return self._flat[at].tolist()
+
+    def _sample_rows(self, ends: list[int]) -> list[int]:
+        """`sample`'s tokens a row at a time: where a row reads past its stream (its max_tokens,
+        which the engine ends a sequence at; the token is then the call's), or the lengths are
+        not as many ints as rows (a ValueError naming them)."""
+        origins = self._origins.tolist()
+        positions = list(map(sub, ends, origins))  # (>= 0: a sequence holds its prompt)
+        if len(positions) != len(ends) or len(ends) != len(origins) or min(positions, default=0) < 0:
+            raise ValueError(f"AnswerSampler: {len(origins)} rows but lengths minus origins {positions}")
+        kept = self._kept
+        return [
+            stream[p] if p < len(stream) else self(None, params, j, p)
+            for (stream, _, params, j, _), p in zip(
+                map(kept.__getitem__, map(id, self._owners)), positions, strict=True
+            )
+        ]
 
     def sample_rows(
         self,
@@ -513,22 +543,27 @@ class AnswerSampler:
 
     def _batch(self, owners: Sequence[object], rows: RowsOf) -> None:
         """Take `owners` as the batch. Where it is the last batch less some rows, then rows
-        appended (the engine's: rows end anywhere, rows join at the end), the last batch's
-        lists are edited in place (`_leavers`): the rows that left deleted, the others' streams
-        and origins kept where they are, no row's object read (a new list of every row's
-        stream would touch each one: a cache miss a row at a fleet run's scale); else they
-        are made again from `_kept`. Either way the rows whose owners `_kept` holds are as
-        they were and the others' streams are made at once (positions [0, max_tokens):
-        `_answer`'s for sample 0, token_at's stream for j > 0). Its twin: the same lists
-        made whole (`_rebuild`), which tests/test_sim_stream.py holds it to."""
+        appended (the engine's: rows end anywhere, rows join at the end), the last batch is
+        edited in place (`_leavers`): the rows that left deleted from `_cols` (their tokens left
+        in `_flat` until it is packed), the others' kept where they are, no row's object read
+        (a new list of every row's stream would touch each one: a cache miss a row at a fleet
+        run's scale), the rows after them appended (`_append`); else it is made again from
+        `_kept` (`_rebuild`). Either way the rows whose owners `_kept` holds are as they were
+        and the others' streams are made at once (positions [0, max_tokens): `_answer`'s for
+        sample 0, token_at's stream for j > 0). Its twin: the batch made whole (`_rebuild`),
+        which tests/test_sim_stream.py holds it to."""
         last = self._owners
         gone = _leavers(owners, last)
         if gone is None:
             self._rebuild(owners, rows)
             return
-        streams, origins = self._streams, self._origins
-        for i in reversed(gone):
-            del last[i], streams[i], origins[i]
+        if gone:
+            cols, n = self._cols, len(last)
+            for i in reversed(gone):  # (a shift of the rows after it: a step ends a few rows of many)
+                del last[i]
+                cols[:, i : n - 1] = cols[:, i + 1 : n]
+                n -= 1
+            self._views()
         # last is owners[:len(last)] now: the rows after it joined (or came back)
         start = len(last)
         if start < len(owners):
@@ -537,11 +572,53 @@ class AnswerSampler:
             if None in entries:
                 self._join(owners, rows, entries, start)
             last += owners[start:]
-            streams += map(itemgetter(0), entries)
-            origins += map(itemgetter(1), entries)
+            self._append(entries)
         elif gone and len(self._kept) > len(owners) + 16:  # a batch that shrank with none joining
             kept = self._kept
             self._kept = {id(owner): kept[id(owner)] for owner in owners}
+
+    def _append(self, entries: list[Any]) -> None:
+        """Rows of `entries` (kept entries), the last of `_owners`: their streams copied into
+        `_flat` after its last token and their columns set, or the batch packed anew where
+        their tokens do not fit."""
+        owners = self._owners
+        n = len(owners) - len(entries)  # the rows before them
+        top, flat = self._top, self._flat
+        if top + sum(len(e[0]) for e in entries) > len(flat):
+            kept = self._kept
+            self._pack([kept[id(owner)] for owner in owners[:n]] + entries)
+            return
+        cols = self._cols
+        if len(owners) > cols.shape[1]:
+            grown = np.zeros((3, 2 * len(owners)), dtype=np.int64)
+            grown[:, :n] = cols[:, :n]
+            cols = self._cols = grown
+        for stream, origin, *_ in entries:  # (a few a step: numpy's scalar writes)
+            size = len(stream)
+            flat[top : top + size] = stream
+            cols[0, n], cols[1, n], cols[2, n] = origin, size, top - origin
+            top += size
+            n += 1
+        self._top = top
+        self._views()
+
+    def _pack(self, entries: list[Any]) -> None:
+        """The batch's rows as `entries` (row i's kept entry), their streams end to end in a
+        new `_flat` of four times their tokens (at least 4,096): rows join into the room left,
+        and a pack, which copies every row's stream, comes after three times the batch's
+        tokens joined (at twice, the packs cost a fleet run's batch ~11 us a join)."""
+        streams = [e[0] for e in entries]
+        sizes = list(map(len, streams))
+        total = sum(sizes)
+        flat = np.empty(max(4 * total, 4096), dtype=object)
+        if streams:
+            flat[:total] = np.concatenate(streams)
+        self._flat, self._top = flat, total
+        origins = [e[1] for e in entries]
+        firsts = list(accumulate(sizes, initial=0))
+        self._cols = np.zeros((3, max(2 * len(entries), 256)), dtype=np.int64)
+        self._cols[:, : len(entries)] = [origins, sizes, list(map(sub, firsts[:-1], origins))]
+        self._views()
 
     def _join(self, owners: Sequence[object], rows: RowsOf, entries: list[Any], start: int) -> None:
         """Make the streams of the rows `entries` (owners[start:]'s `_kept` entries) lacks:
@@ -558,7 +635,8 @@ class AnswerSampler:
             p.seed % _MOD if not j else stream_key(f"{p.seed}/{j}") for p, j in zip(params, sample_indices, strict=True)
         ]
         lens = [p.max_tokens for p in params]
-        tokens = self._int_array[stream_tokens(keys, lens, self.vocab_size)].tolist()
+        # (the table's ints, as views of one object array: a row's stream is copied once, into `_flat`)
+        tokens = self._int_array[stream_tokens(keys, lens, self.vocab_size).view(np.intp)]  # (< vocab: the same bits)
         kept = self._kept
         if len(kept) + len(joined) > len(owners) + 16:  # over 16 owners gone since: forgotten
             kept = self._kept = {id(owner): kept[id(owner)] for owner in owners[:start]}
@@ -571,7 +649,7 @@ class AnswerSampler:
 
     def _rebuild(self, owners: Sequence[object], rows: RowsOf) -> None:
         """`_batch` made whole: every row's entry looked up in `_kept` by its owner, those
-        missing made (`_join`), the lists new."""
+        missing made (`_join`), the batch packed anew (`_pack`)."""
         kept = self._kept
         entries = list(map(kept.get, map(id, owners)))
         if None in entries:  # (an entry is a tuple: `in` compares it with None by identity first)
@@ -579,8 +657,13 @@ class AnswerSampler:
         elif len(kept) > len(owners) + 16:  # a batch that shrank with none joining (a replica draining)
             self._kept = {id(owner): entry for owner, entry in zip(owners, entries, strict=True)}
         self._owners = list(owners)
-        self._streams = list(map(itemgetter(0), entries))
-        self._origins = list(map(itemgetter(1), entries))
+        self._pack(entries)
+
+    def batch_rows(self) -> list[tuple[list[int], int]]:
+        """Each batch row's (stream, origin) as `_flat` and `_cols` hold them (tests read the
+        batch through it)."""
+        flat, rows = self._flat, zip(self._origins.tolist(), self._sizes.tolist(), self._offsets.tolist(), strict=True)
+        return [(flat[o + b : o + b + n].tolist(), o) for o, n, b in rows]
 
 
 def _leavers(owners: Sequence[object], last: list[object]) -> list[int] | None:
