@@ -393,3 +393,33 @@ def test_check_integrity_names_the_broken_invariant():
     m._requests["a"].num_computed = 11  # within the blocks, past the known tokens
     with pytest.raises(AssertionError, match="invariant 6"):
         m.check_integrity()
+
+
+def test_a_decode_step_that_opens_a_block_in_every_row_takes_them_in_row_order():
+    # Three requests of two full blocks each (bs 4) decode: every row's next token opens a
+    # block. reserve_step takes them in one allocation (window.apply_reserve's batch) and
+    # hands them out in row order, as one reserve per request takes them; rows whose steps
+    # start inside a block (a mixed step) go through the row-by-row loop
+    caches = [FullAttentionManager(13, 4, DESC), FullAttentionManager(13, 4, DESC)]
+    for m in caches:
+        for i, rid in enumerate(("r0", "r1", "r2")):
+            assert m.admit(rid, [10 * i + t for t in range(8)]) is not None
+            m.commit(rid, 8)
+            m.append_token_ids(rid, [7])
+    batch, single = caches
+    assert batch.reserve_step(["r2", "r0", "r1"], [1, 1, 1])
+    for rid in ("r2", "r0", "r1"):
+        assert single.reserve(rid, 1) is not None
+    for m in caches:
+        assert [m.block_ids(r) for r in ("r0", "r1", "r2")] == [[0, 1, 7], [2, 3, 8], [4, 5, 6]]
+        assert m.pool.free_queue() == [9, 10, 11, 12] and m.num_reserved_tokens("r0") == 12
+        m.check_integrity()
+        m.commit_step(["r2", "r0", "r1"], [1, 1, 1], [7, 7, 7])
+        # r3 inside its second block and r1 inside its third each take 4 tokens: the loop
+        assert m.admit("r3", [90, 91, 92, 93, 94]) is not None
+        m.commit("r3", 5)
+        m.append_token_ids("r3", [7, 7, 7, 7])
+        m.append_token_ids("r1", [7, 7, 7])
+        assert m.reserve_step(["r1", "r3"], [4, 4])
+        assert m.block_ids("r1") == [2, 3, 8, 11] and m.block_ids("r3") == [9, 10, 12]
+        m.check_integrity()

@@ -282,6 +282,25 @@ class AttentionGroup(CacheGroup):
         self, reqs: Sequence[StepRequest], ends: Sequence[int], *, detail: bool = True
     ) -> list[GroupReservation] | None:
         bs, name, pool, evicted = self.block_size, self.name, self.pool, self._evicted
+        if not detail and len(reqs) > 1:
+            # A decode step's rows that reach a new block (every step starts a block and takes
+            # fresh blocks only): one allocation for them all, handed out in row order, the
+            # blocks the loop below would give each (the queues' heads, in order)
+            counts = []
+            for req, end in zip(reqs, ends, strict=True):
+                state = req.states[name]
+                num_new = -(-end // bs) - state.first - len(state.block_ids)
+                if req.num_computed % bs or num_new <= 0:
+                    break
+                counts.append(num_new)
+            else:
+                new = pool.allocate(sum(counts), evicted)
+                assert new is not None, "the coordinator checked the free count"
+                i = 0
+                for req, k in zip(reqs, counts, strict=True):
+                    req.states[name].block_ids += new[i : i + k]
+                    i += k
+                return None
         out: list[GroupReservation] = []
         for req, end in zip(reqs, ends, strict=True):
             state = req.states[name]
