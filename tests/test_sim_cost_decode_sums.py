@@ -101,7 +101,7 @@ def test_step_time_is_the_step_costs_time_bit_for_bit_on_every_preset(name: str)
     assert cm.step_time([(1, 4000)] * 3) != cm.step_time([(1, 4000)] * 4)
 
 
-# ----- decode_step_time: a step of decodes from one sum over packed entries per position -----
+# ----- decode_step_time: a step of decodes from one numpy sum over a table by position -----
 
 _V4 = CostModel(load_preset("deepseek-v4-flash"), H200, tp=2)
 _LLAMA = CostModel(load_preset("llama-3.1-8b"), H200)
@@ -123,7 +123,7 @@ def test_decode_step_time_is_the_loops_time_bit_for_bit(which: str, positions: l
     if repeat:  # the same positions again: every entry read from the memo
         cm.decode_step_time(positions)
     assert cm.decode_step_time(positions) == cm.step_time([(1, p + 1) for p in positions]) == _naive(cm, positions)
-    assert cm._packed_decode_memo.keys() >= set(positions)  # (the sum over the memo priced it)
+    assert len(cm._decode_table[0]) > max(positions)  # (the sum over the table priced it)
 
 
 def test_decode_step_time_names_a_bad_position_as_step_time_does() -> None:
@@ -149,10 +149,47 @@ def test_decode_step_time_leaves_its_sums_for_the_loop_past_2_to_the_53_or_2_to_
     cm = CostModel(load_preset("deepseek-v4-flash"), H200, tp=2)
     huge = [10**12] * 3  # each reads 10^12 // 4 compressed entries of its CSA indexer keys
     assert cm.decode_step_time(huge) == _naive(cm, huge)
-    assert 10**12 not in cm._packed_decode_memo  # an entry past 2^53 is not packed
+    assert len(cm._decode_table[0]) < 10**12  # a table of entries past 2^53 is not made
+    assert cm._decode_sums(huge) is None and cm._decode_sums([5000, 10**12]) is None
     many = [4000 + i % 7 for i in range(1 << 11)]  # as many decodes as 2^11: two 64-bit halves could carry
     assert cm.decode_step_time(many) == _naive(cm, many)
     assert cm.decode_step_time(many[:-1]) == _naive(cm, many[:-1])
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_the_decode_tables_rows_are_the_memos_entries_on_every_preset(name: str) -> None:
+    """Row p of `_decode_table` (made in numpy, a range of positions at once, as the table
+    grows) is `_decode_entry(p + 1)`, the integers `_decode_scan` adds (made a context at a
+    time in Python), at every position of the table, grown a few times over."""
+    model = load_preset(name)
+    for tp, kv_dtype in ((1, "auto"), (2, "fp8")):
+        try:
+            cm = CostModel(model, H200, kv_dtype=kv_dtype, tp=tp)
+        except ValueError:  # a format or a split the model cannot take
+            continue
+        twin = dataclasses.replace(cm)  # its own memo: entries made one by one
+        for top in (3, 1500, 2049, 9000):  # grown: to 1,024 rows, 2,048, 4,096, then 9,000
+            assert cm._decode_sums([top - 1]) is not None
+        table = cm._decode_table[0]
+        assert table.dtype == np.uint64 and len(table) == 9000
+        rows = [twin._decode_entry(p + 1) for p in range(len(table))]
+        assert table.tolist() == [list(row) for row in rows], name
+        assert max(map(max, rows)) < 1 << 53
+
+
+def test_the_decode_sums_refuse_what_the_table_cannot_add() -> None:
+    """None, never a wrong sum, for a position that is negative, not an int, past the
+    table's bound, or 2^11 positions; the sums of the others are the memo's, added in Python."""
+    cm = CostModel(load_preset("deepseek-v4-flash"), H200, tp=2)
+    twin = dataclasses.replace(cm)
+    positions = [0, 7, 4095, 131_071, 7]
+    sums = [sum(twin._decode_entry(p + 1)[k] for p in positions) for k in (0, 1)]
+    assert cm._decode_sums(positions) == tuple(sums)
+    for bad in ([-1], [5, -3], [5.0], [5, np.int64(7)], [2**70], [1 << 21], [5] * (1 << 11)):
+        assert cm._decode_sums(bad) is None, bad
+    assert len(cm._decode_table[0]) == 131_072  # grown to the positions asked for, not past the bound
+    assert cm._decode_sums([(1 << 21) - 1]) is not None  # the last position the table holds
+    assert len(cm._decode_table[0]) == 1 << 21
 
 
 @settings(max_examples=30, deadline=None)
@@ -196,7 +233,7 @@ def test_the_executors_decode_pricing_is_its_naive_pricing_bit_for_bit(steps) ->
         assert fast == naive and executors[0].busy_s == executors[1].busy_s
 
 
-# ----- split_step_time: a mixed step's decodes from the packed sum, its other chunks by the loop -----
+# ----- split_step_time: a mixed step's decodes from the table's sums, its other chunks by the loop -----
 
 
 @settings(max_examples=60, deadline=None)
@@ -241,7 +278,7 @@ def test_split_step_time_leaves_what_it_cannot_tell_to_step_time() -> None:
         ([5], [(300, 1300, 1)]),
         ([5], [[300, 1300]]),
         ([10**12] * 3, good),  # sums past 2^53
-        ([4000] * (1 << 11), good),  # 2^11 decodes: the packed halves could carry
+        ([4000] * (1 << 11), good),  # 2^11 decodes: the uint64 sums could wrap
     ):
         assert cm.split_step_time(positions, others) is None, (positions[:3], others)
     assert _twin(cm).split_step_time([5], good) is None  # no `_decode_scale`: the loop's order matters

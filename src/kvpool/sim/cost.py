@@ -207,6 +207,8 @@ from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from functools import cached_property
 
+import numpy as np
+
 from kvpool.capacity.kv import KVLayout, kv_layout
 from kvpool.capacity.weights import WeightBytes, _bytes_per_param, weight_bytes
 from kvpool.spec.dsv4 import SERVING, LayerKind
@@ -216,9 +218,11 @@ from kvpool.spec.kv_formats import QUANTIZED
 from kvpool.spec.models import ModelSpec
 
 HOST_MODES: tuple[str, ...] = ("graph", "eager")
-# decode_step_time's packed sums: two 64-bit halves, each entry's below 2^53, fewer than 2^11 entries
-_LOW64 = (1 << 64) - 1
-_MAX_PACKED_DECODES = 1 << 11
+# decode_step_time's table sums: uint64 sums of fewer than 2^11 entries, each below 2^53, never wrap
+_MAX_TABLE_DECODES = 1 << 11
+# the decode table's positions at most (16 bytes each: 32 MiB); a position past it is priced by
+# step_time's loop (a context of 2M tokens: past every preset's longest)
+_MAX_TABLE_POSITIONS = 1 << 21
 
 
 def _ints_only(positions: Sequence[int]) -> bool:
@@ -825,45 +829,30 @@ class CostModel:
         """Seconds of a step of one decode at each of `positions` (the decoded token's
         position: its context after the step is position + 1): `step_time([(1, p + 1) for p
         in positions])`, the same float, or its ValueError. The simulator's common step,
-        priced from one C-level sum over a memo per position of the decode's scaled integer
-        FLOPs and bytes packed in one int (`_packed_decode`), without a (tokens, context)
-        tuple per decode; `step_time` is its naive twin (tests/test_sim_cost_decode_sums.py)."""
-        scale, memo = self._decode_scale, self._packed_decode_memo
-        # the sums fit their 64-bit halves (each packed entry's halves are below 2^53)
-        if scale is None or not 0 < len(positions) < _MAX_PACKED_DECODES:
+        priced from its decodes' scaled integer FLOPs and bytes summed in numpy over a table
+        by position (`_decode_sums`), without a (tokens, context) tuple per decode; `step_time`
+        is its naive twin (tests/test_sim_cost_decode_sums.py)."""
+        sums = self._decode_sums(positions) if len(positions) else None
+        if sums is None:  # (step_time names a bad position, or adds sums the table cannot)
             return self.step_time([(1, p + 1) for p in positions])
-        # ints only (a float, a numpy integer would find an int's entry; step_time names it)
-        if not _ints_only(positions):
-            return self.step_time([(1, p + 1) for p in positions])
-        try:
-            total = sum(map(memo.__getitem__, positions))
-        except KeyError:  # positions first seen (a negative one never is): their entries, then the sum again
-            for p in positions:
-                if p not in memo and (p < 0 or not self._packed_decode(p)):
-                    return self.step_time([(1, p + 1) for p in positions])
-            total = sum(map(memo.__getitem__, positions))
-        flops, num_bytes = total >> 64, total & _LOW64
-        if flops >= 1 << 53 or num_bytes >= 1 << 53:  # past exact float sums: the loop's
-            return self.step_time([(1, p + 1) for p in positions])
-        return self._decodes_time(len(positions), flops / scale, num_bytes / scale)
+        scale = self._decode_scale
+        assert scale is not None  # (_decode_sums has none without it)
+        return self._decodes_time(len(positions), sums[0] / scale, sums[1] / scale)
 
     def split_step_time(self, positions: Sequence[int], others: Sequence[tuple[int, int]]) -> float | None:
         """Seconds of a step of one decode at each of `positions` and the chunks `others`
         ((num_new_tokens, context_len), more than one token each), in any order that keeps
         `others`' own: `step_time` of that step, the same float, or None where this cannot
-        tell it (a bad position or chunk, no `_decode_scale`, sums past the packed halves):
+        tell it (a bad position or chunk, no `_decode_scale`, sums the table cannot add):
         the caller then prices the step in its order with `step_time`, which names a bad
         chunk. A mixed step (a prefill chunk among a fleet run's decodes) priced from
-        `decode_step_time`'s packed sum for its decodes and `step_cost`'s loop over its few
-        other chunks, without a (tokens, context) tuple and a pass in Python per decode:
-        with `_decode_scale` the decodes' sums are exact integers, whatever their order and
+        `_decode_sums` for its decodes and `step_cost`'s loop over its few other chunks,
+        without a (tokens, context) tuple and a pass in Python per decode: with
+        `_decode_scale` the decodes' sums are exact integers, whatever their order and
         wherever the other chunks fall among them (`_decode_scale`), so `_step_cost` gets
         the same scan as from the step in its order. Its naive twin: `step_time`
         (tests/test_sim_cost_decode_sums.py)."""
-        scale, memo = self._decode_scale, self._packed_decode_memo
-        if scale is None or len(positions) >= _MAX_PACKED_DECODES or not others:
-            return None
-        if positions and not _ints_only(positions):
+        if not others or self._decode_scale is None:
             return None
         num_tokens = len(positions)
         for chunk in others:  # (`_decode_scan`'s test; a chunk of one token is a decode: not here)
@@ -873,33 +862,83 @@ class CostModel:
             if type(n) is not int or type(ctx) is not int or not 2 <= n <= ctx:
                 return None
             num_tokens += n
-        try:
-            total = sum(map(memo.__getitem__, positions))
-        except KeyError:  # positions first seen (a negative one never is): their entries, then the sum again
-            for p in positions:
-                if p not in memo and (p < 0 or not self._packed_decode(p)):
-                    return None
-            total = sum(map(memo.__getitem__, positions))
-        flops, num_bytes = total >> 64, total & _LOW64
-        if flops >= 1 << 53 or num_bytes >= 1 << 53:  # past exact float sums: the loop's
+        sums = self._decode_sums(positions) if len(positions) else (0, 0)
+        if sums is None:
             return None
-        scan = (num_tokens, (flops / scale, num_bytes / scale), others)
+        scale = self._decode_scale
+        scan = (num_tokens, (sums[0] / scale, sums[1] / scale), others)
         return self._step_cost(others, scan, len(positions) + len(others)).time_s
 
-    def _packed_decode(self, position: int) -> bool:
-        """Memoise the decode at `position` for `decode_step_time`: its `_decode_entry`
-        (FLOPs, bytes) x `_decode_scale` as FLOPs << 64 | bytes. False (nothing kept) when
-        either is 2^53 or more: a sum of fewer than 2^11 of them could then carry across."""
-        flops, num_bytes = self._decode_memo.get(position + 1) or self._decode_entry(position + 1)
-        if flops >= 1 << 53 or num_bytes >= 1 << 53:
-            return False
-        self._packed_decode_memo[position] = flops << 64 | num_bytes
-        return True
+    def _decode_sums(self, positions: Sequence[int]) -> tuple[int, int] | None:
+        """(FLOPs, bytes) x `_decode_scale` of one decode at each of `positions` (one or
+        more), summed: `_decode_scan`'s integer sums of the chunks (1, p + 1), below 2^53
+        each (so exact as floats). None where this cannot tell them: no `_decode_scale`, a
+        position that is not an int or is negative, past the table's last (its entries past
+        2^53 or `_MAX_TABLE_POSITIONS`), 2^11 positions or more, or sums past 2^53.
+
+        One numpy gather and sum over `_decode_table` (each position's row) instead of a
+        memo lookup and a Python int a decode: at a fleet run's batch of ~130 decodes the
+        memo's entries (a dict's slots and an int object each, read once a step of each
+        replica) were a cache miss each. uint64 sums of fewer than 2^11 entries below 2^53
+        never wrap, so they are the exact sums, in any order."""
+        scale = self._decode_scale
+        n = len(positions)
+        if scale is None or n >= _MAX_TABLE_DECODES or not _ints_only(positions):
+            return None
+        try:  # (ints only: an int past int64 is the one error left)
+            at = np.fromiter(positions, np.int64, n)
+        except OverflowError:
+            return None
+        table = self._decode_table[0]
+        # (a negative position is past every table's end as a uint64)
+        if int(at.view(np.uint64).max()) >= len(table):
+            if int(at.min()) < 0 or not self._grow_decode_table(int(at.max()) + 1):
+                return None
+            table = self._decode_table[0]
+        flops, num_bytes = table[at].sum(axis=0).tolist()
+        if flops >= 1 << 53 or num_bytes >= 1 << 53:  # past exact float sums: the loop's
+            return None
+        return flops, num_bytes
 
     @cached_property
-    def _packed_decode_memo(self) -> dict[int, int]:
-        """position -> `_packed_decode`'s int (at most one entry per position)."""
-        return {}
+    def _decode_table(self) -> list[np.ndarray]:
+        """[the table]: row p ([num positions, 2] uint64) is the decode at position p's
+        `_decode_entry(p + 1)` (FLOPs, bytes) x `_decode_scale`, every entry below 2^53;
+        grown by `_grow_decode_table` (the list holds the latest: the model is frozen)."""
+        return [np.zeros((0, 2), dtype=np.uint64)]
+
+    def _grow_decode_table(self, num_positions: int) -> bool:
+        """Make `_decode_table` hold at least positions [0, num_positions) (twice its rows
+        where that is within bounds: a run's contexts grow a little at a time); False where
+        it cannot: past `_MAX_TABLE_POSITIONS`, or an entry there of 2^53 or more (entries grow
+        with the position: the last one bounds them all)."""
+        scale = self._decode_scale
+        assert scale is not None
+        old = len(self._decode_table[0])
+        if num_positions > _MAX_TABLE_POSITIONS or max(self._decode_entry(num_positions)) >= 1 << 53:
+            return False
+        size = min(max(num_positions, 2 * old, 1024), _MAX_TABLE_POSITIONS)
+        if max(self._decode_entry(size)) >= 1 << 53:
+            size = num_positions
+        # `_decode_entry` over contexts [old + 1, size] at once: the same integers (each term's
+        # product is at most the last entry's, below 2^53: no int64 wraps)
+        ctx = np.arange(old + 1, size + 1, dtype=np.int64)
+        flops = np.zeros(len(ctx), dtype=np.int64)
+        num_bytes = np.full(len(ctx), int(self.kv_write_bytes_per_token * scale), dtype=np.int64)
+        for flops_w, bytes_w, per_entry, cap in self._decode_terms:
+            e = ctx // per_entry
+            if cap is not None:
+                np.minimum(e, cap, out=e)
+            if not e[-1]:  # none of these contexts holds an entry of this term
+                continue
+            flops += int(flops_w * scale) * e
+            num_bytes += int(bytes_w * scale) * e
+        grown = np.empty((size, 2), dtype=np.uint64)
+        grown[:old] = self._decode_table[0]
+        grown[old:, 0] = flops
+        grown[old:, 1] = num_bytes
+        self._decode_table[0] = grown
+        return True
 
     def _decode_batch_terms(self, num_decodes: int) -> tuple[float, float, float, float]:
         """(gemm_s, comm_s, host_s, fixed_s) of a step of `num_decodes` decodes: they depend on
