@@ -197,7 +197,8 @@ def test_the_engine_part_sets_transformers_and_the_plain_forward_beside_the_engi
         for key in ("tpot_ms", "transformers_tpot_ms", "plain_tpot_ms"):
             assert row[key] > 0
         assert row["tok_s"] == pytest.approx(row["batch"] / row["tpot_ms"] * 1e3, rel=1e-3, abs=0.05)  # (rounded)
-        assert row["tpot_over_plain"] == pytest.approx(row["tpot_ms"] / row["plain_tpot_ms"], rel=1e-2)
+        # (the ratio is printed to 3 decimals: 5e-4 of rounding where it is small, as on the CPU)
+        assert row["tpot_over_plain"] == pytest.approx(row["tpot_ms"] / row["plain_tpot_ms"], rel=1e-2, abs=5e-4)
 
 
 def test_the_prefill_part_times_one_prompt_in_one_step():
