@@ -383,15 +383,17 @@ def test_a_turns_prompt_extended_from_the_last_equals_the_whole_prompt_packed():
     """turn_prompt: a turn's prompt made from the previous one (consumed: extended in place)
     equals the twin's, pack_prompt of the whole history (ids, the same int objects, the
     bytes), turn after turn, over sessions of many lengths, with the previous prompt's packing
-    extended (the loop's way) or without it; a list of another length, a packing of another
-    length, or turn 0, is refused."""
+    extended (the loop's way) or without it, and with the previous turn's answer as the
+    simulator's sampler gave it (or cut short: then made again); a list of another length, a
+    packing of another length, or turn 0, is refused."""
     table = int_table(VOCAB)
+    sampler = AnswerSampler(VOCAB, table.tolist())
     sessions = chat_workload(6, 5, 2.0, VOCAB, seed=9).sessions
     for k, s in enumerate(sessions):
-        previous = packed = None
+        previous = packed = answer = None
         for turn in range(len(s.turns)):
             twin = pack_prompt(s.prompt_ids(turn, VOCAB, table))
-            prompt = turn_prompt(s, turn, VOCAB, table, previous, packed)
+            prompt = turn_prompt(s, turn, VOCAB, table, previous, packed, answer)
             assert prompt.token_ids == twin.token_ids and prompt.packed == twin.packed
             assert type(prompt.packed) is bytes
             assert prompt.mm_items == () and prompt.hashes == {}
@@ -401,6 +403,11 @@ def test_a_turns_prompt_extended_from_the_last_equals_the_whole_prompt_packed():
             # the engine's output gives back a list of its own (a copy of the prompt)
             previous = list(prompt.token_ids)
             packed = prompt.packed if k % 2 else None
+            # the engine's completion: the tokens its sampler read, all of them or cut short
+            params = SamplingParams(max_tokens=s.turns[turn].output_len, seed=answer_seed(s.request_id(turn)))
+            answer = [sampler(None, params, 0, p) for p in range(params.max_tokens)] if k % 3 else None
+            if answer and (k + turn) % 4 == 0:
+                answer = answer[:-1]
     s = sessions[0]
     whole = turn_prompt(s, 1, VOCAB, table)
     with pytest.raises(ValueError, match=r"previous holds \d+ tokens; turn 1 of session 'chat0' has \d+ tokens"):

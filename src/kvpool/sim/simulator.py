@@ -346,11 +346,12 @@ def simulate(
     arrivals = Arrivals(workload)  # turns as they arrive; a turn's next one pushed as it finishes
     # request id -> (session, turn, replica, arrival, its prompt's packing where a turn follows)
     in_flight: dict[str, tuple[Session, int, int, float, bytes | None]] = {}
-    # session id -> the prompt of its finished turn (the engine's list, from its output) and
-    # its packing (kept in in_flight while a turn with a next one runs), while the next turn
-    # thinks: that turn's prompt extends them (`turn_prompt`) instead of making every earlier
-    # answer again and packing every earlier id again
-    latest: dict[str, tuple[list[int], bytes | None]] = {}
+    # session id -> the prompt of its finished turn (the engine's list, from its output), its
+    # packing (kept in in_flight while a turn with a next one runs) and its answer (the
+    # engine's completion: the table's ints its sampler read), while the next turn thinks:
+    # that turn's prompt extends them (`turn_prompt`) instead of making every earlier answer
+    # again and packing every earlier id again
+    latest: dict[str, tuple[list[int], bytes | None, list[int]]] = {}
     # session id -> the replica its finished turn ran on, while the next turn thinks: the
     # router looks there first (the longest hit, most likely), which spares lookups elsewhere
     went: dict[str, int] = {}
@@ -368,7 +369,9 @@ def simulate(
             arrival, t = t, arrivals.next_time()
             # packed once: the router's lookups and the chosen engine's admission share its
             # packing and block hashes
-            prompt = turn_prompt(session, turn, model.vocab_size, table, *latest.pop(session.session_id, (None, None)))
+            prompt = turn_prompt(
+                session, turn, model.vocab_size, table, *latest.pop(session.session_id, (None, None, None))
+            )
             rep = router.route(prompt, session.tenant, went.pop(session.session_id, None))
             rep.num_routed += 1
             idle = not rep.engine.has_unfinished()
@@ -400,7 +403,7 @@ def simulate(
             if on_finish is not None:
                 on_finish(record)
             if turn + 1 < len(session.turns):
-                latest[session.session_id] = (out.prompt_token_ids, packed)
+                latest[session.session_id] = (out.prompt_token_ids, packed, out.completions[0].token_ids)
                 went[session.session_id] = index
             arrivals.next_turn(session, turn, next_step.clock())
         if done:
@@ -421,6 +424,7 @@ def turn_prompt(
     table: np.ndarray,
     previous: list[int] | None = None,
     previous_packed: bytes | None = None,
+    previous_answer: list[int] | None = None,
 ) -> LookupPrompt:
     """Turn `turn`'s prompt, packed as `pack_prompt` packs it; its ints are `table`'s
     (tokens.int_table(vocab_size)). `previous`: the prompt of turn - 1 as the engine's
@@ -432,8 +436,13 @@ def turn_prompt(
     from its token array, no int read), instead of every id of the history read again (an
     id's int a likely cache miss: most of a long prompt's packing time in a fleet run). The
     twin, what None does, `pack_prompt(session.prompt_ids(...))`, copies the history twice
-    (prompt_ids' list, pack_prompt's) before packing it. ValueError for turn 0, a `previous`
-    not of turn - 1's length, or a `previous_packed` not of its bytes' length."""
+    (prompt_ids' list, pack_prompt's) before packing it. `previous_answer` (with `previous`):
+    turn - 1's answer as the engine gave it (its completion's token ids: the simulator's
+    sampler read them from the stream `turn_tail` makes, the table's ints), appended and
+    packed instead of that stream made again and its ids gathered from the table; where it
+    is not the turn's output_len tokens (a request cut short), the stream's. ValueError for
+    turn 0, a `previous` not of turn - 1's length, or a `previous_packed` not of its bytes'
+    length."""
     if previous is None:
         if previous_packed is not None:
             raise ValueError("previous_packed without previous: the packing of which prompt?")
@@ -449,6 +458,17 @@ def turn_prompt(
             f"previous_packed holds {len(previous_packed)} bytes, not the {TOKEN_BYTES * expected} of "
             f"turn {turn - 1}'s {expected} tokens"
         )
+    if previous_answer is not None and turn < len(session.turns):
+        if len(previous_answer) == session.turns[turn - 1].output_len:
+            user = session.turns[turn].user_ids
+            ids = previous
+            ids += previous_answer
+            ids += user
+            if previous_packed is None:
+                return LookupPrompt(ids, (), token_bytes(ids), {})
+            return LookupPrompt(
+                ids, (), b"".join((previous_packed, token_bytes(previous_answer), token_bytes(user))), {}
+            )
     answer, user = session.turn_tail(turn, vocab_size)
     ids = previous
     ids += table[answer.astype(np.intp)].tolist()
