@@ -33,6 +33,19 @@ def _is_meta(x: object) -> bool:
     return isinstance(x, torch.Tensor) and x.device.type == "meta"
 
 
+# The ops that take host (CPU) tensors beside device ones on CUDA: the copies between the two,
+# and indexing, whose index tensors may be on the host (torch moves them). Every other op on a
+# device tensor refuses a host tensor of one dimension or more (0-dimensional ones are scalars).
+_TAKES_HOST_TENSORS = {
+    torch.ops.aten.copy_.default,
+    torch.ops.aten._to_copy.default,
+    torch.ops.aten.index.Tensor,
+    torch.ops.aten.index_put_.default,
+    torch.ops.aten.index_put.default,
+    torch.ops.aten._index_put_impl_.default,
+}
+
+
 class TwinDevice(TorchDispatchMode):
     """Every op on meta tensors mirrored on CPU twins (the module docstring). Meta tensors
     made while the mode is active get twins; one made before has none (an error names it)."""
@@ -42,6 +55,32 @@ class TwinDevice(TorchDispatchMode):
         self._twins: dict[int, torch.Tensor] = {}  # id(meta tensor) -> its CPU twin
         self.events: list[_Event] = []  # every Event recorded, in order (`patch_cuda`)
         self.host_waits = 0  # Event.synchronize() calls on an event the device had not passed
+
+    # torch.tensor and torch.as_tensor from Python data (not a tensor) move what they made to
+    # the device below the dispatch modes: a meta tensor made so would have no twin
+    _FROM_DATA = ("tensor", "as_tensor")
+
+    # and an index of a meta tensor by a Python list is made likewise (as a meta tensor):
+    # the list is made a CPU tensor first, which indexes the twin as it would the list
+    _INDEXING = ("__getitem__", "__setitem__")
+
+    def __enter__(self):
+        self._saved = {name: getattr(torch, name) for name in self._FROM_DATA}
+        for name, make in self._saved.items():
+            setattr(torch, name, _made_on_the_cpu_first(make))
+        self._saved_indexing = {name: getattr(torch.Tensor, name) for name in self._INDEXING}
+        for name, index in self._saved_indexing.items():
+            setattr(torch.Tensor, name, _lists_as_cpu_tensors(index))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            for name, make in self._saved.items():
+                setattr(torch, name, make)
+            for name, index in self._saved_indexing.items():
+                setattr(torch.Tensor, name, index)
 
     def values(self, tensor: torch.Tensor) -> torch.Tensor:
         """The values a meta tensor holds on the stand-in device: its twin (a CPU tensor of
@@ -73,6 +112,12 @@ class TwinDevice(TorchDispatchMode):
         touches_meta = any(map(_is_meta, flat)) or (device_kw is not None and torch.device(device_kw) == _META)
         if not touches_meta:
             return func(*args, **kwargs)
+        if func not in _TAKES_HOST_TENSORS and any(map(_is_meta, flat)):  # (a factory like a host tensor: none)
+            on_host = [x for x in flat if isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dim() > 0]
+            if on_host:  # (as CUDA refuses it: only a copy moves a host tensor's values to the device)
+                raise RuntimeError(
+                    f"TwinDevice: {func} reads a host tensor {tuple(on_host[0].shape)} {on_host[0].dtype} on the device"
+                )
         twin_args = tree_map(self._twin_of, args)
         twin_kwargs = {
             k: (torch.device("cpu") if k == "device" and v is not None else self._twin_of(v)) for k, v in kwargs.items()
@@ -83,13 +128,46 @@ class TwinDevice(TorchDispatchMode):
             return twin_out  # (a read of the device's values into host memory: the twin's)
         if func is torch.ops.aten._local_scalar_dense.default:
             return twin_out  # (.item(), .tolist(): the twin's values)
+        if func is torch.ops.aten.copy_.default and not _is_meta(args[0]):
+            return twin_out  # (a copy into host memory: the twin's values written there)
         out = func(*args, **kwargs)
         outs, _ = tree_flatten(out)
         twins, _ = tree_flatten(twin_out)
         for o, t in zip(outs, twins, strict=True):
-            if _is_meta(o) and id(o) not in self._twins:
+            # (an op's scratch outputs may be shaped by each kernel its own way: embedding_bag's
+            # offset2bag is empty on meta; such an output gets no twin, and a read of it raises)
+            if _is_meta(o) and id(o) not in self._twins and (o.shape, o.dtype) == (t.shape, t.dtype):
                 self._register(o, t)
         return out
+
+
+def _made_on_the_cpu_first(make):
+    """torch.tensor / torch.as_tensor for the stand-in: data meant for device="meta" made on
+    the CPU, then moved by a copy the mode sees (which gives it its twin)."""
+
+    def made(data, *args, device=None, **kwargs):
+        if device is not None and torch.device(device) == _META:
+            return make(data, *args, **kwargs).to(_META)
+        return make(data, *args, device=device, **kwargs)
+
+    return made
+
+
+def _lists_as_cpu_tensors(index_op):
+    """Tensor.__getitem__ / __setitem__ for the stand-in: on a meta tensor, each list in the
+    index as the CPU tensor torch would make of it (a CPU index is read on any device)."""
+
+    def as_tensors(key):
+        if isinstance(key, list):
+            return torch.as_tensor(key)
+        if isinstance(key, tuple):
+            return tuple(torch.as_tensor(k) if isinstance(k, list) else k for k in key)
+        return key
+
+    def indexed(self, key, *value):
+        return index_op(self, as_tensors(key) if _is_meta(self) else key, *value)
+
+    return indexed
 
 
 class _Event:
@@ -97,10 +175,10 @@ class _Event:
     so far; `synchronize` on an event the device has not passed is a host wait (counted)."""
 
     def __init__(self, device: TwinDevice) -> None:
-        self.device, self.passed = device, False
+        self.device, self.passed, self.stream = device, False, None
 
     def record(self, stream: object = None) -> None:
-        self.passed = False
+        self.passed, self.stream = False, stream
         self.device.events.append(self)
 
     def synchronize(self) -> None:
@@ -113,7 +191,10 @@ class _Event:
 
 
 def patch_cuda(monkeypatch, device: TwinDevice) -> None:
-    """torch.cuda.Event as the stand-in's `_Event`, and pin_memory as a no-op (a machine
-    without CUDA cannot pin: the host buffers are plain CPU memory, which the twins copy)."""
+    """torch.cuda.Event as the stand-in's `_Event`, and pin_memory (the method, and torch.empty's
+    argument) as a no-op (a machine without CUDA cannot pin: the host buffers are plain CPU
+    memory, which the twins copy)."""
     monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: _Event(device))
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
