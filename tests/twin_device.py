@@ -16,7 +16,10 @@ differs from the host, which a test compares.
 
 torch.cuda.Event and pin_memory are the CUDA parts the code calls besides: `patch_cuda`
 replaces them with stand-ins (the Event counts host waits on events not yet passed: a step
-marks where the device caught up, `TwinDevice.caught_up`)."""
+marks where the device caught up, `TwinDevice.caught_up`). `patch_graphs` stands in for
+torch.cuda's graph capture: a capture records the ops on device tensors (refusing host reads
+and host memory, as a capture must), a replay runs them again on the same tensors, reading
+their values then: what a graph baked in at capture shows as a wrong replay."""
 
 from __future__ import annotations
 
@@ -55,6 +58,7 @@ class TwinDevice(TorchDispatchMode):
         self._twins: dict[int, torch.Tensor] = {}  # id(meta tensor) -> its CPU twin
         self.events: list[_Event] = []  # every Event recorded, in order (`patch_cuda`)
         self.host_waits = 0  # Event.synchronize() calls on an event the device had not passed
+        self._captured: list | None = None  # the ops of the CUDA graph being captured (`patch_graphs`)
 
     # torch.tensor and torch.as_tensor from Python data (not a tensor) move what they made to
     # the device below the dispatch modes: a meta tensor made so would have no twin
@@ -118,6 +122,8 @@ class TwinDevice(TorchDispatchMode):
                 raise RuntimeError(
                     f"TwinDevice: {func} reads a host tensor {tuple(on_host[0].shape)} {on_host[0].dtype} on the device"
                 )
+        if self._captured is not None:
+            self._check_capturable(func, flat)
         twin_args = tree_map(self._twin_of, args)
         twin_kwargs = {
             k: (torch.device("cpu") if k == "device" and v is not None else self._twin_of(v)) for k, v in kwargs.items()
@@ -138,7 +144,57 @@ class TwinDevice(TorchDispatchMode):
             # offset2bag is empty on meta; such an output gets no twin, and a read of it raises)
             if _is_meta(o) and id(o) not in self._twins and (o.shape, o.dtype) == (t.shape, t.dtype):
                 self._register(o, t)
+        if self._captured is not None:
+            self._captured.append((func, args, kwargs, out))
         return out
+
+    # ---- CUDA graphs (`patch_graphs`) ------------------------------------------------
+
+    def _check_capturable(self, func, flat: list) -> None:
+        """What CUDA refuses inside a capture (or what a replay would not redo): a read of
+        the device's values on the host, and an op reading host memory (a copy from it is
+        captured as a copy of the bytes there then, not of what they hold at replay)."""
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise RuntimeError("TwinDevice: a host read of a device value (.item(), .tolist()) inside a graph capture")
+        on_host = [x for x in flat if isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dim() > 0]
+        if on_host:
+            raise RuntimeError(f"TwinDevice: {func} reads host memory inside a graph capture")
+
+    def capture(self) -> list:
+        """Start recording the ops on device tensors (a graph's kernels); the list fills
+        until `end_capture`."""
+        if self._captured is not None:
+            raise RuntimeError("TwinDevice: a graph capture inside another")
+        self._captured = []
+        return self._captured
+
+    def end_capture(self) -> None:
+        self._captured = None
+
+    def replay(self, ops: list) -> None:
+        """Run a captured graph's ops again on the same device tensors, as a replay runs its
+        kernels on the same memory: each op reads its inputs' values now, and its output is
+        written where the capture's was (a view's is that memory already). (Inference mode:
+        the captured forward's tensors were made in it, and are written here.)"""
+        with torch.inference_mode():
+            self._replay(ops)
+
+    def _replay(self, ops: list) -> None:
+        for func, args, kwargs, out in ops:
+            twin_args = tree_map(self._twin_of, args)
+            twin_kwargs = {
+                k: (torch.device("cpu") if k == "device" and v is not None else self._twin_of(v))
+                for k, v in kwargs.items()
+            }
+            twin_out = func(*twin_args, **twin_kwargs)
+            outs, _ = tree_flatten(out)
+            twins, _ = tree_flatten(twin_out)
+            for o, t in zip(outs, twins, strict=True):
+                captured = self._twins.get(id(o)) if _is_meta(o) else None
+                # (a view or an in-place op's output is the captured memory itself; an op that
+                # may alias, as .to(dtype), made new memory only when it did not)
+                if captured is not None and t.untyped_storage().data_ptr() != captured.untyped_storage().data_ptr():
+                    captured.copy_(t)
 
 
 def _made_on_the_cpu_first(make):
@@ -198,3 +254,72 @@ def patch_cuda(monkeypatch, device: TwinDevice) -> None:
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
+
+
+class _Stream:
+    """A CUDA stream's part the capture calls (orders nothing: the stand-in runs in order)."""
+
+    def wait_stream(self, other: object) -> None:
+        pass
+
+
+class _Graph:
+    """torch.cuda.CUDAGraph on the stand-in: the ops its capture recorded, replayed by
+    `TwinDevice.replay`; `pool()` the pool id the capture was given or a new one."""
+
+    _next_pool = 1
+
+    def __init__(self, device: TwinDevice) -> None:
+        self.device, self.ops, self.pool_id, self.num_replays = device, None, None, 0
+
+    def replay(self) -> None:
+        assert self.ops is not None, "a graph replayed before its capture"
+        self.device.replay(self.ops)
+        self.num_replays += 1
+
+    def pool(self) -> tuple[int, int]:
+        return self.pool_id
+
+
+def patch_graphs(monkeypatch, device: TwinDevice, segments=lambda: []) -> list[_Graph]:
+    """torch.cuda's graph capture on the stand-in (with `patch_cuda`): CUDAGraph, the
+    torch.cuda.graph context (recording the ops of its body: `TwinDevice.capture`), Stream,
+    current_stream and torch.cuda.stream (no ordering to model), memory_snapshot (the
+    allocator segments `segments()` returns). Returns the list every graph made joins."""
+    graphs: list[_Graph] = []
+
+    def make_graph() -> _Graph:
+        graphs.append(_Graph(device))
+        return graphs[-1]
+
+    class _Capture:
+        def __init__(self, graph: _Graph, pool=None, stream=None) -> None:
+            self.graph, self.given_pool = graph, pool
+
+        def __enter__(self) -> None:
+            device.caught_up()  # (torch.cuda.graph synchronises the device as a capture begins)
+            if self.given_pool is None:
+                self.given_pool, _Graph._next_pool = (_Graph._next_pool, 0), _Graph._next_pool + 1
+            self.graph.pool_id = self.given_pool
+            self.graph.ops = device.capture()
+
+        def __exit__(self, *exc) -> None:
+            device.end_capture()
+
+    class _Within:
+        def __init__(self, stream: object) -> None:
+            pass
+
+        def __enter__(self) -> None:
+            pass
+
+        def __exit__(self, *exc) -> None:
+            pass
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", make_graph)
+    monkeypatch.setattr(torch.cuda, "graph", _Capture)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: _Stream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: _Stream())
+    monkeypatch.setattr(torch.cuda, "stream", _Within)
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: list(segments()))
+    return graphs
