@@ -2,14 +2,16 @@
 shadowed by CPU twins; an op on a device tensor refuses a host tensor as CUDA does).
 
 On the CPU the runner's step needs no copy: the token ids and positions it builds in host
-memory are the forward's inputs. On a GPU they are sent (`forward`'s `ids_t`, `pos_t`), the
-static decode path reads the step buffers' device tables, and the tier moves run on a copy
-stream of their own, ordered against the compute stream by events (`_gather`, `to_device`,
-`wait_for_loads`). Here the model's weights, the pool and the buffers live on the twin
-device, and a run is compared with the same run on the CPU (the independent twin: the same
-code, where no copy exists): the same tokens, logits equal to the bit (fp64, the same torch
-ops on the twins). The copy stream is a stand-in (`Streams`) that records what waits on
-what, so the ordering the docstrings promise is asserted, not only the bytes."""
+memory are the forward's inputs. On a GPU they are sent (`forward`'s `ids_t`, `pos_t`), pure
+decodes replay CUDA graphs captured at build over the step buffers' device tables, and the
+tier moves run on a copy stream of their own, ordered against the compute stream by events
+(`_gather`, `to_device`, `wait_for_loads`). Here the model's weights, the pool and the
+buffers live on the twin device, and a run is compared with the same run on the CPU (the
+independent twin: the same code, where no copy and no graph exists): the same tokens, logits
+equal to the bit (fp64, the same torch ops on the twins). The graphs are the stand-in's
+(`patch_graphs`: a capture records the device ops, a replay runs them again on the same
+tensors) and so is the copy stream (`Streams`, which records what waits on what, so the
+ordering the docstrings promise is asserted, not only the bytes)."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from kvpool.engine.engine import Engine
 from kvpool.engine.llama_runner import llama_runner
 from kvpool.engine.sampling import SamplingParams
 from random_llama import DESCRIPTOR, random_ids, random_llama
-from twin_device import TwinDevice, patch_cuda
+from twin_device import TwinDevice, patch_cuda, patch_graphs
 
 
 @pytest.fixture
@@ -36,11 +38,11 @@ def device(monkeypatch):
         yield twin
 
 
-def serve(where: str, mode: str, twin: TwinDevice | None = None, more: int = 2):
+def serve(where: str, mode: str, twin: TwinDevice | None = None, more: int = 2, built=None):
     """Requests joining and leaving on a runner on `where` ("cpu" or the twin's "meta"):
     2 at first, `more` after 2 steps, each its own output length. Returns the engine, its
     runner and the request ids. After each step the device has caught up with it (the
-    step's sampled tokens were read)."""
+    step's sampled tokens were read). built(runner): called once the runner is built."""
     runner = llama_runner(
         random_llama(where, torch.float64),
         24,
@@ -51,6 +53,8 @@ def serve(where: str, mode: str, twin: TwinDevice | None = None, more: int = 2):
         max_num_seqs=4,
         max_num_batched_tokens=32,
     )
+    if built is not None:
+        built(runner)
     engine = Engine(runner, max_num_batched_tokens=32, max_num_seqs=4, record_logits=True)
     ids = [
         engine.add_request(random_ids(5 + 3 * i, i), SamplingParams(max_tokens=3 + 2 * i, ignore_eos=True))
@@ -79,20 +83,56 @@ def assert_same_outputs(twin: TwinDevice, on_meta: Engine, ids: list[str], on_cp
         assert torch.equal(torch.stack([twin.values(t) for t in got.logits]), torch.stack(want.logits))
 
 
-def test_an_engine_on_the_device_equals_the_cpu_engine(device) -> None:
-    """Prompts, mixed steps and decodes as requests join and leave, on the twin device in
-    static mode: prefill and mixed steps reach the device by `forward`'s copies of the token
-    ids and positions, pure decodes through the step buffers' device tables and the graphs'
-    token ids; the tokens and logits are the CPU engine's to the bit, and no step waits on
-    the host for a copy of its own. (Eager steps alone: the tier test's runs.)"""
+def test_decode_graphs_captured_and_replayed_on_the_device_equal_the_cpu_engine(device, monkeypatch) -> None:
+    """The executor's CUDA graphs on the twin device (engine/cuda_graph.py's capture, replay
+    and pool size; llama_runner's _capture_graphs), a stand-in graph recording the device
+    ops of the captured forward and replaying them on the same tensors: a replay reads the
+    static inputs' values then, and a capture refuses host reads and host memory. Built as
+    __init__ builds "graphs" (the executor refuses them off CUDA: static mode, then the
+    same steps): every bucket captured, largest first, in one shared pool, whose segments
+    (the allocator's, by pool id) less the outputs are the ledger's graph_pool. Then every
+    decode of the engine replays a graph, prompts and mixed steps reach the device by
+    `forward`'s copies of the token ids and positions, and the tokens and logits are the CPU engine's
+    (static mode: the same forward, run) to the bit; the logits a step returned are not
+    rewritten by a later replay, and no step waits on the host for a copy of its own."""
+    graphs = patch_graphs(
+        monkeypatch,
+        device,
+        lambda: [segment(graphs[0].pool_id, 3 << 20), segment((77, 0), 1 << 20), segment(graphs[0].pool_id, 2 << 20)],
+    )
+
+    def capture(runner) -> None:
+        executor = runner.executor
+        executor._graphs.capturing, executor.decode_mode = True, "graphs"
+        executor._capture_graphs()
+        assert [graph.pool_id for graph in graphs] == [graphs[0].pool_id] * 3 and len(graphs[0].ops) > 20
+        assert list(executor._graphs.graphs) == [4, 2, 1] and all(g.num_replays == 0 for g in graphs)
+        logits = (4 + 2 + 1) * executor.vocab_size * 8  # fp64 rows
+        assert (executor.peaks.graph_logits, executor.peaks.graph_pool) == (logits, (5 << 20) - logits)
+        decode = executor._forward_decode
+
+        def keeping(tokens, starts):  # a caller that keeps each step's logits
+            out = decode(tokens, starts)
+            kept.append((out, device.values(out).clone()))
+            return out
+
+        executor._forward_decode = keeping
+
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+
     on_cpu, cpu_runner, cpu_ids = serve("cpu", "static")
-    on_meta, runner, ids = serve("meta", "static", device)
-    assert runner.executor.model.device.type == "meta" and runner.executor.storage.k.device.type == "meta"
+    on_meta, runner, ids = serve("meta", "static", device, built=capture)
     assert_same_outputs(device, on_meta, ids, on_cpu, cpu_ids)
-    # (decodes from the buffers, and steps with prompts through forward's copies)
-    assert runner.executor._graphs.num_static == cpu_runner.executor._graphs.num_static >= 5
-    assert on_meta.stats.num_steps > runner.executor._graphs.num_static
-    assert device.host_waits == 0
+    decode_graphs = runner.executor._graphs
+    assert decode_graphs.num_replays == sum(g.num_replays for g in graphs) == cpu_runner.executor._graphs.num_static
+    assert decode_graphs.num_static == 0 and len(graphs) == 3 and device.host_waits == 0
+    # each step's logits are its own: no later replay rewrote them
+    assert len(kept) == decode_graphs.num_replays and all(torch.equal(device.values(t), v) for t, v in kept)
+
+
+def segment(pool_id: tuple[int, int], total_size: int) -> dict:
+    """One segment of torch.cuda.memory_snapshot(): the fields pool_bytes reads."""
+    return {"segment_pool_id": pool_id, "total_size": total_size}
 
 
 class Stream:
