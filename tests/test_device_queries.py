@@ -5,7 +5,8 @@ device and no storage, which refuses any op, so only the device is read).
 
 Without these, engine/memory.py's CUDA branches (the free memory `check_fits` compares a pool
 with, the ledger's device peak and allocator figures, its host-memory lines kept outside the
-device peak) and the Triton backends' SM counts (which size every decode's split) never run:
+device peak), the Triton backends' SM counts (which size every decode's split) and the GPU
+bench's event timing (bench/gpu.py `_device_time`) never run:
 each test compares them with exact values the stand-in set, on the device they were asked
 for (cuda:1, whose figures differ from cuda:0's)."""
 
@@ -161,3 +162,55 @@ def test_the_triton_backends_split_for_the_sm_count_of_their_device(cuda) -> Non
         assert not cuda.calls
     # (the two counts split a decode batch differently: the count read matters)
     assert (num_splits_for(4, 2, 32768, 46), num_splits_for(4, 2, 32768, 132)) == (16, 64)
+
+
+class _TimingEvents:
+    """torch.cuda.Event(enable_timing=True) on a stand-in device whose clock the timed
+    function advances: `record` reads the clock, `elapsed_time` is milliseconds between two
+    records (once the host waited for the second), `synchronize` a host wait (counted)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.clock_ms, self.waits = 0.0, 0
+        events = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                assert enable_timing, "a timing event made without enable_timing"
+                self.at = None
+
+            def record(self, stream=None) -> None:
+                self.at, self.done = events.clock_ms, False
+
+            def synchronize(self) -> None:
+                events.waits += 1
+                self.done = True
+
+            def elapsed_time(self, end: Event) -> float:
+                assert self.at is not None and end.at is not None, "elapsed_time of an event never recorded"
+                # (CUDA: "device not ready" until the end event has passed)
+                assert end.done, "elapsed_time before the end event was waited for"
+                return end.at - self.at
+
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+
+
+def test_the_bench_times_a_cuda_call_between_events(monkeypatch) -> None:
+    """bench/gpu.py _device_time on CUDA: two warm-up calls outside the events, then each of
+    `repeat` samples times `inner` calls between two events and waits for the second once:
+    the median of the samples' milliseconds per call, in seconds. The stand-in's calls take
+    3, 5, 7, ... ms of device time in turn (the warm-ups 1 and 2 ms, never counted).
+    (bench/gpu_engine.py's _copy_rate, its one other CUDA caller, allocates 256 MiB on
+    "cuda" itself: no stand-in reaches it without a GPU.)"""
+    from kvpool.bench.gpu import _device_time
+
+    events = _TimingEvents(monkeypatch)
+    durations_ms = [1, 2, *range(3, 29, 2)]  # the warm-ups', then 3, 5, ..., 27
+    calls = []
+
+    def call() -> None:
+        events.clock_ms += durations_ms[len(calls)]
+        calls.append(events.clock_ms)
+
+    # samples of 4 calls each: calls 3-6 take 3+5+7+9 = 24 ms, 7-10: 11+13+15+17 = 56, 11-14: 88
+    assert _device_time(call, "cuda", repeat=3, inner=4) == pytest.approx(56 / 4 / 1e3, rel=1e-12)
+    assert len(calls) == 2 + 3 * 4 and events.waits == 3
