@@ -236,3 +236,53 @@ def test_the_tier_moves_run_on_the_copy_stream_in_order(device, monkeypatch) -> 
     assert streams.log == [("compute", "waits for event", load)] and executor._loads_in_flight == []
     assert device.host_waits == 1
     assert_same_outputs(device, on_meta, ids, on_cpu, cpu_ids)
+
+
+def test_the_bench_plain_forwards_decode_replays_from_a_graph_as_it_runs_eagerly(monkeypatch) -> None:
+    """bench/gpu_baselines.py plain_tpot captures ContiguousLlama.decode as a CUDA graph on
+    CUDA (never run: audit13 G7 judged it capture-safe by reading it). Captured here as
+    plain_tpot captures it (two warm-ups, then the capture; each step the greedy token into
+    the static ids and the next position into pos) on the twin device, with its tensors
+    moved there: 8 replays give the logits of the same decode run eagerly on the CPU, to
+    the bit. (plain_tpot's own lines stay unrun: they are taken on "cuda" prompts only.)"""
+    pytest.importorskip("transformers")
+    from kvpool.bench.gpu_baselines import ContiguousLlama, transformers_llama
+    from test_bench_gpu import SMALL
+
+    hf = transformers_llama(SMALL, 3, torch.float64, "cpu")  # (imported before torch.cuda is patched)
+    prompts = torch.randint(0, SMALL.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def greedy(plain: ContiguousLlama, step, device: TwinDevice | None = None) -> list[torch.Tensor]:
+        plain.ids.copy_(plain.prefill(prompts.to(plain.ids.device)).argmax(-1))
+        plain.pos.fill_(12)
+        out = []
+        for i in range(8):
+            logits = step()
+            out.append((logits if device is None else device.values(logits)).clone())
+            plain.ids.copy_(logits.argmax(-1))
+            plain.pos.fill_(13 + i)
+        return out
+
+    eager = ContiguousLlama(hf, 2, 24)
+    want = greedy(eager, eager.decode)
+    twin = TwinDevice()
+    patch_cuda(monkeypatch, twin)
+    graphs = patch_graphs(monkeypatch, twin)
+    with twin:
+        plain = ContiguousLlama(hf, 2, 24)
+        moved = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in vars(plain).items()}
+        moved["layers"] = [{k: w.to("meta") for k, w in layer.items()} for layer in plain.layers]
+        vars(plain).update(moved)
+
+        def replay() -> torch.Tensor:
+            if not graphs:  # (the first step: warm-ups and the capture, as plain_tpot does)
+                plain.decode(), plain.decode()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    replay.logits = plain.decode()
+            graphs[0].replay()
+            return replay.logits
+
+        got = greedy(plain, replay, twin)
+    assert plain.embed.device.type == "meta" and graphs[0].num_replays == 8
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
