@@ -427,3 +427,24 @@ def test_a_release_lets_go_of_the_memos_requests() -> None:
     m.release("r0")
     assert m._resolved == []
     m.check_integrity()
+
+
+def test_a_memo_let_go_forgets_whether_its_ids_were_distinct() -> None:
+    # A step that names a request twice is refused and leaves the memo's ids not distinct;
+    # when the last request leaves, the memo lets go of its ids, and of that answer with them
+    # (check_integrity holds the answer to the ids it describes)
+    m = FullAttentionManager(13, 4, DESC)
+    for rid, base in (("a", 0), ("b", 20)):
+        assert m.admit(rid, list(range(base, base + 6))) is not None
+        m.commit(rid, 6)
+        m.append_token_ids(rid, [7])
+    m.check_integrity()
+    with pytest.raises(ValueError, match="appears twice"):
+        m.commit_step(["a", "a"], [2, 0], [None, None])
+    assert m._resolved_distinct is False
+    m.check_integrity()
+    m.release("a")
+    m.check_integrity()
+    m.release("b")
+    assert m._resolved_list == [] and m._resolved_distinct is None
+    m.check_integrity()

@@ -399,6 +399,7 @@ class HybridCacheManager:
             left = self._left
             if left is None or len(left) >= MAX_LEFT_CARRIED or not self._requests:
                 self._resolved, self._resolved_list, self._resolved_tuple, self._left = [], [], (), None
+                self._resolved_distinct = None  # (the empty memo's: known by no step yet)
             else:
                 left.append(request_id)
         return req

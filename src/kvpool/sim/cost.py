@@ -229,8 +229,9 @@ def _ints_only(positions: Sequence[int]) -> bool:
     """Whether every position is a Python int (a bool or an int subclass counts: p + 1 is
     then an int, as step_time reads it), in one C-level pass: a sum of ints (and bools) is
     an int, and turns into a float or a numpy integer at the first such one (a str, None...
-    raise TypeError: not ints either). Signs are not checked: a negative position is never
-    a memo's key, so its lookup misses, and the miss path checks it."""
+    raise TypeError: not ints either). Signs are not checked here: `_decode_sums` answers None
+    for a negative position (past every table's end as a uint64), and the loop it falls back
+    to checks it."""
     try:
         return type(sum(positions)) is int
     except TypeError:
