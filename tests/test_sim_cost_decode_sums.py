@@ -104,6 +104,45 @@ def test_step_time_is_the_step_costs_time_bit_for_bit_on_every_preset(name: str)
 # ----- decode_step_time: a step of decodes from one numpy sum over a table by position -----
 
 _V4 = CostModel(load_preset("deepseek-v4-flash"), H200, tp=2)
+
+
+_BANDWIDTH = 3.3e12  # the bytes a second of the state copies between steps, in the executors below
+
+
+def _cost_executor(fast: bool, split: bool = False):
+    """A CostExecutor of ten blocks pricing by _V4, the copies' bytes at _BANDWIDTH. fast: its
+    decode-step twin (and, with split, its split-step twin, step_time then refusing to be
+    called: the twins must price every step); else step_time alone, the naive pricing."""
+    from kvpool.sim.executor import CostExecutor, VirtualClock
+
+    cm = _V4
+
+    def naive(work, moved):
+        return cm.step_time(work) + moved / _BANDWIDTH
+
+    def unused(work, moved):
+        raise AssertionError(f"step_time called for {work}: the fast twins price every step here")
+
+    def decode(positions, moved):
+        return cm.decode_step_time(positions) + moved / _BANDWIDTH
+
+    def split_step(positions, others, moved):
+        seconds = cm.split_step_time(positions, others)
+        return None if seconds is None else seconds + moved / _BANDWIDTH
+
+    return CostExecutor(
+        10,
+        step_time=unused if fast and split else naive,
+        decode_step_time=decode if fast else None,
+        split_step_time=split_step if fast and split else None,
+        kv_read_bytes=lambda n: n,
+        clock=VirtualClock(),
+        block_bytes=4,
+        kv_capacity_bytes=0,
+        checkpoint_bytes=1 << 20,
+    )
+
+
 _LLAMA = CostModel(load_preset("llama-3.1-8b"), H200)
 
 
@@ -202,25 +241,8 @@ def test_the_executors_decode_pricing_is_its_naive_pricing_bit_for_bit(steps) ->
     step, with the bytes the state copies between the steps move, and steps with a prefill
     chunk (which take step_time either way)."""
     from kvpool.engine.runner import ScheduledChunk
-    from kvpool.sim.executor import CostExecutor, VirtualClock
 
-    cm, bandwidth = _V4, 3.3e12
-    executors = []
-    for fast in (True, False):
-        executors.append(
-            CostExecutor(
-                10,
-                step_time=lambda work, moved: cm.step_time(work) + moved / bandwidth,
-                decode_step_time=(lambda positions, moved: cm.decode_step_time(positions) + moved / bandwidth)
-                if fast
-                else None,
-                kv_read_bytes=lambda n: n,
-                clock=VirtualClock(),
-                block_bytes=4,
-                kv_capacity_bytes=0,
-                checkpoint_bytes=1 << 20,
-            )
-        )
+    executors = [_cost_executor(fast) for fast in (True, False)]
     for k, (starts, num_copies) in enumerate(steps):
         chunks = [ScheduledChunk(f"r{i}", [7], start, True) for i, start in enumerate(starts)]
         if k % 3 == 2:  # a prefill chunk among the decodes
@@ -305,37 +327,8 @@ def test_the_executors_fast_pricing_is_its_naive_pricing_bit_for_bit(steps) -> N
     chunk: the clocks read the same floats, step after step, with the bytes the state copies
     between the steps move."""
     from kvpool.engine.runner import ScheduledChunk
-    from kvpool.sim.executor import CostExecutor, VirtualClock
 
-    cm, bandwidth = _V4, 3.3e12
-
-    def split(positions, others, moved):
-        seconds = cm.split_step_time(positions, others)
-        return None if seconds is None else seconds + moved / bandwidth
-
-    def naive(work, moved):
-        return cm.step_time(work) + moved / bandwidth
-
-    def unused(work, moved):
-        raise AssertionError(f"step_time called for {work}: the fast twins price every step here")
-
-    executors = []
-    for fast in (True, False):
-        executors.append(
-            CostExecutor(
-                10,
-                step_time=unused if fast else naive,
-                decode_step_time=(lambda positions, moved: cm.decode_step_time(positions) + moved / bandwidth)
-                if fast
-                else None,
-                split_step_time=split if fast else None,
-                kv_read_bytes=lambda n: n,
-                clock=VirtualClock(),
-                block_bytes=4,
-                kv_capacity_bytes=0,
-                checkpoint_bytes=1 << 20,
-            )
-        )
+    executors = [_cost_executor(fast, split=True) for fast in (True, False)]
     for starts, num_copies, replays, kind, at in steps:
         chunks = [ScheduledChunk(f"r{i}", [7], start, True) for i, start in enumerate(starts)]
         if kind in (1, 2):
@@ -384,40 +377,8 @@ def test_the_executors_pricing_of_step_chunks_is_its_naive_pricing_bit_for_bit(s
     reads step_time's float over the same chunks as a plain list, step after step (with
     copies' bytes)."""
     from kvpool.engine.runner import ScheduledChunk, StepChunks
-    from kvpool.sim.executor import CostExecutor, VirtualClock
 
-    cm, bandwidth = _V4, 3.3e12
-
-    def split(positions, others, moved):
-        seconds = cm.split_step_time(positions, others)
-        return None if seconds is None else seconds + moved / bandwidth
-
-    def naive(work, moved):
-        return cm.step_time(work) + moved / bandwidth
-
-    def unused(work, moved):
-        raise AssertionError(f"step_time called for {work}: the fast twins price every step here")
-
-    fast = CostExecutor(
-        10,
-        step_time=unused,
-        decode_step_time=lambda positions, moved: cm.decode_step_time(positions) + moved / bandwidth,
-        split_step_time=split,
-        kv_read_bytes=lambda n: n,
-        clock=VirtualClock(),
-        block_bytes=4,
-        kv_capacity_bytes=0,
-        checkpoint_bytes=1 << 20,
-    )
-    twin = CostExecutor(
-        10,
-        step_time=naive,
-        kv_read_bytes=lambda n: n,
-        clock=VirtualClock(),
-        block_bytes=4,
-        kv_capacity_bytes=0,
-        checkpoint_bytes=1 << 20,
-    )
+    fast, twin = _cost_executor(True, split=True), _cost_executor(False)
     for k, (starts, rest, num_copies, with_columns, extra) in enumerate(steps):
         ids = [f"r{i}" for i in range(len(starts))]
         tokens = [7] * len(starts)
