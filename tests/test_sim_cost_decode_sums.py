@@ -190,7 +190,8 @@ def test_decode_step_time_leaves_its_sums_for_the_loop_past_2_to_the_53_or_2_to_
     assert cm.decode_step_time(huge) == _naive(cm, huge)
     assert len(cm._decode_table[0]) < 10**12  # a table of entries past 2^53 is not made
     assert cm._decode_sums(huge) is None and cm._decode_sums([5000, 10**12]) is None
-    many = [4000 + i % 7 for i in range(1 << 11)]  # as many decodes as 2^11: two 64-bit halves could carry
+    many = [4000 + i % 7 for i in range(1 << 11)]  # 2^11 decodes: a uint64 sum of entries below 2^53 could wrap
+    assert cm._decode_sums(many) is None and cm._decode_sums(many[:-1]) is not None
     assert cm.decode_step_time(many) == _naive(cm, many)
     assert cm.decode_step_time(many[:-1]) == _naive(cm, many[:-1])
 

@@ -81,6 +81,8 @@ def test_stream_tokens_from_the_step_table_equal_token_at(keys, lens, vocab):
     """stream_tokens' few-stream path (the positions' terms read from tokens._STEPS: up to 64
     streams) and its general path (past 64 streams) give token_at's streams end to end."""
     lens = lens[: len(keys)]
+    # (the few-stream path is taken where it says: up to 64 streams, every length in the table)
+    assert (tokens_module._few_streams(keys, lens) is not None) == (len(keys) <= 64)
     expected = [token_at(key, p, vocab) for key, n in zip(keys, lens, strict=True) for p in range(n)]
     assert stream_tokens(keys, lens, vocab).tolist() == expected
     assert stream_tokens(keys[:1], lens[:1], vocab).tolist() == expected[: lens[0]]

@@ -410,8 +410,10 @@ class HybridCacheManager:
         equal: a C-level comparison that finds the same string objects by identity (the
         engine's ids of an unchanged batch), without a dict lookup per row. Three passes of
         a decode step (reserve, step_reservations, commit) and the next step's share it.
-        Callers read the list, never change it; the ids' requests are the same objects, but
-        their counts are checked by each pass as before. Other sequence types, and any
+        Callers read the list, never change it; the ids' requests are the same objects, their
+        counts checked by each pass unless the decode-step memo (`_decode_step`) vouches for
+        them. A batch changed since (rows left, rows joined at the end) is carried over by
+        `_resolve_changed`. Other sequence types, and any
         other ids with keep=False (a query about some of the step's rows): looked up, not
         kept."""
         kind = type(request_ids)
@@ -545,8 +547,10 @@ class HybridCacheManager:
         only the requests whose step took anything in some group (blocks, copies,
         checkpoints), in step order. Exact steps whose groups all have a decode period (V4):
         a decode that ends off it costs four comparisons, no group asked (its request from
-        `_resolve`: no lookup while the batch is unchanged);
-        otherwise every group is asked about every request (`_each_reservation`)."""
+        `_resolve`: no lookup while the batch is unchanged), and where the step is the one
+        `_reserve_decodes` just reserved (`_decode_step`) only the memo's rows on the period
+        are asked, no row checked; otherwise every group is asked about every request
+        (`_each_reservation`)."""
         if not len(request_ids) == len(starts) == len(ends):
             raise ValueError(f"{len(request_ids)} requests, {len(starts)} starts, {len(ends)} ends")
         period = self._decode_period

@@ -325,7 +325,7 @@ class BlockPool:
         for block_hash in hashes[len(chain) : max_blocks] if hashes else ():
             found = index_get(block_hash)
             if found is None:
-                return PrefixMatch(block_ids, chain)
+                break  # (not a return: a run longer than the pool's last one is remembered below)
             stored = found.token_bytes
             # the guard: stored == prompt_bytes[start : start + block_width], without slicing a copy
             if (

@@ -280,7 +280,7 @@ class CostExecutor:
         for request_id, (start, end) in later.items():
             if request_id in rest_ids:
                 continue
-            if request_id in first.lead_ids:  # (never: a decode is one token)
+            if request_id in first.lead_ids:  # (not from the engine, whose decodes are one token: the twin prices it)
                 return None
             if end - start == 1:  # none in the first forward: after its requests
                 positions.append(end - 1)
