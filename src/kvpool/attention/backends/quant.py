@@ -27,7 +27,7 @@ def _write_index(storage: QuantizedKVStorage, meta: PagedStepMetadata, plan: Ste
             SeqSpan(ids[ptr[i] : ptr[i + 1]], ctx - n, ctx)
             for i, (n, ctx) in enumerate(zip(meta.q_lens, meta.ctx_lens, strict=True))
         ]
-    return storage.write_index(plan.slots, spans)
+    return storage.write_index(plan.slots, spans, host_slots=meta.slots)  # (plan.slots' list: no device read)
 
 
 def _dequant_attend(

@@ -66,7 +66,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kvpool.attention.backends import triton_decode  # (its _merge read at launch: sm90_launches.py replaces it)
 from kvpool.attention.backends.step_buffers import _PADS, TABLE_ALIGN, _aligned, split_aligned
+from kvpool.attention.backends.triton_decode import dots_widened, num_splits_for
 
 __all__ = ["ExtendPlan", "QuantPages", "extend_attention", "interpreted", "plan_extend"]
 
@@ -228,8 +230,6 @@ def plan_extend(
 
     max_ctx_len = int(c.max()) if num_seqs else 1
     if num_sms is not None:
-        from kvpool.attention.backends.triton_decode import num_splits_for
-
         num_splits = num_splits_for(len(tile_seq), num_kv_heads, max_ctx_len, num_sms)
     if num_splits < 1:
         raise ValueError(f"num_splits must be at least 1, got {num_splits}")
@@ -381,7 +381,6 @@ def extend_attention(
         has_tails = False
         tails = plan.kv_indices
         scale_strides = (0, 0, 0)
-    from kvpool.attention.backends.triton_decode import dots_widened  # (the decode's rule for bf16 dots)
 
     group = plan.group
     splits = plan.num_splits
@@ -404,10 +403,8 @@ def extend_attention(
         TAILS=has_tails, WIDEN=dots_widened(q.dtype), NUM_SPLITS=splits,
     )  # fmt: skip
     if splits > 1:
-        from kvpool.attention.backends.triton_decode import _merge  # the decode's split merge
-
         merge_grid = (plan.merge_rows.shape[0], h)
-        _merge[merge_grid](
+        triton_decode._merge[merge_grid](
             part, lse, plan.merge_rows, out, out.stride(0), out.stride(1),
             H=h, D=d, NUM_SPLITS=splits, BLOCK_S=_pow2(splits), BLOCK_D=_pow2(d),
         )  # fmt: skip
