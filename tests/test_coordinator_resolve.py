@@ -314,9 +314,17 @@ def test_the_reserved_step_memo_answers_as_the_loop() -> None:
     m.check_integrity()
     # the next step's reserve from the committed memo: the same ends and blocks as the loop's
     assert m.reserve_step(ids, [1, 1])
-    assert m._decode_step is not None and m._decode_step[1:] == ([17, 8], [], True)
+    # (its starts: the committed memo's ends)
+    assert m._decode_step is not None and m._decode_step[1:] == ([17, 8], [], True, [16, 7])
     assert [m.num_reserved_tokens(r) for r in ids] == [17, 8]
     m.check_integrity()
+    # its starts are compared as a list (no subtraction a row): a wrong one still goes to the loop
+    memo, m._decode_step = m._decode_step, None
+    loop = m.step_reservations(tuple(ids), [16, 7], [17, 8])
+    m._decode_step = memo
+    assert m.step_reservations(tuple(ids), [16, 7], [17, 8]) == loop
+    with pytest.raises(ValueError, match="'r1': positions \\[6, 8\\)"):
+        m.step_reservations(tuple(ids), [16, 6], [17, 8])
     m.commit_step(ids, [1, 1], [3, None])  # r1's next token id not given: no committed memo
     assert m._decode_step is None
     with pytest.raises(ValueError, match="'r1'.* token ids are known"):

@@ -1,18 +1,14 @@
 """Decode CUDA graphs per batch bucket (engine/cuda_graph.py): the bucket and padding logic
-on the CPU, and a padded step's writes and reads run statically on the CPU and replayed from
-a graph on the twin device (tests/twin_device.py); on CUDA (skipped without one), a captured
-decode replayed equal to the eager step, its padded rows writing only the dummy block."""
+on the CPU; on CUDA (skipped without one), a captured decode replayed equal to the eager
+step, its padded rows writing only the dummy block."""
 
 from __future__ import annotations
-
-import contextlib
 
 import pytest
 import torch
 
 from kvpool.attention.backends.step_buffers import StepBuffers
 from kvpool.engine.cuda_graph import BATCH_BUCKETS, DecodeGraphs, bucket_for, buckets_up_to
-from twin_device import TwinDevice, patch_cuda, patch_graphs
 
 
 def test_buckets_are_powers_of_two_capped_at_the_largest_batch():
@@ -52,74 +48,6 @@ def test_a_capture_pads_an_empty_step_to_its_bucket_with_the_dummy_block_only():
     assert v.query_start.tolist() == [0, 1, 2, 3, 4]
     assert v.slot_mapping.tolist() == [20] * 4 and v.positions.tolist() == [0] * 4
     b.check_integrity()
-
-
-@pytest.mark.parametrize("where", ["cpu", "meta"], ids=["static-on-the-cpu", "replayed-on-the-twin"])
-def test_a_decode_padded_to_its_bucket_writes_and_reads_only_the_dummy_block(monkeypatch, where) -> None:
-    """DecodeGraphs.run pads a step of 3 decodes to its bucket of 4 before it runs the
-    bucket's forward: statically on the CPU, or replaying a captured graph on the twin
-    device. The step before is a prefill of 11 tokens planned in the buffers, so rows and
-    tokens [3, 4) still hold a live slot (a's position 3, slot 31) at position 3: were the
-    padding skipped, the fourth row would write a K/V there (the graph's stale token id at
-    position 3) and a, reading it, would see it. (After a decode step of 4, the stale row
-    holds that step's own token, position and slot and rewrites the value it wrote while
-    its block is not handed to another request; and test_device_runner compares the
-    replays with a CPU run through this same `run`: a `run` that pads on neither path
-    passes it. Here the values are exact.)
-    A stand-in forward: "K/V" = token * 100 + position written at each row's slot, "logits"
-    = the sum over the row's context read through its table row."""
-    bs, width, dummy = 4, 3, 9
-    twin = TwinDevice() if where == "meta" else None
-    if twin is not None:
-        patch_cuda(monkeypatch, twin)
-        graph_list = patch_graphs(monkeypatch, twin)
-    values = twin.values if twin is not None else (lambda t: t)
-    with twin if twin is not None else contextlib.nullcontext():
-        buffers = StepBuffers(4, 16, width, bs, where, dummy_block=dummy)
-        pool = torch.zeros((dummy + 1) * bs, dtype=torch.float64, device=where)  # [slots]: one number a slot
-        offsets = torch.arange(width * bs, device=where)  # [width * bs]: a table row's slots in order
-
-        def forward(n: int) -> torch.Tensor:  # over the static inputs only, as a captured forward
-            slots = buffers.slot_mapping[:n].long()
-            pool[slots] = graphs.input_ids[:n].double() * 100 + buffers.positions[:n].double()
-            table = buffers.block_tables[buffers.seq_rows[:n].long()].long()  # [n, width]
-            ctx = (table[:, :, None] * bs + offsets[None, :bs]).view(n, width * bs)
-            live = offsets[None, :] < buffers.ctx_lens[:n, None]  # [n, width * bs]
-            return torch.where(live, pool[ctx], 0.0).sum(1, keepdim=True)  # [n, 1]
-
-        graphs = DecodeGraphs(forward, buffers, buckets=(1, 2, 4), capture=False)
-        if twin is not None:  # (DecodeGraphs refuses to capture off CUDA: as the executor test builds it)
-            graphs.capturing = True
-            graphs.capture()  # buckets 4, 2, 1 over padding only
-        prompts = {"a": [11, 12, 13, 14, 15, 16], "b": [21, 22, 23], "c": [31, 32]}
-        tables = {"a": [7, 2], "b": [5], "c": [6]}
-        ids = list(prompts)
-        buffers.update(ids, [0, 0, 0], [len(prompts[r]) for r in ids], [tables[r] for r in ids])
-        # the prefill's K/V (its own forward, not the graphs'), every other slot a distinct -1 - slot
-        host = -1.0 - torch.arange(len(pool), dtype=torch.float64)
-        for rid, tokens in prompts.items():
-            for pos, token in enumerate(tokens):
-                host[tables[rid][pos // bs] * bs + pos % bs] = token * 100 + pos
-        pool.copy_(host)
-        buffers.update(ids, [6, 3, 2], [7, 4, 3], [tables[r] for r in ids])  # one decode each
-        graphs.set_input_ids([17, 24, 33])
-        logits = values(graphs.run(3))
-        # a: tokens 11..17 at positions 0..6; b: 21..24 at 0..3; c: 31..33 at 0..2
-        assert logits.tolist() == [[9821.0], [9006.0], [9603.0]]
-        # the padded row's inputs, as the forward read them: the padding row (4), context 1,
-        # one token at position 0 in the dummy block's slot 0 (36)
-        vectors = (buffers.seq_rows, buffers.ctx_lens, buffers.slot_mapping, buffers.positions)
-        assert [values(t)[:4].tolist() for t in vectors] == [[0, 1, 2, 4], [7, 4, 3, 1], [10, 23, 26, 36], [6, 3, 2, 0]]
-        assert values(buffers.query_start)[:5].tolist() == [0, 1, 2, 3, 4]
-        # written: the three decodes' slots and the dummy slot, nothing else (the padded row's
-        # token is the graph input's row 3, never set: 0, so it wrote 0 * 100 + 0)
-        after = values(pool)
-        assert (after != host).nonzero().flatten().tolist() == [10, 23, 26, 36]
-        assert after[[10, 23, 26, 36]].tolist() == [1706.0, 2403.0, 3302.0, 0.0]
-    if twin is not None:
-        assert graphs.num_replays == 1 and [g.num_replays for g in graph_list] == [1, 0, 0]
-    else:
-        assert graphs.num_static == 1
 
 
 # ---- on CUDA ------------------------------------------------------------------------------

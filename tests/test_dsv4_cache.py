@@ -865,6 +865,68 @@ def test_a_decode_step_with_a_request_at_fault_changes_nothing(exact: bool) -> N
     m.check_integrity()
 
 
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_mixed_steps_decodes_take_the_decode_path_and_a_fault_anywhere_changes_nothing(exact: bool) -> None:
+    # A mixed step as the engine makes it: reserve_step of the running decodes, then a
+    # newcomer's admission, then step_reservations and commit_step of the decodes with the
+    # newcomer's chunk after them. On V4 the admission keeps the decode-step memo, so the
+    # decodes' rows are answered and committed from it (unchecked), the chunk's row after
+    # them checked; on a paged cache the decodes go through the decode path's checked loop.
+    # A fault in a decode row or in the chunk's row undoes every change and raises what the
+    # naive twin names; the good step equals the twin's (`_commit_each`, `_each_reservation`)
+    def build() -> HybridCacheManager:
+        m: HybridCacheManager = make(12, 6) if exact else FullAttentionManager(40, 4, DESC)
+        for i in range(4):
+            rid = f"r{i}"
+            assert m.admit(rid, _ids(SPAN - 1 + i, offset=i)) is not None
+            m.commit_step([rid], [SPAN - 1 + i], [i])  # r0's decode ends on a span: it takes a block
+        if not exact:
+            m.commit_step(["r2"], [1], [None])  # inside its reserved block, its next token id not known
+        assert m.reserve_step(["r0", "r1", "r3"], [1, 1, 1])
+        assert m.admit("new", _ids(SPAN + 5, offset=5)) is not None
+        assert (m._decode_step is not None) == exact  # (V4: the memo held through the admission)
+        return m
+
+    def snapshot(m: HybridCacheManager) -> tuple:
+        return (
+            [(r, m.num_computed_tokens(r), m.num_reserved_tokens(r), m.token_ids(r)) for r in m.request_ids],
+            m.pool.free_queue(),
+        )
+
+    n = SPAN + 5
+    cases = [
+        (["r0", "r1", "r3", "new"], [1, 1, 1, n + 1], [7, 8, 9, 10], ValueError, f"request 'new': commit of {n + 1}"),
+        (["r0", "r1", "r3", "new"], [1, 1, 1, n], [7, -1, 9, 10], ValueError, "token id -1 is no int"),
+        (["r0", "r1", "r3", "new"], [1, 1, 1, n], [7, 8, 9, 2**32], ValueError, "token id 4294967296 is no int"),
+        (["r0", "r1", "r3", "ghost"], [1, 1, 1, n], [7, 8, 9, 10], KeyError, "unknown request 'ghost'"),
+        (["r0", "r1", "r3", "r1"], [1, 1, 1, n], [7, 8, 9, 10], ValueError, "appears twice"),
+        (["r0", "r2", "r3", "new"], [1, 1, 1, n], [7, 8, 9, 10], ValueError, "request 'r2': commit of 1 token"),
+    ]
+    for ids, counts, nexts, error, message in cases:
+        m = build()
+        before = snapshot(m)
+        with pytest.raises(error, match=message):
+            m.commit_step(ids, counts, nexts)
+        assert snapshot(m) == before, message
+        m.check_integrity()
+    ids, counts, nexts = ["r0", "r1", "r3", "new"], [1, 1, 1, n], [7, 8, 9, 10]
+    fast, twin = build(), build()
+    twin._decode_step = None  # the twin checks every row: no memo
+    starts = [fast.num_computed_tokens(r) for r in ids]
+    ends = [s + c for s, c in zip(starts, counts, strict=True)]
+    taken = fast.step_reservations(ids, starts, ends)
+    assert taken == twin._each_reservation(ids, starts, ends)
+    if exact:  # r0's decode took a block (from the memo's rows), the chunk its own: in step order
+        assert list(taken) == ["r0", "new"]
+    fast.commit_step(ids, counts, nexts)
+    twin._commit_each(ids, counts, nexts)
+    for m in (fast, twin):
+        m.check_integrity()
+    assert snapshot(fast) == snapshot(twin)
+    assert [fast.token_ids(r)[-1] for r in ids] == nexts and fast.num_computed_tokens("new") == n
+    assert [len(fast.part(r).prefix_chain()) for r in ids] == [len(twin.part(r).prefix_chain()) for r in ids]
+
+
 def _collide_checkpoint_parts(pool) -> None:
     """Every checkpoint part of `pool` hashes alike from now on (a forced hash collision)."""
     digest = pool.hasher.digest

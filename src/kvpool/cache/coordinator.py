@@ -261,8 +261,10 @@ class HybridCacheManager:
         # holds the source to it; `check_integrity` holds the rows to it). It spares the
         # passes of the step's other calls their checks: `step_reservations` reads the rows
         # on the period from it (one C-level comparison of the ends), `commit_step` and the
-        # next step's `reserve_step` move the counts unchecked
-        self._decode_step: tuple[list[_Request], list[int], list[_Request], bool] | None = None
+        # next step's `reserve_step` move the counts unchecked. Last, pending only, the step's
+        # starts (each ends[i] - 1) where a committed memo gave them (its ends), else None:
+        # `step_reservations` compares the starts it is given to them, no subtraction a row
+        self._decode_step: tuple[list[_Request], list[int], list[_Request], bool, list[int] | None] | None = None
         self._preempted: set[str] = set()  # released by preemption, not yet admitted again
         self.stats = PrefixStats()
         self.groups = built
@@ -563,14 +565,24 @@ class HybridCacheManager:
             return self._each_reservation(request_ids, starts, ends)
         out: dict[str, Reservation] = {}
         reserved = self._decode_step
-        if (
-            reserved is not None
-            and reserved[3]
-            and reqs is reserved[0]
-            and ends == reserved[1]
-            and list(map(operator.sub, ends, starts)).count(1) == len(reqs)
-        ):
-            # The step `_reserve_decodes` reserved, nothing moved since: row i's reserved step
+        k = 0  # the leading rows the memo answers
+        if reserved is not None and reserved[3]:
+            if reqs is reserved[0]:  # (the decode step: no slices)
+                if ends == reserved[1] and (
+                    starts == reserved[4] or list(map(operator.sub, ends, starts)).count(1) == len(reqs)
+                ):
+                    k = len(reqs)
+            else:
+                k = len(reserved[0])
+                if not (
+                    reqs[:k] == reserved[0]
+                    and ends[:k] == reserved[1]
+                    and (starts[:k] == reserved[4] or list(map(operator.sub, ends[:k], starts)).count(1) == k)
+                ):
+                    k = 0
+        if k:
+            # The decodes `_reserve_decodes` reserved (the step, or its leading rows: the
+            # joiners admitted since follow them), nothing moved since: row i's reserved step
             # is [ends[i] - 1, ends[i]) (the memo's invariant), which the ends and starts name
             # (lengths equal: checked above). Only its rows on the period took anything
             for req in reserved[2]:
@@ -580,7 +592,10 @@ class HybridCacheManager:
                     if part != empty:
                         out[req.request_id] = Reservation(req.end - 1, 1, parts)
                         break
-            return out
+            if k == len(reqs):
+                return out
+            # the rows after them (a joiner's chunk) as below
+            reqs, starts, ends = reqs[k:], starts[k:], ends[k:]
         for req, start, end in zip(reqs, starts, ends, strict=True):
             if start != req.num_computed or end != req.end:
                 self._not_reserved(req.request_id, start, end)  # raises
@@ -1004,7 +1019,10 @@ class HybridCacheManager:
         `prompt.token_ids` (the engine checked it at add_request, in a list of its own that
         nothing changes before the admission): the ids and items are compared, the bytes
         are not packed again (~5 ns a token)."""
-        self._decode_step = None  # (the counts move below)
+        # (the counts move below: the new request's only, which is no row of the decode-step
+        # memo, so an admission that succeeds gives the memo back: a mixed step's decodes
+        # reserved before the joiners' admissions keep it through step_reservations and commit)
+        memo, self._decode_step = self._decode_step, None
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already admitted")
         if max_new_tokens is not None and max_new_tokens < 0:
@@ -1060,6 +1078,7 @@ class HybridCacheManager:
         req.readmitted = request_id in self._preempted
         self._count_admission(req)
         step = self._apply_reserve([req], [end]) if n else {}
+        self._decode_step = memo  # (its rows were admitted before this request, which joined last)
         return Admission(point, n, self._admission_parts(req, admit_copies, step))
 
     def _admission_parts(
@@ -1252,7 +1271,9 @@ class HybridCacheManager:
             return None
         touched: list[_Request] = []
         ends: list[int] = []  # (its length counts the requests moved)
+        starts = None  # (each row's computed count, where the committed memo has them)
         if committed is not None and not committed[3] and reqs is committed[0]:
+            starts = committed[1]
             # The step `_commit_decodes` committed, nothing moved since: row i is computed to
             # ends[i] with no step pending, nothing loading, its next token id known (the
             # memo's invariant): its step [ends[i], ends[i] + 1) needs no check
@@ -1282,7 +1303,7 @@ class HybridCacheManager:
                 return False
             for g in self._group_list:  # `_apply_reserve`, whose loop over the ends is done above
                 g.apply_reserve(touched, touched_ends, detail=False)
-        self._decode_step = (reqs, ends, touched, True)
+        self._decode_step = (reqs, ends, touched, True, starts)
         return True
 
     def _reserve_each(self, request_ids: Sequence[str], num_new_tokens: Sequence[int]) -> bool:
@@ -1404,7 +1425,7 @@ class HybridCacheManager:
                 else:
                     changed = [req for req, end in zip(reqs, reserved[1], strict=True) if not end % period]
                 if not unknown:  # the next step's reserve needs no check (see __init__)
-                    self._decode_step = (reqs, reserved[1], [], False)
+                    self._decode_step = (reqs, reserved[1], [], False, None)
             else:
                 for req, next_token_id in zip(reqs, next_token_ids, strict=True):
                     nc = req.num_computed + 1
@@ -1437,8 +1458,12 @@ class HybridCacheManager:
         chunk among the decodes): the requests the groups must see, or None when a request
         is unknown or listed twice, or its commit is not of its reserved step (exact steps)
         or does not lie within its reservation and known token ids: then every change is
-        undone. `_commit_each` is its naive twin (tests/test_dsv4_cache.py holds them equal)."""
-        self._decode_step = None  # (the counts move below)
+        undone. The step's leading rows that `_reserve_decodes` reserved (the engine's
+        running decodes, the joiners' chunks after them), where the decode-step memo vouches
+        for them (an admission since keeps it), go unchecked as a decode step's do; the
+        other rows are checked one by one. `_commit_each` is its naive twin
+        (tests/test_dsv4_cache.py holds them equal)."""
+        reserved, self._decode_step = self._decode_step, None  # (the counts move below)
         period, exact, fresh = self._commit_period, self.exact_steps, self._fresh
         try:
             reqs = self._resolve(request_ids)
@@ -1450,9 +1475,37 @@ class HybridCacheManager:
         # A few fresh requests (the joiners, whose chunks change the groups anyway) are
         # looked for after the pass, not asked about at every decode row
         ask_fresh = len(fresh) > MAX_FRESH_APART
+        k = 0  # [0, k) the memo's rows, committed unchecked | [k, len) checked
+        if reserved is not None and reserved[3]:
+            k = len(reserved[0])
+            if not (reqs[:k] == reserved[0] and num_tokens[:k].count(1) == k):
+                k = 0
+        req = None
+        i = 0  # (the memo's rows committed)
         failed = False
         try:
-            for req, n, next_token_id in zip(reqs, num_tokens, next_token_ids, strict=True):
+            if k:
+                # The decodes `_reserve_decodes` reserved, nothing moved since (the memo's
+                # invariant): row i's step is its one token [ends[i] - 1, ends[i]), nothing
+                # to check; the rows on the decode period are the memo's (`_commit_decodes`)
+                for req, end, next_token_id in zip(reqs, reserved[1], next_token_ids, strict=False):  # (its k rows)
+                    req.num_computed = end
+                    if next_token_id is not None:
+                        req.token_ids.append(next_token_id)
+                    i += 1
+                if ask_fresh:  # (in step order, the memo's fresh requests among them)
+                    changed = [req for req in reqs[:k] if not req.num_computed % period or req.request_id in fresh]
+                elif period == self._decode_period:
+                    changed = reserved[2].copy()  # (the memo's own list: the rows after are appended)
+                else:
+                    changed = [req for req, end in zip(reqs, reserved[1], strict=False) if not end % period]
+            rows = (
+                zip(reqs[k:], num_tokens[k:], next_token_ids[k:], strict=True)
+                if k
+                else zip(reqs, num_tokens, next_token_ids, strict=True)
+            )
+            n = 0
+            for req, n, next_token_id in rows:
                 nc = req.num_computed + n
                 # exact: the whole reserved step (its end stays num_computed after); else within it, ids known
                 if (req.end != nc) if exact else (n < 0 or nc > req.end or nc > len(req.token_ids)):
@@ -1466,10 +1519,10 @@ class HybridCacheManager:
                 if next_token_id is not None:
                     req.token_ids.append(next_token_id)
         except (OverflowError, TypeError):  # an id the array cannot hold: undone, the twin names it
-            req.num_computed -= n
+            req.num_computed -= 1 if i < k else n  # (its count moved, its token did not join)
             failed = True
-        if failed:  # undo the requests before the one at fault, latest first (`req`: distinct rows)
-            for j in reversed(range(reqs.index(req))):
+        if failed:  # undo the rows before the one at fault, latest first (`req`: distinct rows)
+            for j in reversed(range(i if i < k else reqs.index(req))):
                 req = reqs[j]
                 req.num_computed -= num_tokens[j]
                 if next_token_ids[j] is not None:
@@ -1694,7 +1747,8 @@ class HybridCacheManager:
             assert self._resolved_distinct == (len(set(self._resolved_list)) == len(self._resolved_list))
         memo = self._decode_step
         if memo is not None:  # the last decode step's memo (see __init__)
-            reqs, ends, touched, pending = memo
+            reqs, ends, touched, pending, starts = memo
+            assert starts is None or (pending and starts == [end - 1 for end in ends]), "the memo's starts"
             period = self._decode_period
             assert self.exact_steps and period is not None, "a decode-step memo without a decode period"
             assert len(ends) == len(reqs) == len(set(map(id, reqs))), "the memo's rows are one step's"
