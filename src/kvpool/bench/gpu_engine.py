@@ -266,8 +266,9 @@ def _engine_logits(
     dtype: torch.dtype, device: str, prompt: list[int], triton: bool
 ) -> tuple[list[int], torch.Tensor, str]:
     """The engine's greedy run of `prompt` on `TINY` (seed 1) in `dtype`: its tokens (prompt
-    and output), the logits it sampled each output token from [NUMERICS_NEW, vocab] fp32,
-    and its attention backend's name. triton: the Triton backend on a CPU pool (its
+    and output), the logits it sampled each output token from [NUMERICS_NEW, vocab] fp32
+    (fp64 in an fp64 run, kept for tests/test_bench_gpu.py's exactness check), and its
+    attention backend's name. triton: the Triton backend on a CPU pool (its
     interpreter), as a CUDA engine has it."""
     import torch
 
@@ -287,7 +288,8 @@ def _engine_logits(
     while engine.has_unfinished():
         engine.step()
     seq = engine.requests["numerics"].seqs[0]
-    return list(seq.token_ids), torch.stack(seq.logits).float(), executor.attention.name
+    logits = torch.stack(seq.logits)
+    return list(seq.token_ids), logits if logits.dtype == torch.float64 else logits.float(), executor.attention.name
 
 
 def _transformers_logits(model, tokens: list[int], num_prompt: int) -> torch.Tensor:
