@@ -522,10 +522,26 @@ def test_the_columns_rows_that_may_end_are_those_end_rows_ends(rows, shared):
     # the rows due: those whose length reaches their end length (left is at least 1)
     due = Engine._rows_at_end(left)
     assert due == [i for i, n in enumerate(left) if n <= 1]
-    # the take passes the rows due where the slack was recomputed, else None
+    # the take passes the rows due where the slack was recomputed, else None: then the rows
+    # are those whose token is a stop id alone, whatever their lengths
     assert Engine._column_end_rows(cols, sampled, due) == twin
-    if min(left) > 1:
-        assert Engine._column_end_rows(cols, sampled, None) == twin  # (no row due: the same rows)
+    stops = [i for i, (token, stop_ids) in enumerate(zip(sampled, row_stop_ids, strict=True)) if token in stop_ids]
+    assert Engine._column_end_rows(cols, sampled, None) == stops
+
+
+@pytest.mark.parametrize(
+    "left, due",
+    [
+        ([3, 2, 4], []),  # no row one token from its end
+        ([1], [0]),
+        ([1, 2, 3, 1], [0, 3]),  # the first row and the last
+        ([2, 1, 1, 5, 1], [1, 2, 4]),  # several, side by side and apart
+        ([1, 1, 1], [0, 1, 2]),
+    ],
+)
+def test_the_rows_at_their_end_are_those_one_token_from_it(left, due):
+    # `_rows_at_end` finds the 1s of left by count and index (C-level calls), a plain filter's rows
+    assert Engine._rows_at_end(left) == due == [i for i, n in enumerate(left) if n == 1]
 
 
 @settings(max_examples=200, deadline=None)
