@@ -50,8 +50,12 @@ def test_hisparse_measure_keeps_fewer_device_bytes_and_skips_a_hot_set_larger_th
     assert result["steps"] == 2
     assert (off["context"], off["hot_set"], hot["hot_set"]) == (256, None, 8)
     assert "fetched_entries_per_decode_step" not in off
-    assert hot["csa_main_device_bytes"] < off["csa_main_device_bytes"]
-    assert hot["fetched_entries_per_decode_step"] >= 0
+    # the device keeps 8 entries of 128 bytes (32 fp32 values) in each of the tiny model's 2 CSA layers
+    assert hot["csa_main_device_bytes"] == 2 * 8 * 128 < off["csa_main_device_bytes"]
+    # a decode step's selections (top 8 of each CSA layer's entries) leave the 8 resident ones:
+    # some entries are fetched (14.5 a step measured), each one entry's bytes
+    assert hot["fetched_entries_per_decode_step"] > 0
+    assert hot["fetched_bytes_per_decode_step"] == hot["fetched_entries_per_decode_step"] * 128
 
 
 def test_kv_quant_measure_reads_the_bytes_of_its_format() -> None:
