@@ -190,7 +190,7 @@ def test_decode_step_time_leaves_its_sums_for_the_loop_past_2_to_the_53_or_2_to_
     assert cm.decode_step_time(huge) == _naive(cm, huge)
     assert len(cm._decode_table[0]) < 10**12  # a table of entries past 2^53 is not made
     assert cm._decode_sums(huge) is None and cm._decode_sums([5000, 10**12]) is None
-    many = [4000 + i % 7 for i in range(1 << 11)]  # 2^11 decodes: a uint64 sum of entries below 2^53 could wrap
+    many = [4000 + i % 7 for i in range(1 << 11)]  # 2^11 decodes: past the table sums' bound
     assert cm._decode_sums(many) is None and cm._decode_sums(many[:-1]) is not None
     assert cm.decode_step_time(many) == _naive(cm, many)
     assert cm.decode_step_time(many[:-1]) == _naive(cm, many[:-1])
@@ -211,7 +211,7 @@ def test_the_decode_tables_rows_are_the_memos_entries_on_every_preset(name: str)
         for top in (3, 1500, 2049, 9000):  # grown: to 1,024 rows, 2,048, 4,096, then 9,000
             assert cm._decode_sums([top - 1]) is not None
         table = cm._decode_table[0]
-        assert table.dtype == np.uint64 and len(table) == 9000
+        assert table.dtype == np.float64 and len(table) == 9000  # (integers below 2^53: exact floats)
         rows = [twin._decode_entry(p + 1) for p in range(len(table))]
         assert table.tolist() == [list(row) for row in rows], name
         assert max(map(max, rows)) < 1 << 53
@@ -301,7 +301,7 @@ def test_split_step_time_leaves_what_it_cannot_tell_to_step_time() -> None:
         ([5], [(300, 1300, 1)]),
         ([5], [[300, 1300]]),
         ([10**12] * 3, good),  # sums past 2^53
-        ([4000] * (1 << 11), good),  # 2^11 decodes: the uint64 sums could wrap
+        ([4000] * (1 << 11), good),  # 2^11 decodes: past the table sums' bound
     ):
         assert cm.split_step_time(positions, others) is None, (positions[:3], others)
     assert _twin(cm).split_step_time([5], good) is None  # no `_decode_scale`: the loop's order matters

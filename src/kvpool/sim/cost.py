@@ -218,8 +218,13 @@ from kvpool.spec.kv_formats import QUANTIZED
 from kvpool.spec.models import ModelSpec
 
 HOST_MODES: tuple[str, ...] = ("graph", "eager")
-# decode_step_time's table sums: uint64 sums of fewer than 2^11 entries, each below 2^53, never wrap
+# decode_step_time's table sums: at most 2^11 - 1 entries (the bound of the uint64 sums it
+# once made, kept: a step of more decodes takes the loop)
 _MAX_TABLE_DECODES = 1 << 11
+# the weights of `_decode_sums`' dot product (a sum as one BLAS call); never written
+_ONES = np.ones(_MAX_TABLE_DECODES)
+_ONES.flags.writeable = False
+_EXACT = float(1 << 53)  # the floats below it hold every integer exactly
 # the decode table's positions at most (16 bytes each: 32 MiB); a position past it is priced by
 # step_time's loop (a context of 2M tokens: past every preset's longest)
 _MAX_TABLE_POSITIONS = 1 << 21
@@ -877,11 +882,15 @@ class CostModel:
         position that is not an int or is negative, past the table's last (its entries past
         2^53 or `_MAX_TABLE_POSITIONS`), 2^11 positions or more, or sums past 2^53.
 
-        One numpy gather and sum over `_decode_table` (each position's row) instead of a
-        memo lookup and a Python int a decode: at a fleet run's batch of ~130 decodes the
-        memo's entries (a dict's slots and an int object each, read once a step of each
-        replica) were a cache miss each. uint64 sums of fewer than 2^11 entries below 2^53
-        never wrap, so they are the exact sums, in any order."""
+        One numpy gather of `_decode_table`'s rows (each position's) and one dot product with
+        ones (a BLAS call: ~1 us at a fleet run's batch of ~130 decodes, where a uint64
+        gather and sum over axis 0 took ~4) instead of a memo lookup and a Python int a
+        decode (the memo's entries were a cache miss each at that scale). The float64 sums
+        are the exact integer sums: every entry is an integer below 2^53 (exact as a float,
+        times 1.0 exact), and while the total is below 2^53 so is every partial sum, in any
+        order or grouping the BLAS takes (non-negative terms), so no addition rounds; a total
+        of 2^53 or more comes out at 2^53 or more (rounding is monotone and 2^53 a float),
+        which is refused."""
         scale = self._decode_scale
         n = len(positions)
         if scale is None or n >= _MAX_TABLE_DECODES or not _ints_only(positions):
@@ -896,17 +905,18 @@ class CostModel:
             if int(at.min()) < 0 or not self._grow_decode_table(int(at.max()) + 1):
                 return None
             table = self._decode_table[0]
-        flops, num_bytes = table[at].sum(axis=0).tolist()
-        if flops >= 1 << 53 or num_bytes >= 1 << 53:  # past exact float sums: the loop's
+        flops, num_bytes = np.dot(_ONES[:n], table.take(at, axis=0)).tolist()
+        if flops >= _EXACT or num_bytes >= _EXACT:  # past exact float sums: the loop's
             return None
-        return flops, num_bytes
+        return int(flops), int(num_bytes)
 
     @cached_property
     def _decode_table(self) -> list[np.ndarray]:
-        """[the table]: row p ([num positions, 2] uint64) is the decode at position p's
-        `_decode_entry(p + 1)` (FLOPs, bytes) x `_decode_scale`, every entry below 2^53;
-        grown by `_grow_decode_table` (the list holds the latest: the model is frozen)."""
-        return [np.zeros((0, 2), dtype=np.uint64)]
+        """[the table]: row p ([num positions, 2] float64) is the decode at position p's
+        `_decode_entry(p + 1)` (FLOPs, bytes) x `_decode_scale`, every entry an integer below
+        2^53 (exact as a float: `_decode_sums` adds them in a BLAS dot product); grown by
+        `_grow_decode_table` (the list holds the latest: the model is frozen)."""
+        return [np.zeros((0, 2), dtype=np.float64)]
 
     def _grow_decode_table(self, num_positions: int) -> bool:
         """Make `_decode_table` hold at least positions [0, num_positions) (twice its rows
@@ -934,7 +944,7 @@ class CostModel:
                 continue
             flops += int(flops_w * scale) * e
             num_bytes += int(bytes_w * scale) * e
-        grown = np.empty((size, 2), dtype=np.uint64)
+        grown = np.empty((size, 2), dtype=np.float64)  # (int64 columns below 2^53: exact)
         grown[:old] = self._decode_table[0]
         grown[old:, 0] = flops
         grown[old:, 1] = num_bytes
