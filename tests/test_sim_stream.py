@@ -236,15 +236,9 @@ def test_the_answer_samplers_batch_form_is_a_call_a_row():
     ]
 
 
-def _stream(r: _Row) -> list[int]:
-    """Row `r`'s answer stream, positions [0, max_tokens), by the naive twin."""
-    key = r.params.seed % (1 << 64) if not r.sample_index else stream_key(f"{r.params.seed}/{r.sample_index}")
-    return [token_at(key, p, VOCAB) for p in range(r.params.max_tokens)]
-
-
-def _kept(sampler: AnswerSampler) -> dict[int, tuple]:
-    """`_kept` with each stream as a list (comparable)."""
-    return {k: (stream.tolist(), *rest) for k, (stream, *rest) in sampler._kept.items()}
+def _key(r: _Row) -> int:
+    """Row `r`'s stream key, as the per-row call makes it (token_at's key)."""
+    return r.params.seed % (1 << 64) if not r.sample_index else stream_key(f"{r.params.seed}/{r.sample_index}")
 
 
 class _Rebuilding(AnswerSampler):
@@ -307,8 +301,8 @@ def test_a_batch_edited_in_place_equals_the_batch_made_whole():
         assert tokens == twin.sample([None] * len(owners), owners, twin_rows, lambda lengths=lengths: lengths)
         assert tokens == [twin(None, r.params, r.sample_index, r.length - r.origin) for r in owners]
         assert batch._owners == owners and batch.batch_rows() == twin.batch_rows()
-        assert batch.batch_rows() == [(_stream(r), r.origin) for r in owners]
-        assert _kept(batch) == _kept(twin)
+        assert batch.batch_rows() == [(_key(r), r.origin) for r in owners]
+        assert batch._kept == twin._kept
         # the rows read: the twin's, those of owners not kept (never seen, or forgotten while away)
         assert asked == twin_asked
         new = [i for i, r in enumerate(owners) if id(r) not in seen]
@@ -321,14 +315,14 @@ def test_a_batch_edited_in_place_equals_the_batch_made_whole():
     assert num_in_place > 0.8 * num_changed > 150 and len(rebuilt) > 5  # most changes edited in place
 
 
-def test_a_batch_that_grows_past_its_columns_and_its_streams_room_is_a_call_a_row():
+def test_a_batch_that_grows_past_its_columns_is_a_call_a_row():
     """Rows join a batch of 250 in steps of 10 (edited in place: `_append`): its columns grow
-    past their 256 rows and its streams past `_flat`'s room (packed anew, `_pack`), and each
-    step's tokens are a call a row's, the batch's rows the naive streams, no row rebuilt."""
+    past their 256 rows, and each step's tokens are a call a row's, the batch's rows the
+    naive keys and origins, no batch rebuilt."""
     ints = int_table(VOCAB).tolist()
     batch, twin = AnswerSampler(VOCAB, ints), AnswerSampler(VOCAB, ints)
-    packs: list[int] = []
-    batch._pack = lambda entries: (packs.append(len(entries)), AnswerSampler._pack(batch, entries))
+    rebuilt: list[int] = []
+    batch._rebuild = lambda owners, rows: (rebuilt.append(len(owners)), AnswerSampler._rebuild(batch, owners, rows))
     made = [
         _Row(
             SamplingParams(max_tokens=40 + i % 7 if i < 250 else 200 + i % 5, seed=answer_seed(f"g{i}")),
@@ -346,12 +340,32 @@ def test_a_batch_that_grows_past_its_columns_and_its_streams_room_is_a_call_a_ro
         owners = made[: 250 + 10 * step]
         tokens = batch.sample([None] * len(owners), owners, rows, lambda owners=owners: [r.length for r in owners])
         assert tokens == [twin(None, r.params, r.sample_index, r.length - r.origin) for r in owners]
-        assert batch.batch_rows() == [(_stream(r), r.origin) for r in owners]
+        assert batch.batch_rows() == [(_key(r), r.origin) for r in owners]
         for r in owners:
             r.length += 1
-    assert batch._cols.shape[1] >= 500 and packs[0] == 250  # the first batch packed, then grown in place
-    # packed once more: the joiners' ~200 tokens each filled the room left of 4 x 10,750
-    assert len(packs) == 2 and 250 < packs[1] < 500
+    assert batch._cols.shape[1] >= 500 and not rebuilt  # every batch appended to the last, the first to none
+
+
+def test_the_batch_refuses_lengths_that_are_not_its_rows_positions():
+    """Lengths below a row's origin, fewer or more than the rows, or not ints: a ValueError
+    (or the TypeError of a row's position that is not an int) naming them, the batch kept."""
+    ints = int_table(VOCAB).tolist()
+    sampler = AnswerSampler(VOCAB, ints)
+    owners = [_Row(SamplingParams(max_tokens=9, seed=answer_seed(f"b{i}")), 0, 4) for i in range(3)]
+
+    def rows(which):
+        picked = [owners[i] for i in which]
+        return [r.params for r in picked], [r.sample_index for r in picked], [r.origin for r in picked]
+
+    for lengths in ([4, 3, 5], [4, 5], [4, 5, 6, 7]):
+        with pytest.raises(ValueError, match=r"AnswerSampler: 3 rows but lengths minus origins"):
+            sampler.sample([None] * 3, owners, rows, lambda lengths=lengths: lengths)
+    with pytest.raises(TypeError):
+        sampler.sample([None] * 3, owners, rows, lambda: [4, 5.0, 6])
+    assert sampler.sample([None] * 3, owners, rows, lambda: [4, 5, 2**40]) == [
+        sampler(None, r.params, 0, p) for r, p in zip(owners, [0, 1, 2**40 - 4], strict=True)
+    ]
+    assert sampler.sample([], [], rows, lambda: []) == []
 
 
 def test_prompts_and_answers_share_one_int_per_token():

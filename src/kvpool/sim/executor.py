@@ -27,9 +27,10 @@ executor calls, which only ever move or compute tensors, by pricing them:
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, compress, count, islice, repeat
+from itertools import compress, count, islice, repeat
 from operator import is_, is_not, sub
 from typing import Any
 
@@ -41,9 +42,10 @@ from kvpool.engine.batch_sampler import RowsOf
 from kvpool.engine.memory import StepPeaks
 from kvpool.engine.runner import ScheduledChunk, StepChunks, num_logits, step_columns
 from kvpool.engine.sampling import SamplingParams
-from kvpool.workload.tokens import MASK64, STREAM_MIX, STREAM_MULT, stream_key, stream_tokens
+from kvpool.workload.tokens import MASK64, STREAM_MIX, STREAM_MULT, mix_tokens, stream_key, stream_tokens, token_at
 
 _MOD = 1 << 64  # a signed seed back to its stream key
+_MULT_U64 = np.uint64(STREAM_MULT)
 
 
 @dataclass
@@ -417,7 +419,12 @@ class AnswerSampler:
 
     `sample` is its batch form (engine/batch_sampler.py `StepSampler`): a step's rows at once,
     the same tokens as a call a row (its twin, which tests/test_sim_stream.py compares it
-    with), so the engine takes its batched decode path, one call a step."""
+    with), so the engine takes its batched decode path, one call a step. It holds no stream:
+    a row's token is token_at(its key, its position) made for the whole batch in numpy from
+    two int64 columns (each row's key + STREAM_MULT and origin), a stream past max_tokens
+    being the same hash (the per-row call's own rule there), so a row that joins costs its
+    key, not its answer's tokens (making them and taking each one's int object, a likely
+    cache miss at a fleet run's scale, cost ~50 us a join)."""
 
     def __init__(self, vocab_size: int, ints: Sequence[int] | None = None, max_streams: int = 65536) -> None:
         self.vocab_size = vocab_size
@@ -426,34 +433,25 @@ class AnswerSampler:
         self._ints = list(range(vocab_size)) if ints is None else ints
         if len(self._ints) != vocab_size:
             raise ValueError(f"ints holds {len(self._ints)} tokens, not the vocabulary's {vocab_size}")
-        # the same objects in an object array: a stream's token ids index it in numpy (a third
-        # of map(ints.__getitem__, ids.tolist())'s time, no int made on the way)
+        # the same objects in an object array: a step's token ids index it in numpy
         self._int_array = np.array(self._ints, dtype=object)
         self.max_streams = max_streams
         self._answers: dict[int, list[int]] = {}  # seed -> its answer's tokens, while its request runs
-        # `sample`'s batch: the last step's owners, and id(owner) -> (stream, origin, params,
-        # sample index, owner) for the owners of the last batches (stream: positions [0,
-        # max_tokens), an object array of the table's ints; the entry holds its owner, so no
-        # id in it is another object's; pruned to the batch's when it holds 16 more: a
-        # finished request's sequence held is its tokens' memory). The batch's streams lie in
-        # one object array (`_flat`, [capacity], filled to `_top`; rows that left leave their
-        # tokens there until it is packed again), row i's position p at _flat[offsets[i] +
-        # origins[i] + p]: `_cols` [3, capacity] int64, rows [0, len(_owners)) used, holds each
-        # row's origin, its stream's length and its stream's first index in `_flat` less its
-        # origin (`_origins`, `_sizes`, `_offsets`: views of those rows), so a step's tokens
-        # are one numpy gather at lengths() + offsets (`sample`), no row's objects read but
-        # its token's.
+        # `sample`'s batch: the last step's owners, and id(owner) -> (start, origin, owner) for
+        # the owners of the last batches (start: the row's stream key + STREAM_MULT, wrapping,
+        # as int64 bits; the entry holds its owner, so no id in it is another object's; pruned
+        # to the batch's when it holds 16 more). `_cols` [2, capacity] int64, rows [0,
+        # len(_owners)) used, holds each row's start and origin (`_starts`, a uint64 view, and
+        # `_origins`: views of those rows), so a step's tokens are made from the lengths alone.
         self._owners: list[object] = []
-        self._kept: dict[int, tuple[np.ndarray, int, SamplingParams, int, object]] = {}
-        self._cols = np.zeros((3, 256), dtype=np.int64)
-        self._flat = np.empty(0, dtype=object)
-        self._top = 0
+        self._kept: dict[int, tuple[int, int, object]] = {}
+        self._cols = np.zeros((2, 256), dtype=np.int64)
         self._views()
 
     def _views(self) -> None:
-        """`_origins`, `_sizes`, `_offsets`: the batch's rows of `_cols` (after it changed)."""
+        """`_starts`, `_origins`: the batch's rows of `_cols` (after it changed)."""
         cols, n = self._cols, len(self._owners)
-        self._origins, self._sizes, self._offsets = cols[0, :n], cols[1, :n], cols[2, :n]
+        self._starts, self._origins = cols[0, :n].view(np.uint64), cols[1, :n]
 
     def __call__(self, row: object, params: SamplingParams, sample_index: int, position: int) -> int:
         if not sample_index:
@@ -490,14 +488,12 @@ class AnswerSampler:
         lengths: Callable[[], Iterable[int]],
     ) -> list[int]:
         """A step's tokens (StepSampler.sample's contract; the logits are not read): row i's
-        is `self(None, params[i], sample_indices[i], lengths()[i] - origins[i])`, read from
-        its stream, which is kept while its owner stays in the batch (the owners that join
-        have their streams made in one vectorised pass, their rows read with rows(joined)).
-        A step of the last step's owners reads only their lengths: in numpy, one gather from
-        the batch's streams (`_flat`) at each row's length plus its offset, checked against
-        each row's origin and stream length at once (no Python int made or read a row but
-        the lengths and the tokens: at a fleet run's scale each object a row reads is a
-        likely cache miss)."""
+        is `self(None, params[i], sample_indices[i], lengths()[i] - origins[i])`, each row's
+        key and origin kept while its owner stays in the batch (the owners that join have
+        theirs read with rows(joined)). A step reads only the lengths: in numpy, each row's
+        position (its length less its origin, checked non-negative at once) hashed from its
+        start (`mix_tokens`) and the tokens gathered from the int table (no Python int made
+        or read a row but the lengths and the tokens)."""
         n = len(owners)
         if len(logits) != n:
             raise ValueError(f"AnswerSampler: {len(logits)} logit rows but {len(owners)} owners")
@@ -505,30 +501,31 @@ class AnswerSampler:
         if len(last) != n or not all(map(is_, owners, last)):
             self._batch(owners, rows)
         ends = lengths()
-        at = np.array(ends, dtype=None if n else np.int64)  # (ints: int64, any other is the slow path)
-        if at.shape != (n,) or at.dtype != np.int64:
+        try:  # (ints only, into int64 at C speed: a float, a str or an int past int64 raise)
+            at = np.frombuffer(array("q", ends), np.int64) if n else np.zeros(0, np.int64)
+        except (TypeError, OverflowError):
             return self._sample_rows(list(ends))
-        positions = at - self._origins
-        # every row's position in [0, its stream's length): a negative one is past 2^63 as a uint64
-        if not (positions.view(np.uint64) < self._sizes.view(np.uint64)).all():
+        if len(at) != n:
             return self._sample_rows(list(ends))
-        at += self._offsets
-        return self._flat[at].tolist()
+        x = (at - self._origins).view(np.uint64)  # the positions (a negative one is past 2^63 as a uint64)
+        if n and int(x.max()) >> 63:
+            return self._sample_rows(list(ends))
+        x *= _MULT_U64  # key + (position + 1) x STREAM_MULT, wrapping: token_at's first term
+        x += self._starts
+        return self._int_array[mix_tokens(x, self.vocab_size).view(np.intp)].tolist()  # (< vocab: the same bits)
 
     def _sample_rows(self, ends: list[int]) -> list[int]:
-        """`sample`'s tokens a row at a time: where a row reads past its stream (its max_tokens,
-        which the engine ends a sequence at; the token is then the call's), or the lengths are
-        not as many ints as rows (a ValueError naming them)."""
+        """`sample`'s tokens a row at a time (token_at of each row's key at its position),
+        where the lengths are not as many int64s as rows or a position is negative (a
+        ValueError naming them)."""
         origins = self._origins.tolist()
         positions = list(map(sub, ends, origins))  # (>= 0: a sequence holds its prompt)
         if len(positions) != len(ends) or len(ends) != len(origins) or min(positions, default=0) < 0:
             raise ValueError(f"AnswerSampler: {len(origins)} rows but lengths minus origins {positions}")
-        kept = self._kept
+        ints, vocab_size = self._ints, self.vocab_size
         return [
-            stream[p] if p < len(stream) else self(None, params, j, p)
-            for (stream, _, params, j, _), p in zip(
-                map(kept.__getitem__, map(id, self._owners)), positions, strict=True
-            )
+            ints[token_at((start - STREAM_MULT) & MASK64, p, vocab_size)]
+            for start, p in zip(self._starts.tolist(), positions, strict=True)
         ]
 
     def sample_rows(
@@ -544,14 +541,13 @@ class AnswerSampler:
     def _batch(self, owners: Sequence[object], rows: RowsOf) -> None:
         """Take `owners` as the batch. Where it is the last batch less some rows, then rows
         appended (the engine's: rows end anywhere, rows join at the end), the last batch is
-        edited in place (`_leavers`): the rows that left deleted from `_cols` (their tokens left
-        in `_flat` until it is packed), the others' kept where they are, no row's object read
-        (a new list of every row's stream would touch each one: a cache miss a row at a fleet
-        run's scale), the rows after them appended (`_append`); else it is made again from
-        `_kept` (`_rebuild`). Either way the rows whose owners `_kept` holds are as they were
-        and the others' streams are made at once (positions [0, max_tokens): `_answer`'s for
-        sample 0, token_at's stream for j > 0). Its twin: the batch made whole (`_rebuild`),
-        which tests/test_sim_stream.py holds it to."""
+        edited in place (`_leavers`): the rows that left deleted from `_cols`, the others'
+        kept where they are, no row's object read (a new list of every row's entry would
+        touch each one: a cache miss a row at a fleet run's scale), the rows after them
+        appended (`_append`); else it is made again from `_kept` (`_rebuild`). Either way the
+        rows whose owners `_kept` holds are as they were and the others' keys are read
+        (`_join`). Its twin: the batch made whole (`_rebuild`), which tests/test_sim_stream.py
+        holds it to."""
         last = self._owners
         gone = _leavers(owners, last)
         if gone is None:
@@ -578,50 +574,23 @@ class AnswerSampler:
             self._kept = {id(owner): kept[id(owner)] for owner in owners}
 
     def _append(self, entries: list[Any]) -> None:
-        """Rows of `entries` (kept entries), the last of `_owners`: their streams copied into
-        `_flat` after its last token and their columns set, or the batch packed anew where
-        their tokens do not fit."""
-        owners = self._owners
-        n = len(owners) - len(entries)  # the rows before them
-        top, flat = self._top, self._flat
-        if top + sum(len(e[0]) for e in entries) > len(flat):
-            kept = self._kept
-            self._pack([kept[id(owner)] for owner in owners[:n]] + entries)
-            return
+        """Rows of `entries` (kept entries), the last of `_owners`: their columns set (the
+        columns grown where they do not fit)."""
+        num_rows = len(self._owners)
+        n = num_rows - len(entries)  # the rows before them
         cols = self._cols
-        if len(owners) > cols.shape[1]:
-            grown = np.zeros((3, 2 * len(owners)), dtype=np.int64)
+        if num_rows > cols.shape[1]:
+            grown = np.zeros((2, 2 * num_rows), dtype=np.int64)
             grown[:, :n] = cols[:, :n]
             cols = self._cols = grown
-        for stream, origin, *_ in entries:  # (a few a step: numpy's scalar writes)
-            size = len(stream)
-            flat[top : top + size] = stream
-            cols[0, n], cols[1, n], cols[2, n] = origin, size, top - origin
-            top += size
-            n += 1
-        self._top = top
-        self._views()
-
-    def _pack(self, entries: list[Any]) -> None:
-        """The batch's rows as `entries` (row i's kept entry), their streams end to end in a
-        new `_flat` of four times their tokens (at least 4,096): rows join into the room left,
-        and a pack, which copies every row's stream, comes after three times the batch's
-        tokens joined (at twice, the packs cost a fleet run's batch ~11 us a join)."""
-        streams = [e[0] for e in entries]
-        sizes = list(map(len, streams))
-        total = sum(sizes)
-        flat = np.empty(max(4 * total, 4096), dtype=object)
-        if streams:
-            flat[:total] = np.concatenate(streams)
-        self._flat, self._top = flat, total
-        origins = [e[1] for e in entries]
-        firsts = list(accumulate(sizes, initial=0))
-        self._cols = np.zeros((3, max(2 * len(entries), 256)), dtype=np.int64)
-        self._cols[:, : len(entries)] = [origins, sizes, list(map(sub, firsts[:-1], origins))]
+        if len(entries) == 1:  # (a few a step: numpy's scalar writes)
+            cols[0, n], cols[1, n] = entries[0][:2]
+        else:
+            cols[:, n:num_rows] = [[e[0] for e in entries], [e[1] for e in entries]]
         self._views()
 
     def _join(self, owners: Sequence[object], rows: RowsOf, entries: list[Any], start: int) -> None:
-        """Make the streams of the rows `entries` (owners[start:]'s `_kept` entries) lacks:
+        """Make the entries of the rows `entries` (owners[start:]'s `_kept` entries) lacks:
         entries[i] becomes row start + i's entry, kept in `_kept` (pruned to the batch's
         owners first when it holds over 16 more)."""
         joined = [start + i for i in compress(range(len(entries)), map(is_, entries, repeat(None)))]
@@ -631,25 +600,23 @@ class AnswerSampler:
                 f"AnswerSampler: {len(joined)} rows joined but rows() gave {len(params)} params, "
                 f"{len(sample_indices)} sample indices, {len(origins)} origins"
             )
-        keys = [
-            p.seed % _MOD if not j else stream_key(f"{p.seed}/{j}") for p, j in zip(params, sample_indices, strict=True)
-        ]
-        lens = [p.max_tokens for p in params]
-        # (the table's ints, as views of one object array: a row's stream is copied once, into `_flat`)
-        tokens = self._int_array[stream_tokens(keys, lens, self.vocab_size).view(np.intp)]  # (< vocab: the same bits)
         kept = self._kept
         if len(kept) + len(joined) > len(owners) + 16:  # over 16 owners gone since: forgotten
             kept = self._kept = {id(owner): kept[id(owner)] for owner in owners[:start]}
             kept.update((id(owners[start + i]), e) for i, e in enumerate(entries) if e is not None)
-        at = 0
         for i, p, j, origin in zip(joined, params, sample_indices, origins, strict=True):
+            key = p.seed % _MOD if not j else stream_key(f"{p.seed}/{j}")
+            start_bits = (key + STREAM_MULT) & MASK64
             owner = owners[i]
-            entries[i - start] = kept[id(owner)] = (tokens[at : at + p.max_tokens], origin, p, j, owner)
-            at += p.max_tokens
+            entries[i - start] = kept[id(owner)] = (
+                start_bits - _MOD if start_bits >> 63 else start_bits,  # (int64 bits: `_cols`)
+                origin,
+                owner,
+            )
 
     def _rebuild(self, owners: Sequence[object], rows: RowsOf) -> None:
         """`_batch` made whole: every row's entry looked up in `_kept` by its owner, those
-        missing made (`_join`), the batch packed anew (`_pack`)."""
+        missing made (`_join`), the columns written anew."""
         kept = self._kept
         entries = list(map(kept.get, map(id, owners)))
         if None in entries:  # (an entry is a tuple: `in` compares it with None by identity first)
@@ -657,13 +624,19 @@ class AnswerSampler:
         elif len(kept) > len(owners) + 16:  # a batch that shrank with none joining (a replica draining)
             self._kept = {id(owner): entry for owner, entry in zip(owners, entries, strict=True)}
         self._owners = list(owners)
-        self._pack(entries)
+        self._cols = np.zeros((2, max(2 * len(owners), 256)), dtype=np.int64)
+        if entries:
+            self._append(entries)
+        else:
+            self._views()
 
-    def batch_rows(self) -> list[tuple[list[int], int]]:
-        """Each batch row's (stream, origin) as `_flat` and `_cols` hold them (tests read the
-        batch through it)."""
-        flat, rows = self._flat, zip(self._origins.tolist(), self._sizes.tolist(), self._offsets.tolist(), strict=True)
-        return [(flat[o + b : o + b + n].tolist(), o) for o, n, b in rows]
+    def batch_rows(self) -> list[tuple[int, int]]:
+        """Each batch row's (stream key, origin) as `_cols` hold them (tests read the batch
+        through it)."""
+        return [
+            ((start - STREAM_MULT) & MASK64, origin)
+            for start, origin in zip(self._starts.tolist(), self._origins.tolist(), strict=True)
+        ]
 
 
 def _leavers(owners: Sequence[object], last: list[object]) -> list[int] | None:

@@ -62,29 +62,30 @@ def stream_tokens(keys: Sequence[int], lens: Sequence[int], vocab_size: int) -> 
     if len(keys) <= _FEW_STREAMS:
         x = _few_streams(keys, lens)
         if x is not None:
-            x ^= x >> _SHIFT_31
-            x *= _MIX_U64
-            x ^= x >> _SHIFT_29
-            x %= np.uint64(vocab_size)
-            return x
+            return mix_tokens(x, vocab_size)
     if len(keys) == 1:  # one stream (a turn's answer): positions 1.. n at once, no repeat of keys
         x = np.arange(1, int(lens[0]) + 1, dtype=np.uint64)
         x *= _MULT_U64
         x += np.uint64(keys[0])  # (wrapping uint64: the same sum in the other order)
-        x ^= x >> _SHIFT_31
-        x *= _MIX_U64
-        x ^= x >> _SHIFT_29
-        x %= np.uint64(vocab_size)
-        return x
+        return mix_tokens(x, vocab_size)
     lens_arr = np.asarray(lens, dtype=np.int64)
     firsts = np.cumsum(lens_arr) - lens_arr  # flat index of each stream's token 0
     positions = np.arange(int(lens_arr.sum()), dtype=np.int64) - np.repeat(firsts, lens_arr)
     x = np.repeat(np.asarray(keys, dtype=np.uint64), lens_arr)
     x += (positions.astype(np.uint64) + np.uint64(1)) * _MULT_U64
-    x ^= x >> np.uint64(31)
+    return mix_tokens(x, vocab_size)
+
+
+def mix_tokens(x: np.ndarray, vocab_size: int) -> np.ndarray:
+    """token_at's rounds after its first term, in place: x [n] uint64 holds key + (p + 1) x
+    STREAM_MULT (wrapping) of each token wanted; returns x, each now token_at(key, p,
+    vocab_size). The one copy of the streams' finish (`stream_tokens`' paths, the simulator's
+    batch sampler)."""
+    x ^= x >> _SHIFT_31
     x *= _MIX_U64
-    x ^= x >> np.uint64(29)
-    return x % np.uint64(vocab_size)
+    x ^= x >> _SHIFT_29
+    x %= np.uint64(vocab_size)
+    return x
 
 
 def _few_streams(keys: Sequence[int], lens: Sequence[int]) -> np.ndarray | None:
