@@ -203,8 +203,10 @@ def test_a_v4_step_cut_at_checkpoints_forwards_step_chunks_as_the_list_of_its_ch
     # V4's dual pool cuts a step whose prefill chunk crosses checkpoint positions
     # (`_forward_cut`): the engine's StepChunks go to the first forward as a StepChunks
     # with its columns (the divided chunks' first pieces in its rest), the leading decodes
-    # never made as chunks. Its twin: the same steps with the chunks as a plain list. Every
-    # forward gets the same chunks in the same order, the step the same logits, bit for bit
+    # never made as chunks, also where a leading decode reaches a checkpoint in the cut step
+    # (it is among the cut requests). Its twin: the same steps with the chunks as a plain
+    # list. Every forward gets the same chunks in the same order, the step the same logits,
+    # bit for bit
     import torch
 
     from kvpool.engine.dsv4_runner import dsv4_runner
@@ -223,6 +225,8 @@ def test_a_v4_step_cut_at_checkpoints_forwards_step_chunks_as_the_list_of_its_ch
         forwards: list[list[ScheduledChunk]] = []
         logits: list[torch.Tensor] = []
         cut_firsts: list[bool] = []  # per cut step's first forward: a StepChunks, its leading chunks unmade
+        # per cut step: the leading decodes among the cut requests, whether its chunks stayed unmade
+        cut_decodes: list[tuple[list[str], bool]] = []
         in_cut = [False]
         executor_forward, cut, execute = runner.executor.forward, runner._forward_cut, runner.execute
 
@@ -244,10 +248,14 @@ def test_a_v4_step_cut_at_checkpoints_forwards_step_chunks_as_the_list_of_its_ch
             forwards.append(list(chunks))
             return executor_forward(chunks, cache, all_logits)
 
-        def forward_cut(chunks, *args, as_list=as_list, in_cut=in_cut, cut=cut):
+        def forward_cut(chunks, *args, as_list=as_list, in_cut=in_cut, cut=cut, cut_decodes=cut_decodes):
             assert type(chunks) is StepChunks and chunks.lead_tokens  # (the steps cut here: decodes, a joiner)
+            decodes = [i for i in args[5] if i in chunks.lead_ids]  # (args[5]: `cuts`)
             in_cut[0] = True
-            return cut(list(chunks) if as_list else chunks, *args)
+            out = cut(list(chunks) if as_list else chunks, *args)
+            # (and the step's own StepChunks still unmade: the cut read the decodes' columns)
+            cut_decodes.append((decodes, chunks._rows is None))
+            return out
 
         def executing(chunks, all_logits=False, logits=logits, execute=execute):
             out = execute(chunks, all_logits)
@@ -258,7 +266,7 @@ def test_a_v4_step_cut_at_checkpoints_forwards_step_chunks_as_the_list_of_its_ch
         g = torch.Generator().manual_seed(5)
         ids = [
             engine.add_request(torch.randint(0, 256, (n,), generator=g).tolist(), SamplingParams(max_tokens=40))
-            for n in (5, 9)
+            for n in (5, 9, 125)  # (the third's decode in step 3 ends at 128, a checkpoint)
         ]
         for step in range(80):
             if step in (3, 6):  # joiners whose prompts cross one and two span boundaries (128, 256)
@@ -269,11 +277,13 @@ def test_a_v4_step_cut_at_checkpoints_forwards_step_chunks_as_the_list_of_its_ch
             engine.step()
             runner.check_integrity()
         outputs = [engine.output(i).completions[0].token_ids for i in ids]
-        runs.append((forwards, logits, outputs, cut_firsts))
-    (forwards, logits, outputs, cut_firsts), (twin_forwards, twin_logits, twin_outputs, twin_cut_firsts) = runs
+        runs.append((forwards, logits, outputs, cut_firsts, cut_decodes))
+    (forwards, logits, outputs, cut_firsts, cut_decodes), twin = runs
+    twin_forwards, twin_logits, twin_outputs, twin_cut_firsts, _ = twin
     # each joiner's prefill came cut beside the decodes' columns; the cut step's first forward
     # took a StepChunks, its leading chunks unmade (the twin's: a list)
     assert cut_firsts == [True, True] and twin_cut_firsts == [False, False]
+    assert cut_decodes == [([f"{ids[2]}/0"], True), ([], True)]  # (step 3: the third request's decode)
     assert forwards == twin_forwards
     assert len(logits) == len(twin_logits) and all(torch.equal(a, b) for a, b in zip(logits, twin_logits, strict=True))
-    assert outputs == twin_outputs and all(len(o) == 40 for o in outputs[:2])
+    assert outputs == twin_outputs and all(len(o) == 40 for o in outputs[:3])

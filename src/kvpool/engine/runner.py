@@ -765,13 +765,17 @@ class ModelRunner:
         i = -1
         for request_id in cuts:  # (in chunk order, as `taken`: each found after the last)
             i = ids.index(request_id, i + 1)
-            c, n = chunks[i], lens[i]
+            n = lens[i]
             if not n:
                 continue
-            end = c.start + n
-            bounds = sorted({p for p in cuts[request_id] if c.start < p < end})
+            # (the chunk's start from the columns: a decode that reaches a checkpoint is in
+            # `cuts` too, and indexing a StepChunks below its `rest` makes every leading chunk)
+            start = starts[i]
+            end = start + n
+            bounds = sorted({p for p in cuts[request_id] if start < p < end})
             stops.append((request_id, bounds[0] if bounds else end))
             if bounds:
+                c = chunks[i]  # (a chunk a cut divides: more than one token, never a leading decode)
                 first_lens[i] = bounds[0] - c.start
                 piece = ScheduledChunk(request_id, c.token_ids[: first_lens[i]], c.start, False)
                 if first_ends is None:
