@@ -354,17 +354,19 @@ def _check_columns(engine: Engine) -> None:
     assert cols.computed == [seq.num_computed for seq in seqs] == [len(seq.token_ids) - 1 for seq in seqs]
     assert cols.last_tokens == [seq.token_ids[-1] for seq in seqs]
     assert cols.row_stop_ids == [seq.request.stop_ids for seq in seqs]
-    assert cols.end_lens == [seq.request.end_len for seq in seqs]
+    # the step whose token brings each row to its end length: the next step or later
+    step_no = engine._step_no
+    assert cols.end_steps == [step_no + seq.request.end_len - len(seq.token_ids) for seq in seqs]
     assert cols.stop_ids is None or all(ids == cols.stop_ids for ids in cols.row_stop_ids)
-    assert cols.slack <= min(seq.request.end_len - len(seq.token_ids) for seq in seqs) >= 1
+    assert cols.first_end <= min(cols.end_steps) > step_no
     assert all(seq.request.inline for seq in seqs)
 
 
 def test_a_batch_taken_as_columns_ends_its_rows_as_accept_token_does():
     # The leading running sequences that the last step took as plain requests' inline decode
     # tokens are planned and taken from the columns the engine keeps (`_take_column_tokens`:
-    # appends in C, the end checks on the rows' least slack to their end lengths and on their
-    # stop ids, one set for every row or a set a row); rows that end leave the columns, rows
+    # appends in C, the end checks on the steps at which the rows reach their end lengths and
+    # on their stop ids, one set for every row or a set a row); rows that end leave the columns, rows
     # that join behind them join them. Its twin: `inline_decode = False`, every token through
     # `_accept_token` and `_stop_reason` in full. Long decodes keep batches for many steps;
     # rows end by EOS (all rows stopped by the engine's EOS ids, none, or some) and by length
@@ -491,17 +493,19 @@ def test_a_prompt_is_checked_packed_once_and_its_packing_serves_the_first_admiss
 def test_the_columns_rows_that_may_end_are_those_end_rows_ends(rows, shared):
     # `_take_column_tokens` hands `_end_rows` only the rows `_column_end_rows` finds in C
     # (a token among the row's stop ids; the rows `_rows_at_end` finds due: its length at its
-    # end length); its twin
+    # end length: its end step is the step's own); its twin
     # is `_end_rows` over every row, whose own check is: the token is a stop id, or
     # len(token_ids) >= end_len. Each row: its token, its end length's distance from the
     # chunk's end + 1 (left[i] = end_len - end: 1 or less is reached), its stop ids (the
-    # columns' one set where shared, else a set a row)
+    # columns' one set where shared, else a set a row); the take is step 50's, so a row's
+    # end step is 50 + left[i] - 1
     if shared:
         rows = [(token, left, rows[0][2]) for token, left, _ in rows]
     ends = [100 + 7 * i for i in range(len(rows))]  # each row's chunk end: len(token_ids) - 1
     sampled = [token for token, _, _ in rows]
     end_lens = [end + left for end, (_, left, _) in zip(ends, rows, strict=True)]
     row_stop_ids = [stop_ids for _, _, stop_ids in rows]
+    end_steps = [50 + left - 1 for _, left, _ in rows]
     cols = _DecodeColumns(
         [],
         [],
@@ -509,9 +513,9 @@ def test_the_columns_rows_that_may_end_are_those_end_rows_ends(rows, shared):
         ends,
         sampled,
         row_stop_ids,
-        end_lens,
+        end_steps,
         row_stop_ids[0] if shared else None,
-        0,
+        min(end_steps),
     )
     twin = [
         i
@@ -520,10 +524,10 @@ def test_the_columns_rows_that_may_end_are_those_end_rows_ends(rows, shared):
     ]
     left = [end_len - end for end_len, end in zip(end_lens, ends, strict=True)]
     # the rows due: those whose length reaches their end length (left is at least 1)
-    due = Engine._rows_at_end(left)
+    due = Engine._rows_at_end(end_steps, 50)
     assert due == [i for i, n in enumerate(left) if n <= 1]
-    # the take passes the rows due where the slack was recomputed, else None: then the rows
-    # are those whose token is a stop id alone, whatever their lengths
+    # the take passes the rows due where the bound said some may be, else None: then the
+    # rows are those whose token is a stop id alone, whatever their lengths
     assert Engine._column_end_rows(cols, sampled, due) == twin
     stops = [i for i, (token, stop_ids) in enumerate(zip(sampled, row_stop_ids, strict=True)) if token in stop_ids]
     assert Engine._column_end_rows(cols, sampled, None) == stops
@@ -540,8 +544,11 @@ def test_the_columns_rows_that_may_end_are_those_end_rows_ends(rows, shared):
     ],
 )
 def test_the_rows_at_their_end_are_those_one_token_from_it(left, due):
-    # `_rows_at_end` finds the 1s of left by count and index (C-level calls), a plain filter's rows
-    assert Engine._rows_at_end(left) == due == [i for i, n in enumerate(left) if n == 1]
+    # `_rows_at_end` finds the rows whose end step is the take's step by count and index
+    # (C-level calls), a plain filter's rows: in step 20, a row left[i] tokens from its end
+    # length (its token then brings it left[i] - 1 closer) has end step 20 + left[i] - 1
+    end_steps = [20 + n - 1 for n in left]
+    assert Engine._rows_at_end(end_steps, 20) == due == [i for i, n in enumerate(left) if n == 1]
 
 
 @settings(max_examples=200, deadline=None)

@@ -143,13 +143,16 @@ class _DecodeColumns:
     computed: list[int]  # seqs[i].num_computed = len(token_lists[i]) - 1: the next chunk's start
     last_tokens: list[int]  # token_lists[i][-1]: the next chunk's one token
     row_stop_ids: list[frozenset[int]]  # seqs[i].request.stop_ids
-    end_lens: list[int]  # seqs[i].request.end_len
+    # the number of the engine step (`Engine._step_no`) whose token brings seqs[i] to its end
+    # length, seqs[i].request.end_len: each step takes one token a row, so the number stays
+    # as it is while the row is in the columns (no pass a step over the rows' lengths); a row
+    # ends by length in step t exactly where end_steps[i] == t (none is below the step's own)
+    end_steps: list[int]
     stop_ids: frozenset[int] | None  # every row's stop ids where they are one set; None: they differ
-    # at most the least over rows of end_len - len(token_ids) (which is >= 1: none ended): a
-    # row can end by length in the next step only where that least is 1 (its token then
-    # reaches its end length). A bound, not the least itself, once rows left (`without`):
-    # the take computes the least where the bound says a row may end
-    slack: int
+    # at most the least of end_steps: no row ends by length before that step. A bound, not
+    # the least itself, once rows left (`without`): the take finds the least where the
+    # bound says a row may end
+    first_end: int
 
     def joined(self, other: _DecodeColumns) -> _DecodeColumns:
         """These rows, then `other`'s."""
@@ -161,9 +164,9 @@ class _DecodeColumns:
             self.computed + other.computed,
             self.last_tokens + other.last_tokens,
             self.row_stop_ids + other.row_stop_ids,
-            self.end_lens + other.end_lens,
+            self.end_steps + other.end_steps,
             stop_ids,
-            min(self.slack, other.slack),
+            min(self.first_end, other.first_end),
         )
 
     def without(self, rows: list[int], fresh: bool = False) -> _DecodeColumns | None:
@@ -181,15 +184,15 @@ class _DecodeColumns:
             self.computed,
             self.last_tokens,
             self.row_stop_ids,
-            self.end_lens,
+            self.end_steps,
         )
         if not fresh:
             columns = tuple(column.copy() for column in columns)
         for i in reversed(rows):
             for column in columns:
                 del column[i]
-        # (the slack of every row bounds the least of those left)
-        return _DecodeColumns(*columns, self.stop_ids, self.slack)
+        # (the bound over every row bounds the least of those left)
+        return _DecodeColumns(*columns, self.stop_ids, self.first_end)
 
 
 @dataclass
@@ -300,6 +303,9 @@ class Engine:
         self._plan_ends: list[int] = []
         self._step_columns: _DecodeColumns | None = None
         self.stats = EngineStats()
+        # the steps that ran so far (with chunks), numbering them: the decode columns' end_steps
+        # count in it (stats.num_steps counts the same, but stats are the caller's to read)
+        self._step_no = 0
         self._ids = itertools.count()
 
     @property
@@ -694,6 +700,7 @@ class Engine:
             return []
         stats = self.stats
         stats.num_steps += 1
+        self._step_no += 1
         logits = self.runner.execute(chunks)
         now = self.clock()
         next_token_ids: list[int | None]
@@ -977,8 +984,8 @@ class Engine:
         """`_take_inline_tokens` for a step of the columns' rows (`_step_columns`: every row
         inline, each one token behind, as when the columns formed): each row's token appended
         and its computed count set to its chunk's end, in C-level passes, and the end checks
-        on the columns (the rows' least slack to their end lengths, their stop ids) instead of
-        each request's; only where some row may have ended do the rows meet `_end_rows`. The
+        on the columns (the step at which each row reaches its end length, their stop ids)
+        instead of each request's; only where some row may have ended do the rows meet `_end_rows`. The
         next token ids for the commit; the columns move on one token."""
         ends = self._plan_ends  # (row i's chunk [computed[i], ends[i]): one token)
         any(map(list.append, cols.token_lists, sampled))  # (append returns None: any() runs the map to its end)
@@ -987,13 +994,12 @@ class Engine:
         for seq, end in zip(cols.seqs, ends, strict=True):
             seq.num_computed = end
         cols.computed, cols.last_tokens = ends, sampled
-        cols.slack -= 1
-        due = None  # the rows whose token reaches their end length, where the slack was recomputed
-        if cols.slack <= 0:  # (a bound: the least itself, len(token_ids) being ends[i] + 1)
-            # [k]: end_lens[i] - ends[i], at least 1 (a row at its end length ended before)
-            left = list(map(operator.sub, cols.end_lens, ends))
-            due = self._rows_at_end(left)
-            cols.slack = 0 if due else min(left) - 1
+        due = None  # the rows whose token reaches their end length, where the bound says some may
+        step_no = self._step_no
+        if cols.first_end <= step_no:  # (a bound: then the rows are counted, in C)
+            due = self._rows_at_end(cols.end_steps, step_no)
+            if not due:  # (none ends before its end step: the least is past this step)
+                cols.first_end = min(cols.end_steps)
         stop_ids = cols.stop_ids
         if due:  # some row's token reached its end length
             ended = True
@@ -1009,16 +1015,16 @@ class Engine:
         return next_token_ids
 
     @staticmethod
-    def _rows_at_end(left: list[int]) -> list[int]:
-        """The rows of a columns' step whose token reaches their end length, increasing:
-        those where left[i] (end_lens[i] minus the row's chunk end, len(token_ids) being that
-        end + 1) is 1, the least it can be (a row whose length reached its end length ended
-        then). Counted, then found, in C: no pass a row in Python, none at all past the
-        count where no row is due (tests/test_engine_scheduler.py holds them to a filter)."""
+    def _rows_at_end(end_steps: list[int], step_no: int) -> list[int]:
+        """The rows of a columns' take in step `step_no` whose token reaches their end
+        length, increasing: those whose end step (`_DecodeColumns.end_steps`) is this step,
+        the least it can be (a row ends by length in its end step). Counted, then found, in
+        C: no pass a row in Python, none at all past the count where no row is due
+        (tests/test_engine_scheduler.py holds them to a filter)."""
         rows: list[int] = []
         i = -1
-        for _ in range(left.count(1)):
-            i = left.index(1, i + 1)
+        for _ in range(end_steps.count(step_no)):
+            i = end_steps.index(step_no, i + 1)
             rows.append(i)
         return rows
 
@@ -1026,8 +1032,8 @@ class Engine:
     def _column_end_rows(cols: _DecodeColumns, sampled: list[int], due: list[int] | None) -> list[int]:
         """The rows of a columns' step (each row's token appended: sampled[i]) that may have
         ended, increasing: those whose token is one of their stop ids, and `due` (the rows
-        whose length reached their end length, `_rows_at_end`, given where the slack was
-        recomputed). Found in C-level passes; `_end_rows` checks each again, as it checks
+        whose length reached their end length, `_rows_at_end`, given where the bound said
+        some row may). Found in C-level passes; `_end_rows` checks each again, as it checks
         every row without them (tests/test_engine_scheduler.py holds the two to each other)."""
         stop_ids = cols.stop_ids
         if stop_ids is None:  # the rows' stop ids differ: row by row
@@ -1051,20 +1057,22 @@ class Engine:
         fresh = end > k  # (the columns' lists made here, of slices and concatenations: ours alone)
         if fresh:
             seqs, ids = self._scheduled, self._step_ids
-            more = self._form_columns(seqs[k:end], ids[k:end], sampled[k:end])
+            more = self._form_columns(seqs[k:end], ids[k:end], sampled[k:end], self._step_no)
             cols = more if cols is None else cols.joined(more)
         if cols is None or not gone:
             return cols
         return cols.without(gone, fresh)
 
     @staticmethod
-    def _form_columns(seqs: list[SequenceState], ids: list[str], sampled: list[int]) -> _DecodeColumns:
-        """The columns of rows an inline take took (each row's token appended), read off
-        the sequences in C-level passes. (Rows that ended leave them after: `without`.)"""
+    def _form_columns(seqs: list[SequenceState], ids: list[str], sampled: list[int], step_no: int) -> _DecodeColumns:
+        """The columns of rows an inline take of step `step_no` took (each row's token
+        appended), read off the sequences in C-level passes. (Rows that ended leave them
+        after: `without`.) A row of length L reaches its end length end_len in step
+        step_no + end_len - L, one token a step."""
         reqs = list(map(_REQUEST, seqs))
         lists = list(map(_TOKEN_IDS, seqs))
         row_stop_ids = list(map(_STOP_IDS, reqs))
-        end_lens = list(map(_END_LEN, reqs))
+        end_steps = list(map(step_no.__add__, map(operator.sub, map(_END_LEN, reqs), map(len, lists))))
         first = row_stop_ids[0]
         return _DecodeColumns(
             seqs,
@@ -1073,9 +1081,9 @@ class Engine:
             list(map(_NUM_COMPUTED, seqs)),
             sampled,
             row_stop_ids,
-            end_lens,
+            end_steps,
             first if row_stop_ids.count(first) == len(row_stop_ids) else None,
-            min(map(operator.sub, end_lens, map(len, lists))),
+            min(end_steps),
         )
 
     def _sample_step(self, chunks: Sequence[ScheduledChunk], logits: torch.Tensor) -> list[int]:
