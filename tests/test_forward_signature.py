@@ -143,6 +143,22 @@ def test_no_logit_rows_computes_no_head() -> None:
     assert out.shape == (0, CONFIG.vocab_size)
 
 
+@pytest.mark.parametrize(
+    "rows", [None, [], [3], [0, 1, 2, 3, 4, 5, 6], [6, 0, 6, 2], (1, 5), range(2, 7), list(range(7))[::-1]]
+)
+def test_logit_hidden_takes_the_rows_indexing_takes(rows) -> None:
+    # the forward's rows for the LM head (one index_select over them as an int64 tensor):
+    # its twin is hidden[rows], the list indexing itself, bit for bit, for any sequence of
+    # rows (repeats, any order, none) and for None (every row: hidden itself)
+    hidden = torch.randn(7, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    out = StepMetadata(function_step(lambda i, q, k, v: q, 7).attention, rows).logit_hidden(hidden)
+    if rows is None:
+        assert out is hidden
+    else:
+        twin = hidden[list(rows)]
+        assert out.shape == twin.shape == (len(rows), 5) and torch.equal(out, twin)
+
+
 def test_bad_metadata_is_a_one_line_error() -> None:
     model = random_llama("cpu", torch.float64)
     with pytest.raises(ValueError, match=r"token ids of shape \(3,\).*planned for 4 tokens"):

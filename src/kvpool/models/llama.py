@@ -222,8 +222,7 @@ class LlamaModel:
             hidden = self._forward_fused(token_ids, positions, attend)
         else:
             hidden = self._forward_plain(token_ids, positions, attend)
-        rows = metadata.logit_rows
-        return self.logits(hidden if rows is None else hidden[rows])
+        return self.logits(metadata.logit_hidden(hidden))
 
     def _forward_plain(self, token_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         """The layers in torch ops, one layer's tensors at a time -> hidden [N, hidden]."""

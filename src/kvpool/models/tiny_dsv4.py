@@ -213,5 +213,4 @@ class TinyDSV4:
         for i in range(self.spec.num_layers):
             h = h + step.attend(i, self.attn[i], self._attn_input(i, h))
             h = self._ffn(i, h)
-        rows = metadata.logit_rows
-        return self._logits(h if rows is None else h[rows])
+        return self._logits(metadata.logit_hidden(h))

@@ -258,5 +258,4 @@ class TinyHybrid:
                 q, k, v = self._qkv(i, x, positions)
                 o = step.attend(i, q, k, v)
             h = self._ffn(i, h + o.reshape(o.shape[0], -1) @ self._w(i, "wo").T)
-        rows = metadata.logit_rows
-        return self._logits(h if rows is None else h[rows])
+        return self._logits(metadata.logit_hidden(h))

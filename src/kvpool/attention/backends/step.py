@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 # attend(layer, q [N, H, D], k / v [N, KVH, D]) -> [N, H, D]: one layer's attention of the
@@ -66,6 +67,21 @@ class StepMetadata:
                 f"token ids of shape {tuple(token_ids.shape)} and positions of shape {tuple(positions.shape)} "
                 f"for a step planned for {n} tokens"
             )
+
+    def logit_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, ...] -> the rows whose logits the forward returns, `logit_rows` in
+        order ([len(logit_rows), ...]; hidden itself for None). One index_select over the
+        rows as an int64 tensor made in numpy: `hidden[logit_rows]` (the twin,
+        tests/test_forward_signature.py) converts the list element by element (~25 us for
+        128 rows on the host, on any device) and gathers at twice index_select's time on a
+        CPU: 99 vs 21 us for 128 rows of [144, 576] fp32."""
+        rows = self.logit_rows
+        if rows is None:
+            return hidden
+        index = torch.from_numpy(np.fromiter(rows, np.int64, len(rows)))
+        if hidden.device.type != "cpu":
+            index = index.to(hidden.device)
+        return hidden.index_select(0, index)
 
 
 @dataclass(frozen=True)
