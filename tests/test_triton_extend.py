@@ -31,7 +31,13 @@ pytest.importorskip("triton", reason="triton is not installed (setup.sh test ins
 
 from kvpool.attention.backends import triton_extend  # noqa: E402
 from kvpool.attention.backends.step_buffers import StepBuffers  # noqa: E402
-from kvpool.attention.backends.triton_extend import QuantPages, extend_attention, interpreted, plan_extend  # noqa: E402
+from kvpool.attention.backends.triton_extend import (  # noqa: E402
+    QuantPages,
+    extend_attention,
+    interpreted,
+    plan_extend,
+    plan_few_kept,
+)
 from kvpool.cache import BlockCopy  # noqa: E402
 from kvpool.spec.kv_formats import kv_schema  # noqa: E402
 from kvpool.storage.kv import PagedKVStorage, QuantizedKVStorage  # noqa: E402
@@ -354,6 +360,47 @@ def test_a_few_dense_sequences_plan_as_the_numpy_path(chunks, first_row, heads, 
     assert _plan_fields(stored) == _plan_fields(few)
     for plan in (few, twin, stored):
         assert _misaligned_tables(plan) == []
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(st.sampled_from([(16,), (16, 3), (40,), (5,)]), st.integers(0, 30), st.integers(0, 4)),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_a_kept_few_plan_equals_a_new_one_each_step(steps) -> None:
+    """`plan_few_kept` over a run of steps whose chunk shapes repeat (its kept plans) and
+    change (another shape's tables overwrite the area between): after each step the plan it
+    returns, kept or new, holds what `plan_extend` of that step alone lists (its twin, in
+    other buffers), and its bytes are the twin's less the flat table's."""
+    buffers = StepBuffers(max_num_seqs=8, max_num_tokens=256, max_blocks_per_seq=4, block_size=16)
+    flat = buffers.block_tables_flat
+    kept: dict = {}
+    for q_lens, prefix, num_decodes in steps:
+        q_lens = list(q_lens)
+        ctx_lens = [q + prefix for q in q_lens]
+        offsets = [((prefix + 7 * i) % 8) * 4 for i in range(len(q_lens))]  # (rows of the 8)
+        num_rows = num_decodes + sum(q_lens)
+        plan, num_bytes = plan_few_kept(
+            kept, q_lens, ctx_lens, offsets, flat, 4, num_rows, num_decodes, buffers.plan_tables
+        )
+        twin_buffers = StepBuffers(max_num_seqs=8, max_num_tokens=256, max_blocks_per_seq=4, block_size=16)
+        twin = plan_extend(
+            q_lens, ctx_lens, np.array(offsets), twin_buffers.block_tables_flat, 16, 8, 2, "cpu",
+            num_rows=num_rows, first_row=num_decodes, store=twin_buffers.plan_tables,
+        )  # fmt: skip
+        want = _plan_fields(twin)
+        assert (
+            _plan_fields(plan)[:3] == want[:3] and _plan_fields(plan)[4:] == want[4:]
+        )  # (kv_indices: its own flat table)
+        assert num_bytes == twin.num_bytes - twin.kv_indices.nbytes
+    assert len(kept) == len({(d + sum(q), d, q, p) for q, p, d in steps})
+    with pytest.raises(ValueError, match=r"sequence 0: q_len 16 must be in \[1, ctx_len 10\]"):
+        plan_few_kept({}, [16], [10], [0], flat, 4, 16, 0, buffers.plan_tables)
+    with pytest.raises(ValueError, match="1 q_lens, 1 ctx_lens and 2 indptr entries disagree"):
+        plan_few_kept(kept, [16], [16], [0, 4], flat, 4, 16, 0, buffers.plan_tables)
 
 
 def _misaligned_tables(plan) -> list[str]:

@@ -25,6 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -407,8 +408,9 @@ def test_backend_step_equals_the_torch_backend(ops, dtype, num_splits, bs) -> No
                 assert err <= 4 * (want.double() - exact).abs().max() + 16 * U32 * st.v.abs().max()
 
 
+@pytest.mark.parametrize("few_shapes", [True, False], ids=["few", "numpy"])
 @pytest.mark.parametrize("num_splits", [None, 3], ids=["rule", "split3"])
-def test_a_step_planned_from_the_step_buffers_equals_the_list_plan(ops, num_splits) -> None:
+def test_a_step_planned_from_the_step_buffers_equals_the_list_plan(ops, num_splits, few_shapes) -> None:
     """The mixed step above (a chunk after a cached prefix, a prefill from 0, three
     decodes), the engine's order of one (the decodes first, then the chunks) and a
     prefill-only step, fp32, block size 16, GQA group 4: planned from
@@ -423,6 +425,7 @@ def test_a_step_planned_from_the_step_buffers_equals_the_list_plan(ops, num_spli
     st, indptr, ids = pool_with_context(dtype, bs, ctx_lens, seed=5)
     twin = copy_of(st, dtype)
     buffered = TritonPagedBackend(st, KVH * g, None, dtype, num_splits=num_splits)
+    buffered.few_shapes = few_shapes  # (False: every step's shape in numpy, `_shape`)
     listed = TritonPagedBackend(twin, KVH * g, None, dtype, num_splits=num_splits)
     buffers = StepBuffers(max_num_seqs=8, max_num_tokens=64, max_blocks_per_seq=12, block_size=bs, device=DEVICE)
     buffers.update(["x", "y", "z"], [0, 0, 0], [1, 1, 1], [[0], [1], [2]])
@@ -430,7 +433,9 @@ def test_a_step_planned_from_the_step_buffers_equals_the_list_plan(ops, num_spli
     buffers.forget("z")  # rows 0 and 2 free, row 1 held: the step's rows are not 0..4
     names = [f"s{i}" for i in range(5)]
     tables = [ids[indptr[i] : indptr[i + 1]] for i in range(5)]
-    for q_lens in ([1, 20, 1, 9, 1], [1, 1, 1, 9, 30], [30, 2, 17, 9, 4]):
+    # (the engine's order twice, another plan's tables written between: the second time its
+    # chunks' plan is the one kept for the shape, `plan_few_kept`)
+    for q_lens in ([1, 1, 1, 9, 30], [1, 20, 1, 9, 1], [1, 1, 1, 9, 30], [30, 2, 17, 9, 4]):
         starts = [c - q for c, q in zip(ctx_lens, q_lens, strict=True)]
         buffers.update(names, starts, ctx_lens, tables)
         spans = zip(tables, starts, ctx_lens, strict=True)
@@ -446,6 +451,64 @@ def test_a_step_planned_from_the_step_buffers_equals_the_list_plan(ops, num_spli
             assert torch.equal(st.k, twin.k) and torch.equal(st.v, twin.v)
     with pytest.raises(ValueError, match=r"hold 5 sequences of 62 tokens, not 5 of 5 \(5 context lengths\)"):
         buffered.begin_buffered_step(buffers, [1] * 5, ctx_lens)
+
+
+def _shape_fields(shape) -> tuple:
+    return tuple(None if v is None else v if isinstance(v, int) else [int(x) for x in v] for v in shape)
+
+
+def test_a_buffered_steps_few_shape_equals_its_numpy_twin() -> None:
+    """`_few_shape` (the sequences after the buffers' leading decodes read in Python) against
+    `_shape` (every sequence in numpy), over 300 random steps written by `update` and
+    `advance` as an engine's (decodes one token on, some leave, chunks and joining requests
+    after them or among them): the same shape, field by field, wherever the buffers' leading
+    decodes leave at most FEW_OTHERS others; and the same refusals of lengths that are not
+    the step the buffers hold."""
+    from kvpool.attention.backends.step_buffers import StepBuffers
+    from kvpool.attention.backends.triton_paged import FEW_OTHERS, _few_shape, _shape
+
+    rng = random.Random(3)
+    bs, width = 4, 16
+    buffers = StepBuffers(max_num_seqs=12, max_num_tokens=256, max_blocks_per_seq=width, block_size=bs)
+    tables: dict[str, list[int]] = {}
+    running: list[tuple[str, int]] = []  # (id, context)
+    num_few = num_lead = 0
+    for step in range(300):
+        running = [r for r in running if rng.random() > 0.1]
+        for rid in set(tables) - {r for r, _ in running}:
+            buffers.forget(rid)
+            del tables[rid]
+        ids, starts, ends = [], [], []
+        for rid, ctx in running:  # decodes, now and then a chunk among them
+            q = 1 if rng.random() < 0.9 else rng.randint(2, 6)
+            ids.append(rid), starts.append(ctx), ends.append(ctx + q)
+        while len(ids) < 12 and rng.random() < 0.5:  # joining requests after them
+            rid = f"r{step}.{len(ids)}"
+            tables[rid] = []
+            ids.append(rid), starts.append(0), ends.append(rng.choice([1, 5, 16]))
+        if not ids or max(ends) > width * bs:
+            running = []
+            continue
+        for rid, end in zip(ids, ends, strict=True):
+            tables[rid] += [rng.randrange(1000) for _ in range(-(-end // bs) - len(tables[rid]))]
+        if not buffers.advance(ids, starts, ends, lambda w: [tables[r] for r in w]):
+            buffers.update(ids, starts, ends, [tables[r] for r in ids])
+        q = np.array(ends) - np.array(starts)
+        c = np.array(ends)
+        lead = buffers.num_lead
+        assert (q[:lead] == 1).all()
+        if len(ids) - lead <= FEW_OTHERS:
+            assert _shape_fields(_few_shape(buffers, q, c, lead)) == _shape_fields(_shape(buffers, q, c)), step
+            num_few += 1
+            num_lead += lead > 0
+            if lead < len(ids):  # (a step of other totals: the leading decodes' lengths are the buffers')
+                bad = q.copy()
+                bad[-1] += 1
+                for args in ((buffers, bad, c, lead), (buffers, bad, c)):
+                    with pytest.raises(ValueError, match=rf"hold {len(ids)} sequences of {q.sum()} tokens, not"):
+                        (_few_shape if len(args) == 4 else _shape)(*args)
+        running = [(r, e) for r, e in zip(ids, ends, strict=True)]
+    assert num_few > 200 and num_lead > 100
 
 
 def test_the_engine_on_the_triton_backend_equals_the_torch_path(ops, monkeypatch) -> None:

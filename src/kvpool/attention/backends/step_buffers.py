@@ -717,6 +717,13 @@ class StepBuffers:
         self._sent = torch.cuda.Event()
         self._sent.record()
 
+    @property
+    def num_lead(self) -> int:
+        """The held step's leading sequences of one token each (sequences [0, num_lead):
+        sequence i's token is flat token i), as `update` or `advance` wrote them; fewer
+        (0) where the step was written otherwise since (`pad`, `skip`)."""
+        return self._last_lead
+
     def leading(self, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """query_start[:k], seq_rows[:k], ctx_lens[:k] ([k] int32 each, device views of the
         persistent buffers: the same tensors every step, so they are made once a k)."""

@@ -268,28 +268,25 @@ def plan_extend(
     )  # fmt: skip
 
 
-def _plan_few(
-    q_lens: Sequence[int],
-    ctx_lens: Sequence[int],
-    indptr: Sequence[int],
-    indices: torch.Tensor,
-    block_size: int,
-    group: int,
-    device: torch.device | str,
-    q_rows: Sequence[int] | None,
-    num_rows: int | None,
-    first_row: int,
-    store: Callable[[list[int], tuple[int, ...]], Sequence[torch.Tensor]] | None,
-) -> ExtendPlan:
-    """`plan_extend` of a few sequences over dense tables with host row offsets, unsplit:
-    the same tables (the same values, checks and messages) listed in Python, a few C-level
-    list passes a sequence instead of numpy passes of ~1 us each over the whole step."""
-    q = q_lens.tolist() if isinstance(q_lens, np.ndarray) else list(q_lens)  # [B] Python ints
-    c = ctx_lens.tolist() if isinstance(ctx_lens, np.ndarray) else list(ctx_lens)
-    offsets = indptr.tolist() if isinstance(indptr, np.ndarray) else list(indptr)
+class FewHead(NamedTuple):
+    """What `_plan_few` lists of a plan before its row offsets (kv_indptr, the last table):
+    values, its tables rows, q, c, tile_seq, tile_start, firsts end to end (each padded to
+    a multiple of TABLE_ALIGN), sizes every table's length (the offsets' and the empty
+    merge rows' included), and the plan's scalars."""
+
+    values: list[int]
+    sizes: tuple[int, ...]
+    block_m: int
+    num_rows: int
+    split_len: int
+
+
+def _few_head(
+    q: list[int], c: list[int], group: int, q_rows: list[int] | None, num_rows: int | None, first_row: int
+) -> FewHead:
+    """`_plan_few`'s tables but the row offsets, from Python ints, checked (ValueError
+    naming the first bad sequence)."""
     num_seqs = len(q)
-    if len(c) != num_seqs or len(offsets) != num_seqs:
-        raise ValueError(f"{len(q)} q_lens, {len(c)} ctx_lens and {len(offsets)} indptr entries disagree")
     # (two C-level reductions; the loop only to name the first bad sequence)
     if num_seqs and (min(q) < 1 or min(map(operator.sub, c, q)) < 0):
         for i, (q_len, ctx_len) in enumerate(zip(q, c, strict=True)):
@@ -312,7 +309,7 @@ def _plan_few(
         rows = [first + first_row for first in firsts[:-1]]
         lowest, highest = first_row, firsts[-1] + first_row
     else:
-        rows = q_rows.tolist() if isinstance(q_rows, np.ndarray) else list(q_rows)
+        rows = q_rows
         lowest, highest = (min(rows), max(map(int.__add__, rows, q))) if num_seqs else (0, 0)
     if num_rows is None:
         num_rows = highest if num_seqs else 0
@@ -320,9 +317,9 @@ def _plan_few(
         raise ValueError(f"query rows {rows} with lengths {q} do not fit {num_rows} rows")
     max_ctx_len = max(c) if num_seqs else 1
     split_len = -(-max_ctx_len // BLOCK_N) * BLOCK_N  # (one split: all the keys)
-    # every table in one int32 buffer, sent in one copy: rows, q, c, tiles' sequences and
-    # starts, firsts, no merge rows (unsplit), the row offsets; each padded with zeros to a
-    # multiple of TABLE_ALIGN (`_PADS`, by its length: one list display, no call a table)
+    # rows, q, c, tiles' sequences and starts, firsts, no merge rows (unsplit); each padded
+    # with zeros to a multiple of TABLE_ALIGN (`_PADS`, by its length: one list display, no
+    # call a table)
     num_tiles = len(tile_seq)
     pad_b, pad_t, pad_f = (
         _PADS[num_seqs % TABLE_ALIGN],
@@ -331,17 +328,90 @@ def _plan_few(
     )
     values = [
         *rows, *pad_b, *q, *pad_b, *c, *pad_b, *tile_seq, *pad_t, *tile_start, *pad_t, *firsts, *pad_f,
-        *offsets, *pad_b,
     ]  # fmt: skip
     sizes = (num_seqs, num_seqs, num_seqs, num_tiles, num_tiles, num_seqs + 1, 0, num_seqs)
+    return FewHead(values, sizes, block_m, num_rows, split_len)
+
+
+def _plan_few(
+    q_lens: Sequence[int],
+    ctx_lens: Sequence[int],
+    indptr: Sequence[int],
+    indices: torch.Tensor,
+    block_size: int,
+    group: int,
+    device: torch.device | str,
+    q_rows: Sequence[int] | None,
+    num_rows: int | None,
+    first_row: int,
+    store: Callable[[list[int], tuple[int, ...]], Sequence[torch.Tensor]] | None,
+) -> ExtendPlan:
+    """`plan_extend` of a few sequences over dense tables with host row offsets, unsplit:
+    the same tables (the same values, checks and messages) listed in Python, a few C-level
+    list passes a sequence instead of numpy passes of ~1 us each over the whole step."""
+    q = q_lens.tolist() if isinstance(q_lens, np.ndarray) else list(q_lens)  # [B] Python ints
+    c = ctx_lens.tolist() if isinstance(ctx_lens, np.ndarray) else list(ctx_lens)
+    offsets = indptr.tolist() if isinstance(indptr, np.ndarray) else list(indptr)
+    num_seqs = len(q)
+    if len(c) != num_seqs or len(offsets) != num_seqs:
+        raise ValueError(f"{len(q)} q_lens, {len(c)} ctx_lens and {len(offsets)} indptr entries disagree")
+    rows = None if q_rows is None else q_rows.tolist() if isinstance(q_rows, np.ndarray) else list(q_rows)
+    head = _few_head(q, c, group, rows, num_rows, first_row)
+    # every table in one int32 buffer, sent in one copy: the head's, then the row offsets
+    values = [*head.values, *offsets, *_PADS[num_seqs % TABLE_ALIGN]]
     if store is not None:
-        t = store(values, sizes)
+        t = store(values, head.sizes)
     else:
         packed = torch.from_numpy(np.array(values, dtype=np.int32))
         if torch.device(device).type != "cpu":
             packed = packed.to(device)
-        t = split_aligned(packed, sizes)
-    return ExtendPlan(t[0], t[1], t[7], indices, t[2], t[3], t[4], block_m, group, num_rows, 1, split_len, t[5], t[6])
+        t = split_aligned(packed, head.sizes)
+    return _few_plan(t, indices, head, group)
+
+
+def _few_plan(t: Sequence[torch.Tensor], indices: torch.Tensor, head: FewHead, group: int) -> ExtendPlan:
+    """The ExtendPlan of `_plan_few`'s tables t (as `FewHead.sizes` lists them)."""
+    return ExtendPlan(
+        t[0], t[1], t[7], indices, t[2], t[3], t[4], head.block_m, group, head.num_rows, 1, head.split_len, t[5], t[6]
+    )
+
+
+def plan_few_kept(
+    kept: dict[tuple[int, ...], tuple[FewHead, ExtendPlan, int]],
+    q_lens: list[int],
+    ctx_lens: list[int],
+    offsets: list[int],
+    indices: torch.Tensor,
+    group: int,
+    num_rows: int,
+    first_row: int,
+    store: Callable[[list[int], tuple[int, ...]], Sequence[torch.Tensor]],
+) -> tuple[ExtendPlan, int]:
+    """`_plan_few` of chunks one after another from row first_row (q_rows None) whose
+    tables `store` puts in one persistent area (`StepBuffers.plan_tables`: a shape's tables
+    are the same views every time), keeping in `kept` (the caller's, for this store and
+    `indices`) each shape's head and plan: a shape seen before (the same lengths, rows and
+    first row: a step's joining chunk of a common prompt length) writes its head and its
+    row offsets, the only tables that change, and returns the plan made the first time
+    (its tensors the same views, rewritten). The same values as `_plan_few`'s. -> the plan
+    and the bytes of its tables but the flat table's (ExtendPlan.num_bytes less
+    kv_indices: what the step adds to the buffers' tensors), read once a shape."""
+    if not len(q_lens) == len(ctx_lens) == len(offsets):
+        raise ValueError(f"{len(q_lens)} q_lens, {len(ctx_lens)} ctx_lens and {len(offsets)} indptr entries disagree")
+    # (-1 apart: no length is -1 in a plan kept, whose lengths were checked)
+    key = (num_rows, first_row, *q_lens, -1, *ctx_lens)
+    known = kept.get(key)
+    if known is None:
+        head = _few_head(q_lens, ctx_lens, group, None, num_rows, first_row)
+        t = store([*head.values, *offsets, *_PADS[len(offsets) % TABLE_ALIGN]], head.sizes)
+        if len(kept) >= 256:  # (a bound on shapes kept: prompts of many lengths)
+            kept.clear()
+        plan = _few_plan(t, indices, head, group)
+        kept[key] = head, plan, plan.num_bytes - indices.nbytes
+        return plan, kept[key][2]
+    head, plan, num_bytes = known
+    store([*head.values, *offsets, *_PADS[len(offsets) % TABLE_ALIGN]], head.sizes)
+    return plan, num_bytes
 
 
 def extend_attention(

@@ -24,7 +24,8 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from collections.abc import Callable, Sequence
-from typing import Any
+from itertools import accumulate
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -93,6 +94,10 @@ class TritonPagedBackend(PagedBackend):
         if num_sms <= 0:
             raise ValueError(f"num_sms must be positive, got {num_sms}")
         self.num_sms = num_sms
+        self.few_shapes = True  # (a test sets False: every buffered step's shape by `_shape`, the twin)
+        # the plans `plan_few_kept` keeps by shape, for the step buffers they were made in
+        self._kept_plans: dict[tuple[int, ...], tuple[Any, Any, int]] = {}
+        self._kept_for: StepBuffers | None = None
 
     def _check(self, storage: PagedKVStorage, kernels, decode_path: str) -> None:
         if decode_path != "triton":
@@ -237,66 +242,68 @@ class TritonPagedBackend(PagedBackend):
         CSR tables nor the slots are built on the host; it lists only which sequences
         decode and the extend kernel's query tiles. The same kernels over the same blocks,
         lengths and split counts as `begin_step` over the cache's tables: the same outputs
-        (tests/test_triton_kernels.py, tests/test_decode_graphs.py)."""
+        (tests/test_triton_kernels.py, tests/test_decode_graphs.py).
+
+        The step's shape (which sequences decode, the chunks' lengths and rows) is read
+        from the few sequences after the buffers' leading decodes (`StepBuffers.num_lead`:
+        the common step's running decodes, then a joining request's chunk) in Python where
+        they are at most FEW_OTHERS (`_few_shape`), else over the whole step in numpy
+        (`_shape`, its twin: `few_shapes` False)."""
         st, scale, ops = self.storage, self.scale, self.ops
         # (the buffers' device is the pool's: a tensor's .device costs ~1 us on the host)
         bs, device = st.block_size, buffers.device
-        # the step's columns in numpy, not a Python loop a sequence: [n] int64 each
-        # (ufuncs' reductions called directly: the array methods add a Python frame, ~1 us each)
-        q, c = np.asarray(q_lens, dtype=np.int64), np.asarray(ctx_lens, dtype=np.int64)
-        n, num_tokens = len(q), int(np.add.reduce(q))
-        if len(c) != n or buffers.num_seqs != n or buffers.num_tokens != num_tokens:
-            raise ValueError(
-                f"the step buffers hold {buffers.num_seqs} sequences of {buffers.num_tokens} tokens, "
-                f"not {n} of {num_tokens} ({len(c)} context lengths)"
-            )
-        if n and (np.minimum.reduce(q) < 1 or np.minimum.reduce(c - q) < 0):  # (the masks only to name one)
-            i = int(np.argmax((c < q) | (q < 1)))
-            raise ValueError(f"sequence {i}: {c[i]} tokens with {q[i]} new ones")
-        # the chunks (more than one token: q >= 1 now) and the decodes, the rest
-        chunk_seqs = (q > 1).nonzero()[0]  # [P], increasing
-        num_chunks = len(chunk_seqs)
-        num_decodes = n - num_chunks
-        # the engine's order, the decodes first and the chunks after them: slices, no index
-        # (the chunks are sequences [num_decodes, n) iff the first of them is num_decodes)
-        decodes_first = not num_chunks or chunk_seqs[0] == num_decodes
+        n = len(q_lens)
+        lead = buffers.num_lead if buffers.num_seqs == n else 0
+        if self.few_shapes and n - lead <= FEW_OTHERS:
+            shape = _few_shape(buffers, q_lens, ctx_lens, lead)
+        else:
+            shape = _shape(buffers, q_lens, ctx_lens)
+        num_tokens, num_decodes, decode_seqs = shape.num_tokens, shape.num_decodes, shape.decode_seqs
+        num_chunks = n - num_decodes
         slots, tables = buffers.leading_slots(num_tokens), buffers.block_tables  # [N] int32, [rows, width] int32
         decode = None
         if num_decodes:  # the decodes' query rows, table rows and lengths: [B] int32 each
-            if decodes_first:
+            if decode_seqs is None:  # the leading sequences: slices, no index
                 picked = buffers.leading(num_decodes)
-                longest = int(np.maximum.reduce(c[:num_decodes]))
             else:
                 vectors = (buffers.query_start, buffers.seq_rows, buffers.ctx_lens)  # [max_num_seqs (+ 1)] int32
-                seqs = (q == 1).nonzero()[0]  # [B], increasing
-                index = torch.from_numpy(seqs).to(device)
+                index = torch.from_numpy(decode_seqs).to(device)
                 picked = tuple(t[:n].index_select(0, index) for t in vectors)
-                longest = int(c[seqs].max())
             splits = self.num_splits
             if splits is None:
-                splits = ops.num_splits_for(num_decodes, st.num_kv_heads, longest, self.num_sms)
+                splits = ops.num_splits_for(num_decodes, st.num_kv_heads, shape.longest, self.num_sms)
             decode = (*picked, splits)
         extend = None
         table_bytes = 0  # the step's own index tensors (the buffers' are allocated once)
-        if num_chunks:  # the chunks, their table rows as offsets into the flat table
+        group, uneven = divmod(self.num_heads, st.num_kv_heads)  # (uneven: plan_extend names it)
+        if num_chunks and shape.chunk_rows is None and type(shape.chunk_offsets) is list and not uneven:
+            # a few chunks after the decodes (`_few_shape`): a shape seen before takes the plan
+            # kept for it, its tables rewritten (`plan_few_kept`); kept for these buffers only
+            if self._kept_for is not buffers:
+                self._kept_for, self._kept_plans = buffers, {}
+            extend, table_bytes = self.extend_ops.plan_few_kept(
+                self._kept_plans,
+                shape.chunk_q_lens,
+                shape.chunk_ctx_lens,
+                shape.chunk_offsets,
+                buffers.block_tables_flat,
+                group,
+                num_tokens,
+                num_decodes,
+                buffers.plan_tables,
+            )
+        elif num_chunks:  # the chunks, their table rows as offsets into the flat table
             # (from the host twin of seq_rows, sent with the plan's tables: no device op)
-            width = buffers.max_blocks_per_seq
-            if decodes_first:  # the chunks' rows follow the decodes' from row num_decodes
-                prefill_seqs: slice | np.ndarray = slice(num_decodes, n)
-                q_rows = None
-            else:
-                prefill_seqs = chunk_seqs
-                q_rows = (np.cumsum(q) - q)[prefill_seqs]  # each chunk's first row of the step's tokens
             extend = self.extend_ops.plan_extend(
-                q[prefill_seqs],
-                c[prefill_seqs],
-                buffers.host_seq_rows()[prefill_seqs] * width,  # [P] int32
+                shape.chunk_q_lens,
+                shape.chunk_ctx_lens,
+                shape.chunk_offsets,
                 buffers.block_tables_flat,
                 bs,
                 self.num_heads,
                 st.num_kv_heads,
                 device,
-                q_rows=q_rows,
+                q_rows=shape.chunk_rows,
                 num_rows=num_tokens,
                 first_row=num_decodes,
                 store=buffers.plan_tables,
@@ -347,6 +354,105 @@ class TritonPagedBackend(PagedBackend):
             return ops.paged_decode_dense(q, rows, seq_rows, tables, ctx_lens, k_cache, v_cache, scale, out, splits)
 
         return BufferedStep(attend, n)
+
+
+# a buffered step whose sequences after the buffers' leading decodes are at most this many
+# (the common step: a joining request's chunk, a few) has its shape read in Python
+# (`_few_shape`, ~0.1 us an element) instead of numpy passes over the whole step (`_shape`)
+FEW_OTHERS = 8
+
+
+class _StepShape(NamedTuple):
+    """What `begin_buffered_step` plans a step from: its num_tokens; its num_decodes, their
+    sequences (decode_seqs [B] int64 increasing; None: sequences [0, num_decodes)) and
+    their longest context; its chunks' q_lens, ctx_lens and table offsets (row *
+    max_blocks_per_seq), each [P] (a list or an array), and each one's first row among
+    the step's tokens (chunk_rows; None: one after another from row num_decodes)."""
+
+    num_tokens: int
+    num_decodes: int
+    decode_seqs: np.ndarray | None
+    longest: int
+    chunk_q_lens: Sequence[int]
+    chunk_ctx_lens: Sequence[int]
+    chunk_offsets: Sequence[int]
+    chunk_rows: Sequence[int] | None
+
+
+def _refuse(buffers: StepBuffers, n: int, num_tokens: int, num_ctx: int) -> ValueError:
+    return ValueError(
+        f"the step buffers hold {buffers.num_seqs} sequences of {buffers.num_tokens} tokens, "
+        f"not {n} of {num_tokens} ({num_ctx} context lengths)"
+    )
+
+
+def _shape(
+    buffers: StepBuffers, q_lens: Sequence[int] | np.ndarray, ctx_lens: Sequence[int] | np.ndarray
+) -> _StepShape:
+    """The step's shape in numpy passes over every sequence (the twin of `_few_shape`).
+    ValueError where the lengths are not the step the buffers hold or not a step."""
+    # (ufuncs' reductions called directly: the array methods add a Python frame, ~1 us each)
+    q, c = np.asarray(q_lens, dtype=np.int64), np.asarray(ctx_lens, dtype=np.int64)
+    n, num_tokens = len(q), int(np.add.reduce(q))
+    if len(c) != n or buffers.num_seqs != n or buffers.num_tokens != num_tokens:
+        raise _refuse(buffers, n, num_tokens, len(c))
+    if n and (np.minimum.reduce(q) < 1 or np.minimum.reduce(c - q) < 0):  # (the masks only to name one)
+        i = int(np.argmax((c < q) | (q < 1)))
+        raise ValueError(f"sequence {i}: {c[i]} tokens with {q[i]} new ones")
+    # the chunks (more than one token: q >= 1 now) and the decodes, the rest
+    chunk_seqs = (q > 1).nonzero()[0]  # [P], increasing
+    num_decodes = n - len(chunk_seqs)
+    # the engine's order, the decodes first and the chunks after them: slices, no index
+    # (the chunks are sequences [num_decodes, n) iff the first of them is num_decodes)
+    if not len(chunk_seqs) or chunk_seqs[0] == num_decodes:
+        decode_seqs, longest = None, int(np.maximum.reduce(c[:num_decodes])) if num_decodes else 0
+        chunks: slice | np.ndarray = slice(num_decodes, n)
+        chunk_rows = None
+    else:
+        decode_seqs = (q == 1).nonzero()[0]  # [B], increasing
+        longest = int(c[decode_seqs].max()) if num_decodes else 0
+        chunks = chunk_seqs
+        chunk_rows = (np.cumsum(q) - q)[chunks]  # each chunk's first row of the step's tokens
+    offsets = buffers.host_seq_rows()[chunks] * buffers.max_blocks_per_seq  # [P] int32
+    return _StepShape(num_tokens, num_decodes, decode_seqs, longest, q[chunks], c[chunks], offsets, chunk_rows)
+
+
+def _few_shape(
+    buffers: StepBuffers, q_lens: Sequence[int] | np.ndarray, ctx_lens: Sequence[int] | np.ndarray, lead: int
+) -> _StepShape:
+    """`_shape` where the step's sequences [0, lead) decode (one token each: the buffers
+    wrote them so, `StepBuffers.num_lead`) and the rest are few: those few read in Python,
+    the leading ones only for their longest context. The same shape, values and refusals
+    (tests/test_triton_kernels.py holds the two equal)."""
+    n = len(q_lens)
+    if len(ctx_lens) != n:
+        raise _refuse(buffers, n, lead + int(sum(q_lens[lead:])), len(ctx_lens))
+    # [0, lead): one token each; the others [lead, n) as Python ints
+    tail_q = q_lens[lead:].tolist() if isinstance(q_lens, np.ndarray) else list(q_lens[lead:])
+    tail_c = ctx_lens[lead:].tolist() if isinstance(ctx_lens, np.ndarray) else list(ctx_lens[lead:])
+    num_tokens = lead + sum(tail_q)
+    if buffers.num_tokens != num_tokens:
+        raise _refuse(buffers, n, num_tokens, n)
+    for j, (q_len, ctx_len) in enumerate(zip(tail_q, tail_c, strict=True)):
+        if q_len < 1 or ctx_len < q_len:
+            raise ValueError(f"sequence {lead + j}: {ctx_len} tokens with {q_len} new ones")
+    chunks = [j for j, q_len in enumerate(tail_q) if q_len > 1]  # among the others
+    num_tail = n - lead
+    num_decodes = n - len(chunks)
+    # the leading decodes' longest context, and the other decodes'
+    longest = int(np.maximum.reduce(np.asarray(ctx_lens[:lead]))) if lead else 0
+    if num_decodes > lead:
+        longest = max(longest, max(tail_c[j] for j in range(num_tail) if tail_q[j] == 1))
+    seq_rows, width = buffers.host_seq_rows(), buffers.max_blocks_per_seq
+    offsets = [int(seq_rows[lead + j]) * width for j in chunks]
+    chunk_q, chunk_c = [tail_q[j] for j in chunks], [tail_c[j] for j in chunks]
+    if not chunks or chunks[0] == num_decodes - lead:  # the decodes first: slices, no index
+        return _StepShape(num_tokens, num_decodes, None, longest, chunk_q, chunk_c, offsets, None)
+    decode_seqs = np.array([*range(lead), *(lead + j for j in range(num_tail) if tail_q[j] == 1)], dtype=np.int64)
+    firsts = list(accumulate(tail_q, initial=lead))  # each other's first row of the step's tokens
+    return _StepShape(
+        num_tokens, num_decodes, decode_seqs, longest, chunk_q, chunk_c, offsets, [firsts[j] for j in chunks]
+    )
 
 
 def _int32(values: Sequence[int], device: torch.device) -> torch.Tensor:
