@@ -19,8 +19,18 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvpool.engine.batch_sampler import AHEAD, FEW_JOINED, BatchSampler, _sample_group, sample_batch
+from kvpool.engine.batch_sampler import (
+    AHEAD,
+    FEW_JOINED,
+    MAX_MISMATCHES,
+    BatchSampler,
+    _match,
+    _sample_group,
+    sample_batch,
+)
 from kvpool.engine.engine import Engine
 from kvpool.engine.llama_runner import llama_runner
 from kvpool.engine.sampling import (
@@ -522,6 +532,64 @@ def test_after_a_greedy_batch_the_batch_sampler_reads_only_the_rows_that_joined(
         for o in rows:
             o.position += 1
     assert num_partial > 20 and num_whole > 10
+
+
+class _Row:
+    """An owner that compares by identity (as the engine's sequences)."""
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    num_last=st.integers(0, 40),
+    edits=st.lists(
+        st.tuples(st.sampled_from(["leave", "join", "insert", "move", "shuffle"]), st.integers(0, 10**6)), max_size=30
+    ),
+)
+def test_match_finds_each_row_in_the_last_batch_as_a_search_by_identity_does(num_last, edits):
+    """`_match`'s in-order walk (its runs, a few rows ahead, the id dict past MAX_MISMATCHES
+    or for a moved row) against its twin, a search of the last batch by identity for every
+    row: the same joined rows and each kept row's row in the last batch, for batches edited
+    as an engine's (rows leave anywhere, join at the end) and otherwise (joined in the
+    middle, moved, shuffled: many mismatches)."""
+    last = [_Row() for _ in range(num_last)]
+    owners = list(last)
+    rng = random.Random(len(edits))
+    for kind, at in edits:
+        if kind == "leave" and owners:
+            owners.pop(at % len(owners))
+        elif kind == "join":
+            owners.append(_Row())
+        elif kind == "insert":
+            owners.insert(at % (len(owners) + 1), _Row())
+        elif kind == "move" and owners:
+            owners.insert(at % len(owners), owners.pop(rng.randrange(len(owners))))
+        elif kind == "shuffle":
+            rng.shuffle(owners)
+    matched = _match(owners, last)
+    where = [next((j for j, p in enumerate(last) if p is o), -1) for o in owners]
+    assert matched.joined == [i for i, j in enumerate(where) if j < 0]
+    assert matched.src(len(owners)).tolist() == where
+
+
+def test_match_walks_an_engines_changed_batch_in_a_few_runs():
+    # the engine's changed batch: rows 3 and 4 left, then rows 9 .. 13, two joined at the end:
+    # three runs, each gap passed by in one scan, the joined rows placed by the dict (empty)
+    last = [_Row() for _ in range(20)]
+    gone = {3, 4, 9, 10, 11, 12, 13}
+    owners = [o for j, o in enumerate(last) if j not in gone] + [_Row(), _Row()]
+    matched = _match(owners, last)
+    assert matched.joined == [13, 14]
+    assert matched.runs == [(0, 0, 3), (3, 5, 4), (7, 14, 6)]
+    assert matched.src(15).tolist() == [0, 1, 2, 5, 6, 7, 8, 14, 15, 16, 17, 18, 19, -1, -1]
+    # a row moved back: the walk passes it by, the dict places it
+    moved = [last[1], last[2], last[0], *last[3:]]
+    matched = _match(moved, last)
+    assert matched.joined == [] and matched.runs == [(0, 1, 2), (3, 3, 17), (2, 0, 1)]
+    # a reversed batch mismatches at every row: past MAX_MISMATCHES the dict places the rest
+    rev = last[::-1]
+    matched = _match(rev, last)
+    assert matched.joined == [] and matched.src(20).tolist() == list(range(19, -1, -1))
+    assert len(matched.runs) == 20 > MAX_MISMATCHES
 
 
 def test_owners_that_compare_by_value_are_read_whole_after_a_greedy_batch():

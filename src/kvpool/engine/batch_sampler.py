@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Iterable, Sequence
-from itertools import count, repeat
-from typing import Any, Protocol
+from itertools import compress, count, islice, repeat
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -31,6 +31,10 @@ AHEAD = 32
 # A drawing batch edited in place (`_BatchRows.edited`) hashes this many joined rows' seed
 # words in Python, more in numpy (`seed_words`, its twin: the same bits)
 FEW_JOINED = 8
+# A changed batch is matched to the last one by identity, in order (`_match`), with at most
+# this many mismatches (a row joined or moved, a run of rows left) before its other rows are
+# placed by a dict of the last owners' ids instead
+MAX_MISMATCHES = 16
 
 
 def sample_batch(
@@ -385,8 +389,9 @@ class BatchSampler:
         self._rows: _BatchRows | None = None
         # [rows]: where each row's output begins (None: not read, in a greedy batch nothing draws)
         self._origins: np.ndarray | None = np.empty(0, dtype=np.int64)
-        # every owner of the last batch where it is greedy throughout, else None
-        self._greedy_owners: set[object] | None = None
+        self._greedy = False  # whether the last batch is greedy throughout
+        # the last batch's owners' one kind where it compares by identity (`_identity_kind`), else None
+        self._kind: type | None = None
         self.incremental = True
         self.num_edited = 0  # batches of drawing rows edited in place (`_BatchRows.edited`), not built anew
 
@@ -420,38 +425,38 @@ class BatchSampler:
         joined it read, and where they are greedy too the batch is (nothing else read);
         after a batch that draws throughout in one group, the joined owners' params read
         and, where they draw in that group too, the kept rows moved (`_BatchRows.edited`);
-        else every row's parameters read and the batch's rows built (`_BatchRows.of`)."""
+        else every row's parameters read and the batch's rows built (`_BatchRows.of`).
+        Both edits need owners of one kind that compares by identity (`_identity_kind`):
+        the last batch's were, and the rows `_match` finds in it are the same objects, so
+        only the joined owners' kind is read."""
         n = len(owners)
-        kept = self._greedy_owners
-        if kept is not None and self.incremental and (new := _identity_set(owners)) is not None:
-            # the rows whose owner was not in the last batch: a set difference, then each one's
-            # row (list.index: a C-level scan by identity, a few joined at a time)
-            joined = sorted(map(owners.index, new - kept))
+        kind, last_rows = self._kind, self._rows
+        # (a batch that draws throughout, in one group: what `_BatchRows.edited` moves)
+        editable = (
+            last_rows is not None and len(last_rows.groups) == 1 and len(last_rows.stochastic) == last_rows.num_rows
+        )
+        matched = None
+        if self.incremental and kind is not None and (self._greedy or editable):
+            matched = _match(owners, self._owners)
+            if not all(type(owners[i]) is kind for i in matched.joined):
+                matched = None
+        if matched is not None and self._greedy:
+            joined = matched.joined
             params = rows(joined)[0] if joined else ()
             if len(params) != len(joined):
                 raise ValueError(f"BatchSampler: {len(joined)} rows joined but rows() gave {len(params)} params")
             # (`_BatchRows.of`'s test of a row that draws, negated for each)
             if not any(map(GREEDY_TEMPERATURE.__le__, map(_TEMPERATURE, params))):
-                self._rows = _BatchRows(n, _NO_ROWS)
+                if last_rows is None or last_rows.num_rows != n:  # (a greedy batch's rows hold only their count)
+                    self._rows = _BatchRows(n, _NO_ROWS)
                 self._origins = None  # (read only where a row draws)
                 self._owners = list(owners)
-                self._greedy_owners = new
                 return
-        last_rows = self._rows
-        if (
-            self.incremental
-            and last_rows is not None
-            and len(last_rows.groups) == 1
-            and len(last_rows.stochastic) == last_rows.num_rows
-            and _by_identity(owners)
-            and _by_identity(self._owners)
-        ):
-            # a batch that draws throughout, in one group: each new row's row in it (by
-            # identity: the owners hash as `object`), the joined rows' params read, and the
-            # kept rows moved (`_BatchRows.edited`), the table of coming draws with them
-            row_of = dict(zip(self._owners, count()))
-            src = np.fromiter(map(row_of.get, owners, repeat(-1)), np.int64, n)
-            joined = (src < 0).nonzero()[0].tolist()
+        if matched is not None and editable:
+            # a batch that draws throughout, in one group: each new row's row in it (`_match`),
+            # the joined rows' params read, and the kept rows moved (`_BatchRows.edited`),
+            # the table of coming draws with them
+            joined = matched.joined
             if len(joined) < n:  # (some row kept: else nothing to move)
                 params, sample_indices, origins = rows(joined) if joined else ((), (), ())
                 if not len(params) == len(sample_indices) == len(origins) == len(joined):
@@ -459,6 +464,7 @@ class BatchSampler:
                         f"BatchSampler: {len(joined)} rows joined but rows() gave {len(params)} params, "
                         f"{len(sample_indices)} sample indices, {len(origins)} origins"
                     )
+                src = matched.src(n)
                 edited = last_rows.edited(src, joined, params, sample_indices, logits.shape[-1], logits.device)
                 if edited is not None:
                     kept_origins = self._origins.take(src)  # (the joined rows' entries, -1's, set next)
@@ -475,7 +481,8 @@ class BatchSampler:
         self._rows = _BatchRows.of(params, sample_indices, logits.shape[-1], logits.device)
         self._origins = np.fromiter(origins, np.int64, n)
         self._owners = list(owners)  # (held: an owner's id is never another's while it is here)
-        self._greedy_owners = None if len(self._rows.stochastic) else _identity_set(self._owners)
+        self._greedy = not len(self._rows.stochastic)
+        self._kind = _identity_kind(self._owners)
 
     def sample_rows(
         self,
@@ -488,21 +495,91 @@ class BatchSampler:
         return sample_batch(logits, params, sample_indices, positions)
 
 
-def _identity_set(owners: Sequence[object]) -> set[object] | None:
-    """The owners as a set where a set tells them apart by identity (`_by_identity`). None
-    for any other owners (a set would take equal ones for one): read whole."""
-    return set(owners) if _by_identity(owners) else None
-
-
-def _by_identity(owners: Sequence[object]) -> bool:
-    """Whether the owners are all of one type that compares and hashes as `object` does (the
-    engine's sequences: dataclasses with eq=False): a set or a dict of them tells them apart
-    by identity."""
+def _identity_kind(owners: Sequence[object]) -> type | None:
+    """The one type of the owners where it compares and hashes as `object` does (the
+    engine's sequences: dataclasses with eq=False), so that an owner is its object, never
+    another equal one (str and int ids are not: an interned 2 would be every request 2);
+    None for any other owners: a changed batch of them is read whole."""
     kinds = set(map(type, owners))
     if len(kinds) != 1:
-        return False
+        return None
     (kind,) = kinds
-    return kind.__eq__ is object.__eq__ and kind.__hash__ is object.__hash__
+    return kind if kind.__eq__ is object.__eq__ and kind.__hash__ is object.__hash__ else None
+
+
+class _Matched(NamedTuple):
+    """A batch matched to the last one by identity (`_match`): joined [j] the rows whose
+    owner was not in the last batch, increasing; runs (i, j, k): rows [i, i + k) are the last
+    batch's rows [j, j + k) (a moved row a run of its own); the other rows of the last
+    batch left."""
+
+    joined: list[int]
+    runs: list[tuple[int, int, int]]
+
+    def src(self, n: int) -> np.ndarray:
+        """[n] int64: each row's row in the last batch, -1 for a joined row."""
+        src = np.full(n, -1, dtype=np.int64)
+        for i, j, k in self.runs:
+            if k == 1:
+                src[i] = j
+            else:
+                src[i : i + k] = np.arange(j, j + k)
+        return src
+
+
+def _match(owners: Sequence[object], last: Sequence[object]) -> _Matched:
+    """owners against the last batch's, by identity (`is`: the owners are of an identity
+    kind, `_identity_kind`). The engine's changed batch is the last one less the rows that
+    left, in its order, then the joined rows: matched in order, a run at a time (a C-level
+    pass a run), an owner that is not the last batch's next row looked for further on (a
+    C-level scan: the rows between left). Past MAX_MISMATCHES (a batch reordered), and for
+    the rows the walk could not place (a joined row, or one moved back), by a dict of the
+    ids of the last batch's rows it passed by (the last batch's owners are held: an id is
+    theirs alone)."""
+    n, m = len(owners), len(last)
+    runs: list[tuple[int, int, int]] = []
+    unplaced: list[int] = []  # rows the walk did not match in order
+    skipped: list[int] = []  # last rows the walk passed by (left, or moved)
+    i = j = mismatches = 0
+    while i < n and j < m:
+        # the run from (i, j), up to the first row that is not the same object: where it
+        # reaches the end of either batch (the common step's last run) one pass of `all`, ~30 %
+        # cheaper than the pass that finds where it ends
+        k = 0
+        if owners[i] is last[j]:
+            if all(map(operator.is_, islice(owners, i, None), islice(last, j, None))):
+                k = min(n - i, m - j)
+            else:
+                k = next(compress(count(), map(operator.is_not, islice(owners, i, None), islice(last, j, None))))
+        if k:
+            runs.append((i, j, k))
+            i, j = i + k, j + k
+            continue
+        mismatches += 1
+        if mismatches > MAX_MISMATCHES:
+            break
+        owner = owners[i]
+        ahead = next(compress(count(j + 1), map(operator.is_, repeat(owner), islice(last, j + 1, None))), None)
+        if ahead is None:  # joined, or moved back: placed below
+            unplaced.append(i)
+            i += 1
+        else:  # the last rows [j, ahead) left (or moved on)
+            skipped.extend(range(j, ahead))
+            j = ahead
+    unplaced.extend(range(i, n))
+    if not unplaced:
+        return _Matched([], runs)
+    skipped.extend(range(j, m))
+    # the unplaced rows among the skipped ones (a row that moved), by id
+    where = {id(last[j]): j for j in skipped} if skipped else {}
+    joined = []
+    for i in unplaced:
+        j = where.get(id(owners[i]))
+        if j is None:
+            joined.append(i)
+        else:
+            runs.append((i, j, 1))
+    return _Matched(joined, runs)
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
