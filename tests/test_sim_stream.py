@@ -12,11 +12,14 @@ import random
 import numpy as np
 import pytest
 
+from kvpool.cache import CacheDescriptor, DSV4CacheManager, FullAttentionManager
 from kvpool.cache.coordinator import pack_prompt
 from kvpool.engine.sampling import SamplingParams
+from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG
 from kvpool.sim.cost import CostModel
 from kvpool.sim.executor import AnswerSampler, answer_seed
 from kvpool.sim.simulator import SimConfig, simulate, turn_prompt
+from kvpool.spec.dsv4 import DSV4Spec
 from kvpool.spec.gpus import get_gpu
 from kvpool.spec.models import load_preset
 from kvpool.workload.arrivals import poisson_arrivals
@@ -31,6 +34,9 @@ from kvpool.workload.sessions import (
 )
 from kvpool.workload.tokens import answer_ids, int_table, stream_key, text_ids, token_at
 from session_census import census
+
+DESC = CacheDescriptor("sim-stream", weights_version="v1", layout_id="test")
+DSV4_SPEC = DSV4Spec.from_config(SMALL_DSV4_CONFIG)  # span 16
 
 VOCAB = 1000
 SAME = ("sim_wall_s", "sim_us_per_step_by_quarter", "alloc_latency_us_p50", "alloc_latency_us_p99")
@@ -428,12 +434,70 @@ def test_a_turns_prompt_extended_from_the_last_equals_the_whole_prompt_packed():
         turn_prompt(s, 2, VOCAB, table, whole.token_ids[:-1])
     with pytest.raises(ValueError, match=r"previous_packed holds \d+ bytes, not the \d+ of turn 1's \d+ tokens"):
         turn_prompt(s, 2, VOCAB, table, list(whole.token_ids), whole.packed[:-4])
-    with pytest.raises(ValueError, match="previous_packed without previous"):
+    with pytest.raises(ValueError, match="previous_packed or previous_memo without previous"):
         turn_prompt(s, 1, VOCAB, table, None, b"")
+    with pytest.raises(ValueError, match="previous_packed or previous_memo without previous"):
+        turn_prompt(s, 1, VOCAB, table, None, None, None, {})
     with pytest.raises(ValueError, match="turn -1 of session 'chat0' has no tokens"):
         turn_prompt(s, 0, VOCAB, table, [])
     with pytest.raises(ValueError, match="turn 0 of session 'chat0' extends no earlier prompt"):
         s.turn_tail(0, VOCAB)
+
+
+def _serve_turn(m, request_id: str, prompt, answer: list[int]):
+    """A turn in cache `m` as the simulator's engine runs it: admitted with `prompt` (a
+    LookupPrompt), its rest computed, its answer decoded a token a step, released. Returns
+    the admission and the block ids it held at the end."""
+    ids = list(prompt.token_ids)
+    admission = m.admit(request_id, ids, prompt=prompt)
+    assert admission is not None
+    m.commit_step([request_id], [len(ids) - admission.num_cached_tokens], [answer[0]])  # (its first token)
+    for token in answer[1:]:
+        assert m.reserve_step([request_id], [1])
+        m.commit_step([request_id], [1], [token])
+    held = m.block_ids(request_id)
+    m.release(request_id)
+    m.check_integrity()
+    return admission, held
+
+
+@pytest.mark.parametrize("kind", ["full", "v4"])
+def test_a_turns_prompt_with_the_last_turns_memo_looks_up_as_one_packed_afresh(kind: str) -> None:
+    """turn_prompt with the previous turn's lookup memo (the simulator's way: its hashes and
+    the runs its pools' walks accepted, taken as this prompt's): every lookup and admission
+    of each turn equals a twin cache's over the same prompt packed afresh (its own memo) and
+    the plain lookup, turn after turn, where the cache's index changed in between (the
+    turn's own blocks published; a filler request between some turns evicting the runs the
+    memo remembers), and the memo carried is the one the last turn's lookups filled."""
+    table = int_table(VOCAB)
+    sampler = AnswerSampler(VOCAB, table.tolist())
+    if kind == "full":
+        m, twin = (FullAttentionManager(180, 64, DESC) for _ in range(2))
+    else:
+        m, twin = (DSV4CacheManager(DSV4_SPEC, 420, 4, DESC) for _ in range(2))
+    filler = [VOCAB + i for i in range(150 * 64 if kind == "full" else 330 * 16)]  # ids no prompt holds
+    num_walked = 0
+    for k, s in enumerate(chat_workload(2, 5, 2.0, VOCAB, seed=9).sessions):
+        previous = packed = answer = memo = None
+        for turn in range(len(s.turns)):
+            prompt = turn_prompt(s, turn, VOCAB, table, previous, packed, answer, memo)
+            fresh = pack_prompt(list(prompt.token_ids))
+            if memo is not None:
+                assert prompt.hashes is memo
+                num_walked += len(memo) > 1  # hashes and a run a walk accepted (not only a first miss's)
+            hit = m.lookup_packed(prompt)
+            assert hit == twin.lookup_packed(fresh) == twin.lookup_prefix(list(prompt.token_ids))
+            assert turn == 0 or hit > 0
+            params = SamplingParams(max_tokens=s.turns[turn].output_len, seed=answer_seed(s.request_id(turn)))
+            answer = [sampler(None, params, 0, p) for p in range(params.max_tokens)]
+            served = _serve_turn(m, s.request_id(turn), prompt, answer)
+            assert served == _serve_turn(twin, s.request_id(turn), fresh, answer)
+            if (k + turn) % 2:  # a filler's blocks evict most of the cached ones
+                for c in (m, twin):
+                    assert c.admit(f"fill{k}-{turn}", filler) is not None
+                    c.release(f"fill{k}-{turn}")
+            previous, packed, memo = list(prompt.token_ids), prompt.packed, prompt.hashes
+    assert num_walked >= 6
 
 
 def test_a_run_spaces_the_collectors_young_collections_and_restores_its_thresholds():

@@ -41,6 +41,7 @@ from kvpool.capacity.planner import Plan, plan
 from kvpool.engine.engine import Engine
 from kvpool.engine.runner import ModelRunner
 from kvpool.engine.sampling import SamplingParams
+from kvpool.pool.block_pool import MatchMemo
 from kvpool.pool.hashing import TOKEN_BYTES, token_bytes
 from kvpool.sim.cost import CostModel
 from kvpool.sim.executor import AnswerSampler, CostExecutor, VirtualClock, answer_seed
@@ -344,14 +345,16 @@ def simulate(
     total = workload.num_requests
     finished = FinishedRequests(config.slo_ttft_ms, config.slo_tpot_ms)
     arrivals = Arrivals(workload)  # turns as they arrive; a turn's next one pushed as it finishes
-    # request id -> (session, turn, replica, arrival, its prompt's packing where a turn follows)
-    in_flight: dict[str, tuple[Session, int, int, float, bytes | None]] = {}
+    # request id -> (session, turn, replica, arrival, its prompt's packing and lookup memo
+    # where a turn follows)
+    in_flight: dict[str, tuple[Session, int, int, float, bytes | None, MatchMemo | None]] = {}
     # session id -> the prompt of its finished turn (the engine's list, from its output), its
-    # packing (kept in in_flight while a turn with a next one runs) and its answer (the
-    # engine's completion: the table's ints its sampler read), while the next turn thinks:
-    # that turn's prompt extends them (`turn_prompt`) instead of making every earlier answer
-    # again and packing every earlier id again
-    latest: dict[str, tuple[list[int], bytes | None, list[int]]] = {}
+    # packing and lookup memo (kept in in_flight while a turn with a next one runs) and its
+    # answer (the engine's completion: the table's ints its sampler read), while the next
+    # turn thinks: that turn's prompt extends them (`turn_prompt`) instead of making every
+    # earlier answer again, packing every earlier id again and hashing every earlier block
+    # again (its first lookup then walks the runs the last turn's accepted)
+    latest: dict[str, tuple[list[int], bytes | None, list[int], MatchMemo | None]] = {}
     # session id -> the replica its finished turn ran on, while the next turn thinks: the
     # router looks there first (the longest hit, most likely), which spares lookups elsewhere
     went: dict[str, int] = {}
@@ -370,7 +373,7 @@ def simulate(
             # packed once: the router's lookups and the chosen engine's admission share its
             # packing and block hashes
             prompt = turn_prompt(
-                session, turn, model.vocab_size, table, *latest.pop(session.session_id, (None, None, None))
+                session, turn, model.vocab_size, table, *latest.pop(session.session_id, (None, None, None, None))
             )
             rep = router.route(prompt, session.tenant, went.pop(session.session_id, None))
             rep.num_routed += 1
@@ -381,12 +384,14 @@ def simulate(
             out_len = session.turns[turn].output_len
             params = SamplingParams(max_tokens=out_len, ignore_eos=True, seed=answer_seed(rid))
             rep.engine.add_request(prompt, params, rid, arrival_time=arrival, tenant=session.tenant)
+            follows = turn + 1 < len(session.turns)
             in_flight[rid] = (
                 session,
                 turn,
                 rep.index,
                 arrival,
-                prompt.packed if turn + 1 < len(session.turns) else None,
+                prompt.packed if follows else None,
+                prompt.hashes if follows else None,
             )
             if idle:
                 heapq.heappush(ready, (rep.clock(), rep.index))
@@ -397,13 +402,13 @@ def simulate(
         next_step.sample()
         for rid in done:
             out = next_step.engine.pop_output(rid)
-            session, turn, index, arrival, packed = in_flight.pop(rid)
+            session, turn, index, arrival, packed, memo = in_flight.pop(rid)
             record = RequestRecord.of(out, index, arrival, out.num_cached_tokens)
             finished.add(record)
             if on_finish is not None:
                 on_finish(record)
             if turn + 1 < len(session.turns):
-                latest[session.session_id] = (out.prompt_token_ids, packed, out.completions[0].token_ids)
+                latest[session.session_id] = (out.prompt_token_ids, packed, out.completions[0].token_ids, memo)
                 went[session.session_id] = index
             arrivals.next_turn(session, turn, next_step.clock())
         if done:
@@ -425,6 +430,7 @@ def turn_prompt(
     previous: list[int] | None = None,
     previous_packed: bytes | None = None,
     previous_answer: list[int] | None = None,
+    previous_memo: MatchMemo | None = None,
 ) -> LookupPrompt:
     """Turn `turn`'s prompt, packed as `pack_prompt` packs it; its ints are `table`'s
     (tokens.int_table(vocab_size)). `previous`: the prompt of turn - 1 as the engine's
@@ -440,12 +446,17 @@ def turn_prompt(
     turn - 1's answer as the engine gave it (its completion's token ids: the simulator's
     sampler read them from the stream `turn_tail` makes, the table's ints), appended and
     packed instead of that stream made again and its ids gathered from the table; where it
-    is not the turn's output_len tokens (a request cut short), the stream's. ValueError for
-    turn 0, a `previous` not of turn - 1's length, or a `previous_packed` not of its bytes'
-    length."""
+    is not the turn's output_len tokens (a request cut short), the stream's.
+    `previous_memo` (with `previous`): turn - 1's LookupPrompt's lookup memo (`hashes`,
+    which its lookups and admission filled), taken as this prompt's: this prompt extends
+    that one, so its blocks there chain to the same hashes, and a run a pool's walk
+    accepted for those bytes is still checked block by block against the index before it
+    is taken again (`BlockPool.match`); the lookups are the same, without the hashing and
+    the guard's walk of the history again. ValueError for turn 0, a `previous` not of turn
+    - 1's length, or a `previous_packed` not of its bytes' length."""
     if previous is None:
-        if previous_packed is not None:
-            raise ValueError("previous_packed without previous: the packing of which prompt?")
+        if previous_packed is not None or previous_memo is not None:
+            raise ValueError("previous_packed or previous_memo without previous: of which prompt?")
         return pack_prompt(session.prompt_ids(turn, vocab_size, table), request_id=session.request_id(turn))
     expected = session.prompt_len(turn - 1) if turn else 0
     if not turn or len(previous) != expected:
@@ -458,6 +469,7 @@ def turn_prompt(
             f"previous_packed holds {len(previous_packed)} bytes, not the {TOKEN_BYTES * expected} of "
             f"turn {turn - 1}'s {expected} tokens"
         )
+    memo = {} if previous_memo is None else previous_memo
     if previous_answer is not None and turn < len(session.turns):
         if len(previous_answer) == session.turns[turn - 1].output_len:
             user = session.turns[turn].user_ids
@@ -465,9 +477,9 @@ def turn_prompt(
             ids += previous_answer
             ids += user
             if previous_packed is None:
-                return LookupPrompt(ids, (), token_bytes(ids), {})
+                return LookupPrompt(ids, (), token_bytes(ids), memo)
             return LookupPrompt(
-                ids, (), b"".join((previous_packed, token_bytes(previous_answer), token_bytes(user))), {}
+                ids, (), b"".join((previous_packed, token_bytes(previous_answer), token_bytes(user))), memo
             )
     answer, user = session.turn_tail(turn, vocab_size)
     ids = previous
@@ -476,11 +488,11 @@ def turn_prompt(
     # (token_bytes: the ValueError for an id outside [0, 2**32), pack_prompt's check; the
     # engine's add_request checks the vocabulary)
     if previous_packed is None:
-        return LookupPrompt(ids, (), token_bytes(ids), {})
+        return LookupPrompt(ids, (), token_bytes(ids), memo)
     # the answer's ids are below vocab_size (stream_tokens' draws), so its uint32 cast is
     # exact; token_bytes' little-endian uint32 layout
     packed = b"".join((previous_packed, answer.astype("<u4").tobytes(), token_bytes(user)))
-    return LookupPrompt(ids, (), packed, {})
+    return LookupPrompt(ids, (), packed, memo)
 
 
 class Arrivals:
