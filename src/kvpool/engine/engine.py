@@ -667,7 +667,7 @@ class Engine:
             ids.append(seq.seq_id)
             counts.append(len(chunk.token_ids))
             budget -= admitted.num_scheduled_tokens
-        if not chunks and self.waiting:
+        if self.waiting and not chunks:  # (waiting first: a StepChunks' len is a Python call)
             head = self.waiting[0]
             raise RuntimeError(
                 f"sequence {head.seq_id!r} of {len(head.token_ids)} tokens cannot be admitted into an idle cache "
