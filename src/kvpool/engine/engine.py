@@ -763,8 +763,9 @@ class Engine:
                     head += len(taken)
                 self._columns = self._next_columns(gone, head, sampled)
                 num_decode = row = head
-            # (a slice from head: a StepChunks' leading chunks, all before head, are not made)
-            rest = zip(islice(scheduled, head, None), chunks[head:], islice(counts, head, None), strict=True)
+            # (slices from head: a StepChunks' leading chunks, all before head, are not made, and
+            # the lists' slices copy the few rows after head where islice steps over the rest)
+            rest = zip(scheduled[head:], chunks[head:], counts[head:], strict=True)
             for i, (seq, chunk, n) in enumerate(rest, head):
                 seq.num_computed += n
                 req = seq.request
