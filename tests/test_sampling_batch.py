@@ -592,6 +592,36 @@ def test_match_walks_an_engines_changed_batch_in_a_few_runs():
     assert len(matched.runs) == 20 > MAX_MISMATCHES
 
 
+def test_a_one_in_the_table_of_coming_draws_is_flagged_through_edits():
+    """A uniform of 1.0 (~2^-25 of draws: the step then takes the last index of non-zero
+    weight) planted in the table of coming draws of a drawing batch: an edit keeps its
+    step's flag while its row stays, and drops it with the row (the joined rows' draws
+    flagged as they come)."""
+    owners = [_Row() for _ in range(6)]
+    params = SamplingParams(temperature=0.9, seed=3)
+    logits = torch.zeros(6, 8)
+    sampler = BatchSampler()
+
+    def rows_of(which=None, rows=owners):
+        n = len(rows) if which is None else len(which)
+        return [params] * n, [0] * n, [0] * n
+
+    for position in range(3):  # consecutive positions: the table made at the second step
+        sampler.sample(logits, owners, rows_of, lambda position=position: [position] * 6)
+    table, j = sampler._rows.ahead, sampler._rows.num_ahead_used
+    table[2, j + 3] = 1.0  # (row 2's draw 3 steps on)
+    sampler._rows.ahead_top[j + 3] = True
+    stay = owners[1:] + [_Row()]  # row 0 leaves: row 2's 1.0 stays
+    sampler.sample(logits, stay, lambda which=None: rows_of(which, stay), lambda: [3] * 6)
+    rows = sampler._rows
+    assert sampler.num_edited == 1 and rows.ahead_top[j + 3] and rows.ahead[1, j + 3] == 1.0
+    gone = stay[:1] + stay[2:]  # its row leaves: the flag goes
+    sampler.sample(logits[:5], gone, lambda which=None: rows_of(which, gone), lambda: [4] * 5)
+    rows = sampler._rows
+    assert sampler.num_edited == 2 and not any(rows.ahead_top[j + 2 :])
+    assert rows.ahead_top[j + 2 :] == (rows.ahead >= 1.0).any(axis=0).tolist()[j + 2 :]
+
+
 def test_owners_that_compare_by_value_are_read_whole_after_a_greedy_batch():
     # a set would take two equal owners for one (a row that joins for one that left): owners
     # of a type with its own equality (here str and int ids, each equal to a new one) are
@@ -667,6 +697,13 @@ def test_a_drawing_batch_that_changes_is_edited_in_place_and_samples_as_its_twin
         assert got == twin.sample(logits, batch, rows_of, lengths), step
         want = sample_batch(logits, [o.params for o in batch], [o.index for o in batch], [o.position for o in batch])
         assert got == want, step
+        if fast.num_edited > edits:  # the edited rows' fp32 columns (numpy's rounding) are `of`'s (torch's)
+            (edited,), (made,) = fast._rows.groups, twin._rows.groups
+            assert torch.equal(edited.temperature, made.temperature) and torch.equal(edited.top_p, made.top_p)
+        table = fast._rows.ahead
+        if table is not None:  # the coming steps' flags of a 1.0 are the table's (kept through edits)
+            j = fast._rows.num_ahead_used
+            assert fast._rows.ahead_top[j:] == (table >= 1.0).any(axis=0).tolist()[j:], step
         last = list(batch)
         for o in batch:
             o.position += 1

@@ -104,10 +104,11 @@ class _BatchRows:
         self.u_np = _NO_DRAWS  # [m, 1] fp32: u_host's memory
         # `uniforms`' state: the drawing rows' positions one on from the last step's (None
         # before the first step); the table of AHEAD steps' uniforms made at the second of
-        # consecutive steps, ahead[j] [m] fp32 in group order the j-th step's from there
-        # (ahead_top[j]: whether one is 1.0), num_ahead_used of them taken
+        # consecutive steps, ahead[:, j] [m] fp32 in group order the j-th step's from there
+        # (ahead_top[j]: whether one is 1.0), num_ahead_used of them taken. A row's draws
+        # lie together (a row of the table): an edit moves rows, one contiguous copy each
         self.next_at: np.ndarray | None = None  # [m] int64
-        self.ahead: np.ndarray | None = None  # [AHEAD, m] fp32
+        self.ahead: np.ndarray | None = None  # [m, AHEAD] fp32
         self.ahead_top: list[bool] = []
         self.num_ahead_used = 0
         self.host_columns: np.ndarray | None = None  # [m, 2] fp64: temperature, top_p (what `edited` moves)
@@ -214,7 +215,9 @@ class _BatchRows:
         # where they go: the leading rows where the joined ones are appended (the engine's
         # batch: a slice, no index), else by index (`take` reads: a fifth of indexing's time)
         num_kept = n - num_joined
-        place: slice | np.ndarray = slice(0, num_kept) if not joined or joined[0] == num_kept else kept_at
+        appended = not joined or joined[0] == num_kept  # (joined increasing: rows [num_kept, n))
+        place: slice | np.ndarray = slice(0, num_kept) if appended else kept_at
+        tail: slice | list[int] = slice(num_kept, n) if appended else joined  # (a slice: ~1 us less a write)
         rows.mixed = np.empty(n, dtype=np.uint64)
         rows.mixed[place] = self.mixed.take(taken)
         host_columns = np.empty((n, 2))
@@ -222,30 +225,35 @@ class _BatchRows:
         if num_joined:
             seeds = list(map(_SEED, params))
             if num_joined <= FEW_JOINED:  # `seed_words`' two rounds in Python: ~1 us a row, not ~9 us of numpy
-                rows.mixed[joined] = [
+                rows.mixed[tail] = [
                     _splitmix64(_splitmix64(seed & _MASK64) ^ index)
                     for seed, index in zip(seeds, sample_indices, strict=True)
                 ]
             else:
-                rows.mixed[joined] = seed_words(seeds, sample_indices)
-            host_columns[joined, 0], host_columns[joined, 1] = temperature, top_p
+                rows.mixed[tail] = seed_words(seeds, sample_indices)
+            host_columns[tail, 0], host_columns[tail, 1] = temperature, top_p
         rows.host_columns = host_columns
-        columns = _to_device(torch.from_numpy(host_columns).float(), device)  # [n, 2] fp32
-        if n == m:  # the uniforms' buffers kept (their size is the batch's)
+        # [n, 1] fp32 each (numpy's IEEE rounding of the fp64 values, as torch's .float() in
+        # `of`: the twin test holds them equal; ~0.3 us where the tensor conversion costs ~3)
+        temperature_t, top_p_t = _column_views(host_columns.astype(np.float32), device)
+        if n == m:  # the uniforms' buffers kept (their size is the batch's), the group's view of them too
             rows.u_host, rows.u_np, rows.u = self.u_host, self.u_np, self.u
+            u = group.u
         else:
             rows.u_host = torch.empty((n, 1), dtype=torch.float32, pin_memory=device.type == "cuda")
             rows.u_np = rows.u_host.numpy()
             rows.u = rows.u_host if device.type == "cpu" else torch.empty((n, 1), dtype=torch.float32, device=device)
-        rows.groups.append(_Group(group.k, group.nucleus, None, columns[:, 0:1], columns[:, 1:2], rows.u[0:n]))
+            u = rows.u[0:n]
+        rows.groups.append(_Group(group.k, group.nucleus, None, temperature_t, top_p_t, u))
         if self.next_at is not None:  # the kept rows' next positions, the joined ones' set at the next step
             rows.next_at = np.zeros(n, dtype=np.int64)
             rows.next_at[place] = self.next_at.take(taken)
             rows.fresh = np.array(joined, dtype=np.int64)
-            if self.ahead is not None:  # the kept rows' columns of the table (one group: rows in order)
-                rows.ahead = np.empty((AHEAD, n), dtype=np.float32)
-                rows.ahead[:, place] = self.ahead.take(taken, axis=1)
+            if self.ahead is not None:  # the kept rows' rows of the table (one group: rows in order)
+                rows.ahead = np.empty((n, AHEAD), dtype=np.float32)
+                rows.ahead[place] = self.ahead.take(taken, axis=0)
                 rows.num_ahead_used = self.num_ahead_used
+                rows.ahead_top = self.ahead_top  # (the joined rows' added at the next step)
         return rows
 
     def sample(self, logits: torch.Tensor, positions: Callable[[], np.ndarray]) -> list[int]:
@@ -300,18 +308,23 @@ class _BatchRows:
             return bool(u.max() >= 1.0)
         j = self.num_ahead_used
         if ahead is None or j == AHEAD:
-            # the steps at at, at + 1, ..., at + AHEAD - 1: [AHEAD, m] draws in one pass
-            steps = at + np.arange(AHEAD, dtype=np.int64)[:, None]
-            draws = draws_at(np.broadcast_to(self.mixed, steps.shape), steps)
-            ahead = self.ahead = (draws if self.order is None else draws[:, self.order]).astype(np.float32)
-            self.ahead_top = (ahead >= 1.0).any(axis=1).tolist()
+            # the steps at at, at + 1, ..., at + AHEAD - 1: [m, AHEAD] draws in one pass
+            steps = at[:, None] + np.arange(AHEAD, dtype=np.int64)
+            draws = draws_at(np.broadcast_to(self.mixed[:, None], steps.shape), steps)
+            ahead = self.ahead = (draws if self.order is None else draws[self.order]).astype(np.float32)
+            self.ahead_top = (ahead >= 1.0).any(axis=0).tolist()
             j = 0
-        elif fresh is not None:  # a table kept through an edit: the joined rows' columns, from here
+        elif fresh is not None:  # a table kept through an edit: the joined rows' rows, from here
             if len(fresh):
-                steps = at[fresh] + np.arange(AHEAD - j, dtype=np.int64)[:, None]  # [AHEAD - j, f]
-                ahead[j:, fresh] = draws_at(np.broadcast_to(self.mixed[fresh], steps.shape), steps)
-            self.ahead_top = (ahead >= 1.0).any(axis=1).tolist()  # (rows left and joined: every step's again)
-        self.u_np[:, 0] = ahead[j]
+                steps = at[fresh][:, None] + np.arange(AHEAD - j, dtype=np.int64)  # [f, AHEAD - j]
+                ahead[fresh, j:] = draws_at(np.broadcast_to(self.mixed[fresh][:, None], steps.shape), steps)
+            # the coming steps' 1.0s: where the kept rows had none (the rule: ~2^-25 a draw), the
+            # joined rows' alone; else every row's again (a row that left may have held it)
+            if any(self.ahead_top[j:]):
+                self.ahead_top = (ahead >= 1.0).any(axis=0).tolist()
+            elif len(fresh):
+                self.ahead_top = (ahead[fresh] >= 1.0).any(axis=0).tolist()
+        self.u_np[:, 0] = ahead[:, j]
         self.num_ahead_used = j + 1
         return self.ahead_top[j]
 
@@ -585,10 +598,23 @@ def _match(owners: Sequence[object], last: Sequence[object]) -> _Matched:
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A small host tensor on `device`, its copy queued, not waited for: through pinned
     memory on CUDA (a copy out of pageable memory first waits for the stream, here for the
-    step's forward: a second synchronisation before the tokens' own)."""
+    step's forward: a second synchronisation before the tokens' own). On the CPU itself
+    (`.to` of the CPU costs ~2 us of dispatch to return it)."""
+    if device.type == "cpu":
+        return host
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def _column_views(columns: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """columns [n, 2] fp32 (temperature, top_p) -> their [n, 1] columns on `device`: on the
+    CPU tensors over numpy's views (~0.6 us each, a tensor's column slice ~2 us), else
+    the device copy's column slices (one copy)."""
+    if device.type == "cpu":
+        return torch.from_numpy(columns[:, 0:1]), torch.from_numpy(columns[:, 1:2])
+    on_device = _to_device(torch.from_numpy(columns), device)
+    return on_device[:, 0:1], on_device[:, 1:2]
 
 
 def _sample_group(
