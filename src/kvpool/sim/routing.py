@@ -21,6 +21,7 @@ replica give (`_choose_by_lookups`, the naive twin), whatever the hint.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
     from kvpool.sim.simulator import Replica
 
 ROUTINGS: tuple[str, ...] = ("round-robin", "least-loaded", "prefix-aware")
+_LOAD = operator.attrgetter("load")  # a replica's default load: its running + waiting sequences
+_INDEX = operator.attrgetter("index")
 # the layouts a replica can hold (sim/layouts.py builds them); named here, where nothing is
 # imported, so that the CLI's parser does not load the cache managers
 LAYOUTS: tuple[str, ...] = ("paged", "contiguous", "dual", "hybrid")
@@ -43,7 +46,7 @@ class Router:
     ) -> None:
         self.policy, self.replicas, self.load_cap = policy, replicas, load_cap
         self._next = itertools.cycle(range(len(replicas)))
-        self._load = load or (lambda r: r.load)
+        self._load = load or _LOAD  # (C-level: the property's getter, no lambda frame a replica)
 
     def route(self, prompt: Sequence[int] | LookupPrompt, tenant: str = "", hint: int | None = None) -> Replica:
         """The replica for `prompt`; pass it packed (`pack_prompt`) where the chosen
@@ -56,7 +59,7 @@ class Router:
             return reps[0]
         if self.policy == "round-robin":
             return reps[next(self._next)]
-        loads = {r.index: self._load(r) for r in reps}
+        loads = dict(zip(map(_INDEX, reps), map(self._load, reps), strict=True))
         least = min(loads.values())
         if self.policy == "least-loaded":
             return min(reps, key=lambda r: (loads[r.index], r.num_routed))
@@ -82,10 +85,11 @@ def _choose_by_probes(
     # (the probe's rule-out works only past 0); the hint before it
     order = sorted(eligible, key=lambda r: (loads[r.index], r.index))
     if hint is not None:
-        first = next((r for r in order if r.index == hint), None)
-        if first is not None:
-            order.remove(first)
-            order.insert(0, first)
+        # (by position: list.remove would compare replicas with their dataclass __eq__, a
+        # tuple of every field each)
+        at = next((i for i, r in enumerate(order) if r.index == hint), None)
+        if at:
+            order.insert(0, order.pop(at))
     best = order[0]
     best_hit = best.runner.cache.lookup_packed(packed, tenant_salt=tenant)
     for r in order[1:]:
