@@ -136,7 +136,7 @@ class _Twins:
 
 OPS = st.lists(
     st.tuples(
-        st.sampled_from(["step", "admit", "finish", "preempt", "readmit", "fork", "reverse", "rollback"]),
+        st.sampled_from(["step", "admit", "mixed", "finish", "preempt", "readmit", "fork", "reverse", "rollback"]),
         st.integers(0, 7),
         st.integers(1, 40),
     ),
@@ -148,6 +148,12 @@ OPS = st.lists(
 @given(paged=st.booleans(), ops=OPS)
 # (V4 steps whose reserved step is undone, named one off, or committed before the query)
 @example(paged=False, ops=[("admit", 0, 20), ("admit", 0, 30), ("step", 1, 1), ("step", 0, 2), ("step", 1, 3)])
+# (V4: a committed memo carried through a finish, after a decode step and after a mixed step)
+@example(
+    paged=False,
+    ops=[("admit", 0, 20), ("admit", 0, 30), ("admit", 0, 12), ("step", 1, 4), ("finish", 1, 1), ("step", 0, 4)]
+    + [("mixed", 0, 10), ("finish", 0, 3), ("step", 1, 8)],
+)
 def test_the_memo_agrees_with_the_naive_twins_through_lifecycles(paged: bool, ops: list) -> None:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(coordinator, "MIN_ROWS_CARRIED", 1)  # (these small batches carry the memo too)
@@ -199,6 +205,25 @@ def _lifecycle(paged: bool, ops: list) -> None:
                 assert forked[0] == forked[1]
                 if forked[0]:
                     ids.append(child)
+        elif op == "mixed" and ids:
+            # the decodes reserved, a newcomer admitted, one commit of both (its memo: every row)
+            num_new += 1
+            rid = f"r{num_new}"
+            for m in t.both:
+                for r in ids:
+                    if m.num_tokens(r) == m.num_computed_tokens(r):
+                        m.append_token_ids(r, [n])
+            fits = [m.reserve_step(ids, [1] * len(ids)) for m in t.both]
+            assert fits[0] == fits[1]
+            if fits[0]:
+                admitted = [m.admit(rid, _ids(n, offset=num_new)) for m in t.both]
+                assert admitted[0] == admitted[1]
+                step_ids = [*ids, rid] if admitted[0] is not None else list(ids)
+                counts = [1] * len(ids) + ([admitted[0].num_scheduled_tokens] if admitted[0] is not None else [])
+                for m in t.both:
+                    t.commit(m, step_ids, counts, [n % 251] * len(step_ids))
+                if admitted[0] is not None:
+                    ids.append(rid)
         elif op == "reverse":
             ids.reverse()
         elif op == "rollback" and rid is not None and paged:
@@ -315,7 +340,7 @@ def test_the_reserved_step_memo_answers_as_the_loop() -> None:
     # the next step's reserve from the committed memo: the same ends and blocks as the loop's
     assert m.reserve_step(ids, [1, 1])
     # (its starts: the committed memo's ends)
-    assert m._decode_step is not None and m._decode_step[1:] == ([17, 8], [], True, [16, 7])
+    assert m._decode_step is not None and m._decode_step[1:5] == ([17, 8], [], True, [16, 7])
     assert [m.num_reserved_tokens(r) for r in ids] == [17, 8]
     m.check_integrity()
     # its starts are compared as a list (no subtraction a row): a wrong one still goes to the loop
@@ -325,9 +350,10 @@ def test_the_reserved_step_memo_answers_as_the_loop() -> None:
     assert m.step_reservations(tuple(ids), [16, 7], [17, 8]) == loop
     with pytest.raises(ValueError, match="'r1': positions \\[6, 8\\)"):
         m.step_reservations(tuple(ids), [16, 6], [17, 8])
-    m.commit_step(ids, [1, 1], [3, None])  # r1's next token id not given: no committed memo
-    assert m._decode_step is None
-    with pytest.raises(ValueError, match="'r1'.* token ids are known"):
+    m.commit_step(ids, [1, 1], [3, None])  # r1's next token id not given: the memo vouches for r0 only
+    assert m._decode_step is not None and m._decode_step[5] == ["r1"]
+    m.check_integrity()
+    with pytest.raises(ValueError, match="'r1'.* token ids are known"):  # (r0 moved from the memo, undone)
         m.reserve_step(ids, [1, 1])
     assert [m.num_reserved_tokens(r) for r in ids] == [17, 8]
     m.check_integrity()
@@ -370,6 +396,88 @@ def test_the_memo_is_carried_through_rows_that_leave_and_join(monkeypatch: pytes
     m.commit_step(decodes, [1, 1, 1], [4, 4, 4])
     assert [m.num_computed_tokens(r) for r in decodes] == [9, 9, 4]
     m.check_integrity()
+
+
+def test_the_committed_decode_memo_is_carried_through_a_changed_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(coordinator, "MIN_ROWS_CARRIED", 1)  # (a few rows carry the memo too)
+
+    # V4 steady serving: a decode step's committed memo stays while r1 finishes (its row is
+    # known to have left by `_left`), and the next step's reserve moves the rows that stay
+    # from it, unchecked (its starts: the memo's ends); a mixed step (r3's prompt beside the
+    # decodes) commits a memo of all its rows, carried alike when r2 then finishes, with
+    # r4 joined after it checked. Each reserve equals the naive twin's (the memo dropped:
+    # every row checked) in ends, pools and the next query; a row after the carried ones
+    # that is at fault (named twice, unknown) changes nothing
+    def build() -> HybridCacheManager:
+        m = DSV4CacheManager(SPEC, 16, 6, DESC)
+        for i, n in enumerate((15, 6, 9)):
+            assert m.admit(f"r{i}", _ids(n, i)) is not None
+            m.commit_step([f"r{i}"], [n], [1])
+        ids = ["r0", "r1", "r2"]
+        assert m.reserve_step(ids, [1] * 3)
+        m.commit_step(ids, [1] * 3, [2] * 3)
+        assert m._decode_step is not None and m._decode_step[1] == [16, 7, 10]  # committed: computed to
+        m.release("r1")
+        assert m._decode_step is not None and m._left == ["r1"]  # (kept: r1's row is known gone)
+        m.check_integrity()
+        return m
+
+    def view(m: HybridCacheManager, ids: list[str], reserved: bool = True) -> tuple:
+        starts = [m.num_computed_tokens(r) for r in ids]
+        return (
+            [(r, m.num_computed_tokens(r), m.num_reserved_tokens(r)) for r in m.request_ids],
+            m.pool.free_queue(),
+            m.step_reservations(ids, starts, [s + 1 for s in starts]) if reserved else None,
+        )
+
+    def mixed_then_r2_leaves(m: HybridCacheManager, r4_budget: int | None = 0) -> None:
+        ids = ["r0", "r2"]
+        assert m.reserve_step(ids, [1, 1])
+        assert m.admit("r3", _ids(20, 3)) is not None
+        m.commit_step([*ids, "r3"], [1, 1, 20], [3, 3, 3])
+        m.check_integrity()
+        assert m._decode_step is not None and m._decode_step[1] == [17, 11, 20]
+        m.release("r2")
+        # r4 joins (0: no step reserved, it decodes its prompt next; None: its prompt's step
+        # reserved); an admission keeps the memo
+        assert m.admit("r4", _ids(5, 4), r4_budget) is not None
+        assert m._decode_step is not None
+        m.check_integrity()
+
+    fast, twin = build(), build()
+    twin._decode_step = None
+    ids = ["r0", "r2"]
+    for m in (fast, twin):
+        assert m.reserve_step(ids, [1, 1])
+        m.check_integrity()
+    assert fast._decode_step is not None and fast._decode_step[1:5] == ([17, 11], [], True, [16, 10])
+    assert view(fast, ids) == view(twin, ids)
+    fast, twin = build(), build()
+    for m in (fast, twin):
+        mixed_then_r2_leaves(m)
+    twin._decode_step = None
+    ids = ["r0", "r3", "r4"]
+    for m in (fast, twin):
+        assert m.reserve_step(ids, [1, 1, 1])  # (r0 and r3 carried, r4 checked)
+        m.check_integrity()
+    assert fast._decode_step is not None and fast._decode_step[1:5] == ([18, 21, 1], [], True, None)
+    assert view(fast, ids) == view(twin, ids)
+    cases = [(["r0", "r3", "r0"], 0, "appears twice"), (["r0", "r3", "r9"], 0, "'r9'")]
+    cases.append((ids, None, "'r4' already has an uncommitted reservation"))
+    for bad, budget, error in cases:
+        fast = build()
+        mixed_then_r2_leaves(fast, budget)
+        before = view(fast, ["r0", "r3"], reserved=False)
+        with pytest.raises((KeyError, ValueError), match=error):
+            fast.reserve_step(bad, [1] * len(bad))
+        assert view(fast, ["r0", "r3"], reserved=False) == before
+        fast.check_integrity()
+    fast = build()
+    mixed_then_r2_leaves(fast)
+    # a query of other rows makes them `_resolve`'s: the log of the rows that left goes, the memo with it
+    assert fast.first_off_step(["r4"], [0], [1]) == 0  # (r4 has no step reserved)
+    assert fast._decode_step is None
+    fast.check_integrity()
 
 
 def test_a_carried_memo_refuses_what_the_lookup_refuses(monkeypatch: pytest.MonkeyPatch) -> None:

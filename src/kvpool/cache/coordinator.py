@@ -166,6 +166,11 @@ class _Request:
     joined_at: int = 0  # the coordinator's `_requests_version` when it joined (`_add_request`)
 
 
+# The decode-step memo (`HybridCacheManager._decode_step`, see its __init__): rows, ends,
+# the rows on the decode period, pending, starts, the ids of the rows without a next token
+_DecodeMemo = tuple[list[_Request], list[int], list[_Request], bool, list[int] | None, list[str]]
+
+
 class HybridCacheManager:
     """groups: (spec, its pool size) per group, in layer-map order; the spec builds the group
     (`spec.build`) and says what a size is: blocks or state slots, None for an attention
@@ -261,10 +266,13 @@ class HybridCacheManager:
         # holds the source to it; `check_integrity` holds the rows to it). It spares the
         # passes of the step's other calls their checks: `step_reservations` reads the rows
         # on the period from it (one C-level comparison of the ends), `commit_step` and the
-        # next step's `reserve_step` move the counts unchecked. Last, pending only, the step's
+        # next step's `reserve_step` move the counts unchecked. Then, pending only, the step's
         # starts (each ends[i] - 1) where a committed memo gave them (its ends), else None:
-        # `step_reservations` compares the starts it is given to them, no subtraction a row
-        self._decode_step: tuple[list[_Request], list[int], list[_Request], bool, list[int] | None] | None = None
+        # `step_reservations` compares the starts it is given to them, no subtraction a row.
+        # Last, not pending only, the ids of the rows whose next token id is not known (a
+        # request that finished in the step: no token; it leaves before the next step): the
+        # memo vouches for the other rows only
+        self._decode_step: _DecodeMemo | None = None
         self._preempted: set[str] = set()  # released by preemption, not yet admitted again
         self.stats = PrefixStats()
         self.groups = built
@@ -397,13 +405,19 @@ class HybridCacheManager:
         req = self._requests.pop(request_id, None)
         if req is not None:
             self._requests_version += 1
-            self._decode_step = None
             left = self._left
             if left is None or len(left) >= MAX_LEFT_CARRIED or not self._requests:
                 self._resolved, self._resolved_list, self._resolved_tuple, self._left = [], [], (), None
                 self._resolved_distinct = None  # (the empty memo's: known by no step yet)
+                self._decode_step = None
             else:
                 left.append(request_id)
+                memo = self._decode_step
+                # A committed decode-step memo over `_resolve`'s rows stays: the next step's
+                # reserve carries it to the rows that stay (`_reserve_decodes`); a pending
+                # one goes (its step's passes read every row of it)
+                if memo is not None and (memo[3] or memo[0] is not self._resolved):
+                    self._decode_step = None
         return req
 
     def _resolve(self, request_ids: Sequence[str], keep: bool = True) -> list[_Request]:
@@ -435,6 +449,8 @@ class HybridCacheManager:
             distinct = None
         else:
             reqs, distinct = carried
+        if self._left:  # a committed decode-step memo's rows that left are known by `_left` only
+            self._decode_step = None
         self._resolved_list, self._resolved_tuple = list(request_ids), tuple(request_ids)
         self._resolved, self._resolved_at = reqs, self._requests_version
         self._left, self._resolved_distinct = [], distinct
@@ -1262,9 +1278,15 @@ class HybridCacheManager:
         its end; only the requests whose step ends on the decode period go to the groups
         (`decode_reserve_period`). True, or False when the step does not fit, or None when a
         request is unknown, listed twice (its second entry finds a step reserved) or cannot
-        reserve; on False or None every end is back (nothing changed). `_reserve_each` is
-        its naive twin (tests/test_dsv4_cache.py holds them equal)."""
+        reserve; on False or None every end is back (nothing changed). Rows the committed
+        decode-step memo vouches for are moved unchecked: every row of the step it
+        committed, or, the batch changed since (rows left, rows joined at the end), its rows
+        that stayed, the others checked. `_reserve_each` is its naive twin
+        (tests/test_dsv4_cache.py holds them equal)."""
         committed, self._decode_step = self._decode_step, None
+        memo_ids = left = None  # the committed memo's ids and those that left since, for a carry
+        if committed is not None and not committed[3] and committed[0] is self._resolved:
+            memo_ids, left = self._resolved_list, self._left  # (`_resolve` replaces, never changes, them)
         try:
             reqs = self._resolve(request_ids)
         except KeyError:
@@ -1272,18 +1294,26 @@ class HybridCacheManager:
         touched: list[_Request] = []
         ends: list[int] = []  # (its length counts the requests moved)
         starts = None  # (each row's computed count, where the committed memo has them)
-        if committed is not None and not committed[3] and reqs is committed[0]:
-            starts = committed[1]
-            # The step `_commit_decodes` committed, nothing moved since: row i is computed to
-            # ends[i] with no step pending, nothing loading, its next token id known (the
-            # memo's invariant): its step [ends[i], ends[i] + 1) needs no check
-            for req, end in zip(reqs, committed[1], strict=True):
-                req.end = end = end + 1
-                ends.append(end)
-                if not end % period:
-                    touched.append(req)
-        else:
-            for req in reqs:
+        kept: list[int] = []  # the committed memo's ends of the rows [0, len(kept)) it vouches for
+        if committed is not None and not committed[3]:
+            if reqs is committed[0] and not committed[5]:
+                kept = starts = committed[1]
+            elif left is not None and memo_ids is not None:
+                # (the rows without a next token, which leave: as the rows that left)
+                kept = self._carried_ends(reqs, memo_ids, [*left, *committed[5]] if committed[5] else left, committed)
+                if len(kept) == len(reqs):  # (rows left, none joined: its ends are the starts)
+                    starts = kept
+        # The step `_commit_decodes` or `_commit_chunks` committed, nothing moved since (the
+        # memo's invariant): a row it vouches for is computed to its end with no step
+        # pending, nothing loading, its next token id known: its step [end, end + 1) needs
+        # no check
+        for req, end in zip(reqs, kept, strict=False):  # (the first len(kept) rows)
+            req.end = end = end + 1
+            ends.append(end)
+            if not end % period:
+                touched.append(req)
+        if len(kept) < len(reqs):
+            for req in reqs[len(kept) :] if kept else reqs:  # the rows joined since: checked
                 nc = req.num_computed
                 if req.end != nc or req.num_loading or nc >= len(req.token_ids):
                     break  # (a request listed twice: its second entry finds its step reserved)
@@ -1303,8 +1333,28 @@ class HybridCacheManager:
                 return False
             for g in self._group_list:  # `_apply_reserve`, whose loop over the ends is done above
                 g.apply_reserve(touched, touched_ends, detail=False)
-        self._decode_step = (reqs, ends, touched, True, starts)
+        self._decode_step = (reqs, ends, touched, True, starts, [])
         return True
+
+    @staticmethod
+    def _carried_ends(
+        reqs: list[_Request],
+        memo_ids: list[str],
+        left: list[str],
+        committed: _DecodeMemo,
+    ) -> list[int]:
+        """The committed memo's ends of a changed step's leading rows: the memo's rows less
+        those whose ids are in `left` (the ids that left since, each deleted as
+        `_resolve_changed` deletes it, and the rows the memo does not vouch for), when the
+        step's rows begin with exactly those (the same objects); else none."""
+        ids, kept, ends = memo_ids.copy(), committed[0].copy(), committed[1].copy()
+        for request_id in left:  # (one row each at most: the memo's rows are distinct)
+            try:
+                i = ids.index(request_id)
+            except ValueError:
+                continue  # (a request that was not in the step)
+            del ids[i], kept[i], ends[i]
+        return ends if reqs[: len(kept)] == kept else []
 
     def _reserve_each(self, request_ids: Sequence[str], num_new_tokens: Sequence[int]) -> bool:
         """`reserve_step` request by request: every request checked, then the groups asked
@@ -1412,20 +1462,20 @@ class HybridCacheManager:
                 # The step `_reserve_decodes` reserved, nothing moved since: row i's reserved
                 # step is its one token [ends[i] - 1, ends[i]) (the memo's invariant), nothing
                 # to check; the rows on the decode period are the memo's
-                unknown = False  # a row's next token id not given
+                holes: list[str] = []  # the rows whose next token id is not given
                 for req, end, next_token_id in zip(reqs, reserved[1], next_token_ids, strict=True):
                     req.num_computed = end
                     if next_token_id is not None:
                         req.token_ids.append(next_token_id)
                     else:
-                        unknown = True
+                        holes.append(req.request_id)
                     i += 1
                 if period == self._decode_period:
                     changed = reserved[2]
                 else:
                     changed = [req for req, end in zip(reqs, reserved[1], strict=True) if not end % period]
-                if not unknown:  # the next step's reserve needs no check (see __init__)
-                    self._decode_step = (reqs, reserved[1], [], False, None)
+                # the next step's reserve needs no check of the other rows (see __init__)
+                self._decode_step = (reqs, reserved[1], [], False, None, holes)
             else:
                 for req, next_token_id in zip(reqs, next_token_ids, strict=True):
                     nc = req.num_computed + 1
@@ -1483,6 +1533,7 @@ class HybridCacheManager:
         req = None
         i = 0  # (the memo's rows committed)
         failed = False
+        holes: list[str] = []  # the memo's rows whose next token id is not given
         try:
             if k:
                 # The decodes `_reserve_decodes` reserved, nothing moved since (the memo's
@@ -1492,6 +1543,8 @@ class HybridCacheManager:
                     req.num_computed = end
                     if next_token_id is not None:
                         req.token_ids.append(next_token_id)
+                    else:
+                        holes.append(req.request_id)
                     i += 1
                 if ask_fresh:  # (in step order, the memo's fresh requests among them)
                     changed = [req for req in reqs[:k] if not req.num_computed % period or req.request_id in fresh]
@@ -1537,6 +1590,15 @@ class HybridCacheManager:
                 for req, n in zip(reqs, num_tokens, strict=True)
                 if n and (n != 1 or not req.num_computed % period or req.request_id in fresh)
             ]
+        if k:
+            # The next step's reserve needs no check of the memo's rows that know their next
+            # token id (see __init__), nor of the rows after them that are computed to their
+            # end, load nothing and know it (a chunk that ends the prompt: the sampled token;
+            # one inside it: the prompt's next)
+            for req in reqs[k:]:
+                if req.num_loading or len(req.token_ids) <= req.num_computed:
+                    holes.append(req.request_id)
+            self._decode_step = (reqs, reserved[1] + [req.num_computed for req in reqs[k:]], [], False, None, holes)
         return changed
 
     def _fresh_decodes(self, request_ids: Sequence[str], reqs: list[_Request], num_tokens: Sequence[int]) -> bool:
@@ -1747,14 +1809,19 @@ class HybridCacheManager:
             assert self._resolved_distinct == (len(set(self._resolved_list)) == len(self._resolved_list))
         memo = self._decode_step
         if memo is not None:  # the last decode step's memo (see __init__)
-            reqs, ends, touched, pending, starts = memo
+            reqs, ends, touched, pending, starts, holes = memo
             assert starts is None or (pending and starts == [end - 1 for end in ends]), "the memo's starts"
+            assert not (pending and holes), "a pending memo's rows all know their token ids"
             period = self._decode_period
             assert self.exact_steps and period is not None, "a decode-step memo without a decode period"
             assert len(ends) == len(reqs) == len(set(map(id, reqs))), "the memo's rows are one step's"
+            # a committed memo over `_resolve`'s rows keeps the rows that left since (`_left`)
+            gone = left if not pending and reqs is self._resolved else set()
             for req, end in zip(reqs, ends, strict=True):
+                if req.request_id in gone:
+                    continue
                 assert self._requests.get(req.request_id) is req, f"memo: request {req.request_id!r} left"
-                computed, known = (end - 1, end) if pending else (end, end + 1)
+                computed, known = (end - 1, end) if pending else (end, end + (req.request_id not in holes))
                 if not (req.num_computed == computed and req.end == end and len(req.token_ids) >= known):
                     raise AssertionError(
                         f"memo: request {req.request_id!r} computed {req.num_computed}, reserved to {req.end}, "
