@@ -134,6 +134,9 @@ def test_advance_of_changed_batches_equals_update_after_every_step(long_blocks, 
         b.update(ids, starts, ends, [tables[r] for r in ids])
         assert _state(a) == _state(b), step
         a.check_integrity({r: tables[r] for r in ids})
+        for buffers in (a, b):  # (what a buffered plan takes for decodes without reading them: num_lead)
+            lead = buffers.num_lead
+            assert lead <= len(ids) and all(e - s == 1 for s, e in zip(starts[:lead], ends[:lead], strict=True))
         if device_tables is not None:
             rows = a.view(a.num_seqs, a.num_tokens).seq_rows.tolist()
             for rid, row, end in zip(ids, rows, ends, strict=True):

@@ -226,6 +226,7 @@ class StepBuffers:
         # [0, 1, 2, ...]: a decode step's query_start, sequence and token indices (not positions)
         self._arange = np.arange(max(t, s + 1))
         self._offsets = np.arange(block_size)  # a block's slots' offsets
+        self._pow2 = block_size & (block_size - 1) == 0  # (a context's offset in its block by a mask: ~20 % cheaper)
 
     def forget(self, request_id: str) -> None:
         """The request left the cache (finished, cancelled, preempted): its row is free, and a
@@ -511,7 +512,7 @@ class StepBuffers:
         # the last step's contexts in numpy, each one's sequence now its last step's less the
         # forgotten before it (a few a step: a Python pass over them)
         gone_set = set(gone)
-        crossing_list = (last_ctx % bs == 0).nonzero()[0].tolist()
+        crossing_list = ((last_ctx & (bs - 1) if self._pow2 else last_ctx % bs) == 0).nonzero()[0].tolist()
         if len(gone) == 1:  # (a comprehension: ~0.1 us a token where a loop's statements cost 0.3)
             crossing_list = [j - (j > g) for j in crossing_list if j != g]
         elif gone:
@@ -697,7 +698,8 @@ class StepBuffers:
         self._gone = []
         if request_ids is not None:
             n = len(request_ids)
-            self._row_seq[self._vec_np[first:n]] = self._arange[first:n]
+            # (an int64 index: numpy converts an int32 one first, ~3x the write)
+            self._row_seq[self._vec_np[first:n].astype(np.int64)] = self._arange[first:n]
 
     def _send(self, changed_idx: Sequence[int], changed_val: Sequence[int], num_tokens: int) -> None:
         """The step's changed table entries and vectors to the device: one copy each, in order

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import operator
 from collections.abc import Callable, Sequence
 from itertools import accumulate
 from typing import Any, NamedTuple
@@ -433,17 +434,20 @@ def _few_shape(
     num_tokens = lead + sum(tail_q)
     if buffers.num_tokens != num_tokens:
         raise _refuse(buffers, n, num_tokens, n)
-    for j, (q_len, ctx_len) in enumerate(zip(tail_q, tail_c, strict=True)):
-        if q_len < 1 or ctx_len < q_len:
-            raise ValueError(f"sequence {lead + j}: {ctx_len} tokens with {q_len} new ones")
-    chunks = [j for j, q_len in enumerate(tail_q) if q_len > 1]  # among the others
+    if tail_q and (min(tail_q) < 1 or min(map(operator.sub, tail_c, tail_q)) < 0):  # (the loop only to name one)
+        for j, (q_len, ctx_len) in enumerate(zip(tail_q, tail_c, strict=True)):
+            if q_len < 1 or ctx_len < q_len:
+                raise ValueError(f"sequence {lead + j}: {ctx_len} tokens with {q_len} new ones")
     num_tail = n - lead
-    num_decodes = n - len(chunks)
-    # the leading decodes' longest context, and the other decodes'
+    # the leading decodes' longest context
     longest = int(np.maximum.reduce(np.asarray(ctx_lens[:lead]))) if lead else 0
-    if num_decodes > lead:
-        longest = max(longest, max(tail_c[j] for j in range(num_tail) if tail_q[j] == 1))
     seq_rows, width = buffers.host_seq_rows(), buffers.max_blocks_per_seq
+    if 1 not in tail_q:  # (the common step: every other a chunk, the lists as they are)
+        offsets = [row * width for row in seq_rows[lead:n].tolist()]
+        return _StepShape(num_tokens, lead, None, longest, tail_q, tail_c, offsets, None)
+    chunks = [j for j, q_len in enumerate(tail_q) if q_len > 1]  # among the others
+    num_decodes = n - len(chunks)
+    longest = max(longest, max(tail_c[j] for j in range(num_tail) if tail_q[j] == 1))  # (the other decodes')
     offsets = [int(seq_rows[lead + j]) * width for j in chunks]
     chunk_q, chunk_c = [tail_q[j] for j in chunks], [tail_c[j] for j in chunks]
     if not chunks or chunks[0] == num_decodes - lead:  # the decodes first: slices, no index
