@@ -256,6 +256,10 @@ class HybridCacheManager:
         # known yet; `_distinct` finds out once per list)
         self._left: list[str] | None = []
         self._resolved_distinct: bool | None = None
+        # The last carried `_resolve_changed`: the memo list it started from and the indices
+        # of the rows it deleted, in order (`_reserve_decodes` deletes the same from its
+        # memo's ends); None once read
+        self._carried: tuple[list[_Request], list[int]] | None = None
         # The last exact decode step, while no request's counts moved since: (its `_resolve`
         # list, each row's end, the rows whose end is on the decode period in step order, and
         # pending). pending (`_reserve_decodes` reserved it): row i's reserved step is
@@ -409,7 +413,7 @@ class HybridCacheManager:
             if left is None or len(left) >= MAX_LEFT_CARRIED or not self._requests:
                 self._resolved, self._resolved_list, self._resolved_tuple, self._left = [], [], (), None
                 self._resolved_distinct = None  # (the empty memo's: known by no step yet)
-                self._decode_step = None
+                self._decode_step = self._carried = None
             else:
                 left.append(request_id)
                 memo = self._decode_step
@@ -469,6 +473,7 @@ class HybridCacheManager:
         left, kept_ids, kept = self._left, self._resolved_list, self._resolved
         if left is None or len(request_ids) < MIN_ROWS_CARRIED or not self._resolved_distinct:
             return None  # (an id named twice: its every row would have to go)
+        gone = []  # the indices deleted, in order (`_carried`)
         if left:
             kept_ids, kept = kept_ids.copy(), kept.copy()
             for request_id in left:  # (one row each at most: the memo's ids are distinct)
@@ -477,9 +482,11 @@ class HybridCacheManager:
                 except ValueError:
                     continue  # (a request that was not in the step)
                 del kept_ids[i], kept[i]
+                gone.append(i)
         k = len(kept_ids)
         if len(request_ids) < k or request_ids[:k] != (kept_ids if type(request_ids) is list else tuple(kept_ids)):
             return None
+        self._carried = (self._resolved, gone)
         if len(request_ids) == k:
             return kept, True
         new = list(map(self._requests.__getitem__, request_ids[k:]))
@@ -1287,10 +1294,12 @@ class HybridCacheManager:
         memo_ids = left = None  # the committed memo's ids and those that left since, for a carry
         if committed is not None and not committed[3] and committed[0] is self._resolved:
             memo_ids, left = self._resolved_list, self._left  # (`_resolve` replaces, never changes, them)
+        self._carried = None
         try:
             reqs = self._resolve(request_ids)
         except KeyError:
             return None
+        carried, self._carried = self._carried, None  # (`_resolve_changed`'s deletions, if it carried)
         touched: list[_Request] = []
         ends: list[int] = []  # (its length counts the requests moved)
         starts = None  # (each row's computed count, where the committed memo has them)
@@ -1299,8 +1308,15 @@ class HybridCacheManager:
             if reqs is committed[0] and not committed[5]:
                 kept = starts = committed[1]
             elif left is not None and memo_ids is not None:
-                # (the rows without a next token, which leave: as the rows that left)
-                kept = self._carried_ends(reqs, memo_ids, [*left, *committed[5]] if committed[5] else left, committed)
+                holes = committed[5]
+                if carried is not None and carried[0] is committed[0] and all(h in left for h in holes):
+                    # `_resolve` carried the memo's rows (its own, `reqs[:k]`), deleting those
+                    # that left, the holes among them: the same rows of the ends
+                    kept = committed[1].copy()
+                    for i in carried[1]:
+                        del kept[i]
+                else:  # (the rows without a next token, which leave: as the rows that left)
+                    kept = self._carried_ends(reqs, memo_ids, [*left, *holes] if holes else left, committed)
                 if len(kept) == len(reqs):  # (rows left, none joined: its ends are the starts)
                     starts = kept
         # The step `_commit_decodes` or `_commit_chunks` committed, nothing moved since (the
@@ -1334,6 +1350,8 @@ class HybridCacheManager:
             for g in self._group_list:  # `_apply_reserve`, whose loop over the ends is done above
                 g.apply_reserve(touched, touched_ends, detail=False)
         self._decode_step = (reqs, ends, touched, True, starts, [])
+        if reqs is self._resolved:  # (a row named twice finds its step reserved: these are distinct)
+            self._resolved_distinct = True  # (which lets `_resolve_changed` carry the next change)
         return True
 
     @staticmethod
