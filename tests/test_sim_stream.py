@@ -372,6 +372,12 @@ def test_the_batch_refuses_lengths_that_are_not_its_rows_positions():
         sampler(None, r.params, 0, p) for r, p in zip(owners, [0, 1, 2**40 - 4], strict=True)
     ]
     assert sampler.sample([], [], rows, lambda: []) == []
+    # lengths as any iterable of ints (a generator, read once): the same tokens; a float in one: the TypeError
+    assert sampler.sample([None] * 3, owners, rows, lambda: (p for p in [6, 5, 4])) == [
+        sampler(None, r.params, 0, p) for r, p in zip(owners, [2, 1, 0], strict=True)
+    ]
+    with pytest.raises(TypeError):
+        sampler.sample([None] * 3, owners, rows, lambda: (p for p in [4, 5.0, 6]))
 
 
 def test_prompts_and_answers_share_one_int_per_token():

@@ -501,6 +501,8 @@ class AnswerSampler:
         if len(last) != n or not all(map(is_, owners, last)):
             self._batch(owners, rows)
         ends = lengths()
+        if type(ends) is not list:  # (an iterable is read once: the slow path reads it again)
+            ends = list(ends)
         try:  # (ints only, into int64 at C speed: a float, a str or an int past int64 raise)
             at = np.frombuffer(array("q", ends), np.int64) if n else np.zeros(0, np.int64)
         except (TypeError, OverflowError):
