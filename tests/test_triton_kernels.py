@@ -501,6 +501,11 @@ def test_a_buffered_steps_few_shape_equals_its_numpy_twin() -> None:
             assert _shape_fields(_few_shape(buffers, q, c, lead)) == _shape_fields(_shape(buffers, q, c)), step
             num_few += 1
             num_lead += lead > 0
+            if len(ids) > 1:  # (another count of sequences, the same tokens: the last two as one)
+                merged_q, merged_c = np.append(q[:-2], q[-2:].sum()), np.append(c[:-2], c[-1])
+                for args in ((buffers, merged_q, merged_c, 0), (buffers, merged_q, merged_c)):
+                    with pytest.raises(ValueError, match=rf"hold {len(ids)} sequences of {q.sum()} tokens, not"):
+                        (_few_shape if len(args) == 4 else _shape)(*args)
             if lead < len(ids):  # (a step of other totals: the leading decodes' lengths are the buffers')
                 bad = q.copy()
                 bad[-1] += 1

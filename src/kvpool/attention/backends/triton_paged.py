@@ -432,7 +432,7 @@ def _few_shape(
     tail_q = q_lens[lead:].tolist() if isinstance(q_lens, np.ndarray) else list(q_lens[lead:])
     tail_c = ctx_lens[lead:].tolist() if isinstance(ctx_lens, np.ndarray) else list(ctx_lens[lead:])
     num_tokens = lead + sum(tail_q)
-    if buffers.num_tokens != num_tokens:
+    if buffers.num_seqs != n or buffers.num_tokens != num_tokens:
         raise _refuse(buffers, n, num_tokens, n)
     if tail_q and (min(tail_q) < 1 or min(map(operator.sub, tail_c, tail_q)) < 0):  # (the loop only to name one)
         for j, (q_len, ctx_len) in enumerate(zip(tail_q, tail_c, strict=True)):
