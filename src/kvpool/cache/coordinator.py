@@ -1474,9 +1474,10 @@ class HybridCacheManager:
         if not exact and not self._distinct(request_ids, reqs):
             return None  # (exact steps: a request's second entry finds its one token committed)
         changed: list[_Request] = []
-        i = 0
+        i = 0  # rows committed (the checked loop counts them; the memo's loop, all or the one at fault)
+        memo = reserved is not None and reserved[3] and reqs is reserved[0]
         try:
-            if reserved is not None and reserved[3] and reqs is reserved[0]:
+            if memo:
                 # The step `_reserve_decodes` reserved, nothing moved since: row i's reserved
                 # step is its one token [ends[i] - 1, ends[i]) (the memo's invariant), nothing
                 # to check; the rows on the decode period are the memo's
@@ -1487,7 +1488,7 @@ class HybridCacheManager:
                         req.token_ids.append(next_token_id)
                     else:
                         holes.append(req.request_id)
-                    i += 1
+                i = len(reqs)
                 if period == self._decode_period:
                     changed = reserved[2]
                 else:
@@ -1507,6 +1508,8 @@ class HybridCacheManager:
                         req.token_ids.append(next_token_id)
                     i += 1
         except (OverflowError, TypeError):  # an id the array cannot hold: undone, the twin names it
+            if memo:
+                i = reqs.index(req)  # (`req`: the row at fault; the memo's rows are distinct)
             reqs[i].num_computed -= 1
         if i < len(reqs):  # undo the requests before the one at fault, latest first
             for req, next_token_id in zip(reversed(reqs[:i]), reversed(next_token_ids[:i]), strict=True):
@@ -1549,7 +1552,7 @@ class HybridCacheManager:
             if not (reqs[:k] == reserved[0] and num_tokens[:k].count(1) == k):
                 k = 0
         req = None
-        i = 0  # (the memo's rows committed)
+        i = 0  # (the memo's rows committed: all, or the one at fault)
         failed = False
         holes: list[str] = []  # the memo's rows whose next token id is not given
         try:
@@ -1563,7 +1566,7 @@ class HybridCacheManager:
                         req.token_ids.append(next_token_id)
                     else:
                         holes.append(req.request_id)
-                    i += 1
+                i = k
                 if ask_fresh:  # (in step order, the memo's fresh requests among them)
                     changed = [req for req in reqs[:k] if not req.num_computed % period or req.request_id in fresh]
                 elif period == self._decode_period:
@@ -1590,6 +1593,8 @@ class HybridCacheManager:
                 if next_token_id is not None:
                     req.token_ids.append(next_token_id)
         except (OverflowError, TypeError):  # an id the array cannot hold: undone, the twin names it
+            if i < k:  # (in the memo's rows: `req` is the one at fault, the rows are distinct)
+                i = reqs.index(req)
             req.num_computed -= 1 if i < k else n  # (its count moved, its token did not join)
             failed = True
         if failed:  # undo the rows before the one at fault, latest first (`req`: distinct rows)
