@@ -421,6 +421,81 @@ def test_a_batch_taken_as_columns_ends_its_rows_as_accept_token_does():
     assert reasons == {"stop", "length"} and num_behind > 10
 
 
+def _run_with_a_faulty_step(requests, where: str, fault_step: int | None) -> tuple[list, bool]:
+    """Runs `requests` to their ends on an engine of the columns' twin tests; step number
+    `fault_step` (None: none) raises once, from the forward (`where` "forward") or the batch
+    sampler ("sampler": before it samples; "sampled": after it sampled, its own state moved
+    on), and the run goes on with the next step, as a caller that catches a step's fault does.
+    The outputs, and whether the faulty step had decode columns from the step before."""
+    runner = PrefixModelRunner(64, 4)
+    engine = _twin_engine(runner, 256, 16, True, True)
+    ids = [engine.add_request(prompt, params) for prompt, params in requests]
+    execute, sample = runner.execute, engine._batch_sampler.sample
+    had_columns = False
+    step_no = 0
+    while engine.has_unfinished():
+        step_no += 1
+        if step_no != fault_step:
+            engine.step()
+        else:
+            had_columns = engine._columns is not None
+
+            def faulty_execute(chunks):
+                raise RuntimeError("injected forward fault")
+
+            def faulty_sample(*args):
+                if where == "sampled":
+                    sample(*args)
+                raise RuntimeError("injected sampler fault")
+
+            if where == "forward":
+                runner.execute = faulty_execute
+            else:
+                engine._batch_sampler.sample = faulty_sample
+            with pytest.raises(RuntimeError, match="injected"):
+                engine.step()
+            runner.execute, engine._batch_sampler.sample = execute, sample
+        runner.check_integrity()
+        _check_columns(engine)
+    outs = [engine.output(rid).completions[0] for rid in ids]
+    return [(c.token_ids, c.finish_reason) for c in outs], had_columns
+
+
+@pytest.mark.parametrize("where", ["forward", "sampler", "sampled"])
+def test_after_a_step_that_raised_every_request_ends_at_its_max_tokens_or_stop(where):
+    # A step that raises in its forward or its sampler takes no token; the caller (the
+    # server, a loop that catches it) goes on stepping. The next steps must end every request
+    # exactly where a run without the fault does (its twin): at its max_tokens, or at its
+    # stop id, nothing lost and nothing past them. The fault is planted at every step of the
+    # run in turn: in decode steps of the columns' rows (a row's end step the faulty one, or
+    # the one after), and in mixed steps (admissions behind them). Once, the columns kept
+    # across the faulty step counted its number as a step that took a token: rows whose end
+    # step went by never ended by length.
+    rng = random.Random(11)  # (two of its requests stop at an EOS id)
+    requests = [([1, 2, 3 + i], SamplingParams(max_tokens=6 + i, ignore_eos=True)) for i in range(3)]
+    for _ in range(5):
+        params = SamplingParams(
+            max_tokens=rng.randint(1, 12),
+            temperature=rng.choice([0.0, 0.9]),
+            seed=rng.randrange(1000),
+            ignore_eos=rng.random() < 0.5,
+        )
+        requests.append(([rng.randrange(VOCAB) for _ in range(rng.randint(1, 7))], params))
+    twin, _ = _run_with_a_faulty_step(requests, where, None)
+    # (the twin's lengths: max_tokens where a request ended by length, fewer at a stop id)
+    assert all(
+        len(tokens) == params.max_tokens if reason == "length" else len(tokens) < params.max_tokens
+        for (tokens, reason), (_, params) in zip(twin, requests, strict=True)
+    )
+    assert {reason for _, reason in twin} == {"length", "stop"}
+    num_with_columns = 0
+    for fault_step in range(1, 16):
+        outputs, had_columns = _run_with_a_faulty_step(requests, where, fault_step)
+        assert outputs == twin, fault_step
+        num_with_columns += had_columns
+    assert num_with_columns > 5
+
+
 def test_a_prompt_is_checked_packed_once_and_its_packing_serves_the_first_admission_only():
     import numpy as np
 

@@ -146,7 +146,9 @@ class _DecodeColumns:
     # the number of the engine step (`Engine._step_no`) whose token brings seqs[i] to its end
     # length, seqs[i].request.end_len: each step takes one token a row, so the number stays
     # as it is while the row is in the columns (no pass a step over the rows' lengths); a row
-    # ends by length in step t exactly where end_steps[i] == t (none is below the step's own)
+    # ends by length in step t exactly where end_steps[i] == t (none is below the step's own).
+    # That holds because columns outlive no step that took no token: `step` drops them before
+    # its forward, so a step that raises leaves none (the next step forms them anew)
     end_steps: list[int]
     stop_ids: frozenset[int] | None  # every row's stop ids where they are one set; None: they differ
     # at most the least of end_steps: no row ends by length before that step. A bound, not
@@ -303,8 +305,10 @@ class Engine:
         self._plan_ends: list[int] = []
         self._step_columns: _DecodeColumns | None = None
         self.stats = EngineStats()
-        # the steps that ran so far (with chunks), numbering them: the decode columns' end_steps
-        # count in it (stats.num_steps counts the same, but stats are the caller's to read)
+        # the steps started so far (with chunks), numbering them, a step that raised among
+        # them: the decode columns' end_steps count in it, and as `step` drops the columns
+        # before its forward, the steps the columns live through are steps that took a token
+        # a row (stats.num_steps counts the same, but stats are the caller's to read)
         self._step_no = 0
         self._ids = itertools.count()
 
@@ -701,6 +705,13 @@ class Engine:
         stats = self.stats
         stats.num_steps += 1
         self._step_no += 1
+        # The columns (and the decode memo) are dropped before anything that may raise: the
+        # forward, the sampler, the take. Each set of columns then lives from the take that
+        # formed it (this step's, below) to the next step's start, which takes one token a row
+        # through them, so their end steps count the steps that took tokens. (Kept across a
+        # step that raised, they would miss that step's number: a row's end step gone by,
+        # `_rows_at_end` never finds it due, and it runs past its end length.)
+        self._decode_rows = self._columns = None
         logits = self.runner.execute(chunks)
         now = self.clock()
         next_token_ids: list[int | None]
@@ -720,7 +731,6 @@ class Engine:
         counts = self._step_counts  # (counts[i] is len(chunks[i].token_ids))
         scheduled = self._scheduled
         head = 0  # chunks [0, head) taken before the loop below (a mixed step's leading decode tokens)
-        self._decode_rows = self._columns = None
         step_columns = self._step_columns
         if (
             plain
