@@ -126,6 +126,29 @@ def test_the_router_asks_the_hint_first_and_probes_the_others():
     assert lookups == [1, 0]  # 2 cannot reach 17 tokens
 
 
+def test_a_replica_that_would_need_the_whole_prompt_is_not_probed():
+    # three paged replicas each hold blocks [0, 4) and [4, 8) of a 9-token prompt: every hit
+    # is 8, the most a 9-token prompt offers (a token is left to compute)
+    caches = [FullAttentionManager(12, 4, DESC) for _ in range(3)]
+    prompt = list(range(9))
+    for m in caches:
+        prefill(m, "a", prompt)
+    lookups: list[int] = []
+    probes: list[int] = []
+    for i, m in enumerate(caches):
+        m.lookup_packed = _counting(m.lookup_packed, lookups, i)  # type: ignore[method-assign]
+        m.may_reach = _counting(m.may_reach, probes, i)  # type: ignore[method-assign]
+    reps = [FakeReplica(i, m, load) for i, (m, load) in enumerate(zip(caches, [2, 1, 3], strict=True))]
+    router = Router("prefix-aware", reps, load_cap=10.0)
+    naive = _choose_by_lookups(reps, {r.index: r.load for r in reps}, pack_prompt(prompt), "")
+    lookups.clear()
+    # the hint (0, hit 8) first; 1 (less loaded) wins with an equal hit, so it needs 8 and is
+    # probed and looked up; 2 (more loaded) would need 9, the whole prompt: not even probed
+    assert router.route(pack_prompt(prompt), hint=0) is reps[1] is naive
+    assert lookups == [0, 1]
+    assert probes == [1]
+
+
 def _counting(lookup, calls: list[int], index: int):
     def counted(*args, **kwargs):
         calls.append(index)

@@ -87,6 +87,7 @@ def same_content(a: PrefixBlock | None, b: PrefixBlock | None) -> bool:
 
 
 _BLOCK_IDS = operator.attrgetter("block_ids")
+_FIRST = operator.itemgetter(0)
 
 # A prompt's lookup memo (`match`, `LookupPrompt.hashes`): under (algorithm, root hash,
 # width) its chained hashes; under that key and a pool's id, the run that pool's last walk
@@ -312,8 +313,14 @@ class BlockPool:
                 if found == list(walked[:n]) and found[0].parent is root:
                     kept = len(walked)
                     chain = found
-                    for ids in map(_BLOCK_IDS, found):  # `held_copy`, as the walk below picks it
-                        block_ids.append(ids[0] if len(ids) == 1 else next((b for b in ids if refcounts[b]), ids[0]))
+                    held = list(map(_BLOCK_IDS, found))
+                    if max(map(len, held)) == 1:  # one copy each (the common case): its id, C-level
+                        block_ids = list(map(_FIRST, held))
+                    else:
+                        for ids in held:  # `held_copy`, as the walk below picks it
+                            block_ids.append(
+                                ids[0] if len(ids) == 1 else next((b for b in ids if refcounts[b]), ids[0])
+                            )
                     parent = found[-1]
                 else:
                     del memo[walked_key]  # (stale: some block left the index or another took its hash)

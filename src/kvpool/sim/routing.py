@@ -63,17 +63,31 @@ class Router:
         least = min(loads.values())
         if self.policy == "least-loaded":
             return min(reps, key=lambda r: (loads[r.index], r.num_routed))
-        eligible = [r for r in reps if loads[r.index] <= self.load_cap * least + 4]
+        cap = self.load_cap * least + 4
+        eligible = [r for r in reps if loads[r.index] <= cap]
         if len(eligible) == 1:  # no lookup to make (a lookup changes nothing)
             return eligible[0]
-        from kvpool.cache.coordinator import pack_prompt  # here: the CLI's parser imports this module
-        from kvpool.cache.types import LookupPrompt
-
+        if _PACKING is None:
+            _load_packing()
+        pack_prompt, lookup_prompt = _PACKING  # type: ignore[misc]
         # checked and packed once for every replica's lookup; its memo of block hashes makes
         # each replica's lookup hash only the blocks no replica before it hashed, and holds
         # the hashes the probes read
-        packed = prompt if isinstance(prompt, LookupPrompt) else pack_prompt(prompt)
+        packed = prompt if isinstance(prompt, lookup_prompt) else pack_prompt(prompt)
         return _choose_by_probes(eligible, loads, packed, tenant, hint)
+
+
+# (pack_prompt, LookupPrompt), imported at the first prefix-aware choice, not at module load
+# (the CLI's parser imports this module) nor by an import statement each arrival
+_PACKING: tuple[Callable[..., LookupPrompt], type] | None = None
+
+
+def _load_packing() -> None:
+    global _PACKING
+    from kvpool.cache.coordinator import pack_prompt
+    from kvpool.cache.types import LookupPrompt
+
+    _PACKING = (pack_prompt, LookupPrompt)
 
 
 def _choose_by_probes(
@@ -82,26 +96,35 @@ def _choose_by_probes(
     """The max of (hit, -load, -index) over `eligible` (two or more), each replica after the
     first looked up only when `may_reach` says its hit may be enough to win."""
     # the best tie-break first, so that a replica after it needs a hit one token longer
-    # (the probe's rule-out works only past 0); the hint before it
-    order = sorted(eligible, key=lambda r: (loads[r.index], r.index))
+    # (the probe's rule-out works only past 0); the hint before it. Each replica's
+    # tie-break key made once: (load, index), the lower the better (its position after
+    # them, so that the sort never compares two replicas)
+    indexes = list(map(_INDEX, eligible))
+    order = sorted(zip(map(loads.__getitem__, indexes), indexes, range(len(eligible)), eligible, strict=True))
     if hint is not None:
         # (by position: list.remove would compare replicas with their dataclass __eq__, a
         # tuple of every field each)
-        at = next((i for i, r in enumerate(order) if r.index == hint), None)
+        at = next((i for i, k in enumerate(order) if k[1] == hint), None)
         if at:
             order.insert(0, order.pop(at))
-    best = order[0]
+    best_load, best_index, _, best = order[0]
     best_hit = best.runner.cache.lookup_packed(packed, tenant_salt=tenant)
-    for r in order[1:]:
+    # `may_reach` says False without a walk at len(prompt) and past (a hit leaves a token to
+    # compute; len >= 1, pack_prompt refuses an empty prompt): a replica that needs that
+    # much is not asked at all
+    top = len(packed.token_ids)
+    for load, index, _, r in order[1:]:
         # r wins with an equal hit when its (load, index) is lower, else only with a longer one
-        wins_tie = (loads[r.index], r.index) < (loads[best.index], best.index)
+        wins_tie = load < best_load or (load == best_load and index < best_index)
         need = best_hit if wins_tie else best_hit + 1
+        if need >= top:
+            continue
         cache = r.runner.cache
         if not cache.may_reach(packed, need, tenant_salt=tenant):
             continue
         hit = cache.lookup_packed(packed, tenant_salt=tenant)
         if hit > best_hit or (hit == best_hit and wins_tie):
-            best, best_hit = r, hit
+            best, best_hit, best_load, best_index = r, hit, load, index
     return best
 
 
