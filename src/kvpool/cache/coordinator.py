@@ -258,7 +258,8 @@ class HybridCacheManager:
         self._resolved_distinct: bool | None = None
         # The last carried `_resolve_changed`: the memo list it started from and the indices
         # of the rows it deleted, in order (`_reserve_decodes` deletes the same from its
-        # memo's ends); None once read
+        # memo's ends); None once read. Exact decode steps only (a paged cache would hold a
+        # list of requests that left for nothing)
         self._carried: tuple[list[_Request], list[int]] | None = None
         # The last exact decode step, while no request's counts moved since: (its `_resolve`
         # list, each row's end, the rows whose end is on the decode period in step order, and
@@ -486,7 +487,8 @@ class HybridCacheManager:
         k = len(kept_ids)
         if len(request_ids) < k or request_ids[:k] != (kept_ids if type(request_ids) is list else tuple(kept_ids)):
             return None
-        self._carried = (self._resolved, gone)
+        if self._decode_period is not None and self.exact_steps:  # (its one reader: `_reserve_decodes`)
+            self._carried = (self._resolved, gone)
         if len(request_ids) == k:
             return kept, True
         new = list(map(self._requests.__getitem__, request_ids[k:]))
