@@ -914,6 +914,20 @@ def test_a_mixed_steps_decodes_take_the_decode_path_and_a_fault_anywhere_changes
     twin._decode_step = None  # the twin checks every row: no memo
     starts = [fast.num_computed_tokens(r) for r in ids]
     ends = [s + c for s, c in zip(starts, counts, strict=True)]
+    # exact steps: positions that are not a decode row's reserved step are refused as the
+    # twin refuses them, whether the memo answers the rows or not: a start one short, an end
+    # one long, both one on (the chunk's row unchanged: only the memo's check of the decode
+    # rows can see it). (A paged cache reads any positions within the reservation.)
+    for row, start_shift, end_shift in [(1, -1, 0), (2, 0, 1), (0, 1, 1)] if exact else []:
+        bad_starts, bad_ends = list(starts), list(ends)
+        bad_starts[row] += start_shift
+        bad_ends[row] += end_shift
+        messages = []
+        for m in (fast, twin):
+            with pytest.raises(ValueError, match=f"request '{ids[row]}': positions") as raised:
+                m.step_reservations(ids, bad_starts, bad_ends)
+            messages.append(str(raised.value))
+        assert messages[0] == messages[1]
     taken = fast.step_reservations(ids, starts, ends)
     assert taken == twin._each_reservation(ids, starts, ends)
     if exact:  # r0's decode took a block (from the memo's rows), the chunk its own: in step order
