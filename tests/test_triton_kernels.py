@@ -29,6 +29,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as hst
 
 from kvpool.attention.backends import TritonPagedBackend, select_backend
 from kvpool.attention.backends.paged_step import PagedStepMetadata
@@ -514,6 +516,128 @@ def test_a_buffered_steps_few_shape_equals_its_numpy_twin() -> None:
                         (_few_shape if len(args) == 4 else _shape)(*args)
         running = [(r, e) for r, e in zip(ids, ends, strict=True)]
     assert num_few > 200 and num_lead > 100
+
+
+def _shape_or_refusal(f, *args) -> tuple | str:
+    """f's shape as plain fields, or its refusal's message (any other exception propagates)."""
+    try:
+        return _shape_fields(f(*args))
+    except ValueError as e:
+        return str(e)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=hst.data())
+def test_few_shape_refuses_and_accepts_what_its_twin_does(data) -> None:
+    """`_few_shape` against `_shape` on right and wrong steps: an engine's steps written by
+    `update`/`advance` (decodes, a chunk among them now and then, joining requests after
+    them, finished ones forgotten; the runner's `clear` after a step, or not), each passed
+    as it is and broken: a sequence dropped, added or two merged (another count, maybe the
+    same tokens), a leading row of 0 or several tokens (with another row compensating, so
+    the totals match by accident, or not), a leading or later row's context 0 or short of
+    its tokens, one context length too many or too few, the lists as arrays or Python lists;
+    after a `clear`, the empty step and the stale one. With the lead `begin_buffered_step`
+    passes (num_lead where the counts agree, else 0) and any other lead in [0, n + 1]: both
+    accept with the same shape or refuse with the same message."""
+    from kvpool.attention.backends.step_buffers import StepBuffers
+    from kvpool.attention.backends.triton_paged import _few_shape, _shape
+
+    bs, width = 4, 16
+    buffers = StepBuffers(max_num_seqs=12, max_num_tokens=256, max_blocks_per_seq=width, block_size=bs)
+    tables: dict[str, list[int]] = {}
+    running: list[tuple[str, int]] = []  # (id, context)
+    ints = data.draw
+
+    def agree(q, c) -> None:
+        n = len(q)
+        for lead in {buffers.num_lead if buffers.num_seqs == n else 0, ints(hst.integers(0, n + 1))}:
+            few, twin = _shape_or_refusal(_few_shape, buffers, q, c, lead), _shape_or_refusal(_shape, buffers, q, c)
+            assert few == twin, (list(q), list(c), lead, buffers.num_seqs, buffers.num_tokens)
+
+    for step in range(ints(hst.integers(1, 8))):
+        running = [r for r in running if not ints(hst.booleans())] if len(running) > 8 else running
+        for rid in set(tables) - {r for r, _ in running}:
+            buffers.forget(rid)
+            del tables[rid]
+        ids, starts, ends = [], [], []
+        for rid, ctx in running:  # decodes, now and then a chunk among them
+            q_len = ints(hst.sampled_from([1, 1, 1, 1, 1, 1, 2, 5]))
+            ids.append(rid), starts.append(ctx), ends.append(ctx + q_len)
+        for _ in range(ints(hst.integers(0, min(3, 12 - len(ids))))):  # joining requests after them
+            rid = f"r{step}.{len(ids)}"
+            tables[rid] = []
+            ids.append(rid), starts.append(0), ends.append(ints(hst.sampled_from([1, 3, 16])))
+        if not ids or max(ends) > width * bs:
+            for rid, _ in running:
+                buffers.forget(rid)
+                del tables[rid]
+            running = []
+            continue
+        for rid, end in zip(ids, ends, strict=True):
+            tables[rid] += [7 * len(tables) + k for k in range(-(-end // bs) - len(tables[rid]))]
+        if not buffers.advance(ids, starts, ends, lambda w: [tables[r] for r in w]):
+            buffers.update(ids, starts, ends, [tables[r] for r in ids])
+        buffers.check_integrity(tables)
+        q, c = np.array(ends) - np.array(starts), np.array(ends)
+        n, lead = len(ids), buffers.num_lead
+        assert buffers.num_seqs == n and (q[:lead] == 1).all()
+        agree(q, c)
+        # the step broken
+        bad_q, bad_c = q.copy(), c.copy()
+        kind = ints(hst.sampled_from(["drop", "add", "merge", "lead q", "q", "lead c", "c", "c count"]))
+        i = ints(hst.integers(0, max(lead - 1, 0))) if kind.startswith("lead") else ints(hst.integers(0, n - 1))
+        if kind == "drop":
+            bad_q, bad_c = np.delete(q, i), np.delete(c, i)
+        elif kind == "add":
+            bad_q, bad_c = np.insert(q, i, 1), np.insert(c, i, ints(hst.integers(0, 9)))
+        elif kind == "merge" and n > 1:  # (the same tokens: only the count tells)
+            i = min(i, n - 2)
+            bad_q = np.concatenate((q[:i], [q[i] + q[i + 1]], q[i + 2 :]))
+            bad_c = np.concatenate((c[:i], [c[i + 1]], c[i + 2 :]))
+        elif kind in ("lead q", "q"):
+            bad_q[i] = ints(hst.sampled_from([0, 2, 3, -1]))
+            if n > 1 and ints(hst.booleans()):  # another row makes up the difference: the same total
+                j = (i + ints(hst.integers(1, n - 1))) % n
+                bad_q[j] += q[i] - bad_q[i]
+        elif kind in ("lead c", "c"):
+            bad_c[i] = ints(hst.sampled_from([0, int(q[i]) - 1]))
+        elif kind == "c count":
+            bad_c = c[:-1] if ints(hst.booleans()) else np.append(c, 5)
+        as_lists = ints(hst.booleans())
+        agree(*((bad_q.tolist(), bad_c.tolist()) if as_lists else (bad_q, bad_c)))
+        if ints(hst.booleans()):  # the runner's clear after the step's forward
+            buffers.clear()
+            assert buffers.num_lead == 0
+            empty = np.zeros(0, dtype=np.int64)
+            agree(empty, empty)
+            agree(q, c)  # (the stale step: the buffers hold none)
+        running = list(zip(ids, ends, strict=True))
+
+
+def test_few_shape_on_the_reviews_wrong_steps() -> None:
+    """The review's steps (buffers holding 3 decodes) that `_few_shape` took where `_shape`
+    refuses: another count, a leading context of 0, leading lengths [2, 0, 1] of the same
+    total; and after a clear, the empty step both accept."""
+    from kvpool.attention.backends.step_buffers import StepBuffers
+    from kvpool.attention.backends.triton_paged import _few_shape, _shape
+
+    b = StepBuffers(max_num_seqs=12, max_num_tokens=256, max_blocks_per_seq=16, block_size=4)
+    b.update(["a", "b", "c"], [5, 6, 7], [6, 7, 8], [[1, 2], [3, 4], [5, 6]])
+    assert b.num_lead == 3
+    for q, c, lead, message in (
+        ([2, 1], [7, 8], 0, "the step buffers hold 3 sequences of 3 tokens, not 2 of 3 (2 context lengths)"),
+        ([1, 1, 1], [0, 7, 8], 3, "sequence 0: 0 tokens with 1 new ones"),
+        ([2, 0, 1], [6, 7, 8], 3, "sequence 1: 7 tokens with 0 new ones"),
+    ):
+        for f, args in ((_few_shape, (b, np.array(q), np.array(c), lead)), (_shape, (b, np.array(q), np.array(c)))):
+            with pytest.raises(ValueError) as refused:
+                f(*args)
+            assert str(refused.value) == message
+    b.clear()
+    assert b.num_lead == 0
+    empty = np.zeros(0, dtype=np.int64)
+    want = (0, 0, None, 0, [], [], [], None)
+    assert _shape_fields(_few_shape(b, empty, empty, b.num_lead)) == _shape_fields(_shape(b, empty, empty)) == want
 
 
 def test_the_engine_on_the_triton_backend_equals_the_torch_path(ops, monkeypatch) -> None:

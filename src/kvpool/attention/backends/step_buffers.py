@@ -722,9 +722,11 @@ class StepBuffers:
     @property
     def num_lead(self) -> int:
         """The held step's leading sequences of one token each (sequences [0, num_lead):
-        sequence i's token is flat token i), as `update` or `advance` wrote them; fewer
-        (0) where the step was written otherwise since (`pad`, `skip`)."""
-        return self._last_lead
+        sequence i's token is flat token i), as `update` or `advance` wrote them; 0 where
+        the buffers hold no step (`clear`, `skip`) or the step was written otherwise since
+        (`pad`). (`_last_lead` itself outlives `clear`: it describes the vectors, which
+        `advance` moves on after the runner's clear of every step.)"""
+        return self._last_lead if self.num_seqs else 0
 
     def leading(self, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """query_start[:k], seq_rows[:k], ctx_lens[:k] ([k] int32 each, device views of the
