@@ -501,6 +501,8 @@ def test_a_prompt_is_checked_packed_once_and_its_packing_serves_the_first_admiss
 
     from kvpool.cache import coordinator
     from kvpool.cache.coordinator import pack_prompt
+    from kvpool.cache.types import LookupPrompt
+    from kvpool.pool.hashing import token_bytes
 
     runner = PrefixModelRunner(8, 4)
     engine = Engine(runner, max_num_batched_tokens=32)
@@ -509,6 +511,9 @@ def test_a_prompt_is_checked_packed_once_and_its_packing_serves_the_first_admiss
     a = engine.add_request(np.array([1, 2, 3, 4, 5]), params)
     b = engine.add_request(torch.tensor([1, 2, 3, 4, 6]), params)
     assert [type(t) for t in engine.requests[a].prompt_ids + engine.requests[b].prompt_ids] == [int] * 10
+    # and pack_prompt converts them as add_request does: the packing add_request trusts holds ints
+    for ids in (np.array([1, 2, 3]), torch.tensor([1, 2, 3]), [np.int64(1), 2, np.int32(3)]):
+        assert [type(t) for t in pack_prompt(ids).token_ids] == [int] * 3
     for bad, named in (([1, VOCAB], f"[{VOCAB}]"), ([1, -2], "[-2]"), ([2**40], f"[{2**40}]")):
         with pytest.raises(ValueError, match=rf"token ids \{named}\ outside the vocabulary \[0, {VOCAB}\)"):
             engine.add_request(bad, params)
@@ -516,14 +521,31 @@ def test_a_prompt_is_checked_packed_once_and_its_packing_serves_the_first_admiss
         engine.add_request(pack_prompt([1, 2], [(0, 1, "img")]), params)
     with pytest.raises(ValueError, match=r"token ids must be integers, got 'x'"):
         engine.add_request([1, "x", 3], params)
-    # A packing whose list was changed after pack_prompt is not these ids' packing: refused
-    # (its lookup would compare the old bytes), an id past the vocabulary included
-    stale = pack_prompt([1, 2, 3, 4, 5])
+    # pack_prompt's packing is safe by construction: its ids are a tuple of its own (no
+    # change to the caller's list reaches it, and it takes none), so add_request trusts it
+    ids = [1, 2, 3, 4, 5]
+    kept = pack_prompt(ids)
+    ids[:4] = [5, 6, 7, 8]
+    assert kept.token_ids == (1, 2, 3, 4, 5) and kept.packed == token_bytes([1, 2, 3, 4, 5])
+    with pytest.raises(TypeError):
+        kept.token_ids[:4] = [5, 6, 7, 8]  # type: ignore[index]
+    # A LookupPrompt built otherwise (by hand, or `_replace`) whose list is not its bytes'
+    # ids: refused (its lookup would compare the old bytes), an id past the vocabulary included
+    stale = kept._replace(token_ids=[1, 2, 3, 4, 5])
+    assert type(stale) is LookupPrompt
     stale.token_ids[:4] = [5, 6, 7, 8]
     with pytest.raises(ValueError, match="the packed prompt is not the packing of its token ids"):
         engine.add_request(stale, params)
+    with pytest.raises(ValueError, match="the packed prompt is not the packing of its token ids"):
+        engine.add_request(LookupPrompt([1, 2, 3], (), token_bytes([1, 2, 4])), params)
     with pytest.raises(ValueError, match=rf"token ids \[{VOCAB + 5}\] outside the vocabulary"):
         engine.add_request(pack_prompt([1, VOCAB + 5]), params)  # a true packing: its ids checked
+    with pytest.raises(ValueError, match=rf"token ids \[{VOCAB + 5}\] outside the vocabulary"):
+        engine.add_request(LookupPrompt([1, VOCAB + 5], (), token_bytes([1, VOCAB + 5])), params)
+    long = engine.runner.max_model_len
+    for too_long in (pack_prompt([1] * long), [1] * long):  # (both paths: the same error)
+        with pytest.raises(ValueError, match=f"prompt of {long} tokens is too long"):
+            engine.add_request(too_long, params)
     assert len(engine.requests) == 2  # nothing refused was added
     run(engine)
     # A packed prompt (the router's) is the prompt; its admission hashes no block the
@@ -537,9 +559,8 @@ def test_a_prompt_is_checked_packed_once_and_its_packing_serves_the_first_admiss
     seq = engine.requests[c].seqs[0]
     # its bytes and memo of hashes, over the engine's own list (the caller's may change)
     assert seq.prompt.packed is packed.packed and seq.prompt.hashes is packed.hashes
-    assert seq.prompt.token_ids is engine.requests[c].prompt_ids and seq.token_ids == packed.token_ids
-    assert seq.token_ids is not packed.token_ids and seq.prompt.token_ids is not packed.token_ids
-    packed.token_ids[5] = 9  # (changed after add_request: the request keeps its ids)
+    assert seq.prompt.token_ids is engine.requests[c].prompt_ids and seq.token_ids == [1, 2, 3, 4, 5, 7]
+    assert type(seq.token_ids) is list and type(seq.prompt.token_ids) is list
     packings: list[int] = []
     to_bytes = coordinator.token_bytes
     coordinator.token_bytes = lambda ids: packings.append(len(ids)) or to_bytes(ids)

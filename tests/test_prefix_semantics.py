@@ -160,7 +160,7 @@ def test_a_packed_prompt_hashes_each_block_once_over_its_lookups_and_admission()
     # The request's token list is its own: the packed prompt's does not grow with it
     c.commit("z", 1)
     c.append_token_ids("z", [5])
-    assert packed.token_ids == prompt and c.token_ids("z") == [*prompt, 5]
+    assert packed.token_ids == tuple(prompt) and c.token_ids("z") == [*prompt, 5]
     for m in (a, b, c, d):
         m.check_integrity()
     # A packed prompt of other tokens, or not a LookupPrompt: refused, nothing admitted
@@ -409,13 +409,14 @@ def test_a_one_group_lookup_is_the_largest_point_its_group_serves():
 
 
 def test_a_stale_packing_is_refused_and_the_salt_memo_stays_bounded():
-    # A LookupPrompt whose list changed after pack_prompt carries the old bytes: its
-    # admission would compare them. Refused, nothing admitted.
+    # A LookupPrompt whose list changed after packing carries the old bytes: its admission
+    # would compare them. Refused, nothing admitted. (pack_prompt's ids are a tuple: only a
+    # LookupPrompt built otherwise, `_replace`'s here, has a list to change.)
     from kvpool.cache.coordinator import MAX_MEMO_SALTS
 
     m = make()
     prefill(m, "x", P8 + [99])
-    stale = pack_prompt(P8 + [20])
+    stale = pack_prompt(P8 + [20])._replace(token_ids=P8 + [20])
     stale.token_ids[:8] = [50 + t for t in range(8)]
     with pytest.raises(ValueError, match="packed prompt is not of these token ids"):
         m.admit("y", list(stale.token_ids), prompt=stale)

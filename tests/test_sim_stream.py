@@ -14,6 +14,7 @@ import pytest
 
 from kvpool.cache import CacheDescriptor, DSV4CacheManager, FullAttentionManager
 from kvpool.cache.coordinator import pack_prompt
+from kvpool.cache.types import CheckedPrompt
 from kvpool.engine.sampling import SamplingParams
 from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG
 from kvpool.sim.cost import CostModel
@@ -424,8 +425,10 @@ def test_a_turns_prompt_extended_from_the_last_equals_the_whole_prompt_packed():
             assert type(prompt.packed) is bytes
             assert prompt.mm_items == () and prompt.hashes == {}
             assert all(a is b for a, b in zip(prompt.token_ids, twin.token_ids, strict=True))  # the same objects
+            # pack_prompt's kind (its ids a tuple, which the engine's add_request trusts)
+            assert type(prompt) is CheckedPrompt and type(prompt.token_ids) is tuple
             if previous is not None:
-                assert prompt.token_ids is previous  # consumed: extended in place, not copied
+                assert previous == list(prompt.token_ids)  # consumed: extended in place
             # the engine's output gives back a list of its own (a copy of the prompt)
             previous = list(prompt.token_ids)
             packed = prompt.packed if k % 2 else None

@@ -52,6 +52,7 @@ from kvpool.cache.types import (
     BlockCopy,
     CacheDescriptor,
     CacheUsage,
+    CheckedPrompt,
     GroupAdmission,
     GroupReservation,
     LookupPrompt,
@@ -126,12 +127,19 @@ def pack_prompt(
     token_ids: Sequence[int], mm_items: Sequence[MMItem] = (), request_id: str = "<lookup>"
 ) -> LookupPrompt:
     """`token_ids` and its items checked (ValueError: an empty prompt, an id that is no
-    token, a bad item) and packed for `lookup_packed`."""
+    token, a bad item) and packed for `lookup_packed`: a CheckedPrompt, its ids a tuple of
+    Python ints (numpy's or torch's converted, as the engine's add_request converts them)."""
     if len(token_ids) == 0:
         raise ValueError(f"request {request_id!r} has an empty prompt")
     items = check_mm_items(mm_items, len(token_ids))
-    packed = token_bytes(token_ids)  # ValueError for an id that is no token; packed once for the groups
-    return LookupPrompt(list(token_ids), items, packed, {})
+    ids = tuple(token_ids)
+    packed = token_bytes(ids)  # ValueError for an id that is no token; packed once for the groups
+    # Every id is an integer in [0, 2**32) now (array("I") took it by __index__): `sum`
+    # stays an exact int over Python ints (and bools) in one C pass, and turns into a numpy
+    # or torch integer at the first such id; only then is every id converted
+    if type(sum(ids)) is not int:
+        ids = tuple(map(int, ids))
+    return CheckedPrompt(ids, items, packed, {})
 
 
 class GroupSpec(Protocol):
@@ -1063,8 +1071,9 @@ class HybridCacheManager:
             # bytes, unless the caller vouches for them (a LookupPrompt whose list was changed
             # after pack_prompt, or one built by hand, would have other bytes)
             ids = token_ids if type(token_ids) is list else list(token_ids)
+            known = prompt.token_ids  # (a CheckedPrompt's tuple compares as a list only to a tuple)
             if (
-                prompt.token_ids != ids
+                (known if type(known) is list else list(known)) != ids
                 or prompt.mm_items != (check_mm_items(mm_items, len(ids)) if mm_items else ())
                 or (check_packing and prompt.packed != token_bytes(ids))
             ):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args
 
@@ -55,10 +55,25 @@ class LookupPrompt(NamedTuple):
     (`BlockPool.match`'s memo; None: none kept). Treat it as the pools' memo: read it, never
     fill it by hand."""
 
-    token_ids: list[int]
+    token_ids: Sequence[int]  # a list, or a CheckedPrompt's tuple
     mm_items: tuple[MMItem, ...]
     packed: bytes  # token_bytes(token_ids)
     hashes: MatchMemo | None = None
+
+
+class CheckedPrompt(LookupPrompt):
+    """`pack_prompt`'s LookupPrompt (and the simulator's `turn_prompt`'s, packed the same
+    way): its ids a tuple of Python ints, checked when it was packed. A tuple cannot change,
+    so its ids stay the ids `packed` holds, and no caller's later change to the list it was
+    made from reaches it: the engine's add_request takes it without reading the ids again
+    (an id's int is a likely cache miss in a fleet run, and packing them again to compare
+    cost more than the rest of the call). A LookupPrompt built any other way (its list may
+    have changed after packing) is checked. `_replace` gives such a plain LookupPrompt."""
+
+    __slots__ = ()
+
+    def _replace(self, **changes: Any) -> LookupPrompt:  # type: ignore[override]
+        return LookupPrompt(*self)._replace(**changes)
 
 
 class BlockCopy(NamedTuple):

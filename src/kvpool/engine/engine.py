@@ -33,8 +33,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from kvpool.cache.coordinator import pack_prompt
-from kvpool.cache.types import LookupPrompt
+from kvpool.cache.types import CheckedPrompt, LookupPrompt
 from kvpool.engine.batch_sampler import BatchSampler, StepSampler
 from kvpool.engine.runner import ModelRunner, ScheduledChunk, StepChunks
 from kvpool.engine.sampling import SamplingParams, sample_token, token_logprobs
@@ -346,50 +345,11 @@ class Engine:
             raise ValueError(
                 f"request {request_id!r}: tenant {tenant!r} is not valid Unicode text ({error.reason} at {error.start})"
             ) from None
-        packed = prompt_ids if isinstance(prompt_ids, LookupPrompt) else None
-        prompt = list(packed.token_ids if packed is not None else prompt_ids)
-        if not prompt:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
-        if packed is not None and packed.mm_items:
-            raise ValueError(
-                f"request {request_id!r}: the engine takes no multimodal items ({len(packed.mm_items)} given)"
-            )
-        # The ids as Python ints, in one C pass where they are (the common case): `sum` stays
-        # an exact int over exact ints and bools, and turns into a numpy or torch integer (or
-        # a float) at the first such id; only then is every id converted (as int() does)
-        try:
-            total = sum(prompt)
-        except TypeError:  # (a str, bytes, None... among the ids)
-            bad = next((t for t in prompt if not isinstance(t, (int, float, np.number, torch.Tensor))), None)
-            raise ValueError(f"request {request_id!r}: token ids must be integers, got {bad!r}") from None
-        if type(total) is not int:
-            prompt = list(map(int, prompt))
-            packed = None
+        if type(prompt_ids) is CheckedPrompt:
+            prompt, packed = self._from_checked(prompt_ids, request_id)
+        else:
+            prompt, packed = self._check_prompt(prompt_ids, request_id)
         limit = self.runner.max_model_len
-        if len(prompt) >= limit:
-            raise ValueError(
-                f"request {request_id!r}: prompt of {len(prompt)} tokens is too long; "
-                f"at most {limit - 1} tokens fit (max_model_len {limit}, leaving room for one output token)"
-            )
-        vocab = self.runner.vocab_size
-        stale = False
-        try:
-            if packed is None:  # checked and packed once: the admission's lookup reuses it
-                packed = pack_prompt(prompt, request_id=request_id)
-            elif packed.packed != token_bytes(prompt):  # (its list changed after pack_prompt, or hand-built)
-                stale = True
-            top = int(np.frombuffer(packed.packed, dtype="<u4").max())  # (packed: ids in [0, 2**32))
-        except ValueError:
-            top = -1  # an id below 0 or past 2**32: named below
-        if stale:
-            raise ValueError(f"request {request_id!r}: the packed prompt is not the packing of its token ids")
-        if not 0 <= top < vocab:
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            raise ValueError(f"request {request_id!r}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
-        # The packing over the engine's own list (the caller's may change after this call; its
-        # bytes and memo of hashes are shared): the bytes are these ids' (checked or packed
-        # just now), so the admission compares the ids and does not pack them again
-        packed = LookupPrompt(prompt, (), packed.packed, packed.hashes)
         arrival = self.clock() if arrival_time is None else arrival_time
         req = RequestState(
             request_id,
@@ -409,6 +369,82 @@ class Engine:
         self.requests[request_id] = req
         self.waiting.append(seq)
         return request_id
+
+    def _from_checked(self, prompt: CheckedPrompt, request_id: str) -> tuple[list[int], LookupPrompt]:
+        """`pack_prompt`'s packing: its ids a tuple of Python ints that are its bytes' ids
+        (types.CheckedPrompt), never empty. One copy of the ids into the engine's list and
+        one C-level pass over the bytes for the vocabulary: the same errors as
+        `_check_prompt`'s, without the ids read again to check them."""
+        if prompt.mm_items:
+            raise ValueError(
+                f"request {request_id!r}: the engine takes no multimodal items ({len(prompt.mm_items)} given)"
+            )
+        ids = list(prompt.token_ids)
+        limit = self.runner.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(
+                f"request {request_id!r}: prompt of {len(ids)} tokens is too long; "
+                f"at most {limit - 1} tokens fit (max_model_len {limit}, leaving room for one output token)"
+            )
+        vocab = self.runner.vocab_size
+        if int(np.frombuffer(prompt.packed, dtype="<u4").max()) >= vocab:  # (packed: ids in [0, 2**32))
+            bad = [t for t in ids if not 0 <= t < vocab]
+            raise ValueError(f"request {request_id!r}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        # over the engine's own list, as `_check_prompt`'s (its bytes and memo of hashes shared)
+        return ids, LookupPrompt(ids, (), prompt.packed, prompt.hashes)
+
+    def _check_prompt(
+        self, prompt_ids: Sequence[int] | LookupPrompt, request_id: str
+    ) -> tuple[list[int], LookupPrompt]:
+        """The prompt's ids as the engine's own list of Python ints, and their packing over
+        it; ValueError (the request's id named) for an empty or too-long prompt, multimodal
+        items, an id that is no integer or outside the vocabulary, or a LookupPrompt whose
+        bytes are not its ids' (its list changed after packing, or built by hand)."""
+        packed = prompt_ids if isinstance(prompt_ids, LookupPrompt) else None
+        prompt = list(packed.token_ids if packed is not None else prompt_ids)
+        if not prompt:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        if packed is not None and packed.mm_items:
+            raise ValueError(
+                f"request {request_id!r}: the engine takes no multimodal items ({len(packed.mm_items)} given)"
+            )
+        # The ids as Python ints, in one C pass where they are (the common case): `sum` stays
+        # an exact int over exact ints and bools, and turns into a numpy or torch integer (or
+        # a float) at the first such id; only then is every id converted (as int() does)
+        try:
+            total = sum(prompt)
+        except TypeError:  # (a str, bytes, None... among the ids)
+            bad = next((t for t in prompt if not isinstance(t, (int, float, np.number, torch.Tensor))), None)
+            raise ValueError(f"request {request_id!r}: token ids must be integers, got {bad!r}") from None
+        hashes = packed.hashes if packed is not None else {}
+        if type(total) is not int:
+            prompt = list(map(int, prompt))
+            packed, hashes = None, {}  # (its list held other ids than ints: packed anew)
+        limit = self.runner.max_model_len
+        if len(prompt) >= limit:
+            raise ValueError(
+                f"request {request_id!r}: prompt of {len(prompt)} tokens is too long; "
+                f"at most {limit - 1} tokens fit (max_model_len {limit}, leaving room for one output token)"
+            )
+        vocab = self.runner.vocab_size
+        stale = False
+        data = b""
+        try:
+            data = token_bytes(prompt)  # checked and packed once: the admission's lookup reuses it
+            # (a LookupPrompt's list changed after packing, or one built by hand)
+            stale = packed is not None and packed.packed != data
+            top = int(np.frombuffer(data, dtype="<u4").max())  # (packed: ids in [0, 2**32))
+        except ValueError:
+            top = -1  # an id below 0 or past 2**32: named below
+        if stale:
+            raise ValueError(f"request {request_id!r}: the packed prompt is not the packing of its token ids")
+        if not 0 <= top < vocab:
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            raise ValueError(f"request {request_id!r}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        # The packing over the engine's own list (the caller's may change after this call; its
+        # bytes and memo of hashes are shared): the bytes are these ids' (checked or packed
+        # just now), so the admission compares the ids and does not pack them again
+        return prompt, LookupPrompt(prompt, (), data, hashes)
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request at any point; its cache is released once. False if unknown or done."""

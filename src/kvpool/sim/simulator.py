@@ -36,7 +36,7 @@ import numpy as np
 
 from kvpool.cache.coordinator import pack_prompt
 from kvpool.cache.dual_pool import RESTORE_METHODS
-from kvpool.cache.types import LookupPrompt
+from kvpool.cache.types import CheckedPrompt, LookupPrompt
 from kvpool.capacity.planner import Plan, plan
 from kvpool.engine.engine import Engine
 from kvpool.engine.runner import ModelRunner
@@ -470,29 +470,40 @@ def turn_prompt(
             f"turn {turn - 1}'s {expected} tokens"
         )
     memo = {} if previous_memo is None else previous_memo
+    # A CheckedPrompt, as pack_prompt's: its ids a tuple of Python ints that are its bytes'
+    # ids, which the engine's add_request then takes without reading them again. `previous`
+    # (and its packing) are the engine's checked ids; what the turn adds is checked here:
+    # token_bytes, the ValueError for an id outside [0, 2**32) (pack_prompt's check; the
+    # engine's add_request checks the vocabulary), and ints (`_ints`) as pack_prompt makes them
     if previous_answer is not None and turn < len(session.turns):
         if len(previous_answer) == session.turns[turn - 1].output_len:
-            user = session.turns[turn].user_ids
+            user = _ints(session.turns[turn].user_ids)
+            previous_answer = _ints(previous_answer)
             ids = previous
             ids += previous_answer
             ids += user
             if previous_packed is None:
-                return LookupPrompt(ids, (), token_bytes(ids), memo)
-            return LookupPrompt(
-                ids, (), b"".join((previous_packed, token_bytes(previous_answer), token_bytes(user))), memo
+                return CheckedPrompt(tuple(ids), (), token_bytes(ids), memo)
+            return CheckedPrompt(
+                tuple(ids), (), b"".join((previous_packed, token_bytes(previous_answer), token_bytes(user))), memo
             )
     answer, user = session.turn_tail(turn, vocab_size)
+    user = _ints(user)
     ids = previous
     ids += table[answer.astype(np.intp)].tolist()
     ids += user
-    # (token_bytes: the ValueError for an id outside [0, 2**32), pack_prompt's check; the
-    # engine's add_request checks the vocabulary)
     if previous_packed is None:
-        return LookupPrompt(ids, (), token_bytes(ids), memo)
+        return CheckedPrompt(tuple(ids), (), token_bytes(ids), memo)
     # the answer's ids are below vocab_size (stream_tokens' draws), so its uint32 cast is
     # exact; token_bytes' little-endian uint32 layout
     packed = b"".join((previous_packed, answer.astype("<u4").tobytes(), token_bytes(user)))
-    return LookupPrompt(ids, (), packed, memo)
+    return CheckedPrompt(tuple(ids), (), packed, memo)
+
+
+def _ints(ids: Sequence[int]) -> Sequence[int]:
+    """`ids` as Python ints (a turn's few added tokens): `sum` stays an exact int over them in
+    one C pass, so only ids of another type (numpy's) are converted, as pack_prompt does."""
+    return ids if type(sum(ids)) is int else [int(t) for t in ids]
 
 
 class Arrivals:
