@@ -496,6 +496,57 @@ def test_after_a_step_that_raised_every_request_ends_at_its_max_tokens_or_stop(w
     assert num_with_columns > 5
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(-3, VOCAB + 3), min_size=0, max_size=40),
+    st.sampled_from(["list", "numpy", "lookup"]),
+)
+def test_a_checked_packing_is_taken_as_the_checked_path_takes_its_ids(ids, kind):
+    # Twins: add_request of pack_prompt's packing (taken without its ids read again) and
+    # of the same ids checked (a list, a numpy array, a hand-built LookupPrompt): the same
+    # request (ids, packing, memo kept) or the same error, and nothing queued on an error
+    import numpy as np
+
+    from kvpool.cache.coordinator import pack_prompt
+    from kvpool.cache.types import LookupPrompt
+    from kvpool.pool.hashing import token_bytes
+
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    results = []
+    for fast in (True, False):
+        runner = PrefixModelRunner(8, 4)
+        runner.max_model_len = 32
+        engine = Engine(runner, max_num_batched_tokens=32)
+        try:
+            if fast:
+                prompt = pack_prompt(ids)
+            elif kind == "lookup":
+                prompt = LookupPrompt(list(ids), (), token_bytes(ids), {})
+            else:
+                prompt = np.array(ids, dtype=np.int64) if kind == "numpy" else list(ids)
+        except ValueError as error:  # pack_prompt's own refusals: an empty prompt, an id < 0
+            assert fast and (not ids or min(ids) < 0), error
+            results.append(None)
+            continue
+        try:
+            rid = engine.add_request(prompt, params, "r")
+        except ValueError as error:
+            assert not engine.requests and not engine.waiting
+            results.append(str(error))
+            continue
+        seq = engine.requests[rid].seqs[0]
+        assert type(seq.token_ids) is list and seq.token_ids is not engine.requests[rid].prompt_ids
+        assert seq.prompt is not None and seq.prompt.token_ids is engine.requests[rid].prompt_ids
+        assert [type(t) for t in seq.token_ids] == [int] * len(ids)
+        if fast or kind == "lookup":
+            assert seq.prompt.hashes is prompt.hashes  # (the lookups' memo kept)
+        results.append((engine.requests[rid].prompt_ids, seq.token_ids, seq.prompt.packed, seq.prompt.mm_items))
+    if results[0] is not None:  # (where pack_prompt refused, the engine's own message stands)
+        assert results[0] == results[1]
+    if ids and 0 <= min(ids) and max(ids) < VOCAB and len(ids) < 32:
+        assert results[0] == (ids, ids, token_bytes(ids), ())
+
+
 def test_a_prompt_is_checked_packed_once_and_its_packing_serves_the_first_admission_only():
     import numpy as np
 

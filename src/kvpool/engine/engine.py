@@ -334,7 +334,10 @@ class Engine:
         `arrival_time` (on the engine's clock; default: now) is where TTFT counts from.
         `tenant` salts the request's prefix chain: it hits only its own tenant's cache.
         `prompt_ids` may be `pack_prompt`'s packing of them (the simulator's router packed
-        it for its lookups): its admission then hashes no block those lookups hashed."""
+        it for its lookups): its admission then hashes no block those lookups hashed, and its
+        ids are copied once, not checked again (a CheckedPrompt's tuple cannot have changed
+        since pack_prompt checked it). A LookupPrompt built otherwise is checked: ValueError
+        where its bytes are not its ids' packing."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
