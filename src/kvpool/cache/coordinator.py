@@ -125,7 +125,7 @@ MAX_FRESH_APART = 8
 
 def pack_prompt(
     token_ids: Sequence[int], mm_items: Sequence[MMItem] = (), request_id: str = "<lookup>"
-) -> LookupPrompt:
+) -> CheckedPrompt:
     """`token_ids` and its items checked (ValueError: an empty prompt, an id that is no
     token, a bad item) and packed for `lookup_packed`: a CheckedPrompt, its ids a tuple of
     Python ints (numpy's or torch's converted, as the engine's add_request converts them)."""
