@@ -564,3 +564,102 @@ def test_a_memo_let_go_forgets_whether_its_ids_were_distinct() -> None:
     m.release("b")
     assert m._resolved_list == [] and m._resolved_distinct is None
     m.check_integrity()
+
+
+def _build_committed(rows: tuple[int, ...], nexts: list[int | None]) -> HybridCacheManager:
+    """A V4 cache whose requests r0.. (prompts of `rows` tokens, computed) ran one decode
+    step, committed with `nexts` (None: that row's next token id not given)."""
+    m = DSV4CacheManager(SPEC, 16, 8, DESC)
+    ids = [f"r{i}" for i in range(len(rows))]
+    for i, n in enumerate(rows):
+        assert m.admit(ids[i], _ids(n, i)) is not None
+        m.commit_step([ids[i]], [n], [1])
+    assert m.reserve_step(ids, [1] * len(ids))
+    m.commit_step(ids, [1] * len(ids), nexts)
+    assert m._decode_step is not None and not m._decode_step[3]  # (the committed memo)
+    return m
+
+
+def _reserve_twins(fast: HybridCacheManager, twin: HybridCacheManager, ids: list[str]) -> object:
+    """reserve_step of `ids` on the cache with its committed memo and on its twin without one
+    (every row checked): the same result or error, the same state, both intact."""
+    twin._decode_step = None
+    answers = []
+    for m in (fast, twin):
+        try:
+            answers.append(m.reserve_step(ids, [1] * len(ids)))
+        except (KeyError, ValueError) as error:
+            answers.append(f"{type(error).__name__}: {error}")
+        m.check_integrity()
+    assert answers[0] == answers[1]
+    views = [
+        ([(r, m.num_computed_tokens(r), m.num_reserved_tokens(r), m.token_ids(r)) for r in m.request_ids], m.usage())
+        for m in (fast, twin)
+    ]
+    assert views[0] == views[1]
+    return answers[0]
+
+
+def test_a_row_without_its_next_token_that_stays_is_checked_on_a_carried_reserve(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(coordinator, "MIN_ROWS_CARRIED", 1)  # (a few rows carry the memo too)
+    # r1's next token id is not given (a hole) but r1 stays; r2 leaves, so the next reserve
+    # carries the memo. Without r1's token its step cannot be reserved: the carried path
+    # must check r1 as the twin does, not move it unchecked as a row with its token
+    fast, twin = (_build_committed((15, 6, 9), [2, None, 2]) for _ in range(2))
+    for m in (fast, twin):
+        m.release("r2")
+    answer = _reserve_twins(fast, twin, ["r0", "r1"])
+    assert (
+        answer == "ValueError: request 'r1': cannot compute 1 tokens from 7: only 7 token ids are known "
+        "(append_token_ids first)"
+    )
+    # given its token, r1's step is reserved (checked), r0's carried
+    for m in (fast, twin):
+        m.append_token_ids("r1", [5])
+    assert _reserve_twins(fast, twin, ["r0", "r1"]) is True
+    assert [fast.num_reserved_tokens(r) for r in ("r0", "r1")] == [17, 8]
+
+
+def test_several_rows_that_leave_are_deleted_from_the_carried_memo_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(coordinator, "MIN_ROWS_CARRIED", 1)  # (a few rows carry the memo too)
+    # Five rows of distinct ends; r1 then r3 finish (and, in another order, r3 then r1):
+    # the carried memo deletes their rows in the order they left, so each row that stays
+    # keeps its own end (deleting in another order moves r2's or r4's end onto another row)
+    rows = (15, 6, 9, 20, 3)
+    for leaving in (("r1", "r3"), ("r3", "r1"), ("r0", "r1", "r4")):
+        fast, twin = (_build_committed(rows, [2] * 5) for _ in range(2))
+        for m in (fast, twin):
+            for r in leaving:
+                m.release(r)
+        stay = [f"r{i}" for i in range(5) if f"r{i}" not in leaving]
+        assert _reserve_twins(fast, twin, stay) is True
+        assert [fast.num_reserved_tokens(r) for r in stay] == [rows[int(r[1:])] + 2 for r in stay]
+
+
+def test_a_new_rows_hole_in_a_mixed_step_is_checked_by_the_next_reserve(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(coordinator, "MIN_ROWS_CARRIED", 1)  # (a few rows carry the memo too)
+
+    # A mixed step: r0 and r1 decode, r3 joins with a prompt chunk. Its whole prompt (its
+    # next token id the sampled one, here not given: a hole) or part of it (budget 12: the
+    # prompt's next id is known, no hole)
+    def build(budget: int | None) -> HybridCacheManager:
+        m = _build_committed((15, 6), [2, 2])
+        assert m.reserve_step(["r0", "r1"], [1, 1])
+        admitted = m.admit("r3", _ids(20, 3), budget)
+        assert admitted is not None
+        m.commit_step(["r0", "r1", "r3"], [1, 1, admitted.num_scheduled_tokens], [3, 3, None])
+        m.check_integrity()
+        return m
+
+    fast, twin = build(None), build(None)
+    answer = _reserve_twins(fast, twin, ["r0", "r1", "r3"])
+    assert (
+        answer == "ValueError: request 'r3': cannot compute 1 tokens from 20: only 20 token ids are known "
+        "(append_token_ids first)"
+    )
+    fast, twin = build(12), build(12)
+    assert fast.num_computed_tokens("r3") == 12
+    assert _reserve_twins(fast, twin, ["r0", "r1", "r3"]) is True
+    assert [fast.num_reserved_tokens(r) for r in ("r0", "r1", "r3")] == [18, 9, 13]
