@@ -17,6 +17,7 @@ from kvpool.cache.coordinator import pack_prompt
 from kvpool.cache.types import CheckedPrompt
 from kvpool.engine.sampling import SamplingParams
 from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG
+from kvpool.pool.hashing import token_bytes
 from kvpool.sim.cost import CostModel
 from kvpool.sim.executor import AnswerSampler, answer_seed
 from kvpool.sim.simulator import SimConfig, simulate, turn_prompt
@@ -30,6 +31,8 @@ from kvpool.workload.sessions import (
     CHAT_SYSTEM_LEN,
     CHAT_USER_LEN,
     GeneratedSessions,
+    Session,
+    Turn,
     Workload,
     chat_workload,
 )
@@ -437,6 +440,14 @@ def test_a_turns_prompt_extended_from_the_last_equals_the_whole_prompt_packed():
             answer = [sampler(None, params, 0, p) for p in range(params.max_tokens)] if k % 3 else None
             if answer and (k + turn) % 4 == 0:
                 answer = answer[:-1]
+    # A session's user ids of numpy's ints (a hand-made one): its prompts' ids are Python
+    # ints all the same, on both of turn 1's paths (the answer given, or made again)
+    odd = Session("np", 0.0, tuple(Turn(tuple(np.arange(3 * j + 1, 3 * j + 4)), 2) for j in range(2)))
+    first = turn_prompt(odd, 0, VOCAB, table)
+    for answer in (None, [5, 6]):
+        prompt = turn_prompt(odd, 1, VOCAB, table, list(first.token_ids), first.packed, answer)
+        assert [type(t) for t in prompt.token_ids] == [int] * 8 and prompt.token_ids[-3:] == (4, 5, 6)
+        assert prompt.packed == token_bytes(list(prompt.token_ids))
     s = sessions[0]
     whole = turn_prompt(s, 1, VOCAB, table)
     with pytest.raises(ValueError, match=r"previous holds \d+ tokens; turn 1 of session 'chat0' has \d+ tokens"):

@@ -472,13 +472,14 @@ def turn_prompt(
     memo = {} if previous_memo is None else previous_memo
     # A CheckedPrompt, as pack_prompt's: its ids a tuple of Python ints that are its bytes'
     # ids, which the engine's add_request then takes without reading them again. `previous`
-    # (and its packing) are the engine's checked ids; what the turn adds is checked here:
-    # token_bytes, the ValueError for an id outside [0, 2**32) (pack_prompt's check; the
-    # engine's add_request checks the vocabulary), and ints (`_ints`) as pack_prompt makes them
+    # (and its packing) and `previous_answer` are the engine's ints (its checked prompt, its
+    # sampler's tokens: not read again, an id a likely cache miss by now); the user's ids
+    # are checked here: token_bytes, the ValueError for an id outside [0, 2**32)
+    # (pack_prompt's check; the engine's add_request checks the vocabulary), and ints
+    # (`_ints`) as pack_prompt makes them
     if previous_answer is not None and turn < len(session.turns):
         if len(previous_answer) == session.turns[turn - 1].output_len:
             user = _ints(session.turns[turn].user_ids)
-            previous_answer = _ints(previous_answer)
             ids = previous
             ids += previous_answer
             ids += user
