@@ -142,6 +142,16 @@ def pack_prompt(
     return CheckedPrompt(ids, items, packed, {})
 
 
+def _pack(token_ids: Sequence[int], mm_items: Sequence[MMItem] = (), request_id: str = "<lookup>") -> LookupPrompt:
+    """pack_prompt's checks and packing for this cache's own use (a lookup, an admission
+    given no packing), where the ids are read from the bytes and no engine takes the ids
+    as checked ints: no pass to find ids that are not Python ints."""
+    if len(token_ids) == 0:
+        raise ValueError(f"request {request_id!r} has an empty prompt")
+    items = check_mm_items(mm_items, len(token_ids))
+    return LookupPrompt(list(token_ids), items, token_bytes(token_ids), {})
+
+
 class GroupSpec(Protocol):
     """A frozen spec that builds its group (cache/window.py, recurrent.py, dual_pool.py)."""
 
@@ -971,7 +981,7 @@ class HybridCacheManager:
 
     def group_hit_points(self, token_ids: Sequence[int], *, tenant_salt: str = "") -> dict[str, list[int]]:
         """Per group, every point it alone could serve (for reports and tests). Changes nothing."""
-        hits = self._hits(self._request_roots(tenant_salt, None), pack_prompt(token_ids), bounded=False)
+        hits = self._hits(self._request_roots(tenant_salt, None), _pack(token_ids), bounded=False)
         g = self.hit_granularity
         extras = {p for name, group in self.groups.items() for p in group.extra_points(hits[name])}
         points = sorted({*range(0, (len(token_ids) - 1) // g * g + 1, g), *(p for p in extras if p < len(token_ids))})
@@ -989,7 +999,7 @@ class HybridCacheManager:
         (no counter either)."""
         if not self._caching:
             return 0
-        return self.lookup_packed(pack_prompt(token_ids, mm_items), tenant_salt=tenant_salt, descriptor=descriptor)
+        return self.lookup_packed(_pack(token_ids, mm_items), tenant_salt=tenant_salt, descriptor=descriptor)
 
     def lookup_packed(
         self, prompt: LookupPrompt, *, tenant_salt: str = "", descriptor: CacheDescriptor | None = None
@@ -1061,7 +1071,7 @@ class HybridCacheManager:
         if max_new_tokens is not None and max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         if prompt is None:
-            prompt = pack_prompt(token_ids, mm_items, request_id)
+            prompt = _pack(token_ids, mm_items, request_id)
         elif not isinstance(prompt, LookupPrompt):
             raise TypeError(f"prompt must be pack_prompt's LookupPrompt, got {type(prompt).__name__}")
         else:
