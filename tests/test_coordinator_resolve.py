@@ -136,7 +136,9 @@ class _Twins:
 
 OPS = st.lists(
     st.tuples(
-        st.sampled_from(["step", "admit", "mixed", "finish", "preempt", "readmit", "fork", "reverse", "rollback"]),
+        st.sampled_from(
+            ["step", "admit", "mixed", "finish", "finish2", "preempt", "readmit", "fork", "reverse", "rollback"]
+        ),
         st.integers(0, 7),
         st.integers(1, 40),
     ),
@@ -154,10 +156,48 @@ OPS = st.lists(
     ops=[("admit", 0, 20), ("admit", 0, 30), ("admit", 0, 12), ("step", 1, 4), ("finish", 1, 1), ("step", 0, 4)]
     + [("mixed", 0, 10), ("finish", 0, 3), ("step", 1, 8)],
 )
+# (V4: a row committed without its next token id stays while another leaves, and the next
+# step does not give it: the carried reserve refuses it as the twin does)
+@example(
+    paged=False,
+    ops=[("admit", 0, 20), ("admit", 0, 30), ("admit", 0, 12), ("step", 0, 3), ("finish", 2, 1), ("step", 1, 5)],
+)
+# (V4: two rows leave, then a carried reserve)
+@example(
+    paged=False,
+    ops=[("admit", 0, 20), ("admit", 0, 30), ("admit", 0, 12), ("admit", 0, 9), ("step", 0, 4)]
+    + [("finish2", 0, 1), ("step", 0, 4)],
+)
+# (V4: a mixed step's joiner admits its whole prompt without its next token id, or a part)
+@example(
+    paged=False,
+    ops=[("admit", 0, 20), ("admit", 0, 30), ("step", 0, 4), ("mixed", 0, 11), ("step", 2, 5), ("step", 0, 4)]
+    + [("mixed", 0, 12), ("step", 0, 4)],
+)
 def test_the_memo_agrees_with_the_naive_twins_through_lifecycles(paged: bool, ops: list) -> None:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(coordinator, "MIN_ROWS_CARRIED", 1)  # (these small batches carry the memo too)
         _lifecycle(paged, ops)
+
+
+# V4 steady serving: a few rows decoding, some leaving (one or two at once), joiners (whole
+# prompts or parts, with or without their next token id), steps that leave a row without its
+# next token id: the carried memo's paths, which the wide lifecycle above draws rarely
+SERVING = st.lists(
+    st.tuples(
+        st.sampled_from(["step", "step", "admit", "mixed", "finish", "finish2"]), st.integers(0, 7), st.integers(1, 40)
+    ),
+    min_size=4,
+    max_size=30,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(prompts=st.lists(st.integers(1, 40), min_size=3, max_size=6), ops=SERVING)
+def test_the_carried_memo_agrees_with_the_naive_twins_in_steady_serving(prompts: list[int], ops: list) -> None:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(coordinator, "MIN_ROWS_CARRIED", 1)  # (these small batches carry the memo too)
+        _lifecycle(False, [("admit", 0, n) for n in prompts] + [("step", 0, 4), *ops])
 
 
 def _lifecycle(paged: bool, ops: list) -> None:
@@ -184,6 +224,13 @@ def _lifecycle(paged: bool, ops: list) -> None:
                     t.commit(m, [rid], [admitted[0].num_scheduled_tokens], [n % 251])
                 if op == "admit":
                     ids.append(rid)
+        elif op == "finish2" and len(ids) >= 2:
+            # two rows leave between steps (the carried memo deletes both, in the order they left)
+            other = ids[(who + 1) % len(ids)]
+            for r in (other, rid) if n % 2 else (rid, other):
+                for m in t.both:
+                    assert m.release(r, "finish") is True
+                ids.remove(r)
         elif op in ("finish", "preempt") and rid is not None:
             for m in t.both:
                 assert m.release(rid, op) is True
@@ -216,12 +263,19 @@ def _lifecycle(paged: bool, ops: list) -> None:
             fits = [m.reserve_step(ids, [1] * len(ids)) for m in t.both]
             assert fits[0] == fits[1]
             if fits[0]:
-                admitted = [m.admit(rid, _ids(n, offset=num_new)) for m in t.both]
+                # n % 3 == 0: a part of the prompt (its next id the prompt's); else all of it,
+                # n odd: its sampled token id not given (a hole among the memo's rows)
+                budget = n // 2 if n % 3 == 0 else None
+                admitted = [m.admit(rid, _ids(n, offset=num_new), budget) for m in t.both]
                 assert admitted[0] == admitted[1]
                 step_ids = [*ids, rid] if admitted[0] is not None else list(ids)
                 counts = [1] * len(ids) + ([admitted[0].num_scheduled_tokens] if admitted[0] is not None else [])
+                joiner: list[int | None] = []
+                if admitted[0] is not None:
+                    whole = t.fast.num_computed_tokens(rid) + admitted[0].num_scheduled_tokens == n
+                    joiner = [None if not whole or n % 2 else n % 251]
                 for m in t.both:
-                    t.commit(m, step_ids, counts, [n % 251] * len(step_ids))
+                    t.commit(m, step_ids, counts, [n % 251] * len(ids) + joiner)
                 if admitted[0] is not None:
                     ids.append(rid)
         elif op == "reverse":
@@ -232,14 +286,17 @@ def _lifecycle(paged: bool, ops: list) -> None:
                 for m in t.both:
                     m.rollback(rid, to)
         elif op == "step" and ids:
-            for _ in range(1 + n % 3):  # unchanged batches: the memo's hits
+            for repeat in range(1 + n % 3):  # unchanged batches: the memo's hits
                 for m in t.both:
                     for r in ids:
-                        if m.num_tokens(r) == m.num_computed_tokens(r):
+                        # n % 5 == 0: the first step gives no row without its next token id
+                        # one (the holes stay): both refuse the step, nothing changed
+                        if m.num_tokens(r) == m.num_computed_tokens(r) and (n % 5 or repeat):
                             m.append_token_ids(r, [n])
-                fits = [m.reserve_step(ids, [1] * len(ids)) for m in t.both]
+                fits = [_answer(m.reserve_step, ids, [1] * len(ids)) for m in t.both]
                 assert fits[0] == fits[1]
-                if not fits[0]:
+                t.check()
+                if fits[0] is not True:
                     break
                 starts = [t.fast.num_computed_tokens(r) for r in ids]
                 ends = [s + 1 for s in starts]
@@ -267,6 +324,14 @@ def _lifecycle(paged: bool, ops: list) -> None:
                 if n % 4 == 3:  # the committed step asked about again: its rows are not reserved now
                     _same_answer(t, tuple(ids), starts, ends)
         t.check()
+
+
+def _answer(call: object, *args: object) -> object:
+    """The call's result, or its error's type and message."""
+    try:
+        return call(*args)  # type: ignore[operator]
+    except (KeyError, ValueError) as error:
+        return f"{type(error).__name__}: {error}"
 
 
 def _same_answer(t: _Twins, ids: tuple[str, ...], starts: list[int], ends: list[int]) -> None:
