@@ -279,12 +279,13 @@ class HybridCacheManager:
         # memo's ends); None once read. Exact decode steps only (a paged cache would hold a
         # list of requests that left for nothing)
         self._carried: tuple[list[_Request], list[int]] | None = None
-        # The last exact decode step, while no request's counts moved since: (its `_resolve`
+        # The last exact step's memo, while no request's counts moved since: (its `_resolve`
         # list, each row's end, the rows whose end is on the decode period in step order, and
-        # pending). pending (`_reserve_decodes` reserved it): row i's reserved step is
-        # [ends[i] - 1, ends[i]); not pending (`_commit_decodes` committed it, every row's
-        # next token id given): row i is computed to ends[i], no step pending, nothing
-        # loading, its token id at ends[i] known. Every function that writes a request's
+        # pending). pending (`_reserve_decodes` reserved a decode step): row i's reserved step
+        # is [ends[i] - 1, ends[i]); not pending (`_commit_decodes` committed a decode step,
+        # or `_commit_chunks` a step of any token counts): row i is computed to ends[i], no
+        # step pending, nothing loading, its token id at ends[i] known unless it is a hole
+        # (below). Every function that writes a request's
         # `end` or `num_computed` sets it to None first (tests/test_coordinator_resolve.py
         # holds the source to it; `check_integrity` holds the rows to it). It spares the
         # passes of the step's other calls their checks: `step_reservations` reads the rows
@@ -292,9 +293,10 @@ class HybridCacheManager:
         # next step's `reserve_step` move the counts unchecked. Then, pending only, the step's
         # starts (each ends[i] - 1) where a committed memo gave them (its ends), else None:
         # `step_reservations` compares the starts it is given to them, no subtraction a row.
-        # Last, not pending only, the ids of the rows whose next token id is not known (a
-        # request that finished in the step: no token; it leaves before the next step): the
-        # memo vouches for the other rows only
+        # Last, not pending only, the holes: the ids of the rows whose next token id is not
+        # known (no token given: a request that finished in the step, or a joiner's prompt
+        # ended without its sampled id). A hole may stay for the next step: the memo vouches
+        # for the other rows only, and the next reserve checks a hole as a new row
         self._decode_step: _DecodeMemo | None = None
         self._preempted: set[str] = set()  # released by preemption, not yet admitted again
         self.stats = PrefixStats()
@@ -1307,10 +1309,10 @@ class HybridCacheManager:
         (`decode_reserve_period`). True, or False when the step does not fit, or None when a
         request is unknown, listed twice (its second entry finds a step reserved) or cannot
         reserve; on False or None every end is back (nothing changed). Rows the committed
-        decode-step memo vouches for are moved unchecked: every row of the step it
-        committed, or, the batch changed since (rows left, rows joined at the end), its rows
-        that stayed, the others checked. `_reserve_each` is its naive twin
-        (tests/test_dsv4_cache.py holds them equal)."""
+        memo vouches for are moved unchecked: every row of the step it committed but its
+        holes (rows without their next token id), or, the batch changed since (rows left,
+        rows joined at the end), its rows that stayed, holes excepted; the others checked.
+        `_reserve_each` is its naive twin (tests/test_dsv4_cache.py holds them equal)."""
         committed, self._decode_step = self._decode_step, None
         memo_ids = left = None  # the committed memo's ids and those that left since, for a carry
         if committed is not None and not committed[3] and committed[0] is self._resolved:
@@ -1553,7 +1555,9 @@ class HybridCacheManager:
         undone. The step's leading rows that `_reserve_decodes` reserved (the engine's
         running decodes, the joiners' chunks after them), where the decode-step memo vouches
         for them (an admission since keeps it), go unchecked as a decode step's do; the
-        other rows are checked one by one. `_commit_each` is its naive twin
+        other rows are checked one by one. A step that went through the memo's rows leaves a
+        committed memo over all its rows (see __init__), the rows without their next token
+        id (or loading) among its holes. `_commit_each` is its naive twin
         (tests/test_dsv4_cache.py holds them equal)."""
         reserved, self._decode_step = self._decode_step, None  # (the counts move below)
         period, exact, fresh = self._commit_period, self.exact_steps, self._fresh
