@@ -47,6 +47,15 @@ class Router:
         self.policy, self.replicas, self.load_cap = policy, replicas, load_cap
         self._next = itertools.cycle(range(len(replicas)))
         self._load = load or _LOAD  # (C-level: the property's getter, no lambda frame a replica)
+        # (pack_prompt, LookupPrompt) for prefix-aware choices: imported here, by the router
+        # that needs them (not at module load: the CLI's parser imports this module; nor by
+        # an import statement each arrival), and held by it, not by a module global
+        self._packing: tuple[Callable[..., LookupPrompt], type] | None = None
+        if policy == "prefix-aware":
+            from kvpool.cache.coordinator import pack_prompt
+            from kvpool.cache.types import LookupPrompt
+
+            self._packing = (pack_prompt, LookupPrompt)
 
     def route(self, prompt: Sequence[int] | LookupPrompt, tenant: str = "", hint: int | None = None) -> Replica:
         """The replica for `prompt`; pass it packed (`pack_prompt`) where the chosen
@@ -67,27 +76,12 @@ class Router:
         eligible = [r for r in reps if loads[r.index] <= cap]
         if len(eligible) == 1:  # no lookup to make (a lookup changes nothing)
             return eligible[0]
-        if _PACKING is None:
-            _load_packing()
-        pack_prompt, lookup_prompt = _PACKING  # type: ignore[misc]
+        pack_prompt, lookup_prompt = self._packing  # type: ignore[misc]
         # checked and packed once for every replica's lookup; its memo of block hashes makes
         # each replica's lookup hash only the blocks no replica before it hashed, and holds
         # the hashes the probes read
         packed = prompt if isinstance(prompt, lookup_prompt) else pack_prompt(prompt)
         return _choose_by_probes(eligible, loads, packed, tenant, hint)
-
-
-# (pack_prompt, LookupPrompt), imported at the first prefix-aware choice, not at module load
-# (the CLI's parser imports this module) nor by an import statement each arrival
-_PACKING: tuple[Callable[..., LookupPrompt], type] | None = None
-
-
-def _load_packing() -> None:
-    global _PACKING
-    from kvpool.cache.coordinator import pack_prompt
-    from kvpool.cache.types import LookupPrompt
-
-    _PACKING = (pack_prompt, LookupPrompt)
 
 
 def _choose_by_probes(
