@@ -421,13 +421,32 @@ def test_a_batch_taken_as_columns_ends_its_rows_as_accept_token_does():
     assert reasons == {"stop", "length"} and num_behind > 10
 
 
-def _run_with_a_faulty_step(requests, where: str, fault_step: int | None) -> tuple[list, bool]:
-    """Runs `requests` to their ends on an engine of the columns' twin tests; step number
+def _faulty_step_runner(kind: str):
+    """The runner of `_run_with_a_faulty_step`'s engine: "paged" (PrefixModelRunner, a cache
+    that takes a repeated reservation), "v4" (TinyDSV4's dual pool, exact steps whose group
+    can undo a reserved step) or "hybrid" (TinyHybrid's window and full attention groups,
+    exact steps that no group can undo)."""
+    if kind == "paged":
+        return PrefixModelRunner(64, 4)
+    from kvpool.engine.build import build_engine
+
+    if kind == "v4":
+        from kvpool.models.tiny_dsv4 import TinyDSV4
+
+        return build_engine(TinyDSV4()).runner
+    from kvpool.models.tiny_hybrid import TinyHybrid
+
+    return build_engine(TinyHybrid(), num_blocks=64, block_size=4).runner
+
+
+def _run_with_a_faulty_step(requests, where: str, fault_step: int | None, kind: str) -> tuple[list, bool]:
+    """Runs `requests` to their ends on an engine of the columns' twin tests (over the runner
+    `_faulty_step_runner(kind)`); step number
     `fault_step` (None: none) raises once, from the forward (`where` "forward") or the batch
     sampler ("sampler": before it samples; "sampled": after it sampled, its own state moved
     on), and the run goes on with the next step, as a caller that catches a step's fault does.
     The outputs, and whether the faulty step had decode columns from the step before."""
-    runner = PrefixModelRunner(64, 4)
+    runner = _faulty_step_runner(kind)
     engine = _twin_engine(runner, 256, 16, True, True)
     ids = [engine.add_request(prompt, params) for prompt, params in requests]
     execute, sample = runner.execute, engine._batch_sampler.sample
@@ -461,8 +480,9 @@ def _run_with_a_faulty_step(requests, where: str, fault_step: int | None) -> tup
     return [(c.token_ids, c.finish_reason) for c in outs], had_columns
 
 
+@pytest.mark.parametrize("kind", ["paged", "v4", "hybrid"])
 @pytest.mark.parametrize("where", ["forward", "sampler", "sampled"])
-def test_after_a_step_that_raised_every_request_ends_at_its_max_tokens_or_stop(where):
+def test_after_a_step_that_raised_every_request_ends_at_its_max_tokens_or_stop(where, kind):
     # A step that raises in its forward or its sampler takes no token; the caller (the
     # server, a loop that catches it) goes on stepping. The next steps must end every request
     # exactly where a run without the fault does (its twin): at its max_tokens, or at its
@@ -470,7 +490,9 @@ def test_after_a_step_that_raised_every_request_ends_at_its_max_tokens_or_stop(w
     # run in turn: in decode steps of the columns' rows (a row's end step the faulty one, or
     # the one after), and in mixed steps (admissions behind them). Once, the columns kept
     # across the faulty step counted its number as a step that took a token: rows whose end
-    # step went by never ended by length.
+    # step went by never ended by length. On every cache kind: a cache of exact steps refused
+    # the next step's reservation of the same tokens ("already has an uncommitted
+    # reservation") until the engine undid the faulty step's (V4) or took it as reserved (hybrid).
     rng = random.Random(11)  # (two of its requests stop at an EOS id)
     requests = [([1, 2, 3 + i], SamplingParams(max_tokens=6 + i, ignore_eos=True)) for i in range(3)]
     for _ in range(5):
@@ -480,17 +502,19 @@ def test_after_a_step_that_raised_every_request_ends_at_its_max_tokens_or_stop(w
             seed=rng.randrange(1000),
             ignore_eos=rng.random() < 0.5,
         )
-        requests.append(([rng.randrange(VOCAB) for _ in range(rng.randint(1, 7))], params))
-    twin, _ = _run_with_a_faulty_step(requests, where, None)
+        # (ids below 96, the tiny hybrid's vocabulary)
+        requests.append(([rng.randrange(96) for _ in range(rng.randint(1, 7))], params))
+    twin, _ = _run_with_a_faulty_step(requests, where, None, kind)
     # (the twin's lengths: max_tokens where a request ended by length, fewer at a stop id)
     assert all(
         len(tokens) == params.max_tokens if reason == "length" else len(tokens) < params.max_tokens
         for (tokens, reason), (_, params) in zip(twin, requests, strict=True)
     )
-    assert {reason for _, reason in twin} == {"length", "stop"}
+    # (the paged model's tokens hit its EOS ids; the tiny models' end every request by length)
+    assert {reason for _, reason in twin} == ({"length", "stop"} if kind == "paged" else {"length"})
     num_with_columns = 0
     for fault_step in range(1, 16):
-        outputs, had_columns = _run_with_a_faulty_step(requests, where, fault_step)
+        outputs, had_columns = _run_with_a_faulty_step(requests, where, fault_step, kind)
         assert outputs == twin, fault_step
         num_with_columns += had_columns
     assert num_with_columns > 5

@@ -529,6 +529,25 @@ class ModelRunner:
             self.bridge.save_evicted(self.cache, self.executor)
         return fits
 
+    def unreserve_step(self, request_ids: Sequence[str]) -> bool:
+        """After a step that raised before its commit (its forward, its sampler): its
+        requests' reservations (`reserve_step`'s, an admission's) undone, latest first, so the
+        cache is as before the step, and the step buffers hold no step. True when the next
+        step may reserve them again: undone, or a cache not of exact steps, whose repeated
+        reservation of the same step replaces the held one. False, nothing undone, where a
+        cache of exact steps has a group that cannot undo a step (`can_unreserve`): the
+        reservations stay, for the next step of the same chunks to take as reserved."""
+        if self.step_buffers is not None:
+            self.step_buffers.clear()
+        cache = self.cache
+        if not cache.exact_steps:
+            return True
+        if not all(g.can_unreserve for g in cache.groups.values()):
+            return False
+        for request_id in reversed(request_ids):
+            cache.unreserve(request_id)
+        return True
+
     def append_token_ids(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Sampled tokens join the request (their KV is computed by a later step)."""
         self.cache.append_token_ids(request_id, token_ids)
