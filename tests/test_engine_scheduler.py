@@ -425,7 +425,7 @@ def _faulty_step_runner(kind: str):
     """The runner of `_run_with_a_faulty_step`'s engine: "paged" (PrefixModelRunner, a cache
     that takes a repeated reservation), "v4" (TinyDSV4's dual pool, exact steps whose group
     can undo a reserved step) or "hybrid" (TinyHybrid's window and full attention groups,
-    exact steps that no group can undo)."""
+    exact steps that no group can undo: its sequences are recomputed)."""
     if kind == "paged":
         return PrefixModelRunner(64, 4)
     from kvpool.engine.build import build_engine
@@ -492,7 +492,7 @@ def test_after_a_step_that_raised_every_request_ends_at_its_max_tokens_or_stop(w
     # across the faulty step counted its number as a step that took a token: rows whose end
     # step went by never ended by length. On every cache kind: a cache of exact steps refused
     # the next step's reservation of the same tokens ("already has an uncommitted
-    # reservation") until the engine undid the faulty step's (V4) or took it as reserved (hybrid).
+    # reservation") until the engine undid or released the faulty step's (V4, hybrid: recomputed).
     rng = random.Random(11)  # (two of its requests stop at an EOS id)
     requests = [([1, 2, 3 + i], SamplingParams(max_tokens=6 + i, ignore_eos=True)) for i in range(3)]
     for _ in range(5):

@@ -309,11 +309,6 @@ class Engine:
         # before its forward, the steps the columns live through are steps that took a token
         # a row (stats.num_steps counts the same, but stats are the caller's to read)
         self._step_no = 0
-        # Reservations a step that raised left in a cache that cannot undo them (exact steps,
-        # a group without `unreserve`): sequence id -> its reserved token count. The next
-        # step reserving the same count for it takes the one held instead of reserving
-        # again, which such a cache refuses ("already has an uncommitted reservation").
-        self._held: dict[str, int] = {}
         self._ids = itertools.count()
 
     @property
@@ -538,8 +533,6 @@ class Engine:
 
     def _preempt(self, seq: SequenceState, reason: ReleaseReason = "preempt") -> None:
         self.runner.release(seq.seq_id, reason)
-        if self._held:
-            self._held.pop(seq.seq_id, None)  # (released with the rest of its cache)
         seq.in_runner = False
         seq.num_computed = 0
         running = self.running
@@ -554,8 +547,6 @@ class Engine:
         seq.finish_reason = reason
         # Also for a sequence that waits (preempted): the runner forgets it, holding nothing.
         self.runner.release(seq.seq_id, "cancel" if reason == "abort" else "finish")
-        if self._held:
-            self._held.pop(seq.seq_id, None)
         seq.in_runner = False
         # (one scan of the running list, not a membership test and then the removal's own: a
         # sequence compares by identity, but every other one it passes costs a call to __eq__)
@@ -652,55 +643,29 @@ class Engine:
             budget -= n
         return seqs, ids, counts, chunks
 
-    def _reserve_step(self, ids: list[str], counts: list[int]) -> bool:
-        """`runner.reserve_step` of the sequences `ids`, where some may hold the reservation a
-        step that raised left (`_held`): those of the same count are taken as reserved, the
-        others reserved. All or nothing, as reserve_step: the held stay held on False."""
-        held = self._held
-        if not held:
-            return self.runner.reserve_step(ids, counts)
-        rest_ids, rest_counts = [], []
-        for seq_id, n in zip(ids, counts, strict=True):
-            kept = held.get(seq_id)
-            if kept is None:
-                rest_ids.append(seq_id)
-                rest_counts.append(n)
-            elif kept != n:
-                # (the step is planned as the one that raised: its sequences, in the same
-                # order, within the same budget; another count means the plan changed)
-                raise RuntimeError(
-                    f"sequence {seq_id!r} holds a reservation of {kept} tokens from a step that raised, "
-                    f"which its cache cannot undo, but the step plans {n}"
-                )
-        if rest_ids and not self.runner.reserve_step(rest_ids, rest_counts):
-            return False
-        for seq_id in ids:
-            held.pop(seq_id, None)
-        return True
-
     def _after_a_fault(self) -> None:
         """The step raised after its reservation (its forward, its sampler), before any token
-        was taken or committed: the cache goes back to before the step where it can undo the
-        reservations (`runner.unreserve_step`). Where it cannot (a cache of exact steps with a
-        group that cannot undo one), they stay, recorded in `_held`, and the next step, which
-        plans the same chunks, takes them instead of reserving again. Either way stepping on
-        gives the tokens of a run without the fault. A forward that ran, whole or in part,
-        may have moved an executor's per-request state (V4's compressor, a recurrent layer's)
-        past the step, which a rerun would move again (a sampler's fault after V4's forward
-        gave other tokens): on such an executor the step's sequences are released and
-        recomputed, as a preemption that recomputes (their state rebuilt from their tokens,
-        the prefix cache's hits kept; "cancel": never swapped out with the moved state)."""
-        if getattr(getattr(self.runner, "executor", None), "has_state", False):
-            for seq in reversed(self._scheduled):
-                if seq.in_runner:
-                    self._preempt(seq, "cancel")
-            return
-        ids, counts = self._step_ids, self._step_counts
-        # (a runner of its own may have none: its cache is its own, as a paged one, which
-        # takes a repeated reservation of the same step)
+        was taken or committed. Stepping on must give the tokens of a run without the fault.
+        Where the runner can undo the step's reservations (`runner.unreserve_step`: a cache
+        whose groups undo a reserved step, or one not of exact steps, which takes a repeated
+        reservation of the same step), the cache is as before the step and the next step
+        plans and reserves it again. Where it cannot (a cache of exact steps with a group
+        that cannot undo one: the hybrid's attention groups), or where the executor holds
+        per-request state (V4's compressor, a recurrent layer's), which a forward that ran,
+        whole or in part, moved past the step and a rerun would move again (a sampler's
+        fault after V4's forward gave other tokens), the step's sequences are released and
+        recomputed, as a preemption that recomputes: their state rebuilt from their tokens,
+        the prefix cache's hits kept ("cancel": never swapped out with the moved state)."""
+        # (a runner of its own may have no unreserve_step: its cache is its own, as a
+        # paged one, which takes a repeated reservation of the same step)
         unreserve = getattr(self.runner, "unreserve_step", None)
-        if unreserve is not None and not unreserve(ids):
-            self._held.update(zip(ids, counts, strict=True))
+        if unreserve is None:
+            return
+        if not getattr(self.runner.executor, "has_state", False) and unreserve(self._step_ids):
+            return
+        for seq in reversed(self._scheduled):
+            if seq.in_runner:
+                self._preempt(seq, "cancel")
 
     def _reserve_with_preemption(self) -> list[tuple[SequenceState, int]]:
         """The step does not fit: reserve sequence by sequence, in arrival order, preempting
@@ -711,7 +676,7 @@ class Engine:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(len(seq.token_ids) - seq.num_computed, budget)
-            while not self._timed(lambda seq=seq, n=n: self._reserve_step([seq.seq_id], [n])):
+            while not self._timed(lambda seq=seq, n=n: self.runner.reserve_step([seq.seq_id], [n])):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
@@ -727,8 +692,7 @@ class Engine:
         scheduled, ids, counts, chunks = self._plan_running(self.max_num_batched_tokens)
         columns = self._plan_columns
         preempted = False
-        reserve = self.runner.reserve_step if not self._held else self._reserve_step
-        if ids and not self._timed(lambda: reserve(ids, counts)):
+        if ids and not self._timed(lambda: self.runner.reserve_step(ids, counts)):
             columns = None  # (the plan is taken again, sequence by sequence)
             num_preemptions = self.stats.num_preemptions
             plan = self._reserve_with_preemption()

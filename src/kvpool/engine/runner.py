@@ -536,7 +536,7 @@ class ModelRunner:
         step may reserve them again: undone, or a cache not of exact steps, whose repeated
         reservation of the same step replaces the held one. False, nothing undone, where a
         cache of exact steps has a group that cannot undo a step (`can_unreserve`): the
-        reservations stay, for the next step of the same chunks to take as reserved."""
+        engine then releases the step's requests and recomputes them."""
         if self.step_buffers is not None:
             self.step_buffers.clear()
         cache = self.cache
