@@ -650,6 +650,69 @@ def test_a_prompt_is_checked_packed_once_and_its_packing_serves_the_first_admiss
         assert engine.output(rid).completions[0].token_ids == expected(prompt, 3)
 
 
+def test_a_checked_prompt_cannot_be_forged_and_every_other_route_is_checked():
+    # The engine takes a CheckedPrompt without reading its ids: only pack_prompt (and the
+    # simulator's turn_prompt) make one. Each route a reviewer forged one by is refused
+    # (TypeError) or gives a plain LookupPrompt, which the engine checks (its old errors)
+    import copy
+    import pickle
+
+    import numpy as np
+
+    from kvpool.cache.coordinator import pack_prompt
+    from kvpool.cache.types import CheckedPrompt, LookupPrompt
+    from kvpool.pool.hashing import token_bytes
+
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    rule = "a CheckedPrompt is made only by pack_prompt"
+    for fields in (
+        ((1, 2, 3), (), token_bytes([1, 2, 4]), {}),  # bytes not its ids': wrong prefix hits
+        ((1, 2, 3), (), token_bytes([1, 2]), {}),  # a shorter packing
+        ((-1, 2), (), token_bytes([1, 2]), {}),  # an id the vocabulary check (of the bytes) misses
+        ([np.int64(1), np.int64(2)], (), token_bytes([1, 2]), {}),  # no tuple of Python ints
+        ((), (), b"", {}),
+    ):
+        with pytest.raises(TypeError, match=rule):
+            CheckedPrompt(*fields)
+        with pytest.raises(TypeError, match=rule):
+            CheckedPrompt(*fields, key=object())
+    checked = pack_prompt([1, 2, 3])
+    made = checked._make([(5, 6, 7), (), token_bytes([1, 2, 3]), {}])
+    assert type(made) is LookupPrompt and type(CheckedPrompt._make(list(checked))) is LookupPrompt
+    replaced = checked._replace(token_ids=(5, 6, 7))
+    assert type(replaced) is LookupPrompt
+    for forged in (made, replaced):
+        engine = Engine(PrefixModelRunner(8, 4), max_num_batched_tokens=32)
+        with pytest.raises(ValueError, match="the packed prompt is not the packing of its token ids"):
+            engine.add_request(forged, params)
+        assert not engine.requests and not engine.waiting
+    # copy and pickle give a plain LookupPrompt of the same fields, checked and then taken
+    for twin in (copy.copy(checked), copy.deepcopy(checked), pickle.loads(pickle.dumps(checked))):
+        assert type(twin) is LookupPrompt and tuple(twin) == tuple(checked)
+        engine = Engine(PrefixModelRunner(8, 4), max_num_batched_tokens=32)
+        rid = engine.add_request(twin, params, "r")
+        seq = engine.requests[rid].seqs[0]
+        assert seq.token_ids == [1, 2, 3] and seq.prompt.packed == token_bytes([1, 2, 3])
+    # a true packing's errors name the problem: the prompt is empty (pack_prompt's and a
+    # hand-built LookupPrompt's), the ids outside the vocabulary (those its bytes hold)
+    engine = Engine(PrefixModelRunner(8, 4), max_num_batched_tokens=32)
+    with pytest.raises(ValueError, match="'e' has an empty prompt"):
+        pack_prompt([], request_id="e")
+    for empty in (LookupPrompt([], (), b"", {}), LookupPrompt((), (), b""), []):
+        with pytest.raises(ValueError, match=r"request 'e': the prompt is empty"):
+            engine.add_request(empty, params, "e")
+    # (the engine's check of a CheckedPrompt, reached by one pack_prompt itself would refuse)
+    from kvpool.cache.types import _CHECKED_KEY
+
+    with pytest.raises(ValueError, match=r"request 'e': the prompt is empty"):
+        engine.add_request(CheckedPrompt((), (), b"", {}, key=_CHECKED_KEY), params, "e")
+    for bad in ([1, VOCAB, 3, VOCAB + 7], [VOCAB + 1, 2**32 - 1]):
+        named = ", ".join(str(t) for t in bad if t >= VOCAB)
+        with pytest.raises(ValueError, match=rf"request 'v': token ids \[{named}\] outside the vocabulary"):
+            engine.add_request(pack_prompt(bad), params, "v")
+    assert not engine.requests and not engine.waiting
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     rows=st.lists(

@@ -46,6 +46,7 @@ from typing import Any, NamedTuple, Protocol
 
 from kvpool.cache.group import CacheGroup, LowerTier
 from kvpool.cache.types import (
+    _CHECKED_KEY,
     NO_RESERVATION,
     RELEASE_REASONS,
     Admission,
@@ -139,7 +140,7 @@ def pack_prompt(
     # or torch integer at the first such id; only then is every id converted
     if type(sum(ids)) is not int:
         ids = tuple(map(int, ids))
-    return CheckedPrompt(ids, items, packed, {})
+    return CheckedPrompt(ids, items, packed, {}, key=_CHECKED_KEY)
 
 
 def _pack(token_ids: Sequence[int], mm_items: Sequence[MMItem] = (), request_id: str = "<lookup>") -> LookupPrompt:

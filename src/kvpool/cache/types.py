@@ -61,6 +61,14 @@ class LookupPrompt(NamedTuple):
     hashes: MatchMemo | None = None
 
 
+# `CheckedPrompt`'s construction key: only `pack_prompt` (cache/coordinator.py) and the
+# simulator's `turn_prompt`, which check or pack the ids themselves, pass it. A prompt the
+# engine trusts without reading its ids must not be built by hand: its bytes could hold
+# other ids than its tuple (blocks cached under the wrong prefix), or its ids could be no
+# Python ints or outside the vocabulary.
+_CHECKED_KEY = object()
+
+
 class CheckedPrompt(LookupPrompt):
     """`pack_prompt`'s LookupPrompt (and the simulator's `turn_prompt`'s, packed the same
     way): its ids a tuple of Python ints, checked when it was packed. A tuple cannot change,
@@ -68,12 +76,40 @@ class CheckedPrompt(LookupPrompt):
     made from reaches it: the engine's add_request takes it without reading the ids again
     (an id's int is a likely cache miss in a fleet run, and packing them again to compare
     cost more than the rest of the call). A LookupPrompt built any other way (its list may
-    have changed after packing) is checked. `_replace` gives such a plain LookupPrompt."""
+    have changed after packing) is checked. Only those two functions make one (TypeError
+    otherwise); `_replace`, `_make`, copy and pickle give a plain LookupPrompt, which the
+    engine checks."""
 
     __slots__ = ()
 
+    def __new__(
+        cls,
+        token_ids: Sequence[int],
+        mm_items: tuple[MMItem, ...],
+        packed: bytes,
+        hashes: MatchMemo | None = None,
+        *,
+        key: object = None,
+    ) -> CheckedPrompt:
+        if key is not _CHECKED_KEY:
+            raise TypeError(
+                "a CheckedPrompt is made only by pack_prompt (its ids checked and packed there); "
+                "build a LookupPrompt instead, which the engine checks"
+            )
+        return tuple.__new__(cls, (token_ids, mm_items, packed, hashes))
+
+    @classmethod
+    def _make(cls, iterable: Any) -> LookupPrompt:  # type: ignore[override]
+        # (namedtuple's _make calls tuple.__new__ directly, past the key)
+        return LookupPrompt._make(iterable)
+
     def _replace(self, **changes: Any) -> LookupPrompt:  # type: ignore[override]
         return LookupPrompt(*self)._replace(**changes)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # copy and pickle rebuild a plain LookupPrompt: a copy the engine checks again
+        # (an unpickled one may come from anywhere)
+        return (LookupPrompt, tuple(self))
 
 
 class BlockCopy(NamedTuple):

@@ -383,6 +383,8 @@ class Engine:
                 f"request {request_id!r}: the engine takes no multimodal items ({len(prompt.mm_items)} given)"
             )
         ids = list(prompt.token_ids)
+        if not ids:  # (before the bytes' max below, which an empty array refuses)
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
         limit = self.runner.max_model_len
         if len(ids) >= limit:
             raise ValueError(
@@ -390,8 +392,9 @@ class Engine:
                 f"at most {limit - 1} tokens fit (max_model_len {limit}, leaving room for one output token)"
             )
         vocab = self.runner.vocab_size
-        if int(np.frombuffer(prompt.packed, dtype="<u4").max()) >= vocab:  # (packed: ids in [0, 2**32))
-            bad = [t for t in ids if not 0 <= t < vocab]
+        data = np.frombuffer(prompt.packed, dtype="<u4")
+        if int(data.max()) >= vocab:  # (packed: ids in [0, 2**32))
+            bad = data[data >= vocab].tolist()  # the ids the bytes hold, as the cache reads them
             raise ValueError(f"request {request_id!r}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
         # over the engine's own list, as `_check_prompt`'s (its bytes and memo of hashes shared)
         return ids, LookupPrompt(ids, (), prompt.packed, prompt.hashes)

@@ -36,7 +36,7 @@ import numpy as np
 
 from kvpool.cache.coordinator import pack_prompt
 from kvpool.cache.dual_pool import RESTORE_METHODS
-from kvpool.cache.types import CheckedPrompt, LookupPrompt
+from kvpool.cache.types import _CHECKED_KEY, CheckedPrompt, LookupPrompt
 from kvpool.capacity.planner import Plan, plan
 from kvpool.engine.engine import Engine
 from kvpool.engine.runner import ModelRunner
@@ -484,21 +484,20 @@ def turn_prompt(
             ids += previous_answer
             ids += user
             if previous_packed is None:
-                return CheckedPrompt(tuple(ids), (), token_bytes(ids), memo)
-            return CheckedPrompt(
-                tuple(ids), (), b"".join((previous_packed, token_bytes(previous_answer), token_bytes(user))), memo
-            )
+                return CheckedPrompt(tuple(ids), (), token_bytes(ids), memo, key=_CHECKED_KEY)
+            packed = b"".join((previous_packed, token_bytes(previous_answer), token_bytes(user)))
+            return CheckedPrompt(tuple(ids), (), packed, memo, key=_CHECKED_KEY)
     answer, user = session.turn_tail(turn, vocab_size)
     user = _ints(user)
     ids = previous
     ids += table[answer.astype(np.intp)].tolist()
     ids += user
     if previous_packed is None:
-        return CheckedPrompt(tuple(ids), (), token_bytes(ids), memo)
+        return CheckedPrompt(tuple(ids), (), token_bytes(ids), memo, key=_CHECKED_KEY)
     # the answer's ids are below vocab_size (stream_tokens' draws), so its uint32 cast is
     # exact; token_bytes' little-endian uint32 layout
     packed = b"".join((previous_packed, answer.astype("<u4").tobytes(), token_bytes(user)))
-    return CheckedPrompt(tuple(ids), (), packed, memo)
+    return CheckedPrompt(tuple(ids), (), packed, memo, key=_CHECKED_KEY)
 
 
 def _ints(ids: Sequence[int]) -> Sequence[int]:
