@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvpool.cache import CacheDescriptor, FullAttentionManager
@@ -520,22 +520,34 @@ def test_after_a_step_that_raised_every_request_ends_at_its_max_tokens_or_stop(w
     assert num_with_columns > 5
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     st.lists(st.integers(-3, VOCAB + 3), min_size=0, max_size=40),
     st.sampled_from(["list", "numpy", "lookup"]),
+    st.sampled_from([None, None, None, 2**32 - 2, 2**32 - 1, 2**32, 2**32 + 1]),
+    st.integers(0, 39),
 )
-def test_a_checked_packing_is_taken_as_the_checked_path_takes_its_ids(ids, kind):
-    # Twins: add_request of pack_prompt's packing (taken without its ids read again) and
-    # of the same ids checked (a list, a numpy array, a hand-built LookupPrompt): the same
-    # request (ids, packing, memo kept) or the same error, and nothing queued on an error
+@example(ids=[1, VOCAB], kind="list", big=None, at=0)  # (the vocabulary's edge: drawn rarely)
+@example(ids=[VOCAB - 1, 3], kind="numpy", big=None, at=0)
+@example(ids=[1, 2], kind="numpy", big=2**32 - 1, at=0)
+@example(ids=[1, 2], kind="list", big=2**32, at=1)
+@example(ids=[], kind="lookup", big=None, at=0)
+def test_a_checked_packing_is_taken_as_the_checked_path_takes_its_ids(ids, kind, big, at):
+    # Twins: add_request of pack_prompt's packing (taken without its ids read again; packed
+    # from the same kind of ids) and of the same ids checked (a list, a numpy array, a
+    # hand-built LookupPrompt): the same request (ids, packing, memo kept) or the same
+    # error, and nothing queued on an error. Where pack_prompt itself refuses (an empty
+    # prompt, an id outside [0, 2**32)), the checked path refuses the same ids too
     import numpy as np
 
     from kvpool.cache.coordinator import pack_prompt
     from kvpool.cache.types import LookupPrompt
     from kvpool.pool.hashing import token_bytes
 
+    if big is not None and ids:  # (one id near 2**32, in or just past uint32, at times)
+        ids[at % len(ids)] = big
     params = SamplingParams(max_tokens=2, ignore_eos=True)
+    drawn = np.array(ids, dtype=np.int64) if kind == "numpy" else list(ids)
     results = []
     for fast in (True, False):
         runner = PrefixModelRunner(8, 4)
@@ -543,14 +555,14 @@ def test_a_checked_packing_is_taken_as_the_checked_path_takes_its_ids(ids, kind)
         engine = Engine(runner, max_num_batched_tokens=32)
         try:
             if fast:
-                prompt = pack_prompt(ids)
+                prompt = pack_prompt(drawn)
             elif kind == "lookup":
                 prompt = LookupPrompt(list(ids), (), token_bytes(ids), {})
             else:
-                prompt = np.array(ids, dtype=np.int64) if kind == "numpy" else list(ids)
-        except ValueError as error:  # packing's own refusals: an id < 0 (pack_prompt's: an empty prompt)
-            assert (fast or kind == "lookup") and (not ids or min(ids) < 0), error
-            results.append(None)
+                prompt = drawn
+        except ValueError as error:  # packing's own refusals
+            assert (fast or kind == "lookup") and (not ids or min(ids) < 0 or max(ids) >= 2**32), error
+            results.append(("refused", "empty prompt" if not ids else "outside [0, 2**32)"))
             continue
         try:
             rid = engine.add_request(prompt, params, "r")
@@ -565,10 +577,27 @@ def test_a_checked_packing_is_taken_as_the_checked_path_takes_its_ids(ids, kind)
         if fast or kind == "lookup":
             assert seq.prompt.hashes is prompt.hashes  # (the lookups' memo kept)
         results.append((engine.requests[rid].prompt_ids, seq.token_ids, seq.prompt.packed, seq.prompt.mm_items))
-    if results[0] is not None:  # (where pack_prompt refused, the engine's own message stands)
+    if results[0][0] == "refused":
+        # pack_prompt refused: the checked path refuses these ids too, naming the problem
+        # (its own words: the engine's vocabulary is narrower than [0, 2**32))
+        named = "the prompt is empty" if not ids else "outside the vocabulary"
+        engine = Engine(PrefixModelRunner(8, 4), max_num_batched_tokens=32)
+        with pytest.raises(ValueError, match=named):
+            engine.add_request(drawn, params, "r")
+        assert not engine.requests and not engine.waiting
+        if isinstance(results[1], str):  # (the checked twin's own refusal, the same problem)
+            assert named in results[1]
+        else:  # (a hand-built LookupPrompt of such ids cannot be packed either)
+            assert kind == "lookup" and results[1] == results[0]
+    else:
         assert results[0] == results[1]
     if ids and 0 <= min(ids) and max(ids) < VOCAB and len(ids) < 32:
         assert results[0] == (ids, ids, token_bytes(ids), ())
+    elif ids and 0 <= min(ids) and max(ids) < 2**32 and len(ids) < 32:
+        assert (
+            results[0]
+            == f"request 'r': token ids {[t for t in ids if t >= VOCAB][:5]} outside the vocabulary [0, {VOCAB})"
+        )
 
 
 def test_a_prompt_is_checked_packed_once_and_its_packing_serves_the_first_admission_only():
