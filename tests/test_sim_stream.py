@@ -580,3 +580,27 @@ def test_collections_that_free_nothing_are_spaced_further_and_one_that_frees_res
     assert gc.get_threshold() == before and _back_off not in gc.callbacks
     gc.collect(0)  # the callback is gone: nothing changes the thresholds
     assert gc.get_threshold() == before
+
+
+@pytest.mark.parametrize("routing", ["prefix-aware", "round-robin"])
+def test_every_prompt_the_engine_admits_in_a_run_is_packed_as_its_ids(routing, monkeypatch):
+    # turn_prompt's CheckedPrompt carries the last turn's packing, which the engine trusts
+    # without reading the ids again: a wrong carried packing (zeros, one token off) would
+    # cache blocks under other ids than those computed. Every admission of a multi-turn run
+    # is checked here against its ids packed afresh (planted: the packing carried as
+    # bytes(len(prompt.packed)), or one carried token off, fails it)
+    from kvpool.engine.engine import Engine
+
+    admitted = []
+    add_request = Engine.add_request
+
+    def checked_add(self, prompt, *args, **kwargs):
+        assert type(prompt) is CheckedPrompt and type(prompt.token_ids) is tuple
+        assert prompt.packed == token_bytes(prompt.token_ids), args[1] if len(args) > 1 else kwargs
+        admitted.append(len(prompt.token_ids))
+        return add_request(self, prompt, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "add_request", checked_add)
+    model, gpu, config, cost = _setup(routing=routing)
+    report = simulate(model, gpu, chat_workload(20, 3, 6.0, model.vocab_size, seed=4), config, cost)
+    assert report["num_finished"] == len(admitted) == 60
