@@ -129,7 +129,8 @@ def pack_prompt(
 ) -> CheckedPrompt:
     """`token_ids` and its items checked (ValueError: an empty prompt, an id that is no
     token, a bad item) and packed for `lookup_packed`: a CheckedPrompt, its ids a tuple of
-    Python ints (numpy's or torch's converted, as the engine's add_request converts them)."""
+    Python ints (numpy's or torch's converted, as the engine's add_request converts them;
+    a bool is kept as given, an int subclass equal to 0 or 1 and packed so)."""
     if len(token_ids) == 0:
         raise ValueError(f"request {request_id!r} has an empty prompt")
     items = check_mm_items(mm_items, len(token_ids))
