@@ -385,12 +385,7 @@ class Engine:
         ids = list(prompt.token_ids)
         if not ids:  # (before the bytes' max below, which an empty array refuses)
             raise ValueError(f"request {request_id!r}: the prompt is empty")
-        limit = self.runner.max_model_len
-        if len(ids) >= limit:
-            raise ValueError(
-                f"request {request_id!r}: prompt of {len(ids)} tokens is too long; "
-                f"at most {limit - 1} tokens fit (max_model_len {limit}, leaving room for one output token)"
-            )
+        self._check_length(len(ids), request_id)
         vocab = self.runner.vocab_size
         data = np.frombuffer(prompt.packed, dtype="<u4")
         if int(data.max()) >= vocab:  # (packed: ids in [0, 2**32))
@@ -398,6 +393,16 @@ class Engine:
             raise ValueError(f"request {request_id!r}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
         # over the engine's own list, as `_check_prompt`'s (its bytes and memo of hashes shared)
         return ids, LookupPrompt(ids, (), prompt.packed, prompt.hashes)
+
+    def _check_length(self, num_tokens: int, request_id: str) -> None:
+        """ValueError (the request's id named) for a prompt of `num_tokens` that leaves no room
+        for one output token within max_model_len."""
+        limit = self.runner.max_model_len
+        if num_tokens >= limit:
+            raise ValueError(
+                f"request {request_id!r}: prompt of {num_tokens} tokens is too long; "
+                f"at most {limit - 1} tokens fit (max_model_len {limit}, leaving room for one output token)"
+            )
 
     def _check_prompt(
         self, prompt_ids: Sequence[int] | LookupPrompt, request_id: str
@@ -426,12 +431,7 @@ class Engine:
         if type(total) is not int:
             prompt = list(map(int, prompt))
             packed, hashes = None, {}  # (its list held other ids than ints: packed anew)
-        limit = self.runner.max_model_len
-        if len(prompt) >= limit:
-            raise ValueError(
-                f"request {request_id!r}: prompt of {len(prompt)} tokens is too long; "
-                f"at most {limit - 1} tokens fit (max_model_len {limit}, leaving room for one output token)"
-            )
+        self._check_length(len(prompt), request_id)
         vocab = self.runner.vocab_size
         stale = False
         data = b""
