@@ -37,7 +37,9 @@ def _two_decoding(m: HybridCacheManager) -> list[str]:
 def test_the_ids_are_an_array_of_the_prompt_and_not_the_callers_list() -> None:
     m = DSV4CacheManager(SPEC, 12, 4, DESC)
     prompt = [5, 2**32 - 1, 0, 70_000]
-    packed = pack_prompt(prompt)
+    # (pack_prompt's own ids are a tuple no caller can change: a LookupPrompt over a list of
+    # the caller's, as one built by hand, is what could alias the cache's ids)
+    packed = pack_prompt(prompt)._replace(token_ids=list(prompt))
     assert m.admit("a", prompt, prompt=packed, check_packing=False) is not None
     prompt.append(9)  # the caller's list changes after the admission (the engine appends to its own)
     packed.token_ids.append(9)
