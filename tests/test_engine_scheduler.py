@@ -425,7 +425,9 @@ def _faulty_step_runner(kind: str):
     """The runner of `_run_with_a_faulty_step`'s engine: "paged" (PrefixModelRunner, a cache
     that takes a repeated reservation), "v4" (TinyDSV4's dual pool, exact steps whose group
     can undo a reserved step) or "hybrid" (TinyHybrid's window and full attention groups,
-    exact steps that no group can undo: its sequences are recomputed)."""
+    exact steps that no group can undo: its sequences are recomputed). The tiny models run
+    in fp64: a recomputed sequence's prefill and the fault-free run's decodes must give the
+    same tokens exactly, which fp32's other roundings on another CPU need not."""
     if kind == "paged":
         return PrefixModelRunner(64, 4)
     from kvpool.engine.build import build_engine
@@ -433,10 +435,10 @@ def _faulty_step_runner(kind: str):
     if kind == "v4":
         from kvpool.models.tiny_dsv4 import TinyDSV4
 
-        return build_engine(TinyDSV4()).runner
+        return build_engine(TinyDSV4(dtype=torch.float64)).runner
     from kvpool.models.tiny_hybrid import TinyHybrid
 
-    return build_engine(TinyHybrid(), num_blocks=64, block_size=4).runner
+    return build_engine(TinyHybrid(dtype=torch.float64), num_blocks=64, block_size=4).runner
 
 
 def _run_with_a_faulty_step(requests, where: str, fault_step: int | None, kind: str) -> tuple[list, bool]:
