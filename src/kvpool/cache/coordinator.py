@@ -64,6 +64,7 @@ from kvpool.cache.types import (
     StateRestore,
 )
 from kvpool.pool import BlockPool, PrefixBlock, StepTables, step_tables, token_bytes
+from kvpool.pool.block_pool import MatchMemo
 from kvpool.pool.hashing import token_array
 
 
@@ -184,6 +185,19 @@ class _Request:
     num_loading: int = 0  # tokens of the hit a lower tier is still loading (complete_loads)
     readmitted: bool = False  # admitted after a preemption (its hits count apart)
     joined_at: int = 0  # the coordinator's `_requests_version` when it joined (`_add_request`)
+
+
+class _LookedUp(NamedTuple):
+    """A `lookup_packed` kept for its prompt's admission (`_admission_hits`): what it read,
+    the groups' stamps through it, and the hits it found."""
+
+    packed: bytes
+    hashes: MatchMemo | None
+    num_tokens: int
+    mm_items: tuple[MMItem, ...]
+    roots: dict[str, PrefixBlock]
+    stamp: tuple[Any, ...]
+    hits: dict[str, Any]
 
 
 # The decode-step memo (`HybridCacheManager._decode_step`, see its __init__): rows, ends,
@@ -340,6 +354,10 @@ class HybridCacheManager:
         # them), so it is emptied when it holds MAX_MEMO_SALTS salts, not kept for every salt
         # ever seen (per-user tenants)
         self._default_roots: dict[str, dict[str, PrefixBlock]] = {}
+        # The last `lookup_packed`, for its prompt's admission: the router looks a prompt up
+        # in the replica it then hands it to, whose admission comes at its next step, often
+        # with no change to the index in between (`_admission_hits`)
+        self._looked_up: _LookedUp | None = None
 
     # ---- queries -----------------------------------------------------------------------
 
@@ -1014,7 +1032,44 @@ class HybridCacheManager:
             raise TypeError(f"prompt must be pack_prompt's LookupPrompt, got {type(prompt).__name__}")
         if not self._caching:
             return 0
-        return self.hit_point(self._hits(self._request_roots(tenant_salt, descriptor), prompt), len(prompt.token_ids))
+        roots = self._request_roots(tenant_salt, descriptor)
+        stamp = self._lookup_stamp()
+        hits = self._hits(roots, prompt)
+        num_tokens = len(prompt.token_ids)
+        # kept for the prompt's admission when the stamp held through the lookup (no refused
+        # hit, which the admission's walk would count)
+        if stamp is not None and self._lookup_stamp() == stamp:
+            self._looked_up = _LookedUp(prompt.packed, prompt.hashes, num_tokens, prompt.mm_items, roots, stamp, hits)
+        return self.hit_point(hits, num_tokens)
+
+    def _lookup_stamp(self) -> tuple[Any, ...] | None:
+        """Every group's `lookup_stamp` (None where a group has none): equal at two moments,
+        `_hits` of any roots and prompt is the same at both."""
+        if self._one_group is not None:
+            return self._one_group[1].lookup_stamp()
+        stamps = tuple(g.lookup_stamp() for g in self._group_list)
+        return None if None in stamps else stamps
+
+    def _admission_hits(self, roots: dict[str, PrefixBlock], prompt: LookupPrompt) -> dict[str, Any]:
+        """`_hits(roots, prompt, admission=True)` (the naive twin): the last lookup's hits,
+        taken once, when it was of this prompt under these roots and no group's stamp moved
+        since (the router's lookup in the replica it chose): the same packing (the very
+        bytes object: the admission checked, or its caller vouched, that the ids are its
+        ids), length, items and memo of hashes (the walk skipped would have left that memo
+        as the lookup left it). The hits are then equal, and the walk would count no
+        collision; else a fresh lookup."""
+        looked, self._looked_up = self._looked_up, None
+        if (
+            looked is not None
+            and looked.packed is prompt.packed
+            and looked.hashes is prompt.hashes
+            and looked.roots is roots
+            and looked.num_tokens == len(prompt.token_ids)
+            and looked.mm_items == prompt.mm_items
+            and looked.stamp == self._lookup_stamp()
+        ):
+            return looked.hits
+        return self._hits(roots, prompt, admission=True)
 
     def may_reach(
         self, prompt: LookupPrompt, num_tokens: int, *, tenant_salt: str = "", descriptor: CacheDescriptor | None = None
@@ -1093,7 +1148,7 @@ class HybridCacheManager:
             ):
                 raise ValueError(f"request {request_id!r}: the packed prompt is not of these token ids and items")
         req = self._new_request(request_id, prompt, tenant_salt, descriptor)
-        hits = self._hits(req.roots, prompt, admission=True) if self._caching else {}
+        hits = self._admission_hits(req.roots, prompt) if self._caching else {}
         point = self.hit_point(hits, len(req.token_ids)) if self._caching else 0
         rest = len(req.token_ids) - point
         n = rest if max_new_tokens is None else min(max_new_tokens, rest)

@@ -359,6 +359,18 @@ class DualPoolGroup(CacheGroup):
                 out.turn_ids, out.turn_chain = block_ids, chain
         return out
 
+    def lookup_stamp(self) -> tuple[int, ...] | None:
+        """`hits` reads the classical pool's index (the run; the checkpoints' boundaries), the
+        state pool's (the turn ends, listed as they are filed there) and the checkpoint
+        pool's (`_checkpoints` changes only with it or with the classical pool's index: a
+        checkpoint published, evicted or put back), and counts the classical walk's refused
+        hits: their versions and that count. A swapped-out state's boundary moves the cut
+        without any pool's knowing: None while one is held."""
+        if self._swap_boundaries:
+            return None
+        pool = self.pool
+        return (pool.index_version, pool.num_refused, self.state_pool.index_version, self.checkpoint_pool.index_version)
+
     def may_reach(self, root: PrefixBlock, prompt: LookupPrompt, point: int) -> bool:
         """A probe of the span before `point` (`chains.may_reach`): every point `hits` serves
         lies within its run of cached spans (the cut keeps a prefix of it) or is a turn end

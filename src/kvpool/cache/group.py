@@ -129,6 +129,13 @@ class CacheGroup(Protocol):
         (the lookup of an admission: it counts hash collisions and may consult a lower tier)."""
         ...
 
+    def lookup_stamp(self) -> tuple[int, ...] | None:
+        """A value equal at two moments only if `hits` of any root and prompt gives the same
+        answer at both, and counts the same hash collisions (an admission takes the router's
+        lookup again by it: `HybridCacheManager.admit`). None, the default: no such value
+        (the lookup reads a lower tier, say): every admission looks up again."""
+        return None
+
     def may_reach(self, root: PrefixBlock, prompt: LookupPrompt, point: int) -> bool:
         """Whether `hits(root, prompt, None)` may serve a point >= `point` (> 0): False only
         when it surely serves none, found without the lookup's walk (a probe: the router

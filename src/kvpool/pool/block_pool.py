@@ -115,6 +115,8 @@ class BlockPool:
         "_free_cached",
         "num_collisions",
         "num_allocated",
+        "index_version",
+        "num_refused",
     )
 
     def __init__(self, num_blocks: int, *, enable_caching: bool = True, hash_algo: str = "xxh3_128") -> None:
@@ -135,6 +137,16 @@ class BlockPool:
         self._free_cached: OrderedDict[int, None] = OrderedDict()
         self.num_collisions = 0  # hash hits whose stored content differed (admissions and registrations)
         self.num_allocated = 0  # blocks handed out by allocate, ever
+        # Moves whenever what a walk of the index (`match`, `lookup`, `is_indexed`,
+        # `is_published`) can see may change: an entry added or dropped, a copy joining or
+        # leaving one, a cached block turning free or held (`match` picks a held copy). Equal
+        # before and after: every such answer is the same (a coordinator's admission takes
+        # the router's lookup of its prompt again by it: `HybridCacheManager.admit`)
+        self.index_version = 0
+        # hash hits the collision guard refused in any walk, counted as collisions or not
+        # (a lookup does not count them, its admission does: a lookup that refused one is
+        # not taken again by its admission, which must count it)
+        self.num_refused = 0
 
     # ---- queries ---------------------------------------------------------------------
 
@@ -205,6 +217,7 @@ class BlockPool:
         cached ones to the head of the LRU queue with their content findable again (unless
         another block has since taken its hash)."""
         content = dict(evicted)
+        self.index_version += 1  # (evicted contents come back)
         for block_id in reversed(block_ids):  # allocate took from the queues' heads, in order
             assert self._refcounts[block_id] == 1 and self._cached[block_id] is None, f"unallocate of block {block_id}"
             self._refcounts[block_id] = 0
@@ -234,6 +247,7 @@ class BlockPool:
                 # Only a cached block can be found again while free (through a prefix hit).
                 assert self._cached[block_id] is not None, f"incref of free unhashed block {block_id}"
                 del free_cached[block_id]
+                self.index_version += 1  # (held now: `match` may pick this copy)
             refcounts[block_id] += 1
 
     def decref(self, block_ids: Iterable[int]) -> None:
@@ -249,6 +263,7 @@ class BlockPool:
                     self._free_unhashed.append(block_id)
                 else:
                     self._free_cached[block_id] = None
+                    self.index_version += 1  # (a cached copy free now: `match` may pick another)
 
     # ---- the prefix chain ------------------------------------------------------------
 
@@ -381,8 +396,10 @@ class BlockPool:
                 start += block_width
         # A refused entry whose own parent has left the index is a stale orphan (its prefix
         # was evicted or rewritten first), not a collision
-        if refused is not None and count_collisions and refused.parent.is_live:  # (an index entry has a parent)
-            self.num_collisions += 1
+        if refused is not None:
+            self.num_refused += 1
+            if count_collisions and refused.parent.is_live:  # (an index entry has a parent)
+                self.num_collisions += 1
         if walked_key is not None and len(chain) > kept:
             memo[walked_key] = tuple(chain)  # (a copy: callers extend the chain they get)
         return PrefixMatch(block_ids, chain)
@@ -409,6 +426,7 @@ class BlockPool:
             block = PrefixBlock(block_hash, parent, block_token_bytes, extra, (block_id,))
             if self._index.setdefault(block_hash, block) is block:
                 self._cached[block_id] = block
+                self.index_version += 1
                 return block
             block.block_ids = ()  # the hash is taken: `register` joins that copy or counts a collision
         else:
@@ -428,6 +446,7 @@ class BlockPool:
             raise ValueError(f"{len(data)} bytes for {len(block_ids)} blocks of {block_width}")
         digest, index, cached, refcounts = self.hasher.digest, self._index, self._cached, self._refcounts
         caching = self.enable_caching
+        self.index_version += 1  # (once for the run: its blocks join the index)
         run = []
         start = 0
         for block_id in block_ids:
@@ -463,6 +482,7 @@ class BlockPool:
         digest, index, cached, refcounts = self.hasher.digest, self._index, self._cached, self._refcounts
         head = parent.block_hash
         live = self.enable_caching and (parent.parent is None or bool(parent.block_ids))  # (the parts' one parent)
+        self.index_version += 1  # (once for the parts: they join the index)
         parts = []
         for block_id, extra in zip(block_ids, extras, strict=True):
             block_hash = digest(head + extra)
@@ -530,6 +550,7 @@ class BlockPool:
             self._index[block.block_hash] = block
         block.block_ids += (block_id,)
         self._cached[block_id] = block
+        self.index_version += 1
         return block
 
     def unregister(self, block_id: int) -> None:
@@ -542,6 +563,7 @@ class BlockPool:
         cached = self._cached[block_id]
         assert cached is not None
         self._cached[block_id] = None
+        self.index_version += 1
         if len(cached.block_ids) == 1:  # its one copy (an eviction's common case): no tuple to filter
             assert cached.block_ids == (block_id,)
             cached.block_ids = ()
