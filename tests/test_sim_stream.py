@@ -20,7 +20,7 @@ from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG
 from kvpool.pool.hashing import token_bytes
 from kvpool.sim.cost import CostModel
 from kvpool.sim.executor import AnswerSampler, answer_seed
-from kvpool.sim.simulator import SimConfig, simulate, turn_prompt
+from kvpool.sim.simulator import MAX_PREFIXES_HELD, SimConfig, simulate, turn_prompt
 from kvpool.spec.dsv4 import DSV4Spec
 from kvpool.spec.gpus import get_gpu
 from kvpool.spec.models import load_preset
@@ -462,6 +462,36 @@ def test_a_turns_prompt_extended_from_the_last_equals_the_whole_prompt_packed():
         turn_prompt(s, 0, VOCAB, table, [])
     with pytest.raises(ValueError, match="turn 0 of session 'chat0' extends no earlier prompt"):
         s.turn_tail(0, VOCAB)
+
+
+def test_turn_zero_packed_with_its_shared_prefix_held_equals_the_whole_prompt_packed():
+    """turn_prompt(prefixes=...): turn 0's prompt from its shared prefix's ids and packing,
+    held once per prefix, equals the twin's (pack_prompt of the whole prompt): the ids (the
+    same int objects), the bytes; the sessions of one system prompt share one entry; a
+    prefix of numpy's ints gives Python ints; the memo is emptied past MAX_PREFIXES_HELD."""
+    table = int_table(VOCAB)
+    sessions = chat_workload(12, 2, 2.0, VOCAB, seed=3, num_system_prompts=2).sessions
+    held: dict = {}
+    for s in sessions:
+        twin = pack_prompt(s.prompt_ids(0, VOCAB, table))
+        prompt = turn_prompt(s, 0, VOCAB, table, prefixes=held)
+        assert type(prompt) is CheckedPrompt and type(prompt.token_ids) is tuple and type(prompt.packed) is bytes
+        assert prompt.token_ids == twin.token_ids and prompt.packed == twin.packed
+        assert all(a is b for a, b in zip(prompt.token_ids, twin.token_ids, strict=True))
+        assert prompt.mm_items == () and prompt.hashes == {}
+        assert held[id(s.prefix_ids)][0] is s.prefix_ids
+    assert len(held) == len({id(s.prefix_ids) for s in sessions}) == 2
+    odd = Session("np", 0.0, (Turn((7, 8), 2),), prefix_ids=tuple(np.arange(3, 6)))
+    prompt = turn_prompt(odd, 0, VOCAB, table, prefixes=held)
+    assert prompt.token_ids == (3, 4, 5, 7, 8) and [type(t) for t in prompt.token_ids] == [int] * 5
+    assert prompt.packed == token_bytes([3, 4, 5, 7, 8])
+    others = [Session(f"p{i}", 0.0, (Turn((1,), 1),), prefix_ids=(i, i)) for i in range(MAX_PREFIXES_HELD)]
+    for other in others:
+        turn_prompt(other, 0, VOCAB, table, prefixes=held)
+    assert len(held) <= MAX_PREFIXES_HELD
+    assert turn_prompt(others[0], 0, VOCAB, table, prefixes=held).token_ids == (0, 0, 1)
+    with pytest.raises(ValueError, match=r"token id 4294967296 is outside \[0, 2\*\*32\)"):
+        turn_prompt(Session("big", 0.0, (Turn((1,), 1),), prefix_ids=(2**32,)), 0, VOCAB, table, prefixes={})
 
 
 def _serve_turn(m, request_id: str, prompt, answer: list[int]):

@@ -358,6 +358,8 @@ def simulate(
     # session id -> the replica its finished turn ran on, while the next turn thinks: the
     # router looks there first (the longest hit, most likely), which spares lookups elsewhere
     went: dict[str, int] = {}
+    # the shared prefixes' ids and packing (`turn_prompt`): a session's turn 0 packs its own tokens only
+    prefixes: dict[int, tuple[tuple[int, ...], tuple[int, ...], bytes]] = {}
     timeline = StepTimeline()
     # (clock, index) of each replica with requests, one entry each: the next to step is the
     # earliest (ties to the lower index). A replica's clock moves only in its own steps and,
@@ -373,7 +375,12 @@ def simulate(
             # packed once: the router's lookups and the chosen engine's admission share its
             # packing and block hashes
             prompt = turn_prompt(
-                session, turn, model.vocab_size, table, *latest.pop(session.session_id, (None, None, None, None))
+                session,
+                turn,
+                model.vocab_size,
+                table,
+                *latest.pop(session.session_id, (None, None, None, None)),
+                prefixes=prefixes,
             )
             rep = router.route(prompt, session.tenant, went.pop(session.session_id, None))
             rep.num_routed += 1
@@ -431,6 +438,8 @@ def turn_prompt(
     previous_packed: bytes | None = None,
     previous_answer: list[int] | None = None,
     previous_memo: MatchMemo | None = None,
+    *,
+    prefixes: dict[int, tuple[tuple[int, ...], tuple[int, ...], bytes]] | None = None,
 ) -> LookupPrompt:
     """Turn `turn`'s prompt, packed as `pack_prompt` packs it; its ints are `table`'s
     (tokens.int_table(vocab_size)). `previous`: the prompt of turn - 1 as the engine's
@@ -453,10 +462,26 @@ def turn_prompt(
     accepted for those bytes is still checked block by block against the index before it
     is taken again (`BlockPool.match`); the lookups are the same, without the hashing and
     the guard's walk of the history again. ValueError for turn 0, a `previous` not of turn
-    - 1's length, or a `previous_packed` not of its bytes' length."""
+    - 1's length, or a `previous_packed` not of its bytes' length.
+    `prefixes` (turn 0): the caller's memo of the shared prefixes' ids and packing, by the
+    prefix tuple's id (each entry holds that tuple, so that its id stays its own): a
+    workload's few system prompts or documents (thousands of tokens each) are checked and
+    packed once, not again for each session; turn 0's prompt is then its prefix's ids and
+    bytes with the user's appended, as the twin (None) packs them."""
     if previous is None:
         if previous_packed is not None or previous_memo is not None:
             raise ValueError("previous_packed or previous_memo without previous: of which prompt?")
+        prefix = session.prefix_ids
+        if prefixes is not None and turn == 0 and prefix:
+            held = prefixes.get(id(prefix))
+            if held is None or held[0] is not prefix:
+                if len(prefixes) >= MAX_PREFIXES_HELD:  # (a trace's prefixes may be each session's own)
+                    prefixes.clear()
+                # pack_prompt's checks and ints (token_bytes: ValueError for an id outside [0, 2**32))
+                ids = tuple(_ints(prefix))
+                held = prefixes[id(prefix)] = (prefix, ids, token_bytes(ids))
+            user = _ints(session.turns[0].user_ids)
+            return CheckedPrompt(held[1] + tuple(user), (), held[2] + token_bytes(user), {}, key=_CHECKED_KEY)
         return pack_prompt(session.prompt_ids(turn, vocab_size, table), request_id=session.request_id(turn))
     expected = session.prompt_len(turn - 1) if turn else 0
     if not turn or len(previous) != expected:
@@ -498,6 +523,11 @@ def turn_prompt(
     # exact; token_bytes' little-endian uint32 layout
     packed = b"".join((previous_packed, answer.astype("<u4").tobytes(), token_bytes(user)))
     return CheckedPrompt(tuple(ids), (), packed, memo, key=_CHECKED_KEY)
+
+
+# shared prefixes whose packing `turn_prompt` keeps at most (a workload has a few; a trace's
+# sessions may each bring their own, which a held copy would not serve again)
+MAX_PREFIXES_HELD = 64
 
 
 def _ints(ids: Sequence[int]) -> Sequence[int]:
