@@ -38,9 +38,9 @@ def census(vocab_size: int) -> Census:
     made: list[int] = []
 
     class Counted(GeneratedSessions):
-        def __getitem__(self, index):
-            made.append(index)
-            return super().__getitem__(index)
+        def _make(self, lo, hi):  # (every read: one by index, several by iteration)
+            made.extend(range(lo, hi))
+            return super()._make(lo, hi)
 
     counted = Counted(s.kind, s._starts, s.prefixes, s._picks, 1, s._user_lens, s._output_lens, None, s.vocab_size)
     return Census(Workload("u", counted, s.vocab_size), made)

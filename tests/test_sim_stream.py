@@ -103,6 +103,9 @@ def test_generated_chat_equals_its_documented_draws_made_up_front():
             assert t.user_ids == tuple(text_ids(f"chat{i}-u{j}", user_lens[k], VOCAB))
             assert (t.output_len, t.think_s) == (output_lens[k], thinks[k] if j else 0.0)
     assert w.sessions[-1] == w.sessions[num - 1] and w.sessions[1:3] == (w.sessions[1], w.sessions[2])
+    # iteration makes them SESSIONS_PER_PASS at a time (25: a pass of 16, one of 9); one at a
+    # time by index is its twin
+    assert list(w.sessions) == [w.sessions[i] for i in range(num)]
     with pytest.raises(IndexError, match="session 25 of 25"):
         w.sessions[num]
     # longest_request from the arrays: the first of the longest, as the loop over sessions finds it

@@ -415,6 +415,11 @@ def _shared_prefix_workload(
     return Workload(name, sessions, vocab_size, params)
 
 
+# generated sessions `GeneratedSessions.__iter__` makes in one pass: their messages (turns
+# each) stay within tokens.stream_tokens' few-streams path (64 streams) at 4 turns
+SESSIONS_PER_PASS = 16
+
+
 class GeneratedSessions(Sequence[Session]):
     """A generator's sessions, each made when it is read.
 
@@ -473,21 +478,35 @@ class GeneratedSessions(Sequence[Session]):
         if not -num <= index < num:
             raise IndexError(f"session {index} of {num}")
         i = index % num
-        session_id = f"{self.kind}{i}"
-        base, turns = i * self.turns, range(self.turns)
-        messages = batch_text_ids(
-            [f"{session_id}-u{j}" for j in turns],
-            self._user_lens[base : base + self.turns].tolist(),
-            self.vocab_size,
-            self._table,
-        )
-        outputs = self._output_lens[base : base + self.turns].tolist()
-        thinks = [0.0] * self.turns if self._thinks is None else self._thinks[base : base + self.turns].tolist()
-        session_turns = tuple(Turn(messages[j], outputs[j], thinks[j] if j else 0.0) for j in turns)
-        return Session(session_id, float(self._starts[i]), session_turns, prefix_ids=self.prefixes[self._picks[i]])
+        return self._make(i, i + 1)[0]
+
+    def _make(self, lo: int, hi: int) -> list[Session]:
+        """Sessions [lo, hi), their user messages made in one `batch_text_ids` pass."""
+        turns = self.turns
+        names = [f"{self.kind}{i}-u{j}" for i in range(lo, hi) for j in range(turns)]
+        first, last = lo * turns, hi * turns
+        messages = batch_text_ids(names, self._user_lens[first:last].tolist(), self.vocab_size, self._table)
+        outputs = self._output_lens[first:last].tolist()
+        thinks = [0.0] * len(names) if self._thinks is None else self._thinks[first:last].tolist()
+        starts, picks, prefixes = self._starts[lo:hi].tolist(), self._picks[lo:hi].tolist(), self.prefixes
+        out = []
+        for k in range(hi - lo):
+            base = k * turns
+            session_turns = tuple(
+                Turn(messages[base + j], outputs[base + j], thinks[base + j] if j else 0.0) for j in range(turns)
+            )
+            out.append(Session(f"{self.kind}{lo + k}", starts[k], session_turns, prefix_ids=prefixes[picks[k]]))
+        return out
 
     def __iter__(self) -> Iterator[Session]:
-        return (self[i] for i in range(len(self)))
+        """Every session in order, made SESSIONS_PER_PASS at a time (`_make`: one pass of the
+        numpy work for their messages, whose cost is mostly per call at a session's ~700
+        tokens); `self[i]`, one at a time, is its twin."""
+        for lo in range(0, len(self), SESSIONS_PER_PASS):
+            made = self._make(lo, min(lo + SESSIONS_PER_PASS, len(self)))
+            made.reverse()
+            while made:  # (popped: a session read and done is not held by its pass)
+                yield made.pop()
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, GeneratedSessions):
