@@ -10,7 +10,7 @@ import re
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvpool.sim.cost import CostModel
@@ -419,3 +419,117 @@ def test_the_executors_pricing_of_step_chunks_is_its_naive_pricing_bit_for_bit(s
         # the leading chunks never made on the fast path (the general one transposes them
         # where the engine set no columns)
         assert chunks._rows is None or (extra & 8 and starts and not with_columns)
+
+
+# ----- the executor's carried positions: the engine's decode columns one token on, as an array -----
+
+
+@settings(max_examples=60, deadline=None)
+@given(which=st.sampled_from(["v4", "llama"]), positions=st.lists(st.integers(0, 200_000), min_size=1, max_size=600))
+def test_the_decode_sums_of_an_int64_array_are_its_lists(which: str, positions: list[int]) -> None:
+    """decode_step_time and `_decode_sums` read an int64 array [n] as the list of its ints:
+    the same sums and float; an array they cannot read (another dtype or shape, a negative
+    position) goes where its list goes (None; step_time's float or its error)."""
+    cm = _V4 if which == "v4" else _LLAMA
+    at = np.array(positions, dtype=np.int64)
+    assert cm._decode_sums(at) == cm._decode_sums(positions) is not None
+    assert cm.decode_step_time(at) == cm.decode_step_time(positions) == _naive(cm, positions)
+    for other in (at.astype(np.int32), at.astype(np.float64), at.reshape(1, -1)):
+        assert cm._decode_sums(other) is None
+    assert cm.decode_step_time(at.astype(np.int32)) == _naive(cm, positions)  # its ints, by the loop
+    with pytest.raises(ValueError, match="context_len=0 is shorter than its num_new_tokens=1"):
+        cm.decode_step_time(np.array(positions + [-1], dtype=np.int64))
+
+
+class _Engine:
+    """Decode steps as engine.py hands them to the runner: StepChunks over its decode columns
+    (ids, starts) with the columns set (ends: each start + 1), the next step's starts being
+    this step's ends list (the columns carried) unless rows leave or join (new lists)."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.ids = [f"r{i}" for i in range(rng.randrange(1, 30))]
+        self.starts = [rng.randrange(0, 9000) for _ in self.ids]
+        self.made = len(self.ids)
+
+    def step(self, rest: list) -> tuple:
+        from kvpool.engine.runner import StepChunks
+
+        ends = [s + 1 for s in self.starts]
+        chunks = StepChunks(self.ids, [7] * len(self.ids), self.starts, rest)
+        chunks.columns = (
+            self.ids + [c.request_id for c in rest],
+            self.starts + [c.start for c in rest],
+            ends if not rest else ends + [c.start + len(c.token_ids) for c in rest],
+        )
+        return chunks, ends
+
+    def carry(self, ends: list[int]) -> None:
+        self.starts = ends  # (the engine's columns: the step's ends are the next one's starts)
+
+    def change(self, ends: list[int]) -> None:
+        """Rows end anywhere and join at the end: new lists."""
+        rng = self.rng
+        keep = [i for i in range(len(self.ids)) if rng.random() > 0.2] or [0]
+        self.ids = [self.ids[i] for i in keep]
+        self.starts = [ends[i] for i in keep]
+        for _ in range(rng.randrange(0, 3)):
+            self.made += 1
+            self.ids.append(f"r{self.made}")
+            self.starts.append(rng.randrange(0, 9000))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), kinds=st.lists(st.integers(0, 9), min_size=1, max_size=40))
+@example(seed=3, kinds=[0, 0, 0, 3, 7, 5, 0, 0, 0, 2, 0, 0, 1, 0, 0, 4, 0, 0, 0, 6, 8, 9])
+def test_the_executors_carried_positions_price_as_the_lists_bit_for_bit(seed: int, kinds: list[int]) -> None:
+    """Engine-made decode steps through CostExecutor: a step whose positions list is the last
+    common step's ends list (the engine's columns carried) is priced from the executor's
+    array, one on (no list read but its sum), and the clock reads the twin's float (step_time
+    over the chunks as a plain list), step after step, through rows that leave and join,
+    mixed steps (a prompt chunk after the decodes), a replay before a step, copies, and a
+    positions list changed in place (the sum check: the list itself priced)."""
+    from kvpool.engine.runner import ScheduledChunk
+
+    rng = random.Random(seed)
+    fast, twin = _cost_executor(True, split=True), _cost_executor(False)
+    seen: list[type] = []
+    decode = fast.decode_step_time
+    fast.decode_step_time = lambda positions, moved: (seen.append(type(positions)), decode(positions, moved))[1]
+    engine = _Engine(rng)
+    num_carried = 0
+    for kind in kinds:
+        rest = [ScheduledChunk("p", [7] * 300, 2000, True)] if kind == 1 else []
+        if kind == 2:  # the engine changed its list in place (it never does): the sum check sees it
+            engine.starts[0] += 2
+        chunks, ends = engine.step(rest)
+        plain = [ScheduledChunk(i, [7], s, True) for i, s in zip(engine.ids, engine.starts, strict=True)] + rest
+        # the positions list is the last common step's ends list (an array kept with it, or not yet)
+        carried = fast._lead is not None and fast._lead[0] is engine.starts and kind != 2
+        kept = carried and fast._lead[1] is not None
+        for ex, step in ((fast, chunks), (twin, plain)):
+            if kind == 3:
+                ex.copy_state(0, 1)
+            if kind == 4:
+                ex.replay([7] * 40, 100, [], 0, 0)
+            ex.forward(step, None, False)
+        num_seen = len(seen)
+        assert fast.clock() == twin.clock() and fast.busy_s == twin.busy_s
+        common = not rest and kind != 4
+        assert len(seen) == num_seen + common
+        if common:  # an array where the rows are the last common step's, one on (and not changed)
+            assert (seen[-1] is np.ndarray) == carried
+            num_carried += kept
+            # the sampler's word: these ends are the last step's, one on, where its array moved on
+            assert (fast.carried_ends is not None) == kept
+            if kept:
+                assert fast.carried_ends == (engine.starts, ends)
+        else:
+            assert fast.carried_ends is None and fast._lead is None
+        if kind in (5, 6):
+            engine.change(ends)
+        else:
+            engine.carry(ends)
+    # three common steps of carried rows: the third moves the array on
+    if any(kinds[i : i + 3] == [0, 0, 0] for i in range(len(kinds))):
+        assert num_carried > 0

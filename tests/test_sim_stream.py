@@ -359,6 +359,70 @@ def test_a_batch_that_grows_past_its_columns_is_a_call_a_row():
     assert batch._cols.shape[1] >= 500 and not rebuilt  # every batch appended to the last, the first to none
 
 
+def test_a_batch_carried_one_token_on_by_the_executor_is_a_call_a_row():
+    """With the engine's executor (`carried_ends`: a step's ends list is the last step's, one
+    on, row by row), a step of the same owners moves the last step's hashes one position on,
+    no length read: each step's tokens are a call a row's, through steps as the engine makes
+    them (StepChunks over its decode columns, the executor's clock read before the sampler),
+    rows that leave and join, a prompt chunk after the decodes, a step whose clock is not
+    read (no word from the executor: every length read) and lengths handed as a copy."""
+    from kvpool.engine.runner import ScheduledChunk, StepChunks
+    from kvpool.sim.executor import CostExecutor, VirtualClock
+
+    rng = random.Random(7)
+    ints = int_table(VOCAB).tolist()
+    clock = VirtualClock()
+    executor = CostExecutor(
+        VOCAB,
+        step_time=lambda work, moved: 1e-3 * len(work),
+        decode_step_time=lambda positions, moved: 1e-3 * len(positions),
+        kv_read_bytes=lambda n: n,
+        clock=clock,
+        block_bytes=4,
+        kv_capacity_bytes=0,
+    )
+    batch, twin = AnswerSampler(VOCAB, ints, executor=executor), AnswerSampler(VOCAB, ints)
+    made = 0
+
+    def new_row() -> _Row:
+        nonlocal made
+        made += 1
+        row = _Row(SamplingParams(max_tokens=rng.randrange(1, 40), seed=answer_seed(f"c{made}")), made % 4 == 0, 3)
+        row.length = 3 + rng.randrange(1, 30)  # (its prompt computed: its decodes start after it)
+        return row
+
+    def rows(which):
+        picked = [owners[i] for i in which]
+        return [r.params for r in picked], [r.sample_index for r in picked], [r.origin for r in picked]
+
+    owners = [new_row() for _ in range(12)]
+    starts = [r.length - 1 for r in owners]  # each row one token behind: its last is the decode's
+    num_fast = 0
+    for _ in range(300):
+        kind = rng.randrange(20)  # 0, 6..19: a step of the columns' rows alone
+        rest = [ScheduledChunk("p", [7] * 50, 100, False)] if kind == 1 else []
+        ends = [s + 1 for s in starts]
+        chunks = StepChunks([f"{id(r)}" for r in owners], [7] * len(owners), starts, rest)
+        chunks.columns = (chunks.lead_ids, starts, ends if not rest else ends + [150])
+        executor.forward(chunks, None, False)
+        if kind != 2:  # (the engine reads its clock as the forward returns)
+            clock()
+        x = batch._x
+        lengths = ends if kind != 3 else list(ends)
+        tokens = batch.sample([None] * len(owners), owners, rows, lambda lengths=lengths: lengths)
+        assert tokens == [twin(None, r.params, r.sample_index, r.length - r.origin) for r in owners]
+        num_fast += batch._x is x
+        for r in owners:  # the engine appends each row's token
+            r.length += 1
+        if kind in (4, 5):  # rows end anywhere, rows join at the end: the engine's columns made anew
+            kept = [i for i in range(len(owners)) if rng.random() > 0.15] or [0]
+            owners = [owners[i] for i in kept] + [new_row() for _ in range(rng.randrange(0, 3))]
+            starts = [r.length - 1 for r in owners]
+        else:
+            starts = ends  # the columns carried: this step's ends are the next one's starts
+    assert num_fast > 100  # most steps: the rows of the last two, carried
+
+
 def test_the_batch_refuses_lengths_that_are_not_its_rows_positions():
     """Lengths below a row's origin, fewer or more than the rows, or not ints: a ValueError
     (or the TypeError of a row's position that is not an int) naming them, the batch kept."""

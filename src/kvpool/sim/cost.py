@@ -831,15 +831,19 @@ class CostModel:
         # step_cost's sum in its order; its prefill phase is max(0.0, 0.0) = 0.0, and x + 0.0 == x
         return gemm_s + decode_s + comm_s + host_s + fixed_s
 
-    def decode_step_time(self, positions: Sequence[int]) -> float:
+    def decode_step_time(self, positions: Sequence[int] | np.ndarray) -> float:
         """Seconds of a step of one decode at each of `positions` (the decoded token's
         position: its context after the step is position + 1): `step_time([(1, p + 1) for p
         in positions])`, the same float, or its ValueError. The simulator's common step,
         priced from its decodes' scaled integer FLOPs and bytes summed in numpy over a table
         by position (`_decode_sums`), without a (tokens, context) tuple per decode; `step_time`
-        is its naive twin (tests/test_sim_cost_decode_sums.py)."""
+        is its naive twin (tests/test_sim_cost_decode_sums.py). `positions`: ints, or an int64
+        array [n] (the cost executor's, kept from step to step: read as it is, no int read),
+        priced as its ints (`tolist`)."""
         sums = self._decode_sums(positions) if len(positions) else None
         if sums is None:  # (step_time names a bad position, or adds sums the table cannot)
+            if type(positions) is np.ndarray:
+                positions = positions.tolist()
             return self.step_time([(1, p + 1) for p in positions])
         scale = self._decode_scale
         assert scale is not None  # (_decode_sums has none without it)
@@ -875,11 +879,12 @@ class CostModel:
         scan = (num_tokens, (sums[0] / scale, sums[1] / scale), others)
         return self._step_cost(others, scan, len(positions) + len(others)).time_s
 
-    def _decode_sums(self, positions: Sequence[int]) -> tuple[int, int] | None:
+    def _decode_sums(self, positions: Sequence[int] | np.ndarray) -> tuple[int, int] | None:
         """(FLOPs, bytes) x `_decode_scale` of one decode at each of `positions` (one or
-        more), summed: `_decode_scan`'s integer sums of the chunks (1, p + 1), below 2^53
-        each (so exact as floats). None where this cannot tell them: no `_decode_scale`, a
-        position that is not an int or is negative, past the table's last (its entries past
+        more: ints, or an int64 array [n], read as it is), summed: `_decode_scan`'s integer
+        sums of the chunks (1, p + 1), below 2^53 each (so exact as floats). None where this
+        cannot tell them: no `_decode_scale`, a position that is not an int or is negative
+        (an array of another dtype or shape), past the table's last (its entries past
         2^53 or `_MAX_TABLE_POSITIONS`), 2^11 positions or more, or sums past 2^53.
 
         One numpy gather of `_decode_table`'s rows (each position's) and one dot product with
@@ -893,12 +898,19 @@ class CostModel:
         which is refused."""
         scale = self._decode_scale
         n = len(positions)
-        if scale is None or n >= _MAX_TABLE_DECODES or not _ints_only(positions):
+        if scale is None or n >= _MAX_TABLE_DECODES:
             return None
-        try:  # (ints only: an int past int64 is the one error left)
-            at = np.fromiter(positions, np.int64, n)
-        except OverflowError:
-            return None
+        if type(positions) is np.ndarray:  # (int64 [n] only: its items are the ints they hold)
+            if positions.dtype != np.int64 or positions.ndim != 1:
+                return None
+            at = positions
+        else:
+            if not _ints_only(positions):
+                return None
+            try:  # (ints only: an int past int64 is the one error left)
+                at = np.fromiter(positions, np.int64, n)
+            except OverflowError:
+                return None
         table = self._decode_table[0]
         # (a negative position is past every table's end as a uint64)
         if int(at.view(np.uint64).max()) >= len(table):

@@ -68,7 +68,9 @@ class CostExecutor:
     the cache bytes one query reads. `decode_step_time(positions, bytes moved) -> seconds`
     (optional): step_time's fast twin for a step of one-token chunks at those positions, the
     same float (sim/cost.py `CostModel.decode_step_time`), a fleet run's common step priced
-    without a (tokens, context) tuple per chunk. `split_step_time(positions, others, bytes
+    without a (tokens, context) tuple per chunk (the positions a list of ints, or an int64
+    array [n] where the rows are the last step's one token on: `_lead_positions`).
+    `split_step_time(positions, others, bytes
     moved) -> seconds or None` (optional): the same for a step of decodes at `positions` and
     the chunks `others` ((tokens, context), more than one token each, in the step's order):
     a mixed step, a prefill chunk among the decodes (`CostModel.split_step_time`); None:
@@ -132,6 +134,13 @@ class CostExecutor:
         self._first: Sequence[ScheduledChunk] = ()
         self._later: dict[str, tuple[int, int]] = {}
         self._replays: list[tuple[int, int]] = []  # (tokens, context) recomputed in the next step
+        # The last common step's (its rows' ends list, the positions it priced as an int64
+        # array or None, the sum of its ends): where the next step's positions list is that
+        # ends list, its positions are that array one on (`_lead_positions`)
+        self._lead: tuple[Sequence[int], np.ndarray | None, int] | None = None
+        # (the step's positions list, its ends list) where the step is the last one's rows one
+        # on (`_lead_positions`): row i's end is the last step's end + 1 (AnswerSampler reads it)
+        self.carried_ends: tuple[Sequence[int], Sequence[int]] | None = None
         self._moved = 0  # bytes the copies since the last step move
         self.num_replayed_tokens = 0
         self.num_checkpoint_copies = 0
@@ -176,9 +185,11 @@ class CostExecutor:
         if not first:
             return
         self._first = ()
+        lead = self._lead  # (kept by a common step alone: any other ends the rows' run)
+        self._lead = self.carried_ends = None
         seconds = None
         if self.decode_step_time is not None or self.split_step_time is not None:
-            seconds = self._fast_price(first)
+            seconds = self._fast_price(first, lead)
         if seconds is None:  # (`_work` takes `_later` and the replays)
             seconds = self.step_time(self._work(first), self._moved)
         else:
@@ -189,12 +200,13 @@ class CostExecutor:
         self.clock.now += seconds
         self.busy_s += seconds
 
-    def _fast_price(self, first: Sequence[ScheduledChunk]) -> float | None:
+    def _fast_price(self, first: Sequence[ScheduledChunk], lead: tuple | None = None) -> float | None:
         """`_work`'s step priced by the fast twins, the same float as step_time over it: a
         step of decodes (one forward, every chunk one token) by `decode_step_time`, any other
         by `split_step_time`, its decodes' positions apart from its other chunks, which keep
         `_work`'s order (the decodes' sums do not depend on theirs). None where neither can
-        price it (step_time then does). Reads `_later` and the replays, takes nothing."""
+        price it (step_time then does). Reads `_later` and the replays, takes nothing. `lead`:
+        the last step's `_lead`, read by the common step's `_lead_positions`."""
         later, replays = self._later, self._replays
         if type(first) is StepChunks:
             # the engine's leading decodes as columns: chunk i < len(lead_starts) is one token
@@ -202,13 +214,50 @@ class CostExecutor:
             # with no (start, end) column read, no length made and counted a row
             if not first.rest and not later and not replays:  # the common step: the columns' rows alone
                 if self.decode_step_time is not None:
-                    return self.decode_step_time(first.lead_starts, self._moved)
+                    return self.decode_step_time(self._lead_positions(first, lead), self._moved)
                 return None
             if self.split_step_time is not None:
                 split = self._split_rest(first, later, replays)
                 if split is not None:
                     return self._price_split(*split)
         return self._price_columns(first)
+
+    def _lead_positions(self, first: StepChunks, lead: tuple | None) -> Sequence[int] | np.ndarray:
+        """The common step's decode positions, `first.lead_starts`: the int64 array of the
+        last common step's positions, each one on (in place), where these are its rows one
+        token on; else the list itself (made an array, for the steps after, where it is the
+        last step's ends list but no array came with it). Sets `_lead` for the next step and,
+        for the carried rows, `carried_ends`.
+
+        The rows are the last step's one on where `lead_starts` is the very list the last
+        common step's columns ended its rows at (`lead`'s; StepChunks' columns: a leading
+        decode ends at its start + 1): the engine carries its decode columns that way (a
+        step's ends become the next one's starts) and never changes their lists, so it holds
+        the last step's positions + 1, row by row; its sum, the last one's + its rows, is
+        checked (a list changed in place would fail it). Such a step is priced from the array
+        with no int read a row (`_decode_sums`' array form). Its twin: the list priced as it
+        is (tests/test_sim_cost_decode_sums.py runs engine-made steps through both)."""
+        starts = first.lead_starts
+        try:  # (ints only: a sum of ints is an int; a float, a numpy int or a str is not)
+            total = sum(starts)
+        except TypeError:
+            return starts  # (decode_step_time names the bad position)
+        if type(total) is not int:
+            return starts
+        carried = lead is not None and starts is lead[0] and total == lead[2]
+        at = lead[1] if carried else None
+        if at is not None and len(at) == len(starts):
+            at += 1  # (ours: decode_step_time reads it, keeps nothing)
+            self.carried_ends = (starts, first.columns[2]) if first.columns is not None else None
+        elif carried:  # the rows' run goes on: their positions as an array from now on
+            try:
+                at = np.frombuffer(array("q", starts), np.int64)
+            except OverflowError:
+                at = None
+        columns = first.columns
+        if columns is not None and len(columns[2]) == len(starts):
+            self._lead = (columns[2], at, total + len(starts))
+        return starts if at is None else at
 
     def _price_columns(self, first: Sequence[ScheduledChunk]) -> float | None:
         """`_fast_price` of any first forward, from its columns: a row a decode or not. (The
@@ -426,7 +475,13 @@ class AnswerSampler:
     key, not its answer's tokens (making them and taking each one's int object, a likely
     cache miss at a fleet run's scale, cost ~50 us a join)."""
 
-    def __init__(self, vocab_size: int, ints: Sequence[int] | None = None, max_streams: int = 65536) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        ints: Sequence[int] | None = None,
+        max_streams: int = 65536,
+        executor: CostExecutor | None = None,
+    ) -> None:
         self.vocab_size = vocab_size
         # the token ints, one object each (tokens.int_table: shared with the prompts and the
         # other replicas), so a token kept costs a pointer, not a new int
@@ -447,6 +502,13 @@ class AnswerSampler:
         self._kept: dict[int, tuple[int, int, object]] = {}
         self._cols = np.zeros((2, 256), dtype=np.int64)
         self._views()
+        # `executor`: the engine's executor (the same engine's), whose `carried_ends` tells
+        # a step whose lengths list is the last step's, row by row, one on. Then, for the same
+        # owners, the last step's hashes' first terms (`_x`, [n] uint64: key + (position + 1)
+        # x STREAM_MULT, made from the lengths list `_ends`) move one position on: no length read
+        self._executor = executor
+        self._x = np.zeros(0, dtype=np.uint64)
+        self._ends: list[int] | None = None
 
     def _views(self) -> None:
         """`_starts`, `_origins`: the batch's rows of `_cols` (after it changed)."""
@@ -493,14 +555,29 @@ class AnswerSampler:
         theirs read with rows(joined)). A step reads only the lengths: in numpy, each row's
         position (its length less its origin, checked non-negative at once) hashed from its
         start (`mix_tokens`) and the tokens gathered from the int table (no Python int made
-        or read a row but the lengths and the tokens)."""
+        or read a row but the lengths and the tokens). Where the engine's executor (`executor`)
+        says the lengths list is the last step's, one on, row by row (its `carried_ends`, of
+        the engine's decode columns), and the owners are the last step's, not even the lengths
+        are read: the last step's first terms move one position on (tests/test_sim_stream.py
+        holds it to a call a row)."""
         n = len(owners)
         if len(logits) != n:
             raise ValueError(f"AnswerSampler: {len(logits)} logit rows but {len(owners)} owners")
         last = self._owners
-        if len(last) != n or not all(map(is_, owners, last)):
+        same = len(last) == n and all(map(is_, owners, last))
+        if not same:
             self._batch(owners, rows)
         ends = lengths()
+        if same and self._executor is not None:
+            carried = self._executor.carried_ends
+            if carried is not None and carried[1] is ends and carried[0] is self._ends:
+                # the same rows, each one token on (the executor's `carried_ends`): the last
+                # step's first terms one position on, STREAM_MULT more (wrapping)
+                self._ends = ends
+                x = self._x
+                x += _MULT_U64
+                return self._int_array[mix_tokens(x.copy(), self.vocab_size).view(np.intp)].tolist()
+        self._ends = None
         if type(ends) is not list:  # (an iterable is read once: the slow path reads it again)
             ends = list(ends)
         try:  # (ints only, into int64 at C speed: a float, a str or an int past int64 raise)
@@ -514,6 +591,7 @@ class AnswerSampler:
             return self._sample_rows(list(ends))
         x *= _MULT_U64  # key + (position + 1) x STREAM_MULT, wrapping: token_at's first term
         x += self._starts
+        self._x, self._ends = x.copy(), ends  # (the next step's, where it is these rows one on)
         return self._int_array[mix_tokens(x, self.vocab_size).view(np.intp)].tolist()  # (< vocab: the same bits)
 
     def _sample_rows(self, ends: list[int]) -> list[int]:

@@ -195,7 +195,7 @@ def _make_replica(
         has_state=built.num_state_blocks > 0,
     )
     runner = sim_runner(built, executor, max_len)
-    answers = AnswerSampler(model.vocab_size, ints)
+    answers = AnswerSampler(model.vocab_size, ints, executor=executor)
     engine = Engine(
         runner,
         max_num_batched_tokens=config.max_num_batched_tokens,
