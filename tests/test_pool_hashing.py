@@ -198,6 +198,58 @@ def test_publish_parts_agrees_with_publish_block_by_block():
             assert out[0][taken][3] == (1, 3)  # joined: the other block's copy and ours
 
 
+def test_publish_parts_release_agrees_with_publish_then_decref():
+    """release=True (a V4 checkpoint's blocks freed in the pass that publishes them) leaves
+    the pool as the twin's `publish` calls and then `decref(ids)` do: the same parts, index,
+    refcounts and free queue in order, whichever way the parts end (all published, one
+    joining an equal copy, a collision midway, caching off, a parent out of the index)."""
+    extras = [b"part:0", b"part:1", b"part:2", b"part:3"]
+    # (caching, part taken before, every hash alike, parent out of the index, also held by another)
+    cases = [
+        (True, None, False, False, False),
+        (True, 2, False, False, False),
+        (True, None, True, False, False),
+        (False, None, False, False, False),
+        (True, None, False, True, False),
+        (True, None, False, False, True),
+    ]
+    for caching, taken, collide, gone, shared in cases:
+        out, views = [], []
+        for publish in ("fast", "twin"):
+            pool = BlockPool(12, enable_caching=caching)
+            if collide:
+                pool.hasher.digest = lambda data: b"h" * 16
+            root = pool.root(b"desc")
+            (b0,) = pool.allocate(1)
+            boundary = pool.register(b0, pool.chain(root, token_bytes([5, 6]))) or pool.chain(root, b"")
+            if taken is not None:
+                (other,) = pool.allocate(1)
+                pool.publish(other, boundary, b"", extras[taken])
+            pool.decref(pool.allocate(2))  # (free blocks ahead in the queue: the parts join after them)
+            ids = pool.allocate(4)
+            if shared:
+                pool.incref(ids[1:3])
+            if gone:
+                pool.decref([b0])
+                pool.allocate(pool.num_free)  # evicts the boundary: the parts' parent leaves the index
+            if publish == "fast":
+                version = pool.index_version
+                parts = pool.publish_parts(ids, boundary, extras, release=True)
+                assert pool.index_version != version  # (the parts joined the index or turned free)
+            else:
+                parts = _publish_loop(pool, ids, boundary, extras)
+                pool.decref(ids)
+            out.append(
+                None if parts is None else [(p.block_hash, p.parent.block_hash, p.extra, p.block_ids) for p in parts]
+            )
+            views.append((_index_view(pool), pool.free_queue(), [pool.refcount(b) for b in range(pool.num_blocks)]))
+            pool.check_integrity()
+        assert out[0] == out[1] and views[0] == views[1], (caching, taken, collide, gone, shared)
+        assert (out[0] is not None) == (caching and not collide and not gone)
+        if out[0] is not None and not shared:
+            assert views[0][1][-4:] == ids  # freed in order, last in the queue
+
+
 def test_publish_parts_names_a_length_mismatch():
     pool = BlockPool(4)
     root = pool.root(b"desc")

@@ -543,7 +543,10 @@ class DualPoolGroup(CacheGroup):
         pooled = ckpt_pool is pool
         snapshot_evicted = evicted_blocks if pooled else []
         if self.checkpointing:
-            wanted = [(first + k + 1) * span for k, b in enumerate(chain) if self._checkpoint(b) is None]
+            if len(chain) == 1:  # (a decode's crossing: one boundary, no comprehension over the chain)
+                wanted = [] if self._checkpoint(chain[0]) is not None else [(first + 1) * span]
+            else:
+                wanted = [(first + k + 1) * span for k, b in enumerate(chain) if self._checkpoint(b) is None]
             # The latest boundaries whose blocks are free now (a snapshot never makes a step
             # wait; a long prefill may cross more boundaries than that); taking them may
             # evict cached blocks, checkpoints included (the least recently used first).
@@ -599,10 +602,12 @@ class DualPoolGroup(CacheGroup):
         for (position, slot), ids in zip(pending.checkpoints, pending.snapshot_ids, strict=True):
             block = state.chain[position // self.span - 1]
             if pool.is_published(block) and self._checkpoint(block) is None:
-                parts = ckpt_pool.publish_parts(ids, block, self._part_extras)
+                # (its blocks freed in the same pass, as cached blocks: the checkpoint holds no reference)
+                parts = ckpt_pool.publish_parts(ids, block, self._part_extras, release=True)
                 if parts is not None:
                     self._checkpoints[block.block_hash] = _Checkpoint(slot, block, parts)
-            ckpt_pool.decref(ids)
+            else:
+                ckpt_pool.decref(ids)
 
     def unreserve(self, state: DualPoolState) -> None:
         """Undo the reserved step, whose forward has not run (e.g. another request of the

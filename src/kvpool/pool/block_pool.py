@@ -469,36 +469,58 @@ class BlockPool:
         return run
 
     def publish_parts(
-        self, block_ids: Sequence[int], parent: PrefixBlock, extras: Sequence[bytes]
+        self, block_ids: Sequence[int], parent: PrefixBlock, extras: Sequence[bytes], *, release: bool = False
     ) -> tuple[PrefixBlock, ...] | None:
         """`publish(block_ids[i], parent, b"", extras[i])` for each block in order (the parts
         of one content that spans several blocks, each chained after `parent`, such as a
         pooled V4 checkpoint), stopping at the first that ends up unregistered (a collision,
         a parent out of the index, caching off): None then, with the parts before it left
         published. The parts otherwise (one may be an equal copy's, which the block joined).
-        tests/test_pool_hashing.py holds it to the loop of `publish` calls."""
+        release: the caller's reference on each block is dropped too, as `decref(block_ids)`
+        after the call would (a V4 checkpoint's blocks are freed at once, as cached blocks),
+        in the same pass. tests/test_pool_hashing.py holds it to the loop of `publish` calls
+        (and `decref`)."""
         if len(block_ids) != len(extras):
             raise ValueError(f"{len(block_ids)} blocks but {len(extras)} extra keys")
         digest, index, cached, refcounts = self.hasher.digest, self._index, self._cached, self._refcounts
         head = parent.block_hash
         live = self.enable_caching and (parent.parent is None or bool(parent.block_ids))  # (the parts' one parent)
-        self.index_version += 1  # (once for the parts: they join the index)
-        parts = []
-        for block_id, extra in zip(block_ids, extras, strict=True):
-            block_hash = digest(head + extra)
-            if live:
+        # (once for the parts: they join the index, and with release their blocks turn free;
+        # no walk runs within the call)
+        self.index_version += 1
+        free_cached = self._free_cached
+        parts: list[PrefixBlock] = []
+        if live:
+            for block_id, extra in zip(block_ids, extras, strict=True):
                 # `publish`'s common case, inlined: a new content after a live parent (one probe)
                 assert refcounts[block_id] > 0 and cached[block_id] is None, f"publish of block {block_id}"
+                block_hash = digest(head + extra)
                 part = PrefixBlock(block_hash, parent, b"", extra, (block_id,))
-                if index.setdefault(block_hash, part) is part:
-                    cached[block_id] = part
-                    parts.append(part)
-                    continue
+                if index.setdefault(block_hash, part) is not part:
+                    break  # (the hash is taken: an equal copy to join, or a collision)
+                cached[block_id] = part
+                parts.append(part)
+                if release:  # `decref` of a registered block (no queue has moved since the loop began)
+                    refcount = refcounts[block_id] - 1
+                    refcounts[block_id] = refcount
+                    if not refcount:
+                        free_cached[block_id] = None
+            else:
+                return tuple(parts)
+        # The rest, this part on (an equal copy to join, a collision, caching off, a parent
+        # out of the index: rare), as the calls it stands for: `publish` block by block up to
+        # the first part left unregistered, then `decref` of the blocks not released above
+        i = len(parts)
+        out: list[PrefixBlock] | None = parts
+        for block_id, extra in zip(block_ids[i:], extras[i:], strict=True):
             part = self.publish(block_id, parent, b"", extra)
             if cached[block_id] is not part:
-                return None
+                out = None
+                break
             parts.append(part)
-        return tuple(parts)
+        if release:
+            self.decref(block_ids[i:])
+        return None if out is None else tuple(out)
 
     def lookup(self, block: PrefixBlock) -> PrefixBlock | None:
         """The index entry holding `block`'s content, or None. Unlike `match`, the chain
