@@ -8,13 +8,15 @@ import os
 import random
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.cache import CacheDescriptor, FullAttentionManager
+from kvpool.cache import CacheDescriptor, FullAttentionManager, HybridCacheManager
+from kvpool.cache.window import AttentionGroupSpec
 from kvpool.engine import tier_bridge
 from kvpool.tiers import BlockDescriptor, HostTier, TierIndex
 
@@ -131,6 +133,137 @@ def test_a_load_that_fails_is_computed_instead() -> None:
     m.check_integrity()
     with pytest.raises(ValueError, match="2 blocks loaded, but 0 were to load"):
         m.complete_loads("b", 2)
+
+
+def _make_tiered(exact: bool, num_blocks: int, tier: HostTier):
+    """`make`'s cache, or (exact) the coordinator over the same attention group with exact
+    steps: a reservation is committed whole, as on V4's and the hybrid's caches."""
+    if not exact:
+        return make(num_blocks, tier)
+    index = TierIndex(tier, BS)
+    return HybridCacheManager([(AttentionGroupSpec("full", BS), num_blocks)], DESC, lower_tier=index), index
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_a_commit_over_blocks_still_loading_is_refused_and_changes_nothing(exact) -> None:
+    # The admission's first step is reserved from the end of the device hit, over the blocks
+    # a lower tier still loads: a commit before `complete_loads` (of that step, or of one
+    # token) went through on both caches, counted the unloaded slots computed and published
+    # them (the next lookup of the prompt hit 16 tokens of blocks that held nothing of it),
+    # and `complete_loads` then found them "already registered"
+    tier = HostTier(1 << 20)
+    m, index = _make_tiered(exact, 8, tier)
+    store = Store()
+    p = list(range(100, 116))
+    _serve_and_push_out(store, m, index, tier, p + [1], filler_len=21)
+    again = p + [7]
+    adm = m.admit("b", again)
+    store.offload(m, index, tier)
+    assert [b for b, _ in adm.groups["full"].loads] == [2, 3] and adm.num_cached_tokens == 16
+    before = (m.num_computed_tokens("b"), m.block_ids("b"), m.num_free_blocks, m.lookup_prefix(again))
+    assert before == (8, [0, 1, 2, 3, 4], 3, 8)  # blocks 0, 1 on the device; 2, 3 loading (a's evicted)
+    for num_tokens in [9, 1] if not exact else [9]:  # (not exact: a decode inside the reservation too)
+        with pytest.raises(ValueError, match="'b' has lower-tier blocks to load"):
+            m.commit_step(["b"], [num_tokens], [9])
+        assert (m.num_computed_tokens("b"), m.block_ids("b"), m.num_free_blocks, m.lookup_prefix(again)) == before
+        m.check_integrity()
+    for block_id, block in adm.groups["full"].loads:
+        store.blocks[block_id] = tuple(tier.get(*index.describe(block))["content"].tolist())
+    adm = m.complete_loads("b", 2)
+    assert (adm.num_cached_tokens, adm.num_scheduled_tokens) == (16, 1)
+    store.compute(m, "b", again, 16)
+    store.check(m, "b", again)
+    assert m.lookup_prefix(again + [9]) == 16
+
+
+STEP_OPS = st.lists(
+    st.tuples(st.sampled_from(["admit", "admit", "step", "step", "load", "release", "release"]), st.integers(0, 5)),
+    min_size=8,
+    max_size=40,
+)
+
+
+@settings(max_examples=int(os.environ.get("KVPOOL_HYPOTHESIS_EXAMPLES", "60")), deadline=None)
+@given(ops=STEP_OPS, exact=st.booleans(), tier_blocks=st.integers(1, 6))
+def test_lower_tier_hits_in_mixed_steps_keep_every_block_its_prefix(ops, exact, tier_blocks) -> None:
+    """Requests admitted with lower-tier hits while others are in flight: the admissions'
+    chunks, loaded whole, in part or not yet, committed together with the other requests'
+    decodes in one step; a commit that names a request still loading is refused whole and
+    changes nothing; integrity after every operation, and every full block a request holds
+    holds its own prefix."""
+    tier = HostTier(tier_blocks * _tensor_bytes(BS * 8))
+    m, index = _make_tiered(exact, 6, tier)
+    store = Store()
+    tokens: dict[str, list[int]] = {}  # every request's known ids (the prompt, then decoded ones)
+    loading: dict[str, Any] = {}  # the requests whose loads are pending: their admission's loads
+    behind: set[str] = set()
+    for n, (op, pick) in enumerate(ops):
+        ids = sorted(tokens)
+        if op == "admit":
+            prompt = [1000 * (pick % 2) + i for i in range(9 + 4 * (pick // 2))]  # two prefixes, 3 to 5 blocks
+            adm = m.admit(f"r{n}", prompt)
+            store.offload(m, index, tier)
+            if adm is not None:
+                tokens[f"r{n}"] = prompt
+                if adm.groups["full"].loads:
+                    loading[f"r{n}"] = adm.groups["full"].loads
+                else:
+                    store.check(m, f"r{n}", prompt, adm.num_cached_tokens)
+        elif op == "load" and loading:
+            rid = sorted(loading)[pick % len(loading)]
+            loaded = 0
+            for block_id, block in loading.pop(rid)[: pick + 1]:
+                found = tier.get(*index.describe(block))
+                if found is None:
+                    break
+                store.blocks[block_id] = tuple(found["content"].tolist())
+                loaded += 1
+            adm = m.complete_loads(rid, loaded)
+            store.check(m, rid, tokens[rid], adm.num_cached_tokens)
+        elif op == "step":
+            # every request not loading steps: its reserved chunk, or a decode past its prompt
+            # (`behind`: a decode whose reservation did not fit, its id appended: tried again)
+            rows = [rid for rid in ids if rid not in loading]
+            decodes = [rid for rid in rows if m.num_computed_tokens(rid) == len(tokens[rid]) or rid in behind]
+            for rid in decodes:
+                if rid not in behind:
+                    tokens[rid].append(2000 + len(tokens[rid]))
+                    m.append_token_ids(rid, tokens[rid][-1:])
+            behind = set()
+            if decodes and not m.reserve_step(decodes, [1] * len(decodes)):
+                behind = set(decodes)
+                rows = [rid for rid in rows if rid not in behind]
+            store.offload(m, index, tier)  # (a decode's new block may be an evicted cached one)
+            counts = [len(tokens[rid]) - m.num_computed_tokens(rid) for rid in rows]
+            if loading:  # first, the same step with a request still loading among its rows
+                rid = sorted(loading)[pick % len(loading)]
+                before = {r: m.num_computed_tokens(r) for r in tokens}, m.num_free_blocks
+                with pytest.raises(ValueError, match="lower-tier blocks to load"):
+                    m.commit_step(
+                        [*rows, rid], [*counts, len(tokens[rid]) - m.num_computed_tokens(rid)], [None] * (len(rows) + 1)
+                    )
+                assert ({r: m.num_computed_tokens(r) for r in tokens}, m.num_free_blocks) == before
+                m.check_integrity()
+            for rid, count in zip(rows, counts, strict=True):
+                for i, block_id in enumerate(m.block_ids(rid)):
+                    end = min((i + 1) * BS, len(tokens[rid]))
+                    if end > len(tokens[rid]) - count:
+                        store.blocks[block_id] = tuple(tokens[rid][:end])
+            m.commit_step(rows, counts, [None] * len(rows))
+            for rid in rows:
+                store.check(m, rid, tokens[rid])
+        elif op == "release" and ids:
+            rid = ids[pick % len(ids)]
+            m.release(rid)
+            del tokens[rid]
+            loading.pop(rid, None)
+            behind.discard(rid)
+        m.check_integrity()
+        tier.check_integrity()
+    for rid in tokens:
+        m.release(rid)
+    m.check_integrity()
+    assert m.num_free_blocks == 6
 
 
 def test_tenants_never_meet_through_the_host_tier() -> None:

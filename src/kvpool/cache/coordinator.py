@@ -315,6 +315,10 @@ class HybridCacheManager:
         # for the other rows only, and the next reserve checks a hole as a new row
         self._decode_step: _DecodeMemo | None = None
         self._preempted: set[str] = set()  # released by preemption, not yet admitted again
+        # The requests whose admission's lower-tier blocks are still loading (`num_loading`,
+        # until `complete_loads`): a commit that names one is refused (`commit_step`), one
+        # test a step while none loads (a cache without a lower tier: always)
+        self._loading: set[str] = set()
         self.stats = PrefixStats()
         self.groups = built
         self._group_list = list(built.values())
@@ -450,6 +454,8 @@ class HybridCacheManager:
         req = self._requests.pop(request_id, None)
         if req is not None:
             self._requests_version += 1
+            if req.num_loading:
+                self._loading.discard(request_id)
             left = self._left
             if left is None or len(left) >= MAX_LEFT_CARRIED or not self._requests:
                 self._resolved, self._resolved_list, self._resolved_tuple, self._left = [], [], (), None
@@ -1174,6 +1180,8 @@ class HybridCacheManager:
             if loads:
                 num_loading += len(loads) * g.granularity
         req.num_loading = num_loading
+        if num_loading:
+            self._loading.add(request_id)
         req.num_computed = req.end = point - num_loading
         req.budget = rest if max_new_tokens is None else max_new_tokens
         self._add_request(req)
@@ -1225,6 +1233,7 @@ class HybridCacheManager:
             loaded_tokens = num_loaded * g.granularity
         req.num_computed += loaded_tokens
         req.num_loading = 0
+        self._loading.discard(request_id)
         self.stats.num_lower_tier_hit_tokens += loaded_tokens
         self._count_hit(req, loaded_tokens)
         n = min(req.budget, len(req.token_ids) - req.num_computed)
@@ -1525,7 +1534,10 @@ class HybridCacheManager:
             raise ValueError(
                 f"{len(request_ids)} requests, {len(num_tokens)} token counts, {len(next_token_ids)} next tokens"
             )
-        if request_ids:
+        # (a request whose hit a lower tier still loads: its admission's step begins at the
+        # loading blocks, not computed until `complete_loads`, and a commit over them would
+        # count unloaded slots computed and publish them: the twin refuses it)
+        if request_ids and not (self._loading and not self._loading.isdisjoint(request_ids)):
             if num_tokens.count(1) == len(request_ids):  # all decodes: the engine's common step
                 changed = self._commit_decodes(request_ids, next_token_ids)
             else:  # prefill chunks, with the decodes of the running requests
@@ -1698,10 +1710,14 @@ class HybridCacheManager:
         if k:
             # The next step's reserve needs no check of the memo's rows that know their next
             # token id (see __init__), nor of the rows after them that are computed to their
-            # end, load nothing and know it (a chunk that ends the prompt: the sampled token;
-            # one inside it: the prompt's next)
+            # end and know it (a chunk that ends the prompt: the sampled token; one inside it:
+            # the prompt's next). None of them loads: `commit_step` sends a step that names a
+            # request still loading to the twin, which refuses it (and a memo is kept on a
+            # cache of dual-pool groups only, the groups with a decode period, none of which
+            # loads: its lower tier installs blocks at `prefetch_candidates`, no admission's
+            # `loads`)
             for req in reqs[k:]:
-                if req.num_loading or len(req.token_ids) <= req.num_computed:
+                if len(req.token_ids) <= req.num_computed:
                     holes.append(req.request_id)
             self._decode_step = (reqs, reserved[1] + [req.num_computed for req in reqs[k:]], [], False, None, holes)
         return changed
@@ -1734,6 +1750,9 @@ class HybridCacheManager:
         reqs = self._step_requests(request_ids, num_tokens, next_token_ids)
         if not reqs:
             return
+        loading = next((req for req in reqs if req.num_loading), None)
+        if loading is not None:
+            raise ValueError(f"request {loading.request_id!r} has lower-tier blocks to load (complete_loads first)")
         for req, next_token_id in zip(reqs, next_token_ids, strict=True):  # (the arrays take them below)
             if next_token_id is not None:
                 _token_ids_array(req.request_id, (next_token_id,))  # ValueError naming a bad id
@@ -1935,9 +1954,15 @@ class HybridCacheManager:
                 assert not req.num_loading, f"memo: request {req.request_id!r} loads"
             rows = [req for req, end in zip(reqs, ends, strict=True) if not end % period] if pending else []
             assert touched == rows, "the memo's rows on the period"
+        loading = {rid for rid, req in self._requests.items() if req.num_loading}
+        assert self._loading == loading, f"requests loading {sorted(loading)}, noted {sorted(self._loading)}"
         holders = {pool: [0] * pool.num_blocks for pool in self._pools}
         for rid, req in self._requests.items():
             known = len(req.token_ids)
+            num_loading = sum(len(g.loads(req.states[name])) * g.granularity for name, g in self.groups.items())
+            assert req.num_loading == num_loading, (
+                f"request {rid!r} loads {num_loading} tokens, counts {req.num_loading}"
+            )
             if not 0 <= req.num_computed <= req.end or (self.exact_steps and req.end > known):
                 raise AssertionError(
                     f"invariant 5 (table and computed count commit together): request {rid!r} computed "

@@ -516,6 +516,13 @@ class AttentionGroup(CacheGroup):
                 f"invariant 5 (table and counts commit together): {where} holds blocks "
                 f"[{state.first}, {state.first + len(state.block_ids)}) for {end} reserved tokens"
             )
+        if state.loading:  # the loads fill the blocks right after the computed prefix (`complete_loads`)
+            at = num_computed // bs - state.first
+            if num_computed % bs or [b for b, _ in state.loading] != state.block_ids[at : at + len(state.loading)]:
+                raise AssertionError(
+                    f"{where}: blocks {[b for b, _ in state.loading]} still load, but {num_computed} tokens "
+                    f"are computed in blocks {state.block_ids}"
+                )
         written = state.block_ids[num_computed // bs - state.first :] if end > num_computed else ()
         chains.check_held(where, self.pool, self.held_blocks(state), written, holders)
         if self.pool.enable_caching:
