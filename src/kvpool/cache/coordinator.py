@@ -189,7 +189,7 @@ class _Request:
 
 class _LookedUp(NamedTuple):
     """A `lookup_packed` kept for its prompt's admission (`_admission_hits`): what it read,
-    the groups' stamps through it, and the hits it found."""
+    the groups' stamps through it, the hits it found and their point."""
 
     packed: bytes
     hashes: MatchMemo | None
@@ -198,6 +198,7 @@ class _LookedUp(NamedTuple):
     roots: dict[str, PrefixBlock]
     stamp: tuple[Any, ...]
     hits: dict[str, Any]
+    point: int  # hit_point(hits, num_tokens)
 
 
 # The decode-step memo (`HybridCacheManager._decode_step`, see its __init__): rows, ends,
@@ -1042,11 +1043,14 @@ class HybridCacheManager:
         stamp = self._lookup_stamp()
         hits = self._hits(roots, prompt)
         num_tokens = len(prompt.token_ids)
+        point = self.hit_point(hits, num_tokens)
         # kept for the prompt's admission when the stamp held through the lookup (no refused
         # hit, which the admission's walk would count)
         if stamp is not None and self._lookup_stamp() == stamp:
-            self._looked_up = _LookedUp(prompt.packed, prompt.hashes, num_tokens, prompt.mm_items, roots, stamp, hits)
-        return self.hit_point(hits, num_tokens)
+            self._looked_up = _LookedUp(
+                prompt.packed, prompt.hashes, num_tokens, prompt.mm_items, roots, stamp, hits, point
+            )
+        return point
 
     def _lookup_stamp(self) -> tuple[Any, ...] | None:
         """Every group's `lookup_stamp` (None where a group has none): equal at two moments,
@@ -1056,14 +1060,16 @@ class HybridCacheManager:
         stamps = tuple(g.lookup_stamp() for g in self._group_list)
         return None if None in stamps else stamps
 
-    def _admission_hits(self, roots: dict[str, PrefixBlock], prompt: LookupPrompt) -> dict[str, Any]:
-        """`_hits(roots, prompt, admission=True)` (the naive twin): the last lookup's hits,
-        taken once, when it was of this prompt under these roots and no group's stamp moved
-        since (the router's lookup in the replica it chose): the same packing (the very
-        bytes object: the admission checked, or its caller vouched, that the ids are its
-        ids), length, items and memo of hashes (the walk skipped would have left that memo
-        as the lookup left it). The hits are then equal, and the walk would count no
-        collision; else a fresh lookup."""
+    def _admission_hits(
+        self, roots: dict[str, PrefixBlock], prompt: LookupPrompt, num_tokens: int
+    ) -> tuple[dict[str, Any], int]:
+        """`_hits(roots, prompt, admission=True)` and their `hit_point` at `num_tokens` (the
+        naive twin): the last lookup's, taken once, when it was of this prompt under these
+        roots and no group's stamp moved since (the router's lookup in the replica it
+        chose): the same packing (the very bytes object: the admission checked, or its
+        caller vouched, that the ids are its ids), length, items and memo of hashes (the
+        walk skipped would have left that memo as the lookup left it). The hits and the
+        point are then equal, and the walk would count no collision; else a fresh lookup."""
         looked, self._looked_up = self._looked_up, None
         if (
             looked is not None
@@ -1074,8 +1080,11 @@ class HybridCacheManager:
             and looked.mm_items == prompt.mm_items
             and looked.stamp == self._lookup_stamp()
         ):
-            return looked.hits
-        return self._hits(roots, prompt, admission=True)
+            if num_tokens == looked.num_tokens:
+                return looked.hits, looked.point
+            return looked.hits, self.hit_point(looked.hits, num_tokens)
+        hits = self._hits(roots, prompt, admission=True)
+        return hits, self.hit_point(hits, num_tokens)
 
     def may_reach(
         self, prompt: LookupPrompt, num_tokens: int, *, tenant_salt: str = "", descriptor: CacheDescriptor | None = None
@@ -1154,8 +1163,7 @@ class HybridCacheManager:
             ):
                 raise ValueError(f"request {request_id!r}: the packed prompt is not of these token ids and items")
         req = self._new_request(request_id, prompt, tenant_salt, descriptor)
-        hits = self._admission_hits(req.roots, prompt) if self._caching else {}
-        point = self.hit_point(hits, len(req.token_ids)) if self._caching else 0
+        hits, point = self._admission_hits(req.roots, prompt, len(req.token_ids)) if self._caching else ({}, 0)
         rest = len(req.token_ids) - point
         n = rest if max_new_tokens is None else min(max_new_tokens, rest)
         end = point + n
