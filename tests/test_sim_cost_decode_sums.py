@@ -481,55 +481,69 @@ class _Engine:
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), kinds=st.lists(st.integers(0, 9), min_size=1, max_size=40))
-@example(seed=3, kinds=[0, 0, 0, 3, 7, 5, 0, 0, 0, 2, 0, 0, 1, 0, 0, 4, 0, 0, 0, 6, 8, 9])
+@example(seed=3, kinds=[0, 0, 0, 3, 7, 5, 0, 0, 0, 2, 0, 0, 1, 0, 0, 4, 0, 0, 0, 6, 8, 9, 0, 0, 7, 0, 0, 1])
 def test_the_executors_carried_positions_price_as_the_lists_bit_for_bit(seed: int, kinds: list[int]) -> None:
     """Engine-made decode steps through CostExecutor: a step whose positions list is the last
     common step's ends list (the engine's columns carried) is priced from the executor's
     array, one on (no list read but its sum), and the clock reads the twin's float (step_time
     over the chunks as a plain list), step after step, through rows that leave and join,
-    mixed steps (a prompt chunk after the decodes), a replay before a step, copies, and a
-    positions list changed in place (the sum check: the list itself priced)."""
+    mixed steps (a prompt chunk after the decodes, a replay before them: their leading
+    decodes from the array too; a decode after them: the list), copies, and a positions list
+    changed in place (the sum check: the list itself priced)."""
     from kvpool.engine.runner import ScheduledChunk
 
     rng = random.Random(seed)
     fast, twin = _cost_executor(True, split=True), _cost_executor(False)
-    seen: list[type] = []
-    decode = fast.decode_step_time
+    seen: list[type] = []  # the type of the positions each step's pricing got
+    decode, split = fast.decode_step_time, fast.split_step_time
     fast.decode_step_time = lambda positions, moved: (seen.append(type(positions)), decode(positions, moved))[1]
+    fast.split_step_time = lambda positions, rest, moved: (seen.append(type(positions)), split(positions, rest, moved))[
+        1
+    ]
     engine = _Engine(rng)
-    num_carried = 0
+    num_carried = num_mixed = 0
     for kind in kinds:
-        rest = [ScheduledChunk("p", [7] * 300, 2000, True)] if kind == 1 else []
+        rest = []
+        if kind == 1:  # a prompt's chunk after the decodes
+            rest = [ScheduledChunk("p", [7] * 300, 2000, True)]
+        elif kind == 7:  # a row that joined: its decode after the columns' rows
+            rest = [ScheduledChunk("d", [7], 3000, True)]
         if kind == 2:  # the engine changed its list in place (it never does): the sum check sees it
             engine.starts[0] += 2
         chunks, ends = engine.step(rest)
         plain = [ScheduledChunk(i, [7], s, True) for i, s in zip(engine.ids, engine.starts, strict=True)] + rest
-        # the positions list is the last common step's ends list (an array kept with it, or not yet)
+        # the positions list is the last common step's ends list (and not changed since)
         carried = fast._lead is not None and fast._lead[0] is engine.starts and kind != 2
-        kept = carried and fast._lead[1] is not None
+        lead_at = fast._lead[1] if fast._lead is not None else None
         for ex, step in ((fast, chunks), (twin, plain)):
             if kind == 3:
                 ex.copy_state(0, 1)
-            if kind == 4:
+            if kind == 4:  # a state replayed before the step: a chunk of 40 tokens priced with it
                 ex.replay([7] * 40, 100, [], 0, 0)
             ex.forward(step, None, False)
         num_seen = len(seen)
         assert fast.clock() == twin.clock() and fast.busy_s == twin.busy_s
+        assert len(seen) == num_seen + 1  # (priced by the twins: step_time is never called)
         common = not rest and kind != 4
-        assert len(seen) == num_seen + common
-        if common:  # an array where the rows are the last common step's, one on (and not changed)
-            assert (seen[-1] is np.ndarray) == carried
-            num_carried += kept
+        if common:  # an array: the last common step's one on where the rows are its rows (not changed)
+            assert seen[-1] is np.ndarray
+            num_carried += carried
+            assert (lead_at is not None and fast._lead[1] is lead_at) == carried  # moved on in place, or made
             # the sampler's word: these ends are the last step's, one on, where its array moved on
-            assert (fast.carried_ends is not None) == kept
-            if kept:
+            assert (fast.carried_ends is not None) == carried
+            if carried:
                 assert fast.carried_ends == (engine.starts, ends)
-        else:
+            assert fast._lead[0] is ends and fast._lead[1].tolist() == engine.starts
+        else:  # a mixed step: the leading decodes' array one on where no decode came after them
+            assert (seen[-1] is np.ndarray) == (carried and kind != 7)
+            num_mixed += carried and kind != 7
             assert fast.carried_ends is None and fast._lead is None
         if kind in (5, 6):
             engine.change(ends)
         else:
             engine.carry(ends)
-    # three common steps of carried rows: the third moves the array on
-    if any(kinds[i : i + 3] == [0, 0, 0] for i in range(len(kinds))):
+    # two common steps of carried rows: the second moves the array on (a mixed step after one)
+    if any(kinds[i : i + 2] == [0, 0] for i in range(len(kinds))):
         assert num_carried > 0
+    if any(kinds[i : i + 2] in ([0, 1], [0, 4]) for i in range(len(kinds))):
+        assert num_mixed > 0

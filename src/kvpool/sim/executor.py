@@ -135,9 +135,9 @@ class CostExecutor:
         self._later: dict[str, tuple[int, int]] = {}
         self._replays: list[tuple[int, int]] = []  # (tokens, context) recomputed in the next step
         # The last common step's (its rows' ends list, the positions it priced as an int64
-        # array or None, the sum of its ends): where the next step's positions list is that
-        # ends list, its positions are that array one on (`_lead_positions`)
-        self._lead: tuple[Sequence[int], np.ndarray | None, int] | None = None
+        # array, the sum of its ends): where the next step's positions list is that ends
+        # list, its positions are that array one on (`_lead_positions`)
+        self._lead: tuple[Sequence[int], np.ndarray, int] | None = None
         # (the step's positions list, its ends list) where the step is the last one's rows one
         # on (`_lead_positions`): row i's end is the last step's end + 1 (AnswerSampler reads it)
         self.carried_ends: tuple[Sequence[int], Sequence[int]] | None = None
@@ -217,17 +217,17 @@ class CostExecutor:
                     return self.decode_step_time(self._lead_positions(first, lead), self._moved)
                 return None
             if self.split_step_time is not None:
-                split = self._split_rest(first, later, replays)
+                split = self._split_rest(first, later, replays, self._carried_lead(first, lead))
                 if split is not None:
                     return self._price_split(*split)
         return self._price_columns(first)
 
     def _lead_positions(self, first: StepChunks, lead: tuple | None) -> Sequence[int] | np.ndarray:
-        """The common step's decode positions, `first.lead_starts`: the int64 array of the
-        last common step's positions, each one on (in place), where these are its rows one
-        token on; else the list itself (made an array, for the steps after, where it is the
-        last step's ends list but no array came with it). Sets `_lead` for the next step and,
-        for the carried rows, `carried_ends`.
+        """The common step's decode positions, `first.lead_starts`, as an int64 array: the
+        last common step's, each one on (in place), where these are its rows one token on;
+        else the list's ints made one (the list itself where they are not ints, or past int64:
+        decode_step_time names or prices them). Sets `_lead` for the next step and, for the
+        carried rows, `carried_ends`.
 
         The rows are the last step's one on where `lead_starts` is the very list the last
         common step's columns ended its rows at (`lead`'s; StepChunks' columns: a leading
@@ -238,26 +238,33 @@ class CostExecutor:
         with no int read a row (`_decode_sums`' array form). Its twin: the list priced as it
         is (tests/test_sim_cost_decode_sums.py runs engine-made steps through both)."""
         starts = first.lead_starts
-        try:  # (ints only: a sum of ints is an int; a float, a numpy int or a str is not)
-            total = sum(starts)
-        except TypeError:
+        total = _int_sum(starts)
+        if total is None:
             return starts  # (decode_step_time names the bad position)
-        if type(total) is not int:
-            return starts
-        carried = lead is not None and starts is lead[0] and total == lead[2]
-        at = lead[1] if carried else None
-        if at is not None and len(at) == len(starts):
-            at += 1  # (ours: decode_step_time reads it, keeps nothing)
-            self.carried_ends = (starts, first.columns[2]) if first.columns is not None else None
-        elif carried:  # the rows' run goes on: their positions as an array from now on
+        columns = first.columns
+        at = None
+        if lead is not None and starts is lead[0] and total == lead[2]:
+            at = _one_on(lead, len(starts))
+        if at is not None:
+            if columns is not None:
+                self.carried_ends = (starts, columns[2])
+        else:  # (ints, so their int64s: the conversion _decode_sums would make, kept)
             try:
                 at = np.frombuffer(array("q", starts), np.int64)
-            except OverflowError:
-                at = None
-        columns = first.columns
+            except OverflowError:  # (past int64: decode_step_time's loop prices them)
+                return starts
         if columns is not None and len(columns[2]) == len(starts):
             self._lead = (columns[2], at, total + len(starts))
-        return starts if at is None else at
+        return at
+
+    def _carried_lead(self, first: StepChunks, lead: tuple | None) -> np.ndarray | None:
+        """A step's leading decodes' positions where `_lead_positions` would find them the
+        last common step's rows one on with its array (a mixed step: a prompt's chunk after
+        them, a replay before it): that array, one on; else None (`_split_rest` reads the list)."""
+        starts = first.lead_starts
+        if lead is None or starts is not lead[0] or _int_sum(starts) != lead[2]:
+            return None
+        return _one_on(lead, len(starts))
 
     def _price_columns(self, first: Sequence[ScheduledChunk]) -> float | None:
         """`_fast_price` of any first forward, from its columns: a row a decode or not. (The
@@ -292,7 +299,7 @@ class CostExecutor:
                 others.append((n, end))
         return self._price_split(positions, others)
 
-    def _price_split(self, positions: list[int], others: list[tuple[int, int]]) -> float | None:
+    def _price_split(self, positions: list[int] | np.ndarray, others: list[tuple[int, int]]) -> float | None:
         """A step of one decode at each of `positions` and the chunks `others` ((tokens,
         context after them), more than one token each) priced by the fast twins: decodes
         only by `decode_step_time`, else `split_step_time`; None where they cannot."""
@@ -301,8 +308,12 @@ class CostExecutor:
         return self.split_step_time(positions, others, self._moved)  # type: ignore[misc]
 
     def _split_rest(
-        self, first: StepChunks, later: Mapping[str, tuple[int, int]], replays: Sequence[tuple[int, int]]
-    ) -> tuple[list[int], list[tuple[int, int]]] | None:
+        self,
+        first: StepChunks,
+        later: Mapping[str, tuple[int, int]],
+        replays: Sequence[tuple[int, int]],
+        lead_at: np.ndarray | None = None,
+    ) -> tuple[list[int] | np.ndarray, list[tuple[int, int]]] | None:
         """`_price_columns`' (positions, others) of a StepChunks first forward, read from its
         leading decodes' starts and its rest alone (rows that joined: their first decodes, a
         prompt's chunk; a divided chunk's first piece): a decode, one token, is never cut, so
@@ -310,9 +321,11 @@ class CostExecutor:
         forward's (after its requests, as `_work` puts them), then the replays. The leading
         decodes' positions as they are (no row read), the others in `_work`'s order (the
         decodes' sums do not depend on where they fall). None where a later piece's request
-        is a leading decode's or two of the rest's (`_price_columns` then prices the step)."""
+        is a leading decode's or two of the rest's (`_price_columns` then prices the step).
+        `lead_at`: the leading decodes' positions as an int64 array (`_carried_lead`), the
+        positions where no other chunk is a decode (else the list of them all)."""
         rest = first.rest
-        positions = list(first.lead_starts)
+        positions: list[int] = []  # the decodes after the leading ones
         others = []
         if later:
             rest_ids = {c.request_id for c in rest}
@@ -342,7 +355,9 @@ class CostExecutor:
                 positions.append(end - 1)
             else:
                 others.append((n, end))
-        return positions, others
+        if lead_at is not None and not positions:
+            return lead_at, others
+        return list(first.lead_starts) + positions, others
 
     def _work(self, first: Sequence[ScheduledChunk]) -> list[tuple[int, int]]:
         """The step's (tokens, context after them): one chunk per request, in the order
@@ -443,6 +458,27 @@ class CostExecutor:
 
     def check_integrity(self) -> None:
         assert self.busy_s >= 0 and self._moved >= 0
+
+
+def _int_sum(values: Sequence[int]) -> int | None:
+    """sum(values) where every value is an int (a bool counts: an int subclass), in one
+    C-level pass; None where one is not (a float or a numpy int makes the sum one, a str or
+    None raises)."""
+    try:
+        total = sum(values)
+    except TypeError:
+        return None
+    return total if type(total) is int else None
+
+
+def _one_on(lead: tuple, num_rows: int) -> np.ndarray | None:
+    """`lead`'s positions array, each one on (in place: the executor's own, which the pricing
+    reads and keeps nothing of), where it has `num_rows` rows; else None."""
+    at = lead[1]
+    if len(at) != num_rows:
+        return None
+    at += 1
+    return at
 
 
 def answer_seed(request_id: str) -> int:
