@@ -534,10 +534,12 @@ def test_the_executors_carried_positions_price_as_the_lists_bit_for_bit(seed: in
             if carried:
                 assert fast.carried_ends == (engine.starts, ends)
             assert fast._lead[0] is ends and fast._lead[1].tolist() == engine.starts
+            # the sampler's lengths: this step's ends list and its positions' int64s
+            assert fast.step_ends[0] is ends and fast.step_ends[1] is fast._lead[1]
         else:  # a mixed step: the leading decodes' array one on where no decode came after them
             assert (seen[-1] is np.ndarray) == (carried and kind != 7)
             num_mixed += carried and kind != 7
-            assert fast.carried_ends is None and fast._lead is None
+            assert fast.carried_ends is None and fast._lead is None and fast.step_ends is None
         if kind in (5, 6):
             engine.change(ends)
         else:

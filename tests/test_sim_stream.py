@@ -365,7 +365,9 @@ def test_a_batch_carried_one_token_on_by_the_executor_is_a_call_a_row():
     no length read: each step's tokens are a call a row's, through steps as the engine makes
     them (StepChunks over its decode columns, the executor's clock read before the sampler),
     rows that leave and join, a prompt chunk after the decodes, a step whose clock is not
-    read (no word from the executor: every length read) and lengths handed as a copy."""
+    read (no word from the executor: every length read) and lengths handed as a copy. Where
+    the rows changed, the lengths' int64s are the executor's positions + 1 (`step_ends`): the
+    lengths are read only where they are not its step's ends list."""
     from kvpool.engine.runner import ScheduledChunk, StepChunks
     from kvpool.sim.executor import CostExecutor, VirtualClock
 
@@ -398,6 +400,9 @@ def test_a_batch_carried_one_token_on_by_the_executor_is_a_call_a_row():
     owners = [new_row() for _ in range(12)]
     starts = [r.length - 1 for r in owners]  # each row one token behind: its last is the decode's
     num_fast = 0
+    read: list[int] = []  # the lengths lists read (made int64s by the sampler)
+    batch._int64s = lambda ends, n: (read.append(n), AnswerSampler._int64s(ends, n))[1]
+    last_kind = 0
     for _ in range(300):
         kind = rng.randrange(20)  # 0, 6..19: a step of the columns' rows alone
         rest = [ScheduledChunk("p", [7] * 50, 100, False)] if kind == 1 else []
@@ -409,9 +414,14 @@ def test_a_batch_carried_one_token_on_by_the_executor_is_a_call_a_row():
             clock()
         x = batch._x
         lengths = ends if kind != 3 else list(ends)
+        num_read = len(read)
         tokens = batch.sample([None] * len(owners), owners, rows, lambda lengths=lengths: lengths)
         assert tokens == [twin(None, r.params, r.sample_index, r.length - r.origin) for r in owners]
         num_fast += batch._x is x
+        # read where the lengths are not the priced step's ends (a copy, a mixed step's, a
+        # step priced with the next: an unread clock)
+        assert (len(read) > num_read) == (kind in (1, 2, 3) or last_kind == 2)
+        last_kind = kind
         for r in owners:  # the engine appends each row's token
             r.length += 1
         if kind in (4, 5):  # rows end anywhere, rows join at the end: the engine's columns made anew

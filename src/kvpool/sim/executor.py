@@ -141,6 +141,9 @@ class CostExecutor:
         # (the step's positions list, its ends list) where the step is the last one's rows one
         # on (`_lead_positions`): row i's end is the last step's end + 1 (AnswerSampler reads it)
         self.carried_ends: tuple[Sequence[int], Sequence[int]] | None = None
+        # (the common step's ends list, its positions as int64s: each end less one), for the
+        # sampler's lengths (`_lead_positions`)
+        self.step_ends: tuple[Sequence[int], np.ndarray] | None = None
         self._moved = 0  # bytes the copies since the last step move
         self.num_replayed_tokens = 0
         self.num_checkpoint_copies = 0
@@ -186,7 +189,7 @@ class CostExecutor:
             return
         self._first = ()
         lead = self._lead  # (kept by a common step alone: any other ends the rows' run)
-        self._lead = self.carried_ends = None
+        self._lead = self.carried_ends = self.step_ends = None
         seconds = None
         if self.decode_step_time is not None or self.split_step_time is not None:
             seconds = self._fast_price(first, lead)
@@ -255,6 +258,7 @@ class CostExecutor:
                 return starts
         if columns is not None and len(columns[2]) == len(starts):
             self._lead = (columns[2], at, total + len(starts))
+            self.step_ends = (columns[2], at)
         return at
 
     def _carried_lead(self, first: StepChunks, lead: tuple | None) -> np.ndarray | None:
@@ -604,24 +608,27 @@ class AnswerSampler:
         if not same:
             self._batch(owners, rows)
         ends = lengths()
-        if same and self._executor is not None:
-            carried = self._executor.carried_ends
-            if carried is not None and carried[1] is ends and carried[0] is self._ends:
+        executor = self._executor
+        at = None
+        if executor is not None:
+            carried = executor.carried_ends
+            if same and carried is not None and carried[1] is ends and carried[0] is self._ends:
                 # the same rows, each one token on (the executor's `carried_ends`): the last
                 # step's first terms one position on, STREAM_MULT more (wrapping)
                 self._ends = ends
                 x = self._x
                 x += _MULT_U64
                 return self._int_array[mix_tokens(x.copy(), self.vocab_size).view(np.intp)].tolist()
+            known = executor.step_ends
+            if known is not None and known[0] is ends and len(known[1]) == n:
+                at = known[1] + 1  # the lengths' int64s: the step's positions (the executor's) + 1
         self._ends = None
-        if type(ends) is not list:  # (an iterable is read once: the slow path reads it again)
-            ends = list(ends)
-        try:  # (ints only, into int64 at C speed: a float, a str or an int past int64 raise)
-            at = np.frombuffer(array("q", ends), np.int64) if n else np.zeros(0, np.int64)
-        except (TypeError, OverflowError):
-            return self._sample_rows(list(ends))
-        if len(at) != n:
-            return self._sample_rows(list(ends))
+        if at is None:
+            if type(ends) is not list:  # (an iterable is read once: the slow path reads it again)
+                ends = list(ends)
+            at = self._int64s(ends, n)
+            if at is None:
+                return self._sample_rows(ends)
         x = (at - self._origins).view(np.uint64)  # the positions (a negative one is past 2^63 as a uint64)
         if n and int(x.max()) >> 63:
             return self._sample_rows(list(ends))
@@ -629,6 +636,16 @@ class AnswerSampler:
         x += self._starts
         self._x, self._ends = x.copy(), ends  # (the next step's, where it is these rows one on)
         return self._int_array[mix_tokens(x, self.vocab_size).view(np.intp)].tolist()  # (< vocab: the same bits)
+
+    @staticmethod
+    def _int64s(ends: list[int], n: int) -> np.ndarray | None:
+        """The lengths as int64s, where they are n ints within int64 (else None: the slow
+        path reads them, and names what is wrong)."""
+        try:  # (ints only, into int64 at C speed: a float, a str or an int past int64 raise)
+            at = np.frombuffer(array("q", ends), np.int64) if n else np.zeros(0, np.int64)
+        except (TypeError, OverflowError):
+            return None
+        return at if len(at) == n else None
 
     def _sample_rows(self, ends: list[int]) -> list[int]:
         """`sample`'s tokens a row at a time (token_at of each row's key at its position),
