@@ -92,12 +92,23 @@ def test_the_admission_takes_the_lookup_until_the_index_changes(monkeypatch) -> 
     m.commit("d", adm.num_scheduled_tokens)
     m.release("d")
 
-    # another packing of the same ids (not the lookup's bytes object): walked again, and the
-    # kept lookup is taken at most once
+    # another packing of the same ids (not the lookup's bytes object): walked again
     packed = pack_prompt(prompt + [97])
     assert m.lookup_packed(packed) == 32 and len(calls) == 3
     adm = m.admit("e", packed.token_ids, prompt=pack_prompt(prompt + [97]))
     assert adm is not None and adm.num_cached_tokens == 32 and len(calls) == 4
+    m.check_integrity()
+
+    # two arrivals looked up before either is admitted (e, running, holds the hit's blocks,
+    # and one token each takes no block: the admissions change nothing a lookup reads):
+    # each admission takes its own lookup
+    first, second = pack_prompt(prompt + [96]), pack_prompt(prompt + [95])
+    assert m.lookup_packed(first) == m.lookup_packed(second) == 32 and len(calls) == 6
+    for rid, packed in (("f", second), ("g", first)):
+        adm = m.admit(rid, packed.token_ids, 1, prompt=engine_prompt(packed))
+        assert adm is not None and adm.num_cached_tokens == 32
+    assert len(calls) == 6
+    assert id(first.packed) not in m._looked_up and id(second.packed) not in m._looked_up  # (taken once)
     m.check_integrity()
 
 
@@ -151,12 +162,13 @@ def _make(layout: str, weak: bool) -> HybridCacheManager:
 
 # what runs between the lookup and the admission: (0, i, n) decode n tokens of running
 # request i (mod their number: reservations evict, commits publish), (1, i, _) finish it
-# (its blocks turn free, cached), (2, op, _) run one more request (an admission: it takes
-# the kept lookup, which then serves nobody)
+# (its blocks turn free, cached), (2, op, _) run one more request (an admission of another
+# prompt), (3, query, _) look another prompt up (a lookup kept beside this one)
 BETWEEN = st.one_of(
     st.tuples(st.just(0), st.integers(0, 7), st.integers(1, 20)),
     st.tuples(st.just(1), st.integers(0, 7), st.just(0)),
     st.tuples(st.just(2), OP, st.just(0)),
+    st.tuples(st.just(3), st.tuples(st.integers(0, 2), st.integers(1, 58), st.integers(0, 5)), st.just(0)),
 )
 
 
@@ -202,7 +214,9 @@ def test_an_admission_after_its_lookup_finds_what_a_fresh_lookup_finds(
             running = kept.request_ids
             assert running == fresh.request_ids
             for m in (kept, fresh):
-                if kind == 2:
+                if kind == 3:  # another arrival's lookup (kept too)
+                    m.lookup_packed(pack_prompt(_prompt(*arg) + [301]))
+                elif kind == 2:
                     run(m, f"r{num}", _prompt(*arg[:3]), arg[3], arg[4])
                 elif running and kind == 0:
                     _decode(m, running[arg % len(running)], num_tokens)
@@ -210,7 +224,7 @@ def test_an_admission_after_its_lookup_finds_what_a_fresh_lookup_finds(
                     m.release(running[arg % len(running)])
                 m.check_integrity()
             num += 1
-        fresh._looked_up = None  # the twin: the admission's own lookup, always
+        fresh._looked_up.clear()  # the twin: the admission's own lookup, always
         admissions = [m.admit(f"q{num}", tokens, prompt=engine_prompt(packed[m])) for m in (kept, fresh)]
         assert admissions[0] == admissions[1]
         for m in (kept, fresh):

@@ -121,6 +121,9 @@ MAX_LEFT_CARRIED = 32
 # the fewest rows a carried memo serves: a smaller step is looked up id by id at less cost
 # (an admission's commit of one request, the simulator's small batches)
 MIN_ROWS_CARRIED = 16
+# lookups a coordinator keeps for their prompts' admissions (`_admission_hits`): the
+# arrivals looked up in a replica before its next step (a few at a fleet's rates)
+MAX_LOOKED_UP = 8
 # fresh requests (`_fresh`) that a commit's pass finds apart, not by a question at every row
 MAX_FRESH_APART = 8
 
@@ -359,10 +362,12 @@ class HybridCacheManager:
         # them), so it is emptied when it holds MAX_MEMO_SALTS salts, not kept for every salt
         # ever seen (per-user tenants)
         self._default_roots: dict[str, dict[str, PrefixBlock]] = {}
-        # The last `lookup_packed`, for its prompt's admission: the router looks a prompt up
-        # in the replica it then hands it to, whose admission comes at its next step, often
-        # with no change to the index in between (`_admission_hits`)
-        self._looked_up: _LookedUp | None = None
+        # The last MAX_LOOKED_UP `lookup_packed`s, by the id of their packing (each entry
+        # holds it), for their prompts' admissions: the router looks a prompt up in the
+        # replica it then hands it to, whose admission comes at its next step, often with no
+        # change to the index in between (`_admission_hits`); other arrivals' lookups may
+        # come between (a prompt the router then sends elsewhere, or here too)
+        self._looked_up: dict[int, _LookedUp] = {}
 
     # ---- queries -----------------------------------------------------------------------
 
@@ -1047,7 +1052,11 @@ class HybridCacheManager:
         # kept for the prompt's admission when the stamp held through the lookup (no refused
         # hit, which the admission's walk would count)
         if stamp is not None and self._lookup_stamp() == stamp:
-            self._looked_up = _LookedUp(
+            looked_up = self._looked_up
+            looked_up.pop(id(prompt.packed), None)  # (a later lookup of the same packing: the newest entry)
+            if len(looked_up) >= MAX_LOOKED_UP:
+                del looked_up[next(iter(looked_up))]  # the oldest
+            looked_up[id(prompt.packed)] = _LookedUp(
                 prompt.packed, prompt.hashes, num_tokens, prompt.mm_items, roots, stamp, hits, point
             )
         return point
@@ -1064,13 +1073,13 @@ class HybridCacheManager:
         self, roots: dict[str, PrefixBlock], prompt: LookupPrompt, num_tokens: int
     ) -> tuple[dict[str, Any], int]:
         """`_hits(roots, prompt, admission=True)` and their `hit_point` at `num_tokens` (the
-        naive twin): the last lookup's, taken once, when it was of this prompt under these
+        naive twin): a kept lookup's (`_looked_up`), taken once, when it was of this prompt under these
         roots and no group's stamp moved since (the router's lookup in the replica it
         chose): the same packing (the very bytes object: the admission checked, or its
         caller vouched, that the ids are its ids), length, items and memo of hashes (the
         walk skipped would have left that memo as the lookup left it). The hits and the
         point are then equal, and the walk would count no collision; else a fresh lookup."""
-        looked, self._looked_up = self._looked_up, None
+        looked = self._looked_up.pop(id(prompt.packed), None)
         if (
             looked is not None
             and looked.packed is prompt.packed
