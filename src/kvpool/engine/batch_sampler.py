@@ -550,19 +550,23 @@ def _match(owners: Sequence[object], last: Sequence[object]) -> _Matched:
     ids of the last batch's rows it passed by (the last batch's owners are held: an id is
     theirs alone)."""
     n, m = len(owners), len(last)
+    # (lists: a run is tested by comparing two slices, below)
+    owners = owners if type(owners) is list else list(owners)
+    last = last if type(last) is list else list(last)
     runs: list[tuple[int, int, int]] = []
     unplaced: list[int] = []  # rows the walk did not match in order
     skipped: list[int] = []  # last rows the walk passed by (left, or moved)
     i = j = mismatches = 0
     while i < n and j < m:
         # the run from (i, j), up to the first row that is not the same object: where it
-        # reaches the end of either batch (the common step's last run) one pass of `all`, ~30 %
-        # cheaper than the pass that finds where it ends
+        # reaches the end of either batch (the common step's last run) one comparison of the
+        # two slices (an identity kind's == is `is`, and a list's == tests identity first: a
+        # pointer compare a row in C, ~10x cheaper than a map of operator.is_), else the pass
+        # that finds where it ends
         k = 0
         if owners[i] is last[j]:
-            if all(map(operator.is_, islice(owners, i, None), islice(last, j, None))):
-                k = min(n - i, m - j)
-            else:
+            k = min(n - i, m - j)
+            if owners[i : i + k] != last[j : j + k]:
                 k = next(compress(count(), map(operator.is_not, islice(owners, i, None), islice(last, j, None))))
         if k:
             runs.append((i, j, k))

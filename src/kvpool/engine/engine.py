@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import compress, islice, repeat
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -519,11 +519,13 @@ class Engine:
 
     # ---- scheduling -----------------------------------------------------------------
 
-    def _timed(self, call: Callable[[], _T]) -> _T:
-        """Run a runner call that may allocate; its latency joins the allocating or the no-op calls."""
+    def _timed(self, call: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        """call(*args, **kwargs), a runner call that may allocate; its latency joins the
+        allocating or the no-op calls. (Its arguments passed on, not a closure over them: the
+        step's reserve and each admission make none.)"""
         before = self.runner.num_allocations()
         start = time.perf_counter()
-        result = call()
+        result = call(*args, **kwargs)
         elapsed = time.perf_counter() - start
         stats = self.stats
         if self.runner.num_allocations() != before:
@@ -695,7 +697,7 @@ class Engine:
         scheduled, ids, counts, chunks = self._plan_running(self.max_num_batched_tokens)
         columns = self._plan_columns
         preempted = False
-        if ids and not self._timed(lambda: self.runner.reserve_step(ids, counts)):
+        if ids and not self._timed(self.runner.reserve_step, ids, counts):
             columns = None  # (the plan is taken again, sequence by sequence)
             num_preemptions = self.stats.num_preemptions
             plan = self._reserve_with_preemption()
@@ -711,14 +713,13 @@ class Engine:
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             admitted = self._timed(
-                lambda seq=seq, budget=budget: self.runner.admit(
-                    seq.seq_id,
-                    seq.token_ids,
-                    budget,
-                    tenant_salt=seq.request.tenant,
-                    prompt=seq.prompt,
-                    check_packing=False,  # (add_request checked seq.prompt's bytes)
-                )
+                self.runner.admit,
+                seq.seq_id,
+                seq.token_ids,
+                budget,
+                tenant_salt=seq.request.tenant,
+                prompt=seq.prompt,
+                check_packing=False,  # (add_request checked seq.prompt's bytes)
             )
             if admitted is None:
                 break
@@ -766,7 +767,9 @@ class Engine:
     def step(self) -> list[str]:
         """Schedule, run the model once, sample, commit. Returns the ids of requests finished in this step."""
         chunks = self.schedule()
-        if not chunks:
+        counts = self._step_counts  # (counts[i] is len(chunks[i].token_ids))
+        num_chunks = len(counts)  # (len(chunks): a StepChunks' len is a Python call, the list's is not)
+        if not num_chunks:
             return []
         stats = self.stats
         stats.num_steps += 1
@@ -802,16 +805,15 @@ class Engine:
         plain = self.inline_decode and not self.record_logits
         row = 0
         num_decode = 0  # chunks of one token after the prompt
-        counts = self._step_counts  # (counts[i] is len(chunks[i].token_ids))
         scheduled = self._scheduled
         head = 0  # chunks [0, head) taken before the loop below (a mixed step's leading decode tokens)
         step_columns = self._step_columns
         if (
             plain
             and sampled is not None
-            and len(sampled) == len(chunks)
+            and len(sampled) == num_chunks
             # (a step of the columns' rows alone is one of decodes: no count of its counts)
-            and ((step_columns is not None and len(step_columns.seqs) == len(chunks)) or counts.count(1) == len(chunks))
+            and ((step_columns is not None and len(step_columns.seqs) == num_chunks) or counts.count(1) == num_chunks)
         ):
             # a decode step (one sampled token a chunk): the loop below without its per-chunk branches
             gone: list[int] = []  # the rows [0, end) the takes below ended or failed, increasing
@@ -823,7 +825,7 @@ class Engine:
             if not done and not forks and not failed:  # each of them one token behind now
                 self._decode_rows, self._decode_ids = scheduled, self._step_ids
         else:
-            next_token_ids = [None] * len(chunks)
+            next_token_ids = [None] * num_chunks
             if plain and sampled is not None:
                 # A mixed step (a prompt chunk among them, most often an admitted request's
                 # after the running ones): its leading chunks of one sampled token each, where
@@ -1181,8 +1183,11 @@ class Engine:
         # (a decode step samples every chunk: no filtered copy; the columns' rows all need
         # logits: only the chunks after them are read, a StepChunks' leading ones not made)
         k = 0 if columns is None else len(columns.seqs)
-        if k != len(chunks) and not all(map(_NEEDS_LOGITS, chunks[k:])):
-            seqs = seqs[:k] + [seq for seq, c in zip(seqs[k:], chunks[k:], strict=True) if c.needs_logits]
+        if k != len(self._step_counts):  # (len(chunks): a StepChunks' len is a Python call)
+            # (a StepChunks of the columns' rows: the chunks after them are its rest, not a slice made)
+            rest = chunks.rest if type(chunks) is StepChunks and len(chunks.lead_tokens) == k else chunks[k:]
+            if not all(map(_NEEDS_LOGITS, rest)):
+                seqs = seqs[:k] + [seq for seq, c in zip(seqs[k:], rest, strict=True) if c.needs_logits]
 
         def rows(which: Sequence[int] | None = None) -> tuple[list[SamplingParams], list[int], list[int]]:
             picked = seqs if which is None else [seqs[i] for i in which]
@@ -1198,7 +1203,8 @@ class Engine:
             k = len(columns.seqs)
             return self._plan_ends if k == len(seqs) else self._plan_ends + [len(seq.token_ids) for seq in seqs[k:]]
 
-        if len(logits) != len(seqs):  # (a tensor's rows, or a runner's list of empty rows)
+        # (a tensor's rows, or a runner's list of empty rows; a tensor's len is a Python call, its shape not)
+        if (logits.shape[0] if type(logits) is torch.Tensor else len(logits)) != len(seqs):
             logits = logits[: len(seqs)]
         return self._batch_sampler.sample(logits, seqs, rows, lengths)
 

@@ -166,6 +166,11 @@ class StepChunks(Sequence[ScheduledChunk]):
         k = len(self.lead_tokens)
         if self._rows is None:
             if isinstance(index, slice):
+                start = index.start
+                # (the common slice, chunks[i:] past the leading chunks: the rest's own slice,
+                # without the Python-level len() that `indices` asks for)
+                if index.stop is None and index.step is None and start is not None and start >= k:
+                    return self.rest[start - k :]
                 start, stop, step = index.indices(len(self))
                 if step == 1 and start >= k:
                     return self.rest[start - k : max(stop - k, 0)]
