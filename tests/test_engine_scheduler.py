@@ -5,6 +5,7 @@ produce exactly the tokens it produces alone. Fast: no tensors beyond the logits
 
 from __future__ import annotations
 
+import functools
 import gc
 import operator
 import random
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 
 from kvpool.cache import CacheDescriptor, FullAttentionManager
 from kvpool.engine.batch_sampler import BatchSampler
-from kvpool.engine.engine import Engine, RequestState, SequenceState, _DecodeColumns, _leads
+from kvpool.engine.engine import Engine, EngineStats, RequestState, SequenceState, _DecodeColumns, _leads
 from kvpool.engine.runner import ScheduledChunk, StepChunks, step_columns
 from kvpool.engine.sampling import SamplingParams
 
@@ -441,18 +442,22 @@ def _faulty_step_runner(kind: str):
     return build_engine(TinyHybrid(dtype=torch.float64), num_blocks=64, block_size=4).runner
 
 
-def _run_with_a_faulty_step(requests, where: str, fault_step: int | None, kind: str) -> tuple[list, bool]:
+def _run_with_a_faulty_step(
+    requests, where: str, fault_step: int | None, kind: str
+) -> tuple[list, bool, EngineStats | None]:
     """Runs `requests` to their ends on an engine of the columns' twin tests (over the runner
     `_faulty_step_runner(kind)`); step number
     `fault_step` (None: none) raises once, from the forward (`where` "forward") or the batch
     sampler ("sampler": before it samples; "sampled": after it sampled, its own state moved
     on), and the run goes on with the next step, as a caller that catches a step's fault does.
-    The outputs, and whether the faulty step had decode columns from the step before."""
+    The outputs, whether the faulty step had decode columns from the step before, and the
+    engine's stats where the faulty step came (None where the run ended before it)."""
     runner = _faulty_step_runner(kind)
     engine = _twin_engine(runner, 256, 16, True, True)
     ids = [engine.add_request(prompt, params) for prompt, params in requests]
     execute, sample = runner.execute, engine._batch_sampler.sample
     had_columns = False
+    faulted = False
     step_no = 0
     while engine.has_unfinished():
         step_no += 1
@@ -475,11 +480,34 @@ def _run_with_a_faulty_step(requests, where: str, fault_step: int | None, kind: 
                 engine._batch_sampler.sample = faulty_sample
             with pytest.raises(RuntimeError, match="injected"):
                 engine.step()
+            faulted = True
             runner.execute, engine._batch_sampler.sample = execute, sample
         runner.check_integrity()
         _check_columns(engine)
     outs = [engine.output(rid).completions[0] for rid in ids]
-    return [(c.token_ids, c.finish_reason) for c in outs], had_columns
+    return [(c.token_ids, c.finish_reason) for c in outs], had_columns, engine.stats if faulted else None
+
+
+def _fault_requests() -> list[tuple[list[int], SamplingParams]]:
+    """The fault tests' requests: 3 that run to max_tokens, 5 random (greedy or seeded
+    temperature, EOS ignored or not), ids below 96 (the tiny hybrid's vocabulary)."""
+    rng = random.Random(11)  # (two of its requests stop at an EOS id)
+    requests = [([1, 2, 3 + i], SamplingParams(max_tokens=6 + i, ignore_eos=True)) for i in range(3)]
+    for _ in range(5):
+        params = SamplingParams(
+            max_tokens=rng.randint(1, 12),
+            temperature=rng.choice([0.0, 0.9]),
+            seed=rng.randrange(1000),
+            ignore_eos=rng.random() < 0.5,
+        )
+        requests.append(([rng.randrange(96) for _ in range(rng.randint(1, 7))], params))
+    return requests
+
+
+@functools.cache
+def _fault_twin(kind: str) -> list[tuple[list[int], str]]:
+    """The fault tests' run without a fault, once per kind (the tiny V4's takes seconds)."""
+    return _run_with_a_faulty_step(_fault_requests(), "forward", None, kind)[0]
 
 
 @pytest.mark.parametrize("kind", ["paged", "v4", "hybrid"])
@@ -495,18 +523,9 @@ def test_after_a_step_that_raised_every_request_ends_at_its_max_tokens_or_stop(w
     # step went by never ended by length. On every cache kind: a cache of exact steps refused
     # the next step's reservation of the same tokens ("already has an uncommitted
     # reservation") until the engine undid or released the faulty step's (V4, hybrid: recomputed).
-    rng = random.Random(11)  # (two of its requests stop at an EOS id)
-    requests = [([1, 2, 3 + i], SamplingParams(max_tokens=6 + i, ignore_eos=True)) for i in range(3)]
-    for _ in range(5):
-        params = SamplingParams(
-            max_tokens=rng.randint(1, 12),
-            temperature=rng.choice([0.0, 0.9]),
-            seed=rng.randrange(1000),
-            ignore_eos=rng.random() < 0.5,
-        )
-        # (ids below 96, the tiny hybrid's vocabulary)
-        requests.append(([rng.randrange(96) for _ in range(rng.randint(1, 7))], params))
-    twin, _ = _run_with_a_faulty_step(requests, where, None, kind)
+    # Those releases were counted as preemptions: they count apart (num_fault_recomputes).
+    requests = _fault_requests()
+    twin = _fault_twin(kind)
     # (the twin's lengths: max_tokens where a request ended by length, fewer at a stop id)
     assert all(
         len(tokens) == params.max_tokens if reason == "length" else len(tokens) < params.max_tokens
@@ -516,10 +535,124 @@ def test_after_a_step_that_raised_every_request_ends_at_its_max_tokens_or_stop(w
     assert {reason for _, reason in twin} == ({"length", "stop"} if kind == "paged" else {"length"})
     num_with_columns = 0
     for fault_step in range(1, 16):
-        outputs, had_columns = _run_with_a_faulty_step(requests, where, fault_step, kind)
+        outputs, had_columns, stats = _run_with_a_faulty_step(requests, where, fault_step, kind)
         assert outputs == twin, fault_step
         num_with_columns += had_columns
+        if stats is not None:  # the sequences released after the fault (V4, hybrid) are no preemptions
+            assert stats.num_preemptions == 0, fault_step
+            assert (stats.num_fault_recomputes > 0) == (kind != "paged"), fault_step
     assert num_with_columns > 5
+
+
+# The points of a step's take (and commit) where `_plant_take_fault` plants a fault: each
+# raises after some rows took their token (appended it, moved their computed count)
+TAKE_POINTS = {
+    "columns": "_take_column_tokens",  # (engine methods: raise after their own work)
+    "inline": "_take_inline_tokens",
+    "accept": "_accept_token",
+    "stop": "_stop_reason",  # (raise instead: a row that ends, its token appended)
+    "sampler": "sampler",  # (the per-token sampler, not batched: raise instead)
+    "commit": "commit_step",  # (the runner's: raise instead, the cache unchanged)
+    "committed": "commit_step",  # (raise after it: the cache committed the step)
+}
+
+
+def _plant_take_fault(engine: Engine, where: str, fired: list[str]):
+    """Plants the fault `where` (TAKE_POINTS) on the engine's (or its runner's) instance;
+    `fired` gets `where` when it raises. Returns the call that lifts it."""
+    obj = engine.runner if where.startswith("commit") else engine
+    name = TAKE_POINTS[where]
+    call = getattr(obj, name)
+    had = name in vars(obj)  # (an instance attribute: put back; else the class's method shows again)
+
+    def faulty(*args, **kwargs):
+        if where not in ("stop", "sampler", "commit"):
+            call(*args, **kwargs)
+        fired.append(where)
+        raise RuntimeError(f"injected {where} fault")
+
+    setattr(obj, name, faulty)
+    return lambda: setattr(obj, name, call) if had else delattr(obj, name)
+
+
+def _run_with_take_faults(requests, kind: str, faults: dict[int, str], batched: bool = True):
+    """`_run_with_a_faulty_step` with faults of the take planted (`faults`: step number ->
+    a TAKE_POINTS key; a step that does not reach its point runs as any other). After each
+    fault every sequence holds the tokens it held before the step, and one still admitted
+    its computed count (the others released to be recomputed). The outputs, the faults that
+    fired, the engine's stats."""
+    runner = _faulty_step_runner(kind)
+    engine = _twin_engine(runner, 256, 16, batched, True)
+    ids = [engine.add_request(prompt, params) for prompt, params in requests]
+    fired: list[str] = []
+    step_no = 0
+    while engine.has_unfinished():
+        step_no += 1
+        if step_no not in faults:
+            engine.step()
+        else:
+            seqs = [seq for req in engine.requests.values() for seq in req.seqs]
+            before = [(list(seq.token_ids), seq.num_computed, seq.in_runner) for seq in seqs]
+            lift = _plant_take_fault(engine, faults[step_no], fired)
+            try:
+                num_fired = len(fired)
+                engine.step()
+                assert len(fired) == num_fired  # (its point not reached: a step as any other)
+            except RuntimeError as error:
+                assert str(error) == f"injected {faults[step_no]} fault" and len(fired) == num_fired + 1
+                for seq, (token_ids, num_computed, in_runner) in zip(seqs, before, strict=True):
+                    assert seq.token_ids == token_ids, (step_no, seq.seq_id)
+                    assert seq.finish_reason is None or not in_runner, (step_no, seq.seq_id)  # (none ended)
+                    released = in_runner and not seq.in_runner  # (to be recomputed: it waits)
+                    assert seq.num_computed == (0 if released else num_computed), (step_no, seq.seq_id)
+                    assert not released or seq in engine.waiting
+            finally:
+                lift()
+        runner.check_integrity()
+        _check_columns(engine)
+    outs = [engine.output(rid).completions[0] for rid in ids]
+    return [(c.token_ids, c.finish_reason) for c in outs], fired, engine.stats
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_a_fault_in_the_steps_take_or_commit_leaves_the_engine_as_before_the_step(batched):
+    # A fault after some rows took their token (the columns' take, the inline take, a row's
+    # `_accept_token`, a stop check, the per-token sampler) or in the commit: the step's
+    # sequences as before it (else the caller that steps on saw some requests with the
+    # step's token and some without, and the next reservation of a taken row's token was
+    # refused or skipped a token), the cache's reservation undone, or (the commit raised:
+    # the cache may have committed) the sequences released and recomputed. Planted at
+    # every step in turn, every point; then the run equals the run without the fault.
+    requests = _fault_requests()
+    twin = _fault_twin("paged")
+    assert _run_with_take_faults(requests, "paged", {}, batched)[0] == twin  # (batched or not: the same tokens)
+    # (the columns' and the inline takes are batched steps'; the per-token sampler the others')
+    points = [p for p in TAKE_POINTS if p not in (("sampler",) if batched else ("columns", "inline"))]
+    counts = dict.fromkeys(points, 0)
+    for where in points:
+        for fault_step in range(1, 16):
+            outputs, fired, stats = _run_with_take_faults(requests, "paged", {fault_step: where}, batched)
+            assert outputs == twin, (where, fault_step)
+            counts[where] += len(fired)
+            # a release after a fault is no preemption (commit faults release; the others undo)
+            assert stats.num_preemptions == 0
+            assert (stats.num_fault_recomputes > 0) == (bool(fired) and where.startswith("commit")), (where, fault_step)
+    assert min(counts.values()) >= 2, counts
+
+
+@pytest.mark.parametrize("kind", ["v4", "hybrid"])
+def test_faults_in_the_take_recompute_v4_and_hybrid_sequences_exactly(kind):
+    # On the caches whose step cannot be undone (hybrid) or whose executor's per-request
+    # state the forward moved (V4): the take's faults, undone on the engine's side, release
+    # the step's sequences to be recomputed (fp64: exact), counted apart from preemptions.
+    # Several faults in one run (a run a fault, as the test above, costs too much here)
+    # (the engine's side of every point is the test's above: here the recompute, after a
+    # prompt's first token, after the columns' take, after a commit)
+    faults = {2: "accept", 5: "columns", 9: "committed"}
+    outputs, fired, stats = _run_with_take_faults(_fault_requests(), kind, faults)
+    assert outputs == _fault_twin(kind)
+    assert fired == ["accept", "columns", "committed"]
+    assert stats.num_preemptions == 0 and stats.num_fault_recomputes >= len(fired)
 
 
 @settings(max_examples=80, deadline=None)

@@ -204,6 +204,9 @@ class EngineStats:
 
     num_steps: int = 0
     num_preemptions: int = 0
+    # sequences released after a step that raised, to be recomputed (`_after_a_fault`): no
+    # preemption (nothing ran out), counted apart
+    num_fault_recomputes: int = 0
     num_prefill_tokens: int = 0  # tokens computed in prompt chunks (recomputation after preemption included)
     num_decode_tokens: int = 0  # tokens computed one per step after the prompt
     num_alloc_calls: int = 0
@@ -310,6 +313,10 @@ class Engine:
         # a row (stats.num_steps counts the same, but stats are the caller's to read)
         self._step_no = 0
         self._ids = itertools.count()
+        # While a step takes its tokens and commits them: its chunks, and whether its commit
+        # began (`_undo_take` reads them when that part raises); None between steps
+        self._taking: list[ScheduledChunk] | StepChunks | None = None
+        self._committing = False
 
     @property
     def num_preemptions(self) -> int:
@@ -546,7 +553,10 @@ class Engine:
         else:
             running.remove(seq)
         self.waiting.appendleft(seq)
-        self.stats.num_preemptions += 1
+        if reason == "preempt":
+            self.stats.num_preemptions += 1
+        else:  # ("cancel": `_after_a_fault` releases a step's sequences to recompute them)
+            self.stats.num_fault_recomputes += 1
 
     def _finish(self, seq: SequenceState, reason: str) -> None:
         seq.finish_reason = reason
@@ -648,29 +658,59 @@ class Engine:
             budget -= n
         return seqs, ids, counts, chunks
 
-    def _after_a_fault(self) -> None:
+    def _after_a_fault(self, recompute: bool = False) -> None:
         """The step raised after its reservation (its forward, its sampler), before any token
-        was taken or committed. Stepping on must give the tokens of a run without the fault.
-        Where the runner can undo the step's reservations (`runner.unreserve_step`: a cache
-        whose groups undo a reserved step, or one not of exact steps, which takes a repeated
-        reservation of the same step), the cache is as before the step and the next step
-        plans and reserves it again. Where it cannot (a cache of exact steps with a group
-        that cannot undo one: the hybrid's attention groups), or where the executor holds
-        per-request state (V4's compressor, a recurrent layer's), which a forward that ran,
-        whole or in part, moved past the step and a rerun would move again (a sampler's
-        fault after V4's forward gave other tokens), the step's sequences are released and
-        recomputed, as a preemption that recomputes: their state rebuilt from their tokens,
-        the prefix cache's hits kept ("cancel": never swapped out with the moved state)."""
-        # (a runner of its own may have no unreserve_step: its cache is its own, as a
-        # paged one, which takes a repeated reservation of the same step)
-        unreserve = getattr(self.runner, "unreserve_step", None)
-        if unreserve is None:
-            return
-        if not getattr(self.runner.executor, "has_state", False) and unreserve(self._step_ids):
-            return
+        was taken or committed (or `_undo_take` put them back). Stepping on must give the
+        tokens of a run without the fault. Where the runner can undo the step's reservations
+        (`runner.unreserve_step`: a cache whose groups undo a reserved step, or one not of
+        exact steps, which takes a repeated reservation of the same step), the cache is as
+        before the step and the next step plans and reserves it again. Where it cannot (a
+        cache of exact steps with a group that cannot undo one: the hybrid's attention
+        groups), or where the executor holds per-request state (V4's compressor, a recurrent
+        layer's), which a forward that ran, whole or in part, moved past the step and a rerun
+        would move again (a sampler's fault after V4's forward gave other tokens), the step's
+        sequences are released and recomputed, as a preemption that recomputes: their state
+        rebuilt from their tokens, the prefix cache's hits kept ("cancel": never swapped out
+        with the moved state). recompute: release them whatever the cache (a commit that
+        raised may have changed it)."""
+        if not recompute:
+            # (a runner of its own may have no unreserve_step: its cache is its own, as a
+            # paged one, which takes a repeated reservation of the same step)
+            unreserve = getattr(self.runner, "unreserve_step", None)
+            if unreserve is None:
+                return
+            if not getattr(self.runner.executor, "has_state", False) and unreserve(self._step_ids):
+                return
         for seq in reversed(self._scheduled):
             if seq.in_runner:
                 self._preempt(seq, "cancel")
+
+    def _undo_take(self) -> None:
+        """The step raised while it took its tokens (a row's sampler or stop check, the take's
+        own code) or in its commit, after some rows took theirs: every sequence of the step
+        back to where it was before it (each computed to its chunk's start; one whose chunk
+        needed logits back to its chunk's end, its token and what came with it, its logits
+        and logprobs recorded, its first token's time, dropped), no columns kept, then the
+        cache's side as `_after_a_fault` undoes a fault before the take. A commit that
+        raised may have changed the cache (a tier's write-through after it): those sequences
+        are recomputed whatever the cache."""
+        chunks, committing = self._taking, self._committing
+        self._taking, self._committing = None, False
+        assert chunks is not None
+        for seq, chunk in zip(self._scheduled, chunks, strict=True):
+            seq.num_computed = chunk.start
+            if not chunk.needs_logits:  # (its chunk ends inside the known tokens: none taken)
+                continue
+            del seq.token_ids[chunk.start + len(chunk.token_ids) :]
+            req = seq.request
+            num_output = len(seq.token_ids) - len(req.prompt_ids)
+            del seq.logits[num_output:], seq.logprobs[num_output:]  # (one a token, where recorded)
+            seq.text = ""  # (set only where the sequence ended: not any more)
+            if not num_output and not req.forked:  # its first token was the step's: as never taken
+                req.first_token_time = None
+                req.inline = False
+        self._columns = self._decode_rows = None
+        self._after_a_fault(recompute=committing)
 
     def _reserve_with_preemption(self) -> list[tuple[SequenceState, int]]:
         """The step does not fit: reserve sequence by sequence, in arrival order, preempting
@@ -765,7 +805,18 @@ class Engine:
     # ---- one step -------------------------------------------------------------------
 
     def step(self) -> list[str]:
-        """Schedule, run the model once, sample, commit. Returns the ids of requests finished in this step."""
+        """Schedule, run the model once, sample, commit. Returns the ids of requests finished in this step.
+        A step that raises leaves the engine as it was before it (or, where that cannot be,
+        the step's sequences released to be recomputed: `_after_a_fault`); stepping on gives
+        the tokens of a run without the fault."""
+        try:
+            return self._step()
+        except BaseException:
+            if self._taking is not None:  # (the schedule, forward and sampler undo their own)
+                self._undo_take()
+            raise
+
+    def _step(self) -> list[str]:
         chunks = self.schedule()
         counts = self._step_counts  # (counts[i] is len(chunks[i].token_ids))
         num_chunks = len(counts)  # (len(chunks): a StepChunks' len is a Python call, the list's is not)
@@ -799,6 +850,7 @@ class Engine:
         except BaseException:
             self._after_a_fault()
             raise
+        self._taking = chunks  # (from here the take changes the sequences: `_undo_take`)
         accept = self._accept_token
         # the per-token fast path (below) holds while nothing is recorded per token; a
         # batched step has every token sampled already (`sampled`)
@@ -890,9 +942,11 @@ class Engine:
                     next_token_ids[i] = seq.token_ids[-1]
                 else:
                     done.append((seq, reason))
-        stats.num_decode_tokens += num_decode
-        stats.num_prefill_tokens += self._step_num_tokens - num_decode
+        self._committing = True
         self.runner.commit_step(self._step_ids, counts, next_token_ids)
+        self._taking, self._committing = None, False
+        stats.num_decode_tokens += num_decode  # (after the commit: a step undone counts nothing)
+        stats.num_prefill_tokens += self._step_num_tokens - num_decode
         for parent, parent_row in forks:
             if parent.request.request_id in failed:
                 continue
