@@ -135,9 +135,9 @@ class CostExecutor:
         self._later: dict[str, tuple[int, int]] = {}
         self._replays: list[tuple[int, int]] = []  # (tokens, context) recomputed in the next step
         # The last common step's (its rows' ends list, the positions it priced as an int64
-        # array, the sum of its ends): where the next step's positions list is that ends
-        # list, its positions are that array one on (`_lead_positions`)
-        self._lead: tuple[Sequence[int], np.ndarray, int] | None = None
+        # array, the first and last of its ends): where the next step's positions list is
+        # that ends list, its positions are that array one on (`_lead_positions`)
+        self._lead: tuple[Sequence[int], np.ndarray, int, int] | None = None
         # (the step's positions list, its ends list) where the step is the last one's rows one
         # on (`_lead_positions`): row i's end is the last step's end + 1 (AnswerSampler reads it)
         self.carried_ends: tuple[Sequence[int], Sequence[int]] | None = None
@@ -236,28 +236,26 @@ class CostExecutor:
         common step's columns ended its rows at (`lead`'s; StepChunks' columns: a leading
         decode ends at its start + 1): the engine carries its decode columns that way (a
         step's ends become the next one's starts) and never changes their lists, so it holds
-        the last step's positions + 1, row by row; its sum, the last one's + its rows, is
-        checked (a list changed in place would fail it). Such a step is priced from the array
+        the last step's positions + 1, row by row; its first and last are checked (a list
+        changed in place, each row one on or any other way, would fail it). Such a step is priced from the array
         with no int read a row (`_decode_sums`' array form). Its twin: the list priced as it
         is (tests/test_sim_cost_decode_sums.py runs engine-made steps through both)."""
         starts = first.lead_starts
-        total = _int_sum(starts)
-        if total is None:
-            return starts  # (decode_step_time names the bad position)
         columns = first.columns
-        at = None
-        if lead is not None and starts is lead[0] and total == lead[2]:
-            at = _one_on(lead, len(starts))
+        at = _one_on(lead, starts)
         if at is not None:
             if columns is not None:
                 self.carried_ends = (starts, columns[2])
-        else:  # (ints, so their int64s: the conversion _decode_sums would make, kept)
-            try:  # (fromiter: ints only here, checked by their sum; a third faster than array("q"))
+        else:
+            if _int_sum(starts) is None:
+                return starts  # (decode_step_time names the bad position)
+            try:  # (ints, so their int64s: the conversion _decode_sums would make, kept)
                 at = np.fromiter(starts, np.int64, len(starts))
             except OverflowError:  # (past int64: decode_step_time's loop prices them)
                 return starts
-        if columns is not None and len(columns[2]) == len(starts):
-            self._lead = (columns[2], at, total + len(starts))
+        if columns is not None and len(columns[2]) == len(starts) and starts:
+            # (the ends' first and last: the next step's positions list is checked by them)
+            self._lead = (columns[2], at, starts[0] + 1, starts[-1] + 1)
             self.step_ends = (columns[2], at)
         return at
 
@@ -265,10 +263,7 @@ class CostExecutor:
         """A step's leading decodes' positions where `_lead_positions` would find them the
         last common step's rows one on with its array (a mixed step: a prompt's chunk after
         them, a replay before it): that array, one on; else None (`_split_rest` reads the list)."""
-        starts = first.lead_starts
-        if lead is None or starts is not lead[0] or _int_sum(starts) != lead[2]:
-            return None
-        return _one_on(lead, len(starts))
+        return _one_on(lead, first.lead_starts)
 
     def _price_columns(self, first: Sequence[ScheduledChunk]) -> float | None:
         """`_fast_price` of any first forward, from its columns: a row a decode or not. (The
@@ -475,11 +470,14 @@ def _int_sum(values: Sequence[int]) -> int | None:
     return total if type(total) is int else None
 
 
-def _one_on(lead: tuple, num_rows: int) -> np.ndarray | None:
+def _one_on(lead: tuple | None, starts: Sequence[int]) -> np.ndarray | None:
     """`lead`'s positions array, each one on (in place: the executor's own, which the pricing
-    reads and keeps nothing of), where it has `num_rows` rows; else None."""
+    reads and keeps nothing of), where `starts` is its ends list, as long as the array, with
+    the first and last it had (`_lead_positions`); else None."""
+    if lead is None or starts is not lead[0]:
+        return None
     at = lead[1]
-    if len(at) != num_rows:
+    if len(at) != len(starts) or starts[0] != lead[2] or starts[-1] != lead[3]:
         return None
     at += 1
     return at
