@@ -485,11 +485,11 @@ class _Engine:
 def test_the_executors_carried_positions_price_as_the_lists_bit_for_bit(seed: int, kinds: list[int]) -> None:
     """Engine-made decode steps through CostExecutor: a step whose positions list is the last
     common step's ends list (the engine's columns carried) is priced from the executor's
-    array, one on (no list read but its sum), and the clock reads the twin's float (step_time
+    array, one on (no list read but its first and last), and the clock reads the twin's float (step_time
     over the chunks as a plain list), step after step, through rows that leave and join,
     mixed steps (a prompt chunk after the decodes, a replay before them: their leading
     decodes from the array too; a decode after them: the list), copies, and a positions list
-    changed in place (the sum check: the list itself priced)."""
+    whose first row is changed in place (the first/last guard: the list itself priced)."""
     from kvpool.engine.runner import ScheduledChunk
 
     rng = random.Random(seed)
@@ -508,7 +508,7 @@ def test_the_executors_carried_positions_price_as_the_lists_bit_for_bit(seed: in
             rest = [ScheduledChunk("p", [7] * 300, 2000, True)]
         elif kind == 7:  # a row that joined: its decode after the columns' rows
             rest = [ScheduledChunk("d", [7], 3000, True)]
-        if kind == 2:  # the engine changed its list in place (it never does): the sum check sees it
+        if kind == 2:  # the engine changed its list in place (it never does): the first/last guard sees it
             engine.starts[0] += 2
         chunks, ends = engine.step(rest)
         plain = [ScheduledChunk(i, [7], s, True) for i, s in zip(engine.ids, engine.starts, strict=True)] + rest

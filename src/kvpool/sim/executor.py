@@ -236,8 +236,10 @@ class CostExecutor:
         common step's columns ended its rows at (`lead`'s; StepChunks' columns: a leading
         decode ends at its start + 1): the engine carries its decode columns that way (a
         step's ends become the next one's starts) and never changes their lists, so it holds
-        the last step's positions + 1, row by row; its first and last are checked (a list
-        changed in place, each row one on or any other way, would fail it). Such a step is priced from the array
+        the last step's positions + 1, row by row. Its first and last are compared: a guard
+        against a list moved on in place, not a proof (a row changed in the middle passes it);
+        the proof is the engine's contract (StepChunks' columns are never changed, a test
+        drives engine-made steps through both paths). Such a step is priced from the array
         with no int read a row (`_decode_sums`' array form). Its twin: the list priced as it
         is (tests/test_sim_cost_decode_sums.py runs engine-made steps through both)."""
         starts = first.lead_starts
