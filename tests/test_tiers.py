@@ -176,6 +176,34 @@ def test_a_commit_over_blocks_still_loading_is_refused_and_changes_nothing(exact
     assert m.lookup_prefix(again + [9]) == 16
 
 
+@pytest.mark.parametrize("exact", [False, True])
+@pytest.mark.parametrize("budget", [0, 3])
+def test_an_admission_with_loads_then_a_load_that_fails_keeps_its_table_and_step(exact, budget) -> None:
+    # An admission of no new token (max_new_tokens=0) counted its table's loading blocks
+    # reserved to none (check_integrity: "holds blocks [0, 4) for 8 reserved tokens"); and on
+    # exact steps, a load that failed left the step [12, 17) reserved while complete_loads'
+    # admission said 3 tokens, whose commit was refused ("the step reserved 5")
+    tier = HostTier(1 << 20)
+    m, index = _make_tiered(exact, 6, tier)
+    store = Store()
+    p = list(range(100, 116))
+    _serve_and_push_out(store, m, index, tier, p + [1], filler_len=13)
+    adm = m.admit("b", p + [7], budget)
+    store.offload(m, index, tier)
+    assert len(adm.groups["full"].loads) == 2 and adm.num_cached_tokens == 16
+    m.check_integrity()
+    first = adm.groups["full"].loads[0]
+    store.blocks[first[0]] = tuple(p[:12])  # loaded; the second is gone: computed instead
+    fixed = m.complete_loads("b", 1)
+    m.check_integrity()
+    # exact: the admission's reserved step, the failed block's tokens with it; else the budget
+    expected = (5 if budget else 4) if exact else budget
+    assert (fixed.num_cached_tokens, fixed.num_scheduled_tokens) == (12, expected)
+    if expected:
+        store.compute(m, "b", (p + [7])[: 12 + expected], 12)
+        store.check(m, "b", p + [7], 12 + expected)
+
+
 STEP_OPS = st.lists(
     st.tuples(st.sampled_from(["admit", "admit", "step", "step", "load", "release", "release"]), st.integers(0, 5)),
     min_size=8,

@@ -1199,7 +1199,8 @@ class HybridCacheManager:
         req.num_loading = num_loading
         if num_loading:
             self._loading.add(request_id)
-        req.num_computed = req.end = point - num_loading
+        # (the loading blocks are in the table: its end covers them, a step reserved or not)
+        req.num_computed, req.end = point - num_loading, point
         req.budget = rest if max_new_tokens is None else max_new_tokens
         self._add_request(req)
         self._fresh.add(request_id)
@@ -1253,7 +1254,9 @@ class HybridCacheManager:
         self._loading.discard(request_id)
         self.stats.num_lower_tier_hit_tokens += loaded_tokens
         self._count_hit(req, loaded_tokens)
-        n = min(req.budget, len(req.token_ids) - req.num_computed)
+        # exact steps: the step reserved (the admission's, from the loads' start) is committed
+        # whole: the tokens of the blocks not loaded join it, past the budget by them
+        n = req.end - req.num_computed if self.exact_steps else min(req.budget, len(req.token_ids) - req.num_computed)
         assert req.num_computed + n <= req.end, "the admission's blocks cover the step"
         return Admission(req.num_computed, n, self._admission_parts(req))
 
