@@ -204,6 +204,42 @@ def test_an_admission_with_loads_then_a_load_that_fails_keeps_its_table_and_step
         store.check(m, "b", p + [7], 12 + expected)
 
 
+@pytest.mark.parametrize("exact", [False, True])
+def test_a_fork_or_rollback_of_a_request_still_loading_is_refused_and_changes_nothing(exact) -> None:
+    # The fork truncated the loading parent to its computed prefix (not exact steps): blocks
+    # 2, 3 left its table while its state still listed them as loading, and complete_loads
+    # then asserted 'register of free block 2'; a rollback was refused only because the
+    # group cannot truncate a loading state. Both are refused first now, naming the request
+    tier = HostTier(1 << 20)
+    m, index = _make_tiered(exact, 8, tier)
+    store = Store()
+    p = list(range(100, 116))
+    _serve_and_push_out(store, m, index, tier, p + [1], filler_len=21)
+    again = p + [7]
+    adm = m.admit("b", again)
+    store.offload(m, index, tier)
+    assert [b for b, _ in adm.groups["full"].loads] == [2, 3]
+    before = (m.num_computed_tokens("b"), m.block_ids("b"), m.num_free_blocks, m.lookup_prefix(again))
+    assert before == (8, [0, 1, 2, 3, 4], 3, 8)
+    for call in (lambda: m.fork("b", "c"), lambda: m.rollback("b", 8), lambda: m.rollback("b", 0)):
+        with pytest.raises(ValueError, match=r"'b' has lower-tier blocks to load \(complete_loads first\)"):
+            call()
+        assert (m.num_computed_tokens("b"), m.block_ids("b"), m.num_free_blocks, m.lookup_prefix(again)) == before
+        assert "c" not in m
+        m.check_integrity()
+    for block_id, block in adm.groups["full"].loads:
+        store.blocks[block_id] = tuple(tier.get(*index.describe(block))["content"].tolist())
+    adm = m.complete_loads("b", 2)
+    assert (adm.num_cached_tokens, m.num_computed_tokens("b")) == (16, 16)
+    store.compute(m, "b", again, 16)
+    store.check(m, "b", again)
+    # loaded and committed, the same fork goes through: the child shares the parent's blocks
+    assert m.fork("b", "c") is True
+    assert (m.block_ids("c"), m.num_computed_tokens("c")) == ([0, 1, 2, 3, 4], 17)
+    m.check_integrity()
+    store.check(m, "c", again)
+
+
 STEP_OPS = st.lists(
     st.tuples(st.sampled_from(["admit", "admit", "step", "step", "load", "release", "release"]), st.integers(0, 5)),
     min_size=8,
@@ -272,6 +308,11 @@ def test_lower_tier_hits_in_mixed_steps_keep_every_block_its_prefix(ops, exact, 
                     )
                 assert ({r: m.num_computed_tokens(r) for r in tokens}, m.num_free_blocks) == before
                 m.check_integrity()
+                for call, args in ((m.fork, (rid, f"f{n}")), (m.rollback, (rid, 0))):  # (likewise)
+                    with pytest.raises(ValueError, match="lower-tier blocks to load"):
+                        call(*args)
+                    assert ({r: m.num_computed_tokens(r) for r in tokens}, m.num_free_blocks) == before
+                    m.check_integrity()
             for rid, count in zip(rows, counts, strict=True):
                 for i, block_id in enumerate(m.block_ids(rid)):
                     end = min((i + 1) * BS, len(tokens[rid]))

@@ -1855,9 +1855,15 @@ class HybridCacheManager:
         recurrent group and its own state block in every dual-pool group (the runner copies
         the parent's into them). False, nothing changed, when one of them has no free slot.
         Not exact steps: the parent gives up its reservation past its computed tokens (the
-        shared tail is read-only for both; each side copies it on its next write)."""
+        shared tail is read-only for both; each side copies it on its next write).
+        ValueError, nothing changed, when the parent's lower-tier loads are pending."""
         self._decode_step = None  # (the counts move below)
         parent = self._get(parent_id)
+        if parent.num_loading:
+            # its blocks past the computed prefix await their data: the truncation below would
+            # drop them from its table while its states still list them as loading (and the
+            # child would share a table whose loads only the parent completes)
+            raise ValueError(f"request {parent_id!r} has lower-tier blocks to load (complete_loads first)")
         if child_id in self._requests:
             raise ValueError(f"request {child_id!r} already exists")
         nc = parent.num_computed
@@ -1880,9 +1886,12 @@ class HybridCacheManager:
     def rollback(self, request_id: str, num_computed_tokens: int) -> None:
         """Shrink to `num_computed_tokens` (e.g. rejected speculative tokens): every group
         goes back (blocks past the new end released tail-first), the token ids past it are
-        dropped. ValueError, nothing changed, when a group cannot (a recurrent state)."""
+        dropped. ValueError, nothing changed, when a group cannot (a recurrent state) or the
+        request's lower-tier loads are pending."""
         self._decode_step = None  # (the counts move below)
         req = self._get(request_id)
+        if req.num_loading:  # (its loads sit right after the computed prefix: complete_loads counts on it)
+            raise ValueError(f"request {request_id!r} has lower-tier blocks to load (complete_loads first)")
         if not 0 <= num_computed_tokens <= req.num_computed:
             raise ValueError(
                 f"request {request_id!r}: rollback to {num_computed_tokens} outside [0, {req.num_computed}]"
