@@ -63,7 +63,7 @@ blocks drops it, and an undo (`BlockPool.unallocate`) makes it findable again. T
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NamedTuple, Protocol
 
@@ -90,7 +90,13 @@ RESTORE_METHODS: tuple[str, ...] = ("checkpoint", "recompute", "auto")
 
 class RestoreCost(Protocol):
     """What a V4 state restore costs, in any one unit (seconds, or tokens), as the runner
-    prices it: the simulator by its cost model, the engine by the rates it has measured."""
+    prices it: the simulator by its cost model, the engine by the rates it has measured.
+
+    Optional `version`: a hashable value that is equal at two moments only if every price
+    is the same at both (constant prices: a constant; measured ones: the totals they are
+    made of). An "auto" lookup's cut reads the prices, so an admission takes the router's
+    lookup again only under the same version (`DualPoolGroup.lookup_stamp`); a cost without
+    one is read as changing at any time (every admission looks its prompt up again)."""
 
     def checkpoint_cost(self) -> float:
         """Copying one checkpoint into a request's state block."""
@@ -103,6 +109,8 @@ class RestoreCost(Protocol):
 
 class TokenCost:
     """The default `RestoreCost`: a checkpoint copy is free, computing costs its token count."""
+
+    version = 0  # (the prices never change)
 
     def checkpoint_cost(self) -> float:
         return 0.0
@@ -311,6 +319,7 @@ class DualPoolGroup(CacheGroup):
         # (a request without a pending step holds num_computed // span blocks: check_state)
         self.granularity = self.commit_period = self.decode_reserve_period = spec.span
         self.restore_cost: RestoreCost = spec.restore_cost if spec.restore_cost is not None else TokenCost()
+        self._priced = spec.restore == "auto"  # the cut reads the restore cost (`lookup_stamp`)
         # snapshots are taken at span boundaries (checkpoint, auto), when there is room for them
         self.checkpointing = (
             spec.restore != "recompute" and enable_caching and (spec.num_checkpoints or spec.checkpoint_blocks) > 0
@@ -359,17 +368,26 @@ class DualPoolGroup(CacheGroup):
                 out.turn_ids, out.turn_chain = block_ids, chain
         return out
 
-    def lookup_stamp(self) -> tuple[int, ...] | None:
+    def lookup_stamp(self) -> tuple[Hashable, ...] | None:
         """`hits` reads the classical pool's index (the run; the checkpoints' boundaries), the
         state pool's (the turn ends, listed as they are filed there) and the checkpoint
         pool's (`_checkpoints` changes only with it or with the classical pool's index: a
         checkpoint published, evicted or put back), and counts the classical walk's refused
-        hits: their versions and that count. A swapped-out state's boundary moves the cut
-        without any pool's knowing: None while one is held."""
+        hits: their versions and that count. "auto" (`_cut`, `plan_admit`'s restore at the
+        hit's end) also reads the restore cost's prices, which move without any pool's
+        knowing (the engine's measured timings): its `version` too, None for a cost without
+        one. A swapped-out state's boundary moves the cut likewise: None while one is held.
+        The rest `hits`, `_cut` and `serves` read is fixed at construction (the spec's
+        restore, replay_len and span; caching on or off)."""
         if self._swap_boundaries:
             return None
-        pool = self.pool
-        return (pool.index_version, pool.num_refused, self.state_pool.index_version, self.checkpoint_pool.index_version)
+        pool, state_pool, checkpoint_pool = self.pool, self.state_pool, self.checkpoint_pool
+        if not self._priced:
+            return (pool.index_version, pool.num_refused, state_pool.index_version, checkpoint_pool.index_version)
+        version = getattr(self.restore_cost, "version", None)
+        if version is None:
+            return None
+        return (pool.index_version, pool.num_refused, state_pool.index_version, checkpoint_pool.index_version, version)
 
     def may_reach(self, root: PrefixBlock, prompt: LookupPrompt, point: int) -> bool:
         """A probe of the span before `point` (`chains.may_reach`): every point `hits` serves

@@ -28,7 +28,7 @@ serves.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from kvpool.cache.types import NO_RESERVATION, BlockCopy, GroupReservation, LookupPrompt, MMItem, StateRestore
@@ -129,11 +129,12 @@ class CacheGroup(Protocol):
         (the lookup of an admission: it counts hash collisions and may consult a lower tier)."""
         ...
 
-    def lookup_stamp(self) -> tuple[int, ...] | None:
+    def lookup_stamp(self) -> tuple[Hashable, ...] | None:
         """A value equal at two moments only if `hits` of any root and prompt gives the same
         answer at both, and counts the same hash collisions (an admission takes the router's
-        lookup again by it: `HybridCacheManager.admit`). None, the default: no such value
-        (the lookup reads a lower tier, say): every admission looks up again."""
+        lookup again by it: `HybridCacheManager.admit`): it covers everything the lookup
+        reads that can change, prices included. None, the default: no such value (the
+        lookup reads a lower tier, say): every admission looks up again."""
         return None
 
     def may_reach(self, root: PrefixBlock, prompt: LookupPrompt, point: int) -> bool:

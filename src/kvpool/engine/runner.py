@@ -262,6 +262,13 @@ class MeasuredRestoreCost:
         self.num_replayed_tokens = 0
         self.replay_s = 0.0
 
+    @property
+    def version(self) -> tuple[int, float, int, float]:
+        """Every total the prices are made of (`RestoreCost.version`): each copy and replay
+        the runner times moves a count, so a lookup cut under other prices is never taken
+        again by an admission (whoever writes the totals, no bump to forget)."""
+        return (self.num_copies, self.copy_s, self.num_replayed_tokens, self.replay_s)
+
     def _measured(self) -> bool:
         return self.num_copies > 0 and self.num_replayed_tokens > 0
 

@@ -1118,6 +1118,11 @@ class RestoreCostModel:
         default_factory=dict, init=False, repr=False, compare=False
     )
 
+    @property
+    def version(self) -> int:
+        """`RestoreCost.version`: the prices are a pure function of the frozen cost model."""
+        return 0
+
     def checkpoint_cost(self) -> float:
         gpu = self.cost.gpu
         return 2 * self.checkpoint_bytes / (gpu.hbm_bandwidth_bytes_per_s * self.cost.bandwidth_efficiency)
