@@ -640,6 +640,62 @@ def test_owners_that_compare_by_value_are_read_whole_after_a_greedy_batch():
         assert asked == [None, None]
 
 
+class _EqualToAll:
+    """A caller's owner of another type whose == says True to anything (an ANY-like handle)."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    __hash__ = object.__hash__
+
+
+class _EqRaises(_EqualToAll):
+    """An owner whose == cannot be asked (an array-like handle)."""
+
+    def __eq__(self, other: object) -> bool:
+        raise TypeError("this owner has no truth value for ==")
+
+    __hash__ = object.__hash__
+
+
+@pytest.mark.parametrize("owner_kind", [_EqualToAll, _EqRaises])
+@pytest.mark.parametrize("last_draws", [False, True])
+def test_a_joined_owner_of_another_type_is_never_taken_for_a_left_row(one_thread, owner_kind, last_draws):
+    """The kept batch's owners are of an identity kind; a new owner of another type takes
+    the place of a row that left. It is matched by identity, as the twin (`incremental`
+    False) does: never taken for the left row whatever its == says (or raises), its own
+    params read (it draws, where the left row was greedy or drew with another seed)."""
+
+    class Seq:
+        def __init__(self, params: SamplingParams) -> None:
+            self.params = params
+
+    left = SamplingParams(temperature=0.9, seed=3) if last_draws else SamplingParams()
+    first = [Seq(left), Seq(left), Seq(left)]
+    second = [first[0], first[1], owner_kind(SamplingParams(temperature=1.0, seed=7))]
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+
+    def rows_of(owners):
+        def rows(which=None):
+            picked = owners if which is None else [owners[i] for i in which]
+            return [o.params for o in picked], [0] * len(picked), [0] * len(picked)
+
+        return rows
+
+    fast, twin = BatchSampler(), BatchSampler()
+    twin.incremental = False
+    for sampler in (fast, twin):
+        sampler.sample(logits, first, rows_of(first), lambda: [5, 5, 5])
+    got = fast.sample(logits, second, rows_of(second), lambda: [6, 6, 6])
+    assert got == twin.sample(logits, second, rows_of(second), lambda: [6, 6, 6])
+    assert got == sample_batch(logits, [o.params for o in second], [0, 0, 0], [6, 6, 6])
+    # (the joined row's own draw: the left row's params would give another token here)
+    assert got[2] != sample_batch(logits[2:], [left], [0], [6])[0]
+
+
 @pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (7, 0.9)])
 def test_a_drawing_batch_that_changes_is_edited_in_place_and_samples_as_its_twin(one_thread, top_k, top_p):
     """A batch that draws throughout in one group of top-k / top-p kind, changing as an
