@@ -655,6 +655,79 @@ def test_faults_in_the_take_recompute_v4_and_hybrid_sequences_exactly(kind):
     assert stats.num_preemptions == 0 and stats.num_fault_recomputes >= len(fired)
 
 
+# The points of a forked request's step where `_run_with_a_fork_fault` plants a fault, each on
+# its second child ("/2"), after the call's own work: its first token (`_accept_token`, taken
+# before the commit), the runner's fork of it and its first token's hand-over (after the commit)
+FORK_POINTS = {"accept": "_accept_token", "fork": "fork", "append": "append_token_ids"}
+
+
+def _run_with_a_fork_fault(where: str | None, batched: bool):
+    """Requests of n = 3 (two children forked off the prompt), n = 2 ending at its first token
+    (a child that finishes as it forks) and n = 1, run to their ends on the paged twin engine;
+    the fault `where` (FORK_POINTS; None: none) raises once, on child "/2", and the caller
+    steps on. After the fault the engine holds no child and every sequence its tokens from
+    before the step. Every completion's tokens and reason, the faults that fired, the stats."""
+    runner = _faulty_step_runner("paged")
+    engine = _twin_engine(runner, 256, 16, batched, True)
+    requests = [
+        ([7, 8, 9, 10, 11], SamplingParams(max_tokens=6, n=3, temperature=0.9, seed=4, ignore_eos=True)),
+        ([20, 21], SamplingParams(max_tokens=1, n=2, ignore_eos=True)),
+        ([30, 31, 32], SamplingParams(max_tokens=5, ignore_eos=True)),
+    ]
+    ids = [engine.add_request(prompt, params) for prompt, params in requests]
+    fired: list[str] = []
+    if where is not None:
+        obj = engine if where == "accept" else runner
+        call = getattr(obj, FORK_POINTS[where])
+
+        def faulty(*args, **kwargs):
+            result = call(*args, **kwargs)
+            child_id = args[0].seq_id if where == "accept" else args[1] if where == "fork" else args[0]
+            if not fired and child_id.endswith("/2"):
+                fired.append(where)
+                raise RuntimeError(f"injected {where} fault")
+            return result
+
+        setattr(obj, FORK_POINTS[where], faulty)
+    while engine.has_unfinished():
+        seqs = [seq for req in engine.requests.values() for seq in req.seqs]
+        before = [(list(seq.token_ids), seq.in_runner) for seq in seqs]
+        try:
+            engine.step()
+        except RuntimeError as error:
+            assert str(error) == f"injected {where} fault"
+            assert [seq for req in engine.requests.values() for seq in req.seqs] == seqs  # (no child)
+            assert not any(req.forked for req in engine.requests.values())
+            assert all(seq in seqs for seq in engine.running) and all(seq in seqs for seq in engine.waiting)
+            for seq, (token_ids, in_runner) in zip(seqs, before, strict=True):
+                assert seq.token_ids == token_ids, seq.seq_id
+                assert seq.in_runner or not in_runner or seq in engine.waiting, seq.seq_id
+        runner.check_integrity()
+        _check_columns(engine)
+    outs = [[(c.token_ids, c.finish_reason) for c in engine.output(rid).completions] for rid in ids]
+    return outs, fired, engine.stats
+
+
+@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize("where", list(FORK_POINTS))
+def test_a_fault_while_a_request_forks_its_samples_leaves_the_engine_to_step_on(where, batched):
+    # A fault in a forked child's first token (its sampler, logprobs, stop check) came after
+    # the step's commit, outside its undo: the child stayed running with no token to compute
+    # and every later step failed ("a running sequence always has a token to compute") for
+    # every request. Now the children's first tokens are taken before the commit (a fault
+    # there undone with the step), and a fault of the runner while it forks them drops the
+    # children forked so far, the step's sequences then recomputed (the commit happened):
+    # stepping on gives the run without the fault, every sample of it.
+    twin, _, _ = _run_with_a_fork_fault(None, batched)
+    assert [len(completions) for completions in twin] == [3, 2, 1]
+    assert [len(tokens) for completions in twin for tokens, _ in completions] == [6, 6, 6, 1, 1, 5]
+    outputs, fired, stats = _run_with_a_fork_fault(where, batched)
+    assert fired == [where]
+    assert outputs == twin
+    assert stats.num_preemptions == 0
+    assert (stats.num_fault_recomputes > 0) == (where != "accept")  # (after the commit: recomputed)
+
+
 @settings(max_examples=80, deadline=None)
 @given(
     st.lists(st.integers(-3, VOCAB + 3), min_size=0, max_size=40),

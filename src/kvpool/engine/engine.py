@@ -942,20 +942,23 @@ class Engine:
                     next_token_ids[i] = seq.token_ids[-1]
                 else:
                     done.append((seq, reason))
+        # (the other samples' first tokens taken here, inside the undo window: nothing of the
+        # engine's changes until their fork, after the commit)
+        children = self._first_samples(forks, logits, now, failed) if forks else ()
         self._committing = True
         self.runner.commit_step(self._step_ids, counts, next_token_ids)
-        self._taking, self._committing = None, False
-        stats.num_decode_tokens += num_decode  # (after the commit: a step undone counts nothing)
-        stats.num_prefill_tokens += self._step_num_tokens - num_decode
-        for parent, parent_row in forks:
+        for parent, samples in children:
             if parent.request.request_id in failed:
                 continue
             try:
-                self._fork_samples(parent, logits, parent_row, now, done)
+                self._fork_samples(parent, samples, done)
             except Exception as error:
                 if not self.contain_request_faults:
-                    raise
+                    raise  # (the step undone: `_fork_samples` dropped the children it forked)
                 failed[parent.request.request_id] = (f"{type(error).__name__}: {error}", traceback.format_exc())
+        self._taking, self._committing = None, False
+        stats.num_decode_tokens += num_decode  # (after the commit: a step undone counts nothing)
+        stats.num_prefill_tokens += self._step_num_tokens - num_decode
         for seq, reason in done:
             if seq.request.request_id not in failed:
                 self._finish(seq, reason)
@@ -1262,32 +1265,78 @@ class Engine:
             logits = logits[: len(seqs)]
         return self._batch_sampler.sample(logits, seqs, rows, lengths)
 
+    def _first_samples(
+        self,
+        forks: list[tuple[SequenceState, int]],
+        logits: torch.Tensor,
+        now: float,
+        failed: dict[str, tuple[str, str]],
+    ) -> list[tuple[SequenceState, list[tuple[SequenceState, str | None]]]]:
+        """Each forking parent's other samples (the step's row of its logits, `forks`) made
+        and given their first token (`_accept_token`: sampler, logprobs, stop check), with
+        its finish reason, before the step's commit: they are the engine's, the runner's and
+        the request's only when `_fork_samples` forks them after it, so a fault here changes
+        nothing the step's undo (`_undo_take`) does not put back. With
+        contain_request_faults a fault fails the request alone (`failed`)."""
+        made = []
+        for parent, row in forks:
+            req = parent.request
+            if req.request_id in failed:
+                continue
+            prompt = parent.token_ids[: parent.num_computed]
+            samples = []
+            try:
+                for j in range(1, req.params.n):
+                    child = SequenceState(f"{req.request_id}/{j}", req, j, list(prompt), parent.num_computed, False)
+                    samples.append((child, self._accept_token(child, logits, row, now)))
+            except Exception as error:
+                if not self.contain_request_faults:
+                    raise
+                failed[req.request_id] = (f"{type(error).__name__}: {error}", traceback.format_exc())
+                continue
+            made.append((parent, samples))
+        return made
+
     def _fork_samples(
-        self, parent: SequenceState, logits: torch.Tensor, row: int, now: float, done: list[tuple[SequenceState, str]]
+        self,
+        parent: SequenceState,
+        samples: list[tuple[SequenceState, str | None]],
+        done: list[tuple[SequenceState, str]],
     ) -> None:
-        """The prompt is computed once: the other samples fork off it (they share its blocks;
-        the shared tail block is copied on their first write) and take their first token
-        from the same logits (the step's row `row`)."""
+        """The prompt is computed once: the other samples (`_first_samples`: each with its
+        first token, from the parent's logits) fork off it (they share its blocks; the shared
+        tail block is copied on their first write). If the runner raises, the children forked
+        so far are dropped again (released, gone from the running list and the request), the
+        request not forked: the step's undo then recomputes it whole."""
         req = parent.request
         req.forked = True
-        prompt = parent.token_ids[: parent.num_computed]
+        num_seqs = len(req.seqs)  # (the parent's: the children join after it)
         waiting: list[SequenceState] = []
-        for j in range(1, req.params.n):
-            child_id = f"{req.request_id}/{j}"
-            if self.runner.fork(parent.seq_id, child_id):
-                child = SequenceState(child_id, req, j, list(prompt), parent.num_computed, True)
-                self.running.append(child)
-            else:
-                # No cache state of its own to be had now (a V4 state block): the child waits
-                # like a preempted sequence and is admitted through the prefix cache later.
-                child = SequenceState(child_id, req, j, list(prompt), 0, False)
-                waiting.append(child)
-            req.seqs.append(child)
-            reason = self._accept_token(child, logits, row, now)
-            if reason is not None:
-                done.append((child, reason))
-            elif child.in_runner:  # a waiting sequence hands over all its tokens when admitted
-                self.runner.append_token_ids(child_id, [child.token_ids[-1]])
+        try:
+            for child, reason in samples:
+                child_id = child.seq_id
+                if self.runner.fork(parent.seq_id, child_id):
+                    child.in_runner = True
+                    self.running.append(child)
+                else:
+                    # No cache state of its own to be had now (a V4 state block): the child waits
+                    # like a preempted sequence and is admitted through the prefix cache later.
+                    child.num_computed = 0
+                    waiting.append(child)
+                req.seqs.append(child)
+                if reason is not None:
+                    done.append((child, reason))
+                elif child.in_runner:  # a waiting sequence hands over all its tokens when admitted
+                    self.runner.append_token_ids(child_id, [child.token_ids[-1]])
+        except BaseException:
+            for child, _ in samples:
+                self.runner.release(child.seq_id, "cancel")  # (False where it holds none)
+                if child.in_runner:
+                    child.in_runner = False
+                    self.running.remove(child)
+            del req.seqs[num_seqs:]
+            req.forked = False
+            raise
         # The children that wait go first, in sample order (ahead of the queue, as preempted
         # ones); one that finishes on its first token leaves the queue again in _finish.
         self.waiting.extendleft(reversed(waiting))
