@@ -27,6 +27,7 @@ from kvpool.cache.types import LookupPrompt
 from kvpool.engine.runner import MeasuredRestoreCost
 from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG
 from kvpool.spec.dsv4 import DSV4Spec
+from test_router_probes import _prompt, run
 
 DESC = CacheDescriptor("lookup-reuse")
 SPEC = DSV4Spec.from_config(SMALL_DSV4_CONFIG)  # span 16
@@ -36,24 +37,6 @@ def engine_prompt(packed: LookupPrompt) -> LookupPrompt:
     """What the engine's add_request hands the admission: its own list of the ids, the
     router's packing and memo (engine.py `_from_checked`)."""
     return LookupPrompt(list(packed.token_ids), (), packed.packed, packed.hashes)
-
-
-def run(m: HybridCacheManager, rid: str, tokens: list[int], num_decoded: int = 0, finish: bool = True) -> bool:
-    adm = m.admit(rid, tokens)
-    if adm is None:
-        return False
-    m.take_copies()
-    m.commit(rid, len(tokens) - adm.num_cached_tokens)
-    for k in range(num_decoded):
-        m.append_token_ids(rid, [200 + k])
-        if m.reserve(rid, 1) is None:
-            break
-        m.take_copies()
-        m.commit(rid, 1)
-    if finish:
-        m.release(rid)
-    m.check_integrity()
-    return True
 
 
 def counting_hits(monkeypatch) -> list[int]:  # noqa: ANN001
@@ -188,13 +171,8 @@ LAYOUTS = {
 # MeasuredRestoreCost's totals (copies, their s, replayed tokens, their s): unmeasured (in
 # tokens), copies dear (1 s against 1 us a token), copies cheap (1 us against 1 ms a token)
 PRICES = [(0, 0.0, 0, 0.0), (1, 1.0, 1000, 1e-3), (2, 2e-6, 1000, 1.0)]
-FAMILIES = [list(range(1, 60)), [1, 2, 3, 4, 5, 6, 7, 8] + [9] * 51, [5] * 59]
 # (family, prompt length, tail token, decoded tokens, finish)
 OP = st.tuples(st.integers(0, 2), st.integers(1, 50), st.integers(0, 3), st.integers(0, 5), st.booleans())
-
-
-def _prompt(family: int, length: int, tail: int) -> list[int]:
-    return FAMILIES[family][:length] + [100 + tail] * (tail % 3)
 
 
 def _make(layout: str, weak: bool) -> HybridCacheManager:

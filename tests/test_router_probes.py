@@ -214,26 +214,31 @@ def _prompt(family: int, length: int, tail: int) -> list[int]:
     return FAMILIES[family][:length] + [100 + tail] * (tail % 3)
 
 
+def run(m: HybridCacheManager, rid: str, tokens: list[int], num_decoded: int = 0, finish: bool = True) -> bool:
+    """Admit `tokens`, compute them, decode `num_decoded` tokens (fewer where a reservation
+    does not fit) and finish (or keep running); False when the admission does not fit."""
+    adm = m.admit(rid, tokens)
+    if adm is None:
+        return False
+    m.take_copies()  # (the runner's: applied before the forward)
+    m.commit(rid, len(tokens) - adm.num_cached_tokens)
+    for k in range(num_decoded):
+        m.append_token_ids(rid, [200 + k])
+        if m.reserve(rid, 1) is None:
+            break
+        m.take_copies()
+        m.commit(rid, 1)
+    if finish:
+        m.release(rid)
+    m.check_integrity()
+    return True
+
+
 def _fill(m: HybridCacheManager, ops: list[tuple[int, int, int, int, bool]]) -> None:
     """Admit, compute, decode and finish (or keep running) prompts of the families; an
     admission that does not fit is skipped (as a waiting request would be)."""
     for i, (family, length, tail, num_decoded, finish) in enumerate(ops):
-        tokens = _prompt(family, length, tail)
-        rid = f"r{i}"
-        adm = m.admit(rid, tokens)
-        if adm is None:
-            continue
-        m.take_copies()  # (the runner's: applied before the forward)
-        m.commit(rid, len(tokens) - adm.num_cached_tokens)
-        for k in range(num_decoded):
-            m.append_token_ids(rid, [200 + k])
-            if m.reserve(rid, 1) is None:
-                break
-            m.take_copies()
-            m.commit(rid, 1)
-        if finish:
-            m.release(rid)
-        m.check_integrity()
+        run(m, f"r{i}", _prompt(family, length, tail), num_decoded, finish)
 
 
 @settings(max_examples=int(os.environ.get("KVPOOL_HYPOTHESIS_EXAMPLES", "150")), deadline=None)

@@ -144,13 +144,9 @@ def _make_tiered(exact: bool, num_blocks: int, tier: HostTier):
     return HybridCacheManager([(AttentionGroupSpec("full", BS), num_blocks)], DESC, lower_tier=index), index
 
 
-@pytest.mark.parametrize("exact", [False, True])
-def test_a_commit_over_blocks_still_loading_is_refused_and_changes_nothing(exact) -> None:
-    # The admission's first step is reserved from the end of the device hit, over the blocks
-    # a lower tier still loads: a commit before `complete_loads` (of that step, or of one
-    # token) went through on both caches, counted the unloaded slots computed and published
-    # them (the next lookup of the prompt hit 16 tokens of blocks that held nothing of it),
-    # and `complete_loads` then found them "already registered"
+def _admitted_while_loading(exact: bool):
+    """Request b admitted with a hit of 16 tokens: blocks 0, 1 on the device, 2, 3 still
+    loading from the host tier (a's, evicted); its state before anything is tried on it."""
     tier = HostTier(1 << 20)
     m, index = _make_tiered(exact, 8, tier)
     store = Store()
@@ -161,7 +157,18 @@ def test_a_commit_over_blocks_still_loading_is_refused_and_changes_nothing(exact
     store.offload(m, index, tier)
     assert [b for b, _ in adm.groups["full"].loads] == [2, 3] and adm.num_cached_tokens == 16
     before = (m.num_computed_tokens("b"), m.block_ids("b"), m.num_free_blocks, m.lookup_prefix(again))
-    assert before == (8, [0, 1, 2, 3, 4], 3, 8)  # blocks 0, 1 on the device; 2, 3 loading (a's evicted)
+    assert before == (8, [0, 1, 2, 3, 4], 3, 8)
+    return m, index, tier, store, adm, again, before
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_a_commit_over_blocks_still_loading_is_refused_and_changes_nothing(exact) -> None:
+    # The admission's first step is reserved from the end of the device hit, over the blocks
+    # a lower tier still loads: a commit before `complete_loads` (of that step, or of one
+    # token) went through on both caches, counted the unloaded slots computed and published
+    # them (the next lookup of the prompt hit 16 tokens of blocks that held nothing of it),
+    # and `complete_loads` then found them "already registered"
+    m, index, tier, store, adm, again, before = _admitted_while_loading(exact)
     for num_tokens in [9, 1] if not exact else [9]:  # (not exact: a decode inside the reservation too)
         with pytest.raises(ValueError, match="'b' has lower-tier blocks to load"):
             m.commit_step(["b"], [num_tokens], [9])
@@ -210,17 +217,7 @@ def test_a_fork_or_rollback_of_a_request_still_loading_is_refused_and_changes_no
     # 2, 3 left its table while its state still listed them as loading, and complete_loads
     # then asserted 'register of free block 2'; a rollback was refused only because the
     # group cannot truncate a loading state. Both are refused first now, naming the request
-    tier = HostTier(1 << 20)
-    m, index = _make_tiered(exact, 8, tier)
-    store = Store()
-    p = list(range(100, 116))
-    _serve_and_push_out(store, m, index, tier, p + [1], filler_len=21)
-    again = p + [7]
-    adm = m.admit("b", again)
-    store.offload(m, index, tier)
-    assert [b for b, _ in adm.groups["full"].loads] == [2, 3]
-    before = (m.num_computed_tokens("b"), m.block_ids("b"), m.num_free_blocks, m.lookup_prefix(again))
-    assert before == (8, [0, 1, 2, 3, 4], 3, 8)
+    m, index, tier, store, adm, again, before = _admitted_while_loading(exact)
     for call in (lambda: m.fork("b", "c"), lambda: m.rollback("b", 8), lambda: m.rollback("b", 0)):
         with pytest.raises(ValueError, match=r"'b' has lower-tier blocks to load \(complete_loads first\)"):
             call()
