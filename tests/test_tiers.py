@@ -216,9 +216,16 @@ def test_a_fork_or_rollback_of_a_request_still_loading_is_refused_and_changes_no
     # The fork truncated the loading parent to its computed prefix (not exact steps): blocks
     # 2, 3 left its table while its state still listed them as loading, and complete_loads
     # then asserted 'register of free block 2'; a rollback was refused only because the
-    # group cannot truncate a loading state. Both are refused first now, naming the request
+    # group cannot truncate a loading state, a turn end only because the admission's step
+    # was pending. All are refused first now, naming the request and its loads
     m, index, tier, store, adm, again, before = _admitted_while_loading(exact)
-    for call in (lambda: m.fork("b", "c"), lambda: m.rollback("b", 8), lambda: m.rollback("b", 0)):
+    calls = (
+        lambda: m.fork("b", "c"),
+        lambda: m.rollback("b", 8),
+        lambda: m.rollback("b", 0),
+        lambda: m.mark_turn_end("b"),
+    )
+    for call in calls:
         with pytest.raises(ValueError, match=r"'b' has lower-tier blocks to load \(complete_loads first\)"):
             call()
         assert (m.num_computed_tokens("b"), m.block_ids("b"), m.num_free_blocks, m.lookup_prefix(again)) == before

@@ -1907,8 +1907,11 @@ class HybridCacheManager:
         """A turn ends here: per recurrent group, a slot to copy the live state into now (the
         state after the computed tokens), filed as a checkpoint that a follow-up turn extending
         this conversation hits, on the C grid or not. Groups with nothing to take (a
-        checkpoint there already, no free slot) are left out. No step may be pending."""
+        checkpoint there already, no free slot) are left out. No step may be pending, nor a
+        lower-tier load (ValueError naming the request, nothing changed)."""
         req = self._get(request_id)
+        if req.num_loading:  # (its admission's step is pending too: named first, as fork and rollback do)
+            raise ValueError(f"request {request_id!r} has lower-tier blocks to load (complete_loads first)")
         if req.end != req.num_computed:
             raise ValueError(f"request {request_id!r} has an uncommitted step; mark the turn end after commit")
         slots = {}
