@@ -569,6 +569,15 @@ def test_turn_zero_packed_with_its_shared_prefix_held_equals_the_whole_prompt_pa
     assert turn_prompt(others[0], 0, VOCAB, table, prefixes=held).token_ids == (0, 0, 1)
     with pytest.raises(ValueError, match=r"token id 4294967296 is outside \[0, 2\*\*32\)"):
         turn_prompt(Session("big", 0.0, (Turn((1,), 1),), prefix_ids=(2**32,)), 0, VOCAB, table, prefixes={})
+    # a float id is refused, as pack_prompt refuses it (never truncated to an int the session did not hold)
+    for floats in (
+        Session("f", 0.0, (Turn((7, 8), 1),), prefix_ids=(3.5, 4)),
+        Session("g", 0.0, (Turn((9.7,), 1),), prefix_ids=(3, 4)),
+    ):
+        with pytest.raises(TypeError):
+            pack_prompt(floats.prompt_ids(0, VOCAB, table))
+        with pytest.raises(TypeError):
+            turn_prompt(floats, 0, VOCAB, table, prefixes={})
 
 
 def _serve_turn(m, request_id: str, prompt, answer: list[int]):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import gc
 import heapq
 import itertools
+import operator
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -477,9 +478,8 @@ def turn_prompt(
             if held is None or held[0] is not prefix:
                 if len(prefixes) >= MAX_PREFIXES_HELD:  # (a trace's prefixes may be each session's own)
                     prefixes.clear()
-                # pack_prompt's checks and ints (token_bytes: ValueError for an id outside [0, 2**32))
-                ids = tuple(_ints(prefix))
-                held = prefixes[id(prefix)] = (prefix, ids, token_bytes(ids))
+                packed = pack_prompt(prefix)  # (its checks, its ints, its bytes: once per prefix)
+                held = prefixes[id(prefix)] = (prefix, packed.token_ids, packed.packed)
             user = _ints(session.turns[0].user_ids)
             return CheckedPrompt(held[1] + tuple(user), (), held[2] + token_bytes(user), {}, key=_CHECKED_KEY)
         return pack_prompt(session.prompt_ids(turn, vocab_size, table), request_id=session.request_id(turn))
@@ -532,8 +532,9 @@ MAX_PREFIXES_HELD = 64
 
 def _ints(ids: Sequence[int]) -> Sequence[int]:
     """`ids` as Python ints (a turn's few added tokens): `sum` stays an exact int over them in
-    one C pass, so only ids of another type (numpy's) are converted, as pack_prompt does."""
-    return ids if type(sum(ids)) is int else [int(t) for t in ids]
+    one C pass, so only ids of another type are converted: numpy's integers by their index, as
+    pack_prompt takes them; a float or another non-integer is a TypeError, as there."""
+    return ids if type(sum(ids)) is int else list(map(operator.index, ids))
 
 
 class Arrivals:
