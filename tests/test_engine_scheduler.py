@@ -424,9 +424,10 @@ def test_a_batch_taken_as_columns_ends_its_rows_as_accept_token_does():
 
 def _faulty_step_runner(kind: str):
     """The runner of `_run_with_a_faulty_step`'s engine: "paged" (PrefixModelRunner, a cache
-    that takes a repeated reservation), "v4" (TinyDSV4's dual pool, exact steps whose group
-    can undo a reserved step) or "hybrid" (TinyHybrid's window and full attention groups,
-    exact steps that no group can undo: its sequences are recomputed). The tiny models run
+    that takes a repeated reservation; no unreserve_step: the engine reserves the step
+    again), "v4" (TinyDSV4's dual pool, exact steps, an executor with per-request state: its
+    sequences are recomputed) or "hybrid" (TinyHybrid's window and full attention groups,
+    exact steps: its sequences are recomputed). The tiny models run
     in fp64: a recomputed sequence's prefill and the fault-free run's decodes must give the
     same tokens exactly, which fp32's other roundings on another CPU need not."""
     if kind == "paged":

@@ -661,14 +661,13 @@ class Engine:
     def _after_a_fault(self, recompute: bool = False) -> None:
         """The step raised after its reservation (its forward, its sampler), before any token
         was taken or committed (or `_undo_take` put them back). Stepping on must give the
-        tokens of a run without the fault. Where the runner can undo the step's reservations
-        (`runner.unreserve_step`: a cache whose groups undo a reserved step, or one not of
-        exact steps, which takes a repeated reservation of the same step), the cache is as
-        before the step and the next step plans and reserves it again. Where it cannot (a
-        cache of exact steps with a group that cannot undo one: the hybrid's attention
-        groups), or where the executor holds per-request state (V4's compressor, a recurrent
-        layer's), which a forward that ran, whole or in part, moved past the step and a rerun
-        would move again (a sampler's fault after V4's forward gave other tokens), the step's
+        tokens of a run without the fault. Where the runner says the step may be reserved
+        again (`runner.unreserve_step`: a cache not of exact steps, which takes a repeated
+        reservation of the same step, and an executor without per-request state), the next
+        step plans and reserves it again. Where it cannot (a cache of exact steps: V4's, the
+        hybrid's; or an executor whose state, V4's compressor or a recurrent layer's, a forward
+        that ran, whole or in part, moved past the step and a rerun would move again: a
+        sampler's fault after V4's forward gave other tokens), the step's
         sequences are released and recomputed, as a preemption that recomputes: their state
         rebuilt from their tokens, the prefix cache's hits kept ("cancel": never swapped out
         with the moved state). recompute: release them whatever the cache (a commit that
@@ -677,9 +676,7 @@ class Engine:
             # (a runner of its own may have no unreserve_step: its cache is its own, as a
             # paged one, which takes a repeated reservation of the same step)
             unreserve = getattr(self.runner, "unreserve_step", None)
-            if unreserve is None:
-                return
-            if not getattr(self.runner.executor, "has_state", False) and unreserve(self._step_ids):
+            if unreserve is None or unreserve(self._step_ids):
                 return
         for seq in reversed(self._scheduled):
             if seq.in_runner:

@@ -542,23 +542,17 @@ class ModelRunner:
         return fits
 
     def unreserve_step(self, request_ids: Sequence[str]) -> bool:
-        """After a step that raised before its commit (its forward, its sampler): its
-        requests' reservations (`reserve_step`'s, an admission's) undone, latest first, so the
-        cache is as before the step, and the step buffers hold no step. True when the next
-        step may reserve them again: undone, or a cache not of exact steps, whose repeated
-        reservation of the same step replaces the held one. False, nothing undone, where a
-        cache of exact steps has a group that cannot undo a step (`can_unreserve`): the
+        """After a step that raised before its commit (its forward, its sampler): the step
+        buffers hold no step, and True when the next step may reserve the step's requests
+        again as they are: a cache not of exact steps (a repeated reservation of the same step
+        replaces the held one) whose executor holds no per-request state. False, nothing
+        undone, otherwise: a cache of exact steps (the hybrid's attention groups cannot undo a
+        step), or an executor whose state a forward that ran, whole or in part, moved past the
+        step (V4's compressor, a recurrent layer's; every exact-steps runner here has one): the
         engine then releases the step's requests and recomputes them."""
         if self.step_buffers is not None:
             self.step_buffers.clear()
-        cache = self.cache
-        if not cache.exact_steps:
-            return True
-        if not all(g.can_unreserve for g in cache.groups.values()):
-            return False
-        for request_id in reversed(request_ids):
-            cache.unreserve(request_id)
-        return True
+        return not self.cache.exact_steps and not getattr(self.executor, "has_state", False)
 
     def append_token_ids(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Sampled tokens join the request (their KV is computed by a later step)."""
