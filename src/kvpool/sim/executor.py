@@ -42,6 +42,7 @@ from kvpool.engine.batch_sampler import RowsOf
 from kvpool.engine.memory import StepPeaks
 from kvpool.engine.runner import ScheduledChunk, StepChunks, num_logits, step_columns
 from kvpool.engine.sampling import SamplingParams
+from kvpool.sim.cost import _ints_only
 from kvpool.workload.tokens import MASK64, STREAM_MIX, STREAM_MULT, mix_tokens, stream_key, stream_tokens, token_at
 
 _MOD = 1 << 64  # a signed seed back to its stream key
@@ -68,8 +69,9 @@ class CostExecutor:
     the cache bytes one query reads. `decode_step_time(positions, bytes moved) -> seconds`
     (optional): step_time's fast twin for a step of one-token chunks at those positions, the
     same float (sim/cost.py `CostModel.decode_step_time`), a fleet run's common step priced
-    without a (tokens, context) tuple per chunk (the positions a list of ints, or an int64
-    array [n] where the rows are the last step's one token on: `_lead_positions`).
+    without a (tokens, context) tuple per chunk (the positions a list of ints, or on a common
+    step of int positions an int64 array [n], moved on in place where the rows are the last
+    step's one token on: `_lead_positions`).
     `split_step_time(positions, others, bytes
     moved) -> seconds or None` (optional): the same for a step of decodes at `positions` and
     the chunks `others` ((tokens, context), more than one token each, in the step's order):
@@ -249,7 +251,7 @@ class CostExecutor:
             if columns is not None:
                 self.carried_ends = (starts, columns[2])
         else:
-            if _int_sum(starts) is None:
+            if not _ints_only(starts):
                 return starts  # (decode_step_time names the bad position)
             try:  # (ints, so their int64s: the conversion _decode_sums would make, kept)
                 at = np.fromiter(starts, np.int64, len(starts))
@@ -459,17 +461,6 @@ class CostExecutor:
 
     def check_integrity(self) -> None:
         assert self.busy_s >= 0 and self._moved >= 0
-
-
-def _int_sum(values: Sequence[int]) -> int | None:
-    """sum(values) where every value is an int (a bool counts: an int subclass), in one
-    C-level pass; None where one is not (a float or a numpy int makes the sum one, a str or
-    None raises)."""
-    try:
-        total = sum(values)
-    except TypeError:
-        return None
-    return total if type(total) is int else None
 
 
 def _one_on(lead: tuple | None, starts: Sequence[int]) -> np.ndarray | None:
