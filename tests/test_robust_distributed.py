@@ -187,3 +187,68 @@ def test_any_command_whose_peer_dies_stops_in_one_line_naming_it() -> None:
     line = _error_line(err0)
     assert line.startswith("kvpool lose-a-peer: error: rank 0 of 2: lost rank 1 ("), line
     assert "pair.cc" not in line and "GLHF" not in line, line
+
+
+# Forming the group (models/tensor_parallel.py join_group): every wait is bounded by a named
+# timeout, not gloo's 30 minutes, and a group that cannot form is one line naming why.
+def _as_rank(monkeypatch, rank: int, world: int, port: int, timeout: str | None = None) -> None:
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    if timeout is not None:
+        monkeypatch.setenv("KVPOOL_DIST_TIMEOUT_S", timeout)
+
+
+def test_a_taken_master_port_is_one_line(monkeypatch, capsys) -> None:
+    from kvpool.cli.main import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        _as_rank(monkeypatch, 0, 1, port)
+        assert main(["verify", "cp", "--context", "64", "--batch", "1", "--smollm2-prompt", "0"]) == 2
+    assert capsys.readouterr().err == (
+        f"kvpool verify: error: MASTER_PORT is taken: 127.0.0.1:{port} is in use by another process; "
+        "start the ranks on a free port\n"
+    )
+
+
+def test_a_rank_whose_peers_never_come_stops_at_the_named_timeout(monkeypatch, capsys) -> None:
+    from kvpool.cli.main import main
+
+    port = _free_port()
+    _as_rank(monkeypatch, 0, 2, port, timeout="1")
+    start = time.monotonic()
+    assert main(["verify", "cp", "--context", "64", "--batch", "1", "--smollm2-prompt", "0"]) == 1
+    assert time.monotonic() - start < 10  # not gloo's 30 minutes
+    assert capsys.readouterr().err == (
+        f"kvpool verify: error: rank 0 of 2: 1 of 2 ranks joined the process group at 127.0.0.1:{port} within 1 s "
+        "(KVPOOL_DIST_TIMEOUT_S sets the wait); start every rank with the same MASTER_ADDR, MASTER_PORT and "
+        "WORLD_SIZE\n"
+    )
+
+
+def test_a_rank_without_rank_0_stops_at_the_named_timeout(monkeypatch) -> None:
+    from kvpool.models.tensor_parallel import RankError, join_group
+
+    port = _free_port()
+    _as_rank(monkeypatch, 1, 2, port, timeout="1")
+    start = time.monotonic()
+    with pytest.raises(RankError, match=f"^rank 1 of 2: rank 0 did not answer at 127.0.0.1:{port} within 1 s "):
+        join_group()
+    assert time.monotonic() - start < 10
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "ten", ""])
+def test_a_bad_group_timeout_is_refused_naming_it(monkeypatch, value) -> None:
+    from kvpool.models.tensor_parallel import group_timeout_s
+
+    monkeypatch.setenv("KVPOOL_DIST_TIMEOUT_S", value)
+    with pytest.raises(ValueError, match=f"KVPOOL_DIST_TIMEOUT_S must be a positive number of seconds, got {value!r}"):
+        group_timeout_s()
+    monkeypatch.setenv("KVPOOL_DIST_TIMEOUT_S", "2.5")
+    assert group_timeout_s() == 2.5
+    monkeypatch.delenv("KVPOOL_DIST_TIMEOUT_S")
+    assert group_timeout_s() == 600.0

@@ -27,7 +27,10 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import datetime
+import math
 import os
+import re
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -41,11 +44,19 @@ from kvpool.models.llama import LlamaModel
 
 T = TypeVar("T")
 LOST_PEER_WAIT_S = 2.0  # how long a failed collective waits to see which peer's process ended
+# Every wait of a process group (forming it, each collective and receive) ends after this
+# many seconds, not gloo's 30 minutes: a rank that never starts or hangs stops the others
+# with one line. 600 s covers the longest a rank waits on purpose (a verify command's rank
+# running the single-process reference while the others wait at a barrier); the
+# KVPOOL_DIST_TIMEOUT_S environment variable sets another.
+GROUP_TIMEOUT_S = 600.0
+TIMEOUT_ENV = "KVPOOL_DIST_TIMEOUT_S"
 
 
 class RankError(RuntimeError):
-    """The tensor-parallel ranks diverged, or one of them was lost: the command stops with
-    this one line (cli/main.py), on every rank that is left."""
+    """The tensor-parallel ranks diverged, or one of them was lost, or the process group did
+    not form in time: the command stops with this one line (cli/main.py), on every rank
+    that is left."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +196,54 @@ def shard_llama(model: LlamaModel, rank: int, world: int, group: dist.ProcessGro
     return shard
 
 
+def group_timeout_s() -> float:
+    """GROUP_TIMEOUT_S, or KVPOOL_DIST_TIMEOUT_S where set (ValueError naming it unless it is a
+    positive finite number of seconds)."""
+    text = os.environ.get(TIMEOUT_ENV)
+    if text is None:
+        return GROUP_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def join_group() -> None:
+    """Join torchrun's gloo process group (env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT),
+    every wait bounded by group_timeout_s(). A group that cannot form is one line: a taken
+    MASTER_PORT a ValueError, ranks that did not all arrive in time a RankError."""
+    timeout = group_timeout_s()
+    try:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+    except dist.DistError as error:
+        raise _group_error(error, timeout) from error
+
+
+def _group_error(error: Exception, timeout: float) -> Exception:
+    """The one line for init_process_group's failure (torch's text is a C++ message)."""
+    text = str(error)
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    who = f"rank {os.environ.get('RANK', '?')} of {os.environ.get('WORLD_SIZE', '?')}"
+    if "EADDRINUSE" in text:
+        return ValueError(f"MASTER_PORT is taken: {where} is in use by another process; start the ranks on a free port")
+    joined = re.search(r"(\d+)/(\d+) clients joined", text)
+    if joined:  # rank 0, which serves the rendezvous, counted who came
+        return RankError(
+            f"{who}: {joined[1]} of {joined[2]} ranks joined the process group at {where} within {timeout:g} s "
+            f"({TIMEOUT_ENV} sets the wait); start every rank with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE"
+        )
+    if "timed out" in text.lower():  # a rank > 0: nobody served the rendezvous
+        return RankError(
+            f"{who}: rank 0 did not answer at {where} within {timeout:g} s ({TIMEOUT_ENV} sets the wait); "
+            "start rank 0 there with the same MASTER_PORT and WORLD_SIZE"
+        )
+    first = (text.strip().splitlines() or [type(error).__name__])[0]
+    return RankError(f"{who}: the process group at {where} did not form ({first})")
+
+
 def init_tp(tp: int) -> tuple[int, int]:
     """(rank, world size) for --tensor-parallel-size `tp`: 1 rank without torchrun; under
     torchrun its world, which must be `tp`; the gloo process group set up. ValueError
@@ -202,7 +261,7 @@ def init_tp(tp: int) -> tuple[int, int]:
             f"--tensor-parallel-size {tp} under torchrun with {world} processes: start --nproc-per-node {tp}"
         )
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
+        join_group()
         atexit.register(_leave_process_group)
     return dist.get_rank(), world
 

@@ -26,7 +26,6 @@ fault left nothing installed and the tokens right, but it moved no KV, so it doe
 
 from __future__ import annotations
 
-import datetime
 import os
 import time
 
@@ -61,7 +60,7 @@ def run_pd(
     from kvpool.engine.build import build_engine, load_model
     from kvpool.engine.disaggregated import Disaggregation, TransferError
     from kvpool.engine.sampling import SamplingParams
-    from kvpool.models.tensor_parallel import check_tp, shard_llama
+    from kvpool.models.tensor_parallel import check_tp, join_group, shard_llama
 
     if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
         raise ValueError("kvpool verify pd runs under torchrun: torchrun --nproc-per-node P+D -m kvpool verify pd")
@@ -71,8 +70,7 @@ def run_pd(
     loaded = load_model(device="cpu")
     check_tp(loaded.model.config, prefill_tp)
     check_tp(loaded.model.config, decode_tp)
-    # the decode leader's single-process reference runs while the others wait: a generous timeout
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    join_group()  # every wait bounded (GROUP_TIMEOUT_S); a group that cannot form: one line
     rank = dist.get_rank()
     prefill_ranks = list(range(prefill_tp))
     decode_ranks = list(range(prefill_tp, world))
