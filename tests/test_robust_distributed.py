@@ -252,3 +252,18 @@ def test_a_bad_group_timeout_is_refused_naming_it(monkeypatch, value) -> None:
     assert group_timeout_s() == 2.5
     monkeypatch.delenv("KVPOOL_DIST_TIMEOUT_S")
     assert group_timeout_s() == 600.0
+
+
+def test_a_tp_degree_the_heads_cannot_take_names_the_flag_that_set_it(smollm2_for_commands, monkeypatch, capsys):
+    # verify tp / pd have no --tensor-parallel-size: the line names what the user did set
+    from kvpool.cli.main import main
+
+    counts = "does not divide the model's 9 query heads, 3 KV heads (each rank keeps whole heads, none replicated)"
+    for argv, world, flag in (
+        (["verify", "pd", "--decode-tp", "2"], 3, "--decode-tp"),
+        (["verify", "pd", "--prefill-tp", "2"], 3, "--prefill-tp"),
+        (["verify", "tp"], 2, "torchrun --nproc-per-node"),
+    ):
+        _as_rank(monkeypatch, 0, world, _free_port())
+        assert main(argv) == 2
+        assert capsys.readouterr().err == f"kvpool verify: error: {flag} 2 {counts}; use {flag} 1 or 3\n"

@@ -130,10 +130,12 @@ def collective(peers: Sequence[Peer] | None, call: Callable[[], T]) -> T:
         raise lost_rank_error(peers, error) from error
 
 
-def check_tp(config, tp: int) -> None:
-    """ValueError naming the counts when `tp` ranks cannot each hold whole heads."""
+def check_tp(config, tp: int, flag: str = "--tensor-parallel-size") -> None:
+    """ValueError naming the counts when `tp` ranks cannot each hold whole heads; `flag` is
+    what the user set `tp` with (`verify pd --decode-tp`, `verify tp`'s torchrun
+    --nproc-per-node), so the line names what to change."""
     if tp <= 0:
-        raise ValueError(f"--tensor-parallel-size must be positive, got {tp}")
+        raise ValueError(f"{flag} must be positive, got {tp}")
     bad = [
         f"{n} {what}"
         for n, what in (
@@ -147,8 +149,8 @@ def check_tp(config, tp: int) -> None:
         divisors = [t for t in range(1, config.num_kv_heads + 1) if config.num_kv_heads % t == 0]
         divisors = [t for t in divisors if config.num_heads % t == 0 and config.intermediate_size % t == 0]
         raise ValueError(
-            f"--tensor-parallel-size {tp} does not divide the model's {', '.join(bad)} (each rank keeps whole "
-            f"heads, none replicated); use --tensor-parallel-size {' or '.join(str(t) for t in divisors)}"
+            f"{flag} {tp} does not divide the model's {', '.join(bad)} (each rank keeps whole "
+            f"heads, none replicated); use {flag} {' or '.join(str(t) for t in divisors)}"
         )
 
 

@@ -68,8 +68,8 @@ def run_pd(
     if world != prefill_tp + decode_tp:
         raise ValueError(f"--prefill-tp {prefill_tp} + --decode-tp {decode_tp} ranks, but {world} processes")
     loaded = load_model(device="cpu")
-    check_tp(loaded.model.config, prefill_tp)
-    check_tp(loaded.model.config, decode_tp)
+    check_tp(loaded.model.config, prefill_tp, "--prefill-tp")
+    check_tp(loaded.model.config, decode_tp, "--decode-tp")
     join_group()  # every wait bounded (GROUP_TIMEOUT_S); a group that cannot form: one line
     rank = dist.get_rank()
     prefill_ranks = list(range(prefill_tp))

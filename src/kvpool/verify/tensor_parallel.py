@@ -77,7 +77,7 @@ def run_tp(max_tokens: int = 8) -> dict[str, object] | None:
         raise ValueError("kvpool verify tp runs under torchrun: torchrun --nproc-per-node 3 -m kvpool verify tp")
     loaded = load_model(device="cpu")
     world = int(os.environ["WORLD_SIZE"])
-    check_tp(loaded.model.config, world)
+    check_tp(loaded.model.config, world, "torchrun --nproc-per-node")  # verify tp's TP degree is its world
     join_group()  # every wait bounded (GROUP_TIMEOUT_S); a group that cannot form: one line
     try:
         rank = dist.get_rank()
