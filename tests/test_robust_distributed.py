@@ -267,3 +267,14 @@ def test_a_tp_degree_the_heads_cannot_take_names_the_flag_that_set_it(smollm2_fo
         _as_rank(monkeypatch, 0, world, _free_port())
         assert main(argv) == 2
         assert capsys.readouterr().err == f"kvpool verify: error: {flag} 2 {counts}; use {flag} 1 or 3\n"
+
+
+def test_verify_cp_refuses_a_context_too_short_for_its_batch(capsys) -> None:
+    # the sequences are 16, 9, 2 and -5 tokens: refused naming both flags, before any group forms
+    from kvpool.cli.main import main
+
+    assert main(["verify", "cp", "--context", "16", "--batch", "4"]) == 2
+    assert capsys.readouterr().err == (
+        "kvpool verify: error: --context 16 is too short for --batch 4: the paged check's sequences are --context, "
+        "--context - 7, ... tokens (the last -5); give --context 22 or more, or a smaller --batch\n"
+    )

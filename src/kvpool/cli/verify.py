@@ -174,6 +174,15 @@ def run_cp(args: argparse.Namespace) -> int:
 
     if args.smollm2_prompt < 0:
         raise ValueError(f"--smollm2-prompt must be >= 0, got {args.smollm2_prompt}")
+    # the paged check's sequences are --context, --context - 7, --context - 14, ... tokens
+    # (context_parallel.check_paged): the shortest must hold a token
+    shortest = args.context - 7 * (args.batch - 1)
+    if shortest < 1:
+        raise ValueError(
+            f"--context {args.context} is too short for --batch {args.batch}: the paged check's sequences are "
+            f"--context, --context - 7, ... tokens (the last {shortest}); give --context {7 * (args.batch - 1) + 1} "
+            "or more, or a smaller --batch"
+        )
     if args.smollm2_prompt and args.steps < 2:  # the first token is the prefill's: nothing decoded to check
         raise ValueError(f"--steps {args.steps} decodes nothing after the prefill's token: give --steps 2 or more")
     results = run_all(args.context, args.batch, args.block_size, args.smollm2_prompt, args.steps, args.seed)
