@@ -372,6 +372,28 @@ def test_the_token_rate_falls_to_zero_once_the_server_is_idle():
     assert rate() == 0.0
 
 
+def test_fault_recomputes_are_a_counter_apart_from_the_preemptions():
+    # a step that raised releases its sequences to be recomputed: counted, but not as preemptions
+    m = ServerMetrics(MODEL)
+    stats = {"prefix_hit_tokens": 0, "prefix_queried_tokens": 0}
+    runner = SimpleNamespace(usage=lambda: CacheUsage(8, 8, 0, 0, 16), cache_stats=lambda: stats)
+    engine = SimpleNamespace(runner=runner, stats=EngineStats(), running=[], waiting=[])
+
+    def scraped() -> dict[str, tuple[str, float]]:
+        families = text_string_to_metric_families(m.render().decode())
+        wanted = ("kvpool_fault_recomputes", "kvpool_preemptions")
+        return {f.name: (f.type, f.samples[0].value) for f in families if f.name in wanted}
+
+    m.update(engine, [], 0)
+    assert scraped() == {"kvpool_fault_recomputes": ("counter", 0.0), "kvpool_preemptions": ("counter", 0.0)}
+    engine.stats.num_fault_recomputes, engine.stats.num_preemptions = 3, 1
+    m.update(engine, [], 0)
+    assert scraped() == {"kvpool_fault_recomputes": ("counter", 3.0), "kvpool_preemptions": ("counter", 1.0)}
+    engine.stats.num_fault_recomputes = 5
+    m.update(engine, [], 0)
+    assert scraped()["kvpool_fault_recomputes"] == ("counter", 5.0)
+
+
 def test_bench_serve_drives_the_server(server):
     out = subprocess.run(
         [sys.executable, "-m", "kvpool", "bench", "serve", "--url", server, "--api-key", KEY, "--concurrency", "2"]

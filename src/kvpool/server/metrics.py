@@ -12,8 +12,10 @@ name starts with `kvpool_`.
   prefix cache kvpool_prefix_cache_queried_tokens_total, _hit_tokens_total (device hits
                and host-tier loads), kvpool_prefix_cache_hit_rate (hit / queried, since start)
   scheduler    kvpool_requests_running, kvpool_requests_waiting, kvpool_preemptions_total,
-               kvpool_engine_steps_total, kvpool_prefill_tokens_total (prompt tokens
-               computed: a prefix hit is not computed, recomputation after a preemption is),
+               kvpool_fault_recomputes_total (sequences released to be recomputed after a
+               step that raised: no preemption, nothing ran out), kvpool_engine_steps_total,
+               kvpool_prefill_tokens_total (prompt tokens computed: a prefix hit is not
+               computed, recomputation after a preemption is),
                kvpool_decode_tokens_total
   requests     kvpool_requests_total{finish_reason} ("error": failed by an error while it
                was served, alone or with its step), kvpool_prompt_tokens_total,
@@ -98,6 +100,9 @@ class ServerMetrics:
         self.running = gauge("kvpool_requests_running", "requests with a sequence in the running batch")
         self.waiting = gauge("kvpool_requests_waiting", "requests waiting for admission (new or preempted)")
         self.preemptions = counter("kvpool_preemptions", "sequences preempted (their cache released)")
+        self.fault_recomputes = counter(
+            "kvpool_fault_recomputes", "sequences released after a step that raised, to be recomputed"
+        )
         self.steps = counter("kvpool_engine_steps", "engine steps (one forward each)")
         self.prefill_tokens = counter("kvpool_prefill_tokens", "prompt tokens computed (prefix hits excluded)")
         self.decode_tokens = counter("kvpool_decode_tokens", "tokens computed one per step after the prompt")
@@ -122,7 +127,15 @@ class ServerMetrics:
         self.e2e = histogram(
             "kvpool_e2e_request_latency_seconds", "request latency, arrival to finish", _LATENCY_BUCKETS
         )
-        self._seen = {"steps": 0, "preemptions": 0, "prefill": 0, "decode": 0, "queried": 0, "hit": 0}
+        self._seen = {
+            "steps": 0,
+            "preemptions": 0,
+            "fault_recomputes": 0,
+            "prefill": 0,
+            "decode": 0,
+            "queried": 0,
+            "hit": 0,
+        }
 
     def update(self, engine: Engine, finished: list[RequestOutput], num_new_tokens: int) -> None:
         """After a step (engine thread): move the counters by what changed, set the gauges."""
@@ -140,6 +153,7 @@ class ServerMetrics:
         es = engine.stats
         self._advance("steps", es.num_steps, self.steps)
         self._advance("preemptions", es.num_preemptions, self.preemptions)
+        self._advance("fault_recomputes", es.num_fault_recomputes, self.fault_recomputes)
         self._advance("prefill", es.num_prefill_tokens, self.prefill_tokens)
         self._advance("decode", es.num_decode_tokens, self.decode_tokens)
         self._advance("queried", queried, self.queried)
