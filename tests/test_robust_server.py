@@ -293,6 +293,30 @@ def test_an_untrusted_tenant_header_is_refused_and_keys_come_from_a_file(tmp_pat
         assert out.returncode == 2 and needle in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
+def test_ctrl_c_pressed_three_times_while_streams_flow_stops_once_without_a_traceback():
+    """An impatient operator's Ctrl-C, Ctrl-C, Ctrl-C: uvicorn took the second as "force quit"
+    and logged the cancelled lifespan task as a traceback; later ones could cut the cleanup."""
+    proc, url = _start()
+    body = {"prompt": "Count:", "max_tokens": 2000, "stream": True, "ignore_eos": True}
+    flowing = [threading.Event() for _ in range(2)]
+
+    def stream(i: int) -> None:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as s:
+            for _ in s.iter_lines():
+                flowing[i].set()
+
+    for i in range(2):
+        threading.Thread(target=stream, args=(i,), daemon=True).start()
+    assert all(f.wait(60) for f in flowing)
+    for _ in range(3):
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and err.count("kvpool serve: stopped") == 1, err
+    assert "stopped (2 requests aborted in flight; cache integrity ok, 0 blocks held)" in err, err
+
+
 def test_a_key_or_tenant_that_is_not_utf8_is_refused_at_start(monkeypatch):
     """argv and the environment carry undecodable bytes as lone surrogates: such a key made
     every request's key comparison raise, a 500 even for the other, valid keys."""

@@ -4,7 +4,8 @@ It binds its socket before the model loads (a port in use is one line, not a tra
 prints `kvpool serve: ready on http://HOST:PORT` once it accepts requests (with the port
 the system chose for --port 0), and on Ctrl-C or SIGTERM lets the streams in flight end for
 a few seconds, aborts what is left, checks the cache (every block released, the lifecycle
-invariants hold) and says so.
+invariants hold) and says so. A second Ctrl-C meanwhile is noted, not a force-quit: the
+stop is bounded, and its cleanup (the tiers' writes landing) must run to its end.
 
 API keys: `--api-key KEY` (repeatable) or `--api-key-file FILE` (one key a line, `#`
 comments); `KEY:TENANT` binds a key to a tenant (server/app.py says what that means). A key
@@ -255,41 +256,38 @@ def _serve(
             thread.stop()
             await super().shutdown(sockets)
 
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # Not uvicorn's: it takes a second Ctrl-C as "force quit" (the lifespan task is then
+            # cancelled, and logged as a traceback) and raises the signals again at its end,
+            # into whatever runs then. Ours (below) stay installed until the report is printed.
+            yield
+
     server = Server(config)
-    # uvicorn handles SIGINT / SIGTERM itself (a graceful shutdown), then raises the signal
-    # again under the handlers it found: ours, so that the shutdown report below runs and
-    # the status says which signal it was. (SIGINT's own: a process started in the
-    # background by a shell inherits SIGINT ignored, and would exit 0.)
-    previous = {
-        signal.SIGINT: signal.signal(signal.SIGINT, _interrupted),
-        signal.SIGTERM: signal.signal(signal.SIGTERM, _terminated),
-    }
-    status = 0
+    # SIGINT / SIGTERM stop the server gracefully (uvicorn's should_exit); the first one sets
+    # the status. A later one, while it stops, is only noted: the stop is bounded (the engine
+    # aborts what is in flight, then at most GRACEFUL_S of grace), and its cleanup (the tiers'
+    # writes landing, the integrity check) must not be cut by a KeyboardInterrupt. (Installed
+    # even over an ignored SIGINT, as a shell's background job inherits it.)
+    received: list[int] = []
+
+    def stop(signum, frame) -> None:
+        received.append(signum)
+        server.should_exit = True
+
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        server.run(sockets=[sock])
-    except KeyboardInterrupt:
-        status = 130
-    except _Terminated:
-        status = 143
+        try:
+            server.run(sockets=[sock])
+        finally:
+            thread.stop()
+            engine.runner.close()  # the disk and Redis tiers' background writes land
+            _report_shutdown(thread)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        thread.stop()
-        engine.runner.close()  # the disk and Redis tiers' background writes land
-        _report_shutdown(thread)
+    status = {signal.SIGINT: 130, signal.SIGTERM: 143}[received[0]] if received else 0
     return 1 if thread.error is not None else status
-
-
-class _Terminated(Exception):
-    pass
-
-
-def _terminated(signum, frame) -> None:
-    raise _Terminated
-
-
-def _interrupted(signum, frame) -> None:
-    raise KeyboardInterrupt
 
 
 def _report_shutdown(thread) -> None:
