@@ -448,15 +448,16 @@ def _run_with_a_faulty_step(
 ) -> tuple[list, bool, EngineStats | None]:
     """Runs `requests` to their ends on an engine of the columns' twin tests (over the runner
     `_faulty_step_runner(kind)`); step number
-    `fault_step` (None: none) raises once, from the forward (`where` "forward") or the batch
+    `fault_step` (None: none) raises once, from the forward (`where` "forward"), the batch
     sampler ("sampler": before it samples; "sampled": after it sampled, its own state moved
-    on), and the run goes on with the next step, as a caller that catches a step's fault does.
+    on) or the engine's clock read after the forward ("clock"), and the run goes on with the
+    next step, as a caller that catches a step's fault does.
     The outputs, whether the faulty step had decode columns from the step before, and the
     engine's stats where the faulty step came (None where the run ended before it)."""
     runner = _faulty_step_runner(kind)
     engine = _twin_engine(runner, 256, 16, True, True)
     ids = [engine.add_request(prompt, params) for prompt, params in requests]
-    execute, sample = runner.execute, engine._batch_sampler.sample
+    execute, sample, clock = runner.execute, engine._batch_sampler.sample, engine.clock
     had_columns = False
     faulted = False
     step_no = 0
@@ -475,14 +476,19 @@ def _run_with_a_faulty_step(
                     sample(*args)
                 raise RuntimeError("injected sampler fault")
 
+            def faulty_clock():
+                raise RuntimeError("injected clock fault")
+
             if where == "forward":
                 runner.execute = faulty_execute
+            elif where == "clock":  # (a step reads the clock first after its forward)
+                engine.clock = faulty_clock
             else:
                 engine._batch_sampler.sample = faulty_sample
             with pytest.raises(RuntimeError, match="injected"):
                 engine.step()
             faulted = True
-            runner.execute, engine._batch_sampler.sample = execute, sample
+            runner.execute, engine._batch_sampler.sample, engine.clock = execute, sample, clock
         runner.check_integrity()
         _check_columns(engine)
     outs = [engine.output(rid).completions[0] for rid in ids]
@@ -543,6 +549,22 @@ def test_after_a_step_that_raised_every_request_ends_at_its_max_tokens_or_stop(w
             assert stats.num_preemptions == 0, fault_step
             assert (stats.num_fault_recomputes > 0) == (kind != "paged"), fault_step
     assert num_with_columns > 5
+
+
+@pytest.mark.parametrize("kind", ["v4", "hybrid"])
+def test_a_clock_that_raises_after_the_forward_is_a_step_fault_like_the_forwards(kind):
+    # The clock read after the forward (the simulator's prices the step there) raises, before
+    # any token is taken: the engine undoes the step as it does a forward's or a sampler's
+    # fault. Once it was read outside their handler: the faulty step's reservation stayed,
+    # and a cache of exact steps (V4, hybrid) refused the next step's ("already has an
+    # uncommitted reservation"). A mixed step (2: admissions behind decodes) and a decode
+    # step of the columns' rows (9); the other fault points run at every step above.
+    requests = _fault_requests()
+    twin = _fault_twin(kind)
+    for fault_step, columns in ((2, False), (9, True)):
+        outputs, had_columns, stats = _run_with_a_faulty_step(requests, "clock", fault_step, kind)
+        assert outputs == twin and had_columns == columns, fault_step
+        assert stats is not None and stats.num_preemptions == 0 and stats.num_fault_recomputes > 0
 
 
 # The points of a step's take (and commit) where `_plant_take_fault` plants a fault: each

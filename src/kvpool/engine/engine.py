@@ -829,12 +829,16 @@ class Engine:
         # step that raised, they would miss that step's number: a row's end step gone by,
         # `_rows_at_end` never finds it due, and it runs past its end length.)
         self._decode_rows = self._columns = None
+        # The forward, the clock's reading after it (the simulator's prices the step there) and
+        # the batch's sampling: a fault in any of them comes before the take, so the step's
+        # reservation is undone or its sequences released alike (`_after_a_fault`)
         try:
             logits = self.runner.execute(chunks)
+            now = self.clock()
+            sampled = self._sample_step(chunks, logits) if self.batched_sampling else None
         except BaseException:
             self._after_a_fault()
             raise
-        now = self.clock()
         next_token_ids: list[int | None]
         done: list[tuple[SequenceState, str]] = []
         forks: list[tuple[SequenceState, int]] = []  # (a parent, its row of the logits)
@@ -842,11 +846,6 @@ class Engine:
         # alone, after the step's commit; the others go on. (A fault of the step itself,
         # schedule or forward, always raises.)
         failed: dict[str, tuple[str, str]] = {}  # request id -> (message, traceback)
-        try:
-            sampled = self._sample_step(chunks, logits) if self.batched_sampling else None
-        except BaseException:
-            self._after_a_fault()
-            raise
         self._taking = chunks  # (from here the take changes the sequences: `_undo_take`)
         accept = self._accept_token
         # the per-token fast path (below) holds while nothing is recorded per token; a
