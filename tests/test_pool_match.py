@@ -146,3 +146,25 @@ def test_a_memo_kept_across_changes_of_the_pool_matches_as_the_naive_twin(
                 expected = naive_match(pool, root, prompt, n)
                 assert pool.match(root, prompt, WIDTH, n, count_collisions=False, memo=memo) == expected
         pool.check_integrity()
+
+
+def test_a_free_copy_that_turns_held_moves_the_index_version():
+    # `match` shares a held copy of a block with several copies rather than revive a free
+    # one: a free copy that turns held can change its answer, so `index_version` (which a
+    # coordinator compares to take a router's lookup again at the admission:
+    # tests/test_lookup_reuse.py) must move. (The coordinator's own groups revive only the
+    # copy `match` names, the first where none is held, which changes no answer; a caller
+    # of the public `incref` may hold any copy.)
+    pool = BlockPool(4)
+    root = pool.root(b"desc")
+    a, b = pool.allocate(2)
+    block = pool.register(a, pool.chain(root, token_bytes([1, 2])))
+    assert block is not None and pool.register(b, pool.chain(root, token_bytes([1, 2]))) is block  # b: a copy
+    pool.decref([a, b])  # both free, cached
+    prompt = token_bytes([1, 2])
+    assert pool.match(root, prompt, WIDTH, 1).block_ids == [a]  # none held: the first copy
+    version = pool.index_version
+    pool.incref([b])
+    assert pool.match(root, prompt, WIDTH, 1).block_ids == [b]  # the held copy
+    assert pool.index_version != version
+    pool.check_integrity()
