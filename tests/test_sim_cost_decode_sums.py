@@ -513,8 +513,8 @@ def test_the_executors_carried_positions_price_as_the_lists_bit_for_bit(seed: in
         chunks, ends = engine.step(rest)
         plain = [ScheduledChunk(i, [7], s, True) for i, s in zip(engine.ids, engine.starts, strict=True)] + rest
         # the positions list is the last common step's ends list (and not changed since)
-        carried = fast._lead is not None and fast._lead[0] is engine.starts and kind != 2
-        lead_at = fast._lead[1] if fast._lead is not None else None
+        carried = fast.step_ends is not None and fast.step_ends[0] is engine.starts and kind != 2
+        lead_at = fast.step_ends[1] if fast.step_ends is not None else None
         for ex, step in ((fast, chunks), (twin, plain)):
             if kind == 3:
                 ex.copy_state(0, 1)
@@ -528,18 +528,17 @@ def test_the_executors_carried_positions_price_as_the_lists_bit_for_bit(seed: in
         if common:  # an array: the last common step's one on where the rows are its rows (not changed)
             assert seen[-1] is np.ndarray
             num_carried += carried
-            assert (lead_at is not None and fast._lead[1] is lead_at) == carried  # moved on in place, or made
+            assert (lead_at is not None and fast.step_ends[1] is lead_at) == carried  # moved on in place, or made
             # the sampler's word: these ends are the last step's, one on, where its array moved on
             assert (fast.carried_ends is not None) == carried
             if carried:
                 assert fast.carried_ends == (engine.starts, ends)
-            assert fast._lead[0] is ends and fast._lead[1].tolist() == engine.starts
             # the sampler's lengths: this step's ends list and its positions' int64s
-            assert fast.step_ends[0] is ends and fast.step_ends[1] is fast._lead[1]
+            assert fast.step_ends[0] is ends and fast.step_ends[1].tolist() == engine.starts
         else:  # a mixed step: the leading decodes' array one on where no decode came after them
             assert (seen[-1] is np.ndarray) == (carried and kind != 7)
             num_mixed += carried and kind != 7
-            assert fast.carried_ends is None and fast._lead is None and fast.step_ends is None
+            assert fast.carried_ends is None and fast.step_ends is None
         if kind in (5, 6):
             engine.change(ends)
         else:

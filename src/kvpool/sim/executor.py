@@ -137,15 +137,14 @@ class CostExecutor:
         self._later: dict[str, tuple[int, int]] = {}
         self._replays: list[tuple[int, int]] = []  # (tokens, context) recomputed in the next step
         # The last common step's (its rows' ends list, the positions it priced as an int64
-        # array, the first and last of its ends): where the next step's positions list is
-        # that ends list, its positions are that array one on (`_lead_positions`)
-        self._lead: tuple[Sequence[int], np.ndarray, int, int] | None = None
+        # array: each end less one, the first and last of its ends), or None: where the next
+        # step's positions list is that ends list, its positions are that array one on
+        # (`_lead_positions`); the sampler's lengths are the array + 1 where they are that
+        # ends list (AnswerSampler reads the first two)
+        self.step_ends: tuple[Sequence[int], np.ndarray, int, int] | None = None
         # (the step's positions list, its ends list) where the step is the last one's rows one
         # on (`_lead_positions`): row i's end is the last step's end + 1 (AnswerSampler reads it)
         self.carried_ends: tuple[Sequence[int], Sequence[int]] | None = None
-        # (the common step's ends list, its positions as int64s: each end less one), for the
-        # sampler's lengths (`_lead_positions`)
-        self.step_ends: tuple[Sequence[int], np.ndarray] | None = None
         self._moved = 0  # bytes the copies since the last step move
         self.num_replayed_tokens = 0
         self.num_checkpoint_copies = 0
@@ -190,8 +189,8 @@ class CostExecutor:
         if not first:
             return
         self._first = ()
-        lead = self._lead  # (kept by a common step alone: any other ends the rows' run)
-        self._lead = self.carried_ends = self.step_ends = None
+        lead = self.step_ends  # (kept by a common step alone: any other ends the rows' run)
+        self.step_ends = self.carried_ends = None
         seconds = None
         if self.decode_step_time is not None or self.split_step_time is not None:
             seconds = self._fast_price(first, lead)
@@ -211,7 +210,7 @@ class CostExecutor:
         by `split_step_time`, its decodes' positions apart from its other chunks, which keep
         `_work`'s order (the decodes' sums do not depend on theirs). None where neither can
         price it (step_time then does). Reads `_later` and the replays, takes nothing. `lead`:
-        the last step's `_lead`, read by the common step's `_lead_positions`."""
+        the last step's `step_ends`, read by the common step's `_lead_positions`."""
         later, replays = self._later, self._replays
         if type(first) is StepChunks:
             # the engine's leading decodes as columns: chunk i < len(lead_starts) is one token
@@ -231,8 +230,8 @@ class CostExecutor:
         """The common step's decode positions, `first.lead_starts`, as an int64 array: the
         last common step's, each one on (in place), where these are its rows one token on;
         else the list's ints made one (the list itself where they are not ints, or past int64:
-        decode_step_time names or prices them). Sets `_lead` for the next step and, for the
-        carried rows, `carried_ends`.
+        decode_step_time names or prices them). Sets `step_ends` for the next step (and the
+        sampler) and, for the carried rows, `carried_ends`.
 
         The rows are the last step's one on where `lead_starts` is the very list the last
         common step's columns ended its rows at (`lead`'s; StepChunks' columns: a leading
@@ -259,8 +258,7 @@ class CostExecutor:
                 return starts
         if columns is not None and len(columns[2]) == len(starts) and starts:
             # (the ends' first and last: the next step's positions list is checked by them)
-            self._lead = (columns[2], at, starts[0] + 1, starts[-1] + 1)
-            self.step_ends = (columns[2], at)
+            self.step_ends = (columns[2], at, starts[0] + 1, starts[-1] + 1)
         return at
 
     def _carried_lead(self, first: StepChunks, lead: tuple | None) -> np.ndarray | None:
