@@ -8,6 +8,7 @@ import pytest
 
 from kvpool.cache import BlockCopy, CacheDescriptor, DSV4CacheManager, FullAttentionManager
 from kvpool.cache.coordinator import pack_prompt
+from kvpool.cache.types import LookupPrompt
 from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG
 from kvpool.spec.dsv4 import DSV4Spec
 
@@ -424,6 +425,19 @@ def test_a_stale_packing_is_refused_and_the_salt_memo_stays_bounded():
     with pytest.raises(ValueError, match="packed prompt is not of these token ids"):
         m.admit("y", P8 + [20], prompt=stale, check_packing=False)
     assert "y" not in m.request_ids
+    # and the packing's length: V4 (its lookup kept for the admission) given a packing of
+    # the first 32 of 41 ids, looked up (hit 32), then vouched for, admitted a request of
+    # those 32 tokens (its hit point taken again at that length: 16), not of the 41 ids
+    v4 = DSV4CacheManager(SPEC, 8, 3, DESC)
+    base = list(range(1, 41))
+    prefill(v4, "a", base)
+    v4.release("a")
+    short = LookupPrompt(base + [7], (), pack_prompt(base[:32]).packed, {})
+    assert v4.lookup_packed(short) == 32
+    with pytest.raises(ValueError, match="packed prompt is not of these token ids"):
+        v4.admit("y", base + [7], prompt=short, check_packing=False)
+    assert "y" not in v4.request_ids
+    v4.check_integrity()
     m.check_integrity()
     # Lookups under ever new tenant salts keep at most MAX_MEMO_SALTS of them at hand;
     # a cached prefix still hits under its own salt afterwards

@@ -65,7 +65,7 @@ from kvpool.cache.types import (
 )
 from kvpool.pool import BlockPool, PrefixBlock, StepTables, step_tables, token_bytes
 from kvpool.pool.block_pool import MatchMemo
-from kvpool.pool.hashing import token_array
+from kvpool.pool.hashing import TOKEN_BYTES, token_array
 
 
 class RequestPart(NamedTuple):
@@ -1069,11 +1069,9 @@ class HybridCacheManager:
         stamps = tuple(g.lookup_stamp() for g in self._group_list)
         return None if None in stamps else stamps
 
-    def _admission_hits(
-        self, roots: dict[str, PrefixBlock], prompt: LookupPrompt, num_tokens: int
-    ) -> tuple[dict[str, Any], int]:
-        """`_hits(roots, prompt, admission=True)` and their `hit_point` at `num_tokens` (the
-        naive twin): a kept lookup's (`_looked_up`), taken once, when it was of this prompt under these
+    def _admission_hits(self, roots: dict[str, PrefixBlock], prompt: LookupPrompt) -> tuple[dict[str, Any], int]:
+        """`_hits(roots, prompt, admission=True)` and their `hit_point` at the prompt's
+        length (the naive twin): a kept lookup's (`_looked_up`), taken once, when it was of this prompt under these
         roots and no group's stamp moved since (the router's lookup in the replica it
         chose): the same packing (the very bytes object: the admission checked, or its
         caller vouched, that the ids are its ids), length, items and memo of hashes (the
@@ -1089,11 +1087,9 @@ class HybridCacheManager:
             and looked.mm_items == prompt.mm_items
             and looked.stamp == self._lookup_stamp()
         ):
-            if num_tokens == looked.num_tokens:
-                return looked.hits, looked.point
-            return looked.hits, self.hit_point(looked.hits, num_tokens)
+            return looked.hits, looked.point
         hits = self._hits(roots, prompt, admission=True)
-        return hits, self.hit_point(hits, num_tokens)
+        return hits, self.hit_point(hits, len(prompt.token_ids))
 
     def may_reach(
         self, prompt: LookupPrompt, num_tokens: int, *, tenant_salt: str = "", descriptor: CacheDescriptor | None = None
@@ -1143,8 +1139,8 @@ class HybridCacheManager:
         are reused, not redone; ValueError when it holds other tokens or items.
         check_packing=False: the caller vouches that `prompt.packed` is the packing of
         `prompt.token_ids` (the engine checked it at add_request, in a list of its own that
-        nothing changes before the admission): the ids and items are compared, the bytes
-        are not packed again (~5 ns a token)."""
+        nothing changes before the admission): the ids, the items and the packing's length
+        are compared, the bytes are not packed again (~5 ns a token)."""
         # (the counts move below: the new request's only, which is no row of the decode-step
         # memo, so an admission that succeeds gives the memo back: a mixed step's decodes
         # reserved before the joiners' admissions keep it through step_reservations and commit)
@@ -1162,17 +1158,21 @@ class HybridCacheManager:
             # lookups read `prompt`: both must be these ids'. Nothing is copied: a list
             # comparison (C speed; the same int objects compare by identity first), and the
             # bytes, unless the caller vouches for them (a LookupPrompt whose list was changed
-            # after pack_prompt, or one built by hand, would have other bytes)
+            # after pack_prompt, or one built by hand, would have other bytes). Unchecked, the
+            # packing's length still is (one comparison): the request's ids, made from the
+            # bytes, are then as many as the ids its lookups and hit point count
             ids = token_ids if type(token_ids) is list else list(token_ids)
             known = prompt.token_ids  # (a CheckedPrompt's tuple compares as a list only to a tuple)
             if (
                 (known if type(known) is list else list(known)) != ids
                 or prompt.mm_items != (check_mm_items(mm_items, len(ids)) if mm_items else ())
-                or (check_packing and prompt.packed != token_bytes(ids))
+                or (
+                    prompt.packed != token_bytes(ids) if check_packing else len(prompt.packed) != len(ids) * TOKEN_BYTES
+                )
             ):
                 raise ValueError(f"request {request_id!r}: the packed prompt is not of these token ids and items")
         req = self._new_request(request_id, prompt, tenant_salt, descriptor)
-        hits, point = self._admission_hits(req.roots, prompt, len(req.token_ids)) if self._caching else ({}, 0)
+        hits, point = self._admission_hits(req.roots, prompt) if self._caching else ({}, 0)
         rest = len(req.token_ids) - point
         n = rest if max_new_tokens is None else min(max_new_tokens, rest)
         end = point + n
