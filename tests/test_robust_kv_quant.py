@@ -16,7 +16,8 @@ from kvpool.engine.llama_runner import llama_runner
 from kvpool.engine.runner import ModelRunner
 from kvpool.engine.sampling import SamplingParams
 from kvpool.spec.kv_formats import kv_schema
-from kvpool.storage.quant import dequantize_k, dequantize_v, quantize_k, quantize_v
+from kvpool.storage.dsv4 import V4EntryPool
+from kvpool.storage.quant import dequantize_k, dequantize_v, quantize_k, quantize_v, round_trip_kv
 from random_llama import CONFIG, DESCRIPTOR, random_ids, random_llama
 from test_kv_quant import _reference_attention
 
@@ -191,3 +192,53 @@ def test_the_eval_drives_the_engines_prefill_then_decode_steps_and_names_the_reg
         lo, hi = r.perplexity_change_ci95
         assert lo <= r.perplexity_change_pct <= hi and lo < hi
         assert r.kl_ci95[0] <= r.kl_mean <= r.kl_ci95[1]
+
+
+# ----- a NaN or an inf in K/V: never back as finite numbers --------------------------------
+
+POISONS = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+
+
+@pytest.mark.parametrize("poison", POISONS)
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3_token", "fp8_e5m2_token"])
+def test_a_scale_group_holding_a_nan_or_an_inf_comes_back_nan_and_the_others_as_before(name, poison) -> None:
+    """4 tokens x 2 KV heads x 8 dims (one block of 4) with one K value non-finite: the values
+    sharing its scale (its token and head; block-scaled: its head's whole block) come back
+    NaN, not finite (with a scale of 1 int8 gave zeros, and fp8 a NaN among values
+    saturated at 448); every other value, and V, is exactly the clean round trip."""
+    fmt = kv_schema(name)
+    k = torch.linspace(-600.0, 900.0, 64).view(4, 2, 8)  # |values| past fp8's 448: scales matter
+    v = torch.linspace(0.5, -0.3, 64).view(4, 2, 8)
+    clean_k, clean_v = round_trip_kv(fmt, k, v, 4)
+    bad = k.clone()
+    bad[1, 0, 3] = POISONS[poison]
+    got_k, got_v = round_trip_kv(fmt, bad, v, 4)
+    group = torch.zeros(4, 2, 8, dtype=torch.bool)
+    if fmt.k_scale == "block":
+        group[:, 0] = True
+    else:
+        group[1, 0] = True
+    assert bool(got_k[group].isnan().all())
+    assert torch.equal(got_k[~group], clean_k[~group]) and torch.equal(got_v, clean_v)
+
+
+@pytest.mark.parametrize("poison", POISONS)
+@pytest.mark.parametrize("kind", ["main", "index-fp8", "index-mxfp4"])
+def test_a_v4_entry_group_holding_a_nan_or_an_inf_comes_back_nan(kind, poison) -> None:
+    """DeepSeek-V4's layout, a 128-dim entry (main: 64 of them RoPE dims in BF16): the group
+    of the non-finite value (main: 64 dims, index-fp8: 128, MXFP4: 32) comes back NaN (an
+    inf gave +-2^-118 everywhere under the clamped UE8M0 exponent; MXFP4 made a NaN 6.0),
+    and an entry without one exactly as before."""
+    x = torch.linspace(-3.0, 5.0, 2 * 128).view(1, 2, 128)
+    pool = V4EntryPool(kind, 1, 2, 128, 64 if kind == "main" else 0, torch.float32)
+    pool[0] = x[0]
+    clean = pool[0:1].clone()
+    bad = x.clone()
+    bad[0, 0, 40] = POISONS[poison]
+    pool[0] = bad[0]
+    got = pool[0:1]
+    width = {"main": 64, "index-fp8": 128, "index-mxfp4": 32}[kind]
+    group = torch.zeros(1, 2, 128, dtype=torch.bool)
+    group[0, 0, 40 // width * width : (40 // width + 1) * width] = True
+    assert bool(got[group].isnan().all())
+    assert torch.equal(got[~group], clean[~group])

@@ -38,7 +38,13 @@ import torch
 from torch import Tensor
 
 from kvpool.spec.dsv4 import CSA_RATIO, DSV4Spec
-from kvpool.storage.quant import dequantize_fp8_ue8m0, dequantize_mxfp4, quantize_fp8_ue8m0, quantize_mxfp4
+from kvpool.storage.quant import (
+    dequantize_fp8_ue8m0,
+    dequantize_mxfp4,
+    quantize_fp8_ue8m0,
+    quantize_mxfp4,
+    symmetric_scale,
+)
 
 
 @dataclass
@@ -245,8 +251,7 @@ class V4EntryPool:
             assert self.scales is not None
             padded = torch.nn.functional.pad(value.to(torch.float32), (0, -self.width % 128))
             groups = padded.view(*value.shape[:-1], padded.shape[-1] // 128, 128)
-            amax = groups.abs().amax(dim=-1)
-            scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+            scale = symmetric_scale(groups.abs().amax(dim=-1), 448.0)  # NaN under a NaN or an inf
             q = (groups / scale.unsqueeze(-1)).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
             self.codes[index] = q.reshape(padded.shape)[..., : self.width]
             self.scales[index] = scale

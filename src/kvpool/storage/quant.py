@@ -15,7 +15,8 @@ Symmetric 8-bit (fp8, int8): s = amax / qmax over the scale's vector (a zero vec
 s = 1), the value divided by s in fp32 and rounded to nearest even (fp8 saturating at
 +-qmax, int8 clamped to [-127, 127]). Round-trip error: E4M3 |e| <= 2^-4 |x| for normal
 values (|x| / s >= 2^-6) and <= 2^-10 s below; E5M2 2^-3 |x| (>= 2^-14 s) and 2^-17 s;
-int8 <= s / 2.
+int8 <= s / 2. A vector holding a NaN or an inf gets s = NaN: it comes back NaN throughout,
+never as finite numbers.
 
 Asymmetric b-bit (KIVI): over each group, z = the minimum rounded down to fp16, s = (max -
 z) / (2^b - 1) rounded up to fp16 (so the grid [z, z + (2^b - 1) s] covers the group), q =
@@ -90,7 +91,15 @@ def round_trip(schema: KVSchema, x: Tensor) -> Tensor:
 
 
 def _sym_scale(schema: KVSchema, amax: Tensor) -> Tensor:
-    return torch.where(amax > 0, amax / schema.qmax, torch.ones_like(amax))
+    return symmetric_scale(amax, schema.qmax)
+
+
+def symmetric_scale(amax: Tensor, qmax: float) -> Tensor:
+    """amax / qmax; 1 for a zero vector; NaN for a vector holding a NaN or an inf, so that
+    every value under the scale comes back NaN, as attention over the exact values would be
+    (a scale of 1 turned a NaN into int8 zeros, and left fp8's other values saturated)."""
+    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    return torch.where(torch.isfinite(amax), scale, torch.full_like(amax, torch.nan))
 
 
 def _sym_codes(schema: KVSchema, y: Tensor) -> Tensor:
@@ -228,14 +237,18 @@ def round_trip_kv(schema: KVSchema, k: Tensor, v: Tensor, block_size: int) -> tu
 # the only rounding is the element's. Scales are the smallest power of two that keeps the
 # group's amax within the element's range (no saturation): E4M3 |e| <= 2^-4 |x| for
 # |x| >= 2^-6 s and <= 2^-10 s below; E2M1 |e| <= s / 4 below 2 s, s / 2 below 4 s, s at
-# most (half the grid's step), ties to the smaller magnitude.
+# most (half the grid's step), ties to the smaller magnitude. A group holding a NaN or an
+# inf gets the scale byte 0xFF, UE8M0's NaN (OCP MX), and comes back NaN throughout: no
+# power-of-two scale describes it (the exponent clamped at 2^-127 made every value tiny).
 
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 UE8M0_BIAS = 127
+UE8M0_NAN = 0xFF
 
 
 def _pow2_exponent(v: Tensor) -> Tensor:
-    """The smallest e with 2^e >= v (v > 0), int32; 0 where v == 0."""
+    """The smallest e with 2^e >= v (v > 0), int32; 0 where v == 0 or v is not finite."""
+    v = torch.where(torch.isfinite(v), v, torch.zeros_like(v))
     e = torch.ceil(torch.log2(torch.where(v > 0, v, torch.ones_like(v)))).to(torch.int32)
     p = torch.ldexp(torch.ones_like(v), e)
     e = torch.where(p < v, e + 1, e)  # log2 rounded the wrong way
@@ -255,30 +268,42 @@ def _groups(x: Tensor, group: int) -> Tensor:
 def quantize_fp8_ue8m0(x: Tensor, group: int = 64) -> tuple[Tensor, Tensor]:
     """x [..., n] -> (E4M3 codes [..., n] as uint8, exponent bytes [..., ceil(n / group)])."""
     g = _groups(x.to(torch.float32), group)
-    e = _pow2_exponent(g.abs().amax(dim=-1) / 448.0)
+    amax = g.abs().amax(dim=-1)
+    e = _pow2_exponent(amax / 448.0)
     y = torch.ldexp(g, -e.unsqueeze(-1)).clamp_(-448.0, 448.0)  # exact: a power of two
     codes = y.to(torch.float8_e4m3fn).view(torch.uint8).reshape(*x.shape[:-1], g.shape[-2] * group)[..., : x.shape[-1]]
-    return codes.contiguous(), (e + UE8M0_BIAS).to(torch.uint8)
+    return codes.contiguous(), _scale_bytes(e, amax)
+
+
+def _scale_bytes(e: Tensor, amax: Tensor) -> Tensor:
+    """UE8M0 bytes of the exponents e, UE8M0_NAN where a group's amax is not finite."""
+    return torch.where(torch.isfinite(amax), e + UE8M0_BIAS, UE8M0_NAN).to(torch.uint8)
+
+
+def _scaled(g: Tensor, exps: Tensor) -> Tensor:
+    """g [..., groups, group] times 2^(exps - bias) per group; NaN under UE8M0_NAN."""
+    out = torch.ldexp(g, exps[..., : g.shape[-2]].to(torch.int32).unsqueeze(-1) - UE8M0_BIAS)
+    return torch.where(exps[..., : g.shape[-2]].unsqueeze(-1) == UE8M0_NAN, torch.nan, out)
 
 
 def dequantize_fp8_ue8m0(codes: Tensor, exps: Tensor, dtype: torch.dtype, group: int = 64) -> Tensor:
     n = codes.shape[-1]
     g = _groups(codes.view(torch.float8_e4m3fn).to(torch.float32), group)
-    e = exps[..., : g.shape[-2]].to(torch.int32) - UE8M0_BIAS
-    return torch.ldexp(g, e.unsqueeze(-1)).reshape(*codes.shape[:-1], g.shape[-2] * group)[..., :n].to(dtype)
+    return _scaled(g, exps).reshape(*codes.shape[:-1], g.shape[-2] * group)[..., :n].to(dtype)
 
 
 def quantize_mxfp4(x: Tensor) -> tuple[Tensor, Tensor]:
     """x [..., n] (n even) -> (E2M1 codes packed two a byte [..., n / 2], exponent bytes
     [..., ceil(n / 32)]); code = sign << 3 | grid index, the first of a pair in the low bits."""
     g = _groups(x.to(torch.float32), 32)
-    e = _pow2_exponent(g.abs().amax(dim=-1) / 6.0)
+    amax = g.abs().amax(dim=-1)
+    e = _pow2_exponent(amax / 6.0)
     y = torch.ldexp(g, -e.unsqueeze(-1))
     grid = torch.tensor(E2M1_GRID, device=x.device)
     mids = (grid[1:] + grid[:-1]) / 2
     index = torch.bucketize(y.abs().clamp_(max=6.0), mids)  # ties to the smaller magnitude
     codes = (index | ((y < 0).to(torch.int64) << 3)).reshape(*x.shape[:-1], g.shape[-2] * 32)[..., : x.shape[-1]]
-    return _pack(codes.to(torch.uint8).contiguous(), 4), (e + UE8M0_BIAS).to(torch.uint8)
+    return _pack(codes.to(torch.uint8).contiguous(), 4), _scale_bytes(e, amax)
 
 
 def dequantize_mxfp4(packed: Tensor, exps: Tensor, dtype: torch.dtype) -> Tensor:
@@ -287,5 +312,4 @@ def dequantize_mxfp4(packed: Tensor, exps: Tensor, dtype: torch.dtype) -> Tensor
     grid = torch.tensor(E2M1_GRID, device=packed.device)
     y = grid[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
     g = _groups(y, 32)
-    e = exps[..., : g.shape[-2]].to(torch.int32) - UE8M0_BIAS
-    return torch.ldexp(g, e.unsqueeze(-1)).reshape(*packed.shape[:-1], g.shape[-2] * 32)[..., :n].to(dtype)
+    return _scaled(g, exps).reshape(*packed.shape[:-1], g.shape[-2] * 32)[..., :n].to(dtype)
