@@ -557,3 +557,20 @@ def test_an_entry_dropped_while_the_directory_is_rescanned_stays_dropped(tmp_pat
     assert not tier.contains(key(1)) and tier.num_entries == 2
     assert tier.num_bytes == sum(stored(tier, i).stat().st_size for i in (0, 2))
     tier.check_integrity()
+
+
+def test_a_block_whose_entry_outgrows_the_limit_is_refused_and_evicts_nothing(tmp_path) -> None:
+    """A block's tensors within the byte limit, its entry (tensors plus the header with the
+    manifest) past it: refused and counted, as a block larger than the tier is. It was
+    written, then evicted every entry, least recent first, and finally itself."""
+    limit = len(entry_format.encode(key(5), descriptor(5), tensors(5))) - 1
+    assert 2 * 2 * 1024 * 4 <= limit  # the tensors' bytes, what put can weigh without encoding
+    tier = DiskTier(tmp_path, limit)
+    assert tier.put(key(0), descriptor(0), tensors(0, 64))
+    assert tier.flush(30) and tier.num_entries == 1
+    tier.put(key(5), descriptor(5), tensors(5))
+    assert tier.flush(30)
+    assert tier.stats.num_rejected_puts == 1 and tier.stats.num_evictions == 0 and tier.stats.num_puts == 1
+    assert not stored(tier, 5).exists() and not list((tmp_path / "tmp").iterdir())
+    assert tier.get(key(0), descriptor(0)) is not None and stored(tier, 0).exists()
+    tier.check_integrity()

@@ -453,6 +453,11 @@ class DiskTier(Tier):
     def _write(self, key: bytes, descriptor: BlockDescriptor, tensors: dict[str, Tensor]) -> None:
         start = time.perf_counter()
         data = entry.encode(key, descriptor, tensors)
+        if len(data) > self.capacity_bytes:
+            # the header made the entry larger than the whole tier (put weighs the tensors
+            # alone): written, it would evict every entry and then itself
+            self.stats.num_rejected_puts += 1
+            return
         final = self._path(key, descriptor)
         tmp = self.root / "tmp" / f"{key.hex()}.{os.getpid()}.{next(self._tmp_names)}.tmp"
         try:
