@@ -190,3 +190,33 @@ def test_stop_strings_are_found_where_a_full_decode_finds_them() -> None:
             engine.step()
         seq = engine.requests[rid].seqs[0]
         assert (len(seq.output_ids), seq.text, seq.finish_reason) == (*expected, "stop")
+
+
+def test_a_stop_string_given_alone_is_one_stop_string_not_its_characters() -> None:
+    """stop="ab" (vLLM's and OpenAI's spelling of one stop string) stops where "ab" first
+    appears; iterated as given it was the stop strings "a" and "b"."""
+    from kvpool.engine.engine import Engine
+    from kvpool.engine.llama_runner import llama_runner
+    from random_llama import DESCRIPTOR, random_ids, random_llama
+
+    assert SamplingParams(stop="ab").stop == ("ab",)
+    assert SamplingParams(stop=["ab", "ba"]).stop == ("ab", "ba")  # a list: a tuple, hashable like the rest
+    engine = Engine(
+        llama_runner(random_llama(), 64, 16, DESCRIPTOR),
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+        decode_text=lambda ids: "ba" * len(ids),  # every token reads "ba": "baba..."
+    )
+    params = SamplingParams(max_tokens=10, ignore_eos=True, stop="ab")
+    rid = engine.add_request(random_ids(12, 4), params)
+    while engine.has_unfinished():
+        engine.step()
+    seq = engine.requests[rid].seqs[0]
+    # "ab" first at 1 of "baba", the second token's text; "b" alone would stop at once with ""
+    assert (len(seq.output_ids), seq.text, seq.finish_reason) == (2, "b", "stop")
+
+
+@pytest.mark.parametrize("stop", [[1], ["a", None], 3])
+def test_a_stop_that_is_not_strings_is_refused_naming_stop(stop) -> None:
+    with pytest.raises(TypeError, match="stop"):
+        SamplingParams(stop=stop)

@@ -62,6 +62,17 @@ class SamplingParams:
             raise ValueError(f"seed must be a 64-bit signed integer, got {self.seed}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        if isinstance(self.stop, str):
+            # one stop string, as vLLM and OpenAI's API take it: iterated as it is, "User:" would
+            # stop at its first "U", "s", ... of the output
+            object.__setattr__(self, "stop", (self.stop,))
+        elif not isinstance(self.stop, tuple):
+            if not isinstance(self.stop, Sequence):
+                raise TypeError(f"stop must be a string or a list of strings, got {type(self.stop).__name__}")
+            object.__setattr__(self, "stop", tuple(self.stop))  # a list: kept hashable, as a frozen field
+        for s in self.stop:
+            if not isinstance(s, str):
+                raise TypeError(f"stop strings must be strings, got {s!r} ({type(s).__name__})")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         if self.logprobs is not None and self.logprobs < 0:
