@@ -131,6 +131,23 @@ def test_a_prompt_packed_once_is_looked_up_in_caches_with_other_contents_and_roo
         pack_prompt([1, -1])
 
 
+def test_the_cache_s_own_packing_checks_as_pack_prompt_does():
+    # `_pack` (a lookup or an admission given no packing) is pack_prompt without its pass
+    # over the ids' types: the same packing and items, the same refusals, word for word
+    from kvpool.cache.coordinator import _pack
+
+    items = [(1, 2, "image-1")]
+    mine, theirs = _pack([5, 6, 7], items), pack_prompt([5, 6, 7], items)
+    assert (mine.packed, mine.mm_items, list(mine.token_ids)) == (theirs.packed, theirs.mm_items, [5, 6, 7])
+    for ids, bad in (([], ()), ([1, -1], ()), ([1, 2], [(1, 2, "image-1")]), ([1, 2], [(0, 0, "image-1")])):
+        errors = []
+        for pack in (_pack, pack_prompt):
+            with pytest.raises(ValueError) as raised:
+                pack(ids, bad, "r")
+            errors.append(str(raised.value))
+        assert errors[0] == errors[1], ids
+
+
 def count_digests(m) -> list[int]:
     calls: list[int] = []
     digest = m.pool.hasher.digest

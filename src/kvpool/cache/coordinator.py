@@ -135,9 +135,7 @@ def pack_prompt(
     token, a bad item) and packed for `lookup_packed`: a CheckedPrompt, its ids a tuple of
     Python ints (numpy's or torch's converted, as the engine's add_request converts them;
     a bool is kept as given, an int subclass equal to 0 or 1 and packed so)."""
-    if len(token_ids) == 0:
-        raise ValueError(f"request {request_id!r} has an empty prompt")
-    items = check_mm_items(mm_items, len(token_ids))
+    items = _checked_items(token_ids, mm_items, request_id)
     ids = tuple(token_ids)
     packed = token_bytes(ids)  # ValueError for an id that is no token; packed once for the groups
     # Every id is an integer in [0, 2**32) now (array("I") took it by __index__): `sum`
@@ -152,10 +150,16 @@ def _pack(token_ids: Sequence[int], mm_items: Sequence[MMItem] = (), request_id:
     """pack_prompt's checks and packing for this cache's own use (a lookup, an admission
     given no packing), where the ids are read from the bytes and no engine takes the ids
     as checked ints: no pass to find ids that are not Python ints."""
+    items = _checked_items(token_ids, mm_items, request_id)
+    return LookupPrompt(list(token_ids), items, token_bytes(token_ids), {})
+
+
+def _checked_items(token_ids: Sequence[int], mm_items: Sequence[MMItem], request_id: str) -> tuple[MMItem, ...]:
+    """The checks of a prompt before its packing, `pack_prompt`'s and `_pack`'s (the packing
+    checks the ids): ValueError for an empty prompt or a bad item; the items checked."""
     if len(token_ids) == 0:
         raise ValueError(f"request {request_id!r} has an empty prompt")
-    items = check_mm_items(mm_items, len(token_ids))
-    return LookupPrompt(list(token_ids), items, token_bytes(token_ids), {})
+    return check_mm_items(mm_items, len(token_ids))
 
 
 class GroupSpec(Protocol):
