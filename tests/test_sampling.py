@@ -220,3 +220,33 @@ def test_a_stop_string_given_alone_is_one_stop_string_not_its_characters() -> No
 def test_a_stop_that_is_not_strings_is_refused_naming_stop(stop) -> None:
     with pytest.raises(TypeError, match="stop"):
         SamplingParams(stop=stop)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"max_tokens": 2.5},
+        {"max_tokens": "10"},
+        {"max_tokens": True},
+        {"n": 2.0},
+        {"top_k": 1.5},
+        {"seed": 1.5},
+        {"seed": "1"},
+        {"logprobs": 1.5},
+        {"temperature": "1"},
+        {"top_p": None},
+        {"ignore_eos": "no"},
+    ],
+)
+def test_parameters_of_the_wrong_type_are_refused_naming_them(bad):
+    (name,) = bad
+    with pytest.raises(TypeError, match=name):
+        SamplingParams(**bad)
+
+
+def test_integral_numbers_of_any_kind_are_taken_as_ints():
+    import numpy as np
+
+    params = SamplingParams(max_tokens=np.int64(5), n=np.int32(2), seed=np.uint8(7), top_k=3, temperature=1)
+    assert (params.max_tokens, params.n, params.seed, params.top_k) == (5, 2, 7, 3)
+    assert {type(params.max_tokens), type(params.n), type(params.seed)} == {int}

@@ -22,6 +22,7 @@ nothing), which costs it a synchronisation `sample_batch` does not make.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -50,6 +51,7 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be > 0, got {self.max_tokens}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -77,6 +79,26 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+
+    def _check_types(self) -> None:
+        """TypeError naming the field for a value of the wrong kind, before the range checks
+        compare it: max_tokens=2.5 generated 3 tokens, n=2.0 and top_k=1.5 failed deep in the
+        engine ("'float' object cannot be interpreted as an integer"), seed="1" in a comparison
+        naming no field. An integer field takes any integral number (numpy's too), kept as int;
+        a bool is refused where a number is asked for (True is 1 to Python, not to a user)."""
+        for name in ("max_tokens", "top_k", "seed", "n", "logprobs"):
+            value = getattr(self, name)
+            if type(value) is int or (value is None and name == "logprobs"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+            object.__setattr__(self, name, int(value))
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
 
     @property
     def greedy(self) -> bool:
