@@ -278,3 +278,21 @@ def test_verify_cp_refuses_a_context_too_short_for_its_batch(capsys) -> None:
         "kvpool verify: error: --context 16 is too short for --batch 4: the paged check's sequences are --context, "
         "--context - 7, ... tokens (the last -5); give --context 22 or more, or a smaller --batch\n"
     )
+
+
+def test_a_peer_that_hangs_past_the_timeout_is_one_line(one_rank_group) -> None:
+    # gloo's words when the group's timeout runs out (a peer stopped with SIGSTOP, seen in
+    # `verify pd` with KVPOOL_DIST_TIMEOUT_S=15): the first wait, then any later call on the
+    # closed pair, which went up as a traceback ("gloo" is not in its text)
+    from kvpool.cli.main import lost_peer_line
+
+    waited = (
+        "[/__w/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 15000ms for recv"
+    )
+    closed = "Application timeout caused pair closure"
+    for text, reason in ((waited, "Timed out waiting 15000ms for recv"), (closed, closed)):
+        assert lost_peer_line(RuntimeError(text)) == (
+            f"rank 0 of 1: a peer rank did not answer within the process group's timeout ({reason}); it hangs or was "
+            "stopped (KVPOOL_DIST_TIMEOUT_S sets the wait), and the group cannot go on without it"
+        )
+    assert lost_peer_line(RuntimeError("a bug of ours")) is None  # not a transport's error: its traceback
