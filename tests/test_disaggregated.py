@@ -125,3 +125,12 @@ def test_kvpool_plan_sizes_the_prefill_and_decode_pools_apart() -> None:
     assert pd["prefill"]["max_concurrent_requests"] > pd["decode"]["max_concurrent_requests"] / 2
     proc = subprocess.run([*argv, "--pd", "1"], capture_output=True, text=True)
     assert proc.returncode == 2 and "--pd: expected P,D (prefill and decode GPUs), got '1'" in proc.stderr
+
+
+def test_the_transfer_wait_is_the_groups_timeout_not_an_ignored_argument() -> None:
+    # Disaggregation took timeout_s=60.0 and never read it: a caller's 5 s bound waited the
+    # group's timeout (gloo's 30 minutes, then). The bound is the group's (join_group).
+    from kvpool.engine.disaggregated import Disaggregation
+
+    with pytest.raises(TypeError, match="unexpected keyword argument 'timeout_s'"):
+        Disaggregation(None, [0], [1], timeout_s=5.0)  # type: ignore[arg-type, call-arg]

@@ -226,7 +226,9 @@ def overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
 class Disaggregation:
     """One process's side of P/D: `prefill_ranks` and `decode_ranks` are global ranks (each a
     TP group, in shard order); this process runs `engine` on its shard. The decode side's
-    engine has `landing` as its host tier."""
+    engine has `landing` as its host tier. Every send and receive waits at most the process
+    group's timeout (models/tensor_parallel.py GROUP_TIMEOUT_S, set when the group is joined):
+    a prefill worker that hangs makes `receive` raise RuntimeError, as one that died does."""
 
     def __init__(
         self,
@@ -236,7 +238,6 @@ class Disaggregation:
         *,
         landing: HostTier | None = None,
         tenant: str = "",
-        timeout_s: float = 60.0,
     ) -> None:
         from kvpool.storage.kv import PagedKVStorage
 
