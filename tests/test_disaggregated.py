@@ -134,3 +134,67 @@ def test_the_transfer_wait_is_the_groups_timeout_not_an_ignored_argument() -> No
 
     with pytest.raises(TypeError, match="unexpected keyword argument 'timeout_s'"):
         Disaggregation(None, [0], [1], timeout_s=5.0)  # type: ignore[arg-type, call-arg]
+
+
+# The decode side of one transfer (rank 1), in its own process: SmolLM2 (3 KV heads) asking
+# for the first 32 tokens of a 40-token prompt; it prints what receive() did.
+_DECODE_RANK = """
+import json
+import torch.distributed as dist
+from kvpool.engine.build import build_engine, load_model
+from kvpool.engine.disaggregated import Disaggregation, TransferError
+from kvpool.models.tensor_parallel import join_group
+
+engine = build_engine(load_model(device="cpu"), num_blocks=16, block_size=16, host_cache_bytes=32 << 20)
+join_group()
+dis = Disaggregation(engine, [0], [1], landing=engine.runner.host_tier)
+try:
+    outcome = "installed %d tokens" % dis.receive(list(range(1000, 1040)))[0]
+except TransferError as e:
+    outcome = str(e)
+engine.runner.check_integrity()
+print(json.dumps({"outcome": outcome, "landing_entries": engine.runner.host_tier.num_entries}))
+dist.destroy_process_group()
+"""
+
+
+def test_a_prefill_rank_of_another_model_is_rejected_not_a_crash() -> None:
+    """A prefill rank of a model with 4 KV heads sends its part: more bytes than SmolLM2's 3
+    heads. The receiver sized its buffers by its own heads: gloo aborted its process
+    ("Received data size doesn't match expected size", SIGABRT). It must receive the part
+    whole, reject it naming the fields, and install nothing."""
+    import torch
+    import torch.distributed as dist
+
+    from kvpool.engine.disaggregated import send_part, tokens_hash
+
+    port = _free_port()
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env.update(OMP_NUM_THREADS="1", KVPOOL_DIST_TIMEOUT_S="60")
+    decode = subprocess.Popen(
+        [sys.executable, "-c", _DECODE_RANK], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
+        try:
+            msg: list[object] = [None]
+            dist.broadcast_object_list(msg, src=1)
+            assert msg[0] == (0, 32, 16)  # the prompt's first two blocks
+            ids = list(range(1000, 1040))
+            desc = TransferDescriptor(
+                "other.gguf", "w", "t", "c", "rope", "float32", "float32", "", 30, 4, 64, (0, 4), 16, 0, 32,
+                tokens_hash(ids, 32),
+            )  # fmt: skip
+            k = torch.randn(30, 32, 4, 64)
+            send_part(desc, k, k, (0, 4), dst=1)
+        finally:
+            dist.destroy_process_group()
+        out, err = decode.communicate(timeout=120)
+    finally:
+        if decode.poll() is None:
+            decode.kill()
+            decode.wait()
+    assert decode.returncode == 0, err[-3000:]
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["outcome"].startswith("transfer rejected: model_id: 'other.gguf' != "), report
+    assert "num_kv_heads: 4 != 3" in report["outcome"] and report["landing_entries"] == 0

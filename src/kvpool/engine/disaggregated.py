@@ -13,7 +13,8 @@ exchanges, over point-to-point sends:
   1. a TransferDescriptor: the cache descriptor's identity fields (model, weights,
      tokenizer, template, RoPE), the dtype and storage format, the tenant, the sender's
      block size, head range and layer and head counts, the token range and its ids' hash,
-     the byte order, and the wire layout;
+     the byte order, the wire layout, and the KV heads and bytes this message's K and V
+     carry (the receiver sizes its buffers by them, then checks them against its own);
   2. K and V of the overlapping heads, token-major [layers, tokens, heads, head_dim]:
      independent of either side's block size.
 
@@ -35,6 +36,8 @@ the rest is computed.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -74,6 +77,11 @@ class TransferDescriptor:
     tokens_hash: str  # xxh3-64 of the prompt's ids up to `end`
     byte_order: str = sys.byteorder
     layout: str = WIRE_LAYOUT
+    # what this message's K and V carry: the global KV heads [first, last) and each one's
+    # bytes. The receiver sizes its buffers by them, not by its own idea of the heads: gloo
+    # fills a larger buffer in part without a word, and aborts the process on a smaller one
+    part_heads: tuple[int, int] = (0, 0)
+    part_bytes: int = 0
 
     # fields two sides must share exactly; the others describe what is converted
     MUST_MATCH = (
@@ -145,6 +153,48 @@ def check_transfer(got: TransferDescriptor, expected: TransferDescriptor) -> Non
                 f"{', ' if details else ''}token range: {got.start}..{got.end} != {expected.start}..{expected.end}"
             )
         raise TransferError(f"transfer rejected: {details}")
+
+
+def send_part(desc: TransferDescriptor, k: torch.Tensor, v: torch.Tensor, part: tuple[int, int], dst: int) -> None:
+    """The prefill side: `desc` for the KV heads `part` (global [first, last)), then K and V of
+    those heads (k, v: [layers, tokens, heads of part, head_dim], desc.dtype), to rank `dst`."""
+    assert k.shape == v.shape and k.shape[2] == part[1] - part[0], (k.shape, v.shape, part)
+    k, v = k.contiguous(), v.contiguous()
+    dist.send_object_list([dataclasses.replace(desc, part_heads=part, part_bytes=k.nbytes)], dst=dst)
+    dist.send(k, dst=dst)
+    dist.send(v, dst=dst)
+
+
+def recv_part(src: int) -> tuple[TransferDescriptor, torch.Tensor, torch.Tensor]:
+    """The decode side: what `send_part` sent from rank `src`: its descriptor, and K and V as
+    the raw bytes it declared (uint8 [part_bytes] each; `unpack_part` checks and shapes them)."""
+    got: list[object] = [None]
+    dist.recv_object_list(got, src=src)
+    desc = got[0]
+    if not isinstance(desc, TransferDescriptor):  # nothing tells how many bytes follow
+        raise RuntimeError(f"rank {src} sent {type(desc).__name__}, not a TransferDescriptor: the wire is out of step")
+    k = torch.empty(desc.part_bytes, dtype=torch.uint8)
+    v = torch.empty_like(k)
+    dist.recv(k, src=src)
+    dist.recv(v, src=src)
+    return desc, k, v
+
+
+def unpack_part(
+    desc: TransferDescriptor, k: torch.Tensor, v: torch.Tensor, expected: TransferDescriptor, heads: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of `recv_part` ([layers, tokens, heads, head_dim] in the receiver's dtype) when
+    `desc` matches `expected` (check_transfer) and carries the KV heads `heads` this receiver
+    takes from its sender, in the bytes that shape needs; TransferError naming what differs."""
+    check_transfer(desc, expected)
+    if desc.part_heads != heads:
+        raise TransferError(f"transfer rejected: KV heads sent {desc.part_heads} != {heads} expected from that rank")
+    dtype = getattr(torch, expected.dtype)  # desc.dtype is the same (checked)
+    shape = (desc.num_layers, desc.end - desc.start, heads[1] - heads[0], desc.head_dim)
+    want = math.prod(shape) * dtype.itemsize
+    if desc.part_bytes != want:
+        raise TransferError(f"transfer rejected: {desc.part_bytes} bytes sent for K of shape {shape}, not {want}")
+    return k.view(dtype).view(shape), v.view(dtype).view(shape)
 
 
 def extract(engine: Engine, token_ids, start: int, end: int, tenant: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -288,14 +338,13 @@ class Disaggregation:
             part = overlap(mine, self.heads[dst])
             if part is None:
                 continue
-            dist.send_object_list([desc], dst=dst)
+            lo, hi = part[0] - mine[0], part[1] - mine[0]
             if crash_after_descriptor:
                 import os
 
+                dist.send_object_list([dataclasses.replace(desc, part_heads=part)], dst=dst)
                 os._exit(17)
-            lo, hi = part[0] - mine[0], part[1] - mine[0]
-            dist.send(k[:, :, lo:hi].contiguous(), dst=dst)
-            dist.send(v[:, :, lo:hi].contiguous(), dst=dst)
+            send_part(desc, k[:, :, lo:hi], v[:, :, lo:hi], part, dst)
 
     # ---- the decode side -----------------------------------------------------------------
 
@@ -320,23 +369,18 @@ class Disaggregation:
             part = overlap(self.heads[src], mine)
             if part is None:
                 continue
-            got = [None]
-            dist.recv_object_list(got, src=src)
+            # every part is received whole, whatever it holds, before any is judged: the
+            # senders' messages all leave their sockets, and nothing is installed half way
+            desc, k_bytes, v_bytes = recv_part(src)
             began = began or time.perf_counter()
-            desc = got[0]
-            assert isinstance(desc, TransferDescriptor)
-            shape = (desc.num_layers, desc.end - desc.start, part[1] - part[0], desc.head_dim)
-            dtype = getattr(torch, desc.dtype) if desc.dtype in ("float32", "float64", "bfloat16", "float16") else None
-            k = torch.empty(shape, dtype=dtype or torch.float32)
-            v = torch.empty_like(k)
-            dist.recv(k, src=src)
-            dist.recv(v, src=src)
             # the sender may send less than asked (what its cache held, in whole blocks of ours)
             sent_end = desc.end if start <= desc.end <= end and desc.end % bs == 0 else end
             try:
-                check_transfer(desc, describe(self.engine, self.tenant, token_ids, start, sent_end))
+                expected = describe(self.engine, self.tenant, token_ids, start, sent_end)
+                k, v = unpack_part(desc, k_bytes, v_bytes, expected, part)
             except TransferError as e:
                 problems.append(str(e))
+                continue
             parts.append((part, k, v))
         self.stats.transfer_s += time.perf_counter() - (began or time.perf_counter())
         if problems:
