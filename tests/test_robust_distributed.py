@@ -296,3 +296,16 @@ def test_a_peer_that_hangs_past_the_timeout_is_one_line(one_rank_group) -> None:
             "stopped (KVPOOL_DIST_TIMEOUT_S sets the wait), and the group cannot go on without it"
         )
     assert lost_peer_line(RuntimeError("a bug of ours")) is None  # not a transport's error: its traceback
+
+
+def test_verify_tp_on_one_process_is_refused_not_passed(monkeypatch, capsys) -> None:
+    # at world 1 the "sharded" model is the whole one: it ran the engine against itself (a pass
+    # at the default --max-tokens, having compared nothing)
+    from kvpool.cli.main import main
+
+    _as_rank(monkeypatch, 0, 1, _free_port())
+    assert main(["verify", "tp", "--max-tokens", "2"]) == 2
+    assert capsys.readouterr().err == (
+        "kvpool verify: error: kvpool verify tp under 1 process compares the engine with itself and verifies "
+        "nothing: torchrun --nproc-per-node 3 -m kvpool verify tp\n"
+    )

@@ -75,8 +75,13 @@ def run_tp(max_tokens: int = 8) -> dict[str, object] | None:
 
     if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
         raise ValueError("kvpool verify tp runs under torchrun: torchrun --nproc-per-node 3 -m kvpool verify tp")
-    loaded = load_model(device="cpu")
     world = int(os.environ["WORLD_SIZE"])
+    if world < 2:  # shard_llama keeps the whole model on one rank: the engine against itself
+        raise ValueError(
+            f"kvpool verify tp under {world} process compares the engine with itself and verifies nothing: "
+            "torchrun --nproc-per-node 3 -m kvpool verify tp"
+        )
+    loaded = load_model(device="cpu")
     check_tp(loaded.model.config, world, "torchrun --nproc-per-node")  # verify tp's TP degree is its world
     join_group()  # every wait bounded (GROUP_TIMEOUT_S); a group that cannot form: one line
     try:
