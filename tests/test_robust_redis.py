@@ -244,6 +244,25 @@ def test_after_flushall_or_a_restart_the_blocks_are_written_again(redis_server, 
     t.check_integrity()
 
 
+def test_a_value_of_another_type_at_the_generation_key_is_replaced_and_a_loss_still_seen(redis_server) -> None:
+    """A hash at kvpool:generation (another program's, a typo in redis-cli): the tier
+    replaces it with a generation of its own (it can never be one), so a FLUSHALL after it
+    still ends the belief in the blocks stored. It read WRONGTYPE at every check and, never
+    seeing a generation, believed its blocks stored forever: none was written again."""
+    c = client(redis_server)
+    c.hset("kvpool:generation", "x", "y")
+    t, lines = tier(redis_server, retry_s=0.05)
+    assert c.type("kvpool:generation") == b"string"
+    assert t.put(key(1), descriptor(1), tensors(1, 64)) and t.flush(30) and t.holds(key(1), descriptor(1))
+    c.flushall()
+    c.hset("kvpool:generation", "x", "y")
+    assert wait_until(lambda: not t.holds(key(1), descriptor(1)), 3), "still believes its block is stored"
+    assert t.num_resets == 1 and t.errors == {"WRONGTYPE": 2}
+    assert t.put(key(1), descriptor(1), tensors(1, 64)) and t.flush(30) and len(entry_keys(redis_server)) == 1
+    assert c.type("kvpool:generation") == b"string"
+    t.check_integrity()
+
+
 def test_an_engine_rewrites_its_blocks_after_flushall(model, redis_server) -> None:
     prompts = [random_ids(50, 7)] + [random_ids(50, s) for s in (8, 9, 10)]
     expected = reference(model, prompts)

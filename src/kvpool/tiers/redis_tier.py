@@ -31,6 +31,7 @@ A fault is a miss, never a crash, a hang or a stall:
     share (`kvpool:generation`), in the background at most every `retry_s`: a server that
     lost its data (FLUSHALL, a restart without persistence) has lost the key too, and the
     belief is dropped, so the blocks are written again as they come by (evicted, computed).
+    A value of another type under that key is replaced by a new generation, as a lost one.
   - `holds` (the writer's "already stored, skip it") trusts only entries whose payload this
     process wrote or read back whole: a lookup checks the header only, so an entry with a
     corrupted payload is rewritten as soon as the engine computes its block again.
@@ -281,6 +282,11 @@ class RedisTier(Tier):
         """Drop what this process believes stored when the server's generation key is not
         the one it last saw (the server lost its data: FLUSHALL, a restart)."""
         seen = self._call(lambda c: c.get(GENERATION_KEY))
+        if isinstance(seen, redis.RedisError) and _error_kind(seen) == "WRONGTYPE":
+            # a value of another type (counted) can never be a generation: replaced, or this
+            # process would never again see a loss and never write its blocks again
+            self._call(lambda c: c.delete(GENERATION_KEY))
+            seen = None
         if seen is _DOWN or isinstance(seen, redis.RedisError):
             return
         if seen is None:  # the first process here, or the data is gone: a new generation
