@@ -432,6 +432,29 @@ def test_lru_under_a_byte_limit() -> None:
     tier.check_integrity()
 
 
+def test_a_put_whose_copy_fails_leaves_every_entry_in_place(monkeypatch) -> None:
+    """A copy into host memory that raises (pinned memory refused, a device error) is raised
+    to the caller, and the entry it would replace and the least recent one it would push out
+    are both still there: put dropped them first, then copied, and lost them to the error."""
+    tier = HostTier(3 * 32)
+    m, index = make(16, HostTier(1))
+    blocks = _entry(index, m, "a", list(range(100, 120)))
+    t = {"content": torch.zeros(4, dtype=torch.int64)}
+    for key, d in blocks[:3]:
+        assert tier.put(key, d, t)
+
+    def refuse(tensor: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("pinned memory allocation failed")
+
+    monkeypatch.setattr(tier, "_copy", refuse)
+    for block in (blocks[0], blocks[3]):  # a replacement, then a put that pushes one out
+        with pytest.raises(RuntimeError, match="pinned"):
+            tier.put(*block, t)
+    assert [tier.contains(k) for k, _ in blocks[:4]] == [True, True, True, False]
+    assert tier.num_bytes == 96 and tier.stats.num_evictions == 0 and tier.stats.num_puts == 3
+    tier.check_integrity()
+
+
 @pytest.mark.parametrize("bad", [0, -5, 1.5, True, "1"])
 def test_a_bad_capacity_is_refused(bad) -> None:
     with pytest.raises(ValueError, match="host tier capacity must be a positive number of bytes"):

@@ -71,12 +71,15 @@ class HostTier(Tier):
         if num_bytes > self.capacity_bytes:
             self.stats.num_rejected_puts += 1
             return False
+        # copied before anything is dropped: a copy that fails (pinned memory refused, a
+        # device error) leaves every entry in place (the copy is briefly beside them)
+        copies = {name: self._copy(t) for name, t in tensors.items()}
         self.evict(key)  # replaced (a newer write of the same content key), not counted as an eviction
         while self._num_bytes + num_bytes > self.capacity_bytes:
             _, old = self._entries.popitem(last=False)
             self._num_bytes -= old.num_bytes
             self.stats.num_evictions += 1
-        self._entries[key] = _Entry(descriptor, {name: self._copy(t) for name, t in tensors.items()}, num_bytes)
+        self._entries[key] = _Entry(descriptor, copies, num_bytes)
         self._num_bytes += num_bytes
         self.peak_bytes = max(self.peak_bytes, self._num_bytes)
         self.stats.num_puts += 1
