@@ -574,3 +574,21 @@ def test_a_block_whose_entry_outgrows_the_limit_is_refused_and_evicts_nothing(tm
     assert not stored(tier, 5).exists() and not list((tmp_path / "tmp").iterdir())
     assert tier.get(key(0), descriptor(0)) is not None and stored(tier, 0).exists()
     tier.check_integrity()
+
+
+def test_a_foreign_file_whose_name_is_not_an_entrys_is_left_alone(tmp_path) -> None:
+    """Copies of an entry under names that parse as hex but are no entry's (upper case, a
+    space: bytes.fromhex takes both) are foreign files: not indexed, not counted, not
+    evicted. They were indexed: check_integrity failed on them, and the upper-case copy
+    took the real entry's index slot, so one of the two files was never counted."""
+    tier = DiskTier(tmp_path, 1 << 30)
+    tier.put(key(0xAB), descriptor(0xAB), tensors(0xAB, 64))
+    assert tier.flush(30)
+    path = stored(tier, 0xAB)
+    shutil.copy(path, path.with_name(path.name.upper().replace("SAFETENSORS", "safetensors")))
+    shutil.copy(path, path.with_name("ab cd.safetensors"))
+    again = DiskTier(tmp_path, 1 << 30)
+    again.check_integrity()
+    assert again.num_entries == 1 and again.num_bytes == path.stat().st_size
+    assert again.get(key(0xAB), descriptor(0xAB)) is not None
+    assert again.evict(key(0xAB)) and not path.exists() and len(list(path.parent.iterdir())) == 2

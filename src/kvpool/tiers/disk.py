@@ -238,6 +238,10 @@ class DiskTier(Tier):
                 key = bytes.fromhex(path.name.removesuffix(SUFFIX))
             except ValueError:
                 continue
+            if path.name != f"{key.hex()}{SUFFIX}":
+                # fromhex takes upper case and spaces: another program's file, not an entry
+                # (an upper-case twin would share the entry's index slot, its bytes uncounted)
+                continue
             ident = (path.parent.parent.name, key)
             old = known.get(ident)
             same_file = old is not None and old.inode == st.st_ino and old.num_bytes == st.st_size
