@@ -40,6 +40,8 @@ def _one_error_line(capsys) -> str:
         (["sweep", "--plot", "{file}"], ["--plot '{file}'", "is a file"]),
         (["sweep", "--out", "{file}/runs.jsonl"], ["--out '{file}/runs.jsonl'", "is a file"]),
         (["sweep", "--out", "{dir}"], ["--out '{dir}'", "a directory"]),
+        # one run writes no file: an --out taken silently left the user believing it saved
+        (["--out", "{dir}/run.json"], ["--out '{dir}/run.json'", "kvpool simulate sweep", "--json > FILE"]),
     ],
 )
 def test_a_bad_output_path_is_one_line_before_simulating(tmp_path, capsys, no_simulating, flags, words):

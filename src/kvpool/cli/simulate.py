@@ -328,7 +328,13 @@ def _check_output_paths(args) -> None:
     any simulating."""
     if args.plot:
         check_output_dir("--plot", args.plot, args.plot)
-    if args.out and args.mode == "sweep":
+    if args.out and args.mode != "sweep":
+        # (a run prints its report: taken silently, --out would leave the user believing it saved)
+        raise ValueError(
+            f"--out {args.out!r}: --out is the JSONL file of `kvpool simulate sweep`; one run prints its report "
+            "(--json > FILE writes it)"
+        )
+    if args.out:
         if os.path.isdir(args.out):
             raise ValueError(f"--out {args.out!r}: a directory; expected a file to write")
         check_output_dir("--out", args.out, os.path.dirname(os.path.abspath(args.out)))
