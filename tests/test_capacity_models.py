@@ -189,3 +189,30 @@ def test_v4_config_needs_its_moe_facts_for_the_weights() -> None:
     model = from_hf_config(cfg, name="my-v4")
     assert model.moe is not None and model.moe.num_experts == 8
     assert count_parameters(model).experts == 43 * 8 * 3 * 4096 * 64
+
+
+@pytest.mark.parametrize(
+    ("changes", "words"),
+    [
+        ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer, got 0"),  # divided by zero
+        ({"num_attention_heads": 32.5}, "num_attention_heads must be a positive integer, got 32.5"),  # was 32
+        ({"num_attention_heads": "32"}, 'num_attention_heads must be a positive integer, got "32"'),
+        ({"num_attention_heads": True}, "num_attention_heads must be a positive integer, got true"),
+        ({"num_key_value_heads": 0}, "num_key_value_heads must be a positive integer, got 0"),  # was MHA
+        ({"head_dim": -128}, "head_dim must be a positive integer, got -128"),
+        ({"max_position_embeddings": "big"}, 'max_position_embeddings must be a positive integer, got "big"'),
+        ({"hidden_size": float("nan")}, "hidden_size must be a positive integer, got NaN"),
+        ({"model_type": "mistral", "sliding_window": -5}, "sliding_window must be a positive integer, got -5"),
+    ],
+)
+def test_a_config_value_that_is_not_a_positive_integer_is_refused_naming_the_key(changes, words) -> None:
+    with pytest.raises(ValueError, match="llama config|mistral config") as raised:
+        from_hf_config(load_preset_config("llama-3.1-8b") | changes)
+    assert words in str(raised.value)
+
+
+def test_a_config_file_that_is_not_utf8_text_names_the_file(tmp_path: Path) -> None:
+    binary = tmp_path / "config.json"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\xb1\xa1")
+    with pytest.raises(ValueError, match=f"config file '{binary}' is not UTF-8 text"):
+        load_config_file(binary)

@@ -279,6 +279,17 @@ def _req(cfg: dict[str, Any], key: str, kind: str) -> Any:
     return cfg[key]
 
 
+def _positive(cfg: dict[str, Any], key: str, kind: str, default: int | None = None) -> int:
+    """cfg[key] (`default` where absent or null; required without one): a JSON integer > 0.
+    int() of it took 32.5 heads as 32 and "32" as 32, and 0 heads divided by zero; a
+    count or size is an integer in every config.json that transformers writes."""
+    value = _req(cfg, key, kind) if default is None else cfg.get(key, default)
+    value = default if value is None else value
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{kind} config: {key} must be a positive integer, got {json.dumps(value)}")
+    return value
+
+
 def _layer_windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> tuple[int | None, ...]:
     """Per-layer sliding window (None = full attention), from `layer_types` or the family rule."""
     window = cfg.get("sliding_window")
@@ -291,7 +302,7 @@ def _layer_windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> tup
             if t == "full_attention":
                 out.append(None)
             elif t == "sliding_attention":
-                out.append(int(_req(cfg, "sliding_window", model_type)))
+                out.append(_positive(cfg, "sliding_window", model_type))
             else:
                 raise ValueError(
                     f"layer_types[{i}] = {t!r} is a layer kind kvpool does not understand "
@@ -300,17 +311,18 @@ def _layer_windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> tup
         return tuple(out)
     if model_type == "gemma2":
         # Gemma 2 alternates local (sliding) and global layers, starting with a local one.
-        w = int(_req(cfg, "sliding_window", model_type))
+        w = _positive(cfg, "sliding_window", model_type)
         return tuple(w if i % 2 == 0 else None for i in range(num_layers))
     if model_type == "gemma3_text":
-        w = int(_req(cfg, "sliding_window", model_type))
+        w = _positive(cfg, "sliding_window", model_type)
         pattern = int(cfg.get("sliding_window_pattern", 6))  # 5 local : 1 global
         return tuple(w if (i + 1) % pattern else None for i in range(num_layers))
     if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window") and window:
         first = int(cfg.get("max_window_layers", num_layers))
-        return tuple(int(window) if i >= first else None for i in range(num_layers))
+        window = _positive(cfg, "sliding_window", model_type)
+        return tuple(window if i >= first else None for i in range(num_layers))
     if model_type == "mistral" and window:
-        return (int(window),) * num_layers
+        return (_positive(cfg, "sliding_window", model_type),) * num_layers
     return (None,) * num_layers
 
 
@@ -329,12 +341,12 @@ def _weight_format(cfg: dict[str, Any]) -> str:
 def _hf_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     """The ModelSpec fields that GQA and MLA config.json files spell alike (HF names)."""
     return {
-        "num_layers": int(_req(cfg, "num_hidden_layers", model_type)),
-        "hidden_size": int(_req(cfg, "hidden_size", model_type)),
-        "num_heads": int(_req(cfg, "num_attention_heads", model_type)),
-        "vocab_size": int(_req(cfg, "vocab_size", model_type)),
-        "intermediate_size": int(_req(cfg, "intermediate_size", model_type)),
-        "max_position_embeddings": int(_req(cfg, "max_position_embeddings", model_type)),
+        "num_layers": _positive(cfg, "num_hidden_layers", model_type),
+        "hidden_size": _positive(cfg, "hidden_size", model_type),
+        "num_heads": _positive(cfg, "num_attention_heads", model_type),
+        "vocab_size": _positive(cfg, "vocab_size", model_type),
+        "intermediate_size": _positive(cfg, "intermediate_size", model_type),
+        "max_position_embeddings": _positive(cfg, "max_position_embeddings", model_type),
         "weight_format": _weight_format(cfg),
     }
 
@@ -342,17 +354,17 @@ def _hf_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
 def _parse_gqa(cfg: dict[str, Any], name: str, model_type: str) -> ModelSpec:
     common = _hf_fields(cfg, model_type)
     L, h, heads = common["num_layers"], common["hidden_size"], common["num_heads"]
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)  # absent: MHA (HF's own default)
-    head_dim = int(cfg.get("head_dim") or h // heads)
+    kv_heads = _positive(cfg, "num_key_value_heads", model_type, default=heads)  # absent: MHA (HF's own default)
+    head_dim = _positive(cfg, "head_dim", model_type, default=h // heads)
     gemma = model_type in ("gemma2", "gemma3_text")
     moe = None
     if model_type == "gpt_oss":
-        num_experts = int(_req(cfg, "num_local_experts", model_type))
+        num_experts = _positive(cfg, "num_local_experts", model_type)
         moe = MoEGeometry(
             num_experts=num_experts,
             num_shared_experts=0,
             # gpt-oss experts: gate_up [h, 2I] + down [I, h]; the 3 x h x I count holds.
-            expert_intermediate_size=int(_req(cfg, "intermediate_size", model_type)),
+            expert_intermediate_size=_positive(cfg, "intermediate_size", model_type),
             experts_per_token=int(cfg.get("num_experts_per_tok") or _req(cfg, "experts_per_token", model_type)),
             moe_layers=tuple(range(L)),
             expert_bias=True,
@@ -381,18 +393,18 @@ def _parse_mla(cfg: dict[str, Any], name: str, model_type: str) -> ModelSpec:
     common = _hf_fields(cfg, model_type)
     L = common["num_layers"]
     mla = MLAGeometry(
-        kv_lora_rank=int(_req(cfg, "kv_lora_rank", model_type)),
-        qk_rope_head_dim=int(_req(cfg, "qk_rope_head_dim", model_type)),
-        qk_nope_head_dim=int(_req(cfg, "qk_nope_head_dim", model_type)),
-        v_head_dim=int(_req(cfg, "v_head_dim", model_type)),
+        kv_lora_rank=_positive(cfg, "kv_lora_rank", model_type),
+        qk_rope_head_dim=_positive(cfg, "qk_rope_head_dim", model_type),
+        qk_nope_head_dim=_positive(cfg, "qk_nope_head_dim", model_type),
+        v_head_dim=_positive(cfg, "v_head_dim", model_type),
         q_lora_rank=None if cfg.get("q_lora_rank") is None else int(cfg["q_lora_rank"]),
     )
     indexer = None
     if "index_topk" in cfg or model_type == "deepseek_v32":
         indexer = IndexerGeometry(
-            num_heads=int(_req(cfg, "index_n_heads", model_type)),
-            head_dim=int(_req(cfg, "index_head_dim", model_type)),
-            topk=int(_req(cfg, "index_topk", model_type)),
+            num_heads=_positive(cfg, "index_n_heads", model_type),
+            head_dim=_positive(cfg, "index_head_dim", model_type),
+            topk=_positive(cfg, "index_topk", model_type),
         )
     moe = None
     if cfg.get("n_routed_experts"):
@@ -401,8 +413,8 @@ def _parse_mla(cfg: dict[str, Any], name: str, model_type: str) -> ModelSpec:
         moe = MoEGeometry(
             num_experts=int(cfg["n_routed_experts"]),
             num_shared_experts=int(cfg.get("n_shared_experts") or 0),
-            expert_intermediate_size=int(_req(cfg, "moe_intermediate_size", model_type)),
-            experts_per_token=int(_req(cfg, "num_experts_per_tok", model_type)),
+            expert_intermediate_size=_positive(cfg, "moe_intermediate_size", model_type),
+            experts_per_token=_positive(cfg, "num_experts_per_tok", model_type),
             moe_layers=tuple(i for i in range(L) if i >= first_dense and i % freq == 0),
             router_bias=cfg.get("topk_method") == "noaux_tc",  # e_score_correction_bias
         )
@@ -448,8 +460,8 @@ def _parse_dsv4(cfg: dict[str, Any], name: str, model_type: str) -> ModelSpec:
     moe = MoEGeometry(
         num_experts=int(facts["n_routed_experts"]),
         num_shared_experts=int(facts.get("n_shared_experts", 0)),
-        expert_intermediate_size=int(_req(facts, "moe_intermediate_size", model_type)),
-        experts_per_token=int(_req(facts, "num_experts_per_tok", model_type)),
+        expert_intermediate_size=_positive(facts, "moe_intermediate_size", model_type),
+        experts_per_token=_positive(facts, "num_experts_per_tok", model_type),
         moe_layers=tuple(range(v4.num_layers)),  # every V4 layer is MoE (no dense prefix)
     )
     return ModelSpec(
@@ -458,7 +470,7 @@ def _parse_dsv4(cfg: dict[str, Any], name: str, model_type: str) -> ModelSpec:
         attention="dsv4",
         num_layers=v4.num_layers,
         hidden_size=v4.hidden_size,
-        vocab_size=int(_req(cfg, "vocab_size", model_type)),
+        vocab_size=_positive(cfg, "vocab_size", model_type),
         num_heads=v4.num_heads,
         num_kv_heads=1,
         head_dim=v4.head_dim,
@@ -576,6 +588,8 @@ def load_config_file(path: str | Path) -> ModelSpec:
         raise ValueError(f"config file {str(path)!r} does not exist") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"config file {str(path)!r} is not valid JSON: {e}") from None
+    except UnicodeDecodeError as e:  # (a ValueError, whose own words name no file)
+        raise ValueError(f"config file {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     default_name = path.parent.name if path.name == "config.json" and path.parent.name else path.stem
     name = str(cfg.get("_name_or_path") or default_name) if isinstance(cfg, dict) else default_name
     return from_hf_config(cfg, name=name)
