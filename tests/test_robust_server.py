@@ -619,3 +619,67 @@ def test_no_token_spans_more_bytes_than_the_bound_the_server_refuses_by(loaded):
         assert len(ids) >= bound.least_tokens(num_bytes)
 
     check()
+
+
+# ---- the app, in-process over raw ASGI: bodies that never arrive whole -----------------------
+
+
+def _app_over(loaded, **options):
+    """The server's app over a started engine thread (options: ServerState's), and the thread."""
+    from kvpool.engine.build import build_engine
+    from kvpool.server.app import ServerState, build_app
+    from kvpool.server.engine_thread import EngineThread
+
+    engine = build_engine(loaded, num_blocks=64, block_size=16)
+    thread = EngineThread(engine, loaded.tokenizer.decode)
+    state = ServerState(thread, loaded.tokenizer, ServerMetrics(MODEL), MODEL, engine.runner.max_model_len, **options)
+    app = build_app(state)
+    thread.start()
+    return app, thread
+
+
+async def _post(app, messages: list[dict], headers: list[tuple[bytes, bytes]]) -> list[dict]:
+    """POST /v1/completions whose receive() hands out `messages`, then waits forever (a client
+    that stopped sending); -> what the app sent back."""
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"host", b"test"), *headers],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
+    }
+    pending = list(messages)
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        if pending:
+            return pending.pop(0)
+        await asyncio.Event().wait()  # nothing more comes
+        raise AssertionError("unreachable")
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    return sent
+
+
+def test_a_client_that_drops_its_upload_gets_no_traceback_in_the_log(loaded, capfd):
+    """A body cut by the client's disconnect: the handler ends quietly (499, nobody reads it),
+    where starlette's ClientDisconnect escaped it as a 500 and a logged traceback."""
+    app, thread = _app_over(loaded)
+    partial = {"type": "http.request", "body": b'{"prompt"', "more_body": True}
+    try:
+        for headers in ([(b"content-length", b"100")], [(b"transfer-encoding", b"chunked")]):
+            sent = asyncio.run(_post(app, [partial, {"type": "http.disconnect"}], headers))
+            assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [499], sent
+    finally:
+        thread.stop()
+    assert "Traceback" not in capfd.readouterr().err

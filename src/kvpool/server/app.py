@@ -47,6 +47,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from kvpool.engine.sampling import SamplingParams
 from kvpool.models.tokenizer import ChatTokenizer
@@ -90,6 +91,12 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, error: APIError) -> JSONResponse:
         return _error_response(error)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(_: Request, __: ClientDisconnect) -> Response:
+        # the client left while it sent its body: an ordinary event, not our error (starlette
+        # would answer 500 and log a traceback); nobody reads the answer
+        return Response(status_code=499)
 
     def authorize(request: Request) -> str | None:
         """The tenant the request's key is bound to (None: an unbound key, or an open
