@@ -683,3 +683,34 @@ def test_a_client_that_drops_its_upload_gets_no_traceback_in_the_log(loaded, cap
     finally:
         thread.stop()
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_body_that_stops_arriving_is_answered_in_bounded_time(loaded):
+    """A client that sent part of its body and then nothing held its handler forever, and a
+    stopping server waited out its whole grace for it, then logged the cancelled handler."""
+    partial = [{"type": "http.request", "body": b'{"prompt"', "more_body": True}]
+    length = [(b"content-length", b"100")]
+
+    def status(sent: list[dict]) -> int:
+        return next(m["status"] for m in sent if m["type"] == "http.response.start")
+
+    app, thread = _app_over(loaded, body_timeout_s=0.5)
+    try:
+        start = time.monotonic()
+        sent = asyncio.run(asyncio.wait_for(_post(app, partial, length), 10))
+        assert status(sent) == 408 and 0.5 <= time.monotonic() - start < 5
+        body = json.loads(next(m["body"] for m in sent if m["type"] == "http.response.body"))
+        assert body["error"]["code"] == "request_timeout" and "0.5 s" in body["error"]["message"], body
+    finally:
+        thread.stop()
+
+    app, thread = _app_over(loaded)  # the default bound (a minute): the stop ends the wait first
+
+    async def stop_meanwhile() -> list[dict]:
+        waiting = asyncio.ensure_future(_post(app, partial, length))
+        await asyncio.sleep(0.3)
+        thread.stop()
+        return await asyncio.wait_for(waiting, 5)
+
+    sent = asyncio.run(stop_meanwhile())
+    assert status(sent) == 503, sent

@@ -15,9 +15,11 @@ With API keys, /v1, /debug and /openapi.json need `Authorization: Bearer KEY`, c
 the body is read (401 otherwise); /health and /metrics stay open for probes and scrapers.
 
 Bodies. One larger than `max_request_bytes` gets a 413 from its Content-Length, before a byte
-of it is read (or as soon as a chunked one passes the limit). The body is parsed, validated
-and tokenized on a worker thread (the tokenizer releases the GIL), so a big prompt never
-stalls the event loop: other streams and /health go on meanwhile.
+of it is read (or as soon as a chunked one passes the limit). One that has not all arrived
+within `body_timeout_s` gets a 408, and one still arriving when the server stops a 503: a
+client that stops sending holds nothing for long, nor the stop for its grace. The body is
+parsed, validated and tokenized on a worker thread (the tokenizer releases the GIL), so a big
+prompt never stalls the event loop: other streams and /health go on meanwhile.
 
 Tenants. A tenant salts the request's prefix chain (cache/coordinator.py), so one tenant never
 hits another's cached prefix, and `usage.prompt_tokens_details.cached_tokens` shows it.
@@ -61,6 +63,11 @@ TENANT_HEADER = "x-tenant-id"
 # escapes of CJK characters): 4 MiB admits every prompt that can fit, and bounds what an
 # unauthenticated client can make the server hold or tokenize.
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+# The whole body must arrive within this: a client that sends part of it and then nothing
+# would hold its handler forever (and a stopping server for its whole grace). 4 MiB in a
+# minute is 70 kB/s, far below any client that is still sending.
+DEFAULT_BODY_TIMEOUT_S = 60.0
+_STOP_POLL_S = 0.25  # how often a handler waiting for a body looks whether the server stops
 
 
 @dataclass
@@ -74,6 +81,7 @@ class ServerState:
     api_keys: dict[str, str | None] = field(default_factory=dict)
     trust_tenant_header: bool = False  # X-Tenant-Id names the tenant (a gateway sets it)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
 
 
 def _error_response(error: APIError) -> JSONResponse:
@@ -114,7 +122,8 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         return found[0]
 
     async def read_body(request: Request) -> bytes:
-        """The body, refused with a 413 before it is read when it is too large."""
+        """The body, refused with a 413 before it is read when it is too large; a 408 when it
+        has not all arrived within `body_timeout_s`, a 503 when the server stops meanwhile."""
         limit = state.max_request_bytes
         too_large = APIError(
             413,
@@ -127,13 +136,40 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
                 raise APIError(400, f"Content-Length: not a number of bytes: {length!r}")
             if int(length) > limit:
                 raise too_large
+        deadline = asyncio.get_running_loop().time() + state.body_timeout_s
         chunks, size = [], 0
-        async for chunk in request.stream():
+        while True:
+            message = await next_message(request, deadline)
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnect
+            chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:  # a chunked body, or one longer than it said
                 raise too_large
             chunks.append(chunk)
-        return b"".join(chunks)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def next_message(request: Request, deadline: float) -> dict[str, Any]:
+        """The connection's next ASGI message (a piece of the body, or the disconnect), waited
+        for until `deadline` (408), or until the server stops (503): no wait is unbounded."""
+        loop = asyncio.get_running_loop()
+        receiving = asyncio.ensure_future(request.receive())
+        try:
+            while not receiving.done():
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise APIError(
+                        408,
+                        f"the request body did not arrive within {state.body_timeout_s:g} s",
+                        code="request_timeout",
+                    )
+                if state.engine.stopping:
+                    raise APIError(503, "the server is shutting down", type="server_error")
+                await asyncio.wait({receiving}, timeout=min(left, _STOP_POLL_S))
+            return receiving.result()
+        finally:
+            receiving.cancel()  # (a no-op once it is done)
 
     async def parse(request: Request, model: type[protocol.SamplingRequest]) -> Any:
         raw = await read_body(request)

@@ -134,6 +134,11 @@ class EngineThread:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def stopping(self) -> bool:
+        """Set by `stop` (or by the thread's end): no request will be taken any more."""
+        return self._stopping
+
     @staticmethod
     def new_request_id(prefix: str) -> str:
         """A random id (122 random bits): it tells a client nothing about other requests."""
