@@ -309,3 +309,26 @@ def test_verify_tp_on_one_process_is_refused_not_passed(monkeypatch, capsys) -> 
         "kvpool verify: error: kvpool verify tp under 1 process compares the engine with itself and verifies "
         "nothing: torchrun --nproc-per-node 3 -m kvpool verify tp\n"
     )
+
+
+def test_verify_tp_says_why_it_fails() -> None:
+    # `verify tp --max-tokens 2` exited 1 under lines all "ok": nothing was preempted, unsaid
+    from kvpool.verify.tensor_parallel import scenario_failures
+
+    ok = {"tokens_equal": True, "max_logit_difference": 1e-5, "single_process_fp32_error": 4e-5, "passed": True}
+    requests = {rid: ok for rid in "abcd"}
+    run = {"b_cached_tokens": 48, "preemptions": 1, "kv_bytes_per_token": 15_360}
+    assert scenario_failures(run, run, requests, 15_360, 8) == []
+    calm = {**run, "preemptions": 0}
+    assert scenario_failures(calm, calm, requests, 15_360, 2) == [
+        "nothing was preempted, so the preemption path went unchecked: c and d decode 3 x --max-tokens 2 tokens "
+        "each, too few to run their 5-block pool out (the default 8 does)"
+    ]
+    off = {**ok, "max_logit_difference": 1e-3, "passed": False}
+    wrong = {**ok, "tokens_equal": False, "max_logit_difference": float("inf"), "passed": False}
+    assert scenario_failures(run, {**run, "b_cached_tokens": 32}, {**requests, "a": off, "d": wrong}, 46_080, 8) == [
+        "request a: logits 1.00e-03 from the single-process engine's, over 8 times its own fp32 error 4.00e-05",
+        "request d: its tokens differ from the single-process engine's",
+        "tokens of b's prefix hit: 32 under tensor parallelism, 48 on one process",
+        "KV 15360 B a token per rank, the planner's 46080 per GPU",
+    ]

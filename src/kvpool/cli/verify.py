@@ -112,6 +112,9 @@ def run_tp(args: argparse.Namespace) -> int:
             f"{result['kv_bytes_per_token_single']:,} on one; "
             f"{result['single_process_s']} s single, {result['tp_s']} s TP"
         )
+        for failure in result["failures"]:
+            print(f"FAIL {failure}")
+        print("passed" if result["passed"] else "failed")
     return 0 if result["passed"] else 1
 
 

@@ -103,7 +103,6 @@ def run_tp(max_tokens: int = 8) -> dict[str, object] | None:
         assert reference is not None
         fp64 = whole.astype(torch.float64)
         requests = {}
-        ok = True
         for rid in "abcd":
             ref_tokens, ref_logits = reference[rid]  # type: ignore[misc]
             tp_tokens, tp_logits = sharded[rid]  # type: ignore[misc]
@@ -113,7 +112,6 @@ def run_tp(max_tokens: int = 8) -> dict[str, object] | None:
             own = (ref_logits.double() - exact).abs().max().item()
             diff = (tp_logits.double() - ref_logits.double()).abs().max().item() if same else float("inf")
             passed = same and diff <= 8 * own
-            ok = ok and passed
             requests[rid] = {
                 "tokens_equal": same,
                 "max_logit_difference": diff,
@@ -124,15 +122,11 @@ def run_tp(max_tokens: int = 8) -> dict[str, object] | None:
         from kvpool.spec.models import load_preset
 
         planned = kv_layout(load_preset("smollm2-135m"), "fp32", block_size=16, tp=world).bytes_per_token  # one GPU
-        hit_same = reference["b_cached_tokens"] == sharded["b_cached_tokens"]
-        preempt_same = reference["preemptions"] == sharded["preemptions"]
+        failures = scenario_failures(reference, sharded, requests, planned, max_tokens)
         return {
             "tp": world,
-            "passed": ok
-            and hit_same
-            and preempt_same
-            and bool(sharded["preemptions"])
-            and planned == sharded["kv_bytes_per_token"],
+            "passed": not failures,
+            "failures": failures,
             "requests": requests,
             "b_cached_tokens": sharded["b_cached_tokens"],
             "preemptions": sharded["preemptions"],
@@ -144,3 +138,30 @@ def run_tp(max_tokens: int = 8) -> dict[str, object] | None:
         }
     finally:
         dist.destroy_process_group()
+
+
+def scenario_failures(
+    reference: dict[str, object], sharded: dict[str, object], requests: dict[str, dict], planned: int, max_tokens: int
+) -> list[str]:
+    """What the run should have shown and did not (empty: it passes), each in words: a run
+    that fails says why, not only its status."""
+    failures = []
+    for rid, r in requests.items():
+        if not r["tokens_equal"]:
+            failures.append(f"request {rid}: its tokens differ from the single-process engine's")
+        elif not r["passed"]:
+            failures.append(
+                f"request {rid}: logits {r['max_logit_difference']:.2e} from the single-process engine's, over 8 "
+                f"times its own fp32 error {r['single_process_fp32_error']:.2e}"
+            )
+    for key, what in (("b_cached_tokens", "tokens of b's prefix hit"), ("preemptions", "preemptions")):
+        if reference[key] != sharded[key]:
+            failures.append(f"{what}: {sharded[key]} under tensor parallelism, {reference[key]} on one process")
+    if not sharded["preemptions"]:
+        failures.append(
+            f"nothing was preempted, so the preemption path went unchecked: c and d decode 3 x --max-tokens "
+            f"{max_tokens} tokens each, too few to run their 5-block pool out (the default 8 does)"
+        )
+    if planned != sharded["kv_bytes_per_token"]:
+        failures.append(f"KV {sharded['kv_bytes_per_token']} B a token per rank, the planner's {planned} per GPU")
+    return failures
