@@ -332,3 +332,18 @@ def test_verify_tp_says_why_it_fails() -> None:
         "tokens of b's prefix hit: 32 under tensor parallelism, 48 on one process",
         "KV 15360 B a token per rank, the planner's 46080 per GPU",
     ]
+
+
+def test_a_tp_peer_that_hangs_past_the_timeout_is_not_called_lost() -> None:
+    # a stopped rank is alive: "lost rank 1 (pid ...)" was wrong, and the line carried gloo's build path
+    from kvpool.models.tensor_parallel import Peer, lost_rank_error
+
+    me = Peer(0, socket.gethostname(), os.getpid())
+    stopped = Peer(1, socket.gethostname(), os.getppid())  # alive
+    where = "[/__w/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78]"
+    waited = RuntimeError(f"{where} Timed out waiting 600000ms for recv operation to complete")
+    assert str(lost_rank_error([me, stopped], waited)) == (
+        "rank 0: a peer rank did not answer within the process group's timeout (Timed out waiting 600000ms for "
+        "recv operation to complete); it hangs or was stopped (KVPOOL_DIST_TIMEOUT_S sets the wait), and the "
+        "tensor-parallel group cannot go on without it"
+    )

@@ -103,6 +103,15 @@ def lost_rank_error(peers: Sequence[Peer], error: BaseException) -> RankError:
     is gone), else gloo's own first line."""
     me = _me(peers)
     others = [p for p in peers if p is not me]
+    who = f"rank {me.rank}" if me is not None else "this rank"
+    # gloo's "[.../unbound_buffer.cc:78] Timed out waiting 600000ms for recv ...": the group's
+    # timeout ran out on a peer that hangs (stopped, deadlocked), not one that ended
+    first = re.sub(r"^\[[^\]]*\]\s*", "", (str(error).strip().splitlines() or [type(error).__name__])[0])
+    if "Timed out waiting" in first or "Application timeout" in first:
+        return RankError(
+            f"{who}: a peer rank did not answer within the process group's timeout ({first}); it hangs or was "
+            f"stopped ({TIMEOUT_ENV} sets the wait), and the tensor-parallel group cannot go on without it"
+        )
     lost = others if len(others) == 1 else []
     # a killed process closes its sockets before it is gone: give it a moment to be seen dead
     deadline = time.monotonic() + LOST_PEER_WAIT_S
@@ -111,11 +120,9 @@ def lost_rank_error(peers: Sequence[Peer], error: BaseException) -> RankError:
         if time.monotonic() >= deadline:
             break
         time.sleep(0.02)
-    who = f"rank {me.rank}" if me is not None else "this rank"
     if lost:
         names = ", ".join(f"rank {p.rank} (pid {p.pid} on {p.host})" for p in lost)
         return RankError(f"{who}: lost {names} mid-step; the tensor-parallel group cannot go on without it")
-    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
     return RankError(f"{who}: a peer rank was lost mid-step ({first})")
 
 
