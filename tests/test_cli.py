@@ -28,6 +28,20 @@ def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys):
     assert capsys.readouterr().err == "kvpool plan: interrupted\n"
 
 
+@pytest.mark.parametrize(("stop", "words", "status"), [("interrupt", "interrupted", 130), ("term", "terminated", 143)])
+def test_ctrl_c_while_the_commands_load_is_one_line(monkeypatch, capsys, stop, words, status):
+    """A Ctrl-C (or SIGTERM) in the first half second, while the parser imports the command
+    modules, is the same one line as later, not a KeyboardInterrupt traceback."""
+    import kvpool.cli.main as cli
+
+    def interrupted():
+        raise KeyboardInterrupt if stop == "interrupt" else cli.Terminated
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert main(["simulate"]) == status
+    assert capsys.readouterr().err == f"kvpool: {words}\n"
+
+
 def test_help_shows_defaults_and_the_models_generate_takes(monkeypatch, capsys):
     monkeypatch.setenv("COLUMNS", "250")  # one line per option: no phrase split by the wrapping
     for argv, shown in (

@@ -174,7 +174,16 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command. A caller's mistake (a bad value, a missing file) is reported as one
     line naming the problem, exit status 2; Ctrl-C as one line, status 130.
     KVPOOL_TRACEBACK=1 shows the traceback instead."""
-    args = parse(build_parser(), argv)
+    try:
+        # (building the parser imports every command module, numpy's load included: the first
+        # half second of any command, where a quick Ctrl-C lands)
+        args = parse(build_parser(), argv)
+    except KeyboardInterrupt as stop:
+        if os.environ.get("KVPOOL_TRACEBACK"):
+            raise
+        terminated = isinstance(stop, Terminated)
+        print(f"kvpool: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
+        return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
     try:
         return int(args._run(args) or 0)
     except (ValueError, FileNotFoundError) as error:
