@@ -973,6 +973,54 @@ def test_a_checked_prompt_cannot_be_forged_and_every_other_route_is_checked():
     assert not engine.requests and not engine.waiting
 
 
+def test_a_checked_prompts_handed_over_list_is_the_requests_own_and_runs_as_a_copied_one():
+    # turn_prompt's CheckedPrompt holds a list handed over: the engine keeps that list as the
+    # request's prompt (no copy) and gives it back in the output; a tuple (pack_prompt's) is
+    # copied into a list of the engine's. The sequence's list is its own either way (it
+    # grows). Both run as the plain list's twin does, and both refuse the same bad prompts
+    # with the checked path's words
+    from kvpool.cache.coordinator import pack_prompt
+    from kvpool.cache.types import _CHECKED_KEY, CheckedPrompt
+    from kvpool.pool.hashing import token_bytes
+
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [7, 8, 9]]
+    outputs = []
+    for kind in ("list", "tuple", "plain"):
+        engine = Engine(PrefixModelRunner(8, 4), max_num_batched_tokens=32)
+        handed = []
+        for ids in prompts:
+            if kind == "list":
+                prompt = CheckedPrompt(list(ids), (), token_bytes(ids), {}, key=_CHECKED_KEY)
+            else:
+                prompt = pack_prompt(ids) if kind == "tuple" else list(ids)
+            rid = engine.add_request(prompt, params)
+            req = engine.requests[rid]
+            assert type(req.prompt_ids) is list and req.prompt_ids == ids
+            assert req.seqs[0].token_ids == ids and req.seqs[0].token_ids is not req.prompt_ids
+            given = prompt if kind == "plain" else prompt.token_ids
+            assert (req.prompt_ids is given) == (kind == "list")  # handed over: kept, not copied
+            handed.append((rid, req.prompt_ids))
+        run(engine)
+        done = []
+        for rid, kept in handed:
+            out = engine.pop_output(rid)
+            assert out.prompt_token_ids is kept  # (the handed-over list itself, for "list")
+            done.append((out.prompt_token_ids, out.completions[0].token_ids))
+        outputs.append(done)
+    assert outputs[0] == outputs[1] == outputs[2] == [(p, expected(p, 3)) for p in prompts]
+    engine = Engine(PrefixModelRunner(8, 4), max_num_batched_tokens=32)
+    for bad, named in (
+        ([], "the prompt is empty"),
+        ([1, VOCAB, 3], rf"token ids \[{VOCAB}\] outside the vocabulary \[0, {VOCAB}\)"),
+        (list(range(40)), "prompt of 40 tokens is too long"),
+    ):
+        for prompt in (CheckedPrompt(bad, (), token_bytes(bad), {}, key=_CHECKED_KEY), bad):
+            with pytest.raises(ValueError, match=rf"request 'b': {named}"):
+                engine.add_request(prompt, params, "b")
+    assert not engine.requests and not engine.waiting
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     rows=st.lists(

@@ -501,16 +501,20 @@ def test_a_turns_prompt_extended_from_the_last_equals_the_whole_prompt_packed():
         for turn in range(len(s.turns)):
             twin = pack_prompt(s.prompt_ids(turn, VOCAB, table))
             prompt = turn_prompt(s, turn, VOCAB, table, previous, packed, answer)
-            assert prompt.token_ids == twin.token_ids and prompt.packed == twin.packed
+            assert tuple(prompt.token_ids) == twin.token_ids and prompt.packed == twin.packed
             assert type(prompt.packed) is bytes
             assert prompt.mm_items == () and prompt.hashes == {}
             assert all(a is b for a, b in zip(prompt.token_ids, twin.token_ids, strict=True))  # the same objects
-            # pack_prompt's kind (its ids a tuple, which the engine's add_request trusts)
-            assert type(prompt) is CheckedPrompt and type(prompt.token_ids) is tuple
-            if previous is not None:
-                assert previous == list(prompt.token_ids)  # consumed: extended in place
-            # the engine's output gives back a list of its own (a copy of the prompt)
-            previous = list(prompt.token_ids)
+            # pack_prompt's kind, which the engine's add_request trusts: the twin's ids a
+            # tuple (turn 0 here), a later turn's the list `previous` extended in place
+            # (consumed, not copied) and handed over
+            assert type(prompt) is CheckedPrompt
+            if previous is None:
+                assert type(prompt.token_ids) is tuple
+            else:
+                assert prompt.token_ids is previous
+            # as the engine's output gives it back: the list it was handed, or its copy of a tuple
+            previous = prompt.token_ids if type(prompt.token_ids) is list else list(prompt.token_ids)
             packed = prompt.packed if k % 2 else None
             # the engine's completion: the tokens its sampler read, all of them or cut short
             params = SamplingParams(max_tokens=s.turns[turn].output_len, seed=answer_seed(s.request_id(turn)))
@@ -523,7 +527,7 @@ def test_a_turns_prompt_extended_from_the_last_equals_the_whole_prompt_packed():
     first = turn_prompt(odd, 0, VOCAB, table)
     for answer in (None, [5, 6]):
         prompt = turn_prompt(odd, 1, VOCAB, table, list(first.token_ids), first.packed, answer)
-        assert [type(t) for t in prompt.token_ids] == [int] * 8 and prompt.token_ids[-3:] == (4, 5, 6)
+        assert [type(t) for t in prompt.token_ids] == [int] * 8 and prompt.token_ids[-3:] == [4, 5, 6]
         assert prompt.packed == token_bytes(list(prompt.token_ids))
     s = sessions[0]
     whole = turn_prompt(s, 1, VOCAB, table)
@@ -552,21 +556,22 @@ def test_turn_zero_packed_with_its_shared_prefix_held_equals_the_whole_prompt_pa
     for s in sessions:
         twin = pack_prompt(s.prompt_ids(0, VOCAB, table))
         prompt = turn_prompt(s, 0, VOCAB, table, prefixes=held)
-        assert type(prompt) is CheckedPrompt and type(prompt.token_ids) is tuple and type(prompt.packed) is bytes
-        assert prompt.token_ids == twin.token_ids and prompt.packed == twin.packed
+        # (its ids a list of its own, handed over: the held prefix's tuple copied into it)
+        assert type(prompt) is CheckedPrompt and type(prompt.token_ids) is list and type(prompt.packed) is bytes
+        assert tuple(prompt.token_ids) == twin.token_ids and prompt.packed == twin.packed
         assert all(a is b for a, b in zip(prompt.token_ids, twin.token_ids, strict=True))
         assert prompt.mm_items == () and prompt.hashes == {}
         assert held[id(s.prefix_ids)][0] is s.prefix_ids
     assert len(held) == len({id(s.prefix_ids) for s in sessions}) == 2
     odd = Session("np", 0.0, (Turn((7, 8), 2),), prefix_ids=tuple(np.arange(3, 6)))
     prompt = turn_prompt(odd, 0, VOCAB, table, prefixes=held)
-    assert prompt.token_ids == (3, 4, 5, 7, 8) and [type(t) for t in prompt.token_ids] == [int] * 5
+    assert prompt.token_ids == [3, 4, 5, 7, 8] and [type(t) for t in prompt.token_ids] == [int] * 5
     assert prompt.packed == token_bytes([3, 4, 5, 7, 8])
     others = [Session(f"p{i}", 0.0, (Turn((1,), 1),), prefix_ids=(i, i)) for i in range(MAX_PREFIXES_HELD)]
     for other in others:
         turn_prompt(other, 0, VOCAB, table, prefixes=held)
     assert len(held) <= MAX_PREFIXES_HELD
-    assert turn_prompt(others[0], 0, VOCAB, table, prefixes=held).token_ids == (0, 0, 1)
+    assert turn_prompt(others[0], 0, VOCAB, table, prefixes=held).token_ids == [0, 0, 1]
     with pytest.raises(ValueError, match=r"token id 4294967296 is outside \[0, 2\*\*32\)"):
         turn_prompt(Session("big", 0.0, (Turn((1,), 1),), prefix_ids=(2**32,)), 0, VOCAB, table, prefixes={})
     # a float id is refused, as pack_prompt refuses it (never truncated to an int the session did not hold)
@@ -704,17 +709,22 @@ def test_every_prompt_the_engine_admits_in_a_run_is_packed_as_its_ids(routing, m
     # without reading the ids again: a wrong carried packing (zeros, one token off) would
     # cache blocks under other ids than those computed. Every admission of a multi-turn run
     # is checked here against its ids packed afresh (planted: the packing carried as
-    # bytes(len(prompt.packed)), or one carried token off, fails it)
+    # bytes(len(prompt.packed)), or one carried token off, fails it). Its ids are a list
+    # handed over, which the engine keeps as the request's prompt: no copy of it (a copy
+    # planted in add_request fails the identity below), and the next turn extends that list
     from kvpool.engine.engine import Engine
 
     admitted = []
     add_request = Engine.add_request
 
     def checked_add(self, prompt, *args, **kwargs):
-        assert type(prompt) is CheckedPrompt and type(prompt.token_ids) is tuple
+        assert type(prompt) is CheckedPrompt and type(prompt.token_ids) is list
         assert prompt.packed == token_bytes(prompt.token_ids), args[1] if len(args) > 1 else kwargs
         admitted.append(len(prompt.token_ids))
-        return add_request(self, prompt, *args, **kwargs)
+        rid = add_request(self, prompt, *args, **kwargs)
+        req = self.requests[rid]
+        assert req.prompt_ids is prompt.token_ids and req.seqs[0].token_ids is not prompt.token_ids
+        return rid
 
     monkeypatch.setattr(Engine, "add_request", checked_add)
     model, gpu, config, cost = _setup(routing=routing)

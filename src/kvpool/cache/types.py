@@ -75,7 +75,9 @@ class CheckedPrompt(LookupPrompt):
     so its ids stay the ids `packed` holds, and no caller's later change to the list it was
     made from reaches it: the engine's add_request takes it without reading the ids again
     (an id's int is a likely cache miss in a fleet run, and packing them again to compare
-    cost more than the rest of the call). A LookupPrompt built any other way (its list may
+    cost more than the rest of the call). `turn_prompt`'s ids are a list instead, handed
+    over: nothing changes it after, and the one engine given it keeps it as the request's
+    prompt (no copy of a long chat history each turn). A LookupPrompt built any other way (its list may
     have changed after packing) is checked. Only those two functions make one (TypeError
     otherwise); `_replace`, `_make`, copy and pickle give a plain LookupPrompt, which the
     engine checks."""

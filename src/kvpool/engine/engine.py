@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from kvpool.cache.types import CheckedPrompt, LookupPrompt, ReleaseReason
+from kvpool.cache.types import CheckedPrompt, LookupPrompt, MMItem, ReleaseReason
 from kvpool.engine.batch_sampler import BatchSampler, StepSampler
 from kvpool.engine.runner import ModelRunner, ScheduledChunk, StepChunks
 from kvpool.engine.sampling import SamplingParams, sample_token, token_logprobs
@@ -342,9 +342,11 @@ class Engine:
         `tenant` salts the request's prefix chain: it hits only its own tenant's cache.
         `prompt_ids` may be `pack_prompt`'s packing of them (the simulator's router packed
         it for its lookups): its admission then hashes no block those lookups hashed, and its
-        ids are copied once, not checked again (a CheckedPrompt's tuple cannot have changed
-        since pack_prompt checked it). A LookupPrompt built otherwise is checked: ValueError
-        where its bytes are not its ids' packing."""
+        ids are not checked again (a CheckedPrompt's tuple cannot have changed since
+        pack_prompt checked it): copied once into the engine's list, or, where they are a
+        list (the simulator's `turn_prompt`, which hands the list over: nothing changes it
+        after), kept as that list, not copied. A LookupPrompt built otherwise is checked:
+        ValueError where its bytes are not its ids' packing."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
@@ -381,25 +383,37 @@ class Engine:
         return request_id
 
     def _from_checked(self, prompt: CheckedPrompt, request_id: str) -> tuple[list[int], LookupPrompt]:
-        """`pack_prompt`'s packing: its ids a tuple of Python ints that are its bytes' ids
-        (types.CheckedPrompt), never empty. One copy of the ids into the engine's list and
-        one C-level pass over the bytes for the vocabulary: the same errors as
-        `_check_prompt`'s, without the ids read again to check them."""
-        if prompt.mm_items:
-            raise ValueError(
-                f"request {request_id!r}: the engine takes no multimodal items ({len(prompt.mm_items)} given)"
-            )
-        ids = list(prompt.token_ids)
-        if not ids:  # (before the bytes' max below, which an empty array refuses)
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        """`pack_prompt`'s packing: its ids Python ints that are its bytes' ids
+        (types.CheckedPrompt), never empty. The engine's list of them is the prompt's own
+        list where it is one (`turn_prompt`'s, handed over), else one copy of its tuple; one
+        C-level pass over the bytes for the vocabulary: the same errors as `_check_prompt`'s,
+        without the ids read again to check them."""
+        ids = prompt.token_ids
+        if type(ids) is not list:
+            ids = list(ids)
+        self._check_shape(len(ids), prompt.mm_items, request_id)
         self._check_length(len(ids), request_id)
         vocab = self.runner.vocab_size
-        data = np.frombuffer(prompt.packed, dtype="<u4")
+        data = np.frombuffer(prompt.packed, dtype="<u4")  # (not empty: _check_shape)
         if int(data.max()) >= vocab:  # (packed: ids in [0, 2**32))
-            bad = data[data >= vocab].tolist()  # the ids the bytes hold, as the cache reads them
-            raise ValueError(f"request {request_id!r}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+            # the ids the bytes hold, as the cache reads them
+            raise self._outside_vocabulary(data[data >= vocab].tolist(), request_id)
         # over the engine's own list, as `_check_prompt`'s (its bytes and memo of hashes shared)
         return ids, LookupPrompt(ids, (), prompt.packed, prompt.hashes)
+
+    @staticmethod
+    def _check_shape(num_tokens: int, mm_items: tuple[MMItem, ...], request_id: str) -> None:
+        """ValueError (the request's id named) for an empty prompt or multimodal items: the
+        checks of both kinds of prompt (`_check_prompt`, `_from_checked`) before their ids'."""
+        if not num_tokens:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        if mm_items:
+            raise ValueError(f"request {request_id!r}: the engine takes no multimodal items ({len(mm_items)} given)")
+
+    def _outside_vocabulary(self, bad: list[int], request_id: str) -> ValueError:
+        """The error for a prompt whose ids `bad` (in order) are outside the vocabulary."""
+        vocab = self.runner.vocab_size
+        return ValueError(f"request {request_id!r}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
 
     def _check_length(self, num_tokens: int, request_id: str) -> None:
         """ValueError (the request's id named) for a prompt of `num_tokens` that leaves no room
@@ -420,12 +434,7 @@ class Engine:
         bytes are not its ids' (its list changed after packing, or built by hand)."""
         packed = prompt_ids if isinstance(prompt_ids, LookupPrompt) else None
         prompt = list(packed.token_ids if packed is not None else prompt_ids)
-        if not prompt:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
-        if packed is not None and packed.mm_items:
-            raise ValueError(
-                f"request {request_id!r}: the engine takes no multimodal items ({len(packed.mm_items)} given)"
-            )
+        self._check_shape(len(prompt), packed.mm_items if packed is not None else (), request_id)
         # The ids as Python ints, in one C pass where they are (the common case): `sum` stays
         # an exact int over exact ints and bools, and turns into a numpy or torch integer (or
         # a float) at the first such id; only then is every id converted (as int() does)
@@ -452,8 +461,7 @@ class Engine:
         if stale:
             raise ValueError(f"request {request_id!r}: the packed prompt is not the packing of its token ids")
         if not 0 <= top < vocab:
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            raise ValueError(f"request {request_id!r}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+            raise self._outside_vocabulary([t for t in prompt if not 0 <= t < vocab], request_id)
         # The packing over the engine's own list (the caller's may change after this call; its
         # bytes and memo of hashes are shared): the bytes are these ids' (checked or packed
         # just now), so the admission compares the ids and does not pack them again

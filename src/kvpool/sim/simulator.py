@@ -443,14 +443,19 @@ def turn_prompt(
     prefixes: dict[int, tuple[tuple[int, ...], tuple[int, ...], bytes]] | None = None,
 ) -> LookupPrompt:
     """Turn `turn`'s prompt, packed as `pack_prompt` packs it; its ints are `table`'s
-    (tokens.int_table(vocab_size)). `previous`: the prompt of turn - 1 as the engine's
-    output gave it back (`RequestOutput.prompt_token_ids`, the caller's once popped), which
-    is consumed: extended in place into this prompt by what the turn adds (answer_{turn-1} |
-    user_turn, ~370 tokens of a ~2,100-token chat prompt at the medians), and packed without
-    a copy of the list first. `previous_packed`: that prompt's packing (its LookupPrompt's
-    `packed`, token_bytes of `previous`): this one's is it and the tail's bytes (the answer's
-    from its token array, no int read), instead of every id of the history read again (an
-    id's int a likely cache miss: most of a long prompt's packing time in a fleet run). The
+    (tokens.int_table(vocab_size)). Made from `previous` or a held prefix, its ids are a
+    list handed over (types.CheckedPrompt; the twin's, pack_prompt's, a tuple): the engine
+    whose add_request takes it keeps that list as the request's prompt, not a copy, and
+    gives it back in its output; pass it to one engine, and change it no more.
+    `previous`: the prompt of turn - 1 as the engine's output gave it back
+    (`RequestOutput.prompt_token_ids`, the caller's once popped), which is consumed:
+    extended in place into this prompt by what the turn adds (answer_{turn-1} | user_turn,
+    ~370 tokens of a ~2,100-token chat prompt at the medians), so one list goes from turn
+    to turn with no copy of the history. `previous_packed`: that prompt's packing (its
+    LookupPrompt's `packed`, token_bytes of `previous`): this one's is it and the tail's
+    bytes (the answer's from its token array, no int read), instead of every id of the
+    history read again (an id's int a likely cache miss: most of a long prompt's packing
+    time in a fleet run). The
     twin, what None does, `pack_prompt(session.prompt_ids(...))`, copies the history twice
     (prompt_ids' list, pack_prompt's) before packing it. `previous_answer` (with `previous`):
     turn - 1's answer as the engine gave it (its completion's token ids: the simulator's
@@ -481,7 +486,9 @@ def turn_prompt(
                 packed = pack_prompt(prefix)  # (its checks, its ints, its bytes: once per prefix)
                 held = prefixes[id(prefix)] = (prefix, packed.token_ids, packed.packed)
             user = _ints(session.turns[0].user_ids)
-            return CheckedPrompt(held[1] + tuple(user), (), held[2] + token_bytes(user), {}, key=_CHECKED_KEY)
+            ids = list(held[1])  # (the prefix's ids stay held: the session's own list, then handed over)
+            ids += user
+            return CheckedPrompt(ids, (), held[2] + token_bytes(user), {}, key=_CHECKED_KEY)
         return pack_prompt(session.prompt_ids(turn, vocab_size, table), request_id=session.request_id(turn))
     expected = session.prompt_len(turn - 1) if turn else 0
     if not turn or len(previous) != expected:
@@ -495,8 +502,10 @@ def turn_prompt(
             f"turn {turn - 1}'s {expected} tokens"
         )
     memo = {} if previous_memo is None else previous_memo
-    # A CheckedPrompt, as pack_prompt's: its ids a tuple of Python ints that are its bytes'
-    # ids, which the engine's add_request then takes without reading them again. `previous`
+    # A CheckedPrompt, as pack_prompt's: its ids Python ints that are its bytes' ids, which
+    # the engine's add_request then takes without reading them again (and, a list handed
+    # over, without copying them: a copy of a ~2,400-id prompt and its free touch every
+    # id's int, likely cache misses at a fleet run's scale). `previous`
     # (and its packing) and `previous_answer` are the engine's ints (its checked prompt, its
     # sampler's tokens: not read again, an id a likely cache miss by now); the user's ids
     # are checked here: token_bytes, the ValueError for an id outside [0, 2**32)
@@ -509,20 +518,20 @@ def turn_prompt(
             ids += previous_answer
             ids += user
             if previous_packed is None:
-                return CheckedPrompt(tuple(ids), (), token_bytes(ids), memo, key=_CHECKED_KEY)
+                return CheckedPrompt(ids, (), token_bytes(ids), memo, key=_CHECKED_KEY)
             packed = b"".join((previous_packed, token_bytes(previous_answer), token_bytes(user)))
-            return CheckedPrompt(tuple(ids), (), packed, memo, key=_CHECKED_KEY)
+            return CheckedPrompt(ids, (), packed, memo, key=_CHECKED_KEY)
     answer, user = session.turn_tail(turn, vocab_size)
     user = _ints(user)
     ids = previous
     ids += table[answer.astype(np.intp)].tolist()
     ids += user
     if previous_packed is None:
-        return CheckedPrompt(tuple(ids), (), token_bytes(ids), memo, key=_CHECKED_KEY)
+        return CheckedPrompt(ids, (), token_bytes(ids), memo, key=_CHECKED_KEY)
     # the answer's ids are below vocab_size (stream_tokens' draws), so its uint32 cast is
     # exact; token_bytes' little-endian uint32 layout
     packed = b"".join((previous_packed, answer.astype("<u4").tobytes(), token_bytes(user)))
-    return CheckedPrompt(tuple(ids), (), packed, memo, key=_CHECKED_KEY)
+    return CheckedPrompt(ids, (), packed, memo, key=_CHECKED_KEY)
 
 
 # shared prefixes whose packing `turn_prompt` keeps at most (a workload has a few; a trace's
