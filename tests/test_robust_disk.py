@@ -592,3 +592,37 @@ def test_a_foreign_file_whose_name_is_not_an_entrys_is_left_alone(tmp_path) -> N
     assert again.num_entries == 1 and again.num_bytes == path.stat().st_size
     assert again.get(key(0xAB), descriptor(0xAB)) is not None
     assert again.evict(key(0xAB)) and not path.exists() and len(list(path.parent.iterdir())) == 2
+
+
+def test_a_cache_path_behind_a_directory_the_user_may_not_enter_is_one_error_line(tmp_path, monkeypatch, capsys):
+    """`--disk-cache` or `kvpool cache ls` on a path under another user's home: stat refuses
+    (EACCES; root is never refused, so the refusal is planted). One line naming the path,
+    status 2, no traceback: Path.exists() raised PermissionError out of both."""
+    import pathlib
+
+    from kvpool.cli.main import main
+    from kvpool.tiers.disk import open_directory
+
+    DiskTier(tmp_path / "home" / "c", 1 << 30)  # a cache there, as its owner made it
+    locked = str(tmp_path / "home")
+    real_stat = pathlib.Path.stat
+
+    def stat(self, *args, **kwargs):
+        if str(self).startswith(locked):
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real_stat(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "stat", stat)
+    with pytest.raises(ValueError, match=r"disk cache '.*home/c' cannot be reached: Permission denied"):
+        open_directory(tmp_path / "home" / "c")
+    for action in ("ls", "stats", "clear"):
+        assert main(["cache", action, str(tmp_path / "home" / "c")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "home/c" in err[0] and "Permission denied" in err[0], err
+    # clear with entries/ refused: said in one line, status 1, the other directories cleared
+    locked = str(tmp_path / "home" / "c" / "entries")  # (the planted stat reads it at each call)
+    (tmp_path / "home" / "c" / "quarantine" / "x.safetensors").write_bytes(b"x")
+    assert main(["cache", "clear", str(tmp_path / "home" / "c")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "1 could not be removed" in err[0] and "entries" in err[0], err
+    assert not list((tmp_path / "home" / "c" / "quarantine").iterdir())

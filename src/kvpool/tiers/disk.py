@@ -124,8 +124,18 @@ def _pid_alive(pid: int) -> bool:
 
 def open_directory(directory: str | os.PathLike) -> Path:
     """The cache directory, created if absent; ValueError naming the problem when it is a
-    file, is not writable, or is a directory that holds something other than a cache."""
+    file, is not writable, cannot be reached (a parent the user may not enter), or is a
+    directory that holds something other than a cache."""
     root = Path(directory).expanduser()
+    try:
+        return _open_directory(root)
+    except OSError as error:  # a parent the user may not enter (another user's home), a failing disk
+        raise ValueError(f"disk cache {str(root)!r} cannot be reached: {error.strerror or error}") from None
+
+
+def _open_directory(root: Path) -> Path:
+    """open_directory's checks; OSError from a stat the system refuses (Path.exists raises
+    all but ENOENT-like errors)."""
     if root.exists() and not root.is_dir():
         raise ValueError(f"disk cache {str(root)!r} is a file, not a directory")
     try:

@@ -33,12 +33,15 @@ class EntryInfo:
 def existing_cache(directory: str | os.PathLike) -> Path:
     """A directory that holds a kvpool disk cache (nothing is created); ValueError otherwise."""
     root = Path(directory).expanduser()
-    if not root.exists():
-        raise ValueError(f"disk cache {str(root)!r} does not exist")
-    if not root.is_dir():
-        raise ValueError(f"disk cache {str(root)!r} is a file, not a directory")
-    if not (root / MARKER).exists():
-        raise ValueError(f"{str(root)!r} is not a kvpool disk cache (no {MARKER} marker)")
+    try:
+        if not root.exists():
+            raise ValueError(f"disk cache {str(root)!r} does not exist")
+        if not root.is_dir():
+            raise ValueError(f"disk cache {str(root)!r} is a file, not a directory")
+        if not (root / MARKER).exists():
+            raise ValueError(f"{str(root)!r} is not a kvpool disk cache (no {MARKER} marker)")
+    except OSError as error:  # a parent the user may not enter (Path.exists raises all but ENOENT-like errors)
+        raise ValueError(f"disk cache {str(root)!r} cannot be reached: {error.strerror or error}") from None
     return root
 
 
@@ -118,7 +121,12 @@ def clear_cache(root: Path, quarantine_only: bool = False) -> Cleared:
     removed, kept, failed = 0, 0, []
     targets = ["quarantine", "tmp"] if quarantine_only else ["entries", "quarantine", "tmp"]
     for sub in targets:
-        for path in sorted((root / sub).iterdir()) if (root / sub).is_dir() else []:
+        try:
+            paths = sorted((root / sub).iterdir()) if (root / sub).is_dir() else []
+        except OSError as error:  # a directory the user may not read or enter: said, the others go on
+            failed.append(error)
+            continue
+        for path in paths:
             if sub == "tmp" and path.suffix == ".tmp" and temp_file_owner_alive(path):
                 kept += 1  # a write in progress: removing it would only make that write fail
                 continue
