@@ -626,3 +626,44 @@ def test_a_cache_path_behind_a_directory_the_user_may_not_enter_is_one_error_lin
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "1 could not be removed" in err[0] and "entries" in err[0], err
     assert not list((tmp_path / "home" / "c" / "quarantine").iterdir())
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("weights_version", 5),
+        ("model_id", None),
+        ("num_computed_tokens", "16"),
+        ("num_computed_tokens", True),
+        ("token_ids", "abc"),
+        ("token_ids", [1, "2"]),
+    ],
+)
+def test_a_descriptor_field_of_the_wrong_type_is_a_corrupt_entry(tmp_path, capsys, field, value) -> None:
+    """A manifest whose checksum is valid and whose descriptor holds a field of the wrong
+    type (another writer's bug, a crafted file): unreadable in `kvpool cache ls / stats`,
+    quarantined by the tier. `stats` raised TypeError out of weights_version[:12], `ls`
+    out of formatting a token count that is not a number."""
+    from kvpool.cli.main import main
+    from kvpool.tiers import BlockDescriptor
+
+    text = json.loads(descriptor(1).to_json())
+    text[field] = value
+    with pytest.raises(ValueError, match=f"block descriptor field {field}"):
+        BlockDescriptor.from_json(json.dumps(text))
+    tier = filled(tmp_path, 2)
+    m = {"format": entry_format.FORMAT, "key": key(1).hex(), "descriptor": text}
+    m["tensors"] = {
+        n: {"dtype": "float32", "shape": list(t.shape), "xxh3": entry_format._tensor_sum(t)}
+        for n, t in sorted(tensors(1).items())
+    }
+    manifest = json.dumps(m)
+    checksum = xxhash.xxh3_128_hexdigest(manifest.encode())
+    stored(tier, 1).write_bytes(st_save(tensors(1), {"kvpool.manifest": manifest, "kvpool.manifest_xxh3": checksum}))
+    for action in ("ls", "stats"):
+        assert main(["cache", action, str(tmp_path), "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+    assert out["entries"] == 2 and out["unreadable"] == 1
+    fresh = DiskTier(tmp_path, 1 << 30)
+    assert fresh.get(key(1), descriptor(1)) is None and fresh.stats.misses == {"corrupt": 1}
+    assert same(fresh.get(key(0), descriptor(0)), 0)

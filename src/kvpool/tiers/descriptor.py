@@ -77,8 +77,21 @@ class BlockDescriptor:
         if not isinstance(data, dict) or set(data) != names:
             got = sorted(data) if isinstance(data, dict) else type(data).__name__
             raise ValueError(f"block descriptor must have exactly the fields {sorted(names)}, got {got}")
+        for name, value in data.items():
+            if name == "token_ids":
+                ok, want = isinstance(value, list) and all(_is_int(t) for t in value), "a list of ints"
+            elif name == "num_computed_tokens":
+                ok, want = _is_int(value) and value >= 0, "an int >= 0"
+            else:
+                ok, want = isinstance(value, str), "a string"
+            if not ok:  # (another writer's bug: `kvpool cache stats` sliced weights_version)
+                raise ValueError(f"block descriptor field {name} must be {want}, got {value!r}")
         data["token_ids"] = tuple(data["token_ids"])
         return cls(**data)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def descriptor_from_key(key: bytes) -> CacheDescriptor:
