@@ -207,6 +207,27 @@ def test_malformed_bodies_get_openai_errors(server):
     assert r.status_code == 200, r.text
 
 
+def test_an_error_names_the_field_even_when_it_starts_like_a_type_name():
+    """`stream` starts with "str", pydantic's tag for a union's string member: the field was
+    dropped from the error (param null), and `stream_options.` from its members' errors."""
+    from kvpool.server.protocol import APIError, CompletionRequest, parse_body
+
+    for body, param in (
+        ({"prompt": "hi", "stream": "maybe"}, "stream"),
+        ({"prompt": "hi", "stream": [1]}, "stream"),
+        ({"prompt": "hi", "stream": True, "stream_options": 5}, "stream_options"),
+        (
+            {"prompt": "hi", "stream": True, "stream_options": {"include_usage": "maybe"}},
+            "stream_options.include_usage",
+        ),
+        ({"prompt": [[1]]}, "prompt"),  # (a union's member tags still leave the location)
+    ):
+        with pytest.raises(APIError) as caught:
+            parse_body(json.dumps(body).encode(), CompletionRequest)
+        assert caught.value.status == 400 and caught.value.param == param, (body, caught.value.message)
+        assert caught.value.message.startswith(f"{param}: "), caught.value.message
+
+
 def test_request_ids_do_not_count_requests(server):
     c = openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, timeout=120)
     ids = [c.completions.create(model=MODEL, prompt="hi", max_tokens=1).id for _ in range(2)]

@@ -264,6 +264,10 @@ def _unencodable_string(data: Any) -> tuple[str, UnicodeEncodeError] | None:
     return None
 
 
+# pydantic's names for the members of a union, in an error's location: not fields
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
 def validation_error(errors: list[dict[str, Any]]) -> APIError:
     """pydantic's first error, as an OpenAI error naming the field."""
     first = errors[0]
@@ -273,8 +277,8 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
     for part in loc:
         if part.isdigit() and fields:
             fields[-1] += f"[{part}]"
-        elif part.startswith(("str", "list[", "int", "constrained-str", "function-")) or "[" in part:
-            continue
+        elif part in _UNION_TAGS or part.startswith(("constrained-", "function-")) or "[" in part:
+            continue  # (exact names: a field may start with one, as `stream` does with "str")
         else:
             fields.append(part)
     message = str(first.get("msg", "invalid value"))
