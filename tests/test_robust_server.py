@@ -228,6 +228,37 @@ def test_an_error_names_the_field_even_when_it_starts_like_a_type_name():
         assert caught.value.message.startswith(f"{param}: "), caught.value.message
 
 
+def test_a_value_of_the_wrong_json_type_is_refused_not_converted():
+    """`true` was a count (max_tokens: true -> 1, prompt: [true] -> token id 1, completions'
+    logprobs: true -> one top logprob) and strings were numbers and booleans, as OpenAI's API
+    never reads them: each is a 400 naming the field. A JSON integer still fills a float."""
+    from kvpool.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
+
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for model, extra, param in (
+        (CompletionRequest, {"max_tokens": True}, "max_tokens"),
+        (CompletionRequest, {"max_tokens": "5"}, "max_tokens"),
+        (CompletionRequest, {"n": True}, "n"),
+        (CompletionRequest, {"logprobs": True}, "logprobs"),
+        (CompletionRequest, {"prompt": [True, False]}, "prompt"),
+        (CompletionRequest, {"prompt": [1.0, 2.0]}, "prompt"),
+        (CompletionRequest, {"temperature": "0"}, "temperature"),
+        (CompletionRequest, {"seed": "7"}, "seed"),
+        (CompletionRequest, {"stream": "false"}, "stream"),
+        (CompletionRequest, {"ignore_eos": "yes"}, "ignore_eos"),
+        (CompletionRequest, {"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+        (ChatCompletionRequest, {"logprobs": 1}, "logprobs"),
+        (ChatCompletionRequest, {"max_completion_tokens": True}, "max_completion_tokens"),
+        (ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages"),
+    ):
+        body = {**({"prompt": "hi"} if model is CompletionRequest else chat), **extra}
+        with pytest.raises(APIError) as caught:
+            parse_body(json.dumps(body).encode(), model)
+        assert caught.value.status == 400 and caught.value.param.startswith(param), (body, caught.value.message)
+    parsed = parse_body(b'{"prompt": [1, 2], "temperature": 0, "top_p": 1, "max_tokens": 3}', CompletionRequest)
+    assert (parsed.prompt, parsed.temperature, parsed.top_p, parsed.max_tokens) == ([1, 2], 0.0, 1.0, 3)
+
+
 def test_request_ids_do_not_count_requests(server):
     c = openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, timeout=120)
     ids = [c.completions.create(model=MODEL, prompt="hi", max_tokens=1).id for _ in range(2)]

@@ -53,9 +53,14 @@ class APIError(Exception):
 
 
 class NullIsDefault(BaseModel):
-    """A body whose optional fields read JSON null as "not given": the field's default."""
+    """A body whose optional fields read JSON null as "not given": the field's default.
 
-    model_config = ConfigDict(extra="ignore")
+    Strict types, as OpenAI's API checks them: `true` is no count (`max_tokens: true` was 1,
+    `prompt: [true]` the token id 1, completions' `logprobs: true` one top logprob), and a
+    string is no number or boolean (`"stream": "false"`, `"temperature": "0"`). A JSON
+    integer still fills a float field."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -143,12 +148,14 @@ class CompletionRequest(SamplingRequest):
 
 
 class ContentPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart] | None = None
