@@ -347,3 +347,23 @@ def test_a_tp_peer_that_hangs_past_the_timeout_is_not_called_lost() -> None:
         "recv operation to complete); it hangs or was stopped (KVPOOL_DIST_TIMEOUT_S sets the wait), and the "
         "tensor-parallel group cannot go on without it"
     )
+
+
+def test_ctrl_c_while_the_group_forms_stops_at_once(monkeypatch) -> None:
+    # the rendezvous waits in C++: SIGINT was seen only when it returned, at the timeout
+    # (KVPOOL_DIST_TIMEOUT_S: 20 s here, 600 by default, gloo's 30 minutes before)
+    import signal
+    import threading
+
+    from kvpool.models.tensor_parallel import join_group
+
+    _as_rank(monkeypatch, 0, 2, _free_port(), timeout="20")  # its peer never comes
+    ctrl_c = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    start = time.monotonic()
+    ctrl_c.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            join_group()
+    finally:
+        ctrl_c.cancel()
+    assert time.monotonic() - start < 5

@@ -32,6 +32,7 @@ import math
 import os
 import re
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -225,10 +226,26 @@ def join_group() -> None:
     every wait bounded by group_timeout_s(). A group that cannot form is one line: a taken
     MASTER_PORT a ValueError, ranks that did not all arrive in time a RankError."""
     timeout = group_timeout_s()
-    try:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
-    except dist.DistError as error:
-        raise _group_error(error, timeout) from error
+    # The rendezvous waits in C++, where a signal reaches Python only once it returns: Ctrl-C
+    # would wait out the whole timeout. It runs in a daemon thread while this one waits in
+    # short, interruptible joins (a KeyboardInterrupt here leaves the thread to the exit).
+    failure: list[BaseException] = []
+
+    def form() -> None:
+        try:
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+        except BaseException as error:  # handed to the caller's thread below
+            failure.append(error)
+
+    thread = threading.Thread(target=form, name="kvpool-join-group", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.05)
+    if failure:
+        error = failure[0]
+        if isinstance(error, dist.DistError):
+            raise _group_error(error, timeout) from error
+        raise error
 
 
 def _group_error(error: Exception, timeout: float) -> Exception:
