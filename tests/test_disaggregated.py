@@ -198,3 +198,22 @@ def test_a_prefill_rank_of_another_model_is_rejected_not_a_crash() -> None:
     report = json.loads(out.strip().splitlines()[-1])
     assert report["outcome"].startswith("transfer rejected: model_id: 'other.gguf' != "), report
     assert "num_kv_heads: 4 != 3" in report["outcome"] and report["landing_entries"] == 0
+
+
+def test_sides_that_cannot_work_are_refused_naming_the_ranks() -> None:
+    # were taken: a rank on both sides serves, and unpacks the range from its own empty
+    # broadcast (TypeError); one on neither takes the decode path and has no heads (KeyError);
+    # either way a traceback mid-transfer, its peers left waiting until the group's timeout
+    from kvpool.engine.disaggregated import check_sides
+
+    check_sides([0], [1, 2, 3], 2, 4)
+    for prefill, decode, rank, message in (
+        ([0], [0], 0, "rank 0 on both the prefill and the decode side"),
+        ([0, 1], [1, 2], 1, "rank 1 on both the prefill and the decode side"),
+        ([], [1], 1, "P/D needs prefill ranks; got none"),
+        ([0], [1, 4], 0, r"decode ranks \[1, 4\]: each a distinct rank of the world \[0, 4\)"),
+        ([0, 0], [1], 0, r"prefill ranks \[0, 0\]: each a distinct rank"),
+        ([0], [1], 3, r"this process, rank 3, is on neither side \(prefill \[0\], decode \[1\]\)"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            check_sides(prefill, decode, rank, 4)

@@ -268,6 +268,27 @@ def install(engine: Engine, landing: HostTier, token_ids, tenant: str, start: in
             raise TransferError(f"the landing tier has no room for block {j} of the prompt")
 
 
+def check_sides(prefill_ranks: list[int], decode_ranks: list[int], rank: int, world: int) -> None:
+    """ValueError naming the problem unless the two sides are non-empty, distinct ranks of the
+    world, apart, with `rank` on one of them: a rank on both sides, or on neither, would wait
+    for messages that never come (or answer itself) until the group's timeout."""
+    for name, ranks in (("prefill", prefill_ranks), ("decode", decode_ranks)):
+        if not ranks:
+            raise ValueError(f"P/D needs {name} ranks; got none")
+        bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < world)]
+        if bad or len(set(ranks)) != len(ranks):
+            raise ValueError(f"{name} ranks {ranks}: each a distinct rank of the world [0, {world})")
+    both = sorted(set(prefill_ranks) & set(decode_ranks))
+    if both:
+        raise ValueError(
+            f"rank{'s' if len(both) > 1 else ''} {', '.join(map(str, both))} on both the prefill and the decode side"
+        )
+    if rank not in prefill_ranks and rank not in decode_ranks:
+        raise ValueError(
+            f"this process, rank {rank}, is on neither side (prefill {prefill_ranks}, decode {decode_ranks})"
+        )
+
+
 def overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
     lo, hi = max(a[0], b[0]), min(a[1], b[1])
     return (lo, hi) if lo < hi else None
@@ -298,6 +319,7 @@ class Disaggregation:
             )
         self.engine, self.prefill_ranks, self.decode_ranks = engine, prefill_ranks, decode_ranks
         self.rank = dist.get_rank()
+        check_sides(prefill_ranks, decode_ranks, self.rank, dist.get_world_size())
         self.is_prefill = self.rank in prefill_ranks
         if not self.is_prefill and landing is None:
             raise ValueError("a decode worker needs its landing tier (the engine's host tier)")
