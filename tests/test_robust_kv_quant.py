@@ -17,7 +17,7 @@ from kvpool.engine.runner import ModelRunner
 from kvpool.engine.sampling import SamplingParams
 from kvpool.spec.kv_formats import kv_schema
 from kvpool.storage.dsv4 import V4EntryPool
-from kvpool.storage.quant import dequantize_k, dequantize_v, quantize_k, quantize_v, round_trip_kv
+from kvpool.storage.quant import dequantize_k, dequantize_v, quantize_k, quantize_v, round_trip, round_trip_kv
 from random_llama import CONFIG, DESCRIPTOR, random_ids, random_llama
 from test_kv_quant import _reference_attention
 
@@ -242,3 +242,14 @@ def test_a_v4_entry_group_holding_a_nan_or_an_inf_comes_back_nan(kind, poison) -
     group[0, 0, 40 // width * width : (40 // width + 1) * width] = True
     assert bool(got[group].isnan().all())
     assert torch.equal(got[~group], clean[~group])
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3_token", "fp8_e5m2_token"])
+def test_a_vector_of_subnormals_whose_scale_underflows_comes_back_finite(name) -> None:
+    """amax / qmax underflows to 0 below qmax x the smallest fp32 subnormal: the scale was
+    0 and every 0 / 0 a NaN code (fp8; int8 rounded it to 0). Finite in, finite out: the
+    error is within the vector's amax."""
+    x = torch.tensor([[1e-45, 0.0, -1e-45, 0.0], [3e-43, 0.0, 1e-44, -2e-43]])
+    back = round_trip(kv_schema(name), x)
+    assert bool(back.isfinite().all())
+    assert bool(((back - x).abs() <= x.abs().amax(dim=-1, keepdim=True)).all())

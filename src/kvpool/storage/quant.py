@@ -98,7 +98,10 @@ def symmetric_scale(amax: Tensor, qmax: float) -> Tensor:
     """amax / qmax; 1 for a zero vector; NaN for a vector holding a NaN or an inf, so that
     every value under the scale comes back NaN, as attention over the exact values would be
     (a scale of 1 turned a NaN into int8 zeros, and left fp8's other values saturated)."""
-    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    scale = amax / qmax
+    # 1 also where amax / qmax underflows (amax below qmax x the smallest subnormal): a scale
+    # of 0 made every 0 / 0 a NaN code; at 1 the codes are ~0, the error within amax
+    scale = torch.where(scale > 0, scale, torch.ones_like(amax))
     return torch.where(torch.isfinite(amax), scale, torch.full_like(amax, torch.nan))
 
 
