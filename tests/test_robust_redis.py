@@ -7,6 +7,7 @@ compare its tokens and logits with the same requests on an engine without the ti
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -19,7 +20,7 @@ import torch
 from kvpool.engine.engine import Engine
 from kvpool.engine.llama_runner import llama_runner
 from kvpool.engine.sampling import SamplingParams
-from kvpool.tiers.redis_tier import RedisTier
+from kvpool.tiers.redis_tier import RedisTier, check_url
 from random_llama import DESCRIPTOR, random_ids, random_llama
 from test_disk_tier import descriptor, key, tensors
 
@@ -141,6 +142,17 @@ def test_a_write_onto_a_key_of_the_wrong_type_is_counted_and_replaces_it(redis_s
 
 
 # ----- a database the server does not have ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "needle"),
+    [("redis://[::1", "Invalid IPv6 URL"), ("unix://", "no socket path"), ("unix:///", "no socket path")],
+)
+def test_a_redis_url_check_url_cannot_read_names_the_flag(url, needle) -> None:
+    """urlsplit's own error named neither the flag nor the URL; a unix:// URL without a
+    path passed, and the tier opened on nothing (an outage line, served without Redis)."""
+    with pytest.raises(ValueError, match=rf"^--redis {re.escape(repr(url))}: .*{needle}"):
+        check_url(url)
 
 
 def test_a_database_the_server_lacks_is_a_value_error_naming_it(redis_server) -> None:

@@ -64,9 +64,14 @@ GENERATION_KEY = "kvpool:generation"  # a random value the processes share; gone
 
 def check_url(url: str) -> str:
     """The URL, or ValueError naming what is wrong with it."""
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as error:  # urlsplit's own ("Invalid IPv6 URL") named neither the flag nor the URL
+        raise ValueError(f"--redis {url!r}: {error}") from None
     if parts.scheme not in ("redis", "rediss", "unix"):
         raise ValueError(f"--redis {url!r}: expected redis://HOST:PORT[/DB] (or rediss://, unix://)")
+    if parts.scheme == "unix" and not parts.path.strip("/"):
+        raise ValueError(f"--redis {url!r}: no socket path (unix:///PATH/TO/redis.sock)")
     if parts.scheme != "unix":
         try:
             parts.port  # noqa: B018 - parses it (redis-py's default when absent: 6379)
