@@ -766,3 +766,30 @@ def test_a_body_that_stops_arriving_is_answered_in_bounded_time(loaded):
 
     sent = asyncio.run(stop_meanwhile())
     assert status(sent) == 503, sent
+
+
+def test_an_unknown_endpoint_or_method_gets_an_openai_error_naming_it(loaded):
+    """`POST /v1/embeddings`, `GET /v1/completions`: starlette's {"detail": "Not Found"} was no
+    OpenAI error object (no message a client shows, nothing naming what is served)."""
+    app, thread = _app_over(loaded)
+
+    async def ask() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return [
+                await client.post("/v1/embeddings", json={"input": "hi"}),
+                await client.get("/v1/completions"),
+            ]
+
+    try:
+        missing, wrong_method = asyncio.run(ask())
+    finally:
+        thread.stop()
+    assert missing.status_code == 404, missing.text
+    error = missing.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "not_found", error
+    assert "/v1/embeddings" in error["message"] and "/v1/chat/completions" in error["message"], error
+    assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST", wrong_method.headers
+    error = wrong_method.json()["error"]
+    assert error["code"] == "method_not_allowed" and "GET /v1/completions" in error["message"], error
+    assert "POST" in error["message"], error

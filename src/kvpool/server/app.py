@@ -49,6 +49,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from kvpool.engine.sampling import SamplingParams
@@ -99,6 +100,21 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, error: APIError) -> JSONResponse:
         return _error_response(error)
+
+    @app.exception_handler(HTTPException)
+    async def _routing_error(request: Request, error: HTTPException) -> JSONResponse:
+        # the router's own answers (no such path, a method the path does not take), as OpenAI's
+        # error object: a client shows its message, which names what is served instead
+        where = f"{request.method} {request.url.path}"
+        if error.status_code == 404:
+            served = "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics"
+            api = APIError(404, f"{where}: no such endpoint (kvpool serve serves {served})", code="not_found")
+        elif error.status_code == 405:
+            allowed = (error.headers or {}).get("Allow", "")
+            api = APIError(405, f"{where}: method not allowed (use {allowed})", code="method_not_allowed")
+        else:
+            api = APIError(error.status_code, f"{where}: {error.detail}")
+        return JSONResponse(api.body(), status_code=error.status_code, headers=error.headers)
 
     @app.exception_handler(ClientDisconnect)
     async def _client_gone(_: Request, __: ClientDisconnect) -> Response:
