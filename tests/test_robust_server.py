@@ -369,6 +369,21 @@ def test_ctrl_c_pressed_three_times_while_streams_flow_stops_once_without_a_trac
     assert "stopped (2 requests aborted in flight; cache integrity ok, 0 blocks held)" in err, err
 
 
+def test_a_server_whose_output_reader_left_stops_quietly():
+    """`kvpool serve | head -0`: the ready line met a closed pipe inside uvicorn's startup,
+    which logged a traceback and exited 3; every command stops quietly then, status 141."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvpool", "serve", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    proc.stdout.close()  # the reader leaves before the server is ready
+    err = proc.stderr.read()
+    assert proc.wait(60) == 141, err
+    assert "Traceback" not in err and "stopped (0 requests aborted in flight; cache integrity ok" in err, err
+
+
 def test_a_key_or_tenant_that_is_not_utf8_is_refused_at_start(monkeypatch):
     """argv and the environment carry undecodable bytes as lone surrogates: such a key made
     every request's key comparison raise, a 500 even for the other, valid keys."""

@@ -229,15 +229,24 @@ def _serve(
     host, bound_port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
 
+    reader_left: list[BrokenPipeError] = []
+
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         thread.start()
-        print(
-            f"kvpool serve: ready on http://{shown}:{bound_port} (model {name}, {num_blocks} KV blocks of "
-            f"{args.block_size} tokens, context {engine.runner.max_model_len}"
-            f"{', API key required' if api_keys else ''})",
-            flush=True,
-        )
+        try:
+            print(
+                f"kvpool serve: ready on http://{shown}:{bound_port} (model {name}, {num_blocks} KV blocks of "
+                f"{args.block_size} tokens, context {engine.runner.max_model_len}"
+                f"{', API key required' if api_keys else ''})",
+                flush=True,
+            )
+        except BrokenPipeError as error:
+            # the reader of our output left before we were ready (`kvpool serve | head -0`):
+            # stop as every command does then (kvpool/cli/main.py: quietly, status 141), not
+            # as uvicorn does with a failed startup (a traceback, status 3)
+            reader_left.append(error)
+            server.should_exit = True
         yield
 
     app = build_app(state, lifespan)
@@ -286,6 +295,8 @@ def _serve(
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+    if reader_left:
+        raise reader_left[0]  # (after the cleanup and its report, on stderr)
     status = {signal.SIGINT: 130, signal.SIGTERM: 143}[received[0]] if received else 0
     return 1 if thread.error is not None else status
 
