@@ -150,7 +150,7 @@ def test_a_malformed_trace_line_names_the_line(capsys, tmp_path):
 
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"timestamp": 0, "prompt_ids": [1, 2, 3], "output_length": 4}\n{"timestamp": 1, "oops"\n')
-    assert main(["simulate", "--trace", str(trace), "--requests", "2"]) == 2
+    assert main(["simulate", "--trace", str(trace)]) == 2
     err = capsys.readouterr().err
     assert "line 2" in err and len(err.strip().splitlines()) == 1, err
 

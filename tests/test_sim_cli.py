@@ -55,6 +55,19 @@ def test_a_bad_output_path_is_one_line_before_simulating(tmp_path, capsys, no_si
     assert sorted(os.listdir(tmp_path)) == ["f"]  # nothing created
 
 
+@pytest.mark.parametrize("flags", [["--requests", "5"], ["--sessions", "2"], ["--requests", "5", "--turns", "2"]])
+def test_a_trace_with_a_generated_workloads_count_is_one_line(capsys, no_simulating, flags):
+    """A trace replays all its lines: --requests 5 taken silently ran every line of it."""
+    from kvpool.workload.trace import sample_trace_path
+
+    trace = str(sample_trace_path())
+    assert main(["simulate", *LLAMA, "--trace", trace, *flags]) == 2
+    line = _one_error_line(capsys)
+    named = " / ".join(f for f in flags if f.startswith("--"))
+    assert line.startswith(f"kvpool simulate: error: {named} with --trace: a trace replays every line"), line
+    assert f"head -n N {trace}" in line
+
+
 def test_an_unwritable_plot_directory_is_one_line(tmp_path, capsys, no_simulating, monkeypatch):
     # (the tests may run as root, whom no mode bit stops: the check's own call says no)
     monkeypatch.setattr(os, "access", lambda path, mode: False)

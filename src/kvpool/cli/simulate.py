@@ -151,8 +151,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--requests",
         type=positive_int,
-        default=1000,
-        help="requests (chat, agentic: ceil(requests / turns) sessions of --turns turns each)",
+        default=None,  # (None, not 1000: a trace must tell a --requests given from the default)
+        help="requests (chat, agentic: ceil(requests / turns) sessions of --turns turns each; a trace replays "
+        "all its lines) (default: 1000)",
     )
     parser.add_argument(
         "--sessions", type=positive_int, default=None, help="chat, agentic: sessions (default: requests / turns)"
@@ -384,9 +385,27 @@ class _Progress:
             self.bar.stop()
 
 
+def _check_trace_flags(args: argparse.Namespace) -> None:
+    """ValueError for a flag that shapes a generated workload given with --trace, which
+    replays its own lines (taken silently, --requests 1000 of a 23,000-line trace ran all
+    23,000); then --requests' default."""
+    if args.trace:
+        given = [
+            f for f, v in (("--requests", args.requests), ("--sessions", args.sessions), ("--turns", args.turns)) if v
+        ]
+        if given:
+            raise ValueError(
+                f"{' / '.join(given)} with --trace: a trace replays every line, each a single request; to replay "
+                f"fewer, cut the file (head -n N {args.trace} > part.jsonl)"
+            )
+    if args.requests is None:
+        args.requests = 1000
+
+
 def run(args: argparse.Namespace) -> int:
     from kvpool.sim.deployment import public
 
+    _check_trace_flags(args)
     _check_output_paths(args)
     combos = _runs(args)
     options = sim_options(args)
