@@ -361,6 +361,8 @@ GOOD = {"timestamp": 1.0, "hash_ids": [1, 2], "input_length": 700, "output_lengt
     ("bad", "words"),
     [
         ('{"timestamp": 1.0 "x": 2}', "not JSON"),
+        # json keeps the last of a repeated key silently: this line arrived at 5 s
+        ('{"timestamp": 0, "timestamp": 5, "prompt_ids": [1], "output_length": 1}', "field 'timestamp' is given twice"),
         ("[1, 2]", "JSON object"),
         ({**GOOD, "prompt": "hi"}, "unknown field 'prompt'"),
         ({**GOOD, "output_length": -3}, "output_length must be a positive integer, got -3"),

@@ -95,7 +95,7 @@ def load_trace(path: str | os.PathLike[str], vocab_size: int, *, block_size: int
 def _parse(raw: str, line_no: int, vocab_size: int, block_size: int) -> _Line:
     """One line, checked; a ValueError whose message names the field (the caller adds where)."""
     try:
-        record = json.loads(raw)
+        record = json.loads(raw, object_pairs_hook=_no_repeats)
     except json.JSONDecodeError as e:
         raise ValueError(f"not JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(record, dict):
@@ -151,6 +151,17 @@ def _parse(raw: str, line_no: int, vocab_size: int, block_size: int) -> _Line:
     return _Line(
         line_no, start_s, prompt_ids, hash_ids, input_len, output_len, record.get("session"), record.get("tenant", "")
     )
+
+
+def _no_repeats(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object's dict; ValueError for a field given twice (json keeps the last
+    silently: {"timestamp": 0, "timestamp": 5} arrived at 5)."""
+    seen: set[str] = set()
+    for name, _ in pairs:
+        if name in seen:
+            raise ValueError(f"field {name!r} is given twice")
+        seen.add(name)
+    return dict(pairs)
 
 
 def _time(record: dict, name: str) -> float:
