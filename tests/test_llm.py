@@ -78,6 +78,14 @@ def test_bad_input_is_one_error_and_leaves_nothing(llm):
         llm.generate(["fine", 1.5])
     with pytest.raises(TypeError, match=r"conversations\[0\] is not a string"):
         llm.chat([[{"role": "user"}]])
+    with pytest.raises(TypeError, match="prompts is a NoneType"):
+        llm.generate(None)
+    with pytest.raises(TypeError, match="prompts is a bytes"):
+        llm.generate(b"hi")
+    with pytest.raises(TypeError, match="params is a dict; give kvpool.SamplingParams"):
+        llm.generate("hi", {"max_tokens": 2})
+    with pytest.raises(TypeError, match=r"conversations\[0\]\[1\]\['content'\] is a NoneType, not a string"):
+        llm.chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": None}])
     too_long = [7] * 10_000
     with pytest.raises(ValueError, match="too long"):
         llm.generate([[1, 2, 3], too_long])  # the first was queued: it is taken back

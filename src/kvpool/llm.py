@@ -16,7 +16,7 @@ one left in the pool.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvpool.engine.build import build_engine, load_model
@@ -105,6 +105,11 @@ class LLM:
     ) -> list[GenerateOutput]:
         """Complete each prompt (raw text, no chat template; or a list of token ids), in the
         order given. params: kvpool.SamplingParams (default: greedy, 64 tokens)."""
+        if isinstance(prompts, bytes | bytearray) or not isinstance(prompts, Iterable):
+            # (bytes iterated as ints read "prompts[0] is a int"; None as "not iterable")
+            raise TypeError(
+                f"prompts is a {type(prompts).__name__}; give a string, a list of strings or a list of token-id lists"
+            )
         items = [prompts] if isinstance(prompts, str) else list(prompts)
         if not items:
             raise ValueError("prompts is empty")
@@ -137,11 +142,18 @@ class LLM:
             messages = [{"role": "user", "content": conv}] if isinstance(conv, str) else list(conv)
             if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
                 raise TypeError(f"conversations[{i}] is not a string or a list of {{'role', 'content'}} messages")
+            for j, m in enumerate(messages):  # (the template's own error named no message: "can only concatenate str")
+                for key in ("role", "content"):
+                    if not isinstance(m[key], str):
+                        raise TypeError(f"conversations[{i}][{j}]['{key}'] is a {type(m[key]).__name__}, not a string")
             text = self.tokenizer.render_chat(messages)
             encoded.append((text, self.tokenizer.encode(text)))
         return self._run(encoded, params)
 
     def _run(self, encoded: list[tuple[str | None, list[int]]], params: SamplingParams | None) -> list[GenerateOutput]:
+        if params is not None and not isinstance(params, SamplingParams):
+            # (a dict failed in the engine: "'dict' object has no attribute 'max_tokens'")
+            raise TypeError(f"params is a {type(params).__name__}; give kvpool.SamplingParams(...) (or None)")
         params = params or SamplingParams()
         engine = self.engine
         ids = []
