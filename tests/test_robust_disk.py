@@ -667,3 +667,26 @@ def test_a_descriptor_field_of_the_wrong_type_is_a_corrupt_entry(tmp_path, capsy
     fresh = DiskTier(tmp_path, 1 << 30)
     assert fresh.get(key(1), descriptor(1)) is None and fresh.stats.misses == {"corrupt": 1}
     assert same(fresh.get(key(0), descriptor(0)), 0)
+
+
+def test_a_marker_written_by_another_process_meanwhile_is_no_foreign_file(tmp_path, monkeypatch) -> None:
+    """Two engines opening one new directory at once: A writes the marker after B found
+    none and before B lists the directory. B saw the marker among "other files" and refused
+    the directory as no kvpool cache; it is A's cache being made, and B opens it."""
+    import pathlib
+
+    from kvpool.tiers.disk import MARKER, open_directory
+
+    open_directory(tmp_path / "c")  # A, done: the marker and the subdirectories
+    real_exists = pathlib.Path.exists
+    seen = []
+
+    def exists(self):  # B's look at the marker came a moment before A wrote it
+        if self.name == MARKER and not seen:
+            seen.append(self)
+            return False
+        return real_exists(self)
+
+    monkeypatch.setattr(pathlib.Path, "exists", exists)
+    assert open_directory(tmp_path / "c") == tmp_path / "c" and seen
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == sorted([MARKER, "entries", "quarantine", "tmp"])

@@ -144,7 +144,8 @@ def _open_directory(root: Path) -> Path:
         raise ValueError(f"disk cache {str(root)!r} cannot be created: {error.strerror}") from None
     marker = root / MARKER
     if not marker.exists():
-        if any(p.name not in ("entries", "tmp", "quarantine") for p in root.iterdir()):
+        # (the marker itself: another process made the cache since the look above)
+        if any(p.name not in ("entries", "tmp", "quarantine", MARKER) for p in root.iterdir()):
             raise ValueError(f"disk cache {str(root)!r} is a directory with other files in it (not a kvpool cache)")
         try:
             marker.write_text(f"kvpool disk cache, entry format {entry.FORMAT}\n")
