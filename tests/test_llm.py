@@ -5,6 +5,7 @@ refused in one line with the engine left as it was."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -78,6 +79,16 @@ def test_bad_input_is_one_error_and_leaves_nothing(llm):
         llm.generate(["fine", 1.5])
     with pytest.raises(TypeError, match=r"conversations\[0\] is not a string"):
         llm.chat([[{"role": "user"}]])
+    for bad, words in (
+        ({"block_size": 2.5}, "block_size must be an integer, got 2.5"),  # was torch's "zeros(): argument 'size'"
+        ({"max_num_seqs": "8"}, "max_num_seqs must be an integer, got '8'"),
+        ({"kv_cache_bytes": "256MiB"}, "kv_cache_bytes must be a number of bytes, got '256MiB'"),
+        ({"enable_prefix_caching": "no"}, "enable_prefix_caching must be True or False, got 'no'"),  # was on
+    ):
+        with pytest.raises(TypeError, match=re.escape(words)):
+            kvpool.LLM(**bad)
+    with pytest.raises(ValueError, match="kv_cache_bytes must be positive, got nan"):
+        kvpool.LLM(kv_cache_bytes=float("nan"))
     with pytest.raises(TypeError, match="prompts is a NoneType"):
         llm.generate(None)
     with pytest.raises(TypeError, match="prompts is a bytes"):

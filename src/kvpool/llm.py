@@ -15,6 +15,8 @@ one left in the pool.
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -85,17 +87,31 @@ class LLM:
         enable_prefix_caching: bool = True,
     ):
         path = gguf_path(model)
-        if kv_cache_bytes <= 0:
+        # checked before the model loads, each by its name: a wrong type failed deep in torch
+        # (block_size=2.5: "zeros(): argument 'size' ..."), in a comparison ("256MiB"), or not at all
+        # (enable_prefix_caching="no" is true)
+        if isinstance(kv_cache_bytes, bool) or not isinstance(kv_cache_bytes, numbers.Real):
+            raise TypeError(f"kv_cache_bytes must be a number of bytes, got {kv_cache_bytes!r}")
+        if not (math.isfinite(kv_cache_bytes) and kv_cache_bytes > 0):
             raise ValueError(f"kv_cache_bytes must be positive, got {kv_cache_bytes}")
+        for name, value in (
+            ("block_size", block_size),
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+        ):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"{name} must be an integer, got {value!r}")
+        if not isinstance(enable_prefix_caching, bool):
+            raise TypeError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
         self.model_name = DEFAULT_MODEL if path is None else model
         self.loaded = load_model(path)
         self.tokenizer = self.loaded.tokenizer
         self.engine: Engine = build_engine(
             self.loaded,
-            kv_memory_bytes=kv_cache_bytes,
-            block_size=block_size,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
+            kv_memory_bytes=int(kv_cache_bytes),  # (a float such as 0.5 * 2**30 is taken, in whole bytes)
+            block_size=int(block_size),
+            max_num_seqs=int(max_num_seqs),
+            max_num_batched_tokens=int(max_num_batched_tokens),
             kv_format=kv_cache_dtype,
             enable_prefix_caching=enable_prefix_caching,
         )
