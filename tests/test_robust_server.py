@@ -340,8 +340,11 @@ def test_an_untrusted_tenant_header_is_refused_and_keys_come_from_a_file(tmp_pat
         (["--api-key-file", str(bad)], f"{bad}:2"),
         (["--api-key", f"{KEY_A}:a", "--api-key", f"{KEY_A}:b"], "twice"),
         (["--max-request-bytes", "lots"], "--max-request-bytes"),
+        (["--max-model-len", "1"], "--max-model-len 2 or more"),  # (it started, refusing every request)
     ):
-        out = subprocess.run([sys.executable, "-m", "kvpool", "serve", *flags], capture_output=True, text=True)
+        out = subprocess.run(
+            [sys.executable, "-m", "kvpool", "serve", *flags], capture_output=True, text=True, timeout=60
+        )
         assert out.returncode == 2 and needle in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
