@@ -253,3 +253,22 @@ def test_a_vector_of_subnormals_whose_scale_underflows_comes_back_finite(name) -
     back = round_trip(kv_schema(name), x)
     assert bool(back.isfinite().all())
     assert bool(((back - x).abs() <= x.abs().amax(dim=-1, keepdim=True)).all())
+
+
+def test_a_text_file_that_cannot_be_read_is_one_line_naming_text(tmp_path, monkeypatch) -> None:
+    """`kvpool eval kv-quant --text PATH`: a missing file said "[Errno 2] ..." without the flag,
+    and an unreadable one (a PermissionError: no ValueError) reached the user as a traceback."""
+    import kvpool.verify.kv_quant as kv_quant
+
+    missing = str(tmp_path / "missing.txt")
+    with pytest.raises(ValueError, match=f"^--text '{missing}': no such file$"):
+        kv_quant.reference_text(missing)
+
+    def unreadable(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    (tmp_path / "locked.txt").write_text("text")
+    locked = str(tmp_path / "locked.txt")
+    monkeypatch.setattr(kv_quant, "open", unreadable, raising=False)  # (root reads any file: the call says no)
+    with pytest.raises(ValueError, match=f"^--text '{locked}': cannot read it \\(Permission denied\\)$"):
+        kv_quant.reference_text(locked)

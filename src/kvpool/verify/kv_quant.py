@@ -387,6 +387,10 @@ def reference_text(path: str | None = None) -> tuple[str, str]:
             return f.read(), path
     except UnicodeDecodeError as e:
         raise ValueError(f"--text {path!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except FileNotFoundError:
+        raise ValueError(f"--text {path!r}: no such file") from None
+    except OSError as e:  # unreadable (a permission, an I/O error): one line, not a traceback
+        raise ValueError(f"--text {path!r}: cannot read it ({e.strerror or e})") from None
 
 
 def quality_report(
