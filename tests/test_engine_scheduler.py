@@ -802,8 +802,9 @@ def test_a_checked_packing_is_taken_as_the_checked_path_takes_its_ids(ids, kind,
             results.append(str(error))
             continue
         seq = engine.requests[rid].seqs[0]
-        assert type(seq.token_ids) is list and seq.token_ids is not engine.requests[rid].prompt_ids
-        assert seq.prompt is not None and seq.prompt.token_ids is engine.requests[rid].prompt_ids
+        # the engine's own list, not the caller's: the sequence's, which the packing is over
+        assert type(seq.token_ids) is list and seq.token_ids is not getattr(prompt, "token_ids", prompt)
+        assert seq.prompt is not None and seq.prompt.token_ids is seq.token_ids
         assert [type(t) for t in seq.token_ids] == [int] * len(ids)
         if fast or kind == "lookup":
             assert seq.prompt.hashes is prompt.hashes  # (the lookups' memo kept)
@@ -894,7 +895,7 @@ def test_a_prompt_is_checked_packed_once_and_its_packing_serves_the_first_admiss
     seq = engine.requests[c].seqs[0]
     # its bytes and memo of hashes, over the engine's own list (the caller's may change)
     assert seq.prompt.packed is packed.packed and seq.prompt.hashes is packed.hashes
-    assert seq.prompt.token_ids is engine.requests[c].prompt_ids and seq.token_ids == [1, 2, 3, 4, 5, 7]
+    assert seq.prompt.token_ids is seq.token_ids and seq.token_ids == [1, 2, 3, 4, 5, 7]
     assert type(seq.token_ids) is list and type(seq.prompt.token_ids) is list
     packings: list[int] = []
     to_bytes = coordinator.token_bytes
@@ -975,10 +976,11 @@ def test_a_checked_prompt_cannot_be_forged_and_every_other_route_is_checked():
 
 def test_a_checked_prompts_handed_over_list_is_the_requests_own_and_runs_as_a_copied_one():
     # turn_prompt's CheckedPrompt holds a list handed over: the engine keeps that list as the
-    # request's prompt (no copy) and gives it back in the output; a tuple (pack_prompt's) is
-    # copied into a list of the engine's. The sequence's list is its own either way (it
-    # grows). Both run as the plain list's twin does, and both refuse the same bad prompts
-    # with the checked path's words
+    # request's sequence's (no copy; its tokens are appended to it), and pop_output gives it
+    # back cut to the prompt; a tuple (pack_prompt's) and a plain list are copied into a list
+    # of the engine's, given back the same way (`output` gives a copy). All three run as the
+    # plain list's twin does, and refuse the same bad prompts with the checked path's words;
+    # a handed-over list taken again after it grew is refused
     from kvpool.cache.coordinator import pack_prompt
     from kvpool.cache.types import _CHECKED_KEY, CheckedPrompt
     from kvpool.pool.hashing import token_bytes
@@ -996,18 +998,27 @@ def test_a_checked_prompts_handed_over_list_is_the_requests_own_and_runs_as_a_co
                 prompt = pack_prompt(ids) if kind == "tuple" else list(ids)
             rid = engine.add_request(prompt, params)
             req = engine.requests[rid]
-            assert type(req.prompt_ids) is list and req.prompt_ids == ids
-            assert req.seqs[0].token_ids == ids and req.seqs[0].token_ids is not req.prompt_ids
+            tokens = req.seqs[0].token_ids  # (the engine's list of the prompt: the request keeps no other)
+            assert (
+                type(tokens) is list and tokens == ids and req.prompt_ids == ids and req.num_prompt_tokens == len(ids)
+            )
             given = prompt if kind == "plain" else prompt.token_ids
-            assert (req.prompt_ids is given) == (kind == "list")  # handed over: kept, not copied
-            handed.append((rid, req.prompt_ids))
+            assert (tokens is given) == (kind == "list")  # handed over: kept, not copied
+            handed.append((rid, tokens))
         run(engine)
         done = []
-        for rid, kept in handed:
+        for (rid, kept), ids in zip(handed, prompts, strict=True):
+            assert kept == ids + expected(ids, 3)  # (the outputs appended to the list)
+            copied = engine.output(rid).prompt_token_ids
+            assert copied == ids and copied is not kept
             out = engine.pop_output(rid)
-            assert out.prompt_token_ids is kept  # (the handed-over list itself, for "list")
-            done.append((out.prompt_token_ids, out.completions[0].token_ids))
+            assert out.prompt_token_ids is kept and kept == ids  # (cut to the prompt)
+            done.append((list(kept), out.completions[0].token_ids))
         outputs.append(done)
+        if kind == "list":  # (its list grew in the run before pop_output cut it: grown again here)
+            prompt.token_ids.append(5)
+            with pytest.raises(ValueError, match="the packed prompt is not the packing of its token ids"):
+                engine.add_request(prompt, params, "again")
     assert outputs[0] == outputs[1] == outputs[2] == [(p, expected(p, 3)) for p in prompts]
     engine = Engine(PrefixModelRunner(8, 4), max_num_batched_tokens=32)
     for bad, named in (
@@ -1106,7 +1117,7 @@ def test_the_running_sequences_lead_with_the_columns_rows_by_identity_alone(num_
     # Every sequence here has the same fields (a twin of equal values is still another row);
     # seqs: the first `prefix` running sequences, then `picks` (an index past the running
     # ones picks such a twin)
-    req = RequestState("r", [1, 2], SamplingParams(), 0.0)
+    req = RequestState("r", 2, SamplingParams(), 0.0)
     running = [SequenceState("r/0", req, 0, [1, 2]) for _ in range(num_running)]
     stranger = SequenceState("r/0", req, 0, [1, 2])
     seqs = running[:prefix] + [running[i] if i < num_running else stranger for i in picks]

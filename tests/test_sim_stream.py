@@ -710,8 +710,9 @@ def test_every_prompt_the_engine_admits_in_a_run_is_packed_as_its_ids(routing, m
     # cache blocks under other ids than those computed. Every admission of a multi-turn run
     # is checked here against its ids packed afresh (planted: the packing carried as
     # bytes(len(prompt.packed)), or one carried token off, fails it). Its ids are a list
-    # handed over, which the engine keeps as the request's prompt: no copy of it (a copy
+    # handed over, which the engine keeps as the request's sequence's: no copy of it (a copy
     # planted in add_request fails the identity below), and the next turn extends that list
+    # (pop_output gives it back cut to the prompt)
     from kvpool.engine.engine import Engine
 
     admitted = []
@@ -723,7 +724,7 @@ def test_every_prompt_the_engine_admits_in_a_run_is_packed_as_its_ids(routing, m
         admitted.append(len(prompt.token_ids))
         rid = add_request(self, prompt, *args, **kwargs)
         req = self.requests[rid]
-        assert req.prompt_ids is prompt.token_ids and req.seqs[0].token_ids is not prompt.token_ids
+        assert req.seqs[0].token_ids is prompt.token_ids
         return rid
 
     monkeypatch.setattr(Engine, "add_request", checked_add)

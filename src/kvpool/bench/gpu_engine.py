@@ -148,7 +148,7 @@ def engine_tpot(
             # token, so its prompt is prefilled (a request's num_computed is no sign: it may
             # be admitted, and its prefill planned, inside the step)
             decode_only = len(engine.running) == unfinished and all(
-                len(s.token_ids) > len(s.request.prompt_ids) for s in engine.running
+                len(s.token_ids) > s.request.num_prompt_tokens for s in engine.running
             )
             began = time.perf_counter()
             unfinished -= len(engine.step())

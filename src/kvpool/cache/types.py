@@ -76,8 +76,8 @@ class CheckedPrompt(LookupPrompt):
     made from reaches it: the engine's add_request takes it without reading the ids again
     (an id's int is a likely cache miss in a fleet run, and packing them again to compare
     cost more than the rest of the call). `turn_prompt`'s ids are a list instead, handed
-    over: nothing changes it after, and the one engine given it keeps it as the request's
-    prompt (no copy of a long chat history each turn). A LookupPrompt built any other way (its list may
+    over: its caller reads it no more, and the one engine given it keeps it as the request's
+    token list (no copy of a long chat history each turn). A LookupPrompt built any other way (its list may
     have changed after packing) is checked. Only those two functions make one (TypeError
     otherwise); `_replace`, `_make`, copy and pickle give a plain LookupPrompt, which the
     engine checks."""

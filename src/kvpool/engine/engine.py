@@ -38,6 +38,7 @@ from kvpool.engine.batch_sampler import BatchSampler, StepSampler
 from kvpool.engine.runner import ModelRunner, ScheduledChunk, StepChunks
 from kvpool.engine.sampling import SamplingParams, sample_token, token_logprobs
 from kvpool.pool import token_bytes
+from kvpool.pool.hashing import TOKEN_BYTES
 
 _T = TypeVar("_T")
 # ScheduledChunk(...) without the named tuple's Python-level __new__: the engine makes one
@@ -66,7 +67,10 @@ class SequenceState:
     seq_id: str
     request: RequestState
     sample_index: int
-    token_ids: list[int]  # prompt + generated so far
+    # prompt + generated so far. Sequence 0's list is the prompt's list add_request made or
+    # was handed (no copy of it: the request keeps no other), given back by pop_output cut
+    # to the prompt; a forked sequence's is a copy of its parent's
+    token_ids: list[int]
     num_computed: int = 0
     in_runner: bool = False  # admitted (holds cache) in the runner
     finish_reason: str | None = None
@@ -84,13 +88,13 @@ class SequenceState:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.request.prompt_ids)  # (no copy of the output)
+        return len(self.token_ids) - self.request.num_prompt_tokens  # (no copy of the output)
 
 
 @dataclass(slots=True, eq=False)
 class RequestState:
     request_id: str
-    prompt_ids: list[int]
+    num_prompt_tokens: int  # every sequence's token ids begin with the prompt's (`prompt_ids`)
     params: SamplingParams
     arrival_time: float
     seqs: list[SequenceState] = field(default_factory=list)
@@ -116,8 +120,10 @@ class RequestState:
     inline: bool = False
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_ids)
+    def prompt_ids(self) -> list[int]:
+        """The prompt's ids, a copy: sequence 0's first `num_prompt_tokens` (the request holds
+        no list of its own: a chat prompt's copy, and its free, touch every id's int)."""
+        return self.seqs[0].token_ids[: self.num_prompt_tokens]
 
     @property
     def finished(self) -> bool:
@@ -344,9 +350,11 @@ class Engine:
         it for its lookups): its admission then hashes no block those lookups hashed, and its
         ids are not checked again (a CheckedPrompt's tuple cannot have changed since
         pack_prompt checked it): copied once into the engine's list, or, where they are a
-        list (the simulator's `turn_prompt`, which hands the list over: nothing changes it
-        after), kept as that list, not copied. A LookupPrompt built otherwise is checked:
-        ValueError where its bytes are not its ids' packing."""
+        list (the simulator's `turn_prompt`, which hands the list over: its caller reads it
+        no more), kept as that list, not copied. A LookupPrompt built otherwise is checked:
+        ValueError where its bytes are not its ids' packing. The engine's list of the
+        prompt is the request's sequence's token list (its tokens are appended to it), which
+        `pop_output` gives back cut to the prompt."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
@@ -365,7 +373,7 @@ class Engine:
         arrival = self.clock() if arrival_time is None else arrival_time
         req = RequestState(
             request_id,
-            prompt,
+            len(prompt),
             params,
             arrival,
             tenant=tenant,
@@ -376,7 +384,8 @@ class Engine:
             matches_text=bool(params.stop) and self.decode_text is not None,
             plain=params.n == 1 and params.logprobs is None,
         )
-        seq = SequenceState(f"{request_id}/0", req, 0, list(prompt), prompt=packed)
+        # (the engine's list of the prompt: the sequence's tokens are appended to it)
+        seq = SequenceState(f"{request_id}/0", req, 0, prompt, prompt=packed)
         req.seqs.append(seq)
         self.requests[request_id] = req
         self.waiting.append(seq)
@@ -391,6 +400,8 @@ class Engine:
         ids = prompt.token_ids
         if type(ids) is not list:
             ids = list(ids)
+        elif len(prompt.packed) != TOKEN_BYTES * len(ids):  # (a handed-over list taken once and grown since)
+            raise ValueError(f"request {request_id!r}: the packed prompt is not the packing of its token ids")
         self._check_shape(len(ids), prompt.mm_items, request_id)
         self._check_length(len(ids), request_id)
         vocab = self.runner.vocab_size
@@ -495,6 +506,9 @@ class Engine:
 
     def output(self, request_id: str) -> RequestOutput:
         req = self.requests[request_id]
+        return self._output(req, req.prompt_ids)
+
+    def _output(self, req: RequestState, prompt_ids: list[int]) -> RequestOutput:
         completions = [
             Completion(s.output_ids, s.text if self.decode_text else "", s.finish_reason or "") for s in req.seqs
         ]
@@ -505,7 +519,7 @@ class Engine:
             tpot = (req.finish_time - req.first_token_time) / (n_out - 1)
         latency = None if req.finish_time is None else req.finish_time - req.arrival_time
         return RequestOutput(
-            request_id, req.prompt_ids, completions, req.num_cached_tokens, ttft, tpot, latency, req.error
+            req.request_id, prompt_ids, completions, req.num_cached_tokens, ttft, tpot, latency, req.error
         )
 
     def pop_output(self, request_id: str) -> RequestOutput:
@@ -517,7 +531,12 @@ class Engine:
             raise ValueError(f"unknown request id {request_id!r}")
         if not req.finished or req.finish_time is None:
             raise ValueError(f"request {request_id!r} has not finished")
-        out = self.output(request_id)
+        # The prompt given back is sequence 0's own list cut to the prompt (the completions
+        # are copies of the outputs, made first): no copy of the prompt, whose ids the
+        # simulator's next turn extends in place (sim/simulator.py turn_prompt)
+        tokens = req.seqs[0].token_ids
+        out = self._output(req, tokens)
+        del tokens[req.num_prompt_tokens :]
         del self.requests[request_id]
         # The request and its sequences refer to each other (req.seqs, seq.request): a cycle
         # that only the cyclic collector frees, after the objects it holds (prompt and output
@@ -708,7 +727,7 @@ class Engine:
                 continue
             del seq.token_ids[chunk.start + len(chunk.token_ids) :]
             req = seq.request
-            num_output = len(seq.token_ids) - len(req.prompt_ids)
+            num_output = len(seq.token_ids) - req.num_prompt_tokens
             del seq.logits[num_output:], seq.logprobs[num_output:]  # (one a token, where recorded)
             seq.text = ""  # (set only where the sequence ended: not any more)
             if not num_output and not req.forked:  # its first token was the step's: as never taken
@@ -911,7 +930,7 @@ class Engine:
             for i, (seq, chunk, n) in enumerate(rest, head):
                 seq.num_computed += n
                 req = seq.request
-                if n == 1 and chunk.start >= len(req.prompt_ids):
+                if n == 1 and chunk.start >= req.num_prompt_tokens:
                     num_decode += 1
                 if not chunk.needs_logits:
                     continue
@@ -926,7 +945,7 @@ class Engine:
                         # twin: tests/test_engine_scheduler.py runs both paths on the same requests)
                         tokens = seq.token_ids
                         if token is None:
-                            position = len(tokens) - len(req.prompt_ids)
+                            position = len(tokens) - req.num_prompt_tokens
                             token = self.sampler(logits[row - 1], req.params, seq.sample_index, position)
                         tokens.append(token)
                         if not req.matches_text and token not in req.stop_ids and len(tokens) < req.end_len:
@@ -1027,7 +1046,7 @@ class Engine:
                         continue
                     reason = self._stop_reason(seq, token)
                 else:
-                    if seq.num_computed <= len(req.prompt_ids):  # (the chunk's start < the prompt's length)
+                    if seq.num_computed <= req.num_prompt_tokens:  # (the chunk's start < the prompt's length)
                         num_in_prompt += 1
                     if failed and req.request_id in failed:  # a sibling sample failed it this step
                         put(None)
@@ -1253,7 +1272,7 @@ class Engine:
         def rows(which: Sequence[int] | None = None) -> tuple[list[SamplingParams], list[int], list[int]]:
             picked = seqs if which is None else [seqs[i] for i in which]
             # (a sequence's output positions count from its prompt's length)
-            params, origins = [seq.request.params for seq in picked], [len(seq.request.prompt_ids) for seq in picked]
+            params, origins = [seq.request.params for seq in picked], [seq.request.num_prompt_tokens for seq in picked]
             return params, [seq.sample_index for seq in picked], origins
 
         def lengths() -> list[int]:
@@ -1355,7 +1374,7 @@ class Engine:
         req = seq.request
         params = req.params
         tokens = seq.token_ids
-        position = len(tokens) - len(req.prompt_ids)  # seq.num_output_tokens, before this token
+        position = len(tokens) - req.num_prompt_tokens  # seq.num_output_tokens, before this token
         if token is None:
             if self.batched_sampling:
                 token = self._batch_sampler.sample_rows(
@@ -1384,7 +1403,7 @@ class Engine:
         text."""
         req = seq.request
         params = req.params
-        position = len(seq.token_ids) - 1 - len(req.prompt_ids)  # the output position of `token`
+        position = len(seq.token_ids) - 1 - req.num_prompt_tokens  # the output position of `token`
         reason = None
         stop_text: str | None = None
         if token in self.eos_token_ids and not params.ignore_eos:

@@ -445,8 +445,8 @@ def turn_prompt(
     """Turn `turn`'s prompt, packed as `pack_prompt` packs it; its ints are `table`'s
     (tokens.int_table(vocab_size)). Made from `previous` or a held prefix, its ids are a
     list handed over (types.CheckedPrompt; the twin's, pack_prompt's, a tuple): the engine
-    whose add_request takes it keeps that list as the request's prompt, not a copy, and
-    gives it back in its output; pass it to one engine, and change it no more.
+    whose add_request takes it keeps that list as the request's token list, not a copy, and
+    pop_output gives it back cut to the prompt; pass it to one engine, and read it no more.
     `previous`: the prompt of turn - 1 as the engine's output gave it back
     (`RequestOutput.prompt_token_ids`, the caller's once popped), which is consumed:
     extended in place into this prompt by what the turn adds (answer_{turn-1} | user_turn,
