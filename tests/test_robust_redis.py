@@ -155,6 +155,17 @@ def test_a_redis_url_check_url_cannot_read_names_the_flag(url, needle) -> None:
         check_url(url)
 
 
+@pytest.mark.parametrize(
+    ("timeout_s", "retry_s"), [(float("inf"), 1.0), (0.5, float("inf")), (float("nan"), 1.0), (0, 1.0)]
+)
+def test_a_deadline_that_is_not_a_finite_positive_number_is_refused(timeout_s, retry_s) -> None:
+    """Every call's deadline is the tier's promise against a stalled server: inf (no
+    deadline: a step stalled for ever) passed the check, as did an infinite retry period
+    (a breaker never closed again). Refused before any connection (no server here)."""
+    with pytest.raises(ValueError, match="timeout_s and retry_s must be finite positive numbers of seconds"):
+        RedisTier("redis://127.0.0.1:1/0", timeout_s=timeout_s, retry_s=retry_s)
+
+
 def test_a_database_the_server_lacks_is_a_value_error_naming_it(redis_server) -> None:
     url = redis_server.url.rsplit("/", 1)[0] + "/99"
     with pytest.raises(ValueError, match=r"database 99.*DB index is out of range"):

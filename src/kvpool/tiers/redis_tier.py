@@ -39,6 +39,7 @@ A fault is a miss, never a crash, a hang or a stall:
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import time
@@ -139,8 +140,11 @@ class RedisTier(Tier):
         it the writes an outage holds back. ValueError for a URL, a database or credentials
         the server refuses; an unreachable server is an outage (served without it)."""
         self.url = check_url(url)
-        if not timeout_s > 0 or not retry_s > 0:
-            raise ValueError(f"timeout_s and retry_s must be positive, got {timeout_s} and {retry_s}")
+        # finite: an infinite deadline is none (a stalled server stalls a step for ever)
+        if not 0 < timeout_s < math.inf or not 0 < retry_s < math.inf:
+            raise ValueError(
+                f"timeout_s and retry_s must be finite positive numbers of seconds, got {timeout_s} and {retry_s}"
+            )
         try:
             self._client = redis.Redis.from_url(
                 url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
