@@ -76,6 +76,17 @@ def test_an_unwritable_plot_directory_is_one_line(tmp_path, capsys, no_simulatin
     assert f"--plot '{tmp_path / 'new' / 'plots'}'" in line and f"directory '{tmp_path}' is not writable" in line
 
 
+def test_a_sweep_out_file_that_is_not_writable_is_one_line(tmp_path, capsys, no_simulating, monkeypatch):
+    out = tmp_path / "runs.jsonl"
+    out.write_text('{"point": 0}\n')
+    real_access = os.access
+    # (root writes any file: the check's own call says no, for this file only)
+    monkeypatch.setattr(os, "access", lambda path, mode: path != str(out) and real_access(path, mode))
+    assert main(["simulate", "sweep", *LLAMA, "--requests", "8", "--jobs", "1", "--out", str(out)]) == 2
+    assert _one_error_line(capsys) == f"kvpool simulate: error: --out '{out}': the file exists and is not writable"
+    assert out.read_text() == '{"point": 0}\n'
+
+
 def test_a_plot_directory_is_made_only_when_the_run_succeeds(tmp_path, capsys):
     plots = tmp_path / "a" / "plots"
     assert main(["simulate", "--model", "no-such-model", "--plot", str(plots)]) == 2

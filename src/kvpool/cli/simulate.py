@@ -339,6 +339,9 @@ def _check_output_paths(args) -> None:
         if os.path.isdir(args.out):
             raise ValueError(f"--out {args.out!r}: a directory; expected a file to write")
         check_output_dir("--out", args.out, os.path.dirname(os.path.abspath(args.out)))
+        if os.path.exists(args.out) and not os.access(args.out, os.W_OK):
+            # (the sweep opens it once its points run: a PermissionError there was a traceback)
+            raise ValueError(f"--out {args.out!r}: the file exists and is not writable")
 
 
 def _one(options: SimOptions, combo: dict) -> dict:
