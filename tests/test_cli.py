@@ -28,6 +28,32 @@ def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys):
     assert capsys.readouterr().err == "kvpool plan: interrupted\n"
 
 
+def test_a_file_that_cannot_be_read_is_one_line_naming_it(monkeypatch, capsys, tmp_path):
+    """A PermissionError (or IsADirectoryError, a full disk) on a file the user named was a
+    traceback; only FileNotFoundError was one line. An OSError naming no file still propagates."""
+    import kvpool.cli.plan
+
+    config = tmp_path / "config.json"
+    config.write_text("{}")
+    original = type(config).read_text
+
+    def locked(path, *args, **kwargs):  # (root reads any file: the call says no, for this one)
+        if str(path) == str(config):
+            raise PermissionError(13, "Permission denied", str(path))
+        return original(path, *args, **kwargs)
+
+    monkeypatch.setattr(type(config), "read_text", locked)
+    assert main(["plan", "--model", str(config)]) == 2
+    assert capsys.readouterr().err == f"kvpool plan: error: [Errno 13] Permission denied: '{config}'\n"
+
+    def no_file(args):
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    monkeypatch.setattr(kvpool.cli.plan, "run", no_file)
+    with pytest.raises(ConnectionResetError):
+        main(["plan", "--model", "llama-3.1-8b"])
+
+
 @pytest.mark.parametrize(("stop", "words", "status"), [("interrupt", "interrupted", 130), ("term", "terminated", 143)])
 def test_ctrl_c_while_the_commands_load_is_one_line(monkeypatch, capsys, stop, words, status):
     """A Ctrl-C (or SIGTERM) in the first half second, while the parser imports the command

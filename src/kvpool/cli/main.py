@@ -212,6 +212,14 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
+    except OSError as error:
+        # a file the user named that cannot be read or written (a permission, a directory where
+        # a file was meant, a full disk): one line naming it, as a missing file is. An OSError
+        # that names no file (a socket, a lost peer) is not the caller's mistake: it propagates
+        if error.filename is None or os.environ.get("KVPOOL_TRACEBACK"):
+            raise
+        print(f"kvpool {args._name}: error: {error}", file=sys.stderr)
+        return 2
 
 
 def entry(argv: list[str] | None = None) -> None:
