@@ -192,3 +192,12 @@ def test_verify_hybrid_cli(capsys):
         main(["verify", "hybrid", "--lengths", "0"])
     assert exc.value.code == 2
     assert "--lengths must be positive integers" in capsys.readouterr().err
+
+
+def test_verify_hybrid_refuses_a_length_past_its_pool_not_reports_a_failed_check(capsys):
+    # it read "gemma: prompt 100000  nan  nan  NO  (assertion: the pool holds the prompt)", 0/2 passed
+    assert main(["verify", "hybrid", "--lengths", "100000"]) == 2
+    assert capsys.readouterr().err == (
+        "kvpool verify: error: --lengths 100000: a prompt of 100,000 tokens does not fit the verifier's KV pool; "
+        "give shorter lengths\n"
+    )

@@ -143,7 +143,13 @@ class Verifier:
     def _prefill(self, runner: ModelRunner, rid: str, ids: list[int], chunk: int | None) -> tuple[int, Tensor]:
         """Admit `ids` and compute the rest in chunks; (hit point, logits of [hit, len))."""
         adm = runner.admit(rid, ids, chunk)
-        assert adm is not None, "the pool holds the prompt"
+        if adm is None:
+            # a length past the pool (--lengths 100000) is the caller's mistake, not a failed check:
+            # as an assert it read "NO (assertion: the pool holds the prompt)", 0/2 passed
+            raise ValueError(
+                f"--lengths {len(ids)}: a prompt of {len(ids):,} tokens does not fit the verifier's KV pool; "
+                "give shorter lengths"
+            )
         pieces, pos = [], adm.num_cached_tokens
         n = adm.num_scheduled_tokens
         while True:
