@@ -807,6 +807,7 @@ def test_an_unknown_endpoint_or_method_gets_an_openai_error_naming_it(loaded):
     error = missing.json()["error"]
     assert error["type"] == "invalid_request_error" and error["code"] == "not_found", error
     assert "/v1/embeddings" in error["message"] and "/v1/chat/completions" in error["message"], error
+    assert "/debug/cache" in error["message"], error  # (every served path, from the routes themselves)
     assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST", wrong_method.headers
     error = wrong_method.json()["error"]
     assert error["code"] == "method_not_allowed" and "GET /v1/completions" in error["message"], error

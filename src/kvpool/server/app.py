@@ -107,7 +107,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         # error object: a client shows its message, which names what is served instead
         where = f"{request.method} {request.url.path}"
         if error.status_code == 404:
-            served = "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics"
+            served = ", ".join(r.path for r in request.app.routes if getattr(r, "include_in_schema", False))
             api = APIError(404, f"{where}: no such endpoint (kvpool serve serves {served})", code="not_found")
         elif error.status_code == 405:
             allowed = (error.headers or {}).get("Allow", "")

@@ -446,7 +446,8 @@ def turn_prompt(
     (tokens.int_table(vocab_size)). Made from `previous` or a held prefix, its ids are a
     list handed over (types.CheckedPrompt; the twin's, pack_prompt's, a tuple): the engine
     whose add_request takes it keeps that list as the request's token list, not a copy, and
-    pop_output gives it back cut to the prompt; pass it to one engine, and read it no more.
+    pop_output gives it back cut to the prompt; pass it to one engine, once, and read it no
+    more (added twice, two requests would share one list, and a step would fail).
     `previous`: the prompt of turn - 1 as the engine's output gave it back
     (`RequestOutput.prompt_token_ids`, the caller's once popped), which is consumed:
     extended in place into this prompt by what the turn adds (answer_{turn-1} | user_turn,
@@ -504,7 +505,7 @@ def turn_prompt(
     memo = {} if previous_memo is None else previous_memo
     # A CheckedPrompt, as pack_prompt's: its ids Python ints that are its bytes' ids, which
     # the engine's add_request then takes without reading them again (and, a list handed
-    # over, without copying them: a copy of a ~2,400-id prompt and its free touch every
+    # over, without copying them: a copy of a chat prompt (~2,100 ids at the medians, above) and its free touch every
     # id's int, likely cache misses at a fleet run's scale). `previous`
     # (and its packing) and `previous_answer` are the engine's ints (its checked prompt, its
     # sampler's tokens: not read again, an id a likely cache miss by now); the user's ids

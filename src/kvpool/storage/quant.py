@@ -285,8 +285,11 @@ def _scale_bytes(e: Tensor, amax: Tensor) -> Tensor:
 
 def _scaled(g: Tensor, exps: Tensor) -> Tensor:
     """g [..., groups, group] times 2^(exps - bias) per group; NaN under UE8M0_NAN."""
-    out = torch.ldexp(g, exps[..., : g.shape[-2]].to(torch.int32).unsqueeze(-1) - UE8M0_BIAS)
-    return torch.where(exps[..., : g.shape[-2]].unsqueeze(-1) == UE8M0_NAN, torch.nan, out)
+    # the NaN on the per-group scale, not a pass over every value (ldexp is x * 2^e: the same
+    # bits for the finite groups)
+    e = exps[..., : g.shape[-2]]
+    scale = torch.pow(2.0, e.to(torch.int32) - UE8M0_BIAS).masked_fill_(e == UE8M0_NAN, torch.nan)
+    return g * scale.unsqueeze(-1)
 
 
 def dequantize_fp8_ue8m0(codes: Tensor, exps: Tensor, dtype: torch.dtype, group: int = 64) -> Tensor:
