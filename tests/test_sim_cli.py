@@ -111,6 +111,17 @@ def test_max_model_len_shorter_than_a_trace_request_names_the_flag_and_the_line(
     assert "--max-model-len 1,024" in line and "trace line 2" in line and "5,004 tokens" in line, line
 
 
+def test_a_max_model_len_past_the_models_positions_is_warned_as_plan_does(capsys):
+    # it ran silent (contiguous reserves max_model_len a request); kvpool plan warned
+    argv = ["simulate", *LLAMA, "--requests", "4", "--max-model-len", "200000", "--json"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert (
+        "kvpool simulate: warning: --max-model-len 200,000 is beyond llama-3.1-8b's maximum position 131,072 "
+        "(max_position_embeddings)"
+    ) in err
+
+
 def test_a_generated_request_too_long_for_the_model_does_not_speak_of_a_trace(capsys):
     flags = ["--workload", "uniform", "--prompt-len", "9000:9000", "--output-len", "10:10", "--requests", "4"]
     assert main(["simulate", "--model", "smollm2-135m", *flags]) == 2

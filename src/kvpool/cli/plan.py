@@ -197,12 +197,13 @@ def _planner_options(args: argparse.Namespace, assumptions: LedgerAssumptions) -
     }
 
 
-def warn_beyond_max_position(model: ModelSpec, context_len: int | None) -> None:
+def warn_beyond_max_position(model: ModelSpec, context_len: int | None, command: str = "plan") -> None:
     """The plan still prints past the model's positions (the KV figures extrapolate), but
-    the user should know that the model was not built for that context."""
+    the user should know that the model was not built for that context. (kvpool simulate
+    warns the same: `command`.)"""
     if context_len is not None and context_len > model.max_position_embeddings:
         print(
-            f"kvpool plan: warning: --max-model-len {context_len:,} is beyond {model.name}'s maximum position "
+            f"kvpool {command}: warning: --max-model-len {context_len:,} is beyond {model.name}'s maximum position "
             f"{model.max_position_embeddings:,} (max_position_embeddings); the figures extrapolate",
             file=sys.stderr,
         )

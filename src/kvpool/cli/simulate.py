@@ -405,12 +405,30 @@ def _check_trace_flags(args: argparse.Namespace) -> None:
         args.requests = 1000
 
 
+def _warn_beyond_max_position(args: argparse.Namespace, combos: list[dict]) -> None:
+    """A warning line, as kvpool plan's, for a --max-model-len past a model's positions: the
+    simulation runs (contiguous reserves max_model_len per request), but was silent that the
+    model was never built for that context."""
+    if args.max_model_len is None:
+        return
+    from kvpool.cli.plan import warn_beyond_max_position
+    from kvpool.spec.models import model_by_name
+
+    for name in dict.fromkeys(c["model"] for c in combos):
+        try:
+            model = model_by_name(name)
+        except ValueError:
+            continue  # (an unknown model is said where the run or the sweep meets it)
+        warn_beyond_max_position(model, args.max_model_len, command="simulate")
+
+
 def run(args: argparse.Namespace) -> int:
     from kvpool.sim.deployment import public
 
     _check_trace_flags(args)
     _check_output_paths(args)
     combos = _runs(args)
+    _warn_beyond_max_position(args, combos)
     options = sim_options(args)
     if args.mode == "sweep":
         from kvpool.cli.sweep import run_sweep
