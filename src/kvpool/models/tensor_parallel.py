@@ -306,10 +306,15 @@ def digest(*parts: object) -> int:
 
 
 def check_same(
-    what: str, value: int, group: dist.ProcessGroup | None = None, peers: Sequence[Peer] | None = None
+    what: str,
+    value: int,
+    group: dist.ProcessGroup | None = None,
+    peers: Sequence[Peer] | None = None,
+    kind: str = "tensor-parallel",
 ) -> None:
     """Every rank of `group` holds the same `value` (a digest of `what`): RankError naming
-    the ranks whose value differs from the group's first rank otherwise, on every rank."""
+    the ranks whose value differs from the group's first rank otherwise, on every rank
+    (`kind`: whose ranks, in the line)."""
     world = dist.get_world_size(group)
     found = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     collective(peers, lambda: dist.all_gather(found, torch.tensor([value], dtype=torch.int64), group=group))
@@ -319,10 +324,17 @@ def check_same(
     ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(world)]
     odd = [str(r) for r, v in zip(ranks, values, strict=True) if v != values[0]]
     raise RankError(
-        f"rank {dist.get_rank()}: tensor-parallel ranks diverged: rank{'s' if len(odd) > 1 else ''} "
+        f"rank {dist.get_rank()}: {kind} ranks diverged: rank{'s' if len(odd) > 1 else ''} "
         f"{', '.join(odd)} differ{'' if len(odd) > 1 else 's'} from rank {ranks[0]} in {what}; every rank must be "
         "started with the same arguments"
     )
+
+
+def check_same_arguments(kind: str, *arguments: object) -> None:
+    """Every rank of the default group was started with the same `arguments` (a verify
+    command's): ranks started by hand with other flags would exchange tensors of other shapes
+    (gloo aborts the process) or data (a wrong verdict). RankError naming them otherwise."""
+    check_same("the command's arguments", digest(*arguments), kind=kind)
 
 
 def step_digest(

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from kvpool.attention.backends.step import function_step
 from kvpool.attention.context_parallel import cp_decode_attention, local_block_indices, local_num_keys, owner_of
 from kvpool.attention.paged import decode_attention, paged_attention, plan_step
-from kvpool.models.tensor_parallel import join_group
+from kvpool.models.tensor_parallel import check_same_arguments, join_group
 from kvpool.storage.kv import PagedKVStorage
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
@@ -253,6 +253,7 @@ def run_all(context: int, batch: int, block_size: int, prompt_len: int, steps: i
         raise ValueError("kvpool verify cp runs under torchrun: torchrun --nproc-per-node R -m kvpool verify cp")
     join_group()  # every wait bounded (GROUP_TIMEOUT_S); a group that cannot form: one line
     try:
+        check_same_arguments("context-parallel", context, batch, block_size, prompt_len, steps, seed)
         rank, world = dist.get_rank(), dist.get_world_size()
         torch.set_num_threads(1)
         results = [check_paged(rank, world, batch, context, block_size, seed)]

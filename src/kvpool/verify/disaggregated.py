@@ -60,7 +60,7 @@ def run_pd(
     from kvpool.engine.build import build_engine, load_model
     from kvpool.engine.disaggregated import Disaggregation, TransferError
     from kvpool.engine.sampling import SamplingParams
-    from kvpool.models.tensor_parallel import check_tp, join_group, shard_llama
+    from kvpool.models.tensor_parallel import check_same_arguments, check_tp, join_group, shard_llama
 
     if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
         raise ValueError("kvpool verify pd runs under torchrun: torchrun --nproc-per-node P+D -m kvpool verify pd")
@@ -71,6 +71,8 @@ def run_pd(
     check_tp(loaded.model.config, prefill_tp, "--prefill-tp")
     check_tp(loaded.model.config, decode_tp, "--decode-tp")
     join_group()  # every wait bounded (GROUP_TIMEOUT_S); a group that cannot form: one line
+    args = (prefill_tp, decode_tp, prefill_bs, decode_bs, max_tokens, prompt_len, prefill_tenant, crash)
+    check_same_arguments("P/D", *args)
     rank = dist.get_rank()
     prefill_ranks = list(range(prefill_tp))
     decode_ranks = list(range(prefill_tp, world))

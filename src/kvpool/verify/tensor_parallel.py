@@ -71,7 +71,7 @@ def run_tp(max_tokens: int = 8) -> dict[str, object] | None:
     """Every rank runs this under torchrun; rank 0 returns the result."""
     from kvpool.attention.reference import reference_logits
     from kvpool.engine.build import load_model
-    from kvpool.models.tensor_parallel import check_tp, join_group, shard_llama
+    from kvpool.models.tensor_parallel import check_same_arguments, check_tp, join_group, shard_llama
 
     if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
         raise ValueError("kvpool verify tp runs under torchrun: torchrun --nproc-per-node 3 -m kvpool verify tp")
@@ -85,6 +85,7 @@ def run_tp(max_tokens: int = 8) -> dict[str, object] | None:
     check_tp(loaded.model.config, world, "torchrun --nproc-per-node")  # verify tp's TP degree is its world
     join_group()  # every wait bounded (GROUP_TIMEOUT_S); a group that cannot form: one line
     try:
+        check_same_arguments("tensor-parallel", max_tokens)
         rank = dist.get_rank()
         whole = loaded.model
         reference = None
