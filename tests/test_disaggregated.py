@@ -158,44 +158,49 @@ dist.destroy_process_group()
 """
 
 
+# ... and a prefill rank (rank 0) of a model with 4 KV heads, torch only, sending its part.
+_OTHER_PREFILL_RANK = """
+import torch
+import torch.distributed as dist
+from kvpool.engine.disaggregated import TransferDescriptor, send_part, tokens_hash
+
+dist.init_process_group("gloo")
+msg = [None]
+dist.broadcast_object_list(msg, src=1)
+assert msg[0] == (0, 32, 16), msg  # the prompt's first two blocks
+ids = list(range(1000, 1040))
+desc = TransferDescriptor(
+    "other.gguf", "w", "t", "c", "rope", "float32", "float32", "", 30, 4, 64, (0, 4), 16, 0, 32, tokens_hash(ids, 32)
+)
+k = torch.randn(30, 32, 4, 64)
+send_part(desc, k, k, (0, 4), dst=1)
+dist.destroy_process_group()
+"""
+
+
 def test_a_prefill_rank_of_another_model_is_rejected_not_a_crash() -> None:
     """A prefill rank of a model with 4 KV heads sends its part: more bytes than SmolLM2's 3
     heads. The receiver sized its buffers by its own heads: gloo aborted its process
     ("Received data size doesn't match expected size", SIGABRT). It must receive the part
-    whole, reject it naming the fields, and install nothing."""
-    import torch
-    import torch.distributed as dist
-
-    from kvpool.engine.disaggregated import send_part, tokens_hash
-
-    port = _free_port()
-    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    env.update(OMP_NUM_THREADS="1", KVPOOL_DIST_TIMEOUT_S="60")
-    decode = subprocess.Popen(
-        [sys.executable, "-c", _DECODE_RANK], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    whole, reject it naming the fields, and install nothing. (Both ranks are processes of
+    their own: a group formed in the test process can hang after another test's failed one.)"""
+    port = str(_free_port())
+    procs = []
+    for rank, script in ((0, _OTHER_PREFILL_RANK), (1, _DECODE_RANK)):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        env.update(OMP_NUM_THREADS="1", KVPOOL_DIST_TIMEOUT_S="60")
+        cmd = [sys.executable, "-c", script]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
-        try:
-            msg: list[object] = [None]
-            dist.broadcast_object_list(msg, src=1)
-            assert msg[0] == (0, 32, 16)  # the prompt's first two blocks
-            ids = list(range(1000, 1040))
-            desc = TransferDescriptor(
-                "other.gguf", "w", "t", "c", "rope", "float32", "float32", "", 30, 4, 64, (0, 4), 16, 0, 32,
-                tokens_hash(ids, 32),
-            )  # fmt: skip
-            k = torch.randn(30, 32, 4, 64)
-            send_part(desc, k, k, (0, 4), dst=1)
-        finally:
-            dist.destroy_process_group()
-        out, err = decode.communicate(timeout=120)
+        outs = [p.communicate(timeout=120) for p in procs]
     finally:
-        if decode.poll() is None:
-            decode.kill()
-            decode.wait()
-    assert decode.returncode == 0, err[-3000:]
-    report = json.loads(out.strip().splitlines()[-1])
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert procs[0].returncode == 0, outs[0][1][-3000:]
+    assert procs[1].returncode == 0, outs[1][1][-3000:]
+    report = json.loads(outs[1][0].strip().splitlines()[-1])
     assert report["outcome"].startswith("transfer rejected: model_id: 'other.gguf' != "), report
     assert "num_kv_heads: 4 != 3" in report["outcome"] and report["landing_entries"] == 0
 
