@@ -178,12 +178,13 @@ def main(argv: list[str] | None = None) -> int:
         # (building the parser imports every command module, numpy's load included: the first
         # half second of any command, where a quick Ctrl-C lands)
         args = parse(build_parser(), argv)
-    except KeyboardInterrupt as stop:
+    except KeyboardInterrupt:
+        # (SIGTERM kills the process here as usual: `terminate_like_ctrl_c` is a command's,
+        # set after the parse)
         if os.environ.get("KVPOOL_TRACEBACK"):
             raise
-        terminated = isinstance(stop, Terminated)
-        print(f"kvpool: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
-        return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
+        print("kvpool: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     try:
         return int(args._run(args) or 0)
     except (ValueError, FileNotFoundError) as error:
@@ -214,8 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BROKEN_PIPE
     except OSError as error:
         # a file the user named that cannot be read or written (a permission, a directory where
-        # a file was meant, a full disk): one line naming it, as a missing file is. An OSError
-        # that names no file (a socket, a lost peer) is not the caller's mistake: it propagates
+        # a file was meant): one line naming it, as a missing file is. An OSError that names no
+        # file (a socket, a lost peer, a write to a full disk: ENOSPC carries no file name) is
+        # not shown as the caller's mistake: it propagates
         if error.filename is None or os.environ.get("KVPOOL_TRACEBACK"):
             raise
         print(f"kvpool {args._name}: error: {error}", file=sys.stderr)

@@ -321,7 +321,10 @@ def sim_options(args: argparse.Namespace) -> SimOptions:
 
     from kvpool.sim.deployment import SimOptions
 
-    return SimOptions(**{field.name: getattr(args, field.name) for field in dataclasses.fields(SimOptions)})
+    values = {field.name: getattr(args, field.name) for field in dataclasses.fields(SimOptions)}
+    if values["requests"] is None:  # (not given: None lets a trace tell a given --requests from the default)
+        values["requests"] = SimOptions.requests
+    return SimOptions(**values)
 
 
 def _check_output_paths(args) -> None:
@@ -391,7 +394,7 @@ class _Progress:
 def _check_trace_flags(args: argparse.Namespace) -> None:
     """ValueError for a flag that shapes a generated workload given with --trace, which
     replays its own lines (taken silently, --requests 1000 of a 23,000-line trace ran all
-    23,000); then --requests' default."""
+    23,000). --requests' default is SimOptions', filled in by `sim_options`."""
     if args.trace:
         given = [
             f for f, v in (("--requests", args.requests), ("--sessions", args.sessions), ("--turns", args.turns)) if v
@@ -401,8 +404,6 @@ def _check_trace_flags(args: argparse.Namespace) -> None:
                 f"{' / '.join(given)} with --trace: a trace replays every line, each a single request; to replay "
                 f"fewer, cut the file (head -n N {args.trace} > part.jsonl)"
             )
-    if args.requests is None:
-        args.requests = 1000
 
 
 def _warn_beyond_max_position(args: argparse.Namespace, combos: list[dict]) -> None:
