@@ -127,15 +127,6 @@ def test_kvpool_plan_sizes_the_prefill_and_decode_pools_apart() -> None:
     assert proc.returncode == 2 and "--pd: expected P,D (prefill and decode GPUs), got '1'" in proc.stderr
 
 
-def test_the_transfer_wait_is_the_groups_timeout_not_an_ignored_argument() -> None:
-    # Disaggregation took timeout_s=60.0 and never read it: a caller's 5 s bound waited the
-    # group's timeout (gloo's 30 minutes, then). The bound is the group's (join_group).
-    from kvpool.engine.disaggregated import Disaggregation
-
-    with pytest.raises(TypeError, match="unexpected keyword argument 'timeout_s'"):
-        Disaggregation(None, [0], [1], timeout_s=5.0)  # type: ignore[arg-type, call-arg]
-
-
 # The decode side of one transfer (rank 1), in its own process: SmolLM2 (3 KV heads) asking
 # for the first 32 tokens of a 40-token prompt; it prints what receive() did.
 _DECODE_RANK = """

@@ -324,6 +324,10 @@ def test_verify_tp_says_why_it_fails() -> None:
         "nothing was preempted, so the preemption path went unchecked: c and d decode 3 x --max-tokens 2 tokens "
         "each, too few to run their 5-block pool out (the default 8 does)"
     ]
+    # at the default or more, --max-tokens is not why: no blame on it
+    assert scenario_failures(calm, calm, requests, 15_360, 8) == [
+        "nothing was preempted, so the preemption path went unchecked"
+    ]
     off = {**ok, "max_logit_difference": 1e-3, "passed": False}
     wrong = {**ok, "tokens_equal": False, "max_logit_difference": float("inf"), "passed": False}
     assert scenario_failures(run, {**run, "b_cached_tokens": 32}, {**requests, "a": off, "d": wrong}, 46_080, 8) == [

@@ -173,13 +173,13 @@ def run_cp(args: argparse.Namespace) -> int:
     """`kvpool verify cp` (every rank runs it; rank 0 prints): 1 if a check fails."""
     import json
 
-    from kvpool.verify.context_parallel import run_all
+    from kvpool.verify.context_parallel import paged_lengths, run_all
 
     if args.smollm2_prompt < 0:
         raise ValueError(f"--smollm2-prompt must be >= 0, got {args.smollm2_prompt}")
-    # the paged check's sequences are --context, --context - 7, --context - 14, ... tokens
-    # (context_parallel.check_paged): the shortest must hold a token
-    shortest = args.context - 7 * (args.batch - 1)
+    # the paged check's sequences are --context, --context - 7, --context - 14, ... tokens: the
+    # shortest must hold a token
+    shortest = paged_lengths(args.context, args.batch)[-1]
     if shortest < 1:
         raise ValueError(
             f"--context {args.context} is too short for --batch {args.batch}: the paged check's sequences are "

@@ -53,10 +53,16 @@ def _block_values(seed: int, seq: int, block: int, bs: int) -> tuple[torch.Tenso
     )
 
 
+def paged_lengths(context: int, batch: int) -> list[int]:
+    """The paged check's sequence lengths: context, context - 7, context - 14, ... (a
+    partial last block but for the first); the CLI refuses flags whose last is below 1."""
+    return [context - 7 * i for i in range(batch)]
+
+
 def check_paged(rank: int, world: int, batch: int, context: int, bs: int, seed: int) -> dict[str, object] | None:
     """The paged check; rank 0 returns its figures, the others None."""
     num_blocks = -(-context // bs)
-    lens = [context - 7 * i for i in range(batch)]  # a partial last block but for the first
+    lens = paged_lengths(context, batch)
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, HEADS, HEAD_DIM, generator=g, dtype=torch.float64)
     scale = HEAD_DIM**-0.5
