@@ -152,6 +152,9 @@ def test_calibrate_fit_prints_the_fit_and_simulate_runs_on_it(capsys) -> None:
     assert load_calibration(None, get_gpu("H200")) == {}
     with pytest.raises(ValueError, match=r"^--calibration: calibration 'nope': no such file, and not a shipped"):
         load_calibration("nope", get_gpu("H200"))
+    here = str(Path(__file__).parent)  # a directory: named as one, not "no such file"
+    with pytest.raises(ValueError, match=r"^--calibration: calibration '.*' is a directory: give a calibration file"):
+        load_calibration(here, get_gpu("H200"))
 
 
 def test_the_docs_show_the_fit_as_it_prints_today() -> None:

@@ -151,6 +151,10 @@ def calibration_path(name_or_path: str) -> str:
         return os.path.join(DATA_DIR, SHIPPED[name_or_path])
     if os.path.isfile(name_or_path):
         return name_or_path
+    if os.path.isdir(name_or_path):  # (a directory is no calibration file: "no such file" misled)
+        raise ValueError(
+            f"calibration {name_or_path!r} is a directory: give a calibration file (JSON), not its directory"
+        )
     raise ValueError(
         f"calibration {name_or_path!r}: no such file, and not a shipped calibration (shipped: {', '.join(SHIPPED)})"
     )
