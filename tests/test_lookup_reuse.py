@@ -27,7 +27,7 @@ from kvpool.cache.types import LookupPrompt
 from kvpool.engine.runner import MeasuredRestoreCost
 from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG
 from kvpool.spec.dsv4 import DSV4Spec
-from test_router_probes import _prompt, run
+from test_router_probes import _prompt, decode_while_it_fits, run
 
 DESC = CacheDescriptor("lookup-reuse")
 SPEC = DSV4Spec.from_config(SMALL_DSV4_CONFIG)  # span 16
@@ -198,12 +198,7 @@ BETWEEN = st.one_of(
 
 
 def _decode(m: HybridCacheManager, rid: str, num_tokens: int) -> None:
-    for k in range(num_tokens):
-        m.append_token_ids(rid, [400 + k])
-        if m.reserve(rid, 1) is None:
-            return
-        m.take_copies()
-        m.commit(rid, 1)
+    decode_while_it_fits(m, rid, num_tokens, first_id=400)
 
 
 @settings(max_examples=int(os.environ.get("KVPOOL_HYPOTHESIS_EXAMPLES", "150")), deadline=None)

@@ -222,16 +222,22 @@ def run(m: HybridCacheManager, rid: str, tokens: list[int], num_decoded: int = 0
         return False
     m.take_copies()  # (the runner's: applied before the forward)
     m.commit(rid, len(tokens) - adm.num_cached_tokens)
-    for k in range(num_decoded):
-        m.append_token_ids(rid, [200 + k])
-        if m.reserve(rid, 1) is None:
-            break
-        m.take_copies()
-        m.commit(rid, 1)
+    decode_while_it_fits(m, rid, num_decoded)
     if finish:
         m.release(rid)
     m.check_integrity()
     return True
+
+
+def decode_while_it_fits(m: HybridCacheManager, rid: str, num_tokens: int, first_id: int = 200) -> None:
+    """Decode up to `num_tokens` tokens of running request `rid` (ids first_id, first_id +
+    1, ...), stopping at the first reservation that does not fit."""
+    for k in range(num_tokens):
+        m.append_token_ids(rid, [first_id + k])
+        if m.reserve(rid, 1) is None:
+            return
+        m.take_copies()
+        m.commit(rid, 1)
 
 
 def _fill(m: HybridCacheManager, ops: list[tuple[int, int, int, int, bool]]) -> None:
