@@ -364,7 +364,10 @@ class Disaggregation:
             if crash_after_descriptor:
                 import os
 
-                dist.send_object_list([dataclasses.replace(desc, part_heads=part)], dst=dst)
+                # (the descriptor send_part would send, its bytes declared: the peer then waits on
+                # them, broken off, not on 0 bytes)
+                sent = dataclasses.replace(desc, part_heads=part, part_bytes=k[:, :, lo:hi].nbytes)
+                dist.send_object_list([sent], dst=dst)
                 os._exit(17)
             send_part(desc, k[:, :, lo:hi], v[:, :, lo:hi], part, dst)
 
