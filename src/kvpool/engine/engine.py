@@ -689,7 +689,7 @@ class Engine:
         """The step raised after its reservation (its forward, its sampler), before any token
         was taken or committed (or `_undo_take` put them back). Stepping on must give the
         tokens of a run without the fault. Where the runner says the step may be reserved
-        again (`runner.unreserve_step`: a cache not of exact steps, which takes a repeated
+        again (`runner.may_reserve_again`: a cache not of exact steps, which takes a repeated
         reservation of the same step, and an executor without per-request state), the next
         step plans and reserves it again. Where it cannot (a cache of exact steps: V4's, the
         hybrid's; or an executor whose state, V4's compressor or a recurrent layer's, a forward
@@ -700,10 +700,10 @@ class Engine:
         with the moved state). recompute: release them whatever the cache (a commit that
         raised may have changed it)."""
         if not recompute:
-            # (a runner of its own may have no unreserve_step: its cache is its own, as a
+            # (a runner of its own may have no may_reserve_again: its cache is its own, as a
             # paged one, which takes a repeated reservation of the same step)
-            unreserve = getattr(self.runner, "unreserve_step", None)
-            if unreserve is None or unreserve(self._step_ids):
+            may_reserve_again = getattr(self.runner, "may_reserve_again", None)
+            if may_reserve_again is None or may_reserve_again():
                 return
         for seq in reversed(self._scheduled):
             if seq.in_runner:

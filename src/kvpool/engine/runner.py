@@ -541,18 +541,18 @@ class ModelRunner:
             self.bridge.save_evicted(self.cache, self.executor)
         return fits
 
-    def unreserve_step(self, request_ids: Sequence[str]) -> bool:
+    def may_reserve_again(self) -> bool:
         """After a step that raised before its commit (its forward, its sampler): the step
         buffers hold no step, and True when the next step may reserve the step's requests
         again as they are: a cache not of exact steps (a repeated reservation of the same step
-        replaces the held one) whose executor holds no per-request state. False, nothing
-        undone, otherwise: a cache of exact steps (the hybrid's attention groups cannot undo a
+        replaces the held one) whose executor holds no per-request state. False otherwise: a
+        cache of exact steps (the hybrid's attention groups cannot undo a
         step), or an executor whose state a forward that ran, whole or in part, moved past the
         step (V4's compressor, a recurrent layer's; every exact-steps runner here has one): the
         engine then releases the step's requests and recomputes them."""
         if self.step_buffers is not None:
             self.step_buffers.clear()
-        return not self.cache.exact_steps and not getattr(self.executor, "has_state", False)
+        return not self.cache.exact_steps and not self.executor.has_state
 
     def append_token_ids(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Sampled tokens join the request (their KV is computed by a later step)."""
