@@ -424,7 +424,7 @@ def test_a_batch_taken_as_columns_ends_its_rows_as_accept_token_does():
 
 def _faulty_step_runner(kind: str):
     """The runner of `_run_with_a_faulty_step`'s engine: "paged" (PrefixModelRunner, a cache
-    that takes a repeated reservation; no unreserve_step: the engine reserves the step
+    that takes a repeated reservation; no may_reserve_again: the engine reserves the step
     again), "v4" (TinyDSV4's dual pool, exact steps, an executor with per-request state: its
     sequences are recomputed) or "hybrid" (TinyHybrid's window and full attention groups,
     exact steps: its sequences are recomputed). The tiny models run
@@ -598,6 +598,12 @@ def _plant_take_fault(engine: Engine, where: str, fired: list[str]):
     return lambda: setattr(obj, name, call) if had else delattr(obj, name)
 
 
+def _taken_with_a_token(seq) -> tuple:
+    """What a sequence's taken token sets besides its ids, for the take-fault tests."""
+    req = seq.request
+    return req.first_token_time, req.inline, len(seq.logprobs), len(seq.logits), seq.text
+
+
 def _run_with_take_faults(requests, kind: str, faults: dict[int, str], batched: bool = True):
     """`_run_with_a_faulty_step` with faults of the take planted (`faults`: step number ->
     a TAKE_POINTS key; a step that does not reach its point runs as any other). After each
@@ -616,6 +622,7 @@ def _run_with_take_faults(requests, kind: str, faults: dict[int, str], batched: 
         else:
             seqs = [seq for req in engine.requests.values() for seq in req.seqs]
             before = [(list(seq.token_ids), seq.num_computed, seq.in_runner) for seq in seqs]
+            kept = [_taken_with_a_token(seq) for seq in seqs]
             lift = _plant_take_fault(engine, faults[step_no], fired)
             try:
                 num_fired = len(fired)
@@ -623,6 +630,9 @@ def _run_with_take_faults(requests, kind: str, faults: dict[int, str], batched: 
                 assert len(fired) == num_fired  # (its point not reached: a step as any other)
             except RuntimeError as error:
                 assert str(error) == f"injected {faults[step_no]} fault" and len(fired) == num_fired + 1
+                # (what a taken token sets besides the ids: no first-token time of a step that
+                # took none, nor its logprobs, logits or text)
+                assert [_taken_with_a_token(seq) for seq in seqs] == kept, step_no
                 for seq, (token_ids, num_computed, in_runner) in zip(seqs, before, strict=True):
                     assert seq.token_ids == token_ids, (step_no, seq.seq_id)
                     assert seq.finish_reason is None or not in_runner, (step_no, seq.seq_id)  # (none ended)
