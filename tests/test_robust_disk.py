@@ -660,9 +660,11 @@ def test_a_descriptor_field_of_the_wrong_type_is_a_corrupt_entry(tmp_path, capsy
     manifest = json.dumps(m)
     checksum = xxhash.xxh3_128_hexdigest(manifest.encode())
     stored(tier, 1).write_bytes(st_save(tensors(1), {"kvpool.manifest": manifest, "kvpool.manifest_xxh3": checksum}))
-    for action in ("ls", "stats"):
-        assert main(["cache", action, str(tmp_path), "--json"]) == 0
-        out = json.loads(capsys.readouterr().out)
+    assert main(["cache", "ls", str(tmp_path), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["entries"]
+    assert [bool(r["problem"]) for r in rows] == [False, True] and f"field {field}" in rows[1]["problem"], rows
+    assert main(["cache", "stats", str(tmp_path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
     assert out["entries"] == 2 and out["unreadable"] == 1
     fresh = DiskTier(tmp_path, 1 << 30)
     assert fresh.get(key(1), descriptor(1)) is None and fresh.stats.misses == {"corrupt": 1}
