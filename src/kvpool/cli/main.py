@@ -11,7 +11,6 @@ import contextlib
 import difflib
 import importlib
 import os
-import re
 import signal
 import sys
 import threading
@@ -150,22 +149,20 @@ def lost_peer_line(error: RuntimeError) -> str | None:
     any other error. With two ranks the lost one is the other; with more, gloo cannot tell
     which (a tensor-parallel engine names it itself: models/tensor_parallel.py)."""
     dist = sys.modules.get("torch.distributed")  # (loaded only by a command that uses it)
-    text = str(error)
-    # a peer that hangs (stopped, deadlocked) rather than dies: the group's timeout ran out
-    # ("[.../unbound_buffer.cc:78] Timed out waiting 600000ms for recv operation to complete"),
-    # and every later call on the closed pair says "Application timeout caused pair closure"
-    timed_out = "Timed out waiting" in text or "Application timeout" in text
-    if dist is None or not dist.is_available() or not dist.is_initialized() or not ("gloo" in text or timed_out):
+    if dist is None or not dist.is_available() or not dist.is_initialized():
         return None
-    # "[.../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:38297: Connection reset by
-    # peer. This is typically caused by ..." -> "Read error [127.0.0.1]:38297: Connection reset by peer"
-    reason = re.sub(r"^\[[^\]]*\]\s*", "", text.strip().splitlines()[0]).split(". This is typically")[0]
+    from kvpool.models.tensor_parallel import TIMEOUT_ENV, gloo_reason  # (torch is loaded: dist is)
+
+    text = str(error)
+    reason, timed_out = gloo_reason(text)
+    if not ("gloo" in text or timed_out):
+        return None
     rank, world = dist.get_rank(), dist.get_world_size()
     peer = f"rank {1 - rank}" if world == 2 else "a peer rank"
     if timed_out:
         return (
             f"rank {rank} of {world}: {peer} did not answer within the process group's timeout ({reason}); it "
-            "hangs or was stopped (KVPOOL_DIST_TIMEOUT_S sets the wait), and the group cannot go on without it"
+            f"hangs or was stopped ({TIMEOUT_ENV} sets the wait), and the group cannot go on without it"
         )
     return f"rank {rank} of {world}: lost {peer} ({reason}); the process group cannot go on without it"
 

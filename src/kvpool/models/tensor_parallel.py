@@ -98,6 +98,18 @@ def _me(peers: Sequence[Peer]) -> Peer | None:
     return next((p for p in peers if p.host == host and p.pid == pid), None)
 
 
+def gloo_reason(text: str) -> tuple[str, bool]:
+    """gloo's error text as (its first line without the source location and the advice
+    after it, whether the process group's timeout ran out): "[.../pair.cc:537] Read error
+    [127.0.0.1]:38297: Connection reset by peer. This is typically caused by ..." -> "Read
+    error [127.0.0.1]:38297: Connection reset by peer". A peer that hangs (stopped,
+    deadlocked) rather than dies runs the timeout out ("[.../unbound_buffer.cc:78] Timed out
+    waiting 600000ms for recv ..."), and every later call on the closed pair says
+    "Application timeout caused pair closure"."""
+    first = re.sub(r"^\[[^\]]*\]\s*", "", (text.strip().splitlines() or [""])[0]).split(". This is typically")[0]
+    return first, "Timed out waiting" in text or "Application timeout" in text
+
+
 def lost_rank_error(peers: Sequence[Peer], error: BaseException) -> RankError:
     """The one line for a collective that failed because a peer went away: the lost ranks
     by name where they can be told (the only other rank; peers on this host whose process
@@ -105,10 +117,9 @@ def lost_rank_error(peers: Sequence[Peer], error: BaseException) -> RankError:
     me = _me(peers)
     others = [p for p in peers if p is not me]
     who = f"rank {me.rank}" if me is not None else "this rank"
-    # gloo's "[.../unbound_buffer.cc:78] Timed out waiting 600000ms for recv ...": the group's
-    # timeout ran out on a peer that hangs (stopped, deadlocked), not one that ended
-    first = re.sub(r"^\[[^\]]*\]\s*", "", (str(error).strip().splitlines() or [type(error).__name__])[0])
-    if "Timed out waiting" in first or "Application timeout" in first:
+    first, timed_out = gloo_reason(str(error))
+    first = first or type(error).__name__
+    if timed_out:  # (a peer that hangs, not one that ended)
         return RankError(
             f"{who}: a peer rank did not answer within the process group's timeout ({first}); it hangs or was "
             f"stopped ({TIMEOUT_ENV} sets the wait), and the tensor-parallel group cannot go on without it"
