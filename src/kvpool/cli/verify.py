@@ -183,7 +183,7 @@ def run_cp(args: argparse.Namespace) -> int:
     if shortest < 1:
         raise ValueError(
             f"--context {args.context} is too short for --batch {args.batch}: the paged check's sequences are "
-            f"--context, --context - 7, ... tokens (the last {shortest}); give --context {7 * (args.batch - 1) + 1} "
+            f"--context, --context - 7, ... tokens (the last {shortest}); give --context {args.context - shortest + 1} "
             "or more, or a smaller --batch"
         )
     if args.smollm2_prompt and args.steps < 2:  # the first token is the prefill's: nothing decoded to check
