@@ -1490,6 +1490,12 @@ class HybridCacheManager:
     def _reserve_each(self, request_ids: Sequence[str], num_new_tokens: Sequence[int]) -> bool:
         """`reserve_step` request by request: every request checked, then the groups asked
         about every request that takes anything."""
+        if self._loading and not self.exact_steps:
+            # a step inside a loading request's reserved blocks takes nothing, so the checks
+            # below never see it; it would write the blocks its loads fill: refused as `reserve`
+            for request_id in request_ids:
+                if request_id in self._loading:
+                    self._check_reserve(self._requests[request_id], 0)  # raises
         if not self.exact_steps and num_new_tokens.count(1) == len(request_ids):  # all decodes
             try:
                 pending = [r for r in map(self._requests.__getitem__, request_ids) if r.num_computed >= r.end]

@@ -1,0 +1,79 @@
+"""Hostile call sequences against the cache core's documented API (docs/core_api.md): calls
+out of order, at and past every limit, and of the wrong type. The promises held here: a bad
+call is a ValueError / TypeError naming what is wrong, and a refused call leaves every
+observable as it was (free queues, refcounts, tables, counts, the prefix index)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpool.cache import CacheDescriptor, FullAttentionManager, HybridCacheManager
+from kvpool.cache.window import AttentionGroupSpec
+from kvpool.engine import tier_bridge
+from kvpool.tiers import HostTier, TierIndex
+
+BS = 4
+DESC = CacheDescriptor("robust")
+PROMPT = list(range(1, 18))  # 17 tokens: four full blocks and one token
+
+
+def snapshot(m: HybridCacheManager) -> dict:
+    """Every observable a refused call must leave as it was."""
+    seen: dict = {"stats": m.stats, "ids": list(m.request_ids), "lookup": m.lookup_prefix(PROMPT)}
+    for i, pool in enumerate(m.pools):
+        seen[i] = (pool.free_queue(), pool.num_free_cached, [pool.refcount(b) for b in range(pool.num_blocks)])
+    for rid in m.request_ids:
+        part = m.part(rid, next(iter(m.groups)))
+        seen[rid] = (
+            m.block_ids(rid),
+            m.num_computed_tokens(rid),
+            m.num_reserved_tokens(rid),
+            list(m.token_ids(rid)),
+            part.group.loads(part.state),
+        )
+    return seen
+
+
+def _loading(exact: bool) -> HybridCacheManager:
+    """A cache of 6 blocks whose request "b" hits PROMPT's blocks 1-3 in the host tier
+    (block 0 on the device): admitted with a budget of 13, its loads pending."""
+    tier = HostTier(1 << 20)
+    index = TierIndex(tier, BS)
+    if exact:
+        m = HybridCacheManager([(AttentionGroupSpec("full", BS), 6)], DESC, lower_tier=index)
+    else:
+        m = FullAttentionManager(6, BS, DESC, lower_tier=index)
+    m.admit("a", PROMPT)
+    m.commit("a", len(PROMPT))
+    m.release("a")
+    filler = list(range(100, 120))  # pushes PROMPT's blocks 1-3 out, to the tier
+    m.admit("f", filler)
+    for _, block in tier_bridge.take_evicted(m):
+        key, descriptor = index.describe(block)
+        tier.put(key, descriptor, {"content": torch.zeros(descriptor.num_computed_tokens)})
+    m.commit("f", len(filler))
+    m.release("f")
+    admission = m.admit("b", PROMPT, 13)
+    assert admission.num_cached_tokens == 16 and len(admission.groups["full"].loads) == 3
+    assert m.num_computed_tokens("b") == 4  # the device's block; the tier's three are in flight
+    return m
+
+
+@pytest.mark.parametrize("exact", [False, True])
+@pytest.mark.parametrize("num_tokens", [1, 13])
+def test_a_step_of_a_request_whose_loads_are_pending_is_refused(exact, num_tokens) -> None:
+    """reserve refuses a request still loading lower-tier blocks (complete_loads first), and
+    so does reserve_step, the batched reserve: the full-attention manager's returned True for
+    a step inside the admission's blocks, over the very blocks being loaded."""
+    m = _loading(exact)
+    before = snapshot(m)
+    for reserve in (lambda: m.reserve("b", num_tokens), lambda: m.reserve_step(["b"], [num_tokens])):
+        with pytest.raises(ValueError, match="'b' has lower-tier blocks to load \\(complete_loads first\\)"):
+            reserve()
+        assert snapshot(m) == before
+        m.check_integrity()
+    admission = m.complete_loads("b", 3)
+    assert (admission.num_cached_tokens, admission.num_scheduled_tokens) == (16, 1)
+    m.commit_step(["b"], [1], [None])  # the rest of the prompt, loads done: the step goes on
+    assert m.num_computed_tokens("b") == 17
