@@ -5,10 +5,13 @@ observable as it was (free queues, refcounts, tables, counts, the prefix index).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from kvpool.cache import CacheDescriptor, FullAttentionManager, HybridCacheManager
+from kvpool.cache.dual_pool import DualPoolGroupSpec
+from kvpool.cache.recurrent import RecurrentGroupSpec
 from kvpool.cache.window import AttentionGroupSpec
 from kvpool.engine import tier_bridge
 from kvpool.tiers import HostTier, TierIndex
@@ -77,3 +80,43 @@ def test_a_step_of_a_request_whose_loads_are_pending_is_refused(exact, num_token
     assert (admission.num_cached_tokens, admission.num_scheduled_tokens) == (16, 1)
     m.commit_step(["b"], [1], [None])  # the rest of the prompt, loads done: the step goes on
     assert m.num_computed_tokens("b") == 17
+
+
+def _hybrid() -> HybridCacheManager:
+    return HybridCacheManager([(AttentionGroupSpec("full", BS), 8), (RecurrentGroupSpec("rec", 4), 4)], DESC)
+
+
+def _dual() -> HybridCacheManager:
+    return HybridCacheManager([(DualPoolGroupSpec("v4", BS, replay_len=2), (8, 3))], DESC)
+
+
+CACHES = {"full": lambda: FullAttentionManager(8, BS, DESC), "hybrid": _hybrid, "dual": _dual}
+
+
+def _computed_six(make) -> HybridCacheManager:
+    """Request "a": 6 tokens computed, 11 known."""
+    m = make()
+    m.admit("a", [1, 2, 3, 4, 5, 6])
+    m.commit_step(["a"], [6], [7])
+    m.append_token_ids("a", [8, 9, 10, 11])
+    return m
+
+
+@pytest.mark.parametrize("cache", sorted(CACHES))
+@pytest.mark.parametrize("bad", [3.0, 2.5, float("nan"), "3", None])
+def test_a_commit_of_a_count_that_is_no_int_is_refused(cache, bad) -> None:
+    """A commit's token count that is no int is a TypeError naming it, and changes nothing:
+    3.0 or nan passed the checks of the reserved span, moved the computed count to a float
+    (the full manager's groups then raised 'slice indices must be integers' mid-commit, the
+    dual pool took 3.0 whole) and check_integrity itself failed after."""
+    m = _computed_six(CACHES[cache])
+    assert m.reserve_step(["a"], [3])
+    before = snapshot(m)
+    for commit in (lambda: m.commit("a", bad), lambda: m.commit_step(["a"], [bad], [None])):
+        with pytest.raises(TypeError, match=f"request 'a': a commit's token count must be an int, got {bad!r}"):
+            commit()
+        assert snapshot(m) == before
+        m.check_integrity()
+    m.commit_step(["a"], [np.int64(3)], [None])  # numpy's ints are ints
+    assert m.num_computed_tokens("a") == 9 and type(m.num_computed_tokens("a")) is int
+    m.check_integrity()

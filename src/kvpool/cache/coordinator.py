@@ -1570,8 +1570,10 @@ class HybridCacheManager:
         if request_ids and not (self._loading and not self._loading.isdisjoint(request_ids)):
             if num_tokens.count(1) == len(request_ids):  # all decodes: the engine's common step
                 changed = self._commit_decodes(request_ids, next_token_ids)
-            else:  # prefill chunks, with the decodes of the running requests
-                changed = self._commit_chunks(request_ids, num_tokens, next_token_ids)
+            else:  # prefill chunks, with the decodes of the running requests (counts of ints: see `_all_ints`)
+                changed = (
+                    self._commit_chunks(request_ids, num_tokens, next_token_ids) if _all_ints(num_tokens) else None
+                )
             if changed is not None:
                 if changed:
                     self._commit_groups(changed)
@@ -1780,6 +1782,7 @@ class HybridCacheManager:
         reqs = self._step_requests(request_ids, num_tokens, next_token_ids)
         if not reqs:
             return
+        num_tokens = _int_counts(num_tokens, "a commit's token count", request_ids)
         loading = next((req for req in reqs if req.num_loading), None)
         if loading is not None:
             raise ValueError(f"request {loading.request_id!r} has lower-tier blocks to load (complete_loads first)")
@@ -2036,6 +2039,36 @@ class HybridCacheManager:
                         raise AssertionError(
                             f"shared pool: block {b} is held by groups {owner[b]!r} and {g.name!r} ({rid!r})"
                         )
+
+
+def _all_ints(counts: Sequence[int]) -> bool:
+    """Whether every count is a Python int (a bool too), told by one C-level sum (~4 ns a
+    count, where a test of each count's type in a loop costs ~12): a float (3.0, nan) or
+    numpy's int makes the sum another type, anything else makes it fail. The fast paths'
+    checks are comparisons, which 3.0 and nan pass: a count that is no int goes to the naive
+    twin, which converts it (`_int_counts`) or names it."""
+    try:
+        return sum(counts).__class__ is int
+    except TypeError:
+        return False
+
+
+def _int_counts(counts: Sequence[int], what: str, request_ids: Sequence[str]) -> list[int]:
+    """The counts as ints (numpy's ints and bools are: `operator.index`); TypeError naming
+    the request and the first that is not."""
+    try:
+        return list(map(operator.index, counts))
+    except TypeError:
+        request_id, bad = next((r, n) for r, n in zip(request_ids, counts, strict=True) if not _is_index(n))
+        raise TypeError(f"request {request_id!r}: {what} must be an int, got {bad!r}") from None
+
+
+def _is_index(value: object) -> bool:
+    try:
+        operator.index(value)  # (raises TypeError for anything that is no int)
+    except TypeError:
+        return False
+    return True
 
 
 def _token_ids_array(request_id: str, token_ids: Iterable[int]) -> array[int]:
