@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -216,3 +217,16 @@ def test_a_config_file_that_is_not_utf8_text_names_the_file(tmp_path: Path) -> N
     binary.write_bytes(b"\x89PNG\r\n\x1a\n\xb1\xa1")
     with pytest.raises(ValueError, match=f"config file '{binary}' is not UTF-8 text"):
         load_config_file(binary)
+
+
+@pytest.mark.parametrize("key", ["tie_word_embeddings", "attention_bias", "use_sliding_window"])
+@pytest.mark.parametrize("value", ["false", 0, 1, [], None])
+def test_a_flag_is_a_json_boolean(key: str, value: object) -> None:
+    # bool("false") is True: a quoted "false" tied Qwen3-8B's head to its embedding and
+    # planned 7.57 B parameters where the model has 8.19 B; null is the key's default.
+    cfg = load_preset_config("qwen3-8b") | {key: value}
+    if value is None:
+        assert count_parameters(from_hf_config(cfg)).total == 8_190_735_360
+        return
+    with pytest.raises(ValueError, match=re.escape(f"{key} must be true or false, got {json.dumps(value)}")):
+        from_hf_config(cfg)

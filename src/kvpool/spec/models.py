@@ -290,6 +290,18 @@ def _positive(cfg: dict[str, Any], key: str, kind: str, default: int | None = No
     return value
 
 
+def _flag(cfg: dict[str, Any], key: str, kind: str, default: bool) -> bool:
+    """cfg[key] (`default` where absent or null): a JSON true / false. bool() of it took the
+    string "false" as True (a quoted "false" tied the head to the embedding, a silent wrong
+    weight figure), and 0 / 1 are not what transformers writes for a flag."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"{kind} config: {key} must be true or false, got {json.dumps(value)}")
+    return value
+
+
 def _layer_windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> tuple[int | None, ...]:
     """Per-layer sliding window (None = full attention), from `layer_types` or the family rule."""
     window = cfg.get("sliding_window")
@@ -317,7 +329,7 @@ def _layer_windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> tup
         w = _positive(cfg, "sliding_window", model_type)
         pattern = int(cfg.get("sliding_window_pattern", 6))  # 5 local : 1 global
         return tuple(w if (i + 1) % pattern else None for i in range(num_layers))
-    if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window") and window:
+    if model_type in ("qwen2", "qwen3") and _flag(cfg, "use_sliding_window", model_type, False) and window:
         first = int(cfg.get("max_window_layers", num_layers))
         window = _positive(cfg, "sliding_window", model_type)
         return tuple(window if i >= first else None for i in range(num_layers))
@@ -370,7 +382,7 @@ def _parse_gqa(cfg: dict[str, Any], name: str, model_type: str) -> ModelSpec:
             expert_bias=True,
             router_bias=True,
         )
-    bias = bool(cfg.get("attention_bias", False))
+    bias = _flag(cfg, "attention_bias", model_type, False)
     return ModelSpec(
         name=name,
         model_type=model_type,
@@ -379,7 +391,7 @@ def _parse_gqa(cfg: dict[str, Any], name: str, model_type: str) -> ModelSpec:
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         layer_windows=_layer_windows(cfg, model_type, L),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
+        tie_word_embeddings=_flag(cfg, "tie_word_embeddings", model_type, gemma),
         qkv_bias=bias or model_type == "qwen2",
         o_bias=bias,
         qk_norm=model_type in ("qwen3", "gemma3_text"),
@@ -426,7 +438,7 @@ def _parse_mla(cfg: dict[str, Any], name: str, model_type: str) -> ModelSpec:
         num_kv_heads=1,  # one latent per token, shared by all heads
         head_dim=mla.kv_lora_rank + mla.qk_rope_head_dim,
         layer_windows=(None,) * L,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=_flag(cfg, "tie_word_embeddings", model_type, False),
         mla=mla,
         indexer=indexer,
         moe=moe,
@@ -476,7 +488,7 @@ def _parse_dsv4(cfg: dict[str, Any], name: str, model_type: str) -> ModelSpec:
         head_dim=v4.head_dim,
         layer_windows=(None,) * v4.num_layers,
         intermediate_size=moe.expert_intermediate_size,  # no dense MLP layers in V4
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=_flag(cfg, "tie_word_embeddings", model_type, False),
         max_position_embeddings=v4.max_position_embeddings,
         weight_format="fp4+fp8",  # FP4 routed experts, FP8 (128x128 blocks) elsewhere
         moe=moe,
