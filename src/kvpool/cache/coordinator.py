@@ -1168,7 +1168,9 @@ class HybridCacheManager:
             ids = token_ids if type(token_ids) is list else list(token_ids)
             known = prompt.token_ids  # (a CheckedPrompt's tuple compares as a list only to a tuple)
             if (
-                (known if type(known) is list else list(known)) != ids
+                # the engine's admission passes the one list its prompt was packed over
+                # (add_request's): equal to itself, not read (a chat prompt's ~2,000 ids)
+                (known is not ids and (known if type(known) is list else list(known)) != ids)
                 or prompt.mm_items != (check_mm_items(mm_items, len(ids)) if mm_items else ())
                 or (
                     prompt.packed != token_bytes(ids) if check_packing else len(prompt.packed) != len(ids) * TOKEN_BYTES
