@@ -230,3 +230,24 @@ def test_a_flag_is_a_json_boolean(key: str, value: object) -> None:
         return
     with pytest.raises(ValueError, match=re.escape(f"{key} must be true or false, got {json.dumps(value)}")):
         from_hf_config(cfg)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("model_type", ["llama"], 'model_type must be a string, got ["llama"]'),
+        ("model_type", {}, "model_type must be a string, got {}"),
+        ("architectures", 5, "architectures must be a list of strings, got 5"),
+        ("layer_types", 36, "layer_types must be a list of 36 layer kinds, got 36"),
+        ("layer_types", "full_attention", 'layer_types must be a list of 36 layer kinds, got "full_attention"'),
+        ("quantization_config", "fp8", 'quantization_config must be a JSON object, got "fp8"'),
+        ("quantization_config", True, "quantization_config must be a JSON object, got true"),
+    ],
+)
+def test_a_config_value_of_the_wrong_json_type_is_named(key: str, value: object, message: str) -> None:
+    # each of these raised a TypeError / AttributeError (a traceback from `kvpool plan --config`)
+    cfg = load_preset_config("qwen3-8b") | {key: value}
+    if key == "architectures":
+        del cfg["model_type"]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        from_hf_config(cfg)

@@ -307,6 +307,10 @@ def _layer_windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> tup
     window = cfg.get("sliding_window")
     if "layer_types" in cfg and cfg["layer_types"] is not None:
         types = cfg["layer_types"]
+        if not isinstance(types, list):  # len() of a number raised TypeError; a string's counted its letters
+            raise ValueError(
+                f"{model_type} config: layer_types must be a list of {num_layers} layer kinds, got {json.dumps(types)}"
+            )
         if len(types) != num_layers:
             raise ValueError(f"layer_types has {len(types)} entries for num_hidden_layers={num_layers}")
         out: list[int | None] = []
@@ -340,6 +344,10 @@ def _layer_windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> tup
 
 def _weight_format(cfg: dict[str, Any]) -> str:
     quant = cfg.get("quantization_config")
+    if quant is None:
+        return "bf16"
+    if not isinstance(quant, dict):  # quant.get raised AttributeError on "fp8", true, 1
+        raise ValueError(f"quantization_config must be a JSON object, got {json.dumps(quant)}")
     if not quant:
         return "bf16"
     method = quant.get("quant_method")
@@ -541,6 +549,11 @@ def from_hf_config(cfg: dict[str, Any], name: str | None = None) -> ModelSpec:
         cfg = {"model_type": "gemma3_text", **cfg["text_config"]}
     model_type = cfg.get("model_type")
     architectures = cfg.get("architectures") or []
+    # a list or object here hashed (TypeError), a number iterated (TypeError): name the key
+    if model_type is not None and not isinstance(model_type, str):
+        raise ValueError(f"config: model_type must be a string, got {json.dumps(model_type)}")
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise ValueError(f"config: architectures must be a list of strings, got {json.dumps(architectures)}")
     if model_type is None:
         known = [_ARCHITECTURES[a] for a in architectures if a in _ARCHITECTURES]
         if not known:
