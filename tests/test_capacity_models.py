@@ -251,3 +251,58 @@ def test_a_config_value_of_the_wrong_json_type_is_named(key: str, value: object,
         del cfg["model_type"]
     with pytest.raises(ValueError, match=re.escape(message)):
         from_hf_config(cfg)
+
+
+GEMMA3_1B = {
+    "model_type": "gemma3_text",
+    "num_hidden_layers": 26,
+    "hidden_size": 1152,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "intermediate_size": 6912,
+    "vocab_size": 262144,
+    "max_position_embeddings": 32768,
+    "sliding_window": 512,
+    "sliding_window_pattern": 6,
+}
+
+
+@pytest.mark.parametrize(
+    ("base", "key", "value", "message"),
+    [
+        # int() took "32" as 32 and 1.5 as 1, and 0 divided by zero (ZeroDivisionError)
+        ("deepseek-v3", "moe_layer_freq", 0, "moe_layer_freq must be a positive integer, got 0"),
+        ("deepseek-v3", "moe_layer_freq", "1", 'moe_layer_freq must be a positive integer, got "1"'),
+        ("deepseek-v3", "first_k_dense_replace", -1, "first_k_dense_replace must be an integer >= 0, got -1"),
+        ("deepseek-v3", "first_k_dense_replace", 1.5, "first_k_dense_replace must be an integer >= 0, got 1.5"),
+        ("deepseek-v3", "first_k_dense_replace", [], "first_k_dense_replace must be an integer >= 0, got []"),
+        ("deepseek-v3", "n_shared_experts", -1, "n_shared_experts must be an integer >= 0, got -1"),
+        ("deepseek-v3", "n_shared_experts", "1", 'n_shared_experts must be an integer >= 0, got "1"'),
+        ("deepseek-v3", "q_lora_rank", 0, "q_lora_rank must be a positive integer, got 0"),
+        ("deepseek-v3", "q_lora_rank", {}, "q_lora_rank must be a positive integer, got {}"),
+        ("gpt-oss-120b", "num_experts_per_tok", "4", 'num_experts_per_tok must be a positive integer, got "4"'),
+        ("gemma3-1b", "sliding_window_pattern", 0, "sliding_window_pattern must be a positive integer, got 0"),
+        ("qwen3-8b", "max_window_layers", "28", 'max_window_layers must be an integer >= 0, got "28"'),
+    ],
+)
+def test_an_optional_count_is_checked_like_a_required_one(base: str, key: str, value: object, message: str) -> None:
+    cfg = GEMMA3_1B if base == "gemma3-1b" else load_preset_config(base)
+    cfg = cfg | {key: value} | ({"use_sliding_window": True, "sliding_window": 4096} if base == "qwen3-8b" else {})
+    with pytest.raises(ValueError, match=re.escape(message)):
+        from_hf_config(cfg)
+
+
+def test_optional_counts_keep_their_defaults() -> None:
+    # absent or null: the value transformers' config class defaults to
+    v3 = load_preset_config("deepseek-v3")
+    for key in ("first_k_dense_replace", "moe_layer_freq", "n_shared_experts"):
+        spec = from_hf_config({k: v for k, v in v3.items() if k != key})
+        assert spec.moe is not None
+        expected = {"first_k_dense_replace": (0, 61, 1), "moe_layer_freq": (3, 58, 1), "n_shared_experts": (3, 58, 0)}
+        assert (spec.moe.moe_layers[0], len(spec.moe.moe_layers), spec.moe.num_shared_experts) == expected[key]
+    assert from_hf_config(v3 | {"q_lora_rank": None}).mla.q_lora_rank is None  # DeepSeek-V2-Lite's plain q
+    assert sum(w is None for w in from_hf_config(GEMMA3_1B | {"sliding_window_pattern": None}).layer_windows) == 4
+    qwen = load_preset_config("qwen3-8b") | {"use_sliding_window": True, "sliding_window": 4096}
+    assert from_hf_config(qwen | {"max_window_layers": 28}).layer_windows.count(None) == 28
+    assert from_hf_config(qwen | {"max_window_layers": None}).layer_windows.count(None) == 36

@@ -290,6 +290,17 @@ def _positive(cfg: dict[str, Any], key: str, kind: str, default: int | None = No
     return value
 
 
+def _non_negative(cfg: dict[str, Any], key: str, kind: str, default: int) -> int:
+    """cfg[key] (`default` where absent or null): a JSON integer >= 0, a count that may be
+    zero (dense layers before the first MoE one, shared experts, full-attention layers)."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{kind} config: {key} must be an integer >= 0, got {json.dumps(value)}")
+    return value
+
+
 def _flag(cfg: dict[str, Any], key: str, kind: str, default: bool) -> bool:
     """cfg[key] (`default` where absent or null): a JSON true / false. bool() of it took the
     string "false" as True (a quoted "false" tied the head to the embedding, a silent wrong
@@ -331,10 +342,10 @@ def _layer_windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> tup
         return tuple(w if i % 2 == 0 else None for i in range(num_layers))
     if model_type == "gemma3_text":
         w = _positive(cfg, "sliding_window", model_type)
-        pattern = int(cfg.get("sliding_window_pattern", 6))  # 5 local : 1 global
+        pattern = _positive(cfg, "sliding_window_pattern", model_type, default=6)  # 5 local : 1 global
         return tuple(w if (i + 1) % pattern else None for i in range(num_layers))
     if model_type in ("qwen2", "qwen3") and _flag(cfg, "use_sliding_window", model_type, False) and window:
-        first = int(cfg.get("max_window_layers", num_layers))
+        first = _non_negative(cfg, "max_window_layers", model_type, num_layers)
         window = _positive(cfg, "sliding_window", model_type)
         return tuple(window if i >= first else None for i in range(num_layers))
     if model_type == "mistral" and window:
@@ -385,7 +396,12 @@ def _parse_gqa(cfg: dict[str, Any], name: str, model_type: str) -> ModelSpec:
             num_shared_experts=0,
             # gpt-oss experts: gate_up [h, 2I] + down [I, h]; the 3 x h x I count holds.
             expert_intermediate_size=_positive(cfg, "intermediate_size", model_type),
-            experts_per_token=int(cfg.get("num_experts_per_tok") or _req(cfg, "experts_per_token", model_type)),
+            # transformers' name, or the original checkpoint's
+            experts_per_token=_positive(
+                cfg,
+                "num_experts_per_tok" if cfg.get("num_experts_per_tok") is not None else "experts_per_token",
+                model_type,
+            ),
             moe_layers=tuple(range(L)),
             expert_bias=True,
             router_bias=True,
@@ -417,7 +433,7 @@ def _parse_mla(cfg: dict[str, Any], name: str, model_type: str) -> ModelSpec:
         qk_rope_head_dim=_positive(cfg, "qk_rope_head_dim", model_type),
         qk_nope_head_dim=_positive(cfg, "qk_nope_head_dim", model_type),
         v_head_dim=_positive(cfg, "v_head_dim", model_type),
-        q_lora_rank=None if cfg.get("q_lora_rank") is None else int(cfg["q_lora_rank"]),
+        q_lora_rank=None if cfg.get("q_lora_rank") is None else _positive(cfg, "q_lora_rank", model_type),
     )
     indexer = None
     if "index_topk" in cfg or model_type == "deepseek_v32":
@@ -428,11 +444,11 @@ def _parse_mla(cfg: dict[str, Any], name: str, model_type: str) -> ModelSpec:
         )
     moe = None
     if cfg.get("n_routed_experts"):
-        first_dense = int(cfg.get("first_k_dense_replace", 0))
-        freq = int(cfg.get("moe_layer_freq", 1))
+        first_dense = _non_negative(cfg, "first_k_dense_replace", model_type, 0)
+        freq = _positive(cfg, "moe_layer_freq", model_type, default=1)
         moe = MoEGeometry(
             num_experts=int(cfg["n_routed_experts"]),
-            num_shared_experts=int(cfg.get("n_shared_experts") or 0),
+            num_shared_experts=_non_negative(cfg, "n_shared_experts", model_type, 0),
             expert_intermediate_size=_positive(cfg, "moe_intermediate_size", model_type),
             experts_per_token=_positive(cfg, "num_experts_per_tok", model_type),
             moe_layers=tuple(i for i in range(L) if i >= first_dense and i % freq == 0),
@@ -479,7 +495,7 @@ def _parse_dsv4(cfg: dict[str, Any], name: str, model_type: str) -> ModelSpec:
         raise ValueError(f"{model_type} config is missing required key 'n_routed_experts'")
     moe = MoEGeometry(
         num_experts=int(facts["n_routed_experts"]),
-        num_shared_experts=int(facts.get("n_shared_experts", 0)),
+        num_shared_experts=_non_negative(facts, "n_shared_experts", model_type, 0),
         expert_intermediate_size=_positive(facts, "moe_intermediate_size", model_type),
         experts_per_token=_positive(facts, "num_experts_per_tok", model_type),
         moe_layers=tuple(range(v4.num_layers)),  # every V4 layer is MoE (no dense prefix)
