@@ -120,3 +120,38 @@ def test_a_commit_of_a_count_that_is_no_int_is_refused(cache, bad) -> None:
     m.commit_step(["a"], [np.int64(3)], [None])  # numpy's ints are ints
     assert m.num_computed_tokens("a") == 9 and type(m.num_computed_tokens("a")) is int
     m.check_integrity()
+
+
+@pytest.mark.parametrize("cache", sorted(CACHES))
+@pytest.mark.parametrize("bad", [3.0, 2.5, float("nan"), "3", None])
+def test_a_reservation_of_a_count_that_is_no_int_is_refused(cache, bad) -> None:
+    """admit's max_new_tokens, reserve's and reserve_step's counts that are no int: a
+    TypeError naming them, nothing changed. nan passed the checks (comparisons) and the
+    pool handed out a block before an int-only call raised: a block lost (check_integrity:
+    'refcount 0 but is not free'); the full manager's reserve_step took [nan] as a step
+    inside its block (True, nothing reserved)."""
+    m = _computed_six(CACHES[cache])
+    m.admit("b", [1, 2, 3, 4, 5, 6, 7, 8, 9], 4)
+    m.commit("b", 4)  # "b": 4 hit (block 0), 4 computed: one prompt token left
+    before = snapshot(m)
+    calls = {
+        f"max_new_tokens must be an int, got {bad!r}": lambda: m.admit("c", [9, 8, 7, 6, 5], bad),
+        f"a reservation's token count must be an int, got {bad!r}": lambda: m.reserve("a", bad),
+    }
+    if bad is None:  # (admit's default: the rest of the prompt)
+        del calls[next(iter(calls))]
+    for message, call in calls.items():
+        with pytest.raises(TypeError, match=f"request '[ac]': {message}"):
+            call()
+        assert snapshot(m) == before and "c" not in m
+        m.check_integrity()
+    for ids, counts, named in ((["a"], [bad], "a"), (["a", "b"], [1, bad], "b"), (["b", "a"], [bad, 2], "b")):
+        with pytest.raises(
+            TypeError, match=f"request '{named}': a reservation's token count must be an int, got {bad!r}"
+        ):
+            m.reserve_step(ids, counts)
+        assert snapshot(m) == before
+        m.check_integrity()
+    assert m.reserve_step(["a", "b"], [np.int64(3), 1])  # numpy's ints are ints
+    assert m.num_reserved_tokens("a") >= 9 and type(m.num_reserved_tokens("a")) is int
+    m.check_integrity()

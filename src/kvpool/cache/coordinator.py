@@ -1151,8 +1151,11 @@ class HybridCacheManager:
         memo, self._decode_step = self._decode_step, None
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already admitted")
-        if max_new_tokens is not None and max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if max_new_tokens is not None:
+            if max_new_tokens.__class__ is not int:  # (nan passed the check below and leaked a block mid-grab)
+                max_new_tokens = _int_counts((max_new_tokens,), "max_new_tokens", (request_id,))[0]
+            if max_new_tokens < 0:
+                raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         if prompt is None:
             prompt = _pack(token_ids, mm_items, request_id)
         elif not isinstance(prompt, LookupPrompt):
@@ -1350,6 +1353,8 @@ class HybridCacheManager:
         changed. Not exact steps: a repeated reserve before commit replaces the previous one
         (the reservation only grows)."""
         req = self._get(request_id)
+        if num_new_tokens.__class__ is not int:
+            num_new_tokens = _int_counts((num_new_tokens,), "a reservation's token count", (request_id,))[0]
         self._check_reserve(req, num_new_tokens)
         start = req.num_computed
         end = start + num_new_tokens
@@ -1522,6 +1527,8 @@ class HybridCacheManager:
                 ends.append(nc + 1)
         else:
             reqs = self._step_requests(request_ids, num_new_tokens)
+            if not _all_ints(num_new_tokens):  # (the checks below are comparisons, which nan passes)
+                num_new_tokens = _int_counts(num_new_tokens, "a reservation's token count", request_ids)
             if min(num_new_tokens) < 0:
                 raise ValueError(f"num_new_tokens must be >= 0, got {min(num_new_tokens)}")
             if self.exact_steps:  # every request reserves; `_check_reserve` names what is wrong
