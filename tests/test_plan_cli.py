@@ -169,3 +169,23 @@ def test_nonsense_counts_are_refused_at_parse_time(
         main(["plan", "--model", "llama-3.1-8b", flag, value])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.endswith(f"kvpool plan: error: argument {flag}: {message}\n")
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        # 1e300 GiB overflowed to inf bytes: int(inf) raised OverflowError, a traceback
+        ("1e300", "--memory-gib: 1e+300 GiB is more bytes than a number can count"),
+        # 1e-12 GiB is 0 bytes: the error named memory_bytes, no flag the user gave
+        ("1e-12", "--memory-gib: 1e-12 GiB is less than one byte"),
+    ],
+)
+def test_a_memory_size_past_what_bytes_hold_is_named(
+    value: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plan", "--model", "llama-3.1-8b", "--memory-gib", value]) == 2
+    assert capsys.readouterr().err == f"kvpool plan: error: {message}\n"
+    # one byte, of which a share rounds down to none
+    assert main(["plan", "--model", "llama-3.1-8b", "--memory-gib", "1e-9", "--gpu-memory-utilization", "0.5"]) == 2
+    expected = "--gpu-memory-utilization 0.5 of 1 bytes is less than one byte"
+    assert capsys.readouterr().err == f"kvpool plan: error: {expected}\n"

@@ -164,8 +164,17 @@ def _gpu(args: argparse.Namespace) -> GPUSpec:
         if args.gpu_memory_utilization != 1.0:
             raise ValueError("--gpu-memory-utilization sizes a GPU; --device cpu's pool is --kv-memory")
         return cpu_device()
-    gpu = custom_gpu(args.memory_gib) if args.memory_gib is not None else get_gpu(args.gpu)
-    return dataclasses.replace(gpu, memory_bytes=int(gpu.memory_bytes * args.gpu_memory_utilization))
+    if args.memory_gib is not None:
+        gpu = _for_flag("--memory-gib", custom_gpu, args.memory_gib)
+    else:
+        gpu = get_gpu(args.gpu)
+    usable = int(gpu.memory_bytes * args.gpu_memory_utilization)
+    if usable < 1:  # GPUSpec's own error would name memory_bytes, no flag the user gave
+        raise ValueError(
+            f"--gpu-memory-utilization {args.gpu_memory_utilization:g} of {gpu.memory_bytes:,} bytes "
+            "is less than one byte"
+        )
+    return dataclasses.replace(gpu, memory_bytes=usable)
 
 
 def _engine(args: argparse.Namespace) -> EngineConfig | None:

@@ -163,9 +163,16 @@ def get_gpu(name: str) -> GPUSpec:
 def custom_gpu(memory_gib: float, name: str | None = None) -> GPUSpec:
     """A GPU of `memory_gib` GiB (for --memory-gib). Its bandwidth is unknown and set to inf:
     bandwidth does not enter the capacity plan, and inf invents no number."""
-    if memory_gib <= 0:
+    if not memory_gib > 0:
         raise ValueError(f"memory_gib must be positive, got {memory_gib}")
-    return GPUSpec(name or f"{memory_gib:g} GiB", int(memory_gib * GIB), float("inf"))
+    memory_bytes = memory_gib * GIB
+    # a finite GiB figure can still overflow to inf bytes (int(inf) raised OverflowError)
+    # or round down to no byte at all
+    if not math.isfinite(memory_bytes):
+        raise ValueError(f"{memory_gib:g} GiB is more bytes than a number can count")
+    if memory_bytes < 1:
+        raise ValueError(f"{memory_gib:g} GiB is less than one byte")
+    return GPUSpec(name or f"{memory_gib:g} GiB", int(memory_bytes), float("inf"))
 
 
 def cpu_device() -> GPUSpec:
