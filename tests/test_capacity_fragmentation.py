@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kvpool.capacity.fragmentation import (
@@ -54,3 +56,21 @@ def test_sampling_is_seeded() -> None:
     for bad in ("normal:1:2", "uniform:5", "uniform:9:1", "fixed:x"):
         with pytest.raises(ValueError):
             sample_lengths(bad, 4)
+
+
+@pytest.mark.parametrize(
+    ("distribution", "message"),
+    [
+        # inf drew inf lengths (int() raised OverflowError, a traceback through kvpool plan)
+        ("lognormal:inf:1", "lognormal needs a finite MEDIAN > 0 and a finite SIGMA >= 0, got inf, 1.0"),
+        ("lognormal:1:inf", "lognormal needs a finite MEDIAN > 0 and a finite SIGMA >= 0, got 1.0, inf"),
+        # nan passed the comparisons, then numpy said "cannot convert float NaN to integer"
+        ("lognormal:nan:1", "lognormal needs a finite MEDIAN > 0 and a finite SIGMA >= 0, got nan, 1.0"),
+        ("lognormal:1e307:10", "lognormal:1e+307:10 draws lengths beyond a float; use a smaller one"),
+        # numpy said "high is out of bounds for int64"
+        ("uniform:1:10000000000000000000", "uniform HI must be below 2**63 - 1, got 10000000000000000000"),
+    ],
+)
+def test_lengths_past_what_the_sampler_draws_are_named(distribution: str, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        sample_lengths(distribution, 4)

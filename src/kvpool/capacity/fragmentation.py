@@ -70,6 +70,9 @@ def measure_fragmentation(lengths: Sequence[int], block_size: int) -> Fragmentat
     )
 
 
+_INT64_MAX = (1 << 63) - 1
+
+
 def sample_lengths(distribution: str, num_seqs: int, seed: int = 0) -> list[int]:
     """`num_seqs` request lengths drawn with `seed` from one of:
 
@@ -87,12 +90,17 @@ def sample_lengths(distribution: str, num_seqs: int, seed: int = 0) -> list[int]
             lo, hi = int(args[0]), int(args[1])
             if not 0 <= lo <= hi:
                 raise ValueError(f"uniform bounds must satisfy 0 <= LO <= HI, got {lo}, {hi}")
+            if hi >= _INT64_MAX:  # numpy draws int64 (its own words: "high is out of bounds for int64")
+                raise ValueError(f"uniform HI must be below 2**63 - 1, got {hi}")
             return [int(x) for x in rng.integers(lo, hi + 1, size=num_seqs)]
         if kind == "lognormal" and len(args) == 2:
             median, sigma = float(args[0]), float(args[1])
-            if median <= 0 or sigma < 0:
-                raise ValueError(f"lognormal needs MEDIAN > 0 and SIGMA >= 0, got {median}, {sigma}")
+            # nan passes neither comparison; inf draws infinite lengths (int() of them overflows)
+            if not (0 < median < math.inf and 0 <= sigma < math.inf):
+                raise ValueError(f"lognormal needs a finite MEDIAN > 0 and a finite SIGMA >= 0, got {median}, {sigma}")
             draws = rng.lognormal(math.log(median), sigma, size=num_seqs)
+            if not np.isfinite(draws).all():  # finite parameters can still draw past a float
+                raise ValueError(f"lognormal:{median:g}:{sigma:g} draws lengths beyond a float; use a smaller one")
             return [max(1, int(round(x))) for x in draws]
         if kind == "fixed" and len(args) == 1:
             n = int(args[0])
