@@ -155,3 +155,19 @@ def test_a_reservation_of_a_count_that_is_no_int_is_refused(cache, bad) -> None:
     assert m.reserve_step(["a", "b"], [np.int64(3), 1])  # numpy's ints are ints
     assert m.num_reserved_tokens("a") >= 9 and type(m.num_reserved_tokens("a")) is int
     m.check_integrity()
+
+
+@pytest.mark.parametrize("salt", [42, b"tenant", None])
+def test_a_tenant_salt_that_is_no_str_is_named(salt) -> None:
+    """A salt that is no str (a numeric user id, bytes) is a TypeError naming the salt, at a
+    lookup and at an admission, nothing changed; it was AttributeError "'int' object has no
+    attribute 'encode'" from inside the hasher."""
+    m = _computed_six(CACHES["full"])
+    before = snapshot(m)
+    message = f"tenant salt must be a str, got {type(salt).__name__} {salt!r}"
+    with pytest.raises(TypeError, match=message):
+        m.lookup_prefix([1, 2, 3, 4, 5], tenant_salt=salt)
+    with pytest.raises(TypeError, match=message):
+        m.admit("b", [1, 2, 3, 4, 5], tenant_salt=salt)
+    assert snapshot(m) == before and "b" not in m
+    m.check_integrity()

@@ -82,7 +82,10 @@ class BlockHasher:
     def root_preimage(descriptor_key: bytes, tenant_salt: str = "") -> bytes:
         """The bytes a chain's root stands for: descriptor and tenant salt, length-prefixed
         so that (descriptor, salt) pairs cannot collide by concatenation. ValueError for a
-        salt UTF-8 cannot encode (a lone surrogate)."""
+        salt UTF-8 cannot encode (a lone surrogate), TypeError for one that is no str (a
+        numeric user id: its bytes would be a choice made here)."""
+        if not isinstance(tenant_salt, str):
+            raise TypeError(f"tenant salt must be a str, got {type(tenant_salt).__name__} {tenant_salt!r}")
         try:
             salt = tenant_salt.encode()
         except UnicodeEncodeError as error:
