@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.cache import CacheDescriptor, DSV4CacheManager, FullAttentionManager, StateRestore, coordinator
+from kvpool.cache import CacheDescriptor, DSV4CacheManager, FullAttentionManager, StateRestore, coordinator, dual_pool
 from kvpool.cache.coordinator import HybridCacheManager, pack_prompt
 from kvpool.cache.dual_pool import RestoreChoice, TokenCost, choose_restore
 from kvpool.engine import tier_bridge
@@ -207,6 +207,45 @@ def test_auto_restore_chooses_per_admission_by_cost() -> None:
     # c's first step took every slot for its own boundaries (64, 80, 96): 96 is recomputed now
     assert m.lookup_prefix(_ids(97)) == 96
     m.check_integrity()
+
+
+class _Versioned(_Priced):
+    """`_Priced` with a `version` its owner moves with the price (RestoreCost's contract)."""
+
+    def __init__(self, copy: float) -> None:
+        super().__init__(copy)
+        self.version = 0
+
+
+@pytest.mark.parametrize("versioned", [True, False])
+def test_auto_lookups_follow_the_restore_prices_as_they_move(versioned: bool) -> None:
+    # the cut's choices are kept per version (`_restore_choice`): a new version prices
+    # afresh, and a cost without one is asked at every lookup
+    cost = _Versioned(0.0) if versioned else _Priced(0.0)
+    m = make(20, 4, restore="auto", num_checkpoints=3, restore_cost=cost)
+    m.admit("a", _ids(50), 0)
+    _compute(m, "a", 50)  # checkpoints at 16, 32, 48
+    _install(m, _ids(200), 5)  # spans to 128 cached, none checkpointed past 48
+    # hit 96, checkpointed at 48: the cut computes copy + 48 tokens, the replay 64
+    assert m.lookup_prefix(_ids(97)) == 48
+    for copy, expected in [(20.0, 96), (0.0, 48), (16.0, 48), (16.5, 96)]:  # copy + 48 against 64
+        cost.copy = copy
+        if isinstance(cost, _Versioned):
+            cost.version += 1
+        assert m.lookup_prefix(_ids(97)) == expected
+    m.check_integrity()
+
+
+def test_the_cuts_kept_restore_choices_are_choose_restores_and_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dual_pool, "MAX_RESTORE_CHOICES", 50)
+    cost = _Versioned(10.0)
+    g = make(20, 4, restore="auto", num_checkpoints=3, restore_cost=cost).groups["v4"]
+    replay_len = SPEC.window * SPEC.num_layers
+    for _ in range(2):  # made, then (some) kept
+        for n in range(12):
+            for k in range(n + 1):
+                assert g._restore_choice(n, k) == choose_restore(n * SPAN, k * SPAN, replay_len, cost), (n, k)
+                assert len(g._choices) <= 50
 
 
 def test_pooled_checkpoints_live_in_the_classical_pool_and_leave_in_its_lru_order() -> None:
