@@ -189,3 +189,13 @@ def test_a_memory_size_past_what_bytes_hold_is_named(
     assert main(["plan", "--model", "llama-3.1-8b", "--memory-gib", "1e-9", "--gpu-memory-utilization", "0.5"]) == 2
     expected = "--gpu-memory-utilization 0.5 of 1 bytes is less than one byte"
     assert capsys.readouterr().err == f"kvpool plan: error: {expected}\n"
+
+
+@pytest.mark.parametrize("name", ["[/]oops", "Llama [fp8] [bold]x[/bold]"])
+def test_a_model_name_is_printed_as_written(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # the name (config.json's _name_or_path, or its folder) went into rich markup: "[/]" raised
+    # MarkupError, a traceback, and "[bold]x[/bold]" lost its brackets
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(load_preset_config("llama-3.1-8b") | {"_name_or_path": name}))
+    assert main(["plan", "--config", str(path), "--context", "8192"]) == 0
+    assert f"kvpool plan: {name} on 1 x H100" in capsys.readouterr().out

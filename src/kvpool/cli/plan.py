@@ -355,6 +355,7 @@ def _gib(x: float) -> str:
 
 def print_plan(p: Plan) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     d = p.as_dict()
@@ -365,7 +366,8 @@ def print_plan(p: Plan) -> None:
         if p.gpu.kind == "cpu"
         else f"{p.num_gpus} x {p.gpu.name} ({p.gpu.memory_gib:.1f} GiB), {parallel}"
     )
-    head = Table(title=f"kvpool plan: {p.model.name} on {where}", show_header=False)
+    # the name is the user's (config.json's _name_or_path, or its folder): text, not rich markup
+    head = Table(title=escape(f"kvpool plan: {p.model.name} on {where}"), show_header=False)
     head.add_column(style="bold")
     head.add_column(justify="right")
     rows = [
