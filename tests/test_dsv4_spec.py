@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -181,3 +182,27 @@ def test_pool_dtypes_and_the_compressor_state_rule() -> None:
     # fp64: every element, compressor tails included, takes 8 bytes instead of 4
     assert fp64.state_block_bytes() == 2 * fp32.state_block_bytes()
     assert fp64.classical_block_bytes() == 2 * fp32.classical_block_bytes()
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        # each was a TypeError (a traceback through kvpool plan --config): compared, added or float()ed as is
+        ("qk_rope_head_dim", "64", 'qk_rope_head_dim must be a positive integer, got "64"'),
+        ("qk_rope_head_dim", None, "qk_rope_head_dim must be a positive integer, got null"),
+        ("max_position_embeddings", "1048576", 'max_position_embeddings must be a positive integer, got "1048576"'),
+        ("num_nextn_predict_layers", None, "num_nextn_predict_layers must be an integer >= 0, got null"),
+        ("num_nextn_predict_layers", "1", 'num_nextn_predict_layers must be an integer >= 0, got "1"'),
+        ("compress_rope_theta", None, "compress_rope_theta must be a finite positive number, got null"),
+        ("rope_theta", [], "rope_theta must be a finite positive number, got []"),
+        # float("1e-6") took a string
+        ("rms_norm_eps", "1e-6", 'rms_norm_eps must be a finite positive number, got "1e-6"'),
+        # the field's name, not the config's key, was in the message
+        ("sliding_window", 0, "sliding_window must be a positive integer, got 0"),
+        ("num_hidden_layers", 0, "num_hidden_layers must be a positive integer, got 0"),
+    ],
+)
+def test_a_config_value_of_the_wrong_type_is_named_by_its_key(key: str, value: object, message: str) -> None:
+    cfg = load_preset_config("deepseek-v4-flash") | {key: value}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        DSV4Spec.from_config(cfg)

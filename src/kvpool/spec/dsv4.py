@@ -123,6 +123,8 @@ class DSV4Spec:
             "index_n_heads",
             "index_head_dim",
             "index_topk",
+            "rope_head_dim",
+            "max_position_embeddings",
         )
         for field in positive:
             value = getattr(self, field)
@@ -163,6 +165,14 @@ class DSV4Spec:
         for key in REQUIRED_KEYS:
             if key not in cfg:
                 raise ValueError(f"DeepSeek-V4 config is missing required key {key!r}")
+        # Types first, by the config's own key: a string or null was compared, added or
+        # float()ed below (TypeError), and the dataclass's check names its field, not the key.
+        for key in _POSITIVE_INT_KEYS:
+            _config_int(cfg[key], key, 1)
+        for key in ("rope_theta", "compress_rope_theta", "rms_norm_eps"):
+            value = cfg[key]
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+                raise ValueError(f"DeepSeek-V4 config: {key} must be a finite positive number, got {json.dumps(value)}")
         num_kv_heads = cfg.get("num_key_value_heads", 1)
         if num_kv_heads != 1:
             raise ValueError(f"DeepSeek-V4 has one shared KV head, config says num_key_value_heads={num_kv_heads}")
@@ -170,8 +180,8 @@ class DSV4Spec:
         ratios = cfg["compress_ratios"]
         if not isinstance(ratios, (list, tuple)):
             raise ValueError(f"compress_ratios must be a list, got {type(ratios).__name__}")
-        num_mtp = cfg.get("num_nextn_predict_layers", 1)
-        if isinstance(num_layers, int) and len(ratios) not in (num_layers, num_layers + num_mtp):
+        num_mtp = _config_int(cfg.get("num_nextn_predict_layers", 1), "num_nextn_predict_layers", 0)
+        if len(ratios) not in (num_layers, num_layers + num_mtp):
             raise ValueError(
                 f"compress_ratios has {len(ratios)} entries; expected num_hidden_layers={num_layers} "
                 f"plus num_nextn_predict_layers={num_mtp} MTP entries"
@@ -429,6 +439,32 @@ class DSV4Spec:
 
 def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
+
+
+# config keys that are counts or sizes (the dataclass's fields under other names for some)
+_POSITIVE_INT_KEYS: tuple[str, ...] = (
+    "num_hidden_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "head_dim",
+    "qk_rope_head_dim",
+    "q_lora_rank",
+    "o_groups",
+    "o_lora_rank",
+    "sliding_window",
+    "index_n_heads",
+    "index_head_dim",
+    "index_topk",
+    "max_position_embeddings",
+)
+
+
+def _config_int(value: Any, key: str, minimum: int) -> int:
+    """A config.json count: a JSON integer >= `minimum` (not a bool, a float or a string)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"DeepSeek-V4 config: {key} must be {kind}, got {json.dumps(value)}")
+    return value
 
 
 def _parse_rope_scaling(value: Any) -> YarnScaling | None:
