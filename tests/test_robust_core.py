@@ -171,3 +171,26 @@ def test_a_tenant_salt_that_is_no_str_is_named(salt) -> None:
         m.admit("b", [1, 2, 3, 4, 5], tenant_salt=salt)
     assert snapshot(m) == before and "b" not in m
     m.check_integrity()
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_swapped_tail_that_reaches_the_reservation_end_is_refused(exact) -> None:
+    """restore_tail of the tokens that end an exact step's reservation leaves no token of it
+    to compute: refused (restore_refusal names why, tail_block_for_restore says None, so the
+    tokens are computed instead), nothing changed. It was accepted, then restore_tail moved
+    the computed count and the hit counters and failed a bare `assert n > 0`."""
+    m = HybridCacheManager([(AttentionGroupSpec("full", BS), 8)], DESC, exact_steps=exact)
+    m.admit("a", list(range(1, 11)), 2)  # nothing hit, a first step of 2 tokens
+    assert m.num_reserved_tokens("a") == (2 if exact else 4)  # not exact: to the block's end
+    before = snapshot(m)
+    if exact:
+        message = "request 'a': 2 restored tokens leave no reserved token to compute"
+        assert m.restore_refusal("a", 2) == message and tier_bridge.tail_block_for_restore(m, "a", 2) is None
+        with pytest.raises(ValueError, match=message):
+            m.restore_tail("a", 2)
+        assert snapshot(m) == before
+        m.check_integrity()
+        return
+    admission = m.restore_tail("a", 2)  # the block's end lies past them: a token is left
+    assert (admission.num_cached_tokens, admission.num_scheduled_tokens) == (2, 2)
+    m.check_integrity()

@@ -815,8 +815,8 @@ class HybridCacheManager:
                 f"request {request_id!r}: cannot restore {num_tokens} tokens after {nc} computed "
                 f"({len(req.token_ids)} known, block size {bs})"
             )
-        if nc + num_tokens > req.end:
-            return f"request {request_id!r}: {num_tokens} restored tokens lie past its reservation"
+        if nc + num_tokens >= req.end:  # (the first step must keep a token of its reservation: an exact step's end)
+            return f"request {request_id!r}: {num_tokens} restored tokens leave no reserved token to compute"
         return None
 
     def restore_tail(self, request_id: str, num_tokens: int) -> Admission:
