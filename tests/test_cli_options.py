@@ -190,6 +190,19 @@ def test_model_names_resolve_alike(capsys: pytest.CaptureFixture[str]) -> None:
         "tiny-dsv4",
     ]
     assert engine_model("/some/model.gguf") == "/some/model.gguf"  # a file: the loader names what is wrong
+    # a bare word that is no file is a mistyped name (it was "GGUF file not found: smollm2")
+    for typo, near in (
+        ("smollm2", " (did you mean smollm2-135m?)"),
+        ("tiny-dsv5", " (did you mean tiny-dsv4?)"),
+        ("x", ""),
+    ):
+        with pytest.raises(argparse.ArgumentTypeError) as caught:
+            engine_model(typo)
+        assert str(caught.value) == (
+            f"unknown model {typo!r}{near}: the engine runs smollm2-135m, tiny-dsv4, tiny-gemma2, tiny-recurrent "
+            "or a GGUF file (a path ending in .gguf)"
+        )
+    assert engine_model("missing.gguf") == "missing.gguf"  # a file name: the loader says it is not found
     for command in ("generate", "run", "serve", "bench engine", "bench start"):
         assert _parse(command, ["--model", "SmolLM2-135M"]).model == "smollm2-135m", command
     for command in ("plan", "simulate", "bench gpu"):  # the planning commands' presets, in any case

@@ -249,6 +249,16 @@ def engine_model(text: str) -> str:
             f"{name!r} is a planner preset (a config, no weights); the engine runs {', '.join(ENGINE_MODELS)} or "
             "a Llama-architecture GGUF file (plan and simulate take presets)"
         )
+    if not os.path.exists(name) and os.sep not in name and not name.lower().endswith(".gguf"):
+        # a bare word that is no file is a mistyped name, not a missing file: the loader's
+        # "GGUF file not found: smollm2" pointed at the wrong problem
+        import difflib
+
+        near = difflib.get_close_matches(name.lower(), ENGINE_MODELS, n=1, cutoff=0.5)
+        raise argparse.ArgumentTypeError(
+            f"unknown model {name!r}" + (f" (did you mean {near[0]}?)" if near else "") + f": the engine runs "
+            f"{', '.join(ENGINE_MODELS)} or a GGUF file (a path ending in .gguf)"
+        )
     return name
 
 
