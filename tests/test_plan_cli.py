@@ -199,3 +199,19 @@ def test_a_model_name_is_printed_as_written(name: str, tmp_path: Path, capsys: p
     path.write_text(json.dumps(load_preset_config("llama-3.1-8b") | {"_name_or_path": name}))
     assert main(["plan", "--config", str(path), "--context", "8192"]) == 0
     assert f"kvpool plan: {name} on 1 x H100" in capsys.readouterr().out
+
+
+def test_a_pd_instance_that_does_not_fit_says_so_and_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    # Llama-3.1-70B's 131 GiB of weights on one H100 leave the prefill instance no pool: the
+    # table showed 0 requests and the command exited 0, as for a plan that fits
+    argv = ["plan", "--model", "llama-3.1-70b", "-tp", "8", "--context", "8192", "--pd", "1,8"]
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert "does not fit: the prefill instance (1 GPU) cannot hold one request of 4,096 tokens" in out
+    assert "decode instance" not in out
+    assert main([*argv, "--json"]) == 1
+    pd = json.loads(capsys.readouterr().out)["pd"]
+    assert (pd["prefill"]["fits"], pd["decode"]["fits"]) == (False, True)
+    # both sides fit: 0, as before
+    assert main(["plan", "--model", "llama-3.1-70b", "-tp", "8", "--context", "8192", "--pd", "4,8"]) == 0
+    assert "does not fit" not in capsys.readouterr().out

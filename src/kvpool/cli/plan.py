@@ -286,7 +286,9 @@ def run(args: argparse.Namespace) -> int:
                 )
     if args.plot and not args.json:
         print(f"wrote {args.plot}")
-    return 0 if result is None or result.fits else 1
+    # a P/D side that holds no request fails the plan as one instance that holds none does
+    pd_fits = pd is None or all(pd[side]["fits"] for side in ("prefill", "decode"))
+    return 0 if result is None or (result.fits and pd_fits) else 1
 
 
 def _for_flag(flag: str, fn: Callable[..., T], *args: object) -> T:
@@ -336,7 +338,17 @@ def _print_pd(pd: dict[str, object]) -> None:
             f"{s['kv_bytes_per_token_per_gpu']:,.1f}",
             f"{s['max_concurrent_requests']:,}",
         )
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    for side in ("prefill", "decode"):
+        s = pd[side]
+        if not s["fits"]:
+            gpus = f"{s['gpus']} GPU{'s' if s['gpus'] > 1 else ''}"
+            console.print(
+                f"[bold red]does not fit: the {side} instance ({gpus}) cannot hold one request of "
+                f"{s['tokens_held']:,} tokens[/]",
+                soft_wrap=True,  # one line, whatever the terminal's width
+            )
     print(f"a request's prompt moves {pd['transfer_bytes_per_request'] / (1 << 20):,.1f} MiB of KV, prefill -> decode")
 
 
