@@ -25,3 +25,18 @@ def test_plan_pd_defaults_the_prompt_to_half_the_context_and_moves_its_full_bloc
         plan_pd(model, gpu, 1, 1, 1024, 2048)
     with pytest.raises(ValueError, match="must be positive"):
         plan_pd(model, gpu, 0, 1, 1024)
+
+
+def test_a_prompt_moves_only_what_the_decode_side_keeps() -> None:
+    # gpt-oss-120b: 18 full layers move the prompt, 18 sliding-window layers only their 128
+    # tokens; the figure was every layer at the whole prompt (36 x 2,048 B x 65,536: 2x)
+    gpu = get_gpu("h200")
+    out = plan_pd(load_preset("gpt-oss-120b"), gpu, 1, 1, 131072, 65536)
+    per_layer_token = 2 * 8 * 64 * 2  # (K, V) x KV heads x head dim x bf16
+    assert out["transfer_bytes_per_request"] == 18 * per_layer_token * 65536 + 18 * per_layer_token * 128
+    # DeepSeek-V4-Flash: the complete blocks' compressed entries plus the request's state
+    # block (SWA window and compressor tails), without which the decode side cannot go on
+    v4 = load_preset("deepseek-v4-flash")
+    out = plan_pd(v4, gpu, 4, 4, 1 << 20, 100_000)
+    state = 128 * 584 * 43 + 21 * (2 * 8 * 1024 * 4 + 2 * 8 * 256 * 4) + 20 * 2 * 128 * 512 * 4
+    assert out["transfer_bytes_per_request"] == (100_000 // 128) * 128 * 3850.25 + state

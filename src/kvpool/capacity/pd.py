@@ -4,12 +4,14 @@ deployment, each planned on its own GPUs (`kvpool plan --pd P,D`).
 The prefill pool holds prompts (`prompt_len` tokens a request), the decode pool whole
 requests (`context_len`). Each side is one tensor-parallel group over all its GPUs. When a
 prompt is prefilled, its full blocks (every KV head) move to the decode side:
-transfer_bytes_per_request = (prompt_len // block_size) * block_size * whole-model KV bytes
-per token.
+transfer_bytes_per_request = the whole model's KV bytes of a request of
+(prompt_len // block_size) * block_size tokens: every full-attention layer's entries for
+all of them, a sliding-window layer's for its window, and DeepSeek-V4's state block.
 """
 
 from __future__ import annotations
 
+from kvpool.capacity.kv import kv_layout
 from kvpool.capacity.ledger import LedgerAssumptions
 from kvpool.capacity.planner import plan
 from kvpool.spec.gpus import GPUSpec
@@ -65,7 +67,13 @@ def plan_pd(
             "max_concurrent_requests": info["max_concurrent_requests"],
             "fits": part.fits,
         }
-        if side == "prefill":  # the prompt's full blocks, every KV head, move to the decode side
+        if side == "prefill":
+            # The prompt's full blocks, every KV head, move to the decode side: what the
+            # decode side keeps of them, layer group by group (a sliding-window layer its
+            # window, not the whole prompt), plus V4's state block (SWA window, compressor
+            # tails), without which it cannot go on. Bytes a token x the prompt counted
+            # every layer at the whole prompt and no state.
             bs = info["block_size"]
-            out["transfer_bytes_per_request"] = int((prompt // bs) * bs * info["kv_bytes_per_token"])
+            whole = kv_layout(model, part.layout.kv_dtype, bs, 1, part.layout.indexer_format)
+            out["transfer_bytes_per_request"] = int(whole.kv_bytes_at_context((prompt // bs) * bs))
     return out
