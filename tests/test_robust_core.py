@@ -14,6 +14,7 @@ from kvpool.cache.dual_pool import DualPoolGroupSpec
 from kvpool.cache.recurrent import RecurrentGroupSpec
 from kvpool.cache.window import AttentionGroupSpec
 from kvpool.engine import tier_bridge
+from kvpool.pool import BlockPool
 from kvpool.tiers import HostTier, TierIndex
 
 BS = 4
@@ -194,3 +195,44 @@ def test_a_swapped_tail_that_reaches_the_reservation_end_is_refused(exact) -> No
     admission = m.restore_tail("a", 2)  # the block's end lies past them: a token is left
     assert (admission.num_cached_tokens, admission.num_scheduled_tokens) == (2, 2)
     m.check_integrity()
+
+
+def _pool_state(pool: BlockPool) -> tuple:
+    return pool.free_queue(), [pool.refcount(b) for b in range(pool.num_blocks)], pool.num_free, pool.num_free_cached
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda p: p.decref([0, 1, 5]), ValueError, "block 5 released more often than taken"),  # a double free
+        (lambda p: p.decref([0, 0]), ValueError, "block 0 released more often than taken"),
+        (lambda p: p.decref([0, -1]), ValueError, r"block id -1 is outside the pool's \[0, 8\)"),
+        (lambda p: p.decref(iter([1, 99])), ValueError, r"block id 99 is outside the pool's \[0, 8\)"),
+        (lambda p: p.decref([0, 1.0]), TypeError, "block id 1.0 is no int"),
+        (lambda p: p.incref([0, 5]), ValueError, "incref of block 5, which is free and holds no cached content"),
+        (lambda p: p.incref([0, 3, -1]), ValueError, r"block id -1 is outside the pool's \[0, 8\)"),
+        (lambda p: p.incref([3, 99]), ValueError, r"block id 99 is outside the pool's \[0, 8\)"),
+        (lambda p: p.allocate(float("nan")), TypeError, "num_blocks must be an int, got nan"),
+        (lambda p: p.allocate(2.0), TypeError, "num_blocks must be an int, got 2.0"),
+    ],
+)
+def test_a_pool_call_with_a_bad_id_or_count_changes_nothing(call, error, message) -> None:
+    """BlockPool's documented incref / decref / allocate refuse a bad id or count with an
+    error naming it and change nothing. decref decremented the ids before a double free and
+    then asserted (under -O the freed block went to refcount -1); -1 reached the last block
+    (a list index from the end); allocate(nan) emptied the unhashed queue, then raised."""
+    pool = BlockPool(8)
+    assert pool.allocate(3) == [0, 1, 2]
+    assert pool.allocate(1) == [3]
+    root = pool.root(b"d")
+    pool.register(3, pool.chain(root, b"\x01\x00\x00\x00"))
+    pool.decref([3])  # block 3: free and cached (findable), between unhashed 4..7 and nothing
+    before = _pool_state(pool)
+    with pytest.raises(error, match=message):
+        call(pool)
+    assert _pool_state(pool) == before
+    pool.check_integrity()
+    pool.decref([0, 1, 2])
+    pool.incref([3])  # a free cached block is taken back
+    assert pool.free_queue() == [4, 5, 6, 7, 0, 1, 2] and pool.allocate(np.int64(1)) == [4]
+    pool.check_integrity()

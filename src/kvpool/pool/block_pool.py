@@ -102,6 +102,14 @@ class PrefixMatch(NamedTuple):
     chain: list[PrefixBlock]  # the matched prefix blocks; chain[-1] is the parent of the next
 
 
+def _index(what: str, value: object) -> int:
+    """`value` as an int (numpy's ints are: `operator.index`); TypeError naming it otherwise."""
+    try:
+        return operator.index(value)  # (raises TypeError for anything that is no int)
+    except TypeError:
+        raise TypeError(f"{what} must be an int, got {value!r}") from None
+
+
 class BlockPool:
     __slots__ = (
         "num_blocks",
@@ -188,7 +196,10 @@ class BlockPool:
     def allocate(self, num_blocks: int, evicted: list[tuple[int, PrefixBlock]] | None = None) -> list[int] | None:
         """Take `num_blocks` blocks with refcount 1, or return None and change nothing.
         evicted: receives (block id, its prefix block) for every cached block this takes,
-        for `unallocate`."""
+        for `unallocate`. TypeError for a count that is no int (nan passed the tests below
+        and lost the unhashed free blocks mid-grab), ValueError for a negative one."""
+        if num_blocks.__class__ is not int:
+            num_blocks = _index("num_blocks", num_blocks)
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         if num_blocks > len(self._free_unhashed) + len(self._free_cached):
@@ -239,31 +250,66 @@ class BlockPool:
         return block.parent is None or self._index.get(block.block_hash) is block
 
     def incref(self, block_ids: Iterable[int]) -> None:
-        """Take one more reference on each block; a cached free block leaves the queue."""
+        """Take one more reference on each block; a cached free block leaves the queue.
+        ValueError (TypeError: an id that is no int), nothing changed, for an id outside the
+        pool or a free block that is not cached (only a cached block is found while free)."""
         refcounts = self._refcounts
         free_cached = self._free_cached
+        cached = self._cached
+        if not isinstance(block_ids, (list, tuple)):
+            block_ids = list(block_ids)
+        for block_id in block_ids:  # checked first: a refusal changes nothing (a free cached block's LRU place)
+            if block_id.__class__ is not int or not 0 <= block_id < self.num_blocks:
+                raise self._bad_id(block_id)
+            if refcounts[block_id] == 0 and cached[block_id] is None:
+                raise ValueError(f"incref of block {block_id}, which is free and holds no cached content")
         for block_id in block_ids:
             if refcounts[block_id] == 0:
-                # Only a cached block can be found again while free (through a prefix hit).
-                assert self._cached[block_id] is not None, f"incref of free unhashed block {block_id}"
                 del free_cached[block_id]
                 self.index_version += 1  # (held now: `match` may pick this copy)
             refcounts[block_id] += 1
 
     def decref(self, block_ids: Iterable[int]) -> None:
-        """Drop one reference on each block, in the given order; at zero it becomes free."""
+        """Drop one reference on each block, in the given order; at zero it becomes free.
+        ValueError (TypeError: an id that is no int), nothing changed, for an id outside the
+        pool or a block released more often than taken (a double free): the ids before it
+        are taken back."""
         refcounts = self._refcounts
         cached = self._cached
-        for block_id in block_ids:
-            refcount = refcounts[block_id] - 1
-            assert refcount >= 0, f"block {block_id} released more often than taken"
-            refcounts[block_id] = refcount
-            if refcount == 0:
-                if cached[block_id] is None:
-                    self._free_unhashed.append(block_id)
-                else:
-                    self._free_cached[block_id] = None
-                    self.index_version += 1  # (a cached copy free now: `match` may pick another)
+        if not isinstance(block_ids, (list, tuple)):
+            block_ids = list(block_ids)  # (a refusal walks back over them)
+        i = 0
+        try:
+            for i, block_id in enumerate(block_ids):  # noqa: B007  (i: how far a refusal walks back)
+                refcount = refcounts[block_id] - 1  # (IndexError, TypeError: below)
+                if refcount < 0 or block_id < 0:  # (a negative id would index from the end)
+                    if block_id < 0:
+                        raise self._bad_id(block_id)
+                    raise ValueError(f"block {block_id} released more often than taken")
+                refcounts[block_id] = refcount
+                if refcount == 0:
+                    if cached[block_id] is None:
+                        self._free_unhashed.append(block_id)
+                    else:
+                        self._free_cached[block_id] = None
+                        self.index_version += 1  # (a cached copy free now: `match` may pick another)
+        except (IndexError, TypeError, ValueError) as error:
+            for block_id in reversed(block_ids[:i]):  # latest first: each back off the tail of its queue
+                if refcounts[block_id] == 0:
+                    if cached[block_id] is None:
+                        self._free_unhashed.pop()
+                    else:
+                        self._free_cached.popitem(last=True)
+                refcounts[block_id] += 1
+            if isinstance(error, ValueError):
+                raise
+            raise self._bad_id(block_ids[i]) from None
+
+    def _bad_id(self, block_id: object) -> Exception:
+        """The error for an id that names no block of this pool."""
+        if not isinstance(block_id, int):
+            return TypeError(f"block id {block_id!r} is no int")
+        return ValueError(f"block id {block_id} is outside the pool's [0, {self.num_blocks})")
 
     # ---- the prefix chain ------------------------------------------------------------
 
