@@ -306,3 +306,17 @@ def test_optional_counts_keep_their_defaults() -> None:
     qwen = load_preset_config("qwen3-8b") | {"use_sliding_window": True, "sliding_window": 4096}
     assert from_hf_config(qwen | {"max_window_layers": 28}).layer_windows.count(None) == 28
     assert from_hf_config(qwen | {"max_window_layers": None}).layer_windows.count(None) == 36
+
+
+def test_a_config_file_that_is_no_config_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    # a weights shard given by mistake (5 GB): read whole into memory first (a 2 GiB file
+    # took 31 s and 4.2 GB of RAM) before the JSON error; a sparse file costs no disk here
+    shard = tmp_path / "model-00001-of-00004.safetensors"
+    with shard.open("wb") as f:
+        f.truncate(5 << 30)
+    with pytest.raises(ValueError, match=re.escape(f"config file {str(shard)!r} is 5,368,709,120 bytes")):
+        load_config_file(shard)
+    # a config.json that is a folder: the OSError's words without the file's role
+    (tmp_path / "m" / "config.json").mkdir(parents=True)
+    with pytest.raises(ValueError, match=re.escape("config file") + ".*cannot be read: Is a directory"):
+        load_config_file(tmp_path / "m")

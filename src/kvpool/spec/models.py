@@ -618,15 +618,31 @@ def load_preset(name: str) -> ModelSpec:
     return from_hf_config(load_preset_config(name), name=name.lower())
 
 
+_MAX_CONFIG_BYTES = 64 << 20  # the largest config.json files (label maps) are a few MB
+
+
 def load_config_file(path: str | Path) -> ModelSpec:
     """A ModelSpec from a config.json on disk; the file's parent folder names the model."""
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
     try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
+        # At most _MAX_CONFIG_BYTES: a weights shard named by mistake was read whole into
+        # memory (gigabytes) before the JSON error. A bounded read, not a stat, so that a
+        # pipe (/dev/stdin) still works.
+        with path.open("rb") as f:
+            data = f.read(_MAX_CONFIG_BYTES + 1)
+            if len(data) > _MAX_CONFIG_BYTES:
+                size = path.stat().st_size
+                raise ValueError(
+                    f"config file {str(path)!r} is {size:,} bytes (over {_MAX_CONFIG_BYTES >> 20} MiB): "
+                    "a config.json is a few KB; is this a weights file?"
+                )
+        cfg = json.loads(data.decode("utf-8"))
     except FileNotFoundError:
         raise ValueError(f"config file {str(path)!r} does not exist") from None
+    except OSError as e:  # a folder named config.json, no permission: the file's role named
+        raise ValueError(f"config file {str(path)!r} cannot be read: {e.strerror or e}") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"config file {str(path)!r} is not valid JSON: {e}") from None
     except UnicodeDecodeError as e:  # (a ValueError, whose own words name no file)
