@@ -215,3 +215,18 @@ def test_a_pd_instance_that_does_not_fit_says_so_and_exits_1(capsys: pytest.Capt
     # both sides fit: 0, as before
     assert main(["plan", "--model", "llama-3.1-70b", "-tp", "8", "--context", "8192", "--pd", "4,8"]) == 0
     assert "does not fit" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        # each was dropped without a word: the plan printed as if it had not been given
+        (["--prompt-len", "1000"], "--prompt-len sizes the prefill side of --pd P,D; give --pd too"),
+        (["--plot-models", "gemma-2-9b"], "--plot-models picks the presets of --plot FILE; give --plot too"),
+    ],
+)
+def test_a_flag_that_needs_another_is_refused_alone(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plan", "--model", "llama-3.1-8b", "--context", "8192", *flags]) == 2
+    assert capsys.readouterr().err == f"kvpool plan: error: {message}\n"

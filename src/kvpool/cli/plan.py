@@ -220,6 +220,11 @@ def warn_beyond_max_position(model: ModelSpec, context_len: int | None, command:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        # flags that shape only another flag's output: alone they were dropped without a word
+        if args.prompt_len is not None and args.pd is None:
+            raise ValueError("--prompt-len sizes the prefill side of --pd P,D; give --pd too")
+        if args.plot_models is not None and not args.plot:
+            raise ValueError("--plot-models picks the presets of --plot FILE; give --plot too")
         model = _load_model(args)
         if model is None and not args.plot:
             raise ValueError("give --model NAME or --config PATH (or --plot FILE.png|svg|pdf alone)")
