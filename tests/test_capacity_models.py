@@ -320,3 +320,25 @@ def test_a_config_file_that_is_no_config_is_refused_before_it_is_read(tmp_path: 
     (tmp_path / "m" / "config.json").mkdir(parents=True)
     with pytest.raises(ValueError, match=re.escape("config file") + ".*cannot be read: Is a directory"):
         load_config_file(tmp_path / "m")
+
+
+@pytest.mark.parametrize(
+    ("preset", "head_dim", "kv_bytes_per_token"),
+    [
+        # transformers' config classes default head_dim to these, not hidden / heads
+        ("qwen3-32b", 128, 2 * 64 * 8 * 128 * 2),  # 5120 / 64 = 80 planned 163,840 B
+        ("gemma-2-9b", 256, 2 * 42 * 8 * 256 * 2),  # 3584 / 16 = 224
+        ("gpt-oss-120b", 64, 2 * 36 * 8 * 64 * 2),  # 2880 / 64 = 45
+    ],
+)
+def test_an_absent_head_dim_takes_the_familys_default(preset: str, head_dim: int, kv_bytes_per_token: int) -> None:
+    from kvpool.capacity.kv import kv_layout
+
+    cfg = load_preset_config(preset)
+    for absent in ({k: v for k, v in cfg.items() if k != "head_dim"}, cfg | {"head_dim": None}):
+        spec = from_hf_config(absent)
+        assert spec.head_dim == head_dim
+        assert kv_layout(spec).bytes_per_token == kv_bytes_per_token
+    # Llama (and Mistral, Qwen2) derive it: hidden / heads
+    llama = load_preset_config("llama-3.1-8b")
+    assert from_hf_config(llama | {"head_dim": None}).head_dim == 4096 // 32

@@ -382,11 +382,18 @@ def _hf_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     }
 
 
+# head_dim of transformers' config classes where config.json leaves it out (Qwen3Config,
+# Gemma2Config, Gemma3TextConfig, GptOssConfig); the other families derive hidden / heads.
+_HEAD_DIM_DEFAULTS: dict[str, int] = {"qwen3": 128, "gemma2": 256, "gemma3_text": 256, "gpt_oss": 64}
+
+
 def _parse_gqa(cfg: dict[str, Any], name: str, model_type: str) -> ModelSpec:
     common = _hf_fields(cfg, model_type)
     L, h, heads = common["num_layers"], common["hidden_size"], common["num_heads"]
     kv_heads = _positive(cfg, "num_key_value_heads", model_type, default=heads)  # absent: MHA (HF's own default)
-    head_dim = _positive(cfg, "head_dim", model_type, default=h // heads)
+    # absent: transformers' own default, which for these families is a constant, not
+    # hidden / heads (Qwen3-32B: 5120 / 64 = 80 for its 128)
+    head_dim = _positive(cfg, "head_dim", model_type, default=_HEAD_DIM_DEFAULTS.get(model_type, h // heads))
     gemma = model_type in ("gemma2", "gemma3_text")
     moe = None
     if model_type == "gpt_oss":
