@@ -294,7 +294,8 @@ def test_an_optional_count_is_checked_like_a_required_one(base: str, key: str, v
 
 
 def test_optional_counts_keep_their_defaults() -> None:
-    # absent or null: the value transformers' config class defaults to
+    # absent or null: kvpool's defaults, no dense prefix, MoE every layer, no shared experts (not
+    # DeepseekV3Config's 3 / 1; save_pretrained always writes these model-specific keys)
     v3 = load_preset_config("deepseek-v3")
     for key in ("first_k_dense_replace", "moe_layer_freq", "n_shared_experts"):
         spec = from_hf_config({k: v for k, v in v3.items() if k != key})
