@@ -8,6 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvpool.cache import CacheDescriptor, FullAttentionManager, HybridCacheManager
 from kvpool.cache.dual_pool import DualPoolGroupSpec
@@ -236,3 +239,109 @@ def test_a_pool_call_with_a_bad_id_or_count_changes_nothing(call, error, message
     pool.incref([3])  # a free cached block is taken back
     assert pool.free_queue() == [4, 5, 6, 7, 0, 1, 2] and pool.allocate(np.int64(1)) == [4]
     pool.check_integrity()
+
+
+# ----- any sequence: a refused call leaves no trace --------------------------------------
+
+BAD_COUNTS = [-1, 2.5, float("nan"), "2", None]
+COUNTS = st.one_of(st.integers(0, 6), st.sampled_from(BAD_COUNTS))
+IDS = st.sampled_from(["r0", "r1", "r2", "r3", "nobody"])
+PROMPT_IDS = st.lists(st.integers(0, 3), min_size=0, max_size=10)
+
+
+class HostileCalls(RuleBasedStateMachine):
+    """Random calls of the documented API, well-formed or not (unknown and repeated ids,
+    counts that are negative, past the known tokens or no int, bad salts and reasons):
+    each call either succeeds, or returns its refusal (None / False) or raises ValueError,
+    TypeError or KeyError with every observable as it was before; check_integrity after
+    each. The lifecycle machines (test_cache_lifecycle.py, test_hybrid_lifecycle.py) hold
+    what succeeded to a model of the slots; this one holds what was refused."""
+
+    make = staticmethod(CACHES["full"])
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.m = self.make()
+
+    def _refusable(self, call, refusals=(None, False)) -> None:
+        before = snapshot(self.m)
+        try:
+            result = call()
+        except (ValueError, TypeError, KeyError):
+            assert snapshot(self.m) == before
+            return
+        if any(result is r for r in refusals):
+            assert snapshot(self.m) == before
+
+    @rule(rid=IDS, ids=PROMPT_IDS, budget=st.one_of(st.none(), COUNTS), salt=st.sampled_from(["", "t", 7]))
+    def admit(self, rid, ids, budget, salt):
+        self._refusable(lambda: self.m.admit(rid, ids, budget, tenant_salt=salt))
+
+    @rule(rids=st.lists(IDS, min_size=1, max_size=3), counts=st.lists(COUNTS, min_size=1, max_size=3))
+    def reserve_step(self, rids, counts):
+        self._refusable(lambda: self.m.reserve_step(rids, (counts * 3)[: len(rids)]))
+
+    @rule(
+        rids=st.lists(IDS, min_size=1, max_size=3),
+        counts=st.lists(COUNTS, min_size=1, max_size=3),
+        token=st.integers(0, 3),
+    )
+    def commit_step(self, rids, counts, token):
+        self._refusable(lambda: self.m.commit_step(rids, (counts * 3)[: len(rids)], [token] * len(rids)), ())
+
+    @rule(rids=st.lists(IDS, min_size=1, max_size=3, unique=True), token=st.integers(0, 3))
+    def decode(self, rids, token):
+        """A well-formed step of the live requests named: an exact step reserved before is
+        committed; else one token each is reserved and committed."""
+        live = [r for r in rids if r in self.m]
+        m = self.m
+        pending = [r for r in live if m.exact_steps and m.num_reserved_tokens(r) > m.num_computed_tokens(r)]
+        if pending:
+            counts = [m.num_reserved_tokens(r) - m.num_computed_tokens(r) for r in pending]
+            m.commit_step(pending, counts, [None] * len(pending))
+            return
+        for rid in live:
+            if m.num_tokens(rid) == m.num_computed_tokens(rid):
+                m.append_token_ids(rid, [token])
+        if live and m.reserve_step(live, [1] * len(live)):
+            m.commit_step(live, [1] * len(live), [token] * len(live))
+
+    @rule(rid=IDS, ids=st.lists(st.one_of(st.integers(0, 3), st.sampled_from([-1, 2**32, 1.5])), max_size=3))
+    def append(self, rid, ids):
+        self._refusable(lambda: self.m.append_token_ids(rid, ids), ())
+
+    @rule(parent=IDS, child=IDS)
+    def fork(self, parent, child):
+        self._refusable(lambda: self.m.fork(parent, child))
+
+    @rule(rid=IDS, n=COUNTS)
+    def rollback(self, rid, n):
+        self._refusable(lambda: self.m.rollback(rid, n), ())
+
+    @rule(rid=IDS)
+    def unreserve(self, rid):
+        self._refusable(lambda: self.m.unreserve(rid), ())
+
+    @rule(rid=IDS, reason=st.sampled_from(["finish", "cancel", "preempt", "bogus"]))
+    def release(self, rid, reason):
+        self._refusable(lambda: self.m.release(rid, reason))
+
+    @invariant()
+    def integrity(self):
+        self.m.check_integrity()
+
+
+class HostileHybridCalls(HostileCalls):
+    make = staticmethod(CACHES["hybrid"])
+
+
+class HostileDualCalls(HostileCalls):
+    make = staticmethod(CACHES["dual"])
+
+
+_HOSTILE = settings(max_examples=12, stateful_step_count=25, deadline=None, suppress_health_check=list(HealthCheck))
+for _machine in (HostileCalls, HostileHybridCalls, HostileDualCalls):
+    _machine.TestCase.settings = _HOSTILE
+TestHostileCalls = HostileCalls.TestCase
+TestHostileHybridCalls = HostileHybridCalls.TestCase
+TestHostileDualCalls = HostileDualCalls.TestCase
