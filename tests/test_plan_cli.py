@@ -230,3 +230,12 @@ def test_a_flag_that_needs_another_is_refused_alone(
 ) -> None:
     assert main(["plan", "--model", "llama-3.1-8b", "--context", "8192", *flags]) == 2
     assert capsys.readouterr().err == f"kvpool plan: error: {message}\n"
+
+
+def test_pd_is_refused_on_the_cpu_device(capsys: pytest.CaptureFixture[str]) -> None:
+    # the split planned two GPU instances (bf16 KV, a CUDA ledger) in this machine's RAM next to
+    # the CPU engine's fp32 plan: a 22 GiB "GPU" pool per side beside the engine's 256 MiB
+    assert main(["plan", "--model", "smollm2-135m", "--device", "cpu", "--pd", "1,1"]) == 2
+    assert capsys.readouterr().err == (
+        "kvpool plan: error: --pd sizes GPU instances; --device cpu plans kvpool's engine in one process\n"
+    )

@@ -225,6 +225,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--prompt-len sizes the prefill side of --pd P,D; give --pd too")
         if args.plot_models is not None and not args.plot:
             raise ValueError("--plot-models picks the presets of --plot FILE; give --plot too")
+        if args.pd is not None and args.device == "cpu":  # its sides took a GPU ledger in this machine's RAM
+            raise ValueError("--pd sizes GPU instances; --device cpu plans kvpool's engine in one process")
         model = _load_model(args)
         if model is None and not args.plot:
             raise ValueError("give --model NAME or --config PATH (or --plot FILE.png|svg|pdf alone)")
