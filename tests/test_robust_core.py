@@ -345,3 +345,30 @@ for _machine in (HostileCalls, HostileHybridCalls, HostileDualCalls):
 TestHostileCalls = HostileCalls.TestCase
 TestHostileHybridCalls = HostileHybridCalls.TestCase
 TestHostileDualCalls = HostileDualCalls.TestCase
+
+
+@pytest.mark.parametrize(
+    ("token_ids", "message"),
+    [
+        ({1: 2, 3: 4}, "request 'b': token_ids must be a sequence of ints, got dict"),
+        ({1, 2, 3}, "request 'b': token_ids must be a sequence of ints, got set"),
+        ("abc", "request 'b': token_ids must be a sequence of ints, got str"),
+        (None, "request 'b': token_ids must be a sequence of ints, got NoneType"),
+        ((t for t in [1, 2]), "request 'b': token_ids must be a sequence of ints, got generator"),
+        ([1, 1.5], "token id 1.5 is no int"),
+        ([1, "2"], "token id '2' is no int"),
+    ],
+)
+def test_a_prompt_that_is_no_sequence_of_ints_is_named(token_ids, message) -> None:
+    """admit's and lookup_prefix's token ids that are no sequence of ints: a TypeError naming
+    the argument or the id, nothing changed. A dict admitted its keys ([1, 3]) and a set its
+    ids in hash order; None, a str or a float raised errors naming neither ('object of type
+    'NoneType' has no len()', 'cannot use a str to initialize an array')."""
+    m = _computed_six(CACHES["full"])
+    before = snapshot(m)
+    with pytest.raises(TypeError, match=message):
+        m.admit("b", token_ids)
+    with pytest.raises(TypeError, match=message.replace("'b'", "'<lookup>'")):
+        m.lookup_prefix(token_ids)
+    assert snapshot(m) == before and "b" not in m
+    assert m.lookup_prefix(np.array([1, 2, 3, 4, 5])) == 4  # numpy's ids are ints (pack_prompt's docs)

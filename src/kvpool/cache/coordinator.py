@@ -40,7 +40,8 @@ import math
 import operator
 import sys
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -156,7 +157,12 @@ def _pack(token_ids: Sequence[int], mm_items: Sequence[MMItem] = (), request_id:
 
 def _checked_items(token_ids: Sequence[int], mm_items: Sequence[MMItem], request_id: str) -> tuple[MMItem, ...]:
     """The checks of a prompt before its packing, `pack_prompt`'s and `_pack`'s (the packing
-    checks the ids): ValueError for an empty prompt or a bad item; the items checked."""
+    checks the ids): ValueError for an empty prompt or a bad item, TypeError for ids that
+    are no sequence (a dict or a set would give its keys, in their order); the items checked."""
+    if token_ids.__class__ is not list and (
+        isinstance(token_ids, (str, bytes, bytearray, Mapping, AbstractSet)) or not hasattr(token_ids, "__len__")
+    ):
+        raise TypeError(f"request {request_id!r}: token_ids must be a sequence of ints, got {type(token_ids).__name__}")
     if len(token_ids) == 0:
         raise ValueError(f"request {request_id!r} has an empty prompt")
     return check_mm_items(mm_items, len(token_ids))

@@ -13,6 +13,7 @@ the extra keys (the collision guard, pool/block_pool.py).
 from __future__ import annotations
 
 import hashlib
+import operator
 import sys
 from array import array
 from collections.abc import Callable, Sequence
@@ -23,6 +24,14 @@ import xxhash
 assert array("I").itemsize == 4, "kvpool hashes token ids as 4-byte unsigned ints"
 _BIG_ENDIAN = sys.byteorder == "big"
 TOKEN_BYTES = 4
+
+
+def _is_int(value: object) -> bool:
+    try:
+        operator.index(value)  # (numpy's and torch's integers are ints: array("I") takes them)
+    except TypeError:
+        return False
+    return True
 
 
 def token_bytes(token_ids: Sequence[int]) -> bytes:
@@ -40,6 +49,11 @@ def token_bytes(token_ids: Sequence[int]) -> bytes:
     except OverflowError:
         bad = next(t for t in token_ids if not 0 <= t < 2**32)
         raise ValueError(f"token id {bad} is outside [0, 2**32)") from None
+    except TypeError:  # (array's message names neither the id nor what it is)
+        bad = next((t for t in token_ids if not _is_int(t)), None)
+        if bad is None:
+            raise
+        raise TypeError(f"token id {bad!r} is no int") from None
     if _BIG_ENDIAN:
         packed.byteswap()
     return packed.tobytes()
