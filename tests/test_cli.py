@@ -17,6 +17,32 @@ def test_cli_reports_a_callers_mistake_in_one_line(capsys):
     assert capsys.readouterr().err.startswith("kvpool bench engine: error: bench engine runs a Llama GGUF")
 
 
+def test_kvpools_own_warning_is_one_line_naming_the_command(monkeypatch, capsys):
+    """Without a C compiler the kernels' warning was Python's format: a file path, then a line
+    of kvpool's source (`kernels = cpu_kernels() if ...`). A warning another library raises
+    keeps Python's format, and the handler is gone once main returns."""
+    import warnings
+
+    import kvpool.cli.plan
+    from kvpool.kernels import _warn_once
+
+    def run(args):
+        _warn_once.__wrapped__("no C compiler found (set CC, or install gcc)")  # (not the cached one)
+        warnings.warn_explicit("a library's own", UserWarning, "/elsewhere/lib.py", 7)
+        return 0
+
+    monkeypatch.setattr(kvpool.cli.plan, "run", run)
+    with warnings.catch_warnings(record=True) as shown:  # (Python's own handler records)
+        warnings.simplefilter("always")
+        before = warnings.showwarning
+        assert main(["plan"]) == 0
+        assert warnings.showwarning is before
+    assert capsys.readouterr().err.splitlines() == [
+        "kvpool plan: warning: kvpool runs the torch path: no C compiler found (set CC, or install gcc)"
+    ]
+    assert [(str(w.message), w.filename) for w in shown] == [("a library's own", "/elsewhere/lib.py")]
+
+
 def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys):
     import kvpool.cli.plan
 

@@ -167,6 +167,30 @@ def lost_peer_line(error: RuntimeError) -> str | None:
     return f"rank {rank} of {world}: lost {peer} ({reason}); the process group cannot go on without it"
 
 
+@contextlib.contextmanager
+def _kvpool_warnings_as_lines(name: str) -> Iterator[None]:
+    """A warning kvpool's own code raises (the C kernels that cannot be built) as one line,
+    `kvpool NAME: warning: ...`, like the commands' other warnings: Python's format showed a
+    file path and a line of kvpool's source to the user. Other libraries' warnings keep the
+    handler they had."""
+    import warnings
+
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    before = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if os.path.abspath(filename).startswith(package):
+            print(f"kvpool {name}: warning: {message}", file=sys.stderr if file is None else file)
+        else:
+            before(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = before
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command. A caller's mistake (a bad value, a missing file) is reported as one
     line naming the problem, exit status 2; Ctrl-C as one line, status 130.
@@ -183,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         print("kvpool: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     try:
-        return int(args._run(args) or 0)
+        with _kvpool_warnings_as_lines(args._name):
+            return int(args._run(args) or 0)
     except (ValueError, FileNotFoundError) as error:
         if os.environ.get("KVPOOL_TRACEBACK"):
             raise
