@@ -239,3 +239,29 @@ def test_pd_is_refused_on_the_cpu_device(capsys: pytest.CaptureFixture[str]) -> 
     assert capsys.readouterr().err == (
         "kvpool plan: error: --pd sizes GPU instances; --device cpu plans kvpool's engine in one process\n"
     )
+
+
+@pytest.mark.parametrize("model", ["llama-3.1-8b", "deepseek-v3"])
+def test_an_indexer_format_for_a_model_without_an_indexer_is_refused(
+    model: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the flag was dropped without a word: the plan printed as if it had not been given
+    assert main(["plan", "--model", model, "--context", "8192", "--indexer-format", "mxfp4"]) == 2
+    assert capsys.readouterr().err == (
+        f"kvpool plan: error: --indexer-format: {model} has no indexer keys (DeepSeek-V3.2 and V4 have)\n"
+    )
+    # V3.2's keys take it: 0.5 B a value + a scale byte per 32 values (128 dims: 68 B, not FP8's 132)
+    out = _json(
+        capsys,
+        "--model",
+        "deepseek-v3.2",
+        "--gpu",
+        "h200",
+        "-tp",
+        "8",
+        "--context",
+        "8192",
+        "--indexer-format",
+        "mxfp4",
+    )
+    assert out["kv_bytes_per_token"] == (656 + 68) * 61

@@ -238,6 +238,9 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"--plot-models {args.plot_models!r} names no preset")
         result = None
         if model is not None:
+            if args.indexer_format is not None and model.indexer is None and model.attention != "dsv4":
+                # kv_layout has no keys to give it: it was dropped without a word
+                raise ValueError(f"--indexer-format: {model.name} has no indexer keys (DeepSeek-V3.2 and V4 have)")
             warn_beyond_max_position(model, args.max_model_len)
             engine = _engine(args)
             assumptions = LedgerAssumptions(
