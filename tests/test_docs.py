@@ -5,6 +5,7 @@ prints today; and the site builds with `mkdocs build --strict` (no dangling link
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -113,3 +114,72 @@ def test_the_site_builds_strict(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "core_api" / "index.html").is_file()
+
+
+# Figures the pages' prose quotes from `kvpool plan` (deterministic: no machine in them): the
+# page, the plan's flags, and the sentence as it must read, formatted from the plan's --json.
+PLAN_FIGURES = [
+    (
+        "hybrid.md",
+        "--model gemma-2-9b --max-model-len 32768",
+        "`kvpool plan --model gemma-2-9b --max-model-len 32768 --json` gives {kv_bytes_at_context:,.0f} B =",
+    ),
+    (
+        "distributed.md",
+        "--model smollm2-135m --tensor-parallel-size 3 --kv-cache-dtype fp32",
+        "({kv_bytes_per_token_per_gpu:,.0f} B a token against {kv_bytes_per_token:,.0f} on one process",
+    ),
+    (
+        "deepseek_v4.md",
+        "--model deepseek-v4-flash --gpu H200 --num-gpus 2 --tensor-parallel-size 2 --max-model-len 131072 "
+        "--hisparse-fraction 0.1",
+        "a token takes {hisparse[kv_bytes_per_token_hisparse]:,.1f} B of device memory instead of "
+        "{hisparse[kv_bytes_per_token_resident]:,.1f} ({hisparse[host_bytes_per_token]:,.1f} B in host memory), and "
+        "each TP-2 replica's pool holds {hisparse[pool_tokens_hisparse]:,} tokens instead of "
+        "{hisparse[pool_tokens_resident]:,} ({hisparse[token_gain]:.2f}x)",
+    ),
+    (
+        "deepseek_v4.md",
+        "--model deepseek-v4-flash --gpu H200 --num-gpus 8 --tensor-parallel-size 2 --max-model-len 131072 "
+        "--hisparse-fraction 0.1",
+        "four replicas) {hisparse[deployment_tokens_hisparse]:,} instead of {hisparse[deployment_tokens_resident]:,}.",
+    ),
+    (
+        "engine.md",  # the ledger table's predicted column
+        "--model smollm2-135m --device cpu",
+        "| weights | {ledger_details[weights][model]:,.0f} | "
+        "| kv_pool: data | {ledger_details[kv_pool][data]:,.0f} | "
+        "| kv_pool: quant_scales | {ledger_details[kv_pool][quant_scales]:,.0f} | "
+        "| kv_pool: block_tables | {ledger_details[kv_pool][block_tables]:,.0f} (bound) | "
+        "| kv_pool: bookkeeping | {ledger_details[kv_pool][bookkeeping]:,.0f} (bound) | "
+        "| workspace: activations | {ledger_details[workspace][activations]:,.0f} | "
+        "| workspace: logits | {ledger_details[workspace][logits]:,.0f} | "
+        "| workspace: sampler | {ledger_details[workspace][sampler]:,.0f} (bound) | "
+        "| transient: cow_staging | {ledger_details[transient][cow_staging]:,.0f} (bound) | "
+        "| transient: chunked_prefill | {ledger_details[transient][chunked_prefill]:,.0f} (bound) | "
+        "| runtime: interpreter and libraries | {ledger_details[runtime][interpreter_and_libraries]:,.0f} (assumed) | "
+        "| runtime: tokenizer | {ledger_details[runtime][tokenizer]:,.0f} (assumed) | "
+        "| **sum of the terms** | **{ledger[total]:,.0f}** |",
+    ),
+]
+
+
+def _rows_and_prose(text: str) -> str:
+    """The page with its lines joined by spaces and a table row cut after its first two cells,
+    so that a sentence wrapped over lines, or a table's first columns, read as one string."""
+    lines = []
+    for line in text.splitlines():
+        if line.startswith("|"):
+            line = "|".join(line.split("|")[:3]) + "|"
+        lines.append(line)
+    return " ".join(" ".join(lines).split())
+
+
+@pytest.mark.parametrize("page,flags,sentence", PLAN_FIGURES, ids=[f"{p}:{f.split()[1]}" for p, f, _ in PLAN_FIGURES])
+def test_the_plan_figures_the_pages_quote_are_what_it_prints(page, flags, sentence, capsys):
+    from kvpool.cli.main import main
+
+    assert main(["plan", *shlex.split(flags), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    expected = " ".join(sentence.format(**report).split())
+    assert expected in _rows_and_prose((DOCS / page).read_text()), f"docs/{page} should say: {expected}"
