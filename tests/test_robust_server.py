@@ -259,6 +259,19 @@ def test_a_value_of_the_wrong_json_type_is_refused_not_converted():
     assert (parsed.prompt, parsed.temperature, parsed.top_p, parsed.max_tokens) == ([1, 2], 0.0, 1.0, 3)
 
 
+def test_a_stop_string_longer_than_the_library_takes_is_a_400_naming_stop():
+    """The protocol refuses what SamplingParams would (a ValueError there is the server's 500)."""
+    from kvpool.engine.sampling import MAX_STOP_CHARS
+    from kvpool.server.protocol import APIError, CompletionRequest, parse_body
+
+    body = {"prompt": "hi", "stop": ["ok", "y" * (MAX_STOP_CHARS + 1)]}
+    with pytest.raises(APIError) as caught:
+        parse_body(json.dumps(body).encode(), CompletionRequest)
+    assert (caught.value.status, caught.value.param) == (400, "stop"), caught.value.message
+    assert f"at most {MAX_STOP_CHARS} characters" in caught.value.message
+    assert parse_body(json.dumps({**body, "stop": "y" * MAX_STOP_CHARS}).encode(), CompletionRequest).stop
+
+
 def test_request_ids_do_not_count_requests(server):
     c = openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, timeout=120)
     ids = [c.completions.create(model=MODEL, prompt="hi", max_tokens=1).id for _ in range(2)]

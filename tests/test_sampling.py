@@ -250,3 +250,21 @@ def test_integral_numbers_of_any_kind_are_taken_as_ints():
     params = SamplingParams(max_tokens=np.int64(5), n=np.int32(2), seed=np.uint8(7), top_k=3, temperature=1)
     assert (params.max_tokens, params.n, params.seed, params.top_k) == (5, 2, 7, 3)
     assert {type(params.max_tokens), type(params.n), type(params.seed)} == {int}
+
+
+def test_n_and_stop_strings_beyond_their_bounds_are_refused_naming_them():
+    """n above vLLM's default bound (VLLM_MAX_N_SEQUENCES, 16384) and stop strings beyond
+    what a stream can hold back (a 100 KB one held every character back to the end) are
+    refused by name; the bounds themselves are taken."""
+    from kvpool.engine.sampling import MAX_N, MAX_STOP_CHARS, MAX_STOP_STRINGS
+
+    assert SamplingParams(n=MAX_N).n == MAX_N
+    assert SamplingParams(stop=["x" * MAX_STOP_CHARS] * MAX_STOP_STRINGS).stop[0] == "x" * MAX_STOP_CHARS
+    with pytest.raises(ValueError, match=rf"^n must be at most {MAX_N}, got {MAX_N + 1}"):
+        SamplingParams(n=MAX_N + 1)
+    with pytest.raises(
+        ValueError, match=rf"^stop: at most {MAX_STOP_STRINGS} stop strings, got {MAX_STOP_STRINGS + 1}"
+    ):
+        SamplingParams(stop=["a"] * (MAX_STOP_STRINGS + 1))
+    with pytest.raises(ValueError, match=rf"^stop: a stop string of 100000 characters; at most {MAX_STOP_CHARS}"):
+        SamplingParams(stop=["ok", "y" * 100_000])

@@ -35,6 +35,18 @@ import torch
 GREEDY_TEMPERATURE = 1e-5
 # A seed is a signed 64-bit integer, as in OpenAI's API and vLLM; the generator sees it mod 2^64.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
+# More samples of one prompt than this are refused: vLLM's bound (the default of its
+# VLLM_MAX_N_SEQUENCES), so what runs there runs here. Time grows linearly in n (n = 1,000 of
+# 2 tokens on SmolLM2: ~6 s of CPU), but no one means n = 10**6 (minutes to hours, and a
+# sequence's token list each); kvpool serve takes at most 16 (server/protocol.py MAX_N).
+MAX_N = 16384
+# Stop strings: a streamed response holds back len(longest) - 1 characters while one may be
+# forming, and each token's stop check decodes the last 4 * len(longest) + 2 tokens. One of
+# 100 KB held every character back to the end and decoded the whole output each token; 256
+# characters hold back at most ~60 tokens of English text. OpenAI takes 4 stop strings (and
+# kvpool serve too); the library takes more, for scripts that list many delimiters.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
 
 
 def integer(name: str, value: object) -> int:
@@ -70,8 +82,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not SEED_MIN <= self.seed <= SEED_MAX:
             raise ValueError(f"seed must be a 64-bit signed integer, got {self.seed}")
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(
+                f"n must be >= 1, got {self.n}" if self.n < 1 else f"n must be at most {MAX_N}, got {self.n}"
+            )
         if isinstance(self.stop, str):
             # one stop string, as vLLM and OpenAI's API take it: iterated as it is, "User:" would
             # stop at its first "U", "s", ... of the output
@@ -83,8 +97,14 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str):
                 raise TypeError(f"stop strings must be strings, got {s!r} ({type(s).__name__})")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+        if self.stop:
+            if any(not s for s in self.stop):
+                raise ValueError("stop strings must be non-empty")
+            if len(self.stop) > MAX_STOP_STRINGS:
+                raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+            longest = max(len(s) for s in self.stop)
+            if longest > MAX_STOP_CHARS:
+                raise ValueError(f"stop: a stop string of {longest} characters; at most {MAX_STOP_CHARS} are taken")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
 

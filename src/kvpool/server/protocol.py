@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
 from kvpool.engine.engine import RequestOutput
-from kvpool.engine.sampling import SEED_MAX, SEED_MIN
+from kvpool.engine.sampling import MAX_STOP_CHARS, SEED_MAX, SEED_MIN
 
 MAX_N = 16  # samples per request
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
@@ -102,6 +102,9 @@ class SamplingRequest(NullIsDefault):
             raise ValueError("stop: a stop string is empty")
         if len(stops) > MAX_STOP:
             raise ValueError(f"stop: at most {MAX_STOP} stop strings, got {len(stops)}")
+        if stops and (longest := max(len(s) for s in stops)) > MAX_STOP_CHARS:
+            # (SamplingParams refuses it too, but its ValueError would be the server's 500)
+            raise ValueError(f"stop: a stop string of {longest} characters; at most {MAX_STOP_CHARS} characters")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) != 0.0:
                 raise ValueError(f"{name}: not supported by kvpool serve (only 0 is accepted)")
