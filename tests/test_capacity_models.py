@@ -343,3 +343,30 @@ def test_an_absent_head_dim_takes_the_familys_default(preset: str, head_dim: int
     # Llama (and Mistral, Qwen2) derive it: hidden / heads
     llama = load_preset_config("llama-3.1-8b")
     assert from_hf_config(llama | {"head_dim": None}).head_dim == 4096 // 32
+
+
+@pytest.mark.parametrize(
+    ("preset", "changes", "words"),
+    [
+        ("deepseek-v3", {"n_routed_experts": 2.5}, "n_routed_experts must be a positive integer, got 2.5"),  # was 2
+        ("deepseek-v3", {"n_routed_experts": "8"}, 'n_routed_experts must be a positive integer, got "8"'),
+        ("deepseek-v4-flash", {"n_routed_experts": 2.5}, "n_routed_experts must be a positive integer, got 2.5"),
+        # counts whose weights no machine holds (1 PiB at fp4): a MemoryError traceback, or 2.5e24 parameters
+        ("smollm2-135m", {"num_hidden_layers": 10**12}, "num_hidden_layers=1000000000000 layers of hidden_size 576"),
+        ("deepseek-v3", {"n_routed_experts": 10**15}, "its experts (n_routed_experts"),
+        ("gemma-2-9b", {"vocab_size": 10**14}, "its embedding (vocab_size x hidden_size)"),
+    ],
+)
+def test_expert_counts_and_counts_beyond_any_machine_are_refused_naming_the_key(preset, changes, words) -> None:
+    with pytest.raises(ValueError) as raised:
+        from_hf_config(load_preset_config(preset) | changes, name=preset if "v4" in preset else None)
+    assert words in str(raised.value)
+    assert "config: " in str(raised.value)
+
+
+def test_the_largest_real_configs_are_within_the_weight_bound() -> None:
+    from kvpool.spec.models import MAX_WEIGHT_BYTES, PRESET_NAMES, load_preset
+
+    # (the bound's margin: DeepSeek-V4-Pro, the largest preset, is ~2,000 times below it)
+    largest = max(count_parameters(load_preset(name)).total for name in PRESET_NAMES)
+    assert 1e12 < largest and largest * 0.5 * 1000 < MAX_WEIGHT_BYTES

@@ -313,6 +313,22 @@ def _flag(cfg: dict[str, Any], key: str, kind: str, default: bool) -> bool:
     return value
 
 
+# No model's weights reach this: 1 PiB, ~80 times the HBM of a 72-GPU NVL72 rack (~13.5 TB,
+# the largest machine one model is served on), at fp4's half a byte a parameter (the
+# smallest weight format kvpool knows). A config whose counts put its weights beyond it is a
+# typo or a hostile file: num_hidden_layers 10**12 was a MemoryError (a tuple entry a layer).
+MAX_WEIGHT_BYTES = 1 << 50
+MIN_WEIGHT_BYTES_PER_PARAM = 0.5
+
+
+def _check_weights_fit(kind: str, what: str, num_params: int) -> None:
+    if num_params * MIN_WEIGHT_BYTES_PER_PARAM > MAX_WEIGHT_BYTES:
+        raise ValueError(
+            f"{kind} config: {what}: weights of at least {num_params * MIN_WEIGHT_BYTES_PER_PARAM / 2**50:.3g} PiB "
+            f"({num_params:.3g} parameters at fp4), more than any machine holds (1 PiB); no model has such counts"
+        )
+
+
 def _layer_windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> tuple[int | None, ...]:
     """Per-layer sliding window (None = full attention), from `layer_types` or the family rule."""
     window = cfg.get("sliding_window")
@@ -371,7 +387,7 @@ def _weight_format(cfg: dict[str, Any]) -> str:
 
 def _hf_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     """The ModelSpec fields that GQA and MLA config.json files spell alike (HF names)."""
-    return {
+    fields = {
         "num_layers": _positive(cfg, "num_hidden_layers", model_type),
         "hidden_size": _positive(cfg, "hidden_size", model_type),
         "num_heads": _positive(cfg, "num_attention_heads", model_type),
@@ -380,6 +396,16 @@ def _hf_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
         "max_position_embeddings": _positive(cfg, "max_position_embeddings", model_type),
         "weight_format": _weight_format(cfg),
     }
+    # Checked before anything is built a layer at a time. Every layer holds at least one MLP
+    # of intermediate_size (a dense one; an MoE layer's experts hold more: gpt-oss's
+    # intermediate_size is one expert's, DeepSeek-V3's 256 experts of 2,048 outweigh its 18,432).
+    L, h = fields["num_layers"], fields["hidden_size"]
+    _check_weights_fit(
+        model_type,
+        f"num_hidden_layers={L} layers of hidden_size {h} and intermediate_size {fields['intermediate_size']}",
+        L * 3 * h * fields["intermediate_size"],
+    )
+    return fields
 
 
 # head_dim of transformers' config classes where config.json leaves it out (Qwen3Config,
@@ -450,11 +476,11 @@ def _parse_mla(cfg: dict[str, Any], name: str, model_type: str) -> ModelSpec:
             topk=_positive(cfg, "index_topk", model_type),
         )
     moe = None
-    if cfg.get("n_routed_experts"):
+    if cfg.get("n_routed_experts") not in (None, 0):  # (0 or null: a dense model)
         first_dense = _non_negative(cfg, "first_k_dense_replace", model_type, 0)
         freq = _positive(cfg, "moe_layer_freq", model_type, default=1)
         moe = MoEGeometry(
-            num_experts=int(cfg["n_routed_experts"]),
+            num_experts=_positive(cfg, "n_routed_experts", model_type),
             num_shared_experts=_non_negative(cfg, "n_shared_experts", model_type, 0),
             expert_intermediate_size=_positive(cfg, "moe_intermediate_size", model_type),
             experts_per_token=_positive(cfg, "num_experts_per_tok", model_type),
@@ -501,7 +527,7 @@ def _parse_dsv4(cfg: dict[str, Any], name: str, model_type: str) -> ModelSpec:
         # Every V4 layer is MoE; without the expert facts the weights line would be fiction.
         raise ValueError(f"{model_type} config is missing required key 'n_routed_experts'")
     moe = MoEGeometry(
-        num_experts=int(facts["n_routed_experts"]),
+        num_experts=_positive(facts, "n_routed_experts", model_type),
         num_shared_experts=_non_negative(facts, "n_shared_experts", model_type, 0),
         expert_intermediate_size=_positive(facts, "moe_intermediate_size", model_type),
         experts_per_token=_positive(facts, "num_experts_per_tok", model_type),
@@ -590,7 +616,27 @@ def from_hf_config(cfg: dict[str, Any], name: str | None = None) -> ModelSpec:
             f"unknown model kind: model_type {model_type!r} (architectures={architectures}) is not one kvpool "
             f"understands; known model types: {', '.join(KNOWN_MODEL_TYPES)}"
         )
-    return _PARSERS[model_type](cfg, name or str(cfg.get("_name_or_path") or model_type), model_type)
+    spec = _PARSERS[model_type](cfg, name or str(cfg.get("_name_or_path") or model_type), model_type)
+    # every count now, experts and vocabulary included (n_routed_experts 10**15 gave 2.5e15
+    # parameters), named by the category that holds most of them
+    counts = count_parameters(spec)
+    largest = max(_COUNT_FIELDS, key=lambda category: getattr(counts, category))
+    _check_weights_fit(model_type, f"its {largest} ({_COUNT_FIELDS[largest]})", counts.total)
+    return spec
+
+
+# ParamCounts' categories -> the config.json keys that size them (for the error above)
+_COUNT_FIELDS = {
+    "embedding": "vocab_size x hidden_size",
+    "lm_head": "vocab_size x hidden_size",
+    "attention": "num_attention_heads, head_dim, num_key_value_heads",
+    "attention_replicated": "q_lora_rank, kv_lora_rank",
+    "mlp": "intermediate_size, n_shared_experts",
+    "experts": "n_routed_experts / num_local_experts x moe_intermediate_size",
+    "expert_biases": "num_local_experts",
+    "router": "n_routed_experts / num_local_experts",
+    "norms": "num_hidden_layers x hidden_size",
+}
 
 
 # ---------------------------------------------------------------------------------------
