@@ -48,11 +48,23 @@ def test_a_bad_output_path_is_one_line_before_simulating(tmp_path, capsys, no_si
     file = tmp_path / "f"
     file.touch()
     fill = {"file": str(file), "dir": str(tmp_path)}
-    argv = ["simulate", *[f.format(**fill) for f in flags], *LLAMA, "--requests", "8", "--jobs", "1"]
+    jobs = ["--jobs", "1"] if flags[0] == "sweep" else []  # (a sweep-only flag: one run refuses it)
+    argv = ["simulate", *[f.format(**fill) for f in flags], *LLAMA, "--requests", "8", *jobs]
     assert main(argv) == 2
     line = _one_error_line(capsys)
     assert all(w.format(**fill) in line for w in words), line
     assert sorted(os.listdir(tmp_path)) == ["f"]  # nothing created
+
+
+@pytest.mark.parametrize(
+    "flags", [["--jobs", "2"], ["--executor", "processes"], ["--ray-address", "x:1"], ["--slo-attainment", "0.5"]]
+)
+def test_a_sweep_only_flag_in_one_run_is_one_line_naming_it(capsys, no_simulating, flags):
+    """One run has no pool, executor or attainment to apply them to: taken silently, they
+    left the user believing they did something (--executor processes too: the default, said)."""
+    assert main(["simulate", *LLAMA, "--requests", "8", *flags]) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith(f"kvpool simulate: error: {flags[0]} is a flag of `kvpool simulate sweep`"), line
 
 
 @pytest.mark.parametrize("flags", [["--requests", "5"], ["--sessions", "2"], ["--requests", "5", "--turns", "2"]])

@@ -82,6 +82,10 @@ SUMMARY_KEYS = (
 )
 
 
+# the SLO attainment a sweep's cheapest deployment must reach where --slo-attainment is not given
+SLO_ATTAINMENT = 0.9
+
+
 def _list(parse):
     def parse_list(text: str) -> tuple:
         items = tuple(parse(item.strip()) for item in text.split(",") if item.strip())
@@ -276,8 +280,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--executor",
         choices=("processes", "ray"),
-        default="processes",
-        help="sweep: a process pool on this host, or Ray (the [ray] extra; local mode unless --ray-address)",
+        default=None,  # (None: not given, which one run checks; a sweep reads it as "processes")
+        help="sweep: a process pool on this host (default), or Ray (the [ray] extra; local mode unless --ray-address)",
     )
     parser.add_argument(
         "--ray-address",
@@ -287,9 +291,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--slo-attainment",
         type=positive_float,
-        default=0.9,
-        help="sweep: a run meets the SLO when this fraction of its requests is within both bounds; the "
-        "cheapest such deployment (GPUs per goodput) is printed",
+        default=None,  # (None: not given; a sweep reads it as SLO_ATTAINMENT)
+        help=f"sweep: a run meets the SLO when this fraction of its requests is within both bounds (default "
+        f"{SLO_ATTAINMENT}); the cheapest such deployment (GPUs per goodput) is printed",
     )
 
 
@@ -391,6 +395,20 @@ class _Progress:
             self.bar.stop()
 
 
+def _check_sweep_flags(args: argparse.Namespace) -> None:
+    """ValueError for a sweep-only flag given to one run, which has no pool, executor or
+    attainment to apply it to (taken silently, as --out was, it seemed to do something)."""
+    if args.mode != "sweep":
+        for flag, value in (
+            ("--jobs", args.jobs),
+            ("--executor", args.executor),
+            ("--ray-address", args.ray_address),
+            ("--slo-attainment", args.slo_attainment),
+        ):
+            if value is not None:
+                raise ValueError(f"{flag} is a flag of `kvpool simulate sweep`; one run (kvpool simulate) takes none")
+
+
 def _check_trace_flags(args: argparse.Namespace) -> None:
     """ValueError for a flag that shapes a generated workload given with --trace, which
     replays its own lines (taken silently, --requests 1000 of a 23,000-line trace ran all
@@ -428,6 +446,7 @@ def run(args: argparse.Namespace) -> int:
 
     _check_trace_flags(args)
     _check_output_paths(args)
+    _check_sweep_flags(args)
     combos = _runs(args)
     _warn_beyond_max_position(args, combos)
     options = sim_options(args)

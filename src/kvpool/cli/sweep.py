@@ -25,6 +25,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from kvpool.cli.simulate import SLO_ATTAINMENT
 from kvpool.sim import deployment
 from kvpool.sim.deployment import SimOptions
 from kvpool.sim.sweep import cheapest_deployment, describe, map_processes, map_ray, read_rows, runnable
@@ -33,10 +34,12 @@ from kvpool.sim.sweep import cheapest_deployment, describe, map_processes, map_r
 def run_sweep(args: argparse.Namespace, options: SimOptions, points: Sequence[dict[str, Any]]) -> int:
     """Run the grid, each row written as its point finishes; then the plots and the cheapest
     deployment, from the JSONL."""
-    if args.ray_address and args.executor != "ray":
+    executor = args.executor or "processes"
+    attainment = SLO_ATTAINMENT if args.slo_attainment is None else args.slo_attainment
+    if args.ray_address and executor != "ray":
         raise ValueError("--ray-address: a Ray cluster runs the sweep only with --executor ray")
-    if not args.slo_attainment <= 1.0:
-        raise ValueError(f"--slo-attainment: expected a fraction in (0, 1], got {args.slo_attainment}")
+    if not attainment <= 1.0:
+        raise ValueError(f"--slo-attainment: expected a fraction in (0, 1], got {attainment}")
     points, left_out = runnable(options, points)
     for why in left_out:
         tp = "" if why.tp is None else f" at TP {why.tp}"
@@ -45,7 +48,7 @@ def run_sweep(args: argparse.Namespace, options: SimOptions, points: Sequence[di
         raise ValueError(f"no point of the grid can run: {left_out[0].reason}")
     jobs = min(args.jobs or os.cpu_count() or 1, len(points))
     payloads = [(options, p) for p in points]
-    if args.executor == "ray":
+    if executor == "ray":
         results = map_ray(deployment.sweep_point, payloads, jobs, args.ray_address)
     else:
         results = map_processes(deployment.sweep_point, payloads, jobs)
@@ -72,5 +75,5 @@ def run_sweep(args: argparse.Namespace, options: SimOptions, points: Sequence[di
 
         for path in plot_sweep(rows, args.plot):
             print(f"kvpool simulate sweep: wrote {path}", file=sys.stderr)
-    print(describe(cheapest_deployment(rows, args.slo_attainment), args.slo_attainment), file=sys.stderr)
+    print(describe(cheapest_deployment(rows, attainment), attainment), file=sys.stderr)
     return 0
