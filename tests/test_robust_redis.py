@@ -141,6 +141,45 @@ def test_a_write_onto_a_key_of_the_wrong_type_is_counted_and_replaces_it(redis_s
     t.check_integrity()
 
 
+def test_an_entry_with_a_header_and_no_data_is_a_corrupt_miss_and_deleted(redis_server) -> None:
+    """A partial foreign write (the header `m`, no data `d`) hit every lookup and missed every
+    get ("absent") without ever being deleted."""
+    writer, _ = tier(redis_server)
+    assert writer.put(key(1), descriptor(1), tensors(1)) and writer.flush(30)
+    rkey = RedisTier.redis_key(key(1), descriptor(1))
+    client(redis_server).hdel(rkey, "d")
+    t, _ = tier(redis_server)
+    assert not t.lookup(key(1), descriptor(1))
+    assert (t.stats.num_corrupt, t.stats.misses["corrupt"], client(redis_server).exists(rkey)) == (1, 1, 0)
+    assert t.get(key(1), descriptor(1)) is None and t.stats.misses["absent"] == 1
+    t.check_integrity()
+
+
+@pytest.mark.parametrize("field", ["m", "d"])
+def test_a_good_entry_written_between_reading_a_corrupt_one_and_deleting_it_stays(redis_server, monkeypatch, field):
+    """_refuse deleted the key unwatched: a good entry another process wrote between the
+    read and the delete was lost. Now it deletes only what it read."""
+    import kvpool.tiers.redis_tier as redis_tier
+
+    rkey = RedisTier.redis_key(key(1), descriptor(1))
+    client(redis_server).hset(rkey, mapping={"m": b"garbage", "d": b"garbage"})
+    other, _ = tier(redis_server)
+    decode = redis_tier.entry.peek if field == "m" else redis_tier.entry.decode
+
+    def meanwhile(raw, k):  # (the other process's write lands after this tier's read)
+        assert other._write(key(1), descriptor(1), tensors(1))
+        return decode(raw, k)
+
+    monkeypatch.setattr(redis_tier.entry, "peek" if field == "m" else "decode", meanwhile)
+    t, _ = tier(redis_server)
+    read = t.lookup if field == "m" else t.get
+    assert not read(key(1), descriptor(1)) if field == "m" else read(key(1), descriptor(1)) is None
+    assert t.stats.num_corrupt == 1
+    monkeypatch.undo()
+    got = tier(redis_server)[0].get(key(1), descriptor(1))
+    assert got is not None and torch.equal(got["v"], tensors(1)["v"])
+
+
 # ----- a database the server does not have ------------------------------------------------
 
 

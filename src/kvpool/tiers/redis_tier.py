@@ -94,6 +94,16 @@ _KINDS = {
 }
 
 
+def _delete_if_unchanged(pipe: redis.client.Pipeline, rkey: str, field: str, raw: bytes | None) -> None:
+    """Inside `Redis.transaction` (rkey WATCHed, re-run if it changes before EXEC): delete
+    the entry only while its `field` still reads `raw` (None: still absent, beside a header),
+    so a good entry another process writes between our read and the delete stays (an
+    unwatched DEL dropped it)."""
+    if pipe.hget(rkey, field) == raw and pipe.exists(rkey):
+        pipe.multi()
+        pipe.delete(rkey)
+
+
 def _error_kind(error: redis.RedisError) -> str:
     """The server's error code: the first word of its answer (WRONGTYPE, OOM, READONLY, ERR ...)."""
     if type(error) in _KINDS:
@@ -345,8 +355,9 @@ class RedisTier(Tier):
         known = self._known.get(key)
         return known is not None and known.descriptor == descriptor and known.verified
 
-    def _refuse(self, rkey: str, key: bytes, differ: list[str] | None) -> None:
-        """A bad or foreign entry: counted, deleted."""
+    def _refuse(self, rkey: str, key: bytes, differ: list[str] | None, field: str, raw: bytes | None) -> None:
+        """A bad or foreign entry (its `field` read as `raw`; None: the header with no data):
+        counted, deleted while it still holds what was read."""
         if differ:
             self.stats.mismatches.update(differ)
             self.stats.misses["mismatch"] += 1
@@ -355,7 +366,7 @@ class RedisTier(Tier):
             self.stats.num_corrupt += 1
             self.stats.misses["corrupt"] += 1
         self._known.pop(key, None)
-        self._call(lambda c: c.delete(rkey))
+        self._call(lambda c: c.transaction(lambda pipe: _delete_if_unchanged(pipe, rkey, field, raw), rkey))
 
     def _other_version(self, key: bytes) -> None:
         """An entry another kvpool's entry format wrote (entry.OtherVersion): a miss, left
@@ -413,22 +424,35 @@ class RedisTier(Tier):
         decoded and checked against `expected`. None: a miss, already handled and counted as
         its kind (server down or absent, corrupt, another version, another descriptor)."""
         rkey = self.redis_key(key, expected)
-        raw = self._call(lambda c: c.hget(rkey, field))
+        if field == "m":
+            # the header, and whether the data is there: a header alone (a partial foreign
+            # write) hit every lookup and missed every get, never deleted. (One round trip.)
+            answer = self._call(
+                lambda c: c.pipeline(transaction=False).hget(rkey, "m").hexists(rkey, "d").execute(raise_on_error=False)
+            )
+            raw, has_data = answer if isinstance(answer, list) else (answer, True)
+            if isinstance(raw, redis.RedisError):
+                self._refused(raw)  # (a pipeline hands a refused command's error back, uncounted by _call)
+        else:
+            raw, has_data = self._call(lambda c: c.hget(rkey, field)), True
         if raw is _DOWN or raw is None or isinstance(raw, redis.RedisError):
             self._missed(rkey, key, raw)
+            return None
+        if not has_data:
+            self._refuse(rkey, key, None, "d", None)
             return None
         try:
             descriptor, body = decode(raw, key)
             entry.check_layout(layout_of(body), self._expected.get(entry.namespace(expected)))
         except entry.CorruptEntry:
-            self._refuse(rkey, key, None)
+            self._refuse(rkey, key, None, field, raw)
             return None
         except entry.OtherVersion:
             self._other_version(key)
             return None
         differ = descriptor.mismatches(expected)
         if differ:
-            self._refuse(rkey, key, differ)
+            self._refuse(rkey, key, differ, field, raw)
             return None
         return _Read(rkey, descriptor, body, len(raw))
 
