@@ -380,3 +380,64 @@ def test_leading_views_are_the_vectors_first_entries_made_once_a_length():
     b.update(["a"], [3], [4], [[7]])  # the same views hold the next step's values
     assert b.leading_slots(1).tolist() == [31] and b.leading_positions(1).tolist() == [3]
     assert slots.tolist()[0] == 31 and positions.tolist()[0] == 3
+
+
+def test_every_step_after_a_commit_fault_equals_the_caches_tables():
+    # A commit that raises (before the cache commits, or after) releases the step's
+    # sequences to be recomputed; the buffers are not cleared as a whole (`may_reserve_again`
+    # is not called on this path): each released request's row goes with `release()`'s
+    # `forget`. Every later step's buffers must still equal the cache's step tables, and a
+    # fresh StepBuffers given the same step (`update`) must read the same slots, lengths and
+    # table entries; the run's tokens equal a run without the fault.
+    prompts = [random_ids(5 + 3 * i, seed=20 + i) for i in range(3)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+
+    def run(fault_step: int | None, where: str = "") -> tuple[list[list[int]], int]:
+        e, checked = _checked_engine(num_blocks=32, block_size=4, max_num_seqs=4)
+        buffers, forward = e.runner.step_buffers, e.runner.executor.forward
+
+        def also_fresh(chunks, cache, all_logits=False):
+            ids = [c.request_id for c in chunks]
+            starts = [c.start for c in chunks]
+            ends = [c.start + len(c.token_ids) for c in chunks]
+            num_tokens = sum(ends) - sum(starts)
+            fresh = StepBuffers(buffers.max_num_seqs, 256, 32, 4)
+            fresh.update(ids, starts, ends, [cache.block_ids(r) for r in ids])
+            got, want = buffers.view(len(ids), num_tokens), fresh.view(len(ids), num_tokens)
+            for name in ("slot_mapping", "ctx_lens", "positions", "query_start"):
+                assert getattr(got, name).tolist() == getattr(want, name).tolist(), name
+            for i in range(len(ids)):
+                num_blocks = -(-ends[i] // 4)
+                row, fresh_row = int(got.seq_rows[i]), int(want.seq_rows[i])
+                assert got.block_tables[row, :num_blocks].tolist() == want.block_tables[fresh_row, :num_blocks].tolist()
+            return forward(chunks, cache, all_logits)
+
+        e.runner.executor.forward = also_fresh
+        ids = [e.add_request(p, params) for p in prompts]
+        commit = e.runner.commit_step
+        step_no = 0
+        while e.has_unfinished():
+            step_no += 1
+            if step_no == fault_step:
+
+                def faulty(*args):
+                    if where == "committed":
+                        commit(*args)
+                    raise RuntimeError("injected commit fault")
+
+                e.runner.commit_step = faulty
+                with pytest.raises(RuntimeError, match="injected commit fault"):
+                    e.step()
+                del e.runner.commit_step
+            else:
+                e.step()
+            e.runner.check_integrity()
+        assert checked[0] == step_no
+        return [e.output(r).completions[0].token_ids for r in ids], e.stats.num_fault_recomputes
+
+    twin, _ = run(None)
+    # the prompts' prefill, a decode advanced in place, the one after it (a decode again, or a
+    # recompute behind a decode): the commit raising before the cache commits, and after
+    for where, fault_step in itertools.product(("commit", "committed"), (1, 3, 4)):
+        outputs, num_recomputes = run(fault_step, where)
+        assert outputs == twin and num_recomputes > 0, (where, fault_step)
