@@ -115,3 +115,11 @@ def test_limit_model_len_caps_the_runner_and_refuses_more_than_it_holds():
         limit_model_len(engine, most + 1)
     limit_model_len(engine, 500)
     assert engine.runner.max_model_len == 500
+    # a context of 1 token holds no prompt token beside its output token: every command that
+    # takes --max-model-len (run, serve) refuses it here, before a request (run loaded the
+    # model and failed its first request: "at most 0 tokens fit"); the cap stays as it was
+    with pytest.raises(ValueError, match=r"^--max-model-len 1: a context of 1 token serves no request .* 2 or more"):
+        limit_model_len(engine, 1)
+    assert engine.runner.max_model_len == 500
+    limit_model_len(engine, 2)
+    assert engine.runner.max_model_len == 2

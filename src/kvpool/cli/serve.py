@@ -211,12 +211,7 @@ def _serve(
     dtype, device = model_placement(args)
     loaded = load_model(gguf, dtype=dtype, device=device)
     engine = llama_engine(loaded, args, kv_bytes)
-    limit_model_len(engine, args.max_model_len)
-    if engine.runner.max_model_len < 2:  # every request would get a 413: refuse to start instead
-        raise ValueError(
-            f"a context of {engine.runner.max_model_len} token serves no request (one prompt token and one "
-            "output token at least): give --max-model-len 2 or more (or a larger --num-blocks / --block-size)"
-        )
+    limit_model_len(engine, args.max_model_len)  # (a context below 2 tokens refused: every request a 413)
     num_blocks = engine.runner.usage().num_blocks
     metrics = ServerMetrics(name)
     thread = EngineThread(engine, loaded.tokenizer.decode, on_step=metrics.update)

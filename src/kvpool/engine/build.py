@@ -410,13 +410,22 @@ def build_engine(model: LoadedModel | LlamaModel | TinyDSV4 | TinyHybrid, **opti
 def limit_model_len(engine: Engine, max_model_len: int | None) -> None:
     """Cap the engine's longest request (prompt and output) at `max_model_len` (--max-model-len),
     at most what the model's positions and the KV pool allow (the runner's own limit); None
-    keeps that limit. A larger value is a ValueError naming both."""
-    if max_model_len is None:
-        return
-    most = engine.runner.max_model_len
-    if max_model_len > most:
+    keeps that limit. A larger value is a ValueError naming both; so is a context below 2
+    tokens, given or the runner's own (one prompt token and one output token at least: every
+    request would be refused, each as too long)."""
+    if max_model_len is not None:
+        most = engine.runner.max_model_len
+        if max_model_len > most:
+            raise ValueError(
+                f"--max-model-len {max_model_len}: this model and KV pool hold at most {most} tokens a request "
+                "(a larger --kv-memory or --num-blocks holds more, up to the model's positions)"
+            )
+    context = engine.runner.max_model_len if max_model_len is None else max_model_len
+    if context < 2:
+        given = "" if max_model_len is None else f"--max-model-len {max_model_len}: "
         raise ValueError(
-            f"--max-model-len {max_model_len}: this model and KV pool hold at most {most} tokens a request "
-            "(a larger --kv-memory or --num-blocks holds more, up to the model's positions)"
+            f"{given}a context of {context} token serves no request (one prompt token and one output token at "
+            "least): give --max-model-len 2 or more (or a larger --num-blocks / --block-size)"
         )
-    engine.runner.max_model_len = max_model_len
+    if max_model_len is not None:
+        engine.runner.max_model_len = max_model_len
