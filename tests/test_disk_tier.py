@@ -429,6 +429,57 @@ def test_kvpool_cache_ls_stats_and_clear(tmp_path) -> None:
     )
 
 
+def _three_entries_in_two_namespaces(tmp_path) -> tuple[DiskTier, Path]:
+    """A cache of 3 entries, the third of another model (its own namespace directory); the
+    namespace directory of the first two, which `kvpool cache` may be unable to list."""
+    tier = DiskTier(tmp_path / "c", 1 << 30)
+    for i, d in enumerate((descriptor(0), descriptor(1), descriptor(2, model_id="other"))):
+        tier.put(key(i), d, tensors(i))
+    tier.flush(30)
+    namespace = stored(tier, 0).parent.parent
+    assert (
+        stored(tier, 1).parent.parent == namespace != tier._path(key(2), descriptor(2, model_id="other")).parent.parent
+    )
+    return tier, namespace
+
+
+def test_kvpool_cache_says_which_directories_it_could_not_list(tmp_path, monkeypatch, capsys) -> None:
+    # Path.glob skips a directory it may not read silently: "entries: 1" of 3, no word of the
+    # other two. The tests may run as root, whom no mode bit stops: os.access says no here.
+    from kvpool.cli.main import main
+    from kvpool.tiers import disk_admin
+
+    tier, namespace = _three_entries_in_two_namespaces(tmp_path)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != namespace and real_access(path, mode))
+    assert disk_admin.unlisted_dirs(tier.root) == [namespace]
+    assert main(["cache", "stats", str(tier.root), "--json"]) == 1
+    captured = capsys.readouterr()
+    stats = json.loads(captured.out)
+    assert stats["unlisted_dirs"] == [str(namespace)]  # (the entries glob found: all 3 as root, 1 otherwise)
+    assert f"1 directory could not be listed (permission denied): {namespace}" in captured.err
+    assert main(["cache", "ls", str(tier.root)]) == 1
+    captured = capsys.readouterr()
+    assert f"1 directory could not be listed (permission denied): {namespace}" in captured.err
+    monkeypatch.undo()
+    assert disk_admin.unlisted_dirs(tier.root) == []
+    assert main(["cache", "stats", str(tier.root), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["unlisted_dirs"] == []
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root lists a directory of mode 000")
+def test_a_namespace_directory_of_mode_000_is_named_by_kvpool_cache(tmp_path) -> None:
+    from kvpool.tiers import disk_admin
+
+    tier, namespace = _three_entries_in_two_namespaces(tmp_path)
+    namespace.chmod(0)
+    try:
+        assert disk_admin.unlisted_dirs(tier.root) == [namespace]
+        assert len(disk_admin.inspect_cache(tier.root)) == 1  # (what Path.glob skipped silently)
+    finally:
+        namespace.chmod(0o755)
+
+
 @pytest.mark.parametrize(
     ("flags", "needle"),
     [

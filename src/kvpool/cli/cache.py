@@ -49,6 +49,24 @@ def _clear(root: Path, quarantine_only: bool) -> int:
     return 0
 
 
+def _unlisted(root: Path) -> int:
+    """A line on stderr naming the directories `kvpool cache ls / stats` could not list (their
+    entries are missing from its output; Path.glob skipped them silently); the exit status:
+    1 when there are any."""
+    from kvpool.tiers.disk_admin import unlisted_dirs
+
+    unlisted = unlisted_dirs(root)
+    if not unlisted:
+        return 0
+    what = "1 directory" if len(unlisted) == 1 else f"{len(unlisted)} directories"
+    shown = ", ".join(map(str, unlisted[:3])) + (", ..." if len(unlisted) > 3 else "")
+    print(
+        f"kvpool cache: {what} could not be listed (permission denied): {shown}; their entries are not shown",
+        file=sys.stderr,
+    )
+    return 1
+
+
 def run(args: argparse.Namespace) -> int:
     from kvpool.tiers.disk_admin import existing_cache, inspect_cache, summarize_cache
 
@@ -68,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
                         print(f"  {name}: {v['entries']} entries, {v['bytes'] / 2**20:.1f} MiB")
                 else:
                     print(f"{key}: {value}")
-        return 0
+        return _unlisted(root)
     rows = [
         {
             "key": i.path.name.split(".")[0],
@@ -84,10 +102,10 @@ def run(args: argparse.Namespace) -> int:
     ]
     if args.json:
         print(json.dumps({"directory": str(root), "entries": rows}))
-        return 0
+        return _unlisted(root)
     print(f"{'key':32}  {'bytes':>9}  {'last used':19}  {'ends at':>7}  model")
     for r in rows:
         end = r["tokens"] if r["tokens"] is not None else "?"
         model = r["model"] or f"{'other version' if r['other_version'] else 'unreadable'}: {r['problem']}"
         print(f"{r['key']:32}  {r['bytes']:>9}  {r['last_used']:19}  {end:>7}  {model}")
-    return 0
+    return _unlisted(root)

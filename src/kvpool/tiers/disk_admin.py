@@ -45,6 +45,29 @@ def existing_cache(directory: str | os.PathLike) -> Path:
     return root
 
 
+def unlisted_dirs(root: Path) -> list[Path]:
+    """The directories of root/entries (itself, a namespace's, a key prefix's) this user may
+    not list, in name order: Path.glob, which finds the entries, skips them without a word,
+    so their entries are missing from what `inspect_cache` returns. Their own directories
+    are not looked into."""
+    out: list[Path] = []
+    level = [root / "entries"]
+    for depth in range(3):  # entries/ | <namespace>/ | <key prefix>/ <key>.kvb
+        below: list[Path] = []
+        for directory in level:
+            try:
+                if not os.access(directory, os.R_OK | os.X_OK):
+                    raise PermissionError
+                if depth < 2:
+                    below += sorted(p for p in directory.iterdir() if p.is_dir() and not p.is_symlink())
+            except FileNotFoundError:  # removed meanwhile (a clear)
+                continue
+            except PermissionError:
+                out.append(directory)
+        level = below
+    return out
+
+
 def inspect_cache(root: Path, *, verify: bool = True) -> list[EntryInfo]:
     """Every entry, checked without changing anything, least recently used first: read
     whole and every checksum verified (a corrupted payload found), or with verify=False
@@ -98,6 +121,7 @@ def summarize_cache(root: Path, infos: list[EntryInfo]) -> dict[str, object]:
         "quarantined": len(quarantined),
         "quarantined_bytes": sum(_size(p) for p in quarantined),
         "temp_files": len(temps),
+        "unlisted_dirs": [str(p) for p in unlisted_dirs(root)],  # (their entries are not counted above)
     }
 
 
