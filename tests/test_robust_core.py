@@ -372,3 +372,33 @@ def test_a_prompt_that_is_no_sequence_of_ints_is_named(token_ids, message) -> No
         m.lookup_prefix(token_ids)
     assert snapshot(m) == before and "b" not in m
     assert m.lookup_prefix(np.array([1, 2, 3, 4, 5])) == 4  # numpy's ids are ints (pack_prompt's docs)
+
+
+@pytest.mark.parametrize("bad", [2.0, 1.5, "1", None])
+def test_the_other_counts_that_are_no_int_are_named(bad) -> None:
+    """rollback's, complete_loads', restore_tail's and restore_swapped_state's counts that are
+    no int: a TypeError naming the request and the argument, nothing changed (they said
+    'slice indices must be integers' or "'<' not supported between 'int' and 'str'")."""
+    m = _computed_six(CACHES["full"])
+    m.admit("c", list(range(100, 110)), 2)
+    before = snapshot(m)
+    calls = {
+        "num_computed_tokens": lambda: m.rollback("a", bad),
+        "a restore's token count": lambda: m.restore_tail("c", bad),
+    }
+    for what, call in calls.items():
+        with pytest.raises(TypeError, match=f"request '[ac]': {what} must be an int, got {bad!r}"):
+            call()
+        assert snapshot(m) == before
+    with pytest.raises(TypeError, match=f"request 'c': a restore's token count must be an int, got {bad!r}"):
+        m.restore_refusal("c", bad)
+    loading = _loading(False)
+    before = snapshot(loading)
+    with pytest.raises(TypeError, match=f"request 'b': num_loaded must be an int, got {bad!r}"):
+        loading.complete_loads("b", bad)
+    assert snapshot(loading) == before
+    loading.check_integrity()
+    dual = _dual()
+    dual.admit("d", list(range(1, 11)), 2)
+    with pytest.raises(TypeError, match=f"request 'd': a restore's token count must be an int, got {bad!r}"):
+        dual.restore_swapped_state("d", bad)

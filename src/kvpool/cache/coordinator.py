@@ -813,6 +813,7 @@ class HybridCacheManager:
     def restore_refusal(self, request_id: str, num_tokens: int) -> str | None:
         """Why `num_tokens` positions after the computed prefix cannot be restored, or None."""
         req = self._get(request_id)
+        num_tokens = _int_counts((num_tokens,), "a restore's token count", (request_id,))[0]
         nc, bs = req.num_computed, self.block_size
         if len(self._group_list) != 1:
             return f"request {request_id!r}: a cache of {len(self._group_list)} groups restores no partial block"
@@ -831,6 +832,7 @@ class HybridCacheManager:
         count as computed (a token is left to compute). Returns the admission the engine
         follows. ValueError, nothing changed, naming why they cannot be (`restore_refusal`)."""
         self._decode_step = None  # (the counts move below)
+        num_tokens = _int_counts((num_tokens,), "a restore's token count", (request_id,))[0]
         refusal = self.restore_refusal(request_id, num_tokens)
         if refusal is not None:
             raise ValueError(refusal)
@@ -851,6 +853,7 @@ class HybridCacheManager:
         """Why a swapped-out state `num_tokens` positions after the admission's hit cannot come
         back (`restore_swapped_state`), or None."""
         req = self._get(request_id)
+        num_tokens = _int_counts((num_tokens,), "a restore's token count", (request_id,))[0]
         nc, bs = req.num_computed, self.block_size
         if len(self._group_list) != 1:
             return f"request {request_id!r}: a cache of {len(self._group_list)} groups restores no swapped state"
@@ -871,6 +874,7 @@ class HybridCacheManager:
         admission the engine follows. ValueError, nothing changed, naming why it cannot be
         (`swapped_state_refusal`)."""
         self._decode_step = None  # (the counts move below)
+        num_tokens = _int_counts((num_tokens,), "a restore's token count", (request_id,))[0]
         refusal = self.swapped_state_refusal(request_id, num_tokens)
         if refusal is not None:
             raise ValueError(refusal)
@@ -1256,6 +1260,7 @@ class HybridCacheManager:
         starting after the loaded blocks."""
         self._decode_step = None  # (the counts move below)
         req = self._get(request_id)
+        num_loaded = _int_counts((num_loaded,), "num_loaded", (request_id,))[0]
         loading = [(name, g) for name, g in self.groups.items() if g.loads(req.states[name])]
         num_blocks = sum(len(g.loads(req.states[name])) for name, g in loading)
         if not 0 <= num_loaded <= num_blocks or len(loading) > 1:
@@ -1920,6 +1925,7 @@ class HybridCacheManager:
         req = self._get(request_id)
         if req.num_loading:  # (its loads sit right after the computed prefix: complete_loads counts on it)
             raise ValueError(f"request {request_id!r} has lower-tier blocks to load (complete_loads first)")
+        num_computed_tokens = _int_counts((num_computed_tokens,), "num_computed_tokens", (request_id,))[0]
         if not 0 <= num_computed_tokens <= req.num_computed:
             raise ValueError(
                 f"request {request_id!r}: rollback to {num_computed_tokens} outside [0, {req.num_computed}]"
