@@ -1135,3 +1135,30 @@ def test_the_running_sequences_lead_with_the_columns_rows_by_identity_alone(num_
     assert _leads(running, seqs) == twin
     if seqs and len(seqs) <= len(running):
         assert not _leads(running, [*seqs[:-1], stranger])  # equal fields, another object
+
+
+def test_a_columns_step_shares_the_columns_ids_and_an_admission_appends_to_its_own_copy():
+    # A step of the decode columns' rows alone plans with the columns' ids list itself (a
+    # copy would touch every id's string a step); the columns' lists are never changed, so
+    # a step that admits a request appends its id to a copy, and the columns keep theirs.
+    runner = PrefixModelRunner(64, 4)
+    engine = _twin_engine(runner, 256, 16, True, True)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    first = [engine.add_request([1 + i, 2, 3], params) for i in range(3)]
+    for _ in range(3):
+        engine.step()
+    cols = engine._columns
+    assert cols is not None and len(cols.seqs) == 3
+    ids = cols.ids
+    assert ids == [engine.requests[rid].seqs[0].seq_id for rid in first]
+    engine.step()  # the same rows: their ids are the columns' list
+    assert engine._step_ids is ids and engine._columns.ids is ids
+    late = engine.add_request([5, 6], params)
+    engine.step()  # the columns' rows, then the admitted prompt's chunk
+    late_id = engine.requests[late].seqs[0].seq_id
+    assert ids == [engine.requests[rid].seqs[0].seq_id for rid in first]
+    assert engine._step_ids == [*ids, late_id] and engine._step_ids is not ids
+    run(engine)
+    assert [engine.output(rid).completions[0].token_ids for rid in first] == [
+        expected([1 + i, 2, 3], 30) for i in range(3)
+    ]

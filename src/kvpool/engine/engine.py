@@ -624,7 +624,7 @@ class Engine:
                 self._plan_ends = [start + 1 for start in starts]
                 chunks = StepChunks(cols.ids, cols.last_tokens, starts)
                 if k == len(running):
-                    return list(running), cols.ids.copy(), [1] * k, chunks
+                    return list(running), cols.ids, [1] * k, chunks  # (the ids shared: `schedule`)
                 extras = running[k:]
                 counts = [len(seq.token_ids) - seq.num_computed for seq in extras]
                 assert min(counts) > 0, "a running sequence always has a token to compute"
@@ -647,7 +647,7 @@ class Engine:
                 _new_chunk(ScheduledChunk, (seq.seq_id, seq.token_ids[seq.num_computed :], seq.num_computed, True))
                 for seq in running
             ]
-            return list(running), self._decode_ids.copy(), [1] * len(running), chunks
+            return list(running), self._decode_ids, [1] * len(running), chunks  # (shared: `schedule`)
         counts = [len(seq.token_ids) - seq.num_computed for seq in running]
         if running and sum(counts) <= budget:  # every sequence's whole rest fits (a decode step): list comprehensions
             assert min(counts) > 0, "a running sequence always has a token to compute"
@@ -774,6 +774,12 @@ class Engine:
         # the step's tokens so far (a plan of the columns' rows alone: one each, not summed)
         num_tokens = len(counts) if columns is not None and len(counts) == len(columns.seqs) else sum(counts)
         budget = self.max_num_batched_tokens - num_tokens
+        # The plan's ids of a step of the decode columns' rows (or of the last step's decode
+        # rows) are that list itself, not a copy (`_plan_running`): a copy, and its free a step
+        # later, touch every id's string, a likely cache miss a row at a fleet run's scale
+        # where nothing else of the step reads them. The lists are never changed: an
+        # admission appends its id to a copy of its own
+        ids_shared = True
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             admitted = self._timed(
@@ -787,6 +793,8 @@ class Engine:
             )
             if admitted is None:
                 break
+            if ids_shared:
+                ids, ids_shared = ids.copy(), False
             self.waiting.popleft()
             seq.prompt = None  # (a readmission after a preemption holds more tokens: packed anew)
             seq.in_runner = True
