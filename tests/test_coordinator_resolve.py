@@ -454,7 +454,7 @@ def test_the_memo_is_carried_through_rows_that_leave_and_join(monkeypatch: pytes
     assert m._left == ["r1"] and [r.request_id for r in m._resolved] == ids  # (held until the next step)
     assert m.admit("r4", _ids(3)) is not None
     ids = ["r0", "r2", "r3", "r4"]
-    assert m._resolve_changed(ids) == (_fresh_lookup(m, ids), True)
+    assert m._resolve_changed(ids) == (_fresh_lookup(m, ids), True, ids)
     assert m.first_off_step(ids, [7, 7, 7, 0], [8, 8, 8, 3]) is None
     assert m._resolved == _fresh_lookup(m, ids) and m._left == [] and m._resolved_distinct is True
     m.commit_step(ids, [1, 1, 1, 3], [3, 3, 3, 3])
@@ -464,7 +464,7 @@ def test_the_memo_is_carried_through_rows_that_leave_and_join(monkeypatch: pytes
     m.release("r0")
     decodes = ["r2", "r3", "r4"]
     assert m.reserve_step(decodes, [1, 1, 1])
-    assert m._resolve_changed(decodes) == (_fresh_lookup(m, decodes), True)
+    assert m._resolve_changed(decodes) == (_fresh_lookup(m, decodes), True, decodes)
     assert m.first_off_step(decodes, [8, 8, 3], [9, 9, 4]) is None
     assert m._resolved == _fresh_lookup(m, decodes) and m._left == []
     m.commit_step(decodes, [1, 1, 1], [4, 4, 4])
@@ -737,3 +737,26 @@ def test_a_new_rows_hole_in_a_mixed_step_is_checked_by_the_next_reserve(monkeypa
     assert fast.num_computed_tokens("r3") == 12
     assert _reserve_twins(fast, twin, ["r0", "r1", "r3"]) is True
     assert [fast.num_reserved_tokens(r) for r in ("r0", "r1", "r3")] == [18, 9, 13]
+
+
+def test_the_memos_tuple_is_made_when_a_tuple_is_first_compared_with_it() -> None:
+    # A step's ids are kept as a list of the memo's own; the tuple (the runner's
+    # step_reservations of chunks that are not the engine's columns) only once one comes:
+    # a copy touches every id's string, and the engine's decode steps pass lists alone
+    m = FullAttentionManager(40, 4, DESC)
+    for i in range(3):
+        assert m.admit(f"r{i}", _ids(6, i)) is not None
+        m.commit_step([f"r{i}"], [6], [1])
+    ids = ["r0", "r1", "r2"]
+    assert m.reserve_step(ids, [1] * 3)
+    m.commit_step(ids, [1] * 3, [2] * 3)  # (the decode commit resolves the step's ids)
+    assert m._resolved_list == ids and m._resolved_list is not ids and m._resolved_tuple is None
+    m.check_integrity()
+    assert m._resolve(tuple(ids)) is m._resolved and m._resolved_tuple == tuple(ids)
+    m.check_integrity()
+    assert m._resolve(("r0", "r2")) == _fresh_lookup(m, ["r0", "r2"])  # (another step's: looked up)
+    assert m._resolved_list == ["r0", "r2"] and m._resolved_tuple is None
+    assert m.reserve_step(ids, [1] * 3)
+    m.commit_step(ids, [1] * 3, [3] * 3)
+    assert [m.num_computed_tokens(r) for r in ids] == [8, 8, 8] and m._resolved_list == ids
+    m.check_integrity()

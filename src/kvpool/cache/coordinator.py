@@ -293,9 +293,12 @@ class HybridCacheManager:
         self._requests_version = 0
         # `_resolve`'s memo: the last decode step's ids (a copy as a list and as a tuple: the
         # engine passes a list to reserve_step and commit_step, the runner a tuple to
-        # step_reservations), their requests, and the version they were looked up at
+        # step_reservations), their requests, and the version they were looked up at. The
+        # tuple is made when a tuple is first compared with it (None till then): a copy
+        # touches every id's string, a likely cache miss a row at a fleet run's scale, and a
+        # step of the engine's decode columns passes lists alone
         self._resolved_list: list[str] = []
-        self._resolved_tuple: tuple[str, ...] = ()
+        self._resolved_tuple: tuple[str, ...] | None = ()
         self._resolved: list[_Request] = []
         self._resolved_at = -1
         # The memo carried through a batch change (`_resolve_changed`): the ids that left
@@ -504,8 +507,11 @@ class HybridCacheManager:
             if request_ids == self._resolved_list and self._resolved_at == self._requests_version:
                 return self._resolved
         elif kind is tuple:
-            if request_ids == self._resolved_tuple and self._resolved_at == self._requests_version:
-                return self._resolved
+            if self._resolved_at == self._requests_version and len(request_ids) == len(self._resolved_list):
+                if self._resolved_tuple is None:
+                    self._resolved_tuple = tuple(self._resolved_list)
+                if request_ids == self._resolved_tuple:
+                    return self._resolved
         else:
             return list(map(self._requests.__getitem__, request_ids))
         if not keep:
@@ -513,17 +519,19 @@ class HybridCacheManager:
         carried = self._resolve_changed(request_ids)  # (raises before the memo changes)
         if carried is None:
             reqs = list(map(self._requests.__getitem__, request_ids))  # (raises before the memo changes)
-            distinct = None
-        else:
-            reqs, distinct = carried
+            distinct, ids = None, list(request_ids)
+        else:  # (its ids list: the ids, a list no caller holds, never changed after)
+            reqs, distinct, ids = carried
         if self._left:  # a committed decode-step memo's rows that left are known by `_left` only
             self._decode_step = None
-        self._resolved_list, self._resolved_tuple = list(request_ids), tuple(request_ids)
+        self._resolved_list, self._resolved_tuple = ids, None
         self._resolved, self._resolved_at = reqs, self._requests_version
         self._left, self._resolved_distinct = [], distinct
         return reqs
 
-    def _resolve_changed(self, request_ids: list[str] | tuple[str, ...]) -> tuple[list[_Request], bool | None] | None:
+    def _resolve_changed(
+        self, request_ids: list[str] | tuple[str, ...]
+    ) -> tuple[list[_Request], bool | None, list[str]] | None:
         """`_resolve` of a batch that is the memo's less the rows whose requests left since,
         plus rows at the end (steady serving: a few finish, a few join): the memo's requests
         with those rows deleted and the new rows looked up, in C-level passes (a comparison
@@ -532,7 +540,9 @@ class HybridCacheManager:
         only when it is not there). Also whether the ids are distinct, where that follows
         from the memo's (its own were, and the new rows are of requests that joined after
         it, each once); None when the batch is no such change (the caller looks every id
-        up). KeyError (the dict's) for an unknown new row's id."""
+        up). KeyError (the dict's) for an unknown new row's id. Third, the ids as a list of
+        its own (the memo's, edited, where it is all of them: no other copy of them made)
+        that nothing changes after (`_resolved_list`)."""
         left, kept_ids, kept = self._left, self._resolved_list, self._resolved
         if left is None or len(request_ids) < MIN_ROWS_CARRIED or not self._resolved_distinct:
             return None  # (an id named twice: its every row would have to go)
@@ -551,14 +561,14 @@ class HybridCacheManager:
             return None
         if self._decode_period is not None and self.exact_steps:  # (its one reader: `_reserve_decodes`)
             self._carried = (self._resolved, gone)
-        if len(request_ids) == k:
-            return kept, True
+        if len(request_ids) == k:  # (kept_ids: the memo's list edited, or the memo's own, unchanged)
+            return kept, True, kept_ids
         new = list(map(self._requests.__getitem__, request_ids[k:]))
         at = self._resolved_at
         distinct = None
         if all(req.joined_at > at for req in new) and len(set(map(id, new))) == len(new):
             distinct = True
-        return kept + new, distinct
+        return kept + new, distinct, kept_ids + list(request_ids[k:])
 
     def _distinct(self, request_ids: Sequence[str], reqs: list[_Request]) -> bool:
         """Whether the step names each request once; `reqs`: `_resolve(request_ids)`. Known
@@ -1990,7 +2000,8 @@ class HybridCacheManager:
         # since (`_left`: the rows `_resolve_changed` deletes); its distinct flag is true
         assert (self._left is not None) or not self._resolved, "a memo without its log of the ids that left"
         left = set(self._left or ())
-        assert len(self._resolved) == len(self._resolved_list) == len(self._resolved_tuple)
+        assert len(self._resolved) == len(self._resolved_list)
+        assert self._resolved_tuple is None or self._resolved_tuple == tuple(self._resolved_list)
         for request_id, req in zip(self._resolved_list, self._resolved, strict=True):
             assert request_id == req.request_id and (request_id in left or self._requests.get(request_id) is req), (
                 f"resolve memo: row {request_id!r} is not its request"
