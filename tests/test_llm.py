@@ -103,3 +103,19 @@ def test_bad_input_is_one_error_and_leaves_nothing(llm):
     assert llm.engine.requests == {} and not llm.engine.has_unfinished()
     assert llm.engine.runner.usage().num_held_blocks == 0
     llm.engine.runner.check_integrity()
+
+
+def test_a_dict_or_a_set_is_refused_not_iterated(llm):
+    """chat({"role": "user", "content": "hi"}), one message outside its list, answered the
+    dict's keys "role" and "content" as two user messages; generate({...}) completed the
+    keys; a set answered in its hash order. Each is a TypeError naming it, nothing queued."""
+    for call, bad, words in (
+        (llm.chat, {"role": "user", "content": "hi"}, "conversations is a dict (one message?); give [message]"),
+        (llm.chat, {"hi", "there"}, "conversations is a set; give a string, a list of messages or a list of those"),
+        (llm.generate, {"prompt": "The capital of France is"}, "prompts is a dict; give a string, a list of strings"),
+        (llm.generate, {"hi", "there"}, "prompts is a set; give a string, a list of strings"),
+    ):
+        with pytest.raises(TypeError, match=re.escape(words)):
+            call(bad, kvpool.SamplingParams(max_tokens=2))
+    assert llm.engine.requests == {} and not llm.engine.has_unfinished()
+    assert llm.engine.runner.usage().num_held_blocks == 0

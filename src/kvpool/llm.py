@@ -18,7 +18,8 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from kvpool.engine.build import build_engine, load_model
@@ -117,8 +118,9 @@ class LLM:
     ) -> list[GenerateOutput]:
         """Complete each prompt (raw text, no chat template; or a list of token ids), in the
         order given. params: kvpool.SamplingParams (default: greedy, 64 tokens)."""
-        if isinstance(prompts, bytes | bytearray) or not isinstance(prompts, Iterable):
-            # (bytes iterated as ints read "prompts[0] is a int"; None as "not iterable")
+        if isinstance(prompts, bytes | bytearray | Mapping | AbstractSet) or not isinstance(prompts, Iterable):
+            # (bytes iterated as ints read "prompts[0] is a int"; None as "not iterable"; a dict
+            # completed its keys, a set in its hash order)
             raise TypeError(
                 f"prompts is a {type(prompts).__name__}; give a string, a list of strings or a list of token-id lists"
             )
@@ -143,6 +145,13 @@ class LLM:
         """Answer each conversation through the model's chat template (what `kvpool generate
         "prompt"` sends). A conversation is a user message (a string) or a list of
         {"role", "content"} messages; one conversation or a list of them."""
+        if isinstance(conversations, Mapping):  # (it answered its keys, "role" and "content", as two messages)
+            raise TypeError("conversations is a dict (one message?); give [message], a list of messages")
+        if isinstance(conversations, AbstractSet):  # (a set answered in its hash order)
+            raise TypeError(
+                f"conversations is a {type(conversations).__name__}; give a string, a list of messages or a list "
+                "of those"
+            )
         if isinstance(conversations, str) or (
             isinstance(conversations, Sequence) and conversations and isinstance(conversations[0], dict)
         ):
