@@ -370,3 +370,37 @@ def test_the_largest_real_configs_are_within_the_weight_bound() -> None:
     # (the bound's margin: DeepSeek-V4-Pro, the largest preset, is ~2,000 times below it)
     largest = max(count_parameters(load_preset(name)).total for name in PRESET_NAMES)
     assert 1e12 < largest and largest * 0.5 * 1000 < MAX_WEIGHT_BYTES
+
+
+# google/gemma-3-4b-it's config.json as published (transformers 4.50): its text_config names only
+# what differs from Gemma3TextConfig's defaults, which fill the rest when transformers loads it
+GEMMA3_4B_IT = {
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "model_type": "gemma3",
+    "mm_tokens_per_image": 256,
+    "text_config": {
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 34,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024,
+    },
+    "vision_config": {"hidden_size": 1152, "model_type": "siglip_vision_model", "num_hidden_layers": 27},
+}
+
+
+def test_a_multimodal_gemma3_config_takes_the_text_defaults_it_leaves_out() -> None:
+    # it was "missing required key 'num_attention_heads'" (the 27B: 'vocab_size')
+    spec = from_hf_config(GEMMA3_4B_IT)
+    assert (spec.num_heads, spec.num_kv_heads, spec.head_dim) == (8, 4, 256)
+    assert (spec.vocab_size, spec.max_position_embeddings) == (262_208, 131_072)
+    assert spec.layer_windows.count(None) == 5 and spec.layer_windows[0] == 1024  # 5 local : 1 global
+    # the language model's 3.88 B of the published 4.3 B (the rest is the SigLIP tower):
+    # tied embedding 262,208 x 2,560 + 34 x (attention 15.73 M + MLP 78.64 M) + norms
+    attention = 2560 * 2048 + 2 * 2560 * 1024 + 2048 * 2560
+    expected = 262_208 * 2560 + 34 * (attention + 3 * 2560 * 10240 + 4 * 2560 + 2 * 256) + 2560
+    assert count_parameters(spec).total == expected
+    # what the top level says of the weights applies to the language model too
+    quantized = GEMMA3_4B_IT | {"quantization_config": {"quant_method": "fp8"}}
+    assert from_hf_config(quantized).weight_format == "fp8"

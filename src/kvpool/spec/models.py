@@ -585,6 +585,20 @@ _ARCHITECTURES: dict[str, str] = {
 KNOWN_MODEL_TYPES: tuple[str, ...] = tuple(sorted(_PARSERS))
 
 
+# transformers' Gemma3TextConfig defaults for the keys that shape the plan (checked against
+# transformers 5.25's Gemma3TextConfig()); head_dim's is _HEAD_DIM_DEFAULTS'.
+_GEMMA3_TEXT_DEFAULTS: dict[str, int] = {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 131_072,
+    "sliding_window": 4096,
+}
+
+
 def from_hf_config(cfg: dict[str, Any], name: str | None = None) -> ModelSpec:
     """A ModelSpec from a config.json dict.
 
@@ -594,8 +608,11 @@ def from_hf_config(cfg: dict[str, Any], name: str | None = None) -> ModelSpec:
     if not isinstance(cfg, dict):
         raise ValueError(f"a config must be a JSON object, got {type(cfg).__name__}")
     if cfg.get("model_type") == "gemma3" and isinstance(cfg.get("text_config"), dict):
-        # Multimodal Gemma 3: the language model's facts live in text_config.
-        cfg = {"model_type": "gemma3_text", **cfg["text_config"]}
+        # Multimodal Gemma 3: the language model's facts live in text_config, which names
+        # only what differs from Gemma3TextConfig's defaults (google/gemma-3-4b-it's gives no
+        # heads, the 27B's no vocab_size); the weights' format is said at the top level.
+        top = {k: cfg[k] for k in ("quantization_config",) if k in cfg}
+        cfg = {"model_type": "gemma3_text", **_GEMMA3_TEXT_DEFAULTS, **top, **cfg["text_config"]}
     model_type = cfg.get("model_type")
     architectures = cfg.get("architectures") or []
     # a list or object here hashed (TypeError), a number iterated (TypeError): name the key
