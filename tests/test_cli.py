@@ -61,15 +61,22 @@ def test_a_file_that_cannot_be_read_is_one_line_naming_it(monkeypatch, capsys, t
 
     config = tmp_path / "config.json"
     config.write_text("{}")
-    original = type(config).read_text
+    original = type(config).open
 
     def locked(path, *args, **kwargs):  # (root reads any file: the call says no, for this one)
         if str(path) == str(config):
             raise PermissionError(13, "Permission denied", str(path))
         return original(path, *args, **kwargs)
 
-    monkeypatch.setattr(type(config), "read_text", locked)
+    monkeypatch.setattr(type(config), "open", locked)
     assert main(["plan", "--model", str(config)]) == 2
+    assert capsys.readouterr().err == f"kvpool plan: error: config file '{config}' cannot be read: Permission denied\n"
+
+    def denied(args):  # a file error no command catches itself: cli/main's one line
+        raise PermissionError(13, "Permission denied", str(config))
+
+    monkeypatch.setattr(kvpool.cli.plan, "run", denied)
+    assert main(["plan", "--model", "llama-3.1-8b"]) == 2
     assert capsys.readouterr().err == f"kvpool plan: error: [Errno 13] Permission denied: '{config}'\n"
 
     def no_file(args):
