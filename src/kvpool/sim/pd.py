@@ -16,8 +16,9 @@ first token: the prefill, the wait for the link, the transfer and the tail's ste
 
 The transfer: the prompt's full blocks after the decode replica's own prefix hit (a turn
 whose history that replica holds sends only what is new), block_size x the planner's KV
-bytes per token of the whole model (every layer and KV head: capacity/pd.py's
-transfer_bytes_per_request), over the prefill replica's link:
+bytes per token of the whole model (every layer and KV head, as the paged layout holds
+them: for a full-attention model, capacity/pd.py's transfer_bytes_per_request, which counts
+a sliding-window layer's window alone), over the prefill replica's link:
 
     transfer_s = latency + num_bytes / bandwidth
 
