@@ -162,3 +162,16 @@ def test_the_docs_show_the_fit_as_it_prints_today() -> None:
     shown = re.search(r"```\n(calibration h200-issue31:.*?)```", page, re.S)
     assert shown is not None
     assert shown.group(1).rstrip("\n") == format_fit(load_fit("h200-issue31"))
+
+
+@pytest.mark.parametrize("flag", ["--repeats", "--processes", "--buffer-mib"])
+@pytest.mark.parametrize("value", ["0", "-5", "x"])
+def test_calibrates_counts_are_checked_by_the_parser(flag, value, capsys) -> None:
+    """--repeats 0, --processes 0 or --buffer-mib -5 were ValueError tracebacks (from the
+    measurement, after a process pool had started for --processes); each is one usage error
+    naming the flag, exit status 2, before anything is measured."""
+    with pytest.raises(SystemExit) as stop:
+        calibrate_main([flag, value, "--processes", "1"] if flag != "--processes" else [flag, value])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err == f"python3 -m kvpool.sim.calibrate: error: argument {flag}: expected a positive integer, got {value!r}"

@@ -291,11 +291,25 @@ def fit_engine(times: EngineStepTimes) -> EngineFit:
     return EngineFit(times, compute_eff, bw_eff, step_ov, seq_ov, chunk_ov)
 
 
+def _positive_int(text: str) -> int:
+    """A count flag, checked by the parser (0 or -5 were tracebacks from the measurement;
+    sim sits below cli, so cli/args' own check is not imported)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python3 -m kvpool.sim.calibrate", description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=20, help="timed runs per figure; the best counts")
-    parser.add_argument("--buffer-mib", type=int, default=512, help="size of the fp32 tensor torch.sum reads")
-    parser.add_argument("--processes", type=int, default=8, help="fresh processes to measure in (1: this one)")
+    parser.add_argument("--repeats", type=_positive_int, default=20, help="timed runs per figure; the best counts")
+    parser.add_argument("--buffer-mib", type=_positive_int, default=512, help="size of the fp32 tensor torch.sum reads")
+    parser.add_argument(
+        "--processes", type=_positive_int, default=8, help="fresh processes to measure in (1: this one)"
+    )
     parser.add_argument(
         "--fit",
         default=None,
