@@ -402,3 +402,17 @@ def test_the_other_counts_that_are_no_int_are_named(bad) -> None:
     dual.admit("d", list(range(1, 11)), 2)
     with pytest.raises(TypeError, match=f"request 'd': a restore's token count must be an int, got {bad!r}"):
         dual.restore_swapped_state("d", bad)
+
+
+@pytest.mark.parametrize("cache", sorted(CACHES))
+def test_a_step_whose_counts_are_a_numpy_array_runs(cache) -> None:
+    """reserve_step's and commit_step's counts as a numpy array: taken as their ints (the
+    fast paths asked the array for `count`: AttributeError)."""
+    m = _computed_six(CACHES[cache])
+    assert m.reserve_step(["a"], np.array([2]))
+    m.commit_step(["a"], np.array([2]), [None])
+    assert m.num_computed_tokens("a") == 8 and type(m.num_computed_tokens("a")) is int
+    assert m.reserve_step(["a"], np.array([1]))  # a decode step
+    m.commit_step(["a"], np.array([1]), np.array([5]))
+    assert m.num_computed_tokens("a") == 9 and m.token_ids("a")[-1] == 5
+    m.check_integrity()

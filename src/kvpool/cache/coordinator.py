@@ -1409,6 +1409,8 @@ class HybridCacheManager:
         reserved slots already cover its tokens (a decode inside its block) costs one
         comparison, and token ids are checked only where blocks are taken (`commit_step`
         refuses a commit past the known tokens before any change)."""
+        if num_new_tokens.__class__ is not list and num_new_tokens.__class__ is not tuple:
+            num_new_tokens = list(num_new_tokens)  # (a numpy array has no `count`, which the paths below ask)
         if len(request_ids) != len(num_new_tokens):
             raise ValueError(f"{len(request_ids)} requests but {len(num_new_tokens)} token counts")
         if not request_ids:
@@ -1590,6 +1592,8 @@ class HybridCacheManager:
         Every group is called once, with the requests whose commit may change it: those of
         more than one token, and those of one that complete one of its units (`commit_period`)
         or that are new since their last commit."""
+        if num_tokens.__class__ is not list and num_tokens.__class__ is not tuple:
+            num_tokens = list(num_tokens)  # (a numpy array has no `count`, which the paths below ask)
         if not len(request_ids) == len(num_tokens) == len(next_token_ids):
             raise ValueError(
                 f"{len(request_ids)} requests, {len(num_tokens)} token counts, {len(next_token_ids)} next tokens"
