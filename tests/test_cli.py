@@ -43,6 +43,20 @@ def test_kvpools_own_warning_is_one_line_naming_the_command(monkeypatch, capsys)
     assert [(str(w.message), w.filename) for w in shown] == [("a library's own", "/elsewhere/lib.py")]
 
 
+def test_a_tiny_model_a_command_does_not_run_is_named(capsys):
+    """tiny-gemma2 and tiny-recurrent (options.md's engine models) run under kvpool run only;
+    generate, bench engine and eval kv-quant said "GGUF file not found: tiny-gemma2"."""
+    for command in (["generate", "hi"], ["bench", "engine"], ["eval", "kv-quant"]):
+        for model in ("tiny-gemma2", "tiny-recurrent"):
+            assert main([*command, "--model", model]) == 2
+            name = " ".join(command[:2]) if command[0] != "generate" else "generate"
+            assert capsys.readouterr().err == (
+                f"kvpool {name}: error: --model {model} is a built-in tiny hybrid model with no tokenizer; this "
+                "command runs smollm2-135m or a Llama-architecture GGUF file (kvpool run runs tiny-gemma2 and "
+                "tiny-recurrent)\n"
+            )
+
+
 def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys):
     import kvpool.cli.plan
 

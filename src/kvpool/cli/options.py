@@ -264,7 +264,13 @@ def engine_model(text: str) -> str:
 
 def gguf_path(model: str | None) -> str | None:
     """The GGUF file for an engine --model: None for the embedded SmolLM2 (the loader's
-    default), else the path given."""
+    default), else the path given. A tiny hybrid model has no GGUF: a command that reached
+    here does not run it (it was "GGUF file not found: tiny-gemma2")."""
+    if model in ENGINE_MODELS and model not in (DEFAULT_MODEL, "tiny-dsv4"):  # (each command names tiny-dsv4's own)
+        raise ValueError(
+            f"--model {model} is a built-in tiny hybrid model with no tokenizer; this command runs {DEFAULT_MODEL} "
+            "or a Llama-architecture GGUF file (kvpool run runs tiny-gemma2 and tiny-recurrent)"
+        )
     return None if model in (None, DEFAULT_MODEL) else model
 
 
