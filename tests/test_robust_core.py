@@ -416,3 +416,17 @@ def test_a_step_whose_counts_are_a_numpy_array_runs(cache) -> None:
     m.commit_step(["a"], np.array([1]), np.array([5]))
     assert m.num_computed_tokens("a") == 9 and m.token_ids("a")[-1] == 5
     m.check_integrity()
+
+
+@pytest.mark.parametrize(("ids", "starts", "ends"), [(["a"], [6, 7], [7]), (["a", "b"], [6], [7, 8]), (["a"], [6], [])])
+def test_step_lists_of_other_lengths_are_named(ids, starts, ends) -> None:
+    """step_tables' and first_off_step's lists of other lengths: a ValueError counting
+    them, as step_reservations says ('1 requests, 2 starts, 1 ends'); it was zip's 'argument
+    2 is longer than argument 1'."""
+    m = _computed_six(CACHES["full"])
+    assert m.reserve_step(["a"], [1])
+    message = f"{len(ids)} requests, {len(starts)} starts, {len(ends)} ends"
+    for call in (m.step_tables, m.first_off_step, m.step_reservations):
+        with pytest.raises(ValueError, match=message):
+            call(ids, starts, ends)
+    assert m.first_off_step(["a"], [6], [7]) is None and m.step_tables(["a"], [6], [7]).slots == [6]

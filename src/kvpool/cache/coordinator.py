@@ -440,7 +440,9 @@ class HybridCacheManager:
         continue its computed tokens within its reservation, at least one token:
           [0, computed) written | [start = computed, end) the step | start < end <= reserved
         None when every request's do (a planned step's check in one pass, ~0.07 us a
-        request). KeyError for an unknown id."""
+        request). KeyError for an unknown id, ValueError for lists of other lengths."""
+        if not len(request_ids) == len(starts) == len(ends):
+            raise ValueError(f"{len(request_ids)} requests, {len(starts)} starts, {len(ends)} ends")
         requests = self._requests
         try:
             # (`_resolve`: the step's ids are the reserve's, or they with the joiners at the end)
@@ -764,6 +766,8 @@ class HybridCacheManager:
         """What a step's attention needs, in one pass: the slots of each request's positions
         [starts[i], ends[i]), and its table over [0, ends[i]). A step continues the computed
         prefix (starts[i] is the request's computed count) within its reservation."""
+        if not len(request_ids) == len(starts) == len(ends):
+            raise ValueError(f"{len(request_ids)} requests, {len(starts)} starts, {len(ends)} ends")
         g = self._group(group, self._table_groups, "block-table")
         reqs = [self._get(r) for r in request_ids]
         if check:
