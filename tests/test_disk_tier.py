@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -465,6 +466,12 @@ def test_kvpool_cache_says_which_directories_it_could_not_list(tmp_path, monkeyp
     assert disk_admin.unlisted_dirs(tier.root) == []
     assert main(["cache", "stats", str(tier.root), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["unlisted_dirs"] == []
+    # A directory gone (a clear meanwhile, or no entry yet) is no refusal: os.access says no for it too
+    shutil.rmtree(namespace)
+    assert disk_admin.unlisted_dirs(tier.root) == []
+    shutil.rmtree(tier.root / "entries")
+    assert disk_admin.unlisted_dirs(tier.root) == []
+    assert main(["cache", "stats", str(tier.root), "--json"]) == 0
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root lists a directory of mode 000")

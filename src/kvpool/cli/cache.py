@@ -49,13 +49,15 @@ def _clear(root: Path, quarantine_only: bool) -> int:
     return 0
 
 
-def _unlisted(root: Path) -> int:
+def _unlisted(root: Path, unlisted: list | None = None) -> int:
     """A line on stderr naming the directories `kvpool cache ls / stats` could not list (their
     entries are missing from its output; Path.glob skipped them silently); the exit status:
-    1 when there are any."""
+    1 when there are any. unlisted: those already found (stats' summary), so that the line
+    and the summary agree."""
     from kvpool.tiers.disk_admin import unlisted_dirs
 
-    unlisted = unlisted_dirs(root)
+    if unlisted is None:
+        unlisted = unlisted_dirs(root)
     if not unlisted:
         return 0
     what = "1 directory" if len(unlisted) == 1 else f"{len(unlisted)} directories"
@@ -86,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
                         print(f"  {name}: {v['entries']} entries, {v['bytes'] / 2**20:.1f} MiB")
                 else:
                     print(f"{key}: {value}")
-        return _unlisted(root)
+        return _unlisted(root, summary["unlisted_dirs"])
     rows = [
         {
             "key": i.path.name.split(".")[0],

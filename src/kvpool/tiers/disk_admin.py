@@ -56,7 +56,9 @@ def unlisted_dirs(root: Path) -> list[Path]:
         below: list[Path] = []
         for directory in level:
             try:
-                if not os.access(directory, os.R_OK | os.X_OK):
+                if not os.access(directory, os.R_OK | os.X_OK):  # (False for a path gone too)
+                    if not os.path.lexists(directory):
+                        continue  # removed meanwhile, or no entries/ yet
                     raise PermissionError
                 if depth < 2:
                     below += sorted(p for p in directory.iterdir() if p.is_dir() and not p.is_symlink())
