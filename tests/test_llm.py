@@ -119,3 +119,9 @@ def test_a_dict_or_a_set_is_refused_not_iterated(llm):
             call(bad, kvpool.SamplingParams(max_tokens=2))
     assert llm.engine.requests == {} and not llm.engine.has_unfinished()
     assert llm.engine.runner.usage().num_held_blocks == 0
+    # A dict's keys() view is ordered (a Set, yet no set): taken, in its order
+    ordered = {"The capital of France is": 0, "Hi": 1}
+    params = kvpool.SamplingParams(max_tokens=2)
+    assert [o.text for o in llm.generate(ordered.keys(), params)] == [
+        o.text for o in llm.generate(list(ordered), params)
+    ]

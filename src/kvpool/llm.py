@@ -19,7 +19,6 @@ import math
 import numbers
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from kvpool.engine.build import build_engine, load_model
@@ -118,7 +117,7 @@ class LLM:
     ) -> list[GenerateOutput]:
         """Complete each prompt (raw text, no chat template; or a list of token ids), in the
         order given. params: kvpool.SamplingParams (default: greedy, 64 tokens)."""
-        if isinstance(prompts, bytes | bytearray | Mapping | AbstractSet) or not isinstance(prompts, Iterable):
+        if isinstance(prompts, bytes | bytearray | Mapping | set | frozenset) or not isinstance(prompts, Iterable):
             # (bytes iterated as ints read "prompts[0] is a int"; None as "not iterable"; a dict
             # completed its keys, a set in its hash order)
             raise TypeError(
@@ -147,7 +146,7 @@ class LLM:
         {"role", "content"} messages; one conversation or a list of them."""
         if isinstance(conversations, Mapping):  # (it answered its keys, "role" and "content", as two messages)
             raise TypeError("conversations is a dict (one message?); give [message], a list of messages")
-        if isinstance(conversations, AbstractSet):  # (a set answered in its hash order)
+        if isinstance(conversations, set | frozenset):  # (answered in hash order; a dict's keys() view keeps its order)
             raise TypeError(
                 f"conversations is a {type(conversations).__name__}; give a string, a list of messages or a list "
                 "of those"
