@@ -778,8 +778,9 @@ class Engine:
         # rows) are that list itself, not a copy (`_plan_running`): a copy, and its free a step
         # later, touch every id's string, a likely cache miss a row at a fleet run's scale
         # where nothing else of the step reads them. The lists are never changed: an
-        # admission appends its id to a copy of its own
-        ids_shared = True
+        # admission appends its id to a copy of its own (only of a shared list: another is
+        # the plan's own already)
+        ids_shared = ids is self._decode_ids or (columns is not None and ids is columns.ids)
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             admitted = self._timed(
