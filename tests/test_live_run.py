@@ -123,3 +123,7 @@ def test_limit_model_len_caps_the_runner_and_refuses_more_than_it_holds():
     assert engine.runner.max_model_len == 500
     limit_model_len(engine, 2)
     assert engine.runner.max_model_len == 2
+    # the pool's own limit below 2 (no flag given): the fix is a larger pool, not the flag
+    engine.runner.max_model_len = 1
+    with pytest.raises(ValueError, match=r"^a context of 1 token serves no request .*: give a larger --num-blocks"):
+        limit_model_len(engine, None)

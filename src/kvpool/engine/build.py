@@ -423,9 +423,14 @@ def limit_model_len(engine: Engine, max_model_len: int | None) -> None:
     context = engine.runner.max_model_len if max_model_len is None else max_model_len
     if context < 2:
         given = "" if max_model_len is None else f"--max-model-len {max_model_len}: "
+        fix = (
+            "give a larger --num-blocks / --block-size"  # (the pool's own limit: --max-model-len 2 is past it)
+            if max_model_len is None
+            else "give --max-model-len 2 or more (or a larger --num-blocks / --block-size)"
+        )
         raise ValueError(
             f"{given}a context of {context} token serves no request (one prompt token and one output token at "
-            "least): give --max-model-len 2 or more (or a larger --num-blocks / --block-size)"
+            f"least): {fix}"
         )
     if max_model_len is not None:
         engine.runner.max_model_len = max_model_len
