@@ -199,6 +199,12 @@ def test_a_model_name_is_printed_as_written(name: str, tmp_path: Path, capsys: p
     path.write_text(json.dumps(load_preset_config("llama-3.1-8b") | {"_name_or_path": name}))
     assert main(["plan", "--config", str(path), "--context", "8192"]) == 0
     assert f"kvpool plan: {name} on 1 x H100" in capsys.readouterr().out
+    # simulate's titles too: one run, and runs compared
+    argv = ["simulate", "--model", str(path), "--requests", "4"]
+    assert main(argv) == 0
+    assert f", {name} on 1 H200, layout paged" in " ".join(capsys.readouterr().out.split())  # (a title may wrap)
+    assert main([*argv, "--layout", "paged,contiguous"]) == 0
+    assert f"kvpool simulate: {name} on H200, compared" in " ".join(capsys.readouterr().out.split())
 
 
 def test_a_pd_instance_that_does_not_fit_says_so_and_exits_1(capsys: pytest.CaptureFixture[str]) -> None:

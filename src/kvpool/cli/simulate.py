@@ -478,10 +478,10 @@ def _print(reports: list[dict]) -> None:
     tables = []
     if len(reports) == 1:
         r = reports[0]
-        table = Table(
-            title=f"kvpool simulate: {count_words(r['num_requests'], 'request')}, {r['model']} on "
-            f"{deployment_words(r['replicas'], r['tp'], r['gpu'], r.get('prefill_replicas', 0))}, layout {r['layout']}"
-        )
+        on = deployment_words(r["replicas"], r["tp"], r["gpu"], r.get("prefill_replicas", 0))
+        requests = count_words(r["num_requests"], "request")
+        # (escaped: a config.json's name is no rich markup, as in plan's title)
+        table = Table(title=escape(f"kvpool simulate: {requests}, {r['model']} on {on}, layout {r['layout']}"))
         table.add_column("metric")
         table.add_column("value", justify="right")
         # the figures kvpool run prints, under the same headings with the same units
@@ -494,7 +494,7 @@ def _print(reports: list[dict]) -> None:
         if r["replicas"] > 1:
             tables.append(_replicas_table(r))
     else:
-        table = Table(title=f"kvpool simulate: {reports[0]['model']} on {reports[0]['gpu']}, compared")
+        table = Table(title=escape(f"kvpool simulate: {reports[0]['model']} on {reports[0]['gpu']}, compared"))
         for key in SUMMARY_KEYS:
             table.add_column(key, justify="right")
         for r in reports:
