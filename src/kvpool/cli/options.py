@@ -405,9 +405,9 @@ def options_table() -> str:
     lines += [
         "",
         "Sizes (`--kv-memory`, `serve --max-request-bytes`) take " + SIZE_EXAMPLES.replace("(", "(").strip() + ".",
-        "Model names: the engine's commands take "
-        + ", ".join(f"`{m}`" for m in ENGINE_MODELS)
-        + " or a Llama-architecture GGUF file; `plan` and `simulate` take a preset name in any case "
+        f"Model names: the engine's commands take `{DEFAULT_MODEL}` or a Llama-architecture GGUF file; `run` "
+        "also takes " + ", ".join(f"`{m}`" for m in ENGINE_MODELS[1:]) + ", `generate` and `eval kv-quant` take "
+        "`tiny-dsv4`; `plan` and `simulate` take a preset name in any case "
         "(`kvpool plan -h` lists them) or a config.json. GPU presets are case-insensitive (`h200` = `H200`).",
         "",
     ]
