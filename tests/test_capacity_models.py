@@ -367,7 +367,7 @@ def test_expert_counts_and_counts_beyond_any_machine_are_refused_naming_the_key(
 def test_the_largest_real_configs_are_within_the_weight_bound() -> None:
     from kvpool.spec.models import MAX_WEIGHT_BYTES, PRESET_NAMES, load_preset
 
-    # (the bound's margin: DeepSeek-V4-Pro, the largest preset, is ~2,000 times below it)
+    # (the bound's margin: DeepSeek-V4-Pro, the largest preset, is ~1,400 times below it)
     largest = max(count_parameters(load_preset(name)).total for name in PRESET_NAMES)
     assert 1e12 < largest and largest * 0.5 * 1000 < MAX_WEIGHT_BYTES
 

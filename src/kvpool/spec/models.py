@@ -634,7 +634,7 @@ def from_hf_config(cfg: dict[str, Any], name: str | None = None) -> ModelSpec:
             f"understands; known model types: {', '.join(KNOWN_MODEL_TYPES)}"
         )
     spec = _PARSERS[model_type](cfg, name or str(cfg.get("_name_or_path") or model_type), model_type)
-    # every count now, experts and vocabulary included (n_routed_experts 10**15 gave 2.5e15
+    # every count now, experts and vocabulary included (n_routed_experts 10**15 gave 2.5e24
     # parameters), named by the category that holds most of them
     counts = count_parameters(spec)
     largest = max(_COUNT_FIELDS, key=lambda category: getattr(counts, category))
