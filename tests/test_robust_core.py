@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from kvpool.cache import CacheDescriptor, FullAttentionManager, HybridCacheManager
 from kvpool.cache.dual_pool import DualPoolGroupSpec
@@ -209,6 +209,7 @@ def _pool_state(pool: BlockPool) -> tuple:
     [
         (lambda p: p.decref([0, 1, 5]), ValueError, "block 5 released more often than taken"),  # a double free
         (lambda p: p.decref([0, 0]), ValueError, "block 0 released more often than taken"),
+        (lambda p: p.decref([2, 5]), ValueError, "block 5 released more often than taken"),  # a cached one walked back
         (lambda p: p.decref([0, -1]), ValueError, r"block id -1 is outside the pool's \[0, 8\)"),
         (lambda p: p.decref(iter([1, 99])), ValueError, r"block id 99 is outside the pool's \[0, 8\)"),
         (lambda p: p.decref([0, 1.0]), TypeError, "block id 1.0 is no int"),
@@ -229,6 +230,7 @@ def test_a_pool_call_with_a_bad_id_or_count_changes_nothing(call, error, message
     assert pool.allocate(1) == [3]
     root = pool.root(b"d")
     pool.register(3, pool.chain(root, b"\x01\x00\x00\x00"))
+    pool.register(2, pool.chain(root, b"\x02\x00\x00\x00"))  # (held: a decref makes it a free cached block)
     pool.decref([3])  # block 3: free and cached (findable), between unhashed 4..7 and nothing
     before = _pool_state(pool)
     with pytest.raises(error, match=message):
@@ -238,6 +240,8 @@ def test_a_pool_call_with_a_bad_id_or_count_changes_nothing(call, error, message
     pool.decref([0, 1, 2])
     pool.incref([3])  # a free cached block is taken back
     assert pool.free_queue() == [4, 5, 6, 7, 0, 1, 2] and pool.allocate(np.int64(1)) == [4]
+    pool.incref(np.array([3]))  # numpy's ints are ids, as decref and allocate take them
+    assert pool.refcount(3) == 2
     pool.check_integrity()
 
 
@@ -245,7 +249,7 @@ def test_a_pool_call_with_a_bad_id_or_count_changes_nothing(call, error, message
 
 BAD_COUNTS = [-1, 2.5, float("nan"), "2", None]
 COUNTS = st.one_of(st.integers(0, 6), st.sampled_from(BAD_COUNTS))
-IDS = st.sampled_from(["r0", "r1", "r2", "r3", "nobody"])
+IDS = st.sampled_from(["r0", "r1", "r0", "r1", "r2", "nobody"])
 PROMPT_IDS = st.lists(st.integers(0, 3), min_size=0, max_size=10)
 
 
@@ -272,6 +276,14 @@ class HostileCalls(RuleBasedStateMachine):
             return
         if any(result is r for r in refusals):
             assert snapshot(self.m) == before
+
+    @initialize()
+    def live(self):
+        """r0 and r1 live, 6 tokens computed, 9 known: the hostile calls reach them."""
+        for rid, prompt in (("r0", [1, 2, 3, 1, 2, 3]), ("r1", [3, 2, 1, 3, 2, 1])):
+            self.m.admit(rid, prompt)
+            self.m.commit_step([rid], [6], [1])
+            self.m.append_token_ids(rid, [2, 3])
 
     @rule(rid=IDS, ids=PROMPT_IDS, budget=st.one_of(st.none(), COUNTS), salt=st.sampled_from(["", "t", 7]))
     def admit(self, rid, ids, budget, salt):

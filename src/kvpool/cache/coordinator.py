@@ -66,7 +66,7 @@ from kvpool.cache.types import (
 )
 from kvpool.pool import BlockPool, PrefixBlock, StepTables, step_tables, token_bytes
 from kvpool.pool.block_pool import MatchMemo
-from kvpool.pool.hashing import TOKEN_BYTES, token_array
+from kvpool.pool.hashing import TOKEN_BYTES, is_int, token_array
 
 
 class RequestPart(NamedTuple):
@@ -2099,16 +2099,8 @@ def _int_counts(counts: Sequence[int], what: str, request_ids: Sequence[str]) ->
     try:
         return list(map(operator.index, counts))
     except TypeError:
-        request_id, bad = next((r, n) for r, n in zip(request_ids, counts, strict=True) if not _is_index(n))
+        request_id, bad = next((r, n) for r, n in zip(request_ids, counts, strict=True) if not is_int(n))
         raise TypeError(f"request {request_id!r}: {what} must be an int, got {bad!r}") from None
-
-
-def _is_index(value: object) -> bool:
-    try:
-        operator.index(value)  # (raises TypeError for anything that is no int)
-    except TypeError:
-        return False
-    return True
 
 
 def _token_ids_array(request_id: str, token_ids: Iterable[int]) -> array[int]:

@@ -259,7 +259,9 @@ class BlockPool:
         if not isinstance(block_ids, (list, tuple)):
             block_ids = list(block_ids)
         for block_id in block_ids:  # checked first: a refusal changes nothing (a free cached block's LRU place)
-            if block_id.__class__ is not int or not 0 <= block_id < self.num_blocks:
+            if block_id.__class__ is not int:
+                block_id = _index("block id", block_id)  # (numpy's ints are ids)
+            if not 0 <= block_id < self.num_blocks:
                 raise self._bad_id(block_id)
             if refcounts[block_id] == 0 and cached[block_id] is None:
                 raise ValueError(f"incref of block {block_id}, which is free and holds no cached content")

@@ -26,7 +26,7 @@ _BIG_ENDIAN = sys.byteorder == "big"
 TOKEN_BYTES = 4
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
     try:
         operator.index(value)  # (numpy's and torch's integers are ints: array("I") takes them)
     except TypeError:
@@ -50,7 +50,7 @@ def token_bytes(token_ids: Sequence[int]) -> bytes:
         bad = next(t for t in token_ids if not 0 <= t < 2**32)
         raise ValueError(f"token id {bad} is outside [0, 2**32)") from None
     except TypeError:  # (array's message names neither the id nor what it is)
-        bad = next((t for t in token_ids if not _is_int(t)), None)
+        bad = next((t for t in token_ids if not is_int(t)), None)
         if bad is None:
             raise
         raise TypeError(f"token id {bad!r} is no int") from None
