@@ -1162,3 +1162,44 @@ def test_a_columns_step_shares_the_columns_ids_and_an_admission_appends_to_its_o
     assert [engine.output(rid).completions[0].token_ids for rid in first] == [
         expected([1 + i, 2, 3], 30) for i in range(3)
     ]
+
+
+def _run_capped(kind: str, max_num_seqs: int):
+    """The cap tests' requests run to their ends on `_faulty_step_runner(kind)` (fp64 tiny
+    models: exact), `max_num_seqs` the cap: n = 7 seeded samples (above a cap of 4), a short
+    plain request, then n = 3 greedy ones arriving while the first's samples fill the batch.
+    Each step's number of rows (the runner's chunks) and the completions."""
+    runner = _faulty_step_runner(kind)
+    engine = Engine(runner, max_num_batched_tokens=16, max_num_seqs=max_num_seqs, eos_token_ids=(3, 5, 40))
+    rows = []
+    execute = runner.execute
+    runner.execute = lambda chunks: rows.append(len(chunks)) or execute(chunks)
+    requests = [
+        ([7, 8, 9, 10, 11], SamplingParams(max_tokens=5, n=7, temperature=0.9, seed=4, ignore_eos=True)),
+        ([30, 31], SamplingParams(max_tokens=2, ignore_eos=True)),
+    ]
+    ids = [engine.add_request(prompt, params) for prompt, params in requests]
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        if steps == 1:  # (the first request's samples forked: the batch at or near the cap)
+            ids.append(engine.add_request([20, 21, 22], SamplingParams(max_tokens=4, n=3, ignore_eos=True)))
+        assert len(engine.running) <= max_num_seqs
+        runner.check_integrity()
+    outs = [[(c.token_ids, c.finish_reason) for c in engine.output(rid).completions] for rid in ids]
+    return outs, rows
+
+
+@pytest.mark.parametrize("kind", ["paged", "v4", "hybrid"])
+def test_a_requests_samples_count_against_max_num_seqs(kind):
+    # The children forked off a request's prompt joined the running batch whatever
+    # max_num_seqs said (n = 1000 ran one decode step of 1000 rows). A child past the cap
+    # now waits as a preempted one would and is admitted through the prefix cache later:
+    # no step above the cap, and the same tokens as the run with room for every sample.
+    twin, twin_rows = _run_capped(kind, 64)
+    assert max(twin_rows) > 4  # (the twin's batch does exceed the cap below)
+    assert [len(completions) for completions in twin] == [7, 1, 3]
+    outs, rows = _run_capped(kind, 4)
+    assert max(rows) == 4  # (at the cap, never past it)
+    assert outs == twin

@@ -1344,15 +1344,21 @@ class Engine:
         req.forked = True
         num_seqs = len(req.seqs)  # (the parent's: the children join after it)
         waiting: list[SequenceState] = []
+        # The batch's room for children that go on: max_num_seqs counts every sample, as the
+        # admission loop counts sequences (n = 1000 ran a step of 1000 rows). A child that ends
+        # on its first token leaves the running list at this step's end and takes no room.
+        room = self.max_num_seqs - len(self.running)
         try:
             for child, reason in samples:
                 child_id = child.seq_id
-                if self.runner.fork(parent.seq_id, child_id):
+                if (room > 0 or reason is not None) and self.runner.fork(parent.seq_id, child_id):
                     child.in_runner = True
                     self.running.append(child)
+                    room -= reason is None
                 else:
-                    # No cache state of its own to be had now (a V4 state block): the child waits
-                    # like a preempted sequence and is admitted through the prefix cache later.
+                    # No room in the batch, or no cache state of its own to be had now (a V4
+                    # state block): the child waits like a preempted sequence and is admitted
+                    # through the prefix cache later.
                     child.num_computed = 0
                     waiting.append(child)
                 req.seqs.append(child)
