@@ -291,7 +291,7 @@ def _checked_engine(num_blocks: int, block_size: int, max_num_seqs: int, **kw) -
     """An engine whose runner fills step buffers; every step's buffers are compared with the
     cache's step tables (CSR and slots) before the forward. Returns it and a step counter."""
     runner = llama_runner(random_llama("cpu", torch.float32), num_blocks, block_size, DESCRIPTOR, **kw)
-    # (forks run beside the engine's max_num_seqs requests: room for more)
+    # (rows to spare: a request's forks count against max_num_seqs now)
     runner.step_buffers = buffers = StepBuffers(4 * max_num_seqs, 256, num_blocks, block_size)
     forward = runner.executor.forward
     checked = [0]
@@ -317,7 +317,9 @@ def _checked_engine(num_blocks: int, block_size: int, max_num_seqs: int, **kw) -
 
 
 def test_every_step_of_forks_and_prefix_hits_equals_the_caches_tables():
-    e, checked = _checked_engine(num_blocks=64, block_size=4, max_num_seqs=6)
+    # 7: the second batch's sequences (1 + 3 + 3 samples) all run, every child forked (a child
+    # past the cap would wait and be admitted through the prefix cache: more hit tokens)
+    e, checked = _checked_engine(num_blocks=64, block_size=4, max_num_seqs=7)
     shared = random_ids(10, seed=1)
     # n = 3 samples share the prompt's partial tail block: each first write copies it
     params = SamplingParams(max_tokens=7, ignore_eos=True, temperature=30.0, n=3, seed=4)
