@@ -130,8 +130,11 @@ def test_unknown_model_kind_is_a_clear_error() -> None:
     bad["layer_types"] = ["linear_attention"] * 36
     with pytest.raises(ValueError, match="'linear_attention'"):
         from_hf_config(bad)
+    # a quantization kvpool cannot price is read, and refused when its weights are priced
+    # (tests/test_quantized_configs.py: a named weight dtype prices it)
+    awq = from_hf_config(load_preset_config("llama-3.1-8b") | {"quantization_config": {"quant_method": "awq"}})
     with pytest.raises(ValueError, match="quant_method 'awq'"):
-        from_hf_config(load_preset_config("llama-3.1-8b") | {"quantization_config": {"quant_method": "awq"}})
+        weight_bytes(awq)
 
 
 def test_config_file_errors(tmp_path: Path) -> None:

@@ -8,7 +8,13 @@ Formats (bytes per parameter):
   32: 0.5 + 1/32 B); everything else BF16 (its `modules_to_not_convert`);
 - "fp4+fp8": DeepSeek-V4, FP4 (MXFP4 layout) routed experts, block FP8 for the other linears;
 - "fp32": every tensor in fp32 (4 B): kvpool's CPU engine.
-"auto" takes the model's own format (its `quantization_config`).
+"auto" takes the model's own format (its `quantization_config`): "fp8" for the methods fp8,
+fbgemm_fp8 (Meta's rowwise FP8) and compressed-tensors with 8-bit float weights (RedHatAI /
+neuralmagic FP8), "mxfp4" for mxfp4. Those FP8 checkpoints keep a scale per output row or per
+tensor, not per 128 x 128 block: a row of n inputs with an fp32 scale is 4 / n B a weight
+where fp8 prices 4 / 16384, under 0.2 % of the weight's bytes for rows of 2,048 or more. A quantization no format
+prices (GPTQ / AWQ int4, a module list kept in BF16 past the head, embeddings and router) is
+the model's "unknown" format: "auto" refuses it, naming why; a named weight_dtype prices it.
 
 Tensor parallelism shards embeddings (vocab-parallel), the head, attention projections, the
 dense MLP and the experts by the TP size. Kept whole on every rank: norms, biases, router,
@@ -73,6 +79,11 @@ def weight_bytes(model: ModelSpec, tp: int = 1, weight_dtype: str = "auto", ep: 
     if model.num_heads % tp:
         raise ValueError(f"{model.name}: num_attention_heads={model.num_heads} is not divisible by tp={tp}")
     fmt = model.weight_format if weight_dtype == "auto" else weight_dtype
+    if fmt == "unknown":
+        raise ValueError(
+            f"{model.name}: {model.weight_format_error}; name a weight dtype to price its weights "
+            f"(--weight-dtype {', '.join(WEIGHT_DTYPES[1:])})"
+        )
     params = count_parameters(model)
     per_param = _bytes_per_param(fmt)
     sharded = {"embedding", "lm_head", "attention", "mlp", "experts", "expert_biases"}

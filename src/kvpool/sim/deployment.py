@@ -159,8 +159,10 @@ def fit_tp(model: ModelSpec, gpu: GPUSpec, tp: int | None, kv_dtype: str = "auto
             raise ValueError(f"--tensor-parallel-size {tp}: {heads} do not split over {tp} GPUs")
         return tp
     from kvpool.capacity.kv import kv_layout
+    from kvpool.capacity.weights import weight_bytes
 
     kv_layout(model, kv_dtype)  # a format the model cannot take is said as such, not as "does not fit"
+    weight_bytes(model, weight_dtype=weight_dtype)  # so is a quantization kvpool cannot price
     for tp in (1, 2, 4, 8):
         try:
             p = plan(model, gpu, num_gpus=tp, tp=tp, kv_dtype=kv_dtype, weight_dtype=weight_dtype)

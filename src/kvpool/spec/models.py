@@ -90,7 +90,7 @@ class ModelSpec:
     intermediate_size: int
     tie_word_embeddings: bool
     max_position_embeddings: int
-    weight_format: str  # "bf16" | "fp8" (128x128 block scales) | "mxfp4" (experts) | "fp4+fp8" (V4)
+    weight_format: str  # "bf16" | "fp8" (128x128 block scales) | "mxfp4" (experts) | "fp4+fp8" (V4) | "unknown"
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
@@ -100,6 +100,9 @@ class ModelSpec:
     indexer: IndexerGeometry | None = None
     moe: MoEGeometry | None = None
     dsv4: DSV4Spec | None = None
+    # why weight_format is "unknown" (a quantization kvpool cannot price): the refusal that
+    # pricing the weights in the model's own format gives
+    weight_format_error: str | None = None
 
     def __post_init__(self) -> None:
         if self.attention not in ("gqa", "mla", "dsv4"):
@@ -119,6 +122,8 @@ class ModelSpec:
             raise ValueError(f"{self.name}: MLA geometry is required exactly for attention='mla'")
         if (self.attention == "dsv4") != (self.dsv4 is not None):
             raise ValueError(f"{self.name}: a DSV4Spec is required exactly for attention='dsv4'")
+        if (self.weight_format == "unknown") != (self.weight_format_error is not None):
+            raise ValueError(f"{self.name}: weight_format_error says why exactly a weight_format is 'unknown'")
 
     @property
     def is_moe(self) -> bool:
@@ -369,20 +374,87 @@ def _layer_windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> tup
     return (None,) * num_layers
 
 
-def _weight_format(cfg: dict[str, Any]) -> str:
+# What a checkpoint may leave unquantized and still be priced as "fp8": kvpool's fp8 keeps
+# the embeddings, the head and the MoE router in BF16 anyway (module names, or
+# compressed-tensors' "re:" patterns such as "re:.*mlp.gate$").
+_BF16_ANYWAY = ("lm_head", "embed_tokens", "gate")
+
+
+def _unquantized_refusal(method: str, modules: Any, key: str) -> str | None:
+    """Why `modules` (a checkpoint's list of unquantized modules) keeps its weights from being
+    priced as "fp8", or None when every entry is a module fp8 prices in BF16 anyway."""
+    if modules is None:
+        return None
+    if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
+        raise ValueError(f"quantization_config.{key} must be a list of module names, got {json.dumps(modules)}")
+    # Meta's Llama-3.1-405B-FP8 keeps every attention projection and its first and last
+    # layers' MLPs in BF16: priced as fp8 it would come out ~70 GB light.
+    others = [m for m in modules if not m.removeprefix("re:").removesuffix("$").endswith(_BF16_ANYWAY)]
+    if not others:
+        return None
+    return (
+        f"quantization_config.quant_method {method!r} keeps {len(others)} linear module(s) unquantized "
+        f"({key} names {others[0]!r}), which no kvpool weight format prices"
+    )
+
+
+def _compressed_tensors_format(quant: dict[str, Any]) -> tuple[str, str | None]:
+    """compressed-tensors (llm-compressor's RedHatAI / neuralmagic releases): `config_groups`
+    of {targets, weights: {num_bits, type, strategy, group_size, ...}}; FP8 weights (8-bit
+    "float", per channel, per tensor or in blocks) are kvpool's fp8."""
+    groups = quant.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ValueError(
+            f"quantization_config.config_groups must be a non-empty JSON object of groups, got {json.dumps(groups)}"
+        )
+    for name, group in groups.items():
+        weights = group.get("weights") if isinstance(group, dict) else None
+        if not isinstance(weights, dict):
+            raise ValueError(f"quantization_config.config_groups.{name}.weights must be a JSON object")
+        bits, kind = weights.get("num_bits"), weights.get("type")
+        if (bits, kind) != (8, "float"):
+            group_size = weights.get("group_size")
+            grouped = f", group_size {group_size}" if group_size else ""
+            return "unknown", (
+                f"quantization_config.quant_method 'compressed-tensors' with {bits}-bit {kind!r} weights "
+                f"(config_groups.{name}{grouped}) is not one kvpool prices (8-bit 'float' is: fp8)"
+            )
+    why = _unquantized_refusal("compressed-tensors", quant.get("ignore"), "ignore")
+    return ("unknown" if why else "fp8"), why
+
+
+def _weight_format(cfg: dict[str, Any]) -> tuple[str, str | None]:
+    """(kvpool weight format, None), or ("unknown", why) for a quantization kvpool cannot
+    price: that refusal waits for the weights to be priced from the config, so that a
+    weight dtype the user names (--weight-dtype) still plans the model."""
     quant = cfg.get("quantization_config")
     if quant is None:
-        return "bf16"
+        return "bf16", None
     if not isinstance(quant, dict):  # quant.get raised AttributeError on "fp8", true, 1
         raise ValueError(f"quantization_config must be a JSON object, got {json.dumps(quant)}")
     if not quant:
-        return "bf16"
+        return "bf16", None
     method = quant.get("quant_method")
     if method == "fp8":
-        return "fp8"
+        return "fp8", None
     if method == "mxfp4":
-        return "mxfp4"
-    raise ValueError(f"quantization_config.quant_method {method!r} is not one kvpool understands (fp8, mxfp4)")
+        return "mxfp4", None
+    if method == "fbgemm_fp8":
+        # Meta's FP8 releases: E4M3 weights with one scale per output row (fbgemm's rowwise).
+        why = _unquantized_refusal(method, quant.get("modules_to_not_convert"), "modules_to_not_convert")
+        return ("unknown" if why else "fp8"), why
+    if method == "compressed-tensors":
+        return _compressed_tensors_format(quant)
+    if method in ("gptq", "awq"):
+        bits, group_size = quant.get("bits"), quant.get("group_size")
+        return "unknown", (
+            f"quantization_config.quant_method {method!r} ({bits}-bit int weights, group_size {group_size}) "
+            "is not one kvpool prices (known: fp8, mxfp4, fbgemm_fp8, compressed-tensors FP8)"
+        )
+    return "unknown", (
+        f"quantization_config.quant_method {method!r} is not one kvpool understands "
+        "(known: fp8, mxfp4, fbgemm_fp8, compressed-tensors FP8)"
+    )
 
 
 def _hf_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
@@ -394,8 +466,8 @@ def _hf_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
         "vocab_size": _positive(cfg, "vocab_size", model_type),
         "intermediate_size": _positive(cfg, "intermediate_size", model_type),
         "max_position_embeddings": _positive(cfg, "max_position_embeddings", model_type),
-        "weight_format": _weight_format(cfg),
     }
+    fields["weight_format"], fields["weight_format_error"] = _weight_format(cfg)
     # Checked before anything is built a layer at a time. Every layer holds at least one MLP
     # of intermediate_size (a dense one; an MoE layer's experts hold more: gpt-oss's
     # intermediate_size is one expert's, DeepSeek-V3's 256 experts of 2,048 outweigh its 18,432).
