@@ -3,6 +3,7 @@ refusal of one kvpool cannot price, and --weight-dtype overriding it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -71,9 +72,8 @@ def test_the_fp8_methods_are_priced_as_fp8() -> None:
     ignore = COMPRESSED_FP8 | {"ignore": ["lm_head", "re:.*mlp.gate$", "model.embed_tokens"]}
     assert from_hf_config(_llama(ignore)).weight_format == "fp8"
     # FP8 in 128 x 128 blocks (llm-compressor's FP8_BLOCK) too
-    block = COMPRESSED_FP8 | {
-        "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "block"}}}
-    }
+    weights = {"num_bits": 8, "type": "float", "strategy": "block"}
+    block = COMPRESSED_FP8 | {"config_groups": {"g": {"targets": ["Linear"], "weights": weights}}}
     assert from_hf_config(_llama(block)).weight_format == "fp8"
 
 
@@ -92,6 +92,11 @@ def test_the_fp8_methods_are_priced_as_fp8() -> None:
             FBGEMM_FP8 | {"modules_to_not_convert": ["model.layers.0.self_attn.q_proj", "lm_head"]},
             "'fbgemm_fp8' keeps 1 linear module(s) unquantized "
             "(modules_to_not_convert names 'model.layers.0.self_attn.q_proj')",
+        ),
+        (
+            COMPRESSED_FP8
+            | {"config_groups": {"mlp": COMPRESSED_FP8["config_groups"]["group_0"] | {"targets": ["re:.*mlp.*"]}}},
+            'quantizes the targets ["re:.*mlp.*"] (config_groups.mlp), not every Linear',
         ),
         (
             COMPRESSED_FP8 | {"ignore": ["lm_head", "re:.*down_proj"]},
@@ -115,6 +120,7 @@ def test_a_quantization_kvpool_cannot_price_is_refused_only_when_priced(quant: d
     [
         ({"quant_method": "compressed-tensors"}, "config_groups must be a non-empty JSON object of groups, got null"),
         ({"quant_method": "compressed-tensors", "config_groups": {"g": []}}, "config_groups.g.weights must be"),
+        ({"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": ["Linear"]}}}, "g.weights must be"),
         (FBGEMM_FP8 | {"modules_to_not_convert": "lm_head"}, 'modules_to_not_convert must be a list.*got "lm_head"'),
     ],
 )
@@ -145,3 +151,11 @@ def test_plan_and_simulate_read_a_quantized_checkpoint_folder(
     assert main(["simulate", "--model", str(gptq), "--requests", "4"]) == 2
     assert "quant_method 'gptq'" in capsys.readouterr().err
     assert main(["simulate", "--model", str(gptq), "--requests", "4", "--weight-dtype", "fp8"]) == 0
+
+
+def test_an_unknown_weight_format_carries_its_refusal() -> None:
+    spec = from_hf_config(load_preset_config("llama-3.1-8b"))
+    with pytest.raises(ValueError, match="weight_format_error says why exactly a weight_format is 'unknown'"):
+        dataclasses.replace(spec, weight_format="unknown")
+    with pytest.raises(ValueError, match="weight_format_error says why"):
+        dataclasses.replace(spec, weight_format_error="no reason to be here")

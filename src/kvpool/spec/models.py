@@ -412,6 +412,13 @@ def _compressed_tensors_format(quant: dict[str, Any]) -> tuple[str, str | None]:
         if not isinstance(weights, dict):
             raise ValueError(f"quantization_config.config_groups.{name}.weights must be a JSON object")
         bits, kind = weights.get("num_bits"), weights.get("type")
+        targets = group.get("targets")
+        if targets != ["Linear"]:
+            # a group aimed at some layers (["re:.*mlp.*"]) leaves the others in BF16
+            return "unknown", (
+                f"quantization_config.quant_method 'compressed-tensors' quantizes the targets "
+                f"{json.dumps(targets)} (config_groups.{name}), not every Linear, which no kvpool weight format prices"
+            )
         if (bits, kind) != (8, "float"):
             group_size = weights.get("group_size")
             grouped = f", group_size {group_size}" if group_size else ""
