@@ -154,19 +154,7 @@ def test_config_file_errors(tmp_path: Path) -> None:
 def test_sliding_patterns() -> None:
     assert load_preset("gemma-2-9b").layer_windows[:4] == (4096, None, 4096, None)
     assert load_preset("gpt-oss-120b").layer_windows[:2] == (128, None)
-    gemma3 = {
-        "model_type": "gemma3_text",
-        "num_hidden_layers": 12,
-        "hidden_size": 1152,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 1,
-        "head_dim": 256,
-        "intermediate_size": 6912,
-        "vocab_size": 262144,
-        "max_position_embeddings": 32768,
-        "sliding_window": 512,
-        "sliding_window_pattern": 6,
-    }
+    gemma3 = GEMMA3_1B | {"num_hidden_layers": 12}
     windows = from_hf_config(gemma3).layer_windows
     assert [w is None for w in windows] == [False] * 5 + [True] + [False] * 5 + [True]
     assert all(w is None for w in load_preset("qwen3-8b").layer_windows)  # use_sliding_window: false

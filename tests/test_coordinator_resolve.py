@@ -554,17 +554,23 @@ def test_the_committed_decode_memo_is_carried_through_a_changed_batch(monkeypatc
     fast.check_integrity()
 
 
-def test_a_carried_memo_refuses_what_the_lookup_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(coordinator, "MIN_ROWS_CARRIED", 1)  # (a few rows carry the memo too)
-    # A new row names a request twice, or one unknown, or a request released and admitted
-    # again under its old id in its old place: each is refused as the naive twin refuses
-    # it (nothing changed), or looked up anew, never answered from a stale memo
+def _three_reserved() -> tuple[FullAttentionManager, list[str]]:
+    """Three requests with 6 tokens computed each, a decode step of theirs reserved."""
     m = FullAttentionManager(40, 4, DESC)
     for i in range(3):
         assert m.admit(f"r{i}", _ids(6, i)) is not None
         m.commit_step([f"r{i}"], [6], [1])
     ids = ["r0", "r1", "r2"]
     assert m.reserve_step(ids, [1] * 3)
+    return m, ids
+
+
+def test_a_carried_memo_refuses_what_the_lookup_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(coordinator, "MIN_ROWS_CARRIED", 1)  # (a few rows carry the memo too)
+    # A new row names a request twice, or one unknown, or a request released and admitted
+    # again under its old id in its old place: each is refused as the naive twin refuses
+    # it (nothing changed), or looked up anew, never answered from a stale memo
+    m, ids = _three_reserved()
     m.commit_step(ids, [1] * 3, [2] * 3)
     assert m.admit("r3", _ids(3)) is not None
     with pytest.raises(ValueError, match="appears twice"):
@@ -743,12 +749,7 @@ def test_the_memos_tuple_is_made_when_a_tuple_is_first_compared_with_it() -> Non
     # A step's ids are kept as a list of the memo's own; the tuple (the runner's
     # step_reservations of chunks that are not the engine's columns) only once one comes:
     # a copy touches every id's string, and the engine's decode steps pass lists alone
-    m = FullAttentionManager(40, 4, DESC)
-    for i in range(3):
-        assert m.admit(f"r{i}", _ids(6, i)) is not None
-        m.commit_step([f"r{i}"], [6], [1])
-    ids = ["r0", "r1", "r2"]
-    assert m.reserve_step(ids, [1] * 3)
+    m, ids = _three_reserved()
     m.commit_step(ids, [1] * 3, [2] * 3)  # (the decode commit resolves the step's ids)
     assert m._resolved_list == ids and m._resolved_list is not ids and m._resolved_tuple is None
     m.check_integrity()

@@ -441,21 +441,12 @@ def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
-# config keys that are counts or sizes (the dataclass's fields under other names for some)
-_POSITIVE_INT_KEYS: tuple[str, ...] = (
-    "num_hidden_layers",
-    "hidden_size",
-    "num_attention_heads",
-    "head_dim",
-    "qk_rope_head_dim",
-    "q_lora_rank",
-    "o_groups",
-    "o_lora_rank",
-    "sliding_window",
-    "index_n_heads",
-    "index_head_dim",
-    "index_topk",
-    "max_position_embeddings",
+# config keys that are counts or sizes (the dataclass's fields under other names for some):
+# the required keys but the floats, the rope scaling object and the ratios' list
+_POSITIVE_INT_KEYS: tuple[str, ...] = tuple(
+    key
+    for key in REQUIRED_KEYS
+    if key not in ("rope_theta", "compress_rope_theta", "rope_scaling", "rms_norm_eps", "compress_ratios")
 )
 
 
