@@ -1194,7 +1194,7 @@ def _run_capped(kind: str, max_num_seqs: int):
 @pytest.mark.parametrize("kind", ["paged", "v4", "hybrid"])
 def test_a_requests_samples_count_against_max_num_seqs(kind):
     # The children forked off a request's prompt joined the running batch whatever
-    # max_num_seqs said (n = 1000 ran one decode step of 1000 rows). A child past the cap
+    # max_num_seqs said (n = 1000 ran steps of up to 364 rows at the default 64). A child past the cap
     # now waits as a preempted one would and is admitted through the prefix cache later:
     # no step above the cap, and the same tokens as the run with room for every sample.
     twin, twin_rows = _run_capped(kind, 64)

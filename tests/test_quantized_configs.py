@@ -71,6 +71,10 @@ def test_the_fp8_methods_are_priced_as_fp8() -> None:
     # the router (compressed-tensors' "re:.*mlp.gate$") and embeddings are BF16 in fp8 anyway
     ignore = COMPRESSED_FP8 | {"ignore": ["lm_head", "re:.*mlp.gate$", "model.embed_tokens"]}
     assert from_hf_config(_llama(ignore)).weight_format == "fp8"
+    # a multimodal checkpoint's vision side left out (llm-compressor's Gemma 3 recipe): kvpool
+    # prices the language model alone
+    vision = ["re:.*lm_head", "re:vision_tower.*", "re:multi_modal_projector.*"]
+    assert from_hf_config(_llama(COMPRESSED_FP8 | {"ignore": vision})).weight_format == "fp8"
     # FP8 in 128 x 128 blocks (llm-compressor's FP8_BLOCK) too
     weights = {"num_bits": 8, "type": "float", "strategy": "block"}
     block = COMPRESSED_FP8 | {"config_groups": {"g": {"targets": ["Linear"], "weights": weights}}}

@@ -1345,7 +1345,7 @@ class Engine:
         num_seqs = len(req.seqs)  # (the parent's: the children join after it)
         waiting: list[SequenceState] = []
         # The batch's room for children that go on: max_num_seqs counts every sample, as the
-        # admission loop counts sequences (n = 1000 ran a step of 1000 rows). A child that ends
+        # admission loop counts sequences (n = 1000 ran steps of up to 364 rows at the default 64). A child that ends
         # on its first token leaves the running list at this step's end and takes no room.
         room = self.max_num_seqs - len(self.running)
         try:

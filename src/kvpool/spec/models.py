@@ -378,6 +378,9 @@ def _layer_windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> tup
 # the embeddings, the head and the MoE router in BF16 anyway (module names, or
 # compressed-tensors' "re:" patterns such as "re:.*mlp.gate$").
 _BF16_ANYWAY = ("lm_head", "embed_tokens", "gate")
+# ... and a multimodal checkpoint's vision side, which kvpool does not price at all (it plans
+# the language model: a Gemma 3's text_config)
+_NOT_PRICED = ("vision_tower", "multi_modal_projector", "vision_model")
 
 
 def _unquantized_refusal(method: str, modules: Any, key: str) -> str | None:
@@ -389,7 +392,12 @@ def _unquantized_refusal(method: str, modules: Any, key: str) -> str | None:
         raise ValueError(f"quantization_config.{key} must be a list of module names, got {json.dumps(modules)}")
     # Meta's Llama-3.1-405B-FP8 keeps every attention projection and its first and last
     # layers' MLPs in BF16: priced as fp8 it would come out ~70 GB light.
-    others = [m for m in modules if not m.removeprefix("re:").removesuffix("$").endswith(_BF16_ANYWAY)]
+    others = [
+        m
+        for m in modules
+        if not m.removeprefix("re:").removesuffix("$").endswith(_BF16_ANYWAY)
+        and not any(part in m for part in _NOT_PRICED)
+    ]
     if not others:
         return None
     return (
