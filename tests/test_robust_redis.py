@@ -180,6 +180,31 @@ def test_a_good_entry_written_between_reading_a_corrupt_one_and_deleting_it_stay
     assert got is not None and torch.equal(got["v"], tensors(1)["v"])
 
 
+def test_a_good_entry_written_between_reading_a_wrong_type_and_deleting_it_stays(redis_server, monkeypatch) -> None:
+    """A value of another type under an entry's key is deleted on a read (WRONGTYPE); the
+    delete was unwatched, so an entry another process wrote there meanwhile was lost."""
+    rkey = RedisTier.redis_key(key(1), descriptor(1))
+    client(redis_server).set(rkey, b"a string")
+    other, _ = tier(redis_server)
+    missed = RedisTier._missed
+
+    def meanwhile(self, rkey, k, answer):  # (the other process replaces it after this tier's read)
+        client(redis_server).delete(rkey)
+        assert other._write(key(1), descriptor(1), tensors(1))
+        return missed(self, rkey, k, answer)
+
+    monkeypatch.setattr(RedisTier, "_missed", meanwhile)
+    t, _ = tier(redis_server)
+    assert not t.lookup(key(1), descriptor(1)) and t.stats.misses["error"] == 1
+    monkeypatch.undo()
+    got = tier(redis_server)[0].get(key(1), descriptor(1))
+    assert got is not None and torch.equal(got["v"], tensors(1)["v"])
+    # with nobody writing meanwhile, the foreign value is still deleted
+    client(redis_server).set(rkey, b"a string")
+    t, _ = tier(redis_server)
+    assert not t.lookup(key(1), descriptor(1)) and not client(redis_server).exists(rkey)
+
+
 # ----- a database the server does not have ------------------------------------------------
 
 

@@ -104,6 +104,16 @@ def _delete_if_unchanged(pipe: redis.client.Pipeline, rkey: str, field: str, raw
         pipe.delete(rkey)
 
 
+def _delete_if_no_entry(pipe: redis.client.Pipeline, rkey: str) -> None:
+    """Inside `Redis.transaction` (rkey WATCHed): delete a value of another type under an
+    entry's key only while it is still no hash, so an entry another process wrote there
+    between our read and the delete stays (as `_delete_if_unchanged`)."""
+    kind = pipe.type(rkey)
+    if (kind.decode() if isinstance(kind, bytes) else kind) not in ("hash", "none"):
+        pipe.multi()
+        pipe.delete(rkey)
+
+
 def _error_kind(error: redis.RedisError) -> str:
     """The server's error code: the first word of its answer (WRONGTYPE, OOM, READONLY, ERR ...)."""
     if type(error) in _KINDS:
@@ -387,7 +397,7 @@ class RedisTier(Tier):
             return
         self.stats.misses["error"] += 1
         if isinstance(answer, redis.RedisError) and _error_kind(answer) == "WRONGTYPE":
-            self._call(lambda c: c.delete(rkey))
+            self._call(lambda c: c.transaction(lambda pipe: _delete_if_no_entry(pipe, rkey), rkey))
 
     def lookup(self, key: bytes, expected: BlockDescriptor) -> bool:
         self.stats.num_lookups += 1
