@@ -390,8 +390,9 @@ def _unquantized_refusal(method: str, modules: Any, key: str) -> str | None:
         return None
     if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
         raise ValueError(f"quantization_config.{key} must be a list of module names, got {json.dumps(modules)}")
-    # Meta's Llama-3.1-405B-FP8 keeps every attention projection and its first and last
-    # layers' MLPs in BF16: priced as fp8 it would come out ~70 GB light.
+    # A checkpoint that keeps some linears in BF16 (fbgemm's modules_to_not_convert, as in
+    # Meta's Llama-3.1-405B-FP8; which modules it lists was not checked here) would come out
+    # light priced as fp8 by the bytes of those linears.
     others = [
         m
         for m in modules
