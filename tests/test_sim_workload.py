@@ -372,6 +372,9 @@ GOOD = {"timestamp": 1.0, "hash_ids": [1, 2], "input_length": 700, "output_lengt
         ({k: v for k, v in GOOD.items() if k != "timestamp"}, "timestamp"),
         ({**GOOD, "timestamp": -1}, "timestamp must be"),
         ({**GOOD, "timestamp": "now"}, "timestamp must be"),
+        # past 2^33 s a float second steps by >= 2 us: epoch ns as ms gave TTFT / TPOT 0.00 ms
+        ({**GOOD, "timestamp": 2.0**33}, "timestamp 8589934592.0 is 8.59e+09 s, past 2^33 s"),
+        ({"timestamp_ms": 1.7e18, **{k: v for k, v in GOOD.items() if k != "timestamp"}}, "epoch milliseconds"),
         ({**GOOD, "input_length": 1025}, "input_length"),
         ({**GOOD, "input_length": 512}, "input_length"),
         ({k: v for k, v in GOOD.items() if k != "input_length"}, "input_length is required"),
@@ -392,6 +395,26 @@ def test_bad_trace_line_names_file_line_and_field(tmp_path, bad, words):
     message = str(info.value)
     assert message.startswith(f"{path} line 3: ") and words in message
     assert "\n" not in message
+
+
+def test_trace_lines_are_split_at_newlines_only(tmp_path):
+    """JSON allows U+2028 / U+0085 raw in a string, and str.splitlines cuts there (and at
+    \x0b, \x0c): a valid line was "not JSON" and later lines got the wrong numbers."""
+    line1 = json.dumps({**GOOD, "session": "a\u2028b\x85c"}, ensure_ascii=False)
+    path = tmp_path / "trace.jsonl"
+    path.write_text(f"{line1}\r\n{json.dumps(GOOD)}\n", encoding="utf-8")
+    w = load_trace(path, VOCAB)
+    assert [s.session_id for s in w.sessions] == ["a\u2028b\x85c#1", "line2"]
+    path.write_text(f"{line1}\n\x0c\n{json.dumps({**GOOD, 'x': 1})}\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"trace.jsonl line 3: unknown field 'x'"):  # physical line 3
+        load_trace(path, VOCAB)
+
+
+def test_trace_arrivals_up_to_2_to_the_33_seconds(tmp_path):
+    """Unix epoch seconds load as they are; the last float below 2^33 s is the latest arrival."""
+    below = math.nextafter(2.0**33, 0)
+    path = write_trace(tmp_path, {**GOOD, "timestamp": 1.7e9}, {**GOOD, "timestamp": below})
+    assert [s.start_s for s in load_trace(path, VOCAB).sessions] == [1.7e9, below]
 
 
 def test_bad_trace_file_and_arguments(tmp_path):

@@ -24,6 +24,11 @@ FIELDS = frozenset(
     {"timestamp", "timestamp_ms", "prompt_ids", "hash_ids", "input_length", "output_length", "session", "tenant"}
 )
 
+# The latest arrival a trace may give, seconds: below 2^33 s a float second's step (ulp) is
+# under a microsecond (2^-20 s), so a step of a few ms is timed to 0.1 % or better. Unix epoch
+# seconds (~1.8e9) pass; epoch ms or ns read as seconds (~1.8e12, 1.8e18) do not.
+MAX_START_S = float(2**33)
+
 
 def sample_trace_path() -> Path:
     """The small trace that ships with kvpool (workload/data/sample_trace.jsonl)."""
@@ -59,7 +64,10 @@ def load_trace(path: str | os.PathLike[str], vocab_size: int, *, block_size: int
         raise ValueError(f"{path}: cannot read the trace ({e})") from None
 
     lines: list[_Line] = []
-    for line_no, raw in enumerate(text.splitlines(), start=1):
+    # (split at "\n" only: str.splitlines also cuts at U+2028, U+0085, \x0b, \x0c..., which
+    # JSON allows raw inside a string, so a valid line was "not JSON" and the lines after it
+    # were counted off their physical numbers; a trailing "\r" is JSON whitespace)
+    for line_no, raw in enumerate(text.split("\n"), start=1):
         if not raw.strip():
             continue
         try:
@@ -106,10 +114,7 @@ def _parse(raw: str, line_no: int, vocab_size: int, block_size: int) -> _Line:
 
     if ("timestamp" in record) == ("timestamp_ms" in record):
         raise ValueError("exactly one of timestamp (seconds), timestamp_ms (milliseconds) is required")
-    if "timestamp" in record:
-        start_s = _time(record, "timestamp")
-    else:
-        start_s = _time(record, "timestamp_ms") / 1000.0
+    start_s = _time(record, "timestamp" if "timestamp" in record else "timestamp_ms")
 
     if ("prompt_ids" in record) == ("hash_ids" in record):
         raise ValueError("exactly one of prompt_ids, hash_ids is required")
@@ -165,10 +170,18 @@ def _no_repeats(pairs: list[tuple[str, object]]) -> dict:
 
 
 def _time(record: dict, name: str) -> float:
+    """The arrival in seconds (timestamp_ms / 1000); ValueError past MAX_START_S."""
     value = record[name]
     if type(value) not in (int, float) or not 0 <= value < math.inf:
         raise ValueError(f"{name} must be a finite number >= 0, got {_show(value)}")
-    return float(value)
+    start_s = float(value) / (1000.0 if name == "timestamp_ms" else 1.0)
+    if start_s >= MAX_START_S:
+        raise ValueError(
+            f"{name} {_show(value)} is {start_s:.3g} s, past 2^33 s (272 years), where the virtual clock's "
+            "float seconds lose the microseconds a step is timed in; epoch milliseconds or nanoseconds? "
+            "(timestamp: seconds, timestamp_ms: milliseconds)"
+        )
+    return start_s
 
 
 def _int_list(record: dict, name: str) -> tuple[int, ...]:
