@@ -386,6 +386,40 @@ def test_a_prompt_that_is_no_sequence_of_ints_is_named(token_ids, message) -> No
     assert m.lookup_prefix(np.array([1, 2, 3, 4, 5])) == 4  # numpy's ids are ints (pack_prompt's docs)
 
 
+def test_a_swap_restore_after_a_step_or_of_nothing_is_refused() -> None:
+    """restore_tail and restore_swapped_state follow the admission, before any step (the tier
+    bridge's swap-in). Called after a committed step, at a block boundary with a step
+    reserved, they were accepted: the tokens the step had reserved counted as computed and
+    as prefix hits (3 hit tokens that no tier gave). A swapped state of 0 tokens at 0
+    computed (no state: `swap_state_block` names none there) was accepted too and left a
+    "swap" restore pending at 0 computed, which check_integrity refused. Now each is
+    refused by name, nothing changed."""
+    full = HybridCacheManager([(AttentionGroupSpec("full", BS), 8)], DESC)
+    dual = _dual()
+    for m, call, what in ((full, "restore_tail", "tail"), (dual, "restore_swapped_state", "state")):
+        m.admit("a", list(range(1, 21)), BS)  # no hit; a first step of one block
+        m.commit("a", BS)
+        m.reserve("a", 2 * BS)  # [4, 12): a block boundary, a step reserved
+        before = snapshot(m)
+        message = f"request 'a': a swapped {what} is restored right after the admission, before any step"
+        refusal = m.restore_refusal if what == "tail" else m.swapped_state_refusal
+        assert refusal("a", 3) == message
+        with pytest.raises(ValueError, match=message):
+            getattr(m, call)("a", 3)
+        assert snapshot(m) == before
+        m.check_integrity()
+    dual.admit("b", list(range(30, 40)))  # nothing computed: no state to bring back
+    before = snapshot(dual)
+    message = r"request 'b': cannot restore a state 0 tokens after 0 computed \(10 known, block size 4\)"
+    with pytest.raises(ValueError, match=message):
+        dual.restore_swapped_state("b", 0)
+    assert snapshot(dual) == before
+    dual.check_integrity()
+    assert dual.swapped_state_refusal("b", 3) is None  # a state inside the first span comes back
+    assert dual.restore_swapped_state("b", 3).num_cached_tokens == 3
+    dual.check_integrity()
+
+
 @pytest.mark.parametrize("bad", [2.0, 1.5, "1", None])
 def test_the_other_counts_that_are_no_int_are_named(bad) -> None:
     """rollback's, complete_loads', restore_tail's and restore_swapped_state's counts that are

@@ -198,6 +198,9 @@ class _Request:
     num_loading: int = 0  # tokens of the hit a lower tier is still loading (complete_loads)
     readmitted: bool = False  # admitted after a preemption (its hits count apart)
     joined_at: int = 0  # the coordinator's `_requests_version` when it joined (`_add_request`)
+    # The admission's hit point: a swap's restore (`restore_tail`, `restore_swapped_state`)
+    # follows the admission, before any step; -1: none (a fork's child)
+    admitted_at: int = -1
 
 
 class _LookedUp(NamedTuple):
@@ -831,6 +834,8 @@ class HybridCacheManager:
         nc, bs = req.num_computed, self.block_size
         if len(self._group_list) != 1:
             return f"request {request_id!r}: a cache of {len(self._group_list)} groups restores no partial block"
+        if nc != req.admitted_at and not req.num_loading:  # (a step since: its tokens are computed)
+            return f"request {request_id!r}: a swapped tail is restored right after the admission, before any step"
         if req.num_loading or nc % bs or not 0 < num_tokens < bs or nc + num_tokens >= len(req.token_ids):
             return (
                 f"request {request_id!r}: cannot restore {num_tokens} tokens after {nc} computed "
@@ -871,7 +876,9 @@ class HybridCacheManager:
         nc, bs = req.num_computed, self.block_size
         if len(self._group_list) != 1:
             return f"request {request_id!r}: a cache of {len(self._group_list)} groups restores no swapped state"
-        if req.num_loading or nc % bs or not 0 <= num_tokens < bs or nc + num_tokens >= len(req.token_ids):
+        if nc != req.admitted_at and not req.num_loading:  # (a step since: its tokens are computed)
+            return f"request {request_id!r}: a swapped state is restored right after the admission, before any step"
+        if req.num_loading or nc % bs or not 0 <= num_tokens < bs or not 0 < nc + num_tokens < len(req.token_ids):
             return (
                 f"request {request_id!r}: cannot restore a state {num_tokens} tokens after {nc} computed "
                 f"({len(req.token_ids)} known, block size {bs})"
@@ -1234,6 +1241,7 @@ class HybridCacheManager:
             self._loading.add(request_id)
         # (the loading blocks are in the table: its end covers them, a step reserved or not)
         req.num_computed, req.end = point - num_loading, point
+        req.admitted_at = point
         req.budget = rest if max_new_tokens is None else max_new_tokens
         self._add_request(req)
         self._fresh.add(request_id)
