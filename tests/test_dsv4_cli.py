@@ -63,13 +63,17 @@ def test_verify_fails_with_nonzero_exit(capsys: pytest.CaptureFixture[str], monk
     assert main(["verify", "dsv4", "--lengths", "300", "--tolerance", repr(diff / 2)]) == 1
 
 
-def test_verify_refuses_a_length_past_its_pool_not_reports_a_failed_check(capsys: pytest.CaptureFixture[str]) -> None:
-    # it read "prompt_len_100000  nan  nan  NO  (assertion failed: )", as if V4 were wrong
-    assert main(["verify", "dsv4", "--lengths", "100000"]) == 2
+@pytest.mark.parametrize("length", [100000, 10**13])
+def test_verify_refuses_a_length_past_its_pool_not_reports_a_failed_check(
+    capsys: pytest.CaptureFixture[str], length: int
+) -> None:
+    # it read "prompt_len_100000  nan  nan  NO  (assertion failed: )", as if V4 were wrong; and
+    # 10**13 drew its ids before the pool's check: a traceback of torch's failed 80 TB allocation
+    assert main(["verify", "dsv4", "--lengths", str(length)]) == 2
     err = capsys.readouterr().err
     assert err == (
-        "kvpool verify: error: --lengths 100000: a prompt of 100,000 tokens does not fit the verifier's KV pool; "
-        "give shorter lengths\n"
+        f"kvpool verify: error: --lengths {length}: a prompt of {length:,} tokens does not fit the verifier's KV "
+        "pool; give shorter lengths\n"
     )
 
 

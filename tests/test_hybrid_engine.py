@@ -194,10 +194,12 @@ def test_verify_hybrid_cli(capsys):
     assert "--lengths must be positive integers" in capsys.readouterr().err
 
 
-def test_verify_hybrid_refuses_a_length_past_its_pool_not_reports_a_failed_check(capsys):
-    # it read "gemma: prompt 100000  nan  nan  NO  (assertion: the pool holds the prompt)", 0/2 passed
-    assert main(["verify", "hybrid", "--lengths", "100000"]) == 2
+@pytest.mark.parametrize("length", [100000, 10**13])
+def test_verify_hybrid_refuses_a_length_past_its_pool_not_reports_a_failed_check(capsys, length):
+    # it read "gemma: prompt 100000  nan  nan  NO  (assertion: the pool holds the prompt)", 0/2 passed;
+    # 10**13 drew its ids before the pool's check: a traceback of torch's failed 80 TB allocation
+    assert main(["verify", "hybrid", "--lengths", str(length)]) == 2
     assert capsys.readouterr().err == (
-        "kvpool verify: error: --lengths 100000: a prompt of 100,000 tokens does not fit the verifier's KV pool; "
-        "give shorter lengths\n"
+        f"kvpool verify: error: --lengths {length}: a prompt of {length:,} tokens does not fit the verifier's KV "
+        "pool; give shorter lengths\n"
     )

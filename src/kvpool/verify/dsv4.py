@@ -165,7 +165,6 @@ class Verifier:
     def prompt(self, length: int, chunk: int | None = None, hot: int | None = None) -> list[Segment]:
         """One prompt of `length` tokens prefilled in chunks of `chunk` (None: one chunk).
         hot: HiSparse with a hot set of that many CSA entries (None: off)."""
-        ids = self.tokens(length)
         runner = self.runner(hot_set_entries=hot)
         # A length past the verifier's pool (--lengths 4000) is the caller's mistake, not a failed
         # check: the bare asserts here read "NO (assertion failed: )", as if V4 were wrong. (The
@@ -174,6 +173,9 @@ class Verifier:
             f"--lengths {length}: a prompt of {length:,} tokens does not fit the verifier's KV pool; "
             "give shorter lengths"
         )
+        if length // runner.cache.block_size > runner.cache.num_blocks:
+            raise too_long  # (before its ids are drawn: --lengths 99999999999 asked torch for 800 GB)
+        ids = self.tokens(length)
         if runner.add_request("r", ids) is None:
             raise too_long
         pieces = []

@@ -43,6 +43,13 @@ CHUNK_SIZES: tuple[int, ...] = (1, 5, 8, 12, 33)
 SHARED_LENGTHS: tuple[int, ...] = (8, 12, 16, 24, 33, 36, 40, 64, 85)
 
 
+def _too_long(length: int) -> str:
+    """A --lengths value past the verifier's pool: the caller's mistake, not a failed check."""
+    return (
+        f"--lengths {length}: a prompt of {length:,} tokens does not fit the verifier's KV pool; give shorter lengths"
+    )
+
+
 @dataclass(frozen=True)
 class Segment:
     """Logits a paged run produced for positions [start, start + len(logits)) of a history."""
@@ -146,10 +153,7 @@ class Verifier:
         if adm is None:
             # a length past the pool (--lengths 100000) is the caller's mistake, not a failed check:
             # as an assert it read "NO (assertion: the pool holds the prompt)", 0/2 passed
-            raise ValueError(
-                f"--lengths {len(ids)}: a prompt of {len(ids):,} tokens does not fit the verifier's KV pool; "
-                "give shorter lengths"
-            )
+            raise ValueError(_too_long(len(ids)))
         pieces, pos = [], adm.num_cached_tokens
         n = adm.num_scheduled_tokens
         while True:
@@ -164,8 +168,11 @@ class Verifier:
 
     def prompt(self, model_name: str, length: int, chunk: int | None = None) -> list[Segment]:
         model = self.models[model_name]
-        ids = self.tokens(length, seed=length)
         runner = self.runner(model)
+        if length // runner.cache.block_size > runner.cache.num_blocks:  # (no group could hold it)
+            # before its ids are drawn: --lengths 99999999999 asked torch for 800 GB
+            raise ValueError(_too_long(length))
+        ids = self.tokens(length, seed=length)
         point, logits = self._prefill(runner, "r", ids, chunk)
         assert point == 0
         return [Segment(model, tuple(ids), 0, logits)]
