@@ -120,7 +120,11 @@ def test_a_layers_fixed_time_is_the_bare_batch_1_graph_decode_past_its_bytes_at_
     [
         ({"kind": "flops", "value": 1.0}, r"measurement 0: unknown kind 'flops'; known: gemm, copy, decode, prefill$"),
         ({"kind": "decode", "value": 4.0, "batch": 1}, r"measurement 0 \(decode\): missing context_len, host_mode$"),
-        ({"kind": "copy", "value": -1}, r"value must be a positive number, got -1$"),
+        ({"kind": "copy", "value": -1}, r"value must be a finite positive number, got -1$"),
+        ({"kind": "copy", "value": True}, r"value must be a finite positive number, got true$"),  # (was 1)
+        ({"kind": "copy", "value": math.inf}, r"value must be a finite positive number, got Infinity$"),
+        ({"kind": "copy", "value": 4.0, "name": ["x"]}, r'measurement 0: name must be a string, got \["x"\]$'),
+        (7, r"measurement 0: expected a JSON object, got 7$"),
         ({"kind": "copy", "value": 4.0, "unit": "GB/s"}, r"unit must be TB/s, got 'GB/s'$"),
         (
             {"kind": "prefill", "value": 9.0, "tokens": 0, "host_mode": "graph"},
@@ -132,9 +136,30 @@ def test_a_layers_fixed_time_is_the_bare_batch_1_graph_decode_past_its_bytes_at_
         ),
     ],
 )
-def test_a_bad_measurement_file_is_refused_in_one_line(tmp_path, measurement: dict, message: str) -> None:
+def test_a_bad_measurement_file_is_refused_in_one_line(tmp_path, measurement: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         load_run(_file(tmp_path, [measurement]))
+
+
+@pytest.mark.parametrize(
+    ("top", "message"),
+    [
+        ({"measurements": {"kind": "copy"}}, r"run.json: measurements must be a list of objects, got dict$"),
+        ({"measurements": "copy"}, r"run.json: measurements must be a list of objects, got str$"),
+        ({"gpu": 5}, r"run.json: gpu must be a string, got 5$"),
+        ({"model": ["llama-3.1-8b"]}, r'run.json: model must be a string, got \["llama-3.1-8b"\]$'),
+        ({"name": 5}, r"run.json: name must be a string, got 5$"),
+        ({"weight_dtype": None}, r"run.json: weight_dtype must be a string, got null$"),
+    ],
+)
+def test_a_file_of_wrong_types_is_refused_in_one_line(tmp_path, top: dict, message: str, capsys) -> None:
+    """Each of these was an AttributeError or TypeError traceback (get_gpu, m.get, format_fit)."""
+    top = dict(top)
+    path = _file(tmp_path, top.pop("measurements", [{"kind": "copy", "value": 4.0}]), **top)
+    with pytest.raises(ValueError, match=message):
+        load_run(path)
+    assert main(["simulate", "--requests", "1", "--calibration", path]) == 2
+    assert capsys.readouterr().err.startswith(f"kvpool simulate: error: --calibration: {path}: ")
 
 
 def test_calibrate_fit_prints_the_fit_and_simulate_runs_on_it(capsys) -> None:

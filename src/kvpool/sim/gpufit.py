@@ -173,9 +173,20 @@ def load_run(name_or_path: str) -> MeasuredRun:
     for key in ("gpu", "model", "measurements"):
         if key not in data:
             raise ValueError(f"{path}: missing {key!r}")
+    # (a number or a list where a name belongs, a dict of measurements: AttributeError and
+    # TypeError tracebacks from get_gpu, m.get and format_fit before these checks)
+    for key in ("name", "gpu", "model", "weight_dtype", "kv_dtype", "source"):
+        if key in data and not isinstance(data[key], str):
+            raise ValueError(f"{path}: {key} must be a string, got {json.dumps(data[key])}")
+    if not isinstance(data["measurements"], list):
+        raise ValueError(f"{path}: measurements must be a list of objects, got {type(data['measurements']).__name__}")
     measurements = []
     for i, m in enumerate(data["measurements"]):
         where = f"{path}: measurement {i}"
+        if not isinstance(m, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {json.dumps(m)}")
+        if not isinstance(m.get("name", ""), str):
+            raise ValueError(f"{where}: name must be a string, got {json.dumps(m['name'])}")
         kind = m.get("kind")
         if kind not in KINDS:
             raise ValueError(f"{where}: unknown kind {kind!r}; known: {', '.join(KINDS)}")
@@ -185,8 +196,9 @@ def load_run(name_or_path: str) -> MeasuredRun:
         if m.get("unit", UNITS[kind]) != UNITS[kind]:
             raise ValueError(f"{where} ({kind}): unit must be {UNITS[kind]}, got {m['unit']!r}")
         value = m["value"]
-        if not isinstance(value, int | float) or not value > 0:
-            raise ValueError(f"{where} ({kind}): value must be a positive number, got {value!r}")
+        # (true was a value of 1; Infinity a "math domain error" from the fit's log-ratios)
+        if type(value) not in (int, float) or not 0 < value < math.inf:
+            raise ValueError(f"{where} ({kind}): value must be a finite positive number, got {json.dumps(value)}")
         shape = {k: m[k] for k in KINDS[kind]}
         for k, v in shape.items():
             if k == "host_mode":
