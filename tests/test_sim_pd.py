@@ -81,6 +81,9 @@ def test_pd_flags_and_what_it_refuses_are_one_line(capsys) -> None:
     for extra, expected in (
         (["--kv-transfer-bandwidth", "fast"], "expected a size per second such as 50GB/s or 25GiB/s, got 'fast'"),
         (["--kv-transfer-latency-ms", "-1"], "expected a number of ms >= 0, got '-1'"),
+        # a NIC's bits: read as bytes, 400Gb/s was 400e9 B/s, 8x the link
+        (["--kv-transfer-bandwidth", "400Gb/s"], "'400Gb/s' reads as bits per second (a lowercase b)"),
+        (["--kv-transfer-bandwidth", "100Gbps"], "'100Gbps' reads as bits per second"),
     ):
         with pytest.raises(SystemExit):
             main([*flags, "--prefill-replicas", "1", *extra])

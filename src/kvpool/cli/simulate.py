@@ -99,6 +99,14 @@ def _list(parse):
 def _bandwidth(text: str) -> float:
     """A link's bandwidth, bytes per second: a size, "/s" optional ("50GB/s", "400G")."""
     size = text.strip().removesuffix("/s")
+    # A NIC's speed is written in bits ("400 Gb/s", "400Gbps"): byte_size reads any-case "Gb"
+    # as 10^9 bytes, so 400Gb/s was 8x the link it names. A lowercase b (or bit, bps) is refused.
+    unit = size.lstrip("0123456789.eE+-_ ")
+    if unit.endswith("b") or unit.lower().endswith(("bit", "bits", "bps", "bit/s")):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} reads as bits per second (a lowercase b); the flag takes bytes per second: a 400 Gb/s "
+            "NIC is 50GB/s"
+        )
     try:
         value = byte_size(size)
     except argparse.ArgumentTypeError:
