@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import gc
 import importlib.util
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -181,31 +182,117 @@ def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, head_dim // 2, 2, dim).swapaxes(1, 2).reshape(rows, dim)
 
 
+def _positive_int(reader: Any, key: str, default: int | None = None) -> int:
+    """A count from the metadata; ValueError naming the key unless it is a positive integer
+    (a head count of 0 divided by zero further on; a context of 0 was blamed on the pool)."""
+    value = _field(reader, key, default)
+    if value is None:
+        raise ValueError(f"GGUF metadata lacks {key!r}")
+    if isinstance(value, (bool, str, float)) or not isinstance(value, (int, np.integer)) or int(value) <= 0:
+        raise ValueError(f"GGUF metadata {key} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _positive_float(reader: Any, key: str, default: float | None = None) -> float:
+    """A finite positive number from the metadata (RoPE base, norm epsilon): a NaN, 0 or a
+    negative one ran and generated garbage without a word."""
+    value = _field(reader, key, default)
+    if value is None:
+        raise ValueError(f"GGUF metadata lacks {key!r}")
+    if isinstance(value, (bool, str)) or not isinstance(value, (int, float, np.number)):
+        raise ValueError(f"GGUF metadata {key} must be a number, got {value!r}")
+    if not (math.isfinite(float(value)) and float(value) > 0):
+        raise ValueError(f"GGUF metadata {key} must be finite and positive, got {float(value)}")
+    return float(value)
+
+
 def read_config(reader: Any) -> LlamaConfig:
+    """The architecture from the metadata; ValueError naming the key for a value the model
+    cannot compute with (a count that is not positive, KV heads that do not divide the
+    heads, an odd head dim, a RoPE base or epsilon that is not finite and positive)."""
     arch = _require(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; kvpool runs {sorted(SUPPORTED_ARCHITECTURES)}")
-    hidden = int(_require(reader, f"{arch}.embedding_length"))
-    num_heads = int(_require(reader, f"{arch}.attention.head_count"))
-    num_kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", num_heads))
-    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads))
+    hidden = _positive_int(reader, f"{arch}.embedding_length")
+    num_heads = _positive_int(reader, f"{arch}.attention.head_count")
+    num_kv_heads = _positive_int(reader, f"{arch}.attention.head_count_kv", num_heads)
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"GGUF metadata {arch}.attention.head_count {num_heads} is not a multiple of "
+            f"{arch}.attention.head_count_kv {num_kv_heads}"
+        )
+    if _field(reader, f"{arch}.attention.key_length") is None and hidden % num_heads:
+        raise ValueError(
+            f"GGUF metadata {arch}.embedding_length {hidden} is not a multiple of {arch}.attention.head_count "
+            f"{num_heads}, and no {arch}.attention.key_length gives the head dim"
+        )
+    head_dim = _positive_int(reader, f"{arch}.attention.key_length", hidden // num_heads)
+    if head_dim % 2:
+        raise ValueError(f"GGUF metadata head dim {head_dim} must be even (rotate-half RoPE)")
     names = {t.name for t in reader.tensors}
-    vocab = _field(reader, f"{arch}.vocab_size")
+    vocab_key = f"{arch}.vocab_size"
+    vocab = _positive_int(reader, vocab_key) if _field(reader, vocab_key) is not None else None
     if vocab is None:
         vocab = len(_require(reader, "tokenizer.ggml.tokens"))
     return LlamaConfig(
-        num_layers=int(_require(reader, f"{arch}.block_count")),
+        num_layers=_positive_int(reader, f"{arch}.block_count"),
         hidden_size=hidden,
-        intermediate_size=int(_require(reader, f"{arch}.feed_forward_length")),
+        intermediate_size=_positive_int(reader, f"{arch}.feed_forward_length"),
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(_require(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        vocab_size=int(vocab),
-        max_position=int(_field(reader, f"{arch}.context_length", 2048)),
+        rope_theta=_positive_float(reader, f"{arch}.rope.freq_base", 10000.0),
+        rms_norm_eps=_positive_float(reader, f"{arch}.attention.layer_norm_rms_epsilon"),
+        vocab_size=vocab,
+        max_position=_positive_int(reader, f"{arch}.context_length", 2048),
         tie_embeddings="output.weight" not in names,
     )
+
+
+def expected_shape(gguf_name: str, config: LlamaConfig) -> tuple[int, ...] | None:
+    """The GGUF dims (in_features first) of a tensor the model uses, from the config; None
+    for a tensor it does not use. ValueError for a block index outside the model."""
+    c = config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    top = {"token_embd.weight": (c.hidden_size, c.vocab_size), "output_norm.weight": (c.hidden_size,)}
+    if not c.tie_embeddings:
+        top["output.weight"] = (c.hidden_size, c.vocab_size)
+    if gguf_name in top:
+        return top[gguf_name]
+    parts = gguf_name.split(".")
+    if parts[0] != "blk" or len(parts) < 3 or parts[2] not in _RENAME:
+        return None
+    if not parts[1].isdigit() or int(parts[1]) >= c.num_layers:
+        raise ValueError(f"tensor {gguf_name!r} names a block outside the model's {c.num_layers} blocks")
+    dims = {
+        "attn_q": (c.hidden_size, q),
+        "attn_k": (c.hidden_size, kv),
+        "attn_v": (c.hidden_size, kv),
+        "attn_output": (q, c.hidden_size),
+        "ffn_gate": (c.hidden_size, c.intermediate_size),
+        "ffn_up": (c.hidden_size, c.intermediate_size),
+        "ffn_down": (c.intermediate_size, c.hidden_size),
+        "attn_norm": (c.hidden_size,),
+        "ffn_norm": (c.hidden_size,),
+    }
+    return dims[parts[2]]
+
+
+def check_shapes(reader: Any, config: LlamaConfig, num_tokens: int) -> None:
+    """ValueError naming the tensor whose dims disagree with the metadata's architecture (a
+    reshape deep in the load failed with numpy's words, or the forward with torch's), and
+    for a vocabulary larger than the embedding (its last token ids indexed past it)."""
+    for t in reader.tensors:
+        want = expected_shape(t.name, config)
+        have = tuple(int(x) for x in t.shape)
+        if want is not None and have != want:
+            raise ValueError(
+                f"tensor {t.name!r} has dims {list(have)}, but the metadata's architecture needs {list(want)}"
+            )
+    if num_tokens > config.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {num_tokens} tokens, more than the model's vocabulary of {config.vocab_size}"
+        )
 
 
 def read_tokenizer(reader: Any) -> TokenizerData:
@@ -271,6 +358,7 @@ def load_gguf(path: str | None = None, dtype: torch.dtype = torch.float32, diges
     try:
         config = read_config(reader)
         tokenizer = read_tokenizer(reader)
+        check_shapes(reader, config, len(tokenizer.tokens))
         file_type = _field(reader, "general.file_type")
         for tensor in reader.tensors:
             if tensor.tensor_type.name not in SUPPORTED_QUANT_TYPES:

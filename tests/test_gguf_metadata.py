@@ -1,0 +1,110 @@
+"""A GGUF whose metadata the model cannot compute with, or whose tensors disagree with it, is
+refused at load with one line naming the key or the tensor (models/gguf.py read_config,
+check_shapes): a head count of 0 raised ZeroDivisionError, a NaN epsilon or a RoPE base of 0
+generated garbage without a word, a wrong tensor shape failed in numpy's words."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+from kvpool.cli.main import main
+from kvpool.models.gguf import load_gguf
+
+TOKENS = [f"t{i}" for i in range(32)]
+
+
+def write_gguf(path, **over) -> str:
+    """A 2-layer Llama GGUF (hidden 16, 4 heads, 2 KV heads, vocab 32); `over` replaces
+    metadata (heads, kvh, hidden, key_length, ctx, theta, eps, vocab) or a tensor's dims
+    (q_rows, embed_rows, tokens)."""
+    o = {"layers": 2, "hidden": 16, "ff": 24, "heads": 4, "kvh": 2, "ctx": 64, "theta": 1e4, "eps": 1e-5, **over}
+    head_dim = o.get("key_length") or 4
+    tokens = o.get("tokens", TOKENS)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(o["layers"])
+    w.add_context_length(o["ctx"])
+    w.add_embedding_length(o["hidden"])
+    w.add_feed_forward_length(o["ff"])
+    w.add_head_count(o["heads"])
+    w.add_head_count_kv(o["kvh"])
+    w.add_rope_freq_base(o["theta"])
+    w.add_layer_norm_rms_eps(o["eps"])
+    if "key_length" in o:
+        w.add_key_length(o["key_length"])
+    if "vocab" in o:
+        w.add_vocab_size(o["vocab"])
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    hidden, q, kv, ff = o["hidden"], 4 * head_dim, 2 * head_dim, o["ff"]
+    shapes = {"token_embd.weight": (o.get("embed_rows", len(tokens)), hidden), "output_norm.weight": (hidden,)}
+    for i in range(o["layers"]):
+        shapes |= {
+            f"blk.{i}.attn_q.weight": (o.get("q_rows", q), hidden),
+            f"blk.{i}.attn_k.weight": (kv, hidden),
+            f"blk.{i}.attn_v.weight": (kv, hidden),
+            f"blk.{i}.attn_output.weight": (hidden, q),
+            f"blk.{i}.ffn_gate.weight": (ff, hidden),
+            f"blk.{i}.ffn_up.weight": (ff, hidden),
+            f"blk.{i}.ffn_down.weight": (hidden, ff),
+            f"blk.{i}.attn_norm.weight": (hidden,),
+            f"blk.{i}.ffn_norm.weight": (hidden,),
+        }
+    for name, shape in shapes.items():
+        w.add_tensor(name, np.full(shape, 0.01, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+def test_a_well_formed_tiny_gguf_loads_with_its_metadata(tmp_path):
+    loaded = load_gguf(write_gguf(tmp_path / "ok.gguf"))
+    c = loaded.meta.config
+    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (2, 16, 4, 2, 4, 32)
+    assert sum(1 for _ in loaded.tensors()) == 2 + 2 * 9
+
+
+@pytest.mark.parametrize(
+    ("over", "message"),
+    [
+        ({"heads": 0}, "llama.attention.head_count must be a positive integer, got 0"),
+        ({"kvh": 0}, "llama.attention.head_count_kv must be a positive integer, got 0"),
+        ({"kvh": 3}, "llama.attention.head_count 4 is not a multiple of llama.attention.head_count_kv 3"),
+        ({"layers": 0}, "llama.block_count must be a positive integer, got 0"),
+        ({"ctx": 0}, "llama.context_length must be a positive integer, got 0"),
+        ({"hidden": 18}, "llama.embedding_length 18 is not a multiple of llama.attention.head_count 4"),
+        ({"key_length": 3}, "head dim 3 must be even (rotate-half RoPE)"),
+        ({"eps": float("nan")}, "llama.attention.layer_norm_rms_epsilon must be finite and positive, got nan"),
+        ({"eps": 0.0}, "llama.attention.layer_norm_rms_epsilon must be finite and positive, got 0.0"),
+        ({"theta": 0.0}, "llama.rope.freq_base must be finite and positive, got 0.0"),
+        ({"theta": float("inf")}, "llama.rope.freq_base must be finite and positive, got inf"),
+        (
+            {"q_rows": 12},
+            "tensor 'blk.0.attn_q.weight' has dims [16, 12], but the metadata's architecture needs [16, 16]",
+        ),
+        ({"vocab": 40}, "tensor 'token_embd.weight' has dims [16, 32], but the metadata's architecture needs [16, 40]"),
+        (
+            {"embed_rows": 8},
+            "tensor 'token_embd.weight' has dims [16, 8], but the metadata's architecture needs [16, 32]",
+        ),
+        ({"vocab": 8, "embed_rows": 8}, "the tokenizer has 32 tokens, more than the model's vocabulary of 8"),
+    ],
+)
+def test_metadata_the_model_cannot_compute_with_is_named(tmp_path, over, message):
+    path = write_gguf(tmp_path / "bad.gguf", **over)
+    with pytest.raises(ValueError) as e:
+        load_gguf(path)
+    assert str(e.value).startswith(f"GGUF file {path}: ") and message in str(e.value), str(e.value)
+
+
+def test_the_cli_names_a_zero_head_count_without_a_traceback(tmp_path, capsys):
+    path = write_gguf(tmp_path / "heads0.gguf", heads=0)
+    assert main(["generate", "hi", "--model", path]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"kvpool generate: error: GGUF file {path}: GGUF metadata llama.attention.head_count "
+        "must be a positive integer, got 0\n"
+    )
