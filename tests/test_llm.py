@@ -125,3 +125,40 @@ def test_a_dict_or_a_set_is_refused_not_iterated(llm):
     assert [o.text for o in llm.generate(ordered.keys(), params)] == [
         o.text for o in llm.generate(list(ordered), params)
     ]
+
+
+def test_calls_from_several_threads_take_turns(llm, monkeypatch):
+    """Four threads calling generate at once stepped one engine together and failed inside
+    its step ("zip() argument 2 is shorter than argument 1"); each call now waits for the
+    one before it, and every thread gets the tokens it gets alone. The forward is slowed so
+    that the threads' steps would overlap."""
+    import threading
+    import time
+
+    prompts = ["Once upon a time", "The capital of France is", "def fib(n):", "The sea is"]
+    params = kvpool.SamplingParams(max_tokens=4, ignore_eos=True)
+    alone = [llm.generate(p, params)[0].token_ids for p in prompts]
+    runner = llm.engine.runner
+    execute = runner.execute
+
+    def slow_execute(*args, **kwargs):
+        time.sleep(0.02)  # (the GIL released: another thread runs meanwhile)
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", slow_execute)
+    results: dict[int, object] = {}
+
+    def work(i: int) -> None:
+        try:
+            results[i] = llm.generate(prompts[i], params)[0].token_ids
+        except Exception as error:  # (reported below, not lost in the thread)
+            results[i] = error
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [results[i] for i in range(len(prompts))] == alone
+    assert llm.engine.requests == {} and not llm.engine.has_unfinished()
+    runner.check_integrity()

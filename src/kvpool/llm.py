@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -111,6 +112,10 @@ class LLM:
             kv_format=kv_cache_dtype,
             enable_prefix_caching=enable_prefix_caching,
         )
+        # One call steps the engine at a time: calls from several threads took turns inside one
+        # step (Engine is not thread-safe) and failed in it ("zip() argument 2 is shorter than
+        # argument 1" in _undo_take); now each waits for the one before it to finish.
+        self._lock = threading.Lock()
 
     def generate(
         self, prompts: str | Sequence[str] | Sequence[Sequence[int]], params: SamplingParams | None = None
@@ -175,6 +180,10 @@ class LLM:
             # (a dict failed in the engine: "'dict' object has no attribute 'max_tokens'")
             raise TypeError(f"params is a {type(params).__name__}; give kvpool.SamplingParams(...) (or None)")
         params = params or SamplingParams()
+        with self._lock:
+            return self._run_locked(encoded, params)
+
+    def _run_locked(self, encoded: list[tuple[str | None, list[int]]], params: SamplingParams) -> list[GenerateOutput]:
         engine = self.engine
         ids = []
         try:
