@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
@@ -268,3 +269,50 @@ def test_n_and_stop_strings_beyond_their_bounds_are_refused_naming_them():
         SamplingParams(stop=["a"] * (MAX_STOP_STRINGS + 1))
     with pytest.raises(ValueError, match=rf"^stop: a stop string of 100000 characters; at most {MAX_STOP_CHARS}"):
         SamplingParams(stop=["ok", "y" * 100_000])
+
+
+def test_logprobs_come_back_in_the_output_equal_to_a_full_recompute() -> None:
+    """SamplingParams(logprobs=k) was computed per token and never given back: `Completion`
+    had no field for it (kvpool.LLM's outputs dropped it). Each sample's entries are the fp64
+    log-softmax of a full recompute's logits at its tokens (to 1e-9), its top-k that
+    recompute's k most likely tokens; without logprobs the field is None."""
+    from kvpool.attention.reference import reference_logits
+    from kvpool.engine.engine import Engine
+    from kvpool.engine.llama_runner import llama_runner
+    from random_llama import DESCRIPTOR, random_ids, random_llama
+
+    model = random_llama()
+    engine = Engine(llama_runner(model, 64, 16, DESCRIPTOR), max_num_batched_tokens=64, max_num_seqs=4)
+    prompt = random_ids(20, 5)
+    asked = SamplingParams(max_tokens=6, temperature=8.0, seed=9, n=2, ignore_eos=True, logprobs=3)
+    rid = engine.add_request(prompt, asked)
+    plain = engine.add_request(prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert [c.logprobs for c in engine.pop_output(plain).completions] == [None]
+    completions = engine.pop_output(rid).completions
+    assert len(completions) == 2 and completions[0].token_ids != completions[1].token_ids
+    for c in completions:
+        assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids) == 6
+        ref = torch.log_softmax(reference_logits(model, prompt + c.token_ids[:-1]), dim=-1)[len(prompt) - 1 :]
+        for i, (token, (logprob, top)) in enumerate(zip(c.token_ids, c.logprobs, strict=True)):
+            assert abs(logprob - float(ref[i, token])) <= 1e-9
+            values, ids = torch.topk(ref[i], 3)
+            assert [t for t, _ in top] == ids.tolist()
+            assert max(abs(v - float(r)) for (_, v), r in zip(top, values, strict=True)) <= 1e-9
+
+
+def test_a_fraction_or_numpy_temperature_and_top_p_are_taken_as_floats() -> None:
+    """Any real number is taken, as a float: Fraction(1, 2) passed the type check and then
+    failed in torch ("unsupported operand type(s) for /: 'Tensor' and 'Fraction"), top_p in
+    a comparison with a tensor. The draw is the float's."""
+    from fractions import Fraction
+
+    logits = torch.linspace(-2.0, 2.0, 300)
+    for temperature, top_p in ((Fraction(1, 2), Fraction(9, 10)), (np.float64(0.5), np.float32(0.9))):
+        params = SamplingParams(temperature=temperature, top_p=top_p, seed=4)
+        assert type(params.temperature) is float and type(params.top_p) is float
+        same = SamplingParams(temperature=0.5, top_p=float(top_p), seed=4)
+        assert [sample_token(logits, params, 0, i) for i in range(20)] == [
+            sample_token(logits, same, 0, i) for i in range(20)
+        ]

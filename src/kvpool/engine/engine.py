@@ -228,6 +228,10 @@ class Completion:
     token_ids: list[int]
     text: str
     finish_reason: str  # "stop" (EOS or stop string), "length", "abort"
+    # with SamplingParams(logprobs=k), one entry per token id: (the sampled token's
+    # log-probability, the k most likely tokens' (id, log-probability), most likely first);
+    # None when not asked for
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -509,8 +513,16 @@ class Engine:
         return self._output(req, req.prompt_ids)
 
     def _output(self, req: RequestState, prompt_ids: list[int]) -> RequestOutput:
+        # (the logprobs were dropped here: asked for, computed per token, and never given back)
+        asked = req.params.logprobs is not None
         completions = [
-            Completion(s.output_ids, s.text if self.decode_text else "", s.finish_reason or "") for s in req.seqs
+            Completion(
+                s.output_ids,
+                s.text if self.decode_text else "",
+                s.finish_reason or "",
+                list(s.logprobs) if asked else None,
+            )
+            for s in req.seqs
         ]
         ttft = None if req.first_token_time is None else req.first_token_time - req.arrival_time
         n_out = max(s.num_output_tokens for s in req.seqs)  # (counted: no second copy of the outputs)

@@ -123,6 +123,8 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+            if type(value) is not float:  # kept as a float: a Fraction failed in torch ("unsupported operand")
+                object.__setattr__(self, name, float(value))
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
 
