@@ -521,6 +521,16 @@ def model_placement(args: argparse.Namespace) -> tuple[Any, str]:
     return getattr(torch, MODEL_DTYPES[dtype]), device
 
 
+def check_span_block_size(args: argparse.Namespace, span: int, default: int) -> None:
+    """--block-size with tiny-dsv4, whose classical blocks are its spans of m' tokens: only
+    its parser's default (not given) or the span itself; another size was ignored silently."""
+    if args.block_size not in (default, span):
+        raise ValueError(
+            f"--block-size {args.block_size} is not supported with --model {args.model}: its classical blocks "
+            f"are spans of {span} tokens (m')"
+        )
+
+
 def check_device_model(args: argparse.Namespace, tiny_models: tuple[str, ...]) -> None:
     """--device / --dtype move only the Llama (GGUF) model: the tiny models run fp32 on the CPU."""
     if args.model in tiny_models and (

@@ -34,6 +34,7 @@ from kvpool.cli.options import (
 )
 
 DSV4_DEFAULT_BLOCKS = 512  # tiny-dsv4's classical blocks when --num-blocks is not given
+GENERATE_BLOCK_SIZE = 16  # --block-size's default (tiny-dsv4 takes only it or its span)
 
 
 def _prompt(text: str) -> str:
@@ -52,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass, in (0, 1]")
     parser.add_argument("--top-k", type=non_negative_int, default=0, help="keep the k most likely tokens; 0 = off")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
-    add_option(parser, BLOCK_SIZE, default=16)
+    add_option(parser, BLOCK_SIZE, default=GENERATE_BLOCK_SIZE)
     parser.add_argument(
         "--num-blocks",
         type=positive_int,

@@ -14,8 +14,8 @@ import re
 import sys
 import time
 
-from kvpool.cli.args import host_cache_bytes, v4_kv_format
-from kvpool.cli.generate import DSV4_DEFAULT_BLOCKS, check_context, length_note, timings
+from kvpool.cli.args import check_span_block_size, host_cache_bytes, v4_kv_format
+from kvpool.cli.generate import DSV4_DEFAULT_BLOCKS, GENERATE_BLOCK_SIZE, check_context, length_note, timings
 
 MODEL_NAME = "tiny-dsv4"
 
@@ -49,9 +49,11 @@ def run(args: argparse.Namespace, tiers: dict[str, object] | None = None) -> int
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
     )
     start = time.perf_counter()
+    model = TinyDSV4()
+    check_span_block_size(args, model.spec.span, GENERATE_BLOCK_SIZE)
     num_blocks = args.num_blocks or DSV4_DEFAULT_BLOCKS
     engine = build_engine(
-        TinyDSV4(),
+        model,
         num_blocks=num_blocks,
         hot_set_entries=getattr(args, "hisparse", None),
         host_cache_bytes=host_cache_bytes(args),

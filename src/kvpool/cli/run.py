@@ -47,6 +47,7 @@ from kvpool.cli.args import (
     check_device_model,
     check_engine_flags,
     check_kv_dtype,
+    check_span_block_size,
     host_cache_bytes,
     model_placement,
     non_negative_int,
@@ -299,6 +300,7 @@ def build(args: argparse.Namespace):
         from kvpool.models.tiny_dsv4 import TinyDSV4
 
         model = TinyDSV4(seed=args.seed)
+        check_span_block_size(args, model.spec.span, RUN_DEFAULTS.block_size)
         engine = build_engine(
             model,
             num_blocks=args.num_blocks,
