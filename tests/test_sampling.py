@@ -316,3 +316,30 @@ def test_a_fraction_or_numpy_temperature_and_top_p_are_taken_as_floats() -> None
         assert [sample_token(logits, params, 0, i) for i in range(20)] == [
             sample_token(logits, same, 0, i) for i in range(20)
         ]
+
+
+def test_an_aborted_request_gives_back_the_text_of_its_tokens() -> None:
+    """An aborted request's completions held their token ids and the text "" (text was set
+    only where a sequence stopped or reached its length): each sample's text is now its
+    tokens' text, every sample of n = 2 and one aborted before it ran alike."""
+    from kvpool.engine.engine import Engine
+    from kvpool.engine.llama_runner import llama_runner
+    from random_llama import DESCRIPTOR, random_ids, random_llama
+
+    def decode(ids: list[int]) -> str:
+        return "".join(chr(0x61 + t % 26) for t in ids)
+
+    engine = Engine(
+        llama_runner(random_llama(), 64, 16, DESCRIPTOR), max_num_batched_tokens=64, max_num_seqs=4, decode_text=decode
+    )
+    params = SamplingParams(max_tokens=20, temperature=8.0, seed=2, n=2, ignore_eos=True)
+    running = engine.add_request(random_ids(10, 1), params)
+    for _ in range(4):
+        engine.step()
+    waiting = engine.add_request(random_ids(10, 2), params)
+    assert engine.abort(running) and engine.abort(waiting)
+    completions = engine.pop_output(running).completions
+    assert len(completions) == 2 and all(len(c.token_ids) == 4 for c in completions)
+    assert [(c.text, c.finish_reason) for c in completions] == [(decode(c.token_ids), "abort") for c in completions]
+    assert [(c.token_ids, c.text) for c in engine.pop_output(waiting).completions] == [([], "")]
+    engine.runner.check_integrity()

@@ -490,6 +490,8 @@ class Engine:
         for seq in req.seqs:
             if seq.finish_reason is None:
                 self._finish(seq, "abort")
+                if self.decode_text is not None:  # its text so far (it was "", beside the output's token ids)
+                    seq.text = self.decode_text(seq.output_ids)
         req.forked = True  # no fork is coming any more
         req.finish_time = self.clock()
         return True
