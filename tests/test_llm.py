@@ -162,3 +162,24 @@ def test_calls_from_several_threads_take_turns(llm, monkeypatch):
     assert [results[i] for i in range(len(prompts))] == alone
     assert llm.engine.requests == {} and not llm.engine.has_unfinished()
     runner.check_integrity()
+
+
+def test_token_ids_of_any_integer_type_are_taken_and_others_named(llm):
+    """numpy's integers were refused as "prompts[0] is a list" (a list of token ids is what
+    it was); a bool and the bytes of b"hi" passed as token ids (1, and 104 105). Now any
+    integral id is taken as an int, and a bad one named by its place; nothing is queued."""
+    import numpy as np
+
+    params = kvpool.SamplingParams(max_tokens=2)
+    ids = llm.tokenizer.encode("The capital of France is")
+    out = llm.generate([list(np.array(ids, dtype=np.int64))], params)[0]
+    assert out.prompt_token_ids == ids and all(type(t) is int for t in out.prompt_token_ids)
+    assert out.token_ids == llm.generate([ids], params)[0].token_ids
+    for bad, words in (
+        ([[1, 2, True]], "prompts[0][2] is True (bool); a token id is an integer"),
+        ([[1, 2], [3, 4.0]], "prompts[1][1] is 4.0 (float); a token id is an integer"),
+        ([b"hi"], "prompts[0] is a bytes; a prompt is a string or a list of token ids"),
+    ):
+        with pytest.raises(TypeError, match=re.escape(words)):
+            llm.generate(bad, params)
+    assert llm.engine.requests == {} and not llm.engine.has_unfinished()

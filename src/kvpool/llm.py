@@ -44,6 +44,13 @@ def gguf_path(model: str | None) -> str | None:
     return model
 
 
+def _token_id(value: object, i: int, j: int) -> int:
+    """prompts[i][j] as an int: any integral number (numpy's too), not a bool."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"prompts[{i}][{j}] is {value!r} ({type(value).__name__}); a token id is an integer")
+    return int(value)
+
+
 @dataclass(frozen=True)
 class GenerateOutput:
     """One prompt's result: `outputs` holds `params.n` completions (token ids, text,
@@ -135,8 +142,10 @@ class LLM:
         for i, item in enumerate(items):
             if isinstance(item, str):
                 encoded.append((item, self.tokenizer.encode(item)))
-            elif isinstance(item, Sequence) and all(isinstance(t, int) for t in item):
-                encoded.append((None, list(item)))
+            elif isinstance(item, Sequence) and not isinstance(item, bytes | bytearray):
+                # (numpy's integers were refused as "prompts[0] is a list"; a bool or the bytes of
+                # b"hi" passed as token ids)
+                encoded.append((None, [_token_id(t, i, j) for j, t in enumerate(item)]))
             else:
                 raise TypeError(f"prompts[{i}] is a {type(item).__name__}; a prompt is a string or a list of token ids")
         return self._run(encoded, params)
