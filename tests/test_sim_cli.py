@@ -230,3 +230,18 @@ def test_no_v4_turn_ends_hits_as_paging_does_and_the_report_says_so(capsys):
     assert off["dual"]["prefix_hit_tokens"] == off["paged"]["prefix_hit_tokens"] == on["paged"]["prefix_hit_tokens"]
     assert on["dual"]["prefix_hit_tokens"] > on["paged"]["prefix_hit_tokens"]
     assert off["paged"]["state_adoptions"] == 0
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--num-long", "-3"), ("--seed", "-1")])
+def test_bench_sim_refuses_negative_counts_and_seeds_as_kvpool_run_does(flag, value, capsys, monkeypatch):
+    # -3 long prompts silently ran none; random.Random(-1) draws what Random(1) draws
+    import kvpool.engine.build
+
+    def load_model(*args, **kwargs):
+        raise AssertionError(f"{flag} {value} was taken: the bench began")
+
+    monkeypatch.setattr(kvpool.engine.build, "load_model", load_model)
+    with pytest.raises(SystemExit) as stop:
+        main(["bench", "sim", flag, value])
+    assert stop.value.code == 2
+    assert f"argument {flag}: expected an integer >= 0, got -" in capsys.readouterr().err

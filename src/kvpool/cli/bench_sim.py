@@ -8,16 +8,17 @@ import argparse
 import sys
 
 from kvpool.bench.sim import TIMES, FitFailed, first_turns, measure
-from kvpool.cli.args import positive_float, positive_int
+from kvpool.cli.args import non_negative_int, positive_float, positive_int
 from kvpool.cli.bench import call_with_flags, print_table, printed_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=positive_int, default=24, help="first turns (kvpool run's default: 24)")
-    parser.add_argument("--num-long", type=int, default=2, help="long prompts (kvpool run's default: 2)")
+    # (non-negative as kvpool run's: -3 long prompts ran none, and random.Random(-1) is Random(1))
+    parser.add_argument("--num-long", type=non_negative_int, default=2, help="long prompts (kvpool run's default: 2)")
     parser.add_argument("--max-tokens", type=positive_int, default=24, help="new tokens per answer, at most")
     parser.add_argument("--rate", type=positive_float, default=2.0, help="arrivals per second (Poisson)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the workload")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the workload")
 
 
 def run(args: argparse.Namespace) -> int:
