@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvpool.attention.reference import reference_logits
-from kvpool.models.hf_config import hf_tensor_name, llama_config, random_llama, random_tensors
+from kvpool.models.hf_config import hf_tensor_name, llama_config, model_bytes, random_llama, random_tensors
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.llama import modeling_llama  # noqa: E402
@@ -111,6 +111,15 @@ def test_a_directory_defaults_and_ignored_keys(tmp_path):
         ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads 3"),
         ({"hidden_size": 0}, "hidden_size must be a positive integer, got 0"),
         ({"num_hidden_layers": "2"}, "num_hidden_layers must be a positive integer, got '2'"),
+        # were float()'s message without the file or key, or a TypeError traceback
+        ({"rope_theta": "abc"}, "rope_theta must be a number, got 'abc'"),
+        ({"rope_theta": [1]}, r"rope_theta must be a number, got \[1\]"),
+        ({"rms_norm_eps": None}, "rms_norm_eps must be a number, got None"),
+        # json reads 1e999 / Infinity as inf: it was taken as the RoPE base
+        ({"rope_theta": float("inf")}, "rope_theta must be finite and positive, got inf"),
+        ({"rms_norm_eps": -1e-5}, "rms_norm_eps must be finite and positive, got -1e-05"),
+        # bool("false") is True: the string tied an untied model
+        ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false'"),
     ],
 )
 def test_a_config_the_model_cannot_compute_is_refused_naming_the_key(tmp_path, changes, match):
@@ -124,6 +133,32 @@ def test_a_missing_or_broken_file_is_one_line(tmp_path):
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(ValueError, match="not JSON"):
         llama_config(tmp_path / "bad.json")
+
+
+def test_model_bytes_is_what_random_llama_allocates(tmp_path):
+    """The weights and RoPE tables the model keeps, plus the transients of the build: the
+    largest weight drawn in fp32 before its cast, and the RoPE tables' two fp64 temporaries."""
+    for tied, dtype in ((False, torch.float32), (True, torch.bfloat16)):
+        cfg = llama_config(_config(tmp_path, tie_word_embeddings=tied)).config
+        model = random_llama(cfg, dtype=dtype)
+        kept = model.weight_bytes() + model.cos.nbytes + model.sin_signed.nbytes
+        largest = max(t.numel() for _, t in random_tensors(cfg, 0, dtype)) * 4
+        assert model_bytes(cfg, dtype) == kept + largest + 2 * model.cos.numel() * 8
+
+
+def test_a_config_too_large_for_the_machine_is_refused_before_allocating(tmp_path, capsys):
+    from kvpool.cli.main import main
+
+    # 100 B parameters: was the allocator's traceback (or the process killed as pages were touched)
+    path = _config(tmp_path, hidden_size=16384, intermediate_size=65536, num_hidden_layers=100, vocab_size=200_000)
+    assert main(["run", "--model", str(path), "--num-requests", "1"]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]  # after the progress line "loading the model"
+    assert err.startswith(f"kvpool run: error: --model {path}'s weights needs "), err
+    assert "GiB of memory available; a smaller config.json" in err
+    # RoPE tables of 10^9 positions: 10^9 x 16 dims x (2 fp64 + 2 fp32) bytes = 357.6 GiB
+    path = _config(tmp_path, max_position_embeddings=10**9)
+    assert main(["run", "--model", str(path), "--num-requests", "1"]) == 2
+    assert "weights needs 357.6 GiB but this machine has" in capsys.readouterr().err
 
 
 def test_kvpool_run_serves_a_config_json_with_random_weights(tmp_path, capsys):

@@ -60,6 +60,16 @@ def model_config(model: str | None, device: str) -> tuple[str, LlamaConfig, tupl
     return hf.name, hf.config, hf.ignored
 
 
+def _random_model(name: str, config: LlamaConfig, dtype, device: str):
+    """random_llama's model, refused in one line first when it does not fit the device (a
+    70B config on one GPU was an out-of-memory traceback halfway through the draw)."""
+    from kvpool.engine.memory import check_fits
+    from kvpool.models.hf_config import model_bytes, random_llama
+
+    check_fits(model_bytes(config, dtype), device, f"{name}'s random weights", "a smaller --model")
+    return random_llama(config, seed=0, dtype=dtype, device=device)
+
+
 def _free(device: str) -> None:
     """Give the memory of the models and engines dropped so far back to the device (the
     engine's graphs and runner hold reference cycles, so collect them first)."""
@@ -117,7 +127,6 @@ def engine_tpot(
 
     from kvpool.bench.gpu_baselines import _sync, plain_tpot, transformers_llama, transformers_tpot
     from kvpool.engine.sampling import SamplingParams
-    from kvpool.models.hf_config import random_llama
 
     shapes = GPU_SHAPES if device == "cuda" else CPU_SHAPES
     prompt_len = shapes[0] if prompt_len is None else prompt_len
@@ -126,7 +135,7 @@ def engine_tpot(
         raise ValueError(f"new_tokens must be at least 2 (a decode step after the first token), got {new_tokens}")
     name, config, ignored = model_config(model, device)
     progress(f"random {name} weights")
-    llama = random_llama(config, seed=0, dtype=dtype, device=device)
+    llama = _random_model(name, config, dtype, device)
     weight_bytes = llama.weight_bytes()
     copy_rate = _copy_rate(device)
     g = torch.Generator().manual_seed(0)
@@ -222,14 +231,13 @@ def prefill(
 
     from kvpool.bench.gpu_baselines import _sync, plain_prefill_s, transformers_llama
     from kvpool.engine.sampling import SamplingParams
-    from kvpool.models.hf_config import random_llama
 
     prompt_len = (GPU_SHAPES if device == "cuda" else CPU_SHAPES)[2] if prompt_len is None else prompt_len
     name, config, _ = model_config(model, device)
     if prompt_len + 1 > config.max_position:
         raise ValueError(f"a {prompt_len}-token prefill exceeds {name}'s {config.max_position} positions")
     progress(f"prefill of {prompt_len} tokens")
-    llama = random_llama(config, seed=0, dtype=dtype, device=device)
+    llama = _random_model(name, config, dtype, device)
     engine = _engine(llama, 1, prompt_len + 1, prompt_len, enable_prefix_caching=False)
     g = torch.Generator().manual_seed(1)
     times = []

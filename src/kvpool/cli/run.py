@@ -250,7 +250,8 @@ def config_engine(args: argparse.Namespace):
     tokenizer), no tiers."""
     from kvpool.cache import CacheDescriptor
     from kvpool.engine.build import build_engine
-    from kvpool.models.hf_config import llama_config, random_llama
+    from kvpool.engine.memory import check_fits
+    from kvpool.models.hf_config import llama_config, model_bytes, random_llama
 
     if host_cache_bytes(args) is not None or any(persistent_cache_options(args).values()):
         raise ValueError(
@@ -260,6 +261,7 @@ def config_engine(args: argparse.Namespace):
         raise ValueError(f"--model {args.model}: preemption swap and auto need the host tier; use recompute")
     hf = llama_config(args.model)
     dtype, device = model_placement(args)
+    check_fits(model_bytes(hf.config, dtype), device, f"--model {args.model}'s weights", "a smaller config.json")
     model = random_llama(hf.config, seed=args.seed, dtype=dtype, device=device)
     engine = build_engine(
         model,

@@ -13,6 +13,7 @@ transformers' LlamaForCausalLM names, so the same random model can be loaded the
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,10 +82,22 @@ def _parse(raw: dict[str, Any], where: str) -> LlamaConfig:
     head_dim = positive("head_dim") if head_dim is not None else hidden // num_heads
     if head_dim % 2:
         raise ValueError(f"{where}: head_dim {head_dim} must be even (rotate-half RoPE)")
-    rope_theta = float(raw.get("rope_theta", 10000.0))
-    eps = float(raw.get("rms_norm_eps", 1e-6))
-    if not rope_theta > 0 or not eps > 0:
-        raise ValueError(f"{where}: rope_theta {rope_theta} and rms_norm_eps {eps} must be positive")
+
+    def positive_number(key: str, default: float) -> float:
+        # a JSON number, finite (json reads 1e999 as inf: an inf RoPE base ran) and positive;
+        # a string or a list was float()'s bare message or a TypeError traceback
+        value = raw.get(key, default)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ValueError(f"{where}: {key} must be a number, got {value!r}")
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{where}: {key} must be finite and positive, got {value!r}")
+        return float(value)
+
+    rope_theta = positive_number("rope_theta", 10000.0)
+    eps = positive_number("rms_norm_eps", 1e-6)
+    tie = raw.get("tie_word_embeddings", False)
+    if not isinstance(tie, bool):  # bool("false") is True: a string tied an untied model
+        raise ValueError(f"{where}: tie_word_embeddings must be true or false, got {tie!r}")
     return LlamaConfig(
         num_layers=positive("num_hidden_layers"),
         hidden_size=hidden,
@@ -96,13 +109,30 @@ def _parse(raw: dict[str, Any], where: str) -> LlamaConfig:
         rms_norm_eps=eps,
         vocab_size=positive("vocab_size"),
         max_position=positive("max_position_embeddings", 2048),
-        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        tie_embeddings=tie,
     )
 
 
 def _ignored(raw: dict[str, Any]) -> tuple[str, ...]:
     scaling = raw.get("rope_scaling")
     return (f"rope_scaling {scaling.get('rope_type') or scaling.get('type')!r}",) if isinstance(scaling, dict) else ()
+
+
+def model_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:
+    """What `random_llama` allocates for `config`, to refuse a model too large for the device
+    before the first tensor is drawn (a config.json of 100 B parameters was a traceback from
+    the allocator, or the process killed as pages were touched): every weight in `dtype`,
+    the largest drawn in fp32 before its cast, and LlamaModel's RoPE tables (cos and sin
+    [max_position, head_dim], built in fp64, kept in fp32)."""
+    c = config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    embed = c.vocab_size * c.hidden_size
+    layer = [q * c.hidden_size, 2 * kv * c.hidden_size, q * c.hidden_size, 3 * c.intermediate_size * c.hidden_size]
+    elements = embed * (1 if c.tie_embeddings else 2) + c.hidden_size * (1 + 2 * c.num_layers)
+    elements += c.num_layers * sum(layer)
+    largest = max(embed, c.intermediate_size * c.hidden_size, q * c.hidden_size)
+    rope = c.max_position * c.head_dim * (2 * 8 + 2 * 4)
+    return elements * dtype.itemsize + largest * 4 + rope
 
 
 def random_tensors(
