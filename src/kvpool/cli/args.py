@@ -48,6 +48,12 @@ def non_negative_int(text: str) -> int:
     return parsed_number(text, int, lambda v: v >= 0, "an integer >= 0")
 
 
+def seed_int(text: str) -> int:
+    """A seed: an int in [0, 2**63), what torch's generators and `SamplingParams` take (a
+    larger one read "Overflow when unpacking long long", naming no flag)."""
+    return parsed_number(text, int, lambda v: 0 <= v < 2**63, "an integer in [0, 2**63)")
+
+
 def positive_float(text: str) -> float:
     """A finite float > 0 (GiB of memory): no nan, no inf."""
     return parsed_number(

@@ -56,6 +56,7 @@ from kvpool.cli.args import (
     positive_float,
     positive_int,
     rate,
+    seed_int,
     v4_kv_format,
 )
 from kvpool.cli.generate import _tensor_parallel, agree_across_ranks
@@ -150,9 +151,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--slo-tpot-ms", type=positive_float, default=200.0, help="goodput SLO: time per output token, ms"
     )
-    parser.add_argument(
-        "--seed", type=non_negative_int, default=0, help="seed of the workload, the arrivals and the sampler"
-    )
+    parser.add_argument("--seed", type=seed_int, default=0, help="seed of the workload, the arrivals and the sampler")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     add_engine_model_option(
         parser,
