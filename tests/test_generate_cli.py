@@ -89,6 +89,15 @@ def test_prompt_plus_max_tokens_beyond_the_context_is_refused(smollm2, capsys):
         (["hi", "--top-k", "-1"], "argument --top-k: expected an integer >= 0, got -1"),
         ([""], "argument prompt: the prompt is empty"),
         (["  \n"], "argument prompt: the prompt is empty"),
+        # (argv's bytes that are not UTF-8, as Python hands them over: a TypeError traceback from the tokenizer)
+        (
+            ["caf\udce9 au lait"],
+            "argument prompt: the prompt is not valid UTF-8 text (byte 0xe9 at character 3); give it in UTF-8",
+        ),
+        (
+            ["x\ud800"],
+            "argument prompt: the prompt is not valid UTF-8 text (U+D800, a lone surrogate, at character 1); give it in UTF-8",
+        ),
     ],
 )
 def test_bad_values_are_refused_at_parse_time(argv, message, capsys):

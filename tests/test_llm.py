@@ -183,3 +183,15 @@ def test_token_ids_of_any_integer_type_are_taken_and_others_named(llm):
         with pytest.raises(TypeError, match=re.escape(words)):
             llm.generate(bad, params)
     assert llm.engine.requests == {} and not llm.engine.has_unfinished()
+
+
+def test_a_lone_surrogate_in_a_prompt_is_a_value_error_naming_it(llm):
+    """ "\\ud800" (what json.loads makes of an escape, or argv of a byte that is not UTF-8)
+    reached the tokenizer, whose error named no prompt: "TypeError: TextEncodeInput must be
+    Union[...]". generate and chat now refuse it by character, nothing queued."""
+    words = "the text holds a lone surrogate ('\\udce9' at character 3), which is not Unicode text"
+    with pytest.raises(ValueError, match=re.escape(words)):
+        llm.generate(["fine", "caf\udce9"])
+    with pytest.raises(ValueError, match="the text holds a lone surrogate"):
+        llm.chat([{"role": "user", "content": "hi \ud800"}])
+    assert llm.engine.requests == {} and not llm.engine.has_unfinished()

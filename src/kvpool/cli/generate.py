@@ -40,6 +40,14 @@ GENERATE_BLOCK_SIZE = 16  # --block-size's default (tiny-dsv4 takes only it or i
 def _prompt(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("the prompt is empty")
+    try:  # argv carries bytes that are not UTF-8 as lone surrogates: the tokenizer raised a TypeError on them
+        text.encode()
+    except UnicodeEncodeError as error:
+        char = ord(text[error.start])
+        what = f"byte 0x{char - 0xDC00:02x}" if 0xDC80 <= char <= 0xDCFF else f"U+{char:04X}, a lone surrogate,"
+        raise argparse.ArgumentTypeError(
+            f"the prompt is not valid UTF-8 text ({what} at character {error.start}); give it in UTF-8"
+        ) from None
     return text
 
 

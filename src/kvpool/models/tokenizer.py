@@ -34,6 +34,13 @@ class ChatTokenizer:
     version: str  # part of the cache descriptor: a different tokenizer must never hit the cache
 
     def encode(self, text: str) -> list[int]:
+        try:  # (tokenizers raised "TypeError: TextEncodeInput must be Union[...]" on a lone surrogate)
+            text.encode()
+        except UnicodeEncodeError as error:
+            raise ValueError(
+                f"the text holds a lone surrogate ({text[error.start]!r} at character {error.start}), "
+                "which is not Unicode text"
+            ) from None
         # encode_batch releases the GIL (encode holds it): a server tokenizing a long prompt
         # on a worker thread keeps its event loop and engine thread running meanwhile
         ids = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
