@@ -96,7 +96,8 @@ def test_prompt_plus_max_tokens_beyond_the_context_is_refused(smollm2, capsys):
         ),
         (
             ["x\ud800"],
-            "argument prompt: the prompt is not valid UTF-8 text (U+D800, a lone surrogate, at character 1); give it in UTF-8",
+            "argument prompt: the prompt is not valid UTF-8 text (U+D800, a lone surrogate, at character 1); "
+            "give it in UTF-8",
         ),
     ],
 )
