@@ -80,6 +80,38 @@ def test_a_trace_with_a_generated_workloads_count_is_one_line(capsys, no_simulat
     assert f"head -n N {trace}" in line
 
 
+def test_a_trace_with_rates_is_one_line(capsys, no_simulating):
+    """Taken silently, --rate 1,2,4 ran the trace once, at its own times."""
+    from kvpool.workload.trace import sample_trace_path
+
+    assert main(["simulate", *LLAMA, "--trace", str(sample_trace_path()), "--rate", "1,2,4"]) == 2
+    line = _one_error_line(capsys)
+    assert line == "kvpool simulate: error: --rate with --trace: a trace replays its own arrival times, once"
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (
+            ["--prompt-len", "4096:8192"],
+            "--prompt-len shapes --workload uniform; --workload chat draws its own lengths",
+        ),
+        (
+            ["--workload", "agentic", "--output-len", "1:2"],
+            "--output-len shapes --workload uniform; --workload agentic",
+        ),
+        (["--trace", "{trace}", "--prompt-len", "1:2", "--output-len", "1:2"], "--prompt-len / --output-len shape"),
+    ],
+)
+def test_uniform_lengths_for_another_workload_are_one_line(capsys, no_simulating, flags, words):
+    """Taken silently, --prompt-len 4096:8192 left a chat run's lengths as chat draws them."""
+    from kvpool.workload.trace import sample_trace_path
+
+    argv = ["simulate", *LLAMA, *[f.format(trace=sample_trace_path()) for f in flags]]
+    assert main(argv) == 2
+    assert _one_error_line(capsys).startswith(f"kvpool simulate: error: {words}")
+
+
 def test_an_unwritable_plot_directory_is_one_line(tmp_path, capsys, no_simulating, monkeypatch):
     # (the tests may run as root, whom no mode bit stops: the check's own call says no)
     monkeypatch.setattr(os, "access", lambda path, mode: False)

@@ -84,6 +84,8 @@ SUMMARY_KEYS = (
 
 # the SLO attainment a sweep's cheapest deployment must reach where --slo-attainment is not given
 SLO_ATTAINMENT = 0.9
+# new sessions per second where --rate is not given
+RATE = 4.0
 
 
 def _list(parse):
@@ -173,14 +175,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--turns", type=positive_int, default=None, help="chat, agentic: turns per session (default: chat 4, agentic 8)"
     )
+    # (--rate, --prompt-len, --output-len default to None: a trace, or a workload they do not
+    # shape, must tell them given from their defaults; `_runs` and `sim_options` fill those in)
     parser.add_argument(
         "--rate",
         type=_list(rate),
-        default="4",
-        help="new sessions per second, Poisson (inf: all at once); a list (a trace keeps its own times)",
+        default=None,
+        help="new sessions per second, Poisson (inf: all at once); a list (not with --trace: it keeps its own times) "
+        "(default: 4)",
     )
-    parser.add_argument("--prompt-len", type=_range, default="128:2048", help="uniform: prompt tokens LO:HI")
-    parser.add_argument("--output-len", type=_range, default="64:512", help="uniform: output tokens LO:HI")
+    parser.add_argument(
+        "--prompt-len", type=_range, default=None, help="uniform: prompt tokens LO:HI (default: 128:2048)"
+    )
+    parser.add_argument(
+        "--output-len", type=_range, default=None, help="uniform: output tokens LO:HI (default: 64:512)"
+    )
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the workload and its arrivals")
     parser.add_argument(
         "--layout",
@@ -323,7 +332,7 @@ def _runs(args) -> list[dict]:
         raise ValueError(f"{'--model' if not models else '--gpu'}: an empty list")
     from kvpool.sim.deployment import grid
 
-    rates = (math.nan,) if args.trace else args.rate
+    rates = (math.nan,) if args.trace else args.rate or (RATE,)
     return grid(models, gpus, tps, args.layout or (None,), args.block_size, args.routing, rates)
 
 
@@ -334,8 +343,9 @@ def sim_options(args: argparse.Namespace) -> SimOptions:
     from kvpool.sim.deployment import SimOptions
 
     values = {field.name: getattr(args, field.name) for field in dataclasses.fields(SimOptions)}
-    if values["requests"] is None:  # (not given: None lets a trace tell a given --requests from the default)
-        values["requests"] = SimOptions.requests
+    for name in ("requests", "prompt_len", "output_len"):  # (not given: None tells one given from the default)
+        if values[name] is None:
+            values[name] = getattr(SimOptions, name)
     return SimOptions(**values)
 
 
@@ -430,6 +440,15 @@ def _check_trace_flags(args: argparse.Namespace) -> None:
                 f"{' / '.join(given)} with --trace: a trace replays every line, each a single request; to replay "
                 f"fewer, cut the file (head -n N {args.trace} > part.jsonl)"
             )
+        # (taken silently, --rate 1,2,4 ran the trace once at its own times)
+        if args.rate:
+            raise ValueError("--rate with --trace: a trace replays its own arrival times, once")
+    lengths = [f for f, v in (("--prompt-len", args.prompt_len), ("--output-len", args.output_len)) if v]
+    if lengths and (args.trace or args.workload != "uniform"):
+        # (taken silently, --prompt-len 4096:8192 left a chat run's lengths as they were)
+        source = "--trace: a trace gives each request's" if args.trace else f"--workload {args.workload} draws its own"
+        verb = "shapes" if len(lengths) == 1 else "shape"
+        raise ValueError(f"{' / '.join(lengths)} {verb} --workload uniform; {source} lengths")
 
 
 def _warn_beyond_max_position(args: argparse.Namespace, combos: list[dict]) -> None:
