@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -78,6 +79,24 @@ def test_a_trace_with_a_generated_workloads_count_is_one_line(capsys, no_simulat
     named = " / ".join(f for f in flags if f.startswith("--"))
     assert line.startswith(f"kvpool simulate: error: {named} with --trace: a trace replays every line"), line
     assert f"head -n N {trace}" in line
+
+
+@pytest.mark.parametrize("flag", ["--trace", "--calibration"])
+def test_a_sweep_out_file_that_is_its_input_is_one_line_and_the_input_stays(tmp_path, capsys, no_simulating, flag):
+    """--out naming the trace truncated it as the workers began to read it: the trace was lost."""
+    from kvpool.sim.gpufit import DATA_DIR, SHIPPED
+    from kvpool.workload.trace import sample_trace_path
+
+    source = sample_trace_path() if flag == "--trace" else os.path.join(DATA_DIR, SHIPPED["h200-issue31"])
+    given = tmp_path / "input.jsonl"
+    given.write_bytes(Path(source).read_bytes())
+    before = given.read_bytes()
+    out = str(tmp_path / "." / "input.jsonl")  # the same file by another spelling
+    assert main(["simulate", "sweep", *LLAMA, flag, str(given), "--jobs", "1", "--out", out]) == 2
+    assert _one_error_line(capsys) == (
+        f"kvpool simulate: error: --out {out!r} is the {flag} file: the sweep would overwrite its input"
+    )
+    assert given.read_bytes() == before
 
 
 def test_a_trace_with_rates_is_one_line(capsys, no_simulating):

@@ -367,6 +367,11 @@ def _check_output_paths(args) -> None:
         if os.path.exists(args.out) and not os.access(args.out, os.W_OK):
             # (the sweep opens it once its points run: a PermissionError there was a traceback)
             raise ValueError(f"--out {args.out!r}: the file exists and is not writable")
+        for flag, given in (("--trace", args.trace), ("--calibration", args.calibration)):
+            # (the sweep truncates --out as its workers start reading their input: --out naming the
+            # trace emptied it, and the runs failed on "the trace has no requests")
+            if given and os.path.exists(given) and os.path.samefile(given, args.out):
+                raise ValueError(f"--out {args.out!r} is the {flag} file: the sweep would overwrite its input")
 
 
 def _one(options: SimOptions, combo: dict) -> dict:
