@@ -336,6 +336,34 @@ def test_shared_hash_ids_share_tokens_and_different_ids_differ(tmp_path):
     assert a[:8] == text_ids("hash7", 8, VOCAB) and b[16:] == text_ids("hash5", 8, VOCAB)[:6]  # the last block cut
 
 
+def test_a_hash_id_is_made_only_as_long_as_a_line_uses_it(tmp_path, monkeypatch):
+    """A block used only as a line's last is made to its longest head, not block_size tokens:
+    --trace-block-size 20000000 made 20M tokens (37 s, 0.7 GB) for a 5-token prompt."""
+    from kvpool.workload import trace as trace_module
+
+    made: list[list[int]] = []
+
+    def recorded(names, lens, vocab_size):
+        made.append(list(lens))
+        assert sum(lens) <= 10**6, lens  # (not 10**9 tokens made to find out)
+        return batch_text_ids(names, lens, vocab_size)
+
+    monkeypatch.setattr(trace_module, "batch_text_ids", recorded)
+    path = write_trace(
+        tmp_path,
+        {"timestamp": 0.0, "hash_ids": [3], "input_length": 5, "output_length": 1},
+        {"timestamp": 1.0, "hash_ids": [3, 4], "input_length": 1002, "output_length": 1},
+        {"timestamp": 2.0, "hash_ids": [4], "input_length": 7, "output_length": 1},
+    )
+    a, b, c = (s.prompt_ids(0, VOCAB) for s in load_trace(path, VOCAB, block_size=1000).sessions)
+    assert made == [[1000, 7]]  # 3: a full block in line 2; 4: at most 7 tokens of it
+    assert a == text_ids("hash3", 5, VOCAB) and c == text_ids("hash4", 7, VOCAB)
+    assert b == text_ids("hash3", 1000, VOCAB) + text_ids("hash4", 2, VOCAB)
+    path = write_trace(tmp_path, {**GOOD, "hash_ids": [9], "input_length": 5})
+    (one,) = load_trace(path, VOCAB, block_size=10**9).sessions
+    assert one.prompt_ids(0, VOCAB) == text_ids("hash9", 5, VOCAB) and made[-1] == [5]
+
+
 def test_trace_times_sessions_and_order(tmp_path):
     path = write_trace(
         tmp_path,
