@@ -127,3 +127,16 @@ def test_limit_model_len_caps_the_runner_and_refuses_more_than_it_holds():
     engine.runner.max_model_len = 1
     with pytest.raises(ValueError, match=r"^a context of 1 token serves no request .*: give a larger --num-blocks"):
         limit_model_len(engine, None)
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_before_anything_is_served():
+    """A long prompt over the context failed at its arrival, after the run had served the
+    other requests until then (`kvpool run --kv-memory 32MiB`: 10 s in, no report; at a low
+    --request-rate, minutes): every prompt known at the start is checked at the start."""
+    engine, vocab_size = _tiny_v4(False)
+    limit_model_len(engine, 500)  # the 320-token first turns fit; the 700-token long prompt does not
+    rng = random.Random(0)
+    workload = live_token_ids(vocab_size, 2, 1, rng)
+    with pytest.raises(ValueError, match=r"^request 'long0': prompt of 700 tokens is too long; at most 499 tokens fit"):
+        serve_live(engine, workload, SamplingParams(max_tokens=4), turns=2, request_rate=1.0, rng=rng)
+    assert engine.num_steps == 0 and not engine.has_unfinished() and engine.requests == {}

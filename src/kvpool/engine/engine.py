@@ -407,7 +407,7 @@ class Engine:
         elif len(prompt.packed) != TOKEN_BYTES * len(ids):  # (a handed-over list taken once and grown since)
             raise ValueError(f"request {request_id!r}: the packed prompt is not the packing of its token ids")
         self._check_shape(len(ids), prompt.mm_items, request_id)
-        self._check_length(len(ids), request_id)
+        self.check_length(len(ids), request_id)
         vocab = self.runner.vocab_size
         data = np.frombuffer(prompt.packed, dtype="<u4")  # (not empty: _check_shape)
         if int(data.max()) >= vocab:  # (packed: ids in [0, 2**32))
@@ -430,7 +430,7 @@ class Engine:
         vocab = self.runner.vocab_size
         return ValueError(f"request {request_id!r}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
 
-    def _check_length(self, num_tokens: int, request_id: str) -> None:
+    def check_length(self, num_tokens: int, request_id: str) -> None:
         """ValueError (the request's id named) for a prompt of `num_tokens` that leaves no room
         for one output token within max_model_len."""
         limit = self.runner.max_model_len
@@ -462,7 +462,7 @@ class Engine:
         if type(total) is not int:
             prompt = list(map(int, prompt))
             packed, hashes = None, {}  # (its list held other ids than ints: packed anew)
-        self._check_length(len(prompt), request_id)
+        self.check_length(len(prompt), request_id)
         vocab = self.runner.vocab_size
         stale = False
         data = b""

@@ -74,6 +74,11 @@ def serve_live(
     if any(conv.turn for conv in workload.conversations):
         raise ValueError("this workload's conversations were served already (follow-ups spent): make a new one")
     pending = workload.first_requests(request_rate, rng)
+    # Every prompt known now is checked now: one too long for the context failed at its
+    # arrival, after the run had served the others until then (`kvpool run --kv-memory 32MiB`:
+    # 10 s, and minutes at a low --request-rate), and the run ended with no report
+    for item in pending:
+        engine.check_length(len(item.prompt_ids), item.request_id)
     conversation_of = {request_id(c, 0): c for c in range(len(workload.conversations))}
     runner = engine.runner
     fragmentation: list[float] = []
