@@ -132,6 +132,19 @@ def test_a_block_size_tiny_dsv4_cannot_take_is_refused_by_name(capsys, command):
     )
 
 
+def test_v4_turn_ends_are_off_without_prefix_caching(capsys):
+    """A kept turn-end state is found as a prefix hit: without prefix caching none is kept,
+    yet the report said "v4_turn_ends": true; given explicitly, the pair is refused."""
+    assert main(["run", "--model", "tiny-dsv4", "--no-enable-prefix-caching", "--v4-turn-ends"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "kvpool run: error: --v4-turn-ends with --no-enable-prefix-caching: a turn-end state is found as a prefix hit"
+    )
+    small = ("--num-requests", "1", "--max-tokens", "1", "--num-long", "0", "--request-rate", "inf")
+    report = _run_json(capsys, "--model", "tiny-dsv4", *small, "--no-enable-prefix-caching")
+    assert (report["v4_turn_ends"], report["state_adoptions"], report["prefix_hit_tokens"]) == (False, 0, 0)
+
+
 def test_run_smollm2_report_follows_its_definitions(capsys):
     report = _run_json(
         capsys,

@@ -467,6 +467,9 @@ def check_v4_turn_ends(args: argparse.Namespace) -> None:
     """ValueError for --v4-turn-ends / --no-v4-turn-ends on a model without V4's dual pool."""
     if getattr(args, "v4_turn_ends", None) is not None and getattr(args, "model", None) != "tiny-dsv4":
         raise ValueError("--v4-turn-ends / --no-v4-turn-ends: only tiny-dsv4 (DeepSeek-V4) keeps turn-end states")
+    if getattr(args, "v4_turn_ends", None) and getattr(args, "enable_prefix_caching", True) is False:
+        # (a kept state is found as a prefix hit: without caching none is kept, yet the report said on)
+        raise ValueError("--v4-turn-ends with --no-enable-prefix-caching: a turn-end state is found as a prefix hit")
 
 
 class EngineFlags(NamedTuple):

@@ -291,11 +291,13 @@ def v4_turn_end_report(cache: Any) -> dict[str, object]:
     """V4's dual pool (tiny-dsv4): whether finished turns keep their state blocks
     (v4_turn_ends) and how many admissions adopted one (state_adoptions), the keys
     `kvpool simulate` reports; {} for a cache without a dual-pool group (the groups that
-    count adoptions: the coordinator's `dual_groups`, cache/dual_pool.py)."""
+    count adoptions: the coordinator's `dual_groups`, cache/dual_pool.py). Without prefix
+    caching no state is kept (a kept state is found as a prefix hit): off."""
     duals = cache.dual_groups
     if not duals:
         return {}
-    return {"v4_turn_ends": cache.turn_end_checkpoints, "state_adoptions": sum(g.num_adoptions for g in duals)}
+    kept = cache.turn_end_checkpoints and cache.enable_prefix_caching
+    return {"v4_turn_ends": kept, "state_adoptions": sum(g.num_adoptions for g in duals)}
 
 
 def cpu_load() -> float | None:
