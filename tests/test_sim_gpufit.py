@@ -200,3 +200,33 @@ def test_calibrates_counts_are_checked_by_the_parser(flag, value, capsys) -> Non
     assert stop.value.code == 2
     err = capsys.readouterr().err.splitlines()[-1]
     assert err == f"python3 -m kvpool.sim.calibrate: error: argument {flag}: expected a positive integer, got {value!r}"
+
+
+def test_calibrate_ctrl_c_is_one_line_and_torch_loads_inside_it(monkeypatch, capsys) -> None:
+    """A Ctrl-C printed a traceback (status -2), in the measurement or in `import torch`, which
+    the module did at its top: seconds before main could catch anything."""
+    import subprocess
+    import sys
+
+    import kvpool.sim.calibrate as calibrate_module
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(calibrate_module, "calibrate_processes", interrupted)
+    try:
+        with pytest.raises(SystemExit) as stop:
+            calibrate_main(["--processes", "2"])
+    except KeyboardInterrupt:
+        pytest.fail("the Ctrl-C left main as a traceback")
+    assert stop.value.code == 130
+    assert capsys.readouterr().err == "python3 -m kvpool.sim.calibrate: interrupted\n"
+    probe = "import sys, kvpool.sim.calibrate; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
+def test_a_calibration_file_that_is_not_text_is_named(tmp_path) -> None:
+    path = tmp_path / "run.json"
+    path.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: not UTF-8 text \(invalid start byte at byte 0\)$"):
+        load_run(str(path))

@@ -34,8 +34,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
-import torch
-
 MIB = 1 << 20
 MATMUL_SHAPES: dict[str, tuple[int, int, int]] = {
     "smollm2_step_256x576x1536": (256, 576, 1536),  # (M, K, N)
@@ -59,6 +57,8 @@ def best_seconds(fn: Callable[[], object], repeats: int, inner: int = 1) -> floa
 
 def read_bandwidth(buffer_mib: int = 512, repeats: int = 20) -> float:
     """Bytes per second that `torch.sum` streams from memory over a `buffer_mib` fp32 tensor."""
+    import torch  # (here, not at the top: a Ctrl-C in its seconds of import is one line)
+
     if buffer_mib <= 0:
         raise ValueError(f"buffer_mib must be positive, got {buffer_mib}")
     x = torch.ones(buffer_mib * MIB // 4, dtype=torch.float32)  # [buffer_mib MiB / 4 B] fp32
@@ -68,6 +68,8 @@ def read_bandwidth(buffer_mib: int = 512, repeats: int = 20) -> float:
 def matmul_flops(m: int, k: int, n: int, repeats: int = 20) -> float:
     """fp32 FLOPs per second of [m x k] @ [k x n]; small products are timed in batches of
     calls so that one timing lasts ~10 ms or more."""
+    import torch
+
     a = torch.randn(m, k, dtype=torch.float32)  # [m, k]
     b = torch.randn(k, n, dtype=torch.float32)  # [k, n]
     flops = 2 * m * k * n
@@ -76,6 +78,8 @@ def matmul_flops(m: int, k: int, n: int, repeats: int = 20) -> float:
 
 
 def calibrate(buffer_mib: int = 512, repeats: int = 20) -> dict[str, object]:
+    import torch
+
     return {
         "machine": f"{platform.machine()} {platform.processor() or platform.platform()}, {os.cpu_count()} CPUs",
         "torch": torch.__version__,
@@ -318,6 +322,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--json", action="store_true", help="--fit: the fit as one JSON object")
     args = parser.parse_args(argv)
+    try:
+        _run(parser, args)
+    except KeyboardInterrupt:  # (a traceback was all a Ctrl-C printed, status -2)
+        print(f"{parser.prog}: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.fit is not None:
         from kvpool.sim.gpufit import format_fit, load_fit
 

@@ -168,6 +168,8 @@ def load_run(name_or_path: str) -> MeasuredRun:
             data = json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not JSON ({e})") from None
+    except UnicodeDecodeError as e:  # (its message named no file)
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
     for key in ("gpu", "model", "measurements"):
