@@ -99,6 +99,18 @@ def test_a_sweep_out_file_that_is_its_input_is_one_line_and_the_input_stays(tmp_
     assert given.read_bytes() == before
 
 
+def test_a_sweep_of_a_trace_writes_a_new_out_file(tmp_path, capsys):
+    """The check above must not stop the common case: --out a file that does not exist yet
+    (os.path.samefile of a missing file raised FileNotFoundError, shown as the error)."""
+    from kvpool.workload.trace import sample_trace_path
+
+    out = tmp_path / "runs.jsonl"
+    argv = ["simulate", "sweep", *LLAMA, "--trace", str(sample_trace_path()), "--jobs", "1", "--out", str(out)]
+    assert main(argv) == 0
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert (row["workload"], row["request_rate"], row["num_requests"]) == ("trace", "trace", 39)
+
+
 def test_a_trace_with_rates_is_one_line(capsys, no_simulating):
     """Taken silently, --rate 1,2,4 ran the trace once, at its own times."""
     from kvpool.workload.trace import sample_trace_path

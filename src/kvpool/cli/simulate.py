@@ -370,7 +370,7 @@ def _check_output_paths(args) -> None:
         for flag, given in (("--trace", args.trace), ("--calibration", args.calibration)):
             # (the sweep truncates --out as its workers start reading their input: --out naming the
             # trace emptied it, and the runs failed on "the trace has no requests")
-            if given and os.path.exists(given) and os.path.samefile(given, args.out):
+            if given and os.path.exists(given) and os.path.exists(args.out) and os.path.samefile(given, args.out):
                 raise ValueError(f"--out {args.out!r} is the {flag} file: the sweep would overwrite its input")
 
 
