@@ -308,3 +308,31 @@ def test_bench_sim_refuses_negative_counts_and_seeds_as_kvpool_run_does(flag, va
         main(["bench", "sim", flag, value])
     assert stop.value.code == 2
     assert f"argument {flag}: expected an integer >= 0, got -" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["run", "sweep"])
+def test_an_infinite_rate_is_written_as_json_can_read_it(mode, tmp_path, capsys):
+    """--rate inf wrote "rate": Infinity into workload_params: no JSON (JSON.parse, Go and a
+    strict Python reader refuse it); request_rate was already the string "inf"."""
+
+    def refuse(constant: str):
+        raise AssertionError(f"{constant} is no JSON")
+
+    flags = [
+        "--workload",
+        "uniform",
+        "--requests",
+        "2",
+        "--prompt-len",
+        "10:20",
+        "--output-len",
+        "2:3",
+        "--rate",
+        "inf",
+    ]
+    out = tmp_path / "runs.jsonl"
+    extra = ["--json"] if mode == "run" else ["--jobs", "1", "--out", str(out)]
+    assert main(["simulate", *([mode] if mode == "sweep" else []), *LLAMA, *flags, *extra]) == 0
+    text = capsys.readouterr().out if mode == "run" else out.read_text()
+    report = json.loads(text.splitlines()[0], parse_constant=refuse)
+    assert report["workload_params"]["rate"] == report["request_rate"] == "inf"

@@ -271,7 +271,9 @@ def simulate_deployment(
     rate = point["rate"]
     report["workload"] = "trace" if options.trace else options.workload
     report["request_rate"] = "trace" if options.trace else rate if math.isfinite(rate) else "inf"
-    report["workload_params"] = workload.params
+    # (an inf rate is "inf", as request_rate's: json.dumps wrote Infinity, which is no JSON and
+    # which JSON.parse, Go's encoding/json and Python's strict readers refuse)
+    report["workload_params"] = {k: "inf" if v == math.inf else v for k, v in workload.params.items()}
     report["cost_model"]["calibration"] = options.calibration  # None: the GPU defaults
     return report
 
