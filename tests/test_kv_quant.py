@@ -476,6 +476,28 @@ def test_kvpool_bench_kv_quant_prints_what_it_measured() -> None:
     assert proc.returncode == 2 and "--paths: unknown path 'gpu'" in proc.stderr.strip().splitlines()[-1]
 
 
+def test_bench_kv_quant_refuses_a_pool_past_the_machine_before_building_it(capsys) -> None:
+    """pool_bytes_needed is what measure's storages hold (codes, scales, scratch; fp32 pools),
+    plus the fp32 K / V it writes and the slot ids; a pool past the machine's memory is one
+    line (it was minutes listing slot ids, then the allocator's traceback)."""
+    from kvpool.bench.kv_quant import pool_bytes_needed
+    from kvpool.cli.main import main
+    from kvpool.storage.kv import QuantizedKVStorage
+
+    layers, blocks, bs, kvh, d = 3, 10, 16, 3, 64
+    written = blocks * (2 * bs * kvh * d * 4 + bs * 8)  # one layer's fp32 K and V, and the int64 slot ids
+    for name in ("int8", "fp8_e4m3", "kivi4-g8-r16", "bf16"):
+        s = QuantizedKVStorage(layers, blocks, bs, kvh, d, kv_schema(name))
+        held = s.num_bytes + s.scratch_k.nbytes + s.scratch_v.nbytes
+        assert pool_bytes_needed([name], layers, blocks, bs, kvh, d) == held + written
+    fp32 = layers * blocks * 2 * bs * kvh * d * 4
+    assert pool_bytes_needed(["int8", "fp32"], layers, blocks, bs, kvh, d) == fp32 + written
+    assert main(["bench", "kv-quant", "--batch", "100", "--context", "100000000", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvpool bench kv-quant: error: --batch 100 x --context 100000000 over --layers 3 needs ")
+    assert err.endswith("lower --batch, --context or --layers\n") and err.count("\n") == 1, err
+
+
 def test_quantized_blocks_never_meet_the_tiers_or_another_format(model, fp64_model) -> None:
     from kvpool.engine.build import descriptor_for
     from kvpool.tiers import HostTier

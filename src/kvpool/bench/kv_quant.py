@@ -40,6 +40,7 @@ def measure(
     import torch
 
     from kvpool.attention.paged import plan_step
+    from kvpool.engine.memory import check_fits
     from kvpool.kernels import cpu_kernels
     from kvpool.storage.kv import QuantizedKVStorage, SeqSpan
     from kvpool.storage.quant import kv_schema
@@ -57,6 +58,14 @@ def measure(
     heads, kvh, d, bs = 9, 3, 64, block_size
     nb_seq = -(-context // bs)
     num_blocks = batch * nb_seq
+    for name in formats:
+        kv_schema(name).check(bs, d)  # a KIVI residual that does not divide the block: named first
+    check_fits(
+        pool_bytes_needed(formats, layers, num_blocks, bs, kvh, d),
+        "cpu",
+        f"--batch {batch} x --context {context} over --layers {layers}",
+        "lower --batch, --context or --layers",
+    )
     g = torch.Generator().manual_seed(seed)
     order = torch.randperm(num_blocks, generator=g).tolist()
     tables = [order[i * nb_seq : (i + 1) * nb_seq] for i in range(batch)]
@@ -138,6 +147,29 @@ def measure(
         "formats": results,
     }
     return report
+
+
+def pool_bytes_needed(
+    formats: Sequence[str], layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int
+) -> int:
+    """The memory `measure` holds at its peak: the largest format's pools (fp32: K and V of
+    every layer; a quantized format: its codes and scales, and its dequantization scratch,
+    one fp32 layer), one fp32 layer of random K and V written into them, and the slot ids
+    (int64). A pool past the machine's memory was the allocator's traceback, after minutes
+    spent listing 10^10 slot ids in Python."""
+    from kvpool.storage.kv import QuantizedKVStorage
+    from kvpool.storage.quant import kv_schema
+
+    layer_fp32 = 2 * block_size * kv_heads * head_dim * 4  # a block's K and V of one layer, fp32
+    largest = 0
+    for name in formats:
+        if name == "fp32":
+            pool = layers * layer_fp32
+        else:
+            fmt = kv_schema(name)
+            pool = QuantizedKVStorage.block_bytes(layers, block_size, kv_heads, head_dim, fmt) + layer_fp32
+        largest = max(largest, pool)
+    return num_blocks * (largest + layer_fp32 + block_size * 8)
 
 
 def _caller(name, path, storage, k_pools, v_pools, plan, read, q, scale, kernels):
