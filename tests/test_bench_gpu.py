@@ -167,6 +167,25 @@ def _counting_plans(monkeypatch) -> tuple[list[int], list[int]]:
     return planned, inside
 
 
+def test_a_model_or_host_shape_past_the_machine_is_refused_before_it_is_built(capsys, monkeypatch):
+    """One line each, before the first tensor: were the allocator's tracebacks (a 70B model's
+    random weights; a host part whose RoPE tables and logits cover 10^12 positions). The
+    machine is given 8 GiB, so that one with more memory does not start building 70B."""
+    from kvpool.engine import memory
+
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda device: 8 << 30)
+    for argv, needle in (
+        (["--model", "llama-3.1-70b", "--parts", "engine"], "llama-3.1-70b with random weights needs "),
+        (
+            ["--context", "999999999999", "--parts", "host"],
+            "the host part's --batch 128 x --context 999999999999 needs ",
+        ),
+    ):
+        assert main(["bench", "gpu", *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith(f"kvpool bench gpu: error: {needle}") and "has 8.0 GiB of memory available" in err, err
+
+
 def test_the_attention_figures_time_the_attention_over_a_plan_made_before(monkeypatch):
     from kvpool.bench import gpu
 

@@ -153,12 +153,12 @@ def test_a_config_too_large_for_the_machine_is_refused_before_allocating(tmp_pat
     path = _config(tmp_path, hidden_size=16384, intermediate_size=65536, num_hidden_layers=100, vocab_size=200_000)
     assert main(["run", "--model", str(path), "--num-requests", "1"]) == 2
     err = capsys.readouterr().err.splitlines()[-1]  # after the progress line "loading the model"
-    assert err.startswith(f"kvpool run: error: --model {path}'s weights needs "), err
+    assert err.startswith(f"kvpool run: error: --model {path} with random weights needs "), err
     assert "GiB of memory available; a smaller config.json" in err
     # RoPE tables of 10^9 positions: 10^9 x 16 dims x (2 fp64 + 2 fp32) bytes = 357.6 GiB
     path = _config(tmp_path, max_position_embeddings=10**9)
     assert main(["run", "--model", str(path), "--num-requests", "1"]) == 2
-    assert "weights needs 357.6 GiB but this machine has" in capsys.readouterr().err
+    assert "with random weights needs 357.6 GiB but this machine has" in capsys.readouterr().err
 
 
 def test_kvpool_run_serves_a_config_json_with_random_weights(tmp_path, capsys):

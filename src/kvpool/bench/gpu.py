@@ -143,13 +143,24 @@ def _host_engine(batch: int, context: int, num_steps: int, block_size: int, devi
     from kvpool.cache import CacheDescriptor
     from kvpool.engine.engine import Engine
     from kvpool.engine.llama_runner import llama_runner
+    from kvpool.engine.memory import check_fits
     from kvpool.models.gguf import LlamaConfig
-    from kvpool.models.hf_config import random_llama
+    from kvpool.models.hf_config import model_bytes, random_llama
 
     config = LlamaConfig(2, 64, 128, 4, 2, 16, 10000.0, 1e-5, 512, context + num_steps + 8, True)
-    model = random_llama(config, seed=0, dtype=torch.float32, device=device)
     blocks_per_seq = -(-(context + num_steps + 2) // block_size)
     num_blocks = batch * blocks_per_seq + 1
+    # refused in one line before the first tensor (a --context of 10^12 was the allocator's
+    # traceback): the model with its RoPE tables, the fp32 pool, the fixed logits; at least
+    # (the step buffers come on top)
+    pool_bytes = num_blocks * block_size * config.num_layers * 2 * config.num_kv_heads * config.head_dim * 4
+    check_fits(
+        model_bytes(config, torch.float32) + pool_bytes + batch * context * HOST_VOCAB * 4,
+        device,
+        f"the host part's --batch {batch} x --context {context}",
+        "lower --batch or --context",
+    )
+    model = random_llama(config, seed=0, dtype=torch.float32, device=device)
     # the engine's decode path without the model: the static step buffers (what a CUDA
     # graph reads) and DecodeGraphs' padding, its decode step (a replay on a GPU) fixed logits.
     # Not build_engine: it derives the decode mode and batched sampling from the device

@@ -66,7 +66,7 @@ def _random_model(name: str, config: LlamaConfig, dtype, device: str):
     from kvpool.engine.memory import check_fits
     from kvpool.models.hf_config import model_bytes, random_llama
 
-    check_fits(model_bytes(config, dtype), device, f"{name}'s random weights", "a smaller --model")
+    check_fits(model_bytes(config, dtype), device, f"{name} with random weights", "a smaller --model")
     return random_llama(config, seed=0, dtype=dtype, device=device)
 
 

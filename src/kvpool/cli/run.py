@@ -260,7 +260,9 @@ def config_engine(args: argparse.Namespace):
         raise ValueError(f"--model {args.model}: preemption swap and auto need the host tier; use recompute")
     hf = llama_config(args.model)
     dtype, device = model_placement(args)
-    check_fits(model_bytes(hf.config, dtype), device, f"--model {args.model}'s weights", "a smaller config.json")
+    check_fits(
+        model_bytes(hf.config, dtype), device, f"--model {args.model} with random weights", "a smaller config.json"
+    )
     model = random_llama(hf.config, seed=args.seed, dtype=dtype, device=device)
     engine = build_engine(
         model,
