@@ -336,3 +336,12 @@ def test_an_infinite_rate_is_written_as_json_can_read_it(mode, tmp_path, capsys)
     text = capsys.readouterr().out if mode == "run" else out.read_text()
     report = json.loads(text.splitlines()[0], parse_constant=refuse)
     assert report["workload_params"]["rate"] == report["request_rate"] == "inf"
+
+
+@pytest.mark.parametrize("flag", ["--trace", "--plot", "--out"])
+def test_an_empty_path_is_one_line(flag, capsys, no_simulating):
+    """--trace "$TRACE" with TRACE unset simulated the chat workload, silently; --plot "" drew
+    nothing and sweep --out "" printed to stdout."""
+    mode = ["sweep", "--jobs", "1"] if flag == "--out" else []
+    assert main(["simulate", *mode, *LLAMA, flag, ""]) == 2
+    assert _one_error_line(capsys) == f"kvpool simulate: error: {flag}: an empty path ('')"

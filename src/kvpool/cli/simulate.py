@@ -432,6 +432,15 @@ def _check_sweep_flags(args: argparse.Namespace) -> None:
                 raise ValueError(f"{flag} is a flag of `kvpool simulate sweep`; one run (kvpool simulate) takes none")
 
 
+def _check_paths_given(args: argparse.Namespace) -> None:
+    """ValueError for an empty path: `--trace "$TRACE"` with TRACE unset simulated the chat
+    workload instead, `--plot ""` drew nothing and `--out ""` printed to stdout, all silently
+    (an empty string reads as not given)."""
+    for flag, value in (("--trace", args.trace), ("--plot", args.plot), ("--out", args.out)):
+        if value is not None and not value.strip():
+            raise ValueError(f"{flag}: an empty path ({value!r})")
+
+
 def _check_trace_flags(args: argparse.Namespace) -> None:
     """ValueError for a flag that shapes a generated workload given with --trace, which
     replays its own lines (taken silently, --requests 1000 of a 23,000-line trace ran all
@@ -476,6 +485,7 @@ def _warn_beyond_max_position(args: argparse.Namespace, combos: list[dict]) -> N
 def run(args: argparse.Namespace) -> int:
     from kvpool.sim.deployment import public
 
+    _check_paths_given(args)
     _check_trace_flags(args)
     _check_output_paths(args)
     _check_sweep_flags(args)
