@@ -127,3 +127,19 @@ def test_bench_dsv4_timing_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "dsv4", "--contexts", "130", "--steps", "2", "--repeats", "1", "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)["tiny_decode_timing"]
     assert row["context"] == 130 and row["paged_ms_per_step"] > 0 and row["oracle_ms_per_step"] > 0
+
+
+def test_bench_dsv4_bad_flags_are_argparse_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    """As every other bench's: status 2 and "kvpool bench dsv4: error: argument ..." (they were
+    a bare line with status 1, and '64,' passed as [64])."""
+    for argv, message in (
+        (["--contexts", "1,2x"], "argument --contexts: expected a positive integer, got '2x'"),
+        (["--contexts", "0"], "argument --contexts: expected a positive integer, got 0"),
+        (["--contexts", "64,"], "argument --contexts: an empty entry in '64,'"),
+        (["--steps", "0"], "argument --steps: expected a positive integer, got 0"),
+        (["--repeats", "-1"], "argument --repeats: expected a positive integer, got -1"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            main(["bench", "dsv4", *argv, "--json"])
+        assert e.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == f"kvpool bench dsv4: error: {message}"

@@ -6,24 +6,26 @@ from __future__ import annotations
 import argparse
 
 from kvpool.bench.dsv4 import measure
+from kvpool.cli.args import comma_list, positive_int
 from kvpool.cli.bench import call_with_flags, printed_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--contexts", default="128,512,1024", help="comma-separated context lengths for the timing")
-    parser.add_argument("--steps", type=int, default=16, help="decode steps timed per context")
-    parser.add_argument("--repeats", type=int, default=3, help="median of this many runs")
+    # argparse types, as the other benches': a bad value is "kvpool bench dsv4: error: argument
+    # ..." with status 2 (it was a bare SystemExit line with status 1)
+    parser.add_argument(
+        "--contexts",
+        type=comma_list(positive_int),
+        default=(128, 512, 1024),
+        help="comma-separated context lengths for the timing",
+    )
+    parser.add_argument("--steps", type=positive_int, default=16, help="decode steps timed per context")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="median of this many runs")
     parser.add_argument("--no-timing", action="store_true", help="print the byte accounting only")
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
-    except ValueError:
-        raise SystemExit(f"--contexts must be comma-separated integers, got {args.contexts!r}") from None
-    if any(c <= 0 for c in contexts) or args.steps <= 0 or args.repeats <= 0:
-        raise SystemExit("--contexts, --steps and --repeats must be positive")
-    result = call_with_flags(measure, args, contexts=contexts, timing=not args.no_timing)
+    result = call_with_flags(measure, args, contexts=list(args.contexts), timing=not args.no_timing)
     if printed_json(args, result):
         return 0
     bytes_, timing = result["bytes"], result["tiny_decode_timing"]
