@@ -345,3 +345,24 @@ def test_an_empty_path_is_one_line(flag, capsys, no_simulating):
     mode = ["sweep", "--jobs", "1"] if flag == "--out" else []
     assert main(["simulate", *mode, *LLAMA, flag, ""]) == 2
     assert _one_error_line(capsys) == f"kvpool simulate: error: {flag}: an empty path ('')"
+
+
+@pytest.mark.parametrize(
+    ("flags", "line"),
+    [
+        (["--load-cap", "0.5"], "kvpool simulate: error: argument --load-cap: expected a number >= 1, got '0.5'"),
+        (
+            ["--model", "deepseek-v4-flash", "--v4-restore", "checkpoint", "--v4-checkpoints", "0"],
+            "kvpool simulate: error: --v4-restore checkpoint with --v4-checkpoints 0: no slot to keep a checkpoint in",
+        ),
+    ],
+)
+def test_a_bad_value_names_its_flag(flags, line, capsys, no_simulating):
+    """These named the simulator's field instead ('load_cap must be >= 1', "restore='checkpoint'
+    needs num_checkpoints > 0")."""
+    try:
+        code = main(["simulate", "--requests", "2", *flags])
+    except SystemExit as stop:
+        code = stop.code
+    assert code == 2
+    assert _one_error_line(capsys).startswith(line)

@@ -124,6 +124,11 @@ def _milliseconds(text: str) -> float:
     return parsed_number(text, float, lambda v: math.isfinite(v) and v >= 0, "a number of ms >= 0")
 
 
+def _load_cap(text: str) -> float:
+    """A finite factor >= 1 (0.5 was 'load_cap must be >= 1', naming no flag)."""
+    return parsed_number(text, float, lambda v: math.isfinite(v) and v >= 1, "a number >= 1")
+
+
 def _range(text: str) -> tuple[int, int]:
     try:
         lo, hi = (int(x) for x in text.split(":"))
@@ -237,7 +242,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--routing", type=comma_choices(ROUTINGS), default="round-robin", help=f"{', '.join(ROUTINGS)}; a list"
     )
-    parser.add_argument("--load-cap", type=positive_float, default=1.5, help="prefix-aware: load cap x the least load")
+    parser.add_argument(
+        "--load-cap", type=_load_cap, default=1.5, help="prefix-aware: load cap x the least load (>= 1)"
+    )
     add_option(parser, MAX_NUM_SEQS, default=256)
     add_option(parser, MAX_NUM_BATCHED_TOKENS, default=8192)
     add_option(parser, MAX_MODEL_LEN, default=None, note="default: the longest request")

@@ -208,6 +208,12 @@ def deployment_of(options: SimOptions, point: dict[str, Any]) -> PlannedDeployme
     for flag in ("kv_transfer_bandwidth", "kv_transfer_latency_ms"):
         if getattr(options, flag) is not None and not options.prefill_replicas:
             raise ValueError(f"--{flag.replace('_', '-')}: the KV link of P/D; it needs --prefill-replicas")
+    if options.v4_restore == "checkpoint" and options.v4_checkpoints == 0:
+        # (the dual pool's own words named no flag: "restore='checkpoint' needs num_checkpoints > 0")
+        raise ValueError(
+            "--v4-restore checkpoint with --v4-checkpoints 0: no slot to keep a checkpoint in; give "
+            "--v4-checkpoints N > 0, or leave it out (pooled in the classical pool's free memory)"
+        )
     tp = fit_tp(model, gpu, point["tp"], options.kv_dtype, options.weight_dtype)
     # the deployment, as the simulator's config and the cost model take it
     deployment = {"tp": tp, "kv_dtype": options.kv_dtype, "weight_dtype": options.weight_dtype}
