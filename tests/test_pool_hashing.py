@@ -8,6 +8,8 @@ import sys
 
 import pytest
 import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvpool.pool import BlockHasher, BlockPool, token_bytes
 from kvpool.pool.hashing import token_array
@@ -300,3 +302,83 @@ def test_publish_run_names_a_length_mismatch():
     pool = BlockPool(4)
     with pytest.raises(ValueError, match="9 bytes for 2 blocks of 8"):
         pool.publish_run([0, 1], pool.root(b"desc"), b"x" * 9, 8)
+
+
+def _touch_pools(published: list[int], released: list[int]) -> tuple[BlockPool, BlockPool]:
+    """Two equal 10-block pools: every block allocated, those in `published` published (a
+    chain after the root each), then those in `released` freed in that order (a published
+    one as a cached free block, in LRU order; the others unhashed)."""
+    pools = []
+    for _ in range(2):
+        pool = BlockPool(10)
+        root = pool.root(b"desc")
+        assert pool.allocate(10) == list(range(10))
+        for block_id in published:
+            pool.publish(block_id, root, token_bytes([block_id]))
+        pool.decref(released)
+        pools.append(pool)
+    return pools[0], pools[1]
+
+
+def _pool_view(pool: BlockPool) -> tuple:
+    return pool.free_queue(), [pool.refcount(b) for b in range(pool.num_blocks)], _index_view(pool)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    published=st.lists(st.integers(0, 9), unique=True),
+    released=st.permutations(range(10)).flatmap(lambda order: st.integers(0, 10).map(lambda k: order[:k])),
+    data=st.data(),
+)
+def test_touch_is_incref_then_decref(published: list[int], released: list[int], data: st.DataObject) -> None:
+    """`touch` (a V4 restore's use of a checkpoint: its parts the most recently used) leaves
+    the pool as `incref(ids)` then `decref(ids)` do: the free queue in the same order, the same
+    refcounts and index; it refuses what incref refuses (an id outside the pool, a free
+    block with no cached content), with nothing changed; the index version moves where a free
+    cached block moved."""
+    fast, twin = _touch_pools(published, released)
+    # ids a touch takes (held blocks, cached free ones), and now and then one it refuses
+    good = [b for b in range(fast.num_blocks) if fast.refcount(b) or fast.block_hash(b) is not None]
+    ids = data.draw(st.lists(st.sampled_from(good), max_size=6) if good else st.just([]))
+    bad = data.draw(st.sampled_from([None, None, None, -1, 10, *(b for b in range(10) if b not in good)]))
+    if bad is not None:
+        ids.insert(data.draw(st.integers(0, len(ids))), bad)
+    before = _pool_view(fast)
+    version = fast.index_version
+    try:
+        twin.incref(ids)
+    except ValueError as error:
+        with pytest.raises(ValueError) as refused:
+            fast.touch(ids)
+        assert str(refused.value) == str(error)
+        assert _pool_view(fast) == before and fast.index_version == version
+        return
+    twin.decref(ids)
+    fast.touch(ids)
+    assert _pool_view(fast) == _pool_view(twin)
+    moved = any(fast.refcount(b) == 0 for b in ids)
+    assert (fast.index_version != version) == moved
+    fast.check_integrity()
+    twin.check_integrity()
+
+
+def test_touch_moves_free_cached_blocks_to_the_end_in_order() -> None:
+    """A narrative on a 6-block pool: blocks 0-3 cached and free (LRU 0, 1, 2, 3), block 4
+    held; touching [2, 4, 0] moves 2 then 0 to the end and leaves 4 held."""
+    pool = BlockPool(6)
+    root = pool.root(b"desc")
+    ids = pool.allocate(5)
+    assert ids == [0, 1, 2, 3, 4]
+    for b in ids:
+        pool.publish(b, root, token_bytes([b]))
+    pool.decref([0, 1, 2, 3])
+    assert pool.free_queue() == [5, 0, 1, 2, 3]
+    pool.touch([2, 4, 0])
+    assert pool.free_queue() == [5, 1, 3, 2, 0]
+    assert [pool.refcount(b) for b in range(6)] == [0, 0, 0, 0, 1, 0]
+    with pytest.raises(ValueError, match="block 5, which is free and holds no cached content"):
+        pool.touch([1, 5])
+    with pytest.raises(TypeError, match="block id must be an int, got 'x'"):
+        pool.touch([1, "x"])
+    assert pool.free_queue() == [5, 1, 3, 2, 0]
+    pool.check_integrity()

@@ -693,9 +693,7 @@ class DualPoolGroup(CacheGroup):
     def _touch(self, ckpt: _Checkpoint) -> None:
         """A restore used `ckpt`: most recently used now (its blocks go to the end of the
         checkpoint pool's LRU queue)."""
-        ids = [part.block_ids[0] for part in ckpt.parts]
-        self.checkpoint_pool.incref(ids)
-        self.checkpoint_pool.decref(ids)
+        self.checkpoint_pool.touch([part.block_ids[0] for part in ckpt.parts])  # (incref, then decref)
 
     def _note_evicted(self, evicted: list[tuple[int, PrefixBlock]], dropped: list[tuple[bytes, _Checkpoint]]) -> None:
         """Cached blocks an allocation just evicted: classical ones go to the tier record

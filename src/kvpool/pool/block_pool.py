@@ -271,6 +271,30 @@ class BlockPool:
                 self.index_version += 1  # (held now: `match` may pick this copy)
             refcounts[block_id] += 1
 
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """`incref(block_ids)` then `decref(block_ids)` in one pass: the free cached blocks
+        among them go to the end of the LRU queue, in their order (the latest a block is
+        named, as the decrefs would leave them), held ones stay as they are. The refusals
+        are incref's (ValueError, TypeError: an id that is no int), nothing changed. (A V4
+        restore's use of a checkpoint: its parts become the most recently used.)"""
+        refcounts = self._refcounts
+        cached = self._cached
+        for block_id in block_ids:  # incref's checks, first: a refusal changes nothing
+            if block_id.__class__ is not int:
+                block_id = _index("block id", block_id)  # (numpy's ints are ids)
+            if not 0 <= block_id < self.num_blocks:
+                raise self._bad_id(block_id)
+            if refcounts[block_id] == 0 and cached[block_id] is None:
+                raise ValueError(f"incref of block {block_id}, which is free and holds no cached content")
+        free_cached = self._free_cached
+        moved = False
+        for block_id in block_ids:
+            if not refcounts[block_id]:  # (a free block here is a cached one: checked above)
+                free_cached.move_to_end(block_id)
+                moved = True
+        if moved:
+            self.index_version += 1  # (a cached copy left the free queue and came back: as incref, decref)
+
     def decref(self, block_ids: Iterable[int]) -> None:
         """Drop one reference on each block, in the given order; at zero it becomes free.
         ValueError (TypeError: an id that is no int), nothing changed, for an id outside the
