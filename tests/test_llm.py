@@ -195,3 +195,10 @@ def test_a_lone_surrogate_in_a_prompt_is_a_value_error_naming_it(llm):
     with pytest.raises(ValueError, match="the text holds a lone surrogate"):
         llm.chat([{"role": "user", "content": "hi \ud800"}])
     assert llm.engine.requests == {} and not llm.engine.has_unfinished()
+
+
+def test_the_engine_knows_the_tokens_that_decode_to_no_text(llm):
+    """The stop-string check reaches past the special tokens (tests/test_sampling.py): the
+    engine over the GGUF is given exactly the tokens its decode skips."""
+    textless = {t for t in range(llm.tokenizer.tokenizer.get_vocab_size()) if llm.tokenizer.decode([t]) == ""}
+    assert llm.engine.textless_ids == textless and llm.tokenizer.tokenizer.token_to_id("<|im_end|>") in textless

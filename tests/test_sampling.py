@@ -343,3 +343,50 @@ def test_an_aborted_request_gives_back_the_text_of_its_tokens() -> None:
     assert [(c.text, c.finish_reason) for c in completions] == [(decode(c.token_ids), "abort") for c in completions]
     assert [(c.token_ids, c.text) for c in engine.pop_output(waiting).completions] == [([], "")]
     engine.runner.check_integrity()
+
+
+def test_a_stop_string_is_found_across_tokens_of_no_text() -> None:
+    """Special tokens decode to no text (skipped), so a window of 4 * len + 2 tokens could hold
+    too few characters: "a", 12 of them, "b" ran on past stop="ab" to its length. Scripted
+    outputs with runs of textless tokens stop where decoding the whole output every token
+    stops, at the same token with the same text."""
+    import random
+
+    from kvpool.engine.engine import Engine
+    from kvpool.engine.llama_runner import llama_runner
+    from random_llama import DESCRIPTOR, random_ids, random_llama
+
+    pieces = {0: "", 1: "", 2: "a", 3: "b", 4: "é", 5: "ab", 6: "c"}
+
+    def decode(ids: list[int]) -> str:
+        return "".join(pieces[t] for t in ids)
+
+    rng = random.Random(5)
+    model = random_llama()
+    for case in range(12):
+        script = []
+        while len(script) < 60:  # a token of text, then a run of 0 to 15 of no text
+            script += [rng.choice([2, 3, 4, 5, 6])] + [rng.choice([0, 1]) for _ in range(rng.randint(0, 15))]
+        script = script[:60]
+        text = decode(script)
+        at = rng.randrange(len(text) - 4)
+        stop = text[at : at + rng.randint(2, 4)]
+        if case == 0:  # the repro: "a", 12 specials, "b"
+            script, stop = [2] + [0] * 12 + [3] + [6] * 46, "ab"
+        for n in range(1, len(script) + 1):  # the naive check: the whole output's text, every token
+            if stop in decode(script[:n]):
+                expected = (n, decode(script[:n])[: decode(script[:n]).find(stop)])
+                break
+        engine = Engine(
+            llama_runner(model, 64, 16, DESCRIPTOR),
+            max_num_batched_tokens=64,
+            max_num_seqs=4,
+            decode_text=decode,
+            textless_ids=[0, 1],
+            sampler=lambda logits, params, index, position, script=script: script[position],
+        )
+        rid = engine.add_request(random_ids(8, case), SamplingParams(max_tokens=60, ignore_eos=True, stop=stop))
+        while engine.has_unfinished():
+            engine.step()
+        out = engine.pop_output(rid).completions[0]
+        assert (len(out.token_ids), out.text, out.finish_reason) == (*expected, "stop"), (case, stop)

@@ -211,6 +211,8 @@ def _llama_engine(loaded: LoadedModel, *, block_size: int = 16, kv_format: str |
         kv_format=kv_format,
         eos_token_ids=sorted(eos),
         decode_text=tok.decode,
+        # the special tokens, which tok.decode skips (skip_special_tokens): no text of a stop string
+        textless_ids=[i for i, added in tok.tokenizer.get_added_tokens_decoder().items() if added.special],
         **options,
     )
 
@@ -247,6 +249,7 @@ def _paged_engine(
     enforce_eager: bool = False,
     eos_token_ids: list[int] | None = None,
     decode_text: Callable[[list[int]], str] | None = None,
+    textless_ids: list[int] | None = None,
 ) -> Engine:
     if num_blocks is None:
         num_blocks = (
@@ -280,6 +283,7 @@ def _paged_engine(
         max_num_seqs=max_num_seqs,
         eos_token_ids=eos_token_ids or (),
         decode_text=decode_text,
+        textless_ids=textless_ids or (),
         record_logits=record_logits,
         # on a GPU a step's rows are sampled on the device with one synchronisation
         batched_sampling=model.device.type == "cuda",

@@ -255,15 +255,18 @@ class Engine:
         max_num_seqs: int = 64,
         eos_token_ids: Sequence[int] = (),
         decode_text: Callable[[list[int]], str] | None = None,
+        textless_ids: Iterable[int] = (),
         record_logits: bool = False,
         clock: Callable[[], float] = time.perf_counter,
         sampler: Callable[[torch.Tensor, SamplingParams, int, int], int] = sample_token,
         batched_sampling: bool = False,
         step_sampler: StepSampler | None = None,
     ):
-        """clock: when things happen (the simulator's is virtual). sampler: (a row of the
-        runner's logits, params, sample index, output position) -> token id; a runner
-        without a model (sim/runner.py) returns rows its own sampler reads.
+        """textless_ids: tokens `decode_text` gives no text for (special tokens, skipped):
+        the stop-string check reaches past them. clock: when things happen (the simulator's
+        is virtual). sampler: (a row of the runner's logits, params, sample index, output
+        position) -> token id; a runner without a model (sim/runner.py) returns rows its own
+        sampler reads.
         batched_sampling: sample a step's rows at once on the logits' device
         (batch_sampler.py `sample_batch`, one host synchronisation a step) instead of `sampler`
         row by row; greedy tokens are the same, stochastic ones are drawn differently.
@@ -282,6 +285,7 @@ class Engine:
         self.max_num_seqs = max_num_seqs
         self.eos_token_ids = frozenset(eos_token_ids)
         self.decode_text = decode_text
+        self.textless_ids = frozenset(textless_ids)
         self.record_logits = record_logits
         self.clock = clock
         self.sampler = sampler
@@ -1443,7 +1447,17 @@ class Engine:
             # to one byte or more), plus the token it starts in. Decode that window, not the
             # whole output every step (quadratic in its length); the whole text on a hit.
             ids = seq.output_ids
-            window = self.decode_text(ids[-(4 * max(len(s) for s in params.stop) + 2) :])
+            start = max(len(ids) - (4 * max(len(s) for s in params.stop) + 2), 0)
+            # A token of no text (a special token, which decode skips) holds no byte of a stop
+            # string: the window reaches back past each one (a stop string with enough of them
+            # between its characters was missed: "a", 12 of them, "b" ran on past stop="ab")
+            textless = self.textless_ids
+            missing = sum(t in textless for t in ids[start:]) if textless else 0
+            while missing and start:
+                reach = max(start - missing, 0)
+                missing = sum(t in textless for t in ids[reach:start])
+                start = reach
+            window = self.decode_text(ids[start:])
             if any(s in window for s in params.stop):
                 text = self.decode_text(ids)
                 hits = [text.find(s) for s in params.stop if s in text]
