@@ -326,3 +326,26 @@ def test_a_step_cut_at_checkpoints_computes_only_the_rows_it_returns() -> None:
     model = TinyDSV4(dtype=torch.float64)
     want = torch.stack([model.reference_logits(prompts[name])[-1] for name in ("a", "b")])
     assert (got[0] - want).abs().max().item() <= FP64_TOLERANCE
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"params": {"max_tokens": 2}}, "params must be a SamplingParams, got dict"),
+        ({"request_id": 7}, "request_id must be a str, got int"),
+        ({"tenant": 3}, "tenant must be a str, got int"),
+        ({"arrival_time": "0"}, "arrival_time must be a finite number of seconds, got '0'"),
+        ({"arrival_time": float("nan")}, "arrival_time must be a finite number of seconds, got nan"),
+        ({"arrival_time": True}, "arrival_time must be a finite number of seconds, got True"),
+    ],
+)
+def test_add_request_refuses_arguments_of_the_wrong_type(options, message) -> None:
+    """An id of 7 (or a SamplingParams given in its place) was taken as the request's id; an
+    arrival time of "0" was taken and failed `output` with a TypeError once the request was
+    served; nan gave a nan TTFT; a dict of params or an int tenant were AttributeErrors.
+    Each is a TypeError naming the argument now, nothing queued."""
+    engine = build_engine(TinyDSV4(), num_blocks=4)
+    with pytest.raises(TypeError, match=message.replace("(", r"\(")):
+        engine.add_request([1, 2, 3], **options)
+    assert not engine.requests and not engine.has_unfinished()
+    assert engine.add_request([1, 2, 3], SamplingParams(max_tokens=1), "ok", arrival_time=0, tenant="t") == "ok"

@@ -21,6 +21,7 @@ victim of a younger one), so the loop cannot deadlock. The scheduler only asks t
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 import time
 import traceback
@@ -362,7 +363,22 @@ class Engine:
         no more), kept as that list, not copied. A LookupPrompt built otherwise is checked:
         ValueError where its bytes are not its ids' packing. The engine's list of the
         prompt is the request's sequence's token list (its tokens are appended to it), which
-        `pop_output` gives back cut to the prompt."""
+        `pop_output` gives back cut to the prompt. TypeError, nothing queued, for params that
+        are no SamplingParams, a request id or tenant that is no str, an arrival time that is
+        no finite number (an id of 7 was taken as it was; an arrival of "0" was taken and
+        failed `output` after the request was served; nan made its TTFT nan)."""
+        if params is not None and not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if request_id is not None and not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        if not isinstance(tenant, str):
+            raise TypeError(f"tenant must be a str, got {type(tenant).__name__}")
+        if arrival_time is not None and (
+            isinstance(arrival_time, bool)
+            or not isinstance(arrival_time, (int, float))
+            or not math.isfinite(arrival_time)
+        ):
+            raise TypeError(f"arrival_time must be a finite number of seconds, got {arrival_time!r}")
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
