@@ -533,9 +533,10 @@ def model_placement(args: argparse.Namespace) -> tuple[Any, str]:
 def check_span_block_size(args: argparse.Namespace, span: int, default: int) -> None:
     """--block-size with tiny-dsv4, whose classical blocks are its spans of m' tokens: only
     its parser's default (not given) or the span itself; another size was ignored silently."""
-    if args.block_size not in (default, span):
+    block_size = getattr(args, "block_size", default)  # (a caller's Namespace may lack it)
+    if block_size not in (default, span):
         raise ValueError(
-            f"--block-size {args.block_size} is not supported with --model {args.model}: its classical blocks "
+            f"--block-size {block_size} is not supported with --model {args.model}: its classical blocks "
             f"are spans of {span} tokens (m')"
         )
 
