@@ -366,3 +366,14 @@ def test_a_bad_value_names_its_flag(flags, line, capsys, no_simulating):
         code = stop.code
     assert code == 2
     assert _one_error_line(capsys).startswith(line)
+
+
+def test_a_block_too_large_for_the_pool_is_named_not_the_tensor_parallelism(capsys, no_simulating):
+    """--block-size 4096: 256 running requests x a 512 MiB block of copy-on-write reserve leave
+    no pool; the line said 'raise --tensor-parallel-size', which the weights did not need."""
+    assert main(["simulate", *LLAMA, "--requests", "2", "--block-size", "4096"]) == 2
+    assert _one_error_line(capsys) == (
+        "kvpool simulate: error: llama-3.1-8b leaves no KV pool on 1 x H200 (weights 15.0 GiB per device): the "
+        "copy-on-write reserve, one block of 4096 tokens for each of the planner's 256 running requests, takes "
+        "128.0 GiB: lower --block-size"
+    )

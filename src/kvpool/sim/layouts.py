@@ -81,6 +81,16 @@ def check_pool(plan: Plan) -> int:
     pool = int(plan.ledger.pool_bytes)
     if pool <= 0:
         fix = "pick a smaller model" if plan.gpu.kind == "cpu" else "raise --tensor-parallel-size"
+        cow = plan.ledger.details.get("transient", {}).get("cow_reserve", 0.0)
+        if cow > plan.weights.per_gpu_bytes:
+            # (a large block's copy-on-write reserve, not the weights, left no pool: --block-size
+            # 4096 on Llama-3.1-8B reserves 256 x 512 MiB, and "raise TP" misled)
+            # (the planner's ledger counts its own 256 running requests, not --max-num-seqs)
+            num_seqs = round(cow / plan.layout.bytes_per_block_all_groups)
+            fix = (
+                f"the copy-on-write reserve, one block of {plan.layout.block_size} tokens for each of the "
+                f"planner's {num_seqs} running requests, takes {cow / 2**30:.1f} GiB: lower --block-size"
+            )
         raise ValueError(
             f"{plan.model.name} leaves no KV pool on {plan.tp} x {plan.gpu.name} (weights "
             f"{plan.weights.per_gpu_bytes / 2**30:.1f} GiB per device): {fix}"
