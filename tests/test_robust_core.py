@@ -338,6 +338,21 @@ class HostileCalls(RuleBasedStateMachine):
     def release(self, rid, reason):
         self._refusable(lambda: self.m.release(rid, reason))
 
+    @rule(rid=IDS, n=COUNTS)
+    def reserve(self, rid, n):
+        self._refusable(lambda: self.m.reserve(rid, n))
+
+    @rule(rid=IDS)
+    def mark_turn_end(self, rid):
+        self._refusable(lambda: self.m.mark_turn_end(rid), ())
+
+    @rule(rid=IDS, n=COUNTS, swapped_state=st.booleans())
+    def restore(self, rid, n, swapped_state):
+        """A swap's restore (the tier bridge's, after an admission), called at any time: a
+        state of 0 tokens at 0 computed was taken and failed check_integrity."""
+        call = self.m.restore_swapped_state if swapped_state else self.m.restore_tail
+        self._refusable(lambda: call(rid, n), ())
+
     @invariant()
     def integrity(self):
         self.m.check_integrity()
