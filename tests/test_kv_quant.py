@@ -582,7 +582,8 @@ def test_the_evaluation_measures_what_it_says(model) -> None:
     assert by["fp8_e4m3"].kl_mean < by["kivi2-g16-r16"].kl_mean  # 2 bits: clearly worse
     per_head = CONFIG.head_dim + 4  # int8: one byte an element, one fp32 scale
     assert by["int8"].bytes_per_token == 2 * CONFIG.num_layers * CONFIG.num_kv_heads * per_head
-    assert by["int8"].capacity_gain == pytest.approx(CONFIG.head_dim * 4 / per_head, abs=1e-3)
+    # the ratio itself: it was rounded to 3 places, then printed to 2 (SmolLM2's int8 3.7647 read 3.77x)
+    assert by["int8"].capacity_gain == CONFIG.head_dim * 4 / per_head
     with pytest.raises(ValueError, match="must leave a token of the text to decode"):
         evaluate(model, ids[:32], ["int8"], block_size=16, prefill=32)
     with pytest.raises(ValueError, match="does not divide the block size 16"):
