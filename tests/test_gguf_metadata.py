@@ -18,7 +18,7 @@ TOKENS = [f"t{i}" for i in range(32)]
 def write_gguf(path, **over) -> str:
     """A 2-layer Llama GGUF (hidden 16, 4 heads, 2 KV heads, vocab 32); `over` replaces
     metadata (heads, kvh, hidden, key_length, ctx, theta, eps, vocab) or a tensor's dims
-    (q_rows, embed_rows, tokens)."""
+    (q_rows, embed_rows, tokens); `skip` leaves tensors out."""
     o = {"layers": 2, "hidden": 16, "ff": 24, "heads": 4, "kvh": 2, "ctx": 64, "theta": 1e4, "eps": 1e-5, **over}
     head_dim = o.get("key_length") or 4
     tokens = o.get("tokens", TOKENS)
@@ -52,7 +52,8 @@ def write_gguf(path, **over) -> str:
             f"blk.{i}.ffn_norm.weight": (hidden,),
         }
     for name, shape in shapes.items():
-        w.add_tensor(name, np.full(shape, 0.01, dtype=np.float32))
+        if name not in o.get("skip", ()):
+            w.add_tensor(name, np.full(shape, 0.01, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -98,6 +99,17 @@ def test_metadata_the_model_cannot_compute_with_is_named(tmp_path, over, message
     with pytest.raises(ValueError) as e:
         load_gguf(path)
     assert str(e.value).startswith(f"GGUF file {path}: ") and message in str(e.value), str(e.value)
+
+
+def test_a_missing_layer_tensor_is_named_with_the_file(tmp_path):
+    """It was "lacks tensors ['layers.1.q']" once the weights were read, without the file."""
+    path = write_gguf(tmp_path / "noq.gguf", skip=("blk.1.attn_q.weight",))
+    with pytest.raises(ValueError) as e:
+        load_gguf(path)
+    assert str(e.value) == f"GGUF file {path}: lacks tensors ['blk.1.attn_q.weight']"
+    path = write_gguf(tmp_path / "nolayers.gguf", skip=tuple(f"blk.{i}.ffn_up.weight" for i in range(2)))
+    with pytest.raises(ValueError, match=r"lacks tensors \['blk.0.ffn_up.weight', 'blk.1.ffn_up.weight'\]$"):
+        load_gguf(path)
 
 
 def test_the_cli_names_a_zero_head_count_without_a_traceback(tmp_path, capsys):

@@ -367,9 +367,15 @@ def load_gguf(path: str | None = None, dtype: torch.dtype = torch.float32, diges
                     f"supported: {sorted(SUPPORTED_QUANT_TYPES)}"
                 )
         names = {t.name for t in reader.tensors}
-        missing = [n for n in ("token_embd.weight", "output_norm.weight") if n not in names]
+        # every tensor the model uses, named with the file here (a layer's missing tensor was
+        # only found once the weights were read, in a message without the file)
+        wanted = ["token_embd.weight", "output_norm.weight"]
+        wanted += [f"blk.{i}.{part}.weight" for i in range(config.num_layers) for part in _RENAME]
+        missing = [n for n in wanted if n not in names]
         if missing:
-            raise ValueError(f"lacks tensors {missing}")
+            raise ValueError(
+                f"lacks tensors {missing[:6]}" + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+            )
         infos = [
             TensorInfo(
                 t.name,
