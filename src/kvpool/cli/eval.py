@@ -29,7 +29,14 @@ from kvpool.cli.args import (
     positive_int,
 )
 from kvpool.cli.bench import call_with_flags, print_table, printed_json
-from kvpool.cli.options import BLOCK_SIZE, add_engine_model_option, add_option, add_threads_option, gguf_path
+from kvpool.cli.options import (
+    BLOCK_SIZE,
+    add_engine_model_option,
+    add_option,
+    add_threads_option,
+    gguf_path,
+    set_torch_threads,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,7 +77,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
 
     from kvpool.engine.build import load_model
     from kvpool.verify.kv_quant import quality_report, reference_text
@@ -82,8 +88,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model == "tiny-dsv4":
         return _run_v4(args)
     text, source = reference_text(args.text)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_torch_threads(args, "eval")
     loaded = load_model(gguf_path(args.model), device="cpu")
     done = 0
 

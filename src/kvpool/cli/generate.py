@@ -31,6 +31,7 @@ from kvpool.cli.options import (
     add_threads_option,
     add_tp_option,
     gguf_path,
+    set_torch_threads,
 )
 
 DSV4_DEFAULT_BLOCKS = 512  # tiny-dsv4's classical blocks when --num-blocks is not given
@@ -121,15 +122,13 @@ def length_note(max_tokens: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
 
     from kvpool.engine import memory
     from kvpool.engine.build import build_engine, load_model
     from kvpool.engine.sampling import SamplingParams
 
     runtime_bytes = memory.runtime_baseline()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_torch_threads(args, "generate")
     preemption, kv_format, tiers = check_engine_flags(args)
     check_device_model(args, ("tiny-dsv4",))
     dtype, device = model_placement(args)

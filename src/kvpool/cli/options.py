@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -171,7 +172,52 @@ V4_TURN_ENDS = SharedOption(
     "(--no-v4-turn-ends: hits at span boundaries only, as paging's)",
     kind="switch",
 )
-THREADS = SharedOption("CPU threads", ("--threads",), "threads", "torch's CPU threads", positive_int, metavar="N")
+THREADS = SharedOption(
+    "CPU threads",
+    ("--threads",),
+    "threads",
+    "torch's CPU threads (default: torch's count, less the CPUs the machine's other work keeps busy at the start)",
+    positive_int,
+    metavar="N",
+)
+
+
+def free_cpus(cpus: int, machine_cpus: int, load: float) -> int:
+    """The CPUs of `cpus` (this process's, of the machine's `machine_cpus`) that the
+    machine's other work leaves free: the 1-minute load average, spread evenly over the
+    machine's CPUs, takes its share of ours (rounded to the nearest CPU); at least 1."""
+    busy = load * cpus / max(machine_cpus, cpus)
+    return max(1, min(cpus, int(cpus - busy + 0.5)))
+
+
+def set_torch_threads(args: argparse.Namespace, command: str) -> int:
+    """torch's CPU threads for an engine command: --threads N, else torch's own count cut to
+    the CPUs free at the start (`free_cpus`). Why: torch's OpenMP threads meet at a barrier
+    in every operation, so one that waits for a CPU holds the others; on a 2-vCPU machine
+    with one other busy process, `kvpool run` took 296 s with torch's 2 threads against 45 s
+    with 1 (2026-12-06: docs/engine.md). A cut is said on stderr. The count set is returned."""
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+        return args.threads
+    threads = torch.get_num_threads()
+    try:
+        load = os.getloadavg()[0]
+        cpus = len(os.sched_getaffinity(0))
+    except (OSError, AttributeError):  # (no load average or affinity on this platform: torch's count)
+        return threads
+    free = free_cpus(cpus, os.cpu_count() or cpus, load)
+    if free < threads:
+        torch.set_num_threads(free)
+        print(
+            f"kvpool {command}: {free} torch thread{'s' if free > 1 else ''}, not {threads}: the load average is "
+            f"{load:.1f} on {cpus} CPUs (--threads N to choose)",
+            file=sys.stderr,
+        )
+        return free
+    return threads
+
 
 SHARED_OPTIONS: tuple[SharedOption, ...] = (
     MODEL,

@@ -73,6 +73,7 @@ from kvpool.cli.options import (
     add_threads_option,
     add_tp_option,
     gguf_path,
+    set_torch_threads,
 )
 from kvpool.workload.live import live_chat, live_token_ids
 from kvpool.workload.metrics import cpu_load, report_notes, report_sections, run_report
@@ -376,15 +377,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    import torch
 
     from kvpool.engine import memory
     from kvpool.engine.live import num_live_requests, serve_live
     from kvpool.engine.sampling import SamplingParams
 
     runtime_bytes = memory.runtime_baseline()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_torch_threads(args, "run")
     check_device_model(args, (TINY_MODEL, *HYBRID_MODELS))
     _, model_device = model_placement(args)  # --device cuda without a GPU: one line, before anything loads
     if args.kv_memory is not None:  # a bad size, or one the machine cannot hold, before the model loads

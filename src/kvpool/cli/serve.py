@@ -44,6 +44,7 @@ from kvpool.cli.options import (
     add_option,
     add_threads_option,
     gguf_path,
+    set_torch_threads,
 )
 
 DEFAULT_KV_MEMORY = "256MiB"
@@ -125,7 +126,6 @@ def _bind(host: str, port_number: int) -> socket.socket:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
 
     if args.model in ENGINE_MODELS and args.model != DEFAULT_MODEL:
         raise ValueError(f"--model {args.model} has no tokenizer or chat template; kvpool serve runs a Llama GGUF")
@@ -136,8 +136,7 @@ def run(args: argparse.Namespace) -> int:
     max_request_bytes = parse_bytes(args.max_request_bytes, "--max-request-bytes")
     kv_bytes = parse_bytes(args.kv_memory)
     check_engine_flags(args)  # (llama_engine reads --preemption, --kv-cache-dtype and the tier flags)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_torch_threads(args, "serve")
     gguf = gguf_path(args.model)
     if gguf is not None and not os.path.isfile(gguf):
         raise FileNotFoundError(f"--model {gguf!r}: no such GGUF file (or give {DEFAULT_MODEL})")
