@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model == "tiny-dsv4":
         return _run_v4(args)
     text, source = reference_text(args.text)
-    set_torch_threads(args, "eval")
+    set_torch_threads(args)
     loaded = load_model(gguf_path(args.model), device="cpu")
     done = 0
 

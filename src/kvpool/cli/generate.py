@@ -128,7 +128,6 @@ def run(args: argparse.Namespace) -> int:
     from kvpool.engine.sampling import SamplingParams
 
     runtime_bytes = memory.runtime_baseline()
-    set_torch_threads(args, "generate")
     preemption, kv_format, tiers = check_engine_flags(args)
     check_device_model(args, ("tiny-dsv4",))
     dtype, device = model_placement(args)
@@ -139,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
     )
+    set_torch_threads(args)
     loaded = load_model(gguf_path(args.model), dtype=dtype, device=device)
     rank = _tensor_parallel(args, loaded)
     if rank != 0:  # rank 0 reports; the others compute their shards alongside

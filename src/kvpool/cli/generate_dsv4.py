@@ -16,6 +16,7 @@ import time
 
 from kvpool.cli.args import check_span_block_size, host_cache_bytes, v4_kv_format
 from kvpool.cli.generate import DSV4_DEFAULT_BLOCKS, GENERATE_BLOCK_SIZE, check_context, length_note, timings
+from kvpool.cli.options import set_torch_threads
 
 MODEL_NAME = "tiny-dsv4"
 
@@ -51,6 +52,7 @@ def run(args: argparse.Namespace, tiers: dict[str, object] | None = None) -> int
     start = time.perf_counter()
     model = TinyDSV4()
     check_span_block_size(args, model.spec.span, GENERATE_BLOCK_SIZE)
+    set_torch_threads(args)
     num_blocks = args.num_blocks or DSV4_DEFAULT_BLOCKS
     engine = build_engine(
         model,

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -190,12 +189,13 @@ def free_cpus(cpus: int, machine_cpus: int, load: float) -> int:
     return max(1, min(cpus, int(cpus - busy + 0.5)))
 
 
-def set_torch_threads(args: argparse.Namespace, command: str) -> int:
+def set_torch_threads(args: argparse.Namespace) -> int:
     """torch's CPU threads for an engine command: --threads N, else torch's own count cut to
     the CPUs free at the start (`free_cpus`). Why: torch's OpenMP threads meet at a barrier
     in every operation, so one that waits for a CPU holds the others; on a 2-vCPU machine
     with one other busy process, `kvpool run` took 296 s with torch's 2 threads against 45 s
-    with 1 (2026-12-06: docs/engine.md). A cut is said on stderr. The count set is returned."""
+    with 1 (2026-12-06: docs/engine.md). The count set is returned (`kvpool run`'s report
+    holds it, `torch_threads`)."""
     import torch
 
     if args.threads:
@@ -210,11 +210,6 @@ def set_torch_threads(args: argparse.Namespace, command: str) -> int:
     free = free_cpus(cpus, os.cpu_count() or cpus, load)
     if free < threads:
         torch.set_num_threads(free)
-        print(
-            f"kvpool {command}: {free} torch thread{'s' if free > 1 else ''}, not {threads}: the load average is "
-            f"{load:.1f} on {cpus} CPUs (--threads N to choose)",
-            file=sys.stderr,
-        )
         return free
     return threads
 

@@ -383,7 +383,6 @@ def _run(args: argparse.Namespace) -> int:
     from kvpool.engine.sampling import SamplingParams
 
     runtime_bytes = memory.runtime_baseline()
-    set_torch_threads(args, "run")
     check_device_model(args, (TINY_MODEL, *HYBRID_MODELS))
     _, model_device = model_placement(args)  # --device cuda without a GPU: one line, before anything loads
     if args.kv_memory is not None:  # a bad size, or one the machine cannot hold, before the model loads
@@ -395,6 +394,7 @@ def _run(args: argparse.Namespace) -> int:
     quiet = args.json or not sys.stdout.isatty()
     if quiet:
         print("kvpool run: loading the model", file=sys.stderr)
+    torch_threads = set_torch_threads(args)  # (after the checks: the model loads next)
     load_start = time.perf_counter()
     engine, make_workload, model_name, loaded = build(args)
     load_s = time.perf_counter() - load_start
@@ -453,6 +453,7 @@ def _run(args: argparse.Namespace) -> int:
         report["kv_bytes_per_token_per_rank"] = engine.runner.executor.storage.bytes_per_token
         report["kv_pool_bytes_per_rank"] = engine.runner.executor.storage.num_bytes
     report["load_s"] = round(load_s, 3)
+    report["torch_threads"] = torch_threads
     report["load_source"] = loaded.load_source if loaded is not None else "built in"
     report["memory"] = None
     if loaded is not None:  # the Llama runner's ledger (the tiny V4 model's is not measured)

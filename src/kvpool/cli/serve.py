@@ -136,7 +136,6 @@ def run(args: argparse.Namespace) -> int:
     max_request_bytes = parse_bytes(args.max_request_bytes, "--max-request-bytes")
     kv_bytes = parse_bytes(args.kv_memory)
     check_engine_flags(args)  # (llama_engine reads --preemption, --kv-cache-dtype and the tier flags)
-    set_torch_threads(args, "serve")
     gguf = gguf_path(args.model)
     if gguf is not None and not os.path.isfile(gguf):
         raise FileNotFoundError(f"--model {gguf!r}: no such GGUF file (or give {DEFAULT_MODEL})")
@@ -208,6 +207,7 @@ def _serve(
 
     print(f"kvpool serve: loading {name}", file=sys.stderr)
     dtype, device = model_placement(args)
+    set_torch_threads(args)
     loaded = load_model(gguf, dtype=dtype, device=device)
     engine = llama_engine(loaded, args, kv_bytes)
     limit_model_len(engine, args.max_model_len)  # (a context below 2 tokens refused: every request a 413)
