@@ -31,6 +31,7 @@ from kvpool.cli.args import (
 from kvpool.cli.bench import call_with_flags, print_table, printed_json
 from kvpool.cli.options import (
     BLOCK_SIZE,
+    CpuProbe,
     add_engine_model_option,
     add_option,
     add_threads_option,
@@ -88,8 +89,9 @@ def run(args: argparse.Namespace) -> int:
     if args.model == "tiny-dsv4":
         return _run_v4(args)
     text, source = reference_text(args.text)
-    set_torch_threads(args)
+    probe = CpuProbe()
     loaded = load_model(gguf_path(args.model), device="cpu")
+    set_torch_threads(args, probe)
     done = 0
 
     def progress(name: str) -> None:

@@ -24,6 +24,7 @@ from kvpool.cli.args import (
 from kvpool.cli.options import (
     BLOCK_SIZE,
     PREFIX_CACHING,
+    CpuProbe,
     add_device_arguments,
     add_engine_model_option,
     add_kv_cache_dtype_option,
@@ -138,8 +139,9 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
     )
-    set_torch_threads(args)
+    probe = CpuProbe()
     loaded = load_model(gguf_path(args.model), dtype=dtype, device=device)
+    set_torch_threads(args, probe)
     rank = _tensor_parallel(args, loaded)
     if rank != 0:  # rank 0 reports; the others compute their shards alongside
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the rest of the process)

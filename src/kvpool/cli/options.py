@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -175,39 +176,91 @@ THREADS = SharedOption(
     "CPU threads",
     ("--threads",),
     "threads",
-    "torch's CPU threads (default: torch's count, less the CPUs the machine's other work keeps busy at the start)",
+    "torch's CPU threads (default: torch's count, less the CPUs other processes kept busy while the model loaded)",
     positive_int,
     metavar="N",
 )
 
 
-def free_cpus(cpus: int, machine_cpus: int, load: float) -> int:
-    """The CPUs of `cpus` (this process's, of the machine's `machine_cpus`) that the
-    machine's other work leaves free: the 1-minute load average, spread evenly over the
-    machine's CPUs, takes its share of ours (rounded to the nearest CPU); at least 1."""
-    busy = load * cpus / max(machine_cpus, cpus)
-    return max(1, min(cpus, int(cpus - busy + 0.5)))
+def free_cpus(cpus: int, others_busy: float) -> int:
+    """Of `cpus` (this process's), those that other work, `others_busy` CPUs' worth on
+    average, leaves free: rounded to the nearest CPU, at least 1."""
+    return max(1, min(cpus, int(cpus - others_busy + 0.5)))
 
 
-def set_torch_threads(args: argparse.Namespace) -> int:
-    """torch's CPU threads for an engine command: --threads N, else torch's own count cut to
-    the CPUs free at the start (`free_cpus`). Why: torch's OpenMP threads meet at a barrier
-    in every operation, so one that waits for a CPU holds the others; on a 2-vCPU machine
-    with one other busy process, `kvpool run` took 296 s with torch's 2 threads against 45 s
-    with 1 (2026-12-06: docs/engine.md). The count set is returned (`kvpool run`'s report
-    holds it, `torch_threads`)."""
+def _cpu_ticks(cpus: frozenset[int]) -> tuple[int, int] | None:
+    """(all, idle) clock ticks so far of `cpus` from /proc/stat (idle: idle and iowait; time
+    a hypervisor stole counts as busy), or None where it cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            lines = f.readlines()
+    except OSError:
+        return None
+    total = idle = seen = 0
+    for line in lines:
+        name, _, rest = line.partition(" ")
+        if name[:3] == "cpu" and name[3:].isdigit() and int(name[3:]) in cpus:
+            ticks = [int(t) for t in rest.split()[:8]]  # user nice system idle iowait irq softirq steal
+            total, idle, seen = total + sum(ticks), idle + ticks[3] + ticks[4], seen + 1
+    return (total, idle) if seen == len(cpus) else None
+
+
+def _own_cpu_s() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+class CpuProbe:
+    """How busy this process's CPUs are with other processes' work, measured over an interval
+    this process spends on something else (loading the model): the CPUs' busy ticks from
+    /proc/stat less this process's own CPU time. Began at construction; `others_busy` ends it."""
+
+    MIN_INTERVAL_S = 0.25  # (a shorter interval is waited out: /proc/stat counts 100 ticks a second)
+
+    def __init__(self) -> None:
+        try:
+            self.cpus: frozenset[int] | None = frozenset(os.sched_getaffinity(0))
+        except (AttributeError, OSError):  # (no affinity on this platform)
+            self.cpus = None
+        self._ticks = None if self.cpus is None else _cpu_ticks(self.cpus)
+        self._own_s, self._start = _own_cpu_s(), time.monotonic()
+
+    def others_busy(self) -> float | None:
+        """Other processes' work on this process's CPUs since the probe began, in CPUs on
+        average (0: idle; 1.0: one CPU's worth), or None where /proc/stat cannot tell."""
+        if self.cpus is None or self._ticks is None:
+            return None
+        elapsed = time.monotonic() - self._start
+        if elapsed < self.MIN_INTERVAL_S:
+            time.sleep(self.MIN_INTERVAL_S - elapsed)
+            elapsed = time.monotonic() - self._start
+        ticks = _cpu_ticks(self.cpus)
+        if ticks is None or ticks[0] <= self._ticks[0]:
+            return None
+        all_ticks, idle_ticks = ticks[0] - self._ticks[0], ticks[1] - self._ticks[1]
+        busy = len(self.cpus) * (all_ticks - idle_ticks) / all_ticks
+        own = (_own_cpu_s() - self._own_s) / elapsed
+        return max(0.0, busy - own)
+
+
+def set_torch_threads(args: argparse.Namespace, probe: CpuProbe) -> int:
+    """torch's CPU threads for an engine command, set once its model has loaded: --threads
+    N, else torch's own count cut to the CPUs that other processes left free while it loaded
+    (`probe`, begun before the load; `free_cpus`). Why: torch's OpenMP threads meet at a
+    barrier in every operation, so one that waits for a CPU holds the others: on a 2-vCPU
+    machine beside one busy process, `kvpool run` with 8 chats took 24.6 s with torch's 2
+    threads against 13.5 s with 1 (docs/engine.md). The count set is returned (`kvpool
+    run`'s report holds it, `torch_threads`)."""
     import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
         return args.threads
     threads = torch.get_num_threads()
-    try:
-        load = os.getloadavg()[0]
-        cpus = len(os.sched_getaffinity(0))
-    except (OSError, AttributeError):  # (no load average or affinity on this platform: torch's count)
+    others = probe.others_busy()
+    if others is None or probe.cpus is None:
         return threads
-    free = free_cpus(cpus, os.cpu_count() or cpus, load)
+    free = free_cpus(len(probe.cpus), others)
     if free < threads:
         torch.set_num_threads(free)
         return free

@@ -64,6 +64,7 @@ from kvpool.cli.main import EXIT_INTERRUPTED, EXIT_TERMINATED, Terminated, termi
 from kvpool.cli.options import (
     BLOCK_SIZE,
     V4_TURN_ENDS,
+    CpuProbe,
     add_device_arguments,
     add_engine_batch_options,
     add_engine_model_option,
@@ -394,9 +395,10 @@ def _run(args: argparse.Namespace) -> int:
     quiet = args.json or not sys.stdout.isatty()
     if quiet:
         print("kvpool run: loading the model", file=sys.stderr)
-    torch_threads = set_torch_threads(args)  # (after the checks: the model loads next)
+    probe = CpuProbe()  # (after the checks: the model loads next)
     load_start = time.perf_counter()
     engine, make_workload, model_name, loaded = build(args)
+    torch_threads = set_torch_threads(args, probe)
     load_s = time.perf_counter() - load_start
     rng = random.Random(args.seed)
     workload = make_workload(rng)

@@ -36,6 +36,7 @@ from kvpool.cli.options import (
     BLOCK_SIZE,
     DEFAULT_MODEL,
     ENGINE_MODELS,
+    CpuProbe,
     add_device_arguments,
     add_engine_batch_options,
     add_engine_model_option,
@@ -207,8 +208,9 @@ def _serve(
 
     print(f"kvpool serve: loading {name}", file=sys.stderr)
     dtype, device = model_placement(args)
-    set_torch_threads(args)
+    probe = CpuProbe()
     loaded = load_model(gguf, dtype=dtype, device=device)
+    set_torch_threads(args, probe)
     engine = llama_engine(loaded, args, kv_bytes)
     limit_model_len(engine, args.max_model_len)  # (a context below 2 tokens refused: every request a 413)
     num_blocks = engine.runner.usage().num_blocks
