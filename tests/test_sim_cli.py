@@ -237,6 +237,17 @@ def test_no_prefix_caching_hits_nothing(capsys):
     assert hits[False][0] > 0.3  # chat shares system prompts: the flag is what turned the hits off
 
 
+def test_v4_without_prefix_caching_reports_no_turn_end_states(capsys):
+    turn_ends = {}
+    for flags in ([], ["--no-enable-prefix-caching"]):
+        v4 = ["--model", "deepseek-v4-flash", "--gpu", "h200", "--requests", "8", "--json"]
+        assert main(["simulate", *v4, *flags]) == 0
+        report = json.loads(capsys.readouterr().out)
+        turn_ends[bool(flags)] = (report["v4_turn_ends"], report["state_adoptions"])
+    assert turn_ends[True] == (False, 0)  # no prefix cache: no state kept for a next turn
+    assert turn_ends[False][0] is True
+
+
 def test_a_block_size_list_runs_each_and_contiguous_once(capsys):
     flags = ["--requests", "24", "--layout", "paged,contiguous", "--block-size", "16,32", "--json"]
     assert main(["simulate", *LLAMA, *flags]) == 0

@@ -185,7 +185,7 @@ def build_report(
         "replayed_tokens": int(sum(s["replayed_tokens"] for s in stats)),
         "checkpoint_copies": int(sum(s["checkpoint_copies"] for s in stats)),
         "v4_restore": config.v4_restore,
-        "v4_turn_ends": config.v4_turn_ends,
+        "v4_turn_ends": config.v4_turn_ends and config.enable_prefix_caching,  # (no cache: no turn-end state kept)
         "state_adoptions": sum(g.num_adoptions for rep in replicas for g in rep.runner.cache.dual_groups),
         **p50_p99("alloc_latency_us", alloc_us, 2),
         "num_alloc_calls": sum(rep.engine.stats.num_alloc_calls for rep in replicas),
