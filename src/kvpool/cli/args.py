@@ -49,9 +49,15 @@ def non_negative_int(text: str) -> int:
 
 
 def seed_int(text: str) -> int:
-    """A seed: an int in [0, 2**63), what torch's generators and `SamplingParams` take (a
-    larger one read "Overflow when unpacking long long", naming no flag)."""
+    """A seed: an int in [0, 2**63), what `kvpool run`'s workload, arrivals and
+    `SamplingParams` take (a larger one read "Overflow when unpacking long long", naming no
+    flag)."""
     return parsed_number(text, int, lambda v: 0 <= v < 2**63, "an integer in [0, 2**63)")
+
+
+def torch_seed_int(text: str) -> int:
+    """A seed for torch's generator alone (`torch.manual_seed`): an int in [-2**63, 2**63)."""
+    return parsed_number(text, int, lambda v: -(2**63) <= v < 2**63, "an integer in [-2**63, 2**63)")
 
 
 def positive_float(text: str) -> float:

@@ -33,7 +33,7 @@ import json
 import math
 from collections.abc import Callable
 
-from kvpool.cli.args import HelpFormatter, positive_int, seed_int
+from kvpool.cli.args import HelpFormatter, positive_int, torch_seed_int
 from kvpool.cli.options import BLOCK_SIZE, add_option
 
 DTYPES = ("fp64", "fp32")
@@ -58,7 +58,7 @@ def _add_matrix_arguments(parser: argparse.ArgumentParser, seed_help: str) -> No
         help="comma-separated prompt lengths: run only those length cases (default: the whole matrix)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--seed", type=seed_int, default=0, help=seed_help)
+    parser.add_argument("--seed", type=torch_seed_int, default=0, help=seed_help)
     parser.add_argument(
         "--dtype",
         choices=DTYPES,
