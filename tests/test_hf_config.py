@@ -117,6 +117,8 @@ def test_a_directory_defaults_and_ignored_keys(tmp_path):
         ({"rms_norm_eps": None}, "rms_norm_eps must be a number, got None"),
         # json reads 1e999 / Infinity as inf: it was taken as the RoPE base
         ({"rope_theta": float("inf")}, "rope_theta must be finite and positive, got inf"),
+        # an int past a double's range was an OverflowError traceback
+        ({"rope_theta": 10**400}, "rope_theta must be finite and positive, got 1000"),
         ({"rms_norm_eps": -1e-5}, "rms_norm_eps must be finite and positive, got -1e-05"),
         # bool("false") is True: the string tied an untied model
         ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false'"),

@@ -89,9 +89,13 @@ def _parse(raw: dict[str, Any], where: str) -> LlamaConfig:
         value = raw.get(key, default)
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise ValueError(f"{where}: {key} must be a number, got {value!r}")
-        if not (math.isfinite(value) and value > 0):
+        try:
+            number = float(value)  # (an int past a double's range: OverflowError)
+        except OverflowError:
+            number = math.inf
+        if not (math.isfinite(number) and number > 0):
             raise ValueError(f"{where}: {key} must be finite and positive, got {value!r}")
-        return float(value)
+        return number
 
     rope_theta = positive_number("rope_theta", 10000.0)
     eps = positive_number("rms_norm_eps", 1e-6)
