@@ -248,8 +248,8 @@ def set_torch_threads(args: argparse.Namespace, probe: CpuProbe) -> int:
     N, else torch's own count cut to the CPUs that other processes left free while it loaded
     (`probe`, begun before the load; `free_cpus`). Why: torch's OpenMP threads meet at a
     barrier in every operation, so one that waits for a CPU holds the others: on a 2-vCPU
-    machine beside one busy process, `kvpool run` with 8 chats took 24.6 s with torch's 2
-    threads against 13.5 s with 1 (docs/engine.md). The count set is returned (`kvpool
+    machine beside one busy process, `kvpool run` with 8 chats took 21.3-22.9 s with torch's
+    2 threads against 11.3-11.9 s with 1 (docs/engine.md). The count set is returned (`kvpool
     run`'s report holds it, `torch_threads`)."""
     import torch
 
