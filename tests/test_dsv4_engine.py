@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -349,3 +350,13 @@ def test_add_request_refuses_arguments_of_the_wrong_type(options, message) -> No
         engine.add_request([1, 2, 3], **options)
     assert not engine.requests and not engine.has_unfinished()
     assert engine.add_request([1, 2, 3], SamplingParams(max_tokens=1), "ok", arrival_time=0, tenant="t") == "ok"
+
+
+def test_add_request_takes_numpys_numbers_as_arrival_times() -> None:
+    """numpy's ints and floats are numbers (they were taken before the type checks above, and
+    refused as 'not a finite number' by them): each is taken as a float."""
+    engine = build_engine(TinyDSV4(), num_blocks=8)
+    for i, when in enumerate((np.int64(3), np.float32(2.5), 1, 0.5)):
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=1), f"r{i}", arrival_time=when)
+        arrival = engine.requests[f"r{i}"].arrival_time
+        assert type(arrival) is float and arrival == float(when)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvpool.cli import options
-from kvpool.cli.options import CpuProbe, free_cpus, set_torch_threads
+from kvpool.cli.options import CpuProbe, free_cpus, set_torch_threads, start_torch_threads
 
 
 @pytest.mark.parametrize(
@@ -101,13 +101,15 @@ def test_an_idle_machine_keeps_torchs_count(monkeypatch, threads_kept):
     assert torch.get_num_threads() == 2
 
 
-def test_threads_flag_wins_whatever_the_load(monkeypatch, threads_kept):
+def test_threads_flag_wins_whatever_the_load_and_is_set_before_the_load(monkeypatch, threads_kept):
     torch.set_num_threads(1)
     machine = FakeMachine(monkeypatch)
     machine.others = 2.0
-    probe = CpuProbe()
+    args = argparse.Namespace(threads=2)
+    probe = start_torch_threads(args)
+    assert probe is None and torch.get_num_threads() == 2  # (the model loads on the threads asked for)
     machine.run(0.5)
-    assert set_torch_threads(argparse.Namespace(threads=2), probe) == 2
+    assert set_torch_threads(args, probe) == 2
     assert torch.get_num_threads() == 2
 
 

@@ -31,12 +31,12 @@ from kvpool.cli.args import (
 from kvpool.cli.bench import call_with_flags, print_table, printed_json
 from kvpool.cli.options import (
     BLOCK_SIZE,
-    CpuProbe,
     add_engine_model_option,
     add_option,
     add_threads_option,
     gguf_path,
     set_torch_threads,
+    start_torch_threads,
 )
 
 
@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--text", default=None, metavar="FILE", help="a UTF-8 text file (default: the built-in text)")
     add_engine_model_option(p, note="; or tiny-dsv4 (its fp8 layout against fp32)")
-    add_threads_option(p)
+    add_threads_option(p, probed=True)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     add_plot_file_argument(p, "per-layer error and the quality-vs-bytes frontier (default: no plot)")
     p.set_defaults(_name="eval kv-quant")
@@ -86,10 +86,11 @@ def run(args: argparse.Namespace) -> int:
         check_plot_path(args.plot)
     if args.greedy_steps < 0:
         raise ValueError(f"--greedy-steps must be >= 0, got {args.greedy_steps}")
+    probe = start_torch_threads(args)
     if args.model == "tiny-dsv4":
+        set_torch_threads(args, probe)
         return _run_v4(args)
     text, source = reference_text(args.text)
-    probe = CpuProbe()
     loaded = load_model(gguf_path(args.model), device="cpu")
     set_torch_threads(args, probe)
     done = 0

@@ -24,7 +24,6 @@ from kvpool.cli.args import (
 from kvpool.cli.options import (
     BLOCK_SIZE,
     PREFIX_CACHING,
-    CpuProbe,
     add_device_arguments,
     add_engine_model_option,
     add_kv_cache_dtype_option,
@@ -33,6 +32,7 @@ from kvpool.cli.options import (
     add_tp_option,
     gguf_path,
     set_torch_threads,
+    start_torch_threads,
 )
 
 DSV4_DEFAULT_BLOCKS = 512  # tiny-dsv4's classical blocks when --num-blocks is not given
@@ -83,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser,
         note="; or tiny-dsv4, the tiny DeepSeek-V4 model on its dual pool (token ids in and out: give --no-chat)",
     )
-    add_threads_option(parser)
+    add_threads_option(parser, probed=True)
     add_tp_option(parser)
     add_device_arguments(parser)
 
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
     )
-    probe = CpuProbe()
+    probe = start_torch_threads(args)
     loaded = load_model(gguf_path(args.model), dtype=dtype, device=device)
     set_torch_threads(args, probe)
     rank = _tensor_parallel(args, loaded)

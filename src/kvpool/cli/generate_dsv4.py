@@ -16,7 +16,7 @@ import time
 
 from kvpool.cli.args import check_span_block_size, host_cache_bytes, v4_kv_format
 from kvpool.cli.generate import DSV4_DEFAULT_BLOCKS, GENERATE_BLOCK_SIZE, check_context, length_note, timings
-from kvpool.cli.options import CpuProbe, set_torch_threads
+from kvpool.cli.options import set_torch_threads, start_torch_threads
 
 MODEL_NAME = "tiny-dsv4"
 
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace, tiers: dict[str, object] | None = None) -> int
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
     )
     start = time.perf_counter()
-    probe = CpuProbe()
+    probe = start_torch_threads(args)
     model = TinyDSV4()
     check_span_block_size(args, model.spec.span, GENERATE_BLOCK_SIZE)
     num_blocks = args.num_blocks or DSV4_DEFAULT_BLOCKS

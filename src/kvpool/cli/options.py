@@ -176,7 +176,7 @@ THREADS = SharedOption(
     "CPU threads",
     ("--threads",),
     "threads",
-    "torch's CPU threads (default: torch's count, less the CPUs other processes kept busy while the model loaded)",
+    "torch's CPU threads",
     positive_int,
     metavar="N",
 )
@@ -243,17 +243,28 @@ class CpuProbe:
         return max(0.0, busy - own)
 
 
-def set_torch_threads(args: argparse.Namespace, probe: CpuProbe) -> int:
+def start_torch_threads(args: argparse.Namespace) -> CpuProbe | None:
+    """An engine command's threads, before its model loads: --threads N is set now (None
+    returned); else a CpuProbe begins, for `set_torch_threads` once the model has loaded."""
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        return None
+    return CpuProbe()
+
+
+def set_torch_threads(args: argparse.Namespace, probe: CpuProbe | None) -> int:
     """torch's CPU threads for an engine command, set once its model has loaded: --threads
-    N, else torch's own count cut to the CPUs that other processes left free while it loaded
-    (`probe`, begun before the load; `free_cpus`). Why: torch's OpenMP threads meet at a
+    N (set by `start_torch_threads`, which began `probe` otherwise), else torch's own count cut
+    to the CPUs that other processes left free while it loaded (`free_cpus`). Why: torch's OpenMP threads meet at a
     barrier in every operation, so one that waits for a CPU holds the others: on a 2-vCPU
     machine beside one busy process, `kvpool run` with 8 chats took 21.3-22.9 s with torch's
     2 threads against 11.3-11.9 s with 1 (docs/engine.md). The count set is returned (`kvpool
     run`'s report holds it, `torch_threads`)."""
     import torch
 
-    if args.threads:
+    if args.threads or probe is None:
         torch.set_num_threads(args.threads)
         return args.threads
     threads = torch.get_num_threads()
@@ -429,8 +440,11 @@ def add_engine_batch_options(
     add_option(parser, PREFIX_CACHING, default=True)
 
 
-def add_threads_option(parser: argparse.ArgumentParser) -> None:
-    add_option(parser, THREADS, default=None, note="default: torch's choice")
+def add_threads_option(parser: argparse.ArgumentParser, probed: bool = False) -> None:
+    """probed: the command cuts torch's count to the CPUs free while its model loads
+    (`start_torch_threads`, `set_torch_threads`)."""
+    note = "default: torch's count, less the CPUs other processes kept busy while the model loaded"
+    add_option(parser, THREADS, default=None, note=note if probed else "default: torch's choice")
 
 
 ENGINE_TP_NOTE = (

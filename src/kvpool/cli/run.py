@@ -64,7 +64,6 @@ from kvpool.cli.main import EXIT_INTERRUPTED, EXIT_TERMINATED, Terminated, termi
 from kvpool.cli.options import (
     BLOCK_SIZE,
     V4_TURN_ENDS,
-    CpuProbe,
     add_device_arguments,
     add_engine_batch_options,
     add_engine_model_option,
@@ -75,6 +74,7 @@ from kvpool.cli.options import (
     add_tp_option,
     gguf_path,
     set_torch_threads,
+    start_torch_threads,
 )
 from kvpool.workload.live import live_chat, live_token_ids
 from kvpool.workload.metrics import cpu_load, report_notes, report_sections, run_report
@@ -161,7 +161,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(window + full attention) or tiny-recurrent (recurrent + full layers); or an HF config.json of a "
         "Llama-family model (seeded random weights, token ids: real shapes without the weights)",
     )
-    add_threads_option(parser)
+    add_threads_option(parser, probed=True)
     add_tp_option(parser)
 
 
@@ -395,11 +395,11 @@ def _run(args: argparse.Namespace) -> int:
     quiet = args.json or not sys.stdout.isatty()
     if quiet:
         print("kvpool run: loading the model", file=sys.stderr)
-    probe = CpuProbe()  # (after the checks: the model loads next)
+    probe = start_torch_threads(args)  # (after the checks: the model loads next)
     load_start = time.perf_counter()
     engine, make_workload, model_name, loaded = build(args)
-    torch_threads = set_torch_threads(args, probe)
     load_s = time.perf_counter() - load_start
+    torch_threads = set_torch_threads(args, probe)  # (after load_s: it may wait out a short load)
     rng = random.Random(args.seed)
     workload = make_workload(rng)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.7, top_p=0.9, seed=args.seed)

@@ -36,7 +36,6 @@ from kvpool.cli.options import (
     BLOCK_SIZE,
     DEFAULT_MODEL,
     ENGINE_MODELS,
-    CpuProbe,
     add_device_arguments,
     add_engine_batch_options,
     add_engine_model_option,
@@ -46,6 +45,7 @@ from kvpool.cli.options import (
     add_threads_option,
     gguf_path,
     set_torch_threads,
+    start_torch_threads,
 )
 
 DEFAULT_KV_MEMORY = "256MiB"
@@ -99,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_persistent_cache_arguments(parser, swa=False)
     add_preemption_argument(parser)
     add_device_arguments(parser)
-    add_threads_option(parser)
+    add_threads_option(parser, probed=True)
     parser.add_argument(
         "--log-level",
         choices=("critical", "error", "warning", "info", "debug"),
@@ -198,6 +198,7 @@ def _serve(
     api_keys: dict[str, str | None],
     max_request_bytes: int,
 ) -> int:
+    import torch
     import uvicorn
 
     from kvpool.cli.run import llama_engine
@@ -208,9 +209,15 @@ def _serve(
 
     print(f"kvpool serve: loading {name}", file=sys.stderr)
     dtype, device = model_placement(args)
-    probe = CpuProbe()
+    probe = start_torch_threads(args)
     loaded = load_model(gguf, dtype=dtype, device=device)
-    set_torch_threads(args, probe)
+    threads = torch.get_num_threads()
+    if set_torch_threads(args, probe) < threads:  # (a server runs for hours on this choice: said)
+        print(
+            f"kvpool serve: {torch.get_num_threads()} torch thread(s), not {threads}: other processes kept CPUs busy "
+            "while the model loaded (--threads N to choose)",
+            file=sys.stderr,
+        )
     engine = llama_engine(loaded, args, kv_bytes)
     limit_model_len(engine, args.max_model_len)  # (a context below 2 tokens refused: every request a 413)
     num_blocks = engine.runner.usage().num_blocks

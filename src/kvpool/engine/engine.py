@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 import operator
 import time
 import traceback
@@ -373,12 +374,13 @@ class Engine:
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         if not isinstance(tenant, str):
             raise TypeError(f"tenant must be a str, got {type(tenant).__name__}")
-        if arrival_time is not None and (
-            isinstance(arrival_time, bool)
-            or not isinstance(arrival_time, (int, float))
-            or not math.isfinite(arrival_time)
-        ):
-            raise TypeError(f"arrival_time must be a finite number of seconds, got {arrival_time!r}")
+        if arrival_time is not None:
+            if type(arrival_time) is not float:  # (numpy's numbers too: numbers.Real, taken as floats)
+                if isinstance(arrival_time, bool) or not isinstance(arrival_time, numbers.Real):
+                    raise TypeError(f"arrival_time must be a finite number of seconds, got {arrival_time!r}")
+                arrival_time = float(arrival_time)
+            if not math.isfinite(arrival_time):
+                raise TypeError(f"arrival_time must be a finite number of seconds, got {arrival_time!r}")
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
