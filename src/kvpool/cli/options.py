@@ -246,10 +246,11 @@ class CpuProbe:
 def start_torch_threads(args: argparse.Namespace) -> CpuProbe | None:
     """An engine command's threads, before its model loads: --threads N is set now (None
     returned); else a CpuProbe begins, for `set_torch_threads` once the model has loaded."""
-    if args.threads:
+    threads = getattr(args, "threads", None)  # (a caller's namespace may hold no --threads)
+    if threads:
         import torch
 
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(threads)
         return None
     return CpuProbe()
 
@@ -264,9 +265,11 @@ def set_torch_threads(args: argparse.Namespace, probe: CpuProbe | None) -> int:
     run`'s report holds it, `torch_threads`)."""
     import torch
 
-    if args.threads or probe is None:
-        torch.set_num_threads(args.threads)
-        return args.threads
+    asked = getattr(args, "threads", None)
+    if asked or probe is None:
+        if asked:
+            torch.set_num_threads(asked)
+        return torch.get_num_threads()
     threads = torch.get_num_threads()
     others = probe.others_busy()
     if others is None or probe.cpus is None:
