@@ -361,7 +361,10 @@ def test_an_empty_path_is_one_line(flag, capsys, no_simulating):
 @pytest.mark.parametrize(
     ("flags", "line"),
     [
-        (["--load-cap", "0.5"], "kvpool simulate: error: argument --load-cap: expected a number >= 1, got '0.5'"),
+        (
+            ["--load-cap", "0.5"],
+            "kvpool simulate: error: argument --load-cap: expected a finite number >= 1, got '0.5'",
+        ),
         (
             ["--model", "deepseek-v4-flash", "--v4-restore", "checkpoint", "--v4-checkpoints", "0"],
             "kvpool simulate: error: --v4-restore checkpoint with --v4-checkpoints 0: no slot to keep a checkpoint in",

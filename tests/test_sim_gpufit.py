@@ -119,6 +119,8 @@ def test_a_layers_fixed_time_is_the_bare_batch_1_graph_decode_past_its_bytes_at_
     ("measurement", "message"),
     [
         ({"kind": "flops", "value": 1.0}, r"measurement 0: unknown kind 'flops'; known: gemm, copy, decode, prefill$"),
+        # (a list was a TypeError traceback: unhashable)
+        ({"kind": ["copy"], "value": 1.0}, r"measurement 0: unknown kind \['copy'\]; known: gemm, copy"),
         ({"kind": "decode", "value": 4.0, "batch": 1}, r"measurement 0 \(decode\): missing context_len, host_mode$"),
         ({"kind": "copy", "value": -1}, r"value must be a finite positive number, got -1$"),
         ({"kind": "copy", "value": True}, r"value must be a finite positive number, got true$"),  # (was 1)

@@ -88,6 +88,9 @@ def test_pd_flags_and_what_it_refuses_are_one_line(capsys) -> None:
         with pytest.raises(SystemExit):
             main([*flags, "--prefill-replicas", "1", *extra])
         assert expected in capsys.readouterr().err
+    # bytes a second written as NICs' bits are: a capital B ("100GBps" was refused as bits)
+    assert main([*flags, "--prefill-replicas", "1", "--kv-transfer-bandwidth", "100GBps", "--json"]) == 0
+    assert '"bandwidth_bytes_per_s": 100000000000.0' in capsys.readouterr().out
     for extra in (["--kv-transfer-bandwidth", "25GiB/s"], ["--kv-transfer-latency-ms", "0"]):
         assert main([*flags, *extra]) == 2
         flag = extra[0]

@@ -99,8 +99,11 @@ def _list(parse):
 
 
 def _bandwidth(text: str) -> float:
-    """A link's bandwidth, bytes per second: a size, "/s" optional ("50GB/s", "400G")."""
+    """A link's bandwidth, bytes per second: a size, "/s" or "ps" after a capital B optional
+    ("50GB/s", "50GBps", "25GiB/s")."""
     size = text.strip().removesuffix("/s")
+    if size.endswith("Bps"):  # bytes per second, written as NICs' bits are ("100GBps")
+        size = size[: -len("ps")]
     # A NIC's speed is written in bits ("400 Gb/s", "400Gbps"): byte_size reads any-case "Gb"
     # as 10^9 bytes, so 400Gb/s was 8x the link it names. A lowercase b (or bit, bps) is refused.
     unit = size.lstrip("0123456789.eE+-_ ")
@@ -126,7 +129,7 @@ def _milliseconds(text: str) -> float:
 
 def _load_cap(text: str) -> float:
     """A finite factor >= 1 (0.5 was 'load_cap must be >= 1', naming no flag)."""
-    return parsed_number(text, float, lambda v: math.isfinite(v) and v >= 1, "a number >= 1")
+    return parsed_number(text, float, lambda v: math.isfinite(v) and v >= 1, "a finite number >= 1")
 
 
 def _range(text: str) -> tuple[int, int]:

@@ -190,7 +190,7 @@ def load_run(name_or_path: str) -> MeasuredRun:
         if not isinstance(m.get("name", ""), str):
             raise ValueError(f"{where}: name must be a string, got {json.dumps(m['name'])}")
         kind = m.get("kind")
-        if kind not in KINDS:
+        if not isinstance(kind, str) or kind not in KINDS:  # (a list or an object: unhashable)
             raise ValueError(f"{where}: unknown kind {kind!r}; known: {', '.join(KINDS)}")
         missing = [k for k in ("value", *KINDS[kind]) if k not in m]
         if missing:
