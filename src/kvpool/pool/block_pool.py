@@ -255,21 +255,27 @@ class BlockPool:
         pool or a free block that is not cached (only a cached block is found while free)."""
         refcounts = self._refcounts
         free_cached = self._free_cached
-        cached = self._cached
         if not isinstance(block_ids, (list, tuple)):
             block_ids = list(block_ids)
-        for block_id in block_ids:  # checked first: a refusal changes nothing (a free cached block's LRU place)
-            if block_id.__class__ is not int:
-                block_id = _index("block id", block_id)  # (numpy's ints are ids)
-            if not 0 <= block_id < self.num_blocks:
-                raise self._bad_id(block_id)
-            if refcounts[block_id] == 0 and cached[block_id] is None:
-                raise ValueError(f"incref of block {block_id}, which is free and holds no cached content")
+        self._check_increfs(block_ids)  # first: a refusal changes nothing (a free cached block's LRU place)
         for block_id in block_ids:
             if refcounts[block_id] == 0:
                 del free_cached[block_id]
                 self.index_version += 1  # (held now: `match` may pick this copy)
             refcounts[block_id] += 1
+
+    def _check_increfs(self, block_ids: Sequence[int]) -> None:
+        """`incref`'s refusals of `block_ids`, before anything changes: TypeError for an id
+        that is no int (numpy's ints are ids), ValueError for one outside the pool or of a
+        free block that holds no cached content."""
+        refcounts, cached, num_blocks = self._refcounts, self._cached, self.num_blocks
+        for block_id in block_ids:
+            if block_id.__class__ is not int:
+                block_id = _index("block id", block_id)
+            if not 0 <= block_id < num_blocks:
+                raise self._bad_id(block_id)
+            if refcounts[block_id] == 0 and cached[block_id] is None:
+                raise ValueError(f"incref of block {block_id}, which is free and holds no cached content")
 
     def touch(self, block_ids: Sequence[int]) -> None:
         """`incref(block_ids)` then `decref(block_ids)` in one pass: the free cached blocks
@@ -278,14 +284,7 @@ class BlockPool:
         are incref's (ValueError, TypeError: an id that is no int), nothing changed. (A V4
         restore's use of a checkpoint: its parts become the most recently used.)"""
         refcounts = self._refcounts
-        cached = self._cached
-        for block_id in block_ids:  # incref's checks, first: a refusal changes nothing
-            if block_id.__class__ is not int:
-                block_id = _index("block id", block_id)  # (numpy's ints are ids)
-            if not 0 <= block_id < self.num_blocks:
-                raise self._bad_id(block_id)
-            if refcounts[block_id] == 0 and cached[block_id] is None:
-                raise ValueError(f"incref of block {block_id}, which is free and holds no cached content")
+        self._check_increfs(block_ids)  # incref's checks, first: a refusal changes nothing
         free_cached = self._free_cached
         moved = False
         for block_id in block_ids:
