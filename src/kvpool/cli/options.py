@@ -257,22 +257,19 @@ def start_torch_threads(args: argparse.Namespace) -> CpuProbe | None:
 
 def set_torch_threads(args: argparse.Namespace, probe: CpuProbe | None) -> int:
     """torch's CPU threads for an engine command, set once its model has loaded: --threads
-    N (set by `start_torch_threads`, which began `probe` otherwise), else torch's own count cut
-    to the CPUs that other processes left free while it loaded (`free_cpus`). Why: torch's OpenMP threads meet at a
-    barrier in every operation, so one that waits for a CPU holds the others: on a 2-vCPU
-    machine beside one busy process, `kvpool run` with 8 chats took 21.3-22.9 s with torch's
-    2 threads against 11.3-11.9 s with 1 (docs/engine.md). The count set is returned (`kvpool
-    run`'s report holds it, `torch_threads`)."""
+    N (set already by `start_torch_threads`, which began `probe` otherwise), else torch's own
+    count cut to the CPUs that other processes left free while it loaded (`free_cpus`). Why:
+    torch's OpenMP threads meet at a barrier in every operation, so one that waits for a CPU
+    holds the others: on a 2-vCPU machine beside one busy process, `kvpool run` with 8 chats
+    took 21.3-22.9 s with torch's 2 threads against 11.3-11.9 s with 1 (docs/engine.md). The
+    count in use is returned (`kvpool run`'s report holds it, `torch_threads`)."""
     import torch
 
-    asked = getattr(args, "threads", None)
-    if asked or probe is None:
-        if asked:
-            torch.set_num_threads(asked)
-        return torch.get_num_threads()
     threads = torch.get_num_threads()
+    if probe is None or getattr(args, "threads", None):  # (--threads N: set before the load)
+        return threads
     others = probe.others_busy()
-    if others is None or probe.cpus is None:
+    if others is None:  # (/proc/stat or the affinity unknown: torch's count)
         return threads
     free = free_cpus(len(probe.cpus), others)
     if free < threads:
