@@ -1,9 +1,10 @@
 """`kvpool simulate sweep`'s executors and its summary: Ray in local mode gives the process
 pool's JSONL rows (all but the wall-clock keys), the cheapest deployment meeting the SLO is
 picked by GPUs per goodput on hand-made rows and on a models x TP x rates grid checked by
-hand from its JSONL, rows are written as their points finish (a failing point keeps the
-earlier ones), deployments that cannot run are left out in a line, and bad flags are one
-line."""
+hand from its JSONL, rows are written as their points finish (a failing point is a row
+holding its error, the others run on, status 1; Ctrl-C still stops it all), deployments
+that cannot run (a trace past a model's vocabulary too) are left out in a line, and bad
+flags are one line."""
 
 from __future__ import annotations
 
@@ -140,7 +141,7 @@ def test_a_models_by_tp_by_rates_grid_picks_what_its_jsonl_says(tmp_path, capsys
     assert err[-1] == expected
 
 
-def test_rows_are_on_disk_as_their_points_finish_and_a_failing_point_keeps_them(tmp_path, capsys, monkeypatch):
+def test_rows_are_on_disk_as_their_points_finish_and_a_failing_point_is_a_row(tmp_path, capsys, monkeypatch):
     from kvpool.sim import deployment
 
     out = tmp_path / "grid.jsonl"
@@ -155,11 +156,106 @@ def test_rows_are_on_disk_as_their_points_finish_and_a_failing_point_keeps_them(
         return real(payload)
 
     monkeypatch.setattr(deployment, "sweep_point", second_fails)
-    assert main(["simulate", "sweep", *GRID, "--jobs", "1", "--out", str(out)]) == 2
-    assert capsys.readouterr().err.strip().splitlines() == ["kvpool simulate: error: point at rate 8.0 failed"]
-    assert len(seen) == 2 and seen[0] == [] and len(seen[1]) == 1
-    (row,) = _rows(out)  # the finished point stayed
-    assert (row["point"], row["layout"], row["request_rate"]) == (0, "paged", 2.0)
+    assert main(["simulate", "sweep", *GRID, "--jobs", "1", "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        err[0]
+        == "kvpool simulate sweep: point 1 (llama-3.1-8b on h200, layout paged, rate 8.0) failed: point at rate 8.0 failed"
+    )
+    assert err[1] == f"kvpool simulate sweep: 4 runs -> {out}"
+    assert err[2].startswith("kvpool simulate sweep: cheapest deployment meeting the SLO")
+    assert err[3] == f"kvpool simulate sweep: 1 of 4 points failed (their rows in {out} hold the error)"
+    assert len(seen) == 4 and seen[0] == [] and len(seen[1]) == 1 and len(seen[3]) == 3  # the others ran on
+    rows = _rows(out)
+    assert rows[1] == {
+        "point": 1,
+        "model": "llama-3.1-8b",
+        "gpu": "h200",
+        "tp": None,
+        "layout": "paged",
+        "block_size": None,
+        "routing": "round-robin",
+        "request_rate": 8.0,
+        "error": "point at rate 8.0 failed",
+    }
+    assert [(r["point"], r["layout"], r["request_rate"], "error" in r) for r in rows] == [
+        (0, "paged", 2.0, False),
+        (1, "paged", 8.0, True),
+        (2, "contiguous", 2.0, False),
+        (3, "contiguous", 8.0, False),
+    ]
+
+
+def test_an_unexpected_error_in_a_point_is_named_by_its_type_with_its_traceback(tmp_path, capsys, monkeypatch):
+    from kvpool.sim import deployment
+
+    def broken(payload):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(deployment, "sweep_point", broken)
+    out = tmp_path / "grid.jsonl"
+    assert main(["simulate", "sweep", *GRID, "--rate", "2", "--layout", "paged", "--jobs", "1", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "failed: RuntimeError: a bug\nTraceback (most recent call last):" in err
+    assert err.rstrip().endswith(f"1 of 1 points failed (their rows in {out} hold the error)")
+    assert "cheapest deployment" not in err  # no row ran: no summary to draw
+    (row,) = _rows(out)
+    assert row["error"] == "RuntimeError: a bug" and row["traceback"].rstrip().endswith("RuntimeError: a bug")
+
+
+def test_ctrl_c_in_a_point_still_stops_the_sweep_in_one_line(tmp_path, capsys, monkeypatch):
+    from kvpool.sim import deployment
+
+    real = deployment.sweep_point
+    calls = []
+
+    def second_interrupted(payload):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(payload)
+
+    monkeypatch.setattr(deployment, "sweep_point", second_interrupted)
+    out = tmp_path / "grid.jsonl"
+    assert main(["simulate", "sweep", *GRID, "--jobs", "1", "--out", str(out)]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["kvpool simulate: interrupted"]
+    assert len(calls) == 2 and [r["point"] for r in _rows(out)] == [0]  # the finished row stayed
+
+
+def test_a_trace_past_one_models_vocabulary_leaves_that_model_out(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(
+        '{"timestamp": 0.1, "prompt_ids": [1, 2, 60000, 5], "output_length": 4}\n'
+        '{"timestamp": 0.2, "prompt_ids": [7, 8, 9], "output_length": 3}\n'
+    )
+    out = tmp_path / "grid.jsonl"
+    flags = ["--trace", str(trace), "--model", "llama-3.1-8b,smollm2-135m", "--jobs", "1", "--out", str(out)]
+    assert main(["simulate", "sweep", *flags]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == (
+        f"kvpool simulate sweep: left out smollm2-135m on h200: {trace} line 1: prompt_ids[2] = 60000 is outside "
+        "the vocabulary [0, 49152)"
+    )
+    (row,) = _rows(out)  # llama-3.1-8b's 128,256 ids hold it
+    assert (row["model"], row["request_rate"], row["num_requests"]) == ("llama-3.1-8b", "trace", 2)
+
+
+def test_a_point_failing_in_a_worker_process_leaves_the_others_running(tmp_path, capsys):
+    # 17.6 GiB of an H200: llama-3.1-8b's pool holds 1,472 tokens, fewer than one 2,004-token
+    # request (found only once its cache is built, in the worker); smollm2-135m's holds it
+    out = tmp_path / "grid.jsonl"
+    flags = ["--model", "llama-3.1-8b,smollm2-135m", "--gpu-memory-utilization", "0.125", "--workload", "uniform"]
+    flags += ["--requests", "2", "--prompt-len", "2000:2000", "--output-len", "4:4", "--rate", "2"]
+    assert main(["simulate", "sweep", *flags, "--jobs", "2", "--out", str(out)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == (
+        "kvpool simulate sweep: point 0 (llama-3.1-8b on h200, rate 2.0) failed: the workload's longest request "
+        "(2,004 tokens) does not fit one replica's cache (1,472 tokens, layout paged)"
+    )
+    assert err[-1] == f"kvpool simulate sweep: 1 of 2 points failed (their rows in {out} hold the error)"
+    failed, ran = _rows(out)
+    assert failed["point"] == 0 and "error" in failed and "num_requests" not in failed
+    assert (ran["point"], ran["model"], ran["num_requests"], "error" in ran) == (1, "smollm2-135m", 2, False)
 
 
 def test_deployments_that_cannot_run_are_left_out_in_a_line(tmp_path, capsys):

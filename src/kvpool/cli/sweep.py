@@ -7,8 +7,10 @@
 The grid is models x GPUs x TP x layouts x block sizes x routings x rates (each flag a
 comma list; sim/deployment.py `grid`). A deployment that cannot run (a model that leaves no
 KV pool on its TP GPUs, TP past one node) is left out before anything is simulated, with a
-line on stderr saying why (sim/sweep.py `runnable`); a grid of which nothing can run is an
-error.
+line on stderr saying why (sim/sweep.py `runnable`: the deployment, and the workload on
+each model: a trace's ids within its vocabulary); a grid of which nothing can run is an
+error. A point that still fails as it runs is a row holding its error (and a line on
+stderr); the others run on, and the sweep's status is 1 at the end.
 
 Each point's row is written to the JSONL (`--out`, else stdout) and flushed as soon as the
 point finishes, in the order they finish, with its place in the grid as `point`: a sweep
@@ -26,9 +28,18 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpool.cli.simulate import SLO_ATTAINMENT
-from kvpool.sim import deployment
 from kvpool.sim.deployment import SimOptions
-from kvpool.sim.sweep import cheapest_deployment, describe, map_processes, map_ray, read_rows, runnable
+from kvpool.sim.sweep import (
+    cheapest_deployment,
+    describe,
+    error_row,
+    finished,
+    map_processes,
+    map_ray,
+    point_or_error,
+    read_rows,
+    runnable,
+)
 
 
 def run_sweep(args: argparse.Namespace, options: SimOptions, points: Sequence[dict[str, Any]]) -> int:
@@ -49,16 +60,27 @@ def run_sweep(args: argparse.Namespace, options: SimOptions, points: Sequence[di
     jobs = min(args.jobs or os.cpu_count() or 1, len(points))
     payloads = [(options, p) for p in points]
     if executor == "ray":
-        results = map_ray(deployment.sweep_point, payloads, jobs, args.ray_address)
+        results = map_ray(point_or_error, payloads, jobs, args.ray_address)
     else:
-        results = map_processes(deployment.sweep_point, payloads, jobs)
+        results = map_processes(point_or_error, payloads, jobs)
     rows: list[dict] = []
+    num_failed = 0
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     out = open(args.out, "w") if args.out else sys.stdout  # noqa: SIM115 (stdout is not ours to close)
     try:
         for index, row in results:
-            row = {"point": index, **row}
+            if "error" in row:  # this point failed: its error is its row, the others run on
+                num_failed += 1
+                row = error_row(options, index, points[index], row)
+                print(
+                    f"kvpool simulate sweep: point {index} ({_point_words(row)}) failed: {row['error']}",
+                    file=sys.stderr,
+                )
+                if "traceback" in row:
+                    print(row["traceback"].rstrip(), file=sys.stderr)
+            else:
+                row = {"point": index, **row}
             out.write(json.dumps(row) + "\n")
             out.flush()  # on disk as the point finishes: a sweep that stops keeps it
             rows.append(row)
@@ -70,10 +92,24 @@ def run_sweep(args: argparse.Namespace, options: SimOptions, points: Sequence[di
         rows = read_rows(args.out)  # what the plots and the summary read is the file
     else:
         rows.sort(key=lambda r: r["point"])
-    if args.plot:
+    ran = finished(rows)
+    if args.plot and ran:
         from kvpool.sim.plots import plot_sweep
 
-        for path in plot_sweep(rows, args.plot):
+        for path in plot_sweep(ran, args.plot):
             print(f"kvpool simulate sweep: wrote {path}", file=sys.stderr)
-    print(describe(cheapest_deployment(rows, attainment), attainment), file=sys.stderr)
+    if ran:
+        print(describe(cheapest_deployment(ran, attainment), attainment), file=sys.stderr)
+    if num_failed:
+        where = f" (their rows in {args.out} hold the error)" if args.out else " (their rows hold the error)"
+        print(f"kvpool simulate sweep: {num_failed} of {len(points)} points failed{where}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _point_words(row: dict) -> str:
+    """'llama-3.1-8b on h200, layout paged, rate 8.0': a failed point, in the grid's words."""
+    tp = "" if row["tp"] is None else f" at TP {row['tp']}"
+    layout = "" if row["layout"] is None else f", layout {row['layout']}"
+    block = "" if row["block_size"] is None else f" block {row['block_size']}"
+    return f"{row['model']} on {row['gpu']}{tp}{layout}{block}, rate {row['request_rate']}"

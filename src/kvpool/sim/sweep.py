@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import multiprocessing
 import signal
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -114,13 +116,28 @@ class Runnable(NamedTuple):
     left_out: list[LeftOut]
 
 
+def _workload_fits(options: SimOptions, point: dict[str, Any]) -> None:
+    """ValueError when the point's workload cannot run on its model: a trace's token id past
+    the model's vocabulary, a request longer than its context or --max-model-len. Lengths and
+    ids do not depend on the rate: one check per model covers its points."""
+    from kvpool.sim.deployment import make_workload
+    from kvpool.sim.simulator import check_request_lens
+    from kvpool.spec.models import model_by_name
+
+    model = model_by_name(point["model"])
+    workload = make_workload(options, model, point["rate"])
+    check_request_lens(model, workload, options.max_model_len, flag="--max-model-len")
+
+
 def runnable(options: SimOptions, points: Sequence[dict[str, Any]]) -> Runnable:
-    """The points whose deployment can run (sim/deployment.py `deployment_of` accepts it), and
-    why the others cannot (none can: `points` is empty, `left_out` says why)."""
+    """The points whose deployment can run (sim/deployment.py `deployment_of` accepts it) and
+    whose workload fits the model (a trace's ids within its vocabulary, every request within
+    its context), and why the others cannot (none can: `points` is empty, `left_out` says why)."""
     keep: list[dict[str, Any]] = []
     left_out: list[LeftOut] = []
     # (model, gpu, tp, block size, layout) -> why it cannot run ("": it can)
     checked: dict[tuple, str] = {}
+    workload_checked: dict[str, str] = {}  # model -> why its workload cannot run ("": it can)
     for point in points:
         key = (point["model"], point["gpu"], point["tp"], point["block_size"], point["layout"])
         if key not in checked:
@@ -129,6 +146,14 @@ def runnable(options: SimOptions, points: Sequence[dict[str, Any]]) -> Runnable:
                 checked[key] = ""
             except ValueError as error:
                 checked[key] = str(error)
+            if not checked[key]:
+                if point["model"] not in workload_checked:
+                    try:
+                        _workload_fits(options, point)
+                        workload_checked[point["model"]] = ""
+                    except ValueError as error:
+                        workload_checked[point["model"]] = str(error)
+                checked[key] = workload_checked[point["model"]]
         if not checked[key]:
             keep.append(point)
         else:
@@ -136,6 +161,36 @@ def runnable(options: SimOptions, points: Sequence[dict[str, Any]]) -> Runnable:
             if why not in left_out:  # its reason once per model, GPU and TP
                 left_out.append(why)
     return Runnable(keep, left_out)
+
+
+def point_or_error(payload: tuple[SimOptions, dict[str, Any]]) -> dict:
+    """What a sweep maps over its points: sim/deployment.py `sweep_point`'s row, or, for a
+    point that fails, {"error": why} (the other points run on; the caller writes the error
+    down as that point's row). A caller's mistake (ValueError, a file) is its message; any
+    other exception is named by its type, its traceback kept under "traceback". Ctrl-C
+    (KeyboardInterrupt, no Exception) still stops the sweep."""
+    from kvpool.sim import deployment
+
+    try:
+        return deployment.sweep_point(payload)
+    except (ValueError, FileNotFoundError) as error:
+        return {"error": str(error)}
+    except Exception as error:
+        return {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
+
+
+def error_row(options: SimOptions, index: int, point: dict[str, Any], failed: dict) -> dict:
+    """The JSONL row of a point that failed: its place and axes, as a report's keys name them
+    (request_rate as a report writes it), and the error."""
+    rate = point["rate"]
+    request_rate = "trace" if options.trace else rate if math.isfinite(rate) else "inf"
+    axes = {k: point[k] for k in ("model", "gpu", "tp", "layout", "block_size", "routing")}
+    return {"point": index, **axes, "request_rate": request_rate, **failed}
+
+
+def finished(rows: Sequence[dict]) -> list[dict]:
+    """The rows of the points that ran (a failed point's row holds "error" instead of a report)."""
+    return [row for row in rows if "error" not in row]
 
 
 def read_rows(path: str) -> list[dict]:
@@ -155,13 +210,15 @@ class Deployment(NamedTuple):
 
 
 def cheapest_deployment(rows: Sequence[dict], min_attainment: float) -> Deployment | None:
-    """Among rows with slo_attainment >= min_attainment and goodput > 0, the fewest
+    """Among rows with slo_attainment >= min_attainment and goodput > 0 (a failed point's
+    row, which holds "error", is none of them), the fewest
     replicas x tp GPUs per request/s of goodput; the first in grid order on a tie. None when
     no run meets the SLO. GPUs are counted: an H100 and an H200 count one each (the
     Deployment names the kinds compared)."""
     if not 0.0 < min_attainment <= 1.0:
         raise ValueError(f"--slo-attainment: expected a fraction in (0, 1], got {min_attainment}")
     best: Deployment | None = None
+    rows = finished(rows)
     for row in rows:
         goodput = row["goodput_req_s"]
         if row["slo_attainment"] < min_attainment or not goodput > 0:
