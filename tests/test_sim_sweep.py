@@ -158,10 +158,8 @@ def test_rows_are_on_disk_as_their_points_finish_and_a_failing_point_is_a_row(tm
     monkeypatch.setattr(deployment, "sweep_point", second_fails)
     assert main(["simulate", "sweep", *GRID, "--jobs", "1", "--out", str(out)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert (
-        err[0]
-        == "kvpool simulate sweep: point 1 (llama-3.1-8b on h200, layout paged, rate 8.0) failed: point at rate 8.0 failed"
-    )
+    point = "point 1 (llama-3.1-8b on h200, layout paged, rate 8.0)"
+    assert err[0] == f"kvpool simulate sweep: {point} failed: point at rate 8.0 failed"
     assert err[1] == f"kvpool simulate sweep: 4 runs -> {out}"
     assert err[2].startswith("kvpool simulate sweep: cheapest deployment meeting the SLO")
     assert err[3] == f"kvpool simulate sweep: 1 of 4 points failed (their rows in {out} hold the error)"
