@@ -79,6 +79,17 @@ def test_an_infinite_rate_starts_every_conversation_at_once(mock_server):
     assert [m for _, m in sent] == chat.first_turns(6, random.Random(2))
 
 
+def test_one_token_answers_have_no_tpot_or_itl():
+    records = [
+        loadgen.RequestRecord(ok=True, ttft_s=0.2, e2e_s=0.2, itl_s=[], prompt_tokens=5, completion_tokens=1)
+        for _ in range(3)
+    ]
+    config = loadgen.LoadConfig("u", "m", 3, concurrency=1, slo_ttft_ms=500.0, slo_tpot_ms=1.0)
+    row = loadgen.summarize(config, records, 1.0, {}, {})
+    assert [row[k] for k in ("tpot_ms_p50", "tpot_ms_p99", "itl_ms_p50", "itl_ms_p99")] == [None] * 4
+    assert row["ttft_ms_p99"] == 200.0 and row["goodput_req_s"] == 3.0
+
+
 def test_summarize_against_numpy_and_the_slos():
     r = np.random.default_rng(1)
     records = [

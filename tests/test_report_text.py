@@ -95,6 +95,16 @@ def test_sections_group_the_figures_with_units_and_keep_the_rest_raw():
             "SLO met: TTFT p99 1.00 s <= 1.00 s, TPOT p99 150.0 ms <= 200.0 ms",
         ),  # the bound holds
         ({"num_finished": 0}, "SLO: no request finished, nothing to judge"),
+        # every answer one token: no TPOT, which the verdict neither claims met nor missed
+        (
+            {"tpot_ms_p50": None, "tpot_ms_p99": None},
+            "SLO met: TTFT p99 900.0 ms <= 1.00 s; TPOT n/a: no answer had a second token",
+        ),
+        (
+            {"tpot_ms_p50": None, "tpot_ms_p99": None, "ttft_ms_p99": 1500.0, "num_within_slo": 0},
+            "SLO missed: TTFT p99 1.50 s > 1.00 s; TPOT n/a: no answer had a second token "
+            "(0 of 10 finished requests within both)",
+        ),
         (
             {"ttft_ms_p99": 1500.0, "num_within_slo": 9},
             "SLO missed: TTFT p99 1.50 s > 1.00 s (9 of 10 finished requests within both)",
@@ -107,6 +117,24 @@ def test_sections_group_the_figures_with_units_and_keep_the_rest_raw():
 )
 def test_the_slo_verdict(changes, verdict):
     assert slo_verdict(_report(**changes)) == verdict
+
+
+def test_a_run_without_tpot_shows_it_as_na():
+    latency = dict(dict(report_sections(_report(tpot_ms_p50=None, tpot_ms_p99=None)))["latency"])
+    assert (latency["TPOT p50"], latency["TPOT p99"], latency["SLO: TPOT at most"]) == ("n/a", "n/a", "200.0 ms")
+    assert format_ms(None) == "n/a"
+
+
+def test_simulate_of_one_token_answers_reports_no_tpot(capsys):
+    argv = ["simulate", "--workload", "uniform", "--requests", "4", "--prompt-len", "100:200", "--output-len", "1:1"]
+    assert main([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["tpot_ms_p50"], report["tpot_ms_p99"], report["num_generated_tokens"]) == (None, None, 4)
+    assert report["slo_attainment"] == 1.0  # no TPOT to miss
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "SLO met: TTFT p99" in out and "; TPOT n/a: no answer had a second token" in out
+    assert "TPOT p99 0.00 ms" not in out
 
 
 def test_warnings_for_an_oversubscribed_cpu_and_a_run_cut_short(monkeypatch):

@@ -38,6 +38,17 @@ def test_percentile_of_nothing_is_zero_and_of_two_interpolates():
     assert percentile([10.0, 20.0], 0.5) == 15.0
     assert percentile([20.0, 10.0], 0.99) == pytest.approx(19.9)
     assert p50_p99("x_ms", [3.0, 1.0, 2.0], 1) == {"x_ms_p50": 2.0, "x_ms_p99": 3.0}
+    assert p50_p99("x_ms", [], 1) == {"x_ms_p50": 0.0, "x_ms_p99": 0.0}
+    assert p50_p99("x_ms", [], 1, empty=None) == {"x_ms_p50": None, "x_ms_p99": None}
+
+
+def test_one_token_answers_have_no_tpot_not_a_zero_one():
+    # kvpool run's figures: every answer one token (tpot_s None), TPOT is none, TTFT is measured
+    requests = [SimpleNamespace(ttft_s=0.1 * (i + 1), tpot_s=None, latency_s=0.1 * (i + 1)) for i in range(4)]
+    report = latency_report(requests, 1)
+    assert (report["tpot_ms_p50"], report["tpot_ms_p99"]) == (None, None)
+    assert report["ttft_ms_p50"] == 250.0
+    assert num_within_slo(requests, 1000.0, 0.001) == 4  # no TPOT to miss
 
 
 def test_latency_report_takes_each_figure_over_the_requests_that_measured_it():

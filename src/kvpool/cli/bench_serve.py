@@ -99,17 +99,31 @@ def _print(report: dict) -> None:
         ("hit rate", "server_hit_rate"),
     ]
     rows = report["rows"]
-    shown = [(title, key) for title, key in columns if key is None or any(r[key] is not None for r in rows)]
+    # a column none of the rows has is left out; a TPOT or ITL of None (no answer had a second
+    # token) is "n/a", the column kept
+    no_sample = ("tpot_ms_p50", "tpot_ms_p99", "itl_ms_p50", "itl_ms_p99")
+    shown = [
+        (title, key)
+        for title, key in columns
+        if key is None or key in no_sample or any(r[key] is not None for r in rows)
+    ]
     console = Console()
     if not console.is_terminal:
         console = Console(width=160)  # piped: wide enough for every column
     print_table(
         f"kvpool bench serve: {report['model']} ({report['url']})",
         [title for title, _ in shown],
-        [[f"{r['num_ok']}/{r['num_requests']}" if key is None else str(r[key]) for _, key in shown] for r in rows],
+        [[_cell(r, key) for _, key in shown] for r in rows],
         console=console,
     )
     print("times in ms; goodput: requests/s within both SLOs; hit rate: the server's prefix-cache hit tokens / queried")
     for r in rows:
         for error in r["errors"]:
             print(f"kvpool bench serve: failed: {error}", file=sys.stderr)
+
+
+def _cell(row: dict, key: str | None) -> str:
+    """A row's value in the table: ok/sent for no key, "n/a" for None."""
+    if key is None:
+        return f"{row['num_ok']}/{row['num_requests']}"
+    return "n/a" if row[key] is None else str(row[key])

@@ -550,7 +550,8 @@ def _print(reports: list[dict]) -> None:
         for key in SUMMARY_KEYS:
             table.add_column(key, justify="right")
         for r in reports:
-            table.add_row(*(str(r.get(key, "")) for key in SUMMARY_KEYS))
+            # (a TPOT of None: no answer had a second token)
+            table.add_row(*("n/a" if r.get(key, "") is None else str(r.get(key, "")) for key in SUMMARY_KEYS))
         tables.append(table)
     console = _console(tables)
     for table in tables:

@@ -252,8 +252,8 @@ def summarize(
         "requests_per_s": ratio(len(ok), wall_s, 3),
         "output_tokens_per_s": ratio(generated, wall_s, 2),
         **p50_p99("ttft_ms", ttft, 1),
-        **p50_p99("tpot_ms", tpot, 2),
-        **p50_p99("itl_ms", itl, 2),
+        **p50_p99("tpot_ms", tpot, 2, empty=None),  # None: no answer had a second token
+        **p50_p99("itl_ms", itl, 2, empty=None),
         "e2e_ms_p50": round(percentile(e2e, 0.5), 1),
         "goodput_req_s": ratio(good, wall_s, 3),
         "slo_ttft_ms": config.slo_ttft_ms,

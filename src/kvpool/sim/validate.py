@@ -254,7 +254,10 @@ def simulate_row(row: PublishedRow, overrides: dict[str, float] | None = None) -
     else:
         workload = staggered_workload(row, model.vocab_size)
     report = simulate(model, gpu, workload, config, cost)
-    value = float(report[METRICS[row.metric][0]])
+    figure = report[METRICS[row.metric][0]]
+    if figure is None:  # (tpot_ms of one-token answers: no second token, no figure)
+        raise ValueError(f"row {row.id}: the simulation has no {row.metric}: no answer had a second token")
+    value = float(figure)
     if row.metric == "output_tok_s_per_gpu":
         value /= row.tp
     elif row.metric == "total_tok_s" and row.staggered_requests is not None:

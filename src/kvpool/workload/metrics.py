@@ -3,7 +3,10 @@ way for `kvpool run`, `kvpool simulate` and the load generator of `kvpool bench 
 
   p50 / p99      `percentile`: linear interpolation between order statistics
   TTFT, TPOT     a request is within the SLOs when its TTFT (ms) <= slo_ttft_ms and its
-                 TPOT (ms; none for a one-token answer: 0) <= slo_tpot_ms
+                 TPOT (ms) <= slo_tpot_ms; a one-token answer has no TPOT, so no TPOT to
+                 miss. A run where every answer is one token has no TPOT figure: its
+                 tpot_ms_p50 / _p99 are None (null in JSON, "n/a" in text), and its SLO
+                 verdict judges TTFT alone, saying so
   goodput        requests within both SLOs per second of the run's span
   throughput     generated tokens per second of the span (`ratio`)
 
@@ -50,28 +53,35 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
-def p50_p99(name: str, values: Sequence[float], digits: int) -> dict[str, float]:
-    """{name_p50, name_p99} of `values`, rounded to `digits` decimals (0.0 for none)."""
+def p50_p99(name: str, values: Sequence[float], digits: int, empty: float | None = 0.0) -> dict[str, float | None]:
+    """{name_p50, name_p99} of `values`, rounded to `digits` decimals; both `empty` for none
+    (None where no sample means no figure: the TPOT of one-token answers, not 0 ms)."""
+    if not values:
+        return {f"{name}_p50": empty, f"{name}_p99": empty}
     return {
         f"{name}_p50": round(percentile(values, 0.5), digits),
         f"{name}_p99": round(percentile(values, 0.99), digits),
     }
 
 
-def latency_report(requests: Iterable[Finished], digits: int) -> dict[str, float]:
+def latency_report(requests: Iterable[Finished], digits: int) -> dict[str, float | None]:
     """ttft_ms_p50 / _p99, tpot_ms_p50 / _p99, latency_ms_p50 / _p99: each over the requests
-    that measured it, in ms rounded to `digits` decimals (the keys of every report)."""
+    that measured it, in ms rounded to `digits` decimals (the keys of every report); the
+    TPOTs None when no answer had a second token."""
     requests = list(requests)
     ttfts = [r.ttft_s * 1e3 for r in requests if r.ttft_s is not None]
     tpots = [r.tpot_s * 1e3 for r in requests if r.tpot_s is not None]
     latencies = [r.latency_s * 1e3 for r in requests if r.latency_s is not None]
     return (
-        p50_p99("ttft_ms", ttfts, digits) | p50_p99("tpot_ms", tpots, digits) | p50_p99("latency_ms", latencies, digits)
+        p50_p99("ttft_ms", ttfts, digits)
+        | p50_p99("tpot_ms", tpots, digits, empty=None)
+        | p50_p99("latency_ms", latencies, digits)
     )
 
 
 def within_slo(request: Timed, slo_ttft_ms: float, slo_tpot_ms: float) -> bool:
-    """TTFT and TPOT within the SLOs (a request with no TTFT never is; none TPOT counts 0)."""
+    """TTFT and TPOT within the SLOs (a request with no TTFT never is; a one-token answer has
+    no TPOT to miss)."""
     ttft_s = request.ttft_s
     return ttft_s is not None and ttft_s * 1e3 <= slo_ttft_ms and (request.tpot_s or 0.0) * 1e3 <= slo_tpot_ms
 
@@ -102,8 +112,11 @@ def format_bytes(num_bytes: float) -> str:
     return f"{num_bytes:,.0f} B"
 
 
-def format_ms(ms: float) -> str:
-    """A duration given in ms: 0.42 ms, 12.3 ms, 1.25 s (seconds from 1000 ms on)."""
+def format_ms(ms: float | None) -> str:
+    """A duration given in ms: 0.42 ms, 12.3 ms, 1.25 s (seconds from 1000 ms on); "n/a" for
+    None (no sample: the TPOT of one-token answers)."""
+    if ms is None:
+        return "n/a"
     if abs(ms) >= 1000:
         return f"{ms / 1e3:,.2f} s"
     return f"{ms:.2f} ms" if abs(ms) < 10 else f"{ms:.1f} ms"
@@ -121,6 +134,9 @@ def _count(value: float) -> str:
 def _per_s(unit: str) -> Callable[[float], str]:
     return lambda value: f"{value:,.1f} {unit}/s" if value >= 10 else f"{value:.2f} {unit}/s"
 
+
+# figures that are None where the run had no sample of them (shown as "n/a", not left out)
+NO_SAMPLE_KEYS = frozenset(("tpot_ms_p50", "tpot_ms_p99"))
 
 # (heading, [(key, label, formatter)]): the seed's figures, grouped as a reader looks for them
 REPORT_SECTIONS: tuple[tuple[str, tuple[tuple[str, str, Callable[[float], str]], ...]], ...] = (
@@ -189,7 +205,11 @@ def report_sections(report: dict, skip: Iterable[str] = ()) -> list[tuple[str, l
     shown = set(skip)
     sections = []
     for heading, figures in REPORT_SECTIONS:
-        rows = [(label, fmt(report[key])) for key, label, fmt in figures if report.get(key) is not None]
+        rows = [
+            (label, fmt(report[key]))
+            for key, label, fmt in figures
+            if report.get(key) is not None or (key in NO_SAMPLE_KEYS and key in report)
+        ]
         shown.update(key for key, _, _ in figures)
         if rows:
             sections.append((heading, rows))
@@ -206,16 +226,20 @@ def report_sections(report: dict, skip: Iterable[str] = ()) -> list[tuple[str, l
 
 def slo_verdict(report: dict) -> str:
     """One line: the SLOs met or missed, judged on the p99s (99 % of the finished requests
-    within the TTFT and the TPOT bounds), naming each figure that missed."""
+    within the TTFT and the TPOT bounds), naming each figure that missed. A run with no TPOT
+    (every answer one token) is judged on TTFT alone, and the line says TPOT was not."""
     if not report.get("num_finished"):
         return "SLO: no request finished, nothing to judge"
-    checks = (("TTFT p99", report["ttft_ms_p99"], report["slo_ttft_ms"]),)
-    checks += (("TPOT p99", report["tpot_ms_p99"], report["slo_tpot_ms"]),)
+    checks = [("TTFT p99", report["ttft_ms_p99"], report["slo_ttft_ms"])]
+    no_tpot = report["tpot_ms_p99"] is None
+    if not no_tpot:
+        checks.append(("TPOT p99", report["tpot_ms_p99"], report["slo_tpot_ms"]))
+    unjudged = "; TPOT n/a: no answer had a second token" if no_tpot else ""
     missed = [f"{name} {format_ms(value)} > {format_ms(bound)}" for name, value, bound in checks if value > bound]
     if missed:
-        return "SLO missed: " + ", ".join(missed) + _attainment(report)
+        return "SLO missed: " + ", ".join(missed) + unjudged + _attainment(report)
     within = ", ".join(f"{name} {format_ms(value)} <= {format_ms(bound)}" for name, value, bound in checks)
-    return f"SLO met: {within}" + _attainment(report)
+    return f"SLO met: {within}" + unjudged + _attainment(report)
 
 
 def _attainment(report: dict) -> str:
