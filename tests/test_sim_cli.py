@@ -391,3 +391,52 @@ def test_a_block_too_large_for_the_pool_is_named_not_the_tensor_parallelism(caps
         "copy-on-write reserve, one block of 4096 tokens for each of the planner's 256 running requests, takes "
         "128.0 GiB: lower --block-size"
     )
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--v4-checkpoints", "5"], "--v4-checkpoints needs a DeepSeek-V4 model (the dual layout's state pool); "),
+        (["--v4-restore", "auto"], "--v4-restore needs a DeepSeek-V4 model (the dual layout's state pool); "),
+        (["--no-v4-turn-ends"], "--no-v4-turn-ends needs a DeepSeek-V4 model (the dual layout's state pool); "),
+        (
+            ["--v4-restore", "checkpoint", "--v4-turn-ends"],
+            "--v4-restore / --v4-turn-ends need a DeepSeek-V4 model (the dual layout's state pool); ",
+        ),
+    ],
+)
+def test_v4_flags_on_a_model_without_the_dual_layout_are_one_line(capsys, no_simulating, flags, expected):
+    """Taken silently, --v4-checkpoints 5 on llama-3.1-8b changed nothing."""
+    assert main(["simulate", *LLAMA, "--requests", "8", *flags]) == 2
+    assert _one_error_line(capsys) == f"kvpool simulate: error: {expected}llama-3.1-8b has gqa attention"
+    sweep = ["simulate", "sweep", "--model", "llama-3.1-8b,qwen3-8b", "--requests", "8", "--jobs", "1", *flags]
+    assert main(sweep) == 2
+    assert _one_error_line(capsys) == (
+        f"kvpool simulate: error: {expected}llama-3.1-8b has gqa attention; qwen3-8b has gqa attention"
+    )
+
+
+def test_v4_flags_on_v4_with_a_layout_that_keeps_no_state_are_one_line(capsys, no_simulating):
+    argv = ["simulate", "--model", "deepseek-v4-flash", "--layout", "paged", "--requests", "8", "--v4-checkpoints", "5"]
+    assert main(argv) == 2
+    assert _one_error_line(capsys) == (
+        "kvpool simulate: error: --v4-checkpoints needs the dual layout (DeepSeek-V4's state pool); --layout paged"
+    )
+
+
+def test_a_sweep_holding_a_v4_model_takes_the_v4_flags(monkeypatch):
+    """The grid's V4 points take them; its other models have no state to restore."""
+    seen = []
+    monkeypatch.setattr("kvpool.cli.sweep.run_sweep", lambda args, options, points: seen.append(options) or 0)
+    argv = [
+        "simulate",
+        "sweep",
+        "--model",
+        "llama-3.1-8b,deepseek-v4-flash",
+        "--requests",
+        "8",
+        "--v4-checkpoints",
+        "5",
+    ]
+    assert main(argv) == 0
+    assert seen[0].v4_checkpoints == 5 and seen[0].v4_restore == "auto" and seen[0].v4_turn_ends is True

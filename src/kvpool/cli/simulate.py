@@ -254,11 +254,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--v4-restore",
         choices=RESTORE_METHODS,
-        default="auto",
+        default=None,  # (None: not given, which a model without the dual layout is checked for; then auto)
         help="V4 dual: a prefix hit's state by replaying the last n_win x layers tokens, from a checkpoint, "
-        "or whichever costs less per admission (auto)",
+        "or whichever costs less per admission (default: auto)",
     )
-    add_option(parser, V4_TURN_ENDS, default=True, note="the dual layout (--layout dual)")
+    add_option(parser, V4_TURN_ENDS, default=None, note="the dual layout (--layout dual; default: on)")
     parser.add_argument(
         "--v4-checkpoints",
         type=non_negative_int,
@@ -353,7 +353,8 @@ def sim_options(args: argparse.Namespace) -> SimOptions:
     from kvpool.sim.deployment import SimOptions
 
     values = {field.name: getattr(args, field.name) for field in dataclasses.fields(SimOptions)}
-    for name in ("requests", "prompt_len", "output_len"):  # (not given: None tells one given from the default)
+    # (not given: None tells one given from the default)
+    for name in ("requests", "prompt_len", "output_len", "v4_restore", "v4_turn_ends"):
         if values[name] is None:
             values[name] = getattr(SimOptions, name)
     return SimOptions(**values)
@@ -475,6 +476,39 @@ def _check_trace_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"{' / '.join(lengths)} {verb} --workload uniform; {source} lengths")
 
 
+V4_FLAGS = (("--v4-restore", "v4_restore"), ("--v4-checkpoints", "v4_checkpoints"), ("--v4-turn-ends", "v4_turn_ends"))
+
+
+def _check_v4_flags(args: argparse.Namespace, combos: list[dict]) -> None:
+    """ValueError naming the V4 flags given for models none of which has the dual layout
+    (DeepSeek-V4's state pool): taken silently, --v4-checkpoints 5 on llama-3.1-8b changed
+    nothing. A sweep whose grid holds a V4 model takes them (its other models have no state
+    to restore)."""
+    given = [flag for flag, dest in V4_FLAGS if getattr(args, dest) is not None]
+    if not given:
+        return
+    from kvpool.spec.models import model_by_name
+
+    models = []
+    for name in dict.fromkeys(c["model"] for c in combos):
+        try:
+            models.append(model_by_name(name))
+        except ValueError:
+            return  # (an unknown model is said where the run or the sweep meets it)
+    if given[-1] == "--v4-turn-ends" and args.v4_turn_ends is False:
+        given[-1] = "--no-v4-turn-ends"
+    flags = " / ".join(given)
+    verb = "needs" if len(given) == 1 else "need"
+    if any(m.dsv4 is not None for m in models):
+        if args.layout and "dual" not in args.layout:  # (V4 on a paged layout keeps no state)
+            raise ValueError(
+                f"{flags} {verb} the dual layout (DeepSeek-V4's state pool); --layout {','.join(args.layout)}"
+            )
+        return
+    has = "; ".join(f"{m.name} has {m.attention} attention" for m in models)
+    raise ValueError(f"{flags} {verb} a DeepSeek-V4 model (the dual layout's state pool); {has}")
+
+
 def _warn_beyond_max_position(args: argparse.Namespace, combos: list[dict]) -> None:
     """A warning line, as kvpool plan's, for a --max-model-len past a model's positions: the
     simulation runs (contiguous reserves max_model_len per request), but was silent that the
@@ -500,6 +534,7 @@ def run(args: argparse.Namespace) -> int:
     _check_output_paths(args)
     _check_sweep_flags(args)
     combos = _runs(args)
+    _check_v4_flags(args, combos)
     _warn_beyond_max_position(args, combos)
     options = sim_options(args)
     if args.mode == "sweep":
