@@ -84,6 +84,14 @@ def test_pd_flags_and_what_it_refuses_are_one_line(capsys) -> None:
         # a NIC's bits: read as bytes, 400Gb/s was 400e9 B/s, 8x the link
         (["--kv-transfer-bandwidth", "400Gb/s"], "'400Gb/s' reads as bits per second (a lowercase b)"),
         (["--kv-transfer-bandwidth", "100Gbps"], "'100Gbps' reads as bits per second"),
+        # no B: a NIC's 400G (400 Gb/s = 50 GB/s) or a size's (400 GiB/s), 8.6x apart: both named
+        (
+            ["--kv-transfer-bandwidth", "400G"],
+            "'400G' is ambiguous: a NIC's 400G is 400 Gb/s = 50GB/s, a size's 400G is 400GiB/s; the flag takes "
+            "bytes per second: write 50GB/s for a 400 Gb/s NIC, or 400GiB/s",
+        ),
+        (["--kv-transfer-bandwidth", "200g/s"], "'200g/s' is ambiguous: a NIC's 200G is 200 Gb/s = 25GB/s"),
+        (["--kv-transfer-bandwidth", "25Gi/s"], "'25Gi/s' has no B: the flag takes bytes per second, written 25GiB/s"),
     ):
         with pytest.raises(SystemExit):
             main([*flags, "--prefill-replicas", "1", *extra])
@@ -91,6 +99,10 @@ def test_pd_flags_and_what_it_refuses_are_one_line(capsys) -> None:
     # bytes a second written as NICs' bits are: a capital B ("100GBps" was refused as bits)
     assert main([*flags, "--prefill-replicas", "1", "--kv-transfer-bandwidth", "100GBps", "--json"]) == 0
     assert '"bandwidth_bytes_per_s": 100000000000.0' in capsys.readouterr().out
+    # the explicit forms as before: decimal GB/s, binary GiB/s, a plain number of bytes
+    for given, taken in (("50GB/s", "50000000000.0"), ("2GiB/s", "2147483648.0"), ("6000000000", "6000000000.0")):
+        assert main([*flags, "--prefill-replicas", "1", "--kv-transfer-bandwidth", given, "--json"]) == 0
+        assert f'"bandwidth_bytes_per_s": {taken}' in capsys.readouterr().out
     for extra in (["--kv-transfer-bandwidth", "25GiB/s"], ["--kv-transfer-latency-ms", "0"]):
         assert main([*flags, *extra]) == 2
         flag = extra[0]

@@ -100,7 +100,8 @@ def _list(parse):
 
 def _bandwidth(text: str) -> float:
     """A link's bandwidth, bytes per second: a size, "/s" or "ps" after a capital B optional
-    ("50GB/s", "50GBps", "25GiB/s")."""
+    ("50GB/s", "50GBps", "25GiB/s"), or a plain number of bytes. A unit without its B ("400G")
+    is refused, naming both readings: a NIC's 400G is 400 Gb/s (50GB/s), a size's 400 GiB."""
     size = text.strip().removesuffix("/s")
     if size.endswith("Bps"):  # bytes per second, written as NICs' bits are ("100GBps")
         size = size[: -len("ps")]
@@ -112,6 +113,8 @@ def _bandwidth(text: str) -> float:
             f"{text!r} reads as bits per second (a lowercase b); the flag takes bytes per second: a 400 Gb/s "
             "NIC is 50GB/s"
         )
+    if unit.strip() and "B" not in unit:
+        raise argparse.ArgumentTypeError(_ambiguous_bandwidth(text, size, unit.strip()))
     try:
         value = byte_size(size)
     except argparse.ArgumentTypeError:
@@ -120,6 +123,27 @@ def _bandwidth(text: str) -> float:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a bandwidth > 0, got {text!r}")
     return float(value)
+
+
+def _ambiguous_bandwidth(text: str, size: str, unit: str) -> str:
+    """Why a bandwidth with a unit but no B is refused: "400G" is 400 GiB/s as a size
+    (byte_size's K/M/G/T are powers of 1024) and 400 Gb/s = 50 GB/s as a NIC's speed, 8.6x
+    apart. Both readings, spelt so the flag takes them."""
+    number = size[: len(size) - len(size.lstrip("0123456789.eE+-_ "))].strip()
+    prefix = unit.rstrip("iI").upper()
+    try:
+        value = float(number)
+    except ValueError:
+        value = None
+    if value is None or prefix not in ("K", "M", "G", "T") or unit.upper() not in (prefix, prefix + "I"):
+        return f"expected a size per second such as 50GB/s or 25GiB/s, got {text!r}"
+    if unit.upper() == prefix + "I":  # (Gi: binary, no NIC's; only the B is missing)
+        return f"{text!r} has no B: the flag takes bytes per second, written {value:g}{prefix}iB/s"
+    return (
+        f"{text!r} is ambiguous: a NIC's {value:g}{prefix} is {value:g} {prefix}b/s = {value / 8:g}{prefix}B/s, "
+        f"a size's {value:g}{prefix} is {value:g}{prefix}iB/s; the flag takes bytes per second: write "
+        f"{value / 8:g}{prefix}B/s for a {value:g} {prefix}b/s NIC, or {value:g}{prefix}iB/s"
+    )
 
 
 def _milliseconds(text: str) -> float:
