@@ -9,6 +9,7 @@ flags are one line."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -301,3 +302,22 @@ def test_the_cheapest_deployment_says_it_counts_gpus_of_different_kinds():
     assert describe(best, 0.9).endswith("0.2 GPUs per req/s (GPU counts compared across H100, H200, not their prices)")
     alone = cheapest_deployment([h200], 0.9)
     assert alone is not None and describe(alone, 0.9).endswith("0.2 GPUs per req/s")
+
+
+def test_plots_say_which_runs_they_leave_off(tmp_path, capsys):
+    """A goodput-vs-rate plot has no x for rate inf or a trace's own times: the sweep names
+    the runs it leaves off (silently, they were simply missing)."""
+    flags = ["--workload", "uniform", "--requests", "4", "--prompt-len", "100:200", "--output-len", "4:8"]
+    out, plot = tmp_path / "grid.jsonl", tmp_path / "plots"
+    argv = ["simulate", "sweep", *flags, "--rate", "2,inf", "--jobs", "1", "--out", str(out), "--plot", str(plot)]
+    assert main(argv) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[3] == (
+        "kvpool simulate sweep: the goodput-vs-rate plots leave off 1 of 2 runs, which have no arrival rate to "
+        "plot: point 1 (llama-3.1-8b on H200 at TP 1, layout paged block 16, rate inf)"
+    )
+    assert sorted(os.listdir(plot)) == ["goodput_per_gpu_vs_rate.png", "goodput_vs_rate.png"]
+    assert (
+        main(["simulate", "sweep", *flags, "--rate", "2", "--jobs", "1", "--out", str(out), "--plot", str(plot)]) == 0
+    )
+    assert "leave off" not in capsys.readouterr().err  # every run has a rate: nothing to say

@@ -94,10 +94,18 @@ def run_sweep(args: argparse.Namespace, options: SimOptions, points: Sequence[di
         rows.sort(key=lambda r: r["point"])
     ran = finished(rows)
     if args.plot and ran:
-        from kvpool.sim.plots import plot_sweep
+        from kvpool.sim.plots import plot_sweep, rateless
 
         for path in plot_sweep(ran, args.plot):
             print(f"kvpool simulate sweep: wrote {path}", file=sys.stderr)
+        left_off = rateless(ran)
+        if left_off:  # (silently, a rate-inf point was simply missing from the plots)
+            named = ", ".join(f"point {r['point']} ({_point_words(r)})" for r in left_off)
+            print(
+                f"kvpool simulate sweep: the goodput-vs-rate plots leave off {len(left_off)} of {len(ran)} runs, "
+                f"which have no arrival rate to plot: {named}",
+                file=sys.stderr,
+            )
     if ran:
         print(describe(cheapest_deployment(ran, attainment), attainment), file=sys.stderr)
     if num_failed:

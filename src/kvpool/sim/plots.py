@@ -127,15 +127,23 @@ def _deployment_label(row: dict, varying: tuple[str, ...]) -> str:
     return ", ".join([*parts, _label(row)])
 
 
+def rateless(rows: list[dict]) -> list[dict]:
+    """The rows a goodput-vs-rate plot has no x for: rate inf (every session at once) and a
+    trace's (its own arrival times). plot_sweep leaves them off; the caller says which."""
+    return [r for r in rows if r["request_rate"] in ("inf", "trace")]
+
+
 def plot_sweep(rows: list[dict], directory: str) -> list[str]:
     """goodput_vs_rate.png and goodput_per_gpu_vs_rate.png: one line per deployment (model,
-    GPUs, TP, where the rows differ in them) and (layout, block size, routing)."""
+    GPUs, TP, where the rows differ in them) and (layout, block size, routing). The
+    `rateless` rows are left off."""
     plt = _pyplot()
     os.makedirs(directory, exist_ok=True)
     varying = tuple(k for k in ("model", "gpu", "tp", "replicas") if len({r[k] for r in rows}) > 1)
     lines: dict[str, list[tuple[float, float, int]]] = defaultdict(list)
+    left_off = {id(r) for r in rateless(rows)}
     for r in rows:
-        if r["request_rate"] in ("inf", "trace"):  # all at once, or a trace's own times: no rate to plot
+        if id(r) in left_off:  # all at once, or a trace's own times: no rate to plot
             continue
         rate = float(r["request_rate"])
         lines[_deployment_label(r, varying)].append((rate, r["goodput_req_s"], r["replicas"] * r["tp"]))
