@@ -180,8 +180,9 @@ def point_or_error(payload: tuple[SimOptions, dict[str, Any]]) -> dict:
 
 
 def error_row(options: SimOptions, index: int, point: dict[str, Any], failed: dict) -> dict:
-    """The JSONL row of a point that failed: its place and axes, as a report's keys name them
-    (request_rate as a report writes it), and the error."""
+    """The JSONL row of a point that failed: its place and its axes under a report's keys, as
+    the grid gave them (gpu "h200", tp / layout / block_size None where the default was
+    asked; request_rate as a report writes it), and the error."""
     rate = point["rate"]
     request_rate = "trace" if options.trace else rate if math.isfinite(rate) else "inf"
     axes = {k: point[k] for k in ("model", "gpu", "tp", "layout", "block_size", "routing")}
