@@ -281,6 +281,92 @@ def test_split_step_time_is_the_steps_time_in_any_order_bit_for_bit(which, posit
     assert seconds == cm.step_time(step) == _twin(cm).step_cost(step).time_s
 
 
+def _split_models(name: str) -> list[CostModel]:
+    """`name`'s cost models for the split twin: graph and eager, TP 2 with an fp8 cache, and on
+    an H100 (gpt-oss's MXFP4 experts there: the MoE tiles' terms)."""
+    model = load_preset(name)
+    models = [CostModel(model, H200, host_mode=mode) for mode in ("graph", "eager")]
+    for kwargs in ({"tp": 2, "kv_dtype": "fp8"}, {"gpu": get_gpu("H100")}):
+        try:
+            models.append(CostModel(model, kwargs.pop("gpu", H200), **kwargs))
+        except ValueError:  # a format the model cannot take
+            pass
+    return models
+
+
+_SPLIT_MODELS = {name: _split_models(name) for name in PRESET_NAMES}
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    name=st.sampled_from(PRESET_NAMES),
+    positions=st.lists(st.integers(0, 300_000), max_size=300),
+    # prompt chunks (tokens, cached before them): both sides of every term's cap and window
+    others=st.lists(
+        st.tuples(
+            st.one_of(st.integers(2, 9), st.integers(2, 8192)),
+            st.one_of(st.integers(0, 200), st.integers(0, 300_000)),
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    data=st.data(),
+)
+def test_split_time_is_the_step_costs_time_bit_for_bit_on_every_preset(name, positions, others, data) -> None:
+    """split_step_time's own pricing of a mixed step (`_split_time`: its prefill chunks'
+    entries from factors made once, the token count's figures kept per count, no StepCost)
+    is step_cost's time_s over the step in any order and the loop's (no `_decode_scale`), bit
+    for bit, on every preset: windows, top-k and capped terms, MLA's decompression, MoE tiles,
+    TP, graph and eager; again with the count's figures kept (the second pricing)."""
+    rest = [(n, n + cached) for n, cached in others]
+    step = [(1, p + 1) for p in positions]
+    for chunk in rest:  # each after the last one placed: their own order kept
+        step.insert(data.draw(st.integers(0, len(step))), chunk)
+    num_tokens = len(positions) + sum(n for n, _ in rest)
+    for cm in _SPLIT_MODELS[name]:
+        # its parts (which the time's maxima and sums may hide): the prefill chunks' sums and
+        # the token count's figures, against step_cost's over the step without its decodes' sums
+        part = cm._step_cost(rest, (num_tokens, (0.0, 0.0), rest), len(step))
+        linear_flops, prefill_flops, prefill_bytes = cm._prefill_sums(num_tokens, rest, len(step))
+        tile_flops, _, weight, comm_s = cm._token_terms(num_tokens)
+        if tile_flops is not None:
+            linear_flops += tile_flops
+        assert (linear_flops, prefill_flops, prefill_bytes) == (part.linear_flops, part.attention_flops, part.kv_bytes)
+        assert (weight, comm_s) == (part.weight_bytes, part.comm_s)
+        expected = cm.step_cost(step).time_s
+        assert expected == _twin(cm).step_cost(step).time_s
+        for _ in range(2):  # the second reads the token count's kept figures
+            assert cm.split_step_time(positions, rest) == expected, (name, cm.gpu.name, cm.tp, cm.host_mode)
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_split_times_prefill_sums_are_the_loops_at_every_terms_cap_and_window(name: str) -> None:
+    """`_prefill_sums` (the closed forms of a prefill chunk's entries) against `_step_cost`'s
+    loop for chunks whose cached prefix and context end on each side of every term's cap x
+    tokens per entry (where a query's entries stop growing) and of a window: the same three
+    floats, and the same time from split_step_time."""
+    for cm in _SPLIT_MODELS[name]:
+        edges = {1, 2, 3}
+        for t in cm.attention_terms:
+            if t.cap is not None:
+                edges |= {t.cap * t.tokens_per_entry + d for d in (-2, -1, 0, 1, 2)}
+        for lo in sorted(e for e in edges if e >= 0):
+            for n in (2, 3, 5, 130, 2049):
+                rest = [(n, lo + n), (2, lo + 2)]
+                num_tokens = 7 + n + 2
+                part = cm._step_cost(rest, (num_tokens, (0.0, 0.0), rest), 9)
+                linear_flops, prefill_flops, prefill_bytes = cm._prefill_sums(num_tokens, rest, 9)
+                tile_flops = cm._token_terms(num_tokens)[0]
+                linear_flops += 0.0 if tile_flops is None else tile_flops
+                assert (linear_flops, prefill_flops, prefill_bytes) == (
+                    part.linear_flops,
+                    part.attention_flops,
+                    part.kv_bytes,
+                ), (name, lo, n)
+                step = [(1, 900 + i) for i in range(7)] + rest
+                assert cm.split_step_time(list(range(899, 906)), rest) == cm.step_cost(step).time_s
+
+
 def test_split_step_time_leaves_what_it_cannot_tell_to_step_time() -> None:
     """None, never a wrong float or another error, for what step_time names or where the sums
     are not exact: the executor then prices the step with step_time."""

@@ -228,6 +228,8 @@ _EXACT = float(1 << 53)  # the floats below it hold every integer exactly
 # the decode table's positions at most (16 bytes each: 32 MiB); a position past it is priced by
 # step_time's loop (a context of 2M tokens: past every preset's longest)
 _MAX_TABLE_POSITIONS = 1 << 21
+# the token counts `_token_terms` keeps (a step's tokens: at most its budget and its replays)
+_MAX_TOKEN_MEMO = 1 << 16
 
 
 def _ints_only(positions: Sequence[int]) -> bool:
@@ -876,8 +878,134 @@ class CostModel:
         if sums is None:
             return None
         scale = self._decode_scale
-        scan = (num_tokens, (sums[0] / scale, sums[1] / scale), others)
-        return self._step_cost(others, scan, len(positions) + len(others)).time_s
+        return self._split_time(num_tokens, sums[0] / scale, sums[1] / scale, others, len(positions) + len(others))
+
+    def _split_time(
+        self,
+        num_tokens: int,
+        decode_flops: float,
+        decode_bytes: float,
+        others: Sequence[tuple[int, int]],
+        num_chunks: int,
+    ) -> float:
+        """`_step_cost(others, (num_tokens, (decode_flops, decode_bytes), others),
+        num_chunks).time_s`, the same float, with less Python a step: the prefill chunks'
+        sums by `_prefill_sums`, the figures of the step's token count alone kept per count
+        (`_token_terms`), no StepCost made. `others`: checked chunks of two tokens or more
+        (split_step_time's). Its twin, `_step_cost`, is held to it and to its parts on every
+        preset (tests/test_sim_cost_decode_sums.py)."""
+        linear_flops, prefill_flops, prefill_bytes = self._prefill_sums(num_tokens, others, num_chunks)
+        tile_flops, moe_s, weight, comm_s = self._token_terms(num_tokens)
+        if tile_flops is not None:
+            linear_flops += tile_flops
+        flop_s, attention_flop_s, byte_s = self._rates
+        gemm_s = max(linear_flops / flop_s + moe_s, weight / byte_s)
+        prefill_s = max(prefill_flops / attention_flop_s, prefill_bytes / byte_s)
+        decode_s = max(decode_flops / attention_flop_s, decode_bytes / byte_s)
+        host_s = self.host_s(num_chunks, len(others))
+        return gemm_s + prefill_s + decode_s + comm_s + host_s + self.model.num_layers * self.layer_fixed_s
+
+    def _prefill_sums(
+        self, num_tokens: int, others: Sequence[tuple[int, int]], num_chunks: int
+    ) -> tuple[float, float, float]:
+        """`_step_cost`'s (linear FLOPs before the MoE tiles', prefill attention FLOPs, prefill
+        bytes) of a step of `num_tokens` tokens in `num_chunks` chunks whose chunks of more
+        than one token are `others`, each entry from the terms' factors made once
+        (`_chunk_terms`). Every float is formed as `_step_cost` forms it, from the same
+        operands in the same order (a product of a term's factors made once is the same
+        product: Python multiplies left to right; the read bytes summed by `sum`, as
+        `_read_bytes` sums them), and its integers (entries attended and read) are the same
+        integers, so the sums round alike."""
+        model = self.model
+        head_flops = 2 * num_chunks * model.vocab_size * model.hidden_size / self.tp
+        linear_flops = 2 * num_tokens * self.active_params_per_token + head_flops
+        write = self.kv_write_bytes_per_token
+        prefill_flops = prefill_bytes = 0.0
+        terms = self._chunk_terms
+        for n, ctx in others:
+            lo = ctx - n  # queries at positions [lo, ctx): `_step_cost`'s prefill chunk
+            reads = []  # each term's read bytes (`_read_bytes(n, ctx)`'s, summed by `sum` below)
+            decompressed = []  # each decompressing term's bytes, added after them
+            for flops_w, bytes_w, m, cap, selection, decompress, decompress_flops_w, decompress_bytes_w in terms:
+                # entries attended by queries [lo, ctx): `attended` (sum_visible's closed form,
+                # the same integer: sum over k in (lo, hi] of min(cap, k // m))
+                if cap is not None and lo >= cap * m:  # every query past the cap: cap entries each
+                    attended = n * cap
+                else:  # (`_prefix_visible` of ctx less that of lo, in `_floor_sum`'s closed form)
+                    if cap is not None and ctx >= cap * m:
+                        q, r = divmod(cap * m - 1, m)
+                        hi_sum = m * q * (q - 1) // 2 + q * (r + 1) + (ctx - cap * m + 1) * cap
+                    else:
+                        q, r = divmod(ctx, m)
+                        hi_sum = m * q * (q - 1) // 2 + q * (r + 1)
+                    q, r = divmod(lo, m)
+                    attended = hi_sum - (m * q * (q - 1) // 2 + q * (r + 1))
+                prefill_flops += flops_w * attended
+                # the distinct entries read: `read_entries`
+                if selection == "window":
+                    reads.append(bytes_w * min(ctx, cap + n - 1))
+                elif selection == "topk":
+                    reads.append(bytes_w * min(ctx // m, n * cap))
+                else:
+                    reads.append(bytes_w * (ctx // m))
+                if decompress:
+                    linear_flops += decompress_flops_w * lo
+                    decompressed.append(decompress_bytes_w * ctx)
+            prefill_bytes += n * write + sum(reads)
+            for num_bytes in decompressed:
+                prefill_bytes += num_bytes
+        return linear_flops, prefill_flops, prefill_bytes
+
+    @cached_property
+    def _chunk_terms(self) -> tuple[tuple[float, float, int, int | None, str, bool, float, float], ...]:
+        """Per attention term, the factors `_step_cost`'s loop multiplies a prefill chunk's
+        entries by, formed as it forms them: (num_layers x its prefill FLOPs per entry,
+        num_layers x entry bytes, tokens per entry, cap, selection, whether it decompresses,
+        num_layers x decompress FLOPs per token, num_layers x decompress bytes per token)."""
+        return tuple(
+            (
+                t.num_layers * (t.flops_per_entry if t.prefill_flops_per_entry is None else t.prefill_flops_per_entry),
+                t.num_layers * t.entry_bytes,
+                t.tokens_per_entry,
+                t.cap,
+                t.selection,
+                bool(t.decompress_flops_per_token),
+                t.num_layers * t.decompress_flops_per_token,
+                t.num_layers * t.decompress_bytes_per_token,
+            )
+            for t in self.attention_terms
+        )
+
+    @cached_property
+    def _rates(self) -> tuple[float, float, float]:
+        """(the GEMMs' FLOP/s, attention's FLOP/s, bytes/s), as `_step_cost` computes them."""
+        peak_linear, peak_attention = self._peaks
+        byte_s = self.gpu.hbm_bandwidth_bytes_per_s * self.bandwidth_efficiency
+        return peak_linear * self.compute_efficiency, peak_attention * self.compute_efficiency, byte_s
+
+    def _token_terms(self, num_tokens: int) -> tuple[float | None, float, float, float]:
+        """The figures of `_step_cost` that depend on the step's token count alone: (the MoE
+        tiles' padding FLOPs, None without `_moe_tiles`; moe_s; the weight bytes; comm_s),
+        each `_step_cost`'s own float, kept per count (`_token_memo`: a step's tokens are
+        at most its budget and its replays)."""
+        terms = self._token_memo.get(num_tokens)
+        if terms is not None:
+            return terms
+        moe = self.model.moe
+        touched = len(moe.moe_layers) * self.experts_touched(num_tokens) if moe else 0
+        tile_flops, moe_s = None, 0.0
+        if self._moe_tiles:
+            tile_flops, moe_s = self._moe_tile_flops(num_tokens), self._moe_compute_s(num_tokens)
+        weight = self.dense_weight_bytes + num_tokens * self.embedding_row_bytes + touched * self.expert_bytes
+        terms = (tile_flops, moe_s, weight, self.comm_s(num_tokens))
+        if len(self._token_memo) < _MAX_TOKEN_MEMO:
+            self._token_memo[num_tokens] = terms
+        return terms
+
+    @cached_property
+    def _token_memo(self) -> dict[int, tuple[float | None, float, float, float]]:
+        """token count -> `_token_terms` (at most `_MAX_TOKEN_MEMO` counts)."""
+        return {}
 
     def _decode_sums(self, positions: Sequence[int] | np.ndarray) -> tuple[int, int] | None:
         """(FLOPs, bytes) x `_decode_scale` of one decode at each of `positions` (one or
