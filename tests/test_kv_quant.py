@@ -584,6 +584,18 @@ def test_the_evaluation_measures_what_it_says(model) -> None:
     assert by["int8"].bytes_per_token == 2 * CONFIG.num_layers * CONFIG.num_kv_heads * per_head
     # the ratio itself: it was rounded to 3 places, then printed to 2 (SmolLM2's int8 3.7647 read 3.77x)
     assert by["int8"].capacity_gain == CONFIG.head_dim * 4 / per_head
+    # the largest |K| or |V| of the text (what fp16 saturates past 65,504), from a forward of its own
+    from kvpool.attention.backends.step import function_step
+    from kvpool.attention.reference import causal_attention
+
+    largest = []
+
+    def seen(layer, q, k, v):
+        largest.append(max(float(k.abs().max()), float(v.abs().max())))
+        return causal_attention(q, k, v)
+
+    model.forward(torch.tensor(ids), torch.arange(96), function_step(seen, 96, []), fused=False)
+    assert len(largest) == CONFIG.num_layers and ev.kv_max_abs == max(largest)
     with pytest.raises(ValueError, match="must leave a token of the text to decode"):
         evaluate(model, ids[:32], ["int8"], block_size=16, prefill=32)
     with pytest.raises(ValueError, match="does not divide the block size 16"):

@@ -272,3 +272,29 @@ def test_a_text_file_that_cannot_be_read_is_one_line_naming_text(tmp_path, monke
     monkeypatch.setattr(kv_quant, "open", unreadable, raising=False)  # (root reads any file: the call says no)
     with pytest.raises(ValueError, match=f"^--text '{locked}': cannot read it \\(Permission denied\\)$"):
         kv_quant.reference_text(locked)
+
+
+def test_fp16_saturates_a_finite_value_past_its_range_and_keeps_a_nan_or_an_inf() -> None:
+    """fp16 stored a finite 70,000 as inf (its largest is 65,504), and attention over that V
+    came out NaN. Now a finite value saturates at +-65,504, as KIVI's codes do (the error is
+    the overshoot, no more); an inf or a NaN stays one (never stored as finite numbers, as
+    the 8-bit formats keep it). Attention over the stored K / V is finite, and its error is
+    the saturated value's weight times the overshoot."""
+    fmt = kv_schema("fp16")
+    x = torch.tensor([[7e4, -1e5, 1.5, 65504.0], [float("nan"), float("inf"), float("-inf"), -7e4]])
+    back = round_trip(fmt, x)
+    assert back[0].tolist() == [65504.0, -65504.0, 1.5, 65504.0]
+    assert back[1, 0].isnan() and back[1, 1:3].tolist() == [float("inf"), float("-inf")] and back[1, 3] == -65504.0
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 64, generator=gen, dtype=torch.float64) for _ in range(3))
+    k, v = k.expand(32, 1, 64).clone(), torch.randn(32, 1, 64, generator=gen, dtype=torch.float64)
+    v[10, 0, 3] = 7e4
+    exact = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
+    kq, vq = (round_trip(fmt, t.float()).double() for t in (k, v))
+    stored = F.scaled_dot_product_attention(q.transpose(0, 1), kq.transpose(0, 1), vq.transpose(0, 1))
+    assert bool(stored.isfinite().all())
+    weight = torch.softmax((q[0] @ k[:, 0].T) / 8, dim=-1)[0, 10]  # token 10's attention weight
+    err = (stored - exact).abs().max()
+    # the overshoot 4,496 x its weight, plus fp16's rounding of the other values (<= 2^-11 relative)
+    assert float(err) <= float(weight) * (7e4 - 65504) * (1 + 1e-3) + 2e-3
+    assert float(err) >= float(weight) * (7e4 - 65504) * (1 - 1e-3) - 2e-3

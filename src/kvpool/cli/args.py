@@ -291,7 +291,7 @@ ENGINE_KV_DTYPE_HELP = (
     f"SmolLM2: auto (fp32) or one of {', '.join(KV_DTYPES)}; KIVI's group size and residual may follow, "
     "kivi2-g16-r64 (see kvpool.spec.kv_formats). tiny-dsv4: auto or fp32 (exact), or fp8, DeepSeek-V4's layout "
     "for the classical pool (FP8 with a scale per 64 dims, BF16 RoPE dims; indexer keys by --indexer-format). "
-    "Formats other than fp32 are lossy"
+    "Formats other than fp32 are lossy; fp16 saturates K / V values past +-65,504"
 )
 
 

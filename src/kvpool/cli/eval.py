@@ -123,7 +123,12 @@ def _print(report: dict) -> None:
         f"; served: {regime['prefill_tokens']} prefilled in one step, {regime['decode_steps']} decode steps, "
         f"{regime['scored_positions']} positions scored; fp32 perplexity {report['fp32_perplexity']:.3f}"
     )
-    table = Table(title=title, caption=f"[...]: {report['bootstrap']}; overlapping intervals rank nothing")
+    caption = f"[...]: {report['bootstrap']}; overlapping intervals rank nothing"
+    caption += (
+        f"\nlargest |K| or |V| of the text: {report['kv_max_abs']:,.1f}; fp16 saturates values past "
+        f"+-{report['fp16_max']:,.0f} (bf16 and the scaled formats keep fp32's range)"
+    )
+    table = Table(title=title, caption=caption)
     columns = (
         "format",
         "B/token",

@@ -23,6 +23,9 @@ z) / (2^b - 1) rounded up to fp16 (so the grid [z, z + (2^b - 1) s] covers the g
 round((x - z) / s) clamped to [0, 2^b - 1], x' = q s + z: |e| <= s / 2. Codes are packed
 8 / b to a byte, the first in the low bits: K along slots, V along channels. Values
 beyond fp16's range (65,504) saturate there.
+
+fp16 (unscaled): a finite value past 65,504 saturates there too (a plain cast made it inf,
+and attention over it NaN); an inf or a NaN is stored as it is. bf16 has fp32's range.
 """
 
 from __future__ import annotations
@@ -70,6 +73,10 @@ def quantize(schema: KVSchema, x: Tensor) -> tuple[Tensor, Tensor | None]:
     """x [..., n] (any float dtype) -> (codes [..., n], scales [...] fp32, or None unscaled):
     one symmetric scale per vector of the last dim."""
     if not schema.scaled:
+        if schema.element == "float16":
+            # a finite value past fp16's range saturates at +-65,504 (as KIVI's codes do)
+            # rather than becoming inf, which made attention NaN; an inf or NaN stays one
+            x = torch.where(torch.isinf(x), x, x.clamp(-_F16_MAX, _F16_MAX))
         return x.to(code_dtype(schema)), None
     if schema.zero_point:
         raise ValueError(f"{schema.name} quantizes groups (quantize_k / quantize_v), not single vectors")

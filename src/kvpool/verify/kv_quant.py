@@ -47,6 +47,7 @@ from kvpool.storage.quant import kv_schema, round_trip_kv
 
 BOOTSTRAP_WINDOW = 16  # consecutive scored positions resampled together
 BOOTSTRAP_SAMPLES = 2000
+FP16_MAX = 65504.0  # the fp16 format saturates K / V here (storage/quant.py)
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,8 @@ class Evaluation:
     fp32_perplexity: float  # over the scored positions, exact blocks
     regime: dict[str, object]  # what was run and scored (`serving_regime`)
     formats: list[FormatQuality]
+    # the largest |K| or |V| of the text's exact forward, any layer: fp16 saturates past 65,504
+    kv_max_abs: float = math.nan
 
 
 def serving_regime(num_tokens: int, prefill: int, block_size: int) -> dict[str, object]:
@@ -233,7 +236,8 @@ def evaluate(
                 kl_ci,
             )
         )
-    return Evaluation(ppl_ref, serving_regime(len(token_ids), prefill, block_size), results)
+    kv_max_abs = max(float(t.abs().amax()) for _, k, v in captured for t in (k, v))
+    return Evaluation(ppl_ref, serving_regime(len(token_ids), prefill, block_size), results, kv_max_abs)
 
 
 def greedy_agreement(
@@ -441,6 +445,9 @@ def quality_report(
         "greedy_steps": greedy_steps,
         "greedy_prompt_tokens": greedy_prompt,
         "fp32_perplexity": round(ev.fp32_perplexity, 4),
+        # fp16 stores values past 65,504 saturated there (storage/quant.py): this text's headroom
+        "kv_max_abs": ev.kv_max_abs,
+        "fp16_max": FP16_MAX,
         "formats": [r.as_dict() for r in results],
     }
 
