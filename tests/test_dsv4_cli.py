@@ -151,3 +151,33 @@ def test_bench_dsv4_bad_flags_are_argparse_errors(capsys: pytest.CaptureFixture[
             main(["bench", "dsv4", *argv, "--json"])
         assert e.value.code == 2
         assert capsys.readouterr().err.strip().splitlines()[-1] == f"kvpool bench dsv4: error: {message}"
+
+
+def test_bench_dsv4_refuses_a_context_past_the_models_positions_or_the_memory(capsys, monkeypatch) -> None:
+    """--contexts 100000000 allocated the pools without a check (an allocator traceback beyond
+    RAM) and never compared context + steps with the model's 1,048,576 positions; a context
+    whose oracle does not fit (its attention is quadratic) went on until the allocator or the
+    OOM killer stopped it. Both are refused by name before anything is allocated."""
+    from kvpool.engine import memory
+
+    built: list[int] = []
+    monkeypatch.setattr("kvpool.engine.dsv4_runner.DSV4Pools", lambda *a, **k: built.append(1))  # (never reached)
+    assert main(["bench", "dsv4", "--contexts", "100000000", "--steps", "1", "--repeats", "1"]) == 2
+    assert capsys.readouterr().err == (
+        "kvpool bench dsv4: error: --contexts 100000000 with --steps 1 needs 100,000,001 positions; "
+        "tiny-dsv4 has 1,048,576 (its max_position_embeddings)\n"
+    )
+    assert main(["bench", "dsv4", "--contexts", "64,1048575", "--steps", "2"]) == 2
+    assert "needs 1,048,577 positions" in capsys.readouterr().err
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda device: 2 << 30)
+    assert main(["bench", "dsv4", "--contexts", "128,8192", "--steps", "1", "--repeats", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvpool bench dsv4: error: kvpool bench dsv4 --contexts 8192 (the pools and the oracle's")
+    assert "needs 11.3 GiB but this machine has 2.0 GiB of memory available; lower --contexts" in err
+    assert not built
+    from kvpool.bench.dsv4 import timing_bytes
+    from kvpool.models.tiny_dsv4 import TinyDSV4
+
+    # quadratic in the context: 4x the tokens, ~16x the bytes (the pools' linear share aside)
+    small, large = (timing_bytes(TinyDSV4(seed=0), c, 1) for c in (2048, 8192))
+    assert 15.5 < large / small < 16.5

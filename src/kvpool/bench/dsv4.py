@@ -49,8 +49,52 @@ def byte_report() -> dict[str, dict[str, float]]:
     return report
 
 
+def timing_bytes(model, context: int, steps: int) -> int:
+    """The bytes one context's timing holds at its peak: the runner's pools (its classical
+    blocks for context + steps tokens, one state block) and the oracle's attention over the
+    context + 1 tokens, quadratic in the context: fp32 tensors of [tokens, heads, keys]
+    (keys: the tokens plus a compressed entry per `ratio` of them, the smallest ratio's;
+    dsv4_ops.sink_attention holds three at once, the layer's masks and indexer more), counted
+    as nine of them, what the measured peaks take: peak RSS 1.07 / 3.36 GB at contexts 2,048
+    / 4,096 (`--steps 1 --repeats 1`), less 0.23 GB for torch, against 0.76 / 3.04 GB here."""
+    from kvpool.storage.dsv4 import DSV4Pools
+
+    spec = model.spec
+    pools = DSV4Pools(spec, 1, 1)  # (one block of each: their sizes)
+    num_blocks = context // spec.span + steps // spec.span + 2
+    pool_bytes = num_blocks * pools.classical_block_bytes() + pools.state_block_bytes()
+    tokens = context + 1
+    keys = tokens + tokens // min((r for r in spec.layer_ratios if r), default=tokens)
+    oracle_bytes = 9 * 4 * tokens * spec.num_heads * keys + tokens * keys  # the scores, and the bool mask
+    return pool_bytes + oracle_bytes
+
+
+def check_timing(model, contexts: Sequence[int], steps: int) -> None:
+    """ValueError before anything is allocated for a context the model has no positions for
+    (context + steps past its max_position_embeddings), or whose timing does not fit the
+    memory available (`timing_bytes`; an allocator traceback, or the OOM killer, before)."""
+    from kvpool.engine.memory import check_fits
+
+    limit = model.spec.max_position_embeddings
+    for context in contexts:
+        if context + steps > limit:
+            raise ValueError(
+                f"--contexts {context} with --steps {steps} needs {context + steps:,} positions; tiny-dsv4 has "
+                f"{limit:,} (its max_position_embeddings)"
+            )
+    largest = max(contexts)
+    check_fits(
+        timing_bytes(model, largest, steps),
+        "cpu",
+        f"kvpool bench dsv4 --contexts {largest} (the pools and the oracle's attention scores, "
+        "quadratic in the context)",
+        "lower --contexts, or pass --no-timing for the byte accounting alone",
+    )
+
+
 def timing_report(contexts: list[int], steps: int, repeats: int) -> list[dict[str, float]]:
-    """One row per context: paged and oracle milliseconds per decode step, and their ratio."""
+    """One row per context: paged and oracle milliseconds per decode step, and their ratio.
+    ValueError first for a context the model or the memory cannot take (`check_timing`)."""
     import torch
 
     from kvpool.engine.dsv4_runner import dsv4_runner
@@ -58,6 +102,7 @@ def timing_report(contexts: list[int], steps: int, repeats: int) -> list[dict[st
 
     torch.set_num_threads(1)
     model = TinyDSV4(seed=0)
+    check_timing(model, contexts, steps)
     rows = []
     for context in contexts:
         ids = torch.randint(
