@@ -181,3 +181,30 @@ def test_the_plan_and_generate_clis_take_hisparse_and_refuse_bad_sizes() -> None
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr
+
+
+def test_bench_hisparse_refuses_a_context_past_the_models_positions_before_drawing_it(capsys, monkeypatch):
+    """--context 10000000000 ran for minutes without a word: the bench drew the prompt's 10^10
+    random tokens in Python first. Now a context whose steps pass tiny-dsv4's 1,048,576
+    positions, or whose pools do not fit the memory, is refused by name, nothing drawn."""
+    import kvpool.bench.hisparse as bench
+    from kvpool.cli.main import main
+    from kvpool.engine import memory
+
+    class NoDraws:
+        def Random(self, seed):  # noqa: N802 (random.Random's name)
+            raise AssertionError("a prompt was drawn")
+
+    monkeypatch.setattr(bench, "random", NoDraws())
+    assert main(["bench", "hisparse", "--context", "10000000000", "--steps", "1"]) == 2
+    assert capsys.readouterr().err == (
+        "kvpool bench hisparse: error: --context 10000000000 with --steps 1 needs 10,000,000,002 positions; "
+        "tiny-dsv4 has 1,048,576 (its max_position_embeddings)\n"
+    )
+    assert main(["bench", "hisparse", "--context", "64,1048575", "--steps", "1"]) == 2
+    assert "needs 1,048,577 positions" in capsys.readouterr().err
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda device: 1 << 20)
+    assert main(["bench", "hisparse", "--context", "100000", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvpool bench hisparse: error: kvpool bench hisparse --context 100000 needs ")
+    assert err.endswith("GiB but this machine has 0.0 GiB of memory available; lower --context\n")

@@ -65,11 +65,34 @@ def _bytes(runner) -> int:
     return 0 if report is None else int(report["bytes_fetched"])
 
 
+def _check_contexts(model, contexts: Sequence[int], steps: int) -> None:
+    """ValueError naming --context before any prompt is drawn where a context and its steps
+    pass the model's positions (--context 10000000000 spent minutes drawing 10^10 random
+    tokens in Python, silent, before anything failed), or where the pools and the prompt do
+    not fit the memory available."""
+    from kvpool.engine.memory import check_fits
+    from kvpool.storage.dsv4 import DSV4Pools
+
+    limit = model.spec.max_position_embeddings
+    for context in contexts:
+        if context + steps + 1 > limit:  # (the prompt, then steps + 1 tokens sampled)
+            raise ValueError(
+                f"--context {context} with --steps {steps} needs {context + steps + 1:,} positions; tiny-dsv4 "
+                f"has {limit:,} (its max_position_embeddings)"
+            )
+    largest = max(contexts)
+    pools = DSV4Pools(model.spec, 1, 1)  # (one block of each: their sizes)
+    num_blocks = -(-(largest + steps + 1) // model.spec.span) + 1  # `_run`'s
+    need = num_blocks * pools.classical_block_bytes() + pools.state_block_bytes() + 8 * largest  # (the prompt list)
+    check_fits(need, "cpu", f"kvpool bench hisparse --context {largest}", "lower --context")
+
+
 def measure(
     contexts: Sequence[int] = (4096, 32768), hot_sets: Sequence[int] = (8, 64, 512), steps: int = 32, seed: int = 0
 ) -> dict:
     """{"steps", "rows"}: per context, a row with HiSparse off, then one per hot set that is
-    smaller than the pool. RuntimeError if a hot set changed the outputs."""
+    smaller than the pool. ValueError first for a context the model or the memory cannot
+    take (`_check_contexts`); RuntimeError if a hot set changed the outputs."""
     import torch
 
     from kvpool.models.tiny_dsv4 import TinyDSV4
@@ -77,6 +100,7 @@ def measure(
     if not contexts or min(contexts) <= 0 or min(hot_sets, default=1) <= 0 or steps <= 0:
         raise ValueError("contexts, hot_sets and steps must be positive")
     model = TinyDSV4(seed=seed)
+    _check_contexts(model, contexts, steps)
     rng = random.Random(seed)
     rows = []
     for context in contexts:
