@@ -137,9 +137,10 @@ def test_a_missing_or_broken_file_is_one_line(tmp_path):
         llama_config(tmp_path / "bad.json")
 
 
-def test_model_bytes_is_what_random_llama_allocates(tmp_path):
-    """The weights and RoPE tables the model keeps, plus the transients of the build: the
-    largest weight drawn in fp32 before its cast, and the RoPE tables' two fp64 temporaries."""
+def test_model_bytes_counts_the_kept_weights_one_fp32_draw_and_the_rope_tables(tmp_path):
+    """Exactly its docstring's three terms: the weights and RoPE tables the model keeps, the
+    largest weight drawn in fp32 before its cast (counted for fp32 too), and the RoPE tables'
+    two fp64 temporaries; the fusing's copies are not counted."""
     for tied, dtype in ((False, torch.float32), (True, torch.bfloat16)):
         cfg = llama_config(_config(tmp_path, tie_word_embeddings=tied)).config
         model = random_llama(cfg, dtype=dtype)

@@ -123,11 +123,18 @@ def _ignored(raw: dict[str, Any]) -> tuple[str, ...]:
 
 
 def model_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:
-    """What `random_llama` allocates for `config`, to refuse a model too large for the device
-    before the first tensor is drawn (a config.json of 100 B parameters was a traceback from
-    the allocator, or the process killed as pages were touched): every weight in `dtype`,
-    the largest drawn in fp32 before its cast, and LlamaModel's RoPE tables (cos and sin
-    [max_position, head_dim], built in fp64, kept in fp32)."""
+    """An estimate of the bytes `random_llama` holds for `config`, to refuse a model too large
+    for the device before the first tensor is drawn (a config.json of 100 B parameters was a
+    traceback from the allocator, or the process killed as pages were touched). It counts
+    exactly three terms: every weight `random_tensors` yields, in `dtype` (the embedding,
+    the untied LM head, the norms, each layer's q, k, v, o, gate, up, down and two norms:
+    the same elements LlamaModel keeps fused); the largest of them (the embedding, a gate /
+    up / down or a q matrix) once more in fp32, its draw before the cast (an fp32 model
+    casts nothing: a margin then); and max_position x head_dim x 24 bytes of RoPE tables
+    (two fp64 tables, the angles and sines being built, and the fp32 cos and sin kept).
+    Not counted: a layer's parts and their fused copies while `fuse_layer` concatenates and
+    transposes them (about two fused layers at the peak), the fp64 [max_position, head_dim
+    / 2] frequencies, and the allocator's and Python's own overhead."""
     c = config
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     embed = c.vocab_size * c.hidden_size

@@ -361,7 +361,7 @@ def evaluate_v4(
                 name,
                 int(block_bytes),
                 block_bytes / span,
-                round(exact_bytes / block_bytes, 3),
+                exact_bytes / block_bytes,  # unrounded: rounded to 3 places, then printed to 2
                 kl,
                 top1,
                 sum(same) / steps,
