@@ -22,7 +22,7 @@ from kvpool.attention.backends.step_buffers import StepBuffers
 from kvpool.attention.backends.triton_extend import plan_extend
 from kvpool.engine.batch_sampler import BatchSampler, sample_batch
 from kvpool.engine.cuda_graph import DecodeGraphs, bucket_for, buckets_up_to
-from kvpool.engine.sampling import SamplingParams
+from kvpool.engine.sampling import NonFiniteLogitsError, SamplingParams
 from twin_device import TwinDevice, patch_cuda
 
 
@@ -298,3 +298,30 @@ def test_a_graphs_decode_step_does_not_wait_on_the_host(device) -> None:
         for r in ids:
             lens[r] += 1
     assert graphs.steps_by_bucket == {4: 2, 2: 2} and b.num_advanced >= 2
+
+
+def test_the_samplers_finiteness_check_rides_in_the_one_read_on_the_device(device, monkeypatch):
+    """On a device the batch sampler reads the host once a step, its tokens' `.tolist()`,
+    with the rows whose logits give no token (a NaN, +inf, all -inf) marked in it: a row of
+    NaN among drawing and greedy rows is named, and the others' tokens are the CPU's."""
+    params = PARAMS[:4]
+    logits = torch.randn(4, 6, generator=torch.Generator().manual_seed(3))
+    of = lambda which=None: (params, [0] * 4, [0] * 4)  # noqa: E731
+    reads: list[str] = []
+    original = torch.Tensor.tolist
+
+    def counted(self, *args, **kwargs):
+        reads.append("tolist")
+        return original(self, *args, **kwargs)
+
+    want = BatchSampler().sample(logits, list(range(4)), of, lambda: [5] * 4)
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    assert BatchSampler().sample(logits.to("meta"), list(range(4)), of, lambda: [5] * 4) == want
+    assert reads == ["tolist"]
+    for bad in (1, 2):  # a greedy row, a drawing one
+        poisoned = logits.clone()
+        poisoned[bad, 4] = float("nan")
+        reads.clear()
+        with pytest.raises(NonFiniteLogitsError) as refused:
+            BatchSampler().sample(poisoned.to("meta"), list(range(4)), of, lambda: [5] * 4)
+        assert refused.value.rows == [bad] and reads == ["tolist"]

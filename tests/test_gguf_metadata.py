@@ -8,6 +8,7 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
+import torch
 
 from kvpool.cli.main import main
 from kvpool.models.gguf import load_gguf
@@ -18,7 +19,8 @@ TOKENS = [f"t{i}" for i in range(32)]
 def write_gguf(path, **over) -> str:
     """A 2-layer Llama GGUF (hidden 16, 4 heads, 2 KV heads, vocab 32); `over` replaces
     metadata (heads, kvh, hidden, key_length, ctx, theta, eps, vocab) or a tensor's dims
-    (q_rows, embed_rows, tokens); `skip` leaves tensors out."""
+    (q_rows, embed_rows, tokens); `skip` leaves tensors out; `poison` {tensor: [(index,
+    value), ...]} writes values into a tensor (numpy shape: [out, in]); `dtype` the tensors'."""
     o = {"layers": 2, "hidden": 16, "ff": 24, "heads": 4, "kvh": 2, "ctx": 64, "theta": 1e4, "eps": 1e-5, **over}
     head_dim = o.get("key_length") or 4
     tokens = o.get("tokens", TOKENS)
@@ -53,7 +55,10 @@ def write_gguf(path, **over) -> str:
         }
     for name, shape in shapes.items():
         if name not in o.get("skip", ()):
-            w.add_tensor(name, np.full(shape, 0.01, dtype=np.float32))
+            data = np.full(shape, 0.01, dtype=o.get("dtype", np.float32))
+            for index, value in o.get("poison", {}).get(name, ()):
+                data[index] = value
+            w.add_tensor(name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -119,4 +124,53 @@ def test_the_cli_names_a_zero_head_count_without_a_traceback(tmp_path, capsys):
     assert err == (
         f"kvpool generate: error: GGUF file {path}: GGUF metadata llama.attention.head_count "
         "must be a positive integer, got 0\n"
+    )
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_a_non_finite_weight_is_named_with_the_file_and_tensor_when_read(tmp_path, dtype):
+    """A NaN weight loaded, every logit came out NaN, and `kvpool generate` printed nothing
+    (SmolLM2 sampled token 0, its end of text). Now reading the tensor names the file, the
+    tensor, the first such element and how many more there are; an infinity too."""
+    nan, inf = float("nan"), float("inf")
+    poison = {"blk.1.ffn_down.weight": [((2, 3), nan), ((5, 0), inf)]}
+    path = write_gguf(tmp_path / "nan.gguf", poison=poison, dtype=dtype)
+    loaded = load_gguf(path)  # (the metadata is sound: the weights are checked as they are read)
+    with pytest.raises(ValueError) as e:
+        for _ in loaded.tensors():
+            pass
+    assert str(e.value) == (
+        f"GGUF file {path}: tensor 'blk.1.ffn_down.weight' holds nan at [2, 3] (and 1 more non-finite values): "
+        "the model cannot compute with it (every logit would be NaN)"
+    )
+    path = write_gguf(tmp_path / "inf.gguf", poison={"output_norm.weight": [(7, -inf)]}, dtype=dtype)
+    with pytest.raises(ValueError, match=r"tensor 'output_norm.weight' holds -inf at \[7\]: "):
+        for _ in load_gguf(path).tensors():
+            pass
+
+
+def test_a_weight_past_float16s_range_is_refused_as_fp16_and_loads_as_fp32(tmp_path):
+    """1e5 is finite in the file's fp32 but rounds to inf in float16 (largest 65504): a
+    --dtype fp16 load names it; fp32 and bf16 hold it."""
+    path = write_gguf(tmp_path / "big.gguf", poison={"blk.0.ffn_up.weight": [(4, 1e5)]})
+    with pytest.raises(ValueError) as e:
+        for _ in load_gguf(path, torch.float16).tensors(torch.float16):
+            pass
+    assert str(e.value) == (
+        f"GGUF file {path}: tensor 'blk.0.ffn_up.weight' holds 100000 at [4, 0] (as layers.0.up), past "
+        "float16's largest value 65504: it would load as inf; load it as fp32 or bf16 (--dtype)"
+    )
+    for dtype in (torch.float32, torch.bfloat16):
+        weights = dict(load_gguf(path, dtype).tensors(dtype))
+        assert float(weights["layers.0.up"][4, 0]) == pytest.approx(1e5, rel=1e-2)
+
+
+def test_generate_names_a_nan_weight_without_a_traceback(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "nan.gguf", poison={"blk.0.attn_v.weight": [((1, 2), float("nan"))]})
+    assert main(["generate", "hi", "--model", path]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"kvpool generate: error: GGUF file {path}: tensor 'blk.0.attn_v.weight' holds nan at [1, 2]: "
+        "the model cannot compute with it (every logit would be NaN)\n"
     )

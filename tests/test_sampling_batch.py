@@ -37,6 +37,7 @@ from kvpool.engine.sampling import (
     GREEDY_TEMPERATURE,
     SEED_MAX,
     SEED_MIN,
+    NonFiniteLogitsError,
     SamplingParams,
     _draw,
     _splitmix64,
@@ -213,23 +214,36 @@ def test_a_draw_at_the_very_top_takes_the_last_token_of_non_zero_weight():
     u = torch.tensor([[top], [top], [0.0]], dtype=torch.float64).float()
     assert u[0].item() == 1.0
     ones = torch.ones(3, 1)
-    assert _sample_group(logits, ones, ones, u, 4, False, at_top=True).tolist() == [1, 2, 1]
+    assert _sample_group(logits, ones, ones, u, 4, False, at_top=True)[0].tolist() == [1, 2, 1]
     assert [_draw(torch.softmax(row, -1), u) for row, u in zip(logits, (top, top, 0.0), strict=True)] == [1, 2, 1]
 
 
-def test_a_row_without_finite_probabilities_draws_as_sample_token_does():
-    """A row whose softmax is NaN (every logit -inf, a +inf, a NaN) has no finite cumulative
-    weight: both samplers then take the last index whose weight is not zero, NaN counting as
-    not zero (as `_draw`'s torch.nonzero counts it): the row's last token (4) without top-k,
-    the last top-k candidate with it. Such a row beside an ordinary one in one batch."""
+def test_a_row_without_finite_probabilities_is_refused_by_both_samplers_naming_it():
+    """A row whose softmax is NaN (every logit -inf, a +inf, a NaN) gives no token: both
+    samplers raise NonFiniteLogitsError, the batch naming exactly those rows (a token drawn
+    there was garbage: SmolLM2's all-NaN rows gave its end of text, an empty answer). An
+    ordinary row beside them, and a row with some -inf logits (masked tokens), sample."""
     inf, nan = float("inf"), float("nan")
     rows = torch.tensor([[-inf] * 5, [0.0, inf, 1.0, inf, 0.0], [0.0, nan, 1.0, 2.0, 0.0], [0.3, -0.2, 1.1, 0.0, 0.5]])
-    for top_k, top_p in ((0, 1.0), (0, 0.5), (3, 1.0), (3, 0.5)):
-        params = [SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p, seed=3 + i) for i in range(len(rows))]
-        expected = [sample_token(row, p, 0, 5) for row, p in zip(rows, params, strict=True)]
-        assert sample_batch(rows, params, [0] * len(rows), [5] * len(rows)) == expected, (top_k, top_p)
-        if top_k == 0:
-            assert expected[:3] == [4, 4, 4]  # the last index, by hand
+    for temperature, top_k, top_p in ((0.0, 0, 1.0), (0.8, 0, 1.0), (0.8, 0, 0.5), (0.8, 3, 1.0), (0.8, 3, 0.5)):
+        params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=3 + i) for i in range(4)]
+        for row, p in zip(rows[:3], params, strict=False):
+            with pytest.raises(NonFiniteLogitsError, match="output position 5 are not finite"):
+                sample_token(row, p, 0, 5)
+        with pytest.raises(NonFiniteLogitsError) as refused:
+            sample_batch(rows, params, [0] * 4, [5] * 4)
+        assert refused.value.rows == [0, 1, 2], (temperature, top_k, top_p)
+        masked = torch.tensor([[0.3, -inf, 1.1, -inf, 0.5], [0.3, -0.2, 1.1, 0.0, 0.5]])
+        want = [sample_token(row, p, 0, 5) for row, p in zip(masked, params, strict=False)]
+        assert sample_batch(masked, params[:2], [0, 0], [5, 5]) == want
+        # a greedy and a drawing row in one batch (the mixed path checks both kinds)
+        mixed = [SamplingParams(), params[1]]
+        for bad in (0, 1):
+            logits = masked.clone()
+            logits[bad, 2] = nan
+            with pytest.raises(NonFiniteLogitsError) as refused:
+                sample_batch(logits, mixed, [0, 0], [5, 5])
+            assert refused.value.rows == [bad]
 
 
 # (seed 0, sample 0, position 22,601,155): a draw of 0.99999997..., which fp32 rounds to 1.0
@@ -259,8 +273,8 @@ def test_the_shortcut_where_no_draw_rounds_to_one_equals_the_full_last_index(one
         k = (case % 4) if case % 4 < vocab else vocab
         k = vocab if k == 0 else k
         for nucleus in (False, True):
-            fast = _sample_group(logits, temperature, top_p, u, k, nucleus, at_top=False)
-            full = _sample_group(logits, temperature, top_p, u, k, nucleus, at_top=True)
+            fast = _sample_group(logits, temperature, top_p, u, k, nucleus, at_top=False)[0]
+            full = _sample_group(logits, temperature, top_p, u, k, nucleus, at_top=True)[0]
             assert fast.tolist() == full.tolist(), (case, nucleus)
     seed, index, position = TOP_DRAW
     assert np.float32(uniform_draw(seed, index, position)) == 1.0
@@ -273,17 +287,37 @@ def test_the_shortcut_where_no_draw_rounds_to_one_equals_the_full_last_index(one
     assert got == [5, 2, 5]
 
 
+def _row_by_row(logits, params, indices, at) -> tuple[list[int], list[int]]:
+    """sample_token's tokens of each row, and the rows it refused (NonFiniteLogitsError)."""
+    tokens, refused = [], []
+    for r in range(len(params)):
+        try:
+            tokens.append(sample_token(logits[r], params[r], indices[r], at[r]))
+        except NonFiniteLogitsError:
+            refused.append(r)
+    return tokens, refused
+
+
+def _batched(sample) -> tuple[list[int], list[int]]:
+    """A batch's tokens, or none and the rows it refused."""
+    try:
+        return sample(), []
+    except NonFiniteLogitsError as error:
+        return [], error.rows
+
+
 def test_thousands_of_random_batches_equal_sample_token_row_by_row(one_thread):
     """2,000 random batches (1 to 12 rows, vocabularies of 1 to 40, fp32 / fp64
     logits, a fifth of the rows with -inf, +inf or NaN logits), each row its own mix of
     temperature (greedy ones too), top-k, top-p, seed, sample index and position: every
     token of `sample_batch`, and of a `BatchSampler` kept over two steps, is sample_token's
     (continuous logits: no two candidates tie in probability, where the two may order them
-    apart)."""
+    apart), and where sample_token refuses rows (NonFiniteLogitsError: a NaN or +inf, or
+    every logit -inf) the batch is refused naming those rows."""
     rng = random.Random(17)
     gen = torch.Generator().manual_seed(17)
     inf, nan = float("inf"), float("nan")
-    drawn = odd_rows = 0
+    drawn = odd_rows = num_refused = 0
     for case in range(2000):
         rows, vocab = rng.randint(1, 12), rng.randint(1, 40)
         logits = torch.randn(rows, vocab, generator=gen) * rng.choice((0.2, 1.0, 4.0))
@@ -310,15 +344,19 @@ def test_thousands_of_random_batches_equal_sample_token_row_by_row(one_thread):
         params = [one if shared else draw_params() for _ in range(rows)]
         indices = [rng.randint(0, 3) for _ in range(rows)]
         positions = [rng.randint(0, 9999) for _ in range(rows)]
-        want = [sample_token(logits[r], params[r], indices[r], positions[r]) for r in range(rows)]
-        assert sample_batch(logits, params, indices, positions) == want, case
+        want, refused = _row_by_row(logits, params, indices, positions)
+        got = _batched(lambda: sample_batch(logits, params, indices, positions))  # noqa: B023 (called here)
+        assert got == ([] if refused else want, refused), case
         sampler, owners = BatchSampler(), list(range(rows))
         for step in range(2):
             at = [p + step for p in positions]
-            got = sampler.sample(logits, owners, lambda p=params, i=indices, o=[0] * rows: (p, i, o), lambda at=at: at)
-            assert got == [sample_token(logits[r], params[r], indices[r], at[r]) for r in range(rows)], (case, step)
+            want, refused = _row_by_row(logits, params, indices, at)
+            of = lambda p=params, i=indices, o=[0] * rows: (p, i, o)  # noqa: E731
+            got = _batched(lambda: sampler.sample(logits, owners, of, lambda: at))  # noqa: B023 (called here)
+            assert got == ([] if refused else want, refused), (case, step)
         drawn += sum(not p.greedy for p in params)
-    assert drawn > 5000 and odd_rows > 1500  # (what the batches held)
+        num_refused += len(refused)
+    assert drawn > 5000 and odd_rows > 1500 and num_refused > 500  # (what the batches held)
 
 
 def test_the_batch_of_draws_is_uniform_draw_bit_for_bit():

@@ -10,6 +10,7 @@ two can differ: exact ties in probability, a GPU's other rounding).
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from itertools import compress, count, islice, repeat
@@ -18,7 +19,15 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import torch
 
-from kvpool.engine.sampling import _MASK64, GREEDY_TEMPERATURE, SamplingParams, _splitmix64, draws_at, seed_words
+from kvpool.engine.sampling import (
+    _MASK64,
+    GREEDY_TEMPERATURE,
+    NonFiniteLogitsError,
+    SamplingParams,
+    _splitmix64,
+    draws_at,
+    seed_words,
+)
 
 _TEMPERATURE, _TOP_P, _TOP_K, _SEED = map(operator.attrgetter, ("temperature", "top_p", "top_k", "seed"))
 _NO_WORDS, _NO_DRAWS = np.empty(0, dtype=np.uint64), np.empty((0, 1), dtype=np.float32)  # (never written)
@@ -269,10 +278,14 @@ class _BatchRows:
 
     def sample(self, logits: torch.Tensor, positions: Callable[[], np.ndarray]) -> list[int]:
         """logits [num_rows, vocab] -> a token a row; positions() gives the rows' output
-        positions ([num_rows] int64), called only when a row draws: `sample_batch`'s tokens."""
+        positions ([num_rows] int64), called only when a row draws: `sample_batch`'s tokens.
+        NonFiniteLogitsError naming the rows whose logits give no token (`_finite_tokens`)."""
         stochastic, m = self.stochastic, len(self.stochastic)
         if not m:
-            return torch.argmax(logits, dim=-1).tolist()  # the step's one host synchronisation
+            # (max's indices are argmax's, the first maximum; its values come with them: a
+            # NaN is the largest, so a row's value is finite unless the row is not)
+            best, tokens = torch.max(logits, dim=-1)
+            return _finite_tokens(tokens, best)
         at = positions()
         if m < self.num_rows:
             at = at[stochastic]
@@ -282,21 +295,29 @@ class _BatchRows:
         if self.u is not self.u_host:
             self.u.copy_(self.u_host, non_blocking=True)
         if m == self.num_rows and len(self.groups) == 1:  # every row draws, in one group
-            return self.groups[0].sample(logits, at_top).tolist()  # the step's one host synchronisation
+            return _finite_tokens(*self.groups[0].sample(logits, at_top))
         if m == self.num_rows:
-            out = torch.empty(m, dtype=torch.long, device=logits.device)
+            tokens = torch.empty(m, dtype=torch.long, device=logits.device)
+            totals = torch.empty(m, dtype=torch.float32, device=logits.device)
             for group in self.groups:
-                out.index_copy_(0, group.index, group.sample(logits.index_select(0, group.index), at_top))
-            return out.tolist()
-        tokens = torch.argmax(logits, dim=-1)  # [rows] int64
+                drawn, weight = group.sample(logits.index_select(0, group.index), at_top)
+                tokens.index_copy_(0, group.index, drawn)
+                totals.index_copy_(0, group.index, weight)
+            return _finite_tokens(tokens, totals)
+        best, tokens = torch.max(logits, dim=-1)  # [rows] int64
         drawn = logits.index_select(0, self.stochastic_t)
         if len(self.groups) == 1:
-            sampled = self.groups[0].sample(drawn, at_top)
+            sampled, totals = self.groups[0].sample(drawn, at_top)
         else:
             sampled = torch.empty(m, dtype=torch.long, device=logits.device)
+            totals = torch.empty(m, dtype=torch.float32, device=logits.device)
             for group in self.groups:
-                sampled.index_copy_(0, group.index, group.sample(drawn.index_select(0, group.index), at_top))
-        return tokens.index_copy_(0, self.stochastic_t, sampled).tolist()  # the step's one host synchronisation
+                picked, weight = group.sample(drawn.index_select(0, group.index), at_top)
+                sampled.index_copy_(0, group.index, picked)
+                totals.index_copy_(0, group.index, weight)
+        # (the drawing rows' tokens and totals in their rows of the argmax and the maxima)
+        tokens.index_copy_(0, self.stochastic_t, sampled)
+        return _finite_tokens(tokens, best.index_copy_(0, self.stochastic_t, totals.to(best.dtype)))
 
     def uniforms(self, at: np.ndarray) -> bool:
         """The drawing rows' uniforms at positions at ([m] int64) into u_np, in group order:
@@ -359,7 +380,7 @@ class _Group:
         self.k, self.nucleus, self.index = k, nucleus, index
         self.temperature, self.top_p, self.u = temperature, top_p, u
 
-    def sample(self, logits: torch.Tensor, at_top: bool) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, at_top: bool) -> tuple[torch.Tensor, torch.Tensor]:
         return _sample_group(logits, self.temperature, self.top_p, self.u, self.k, self.nucleus, at_top)
 
 
@@ -655,10 +676,11 @@ def _sample_group(
     k: int,
     nucleus: bool,
     at_top: bool,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of one kind: logits [g, vocab], their fp32 columns [g, 1] each (temperature,
     top_p >= TOP_P_MIN, u in [0, 1]), every row's top-k k (vocab: off) and top-p on or off
-    (nucleus) -> [g] int64 token ids, through `sample_token`'s arithmetic (the module
+    (nucleus) -> ([g] int64 token ids, [g] fp32 each row's total weight: NaN where its
+    softmax is, `_finite_tokens`), through `sample_token`'s arithmetic (the module
     docstring). at_top: whether some u is 1.0 (False where none is: one op, not four)."""
     vocab = logits.shape[-1]
     scores = logits.float() / temperature  # [g, vocab]
@@ -699,4 +721,28 @@ def _sample_group(
         # counts, the last index is width - 1, and searchsorted may give width
         j = j.clamp_(max=cdf.shape[-1] - 1)
     # (each op here is a kernel launch on a GPU: views and no extra copies keep them few)
-    return (j if ids is None else ids.gather(-1, j)).view(-1)
+    return (j if ids is None else ids.gather(-1, j)).view(-1), cdf[:, -1]
+
+
+def _finite_tokens(tokens: torch.Tensor, values: torch.Tensor) -> list[int]:
+    """tokens [rows] int64 -> their list (the step's one host synchronisation), where every
+    row's value (values [rows]: its maximum logit, or its softmax's total weight) is finite;
+    else NonFiniteLogitsError naming the rows whose value is not: their logits hold a NaN or
+    +inf or are -inf throughout, and a token drawn there is garbage. On a GPU the check rides
+    in the one read (such a row's token read as -1: two kernels, no second wait); on the
+    CPU the values are read too (host memory, no wait) and summed in Python's doubles, which
+    a row's NaN or inf makes non-finite: ~5 us a step against ~25 us for the two ops here."""
+    if tokens.device.type == "cpu":
+        out = tokens.tolist()
+        listed = values.tolist()
+        if math.isfinite(sum(listed)):
+            return out
+        bad = [i for i, value in enumerate(listed) if not math.isfinite(value)]
+        if not bad:  # (fp64 values whose sum overflowed, each finite)
+            return out
+    else:
+        out = torch.where(torch.isfinite(values), tokens, -1).tolist()
+        if not out or min(out) >= 0:
+            return out
+        bad = [i for i, token in enumerate(out) if token < 0]
+    raise NonFiniteLogitsError(bad)

@@ -38,7 +38,7 @@ import torch
 from kvpool.cache.types import CheckedPrompt, LookupPrompt, MMItem, ReleaseReason
 from kvpool.engine.batch_sampler import BatchSampler, StepSampler
 from kvpool.engine.runner import ModelRunner, ScheduledChunk, StepChunks
-from kvpool.engine.sampling import SamplingParams, sample_token, token_logprobs
+from kvpool.engine.sampling import NonFiniteLogitsError, SamplingParams, sample_token, token_logprobs
 from kvpool.pool import token_bytes
 from kvpool.pool.hashing import TOKEN_BYTES
 
@@ -991,7 +991,10 @@ class Engine:
                         tokens = seq.token_ids
                         if token is None:
                             position = len(tokens) - req.num_prompt_tokens
-                            token = self.sampler(logits[row - 1], req.params, seq.sample_index, position)
+                            try:
+                                token = self.sampler(logits[row - 1], req.params, seq.sample_index, position)
+                            except NonFiniteLogitsError:  # (named: the sampler knows no request)
+                                raise NonFiniteLogitsError([row - 1], [req.request_id], position) from None
                         tokens.append(token)
                         if not req.matches_text and token not in req.stop_ids and len(tokens) < req.end_len:
                             next_token_ids[i] = token
@@ -1331,7 +1334,10 @@ class Engine:
         # (a tensor's rows, or a runner's list of empty rows; a tensor's len is a Python call, its shape not)
         if (logits.shape[0] if type(logits) is torch.Tensor else len(logits)) != len(seqs):
             logits = logits[: len(seqs)]
-        return self._batch_sampler.sample(logits, seqs, rows, lengths)
+        try:
+            return self._batch_sampler.sample(logits, seqs, rows, lengths)
+        except NonFiniteLogitsError as error:  # named: the sampler knows rows, not requests
+            raise NonFiniteLogitsError(error.rows, [seqs[r].request.request_id for r in error.rows]) from None
 
     def _first_samples(
         self,
@@ -1427,12 +1433,15 @@ class Engine:
         tokens = seq.token_ids
         position = len(tokens) - req.num_prompt_tokens  # seq.num_output_tokens, before this token
         if token is None:
-            if self.batched_sampling:
-                token = self._batch_sampler.sample_rows(
-                    logits[row : row + 1], [params], [seq.sample_index], [position]
-                )[0]
-            else:
-                token = self.sampler(logits[row], params, seq.sample_index, position)
+            try:
+                if self.batched_sampling:
+                    token = self._batch_sampler.sample_rows(
+                        logits[row : row + 1], [params], [seq.sample_index], [position]
+                    )[0]
+                else:
+                    token = self.sampler(logits[row], params, seq.sample_index, position)
+            except NonFiniteLogitsError:
+                raise NonFiniteLogitsError([row], [req.request_id], position) from None
         if self.record_logits:
             seq.logits.append(logits[row].detach().clone())
         if params.logprobs is not None:

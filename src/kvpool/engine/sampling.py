@@ -57,6 +57,29 @@ def integer(name: str, value: object) -> int:
     return int(value)
 
 
+class NonFiniteLogitsError(ValueError):
+    """A row of the model's logits holds a NaN or +inf, or nothing but -inf: no token can be
+    sampled from it (argmax takes the NaN's index, a softmax is NaN throughout), so a token
+    drawn there is garbage; SmolLM2's all-NaN rows gave token 0, its end of text: an empty
+    answer without a word. The cause is the model's (a non-finite weight, or a forward that
+    overflowed its dtype), not the request's. `rows`: the step's rows it holds (indices of
+    the logits' rows); `request_ids`: their requests, where the engine named them."""
+
+    def __init__(self, rows: Sequence[int], request_ids: Sequence[str] = (), position: int | None = None) -> None:
+        self.rows, self.request_ids = list(rows), list(request_ids)
+        if self.request_ids:
+            more = len(self.request_ids) - 1
+            where = f"request {self.request_ids[0]!r}" + (f" (and {more} more in the step)" if more else "")
+        else:
+            where = f"rows {self.rows}" if len(self.rows) != 1 else f"row {self.rows[0]}"
+        if position is not None:
+            where += f" at output position {position}"
+        super().__init__(
+            f"the model's logits for {where} are not finite (a NaN or +inf, or every one -inf): no token can "
+            "be sampled; a weight of the model is not finite, or its forward overflowed its dtype"
+        )
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 64
@@ -161,7 +184,12 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, sample_index: int
     The kept tokens (top-k, then the top-p nucleus: the most likely tokens until their mass
     reaches top_p) are drawn by inverse CDF with `uniform_draw`'s uniform."""
     if params.greedy:
-        return int(torch.argmax(logits))  # no scratch beyond a scalar
+        token = int(torch.argmax(logits))  # no scratch beyond a scalar
+        # argmax takes a NaN as the largest: the logit taken is finite unless the row holds a
+        # NaN or +inf, or is -inf throughout (NonFiniteLogitsError)
+        if not math.isfinite(logits[token]):
+            raise NonFiniteLogitsError([0], position=position)
+        return token
     # divided by the fp32 temperature as sample_batch divides its rows (same rounding)
     scores = logits.float().cpu() / params.temperature
     vocab = scores.shape[-1]
@@ -190,6 +218,10 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, sample_index: int
     # the tensors alive at the draw, and the draw's CDF: one more vector of the candidates
     _note_scratch(scores, full if full is not probs else None, probs, ids, cumulative, extra=probs.nbytes)
     j = _draw(probs, uniform_draw(params.seed, sample_index, position))
+    # a softmax is finite or NaN throughout (a NaN or +inf logit, or all of them -inf, or
+    # scores past fp32's range): the weight drawn says which (topk keeps a NaN among the largest)
+    if not math.isfinite(probs[j]):
+        raise NonFiniteLogitsError([0], position=position)
     return int(ids[j]) if ids is not None else j
 
 

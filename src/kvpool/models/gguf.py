@@ -463,10 +463,50 @@ def _read_tensors(
             except _PARSE_ERRORS as e:
                 raise ValueError(f"GGUF file {path} is corrupt or truncated: tensor {info.name!r}: {e}") from e
             del raw
+            _check_finite(array, info.name, path)
             if name.endswith(".q"):
                 array = _unpermute_rows(array, config.num_heads)
             elif name.endswith(".k"):
                 array = _unpermute_rows(array, config.num_kv_heads)
             if not array.flags.c_contiguous:
                 array = np.ascontiguousarray(array)
-            yield name, torch.from_numpy(array).to(dtype)
+            tensor = torch.from_numpy(array).to(dtype)
+            if dtype == torch.float16 and not bool(torch.isfinite(tensor).all()):
+                _refuse_overflow(array, tensor, info.name, path, name)
+            yield name, tensor
+
+
+_FINITE_CHUNK = 1 << 21  # elements a finiteness check looks at at once (a 2 MB mask, not the tensor's)
+
+
+def _check_finite(array: np.ndarray, gguf_name: str, path: str) -> None:
+    """ValueError naming the file, the tensor and the first element that is a NaN or an
+    infinity: a NaN weight loaded, and every logit came out NaN (SmolLM2 then sampled its end
+    of text: `kvpool generate` printed nothing, status 0). array: the dequantized tensor,
+    fp32, [out_features, in_features] or [features]. Checked a chunk at a time (the mask of
+    a 113 MB embedding at once would be 28 MB); docs/engine.md gives its share of a load."""
+    flat = array.reshape(-1)
+    for begin in range(0, flat.size, _FINITE_CHUNK):
+        finite = np.isfinite(flat[begin : begin + _FINITE_CHUNK])
+        if finite.all():
+            continue
+        first = begin + int(np.argmin(finite))
+        where = list(np.unravel_index(first, array.shape))
+        count = int(flat.size - np.count_nonzero(np.isfinite(flat)))
+        more = f" (and {count - 1} more non-finite values)" if count > 1 else ""
+        raise ValueError(
+            f"GGUF file {path}: tensor {gguf_name!r} holds {flat[first]} at {[int(i) for i in where]}{more}: "
+            "the model cannot compute with it (every logit would be NaN)"
+        )
+
+
+def _refuse_overflow(array: np.ndarray, tensor: torch.Tensor, gguf_name: str, path: str, name: str) -> None:
+    """ValueError naming the weight whose finite fp32 value float16 cannot hold (past
+    65,504 it rounds to inf, and the forward to NaN)."""
+    first = int(torch.argmin(torch.isfinite(tensor).reshape(-1).to(torch.uint8)))
+    value = float(array.reshape(-1)[first])
+    where = [int(i) for i in np.unravel_index(first, tensor.shape)]
+    raise ValueError(
+        f"GGUF file {path}: tensor {gguf_name!r} holds {value:g} at {where} (as {name}), past float16's "
+        "largest value 65504: it would load as inf; load it as fp32 or bf16 (--dtype)"
+    )
