@@ -11,6 +11,7 @@ import pytest
 
 import kvpool
 from kvpool.cli.main import main
+from kvpool.engine.sampling import derived_seed
 
 PROMPT = "What is the capital of France?"
 
@@ -55,6 +56,31 @@ def test_n_samples_share_the_prompt(llm):
     assert len(out.outputs) == 3 and all(len(c.token_ids) == 5 for c in out.outputs)
     assert out.token_ids == out.outputs[0].token_ids
     assert llm.generate("Once upon a time", params)[0].outputs == out.outputs  # seeded: the same samples
+
+
+def test_unseeded_requests_draw_their_own_samples_and_a_run_draws_them_again(llm):
+    """Requests without a seed take the engine's next seeds (`derived_seed(engine seed, k)`):
+    two of one call sample differently (they all sampled with seed 0, the same tokens), the
+    same calls from the same engine seed sample the same again, and a given seed still wins."""
+    params = kvpool.SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+    llm.engine.reseed(0)
+    first, second = llm.generate(["Once upon a time"] * 2, params)
+    assert first.token_ids != second.token_ids
+    third = llm.generate("Once upon a time", params)[0]  # a later call goes on with the stream
+    assert third.token_ids not in (first.token_ids, second.token_ids)
+    llm.engine.reseed(0)
+    again = llm.generate(["Once upon a time"] * 2, params)
+    assert [o.token_ids for o in again] == [first.token_ids, second.token_ids]
+    for k, out in enumerate((first, second)):  # the documented rule, seed by seed
+        seeded = kvpool.SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True, seed=derived_seed(0, k))
+        assert llm.generate("Once upon a time", seeded)[0].token_ids == out.token_ids
+    fixed = kvpool.SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True, seed=0)
+    a, b = llm.generate(["Once upon a time"] * 2, fixed)
+    assert a.token_ids == b.token_ids  # a given seed: the same stream
+    with pytest.raises(TypeError, match="seed must be an integer"):
+        kvpool.LLM(seed=1.5)
+    with pytest.raises(ValueError, match="seed must be a 64-bit signed integer"):
+        kvpool.LLM(seed=1 << 63)
 
 
 def test_model_names_resolve_as_the_commands_do(tmp_path):

@@ -41,7 +41,7 @@ def test_greedy_is_the_argmax():
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
 def test_temperature_sampling_follows_the_softmax(temperature):
     probs = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
-    counts = draws(torch.log(probs).float(), SamplingParams(temperature=temperature))
+    counts = draws(torch.log(probs).float(), SamplingParams(temperature=temperature, seed=0))
     expected = probs ** (1 / temperature) / (probs ** (1 / temperature)).sum()  # 0.5: 0.658, 0.237, 0.105
     for token, p in enumerate(expected.tolist()):
         assert_frequency(counts, token, p)
@@ -49,7 +49,7 @@ def test_temperature_sampling_follows_the_softmax(temperature):
 
 def test_top_k_keeps_the_k_most_likely_renormalised():
     logits = torch.log(torch.tensor([0.4, 0.05, 0.3, 0.05, 0.2]))
-    counts = draws(logits, SamplingParams(temperature=1.0, top_k=2))
+    counts = draws(logits, SamplingParams(temperature=1.0, top_k=2, seed=0))
     assert set(counts) == {0, 2}
     assert_frequency(counts, 0, 0.4 / 0.7)
 
@@ -57,11 +57,11 @@ def test_top_k_keeps_the_k_most_likely_renormalised():
 def test_top_p_keeps_the_smallest_set_reaching_p():
     # 0.5 + 0.3 = 0.8 reaches top_p = 0.79: token 2 (0.15) is dropped, the rest as well
     probs = torch.tensor([0.5, 0.3, 0.15] + [0.05 / 1000] * 1000)
-    counts = draws(torch.log(probs), SamplingParams(temperature=1.0, top_p=0.79))
+    counts = draws(torch.log(probs), SamplingParams(temperature=1.0, top_p=0.79, seed=0))
     assert set(counts) == {0, 1}
     assert_frequency(counts, 0, 0.5 / 0.8)
     # just above 0.8 the third token joins
-    assert 2 in draws(torch.log(probs), SamplingParams(temperature=1.0, top_p=0.81))
+    assert 2 in draws(torch.log(probs), SamplingParams(temperature=1.0, top_p=0.81, seed=0))
 
 
 def test_top_p_beyond_the_candidates_takes_the_full_sort():
@@ -77,13 +77,13 @@ def test_top_p_beyond_the_candidates_takes_the_full_sort():
     # 100 draws (each sorts all 49,152 probabilities): a sampler ignoring top-p lands in the
     # lowest half with probability 1/2 a draw, one stopping at the candidates never leaves
     # them, and a correct one stays among them with probability ~(256 / 24,576)^100
-    counts = draws(logits, SamplingParams(temperature=1.0, top_p=0.5), n=100)
+    counts = draws(logits, SamplingParams(temperature=1.0, top_p=0.5, seed=0), n=100)
     assert set(counts) <= allowed
     assert len(set(counts) - set(order[:NUCLEUS_CANDIDATES].tolist())) > 0  # drawn past the candidates
 
 
 @pytest.mark.parametrize(
-    "params", [SamplingParams(temperature=0.7, top_p=0.9, top_k=40), SamplingParams(temperature=1.3)]
+    "params", [SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=0), SamplingParams(temperature=1.3, seed=0)]
 )
 def test_a_token_depends_only_on_seed_sample_and_position(params):
     logits = torch.randn(49_152, generator=torch.Generator().manual_seed(1))
@@ -98,7 +98,7 @@ def test_a_top_p_that_fp32_rounds_to_zero_keeps_the_most_likely_token():
     # and the draw indexed past an empty nucleus; the most likely token must always stay
     logits = torch.tensor([0.2, 1.5, -0.3, 1.4])
     for top_p in (1e-50, 1e-45, 1e-8):
-        assert set(draws(logits, SamplingParams(temperature=1.0, top_p=top_p), n=50)) == {1}
+        assert set(draws(logits, SamplingParams(temperature=1.0, top_p=top_p, seed=0), n=50)) == {1}
 
 
 def test_temperatures_below_the_greedy_threshold_are_greedy():
@@ -109,7 +109,7 @@ def test_temperatures_below_the_greedy_threshold_are_greedy():
         params = SamplingParams(temperature=temperature, seed=5)
         assert params.greedy
         assert set(draws(logits, params, n=20)) == {int(torch.argmax(logits))}
-    assert not SamplingParams(temperature=1e-4).greedy
+    assert not SamplingParams(temperature=1e-4, seed=0).greedy
 
 
 @pytest.mark.parametrize(
@@ -143,7 +143,7 @@ def test_seeds_a_multiple_of_2_to_the_63_apart_sample_differently():
 def test_never_draws_a_token_of_zero_probability():
     logits = torch.full((10,), -math.inf)
     logits[7] = 0.0
-    assert set(draws(logits, SamplingParams(temperature=1.0), n=200)) == {7}
+    assert set(draws(logits, SamplingParams(temperature=1.0, seed=0), n=200)) == {7}
 
 
 def test_stop_strings_are_found_where_a_full_decode_finds_them() -> None:

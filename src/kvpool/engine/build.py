@@ -402,13 +402,17 @@ def build_engine(model: LoadedModel | LlamaModel | TinyDSV4 | TinyHybrid, **opti
     "recompute" with disk / Redis tiers), hot_set_entries (HiSparse), swa (tiers/swa.py),
     indexer_format, turn_end_checkpoints (default on, as the simulator's dual layout: a
     finished turn's state block is kept for the next turn to adopt; dsv4_runner's own
-    default is off). Hybrid: num_slots, block_size, checkpoint_interval. An option the
+    default is off). Hybrid: num_slots, block_size, checkpoint_interval. Every model: seed
+    (Engine's: the seeds of requests that give none). An option the
     model's runner does not take is a TypeError naming it."""
     builder = ENGINE_BUILDERS.get(type(model))
     if builder is None:
         kinds = ", ".join(t.__name__ for t in ENGINE_BUILDERS)
         raise TypeError(f"no engine builder for a {type(model).__name__}; one of {kinds}")
-    return builder(model, **options)
+    seed = options.pop("seed", 0)
+    engine = builder(model, **options)
+    engine.reseed(seed)
+    return engine
 
 
 def limit_model_len(engine: Engine, max_model_len: int | None) -> None:

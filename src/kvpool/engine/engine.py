@@ -20,6 +20,7 @@ victim of a younger one), so the loop cannot deadlock. The scheduler only asks t
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import numbers
@@ -38,7 +39,14 @@ import torch
 from kvpool.cache.types import CheckedPrompt, LookupPrompt, MMItem, ReleaseReason
 from kvpool.engine.batch_sampler import BatchSampler, StepSampler
 from kvpool.engine.runner import ModelRunner, ScheduledChunk, StepChunks
-from kvpool.engine.sampling import NonFiniteLogitsError, SamplingParams, sample_token, token_logprobs
+from kvpool.engine.sampling import (
+    NonFiniteLogitsError,
+    SamplingParams,
+    checked_seed,
+    derived_seed,
+    sample_token,
+    token_logprobs,
+)
 from kvpool.pool import token_bytes
 from kvpool.pool.hashing import TOKEN_BYTES
 
@@ -263,8 +271,12 @@ class Engine:
         sampler: Callable[[torch.Tensor, SamplingParams, int, int], int] = sample_token,
         batched_sampling: bool = False,
         step_sampler: StepSampler | None = None,
+        seed: int = 0,
     ):
-        """textless_ids: tokens `decode_text` gives no text for (special tokens, skipped):
+        """seed: where the seeds of requests that give none come from (`seed_for`): the
+        k-th such request samples with `derived_seed(seed, k)`, so two unseeded requests draw
+        different tokens and a run (the same requests in the same order) draws the same again.
+        textless_ids: tokens `decode_text` gives no text for (special tokens, skipped):
         the stop-string check reaches past them. clock: when things happen (the simulator's
         is virtual). sampler: (a row of the runner's logits, params, sample index, output
         position) -> token id; a runner without a model (sim/runner.py) returns rows its own
@@ -282,6 +294,7 @@ class Engine:
                 f"max_num_batched_tokens and max_num_seqs must be positive, "
                 f"got {max_num_batched_tokens}, {max_num_seqs}"
             )
+        self.reseed(seed)
         self.runner = runner
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -395,6 +408,8 @@ class Engine:
             prompt, packed = self._from_checked(prompt_ids, request_id)
         else:
             prompt, packed = self._check_prompt(prompt_ids, request_id)
+        if params.seed is None:  # (after the checks: a refused request takes no seed)
+            params = self.seed_for(params)
         limit = self.runner.max_model_len
         arrival = self.clock() if arrival_time is None else arrival_time
         req = RequestState(
@@ -416,6 +431,21 @@ class Engine:
         self.requests[request_id] = req
         self.waiting.append(seq)
         return request_id
+
+    def reseed(self, seed: int) -> None:
+        """Start the seeds of unseeded requests (`seed_for`) afresh from `seed`."""
+        self.seed = checked_seed(seed)
+        self._num_unseeded = 0  # the requests given a seed by `seed_for` since
+
+    def seed_for(self, params: SamplingParams) -> SamplingParams:
+        """params with the engine's next seed, for a request that gives none (vLLM's rule:
+        unseeded requests draw independently, each from its own stream). Every request the
+        engine takes has a seed from here on: the samplers read it (a greedy one's too, in
+        the simulator's answers)."""
+        seeded = copy.copy(params)  # (not dataclasses.replace: its checks ran when params was made)
+        object.__setattr__(seeded, "seed", derived_seed(self.seed, self._num_unseeded))
+        self._num_unseeded += 1
+        return seeded
 
     def _from_checked(self, prompt: CheckedPrompt, request_id: str) -> tuple[list[int], LookupPrompt]:
         """`pack_prompt`'s packing: its ids Python ints that are its bytes' ids

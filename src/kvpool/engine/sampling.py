@@ -80,13 +80,23 @@ class NonFiniteLogitsError(ValueError):
         )
 
 
+def checked_seed(value: object) -> int:
+    """An engine's seed (`Engine.reseed`, `LLM(seed=)`): an integer in a request seed's range."""
+    seed = integer("seed", value)
+    if not SEED_MIN <= seed <= SEED_MAX:
+        raise ValueError(f"seed must be a 64-bit signed integer, got {seed}")
+    return seed
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 64
     temperature: float = 0.0  # below GREEDY_TEMPERATURE (0 included): greedy
     top_p: float = 1.0
     top_k: int = 0  # 0: off
-    seed: int = 0
+    # None: the engine gives the request its next seed (`Engine.seed_for`: a stream of its own,
+    # reproducible from the engine's seed); an int: the same tokens wherever it runs
+    seed: int | None = None
     n: int = 1  # parallel samples; they share the prompt's blocks (fork + copy-on-write)
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
@@ -103,7 +113,7 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not SEED_MIN <= self.seed <= SEED_MAX:
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise ValueError(f"seed must be a 64-bit signed integer, got {self.seed}")
         if not 1 <= self.n <= MAX_N:
             raise ValueError(
@@ -139,7 +149,7 @@ class SamplingParams:
         a bool is refused where a number is asked for (True is 1 to Python, not to a user)."""
         for name in ("max_tokens", "top_k", "seed", "n", "logprobs"):
             value = getattr(self, name)
-            if type(value) is int or (value is None and name == "logprobs"):
+            if type(value) is int or (value is None and name in ("logprobs", "seed")):
                 continue
             object.__setattr__(self, name, integer(name, value))
         for name in ("temperature", "top_p"):
@@ -190,6 +200,8 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, sample_index: int
         if not math.isfinite(logits[token]):
             raise NonFiniteLogitsError([0], position=position)
         return token
+    if params.seed is None:  # (the engine seeds every request it takes: `Engine.seed_for`)
+        raise ValueError("sample_token draws from params.seed: give SamplingParams a seed")
     # divided by the fp32 temperature as sample_batch divides its rows (same rounding)
     scores = logits.float().cpu() / params.temperature
     vocab = scores.shape[-1]
@@ -226,6 +238,14 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, sample_index: int
 
 
 _MASK64 = (1 << 64) - 1
+
+
+def derived_seed(base_seed: int, index: int) -> int:
+    """The seed of the index-th unseeded request of an engine seeded `base_seed`: two
+    SplitMix64 rounds, as a signed 64-bit integer (a request's seed's range). Spread over
+    the 2^64 seeds, so it does not repeat the small seeds (0, 1, 2, ...) people give by hand."""
+    x = _splitmix64(_splitmix64(base_seed & _MASK64) ^ index)
+    return x - (1 << 64) if x >> 63 else x
 
 
 def _splitmix64(x: int) -> int:
