@@ -22,6 +22,8 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvpool.engine.build import build_engine, load_model
 from kvpool.engine.engine import Completion, Engine
 from kvpool.engine.sampling import SamplingParams, checked_seed, integer
@@ -42,6 +44,16 @@ def gguf_path(model: str | None) -> str | None:
     if not os.path.isfile(model):
         raise ValueError(f"model {model!r} is neither {DEFAULT_MODEL!r} nor a GGUF file")
     return model
+
+
+def _array_ids(array: np.ndarray, where: str) -> list[int]:
+    """A 1-D integer array's ids as Python ints; TypeError naming `where` and the dtype for
+    another kind (a float or bool array is no list of token ids: 1.0 and True are not ids)."""
+    if array.dtype.kind not in "iu":
+        raise TypeError(f"{where} is an array of {array.dtype}; token ids are an integer array")
+    if array.ndim != 1:
+        raise TypeError(f"{where} is an array of {array.ndim} dimensions; a prompt's token ids are 1-D")
+    return array.tolist()
 
 
 def _token_id(value: object, i: int, j: int) -> int:
@@ -131,16 +143,27 @@ class LLM:
         self._lock = threading.Lock()
 
     def generate(
-        self, prompts: str | Sequence[str] | Sequence[Sequence[int]], params: SamplingParams | None = None
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]] | Sequence[np.ndarray] | np.ndarray,
+        params: SamplingParams | None = None,
     ) -> list[GenerateOutput]:
-        """Complete each prompt (raw text, no chat template; or a list of token ids), in the
-        order given. params: kvpool.SamplingParams (default: greedy, 64 tokens)."""
+        """Complete each prompt (raw text, no chat template; or token ids: a list, or a 1-D
+        integer numpy array), in the order given; a 2-D integer array is a batch, a prompt a
+        row. params: kvpool.SamplingParams (default: greedy, 64 tokens)."""
         if isinstance(prompts, bytes | bytearray | Mapping | set | frozenset) or not isinstance(prompts, Iterable):
             # (bytes iterated as ints read "prompts[0] is a int"; None as "not iterable"; a dict
             # completed its keys, a set in its hash order)
             raise TypeError(
                 f"prompts is a {type(prompts).__name__}; give a string, a list of strings or a list of token-id lists"
             )
+        if isinstance(prompts, np.ndarray):  # 1-D: one prompt's ids; 2-D: a batch of them, a row each
+            if prompts.ndim not in (1, 2):
+                raise TypeError(
+                    f"prompts is an array of {prompts.ndim} dimensions; give one prompt (1-D) or rows (2-D)"
+                )
+            if prompts.dtype.kind not in "iu":  # (before the rows: the same words for both shapes)
+                raise TypeError(f"prompts is an array of {prompts.dtype}; token ids are an integer array")
+            prompts = [prompts] if prompts.ndim == 1 else list(prompts)
         items = [prompts] if isinstance(prompts, str) else list(prompts)
         if not items:
             raise ValueError("prompts is empty")
@@ -148,6 +171,8 @@ class LLM:
         for i, item in enumerate(items):
             if isinstance(item, str):
                 encoded.append((item, self.tokenizer.encode(item)))
+            elif isinstance(item, np.ndarray):  # (refused as "prompts[0] is a ndarray")
+                encoded.append((None, _array_ids(item, f"prompts[{i}]")))
             elif isinstance(item, Sequence) and not isinstance(item, bytes | bytearray):
                 # (numpy's integers were refused as "prompts[0] is a list"; a bool or the bytes of
                 # b"hi" passed as token ids)
