@@ -211,6 +211,37 @@ def test_token_ids_of_any_integer_type_are_taken_and_others_named(llm):
     assert llm.engine.requests == {} and not llm.engine.has_unfinished()
 
 
+def test_integer_arrays_are_prompts_and_other_arrays_are_named(llm):
+    """A numpy row of token ids (a list of 1-D arrays, one 1-D array, or a 2-D array's rows)
+    was refused as "prompts[0] is a ndarray"; now an integer array of any width is taken, its
+    ids as ints, and a float or bool array is refused by its dtype, nothing queued."""
+    import numpy as np
+
+    params = kvpool.SamplingParams(max_tokens=2)
+    ids = llm.tokenizer.encode("The capital of France is")
+    want = llm.generate([ids], params)[0].token_ids
+    for prompts, count in (
+        ([np.array(ids, dtype=np.int64)], 1),
+        (np.array(ids, dtype=np.int32), 1),  # one prompt
+        (np.array([ids, ids], dtype=np.uint16), 2),  # two, a row each
+    ):
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == [want] * count
+        assert all(o.prompt_token_ids == ids and all(type(t) is int for t in o.prompt_token_ids) for o in outs)
+    for bad, words in (
+        (np.array([[1.0, 2.0]]), "prompts is an array of float64; token ids are an integer array"),
+        (np.array([True, False]), "prompts is an array of bool; token ids are an integer array"),
+        ([[1, 2], np.array([1.0, 2.0])], "prompts[1] is an array of float64; token ids are an integer array"),
+        ([np.array([[1, 2]])], "prompts[0] is an array of 2 dimensions; a prompt's token ids are 1-D"),
+        (np.zeros((1, 2, 2), dtype=np.int64), "prompts is an array of 3 dimensions"),
+    ):
+        with pytest.raises(TypeError, match=re.escape(words)):
+            llm.generate(bad, params)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate(np.array([[1, -2]]), params)
+    assert llm.engine.requests == {} and not llm.engine.has_unfinished()
+
+
 def test_a_lone_surrogate_in_a_prompt_is_a_value_error_naming_it(llm):
     """ "\\ud800" (what json.loads makes of an escape, or argv of a byte that is not UTF-8)
     reached the tokenizer, whose error named no prompt: "TypeError: TextEncodeInput must be
