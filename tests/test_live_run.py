@@ -15,7 +15,7 @@ from kvpool.engine.live import num_live_requests, serve_live
 from kvpool.engine.sampling import SamplingParams
 from kvpool.models.tiny_dsv4 import TinyDSV4
 from kvpool.workload.live import live_token_ids
-from kvpool.workload.metrics import run_report
+from kvpool.workload.metrics import report_notes, run_report
 
 
 @pytest.fixture(autouse=True)
@@ -51,6 +51,7 @@ def _serve(engine, vocab_size: int, num_conversations: int, **kwargs):
 def _report(engine, run) -> dict:
     return run_report(
         engine,
+        context_ended=run.context_ended,
         model_name="tiny-dsv4",
         wall_s=run.wall_s,
         step_s=run.step_s,
@@ -140,3 +141,34 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_anything_is_served(
     with pytest.raises(ValueError, match=r"^request 'long0': prompt of 700 tokens is too long; at most 499 tokens fit"):
         serve_live(engine, workload, SamplingParams(max_tokens=4), turns=2, request_rate=1.0, rng=rng)
     assert engine.num_steps == 0 and not engine.has_unfinished() and engine.requests == {}
+
+
+def test_a_follow_up_that_outgrows_the_context_ends_its_conversation_and_the_run_goes_on():
+    """A follow-up turn too long for the context stopped the run mid-way with a ValueError and
+    no report. Now its conversation ends there (the turn is not sent, named in the report and
+    its notes) and the others are served: first turns of 320 tokens and 4-token answers fit a
+    context of 330; every follow-up (336 tokens) does not, but for the one whose history is
+    cut short here."""
+    engine, vocab_size = _tiny_v4(False)
+    limit_model_len(engine, 330)
+    rng = random.Random(0)
+    workload = live_token_ids(vocab_size, 3, 0, rng)
+    follow_up = workload.follow_up
+
+    def shorter_for_chat1(conv, answer_ids, answer_text):
+        prompt = follow_up(conv, answer_ids, answer_text)
+        return prompt[-100:] if conv is workload.conversations[1] else prompt
+
+    workload.follow_up = shorter_for_chat1
+    params = SamplingParams(max_tokens=4, seed=0)
+    run = serve_live(engine, workload, params, turns=2, request_rate=float("inf"), rng=rng)
+    assert run.stopped is None and run.context_ended == ("chat0-t1", "chat2-t1")
+    report = _report(engine, run)
+    assert (report["num_requests"], report["num_finished"], report["num_context_ended"]) == (4, 4, 2)
+    assert report["context_ended"] == ["chat0-t1", "chat2-t1"] and report["max_model_len"] == 330
+    assert (
+        "note: 2 conversation(s) outgrew the context of 330 tokens and ended there, their next turn not sent "
+        "(chat0-t1, chat2-t1)"
+    ) in report_notes(report)
+    assert not engine.has_unfinished()
+    engine.runner.check_integrity()

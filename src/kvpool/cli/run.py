@@ -449,6 +449,7 @@ def _run(args: argparse.Namespace) -> int:
         slo_ttft_ms=args.slo_ttft_ms,
         slo_tpot_ms=args.slo_tpot_ms,
         request_rate=args.request_rate,
+        context_ended=live.context_ended,
     )
     report["tp"] = getattr(args, "tp", 1)
     if loaded is not None:
@@ -487,7 +488,7 @@ def print_report(report: dict, loads: list[float | None] | None = None) -> None:
     )
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for heading, rows in report_sections(report, skip=("memory",)):
+    for heading, rows in report_sections(report, skip=("memory", "context_ended")):  # (those named in a note)
         table.add_row(f"[bold]{heading}[/bold]", "", end_section=False)
         for label, value in rows:
             table.add_row(f"  {escape(label)}", escape(value))

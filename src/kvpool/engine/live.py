@@ -6,7 +6,9 @@
 First turns and long prompts arrive as a Poisson process of `request_rate` per second
 (workload/live.py `first_requests`; inf: all at time 0) and join the engine once the clock
 passes their arrival; a follow-up turn joins when the previous turn of its conversation
-finishes, its prompt made from that turn's completion (`workload.follow_up`). TTFT counts
+finishes, its prompt made from that turn's completion (`workload.follow_up`); one that
+no longer fits the context (max_model_len) is not sent, and its conversation ends there
+(`context_ended`). TTFT counts
 from a request's arrival. Between steps with nothing to run the loop sleeps until the next
 arrival.
 
@@ -43,6 +45,9 @@ class LiveRun(NamedTuple):
     fragmentation: list[float]  # runner.usage().fragmentation after each step
     kv_read_bytes: int  # KV bytes attention read over all steps
     stopped: KeyboardInterrupt | None  # what stopped the run early (None: every request finished)
+    # the turns not sent because their prompt (the conversation so far) outgrew the context:
+    # their conversations ended there, the run went on
+    context_ended: tuple[str, ...] = ()
 
 
 def num_live_requests(workload: LiveWorkload, turns: int) -> int:
@@ -85,6 +90,7 @@ def serve_live(
     kv_read_bytes = 0
     step_s = 0.0
     stopped: KeyboardInterrupt | None = None
+    context_ended: list[str] = []
     tp_sync = tp_model is not None and tp_model.shard is not None
     start = time.perf_counter()
     try:
@@ -122,13 +128,19 @@ def serve_live(
                     prompt = workload.follow_up(conv, completion.token_ids, completion.text)
                     conv.turn += 1
                     nid = request_id(c, conv.turn)
+                    if len(prompt) >= engine.runner.max_model_len:
+                        # the conversation outgrew the context (a long answer, a small
+                        # --max-model-len): it ends here, as a chat client's would be refused;
+                        # add_request's ValueError stopped the whole run, with no report
+                        context_ended.append(nid)
+                        continue
                     engine.add_request(prompt, params, nid)
                     conversation_of[nid] = c
     except KeyboardInterrupt as stop:
         stopped = stop
         for rid in list(engine.requests):
             engine.abort(rid)
-    return LiveRun(time.perf_counter() - start, step_s, fragmentation, kv_read_bytes, stopped)
+    return LiveRun(time.perf_counter() - start, step_s, fragmentation, kv_read_bytes, stopped, tuple(context_ended))
 
 
 def _rank0_count(tp_model: Any, due: int) -> int:

@@ -180,6 +180,7 @@ REPORT_SECTIONS: tuple[tuple[str, tuple[tuple[str, str, Callable[[float], str]],
             ("request_rate", "arrival rate (req/s)", str),
             ("num_requests", "requests", _count),
             ("num_finished", "requests finished", _count),
+            ("num_context_ended", "conversations ended at the context", _count),
             ("num_generated_tokens", "tokens generated", _count),
             ("num_steps", "engine steps", _count),
             ("wall_s", "wall time", lambda s: format_ms(s * 1e3)),
@@ -264,13 +265,16 @@ def run_report(
     slo_ttft_ms: float,
     slo_tpot_ms: float,
     request_rate: float,
+    context_ended: Sequence[str] = (),
 ) -> dict[str, Any]:
     """`kvpool run`'s report (its --json object, before the memory ledger and the load keys)
     of an `engine` (engine/engine.py `Engine`: its outputs, statistics and runner; untyped
     here, as workload/ sits below the engine) that served for `wall_s` seconds, `step_s` of
     them in its steps, with the fragmentation sampled after each step and `kv_read_bytes`
     read (engine/live.py `LiveRun`). A request counts as finished when every completion
-    stopped or reached its length; the rest (aborted) count only in num_requests."""
+    stopped or reached its length; the rest (aborted) count only in num_requests.
+    `context_ended`: the turns not sent, their conversation having outgrown the context
+    (`LiveRun.context_ended`)."""
     outputs = [engine.output(r) for r in engine.requests]
     done = [o for o in outputs if o.completions and all(c.finish_reason in ("stop", "length") for c in o.completions)]
     num_generated = sum(len(c.token_ids) for o in done for c in o.completions)
@@ -306,6 +310,9 @@ def run_report(
         "num_steps": engine.num_steps,
         "wall_s": round(wall_s, 3),
         "interrupted": interrupted,
+        "max_model_len": int(engine.runner.max_model_len),
+        "num_context_ended": len(context_ended),
+        "context_ended": list(context_ended),
         **v4_turn_end_report(engine.runner.cache),
         **engine.runner.tier_reports(),
     }
@@ -341,6 +348,13 @@ def report_notes(report: dict, loads: Iterable[float | None] = (), num_cpus: int
         finished, total = report.get("num_finished", 0), report.get("num_requests", 0)
         notes.append(
             f"warning: the run was cut short; the figures cover the {finished} of {total} requests that finished"
+        )
+    ended = report.get("context_ended") or []
+    if ended:
+        shown = ", ".join(ended[:5]) + (", ..." if len(ended) > 5 else "")
+        notes.append(
+            f"note: {len(ended)} conversation(s) outgrew the context of {report.get('max_model_len')} tokens and "
+            f"ended there, their next turn not sent ({shown})"
         )
     loads = [load for load in loads if load is not None]
     num_cpus = num_cpus if num_cpus is not None else os.cpu_count()
