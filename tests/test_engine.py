@@ -192,6 +192,26 @@ def test_seeded_sampling_is_reproducible(models):
     assert a.completions[0].token_ids == b.completions[0].token_ids
 
 
+def test_generate_forgets_the_requests_it_gives_back(models):
+    """A long-lived engine's `generate` keeps no finished request (it kept every one, prompt and
+    outputs): the outputs come back whole, the engine holds nothing but the cached blocks, and
+    the same call gives the same outputs (a prefix hit); with record_logits the requests stay,
+    their logits to be read."""
+    e = build_engine(models["fp32"], num_blocks=16, block_size=8)
+    prompts = [rand_prompt(12, 30), rand_prompt(7, 31)]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    first = e.generate(prompts, params)
+    assert e.requests == {} and not e.has_unfinished()
+    assert [o.prompt_token_ids for o in first] == prompts and all(len(o.completions[0].token_ids) == 4 for o in first)
+    e.runner.check_integrity()
+    again = e.generate(prompts, params)
+    assert [o.completions for o in again] == [o.completions for o in first] and e.requests == {}
+    assert again[0].num_cached_tokens == 8  # the first prompt's full block, left cached
+    kept = build_engine(models["fp32"], num_blocks=16, block_size=8, record_logits=True)
+    (out,) = kept.generate(prompts[:1], params)
+    assert list(kept.requests) == [out.request_id] and len(kept.requests[out.request_id].seqs[0].logits) == 4
+
+
 @pytest.mark.parametrize("when", ["prefill", "decode"])
 def test_cancel_frees_every_block(models, when):
     e = build_engine(models["fp32"], num_blocks=16, block_size=8, max_num_batched_tokens=8)

@@ -345,6 +345,43 @@ def test_an_aborted_request_gives_back_the_text_of_its_tokens() -> None:
     engine.runner.check_integrity()
 
 
+def test_the_stop_string_window_over_tokens_of_no_text_is_linear_work() -> None:
+    """An output of nearly all special tokens (no text) with a stop string: each token's
+    check reached back past every one of them and decoded them all, work quadratic in the
+    output (1,000 tokens: ~500,000 tokens decoded). Now the window holds only tokens of
+    text (4 * len + 2 of them), kept from token to token: at most that many decoded a token,
+    and the stop string found as before, at the same token with the same text."""
+    from kvpool.engine.engine import Engine
+    from kvpool.engine.llama_runner import llama_runner
+    from random_llama import DESCRIPTOR, random_ids, random_llama
+
+    pieces = {0: "", 1: "", 2: "a", 3: "b"}
+    decoded: list[int] = []
+
+    def decode(ids: list[int]) -> str:
+        decoded.append(len(ids))
+        return "".join(pieces[t] for t in ids)
+
+    n = 1000
+    script = [2 if i % 97 == 0 else i % 2 for i in range(n - 1)] + [3]  # an "a" every 97 tokens, "ab" at the end
+    engine = Engine(
+        llama_runner(random_llama(), 72, 16, DESCRIPTOR),
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+        decode_text=decode,
+        textless_ids=[0, 1],
+        sampler=lambda logits, params, index, position: script[position],
+    )
+    rid = engine.add_request(random_ids(8, 0), SamplingParams(max_tokens=n, ignore_eos=True, stop="ab"))
+    while engine.has_unfinished():
+        engine.step()
+    out = engine.pop_output(rid).completions[0]
+    assert (len(out.token_ids), out.text, out.finish_reason) == (n, "a" * 10, "stop")
+    window = 4 * len("ab") + 2
+    assert len(decoded) == n + 1 and max(decoded[:-1]) <= window  # a window a token, then the whole text once
+    assert sum(decoded) <= n * window + n
+
+
 def test_a_stop_string_is_found_across_tokens_of_no_text() -> None:
     """Special tokens decode to no text (skipped), so a window of 4 * len + 2 tokens could hold
     too few characters: "a", 12 of them, "b" ran on past stop="ab" to its length. Scripted

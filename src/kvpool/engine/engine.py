@@ -91,6 +91,10 @@ class SequenceState:
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     # the prompt as add_request packed it, for the first admission's lookup (then dropped)
     prompt: LookupPrompt | None = None
+    # with stop strings: the output's last tokens of text, as of a length of text_tail_end
+    # tokens (Engine._text_tail)
+    text_tail: deque[int] | None = None
+    text_tail_end: int = 0
 
     @property
     def output_ids(self) -> list[int]:
@@ -273,7 +277,10 @@ class Engine:
         step_sampler: StepSampler | None = None,
         seed: int = 0,
     ):
-        """seed: where the seeds of requests that give none come from (`seed_for`): the
+        """record_logits: keep each logit row a sequence samples from (`SequenceState.logits`,
+        for tests against a reference); `generate` then leaves its finished requests in
+        `requests`, for those rows to be read.
+        seed: where the seeds of requests that give none come from (`seed_for`): the
         k-th such request samples with `derived_seed(seed, k)`, so two unseeded requests draw
         different tokens and a run (the same requests in the same order) draws the same again.
         textless_ids: tokens `decode_text` gives no text for (special tokens, skipped):
@@ -612,10 +619,16 @@ class Engine:
         return out
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Run the prompts (and whatever else is queued) to the end; their outputs, in order.
+        Their requests are forgotten once given back (`pop_output`: a long-lived engine kept
+        every request it had generated, prompts and outputs, growing without end), except
+        with record_logits, whose requests stay in `requests` for their logits to be read."""
         ids = [self.add_request(p, params) for p in prompts]
         while self.has_unfinished():
             self.step()
-        return [self.output(i) for i in ids]
+        if self.record_logits:
+            return [self.output(i) for i in ids]
+        return [self.pop_output(i) for i in ids]
 
     # ---- scheduling -----------------------------------------------------------------
 
@@ -1488,6 +1501,32 @@ class Engine:
             return None
         return self._stop_reason(seq, token)
 
+    def _text_tail(self, seq: SequenceState, num_tokens: int) -> deque[int]:
+        """The last `num_tokens` output tokens of the sequence that have text, in order (its
+        last token among them if it has text): the window a stop string ending in the last
+        token lies in. A token of no text (a special token, which decode skips) holds no byte
+        of a stop string, so the window passes over it, and leaves it out: decoded, the
+        window's text is the same. Kept on the sequence from token to token (one append), and
+        made afresh by one walk back where it does not end at the last token but one (its
+        first check, a forked sequence): a window that reached back past each textless token
+        every token, then decoded them all, was quadratic in an output of mostly special
+        tokens."""
+        tail, tokens, end = seq.text_tail, seq.token_ids, len(seq.token_ids)
+        textless = self.textless_ids
+        if tail is not None and tail.maxlen == num_tokens and seq.text_tail_end == end - 1:
+            if tokens[-1] not in textless:
+                tail.append(tokens[-1])
+        else:
+            tail = seq.text_tail = deque(maxlen=num_tokens)
+            first = seq.request.num_prompt_tokens
+            i = end
+            while i > first and len(tail) < num_tokens:
+                i -= 1
+                if tokens[i] not in textless:
+                    tail.appendleft(tokens[i])
+        seq.text_tail_end = end
+        return tail
+
     def _stop_reason(self, seq: SequenceState, token: int) -> str | None:
         """Why the sequence ends with `token`, its last token (None: it goes on), and then its
         text."""
@@ -1503,20 +1542,9 @@ class Engine:
             # 4 bytes a character, so at most that many tokens (byte-level BPE: each decodes
             # to one byte or more), plus the token it starts in. Decode that window, not the
             # whole output every step (quadratic in its length); the whole text on a hit.
-            ids = seq.output_ids
-            start = max(len(ids) - (4 * max(len(s) for s in params.stop) + 2), 0)
-            # A token of no text (a special token, which decode skips) holds no byte of a stop
-            # string: the window reaches back past each one (a stop string with enough of them
-            # between its characters was missed: "a", 12 of them, "b" ran on past stop="ab")
-            textless = self.textless_ids
-            missing = sum(t in textless for t in ids[start:]) if textless else 0
-            while missing and start:
-                reach = max(start - missing, 0)
-                missing = sum(t in textless for t in ids[reach:start])
-                start = reach
-            window = self.decode_text(ids[start:])
+            window = self.decode_text(list(self._text_tail(seq, 4 * max(len(s) for s in params.stop) + 2)))
             if any(s in window for s in params.stop):
-                text = self.decode_text(ids)
+                text = self.decode_text(seq.output_ids)
                 hits = [text.find(s) for s in params.stop if s in text]
                 if hits:
                     stop_text = text[: min(hits)]  # the text ends before the stop string
