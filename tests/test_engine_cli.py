@@ -119,16 +119,19 @@ def test_v4_turn_ends_is_refused_for_a_model_without_them(capsys, model):
         assert "\n" not in err and "--v4-turn-ends / --no-v4-turn-ends" in err and "only tiny-dsv4" in err, err
 
 
+@pytest.mark.parametrize("size", ["64", "16", "--block-size=16", "--block=16"])
 @pytest.mark.parametrize("command", [["run"], ["generate", "5,17,42", "--no-chat", "--max-tokens", "1"]])
-def test_a_block_size_tiny_dsv4_cannot_take_is_refused_by_name(capsys, command):
+def test_a_block_size_tiny_dsv4_cannot_take_is_refused_by_name(capsys, command, size):
     """tiny-dsv4's classical blocks are its spans of m' = 128 tokens: `--block-size 64` ran
-    with blocks of 128 and said nothing (the report's block_size read 128)."""
-    assert main([*command, "--model", "tiny-dsv4", "--block-size", "64"]) == 2
+    with blocks of 128 and said nothing (the report's block_size read 128); so did an explicit
+    `--block-size 16`, the parsers' default, in any spelling argparse takes."""
+    flag = [size] if size.startswith("--") else ["--block-size", size]
+    assert main([*command, "--model", "tiny-dsv4", *flag]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     prog = command[0]
     assert err == (
-        f"kvpool {prog}: error: --block-size 64 is not supported with --model tiny-dsv4: its classical blocks are "
-        "spans of 128 tokens (m')"
+        f"kvpool {prog}: error: --block-size {size.split('=')[-1]} is not supported with --model tiny-dsv4: its "
+        "classical blocks are spans of 128 tokens (m')"
     )
 
 

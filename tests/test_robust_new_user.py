@@ -65,6 +65,30 @@ def test_generate_refuses_a_non_finite_temperature_in_one_line(capsys, no_loadin
     assert line.startswith("kvpool generate: error:") and "temperature" in line and value.lstrip("-") in line
 
 
+@pytest.mark.parametrize(
+    ("argv", "fixed"),
+    [
+        (["generate", "-1,3", "--model", "tiny-dsv4"], "kvpool generate --model tiny-dsv4 -- -1,3"),
+        (["generate", "--no-chat", "-5x", "--max-tokens", "2"], "kvpool generate --no-chat --max-tokens 2 -- -5x"),
+    ],
+)
+def test_a_prompt_that_begins_with_a_dash_is_told_to_follow_dashes(capsys, no_loading, argv, fixed):
+    """A prompt such as "-1,3" (tiny-dsv4's token ids) was read as an unknown option, and the
+    error said only "the following arguments are required: prompt"; it now says what
+    happened and the command that works ("--" before the value)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    stray = argv[1] if argv[1] != "--no-chat" else argv[2]
+    assert _one_error_line(capsys) == (
+        "kvpool generate: error: the following arguments are required: prompt "
+        f"({stray} was read as an option: give a value that begins with '-' after '--', as in {fixed})"
+    )
+    with pytest.raises(SystemExit):
+        main(["generate", "--no-chat"])  # no such word: the plain line
+    assert _one_error_line(capsys) == "kvpool generate: error: the following arguments are required: prompt"
+
+
 def _available_bytes() -> int:
     from kvpool.engine.memory import available_memory_bytes
 

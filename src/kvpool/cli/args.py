@@ -11,6 +11,7 @@ import argparse
 import math
 import os
 import re
+import shlex
 import sys
 import textwrap
 from collections.abc import Callable
@@ -239,13 +240,38 @@ class Parser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> None:  # type: ignore[override]
+        typed = list(getattr(self, "_arg_strings", ()))
         named = re.match(r"argument ((?:-[\w-]+/)+-[\w-]+): ", message)
         if named:
-            typed = {a.split("=", 1)[0] for a in getattr(self, "_arg_strings", ())}
             names = named.group(1).split("/")
-            name = next((n for n in names if n in typed), names[0])
+            name = next((n for n in names if n in {a.split("=", 1)[0] for a in typed}), names[0])
             message = f"argument {name}: {message[named.end() :]}"
+        if message.startswith("the following arguments are required"):
+            message += self._dash_value_hint(typed)
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def _dash_value_hint(self, typed: list[str]) -> str:
+        """For a missing positional argument: where a word that begins with "-" and is no
+        option of this parser was typed (`kvpool generate "-1,3"`: argparse read it as an
+        unknown option, then missed the prompt), how to pass it: after "--"."""
+        known = [s for a in self._actions for s in a.option_strings]
+        end = typed.index("--") if "--" in typed else len(typed)
+        stray = [
+            w for w in typed[:end] if w.startswith("-") and not any(k.startswith(w.split("=", 1)[0]) for k in known)
+        ]
+        if not stray:
+            return ""
+        rest = list(typed)
+        rest.remove(stray[0])
+        if "--" in rest:
+            rest.insert(rest.index("--") + 1, stray[0])
+        else:
+            rest += ["--", stray[0]]
+        fixed = " ".join(map(shlex.quote, rest))
+        return (
+            f" ({stray[0]} was read as an option: give a value that begins with '-' after '--', "
+            f"as in {self.prog} {fixed})"
+        )
 
 
 def add_host_cache_argument(parser: argparse.ArgumentParser) -> None:
@@ -536,11 +562,25 @@ def model_placement(args: argparse.Namespace) -> tuple[Any, str]:
     return getattr(torch, MODEL_DTYPES[dtype]), device
 
 
+def option_given(args: argparse.Namespace, flag: str) -> bool:
+    """Whether `flag` (a long option) was typed on the command line (`kvpool.cli.main.parse`
+    keeps the words as args._argv; a caller's Namespace without them: not given), by its
+    name, NAME=VALUE, or a prefix argparse took for it (allow_abbrev), before any "--"."""
+    for word in getattr(args, "_argv", ()):
+        if word == "--":
+            break
+        name = word.split("=", 1)[0]
+        if name.startswith("--") and len(name) > 2 and flag.startswith(name):
+            return True
+    return False
+
+
 def check_span_block_size(args: argparse.Namespace, span: int, default: int) -> None:
-    """--block-size with tiny-dsv4, whose classical blocks are its spans of m' tokens: only
-    its parser's default (not given) or the span itself; another size was ignored silently."""
+    """--block-size with tiny-dsv4, whose classical blocks are its spans of m' tokens: not
+    given, or the span itself; another size was ignored silently (the parser's default too,
+    given explicitly: `--block-size 16` ran with blocks of the span)."""
     block_size = getattr(args, "block_size", default)  # (a caller's Namespace may lack it)
-    if block_size not in (default, span):
+    if block_size != span and (block_size != default or option_given(args, "--block-size")):
         raise ValueError(
             f"--block-size {block_size} is not supported with --model {args.model}: its classical blocks "
             f"are spans of {span} tokens (m')"

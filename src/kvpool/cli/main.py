@@ -130,7 +130,9 @@ def command_parsers(parser: argparse.ArgumentParser, prefix: str = "") -> list[t
 def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """`parser`'s reading of `argv`; an argument no parser knows is one line naming the
     command that did not take it, with the closest option it has ("did you mean"), status 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args, unknown = parser.parse_known_args(argv)
+    args._argv = argv  # what was typed (cli/args.py option_given: a flag given at its default)
     if unknown:
         command = parser
         for word in getattr(args, "_name", "").split():  # "bench engine": kvpool's, then bench's subcommand
