@@ -5,6 +5,7 @@ rows, the cheapest deployment of hand-made rows."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -146,3 +147,19 @@ def test_the_cheapest_deployment_of_hand_made_rows():
     assert cheapest_deployment(rows, 0.999).row is rows[2] and cheapest_deployment(rows[:1], 0.9) is None
     with pytest.raises(ValueError, match=r"^--slo-attainment: expected a fraction in \(0, 1\], got 1.5"):
         cheapest_deployment(rows, 1.5)
+
+
+@pytest.mark.parametrize("limits", [[], ["--max-num-batched-tokens", "65536"], ["--max-num-seqs", "32"]])
+def test_the_simulated_pool_is_kvpool_plans_under_the_same_engine_limits(capsys, limits):
+    """The engine limits size the ledger's activations and CUDA graphs: simulate's pool is
+    what `kvpool plan` gives under the same flags (with --max-num-batched-tokens 65536 it kept
+    the 8,192-token step's 123.03 GiB where plan gives 116.53)."""
+    from kvpool.cli.main import main
+
+    assert main(["plan", "--model", "llama-3.1-8b", "--gpu", "h200", *limits, "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert main(["simulate", "--workload", "uniform", "--requests", "2", *limits, "--json"]) == 0
+    simulated = json.loads(capsys.readouterr().out)
+    assert simulated["kv_pool_bytes"] == planned["kv_pool_bytes_per_gpu"]
+    if limits[:1] == ["--max-num-batched-tokens"]:  # by hand, from the audit: 116.53 GiB against 123.03
+        assert round(simulated["kv_pool_bytes"] / 2**30, 2) == 116.53

@@ -145,8 +145,18 @@ def make_workload(options: SimOptions, model: ModelSpec, rate: float) -> Workloa
     return make(sessions, turns, rate, vocab, options.seed)
 
 
-def fit_tp(model: ModelSpec, gpu: GPUSpec, tp: int | None, kv_dtype: str = "auto", weight_dtype: str = "auto") -> int:
-    """`tp`, or the fewest GPUs (1, 2, 4, 8) whose pool holds a few blocks of every group."""
+def fit_tp(
+    model: ModelSpec,
+    gpu: GPUSpec,
+    tp: int | None,
+    kv_dtype: str = "auto",
+    weight_dtype: str = "auto",
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 8192,
+) -> int:
+    """`tp`, or the fewest GPUs (1, 2, 4, 8) whose pool holds a few blocks of every group,
+    the ledger's activations and CUDA graphs sized by the engine limits (as plan_replica's)."""
+    from kvpool.capacity.ledger import LedgerAssumptions
     from kvpool.capacity.planner import plan
 
     if gpu.kind == "cpu":  # one machine: no tensor parallelism across CPUs
@@ -165,7 +175,15 @@ def fit_tp(model: ModelSpec, gpu: GPUSpec, tp: int | None, kv_dtype: str = "auto
     weight_bytes(model, weight_dtype=weight_dtype)  # so is a quantization kvpool cannot price
     for tp in (1, 2, 4, 8):
         try:
-            p = plan(model, gpu, num_gpus=tp, tp=tp, kv_dtype=kv_dtype, weight_dtype=weight_dtype)
+            p = plan(
+                model,
+                gpu,
+                num_gpus=tp,
+                tp=tp,
+                kv_dtype=kv_dtype,
+                weight_dtype=weight_dtype,
+                assumptions=LedgerAssumptions(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs),
+            )
         except ValueError:
             continue
         if p.ledger.pool_bytes > 4 * p.layout.bytes_per_block_all_groups + p.layout.state_block_bytes * 4:
@@ -214,7 +232,8 @@ def deployment_of(options: SimOptions, point: dict[str, Any]) -> PlannedDeployme
             "--v4-restore checkpoint with --v4-checkpoints 0: no slot to keep a checkpoint in; give "
             "--v4-checkpoints N > 0, or leave it out (pooled in the classical pool's free memory)"
         )
-    tp = fit_tp(model, gpu, point["tp"], options.kv_dtype, options.weight_dtype)
+    limits = {"max_num_seqs": options.max_num_seqs, "max_num_batched_tokens": options.max_num_batched_tokens}
+    tp = fit_tp(model, gpu, point["tp"], options.kv_dtype, options.weight_dtype, **limits)
     # the deployment, as the simulator's config and the cost model take it
     deployment = {"tp": tp, "kv_dtype": options.kv_dtype, "weight_dtype": options.weight_dtype}
     config = SimConfig(

@@ -38,6 +38,7 @@ import numpy as np
 from kvpool.cache.coordinator import pack_prompt
 from kvpool.cache.dual_pool import RESTORE_METHODS
 from kvpool.cache.types import _CHECKED_KEY, CheckedPrompt, LookupPrompt
+from kvpool.capacity.ledger import LedgerAssumptions
 from kvpool.capacity.planner import Plan, plan
 from kvpool.engine.engine import Engine
 from kvpool.engine.runner import ModelRunner
@@ -145,7 +146,10 @@ class Replica:
 
 
 def plan_replica(model: ModelSpec, gpu: GPUSpec, config: SimConfig) -> Plan:
-    """The planner's pool for one replica (tp GPUs); the context asked of it is the model's."""
+    """The planner's pool for one replica (tp GPUs); the context asked of it is the model's.
+    The engine limits size the ledger's activations and CUDA graphs, as `kvpool plan
+    --max-num-seqs / --max-num-batched-tokens` does: a step of 65,536 tokens leaves a smaller
+    pool than one of 8,192."""
     return plan(
         model,
         gpu,
@@ -154,6 +158,9 @@ def plan_replica(model: ModelSpec, gpu: GPUSpec, config: SimConfig) -> Plan:
         block_size=config.block_size,
         kv_dtype=config.kv_dtype,
         weight_dtype=config.weight_dtype,
+        assumptions=LedgerAssumptions(
+            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs
+        ),
     )
 
 
