@@ -149,17 +149,51 @@ def test_the_cheapest_deployment_of_hand_made_rows():
         cheapest_deployment(rows, 1.5)
 
 
-@pytest.mark.parametrize("limits", [[], ["--max-num-batched-tokens", "65536"], ["--max-num-seqs", "32"]])
-def test_the_simulated_pool_is_kvpool_plans_under_the_same_engine_limits(capsys, limits):
-    """The engine limits size the ledger's activations and CUDA graphs: simulate's pool is
-    what `kvpool plan` gives under the same flags (with --max-num-batched-tokens 65536 it kept
-    the 8,192-token step's 123.03 GiB where plan gives 116.53)."""
+@pytest.mark.parametrize(
+    ("limits", "plan_flags"),
+    [
+        ([], []),
+        (["--max-num-batched-tokens", "65536"], []),
+        (["--max-num-seqs", "32"], []),
+        (["--max-num-batched-tokens", "65536", "--host-mode", "eager"], ["--no-cuda-graphs"]),
+    ],
+)
+def test_the_simulated_pool_is_kvpool_plans_under_the_same_engine_limits(tmp_path, capsys, limits, plan_flags):
+    """The engine limits size the ledger's activations and CUDA graphs, an eager host keeps
+    no graph memory: simulate's pool (alone, P/D's, a sweep's) is what `kvpool plan` gives
+    under the same flags (with --max-num-batched-tokens 65536 it kept the 8,192-token step's
+    123.03 GiB where plan gives 116.53; --host-mode eager kept the graphs' 116.534 GiB where
+    plan --no-cuda-graphs gives 116.629)."""
     from kvpool.cli.main import main
 
-    assert main(["plan", "--model", "llama-3.1-8b", "--gpu", "h200", *limits, "--json"]) == 0
-    planned = json.loads(capsys.readouterr().out)
-    assert main(["simulate", "--workload", "uniform", "--requests", "2", *limits, "--json"]) == 0
-    simulated = json.loads(capsys.readouterr().out)
-    assert simulated["kv_pool_bytes"] == planned["kv_pool_bytes_per_gpu"]
-    if limits[:1] == ["--max-num-batched-tokens"]:  # by hand, from the audit: 116.53 GiB against 123.03
-        assert round(simulated["kv_pool_bytes"] / 2**30, 2) == 116.53
+    plan_limits = [f for f in limits if f not in ("--host-mode", "eager")]
+    assert main(["plan", "--model", "llama-3.1-8b", "--gpu", "h200", *plan_limits, *plan_flags, "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)["kv_pool_bytes_per_gpu"]
+    run = ["--workload", "uniform", "--requests", "2", *limits]
+    assert main(["simulate", *run, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kv_pool_bytes"] == planned
+    assert main(["simulate", *run, "--replicas", "1", "--prefill-replicas", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kv_pool_bytes"] == planned
+    out = tmp_path / "grid.jsonl"
+    assert main(["simulate", "sweep", *run, "--rate", "2", "--jobs", "1", "--out", str(out)]) == 0
+    assert [json.loads(line)["kv_pool_bytes"] for line in out.read_text().splitlines()] == [planned]
+    if limits[:2] == ["--max-num-batched-tokens", "65536"]:  # by hand, from the audit
+        assert round(planned / 2**30, 3) == (116.629 if plan_flags else 116.534)
+
+
+def test_the_fewest_gpus_are_found_under_the_runs_engine_limits():
+    """fit_tp asks the planner under the run's ledger: 8,192 tokens a step (LedgerAssumptions'
+    default) leave llama-3.1-70b a pool on 2 H100s; a step of 131,072 tokens' activations leave
+    too little on 2, so it takes 4 (before, fit_tp asked under the defaults whatever the run's
+    limits, and picked 2 GPUs that then held no pool)."""
+    from kvpool.capacity.ledger import LedgerAssumptions
+    from kvpool.sim.simulator import engine_assumptions
+    from kvpool.spec.models import model_by_name
+
+    model, h100 = model_by_name("llama-3.1-70b"), gpu_preset("h100")
+    assert fit_tp(model, h100, None) == fit_tp(model, h100, None, assumptions=LedgerAssumptions()) == 2
+    assert fit_tp(model, h100, None, assumptions=engine_assumptions(256, 131_072, "graph")) == 4
+    (point,) = grid(("llama-3.1-70b",), ("h100",), (None,), (None,), (None,), ("round-robin",), (4.0,))
+    options = SimOptions(max_num_batched_tokens=131_072)
+    assert deployment_of(options, point).tp == 4  # simulate's own pick
+    assert deployment_of(SimOptions(), point).tp == 2

@@ -223,7 +223,7 @@ def test_an_install_after_eviction_or_without_room_installs_nothing() -> None:
     from kvpool.sim.simulator import _make_replica, plan_replica
 
     config = SimConfig(block_size=BLOCK, num_blocks=80)
-    rep = _make_replica(0, MODEL, plan_replica(MODEL, H200, config), config, CostModel(MODEL, H200), 2000)
+    rep = _make_replica(0, MODEL, plan_replica(MODEL, H200, config, "graph"), config, CostModel(MODEL, H200), 2000)
     cache = rep.runner.cache
     prompt = list(range(5, 1005))
     assert _install(rep, _Transfer("x", prompt, "", rep, 0, 62), BLOCK) == Landing(62, 0)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
+    from kvpool.capacity.ledger import LedgerAssumptions
     from kvpool.sim.cost import CostModel
     from kvpool.sim.simulator import SimConfig
     from kvpool.spec.gpus import GPUSpec
@@ -151,11 +152,11 @@ def fit_tp(
     tp: int | None,
     kv_dtype: str = "auto",
     weight_dtype: str = "auto",
-    max_num_seqs: int = 256,
-    max_num_batched_tokens: int = 8192,
+    assumptions: LedgerAssumptions | None = None,
 ) -> int:
     """`tp`, or the fewest GPUs (1, 2, 4, 8) whose pool holds a few blocks of every group,
-    the ledger's activations and CUDA graphs sized by the engine limits (as plan_replica's)."""
+    under `assumptions` (None: LedgerAssumptions' defaults); deployment_of passes the run's
+    engine limits and host mode (simulator.engine_assumptions), as plan_replica sizes the pool."""
     from kvpool.capacity.ledger import LedgerAssumptions
     from kvpool.capacity.planner import plan
 
@@ -182,7 +183,7 @@ def fit_tp(
                 tp=tp,
                 kv_dtype=kv_dtype,
                 weight_dtype=weight_dtype,
-                assumptions=LedgerAssumptions(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs),
+                assumptions=assumptions or LedgerAssumptions(),
             )
         except ValueError:
             continue
@@ -217,7 +218,7 @@ def deployment_of(options: SimOptions, point: dict[str, Any]) -> PlannedDeployme
     cannot run (an unknown model or GPU, a deployment the model does not fit)."""
     from kvpool.sim.cost import CostModel
     from kvpool.sim.layouts import check_pool
-    from kvpool.sim.simulator import SimConfig, plan_replica
+    from kvpool.sim.simulator import SimConfig, engine_assumptions, plan_replica
     from kvpool.spec.models import model_by_name
 
     model, gpu = model_by_name(point["model"]), gpu_preset(point["gpu"], options.gpu_memory_utilization)
@@ -232,8 +233,8 @@ def deployment_of(options: SimOptions, point: dict[str, Any]) -> PlannedDeployme
             "--v4-restore checkpoint with --v4-checkpoints 0: no slot to keep a checkpoint in; give "
             "--v4-checkpoints N > 0, or leave it out (pooled in the classical pool's free memory)"
         )
-    limits = {"max_num_seqs": options.max_num_seqs, "max_num_batched_tokens": options.max_num_batched_tokens}
-    tp = fit_tp(model, gpu, point["tp"], options.kv_dtype, options.weight_dtype, **limits)
+    assumptions = engine_assumptions(options.max_num_seqs, options.max_num_batched_tokens, options.host_mode)
+    tp = fit_tp(model, gpu, point["tp"], options.kv_dtype, options.weight_dtype, assumptions)
     # the deployment, as the simulator's config and the cost model take it
     deployment = {"tp": tp, "kv_dtype": options.kv_dtype, "weight_dtype": options.weight_dtype}
     config = SimConfig(
@@ -262,7 +263,7 @@ def deployment_of(options: SimOptions, point: dict[str, Any]) -> PlannedDeployme
         **deployment,
         **calibration,
     )
-    p = plan_replica(model, gpu, config)
+    p = plan_replica(model, gpu, config, options.host_mode)
     check_pool(p)  # a model that leaves no KV pool on tp GPUs says so here
     if options.prefill_replicas:  # what P/D cannot move, before a sweep runs anything
         from kvpool.sim.layouts import default_layout

@@ -190,7 +190,7 @@ def simulate_pd(
         raise ValueError(f"prefill replicas must be >= 1, got {num_prefill_replicas}")
     started = time.perf_counter()
     check_request_lens(model, workload, config.max_model_len)
-    p = plan_replica(model, gpu, config)
+    p = plan_replica(model, gpu, config, cost.host_mode)
     check_pd(model, config.layout or default_layout(p), config.enable_prefix_caching)
     num_p = num_prefill_replicas
     replicas, table = make_replicas(model, p, workload, config, cost, num_p + config.replicas)

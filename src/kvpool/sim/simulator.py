@@ -145,11 +145,21 @@ class Replica:
                 self.group_samples.append((len(self.engine.running), self.runner.cache.group_held_blocks()))
 
 
-def plan_replica(model: ModelSpec, gpu: GPUSpec, config: SimConfig) -> Plan:
+def engine_assumptions(max_num_seqs: int, max_num_batched_tokens: int, host_mode: str) -> LedgerAssumptions:
+    """The ledger's assumptions under the engine's limits and host mode, as `kvpool plan
+    --max-num-seqs / --max-num-batched-tokens / --no-cuda-graphs` takes them: the limits size
+    the activations and the CUDA graphs, an eager host (host_mode "eager") keeps no graph
+    memory; the rest is LedgerAssumptions' defaults."""
+    return LedgerAssumptions(
+        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, cuda_graphs=host_mode == "graph"
+    )
+
+
+def plan_replica(model: ModelSpec, gpu: GPUSpec, config: SimConfig, host_mode: str) -> Plan:
     """The planner's pool for one replica (tp GPUs); the context asked of it is the model's.
-    The engine limits size the ledger's activations and CUDA graphs, as `kvpool plan
-    --max-num-seqs / --max-num-batched-tokens` does: a step of 65,536 tokens leaves a smaller
-    pool than one of 8,192."""
+    The engine limits and the cost model's `host_mode` size the ledger (engine_assumptions),
+    as `kvpool plan` sizes it: a step of 65,536 tokens leaves a smaller pool than one of
+    8,192, an eager host a larger one (no CUDA graphs)."""
     return plan(
         model,
         gpu,
@@ -158,9 +168,7 @@ def plan_replica(model: ModelSpec, gpu: GPUSpec, config: SimConfig) -> Plan:
         block_size=config.block_size,
         kv_dtype=config.kv_dtype,
         weight_dtype=config.weight_dtype,
-        assumptions=LedgerAssumptions(
-            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs
-        ),
+        assumptions=engine_assumptions(config.max_num_seqs, config.max_num_batched_tokens, host_mode),
     )
 
 
@@ -347,7 +355,7 @@ def simulate(
     finishes (the report keeps no record: sim/report.py FinishedRequests)."""
     started = time.perf_counter()
     check_request_lens(model, workload, config.max_model_len)
-    p = plan_replica(model, gpu, config)
+    p = plan_replica(model, gpu, config, cost.host_mode)
     replicas, table = make_replicas(model, p, workload, config, cost, config.replicas)
     router = Router(config.routing, replicas, config.load_cap)
     total = workload.num_requests

@@ -18,7 +18,8 @@ model), as the source ran it, with fixed lengths:
   end-to-end latency are the steady state's (and its TTFT has no queueing in it);
 - "all at once" (an offline maximum-throughput run, every request queued): a wave of B
   requests, B the most requests of input + output tokens the replica's KV pool holds (the
-  planner's `max_concurrent_per_replica` at that context), at most `MAX_BATCH`; the output
+  planner's `max_concurrent_per_replica` at that context, its ledger under the engine limits
+  the wave runs with: `max_wave`), at most `MAX_BATCH`; the output
   tokens per second over the wave (a queue of identical requests is served as such waves,
   each costing the same);
 - N requests at once (`num_requests`: a serving benchmark that sends its N requests at an
@@ -65,6 +66,8 @@ from typing import TYPE_CHECKING
 from kvpool.sim.gpufit import DATA_DIR
 
 if TYPE_CHECKING:
+    from kvpool.spec.gpus import GPUSpec
+    from kvpool.spec.models import ModelSpec
     from kvpool.workload.sessions import Workload
 
 PUBLISHED = os.path.join(DATA_DIR, "published.json")
@@ -214,7 +217,6 @@ def load_rows(path: str = PUBLISHED) -> list[PublishedRow]:
 def simulate_row(row: PublishedRow, overrides: dict[str, float] | None = None) -> RowResult:
     """Simulate `row` as its source ran it (module docstring); `overrides`: CostModel
     parameters (a calibration's `GPUFit.overrides()`), else the GPU defaults."""
-    from kvpool.capacity.planner import plan
     from kvpool.sim.cost import CostModel
     from kvpool.sim.simulator import SimConfig, simulate
     from kvpool.spec.gpus import get_gpu
@@ -230,10 +232,7 @@ def simulate_row(row: PublishedRow, overrides: dict[str, float] | None = None) -
     elif row.num_requests is not None:
         batch = row.num_requests
     else:
-        p = plan(model, gpu, num_gpus=row.tp, context_len=total_len, **deployment)
-        batch = min(MAX_BATCH, p.max_concurrent_per_replica)
-        if batch < 1:
-            raise ValueError(f"row {row.id}: one request of {total_len:,} tokens does not fit the KV pool")
+        batch = max_wave(row, model, gpu, deployment)
     max_num_seqs = batch if row.num_requests is None else MAX_BATCH
     if row.max_num_seqs is not None:  # the engine's own limit, which a larger wave queues behind
         # (under a client's concurrency the engine never runs more than the client keeps in
@@ -241,7 +240,7 @@ def simulate_row(row: PublishedRow, overrides: dict[str, float] | None = None) -
         max_num_seqs = row.max_num_seqs if row.concurrency is None else min(batch, row.max_num_seqs)
     config = SimConfig(
         max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=row.max_num_batched_tokens or max(8192, row.input_len),
+        max_num_batched_tokens=max_step_tokens(row),
         max_model_len=total_len,
         enable_prefix_caching=False,  # random prompts: nothing to hit
         **deployment,
@@ -270,6 +269,41 @@ def simulate_row(row: PublishedRow, overrides: dict[str, float] | None = None) -
             )
         value *= total_len / row.output_len
     return RowResult(row, value, row.staggered_requests or batch, int(report["preemptions"]))
+
+
+def max_step_tokens(row: PublishedRow) -> int:
+    """The engine's token budget a step: the row's, else max(8,192, its input length)."""
+    return row.max_num_batched_tokens or max(8192, row.input_len)
+
+
+def max_wave(row: PublishedRow, model: ModelSpec, gpu: GPUSpec, deployment: dict) -> int:
+    """An "all at once" row's wave: the most requests of its length the replica's KV pool
+    holds, at most MAX_BATCH, the pool sized as the simulation sizes it (plan_replica: the
+    ledger under the engine's limits). With no `max_num_seqs` of the row's the limit is the
+    wave itself, and a larger limit leaves a smaller pool (more sampler rows, CUDA graphs),
+    so the wave is the largest B <= MAX_BATCH whose own limit's pool holds B (bisection: the
+    pool shrinks as B grows)."""
+    from kvpool.capacity.planner import plan
+    from kvpool.sim.simulator import engine_assumptions
+
+    total_len = row.input_len + row.output_len
+
+    def holds(max_num_seqs: int) -> int:  # requests of total_len the pool under this limit holds
+        limits = engine_assumptions(max_num_seqs, max_step_tokens(row), "graph")
+        p = plan(model, gpu, num_gpus=row.tp, context_len=total_len, assumptions=limits, **deployment)
+        return p.max_concurrent_per_replica
+
+    if row.max_num_seqs is not None:  # the engine's own limit: the wave may queue behind it
+        batch = min(MAX_BATCH, holds(row.max_num_seqs))
+    else:
+        lo, hi = 0, MAX_BATCH  # holds(B) >= B for B <= lo; fails for B > hi
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if holds(mid) >= mid else (lo, mid - 1)
+        batch = lo
+    if batch < 1:
+        raise ValueError(f"row {row.id}: one request of {total_len:,} tokens does not fit the KV pool")
+    return batch
 
 
 def staggered_workload(row: PublishedRow, vocab_size: int) -> Workload:
