@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import pytest
 
@@ -321,3 +322,22 @@ def test_plots_say_which_runs_they_leave_off(tmp_path, capsys):
         main(["simulate", "sweep", *flags, "--rate", "2", "--jobs", "1", "--out", str(out), "--plot", str(plot)]) == 0
     )
     assert "leave off" not in capsys.readouterr().err  # every run has a rate: nothing to say
+
+
+def test_a_sweep_with_no_rate_to_plot_writes_no_plot_and_says_so_once(tmp_path, capsys):
+    """Every run rate inf (or a trace): no goodput-vs-rate plot has a point. Two empty PNGs
+    were written, matplotlib warned "No artists with labels found to put in legend" and the
+    line said "leave off 1 of 1 runs"; now no plot, one line."""
+    flags = ["--workload", "uniform", "--requests", "4", "--prompt-len", "100:200", "--output-len", "4:8"]
+    plot = tmp_path / "plots"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib's legend warning fails the test
+        argv = ["simulate", "sweep", *flags, "--rate", "inf", "--jobs", "1", "--out", str(tmp_path / "g.jsonl")]
+        assert main([*argv, "--plot", str(plot)]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[1] == (
+        "kvpool simulate sweep: --plot wrote no plot: no run has an arrival rate to plot goodput against "
+        "(every one is rate inf); give --rate a list of finite rates to plot"
+    )
+    assert not any("leave off" in line or line.startswith("kvpool simulate sweep: wrote") for line in err)
+    assert not plot.exists() or not os.listdir(plot)

@@ -96,9 +96,18 @@ def run_sweep(args: argparse.Namespace, options: SimOptions, points: Sequence[di
     if args.plot and ran:
         from kvpool.sim.plots import plot_sweep, rateless
 
-        for path in plot_sweep(ran, args.plot):
-            print(f"kvpool simulate sweep: wrote {path}", file=sys.stderr)
         left_off = rateless(ran)
+        if len(left_off) == len(ran):  # (two empty plots were written, and matplotlib warned)
+            kinds = " or ".join(sorted({"rate inf" if r["request_rate"] == "inf" else "a trace" for r in ran}))
+            print(
+                f"kvpool simulate sweep: --plot wrote no plot: no run has an arrival rate to plot goodput against "
+                f"(every one is {kinds}); give --rate a list of finite rates to plot",
+                file=sys.stderr,
+            )
+            left_off = []
+        else:
+            for path in plot_sweep(ran, args.plot):
+                print(f"kvpool simulate sweep: wrote {path}", file=sys.stderr)
         if left_off:  # (silently, a rate-inf point was simply missing from the plots)
             named = ", ".join(f"point {r['point']} ({_point_words(r)})" for r in left_off)
             print(
