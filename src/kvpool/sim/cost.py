@@ -727,16 +727,14 @@ class CostModel:
             num_tokens, decode_sums, rest = scan
         model, gpu = self.model, self.gpu
         peak_linear, peak_attention = self._peaks
-        head_flops = 2 * num_chunks * model.vocab_size * model.hidden_size / self.tp
-        linear_flops = 2 * num_tokens * self.active_params_per_token + head_flops
         write = self.kv_write_bytes_per_token
-        decode_flops = prefill_flops = 0.0  # attention, by phase
-        decode_bytes = prefill_bytes = 0.0  # cache read and written, by phase
+        decode_flops = decode_bytes = 0.0  # the decodes' attention and cache bytes
         decode_terms = self._decode_terms
-        num_prefill_chunks = 0
         if scan is not None:
             decode_flops, decode_bytes = decode_sums
-        for n, ctx in rest:
+        others: list[tuple[int, int]] = []  # the prefill chunks, in their order: `_prefill_sums` prices them
+        for chunk in rest:
+            n, ctx = chunk
             if n == 1:
                 # a decode: its one query attends and reads min(cap, ctx // tokens_per_entry)
                 # entries of each term (attended == read_entries at n = 1); `_decode_scan` is
@@ -749,16 +747,11 @@ class CostModel:
                     decode_flops += flops_w * e
                     decode_bytes += bytes_w * e
                 continue
-            # queries at positions [ctx - n, ctx): the cached prefix is [0, ctx - n)
-            num_prefill_chunks += 1
-            prefill_bytes += n * write + self._read_bytes(n, ctx)
-            for t in self.attention_terms:
-                per_entry = t.flops_per_entry if t.prefill_flops_per_entry is None else t.prefill_flops_per_entry
-                prefill_flops += t.num_layers * per_entry * t.attended(ctx - n, ctx)
-                if t.decompress_flops_per_token:
-                    # P_active already counts kv_b_proj on the n new tokens: the rest of ctx
-                    linear_flops += t.num_layers * t.decompress_flops_per_token * (ctx - n)
-                    prefill_bytes += t.num_layers * t.decompress_bytes_per_token * ctx
+            others.append(chunk)
+        # the linear FLOPs (the MoE tiles' apart) and the prefill phase: the decodes feed their
+        # own sums, so the prefill chunks' sums are the same floats priced apart
+        linear_flops, prefill_flops, prefill_bytes = self._prefill_sums(num_tokens, others, num_chunks)
+        num_prefill_chunks = len(others)
         touched = len(model.moe.moe_layers) * self.experts_touched(num_tokens) if model.moe else 0
         moe_s = 0.0  # the routed experts' GEMMs at their own efficiency, beyond linear_flops / flop_s
         if self._moe_tiles:  # the padded rows of the ragged grouped GEMM (module docstring)
@@ -948,7 +941,7 @@ class CostModel:
                     reads.append(bytes_w * min(ctx // m, n * cap))
                 else:
                     reads.append(bytes_w * (ctx // m))
-                if decompress:
+                if decompress:  # P_active already counts kv_b_proj on the n new tokens: the rest of ctx
                     linear_flops += decompress_flops_w * lo
                     decompressed.append(decompress_bytes_w * ctx)
             prefill_bytes += n * write + sum(reads)
@@ -961,7 +954,15 @@ class CostModel:
         """Per attention term, the factors `_step_cost`'s loop multiplies a prefill chunk's
         entries by, formed as it forms them: (num_layers x its prefill FLOPs per entry,
         num_layers x entry bytes, tokens per entry, cap, selection, whether it decompresses,
-        num_layers x decompress FLOPs per token, num_layers x decompress bytes per token)."""
+        num_layers x decompress FLOPs per token, num_layers x decompress bytes per token).
+        The selections' premises `read_entries` asserts, checked once here."""
+        for t in self.attention_terms:
+            if t.selection == "window":
+                assert t.cap is not None and t.tokens_per_entry == 1
+            elif t.selection == "topk":
+                assert t.cap is not None
+            else:
+                assert t.selection == "all", t.selection
         return tuple(
             (
                 t.num_layers * (t.flops_per_entry if t.prefill_flops_per_entry is None else t.prefill_flops_per_entry),
