@@ -228,3 +228,40 @@ def test_the_command_prints_each_row_with_its_source_and_both_predictions(tmp_pa
     with pytest.raises(SystemExit):
         main(["--data", str(path)])
     assert "row nim-70b-h100-tp2-c1-500-itl: unknown metric 'tokens'" in capsys.readouterr().err
+
+
+def _pool_holds(row: PublishedRow, max_num_seqs: int) -> int:
+    """Requests of the row's length the planner's pool holds under max_num_seqs."""
+    from kvpool.capacity.planner import plan
+    from kvpool.sim.simulator import engine_assumptions
+    from kvpool.sim.validate import max_step_tokens
+    from kvpool.spec.gpus import get_gpu
+    from kvpool.spec.models import load_preset
+
+    limits = engine_assumptions(max_num_seqs, max_step_tokens(row), "graph")
+    deployment = {"tp": row.tp, "kv_dtype": row.kv_dtype, "weight_dtype": row.weight_dtype}
+    ctx = row.input_len + row.output_len
+    p = plan(
+        load_preset(row.model), get_gpu(row.gpu), num_gpus=row.tp, context_len=ctx, assumptions=limits, **deployment
+    )
+    return p.max_concurrent_per_replica
+
+
+def test_a_max_throughput_wave_is_the_most_its_own_pool_holds() -> None:
+    """An "all at once" wave runs on the pool the ledger leaves under the wave's own limits
+    (max_num_seqs the wave): sized under the default 256 it no longer fit once the simulated
+    pool followed the limits (gpt-oss-120b H200 1,000 / 1,000: 11 preemptions, 32,768 /
+    1,024: 1, 65 of its 66 running). Each max row's wave fits that pool and one more would not."""
+    from kvpool.sim.validate import MAX_BATCH, max_wave
+    from kvpool.spec.gpus import get_gpu
+    from kvpool.spec.models import load_preset
+
+    rows = [r for r in load_rows() if r.concurrency is None and r.num_requests is None]
+    assert len(rows) == 8 and all(r.max_num_seqs is None for r in rows)
+    for row in rows:
+        deployment = {"tp": row.tp, "kv_dtype": row.kv_dtype, "weight_dtype": row.weight_dtype}
+        batch = max_wave(row, load_preset(row.model), get_gpu(row.gpu), deployment)
+        assert _pool_holds(row, batch) >= batch, row.id
+        assert batch == MAX_BATCH or _pool_holds(row, batch + 1) < batch + 1, row.id
+    row = next(r for r in rows if r.id == "trtllm-gptoss120b-h200-32k1k-max")
+    assert simulate_row(row).preemptions == 0
