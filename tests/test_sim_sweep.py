@@ -230,14 +230,18 @@ def test_a_trace_past_one_models_vocabulary_leaves_that_model_out(tmp_path, caps
     )
     out = tmp_path / "grid.jsonl"
     flags = ["--trace", str(trace), "--model", "llama-3.1-8b,smollm2-135m", "--jobs", "1", "--out", str(out)]
-    assert main(["simulate", "sweep", *flags]) == 0
+    assert main(["simulate", "sweep", *flags, "--gpu", "h200,h100"]) == 0
     err = capsys.readouterr().err.splitlines()
-    assert err[0] == (
-        f"kvpool simulate sweep: left out smollm2-135m on h200: {trace} line 1: prompt_ids[2] = 60000 is outside "
+    # once for the model, not once per GPU (it was said for h200 and again for h100)
+    assert [line for line in err if "left out" in line] == [
+        f"kvpool simulate sweep: left out smollm2-135m: {trace} line 1: prompt_ids[2] = 60000 is outside "
         "the vocabulary [0, 49152)"
-    )
-    (row,) = _rows(out)  # llama-3.1-8b's 128,256 ids hold it
-    assert (row["model"], row["request_rate"], row["num_requests"]) == ("llama-3.1-8b", "trace", 2)
+    ]
+    rows = _rows(out)  # llama-3.1-8b's 128,256 ids hold it
+    assert [(r["model"], r["gpu"], r["request_rate"], r["num_requests"]) for r in rows] == [
+        ("llama-3.1-8b", "H200", "trace", 2),
+        ("llama-3.1-8b", "H100", "trace", 2),
+    ]
 
 
 def test_a_point_failing_in_a_worker_process_leaves_the_others_running(tmp_path, capsys):

@@ -54,7 +54,8 @@ def run_sweep(args: argparse.Namespace, options: SimOptions, points: Sequence[di
     points, left_out = runnable(options, points)
     for why in left_out:
         tp = "" if why.tp is None else f" at TP {why.tp}"
-        print(f"kvpool simulate sweep: left out {why.model} on {why.gpu}{tp}: {why.reason}", file=sys.stderr)
+        where = "" if why.gpu is None else f" on {why.gpu}{tp}"  # (None: the workload does not fit the model)
+        print(f"kvpool simulate sweep: left out {why.model}{where}: {why.reason}", file=sys.stderr)
     if not points:
         raise ValueError(f"no point of the grid can run: {left_out[0].reason}")
     jobs = min(args.jobs or os.cpu_count() or 1, len(points))

@@ -103,10 +103,11 @@ def map_ray(
 
 
 class LeftOut(NamedTuple):
-    """A deployment of the grid that cannot run, once per model, GPU, TP and reason."""
+    """A deployment of the grid that cannot run, once per model, GPU, TP and reason; a
+    workload the model cannot take (gpu and tp None) once per model."""
 
     model: str
-    gpu: str
+    gpu: str | None  # None: every deployment of the model (its workload does not fit it)
     tp: int | None  # as the grid gave it (None: the fewest GPUs that fit)
     reason: str
 
@@ -157,7 +158,10 @@ def runnable(options: SimOptions, points: Sequence[dict[str, Any]]) -> Runnable:
         if not checked[key]:
             keep.append(point)
         else:
-            why = LeftOut(*key[:3], checked[key])
+            if workload_checked.get(point["model"]) == checked[key]:  # the workload's: once per model
+                why = LeftOut(point["model"], None, None, checked[key])
+            else:
+                why = LeftOut(*key[:3], checked[key])
             if why not in left_out:  # its reason once per model, GPU and TP
                 left_out.append(why)
     return Runnable(keep, left_out)
