@@ -345,3 +345,18 @@ def test_a_sweep_with_no_rate_to_plot_writes_no_plot_and_says_so_once(tmp_path, 
     )
     assert not any("leave off" in line or line.startswith("kvpool simulate sweep: wrote") for line in err)
     assert not plot.exists() or not os.listdir(plot)
+
+
+def test_a_points_words_name_its_routing_and_a_traces_arrivals():
+    """Two failed points differing only in routing read the same apart from their index, and
+    a trace's run read "rate trace" (review 4 finding 6)."""
+    from kvpool.cli.sweep import _point_words
+
+    point = {"model": "llama-3.1-8b", "gpu": "h200", "tp": None, "layout": None, "block_size": None}
+    assert _point_words(point | {"routing": "round-robin", "request_rate": 2.0}) == "llama-3.1-8b on h200, rate 2.0"
+    assert _point_words(point | {"routing": "prefix-aware", "request_rate": 2.0}) == (
+        "llama-3.1-8b on h200, routing prefix-aware, rate 2.0"
+    )
+    assert _point_words(point | {"routing": "round-robin", "request_rate": "trace"}) == (
+        "llama-3.1-8b on h200, the trace's arrivals"
+    )

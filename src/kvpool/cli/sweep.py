@@ -126,8 +126,11 @@ def run_sweep(args: argparse.Namespace, options: SimOptions, points: Sequence[di
 
 
 def _point_words(row: dict) -> str:
-    """'llama-3.1-8b on h200, layout paged, rate 8.0': a failed point, in the grid's words."""
+    """'llama-3.1-8b on h200, layout paged, rate 8.0': a point, in the grid's words (the
+    routing where it is not the default round-robin; a trace's run "the trace's arrivals")."""
     tp = "" if row["tp"] is None else f" at TP {row['tp']}"
     layout = "" if row["layout"] is None else f", layout {row['layout']}"
     block = "" if row["block_size"] is None else f" block {row['block_size']}"
-    return f"{row['model']} on {row['gpu']}{tp}{layout}{block}, rate {row['request_rate']}"
+    routing = "" if row.get("routing", "round-robin") == "round-robin" else f", routing {row['routing']}"
+    rate = "the trace's arrivals" if row["request_rate"] == "trace" else f"rate {row['request_rate']}"
+    return f"{row['model']} on {row['gpu']}{tp}{layout}{block}{routing}, {rate}"
