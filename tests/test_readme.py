@@ -24,7 +24,8 @@ BASH = [(body.strip(), out) for lang, body, out in fenced_blocks(README) if lang
 PYTHON = [(body, out) for lang, body, out in fenced_blocks(README) if lang == "python"]
 MAIN_JOB = "bash setup.sh && python3 -m kvpool run"
 TEST_COMMAND = (
-    "bash setup.sh test && python3 -m ruff check . && python3 -m ruff format --check . && python3 -m pytest -q"
+    "bash setup.sh test && python3 -m ruff check . && python3 -m ruff format --check . "
+    "&& python3 -m pytest -q -n 2 --dist loadfile"
 )
 VENV = "python3 -m venv .venv && . .venv/bin/activate"
 QUICK_START = [(cmd, out) for cmd, out in BASH if cmd not in (MAIN_JOB, TEST_COMMAND, VENV)]
