@@ -731,7 +731,9 @@ def _finite_tokens(tokens: torch.Tensor, values: torch.Tensor) -> list[int]:
     +inf or are -inf throughout, and a token drawn there is garbage. On a GPU the check rides
     in the one read (such a row's token read as -1: two kernels, no second wait); on the
     CPU the values are read too (host memory, no wait) and summed in Python's doubles, which
-    a row's NaN or inf makes non-finite: ~5 us a step against ~25 us for the two ops here."""
+    a row's NaN or inf makes non-finite: ~5 us a step against ~25 us for the two ops here.
+    The error carries the batch's tokens (`tokens`, -1 at the rows refused): the other rows'
+    tokens stand, and a step may go on with them."""
     if tokens.device.type == "cpu":
         out = tokens.tolist()
         listed = values.tolist()
@@ -740,9 +742,11 @@ def _finite_tokens(tokens: torch.Tensor, values: torch.Tensor) -> list[int]:
         bad = [i for i, value in enumerate(listed) if not math.isfinite(value)]
         if not bad:  # (fp64 values whose sum overflowed, each finite)
             return out
+        for i in bad:
+            out[i] = -1
     else:
         out = torch.where(torch.isfinite(values), tokens, -1).tolist()
         if not out or min(out) >= 0:
             return out
         bad = [i for i, token in enumerate(out) if token < 0]
-    raise NonFiniteLogitsError(bad)
+    raise NonFiniteLogitsError(bad, tokens=out)

@@ -947,25 +947,27 @@ class Engine:
         # The forward, the clock's reading after it (the simulator's prices the step there) and
         # the batch's sampling: a fault in any of them comes before the take, so the step's
         # reservation is undone or its sequences released alike (`_after_a_fault`)
+        # With contain_request_faults, a request whose own sampling or text raises fails
+        # alone, after the step's commit; the others go on. (A fault of the step itself,
+        # schedule or forward, always raises.)
+        failed: dict[str, tuple[str, str]] = {}  # request id -> (message, traceback)
         try:
             logits = self.runner.execute(chunks)
             now = self.clock()
-            sampled = self._sample_step(chunks, logits) if self.batched_sampling else None
+            sampled = self._sample_step(chunks, logits, failed) if self.batched_sampling else None
         except BaseException:
             self._after_a_fault()
             raise
         next_token_ids: list[int | None]
         done: list[tuple[SequenceState, str]] = []
         forks: list[tuple[SequenceState, int]] = []  # (a parent, its row of the logits)
-        # With contain_request_faults, a request whose own sampling or text raises fails
-        # alone, after the step's commit; the others go on. (A fault of the step itself,
-        # schedule or forward, always raises.)
-        failed: dict[str, tuple[str, str]] = {}  # request id -> (message, traceback)
         self._taking = chunks  # (from here the take changes the sequences: `_undo_take`)
         accept = self._accept_token
         # the per-token fast path (below) holds while nothing is recorded per token; a
-        # batched step has every token sampled already (`sampled`)
-        plain = self.inline_decode and not self.record_logits
+        # batched step has every token sampled already (`sampled`). A batched step that
+        # refused rows (`failed` already) takes the loop below, row by row, which passes
+        # over the failed requests' rows as it does for a fault of its own
+        plain = self.inline_decode and not self.record_logits and not failed
         row = 0
         num_decode = 0  # chunks of one token after the prompt
         scheduled = self._scheduled
@@ -1344,11 +1346,17 @@ class Engine:
             min(end_steps),
         )
 
-    def _sample_step(self, chunks: Sequence[ScheduledChunk], logits: torch.Tensor) -> list[int]:
+    def _sample_step(
+        self, chunks: Sequence[ScheduledChunk], logits: torch.Tensor, failed: dict[str, tuple[str, str]]
+    ) -> list[int]:
         """Every sampled row's token (the chunks needing logits, in order), in one batch. The
         batch sampler keeps the rows' columns, seed words and prompt lengths while the step samples
         the same sequences in the same order (a decode step of the same batch): then only
-        the sequences' lengths are read, and only when a row draws."""
+        the sequences' lengths are read, and only when a row draws. Rows whose logits give
+        no token (NonFiniteLogitsError) raise, naming their requests; with
+        contain_request_faults their requests go in `failed` instead, each named as the
+        row-by-row path names it, and the other rows' tokens are returned (the rows refused
+        hold -1)."""
         seqs = self._scheduled
         columns = self._step_columns
         # (a decode step samples every chunk: no filtered copy; the columns' rows all need
@@ -1380,7 +1388,19 @@ class Engine:
         try:
             return self._batch_sampler.sample(logits, seqs, rows, lengths)
         except NonFiniteLogitsError as error:  # named: the sampler knows rows, not requests
-            raise NonFiniteLogitsError(error.rows, [seqs[r].request.request_id for r in error.rows]) from None
+            if error.tokens is None or not self.contain_request_faults:
+                first = seqs[error.rows[0]]
+                position = len(first.token_ids) - first.request.num_prompt_tokens
+                ids = [seqs[r].request.request_id for r in error.rows]
+                raise NonFiniteLogitsError(error.rows, ids, position, error.tokens) from None
+            trace = traceback.format_exc()
+            for r in error.rows:
+                seq = seqs[r]
+                req = seq.request
+                position = len(seq.token_ids) - req.num_prompt_tokens
+                refused = NonFiniteLogitsError([r], [req.request_id], position)
+                failed.setdefault(req.request_id, (f"{type(refused).__name__}: {refused}", trace))
+            return error.tokens
 
     def _first_samples(
         self,

@@ -63,17 +63,27 @@ class NonFiniteLogitsError(ValueError):
     drawn there is garbage; SmolLM2's all-NaN rows gave token 0, its end of text: an empty
     answer without a word. The cause is the model's (a non-finite weight, or a forward that
     overflowed its dtype), not the request's. `rows`: the step's rows it holds (indices of
-    the logits' rows); `request_ids`: their requests, where the engine named them."""
+    the logits' rows); `request_ids`: their requests, where the engine named them; `position`:
+    the first one's output position; `tokens`: where a batch sampler refused rows, the batch's
+    tokens (a row refused holds -1), so that a step may go on with the other rows."""
 
-    def __init__(self, rows: Sequence[int], request_ids: Sequence[str] = (), position: int | None = None) -> None:
-        self.rows, self.request_ids = list(rows), list(request_ids)
+    def __init__(
+        self,
+        rows: Sequence[int],
+        request_ids: Sequence[str] = (),
+        position: int | None = None,
+        tokens: list[int] | None = None,
+    ) -> None:
+        self.rows, self.request_ids, self.position, self.tokens = list(rows), list(request_ids), position, tokens
         if self.request_ids:
-            more = len(self.request_ids) - 1
-            where = f"request {self.request_ids[0]!r}" + (f" (and {more} more in the step)" if more else "")
+            where = f"request {self.request_ids[0]!r}"
         else:
             where = f"rows {self.rows}" if len(self.rows) != 1 else f"row {self.rows[0]}"
         if position is not None:
             where += f" at output position {position}"
+        more = len(self.request_ids) - 1
+        if more > 0:
+            where += f" (and {more} more in the step)"
         super().__init__(
             f"the model's logits for {where} are not finite (a NaN or +inf, or every one -inf): no token can "
             "be sampled; a weight of the model is not finite, or its forward overflowed its dtype"
