@@ -641,7 +641,9 @@ def test_long_prompts_are_tokenized_off_the_event_loop(server):
         p.join()
     assert [a.status_code for a in answers] == [413] * 8
     assert all("90001 tokens" in a.json()["error"]["message"] for a in answers), answers[0].text
-    assert len(health_s) >= 3 and max(health_s) < 1.0, health_s  # (main: 0.7-1.2 s each; here 0.03-0.3 s)
+    # tokenized on the event loop, each /health waited for a prompt's tokenization (0.7-1.2 s each); off
+    # it, 0.03-0.3 s. The median, not the slowest: one call can wait 1.5 s on a loaded machine
+    assert len(health_s) >= 3 and sorted(health_s)[len(health_s) // 2] < 0.5, health_s
 
 
 def test_the_tokenizer_lets_other_threads_run(loaded):
