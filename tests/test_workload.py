@@ -242,7 +242,9 @@ def _fake_engine(num_requests: int, seed: int) -> SimpleNamespace:
         )
     stats = {"kv_capacity_tokens": 100, "kv_capacity_bytes": 2000, "block_size": 16, "num_blocks": 7}
     stats |= {"prefix_hit_rate": 0.5, "prefix_queried_tokens": 10, "prefix_hit_tokens": 5}
-    runner = SimpleNamespace(cache_stats=lambda: stats, tier_reports=dict, cache=SimpleNamespace(dual_groups=[]))
+    runner = SimpleNamespace(
+        cache_stats=lambda: stats, tier_reports=dict, cache=SimpleNamespace(dual_groups=[]), max_model_len=2048
+    )
     engine_stats = SimpleNamespace(alloc_call_s=list(r.exponential(1e-5, 33)), num_alloc_calls=33, num_noop_calls=4)
     return SimpleNamespace(
         requests=list(outputs),

@@ -32,6 +32,11 @@ from torch.utils._pytree import tree_flatten, tree_map
 _META = torch.device("meta")
 
 
+# The ops that read a device value on the host: `.item()` and `float(t)` reach the mode as aten.item
+# (torch 2.13) or as its lowering, _local_scalar_dense (`int(t)`, `.tolist()`)
+_HOST_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
+
+
 def _is_meta(x: object) -> bool:
     return isinstance(x, torch.Tensor) and x.device.type == "meta"
 
@@ -132,8 +137,8 @@ class TwinDevice(TorchDispatchMode):
         meta_out_device = torch.device(device_kw) if device_kw is not None else None
         if meta_out_device is not None and meta_out_device.type == "cpu":
             return twin_out  # (a read of the device's values into host memory: the twin's)
-        if func is torch.ops.aten._local_scalar_dense.default:
-            return twin_out  # (.item(), .tolist(): the twin's values)
+        if func in _HOST_READS:
+            return twin_out  # (.item(), .tolist(), float(): the twin's values)
         if func is torch.ops.aten.copy_.default and not _is_meta(args[0]):
             return twin_out  # (a copy into host memory: the twin's values written there)
         out = func(*args, **kwargs)
@@ -154,7 +159,7 @@ class TwinDevice(TorchDispatchMode):
         """What CUDA refuses inside a capture (or what a replay would not redo): a read of
         the device's values on the host, and an op reading host memory (a copy from it is
         captured as a copy of the bytes there then, not of what they hold at replay)."""
-        if func is torch.ops.aten._local_scalar_dense.default:
+        if func in _HOST_READS:
             raise RuntimeError("TwinDevice: a host read of a device value (.item(), .tolist()) inside a graph capture")
         on_host = [x for x in flat if isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dim() > 0]
         if on_host:
