@@ -731,7 +731,8 @@ def _finite_tokens(tokens: torch.Tensor, values: torch.Tensor) -> list[int]:
     +inf or are -inf throughout, and a token drawn there is garbage. On a GPU the check rides
     in the one read (such a row's token read as -1: two kernels, no second wait); on the
     CPU the values are read too (host memory, no wait) and summed in Python's doubles, which
-    a row's NaN or inf makes non-finite: ~5 us a step against ~25 us for the two ops here.
+    a row's NaN or inf makes non-finite, cheaper than the two ops here (docs/engine.md gives
+    the step's measured cost, `kvpool bench gpu --parts host`).
     The error carries the batch's tokens (`tokens`, -1 at the rows refused): the other rows'
     tokens stand, and a step may go on with them."""
     if tokens.device.type == "cpu":

@@ -204,10 +204,12 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, sample_index: int
     The kept tokens (top-k, then the top-p nucleus: the most likely tokens until their mass
     reaches top_p) are drawn by inverse CDF with `uniform_draw`'s uniform."""
     if params.greedy:
-        token = int(torch.argmax(logits))  # no scratch beyond a scalar
+        best = torch.argmax(logits)  # no scratch beyond a scalar
         # argmax takes a NaN as the largest: the logit taken is finite unless the row holds a
-        # NaN or +inf, or is -inf throughout (NonFiniteLogitsError)
-        if not math.isfinite(logits[token]):
+        # NaN or +inf, or is -inf throughout (NonFiniteLogitsError); read with the token as -1,
+        # one host read (as the batched sampler's `_finite_tokens`)
+        token = int(torch.where(torch.isfinite(logits[best]), best, -1))
+        if token < 0:
             raise NonFiniteLogitsError([0], position=position)
         return token
     if params.seed is None:  # (the engine seeds every request it takes: `Engine.seed_for`)

@@ -157,7 +157,6 @@ def fit_tp(
     """`tp`, or the fewest GPUs (1, 2, 4, 8) whose pool holds a few blocks of every group,
     under `assumptions` (None: LedgerAssumptions' defaults); deployment_of passes the run's
     engine limits and host mode (simulator.engine_assumptions), as plan_replica sizes the pool."""
-    from kvpool.capacity.ledger import LedgerAssumptions
     from kvpool.capacity.planner import plan
 
     if gpu.kind == "cpu":  # one machine: no tensor parallelism across CPUs
@@ -183,7 +182,7 @@ def fit_tp(
                 tp=tp,
                 kv_dtype=kv_dtype,
                 weight_dtype=weight_dtype,
-                assumptions=assumptions or LedgerAssumptions(),
+                assumptions=assumptions,
             )
         except ValueError:
             continue

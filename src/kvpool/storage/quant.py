@@ -76,8 +76,9 @@ def quantize(schema: KVSchema, x: Tensor) -> tuple[Tensor, Tensor | None]:
         if schema.element == "float16" and x.dtype != torch.float16:
             # a finite value past fp16's range saturates at +-65,504 (as KIVI's codes do)
             # rather than becoming inf, which made attention NaN; an inf or NaN stays one.
-            # (An fp16 input is within the range already: its K / V writes skip the 3 ops,
-            # [1, 3, 64] ~61 -> ~1 us a write on the CPU; a lone clamp would saturate inf.)
+            # (An fp16 input is within the range already: its K / V writes skip the 3 ops;
+            # a lone clamp would saturate inf. A [1, 3, 64] write, one thread, `python -m timeit`
+            # of quantize(kv_schema("fp16"), x): 10.9 us fp32 in, 1.22 us fp16 in, AMD EPYC.)
             x = torch.where(torch.isinf(x), x, x.clamp(-_F16_MAX, _F16_MAX))
         return x.to(code_dtype(schema)), None
     if schema.zero_point:
