@@ -725,8 +725,8 @@ class CostModel:
             num_tokens, rest = sum(n for n, _ in chunks), chunks
         else:  # the decodes' sums, exactly as the loop below adds them; the rest to price
             num_tokens, decode_sums, rest = scan
-        model, gpu = self.model, self.gpu
-        peak_linear, peak_attention = self._peaks
+        model = self.model
+        flop_s, attention_flop_s, byte_s = self._rates  # the GEMMs', attention's, the memory's (or ValueError)
         write = self.kv_write_bytes_per_token
         decode_flops = decode_bytes = 0.0  # the decodes' attention and cache bytes
         decode_terms = self._decode_terms
@@ -752,16 +752,12 @@ class CostModel:
         # own sums, so the prefill chunks' sums are the same floats priced apart
         linear_flops, prefill_flops, prefill_bytes = self._prefill_sums(num_tokens, others, num_chunks)
         num_prefill_chunks = len(others)
-        touched = len(model.moe.moe_layers) * self.experts_touched(num_tokens) if model.moe else 0
-        moe_s = 0.0  # the routed experts' GEMMs at their own efficiency, beyond linear_flops / flop_s
-        if self._moe_tiles:  # the padded rows of the ragged grouped GEMM (module docstring)
-            linear_flops += self._moe_tile_flops(num_tokens)
-            moe_s = self._moe_compute_s(num_tokens)
-        weight = self.dense_weight_bytes + num_tokens * self.embedding_row_bytes + touched * self.expert_bytes
+        # the MoE tiles' padded rows (module docstring) and the routed experts' GEMMs at their
+        # own efficiency (moe_s, beyond linear_flops / flop_s); the weight bytes; comm_s
+        tile_flops, moe_s, weight, comm_s = self._token_terms(num_tokens)
+        if tile_flops is not None:
+            linear_flops += tile_flops
         attention_flops, kv_bytes = prefill_flops + decode_flops, prefill_bytes + decode_bytes
-        flop_s = peak_linear * self.compute_efficiency  # the GEMMs'
-        attention_flop_s = peak_attention * self.compute_efficiency
-        byte_s = gpu.hbm_bandwidth_bytes_per_s * self.bandwidth_efficiency
         gemm_compute_s = linear_flops / flop_s + moe_s
         compute_s = gemm_compute_s + attention_flops / attention_flop_s
         memory_s = (weight + kv_bytes) / byte_s
@@ -769,7 +765,6 @@ class CostModel:
         gemm_s = max(gemm_compute_s, weight / byte_s)
         prefill_s = max(prefill_flops / attention_flop_s, prefill_bytes / byte_s)
         decode_s = max(decode_flops / attention_flop_s, decode_bytes / byte_s)
-        comm_s = self.comm_s(num_tokens)
         host_s = self.host_s(num_chunks, num_prefill_chunks)
         fixed_s = model.num_layers * self.layer_fixed_s
         return StepCost(
