@@ -185,3 +185,29 @@ def test_simulates_text_report_shares_the_headings_units_and_verdict(capsys, mon
     for heading in ("capacity", "latency", "throughput", "cache"):
         assert f" {heading} " in out
     assert format_bytes(report["kv_capacity_bytes"]) in out and "sim_wall_s" in out
+
+
+def test_a_run_where_no_request_finished_has_no_latency_figure_in_any_report(capsys):
+    # no sample, no figure: kvpool run's, the simulator's and the load generator's reports say
+    # None ("n/a"), not 0 ms, for a TTFT and a latency no request measured
+    from kvpool.cli.bench_serve import _print
+    from kvpool.server import loadgen
+    from kvpool.sim.report import FinishedRequests
+
+    none = {f"{name}_ms_{p}": None for name in ("ttft", "tpot", "latency") for p in ("p50", "p99")}
+    assert metrics.latency_report([], 1) == none  # kvpool run's
+    assert FinishedRequests(2000.0, 100.0).latency_report(2) == none  # the simulator's
+    failed = [loadgen.RequestRecord(ok=False, error="connection refused") for _ in range(3)]
+    row = loadgen.summarize(loadgen.LoadConfig("u", "m", 3, concurrency=1), failed, 1.5, {}, {})
+    latencies = ("ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "itl_ms_p50", "itl_ms_p99", "e2e_ms_p50")
+    assert [row[key] for key in latencies] == [None] * 7 and row["num_ok"] == 0
+    _print({"model": "m", "url": "u", "rows": [row]})
+    table = capsys.readouterr().out
+    assert "0/3" in table and table.count("n/a") == 6  # TTFT, TPOT, ITL at p50 / p99
+
+    report = _report(num_finished=0, num_within_slo=0, **none)
+    latency = dict(dict(report_sections(report))["latency"])
+    assert [latency[f"{name} {p}"] for name in ("TTFT", "TPOT", "request latency") for p in ("p50", "p99")] == [
+        "n/a"
+    ] * 6
+    assert report_notes(report, [None]) == ["SLO: no request finished, nothing to judge"]

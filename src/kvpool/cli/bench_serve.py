@@ -99,9 +99,9 @@ def _print(report: dict) -> None:
         ("hit rate", "server_hit_rate"),
     ]
     rows = report["rows"]
-    # a column none of the rows has is left out; a TPOT or ITL of None (no answer had a second
-    # token) is "n/a", the column kept
-    no_sample = ("tpot_ms_p50", "tpot_ms_p99", "itl_ms_p50", "itl_ms_p99")
+    # a column none of the rows has is left out; a latency of None (TPOT, ITL: no answer had a
+    # second token; any: no request succeeded) is "n/a", the column kept
+    no_sample = ("ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "itl_ms_p50", "itl_ms_p99")
     shown = [
         (title, key)
         for title, key in columns

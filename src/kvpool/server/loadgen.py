@@ -251,10 +251,12 @@ def summarize(
         "wall_s": round(wall_s, 3),
         "requests_per_s": ratio(len(ok), wall_s, 3),
         "output_tokens_per_s": ratio(generated, wall_s, 2),
-        **p50_p99("ttft_ms", ttft, 1),
-        **p50_p99("tpot_ms", tpot, 2, empty=None),  # None: no answer had a second token
+        # None where no request measured it: no answer had a second token (TPOT, ITL), or
+        # none succeeded (all of them), not 0 ms
+        **p50_p99("ttft_ms", ttft, 1, empty=None),
+        **p50_p99("tpot_ms", tpot, 2, empty=None),
         **p50_p99("itl_ms", itl, 2, empty=None),
-        "e2e_ms_p50": round(percentile(e2e, 0.5), 1),
+        "e2e_ms_p50": round(percentile(e2e, 0.5), 1) if e2e else None,
         "goodput_req_s": ratio(good, wall_s, 3),
         "slo_ttft_ms": config.slo_ttft_ms,
         "slo_tpot_ms": config.slo_tpot_ms,

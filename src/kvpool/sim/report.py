@@ -88,12 +88,13 @@ class FinishedRequests:
         self.latency_ms.append(r.latency_s * 1e3)
 
     def latency_report(self, digits: int) -> dict[str, float | None]:
-        """metrics.latency_report's keys: ttft_ms, tpot_ms, latency_ms at p50 / p99 (the
-        TPOTs None when no answer had a second token)."""
+        """metrics.latency_report's keys: ttft_ms, tpot_ms, latency_ms at p50 / p99 (None
+        where no request measured the figure: the TPOTs when no answer had a second token,
+        all six when none finished)."""
         return (
-            p50_p99("ttft_ms", self.ttft_ms, digits)
+            p50_p99("ttft_ms", self.ttft_ms, digits, empty=None)
             | p50_p99("tpot_ms", self.tpot_ms, digits, empty=None)
-            | p50_p99("latency_ms", self.latency_ms, digits)
+            | p50_p99("latency_ms", self.latency_ms, digits, empty=None)
         )
 
 

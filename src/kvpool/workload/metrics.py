@@ -6,7 +6,9 @@ way for `kvpool run`, `kvpool simulate` and the load generator of `kvpool bench 
                  TPOT (ms) <= slo_tpot_ms; a one-token answer has no TPOT, so no TPOT to
                  miss. A run where every answer is one token has no TPOT figure: its
                  tpot_ms_p50 / _p99 are None (null in JSON, "n/a" in text), and its SLO
-                 verdict judges TTFT alone, saying so
+                 verdict judges TTFT alone, saying so. No sample, no figure: a run where
+                 no request finished has no TTFT and no latency either (None, not 0 ms),
+                 and its verdict judges nothing
   goodput        requests within both SLOs per second of the run's span
   throughput     generated tokens per second of the span (`ratio`)
 
@@ -66,16 +68,17 @@ def p50_p99(name: str, values: Sequence[float], digits: int, empty: float | None
 
 def latency_report(requests: Iterable[Finished], digits: int) -> dict[str, float | None]:
     """ttft_ms_p50 / _p99, tpot_ms_p50 / _p99, latency_ms_p50 / _p99: each over the requests
-    that measured it, in ms rounded to `digits` decimals (the keys of every report); the
-    TPOTs None when no answer had a second token."""
+    that measured it, in ms rounded to `digits` decimals (the keys of every report); a figure
+    no request measured is None (the TPOTs when no answer had a second token, all six when
+    no request finished), not 0 ms."""
     requests = list(requests)
     ttfts = [r.ttft_s * 1e3 for r in requests if r.ttft_s is not None]
     tpots = [r.tpot_s * 1e3 for r in requests if r.tpot_s is not None]
     latencies = [r.latency_s * 1e3 for r in requests if r.latency_s is not None]
     return (
-        p50_p99("ttft_ms", ttfts, digits)
+        p50_p99("ttft_ms", ttfts, digits, empty=None)
         | p50_p99("tpot_ms", tpots, digits, empty=None)
-        | p50_p99("latency_ms", latencies, digits)
+        | p50_p99("latency_ms", latencies, digits, empty=None)
     )
 
 
@@ -114,7 +117,7 @@ def format_bytes(num_bytes: float) -> str:
 
 def format_ms(ms: float | None) -> str:
     """A duration given in ms: 0.42 ms, 12.3 ms, 1.25 s (seconds from 1000 ms on); "n/a" for
-    None (no sample: the TPOT of one-token answers)."""
+    None (no sample: the TPOT of one-token answers, the TTFT of a run where none finished)."""
     if ms is None:
         return "n/a"
     if abs(ms) >= 1000:
@@ -135,8 +138,9 @@ def _per_s(unit: str) -> Callable[[float], str]:
     return lambda value: f"{value:,.1f} {unit}/s" if value >= 10 else f"{value:.2f} {unit}/s"
 
 
-# figures that are None where the run had no sample of them (shown as "n/a", not left out)
-NO_SAMPLE_KEYS = frozenset(("tpot_ms_p50", "tpot_ms_p99"))
+# figures that are None where the run had no sample of them (shown as "n/a", not left out):
+# the TPOTs of one-token answers, and every latency of a run where no request finished
+NO_SAMPLE_KEYS = frozenset(f"{name}_ms_{p}" for name in ("ttft", "tpot", "latency") for p in ("p50", "p99"))
 
 # (heading, [(key, label, formatter)]): the seed's figures, grouped as a reader looks for them
 REPORT_SECTIONS: tuple[tuple[str, tuple[tuple[str, str, Callable[[float], str]], ...]], ...] = (
