@@ -15,7 +15,7 @@ import warnings
 import pytest
 
 from kvpool.cli.main import main
-from kvpool.sim.sweep import cheapest_deployment, describe
+from kvpool.sim.sweep import AXES, cheapest_deployment, describe
 
 # measured on this machine's clock, not the simulated one: they differ from run to run
 WALL_CLOCK_KEYS = ("sim_wall_s", "alloc_latency_us_p50", "alloc_latency_us_p99", "sim_us_per_step_by_quarter")
@@ -160,24 +160,26 @@ def test_rows_are_on_disk_as_their_points_finish_and_a_failing_point_is_a_row(tm
     monkeypatch.setattr(deployment, "sweep_point", second_fails)
     assert main(["simulate", "sweep", *GRID, "--jobs", "1", "--out", str(out)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    point = "point 1 (llama-3.1-8b on h200, layout paged, rate 8.0)"
+    point = "point 1 (llama-3.1-8b on H200 at TP 1, layout paged block 16, rate 8.0)"
     assert err[0] == f"kvpool simulate sweep: {point} failed: point at rate 8.0 failed"
     assert err[1] == f"kvpool simulate sweep: 4 runs -> {out}"
     assert err[2].startswith("kvpool simulate sweep: cheapest deployment meeting the SLO")
     assert err[3] == f"kvpool simulate sweep: 1 of 4 points failed (their rows in {out} hold the error)"
     assert len(seen) == 4 and seen[0] == [] and len(seen[1]) == 1 and len(seen[3]) == 3  # the others ran on
     rows = _rows(out)
+    # its axes as the finished rows hold them (they were as typed: "h200", tp and block_size null)
     assert rows[1] == {
         "point": 1,
         "model": "llama-3.1-8b",
-        "gpu": "h200",
-        "tp": None,
+        "gpu": "H200",
+        "tp": 1,
         "layout": "paged",
-        "block_size": None,
+        "block_size": 16,
         "routing": "round-robin",
         "request_rate": 8.0,
         "error": "point at rate 8.0 failed",
     }
+    assert {k: rows[0][k] for k in AXES} == {k: rows[1][k] for k in AXES}
     assert [(r["point"], r["layout"], r["request_rate"], "error" in r) for r in rows] == [
         (0, "paged", 2.0, False),
         (1, "paged", 8.0, True),
@@ -253,7 +255,8 @@ def test_a_point_failing_in_a_worker_process_leaves_the_others_running(tmp_path,
     assert main(["simulate", "sweep", *flags, "--jobs", "2", "--out", str(out)]) == 1
     err = capsys.readouterr().err.splitlines()
     assert err[0] == (
-        "kvpool simulate sweep: point 0 (llama-3.1-8b on h200, rate 2.0) failed: the workload's longest request "
+        "kvpool simulate sweep: point 0 (llama-3.1-8b on H200 at TP 1, layout paged block 16, rate 2.0) failed: "
+        "the workload's longest request "
         "(2,004 tokens) does not fit one replica's cache (1,472 tokens, layout paged)"
     )
     assert err[-1] == f"kvpool simulate sweep: 1 of 2 points failed (their rows in {out} hold the error)"
@@ -360,3 +363,45 @@ def test_a_points_words_name_its_routing_and_a_traces_arrivals():
     assert _point_words(point | {"routing": "round-robin", "request_rate": "trace"}) == (
         "llama-3.1-8b on h200, the trace's arrivals"
     )
+
+
+@pytest.mark.parametrize(
+    ("model", "gpu", "layout", "changes"),
+    [
+        ("Llama-3.1-8B", "h100", None, {}),  # any case typed; the fewest GPUs, the layout's block
+        ("llama-3.1-8b", "h200", "contiguous", {}),  # a block: the longest request
+        ("llama-3.1-8b", "h200", "contiguous", {"max_model_len": 300}),  # ... or --max-model-len
+        ("gpt-oss-120b", "H200", None, {}),  # hybrid
+        ("deepseek-v4-flash", "h200", None, {}),  # dual, TP 2
+        ("llama-3.1-8b", "h200", None, {"prefill_replicas": 1, "replicas": 2}),  # P/D
+    ],
+)
+def test_a_points_resolved_axes_are_those_its_finished_run_reports(model, gpu, layout, changes):
+    # what a failed point's row holds (sweep.error_row) is what the row of its run would hold
+    from kvpool.sim.deployment import SimOptions, grid, simulate_deployment
+    from kvpool.sim.sweep import resolved_axes
+
+    options = SimOptions(workload="uniform", requests=2, prompt_len=(100, 200), output_len=(4, 8), **changes)
+    (point,) = grid((model,), (gpu,), (None,), (layout,), (None,), ("round-robin",), (4.0,))
+    report = simulate_deployment(options, point)
+    assert resolved_axes(options, point) == ({k: report[k] for k in AXES}, [])
+
+
+def test_a_failed_row_keeps_the_axes_it_cannot_resolve_as_typed_and_names_them():
+    from kvpool.sim.deployment import SimOptions, grid
+    from kvpool.sim.sweep import error_row
+
+    options = SimOptions(workload="uniform", requests=2)
+    (point,) = grid(("Llama-3.1-8B",), ("h999",), (None,), (None,), (32,), ("least-loaded",), (float("inf"),))
+    assert error_row(options, 3, point, {"error": "boom"}) == {
+        "point": 3,
+        "model": "llama-3.1-8b",  # resolved
+        "gpu": "h999",  # no such preset: as typed, and so the deployment's axes
+        "tp": None,
+        "layout": None,
+        "block_size": 32,
+        "routing": "least-loaded",
+        "request_rate": "inf",
+        "as_given": ["gpu", "tp", "layout", "block_size"],
+        "error": "boom",
+    }

@@ -183,14 +183,57 @@ def point_or_error(payload: tuple[SimOptions, dict[str, Any]]) -> dict:
         return {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
 
 
+# a point's axes, under a report's keys (the rate is request_rate)
+AXES = ("model", "gpu", "tp", "layout", "block_size", "routing")
+
+
+def resolved_axes(options: SimOptions, point: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """`point`'s axes as a finished run of it reports them (sim/report.py): the model's and
+    the GPU's names ("llama-3.1-8b", "H200", whatever the case typed), the TP picked where
+    none was asked, the layout and block size the run builds (the model's default layout;
+    contiguous: a block is the longest request, or --max-model-len), the routing as given;
+    and the names of the axes left as the grid gave them because resolving them failed
+    (say, a deployment the planner refuses: its tp, layout and block_size stay as typed)."""
+    from kvpool.sim.deployment import gpu_preset, make_workload
+    from kvpool.sim.layouts import default_layout
+    from kvpool.sim.simulator import plan_replica
+    from kvpool.spec.models import model_by_name
+
+    resolved: dict[str, Any] = {}
+    try:
+        resolved["model"] = model_by_name(point["model"]).name
+    except (ValueError, OSError):
+        pass
+    try:
+        resolved["gpu"] = gpu_preset(point["gpu"], options.gpu_memory_utilization).name
+    except ValueError:
+        pass
+    try:
+        model, gpu, tp, _, config = deployment_of(options, point)
+        p = plan_replica(model, gpu, config, options.host_mode)
+        layout = config.layout or default_layout(p)
+        if layout == "contiguous":  # (its block is one request's reservation: layouts.build_layout)
+            block_size = config.max_model_len or make_workload(options, model, point["rate"]).max_request_len()
+        else:
+            block_size = p.layout.block_size
+        resolved |= {"tp": tp, "layout": layout, "block_size": block_size}
+    except (ValueError, OSError):
+        pass
+    as_given = [k for k in AXES if k not in resolved and k != "routing"]
+    return {k: resolved.get(k, point[k]) for k in AXES}, as_given
+
+
 def error_row(options: SimOptions, index: int, point: dict[str, Any], failed: dict) -> dict:
-    """The JSONL row of a point that failed: its place and its axes under a report's keys, as
-    the grid gave them (gpu "h200", tp / layout / block_size None where the default was
-    asked; request_rate as a report writes it), and the error."""
+    """The JSONL row of a point that failed: its place, its axes as a finished row of it
+    would hold them (`resolved_axes`: "H200", tp 1, layout "paged", block_size 16), its
+    request_rate as a report writes it, and the error. An axis that could not be resolved
+    keeps the grid's value (gpu "h200", tp None where the default was asked), and
+    "as_given" names those (the key only where there are some)."""
     rate = point["rate"]
     request_rate = "trace" if options.trace else rate if math.isfinite(rate) else "inf"
-    axes = {k: point[k] for k in ("model", "gpu", "tp", "layout", "block_size", "routing")}
-    return {"point": index, **axes, "request_rate": request_rate, **failed}
+    axes, as_given = resolved_axes(options, point)
+    unresolved = {"as_given": as_given} if as_given else {}
+    return {"point": index, **axes, "request_rate": request_rate, **unresolved, **failed}
 
 
 def finished(rows: Sequence[dict]) -> list[dict]:
