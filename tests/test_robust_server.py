@@ -207,6 +207,24 @@ def test_malformed_bodies_get_openai_errors(server):
     assert r.status_code == 200, r.text
 
 
+def test_a_body_that_is_not_an_object_is_named_in_json_words():
+    """`null` was "got a JSON NoneType", `[1]` "a JSON list": Python's names for JSON's values."""
+    from kvpool.server.protocol import APIError, CompletionRequest, parse_body
+
+    for raw, kind in (
+        (b"null", "null"),
+        (b"123", "a number"),
+        (b"-1.5e3", "a number"),
+        (b"true", "a boolean"),
+        (b'"hi"', "a string"),
+        (b'[{"prompt": "hi"}]', "an array"),
+    ):
+        with pytest.raises(APIError) as caught:
+            parse_body(raw, CompletionRequest)
+        assert caught.value.status == 400, raw
+        assert caught.value.message == f"the body must be a JSON object, got {kind}", (raw, caught.value.message)
+
+
 def test_an_error_names_the_field_even_when_it_starts_like_a_type_name():
     """`stream` starts with "str", pydantic's tag for a union's string member: the field was
     dropped from the error (param null), and `stream_options.` from its members' errors."""

@@ -228,7 +228,7 @@ def parse_body(raw: bytes, model: type[_Body]) -> _Body:
     except ValueError as error:  # (json.JSONDecodeError is one)
         raise APIError(400, f"the body is not valid JSON: {error}") from None
     if not isinstance(data, dict):
-        raise APIError(400, f"the body must be a JSON object, got a JSON {type(data).__name__}")
+        raise APIError(400, f"the body must be a JSON object, got {_json_kind(data)}")
     bad = _unencodable_string(data)
     if bad is not None:
         field, error = bad
@@ -244,6 +244,17 @@ def parse_body(raw: bytes, model: type[_Body]) -> _Body:
         raise validation_error(list(error.errors())) from None
     except RecursionError:  # a deeply nested value in a field pydantic walks
         raise APIError(400, "the body is not valid JSON: nested too deeply") from None
+
+
+def _json_kind(value: Any) -> str:
+    """What a decoded JSON value is, in JSON's words (not Python's `NoneType`, `int`, `list`)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):  # (before int: a bool is one)
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    return "a string" if isinstance(value, str) else "an array"
 
 
 def _refuse_constant(name: str) -> Any:
