@@ -381,26 +381,49 @@ def test_an_untrusted_tenant_header_is_refused_and_keys_come_from_a_file(tmp_pat
 
 def test_ctrl_c_pressed_three_times_while_streams_flow_stops_once_without_a_traceback():
     """An impatient operator's Ctrl-C, Ctrl-C, Ctrl-C: uvicorn took the second as "force quit"
-    and logged the cancelled lifespan task as a traceback; later ones could cut the cleanup."""
+    and logged the cancelled lifespan task as a traceback; later ones could cut the cleanup.
+    The streams in flight end with an "abort" chunk and [DONE]; a request in flight without
+    a stream was a 200 with its cut text (finish_reason "abort") and is a 503 a client retries."""
     proc, url = _start()
     body = {"prompt": "Count:", "max_tokens": 2000, "stream": True, "ignore_eos": True}
     flowing = [threading.Event() for _ in range(2)]
+    last_lines: list[list[str]] = [[], []]
+    whole: list[httpx.Response] = []
 
     def stream(i: int) -> None:
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as s:
-            for _ in s.iter_lines():
+            for line in s.iter_lines():
+                if line:
+                    last_lines[i] = [*last_lines[i][-1:], line]
                 flowing[i].set()
 
-    for i in range(2):
-        threading.Thread(target=stream, args=(i,), daemon=True).start()
+    def unstreamed() -> None:
+        whole.append(httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, timeout=60))
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(2)]
+    threads.append(threading.Thread(target=unstreamed, daemon=True))
+    for t in threads:
+        t.start()
     assert all(f.wait(60) for f in flowing)
+    deadline = time.monotonic() + 60
+    while httpx.get(f"{url}/debug/cache", timeout=60).json()["num_running"] < 3:  # the third is in too
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     for _ in range(3):
         proc.send_signal(signal.SIGINT)
         time.sleep(0.05)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert "Traceback" not in err and err.count("kvpool serve: stopped") == 1, err
-    assert "stopped (2 requests aborted in flight; cache integrity ok, 0 blocks held)" in err, err
+    assert "stopped (3 requests aborted in flight; cache integrity ok, 0 blocks held)" in err, err
+    for t in threads:
+        t.join(30)
+    for lines in last_lines:
+        assert lines[-1] == "data: [DONE]", lines
+        assert json.loads(lines[0].removeprefix("data: "))["choices"][0]["finish_reason"] == "abort", lines
+    assert whole[0].status_code == 503, whole[0].text
+    error = whole[0].json()["error"]
+    assert error["type"] == "server_error" and error["code"] == "server_shutting_down", error
 
 
 def test_a_server_whose_output_reader_left_stops_quietly():

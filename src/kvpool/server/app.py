@@ -34,7 +34,9 @@ hits another's cached prefix, and `usage.prompt_tokens_details.cached_tokens` sh
 Streaming sends OpenAI's chunk objects as server-sent events and ends with `data: [DONE]`;
 with `stream_options.include_usage` the last chunk carries the usage. A client that
 disconnects aborts its request before the engine's next step (the stream's generator is
-closed, or, for a non-streamed request, the disconnect is read from the connection).
+closed, or, for a non-streamed request, the disconnect is read from the connection). When the
+server stops, what is in flight is aborted: a stream ends with finish_reason "abort" and
+[DONE]; a non-streamed request gets a 503 (server_shutting_down), never its cut text as a 200.
 """
 
 from __future__ import annotations
@@ -557,13 +559,25 @@ async def _complete(
             finished, _ = await asyncio.wait({getter, disconnected}, return_when=asyncio.FIRST_COMPLETED)
             if getter not in finished:
                 getter.cancel()
-                engine.abort(request_id)
+                try:
+                    engine.abort(request_id)
+                except RuntimeError:
+                    pass  # the engine has stopped and released everything itself
                 return Response(status_code=499)  # nobody reads it
             event = getter.result()
             if isinstance(event, Delta):
                 texts.setdefault(event.index, []).append(event.text)
                 deltas.setdefault(event.index, []).append(event)
             elif isinstance(event, Finished):
+                if any(c.finish_reason == "abort" for c in event.output.completions):
+                    # the server stopped mid-request (a client's own abort returned above): a
+                    # cut text with a 200 would pass for an answer; a 503 is one a client retries
+                    raise APIError(
+                        503,
+                        "the server stopped before the request finished; send it again",
+                        code="server_shutting_down",
+                        type="server_error",
+                    )
                 return JSONResponse(shape.response(event.output, texts, deltas))
             else:
                 assert isinstance(event, Failed)
