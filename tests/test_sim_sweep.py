@@ -8,14 +8,17 @@ flags are one line."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import warnings
 
 import pytest
 
 from kvpool.cli.main import main
-from kvpool.sim.sweep import AXES, cheapest_deployment, describe
+from kvpool.cli.sweep import _point_words
+from kvpool.sim.sweep import AXES, cheapest_deployment, describe, map_processes, map_ray
 
 # measured on this machine's clock, not the simulated one: they differ from run to run
 WALL_CLOCK_KEYS = ("sim_wall_s", "alloc_latency_us_p50", "alloc_latency_us_p99", "sim_us_per_step_by_quarter")
@@ -405,3 +408,87 @@ def test_a_failed_row_keeps_the_axes_it_cannot_resolve_as_typed_and_names_them()
         "as_given": ["gpu", "tp", "layout", "block_size"],
         "error": "boom",
     }
+
+
+def _dies_at_a_mark(payload: dict) -> dict:
+    """A point whose worker process dies outright where the payload says (the out-of-memory
+    killer's SIGKILL, or an exit with no result); the others come back as they went."""
+    if "sigkill" in payload:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if "exit" in payload:
+        os._exit(payload["exit"])
+    return payload
+
+
+@contextlib.contextmanager
+def _fails_after(seconds: int):
+    """TimeoutError in the block after `seconds`: multiprocessing.Pool waited for ever on a
+    point whose worker died, and a test of it would hang instead of failing."""
+
+    def time_out(signum, frame):
+        raise TimeoutError(f"still waiting after {seconds} s for a point whose worker died")
+
+    before = signal.signal(signal.SIGALRM, time_out)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, before)
+
+
+def test_a_worker_killed_outright_fails_its_point_and_the_others_run():
+    payloads = [{"a": 1}, {"sigkill": True}, {"c": 3}, {"d": 4}, {"exit": 3}, {"f": 6}]
+    with _fails_after(120):
+        results = dict(map_processes(_dies_at_a_mark, payloads, jobs=2))
+    assert sorted(results) == [0, 1, 2, 3, 4, 5]  # each point once
+    assert [results[i] for i in (0, 2, 3, 5)] == [payloads[i] for i in (0, 2, 3, 5)]
+    assert results[1] == {
+        "error": "its worker process died as it ran this point (killed by SIGKILL: the out-of-memory killer's "
+        "signal, or kill -9)"
+    }
+    assert results[4] == {"error": "its worker process died as it ran this point (exit status 3)"}
+
+
+def _point_kills_its_worker_at_rate_8(payload):
+    from kvpool.sim.sweep import point_or_error
+
+    if payload[1]["rate"] == 8.0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return point_or_error(payload)
+
+
+def test_a_sweep_whose_worker_is_killed_keeps_its_rows_and_ends_in_one_line(tmp_path, capsys, monkeypatch):
+    from kvpool.cli import sweep as sweep_cli
+
+    monkeypatch.setattr(sweep_cli, "point_or_error", _point_kills_its_worker_at_rate_8)
+    out = tmp_path / "grid.jsonl"
+    with _fails_after(300):
+        assert main(["simulate", "sweep", *GRID, "--jobs", "2", "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "\n".join(err)
+    rows = _rows(out)
+    assert [(r["point"], r["layout"], r["request_rate"], "error" in r) for r in rows] == [
+        (0, "paged", 2.0, False),
+        (1, "paged", 8.0, True),
+        (2, "contiguous", 2.0, False),
+        (3, "contiguous", 8.0, True),
+    ]
+    assert rows[1]["error"].startswith("its worker process died as it ran this point (killed by SIGKILL: ")
+    failed = sorted(line for line in err if " failed: " in line)  # (in the order they failed)
+    assert failed == [
+        f"kvpool simulate sweep: point {r['point']} ({_point_words(r)}) failed: {r['error']}" for r in rows[1::2]
+    ]
+    assert err[-1] == f"kvpool simulate sweep: 2 of 4 points failed (their rows in {out} hold the error)"
+
+
+def test_a_ray_task_whose_worker_is_killed_fails_its_point_and_the_others_run(monkeypatch):
+    pytest.importorskip("ray")
+    # Ray's workers import _dies_at_a_mark by its module's name, from their PYTHONPATH
+    here = os.path.dirname(os.path.abspath(__file__))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (here, os.environ.get("PYTHONPATH")))))
+    payloads = [{"a": 1}, {"sigkill": True}, {"c": 3}]
+    with _fails_after(300):
+        results = dict(map_ray(_dies_at_a_mark, payloads, jobs=2, address=None))
+    assert [results[0], results[2]] == [{"a": 1}, {"c": 3}]
+    assert results[1]["error"].startswith("its Ray worker died as it ran this point (WorkerCrashedError: ")

@@ -9,8 +9,9 @@ comma list; sim/deployment.py `grid`). A deployment that cannot run (a model tha
 KV pool on its TP GPUs, TP past one node) is left out before anything is simulated, with a
 line on stderr saying why (sim/sweep.py `runnable`: the deployment, and the workload on
 each model: a trace's ids within its vocabulary); a grid of which nothing can run is an
-error. A point that still fails as it runs is a row holding its error (and a line on
-stderr); the others run on, and the sweep's status is 1 at the end.
+error. A point that still fails as it runs, or whose worker process is killed outright (out
+of memory), is a row holding its error (and a line on stderr); the others run on, and the
+sweep's status is 1 at the end.
 
 Each point's row is written to the JSONL (`--out`, else stdout) and flushed as soon as the
 point finishes, in the order they finish, with its place in the grid as `point`: a sweep

@@ -10,7 +10,8 @@ and the cheapest deployment among the finished rows.
 
 `map_processes` and `map_ray` yield (index, row) as each point finishes, in the order they
 finish, so a caller can write each row down at once (`kvpool simulate sweep` streams them
-into JSONL: cli/sweep.py). Both give the same rows; tests/test_sim_sweep.py checks it. Ray
+into JSONL: cli/sweep.py); a point whose worker dies outright (killed, out of memory) is
+yielded as {"error": how}. Both give the same rows; tests/test_sim_sweep.py checks it. Ray
 is an optional extra (`pip install "kvpool[ray]"`); its workers on a cluster need kvpool
 installed, as Ray ships the function by reference, not its package.
 
@@ -22,13 +23,16 @@ the words of `kvpool simulate`'s title ("1 H200", "8 H200 (2 replicas of TP 4)")
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import multiprocessing
+import os
 import signal
+import tempfile
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any, NamedTuple
 
 from kvpool.sim.deployment import SimOptions, deployment_of, deployment_words
@@ -45,23 +49,107 @@ def _indexed(fn: Callable[[Any], dict], item: tuple[int, Any]) -> tuple[int, dic
     return index, fn(payload)
 
 
+def _marked(fn: Callable[[Any], dict], marks: str, item: tuple[int, Any]) -> tuple[int, dict]:
+    """In a worker: mark the point started (a file named by its index in `marks`, holding
+    this process's id), then run it. A worker that dies takes no result back; its mark
+    says which point it ran."""
+    with open(os.path.join(marks, str(item[0])), "w") as f:
+        f.write(str(os.getpid()))
+    return _indexed(fn, item)
+
+
 def map_processes(fn: Callable[[Any], dict], payloads: Sequence[Any], jobs: int) -> Iterator[tuple[int, dict]]:
     """(index, fn(payload)) as each finishes, over `jobs` spawned processes (in this one, in
-    order, if jobs == 1). `fn` must be importable by name (a module-level function)."""
+    order, if jobs == 1). `fn` must be importable by name (a module-level function).
+
+    A worker killed outright (the out-of-memory killer, kill -9) breaks the process pool, and
+    every point it held fails with it. The point that worker ran comes back as (index,
+    {"error": how its worker died}); the points it only stopped (run by the workers the
+    broken pool terminates, or not started) run again in a fresh pool. Where the dead worker
+    cannot be told apart, each point running when the pool broke is such an error row."""
     if jobs <= 1:
         for item in enumerate(payloads):
             yield _indexed(fn, item)
         return
+    todo = list(range(len(payloads)))
+    while todo:
+        with tempfile.TemporaryDirectory(prefix="kvpool-sweep-") as marks:
+            failed, done = yield from _pool_round(fn, payloads, todo, min(jobs, len(todo)), marks)
+        todo = [i for i in todo if i not in done and i not in failed]
+
+
+def _pool_round(
+    fn: Callable[[Any], dict], payloads: Sequence[Any], todo: list[int], jobs: int, marks: str
+) -> Generator[tuple[int, dict], None, tuple[set[int], set[int]]]:
+    """One process pool over the points `todo`, yielding as map_processes does; returns the
+    points it gave an error row for a dead worker, and those that finished (all of `todo`
+    unless the pool broke)."""
     # workers ignore Ctrl-C; the parent stops them (the CLI reports one line: cli/main.py)
-    pool = multiprocessing.get_context("spawn").Pool(jobs, initializer=_ignore_sigint)
+    executor = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_ignore_sigint)
+    # pid -> worker Process: the executor's own table (no public one before Python 3.14), kept
+    # to stop the workers at once (shutdown would wait for their points) and read how one died
+    workers: dict[int, Any] = executor._processes
+    done: set[int] = set()
     try:
-        yield from pool.imap_unordered(functools.partial(_indexed, fn), enumerate(payloads))
-        pool.close()
-    except BaseException:  # a failed point, or the caller stopped: the other workers stop too
-        pool.terminate()
+        futures = [executor.submit(_marked, fn, marks, (i, payloads[i])) for i in todo]
+        for future in as_completed(futures):
+            try:
+                index, row = future.result()
+            except BrokenProcessPool:
+                break
+            done.add(index)
+            yield index, row
+        else:
+            executor.shutdown()
+            return set(), done
+    except BaseException:  # the caller stopped (Ctrl-C): the workers stop too
+        _terminate(executor, workers)
         raise
-    finally:
-        pool.join()
+    executor.shutdown()  # (the broken pool terminated the other workers: this joins them)
+    started = {int(name): _read_pid(os.path.join(marks, name)) for name in os.listdir(marks)}
+    lost = sorted(i for i in started if i not in done)
+    exit_codes = {pid: p.exitcode for pid, p in workers.items()}
+    # the broken pool terminated the others (SIGTERM); the one that broke it died otherwise
+    dead = {pid: code for pid, code in exit_codes.items() if code not in (0, -signal.SIGTERM, None)}
+    killed = [i for i in lost if started[i] in dead]
+    if killed:
+        errors = {i: f"its worker process died as it ran this point ({_death(dead[started[i]])})" for i in killed}
+    elif lost:
+        errors = {i: "a worker process died while this point ran, which broke the process pool" for i in lost}
+    elif not done:  # (died before it started a point: running them again could loop)
+        errors = {i: "not run: a worker process died before it started a point" for i in todo}
+    else:
+        errors = {}
+    for index, why in errors.items():
+        yield index, {"error": why}
+    return set(errors), done
+
+
+def _read_pid(path: str) -> int | None:
+    """The process id a worker wrote into its point's mark (None: it died writing it)."""
+    with open(path) as f:
+        text = f.read()
+    return int(text) if text.isdigit() else None
+
+
+def _death(exit_code: int) -> str:
+    """How a process ended, from its exit code: 'killed by SIGKILL (...)', 'exit status 3'."""
+    if exit_code >= 0:
+        return f"exit status {exit_code}"
+    name = signal.Signals(-exit_code).name
+    if -exit_code == signal.SIGKILL:
+        return f"killed by {name}: the out-of-memory killer's signal, or kill -9"
+    return f"killed by {name}"
+
+
+def _terminate(executor: ProcessPoolExecutor, workers: dict[int, Any]) -> None:
+    """Stop the pool now: the points not started are cancelled, the running ones' workers
+    terminated (shutdown alone would wait for them to finish)."""
+    executor.shutdown(wait=False, cancel_futures=True)
+    for worker in list(workers.values()):
+        worker.terminate()
+    for worker in list(workers.values()):
+        worker.join()
 
 
 def map_ray(
@@ -69,7 +157,9 @@ def map_ray(
 ) -> Iterator[tuple[int, dict]]:
     """(index, fn(payload)) as each Ray task finishes. Without an address Ray starts in local
     mode on `jobs` CPUs of this machine (no dashboard) and stops afterwards; with one it joins
-    that cluster and leaves it running. A Ray session already open in this process is reused."""
+    that cluster and leaves it running. A Ray session already open in this process is reused.
+    A task whose worker dies outright (killed, out of memory) each time Ray retries it comes
+    back as (index, {"error": how}), as map_processes gives a dead worker's point."""
     try:
         import ray
     except ImportError:
@@ -89,6 +179,14 @@ def map_ray(
             done, pending = ray.wait(pending, num_returns=1)
             try:
                 row = ray.get(done[0])
+            except (ray.exceptions.WorkerCrashedError, ray.exceptions.OutOfMemoryError) as error:
+                # its worker died outright (after Ray's retries): this point's error, the others run on
+                why = str(error).strip().splitlines()[0] if str(error).strip() else ""
+                yield (
+                    index[done[0]],
+                    {"error": f"its Ray worker died as it ran this point ({type(error).__name__}: {why})"},
+                )
+                continue
             except ray.exceptions.RayTaskError as error:
                 for ref in pending:
                     ray.cancel(ref)
