@@ -252,6 +252,54 @@ def test_kvpool_run_with_a_database_the_server_lacks_is_one_error_line(redis_ser
     assert "Traceback" not in done.stderr and done.stderr.strip().splitlines()[-1] == errors[0]
 
 
+# ----- a server that wants a password ----------------------------------------------------
+
+SECRET = "hunter2-kvpool"
+
+
+@pytest.fixture
+def locked_server(tmp_path):
+    """A redis-server with `requirepass SECRET` (its url names no password)."""
+    from kvpool.tiers.redis_server import LocalRedisServer
+
+    with LocalRedisServer(tmp_path, password=SECRET) as server:
+        yield server
+
+
+def _with_password(url: str, password: str) -> str:
+    return url.replace("redis://", f"redis://:{password}@")
+
+
+def test_a_missing_or_wrong_password_is_one_error_that_never_shows_it(locked_server) -> None:
+    """A server with requirepass and a URL without a password said "HELLO must be called
+    with the client already authenticated"; a wrong password was echoed in the error, and
+    the right one in every warning line and in the --json report's url."""
+    with pytest.raises(ValueError, match=r"the server requires a password, and the URL gives none"):
+        RedisTier(locked_server.url)
+    wrong = _with_password(locked_server.url, "not-" + SECRET)
+    with pytest.raises(ValueError, match=r"refused the URL's user and password") as refused:
+        RedisTier(wrong)
+    assert SECRET not in str(refused.value) and ":***@127.0.0.1" in str(refused.value)
+    t, lines = tier(type("S", (), {"url": _with_password(locked_server.url, SECRET)}))
+    assert t.available and t.put(key(1), descriptor(1), tensors(1)) and t.flush(10)
+    assert t.get(key(1), descriptor(1)) is not None  # the password works: the entry round-trips
+    locked_server.kill()
+    assert not t.lookup(key(1), descriptor(1))
+    report = t.report()
+    assert len(lines) == 1 and "unavailable" in lines[0]
+    assert SECRET not in lines[0] + str(report) and report["url"].startswith("redis://:***@127.0.0.1:")
+    t.close()
+
+
+@pytest.mark.parametrize(
+    "url", ["redis://:%s@127.0.0.1:port/0", "redis://user:%s@[::1/0", "redis://127.0.0.1:port/0?password=%s"]
+)
+def test_a_url_check_url_refuses_never_shows_its_password(url) -> None:
+    with pytest.raises(ValueError) as refused:
+        check_url(url % SECRET)
+    assert SECRET not in str(refused.value) and "***" in str(refused.value)
+
+
 # ----- a stalled server (SIGSTOP) ---------------------------------------------------------
 
 

@@ -15,7 +15,8 @@ import time
 
 
 class LocalRedisServer:
-    def __init__(self, workdir: str | os.PathLike) -> None:
+    def __init__(self, workdir: str | os.PathLike, *, password: str | None = None) -> None:
+        """password: the server's `requirepass` (its `url` names none: a test adds it)."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (Debian's package; `bash setup.sh test` installs it)")
@@ -25,15 +26,16 @@ class LocalRedisServer:
             self.port = s.getsockname()[1]
         self.workdir = str(workdir)
         self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.password = password
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 10.0) -> LocalRedisServer:
         import redis
 
         argv = [self.binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no"]
-        argv += ["--dir", self.workdir]
+        argv += ["--dir", self.workdir] + (["--requirepass", self.password] if self.password else [])
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.2)
+        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_connect_timeout=0.2)
         deadline = time.monotonic() + timeout_s
         try:
             while True:

@@ -40,6 +40,7 @@ A fault is a miss, never a crash, a hang or a stall:
 from __future__ import annotations
 
 import math
+import re
 import sys
 import threading
 import time
@@ -63,26 +64,37 @@ _DOWN = object()  # a call that found the breaker open, or opened it
 GENERATION_KEY = "kvpool:generation"  # a random value the processes share; gone with the server's data
 
 
+def redact_url(url: str) -> str:
+    """The URL as messages and reports show it: a password (redis://USER:PASSWORD@HOST, or
+    ?password=) replaced by ***, so that it never reaches a log, a terminal or a --json
+    report. Textual: a URL that does not parse is redacted too."""
+    url = re.sub(r"//([^/:@]*):[^/]*@", r"//\1:***@", url)
+    return re.sub(r"([?&]password=)[^&#]*", r"\1***", url, flags=re.IGNORECASE)
+
+
 def check_url(url: str) -> str:
-    """The URL, or ValueError naming what is wrong with it."""
+    """The URL, or ValueError naming what is wrong with it (the URL shown redacted)."""
+    shown = redact_url(url)
     try:
         parts = urlsplit(url)
     except ValueError as error:  # urlsplit's own ("Invalid IPv6 URL") named neither the flag nor the URL
-        raise ValueError(f"--redis {url!r}: {error}") from None
+        raise ValueError(f"--redis {shown!r}: {error}") from None
     if parts.scheme not in ("redis", "rediss", "unix"):
-        raise ValueError(f"--redis {url!r}: expected redis://HOST:PORT[/DB] (or rediss://, unix://)")
+        raise ValueError(f"--redis {shown!r}: expected redis://HOST:PORT[/DB] (or rediss://, unix://)")
     if parts.scheme == "unix" and not parts.path.strip("/"):
-        raise ValueError(f"--redis {url!r}: no socket path (unix:///PATH/TO/redis.sock)")
+        raise ValueError(f"--redis {shown!r}: no socket path (unix:///PATH/TO/redis.sock)")
     if parts.scheme != "unix":
         try:
             parts.port  # noqa: B018 - parses it (redis-py's default when absent: 6379)
         except ValueError:
-            raise ValueError(f"--redis {url!r}: the port is not a number from 0 to 65535") from None
+            raise ValueError(f"--redis {shown!r}: the port is not a number from 0 to 65535") from None
         if not parts.hostname:
-            raise ValueError(f"--redis {url!r}: no host")
+            raise ValueError(f"--redis {shown!r}: no host")
         db = parts.path.strip("/")
         if db and not (db.isascii() and db.isdigit()):
-            raise ValueError(f"--redis {url!r}: the database {db!r} is not a number (redis://HOST:PORT/DB, DB from 0)")
+            raise ValueError(
+                f"--redis {shown!r}: the database {db!r} is not a number (redis://HOST:PORT/DB, DB from 0)"
+            )
     return url
 
 
@@ -112,6 +124,13 @@ def _delete_if_no_entry(pipe: redis.client.Pipeline, rkey: str) -> None:
     if (kind.decode() if isinstance(kind, bytes) else kind) not in ("hash", "none"):
         pipe.multi()
         pipe.delete(rkey)
+
+
+def _needs_password(error: redis.RedisError) -> bool:
+    """Whether the server refused a client that sent no password (NOAUTH; redis-py's HELLO
+    handshake gets "HELLO must be called with the client already authenticated")."""
+    text = str(error)
+    return "NOAUTH" in text or "already authenticated" in text
 
 
 def _error_kind(error: redis.RedisError) -> str:
@@ -160,6 +179,7 @@ class RedisTier(Tier):
         it the writes an outage holds back. ValueError for a URL, a database or credentials
         the server refuses; an unreachable server is an outage (served without it)."""
         self.url = check_url(url)
+        self.shown_url = redact_url(url)  # what messages and the report say (no password)
         # finite: an infinite deadline is none (a stalled server stalls a step for ever)
         if not 0 < timeout_s < math.inf or not 0 < retry_s < math.inf:
             raise ValueError(
@@ -170,7 +190,7 @@ class RedisTier(Tier):
                 url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
             )
         except ValueError as error:
-            raise ValueError(f"--redis {url!r}: {error}") from None
+            raise ValueError(f"--redis {self.shown_url!r}: {error}") from None
         self.timeout_s = timeout_s
         self.retry_s = retry_s
         self.max_pending_bytes = max_pending_bytes
@@ -207,10 +227,19 @@ class RedisTier(Tier):
             db = self._client.connection_pool.connection_kwargs.get("db", 0)
             if "DB index" in str(error):
                 raise ValueError(
-                    f"--redis {self.url!r}: the server has no database {db} ({error}; a server has 16, "
+                    f"--redis {self.shown_url!r}: the server has no database {db} ({error}; a server has 16, "
                     "0 to 15, unless its `databases` setting says otherwise)"
                 ) from None
-            raise ValueError(f"--redis {self.url!r}: the server refused the connection ({error})") from None
+            if _needs_password(error) and not self._client.connection_pool.connection_kwargs.get("password"):
+                raise ValueError(
+                    f"--redis {self.shown_url!r}: the server requires a password, and the URL gives none "
+                    f"(redis://:PASSWORD@HOST:PORT/DB, or redis://USER:PASSWORD@... with an ACL user; {error})"
+                ) from None
+            if isinstance(error, redis.AuthenticationError) or "WRONGPASS" in str(error):
+                raise ValueError(
+                    f"--redis {self.shown_url!r}: the server refused the URL's user and password ({error})"
+                ) from None
+            raise ValueError(f"--redis {self.shown_url!r}: the server refused the connection ({error})") from None
         except (redis.ConnectionError, redis.TimeoutError, OSError) as error:
             self._trip(error)
             return
@@ -255,7 +284,7 @@ class RedisTier(Tier):
             self._epoch += 1
             self._next_check = time.monotonic() + self.retry_s
         self._log(
-            f"kvpool: redis tier {self.url} unavailable ({type(error).__name__}: {error}); "
+            f"kvpool: redis tier {self.shown_url} unavailable ({type(error).__name__}: {error}); "
             f"serving without it, checking every {self.retry_s:g} s in the background"
         )
 
@@ -267,7 +296,7 @@ class RedisTier(Tier):
             self.errors[kind] += 1
         if first:
             self._log(
-                f"kvpool: redis tier {self.url} refused a command ({error}); a miss or a lost write, "
+                f"kvpool: redis tier {self.shown_url} refused a command ({error}); a miss or a lost write, "
                 f"counted under errors.{kind}; serving on"
             )
 
@@ -302,7 +331,7 @@ class RedisTier(Tier):
         with self._lock:
             self._open = False
             backlog, self._backlog, self._backlog_bytes = self._backlog, {}, 0
-        self._log(f"kvpool: redis tier {self.url} is back")
+        self._log(f"kvpool: redis tier {self.shown_url} is back")
         self._check_generation()
         for key, (descriptor, tensors, _) in backlog.items():
             self.num_retried_puts += self._write(key, descriptor, tensors)
@@ -334,7 +363,7 @@ class RedisTier(Tier):
                 self.num_resets += 1
         if lost:
             self._log(
-                f"kvpool: redis tier {self.url} lost its entries (FLUSHALL or a restart): {lost} of this "
+                f"kvpool: redis tier {self.shown_url} lost its entries (FLUSHALL or a restart): {lost} of this "
                 "process's blocks will be written again as they come by"
             )
 
@@ -546,7 +575,7 @@ class RedisTier(Tier):
 
     def report(self) -> dict[str, object]:
         return {
-            "url": self.url,
+            "url": self.shown_url,
             "available": not self._open,
             "outages": self.num_outages,
             "num_errors": self.num_errors,
