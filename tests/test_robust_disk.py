@@ -692,3 +692,149 @@ def test_a_marker_written_by_another_process_meanwhile_is_no_foreign_file(tmp_pa
     monkeypatch.setattr(pathlib.Path, "exists", exists)
     assert open_directory(tmp_path / "c") == tmp_path / "c" and seen
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == sorted([MARKER, "entries", "quarantine", "tmp"])
+
+
+# ----- a full filesystem, a cache removed under the engine -------------------------------
+
+
+def _entry_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in (root / "entries").rglob("*.safetensors"))
+
+
+def full_at(monkeypatch, num_bytes: int) -> None:
+    """A filesystem of `num_bytes` under every disk tier: a write whose entry would take the
+    entry files past it fails with ENOSPC, its temp file removed (as the kernel's would)."""
+    real = DiskTier._store
+
+    def store(self, key, data, final):
+        if _entry_bytes(self.root) + len(data) > num_bytes:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.root / "tmp" / "x.tmp"))
+        return real(self, key, data, final)
+
+    monkeypatch.setattr(DiskTier, "_store", store)
+
+
+def check_full_disk(tier: DiskTier, lines: list[str], n: int, fits: int) -> None:
+    """After `n` puts on a disk that holds `fits` entries: every write made room, the
+    newest `fits` entries hit, the oldest were evicted, and one line said so."""
+    assert tier.flush(30)
+    tier.check_integrity()
+    assert tier.stats.num_puts == n and tier.stats.num_write_errors == 0
+    assert [i for i in range(n) if same(tier.get(key(i), descriptor(i)), i)] == list(range(n - fits, n))
+    # (on a real filesystem a write may need two entries' room: blocks and inodes)
+    assert tier.stats.num_evictions == n - fits and 0 < tier.report()["disk_full"] <= n - fits
+    assert len(lines) == 1 and "ENOSPC" in lines[0] and "evicting least recently used entries" in lines[0]
+
+
+def test_a_disk_that_fills_before_the_byte_limit_evicts_to_make_room(tmp_path, monkeypatch) -> None:
+    """The disk filled before --disk-cache-gib (16 GiB by default) was reached: every later
+    write failed, silently, and the tier kept its old entries for ever (no new prefix was
+    ever cached again). Now a full disk is a byte limit: the LRU entries make room."""
+    probe = DiskTier(tmp_path / "probe", 1 << 30)
+    assert probe.put(key(0), descriptor(0), tensors(0)) and probe.flush(30)
+    one = _entry_bytes(probe.root)
+    full_at(monkeypatch, 4 * one + one // 2)
+    lines: list[str] = []
+    tier = DiskTier(tmp_path / "c", 1 << 30, log=lines.append)
+    for i in range(10):
+        assert tier.put(key(i), descriptor(i), tensors(i))
+    check_full_disk(tier, lines, 10, 4)
+
+
+def test_a_real_tmpfs_that_fills_evicts_to_make_room(tmp_path) -> None:
+    """The same on a real 1 MiB tmpfs (root only: skipped where mount is refused)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mnt)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        lines: list[str] = []
+        tier = DiskTier(mnt / "c", 1 << 30, log=lines.append)
+        n = 80  # ~17 kB entries: about 60 fit in 1 MiB
+        for i in range(n):
+            assert tier.put(key(i), descriptor(i), tensors(i))
+        assert tier.flush(30)
+        fits = tier.num_entries
+        assert 40 < fits < n
+        check_full_disk(tier, lines, n, fits)
+        tier.close()
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_a_cache_removed_under_the_engine_is_said_once_and_it_serves_on(tmp_path, capfd) -> None:
+    """`rm -rf` of the cache directory under a running engine: every write failed, counted
+    in --json alone and never said. Now one line names the directory; the engine serves
+    the same tokens, and what it computed before stays a device hit."""
+    from kvpool.engine.engine import Engine
+    from kvpool.engine.llama_runner import llama_runner
+    from random_llama import DESCRIPTOR, random_ids, random_llama
+
+    model = random_llama("cpu", torch.float64)
+    first, second = random_ids(40, 1), random_ids(40, 2)
+
+    def serve(e: Engine, prompt: list[int], rid: str) -> tuple[list[int], int]:
+        from kvpool.engine.sampling import SamplingParams
+
+        e.add_request(prompt, SamplingParams(max_tokens=3, ignore_eos=True), rid)
+        while e.has_unfinished():
+            e.step()
+            e.runner.check_integrity()
+        out = e.output(rid)
+        return list(out.completions[0].token_ids), out.num_cached_tokens
+
+    plain = Engine(llama_runner(model, 32, 16, DESCRIPTOR))
+    expected = [serve(plain, p, f"r{i}")[0] for i, p in enumerate((first, second))]
+    capfd.readouterr()
+    engine = Engine(llama_runner(model, 32, 16, DESCRIPTOR, persistent_tiers=[DiskTier(tmp_path / "c", 1 << 30)]))
+    assert serve(engine, first, "a") == (expected[0], 0)
+    assert engine.runner.flush_tiers(30)
+    shutil.rmtree(tmp_path / "c")
+    assert serve(engine, second, "b") == (expected[1], 0)
+    assert serve(engine, first + [7], "c")[1] == 32  # what it computed: still a device hit
+    assert engine.runner.flush_tiers(30)
+    disk = engine.runner.tier_reports()["disk_tier"]
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("kvpool: disk cache")]
+    assert disk["num_write_errors"] >= 2 and "Traceback" not in err
+    assert len(lines) == 1 and "ENOENT" in lines[0] and "removed" in lines[0] and str(tmp_path / "c") in lines[0]
+    engine.runner.close()
+
+
+def test_a_directory_of_another_block_size_or_dtype_is_said_and_never_served(tmp_path, capfd) -> None:
+    """A cache written by an engine of another block size (or KV dtype, model, layout) is
+    in another namespace: a miss, never a wrong load; but nothing said why every prefix
+    missed. One line now names the directory and what it holds instead."""
+    import dataclasses
+
+    from kvpool.engine.engine import Engine
+    from kvpool.engine.llama_runner import llama_runner
+    from kvpool.engine.sampling import SamplingParams
+    from random_llama import DESCRIPTOR, random_ids, random_llama
+
+    model = random_llama("cpu", torch.float64)
+    prompt = random_ids(70, 3)
+
+    def serve(block_size: int, descriptor, rid: str) -> tuple[list[int], int]:
+        tier = DiskTier(tmp_path / "c", 1 << 30)
+        engine = Engine(llama_runner(model, 32, block_size, descriptor, persistent_tiers=[tier]))
+        engine.add_request(prompt, SamplingParams(max_tokens=3, ignore_eos=True), rid)
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.runner.flush_tiers(30)
+        engine.runner.close()
+        out = engine.output(rid)
+        return list(out.completions[0].token_ids), out.num_cached_tokens
+
+    tokens16, _ = serve(16, DESCRIPTOR, "a")
+    assert "kvpool: disk cache" not in capfd.readouterr().err  # (an empty directory: nothing to say)
+    other = dataclasses.replace(DESCRIPTOR, layout_id=DESCRIPTOR.layout_id.replace("bs16", "bs32"))
+    tokens32, cached = serve(32, other, "b")
+    err = capfd.readouterr().err
+    assert cached == 0 and tokens32 == tokens16  # computed, not read from the bs16 entries
+    lines = [line for line in err.splitlines() if line.startswith("kvpool: disk cache")]
+    assert len(lines) == 1 and "holds 4 entries, none of this model and layout" in lines[0], err
+    assert other.layout_id in lines[0] and "kvpool cache stats" in lines[0]
+    assert serve(16, DESCRIPTOR, "c")[1] == 64  # its own entries still serve it, and no line
+    assert "kvpool: disk cache" not in capfd.readouterr().err

@@ -25,7 +25,13 @@ writer, and aged out by the byte limit like any entry.
 Faults are misses, never crashes: an entry the process may not read, a read-only
 filesystem, a directory where a file should be. Each is counted in `io_errors` by what
 failed ("read", "utime", "evict", "quarantine", "reclaim", "tmp"); a lookup or get it ends
-is a miss of cause "io_error"; a write it ends counts in num_write_errors.
+is a miss of cause "io_error"; a write it ends counts in num_write_errors. Each kind of
+failure (what failed and its errno) is said once, in one line naming the directory (the
+cache removed under a running engine, say: every later write fails, and without the line
+nothing but --json's counters told). A filesystem that fills up (ENOSPC, EDQUOT) before
+the byte limit is reached is a limit too: the write makes room by evicting least recently
+used entries, as many bytes as it needs, and tries once more, so the tier keeps taking
+new blocks (it stopped taking any, its old entries kept for ever).
 
 `holds` (the writer's "already stored, skip it") trusts only entries whose payload this
 process wrote or read back whole: a lookup checks the header only, so an entry with a
@@ -49,6 +55,7 @@ import io
 import itertools
 import os
 import stat
+import sys
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -66,6 +73,16 @@ from kvpool.tiers.writer import BackgroundWriter
 MARKER = "kvpool-disk-cache"
 SUFFIX = ".safetensors"
 _CHUNK = 1 << 20
+_WHAT = {  # what failed (io_errors' names, and "write"), as a fault line says it
+    "write": "a write",
+    "full": "a write (the filesystem is full)",
+    "read": "a read",
+    "utime": "refreshing an entry's LRU time",
+    "evict": "an eviction",
+    "quarantine": "moving a bad entry to quarantine/",
+    "reclaim": "removing an entry of another descriptor",
+    "tmp": "removing a stale temp file",
+}
 
 
 @dataclass
@@ -183,9 +200,11 @@ class DiskTier(Tier):
         *,
         max_pending_bytes: int = 64 << 20,
         fsync: bool = True,
+        log: Callable[[str], None] | None = None,
     ) -> None:
         """capacity_bytes: the LRU byte limit of the entry files. max_pending_bytes: the
-        background writer's queue bound. fsync: off only for benchmarks of the unsafe rate."""
+        background writer's queue bound. fsync: off only for benchmarks of the unsafe rate.
+        log: where the once-per-kind fault lines go (default: stderr)."""
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise ValueError(f"disk tier capacity must be a positive number of bytes, got {capacity_bytes!r}")
         self.root = open_directory(directory)
@@ -193,6 +212,9 @@ class DiskTier(Tier):
         self.fsync = fsync
         self.stats = TierStats()
         self.io_errors: Counter[str] = Counter()  # OS errors by what failed (module docstring)
+        self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        self._said: set[tuple[str, str]] = set()  # (what failed, errno name) already said
+        self.num_full = 0  # writes that found the filesystem full and made room
         self._lock = threading.Lock()
         # (namespace, content key) -> entry, LRU first; blocks of the same tokens under two
         # models are two entries. _keys counts each content key's namespaces (contains()).
@@ -272,7 +294,18 @@ class DiskTier(Tier):
         """Declare the tensors every block of (model_id, layout_id) has: {name: (torch dtype,
         shape)}. An entry of that namespace whose tensors differ, checksums valid or not, is
         quarantined (a miss), never handed to the engine."""
-        self._expected[entry.namespace_of(model_id, layout_id)] = entry.expected_layout(tensors)
+        namespace = entry.namespace_of(model_id, layout_id)
+        self._expected[namespace] = entry.expected_layout(tensors)
+        with self._lock:
+            others = sum(ns != namespace for ns, _ in self._entries)
+        if others == len(self._entries) > 0:
+            # a directory filled by another model, block size, KV dtype or layout: no hit can
+            # come of it, and nothing but a hit rate of 0 said so
+            self._log(
+                f"kvpool: disk cache {self.root} holds {others} entries, none of this model and layout "
+                f"({model_id}, {layout_id}): entries of another model, block size, KV dtype or layout "
+                f"never serve it (`kvpool cache stats {self.root}` lists what it holds)"
+            )
 
     def _check_layout(self, namespace: str, layout: dict[str, tuple[str, list[int]]]) -> None:
         entry.check_layout(layout, self._expected.get(namespace))
@@ -312,10 +345,28 @@ class DiskTier(Tier):
             op(*args)
         except FileNotFoundError:
             pass
-        except OSError:
+        except OSError as error:
             self.io_errors[what] += 1
+            self._say(what, error)
             return False
         return True
+
+    def _say(self, what: str, error: OSError, then: str = "") -> None:
+        """One line the first time `what` fails with this errno: a fault that repeats is
+        said once, and counted always. then: what the tier does about it."""
+        name = errno.errorcode.get(error.errno, type(error).__name__) if error.errno else type(error).__name__
+        if (what, name) in self._said:
+            return
+        self._said.add((what, name))
+        where = f": {error.filename}" if error.filename else ""
+        if not then and what == "write" and not (self.root / "tmp").is_dir():
+            then = "the cache directory was removed under this process? blocks are not stored there"
+        then = then or ("the block is not stored there" if what == "write" else "a miss")
+        failed = f"{_WHAT.get(what, what)} failed ({name}: {error.strerror or error}{where})"
+        self._log(
+            f"kvpool: disk cache {self.root}: {failed}; "
+            f"{then}, counted in the report's disk_tier; serving on (said once)"
+        )
 
     def _evict_over_limit(self) -> None:
         while self._num_bytes > self.capacity_bytes and self._entries:
@@ -376,6 +427,8 @@ class DiskTier(Tier):
         else:
             self.io_errors[op] += 1
             self.stats.misses["io_error"] += 1
+            if isinstance(error, OSError):
+                self._say(op, error)
 
     def _checked(self, key: bytes, expected: BlockDescriptor) -> _Entry | None:
         """The entry, its descriptor checked against `expected` (lock held)."""
@@ -474,6 +527,50 @@ class DiskTier(Tier):
             self.stats.num_rejected_puts += 1
             return
         final = self._path(key, descriptor)
+        try:
+            try:
+                inode = self._store(key, data, final)
+            except OSError as error:
+                # a full filesystem is a byte limit too: room made, the write is tried once more
+                if error.errno not in (errno.ENOSPC, errno.EDQUOT) or not self._make_room(len(data), error):
+                    raise
+                inode = self._store(key, data, final)
+        except OSError as error:
+            self._say("write", error)
+            self.stats.num_write_errors += 1
+            return
+        with self._lock:
+            self._add(self._id(key, descriptor), _Entry(final, len(data), descriptor, inode, verified=True))
+            self.stats.num_puts += 1
+            self.stats.num_put_bytes += len(data)
+            self._evict_over_limit()
+            self._written_since_scan += len(data)
+            rescan = self._written_since_scan >= self.rescan_bytes
+        if rescan:  # (on the writer's thread, off the engine's path)
+            self._rescan()
+        self.stats.put_s += time.perf_counter() - start
+
+    def _make_room(self, num_bytes: int, error: OSError) -> bool:
+        """The filesystem is full (`error`): evict least recently used entries until
+        `num_bytes` are freed; whether any was."""
+        freed = 0
+        with self._lock:
+            while freed < num_bytes and self._entries:
+                ident, old = next(iter(self._entries.items()))
+                self._drop(ident)
+                if self._file_op("evict", old.path.unlink):
+                    self.stats.num_evictions += 1
+                    freed += old.num_bytes
+        if freed:
+            self.num_full += 1
+            self._say(
+                "full", error, "evicting least recently used entries to make room (it fills before the byte limit)"
+            )
+        return freed > 0
+
+    def _store(self, key: bytes, data: bytes, final: Path) -> int:
+        """Write `data` to `final` through a temp file (module docstring): its inode. The
+        OSError of a refused write, its temp file removed."""
         tmp = self.root / "tmp" / f"{key.hex()}.{os.getpid()}.{next(self._tmp_names)}.tmp"
         try:
             self._stage("open")
@@ -495,24 +592,13 @@ class DiskTier(Tier):
             if self.fsync:
                 fsync_path(final.parent)
             self._stage("dir synced")
-            inode = os.stat(final).st_ino
+            return os.stat(final).st_ino
         except OSError:
-            self.stats.num_write_errors += 1
             try:
                 tmp.unlink()
             except OSError:  # not there, or not ours to remove (a directory, a read-only disk)
                 pass
-            return
-        with self._lock:
-            self._add(self._id(key, descriptor), _Entry(final, len(data), descriptor, inode, verified=True))
-            self.stats.num_puts += 1
-            self.stats.num_put_bytes += len(data)
-            self._evict_over_limit()
-            self._written_since_scan += len(data)
-            rescan = self._written_since_scan >= self.rescan_bytes
-        if rescan:  # (on the writer's thread, off the engine's path)
-            self._rescan()
-        self.stats.put_s += time.perf_counter() - start
+            raise
 
     def evict(self, key: bytes) -> bool:
         """Drop the entries of `key` (under every namespace this process knows)."""
@@ -540,6 +626,7 @@ class DiskTier(Tier):
             "entries": len(self._entries),
             "pending_bytes": self._writer.pending_bytes,
             "stale_tmp_removed": self.num_stale_tmp_removed,
+            "disk_full": self.num_full,  # writes that found the filesystem full and evicted to make room
             **self.stats.as_dict(),
             "io_errors": dict(sorted(self.io_errors.items())),
         }
