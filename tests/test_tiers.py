@@ -566,6 +566,47 @@ def test_the_cli_refuses_a_bad_host_cache_size() -> None:
         assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_a_tier_that_holds_no_block_or_a_host_tier_past_the_memory_is_refused(tmp_path) -> None:
+    """A disk tier smaller than one block (--disk-cache-gib 1e-9) refused every block,
+    silently (the host tier's check was its own); a host tier larger than the memory the
+    machine has (--host-cache-gib 100000) was taken, to be killed by the OOM killer as it
+    filled. Both are one ValueError when the runner is built."""
+    from kvpool.engine.llama_runner import llama_runner
+    from kvpool.engine.memory import available_memory_bytes
+    from kvpool.tiers import DiskTier
+    from random_llama import DESCRIPTOR, random_llama
+
+    model = random_llama("cpu", torch.float64)
+    block = 2 * 4 * 2 * 32 * 16 * 8  # K and V, 4 layers, 2 KV heads, dim 32, 16 slots, fp64
+    with pytest.raises(
+        ValueError, match=rf"^a disk tier of 1000 bytes \(--disk-cache-gib\) holds no KV block of {block}"
+    ):
+        llama_runner(model, 8, 16, DESCRIPTOR, persistent_tiers=[DiskTier(tmp_path, 1000)])
+    too_much = 2 * available_memory_bytes("cpu")
+    with pytest.raises(
+        ValueError, match=r"^the host tier \(--host-cache-gib\) needs .* GiB of memory available; lower"
+    ):
+        llama_runner(model, 8, 16, DESCRIPTOR, host_tier=HostTier(too_much))
+    llama_runner(model, 8, 16, DESCRIPTOR, host_tier=HostTier(block), persistent_tiers=[DiskTier(tmp_path, block)])
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--host-cache-gib", "1e6"], "the host tier (--host-cache-gib) needs"),
+        (["--disk-cache-gib", "1e-9"], "(--disk-cache-gib) holds no KV block"),
+    ],
+)
+def test_kvpool_run_refuses_a_tier_size_that_cannot_work_in_one_line(tmp_path, flags, needle) -> None:
+    if "--disk-cache-gib" in flags:
+        flags = [*flags, "--disk-cache", str(tmp_path / "d")]
+    argv = [sys.executable, "-m", "kvpool", "run", "--model", "tiny-dsv4", *flags, "--json"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert proc.returncode == 2 and len(errors) == 1 and needle in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
 @pytest.mark.parametrize("preemption", ["swap", "auto"])
 def test_kvpool_run_swaps_tiny_dsv4_states_to_the_host_tier(capsys, preemption: str) -> None:
     """Three tiny-dsv4 requests at once on 3 classical blocks: two preemptions. --preemption

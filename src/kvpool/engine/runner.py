@@ -401,9 +401,7 @@ class ModelRunner:
         if self.host_tier is not None:
             if hasattr(self.host_tier, "reclaim"):
                 self.host_tier.reclaim(descriptor)  # a tier kept from an engine of other weights
-            capacity = getattr(self.host_tier, "capacity_bytes", executor.block_bytes)
-            if capacity < executor.block_bytes:
-                raise ValueError(f"a host tier of {capacity} bytes holds no KV block of {executor.block_bytes} bytes")
+        self.bridge.check_sizes(executor.block_bytes)
 
     @property
     def model(self) -> Any:

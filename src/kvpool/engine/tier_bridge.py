@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from kvpool.cache import Admission, CacheDescriptor, CacheGroup, HybridCacheManager, Reservation
+from kvpool.engine.memory import check_fits
 from kvpool.pool import PrefixBlock
 from kvpool.tiers import BlockDescriptor, Tier, TierIndex, TierStack
 from kvpool.tiers.swa import SWAStrategy, snapshot_descriptor, snapshot_key
@@ -105,6 +106,23 @@ class TierBridge:
         shape): an entry that is not such a block is a corrupt miss, not a wrong load."""
         for tier in self.persistent_tiers:
             tier.expect_tensors(descriptor.model_id, descriptor.layout_id, blocks)
+
+    def check_sizes(self, block_bytes: int) -> None:
+        """ValueError for a tier whose byte limit holds no block of `block_bytes` (it would
+        refuse every block, silently: a disk tier did), and for a host tier larger than the
+        memory this machine has available now (it fills as blocks are evicted: past that
+        memory the process is killed mid-run, with every request it serves)."""
+        flags = {"host": "--host-cache-gib", "disk": "--disk-cache-gib"}
+        for tier in ([self.host_tier] if self.host_tier is not None else []) + self.persistent_tiers:
+            capacity = getattr(tier, "capacity_bytes", None)  # (Redis: the server's own limit)
+            if capacity is not None and capacity < block_bytes:
+                flag = flags.get(tier.name, tier.name)
+                raise ValueError(
+                    f"a {tier.name} tier of {capacity} bytes ({flag}) holds no KV block of {block_bytes} bytes"
+                )
+        capacity = getattr(self.host_tier, "capacity_bytes", None)
+        if capacity is not None:
+            check_fits(capacity, "cpu", "the host tier (--host-cache-gib)", "lower --host-cache-gib")
 
     def unheld(self, block: PrefixBlock) -> tuple[bytes, BlockDescriptor] | None:
         """(content key, descriptor) of `block` when the tier does not hold it yet (an
