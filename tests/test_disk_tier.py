@@ -290,6 +290,20 @@ def test_bad_directories_are_one_clear_error(tmp_path) -> None:
         DiskTier(tmp_path / "c", 0)
 
 
+def test_an_empty_cache_path_is_refused_not_taken_as_the_working_directory(tmp_path, monkeypatch) -> None:
+    """`--disk-cache ""` (an unset variable in quotes) made the working directory the cache
+    (Path("") is "."), or said "'.' is a directory with other files in it"."""
+    from kvpool.tiers.disk_admin import existing_cache
+
+    monkeypatch.chdir(tmp_path)
+    for empty in ("", " "):
+        with pytest.raises(ValueError, match=r"an empty path \(give the cache's directory\)"):
+            DiskTier(empty, 1 << 20)
+        with pytest.raises(ValueError, match="an empty path"):
+            existing_cache(empty)
+    assert list(tmp_path.iterdir()) == []
+
+
 # ----- SmolLM2 through the disk tier --------------------------------------------------
 
 

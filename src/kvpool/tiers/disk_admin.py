@@ -32,6 +32,8 @@ class EntryInfo:
 
 def existing_cache(directory: str | os.PathLike) -> Path:
     """A directory that holds a kvpool disk cache (nothing is created); ValueError otherwise."""
+    if not os.fspath(directory).strip():  # Path("") is "."
+        raise ValueError(f"disk cache {os.fspath(directory)!r}: an empty path (give the cache's directory)")
     root = Path(directory).expanduser()
     try:
         if not root.exists():
