@@ -79,16 +79,18 @@ def test_pd_flags_and_what_it_refuses_are_one_line(capsys) -> None:
     out = capsys.readouterr().out
     assert '"bandwidth_bytes_per_s": 26843545600.0' in out and '"prefill_replicas": 1' in out
     for extra, expected in (
-        (["--kv-transfer-bandwidth", "fast"], "expected a size per second such as 50GB/s or 25GiB/s, got 'fast'"),
+        (["--kv-transfer-bandwidth", "fast"], "expected a bandwidth such as 50GB/s, 25GiB/s or 400Gb/s, got 'fast'"),
         (["--kv-transfer-latency-ms", "-1"], "expected a number of ms >= 0, got '-1'"),
-        # a NIC's bits: read as bytes, 400Gb/s was 400e9 B/s, 8x the link
-        (["--kv-transfer-bandwidth", "400Gb/s"], "'400Gb/s' reads as bits per second (a lowercase b)"),
-        (["--kv-transfer-bandwidth", "100Gbps"], "'100Gbps' reads as bits per second"),
-        # no B: a NIC's 400G (400 Gb/s = 50 GB/s) or a size's (400 GiB/s), 8.6x apart: both named
+        # negative first, whatever the unit ("-5G" was told it is ambiguous, "-5GB/s" to write a size)
+        # (argparse takes "-5G" after a space for a flag: "=" passes it)
+        (["--kv-transfer-bandwidth=-5G"], "argument --kv-transfer-bandwidth: expected a bandwidth > 0, got '-5G'"),
+        (["--kv-transfer-bandwidth=-5GB/s"], "expected a bandwidth > 0, got '-5GB/s'"),
+        (["--kv-transfer-bandwidth", "0Gb/s"], "expected a bandwidth > 0, got '0Gb/s'"),
+        # no B nor b: a NIC's 400G (400 Gb/s = 50 GB/s) or a size's (400 GiB/s), 8.6x apart: both named
         (
             ["--kv-transfer-bandwidth", "400G"],
-            "'400G' is ambiguous: a NIC's 400G is 400 Gb/s = 50GB/s, a size's 400G is 400GiB/s; the flag takes "
-            "bytes per second: write 50GB/s for a 400 Gb/s NIC, or 400GiB/s",
+            "'400G' is ambiguous: a NIC's 400G is 400 Gb/s = 50GB/s, a size's 400G is 400GiB/s; write 400Gb/s "
+            "(or 50GB/s) for a 400 Gb/s NIC, or 400GiB/s",
         ),
         (["--kv-transfer-bandwidth", "200g/s"], "'200g/s' is ambiguous: a NIC's 200G is 200 Gb/s = 25GB/s"),
         (["--kv-transfer-bandwidth", "25Gi/s"], "'25Gi/s' has no B: the flag takes bytes per second, written 25GiB/s"),
@@ -99,8 +101,11 @@ def test_pd_flags_and_what_it_refuses_are_one_line(capsys) -> None:
     # bytes a second written as NICs' bits are: a capital B ("100GBps" was refused as bits)
     assert main([*flags, "--prefill-replicas", "1", "--kv-transfer-bandwidth", "100GBps", "--json"]) == 0
     assert '"bandwidth_bytes_per_s": 100000000000.0' in capsys.readouterr().out
-    # the explicit forms as before: decimal GB/s, binary GiB/s, a plain number of bytes
-    for given, taken in (("50GB/s", "50000000000.0"), ("2GiB/s", "2147483648.0"), ("6000000000", "6000000000.0")):
+    # the explicit forms as before: decimal GB/s, binary GiB/s, a plain number of bytes; and a
+    # NIC's bits written as such, decimal, an eighth in bytes (they were refused)
+    explicit = [("50GB/s", "50000000000.0"), ("2GiB/s", "2147483648.0"), ("6000000000", "6000000000.0")]
+    explicit += [("400Gb/s", "50000000000.0"), ("400 Gbit/s", "50000000000.0"), ("100Gbps", "12500000000.0")]
+    for given, taken in explicit:
         assert main([*flags, "--prefill-replicas", "1", "--kv-transfer-bandwidth", given, "--json"]) == 0
         assert f'"bandwidth_bytes_per_s": {taken}' in capsys.readouterr().out
     for extra in (["--kv-transfer-bandwidth", "25GiB/s"], ["--kv-transfer-latency-ms", "0"]):

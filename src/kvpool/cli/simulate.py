@@ -23,6 +23,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -98,30 +99,40 @@ def _list(parse):
     return parse_list
 
 
+# a rate's number, then its unit ("400Gb/s", "25 GiB/s", "-5G", "6e9")
+_RATE = re.compile(r"\s*([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)\s*(.*?)\s*")
+# bits per second, explicit: a lowercase b or "bit(s)" after a decimal prefix, "/s" or "ps" after
+# ("400Gb/s", "400Gbit/s", "100Gbps"): a NIC's speed, unambiguous
+_BITS = re.compile(r"([kKmMgGtT]?)(b|[bB][iI][tT][sS]?)(/s|ps)?")
+_BIT_PREFIXES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+BANDWIDTH_EXAMPLES = "50GB/s, 25GiB/s or 400Gb/s"
+
+
 def _bandwidth(text: str) -> float:
     """A link's bandwidth, bytes per second: a size, "/s" or "ps" after a capital B optional
-    ("50GB/s", "50GBps", "25GiB/s"), or a plain number of bytes. A unit without its B ("400G")
-    is refused, naming both readings: a NIC's 400G is 400 Gb/s (50GB/s), a size's 400 GiB."""
+    ("50GB/s", "50GBps", "25GiB/s"), a plain number of bytes, or bits per second written as
+    such ("400Gb/s", "400Gbit/s", "400Gbps": 50GB/s, decimal). A unit with neither B nor b
+    ("400G") is refused, naming both readings: a NIC's 400G is 400 Gb/s (50GB/s), a size's
+    400 GiB. A bandwidth <= 0 is refused as such first, whatever its unit."""
+    match = _RATE.fullmatch(text)
+    if match and not float(match.group(1)) > 0:  # ("-5G" was told it is ambiguous)
+        raise argparse.ArgumentTypeError(f"expected a bandwidth > 0, got {text!r}")
+    bits = _BITS.fullmatch(match.group(2)) if match else None
+    if bits:  # 400Gb/s: 400e9 bits a second, 50e9 bytes
+        value = float(match.group(1)) * _BIT_PREFIXES[bits.group(1).lower()] / 8
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected a finite bandwidth, got {text!r}")
+        return value
     size = text.strip().removesuffix("/s")
     if size.endswith("Bps"):  # bytes per second, written as NICs' bits are ("100GBps")
         size = size[: -len("ps")]
-    # A NIC's speed is written in bits ("400 Gb/s", "400Gbps"): byte_size reads any-case "Gb"
-    # as 10^9 bytes, so 400Gb/s was 8x the link it names. A lowercase b (or bit, bps) is refused.
     unit = size.lstrip("0123456789.eE+-_ ")
-    if unit.endswith("b") or unit.lower().endswith(("bit", "bits", "bps", "bit/s")):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} reads as bits per second (a lowercase b); the flag takes bytes per second: a 400 Gb/s "
-            "NIC is 50GB/s"
-        )
     if unit.strip() and "B" not in unit:
         raise argparse.ArgumentTypeError(_ambiguous_bandwidth(text, size, unit.strip()))
     try:
         value = byte_size(size)
     except argparse.ArgumentTypeError:
-        expected = "a size per second such as 50GB/s or 25GiB/s"
-        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a bandwidth > 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a bandwidth such as {BANDWIDTH_EXAMPLES}, got {text!r}") from None
     return float(value)
 
 
@@ -136,13 +147,13 @@ def _ambiguous_bandwidth(text: str, size: str, unit: str) -> str:
     except ValueError:
         value = None
     if value is None or prefix not in ("K", "M", "G", "T") or unit.upper() not in (prefix, prefix + "I"):
-        return f"expected a size per second such as 50GB/s or 25GiB/s, got {text!r}"
+        return f"expected a bandwidth such as {BANDWIDTH_EXAMPLES}, got {text!r}"
     if unit.upper() == prefix + "I":  # (Gi: binary, no NIC's; only the B is missing)
         return f"{text!r} has no B: the flag takes bytes per second, written {value:g}{prefix}iB/s"
     return (
         f"{text!r} is ambiguous: a NIC's {value:g}{prefix} is {value:g} {prefix}b/s = {value / 8:g}{prefix}B/s, "
-        f"a size's {value:g}{prefix} is {value:g}{prefix}iB/s; the flag takes bytes per second: write "
-        f"{value / 8:g}{prefix}B/s for a {value:g} {prefix}b/s NIC, or {value:g}{prefix}iB/s"
+        f"a size's {value:g}{prefix} is {value:g}{prefix}iB/s; write {value:g}{prefix}b/s (or "
+        f"{value / 8:g}{prefix}B/s) for a {value:g} {prefix}b/s NIC, or {value:g}{prefix}iB/s"
     )
 
 
@@ -257,8 +268,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_bandwidth,
         default=None,
         metavar="SIZE/s",
-        help="--prefill-replicas: the link from each prefill replica to the decode side (its NICs together; "
-        "default 50GB/s)",
+        help="--prefill-replicas: the link from each prefill replica to the decode side, its NICs together: "
+        "bytes per second (50GB/s, 25GiB/s) or bits written as such (400Gb/s, 400Gbit/s, 400Gbps: 50GB/s); "
+        "a bare 400G is refused as ambiguous (default 50GB/s)",
     )
     parser.add_argument(
         "--kv-transfer-latency-ms",
