@@ -207,7 +207,7 @@ def test_bad_requests_get_openai_errors_and_disturb_nothing(server):
     chat = f"{server}/v1/chat/completions"
     msgs = [{"role": "user", "content": "hi"}]
     cases = [
-        ({"model": "gpt-9", "messages": msgs}, 400, "model"),
+        ({"model": "gpt-9", "messages": msgs}, 404, "model"),  # (as OpenAI and vLLM: was 400)
         ({"messages": msgs, "max_tokens": -5}, 400, "max_tokens"),
         ({"messages": msgs, "temperature": 2.5}, 400, "temperature"),
         ({"messages": []}, 400, "messages"),
@@ -222,6 +222,9 @@ def test_bad_requests_get_openai_errors_and_disturb_nothing(server):
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     r = httpx.post(chat, json={"messages": msgs})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.NotFoundError) as caught:
+        c.chat.completions.create(model="gpt-9", messages=msgs)
+    assert caught.value.code == "model_not_found" and MODEL in caught.value.message
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server}/v1", api_key="wrong").models.list()
     reasons = [ch.choices[0].finish_reason for ch in running if ch.choices and ch.choices[0].finish_reason]

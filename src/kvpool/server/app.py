@@ -199,9 +199,11 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         return JSONResponse(_with_request_bodies(app.openapi()))
 
     def check_model(model: str | None) -> None:
+        # 404, as OpenAI and vLLM answer it: a client (openai's NotFoundError) tells "no such
+        # model" from a malformed request
         if model is not None and model != state.model_name:
             raise APIError(
-                400,
+                404,
                 f"model: {model!r} is not served here; this server serves {state.model_name!r}",
                 "model",
                 "model_not_found",
