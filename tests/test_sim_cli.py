@@ -440,3 +440,12 @@ def test_a_sweep_holding_a_v4_model_takes_the_v4_flags(monkeypatch):
     ]
     assert main(argv) == 0
     assert seen[0].v4_checkpoints == 5 and seen[0].v4_restore == "auto" and seen[0].v4_turn_ends is True
+
+
+def test_jobs_help_says_what_it_counts_under_each_executor(capsys, monkeypatch):
+    # it said "parallel processes" only: under Ray it is local mode's CPUs, a cluster's own otherwise
+    monkeypatch.setenv("COLUMNS", "400")
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    jobs = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("--jobs"))
+    assert "1: in this process" in jobs and "Ray's CPUs in local mode" in jobs and "--ray-address cluster" in jobs

@@ -339,7 +339,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object (a sweep: JSON lines)")
     parser.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots into DIR (default: no plots)")
     parser.add_argument("--out", default=None, help="sweep: the JSONL file to write (default: stdout)")
-    parser.add_argument("--jobs", type=positive_int, default=None, help="sweep: parallel processes (default: cores)")
+    parser.add_argument(
+        "--jobs",
+        type=positive_int,
+        default=None,
+        help="sweep: points run at once, at most one per point: the process pool's workers (1: in this process), "
+        "or Ray's CPUs in local mode; a --ray-address cluster runs as many as it has (default: cores)",
+    )
     parser.add_argument(
         "--executor",
         choices=("processes", "ray"),
