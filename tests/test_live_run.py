@@ -12,7 +12,7 @@ import torch
 
 from kvpool.engine.build import build_engine, limit_model_len
 from kvpool.engine.live import num_live_requests, serve_live
-from kvpool.engine.sampling import SamplingParams
+from kvpool.engine.sampling import SamplingParams, derived_seed
 from kvpool.models.tiny_dsv4 import TinyDSV4
 from kvpool.workload.live import live_token_ids
 from kvpool.workload.metrics import report_notes, run_report
@@ -172,3 +172,67 @@ def test_a_follow_up_that_outgrows_the_context_ends_its_conversation_and_the_run
     ) in report_notes(report)
     assert not engine.has_unfinished()
     engine.runner.check_integrity()
+
+
+def _tokens(engine) -> dict[str, list[int]]:
+    return {rid: engine.output(rid).completions[0].token_ids for rid in engine.requests}
+
+
+def test_unseeded_requests_each_take_a_seed_by_their_place_in_the_workload():
+    """With no seed in the parameters each request samples with derived_seed(engine seed, k),
+    k its place in `request_ids` (not the order it joined, which the clock decides): two
+    conversations with the same first prompt draw different answers, and the same engine
+    seed gives the same answers again."""
+    runs = []
+    for engine_seed, rate in ((3, float("inf")), (3, 50.0), (4, float("inf"))):
+        engine, vocab_size = _tiny_v4(False)
+        engine.reseed(engine_seed)
+        rng = random.Random(0)
+        workload = live_token_ids(vocab_size, 3, 1, rng)
+        workload.first_prompts[1] = list(workload.first_prompts[0])  # chat1 asks what chat0 asks
+        workload.conversations[1].history = list(workload.conversations[0].history)
+        params = SamplingParams(max_tokens=4, temperature=0.7, top_p=0.9)
+        run = serve_live(engine, workload, params, turns=2, request_rate=rate, rng=rng)
+        assert run.stopped is None and len(engine.requests) == 7
+        order = workload.request_ids(2)
+        assert order == ["chat0-t0", "chat0-t1", "chat1-t0", "chat1-t1", "chat2-t0", "chat2-t1", "long0"]
+        assert [engine.requests[rid].params.seed for rid in order] == [derived_seed(engine_seed, k) for k in range(7)]
+        tokens = _tokens(engine)
+        assert tokens["chat0-t0"] != tokens["chat1-t0"]
+        runs.append(tokens)
+        engine.runner.check_integrity()
+    # arrivals spread out: the same seeds and the same answers to the prompts known at the start
+    # (the token-id workload draws a follow-up's ids as it is made, in the clock's order);
+    # another engine seed: other answers
+    first = ["chat0-t0", "chat1-t0", "chat2-t0", "long0"]
+    assert [runs[0][rid] for rid in first] == [runs[1][rid] for rid in first]
+    assert [runs[0][rid] for rid in first] != [runs[2][rid] for rid in first]
+
+
+def test_a_seed_in_the_parameters_is_every_requests():
+    engine, vocab_size = _tiny_v4(False)
+    rng = random.Random(0)
+    workload = live_token_ids(vocab_size, 2, 0, rng)
+    serve_live(engine, workload, SamplingParams(max_tokens=2, seed=9), turns=2, request_rate=float("inf"), rng=rng)
+    assert {r.params.seed for r in engine.requests.values()} == {9}
+
+
+def test_kvpool_run_gives_each_request_its_own_seed_from_seed(monkeypatch, capsys):
+    """`kvpool run` gave all its requests `--seed` itself, so requests with equal prompts (the
+    main job's chats share 3 system prompts and 8 questions) drew equal tokens."""
+    import kvpool.engine.live as live
+    from kvpool.cli.main import main
+
+    engines = []
+
+    def serve_and_keep(engine, *args, **kwargs):
+        engines.append(engine)
+        return serve_live(engine, *args, **kwargs)
+
+    monkeypatch.setattr(live, "serve_live", serve_and_keep)
+    flags = ["--model", "tiny-dsv4", "--num-requests", "2", "--num-long", "1", "--max-tokens", "2"]
+    assert main(["run", *flags, "--request-rate", "inf", "--seed", "5", "--threads", "1", "--json"]) == 0
+    capsys.readouterr()
+    (engine,) = engines
+    order = ["chat0-t0", "chat0-t1", "chat1-t0", "chat1-t1", "long0"]
+    assert [engine.requests[rid].params.seed for rid in order] == [derived_seed(5, k) for k in range(5)]

@@ -153,7 +153,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--slo-tpot-ms", type=positive_float, default=200.0, help="goodput SLO: time per output token, ms"
     )
-    parser.add_argument("--seed", type=seed_int, default=0, help="seed of the workload, the arrivals and the sampler")
+    parser.add_argument(
+        "--seed",
+        type=seed_int,
+        default=0,
+        help="seed of the workload, the arrivals and the requests' sampling seeds (each request its own, derived "
+        "from this one)",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     add_engine_model_option(
         parser,
@@ -402,7 +408,10 @@ def _run(args: argparse.Namespace) -> int:
     torch_threads = set_torch_threads(args, probe)  # (after load_s: it may wait out a short load)
     rng = random.Random(args.seed)
     workload = make_workload(rng)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.7, top_p=0.9, seed=args.seed)
+    # no seed here: each request its own, derived from --seed and its place in the workload
+    # (serve_live); one seed for all 50 gave requests with equal prompts equal answers
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.7, top_p=0.9)
+    engine.reseed(args.seed)
     if loaded is not None:  # tensor parallel: every rank serves the same workload alike
         agree_across_ranks(
             loaded,

@@ -8,9 +8,14 @@ First turns and long prompts arrive as a Poisson process of `request_rate` per s
 passes their arrival; a follow-up turn joins when the previous turn of its conversation
 finishes, its prompt made from that turn's completion (`workload.follow_up`); one that
 no longer fits the context (max_model_len) is not sent, and its conversation ends there
-(`context_ended`). TTFT counts
-from a request's arrival. Between steps with nothing to run the loop sleeps until the next
-arrival.
+(`context_ended`). TTFT counts from a request's arrival. Between steps with nothing to run
+the loop sleeps until the next arrival.
+
+Seeds: with `params.seed` None each request samples with its own seed, `derived_seed(
+engine.seed, k)` for the k-th of `workload.request_ids(turns)` (the seed an engine gives its
+k-th unseeded request, `Engine.seed_for`), numbered by its place in the workload rather than
+by when it joins: the clock decides the order in which arrivals and follow-ups join, so a
+number taken at joining would move from run to run. A given seed is every request's.
 
 Each step is timed on its own (`step_s`: the steps' time, not the sleeps), the runner's
 fragmentation is sampled after it, and every running sequence's whole context is counted as
@@ -25,11 +30,13 @@ pass the rank's model as `tp_model`.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from kvpool.engine.sampling import derived_seed
 from kvpool.workload.live import LiveWorkload, request_id
 
 if TYPE_CHECKING:
@@ -85,6 +92,12 @@ def serve_live(
     for item in pending:
         engine.check_length(len(item.prompt_ids), item.request_id)
     conversation_of = {request_id(c, 0): c for c in range(len(workload.conversations))}
+    # each request's parameters: its own seed where params give none (equal prompts drew
+    # equal tokens when every request took one seed), `params` itself where they give one
+    params_of: dict[str, SamplingParams] = {}
+    if params.seed is None:
+        for k, rid in enumerate(workload.request_ids(turns)):
+            params_of[rid] = dataclasses.replace(params, seed=derived_seed(engine.seed, k))
     runner = engine.runner
     fragmentation: list[float] = []
     kv_read_bytes = 0
@@ -101,7 +114,7 @@ def serve_live(
                 due = _rank0_count(tp_model, due)
             for _ in range(due):
                 t, rid, prompt = pending.pop(0)
-                engine.add_request(prompt, params, rid, arrival_time=start + t)
+                engine.add_request(prompt, params_of.get(rid, params), rid, arrival_time=start + t)
             if not engine.has_unfinished():
                 if not tp_sync:
                     time.sleep(max(0.0, start + pending[0].arrival_s - time.perf_counter()))
@@ -134,7 +147,7 @@ def serve_live(
                         # add_request's ValueError stopped the whole run, with no report
                         context_ended.append(nid)
                         continue
-                    engine.add_request(prompt, params, nid)
+                    engine.add_request(prompt, params_of.get(nid, params), nid)
                     conversation_of[nid] = c
     except KeyboardInterrupt as stop:
         stopped = stop

@@ -73,6 +73,13 @@ class LiveWorkload:
         ]
         return sorted(timed, key=lambda item: item.arrival_s)
 
+    def request_ids(self, turns: int) -> list[str]:
+        """Every request a run of `turns` turns a conversation may send, in a fixed order:
+        conversation by conversation, turn by turn, then the long prompts. A request's place
+        here is its number (engine/live.py seeds it by that number, not by when it arrives)."""
+        ids = [request_id(c, k) for c in range(len(self.first_prompts)) for k in range(turns)]
+        return ids + [f"long{i}" for i in range(len(self.long_prompts))]
+
 
 def live_chat(
     encode_chat: Callable[[list[chat.Message]], list[int]], num_conversations: int, num_long: int, rng: random.Random
