@@ -246,6 +246,48 @@ def test_a_row_without_finite_probabilities_is_refused_by_both_samplers_naming_i
             assert refused.value.rows == [bad]
 
 
+def test_finite_logits_whose_scores_overflow_sample_as_the_temperatures_limit():
+    """Finite logits past fp32's range once divided by the temperature (1e38 at 0.01, 2e37 at
+    1e-4) made an +inf score and a NaN softmax, and both samplers refused them
+    as not finite, where greedy took them. Now they are drawn from the logits less their
+    maximum (the same softmax): what the temperature's limit gives, the largest logit, and
+    between equal largest ones half and half. A NaN row beside them is still refused, and an
+    ordinary row keeps its token."""
+    inf, nan = float("inf"), float("nan")
+    one_top = torch.tensor([1e38, 0.5e38, 3.0, -2.0, -inf])
+    two_tops = torch.tensor([2e37, -1e37, 2e37, 0.0, 1.0])
+    n = 400
+    for temperature, top_k, top_p in ((0.01, 0, 1.0), (GREEDY_TEMPERATURE, 0, 0.9), (0.01, 3, 1.0), (1e-4, 2, 0.5)):
+        params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=s) for s in range(n)]
+        for row, limit in ((one_top, {0}), (two_tops, {0, 2})):
+            assert not torch.isfinite(row.float() / temperature).all()  # (the scores overflow)
+            want = [sample_token(row, p, 0, 7) for p in params]
+            assert sample_batch(row.expand(n, -1), params, [0] * n, [7] * n) == want
+            if top_p > 0.5:  # (top-p 0.5 keeps one of two equal maxima: the first the sort gives)
+                assert set(want) == limit, (temperature, top_k, top_p)
+                if len(limit) == 2:
+                    assert_frequency(Counter(want), 0, 0.5, n)
+            else:
+                assert len(set(want)) == 1 and set(want) <= limit
+    # beside a NaN row and an ordinary row, batched and row by row
+    ordinary = torch.tensor([0.3, -0.2, 1.1, 0.0, 0.5])
+    rows = torch.stack([one_top, torch.tensor([0.0, nan, 1.0, 2.0, 0.0]), ordinary])
+    params = [SamplingParams(temperature=0.01, seed=1), SamplingParams(temperature=0.01, seed=2)]
+    params.append(SamplingParams(temperature=0.8, seed=3))
+    with pytest.raises(NonFiniteLogitsError) as refused:
+        sample_batch(rows, params, [0] * 3, [5] * 3)
+    assert refused.value.rows == [1]
+    assert refused.value.tokens == [0, -1, sample_token(ordinary, params[2], 0, 5)]
+    with pytest.raises(NonFiniteLogitsError, match="not finite"):
+        sample_token(rows[1], params[1], 0, 5)
+    # a kept batch, stepped: the overflowed row's draws come from the same uniforms' table
+    sampler, owners = BatchSampler(), [object(), object()]
+    batch = torch.stack([one_top, ordinary])
+    for step in range(3):
+        got = sampler.sample(batch, owners, lambda: (params[::2], [0, 0], [0, 0]), lambda s=step: [5 + s, 5 + s])
+        assert got == [0, sample_token(ordinary, params[2], 0, 5 + step)]
+
+
 # (seed 0, sample 0, position 22,601,155): a draw of 0.99999997..., which fp32 rounds to 1.0
 # (~2^-25 of draws do); found by a numpy scan of seed 0's positions, checked below
 TOP_DRAW = (0, 0, 22_601_155)
@@ -317,17 +359,22 @@ def test_thousands_of_random_batches_equal_sample_token_row_by_row(one_thread):
     (continuous logits: no two candidates tie in probability, where the two may order them
     apart), and where sample_token refuses rows (NonFiniteLogitsError: a NaN or +inf, or
     every logit -inf) the batch is refused naming those rows, its other rows' tokens
-    still sample_token's."""
+    still sample_token's. A tenth of the rows hold finite logits near fp32's largest
+    (randn * 5e37), whose scores overflow at the smaller temperatures: both samplers take
+    them again less their maximum, the same way (`shifted_logits`)."""
     rng = random.Random(17)
     gen = torch.Generator().manual_seed(17)
     inf, nan = float("inf"), float("nan")
-    drawn = odd_rows = num_refused = 0
+    drawn = odd_rows = num_refused = num_huge = 0
     for case in range(2000):
         rows, vocab = rng.randint(1, 12), rng.randint(1, 40)
         logits = torch.randn(rows, vocab, generator=gen) * rng.choice((0.2, 1.0, 4.0))
         for r in range(rows):
             kind = rng.random()
-            if kind < 0.2:
+            if kind > 0.9:
+                num_huge += 1
+                logits[r] = (logits[r] * 5e37).clamp(-3e38, 3e38)  # finite in fp32
+            elif kind < 0.2:
                 odd_rows += 1
                 if kind < 0.04:
                     logits[r] = -inf
@@ -338,7 +385,7 @@ def test_thousands_of_random_batches_equal_sample_token_row_by_row(one_thread):
 
         def draw_params(rng=rng, vocab=vocab):
             return SamplingParams(
-                temperature=rng.choice((0.0, 1e-6, 0.4, 0.8, 1.0, 1.7)),
+                temperature=rng.choice((0.0, 1e-6, 1e-5, 0.01, 0.4, 0.8, 1.0, 1.7)),
                 top_p=rng.choice((1.0, 1.0, 0.95, 0.6, 1e-9)),
                 top_k=rng.choice((0, 0, 1, 3, vocab, vocab + 5)),
                 seed=rng.randint(SEED_MIN, SEED_MAX),
@@ -360,7 +407,7 @@ def test_thousands_of_random_batches_equal_sample_token_row_by_row(one_thread):
             assert got == (want, refused), (case, step)
         drawn += sum(not p.greedy for p in params)
         num_refused += len(refused)
-    assert drawn > 5000 and odd_rows > 1500 and num_refused > 500  # (what the batches held)
+    assert drawn > 5000 and odd_rows > 1500 and num_refused > 500 and num_huge > 1000  # (what the batches held)
 
 
 def test_the_batch_of_draws_is_uniform_draw_bit_for_bit():

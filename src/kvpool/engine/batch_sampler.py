@@ -294,6 +294,15 @@ class _BatchRows:
         at_top = self.uniforms(at)
         if self.u is not self.u_host:
             self.u.copy_(self.u_host, non_blocking=True)
+        try:  # (no cost where nothing raises)
+            return self.draw(logits, at_top)
+        except NonFiniteLogitsError as refused:
+            return self.overflowed(logits, at_top, refused)
+
+    def draw(self, logits: torch.Tensor, at_top: bool) -> list[int]:
+        """A step's tokens with this step's uniforms (written by `uniforms`), at_top its
+        answer: the groups' draws, the greedy rows' argmax, then `_finite_tokens`."""
+        m = len(self.stochastic)
         if m == self.num_rows and len(self.groups) == 1:  # every row draws, in one group
             return _finite_tokens(*self.groups[0].sample(logits, at_top))
         if m == self.num_rows:
@@ -318,6 +327,29 @@ class _BatchRows:
         # (the drawing rows' tokens and totals in their rows of the argmax and the maxima)
         tokens.index_copy_(0, self.stochastic_t, sampled)
         return _finite_tokens(tokens, best.index_copy_(0, self.stochastic_t, totals.to(best.dtype)))
+
+    def overflowed(self, logits: torch.Tensor, at_top: bool, refused: NonFiniteLogitsError) -> list[int]:
+        """The rows `draw` refused, drawn again from their logits less the row's maximum
+        (`shifted_logits`, as sample_token's second try: finite logits whose scores
+        overflowed at their temperature), with the same uniforms; the other rows keep
+        their tokens. NonFiniteLogitsError (the batch's tokens, -1 at its rows) for the rows
+        refused again: a NaN, a +inf, or -inf throughout."""
+        tokens = list(refused.tokens)
+        rows = refused.rows
+        base = logits.float()
+        maxima = base.amax(dim=-1, keepdim=True)  # [rows, 1]
+        # every row less its maximum; a row whose maximum is not finite stays refused (its
+        # shifted logits are NaN: x - NaN, x - inf, -inf - -inf)
+        try:
+            again = self.draw(base - maxima, at_top)
+        except NonFiniteLogitsError as still:
+            again = still.tokens
+        for i in rows:
+            tokens[i] = again[i]
+        bad = [i for i in rows if tokens[i] < 0]
+        if bad:
+            raise NonFiniteLogitsError(bad, tokens=tokens)
+        return tokens
 
     def uniforms(self, at: np.ndarray) -> bool:
         """The drawing rows' uniforms at positions at ([m] int64) into u_np, in group order:

@@ -29,9 +29,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-# Temperatures below this sample greedily (vLLM's threshold). The scaled logits overflow fp32
-# only far below it (logits of 20 at a temperature under ~6e-38; 1e-300 rounds to 0 in fp32),
-# but there the softmax of infs is NaN and the draw garbage.
+# Temperatures below this sample greedily (vLLM's threshold). Logits of 20 overflow fp32 once
+# divided by the temperature only far below it (under ~6e-38; 1e-300 rounds to 0 in fp32);
+# larger finite logits do above it (1e38 at 0.01), and a row whose scores overflowed is
+# sampled again from its logits less their maximum (`shifted_logits`), not refused.
 GREEDY_TEMPERATURE = 1e-5
 # A seed is a signed 64-bit integer, as in OpenAI's API and vLLM; the generator sees it mod 2^64.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
@@ -245,8 +246,29 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, sample_index: int
     # a softmax is finite or NaN throughout (a NaN or +inf logit, or all of them -inf, or
     # scores past fp32's range): the weight drawn says which (topk keeps a NaN among the largest)
     if not math.isfinite(probs[j]):
-        raise NonFiniteLogitsError([0], position=position)
+        shifted = shifted_logits(logits.float().cpu())
+        if shifted is None:
+            raise NonFiniteLogitsError([0], position=position)
+        return sample_token(shifted, params, sample_index, position)
     return int(ids[j]) if ids is not None else j
+
+
+def shifted_logits(logits: torch.Tensor) -> torch.Tensor | None:
+    """fp32 logits [..., vocab] less each row's maximum, where every row's maximum is finite
+    (no NaN, no +inf, not -inf throughout); else None: a row gives no token.
+
+    The samplers' second try at a row whose scores overflowed: finite logits past fp32's
+    range once divided by the temperature (1e38 at 0.01; 1e34 at GREEDY_TEMPERATURE) made an
+    +inf score and a softmax of NaN. The softmax of (x - max) / t is the softmax of x / t,
+    and its largest score is 0 (x - max is 0 only at the maxima: a subtraction rounds to 0
+    only where the two are equal), so no score overflows; those past fp32's range the other
+    way round to -inf, weigh 0 and are never drawn: a tiny temperature gives what its
+    limit gives, the maximum (greedy). Only a row refused at first takes it, so the common
+    step pays nothing, and a row that overflowed nowhere keeps its tokens bit for bit."""
+    top = logits.amax(dim=-1, keepdim=True)
+    if not bool(torch.isfinite(top).all()):
+        return None
+    return logits - top
 
 
 _MASK64 = (1 << 64) - 1
