@@ -333,9 +333,13 @@ class _BatchRows:
         (`shifted_logits`, as sample_token's second try: finite logits whose scores
         overflowed at their temperature), with the same uniforms; the other rows keep
         their tokens. NonFiniteLogitsError (the batch's tokens, -1 at its rows) for the rows
-        refused again: a NaN, a +inf, or -inf throughout."""
+        refused again: a NaN, a +inf, or -inf throughout. A greedy row divides by nothing:
+        where only greedy rows were refused, the error stands as it is (and on a device the
+        step reads the host once, as any step; a drawing row refused costs a second read)."""
         tokens = list(refused.tokens)
         rows = refused.rows
+        if len(self.stochastic) < self.num_rows and not np.isin(rows, self.stochastic).any():
+            raise refused
         base = logits.float()
         maxima = base.amax(dim=-1, keepdim=True)  # [rows, 1]
         # every row less its maximum; a row whose maximum is not finite stays refused (its
