@@ -165,6 +165,53 @@ def test_a_weight_past_float16s_range_is_refused_as_fp16_and_loads_as_fp32(tmp_p
         assert float(weights["layers.0.up"][4, 0]) == pytest.approx(1e5, rel=1e-2)
 
 
+def test_a_weight_past_bfloat16s_range_is_refused_as_bf16_naming_it_in_the_models_layout(tmp_path):
+    """bf16 loads were unchecked: 3.4e38 is finite in the file's fp32 and rounds to inf in
+    bfloat16 (largest 3.38953e38), and the forward to NaN. Named as the fp16 load names
+    its overflow, at its place in the model's layout (a Q row moves: the GGUF's rows are
+    permuted for RoPE); fp32 holds it."""
+    path = write_gguf(tmp_path / "huge.gguf", poison={"blk.1.attn_q.weight": [((1, 2), -3.4e38)]})
+    with pytest.raises(ValueError) as e:
+        for _ in load_gguf(path, torch.bfloat16).tensors(torch.bfloat16):
+            pass
+    assert str(e.value) == (
+        f"GGUF file {path}: tensor 'blk.1.attn_q.weight' holds -3.4e+38 at [2, 2] (as layers.1.q), past "
+        "bfloat16's largest value 3.38953e+38: it would load as inf; load it as fp32 (--dtype)"
+    )
+    with pytest.raises(ValueError, match=r"holds -3.4e\+38 at \[2, 2\] \(as layers.1.q\), past float16's largest"):
+        for _ in load_gguf(path, torch.float16).tensors(torch.float16):
+            pass
+    weights = dict(load_gguf(path).tensors())
+    assert float(weights["layers.1.q"][2, 2]) == np.float32(-3.4e38)
+
+
+@pytest.mark.parametrize(
+    "dtype, held, refused",
+    [(torch.float16, 65519.0, 65520.0), (torch.bfloat16, 3.39617e38, 3.39618e38)],
+    ids=["fp16", "bf16"],
+)
+def test_the_overflow_check_refuses_exactly_what_the_cast_makes_inf(tmp_path, dtype, held, refused):
+    """The check reads a tensor's least and largest values (no mask the tensor's size) and
+    casts those: its verdict is the cast's, at the rounding boundary (halfway past the
+    dtype's largest value) either sign: a value below it loads as the largest, one at it is
+    refused."""
+    for sign in (1.0, -1.0):
+        for value, bad in ((held, False), (refused, True)):
+            assert bool(torch.isinf(torch.tensor(sign * value).to(dtype))) is bad  # (the cast's verdict)
+            path = write_gguf(
+                tmp_path / f"edge{sign}{value}.gguf", poison={"blk.0.ffn_gate.weight": [((5, 7), sign * value)]}
+            )
+            if bad:
+                with pytest.raises(
+                    ValueError, match=r"'blk.0.ffn_gate.weight' holds .* at \[5, 7\] \(as layers.0.gate\)"
+                ):
+                    for _ in load_gguf(path, dtype).tensors(dtype):
+                        pass
+            else:
+                weights = dict(load_gguf(path, dtype).tensors(dtype))
+                assert float(weights["layers.0.gate"][5, 7]) == sign * torch.finfo(dtype).max
+
+
 def test_generate_names_a_nan_weight_without_a_traceback(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path / "cache"))
     path = write_gguf(tmp_path / "nan.gguf", poison={"blk.0.attn_v.weight": [((1, 2), float("nan"))]})

@@ -463,50 +463,67 @@ def _read_tensors(
             except _PARSE_ERRORS as e:
                 raise ValueError(f"GGUF file {path} is corrupt or truncated: tensor {info.name!r}: {e}") from e
             del raw
-            _check_finite(array, info.name, path)
+            extremes = _check_finite(array, info.name, path)
             if name.endswith(".q"):
                 array = _unpermute_rows(array, config.num_heads)
             elif name.endswith(".k"):
                 array = _unpermute_rows(array, config.num_kv_heads)
             if not array.flags.c_contiguous:
                 array = np.ascontiguousarray(array)
-            tensor = torch.from_numpy(array).to(dtype)
-            if dtype == torch.float16 and not bool(torch.isfinite(tensor).all()):
-                _refuse_overflow(array, tensor, info.name, path, name)
-            yield name, tensor
+            if dtype != torch.float32 and not bool(torch.isfinite(torch.from_numpy(extremes).to(dtype)).all()):
+                _refuse_overflow(array, dtype, info.name, path, name)
+            yield name, torch.from_numpy(array).to(dtype)
 
 
-_FINITE_CHUNK = 1 << 21  # elements a finiteness check looks at at once (a 2 MB mask, not the tensor's)
+_CHECK_CHUNK = 1 << 18  # elements whose min and max are read together (1 MB of fp32: in cache for the second)
+# The largest finite value of each dtype a load may narrow to, as its message writes it
+_DTYPE_MAX = {torch.float16: ("float16", "65504", "fp32 or bf16"), torch.bfloat16: ("bfloat16", "3.38953e+38", "fp32")}
 
 
-def _check_finite(array: np.ndarray, gguf_name: str, path: str) -> None:
-    """ValueError naming the file, the tensor and the first element that is a NaN or an
+def _check_finite(array: np.ndarray, gguf_name: str, path: str) -> np.ndarray:
+    """array's least and largest values ([2], its dtype), where every value is finite; else
+    ValueError naming the file, the tensor and the first element that is a NaN or an
     infinity: a NaN weight loaded, and every logit came out NaN (SmolLM2 then sampled its end
     of text: `kvpool generate` printed nothing, status 0). array: the dequantized tensor,
-    fp32, [out_features, in_features] or [features]. Checked a chunk at a time (the mask of
-    a 113 MB embedding at once would be 28 MB); docs/engine.md gives its share of a load."""
+    fp32, [out_features, in_features] or [features]. A chunk's min and max say it (a NaN
+    propagates through both, an inf is one of them) without a temporary (isfinite's mask
+    of a 113 MB embedding is 28 MB), and they are what a narrower dtype must hold
+    (`_refuse_overflow`: rounding is monotone). A chunk is 1 MB of fp32, so max reads it
+    from the cache where min left it (docs/engine.md gives the cost against the masks)."""
     flat = array.reshape(-1)
-    for begin in range(0, flat.size, _FINITE_CHUNK):
-        finite = np.isfinite(flat[begin : begin + _FINITE_CHUNK])
-        if finite.all():
+    low, high = math.inf, -math.inf
+    for begin in range(0, flat.size, _CHECK_CHUNK):
+        chunk = flat[begin : begin + _CHECK_CHUNK]
+        least, largest = float(chunk.min()), float(chunk.max())
+        if not (math.isfinite(least) and math.isfinite(largest)):
+            finite = np.isfinite(chunk)
+            first = begin + int(np.argmin(finite))
+            where = list(np.unravel_index(first, array.shape))
+            count = int(flat.size - np.count_nonzero(np.isfinite(flat)))
+            more = f" (and {count - 1} more non-finite values)" if count > 1 else ""
+            raise ValueError(
+                f"GGUF file {path}: tensor {gguf_name!r} holds {flat[first]} at {[int(i) for i in where]}{more}: "
+                "the model cannot compute with it (every logit would be NaN)"
+            )
+        low, high = min(low, least), max(high, largest)
+    return np.array([low, high] if flat.size else [0.0, 0.0], dtype=array.dtype)
+
+
+def _refuse_overflow(array: np.ndarray, dtype: torch.dtype, gguf_name: str, path: str, name: str) -> None:
+    """ValueError naming the weight whose finite fp32 value `dtype` cannot hold (float16
+    from 65,520, bfloat16 from 3.39618e38, halfway past their largest, round it to inf, and
+    the forward to NaN): the first such element of array (the model's layout, `name`'s),
+    found a chunk at a time."""
+    flat = array.reshape(-1)
+    for begin in range(0, flat.size, _CHECK_CHUNK):
+        finite = torch.isfinite(torch.from_numpy(flat[begin : begin + _CHECK_CHUNK]).to(dtype))
+        if bool(finite.all()):
             continue
-        first = begin + int(np.argmin(finite))
-        where = list(np.unravel_index(first, array.shape))
-        count = int(flat.size - np.count_nonzero(np.isfinite(flat)))
-        more = f" (and {count - 1} more non-finite values)" if count > 1 else ""
+        first = begin + int(torch.argmin(finite.to(torch.uint8)))
+        where = [int(i) for i in np.unravel_index(first, array.shape)]
+        kind, largest, instead = _DTYPE_MAX[dtype]
         raise ValueError(
-            f"GGUF file {path}: tensor {gguf_name!r} holds {flat[first]} at {[int(i) for i in where]}{more}: "
-            "the model cannot compute with it (every logit would be NaN)"
+            f"GGUF file {path}: tensor {gguf_name!r} holds {float(flat[first]):g} at {where} (as {name}), past "
+            f"{kind}'s largest value {largest}: it would load as inf; load it as {instead} (--dtype)"
         )
-
-
-def _refuse_overflow(array: np.ndarray, tensor: torch.Tensor, gguf_name: str, path: str, name: str) -> None:
-    """ValueError naming the weight whose finite fp32 value float16 cannot hold (past
-    65,504 it rounds to inf, and the forward to NaN)."""
-    first = int(torch.argmin(torch.isfinite(tensor).reshape(-1).to(torch.uint8)))
-    value = float(array.reshape(-1)[first])
-    where = [int(i) for i in np.unravel_index(first, tensor.shape)]
-    raise ValueError(
-        f"GGUF file {path}: tensor {gguf_name!r} holds {value:g} at {where} (as {name}), past float16's "
-        "largest value 65504: it would load as inf; load it as fp32 or bf16 (--dtype)"
-    )
+    raise AssertionError(f"{gguf_name}: its extremes overflow {dtype}, no chunk does")  # (unreachable)
