@@ -183,3 +183,33 @@ def test_the_plan_figures_the_pages_quote_are_what_it_prints(page, flags, senten
     report = json.loads(capsys.readouterr().out)
     expected = " ".join(sentence.format(**report).split())
     assert expected in _rows_and_prose((DOCS / page).read_text()), f"docs/{page} should say: {expected}"
+
+
+# the `kvpool run --json` samples the pages show: (page, the sample's model, the flags of a run of it)
+RUN_SAMPLES = [
+    ("engine.md", "SmolLM2-135M-Instruct.Q4_1.gguf", []),
+    ("deepseek_v4.md", "tiny-dsv4", ["--model", "tiny-dsv4"]),
+]
+
+
+@pytest.mark.parametrize("page, model, flags", RUN_SAMPLES, ids=["smollm2", "tiny-dsv4"])
+def test_the_run_json_samples_have_the_keys_a_run_prints(page, model, flags, capsys):
+    """The pages' `kvpool run --json` samples lacked keys the report had gained (max_model_len,
+    num_context_ended, context_ended, and older ones): each sample has a short run's keys, in
+    its order (the SmolLM2 page leaves out the memory ledger, saying so)."""
+    import torch
+
+    from kvpool.cli.main import main
+
+    blocks = fenced_blocks((DOCS / page).read_text())
+    samples = [json.loads(body) for lang, body, _ in blocks if lang == "json" and body.startswith('{"model": ')]
+    (sample,) = [s for s in samples if s["model"] == model]
+    short = "--num-requests 1 --turns 1 --num-long 0 --max-tokens 1 --request-rate inf --threads 1 --json".split()
+    threads = torch.get_num_threads()
+    try:
+        assert main(["run", *flags, *short]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"] == model
+    assert list(sample) == [key for key in report if key != "memory" or "memory" in sample]
