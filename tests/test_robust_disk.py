@@ -838,3 +838,21 @@ def test_a_directory_of_another_block_size_or_dtype_is_said_and_never_served(tmp
     assert other.layout_id in lines[0] and "kvpool cache stats" in lines[0]
     assert serve(16, DESCRIPTOR, "c")[1] == 64  # its own entries still serve it, and no line
     assert "kvpool: disk cache" not in capfd.readouterr().err
+
+
+def test_a_shared_cache_cut_down_to_a_smaller_limit_as_it_opens_is_said(tmp_path) -> None:
+    """A process opening a shared directory with a smaller --disk-cache-gib (the 16 GiB
+    default on a team's larger cache) evicted everyone's least recently used entries down
+    to its own limit without a word. Now one line says how many and how much."""
+    tier = filled(tmp_path, 10)
+    for i in range(10):  # the LRU order a next process reads (file times may tie within a tick)
+        os.utime(stored(tier, i), ns=(i + 1, (i + 1) * 10**9))
+    newest = sum(stored(tier, i).stat().st_size for i in range(6, 10))
+    lines: list[str] = []
+    DiskTier(tmp_path, 1 << 30, log=lines.append)  # (room for all: nothing to say)
+    assert lines == []
+    small = DiskTier(tmp_path, newest, log=lines.append)
+    assert small.num_entries == 4 and small.stats.num_evictions == 6
+    assert [i for i in range(10) if small.lookup(key(i), descriptor(i))] == [6, 7, 8, 9]  # the oldest went
+    assert len(lines) == 1 and "held more than this process's byte limit" in lines[0]
+    assert "its 6 least recently used entries" in lines[0] and str(tmp_path) in lines[0]

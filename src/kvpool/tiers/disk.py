@@ -42,7 +42,8 @@ it). Each process knows the entries at open, its own writes and the entries it f
 after every `capacity_bytes / 32` bytes it writes, it scans the directory again and evicts
 the least recently used of everyone's entries. Several processes on one directory then
 hold at most the limit plus, each, what it wrote since its last scan (1/32 of the limit,
-or one entry when that is larger).
+or one entry when that is larger). A process whose limit is below what the directory holds
+cuts it down as it opens (other processes' entries too), and says so in one line.
 
 Writes run on a background writer (writer.py): `put` encodes nothing and never waits; a
 full queue drops the write and counts it.
@@ -231,7 +232,16 @@ class DiskTier(Tier):
         self._written_since_scan = 0
         self._writer = BackgroundWriter("disk", max_pending_bytes)
         self.num_stale_tmp_removed = self._remove_stale_tmp()
-        self._rescan()
+        freed = self._rescan()
+        if freed:
+            # a shared cache larger than this process's limit (the 16 GiB default, say) is cut
+            # down to it as it opens: other processes' entries, so said, once
+            self._log(
+                f"kvpool: disk cache {self.root} held more than this process's byte limit "
+                f"(--disk-cache-gib {capacity_bytes / 2**30:.4g}): its {self.stats.num_evictions} least recently "
+                f"used entries ({freed / 2**20:,.1f} MiB) were evicted; a larger --disk-cache-gib keeps a shared "
+                "cache whole"
+            )
         # a crash test stops the writer here (the stage's name); None in normal use
         self.fault_hook = None
 
@@ -259,9 +269,10 @@ class DiskTier(Tier):
                     self.io_errors["tmp"] += 1
         return removed
 
-    def _rescan(self) -> None:
+    def _rescan(self) -> int:
         """Index the directory's entries as they are now (other processes' writes and
-        evictions), least recently modified first, and evict down to the limit. What this
+        evictions), least recently modified first, and evict down to the limit (the bytes
+        freed are returned). What this
         process knew of an entry (its descriptor, a checked payload) is kept while the file
         is the same one."""
         with self._lock:
@@ -290,7 +301,7 @@ class DiskTier(Tier):
             self._entries, self._keys = entries, Counter(key for _, key in entries)
             self._num_bytes = sum(e.num_bytes for e in entries.values())
             self._written_since_scan = 0
-            self._evict_over_limit()
+            return self._evict_over_limit()
 
     def expect_tensors(self, model_id: str, layout_id: str, tensors: dict[str, tuple[object, tuple[int, ...]]]) -> None:
         """Declare the tensors every block of (model_id, layout_id) has: {name: (torch dtype,
@@ -370,12 +381,16 @@ class DiskTier(Tier):
             f"{then}, counted in the report's disk_tier; serving on (said once)"
         )
 
-    def _evict_over_limit(self) -> None:
+    def _evict_over_limit(self) -> int:
+        """Evict least recently used entries down to the limit (lock held); the bytes freed."""
+        freed = 0
         while self._num_bytes > self.capacity_bytes and self._entries:
             ident, old = next(iter(self._entries.items()))
             self._drop(ident)  # (forgotten even when the unlink fails: the loop ends)
             if self._file_op("evict", old.path.unlink):
                 self.stats.num_evictions += 1
+                freed += old.num_bytes
+        return freed
 
     def _find(self, ident: tuple[str, bytes], expected: BlockDescriptor) -> _Entry | None:
         """The entry, known or just written by another process (lock held)."""
