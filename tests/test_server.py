@@ -211,7 +211,7 @@ def test_bad_requests_get_openai_errors_and_disturb_nothing(server):
         ({"messages": msgs, "max_tokens": -5}, 400, "max_tokens"),
         ({"messages": msgs, "temperature": 2.5}, 400, "temperature"),
         ({"messages": []}, 400, "messages"),
-        ({"messages": [{"role": "user", "content": "word " * 7000}]}, 413, "messages"),
+        ({"messages": [{"role": "user", "content": "word " * 7000}]}, 400, "messages"),
     ]
     for body, status, param in cases:
         r = httpx.post(chat, json=body, headers=auth, timeout=60)
@@ -319,11 +319,16 @@ def test_a_streamed_completion_is_chunks_then_done_and_equals_the_unstreamed(ser
     assert streamed == whole.json()["choices"][0]["text"] and streamed
 
 
-def test_a_completion_prompt_longer_than_the_context_gets_413(server):
+def test_a_completion_prompt_longer_than_the_context_gets_400_context_length_exceeded(server):
+    # a 400, as OpenAI and vLLM answer it (it was a 413): the openai client raises BadRequestError,
+    # which is what callers that trim a conversation on context_length_exceeded catch
     r = httpx.post(f"{server}/v1/completions", json={"prompt": "word " * 10000}, headers=AUTH, timeout=60)
-    assert r.status_code == 413, r.text
+    assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == "prompt" and error["code"] == "context_length_exceeded" and "prompt" in error["message"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client(server).completions.create(model=MODEL, prompt="word " * 10000)
+    assert caught.value.code == "context_length_exceeded"
 
 
 def test_null_sampling_fields_take_their_defaults(server):

@@ -219,7 +219,7 @@ def _serve(
             file=sys.stderr,
         )
     engine = llama_engine(loaded, args, kv_bytes)
-    limit_model_len(engine, args.max_model_len)  # (a context below 2 tokens refused: every request a 413)
+    limit_model_len(engine, args.max_model_len)  # (a context below 2 tokens refused: every request a 400)
     num_blocks = engine.runner.usage().num_blocks
     metrics = ServerMetrics(name)
     thread = EngineThread(engine, loaded.tokenizer.decode, on_step=metrics.update)

@@ -289,14 +289,14 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
 
     def encode(text: str, field: str) -> list[int]:
         """The text's token ids (on a worker thread). A text so long that even tokens of the
-        longest kind would overflow the context gets its 413 without being tokenized (that
+        longest kind would overflow the context gets its 400 without being tokenized (that
         would take seconds a megabyte, and hundreds of MB for the encoding)."""
         limit = state.max_model_len
         num_bytes = token_bound.num_bytes(text)
         least = token_bound.least_tokens(num_bytes)
         if least >= limit:
             raise APIError(
-                413,
+                400,  # (as OpenAI and vLLM: a 400 with code context_length_exceeded, not a 413)
                 f"{field}: the prompt's {num_bytes} bytes make at least {least} tokens (none spans more than "
                 f"{token_bound.max_token_bytes} bytes), more than this model's context of {limit} tokens holds",
                 field,
@@ -309,7 +309,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         if num_prompt >= limit:
             field = "messages" if chat else "prompt"
             raise APIError(
-                413,
+                400,
                 f"{field}: the prompt's {num_prompt} tokens do not fit this model's context of {limit} tokens "
                 f"(at most {limit - 1} prompt tokens, leaving room for one output token)",
                 field,
