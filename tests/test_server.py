@@ -209,6 +209,8 @@ def test_bad_requests_get_openai_errors_and_disturb_nothing(server):
     cases = [
         ({"model": "gpt-9", "messages": msgs}, 404, "model"),  # (as OpenAI and vLLM: was 400)
         ({"messages": msgs, "max_tokens": -5}, 400, "max_tokens"),
+        ({"messages": msgs, "max_tokens": 100_000}, 400, "max_tokens"),
+        ({"messages": msgs, "max_completion_tokens": 100_000}, 400, "max_completion_tokens"),  # (was max_tokens)
         ({"messages": msgs, "temperature": 2.5}, 400, "temperature"),
         ({"messages": []}, 400, "messages"),
         ({"messages": [{"role": "user", "content": "word " * 7000}]}, 400, "messages"),

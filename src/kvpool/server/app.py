@@ -304,7 +304,8 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
             )
         return state.tokenizer.encode(text)
 
-    def max_tokens_for(num_prompt: int, requested: int | None, chat: bool) -> int:
+    def max_tokens_for(num_prompt: int, requested: int | None, chat: bool, param: str = "max_tokens") -> int:
+        """The request's max_tokens within the context; `param` names the field it came in."""
         limit = state.max_model_len
         if num_prompt >= limit:
             field = "messages" if chat else "prompt"
@@ -321,9 +322,9 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         if requested > room:
             raise APIError(
                 400,
-                f"max_tokens: {requested} new tokens after a prompt of {num_prompt} exceed the context of {limit} "
+                f"{param}: {requested} new tokens after a prompt of {num_prompt} exceed the context of {limit} "
                 f"tokens; at most {room} fit",
-                "max_tokens",
+                param,
                 "context_length_exceeded",
             )
         return requested
@@ -384,7 +385,8 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         body: ChatCompletionRequest
         body, tenant = await accept(request, ChatCompletionRequest)
         prompt_ids = await asyncio.to_thread(encode_chat, body)
-        max_tokens = max_tokens_for(len(prompt_ids), body.requested_max_tokens, chat=True)
+        named = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+        max_tokens = max_tokens_for(len(prompt_ids), body.requested_max_tokens, chat=True, param=named)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = sampling(body, max_tokens, logprobs)
         return await serve(request, body, "chatcmpl", prompt_ids, params, tenant, chat=True)
