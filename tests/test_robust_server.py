@@ -225,6 +225,39 @@ def test_a_body_that_is_not_an_object_is_named_in_json_words():
         assert caught.value.message == f"the body must be a JSON object, got {kind}", (raw, caught.value.message)
 
 
+def test_vllms_sampling_extensions_are_refused_unless_neutral_not_ignored():
+    """A client written for vLLM sends repetition_penalty, min_p, min_tokens, guided_json...:
+    they were unknown fields, ignored, and the tokens were not the ones asked for."""
+    from kvpool.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
+
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for name, asked, neutral in (
+        ("repetition_penalty", 1.1, 1.0),
+        ("length_penalty", 0.5, 1),
+        ("min_p", 0.05, 0),
+        ("min_tokens", 8, 0),
+        ("stop_token_ids", [2], []),
+        ("bad_words", ["no"], []),
+        ("allowed_token_ids", [1, 2], None),
+        ("include_stop_str_in_output", True, False),
+        ("skip_special_tokens", False, True),
+        ("use_beam_search", True, False),
+        ("prompt_logprobs", 1, None),
+        ("truncate_prompt_tokens", 100, None),
+        ("guided_json", {"type": "object"}, None),
+        ("guided_regex", "[0-9]+", None),
+        ("guided_choice", ["yes", "no"], None),
+        ("guided_grammar", "root ::= 'a'", None),
+    ):
+        for model, body in ((CompletionRequest, {"prompt": "hi"}), (ChatCompletionRequest, chat)):
+            with pytest.raises(APIError) as caught:
+                parse_body(json.dumps({**body, name: asked}).encode(), model)
+            assert (caught.value.status, caught.value.param) == (400, name), caught.value.message
+            assert caught.value.message.startswith(f"{name}: not supported by kvpool serve"), caught.value.message
+            for value in (neutral, None):  # the neutral value, and null (its default), are served
+                parse_body(json.dumps({**body, name: value}).encode(), model)
+
+
 def test_an_error_names_the_field_even_when_it_starts_like_a_type_name():
     """`stream` starts with "str", pydantic's tag for a union's string member: the field was
     dropped from the error (param null), and `stream_options.` from its members' errors."""

@@ -8,7 +8,10 @@ cannot encode (a lone surrogate escape such as "\\ud800" in JSON, which no token
 takes) (`parse_body`). Fields OpenAI defines that kvpool does not implement (penalties,
 logit_bias, echo, best_of > n, suffix, tools, tool_choice, response_format other than
 text) are refused when set to anything but their neutral value, never silently ignored;
-unknown fields are ignored, as OpenAI ignores them. An optional field sent as JSON null
+unknown fields are ignored, as OpenAI ignores them, except vLLM's sampling extensions that
+kvpool does not implement (repetition_penalty, min_p, min_tokens, stop_token_ids, guided_*,
+...): a client written for vLLM sends them, and they are refused as OpenAI's are. An optional
+field sent as JSON null
 takes its default, as OpenAI takes it (`"temperature": null` is 1.0, `"n": null` is 1); a
 required one (`prompt`, `messages`) sent as null is refused. Two extensions, as vLLM names
 them: `top_k` and `ignore_eos`.
@@ -71,6 +74,27 @@ class NullIsDefault(BaseModel):
         return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
 
 
+# vLLM's extensions above -> the values that ask for nothing (JSON null takes the first)
+_VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "repetition_penalty": (1.0,),
+    "length_penalty": (1.0,),
+    "min_p": (0.0,),
+    "min_tokens": (0,),
+    "stop_token_ids": (None, []),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "use_beam_search": (False,),
+    "prompt_logprobs": (None,),
+    "truncate_prompt_tokens": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+}
+
+
 class StreamOptions(NullIsDefault):
     include_usage: bool = False
 
@@ -94,6 +118,24 @@ class SamplingRequest(NullIsDefault):
     presence_penalty: float = Field(0.0, allow_inf_nan=False)
     frequency_penalty: float = Field(0.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
+    # vLLM's sampling extensions that kvpool does not implement: a client written for vLLM
+    # sends them, and would get other tokens than it asked for if they were ignored as unknown
+    repetition_penalty: float = Field(1.0, allow_inf_nan=False)
+    length_penalty: float = Field(1.0, allow_inf_nan=False)
+    min_p: float = Field(0.0, allow_inf_nan=False)
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    use_beam_search: bool = False
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _check_common(self) -> SamplingRequest:
@@ -110,6 +152,10 @@ class SamplingRequest(NullIsDefault):
                 raise ValueError(f"{name}: not supported by kvpool serve (only 0 is accepted)")
         if self.logit_bias:
             raise ValueError("logit_bias: not supported by kvpool serve")
+        for name, neutral in _VLLM_NEUTRAL.items():
+            if getattr(self, name) not in neutral:
+                accepted = " or ".join(json.dumps(v) for v in neutral)
+                raise ValueError(f"{name}: not supported by kvpool serve (only {accepted} is accepted)")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed with stream: true")
         return self
