@@ -248,6 +248,22 @@ def test_v4_without_prefix_caching_reports_no_turn_end_states(capsys):
     assert turn_ends[False][0] is True
 
 
+def test_v4s_settings_are_null_in_a_run_without_the_dual_pool(capsys, monkeypatch):
+    # they were "auto" / true from the config on every model (llama, gpt-oss, P/D, V4 paged)
+    argv = ["simulate", "--model", "deepseek-v4-flash", "--gpu", "h200", "--requests", "8"]
+    assert main([*argv, "--layout", "dual,paged", "--json"]) == 0
+    runs = {r["layout"]: r for r in json.loads(capsys.readouterr().out)["runs"]}
+    assert (runs["dual"]["v4_restore"], runs["dual"]["v4_turn_ends"]) == ("auto", True)
+    assert (runs["paged"]["v4_restore"], runs["paged"]["v4_turn_ends"]) == (None, None)
+    assert main(["simulate", *LLAMA, "--requests", "8", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["v4_restore"], report["v4_turn_ends"], report["state_adoptions"]) == (None, None, 0)
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["simulate", *LLAMA, "--requests", "8"]) == 0
+    rows = [line.split("│")[1:3] for line in capsys.readouterr().out.splitlines() if "v4_" in line]
+    assert [(name.strip(), value.strip()) for name, value in rows] == [("v4_restore", "n/a"), ("v4_turn_ends", "n/a")]
+
+
 def test_a_block_size_list_runs_each_and_contiguous_once(capsys):
     flags = ["--requests", "24", "--layout", "paged,contiguous", "--block-size", "16,32", "--json"]
     assert main(["simulate", *LLAMA, *flags]) == 0

@@ -150,6 +150,7 @@ def build_report(
     alloc_us = [t * 1e6 for rep in replicas for t in rep.engine.stats.alloc_call_s]
     frag = [f for rep in replicas for f in rep.frag_samples]
     first = replicas[0]
+    dual = first.layout.name == "dual"
     per_replica = []
     for rep, st in zip(replicas, stats, strict=True):
         per_replica.append(
@@ -186,8 +187,10 @@ def build_report(
         "prefix_hit_tokens": int(hit),
         "replayed_tokens": int(sum(s["replayed_tokens"] for s in stats)),
         "checkpoint_copies": int(sum(s["checkpoint_copies"] for s in stats)),
-        "v4_restore": config.v4_restore,
-        "v4_turn_ends": config.v4_turn_ends and config.enable_prefix_caching,  # (no cache: no turn-end state kept)
+        # V4's dual pool's settings: null where the run has no dual pool (they were "auto" /
+        # true from the config on every model); without prefix caching no turn-end state is kept
+        "v4_restore": config.v4_restore if dual else None,
+        "v4_turn_ends": config.v4_turn_ends and config.enable_prefix_caching if dual else None,
         "state_adoptions": sum(g.num_adoptions for rep in replicas for g in rep.runner.cache.dual_groups),
         **p50_p99("alloc_latency_us", alloc_us, 2),
         "num_alloc_calls": sum(rep.engine.stats.num_alloc_calls for rep in replicas),

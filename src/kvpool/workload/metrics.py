@@ -223,7 +223,8 @@ def report_sections(report: dict, skip: Iterable[str] = ()) -> list[tuple[str, l
         if key in shown or key.startswith("_"):
             continue
         for name, item in value.items() if isinstance(value, dict) else [("", value)]:
-            rest.append((f"{key}.{name}" if name else key, _count(item)))
+            # (None: a setting the run does not have, as V4's on a model without its pool)
+            rest.append((f"{key}.{name}" if name else key, "n/a" if item is None else _count(item)))
     if rest:
         sections.append(("other", rest))
     return sections
