@@ -798,6 +798,7 @@ def test_a_cache_removed_under_the_engine_is_said_once_and_it_serves_on(tmp_path
     err = capfd.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("kvpool: disk cache")]
     assert disk["num_write_errors"] >= 2 and "Traceback" not in err
+    assert disk["entries"] == disk["bytes_used"] == 0  # the removed entries no longer counted
     assert len(lines) == 1 and "ENOENT" in lines[0] and "removed" in lines[0] and str(tmp_path / "c") in lines[0]
     engine.runner.close()
 

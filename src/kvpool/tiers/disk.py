@@ -364,12 +364,12 @@ class DiskTier(Tier):
             return False
         return True
 
-    def _say(self, what: str, error: OSError, then: str = "") -> None:
-        """One line the first time `what` fails with this errno: a fault that repeats is
-        said once, and counted always. then: what the tier does about it."""
+    def _say(self, what: str, error: OSError, then: str = "") -> bool:
+        """One line the first time `what` fails with this errno (True then): a fault that
+        repeats is said once, and counted always. then: what the tier does about it."""
         name = errno.errorcode.get(error.errno, type(error).__name__) if error.errno else type(error).__name__
         if (what, name) in self._said:
-            return
+            return False
         self._said.add((what, name))
         where = f": {error.filename}" if error.filename else ""
         if not then and what == "write" and not (self.root / "tmp").is_dir():
@@ -380,6 +380,7 @@ class DiskTier(Tier):
             f"kvpool: disk cache {self.root}: {failed}; "
             f"{then}, counted in the report's disk_tier; serving on (said once)"
         )
+        return True
 
     def _evict_over_limit(self) -> int:
         """Evict least recently used entries down to the limit (lock held); the bytes freed."""
@@ -553,8 +554,11 @@ class DiskTier(Tier):
                     raise
                 inode = self._store(key, data, final)
         except OSError as error:
-            self._say("write", error)
             self.stats.num_write_errors += 1
+            if self._say("write", error) and not (self.root / "tmp").is_dir():
+                # the directory removed under us: index what is left (nothing, usually), so
+                # that the report and the lookups stop counting the removed entries
+                self._rescan()
             return
         with self._lock:
             self._add(self._id(key, descriptor), _Entry(final, len(data), descriptor, inode, verified=True))
