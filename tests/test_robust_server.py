@@ -271,7 +271,7 @@ def test_an_error_names_the_field_even_when_it_starts_like_a_type_name():
             {"prompt": "hi", "stream": True, "stream_options": {"include_usage": "maybe"}},
             "stream_options.include_usage",
         ),
-        ({"prompt": [[1]]}, "prompt"),  # (a union's member tags still leave the location)
+        ({"prompt": [[1.5]]}, "prompt"),  # (a union's member tags still leave the location)
     ):
         with pytest.raises(APIError) as caught:
             parse_body(json.dumps(body).encode(), CompletionRequest)
@@ -321,6 +321,21 @@ def test_a_stop_string_longer_than_the_library_takes_is_a_400_naming_stop():
     assert (caught.value.status, caught.value.param) == (400, "stop"), caught.value.message
     assert f"at most {MAX_STOP_CHARS} characters" in caught.value.message
     assert parse_body(json.dumps({**body, "stop": "y" * MAX_STOP_CHARS}).encode(), CompletionRequest).stop
+
+
+def test_a_prompt_of_token_ids_alone_in_a_list_is_one_prompt(server):
+    """`prompt: [[ids]]`, what the openai client sends for a batch of one token-id prompt, was
+    refused ("prompt: Input should be a valid string") while `["text"]` was one prompt."""
+    c = openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, timeout=120)
+    ids = [504, 3875, 314, 253]
+    kw = {"model": MODEL, "max_tokens": 3, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    flat = c.completions.create(prompt=ids, **kw)
+    nested = c.completions.create(prompt=[ids], **kw)
+    assert nested.choices[0].text == flat.choices[0].text and nested.usage.prompt_tokens == len(ids)
+    for prompt, needle in (([ids, ids], "one prompt per request"), ([[]], "prompt: empty"), ([[-1]], "vocabulary")):
+        r = httpx.post(f"{server}/v1/completions", json={"prompt": prompt}, headers=auth(), timeout=60)
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], (prompt, r.text)
+        assert r.json()["error"]["param"] == "prompt", r.text
 
 
 def test_request_ids_do_not_count_requests(server):

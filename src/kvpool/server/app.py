@@ -357,8 +357,8 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         body: CompletionRequest
         body, tenant = await accept(request, CompletionRequest)
         prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            prompt = prompt[0]
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            prompt = prompt[0]  # (one prompt in a list: the protocol refused several)
         if isinstance(prompt, str):
             prompt_ids = await asyncio.to_thread(encode, prompt, "prompt")
         else:

@@ -172,7 +172,9 @@ class SamplingRequest(NullIsDefault):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: NonEmpty | list[int] | list[NonEmpty]
+    # one prompt: text, token ids, or either alone in a list (the shape a client sends for a
+    # batch of one: the openai client takes `[[1, 2, 3]]` as it takes `["text"]`)
+    prompt: NonEmpty | list[int] | list[NonEmpty] | list[list[int]]
     max_tokens: int | None = Field(None, ge=1)  # None: OpenAI's 16, fewer where the context ends first
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool = False
@@ -185,8 +187,10 @@ class CompletionRequest(SamplingRequest):
         if isinstance(prompt, list):
             if not prompt:
                 raise ValueError("prompt: empty")
-            if isinstance(prompt[0], str) and len(prompt) != 1:
+            if isinstance(prompt[0], str | list) and len(prompt) != 1:
                 raise ValueError("prompt: one prompt per request (a list of several is not supported)")
+            if isinstance(prompt[0], list) and not prompt[0]:
+                raise ValueError("prompt: empty")
         if self.echo:
             raise ValueError("echo: not supported by kvpool serve")
         if self.suffix:
