@@ -857,3 +857,21 @@ def test_a_shared_cache_cut_down_to_a_smaller_limit_as_it_opens_is_said(tmp_path
     assert [i for i in range(10) if small.lookup(key(i), descriptor(i))] == [6, 7, 8, 9]  # the oldest went
     assert len(lines) == 1 and "held more than this process's byte limit" in lines[0]
     assert "its 6 least recently used entries" in lines[0] and str(tmp_path) in lines[0]
+
+
+def test_quarantine_stays_within_a_32nd_of_the_limit(tmp_path) -> None:
+    """Quarantined entries were never removed: a disk that keeps corrupting entries grew
+    quarantine/ outside the byte limit until `kvpool cache clear --quarantine`. It keeps
+    the newest now, within 1/32 of the limit (always the newest one)."""
+    one = len(entry_format.encode(key(0), descriptor(0), tensors(0)))
+    tier = DiskTier(tmp_path, 64 * one)  # quarantine: 2 entries' bytes
+    for i in range(6):
+        assert tier.put(key(i), descriptor(i), tensors(i))
+    assert tier.flush(30)
+    for i in range(6):
+        flip_payload(stored(tier, i))
+        assert tier.get(key(i), descriptor(i)) is None
+    kept = sorted((tmp_path / "quarantine").iterdir())
+    assert tier.stats.num_corrupt == 6 and 1 <= len(kept) <= 2
+    assert sum(p.stat().st_size for p in kept) <= 2 * one + 64 and tier.report()["quarantine_trimmed"] == 6 - len(kept)
+    assert any(p.name.startswith(key(5).hex()) for p in kept)  # the newest stays

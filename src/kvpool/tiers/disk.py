@@ -4,7 +4,8 @@ opens it.
     DIR/kvpool-disk-cache                     marker (format), written when the cache is made
     DIR/entries/<namespace>/<kk>/<key>.safetensors   one block: tensors + manifest (entry.py)
     DIR/tmp/<key>.<pid>.<n>.tmp               writes in progress
-    DIR/quarantine/<key>.<ns>.safetensors     entries whose bytes did not check out
+    DIR/quarantine/<key>.<ns>.safetensors     entries whose bytes did not check out (the
+                                              newest, within 1/32 of the byte limit)
 
 Writes (SQLite's discipline): the entry goes to a temp file of a unique name, is fsynced,
 renamed onto its final name (atomic on POSIX), and the directory is fsynced. A reader
@@ -218,6 +219,7 @@ class DiskTier(Tier):
         self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self._said: set[tuple[str, str]] = set()  # (what failed, errno name) already said
         self.num_full = 0  # writes that found the filesystem full and made room
+        self.num_quarantine_trimmed = 0  # quarantined files removed to keep quarantine/ bounded
         self._lock = threading.Lock()
         # (namespace, content key) -> entry, LRU first; blocks of the same tokens under two
         # models are two entries. _keys counts each content key's namespaces (contains()).
@@ -411,9 +413,34 @@ class DiskTier(Tier):
         self._drop(ident)
         target = self.root / "quarantine" / f"{found.path.stem}.{time.time_ns()}{SUFFIX}"
         # a read-only disk: it stays, a miss each time it is met
-        self._file_op("quarantine", os.replace, found.path, target)
+        if self._file_op("quarantine", os.replace, found.path, target):
+            self._trim_quarantine()
         self.stats.num_corrupt += 1
         self.stats.misses["corrupt"] += 1
+
+    def _trim_quarantine(self) -> None:
+        """Keep quarantine/ within 1/32 of the byte limit (the newest file always): bad
+        entries are kept to be looked at, not to fill the disk outside the limit, which a
+        disk that keeps corrupting entries did."""
+
+        def quarantined_at(path: Path) -> int:  # <key>.<time_ns>.safetensors (the move keeps mtime)
+            when = path.name.split(".")[-2]
+            return int(when) if when.isdigit() else 0
+
+        try:
+            kept = sorted(
+                ((p, p.stat()) for p in (self.root / "quarantine").glob(f"*{SUFFIX}")),
+                key=lambda item: quarantined_at(item[0]),
+                reverse=True,
+            )
+        except OSError:  # (a file gone meanwhile, an unreadable directory: trimmed next time)
+            return
+        total = 0
+        for i, (path, st) in enumerate(kept):
+            total += st.st_size
+            if i > 0 and total > self.rescan_bytes:
+                self._file_op("quarantine", path.unlink)
+                self.num_quarantine_trimmed += 1
 
     def _reclaim(self, ident: tuple[str, bytes], found: _Entry, differ: list[str]) -> None:
         self.stats.mismatches.update(differ)
@@ -647,6 +674,7 @@ class DiskTier(Tier):
             "entries": len(self._entries),
             "pending_bytes": self._writer.pending_bytes,
             "stale_tmp_removed": self.num_stale_tmp_removed,
+            "quarantine_trimmed": self.num_quarantine_trimmed,
             "disk_full": self.num_full,  # writes that found the filesystem full and evicted to make room
             **self.stats.as_dict(),
             "io_errors": dict(sorted(self.io_errors.items())),
