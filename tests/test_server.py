@@ -500,3 +500,26 @@ def test_streamed_deltas_decode_incrementally_and_add_up_to_the_text() -> None:
         assert "\ufffd" not in sent  # half a character is never sent
     assert sent == decode(ids)
     assert sum(decoded_tokens[:-2]) < 4 * len(ids)  # a few tokens a step, not the whole output
+
+
+def test_an_aborted_stream_does_not_end_with_half_a_character() -> None:
+    """A stream in flight when the server stops ends with an "abort" delta: it flushed the
+    text held back for a stop string (text the model did write) and, when the output ended
+    inside a UTF-8 character, a U+FFFD for the half that will never be completed."""
+    from types import SimpleNamespace
+
+    from kvpool.server.engine_thread import EngineThread, _Tracked
+
+    pieces = [b"ok ", b"wait", b"\xc3"]  # "é" is b"\xc3\xa9": the last token is half of it
+
+    def decode(ids: list[int]) -> str:
+        return b"".join(pieces[t] for t in ids).decode("utf-8", errors="replace")
+
+    thread = EngineThread(SimpleNamespace(eos_token_ids=set()), decode)
+    tracked = _Tracked(None, None, 3)  # a stop string of 4 characters may be forming
+    seq = SimpleNamespace(sample_index=0, output_ids=[0, 1], finish_reason=None, text="", logprobs=[])
+    assert thread._delta(seq, tracked).text == "ok w"  # "ait" held back
+    seq.output_ids = [0, 1, 2]
+    seq.finish_reason, seq.text = "abort", decode(seq.output_ids)  # (the engine's text at an abort)
+    last = thread._delta(seq, tracked)
+    assert (last.text, last.finish_reason) == ("ait", "abort")

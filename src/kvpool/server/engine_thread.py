@@ -18,7 +18,8 @@ next step starts; the engine releases the request's blocks at once, exactly once
 abort, or one for a finished request, is a no-op).
 
 Text. A sample's text is the decoded output (EOS excluded) up to what can no longer change:
-an incomplete UTF-8 sequence at the end (decoded as U+FFFD) waits for its next byte, and the
+an incomplete UTF-8 sequence at the end (decoded as U+FFFD) waits for its next byte (an aborted
+sample's never comes: its last delta leaves the half character out), and the
 last len(longest stop string) - 1 characters wait while a stop string could still be
 forming, so a stream never shows text that the final answer cuts. The finished sample's
 text is the engine's (cut before the stop string); the deltas add up to exactly it.
@@ -305,8 +306,10 @@ class EngineThread:
             if not text.endswith("\ufffd"):
                 stream.stable_text, stream.num_stable_tokens = text, len(stream.visible)
             limit = len(text) if reason is not None else len(text) - tracked.holdback
-            if reason is None and text.endswith("\ufffd"):
-                limit = min(limit, len(text) - 1)  # an incomplete character: wait for its next byte
+            if text.endswith("\ufffd"):
+                # an incomplete character: wait for its next byte; an aborted sample (the server
+                # stopping) gets none, and its last chunk does not end in U+FFFD for the half
+                limit = min(limit, len(text) - 1)
         new_text = ""
         if limit > len(stream.sent_text) and text.startswith(stream.sent_text):
             new_text = text[len(stream.sent_text) : limit]
