@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import signal
+import time
 import warnings
 
 import pytest
@@ -412,7 +413,17 @@ def test_a_failed_row_keeps_the_axes_it_cannot_resolve_as_typed_and_names_them()
 
 def _dies_at_a_mark(payload: dict) -> dict:
     """A point whose worker process dies outright where the payload says (the out-of-memory
-    killer's SIGKILL, or an exit with no result); the others come back as they went."""
+    killer's SIGKILL, a plain SIGTERM, or an exit with no result); the others come back as they
+    went. "started" names a file the point creates as it starts, "sleep" how long it runs then;
+    "after" names a file to wait for (up to 20 s) before dying."""
+    if "started" in payload:
+        open(payload["started"], "w").close()
+    time.sleep(payload.get("sleep", 0))
+    deadline = time.monotonic() + 20
+    while "after" in payload and not os.path.exists(payload["after"]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if "sigterm" in payload:
+        os.kill(os.getpid(), signal.SIGTERM)
     if "sigkill" in payload:
         os.kill(os.getpid(), signal.SIGKILL)
     if "exit" in payload:
@@ -448,6 +459,22 @@ def test_a_worker_killed_outright_fails_its_point_and_the_others_run():
         "signal, or kill -9)"
     }
     assert results[4] == {"error": "its worker process died as it ran this point (exit status 3)"}
+
+
+@pytest.mark.parametrize("death", [{"sigterm": True}, {"exit": 0}], ids=["sigterm", "exit-0"])
+def test_a_worker_dying_as_the_pool_stops_its_workers_fails_only_its_point(tmp_path, death):
+    # a worker ended by a plain SIGTERM (the code the broken pool gives the workers it
+    # terminates: kill PID, earlyoom's first signal) or exiting 0 cannot be told from its
+    # neighbours: the points running then each run again alone, and only the one whose
+    # worker dies again is an error row; the neighbour running beside it comes back
+    started = str(tmp_path / "neighbour-started")
+    payloads = [{"a": 1, "started": started, "sleep": 1.5}, {"after": started, **death}, {"c": 3}, {"d": 4}]
+    with _fails_after(120):
+        results = dict(map_processes(_dies_at_a_mark, payloads, jobs=2))
+    assert sorted(results) == [0, 1, 2, 3]  # each point once
+    assert [results[i] for i in (0, 2, 3)] == [payloads[i] for i in (0, 2, 3)]
+    how = "killed by SIGTERM" if "sigterm" in death else "exit status 0"
+    assert results[1] == {"error": f"its worker process died as it ran this point ({how})"}
 
 
 def _point_kills_its_worker_at_rate_8(payload):

@@ -66,24 +66,34 @@ def map_processes(fn: Callable[[Any], dict], payloads: Sequence[Any], jobs: int)
     every point it held fails with it. The point that worker ran comes back as (index,
     {"error": how its worker died}); the points it only stopped (run by the workers the
     broken pool terminates, or not started) run again in a fresh pool. Where the dead worker
-    cannot be told apart, each point running when the pool broke is such an error row."""
+    cannot be told apart from those the pool terminated (it died of a plain SIGTERM, or
+    exited 0), each point running when the pool broke runs again alone, in a pool of one
+    worker: only a point whose worker dies again is such an error row."""
     if jobs <= 1:
         for item in enumerate(payloads):
             yield _indexed(fn, item)
         return
     todo = list(range(len(payloads)))
-    while todo:
+    alone: list[int] = []  # points running when an unknown worker died: each reruns by itself
+    while todo or alone:
+        batch = [alone[0]] if alone else todo
         with tempfile.TemporaryDirectory(prefix="kvpool-sweep-") as marks:
-            failed, done = yield from _pool_round(fn, payloads, todo, min(jobs, len(todo)), marks)
-        todo = [i for i in todo if i not in done and i not in failed]
+            failed, done, suspects = yield from _pool_round(fn, payloads, batch, min(jobs, len(batch)), marks)
+        over = done | failed
+        if batch is todo:
+            alone += suspects
+            todo = [i for i in todo if i not in over and i not in suspects]
+        else:
+            alone = [i for i in alone if i not in over]
 
 
 def _pool_round(
     fn: Callable[[Any], dict], payloads: Sequence[Any], todo: list[int], jobs: int, marks: str
-) -> Generator[tuple[int, dict], None, tuple[set[int], set[int]]]:
+) -> Generator[tuple[int, dict], None, tuple[set[int], set[int], list[int]]]:
     """One process pool over the points `todo`, yielding as map_processes does; returns the
-    points it gave an error row for a dead worker, and those that finished (all of `todo`
-    unless the pool broke)."""
+    points it gave an error row for a dead worker, those that finished (all of `todo` unless
+    the pool broke), and those that ran when a worker that cannot be told apart died (to run
+    again alone: in a pool of one worker, a point lost is that worker's)."""
     # workers ignore Ctrl-C; the parent stops them (the CLI reports one line: cli/main.py)
     executor = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_ignore_sigint)
     # pid -> worker Process: the executor's own table (no public one before Python 3.14), kept
@@ -101,7 +111,7 @@ def _pool_round(
             yield index, row
         else:
             executor.shutdown()
-            return set(), done
+            return set(), done, []
     except BaseException:  # the caller stopped (Ctrl-C): the workers stop too
         _terminate(executor, workers)
         raise
@@ -112,17 +122,20 @@ def _pool_round(
     # the broken pool terminated the others (SIGTERM); the one that broke it died otherwise
     dead = {pid: code for pid, code in exit_codes.items() if code not in (0, -signal.SIGTERM, None)}
     killed = [i for i in lost if started[i] in dead]
+    suspects: list[int] = []
     if killed:
         errors = {i: f"its worker process died as it ran this point ({_death(dead[started[i]])})" for i in killed}
-    elif lost:
-        errors = {i: "a worker process died while this point ran, which broke the process pool" for i in lost}
+    elif lost and jobs == 1:  # one worker: the point it lost is its own, however it died
+        errors = {i: f"its worker process died as it ran this point ({_how(exit_codes.get(started[i]))})" for i in lost}
+    elif lost:  # which of them died cannot be told: each runs again alone
+        errors, suspects = {}, lost
     elif not done:  # (died before it started a point: running them again could loop)
         errors = {i: "not run: a worker process died before it started a point" for i in todo}
     else:
         errors = {}
     for index, why in errors.items():
         yield index, {"error": why}
-    return set(errors), done
+    return set(errors), done, suspects
 
 
 def _read_pid(path: str) -> int | None:
@@ -130,6 +143,11 @@ def _read_pid(path: str) -> int | None:
     with open(path) as f:
         text = f.read()
     return int(text) if text.isdigit() else None
+
+
+def _how(exit_code: int | None) -> str:
+    """_death's words, or that the exit code is unknown (the worker died writing its mark)."""
+    return "its exit status unknown" if exit_code is None else _death(exit_code)
 
 
 def _death(exit_code: int) -> str:
