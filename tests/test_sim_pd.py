@@ -86,6 +86,14 @@ def test_pd_flags_and_what_it_refuses_are_one_line(capsys) -> None:
         (["--kv-transfer-bandwidth=-5G"], "argument --kv-transfer-bandwidth: expected a bandwidth > 0, got '-5G'"),
         (["--kv-transfer-bandwidth=-5GB/s"], "expected a bandwidth > 0, got '-5GB/s'"),
         (["--kv-transfer-bandwidth", "0Gb/s"], "expected a bandwidth > 0, got '0Gb/s'"),
+        (["--kv-transfer-bandwidth", "0 GB/s"], "expected a bandwidth > 0, got '0 GB/s'"),
+        (["--kv-transfer-bandwidth", "0"], "expected a bandwidth > 0, got '0'"),
+        # a number 0 only as far as the parse's first digit: not a bandwidth, not a 0 (0.5 and 16 meant)
+        (
+            ["--kv-transfer-bandwidth", "0,5GB/s"],
+            "expected a bandwidth such as 50GB/s, 25GiB/s or 400Gb/s, got '0,5GB/s'",
+        ),
+        (["--kv-transfer-bandwidth", "0x10"], "expected a bandwidth such as 50GB/s, 25GiB/s or 400Gb/s, got '0x10'"),
         # no B nor b: a NIC's 400G (400 Gb/s = 50 GB/s) or a size's (400 GiB/s), 8.6x apart: both named
         (
             ["--kv-transfer-bandwidth", "400G"],

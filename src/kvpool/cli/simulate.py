@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from kvpool.cache.dual_pool import RESTORE_METHODS
 from kvpool.cli.args import (
+    SIZE_UNITS,
     byte_size,
     check_output_dir,
     comma_choices,
@@ -113,9 +114,10 @@ def _bandwidth(text: str) -> float:
     ("50GB/s", "50GBps", "25GiB/s"), a plain number of bytes, or bits per second written as
     such ("400Gb/s", "400Gbit/s", "400Gbps": 50GB/s, decimal). A unit with neither B nor b
     ("400G") is refused, naming both readings: a NIC's 400G is 400 Gb/s (50GB/s), a size's
-    400 GiB. A bandwidth <= 0 is refused as such first, whatever its unit."""
+    400 GiB. A bandwidth <= 0 is refused as such first, whatever its unit, where the rest
+    is a unit ("0,5GB/s" and "0x10" are no number 0: refused as not a bandwidth)."""
     match = _RATE.fullmatch(text)
-    if match and not float(match.group(1)) > 0:  # ("-5G" was told it is ambiguous)
+    if match and not float(match.group(1)) > 0 and _a_unit(match.group(2)):  # ("-5G" was told it is ambiguous)
         raise argparse.ArgumentTypeError(f"expected a bandwidth > 0, got {text!r}")
     bits = _BITS.fullmatch(match.group(2)) if match else None
     if bits:  # 400Gb/s: 400e9 bits a second, 50e9 bytes
@@ -134,6 +136,17 @@ def _bandwidth(text: str) -> float:
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected a bandwidth such as {BANDWIDTH_EXAMPLES}, got {text!r}") from None
     return float(value)
+
+
+def _a_unit(unit: str) -> bool:
+    """Whether `unit`, what follows a bandwidth's number, is one _bandwidth reads (bits, a
+    size's unit with "/s" or "ps" after a B, or none) or refuses as ambiguous ("G")."""
+    if _BITS.fullmatch(unit):
+        return True
+    size = unit.removesuffix("/s")
+    if size.endswith("Bps"):
+        size = size[: -len("ps")]
+    return size.strip().lower() in SIZE_UNITS
 
 
 def _ambiguous_bandwidth(text: str, size: str, unit: str) -> str:
