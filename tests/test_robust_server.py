@@ -258,6 +258,24 @@ def test_vllms_sampling_extensions_are_refused_unless_neutral_not_ignored():
                 parse_body(json.dumps({**body, name: value}).encode(), model)
 
 
+def test_an_image_part_in_a_chat_message_is_named_as_such():
+    """It was refused as "messages[0].content: Input should be a valid string" (the union's
+    first member), which hides that the server takes text parts only."""
+    from kvpool.server.protocol import APIError, ChatCompletionRequest, parse_body
+
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
+    text = {"type": "text", "text": "What is this?"}
+    body = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [text, image]}]}
+    with pytest.raises(APIError) as caught:
+        parse_body(json.dumps(body).encode(), ChatCompletionRequest)
+    assert (caught.value.status, caught.value.param) == (400, "messages[1].content[1].type"), caught.value.message
+    assert "'image_url' parts are not supported" in caught.value.message
+    body["messages"][1]["content"] = [text, text]
+    assert parse_body(json.dumps(body).encode(), ChatCompletionRequest).template_messages()[1]["content"] == (
+        "What is this?What is this?"
+    )
+
+
 def test_an_error_names_the_field_even_when_it_starts_like_a_type_name():
     """`stream` starts with "str", pydantic's tag for a union's string member: the field was
     dropped from the error (param null), and `stream_options.` from its members' errors."""

@@ -233,6 +233,23 @@ class ChatCompletionRequest(SamplingRequest):
     function_call: Any = None
     response_format: dict[str, Any] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts_only(cls, data: Any) -> Any:
+        """An image or audio part is named as such; pydantic's own error for it is the union's
+        first member's ("content: Input should be a valid string"), which hides the cause."""
+        messages = data.get("messages") if isinstance(data, dict) else None
+        for i, message in enumerate(messages if isinstance(messages, list) else []):
+            content = message.get("content") if isinstance(message, dict) else None
+            for j, part in enumerate(content if isinstance(content, list) else []):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise ValueError(
+                        f"messages[{i}].content[{j}].type: {kind!r} parts are not supported by kvpool serve "
+                        '(a text model: only "text" parts)'
+                    )
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
