@@ -523,3 +523,24 @@ def test_an_aborted_stream_does_not_end_with_half_a_character() -> None:
     seq.finish_reason, seq.text = "abort", decode(seq.output_ids)  # (the engine's text at an abort)
     last = thread._delta(seq, tracked)
     assert (last.text, last.finish_reason) == ("ait", "abort")
+
+
+def test_with_include_usage_every_chunk_carries_usage_null_and_the_last_the_counts(server):
+    """OpenAI's stream_options.include_usage: "All other chunks will also include a usage
+    field, but with a null value"; the chunks had no usage field at all."""
+    body = {"model": MODEL, "prompt": "Two birds:", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    for extra, usage_field in (({"stream_options": {"include_usage": True}}, True), ({}, False)):
+        chunks = []
+        with httpx.stream(
+            "POST", f"{server}/v1/completions", json={**body, "stream": True, **extra}, headers=AUTH, timeout=120
+        ) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line.removeprefix("data: ")))
+        content = [ch for ch in chunks if ch["choices"]]
+        assert content and all(("usage" in ch) == usage_field for ch in content), chunks
+        assert all(ch.get("usage") is None for ch in content)
+        if usage_field:
+            assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4, chunks[-1]
+        else:
+            assert chunks == content

@@ -406,7 +406,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
             events = engine.submit(request_id, prompt_ids, params, tenant)
         except RuntimeError as error:
             raise APIError(503, str(error), type="server_error") from None
-        shape = _Shape(request_id, state.model_name, chat, token_text, params.logprobs is not None)
+        shape = _Shape(request_id, state.model_name, chat, token_text, params.logprobs is not None, body.include_usage)
         if body.stream:
             return StreamingResponse(
                 _stream(engine, request_id, events, shape, body.include_usage),
@@ -437,8 +437,17 @@ def _with_request_bodies(doc: dict[str, Any]) -> dict[str, Any]:
 class _Shape:
     """Builds one request's OpenAI objects: chunks while it streams, the whole response at the end."""
 
-    def __init__(self, request_id: str, model: str, chat: bool, token_text: TokenText, logprobs: bool) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        chat: bool,
+        token_text: TokenText,
+        logprobs: bool,
+        include_usage: bool = False,
+    ) -> None:
         self.id, self.model, self.chat, self.tt, self.logprobs = request_id, model, chat, token_text, logprobs
+        self.include_usage = include_usage
         self.created = protocol.now()
         self.object = "chat.completion" if chat else "text_completion"
         self.text_offsets: dict[int, int] = {}
@@ -466,7 +475,8 @@ class _Shape:
             choice["text"] = delta.text
         choice["logprobs"] = self._logprobs(delta)
         choice["finish_reason"] = delta.finish_reason
-        return self._envelope([choice])
+        # with include_usage every chunk but the last carries "usage": null, as OpenAI's do
+        return self._envelope([choice], **({"usage": None} if self.include_usage else {}))
 
     def usage_chunk(self, output) -> dict[str, Any]:
         return self._envelope([], usage=protocol.usage(output))
