@@ -906,6 +906,20 @@ def test_a_body_that_stops_arriving_is_answered_in_bounded_time(loaded):
 
     sent = asyncio.run(stop_meanwhile())
     assert status(sent) == 503, sent
+    body = json.loads(next(m["body"] for m in sent if m["type"] == "http.response.body"))
+    assert body["error"]["code"] == "server_shutting_down", body
+
+
+def test_every_answer_of_a_stopped_server_carries_the_code_clients_key_on(loaded):
+    """A completion sent after the stop: 503 with code server_shutting_down, as the body still
+    arriving and the request cut mid-way get (docs/serving.md), not a 503 without a code."""
+    app, thread = _app_over(loaded)
+    thread.stop()
+    whole = [{"type": "http.request", "body": json.dumps({"prompt": "hi", "max_tokens": 2}).encode()}]
+    sent = asyncio.run(asyncio.wait_for(_post(app, whole, [(b"content-type", b"application/json")]), 10))
+    assert next(m["status"] for m in sent if m["type"] == "http.response.start") == 503, sent
+    body = json.loads(next(m["body"] for m in sent if m["type"] == "http.response.body"))
+    assert body["error"]["code"] == "server_shutting_down" and body["error"]["type"] == "server_error", body
 
 
 def test_an_unknown_endpoint_or_method_gets_an_openai_error_naming_it(loaded):

@@ -87,6 +87,14 @@ class ServerState:
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
 
 
+def _not_running(state: ServerState, error: RuntimeError) -> APIError:
+    """The 503 of a call the engine thread no longer takes: `server_shutting_down` (the code
+    every "the server stops" answer carries, which OpenAI's clients retry) while it stops,
+    `engine_not_running` otherwise."""
+    code = "server_shutting_down" if state.engine.stopping else "engine_not_running"
+    return APIError(503, str(error), code=code, type="server_error")
+
+
 def _error_response(error: APIError) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
@@ -183,7 +191,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
                         code="request_timeout",
                     )
                 if state.engine.stopping:
-                    raise APIError(503, "the server is shutting down", type="server_error")
+                    raise APIError(503, "the server is shutting down", code="server_shutting_down", type="server_error")
                 await asyncio.wait({receiving}, timeout=min(left, _STOP_POLL_S))
             return receiving.result()
         finally:
@@ -258,7 +266,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         try:
             report = await asyncio.wrap_future(state.engine.call(check))
         except RuntimeError as error:
-            raise APIError(503, str(error), type="server_error") from None
+            raise _not_running(state, error) from None
         except AssertionError as error:
             return JSONResponse({"integrity": "failed", "error": str(error)}, status_code=500)
         return JSONResponse(report)
@@ -405,7 +413,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         try:
             events = engine.submit(request_id, prompt_ids, params, tenant)
         except RuntimeError as error:
-            raise APIError(503, str(error), type="server_error") from None
+            raise _not_running(state, error) from None
         shape = _Shape(request_id, state.model_name, chat, token_text, params.logprobs is not None, body.include_usage)
         if body.stream:
             return StreamingResponse(
