@@ -763,6 +763,98 @@ def test_a_real_tmpfs_that_fills_evicts_to_make_room(tmp_path) -> None:
         subprocess.run(["umount", str(mnt)], check=True)
 
 
+def test_a_full_disk_that_evicting_does_not_relieve_keeps_the_entries(tmp_path, monkeypatch) -> None:
+    """A disk filled by something eviction cannot undo (a foreign writer, entry files held
+    open by a reader, another user's quota): every write evicted an entry, found the disk
+    full again and failed, so the tier emptied itself and stored nothing (10 puts: all 5
+    entries gone). Now making room stops at the first retry that fails, one line says so,
+    and it is tried again after a back-off (doubled each time) or when a write succeeds."""
+    import kvpool.tiers.disk as disk_module
+
+    full = [False]
+    real = DiskTier._store
+
+    def store(self, key, data, final):
+        if full[0]:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.root / "tmp" / "x.tmp"))
+        return real(self, key, data, final)
+
+    monkeypatch.setattr(DiskTier, "_store", store)
+    clock = [1000.0]
+    monkeypatch.setattr(disk_module, "_now", lambda: clock[0], raising=False)  # (the fix adds it)
+    lines: list[str] = []
+    tier = DiskTier(tmp_path / "c", 1 << 30, log=lines.append)
+    for i in range(5):
+        assert tier.put(key(i), descriptor(i), tensors(i))
+    assert tier.flush(30)
+    full[0] = True  # the space is gone, and no eviction of ours brings it back
+    for i in range(5, 15):
+        assert tier.put(key(i), descriptor(i), tensors(i))
+    assert tier.flush(30)
+    tier.check_integrity()
+    report = tier.report()
+    assert report["num_evictions"] == 1 and report["entries"] == 4, report  # (0 and all 10 failed before)
+    assert report["num_write_errors"] == 10 and report["disk_full"] == 1 and report["disk_full_no_room"] == 1
+    assert [i for i in range(15) if same(tier.get(key(i), descriptor(i)), i)] == [1, 2, 3, 4]
+    assert len(lines) == 2 and "evicting least recently used entries" in lines[0], lines
+    assert "freed no room" in lines[1] and "keeps its entries" in lines[1] and "60 s" in lines[1], lines
+    clock[0] += 61  # the back-off over: room is made (and found useless) once more, the next back-off 120 s
+    for i in range(15, 18):
+        assert tier.put(key(i), descriptor(i), tensors(i))
+    assert tier.flush(30)
+    report = tier.report()
+    evicted = report["num_evictions"]  # (two when the oldest entry is a few bytes smaller than the new one)
+    assert report["disk_full"] == report["disk_full_no_room"] == 2 and evicted in (2, 3), report
+    assert report["entries"] == 5 - evicted and report["num_write_errors"] == 13, report
+    clock[0] += 61  # (within the doubled back-off: nothing evicted)
+    assert tier.put(key(18), descriptor(18), tensors(18)) and tier.flush(30)
+    assert tier.report()["num_evictions"] == evicted and tier.num_entries == 5 - evicted
+    full[0] = False  # space again: the write succeeds, and the back-off is reset
+    assert tier.put(key(19), descriptor(19), tensors(19)) and tier.flush(30)
+    assert tier.num_entries == 6 - evicted and same(tier.get(key(19), descriptor(19)), 19)
+    assert tier._no_room_until == 0.0 and tier._no_room_backoff_s == disk_module._NO_ROOM_BACKOFF_S
+    assert len(lines) == 2  # said once
+    tier.check_integrity()
+
+
+def test_a_real_tmpfs_whose_entries_are_held_open_keeps_them(tmp_path) -> None:
+    """review_6's repro on a real 1 MiB tmpfs (root only): 20 entries, a foreign file takes
+    the rest, every entry file held open by a reader (unlinked, it frees nothing): 20 more
+    puts emptied the tier (20 evictions, 0 entries). Now one write's room evicted, 18-19 kept."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mnt)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    held = []
+    try:
+        lines: list[str] = []
+        tier = DiskTier(mnt / "c", 1 << 30, log=lines.append)
+        for i in range(20):
+            assert tier.put(key(i), descriptor(i), tensors(i))
+        assert tier.flush(30) and tier.num_entries == 20
+        with open(mnt / "foreign", "wb") as f, pytest.raises(OSError):
+            f.write(b"x" * (2 << 20))
+            f.flush()
+        held = [open(p, "rb") for p in (mnt / "c" / "entries").rglob("*.safetensors")]
+        assert len(held) == 20
+        for i in range(20, 40):
+            assert tier.put(key(i), descriptor(i), tensors(i))
+        assert tier.flush(30)
+        tier.check_integrity()
+        report = tier.report()
+        evicted = report["num_evictions"]  # (one entry's room or two: the new entries are a few bytes larger)
+        assert evicted in (1, 2) and report["entries"] == 20 - evicted and report["num_write_errors"] == 20, report
+        assert report["disk_full"] == report["disk_full_no_room"] == 1, report
+        assert sum(same(tier.get(key(i), descriptor(i)), i) for i in range(20)) == 20 - evicted
+        assert len(lines) == 2 and "freed no room" in lines[1], lines
+        tier.close()
+    finally:
+        for f in held:
+            f.close()
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
 def test_a_cache_removed_under_the_engine_is_said_once_and_it_serves_on(tmp_path, capfd) -> None:
     """`rm -rf` of the cache directory under a running engine: every write failed, counted
     in --json alone and never said. Now one line names the directory; the engine serves

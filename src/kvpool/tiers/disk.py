@@ -32,7 +32,10 @@ cache removed under a running engine, say: every later write fails, and without 
 nothing but --json's counters told). A filesystem that fills up (ENOSPC, EDQUOT) before
 the byte limit is reached is a limit too: the write makes room by evicting least recently
 used entries, as many bytes as it needs, and tries once more, so the tier keeps taking
-new blocks (it stopped taking any, its old entries kept for ever).
+new blocks (it stopped taking any, its old entries kept for ever). When that retry finds
+the filesystem full again, evicting did not help (files held open, another user's quota,
+another writer): making room stops until a write succeeds or a back-off ends, and the
+entries stay (it drained the whole tier, one entry a write).
 
 `holds` (the writer's "already stored, skip it") trusts only entries whose payload this
 process wrote or read back whole: a lookup checks the header only, so an entry with a
@@ -75,9 +78,16 @@ from kvpool.tiers.writer import BackgroundWriter
 MARKER = "kvpool-disk-cache"
 SUFFIX = ".safetensors"
 _CHUNK = 1 << 20
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+# a full filesystem that evicting did not relieve: no eviction to make room for this long
+# (doubled each time it happens again, up to the cap), or until a write succeeds
+_NO_ROOM_BACKOFF_S = 60.0
+_NO_ROOM_BACKOFF_MAX_S = 3600.0
+_now = time.monotonic  # (the tests move it)
 _WHAT = {  # what failed (io_errors' names, and "write"), as a fault line says it
     "write": "a write",
     "full": "a write (the filesystem is full)",
+    "no room": "a write after making room (the filesystem is still full)",
     "read": "a read",
     "utime": "refreshing an entry's LRU time",
     "evict": "an eviction",
@@ -219,6 +229,9 @@ class DiskTier(Tier):
         self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self._said: set[tuple[str, str]] = set()  # (what failed, errno name) already said
         self.num_full = 0  # writes that found the filesystem full and made room
+        self.num_no_room = 0  # ... and still found it full: making room stops for a while
+        self._no_room_until = 0.0  # (_now()) no eviction to make room before this
+        self._no_room_backoff_s = _NO_ROOM_BACKOFF_S
         self.num_quarantine_trimmed = 0  # quarantined files removed to keep quarantine/ bounded
         self._lock = threading.Lock()
         # (namespace, content key) -> entry, LRU first; blocks of the same tokens under two
@@ -573,15 +586,11 @@ class DiskTier(Tier):
             return
         final = self._path(key, descriptor)
         try:
-            try:
-                inode = self._store(key, data, final)
-            except OSError as error:
-                # a full filesystem is a byte limit too: room made, the write is tried once more
-                if error.errno not in (errno.ENOSPC, errno.EDQUOT) or not self._make_room(len(data), error):
-                    raise
-                inode = self._store(key, data, final)
+            inode = self._store_making_room(key, data, final)
         except OSError as error:
             self.stats.num_write_errors += 1
+            if error.errno in _FULL and self._no_room_until:
+                return  # (said when making room stopped)
             if self._say("write", error) and not (self.root / "tmp").is_dir():
                 # the directory removed under us: index what is left (nothing, usually), so
                 # that the report and the lookups stop counting the removed entries
@@ -597,6 +606,41 @@ class DiskTier(Tier):
         if rescan:  # (on the writer's thread, off the engine's path)
             self._rescan()
         self.stats.put_s += time.perf_counter() - start
+
+    def _store_making_room(self, key: bytes, data: bytes, final: Path) -> int:
+        """`_store`, and on a full filesystem, room made and the write tried once more (a
+        full filesystem is a byte limit too). When that write finds it full again, the
+        evictions freed nothing it could use (an entry file held open by another process,
+        the quota of another user whose entries they were, another writer taking the space
+        first): making room stops, the entries kept, until a write succeeds or the back-off
+        ends (it drained the whole tier, one entry a write, and stored nothing)."""
+        try:
+            inode = self._store(key, data, final)
+        except OSError as error:
+            if error.errno not in _FULL or _now() < self._no_room_until or not self._make_room(len(data), error):
+                raise
+            try:
+                inode = self._store(key, data, final)
+            except OSError as again:
+                if again.errno in _FULL:
+                    self._stop_making_room(again)
+                raise
+        self._no_room_until, self._no_room_backoff_s = 0.0, _NO_ROOM_BACKOFF_S
+        return inode
+
+    def _stop_making_room(self, error: OSError) -> None:
+        self.num_no_room += 1
+        backoff = self._no_room_backoff_s
+        self._no_room_until = _now() + backoff
+        self._no_room_backoff_s = min(2 * backoff, _NO_ROOM_BACKOFF_MAX_S)
+        self._say(
+            "no room",
+            error,
+            "evicting entries freed no room for the block (their files held open by another "
+            "process? another user's quota? another writer?): the tier keeps its entries and "
+            f"evicts none to make room until a write succeeds (tried again after {backoff:g} s, "
+            "then less often); the blocks that do not fit are not stored",
+        )
 
     def _make_room(self, num_bytes: int, error: OSError) -> bool:
         """The filesystem is full (`error`): evict least recently used entries until
@@ -676,6 +720,7 @@ class DiskTier(Tier):
             "stale_tmp_removed": self.num_stale_tmp_removed,
             "quarantine_trimmed": self.num_quarantine_trimmed,
             "disk_full": self.num_full,  # writes that found the filesystem full and evicted to make room
+            "disk_full_no_room": self.num_no_room,  # ... and found it full again: making room paused
             **self.stats.as_dict(),
             "io_errors": dict(sorted(self.io_errors.items())),
         }
