@@ -292,7 +292,14 @@ def test_a_missing_or_wrong_password_is_one_error_that_never_shows_it(locked_ser
 
 
 @pytest.mark.parametrize(
-    "url", ["redis://:%s@127.0.0.1:port/0", "redis://user:%s@[::1/0", "redis://127.0.0.1:port/0?password=%s"]
+    "url",
+    [
+        "redis://:%s@127.0.0.1:port/0",
+        "redis://user:%s@[::1/0",
+        "redis://127.0.0.1:port/0?password=%s",
+        "redis://:se/%s@127.0.0.1:6379/0",  # a raw '/' in the password: it was shown whole
+        "redis://user:%s/a@b@127.0.0.1:6379/0",
+    ],
 )
 def test_a_url_check_url_refuses_never_shows_its_password(url) -> None:
     with pytest.raises(ValueError) as refused:

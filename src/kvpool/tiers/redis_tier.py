@@ -67,8 +67,9 @@ GENERATION_KEY = "kvpool:generation"  # a random value the processes share; gone
 def redact_url(url: str) -> str:
     """The URL as messages and reports show it: a password (redis://USER:PASSWORD@HOST, or
     ?password=) replaced by ***, so that it never reaches a log, a terminal or a --json
-    report. Textual: a URL that does not parse is redacted too."""
-    url = re.sub(r"//([^/:@]*):[^/]*@", r"//\1:***@", url)
+    report. Textual: a URL that does not parse is redacted too. The password runs to the
+    last '@' before any '?' or '#': a raw '/' in it (not percent-encoded) was shown."""
+    url = re.sub(r"//([^/:@?#]*):[^?#]*@", r"//\1:***@", url)
     return re.sub(r"([?&]password=)[^&#]*", r"\1***", url, flags=re.IGNORECASE)
 
 
