@@ -296,12 +296,17 @@ def test_an_empty_cache_path_is_refused_not_taken_as_the_working_directory(tmp_p
     from kvpool.tiers.disk_admin import existing_cache
 
     monkeypatch.chdir(tmp_path)
-    for empty in ("", " "):
-        with pytest.raises(ValueError, match=r"an empty path \(give the cache's directory\)"):
-            DiskTier(empty, 1 << 20)
-        with pytest.raises(ValueError, match="an empty path"):
-            existing_cache(empty)
+    with pytest.raises(ValueError, match=r"an empty path \(give the cache's directory\)"):
+        DiskTier("", 1 << 20)
+    with pytest.raises(ValueError, match="an empty path"):
+        existing_cache("")
     assert list(tmp_path.iterdir()) == []
+    # " " is a path (a directory named by one space): taken, not told it is empty
+    tier = DiskTier(" ", 1 << 20)
+    assert tier.put(key(1), descriptor(1), tensors(1)) and tier.flush(30)
+    assert (tmp_path / " " / "entries").is_dir() and existing_cache(" ") == Path(" ")
+    assert tier.lookup(key(1), descriptor(1))
+    tier.close()
 
 
 # ----- SmolLM2 through the disk tier --------------------------------------------------

@@ -155,7 +155,7 @@ def open_directory(directory: str | os.PathLike) -> Path:
     """The cache directory, created if absent; ValueError naming the problem when it is a
     file, is not writable, cannot be reached (a parent the user may not enter), or is a
     directory that holds something other than a cache."""
-    if not os.fspath(directory).strip():  # Path("") is "."
+    if os.fspath(directory) == "":  # Path("") is "." (" " is a directory name, if an odd one)
         raise ValueError(f"disk cache {os.fspath(directory)!r}: an empty path (give the cache's directory)")
     root = Path(directory).expanduser()
     try:

@@ -32,7 +32,7 @@ class EntryInfo:
 
 def existing_cache(directory: str | os.PathLike) -> Path:
     """A directory that holds a kvpool disk cache (nothing is created); ValueError otherwise."""
-    if not os.fspath(directory).strip():  # Path("") is "."
+    if os.fspath(directory) == "":  # Path("") is "." (" " is a directory name, if an odd one)
         raise ValueError(f"disk cache {os.fspath(directory)!r}: an empty path (give the cache's directory)")
     root = Path(directory).expanduser()
     try:
