@@ -763,6 +763,25 @@ def test_a_real_tmpfs_that_fills_evicts_to_make_room(tmp_path) -> None:
         subprocess.run(["umount", str(mnt)], check=True)
 
 
+def test_a_tier_size_error_comes_alone_not_after_the_line_on_another_models_entries(tmp_path) -> None:
+    """A disk tier too small for a block, on a directory of another model's entries: the
+    line on what the directory holds came first (expect_blocks ran before check_sizes), then
+    the error. Now the size error is checked first, and comes alone (review_6 #7)."""
+    from kvpool.engine.llama_runner import llama_runner
+    from random_llama import DESCRIPTOR, random_llama
+
+    other = DiskTier(tmp_path / "c", 1 << 30)
+    assert other.put(key(0), descriptor(0), tensors(0)) and other.flush(30)
+    other.close()
+    one = _entry_bytes(tmp_path / "c")
+    lines: list[str] = []
+    small = DiskTier(tmp_path / "c", one + 100, log=lines.append)  # (holds the foreign entry, no block of this model)
+    assert small.num_entries == 1
+    with pytest.raises(ValueError, match=r"\(--disk-cache-gib\) holds no KV block"):
+        llama_runner(random_llama("cpu", torch.float64), 8, 16, DESCRIPTOR, persistent_tiers=[small])
+    assert lines == []
+
+
 def test_a_full_disk_that_evicting_does_not_relieve_keeps_the_entries(tmp_path, monkeypatch) -> None:
     """A disk filled by something eviction cannot undo (a foreign writer, entry files held
     open by a reader, another user's quota): every write evicted an entry, found the disk
@@ -927,7 +946,8 @@ def test_a_directory_of_another_block_size_or_dtype_is_said_and_never_served(tmp
     err = capfd.readouterr().err
     assert cached == 0 and tokens32 == tokens16  # computed, not read from the bs16 entries
     lines = [line for line in err.splitlines() if line.startswith("kvpool: disk cache")]
-    assert len(lines) == 1 and "holds 4 entries, none of this model and layout" in lines[0], err
+    assert len(lines) == 1 and "nothing of this model and layout there yet" in lines[0], err
+    assert "its 4 entries are of other models" in lines[0], err
     assert other.layout_id in lines[0] and "kvpool cache stats" in lines[0]
     assert serve(16, DESCRIPTOR, "c")[1] == 64  # its own entries still serve it, and no line
     assert "kvpool: disk cache" not in capfd.readouterr().err

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import re
 import subprocess
 import sys
 from typing import Any
@@ -571,10 +572,12 @@ def test_a_tier_that_holds_no_block_or_a_host_tier_past_the_memory_is_refused(tm
     silently (the host tier's check was its own); a host tier larger than the memory the
     machine has (--host-cache-gib 100000) was taken, to be killed by the OOM killer as it
     filled. Both are one ValueError when the runner is built."""
+    from kvpool.engine.engine import Engine
     from kvpool.engine.llama_runner import llama_runner
     from kvpool.engine.memory import available_memory_bytes
+    from kvpool.engine.sampling import SamplingParams
     from kvpool.tiers import DiskTier
-    from random_llama import DESCRIPTOR, random_llama
+    from random_llama import DESCRIPTOR, random_ids, random_llama
 
     model = random_llama("cpu", torch.float64)
     block = 2 * 4 * 2 * 32 * 16 * 8  # K and V, 4 layers, 2 KV heads, dim 32, 16 slots, fp64
@@ -587,7 +590,23 @@ def test_a_tier_that_holds_no_block_or_a_host_tier_past_the_memory_is_refused(tm
         ValueError, match=r"^the host tier \(--host-cache-gib\) needs .* GiB of memory available; lower"
     ):
         llama_runner(model, 8, 16, DESCRIPTOR, host_tier=HostTier(too_much))
-    llama_runner(model, 8, 16, DESCRIPTOR, host_tier=HostTier(block), persistent_tiers=[DiskTier(tmp_path, block)])
+    # the disk tier weighs an entry, header included: a limit of the tensors' bytes alone
+    # passed and refused every block (review_6 #4)
+    with pytest.raises(ValueError, match=rf"holds no KV block of {block} bytes \((\d+) bytes stored") as refused:
+        llama_runner(model, 8, 16, DESCRIPTOR, persistent_tiers=[DiskTier(tmp_path / "d", block)])
+    entry_bytes = int(re.search(r"\((\d+) bytes stored", str(refused.value)).group(1))
+    assert block < entry_bytes < block + 8192  # (a header of a few KiB)
+    with pytest.raises(ValueError, match="holds no KV block"):
+        llama_runner(model, 8, 16, DESCRIPTOR, persistent_tiers=[DiskTier(tmp_path / "d", entry_bytes - 1)])
+    disk = DiskTier(tmp_path / "d", entry_bytes)  # one entry: taken, and a block served through it is stored
+    runner = llama_runner(model, 8, 16, DESCRIPTOR, host_tier=HostTier(block), persistent_tiers=[disk])
+    engine = Engine(runner)
+    engine.add_request(random_ids(40, 5), SamplingParams(max_tokens=1, ignore_eos=True), "a")
+    while engine.has_unfinished():
+        engine.step()
+    assert runner.flush_tiers(30)
+    assert disk.num_entries == 1 and disk.stats.num_rejected_puts == 0 and disk.num_bytes <= entry_bytes
+    runner.close()
 
 
 @pytest.mark.parametrize(

@@ -392,6 +392,8 @@ class ModelRunner:
         # the names the CLI, P/D and the tests read: the bridge's own objects, not copies
         self.host_tier, self.persistent_tiers = self.bridge.host_tier, self.bridge.persistent_tiers
         self.tier, self.tier_index, self.tier_moves = self.bridge.tier, self.bridge.index, self.bridge.moves
+        # first: a tier size error comes alone (not after expect_blocks' line on what the directory holds)
+        self.bridge.check_sizes(executor.block_bytes, descriptor, executor.block_layout)
         if self.persistent_tiers:  # disk, Redis: an entry that is not a block of this storage is a corrupt miss
             self.bridge.expect_blocks(descriptor, executor.block_layout)
         # window snapshots at block boundaries (dual pool with persistent tiers, tiers/swa.py)
@@ -401,7 +403,6 @@ class ModelRunner:
         if self.host_tier is not None:
             if hasattr(self.host_tier, "reclaim"):
                 self.host_tier.reclaim(descriptor)  # a tier kept from an engine of other weights
-        self.bridge.check_sizes(executor.block_bytes)
 
     @property
     def model(self) -> Any:

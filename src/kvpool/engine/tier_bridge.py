@@ -107,18 +107,32 @@ class TierBridge:
         for tier in self.persistent_tiers:
             tier.expect_tensors(descriptor.model_id, descriptor.layout_id, blocks)
 
-    def check_sizes(self, block_bytes: int) -> None:
+    def check_sizes(
+        self,
+        block_bytes: int,
+        descriptor: CacheDescriptor | None = None,
+        blocks: dict[str, tuple[torch.dtype, tuple[int, ...]]] | None = None,
+    ) -> None:
         """ValueError for a tier whose byte limit holds no block of `block_bytes` (it would
         refuse every block, silently: a disk tier did), and for a host tier larger than the
         memory this machine has available now (it fills as blocks are evicted: past that
-        memory the process is killed mid-run, with every request it serves)."""
+        memory the process is killed mid-run, with every request it serves). A tier that
+        stores an entry with a header (the disk tier) is weighed by that entry's real size,
+        from `descriptor` and `blocks` (expect_blocks'): a limit of the tensors' bytes alone
+        passed and still refused every block."""
         flags = {"host": "--host-cache-gib", "disk": "--disk-cache-gib"}
         for tier in ([self.host_tier] if self.host_tier is not None else []) + self.persistent_tiers:
             capacity = getattr(tier, "capacity_bytes", None)  # (Redis: the server's own limit)
-            if capacity is not None and capacity < block_bytes:
+            if capacity is None:
+                continue
+            needed, stored = block_bytes, ""
+            if blocks and descriptor is not None and hasattr(tier, "entry_bytes"):
+                needed = tier.entry_bytes(descriptor, self.block_size, blocks)
+                stored = f" ({needed} bytes stored, with its entry's header)"
+            if capacity < needed:
                 flag = flags.get(tier.name, tier.name)
                 raise ValueError(
-                    f"a {tier.name} tier of {capacity} bytes ({flag}) holds no KV block of {block_bytes} bytes"
+                    f"a {tier.name} tier of {capacity} bytes ({flag}) holds no KV block of {block_bytes} bytes{stored}"
                 )
         capacity = getattr(self.host_tier, "capacity_bytes", None)
         if capacity is not None:

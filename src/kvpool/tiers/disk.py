@@ -79,6 +79,16 @@ MARKER = "kvpool-disk-cache"
 SUFFIX = ".safetensors"
 _CHUNK = 1 << 20
 _FULL = (errno.ENOSPC, errno.EDQUOT)
+# the BlockDescriptor fields that come from the engine's CacheDescriptor (tiers/descriptor.py)
+_CACHE_FIELDS = (
+    "model_id",
+    "weights_version",
+    "tokenizer_version",
+    "template_version",
+    "adapter_id",
+    "rope_id",
+    "layout_id",
+)
 # a full filesystem that evicting did not relieve: no eviction to make room for this long
 # (doubled each time it happens again, up to the cap), or until a write succeeds
 _NO_ROOM_BACKOFF_S = 60.0
@@ -318,6 +328,27 @@ class DiskTier(Tier):
             self._written_since_scan = 0
             return self._evict_over_limit()
 
+    def entry_bytes(self, cache: object, block_size: int, tensors: dict[str, tuple[object, tuple[int, ...]]]) -> int:
+        """The bytes a block of these tensors ({name: (torch dtype, shape)}) takes at most as
+        an entry under `cache` (the engine's CacheDescriptor): the tensors and the header
+        (manifest, descriptor, checksums), what `_write` weighs against the limit. (The
+        header grows with the token ids' digits: the largest ids are taken; a multimodal
+        block's extra key adds its own hex.)"""
+        import torch  # (the tier itself weighs only bytes)
+
+        zeros = {name: torch.zeros(shape, dtype=dtype) for name, (dtype, shape) in tensors.items()}
+        key = bytes(16)  # (an xxh3_128 content key)
+        largest = BlockDescriptor(
+            content_key=key.hex(),
+            parent_key=key.hex(),
+            num_computed_tokens=1 << 40,
+            token_ids=((1 << 32) - 1,) * block_size,  # (uint32 ids)
+            mm_identity="",
+            tenant="0" * 16,
+            **{f: getattr(cache, f) for f in _CACHE_FIELDS},
+        )
+        return len(entry.encode(key, largest, zeros))
+
     def expect_tensors(self, model_id: str, layout_id: str, tensors: dict[str, tuple[object, tuple[int, ...]]]) -> None:
         """Declare the tensors every block of (model_id, layout_id) has: {name: (torch dtype,
         shape)}. An entry of that namespace whose tensors differ, checksums valid or not, is
@@ -328,11 +359,13 @@ class DiskTier(Tier):
             others = sum(ns != namespace for ns, _ in self._entries)
         if others == len(self._entries) > 0:
             # a directory filled by another model, block size, KV dtype or layout: no hit can
-            # come of it, and nothing but a hit rate of 0 said so
+            # come of it yet, and nothing but a hit rate of 0 said so. (Information: a
+            # directory shared by several models is supported, this model's entries go beside.)
             self._log(
-                f"kvpool: disk cache {self.root} holds {others} entries, none of this model and layout "
-                f"({model_id}, {layout_id}): entries of another model, block size, KV dtype or layout "
-                f"never serve it (`kvpool cache stats {self.root}` lists what it holds)"
+                f"kvpool: disk cache {self.root}: nothing of this model and layout there yet "
+                f"({model_id}, {layout_id}); its {others} entries are of other models, block sizes, "
+                f"KV dtypes or layouts, which never serve this one (`kvpool cache stats {self.root}` "
+                "lists what it holds)"
             )
 
     def _check_layout(self, namespace: str, layout: dict[str, tuple[str, list[int]]]) -> None:
