@@ -276,6 +276,22 @@ def test_an_image_part_in_a_chat_message_is_named_as_such():
     )
 
 
+def test_top_k_minus_one_is_vllms_all_tokens_and_is_served_as_no_top_k():
+    """vLLM reads top_k -1 (its old default) and 0 as "all tokens": a client written for vLLM
+    sends -1, and it was refused with a 400. Below -1 is still refused, naming the field."""
+    from kvpool.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
+
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for model, body in ((CompletionRequest, {"prompt": "hi"}), (ChatCompletionRequest, chat)):
+        for sent, served in ((-1, 0), (0, 0), (None, 0), (1, 1), (40, 40)):
+            assert parse_body(json.dumps({**body, "top_k": sent}).encode(), model).top_k == served, sent
+        for sent in (-2, -100):
+            with pytest.raises(APIError) as caught:
+                parse_body(json.dumps({**body, "top_k": sent}).encode(), model)
+            assert (caught.value.status, caught.value.param) == (400, "top_k"), caught.value.message
+            assert "-1" in caught.value.message, caught.value.message
+
+
 def test_an_error_names_the_field_even_when_it_starts_like_a_type_name():
     """`stream` starts with "str", pydantic's tag for a union's string member: the field was
     dropped from the error (param null), and `stream_options.` from its members' errors."""

@@ -14,7 +14,7 @@ kvpool does not implement (repetition_penalty, min_p, min_tokens, stop_token_ids
 field sent as JSON null
 takes its default, as OpenAI takes it (`"temperature": null` is 1.0, `"n": null` is 1); a
 required one (`prompt`, `messages`) sent as null is refused. Two extensions, as vLLM names
-them: `top_k` and `ignore_eos`.
+them: `top_k` (0 or vLLM's -1 for all tokens) and `ignore_eos`.
 """
 
 from __future__ import annotations
@@ -107,7 +107,8 @@ class SamplingRequest(NullIsDefault):
     # keeps the most likely token: every finite value in these ranges is served
     temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int = Field(0, ge=0)  # extension: 0 = off
+    # extension, as vLLM's: 0 or -1 (vLLM's "all tokens") = off; -1 is read as 0 (_check_common)
+    top_k: int = Field(0, ge=-1)
     n: int = Field(1, ge=1, le=MAX_N)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)  # int64, as OpenAI's; None: a fresh one
     stop: str | list[str] | None = None
@@ -139,6 +140,8 @@ class SamplingRequest(NullIsDefault):
 
     @model_validator(mode="after")
     def _check_common(self) -> SamplingRequest:
+        if self.top_k == -1:
+            self.top_k = 0
         stops = self.stop_strings
         if any(not s for s in stops):
             raise ValueError("stop: a stop string is empty")
