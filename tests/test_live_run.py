@@ -42,7 +42,7 @@ def _tiny_v4(turn_ends: bool):
 
 def _serve(engine, vocab_size: int, num_conversations: int, **kwargs):
     rng = random.Random(0)
-    workload = live_token_ids(vocab_size, num_conversations, 0, rng)
+    workload = live_token_ids(vocab_size, num_conversations, 0, rng, seed=0)
     params = SamplingParams(max_tokens=4, temperature=0.7, top_p=0.9, seed=0)
     run = serve_live(engine, workload, params, turns=2, request_rate=float("inf"), rng=rng, **kwargs)
     return workload, run
@@ -137,7 +137,7 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_anything_is_served(
     engine, vocab_size = _tiny_v4(False)
     limit_model_len(engine, 500)  # the 320-token first turns fit; the 700-token long prompt does not
     rng = random.Random(0)
-    workload = live_token_ids(vocab_size, 2, 1, rng)
+    workload = live_token_ids(vocab_size, 2, 1, rng, seed=0)
     with pytest.raises(ValueError, match=r"^request 'long0': prompt of 700 tokens is too long; at most 499 tokens fit"):
         serve_live(engine, workload, SamplingParams(max_tokens=4), turns=2, request_rate=1.0, rng=rng)
     assert engine.num_steps == 0 and not engine.has_unfinished() and engine.requests == {}
@@ -152,7 +152,7 @@ def test_a_follow_up_that_outgrows_the_context_ends_its_conversation_and_the_run
     engine, vocab_size = _tiny_v4(False)
     limit_model_len(engine, 330)
     rng = random.Random(0)
-    workload = live_token_ids(vocab_size, 3, 0, rng)
+    workload = live_token_ids(vocab_size, 3, 0, rng, seed=0)
     follow_up = workload.follow_up
 
     def shorter_for_chat1(conv, answer_ids, answer_text):
@@ -183,12 +183,12 @@ def test_unseeded_requests_each_take_a_seed_by_their_place_in_the_workload():
     k its place in `request_ids` (not the order it joined, which the clock decides): two
     conversations with the same first prompt draw different answers, and the same engine
     seed gives the same answers again."""
-    runs = []
+    runs, prompts = [], []
     for engine_seed, rate in ((3, float("inf")), (3, 50.0), (4, float("inf"))):
         engine, vocab_size = _tiny_v4(False)
         engine.reseed(engine_seed)
         rng = random.Random(0)
-        workload = live_token_ids(vocab_size, 3, 1, rng)
+        workload = live_token_ids(vocab_size, 3, 1, rng, seed=0)
         workload.first_prompts[1] = list(workload.first_prompts[0])  # chat1 asks what chat0 asks
         workload.conversations[1].history = list(workload.conversations[0].history)
         params = SamplingParams(max_tokens=4, temperature=0.7, top_p=0.9)
@@ -200,19 +200,21 @@ def test_unseeded_requests_each_take_a_seed_by_their_place_in_the_workload():
         tokens = _tokens(engine)
         assert tokens["chat0-t0"] != tokens["chat1-t0"]
         runs.append(tokens)
+        prompts.append({rid: engine.requests[rid].prompt_ids for rid in order})
         engine.runner.check_integrity()
-    # arrivals spread out: the same seeds and the same answers to the prompts known at the start
-    # (the token-id workload draws a follow-up's ids as it is made, in the clock's order);
-    # another engine seed: other answers
+    # arrivals spread out (another join order, and the follow-ups made in another order): the
+    # same seeds, the same prompts and the same answers, follow-ups included (their ids come
+    # from each conversation's own generator: from the shared one in the clock's order they
+    # differed); another engine seed: other answers
+    assert prompts[0] == prompts[1] and runs[0] == runs[1]
     first = ["chat0-t0", "chat1-t0", "chat2-t0", "long0"]
-    assert [runs[0][rid] for rid in first] == [runs[1][rid] for rid in first]
     assert [runs[0][rid] for rid in first] != [runs[2][rid] for rid in first]
 
 
 def test_a_seed_in_the_parameters_is_every_requests():
     engine, vocab_size = _tiny_v4(False)
     rng = random.Random(0)
-    workload = live_token_ids(vocab_size, 2, 0, rng)
+    workload = live_token_ids(vocab_size, 2, 0, rng, seed=0)
     serve_live(engine, workload, SamplingParams(max_tokens=2, seed=9), turns=2, request_rate=float("inf"), rng=rng)
     assert {r.params.seed for r in engine.requests.values()} == {9}
 

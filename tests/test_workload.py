@@ -150,7 +150,7 @@ def test_poisson_arrivals_at_an_infinite_rate_are_all_at_zero_and_draw_nothing()
 
 
 def test_live_token_ids_shape_and_follow_ups_extend_the_history():
-    w = live_token_ids(97, 7, 2, random.Random(0))
+    w = live_token_ids(97, 7, 2, random.Random(0), seed=0)
     assert [len(p) for p in w.first_prompts] == [320] * 7
     assert [len(p) for p in w.long_prompts] == [700, 750]
     systems = {tuple(p[:300]) for p in w.first_prompts}
@@ -161,6 +161,34 @@ def test_live_token_ids_shape_and_follow_ups_extend_the_history():
     nxt = w.follow_up(conv, [5, 6], "unused")
     assert nxt[:320] == w.first_prompts[2] and nxt[320:322] == [5, 6] and len(nxt) == 334
     assert conv.history == nxt
+
+
+def test_live_token_ids_follow_ups_do_not_depend_on_the_order_they_are_made_in():
+    """A follow-up is made when its answer finishes, in the clock's order: its 12 ids came
+    from the shared generator in that order, so a given seed gave other prompts from run to
+    run. Each conversation draws from its own generator now: the same seed, the same
+    follow-ups in any order; another seed, others; the first turns and the shared stream
+    (the arrivals drawn after them) are untouched by follow-ups."""
+
+    def follow_ups(order, seed=0):
+        rng = random.Random(0)
+        w = live_token_ids(97, 4, 1, rng, seed=seed)
+        state = rng.getstate()
+        made = {}
+        for c in order:  # each conversation twice: turns 1 and 2
+            conv = w.conversations[c]
+            made[c, conv.turn] = w.follow_up(conv, [c, conv.turn], "unused")
+            conv.turn += 1
+        assert rng.getstate() == state
+        return made
+
+    in_order = follow_ups([0, 0, 1, 1, 2, 2, 3, 3])
+    assert follow_ups([3, 1, 0, 2, 2, 0, 1, 3]) == in_order
+    assert follow_ups([2, 3, 2, 1, 0, 3, 1, 0]) == in_order
+    other = follow_ups([0, 0, 1, 1, 2, 2, 3, 3], seed=1)
+    assert all(other[key][-12:] != in_order[key][-12:] for key in in_order)
+    # (conversations 0 and 3 share system prompt 0 and get [c, turn]: their drawn ids differ)
+    assert in_order[0, 0][-12:] != in_order[3, 0][-12:]
 
 
 def test_live_chat_renders_the_chat_conversations():
@@ -191,7 +219,7 @@ def test_the_workload_package_imports_no_torch():
 
 def test_first_requests_are_the_first_turns_and_long_prompts_at_their_poisson_arrivals():
     rng = random.Random(3)
-    w = live_token_ids(50, 4, 2, rng)
+    w = live_token_ids(50, 4, 2, rng, seed=3)
     ref = random.Random()
     ref.setstate(rng.getstate())
     times, t = [], 0.0
@@ -203,7 +231,7 @@ def test_first_requests_are_the_first_turns_and_long_prompts_at_their_poisson_ar
     expected = sorted(zip(times, ids, prompts, strict=True), key=lambda item: item[0])
     assert [tuple(item) for item in w.first_requests(1.5, rng)] == expected
     # all at once: in order, first turns then long prompts
-    at_once = live_token_ids(50, 4, 2, random.Random(3)).first_requests(math.inf, random.Random(0))
+    at_once = live_token_ids(50, 4, 2, random.Random(3), seed=3).first_requests(math.inf, random.Random(0))
     assert [(item.arrival_s, item.request_id) for item in at_once] == [(0.0, rid) for rid in ids]
 
 

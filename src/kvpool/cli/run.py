@@ -296,13 +296,18 @@ def build(args: argparse.Namespace):
     if args.model is not None and args.model.endswith(".json"):
         engine, name, vocab_size = config_engine(args)
         limit_model_len(engine, args.max_model_len)
-        return engine, lambda rng: live_token_ids(vocab_size, args.num_requests, args.num_long, rng), name, None
+        return (
+            engine,
+            lambda rng: live_token_ids(vocab_size, args.num_requests, args.num_long, rng, seed=args.seed),
+            name,
+            None,
+        )
     if args.model in HYBRID_MODELS:
         engine, model = hybrid_engine(args)
         limit_model_len(engine, args.max_model_len)
         return (
             engine,
-            lambda rng: live_token_ids(model.vocab_size, args.num_requests, args.num_long, rng),
+            lambda rng: live_token_ids(model.vocab_size, args.num_requests, args.num_long, rng, seed=args.seed),
             args.model,
             None,
         )
@@ -330,7 +335,7 @@ def build(args: argparse.Namespace):
         limit_model_len(engine, args.max_model_len)
         return (
             engine,
-            lambda rng: live_token_ids(model.vocab_size, args.num_requests, args.num_long, rng),
+            lambda rng: live_token_ids(model.vocab_size, args.num_requests, args.num_long, rng, seed=args.seed),
             TINY_MODEL,
             None,
         )

@@ -11,7 +11,10 @@ Two renderings of one shape (chat.py's conversations and long prompts):
                   prompts, every id rng.randrange(vocab_size)
 Both draw from the caller's seeded `random.Random`, in a fixed order: first turns, then
 (token ids only) long prompts, then (`first_requests`) the arrivals of the first turns and
-long prompts, then (token ids only) each follow-up as it is made.
+long prompts. A token-id follow-up's 12 ids come from its conversation's own generator,
+`follow_up_rng(seed, c)`, not from the shared one: follow-ups are made in the order their
+answers finish, which the clock decides, and drawn from the shared stream in that order
+(until 2026-12-07) they made a given seed give other prompts from run to run.
 
 Request ids: conversation c's turn k is f"chat{c}-t{k}", long prompt i is f"long{i}".
 """
@@ -43,6 +46,7 @@ class Conversation:
 
     history: list[chat.Message] | list[int]  # chat messages (live_chat) or token ids (live_token_ids)
     turn: int = 0  # the turn last sent; the caller advances it after each follow-up
+    rng: random.Random | None = None  # its follow-ups' own draws (live_token_ids); None: draws none
 
 
 # (conversation, the answer's token ids, the answer's text) -> the next turn's prompt ids
@@ -99,18 +103,31 @@ def live_chat(
     )
 
 
-def live_token_ids(vocab_size: int, num_conversations: int, num_long: int, rng: random.Random) -> LiveWorkload:
-    """The same shape in token ids (the module docstring gives the lengths)."""
+def follow_up_rng(seed: int, conversation: int) -> random.Random:
+    """Conversation `conversation`'s own generator for its follow-ups' ids under `seed` (a
+    string seed: hashed whole by SHA-512, so neighbouring seeds and indices give unrelated
+    streams, the same on every platform and run)."""
+    return random.Random(f"kvpool live follow-ups {seed} {conversation}")
 
-    def ids(n: int) -> list[int]:
-        return [rng.randrange(vocab_size) for _ in range(n)]
+
+def live_token_ids(
+    vocab_size: int, num_conversations: int, num_long: int, rng: random.Random, *, seed: int
+) -> LiveWorkload:
+    """The same shape in token ids (the module docstring gives the lengths); `seed` seeds
+    each conversation's follow-ups (`follow_up_rng`), `rng` everything else."""
+
+    def ids(n: int, draw: random.Random = rng) -> list[int]:
+        return [draw.randrange(vocab_size) for _ in range(n)]
 
     systems = [ids(300) for _ in chat.SYSTEM_TOPICS]
-    conversations = [Conversation(systems[i % len(systems)] + ids(20)) for i in range(num_conversations)]
+    conversations = [
+        Conversation(systems[i % len(systems)] + ids(20), rng=follow_up_rng(seed, i)) for i in range(num_conversations)
+    ]
     long_prompts = [ids(700 + 50 * i) for i in range(num_long)]
 
     def follow_up(conv: Conversation, answer_ids: list[int], answer_text: str) -> list[int]:
-        conv.history = list(conv.history) + answer_ids + ids(12)
+        assert conv.rng is not None  # (every conversation made here has its own)
+        conv.history = list(conv.history) + answer_ids + ids(12, conv.rng)
         return conv.history
 
     return LiveWorkload([list(c.history) for c in conversations], long_prompts, conversations, follow_up)
