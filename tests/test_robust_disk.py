@@ -953,22 +953,57 @@ def test_a_directory_of_another_block_size_or_dtype_is_said_and_never_served(tmp
     assert "kvpool: disk cache" not in capfd.readouterr().err
 
 
-def test_a_shared_cache_cut_down_to_a_smaller_limit_as_it_opens_is_said(tmp_path) -> None:
+def test_a_shared_cache_cut_down_to_a_smaller_limit_at_its_first_write_is_said(tmp_path) -> None:
     """A process opening a shared directory with a smaller --disk-cache-gib (the 16 GiB
     default on a team's larger cache) evicted everyone's least recently used entries down
-    to its own limit without a word. Now one line says how many and how much."""
+    to its own limit without a word. Now one line says how many and how much, and the cut
+    waits for the first write the tier takes (the open only indexes)."""
     tier = filled(tmp_path, 10)
     for i in range(10):  # the LRU order a next process reads (file times may tie within a tick)
         os.utime(stored(tier, i), ns=(i + 1, (i + 1) * 10**9))
-    newest = sum(stored(tier, i).stat().st_size for i in range(6, 10))
+    one = len(entry_format.encode(key(10), descriptor(10), tensors(10)))
+    newest = sum(stored(tier, i).stat().st_size for i in range(7, 10)) + one  # 3 of these, and entry 10
     lines: list[str] = []
     DiskTier(tmp_path, 1 << 30, log=lines.append)  # (room for all: nothing to say)
     assert lines == []
     small = DiskTier(tmp_path, newest, log=lines.append)
-    assert small.num_entries == 4 and small.stats.num_evictions == 6
-    assert [i for i in range(10) if small.lookup(key(i), descriptor(i))] == [6, 7, 8, 9]  # the oldest went
+    assert small.num_entries == 10 and small.stats.num_evictions == 0 and lines == []  # opened: all kept
+    assert small.put(key(10), descriptor(10), tensors(10)) and small.flush(30)
+    assert small.num_entries == 4 and small.stats.num_evictions == 7
+    assert [i for i in range(11) if small.lookup(key(i), descriptor(i))] == [7, 8, 9, 10]  # the oldest went
     assert len(lines) == 1 and "held more than this process's byte limit" in lines[0]
-    assert "its 6 least recently used entries" in lines[0] and str(tmp_path) in lines[0]
+    assert (
+        "its 6 least recently used entries" in lines[0]
+    )  # (the 7th made room for entry 10) and str(tmp_path) in lines[0]
+    small.check_integrity()
+
+
+@pytest.mark.parametrize("capacity", [1, "entry - 1"])
+def test_a_limit_too_small_for_any_entry_leaves_a_shared_cache_whole(tmp_path, capacity) -> None:
+    """DiskTier(dir, 1) (what `--disk-cache-gib 1e-9` opens before the runner refuses the
+    size) cut the directory to its limit as it opened: a shared cache's entries all deleted,
+    and then the size refused. Now a tier whose limit takes no entry never evicts one."""
+    tier = filled(tmp_path, 5)
+    entry_size = stored(tier, 0).stat().st_size
+    before = sorted(p for p in (tmp_path / "entries").rglob("*.safetensors"))
+    small = DiskTier(tmp_path, entry_size - 1 if capacity == "entry - 1" else capacity)
+    assert not small.put(key(9), descriptor(9), tensors(9)) or small.flush(30)  # refused, whole or by header
+    assert small.stats.num_puts == 0 and small.stats.num_evictions == 0
+    assert sorted(p for p in (tmp_path / "entries").rglob("*.safetensors")) == before
+    assert all(same(DiskTier(tmp_path, 1 << 30).get(key(i), descriptor(i)), i) for i in range(5))
+
+
+def test_kvpool_run_refusing_a_too_small_disk_cache_gib_deletes_nothing(tmp_path) -> None:
+    """`kvpool run --disk-cache DIR --disk-cache-gib 1e-9` deleted DIR's entries, then said
+    the size holds no block (exit 2)."""
+    tier = filled(tmp_path, 5)
+    before = sorted(p for p in (tmp_path / "entries").rglob("*.safetensors"))
+    argv = [sys.executable, "-m", "kvpool", "run", "--model", "tiny-dsv4", "--disk-cache", str(tmp_path)]
+    proc = subprocess.run([*argv, "--disk-cache-gib", "1e-9"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "(--disk-cache-gib) holds no KV block" in proc.stderr, proc.stderr
+    assert "evicted" not in proc.stderr
+    assert sorted(p for p in (tmp_path / "entries").rglob("*.safetensors")) == before
+    assert all(stored(tier, i).is_file() for i in range(5))
 
 
 def test_quarantine_stays_within_a_32nd_of_the_limit(tmp_path) -> None:
@@ -987,3 +1022,41 @@ def test_quarantine_stays_within_a_32nd_of_the_limit(tmp_path) -> None:
     assert tier.stats.num_corrupt == 6 and 1 <= len(kept) <= 2
     assert sum(p.stat().st_size for p in kept) <= 2 * one + 64 and tier.report()["quarantine_trimmed"] == 6 - len(kept)
     assert any(p.name.startswith(key(5).hex()) for p in kept)  # the newest stays
+
+
+def test_a_quarantine_trim_that_cannot_unlink_is_counted_as_a_trim_failure(tmp_path, monkeypatch) -> None:
+    """Unlinks in quarantine/ refused (EACCES): each failed one was counted as trimmed, under
+    io_errors["quarantine"] and its line ("moving a bad entry to quarantine/ failed"), and
+    every old file was tried at each quarantine (review 7, /tmp/review_7/quar.py: 6 files,
+    quarantine_trimmed 10, io_errors quarantine 10). Now only removals count, a failure is
+    io_errors["trim"] with its own line, and a trim stops at its first failure."""
+    one = len(entry_format.encode(key(0), descriptor(0), tensors(0)))
+    lines: list[str] = []
+    tier = DiskTier(tmp_path, 64 * one, log=lines.append)  # quarantine: 2 entries' bytes
+    for i in range(6):
+        assert tier.put(key(i), descriptor(i), tensors(i))
+    assert tier.flush(30)
+    unlink = Path.unlink
+
+    def refused(self, *args, **kwargs):
+        if self.parent.name == "quarantine":
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return unlink(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "unlink", refused)
+    for i in range(6):
+        flip_payload(stored(tier, i))
+        assert tier.get(key(i), descriptor(i)) is None
+    report = tier.report()
+    assert len(list((tmp_path / "quarantine").iterdir())) == 6 and tier.stats.num_corrupt == 6
+    assert report["quarantine_trimmed"] == 0 and "quarantine" not in report["io_errors"]
+    assert report["io_errors"]["trim"] == 4  # one try a quarantine past the bound (the 3rd to the 6th)
+    assert len(lines) == 1 and "removing an old quarantined entry" in lines[0] and "EACCES" in lines[0], lines
+    assert "the file stays in quarantine/" in lines[0] and "a miss" not in lines[0]
+    monkeypatch.setattr(Path, "unlink", unlink)  # the disk lets go: the next quarantine trims them
+    assert tier.put(key(6), descriptor(6), tensors(6)) and tier.flush(30)
+    flip_payload(stored(tier, 6))
+    assert tier.get(key(6), descriptor(6)) is None
+    kept = list((tmp_path / "quarantine").iterdir())
+    assert 1 <= len(kept) <= 2 and tier.report()["quarantine_trimmed"] == 7 - len(kept)
+    tier.check_integrity()

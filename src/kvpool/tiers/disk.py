@@ -25,7 +25,7 @@ writer, and aged out by the byte limit like any entry.
 
 Faults are misses, never crashes: an entry the process may not read, a read-only
 filesystem, a directory where a file should be. Each is counted in `io_errors` by what
-failed ("read", "utime", "evict", "quarantine", "reclaim", "tmp"); a lookup or get it ends
+failed ("read", "utime", "evict", "quarantine", "trim", "reclaim", "tmp"); a lookup or get it ends
 is a miss of cause "io_error"; a write it ends counts in num_write_errors. Each kind of
 failure (what failed and its errno) is said once, in one line naming the directory (the
 cache removed under a running engine, say: every later write fails, and without the line
@@ -47,7 +47,9 @@ after every `capacity_bytes / 32` bytes it writes, it scans the directory again 
 the least recently used of everyone's entries. Several processes on one directory then
 hold at most the limit plus, each, what it wrote since its last scan (1/32 of the limit,
 or one entry when that is larger). A process whose limit is below what the directory holds
-cuts it down as it opens (other processes' entries too), and says so in one line.
+cuts it down at the first write it takes (other processes' entries too), and says so in one
+line; not as it opens: a limit too small for any entry, refused once the engine knows its
+block size, had already cut a shared cache to nothing.
 
 Writes run on a background writer (writer.py): `put` encodes nothing and never waits; a
 full queue drops the write and counts it.
@@ -102,6 +104,7 @@ _WHAT = {  # what failed (io_errors' names, and "write"), as a fault line says i
     "utime": "refreshing an entry's LRU time",
     "evict": "an eviction",
     "quarantine": "moving a bad entry to quarantine/",
+    "trim": "removing an old quarantined entry (quarantine/ kept within 1/32 of the limit)",
     "reclaim": "removing an entry of another descriptor",
     "tmp": "removing a stale temp file",
 }
@@ -257,16 +260,12 @@ class DiskTier(Tier):
         self._written_since_scan = 0
         self._writer = BackgroundWriter("disk", max_pending_bytes)
         self.num_stale_tmp_removed = self._remove_stale_tmp()
-        freed = self._rescan()
-        if freed:
-            # a shared cache larger than this process's limit (the 16 GiB default, say) is cut
-            # down to it as it opens: other processes' entries, so said, once
-            self._log(
-                f"kvpool: disk cache {self.root} held more than this process's byte limit "
-                f"(--disk-cache-gib {capacity_bytes / 2**30:.4g}): its {self.stats.num_evictions} least recently "
-                f"used entries ({freed / 2**20:,.1f} MiB) were evicted; a larger --disk-cache-gib keeps a shared "
-                "cache whole"
-            )
+        # the directory is indexed, not cut to the limit: that waits for the first write this
+        # tier takes (_cut_to_limit). A limit that holds no entry (--disk-cache-gib 1e-9, which
+        # the runner's check_sizes refuses only once the tier is open) cut a shared cache to
+        # nothing as it opened, and then was refused.
+        self._cut_pending = True
+        self._rescan(evict=False)
         # a crash test stops the writer here (the stage's name); None in normal use
         self.fault_hook = None
 
@@ -294,10 +293,27 @@ class DiskTier(Tier):
                     self.io_errors["tmp"] += 1
         return removed
 
-    def _rescan(self) -> int:
+    def _cut_to_limit(self) -> None:
+        """Before the first write this tier takes (its entry fits the limit): a shared cache
+        larger than this process's limit (the 16 GiB default, say) is cut down to it, other
+        processes' entries too, so said, once (writer thread)."""
+        self._cut_pending = False
+        with self._lock:
+            before = self.stats.num_evictions
+            freed = self._evict_over_limit()
+            evicted = self.stats.num_evictions - before
+        if freed:
+            self._log(
+                f"kvpool: disk cache {self.root} held more than this process's byte limit "
+                f"(--disk-cache-gib {self.capacity_bytes / 2**30:.4g}): its {evicted} least recently "
+                f"used entries ({freed / 2**20:,.1f} MiB) were evicted; a larger --disk-cache-gib keeps a shared "
+                "cache whole"
+            )
+
+    def _rescan(self, evict: bool = True) -> int:
         """Index the directory's entries as they are now (other processes' writes and
-        evictions), least recently modified first, and evict down to the limit (the bytes
-        freed are returned). What this
+        evictions), least recently modified first, and evict down to the limit unless
+        `evict` is False (the open: see _cut_to_limit) (the bytes freed are returned). What this
         process knew of an entry (its descriptor, a checked payload) is kept while the file
         is the same one."""
         with self._lock:
@@ -326,7 +342,7 @@ class DiskTier(Tier):
             self._entries, self._keys = entries, Counter(key for _, key in entries)
             self._num_bytes = sum(e.num_bytes for e in entries.values())
             self._written_since_scan = 0
-            return self._evict_over_limit()
+            return self._evict_over_limit() if evict else 0
 
     def entry_bytes(self, cache: object, block_size: int, tensors: dict[str, tuple[object, tuple[int, ...]]]) -> int:
         """The bytes a block of these tensors ({name: (torch dtype, shape)}) takes at most as
@@ -422,6 +438,8 @@ class DiskTier(Tier):
         where = f": {error.filename}" if error.filename else ""
         if not then and what == "write" and not (self.root / "tmp").is_dir():
             then = "the cache directory was removed under this process? blocks are not stored there"
+        if not then and what == "trim":
+            then = "the file stays in quarantine/, removed at a later quarantine once it can be"
         then = then or ("the block is not stored there" if what == "write" else "a miss")
         failed = f"{_WHAT.get(what, what)} failed ({name}: {error.strerror or error}{where})"
         self._log(
@@ -485,7 +503,8 @@ class DiskTier(Tier):
         for i, (path, st) in enumerate(kept):
             total += st.st_size
             if i > 0 and total > self.rescan_bytes:
-                self._file_op("quarantine", path.unlink)
+                if not self._file_op("trim", path.unlink):
+                    return  # (said once, counted; the rest are tried at the next quarantine)
                 self.num_quarantine_trimmed += 1
 
     def _reclaim(self, ident: tuple[str, bytes], found: _Entry, differ: list[str]) -> None:
@@ -617,6 +636,8 @@ class DiskTier(Tier):
             # alone): written, it would evict every entry and then itself
             self.stats.num_rejected_puts += 1
             return
+        if self._cut_pending:
+            self._cut_to_limit()
         final = self._path(key, descriptor)
         try:
             inode = self._store_making_room(key, data, final)
