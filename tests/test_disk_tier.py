@@ -141,9 +141,12 @@ def test_lru_under_the_byte_limit_carries_over_to_the_next_process(tmp_path) -> 
     assert tier.stats.num_evictions == 1 and not stored(tier, 1).exists() and stored(tier, 0).exists()
     tier.check_integrity()
     os.utime(stored(tier, 2), ns=(1, 1))  # the oldest on disk, as a next process orders them
-    smaller = DiskTier(tmp_path, 2 * one)  # opens over its limit: pushes out the least recent
-    assert not stored(tier, 2).exists() and smaller.num_entries == 2
-    assert smaller.stats.num_evictions == 1
+    smaller = DiskTier(tmp_path, 2 * one)  # opens over its limit: its first write pushes out the least recent
+    assert smaller.num_entries == 3 and smaller.stats.num_evictions == 0  # (the open evicts nothing)
+    assert smaller.put(key(4), descriptor(4), tensors(4)) and smaller.flush(30)
+    assert not stored(tier, 2).exists() and stored(tier, 4).exists() and smaller.num_entries == 2
+    assert smaller.stats.num_evictions == 2  # 2 to the limit, then one more for entry 4
+    smaller.check_integrity()
     too_big = DiskTier(tmp_path / "small", one // 2)
     assert not too_big.put(key(5), descriptor(5), tensors(5)) and too_big.stats.num_rejected_puts == 1
 
