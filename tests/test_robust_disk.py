@@ -971,6 +971,7 @@ def test_a_shared_cache_cut_down_to_a_smaller_limit_at_its_first_write_is_said(t
     assert lines == []
     small = DiskTier(tmp_path, newest, log=lines.append)
     assert small.num_entries == 10 and small.stats.num_evictions == 0 and lines == []  # opened: all kept
+    small.check_integrity()  # (over its limit while the cut waits: an engine's /debug/cache, a serve's stop)
     assert small.put(key(10), descriptor(10), tensors(10)) and small.flush(30)
     assert small.num_entries == 4 and small.stats.num_evictions == 7
     assert [i for i in range(11) if small.lookup(key(i), descriptor(i))] == [7, 8, 9, 10]  # the oldest went
@@ -978,6 +979,26 @@ def test_a_shared_cache_cut_down_to_a_smaller_limit_at_its_first_write_is_said(t
     assert (
         "its 6 least recently used entries" in lines[0]
     )  # (the 7th made room for entry 10) and str(tmp_path) in lines[0]
+    small.check_integrity()
+
+
+def test_the_cut_at_the_first_write_takes_the_least_recently_used_as_the_directory_holds_them_then(tmp_path) -> None:
+    """The cut waits for the first write, so it reads the directory again: entries another
+    process read since this one opened are its most recently used, not the ones to evict
+    (the open's index, reused, evicted them and kept older ones)."""
+    tier = filled(tmp_path, 10)
+    for i in range(10):  # entry i last used at second i + 1: 0 the least recently used
+        os.utime(stored(tier, i), ns=((i + 1) * 10**9, (i + 1) * 10**9))
+    one = len(entry_format.encode(key(10), descriptor(10), tensors(10)))
+    size = stored(tier, 0).stat().st_size
+    small = DiskTier(tmp_path, 4 * size + one)  # room for 4 of them and its own write
+    for i in range(3):  # another process serves entries 0-2 meanwhile: now the newest
+        os.utime(stored(tier, i), ns=((20 + i) * 10**9, (20 + i) * 10**9))
+    assert small.put(key(10), descriptor(10), tensors(10)) and small.flush(30)
+    left = sorted(i for i in range(11) if stored(tier, i).exists())
+    # the three read meanwhile and the new one stay; of the rest, the oldest went first
+    assert left[:3] == [0, 1, 2] and left[-1] == 10 and left[3:-1] == list(range(10 - len(left[3:-1]), 10)), left
+    assert small.stats.num_evictions >= 6  # (4 entries' room at most: 6 of 3-9 went, or 7)
     small.check_integrity()
 
 

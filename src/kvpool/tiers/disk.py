@@ -298,10 +298,12 @@ class DiskTier(Tier):
         larger than this process's limit (the 16 GiB default, say) is cut down to it, other
         processes' entries too, so said, once (writer thread)."""
         self._cut_pending = False
-        with self._lock:
-            before = self.stats.num_evictions
-            freed = self._evict_over_limit()
-            evicted = self.stats.num_evictions - before
+        # indexed again first: the open's index is stale by now (other processes' reads moved
+        # their entries' LRU times, their writes and evictions changed the set), and the cut
+        # takes the least recently used entries as the directory holds them now
+        before = self.stats.num_evictions
+        freed = self._rescan()
+        evicted = self.stats.num_evictions - before
         if freed:
             self._log(
                 f"kvpool: disk cache {self.root} held more than this process's byte limit "
@@ -782,7 +784,8 @@ class DiskTier(Tier):
     def check_integrity(self) -> None:
         with self._lock:
             total = sum(e.num_bytes for e in self._entries.values())
-            if total != self._num_bytes or total > self.capacity_bytes:
+            # (over the limit only while the open's cut waits for the first write: _cut_to_limit)
+            if total != self._num_bytes or (total > self.capacity_bytes and not self._cut_pending):
                 raise AssertionError(
                     f"disk tier: {total} B indexed, {self._num_bytes} B counted, {self.capacity_bytes} B limit"
                 )
