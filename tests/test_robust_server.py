@@ -272,8 +272,27 @@ def test_an_image_part_in_a_chat_message_is_named_as_such():
     assert "'image_url' parts are not supported" in caught.value.message
     body["messages"][1]["content"] = [text, text]
     assert parse_body(json.dumps(body).encode(), ChatCompletionRequest).template_messages()[1]["content"] == (
-        "What is this?What is this?"
+        "What is this?\nWhat is this?"
     )
+
+
+def test_a_messages_text_parts_are_joined_one_a_line_as_vllm_joins_them():
+    """They were joined with "" ("Hello" + "world" -> "Helloworld"), so the same messages gave
+    another prompt than on vLLM, which joins a message's text parts with "\n"."""
+    from kvpool.server.protocol import ChatCompletionRequest, parse_body
+
+    def rendered(content: object) -> list[dict[str, str]]:
+        body = {"messages": [{"role": "developer", "content": content}, {"role": "user", "content": "hi"}]}
+        return parse_body(json.dumps(body).encode(), ChatCompletionRequest).template_messages()
+
+    def parts(*texts: str) -> list[dict[str, str]]:
+        return [{"type": "text", "text": t} for t in texts]
+
+    assert rendered(parts("Hello", "world")) == rendered("Hello\nworld")
+    assert rendered(parts("Hello", "world"))[0] == {"role": "system", "content": "Hello\nworld"}
+    assert rendered(parts("a", "", "b\n")) == rendered("a\n\nb\n")  # empty parts keep their line
+    assert rendered(parts("alone")) == rendered("alone")  # one part is the string itself
+    assert rendered([]) == rendered("") == rendered(None)
 
 
 def test_top_k_minus_one_is_vllms_all_tokens_and_is_served_as_no_top_k():

@@ -221,7 +221,9 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        # One line a part, as vLLM renders a message's text parts ("\n".join in its chat_utils):
+        # the same messages give the same prompt on either server.
+        return "\n".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(SamplingRequest):
