@@ -983,3 +983,20 @@ def test_an_unknown_endpoint_or_method_gets_an_openai_error_naming_it(loaded):
     error = wrong_method.json()["error"]
     assert error["code"] == "method_not_allowed" and "GET /v1/completions" in error["message"], error
     assert "POST" in error["message"], error
+
+
+def test_a_completions_top_logprobs_hold_the_sampled_token_where_it_is_not_among_the_k():
+    """OpenAI: "the API will always return the logprob of the sampled token, so there may be up
+    to logprobs+1 elements"; vLLM answers so. The sampled token outside the top k was left out
+    (and `logprobs: 0` gave {})."""
+    from kvpool.server.protocol import TokenText, completion_logprobs
+
+    tt = TokenText(lambda token_id: "abcdef"[token_id])
+    entries = [(-0.1, [(0, -0.1), (1, -2.5)]), (-3.0, [(0, -0.5), (1, -1.0)]), (-0.2, []), (-4.0, [])]
+    out = completion_logprobs(entries, [0, 4, 2, 5], tt, offset=7)
+    assert out == {
+        "tokens": ["a", "e", "c", "f"],
+        "token_logprobs": [-0.1, -3.0, -0.2, -4.0],
+        "top_logprobs": [{"a": -0.1, "b": -2.5}, {"a": -0.5, "b": -1.0, "e": -3.0}, {"c": -0.2}, {"f": -4.0}],
+        "text_offset": [7, 8, 9, 10],
+    }

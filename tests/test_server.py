@@ -194,6 +194,25 @@ def test_logprobs_are_the_sampled_tokens(server):
         assert top[token] == pytest.approx(value)
 
 
+def test_completion_logprobs_always_show_the_sampled_token_and_chat_top_logprobs_0_none(server):
+    """`logprobs: 0` gave top_logprobs [{}]: OpenAI documents that the sampled token's logprob is
+    always there (up to logprobs + 1 entries), and vLLM answers it so. Chat's top_logprobs is the
+    k most likely only: 0 is [] in both, and here."""
+    c = client(server)
+    for k in (0, 1):
+        out = c.completions.create(model=MODEL, prompt="Once upon", max_tokens=12, temperature=1.5, seed=3, logprobs=k)
+        lp = out.choices[0].logprobs
+        assert len(lp.top_logprobs) == len(lp.tokens) == out.usage.completion_tokens == 12
+        for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+            assert top[token] == pytest.approx(value) and 1 <= len(top) <= k + 1, (k, token, top)
+        if k == 0:
+            assert all(len(top) == 1 for top in lp.top_logprobs)
+    out = c.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, logprobs=True, top_logprobs=0
+    )
+    assert [e.top_logprobs for e in out.choices[0].logprobs.content] == [[]] * out.usage.completion_tokens
+
+
 def test_bad_requests_get_openai_errors_and_disturb_nothing(server):
     c = client(server)
     running = c.chat.completions.create(

@@ -454,16 +454,25 @@ class TokenBound:
 def completion_logprobs(
     entries: list[tuple[float, list[tuple[int, float]]]], token_ids: list[int], tt: TokenText, offset: int
 ) -> dict[str, Any]:
-    """/v1/completions' logprobs object for these tokens; text offsets start at `offset`."""
+    """/v1/completions' logprobs object for these tokens; text offsets start at `offset`.
+    Each position's `top_logprobs` holds the k most likely tokens and the sampled one where it
+    is not among them (up to k + 1, as OpenAI documents it and vLLM answers; `logprobs: 0` is
+    the sampled token alone). Chat's `top_logprobs` is the k most likely only, as in both."""
     tokens = [tt.text(t) for t in token_ids]
     offsets = []
     for text in tokens:
         offsets.append(offset)
         offset += len(text)
+    top_logprobs = []
+    for token_id, (lp, top) in zip(token_ids, entries, strict=True):
+        shown = {tt.text(t): v for t, v in top}
+        if all(t != token_id for t, _ in top):
+            shown[tt.text(token_id)] = lp
+        top_logprobs.append(shown)
     return {
         "tokens": tokens,
         "token_logprobs": [lp for lp, _ in entries],
-        "top_logprobs": [{tt.text(t): v for t, v in top} for _, top in entries],
+        "top_logprobs": top_logprobs,
         "text_offset": offsets,
     }
 
