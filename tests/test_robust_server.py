@@ -815,6 +815,29 @@ def test_the_tokenizer_lets_other_threads_run(loaded):
     assert num_wakes[0] >= min(100, took * 100), (num_wakes, took)
 
 
+def test_the_tokens_bytes_the_stream_reads_join_to_what_decode_gives(loaded):
+    """The stream tells half a character (left out of an aborted stream's end) from a U+FFFD
+    the model wrote by the tokens' bytes: they must be what the text's decode joins. Every
+    token alone, and random runs of tokens (special ones among them, which decode skips)."""
+    import random
+
+    from kvpool.server.protocol import decoded_bytes
+
+    tok = loaded.tokenizer
+    token_bytes = decoded_bytes(tok.tokenizer)
+    vocab_size = tok.tokenizer.get_vocab_size()
+    specials = [t for t in range(vocab_size) if token_bytes(t) == b""]
+    assert 0 < len(specials) < 50 and tok.eos_token_id in specials
+    for t in range(vocab_size):
+        assert tok.decode([t]) == token_bytes(t).decode("utf-8", errors="replace"), t
+    rng = random.Random(0)
+    for _ in range(3000):
+        ids = [
+            rng.choice(specials) if rng.random() < 0.1 else rng.randrange(vocab_size) for _ in range(rng.randint(1, 6))
+        ]
+        assert tok.decode(ids) == b"".join(map(token_bytes, ids)).decode("utf-8", errors="replace"), ids
+
+
 def test_no_token_spans_more_bytes_than_the_bound_the_server_refuses_by(loaded):
     """The 400 without tokenizing rests on this: a text whose B bytes have a token each
     (the others are dropped) has at least ceil(B / longest token's bytes) tokens. Checked on

@@ -544,6 +544,61 @@ def test_an_aborted_stream_does_not_end_with_half_a_character() -> None:
     assert (last.text, last.finish_reason) == ("ait", "abort")
 
 
+def test_a_u_fffd_the_model_wrote_is_sent_and_only_half_a_character_waits() -> None:
+    """The abort's last delta dropped any trailing U+FFFD, also one the model wrote (the
+    character's own bytes, or a byte no UTF-8 character holds): text the client never got.
+    With the tokens' bytes only a lead byte still waiting for its continuation is left out,
+    and a U+FFFD the model wrote is sent at once, not one token late. The deltas of a stream
+    aborted anywhere add up to the bytes decoded up to their last whole character (Python's
+    incremental UTF-8 decoder, the reference)."""
+    import codecs
+    from types import SimpleNamespace
+
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from kvpool.server.engine_thread import EngineThread, _Tracked
+
+    pieces = [b"ok ", "\ufffd".encode(), b"\xff", b"\x80", b"\xc3", b"\xef\xbf", b"\xbd", b"\xa9z", b"\xf0\x9f"]
+
+    def decode(ids: list[int]) -> str:
+        return b"".join(pieces[t] for t in ids).decode("utf-8", errors="replace")
+
+    def stream(ids: list[int], holdback: int, reason: str = "abort") -> list[str]:
+        thread = EngineThread(SimpleNamespace(eos_token_ids=set()), decode, token_bytes=pieces.__getitem__)
+        tracked = _Tracked(None, None, holdback)
+        seq = SimpleNamespace(sample_index=0, output_ids=[], finish_reason=None, text="", logprobs=[])
+        sent = []
+        for n in range(1, len(ids) + 1):
+            seq.output_ids = ids[:n]
+            if n == len(ids):
+                seq.finish_reason, seq.text = reason, decode(ids)
+            delta = thread._delta(seq, tracked)
+            sent.append(delta.text if delta is not None else "")
+        return sent
+
+    for ids, text in (
+        ([0, 1], "ok \ufffd"),  # U+FFFD itself
+        ([0, 2], "ok \ufffd"),  # 0xFF: in no character
+        ([0, 3], "ok \ufffd"),  # a continuation byte with no lead
+        ([0, 4], "ok "),  # half of "é"
+        ([0, 5], "ok "),  # two thirds of U+FFFD
+        ([0, 5, 6], "ok \ufffd"),  # ...and its last byte
+        ([0, 2, 8], "ok \ufffd"),  # 0xFF, then half of an emoji
+    ):
+        assert "".join(stream(ids, holdback=0)) == text, ids
+    assert stream([0, 1, 0], holdback=0)[:2] == ["ok ", "\ufffd"]  # sent with its token
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(st.integers(0, len(pieces) - 1), min_size=1, max_size=12), st.integers(0, 3))
+    def aborted_anywhere(ids: list[int], holdback: int) -> None:
+        whole = codecs.getincrementaldecoder("utf-8")("replace").decode(b"".join(pieces[t] for t in ids))
+        assert "".join(stream(ids, holdback)) == whole
+        assert "".join(stream(ids, holdback, reason="length")) == decode(ids)
+
+    aborted_anywhere()
+
+
 def test_with_include_usage_every_chunk_carries_usage_null_and_the_last_the_counts(server):
     """OpenAI's stream_options.include_usage: "All other chunks will also include a usage
     field, but with a null value"; the chunks had no usage field at all."""

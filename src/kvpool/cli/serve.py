@@ -206,6 +206,7 @@ def _serve(
     from kvpool.server.app import ServerState, build_app
     from kvpool.server.engine_thread import EngineThread
     from kvpool.server.metrics import ServerMetrics
+    from kvpool.server.protocol import decoded_bytes
 
     print(f"kvpool serve: loading {name}", file=sys.stderr)
     dtype, device = model_placement(args)
@@ -222,7 +223,8 @@ def _serve(
     limit_model_len(engine, args.max_model_len)  # (a context below 2 tokens refused: every request a 400)
     num_blocks = engine.runner.usage().num_blocks
     metrics = ServerMetrics(name)
-    thread = EngineThread(engine, loaded.tokenizer.decode, on_step=metrics.update)
+    token_bytes = decoded_bytes(loaded.tokenizer.tokenizer)
+    thread = EngineThread(engine, loaded.tokenizer.decode, token_bytes=token_bytes, on_step=metrics.update)
     metrics.update(engine, [], 0)
     state = ServerState(
         thread,

@@ -19,7 +19,8 @@ abort, or one for a finished request, is a no-op).
 
 Text. A sample's text is the decoded output (EOS excluded) up to what can no longer change:
 an incomplete UTF-8 sequence at the end (decoded as U+FFFD) waits for its next byte (an aborted
-sample's never comes: its last delta leaves the half character out), and the
+sample's never comes: its last delta leaves the half character out; a U+FFFD the model did
+write, the character itself or a byte no UTF-8 character holds, is text and is sent), and the
 last len(longest stop string) - 1 characters wait while a stop string could still be
 forming, so a stream never shows text that the final answer cuts. The finished sample's
 text is the engine's (cut before the stop string); the deltas add up to exactly it.
@@ -28,6 +29,7 @@ text is the engine's (cut before the stop string); the deltas add up to exactly 
 from __future__ import annotations
 
 import asyncio
+import codecs
 import sys
 import threading
 import traceback
@@ -104,12 +106,16 @@ class EngineThread:
         engine: Engine,
         decode: Callable[[list[int]], str],
         *,
+        token_bytes: Callable[[int], bytes] | None = None,
         on_step: Callable[[Engine, list[RequestOutput], int], None] | None = None,
         name: str = "kvpool-engine",
     ) -> None:
         self.engine = engine
         engine.contain_request_faults = True  # one request's fault fails it alone (Failed)
         self.decode = decode
+        # a token id's bytes: they tell half a character (its U+FFFD waits) from a U+FFFD the
+        # model wrote; without them every trailing U+FFFD is taken for half a character
+        self.token_bytes = token_bytes
         self.on_step = on_step
         self._cond = threading.Condition()
         self._commands: list[Callable[[], None]] = []
@@ -303,10 +309,11 @@ class EngineThread:
             eos = self.engine.eos_token_ids
             stream.visible.extend(t for t in new_ids if t not in eos)
             text = stream.stable_text + self.decode(stream.visible[stream.num_stable_tokens :])
-            if not text.endswith("\ufffd"):
+            half = text.endswith("\ufffd") and self._ends_inside_a_character(stream.visible)
+            if not half:
                 stream.stable_text, stream.num_stable_tokens = text, len(stream.visible)
             limit = len(text) if reason is not None else len(text) - tracked.holdback
-            if text.endswith("\ufffd"):
+            if half:
                 # an incomplete character: wait for its next byte; an aborted sample (the server
                 # stopping) gets none, and its last chunk does not end in U+FFFD for the half
                 limit = min(limit, len(text) - 1)
@@ -318,6 +325,21 @@ class EngineThread:
         stream.num_sent_tokens = len(output)
         stream.done = reason is not None
         return Delta(seq.sample_index, new_text, new_ids, logprobs, reason)
+
+    def _ends_inside_a_character(self, token_ids: list[int]) -> bool:
+        """Whether the bytes of `token_ids` end inside a UTF-8 character: a lead byte still
+        waiting for continuation bytes. Such a tail is 1-3 bytes from a lead byte on, so the
+        last 3 bytes tell (a byte before that lead is a whole character or an invalid byte)."""
+        if self.token_bytes is None:
+            return True
+        tail = b""
+        for token_id in reversed(token_ids):
+            tail = self.token_bytes(token_id) + tail
+            if len(tail) >= 3:
+                break
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        decoder.decode(tail[-3:])
+        return bool(decoder.getstate()[0])  # the bytes it holds for the character's rest
 
 
 def _log(what: str, trace: str) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from functools import cache
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -428,6 +429,18 @@ class TokenText:
 
     def text(self, token_id: int) -> str:
         return bytes(self.bytes(token_id)).decode("utf-8", errors="replace")
+
+
+def decoded_bytes(tokenizer: Any) -> Callable[[int], bytes]:
+    """A token id's bytes as the text's decode (`skip_special_tokens`) joins them: a special
+    token's are none. `tokenizer` is the `tokenizers.Tokenizer` (byte-level BPE)."""
+    tt = TokenText(tokenizer.id_to_token)
+    skipped = {token_id for token_id, added in tokenizer.get_added_tokens_decoder().items() if added.special}
+
+    def token_bytes(token_id: int) -> bytes:
+        return b"" if token_id in skipped else bytes(tt.bytes(token_id))
+
+    return token_bytes
 
 
 class TokenBound:
