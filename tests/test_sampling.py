@@ -101,6 +101,29 @@ def test_a_top_p_that_fp32_rounds_to_zero_keeps_the_most_likely_token():
         assert set(draws(logits, SamplingParams(temperature=1.0, top_p=top_p, seed=0), n=50)) == {1}
 
 
+def test_the_second_try_at_overflowed_scores_is_made_once(monkeypatch):
+    """A row whose scores overflow at the temperature is drawn again from its logits less their
+    maximum; the second try called sample_token again with no guard, so a second failure would
+    have recursed until RecursionError. Made to fail again (the shift replaced by one that leaves
+    the logits as they are), it is tried exactly once more and refused."""
+    from kvpool.engine import sampling
+    from kvpool.engine.sampling import NonFiniteLogitsError
+
+    calls = []
+
+    def unshifted(logits: torch.Tensor) -> torch.Tensor:
+        calls.append(logits.clone())
+        return logits
+
+    row = torch.tensor([1e38, 0.5e38, 3.0, -2.0])
+    params = SamplingParams(temperature=0.01, seed=4)
+    assert sample_token(row, params, 0, 9) == 0  # the real shift: the temperature's limit
+    monkeypatch.setattr(sampling, "shifted_logits", unshifted)
+    with pytest.raises(NonFiniteLogitsError, match="not finite") as refused:
+        sample_token(row, params, 0, 9)
+    assert len(calls) == 1 and torch.equal(calls[0], row) and refused.value.rows == [0]
+
+
 def test_temperatures_below_the_greedy_threshold_are_greedy():
     # logits / 1e-300 overflow fp32 to inf and the softmax of those is NaN: such a
     # temperature means greedy, as in vLLM

@@ -215,6 +215,22 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, sample_index: int
         return token
     if params.seed is None:  # (the engine seeds every request it takes: `Engine.seed_for`)
         raise ValueError("sample_token draws from params.seed: give SamplingParams a seed")
+    token = _sample_scores(logits, params, sample_index, position)
+    if token is None:
+        # one second try, from the logits less their maximum (scores that overflowed at the
+        # temperature). Its largest score is 0, so it should not overflow again; should it
+        # give no token all the same, the row is refused, never tried a third time (the bound
+        # is this one call, not only the arithmetic's argument)
+        shifted = shifted_logits(logits.float().cpu())
+        token = None if shifted is None else _sample_scores(shifted, params, sample_index, position)
+        if token is None:
+            raise NonFiniteLogitsError([0], position=position)
+    return token
+
+
+def _sample_scores(logits: torch.Tensor, params: SamplingParams, sample_index: int, position: int) -> int | None:
+    """`sample_token`'s draw from logits [vocab] (params drawing, seeded), or None where the
+    softmax is not finite: a NaN or +inf logit, all of them -inf, or scores past fp32's range."""
     # divided by the fp32 temperature as sample_batch divides its rows (same rounding)
     scores = logits.float().cpu() / params.temperature
     vocab = scores.shape[-1]
@@ -246,10 +262,7 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, sample_index: int
     # a softmax is finite or NaN throughout (a NaN or +inf logit, or all of them -inf, or
     # scores past fp32's range): the weight drawn says which (topk keeps a NaN among the largest)
     if not math.isfinite(probs[j]):
-        shifted = shifted_logits(logits.float().cpu())
-        if shifted is None:
-            raise NonFiniteLogitsError([0], position=position)
-        return sample_token(shifted, params, sample_index, position)
+        return None
     return int(ids[j]) if ids is not None else j
 
 
