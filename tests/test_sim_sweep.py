@@ -276,7 +276,7 @@ def test_deployments_that_cannot_run_are_left_out_in_a_line(tmp_path, capsys):
     assert main(["simulate", "sweep", *flags]) == 0
     err = capsys.readouterr().err.splitlines()
     assert err[0] == (
-        "kvpool simulate sweep: left out deepseek-v3 on h200 at TP 2: deepseek-v3 leaves no KV pool on 2 x H200 "
+        "kvpool simulate sweep: left out deepseek-v3 on H200 at TP 2: deepseek-v3 leaves no KV pool on 2 x H200 "
         "(weights 314.0 GiB per device): raise --tensor-parallel-size"
     )
     assert [(r["point"], r["tp"]) for r in _rows(out)] == [(0, 8)]
@@ -285,6 +285,25 @@ def test_deployments_that_cannot_run_are_left_out_in_a_line(tmp_path, capsys):
         capsys.readouterr()
         .err.splitlines()[-1]
         .startswith("kvpool simulate: error: no point of the grid can run: deepseek-v3 leaves no KV pool on 2 x H200")
+    )
+
+
+def test_a_left_out_line_names_the_model_and_gpu_as_their_presets_do(capsys):
+    """The line kept the names as typed ("on h100", "Llama-3.1-70B") while its reason and a
+    run's report name the presets ("H100", "llama-3.1-70b"); the same GPU typed twice in
+    two cases gave two lines. A name that is no preset stays as typed."""
+    flags = ["--model", "Llama-3.1-70B", "--gpu", "h100,H100,b999", "-tp", "1", "--requests", "2", "--jobs", "1"]
+    assert main(["simulate", "sweep", *flags]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert [line.split(":")[0] for line in err] == [
+        "kvpool simulate sweep",
+        "kvpool simulate sweep",
+        "kvpool simulate",
+    ], err
+    assert err[0].startswith("kvpool simulate sweep: left out llama-3.1-70b on H100 at TP 1: llama-3.1-70b leaves ")
+    assert err[1] == (
+        "kvpool simulate sweep: left out llama-3.1-70b on b999 at TP 1: "
+        "--gpu: unknown GPU 'b999'; known: B200, H100, H200"
     )
 
 

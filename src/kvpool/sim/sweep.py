@@ -220,7 +220,8 @@ def map_ray(
 
 class LeftOut(NamedTuple):
     """A deployment of the grid that cannot run, once per model, GPU, TP and reason; a
-    workload the model cannot take (gpu and tp None) once per model."""
+    workload the model cannot take (gpu and tp None) once per model. The model and GPU are
+    named as their presets name them (`preset_names`), as the reason and a run's report do."""
 
     model: str
     gpu: str | None  # None: every deployment of the model (its workload does not fit it)
@@ -274,10 +275,12 @@ def runnable(options: SimOptions, points: Sequence[dict[str, Any]]) -> Runnable:
         if not checked[key]:
             keep.append(point)
         else:
+            model, gpu = preset_names(options, point)
+            model, gpu = model or point["model"], gpu or point["gpu"]  # (no preset: as typed)
             if workload_checked.get(point["model"]) == checked[key]:  # the workload's: once per model
-                why = LeftOut(point["model"], None, None, checked[key])
+                why = LeftOut(model, None, None, checked[key])
             else:
-                why = LeftOut(*key[:3], checked[key])
+                why = LeftOut(model, gpu, point["tp"], checked[key])
             if why not in left_out:  # its reason once per model, GPU and TP
                 left_out.append(why)
     return Runnable(keep, left_out)
@@ -303,6 +306,24 @@ def point_or_error(payload: tuple[SimOptions, dict[str, Any]]) -> dict:
 AXES = ("model", "gpu", "tp", "layout", "block_size", "routing")
 
 
+def preset_names(options: SimOptions, point: dict[str, Any]) -> tuple[str | None, str | None]:
+    """`point`'s model and GPU as their presets name them, as a run's report does
+    ("llama-3.1-8b", "H200", whatever the case typed); None for one that names no preset."""
+    from kvpool.sim.deployment import gpu_preset
+    from kvpool.spec.models import model_by_name
+
+    model = gpu = None
+    try:
+        model = model_by_name(point["model"]).name
+    except (ValueError, OSError):
+        pass
+    try:
+        gpu = gpu_preset(point["gpu"], options.gpu_memory_utilization).name
+    except ValueError:
+        pass
+    return model, gpu
+
+
 def resolved_axes(options: SimOptions, point: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """`point`'s axes as a finished run of it reports them (sim/report.py): the model's and
     the GPU's names ("llama-3.1-8b", "H200", whatever the case typed), the TP picked where
@@ -310,20 +331,13 @@ def resolved_axes(options: SimOptions, point: dict[str, Any]) -> tuple[dict[str,
     contiguous: a block is the longest request, or --max-model-len), the routing as given;
     and the names of the axes left as the grid gave them because resolving them failed
     (say, a deployment the planner refuses: its tp, layout and block_size stay as typed)."""
-    from kvpool.sim.deployment import gpu_preset, make_workload
+    from kvpool.sim.deployment import make_workload
     from kvpool.sim.layouts import default_layout
     from kvpool.sim.simulator import plan_replica
-    from kvpool.spec.models import model_by_name
 
-    resolved: dict[str, Any] = {}
-    try:
-        resolved["model"] = model_by_name(point["model"]).name
-    except (ValueError, OSError):
-        pass
-    try:
-        resolved["gpu"] = gpu_preset(point["gpu"], options.gpu_memory_utilization).name
-    except ValueError:
-        pass
+    model_name, gpu_name = preset_names(options, point)
+    resolved: dict[str, Any] = {"model": model_name, "gpu": gpu_name}
+    resolved = {axis: name for axis, name in resolved.items() if name is not None}
     try:
         model, gpu, tp, _, config = deployment_of(options, point)
         p = plan_replica(model, gpu, config, options.host_mode)
