@@ -116,7 +116,7 @@ def test_the_points_that_cannot_run_are_left_out_with_their_reason():
     assert left_out == [
         LeftOut(
             "deepseek-v3",
-            "h200",
+            "H200",  # the preset's name, as the reason's (h200 typed)
             2,
             "deepseek-v3 leaves no KV pool on 2 x H200 (weights 314.0 GiB per device): raise --tensor-parallel-size",
         )
