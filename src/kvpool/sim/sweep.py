@@ -68,74 +68,94 @@ def map_processes(fn: Callable[[Any], dict], payloads: Sequence[Any], jobs: int)
     broken pool terminates, or not started) run again in a fresh pool. Where the dead worker
     cannot be told apart from those the pool terminated (it died of a plain SIGTERM, or
     exited 0), each point running when the pool broke runs again alone, in a pool of one
-    worker: only a point whose worker dies again is such an error row."""
+    worker of its own: only a point whose worker dies again is such an error row. Those pools
+    run side by side, and beside them a pool of the workers left (`jobs` in all) runs on
+    through the other points."""
     if jobs <= 1:
         for item in enumerate(payloads):
             yield _indexed(fn, item)
         return
     todo = list(range(len(payloads)))
-    alone: list[int] = []  # points running when an unknown worker died: each reruns by itself
+    alone: list[int] = []  # points running when an unknown worker died: each reruns in a pool of its own
     while todo or alone:
-        batch = [alone[0]] if alone else todo
+        isolated = alone[:jobs]
+        shared = todo if len(isolated) < jobs else []
         with tempfile.TemporaryDirectory(prefix="kvpool-sweep-") as marks:
-            failed, done, suspects = yield from _pool_round(fn, payloads, batch, min(jobs, len(batch)), marks)
-        over = done | failed
-        if batch is todo:
-            alone += suspects
-            todo = [i for i in todo if i not in over and i not in suspects]
-        else:
-            alone = [i for i in alone if i not in over]
+            over, suspects = yield from _pool_round(fn, payloads, shared, isolated, jobs - len(isolated), marks)
+        # (an isolated point always ends its round: a pool of one worker tells whose point died)
+        alone = [i for i in alone if i not in over] + suspects
+        todo = [i for i in todo if i not in over and i not in suspects]
 
 
 def _pool_round(
-    fn: Callable[[Any], dict], payloads: Sequence[Any], todo: list[int], jobs: int, marks: str
-) -> Generator[tuple[int, dict], None, tuple[set[int], set[int], list[int]]]:
-    """One process pool over the points `todo`, yielding as map_processes does; returns the
-    points it gave an error row for a dead worker, those that finished (all of `todo` unless
-    the pool broke), and those that ran when a worker that cannot be told apart died (to run
-    again alone: in a pool of one worker, a point lost is that worker's)."""
-    # workers ignore Ctrl-C; the parent stops them (the CLI reports one line: cli/main.py)
-    executor = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_ignore_sigint)
-    # pid -> worker Process: the executor's own table (no public one before Python 3.14), kept
-    # to stop the workers at once (shutdown would wait for their points) and read how one died
-    workers: dict[int, Any] = executor._processes
+    fn: Callable[[Any], dict], payloads: Sequence[Any], shared: list[int], isolated: list[int], jobs: int, marks: str
+) -> Generator[tuple[int, dict], None, tuple[set[int], list[int]]]:
+    """One round: a process pool of up to `jobs` workers over the points `shared`, and beside
+    it a pool of one worker for each point of `isolated`, yielding as map_processes does.
+    Returns the points the round is through with (finished, or an error row for a dead
+    worker) and those that ran when a worker that cannot be told apart died (to run again
+    alone). A broken pool's other points are neither: they run again in the next round."""
+    spawn = multiprocessing.get_context("spawn")
+    groups = [([i], 1) for i in isolated] + ([(shared, min(jobs, len(shared)))] if shared else [])
+    # (executor, its points, its workers): pid -> worker Process, the executor's own table (no
+    # public one before Python 3.14), kept to stop the workers at once (shutdown would wait
+    # for their points) and read how one died
+    pools: list[tuple[ProcessPoolExecutor, list[int], int, dict[int, Any]]] = []
     done: set[int] = set()
     try:
-        futures = [executor.submit(_marked, fn, marks, (i, payloads[i])) for i in todo]
+        futures = []
+        for points, num_workers in groups:
+            # workers ignore Ctrl-C; the parent stops them (the CLI reports one line: cli/main.py)
+            executor = ProcessPoolExecutor(num_workers, mp_context=spawn, initializer=_ignore_sigint)
+            pools.append((executor, points, num_workers, executor._processes))
+            futures += [executor.submit(_marked, fn, marks, (i, payloads[i])) for i in points]
         for future in as_completed(futures):
             try:
                 index, row = future.result()
-            except BrokenProcessPool:
-                break
+            except BrokenProcessPool:  # its pool's points: read below, once every pool is through
+                continue
             done.add(index)
             yield index, row
-        else:
-            executor.shutdown()
-            return set(), done, []
     except BaseException:  # the caller stopped (Ctrl-C): the workers stop too
-        _terminate(executor, workers)
+        for executor, _, _, workers in pools:
+            _terminate(executor, workers)
         raise
-    executor.shutdown()  # (the broken pool terminated the other workers: this joins them)
     started = {int(name): _read_pid(os.path.join(marks, name)) for name in os.listdir(marks)}
-    lost = sorted(i for i in started if i not in done)
+    over, suspects = set(done), []
+    for executor, points, num_workers, workers in pools:
+        executor.shutdown()  # (a broken pool terminated its other workers: this joins them)
+        errors, unknown = _broken_pool(points, num_workers, done, started, workers)
+        for index, why in errors.items():
+            yield index, {"error": why}
+        over |= set(errors)
+        suspects += unknown
+    return over, suspects
+
+
+def _broken_pool(
+    points: list[int], num_workers: int, done: set[int], started: dict[int, int | None], workers: dict[int, Any]
+) -> tuple[dict[int, str], list[int]]:
+    """What a pool of `num_workers` over `points` leaves when it broke (nothing where all
+    finished): an error for each point whose worker died, and the points that ran when a
+    worker that cannot be told apart died (to run again alone). The others run again."""
+    lost = sorted(i for i in points if i in started and i not in done)
+    if all(i in done for i in points):
+        return {}, []
     exit_codes = {pid: p.exitcode for pid, p in workers.items()}
     # the broken pool terminated the others (SIGTERM); the one that broke it died otherwise
     dead = {pid: code for pid, code in exit_codes.items() if code not in (0, -signal.SIGTERM, None)}
     killed = [i for i in lost if started[i] in dead]
-    suspects: list[int] = []
     if killed:
-        errors = {i: f"its worker process died as it ran this point ({_death(dead[started[i]])})" for i in killed}
-    elif lost and jobs == 1:  # one worker: the point it lost is its own, however it died
-        errors = {i: f"its worker process died as it ran this point ({_how(exit_codes.get(started[i]))})" for i in lost}
-    elif lost:  # which of them died cannot be told: each runs again alone
-        errors, suspects = {}, lost
-    elif not done:  # (died before it started a point: running them again could loop)
-        errors = {i: "not run: a worker process died before it started a point" for i in todo}
-    else:
-        errors = {}
-    for index, why in errors.items():
-        yield index, {"error": why}
-    return set(errors), done, suspects
+        return {i: f"its worker process died as it ran this point ({_death(dead[started[i]])})" for i in killed}, []
+    if lost and num_workers == 1:  # one worker: the point it lost is its own, however it died
+        return {
+            i: f"its worker process died as it ran this point ({_how(exit_codes.get(started[i]))})" for i in lost
+        }, []
+    if lost:  # which of them died cannot be told: each runs again alone
+        return {}, lost
+    if not any(i in done for i in points):  # (died before it started a point: running them again could loop)
+        return {i: "not run: a worker process died before it started a point" for i in points}, []
+    return {}, []
 
 
 def _read_pid(path: str) -> int | None:
