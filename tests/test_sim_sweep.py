@@ -320,7 +320,7 @@ def test_a_pd_sweep_leaves_out_the_layouts_pd_cannot_move(tmp_path, capsys):
     assert main(["simulate", "sweep", *flags]) == 0
     err = capsys.readouterr().err.splitlines()
     assert err[0] == (
-        "kvpool simulate sweep: left out llama-3.1-8b on h200: P/D moves the blocks of a paged cache "
+        "kvpool simulate sweep: left out llama-3.1-8b on H200: P/D moves the blocks of a paged cache "
         "(--layout paged); llama-3.1-8b runs layout contiguous"
     )
     assert [(r["point"], r["layout"], r["prefill_replicas"]) for r in _rows(out)] == [(0, "paged", 1)]
