@@ -74,3 +74,12 @@ def test_sampling_is_seeded() -> None:
 def test_lengths_past_what_the_sampler_draws_are_named(distribution: str, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         sample_lengths(distribution, 4)
+
+
+def test_lengths_past_a_float_are_counted_exactly() -> None:
+    # math.ceil(n / q) divided in floats: 10**20 (a multiple of 16) wasted one slot a request,
+    # and lengths near 2**62 measured fewer allocated slots than tokens (negative waste)
+    aligned = measure_fragmentation([10**20] * 62, 16)
+    assert aligned.wasted_slots == 0 and aligned.allocated_slots == 62 * 10**20
+    tail = measure_fragmentation([2**62 + 1, 2**62 + 15], 16)
+    assert tail.wasted_slots == 15 + 1 and tail.allocated_slots == 2 * (2**62 + 16)

@@ -59,7 +59,10 @@ def measure_fragmentation(lengths: Sequence[int], block_size: int) -> Fragmentat
     for n in lengths:
         if n < 0:
             raise ValueError(f"a request length must be >= 0, got {n}")
-    allocated = sum(math.ceil(n / block_size) * block_size for n in lengths)
+    # integer ceil: math.ceil(n / q) divides in floats, which past 2**53 tokens rounded the
+    # length (fixed:99999999999999999999 wasted 62 slots in 62 requests where none is; a
+    # context of 2**62 measured -112, fewer slots than tokens)
+    allocated = sum(-(-n // block_size) * block_size for n in lengths)
     return Fragmentation(
         num_seqs=len(lengths),
         block_size=block_size,
