@@ -271,3 +271,16 @@ def test_an_indexer_format_for_a_model_without_an_indexer_is_refused(
         "mxfp4",
     )
     assert out["kv_bytes_per_token"] == (656 + 68) * 61
+
+
+def test_a_context_past_int64_is_named_by_its_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    # the default --lengths uniform:1:N refused it as "uniform HI must be below 2**63 - 1",
+    # a flag the user never gave
+    assert main(["plan", "--model", "llama-3.1-8b", "--max-model-len", str(10**23)]) == 2
+    assert capsys.readouterr().err == (
+        "kvpool plan: error: --max-model-len 100,000,000,000,000,000,000,000 is beyond any context: "
+        "at most 9,223,372,036,854,775,806 tokens\n"
+    )
+    # the largest still plans (it does not fit, exit 1)
+    assert main(["plan", "--model", "llama-3.1-8b", "--max-model-len", str(2**63 - 2), "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["context_len"] == 2**63 - 2

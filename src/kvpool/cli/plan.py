@@ -44,6 +44,7 @@ from kvpool.spec.gpus import GPUS, GPUSpec, cpu_device, custom_gpu, get_gpu
 from kvpool.spec.models import ModelSpec, load_config_file, load_preset, model_by_name
 
 GIB = 1 << 30
+_MAX_CONTEXT = (1 << 63) - 1  # the lengths sampled for the fragmentation lines are int64 draws below it
 
 T = TypeVar("T")
 PLOT_MODELS: tuple[str, ...] = (
@@ -225,6 +226,12 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--prompt-len sizes the prefill side of --pd P,D; give --pd too")
         if args.plot_models is not None and not args.plot:
             raise ValueError("--plot-models picks the presets of --plot FILE; give --plot too")
+        if args.max_model_len is not None and args.max_model_len >= _MAX_CONTEXT:
+            # its default --lengths uniform:1:N refused it in words that named no flag the user gave
+            # ("uniform HI must be below 2**63 - 1")
+            raise ValueError(
+                f"--max-model-len {args.max_model_len:,} is beyond any context: at most {_MAX_CONTEXT - 1:,} tokens"
+            )
         if args.pd is not None and args.device == "cpu":  # its sides took a GPU ledger in this machine's RAM
             raise ValueError("--pd sizes GPU instances; --device cpu plans kvpool's engine in one process")
         model = _load_model(args)
