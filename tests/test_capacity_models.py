@@ -93,6 +93,20 @@ def test_weight_bytes_by_format_and_tp() -> None:
         weight_bytes(llama, tp=3)
 
 
+def test_expert_parallelism_prices_the_fullest_gpu() -> None:
+    # gpt-oss-120b: 36 layers of 128 MXFP4 experts (3 x 2880 x 2880 weights at 0.5 + 1/32 B, and
+    # 2 x 2880 + 2880 BF16 biases each); the other 4,255,115,904 bytes on every GPU under EP
+    oss = load_preset("gpt-oss-120b")
+    experts = 36 * 128 * (3 * 2880 * 2880 * 17 / 32 + (2 * 2880 + 2880) * 2)
+    rest = weight_bytes(oss).total_bytes - experts
+    assert rest == 4_255_115_904
+    assert weight_bytes(oss, ep=8).per_gpu_bytes == rest + experts / 8  # 16 experts a GPU
+    # 128 over 3 GPUs: two hold 43, one 42; E / ep priced 42.67 a GPU, under the fullest
+    assert weight_bytes(oss, ep=3).per_gpu_bytes == rest + experts * 43 / 128 == 24_745_186_944
+    # more GPUs than experts: one whole expert a GPU (E / ep priced half of one)
+    assert weight_bytes(oss, ep=256).per_gpu_bytes == rest + experts / 128
+
+
 def test_missing_required_key_names_the_key(tmp_path: Path) -> None:
     cfg = load_preset_config("llama-3.1-8b")
     del cfg["num_hidden_layers"]

@@ -163,3 +163,30 @@ def test_an_unknown_weight_format_carries_its_refusal() -> None:
         dataclasses.replace(spec, weight_format="unknown")
     with pytest.raises(ValueError, match="weight_format_error says why"):
         dataclasses.replace(spec, weight_format_error="no reason to be here")
+
+
+def test_an_experts_only_format_on_a_dense_model_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # mxfp4 and fp4+fp8 put only routed experts in FP4: Llama-3.1-8B "mxfp4" came out at its
+    # BF16 bytes (14.96 GiB) and "fp4+fp8" at its FP8 bytes, each under the 4-bit name
+    spec = from_hf_config(_llama(None))
+    for fmt, rest in (("mxfp4", "bf16"), ("fp4+fp8", "fp8")):
+        with pytest.raises(ValueError) as refusal:
+            weight_bytes(spec, weight_dtype=fmt)
+        assert str(refusal.value) == (
+            f"llama: --weight-dtype {fmt} puts only routed experts in FP4 (the rest in {rest}), and llama has none: "
+            f"every weight would be priced in {rest}; name --weight-dtype {rest} for that"
+        )
+        assert main(["plan", "--model", "llama-3.1-8b", "--context", "8192", "--weight-dtype", fmt]) == 2
+        assert capsys.readouterr().err.startswith(f"kvpool plan: error: llama-3.1-8b: --weight-dtype {fmt} puts")
+    # a dense checkpoint that says mxfp4 is refused as a format kvpool cannot price ...
+    dense = tmp_path / "config.json"
+    dense.write_text(json.dumps(_llama({"quant_method": "mxfp4"})))
+    assert main(["plan", "--config", str(dense), "--context", "8192"]) == 2
+    assert "quant_method 'mxfp4' on a model without routed experts" in capsys.readouterr().err
+    # ... and priced in a format the user names
+    assert main(["plan", "--config", str(dense), "--context", "8192", "--weight-dtype", "fp8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["weight_bytes"] == FP8_BYTES
+    # a MoE model keeps the format: gpt-oss-120b's MXFP4 experts (by hand: 114,661,785,600
+    # expert weights at 0.5 + 1/32 B, its other 2,167,371,072 parameters at 2 B)
+    moe = from_hf_config(load_preset_config("gpt-oss-120b"))
+    assert weight_bytes(moe, weight_dtype="mxfp4").total_bytes == 65_248_815_744

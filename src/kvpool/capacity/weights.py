@@ -36,6 +36,8 @@ WEIGHT_DTYPES: tuple[str, ...] = ("auto", "bf16", "fp8", "mxfp4", "fp4+fp8", "fp
 _FP8_BLOCK = 1 + 4 / (128 * 128)  # E4M3 + an fp32 scale per 128 x 128 block
 _MXFP4 = 0.5 + 1 / 32  # 4-bit value + one E8M0 scale byte per 32 values
 _BF16 = 2.0
+# formats that quantize only routed experts -> the format of every other linear
+_EXPERTS_ONLY = {"mxfp4": "bf16", "fp4+fp8": "fp8"}
 
 
 @dataclass(frozen=True)
@@ -84,15 +86,34 @@ def weight_bytes(model: ModelSpec, tp: int = 1, weight_dtype: str = "auto", ep: 
             f"{model.name}: {model.weight_format_error}; name a weight dtype to price its weights "
             f"(--weight-dtype {', '.join(WEIGHT_DTYPES[1:])})"
         )
+    if fmt in _EXPERTS_ONLY and model.moe is None:
+        # The format quantizes routed experts alone: a dense model came out at the bytes of the
+        # rest's format under the 4-bit name (llama-3.1-8b "mxfp4": 14.96 GiB, its BF16 size).
+        rest = _EXPERTS_ONLY[fmt]
+        if weight_dtype != "auto":
+            raise ValueError(
+                f"{model.name}: --weight-dtype {fmt} puts only routed experts in FP4 (the rest in {rest}), and "
+                f"{model.name} has none: every weight would be priced in {rest}; name --weight-dtype {rest} for that"
+            )
+        raise ValueError(
+            f"{model.name}: quantization_config.quant_method {fmt!r} on a model without routed experts is not one "
+            f"kvpool prices (its {fmt} puts only experts in FP4); name a weight dtype to price its weights "
+            "(--weight-dtype bf16, fp8 or fp32)"
+        )
     params = count_parameters(model)
     per_param = _bytes_per_param(fmt)
     sharded = {"embedding", "lm_head", "attention", "mlp", "experts", "expert_biases"}
     total = per_gpu = 0.0
+    # Under expert parallelism the fullest GPU holds ceil(E / ep) whole experts (engines give
+    # the remainder to the first ranks); E / ep undercounted it where ep does not divide E
+    # (gpt-oss-120b's 128 over 3 GPUs: 42.67 where a GPU holds 43, and 256 over 512 half an expert).
+    num_experts = model.moe.num_experts if model.moe is not None else 1
+    expert_share = -(-num_experts // ep) / num_experts if ep is not None else 0.0
     for category, bytes_per in per_param.items():
         n = getattr(params, category)
         total += n * bytes_per
         if category in ("experts", "expert_biases") and ep is not None:
-            per_gpu += n * bytes_per / ep
+            per_gpu += n * bytes_per * expert_share
         else:
             per_gpu += n * bytes_per / tp if category in sharded else n * bytes_per
     if model.attention == "gqa" and tp > 1:
