@@ -311,3 +311,46 @@ def test_fp16_kv_writes_of_an_fp16_input_skip_the_saturation() -> None:
     back = round_trip(fmt, x)
     assert back[0].tolist() == [65504.0, -65504.0, 1.5] and back[1, 0].isnan()
     assert back[1, 1:].tolist() == [float("inf"), float("-inf")]
+
+
+def test_a_greedy_run_past_the_context_is_refused_before_the_evaluation(monkeypatch) -> None:
+    """`kvpool eval kv-quant --greedy-prompt 8100 --greedy-steps 150`: the engine decoded the
+    92 tokens the context left and the agreement divided by 150 (bf16, every token equal: 0.61);
+    --greedy-prompt 100000 was refused by the engine as "request 'req-0': prompt of 100000
+    tokens is too long" after every format had run. A text shorter than --greedy-prompt
+    reported the flag's count, not the prompt's."""
+    from types import SimpleNamespace
+
+    import kvpool.verify.kv_quant as kv_quant
+
+    loaded = SimpleNamespace(
+        tokenizer=SimpleNamespace(encode=lambda text: list(range(len(text.split())))),
+        model=SimpleNamespace(config=SimpleNamespace(max_position=100)),
+        gguf=SimpleNamespace(path="/m/tiny.gguf"),
+    )
+    ran: list[str] = []
+
+    def evaluate(*args, **kwargs):
+        ran.append("evaluate")
+        return SimpleNamespace(formats=[], regime={}, fp32_perplexity=1.0, kv_max_abs=0.0)
+
+    monkeypatch.setattr(kv_quant, "evaluate", evaluate)
+    monkeypatch.setattr(kv_quant, "greedy_agreement", lambda model, prompt, *a: ran.append(len(prompt)) or {})
+    text = " ".join(["w"] * 500)
+    flags = {"tokens": 50, "prefill": 10, "block_size": 16}
+    for prompt, steps, said in (
+        (90, 11, "of 90 tokens \\(--greedy-prompt 90\\) and --greedy-steps 11"),
+        (1000, 1, "of 500 tokens \\(--greedy-prompt 1,000\\) and --greedy-steps 1"),
+    ):
+        with pytest.raises(
+            ValueError, match=f"^the greedy run's prompt {said} pass the model's context of 100 tokens$"
+        ):
+            kv_quant.quality_report(loaded, ["bf16"], text, "t", greedy_prompt=prompt, greedy_steps=steps, **flags)
+    assert ran == []  # refused before anything ran
+    # the limit itself runs; a 30-token text reports its 30-token prompt
+    kv_quant.quality_report(loaded, ["bf16"], text, "t", greedy_prompt=90, greedy_steps=10, **flags)
+    report = kv_quant.quality_report(loaded, ["bf16"], " ".join(["w"] * 30), "t", greedy_prompt=200, **flags)
+    assert ran == ["evaluate", 90, "evaluate", 30] and report["greedy_prompt_tokens"] == 30
+    # --tokens past the context names the flag's value and the text's tokens it took
+    with pytest.raises(ValueError, match=r"^--tokens 10,000 takes 500 tokens of the text, past the model's context"):
+        kv_quant.quality_report(loaded, ["bf16"], text, "t", tokens=10_000, prefill=10)

@@ -417,19 +417,33 @@ def quality_report(
     `progress` hears each format as evaluate starts it, `notice` of the greedy run."""
     if greedy_steps < 0:
         raise ValueError(f"--greedy-steps must be >= 0, got {greedy_steps}")
-    ids = loaded.tokenizer.encode(text)[:tokens]
+    encoded = loaded.tokenizer.encode(text)
+    ids = encoded[:tokens]
+    context = loaded.model.config.max_position
     if len(ids) < 2:
         raise ValueError(f"the text holds {len(ids)} token(s); at least 2 are needed")
-    if len(ids) > loaded.model.config.max_position:
-        raise ValueError(f"--tokens {len(ids)} exceeds the model's context of {loaded.model.config.max_position}")
+    if len(ids) > context:
+        # (the count is the text's first --tokens tokens: 10**20 read "--tokens 112955")
+        raise ValueError(
+            f"--tokens {tokens:,} takes {len(ids):,} tokens of the text, past the model's context of {context:,}"
+        )
     if prefill >= len(ids):
         raise ValueError(f"--prefill {prefill} leaves none of the text's {len(ids)} tokens to decode")
+    # the greedy run's prompt (the text may hold fewer than --greedy-prompt tokens), checked
+    # before the evaluation: a prompt and steps past the context were refused by the engine
+    # only after every format had run, or, with the prompt inside it, decoded fewer than
+    # --greedy-steps tokens and divided the agreement by the steps (all equal read 0.61)
+    prompt = encoded[:greedy_prompt]
+    if greedy_steps and len(prompt) + greedy_steps > context:
+        raise ValueError(
+            f"the greedy run's prompt of {len(prompt):,} tokens (--greedy-prompt {greedy_prompt:,}) and --greedy-steps "
+            f"{greedy_steps:,} pass the model's context of {context:,} tokens"
+        )
     ev = evaluate(loaded.model, ids, formats, progress, block_size, prefill)
     results = ev.formats
     if greedy_steps:
         if notice is not None:
             notice(f"greedy decoding, {greedy_steps} steps")
-        prompt = loaded.tokenizer.encode(text)[:greedy_prompt]
         greedy = greedy_agreement(loaded.model, prompt, formats, greedy_steps, block_size)
         results = [
             replace(r, greedy_agreement=greedy[r.name][0], greedy_first_divergence=greedy[r.name][1]) for r in results
@@ -443,7 +457,7 @@ def quality_report(
         "bootstrap": f"paired block bootstrap over the scored positions, windows of {BOOTSTRAP_WINDOW}, "
         f"{BOOTSTRAP_SAMPLES} resamples: 95 % intervals",
         "greedy_steps": greedy_steps,
-        "greedy_prompt_tokens": greedy_prompt,
+        "greedy_prompt_tokens": len(prompt),
         "fp32_perplexity": round(ev.fp32_perplexity, 4),
         # fp16 stores values past 65,504 saturated there (storage/quant.py): this text's headroom
         "kv_max_abs": ev.kv_max_abs,
