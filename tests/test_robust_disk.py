@@ -1084,3 +1084,25 @@ def test_a_quarantine_trim_that_cannot_unlink_is_counted_as_a_trim_failure(tmp_p
     kept = list((tmp_path / "quarantine").iterdir())
     assert 1 <= len(kept) <= 2 and tier.report()["quarantine_trimmed"] == 7 - len(kept)
     tier.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # each was dropped without a word; clear's removed every entry of a user who meant a look
+        (["clear", "--json"], "--json is an option of ls / stats, not of clear"),
+        (["clear", "--headers-only"], "--headers-only is an option of ls / stats, not of clear"),
+        (["ls", "--quarantine"], "--quarantine is an option of clear, not of ls"),
+        (["stats", "--quarantine"], "--quarantine is an option of clear, not of stats"),
+    ],
+)
+def test_cache_refuses_another_actions_flag_and_changes_nothing(tmp_path, capsys, argv, message) -> None:
+    from kvpool.cli.main import main
+
+    tier = filled(tmp_path, 3)
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    assert main(["cache", argv[0], str(tmp_path), *argv[1:]]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"kvpool cache: error: {message}; nothing was done\n" and captured.out == ""
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+    assert all(stored(tier, i).exists() for i in range(3))

@@ -72,6 +72,14 @@ def _unlisted(root: Path, unlisted: list | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     from kvpool.tiers.disk_admin import existing_cache, inspect_cache, summarize_cache
 
+    # A flag of the other actions was dropped without a word: `ls --quarantine` listed every
+    # entry, and `clear --json` / `clear --headers-only` removed every entry (a user who meant
+    # a look first lost the cache). Refused before the directory is touched.
+    other = {"clear": ("--json", "--headers-only"), "ls": ("--quarantine",), "stats": ("--quarantine",)}[args.action]
+    given = [flag for flag in other if getattr(args, flag.lstrip("-").replace("-", "_"))]
+    if given:
+        owner = "clear" if args.action != "clear" else "ls / stats"
+        raise ValueError(f"{given[0]} is an option of {owner}, not of {args.action}; nothing was done")
     root = existing_cache(args.directory)
     if args.action == "clear":
         return _clear(root, args.quarantine)
