@@ -1002,6 +1002,47 @@ def test_the_cut_at_the_first_write_takes_the_least_recently_used_as_the_directo
     small.check_integrity()
 
 
+def test_lookups_go_on_while_the_cut_at_the_first_write_unlinks_its_victims(tmp_path, monkeypatch) -> None:
+    """The cut to the limit unlinked every victim under the tier's lock, on the writer's
+    thread while the engine served: a lookup waited for all of them (review 8 #3: 0.47 s
+    behind 5,000 unlinks; a 100 GiB cache under the 16 GiB default, seconds). The victims
+    now leave the index under the lock and are unlinked after it: with an unlink held up, a
+    lookup still answers (a victim's a miss, a kept entry a hit) and the index checks out."""
+    tier = filled(tmp_path, 10)
+    for i in range(10):  # entry i last used at second i + 1: 0 the least recently used
+        os.utime(stored(tier, i), ns=((i + 1) * 10**9, (i + 1) * 10**9))
+    one = len(entry_format.encode(key(10), descriptor(10), tensors(10)))
+    newest = sum(stored(tier, i).stat().st_size for i in range(7, 10)) + one  # 3 of these, and entry 10
+    small = DiskTier(tmp_path, newest, log=lambda line: None)
+    unlink, started, release = Path.unlink, threading.Event(), threading.Event()
+
+    def held_up(self, *args, **kwargs):
+        if self.suffix == ".safetensors" and self.parent.parent.parent.name == "entries":
+            started.set()
+            release.wait(30)
+        return unlink(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "unlink", held_up)
+    assert small.put(key(10), descriptor(10), tensors(10))
+    assert started.wait(30)  # the writer is in the cut's first unlink
+    answers: list[bool] = []
+    looker = threading.Thread(target=lambda: answers.extend(small.lookup(key(i), descriptor(i)) for i in (0, 9)))
+    looker.start()
+    looker.join(5)
+    done = not looker.is_alive()
+    if done:
+        small.check_integrity()  # (the victims out of the index, the files not yet)
+    release.set()
+    assert small.flush(30)
+    looker.join(30)
+    assert done, "a lookup waited for the cut's unlinks"
+    assert answers == [False, True]  # 0 is a victim (its unlink under way): a miss, not re-indexed
+    assert sorted(i for i in range(11) if stored(tier, i).exists()) == [7, 8, 9, 10]
+    assert small.stats.num_evictions == 7 and small.num_entries == 4
+    assert small.num_bytes == sum(stored(tier, i).stat().st_size for i in (7, 8, 9, 10))
+    small.check_integrity()
+
+
 @pytest.mark.parametrize("capacity", [1, "entry - 1"])
 def test_a_limit_too_small_for_any_entry_leaves_a_shared_cache_whole(tmp_path, capacity) -> None:
     """DiskTier(dir, 1) (what `--disk-cache-gib 1e-9` opens before the runner refuses the

@@ -49,7 +49,9 @@ hold at most the limit plus, each, what it wrote since its last scan (1/32 of th
 or one entry when that is larger). A process whose limit is below what the directory holds
 cuts it down at the first write it takes (other processes' entries too), and says so in one
 line; not as it opens: a limit too small for any entry, refused once the engine knows its
-block size, had already cut a shared cache to nothing.
+block size, had already cut a shared cache to nothing. Evictions choose their victims and
+drop them from the index under the lock, and unlink the files after it: a cut of thousands
+of entries on the writer's thread held the lookups of the engine's thread for seconds.
 
 Writes run on a background writer (writer.py): `put` encodes nothing and never waits; a
 full queue drops the write and counts it.
@@ -251,6 +253,9 @@ class DiskTier(Tier):
         # models are two entries. _keys counts each content key's namespaces (contains()).
         self._entries: OrderedDict[tuple[str, bytes], _Entry] = OrderedDict()
         self._keys: Counter[bytes] = Counter()
+        # entries evicted from the index whose files are being unlinked, outside the lock (a
+        # cut of thousands of entries held it for seconds, lookups waiting): a miss meanwhile
+        self._removing: set[tuple[str, bytes]] = set()
         self._num_bytes = 0
         self._tmp_names = itertools.count()
         # namespace -> {tensor name: (dtype, shape)} every entry of it must have
@@ -315,9 +320,9 @@ class DiskTier(Tier):
     def _rescan(self, evict: bool = True) -> int:
         """Index the directory's entries as they are now (other processes' writes and
         evictions), least recently modified first, and evict down to the limit unless
-        `evict` is False (the open: see _cut_to_limit) (the bytes freed are returned). What this
-        process knew of an entry (its descriptor, a checked payload) is kept while the file
-        is the same one."""
+        `evict` is False (the open: see _cut_to_limit) (the bytes this process freed are
+        returned). What this process knew of an entry (its descriptor, a checked payload) is
+        kept while the file is the same one."""
         with self._lock:
             known = dict(self._entries)
         found = scan_entries(self.root)  # (no lock: lookups go on meanwhile)
@@ -344,7 +349,8 @@ class DiskTier(Tier):
             self._entries, self._keys = entries, Counter(key for _, key in entries)
             self._num_bytes = sum(e.num_bytes for e in entries.values())
             self._written_since_scan = 0
-            return self._evict_over_limit() if evict else 0
+            victims = self._evict_over_limit() if evict else []
+        return self._remove_evicted(victims)
 
     def entry_bytes(self, cache: object, block_size: int, tensors: dict[str, tuple[object, tuple[int, ...]]]) -> int:
         """The bytes a block of these tensors ({name: (torch dtype, shape)}) takes at most as
@@ -450,21 +456,30 @@ class DiskTier(Tier):
         )
         return True
 
-    def _evict_over_limit(self) -> int:
-        """Evict least recently used entries down to the limit (lock held); the bytes freed."""
-        freed = 0
+    def _evict_over_limit(self) -> list[tuple[tuple[str, bytes], _Entry]]:
+        """Drop least recently used entries from the index down to the limit (lock held):
+        the victims, whose files `_remove_evicted` unlinks once the lock is released."""
+        victims = []
         while self._num_bytes > self.capacity_bytes and self._entries:
             ident, old = next(iter(self._entries.items()))
             self._drop(ident)  # (forgotten even when the unlink fails: the loop ends)
-            if self._file_op("evict", old.path.unlink):
-                self.stats.num_evictions += 1
-                freed += old.num_bytes
-        return freed
+            self._removing.add(ident)
+            victims.append((ident, old))
+        return victims
+
+    def _remove_evicted(self, victims: list[tuple[tuple[str, bytes], _Entry]]) -> int:
+        """Unlink the files of entries `_evict_over_limit` dropped (lock not held: lookups
+        go on, and find those entries absent); the bytes freed."""
+        removed = [(ident, old) for ident, old in victims if self._file_op("evict", old.path.unlink)]
+        with self._lock:
+            self._removing.difference_update(ident for ident, _ in victims)
+            self.stats.num_evictions += len(removed)
+        return sum(old.num_bytes for _, old in removed)
 
     def _find(self, ident: tuple[str, bytes], expected: BlockDescriptor) -> _Entry | None:
         """The entry, known or just written by another process (lock held)."""
         found = self._entries.get(ident)
-        if found is None:
+        if found is None and ident not in self._removing:  # (evicted, its unlink under way)
             path = self._path(ident[1], expected)
             try:
                 st = path.stat()
@@ -656,9 +671,10 @@ class DiskTier(Tier):
             self._add(self._id(key, descriptor), _Entry(final, len(data), descriptor, inode, verified=True))
             self.stats.num_puts += 1
             self.stats.num_put_bytes += len(data)
-            self._evict_over_limit()
+            victims = self._evict_over_limit()
             self._written_since_scan += len(data)
             rescan = self._written_since_scan >= self.rescan_bytes
+        self._remove_evicted(victims)
         if rescan:  # (on the writer's thread, off the engine's path)
             self._rescan()
         self.stats.put_s += time.perf_counter() - start
@@ -701,14 +717,16 @@ class DiskTier(Tier):
     def _make_room(self, num_bytes: int, error: OSError) -> bool:
         """The filesystem is full (`error`): evict least recently used entries until
         `num_bytes` are freed; whether any was."""
-        freed = 0
-        with self._lock:
-            while freed < num_bytes and self._entries:
+        victims: list[tuple[tuple[str, bytes], _Entry]] = []
+        chosen = 0
+        with self._lock:  # (the victims chosen under the lock, unlinked outside it)
+            while chosen < num_bytes and self._entries:
                 ident, old = next(iter(self._entries.items()))
                 self._drop(ident)
-                if self._file_op("evict", old.path.unlink):
-                    self.stats.num_evictions += 1
-                    freed += old.num_bytes
+                self._removing.add(ident)
+                victims.append((ident, old))
+                chosen += old.num_bytes
+        freed = self._remove_evicted(victims)
         if freed:
             self.num_full += 1
             self._say(
@@ -789,6 +807,8 @@ class DiskTier(Tier):
                 raise AssertionError(
                     f"disk tier: {total} B indexed, {self._num_bytes} B counted, {self.capacity_bytes} B limit"
                 )
+            if self._removing & self._entries.keys():
+                raise AssertionError(f"disk tier: {len(self._removing & self._entries.keys())} evicted entries indexed")
             for (ns, key), found in self._entries.items():
                 if found.path.name != f"{key.hex()}{SUFFIX}" or found.path.parent.parent.name != ns:
                     raise AssertionError(f"disk tier: {ns}/{key.hex()} indexed at {found.path}")
