@@ -12,15 +12,18 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from urllib.parse import quote
 
 import pytest
 import redis
 import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from kvpool.engine.engine import Engine
 from kvpool.engine.llama_runner import llama_runner
 from kvpool.engine.sampling import SamplingParams
-from kvpool.tiers.redis_tier import RedisTier, check_url
+from kvpool.tiers.redis_tier import RedisTier, check_url, redact_url
 from random_llama import DESCRIPTOR, random_ids, random_llama
 from test_disk_tier import descriptor, key, tensors
 
@@ -305,6 +308,51 @@ def test_a_url_check_url_refuses_never_shows_its_password(url) -> None:
     with pytest.raises(ValueError) as refused:
         check_url(url % SECRET)
     assert SECRET not in str(refused.value) and "***" in str(refused.value)
+
+
+_SEPARATORS = "/?#@:&=% ;"  # what ends a URL's parts, raw in a password
+_PART = st.text(alphabet="ABCDEFGHJKLMNPQRSTUVWXYZ", min_size=6, max_size=12)  # (no message holds 6 capitals)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@example(head="PAWORD", sep="#", tail="SECRET", form=1)  # review 8 #5's two URLs
+@example(head="PAWORD", sep="?", tail="SECRET", form=0)
+@example(head="PAWORD", sep="#", tail="SECRET", form=3)
+@given(head=_PART, sep=st.text(alphabet=_SEPARATORS, min_size=1, max_size=3), tail=_PART, form=st.integers(0, 3))
+def test_a_password_never_shows_whatever_characters_it_holds(head, sep, tail, form) -> None:
+    """redact_url showed a password with a raw '#' or '?' whole (review 8 #5:
+    redis://:pa#ss@h:6379/0), and a ?password= value up to a raw '#' or '&'. Neither part of
+    a password, raw or percent-encoded, appears in redact_url's text, in check_url's error,
+    or in the lines and report of a tier over an unreachable server."""
+    password = f"{head}{sep}{tail}"
+    url = [
+        f"redis://user:{password}@127.0.0.1:1/0",
+        f"redis://:{password}@127.0.0.1:1",
+        f"redis://:{quote(password, safe='')}@127.0.0.1:1/0",
+        f"redis://127.0.0.1:1/0?db=0&password={password}",
+    ][form]
+    # an '@' past the parser's host part: USER:PASSWORD with a raw '/', '?' or '#', or an '@'
+    # in the query (a raw one in a ?password= value)
+    past_host = bool(set(sep) & set("/?#")) if form in (0, 1) else form == 3 and "@" in sep
+    expected = [
+        "redis://user:***@127.0.0.1:1/0",
+        "redis://:***@127.0.0.1:1",
+        "redis://:***@127.0.0.1:1/0",
+        "redis://127.0.0.1:***" if past_host else "redis://127.0.0.1:1/0?db=0&password=***",
+    ]
+    assert redact_url(url) == expected[form]
+    lines: list[str] = []
+    try:
+        check_url(url)
+        t = RedisTier(url, timeout_s=0.2, log=lines.append)  # (port 1: refused at once, an outage)
+    except ValueError as refused:
+        assert past_host and "percent-encode" in str(refused), (url, refused)  # never half-parsed
+        said = str(refused)
+    else:
+        assert not past_host, url
+        said = "\n".join(lines) + str(t.report())
+        t.close()
+    assert head not in said and tail not in said and quote(head) not in said, said
 
 
 # ----- a stalled server (SIGSTOP) ---------------------------------------------------------

@@ -39,8 +39,8 @@ A fault is a miss, never a crash, a hang or a stall:
 
 from __future__ import annotations
 
+import itertools
 import math
-import re
 import sys
 import threading
 import time
@@ -48,7 +48,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from typing import Any, NamedTuple
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -67,10 +67,27 @@ GENERATION_KEY = "kvpool:generation"  # a random value the processes share; gone
 def redact_url(url: str) -> str:
     """The URL as messages and reports show it: a password (redis://USER:PASSWORD@HOST, or
     ?password=) replaced by ***, so that it never reaches a log, a terminal or a --json
-    report. Textual: a URL that does not parse is redacted too. The password runs to the
-    last '@' before any '?' or '#': a raw '/' in it (not percent-encoded) was shown."""
-    url = re.sub(r"//([^/:@?#]*):[^?#]*@", r"//\1:***@", url)
-    return re.sub(r"([?&]password=)[^&#]*", r"\1***", url, flags=re.IGNORECASE)
+    report, whatever characters it holds. Textual (a URL that does not parse is redacted
+    too), and generous where the URL is ambiguous: after `//USER:` the password runs to the
+    last '@' of the whole URL (a raw '/', '?', '#' or '@' in it, not percent-encoded, ends
+    the host part for a URL parser and was shown), and a `password=` value (after any '?' or
+    '&', raw ones in a password included) runs to the end (a raw '&', '#' or '@' in it).
+    Over-redaction (`redis://HOST:PORT/x?y=a@b` shows `redis://HOST:***@b`) shows less,
+    never a password."""
+    spans = []  # [lo, hi) of the text hidden
+    start, at = url.find("//") + 2, url.rfind("@")
+    if 2 <= start <= at and ":" in url[start:at]:  # USER ends at its first ':', the password is the rest
+        spans.append((url.index(":", start) + 1, at))
+    for i, char in enumerate(url):  # every '?' and '&' (a raw one may sit inside a password)
+        name, equals, _ = url[i + 1 :].partition("=") if char in "?&" else ("", "", "")
+        if equals and unquote(name).lower() == "password":  # (a parser unquotes the name: %70assword)
+            spans.append((i + len(name) + 2, len(url)))
+            break
+    hidden = bytearray(len(url))
+    for lo, hi in spans:
+        hidden[lo:hi] = b"\1" * (hi - lo)
+    runs = itertools.groupby(zip(url, hidden, strict=True), key=lambda pair: pair[1])
+    return "".join("***" if hide else "".join(char for char, _ in run) for hide, run in runs)
 
 
 def check_url(url: str) -> str:
@@ -82,6 +99,15 @@ def check_url(url: str) -> str:
         raise ValueError(f"--redis {shown!r}: {error}") from None
     if parts.scheme not in ("redis", "rediss", "unix"):
         raise ValueError(f"--redis {shown!r}: expected redis://HOST:PORT[/DB] (or rediss://, unix://)")
+    start, at = url.find("//") + 2, url.rfind("@")  # (urlsplit's netloc: the raw text after '//')
+    if parts.netloc and at > start + len(parts.netloc) and ":" in url[start:at]:
+        # USER:PASSWORD whose password holds a raw '/', '?' or '#': the parser's host part ends
+        # there, and the rest (the password's tail) would reach the connection as a host, a
+        # port or a database, and its messages
+        raise ValueError(
+            f"--redis {shown!r}: an '@' after the URL's host part: percent-encode a password's "
+            "'/', '?', '#' and '@' (%2F, %3F, %23, %40), and an '@' elsewhere (%40)"
+        )
     if parts.scheme == "unix" and not parts.path.strip("/"):
         raise ValueError(f"--redis {shown!r}: no socket path (unix:///PATH/TO/redis.sock)")
     if parts.scheme != "unix":
