@@ -180,3 +180,28 @@ def test_the_plan_of_this_machine_speaks_of_no_gpu(capsys):
     assert main(["plan", "--model", "smollm2-135m", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "KV pool of this machine" in out and "per GPU" not in out
+
+
+def test_a_cpu_plan_past_the_machines_ram_does_not_fit(capsys, monkeypatch):
+    """--device cpu's pool is --kv-memory whatever the machine holds: llama-3.1-8b's 29.9 GiB of
+    fp32 weights on a 23.5 GiB machine, or a 1 TiB pool, printed a plan of requests, exit 0."""
+    import kvpool.cli.plan as plan_cli
+    from kvpool.cli.main import main
+    from kvpool.spec.gpus import GPUSpec
+
+    for gib, status in ((1, 1), (2, 0)):  # smollm2-135m's ledger: 1,104,411,272 B (1.03 GiB)
+        machine = GPUSpec("cpu (2 cores)", gib << 30, float("inf"), kind="cpu")
+        monkeypatch.setattr(plan_cli, "cpu_device", lambda machine=machine: machine)
+        assert main(["plan", "--model", "smollm2-135m", "--device", "cpu"]) == status
+        out = capsys.readouterr().out
+        fits = "does not fit" not in out
+        assert fits == (status == 0)
+        if not fits:
+            assert (
+                out.splitlines()[-1]
+                == "does not fit: the ledger's 1.03 GiB is more than this machine's 1.00 GiB of RAM"
+            )
+        assert main(["plan", "--model", "smollm2-135m", "--device", "cpu", "--json"]) == status
+        d = json.loads(capsys.readouterr().out)
+        assert d["fits"] is (status == 0) and (d["ledger"]["free"] < 0) is (status == 1)
+        assert d["max_concurrent_requests"] == 1  # the pool still holds its request: not the reason

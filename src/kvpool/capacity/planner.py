@@ -62,7 +62,14 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.ledger.pool_bytes > 0 and self.max_concurrent_per_replica > 0
+        # On a GPU the pool is what the other terms leave, so a total past the capacity shows
+        # as an empty pool; kvpool's CPU engine takes --kv-memory whatever the machine holds,
+        # and a ledger of 130 % of its RAM (llama-3.1-8b's fp32 weights on 23.5 GiB) "fit".
+        return (
+            self.ledger.pool_bytes > 0
+            and self.max_concurrent_per_replica > 0
+            and self.ledger.total <= self.ledger.capacity
+        )
 
     def as_dict(self) -> dict[str, Any]:
         """One JSON-ready object (what `kvpool plan --json` prints); byte counts are per GPU

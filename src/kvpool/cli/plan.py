@@ -473,7 +473,14 @@ def print_plan(p: Plan) -> None:
         out.add_row("  (V4: a request's unfinished tail lives in its state block)", "")
     console.print(out)
     if not p.fits:
-        console.print("[bold red]does not fit: the KV pool cannot hold one request at this context[/]")
+        # kvpool's CPU engine takes --kv-memory whatever the machine holds: its ledger can pass
+        # the RAM with a pool that holds requests (a GPU's pool is what the other terms leave)
+        why = (
+            f"the ledger's {_gib(p.ledger.total)} is more than this machine's {_gib(cap)} of RAM"
+            if on_cpu and p.ledger.total > cap
+            else "the KV pool cannot hold one request at this context"
+        )
+        console.print(f"[bold red]does not fit: {why}[/]", soft_wrap=True)
 
 
 # ---------------------------------------------------------------------------------------
