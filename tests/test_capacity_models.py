@@ -322,6 +322,9 @@ def test_a_config_file_that_is_no_config_is_refused_before_it_is_read(tmp_path: 
         f.truncate(5 << 30)
     with pytest.raises(ValueError, match=re.escape(f"config file {str(shard)!r} is 5,368,709,120 bytes")):
         load_config_file(shard)
+    # a device has no size to tell: /dev/zero read "is 0 bytes (over 64 MiB)"
+    with pytest.raises(ValueError, match=re.escape("config file '/dev/zero' is over 64 MiB: a config.json is")):
+        load_config_file("/dev/zero")
     # a config.json that is a folder: the OSError's words without the file's role
     (tmp_path / "m" / "config.json").mkdir(parents=True)
     with pytest.raises(ValueError, match=re.escape("config file") + ".*cannot be read: Is a directory"):

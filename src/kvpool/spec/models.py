@@ -791,9 +791,11 @@ def load_config_file(path: str | Path) -> ModelSpec:
         with path.open("rb") as f:
             data = f.read(_MAX_CONFIG_BYTES + 1)
             if len(data) > _MAX_CONFIG_BYTES:
+                # a device or a pipe has no size to tell (/dev/zero read "is 0 bytes (over 64 MiB)")
                 size = path.stat().st_size
+                told = f"{size:,} bytes (over {_MAX_CONFIG_BYTES >> 20} MiB)" if size > _MAX_CONFIG_BYTES else None
                 raise ValueError(
-                    f"config file {str(path)!r} is {size:,} bytes (over {_MAX_CONFIG_BYTES >> 20} MiB): "
+                    f"config file {str(path)!r} is {told or f'over {_MAX_CONFIG_BYTES >> 20} MiB'}: "
                     "a config.json is a few KB; is this a weights file?"
                 )
         cfg = json.loads(data.decode("utf-8"))
