@@ -363,6 +363,22 @@ def test_an_absent_head_dim_takes_the_familys_default(preset: str, head_dim: int
         ("smollm2-135m", {"num_hidden_layers": 10**12}, "num_hidden_layers=1000000000000 layers of hidden_size 576"),
         ("deepseek-v3", {"n_routed_experts": 10**15}, "its experts (n_routed_experts"),
         ("gemma-2-9b", {"vocab_size": 10**14}, "its embedding (vocab_size x hidden_size)"),
+        # more experts a token than routed ones: planned, 1,000 experts' fused-MoE buffers a token
+        (
+            "deepseek-v3",
+            {"num_experts_per_tok": 1000},
+            "num_experts_per_tok=1000 is more than the n_routed_experts=256",
+        ),
+        (
+            "deepseek-v4-flash",
+            {"num_experts_per_tok": 257},
+            "num_experts_per_tok=257 is more than the n_routed_experts",
+        ),
+        (
+            "gpt-oss-120b",
+            {"num_experts_per_tok": 129},
+            "num_experts_per_tok=129 is more than the num_local_experts=128",
+        ),
     ],
 )
 def test_expert_counts_and_counts_beyond_any_machine_are_refused_naming_the_key(preset, changes, words) -> None:
@@ -412,3 +428,13 @@ def test_a_multimodal_gemma3_config_takes_the_text_defaults_it_leaves_out() -> N
     # what the top level says of the weights applies to the language model too
     quantized = GEMMA3_4B_IT | {"quantization_config": {"quant_method": "fp8"}}
     assert from_hf_config(quantized).weight_format == "fp8"
+
+
+def test_a_v4_compress_ratio_is_a_json_integer() -> None:
+    # true was ratio 1: an "HCA" layer of one-token entries, blocks of lcm(4, 1) = 4 tokens
+    cfg = load_preset_config("deepseek-v4-flash")
+    with pytest.raises(ValueError, match=re.escape("compress_ratios[3] must be a non-negative integer, got True")):
+        from_hf_config(
+            cfg | {"compress_ratios": [0, 0, 4, True, *cfg["compress_ratios"][4:]]}, name="deepseek-v4-flash"
+        )
+    assert from_hf_config(cfg, name="deepseek-v4-flash").dsv4.lcm_ratio == 128  # the published one holds

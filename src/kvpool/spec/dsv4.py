@@ -144,7 +144,7 @@ class DSV4Spec:
                 f"need num_hidden_layers={self.num_layers} (+ MTP)"
             )
         for i, ratio in enumerate(self.compress_ratios):
-            if not isinstance(ratio, int) or ratio < 0:
+            if not isinstance(ratio, int) or isinstance(ratio, bool) or ratio < 0:  # (true read as ratio 1)
                 raise ValueError(f"compress_ratios[{i}] must be a non-negative integer, got {ratio!r}")
         hca_ratios = {r for r in self.compress_ratios if r not in (0, CSA_RATIO)}
         if len(hca_ratios) > 1:

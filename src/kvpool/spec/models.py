@@ -73,6 +73,17 @@ class MoEGeometry:
     router_bias: bool = False  # a router bias / e_score_correction_bias of num_experts
 
 
+def _checked_moe(moe: MoEGeometry, model_type: str, experts_key: str, top_k_key: str) -> MoEGeometry:
+    """`moe`, when a token's experts are among the routed ones: num_experts_per_tok 1000 of
+    256 was planned (fused-MoE buffers for 1,000 experts a token: "does not fit")."""
+    if moe.experts_per_token > moe.num_experts:
+        raise ValueError(
+            f"{model_type} config: {top_k_key}={moe.experts_per_token} is more than the "
+            f"{experts_key}={moe.num_experts} experts a token is routed among"
+        )
+    return moe
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """What capacity planning needs of one model. Build with `from_hf_config`."""
@@ -512,20 +523,22 @@ def _parse_gqa(cfg: dict[str, Any], name: str, model_type: str) -> ModelSpec:
     moe = None
     if model_type == "gpt_oss":
         num_experts = _positive(cfg, "num_local_experts", model_type)
-        moe = MoEGeometry(
-            num_experts=num_experts,
-            num_shared_experts=0,
-            # gpt-oss experts: gate_up [h, 2I] + down [I, h]; the 3 x h x I count holds.
-            expert_intermediate_size=_positive(cfg, "intermediate_size", model_type),
-            # transformers' name, or the original checkpoint's
-            experts_per_token=_positive(
-                cfg,
-                "num_experts_per_tok" if cfg.get("num_experts_per_tok") is not None else "experts_per_token",
-                model_type,
+        # transformers' name, or the original checkpoint's
+        top_k_key = "num_experts_per_tok" if cfg.get("num_experts_per_tok") is not None else "experts_per_token"
+        moe = _checked_moe(
+            MoEGeometry(
+                num_experts=num_experts,
+                num_shared_experts=0,
+                # gpt-oss experts: gate_up [h, 2I] + down [I, h]; the 3 x h x I count holds.
+                expert_intermediate_size=_positive(cfg, "intermediate_size", model_type),
+                experts_per_token=_positive(cfg, top_k_key, model_type),
+                moe_layers=tuple(range(L)),
+                expert_bias=True,
+                router_bias=True,
             ),
-            moe_layers=tuple(range(L)),
-            expert_bias=True,
-            router_bias=True,
+            model_type,
+            "num_local_experts",
+            top_k_key,
         )
     bias = _flag(cfg, "attention_bias", model_type, False)
     return ModelSpec(
@@ -567,13 +580,18 @@ def _parse_mla(cfg: dict[str, Any], name: str, model_type: str) -> ModelSpec:
     if cfg.get("n_routed_experts") not in (None, 0):  # (0 or null: a dense model)
         first_dense = _non_negative(cfg, "first_k_dense_replace", model_type, 0)
         freq = _positive(cfg, "moe_layer_freq", model_type, default=1)
-        moe = MoEGeometry(
-            num_experts=_positive(cfg, "n_routed_experts", model_type),
-            num_shared_experts=_non_negative(cfg, "n_shared_experts", model_type, 0),
-            expert_intermediate_size=_positive(cfg, "moe_intermediate_size", model_type),
-            experts_per_token=_positive(cfg, "num_experts_per_tok", model_type),
-            moe_layers=tuple(i for i in range(L) if i >= first_dense and i % freq == 0),
-            router_bias=cfg.get("topk_method") == "noaux_tc",  # e_score_correction_bias
+        moe = _checked_moe(
+            MoEGeometry(
+                num_experts=_positive(cfg, "n_routed_experts", model_type),
+                num_shared_experts=_non_negative(cfg, "n_shared_experts", model_type, 0),
+                expert_intermediate_size=_positive(cfg, "moe_intermediate_size", model_type),
+                experts_per_token=_positive(cfg, "num_experts_per_tok", model_type),
+                moe_layers=tuple(i for i in range(L) if i >= first_dense and i % freq == 0),
+                router_bias=cfg.get("topk_method") == "noaux_tc",  # e_score_correction_bias
+            ),
+            model_type,
+            "n_routed_experts",
+            "num_experts_per_tok",
         )
     return ModelSpec(
         name=name,
@@ -614,12 +632,17 @@ def _parse_dsv4(cfg: dict[str, Any], name: str, model_type: str) -> ModelSpec:
     if "n_routed_experts" not in facts:
         # Every V4 layer is MoE; without the expert facts the weights line would be fiction.
         raise ValueError(f"{model_type} config is missing required key 'n_routed_experts'")
-    moe = MoEGeometry(
-        num_experts=_positive(facts, "n_routed_experts", model_type),
-        num_shared_experts=_non_negative(facts, "n_shared_experts", model_type, 0),
-        expert_intermediate_size=_positive(facts, "moe_intermediate_size", model_type),
-        experts_per_token=_positive(facts, "num_experts_per_tok", model_type),
-        moe_layers=tuple(range(v4.num_layers)),  # every V4 layer is MoE (no dense prefix)
+    moe = _checked_moe(
+        MoEGeometry(
+            num_experts=_positive(facts, "n_routed_experts", model_type),
+            num_shared_experts=_non_negative(facts, "n_shared_experts", model_type, 0),
+            expert_intermediate_size=_positive(facts, "moe_intermediate_size", model_type),
+            experts_per_token=_positive(facts, "num_experts_per_tok", model_type),
+            moe_layers=tuple(range(v4.num_layers)),  # every V4 layer is MoE (no dense prefix)
+        ),
+        model_type,
+        "n_routed_experts",
+        "num_experts_per_tok",
     )
     return ModelSpec(
         name=name,
