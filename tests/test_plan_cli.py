@@ -284,3 +284,21 @@ def test_a_context_past_int64_is_named_by_its_flag(capsys: pytest.CaptureFixture
     # the largest still plans (it does not fit, exit 1)
     assert main(["plan", "--model", "llama-3.1-8b", "--max-model-len", str(2**63 - 2), "--json"]) == 1
     assert json.loads(capsys.readouterr().out)["context_len"] == 2**63 - 2
+
+
+@pytest.mark.parametrize(
+    ("lengths", "message"),
+    [
+        ("fixed:-1", "fixed length must be >= 0, got -1"),
+        ("uniform:1:1" + "0" * 30, "uniform HI must be below 2**63 - 1, got 1" + "0" * 30),
+        ("zipf:1", "unknown length distribution 'zipf:1'"),
+        ("lognormal:1e307:10", "lognormal:1e+307:10 draws lengths beyond a float"),
+    ],
+)
+def test_a_bad_length_distribution_is_named_by_its_flag(
+    lengths: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the sampler's words came without the flag ("kvpool plan: error: fixed length must be >= 0")
+    assert main(["plan", "--model", "llama-3.1-8b", "--context", "8192", "--lengths", lengths]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvpool plan: error: --lengths: {message}") and err.count("\n") == 1

@@ -29,7 +29,7 @@ from kvpool.spec.gpus import GPUSpec
 from kvpool.spec.models import ModelSpec
 
 _MAX_SEARCH_LEN = 1 << 36  # a context beyond any model's positions: "memory is not the limit"
-_MAX_SAMPLED_SEQS = 100_000  # fragmentation is measured on at most this many sampled requests
+MAX_SAMPLED_SEQS = 100_000  # fragmentation is measured on at most this many sampled requests
 
 
 @dataclass(frozen=True)
@@ -253,7 +253,7 @@ def plan(
         max_ctx_mem = max_context(layout, pool, per_replica_requests)
         max_ctx = min(max_ctx_mem, model.max_position_embeddings)
 
-    num_sampled = min(concurrency or max(per_replica * replicas, 1), _MAX_SAMPLED_SEQS)
+    num_sampled = min(concurrency or max(per_replica * replicas, 1), MAX_SAMPLED_SEQS)
     dist = length_distribution or f"uniform:1:{ctx}"
     frag = measure_fragmentation(sample_lengths(dist, num_sampled, seed), layout.block_size)
     # A token slot's bytes in the groups that page token by token (V4's tail lives in state).

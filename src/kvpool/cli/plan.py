@@ -232,6 +232,12 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"--max-model-len {args.max_model_len:,} is beyond any context: at most {_MAX_CONTEXT - 1:,} tokens"
             )
+        if args.lengths is not None:  # its errors ("fixed length must be >= 0") named no flag
+            from kvpool.capacity.fragmentation import sample_lengths
+            from kvpool.capacity.planner import MAX_SAMPLED_SEQS
+
+            # as many draws as the plan may take, with its seed: a lognormal's tail is in them
+            _for_flag("--lengths", sample_lengths, args.lengths, MAX_SAMPLED_SEQS, args.seed)
         if args.pd is not None and args.device == "cpu":  # its sides took a GPU ledger in this machine's RAM
             raise ValueError("--pd sizes GPU instances; --device cpu plans kvpool's engine in one process")
         model = _load_model(args)
