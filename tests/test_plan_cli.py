@@ -302,3 +302,20 @@ def test_a_bad_length_distribution_is_named_by_its_flag(
     assert main(["plan", "--model", "llama-3.1-8b", "--context", "8192", "--lengths", lengths]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"kvpool plan: error: --lengths: {message}") and err.count("\n") == 1
+
+
+def test_the_kv_line_says_how_tp_splits_the_heads(capsys: pytest.CaptureFixture[str]) -> None:
+    # TP 16 on 8 KV heads said "replicated over TP" beside a rank's 40,960 B, 1/8 of the model's
+    def text() -> str:
+        return " ".join(capsys.readouterr().out.split())
+
+    argv = ["plan", "--model", "llama-3.1-70b", "--gpu", "b200", "--context", "8192"]
+    assert main([*argv, "--num-gpus", "16", "-tp", "16"]) == 0
+    out = text()
+    assert "│ bf16, 16 tokens (each of 8 KV heads on 2 of 16 ranks) │" in out and "replicated" not in out
+    assert "│ KV bytes / token (per GPU) │ 40,960.0 B │" in out
+    assert main([*argv, "--num-gpus", "8", "-tp", "8"]) == 0  # one head a rank: nothing to say
+    assert "│ KV format, block size │ bf16, 16 tokens │" in text()
+    # a latent is on every rank
+    assert main(["plan", "--model", "deepseek-v3", "--gpu", "h200", "-tp", "8", "--context", "8192"]) == 0
+    assert "│ bf16, 64 tokens (replicated over TP) │" in text()

@@ -388,6 +388,17 @@ def _gib(x: float) -> str:
     return f"{x:,.0f} B"
 
 
+def _kv_split(p: Plan) -> str:
+    """How TP splits the cache, where it does not shard it head by head: a latent or V4's
+    vector is on every rank; GQA past its KV heads puts each head on tp / heads ranks (it
+    read "replicated over TP" with a rank's share at 1 / heads of the model's)."""
+    if p.layout.sharded_by_head or p.tp == 1:
+        return ""
+    if p.layout.kv_heads_per_gpu is None or p.model.num_kv_heads == 1:
+        return " (replicated over TP)"
+    return f" (each of {p.model.num_kv_heads} KV heads on {p.tp // p.model.num_kv_heads} of {p.tp} ranks)"
+
+
 def print_plan(p: Plan) -> None:
     from rich.console import Console
     from rich.markup import escape
@@ -413,8 +424,7 @@ def print_plan(p: Plan) -> None:
         ),
         (
             "KV format, block size",
-            f"{d['kv_dtype']}, {d['block_size']} tokens"
-            + ("" if d["kv_sharded_by_head"] or p.tp == 1 else " (replicated over TP)"),
+            f"{d['kv_dtype']}, {d['block_size']} tokens" + _kv_split(p),
         ),
         ("KV bytes / token (model)", f"{d['kv_bytes_per_token']:,.1f} B"),
         ("KV bytes / token (per GPU)", f"{d['kv_bytes_per_token_per_gpu']:,.1f} B"),
