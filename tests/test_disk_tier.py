@@ -100,7 +100,7 @@ def test_a_second_tier_finds_an_entry_another_one_wrote_after_it_opened(tmp_path
     [
         f.name
         for f in dataclasses.fields(BlockDescriptor)
-        if f.name not in ("model_id", "layout_id")  # these two name the entry's directory (below)
+        if f.name not in ("model_id", "weights_version", "layout_id")  # these name the entry's directory (below)
     ],
 )
 def test_a_descriptor_mismatch_is_a_miss_counted_by_field_and_reclaimed(tmp_path, field) -> None:
@@ -118,15 +118,37 @@ def test_a_descriptor_mismatch_is_a_miss_counted_by_field_and_reclaimed(tmp_path
     fresh.check_integrity()
 
 
-def test_another_model_or_layout_never_reaches_the_entry(tmp_path) -> None:
+def test_another_model_weights_or_layout_never_reaches_the_entry(tmp_path) -> None:
     tier = DiskTier(tmp_path, 1 << 30)
     tier.put(key(1), descriptor(1), tensors(1))
     tier.flush(30)
     fresh = DiskTier(tmp_path, 1 << 30)
-    for change in ({"model_id": "other"}, {"layout_id": "L2:bs16:bf16"}):
+    for change in ({"model_id": "other"}, {"weights_version": "w2"}, {"layout_id": "L2:bs16:bf16"}):
         assert not fresh.lookup(key(1), descriptor(1, **change))
-    assert fresh.stats.misses == {"absent": 2} and stored(tier, 1).exists()  # still serves its own model
+    assert fresh.stats.misses == {"absent": 3} and stored(tier, 1).exists()  # still serves its own model
     assert fresh.lookup(key(1), descriptor(1))
+
+
+def test_two_engines_of_one_model_name_and_other_weights_keep_their_entries(tmp_path) -> None:
+    """Two GGUFs of one file name (model_id) and other weights on one directory: each get
+    found the other's entry of the same content key, refused it (weights_version) and deleted
+    it, so neither ever hit (every get a miss and a reclaim). Now each has its own."""
+    engines = [(DiskTier(tmp_path, 1 << 30), descriptor(1, weights_version=w)) for w in ("w1", "w2")]
+    hits = []
+    for _ in range(3):
+        for tier, expected in engines:
+            got = tier.get(key(1), expected)
+            hits.append(got is not None)
+            if got is None:
+                tier.put(key(1), expected, tensors(1))
+                tier.flush(30)
+    assert hits == [False, False, True, True, True, True]
+    for tier, _ in engines:
+        assert tier.stats.num_reclaimed == 0 and tier.stats.mismatches == {}
+        tier.check_integrity()
+    assert sorted(p.parent.parent.name for p in tmp_path.glob("entries/*/*/*")) == sorted(
+        entry_format.namespace(expected) for _, expected in engines
+    )
 
 
 def test_lru_under_the_byte_limit_carries_over_to_the_next_process(tmp_path) -> None:

@@ -55,7 +55,7 @@ def test_an_entry_comes_back_bit_for_bit_through_another_client(redis_server) ->
     [
         f.name
         for f in dataclasses.fields(BlockDescriptor)
-        if f.name not in ("model_id", "layout_id", "tenant")  # these three name the key (below)
+        if f.name not in ("model_id", "weights_version", "layout_id", "tenant")  # these name the key (below)
     ],
 )
 def test_a_descriptor_mismatch_is_a_miss_counted_by_field_and_reclaimed(redis_server, field) -> None:
@@ -72,15 +72,18 @@ def test_a_descriptor_mismatch_is_a_miss_counted_by_field_and_reclaimed(redis_se
     assert redis.Redis.from_url(redis_server.url).keys() == [b"kvpool:generation"]  # (redis_tier.py: FLUSHALL)
 
 
-def test_another_tenant_model_or_layout_never_reaches_the_entry(redis_server) -> None:
+def test_another_tenant_model_weights_or_layout_never_reaches_the_entry(redis_server) -> None:
+    """Other weights under one model name were found, refused and deleted: two engines of
+    them on one server deleted each other's blocks. They have keys of their own now."""
     writer, _ = tier(redis_server)
     writer.put(key(1), descriptor(1), tensors(1))
     writer.flush(30)
     reader, _ = tier(redis_server)
-    for change in ({"tenant": "t1"}, {"model_id": "other"}, {"layout_id": "L2:bs16:bf16"}):
+    changes = ({"tenant": "t1"}, {"model_id": "other"}, {"weights_version": "w2"}, {"layout_id": "L2:bs16:bf16"})
+    for change in changes:
         assert not reader.lookup(key(1), descriptor(1, **change))
         assert reader.get(key(1), descriptor(1, **change)) is None
-    assert reader.stats.misses == {"absent": 6} and reader.stats.num_reclaimed == 0
+    assert reader.stats.misses == {"absent": 8} and reader.stats.num_reclaimed == 0
     assert reader.lookup(key(1), descriptor(1))  # still there for its own tenant and model
 
 

@@ -206,14 +206,14 @@ def test_entries_of_the_wrong_shape_or_dtype_are_quarantined(tmp_path) -> None:
     _reencoded(stored(tier, 1), key(1), lambda t: t.double())
     _reencoded(stored(tier, 2), key(2), lambda t: t[:, :-1].contiguous())
     fresh = DiskTier(tmp_path, 1 << 30)
-    fresh.expect_tensors("m", "L2:bs16:fp32", {"k": (torch.float32, (2, 1024)), "v": (torch.float32, (2, 1024))})
+    fresh.expect_tensors("m", "w1", "L2:bs16:fp32", {"k": (torch.float32, (2, 1024)), "v": (torch.float32, (2, 1024))})
     assert fresh.lookup(key(0), descriptor(0)) and same(fresh.get(key(0), descriptor(0)), 0)
     assert not fresh.lookup(key(1), descriptor(1))  # the manifest says so: no read of the tensors
     assert fresh.get(key(2), descriptor(2)) is None
     assert fresh.stats.num_corrupt == 2 and fresh.stats.misses == {"corrupt": 2}
     assert len(list((tmp_path / "quarantine").iterdir())) == 2
     with pytest.raises(ValueError, match="expected tensors"):
-        fresh.expect_tensors("m", "x", {"k": (torch.float32, (2, -1))})
+        fresh.expect_tensors("m", "w1", "x", {"k": (torch.float32, (2, -1))})
 
 
 # ----- silent losses -------------------------------------------------------------------

@@ -105,7 +105,7 @@ class TierBridge:
         """Tell the persistent tiers the tensors of one block of this cache (name -> dtype,
         shape): an entry that is not such a block is a corrupt miss, not a wrong load."""
         for tier in self.persistent_tiers:
-            tier.expect_tensors(descriptor.model_id, descriptor.layout_id, blocks)
+            tier.expect_tensors(descriptor.model_id, descriptor.weights_version, descriptor.layout_id, blocks)
 
     def check_sizes(
         self,

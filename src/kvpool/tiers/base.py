@@ -69,9 +69,10 @@ class Tier(ABC):
         """The block's tensors, validated like `lookup`; None on a miss."""
 
     def expect_tensors(  # noqa: B027 - optional: a tier with nothing to check keeps this
-        self, model_id: str, layout_id: str, tensors: dict[str, tuple[object, tuple[int, ...]]]
+        self, model_id: str, weights_version: str, layout_id: str, tensors: dict[str, tuple[object, tuple[int, ...]]]
     ) -> None:
-        """Declare the tensors every block of (model_id, layout_id) has: {name: (torch dtype,
+        """Declare the tensors every block of (model_id, weights_version, layout_id), a
+        namespace (entry.namespace), has: {name: (torch dtype,
         shape)}. A tier that reads entries others may have written (disk, Redis) refuses one
         whose tensors differ as a corrupt miss; a tier of this process's own copies has
         nothing to check."""

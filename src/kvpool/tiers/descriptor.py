@@ -12,9 +12,11 @@ itself). It serializes to JSON, so the disk and Redis tiers store it beside the 
 Content keys. The device pool's chained hash starts from a root of the whole cache
 descriptor, so a block of other weights could never even be found under it; a tier keys
 blocks by their content alone (the tenant, then the chain of token ids and extra keys)
-and checks the rest of the descriptor field by field. A block written by another model
-version is then found, refused, counted under the fields that differ (`weights_version`,
-say) and reclaimed: a superseded block is not kept forever.
+and checks the rest of the descriptor field by field. A block written with another
+tokenizer, template or adapter is then found, refused, counted under the fields that
+differ (`template_version`, say) and reclaimed: a superseded block is not kept forever.
+The disk and Redis tiers file a block under its model, weights and layout too
+(entry.namespace): two engines of other weights keep their blocks side by side.
 
     root key   = xxh3_128("kvpool-content" || len(salt) || salt)
     key(i)     = xxh3_128(key(i - 1) || token ids of block i (uint32 LE) || extra key of block i)

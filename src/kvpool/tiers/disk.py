@@ -18,8 +18,10 @@ truncated entry, or one whose tensors are not the shapes and dtypes the engine d
 for its namespace (`expect_tensors`), is moved to quarantine/, counted, and is a miss; so
 is anything at an entry's path that is not a regular file (a FIFO is opened non-blocking,
 so it cannot hang a lookup). A descriptor that does not match the caller's is a miss
-counted under each differing field, and the entry is deleted (reclaimed): after a weights
-switch, the old entries go as they are met, and the LRU limit ages out the rest. An entry
+counted under each differing field, and the entry is deleted (reclaimed): after a template
+or tokenizer switch, the old entries go as they are met, and the LRU limit ages out the
+rest. Other weights are another namespace (their entries side by side, never met; the LRU
+ages out a superseded version's). An entry
 of another kvpool's format version is a miss ("other_version"), left in place for its
 writer, and aged out by the byte limit like any entry.
 
@@ -373,21 +375,23 @@ class DiskTier(Tier):
         )
         return len(entry.encode(key, largest, zeros))
 
-    def expect_tensors(self, model_id: str, layout_id: str, tensors: dict[str, tuple[object, tuple[int, ...]]]) -> None:
-        """Declare the tensors every block of (model_id, layout_id) has: {name: (torch dtype,
-        shape)}. An entry of that namespace whose tensors differ, checksums valid or not, is
-        quarantined (a miss), never handed to the engine."""
-        namespace = entry.namespace_of(model_id, layout_id)
+    def expect_tensors(
+        self, model_id: str, weights_version: str, layout_id: str, tensors: dict[str, tuple[object, tuple[int, ...]]]
+    ) -> None:
+        """Declare the tensors every block of (model_id, weights_version, layout_id) has:
+        {name: (torch dtype, shape)}. An entry of that namespace whose tensors differ,
+        checksums valid or not, is quarantined (a miss), never handed to the engine."""
+        namespace = entry.namespace_of(model_id, weights_version, layout_id)
         self._expected[namespace] = entry.expected_layout(tensors)
         with self._lock:
             others = sum(ns != namespace for ns, _ in self._entries)
         if others == len(self._entries) > 0:
-            # a directory filled by another model, block size, KV dtype or layout: no hit can
+            # a directory filled by another model, weights, block size, KV dtype or layout: no hit can
             # come of it yet, and nothing but a hit rate of 0 said so. (Information: a
             # directory shared by several models is supported, this model's entries go beside.)
             self._log(
                 f"kvpool: disk cache {self.root}: nothing of this model and layout there yet "
-                f"({model_id}, {layout_id}); its {others} entries are of other models, block sizes, "
+                f"({model_id}, {layout_id}); its {others} entries are of other models or weights, block sizes, "
                 f"KV dtypes or layouts, which never serve this one (`kvpool cache stats {self.root}` "
                 "lists what it holds)"
             )

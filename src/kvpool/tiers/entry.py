@@ -49,14 +49,19 @@ class OtherVersion(ValueError):
 
 
 def namespace(descriptor: BlockDescriptor) -> str:
-    """What makes two blocks' bytes comparable at all: the model and the layout (shape,
-    block size, dtype). Entries of other weights, tokenizer, template, adapter or RoPE
-    share a namespace so that they are found, refused field by field and reclaimed."""
-    return namespace_of(descriptor.model_id, descriptor.layout_id)
+    """What makes two blocks' bytes comparable at all: the model, its weights and the layout
+    (shape, block size, dtype). Entries of another tokenizer, template, adapter or RoPE
+    share a namespace so that they are found, refused field by field and reclaimed. The
+    weights are in it (`weights_version`: the GGUF's xxh3_128, a tiny model's seed), so two
+    engines of one model name and other weights on one tier keep their entries apart: they
+    deleted each other's, each reclaiming the other's block of the same content key. A
+    superseded version's entries are then not found again; the LRU (disk) or Redis's
+    eviction ages them out, and `kvpool cache stats` lists them by weights."""
+    return namespace_of(descriptor.model_id, descriptor.weights_version, descriptor.layout_id)
 
 
-def namespace_of(model_id: str, layout_id: str) -> str:
-    return xxhash.xxh3_64_hexdigest(f"{model_id}\x00{layout_id}".encode())
+def namespace_of(model_id: str, weights_version: str, layout_id: str) -> str:
+    return xxhash.xxh3_64_hexdigest(f"{model_id}\x00{weights_version}\x00{layout_id}".encode())
 
 
 def _tensor_sum(tensor: Tensor) -> str:

@@ -3,7 +3,7 @@ other's prefixes.
 
 Each block is one Redis hash under
 
-    kvpool:<namespace>:<tenant>:<content key>     (namespace: entry.namespace, the model and layout)
+    kvpool:<namespace>:<tenant>:<content key>     (namespace: entry.namespace, the model, weights and layout)
 
 with two fields: `m`, the entry's header (safetensors header with the manifest and its
 checksum, entry.py), read by a lookup to check the descriptor without moving the tensors;
@@ -272,11 +272,13 @@ class RedisTier(Tier):
             return
         self._check_generation()
 
-    def expect_tensors(self, model_id: str, layout_id: str, tensors: dict[str, tuple[object, tuple[int, ...]]]) -> None:
-        """Declare the tensors every block of (model_id, layout_id) has: {name: (torch dtype,
-        shape)}. An entry of that namespace whose tensors differ, checksums valid or not, is
-        a corrupt miss and is deleted, never handed to the engine."""
-        self._expected[entry.namespace_of(model_id, layout_id)] = entry.expected_layout(tensors)
+    def expect_tensors(
+        self, model_id: str, weights_version: str, layout_id: str, tensors: dict[str, tuple[object, tuple[int, ...]]]
+    ) -> None:
+        """Declare the tensors every block of (model_id, weights_version, layout_id) has:
+        {name: (torch dtype, shape)}. An entry of that namespace whose tensors differ,
+        checksums valid or not, is a corrupt miss and is deleted, never handed to the engine."""
+        self._expected[entry.namespace_of(model_id, weights_version, layout_id)] = entry.expected_layout(tensors)
 
     @staticmethod
     def redis_key(key: bytes, descriptor: BlockDescriptor) -> str:
