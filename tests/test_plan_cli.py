@@ -319,3 +319,28 @@ def test_the_kv_line_says_how_tp_splits_the_heads(capsys: pytest.CaptureFixture[
     # a latent is on every rank
     assert main(["plan", "--model", "deepseek-v3", "--gpu", "h200", "-tp", "8", "--context", "8192"]) == 0
     assert "│ bf16, 64 tokens (replicated over TP) │" in text()
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp32"])
+def test_an_indexer_format_a_plain_v4_cache_does_not_take_is_refused(
+    kv_dtype: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a bf16 / fp32 V4 cache keeps its keys in its dtype: --indexer-format mxfp4 was dropped
+    # without a word (6,880 B a token with bf16, mxfp4 or fp8 keys alike)
+    argv = ["plan", "--model", "deepseek-v4-flash", "--gpu", "h200", "-tp", "4", "--context", "65536"]
+    assert main([*argv, "--kv-cache-dtype", kv_dtype, "--indexer-format", "mxfp4"]) == 2
+    assert capsys.readouterr().err == (
+        f"kvpool plan: error: --indexer-format mxfp4: a {kv_dtype} DeepSeek-V4 cache (--kv-cache-dtype {kv_dtype}) "
+        f"keeps its indexer keys in {kv_dtype}; the key formats are its fp8 layout's\n"
+    )
+    from kvpool.capacity.kv import kv_layout
+    from kvpool.spec.models import load_preset
+
+    with pytest.raises(ValueError, match="indexer format 'mxfp4': a bf16 DeepSeek-V4 cache keeps its indexer keys"):
+        kv_layout(load_preset("deepseek-v4-flash"), "bf16", indexer_format="mxfp4")
+    # the fp8 layout takes it: 21 CSA layers of (584 + 68) B entries and keys a 4 tokens, 20 HCA of 584 a 128
+    assert _json(capsys, *argv[1:], "--indexer-format", "mxfp4")["kv_bytes_per_token"] == 3514.25
+    assert (
+        _json(capsys, *argv[1:], "--kv-cache-dtype", kv_dtype)["kv_bytes_per_token"]
+        == {"bf16": 6880, "fp32": 13760}[kv_dtype]
+    )

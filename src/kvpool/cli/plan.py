@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kvpool.capacity.engine import EngineConfig
-from kvpool.capacity.kv import INDEXER_FORMATS, kv_layout
+from kvpool.capacity.kv import INDEXER_FORMATS, kv_layout, resolve_kv_dtype
 from kvpool.capacity.ledger import LedgerAssumptions
 from kvpool.capacity.planner import Plan, plan
 from kvpool.capacity.weights import WEIGHT_DTYPES
@@ -254,6 +254,13 @@ def run(args: argparse.Namespace) -> int:
             if args.indexer_format is not None and model.indexer is None and model.attention != "dsv4":
                 # kv_layout has no keys to give it: it was dropped without a word
                 raise ValueError(f"--indexer-format: {model.name} has no indexer keys (DeepSeek-V3.2 and V4 have)")
+            if args.indexer_format is not None and model.attention == "dsv4":
+                dtype = resolve_kv_dtype(model, args.kv_dtype)
+                if dtype in ("bf16", "fp16", "fp32"):  # (kv_layout refuses it too, in words that name no flag)
+                    raise ValueError(
+                        f"--indexer-format {args.indexer_format}: a {dtype} DeepSeek-V4 cache (--kv-cache-dtype "
+                        f"{args.kv_dtype}) keeps its indexer keys in {dtype}; the key formats are its fp8 layout's"
+                    )
             warn_beyond_max_position(model, args.max_model_len)
             engine = _engine(args)
             assumptions = LedgerAssumptions(
