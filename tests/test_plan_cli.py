@@ -229,6 +229,13 @@ def test_a_pd_instance_that_does_not_fit_says_so_and_exits_1(capsys: pytest.Capt
         # each was dropped without a word: the plan printed as if it had not been given
         (["--prompt-len", "1000"], "--prompt-len sizes the prefill side of --pd P,D; give --pd too"),
         (["--plot-models", "gemma-2-9b"], "--plot-models picks the presets of --plot FILE; give --plot too"),
+        # the CPU ledger has no graph term, and the P/D sides no expert parallelism: each flag
+        # printed the same plan as without it
+        (
+            ["--device", "cpu", "--no-cuda-graphs"],
+            "--no-cuda-graphs sizes a GPU's ledger; kvpool's CPU engine captures no CUDA graphs",
+        ),
+        (["--ep", "--pd", "1,1"], "--pd plans each side as one tensor-parallel group; --ep does not apply to them"),
     ],
 )
 def test_a_flag_that_needs_another_is_refused_alone(

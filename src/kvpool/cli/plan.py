@@ -238,6 +238,10 @@ def run(args: argparse.Namespace) -> int:
 
             # as many draws as the plan may take, with its seed: a lognormal's tail is in them
             _for_flag("--lengths", sample_lengths, args.lengths, MAX_SAMPLED_SEQS, args.seed)
+        if args.no_cuda_graphs and args.device == "cpu":  # (the CPU ledger has no graph term: dropped)
+            raise ValueError("--no-cuda-graphs sizes a GPU's ledger; kvpool's CPU engine captures no CUDA graphs")
+        if args.pd is not None and args.ep:  # its sides are TP groups: --ep was dropped from them
+            raise ValueError("--pd plans each side as one tensor-parallel group; --ep does not apply to them")
         if args.pd is not None and args.device == "cpu":  # its sides took a GPU ledger in this machine's RAM
             raise ValueError("--pd sizes GPU instances; --device cpu plans kvpool's engine in one process")
         model = _load_model(args)
