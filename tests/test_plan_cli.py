@@ -128,6 +128,22 @@ def test_plot_path_problems_are_one_line_errors(
     assert not target.exists()
 
 
+def test_a_kv_format_a_plotted_preset_cannot_take_names_the_flags(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the default presets include MLA and V4, which int8 is not for: the error named
+    # deepseek-v3, which the user never picked, and no flag
+    target = tmp_path / "kv.png"
+    assert main(["plan", "--plot", str(target), "--kv-cache-dtype", "int8"]) == 2
+    assert capsys.readouterr().err == (
+        "kvpool plan: error: --plot: deepseek-v3 takes no --kv-cache-dtype int8 (kv dtype 'int8' is for GQA / MHA "
+        "layers; deepseek-v3 is mla); pick the presets with --plot-models\n"
+    )
+    assert not target.exists()
+    assert main(["plan", "--plot", str(target), "--kv-cache-dtype", "int8", "--plot-models", "llama-3.1-8b"]) == 0
+    assert target.read_bytes().startswith(PNG_MAGIC)
+
+
 def test_plot_models_must_name_a_preset(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--plot", str(tmp_path / "kv.png"), "--plot-models", " , ,"]) == 2
     assert capsys.readouterr().err == "kvpool plan: error: --plot-models ' , ,' names no preset\n"

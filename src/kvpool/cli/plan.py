@@ -527,7 +527,12 @@ def plot_kv_vs_context(models: list[ModelSpec], path: str, kv_dtype: str = "auto
     contexts = [1 << k for k in range(10, 21)]  # 1 Ki .. 1 Mi tokens
     fig, ax = plt.subplots(figsize=(8, 5))
     for m in models:
-        layout = kv_layout(m, kv_dtype)
+        try:
+            layout = kv_layout(m, kv_dtype)
+        except ValueError as e:  # it named a default preset the user never picked, and no flag
+            raise ValueError(
+                f"--plot: {m.name} takes no --kv-cache-dtype {kv_dtype} ({e}); pick the presets with --plot-models"
+            ) from None
         ys = [layout.kv_bytes_at_context(c) / GIB for c in contexts]
         # solid within the model's max_position_embeddings, dashed beyond (extrapolated)
         inside = [i for i, c in enumerate(contexts) if c <= m.max_position_embeddings]
