@@ -354,3 +354,18 @@ def test_a_greedy_run_past_the_context_is_refused_before_the_evaluation(monkeypa
     # --tokens past the context names the flag's value and the text's tokens it took
     with pytest.raises(ValueError, match=r"^--tokens 10,000 takes 500 tokens of the text, past the model's context"):
         kv_quant.quality_report(loaded, ["bf16"], text, "t", tokens=10_000, prefill=10)
+
+
+@pytest.mark.parametrize(
+    ("formats", "named"),
+    [("bf16,int8,bf16", "'bf16'"), ("kivi2,kivi2-g32-r128", "'kivi2' and 'kivi2-g32-r128'")],
+)
+def test_eval_refuses_a_format_named_twice_before_the_model_loads(formats, named, capsys, monkeypatch) -> None:
+    """`kvpool eval kv-quant --formats bf16,bf16` evaluated bf16 twice (two rows of it), and
+    kivi2 with its defaults spelled out likewise."""
+    import kvpool.engine.build as build
+    from kvpool.cli.main import main
+
+    monkeypatch.setattr(build, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    assert main(["eval", "kv-quant", "--formats", formats]) == 2
+    assert capsys.readouterr().err == f"kvpool eval kv-quant: error: --formats names one format twice: {named}\n"

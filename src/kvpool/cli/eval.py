@@ -77,6 +77,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.set_defaults(_name="eval kv-quant")
 
 
+def _check_distinct_formats(formats: tuple[str, ...]) -> None:
+    """One name a format: bf16,bf16 (or kivi2 and kivi2-g32-r128, its defaults spelled out)
+    evaluated the format twice and printed two rows of it."""
+    from kvpool.spec.kv_formats import kv_schema
+
+    seen: dict[str, str] = {}
+    for name in formats:
+        schema_id = kv_schema(name).schema_id
+        if schema_id in seen:
+            both = repr(name) if seen[schema_id] == name else f"{seen[schema_id]!r} and {name!r}"
+            raise ValueError(f"--formats names one format twice: {both}")
+        seen[schema_id] = name
+
+
 def run(args: argparse.Namespace) -> int:
 
     from kvpool.engine.build import load_model
@@ -86,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         check_plot_path(args.plot)
     if args.greedy_steps < 0:
         raise ValueError(f"--greedy-steps must be >= 0, got {args.greedy_steps}")
+    _check_distinct_formats(args.formats)
     probe = start_torch_threads(args)
     if args.model == "tiny-dsv4":
         set_torch_threads(args, probe)
