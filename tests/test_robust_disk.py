@@ -1147,3 +1147,77 @@ def test_cache_refuses_another_actions_flag_and_changes_nothing(tmp_path, capsys
     assert captured.err == f"kvpool cache: error: {message}; nothing was done\n" and captured.out == ""
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
     assert all(stored(tier, i).exists() for i in range(3))
+
+
+def test_a_quarantine_does_not_list_the_quarantine_directory(tmp_path, monkeypatch) -> None:
+    """Each quarantine globbed, stat-ed and sorted the whole of quarantine/ under the tier's
+    lock, on the engine's lookup path (review 7 #2: ~1,400 stats a corrupt entry at 1/32 of
+    16 GiB). quarantine/ is listed once, at open; the trim reads the list this process keeps."""
+    one = len(entry_format.encode(key(0), descriptor(0), tensors(0)))
+    tier = DiskTier(tmp_path, 64 * one)  # quarantine: 2 entries' bytes
+    for i in range(6):
+        assert tier.put(key(i), descriptor(i), tensors(i))
+    assert tier.flush(30)
+    flip_payload(stored(tier, 0))
+    assert tier.get(key(0), descriptor(0)) is None
+    again = DiskTier(tmp_path, 64 * one)  # (its open lists the one quarantined file)
+    listed: list[str] = []
+    quarantine = (tmp_path / "quarantine").resolve()
+
+    def recorded(real):
+        def listing(self_or_path, *args, **kwargs):
+            if Path(os.fsdecode(self_or_path)).resolve() == quarantine:
+                listed.append(real.__name__)
+            return real(self_or_path, *args, **kwargs)
+
+        return listing
+
+    for owner, name in ((Path, "glob"), (Path, "iterdir"), (os, "scandir"), (os, "listdir")):
+        monkeypatch.setattr(owner, name, recorded(getattr(owner, name)))
+    for i in range(1, 6):
+        flip_payload(stored(again, i))
+        assert again.get(key(i), descriptor(i)) is None
+    monkeypatch.undo()
+    assert listed == []
+    kept = sorted(p.name for p in (tmp_path / "quarantine").iterdir())
+    assert again.stats.num_corrupt == 5 and 1 <= len(kept) <= 2 and kept[-1].startswith(key(5).hex()), kept
+    assert again.report()["quarantine_trimmed"] == 6 - len(kept)  # entry 0's file, known from the open, too
+    again.check_integrity()
+
+
+def test_files_another_process_removed_first_are_not_counted_as_this_ones(tmp_path) -> None:
+    """An eviction or a quarantine trim that found its file already gone (another process
+    evicted it, `kvpool cache clear --quarantine`) counted it as this process's eviction or
+    trim (review 8 #7). The counters count what this process removed."""
+    sizes = []
+    for i in range(6):
+        sizes.append(len(entry_format.encode(key(i), descriptor(i), tensors(i))))
+    tier = DiskTier(tmp_path, sum(sizes[1:]))  # entries 0-4 fit; writing 5 evicts 0
+    for i in range(5):
+        assert tier.put(key(i), descriptor(i), tensors(i))
+    assert tier.flush(30) and tier.stats.num_evictions == 0
+    os.utime(stored(tier, 0), ns=(1, 10**9))  # (the least recently used, whatever the clock's tick)
+    stored(tier, 0).unlink()  # another process evicts it
+    assert tier.put(key(5), descriptor(5), tensors(5)) and tier.flush(30)
+    assert not stored(tier, 0).exists() and all(stored(tier, i).is_file() for i in range(1, 6))
+    assert tier.stats.num_evictions == 0 and tier.num_entries == 5
+    assert tier.num_bytes == sum(stored(tier, i).stat().st_size for i in range(1, 6))
+    tier.check_integrity()
+
+    one = max(sizes)
+    tier = DiskTier(tmp_path / "q", 64 * one)  # quarantine: 2 entries' bytes
+    for i in range(6):
+        assert tier.put(key(i), descriptor(i), tensors(i))
+    assert tier.flush(30)
+    for i in (0, 1):
+        flip_payload(stored(tier, i))
+        assert tier.get(key(i), descriptor(i)) is None
+    assert len(list((tmp_path / "q" / "quarantine").iterdir())) == 2 and tier.num_quarantine_trimmed == 0
+    for path in (tmp_path / "q" / "quarantine").iterdir():  # `kvpool cache clear --quarantine`
+        path.unlink()
+    for i in (2, 3, 4, 5):
+        flip_payload(stored(tier, i))
+        assert tier.get(key(i), descriptor(i)) is None
+    kept = list((tmp_path / "q" / "quarantine").iterdir())
+    assert 1 <= len(kept) <= 2 and tier.num_quarantine_trimmed == 4 - len(kept)  # of 2-5, not 0 and 1
+    tier.check_integrity()

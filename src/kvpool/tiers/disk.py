@@ -5,7 +5,8 @@ opens it.
     DIR/entries/<namespace>/<kk>/<key>.safetensors   one block: tensors + manifest (entry.py)
     DIR/tmp/<key>.<pid>.<n>.tmp               writes in progress
     DIR/quarantine/<key>.<ns>.safetensors     entries whose bytes did not check out (the
-                                              newest, within 1/32 of the byte limit)
+                                              newest, within 1/32 of the byte limit; listed
+                                              at open, then kept as a list)
 
 Writes (SQLite's discipline): the entry goes to a temp file of a unique name, is fsynced,
 renamed onto its final name (atomic on POSIX), and the directory is fsynced. A reader
@@ -61,6 +62,7 @@ full queue drops the write and counts it.
 
 from __future__ import annotations
 
+import enum
 import errno
 import io
 import itertools
@@ -69,10 +71,11 @@ import stat
 import sys
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from torch import Tensor
 
@@ -112,6 +115,29 @@ _WHAT = {  # what failed (io_errors' names, and "write"), as a fault line says i
     "reclaim": "removing an entry of another descriptor",
     "tmp": "removing a stale temp file",
 }
+
+
+class _Outcome(enum.Enum):
+    """What an operation on an entry's file (`DiskTier._file_op`) came to."""
+
+    DONE = "done"  # this process did it
+    GONE = "gone"  # the file was not there: another process removed or moved it first
+    FAILED = "failed"  # the OS refused (counted in io_errors, said once)
+
+
+class _Removed(NamedTuple):
+    """What unlinking evicted entries' files freed (`DiskTier._remove_evicted`)."""
+
+    num_bytes: int  # of the files this process removed
+    num_gone_bytes: int  # of those another process had removed first (freed, but not by this one)
+
+
+class _Quarantined(NamedTuple):
+    """A file in quarantine/ (`DiskTier._quarantined`)."""
+
+    at_ns: int  # when it was quarantined (its name's time_ns)
+    num_bytes: int
+    path: Path
 
 
 @dataclass
@@ -249,7 +275,7 @@ class DiskTier(Tier):
         self.num_no_room = 0  # ... and still found it full: making room stops for a while
         self._no_room_until = 0.0  # (_now()) no eviction to make room before this
         self._no_room_backoff_s = _NO_ROOM_BACKOFF_S
-        self.num_quarantine_trimmed = 0  # quarantined files removed to keep quarantine/ bounded
+        self.num_quarantine_trimmed = 0  # quarantined files this process removed to keep quarantine/ bounded
         self._lock = threading.Lock()
         # (namespace, content key) -> entry, LRU first; blocks of the same tokens under two
         # models are two entries. _keys counts each content key's namespaces (contains()).
@@ -267,6 +293,11 @@ class DiskTier(Tier):
         self._written_since_scan = 0
         self._writer = BackgroundWriter("disk", max_pending_bytes)
         self.num_stale_tmp_removed = self._remove_stale_tmp()
+        # quarantine/ as it was at open, then as this process adds to it, oldest first: the
+        # trim after each quarantine reads this, not the directory (a glob and a stat of every
+        # file, under the lock, on the engine's lookup path, at each quarantine)
+        self._quarantined = self._list_quarantine()
+        self._quarantine_bytes = sum(q.num_bytes for q in self._quarantined)
         # the directory is indexed, not cut to the limit: that waits for the first write this
         # tier takes (_cut_to_limit). A limit that holds no entry (--disk-cache-gib 1e-9, which
         # the runner's check_sizes refuses only once the tier is open) cut a shared cache to
@@ -299,6 +330,19 @@ class DiskTier(Tier):
                 except OSError:  # a directory, a read-only disk: left there, counted
                     self.io_errors["tmp"] += 1
         return removed
+
+    def _list_quarantine(self) -> deque[_Quarantined]:
+        """quarantine/'s files, oldest first (by the time in their names; the move keeps a
+        file's mtime)."""
+        found = []
+        for path in (self.root / "quarantine").glob(f"*{SUFFIX}"):
+            try:
+                num_bytes = path.stat().st_size
+            except OSError:  # (removed meanwhile, or unreachable: not ours to trim)
+                continue
+            when = path.name.split(".")[-2]  # <key>.<time_ns>.safetensors
+            found.append(_Quarantined(int(when) if when.isdigit() else 0, num_bytes, path))
+        return deque(sorted(found, key=lambda q: q.at_ns))
 
     def _cut_to_limit(self) -> None:
         """Before the first write this tier takes (its entry fits the limit): a shared cache
@@ -352,7 +396,7 @@ class DiskTier(Tier):
             self._num_bytes = sum(e.num_bytes for e in entries.values())
             self._written_since_scan = 0
             victims = self._evict_over_limit() if evict else []
-        return self._remove_evicted(victims)
+        return self._remove_evicted(victims).num_bytes
 
     def entry_bytes(self, cache: object, block_size: int, tensors: dict[str, tuple[object, tuple[int, ...]]]) -> int:
         """The bytes a block of these tensors ({name: (torch dtype, shape)}) takes at most as
@@ -426,19 +470,19 @@ class DiskTier(Tier):
                 del self._keys[ident[1]]
         return found
 
-    def _file_op(self, what: str, op: Callable[..., object], *args: object) -> bool:
-        """op(*args) on an entry's file. A file already gone counts as done (another process
-        removed it); an OS refusal (a read-only disk, another user's file) is counted in
-        io_errors[what] and returns False."""
+    def _file_op(self, what: str, op: Callable[..., object], *args: object) -> _Outcome:
+        """op(*args) on an entry's file: DONE; GONE when the file is not there (another
+        process removed it: not this one's doing, not counted as such); FAILED when the OS
+        refuses (a read-only disk, another user's file), counted in io_errors[what]."""
         try:
             op(*args)
         except FileNotFoundError:
-            pass
+            return _Outcome.GONE
         except OSError as error:
             self.io_errors[what] += 1
             self._say(what, error)
-            return False
-        return True
+            return _Outcome.FAILED
+        return _Outcome.DONE
 
     def _say(self, what: str, error: OSError, then: str = "") -> bool:
         """One line the first time `what` fails with this errno (True then): a fault that
@@ -471,14 +515,18 @@ class DiskTier(Tier):
             victims.append((ident, old))
         return victims
 
-    def _remove_evicted(self, victims: list[tuple[tuple[str, bytes], _Entry]]) -> int:
+    def _remove_evicted(self, victims: list[tuple[tuple[str, bytes], _Entry]]) -> _Removed:
         """Unlink the files of entries `_evict_over_limit` dropped (lock not held: lookups
-        go on, and find those entries absent); the bytes freed."""
-        removed = [(ident, old) for ident, old in victims if self._file_op("evict", old.path.unlink)]
+        go on, and find those entries absent). Only the files this process removed count as
+        its evictions."""
+        outcomes = [self._file_op("evict", old.path.unlink) for _, old in victims]
         with self._lock:
             self._removing.difference_update(ident for ident, _ in victims)
-            self.stats.num_evictions += len(removed)
-        return sum(old.num_bytes for _, old in removed)
+            self.stats.num_evictions += outcomes.count(_Outcome.DONE)
+        return _Removed(
+            sum(old.num_bytes for (_, old), done in zip(victims, outcomes, strict=True) if done is _Outcome.DONE),
+            sum(old.num_bytes for (_, old), done in zip(victims, outcomes, strict=True) if done is _Outcome.GONE),
+        )
 
     def _find(self, ident: tuple[str, bytes], expected: BlockDescriptor) -> _Entry | None:
         """The entry, known or just written by another process (lock held)."""
@@ -496,9 +544,17 @@ class DiskTier(Tier):
     def _quarantine(self, ident: tuple[str, bytes], found: _Entry) -> None:
         """Move a bad entry aside (lock held): counted, a miss from now on."""
         self._drop(ident)
-        target = self.root / "quarantine" / f"{found.path.stem}.{time.time_ns()}{SUFFIX}"
-        # a read-only disk: it stays, a miss each time it is met
-        if self._file_op("quarantine", os.replace, found.path, target):
+        at_ns = time.time_ns()
+        target = self.root / "quarantine" / f"{found.path.stem}.{at_ns}{SUFFIX}"
+        # a read-only disk: it stays, a miss each time it is met; gone: another process
+        # moved or removed it first
+        if self._file_op("quarantine", os.replace, found.path, target) is _Outcome.DONE:
+            try:
+                num_bytes = target.stat().st_size  # (the file moved, maybe not the one indexed)
+            except OSError:
+                num_bytes = found.num_bytes
+            self._quarantined.append(_Quarantined(at_ns, num_bytes, target))
+            self._quarantine_bytes += num_bytes
             self._trim_quarantine()
         self.stats.num_corrupt += 1
         self.stats.misses["corrupt"] += 1
@@ -506,33 +562,24 @@ class DiskTier(Tier):
     def _trim_quarantine(self) -> None:
         """Keep quarantine/ within 1/32 of the byte limit (the newest file always): bad
         entries are kept to be looked at, not to fill the disk outside the limit, which a
-        disk that keeps corrupting entries did."""
-
-        def quarantined_at(path: Path) -> int:  # <key>.<time_ns>.safetensors (the move keeps mtime)
-            when = path.name.split(".")[-2]
-            return int(when) if when.isdigit() else 0
-
-        try:
-            kept = sorted(
-                ((p, p.stat()) for p in (self.root / "quarantine").glob(f"*{SUFFIX}")),
-                key=lambda item: quarantined_at(item[0]),
-                reverse=True,
-            )
-        except OSError:  # (a file gone meanwhile, an unreadable directory: trimmed next time)
-            return
-        total = 0
-        for i, (path, st) in enumerate(kept):
-            total += st.st_size
-            if i > 0 and total > self.rescan_bytes:
-                if not self._file_op("trim", path.unlink):
-                    return  # (said once, counted; the rest are tried at the next quarantine)
+        disk that keeps corrupting entries did (lock held). From the list kept since the
+        open, oldest first; a file another process removed meanwhile (`kvpool cache clear
+        --quarantine`) is dropped from it, not counted."""
+        while len(self._quarantined) > 1 and self._quarantine_bytes > self.rescan_bytes:
+            oldest = self._quarantined[0]
+            done = self._file_op("trim", oldest.path.unlink)
+            if done is _Outcome.FAILED:
+                return  # (said once, counted; tried again at the next quarantine)
+            self._quarantined.popleft()
+            self._quarantine_bytes -= oldest.num_bytes
+            if done is _Outcome.DONE:
                 self.num_quarantine_trimmed += 1
 
     def _reclaim(self, ident: tuple[str, bytes], found: _Entry, differ: list[str]) -> None:
         self.stats.mismatches.update(differ)
         self.stats.misses["mismatch"] += 1
         self._drop(ident)
-        if self._file_op("reclaim", found.path.unlink):
+        if self._file_op("reclaim", found.path.unlink) is _Outcome.DONE:
             self.stats.num_reclaimed += 1
 
     def _header(self, ident: tuple[str, bytes], found: _Entry) -> BlockDescriptor:
@@ -730,7 +777,8 @@ class DiskTier(Tier):
                 self._removing.add(ident)
                 victims.append((ident, old))
                 chosen += old.num_bytes
-        freed = self._remove_evicted(victims)
+        removed = self._remove_evicted(victims)
+        freed = removed.num_bytes + removed.num_gone_bytes  # (gone meanwhile: room all the same)
         if freed:
             self.num_full += 1
             self._say(
