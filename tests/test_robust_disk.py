@@ -839,6 +839,52 @@ def test_a_full_disk_that_evicting_does_not_relieve_keeps_the_entries(tmp_path, 
     tier.check_integrity()
 
 
+def test_each_episode_of_a_full_disk_is_said_and_a_flapping_one_does_not_flood(tmp_path, monkeypatch) -> None:
+    """Making room that stops (a full disk evicting cannot relieve) was said once a process
+    (review 8 #6): the disk filling again hours after a write succeeded was silent. Each
+    episode (from that stop to the next write that succeeds) is said now, but one that comes
+    within the quiet time since the last line (60 s, doubled with each line) is only counted,
+    and the next line tells how many were not said."""
+    import kvpool.tiers.disk as disk_module
+
+    full = [False]
+    real = DiskTier._store
+
+    def store(self, key, data, final):
+        if full[0]:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.root / "tmp" / "x.tmp"))
+        return real(self, key, data, final)
+
+    monkeypatch.setattr(DiskTier, "_store", store)
+    clock = [1000.0]
+    monkeypatch.setattr(disk_module, "_now", lambda: clock[0])
+    lines: list[str] = []
+    tier = DiskTier(tmp_path, 1 << 30, log=lines.append)
+    n = iter(range(10_000))
+
+    def episode(at: float) -> list[str]:
+        """The disk fills at `at` (a write fails after making room), then has room again."""
+        clock[0] = at
+        said = len(lines)
+        for i in range(3):  # (room first, so that there is an entry to evict)
+            assert tier.put(key(i := next(n)), descriptor(i), tensors(i)) and tier.flush(30)
+        full[0] = True
+        assert tier.put(key(i := next(n)), descriptor(i), tensors(i)) and tier.flush(30)
+        full[0] = False
+        assert tier.put(key(i := next(n)), descriptor(i), tensors(i)) and tier.flush(30)  # the episode ends
+        return [line for line in lines[said:] if "freed no room" in line]
+
+    assert len(episode(1000)) == 1  # (and the "evicting least recently used entries" line, once)
+    assert episode(1030) == []  # 30 s later: within the first quiet time (60 s)
+    (again,) = episode(1070)  # said again: a new episode, after the quiet time
+    assert "ENOSPC" in again and "1 more since the last line" in again and "for 60 s" in again, again
+    assert episode(1150) == []  # (the quiet time doubled: 120 s)
+    assert len(episode(1200)) == 1
+    assert len(episode(9000)) == 1  # hours later
+    assert tier.num_no_room == 6 and tier.report()["disk_full_no_room"] == 6
+    tier.check_integrity()
+
+
 def test_a_real_tmpfs_whose_entries_are_held_open_keeps_them(tmp_path) -> None:
     """review_6's repro on a real 1 MiB tmpfs (root only): 20 entries, a foreign file takes
     the rest, every entry file held open by a reader (unlinked, it frees nothing): 20 more

@@ -38,7 +38,8 @@ used entries, as many bytes as it needs, and tries once more, so the tier keeps 
 new blocks (it stopped taking any, its old entries kept for ever). When that retry finds
 the filesystem full again, evicting did not help (files held open, another user's quota,
 another writer): making room stops until a write succeeds or a back-off ends, and the
-entries stay (it drained the whole tier, one entry a write).
+entries stay (it drained the whole tier, one entry a write). That is said once an episode
+(until a write succeeds), a flapping disk's episodes at most once a quiet time.
 
 `holds` (the writer's "already stored, skip it") trusts only entries whose payload this
 process wrote or read back whole: a lookup checks the header only, so an entry with a
@@ -275,6 +276,12 @@ class DiskTier(Tier):
         self.num_no_room = 0  # ... and still found it full: making room stops for a while
         self._no_room_until = 0.0  # (_now()) no eviction to make room before this
         self._no_room_backoff_s = _NO_ROOM_BACKOFF_S
+        # an episode of no room (from a failed retry to a write that succeeds) is said once;
+        # the next one again, unless it comes within the quiet time since the last line
+        # (doubled with each line, up to the cap, back to the first step after an hour unsaid)
+        self._no_room_quiet_until = 0.0
+        self._no_room_quiet_s = _NO_ROOM_BACKOFF_S
+        self._no_room_unsaid = 0  # episodes in a quiet time, told in the next line
         self.num_quarantine_trimmed = 0  # quarantined files this process removed to keep quarantine/ bounded
         self._lock = threading.Lock()
         # (namespace, content key) -> entry, LRU first; blocks of the same tokens under two
@@ -752,17 +759,32 @@ class DiskTier(Tier):
         return inode
 
     def _stop_making_room(self, error: OSError) -> None:
+        episode = self._no_room_until == 0.0  # (reset by the next write that succeeds)
         self.num_no_room += 1
-        backoff = self._no_room_backoff_s
-        self._no_room_until = _now() + backoff
+        now, backoff = _now(), self._no_room_backoff_s
+        self._no_room_until = now + backoff
         self._no_room_backoff_s = min(2 * backoff, _NO_ROOM_BACKOFF_MAX_S)
-        self._say(
-            "no room",
-            error,
+        if not episode:
+            return  # (said when it began: one line an episode, however long)
+        if now < self._no_room_quiet_until:
+            self._no_room_unsaid += 1  # a flapping disk: told in the next line
+            return
+        if now >= self._no_room_quiet_until + _NO_ROOM_BACKOFF_MAX_S:
+            self._no_room_quiet_s = _NO_ROOM_BACKOFF_S  # (an hour without a line due: quiet again)
+        self._no_room_quiet_until = now + self._no_room_quiet_s
+        self._no_room_quiet_s = min(2 * self._no_room_quiet_s, _NO_ROOM_BACKOFF_MAX_S)
+        name = errno.errorcode.get(error.errno, type(error).__name__) if error.errno else type(error).__name__
+        unsaid = (
+            f"; {self._no_room_unsaid} more since the last line, each ended by a write" if self._no_room_unsaid else ""
+        )
+        self._no_room_unsaid = 0
+        self._log(
+            f"kvpool: disk cache {self.root}: {_WHAT['no room']} failed ({name}: {error.strerror or error}); "
             "evicting entries freed no room for the block (their files held open by another "
             "process? another user's quota? another writer?): the tier keeps its entries and "
-            f"evicts none to make room until a write succeeds (tried again after {backoff:g} s, "
-            "then less often); the blocks that do not fit are not stored",
+            f"evicts none to make room until a write succeeds, or for {backoff:g} s, then twice as long "
+            f"each time up to {_NO_ROOM_BACKOFF_MAX_S / 3600:g} h; the blocks that do not fit are not stored, "
+            f"counted in the report's disk_tier.disk_full_no_room (said once an episode{unsaid})"
         )
 
     def _make_room(self, num_bytes: int, error: OSError) -> bool:
