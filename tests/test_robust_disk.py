@@ -579,6 +579,34 @@ def test_a_block_whose_entry_outgrows_the_limit_is_refused_and_evicts_nothing(tm
     tier.check_integrity()
 
 
+def test_a_multimodal_block_past_entry_bytes_is_refused_and_said(tmp_path) -> None:
+    """entry_bytes (what check_sizes weighs a limit by) bounds a text block's entry; a
+    multimodal block's extra key, which the descriptor keeps whole, takes its entry past
+    that (m6b, review 8 #10). Such a block on a limit of exactly entry_bytes was refused
+    with no word (num_rejected_puts only): now one line says so, its key's share named."""
+    import dataclasses
+
+    from kvpool.cache.chains import mm_extra_key
+    from kvpool.cache.types import MMItem
+
+    shapes = {name: (t.dtype, tuple(t.shape)) for name, t in tensors(0).items()}
+    lines: list[str] = []
+    limit = DiskTier(tmp_path / "probe", 1 << 30).entry_bytes(descriptor(0), 16, shapes)
+    tier = DiskTier(tmp_path / "c", limit, log=lines.append)
+    largest = {"token_ids": ((1 << 32) - 1,) * 16, "num_computed_tokens": 1 << 40, "tenant": "0" * 16}
+    text = dataclasses.replace(descriptor(1), **largest)  # (the bound's own case: stored)
+    assert tier.put(key(1), text, tensors(1)) and tier.flush(30) and tier.stats.num_puts == 1
+    extra = mm_extra_key([MMItem(start=3, length=5, content_hash="ab" * 32)], 16, 0)
+    for i in (2, 3):
+        image = dataclasses.replace(descriptor(i), mm_identity=extra.hex(), **largest)
+        assert tier.put(key(i), image, tensors(i)) and tier.flush(30)
+        assert not tier._path(key(i), image).exists()
+    assert tier.stats.num_puts == 1 and tier.stats.num_rejected_puts == 2 and tier.num_entries == 1
+    assert len(lines) == 1 and f"its multimodal key adds {2 * len(extra)} bytes" in lines[0], lines
+    assert f"({limit:,} bytes, --disk-cache-gib" in lines[0] and "num_rejected_puts" in lines[0]
+    tier.check_integrity()
+
+
 def test_a_foreign_file_whose_name_is_not_an_entrys_is_left_alone(tmp_path) -> None:
     """Copies of an entry under names that parse as hex but are no entry's (upper case, a
     space: bytes.fromhex takes both) are foreign files: not indexed, not counted, not

@@ -409,8 +409,11 @@ class DiskTier(Tier):
         """The bytes a block of these tensors ({name: (torch dtype, shape)}) takes at most as
         an entry under `cache` (the engine's CacheDescriptor): the tensors and the header
         (manifest, descriptor, checksums), what `_write` weighs against the limit. (The
-        header grows with the token ids' digits: the largest ids are taken; a multimodal
-        block's extra key adds its own hex.)"""
+        header grows with the token ids' digits: the largest ids are taken.) A block with
+        multimodal items is larger by its extra key's hex, which no bound holds: the key names
+        every item the block overlaps, and the descriptor keeps it whole (a mismatch must be a
+        miss, never a near match). A limit within that of one entry refuses such a block: counted
+        in num_rejected_puts, and said once (`_refuse`)."""
         import torch  # (the tier itself weighs only bytes)
 
         zeros = {name: torch.zeros(shape, dtype=dtype) for name, (dtype, shape) in tensors.items()}
@@ -691,7 +694,7 @@ class DiskTier(Tier):
     def put(self, key: bytes, descriptor: BlockDescriptor, tensors: dict[str, Tensor]) -> bool:
         num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         if num_bytes > self.capacity_bytes:
-            self.stats.num_rejected_puts += 1
+            self._refuse(num_bytes, descriptor)
             return False
         owned = {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
         if not self._writer.submit(lambda: self._write(key, descriptor, owned), num_bytes):
@@ -709,7 +712,7 @@ class DiskTier(Tier):
         if len(data) > self.capacity_bytes:
             # the header made the entry larger than the whole tier (put weighs the tensors
             # alone): written, it would evict every entry and then itself
-            self.stats.num_rejected_puts += 1
+            self._refuse(len(data), descriptor)
             return
         if self._cut_pending:
             self._cut_to_limit()
@@ -736,6 +739,25 @@ class DiskTier(Tier):
         if rescan:  # (on the writer's thread, off the engine's path)
             self._rescan()
         self.stats.put_s += time.perf_counter() - start
+
+    def _refuse(self, num_bytes: int, descriptor: BlockDescriptor) -> None:
+        """A block whose entry (`num_bytes`) the whole limit cannot hold: counted, and said
+        once (check_sizes refuses a limit below a text block's entry at the start; a
+        multimodal block's key can take its entry past that bound: entry_bytes)."""
+        self.stats.num_rejected_puts += 1
+        if ("refused", "") in self._said:
+            return
+        self._said.add(("refused", ""))
+        key = (
+            f" (its multimodal key adds {len(descriptor.mm_identity):,} bytes to its header)"
+            if descriptor.mm_identity
+            else ""
+        )
+        self._log(
+            f"kvpool: disk cache {self.root}: a block's entry of {num_bytes:,} bytes{key} is larger than the "
+            f"whole byte limit ({self.capacity_bytes:,} bytes, --disk-cache-gib {self.capacity_bytes / 2**30:.4g}); "
+            "such blocks are not stored, counted in the report's disk_tier.num_rejected_puts; serving on (said once)"
+        )
 
     def _store_making_room(self, key: bytes, data: bytes, final: Path) -> int:
         """`_store`, and on a full filesystem, room made and the write tried once more (a
