@@ -355,6 +355,49 @@ def test_a_password_never_shows_whatever_characters_it_holds(head, sep, tail, fo
     assert head not in said and tail not in said and quote(head) not in said, said
 
 
+# ----- a host name the resolver does not answer ---------------------------------------------
+
+
+def test_a_host_name_that_does_not_resolve_costs_one_deadline_not_the_resolvers_timeout(
+    redis_server, monkeypatch
+) -> None:
+    """redis-py resolved the host before the connect deadline started: a DNS server down
+    cost the resolver's own timeout (3 s here; 5 s a try for glibc) on the engine's thread,
+    whatever timeout_s said (atier's log). Now the name resolves within the deadline, the
+    background checks do not pile up lookups while one hangs, and a name that resolves still
+    serves (TLS would check the certificate against it)."""
+    import socket
+    import threading
+
+    real = socket.getaddrinfo
+
+    def resolver(host, *args, **kwargs):
+        if host == "slow.invalid":
+            time.sleep(3)
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolver)
+    lines: list[str] = []
+    began = time.perf_counter()
+    t = RedisTier("redis://slow.invalid:6379/0", timeout_s=0.3, retry_s=0.2, log=lines.append)
+    assert time.perf_counter() - began < 1.5 and not t.available  # (3.0 s before)
+    assert len(lines) == 1 and "unavailable" in lines[0] and "slow.invalid" in lines[0], lines
+    began = time.perf_counter()
+    while time.perf_counter() - began < 1.0:  # background checks every 0.2 s meanwhile
+        assert not t.lookup(key(1), descriptor(1))
+        time.sleep(0.05)
+    lookups = [th for th in threading.enumerate() if th.name == "kvpool-redis-resolve"]
+    assert len(lookups) <= 1, lookups  # one hung lookup at a time, not one a check
+    t.close()
+    by_name = redis_server.url.replace("127.0.0.1", "localhost")
+    lines = []
+    t = RedisTier(by_name, log=lines.append)
+    assert t.available and t.put(key(2), descriptor(2), tensors(2)) and t.flush(10)
+    assert t.get(key(2), descriptor(2)) is not None and lines == []
+    t.close()
+
+
 # ----- a stalled server (SIGSTOP) ---------------------------------------------------------
 
 

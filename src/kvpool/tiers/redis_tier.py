@@ -15,7 +15,8 @@ format (entry.OtherVersion) is a miss ("other_version") left to its writer. The 
 own memory limit and eviction policy bound it.
 
 A fault is a miss, never a crash, a hang or a stall:
-  - Every call has a deadline (`timeout_s`, one try). A call that finds the server
+  - Every call has a deadline (`timeout_s`, one try; the host name's resolution within it,
+    redis_conn.py). A call that finds the server
     unreachable or silent (down, restarting, SIGSTOPped) opens a circuit breaker: one
     warning line, and from then on every call is a miss at no cost, on the engine's thread.
     Whether the server is back is asked in the background (the writer's thread), at most
@@ -58,6 +59,7 @@ from torch import Tensor
 from kvpool.tiers import entry
 from kvpool.tiers.base import Tier, TierStats
 from kvpool.tiers.descriptor import BlockDescriptor
+from kvpool.tiers.redis_conn import resolve_within_deadline
 from kvpool.tiers.writer import BackgroundWriter
 
 _DOWN = object()  # a call that found the breaker open, or opened it
@@ -218,6 +220,7 @@ class RedisTier(Tier):
             )
         except ValueError as error:
             raise ValueError(f"--redis {self.shown_url!r}: {error}") from None
+        resolve_within_deadline(self._client)  # (redis-py resolves the host before its deadline starts)
         self.timeout_s = timeout_s
         self.retry_s = retry_s
         self.max_pending_bytes = max_pending_bytes
