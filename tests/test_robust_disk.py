@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 from safetensors.torch import save as st_save
 
 from kvpool.tiers import DiskTier
@@ -1295,3 +1297,53 @@ def test_files_another_process_removed_first_are_not_counted_as_this_ones(tmp_pa
     kept = list((tmp_path / "q" / "quarantine").iterdir())
     assert 1 <= len(kept) <= 2 and tier.num_quarantine_trimmed == 4 - len(kept)  # of 2-5, not 0 and 1
     tier.check_integrity()
+
+
+_SHARED_OPS = st.lists(
+    st.tuples(st.sampled_from(["put", "put", "rm", "touch", "lookup", "get", "reopen"]), st.integers(0, 7)),
+    min_size=1,
+    max_size=25,
+)
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=_SHARED_OPS, room=st.integers(1, 5))
+@example(ops=[("put", 0), ("put", 1), ("rm", 0), ("put", 2)], room=2)  # the victim already gone
+@example(ops=[("put", i) for i in range(8)] + [("reopen", 0), ("touch", 1), ("put", 0), ("get", 1)], room=8)
+def test_the_index_under_evictions_and_another_process_stays_exact(tmp_path_factory, ops, room) -> None:
+    """The lifecycle of a tier whose directory another process also removes from and reads
+    (its files' LRU times): after every operation the index checks out, a get returns exactly
+    the entries whose files are there (a lookup hits them all), the bytes stay within the limit once the tier has
+    written, and `num_evictions` counts exactly the files the tier's own operations removed
+    (review 8 #3 moved the unlinks out of the lock; #7: one another process removed is not
+    this one's)."""
+    root = tmp_path_factory.mktemp("shared")
+    one = max(len(entry_format.encode(key(i), descriptor(i), tensors(i, 16))) for i in range(8))
+    tier = DiskTier(root, room * one, fsync=False)
+    evicted = 0  # by the tier's own operations, model side
+
+    def on_disk() -> set[int]:
+        return {i for i in range(8) if stored(tier, i).is_file()}
+
+    for op, i in ops:
+        before = on_disk()
+        if op == "put":
+            assert tier.put(key(i), descriptor(i), tensors(i, 16)) and tier.flush(30)
+            assert i in on_disk()
+        elif op == "rm":  # another process evicts it
+            stored(tier, i).unlink(missing_ok=True)
+            before = on_disk()
+        elif op == "touch" and i in before:  # another process reads it: its most recent
+            os.utime(stored(tier, i), ns=(time.time_ns(), time.time_ns()))
+        elif op == "lookup":  # (an indexed entry another process removed is still a hit: the get misses)
+            assert tier.lookup(key(i), descriptor(i)) or i not in before
+        elif op == "get":
+            got = tier.get(key(i), descriptor(i))
+            assert (got is not None and all(torch.equal(got[n], tensors(i, 16)[n]) for n in got)) == (i in before)
+        elif op == "reopen":
+            evicted -= tier.stats.num_evictions  # (a new process's counters start at 0)
+            tier = DiskTier(root, room * one, fsync=False)
+        evicted += len(before - on_disk())
+        tier.check_integrity()
+        assert tier.stats.num_evictions == evicted, (op, i, tier.stats.num_evictions, evicted)
+        assert tier.stats.num_corrupt == 0 and not tier._removing
