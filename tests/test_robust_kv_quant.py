@@ -369,3 +369,24 @@ def test_eval_refuses_a_format_named_twice_before_the_model_loads(formats, named
     monkeypatch.setattr(build, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
     assert main(["eval", "kv-quant", "--formats", formats]) == 2
     assert capsys.readouterr().err == f"kvpool eval kv-quant: error: --formats names one format twice: {named}\n"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        # each was dropped without a word: tiny-dsv4 evaluates its own layouts on random ids
+        (["--formats", "int8"], "--model tiny-dsv4 evaluates its own fp8 layouts: --formats is for SmolLM2"),
+        (["--block-size", "64"], "--model tiny-dsv4 evaluates its own fp8 layouts: --block-size is for SmolLM2"),
+        (["--prefill", "10"], "--model tiny-dsv4 evaluates its own fp8 layouts: --prefill is for SmolLM2"),
+        (["--greedy-prompt", "5"], "--model tiny-dsv4 evaluates its own fp8 layouts: --greedy-prompt is for SmolLM2"),
+        # "0: skip" ran 32 steps
+        (["--greedy-steps", "0"], "--model tiny-dsv4 measures every figure over --greedy-steps tokens: give 1 or more"),
+    ],
+)
+def test_eval_on_tiny_dsv4_refuses_the_smollm2_flags(flags, message, capsys, monkeypatch) -> None:
+    import kvpool.verify.kv_quant as kv_quant
+    from kvpool.cli.main import main
+
+    monkeypatch.setattr(kv_quant, "quality_report_v4", lambda *a, **k: pytest.fail("the evaluation ran"))
+    assert main(["eval", "kv-quant", "--model", "tiny-dsv4", *flags]) == 2
+    assert capsys.readouterr().err == f"kvpool eval kv-quant: error: {message}\n"

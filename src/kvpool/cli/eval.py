@@ -39,6 +39,11 @@ from kvpool.cli.options import (
     start_torch_threads,
 )
 
+_FORMATS = tuple(f for f in KV_DTYPES if f != "fp32")
+# the flags of the SmolLM2 evaluation alone, at their defaults (tiny-dsv4 evaluates its own
+# layouts on random ids): given with --model tiny-dsv4, each was dropped without a word
+_SMOLLM_ONLY: dict[str, object] = {"formats": _FORMATS, "block_size": 128, "prefill": 128, "greedy_prompt": 200}
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="eval", required=True)
@@ -48,26 +53,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         description=__doc__,
         formatter_class=HelpFormatter,
     )
-    quantized = tuple(f for f in KV_DTYPES if f != "fp32")
     p.add_argument(
         "--formats",
         type=comma_list(kv_dtype),
-        default=",".join(quantized),
+        default=",".join(_FORMATS),
         help="comma list of formats (KIVI's may name G and R: kivi2-g16-r64)",
     )
-    add_option(p, BLOCK_SIZE, default=128, note="KIVI's R=128 must divide it")
+    add_option(p, BLOCK_SIZE, default=_SMOLLM_ONLY["block_size"], note="KIVI's R=128 must divide it")
     p.add_argument("--tokens", type=positive_int, default=512, help="tokens of the text (prefill + decoded)")
     p.add_argument(
         "--prefill",
         type=positive_int,
-        default=128,
+        default=_SMOLLM_ONLY["prefill"],
         help="tokens prefilled in one step; the rest are decoded, scored",
     )
     p.add_argument(
         "--greedy-steps", type=int, default=64, help="tokens each format decodes greedily through the engine (0: skip)"
     )
     p.add_argument(
-        "--greedy-prompt", type=positive_int, default=200, help="the prompt of the greedy run: the text's first tokens"
+        "--greedy-prompt",
+        type=positive_int,
+        default=_SMOLLM_ONLY["greedy_prompt"],
+        help="the prompt of the greedy run: the text's first tokens",
     )
     p.add_argument("--text", default=None, metavar="FILE", help="a UTF-8 text file (default: the built-in text)")
     add_engine_model_option(p, note="; or tiny-dsv4 (its fp8 layout against fp32)")
@@ -209,7 +216,13 @@ def _run_v4(args: argparse.Namespace) -> int:
 
     if args.plot or args.text:
         raise ValueError("--model tiny-dsv4 takes random token ids: --plot and --text are for SmolLM2")
-    steps = args.greedy_steps or 32
+    given = [name for name, default in _SMOLLM_ONLY.items() if getattr(args, name) != default]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        raise ValueError(f"--model tiny-dsv4 evaluates its own fp8 layouts: {flag} is for SmolLM2")
+    if args.greedy_steps == 0:  # (it ran 32 steps: every figure of tiny-dsv4's is over its steps)
+        raise ValueError("--model tiny-dsv4 measures every figure over --greedy-steps tokens: give 1 or more")
+    steps = args.greedy_steps
 
     def progress(name: str) -> None:
         print(f"kvpool eval kv-quant: tiny-dsv4, {name}", file=sys.stderr, flush=True)
