@@ -428,6 +428,14 @@ def test_a_multimodal_gemma3_config_takes_the_text_defaults_it_leaves_out() -> N
     # what the top level says of the weights applies to the language model too
     quantized = GEMMA3_4B_IT | {"quantization_config": {"quant_method": "fp8"}}
     assert from_hf_config(quantized).weight_format == "fp8"
+    # a text_config that is no object said "unknown model kind: model_type 'gemma3'"
+    for bad, said in (({"text_config": "nope"}, '"nope"'), ({"text_config": None}, "null")):
+        with pytest.raises(ValueError) as raised:
+            from_hf_config(GEMMA3_4B_IT | bad)
+        assert (
+            str(raised.value)
+            == f"gemma3 config: text_config must be a JSON object (the language model's facts), got {said}"
+        )
 
 
 def test_a_v4_compress_ratio_is_a_json_integer() -> None:

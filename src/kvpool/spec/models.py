@@ -718,7 +718,13 @@ def from_hf_config(cfg: dict[str, Any], name: str | None = None) -> ModelSpec:
     """
     if not isinstance(cfg, dict):
         raise ValueError(f"a config must be a JSON object, got {type(cfg).__name__}")
-    if cfg.get("model_type") == "gemma3" and isinstance(cfg.get("text_config"), dict):
+    if cfg.get("model_type") == "gemma3" and not isinstance(cfg.get("text_config"), dict):
+        # it fell through to "unknown model kind: model_type 'gemma3'", a kind kvpool reads
+        raise ValueError(
+            f"gemma3 config: text_config must be a JSON object (the language model's facts), "
+            f"got {json.dumps(cfg.get('text_config'))}"
+        )
+    if cfg.get("model_type") == "gemma3":
         # Multimodal Gemma 3: the language model's facts live in text_config, which names
         # only what differs from Gemma3TextConfig's defaults (google/gemma-3-4b-it's gives no
         # heads, the 27B's no vocab_size); the weights' format is said at the top level.
