@@ -43,6 +43,7 @@ def measure(
     import torch
 
     from kvpool.engine.build import load_model
+    from kvpool.engine.memory import check_fits
 
     if model == "tiny-dsv4":
         raise ValueError("bench engine runs a Llama GGUF; the tiny V4 model is benchmarked by kvpool bench dsv4")
@@ -68,6 +69,12 @@ def measure(
     if "attention" in parts:
         progress("attention")
         shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        check_fits(
+            attention_bytes_needed(attn_batch, attn_context, cfg.num_kv_heads, cfg.head_dim),
+            "cpu",
+            f"the attention part's --attn-batch {attn_batch} x --attn-context {attn_context}",
+            "lower --attn-batch or --attn-context",
+        )
         report["attention"] = bench_attention(attn_batch, attn_context, attn_block_size, *shape)
         # smaller blocks: more, shorter K^T rows per bag (16 floats at block size 16)
         report["attention"]["paged_over_contiguous_by_block_size"] = {
@@ -87,6 +94,13 @@ def measure(
     if "decode" in parts:
         report["decode"] = bench_decode(loaded, model, new_tokens, block_size, skip_hf, rng, progress)
     return report
+
+
+def attention_bytes_needed(batch: int, context: int, num_kv_heads: int, head_dim: int) -> int:
+    """The fp32 memory bench_attention holds at the least: K and V in the paged pool and
+    again laid out contiguously for SDPA. (A size past the machine's memory was the
+    allocator's traceback.)"""
+    return 4 * batch * context * num_kv_heads * head_dim * 4
 
 
 def bench_attention(

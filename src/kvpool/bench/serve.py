@@ -39,7 +39,14 @@ def start_server(
     notice("starting kvpool serve")
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None
-    line = proc.stdout.readline()  # the ready line, or EOF if it failed
+    try:
+        line = proc.stdout.readline()  # the ready line, or EOF if it failed
+    except BaseException:
+        # Ctrl-C (or SIGTERM) while the server loads: the caller has no handle on it yet to
+        # stop, and a signal sent to this process alone left it serving, orphaned
+        proc.kill()
+        proc.wait()
+        raise
     if "ready on " not in line:
         proc.kill()
         err = proc.stderr.read() if proc.stderr else ""

@@ -50,21 +50,26 @@ def measure(runs: int = 5, prompt: str = "hi", model: str | None = None, progres
     `model`: a GGUF file (None: the embedded SmolLM2-135M)."""
     if runs < 1:
         raise ValueError(f"runs must be at least 1, got {runs}")
-    generate = [sys.executable, "-m", "kvpool", "generate", prompt, "--max-tokens", "1"]
-    if model:
-        generate += ["--model", model]
+    options = ["--max-tokens", "1"] + (["--model", model] if model else [])
+    command = [sys.executable, "-m", "kvpool", "generate"]
+
+    def generate(*more: str) -> list[str]:
+        # the prompt after "--": one that begins with '-' ("-5 degrees", "--help") is the
+        # prompt, not an option (it was refused, or printed the help where JSON was read)
+        return [*command, *options, *more, "--", prompt]
+
     env = dict(os.environ)
     env.pop("KVPOOL_WEIGHT_CACHE", None)
     off = {**env, "KVPOOL_WEIGHT_CACHE": "0"}
 
     progress("first start (fills the weight cache if empty)")
-    first = json.loads(_start([*generate, "--json"], env)[2])
+    first = json.loads(_start(generate("--json"), env)[2])
     progress(f"{runs} warm starts")
-    warm = [_start(generate, env)[:2] for _ in range(runs)]
-    warm_json = json.loads(_start([*generate, "--json"], env)[2])
+    warm = [_start(generate(), env)[:2] for _ in range(runs)]
+    warm_json = json.loads(_start(generate("--json"), env)[2])
     progress("a start without the weight cache")
-    gguf_first, gguf_exit, _ = _start(generate, off)
-    gguf_json = json.loads(_start([*generate, "--json"], off)[2])
+    gguf_first, gguf_exit, _ = _start(generate(), off)
+    gguf_json = json.loads(_start(generate("--json"), off)[2])
     torch_floor = [_start([sys.executable, "-c", "import torch, sys; sys.stdout.write('x')"], env)[0] for _ in range(3)]
 
     firsts, exits = [w[0] for w in warm], [w[1] for w in warm]

@@ -56,6 +56,24 @@ def _throughput(stats) -> float | None:
     return round(stats.num_put_bytes / stats.put_s / 1e6, 1) if stats.put_s > 0 else None
 
 
+def check_lengths(prefix_len: int, suffix_len: int, block_size: int, max_position: int) -> None:
+    """ValueError naming the flags when the longest prompt of the SmolLM2 cases, a request
+    (prefix and suffix) or the host case's filler (the request's blocks and one more), does
+    not leave the model's context room for its one output token. (The engine's words named
+    neither flag: "request 'req-0': prompt of 8208 tokens is too long"; and a prefix past
+    the machine's memory was told to "lower --kv-memory or --num-blocks", flags bench tiers
+    does not have.)"""
+    request_blocks = -(-(prefix_len + suffix_len + 1) // block_size)
+    longest = (request_blocks + 1) * block_size  # the filler, longer than the request
+    if longest > max_position - 1:
+        raise ValueError(
+            f"--prefix-len {prefix_len} with --suffix-len {suffix_len} (blocks of {block_size}) makes prompts of up "
+            f"to {longest:,} tokens (the host case's filler is the request's {request_blocks:,} blocks and one "
+            f"more); SmolLM2's {max_position:,} positions hold {max_position - 1:,} and the output token: lower "
+            "--prefix-len or --suffix-len"
+        )
+
+
 def _llama_cases(
     prefix_len: int, suffix_len: int, repeats: int, block_size: int, seed: int, workdir: Path, redis_url: str | None
 ) -> tuple[dict, dict]:
@@ -63,6 +81,7 @@ def _llama_cases(
     from kvpool.engine.build import build_engine, cache_spec_for, load_model
 
     loaded = load_model(device="cpu")
+    check_lengths(prefix_len, suffix_len, block_size, loaded.model.config.max_position)
     rng = random.Random(seed)
 
     def ids(n: int) -> list[int]:
@@ -208,6 +227,12 @@ def measure(
     from kvpool.tiers.swa import SWAStrategy
 
     SWAStrategy("periodic", swa_period).check(DSV4Spec.from_config(TINY_DSV4_CONFIG).span)
+    v4_positions = TINY_DSV4_CONFIG["max_position_embeddings"]
+    if v4_prefix_len + 16 + 1 > v4_positions:  # (the prefix, 16 new tokens, the output token)
+        raise ValueError(
+            f"--v4-prefix-len {v4_prefix_len} with its 16 new tokens and the output token needs "
+            f"{v4_prefix_len + 17:,} positions; tiny-dsv4 has {v4_positions:,} (its max_position_embeddings)"
+        )
     if redis is not None:
         from kvpool.tiers.redis_tier import check_url
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import math
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-from kvpool.cli.main import add_modules
+from kvpool.cli.main import add_modules, terminate_like_ctrl_c
 
 T = TypeVar("T")
 
@@ -51,16 +52,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         bench_parser.add_argument("--json", action="store_true", help="print the report as one JSON object instead")
 
 
+def strict_json(value: object) -> object:
+    """`value` with every nan and inf float as None (null), so that --json prints JSON:
+    json.dumps writes them as NaN / Infinity, which JSON parsers refuse (jq read Infinity as
+    1.8e308). A failed check's figure is one: verify tp's logit difference when the tokens
+    differ is inf."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [strict_json(v) for v in value]
+    return value
+
+
 def printed_json(args: argparse.Namespace, report: object, indent: int | None = None) -> bool:
     """With --json: `report` printed as one JSON object (for scripts: nothing else goes to
-    stdout) and True; without: False, and the bench prints its tables."""
+    stdout; a nan or inf figure as null) and True; without: False, and the bench prints its
+    tables."""
     if args.json:
-        print(json.dumps(report, indent=indent))
+        print(json.dumps(strict_json(report), indent=indent, allow_nan=False))
     return args.json
 
 
 def run(args: argparse.Namespace) -> int:
-    return int(args._bench_run(args) or 0)
+    # SIGTERM (timeout, a job's stop) stops a bench as Ctrl-C does, status 143: the processes
+    # a bench started (bench serve's server, bench tiers' redis-server) are stopped on the way
+    # out; killed outright, they were left running, orphaned
+    with terminate_like_ctrl_c():
+        return int(args._bench_run(args) or 0)
 
 
 def stderr_progress(name: str) -> Callable[[str], None]:

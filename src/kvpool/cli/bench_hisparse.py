@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from kvpool.bench.hisparse import measure
-from kvpool.cli.args import positive_int
+from kvpool.cli.args import positive_int, torch_seed_int
 from kvpool.cli.bench import call_with_flags, print_table, printed_json
 
 
@@ -25,7 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context", type=_sizes, default=(4096, 32768), help="prompt lengths (comma list)")
     parser.add_argument("--hot-set", type=_sizes, default=(8, 64, 512), help="hot-set sizes in CSA entries")
     parser.add_argument("--steps", type=positive_int, default=32, help="decode steps timed per run")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the tiny model's weights and the prompts")
+    parser.add_argument(
+        "--seed", type=torch_seed_int, default=0, help="seed of the tiny model's weights and the prompts"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from kvpool.bench.kv_quant import DEFAULT_FORMATS, measure
-from kvpool.cli.args import comma_list, kv_dtype, positive_int
+from kvpool.cli.args import comma_list, kv_dtype, positive_int, torch_seed_int
 from kvpool.cli.bench import call_with_flags, print_table, printed_json
 from kvpool.cli.options import BLOCK_SIZE, add_option, add_threads_option
 
@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--formats", type=comma_list(kv_dtype), default=DEFAULT_FORMATS, help="comma list")
     parser.add_argument("--paths", type=comma_list(str), default=("native", "torch"), help="native,torch")
     add_threads_option(parser)
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random K, V and queries")
+    parser.add_argument("--seed", type=torch_seed_int, default=0, help="seed of the random K, V and queries")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,9 +41,10 @@ def run(args: argparse.Namespace) -> int:
     for r in report["formats"]:
         cells = [r["format"], f"{r['bytes_per_layer_step'] / 1e6:,.1f}"]
         for path in args.paths:
-            ms = r.get(f"{path}_ms")
+            ms, speedup = r.get(f"{path}_ms"), r.get(f"{path}_speedup_vs_fp32")
+            # no speed-up without fp32 measured on the path (--formats without fp32): "-", not 1.00x
             cells += (
-                [f"{ms:.2f}", f"{r[f'{path}_gb_s']:.1f}", f"{r.get(f'{path}_speedup_vs_fp32', 1.0):.2f}x"]
+                [f"{ms:.2f}", f"{r[f'{path}_gb_s']:.1f}", "-" if speedup is None else f"{speedup:.2f}x"]
                 if ms is not None
                 else ["-", "-", "-"]
             )

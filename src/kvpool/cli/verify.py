@@ -33,7 +33,8 @@ import json
 import math
 from collections.abc import Callable
 
-from kvpool.cli.args import HelpFormatter, positive_int, torch_seed_int
+from kvpool.cli.args import HelpFormatter, parsed_number, positive_int, torch_seed_int
+from kvpool.cli.bench import strict_json
 from kvpool.cli.options import BLOCK_SIZE, add_option
 
 DTYPES = ("fp64", "fp32")
@@ -73,6 +74,13 @@ def _add_matrix_arguments(parser: argparse.ArgumentParser, seed_help: str) -> No
     )
 
 
+def _cp_seed(text: str) -> int:
+    """verify cp's --seed: an int in [-2**32, 2**32). Its K / V draws seed torch with
+    seed * 1,000,003 + more (verify/context_parallel.py), which must stay a 64-bit seed: a
+    larger one was "Overflow when unpacking long long" on every rank, naming no flag."""
+    return parsed_number(text, int, lambda v: -(2**32) <= v < 2**32, "an integer in [-2**32, 2**32)")
+
+
 def _add_cp_arguments(cp: argparse.ArgumentParser) -> None:
     cp.add_argument("--context", type=positive_int, default=32768, help="tokens of each random sequence")
     cp.add_argument("--batch", type=positive_int, default=4, help="random decode sequences")
@@ -81,7 +89,7 @@ def _add_cp_arguments(cp: argparse.ArgumentParser) -> None:
     cp.add_argument(
         "--steps", type=positive_int, default=16, help="greedy tokens of the SmolLM2 check (the first is the prefill's)"
     )
-    cp.add_argument("--seed", type=int, default=0, help="seed of the random sequences")
+    cp.add_argument("--seed", type=_cp_seed, default=0, help="seed of the random sequences")
     cp.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -98,7 +106,7 @@ def run_tp(args: argparse.Namespace) -> int:
     if result is None:
         return 0
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(strict_json(result), allow_nan=False))
     else:
         for rid, r in result["requests"].items():
             mark = "ok  " if r["passed"] else "FAIL"
@@ -149,7 +157,7 @@ def run_pd(args: argparse.Namespace) -> int:
         return 0
     ok = report["passed"]  # the KV moved, was used, and the tokens are right (verify/disaggregated.py)
     if args.json:
-        print(json.dumps(report))
+        print(json.dumps(strict_json(report), allow_nan=False))
     else:
         for r in report["requests"]:
             mark = "ok  " if r["tokens_equal"] else "FAIL"
@@ -193,7 +201,7 @@ def run_cp(args: argparse.Namespace) -> int:
         return 0  # not rank 0: rank 0 reports
     ok = all(r["passed"] for r in results)
     if args.json:
-        print(json.dumps({"passed": ok, "checks": results}))
+        print(json.dumps(strict_json({"passed": ok, "checks": results}), allow_nan=False))
     else:
         for r in results:
             mark = "ok  " if r["passed"] else "FAIL"

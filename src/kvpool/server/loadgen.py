@@ -189,10 +189,17 @@ async def run_load(config: LoadConfig) -> tuple[list[RequestRecord], float]:
 
     async def bounded(*aws: Awaitable[None]) -> None:
         """Await them until grace_s past the deadline; what is left then is cancelled."""
+        gathered = asyncio.gather(*aws)
         try:
-            await asyncio.wait_for(asyncio.gather(*aws), max(0.0, deadline - time.perf_counter()) + config.grace_s)
+            await asyncio.wait_for(gathered, max(0.0, deadline - time.perf_counter()) + config.grace_s)
         except TimeoutError:
             pass  # each request that was cancelled recorded itself as failed: the report says so
+        finally:
+            # Ctrl-C: wait_for cancels the gather and never reads its outcome (a CancelledError
+            # set as its exception), which asyncio then logged with a traceback per request,
+            # "_GatheringFuture exception was never retrieved", after "interrupted"
+            if gathered.done() and not gathered.cancelled():
+                gathered.exception()
 
     start = time.perf_counter()
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
