@@ -585,3 +585,29 @@ def test_a_ray_task_whose_worker_is_killed_fails_its_point_and_the_others_run(mo
         results = dict(map_ray(_dies_at_a_mark, payloads, jobs=2, address=None))
     assert [results[0], results[2]] == [{"a": 1}, {"c": 3}]
     assert results[1]["error"].startswith("its Ray worker died as it ran this point (WorkerCrashedError: ")
+
+
+def test_a_round_with_a_point_rerun_alone_hands_its_workers_back_once_that_point_is_through(tmp_path):
+    """Review 9: after a lone early death of an unknown kind, the point reran alone beside a
+    pool of the other `jobs - 1` workers, and that pool went on through all the rest of the
+    sweep (79 of 80 points on 3 of 4 workers). Now the round's shared pool takes points only
+    while the isolated one runs: the points it never took come back as not through, for the
+    next round's full pool. Here the isolated point dies at once (its error row), and of 16
+    shared points of 0.5 s (8 s on the one shared worker) the round runs a few."""
+    from kvpool.sim.sweep import _pool_round
+
+    payloads = [{"sigterm": True}] + [{"i": i, "sleep": 0.5} for i in range(1, 17)]
+    shared = list(range(1, 17))
+    rows, rounds = {}, _pool_round(_dies_at_a_mark, payloads, shared, [0], 1, str(tmp_path))
+    with _fails_after(120):
+        try:
+            while True:
+                index, row = next(rounds)
+                rows[index] = row
+        except StopIteration as stop:
+            over, suspects = stop.value
+    assert rows[0] == {"error": "its worker process died as it ran this point (killed by SIGTERM)"}
+    ran = sorted(set(rows) - {0})
+    assert 1 <= len(ran) <= 8 and ran == shared[: len(ran)]  # in order, one at a time, then it stopped
+    assert [rows[i] for i in ran] == [payloads[i] for i in ran]
+    assert over == {0, *ran} and suspects == []
