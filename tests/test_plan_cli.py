@@ -367,3 +367,19 @@ def test_an_indexer_format_a_plain_v4_cache_does_not_take_is_refused(
         _json(capsys, *argv[1:], "--kv-cache-dtype", kv_dtype)["kv_bytes_per_token"]
         == {"bf16": 6880, "fp32": 13760}[kv_dtype]
     )
+
+
+def test_an_indexer_format_that_is_the_v4_caches_own_dtype_is_taken(capsys: pytest.CaptureFixture[str]) -> None:
+    # review 9: bf16 keys in a bf16 cache is what that layout does anyway; it was refused
+    # in words telling the user the keys are in bf16
+    argv = ["--model", "deepseek-v4-flash", "--gpu", "h200", "-tp", "4", "--context", "65536"]
+    plain = _json(capsys, *argv, "--kv-cache-dtype", "bf16")
+    assert _json(capsys, *argv, "--kv-cache-dtype", "bf16", "--indexer-format", "bf16") == plain
+    assert plain["kv_bytes_per_token"] == 6880
+    from kvpool.capacity.kv import kv_layout
+    from kvpool.spec.models import load_preset
+
+    model = load_preset("deepseek-v4-flash")
+    assert kv_layout(model, "bf16", indexer_format="bf16") == kv_layout(model, "bf16")
+    with pytest.raises(ValueError, match="indexer format 'bf16': a fp32 DeepSeek-V4 cache keeps its indexer keys"):
+        kv_layout(model, "fp32", indexer_format="bf16")  # (fp32 keys: bf16 disagrees)

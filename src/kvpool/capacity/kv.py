@@ -247,10 +247,10 @@ def kv_layout(
         raise ValueError(f"kv dtype {dtype!r} is for GQA / MHA layers; {model.name} is {model.attention}")
     if model.attention == "mla":
         return _mla_layout(model, dtype, q, tp, indexer_format or "fp8", alignment)
-    if indexer_format is not None and dtype != "fp8":
+    if indexer_format is not None and dtype != "fp8" and indexer_format != dtype:
         # V4's keys have a format of their own only in the fp8 serving layout; a plain-dtype
         # cache stores them in its dtype, and the format was dropped without a word (bf16 with
-        # mxfp4 keys planned bf16 keys)
+        # mxfp4 keys planned bf16 keys). The format that is the cache's own agrees: taken.
         raise ValueError(
             f"indexer format {indexer_format!r}: a {dtype} DeepSeek-V4 cache keeps its indexer keys in {dtype}; "
             "the key formats are the fp8 serving layout's"

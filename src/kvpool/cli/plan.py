@@ -260,7 +260,8 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"--indexer-format: {model.name} has no indexer keys (DeepSeek-V3.2 and V4 have)")
             if args.indexer_format is not None and model.attention == "dsv4":
                 dtype = resolve_kv_dtype(model, args.kv_dtype)
-                if dtype in ("bf16", "fp16", "fp32"):  # (kv_layout refuses it too, in words that name no flag)
+                if dtype in ("bf16", "fp16", "fp32") and args.indexer_format != dtype:  # (bf16 keys in bf16: agrees)
+                    # (kv_layout refuses it too, in words that name no flag)
                     raise ValueError(
                         f"--indexer-format {args.indexer_format}: a {dtype} DeepSeek-V4 cache (--kv-cache-dtype "
                         f"{args.kv_dtype}) keeps its indexer keys in {dtype}; the key formats are its fp8 layout's"
