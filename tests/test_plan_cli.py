@@ -140,6 +140,16 @@ def test_a_kv_format_a_plotted_preset_cannot_take_names_the_flags(
         "layers; deepseek-v3 is mla); pick the presets with --plot-models\n"
     )
     assert not target.exists()
+    # review 9: one the user picked with --plot-models was told to pick with --plot-models,
+    # and only as its line of the figure was drawn, after the plan: now before any work
+    argv = ["plan", "--model", "llama-3.1-8b", "--kv-cache-dtype", "int8", "--plot", str(target)]
+    assert main([*argv, "--plot-models", "deepseek-v3,llama-3.1-8b"]) == 2
+    assert capsys.readouterr() == (
+        "",
+        "kvpool plan: error: --plot-models names deepseek-v3, which takes no --kv-cache-dtype int8 (kv dtype "
+        "'int8' is for GQA / MHA layers; deepseek-v3 is mla)\n",
+    )
+    assert not target.exists()
     assert main(["plan", "--plot", str(target), "--kv-cache-dtype", "int8", "--plot-models", "llama-3.1-8b"]) == 0
     assert target.read_bytes().startswith(PNG_MAGIC)
 

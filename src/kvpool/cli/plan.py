@@ -253,6 +253,8 @@ def run(args: argparse.Namespace) -> int:
             plot_names = [n.strip() for n in (args.plot_models or ",".join(PLOT_MODELS)).split(",") if n.strip()]
             if not plot_names:
                 raise ValueError(f"--plot-models {args.plot_models!r} names no preset")
+            plotted = [load_preset(n) for n in plot_names]
+            _check_plotted_formats(plotted, args.kv_dtype, args.plot_models is not None)
         result = None
         if model is not None:
             if args.indexer_format is not None and model.indexer is None and model.attention != "dsv4":
@@ -286,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
                 **_planner_options(args, assumptions),
             )
         if args.plot:
-            models = [load_preset(n) for n in plot_names]
+            models = plotted
             if model is not None and model.name not in {m.name for m in models}:
                 models.append(model)
             plot_kv_vs_context(models, args.plot, kv_dtype=args.kv_dtype)
@@ -516,6 +518,23 @@ def print_plan(p: Plan) -> None:
 # ---------------------------------------------------------------------------------------
 
 
+def _check_plotted_formats(models: list[ModelSpec], kv_dtype: str, picked: bool) -> None:
+    """Refuse, before any plan or figure, a --kv-cache-dtype a plotted preset cannot take, in
+    words naming the flag that brought that preset in: kv_layout's own named a default preset
+    the user never picked, and no flag; then told a user who gave --plot-models to use it."""
+    for m in models:
+        try:
+            kv_layout(m, kv_dtype)
+        except ValueError as e:
+            if picked:
+                raise ValueError(
+                    f"--plot-models names {m.name}, which takes no --kv-cache-dtype {kv_dtype} ({e})"
+                ) from None
+            raise ValueError(
+                f"--plot: {m.name} takes no --kv-cache-dtype {kv_dtype} ({e}); pick the presets with --plot-models"
+            ) from None
+
+
 def plot_kv_vs_context(models: list[ModelSpec], path: str, kv_dtype: str = "auto") -> None:
     """KV bytes of one request (whole model, unsharded) against context length, log-log."""
     import matplotlib
@@ -528,12 +547,7 @@ def plot_kv_vs_context(models: list[ModelSpec], path: str, kv_dtype: str = "auto
     contexts = [1 << k for k in range(10, 21)]  # 1 Ki .. 1 Mi tokens
     fig, ax = plt.subplots(figsize=(8, 5))
     for m in models:
-        try:
-            layout = kv_layout(m, kv_dtype)
-        except ValueError as e:  # it named a default preset the user never picked, and no flag
-            raise ValueError(
-                f"--plot: {m.name} takes no --kv-cache-dtype {kv_dtype} ({e}); pick the presets with --plot-models"
-            ) from None
+        layout = kv_layout(m, kv_dtype)
         ys = [layout.kv_bytes_at_context(c) / GIB for c in contexts]
         # solid within the model's max_position_embeddings, dashed beyond (extrapolated)
         inside = [i for i, c in enumerate(contexts) if c <= m.max_position_embeddings]
