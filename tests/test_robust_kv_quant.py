@@ -390,3 +390,13 @@ def test_eval_on_tiny_dsv4_refuses_the_smollm2_flags(flags, message, capsys, mon
     monkeypatch.setattr(kv_quant, "quality_report_v4", lambda *a, **k: pytest.fail("the evaluation ran"))
     assert main(["eval", "kv-quant", "--model", "tiny-dsv4", *flags]) == 2
     assert capsys.readouterr().err == f"kvpool eval kv-quant: error: {message}\n"
+
+
+def test_a_text_file_is_read_up_to_what_the_evaluation_can_take() -> None:
+    """`--text /dev/zero` never ended (the whole file read into memory), as a log of gigabytes
+    would have filled it: the first MAX_TEXT_CHARS characters are read."""
+    from kvpool.verify.kv_quant import MAX_TEXT_CHARS, reference_text
+
+    text, source = reference_text("/dev/zero")
+    assert (len(text), set(text), source) == (MAX_TEXT_CHARS, {"\0"}, "/dev/zero")
+    assert MAX_TEXT_CHARS >= 131_072 * 32  # 32 characters a token at a Llama-3 GGUF's context

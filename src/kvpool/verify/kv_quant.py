@@ -376,6 +376,11 @@ def evaluate_v4(
 TEXT_SOURCE = "pydoc_data.topics (the Python Language Reference topics shipped with CPython; PSF License)"
 
 
+# 4 Mi characters: 32 a token at 131,072 tokens (a Llama-3 GGUF's context; English runs ~4),
+# 512 at SmolLM2's 8,192; the report's "tokens" says how many a shorter text held
+MAX_TEXT_CHARS = 4 << 20
+
+
 def reference_text(path: str | None = None) -> tuple[str, str]:
     """(text, where it comes from): the Python Language Reference's topic pages that CPython
     ships as `pydoc_data.topics` (every installation has them; PSF License), in sorted topic
@@ -388,7 +393,10 @@ def reference_text(path: str | None = None) -> tuple[str, str]:
         raise ValueError(f"--text {path!r} is a directory, not a file")
     try:
         with open(path, encoding="utf-8") as f:
-            return f.read(), path
+            # its first MAX_TEXT_CHARS characters: the evaluation reads at most the model's
+            # context of tokens; the whole file was read (a log of gigabytes into memory, and
+            # /dev/zero never ended)
+            return f.read(MAX_TEXT_CHARS), path
     except UnicodeDecodeError as e:
         raise ValueError(f"--text {path!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     except FileNotFoundError:
