@@ -85,3 +85,100 @@ def test_a_commit_with_a_bad_next_id_changes_nothing_on_every_path(path: str, ba
         m.commit_step(ids, counts, [7, 8, None][: len(ids)])  # the step commits with good ids
         assert [m.token_ids(r)[-1] for r in ids[:2]] == [7, 8]
         m.check_integrity()
+
+
+# ---- share_ids: the caller's list is the request's ids (the engine's sequence list) -------------
+
+
+def _twin_managers() -> list[tuple[HybridCacheManager, HybridCacheManager]]:
+    return [
+        (DSV4CacheManager(SPEC, 24, 4, DESC), DSV4CacheManager(SPEC, 24, 4, DESC)),
+        (FullAttentionManager(48, 4, DESC), FullAttentionManager(48, 4, DESC)),
+    ]
+
+
+@pytest.mark.parametrize("path", ["decodes", "chunks", "each"])
+def test_shared_ids_are_the_callers_list_and_commit_as_the_coordinators_own(path: str) -> None:
+    """A request admitted with share_ids reads its ids from the caller's list itself (no
+    copy), and a commit appends nothing to it: the caller appends each sampled id first, as
+    the engine does. Step by step, every path (the decode step's memo, the chunk path with an
+    admission among the decodes, the naive twin) leaves it as a manager that keeps its own
+    arrays and is handed the same ids by the commits: the same counts, ids, blocks."""
+    for shared, own in _twin_managers():
+        _shared_twin_run(shared, own, path)
+
+
+def _shared_twin_run(shared: HybridCacheManager, own: HybridCacheManager, path: str) -> None:
+    commit = (lambda m: m._commit_each) if path == "each" else (lambda m: m.commit_step)
+    lists: dict[str, list[int]] = {}
+    next_id = 1_000
+
+    def step(rids: list[str], counts: list[int]) -> None:
+        nonlocal next_id
+        nexts: list[int | None] = []
+        for r, n in zip(rids, counts, strict=True):
+            if shared.num_computed_tokens(r) + n < len(lists[r]):
+                nexts.append(None)  # a chunk inside the prompt: its next id is known
+            else:
+                next_id += 1
+                lists[r].append(next_id)  # the caller's list takes the sampled id first
+                nexts.append(next_id)
+        commit(shared)(rids, counts, nexts)
+        commit(own)(rids, counts, nexts)
+        assert _view(shared) == _view(own)
+        for r in rids:
+            assert shared._requests[r].token_ids is lists[r] and shared._requests[r].shared
+            assert shared.block_ids(r) == own.block_ids(r)
+        shared.check_integrity()
+        own.check_integrity()
+
+    for rid, first, n in (("a", 100, 10), ("b", 200, 6)):  # prefilled, each with its first sampled id
+        lists[rid] = ids = list(range(first, first + n))
+        prompt = pack_prompt(ids)._replace(token_ids=ids)
+        assert shared.admit(rid, ids, prompt=prompt, check_packing=False, share_ids=True) is not None
+        assert own.admit(rid, list(ids)) is not None
+        step([rid], [n])
+    for k in range(40):
+        rids = list(lists)
+        counts = [len(lists[r]) - shared.num_computed_tokens(r) for r in rids]
+        assert shared.reserve_step(rids, counts) and own.reserve_step(rids, counts)
+        if path == "chunks" and k == 5:  # an admission joins the decodes: a chunk of its prompt
+            lists["c"] = ids = list(range(300, 309))
+            assert shared.admit("c", ids, 4, share_ids=True) is not None
+            assert own.admit("c", list(ids), 4) is not None
+            rids, counts = [*rids, "c"], [*counts, 4]
+        step(rids, counts)
+
+
+def test_shared_ids_refuse_what_would_change_the_callers_list() -> None:
+    m = DSV4CacheManager(SPEC, 12, 4, DESC)
+    with pytest.raises(TypeError, match="share_ids needs the caller's list of token ids, got tuple"):
+        m.admit("t", (1, 2, 3), share_ids=True)
+    assert "t" not in m
+    ids = list(range(10, 20))
+    assert m.admit("a", ids, share_ids=True) is not None
+    m.commit_step(["a"], [10], [None])
+    ids.append(7)
+    m.commit_step(["a"], [0], [7])  # (the sampled id the list took: named, not appended again)
+    assert m.token_ids("a") == [*range(10, 20), 7] and ids == m.token_ids("a")
+    before = _view(m)
+    with pytest.raises(ValueError, match="request 'a' reads its token ids from the caller's list"):
+        m.append_token_ids("a", [8])
+    with pytest.raises(ValueError, match="request 'a' reads its token ids from the caller's list"):
+        m.rollback("a", 4)
+    assert _view(m) == before and ids == [*range(10, 20), 7]
+    m.check_integrity()
+
+
+def test_a_fork_of_a_shared_request_keeps_an_array_of_its_own() -> None:
+    m = FullAttentionManager(24, 4, DESC)
+    ids = list(range(30, 36))
+    assert m.admit("p", ids, share_ids=True) is not None
+    ids.append(9)
+    m.commit_step(["p"], [6], [9])
+    assert m.fork("p", "c")
+    child = m._requests["c"].token_ids
+    assert type(child) is array and child.typecode == "I" and not m._requests["c"].shared
+    m.append_token_ids("c", [11])  # the child's ids are the coordinator's: they join here
+    assert m.token_ids("c") == [*range(30, 36), 11] and ids == [*range(30, 36), 9]
+    m.check_integrity()

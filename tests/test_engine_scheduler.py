@@ -36,9 +36,17 @@ class PrefixModelRunner:
         self.max_model_len = self.capacity_tokens
         self.num_planned = 0  # steps whose chunks came with the engine's columns (StepChunks)
 
-    def admit(self, request_id, token_ids, max_new_tokens, *, tenant_salt="", prompt=None, check_packing=True):
+    def admit(
+        self, request_id, token_ids, max_new_tokens, *, tenant_salt="", prompt=None, check_packing=True, share_ids=False
+    ):
         return self.cache.admit(
-            request_id, token_ids, max_new_tokens, tenant_salt=tenant_salt, prompt=prompt, check_packing=check_packing
+            request_id,
+            token_ids,
+            max_new_tokens,
+            tenant_salt=tenant_salt,
+            prompt=prompt,
+            check_packing=check_packing,
+            share_ids=share_ids,
         )
 
     def reserve_step(self, request_ids, num_new_tokens):

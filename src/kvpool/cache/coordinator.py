@@ -185,8 +185,13 @@ class _Request:
     # packing (`token_array`: one copy of its bytes, where a list would take a reference to
     # every id's int object at admission and drop them all at release, a cache miss an id
     # in a big run), 4 bytes an id; sampled ids are appended. A block's hash bytes are a
-    # slice of it (`token_bytes` of an array slice: no id converted)
-    token_ids: array[int]
+    # slice of it (`token_bytes` of an array slice: no id converted). Or, admitted with
+    # share_ids (`shared`), the caller's own list, which the caller grows (the engine's
+    # sequence list: each step's sampled id appended before the commit that names it) and
+    # the coordinator only reads: a commit appends nothing to it, so a decode row touches
+    # no second copy of its ids a step (the array's append was ~a third of a fleet run's
+    # commit: the engine's list and the coordinator's array were two copies of every id)
+    token_ids: array[int] | list[int]
     mm_items: tuple[MMItem, ...]
     roots: dict[str, PrefixBlock]  # per group (each pool interns its own roots)
     num_computed: int = 0
@@ -201,6 +206,7 @@ class _Request:
     # The admission's hit point: a swap's restore (`restore_tail`, `restore_swapped_state`)
     # follows the admission, before any step; -1: none (a fork's child)
     admitted_at: int = -1
+    shared: bool = False  # token_ids is the caller's list (admit's share_ids): never appended to here
 
 
 class _LookedUp(NamedTuple):
@@ -430,7 +436,10 @@ class HybridCacheManager:
         return request_id in self._requests
 
     def token_ids(self, request_id: str) -> list[int]:
-        return self._get(request_id).token_ids.tolist()
+        """The request's ids, a copy (of the caller's list itself for a request admitted with
+        share_ids)."""
+        ids = self._get(request_id).token_ids
+        return ids.tolist() if type(ids) is array else list(ids)
 
     def num_tokens(self, request_id: str) -> int:
         return len(self._get(request_id).token_ids)
@@ -785,12 +794,13 @@ class HybridCacheManager:
 
     def metadata_bytes(self) -> int:
         """Bytes of the coordinator's Python structures: every pool's (`pools`), and every request's
-        token ids (an array: its buffer, 4 B an id, is in its getsizeof) and each group's
-        bookkeeping of it (sys.getsizeof). Counted, not walked: a harness calls this every step."""
+        token ids (an array: its buffer, 4 B an id, is in its getsizeof; a caller's list shared
+        with share_ids is the caller's, not counted) and each group's bookkeeping of it
+        (sys.getsizeof). Counted, not walked: a harness calls this every step."""
         size = sys.getsizeof
         total = sum(pool.metadata_bytes() for pool in self._all_pools) + size(self._requests)
         for req in self._requests.values():
-            total += size(req) + size(req.token_ids)
+            total += size(req) + (0 if req.shared else size(req.token_ids))
             total += sum(g.metadata_bytes(req.states[name]) for name, g in self.groups.items())
         return total
 
@@ -922,10 +932,18 @@ class HybridCacheManager:
         return self.pool.root(self._descriptor_key, tenant_salt)
 
     def _new_request(
-        self, request_id: str, prompt: LookupPrompt, tenant_salt: str, descriptor: CacheDescriptor | None
+        self,
+        request_id: str,
+        prompt: LookupPrompt,
+        tenant_salt: str,
+        descriptor: CacheDescriptor | None,
+        shared: list[int] | None = None,
     ) -> _Request:
-        """prompt: `pack_prompt`'s, its packing checked: the request's ids are made from its bytes."""
+        """prompt: `pack_prompt`'s, its packing checked: the request's ids are made from its
+        bytes, or are `shared` (admit's share_ids: the caller's list of those ids, not copied)."""
         roots = self._request_roots(tenant_salt, descriptor)
+        if shared is not None:
+            return _Request(request_id, shared, prompt.mm_items, roots, shared=True)
         return _Request(request_id, token_array(prompt.packed), prompt.mm_items, roots)
 
     def _request_roots(self, tenant_salt: str, descriptor: CacheDescriptor | None) -> dict[str, PrefixBlock]:
@@ -1160,6 +1178,7 @@ class HybridCacheManager:
         descriptor: CacheDescriptor | None = None,
         prompt: LookupPrompt | None = None,
         check_packing: bool = True,
+        share_ids: bool = False,
     ) -> Admission | None:
         """Take a request in: its longest cached prefix (always leaving at least one prompt
         token to compute, whose logits are needed) and a reservation for the next
@@ -1175,7 +1194,15 @@ class HybridCacheManager:
         check_packing=False: the caller vouches that `prompt.packed` is the packing of
         `prompt.token_ids` (the engine checked it at add_request, in a list of its own that
         nothing changes before the admission): the ids, the items and the packing's length
-        are compared, the bytes are not packed again (~5 ns a token)."""
+        are compared, the bytes are not packed again (~5 ns a token).
+        share_ids=True: `token_ids`, a list, becomes the request's ids itself, not copied
+        (the engine's sequence list). The caller grows it: each sampled id joins it before
+        the `commit_step` that names it (a commit appends nothing to it, and `append_token_ids`
+        and `rollback` are refused), no id of it changes and none is removed while the request
+        is admitted, and its ids are ints in [0, 2**32) (a commit does not check the ids it
+        names: they are in the list already). TypeError for a token_ids that is no list."""
+        if share_ids and type(token_ids) is not list:
+            raise TypeError(f"share_ids needs the caller's list of token ids, got {type(token_ids).__name__}")
         # (the counts move below: the new request's only, which is no row of the decode-step
         # memo, so an admission that succeeds gives the memo back: a mixed step's decodes
         # reserved before the joiners' admissions keep it through step_reservations and commit)
@@ -1211,7 +1238,7 @@ class HybridCacheManager:
                 )
             ):
                 raise ValueError(f"request {request_id!r}: the packed prompt is not of these token ids and items")
-        req = self._new_request(request_id, prompt, tenant_salt, descriptor)
+        req = self._new_request(request_id, prompt, tenant_salt, descriptor, token_ids if share_ids else None)  # type: ignore[arg-type]
         hits, point = self._admission_hits(req.roots, prompt) if self._caching else ({}, 0)
         rest = len(req.token_ids) - point
         n = rest if max_new_tokens is None else min(max_new_tokens, rest)
@@ -1587,8 +1614,11 @@ class HybridCacheManager:
 
     def append_token_ids(self, request_id: str, token_ids: Iterable[int]) -> None:
         """Sampled tokens join the sequence; a later step computes them. ValueError, nothing
-        changed, for an id that is no int in [0, 2**32)."""
+        changed, for an id that is no int in [0, 2**32), or for a request admitted with
+        share_ids (its ids are the caller's list: they join it there)."""
         req = self._get(request_id)
+        if req.shared:
+            raise ValueError(f"request {request_id!r} reads its token ids from the caller's list (share_ids)")
         req.token_ids.extend(_token_ids_array(request_id, token_ids))
 
     def commit(self, request_id: str, num_tokens: int) -> None:
@@ -1654,10 +1684,10 @@ class HybridCacheManager:
                 holes: list[str] = []  # the rows whose next token id is not given
                 for req, end, next_token_id in zip(reqs, reserved[1], next_token_ids, strict=True):
                     req.num_computed = end
-                    if next_token_id is not None:
-                        req.token_ids.append(next_token_id)
-                    else:
+                    if next_token_id is None:
                         holes.append(req.request_id)
+                    elif not req.shared:  # (a shared list holds it already)
+                        req.token_ids.append(next_token_id)
                 i = len(reqs)
                 if period == self._decode_period:
                     changed = reserved[2]
@@ -1674,7 +1704,7 @@ class HybridCacheManager:
                     req.num_computed = nc
                     if not nc % period:
                         changed.append(req)
-                    if next_token_id is not None:
+                    if next_token_id is not None and not req.shared:
                         req.token_ids.append(next_token_id)
                     i += 1
         except (OverflowError, TypeError):  # an id the array cannot hold: undone, the twin names it
@@ -1684,7 +1714,7 @@ class HybridCacheManager:
         if i < len(reqs):  # undo the requests before the one at fault, latest first
             for req, next_token_id in zip(reversed(reqs[:i]), reversed(next_token_ids[:i]), strict=True):
                 req.num_computed -= 1
-                if next_token_id is not None:
+                if next_token_id is not None and not req.shared:
                     req.token_ids.pop()
             return None
         fresh = self._fresh
@@ -1734,10 +1764,10 @@ class HybridCacheManager:
                 # to check; the rows on the decode period are the memo's (`_commit_decodes`)
                 for req, end, next_token_id in zip(reqs, reserved[1], next_token_ids, strict=False):  # (its k rows)
                     req.num_computed = end
-                    if next_token_id is not None:
-                        req.token_ids.append(next_token_id)
-                    else:
+                    if next_token_id is None:
                         holes.append(req.request_id)
+                    elif not req.shared:  # (a shared list holds it already)
+                        req.token_ids.append(next_token_id)
                 i = k
                 if ask_fresh:  # (in step order, the memo's fresh requests among them)
                     changed = [req for req in reqs[:k] if not req.num_computed % period or req.request_id in fresh]
@@ -1762,7 +1792,7 @@ class HybridCacheManager:
                     # a one-token commit off the period of a request not fresh changes no group (`commit_period`)
                     if n != 1 or not nc % period or (ask_fresh and req.request_id in fresh):
                         changed.append(req)
-                if next_token_id is not None:
+                if next_token_id is not None and not req.shared:
                     req.token_ids.append(next_token_id)
         except (OverflowError, TypeError):  # an id the array cannot hold: undone, the twin names it
             if i < k:  # (in the memo's rows: `req` is the one at fault, the rows are distinct)
@@ -1773,7 +1803,7 @@ class HybridCacheManager:
             for j in reversed(range(i if i < k else reqs.index(req))):
                 req = reqs[j]
                 req.num_computed -= num_tokens[j]
-                if next_token_ids[j] is not None:
+                if next_token_ids[j] is not None and not req.shared:
                     req.token_ids.pop()
             return None
         if fresh and not ask_fresh and self._fresh_decodes(request_ids, reqs, num_tokens):
@@ -1887,7 +1917,7 @@ class HybridCacheManager:
                 req.num_computed = nc
                 if nc % period == 0:
                     changed.append(req)
-                if next_token_id is not None:
+                if next_token_id is not None and not req.shared:
                     req.token_ids.append(next_token_id)
             if fresh:  # (in step order: the order groups publish in decides which copy is findable)
                 changed = [req for req in reqs if req.num_computed % period == 0 or req.request_id in fresh]
@@ -1901,7 +1931,7 @@ class HybridCacheManager:
                     # the decodes of a mixed step (a prefill chunk joined them) as the decode path's
                     if n != 1 or not nc % period or req.request_id in fresh:
                         changed.append(req)
-                if next_token_id is not None:
+                if next_token_id is not None and not req.shared:
                     req.token_ids.append(next_token_id)
         if self.exact_steps and not decode:  # (a decode's end is num_computed + 1 already: checked above)
             for req in reqs:
@@ -1934,7 +1964,8 @@ class HybridCacheManager:
             for name, g in self.groups.items():
                 g.truncate(parent.states[name], nc)
             parent.end = nc
-        child = _Request(child_id, parent.token_ids[:nc], parent.mm_items, dict(parent.roots))
+        ids = parent.token_ids[:nc]  # (the child's own: an array, also of a parent's shared list)
+        child = _Request(child_id, ids if type(ids) is array else array("I", ids), parent.mm_items, dict(parent.roots))
         child.num_computed = child.end = nc
         for name, g in self.groups.items():
             child.states[name] = g.fork(parent.states[name])
@@ -1946,9 +1977,12 @@ class HybridCacheManager:
         """Shrink to `num_computed_tokens` (e.g. rejected speculative tokens): every group
         goes back (blocks past the new end released tail-first), the token ids past it are
         dropped. ValueError, nothing changed, when a group cannot (a recurrent state) or the
-        request's lower-tier loads are pending."""
-        self._decode_step = None  # (the counts move below)
+        request's lower-tier loads are pending, or it was admitted with share_ids (its ids are
+        the caller's list, which the coordinator does not cut)."""
         req = self._get(request_id)
+        if req.shared:
+            raise ValueError(f"request {request_id!r} reads its token ids from the caller's list (share_ids)")
+        self._decode_step = None  # (the counts move below)
         if req.num_loading:  # (its loads sit right after the computed prefix: complete_loads counts on it)
             raise ValueError(f"request {request_id!r} has lower-tier blocks to load (complete_loads first)")
         num_computed_tokens = _int_counts((num_computed_tokens,), "num_computed_tokens", (request_id,))[0]

@@ -870,6 +870,10 @@ class Engine:
                 tenant_salt=seq.request.tenant,
                 prompt=seq.prompt,
                 check_packing=False,  # (add_request checked seq.prompt's bytes)
+                # the cache reads the sequence's own list: each take appends a sampled id to it
+                # before the step's commit, which then appends nothing (no second copy of the
+                # ids to grow a row a step)
+                share_ids=True,
             )
             if admitted is None:
                 break

@@ -428,6 +428,7 @@ class ModelRunner:
         tenant_salt: str = "",
         prompt: LookupPrompt | None = None,
         check_packing: bool = True,
+        share_ids: bool = False,
     ) -> Admission | None:
         """Look up the cached prefix of `token_ids` (under the tenant's salt: no tenant hits
         another's), take it (loading what a lower tier holds of it), restore the request's
@@ -435,7 +436,8 @@ class ModelRunner:
         None: no room now, nothing changed. A restore by recompute is deferred to the start
         of the next `execute` (the admission stays bookkeeping; the replay is compute, done
         in the step that needs the state). `prompt`: `token_ids` packed already
-        (`HybridCacheManager.admit`, as `check_packing`)."""
+        (`HybridCacheManager.admit`, as `check_packing` and `share_ids`: the engine's sequence
+        list, to which it appends each sampled id before the step's `commit_step`)."""
         if max_new_tokens is not None and max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
         return self._admit(
@@ -446,6 +448,7 @@ class ModelRunner:
             defer_replay=True,
             prompt=prompt,
             check_packing=check_packing,
+            share_ids=share_ids,
         )
 
     def add_request(self, request_id: str, token_ids: Sequence[int], *, tenant_salt: str = "") -> Admission | None:
@@ -462,11 +465,18 @@ class ModelRunner:
         defer_replay: bool,
         prompt: LookupPrompt | None = None,
         check_packing: bool = True,
+        share_ids: bool = False,
     ) -> Admission | None:
         if self.tier is not None:
             self.bridge.prefetch(self.cache, self.executor, token_ids, tenant_salt)
         adm = self.cache.admit(
-            request_id, token_ids, max_new_tokens, tenant_salt=tenant_salt, prompt=prompt, check_packing=check_packing
+            request_id,
+            token_ids,
+            max_new_tokens,
+            tenant_salt=tenant_salt,
+            prompt=prompt,
+            check_packing=check_packing,
+            share_ids=share_ids,
         )
         if adm is None:
             return None
