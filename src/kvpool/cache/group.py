@@ -60,10 +60,11 @@ def check_pool_size(name: str, size: object) -> int:
 
 class StepRequest(Protocol):
     """A request as a group's step calls see it (the coordinator's request record). Read it,
-    never change it; `token_ids` is an array("I"): `token_bytes` of a slice is its packing."""
+    never change it; `token_ids` is an array("I") (`token_bytes` of a slice is its packing),
+    or the caller's list where it was admitted with share_ids (a slice is packed then)."""
 
     request_id: str
-    token_ids: array[int]
+    token_ids: array[int] | list[int]
     mm_items: tuple[MMItem, ...]
     num_computed: int
     states: dict[str, Any]  # group name -> that group's state of the request
