@@ -63,13 +63,11 @@ class Plan:
     @property
     def fits(self) -> bool:
         # On a GPU the pool is what the other terms leave, so a total past the capacity shows
-        # as an empty pool; kvpool's CPU engine takes --kv-memory whatever the machine holds,
+        # as an empty pool (and its float sum may pass the capacity by a rounding where the pool
+        # took every byte); kvpool's CPU engine takes --kv-memory whatever the machine holds,
         # and a ledger of 130 % of its RAM (llama-3.1-8b's fp32 weights on 23.5 GiB) "fit".
-        return (
-            self.ledger.pool_bytes > 0
-            and self.max_concurrent_per_replica > 0
-            and self.ledger.total <= self.ledger.capacity
-        )
+        within = self.gpu.kind != "cpu" or self.ledger.total <= self.ledger.capacity
+        return self.ledger.pool_bytes > 0 and self.max_concurrent_per_replica > 0 and within
 
     def as_dict(self) -> dict[str, Any]:
         """One JSON-ready object (what `kvpool plan --json` prints); byte counts are per GPU
