@@ -400,3 +400,24 @@ def test_a_text_file_is_read_up_to_what_the_evaluation_can_take() -> None:
     text, source = reference_text("/dev/zero")
     assert (len(text), set(text), source) == (MAX_TEXT_CHARS, {"\0"}, "/dev/zero")
     assert MAX_TEXT_CHARS >= 131_072 * 32  # 32 characters a token at a Llama-3 GGUF's context
+
+
+def test_a_block_past_the_context_is_refused_before_the_evaluation(monkeypatch) -> None:
+    """`kvpool eval kv-quant --block-size 1000000000`: the pool of such blocks was allocated,
+    and torch's "can't allocate memory: you tried to allocate 46080000000000 bytes" reached
+    the user as a traceback."""
+    from types import SimpleNamespace
+
+    import kvpool.verify.kv_quant as kv_quant
+
+    loaded = SimpleNamespace(
+        tokenizer=SimpleNamespace(encode=lambda text: list(range(len(text.split())))),
+        model=SimpleNamespace(config=SimpleNamespace(max_position=100)),
+        gguf=SimpleNamespace(path="/m/tiny.gguf"),
+    )
+    ran: list[int] = []
+    monkeypatch.setattr(kv_quant, "evaluate", lambda *a, **k: ran.append(a[4]) or pytest.fail("evaluated"))
+    text = " ".join(["w"] * 50)
+    with pytest.raises(ValueError, match="^--block-size 101 is larger than the model's context of 100 tokens$"):
+        kv_quant.quality_report(loaded, ["bf16"], text, "t", tokens=20, prefill=10, block_size=101, greedy_steps=0)
+    assert ran == []

@@ -437,6 +437,8 @@ def quality_report(
         )
     if prefill >= len(ids):
         raise ValueError(f"--prefill {prefill} leaves none of the text's {len(ids)} tokens to decode")
+    if block_size > context:  # a pool of such blocks was allocated: 10**9 asked torch for 46 TB, a traceback
+        raise ValueError(f"--block-size {block_size:,} is larger than the model's context of {context:,} tokens")
     # the greedy run's prompt (the text may hold fewer than --greedy-prompt tokens), checked
     # before the evaluation: a prompt and steps past the context were refused by the engine
     # only after every format had run, or, with the prompt inside it, decoded fewer than
