@@ -218,3 +218,24 @@ def test_run_load_cancelled_logs_no_traceback():
 
         asyncio.run(interrupted())
     assert not logged, [c.get("message") for c in logged]
+
+
+def test_bench_hisparse_changed_outputs_is_one_failure_line(monkeypatch, capsys):
+    """A HiSparse that changes the outputs (planted: the hot set keeping fetched[0] in every
+    slot it fills) made `bench hisparse` end in a RuntimeError's traceback; its docstring says
+    it fails. Now one line and status 1."""
+    import torch
+
+    import kvpool.bench.hisparse as hisparse
+
+    def run(model, prompt, steps, hot):  # the hot set's logits differ from HiSparse off's
+        logits = [torch.full((4,), 0.0 if hot is None else 1.0)]
+        return {"decode_step_ms": 1.0, "csa_main_device_bytes": 1}, logits
+
+    monkeypatch.setattr(hisparse, "_run", run)
+    assert main(["bench", "hisparse", "--context", "256", "--hot-set", "8", "--steps", "2"]) == 1
+    captured = capsys.readouterr()
+    assert captured.err == (
+        "kvpool bench hisparse: FAILED: HiSparse with a hot set of 8 changed the outputs at context 256\n"
+    )
+    assert captured.out == ""

@@ -18,6 +18,10 @@ from collections.abc import Sequence
 from kvpool.bench.common import run_to_completion
 
 
+class OutputsChanged(RuntimeError):
+    """HiSparse changed a request's outputs: the check failed (the CLI: one line, status 1)."""
+
+
 def _run(model, prompt: list[int], steps: int, hot: int | None):
     """One request of `prompt` decoding `steps` tokens on tiny-dsv4 with a hot set of `hot`
     CSA entries (None: HiSparse off): its row of figures and its logits."""
@@ -92,7 +96,7 @@ def measure(
 ) -> dict:
     """{"steps", "rows"}: per context, a row with HiSparse off, then one per hot set that is
     smaller than the pool. ValueError first for a context the model or the memory cannot
-    take (`_check_contexts`); RuntimeError if a hot set changed the outputs."""
+    take (`_check_contexts`); OutputsChanged if a hot set changed the outputs."""
     import torch
 
     from kvpool.models.tiny_dsv4 import TinyDSV4
@@ -113,6 +117,6 @@ def measure(
                 continue  # larger than the pool: nothing to offload
             got, logits = _run(model, prompt, steps, hot)
             if len(logits) != len(want) or not all(torch.equal(a, b) for a, b in zip(logits, want, strict=True)):
-                raise RuntimeError(f"HiSparse with a hot set of {hot} changed the outputs at context {context}")
+                raise OutputsChanged(f"HiSparse with a hot set of {hot} changed the outputs at context {context}")
             rows.append({"context": context, "hot_set": hot, **got})
     return {"steps": steps, "rows": rows}

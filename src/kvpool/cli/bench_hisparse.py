@@ -5,8 +5,9 @@ CSA main entries against keeping them resident, and what a decode step fetches
 from __future__ import annotations
 
 import argparse
+import sys
 
-from kvpool.bench.hisparse import measure
+from kvpool.bench.hisparse import OutputsChanged, measure
 from kvpool.cli.args import positive_int, torch_seed_int
 from kvpool.cli.bench import call_with_flags, print_table, printed_json
 
@@ -31,7 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    result = call_with_flags(measure, args, contexts=args.context, hot_sets=args.hot_set)
+    try:
+        result = call_with_flags(measure, args, contexts=args.context, hot_sets=args.hot_set)
+    except OutputsChanged as error:  # the check failed: one line, status 1 (it was a traceback)
+        print(f"kvpool bench hisparse: FAILED: {error}", file=sys.stderr)
+        return 1
     if printed_json(args, result):
         return 0
     columns = ("context", "hot set", "CSA main on device", "fetched / step", "bytes / step", "step (ms)")
