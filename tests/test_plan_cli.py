@@ -393,3 +393,17 @@ def test_an_indexer_format_that_is_the_v4_caches_own_dtype_is_taken(capsys: pyte
     assert kv_layout(model, "bf16", indexer_format="bf16") == kv_layout(model, "bf16")
     with pytest.raises(ValueError, match="indexer format 'bf16': a fp32 DeepSeek-V4 cache keeps its indexer keys"):
         kv_layout(model, "fp32", indexer_format="bf16")  # (fp32 keys: bf16 disagrees)
+
+
+def test_a_configs_positions_past_int64_ask_for_a_context(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # the default context (max_position_embeddings) fed the default --lengths uniform:1:N:
+    # "uniform HI must be below 2**63 - 1", naming neither the key nor a flag
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(load_preset_config("llama-3.1-8b") | {"max_position_embeddings": 10**19}))
+    assert main(["plan", "--config", str(path)]) == 2
+    assert capsys.readouterr().err == (
+        "kvpool plan: error: "
+        f"{tmp_path.name}'s max_position_embeddings 10,000,000,000,000,000,000 is beyond any context "
+        "(at most 9,223,372,036,854,775,806 tokens); give --max-model-len\n"
+    )
+    assert main(["plan", "--config", str(path), "--max-model-len", "8192"]) == 0

@@ -268,6 +268,12 @@ def run(args: argparse.Namespace) -> int:
                         f"--indexer-format {args.indexer_format}: a {dtype} DeepSeek-V4 cache (--kv-cache-dtype "
                         f"{args.kv_dtype}) keeps its indexer keys in {dtype}; the key formats are its fp8 layout's"
                     )
+            if args.max_model_len is None and args.device != "cpu" and model.max_position_embeddings >= _MAX_CONTEXT:
+                # the default context: its --lengths uniform:1:N said "uniform HI must be below 2**63 - 1"
+                raise ValueError(
+                    f"{model.name}'s max_position_embeddings {model.max_position_embeddings:,} is beyond any context "
+                    f"(at most {_MAX_CONTEXT - 1:,} tokens); give --max-model-len"
+                )
             warn_beyond_max_position(model, args.max_model_len)
             engine = _engine(args)
             assumptions = LedgerAssumptions(
