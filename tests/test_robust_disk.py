@@ -774,6 +774,43 @@ def test_a_disk_that_fills_before_the_byte_limit_evicts_to_make_room(tmp_path, m
     check_full_disk(tier, lines, 10, 4)
 
 
+def test_a_full_disk_whose_least_recently_used_entries_cannot_be_removed_evicts_past_them(
+    tmp_path, monkeypatch
+) -> None:
+    """Review 9: making room counted the bytes of the victims it chose, not of those it
+    freed: two LRU entries whose unlink the OS refuses (EACCES: another user's entries) took
+    the whole need, nothing was freed, and the write was refused (stored before 2b327ad).
+    Now a refused victim frees nothing and the next least recently used one is evicted."""
+    probe = DiskTier(tmp_path / "probe", 1 << 30)
+    assert probe.put(key(0), descriptor(0), tensors(0)) and probe.flush(30)
+    one = _entry_bytes(probe.root)
+    lines: list[str] = []
+    tier = DiskTier(tmp_path / "c", 1 << 30, fsync=False, log=lines.append)
+    for i in range(6):
+        assert tier.put(key(i), descriptor(i), tensors(i)) and tier.flush(30)
+    locked = {tier._path(key(i), descriptor(i)) for i in (0, 1)}
+    real_unlink = Path.unlink
+
+    def unlink(self, *args, **kwargs):
+        if self in locked:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+        return real_unlink(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    sizes = [tier._path(key(i), descriptor(i)).stat().st_size for i in range(6)]
+    full_at(monkeypatch, 6 * one + one // 2)
+    assert tier.put(key(6), descriptor(6), tensors(6)) and tier.flush(30)
+    tier.check_integrity()
+    # the LRU entries past the two locked ones, as many as free the new entry's bytes
+    need = tier._path(key(6), descriptor(6)).stat().st_size
+    evicted = next(k for k in range(1, 5) if sum(sizes[2 : 2 + k]) >= need)
+    assert tier.stats.num_write_errors == 0 and tier.stats.num_evictions == evicted and tier.report()["disk_full"] == 1
+    assert tier.io_errors == {"evict": 2} and all(path.exists() for path in locked)
+    assert [tier._path(key(i), descriptor(i)).exists() for i in range(2, 6)] == [i >= 2 + evicted for i in range(2, 6)]
+    assert [i for i in range(2, 7) if same(tier.get(key(i), descriptor(i)), i)] == list(range(2 + evicted, 7))
+    tier.check_integrity()
+
+
 def test_a_real_tmpfs_that_fills_evicts_to_make_room(tmp_path) -> None:
     """The same on a real 1 MiB tmpfs (root only: skipped where mount is refused)."""
     mnt = tmp_path / "mnt"

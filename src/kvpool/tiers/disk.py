@@ -811,18 +811,25 @@ class DiskTier(Tier):
 
     def _make_room(self, num_bytes: int, error: OSError) -> bool:
         """The filesystem is full (`error`): evict least recently used entries until
-        `num_bytes` are freed; whether any was."""
-        victims: list[tuple[tuple[str, bytes], _Entry]] = []
-        chosen = 0
-        with self._lock:  # (the victims chosen under the lock, unlinked outside it)
-            while chosen < num_bytes and self._entries:
-                ident, old = next(iter(self._entries.items()))
-                self._drop(ident)
-                self._removing.add(ident)
-                victims.append((ident, old))
-                chosen += old.num_bytes
-        removed = self._remove_evicted(victims)
-        freed = removed.num_bytes + removed.num_gone_bytes  # (gone meanwhile: room all the same)
+        `num_bytes` are freed; whether any was. In rounds: victims chosen under the lock for
+        the bytes still missing, unlinked outside it; a victim whose unlink the OS refuses
+        (EACCES: another user's entry) frees nothing, and the next round chooses more
+        (review 9: its bytes counted as freed, two such victims refused the write)."""
+        freed = 0
+        while freed < num_bytes:
+            victims: list[tuple[tuple[str, bytes], _Entry]] = []
+            chosen = 0
+            with self._lock:
+                while freed + chosen < num_bytes and self._entries:
+                    ident, old = next(iter(self._entries.items()))
+                    self._drop(ident)  # (forgotten even when its unlink fails: each round takes new ones)
+                    self._removing.add(ident)
+                    victims.append((ident, old))
+                    chosen += old.num_bytes
+            if not victims:  # (none left to evict)
+                break
+            removed = self._remove_evicted(victims)
+            freed += removed.num_bytes + removed.num_gone_bytes  # (gone meanwhile: room all the same)
         if freed:
             self.num_full += 1
             self._say(
