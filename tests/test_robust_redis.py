@@ -302,12 +302,42 @@ def test_a_missing_or_wrong_password_is_one_error_that_never_shows_it(locked_ser
         "redis://127.0.0.1:port/0?password=%s",
         "redis://:se/%s@127.0.0.1:6379/0",  # a raw '/' in the password: it was shown whole
         "redis://user:%s/a@b@127.0.0.1:6379/0",
+        # review 9: no '//' (mistyped), shown whole in the refusal
+        "user:%s@127.0.0.1:6379",
+        "redis:/:%s@127.0.0.1:6379",
+        ":%s@127.0.0.1:6379",
+        "redis:%s@127.0.0.1",
     ],
 )
 def test_a_url_check_url_refuses_never_shows_its_password(url) -> None:
     with pytest.raises(ValueError) as refused:
         check_url(url % SECRET)
     assert SECRET not in str(refused.value) and "***" in str(refused.value)
+
+
+def test_a_raw_at_sign_in_a_query_value_is_taken_with_a_port_too() -> None:
+    """Review 9 #3: '?password=a@b' and '?client_name=me@x' were refused when the URL had a
+    port (its ':' read as USER:PASSWORD's), taken without one; redis-py parses them right.
+    A password's raw '?' or '/' that puts its '@' in a query redis-py would split otherwise
+    stays refused."""
+    from redis.connection import parse_url
+
+    for url, meant in [
+        ("redis://h:6379/0?password=a@b", {"password": "a@b", "host": "h", "port": 6379, "db": 0}),
+        ("redis://h:6379/0?client_name=me@x", {"client_name": "me@x", "host": "h", "port": 6379, "db": 0}),
+        ("redis://h/0?password=a@b", {"password": "a@b", "host": "h", "db": 0}),
+    ]:
+        assert check_url(url) == url and parse_url(url) == meant
+    for url in [
+        "redis://u:12?ss@h",  # (the password '12?ss': host u, port 12 for redis-py)
+        "redis://u:1234?x=1@h",
+        "redis://u:1/2@h",
+        "redis://:pa#ss@h:6379/0",
+        "redis://h:6379/0?password=a&b@c",  # (password 'a', and 'b@c' dropped)
+        "redis://h:6379/0?password=a#b@c",  # (password 'a', 'b@c' a fragment)
+    ]:
+        with pytest.raises(ValueError, match="an '@' after the URL's host part: percent-encode"):
+            check_url(url)
 
 
 _SEPARATORS = "/?#@:&=% ;"  # what ends a URL's parts, raw in a password
@@ -318,7 +348,10 @@ _PART = st.text(alphabet="ABCDEFGHJKLMNPQRSTUVWXYZ", min_size=6, max_size=12)  #
 @example(head="PAWORD", sep="#", tail="SECRET", form=1)  # review 8 #5's two URLs
 @example(head="PAWORD", sep="?", tail="SECRET", form=0)
 @example(head="PAWORD", sep="#", tail="SECRET", form=3)
-@given(head=_PART, sep=st.text(alphabet=_SEPARATORS, min_size=1, max_size=3), tail=_PART, form=st.integers(0, 3))
+@example(head="PAWORD", sep="@", tail="SECRET", form=3)  # review 9 #3: taken, port or not
+@example(head="PAWORD", sep="&@", tail="SECRET", form=3)
+@example(head="PAWORD", sep="//", tail="SECRET", form=4)
+@given(head=_PART, sep=st.text(alphabet=_SEPARATORS, min_size=1, max_size=3), tail=_PART, form=st.integers(0, 5))
 def test_a_password_never_shows_whatever_characters_it_holds(head, sep, tail, form) -> None:
     """redact_url showed a password with a raw '#' or '?' whole (review 8 #5:
     redis://:pa#ss@h:6379/0), and a ?password= value up to a raw '#' or '&'. Neither part of
@@ -330,15 +363,21 @@ def test_a_password_never_shows_whatever_characters_it_holds(head, sep, tail, fo
         f"redis://:{password}@127.0.0.1:1",
         f"redis://:{quote(password, safe='')}@127.0.0.1:1/0",
         f"redis://127.0.0.1:1/0?db=0&password={password}",
+        f"user:{password}@127.0.0.1:1",  # mistyped, without '//' (review 9 #10)
+        f"redis:/:{password}@127.0.0.1:1",
     ][form]
     # an '@' past the parser's host part: USER:PASSWORD with a raw '/', '?' or '#', or an '@'
-    # in the query (a raw one in a ?password= value)
-    past_host = bool(set(sep) & set("/?#")) if form in (0, 1) else form == 3 and "@" in sep
+    # in the query that a raw '&' or '#' before it takes out of the ?password= value (a raw
+    # '@' within the value is parsed right, port or not: review 9 #3)
+    before_at = sep[: sep.rindex("@")] if "@" in sep else ""
+    past_host = bool(set(sep) & set("/?#")) if form in (0, 1) else form == 3 and bool(set(before_at) & set("&#"))
     expected = [
         "redis://user:***@127.0.0.1:1/0",
         "redis://:***@127.0.0.1:1",
         "redis://:***@127.0.0.1:1/0",
-        "redis://127.0.0.1:***" if past_host else "redis://127.0.0.1:1/0?db=0&password=***",
+        "redis://127.0.0.1:***" if "@" in sep else "redis://127.0.0.1:1/0?db=0&password=***",
+        "user:***@127.0.0.1:1",
+        "redis:***@127.0.0.1:1",
     ]
     assert redact_url(url) == expected[form]
     lines: list[str] = []
@@ -346,7 +385,10 @@ def test_a_password_never_shows_whatever_characters_it_holds(head, sep, tail, fo
         check_url(url)
         t = RedisTier(url, timeout_s=0.2, log=lines.append)  # (port 1: refused at once, an outage)
     except ValueError as refused:
-        assert past_host and "percent-encode" in str(refused), (url, refused)  # never half-parsed
+        if form >= 4:  # (not a redis:// URL at all)
+            assert "expected redis://" in str(refused) or "no host" in str(refused), (url, refused)
+        else:
+            assert past_host and "percent-encode" in str(refused), (url, refused)  # never half-parsed
         said = str(refused)
     else:
         assert not past_host, url

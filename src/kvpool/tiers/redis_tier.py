@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 import sys
 import threading
 import time
@@ -66,6 +67,9 @@ _DOWN = object()  # a call that found the breaker open, or opened it
 GENERATION_KEY = "kvpool:generation"  # a random value the processes share; gone with the server's data
 
 
+_AUTHORITY = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*:)?//")  # (RFC 3986's scheme)
+
+
 def redact_url(url: str) -> str:
     """The URL as messages and reports show it: a password (redis://USER:PASSWORD@HOST, or
     ?password=) replaced by ***, so that it never reaches a log, a terminal or a --json
@@ -74,12 +78,19 @@ def redact_url(url: str) -> str:
     last '@' of the whole URL (a raw '/', '?', '#' or '@' in it, not percent-encoded, ends
     the host part for a URL parser and was shown), and a `password=` value (after any '?' or
     '&', raw ones in a password included) runs to the end (a raw '&', '#' or '@' in it).
-    Over-redaction (`redis://HOST:PORT/x?y=a@b` shows `redis://HOST:***@b`) shows less,
-    never a password."""
+    A URL without '//' (mistyped: user:PASSWORD@h, redis:/:PASSWORD@h) hides what lies
+    between its first ':' (else its start) and its last '@'. Over-redaction
+    (`redis://HOST:PORT/x?y=a@b` shows `redis://HOST:***@b`) shows less, never a password."""
     spans = []  # [lo, hi) of the text hidden
-    start, at = url.find("//") + 2, url.rfind("@")
-    if 2 <= start <= at and ":" in url[start:at]:  # USER ends at its first ':', the password is the rest
-        spans.append((url.index(":", start) + 1, at))
+    at = url.rfind("@")
+    authority = _AUTHORITY.match(url)  # SCHEME:// or // (a '//' further on may be a password's)
+    if authority and authority.end() <= at and ":" in url[authority.end() : at]:
+        # USER ends at its first ':', the password is the rest
+        spans.append((url.index(":", authority.end()) + 1, at))
+    elif not authority and at >= 0:
+        # no '//': a mistyped URL (user:PASSWORD@h, redis:/:PASSWORD@h), what check_url's
+        # refusal shows (review 9: shown whole): hidden from the first ':' (else the start) to the '@'
+        spans.append((url.find(":", 0, at) + 1, at))
     for i, char in enumerate(url):  # every '?' and '&' (a raw one may sit inside a password)
         name, equals, _ = url[i + 1 :].partition("=") if char in "?&" else ("", "", "")
         if equals and unquote(name).lower() == "password":  # (a parser unquotes the name: %70assword)
@@ -92,6 +103,24 @@ def redact_url(url: str) -> str:
     return "".join("***" if hide else "".join(char for char, _ in run) for hide, run in runs)
 
 
+# the query arguments redis-py takes as text (its others are numbers and booleans)
+_TEXT_QUERY_ARGUMENTS = ("password", "username", "client_name")
+
+
+def _in_a_string_query_value(url: str, start: int, at: int) -> bool:
+    """Whether the '@' at `at` lies in the value of a query argument redis-py reads as text
+    (?password=a@b, ?client_name=me@x): legal raw in a query (RFC 3986), and parsed right,
+    port or not (review 9: refused when the URL had a port). An '@' in a fragment, after a
+    raw '&' that ends the argument, or in a name=value redis-py does not read as text (say
+    redis://u:1234?x=1@h, a password with a raw '?') is not: the parser splits it otherwise."""
+    query = url.find("?", start, at)
+    if query < 0 or "#" in url[query:at]:
+        return False
+    argument = url[max(url.rfind("&", query, at), query) + 1 : at]
+    name, equals, _ = argument.partition("=")
+    return bool(equals) and unquote(name) in _TEXT_QUERY_ARGUMENTS
+
+
 def check_url(url: str) -> str:
     """The URL, or ValueError naming what is wrong with it (the URL shown redacted)."""
     shown = redact_url(url)
@@ -102,7 +131,8 @@ def check_url(url: str) -> str:
     if parts.scheme not in ("redis", "rediss", "unix"):
         raise ValueError(f"--redis {shown!r}: expected redis://HOST:PORT[/DB] (or rediss://, unix://)")
     start, at = url.find("//") + 2, url.rfind("@")  # (urlsplit's netloc: the raw text after '//')
-    if parts.netloc and at > start + len(parts.netloc) and ":" in url[start:at]:
+    past_host = parts.netloc and at > start + len(parts.netloc) and ":" in url[start:at]
+    if past_host and not _in_a_string_query_value(url, start, at):
         # USER:PASSWORD whose password holds a raw '/', '?' or '#': the parser's host part ends
         # there, and the rest (the password's tail) would reach the connection as a host, a
         # port or a database, and its messages
