@@ -56,11 +56,14 @@ def test_kv_quant_table_shows_no_speedup_without_fp32(capsys):
         ["bench", "hisparse", "--seed", str(2**70)],
         ["bench", "kv-quant", "--seed", str(2**70)],
         ["verify", "cp", "--seed", str(2**40)],
+        ["bench", "serve", "--seed", str(10**13)],
     ],
 )
 def test_seed_out_of_range_names_the_flag(argv, capsys):
     """A seed torch cannot take was "error: Overflow when unpacking long long" after the
-    run began (bench hisparse, kv-quant; verify cp on every rank), naming no flag."""
+    run began (bench hisparse, kv-quant; verify cp on every rank), naming no flag; bench
+    serve's made request seeds past 64 bits, every request refused by the server it had
+    started ("HTTP 400: seed: Input should be less than or equal to 9223372036854775807")."""
     with pytest.raises(SystemExit) as stop:
         build_parser().parse_args(argv)
     assert stop.value.code == 2

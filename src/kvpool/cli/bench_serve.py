@@ -12,7 +12,7 @@ import os
 import sys
 
 from kvpool.bench.serve import READY_TIMEOUT_S, REFUSED_TIMEOUT_S, measure
-from kvpool.cli.args import positive_float, positive_int, rate
+from kvpool.cli.args import parsed_number, positive_float, positive_int, rate
 from kvpool.cli.bench import call_with_flags, print_table, printed_json
 from kvpool.cli.options import add_kv_memory_option
 
@@ -25,6 +25,14 @@ def _levels(text: str) -> list[int]:
     if not values or min(values) <= 0:
         raise argparse.ArgumentTypeError(f"client counts must be positive, got {text!r}")
     return values
+
+
+def _seed(text: str) -> int:
+    """--seed: an int in [-2**43, 2**43). The requests' seeds are seed * 1,000,003 + 0, 1, ...
+    (server/loadgen.py), which must stay 64-bit: past it the server refused every request
+    ("HTTP 400: seed: Input should be less than or equal to 9223372036854775807"), the
+    server started and the rows run for nothing."""
+    return parsed_number(text, int, lambda v: -(2**43) <= v < 2**43, "an integer in [-2**43, 2**43)")
 
 
 def _rates(text: str) -> list[float]:
@@ -59,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration-limit", type=positive_float, default=300.0, help="seconds per row, at most")
     parser.add_argument("--slo-ttft-ms", type=positive_float, default=1000.0, help="goodput SLO: TTFT, ms")
     parser.add_argument("--slo-tpot-ms", type=positive_float, default=200.0, help="goodput SLO: TPOT, ms")
-    parser.add_argument("--seed", type=int, default=0, help="the workload's and the samplers' seed")
+    parser.add_argument("--seed", type=_seed, default=0, help="the workload's and the samplers' seed")
     add_kv_memory_option(parser, default=None, note="without --url: the started server's (default: its own)")
 
 
