@@ -242,3 +242,14 @@ def test_bench_hisparse_changed_outputs_is_one_failure_line(monkeypatch, capsys)
         "kvpool bench hisparse: FAILED: HiSparse with a hot set of 8 changed the outputs at context 256\n"
     )
     assert captured.out == ""
+
+
+@pytest.mark.parametrize("command", [["bench", "engine"], ["bench", "kv-quant"], ["run"], ["generate", "hi"]])
+def test_threads_past_any_cpu_are_refused(command, capsys):
+    """`--threads 100000`: torch tried to start them all; the kernels' build failed with
+    "[Errno 11] Resource temporarily unavailable" and the process segfaulted (status 139)."""
+    with pytest.raises(SystemExit) as stop:
+        build_parser().parse_args([*command, "--threads", "100000"])
+    assert stop.value.code == 2
+    assert "argument --threads: expected at most 4096 (more than any CPU has), got 100000" in capsys.readouterr().err
+    assert build_parser().parse_args([*command, "--threads", "4096"]).threads == 4096

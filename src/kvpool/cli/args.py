@@ -44,6 +44,20 @@ def positive_int(text: str) -> int:
     return parsed_number(text, int, lambda v: v > 0, "a positive integer")
 
 
+# --threads at most: more than any CPU has (the largest have a few hundred). torch tries to
+# start every one it is told: `--threads 100000` ran the machine out of threads ("cannot
+# load the CPU kernels: [Errno 11] Resource temporarily unavailable") and then segfaulted
+MAX_THREADS = 4096
+
+
+def thread_count(text: str) -> int:
+    """--threads: an int in [1, MAX_THREADS]."""
+    value = positive_int(text)
+    if value > MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_THREADS} (more than any CPU has), got {value}")
+    return value
+
+
 def non_negative_int(text: str) -> int:
     """An int >= 0 (seeds, top-k where 0 means off)."""
     return parsed_number(text, int, lambda v: v >= 0, "an integer >= 0")

