@@ -253,3 +253,18 @@ def test_threads_past_any_cpu_are_refused(command, capsys):
     assert stop.value.code == 2
     assert "argument --threads: expected at most 4096 (more than any CPU has), got 100000" in capsys.readouterr().err
     assert build_parser().parse_args([*command, "--threads", "4096"]).threads == 4096
+
+
+def test_verify_cp_past_memory_is_one_line_before_the_group(monkeypatch, capsys):
+    """`torchrun --nproc-per-node 2 -m kvpool verify cp --context 1000000000 --batch 100`:
+    every rank listed block ids for a minute, then a MemoryError's traceback (with no
+    memory limit, the machine's memory went first). Now each rank refuses before the group
+    forms, naming the flags."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)  # refused before torchrun's absence is
+    argv = ["verify", "cp", "--context", "1000000000", "--batch", "100", "--smollm2-prompt", "0"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "kvpool verify: error: the paged check's --batch 100 x --context 1000000000 needs 429153.4 GiB but "
+    ), err
+    assert err.endswith("; lower --context or --batch\n")

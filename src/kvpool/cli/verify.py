@@ -181,7 +181,8 @@ def run_cp(args: argparse.Namespace) -> int:
     """`kvpool verify cp` (every rank runs it; rank 0 prints): 1 if a check fails."""
     import json
 
-    from kvpool.verify.context_parallel import paged_lengths, run_all
+    from kvpool.engine.memory import check_fits
+    from kvpool.verify.context_parallel import paged_check_bytes, paged_lengths, run_all
 
     if args.smollm2_prompt < 0:
         raise ValueError(f"--smollm2-prompt must be >= 0, got {args.smollm2_prompt}")
@@ -194,6 +195,14 @@ def run_cp(args: argparse.Namespace) -> int:
             f"--context, --context - 7, ... tokens (the last {shortest}); give --context {args.context - shortest + 1} "
             "or more, or a smaller --batch"
         )
+    # every rank, before the group forms (a rank that refused alone left the others waiting):
+    # the largest share, rank 0's
+    check_fits(
+        paged_check_bytes(args.context, args.batch, args.block_size),
+        "cpu",
+        f"the paged check's --batch {args.batch} x --context {args.context}",
+        "lower --context or --batch",
+    )
     if args.smollm2_prompt and args.steps < 2:  # the first token is the prefill's: nothing decoded to check
         raise ValueError(f"--steps {args.steps} decodes nothing after the prefill's token: give --steps 2 or more")
     results = run_all(args.context, args.batch, args.block_size, args.smollm2_prompt, args.steps, args.seed)

@@ -59,6 +59,13 @@ def paged_lengths(context: int, batch: int) -> list[int]:
     return [context - 7 * i for i in range(batch)]
 
 
+def paged_check_bytes(context: int, batch: int, bs: int) -> int:
+    """The memory check_paged's rank 0 holds at the least: the single-rank reference's pool of
+    every sequence's blocks, K and V in fp64 and again in fp32. (--context 1000000000 --batch
+    100 was a MemoryError's traceback on every rank, after a minute of listing block ids.)"""
+    return batch * -(-context // bs) * bs * KV_HEADS * HEAD_DIM * 2 * (8 + 4)
+
+
 def check_paged(rank: int, world: int, batch: int, context: int, bs: int, seed: int) -> dict[str, object] | None:
     """The paged check; rank 0 returns its figures, the others None."""
     num_blocks = -(-context // bs)
