@@ -557,3 +557,81 @@ def test_bad_tier_flags_are_one_clear_line(tmp_path, flags, needle) -> None:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr
+
+
+def test_entries_stranded_under_an_old_namespace_are_said_so_by_cache_stats_and_ls(tmp_path, capsys) -> None:
+    """Review 9 #6: entries written before the namespace held the weights version (b8b77ad)
+    sit under a namespace no engine computes (never a hit), and `kvpool cache stats` filed
+    them under the very line of the live entries. Now stats and ls say they are stranded."""
+    import xxhash
+
+    from kvpool.cli.main import main
+    from kvpool.tiers.disk_admin import STRANDED
+
+    tier = DiskTier(tmp_path / "c", 1 << 30)
+    for i in range(3):
+        assert tier.put(key(i), descriptor(i), tensors(i))
+    assert tier.flush(30)
+    d = descriptor(0)
+    old = xxhash.xxh3_64_hexdigest(f"{d.model_id}\x00{d.layout_id}".encode())  # (the namespace before b8b77ad)
+    moved = tmp_path / "c" / "entries" / old / stored(tier, 0).parent.name / stored(tier, 0).name
+    moved.parent.mkdir(parents=True)
+    stored(tier, 0).rename(moved)
+    assert main(["cache", "stats", str(tmp_path / "c"), "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    live = f"{d.model_id} ({d.weights_version[:12]}, {d.layout_id})"
+    assert stats["entries"] == 3 and stats["stranded"] == 1
+    assert {name: v["entries"] for name, v in stats["models"].items()} == {live: 2, f"{live}, {STRANDED}": 1}
+    assert main(["cache", "ls", str(tmp_path / "c"), "--json"]) == 0
+    rows = {r["key"]: r for r in json.loads(capsys.readouterr().out)["entries"]}
+    assert [rows[key(i).hex()]["stranded"] for i in range(3)] == [True, False, False]
+    assert rows[key(0).hex()]["weights_version"] == d.weights_version
+    assert main(["cache", "ls", str(tmp_path / "c")]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if STRANDED in line]
+    assert len(lines) == 1 and lines[0].startswith(key(0).hex())
+    reopened = DiskTier(tmp_path / "c", 1 << 30)
+    assert not reopened.lookup(key(0), descriptor(0)) and reopened.lookup(key(1), descriptor(1))  # never found
+
+
+def test_evict_makes_its_entries_a_miss_while_their_files_are_unlinked(tmp_path, monkeypatch) -> None:
+    """Review 9 #9: evict() dropped an entry, then unlinked its file without marking it
+    `_removing`: a lookup between the two found the file and indexed the entry again (a hit
+    on a file about to go, left indexed after it went). Now it is a miss, as an LRU victim's."""
+    tier = DiskTier(tmp_path / "c", 1 << 30)
+    for i in range(2):
+        assert tier.put(key(i), descriptor(i), tensors(i))
+    assert tier.flush(30)
+    path, seen = stored(tier, 0), []
+    real_unlink = Path.unlink
+
+    def unlink(self, *args, **kwargs):
+        if self == path:
+            seen.append(tier.lookup(key(0), descriptor(0)))  # (a lookup while the unlink is under way)
+        return real_unlink(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    assert tier.evict(key(0)) and seen == [False] and not path.exists()
+    tier.check_integrity()
+    assert tier.report()["entries"] == 1 and tier.stats.num_evictions == 0
+    assert not tier.lookup(key(0), descriptor(0)) and tier.lookup(key(1), descriptor(1))
+
+
+def test_a_directory_of_this_model_and_layout_under_other_weights_is_said_so(tmp_path) -> None:
+    """Review 9 #7: a directory holding only this model and layout under other weights said
+    "nothing of this model and layout there yet", which it holds: the line names the weights."""
+    tier = DiskTier(tmp_path / "c", 1 << 30)
+    for i in range(2):
+        assert tier.put(key(i), descriptor(i), tensors(i))
+    assert tier.flush(30)
+    d, lines = descriptor(0), []
+    shapes = {name: (t.dtype, tuple(t.shape)) for name, t in tensors(0).items()}
+    DiskTier(tmp_path / "c", 1 << 30, log=lines.append).expect_tensors(d.model_id, "f" * 32, d.layout_id, shapes)
+    assert len(lines) == 1 and lines[0].startswith(
+        f"kvpool: disk cache {tmp_path / 'c'}: nothing of this model, weights and layout there yet "
+        f"({d.model_id}, weights {'f' * 12}, {d.layout_id}); its 2 entries are of other models or weights, "
+    ), lines
+    lines.clear()
+    DiskTier(tmp_path / "c", 1 << 30, log=lines.append).expect_tensors(
+        d.model_id, d.weights_version, d.layout_id, shapes
+    )
+    assert lines == []  # (its own: nothing to say)

@@ -1062,7 +1062,8 @@ def test_a_directory_of_another_block_size_or_dtype_is_said_and_never_served(tmp
     err = capfd.readouterr().err
     assert cached == 0 and tokens32 == tokens16  # computed, not read from the bs16 entries
     lines = [line for line in err.splitlines() if line.startswith("kvpool: disk cache")]
-    assert len(lines) == 1 and "nothing of this model and layout there yet" in lines[0], err
+    assert len(lines) == 1 and "nothing of this model, weights and layout there yet" in lines[0], err
+    assert f"weights {other.weights_version[:12]}" in lines[0], err  # (review 9 #7: the weights named)
     assert "its 4 entries are of other models" in lines[0], err
     assert other.layout_id in lines[0] and "kvpool cache stats" in lines[0]
     assert serve(16, DESCRIPTOR, "c")[1] == 64  # its own entries still serve it, and no line

@@ -70,7 +70,7 @@ def _unlisted(root: Path, unlisted: list | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpool.tiers.disk_admin import existing_cache, inspect_cache, summarize_cache
+    from kvpool.tiers.disk_admin import STRANDED, existing_cache, inspect_cache, summarize_cache
 
     # A flag of the other actions was dropped without a word: `ls --quarantine` listed every
     # entry, and `clear --json` / `clear --headers-only` removed every entry (a user who meant
@@ -104,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
             "last_used": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i.mtime_ns / 1e9)),
             "tokens": i.descriptor.num_computed_tokens if i.descriptor else None,
             "model": i.descriptor.model_id if i.descriptor else None,
+            "weights_version": i.descriptor.weights_version if i.descriptor else None,
+            "stranded": i.stranded,
             "tenant": i.descriptor.tenant if i.descriptor else None,
             "problem": i.problem,
             "other_version": i.other_version,
@@ -117,5 +119,6 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         end = r["tokens"] if r["tokens"] is not None else "?"
         model = r["model"] or f"{'other version' if r['other_version'] else 'unreadable'}: {r['problem']}"
+        model += f" ({STRANDED})" if r["stranded"] else ""
         print(f"{r['key']:32}  {r['bytes']:>9}  {r['last_used']:19}  {end:>7}  {model}")
     return _unlisted(root)

@@ -443,9 +443,12 @@ class DiskTier(Tier):
             # a directory filled by another model, weights, block size, KV dtype or layout: no hit can
             # come of it yet, and nothing but a hit rate of 0 said so. (Information: a
             # directory shared by several models is supported, this model's entries go beside.)
+            # (the weights named: a directory of this model and layout under other weights read
+            # "nothing of this model and layout", review 9)
             self._log(
-                f"kvpool: disk cache {self.root}: nothing of this model and layout there yet "
-                f"({model_id}, {layout_id}); its {others} entries are of other models or weights, block sizes, "
+                f"kvpool: disk cache {self.root}: nothing of this model, weights and layout there yet "
+                f"({model_id}, weights {weights_version[:12]}, {layout_id}); its {others} entries are of other "
+                "models or weights, block sizes, "
                 f"KV dtypes or layouts, which never serve this one (`kvpool cache stats {self.root}` "
                 "lists what it holds)"
             )
@@ -525,14 +528,14 @@ class DiskTier(Tier):
             victims.append((ident, old))
         return victims
 
-    def _remove_evicted(self, victims: list[tuple[tuple[str, bytes], _Entry]]) -> _Removed:
+    def _remove_evicted(self, victims: list[tuple[tuple[str, bytes], _Entry]], counted: bool = True) -> _Removed:
         """Unlink the files of entries `_evict_over_limit` dropped (lock not held: lookups
         go on, and find those entries absent). Only the files this process removed count as
-        its evictions."""
+        its evictions (unless not `counted`: `evict`'s)."""
         outcomes = [self._file_op("evict", old.path.unlink) for _, old in victims]
         with self._lock:
             self._removing.difference_update(ident for ident, _ in victims)
-            self.stats.num_evictions += outcomes.count(_Outcome.DONE)
+            self.stats.num_evictions += outcomes.count(_Outcome.DONE) if counted else 0
         return _Removed(
             sum(old.num_bytes for (_, old), done in zip(victims, outcomes, strict=True) if done is _Outcome.DONE),
             sum(old.num_bytes for (_, old), done in zip(victims, outcomes, strict=True) if done is _Outcome.GONE),
@@ -870,12 +873,17 @@ class DiskTier(Tier):
             raise
 
     def evict(self, key: bytes) -> bool:
-        """Drop the entries of `key` (under every namespace this process knows)."""
+        """Drop the entries of `key` (under every namespace this process knows), as the LRU
+        drops its victims: marked `_removing` until their files are unlinked outside the lock,
+        so that a lookup meanwhile is a miss, not an entry indexed again from its file (review
+        9). Not counted in num_evictions, which counts what the byte limit pushed out."""
         with self._lock:
-            dropped = [self._drop(ident) for ident in [i for i in self._entries if i[1] == key]]
-        for found in dropped:
-            self._file_op("evict", found.path.unlink)
-        return bool(dropped)
+            victims = [(ident, self._entries[ident]) for ident in self._entries if ident[1] == key]
+            for ident, _ in victims:
+                self._drop(ident)
+                self._removing.add(ident)
+        self._remove_evicted(victims, counted=False)
+        return bool(victims)
 
     def flush(self, timeout: float | None = None) -> bool:
         return self._writer.flush(timeout)

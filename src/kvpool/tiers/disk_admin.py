@@ -28,6 +28,13 @@ class EntryInfo:
     descriptor: BlockDescriptor | None  # None: the entry does not check out
     problem: str  # "" or why not
     other_version: bool = False  # written by a kvpool of another entry format (not ours to judge)
+    # under a namespace directory that is not its descriptor's: no engine looks there (an
+    # entry written before the namespace held the weights version, b8b77ad; review 9)
+    stranded: bool = False
+
+
+# how `kvpool cache stats` and `ls` name an entry under a namespace not its own
+STRANDED = "stranded: under a namespace not its own (written before it held the weights version), never found"
 
 
 def existing_cache(directory: str | os.PathLike) -> Path:
@@ -91,14 +98,15 @@ def inspect_cache(root: Path, *, verify: bool = True) -> list[EntryInfo]:
             problem, other_version = str(error), True
         except (ValueError, OSError) as error:  # CorruptEntry is a ValueError
             problem = str(error)
-        out.append(EntryInfo(path, st.st_size, st.st_mtime_ns, descriptor, problem, other_version))
+        stranded = descriptor is not None and path.parent.parent.name != entry.namespace(descriptor)
+        out.append(EntryInfo(path, st.st_size, st.st_mtime_ns, descriptor, problem, other_version, stranded))
     return out
 
 
 def summarize_cache(root: Path, infos: list[EntryInfo]) -> dict[str, object]:
     """`kvpool cache stats`: entries and bytes in all and per model (model id, weights
-    version, layout), the unreadable and other-version ones, tenants, and what waits in
-    quarantine/ and tmp/. `infos`: inspect_cache(root)."""
+    version, layout; stranded ones apart), the unreadable and other-version ones, tenants,
+    and what waits in quarantine/ and tmp/. `infos`: inspect_cache(root)."""
     by_model: Counter[str] = Counter()
     bytes_by_model: Counter[str] = Counter()
     tenants = set()
@@ -106,6 +114,7 @@ def summarize_cache(root: Path, infos: list[EntryInfo]) -> dict[str, object]:
         d = info.descriptor
         if d is not None:
             name = f"{d.model_id} ({d.weights_version[:12]}, {d.layout_id})"
+            name += f", {STRANDED}" if info.stranded else ""
         else:
             name = "other version" if info.other_version else "unreadable"
         by_model[name] += 1
@@ -120,6 +129,7 @@ def summarize_cache(root: Path, infos: list[EntryInfo]) -> dict[str, object]:
         "bytes": sum(i.num_bytes for i in infos),
         "unreadable": sum(i.descriptor is None and not i.other_version for i in infos),
         "other_version": sum(i.other_version for i in infos),
+        "stranded": sum(i.stranded for i in infos),  # (listed under models too, said so)
         "tenants": len(tenants),
         "models": {name: {"entries": n, "bytes": bytes_by_model[name]} for name, n in sorted(by_model.items())},
         "quarantined": len(quarantined),
