@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import re
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvpool.capacity.fragmentation import (
     fragmentation_bound,
@@ -83,3 +87,43 @@ def test_lengths_past_a_float_are_counted_exactly() -> None:
     assert aligned.wasted_slots == 0 and aligned.allocated_slots == 62 * 10**20
     tail = measure_fragmentation([2**62 + 1, 2**62 + 15], 16)
     assert tail.wasted_slots == 15 + 1 and tail.allocated_slots == 2 * (2**62 + 16)
+
+
+_DISTRIBUTIONS = st.one_of(
+    st.builds(lambda lo, hi: f"uniform:{lo}:{hi}", st.integers(-2, 2**64), st.integers(-2, 2**64)),
+    st.builds(
+        lambda m, s: f"lognormal:{m}:{s}",
+        st.sampled_from(["2000", "1e300", "1e307", "0", "-1", "inf", "nan", "x"]),
+        st.sampled_from(["0", "0.5", "3", "40", "400", "-1", "inf", "nan"]),
+    ),
+    st.builds(lambda n: f"fixed:{n}", st.integers(-2, 2**70)),
+    st.sampled_from(["", "uniform", "uniform:1", "fixed:1:2", "zipf:1", "fixed:a", "lognormal:1:2:3"]),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(distribution=_DISTRIBUTIONS, num_seqs=st.sampled_from([0, 1, 7, 1000, -1]), seed=st.integers(0, 3))
+def test_check_lengths_raises_exactly_what_sample_lengths_raises(distribution, num_seqs, seed) -> None:
+    """check_lengths (kvpool plan's up-front check of --lengths, review 9 #5: it built
+    100,000 lengths as a list only to check them) draws the same and refuses the same."""
+    from kvpool.capacity.fragmentation import check_lengths
+
+    try:
+        sample_lengths(distribution, num_seqs, seed)
+    except ValueError as refused:
+        with pytest.raises(ValueError) as checked:
+            check_lengths(distribution, num_seqs, seed)
+        assert str(checked.value) == str(refused)
+    else:
+        check_lengths(distribution, num_seqs, seed)
+
+
+def test_sample_lengths_draws_as_numpy_does() -> None:
+    # (an independent reference: the generator's own draws, converted one by one)
+    rng = np.random.default_rng(5)
+    assert sample_lengths("uniform:3:900", 50, 5) == [int(x) for x in rng.integers(3, 901, size=50)]
+    rng = np.random.default_rng(5)
+    expected = [max(1, int(round(x))) for x in rng.lognormal(math.log(300), 2.0, size=50)]
+    assert sample_lengths("lognormal:300:2", 50, 5) == expected
+    assert sample_lengths("fixed:99999999999999999999", 3) == [99999999999999999999] * 3
+    assert all(type(n) is int for n in sample_lengths("uniform:0:5", 4) + sample_lengths("fixed:5", 2))

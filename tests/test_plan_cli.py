@@ -407,3 +407,24 @@ def test_a_configs_positions_past_int64_ask_for_a_context(tmp_path: Path, capsys
         "(at most 9,223,372,036,854,775,806 tokens); give --max-model-len\n"
     )
     assert main(["plan", "--config", str(path), "--max-model-len", "8192"]) == 0
+
+
+def test_lengths_are_checked_up_front_without_building_the_planners_sample(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # review 9 #5: the check drew 100,000 lengths as a list (0.5 s for a lognormal's) only to
+    # check them; the plan then drew its own. Now check_lengths checks the same draws in numpy
+    from kvpool.capacity import fragmentation, planner
+
+    built: list[int] = []
+
+    def recorded(distribution: str, num_seqs: int, seed: int = 0) -> list[int]:
+        built.append(num_seqs)
+        return real(distribution, num_seqs, seed)
+
+    real = fragmentation.sample_lengths
+    monkeypatch.setattr(fragmentation, "sample_lengths", recorded)
+    monkeypatch.setattr(planner, "sample_lengths", recorded)
+    argv = ["--model", "llama-3.1-8b", "--context", "8192", "--concurrency", "8", "--lengths", "lognormal:2000:1"]
+    assert _json(capsys, *argv)["fragmentation"]["num_seqs"] == 8
+    assert built == [8]  # the plan's own draw, alone

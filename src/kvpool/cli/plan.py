@@ -233,11 +233,11 @@ def run(args: argparse.Namespace) -> int:
                 f"--max-model-len {args.max_model_len:,} is beyond any context: at most {_MAX_CONTEXT - 1:,} tokens"
             )
         if args.lengths is not None:  # its errors ("fixed length must be >= 0") named no flag
-            from kvpool.capacity.fragmentation import sample_lengths
+            from kvpool.capacity.fragmentation import check_lengths
             from kvpool.capacity.planner import MAX_SAMPLED_SEQS
 
             # as many draws as the plan may take, with its seed: a lognormal's tail is in them
-            _for_flag("--lengths", sample_lengths, args.lengths, MAX_SAMPLED_SEQS, args.seed)
+            _for_flag("--lengths", check_lengths, args.lengths, MAX_SAMPLED_SEQS, args.seed)
         if args.no_cuda_graphs and args.device == "cpu":  # (the CPU ledger has no graph term: dropped)
             raise ValueError("--no-cuda-graphs sizes a GPU's ledger; kvpool's CPU engine captures no CUDA graphs")
         if args.pd is not None and args.ep:  # its sides are TP groups: --ep was dropped from them
