@@ -7,6 +7,7 @@ alike)."""
 from __future__ import annotations
 
 from array import array
+from sys import getsizeof
 
 import pytest
 
@@ -126,6 +127,11 @@ def _shared_twin_run(shared: HybridCacheManager, own: HybridCacheManager, path: 
         commit(shared)(rids, counts, nexts)
         commit(own)(rids, counts, nexts)
         assert _view(shared) == _view(own)
+        # metadata_bytes counts each request's ids' container, the caller's list (its pointer
+        # array) or the own array: the same figure, those containers aside
+        assert shared.metadata_bytes() - sum(getsizeof(ids) for ids in lists.values()) == (
+            own.metadata_bytes() - sum(getsizeof(own._requests[r].token_ids) for r in lists)
+        )
         for r in rids:
             assert shared._requests[r].token_ids is lists[r] and shared._requests[r].shared
             assert shared.block_ids(r) == own.block_ids(r)

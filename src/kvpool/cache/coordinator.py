@@ -795,12 +795,14 @@ class HybridCacheManager:
     def metadata_bytes(self) -> int:
         """Bytes of the coordinator's Python structures: every pool's (`pools`), and every request's
         token ids (an array: its buffer, 4 B an id, is in its getsizeof; a caller's list shared
-        with share_ids is the caller's, not counted) and each group's bookkeeping of it
-        (sys.getsizeof). Counted, not walked: a harness calls this every step."""
+        with share_ids: its pointer array, 8 B a slot, the ids' int objects not walked; the
+        engine's sequence list is counted here, the one place the ledger sees it) and each
+        group's bookkeeping of it (sys.getsizeof). Counted, not walked: a harness calls this
+        every step."""
         size = sys.getsizeof
         total = sum(pool.metadata_bytes() for pool in self._all_pools) + size(self._requests)
         for req in self._requests.values():
-            total += size(req) + (0 if req.shared else size(req.token_ids))
+            total += size(req) + size(req.token_ids)
             total += sum(g.metadata_bytes(req.states[name]) for name, g in self.groups.items())
         return total
 
