@@ -168,6 +168,28 @@ def test_preempted_request_resumes_with_identical_tokens(models, dtype):
             assert e.output(rid).completions[0].token_ids == want
 
 
+def test_the_cache_reads_each_running_sequences_own_list(models):
+    """The engine admits with share_ids (its perf: one copy of each decoded id): the cache's
+    request holds the sequence's list itself, on a first admission and on a readmission after
+    a preemption. An admission that dropped share_ids would copy the ids into an array."""
+    e = engine_for(models, "fp32", num_blocks=6, block_size=8, max_num_batched_tokens=64)
+    for n in (20, 22, 24):  # (as above: 48 slots for three sequences of ~34 tokens, preempted)
+        e.add_request(rand_prompt(n, 10 + n), SamplingParams(max_tokens=12, ignore_eos=True))
+    seen, preempted, readmitted = set(), set(), set()
+    last: list = []
+    while e.has_unfinished():
+        e.step()
+        preempted |= {s.seq_id for s in last if s not in e.running and s.finish_reason is None}
+        for seq in e.running:
+            req = e.runner.cache._requests[seq.seq_id]
+            assert req.shared and req.token_ids is seq.token_ids, seq.seq_id
+            seen.add(seq.seq_id)
+            if seq.seq_id in preempted:
+                readmitted.add(seq.seq_id)
+        last = list(e.running)
+    assert e.num_preemptions > 0 and len(seen) == 3 and readmitted
+
+
 def test_forked_samples_copy_the_shared_tail(models, dtype):
     e = engine_for(models, dtype, num_blocks=16, block_size=16)
     copies = []
