@@ -174,6 +174,13 @@ def test_shared_ids_refuse_what_would_change_the_callers_list() -> None:
         m.rollback("a", 4)
     assert _view(m) == before and ids == [*range(10, 20), 7]
     m.check_integrity()
+    assert m.reserve_step(["a"], [1])
+    m.commit_step(["a"], [1], [8])  # (a caller that forgot to append 8 to its list first)
+    with pytest.raises(ValueError, match=r"only 11 token ids are known \(append the ids to the caller's list first"):
+        m.reserve("a", 1)
+    ids.append(8)
+    assert m.reserve("a", 1) is not None
+    m.check_integrity()
 
 
 def test_a_fork_of_a_shared_request_keeps_an_array_of_its_own() -> None:

@@ -1379,9 +1379,10 @@ class HybridCacheManager:
         if num_new_tokens < 0:
             raise ValueError(f"request {req.request_id!r}: num_new_tokens must be >= 0, got {num_new_tokens}")
         if req.num_computed + num_new_tokens > len(req.token_ids):
+            first = "append the ids to the caller's list first: share_ids" if req.shared else "append_token_ids first"
             raise ValueError(
                 f"request {req.request_id!r}: cannot compute {num_new_tokens} tokens from {req.num_computed}: only "
-                f"{len(req.token_ids)} token ids are known (append_token_ids first)"
+                f"{len(req.token_ids)} token ids are known ({first})"
             )
 
     def _needs(self, reqs: list[_Request], ends: list[int]) -> dict[BlockPool, int]:
