@@ -268,3 +268,25 @@ def test_verify_cp_past_memory_is_one_line_before_the_group(monkeypatch, capsys)
         "kvpool verify: error: the paged check's --batch 100 x --context 1000000000 needs 429153.4 GiB but "
     ), err
     assert err.endswith("; lower --context or --batch\n")
+
+
+def test_verify_pd_sizes_name_the_flags_before_the_group():
+    """`torchrun --nproc-per-node 2 -m kvpool verify pd --prompt-len 100000`: "request
+    'req-0': prompt of 100020 tokens is too long" on the decode side, then "lost rank 1" on
+    the other; `--prefill-block-size 100000`: "lower --kv-memory or --num-blocks", flags
+    verify pd does not have. Now every rank refuses alike before the group forms, naming
+    the flags. The largest prompt that fits is not refused (4,075: prompts of 4,095 tokens;
+    --prompt-len 4068 --max-tokens 8 ran end to end and passed)."""
+    from kvpool.engine.build import load_model
+    from kvpool.verify.disaggregated import check_sizes
+
+    loaded = load_model(device="cpu")
+    check_sizes(loaded, 16, 16, 4075)
+    with pytest.raises(ValueError, match=r"--prompt-len 4076 makes prompts of up to 4,096 tokens; .* hold 4,096 "):
+        check_sizes(loaded, 16, 16, 4076)
+    with pytest.raises(ValueError, match=r"--prompt-len 100000 .* lower --prompt-len, or raise the block sizes$"):
+        check_sizes(loaded, 16, 16, 100_000)
+    with pytest.raises(ValueError, match=r"hold 8,192 tokens a request, the output's included: lower --prompt-len$"):
+        check_sizes(loaded, 64, 64, 8200)
+    with pytest.raises(ValueError, match=r"--prefill-block-size 100000, --decode-block-size 16\) needs .* GiB"):
+        check_sizes(loaded, 100_000, 16, 32)

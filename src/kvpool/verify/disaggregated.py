@@ -47,6 +47,38 @@ def _prompts(tokenizer, length: int) -> list[list[int]]:
     return [first, first, second]
 
 
+NUM_BLOCKS = 256  # each engine's pool, on either side and in the single-process run
+
+
+def check_sizes(loaded, prefill_bs: int, decode_bs: int, prompt_len: int) -> None:
+    """ValueError naming the flags where a request cannot fit the engines' pools of
+    NUM_BLOCKS blocks (or the model's positions), or a pool the machine's memory (counted
+    whole, as the single-process run holds it). The engine's words named no flag of verify
+    pd ("request 'req-0': prompt of 100020 tokens is too long", "lower --kv-memory or
+    --num-blocks"), on one side while the other side waited for it."""
+    from kvpool.engine.build import cache_spec_for
+    from kvpool.engine.memory import check_fits
+
+    longest = max(len(p) for p in _prompts(loaded.tokenizer, prompt_len))
+    holds = min(NUM_BLOCKS * min(prefill_bs, decode_bs), loaded.model.config.max_position)
+    if longest >= holds:  # (the engine's rule: a prompt leaves room for one output token)
+        raise ValueError(
+            f"--prompt-len {prompt_len} makes prompts of up to {longest:,} tokens; the verifier's pools of "
+            f"{NUM_BLOCKS} blocks of {min(prefill_bs, decode_bs)} tokens (and the model's "
+            f"{loaded.model.config.max_position:,} positions) hold {holds:,} tokens a request, the output's "
+            "included: lower --prompt-len"
+            + (", or raise the block sizes" if holds < loaded.model.config.max_position else "")
+        )
+    bs = max(prefill_bs, decode_bs)
+    check_fits(
+        NUM_BLOCKS * cache_spec_for(loaded, bs).bytes_per_block,
+        "cpu",
+        f"the verifier's pool of {NUM_BLOCKS} blocks of {bs} tokens (--prefill-block-size {prefill_bs}, "
+        f"--decode-block-size {decode_bs})",
+        "lower the block sizes",
+    )
+
+
 def run_pd(
     prefill_tp: int,
     decode_tp: int,
@@ -70,6 +102,7 @@ def run_pd(
     loaded = load_model(device="cpu")
     check_tp(loaded.model.config, prefill_tp, "--prefill-tp")
     check_tp(loaded.model.config, decode_tp, "--decode-tp")
+    check_sizes(loaded, prefill_bs, decode_bs, prompt_len)  # every rank alike, before the group
     join_group()  # every wait bounded (GROUP_TIMEOUT_S); a group that cannot form: one line
     args = (prefill_tp, decode_tp, prefill_bs, decode_bs, max_tokens, prompt_len, prefill_tenant, crash)
     check_same_arguments("P/D", *args)
@@ -83,7 +116,7 @@ def run_pd(
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     reference: list[list[int]] = []
     if rank == decode_ranks[0]:  # the single-process run: the whole model, the decode block size
-        single = build_engine(loaded, num_blocks=256, block_size=decode_bs, enable_prefix_caching=False)
+        single = build_engine(loaded, num_blocks=NUM_BLOCKS, block_size=decode_bs, enable_prefix_caching=False)
         for p in prompts:
             rid = single.add_request(p, params)
             while single.has_unfinished():
@@ -93,7 +126,7 @@ def run_pd(
         loaded.model = shard_llama(loaded.model, ranks.index(rank), len(ranks), groups[side])
     bs = prefill_bs if side == "prefill" else decode_bs
     engine = build_engine(
-        loaded, num_blocks=256, block_size=bs, host_cache_bytes=(256 << 20) if side == "decode" else None
+        loaded, num_blocks=NUM_BLOCKS, block_size=bs, host_cache_bytes=(256 << 20) if side == "decode" else None
     )
     landing = engine.runner.host_tier
     dis = Disaggregation(
