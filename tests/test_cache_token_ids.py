@@ -195,3 +195,26 @@ def test_a_fork_of_a_shared_request_keeps_an_array_of_its_own() -> None:
     m.append_token_ids("c", [11])  # the child's ids are the coordinator's: they join here
     assert m.token_ids("c") == [*range(30, 36), 11] and ids == [*range(30, 36), 9]
     m.check_integrity()
+
+
+def test_the_naive_commit_checks_that_the_callers_list_holds_a_named_id() -> None:
+    """share_ids' contract, which the commit's fast paths trust (docs/core_api.md): the
+    caller appends the sampled id before the commit names it. The naive twin checks it and
+    names the position; nothing changes."""
+    for m, _ in _twin_managers():
+        ids = list(range(100, 110))
+        assert m.admit("a", ids, share_ids=True) is not None
+        before = _view(m)
+        with pytest.raises(ValueError, match=r"next token id 6 at position 10, where the caller's list ends at 10"):
+            m._commit_each(["a"], [10], [6])
+        with pytest.raises(ValueError, match=r"token id -1 is no int in \[0, 2\*\*32\)"):
+            m._commit_each(["a"], [10], [-1])
+        assert _view(m) == before
+        ids.append(5)
+        before = _view(m)
+        with pytest.raises(ValueError, match=r"next token id 6 at position 10, where the caller's list holds 5"):
+            m._commit_each(["a"], [10], [6])
+        assert _view(m) == before
+        m._commit_each(["a"], [10], [5])
+        assert m.num_computed_tokens("a") == 10 and m.token_ids("a") == [*range(100, 110), 5]
+        m.check_integrity()

@@ -72,12 +72,15 @@ from kvpool.pool.hashing import TOKEN_BYTES, is_int, token_array
 class RequestPart(NamedTuple):
     """One group's part of one request now (`HybridCacheManager.part`): the group, its
     bookkeeping of the request, and the request's tokens and computed count. Read it, never
-    change it (`token_ids` is the coordinator's own array, `_Request.token_ids`). Each property
-    is the group's call of that name on `state` (cache/group.py says what it returns)."""
+    change it (`token_ids` is `_Request.token_ids`: the coordinator's own array, or the
+    caller's list where the request was admitted with share_ids, the engine's sequence list,
+    which may hold the step's sampled id before its commit: read it only up to num_computed +
+    1). Each property is the group's call of that name on `state` (cache/group.py says what it
+    returns)."""
 
     group: CacheGroup
     state: Any
-    token_ids: array[int]
+    token_ids: array[int] | list[int]
     mm_items: tuple[MMItem, ...]
     num_computed: int
 
@@ -1856,7 +1859,9 @@ class HybridCacheManager:
     def _commit_each(
         self, request_ids: Sequence[str], num_tokens: Sequence[int], next_token_ids: Sequence[int | None]
     ) -> None:
-        """`commit_step` request by request: every request checked, then changed."""
+        """`commit_step` request by request: every request checked, then changed. The naive
+        twin of the fast paths, and the contract they trust: a share_ids request's named next
+        ids are in the caller's list already (checked here only)."""
         self._decode_step = None  # (the counts move below)
         reqs = self._step_requests(request_ids, num_tokens, next_token_ids)
         if not reqs:
@@ -1911,6 +1916,17 @@ class HybridCacheManager:
                 f"request {bad.request_id!r}: commit of {n} tokens from position {nc}: "
                 f"{bad.end - nc} reserved, {len(bad.token_ids) - nc} token ids known"
             )
+        # share_ids' contract, which the fast paths trust (docs/core_api.md): the caller's list
+        # holds a commit's named next id at its position already
+        for req, n, next_token_id in zip(reqs, num_tokens, next_token_ids, strict=True):
+            if next_token_id is not None and req.shared:
+                at, ids = req.num_computed + n, req.token_ids
+                if at >= len(ids) or ids[at] != next_token_id:
+                    held = f"holds {ids[at]}" if at < len(ids) else f"ends at {len(ids)}"
+                    raise ValueError(
+                        f"request {req.request_id!r}: the commit names next token id {next_token_id} at position "
+                        f"{at}, where the caller's list {held} (share_ids: append it to the list before the commit)"
+                    )
         fresh = self._fresh
         if decode:
             period = self._commit_period

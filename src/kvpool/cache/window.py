@@ -345,7 +345,8 @@ class AttentionGroup(CacheGroup):
             if caching and nc >= (k0 + 1) * bs:  # (most decode steps complete no block)
                 if nc < (k0 + 2) * bs and window is None and not req.mm_items:  # one block: the decode case
                     block_id = state.block_ids[k0]
-                    # (the request's ids are an array("I"): the block's bytes are one slice's copy)
+                    # (an own array("I")'s block bytes are one slice's copy; a share_ids list's
+                    # slice is packed id by id)
                     block = token_bytes(req.token_ids[nc - nc % bs - bs : nc - nc % bs])
                     parent = publish(block_id, chain[-1] if k0 else state.root, block)
                     chain.append(parent)
