@@ -747,6 +747,21 @@ def full_at(monkeypatch, num_bytes: int) -> None:
     monkeypatch.setattr(DiskTier, "_store", store)
 
 
+def full_when(monkeypatch) -> list[bool]:
+    """A filesystem that is full while the returned flag's one item is True: every write
+    fails with ENOSPC, whatever eviction frees (a foreign writer, another user's quota)."""
+    full = [False]
+    real = DiskTier._store
+
+    def store(self, key, data, final):
+        if full[0]:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.root / "tmp" / "x.tmp"))
+        return real(self, key, data, final)
+
+    monkeypatch.setattr(DiskTier, "_store", store)
+    return full
+
+
 def check_full_disk(tier: DiskTier, lines: list[str], n: int, fits: int) -> None:
     """After `n` puts on a disk that holds `fits` entries: every write made room, the
     newest `fits` entries hit, the oldest were evicted, and one line said so."""
@@ -860,15 +875,7 @@ def test_a_full_disk_that_evicting_does_not_relieve_keeps_the_entries(tmp_path, 
     and it is tried again after a back-off (doubled each time) or when a write succeeds."""
     import kvpool.tiers.disk as disk_module
 
-    full = [False]
-    real = DiskTier._store
-
-    def store(self, key, data, final):
-        if full[0]:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.root / "tmp" / "x.tmp"))
-        return real(self, key, data, final)
-
-    monkeypatch.setattr(DiskTier, "_store", store)
+    full = full_when(monkeypatch)
     clock = [1000.0]
     monkeypatch.setattr(disk_module, "_now", lambda: clock[0], raising=False)  # (the fix adds it)
     lines: list[str] = []
@@ -914,15 +921,7 @@ def test_each_episode_of_a_full_disk_is_said_and_a_flapping_one_does_not_flood(t
     and the next line tells how many were not said."""
     import kvpool.tiers.disk as disk_module
 
-    full = [False]
-    real = DiskTier._store
-
-    def store(self, key, data, final):
-        if full[0]:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.root / "tmp" / "x.tmp"))
-        return real(self, key, data, final)
-
-    monkeypatch.setattr(DiskTier, "_store", store)
+    full = full_when(monkeypatch)
     clock = [1000.0]
     monkeypatch.setattr(disk_module, "_now", lambda: clock[0])
     lines: list[str] = []

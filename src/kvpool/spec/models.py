@@ -84,6 +84,26 @@ def _checked_moe(moe: MoEGeometry, model_type: str, experts_key: str, top_k_key:
     return moe
 
 
+def _deepseek_moe(
+    src: dict[str, Any], model_type: str, moe_layers: tuple[int, ...], *, router_bias: bool = False
+) -> MoEGeometry:
+    """The routed experts of a DeepSeek-style config (`n_routed_experts`, `n_shared_experts`,
+    `moe_intermediate_size`, `num_experts_per_tok`) over `moe_layers`, checked."""
+    return _checked_moe(
+        MoEGeometry(
+            num_experts=_positive(src, "n_routed_experts", model_type),
+            num_shared_experts=_non_negative(src, "n_shared_experts", model_type, 0),
+            expert_intermediate_size=_positive(src, "moe_intermediate_size", model_type),
+            experts_per_token=_positive(src, "num_experts_per_tok", model_type),
+            moe_layers=moe_layers,
+            router_bias=router_bias,
+        ),
+        model_type,
+        "n_routed_experts",
+        "num_experts_per_tok",
+    )
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """What capacity planning needs of one model. Build with `from_hf_config`."""
@@ -580,18 +600,11 @@ def _parse_mla(cfg: dict[str, Any], name: str, model_type: str) -> ModelSpec:
     if cfg.get("n_routed_experts") not in (None, 0):  # (0 or null: a dense model)
         first_dense = _non_negative(cfg, "first_k_dense_replace", model_type, 0)
         freq = _positive(cfg, "moe_layer_freq", model_type, default=1)
-        moe = _checked_moe(
-            MoEGeometry(
-                num_experts=_positive(cfg, "n_routed_experts", model_type),
-                num_shared_experts=_non_negative(cfg, "n_shared_experts", model_type, 0),
-                expert_intermediate_size=_positive(cfg, "moe_intermediate_size", model_type),
-                experts_per_token=_positive(cfg, "num_experts_per_tok", model_type),
-                moe_layers=tuple(i for i in range(L) if i >= first_dense and i % freq == 0),
-                router_bias=cfg.get("topk_method") == "noaux_tc",  # e_score_correction_bias
-            ),
+        moe = _deepseek_moe(
+            cfg,
             model_type,
-            "n_routed_experts",
-            "num_experts_per_tok",
+            tuple(i for i in range(L) if i >= first_dense and i % freq == 0),
+            router_bias=cfg.get("topk_method") == "noaux_tc",  # e_score_correction_bias
         )
     return ModelSpec(
         name=name,
@@ -632,18 +645,7 @@ def _parse_dsv4(cfg: dict[str, Any], name: str, model_type: str) -> ModelSpec:
     if "n_routed_experts" not in facts:
         # Every V4 layer is MoE; without the expert facts the weights line would be fiction.
         raise ValueError(f"{model_type} config is missing required key 'n_routed_experts'")
-    moe = _checked_moe(
-        MoEGeometry(
-            num_experts=_positive(facts, "n_routed_experts", model_type),
-            num_shared_experts=_non_negative(facts, "n_shared_experts", model_type, 0),
-            expert_intermediate_size=_positive(facts, "moe_intermediate_size", model_type),
-            experts_per_token=_positive(facts, "num_experts_per_tok", model_type),
-            moe_layers=tuple(range(v4.num_layers)),  # every V4 layer is MoE (no dense prefix)
-        ),
-        model_type,
-        "n_routed_experts",
-        "num_experts_per_tok",
-    )
+    moe = _deepseek_moe(facts, model_type, tuple(range(v4.num_layers)))  # every V4 layer is MoE
     return ModelSpec(
         name=name,
         model_type=model_type,
