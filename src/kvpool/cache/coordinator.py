@@ -1203,8 +1203,9 @@ class HybridCacheManager:
         share_ids=True: `token_ids`, a list, becomes the request's ids itself, not copied
         (the engine's sequence list). The caller grows it: each sampled id joins it before
         the `commit_step` that names it (a commit appends nothing to it, and `append_token_ids`
-        and `rollback` are refused), no id of it changes and none is removed while the request
-        is admitted, and its ids are ints in [0, 2**32) (a commit does not check the ids it
+        and `rollback` are refused), no id up to its `num_computed + 1` changes or is removed
+        while the request is admitted (an uncommitted id past it may go: the engine's undone
+        take), and its ids are ints in [0, 2**32) (a commit does not check the ids it
         names: they are in the list already). TypeError for a token_ids that is no list."""
         if share_ids and type(token_ids) is not list:
             raise TypeError(f"share_ids needs the caller's list of token ids, got {type(token_ids).__name__}")

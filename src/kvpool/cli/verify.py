@@ -29,12 +29,11 @@ max_abs_diff null and a "detail".
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from collections.abc import Callable
 
 from kvpool.cli.args import HelpFormatter, parsed_number, positive_int, torch_seed_int
-from kvpool.cli.bench import strict_json
+from kvpool.cli.bench import printed_json
 from kvpool.cli.options import BLOCK_SIZE, add_option
 
 DTYPES = ("fp64", "fp32")
@@ -106,7 +105,7 @@ def run_tp(args: argparse.Namespace) -> int:
     if result is None:
         return 0
     if args.json:
-        print(json.dumps(strict_json(result), allow_nan=False))
+        printed_json(args, result)
     else:
         for rid, r in result["requests"].items():
             mark = "ok  " if r["passed"] else "FAIL"
@@ -157,7 +156,7 @@ def run_pd(args: argparse.Namespace) -> int:
         return 0
     ok = report["passed"]  # the KV moved, was used, and the tokens are right (verify/disaggregated.py)
     if args.json:
-        print(json.dumps(strict_json(report), allow_nan=False))
+        printed_json(args, report)
     else:
         for r in report["requests"]:
             mark = "ok  " if r["tokens_equal"] else "FAIL"
@@ -179,7 +178,6 @@ def run_pd(args: argparse.Namespace) -> int:
 
 def run_cp(args: argparse.Namespace) -> int:
     """`kvpool verify cp` (every rank runs it; rank 0 prints): 1 if a check fails."""
-    import json
 
     from kvpool.engine.memory import check_fits
     from kvpool.verify.context_parallel import paged_check_bytes, paged_lengths, run_all
@@ -210,7 +208,7 @@ def run_cp(args: argparse.Namespace) -> int:
         return 0  # not rank 0: rank 0 reports
     ok = all(r["passed"] for r in results)
     if args.json:
-        print(json.dumps(strict_json({"passed": ok, "checks": results}), allow_nan=False))
+        printed_json(args, {"passed": ok, "checks": results})
     else:
         for r in results:
             mark = "ok  " if r["passed"] else "FAIL"
@@ -229,7 +227,7 @@ def run_hybrid(args: argparse.Namespace) -> int:
             _case_json(r, **({} if r.reference_error is None else {"reference_error": r.reference_error}))
             for r in results
         ]
-        print(json.dumps({"dtype": args.dtype, "cases": cases}))
+        printed_json(args, {"dtype": args.dtype, "cases": cases})
     else:
         width = max(len(r.name) for r in results)
         print(f"{'case':<{width}}  {'max abs diff':>12}  {'tolerance':>9}  pass")
@@ -287,7 +285,7 @@ def run_dsv4(args: argparse.Namespace) -> int:
             if fp32:
                 figures.update(reference_error=_number(r.reference_error), selection_margin=_number(r.selection_margin))
             cases.append(_case_json(r, **figures))
-        print(json.dumps({"dtype": args.dtype, "cases": cases}))
+        printed_json(args, {"dtype": args.dtype, "cases": cases})
     else:
         width = max(len(r.name) for r in results)
         extra = f"  {'oracle err':>10}  {'top-k margin':>12}" if fp32 else ""

@@ -166,9 +166,9 @@ def _broken_pool(
     """What a pool of `num_workers` over `points` leaves when it broke (nothing where all
     finished): an error for each point whose worker died, and the points that ran when a
     worker that cannot be told apart died (to run again alone). The others run again."""
-    lost = sorted(i for i in points if i in started and i not in done)
     if all(i in done for i in points):
         return {}, []
+    lost = sorted(i for i in points if i in started and i not in done)
     exit_codes = {pid: p.exitcode for pid, p in workers.items()}
     # the broken pool terminated the others (SIGTERM); the one that broke it died otherwise
     dead = {pid: code for pid, code in exit_codes.items() if code not in (0, -signal.SIGTERM, None)}
