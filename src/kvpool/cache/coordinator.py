@@ -762,8 +762,8 @@ class HybridCacheManager:
         return out
 
     def slot_mapping(self, request_id: str, start: int, end: int, group: str | None = None) -> list[int]:
-        """Physical slots of positions [start, end) in a table from block 0 (full attention);
-        they must lie within the reservation."""
+        """Physical slots of positions [start, end); they must lie within the reservation (and,
+        in a window group, at or after its first block: `step_tables`)."""
         req = self._get(request_id)
         if not 0 <= start <= end <= req.end:
             raise ValueError(f"positions [{start}, {end}) outside the reserved [0, {req.end})")
@@ -780,7 +780,10 @@ class HybridCacheManager:
     ) -> StepTables:
         """What a step's attention needs, in one pass: the slots of each request's positions
         [starts[i], ends[i]), and its table over [0, ends[i]). A step continues the computed
-        prefix (starts[i] is the request's computed count) within its reservation."""
+        prefix (starts[i] is the request's computed count) within its reservation. A window
+        group's table begins at its first block (the blocks before it left the window): each
+        table covers [first_block * block_size, ends[i]), and a position before it is a
+        ValueError."""
         if not len(request_ids) == len(starts) == len(ends):
             raise ValueError(f"{len(request_ids)} requests, {len(starts)} starts, {len(ends)} ends")
         g = self._group(group, self._table_groups, "block-table")
@@ -793,6 +796,20 @@ class HybridCacheManager:
                         f"{req.num_computed} computed tokens within the reserved [0, {req.end})"
                     )
         name, block_ids = g.name, g.block_ids
+        if getattr(getattr(g, "spec", None), "window", None) is not None:  # its table begins at its first block
+            bs = g.granularity
+            offsets = [g.first_block(req.states[name]) * bs for req in reqs]
+            if any(offsets):
+                # table[0] is logical block `first`: position p is at table[p // bs - first], so
+                # the ranges shift by first * bs, and each CSR table covers [first * bs, end)
+                early = next((i for i, (o, s) in enumerate(zip(offsets, starts, strict=True)) if s < o), None)
+                if early is not None:
+                    raise ValueError(
+                        f"request {reqs[early].request_id!r}: position {starts[early]} left the window of group "
+                        f"{name!r} (its table begins at position {offsets[early]})"
+                    )
+                starts = [s - o for s, o in zip(starts, offsets, strict=True)]
+                ends = [e - o for e, o in zip(ends, offsets, strict=True)]
         return step_tables([block_ids(req.states[name]) for req in reqs], starts, ends, g.granularity)
 
     def metadata_bytes(self) -> int:

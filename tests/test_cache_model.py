@@ -1,0 +1,449 @@
+"""A second, independent model of the cache coordinator, "correct to the last slot", over the
+shapes the other lifecycle machines (test_cache_lifecycle.py: blocks of 4, whole prompts;
+test_hybrid_lifecycle.py: blocks of 4, one window of 6) leave out: blocks of 1, 3 and 16
+tokens, windows of 1 and 7 beside full attention, a shared pool, chunked prefills whose
+reservations stay pending while other requests step, partial commits of a block-granular
+reservation, share_ids admissions, and every lookup compared with what must hit.
+
+The model keeps every request's token ids, tenant, computed count and reserved end, and
+what every physical slot holds (tenant, the whole prefix whose last token's K/V was written
+there), moved by the copies the coordinator queues. After every operation:
+  - check_integrity() passes, and every count the coordinator reports is the model's;
+  - every position a request's next step reads, in every attention group, holds exactly the
+    request's own prefix to that position under its tenant;
+  - step_tables' slots are slot_mapping's, and its CSR is the group's table;
+  - a lookup (and the admission after it) hits no prefix that was never computed under its
+    tenant, hits the same as the admission that follows it, and, with full attention only,
+    at least every full block a live request holds computed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+
+from kvpool.cache import CacheDescriptor, FullAttentionManager, HybridCacheManager
+from kvpool.cache.window import AttentionGroupSpec
+from kvpool.pool.block_table import BlockTableCSR
+
+DESC = CacheDescriptor("model")
+ALPHABET = st.integers(0, 2)
+
+
+class CacheModel(RuleBasedStateMachine):
+    requests = Bundle("requests")
+    bases: list[list[int]] = [[0, 1, 2] * 12, [1] * 40, [2, 2, 0] * 13]
+    max_cut = 40
+
+    def build(self) -> HybridCacheManager:
+        raise NotImplementedError
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.m = self.build()
+        self.groups = list(self.m.attention_groups)
+        by_pool: dict[int, dict[int, tuple]] = {}
+        self.content = {g.name: by_pool.setdefault(id(g.pool), {}) for g in self.groups}
+        self.seq: dict[str, list[int]] = {}
+        self.tenant: dict[str, str] = {}
+        self.nc: dict[str, int] = {}  # computed tokens
+        self.shared: dict[str, bool] = {}
+        self.computed: set[tuple[str, tuple[int, ...]]] = set()  # every prefix ever committed
+        self.next_id = 0
+        self.full_only = all(g.spec.window is None for g in self.groups)
+
+    # ---- the "runner" ---------------------------------------------------------------------
+
+    def _apply_copies(self) -> None:
+        for name, copies in self.m.take_copies().items():
+            bs = self.m.groups[name].spec.block_size
+            slots = self.content[name]
+            for copy in copies:
+                for offset in range(bs):
+                    src, dst = copy.src * bs + offset, copy.dst * bs + offset
+                    if src in slots:
+                        slots[dst] = slots[src]
+                    else:
+                        slots.pop(dst, None)
+
+    def _slot(self, rid: str, g, pos: int) -> int:
+        bs = g.spec.block_size
+        part = self.m.part(rid, g.name)
+        return part.block_ids[pos // bs - part.first_block] * bs + pos % bs
+
+    def _forward(self, rids: list[str], starts: list[int], ends: list[int]) -> None:
+        self._apply_copies()
+        for g in self.groups:
+            tables = self.m.step_tables(rids, starts, ends, g.name)
+            expected = []
+            for rid, start, end in zip(rids, starts, ends, strict=True):
+                expected += [self._slot(rid, g, p) for p in range(start, end)]
+            assert tables.slots == expected, (g.name, tables.slots, expected)
+            for i, rid in enumerate(rids):
+                table = self.m.block_ids(rid, g.name)
+                lo, hi = tables.csr.indptr[i], tables.csr.indptr[i + 1]
+                bs = g.spec.block_size
+                first = self.m.part(rid, g.name).first_block
+                assert tables.csr.indices[lo:hi] == table[: -(-ends[i] // bs) - first], (rid, g.name)
+                if hi > lo:
+                    assert tables.csr.last_block_len[i] == ends[i] - (first + hi - lo - 1) * bs
+        for rid, start, end in zip(rids, starts, ends, strict=True):
+            for g in self.groups:
+                for pos in range(start, end):
+                    self.content[g.name][self._slot(rid, g, pos)] = (self.tenant[rid], tuple(self.seq[rid][: pos + 1]))
+
+    def _committed(self, rid: str) -> None:
+        n = self.nc[rid]
+        seq, tenant = self.seq[rid], self.tenant[rid]
+        for k in range(1, n + 1):
+            self.computed.add((tenant, tuple(seq[:k])))
+
+    def _new_id(self) -> str:
+        self.next_id += 1
+        return f"r{self.next_id}"
+
+    def _expected_floor(self, prompt: list[int], tenant: str) -> int:
+        """With full attention only: the full blocks a live request holds computed are cached."""
+        if not self.full_only:
+            return 0
+        bs = self.groups[0].spec.block_size
+        best = 0
+        for rid in self.m.request_ids:
+            if self.tenant[rid] != tenant:
+                continue
+            n = 0
+            done = self.m.num_computed_tokens(rid)
+            seq = self.seq[rid]
+            while n < min(done, len(prompt) - 1) and seq[n] == prompt[n]:
+                n += 1
+            best = max(best, n // bs * bs)
+        return best
+
+    # ---- rules ----------------------------------------------------------------------------
+
+    @rule(
+        target=requests,
+        base=st.integers(0, 2),
+        cut=st.integers(0, 40),
+        suffix=st.lists(ALPHABET, max_size=5),
+        tenant=st.sampled_from(["", "", "t"]),
+        chunk=st.one_of(st.none(), st.integers(0, 9)),
+        share=st.booleans(),
+    )
+    def admit(self, base, cut, suffix, tenant, chunk, share):
+        prompt = self.bases[base][: min(cut, self.max_cut)] + suffix
+        rid = self._new_id()
+        if not prompt:
+            try:
+                self.m.admit(rid, prompt)
+            except ValueError:
+                assert rid not in self.m
+                return None
+            raise AssertionError("an empty prompt was admitted")
+        looked = self.m.lookup_prefix(prompt, tenant_salt=tenant)
+        floor = self._expected_floor(prompt, tenant)
+        ids = list(prompt)
+        free = [p.free_queue() for p in self.m.pools]
+        admission = self.m.admit(rid, ids, chunk, tenant_salt=tenant, share_ids=share)
+        if admission is None:
+            assert [p.free_queue() for p in self.m.pools] == free and rid not in self.m
+            return None
+        hit = admission.num_cached_tokens
+        assert hit == looked, (hit, looked)
+        assert hit <= len(prompt) - 1
+        assert hit == 0 or (tenant, tuple(prompt[:hit])) in self.computed, "a hit on a prefix never computed"
+        assert hit >= floor, (hit, floor)
+        rest = len(prompt) - hit
+        assert admission.num_scheduled_tokens == (rest if chunk is None else min(chunk, rest))
+        self.seq[rid] = ids if share else list(prompt)
+        self.tenant[rid] = tenant
+        self.nc[rid] = hit
+        self.shared[rid] = share
+        assert self.m.num_computed_tokens(rid) == hit
+        assert self.m.num_reserved_tokens(rid) >= hit + admission.num_scheduled_tokens
+        return rid
+
+    def _pending(self, rid: str) -> int:
+        """The exact step reserved and not committed (exact steps), else 0."""
+        if not self.m.exact_steps:
+            return 0
+        return self.m.num_reserved_tokens(rid) - self.nc[rid]
+
+    @rule(
+        rids=st.lists(requests, min_size=1, max_size=4, unique=True),
+        chunk=st.integers(1, 7),
+        tok=ALPHABET,
+        short=st.integers(0, 3),
+    )
+    def step(self, rids, chunk, tok, short):
+        """One step of the live requests named: a pending step is run as reserved; else a
+        prefill chunk of up to `chunk` known tokens, or a decode of one sampled token. Not
+        exact steps: the commit may leave the last `short` reserved tokens of a chunk."""
+        live = [r for r in rids if r in self.m]
+        if not live:
+            return
+        counts = []
+        reserve_ids, reserve_counts = [], []
+        for rid in live:
+            pending = self._pending(rid)
+            if pending:
+                counts.append(pending)
+                continue
+            known = len(self.seq[rid]) - self.nc[rid]
+            if known == 0:  # a decode: its sampled token joins first
+                if self.shared[rid]:
+                    self.seq[rid].append(tok)
+                else:
+                    self.m.append_token_ids(rid, [tok])
+                    self.seq[rid].append(tok)
+                known = 1
+            n = min(chunk, known)
+            counts.append(n)
+            reserve_ids.append(rid)
+            reserve_counts.append(n)
+        tables = {r: [self.m.block_ids(r, g.name) for g in self.groups] for r in live}
+        free = [p.free_queue() for p in self.m.pools]
+        if reserve_ids and not self.m.reserve_step(reserve_ids, reserve_counts):
+            assert [p.free_queue() for p in self.m.pools] == free
+            assert all(tables[r] == [self.m.block_ids(r, g.name) for g in self.groups] for r in live)
+            # the sampled ids appended above stay known: a later step computes them
+            return
+        starts = [self.nc[r] for r in live]
+        ends = [s + n for s, n in zip(starts, counts, strict=True)]
+        self._forward(live, starts, ends)
+        commits = []
+        for n in counts:
+            if not self.m.exact_steps and n > 1:
+                n = max(1, n - short)
+            commits.append(n)
+        nexts: list[int | None] = []
+        for rid, n in zip(live, commits, strict=True):
+            if self.nc[rid] + n == len(self.seq[rid]):  # the step's logits sample the next token
+                if self.shared[rid]:
+                    self.seq[rid].append(tok)
+                else:
+                    self.seq[rid].append(tok)
+                nexts.append(tok)
+            else:
+                nexts.append(None)
+        self.m.commit_step(live, commits, nexts)
+        for rid, n in zip(live, commits, strict=True):
+            self.nc[rid] += n
+            self._committed(rid)
+            assert self.m.num_computed_tokens(rid) == self.nc[rid]
+            assert list(self.m.token_ids(rid)) == self.seq[rid], rid
+
+    @rule(rid=requests, n=st.integers(1, 5))
+    def reserve_then_unreserve(self, rid, n):
+        """A step reserved, then undone before its forward: attention groups cannot undo
+        one (ValueError, nothing changed); the step then runs."""
+        if rid not in self.m or self._pending(rid):
+            return
+        n = min(n, len(self.seq[rid]) - self.nc[rid])
+        if n == 0:
+            return
+        before = self._snapshot()
+        if not self.m.reserve_step([rid], [n]):
+            assert self._snapshot() == before
+            return
+        after = self._snapshot()
+        try:
+            self.m.unreserve(rid)
+        except ValueError as e:
+            assert "cannot undo" in str(e) and self._snapshot() == after
+        else:
+            raise AssertionError("an attention group undid a step")
+        start = self.nc[rid]
+        self._forward([rid], [start], [start + n])
+        self.m.commit_step([rid], [n], [None])
+        self.nc[rid] += n
+        self._committed(rid)
+
+    @rule(target=requests, parent=requests)
+    def fork(self, parent):
+        if parent not in self.m or self._pending(parent):
+            return None
+        child = self._new_id()
+        if not self.m.fork(parent, child):
+            return None
+        n = self.nc[parent]
+        self.seq[child] = self.seq[parent][:n]
+        self.tenant[child] = self.tenant[parent]
+        self.nc[child] = n
+        self.shared[child] = False
+        assert self.m.num_computed_tokens(child) == n and self.m.num_reserved_tokens(child) == n
+        return child
+
+    @rule(rid=requests, data=st.data())
+    def rollback(self, rid, data):
+        if rid not in self.m or self.shared[rid] or self._pending(rid):
+            return
+        new_len = data.draw(st.integers(0, self.nc[rid]))
+        bs = self.groups[0].spec.block_size
+        first = max(self.m.part(rid, g.name).first_block for g in self.groups)
+        if any(g.spec.first_needed(new_len) // bs < self.m.part(rid, g.name).first_block for g in self.groups):
+            before = self._snapshot()  # a window's blocks before it are gone: refused
+            try:
+                self.m.rollback(rid, new_len)
+            except ValueError as e:
+                assert "cannot go back" in str(e) and self._snapshot() == before, first
+                return
+            raise AssertionError("a rollback before a window's first block")
+        self.m.rollback(rid, new_len)
+        del self.seq[rid][new_len:]
+        self.nc[rid] = new_len
+        assert self.m.num_reserved_tokens(rid) == new_len
+
+    @rule(rid=consumes(requests), how=st.sampled_from(["finish", "cancel", "preempt"]))
+    def release(self, rid, how):
+        live = rid in self.m
+        assert self.m.release(rid, how) is live
+        before = self._snapshot()
+        assert self.m.release(rid, "finish") is False
+        assert self._snapshot() == before
+
+    @rule(
+        base=st.integers(0, 2),
+        cut=st.integers(1, 40),
+        suffix=st.lists(ALPHABET, max_size=4),
+        tenant=st.sampled_from(["", "t"]),
+    )
+    def lookup(self, base, cut, suffix, tenant):
+        prompt = self.bases[base][: min(cut, self.max_cut)] + suffix
+        before = self._snapshot()
+        hit = self.m.lookup_prefix(prompt, tenant_salt=tenant)
+        assert self._snapshot() == before
+        assert 0 <= hit <= len(prompt) - 1
+        assert hit == 0 or (tenant, tuple(prompt[:hit])) in self.computed
+        assert hit >= self._expected_floor(prompt, tenant)
+
+    # ---- invariants -------------------------------------------------------------------------
+
+    def _snapshot(self) -> tuple:
+        pools = [(p.free_queue(), list(map(p.refcount, range(p.num_blocks))), p.num_free_cached) for p in self.m.pools]
+        reqs = [
+            (
+                r,
+                [self.m.block_ids(r, g.name) for g in self.groups],
+                self.m.num_computed_tokens(r),
+                self.m.num_reserved_tokens(r),
+                list(self.m.token_ids(r)),
+            )
+            for r in sorted(self.m.request_ids)
+        ]
+        return pools, reqs, self.m.stats
+
+    @invariant()
+    def integrity(self):
+        self.m.check_integrity()
+
+    @invariant()
+    def every_read_position_holds_its_prefix(self):
+        # the copies queued run before the next forward, and nothing writes before it: run now
+        self._apply_copies()
+        assert sorted(self.m.request_ids) == sorted(r for r in self.seq if r in self.m)
+        for rid in self.m.request_ids:
+            n = self.nc[rid]
+            assert self.m.num_computed_tokens(rid) == n
+            assert list(self.m.token_ids(rid)) == self.seq[rid]
+            for g in self.groups:
+                lo = g.spec.first_needed(n)
+                for pos in range(lo, n):
+                    got = self.content[g.name].get(self._slot(rid, g, pos))
+                    assert got == (self.tenant[rid], tuple(self.seq[rid][: pos + 1])), (rid, g.name, pos, got)
+
+    def teardown(self):
+        for rid in list(self.m.request_ids):
+            self.m.release(rid)
+        self.m.check_integrity()
+        assert all(p.num_free == p.num_blocks for p in self.m.pools)
+
+
+SETTINGS = settings(
+    max_examples=max(1, int(os.environ.get("KVPOOL_HYPOTHESIS_EXAMPLES", "300")) // 6),
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+)
+
+
+class FullBlocksOf1(CacheModel):
+    def build(self):
+        return FullAttentionManager(30, 1, DESC)
+
+
+class FullBlocksOf3(CacheModel):
+    def build(self):
+        return FullAttentionManager(14, 3, DESC)
+
+
+class FullBlocksOf16(CacheModel):
+    def build(self):
+        return FullAttentionManager(6, 16, DESC)
+
+
+class ExactFullBlocksOf5(CacheModel):
+    def build(self):
+        return HybridCacheManager([(AttentionGroupSpec("full", 5), 12)], DESC)
+
+
+class Windows(CacheModel):
+    """Blocks of 3: full attention, a window of 1, a window of 7,
+    turn ends kept (hits inside a block)."""
+
+    def build(self):
+        return HybridCacheManager(
+            [
+                (AttentionGroupSpec("full", 3), 14),
+                (AttentionGroupSpec("w1", 3, window=1), 8),
+                (AttentionGroupSpec("w7", 3, window=7), 10),
+            ],
+            DESC,
+            turn_end_checkpoints=True,
+        )
+
+
+class SharedPoolWindows(CacheModel):
+    """Two groups on one shared pool of blocks of 2: full attention and a window of 3."""
+
+    def build(self):
+        return HybridCacheManager(
+            [(AttentionGroupSpec("full", 2), None), (AttentionGroupSpec("w3", 2, window=3), None)],
+            DESC,
+            shared_blocks=24,
+        )
+
+
+for _machine in (FullBlocksOf1, FullBlocksOf3, FullBlocksOf16, ExactFullBlocksOf5, Windows, SharedPoolWindows):
+    _machine.TestCase.settings = SETTINGS
+TestFullBlocksOf1 = FullBlocksOf1.TestCase
+TestFullBlocksOf3 = FullBlocksOf3.TestCase
+TestFullBlocksOf16 = FullBlocksOf16.TestCase
+TestExactFullBlocksOf5 = ExactFullBlocksOf5.TestCase
+TestWindows = Windows.TestCase
+TestSharedPoolWindows = SharedPoolWindows.TestCase
+
+
+def test_a_window_groups_slots_and_table_begin_at_its_first_block() -> None:
+    """A window of 4 (blocks of 4) at 10 computed tokens reads [7, 11): its table holds logical
+    blocks 1 and 2 (block 0 left the window). slot_mapping and step_tables indexed the table
+    from logical block 0: position 7 mapped to the slot of block 2 (11 where the K/V is at 7,
+    a silent wrong slot) and the decode's position 10 was an IndexError."""
+    m = HybridCacheManager([(AttentionGroupSpec("full", 4), 8), (AttentionGroupSpec("swa", 4, window=4), 8)], DESC)
+    m.admit("r", list(range(10)))
+    m.commit_step(["r"], [10], [10])
+    assert m.reserve_step(["r"], [1])
+    part = m.part("r", "swa")
+    assert (part.first_block, part.block_ids) == (1, [1, 2])
+    assert m.slot_mapping("r", 7, 11, "swa") == [7, 8, 9, 10]  # block 1's last slot, block 2's first three
+    tables = m.step_tables(["r"], [10], [11], "swa")
+    assert tables.slots == [10]
+    assert tables.csr == BlockTableCSR([0, 2], [1, 2], [3])  # the table over [4, 11): 3 tokens in block 2
+    assert m.step_tables(["r"], [10], [11]).csr == BlockTableCSR([0, 3], [0, 1, 2], [3])  # full: from 0
+    with pytest.raises(ValueError, match=r"position 3 left the window of group .swa. \(its table begins at position 4"):
+        m.slot_mapping("r", 3, 4, "swa")
+    m.check_integrity()
