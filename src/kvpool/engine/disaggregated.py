@@ -165,25 +165,30 @@ def send_part(desc: TransferDescriptor, k: torch.Tensor, v: torch.Tensor, part: 
     dist.send(v, dst=dst)
 
 
-def recv_part(src: int) -> tuple[TransferDescriptor, torch.Tensor, torch.Tensor]:
-    """The decode side: what `send_part` sent from rank `src`: its descriptor, and K and V as
-    the raw bytes it declared (uint8 [part_bytes] each; `unpack_part` checks and shapes them)."""
+def recv_descriptor(src: int) -> TransferDescriptor:
+    """The decode side: the descriptor `send_part` sent first from rank `src`."""
     got: list[object] = [None]
     dist.recv_object_list(got, src=src)
     desc = got[0]
     if not isinstance(desc, TransferDescriptor):  # nothing tells how many bytes follow
         raise RuntimeError(f"rank {src} sent {type(desc).__name__}, not a TransferDescriptor: the wire is out of step")
+    return desc
+
+
+def recv_kv(desc: TransferDescriptor, src: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode side: K and V that follow `desc` from rank `src`, as the raw bytes it
+    declared (uint8 [part_bytes] each; `unpack_part` checks and shapes them)."""
     k = torch.empty(desc.part_bytes, dtype=torch.uint8)
     v = torch.empty_like(k)
     dist.recv(k, src=src)
     dist.recv(v, src=src)
-    return desc, k, v
+    return k, v
 
 
 def unpack_part(
     desc: TransferDescriptor, k: torch.Tensor, v: torch.Tensor, expected: TransferDescriptor, heads: tuple[int, int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of `recv_part` ([layers, tokens, heads, head_dim] in the receiver's dtype) when
+    """K and V of `recv_kv` ([layers, tokens, heads, head_dim] in the receiver's dtype) when
     `desc` matches `expected` (check_transfer) and carries the KV heads `heads` this receiver
     takes from its sender, in the bytes that shape needs; TransferError naming what differs."""
     check_transfer(desc, expected)
@@ -396,8 +401,10 @@ class Disaggregation:
                 continue
             # every part is received whole, whatever it holds, before any is judged: the
             # senders' messages all leave their sockets, and nothing is installed half way
-            desc, k_bytes, v_bytes = recv_part(src)
+            desc = recv_descriptor(src)
+            # (the clock starts before K and V are received: they are what it times)
             began = began or time.perf_counter()
+            k_bytes, v_bytes = recv_kv(desc, src)
             # the sender may send less than asked (what its cache held, in whole blocks of ours)
             sent_end = desc.end if start <= desc.end <= end and desc.end % bs == 0 else end
             try:
