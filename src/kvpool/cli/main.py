@@ -151,15 +151,21 @@ def lost_peer_line(error: RuntimeError) -> str | None:
     any other error. With two ranks the lost one is the other; with more, gloo cannot tell
     which (a tensor-parallel engine names it itself: models/tensor_parallel.py)."""
     dist = sys.modules.get("torch.distributed")  # (loaded only by a command that uses it)
-    if dist is None or not dist.is_available() or not dist.is_initialized():
+    if dist is None or not dist.is_available():
         return None
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:  # a verifier destroys its group on the way out (verify tp / cp: their `finally`)
+        try:
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        except (KeyError, ValueError):  # no group was ever formed
+            return None
     from kvpool.models.tensor_parallel import TIMEOUT_ENV, gloo_reason  # (torch is loaded: dist is)
 
     text = str(error)
     reason, timed_out = gloo_reason(text)
     if not ("gloo" in text or timed_out):
         return None
-    rank, world = dist.get_rank(), dist.get_world_size()
     peer = f"rank {1 - rank}" if world == 2 else "a peer rank"
     if timed_out:
         return (
