@@ -342,7 +342,13 @@ def test_verify_tp_says_why_it_fails() -> None:
         "request a: logits 1.00e-03 from the single-process engine's, over 8 times its own fp32 error 4.00e-05",
         "request d: its tokens differ from the single-process engine's",
         "tokens of b's prefix hit: 32 under tensor parallelism, 48 on one process",
+        "b hit 32 cached tokens, not the 48 it shares with a, so the prefix-hit path went unchecked",
         "KV 15360 B a token per rank, the planner's 46080 per GPU",
+    ]
+    # both runs alike without the hit (prefix caching off on both): the hit went unchecked
+    missed = {**run, "b_cached_tokens": 0}
+    assert scenario_failures(missed, missed, requests, 15_360, 8) == [
+        "b hit 0 cached tokens, not the 48 it shares with a, so the prefix-hit path went unchecked"
     ]
 
 

@@ -30,6 +30,7 @@ PROMPT_A = (
 )
 PROMPT_C = "Write a short poem about the sea, the wind and a lighthouse keeper at night."
 PROMPT_D = "List three differences between a list and a tuple in Python, with one example each."
+SHARED = 48  # b's first tokens, a's: three whole blocks of 16, which b must hit
 
 
 def _scenario(loaded, max_tokens: int) -> dict[str, object]:
@@ -40,7 +41,7 @@ def _scenario(loaded, max_tokens: int) -> dict[str, object]:
 
     tok = loaded.tokenizer
     a = tok.encode(PROMPT_A)
-    b = a[:48] + tok.encode(" And how does copy-on-write keep a shared block intact?")
+    b = a[:SHARED] + tok.encode(" And how does copy-on-write keep a shared block intact?")
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     out: dict[str, object] = {}
     engine = build_engine(loaded, num_blocks=64, block_size=16, max_num_seqs=4, record_logits=True)
@@ -158,6 +159,11 @@ def scenario_failures(
     for key, what in (("b_cached_tokens", "tokens of b's prefix hit"), ("preemptions", "preemptions")):
         if reference[key] != sharded[key]:
             failures.append(f"{what}: {sharded[key]} under tensor parallelism, {reference[key]} on one process")
+    if sharded["b_cached_tokens"] != SHARED:  # (both runs alike is not enough: the hit is the point)
+        failures.append(
+            f"b hit {sharded['b_cached_tokens']} cached tokens, not the {SHARED} it shares with a, so the prefix-hit "
+            "path went unchecked"
+        )
     if not sharded["preemptions"]:
         # (--max-tokens is the likely cause only below the default: at 8 or more, a regression)
         why = (
