@@ -215,7 +215,7 @@ def test_a_taken_master_port_is_one_line(monkeypatch, capsys) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        _as_rank(monkeypatch, 0, 1, port)
+        _as_rank(monkeypatch, 0, 2, port)  # (rank 0 binds the port first: no wait for rank 1)
         assert main(["verify", "cp", "--context", "64", "--batch", "1", "--smollm2-prompt", "0"]) == 2
     assert capsys.readouterr().err == (
         f"kvpool verify: error: MASTER_PORT is taken: 127.0.0.1:{port} is in use by another process; "
@@ -304,6 +304,19 @@ def test_a_peer_that_hangs_past_the_timeout_is_one_line(one_rank_group) -> None:
             "stopped (KVPOOL_DIST_TIMEOUT_S sets the wait), and the group cannot go on without it"
         )
     assert lost_peer_line(RuntimeError("a bug of ours")) is None  # not a transport's error: its traceback
+
+
+def test_verify_cp_on_one_process_is_refused_not_passed(monkeypatch, capsys) -> None:
+    # at world 1 every block is rank 0's, no NaN overwrites anything and the merge has one
+    # part: it printed "ok paged: world_size 1 ..." and exited 0, context parallelism untried
+    from kvpool.cli.main import main
+
+    _as_rank(monkeypatch, 0, 1, _free_port())
+    assert main(["verify", "cp", "--context", "64", "--batch", "1", "--smollm2-prompt", "0"]) == 2
+    assert capsys.readouterr().err == (
+        "kvpool verify: error: kvpool verify cp under 1 process splits no sequence over ranks and verifies nothing "
+        "of context parallelism: torchrun --nproc-per-node 4 -m kvpool verify cp\n"
+    )
 
 
 def test_verify_tp_on_one_process_is_refused_not_passed(monkeypatch, capsys) -> None:

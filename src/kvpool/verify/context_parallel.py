@@ -264,6 +264,11 @@ def run_all(context: int, batch: int, block_size: int, prompt_len: int, steps: i
     """Every check on this rank (under torchrun); rank 0 returns the results."""
     if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
         raise ValueError("kvpool verify cp runs under torchrun: torchrun --nproc-per-node R -m kvpool verify cp")
+    if int(os.environ["WORLD_SIZE"]) < 2:  # every block on the one rank: nothing split, nothing merged
+        raise ValueError(
+            "kvpool verify cp under 1 process splits no sequence over ranks and verifies nothing of context "
+            "parallelism: torchrun --nproc-per-node 4 -m kvpool verify cp"
+        )
     join_group()  # every wait bounded (GROUP_TIMEOUT_S); a group that cannot form: one line
     try:
         check_same_arguments("context-parallel", context, batch, block_size, prompt_len, steps, seed)
