@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from kvpool.engine import live
 from kvpool.engine.build import build_engine, limit_model_len
 from kvpool.engine.live import num_live_requests, serve_live
 from kvpool.engine.sampling import SamplingParams, derived_seed
@@ -105,6 +106,26 @@ def test_ctrl_c_aborts_what_is_left_and_the_report_covers_what_finished():
     assert len(run.fragmentation) == 7  # the steps that ran
     report = _report(engine, run)
     assert report["interrupted"] is True and report["num_finished"] == 3 and report["num_requests"] == 6
+
+
+def test_an_arrival_far_off_is_slept_towards_in_slices_and_ctrl_c_still_stops_the_run(monkeypatch):
+    """`kvpool run --request-rate 1e-300`: the first arrival lies ~1e300 s away, and one
+    time.sleep of it raised OverflowError ("timestamp out of range for platform time_t"), a
+    traceback. The loop sleeps at most MAX_SLEEP_S at a time and looks at the clock again."""
+    engine, vocab_size = _tiny_v4(False)
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        if len(slept) == 3:  # (Ctrl-C, the only way out of a wait this long)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(live.time, "sleep", sleep)
+    rng = random.Random(0)
+    workload = live_token_ids(vocab_size, 1, 0, rng, seed=0)
+    run = serve_live(engine, workload, SamplingParams(max_tokens=4), turns=1, request_rate=1e-300, rng=rng)
+    assert slept == [live.MAX_SLEEP_S] * 3 and isinstance(run.stopped, KeyboardInterrupt)
+    assert engine.num_steps == 0 and engine.requests == {}
 
 
 def test_limit_model_len_caps_the_runner_and_refuses_more_than_it_holds():

@@ -44,6 +44,11 @@ if TYPE_CHECKING:
     from kvpool.engine.sampling import SamplingParams
 
 
+# the longest sleep before the loop looks at the clock again (time.sleep refuses more than
+# about 9.2e9 s; the loop wakes, finds nothing due and sleeps the next slice)
+MAX_SLEEP_S = 60.0
+
+
 class LiveRun(NamedTuple):
     """What the loop measured."""
 
@@ -116,8 +121,9 @@ def serve_live(
                 t, rid, prompt = pending.pop(0)
                 engine.add_request(prompt, params_of.get(rid, params), rid, arrival_time=start + t)
             if not engine.has_unfinished():
-                if not tp_sync:
-                    time.sleep(max(0.0, start + pending[0].arrival_s - time.perf_counter()))
+                if not tp_sync:  # (in slices: an arrival 1e300 s away, a --request-rate of 1e-300,
+                    # overflowed time.sleep, "timestamp out of range for platform time_t")
+                    time.sleep(min(MAX_SLEEP_S, max(0.0, start + pending[0].arrival_s - time.perf_counter())))
                 else:  # rank 0 sleeps; the others wait for its broadcast
                     time.sleep(max(0.0, min(0.01, start + pending[0].arrival_s - time.perf_counter())))
                 continue
