@@ -206,6 +206,37 @@ def test_live_chat_renders_the_chat_conversations():
     assert prompt == encode(expected)
 
 
+def test_long_prompts_stop_at_the_first_that_does_not_fit_the_context():
+    """`kvpool run --num-long 1000` made (and tokenized) all 1,000 long prompts, 4 minutes
+    and 3.1 GB, to refuse the 58th at the start of the run; 100,000 ran out of memory. Each
+    is longer than the one before: the first that does not fit stops the making there."""
+    checked: list[tuple[int, str]] = []
+
+    def fits_below(limit: int):
+        def check_length(num_tokens: int, request_id: str) -> None:
+            checked.append((num_tokens, request_id))
+            if num_tokens >= limit:
+                raise ValueError(f"request {request_id!r}: prompt of {num_tokens} tokens is too long")
+
+        return check_length
+
+    with pytest.raises(ValueError, match="^request 'long2': prompt of 800 tokens is too long$"):
+        live_token_ids(97, 2, 40, random.Random(0), seed=0, check_length=fits_below(800))
+    assert checked == [(700, "long0"), (750, "long1"), (800, "long2")]
+
+    encoded: list[int] = []
+
+    def encode(messages):  # (a token per 10 characters: long prompts 0, 1, 2 are 345, 388, 431)
+        encoded.append(len(messages[-1]["content"]))
+        return [0] * (len(messages[-1]["content"]) // 10)
+
+    checked.clear()
+    with pytest.raises(ValueError, match="^request 'long2': prompt of 431 tokens is too long$"):
+        live_chat(encode, 2, 40, random.Random(0), check_length=fits_below(400))
+    assert checked == [(345, "long0"), (388, "long1"), (431, "long2")]
+    assert len(encoded) == 2 + 3  # the two first turns, long prompts 0 to 2: no more
+
+
 def test_the_workload_package_imports_no_torch():
     code = (
         "import sys\n"

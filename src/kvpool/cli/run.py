@@ -298,7 +298,9 @@ def build(args: argparse.Namespace):
         limit_model_len(engine, args.max_model_len)
         return (
             engine,
-            lambda rng: live_token_ids(vocab_size, args.num_requests, args.num_long, rng, seed=args.seed),
+            lambda rng: live_token_ids(
+                vocab_size, args.num_requests, args.num_long, rng, seed=args.seed, check_length=engine.check_length
+            ),
             name,
             None,
         )
@@ -307,7 +309,14 @@ def build(args: argparse.Namespace):
         limit_model_len(engine, args.max_model_len)
         return (
             engine,
-            lambda rng: live_token_ids(model.vocab_size, args.num_requests, args.num_long, rng, seed=args.seed),
+            lambda rng: live_token_ids(
+                model.vocab_size,
+                args.num_requests,
+                args.num_long,
+                rng,
+                seed=args.seed,
+                check_length=engine.check_length,
+            ),
             args.model,
             None,
         )
@@ -335,7 +344,14 @@ def build(args: argparse.Namespace):
         limit_model_len(engine, args.max_model_len)
         return (
             engine,
-            lambda rng: live_token_ids(model.vocab_size, args.num_requests, args.num_long, rng, seed=args.seed),
+            lambda rng: live_token_ids(
+                model.vocab_size,
+                args.num_requests,
+                args.num_long,
+                rng,
+                seed=args.seed,
+                check_length=engine.check_length,
+            ),
             TINY_MODEL,
             None,
         )
@@ -354,7 +370,9 @@ def build(args: argparse.Namespace):
     limit_model_len(engine, args.max_model_len)
     return (
         engine,
-        lambda rng: live_chat(loaded.tokenizer.encode_chat, args.num_requests, args.num_long, rng),
+        lambda rng: live_chat(
+            loaded.tokenizer.encode_chat, args.num_requests, args.num_long, rng, check_length=engine.check_length
+        ),
         os.path.basename(loaded.gguf.path),
         loaded,
     )

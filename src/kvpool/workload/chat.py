@@ -63,5 +63,10 @@ def follow_up(turn: int) -> str:
     return FOLLOW_UPS[(turn - 1) % len(FOLLOW_UPS)]
 
 
+def long_prompt(i: int) -> list[Message]:
+    """Long prompt i: 40 + 5 i copies of the filler sentence, then "Summarize this."."""
+    return [{"role": "user", "content": _FILLER * (40 + 5 * i) + "Summarize this."}]
+
+
 def long_prompts(num_long: int) -> list[list[Message]]:
-    return [[{"role": "user", "content": _FILLER * (40 + 5 * i) + "Summarize this."}] for i in range(num_long)]
+    return [long_prompt(i) for i in range(num_long)]

@@ -85,10 +85,21 @@ class LiveWorkload:
         return ids + [f"long{i}" for i in range(len(self.long_prompts))]
 
 
+# (prompt length, request id) -> None, or a ValueError naming the request whose prompt
+# does not fit the context (engine.py `Engine.check_length`)
+CheckLength = Callable[[int, str], None]
+
+
 def live_chat(
-    encode_chat: Callable[[list[chat.Message]], list[int]], num_conversations: int, num_long: int, rng: random.Random
+    encode_chat: Callable[[list[chat.Message]], list[int]],
+    num_conversations: int,
+    num_long: int,
+    rng: random.Random,
+    *,
+    check_length: CheckLength | None = None,
 ) -> LiveWorkload:
-    """chat.py's conversations, rendered by `encode_chat` (the tokenizer's chat template)."""
+    """chat.py's conversations, rendered by `encode_chat` (the tokenizer's chat template);
+    `check_length` meets each long prompt as it is made (`_long_prompts`)."""
     conversations = [Conversation(messages) for messages in chat.first_turns(num_conversations, rng)]
 
     def follow_up(conv: Conversation, answer_ids: list[int], answer_text: str) -> list[int]:
@@ -97,10 +108,23 @@ def live_chat(
 
     return LiveWorkload(
         [encode_chat(c.history) for c in conversations],
-        [encode_chat(m) for m in chat.long_prompts(num_long)],
+        _long_prompts(num_long, lambda i: encode_chat(chat.long_prompt(i)), check_length),
         conversations,
         follow_up,
     )
+
+
+def _long_prompts(num_long: int, make: Callable[[int], list[int]], check_length: CheckLength | None) -> list[list[int]]:
+    """Long prompts 0 .. num_long - 1 (`make(i)`), each longer than the one before, so the
+    first that does not fit the context stops the making there (`kvpool run --num-long 1000`
+    made all 1,000, 4 minutes and 3.1 GB, to refuse the 58th; 100,000 ran out of memory)."""
+    prompts = []
+    for i in range(num_long):
+        prompt = make(i)
+        if check_length is not None:
+            check_length(len(prompt), f"long{i}")
+        prompts.append(prompt)
+    return prompts
 
 
 def follow_up_rng(seed: int, conversation: int) -> random.Random:
@@ -111,10 +135,17 @@ def follow_up_rng(seed: int, conversation: int) -> random.Random:
 
 
 def live_token_ids(
-    vocab_size: int, num_conversations: int, num_long: int, rng: random.Random, *, seed: int
+    vocab_size: int,
+    num_conversations: int,
+    num_long: int,
+    rng: random.Random,
+    *,
+    seed: int,
+    check_length: CheckLength | None = None,
 ) -> LiveWorkload:
     """The same shape in token ids (the module docstring gives the lengths); `seed` seeds
-    each conversation's follow-ups (`follow_up_rng`), `rng` everything else."""
+    each conversation's follow-ups (`follow_up_rng`), `rng` everything else; `check_length`
+    meets each long prompt as it is made (`_long_prompts`)."""
 
     def ids(n: int, draw: random.Random = rng) -> list[int]:
         return [draw.randrange(vocab_size) for _ in range(n)]
@@ -123,7 +154,7 @@ def live_token_ids(
     conversations = [
         Conversation(systems[i % len(systems)] + ids(20), rng=follow_up_rng(seed, i)) for i in range(num_conversations)
     ]
-    long_prompts = [ids(700 + 50 * i) for i in range(num_long)]
+    long_prompts = _long_prompts(num_long, lambda i: ids(700 + 50 * i), check_length)
 
     def follow_up(conv: Conversation, answer_ids: list[int], answer_text: str) -> list[int]:
         assert conv.rng is not None  # (every conversation made here has its own)
