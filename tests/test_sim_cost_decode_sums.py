@@ -527,6 +527,24 @@ def test_the_decode_sums_of_an_int64_array_are_its_lists(which: str, positions: 
         cm.decode_step_time(np.array(positions + [-1], dtype=np.int64))
 
 
+def test_an_array_passed_again_is_read_as_it_is_now() -> None:
+    """`_decode_sums` keeps the uint64 view of the array it was last given (the executor's,
+    moved on in place): the same array changed in place between calls is read as it is then,
+    a position past the table's end (grown for it) or negative (None, as its list) included."""
+    cm = CostModel(load_preset("deepseek-v4-flash"), H200, tp=2)
+    at = np.array([5, 900, 17], dtype=np.int64)
+    end = len(cm._decode_table[0]) if cm._decode_sums(at) is not None else 0
+    assert end > 900
+    for change in (1, 1, end, -5 * end, 3):  # one on, twice; past the end; negative; back
+        at += change
+        if change == -5 * end:
+            at[:] = (5, -1, 17)
+        assert cm._decode_sums(at) == cm._decode_sums(at.tolist()), change
+        assert cm._decode_view[0] is at
+    assert cm._decode_sums(np.array([-1], dtype=np.int64)) is None  # another array: its own view
+    assert len(cm._decode_table[0]) > end  # (grown for the positions past it)
+
+
 class _Engine:
     """Decode steps as engine.py hands them to the runner: StepChunks over its decode columns
     (ids, starts) with the columns set (ends: each start + 1), the next step's starts being
