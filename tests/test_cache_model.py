@@ -22,13 +22,16 @@ from __future__ import annotations
 import os
 
 import pytest
-from hypothesis import HealthCheck, settings
+import torch
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, multiple, rule
 
 from kvpool.cache import CacheDescriptor, FullAttentionManager, HybridCacheManager
 from kvpool.cache.window import AttentionGroupSpec
+from kvpool.engine import tier_bridge
 from kvpool.pool.block_table import BlockTableCSR
+from kvpool.tiers import HostTier, TierIndex
 
 DESC = CacheDescriptor("model")
 ALPHABET = st.integers(0, 2)
@@ -96,6 +99,10 @@ class CacheModel(RuleBasedStateMachine):
                 for pos in range(start, end):
                     self.content[g.name][self._slot(rid, g, pos)] = (self.tenant[rid], tuple(self.seq[rid][: pos + 1]))
 
+    def _load(self, rid: str, admission) -> int:
+        """A lower tier's part of a hit: loaded by the tier machine (TieredFullBlocksOf3)."""
+        raise AssertionError("loads without a lower tier")
+
     def _committed(self, rid: str) -> None:
         n = self.nc[rid]
         seq, tenant = self.seq[rid], self.tenant[rid]
@@ -128,21 +135,35 @@ class CacheModel(RuleBasedStateMachine):
     @rule(
         target=requests,
         base=st.integers(0, 2),
-        cut=st.integers(0, 40),
+        cut=st.one_of(st.sampled_from([0, 1, 2, 3, 4, 5, 6, 7, 15, 16, 17, 32]), st.integers(0, 40)),
         suffix=st.lists(ALPHABET, max_size=5),
         tenant=st.sampled_from(["", "", "t"]),
         chunk=st.one_of(st.none(), st.integers(0, 9)),
         share=st.booleans(),
     )
     def admit(self, base, cut, suffix, tenant, chunk, share):
-        prompt = self.bases[base][: min(cut, self.max_cut)] + suffix
+        return self._admit(self.bases[base][: min(cut, self.max_cut)] + suffix, tenant, chunk, share)
+
+    @rule(
+        target=requests,
+        source=requests,
+        cut=st.one_of(st.integers(0, 60), st.just(1000)),
+        suffix=st.lists(ALPHABET, max_size=4),
+        chunk=st.one_of(st.none(), st.integers(0, 9)),
+        share=st.booleans(),
+    )
+    def follow_up(self, source, cut, suffix, chunk, share):
+        """The next turn of a conversation (live or not): a cut of its history, new tokens."""
+        return self._admit(self.seq[source][:cut] + suffix, self.tenant[source], chunk, share)
+
+    def _admit(self, prompt, tenant, chunk, share):
         rid = self._new_id()
         if not prompt:
             try:
                 self.m.admit(rid, prompt)
             except ValueError:
                 assert rid not in self.m
-                return None
+                return multiple()
             raise AssertionError("an empty prompt was admitted")
         looked = self.m.lookup_prefix(prompt, tenant_salt=tenant)
         floor = self._expected_floor(prompt, tenant)
@@ -151,18 +172,25 @@ class CacheModel(RuleBasedStateMachine):
         admission = self.m.admit(rid, ids, chunk, tenant_salt=tenant, share_ids=share)
         if admission is None:
             assert [p.free_queue() for p in self.m.pools] == free and rid not in self.m
-            return None
+            return multiple()
+        self.seq[rid] = ids if share else list(prompt)
+        self.tenant[rid] = tenant
+        self.shared[rid] = share
         hit = admission.num_cached_tokens
-        assert hit == looked, (hit, looked)
+        loads = admission.groups[self.groups[0].name].loads
+        assert hit - len(loads) * self.groups[0].spec.block_size == looked, (hit, looked, loads)
         assert hit <= len(prompt) - 1
         assert hit == 0 or (tenant, tuple(prompt[:hit])) in self.computed, "a hit on a prefix never computed"
         assert hit >= floor, (hit, floor)
         rest = len(prompt) - hit
         assert admission.num_scheduled_tokens == (rest if chunk is None else min(chunk, rest))
-        self.seq[rid] = ids if share else list(prompt)
-        self.tenant[rid] = tenant
+        event("hit" if hit else "no hit")
+        if hit % self.groups[0].spec.block_size:
+            event("a hit inside a block")
+        if loads:
+            event("lower-tier loads")
+            hit = self._load(rid, admission)
         self.nc[rid] = hit
-        self.shared[rid] = share
         assert self.m.num_computed_tokens(rid) == hit
         assert self.m.num_reserved_tokens(rid) >= hit + admission.num_scheduled_tokens
         return rid
@@ -266,10 +294,10 @@ class CacheModel(RuleBasedStateMachine):
     @rule(target=requests, parent=requests)
     def fork(self, parent):
         if parent not in self.m or self._pending(parent):
-            return None
+            return multiple()
         child = self._new_id()
         if not self.m.fork(parent, child):
-            return None
+            return multiple()
         n = self.nc[parent]
         self.seq[child] = self.seq[parent][:n]
         self.tenant[child] = self.tenant[parent]
@@ -447,3 +475,103 @@ def test_a_window_groups_slots_and_table_begin_at_its_first_block() -> None:
     with pytest.raises(ValueError, match=r"position 3 left the window of group .swa. \(its table begins at position 4"):
         m.slot_mapping("r", 3, 4, "swa")
     m.check_integrity()
+
+
+class TieredFullBlocksOf3(CacheModel):
+    """Full attention, blocks of 3, over a host tier: evicted blocks go to the tier (the
+    model keeps what their slots held), hits load them back (all, or the first few: an
+    entry gone), and a preempted request swaps out its full blocks and its partial tail and
+    comes back through `restore_tail`. Exact steps or not."""
+
+    exact = False
+
+    def build(self):
+        self.tier = HostTier(1 << 30)
+        self.index = TierIndex(self.tier, 3)
+        self.held: dict[bytes, list] = {}  # tier key -> what the block's slots held
+        if self.exact:
+            return HybridCacheManager([(AttentionGroupSpec("full", 3), 9)], DESC, lower_tier=self.index)
+        return FullAttentionManager(9, 3, DESC, lower_tier=self.index)
+
+    def _save(self, block_id: int, block) -> None:
+        key, descriptor = self.index.describe(block)
+        slots = self.content["full"]
+        self.held[key] = [slots.get(block_id * 3 + k) for k in range(3)]
+        assert self.tier.put(key, descriptor, {"kv": torch.zeros(1)})
+
+    def _save_evicted(self) -> None:
+        for block_id, block in tier_bridge.take_evicted(self.m):
+            self._save(block_id, block)
+
+    def _forward(self, rids, starts, ends) -> None:
+        self._save_evicted()  # the runner's save_evicted, before the forward writes
+        super()._forward(rids, starts, ends)
+
+    def _load(self, rid: str, admission) -> int:
+        self._save_evicted()
+        loads = admission.groups["full"].loads
+        n = self.data.draw(st.integers(0, len(loads))) if self.data is not None else len(loads)
+        slots = self.content["full"]
+        for block_id, block in loads[:n]:
+            key, _ = self.index.describe(block)
+            for k, held in enumerate(self.held[key]):
+                slots[block_id * 3 + k] = held
+        after = self.m.complete_loads(rid, n)
+        assert after.num_cached_tokens == admission.num_cached_tokens - (len(loads) - n) * 3
+        return after.num_cached_tokens
+
+    data = None
+
+    @rule(data=st.data(), rid=CacheModel.requests)
+    def preempt_and_swap(self, data, rid):
+        """swap_out, release("preempt"), admit again, swap_in: the engine's TierBridge calls."""
+        if rid not in self.m or self._pending(rid) or self.shared[rid] or not self.seq[rid]:
+            return  # (a child forked at 0 tokens knows none: no prompt to admit again)
+        self.data = data
+        self._apply_copies()
+        self._save_evicted()
+        nc = self.nc[rid]
+        chain = self.m.part(rid).prefix_chain()
+        for block_id, block in zip(self.m.block_ids(rid), chain, strict=False):
+            self._save(block_id, block)
+        tail = tier_bridge.tail_block(self.m, rid)
+        if tail is not None:
+            self._save(tail[0], tail[1])
+            tail_key = self.index.describe(tail[1])[0]
+        assert self.m.release(rid, "preempt")
+        seq = self.seq[rid]
+        admission = self.m.admit(rid, list(seq), tenant_salt=self.tenant[rid])
+        if admission is None:
+            return
+        hit = admission.num_cached_tokens
+        if admission.groups["full"].loads:
+            hit = self._load(rid, admission)
+        self.data = None
+        self.shared[rid] = False
+        if tail is not None and hit == nc - tail[2]:
+            restore = tier_bridge.tail_block_for_restore(self.m, rid, tail[2])
+            if restore is not None:
+                assert self.index.describe(restore[1])[0] == tail_key, "the tail restored is the one swapped"
+                slots = self.content["full"]
+                for k, held in enumerate(self.held[tail_key]):
+                    slots[restore[0] * 3 + k] = held
+                event("a swapped tail restored")
+                after = self.m.restore_tail(rid, tail[2])
+                hit = after.num_cached_tokens
+                assert hit == nc
+        self.nc[rid] = hit
+        assert self.m.num_computed_tokens(rid) == hit
+
+    @invariant()
+    def evicted_blocks_are_saved(self):
+        self._save_evicted()
+
+
+class ExactTieredFullBlocksOf3(TieredFullBlocksOf3):
+    exact = True
+
+
+for _machine in (TieredFullBlocksOf3, ExactTieredFullBlocksOf3):
+    _machine.TestCase.settings = SETTINGS
+TestTieredFullBlocksOf3 = TieredFullBlocksOf3.TestCase
+TestExactTieredFullBlocksOf3 = ExactTieredFullBlocksOf3.TestCase

@@ -491,3 +491,51 @@ def test_step_lists_of_other_lengths_are_named(ids, starts, ends) -> None:
         with pytest.raises(ValueError, match=message):
             call(ids, starts, ends)
     assert m.first_off_step(["a"], [6], [7]) is None and m.step_tables(["a"], [6], [7]).slots == [6]
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: AttentionGroupSpec("w", 4, window=2.5), "group 'w': window must be an int, got float 2.5"),
+        (lambda: AttentionGroupSpec("w", 4, window=True), "group 'w': window must be an int, got bool True"),
+        (lambda: AttentionGroupSpec("w", 4.0), "group 'w': block_size must be an int, got float 4.0"),
+        (lambda: FullAttentionManager(8, "4", DESC), "group 'full': block_size must be an int, got str '4'"),
+        (lambda: RecurrentGroupSpec("r", 2.5), "group 'r': checkpoint_interval must be an int, got float 2.5"),
+        (lambda: DualPoolGroupSpec("v", 2.5), "group 'v': span must be an int, got float 2.5"),
+        (lambda: DualPoolGroupSpec("v", 4, replay_len=1.0), "group 'v': replay_len must be an int, got float 1.0"),
+        (lambda: BlockPool(2.0), "num_blocks must be an int, got float 2.0"),
+        (
+            lambda: HybridCacheManager([(AttentionGroupSpec("a", 4), None)], DESC, shared_blocks=2.5),
+            "shared_blocks must be an int, got float 2.5",
+        ),
+    ],
+)
+def test_a_size_that_is_no_int_is_named_when_the_cache_is_built(build, message) -> None:
+    """A float window or block size was taken, and the first admission failed deep inside
+    ('slice indices must be integers or None'); a bool window of True passed as 1; a float
+    pool size failed as "can't multiply sequence by non-int of type 'float'"."""
+    with pytest.raises(TypeError, match=message.replace("(", "\\(")):
+        build()
+
+
+def test_numpy_sizes_are_ints_and_a_bool_pool_size_is_refused() -> None:
+    spec = AttentionGroupSpec("w", np.int64(4), window=np.int32(6))
+    assert (spec.block_size, spec.window) == (4, 6) and type(spec.window) is int
+    assert BlockPool(np.int64(3)).num_blocks == 3
+    with pytest.raises(ValueError, match="its pool size must be a positive int, got True"):
+        FullAttentionManager(True, 4, DESC)
+
+
+@pytest.mark.parametrize(
+    ("token_ids", "kind"), [(b"\x01\x02", "bytes"), ({1: 2, 3: 4}, "dict"), ({3, 1, 2}, "set"), ("12", "str")]
+)
+def test_appended_ids_that_are_no_sequence_of_ints_are_named(token_ids, kind) -> None:
+    """append_token_ids takes what admit takes: bytes joined as their byte values ([1, 2]),
+    a dict as its keys, a set in hash order, silently; admit refused them."""
+    m = _computed_six(CACHES["full"])
+    before = snapshot(m)
+    with pytest.raises(TypeError, match=f"request 'a': token_ids must be a sequence of ints, got {kind}"):
+        m.append_token_ids("a", token_ids)
+    assert snapshot(m) == before
+    m.append_token_ids("a", (t for t in [1, 2]))  # any other iterable of ints joins
+    assert m.token_ids("a")[-2:] == [1, 2]

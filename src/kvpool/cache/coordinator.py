@@ -259,6 +259,8 @@ class HybridCacheManager:
             raise TypeError(f"descriptor must be a CacheDescriptor, got {type(descriptor).__name__}")
         shared = None
         if shared_blocks is not None:
+            if not isinstance(shared_blocks, int) or isinstance(shared_blocks, bool):
+                raise TypeError(f"shared_blocks must be an int, got {type(shared_blocks).__name__} {shared_blocks!r}")
             if shared_blocks <= 0:
                 raise ValueError(f"shared_blocks must be positive, got {shared_blocks}")
             shared = BlockPool(shared_blocks, enable_caching=enable_prefix_caching, hash_algo=hash_algo)
@@ -1639,10 +1641,16 @@ class HybridCacheManager:
     def append_token_ids(self, request_id: str, token_ids: Iterable[int]) -> None:
         """Sampled tokens join the sequence; a later step computes them. ValueError, nothing
         changed, for an id that is no int in [0, 2**32), or for a request admitted with
-        share_ids (its ids are the caller's list: they join it there)."""
+        share_ids (its ids are the caller's list: they join it there); TypeError for ids
+        that are no sequence (a str, bytes, a dict or a set), as admit's."""
         req = self._get(request_id)
         if req.shared:
             raise ValueError(f"request {request_id!r} reads its token ids from the caller's list (share_ids)")
+        if token_ids.__class__ is not list and isinstance(token_ids, (str, bytes, bytearray, Mapping, AbstractSet)):
+            # (as admit's: bytes joined as their byte values, a dict as its keys, a set in hash order)
+            raise TypeError(
+                f"request {request_id!r}: token_ids must be a sequence of ints, got {type(token_ids).__name__}"
+            )
         req.token_ids.extend(_token_ids_array(request_id, token_ids))
 
     def commit(self, request_id: str, num_tokens: int) -> None:

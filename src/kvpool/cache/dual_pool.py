@@ -78,7 +78,7 @@ from kvpool.cache.chains import (
     unit_extra,
 )
 from kvpool.cache.coordinator import HybridCacheManager
-from kvpool.cache.group import CacheGroup, GroupUsage, LowerTier, StepRequest
+from kvpool.cache.group import CacheGroup, GroupUsage, LowerTier, StepRequest, check_int_fields
 from kvpool.cache.types import NO_RESERVATION, CacheDescriptor, GroupReservation, LookupPrompt, MMItem, StateRestore
 from kvpool.pool import BlockPool, PrefixBlock
 from kvpool.pool.hashing import TOKEN_BYTES, token_bytes
@@ -168,6 +168,7 @@ class DualPoolGroupSpec:
     restore_cost: RestoreCost | None = field(default=None, compare=False)  # None: TokenCost
 
     def __post_init__(self) -> None:
+        check_int_fields(self, "span", "replay_len", "num_checkpoints", "checkpoint_blocks")
         if self.span <= 0:
             raise ValueError(f"group {self.name!r}: span must be positive, got {self.span}")
         if self.replay_len < 0:

@@ -44,6 +44,20 @@ class LowerTier(Protocol):
         ...
 
 
+def check_int_fields(spec: Any, *fields: str) -> None:
+    """A frozen spec's counts are ints (numpy's become Python ints; a bool or a float is no
+    count): TypeError naming the group and the field, before any range check. A float
+    block size or window failed deep in the first admission ('slice indices must be
+    integers'), and a bool passed as 1."""
+    for what in fields:
+        value = getattr(spec, what)
+        if value.__class__ is int:
+            continue
+        if isinstance(value, bool) or not hasattr(value, "__index__"):
+            raise TypeError(f"group {spec.name!r}: {what} must be an int, got {type(value).__name__} {value!r}")
+        object.__setattr__(spec, what, value.__index__())
+
+
 def check_pool_size(name: str, size: object) -> int:
     """A group's own pool size, a positive int; ValueError naming the group otherwise."""
     if size is None:
@@ -53,7 +67,7 @@ def check_pool_size(name: str, size: object) -> int:
         )
     if isinstance(size, tuple):
         raise ValueError(f"group {name!r}: a pair of pool sizes is for a dual-pool group only, got {size}")
-    if not isinstance(size, int) or size <= 0:
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
         raise ValueError(f"group {name!r}: its pool size must be a positive int, got {size!r}")
     return size
 

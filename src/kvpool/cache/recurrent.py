@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from kvpool.cache import chains
 from kvpool.cache.chains import TurnEnds, UnitHits
-from kvpool.cache.group import CacheGroup, GroupUsage, StepRequest, check_pool_size
+from kvpool.cache.group import CacheGroup, GroupUsage, StepRequest, check_int_fields, check_pool_size
 from kvpool.cache.types import NO_RESERVATION, BlockCopy, GroupReservation, LookupPrompt, MMItem, StateRestore
 from kvpool.pool import BlockPool, PrefixBlock
 
@@ -50,6 +50,7 @@ class RecurrentGroupSpec:
     checkpoint_interval: int
 
     def __post_init__(self) -> None:
+        check_int_fields(self, "checkpoint_interval")
         if self.checkpoint_interval <= 0:
             raise ValueError(
                 f"group {self.name!r}: checkpoint_interval must be positive, got {self.checkpoint_interval}"

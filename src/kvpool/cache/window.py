@@ -38,7 +38,7 @@ from typing import Any
 
 from kvpool.cache import chains
 from kvpool.cache.chains import TurnEnds, UnitHits
-from kvpool.cache.group import CacheGroup, GroupUsage, LowerTier, StepRequest, check_pool_size
+from kvpool.cache.group import CacheGroup, GroupUsage, LowerTier, StepRequest, check_int_fields, check_pool_size
 from kvpool.cache.types import NO_RESERVATION, BlockCopy, GroupReservation, LookupPrompt, MMItem
 from kvpool.pool import BlockPool, PrefixBlock
 from kvpool.pool.hashing import TOKEN_BYTES, token_bytes
@@ -56,6 +56,7 @@ class AttentionGroupSpec:
     window: int | None = None
 
     def __post_init__(self) -> None:
+        check_int_fields(self, "block_size", *(() if self.window is None else ("window",)))
         if self.block_size <= 0:
             raise ValueError(f"group {self.name!r}: block_size must be positive, got {self.block_size}")
         if self.window is not None and self.window <= 0:
