@@ -25,13 +25,17 @@ import pytest
 import torch
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, multiple, rule
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, multiple, precondition, rule
 
 from kvpool.cache import CacheDescriptor, FullAttentionManager, HybridCacheManager
+from kvpool.cache.coordinator import pack_prompt
+from kvpool.cache.dual_pool import DualPoolGroupSpec
+from kvpool.cache.recurrent import RecurrentGroupSpec
 from kvpool.cache.window import AttentionGroupSpec
 from kvpool.engine import tier_bridge
 from kvpool.pool.block_table import BlockTableCSR
 from kvpool.tiers import HostTier, TierIndex
+from test_hybrid_lifecycle import BASES, SPECS, DualPoolCheckpointLifecycle, Lifecycle, tokens
 
 DESC = CacheDescriptor("model")
 ALPHABET = st.integers(0, 2)
@@ -155,6 +159,18 @@ class CacheModel(RuleBasedStateMachine):
     def follow_up(self, source, cut, suffix, chunk, share):
         """The next turn of a conversation (live or not): a cut of its history, new tokens."""
         return self._admit(self.seq[source][:cut] + suffix, self.tenant[source], chunk, share)
+
+    @rule(
+        target=requests,
+        source=requests,
+        suffix=st.lists(ALPHABET, min_size=1, max_size=4),
+        chunk=st.one_of(st.none(), st.integers(1, 9)),
+    )
+    def next_turn(self, source, suffix, chunk):
+        """A live request finishes its turn, and the conversation's next turn comes in."""
+        if source in self.m and not self._pending(source):
+            assert self.m.release(source, "finish")
+        return self._admit(self.seq[source] + suffix, self.tenant[source], chunk, False)
 
     def _admit(self, prompt, tenant, chunk, share):
         rid = self._new_id()
@@ -326,7 +342,7 @@ class CacheModel(RuleBasedStateMachine):
         self.nc[rid] = new_len
         assert self.m.num_reserved_tokens(rid) == new_len
 
-    @rule(rid=consumes(requests), how=st.sampled_from(["finish", "cancel", "preempt"]))
+    @rule(rid=requests, how=st.sampled_from(["finish", "cancel", "preempt"]))
     def release(self, rid, how):
         live = rid in self.m
         assert self.m.release(rid, how) is live
@@ -415,8 +431,10 @@ class FullBlocksOf16(CacheModel):
 
 
 class ExactFullBlocksOf5(CacheModel):
+    """Exact steps, turn ends kept: a follow-up hits inside the partial block a finish kept."""
+
     def build(self):
-        return HybridCacheManager([(AttentionGroupSpec("full", 5), 12)], DESC)
+        return HybridCacheManager([(AttentionGroupSpec("full", 5), 12)], DESC, turn_end_checkpoints=True)
 
 
 class Windows(CacheModel):
@@ -446,8 +464,45 @@ class SharedPoolWindows(CacheModel):
         )
 
 
-for _machine in (FullBlocksOf1, FullBlocksOf3, FullBlocksOf16, ExactFullBlocksOf5, Windows, SharedPoolWindows):
+class ConstantHashWindows(Windows):
+    """Every block hashes alike in every pool: the content guard alone tells blocks apart
+    (a window finds each block on its own, through `BlockPool.lookup`)."""
+
+    def build(self):
+        m = super().build()
+        for pool in m.pools:
+            pool.hasher.digest = lambda data: b"\x00" * 16
+        return m
+
+
+class ConstantHashExactFullBlocksOf5(ExactFullBlocksOf5):
+    """Collisions everywhere, with turn ends kept (found by their own keys)."""
+
+    def build(self):
+        m = super().build()
+        m.pool.hasher.digest = lambda data: b"\x00" * 16
+        return m
+
+
+class FullWithoutCaching(FullBlocksOf3):
+    """Prefix caching off: nothing is ever hit, everything else as before."""
+
+    def build(self):
+        return FullAttentionManager(14, 3, DESC, enable_prefix_caching=False)
+
+    def _expected_floor(self, prompt, tenant):
+        return 0
+
+    def _committed(self, rid):  # (nothing may hit: no prefix counts as computed)
+        pass
+
+
+MACHINES = (FullBlocksOf1, FullBlocksOf3, FullBlocksOf16, ExactFullBlocksOf5, Windows, SharedPoolWindows)
+for _machine in (*MACHINES, ConstantHashWindows, ConstantHashExactFullBlocksOf5, FullWithoutCaching):
     _machine.TestCase.settings = SETTINGS
+TestConstantHashWindows = ConstantHashWindows.TestCase
+TestConstantHashExactFullBlocksOf5 = ConstantHashExactFullBlocksOf5.TestCase
+TestFullWithoutCaching = FullWithoutCaching.TestCase
 TestFullBlocksOf1 = FullBlocksOf1.TestCase
 TestFullBlocksOf3 = FullBlocksOf3.TestCase
 TestFullBlocksOf16 = FullBlocksOf16.TestCase
@@ -575,3 +630,220 @@ for _machine in (TieredFullBlocksOf3, ExactTieredFullBlocksOf3):
     _machine.TestCase.settings = SETTINGS
 TestTieredFullBlocksOf3 = TieredFullBlocksOf3.TestCase
 TestExactTieredFullBlocksOf3 = ExactTieredFullBlocksOf3.TestCase
+
+
+class Prices:
+    """A restore cost whose prices move (the engine's measured timings): `version` moves
+    with them, as the contract asks."""
+
+    def __init__(self) -> None:
+        self.per_token = 1.0
+        self.version = 0
+
+    def checkpoint_cost(self) -> float:
+        return 3.0
+
+    def compute_cost(self, num_tokens: int, context_len: int) -> float:
+        return self.per_token * num_tokens
+
+
+class RoutedDualPool(DualPoolCheckpointLifecycle):
+    """test_hybrid_lifecycle.py's dual-pool machine (restore "auto" from 2 checkpoint slots),
+    with the router's path: a prompt packed once and looked up (`lookup_packed`, whose hits
+    an admission of the very prompt takes again while no group's `lookup_stamp` moved),
+    then anything else happens, then it is admitted with `prompt=`: its hit must be what a
+    fresh lookup finds then, and the slots it reads must hold its prefix (the parent's
+    invariants). The restore prices move between them too."""
+
+    def _build(self) -> HybridCacheManager:
+        self.prices = Prices()
+        v4 = DualPoolGroupSpec("v4", 8, replay_len=2, restore="auto", num_checkpoints=2, restore_cost=self.prices)
+        specs = [SPECS[0], SPECS[1], (v4, (8, 4)), (RecurrentGroupSpec("rec", 4), 12)]
+        return HybridCacheManager(specs, CacheDescriptor("prop"), turn_end_checkpoints=True)
+
+    @initialize()
+    def no_prompts(self):
+        self.routed: list = []
+
+    @rule(base=st.sampled_from(BASES), cut=st.integers(1, 20), suffix=tokens, tenant=st.sampled_from(["", "t2"]))
+    def router_lookup(self, base, cut, suffix, tenant):
+        prompt = pack_prompt(base[:cut] + suffix)
+        assert self.m.lookup_packed(prompt, tenant_salt=tenant) == self.m.lookup_prefix(
+            list(prompt.token_ids), tenant_salt=tenant
+        )
+        self.routed.append((prompt, tenant))
+
+    @rule(per_token=st.sampled_from([0.1, 1.0, 10.0]))
+    def reprice(self, per_token):
+        if per_token != self.prices.per_token:
+            self.prices.per_token = per_token
+            self.prices.version += 1
+
+    @precondition(lambda self: self.routed)
+    @rule(target=Lifecycle.requests, data=st.data())
+    def admit_routed(self, data):
+        prompt, tenant = self.routed.pop(data.draw(st.integers(0, len(self.routed) - 1)))
+        if id(prompt.packed) in self.m._looked_up:
+            event("an admission of a kept lookup")
+        admit = self.m.admit
+        self.m.admit = lambda rid, ids, budget, tenant_salt: admit(
+            rid, ids, budget, tenant_salt=tenant_salt, prompt=prompt
+        )
+        try:  # (the parent's admit compares the hit with a fresh lookup_prefix first)
+            rid = Lifecycle.admit(self, list(prompt.token_ids), len(prompt.token_ids), [], tenant, None)
+        finally:
+            del self.m.admit
+        return multiple() if rid is None else rid
+
+
+RoutedDualPool.TestCase.settings = SETTINGS
+TestRoutedDualPool = RoutedDualPool.TestCase
+
+
+class TwinV4(RuleBasedStateMachine):
+    """Two V4 dual-pool caches (one group: the engine's DSV4CacheManager, whose lookups an
+    admission may take again) driven alike, but for the router's path: in A each admission
+    takes a prompt packed and looked up (`lookup_packed`) some operations before, with
+    `prompt=`; in B the same admission comes as a plain list, looked up afresh. A kept
+    lookup is taken only while no `lookup_stamp` moved, so every admission, step and pool
+    must stay equal in A and B; the restore prices move between them too."""
+
+    requests = Bundle("v4_requests")
+    restore, num_checkpoints, checkpoint_blocks = "auto", 2, 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prices = [Prices(), Prices()]
+        self.a, self.b = (self._build(p) for p in self.prices)
+        self.routed: list = []
+        self.last: dict[str, list[int]] = {}  # a request's token ids when last seen live
+        self.next_id = 0
+
+    def _build(self, prices: Prices) -> HybridCacheManager:
+        spec = DualPoolGroupSpec(
+            "v4",
+            4,
+            replay_len=2,
+            restore=self.restore,
+            num_checkpoints=self.num_checkpoints,
+            checkpoint_blocks=self.checkpoint_blocks,
+            restore_cost=prices,
+        )
+        return HybridCacheManager([(spec, (12, 4))], DESC, turn_end_checkpoints=True)
+
+    def _both(self, call):
+        ra, rb = call(self.a), call(self.b)
+        assert ra == rb, (ra, rb)
+        return ra
+
+    @rule(base=st.integers(0, 2), cut=st.integers(1, 24), suffix=st.lists(ALPHABET, max_size=3))
+    def router_lookup(self, base, cut, suffix):
+        prompt = pack_prompt(CacheModel.bases[base][:cut] + suffix)
+        hit = self.a.lookup_packed(prompt)
+        assert hit == self.b.lookup_prefix(list(prompt.token_ids)) == self.a.lookup_prefix(list(prompt.token_ids))
+        self.routed.append(prompt)
+
+    @precondition(lambda self: self.routed)
+    @rule(target=requests, data=st.data(), budget=st.one_of(st.none(), st.integers(1, 9)))
+    def admit_routed(self, data, budget):
+        prompt = self.routed.pop(data.draw(st.integers(0, len(self.routed) - 1)))
+        if id(prompt.packed) in self.a._looked_up:
+            event("an admission of a kept lookup")
+        self.next_id += 1
+        rid = f"v{self.next_id}"
+        ids = list(prompt.token_ids)
+        self.last[rid] = ids
+        admission = self.a.admit(rid, ids, budget, prompt=prompt)
+        assert admission == self.b.admit(rid, list(ids), budget), rid
+        return multiple() if admission is None else rid
+
+    @rule(target=requests, source=requests, suffix=st.lists(ALPHABET, min_size=1, max_size=5))
+    def next_turn(self, source, suffix):
+        """A finished turn's follow-up, looked up by the router first."""
+        if source in self.a:
+            self.last[source] = list(self.a.token_ids(source))
+            if self.a.num_reserved_tokens(source) == self.a.num_computed_tokens(source):
+                self._both(lambda m: m.release(source, "finish"))
+        prompt = pack_prompt(self.last[source] + suffix)
+        self.a.lookup_packed(prompt)
+        self.routed.append(prompt)
+        return multiple()
+
+    @rule(rids=st.lists(requests, min_size=1, max_size=3, unique=True), tok=ALPHABET, chunk=st.integers(1, 6))
+    def step(self, rids, tok, chunk):
+        live = [r for r in rids if r in self.a]
+        if not live:
+            return
+        pending = [r for r in live if self.a.num_reserved_tokens(r) > self.a.num_computed_tokens(r)]
+        if not pending:
+            counts = []
+            for rid in live:
+                known = self.a.num_tokens(rid) - self.a.num_computed_tokens(rid)
+                if not known:
+                    self._both(lambda m, rid=rid: m.append_token_ids(rid, [tok]))
+                    known = 1
+                counts.append(min(chunk, known))
+            if not self._both(lambda m: m.reserve_step(live, counts)):
+                return
+            pending = live
+        counts = [self.a.num_reserved_tokens(r) - self.a.num_computed_tokens(r) for r in pending]
+        nexts = [
+            tok if self.a.num_computed_tokens(r) + n == self.a.num_tokens(r) else None
+            for r, n in zip(pending, counts, strict=True)
+        ]
+        self._both(lambda m: m.commit_step(pending, counts, nexts))
+
+    @rule(rid=requests)
+    def unreserve(self, rid):
+        if rid in self.a:
+            self._both(lambda m: m.unreserve(rid))
+
+    @rule(target=requests, parent=requests)
+    def fork(self, parent):
+        if parent not in self.a or self.a.num_reserved_tokens(parent) != self.a.num_computed_tokens(parent):
+            return multiple()
+        self.next_id += 1
+        child = f"v{self.next_id}"
+        return child if self._both(lambda m: m.fork(parent, child)) else multiple()
+
+    @rule(rid=requests, how=st.sampled_from(["finish", "cancel", "preempt"]))
+    def release(self, rid, how):
+        if rid in self.a:
+            self.last[rid] = list(self.a.token_ids(rid))
+        self._both(lambda m: m.release(rid, how))
+
+    @rule(per_token=st.sampled_from([0.1, 1.0, 10.0]))
+    def reprice(self, per_token):
+        for prices in self.prices:
+            if per_token != prices.per_token:
+                prices.per_token = per_token
+                prices.version += 1
+
+    @invariant()
+    def alike(self):
+        for m in (self.a, self.b):
+            m.check_integrity()
+        views = []
+        for m in (self.a, self.b):
+            pools = [(p.free_queue(), list(map(p.refcount, range(p.num_blocks)))) for p in m.pools]
+            reqs = [
+                (r, m.block_ids(r), m.num_computed_tokens(r), m.num_reserved_tokens(r), list(m.token_ids(r)))
+                for r in sorted(m.request_ids)
+            ]
+            views.append((pools, reqs, m.stats))
+        assert views[0] == views[1]
+
+
+class TwinV4Pooled(TwinV4):
+    restore, num_checkpoints, checkpoint_blocks = "auto", 0, 1
+
+
+class TwinV4Checkpoint(TwinV4):
+    restore, num_checkpoints, checkpoint_blocks = "checkpoint", 2, 0
+
+
+for _machine in (TwinV4, TwinV4Pooled, TwinV4Checkpoint):
+    _machine.TestCase.settings = SETTINGS
+TestTwinV4 = TwinV4.TestCase
+TestTwinV4Pooled = TwinV4Pooled.TestCase
+TestTwinV4Checkpoint = TwinV4Checkpoint.TestCase
