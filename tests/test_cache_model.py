@@ -364,6 +364,13 @@ class CacheModel(RuleBasedStateMachine):
         assert 0 <= hit <= len(prompt) - 1
         assert hit == 0 or (tenant, tuple(prompt[:hit])) in self.computed
         assert hit >= self._expected_floor(prompt, tenant)
+        # the router's path: packed once, looked up (its memo of hashes filled), probed
+        packed = pack_prompt(prompt)
+        assert self.m.lookup_packed(packed, tenant_salt=tenant) == hit
+        for n in range(1, len(prompt) + 1):
+            if not self.m.may_reach(packed, n, tenant_salt=tenant):
+                assert hit < n, (hit, n)
+        assert self._snapshot() == before
 
     # ---- invariants -------------------------------------------------------------------------
 
@@ -482,6 +489,9 @@ class ConstantHashExactFullBlocksOf5(ExactFullBlocksOf5):
         m = super().build()
         m.pool.hasher.digest = lambda data: b"\x00" * 16
         return m
+
+    def _expected_floor(self, prompt, tenant):
+        return 0  # (one block per hash is findable: a collision costs the others their hits)
 
 
 class FullWithoutCaching(FullBlocksOf3):
