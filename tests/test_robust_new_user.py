@@ -117,6 +117,45 @@ def test_a_pool_beyond_the_machine_is_one_line_in_serve_and_generate(capsys, smo
     assert "67108864 blocks" in line and "memory available" in line, line
 
 
+def test_a_tiny_models_pool_beyond_the_machine_is_one_line(capsys, monkeypatch):
+    """The tiny models' pools were not checked: `kvpool run --model tiny-dsv4 --num-blocks
+    99999999999` (or --max-num-seqs, which sizes the state blocks and slots) ended in a
+    MemoryError traceback. Now every model's pool is checked as the Llama one is, to the
+    byte: the classical and state blocks (V4), the attention blocks and state slots (hybrid)."""
+    from kvpool.engine import memory
+    from kvpool.engine.build import build_engine
+    from kvpool.engine.hybrid_runner import attention_for
+    from kvpool.models.tiny_dsv4 import TinyDSV4
+    from kvpool.models.tiny_hybrid import TINY_RECURRENT, TinyHybrid
+    from kvpool.storage.dsv4 import DSV4Pools
+
+    for argv, shown in (
+        (["--model", "tiny-dsv4", "--num-blocks", "99999999999"], "the dual pool of 99999999999 classical and 16 "),
+        (["--model", "tiny-dsv4", "--max-num-seqs", "99999999999"], "and 99999999999 state blocks needs"),
+        (["--model", "tiny-gemma2", "--num-blocks", "99999999999"], "a KV cache of 99999999999 blocks of 16 tokens "),
+        (["--model", "tiny-recurrent", "--max-num-seqs", "99999999999"], "and 399999999996 recurrent state slots"),
+    ):
+        assert main(["run", *argv, "--num-requests", "1"]) == 2
+        err = capsys.readouterr().err
+        assert err.splitlines()[0] == "kvpool run: loading the model" and "Traceback" not in err, err
+        assert len(err.splitlines()) == 2, err
+        line = err.splitlines()[1]
+        assert line.startswith("kvpool run: error: ") and shown in line and "memory available" in line, line
+
+    v4 = TinyDSV4(seed=0)
+    pools = DSV4Pools(v4.spec, 1, 1)
+    need_v4 = 40 * pools.classical_block_bytes() + 16 * pools.state_block_bytes()
+    hybrid = TinyHybrid(TINY_RECURRENT, seed=0)
+    probe = attention_for(hybrid, 1, 8, 1)
+    need_hybrid = 40 * sum(g.bytes_per_token for g in probe.groups.values()) * 8 + 24 * probe.recurrent.bytes_per_slot
+    for model, options, need in ((v4, {}, need_v4), (hybrid, {"block_size": 8, "num_slots": 24}, need_hybrid)):
+        monkeypatch.setattr(memory, "available_memory_bytes", lambda device, n=need: n)
+        build_engine(model, num_blocks=40, **options)  # exactly what the machine has: built
+        monkeypatch.setattr(memory, "available_memory_bytes", lambda device, n=need: n - 1)
+        with pytest.raises(ValueError, match="lower --kv-memory, --num-blocks or --max-num-seqs$"):
+            build_engine(model, num_blocks=40, **options)
+
+
 def test_a_pool_that_fits_is_not_refused():
     from kvpool.engine.memory import check_fits
 

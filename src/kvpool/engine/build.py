@@ -23,7 +23,7 @@ from kvpool.cache import CacheDescriptor
 from kvpool.cache.dual_pool import RestoreMethod
 from kvpool.engine.dsv4_runner import dsv4_runner
 from kvpool.engine.engine import Engine
-from kvpool.engine.hybrid_runner import hybrid_runner
+from kvpool.engine.hybrid_runner import attention_for, hybrid_runner
 from kvpool.engine.llama_runner import kv_format_for, llama_runner
 from kvpool.engine.memory import check_fits, rss_bytes
 from kvpool.kernels import cpu_kernels
@@ -313,23 +313,33 @@ def _dsv4_engine(
     preemption: str = "recompute",
 ) -> Engine:
     kv_format = kv_format or "exact"
+    pools = DSV4Pools(model.spec, 1, 1, entry_format=kv_format, indexer_format=indexer_format)  # (sizes only)
     if num_blocks is None:
         num_blocks = 64
         if kv_memory_bytes is not None:  # classical blocks only: the state blocks come on top
-            pools = DSV4Pools(model.spec, 1, 1, entry_format=kv_format, indexer_format=indexer_format)
             block_bytes = pools.classical_block_bytes()
             num_blocks = kv_memory_bytes // block_bytes
             if num_blocks <= 0:
                 raise ValueError(
                     f"KV memory of {kv_memory_bytes} bytes holds no classical block of {block_bytes} bytes"
                 )
+    # a pool too large for the machine, told in one line (`kvpool run --model tiny-dsv4
+    # --num-blocks 99999999999` or `--max-num-seqs 99999999999`, whose state blocks come
+    # with it, ended in a MemoryError traceback)
+    num_state = max(num_state_blocks, max_num_seqs)
+    check_fits(
+        num_blocks * pools.classical_block_bytes() + num_state * pools.state_block_bytes(),
+        "cpu",
+        f"the dual pool of {num_blocks} classical and {num_state} state blocks",
+        "lower --kv-memory, --num-blocks or --max-num-seqs",
+    )
     host, persistent = _tiers(host_cache_bytes, disk_cache, disk_cache_bytes, redis_url)
     if restore is None:  # chosen per admission by measured costs; the persistent tiers restore by their SWA strategy
         restore = "recompute" if persistent else "auto"
     runner = dsv4_runner(
         model,
         num_blocks,
-        max(num_state_blocks, max_num_seqs),
+        num_state,
         restore=restore,
         num_checkpoints=0 if restore == "recompute" else 8,
         enable_prefix_caching=enable_prefix_caching,
@@ -359,9 +369,22 @@ def _hybrid_engine(
     enable_prefix_caching: bool = True,
     record_logits: bool = False,
 ) -> Engine:
+    num_blocks = 64 if num_blocks is None else num_blocks
+    # (as the dual pool's: --num-blocks or --max-num-seqs, 4 state slots each, past the
+    # machine ended in a MemoryError traceback)
+    probe = attention_for(model, 1, block_size, 1)  # one block and one slot: their sizes
+    block_bytes = sum(g.bytes_per_token for g in probe.groups.values()) * block_size
+    slot_bytes = probe.recurrent.bytes_per_slot if model.recurrent_layers() else 0
+    check_fits(
+        num_blocks * block_bytes + num_slots * slot_bytes,
+        "cpu",
+        f"a KV cache of {num_blocks} blocks of {block_size} tokens"
+        + (f" and {num_slots} recurrent state slots" if slot_bytes else ""),
+        "lower --kv-memory, --num-blocks or --max-num-seqs",
+    )
     runner = hybrid_runner(
         model,
-        64 if num_blocks is None else num_blocks,
+        num_blocks,
         num_slots,
         block_size=block_size,
         checkpoint_interval=checkpoint_interval,
