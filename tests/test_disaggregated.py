@@ -238,3 +238,26 @@ def test_sides_that_cannot_work_are_refused_naming_the_ranks() -> None:
     ):
         with pytest.raises(ValueError, match=message):
             check_sides(prefill, decode, rank, 4)
+
+
+def test_verify_pd_refuses_prompts_too_short_to_move_kv() -> None:
+    """`verify pd --prompt-len 1`: its third prompt, 16 tokens, holds no whole block before its
+    last token, so nothing could move: the run failed "no KV was transferred" after labelling
+    that prompt "nothing to receive (held already)" with 0 tokens cached. Refused up front,
+    naming the flags and the least --prompt-len that moves KV (2 and 34 ran and passed)."""
+    from kvpool.engine.build import load_model
+    from kvpool.verify.disaggregated import check_sizes
+
+    loaded = load_model(device="cpu")
+    check_sizes(loaded, 16, 16, 2)  # a 17-token prompt: one block of 16 moves
+    with pytest.raises(ValueError) as refused:
+        check_sizes(loaded, 16, 16, 1)
+    assert str(refused.value) == (
+        "--prompt-len 1 makes one prompt 16 tokens long, too short to move any KV: it holds no whole "
+        "--decode-block-size 16 block before its last token within whole --prefill-block-size 16 blocks; "
+        "give --prompt-len 2 or more, or smaller block sizes"
+    )
+    check_sizes(loaded, 16, 32, 34)  # a 33-token prompt: one block of 32
+    with pytest.raises(ValueError, match=r"^--prompt-len 33 makes one prompt 32 tokens long, .* --prompt-len 34 or"):
+        check_sizes(loaded, 16, 32, 33)
+    check_sizes(loaded, 5, 7, 1)  # 16 tokens: two blocks of 7 within three of 5

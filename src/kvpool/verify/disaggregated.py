@@ -59,7 +59,8 @@ def check_sizes(loaded, prefill_bs: int, decode_bs: int, prompt_len: int) -> Non
     from kvpool.engine.build import cache_spec_for
     from kvpool.engine.memory import check_fits
 
-    longest = max(len(p) for p in _prompts(loaded.tokenizer, prompt_len))
+    first, _, other = prompts = _prompts(loaded.tokenizer, prompt_len)
+    longest = max(len(p) for p in prompts)
     holds = min(NUM_BLOCKS * min(prefill_bs, decode_bs), loaded.model.config.max_position)
     if longest >= holds:  # (the engine's rule: a prompt leaves room for one output token)
         raise ValueError(
@@ -77,6 +78,35 @@ def check_sizes(loaded, prefill_bs: int, decode_bs: int, prompt_len: int) -> Non
         f"--decode-block-size {decode_bs})",
         "lower the block sizes",
     )
+    # each new prompt must move KV: the decode side's whole blocks before its last token, as
+    # far as the prefill side's whole blocks reach (else the run fails, "no KV was transferred",
+    # and its third prompt showed "nothing to receive (held already)", holding nothing)
+    short = min(len(first), len(other))
+    if transferable(short, prefill_bs, decode_bs):
+        return
+    # the prompts are a fixed instruction each and --prompt-len (or half of it) body tokens
+    c0, c1 = len(first) - prompt_len, len(other) - prompt_len // 2
+    enough = next(
+        (
+            n
+            for n in range(prompt_len + 1, holds)
+            if c0 + n < holds and transferable(min(c0 + n, c1 + n // 2), prefill_bs, decode_bs)
+        ),
+        None,
+    )
+    raise ValueError(
+        f"--prompt-len {prompt_len} makes one prompt {short} tokens long, too short to move any KV: it holds no whole "
+        f"--decode-block-size {decode_bs} block before its last token within whole --prefill-block-size "
+        f"{prefill_bs} blocks; "
+        + (f"give --prompt-len {enough} or more, or smaller block sizes" if enough else "lower the block sizes")
+    )
+
+
+def transferable(num_tokens: int, prefill_bs: int, decode_bs: int) -> int:
+    """Tokens of a `num_tokens`-token prompt a transfer moves: the decode side's whole blocks
+    before the prompt's last token (an admission computes it), as far as the prefill side's
+    cached whole blocks reach."""
+    return min((num_tokens - 1) // decode_bs, num_tokens // prefill_bs * prefill_bs // decode_bs) * decode_bs
 
 
 def run_pd(
