@@ -208,6 +208,21 @@ def _as_rank(monkeypatch, rank: int, world: int, port: int, timeout: str | None 
         monkeypatch.setenv("KVPOOL_DIST_TIMEOUT_S", timeout)
 
 
+def test_verify_cp_refuses_positions_past_smollm2s_before_the_group(capsys) -> None:
+    # --smollm2-prompt 8190 --steps 4: every rank ran the paged check and the 8,190-token
+    # prefill, then stopped on the model's "position 8192 exceeds the model's context 8192"
+    from kvpool.cli.main import main
+
+    assert main(["verify", "cp", "--context", "64", "--batch", "1", "--smollm2-prompt", "8190", "--steps", "4"]) == 2
+    assert capsys.readouterr().err == (
+        "kvpool verify: error: --smollm2-prompt 8190 and --steps 4 reach position 8,192, past SmolLM2's last "
+        "(8,191): --smollm2-prompt + --steps may be at most 8,193\n"
+    )
+    # at the bound, refused only for running outside torchrun
+    assert main(["verify", "cp", "--context", "64", "--batch", "1", "--smollm2-prompt", "8189", "--steps", "4"]) == 2
+    assert "runs under torchrun" in capsys.readouterr().err
+
+
 def test_a_taken_master_port_is_one_line(monkeypatch, capsys) -> None:
     from kvpool.cli.main import main
 

@@ -198,11 +198,24 @@ def run_cp(args: argparse.Namespace) -> int:
     check_fits(
         paged_check_bytes(args.context, args.batch, args.block_size),
         "cpu",
-        f"the paged check's --batch {args.batch} x --context {args.context}",
-        "lower --context or --batch",
+        f"the paged check's --batch {args.batch} x --context {args.context} in blocks of "
+        f"--block-size {args.block_size}",
+        "lower --context, --batch or --block-size",
     )
     if args.smollm2_prompt and args.steps < 2:  # the first token is the prefill's: nothing decoded to check
         raise ValueError(f"--steps {args.steps} decodes nothing after the prefill's token: give --steps 2 or more")
+    # the last decode step feeds the token at position prompt + steps - 2; past SmolLM2's
+    # positions every rank stopped there, after the paged check and the prefill, on the
+    # model's "position 8192 exceeds the model's context 8192", naming no flag
+    from kvpool.spec.models import load_preset
+
+    positions = load_preset("smollm2-135m").max_position_embeddings
+    if args.smollm2_prompt and args.smollm2_prompt + args.steps - 2 >= positions:
+        raise ValueError(
+            f"--smollm2-prompt {args.smollm2_prompt} and --steps {args.steps} reach position "
+            f"{args.smollm2_prompt + args.steps - 2:,}, past SmolLM2's last ({positions - 1:,}): "
+            f"--smollm2-prompt + --steps may be at most {positions + 1:,}"
+        )
     results = run_all(args.context, args.batch, args.block_size, args.smollm2_prompt, args.steps, args.seed)
     if results is None:
         return 0  # not rank 0: rank 0 reports
