@@ -261,3 +261,31 @@ def test_verify_pd_refuses_prompts_too_short_to_move_kv() -> None:
     with pytest.raises(ValueError, match=r"^--prompt-len 33 makes one prompt 32 tokens long, .* --prompt-len 34 or"):
         check_sizes(loaded, 16, 32, 33)
     check_sizes(loaded, 5, 7, 1)  # 16 tokens: two blocks of 7 within three of 5
+
+
+def test_a_landing_tier_too_small_for_a_transfer_keeps_its_first_blocks() -> None:
+    """install() put the blocks in order, so a landing tier of 3 blocks given 8 evicted the
+    first 5 and kept blocks 5..7, which no admission reaches without those before them: the
+    transfer was wasted and the next needed_range asked for all 8 again. The module says a
+    tier too small keeps valid prefix blocks: now it keeps blocks 0..2, and the request hits them."""
+    import torch
+
+    from kvpool.engine.build import build_engine, load_model
+    from kvpool.engine.disaggregated import install, needed_range
+    from kvpool.engine.sampling import SamplingParams
+
+    loaded = load_model(device="cpu")
+    cfg = loaded.model.config
+    block_bytes = 16 * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # fp32 K and V
+    engine = build_engine(loaded, num_blocks=16, block_size=16, host_cache_bytes=3 * block_bytes)
+    landing = engine.runner.host_tier
+    ids = list(range(1000, 1000 + 8 * 16 + 5))
+    k = torch.randn(cfg.num_layers, 8 * 16, cfg.num_kv_heads, cfg.head_dim)
+    install(engine, landing, ids, "", 0, k, k.clone())
+    assert landing.num_entries == 3
+    assert needed_range(engine, landing, ids, "") == (48, 128)  # blocks 0..2 held, 3..7 to move
+    rid = engine.add_request(ids, SamplingParams(max_tokens=1, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.pop_output(rid).num_cached_tokens == 48
+    engine.runner.check_integrity()

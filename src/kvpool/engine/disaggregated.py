@@ -264,7 +264,10 @@ def install(engine: Engine, landing: HostTier, token_ids, tenant: str, start: in
     bs = runner.block_size
     chain = tier_bridge.chain_for(runner.cache, token_ids, tenant)
     layers, t, kvh, d = k.shape
-    for j in range(start // bs, (start + t) // bs):
+    # last block first: a landing tier too small for them all evicts its oldest entries, so
+    # what it keeps is the range's first blocks, a prefix the admission can hit (in order, it
+    # kept the last ones, which no admission reaches without those before them)
+    for j in reversed(range(start // bs, (start + t) // bs)):
         kb = k[:, j * bs - start : (j + 1) * bs - start]  # [layers, bs, kvh, d]
         vb = v[:, j * bs - start : (j + 1) * bs - start]
         tensors = {"k": kb.permute(0, 2, 3, 1).contiguous(), "v": vb.permute(0, 2, 1, 3).contiguous()}
