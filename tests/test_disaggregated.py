@@ -105,7 +105,9 @@ def test_a_prefill_worker_dying_mid_transfer_leaves_nothing_installed() -> None:
     assert procs[1].returncode == 1, outs[1][1][-3000:]  # nothing moved: no pass, but a report
     report = json.loads(outs[1][0].strip().splitlines()[-1])
     (request,) = report["requests"]
-    assert request["outcome"].startswith("broke off") and request["landing_entries"] == 0
+    assert request["outcome"].startswith("broke off: ") and request["landing_entries"] == 0
+    # gloo's reason, not its source path and advice ("[/__w/pytorch/.../pair.cc:553] ... This")
+    assert "pair.cc" not in request["outcome"] and "This" not in request["outcome"], request["outcome"]
     assert request["tokens_received"] == 0 and request["cached_tokens"] == 0 and request["tokens_equal"]
     assert report["transfer"]["num_failed"] == 1
     assert report["passed"] is False and "1 transfer(s) failed" in report["failures"]

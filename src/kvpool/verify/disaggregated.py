@@ -122,7 +122,7 @@ def run_pd(
     from kvpool.engine.build import build_engine, load_model
     from kvpool.engine.disaggregated import Disaggregation, TransferError
     from kvpool.engine.sampling import SamplingParams
-    from kvpool.models.tensor_parallel import check_same_arguments, check_tp, join_group, shard_llama
+    from kvpool.models.tensor_parallel import check_same_arguments, check_tp, gloo_reason, join_group, shard_llama
 
     if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
         raise ValueError("kvpool verify pd runs under torchrun: torchrun --nproc-per-node P+D -m kvpool verify pd")
@@ -187,7 +187,8 @@ def run_pd(
             except RuntimeError as e:  # a sender broke off: gloo reports the closed connection
                 dis.stats.num_failed += 1
                 broken = True
-                outcome = f"broke off: {str(e).splitlines()[0][:120]}"
+                # gloo's first line, without its source path and advice ("Connection closed by peer ...")
+                outcome = f"broke off: {gloo_reason(str(e))[0][:120]}"
         if outcome == "installed" and not received[0]:
             outcome = "nothing to receive (held already)"
         installed_entries = landing.num_entries if landing is not None else 0
