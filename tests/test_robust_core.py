@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from kvpool.cache import CacheDescriptor, FullAttentionManager, HybridCacheManager
+from kvpool.cache import CacheDescriptor, FullAttentionManager, HybridCacheManager, MMItem
 from kvpool.cache.dual_pool import DualPoolGroupSpec
 from kvpool.cache.recurrent import RecurrentGroupSpec
 from kvpool.cache.window import AttentionGroupSpec
@@ -539,3 +539,27 @@ def test_appended_ids_that_are_no_sequence_of_ints_are_named(token_ids, kind) ->
     assert snapshot(m) == before
     m.append_token_ids("a", (t for t in [1, 2]))  # any other iterable of ints joins
     assert m.token_ids("a")[-2:] == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("item", "message"),
+    [
+        (MMItem(1.5, 2, "h"), "start and length must be ints"),
+        (MMItem(1, 2.0, "h"), "start and length must be ints"),
+        (MMItem(True, 2, "h"), "start and length must be ints"),
+        (MMItem(1, 2, b"h"), "its content_hash must be a str"),
+        (MMItem(1, 2, 5), "its content_hash must be a str"),
+    ],
+)
+def test_a_multimodal_item_of_the_wrong_types_is_named(item, message) -> None:
+    """A float start was taken (its blocks' extra keys offset by a fraction), an int hash
+    too, and a bytes hash failed as 'Object of type bytes is not JSON serializable'."""
+    m = _computed_six(CACHES["full"])
+    before = snapshot(m)
+    for call in (lambda: m.lookup_prefix(PROMPT, mm_items=[item]), lambda: m.admit("b", PROMPT, mm_items=[item])):
+        with pytest.raises(TypeError, match=message):
+            call()
+        assert snapshot(m) == before
+    m.check_integrity()
+    ok = (np.int64(1), np.int32(2), "h")  # numpy's ints are ints
+    assert m.lookup_prefix(PROMPT, mm_items=[ok]) == m.lookup_prefix(PROMPT, mm_items=[MMItem(1, 2, "h")])

@@ -112,8 +112,16 @@ class RequestPart(NamedTuple):
 
 
 def check_mm_items(mm_items: Sequence[MMItem], num_tokens: int) -> tuple[MMItem, ...]:
+    """The items as MMItems: start and length ints (numpy's become Python ints), the content
+    hash a str (TypeError naming the item: a float start was taken, and offset the block's
+    key by a fraction; a bytes hash failed as 'Object of type bytes is not JSON
+    serializable'), each within the prompt (ValueError)."""
     items = tuple(MMItem(*item) for item in mm_items)
+    if any(i.start.__class__ is not int or i.length.__class__ is not int for i in items):
+        items = tuple(MMItem(_item_int(i, i.start), _item_int(i, i.length), i.content_hash) for i in items)
     for item in items:
+        if item.content_hash.__class__ is not str:
+            raise TypeError(f"multimodal item {item}: its content_hash must be a str")
         if item.start < 0 or item.length <= 0 or item.start + item.length > num_tokens:
             raise ValueError(f"multimodal item {item} lies outside the prompt of {num_tokens} tokens")
     return items
@@ -130,6 +138,13 @@ MIN_ROWS_CARRIED = 16
 MAX_LOOKED_UP = 8
 # fresh requests (`_fresh`) that a commit's pass finds apart, not by a question at every row
 MAX_FRESH_APART = 8
+
+
+def _item_int(item: MMItem, value: object) -> int:
+    """A multimodal item's position or length as an int; TypeError naming the item."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"multimodal item {item}: start and length must be ints")
+    return value.__index__()  # type: ignore[union-attr]
 
 
 def pack_prompt(
