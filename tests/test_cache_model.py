@@ -407,6 +407,14 @@ class CacheModel(RuleBasedStateMachine):
                     got = self.content[g.name].get(self._slot(rid, g, pos))
                     assert got == (self.tenant[rid], tuple(self.seq[rid][: pos + 1])), (rid, g.name, pos, got)
 
+    @invariant()
+    def usage_adds_up(self):
+        """Held and free blocks make up the pool (one pool: the full-attention caches)."""
+        if len(self.m.pools) == 1:
+            u = self.m.usage()
+            assert u.num_held_blocks + u.num_free_blocks == u.num_blocks, u
+            assert 0 <= u.num_filled_slots <= u.num_held_blocks * u.block_size
+
     def teardown(self):
         for rid in list(self.m.request_ids):
             self.m.release(rid)
@@ -857,3 +865,21 @@ for _machine in (TwinV4, TwinV4Pooled, TwinV4Checkpoint):
 TestTwinV4 = TwinV4.TestCase
 TestTwinV4Pooled = TwinV4Pooled.TestCase
 TestTwinV4Checkpoint = TwinV4Checkpoint.TestCase
+
+
+def test_usage_counts_a_hits_copied_tail_block_while_it_is_held() -> None:
+    """A follow-up hits inside the partial block a finished turn kept (7 of 7 computed tokens,
+    blocks of 5): its table is [block 0, a fresh block for the copy], and it holds the copy's
+    source until its first commit. usage() left the source out: 2 held and 9 free of 12."""
+    m = HybridCacheManager([(AttentionGroupSpec("full", 5), 12)], DESC, turn_end_checkpoints=True)
+    m.admit("a", [1, 2, 3, 4, 5, 6, 7])
+    m.commit_step(["a"], [7], [9])
+    m.release("a", "finish")
+    admission = m.admit("b", [1, 2, 3, 4, 5, 6, 7, 9, 9])
+    (copy,) = admission.groups["full"].copies
+    assert admission.num_cached_tokens == 7 and m.block_ids("b") == [0, copy.dst]
+    usage = m.usage()
+    assert (usage.num_held_blocks, usage.num_free_blocks, usage.num_filled_slots) == (3, 9, 5 + 2 + 2)
+    m.commit_step(["b"], [2], [None])  # the first commit lets the source go
+    usage = m.usage()
+    assert (usage.num_held_blocks, usage.num_free_blocks, usage.num_filled_slots) == (2, 10, 9)

@@ -488,7 +488,10 @@ class AttentionGroup(CacheGroup):
     # ---- invariants and figures ---------------------------------------------------------
 
     def usage(self, states: Iterable[tuple[AttentionState, int]]) -> GroupUsage:
-        """Each physical block once, filled up to the most any holder has computed in it."""
+        """Each physical block once, filled up to the most any holder has computed in it; a
+        hit's copied tail block, held until the first commit, filled with the positions the
+        copy reads from it (it was left out: num_held_blocks + num_free_blocks fell short of
+        the pool while one was held)."""
         bs = self.block_size
         counts: dict[int, int] = {}
         for state, num_computed in states:
@@ -496,6 +499,9 @@ class AttentionGroup(CacheGroup):
                 n = min(bs, max(0, num_computed - (state.first + i) * bs))
                 if n > counts.get(b, -1):
                     counts[b] = n
+            src = state.held_src
+            if src is not None and num_computed % bs > counts.get(src, -1):
+                counts[src] = num_computed % bs
         return GroupUsage(len(counts), sum(counts.values()))
 
     def check_states(self, states: dict[str, Any]) -> None:
