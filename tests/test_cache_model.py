@@ -31,6 +31,7 @@ from kvpool.cache import CacheDescriptor, FullAttentionManager, HybridCacheManag
 from kvpool.cache.coordinator import pack_prompt
 from kvpool.cache.dual_pool import DualPoolGroupSpec
 from kvpool.cache.recurrent import RecurrentGroupSpec
+from kvpool.cache.types import PrefixStats
 from kvpool.cache.window import AttentionGroupSpec
 from kvpool.engine import tier_bridge
 from kvpool.pool.block_table import BlockTableCSR
@@ -62,6 +63,7 @@ class CacheModel(RuleBasedStateMachine):
         self.computed: set[tuple[str, tuple[int, ...]]] = set()  # every prefix ever committed
         self.next_id = 0
         self.full_only = all(g.spec.window is None for g in self.groups)
+        self.stats = PrefixStats()  # what the coordinator's counters must say
 
     # ---- the "runner" ---------------------------------------------------------------------
 
@@ -83,6 +85,11 @@ class CacheModel(RuleBasedStateMachine):
         return part.block_ids[pos // bs - part.first_block] * bs + pos % bs
 
     def _forward(self, rids: list[str], starts: list[int], ends: list[int]) -> None:
+        # the engine's questions about a planned step: it continues each request's computed
+        # tokens within its reservation; the tables it reads are the groups' own
+        assert self.m.first_off_step(rids, starts, ends) is None
+        for g in self.groups:
+            assert self.m.tables(rids, g.name) == [self.m.block_ids(r, g.name) for r in rids]
         self._apply_copies()
         for g in self.groups:
             tables = self.m.step_tables(rids, starts, ends, g.name)
@@ -209,6 +216,9 @@ class CacheModel(RuleBasedStateMachine):
         self.nc[rid] = hit
         assert self.m.num_computed_tokens(rid) == hit
         assert self.m.num_reserved_tokens(rid) >= hit + admission.num_scheduled_tokens
+        self.stats.num_requests += 1
+        self.stats.num_queried_tokens += len(prompt)
+        self.stats.num_hit_tokens += hit
         return rid
 
     def _pending(self, rid: str) -> int:
@@ -408,6 +418,10 @@ class CacheModel(RuleBasedStateMachine):
                     assert got == (self.tenant[rid], tuple(self.seq[rid][: pos + 1])), (rid, g.name, pos, got)
 
     @invariant()
+    def stats_add_up(self):
+        assert self.m.stats == self.stats, (self.m.stats, self.stats)
+
+    @invariant()
     def usage_adds_up(self):
         """Held and free blocks make up the pool (one pool: the full-attention caches)."""
         if len(self.m.pools) == 1:
@@ -590,6 +604,7 @@ class TieredFullBlocksOf3(CacheModel):
             for k, held in enumerate(self.held[key]):
                 slots[block_id * 3 + k] = held
         after = self.m.complete_loads(rid, n)
+        self.stats.num_lower_tier_hit_tokens += n * 3
         assert after.num_cached_tokens == admission.num_cached_tokens - (len(loads) - n) * 3
         return after.num_cached_tokens
 
@@ -634,6 +649,8 @@ class TieredFullBlocksOf3(CacheModel):
                 assert hit == nc
         self.nc[rid] = hit
         assert self.m.num_computed_tokens(rid) == hit
+        self.stats.num_readmissions += 1
+        self.stats.num_readmitted_hit_tokens += hit
 
     @invariant()
     def evicted_blocks_are_saved(self):
@@ -805,6 +822,13 @@ class TwinV4(RuleBasedStateMachine):
                 return
             pending = live
         counts = [self.a.num_reserved_tokens(r) - self.a.num_computed_tokens(r) for r in pending]
+        # the runner's question about the step's reservations: A answers through its decode
+        # memo where it can, B through the naive twin
+        starts = [self.a.num_computed_tokens(r) for r in pending]
+        ends = [s + n for s, n in zip(starts, counts, strict=True)]
+        assert self.a.first_off_step(pending, starts, ends) is None
+        assert self.a.step_reservations(pending, starts, ends) == self.b._each_reservation(pending, starts, ends)
+        assert self.a.tables(pending) == [self.a.block_ids(r) for r in pending]
         nexts = [
             tok if self.a.num_computed_tokens(r) + n == self.a.num_tokens(r) else None
             for r, n in zip(pending, counts, strict=True)
