@@ -752,6 +752,8 @@ class TwinV4(RuleBasedStateMachine):
         self.a, self.b = (self._build(p) for p in self.prices)
         self.routed: list = []
         self.last: dict[str, list[int]] = {}  # a request's token ids when last seen live
+        self.swapped: list[tuple[str, int]] = []  # (request, computed tokens) swapped out
+        self.held: tuple[dict, dict] = ({}, {})  # per cache: request -> the boundary block held
         self.next_id = 0
 
     def _build(self, prices: Prices) -> HybridCacheManager:
@@ -853,6 +855,47 @@ class TwinV4(RuleBasedStateMachine):
         if rid in self.a:
             self.last[rid] = list(self.a.token_ids(rid))
         self._both(lambda m: m.release(rid, how))
+
+    @rule(rid=requests)
+    def swap_out(self, rid):
+        """A preemption that swaps the request's state out (the tier bridge's swap_out): the
+        state's span boundary is held a hit point while the entry waits in the tier."""
+        if rid not in self.a or self.a.num_reserved_tokens(rid) != self.a.num_computed_tokens(rid):
+            return
+        blocks = [tier_bridge.swap_state_block(m, rid) for m in (self.a, self.b)]
+        assert (blocks[0] is None) == (blocks[1] is None)
+        self.last[rid] = list(self.a.token_ids(rid))
+        nc = self.a.num_computed_tokens(rid)
+        for m, block, held in zip((self.a, self.b), blocks, self.held, strict=True):
+            if block is not None:
+                m.hold_swapped_state(block, True)
+                held[rid] = block
+            m.release(rid, "preempt")
+        if blocks[0] is not None:
+            self.swapped.append((rid, nc))
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def swap_in(self, data):
+        """The swapped request comes back (after whatever happened since): admitted again, its
+        boundary let go, and its state restored when the admission hit that boundary."""
+        rid, nc = self.swapped.pop(data.draw(st.integers(0, len(self.swapped) - 1)))
+        ids = self.last[rid]
+        prompt = pack_prompt(ids)
+        self.a.lookup_packed(prompt)
+        admission = self.a.admit(rid, list(ids), prompt=prompt)
+        assert admission == self.b.admit(rid, list(ids))
+        tail = nc % 4
+        for m, held in zip((self.a, self.b), self.held, strict=True):
+            m.hold_swapped_state(held.pop(rid), False)
+        if admission is None:
+            return
+        if (
+            admission.num_cached_tokens == nc - tail
+            and self._both(lambda m: m.swapped_state_refusal(rid, tail)) is None
+        ):
+            event("a swapped state restored")
+            self._both(lambda m: m.restore_swapped_state(rid, tail))
 
     @rule(per_token=st.sampled_from([0.1, 1.0, 10.0]))
     def reprice(self, per_token):
