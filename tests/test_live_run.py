@@ -90,6 +90,24 @@ def test_serve_live_runs_every_turn_and_the_follow_ups_hit_their_first_turns(tur
     assert not fresh.has_unfinished() and fresh.num_steps == 0
 
 
+def test_the_reads_counted_are_every_chunk_the_steps_ran_those_that_finished_included():
+    """kv_read_bytes summed the contexts of `engine.running` after each step, which no longer
+    holds a sequence that finished in it: every request's last step went uncounted (here, 4-
+    token answers, a quarter of the reads; `kvpool run --max-tokens 1`: two thirds), and the
+    report's read_bandwidth_gbps with it. Counted here from the chunks the runner executed."""
+    engine, vocab_size = _tiny_v4(False)
+    execute, ends = engine.runner.execute, []
+
+    def counted_execute(chunks):
+        ends.extend(c.start + len(c.token_ids) for c in chunks)
+        return execute(chunks)
+
+    engine.runner.execute = counted_execute
+    _, run = _serve(engine, vocab_size, 3)
+    assert run.stopped is None and len(ends) > engine.num_steps  # (steps of several chunks)
+    assert run.kv_read_bytes == sum(engine.runner.kv_read_bytes(end) for end in ends)
+
+
 def test_ctrl_c_aborts_what_is_left_and_the_report_covers_what_finished():
     engine, vocab_size = _tiny_v4(True)
     step, calls = engine.step, []

@@ -362,6 +362,13 @@ class Engine:
     def num_steps(self) -> int:
         return self.stats.num_steps
 
+    @property
+    def last_step_sequences(self) -> tuple[SequenceState, ...]:
+        """The sequences the last schedule gave a chunk (the last step's, once it ran), in
+        chunk order: those that finished in it included, which `running` no longer holds
+        (engine/live.py counts their reads)."""
+        return tuple(self._scheduled)
+
     # ---- public API -----------------------------------------------------------------
 
     def add_request(

@@ -18,10 +18,11 @@ by when it joins: the clock decides the order in which arrivals and follow-ups j
 number taken at joining would move from run to run. A given seed is every request's.
 
 Each step is timed on its own (`step_s`: the steps' time, not the sleeps), the runner's
-fragmentation is sampled after it, and every running sequence's whole context is counted as
-read (`kv_read_bytes`: prefills included). Ctrl-C (KeyboardInterrupt, or a subclass a
-SIGTERM handler raises) stops the loop: every unfinished request is aborted, and `stopped`
-holds the exception, so the report covers the requests that finished.
+fragmentation is sampled after it, and the whole context of every sequence it ran is counted
+as read (`kv_read_bytes`: prefills included, and the steps in which requests finished).
+Ctrl-C (KeyboardInterrupt, or a subclass a SIGTERM handler raises) stops the loop: every
+unfinished request is aborted, and `stopped` holds the exception, so the report covers the
+requests that finished.
 
 Tensor parallelism: every rank's engine must see the same requests at the same steps, so
 rank 0's clock decides which arrivals are due and the others follow (one broadcast a step);
@@ -133,8 +134,10 @@ def serve_live(
             fragmentation.append(runner.usage().fragmentation)
             if note_bookkeeping:  # the manager's Python structures at their largest, for the ledger
                 runner.note_bookkeeping()
-            # Every running sequence read its whole context this step (prefills included).
-            kv_read_bytes += sum(runner.kv_read_bytes(s.num_computed) for s in engine.running)
+            # Every sequence the step ran read its whole context (prefills included), those
+            # that finished in it too: counted over `running` after the step, a request's
+            # last step was left out (--max-tokens 1: two thirds of the reads)
+            kv_read_bytes += sum(runner.kv_read_bytes(s.num_computed) for s in engine.last_step_sequences)
             if on_progress is not None:
                 on_progress(len(finished), time.perf_counter() - start)
             for rid in finished:
