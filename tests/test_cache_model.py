@@ -493,6 +493,22 @@ class SharedPoolWindows(CacheModel):
         )
 
 
+class WindowsOnTheGrid(CacheModel):
+    """Windows of exactly one and two blocks (4 and 8, blocks of 4) beside full attention,
+    every group on one shared pool."""
+
+    def build(self):
+        return HybridCacheManager(
+            [
+                (AttentionGroupSpec("full", 4), None),
+                (AttentionGroupSpec("w4", 4, window=4), None),
+                (AttentionGroupSpec("w8", 4, window=8), None),
+            ],
+            DESC,
+            shared_blocks=30,
+        )
+
+
 class ConstantHashWindows(Windows):
     """Every block hashes alike in every pool: the content guard alone tells blocks apart
     (a window finds each block on its own, through `BlockPool.lookup`)."""
@@ -530,8 +546,9 @@ class FullWithoutCaching(FullBlocksOf3):
 
 
 MACHINES = (FullBlocksOf1, FullBlocksOf3, FullBlocksOf16, ExactFullBlocksOf5, Windows, SharedPoolWindows)
-for _machine in (*MACHINES, ConstantHashWindows, ConstantHashExactFullBlocksOf5, FullWithoutCaching):
+for _machine in (*MACHINES, WindowsOnTheGrid, ConstantHashWindows, ConstantHashExactFullBlocksOf5, FullWithoutCaching):
     _machine.TestCase.settings = SETTINGS
+TestWindowsOnTheGrid = WindowsOnTheGrid.TestCase
 TestConstantHashWindows = ConstantHashWindows.TestCase
 TestConstantHashExactFullBlocksOf5 = ConstantHashExactFullBlocksOf5.TestCase
 TestFullWithoutCaching = FullWithoutCaching.TestCase
@@ -950,3 +967,97 @@ def test_usage_counts_a_hits_copied_tail_block_while_it_is_held() -> None:
     m.commit_step(["b"], [2], [None])  # the first commit lets the source go
     usage = m.usage()
     assert (usage.num_held_blocks, usage.num_free_blocks, usage.num_filled_slots) == (2, 10, 9)
+
+
+class Replicas(RuleBasedStateMachine):
+    """Two full-attention replicas of one model (the simulator's router over a fleet): prompts
+    packed once and kept, their hashes memoized in the LookupPrompt and each pool's accepted
+    run, looked up again and again in either replica while requests come and go; every
+    kept lookup, probe and admission with `prompt=` must answer as a fresh list does."""
+
+    requests = Bundle("replica_requests")
+    block_size = 3
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.caches = [self._build(), self._build()]
+        self.kept: list = []
+        self.next_id = 0
+
+    def _build(self) -> HybridCacheManager:
+        return FullAttentionManager(10, self.block_size, DESC)
+
+    @rule(base=st.integers(0, 2), cut=st.integers(1, 30), suffix=st.lists(ALPHABET, max_size=3))
+    def pack(self, base, cut, suffix):
+        self.kept.append(pack_prompt(CacheModel.bases[base][:cut] + suffix))
+
+    @precondition(lambda self: self.kept)
+    @rule(data=st.data(), which=st.integers(0, 1), tenant=st.sampled_from(["", "t"]))
+    def lookup_kept(self, data, which, tenant):
+        prompt = self.kept[data.draw(st.integers(0, len(self.kept) - 1))]
+        m = self.caches[which]
+        fresh = m.lookup_prefix(list(prompt.token_ids), tenant_salt=tenant)
+        assert m.lookup_packed(prompt, tenant_salt=tenant) == fresh
+        for n in range(1, len(prompt.token_ids) + 1):
+            assert m.may_reach(prompt, n, tenant_salt=tenant) or fresh < n, (n, fresh)
+
+    @precondition(lambda self: self.kept)
+    @rule(target=requests, data=st.data(), which=st.integers(0, 1), budget=st.one_of(st.none(), st.integers(1, 5)))
+    def admit_kept(self, data, which, budget):
+        prompt = self.kept[data.draw(st.integers(0, len(self.kept) - 1))]
+        m = self.caches[which]
+        fresh = m.lookup_prefix(list(prompt.token_ids))
+        self.next_id += 1
+        rid = f"x{self.next_id}"
+        admission = m.admit(rid, list(prompt.token_ids), budget, prompt=prompt)
+        if admission is None:
+            return multiple()
+        assert admission.num_cached_tokens == fresh
+        return (which, rid)
+
+    @rule(req=requests, tok=ALPHABET)
+    def step(self, req, tok):
+        which, rid = req
+        m = self.caches[which]
+        if rid not in m:
+            return
+        nc = m.num_computed_tokens(rid)
+        n = m.num_tokens(rid) - nc
+        if not n:
+            m.append_token_ids(rid, [tok])
+            n = 1
+        if m.reserve_step([rid], [n]):
+            m.commit_step([rid], [n], [tok])
+
+    @rule(req=requests, how=st.sampled_from(["finish", "preempt"]))
+    def release(self, req, how):
+        which, rid = req
+        self.caches[which].release(rid, how)
+
+    @invariant()
+    def integrity(self):
+        for m in self.caches:
+            m.check_integrity()
+
+
+class ConstantHashReplicas(Replicas):
+    """Every block hashes alike: the memo's hashes lead to entries of other contents."""
+
+    def _build(self) -> HybridCacheManager:
+        m = super()._build()
+        m.pool.hasher.digest = lambda data: b"\x00" * 16
+        return m
+
+
+class ReplicasOfBlocksOf1(Replicas):
+    block_size = 1
+
+    def _build(self) -> HybridCacheManager:
+        return FullAttentionManager(24, 1, DESC)
+
+
+for _machine in (Replicas, ConstantHashReplicas, ReplicasOfBlocksOf1):
+    _machine.TestCase.settings = SETTINGS
+TestReplicas = Replicas.TestCase
+TestConstantHashReplicas = ConstantHashReplicas.TestCase
+TestReplicasOfBlocksOf1 = ReplicasOfBlocksOf1.TestCase
