@@ -117,6 +117,21 @@ def test_threads_is_checked_for_every_command_that_takes_it(capsys):
         assert "argument --threads: expected a positive integer" in capsys.readouterr().err
 
 
+def test_tiny_dsv4_prompt_ids_are_ascii_decimal_integers():
+    """int() reads other digits and underscores: "٣,٤" (Arabic-Indic) was the prompt 3,4 and
+    "1_0" the id 10, run without a word. Only ASCII decimals (and a sign, for the range's
+    own message) are ids now."""
+    from kvpool.cli.generate_dsv4 import parse_token_ids
+
+    assert parse_token_ids(" 5,17 42,\t0 ", 256) == [5, 17, 42, 0]
+    assert parse_token_ids("+7,007", 256) == [7, 7]
+    for text in ("\u0663,\u0664", "1_0", "\uff15", "5,1e2", "0x10"):
+        with pytest.raises(ValueError, match=r'^tiny-dsv4 takes token ids \(e.g. "5,17,42"\), got '):
+            parse_token_ids(text, 256)
+    with pytest.raises(ValueError, match=r"^tiny-dsv4: token ids must lie in \[0, 256\), got \[-1, 256\]$"):
+        parse_token_ids("3,-1,256", 256)
+
+
 def test_tiny_dsv4_reports_finish_reason_timings_and_checks_the_context(capsys):
     argv = ["generate", "5,17,42,99", "--model", "tiny-dsv4", "--no-chat", "--max-tokens", "3", "--threads", "1"]
     assert main([*argv, "--json"]) == 0

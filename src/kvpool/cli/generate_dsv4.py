@@ -22,11 +22,12 @@ MODEL_NAME = "tiny-dsv4"
 
 
 def parse_token_ids(text: str, vocab_size: int) -> list[int]:
+    """The ids of a prompt such as "5,17,42" or "5 17 42": ASCII decimal integers (int() alone
+    took "٣,٤" as 3,4 and "1_0" as 10, a prompt other than the one typed)."""
     parts = [p for p in re.split(r"[,\s]+", text.strip()) if p]
-    try:
-        ids = [int(p) for p in parts]
-    except ValueError:
-        raise ValueError(f'{MODEL_NAME} takes token ids (e.g. "5,17,42"), got {text!r}') from None
+    if not all(re.fullmatch(r"[+-]?[0-9]+", p) for p in parts):
+        raise ValueError(f'{MODEL_NAME} takes token ids (e.g. "5,17,42"), got {text!r}')
+    ids = [int(p) for p in parts]
     if not ids:
         raise ValueError(f"{MODEL_NAME}: the prompt has no token ids")
     bad = [t for t in ids if not 0 <= t < vocab_size]
