@@ -223,6 +223,40 @@ def test_verify_cp_refuses_positions_past_smollm2s_before_the_group(capsys) -> N
     assert "runs under torchrun" in capsys.readouterr().err
 
 
+# rank 0 of 3 as a bare store: it goes away once another rank has joined the rendezvous
+_STORE_THAT_DIES = """
+import datetime, os, time
+import torch.distributed as dist
+store = dist.TCPStore(
+    "127.0.0.1", int(os.environ["MASTER_PORT"]), 3, is_master=True, wait_for_workers=False,
+    timeout=datetime.timedelta(seconds=60),
+)
+joined = store.num_keys()
+while store.num_keys() <= joined:
+    time.sleep(0.05)
+time.sleep(1.0)
+os._exit(0)
+"""
+
+
+def test_rank_0_gone_while_the_group_forms_is_one_line_without_cpp_frames() -> None:
+    # torch's C++ logger printed "[W ... TCPStore.cpp:138] ... recvValueWithTimeout failed" and
+    # 22 lines of C++ frames before kvpool's one line
+    port = str(_free_port())
+    env = {**os.environ, "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    env.update(OMP_NUM_THREADS="1", KVPOOL_DIST_TIMEOUT_S="60")
+    env.pop("TORCH_CPP_LOG_LEVEL", None)
+    store = subprocess.Popen([sys.executable, "-c", _STORE_THAT_DIES], env={**env, "RANK": "0"})
+    argv = [sys.executable, "-m", "kvpool", "verify", "cp", "--context", "64", "--batch", "1", "--smollm2-prompt", "0"]
+    rank = subprocess.Popen(argv, env={**env, "RANK": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ((code, _, err),) = _finish([rank], timeout=120)
+    store.wait(timeout=60)
+    assert code == 1 and err.count("\n") == 1, err[-3000:]
+    assert err.startswith(f"kvpool verify: error: rank 1 of 3: the process group at 127.0.0.1:{port} did not form ("), (
+        err
+    )
+
+
 def test_a_taken_master_port_is_one_line(monkeypatch, capsys) -> None:
     from kvpool.cli.main import main
 
