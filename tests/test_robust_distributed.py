@@ -239,6 +239,23 @@ os._exit(0)
 """
 
 
+def test_rank_0_never_there_is_one_line_without_cpp_frames() -> None:
+    # torch's C++ logger printed "[E ... socket.cpp:1028] ... The client socket has timed out"
+    # and its C++ frames before kvpool's one line (the in-process tests never see fd 2)
+    port = str(_free_port())
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    env.update(OMP_NUM_THREADS="1", KVPOOL_DIST_TIMEOUT_S="2")
+    env.pop("TORCH_CPP_LOG_LEVEL", None)
+    argv = [sys.executable, "-m", "kvpool", "verify", "cp", "--context", "64", "--batch", "1", "--smollm2-prompt", "0"]
+    ((code, _, err),) = _finish(
+        [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
+    )
+    assert code == 1 and err == (
+        f"kvpool verify: error: rank 1 of 2: rank 0 did not answer at 127.0.0.1:{port} within 2 s "
+        "(KVPOOL_DIST_TIMEOUT_S sets the wait); start rank 0 there with the same MASTER_PORT and WORLD_SIZE\n"
+    ), err[-3000:]
+
+
 def test_rank_0_gone_while_the_group_forms_is_one_line_without_cpp_frames() -> None:
     # torch's C++ logger printed "[W ... TCPStore.cpp:138] ... recvValueWithTimeout failed" and
     # 22 lines of C++ frames before kvpool's one line
@@ -298,15 +315,22 @@ def test_a_rank_without_rank_0_stops_at_the_named_timeout(monkeypatch) -> None:
     assert time.monotonic() - start < 10
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "ten", ""])
+# (1e300: an OverflowError's traceback; 1e10 and 1e-9: every wait over at once, "rank 0 did
+# not answer ... within 1e+10 s")
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "ten", "", "1e300", "1e10", "86401", "1e-9", "0.5"])
 def test_a_bad_group_timeout_is_refused_naming_it(monkeypatch, value) -> None:
     from kvpool.models.tensor_parallel import group_timeout_s
 
     monkeypatch.setenv("KVPOOL_DIST_TIMEOUT_S", value)
-    with pytest.raises(ValueError, match=f"KVPOOL_DIST_TIMEOUT_S must be a positive number of seconds, got {value!r}"):
+    with pytest.raises(ValueError) as refused:
         group_timeout_s()
-    monkeypatch.setenv("KVPOOL_DIST_TIMEOUT_S", "2.5")
-    assert group_timeout_s() == 2.5
+    assert (
+        str(refused.value)
+        == f"KVPOOL_DIST_TIMEOUT_S must be a number of seconds from 1 to 86400 (a day), got {value!r}"
+    )
+    for fine in ("2.5", "1", "86400"):
+        monkeypatch.setenv("KVPOOL_DIST_TIMEOUT_S", fine)
+        assert group_timeout_s() == float(fine)
     monkeypatch.delenv("KVPOOL_DIST_TIMEOUT_S")
     assert group_timeout_s() == 600.0
 

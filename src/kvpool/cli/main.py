@@ -260,12 +260,13 @@ def entry(argv: list[str] | None = None) -> None:
     once: gloo's threads, torn down by the interpreter's exit, can abort it ("terminate called
     without an active exception", status 134) after the one line was printed.
 
-    A rank of a multi-process run (RANK set, by torchrun or by hand) shows only torch's C++
-    errors: its C++ logger printed a warning with a whole C++ backtrace (23 lines of "frame #N:
-    c10d::...") when rank 0's store closed while the group formed, before the command's own
-    line. torch reads TORCH_CPP_LOG_LEVEL once, as it loads; a value the user set is kept."""
+    A rank of a multi-process run (RANK set, by torchrun or by hand) keeps torch's C++ logger
+    quiet: when rank 0's store closed or never answered while the group formed, it printed a
+    warning or an error with a whole C++ backtrace (23 lines of "frame #N: c10d::...") before
+    the command's own line, which says the same (torch's errors reach Python as exceptions).
+    torch reads TORCH_CPP_LOG_LEVEL once, as it loads; a value the user set is kept."""
     if "RANK" in os.environ and "torch" not in sys.modules:
-        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     code = main(argv)
     dist = sys.modules.get("torch.distributed")
     if code == 1 and dist is not None and dist.is_available() and dist.is_initialized():

@@ -52,6 +52,10 @@ LOST_PEER_WAIT_S = 2.0  # how long a failed collective waits to see which peer's
 # KVPOOL_DIST_TIMEOUT_S environment variable sets another.
 GROUP_TIMEOUT_S = 600.0
 TIMEOUT_ENV = "KVPOOL_DIST_TIMEOUT_S"
+# what KVPOOL_DIST_TIMEOUT_S may be: torch's store counts the wait in milliseconds, and a
+# larger one overflowed (1e10 s: every wait over at once, "did not answer within 1e+10 s";
+# 1e300: an OverflowError's traceback); under 1 s, 0 ms (1e-9: the same at once)
+TIMEOUT_RANGE_S = (1.0, 86_400.0)
 
 
 class RankError(RuntimeError):
@@ -219,7 +223,7 @@ def shard_llama(model: LlamaModel, rank: int, world: int, group: dist.ProcessGro
 
 def group_timeout_s() -> float:
     """GROUP_TIMEOUT_S, or KVPOOL_DIST_TIMEOUT_S where set (ValueError naming it unless it is a
-    positive finite number of seconds)."""
+    number of seconds within TIMEOUT_RANGE_S)."""
     text = os.environ.get(TIMEOUT_ENV)
     if text is None:
         return GROUP_TIMEOUT_S
@@ -227,8 +231,9 @@ def group_timeout_s() -> float:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {text!r}")
+    low, high = TIMEOUT_RANGE_S
+    if not (low <= value <= high):  # (nan fails it too)
+        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds from {low:g} to {high:g} (a day), got {text!r}")
     return value
 
 
