@@ -20,6 +20,7 @@ there), moved by the copies the coordinator queues. After every operation:
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
 import torch
@@ -456,7 +457,7 @@ class FullBlocksOf3(CacheModel):
 
 class FullBlocksOf16(CacheModel):
     def build(self):
-        return FullAttentionManager(6, 16, DESC)
+        return FullAttentionManager(10, 16, DESC)
 
 
 class ExactFullBlocksOf5(CacheModel):
@@ -668,6 +669,24 @@ class TieredFullBlocksOf3(CacheModel):
         assert self.m.num_computed_tokens(rid) == hit
         self.stats.num_readmissions += 1
         self.stats.num_readmitted_hit_tokens += hit
+
+    @rule()
+    def flush_to_the_tier(self):
+        """A long prompt of other tokens takes every free block (the cached ones go to the
+        tier), then leaves: the conversations' next turns hit the tier."""
+        num_free = self.m.num_free_blocks
+        if not num_free:
+            return
+        self.next_id += 1
+        rid = f"filler{self.next_id}"
+        filler = [7 + k % 5 for k in range(num_free * 3)]
+        admission = self.m.admit(rid, filler, tenant_salt="filler")
+        assert admission is not None and admission.num_cached_tokens % 3 == 0
+        self._save_evicted()
+        assert self.m.release(rid, "cancel")
+        self.stats.num_requests += 1
+        self.stats.num_queried_tokens += len(filler)
+        self.stats.num_hit_tokens += admission.num_cached_tokens
 
     @invariant()
     def evicted_blocks_are_saved(self):
@@ -1061,3 +1080,77 @@ for _machine in (Replicas, ConstantHashReplicas, ReplicasOfBlocksOf1):
 TestReplicas = Replicas.TestCase
 TestConstantHashReplicas = ConstantHashReplicas.TestCase
 TestReplicasOfBlocksOf1 = ReplicasOfBlocksOf1.TestCase
+
+
+class _Draws:
+    """`st.data()` for a rule called outside hypothesis: integers(lo, hi) from a seeded rng."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+
+    def draw(self, strategy):
+        inner = strategy.wrapped_strategy
+        return self.rng.randint(inner.start, inner.end)
+
+
+def drive(machine: CacheModel, rng: random.Random, num_ops: int) -> None:
+    """A long run of the machine's rules with random arguments (hypothesis's examples stay
+    short): deep states, a full pool, long conversations; every invariant after each."""
+    rids: list[str] = []
+    invariants = [
+        machine.integrity,
+        machine.every_read_position_holds_its_prefix,
+        machine.stats_add_up,
+        machine.usage_adds_up,
+    ]
+    if isinstance(machine, TieredFullBlocksOf3):
+        invariants.append(machine.evicted_blocks_are_saved)
+    toks = lambda n: [rng.randint(0, 2) for _ in range(rng.randint(0, n))]  # noqa: E731
+    chunk = lambda: rng.choice([None, rng.randint(0, 9)])  # noqa: E731
+    for _ in range(num_ops):
+        op = rng.choice(["admit", "follow", "turn", "step", "step", "step", "fork", "back", "release", "look", "swap"])
+        rid = rng.choice(rids) if rids else None
+        live = [r for r in rids if r in machine.m]
+        if live and min(p.num_free for p in machine.m.pools) < 3 and rng.random() < 0.7:
+            op, rid = "release", rng.choice(live)  # (a full pool refuses most admissions)
+        if op == "admit" or rid is None:
+            base = CacheModel.bases[rng.randint(0, 2)]
+            out = machine._admit(
+                base[: rng.randint(0, 40)] + toks(5), rng.choice(["", "t"]), chunk(), rng.random() < 0.5
+            )
+        elif op == "follow":
+            out = machine._admit(machine.seq[rid][: rng.randint(0, 60)] + toks(4), machine.tenant[rid], chunk(), False)
+        elif op == "turn":
+            out = machine.next_turn(rid, toks(4) or [1], chunk())
+        elif op == "step":
+            out = machine.step(
+                rng.sample(rids, min(len(rids), rng.randint(1, 4))), rng.randint(1, 7), 1, rng.randint(0, 3)
+            )
+        elif op == "fork":
+            out = machine.fork(rid)
+        elif op == "back":
+            out = machine.rollback(rid, _Draws(rng))
+        elif op == "release":
+            out = machine.release(rid, rng.choice(["finish", "cancel", "preempt"]))
+        elif op == "look":
+            out = machine.lookup(rng.randint(0, 2), rng.randint(1, 40), toks(4), rng.choice(["", "t"]))
+        elif isinstance(machine, TieredFullBlocksOf3):
+            out = machine.preempt_and_swap(_Draws(rng), rid) if rng.random() < 0.7 else machine.flush_to_the_tier()
+        else:
+            out = None
+        if isinstance(out, str):
+            rids.append(out)
+        for check in invariants:
+            check()
+    machine.teardown()
+
+
+@pytest.mark.parametrize(
+    "machine",
+    [FullBlocksOf3, ExactFullBlocksOf5, Windows, WindowsOnTheGrid, TieredFullBlocksOf3, ExactTieredFullBlocksOf3],
+)
+def test_long_random_runs(machine, monkeypatch) -> None:
+    monkeypatch.setitem(globals(), "event", lambda text: None)  # (hypothesis records events in its tests only)
+    num_runs = max(1, int(os.environ.get("KVPOOL_HYPOTHESIS_EXAMPLES", "300")) // 150)
+    for seed in range(num_runs):
+        drive(machine(), random.Random(seed), 300)
