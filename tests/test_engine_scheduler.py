@@ -20,7 +20,7 @@ from kvpool.cache import CacheDescriptor, FullAttentionManager
 from kvpool.engine.batch_sampler import BatchSampler
 from kvpool.engine.engine import Engine, EngineStats, RequestState, SequenceState, _DecodeColumns, _leads
 from kvpool.engine.runner import ScheduledChunk, StepChunks, step_columns
-from kvpool.engine.sampling import SamplingParams
+from kvpool.engine.sampling import NonFiniteLogitsError, SamplingParams
 
 VOCAB = 97
 
@@ -351,16 +351,29 @@ def test_a_decode_steps_chunks_are_each_sequences_chunk():
     assert num_whole > 20 and engine.stats.num_decode_tokens > 30 and num_columns > 5 and num_cut > 5
 
 
-def _check_columns(engine: Engine) -> None:
-    """The engine's decode columns (if any) describe the leading running sequences as they are."""
+def _check_columns(engine: Engine, read: bool = False) -> None:
+    """The engine's decode columns (if any) describe the leading running sequences as they
+    are, and hold the computed counts of their rows alone (each row's `owner` the engine;
+    no other sequence's). Without reading the sequences' `num_computed` (a read writes the
+    columns' counts back into the rows, so a run checked here takes the engine's own
+    write-backs), unless `read`: then each sequence's count as read is the true one."""
     cols = engine._columns
+    assert engine._owned is cols
+    owned = set() if cols is None else set(map(id, cols.seqs))
+    seqs = [seq for req in engine.requests.values() for seq in req.seqs] + list(engine.waiting)
+    assert all((seq.owner is engine) == (id(seq) in owned) for seq in seqs + list(engine.running))
+    if read:
+        # (a running row of the columns, or taken in a decode: its last token not computed)
+        counts = [seq.num_computed for seq in seqs]
+        assert all(n == len(seq.token_ids) - 1 for n, seq in zip(counts, seqs, strict=True) if id(seq) in owned)
+        assert counts == [seq._num_computed for seq in seqs] and not (owned and engine._columns_moved)
     if cols is None:
         return
     seqs = cols.seqs
     assert seqs and engine.running[: len(seqs)] == seqs
     assert cols.ids == [seq.seq_id for seq in seqs]
     assert all(a is seq.token_ids for a, seq in zip(cols.token_lists, seqs, strict=True))
-    assert cols.computed == [seq.num_computed for seq in seqs] == [len(seq.token_ids) - 1 for seq in seqs]
+    assert cols.computed == [len(seq.token_ids) - 1 for seq in seqs]
     assert cols.last_tokens == [seq.token_ids[-1] for seq in seqs]
     assert cols.row_stop_ids == [seq.request.stop_ids for seq in seqs]
     # the step whose token brings each row to its end length: the next step or later
@@ -413,7 +426,7 @@ def test_a_batch_taken_as_columns_ends_its_rows_as_accept_token_does():
             while engine.has_unfinished():
                 engine.step()
                 runner.check_integrity()
-                _check_columns(engine)
+                _check_columns(engine, read=engine._step_no % 3 == 0)
                 cols = engine._step_columns  # (the step's columns, its leading rows)
                 if cols is not None and inline:
                     num_behind += any(not seq.request.plain for seq in engine._scheduled[len(cols.seqs) :])
@@ -425,9 +438,97 @@ def test_a_batch_taken_as_columns_ends_its_rows_as_accept_token_does():
             outputs.append([[(c.token_ids, c.text, c.finish_reason) for c in o.completions] for o in outs])
             outputs[-1].append([s.logprobs for rid in ids for s in engine.requests[rid].seqs])
             outputs[-1].append([engine.stats.num_decode_tokens, engine.stats.num_prefill_tokens])
+            # (each sequence's computed count, the rows that left the columns' included: each
+            # took its count with it)
+            outputs[-1].append([s.num_computed for rid in ids for s in engine.requests[rid].seqs])
         assert outputs[0] == outputs[1], case
-        reasons.update(c[2] for out in outputs[0][:-2] for c in out)
+        reasons.update(c[2] for out in outputs[0][:-3] for c in out)
     assert reasons == {"stop", "length"} and num_behind > 10
+
+
+def _columns_run(num_blocks: int, event, contain: bool = False) -> tuple[Engine, list[str]]:
+    """Five plain greedy requests of 12 tokens decoding on a batched engine of the columns'
+    twin tests, `event(engine)` called before each step (`engine._step_no` steps done); each
+    step checked without reading a sequence's count (`_check_columns`). contain: the
+    engine's contain_request_faults."""
+    runner = PrefixModelRunner(num_blocks, 4)
+    engine = _twin_engine(runner, 256, 16, True, True)
+    engine.contain_request_faults = contain
+    ids = [engine.add_request([1, 2, 3 + i], SamplingParams(max_tokens=12, ignore_eos=True)) for i in range(5)]
+    while engine.has_unfinished():
+        event(engine)
+        engine.step()
+        runner.check_integrity()
+        _check_columns(engine)
+    return engine, ids
+
+
+def test_the_columns_counts_go_back_to_their_rows_where_a_step_plans_without_them():
+    # The decode columns hold their rows' computed counts (a take moves them on there alone,
+    # `_DecodeColumns.computed`). Where a step is planned without them, each row's count must
+    # be its own again first: a row aborted between steps (the running list no longer begins
+    # with the columns' rows), a step the cache cannot hold (reserved again row by row,
+    # preempting), a step whose batch sampler refused a row (the loop over every chunk).
+    # Nothing here reads a sequence's count between steps (a read writes them back): every
+    # request must still end as it does alone.
+    def abort_at(step_no: int):
+        def event(engine: Engine) -> None:
+            if engine._step_no == step_no:
+                assert engine._columns is not None and len(engine._columns.seqs) == 5
+                assert engine.abort(engine.running[1].request.request_id)  # (a row in the middle)
+
+        return event
+
+    engine, ids = _columns_run(64, abort_at(5))
+    outs = [engine.output(rid).completions[0] for rid in ids]
+    assert [o.finish_reason for o in outs] == ["length", "abort", "length", "length", "length"]
+    assert [o.token_ids for o in outs[::2]] == [expected([1, 2, 3 + i], 12) for i in (0, 2, 4)]
+    assert outs[3].token_ids == expected([1, 2, 6], 12)
+
+    # a pool of 11 blocks of 4 holds the five prompts but not their 15 tokens each: the
+    # columns' step is refused, and the rows reserved one by one preempt the latest
+    planned = []
+    reserve = Engine._reserve_with_preemption
+
+    def watched(engine: Engine):
+        planned.append(engine._plan_columns is not None)
+        return reserve(engine)
+
+    Engine._reserve_with_preemption = watched
+    try:
+        engine, ids = _columns_run(11, lambda engine: None)
+    finally:
+        Engine._reserve_with_preemption = reserve
+    assert engine.num_preemptions > 0 and any(planned)
+    assert [engine.output(rid).completions[0].token_ids for rid in ids] == [
+        expected([1, 2, 3 + i], 12) for i in range(5)
+    ]
+
+    # a batch sampler that refuses row 2 of a step of the columns' rows (its logits not finite)
+    def refuse_at(step_no: int):
+        def event(engine: Engine) -> None:
+            if engine._step_no != step_no - 1:
+                return
+            assert engine._columns is not None and len(engine._columns.seqs) == 5
+            sampler = engine._batch_sampler
+            sample = sampler.sample
+
+            def refusing(*args):
+                del sampler.sample  # (once)
+                tokens = sample(*args)
+                tokens[2] = -1
+                raise NonFiniteLogitsError([2], tokens=tokens)
+
+            sampler.sample = refusing
+
+        return event
+
+    engine, ids = _columns_run(64, refuse_at(6), contain=True)
+    outs = [engine.output(rid) for rid in ids]
+    assert outs[2].error is not None and outs[2].error.startswith("NonFiniteLogitsError")
+    assert [outs[i].completions[0].token_ids for i in (0, 1, 3, 4)] == [
+        expected([1, 2, 3 + i], 12) for i in (0, 1, 3, 4)
+    ]
 
 
 def _faulty_step_runner(kind: str):

@@ -55,7 +55,7 @@ _T = TypeVar("_T")
 # per sequence per step
 _new_chunk = tuple.__new__
 _NEEDS_LOGITS = operator.attrgetter("needs_logits")
-_TOKEN_IDS, _REQUEST, _NUM_COMPUTED = map(operator.attrgetter, ("token_ids", "request", "num_computed"))
+_TOKEN_IDS, _REQUEST, _NUM_COMPUTED = map(operator.attrgetter, ("token_ids", "request", "_num_computed"))
 _STOP_IDS, _END_LEN = map(operator.attrgetter, ("stop_ids", "end_len"))
 LATENCY_SAMPLES = 1 << 16  # admit / reserve_step latencies kept per kind (the latest)
 
@@ -81,7 +81,11 @@ class SequenceState:
     # was handed (no copy of it: the request keeps no other), given back by pop_output cut
     # to the prompt; a forked sequence's is a copy of its parent's
     token_ids: list[int]
-    num_computed: int = 0
+    # its tokens computed, the engine's to set (read `num_computed`): while the sequence is a
+    # row of its engine's decode columns (`owner` not None) the columns' `computed` holds the
+    # count and this slot the count as of when the columns last wrote theirs back (the engine
+    # reads and writes the slot where it knows the row is no column's, or wrote them back)
+    _num_computed: int = 0
     in_runner: bool = False  # admitted (holds cache) in the runner
     finish_reason: str | None = None
     text: str = ""
@@ -95,6 +99,20 @@ class SequenceState:
     # tokens (Engine._text_tail)
     text_tail: deque[int] | None = None
     text_tail_end: int = 0
+    # the engine whose decode columns hold this sequence's computed count (`Engine._owned`),
+    # else None
+    owner: Engine | None = field(default=None, init=False, repr=False)
+
+    @property
+    def num_computed(self) -> int:
+        """Its tokens computed (the next chunk's start): its engine's columns' count while it
+        is a row of them (written back into the sequences first, where a take moved it on),
+        so a reader between or during steps (the server's and the simulator's views, a test)
+        sees the true count."""
+        owner = self.owner
+        if owner is not None and owner._columns_moved:
+            owner._write_back_columns()
+        return self._num_computed
 
     @property
     def output_ids(self) -> list[int]:
@@ -159,7 +177,11 @@ class _DecodeColumns:
     seqs: list[SequenceState]
     ids: list[str]  # seqs[i].seq_id
     token_lists: list[list[int]]  # seqs[i].token_ids: the lists themselves, which the take appends to
-    computed: list[int]  # seqs[i].num_computed = len(token_lists[i]) - 1: the next chunk's start
+    # seqs[i]'s computed count = len(token_lists[i]) - 1: the next chunk's start. While the
+    # columns are the engine's (`Engine._owned`), the count is theirs: a take moves it on
+    # here alone, and it is written back into the sequence where the row leaves (`without`),
+    # the columns are given up, or something reads the sequence's `num_computed`
+    computed: list[int]
     last_tokens: list[int]  # token_lists[i][-1]: the next chunk's one token
     row_stop_ids: list[frozenset[int]]  # seqs[i].request.stop_ids
     # the number of the engine step (`Engine._step_no`) whose token brings seqs[i] to its end
@@ -196,6 +218,11 @@ class _DecodeColumns:
         and a copy and a few deletions cost a third of a filter of every row.) fresh: these
         columns' lists were made for this step alone (`joined`, `_form_columns`), nothing
         else holds them: the rows are deleted from them in place, no copy."""
+        # (the rows that leave take their computed count with them: `computed`)
+        seqs, computed = self.seqs, self.computed
+        for i in rows:
+            seq = seqs[i]
+            seq._num_computed, seq.owner = computed[i], None
         if len(rows) == len(self.seqs):
             return None
         columns = (
@@ -342,6 +369,14 @@ class Engine:
         self._plan_columns: _DecodeColumns | None = None
         self._plan_ends: list[int] = []
         self._step_columns: _DecodeColumns | None = None
+        # The columns whose rows' computed counts are theirs (`_DecodeColumns.computed`; each
+        # row's `owner` is this engine), from the take that formed them (`_next_columns`) until
+        # rows leave them (`without`) or they are given up (`_give_up_columns`): the one of
+        # `_columns` (between steps) and `_step_columns` (in a step, up to its take) that holds
+        # rows, else None. _columns_moved: a take moved the counts on since they were last
+        # written back into the sequences (a read of a row's `num_computed` writes them back)
+        self._owned: _DecodeColumns | None = None
+        self._columns_moved = False
         self.stats = EngineStats()
         # the steps started so far (with chunks), numbering them, a step that raised among
         # them: the decode columns' end_steps count in it, and as `step` drops the columns
@@ -659,7 +694,7 @@ class Engine:
     def _preempt(self, seq: SequenceState, reason: ReleaseReason = "preempt") -> None:
         self.runner.release(seq.seq_id, reason)
         seq.in_runner = False
-        seq.num_computed = 0
+        seq._num_computed = 0
         running = self.running
         if running and running[-1] is seq:  # (the victim is the latest-arrived: no scan of the list from its start)
             running.pop()
@@ -684,9 +719,29 @@ class Engine:
             if seq in self.waiting:  # (a running sequence never waits: no scan of the queue)
                 self.waiting.remove(seq)
 
+    def _write_back_columns(self) -> None:
+        """Each row of the columns the engine owns (`_owned`) given its computed count from
+        them, where a take moved the counts on since they were last written back."""
+        cols = self._owned
+        if cols is not None:
+            for seq, computed in zip(cols.seqs, cols.computed, strict=True):
+                seq._num_computed = computed
+        self._columns_moved = False
+
+    def _give_up_columns(self) -> None:
+        """The columns' counts written back into their rows, which are no column's any more
+        (their own counts theirs again), and no columns kept for the next step."""
+        cols = self._owned
+        if cols is None:
+            return
+        self._write_back_columns()
+        for seq in cols.seqs:
+            seq.owner = None
+        self._owned = self._columns = None
+
     @staticmethod
     def _chunk(seq: SequenceState, n: int) -> ScheduledChunk:
-        start = seq.num_computed
+        start = seq._num_computed
         end = start + n
         tokens = seq.token_ids
         return _new_chunk(ScheduledChunk, (seq.seq_id, tokens[start:end], start, end == len(tokens)))
@@ -710,38 +765,43 @@ class Engine:
                 self._plan_ends = [start + 1 for start in starts]
                 chunks = StepChunks(cols.ids, cols.last_tokens, starts)
                 if k == len(running):
-                    return list(running), cols.ids, [1] * k, chunks  # (the ids shared: `schedule`)
+                    # (the sequences and ids shared: `schedule` copies them before it adds an
+                    # admission; no list of the rows made, nor a reference taken a row)
+                    return cols.seqs, cols.ids, [1] * k, chunks
+                # (the rows after the columns' are no column's: their own counts are theirs)
                 extras = running[k:]
-                counts = [len(seq.token_ids) - seq.num_computed for seq in extras]
+                counts = [len(seq.token_ids) - seq._num_computed for seq in extras]
                 assert min(counts) > 0, "a running sequence always has a token to compute"
                 if sum(counts) <= budget - k:  # every one's whole rest fits
                     chunks.rest += [
                         _new_chunk(
-                            ScheduledChunk, (seq.seq_id, seq.token_ids[seq.num_computed :], seq.num_computed, True)
+                            ScheduledChunk, (seq.seq_id, seq.token_ids[seq._num_computed :], seq._num_computed, True)
                         )
                         for seq in extras
                     ]
                     return list(running), cols.ids + [seq.seq_id for seq in extras], [1] * k + counts, chunks
                 return self._plan_over_budget(extras, budget - k, list(cols.seqs), cols.ids.copy(), [1] * k, chunks)
         self._plan_columns = None
+        if self._columns_moved:  # (not planned from the columns: the rows read their own counts below)
+            self._write_back_columns()
         rows = self._decode_rows
         if rows is not None and len(rows) == len(running) <= budget and running == rows:  # (identity: `_leads`)
             # the running sequences of the last step, a decode of them all that ended none:
             # each has one token to compute (its last), so its count is 1 and its id the last
             # step's (the test of _chunk below holds these to the computed ones too)
             chunks = [
-                _new_chunk(ScheduledChunk, (seq.seq_id, seq.token_ids[seq.num_computed :], seq.num_computed, True))
+                _new_chunk(ScheduledChunk, (seq.seq_id, seq.token_ids[seq._num_computed :], seq._num_computed, True))
                 for seq in running
             ]
-            return list(running), self._decode_ids, [1] * len(running), chunks  # (shared: `schedule`)
-        counts = [len(seq.token_ids) - seq.num_computed for seq in running]
+            return rows, self._decode_ids, [1] * len(running), chunks  # (both shared: `schedule`)
+        counts = [len(seq.token_ids) - seq._num_computed for seq in running]
         if running and sum(counts) <= budget:  # every sequence's whole rest fits (a decode step): list comprehensions
             assert min(counts) > 0, "a running sequence always has a token to compute"
             # (chunk i is _chunk(running[i], counts[i]), below: tests/test_engine_scheduler.py
             # holds them to it; on Python 3.11 these comprehensions beat map() over
             # attrgetters by a third)
             chunks = [
-                _new_chunk(ScheduledChunk, (seq.seq_id, seq.token_ids[seq.num_computed :], seq.num_computed, True))
+                _new_chunk(ScheduledChunk, (seq.seq_id, seq.token_ids[seq._num_computed :], seq._num_computed, True))
                 for seq in running
             ]
             return list(running), [seq.seq_id for seq in running], counts, chunks
@@ -762,7 +822,7 @@ class Engine:
         for seq in running:
             if budget <= 0:
                 break
-            n = min(len(seq.token_ids) - seq.num_computed, budget)
+            n = min(len(seq.token_ids) - seq._num_computed, budget)
             assert n > 0, "a running sequence always has a token to compute"
             seqs.append(seq)
             ids.append(seq.seq_id)
@@ -785,6 +845,8 @@ class Engine:
         rebuilt from their tokens, the prefix cache's hits kept ("cancel": never swapped out
         with the moved state). recompute: release them whatever the cache (a commit that
         raised may have changed it)."""
+        if self._owned is not None:  # (the columns' counts are the rows' again: the step is planned anew)
+            self._give_up_columns()
         if not recompute:
             # (a runner of its own may have no may_reserve_again: its cache is its own, as a
             # paged one, which takes a repeated reservation of the same step)
@@ -807,8 +869,10 @@ class Engine:
         chunks, committing = self._taking, self._committing
         self._taking, self._committing = None, False
         assert chunks is not None
+        if self._owned is not None:  # (each row's count is its own again, set below)
+            self._give_up_columns()
         for seq, chunk in zip(self._scheduled, chunks, strict=True):
-            seq.num_computed = chunk.start
+            seq._num_computed = chunk.start
             if not chunk.needs_logits:  # (its chunk ends inside the known tokens: none taken)
                 continue
             del seq.token_ids[chunk.start + len(chunk.token_ids) :]
@@ -830,7 +894,7 @@ class Engine:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(len(seq.token_ids) - seq.num_computed, budget)
+            n = min(len(seq.token_ids) - seq._num_computed, budget)
             while not self._timed(lambda seq=seq, n=n: self.runner.reserve_step([seq.seq_id], [n])):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -846,9 +910,13 @@ class Engine:
     def schedule(self) -> list[ScheduledChunk] | StepChunks:
         scheduled, ids, counts, chunks = self._plan_running(self.max_num_batched_tokens)
         columns = self._plan_columns
+        if columns is None and self._owned is not None:  # (the step plans its rows without them)
+            self._give_up_columns()
         preempted = False
         if ids and not self._timed(self.runner.reserve_step, ids, counts):
-            columns = None  # (the plan is taken again, sequence by sequence)
+            if columns is not None:  # (the plan is taken again, sequence by sequence, from each row's own count)
+                self._give_up_columns()
+                columns = None
             num_preemptions = self.stats.num_preemptions
             plan = self._reserve_with_preemption()
             preempted = self.stats.num_preemptions > num_preemptions
@@ -886,10 +954,12 @@ class Engine:
                 break
             if ids_shared:
                 ids, ids_shared = ids.copy(), False
+                if scheduled is self._decode_rows or (columns is not None and scheduled is columns.seqs):
+                    scheduled = scheduled.copy()  # (shared with them alike: `_plan_running`)
             self.waiting.popleft()
             seq.prompt = None  # (a readmission after a preemption holds more tokens: packed anew)
             seq.in_runner = True
-            seq.num_computed = admitted.num_cached_tokens
+            seq._num_computed = admitted.num_cached_tokens
             req = seq.request
             if not req.first_admitted:
                 req.first_admitted = True
@@ -998,6 +1068,7 @@ class Engine:
             if gone or columns is None or end != len(columns.seqs):
                 columns = self._next_columns(gone, end, sampled)
             self._columns = columns  # (the step's columns, one token on, where they are all its rows and none ended)
+            self._owned = columns
             if not done and not forks and not failed:  # each of them one token behind now
                 self._decode_rows, self._decode_ids = scheduled, self._step_ids
         else:
@@ -1023,13 +1094,15 @@ class Engine:
                     taken = self._take_inline_tokens(scheduled[head:end], sampled[head:end], done, failed, gone, head)
                     next_token_ids[head : head + len(taken)] = taken
                     head += len(taken)
-                self._columns = self._next_columns(gone, head, sampled)
+                self._columns = self._owned = self._next_columns(gone, head, sampled)
                 num_decode = row = head
+            elif self._owned is not None:  # (the loop below takes the columns' rows too: from their own counts)
+                self._give_up_columns()
             # (slices from head: a StepChunks' leading chunks, all before head, are not made, and
             # the lists' slices copy the few rows after head where islice steps over the rest)
             rest = zip(scheduled[head:], chunks[head:], counts[head:], strict=True)
             for i, (seq, chunk, n) in enumerate(rest, head):
-                seq.num_computed += n
+                seq._num_computed += n  # (no column's row: those before head, or none kept)
                 req = seq.request
                 if n == 1 and chunk.start >= req.num_prompt_tokens:
                     num_decode += 1
@@ -1138,7 +1211,7 @@ class Engine:
         accept = self._accept_token
         for seq, token in zip(islice(self._scheduled, k, None), islice(sampled, k, None), strict=True):
             req = seq.request
-            seq.num_computed += 1
+            seq._num_computed += 1  # (rows after the columns': no column's)
             try:
                 if req.plain and req.first_token_time is not None:  # `step`'s inline path
                     # (one sample, so no sibling failed it; a decode: its chunk, the last
@@ -1150,7 +1223,7 @@ class Engine:
                         continue
                     reason = self._stop_reason(seq, token)
                 else:
-                    if seq.num_computed <= req.num_prompt_tokens:  # (the chunk's start < the prompt's length)
+                    if seq._num_computed <= req.num_prompt_tokens:  # (the chunk's start < the prompt's length)
                         num_in_prompt += 1
                     if failed and req.request_id in failed:  # a sibling sample failed it this step
                         put(None)
@@ -1195,7 +1268,7 @@ class Engine:
                 break
         ended = False
         for seq, token in zip(seqs, sampled, strict=True):
-            seq.num_computed += 1
+            seq._num_computed += 1  # (rows after the columns': no column's)
             tokens = seq.token_ids
             tokens.append(token)
             req = seq.request
@@ -1260,11 +1333,12 @@ class Engine:
         next token ids for the commit; the columns move on one token."""
         ends = self._plan_ends  # (row i's chunk [computed[i], ends[i]): one token)
         any(map(list.append, cols.token_lists, sampled))  # (append returns None: any() runs the map to its end)
-        # (a loop, not map(setattr, ...): on Python 3.11 the loop's store to a slot is
-        # specialized, a third of setattr's generic lookup by name: 2.2 vs 6.6 us at 128 rows)
-        for seq, end in zip(cols.seqs, ends, strict=True):
-            seq.num_computed = end
+        # (each row's computed count moves on in the columns alone: they are the engine's,
+        # `_owned`, and the rows' own counts are written back where read. Not a store a row:
+        # at a fleet run's scale each sequence touched is a likely cache miss)
+        assert cols is self._owned
         cols.computed, cols.last_tokens = ends, sampled
+        self._columns_moved = True
         due = None  # the rows whose token reaches their end length, where the bound says some may
         step_no = self._step_no
         if cols.first_end <= step_no:  # (a bound: then the rows are counted, in C)
@@ -1329,6 +1403,8 @@ class Engine:
         if fresh:
             seqs, ids = self._scheduled, self._step_ids
             more = self._form_columns(seqs[k:end], ids[k:end], sampled[k:end], self._step_no)
+            for seq in more.seqs:  # (their counts the columns' from here: `_owned`)
+                seq.owner = self
             cols = more if cols is None else cols.joined(more)
         if cols is None or not gone:
             return cols
@@ -1431,11 +1507,11 @@ class Engine:
             req = parent.request
             if req.request_id in failed:
                 continue
-            prompt = parent.token_ids[: parent.num_computed]
+            prompt = parent.token_ids[: parent._num_computed]  # (a forking request's: no column's row)
             samples = []
             try:
                 for j in range(1, req.params.n):
-                    child = SequenceState(f"{req.request_id}/{j}", req, j, list(prompt), parent.num_computed, False)
+                    child = SequenceState(f"{req.request_id}/{j}", req, j, list(prompt), parent._num_computed, False)
                     samples.append((child, self._accept_token(child, logits, row, now)))
             except Exception as error:
                 if not self.contain_request_faults:
@@ -1475,7 +1551,7 @@ class Engine:
                     # No room in the batch, or no cache state of its own to be had now (a V4
                     # state block): the child waits like a preempted sequence and is admitted
                     # through the prefix cache later.
-                    child.num_computed = 0
+                    child._num_computed = 0
                     waiting.append(child)
                 req.seqs.append(child)
                 if reason is not None:
