@@ -6,6 +6,7 @@ run, and engine/build.py `limit_model_len`."""
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from kvpool.engine.build import build_engine, limit_model_len
 from kvpool.engine.live import num_live_requests, serve_live
 from kvpool.engine.sampling import SamplingParams, derived_seed
 from kvpool.models.tiny_dsv4 import TinyDSV4
-from kvpool.workload.live import live_token_ids
+from kvpool.workload.live import LiveWorkload, live_token_ids
 from kvpool.workload.metrics import report_notes, run_report
 
 
@@ -248,6 +249,38 @@ def test_unseeded_requests_each_take_a_seed_by_their_place_in_the_workload():
     assert prompts[0] == prompts[1] and runs[0] == runs[1]
     first = ["chat0-t0", "chat1-t0", "chat2-t0", "long0"]
     assert [runs[0][rid] for rid in first] != [runs[2][rid] for rid in first]
+
+
+def test_a_run_of_a_billion_turns_makes_each_requests_parameters_as_it_sends_it(monkeypatch):
+    """`kvpool run --turns 1000000` (24 conversations) made the parameters of every turn the
+    run might send before the first step: 24 million, 6.6 GB and minutes, where the
+    conversations end at the context after a few turns. Each request's seed is computed as
+    it is sent (`request_index`: its place in `request_ids`, with no list of them)."""
+    engine, vocab_size = _tiny_v4(False)
+    # first turns of 320 tokens, each turn 16 more (a 4-token answer, 12 ids), the 700-token
+    # long prompt: a conversation ends at this context after 30 turns
+    limit_model_len(engine, 800)
+    rng = random.Random(0)
+    workload = live_token_ids(vocab_size, 2, 1, rng, seed=0)
+    monkeypatch.setattr(LiveWorkload, "request_ids", lambda self, turns: pytest.fail("every turn listed"))
+    turns = 10**9
+    params = SamplingParams(max_tokens=4, temperature=0.7)
+    run = serve_live(engine, workload, params, turns=turns, request_rate=float("inf"), rng=rng)
+    assert run.stopped is None and run.context_ended == ("chat0-t30", "chat1-t30")
+    assert len(engine.requests) == 2 * 30 + 1
+    for rid, req in engine.requests.items():
+        assert req.params.seed == derived_seed(engine.seed, workload.request_index(rid, turns))
+    assert engine.requests["long0"].params.seed == derived_seed(engine.seed, 2 * turns)
+
+
+def test_request_index_is_the_place_in_request_ids():
+    workload = live_token_ids(50, 3, 2, random.Random(0), seed=0)
+    for turns in (1, 2, 5):
+        ids = workload.request_ids(turns)
+        assert [workload.request_index(rid, turns) for rid in ids] == list(range(len(ids)))
+    for rid in ("chat3-t0", "chat0-t2", "long2", "chat01-t0", "chat0-t-1", "long", "x", "chat0-t0 "):
+        with pytest.raises(ValueError, match=f"^request id {re.escape(repr(rid))} is not one of this workload's"):
+            workload.request_index(rid, 2)
 
 
 def test_a_seed_in_the_parameters_is_every_requests():

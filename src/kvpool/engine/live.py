@@ -12,7 +12,7 @@ no longer fits the context (max_model_len) is not sent, and its conversation end
 the loop sleeps until the next arrival.
 
 Seeds: with `params.seed` None each request samples with its own seed, `derived_seed(
-engine.seed, k)` for the k-th of `workload.request_ids(turns)` (the seed an engine gives its
+engine.seed, k)` for the k-th of `workload.request_ids(turns)` (`workload.request_index`) (the seed an engine gives its
 k-th unseeded request, `Engine.seed_for`), numbered by its place in the workload rather than
 by when it joins: the clock decides the order in which arrivals and follow-ups join, so a
 number taken at joining would move from run to run. A given seed is every request's.
@@ -98,12 +98,17 @@ def serve_live(
     for item in pending:
         engine.check_length(len(item.prompt_ids), item.request_id)
     conversation_of = {request_id(c, 0): c for c in range(len(workload.conversations))}
+
     # each request's parameters: its own seed where params give none (equal prompts drew
-    # equal tokens when every request took one seed), `params` itself where they give one
-    params_of: dict[str, SamplingParams] = {}
-    if params.seed is None:
-        for k, rid in enumerate(workload.request_ids(turns)):
-            params_of[rid] = dataclasses.replace(params, seed=derived_seed(engine.seed, k))
+    # equal tokens when every request took one seed), `params` itself where they give one;
+    # made as each request is sent (a dict of every turn the run might send, made up front,
+    # was 24 million entries for `kvpool run --turns 1000000`: 6.6 GB, minutes, and the
+    # conversations end at the context after a few turns)
+    def params_of(rid: str) -> SamplingParams:
+        if params.seed is not None:
+            return params
+        return dataclasses.replace(params, seed=derived_seed(engine.seed, workload.request_index(rid, turns)))
+
     runner = engine.runner
     fragmentation: list[float] = []
     kv_read_bytes = 0
@@ -120,7 +125,7 @@ def serve_live(
                 due = _rank0_count(tp_model, due)
             for _ in range(due):
                 t, rid, prompt = pending.pop(0)
-                engine.add_request(prompt, params_of.get(rid, params), rid, arrival_time=start + t)
+                engine.add_request(prompt, params_of(rid), rid, arrival_time=start + t)
             if not engine.has_unfinished():
                 if not tp_sync:  # (in slices: an arrival 1e300 s away, a --request-rate of 1e-300,
                     # overflowed time.sleep, "timestamp out of range for platform time_t")
@@ -156,7 +161,7 @@ def serve_live(
                         # add_request's ValueError stopped the whole run, with no report
                         context_ended.append(nid)
                         continue
-                    engine.add_request(prompt, params_of.get(nid, params), nid)
+                    engine.add_request(prompt, params_of(nid), nid)
                     conversation_of[nid] = c
     except KeyboardInterrupt as stop:
         stopped = stop

@@ -22,6 +22,7 @@ Request ids: conversation c's turn k is f"chat{c}-t{k}", long prompt i is f"long
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -83,6 +84,21 @@ class LiveWorkload:
         here is its number (engine/live.py seeds it by that number, not by when it arrives)."""
         ids = [request_id(c, k) for c in range(len(self.first_prompts)) for k in range(turns)]
         return ids + [f"long{i}" for i in range(len(self.long_prompts))]
+
+    def request_index(self, request_id: str, turns: int) -> int:
+        """`request_id`'s place in `request_ids(turns)`, computed without the list (a run of
+        a million turns a conversation makes no list of every turn); ValueError for an id
+        that is not there."""
+        num_first, num_long = len(self.first_prompts), len(self.long_prompts)
+        chat_turn = re.fullmatch(r"chat(0|[1-9][0-9]*)-t(0|[1-9][0-9]*)", request_id)
+        if chat_turn is not None:
+            c, k = int(chat_turn[1]), int(chat_turn[2])
+            if c < num_first and k < turns:
+                return c * turns + k
+        long = re.fullmatch(r"long(0|[1-9][0-9]*)", request_id)
+        if long is not None and int(long[1]) < num_long:
+            return num_first * turns + int(long[1])
+        raise ValueError(f"request id {request_id!r} is not one of this workload's at {turns} turns")
 
 
 # (prompt length, request id) -> None, or a ValueError naming the request whose prompt
