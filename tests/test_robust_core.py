@@ -522,6 +522,7 @@ def test_numpy_sizes_are_ints_and_a_bool_pool_size_is_refused() -> None:
     spec = AttentionGroupSpec("w", np.int64(4), window=np.int32(6))
     assert (spec.block_size, spec.window) == (4, 6) and type(spec.window) is int
     assert BlockPool(np.int64(3)).num_blocks == 3
+    assert FullAttentionManager(np.int64(8), np.int64(4), DESC).num_free_blocks == 8
     with pytest.raises(ValueError, match="its pool size must be a positive int, got True"):
         FullAttentionManager(True, 4, DESC)
 

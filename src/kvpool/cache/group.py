@@ -67,6 +67,8 @@ def check_pool_size(name: str, size: object) -> int:
         )
     if isinstance(size, tuple):
         raise ValueError(f"group {name!r}: a pair of pool sizes is for a dual-pool group only, got {size}")
+    if size.__class__ is not int and not isinstance(size, bool) and hasattr(size, "__index__"):
+        size = size.__index__()  # (numpy's ints: "must be a positive int, got 8" named none of them)
     if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
         raise ValueError(f"group {name!r}: its pool size must be a positive int, got {size!r}")
     return size
