@@ -89,6 +89,27 @@ def test_a_prompt_that_begins_with_a_dash_is_told_to_follow_dashes(capsys, no_lo
     assert _one_error_line(capsys) == "kvpool generate: error: the following arguments are required: prompt"
 
 
+def test_a_prompt_that_begins_with_a_short_options_letter_is_told_to_follow_dashes(capsys, no_loading):
+    """`kvpool generate "-hello there"` is -h with "ello there" glued on, to argparse: the line
+    was "argument -h: ignored explicit argument 'ello there'", naming neither the prompt nor
+    the way to give it. A command with no value to give (run) keeps argparse's line."""
+    for argv, fixed in (
+        (["generate", "-hello there", "--max-tokens", "3"], "kvpool generate --max-tokens 3 -- '-hello there'"),
+        (["generate", "--no-chat", "-hv"], "kvpool generate --no-chat -- -hv"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        word = argv[1] if argv[1] != "--no-chat" else argv[2]
+        assert _one_error_line(capsys) == (
+            f"kvpool generate: error: {word!r} was read as the option -h: give a value that begins with '-' "
+            f"after '--', as in {fixed}"
+        )
+    with pytest.raises(SystemExit):
+        main(["run", "-h5"])
+    assert _one_error_line(capsys) == "kvpool run: error: argument -h: ignored explicit argument '5'"
+
+
 def _available_bytes() -> int:
     from kvpool.engine.memory import available_memory_bytes
 

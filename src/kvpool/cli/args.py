@@ -262,6 +262,14 @@ class Parser(argparse.ArgumentParser):
             message = f"argument {name}: {message[named.end() :]}"
         if message.startswith("the following arguments are required"):
             message += self._dash_value_hint(typed)
+        # a value that begins with a short option's letters (`kvpool generate "-hello there"`
+        # is -h with "ello there" attached): argparse's line named -h and no prompt
+        glued = re.fullmatch(r"argument (-\w): ignored explicit argument .*", message, re.S)
+        takes_values = any(not a.option_strings and a.nargs != argparse.PARSER for a in self._actions)
+        end = typed.index("--") if "--" in typed else len(typed)
+        word = next((w for w in typed[:end] if glued and w.startswith(glued[1]) and w != glued[1]), None)
+        if word is not None and takes_values:
+            message = f"{word!r} was read as the option {glued[1]}: {self._after_dashes(typed, word)}"
         self.exit(2, f"{self.prog}: error: {message}\n")
 
     def _dash_value_hint(self, typed: list[str]) -> str:
@@ -275,17 +283,18 @@ class Parser(argparse.ArgumentParser):
         ]
         if not stray:
             return ""
+        return f" ({stray[0]} was read as an option: {self._after_dashes(typed, stray[0])})"
+
+    def _after_dashes(self, typed: list[str], word: str) -> str:
+        """How to pass `word`, a value that begins with "-": the command typed, `word` moved after "--"."""
         rest = list(typed)
-        rest.remove(stray[0])
+        rest.remove(word)
         if "--" in rest:
-            rest.insert(rest.index("--") + 1, stray[0])
+            rest.insert(rest.index("--") + 1, word)
         else:
-            rest += ["--", stray[0]]
+            rest += ["--", word]
         fixed = " ".join(map(shlex.quote, rest))
-        return (
-            f" ({stray[0]} was read as an option: give a value that begins with '-' after '--', "
-            f"as in {self.prog} {fixed})"
-        )
+        return f"give a value that begins with '-' after '--', as in {self.prog} {fixed}"
 
 
 def add_host_cache_argument(parser: argparse.ArgumentParser) -> None:
