@@ -85,6 +85,12 @@ def test_a_bad_flag_or_value_is_one_line_and_status_2(capsys: pytest.CaptureFixt
         (["run", "--max-seqs", "0"], f"kvpool run: error: argument --max-seqs: {positive}"),  # the name typed
         (["serve", "-tp", "2"], "kvpool serve: error: unrecognized arguments: -tp 2"),
         (["run", "--max-nun-seqs", "4"], "kvpool run: error: unrecognized arguments: --max-nun-seqs 4; did you mean "),
+        # an option typed after "--" (a value there): "did you mean --max-tokens?" named the option typed
+        (
+            ["generate", "--", "-hi", "--max-tokens", "3"],
+            "kvpool generate: error: unrecognized arguments: --max-tokens 3 (--max-tokens comes after '--', where "
+            "every word is a value: give the options before '--')\n",
+        ),
         (["bench", "engine", "--block-size", "x"], "kvpool bench engine: error: argument --block-size: expected a"),
         (["run", "--kv-memory", "12X"], "kvpool run: error: argument --kv-memory: expected a size such as 256MiB"),
         (["plan", "--gpu-memory-utilization", "1.5"], "kvpool plan: error: argument --gpu-memory-utilization: "),

@@ -141,6 +141,11 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.N
         known = {s: a.option_strings[0] for a in command._actions for s in a.option_strings}
         close = difflib.get_close_matches(unknown[0].split("=")[0], list(known), n=1)
         hint = f"; did you mean {known[close[0]]}?" if close and unknown[0].startswith("-") else ""
+        # an option after "--" is a value there (`kvpool generate -- "-hi" --max-tokens 3` read
+        # "did you mean --max-tokens?", the very option typed)
+        after = argv[argv.index("--") + 1 :] if "--" in argv else []
+        if unknown[0].split("=")[0] in known and unknown[0] in after:
+            hint = f" ({unknown[0]} comes after '--', where every word is a value: give the options before '--')"
         command.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     return args
 
