@@ -104,16 +104,14 @@ class _Twins:
     """Two caches driven alike: `fast` through reserve_step / step_reservations /
     commit_step (the memo), `twin` through their naive twins. shared: the requests are
     admitted with share_ids (each cache its own lists, grown here as the engine grows its
-    sequences: a sampled id appended before the commit that names it), where the fast
-    cache's memo keeps its rows' counts lazily (`_behind`); a fork's child has ids of its
-    own (then no row is lazy)."""
+    sequences: a sampled id appended before the commit that names it); a fork's child has
+    ids of its own."""
 
     def __init__(self, paged: bool, shared: bool = False) -> None:
         def build() -> HybridCacheManager:
             if paged:
                 return FullAttentionManager(24, 4, DESC)
-            # (shared: a finish keeps its turn end, from the computed count of a row that
-            # leaves, which must not lag: `_pop_request` writes it back)
+            # (shared: a finish keeps its turn end, at the computed count of the row that leaves)
             return DSV4CacheManager(SPEC, 12, 4, DESC, turn_end_checkpoints=shared)
 
         self.fast, self.twin = build(), build()
@@ -132,9 +130,7 @@ class _Twins:
         return m.admit(rid, ids, budget, share_ids=True)
 
     def computed(self, rid: str) -> int:
-        """The request's computed count, read from the twin (no memo: a read of the fast
-        cache's would write its lagging counts back, `_flush`, and the lifecycle would not
-        carry them lagging from step to step)."""
+        """The request's computed count, read from the twin (the cache without a memo)."""
         return self.twin.num_computed_tokens(rid)
 
     def known(self, m: HybridCacheManager, rid: str) -> int:
@@ -167,14 +163,11 @@ class _Twins:
     def commit(self, m: HybridCacheManager, ids: list[str], counts: list[int], nexts: list[int | None]) -> None:
         (m.commit_step if m is self.fast else m._commit_each)(ids, counts, nexts)
 
-    def check(self, full: bool = True) -> None:
-        """Both caches' integrity; full: their counts, ids, free queues and usage equal too
-        (reads that write the fast cache's lagging counts back)."""
+    def check(self) -> None:
+        """Both caches' integrity, and their counts, ids, free queues and usage equal."""
         views = []
         for m in self.both:
             m.check_integrity()
-            if not full:
-                continue
             views.append(
                 (
                     [(r, m.num_computed_tokens(r), m.num_reserved_tokens(r), m.token_ids(r)) for r in m.request_ids],
@@ -182,8 +175,7 @@ class _Twins:
                     m.usage(),
                 )
             )
-        if full:
-            assert views[0] == views[1]
+        assert views[0] == views[1]
 
 
 OPS = st.lists(
@@ -198,7 +190,7 @@ OPS = st.lists(
 )
 
 
-@pytest.mark.parametrize("shared", [False, True])  # (shared: the fast cache's memo rows lazy)
+@pytest.mark.parametrize("shared", [False, True])  # (shared: admitted with share_ids)
 @settings(max_examples=60, deadline=None)
 @given(paged=st.booleans(), ops=OPS)
 # (V4 steps whose reserved step is undone, named one off, or committed before the query)
@@ -352,7 +344,7 @@ def _lifecycle(paged: bool, ops: list, shared: bool = False) -> None:
                             t.append(m, r, n)
                 fits = [_answer(m.reserve_step, ids, [1] * len(ids)) for m in t.both]
                 assert fits[0] == fits[1]
-                t.check(full=not shared)
+                t.check()
                 if fits[0] is not True:
                     break
                 starts = [t.computed(r) for r in ids]
@@ -380,7 +372,7 @@ def _lifecycle(paged: bool, ops: list, shared: bool = False) -> None:
                 # row without one, in both, nothing changed
                 done = t.commit_both(ids, [1] * len(ids), nexts)
                 assert done[0] == done[1]
-                t.check(full=not shared)
+                t.check()
                 if done[0] is not None:
                     assert paged and not n % 5 and not repeat
                     break
@@ -411,19 +403,14 @@ def _same_answer(t: _Twins, ids: tuple[str, ...], starts: list[int], ends: list[
 def test_the_reserved_step_memo_is_dropped_wherever_counts_move() -> None:
     # `step_reservations` answers the step `_reserve_decodes` reserved from its memo, which
     # holds while no request's `end` or `num_computed` moved: every function of the
-    # coordinator that writes either drops the memo before its first write (`_drop_memo`,
-    # which writes its lagging counts back first, or a memo path's taking it over:
-    # `self._decode_step, self._behind = None, False`), but the write-back itself and
-    # `_admit`, whose caller `admit` sets the memo aside (its new request is no row of it)
+    # coordinator that writes either drops the memo before its first write
     tree = ast.parse(inspect.getsource(coordinator))
     writers = {}
     for func in ast.walk(tree):
-        if not isinstance(func, ast.FunctionDef) or func.name in ("_write_back", "_admit"):
+        if not isinstance(func, ast.FunctionDef):
             continue
         first_write = first_drop = None
         for node in ast.walk(func):
-            if isinstance(node, ast.Call) and ast.unparse(node.func) == "self._drop_memo":
-                first_drop = min(first_drop or node.lineno, node.lineno)
             pairs: list[tuple[ast.expr, ast.expr | None]] = []  # (target, its value where known)
             if isinstance(node, ast.Assign):
                 for target in node.targets:
@@ -440,50 +427,8 @@ def test_the_reserved_step_memo_is_dropped_wherever_counts_move() -> None:
                     first_drop = min(first_drop or node.lineno, node.lineno)
         if first_write is not None:
             writers[func.name] = first_drop is not None and first_drop < first_write
-    assert len(writers) >= 11 and "_reserve_decodes" in writers, sorted(writers)
+    assert len(writers) >= 12 and "_reserve_decodes" in writers, sorted(writers)
     assert [name for name, dropped in writers.items() if not dropped] == []
-    assert "self._decode_step = None" not in inspect.getsource(coordinator).replace(
-        "        self._decode_step = None\n",
-        "",
-        1,  # (`_drop_memo`'s own)
-    ), "a memo dropped without its counts written back: `_drop_memo`"
-
-
-# The functions that read a request's counts with the decode-step memo's rows possibly
-# lagging (`_behind`), each knowing it: the memo paths, which own the lag (they carry it or
-# write it back first), and check_integrity, which reads a lagging row's counts from the memo
-LAG_AWARE = {"_reserve_decodes", "_commit_decodes", "_commit_chunks", "_fresh_decodes", "check_integrity"}
-# the calls that write lagging counts back (`_get`, `_step_requests` call `_flush`;
-# `_pop_request` writes back the row that leaves)
-FLUSHES = {"self._flush", "self._drop_memo", "self._get", "self._step_requests", "self._pop_request"}
-
-
-def test_every_reader_of_a_requests_counts_writes_the_lagging_ones_back_first() -> None:
-    # A request's `end` and `num_computed` lag the decode-step memo between the decode
-    # steps' memo paths (`_behind`): every other function that reads either calls a flush
-    # first, or reads them only from the memo paths' rows they vouch for (step_reservations:
-    # its memo's rows on the period, written at the reserve; `_flush` where it reads others)
-    tree = ast.parse(inspect.getsource(coordinator))
-    late = {}
-    for func in ast.walk(tree):
-        if not isinstance(func, ast.FunctionDef) or func.name in LAG_AWARE:
-            continue
-        first_read = first_flush = None
-        for node in ast.walk(func):
-            if (
-                isinstance(node, ast.Attribute)
-                and node.attr in ("end", "num_computed")
-                and isinstance(node.ctx, ast.Load)
-            ):
-                if ast.unparse(node.value) != "self":
-                    first_read = min(first_read or node.lineno, node.lineno)
-            if isinstance(node, ast.Call) and ast.unparse(node.func) in FLUSHES:
-                first_flush = min(first_flush or node.lineno, node.lineno)
-        if first_read is not None and (first_flush is None or first_flush > first_read):
-            late[func.name] = (first_read, first_flush)
-    # (step_reservations reads its memo's rows on the period, written by `_reserve_decodes`,
-    # before it flushes for the rows it checks)
-    assert sorted(late) == ["step_reservations"], late
 
 
 def test_the_reserved_step_memo_answers_as_the_loop() -> None:
@@ -862,30 +807,3 @@ def test_the_memos_tuple_is_made_when_a_tuple_is_first_compared_with_it() -> Non
     m.commit_step(ids, [1] * 3, [3] * 3)
     assert [m.num_computed_tokens(r) for r in ids] == [8, 8, 8] and m._resolved_list == ids
     m.check_integrity()
-
-
-def test_a_row_that_leaves_with_its_counts_lagging_keeps_its_turn_end_where_it_is_computed() -> None:
-    # Two share_ids rows decode three steps: the memo holds their counts (r0's fields still
-    # say 20, its prompt), r1's written where its step ends on the span (32). r0 finishes
-    # with its next token named (no hole): its release reads its computed count, 23, for the
-    # turn end it keeps, which a lookup of its ids then finds there
-    m = DSV4CacheManager(SPEC, 12, 4, DESC, turn_end_checkpoints=True)
-    lists = {}
-    for rid, n in (("r0", 20), ("r1", 30)):
-        lists[rid] = ids = _ids(n, offset=n)
-        admitted = m.admit(rid, ids, share_ids=True)
-        assert admitted is not None
-        ids.append(1)
-        m.commit_step([rid], [admitted.num_scheduled_tokens], [1])
-    rows = ["r0", "r1"]
-    for step in range(3):
-        assert m.reserve_step(rows, [1, 1])
-        for rid in rows:
-            lists[rid].append(step + 2)
-        m.commit_step(rows, [1, 1], [step + 2, step + 2])
-        m.check_integrity()
-    assert m._behind and [req.num_computed for req in m._resolved] == [20, 32]  # (lagging, and written)
-    assert m.release("r0", "finish")
-    m.check_integrity()
-    assert m.group_hit_points(lists["r0"]) == {"v4": [0, 16, 23]}
-    assert (m.num_computed_tokens("r1"), m.num_reserved_tokens("r1")) == (33, 33)

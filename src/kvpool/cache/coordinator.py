@@ -43,7 +43,6 @@ from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from itertools import islice
 from typing import Any, NamedTuple, Protocol
 
 from kvpool.cache.group import CacheGroup, LowerTier
@@ -243,9 +242,8 @@ class _LookedUp(NamedTuple):
 
 
 # The decode-step memo (`HybridCacheManager._decode_step`, see its __init__): rows, ends,
-# the rows on the decode period, pending, starts, the ids of the rows without a next token,
-# the gap to the period
-_DecodeMemo = tuple[list[_Request], list[int], list[_Request], bool, list[int] | None, list[str], int]
+# the rows on the decode period, pending, starts, the ids of the rows without a next token
+_DecodeMemo = tuple[list[_Request], list[int], list[_Request], bool, list[int] | None, list[str]]
 
 
 class HybridCacheManager:
@@ -360,27 +358,8 @@ class HybridCacheManager:
         # Last, not pending only, the holes: the ids of the rows whose next token id is not
         # known (no token given: a request that finished in the step, or a joiner's prompt
         # ended without its sampled id). A hole may stay for the next step: the memo vouches
-        # for the other rows only, and the next reserve checks a hole as a new row. Last, the
-        # gap: a bound, at least 1, on the steps of one token every row may take from its end
-        # before one of them ends on the decode period (row i's distance, `(-ends[i]) %
-        # period or period`, is at least it: one more step moves it one nearer, the bound of
-        # any of the rows too), or 0 where it is not known: while it is above 1, the next
-        # reserve finds no memo row on the period without a pass over the rows' ends
+        # for the other rows only, and the next reserve checks a hole as a new row
         self._decode_step: _DecodeMemo | None = None
-        # Whether the memo's rows' `end` and `num_computed` lag it (the memo holds them: a
-        # committed memo's row i is computed and reserved to ends[i], a pending one's computed
-        # to ends[i] - 1 and reserved to ends[i]): the memo paths of a decode step
-        # (`_reserve_decodes`, `_commit_decodes`, `_commit_chunks`) move the memo's ends
-        # alone, no `_Request` touched a row a step, where every row is a shared request
-        # (`_num_own`: none of the coordinator's own arrays to append to) and none is fresh.
-        # `_flush` writes them back, the one place: every other reader of a request's counts
-        # calls it first (`_get` does; tests/test_coordinator_resolve.py holds the source to
-        # it), `_drop_memo` before the memo goes. Written eagerly all the same, never lagging:
-        # the rows the groups see (on the period at the reserve, changed at the commit) and a
-        # committed memo's holes (the rows that finish, which leave next: `_pop_request`
-        # flushes a row that leaves lagging)
-        self._behind = False
-        self._num_own = 0  # requests with token ids of the coordinator's own (not share_ids)
         self._preempted: set[str] = set()  # released by preemption, not yet admitted again
         # The requests whose admission's lower-tier blocks are still loading (`num_loading`,
         # until `complete_loads`): a commit that names one is refused (`commit_step`), one
@@ -496,7 +475,6 @@ class HybridCacheManager:
         request). KeyError for an unknown id, ValueError for lists of other lengths."""
         if not len(request_ids) == len(starts) == len(ends):
             raise ValueError(f"{len(request_ids)} requests, {len(starts)} starts, {len(ends)} ends")
-        self._flush()
         requests = self._requests
         try:
             # (`_resolve`: the step's ids are the reserve's, or they with the joiners at the end)
@@ -520,8 +498,6 @@ class HybridCacheManager:
         self._requests[req.request_id] = req
         self._requests_version += 1
         req.joined_at = self._requests_version
-        if not req.shared:
-            self._num_own += 1
 
     def _pop_request(self, request_id: str) -> _Request | None:
         """The one place a request leaves `_requests` (None: it was not there): `_resolve`'s
@@ -531,16 +507,13 @@ class HybridCacheManager:
         req = self._requests.pop(request_id, None)
         if req is not None:
             self._requests_version += 1
-            if not req.shared:
-                self._num_own -= 1
             if req.num_loading:
                 self._loading.discard(request_id)
             left = self._left
             if left is None or len(left) >= MAX_LEFT_CARRIED or not self._requests:
                 self._resolved, self._resolved_list, self._resolved_tuple, self._left = [], [], (), None
                 self._resolved_distinct = None  # (the empty memo's: known by no step yet)
-                self._drop_memo()
-                self._carried = None
+                self._decode_step = self._carried = None
             else:
                 left.append(request_id)
                 memo = self._decode_step
@@ -548,28 +521,8 @@ class HybridCacheManager:
                 # reserve carries it to the rows that stay (`_reserve_decodes`); a pending
                 # one goes (its step's passes read every row of it)
                 if memo is not None and (memo[3] or memo[0] is not self._resolved):
-                    self._drop_memo()
-                elif self._behind and request_id not in memo[5]:  # type: ignore[index]
-                    # the request leaves lagging (a hole, which finished, was written at the
-                    # commit): its caller reads its counts (`release`)
-                    self._flush()
+                    self._decode_step = None
         return req
-
-    def _flush(self) -> None:
-        """The decode-step memo's counts written back into its rows' `_Request`s where they
-        lag it (`_behind`); the memo stays. Every reader of a request's `end` or
-        `num_computed` but the memo paths calls this first (`_get` does)."""
-        if self._behind:
-            self._behind = False
-            _write_back(self._decode_step)  # type: ignore[arg-type]
-
-    def _drop_memo(self) -> None:
-        """The decode-step memo goes (the counts move next, or a step's passes read its rows):
-        its counts first (`_flush`)."""
-        if self._behind:
-            self._behind = False
-            _write_back(self._decode_step)  # type: ignore[arg-type]
-        self._decode_step = None
 
     def _resolve(self, request_ids: Sequence[str], keep: bool = True) -> list[_Request]:
         """A step's requests, in order; KeyError (the dict's, the id alone) for an unknown
@@ -604,7 +557,7 @@ class HybridCacheManager:
         else:  # (its ids list: the ids, a list no caller holds, never changed after)
             reqs, distinct, ids = carried
         if self._left:  # a committed decode-step memo's rows that left are known by `_left` only
-            self._drop_memo()
+            self._decode_step = None
         self._resolved_list, self._resolved_tuple = ids, None
         self._resolved, self._resolved_at = reqs, self._requests_version
         self._left, self._resolved_distinct = [], distinct
@@ -662,9 +615,6 @@ class HybridCacheManager:
         return len(set(request_ids)) == len(request_ids)
 
     def _get(self, request_id: str) -> _Request:
-        """The request, its counts written (`_flush`); KeyError naming an unknown id."""
-        if self._behind:
-            self._flush()
         try:
             return self._requests[request_id]
         except KeyError:
@@ -777,8 +727,6 @@ class HybridCacheManager:
                 return out
             # the rows after them (a joiner's chunk) as below
             reqs, starts, ends = reqs[k:], starts[k:], ends[k:]
-        else:
-            self._flush()  # (every row's counts are read below)
         for req, start, end in zip(reqs, starts, ends, strict=True):
             if start != req.num_computed or end != req.end:
                 self._not_reserved(req.request_id, start, end)  # raises
@@ -797,7 +745,6 @@ class HybridCacheManager:
     ) -> dict[str, Reservation]:
         """`step_reservations` request by request, every group asked about each: the naive
         twin of its decode-period path (tests/test_dsv4_cache.py holds them equal)."""
-        self._flush()
         requests, groups, exact = self._requests, self._group_list, self.exact_steps
         out: dict[str, Reservation] = {}
         for request_id, start, end in zip(request_ids, starts, ends, strict=True):
@@ -814,7 +761,6 @@ class HybridCacheManager:
 
     def _not_reserved(self, request_id: str, start: int, end: int) -> None:
         """`step_reservations`' error for a step that is not the request's reserved one."""
-        self._flush()
         req = self._requests.get(request_id)
         if req is None:
             raise KeyError(f"unknown request {request_id!r}")
@@ -901,7 +847,6 @@ class HybridCacheManager:
         """Table blocks of every group, each physical block counted once (a dual pool's
         classical blocks whole by construction); recurrent slots and dual-pool state blocks
         as state blocks."""
-        self._flush()
         held = filled = num_state = num_free_state = 0
         reqs = self._requests.values()
         for name, g in self.groups.items():
@@ -954,7 +899,7 @@ class HybridCacheManager:
         the request's fresh block (`CacheGroup.partial_block`) before its first step: they
         count as computed (a token is left to compute). Returns the admission the engine
         follows. ValueError, nothing changed, naming why they cannot be (`restore_refusal`)."""
-        self._drop_memo()  # (the counts move below)
+        self._decode_step = None  # (the counts move below)
         num_tokens = _int_counts((num_tokens,), "a restore's token count", (request_id,))[0]
         refusal = self.restore_refusal(request_id, num_tokens)
         if refusal is not None:
@@ -998,7 +943,7 @@ class HybridCacheManager:
         token is left to compute) and the group's restore is done ("swap"). Returns the
         admission the engine follows. ValueError, nothing changed, naming why it cannot be
         (`swapped_state_refusal`)."""
-        self._drop_memo()  # (the counts move below)
+        self._decode_step = None  # (the counts move below)
         num_tokens = _int_counts((num_tokens,), "a restore's token count", (request_id,))[0]
         refusal = self.swapped_state_refusal(request_id, num_tokens)
         if refusal is not None:
@@ -1298,40 +1243,10 @@ class HybridCacheManager:
         names: they are in the list already). TypeError for a token_ids that is no list."""
         if share_ids and type(token_ids) is not list:
             raise TypeError(f"share_ids needs the caller's list of token ids, got {type(token_ids).__name__}")
-        # (the counts move in `_admit`: the new request's only, which is no row of the
-        # decode-step memo, so the memo comes back, its rows lagging as they did, whatever the
-        # admission's outcome: a mixed step's decodes reserved before the joiners' admissions
-        # keep it through step_reservations and commit)
-        memo, behind = self._decode_step, self._behind
-        self._decode_step, self._behind = None, False
-        try:
-            return self._admit(
-                request_id,
-                token_ids,
-                max_new_tokens,
-                tenant_salt,
-                mm_items,
-                descriptor,
-                prompt,
-                check_packing,
-                share_ids,
-            )
-        finally:
-            self._decode_step, self._behind = memo, behind
-
-    def _admit(
-        self,
-        request_id: str,
-        token_ids: Sequence[int],
-        max_new_tokens: int | None,
-        tenant_salt: str,
-        mm_items: Sequence[MMItem],
-        descriptor: CacheDescriptor | None,
-        prompt: LookupPrompt | None,
-        check_packing: bool,
-        share_ids: bool,
-    ) -> Admission | None:
-        """`admit` with the decode-step memo set aside (no request of it changes here)."""
+        # (the counts move below: the new request's only, which is no row of the decode-step
+        # memo, so an admission that succeeds gives the memo back: a mixed step's decodes
+        # reserved before the joiners' admissions keep it through step_reservations and commit)
+        memo, self._decode_step = self._decode_step, None
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already admitted")
         if max_new_tokens is not None:
@@ -1400,6 +1315,7 @@ class HybridCacheManager:
         req.readmitted = request_id in self._preempted
         self._count_admission(req)
         step = self._apply_reserve([req], [end]) if n else {}
+        self._decode_step = memo  # (its rows were admitted before this request, which joined last)
         return Admission(point, n, self._admission_parts(req, admit_copies, step))
 
     def _admission_parts(
@@ -1431,7 +1347,7 @@ class HybridCacheManager:
         in order. The rest (a lower-tier entry gone or refused since admission) are computed
         instead: the returned Admission is the one the engine must follow, its first step
         starting after the loaded blocks."""
-        self._drop_memo()  # (the counts move below)
+        self._decode_step = None  # (the counts move below)
         req = self._get(request_id)
         num_loaded = _int_counts((num_loaded,), "num_loaded", (request_id,))[0]
         loading = [(name, g) for name, g in self.groups.items() if g.loads(req.states[name])]
@@ -1454,7 +1370,6 @@ class HybridCacheManager:
         return Admission(req.num_computed, n, self._admission_parts(req))
 
     def _count_admission(self, req: _Request) -> None:
-        self._flush()  # (a no-op: `admit` sets the memo aside; the rule of every reader of counts)
         if req.readmitted:
             self._preempted.discard(req.request_id)
             self.stats.num_readmissions += 1
@@ -1486,14 +1401,12 @@ class HybridCacheManager:
             )
         if len(set(request_ids)) != len(request_ids):
             raise ValueError(f"a request appears twice in {list(request_ids)}")
-        self._flush()  # (its callers read the counts)
         try:
             return list(map(self._requests.__getitem__, request_ids))  # (the engine's path: once per step)
         except KeyError as missing:
             raise KeyError(f"unknown request {missing.args[0]!r}") from None
 
     def _check_reserve(self, req: _Request, num_new_tokens: int) -> None:
-        self._flush()
         if req.num_loading:
             raise ValueError(f"request {req.request_id!r} has lower-tier blocks to load (complete_loads first)")
         if self.exact_steps and req.end != req.num_computed:
@@ -1523,7 +1436,7 @@ class HybridCacheManager:
         self, reqs: list[_Request], ends: list[int], detail: bool = True
     ) -> dict[str, list[GroupReservation] | None]:
         """Every group's part of the step, per request; the requests' reserved ends move."""
-        self._drop_memo()  # (the counts move below)
+        self._decode_step = None  # (the counts move below)
         parts = {g.name: g.apply_reserve(reqs, ends, detail=detail) for g in self._group_list}
         if self.exact_steps:
             for req, end in zip(reqs, ends, strict=True):
@@ -1559,7 +1472,7 @@ class HybridCacheManager:
         cache), every group is exactly as it was before the reservation; out of order, each
         group's `unreserve` says what it restores. Nothing reserved: nothing done.
         ValueError, nothing done, when a group cannot (`CacheGroup.can_unreserve`)."""
-        self._drop_memo()  # (the counts move below)
+        self._decode_step = None  # (the counts move below)
         req = self._get(request_id)
         if req.end == req.num_computed:
             return
@@ -1600,10 +1513,7 @@ class HybridCacheManager:
         holes (rows without their next token id), or, the batch changed since (rows left,
         rows joined at the end), its rows that stayed, holes excepted; the others checked.
         `_reserve_each` is its naive twin (tests/test_dsv4_cache.py holds them equal)."""
-        # (this pass owns the committed memo and its rows' lag: it carries them to its own
-        # memo, or writes them back, `_write_back`, before any row's counts are read or moved)
-        committed, behind = self._decode_step, self._behind
-        self._decode_step, self._behind = None, False
+        committed, self._decode_step = self._decode_step, None
         memo_ids = left = None  # the committed memo's ids and those that left since, for a carry
         if committed is not None and not committed[3] and committed[0] is self._resolved:
             memo_ids, left = self._resolved_list, self._left  # (`_resolve` replaces, never changes, them)
@@ -1611,8 +1521,6 @@ class HybridCacheManager:
         try:
             reqs = self._resolve(request_ids)
         except KeyError:
-            if behind:
-                _write_back(committed)  # type: ignore[arg-type]
             return None
         carried, self._carried = self._carried, None  # (`_resolve_changed`'s deletions, if it carried)
         touched: list[_Request] = []
@@ -1637,37 +1545,14 @@ class HybridCacheManager:
         # The step `_commit_decodes` or `_commit_chunks` committed, nothing moved since (the
         # memo's invariant): a row it vouches for is computed to its end with no step
         # pending, nothing loading, its next token id known: its step [end, end + 1) needs
-        # no check. Lazy (no request of the coordinator's own ids: `_behind`), the new memo
-        # holds the rows' counts, and only the rows on the period, which the groups see, are
-        # written; else every row's end moves here, its counts written first where they lag
-        n = len(kept)
-        lazy = n and not self._num_own
-        if behind and not lazy:  # (the rows' counts are read or moved below)
-            _write_back(committed)  # type: ignore[arg-type]
-            behind = False
-        gap = 0  # (the new memo's: not known)
-        if lazy:
-            ends = [end + 1 for end in kept]
-            gap = committed[6] - 1  # type: ignore[index]  # (a bound of every row's: of the kept rows' too)
-            if gap < 1:  # a row may end on the period: every row's distance to it (its end's on it: period)
-                far = [-end % period or period for end in ends]
-                gap = min(far)
-                if period in far:
-                    for i in [i for i, d in enumerate(far) if d == period]:
-                        req = reqs[i]
-                        req.end = end = ends[i]
-                        req.num_computed = end - 1
-                        touched.append(req)
-            moved = touched.copy()  # (the memo's rows whose end moved)
-        else:
-            for req, end in zip(reqs, kept, strict=False):  # (the first len(kept) rows)
-                req.end = end = end + 1
-                ends.append(end)
-                if not end % period:
-                    touched.append(req)
-            moved = None  # (the memo's rows whose end moved: all, `reqs[:n]`)
-        if n < len(reqs):
-            for req in reqs[n:]:  # the rows joined since: checked
+        # no check
+        for req, end in zip(reqs, kept, strict=False):  # (the first len(kept) rows)
+            req.end = end = end + 1
+            ends.append(end)
+            if not end % period:
+                touched.append(req)
+        if len(kept) < len(reqs):
+            for req in reqs[len(kept) :] if kept else reqs:  # the rows joined since: checked
                 nc = req.num_computed
                 if req.end != nc or req.num_loading or nc >= len(req.token_ids):
                     break  # (a request listed twice: its second entry finds its step reserved)
@@ -1675,27 +1560,19 @@ class HybridCacheManager:
                 ends.append(nc)
                 if not nc % period:
                     touched.append(req)
-                far = -nc % period or period
-                if far < gap:
-                    gap = far
             if len(ends) < len(reqs):  # undo the ends moved before the request at fault
-                for req in [*(reqs[:n] if moved is None else moved), *reqs[n : len(ends)]]:
+                for req in reqs[: len(ends)]:
                     req.end -= 1
-                if behind:  # (after the ends: a hole of it among the rows checked is set back too)
-                    _write_back(committed)  # type: ignore[arg-type]
                 return None
         if touched:
             touched_ends = [req.end for req in touched]
             if not self._fits(self._needs(touched, touched_ends)):
-                for req in [*(reqs[:n] if moved is None else moved), *reqs[n:]]:
+                for req in reqs:
                     req.end -= 1
-                if behind:
-                    _write_back(committed)  # type: ignore[arg-type]
                 return False
             for g in self._group_list:  # `_apply_reserve`, whose loop over the ends is done above
                 g.apply_reserve(touched, touched_ends, detail=False)
-        self._decode_step = (reqs, ends, touched, True, starts, [], gap)
-        self._behind = bool(lazy)
+        self._decode_step = (reqs, ends, touched, True, starts, [])
         if reqs is self._resolved:  # (a row named twice finds its step reserved: these are distinct)
             self._resolved_distinct = True  # (which lets `_resolve_changed` carry the next change)
         return True
@@ -1723,7 +1600,6 @@ class HybridCacheManager:
     def _reserve_each(self, request_ids: Sequence[str], num_new_tokens: Sequence[int]) -> bool:
         """`reserve_step` request by request: every request checked, then the groups asked
         about every request that takes anything."""
-        self._flush()  # (the counts are read below)
         if self._loading and not self.exact_steps:
             # a step inside a loading request's reserved blocks takes nothing, so the checks
             # below never see it; it would write the blocks its loads fill: refused as `reserve`
@@ -1836,43 +1712,17 @@ class HybridCacheManager:
         listed twice, or its commit is not of one reserved token whose id is known: then
         every change is undone (None: nothing changed). `_commit_each` is its naive twin
         (tests/test_dsv4_cache.py holds them equal)."""
-        # (the counts move below; this pass owns the reserved memo and its rows' lag: it
-        # carries them to its own memo, or writes them back before any row's counts are read)
-        reserved, behind = self._decode_step, self._behind
-        self._decode_step, self._behind = None, False
+        reserved, self._decode_step = self._decode_step, None  # (the counts move below)
         period, exact = self._commit_period, self.exact_steps
         try:
             reqs = self._resolve(request_ids)
         except KeyError:
-            if behind:
-                _write_back(reserved)  # type: ignore[arg-type]
             return None
         if not exact and not self._distinct(request_ids, reqs):
             return None  # (exact steps: a request's second entry finds its one token committed)
         changed: list[_Request] = []
         i = 0  # rows committed (the checked loop counts them; the memo's loop, all or the one at fault)
         memo = reserved is not None and reserved[3] and reqs is reserved[0]
-        if memo and not self._num_own and not self._fresh and period == self._decode_period:
-            # The step `_reserve_decodes` reserved, nothing moved since, every row a shared
-            # request (no id to append) and none fresh: the committed memo holds the rows'
-            # counts (computed to ends[i], `_behind`), the same ends; written are the rows the
-            # groups commit (on the period: their end was written at the reserve) and the
-            # holes (the rows without a next token id, which finish: they leave lagging none)
-            ends = reserved[1]  # type: ignore[index]
-            holes = []
-            if None in next_token_ids:
-                for i in [i for i, next_token_id in enumerate(next_token_ids) if next_token_id is None]:
-                    req = reqs[i]
-                    req.num_computed = req.end = ends[i]
-                    holes.append(req.request_id)
-            changed = reserved[2]  # type: ignore[index]
-            for req in changed:
-                req.num_computed = req.end
-            self._decode_step = (reqs, ends, [], False, None, holes, reserved[6])  # type: ignore[index]
-            self._behind = True
-            return changed
-        if behind:  # (the rows' counts are read or moved below)
-            _write_back(reserved)  # type: ignore[arg-type]
         try:
             if memo:
                 # The step `_reserve_decodes` reserved, nothing moved since: row i's reserved
@@ -1891,7 +1741,7 @@ class HybridCacheManager:
                 else:
                     changed = [req for req, end in zip(reqs, reserved[1], strict=True) if not end % period]
                 # the next step's reserve needs no check of the other rows (see __init__)
-                self._decode_step = (reqs, reserved[1], [], False, None, holes, reserved[6])
+                self._decode_step = (reqs, reserved[1], [], False, None, holes)
             else:
                 for req, next_token_id in zip(reqs, next_token_ids, strict=True):
                     nc = req.num_computed + 1
@@ -1933,20 +1783,13 @@ class HybridCacheManager:
         committed memo over all its rows (see __init__), the rows without their next token
         id (or loading) among its holes. `_commit_each` is its naive twin
         (tests/test_dsv4_cache.py holds them equal)."""
-        # (the counts move below; this pass owns the reserved memo and its rows' lag, as
-        # `_commit_decodes`)
-        reserved, behind = self._decode_step, self._behind
-        self._decode_step, self._behind = None, False
+        reserved, self._decode_step = self._decode_step, None  # (the counts move below)
         period, exact, fresh = self._commit_period, self.exact_steps, self._fresh
         try:
             reqs = self._resolve(request_ids)
         except KeyError:
-            if behind:
-                _write_back(reserved)  # type: ignore[arg-type]
             return None
         if not self._distinct(request_ids, reqs):
-            if behind:
-                _write_back(reserved)  # type: ignore[arg-type]
             return None
         changed: list[_Request] = []
         # A few fresh requests (the joiners, whose chunks change the groups anyway) are
@@ -1957,21 +1800,12 @@ class HybridCacheManager:
             k = len(reserved[0])
             if not (reqs[:k] == reserved[0] and num_tokens[:k].count(1) == k):
                 k = 0
-        # Lazy (as `_commit_decodes`' memo path): the memo's rows are not written, but for
-        # its holes and the rows the groups commit, once every row is through
-        lazy = k and not self._num_own and not ask_fresh and period == self._decode_period
-        if behind and not lazy:  # (the rows' counts are read or moved below)
-            _write_back(reserved)  # type: ignore[arg-type]
-            behind = False
         req = None
         i = 0  # (the memo's rows committed: all, or the one at fault)
         failed = False
         holes: list[str] = []  # the memo's rows whose next token id is not given
         try:
-            if lazy:
-                i = k
-                changed = reserved[2].copy()  # type: ignore[index]  # (the rows after are appended)
-            elif k:
+            if k:
                 # The decodes `_reserve_decodes` reserved, nothing moved since (the memo's
                 # invariant): row i's step is its one token [ends[i] - 1, ends[i]), nothing
                 # to check; the rows on the decode period are the memo's (`_commit_decodes`)
@@ -2013,30 +1847,16 @@ class HybridCacheManager:
             req.num_computed -= 1 if i < k else n  # (its count moved, its token did not join)
             failed = True
         if failed:  # undo the rows before the one at fault, latest first (`req`: distinct rows)
-            for j in reversed(range(k if lazy else 0, i if i < k else reqs.index(req))):
+            for j in reversed(range(i if i < k else reqs.index(req))):
                 req = reqs[j]
                 req.num_computed -= num_tokens[j]
                 if next_token_ids[j] is not None and not req.shared:
                     req.token_ids.pop()
-            if behind:  # (lazy: the memo's rows, not moved, lag the reserved memo)
-                _write_back(reserved)  # type: ignore[arg-type]
             return None
-        if lazy:  # the memo's holes and the rows the groups commit written (their end: at the reserve)
-            ends = reserved[1]  # type: ignore[index]
-            if None in islice(next_token_ids, k):
-                for j in [j for j, next_token_id in enumerate(islice(next_token_ids, k)) if next_token_id is None]:
-                    req = reqs[j]
-                    req.num_computed = req.end = ends[j]
-                    holes.append(req.request_id)
-            for req in reserved[2]:  # type: ignore[index]
-                req.num_computed = req.end
-        if fresh and not ask_fresh and self._fresh_decodes(request_ids, reqs, num_tokens, reserved[1] if lazy else ()):  # type: ignore[index]
+        if fresh and not ask_fresh and self._fresh_decodes(request_ids, reqs, num_tokens):
             # a fresh request's one-token commit off the period (a fork's first decode, say):
             # the groups see it too, in step order (the order groups publish in decides which
-            # copy is findable); the memo's rows read, their counts first
-            if lazy:
-                _write_back((reqs[:k], reserved[1], [], False, None, [], 0))  # type: ignore[index]
-                lazy = False
+            # copy is findable)
             changed = [
                 req
                 for req, n in zip(reqs, num_tokens, strict=True)
@@ -2051,39 +1871,22 @@ class HybridCacheManager:
             # cache of dual-pool groups only, the groups with a decode period, none of which
             # loads: its lower tier installs blocks at `prefetch_candidates`, no admission's
             # `loads`)
-            gap, on = reserved[6], self._decode_period  # type: ignore[index]
             for req in reqs[k:]:
-                nc = req.num_computed
-                if len(req.token_ids) <= nc:
+                if len(req.token_ids) <= req.num_computed:
                     holes.append(req.request_id)
-                far = -nc % on or on  # type: ignore[operator]
-                if far < gap:
-                    gap = far
-            self._decode_step = (
-                reqs,
-                reserved[1] + [req.num_computed for req in reqs[k:]],
-                [],
-                False,
-                None,
-                holes,
-                gap,
-            )
-            self._behind = bool(lazy)
+            self._decode_step = (reqs, reserved[1] + [req.num_computed for req in reqs[k:]], [], False, None, holes)
         return changed
 
-    def _fresh_decodes(
-        self, request_ids: Sequence[str], reqs: list[_Request], num_tokens: Sequence[int], lagging: Sequence[int]
-    ) -> bool:
+    def _fresh_decodes(self, request_ids: Sequence[str], reqs: list[_Request], num_tokens: Sequence[int]) -> bool:
         """Whether a fresh request's row in a committed step is a one-token commit off the
-        commit period (which the pass over the rows left out of the changed ones). `lagging`:
-        the computed counts of the leading rows whose fields lag (a lazy commit's memo rows)."""
+        commit period (which the pass over the rows left out of the changed ones)."""
         period = self._commit_period
         for request_id in self._fresh:
             try:
                 i = request_ids.index(request_id)
             except ValueError:
                 continue  # (not in this step)
-            if num_tokens[i] == 1 and (lagging[i] if i < len(lagging) else reqs[i].num_computed) % period:
+            if num_tokens[i] == 1 and reqs[i].num_computed % period:
                 return True
         return False
 
@@ -2100,7 +1903,7 @@ class HybridCacheManager:
         """`commit_step` request by request: every request checked, then changed. The naive
         twin of the fast paths, and the contract they trust: a share_ids request's named next
         ids are in the caller's list already (checked here only)."""
-        self._drop_memo()  # (the counts move below)
+        self._decode_step = None  # (the counts move below)
         reqs = self._step_requests(request_ids, num_tokens, next_token_ids)
         if not reqs:
             return
@@ -2203,7 +2006,7 @@ class HybridCacheManager:
         Not exact steps: the parent gives up its reservation past its computed tokens (the
         shared tail is read-only for both; each side copies it on its next write).
         ValueError, nothing changed, when the parent's lower-tier loads are pending."""
-        self._drop_memo()  # (the counts move below)
+        self._decode_step = None  # (the counts move below)
         parent = self._get(parent_id)
         if parent.num_loading:
             # its blocks past the computed prefix await their data: the truncation below would
@@ -2239,7 +2042,7 @@ class HybridCacheManager:
         req = self._get(request_id)
         if req.shared:
             raise ValueError(f"request {request_id!r} reads its token ids from the caller's list (share_ids)")
-        self._drop_memo()  # (the counts move below)
+        self._decode_step = None  # (the counts move below)
         if req.num_loading:  # (its loads sit right after the computed prefix: complete_loads counts on it)
             raise ValueError(f"request {request_id!r} has lower-tier blocks to load (complete_loads first)")
         num_computed_tokens = _int_counts((num_computed_tokens,), "num_computed_tokens", (request_id,))[0]
@@ -2316,12 +2119,8 @@ class HybridCacheManager:
         if self._resolved_distinct is not None:
             assert self._resolved_distinct == (len(set(self._resolved_list)) == len(self._resolved_list))
         memo = self._decode_step
-        # Each request's counts: its fields', or, where they lag (`_behind`), the memo's
-        counts = {id(req): (req.num_computed, req.end) for req in self._requests.values()}
-        assert not self._behind or memo is not None, "counts lag a memo that is gone"
-        assert self._num_own == sum(not req.shared for req in self._requests.values()), "the own-ids count"
         if memo is not None:  # the last decode step's memo (see __init__)
-            reqs, ends, touched, pending, starts, holes, gap = memo
+            reqs, ends, touched, pending, starts, holes = memo
             assert starts is None or (pending and starts == [end - 1 for end in ends]), "the memo's starts"
             assert not (pending and holes), "a pending memo's rows all know their token ids"
             period = self._decode_period
@@ -2334,12 +2133,7 @@ class HybridCacheManager:
                     continue
                 assert self._requests.get(req.request_id) is req, f"memo: request {req.request_id!r} left"
                 computed, known = (end - 1, end) if pending else (end, end + (req.request_id not in holes))
-                if self._behind:
-                    # lagging rows hold the memo's counts; the rows the groups see (on the
-                    # period) and the holes are written all the same: their fields must hold them
-                    if end % period and req.request_id not in holes:
-                        counts[id(req)] = (computed, end)
-                if counts[id(req)] != (computed, end) or len(req.token_ids) < known:
+                if not (req.num_computed == computed and req.end == end and len(req.token_ids) >= known):
                     raise AssertionError(
                         f"memo: request {req.request_id!r} computed {req.num_computed}, reserved to {req.end}, "
                         f"knows {len(req.token_ids)} tokens; the memo's step ends at {end} (pending: {pending})"
@@ -2347,31 +2141,29 @@ class HybridCacheManager:
                 assert not req.num_loading, f"memo: request {req.request_id!r} loads"
             rows = [req for req, end in zip(reqs, ends, strict=True) if not end % period] if pending else []
             assert touched == rows, "the memo's rows on the period"
-            assert gap >= 0 and all(-end % period or period >= gap for end in ends), f"the memo's gap {gap}"
         loading = {rid for rid, req in self._requests.items() if req.num_loading}
         assert self._loading == loading, f"requests loading {sorted(loading)}, noted {sorted(self._loading)}"
         holders = {pool: [0] * pool.num_blocks for pool in self._pools}
         for rid, req in self._requests.items():
             known = len(req.token_ids)
-            num_computed, end = counts[id(req)]
             num_loading = sum(len(g.loads(req.states[name])) * g.granularity for name, g in self.groups.items())
             assert req.num_loading == num_loading, (
                 f"request {rid!r} loads {num_loading} tokens, counts {req.num_loading}"
             )
-            if not 0 <= num_computed <= end or (self.exact_steps and end > known):
+            if not 0 <= req.num_computed <= req.end or (self.exact_steps and req.end > known):
                 raise AssertionError(
                     f"invariant 5 (table and computed count commit together): request {rid!r} computed "
-                    f"{num_computed}, reserved to {end}, knows {known} tokens"
+                    f"{req.num_computed}, reserved to {req.end}, knows {known} tokens"
                 )
-            if num_computed > known:
+            if req.num_computed > known:
                 raise AssertionError(
-                    f"invariant 6 (no uninitialized read): request {rid!r} counts {num_computed} "
+                    f"invariant 6 (no uninitialized read): request {rid!r} counts {req.num_computed} "
                     f"computed tokens but knows only {known}"
                 )
             if set(req.states) != set(self.groups):
                 raise AssertionError(f"request {rid!r} has state in groups {sorted(req.states)}")
             for name, g in self.groups.items():
-                g.check_state(rid, req.states[name], req.token_ids, num_computed, end, holders[g.pool])
+                g.check_state(rid, req.states[name], req.token_ids, req.num_computed, req.end, holders[g.pool])
         for pool, groups in self._pools.items():
             groups[0].check_holders(holders[pool])
             if len(groups) > 1:
@@ -2389,20 +2181,6 @@ class HybridCacheManager:
                         raise AssertionError(
                             f"shared pool: block {b} is held by groups {owner[b]!r} and {g.name!r} ({rid!r})"
                         )
-
-
-def _write_back(memo: _DecodeMemo) -> None:
-    """The memo's counts into its rows' `_Request`s (`HybridCacheManager._flush`): a pending
-    memo's row i is computed to ends[i] - 1 and reserved to ends[i], a committed one's both
-    to ends[i]. (A committed memo keeps the rows that left since: written too, as they were.)"""
-    reqs, ends, _, pending = memo[:4]
-    if pending:
-        for req, end in zip(reqs, ends, strict=True):
-            req.num_computed = end - 1
-            req.end = end
-    else:
-        for req, end in zip(reqs, ends, strict=True):
-            req.num_computed = req.end = end
 
 
 def _all_ints(counts: Sequence[int]) -> bool:
