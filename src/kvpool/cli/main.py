@@ -248,6 +248,13 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
+    except SystemExit as stop:
+        # rich's Console meets the same BrokenPipeError in its print, points stdout at
+        # /dev/null and raises SystemExit(1) while handling it (Console.on_broken_pipe): the
+        # status of a closed pipe is the same whichever way the command printed
+        if isinstance(stop.__context__, BrokenPipeError):
+            return EXIT_BROKEN_PIPE
+        raise
     except OSError as error:
         # a file the user named that cannot be read or written (a permission, a directory where
         # a file was meant): one line naming it, as a missing file is. An OSError that names no
