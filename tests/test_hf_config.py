@@ -111,6 +111,8 @@ def test_a_directory_defaults_and_ignored_keys(tmp_path):
         ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads 3"),
         ({"hidden_size": 0}, "hidden_size must be a positive integer, got 0"),
         ({"num_hidden_layers": "2"}, "num_hidden_layers must be a positive integer, got '2'"),
+        # one position serves no request: it reached run's advice of a larger --num-blocks
+        ({"max_position_embeddings": 1}, "max_position_embeddings must be 2 or more .*, got 1"),
         # were float()'s message without the file or key, or a TypeError traceback
         ({"rope_theta": "abc"}, "rope_theta must be a number, got 'abc'"),
         ({"rope_theta": [1]}, r"rope_theta must be a number, got \[1\]"),

@@ -99,6 +99,12 @@ def _parse(raw: dict[str, Any], where: str) -> LlamaConfig:
 
     rope_theta = positive_number("rope_theta", 10000.0)
     eps = positive_number("rms_norm_eps", 1e-6)
+    max_position = positive("max_position_embeddings", 2048)
+    if max_position < 2:  # a request needs one position for its prompt and one for its output token
+        raise ValueError(
+            f"{where}: max_position_embeddings must be 2 or more (a prompt token and the token it "
+            f"makes), got {max_position}"
+        )
     tie = raw.get("tie_word_embeddings", False)
     if not isinstance(tie, bool):  # bool("false") is True: a string tied an untied model
         raise ValueError(f"{where}: tie_word_embeddings must be true or false, got {tie!r}")
@@ -112,7 +118,7 @@ def _parse(raw: dict[str, Any], where: str) -> LlamaConfig:
         rope_theta=rope_theta,
         rms_norm_eps=eps,
         vocab_size=positive("vocab_size"),
-        max_position=positive("max_position_embeddings", 2048),
+        max_position=max_position,
         tie_embeddings=tie,
     )
 
