@@ -291,3 +291,43 @@ def test_a_landing_tier_too_small_for_a_transfer_keeps_its_first_blocks() -> Non
         engine.step()
     assert engine.pop_output(rid).num_cached_tokens == 48
     engine.runner.check_integrity()
+
+
+def test_a_transfer_into_a_full_landing_tier_keeps_the_prefix_it_holds() -> None:
+    """A tier of 3 blocks held blocks 0..1 of an 8-block prompt (an earlier transfer), so
+    needed_range asked for 32..128; installing that evicted the oldest entries, blocks 0..1,
+    and kept 2..4: the request hit 0 tokens and needed_range asked for all 8 again. Now the
+    held prefix stays and only block 2 (the one that fits beside it) goes in; a tier with no
+    room beside its held prefix says so and keeps it."""
+    import torch
+
+    from kvpool.engine.build import build_engine, load_model
+    from kvpool.engine.disaggregated import TransferError, install, needed_range
+    from kvpool.engine.sampling import SamplingParams
+
+    loaded = load_model(device="cpu")
+    cfg = loaded.model.config
+    block_bytes = 16 * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # fp32 K and V
+    ids = list(range(1000, 1000 + 8 * 16 + 5))
+
+    def kv(n: int) -> torch.Tensor:
+        return torch.randn(cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim)
+
+    engine = build_engine(loaded, num_blocks=16, block_size=16, host_cache_bytes=3 * block_bytes)
+    landing = engine.runner.host_tier
+    k = kv(32)
+    install(engine, landing, ids, "", 0, k, k.clone())  # blocks 0..1
+    assert needed_range(engine, landing, ids, "") == (32, 128)
+    k = kv(96)
+    install(engine, landing, ids, "", 32, k, k.clone())
+    assert landing.num_entries == 3
+    assert needed_range(engine, landing, ids, "") == (48, 128)  # blocks 0..2 held
+    k = kv(80)
+    with pytest.raises(TransferError, match=r"no room for block 3 of the prompt beside the 3 blocks before it"):
+        install(engine, landing, ids, "", 48, k, k.clone())
+    assert needed_range(engine, landing, ids, "") == (48, 128)
+    rid = engine.add_request(ids, SamplingParams(max_tokens=1, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.pop_output(rid).num_cached_tokens == 48
+    engine.runner.check_integrity()

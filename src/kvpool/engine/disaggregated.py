@@ -30,8 +30,8 @@ visible only once installed). The prompt's unfinished last block is computed by 
 decode worker (fewer than a block of tokens). A transfer that fails half way (a prefill
 worker gone) installs nothing: the decode worker computes the prompt itself. Blocks go
 into the landing tier whole, one by one, only after every part has arrived; a landing
-tier too small for all of them keeps the whole ones it took (valid prefix blocks) and
-the rest is computed.
+tier too small for all of them keeps the prefix it holds for the prompt and the leading
+blocks that fit beside it (valid prefix blocks); the rest is computed.
 """
 
 from __future__ import annotations
@@ -264,16 +264,36 @@ def install(engine: Engine, landing: HostTier, token_ids, tenant: str, start: in
     bs = runner.block_size
     chain = tier_bridge.chain_for(runner.cache, token_ids, tenant)
     layers, t, kvh, d = k.shape
+    first, last = start // bs, (start + t) // bs
+    if last <= first:
+        return
+    # the prompt's blocks before `start` that the tier holds (an earlier transfer's): to the
+    # LRU's end, and their room kept, so that no put evicts them (the admission would hit
+    # none of them, nor the blocks after them); only the range's leading blocks that fit
+    # beside them are installed
+    have, _ = tier_bridge.prefix_blocks(runner.cache, token_ids, tenant)
+    held = [index.describe(chain[j]) for j in range(len(have), first)]
+    held_bytes = sum(landing.touch(key, descriptor) for key, descriptor in reversed(held))
+    block_bytes = bs * (k.numel() * k.element_size() + v.numel() * v.element_size()) // t
+    fit = (landing.capacity_bytes - held_bytes) // block_bytes
+    if fit <= 0:
+        beside = f" beside the {len(held)} blocks before it that it holds" if held else ""
+        raise TransferError(
+            f"the landing tier ({landing.capacity_bytes} B) has no room for block {first} of the prompt{beside}"
+        )
+    last = min(last, first + fit)
     # last block first: a landing tier too small for them all evicts its oldest entries, so
     # what it keeps is the range's first blocks, a prefix the admission can hit (in order, it
     # kept the last ones, which no admission reaches without those before them)
-    for j in reversed(range(start // bs, (start + t) // bs)):
+    for j in reversed(range(first, last)):
         kb = k[:, j * bs - start : (j + 1) * bs - start]  # [layers, bs, kvh, d]
         vb = v[:, j * bs - start : (j + 1) * bs - start]
         tensors = {"k": kb.permute(0, 2, 3, 1).contiguous(), "v": vb.permute(0, 2, 1, 3).contiguous()}
         key, descriptor = index.describe(chain[j])
         if not landing.put(key, descriptor, tensors):
             raise TransferError(f"the landing tier has no room for block {j} of the prompt")
+    for key, descriptor in reversed(held):  # the prompt's entries last block first in the LRU
+        landing.touch(key, descriptor)
 
 
 def check_sides(prefill_ranks: list[int], decode_ranks: list[int], rank: int, world: int) -> None:

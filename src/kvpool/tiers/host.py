@@ -60,6 +60,14 @@ class HostTier(Tier):
         entry = self._entries.get(key)
         return entry is not None and entry.descriptor == descriptor
 
+    def touch(self, key: bytes, descriptor: BlockDescriptor) -> int:
+        """Move the entry to the LRU's end (evicted last) if the tier holds it under
+        `descriptor`; its bytes, 0 when not held. Counts no lookup."""
+        if not self.holds(key, descriptor):
+            return 0
+        self._entries.move_to_end(key)
+        return self._entries[key].num_bytes
+
     def _copy(self, tensor: Tensor) -> Tensor:
         out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=self.pin_memory)
         out.copy_(tensor)
