@@ -944,6 +944,9 @@ class TwinV4(RuleBasedStateMachine):
     def alike(self):
         for m in (self.a, self.b):
             m.check_integrity()
+            u = m.usage()  # the classical pool's held and free blocks make it up
+            assert u.num_held_blocks + u.num_free_blocks == u.num_blocks == 12, u
+            assert u.num_held_blocks == m.group_held_blocks()["v4"], (u, m.group_held_blocks())
         views = []
         for m in (self.a, self.b):
             pools = [(p.free_queue(), list(map(p.refcount, range(p.num_blocks)))) for p in m.pools]
@@ -968,6 +971,29 @@ for _machine in (TwinV4, TwinV4Pooled, TwinV4Checkpoint):
 TestTwinV4 = TwinV4.TestCase
 TestTwinV4Pooled = TwinV4Pooled.TestCase
 TestTwinV4Checkpoint = TwinV4Checkpoint.TestCase
+
+
+def test_usage_counts_a_reservations_checkpoint_snapshot_in_the_classical_pool() -> None:
+    """A V4 group whose checkpoints are classical blocks (checkpoint_blocks=1): an open
+    reservation holds its snapshot block (held_blocks counts it), but usage() left it out:
+    after admitting 4 tokens 1 held and 10 free of 12 while group_held_blocks said 2."""
+    spec = DualPoolGroupSpec("v4", 4, replay_len=2, restore="checkpoint", checkpoint_blocks=1)
+    m = HybridCacheManager([(spec, (12, 4))], DESC, turn_end_checkpoints=True)
+
+    def held_free() -> tuple[int, int]:
+        usage = m.usage()
+        assert usage.num_held_blocks == m.group_held_blocks()["v4"]
+        return usage.num_held_blocks, usage.num_free_blocks
+
+    m.admit("a", list(range(1, 15)), 4)
+    assert held_free() == (2, 10)  # block 0 and the snapshot's block
+    m.commit("a", 4)
+    assert held_free() == (1, 11)
+    assert m.reserve("a", 4) is not None
+    assert held_free() == (3, 9)
+    m.commit("a", 4)
+    assert held_free() == (2, 10)
+    m.check_integrity()
 
 
 def test_usage_counts_a_hits_copied_tail_block_while_it_is_held() -> None:

@@ -858,11 +858,12 @@ class DualPoolGroup(CacheGroup):
 
     def usage(self, states: Iterable[tuple[DualPoolState, int]]) -> GroupUsage:
         """Classical blocks, each once, whole by construction (a computed span's slots are
-        all filled); the state blocks as state blocks."""
+        all filled), with an open reservation's checkpoint snapshot blocks where they are
+        classical blocks (held_blocks); the state blocks as state blocks."""
         ids: set[int] = set()
         computed: set[int] = set()
         for state, num_computed in states:
-            ids.update(state.block_ids)
+            ids.update(self.held_blocks(state))
             computed.update(state.block_ids[: num_computed // self.span])
         return GroupUsage(len(ids), len(computed) * self.span, self.state_pool.num_blocks, self.state_pool.num_free)
 
