@@ -521,6 +521,8 @@ def test_a_size_that_is_no_int_is_named_when_the_cache_is_built(build, message) 
 def test_numpy_sizes_are_ints_and_a_bool_pool_size_is_refused() -> None:
     spec = AttentionGroupSpec("w", np.int64(4), window=np.int32(6))
     assert (spec.block_size, spec.window) == (4, 6) and type(spec.window) is int
+    shared = HybridCacheManager([(AttentionGroupSpec("a", 4), None)], DESC, shared_blocks=np.int64(8))
+    assert shared.usage().num_blocks == 8  # (it was refused: 'shared_blocks must be an int, got int64 8')
     assert BlockPool(np.int64(3)).num_blocks == 3
     assert FullAttentionManager(np.int64(8), np.int64(4), DESC).num_free_blocks == 8
     with pytest.raises(ValueError, match="its pool size must be a positive int, got True"):
@@ -564,3 +566,7 @@ def test_a_multimodal_item_of_the_wrong_types_is_named(item, message) -> None:
     m.check_integrity()
     ok = (np.int64(1), np.int32(2), "h")  # numpy's ints are ints
     assert m.lookup_prefix(PROMPT, mm_items=[ok]) == m.lookup_prefix(PROMPT, mm_items=[MMItem(1, 2, "h")])
+    # a str subclass (numpy's str_) is a str, hashed as the plain one (it was refused)
+    assert m.lookup_prefix(PROMPT, mm_items=[(1, 2, np.str_("h"))]) == m.lookup_prefix(PROMPT, mm_items=[ok])
+    m.admit("c", PROMPT, mm_items=[MMItem(1, 2, np.str_("h"))])
+    m.check_integrity()

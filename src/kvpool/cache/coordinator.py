@@ -113,17 +113,19 @@ class RequestPart(NamedTuple):
 
 def check_mm_items(mm_items: Sequence[MMItem], num_tokens: int) -> tuple[MMItem, ...]:
     """The items as MMItems: start and length ints (numpy's become Python ints), the content
-    hash a str (TypeError naming the item: a float start was taken, and offset the block's
-    key by a fraction; a bytes hash failed as 'Object of type bytes is not JSON
-    serializable'), each within the prompt (ValueError)."""
+    hash a str (a subclass's, numpy's str_, becomes a str; TypeError naming the item: a float
+    start was taken, and offset the block's key by a fraction; a bytes hash failed as 'Object
+    of type bytes is not JSON serializable'), each within the prompt (ValueError)."""
     items = tuple(MMItem(*item) for item in mm_items)
     if any(i.start.__class__ is not int or i.length.__class__ is not int for i in items):
         items = tuple(MMItem(_item_int(i, i.start), _item_int(i, i.length), i.content_hash) for i in items)
     for item in items:
-        if item.content_hash.__class__ is not str:
+        if not isinstance(item.content_hash, str):
             raise TypeError(f"multimodal item {item}: its content_hash must be a str")
         if item.start < 0 or item.length <= 0 or item.start + item.length > num_tokens:
             raise ValueError(f"multimodal item {item} lies outside the prompt of {num_tokens} tokens")
+    if any(i.content_hash.__class__ is not str for i in items):  # a str subclass (numpy's str_)
+        items = tuple(i._replace(content_hash=str(i.content_hash)) for i in items)
     return items
 
 
@@ -274,8 +276,9 @@ class HybridCacheManager:
             raise TypeError(f"descriptor must be a CacheDescriptor, got {type(descriptor).__name__}")
         shared = None
         if shared_blocks is not None:
-            if not isinstance(shared_blocks, int) or isinstance(shared_blocks, bool):
+            if isinstance(shared_blocks, bool) or not hasattr(shared_blocks, "__index__"):
                 raise TypeError(f"shared_blocks must be an int, got {type(shared_blocks).__name__} {shared_blocks!r}")
+            shared_blocks = operator.index(shared_blocks)  # (numpy's ints, as a group's pool size)
             if shared_blocks <= 0:
                 raise ValueError(f"shared_blocks must be positive, got {shared_blocks}")
             shared = BlockPool(shared_blocks, enable_caching=enable_prefix_caching, hash_algo=hash_algo)
