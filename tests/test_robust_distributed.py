@@ -274,6 +274,50 @@ def test_rank_0_gone_while_the_group_forms_is_one_line_without_cpp_frames() -> N
     )
 
 
+def test_a_master_port_served_by_another_program_is_one_line_not_a_hang() -> None:
+    # a store that accepts and never answers (MASTER_PORT held by another program): rank 1
+    # waited for ever whatever KVPOOL_DIST_TIMEOUT_S said (past 300 s with it at 3)
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        env.update(OMP_NUM_THREADS="1", KVPOOL_DIST_TIMEOUT_S="1")
+        argv = [sys.executable, "-m", "kvpool", "verify", "cp", "--context", "64", "--batch", "1"]
+        rank = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        ((code, _, err),) = _finish([rank], timeout=90)
+    assert code == 1 and err == (
+        f"kvpool verify: error: rank 1 of 2: the process group at 127.0.0.1:{port} did not form within 12 s, and "
+        "torch did not give up: is MASTER_PORT served by another program than rank 0? start the ranks on a free "
+        "port (KVPOOL_DIST_TIMEOUT_S sets the wait)\n"
+    ), err[-3000:]
+
+
+@pytest.mark.parametrize(
+    "name, value, line",
+    [
+        ("MASTER_PORT", "abc", "MASTER_PORT must be an integer from 1 to 65535, got 'abc'"),  # was int()'s words
+        ("MASTER_PORT", "70000", "MASTER_PORT must be an integer from 1 to 65535, got '70000'"),
+        ("MASTER_PORT", "0", "MASTER_PORT must be an integer from 1 to 65535, got '0'"),  # a port nobody finds
+        ("RANK", "x", "RANK must be an integer from 0 to 1, got 'x'"),
+        ("RANK", "5", "RANK must be an integer from 0 to 1, got '5'"),  # waited out the timeout
+        ("WORLD_SIZE", "0", "WORLD_SIZE must be an integer 1 or more, got '0'"),
+        ("MASTER_ADDR", "", "MASTER_ADDR must name rank 0's host, got ''"),
+    ],
+)
+def test_a_bad_rendezvous_variable_is_named(monkeypatch, capsys, name, value, line) -> None:
+    from kvpool.cli.main import main
+
+    _as_rank(monkeypatch, 0, 2, _free_port())
+    monkeypatch.setenv(name, value)
+    for command in (["verify", "pd"], ["verify", "tp"], ["verify", "cp", "--context", "64", "--batch", "1"]):
+        assert main(command) == 2
+        assert capsys.readouterr().err == (
+            f"kvpool verify: error: {line} (torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; by hand, "
+            "set each)\n"
+        )
+
+
 def test_a_taken_master_port_is_one_line(monkeypatch, capsys) -> None:
     from kvpool.cli.main import main
 

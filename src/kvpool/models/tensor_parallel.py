@@ -237,10 +237,32 @@ def group_timeout_s() -> float:
     return value
 
 
+def check_rendezvous_env() -> None:
+    """ValueError naming the variable unless RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+    (env://, set by torchrun or by hand) can form a group: torch said "invalid literal for
+    int() with base 10: 'x'" for either count or the port, and RANK 5 of WORLD_SIZE 2 waited
+    out the timeout for a rank 0 that could not count it."""
+    how = "(torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; by hand, set each)"
+    found = {}
+    for name, low, high in (("WORLD_SIZE", 1, None), ("RANK", 0, None), ("MASTER_PORT", 1, 65535)):
+        text = os.environ.get(name)
+        try:
+            found[name] = int(text)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            found[name] = None
+        high = found["WORLD_SIZE"] - 1 if name == "RANK" and found["WORLD_SIZE"] is not None else high
+        if found[name] is None or found[name] < low or (high is not None and found[name] > high):
+            bound = f"from {low} to {high}" if high is not None else f"{low} or more"
+            raise ValueError(f"{name} must be an integer {bound}, got {text!r} {how}")
+    if not os.environ.get("MASTER_ADDR", "").strip():
+        raise ValueError(f"MASTER_ADDR must name rank 0's host, got {os.environ.get('MASTER_ADDR')!r} {how}")
+
+
 def join_group() -> None:
     """Join torchrun's gloo process group (env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT),
     every wait bounded by group_timeout_s(). A group that cannot form is one line: a taken
     MASTER_PORT a ValueError, ranks that did not all arrive in time a RankError."""
+    check_rendezvous_env()
     timeout = group_timeout_s()
     # The rendezvous waits in C++, where a signal reaches Python only once it returns: Ctrl-C
     # would wait out the whole timeout. It runs in a daemon thread while this one waits in
@@ -255,8 +277,19 @@ def join_group() -> None:
 
     thread = threading.Thread(target=form, name="kvpool-join-group", daemon=True)
     thread.start()
+    # torch bounds each of its waits by `timeout`, but not a store that accepts the connection
+    # and never answers (MASTER_PORT held by another program: a rank > 0 waited for ever); the
+    # rendezvous and then the pairs' connections each take at most `timeout`
+    deadline = time.monotonic() + 2 * timeout + 10
     while thread.is_alive():
         thread.join(0.05)
+        if time.monotonic() > deadline and thread.is_alive():  # (the thread is left to the exit)
+            raise RankError(
+                f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}: the process group at "
+                f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} did not form within {2 * timeout + 10:g} s, "
+                "and torch did not give up: is MASTER_PORT served by another program than rank 0? start the ranks "
+                f"on a free port ({TIMEOUT_ENV} sets the wait)"
+            )
     if failure:
         error = failure[0]
         if isinstance(error, dist.DistError):
@@ -290,6 +323,8 @@ def init_tp(tp: int) -> tuple[int, int]:
     """(rank, world size) for --tensor-parallel-size `tp`: 1 rank without torchrun; under
     torchrun its world, which must be `tp`; the gloo process group set up. ValueError
     otherwise."""
+    if "RANK" in os.environ and tp > 1:
+        check_rendezvous_env()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if tp == 1 and world == 1:
         return 0, 1

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from kvpool.attention.backends.step import function_step
 from kvpool.attention.context_parallel import cp_decode_attention, local_block_indices, local_num_keys, owner_of
 from kvpool.attention.paged import decode_attention, paged_attention, plan_step
-from kvpool.models.tensor_parallel import check_same_arguments, join_group
+from kvpool.models.tensor_parallel import check_rendezvous_env, check_same_arguments, join_group
 from kvpool.storage.kv import PagedKVStorage
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
@@ -264,6 +264,7 @@ def run_all(context: int, batch: int, block_size: int, prompt_len: int, steps: i
     """Every check on this rank (under torchrun); rank 0 returns the results."""
     if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
         raise ValueError("kvpool verify cp runs under torchrun: torchrun --nproc-per-node R -m kvpool verify cp")
+    check_rendezvous_env()
     if int(os.environ["WORLD_SIZE"]) < 2:  # every block on the one rank: nothing split, nothing merged
         raise ValueError(
             "kvpool verify cp under 1 process splits no sequence over ranks and verifies nothing of context "

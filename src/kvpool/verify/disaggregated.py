@@ -122,10 +122,18 @@ def run_pd(
     from kvpool.engine.build import build_engine, load_model
     from kvpool.engine.disaggregated import Disaggregation, TransferError
     from kvpool.engine.sampling import SamplingParams
-    from kvpool.models.tensor_parallel import check_same_arguments, check_tp, gloo_reason, join_group, shard_llama
+    from kvpool.models.tensor_parallel import (
+        check_rendezvous_env,
+        check_same_arguments,
+        check_tp,
+        gloo_reason,
+        join_group,
+        shard_llama,
+    )
 
     if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
         raise ValueError("kvpool verify pd runs under torchrun: torchrun --nproc-per-node P+D -m kvpool verify pd")
+    check_rendezvous_env()
     world = int(os.environ["WORLD_SIZE"])
     if world != prefill_tp + decode_tp:
         raise ValueError(f"--prefill-tp {prefill_tp} + --decode-tp {decode_tp} ranks, but {world} processes")

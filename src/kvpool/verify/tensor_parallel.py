@@ -72,10 +72,17 @@ def run_tp(max_tokens: int = 8) -> dict[str, object] | None:
     """Every rank runs this under torchrun; rank 0 returns the result."""
     from kvpool.attention.reference import reference_logits
     from kvpool.engine.build import load_model
-    from kvpool.models.tensor_parallel import check_same_arguments, check_tp, join_group, shard_llama
+    from kvpool.models.tensor_parallel import (
+        check_rendezvous_env,
+        check_same_arguments,
+        check_tp,
+        join_group,
+        shard_llama,
+    )
 
     if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
         raise ValueError("kvpool verify tp runs under torchrun: torchrun --nproc-per-node 3 -m kvpool verify tp")
+    check_rendezvous_env()
     world = int(os.environ["WORLD_SIZE"])
     if world < 2:  # shard_llama keeps the whole model on one rank: the engine against itself
         raise ValueError(
