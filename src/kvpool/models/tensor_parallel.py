@@ -54,8 +54,9 @@ GROUP_TIMEOUT_S = 600.0
 TIMEOUT_ENV = "KVPOOL_DIST_TIMEOUT_S"
 # what KVPOOL_DIST_TIMEOUT_S may be: torch's store counts the wait in milliseconds, and a
 # larger one overflowed (1e10 s: every wait over at once, "did not answer within 1e+10 s";
-# 1e300: an OverflowError's traceback); under 1 s, 0 ms (1e-9: the same at once)
-TIMEOUT_RANGE_S = (1.0, 86_400.0)
+# 1e300: an OverflowError's traceback); under a millisecond, 0 ms (1e-9: the same at once;
+# 0.5 s is 500 ms, a valid wait)
+TIMEOUT_RANGE_S = (0.001, 86_400.0)
 
 
 class RankError(RuntimeError):
