@@ -1180,3 +1180,139 @@ def test_long_random_runs(machine, monkeypatch) -> None:
     num_runs = max(1, int(os.environ.get("KVPOOL_HYPOTHESIS_EXAMPLES", "300")) // 150)
     for seed in range(num_runs):
         drive(machine(), random.Random(seed), 300)
+
+
+class TwinSteps(RuleBasedStateMachine):
+    """The step paths against their naive twins: two caches driven alike, A through
+    `reserve_step` / `commit_step` (the decode memo, `_reserve_decodes`, `_commit_decodes`,
+    `_commit_chunks`), B through `_reserve_each` / `_commit_each`; batches that change from
+    step to step (rows leave, join, are reordered). Every answer, table, copy, pool queue
+    and counter must be equal."""
+
+    requests = Bundle("twin_requests")
+
+    def _build(self) -> HybridCacheManager:
+        return HybridCacheManager(
+            [(AttentionGroupSpec("full", 3), 16), (AttentionGroupSpec("w", 3, window=4), 10)],
+            DESC,
+            turn_end_checkpoints=True,
+        )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = self._build(), self._build()
+        self.next_id = 0
+
+    def _both(self, call):
+        ra, rb = call(self.a), call(self.b)
+        assert ra == rb, (ra, rb)
+        return ra
+
+    @rule(target=requests, base=st.integers(0, 2), cut=st.integers(1, 20), suffix=st.lists(ALPHABET, max_size=3))
+    def admit(self, base, cut, suffix):
+        self.next_id += 1
+        rid = f"s{self.next_id}"
+        prompt = CacheModel.bases[base][:cut] + suffix
+        admission = self._both(lambda m: m.admit(rid, list(prompt), 4))
+        return multiple() if admission is None else rid
+
+    @rule(rids=st.lists(requests, min_size=1, max_size=5, unique=True), tok=ALPHABET, data=st.data())
+    def step(self, rids, tok, data):
+        live = [r for r in rids if r in self.a]
+        if not live:
+            return
+        a = self.a
+        counts, ids, ns = [], [], []  # the step's counts; the reservations it makes
+        for rid in live:
+            pending = a.num_reserved_tokens(rid) - a.num_computed_tokens(rid)
+            if a.exact_steps and pending:  # (an admission's first step, reserved already)
+                counts.append(pending)
+                continue
+            known = a.num_tokens(rid) - a.num_computed_tokens(rid)
+            if not known:
+                self._both(lambda m, rid=rid: m.append_token_ids(rid, [tok]))
+                known = 1
+            counts.append(min(known, data.draw(st.integers(1, 4))))
+            ids.append(rid)
+            ns.append(counts[-1])
+        if ids:
+            fits = a.reserve_step(ids, ns)
+            assert fits == self.b._reserve_each(ids, ns), "reserve_step and its twin disagree"
+            if not fits:
+                return
+        assert a.take_copies() == self.b.take_copies()
+        starts = [a.num_computed_tokens(r) for r in live]
+        ends = [s + n for s, n in zip(starts, counts, strict=True)]
+        for g in a.attention_groups:
+            assert a.step_tables(live, starts, ends, g.name) == self.b.step_tables(live, starts, ends, g.name)
+        nexts = [tok if e == a.num_tokens(r) else None for r, e in zip(live, ends, strict=True)]
+        a.commit_step(live, counts, nexts)
+        self.b._commit_each(live, counts, nexts)
+
+    @rule(target=requests, parent=requests)
+    def fork(self, parent):
+        if parent not in self.a or self.a.num_reserved_tokens(parent) != self.a.num_computed_tokens(parent):
+            return multiple()
+        self.next_id += 1
+        child = f"s{self.next_id}"
+        return child if self._both(lambda m: m.fork(parent, child)) else multiple()
+
+    @rule(rid=requests, how=st.sampled_from(["finish", "cancel", "preempt"]))
+    def release(self, rid, how):
+        self._both(lambda m: m.release(rid, how))
+
+    @invariant()
+    def alike(self):
+        views = []
+        for m in (self.a, self.b):
+            m.check_integrity()
+            pools = [(p.free_queue(), list(map(p.refcount, range(p.num_blocks)))) for p in m.pools]
+            reqs = [
+                (
+                    r,
+                    [m.block_ids(r, g.name) for g in m.attention_groups],
+                    m.num_computed_tokens(r),
+                    m.num_reserved_tokens(r),
+                    list(m.token_ids(r)),
+                )
+                for r in sorted(m.request_ids)
+            ]
+            views.append((pools, reqs, m.stats))
+        assert views[0] == views[1]
+
+
+class TwinStepsNotExact(TwinSteps):
+    def _build(self) -> HybridCacheManager:
+        return FullAttentionManager(16, 3, DESC)
+
+
+for _machine in (TwinSteps, TwinStepsNotExact):
+    _machine.TestCase.settings = SETTINGS
+TestTwinSteps = TwinSteps.TestCase
+TestTwinStepsNotExact = TwinStepsNotExact.TestCase
+
+
+def test_a_turn_end_is_not_filed_in_a_block_a_fork_sibling_holds() -> None:
+    """Every hash alike: p's full block 0 is left unregistered (a collision with x's block,
+    which leaves later). p forks c (sharing it), rolls back to 1 token and finishes: its turn
+    end was filed in
+    that block, which the pool then registered as the 1-token content under c, whose chain
+    names it as the full block (check_integrity: 'block 0 is registered as other content',
+    found by a long seeded run of ConstantHashExactFullBlocksOf5)."""
+    m = HybridCacheManager([(AttentionGroupSpec("full", 5), 12)], DESC, turn_end_checkpoints=True)
+    m.pool.hasher.digest = lambda data: b"\x00" * 16
+    m.admit("x", [9, 9, 9, 9, 9, 9])
+    m.commit_step(["x"], [6], [None])
+    m.admit("p", [0, 1, 2, 0, 1, 1, 1])
+    m.commit_step(["p"], [7], [None])
+    block = m.block_ids("p")[0]
+    assert m.pool.block_hash(block) is None  # the collision
+    assert m.fork("p", "c")
+    m.release("x")  # x's blocks leave the index: the hash is free again
+    m.admit("y", [3] * 5 * m.num_free_blocks)
+    m.release("y", "cancel")
+    m.rollback("p", 1)
+    m.release("p", "finish")
+    m.check_integrity()
+    assert m.pool.block_hash(block) is None and m.block_ids("c")[0] == block
+    assert m.lookup_prefix([0, 5, 5]) == 0

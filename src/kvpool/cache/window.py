@@ -456,7 +456,15 @@ class AttentionGroup(CacheGroup):
         if block is None:
             return False
         block_id = state.block_ids[num_computed // self.block_size - state.first]
-        return self.pool.block_hash(block_id) is None and self._turn_ends.file(block_id, block, orphan_ok=False)
+        # Not a block another request holds (a fork's sibling, after this one rolled back
+        # into it): its content there may be longer, and its chain may name the block as a
+        # full one left unregistered (a hash collision): filed, the pool would register it as
+        # other content under the sibling
+        return (
+            self.pool.refcount(block_id) == 1
+            and self.pool.block_hash(block_id) is None
+            and self._turn_ends.file(block_id, block, orphan_ok=False)
+        )
 
     def fork(self, state: AttentionState) -> AttentionState:
         self.pool.incref(state.block_ids)
