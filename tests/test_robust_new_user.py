@@ -143,6 +143,8 @@ def test_a_tiny_models_pool_beyond_the_machine_is_one_line(capsys, monkeypatch):
     99999999999` (or --max-num-seqs, which sizes the state blocks and slots) ended in a
     MemoryError traceback. Now every model's pool is checked as the Llama one is, to the
     byte: the classical and state blocks (V4), the attention blocks and state slots (hybrid)."""
+    import torch
+
     from kvpool.engine import memory
     from kvpool.engine.build import build_engine
     from kvpool.engine.hybrid_runner import attention_for
@@ -164,12 +166,24 @@ def test_a_tiny_models_pool_beyond_the_machine_is_one_line(capsys, monkeypatch):
         assert line.startswith("kvpool run: error: ") and shown in line and "memory available" in line, line
 
     v4 = TinyDSV4(seed=0)
-    pools = DSV4Pools(v4.spec, 1, 1)
-    need_v4 = 40 * pools.classical_block_bytes() + 16 * pools.state_block_bytes()
+    # what the runner's pools allocate: the classical blocks, the state blocks and the
+    # checkpoint slots (8 under the default restore), in the model's dtype (the check
+    # counted neither the slots nor the dtype: 16 state blocks of fp32)
+    pools = build_engine(v4, num_blocks=40).runner.executor.pools
+    assert pools.num_slots == 16 + 8 and isinstance(pools, DSV4Pools)
+    need_v4 = 40 * pools.classical_block_bytes() + pools.num_slots * pools.state_block_bytes()
+    f64 = TinyDSV4(seed=0, dtype=torch.float64)
+    pools = build_engine(f64, num_blocks=40, restore="recompute").runner.executor.pools
+    need_f64 = 40 * pools.classical_block_bytes() + pools.num_slots * pools.state_block_bytes()
+    assert need_f64 > need_v4
     hybrid = TinyHybrid(TINY_RECURRENT, seed=0)
     probe = attention_for(hybrid, 1, 8, 1)
     need_hybrid = 40 * sum(g.bytes_per_token for g in probe.groups.values()) * 8 + 24 * probe.recurrent.bytes_per_slot
-    for model, options, need in ((v4, {}, need_v4), (hybrid, {"block_size": 8, "num_slots": 24}, need_hybrid)):
+    for model, options, need in (
+        (v4, {}, need_v4),
+        (f64, {"restore": "recompute"}, need_f64),
+        (hybrid, {"block_size": 8, "num_slots": 24}, need_hybrid),
+    ):
         monkeypatch.setattr(memory, "available_memory_bytes", lambda device, n=need: n)
         build_engine(model, num_blocks=40, **options)  # exactly what the machine has: built
         monkeypatch.setattr(memory, "available_memory_bytes", lambda device, n=need: n - 1)

@@ -313,7 +313,9 @@ def _dsv4_engine(
     preemption: str = "recompute",
 ) -> Engine:
     kv_format = kv_format or "exact"
-    pools = DSV4Pools(model.spec, 1, 1, entry_format=kv_format, indexer_format=indexer_format)  # (sizes only)
+    pools = DSV4Pools(  # (sizes only: the runner's pools take the model's dtype)
+        model.spec, 1, 1, dtype=model.dtype, entry_format=kv_format, indexer_format=indexer_format
+    )
     if num_blocks is None:
         num_blocks = 64
         if kv_memory_bytes is not None:  # classical blocks only: the state blocks come on top
@@ -327,21 +329,22 @@ def _dsv4_engine(
     # --num-blocks 99999999999` or `--max-num-seqs 99999999999`, whose state blocks come
     # with it, ended in a MemoryError traceback)
     num_state = max(num_state_blocks, max_num_seqs)
+    if restore is None:  # chosen per admission by measured costs; the persistent tiers restore by their SWA strategy
+        restore = "recompute" if disk_cache is not None or redis_url is not None else "auto"
+    num_checkpoints = 0 if restore == "recompute" else 8  # state slots after the state blocks
     check_fits(
-        num_blocks * pools.classical_block_bytes() + num_state * pools.state_block_bytes(),
+        num_blocks * pools.classical_block_bytes() + (num_state + num_checkpoints) * pools.state_block_bytes(),
         "cpu",
         f"the dual pool of {num_blocks} classical and {num_state} state blocks",
         "lower --kv-memory, --num-blocks or --max-num-seqs",
     )
     host, persistent = _tiers(host_cache_bytes, disk_cache, disk_cache_bytes, redis_url)
-    if restore is None:  # chosen per admission by measured costs; the persistent tiers restore by their SWA strategy
-        restore = "recompute" if persistent else "auto"
     runner = dsv4_runner(
         model,
         num_blocks,
         num_state,
         restore=restore,
-        num_checkpoints=0 if restore == "recompute" else 8,
+        num_checkpoints=num_checkpoints,
         enable_prefix_caching=enable_prefix_caching,
         hot_set_entries=hot_set_entries,
         host_tier=host,
