@@ -29,7 +29,10 @@ class StepTables(NamedTuple):
     """A step's tables: the slots its new tokens are written to, and the blocks attention reads."""
 
     slots: list[int]  # [sum(ends - starts)]: positions [starts[i], ends[i]) of request i, in order
-    csr: BlockTableCSR  # request i's blocks covering [0, ends[i])
+    # request i's blocks covering [0, ends[i]) of its table; a window group's table begins at
+    # its first block (HybridCacheManager.step_tables shifts the ranges by first * bs): the
+    # blocks cover the positions [first * bs, end), and nothing here says where that begins
+    csr: BlockTableCSR
 
 
 def step_tables(

@@ -462,9 +462,10 @@ class CostExecutor:
 
 
 def _one_on(lead: tuple | None, starts: Sequence[int]) -> np.ndarray | None:
-    """`lead`'s positions array, each one on (in place: the executor's own, which the pricing
-    reads and keeps nothing of), where `starts` is its ends list, as long as the array, with
-    the first and last it had (`_lead_positions`); else None."""
+    """`lead`'s positions array, each one on (in place: the executor's own; the pricing keeps
+    it and a uint64 view of it, CostModel._decode_view, which read its buffer as it is now),
+    where `starts` is its ends list, as long as the array, with the first and last it had
+    (`_lead_positions`); else None."""
     if lead is None or starts is not lead[0]:
         return None
     at = lead[1]
