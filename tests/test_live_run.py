@@ -310,3 +310,22 @@ def test_kvpool_run_gives_each_request_its_own_seed_from_seed(monkeypatch, capsy
     (engine,) = engines
     order = ["chat0-t0", "chat0-t1", "chat1-t0", "chat1-t1", "long0"]
     assert [engine.requests[rid].params.seed for rid in order] == [derived_seed(5, k) for k in range(5)]
+
+
+def test_the_serving_line_follows_the_length_check_and_says_up_to_when_turns_may_go_unsent(capsys):
+    """`kvpool run: serving N requests` was printed before the prompts' lengths were checked
+    (an error line could follow it), and counted every turn --turns asks for as sent, where a
+    conversation that outgrows the context ends before them: which only the answers tell."""
+    from kvpool.cli.main import main
+
+    flags = ["--model", "tiny-dsv4", "--num-requests", "2", "--num-long", "0", "--threads", "1", "--json"]
+    # first turns of 320 tokens in a context of 300: refused before the line
+    assert main(["run", *flags, "--max-model-len", "300"]) == 2
+    err = capsys.readouterr().err
+    assert "serving" not in err and "request 'chat0-t0': prompt of 320 tokens is too long" in err
+    # 2 conversations x 3 turns: at most 6, so said
+    assert main(["run", *flags, "--turns", "3", "--max-tokens", "2", "--request-rate", "inf"]) == 0
+    assert "kvpool run: serving up to 6 requests on tiny-dsv4\n" in capsys.readouterr().err
+    # one turn each: every request is sent
+    assert main(["run", *flags, "--turns", "1", "--max-tokens", "2", "--request-rate", "inf"]) == 0
+    assert "kvpool run: serving 2 requests on tiny-dsv4\n" in capsys.readouterr().err

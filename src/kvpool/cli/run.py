@@ -446,8 +446,14 @@ def _run(args: argparse.Namespace) -> int:
         )
     total = num_live_requests(workload, args.turns)
     progress = Progress(total, args.json)
-    if quiet:
-        print(f"kvpool run: serving {total} requests on {model_name}", file=sys.stderr)
+
+    def serving() -> None:  # after the prompts' lengths are checked: an error can no longer follow it
+        if quiet:
+            # a conversation that outgrows the context ends there: its later turns are never
+            # sent, which only the answers tell, so with follow-ups the count is at most
+            upto = "up to " if args.turns > 1 else ""
+            print(f"kvpool run: serving {upto}{total} requests on {model_name}", file=sys.stderr)
+
     loads = [cpu_load()]  # at the start and the end: an oversubscribed CPU skews every timing
     try:
         live = serve_live(
@@ -460,6 +466,7 @@ def _run(args: argparse.Namespace) -> int:
             on_progress=progress.advance,
             note_bookkeeping=loaded is not None,
             tp_model=getattr(loaded, "model", None),
+            on_start=serving,
         )
     finally:
         progress.close()

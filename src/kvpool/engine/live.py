@@ -79,12 +79,14 @@ def serve_live(
     on_progress: Callable[[int, float], None] | None = None,
     note_bookkeeping: bool = False,
     tp_model: Any = None,
+    on_start: Callable[[], None] | None = None,
 ) -> LiveRun:
     """Serve `workload` (`turns` turns a conversation) through `engine` until every request
     finished or Ctrl-C. `on_progress(num_finished, elapsed_s)` after each step (the requests
     that step finished, the seconds since the start); `note_bookkeeping`: the runner notes its Python structures
     at their largest after each step (the memory ledger's); `tp_model`: this rank's model
-    under tensor parallelism (None: one process). The run moves the workload's
+    under tensor parallelism (None: one process); `on_start()` once every prompt known before
+    the first arrival passed the length check (kvpool run's "serving" line). The run moves the workload's
     conversations on (their turns and histories): a workload served with follow-ups is
     spent, and serving it again is refused."""
     if turns <= 0:
@@ -97,6 +99,8 @@ def serve_live(
     # 10 s, and minutes at a low --request-rate), and the run ended with no report
     for item in pending:
         engine.check_length(len(item.prompt_ids), item.request_id)
+    if on_start is not None:
+        on_start()
     conversation_of = {request_id(c, 0): c for c in range(len(workload.conversations))}
 
     # each request's parameters: its own seed where params give none (equal prompts drew
