@@ -61,6 +61,19 @@ def test_output_cut_by_max_tokens_says_so(smollm2, capsys):
     assert captured.err == "kvpool generate: note: the output stopped at --max-tokens 3, not at a natural end\n"
 
 
+def test_a_character_the_length_limit_cuts_ends_the_streamed_text_as_it_ends_the_json_text(smollm2, capsys):
+    """The stream held back the half emoji --max-tokens cut (waiting for bytes that never
+    came), where --json's "text" ends in U+FFFD (the decode of its ids, as HF's and vLLM's
+    final text): the two differed by that one character. Now the stream ends with the final
+    text whole, as kvpool serve's does (server/text_stream.py)."""
+    argv = ["generate", "Répète: 🚀🚀🚀 中文", "--max-tokens", "20", "--threads", "1"]
+    assert main([*argv, "--json"]) == 0
+    text = json.loads(capsys.readouterr().out)["text"]
+    assert text.endswith("\ufffd") and "\ufffd" not in text[:-1]  # the case: the last emoji cut in two
+    assert main(argv) == 0
+    assert capsys.readouterr().out == text + "\n"
+
+
 def test_prompt_plus_max_tokens_beyond_the_context_is_refused(smollm2, capsys):
     # an 8,150-token prompt with --max-tokens 200 used to return 42 tokens without a word
     prompt = "word " * 8150

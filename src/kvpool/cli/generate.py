@@ -217,26 +217,30 @@ def _generate(args, engine, loaded, prompt_ids, params, num_blocks, runtime_byte
         loaded.model.config.max_position,
         f"--num-blocks {num_blocks} x --block-size {args.block_size}",
     )
+    from kvpool.server.protocol import decoded_bytes
+    from kvpool.server.text_stream import TextStream
+
     rid = engine.add_request(prompt_ids, params)
     seq = engine.requests[rid].seqs[0]
-    printed = ""
+    # the server's streaming rule: an incomplete UTF-8 sequence waits for its next byte, and
+    # the end shows the final text whole (a character the length limit cut as U+FFFD, as --json's
+    # "text" holds it: the stream held it back for good)
+    stream = TextStream(tok.decode, decoded_bytes(tok.tokenizer))
+    num_seen = 0
     try:
         while engine.has_unfinished():
             engine.step()
             engine.runner.note_bookkeeping()  # while the request holds its blocks, for the ledger
             if args.json:
                 continue
-            ids = [t for t in seq.output_ids if t not in engine.eos_token_ids]
-            text = tok.decode(ids)
-            if seq.finish_reason is not None:
-                text = seq.text
-            # hold back an incomplete UTF-8 sequence (shown as U+FFFD) until its next byte arrives
-            if text.startswith(printed) and not text.endswith("\ufffd"):
-                sys.stdout.write(text[len(printed) :])
+            new_ids = [t for t in seq.output_ids[num_seen:] if t not in engine.eos_token_ids]
+            num_seen = len(seq.output_ids)
+            text = stream.advance(new_ids, seq.finish_reason, seq.text)
+            if text:
+                sys.stdout.write(text)
                 sys.stdout.flush()
-                printed = text
     except KeyboardInterrupt:
-        if printed:
+        if stream.sent_text:
             sys.stdout.write("\n")  # end the streamed line before main's "interrupted" line
         raise
     out = engine.output(rid)

@@ -23,13 +23,13 @@ sample's never comes: its last delta leaves the half character out; a U+FFFD the
 write, the character itself or a byte no UTF-8 character holds, is text and is sent), and the
 last len(longest stop string) - 1 characters wait while a stop string could still be
 forming, so a stream never shows text that the final answer cuts. The finished sample's
-text is the engine's (cut before the stop string); the deltas add up to exactly it.
+text is the engine's (cut before the stop string); the deltas add up to exactly it
+(server/text_stream.py, which kvpool generate's streamed text shares).
 """
 
 from __future__ import annotations
 
 import asyncio
-import codecs
 import sys
 import threading
 import traceback
@@ -41,6 +41,7 @@ from typing import TypeVar
 
 from kvpool.engine.engine import Engine, RequestOutput, SequenceState
 from kvpool.engine.sampling import SamplingParams
+from kvpool.server.text_stream import TextStream
 
 _T = TypeVar("_T")
 
@@ -77,16 +78,9 @@ Event = Delta | Finished | Failed
 
 @dataclass(slots=True)
 class _SampleStream:
+    text: TextStream  # its text as the stream shows it
     num_sent_tokens: int = 0
-    sent_text: str = ""
     done: bool = False
-    # Incremental detokenization: the visible (non-EOS) output tokens, and how many of them
-    # decode to `stable_text` for good: their text ends on a whole character, and byte-level
-    # BPE decodes a sequence split at a character boundary as the concatenation of its parts.
-    # Each step then decodes only the tokens after them, not the whole output again.
-    visible: list[int] = field(default_factory=list)
-    num_stable_tokens: int = 0
-    stable_text: str = ""
 
 
 @dataclass(slots=True)
@@ -294,7 +288,8 @@ class EngineThread:
     def _delta(self, seq: SequenceState, tracked: _Tracked) -> Delta | None:
         stream = tracked.samples.get(seq.sample_index)
         if stream is None:
-            stream = tracked.samples[seq.sample_index] = _SampleStream()
+            text_stream = TextStream(self.decode, self.token_bytes, tracked.holdback)
+            stream = tracked.samples[seq.sample_index] = _SampleStream(text_stream)
         if stream.done:
             return None
         output = seq.output_ids
@@ -302,44 +297,13 @@ class EngineThread:
         reason = seq.finish_reason
         if not new_ids and reason is None:
             return None
-        if reason in ("stop", "length"):
-            text = seq.text  # the engine's final text (cut before a stop string, EOS dropped)
-            limit = len(text)
-        else:
-            eos = self.engine.eos_token_ids
-            stream.visible.extend(t for t in new_ids if t not in eos)
-            text = stream.stable_text + self.decode(stream.visible[stream.num_stable_tokens :])
-            half = text.endswith("\ufffd") and self._ends_inside_a_character(stream.visible)
-            if not half:
-                stream.stable_text, stream.num_stable_tokens = text, len(stream.visible)
-            limit = len(text) if reason is not None else len(text) - tracked.holdback
-            if half:
-                # an incomplete character: wait for its next byte; an aborted sample (the server
-                # stopping) gets none, and its last chunk does not end in U+FFFD for the half
-                limit = min(limit, len(text) - 1)
-        new_text = ""
-        if limit > len(stream.sent_text) and text.startswith(stream.sent_text):
-            new_text = text[len(stream.sent_text) : limit]
-            stream.sent_text += new_text
+        eos = self.engine.eos_token_ids
+        # (on "stop" / "length" the engine's final text: cut before a stop string, EOS dropped)
+        new_text = stream.text.advance([t for t in new_ids if t not in eos], reason, seq.text)
         logprobs = seq.logprobs[stream.num_sent_tokens : len(output)] if seq.logprobs else []
         stream.num_sent_tokens = len(output)
         stream.done = reason is not None
         return Delta(seq.sample_index, new_text, new_ids, logprobs, reason)
-
-    def _ends_inside_a_character(self, token_ids: list[int]) -> bool:
-        """Whether the bytes of `token_ids` end inside a UTF-8 character: a lead byte still
-        waiting for continuation bytes. Such a tail is 1-3 bytes from a lead byte on, so the
-        last 3 bytes tell (a byte before that lead is a whole character or an invalid byte)."""
-        if self.token_bytes is None:
-            return True
-        tail = b""
-        for token_id in reversed(token_ids):
-            tail = self.token_bytes(token_id) + tail
-            if len(tail) >= 3:
-                break
-        decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        decoder.decode(tail[-3:])
-        return bool(decoder.getstate()[0])  # the bytes it holds for the character's rest
 
 
 def _log(what: str, trace: str) -> None:
