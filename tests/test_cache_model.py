@@ -612,6 +612,10 @@ class TieredFullBlocksOf3(CacheModel):
         self._save_evicted()  # the runner's save_evicted, before the forward writes
         super()._forward(rids, starts, ends)
 
+    def _apply_copies(self) -> None:
+        self._save_evicted()  # (a copy's destination may be a block just evicted: saved first)
+        super()._apply_copies()
+
     def _load(self, rid: str, admission) -> int:
         self._save_evicted()
         loads = admission.groups["full"].loads
@@ -649,6 +653,7 @@ class TieredFullBlocksOf3(CacheModel):
         admission = self.m.admit(rid, list(seq), tenant_salt=self.tenant[rid])
         if admission is None:
             return
+        self._save_evicted()  # (the runner's, before the loads and the tail overwrite fresh blocks)
         hit = admission.num_cached_tokens
         if admission.groups["full"].loads:
             hit = self._load(rid, admission)
