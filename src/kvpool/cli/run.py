@@ -287,6 +287,15 @@ def config_engine(args: argparse.Namespace):
     return engine, hf.name, hf.config.vocab_size
 
 
+def token_id_prompts(args: argparse.Namespace, engine, vocab_size: int):
+    """The workload-making function of a model served by token ids (a config.json model, the
+    hybrid and tiny V4 models): random prompts of its vocabulary, each checked against the
+    engine's context as it is made."""
+    return lambda rng: live_token_ids(
+        vocab_size, args.num_requests, args.num_long, rng, seed=args.seed, check_length=engine.check_length
+    )
+
+
 def build(args: argparse.Namespace):
     """(engine, workload-making function, model name) for --model."""
     from kvpool.engine.build import limit_model_len
@@ -298,9 +307,7 @@ def build(args: argparse.Namespace):
         limit_model_len(engine, args.max_model_len)
         return (
             engine,
-            lambda rng: live_token_ids(
-                vocab_size, args.num_requests, args.num_long, rng, seed=args.seed, check_length=engine.check_length
-            ),
+            token_id_prompts(args, engine, vocab_size),
             name,
             None,
         )
@@ -309,14 +316,7 @@ def build(args: argparse.Namespace):
         limit_model_len(engine, args.max_model_len)
         return (
             engine,
-            lambda rng: live_token_ids(
-                model.vocab_size,
-                args.num_requests,
-                args.num_long,
-                rng,
-                seed=args.seed,
-                check_length=engine.check_length,
-            ),
+            token_id_prompts(args, engine, model.vocab_size),
             args.model,
             None,
         )
@@ -344,14 +344,7 @@ def build(args: argparse.Namespace):
         limit_model_len(engine, args.max_model_len)
         return (
             engine,
-            lambda rng: live_token_ids(
-                model.vocab_size,
-                args.num_requests,
-                args.num_long,
-                rng,
-                seed=args.seed,
-                check_length=engine.check_length,
-            ),
+            token_id_prompts(args, engine, model.vocab_size),
             TINY_MODEL,
             None,
         )
