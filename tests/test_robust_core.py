@@ -547,9 +547,9 @@ def test_appended_ids_that_are_no_sequence_of_ints_are_named(token_ids, kind) ->
 @pytest.mark.parametrize(
     ("item", "message"),
     [
-        (MMItem(1.5, 2, "h"), "start and length must be ints"),
-        (MMItem(1, 2.0, "h"), "start and length must be ints"),
-        (MMItem(True, 2, "h"), "start and length must be ints"),
+        (MMItem(1.5, 2, "h"), ": start must be an int, got float 1.5"),
+        (MMItem(1, 2.0, "h"), ": length must be an int, got float 2.0"),
+        (MMItem(True, 2, "h"), ": start must be an int, got bool True"),
         (MMItem(1, 2, b"h"), "its content_hash must be a str"),
         (MMItem(1, 2, 5), "its content_hash must be a str"),
     ],

@@ -66,7 +66,7 @@ from kvpool.cache.types import (
 )
 from kvpool.pool import BlockPool, PrefixBlock, StepTables, step_tables, token_bytes
 from kvpool.pool.block_pool import MatchMemo
-from kvpool.pool.hashing import TOKEN_BYTES, is_int, token_array
+from kvpool.pool.hashing import TOKEN_BYTES, as_count, is_int, token_array
 
 
 class RequestPart(NamedTuple):
@@ -118,7 +118,14 @@ def check_mm_items(mm_items: Sequence[MMItem], num_tokens: int) -> tuple[MMItem,
     of type bytes is not JSON serializable'), each within the prompt (ValueError)."""
     items = tuple(MMItem(*item) for item in mm_items)
     if any(i.start.__class__ is not int or i.length.__class__ is not int for i in items):
-        items = tuple(MMItem(_item_int(i, i.start), _item_int(i, i.length), i.content_hash) for i in items)
+        items = tuple(
+            MMItem(
+                as_count(f"multimodal item {i}: start", i.start),
+                as_count(f"multimodal item {i}: length", i.length),
+                i.content_hash,
+            )
+            for i in items
+        )
     for item in items:
         if not isinstance(item.content_hash, str):
             raise TypeError(f"multimodal item {item}: its content_hash must be a str")
@@ -140,13 +147,6 @@ MIN_ROWS_CARRIED = 16
 MAX_LOOKED_UP = 8
 # fresh requests (`_fresh`) that a commit's pass finds apart, not by a question at every row
 MAX_FRESH_APART = 8
-
-
-def _item_int(item: MMItem, value: object) -> int:
-    """A multimodal item's position or length as an int; TypeError naming the item."""
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise TypeError(f"multimodal item {item}: start and length must be ints")
-    return value.__index__()  # type: ignore[union-attr]
 
 
 def pack_prompt(
@@ -276,9 +276,7 @@ class HybridCacheManager:
             raise TypeError(f"descriptor must be a CacheDescriptor, got {type(descriptor).__name__}")
         shared = None
         if shared_blocks is not None:
-            if isinstance(shared_blocks, bool) or not hasattr(shared_blocks, "__index__"):
-                raise TypeError(f"shared_blocks must be an int, got {type(shared_blocks).__name__} {shared_blocks!r}")
-            shared_blocks = operator.index(shared_blocks)  # (numpy's ints, as a group's pool size)
+            shared_blocks = as_count("shared_blocks", shared_blocks)  # (numpy's ints, as a group's pool size)
             if shared_blocks <= 0:
                 raise ValueError(f"shared_blocks must be positive, got {shared_blocks}")
             shared = BlockPool(shared_blocks, enable_caching=enable_prefix_caching, hash_algo=hash_algo)

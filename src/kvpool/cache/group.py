@@ -33,6 +33,7 @@ from typing import Any, NamedTuple, Protocol
 
 from kvpool.cache.types import NO_RESERVATION, BlockCopy, GroupReservation, LookupPrompt, MMItem, StateRestore
 from kvpool.pool import BlockPool, PrefixBlock
+from kvpool.pool.hashing import as_count
 
 
 class LowerTier(Protocol):
@@ -51,11 +52,8 @@ def check_int_fields(spec: Any, *fields: str) -> None:
     integers'), and a bool passed as 1."""
     for what in fields:
         value = getattr(spec, what)
-        if value.__class__ is int:
-            continue
-        if isinstance(value, bool) or not hasattr(value, "__index__"):
-            raise TypeError(f"group {spec.name!r}: {what} must be an int, got {type(value).__name__} {value!r}")
-        object.__setattr__(spec, what, value.__index__())
+        if value.__class__ is not int:
+            object.__setattr__(spec, what, as_count(f"group {spec.name!r}: {what}", value))
 
 
 def check_pool_size(name: str, size: object) -> int:

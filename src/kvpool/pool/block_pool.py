@@ -38,7 +38,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from kvpool.pool.hashing import BlockHasher
+from kvpool.pool.hashing import BlockHasher, as_count
 
 
 class PrefixBlock:
@@ -130,10 +130,7 @@ class BlockPool:
     def __init__(self, num_blocks: int, *, enable_caching: bool = True, hash_algo: str = "xxh3_128") -> None:
         """`num_blocks` blocks, all free. `enable_caching=False` keeps the index empty
         (`register` publishes nothing). `hash_algo`: "xxh3_128" or "sha256" (BlockHasher)."""
-        if num_blocks.__class__ is not int:  # (a float failed as "can't multiply sequence by non-int")
-            if isinstance(num_blocks, bool) or not hasattr(num_blocks, "__index__"):
-                raise TypeError(f"num_blocks must be an int, got {type(num_blocks).__name__} {num_blocks!r}")
-            num_blocks = num_blocks.__index__()
+        num_blocks = as_count("num_blocks", num_blocks)  # (a float failed as "can't multiply sequence by non-int")
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks

@@ -34,6 +34,16 @@ def is_int(value: object) -> bool:
     return True
 
 
+def as_count(what: str, value: object) -> int:
+    """A count or size as a Python int (numpy's and torch's integers are: `__index__`; a bool
+    or a float is no count): TypeError naming `what`, the type and the value otherwise."""
+    if value.__class__ is int:
+        return value  # type: ignore[return-value]
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}")
+    return value.__index__()  # type: ignore[union-attr]
+
+
 def token_bytes(token_ids: Sequence[int]) -> bytes:
     """Token ids as little-endian uint32 bytes (ValueError for ids outside [0, 2**32)). An
     `array("I")` (a cache's own token ids, `token_array`) is that layout already: its bytes,
