@@ -278,10 +278,7 @@ class CacheModel(RuleBasedStateMachine):
         nexts: list[int | None] = []
         for rid, n in zip(live, commits, strict=True):
             if self.nc[rid] + n == len(self.seq[rid]):  # the step's logits sample the next token
-                if self.shared[rid]:
-                    self.seq[rid].append(tok)
-                else:
-                    self.seq[rid].append(tok)
+                self.seq[rid].append(tok)  # (a share_ids request's list is the cache's: it joins there too)
                 nexts.append(tok)
             else:
                 nexts.append(None)
@@ -776,7 +773,28 @@ RoutedDualPool.TestCase.settings = SETTINGS
 TestRoutedDualPool = RoutedDualPool.TestCase
 
 
-class TwinV4(RuleBasedStateMachine):
+class _Twins(RuleBasedStateMachine):
+    """Two caches, `a` and `b`, driven alike (`_both`: each call's answer equal in both);
+    a fork of a request whose reservation is all computed, in both."""
+
+    requests = Bundle("twin_requests")
+    child_prefix = "s"  # (a fork's child: s1, s2, ...)
+
+    def _both(self, call):
+        ra, rb = call(self.a), call(self.b)
+        assert ra == rb, (ra, rb)
+        return ra
+
+    @rule(target=requests, parent=requests)
+    def fork(self, parent):
+        if parent not in self.a or self.a.num_reserved_tokens(parent) != self.a.num_computed_tokens(parent):
+            return multiple()
+        self.next_id += 1
+        child = f"{self.child_prefix}{self.next_id}"
+        return child if self._both(lambda m: m.fork(parent, child)) else multiple()
+
+
+class TwinV4(_Twins):
     """Two V4 dual-pool caches (one group: the engine's DSV4CacheManager, whose lookups an
     admission may take again) driven alike, but for the router's path: in A each admission
     takes a prompt packed and looked up (`lookup_packed`) some operations before, with
@@ -784,7 +802,8 @@ class TwinV4(RuleBasedStateMachine):
     lookup is taken only while no `lookup_stamp` moved, so every admission, step and pool
     must stay equal in A and B; the restore prices move between them too."""
 
-    requests = Bundle("v4_requests")
+    requests = _Twins.requests  # (the base's bundle: its fork's children join it)
+    child_prefix = "v"
     restore, num_checkpoints, checkpoint_blocks = "auto", 2, 0
 
     def __init__(self) -> None:
@@ -808,11 +827,6 @@ class TwinV4(RuleBasedStateMachine):
             restore_cost=prices,
         )
         return HybridCacheManager([(spec, (12, 4))], DESC, turn_end_checkpoints=True)
-
-    def _both(self, call):
-        ra, rb = call(self.a), call(self.b)
-        assert ra == rb, (ra, rb)
-        return ra
 
     @rule(base=st.integers(0, 2), cut=st.integers(1, 24), suffix=st.lists(ALPHABET, max_size=3))
     def router_lookup(self, base, cut, suffix):
@@ -882,14 +896,6 @@ class TwinV4(RuleBasedStateMachine):
     def unreserve(self, rid):
         if rid in self.a:
             self._both(lambda m: m.unreserve(rid))
-
-    @rule(target=requests, parent=requests)
-    def fork(self, parent):
-        if parent not in self.a or self.a.num_reserved_tokens(parent) != self.a.num_computed_tokens(parent):
-            return multiple()
-        self.next_id += 1
-        child = f"v{self.next_id}"
-        return child if self._both(lambda m: m.fork(parent, child)) else multiple()
 
     @rule(rid=requests, how=st.sampled_from(["finish", "cancel", "preempt"]))
     def release(self, rid, how):
@@ -1187,14 +1193,14 @@ def test_long_random_runs(machine, monkeypatch) -> None:
         drive(machine(), random.Random(seed), 300)
 
 
-class TwinSteps(RuleBasedStateMachine):
+class TwinSteps(_Twins):
     """The step paths against their naive twins: two caches driven alike, A through
     `reserve_step` / `commit_step` (the decode memo, `_reserve_decodes`, `_commit_decodes`,
     `_commit_chunks`), B through `_reserve_each` / `_commit_each`; batches that change from
     step to step (rows leave, join, are reordered). Every answer, table, copy, pool queue
     and counter must be equal."""
 
-    requests = Bundle("twin_requests")
+    requests = _Twins.requests
 
     def _build(self) -> HybridCacheManager:
         return HybridCacheManager(
@@ -1207,11 +1213,6 @@ class TwinSteps(RuleBasedStateMachine):
         super().__init__()
         self.a, self.b = self._build(), self._build()
         self.next_id = 0
-
-    def _both(self, call):
-        ra, rb = call(self.a), call(self.b)
-        assert ra == rb, (ra, rb)
-        return ra
 
     @rule(target=requests, base=st.integers(0, 2), cut=st.integers(1, 20), suffix=st.lists(ALPHABET, max_size=3))
     def admit(self, base, cut, suffix):
@@ -1253,14 +1254,6 @@ class TwinSteps(RuleBasedStateMachine):
         nexts = [tok if e == a.num_tokens(r) else None for r, e in zip(live, ends, strict=True)]
         a.commit_step(live, counts, nexts)
         self.b._commit_each(live, counts, nexts)
-
-    @rule(target=requests, parent=requests)
-    def fork(self, parent):
-        if parent not in self.a or self.a.num_reserved_tokens(parent) != self.a.num_computed_tokens(parent):
-            return multiple()
-        self.next_id += 1
-        child = f"s{self.next_id}"
-        return child if self._both(lambda m: m.fork(parent, child)) else multiple()
 
     @rule(rid=requests, how=st.sampled_from(["finish", "cancel", "preempt"]))
     def release(self, rid, how):
