@@ -446,3 +446,34 @@ def test_a_v4_compress_ratio_is_a_json_integer() -> None:
             cfg | {"compress_ratios": [0, 0, 4, True, *cfg["compress_ratios"][4:]]}, name="deepseek-v4-flash"
         )
     assert from_hf_config(cfg, name="deepseek-v4-flash").dsv4.lcm_ratio == 128  # the published one holds
+
+
+def test_v4_latent_compressor_and_indexer_projections_are_whole_on_every_tp_rank() -> None:
+    # vLLM's V4 builds wq_a + wkv, each compressor's wkv + wgate and the indexer's wq_b and
+    # weights_proj as replicated linears (one vector a token that every head reads); only
+    # wq_b, wo_a and wo_b split over TP. Counted here from the config's own fields by hand:
+    # they were counted TP-sharded, V4-Pro at TP 8 1.68 GiB a GPU short.
+    cfg = load_preset_config("deepseek-v4-flash")
+    h, q, d = cfg["hidden_size"], cfg["q_lora_rank"], cfg["head_dim"]
+    ih, idim = cfg["index_n_heads"], cfg["index_head_dim"]
+    replicated = 0
+    for ratio in cfg["compress_ratios"][: cfg["num_hidden_layers"]]:
+        replicated += h * q + h * d  # wq_a, wkv
+        if ratio:
+            coff = 2 if ratio == 4 else 1  # CSA's overlapping windows: two entries' width
+            replicated += 2 * h * coff * d  # compressor wkv, wgate
+        if ratio == 4:
+            replicated += q * ih * idim + h * ih + 2 * h * coff * idim  # indexer wq_b, weights_proj, compressor
+    model = from_hf_config(cfg, name="deepseek-v4-flash")
+    counts = count_parameters(model)
+    assert counts.attention_replicated == replicated
+    sharded = cfg["num_hidden_layers"] * (
+        q * cfg["num_attention_heads"] * d  # wq_b
+        + cfg["num_attention_heads"] * d * cfg["o_lora_rank"]  # wo_a: each group's heads -> its rank
+        + cfg["o_groups"] * cfg["o_lora_rank"] * h  # wo_b
+    )
+    assert counts.attention == sharded
+    # a TP rank holds the replicated ones whole: TP 8 saves 7/8 of the sharded attention only
+    one, eight = weight_bytes(model, tp=1, weight_dtype="bf16"), weight_bytes(model, tp=8, weight_dtype="bf16")
+    rest = counts.embedding + counts.lm_head + counts.mlp + counts.experts + counts.expert_biases
+    assert one.per_gpu_bytes - eight.per_gpu_bytes == pytest.approx(2 * (sharded + rest) * 7 / 8, rel=1e-6)

@@ -14,8 +14,9 @@ way the Hugging Face / reference implementations build the model (no checkpoint 
   q/k/v biases only), q/k RMSNorms (Qwen3, Gemma 3), attention sinks (gpt-oss: one per
   head). MLA: q_a (hidden x q_lora_rank) + q_a_norm + q_b (q_lora_rank x heads*(nope+rope)),
   kv_a (hidden x (kv_lora_rank+rope)) + kv_a_norm + kv_b (kv_lora_rank x heads*(nope+v)),
-  o (heads*v x hidden); V3.2 adds the indexer (wq_b, wk, k_norm, weights_proj). q_a and
-  kv_a are counted as `attention_replicated`: tensor-parallel engines keep them whole;
+  o (heads*v x hidden); V3.2 adds the indexer (wq_b, wk, k_norm, weights_proj). q_a,
+  kv_a and the indexer are counted as `attention_replicated`: tensor-parallel engines keep
+  them whole (V4's wq_a, wkv, compressors and indexer likewise);
 - MLP: gated (gate, up, down) 3 x hidden x intermediate; MoE layers hold routed experts
   (3 x hidden x moe_intermediate each, gpt-oss with biases), shared experts and a router
   (experts x hidden, plus bias / correction bias);
@@ -192,7 +193,7 @@ class ParamCounts:
     embedding: int
     lm_head: int
     attention: int  # linear weights sharded by tensor parallelism
-    attention_replicated: int  # MLA q_a / kv_a projections: whole on every TP rank
+    attention_replicated: int  # MLA q_a / kv_a, V4 wq_a / wkv / compressors / indexer: whole on every TP rank
     mlp: int  # dense MLP and shared experts (linear weights)
     experts: int  # routed-expert weight matrices
     expert_biases: int
@@ -237,7 +238,7 @@ def count_parameters(spec: ModelSpec) -> ParamCounts:
         norms += extra_norms
     else:
         assert spec.dsv4 is not None
-        attention, extra_norms = _dsv4_attention_params(spec.dsv4)
+        attention, replicated, extra_norms = _dsv4_attention_params(spec.dsv4)
         norms += extra_norms
     mlp = experts = expert_biases = router = 0
     moe_layers = set(spec.moe.moe_layers) if spec.moe else set()
@@ -281,27 +282,32 @@ def _mla_attention_params(spec: ModelSpec) -> tuple[int, int, int]:
     return L * sharded, L * replicated, L * norms
 
 
-def _dsv4_attention_params(v4: DSV4Spec) -> tuple[int, int]:
-    """(linear weights, norms + small tensors) of all V4 attention layers, by reference name."""
+def _dsv4_attention_params(v4: DSV4Spec) -> tuple[int, int, int]:
+    """(TP-sharded linears, replicated linears, norms + small tensors) of all V4 attention
+    layers, by reference name. Sharded: wq_b (by head), wo_a (by output group), wo_b (its
+    rows). Replicated, whole on every TP rank as vLLM's V4 builds them (its fused wq_a + wkv,
+    the compressors' fused wkv + wgate and the indexer's wq_b and weights_proj are
+    replicated linears), as MLA's q_a / kv_a are: each makes one vector a token that every
+    head reads (the query latent, the shared K/V, the compressed entry, the index scores)."""
     h, d, H = v4.hidden_size, v4.head_dim, v4.num_heads
-    linear = small = 0
+    sharded = replicated = small = 0
     for ratio in v4.layer_ratios:
-        linear += h * v4.q_lora_rank + v4.q_lora_rank * H * d  # wq_a, wq_b
-        linear += h * d  # wkv
-        linear += v4.o_groups * (v4.heads_per_group * d) * v4.o_lora_rank  # wo_a (grouped)
-        linear += v4.o_groups * v4.o_lora_rank * h  # wo_b
+        replicated += h * v4.q_lora_rank + h * d  # wq_a, wkv
+        sharded += v4.q_lora_rank * H * d  # wq_b
+        sharded += v4.o_groups * (v4.heads_per_group * d) * v4.o_lora_rank  # wo_a (grouped)
+        sharded += v4.o_groups * v4.o_lora_rank * h  # wo_b
         small += v4.q_lora_rank + d + H  # q_norm, kv_norm, attn_sink
         if ratio == 0:
             continue
         coff = v4.coff(ratio)
-        linear += 2 * h * coff * d  # compressor.wkv, compressor.wgate
+        replicated += 2 * h * coff * d  # compressor.wkv, compressor.wgate
         small += ratio * coff * d + d  # compressor.ape, compressor.norm
         if ratio == CSA_RATIO:
             di = v4.index_head_dim
-            linear += v4.q_lora_rank * v4.index_n_heads * di + h * v4.index_n_heads  # wq_b, weights_proj
-            linear += 2 * h * coff * di  # indexer.compressor.wkv, wgate
+            replicated += v4.q_lora_rank * v4.index_n_heads * di + h * v4.index_n_heads  # wq_b, weights_proj
+            replicated += 2 * h * coff * di  # indexer.compressor.wkv, wgate
             small += ratio * coff * di + di  # indexer.compressor.ape, norm
-    return linear, small
+    return sharded, replicated, small
 
 
 # ---------------------------------------------------------------------------------------
