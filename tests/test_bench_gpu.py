@@ -186,6 +186,38 @@ def test_a_model_or_host_shape_past_the_machine_is_refused_before_it_is_built(ca
         assert err.startswith(f"kvpool bench gpu: error: {needle}") and "has 8.0 GiB of memory available" in err, err
 
 
+def test_a_flag_for_parts_not_run_is_refused_before_any_part_runs(capsys, monkeypatch):
+    """`--parts host --model llama-3.1-70b` ran the host part's stand-in and printed figures
+    that looked like the 70B's: each flag set away from its default names the parts that read
+    it. A flag some chosen part reads, or one left at its default, goes through."""
+    from kvpool.cli import bench_gpu
+
+    ran = []
+
+    def measure(parts, model, dtype, batch, context, progress, enforce_eager):
+        ran.append({"parts": parts, "model": model, "batch": batch})
+        return {"device": "cpu", "dtype": dtype}
+
+    monkeypatch.setattr(bench_gpu, "measure", measure)
+    for argv, needle in (
+        (["--parts", "host", "--model", "llama-3.1-8b"], "--model is read by the engine and prefill parts only"),
+        (["--parts", "engine,numerics", "--batch", "4"], "--batch is read by the host part only"),
+        (["--parts", "attention", "--context", "64"], "--context is read by the host part only"),
+        (["--parts", "prefill", "--enforce-eager"], "--enforce-eager is read by the engine part only"),
+        (["--parts", "host,numerics", "--dtype", "fp32"], "--dtype is read by the attention and engine and prefill"),
+    ):
+        assert main(["bench", "gpu", *argv, "--json"]) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"kvpool bench gpu: error: {needle}"), err
+    assert ran == []
+    for argv in (
+        ["--parts", "host,engine", "--model", "llama-3.1-8b", "--batch", "4"],
+        ["--parts", "host", "--batch", "128"],
+    ):
+        assert main(["bench", "gpu", *argv, "--json"]) == 0, argv
+    assert [r["parts"] for r in ran] == [("host", "engine"), ("host",)]
+
+
 def test_the_attention_figures_time_the_attention_over_a_plan_made_before(monkeypatch):
     from kvpool.bench import gpu
 
