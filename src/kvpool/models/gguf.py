@@ -17,6 +17,7 @@ import gc
 import importlib.util
 import math
 import os
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -335,6 +336,91 @@ def check_gguf_file(path: str) -> None:
         raise ValueError(f"{path} is not a GGUF file: it starts with {head!r}, not {GGUF_MAGIC!r}")
 
 
+# The least bytes one entry of each section takes: a metadata pair (key length, an empty key,
+# its type, a one-byte value), a tensor's description (name length, an empty name, its
+# dims count, no dims, its type, its offset).
+_MIN_KV_BYTES = 8 + 4 + 1
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8
+
+
+def check_gguf_counts(path: str) -> None:
+    """ValueError naming the count when the header's tensor or metadata count claims more
+    entries than the file's bytes can hold (a count of 2^63 parsed until the end of the file
+    before the reader failed, in numpy's words)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(24)
+    if len(head) < 24:
+        raise ValueError(f"GGUF file {path} is truncated: its header needs 24 bytes, the file has {size}")
+    # a file written on a big-endian machine holds its version (2 or 3) in the high half of a little-endian read
+    order = ">" if struct.unpack_from("<I", head, 4)[0] & 0xFFFF == 0 else "<"
+    num_tensors, num_kv = struct.unpack_from(f"{order}QQ", head, 8)
+    if num_tensors * _MIN_TENSOR_INFO_BYTES + num_kv * _MIN_KV_BYTES > size - 24:
+        raise ValueError(
+            f"GGUF file {path} is corrupt or truncated: its header claims {num_tensors} tensors and {num_kv} metadata "
+            f"keys, more than its {size} bytes can hold"
+        )
+
+
+@functools.cache
+def _checked_reader_class() -> type:
+    """gguf.GGUFReader that refuses, naming the offset, any read past the end of the file.
+    The reader slices its memory map, and a slice past the end comes back short without a
+    word: an array that claims 2^63 one-byte items kept reading empty items (its loop never
+    ended, and its list grew until memory ran out), and a short read surfaced as numpy's
+    "cannot reshape" or "When changing to a larger dtype"."""
+    import gguf
+
+    array, string = int(gguf.GGUFValueType.ARRAY), int(gguf.GGUFValueType.STRING)
+
+    class CheckedReader(gguf.GGUFReader):
+        # (called ~250,000 times for SmolLM2's vocabulary: the check is the result's length,
+        # ~0.1 us, not a size computed up front)
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+            try:
+                got = super()._get(offset, dtype, count, override_order)
+            except ValueError:  # a few bytes short of one item: numpy's "changing to a larger dtype"
+                got = None
+            if got is None or len(got) != count:
+                raise ValueError(
+                    f"{int(count)} items of {np.dtype(dtype).itemsize} bytes at offset {int(offset)} run past "
+                    f"the end of the file ({len(self.data)} bytes)"
+                )
+            return got
+
+        def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
+            if raw_type == array:  # an array's length checked against the bytes left
+                item_type, length = int(self._get(orig_offs, np.uint32)[0]), int(self._get(orig_offs + 4, np.uint64)[0])
+                scalar = self.gguf_scalar_to_np.get(item_type)
+                least = np.dtype(scalar).itemsize if scalar is not None else (8 if item_type == string else 12)
+                if length * least > len(self.data) - (orig_offs + 12):
+                    raise ValueError(
+                        f"the array at offset {orig_offs} claims {length} items, more than the file's "
+                        f"{len(self.data)} bytes hold"
+                    )
+            return super()._get_field_parts(orig_offs, raw_type)
+
+    return CheckedReader
+
+
+def check_tensor_extents(reader: Any) -> None:
+    """ValueError naming the tensor whose data does not lie inside the file: the reader adds
+    a tensor's offset to the data section's start in uint64, so an offset near 2^64 wrapped
+    around into the file and its weights were read from the wrong bytes without a word; dims
+    whose product overflows 2^64 likewise."""
+    size = len(reader.data)
+    for t in reader.tensors:
+        offset = int(t.field.parts[-1][0])  # as stored, from the data section's start
+        elements = math.prod(int(x) for x in t.shape)
+        if elements != int(t.n_elements):
+            raise ValueError(f"tensor {t.name!r} has dims {[int(x) for x in t.shape]}, whose product overflows")
+        if reader.data_offset + offset + int(t.n_bytes) > size:
+            raise ValueError(
+                f"tensor {t.name!r}: {int(t.n_bytes)} bytes at offset {offset} of the data section run past the "
+                f"end of the file ({size} bytes, data from {reader.data_offset})"
+            )
+
+
 def load_gguf(path: str | None = None, dtype: torch.dtype = torch.float32, digest: str | None = None) -> GGUFFile:
     """Open a Llama GGUF and read its metadata; its tensors are dequantized one at a time
     by `tensors()`. `path=None` takes the embedded SmolLM2-135M.
@@ -344,15 +430,16 @@ def load_gguf(path: str | None = None, dtype: torch.dtype = torch.float32, diges
     non-Llama architecture, missing metadata, or an unsupported quantization type (named,
     with the tensor that uses it).
     """
-    import gguf  # heavy-ish import kept local
-
     # fp16 too: --dtype fp16 on run / generate / serve (cli/args.py MODEL_DTYPES) loads through here
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
     path = path or default_gguf_path()
     check_gguf_file(path)
+    check_gguf_counts(path)
     try:
-        reader = gguf.GGUFReader(path)
+        with np.errstate(over="ignore"):  # (a tensor offset that wraps: check_tensor_extents names it)
+            reader = _checked_reader_class()(path)
+        check_tensor_extents(reader)
     except _PARSE_ERRORS as e:
         raise ValueError(f"GGUF file {path} is corrupt or truncated: {type(e).__name__}: {e}") from e
     try:

@@ -1,0 +1,111 @@
+"""Hostile inputs to the model layer (models/gguf.py, tokenizer.py, hf_config.py): each is one
+line naming the problem, with no traceback, no allocation sized by a corrupt count, no hang,
+and never weights read from the wrong bytes. The GGUFs are the well-formed tiny Llama of
+test_gguf_metadata with bytes overwritten at offsets read from its own layout."""
+
+from __future__ import annotations
+
+import struct
+
+import gguf
+import pytest
+
+from kvpool.cli.main import main
+from kvpool.models.gguf import load_gguf
+from test_gguf_metadata import write_gguf
+
+
+def layout(path: str) -> dict[str, int]:
+    """Byte offsets in a well-formed GGUF: the tokens array's item type and length, the first
+    tensor's dims count and its offset field, the data section."""
+    r = gguf.GGUFReader(path)
+    tokens = r.fields["tokenizer.ggml.tokens"]
+    key_len = int(tokens.parts[0][0])
+    t = r.tensors[0].field
+    name_len, num_dims = int(t.parts[0][0]), int(t.parts[2][0])
+    return {
+        "tokens_item_type": tokens.offset + 8 + key_len + 4,
+        "tensor0_dims_count": t.offset + 8 + name_len,
+        "tensor0_offset": t.offset + 8 + name_len + 4 + 8 * num_dims + 4,
+        "data": r.data_offset,
+    }
+
+
+def patched(tmp_path, name: str, at: int, fmt: str, *values: int) -> str:
+    path = write_gguf(tmp_path / "ok.gguf")
+    data = bytearray(open(path, "rb").read())
+    struct.pack_into(fmt, data, at, *values)
+    out = tmp_path / name
+    out.write_bytes(bytes(data))
+    return str(out)
+
+
+def refused(path: str) -> str:
+    with pytest.raises(ValueError) as e:
+        for _ in load_gguf(path).tensors():
+            pass
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("length", [10**6, 2**63])
+def test_an_array_claiming_more_items_than_the_file_holds_is_refused_before_it_is_read(tmp_path, length):
+    """The tokens array retyped as uint8 with 2^63 items: the reader's loop read empty items
+    past the end of the file forever, its list growing until memory ran out (MemoryError
+    under a 3 GiB limit); 10^6 items read 10^6 empty ones first."""
+    at = layout(write_gguf(tmp_path / "ok.gguf"))["tokens_item_type"]
+    path = patched(tmp_path, "array.gguf", at, "<IQ", 0, length)
+    size = len(open(path, "rb").read())
+    assert refused(path) == (
+        f"GGUF file {path} is corrupt or truncated: ValueError: the array at offset {at} claims {length} items, "
+        f"more than the file's {size} bytes hold"
+    )
+
+
+def test_a_tensor_offset_that_wraps_past_2_to_the_64_is_refused_not_read_from_the_wrong_bytes(tmp_path):
+    """The reader adds the data section's start to a tensor's offset in uint64: 2^64 - 1
+    wrapped to the byte before the data, and the model loaded with every embedding weight
+    read one byte off, without a word."""
+    at = layout(write_gguf(tmp_path / "ok.gguf"))["tensor0_offset"]
+    path = patched(tmp_path, "wrap.gguf", at, "<Q", 2**64 - 1)
+    message = refused(path)
+    assert f"tensor 'token_embd.weight': 2048 bytes at offset {2**64 - 1} of the data section run past" in message
+
+
+@pytest.mark.parametrize(
+    ("what", "fmt", "value", "message"),
+    [
+        ("tensor_count", "<Q", 2**63, "its header claims 9223372036854775808 tensors and 11 metadata keys"),
+        ("kv_count", "<Q", 10**6, "its header claims 20 tensors and 1000000 metadata keys"),
+        ("tensor0_dims_count", "<I", 2**32 - 1, "4294967295 items of 8 bytes at offset"),
+        ("tensor0_offset", "<Q", 2**40, "512 items of 4 bytes at offset 1099511629792 run past the end of the file"),
+    ],
+)
+def test_absurd_counts_and_offsets_are_named(tmp_path, what, fmt, value, message):
+    path = write_gguf(tmp_path / "ok.gguf")
+    at = {"tensor_count": 8, "kv_count": 16, **layout(path)}[what]
+    assert message in refused(patched(tmp_path, f"{what}.gguf", at, fmt, value))
+
+
+def test_a_gguf_cut_short_anywhere_is_named_as_truncated(tmp_path):
+    """Every cut of the header, the metadata, the tensor descriptions and the data: the
+    message said numpy's "When changing to a larger dtype, its size must be a divisor" or
+    "index 0 is out of bounds" for most of them."""
+    data = open(write_gguf(tmp_path / "ok.gguf"), "rb").read()
+    for cut in [5, 23, 24, 100, 471, 822, 830, 2015, 2021, len(data) - 1]:
+        path = tmp_path / f"cut{cut}.gguf"
+        path.write_bytes(data[:cut])
+        message = refused(str(path))
+        assert message.startswith(f"GGUF file {path} is ") and "truncated" in message, message
+        assert "divisor" not in message and "out of bounds" not in message, message
+
+
+def test_the_cli_names_a_truncated_gguf_in_one_line(tmp_path, capsys):
+    data = open(write_gguf(tmp_path / "ok.gguf"), "rb").read()
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(data[:900])
+    assert main(["generate", "hi", "--model", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith(f"kvpool generate: error: GGUF file {path} is corrupt or truncated: ") and err.count("\n") == 1
+    )
