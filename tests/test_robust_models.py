@@ -109,3 +109,22 @@ def test_the_cli_names_a_truncated_gguf_in_one_line(tmp_path, capsys):
     assert (
         err.startswith(f"kvpool generate: error: GGUF file {path} is corrupt or truncated: ") and err.count("\n") == 1
     )
+
+
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        ("{% for %}", "the GGUF's chat template is not valid jinja (line 1): Expected an expression"),
+        ("{{ raise_exception('Conversation roles must alternate') }}", "refused the messages: Conversation roles must"),
+        ("{{ messages[0].nope }}", "the chat template refused the messages: "),
+    ],
+)
+def test_a_chat_template_that_fails_is_one_line_from_the_cli(tmp_path, capsys, monkeypatch, template, message):
+    """A template that is not jinja, or one that refuses the messages through HF's
+    raise_exception (undefined here: "'raise_exception' is undefined") or an undefined
+    name, was a jinja2 traceback from `kvpool generate`."""
+    monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "t.gguf", template=template)
+    assert main(["generate", "hi", "--model", path]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvpool generate: error: ") and message in err and err.count("\n") == 1, err

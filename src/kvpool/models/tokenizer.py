@@ -11,6 +11,7 @@ llama.cpp do).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NoReturn
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
@@ -58,9 +59,21 @@ class ChatTokenizer:
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+        def raise_exception(message: str) -> NoReturn:  # what HF templates call to refuse messages
+            raise jinja2.TemplateError(message)
+
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
-        template = env.from_string(self.chat_template)
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+        env.globals["raise_exception"] = raise_exception
+        # ValueError, one line: a template that is not jinja, or one that refuses the messages
+        # (its raise_exception, an undefined name), was a jinja2 traceback from the CLI
+        try:
+            template = env.from_string(self.chat_template)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"the GGUF's chat template is not valid jinja (line {e.lineno}): {e.message}") from None
+        try:
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+        except (jinja2.TemplateError, TypeError) as e:
+            raise ValueError(f"the chat template refused the messages: {e}") from None
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         return self.encode(self.render_chat(messages))

@@ -384,7 +384,9 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
     def encode_chat(body: ChatCompletionRequest) -> list[int]:
         try:
             text = state.tokenizer.render_chat(body.template_messages())
-        except Exception as error:  # the template's own checks (e.g. roles out of order) raise
+        except ValueError as error:  # render_chat's one line (the template's own checks, e.g. roles out of order)
+            raise APIError(400, f"messages: {error}", "messages") from None
+        except Exception as error:  # anything else the template raises
             raise APIError(400, f"messages: the chat template refused them: {error}", "messages") from None
         return encode(text, "messages")
 
