@@ -337,6 +337,43 @@ def test_bench_sim_refuses_negative_counts_and_seeds_as_kvpool_run_does(flag, va
     assert f"argument {flag}: expected an integer >= 0, got -" in capsys.readouterr().err
 
 
+def test_bench_sim_says_on_stderr_which_phase_of_its_minutes_it_is_in(capsys, monkeypatch):
+    """It printed nothing for minutes (the engine's step times, twice, and the engine's run):
+    each phase is one stderr line when stdout is not a terminal, stdout keeps the report. A
+    fit that fails after the phases ends in its one line, status 1 (a busy machine's)."""
+    import kvpool.engine.build
+    from kvpool.bench import sim as bench_sim
+    from kvpool.sim import calibrate
+
+    class Loaded:
+        class tokenizer:
+            encode_chat = staticmethod(lambda messages: [1, 2, 3])
+
+        class model:
+            class config:
+                vocab_size = 49152
+
+    monkeypatch.setattr(kvpool.engine.build, "load_model", lambda *a, **k: Loaded)
+    monkeypatch.setattr(calibrate, "time_engine_steps", lambda *a, **k: "times")
+    monkeypatch.setattr(bench_sim, "_run_engine", lambda loaded, workload: {})
+
+    def fit_engine(times):
+        raise RuntimeError("the step times fit no cost model")
+
+    monkeypatch.setattr(calibrate, "fit_engine", fit_engine)
+    monkeypatch.setattr(calibrate.EngineStepTimes, "mean", staticmethod(lambda a, b: a))
+    assert main(["bench", "sim", "--requests", "3", "--num-long", "1", "--json"]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.splitlines() == [
+        "bench sim: loading SmolLM2-135M ...",
+        "bench sim: the engine's step times for the fit (1 of 3) ...",
+        "bench sim: the engine on the workload's 4 requests ...",
+        "bench sim: the engine's step times for the fit (2 of 3) ...",
+        "kvpool bench sim: the step times fit no cost model",
+    ]
+
+
 @pytest.mark.parametrize("mode", ["run", "sweep"])
 def test_an_infinite_rate_is_written_as_json_can_read_it(mode, tmp_path, capsys):
     """--rate inf wrote "rate": Infinity into workload_params: no JSON (JSON.parse, Go and a

@@ -22,6 +22,8 @@ from __future__ import annotations
 import random
 import time
 
+from kvpool.bench.common import Progress, no_progress
+
 ENGINE = {"num_blocks": 364, "block_size": 16, "max_num_batched_tokens": 256, "max_num_seqs": 16}
 
 
@@ -117,7 +119,7 @@ def _ratios(predicted: dict, measured: dict) -> dict:
     return {k: round(predicted[k] / measured[k], 3) for k in measured if measured[k]}
 
 
-def measure(loaded, workload, seed: int = 0) -> dict:
+def measure(loaded, workload, seed: int = 0, progress: Progress = no_progress) -> dict:
     """Run `workload` (first_turns()) through the engine on `loaded` (engine.build.load_model)
     and through the simulator under the cpu preset and under a fit made now: {"fit",
     "fit_times_before_after_s", "measured", "predicted_preset", "predicted_fit",
@@ -132,13 +134,17 @@ def measure(loaded, workload, seed: int = 0) -> dict:
     model, gpu = load_preset("smollm2-135m"), cpu_preset()
     # The fit's steps are timed now, before and after the run (the VM's speed drifts), on
     # other steps than the workload's; the model is fitted to their mean.
+    progress("the engine's step times for the fit (1 of 3)")
     before = time_engine_steps(loaded, ENGINE, seed=seed)
+    progress(f"the engine on the workload's {len(workload.sessions)} requests")
     measured = _run_engine(loaded, workload)
+    progress("the engine's step times for the fit (2 of 3)")
     after = time_engine_steps(loaded, ENGINE, seed=seed + 1)
     try:
         fit = fit_engine(EngineStepTimes.mean(before, after))
     except RuntimeError as error:
         raise FitFailed(str(error)) from error
+    progress("the simulator under the cpu preset and under the fit (3 of 3)")
     preset = _run_sim(model, workload, CostModel(model, gpu))
     fitted = _run_sim(model, workload, fit.cost_model(model, gpu))
     return {

@@ -9,7 +9,7 @@ import sys
 
 from kvpool.bench.sim import TIMES, FitFailed, first_turns, measure
 from kvpool.cli.args import non_negative_int, positive_float, positive_int
-from kvpool.cli.bench import call_with_flags, print_table, printed_json
+from kvpool.cli.bench import call_with_flags, print_table, printed_json, stderr_progress
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,10 +24,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvpool.engine.build import load_model
 
+    progress = stderr_progress("bench sim")
+    progress("loading SmolLM2-135M")
     loaded = load_model(device="cpu")
     workload = call_with_flags(first_turns, args, loaded=loaded)
     try:
-        result = measure(loaded, workload, args.seed)
+        result = measure(loaded, workload, args.seed, progress)
     except FitFailed as error:  # a busy machine: one line, no traceback
         print(f"kvpool bench sim: {error}", file=sys.stderr)
         return 1
