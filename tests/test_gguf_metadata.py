@@ -18,9 +18,10 @@ TOKENS = [f"t{i}" for i in range(32)]
 
 def write_gguf(path, **over) -> str:
     """A 2-layer Llama GGUF (hidden 16, 4 heads, 2 KV heads, vocab 32); `over` replaces
-    metadata (heads, kvh, hidden, key_length, ctx, theta, eps, vocab) or a tensor's dims
-    (q_rows, embed_rows, tokens), `template` a chat template; `skip` leaves tensors out; `poison` {tensor: [(index,
-    value), ...]} writes values into a tensor (numpy shape: [out, in]); `dtype` the tensors'."""
+    metadata (heads, kvh, hidden, key_length, ctx, theta, eps, vocab; template, merges,
+    token_types: the tokenizer's) or a tensor's dims (q_rows, embed_rows, tokens); `skip`
+    leaves tensors out; `poison` {tensor: [(index, value), ...]} writes values into a tensor
+    (numpy shape: [out, in]); `dtype` the tensors'."""
     o = {"layers": 2, "hidden": 16, "ff": 24, "heads": 4, "kvh": 2, "ctx": 64, "theta": 1e4, "eps": 1e-5, **over}
     head_dim = o.get("key_length") or 4
     tokens = o.get("tokens", TOKENS)
@@ -41,6 +42,10 @@ def write_gguf(path, **over) -> str:
     w.add_token_list(tokens)
     if "template" in o:
         w.add_chat_template(o["template"])
+    if "merges" in o:
+        w.add_token_merges(o["merges"])
+    if "token_types" in o:
+        w.add_token_types(o["token_types"])
     hidden, q, kv, ff = o["hidden"], 4 * head_dim, 2 * head_dim, o["ff"]
     shapes = {"token_embd.weight": (o.get("embed_rows", len(tokens)), hidden), "output_norm.weight": (hidden,)}
     for i in range(o["layers"]):

@@ -128,3 +128,31 @@ def test_a_chat_template_that_fails_is_one_line_from_the_cli(tmp_path, capsys, m
     assert main(["generate", "hi", "--model", path]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvpool generate: error: ") and message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    ("over", "message"),
+    [
+        ({"token_types": [1, 1, 3]}, "tokenizer.ggml.token_type has 3 entries for 32 tokens"),
+        ({"merges": ["t1 t2", "t3t4"]}, "tokenizer.ggml.merges[1] 't3t4' is not two tokens joined by a space"),
+        ({"merges": [" t2"]}, "tokenizer.ggml.merges[0] ' t2' is not two tokens joined by a space"),
+    ],
+)
+def test_tokenizer_metadata_of_the_wrong_shape_is_named_with_the_file(tmp_path, over, message):
+    """A short token_type array was "zip() argument 2 is shorter than argument 1" (no key,
+    no file); a merge without its space a TypeError traceback from the tokenizers library."""
+    path = write_gguf(tmp_path / "tok.gguf", **over)
+    with pytest.raises(ValueError) as e:
+        load_gguf(path)
+    assert str(e.value) == f"GGUF file {path}: GGUF metadata {message}"
+
+
+def test_a_merge_of_tokens_outside_the_vocabulary_is_one_line_from_the_cli(tmp_path, capsys, monkeypatch):
+    """It was the tokenizers library's bare Exception: a 20-line traceback."""
+    monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "merges.gguf", merges=["x y"])
+    assert main(["generate", "hi", "--model", path, "--no-chat"]) == 2
+    assert capsys.readouterr().err == (
+        "kvpool generate: error: the GGUF's tokenizer.ggml.merges do not fit its tokens: "
+        "Error while initializing BPE: Token `x` out of vocabulary\n"
+    )

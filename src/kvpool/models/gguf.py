@@ -303,12 +303,28 @@ def read_tokenizer(reader: Any) -> TokenizerData:
 
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    tokens = tuple(_require(reader, "tokenizer.ggml.tokens"))
+    merges = tuple(_field(reader, "tokenizer.ggml.merges", ()))
+    token_types = ints("tokenizer.ggml.token_type")
+    # the shapes the tokenizers library takes, checked here to name the key (a short
+    # token_type was "zip() argument 2 is shorter than argument 1", a merge without its
+    # space a TypeError traceback from the BPE model)
+    if not all(isinstance(t, str) for t in tokens):
+        raise ValueError("GGUF metadata tokenizer.ggml.tokens must be an array of strings")
+    if token_types and len(token_types) != len(tokens):
+        raise ValueError(
+            f"GGUF metadata tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens"
+        )
+    for i, merge in enumerate(merges):
+        left, _, right = merge.partition(" ") if isinstance(merge, str) else ("", "", "")
+        if not (left and right):
+            raise ValueError(f"GGUF metadata tokenizer.ggml.merges[{i}] {merge!r} is not two tokens joined by a space")
     return TokenizerData(
         model=str(_require(reader, "tokenizer.ggml.model")),
         pre=str(_field(reader, "tokenizer.ggml.pre", "default")),
-        tokens=tuple(_require(reader, "tokenizer.ggml.tokens")),
-        merges=tuple(_field(reader, "tokenizer.ggml.merges", ())),
-        token_types=ints("tokenizer.ggml.token_type"),
+        tokens=tokens,
+        merges=merges,
+        token_types=token_types,
         bos_token_id=None if bos is None else int(bos),
         eos_token_id=None if eos is None else int(eos),
         add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),

@@ -84,9 +84,13 @@ def build_tokenizer(data: TokenizerData) -> ChatTokenizer:
         raise ValueError(f"unsupported GGUF tokenizer model {data.model!r}; kvpool builds byte-level BPE ('gpt2')")
     vocab = {token: index for index, token in enumerate(data.tokens)}
     merges = [tuple(m.split(" ", 1)) for m in data.merges]
-    tok = Tokenizer(
-        models.BPE(vocab=vocab, merges=merges, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
-    )
+    try:
+        bpe = models.BPE(
+            vocab=vocab, merges=merges, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False
+        )
+    except Exception as e:  # (the library raises a bare Exception, e.g. "Token `x` out of vocabulary")
+        raise ValueError(f"the GGUF's tokenizer.ggml.merges do not fit its tokens: {e}") from None
+    tok = Tokenizer(bpe)
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if data.pre in _INDIVIDUAL_DIGIT_PRES:
         tok.pre_tokenizer = pre_tokenizers.Sequence(
