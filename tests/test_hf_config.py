@@ -124,6 +124,11 @@ def test_a_directory_defaults_and_ignored_keys(tmp_path):
         ({"rms_norm_eps": -1e-5}, "rms_norm_eps must be finite and positive, got -1e-05"),
         # bool("false") is True: the string tied an untied model
         ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false'"),
+        # head dim hidden // heads = 0: a ZeroDivisionError traceback at the attention's scale
+        ({"hidden_size": 2}, "hidden_size 2 is smaller than num_attention_heads 4, and no head_dim is given"),
+        # an OverflowError traceback when run sized the model in GiB
+        ({"vocab_size": 10**400}, r"vocab_size 1000.* is past any tensor's size \(2\^63\)"),
+        ({"num_hidden_layers": 2**63}, r"num_hidden_layers 9223372036854775808 is past any tensor's size"),
     ],
 )
 def test_a_config_the_model_cannot_compute_is_refused_naming_the_key(tmp_path, changes, match):
@@ -137,6 +142,10 @@ def test_a_missing_or_broken_file_is_one_line(tmp_path):
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(ValueError, match="not JSON"):
         llama_config(tmp_path / "bad.json")
+    (tmp_path / "binary.json").write_bytes(b"\x00\xffGGUF")  # was the codec's message, without the file
+    with pytest.raises(ValueError) as e:
+        llama_config(tmp_path / "binary.json")
+    assert str(e.value) == f"{tmp_path / 'binary.json'}: not JSON (not UTF-8 text: byte 0xff at 1)"
 
 
 def test_model_bytes_counts_the_kept_weights_one_fp32_draw_and_the_rope_tables(tmp_path):

@@ -49,6 +49,8 @@ def llama_config(path: str | Path) -> HFConfig:
         raise ValueError(f"{p}: no such config.json") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{p}: not JSON ({e.msg} at line {e.lineno})") from None
+    except UnicodeDecodeError as e:  # (a binary file: the codec's words, without the file)
+        raise ValueError(f"{p}: not JSON (not UTF-8 text: byte {e.object[e.start]:#04x} at {e.start})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{p}: not a JSON object")
     name = raw.get("_name_or_path") or (p.parent.name if p.name == "config.json" else p.stem)
@@ -69,6 +71,8 @@ def _parse(raw: dict[str, Any], where: str) -> LlamaConfig:
         value = raw.get(key, default)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{where}: {key} must be a positive integer, got {value!r}")
+        if value >= 2**63:  # (a size past int64: an OverflowError traceback sizing the model)
+            raise ValueError(f"{where}: {key} {value} is past any tensor's size (2^63)")
         return value
 
     hidden = positive("hidden_size")
@@ -80,6 +84,10 @@ def _parse(raw: dict[str, Any], where: str) -> LlamaConfig:
         )
     head_dim = raw.get("head_dim")
     head_dim = positive("head_dim") if head_dim is not None else hidden // num_heads
+    if head_dim == 0:  # (a head dim of 0 was a ZeroDivisionError traceback at its scale)
+        raise ValueError(
+            f"{where}: hidden_size {hidden} is smaller than num_attention_heads {num_heads}, and no head_dim is given"
+        )
     if head_dim % 2:
         raise ValueError(f"{where}: head_dim {head_dim} must be even (rotate-half RoPE)")
 
