@@ -156,3 +156,30 @@ def test_a_merge_of_tokens_outside_the_vocabulary_is_one_line_from_the_cli(tmp_p
         "kvpool generate: error: the GGUF's tokenizer.ggml.merges do not fit its tokens: "
         "Error while initializing BPE: Token `x` out of vocabulary\n"
     )
+
+
+@pytest.mark.parametrize(
+    ("name", "rows", "message"),
+    [
+        ("layers.0.attn_norm", 8, "weight layers.0.attn_norm is [8] torch.float32, but the config needs [64]"),
+        ("layers.1.q", 32, "weight layers.1.wqkv is [64, 96] torch.float32, but the config needs [64, 128]"),
+        ("embed", 99, "weight embed is [99, 64] torch.float32, but the config needs [100, 64]"),
+    ],
+)
+def test_a_llama_model_whose_weights_disagree_with_its_config_is_refused_before_the_kernels_run(name, rows, message):
+    """build_engine takes a bare LlamaModel (docs/core_api.md): built from weights of the
+    wrong shapes, its fused forward ran the C kernels on the config's sizes, reading past a
+    short norm weight (the logits came out NaN, blamed on a non-finite weight)."""
+    import torch
+
+    from kvpool.kernels import cpu_kernels
+    from kvpool.models.gguf import LlamaConfig
+    from kvpool.models.hf_config import random_tensors
+    from kvpool.models.llama import LlamaModel
+
+    cfg = LlamaConfig(2, 64, 128, 4, 2, 16, 1e4, 1e-5, 100, 64, True)
+    tensors = dict(random_tensors(cfg, 0, torch.float32))
+    tensors[name] = tensors[name][:rows].clone()
+    with pytest.raises(ValueError) as e:
+        LlamaModel.from_tensors(cfg, tensors.items(), "cpu", cpu_kernels())
+    assert str(e.value).startswith(message)

@@ -71,6 +71,7 @@ class LlamaModel:
         self.layers = [{k: v.to(self.device).contiguous() for k, v in layer.items()} for layer in layers]
         if len(self.layers) != config.num_layers:
             raise ValueError(f"{len(self.layers)} layers of weights for a {config.num_layers}-layer model")
+        self._check_shapes()
         # the norm weights' addresses for the fused forward: they never move
         self._norm_ptrs = [layer["attn_norm"].data_ptr() for layer in self.layers] + [self.norm.data_ptr()]
         self._ffn_norm_ptrs = [layer["ffn_norm"].data_ptr() for layer in self.layers]
@@ -91,6 +92,38 @@ class LlamaModel:
         sin = emb.sin()
         sin[:, : d // 2] = -sin[:, : d // 2]
         self.sin_signed = sin.to(torch.float32).to(self.device)
+
+    def _check_shapes(self) -> None:
+        """ValueError naming the first weight whose shape is not the config's: the forward
+        sizes its buffers and the C kernels' loops from the config, so a norm weight of 8
+        values for a hidden size of 64 was read 56 floats past its end, and a short wqkv
+        had torch.mm resize the qkv buffer under the kernels' pointers (the logits came
+        out NaN, blamed on a weight that is not finite)."""
+        c = self.config
+        hidden, qkv = c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        want = {"embed": (c.vocab_size, hidden), "norm": (hidden,)}
+        have = {"embed": self.embed, "norm": self.norm}
+        if self.lm_head is not None:
+            want["lm_head"], have["lm_head"] = (c.vocab_size, hidden), self.lm_head
+        parts = {
+            "attn_norm": (hidden,),
+            "ffn_norm": (hidden,),
+            "wqkv": (hidden, qkv),
+            "wo": (c.num_heads * c.head_dim, hidden),
+            "w_gate_up": (hidden, 2 * c.intermediate_size),
+            "w_down": (c.intermediate_size, hidden),
+        }
+        for i, layer in enumerate(self.layers):
+            if set(layer) != set(parts):
+                raise ValueError(f"layer {i} holds {sorted(layer)}, not the fused parts {sorted(parts)}")
+            for part, shape in parts.items():
+                want[f"layers.{i}.{part}"], have[f"layers.{i}.{part}"] = shape, layer[part]
+        for name, shape in want.items():
+            t = have[name]
+            if tuple(t.shape) != shape or t.dtype != self.dtype:
+                raise ValueError(
+                    f"weight {name} is {list(t.shape)} {t.dtype}, but the config needs {list(shape)} {self.dtype}"
+                )
 
     @staticmethod
     def fuse_layer(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
