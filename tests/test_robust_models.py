@@ -183,3 +183,28 @@ def test_a_llama_model_whose_weights_disagree_with_its_config_is_refused_before_
     with pytest.raises(ValueError) as e:
         LlamaModel.from_tensors(cfg, tensors.items(), "cpu", cpu_kernels())
     assert str(e.value).startswith(message)
+
+
+def test_a_position_past_the_context_is_refused_even_when_metadata_understates_it():
+    """StepMetadata.max_position (docs/core_api.md) spares the forward reading the positions;
+    one below the true largest position skipped its check, and on the fused path the RoPE
+    kernel's refusal went unread: q and k stayed unrotated and the logits came back."""
+    import torch
+
+    from kvpool.attention.backends.step import FunctionStep, StepMetadata
+    from kvpool.kernels import cpu_kernels
+    from kvpool.models.gguf import LlamaConfig
+    from kvpool.models.hf_config import random_tensors
+    from kvpool.models.llama import LlamaModel
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the C kernels do not build here")
+    cfg = LlamaConfig(1, 64, 128, 4, 2, 16, 1e4, 1e-5, 100, 64, True)
+    model = LlamaModel.from_tensors(cfg, random_tensors(cfg, 0, torch.float32), "cpu", kernels)
+    step = FunctionStep(lambda layer, q, k, v: q, 2)
+    ids, positions = torch.tensor([1, 2]), torch.tensor([3, 70])
+    with pytest.raises(ValueError, match="position lies past the model's context 64"):
+        model.forward(ids, positions, StepMetadata(step, max_position=3))
+    with pytest.raises(ValueError, match="position 70 exceeds the model's context 64"):  # (read off the tensor)
+        model.forward(ids, positions, StepMetadata(step))

@@ -319,7 +319,10 @@ class LlamaModel:
         lib.kv_add_rms_norm(xp, None, norms[0], hsp, n, hidden, eps)
         for i, layer in enumerate(self.layers):
             torch.mm(hs, layer["wqkv"], out=qkv)
-            lib.kv_rope(qkvp, n, qkv.shape[1], h + kvh, d, posp, cosp, sinp, cfg.max_position)
+            if lib.kv_rope(qkvp, n, qkv.shape[1], h + kvh, d, posp, cosp, sinp, cfg.max_position):
+                # (a metadata.max_position below the true largest position skipped forward's check,
+                # and the kernel's refusal left q and k unrotated without a word)
+                raise ValueError(f"a position lies past the model's context {cfg.max_position}")
             attn = attend(i, q, k, v)
             torch.mm(attn.reshape(n, h * d), layer["wo"], out=delta)
             if self.reduce is not None:
