@@ -208,3 +208,32 @@ def test_a_position_past_the_context_is_refused_even_when_metadata_understates_i
         model.forward(ids, positions, StepMetadata(step, max_position=3))
     with pytest.raises(ValueError, match="position 70 exceeds the model's context 64"):  # (read off the tensor)
         model.forward(ids, positions, StepMetadata(step))
+
+
+def test_kvpool_native_1_without_a_compiler_is_one_line_from_the_cli(tmp_path):
+    """KVPOOL_NATIVE=1 makes a kernel build failure an error (docs/install.md): from the CLI
+    it was a KernelBuildError traceback."""
+    import os
+    import subprocess
+    import sys
+
+    env = {
+        **os.environ,
+        "PATH": str(tmp_path / "no-bin"),  # no cc / gcc / clang
+        "KVPOOL_NATIVE": "1",
+        "KVPOOL_CACHE_DIR": str(tmp_path / "cache"),
+    }
+    env.pop("CC", None)
+    path = write_gguf(tmp_path / "ok.gguf")
+    run = subprocess.run(
+        [sys.executable, "-m", "kvpool.cli.main", "generate", "hi", "--model", path, "--device", "cpu"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert (run.returncode, run.stderr) == (
+        1,
+        "kvpool generate: error: KVPOOL_NATIVE=1, but the C kernels cannot be used: no C compiler found "
+        "(set CC, or install gcc)\n",
+    )

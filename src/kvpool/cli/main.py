@@ -231,7 +231,11 @@ def main(argv: list[str] | None = None) -> int:
         # tensor parallel: ranks that diverged, or a lost rank, end each rank left in one line;
         # so does a lost peer in any other multi-process command (verify tp / cp / pd)
         tp = sys.modules.get("kvpool.models.tensor_parallel")  # (loaded when a command shards)
-        line = str(error) if tp is not None and isinstance(error, tp.RankError) else lost_peer_line(error)
+        kernels = sys.modules.get("kvpool.kernels")  # KVPOOL_NATIVE=1 where they cannot be built: was a traceback
+        if kernels is not None and isinstance(error, kernels.KernelBuildError):
+            line: str | None = f"KVPOOL_NATIVE=1, but the C kernels cannot be used: {error}"
+        else:
+            line = str(error) if tp is not None and isinstance(error, tp.RankError) else lost_peer_line(error)
         if line is None or os.environ.get("KVPOOL_TRACEBACK"):
             raise
         print(f"kvpool {args._name}: error: {line}", file=sys.stderr)
