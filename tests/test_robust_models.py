@@ -237,3 +237,16 @@ def test_kvpool_native_1_without_a_compiler_is_one_line_from_the_cli(tmp_path):
         "kvpool generate: error: KVPOOL_NATIVE=1, but the C kernels cannot be used: no C compiler found "
         "(set CC, or install gcc)\n",
     )
+
+
+def test_a_device_or_a_pipe_is_not_reported_as_missing(tmp_path):
+    """--model /dev/null said "GGUF file not found: /dev/null"."""
+    import os
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for path in ("/dev/null", str(fifo)):
+        with pytest.raises(ValueError, match=f"^{path} is not a regular file, not a GGUF file$"):
+            load_gguf(path)
+    with pytest.raises(FileNotFoundError, match="GGUF file not found"):
+        load_gguf(str(tmp_path / "missing.gguf"))

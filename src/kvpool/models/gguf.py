@@ -333,14 +333,16 @@ def read_tokenizer(reader: Any) -> TokenizerData:
 
 
 def check_gguf_file(path: str) -> None:
-    """FileNotFoundError for a missing file; ValueError naming the path for a directory,
-    an empty file or one that does not start with the GGUF magic."""
+    """FileNotFoundError for a missing file; ValueError naming the path for a directory, a
+    device or pipe, an empty file or one that does not start with the GGUF magic."""
     if os.path.isdir(path):
         inside = sorted(n for n in os.listdir(path) if n.endswith(".gguf"))
         hint = f"; it holds {', '.join(inside[:4])}{', ...' if len(inside) > 4 else ''}" if inside else ""
         raise ValueError(f"{path} is a directory, not a GGUF file{hint}")
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
+    if not os.path.isfile(path):  # a device or a pipe: "not found" sent the user looking for a missing file
+        raise ValueError(f"{path} is not a regular file, not a GGUF file")
     try:
         with open(path, "rb") as f:
             head = f.read(len(GGUF_MAGIC))
