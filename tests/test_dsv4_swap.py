@@ -153,6 +153,23 @@ def test_a_released_swapped_request_leaves_no_state_entry(model) -> None:
     assert not runner.host_tier.contains(key) and "c" not in runner.bridge.swapped_states
 
 
+def test_a_prefix_cache_reset_waits_for_a_swapped_request(model) -> None:
+    """A request preempted by swap waits with its state in the host tier and its span boundary
+    held in the group for its resume: the reset is refused (False, its span still hits), by
+    the runner and by the cache alike; once it is cancelled the reset forgets the span."""
+    runner = dsv4_runner(model, 6, 2, host_tier=HostTier(1 << 24), preemption="swap")
+    prompt = _ids(20, 5)
+    runner.admit("c", prompt, None)
+    _step(runner, "c", prompt, 0, 5)
+    runner.release("c", "preempt")
+    assert runner.reset_prefix_cache() is False and runner.cache.reset_prefix_cache() is False
+    assert runner.cache.lookup_prefix(prompt) == 16
+    runner.release("c", "cancel")
+    assert runner.reset_prefix_cache() is True
+    assert runner.cache.lookup_prefix(prompt) == 0
+    runner.cache.check_integrity()
+
+
 def test_restore_swapped_state_names_what_it_refuses(model) -> None:
     runner = dsv4_runner(model, 6, 2, host_tier=HostTier(1 << 24), preemption="swap")
     prompt = _ids(40, 4)

@@ -70,6 +70,7 @@ class Lifecycle(RuleBasedStateMachine):
         self.seq: dict[str, list[int]] = {}
         self.tenant: dict[str, str] = {}
         self.next_id = 0
+        self.prompts: set[tuple[tuple[int, ...], str]] = set()  # every prompt admitted, with its tenant
 
     def _build(self) -> HybridCacheManager:
         # turn ends on: a finish files the live state, `mark_turn_end` a copy of it
@@ -104,7 +105,9 @@ class Lifecycle(RuleBasedStateMachine):
                 continue
             if restore.method == "checkpoint":
                 assert g.spec.restore != "recompute" and restore.checkpoint_slot is not None
-                assert self.states[g.name].get(restore.checkpoint_slot) == (tenant, seq[:point]), "the checkpoint"
+                assert self.states[g.name].get(self._ckpt_key(restore.checkpoint_slot)) == (tenant, seq[:point]), (
+                    "the checkpoint"
+                )
                 self.states[g.name][restore.state_slot] = (tenant, seq[:point])
                 continue
             assert restore.method == "recompute" and g.spec.restore != "checkpoint"
@@ -142,7 +145,7 @@ class Lifecycle(RuleBasedStateMachine):
                 self.content[g.name][table[k]] = (g.name, tenant, tuple(seq[: (k + 1) * g.span]))
             for position, slot in self.m.part(rid, g.name).checkpoints:  # snapshots of the state
                 assert start < position <= end and position % g.span == 0
-                self.states[g.name][slot] = (tenant, tuple(seq[:position]))
+                self.states[g.name][self._ckpt_key(slot)] = (tenant, tuple(seq[:position]))
             self.states[g.name][state_slot] = (tenant, tuple(seq[:end]))
         rec = self.content["rec"]
         live = self.m.part(rid, "rec").state_slot
@@ -151,6 +154,10 @@ class Lifecycle(RuleBasedStateMachine):
             assert start < position <= end
             rec[slot] = (tenant, tuple(seq[:position]))
         rec[live] = (tenant, tuple(seq[:end]))
+
+    def _ckpt_key(self, slot: int) -> object:
+        """Where the model keeps a dual pool's checkpoint of `slot` (slots are numbered after the state blocks)."""
+        return slot
 
     def _new_id(self) -> str:
         self.next_id += 1
@@ -169,6 +176,7 @@ class Lifecycle(RuleBasedStateMachine):
     def admit(self, base, cut, suffix, tenant, budget):
         prompt = base[:cut] + suffix
         rid = self._new_id()
+        self.prompts.add((tuple(prompt), tenant))
         before = self._queues()
         expected_hit = self.m.lookup_prefix(prompt, tenant_salt=tenant)
         admission = self.m.admit(rid, prompt, budget, tenant_salt=tenant)
@@ -263,6 +271,31 @@ class Lifecycle(RuleBasedStateMachine):
         live = rid in self.m
         assert self.m.release(rid, how) is live
         assert self.m.release(rid, "cancel") is False  # a second release is a no-op
+
+    def _lookups(self) -> dict[tuple[tuple[int, ...], str], int]:
+        return {(p, t): self.m.lookup_prefix(list(p), tenant_salt=t) for p, t in self.prompts}
+
+    @rule()
+    def reset_prefix_cache(self):
+        """Refused, nothing changed, while a request is admitted; else no prompt hits after it."""
+        live = bool(self.m.request_ids)
+        before, hits = self._queues(), self._lookups()
+        assert self.m.reset_prefix_cache() is not live
+        if live:
+            assert self._queues() == before and self._lookups() == hits
+        else:
+            assert not any(self._lookups().values())
+
+    @rule(how=st.sampled_from(["finish", "cancel", "preempt"]))
+    def release_all_and_reset(self, how):
+        """Every request released (a finish keeps its turn ends), then the reset: no prompt hits."""
+        for rid in self.m.request_ids:
+            self.m.release(rid, how)
+        self.m.check_integrity()
+        assert self.m.reset_prefix_cache() is True
+        self.m.check_integrity()
+        assert not any(self._lookups().values())
+        assert self.m.reset_prefix_cache() is True  # (again: nothing left to forget)
 
     # ---- invariants --------------------------------------------------------------------
 
@@ -403,6 +436,24 @@ DualPoolCheckpointLifecycle.TestCase.settings = DualPoolLifecycle.TestCase.setti
 TestDualPoolCheckpointLifecycle = DualPoolCheckpointLifecycle.TestCase
 DualPoolOnlyCheckpointLifecycle.TestCase.settings = DualPoolLifecycle.TestCase.settings
 TestDualPoolOnlyCheckpointLifecycle = DualPoolOnlyCheckpointLifecycle.TestCase
+
+
+class DualPoolPooledCheckpointLifecycle(DualPoolLifecycle):
+    """The dual pool's checkpoints pooled in its classical pool, a block each (they share its
+    LRU order with the cached spans), restoring from them only: the configuration whose
+    checkpoint records a reset of the pool alone broke (`reset_prefix_cache`)."""
+
+    def _build(self) -> HybridCacheManager:
+        v4 = DualPoolGroupSpec("v4", 8, replay_len=2, restore="checkpoint", checkpoint_blocks=1)
+        specs = [SPECS[0], SPECS[1], (v4, (10, 4)), (RecurrentGroupSpec("rec", 4), 12)]
+        return HybridCacheManager(specs, CacheDescriptor("prop"), turn_end_checkpoints=True)
+
+    def _ckpt_key(self, slot: int) -> object:
+        return ("checkpoint", slot)  # (a classical block's id: apart from the state blocks' numbers)
+
+
+DualPoolPooledCheckpointLifecycle.TestCase.settings = DualPoolLifecycle.TestCase.settings
+TestDualPoolPooledCheckpointLifecycle = DualPoolPooledCheckpointLifecycle.TestCase
 
 
 class ConstantHashDualPoolLifecycle(DualPoolLifecycle, ConstantHashLifecycle):

@@ -50,6 +50,32 @@ def test_a_later_call_hits_the_prefix_an_earlier_one_left(llm):
     llm.engine.runner.check_integrity()
 
 
+def test_reset_prefix_cache_forgets_the_hits_of_earlier_calls(llm):
+    """vLLM's LLM.reset_prefix_cache: the next call finds no hit (the same tokens, computed
+    again), the one after hits again; refused (False, the hits kept) while a request holds
+    blocks or another thread's call is running."""
+    params = kvpool.SamplingParams(max_tokens=4)
+    prompt = [7, 8, 9, 10] * 10
+    first = llm.generate([prompt], params)[0]
+    assert llm.generate([prompt], params)[0].num_cached_tokens == 32
+    assert llm.reset_prefix_cache() is True
+    again = llm.generate([prompt], params)[0]
+    assert again.num_cached_tokens == 0 and again.token_ids == first.token_ids
+    assert llm.generate([prompt], params)[0].num_cached_tokens == 32
+    engine = llm.engine
+    rid = engine.add_request(prompt, params)
+    engine.step()  # admitted: its blocks (the hit among them) are in use
+    assert engine.reset_prefix_cache() is False
+    assert engine.runner.cache.lookup_prefix(prompt) == 32
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.pop_output(rid).num_cached_tokens == 32
+    with llm._lock:  # (another thread's generate holds it while it steps the engine)
+        assert llm.reset_prefix_cache() is False
+    assert llm.reset_prefix_cache() is True and engine.runner.cache.lookup_prefix(prompt) == 0
+    engine.runner.check_integrity()
+
+
 def test_n_samples_share_the_prompt(llm):
     params = kvpool.SamplingParams(max_tokens=5, temperature=1.0, seed=7, n=3, ignore_eos=True)
     out = llm.generate("Once upon a time", params)[0]

@@ -123,6 +123,22 @@ def test_a_shared_system_prompt_hits_and_another_tenant_does_not(server):
     assert header.usage.prompt_tokens_details.cached_tokens == 0
 
 
+def test_reset_prefix_cache_forgets_the_cached_prompts(server):
+    """POST /reset_prefix_cache (vLLM's path; SGLang's /flush_cache): between two steps the
+    engine forgets every cached prefix; the next request computes its prompt again."""
+    c = client(server)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Where is the cloakroom?"}]
+    c.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, user="tenant-r")
+    again = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, user="tenant-r")
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert httpx.post(f"{server}/reset_prefix_cache", timeout=60).status_code == 401  # (the API key guards it)
+    r = httpx.post(f"{server}/reset_prefix_cache", headers=AUTH, timeout=60)
+    assert r.status_code == 200 and r.json() == {"reset": True}, r.text
+    assert cache_report(server)["num_cached_free_blocks"] == 0
+    after = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, user="tenant-r")
+    assert after.usage.prompt_tokens_details.cached_tokens == 0
+
+
 def test_32_streams_a_quarter_disconnecting_leave_no_block_held(server):
     before = metrics(server)
 

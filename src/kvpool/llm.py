@@ -215,6 +215,18 @@ class LLM:
             encoded.append((text, self.tokenizer.encode(text)))
         return self._run(encoded, params)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's name): the next prompts find no hit until their
+        own blocks are cached again. True when done; False, nothing changed, while another
+        thread's call is running requests (their blocks are in use), as vLLM refuses while
+        blocks are in use."""
+        if not self._lock.acquire(blocking=False):  # (a call is stepping the engine: its requests hold blocks)
+            return False
+        try:
+            return self.engine.reset_prefix_cache()
+        finally:
+            self._lock.release()
+
     def _run(self, encoded: list[tuple[str | None, list[int]]], params: SamplingParams | None) -> list[GenerateOutput]:
         if params is not None and not isinstance(params, SamplingParams):
             # (a dict failed in the engine: "'dict' object has no attribute 'max_tokens'")

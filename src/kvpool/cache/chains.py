@@ -352,6 +352,11 @@ class TurnEnds:
         """Entries listed, live or dead (at most twice the pool's blocks)."""
         return self._num_listed
 
+    def clear(self) -> None:
+        """Unlist every entry (the pool's index is about to be emptied: a prefix-cache reset)."""
+        self._by_parent.clear()
+        self._num_listed = 0
+
     def check_integrity(self) -> None:
         """The count matches the lists, no list is empty, and the bound holds."""
         lists = self._by_parent.values()

@@ -2104,6 +2104,28 @@ class HybridCacheManager:
             g.release(req.states[name])
         return True
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, as vLLM's `reset_prefix_cache` and SGLang's `flush_cache`
+        do (after a weights update, or between benchmark runs): every group forgets its own
+        records (turn ends, checkpoints), then every pool's cached free blocks become plain
+        free blocks, so no lookup hits until new admissions publish their blocks again. The
+        blocks' contents are not touched, and the tiers below a runner's pool keep their
+        entries (a runner's lower tier is the runner's to clear). `stats` and the pools'
+        collision counts go on counting. True when done (also with nothing cached).
+
+        False, and nothing changed, while a request is admitted (its blocks are in use: a
+        running request reads its own cached prefix; vLLM refuses while any block is in use,
+        SGLang while any request runs or waits), or while a swapped-out state waits in a
+        tier for its resume (`hold_swapped_state`): release them first."""
+        if self._requests or not all(g.can_forget_prefixes() for g in self._group_list):
+            return False
+        for g in self._group_list:
+            g.forget_prefixes()
+        for pool in self._all_pools:  # (each pool once: a shared pool, V4's state and checkpoint pools)
+            pool._forget_cached()  # (the one caller: the groups' records went first)
+        self._looked_up.clear()  # (their stamps moved with the pools' versions anyway)
+        return True
+
     # ---- invariants --------------------------------------------------------------------
 
     def check_integrity(self) -> None:

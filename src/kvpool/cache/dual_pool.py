@@ -838,6 +838,16 @@ class DualPoolGroup(CacheGroup):
             restore = replace(restore, state_slot=slot[0]) if restore.method == "recompute" else None
         return DualPoolState(state.root, slot[0], list(state.block_ids), list(state.chain), restore)
 
+    def can_forget_prefixes(self) -> bool:
+        """Not while a swapped-out state waits in a tier: its resume needs the boundary kept."""
+        return not self._swap_boundaries
+
+    def forget_prefixes(self) -> None:
+        """The kept turn ends and the checkpoints go with the pools' indexes (the coordinator
+        empties them next: a checkpoint's parts and a kept state are free cached blocks)."""
+        self._turn_ends.clear()
+        self._checkpoints.clear()
+
     def release(self, state: DualPoolState) -> None:
         """An uncommitted step dropped (it may have run: a checkpoint it pushed out is not
         restored, since the forward may have written over its slot), then the classical

@@ -307,6 +307,20 @@ class CacheGroup(Protocol):
         before it servable, so the state's resume is not cut below it. Changes no request
         and no table; a group whose state a swap does not save ignores it."""
 
+    # ---- a reset of the prefix cache (the coordinator's `reset_prefix_cache`) -------------
+
+    def can_forget_prefixes(self) -> bool:
+        """Whether the group can forget every prefix its pools' indexes hold now, with no
+        request admitted; False where something outside the cache still counts on one (a
+        swapped-out state waiting in a tier, whose resume needs its boundary). Changes nothing."""
+        return True
+
+    def forget_prefixes(self) -> None:
+        """Forget the group's own records of what its pools' indexes hold (turn ends listed,
+        checkpoints filed): the coordinator empties those indexes next. No request is admitted;
+        after `can_forget_prefixes` said yes, never fails."""
+        return None
+
     # ---- queries on a request's state ---------------------------------------------------
 
     def block_ids(self, state: Any) -> list[int]:

@@ -254,6 +254,10 @@ class RecurrentGroup(CacheGroup):
         assert slots is not None, "can_fork was checked"
         return RecurrentState(state.root, slots[0], list(state.chain))
 
+    def forget_prefixes(self) -> None:
+        """The turn ends kept go with the pool's index (the coordinator empties it next)."""
+        self._turn_ends.clear()
+
     def release(self, state: RecurrentState) -> None:
         """The live slot and unwritten snapshot slots go back unhashed."""
         self.pool.decref([slot for _, slot in reversed(state.pending)] + [state.slot] + state.held_turn)

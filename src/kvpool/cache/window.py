@@ -484,6 +484,10 @@ class AttentionGroup(CacheGroup):
         del state.chain[num_tokens // bs :]
         self._pending_copies = self._live_copies()
 
+    def forget_prefixes(self) -> None:
+        """The turn ends kept go with the pool's index (the coordinator empties it next)."""
+        self._turn_ends.clear()
+
     def release(self, state: AttentionState) -> None:
         self.pool.decref(reversed(state.block_ids))  # tail-first: a chain's tail is evicted first
         if state.held_src is not None:

@@ -608,6 +608,15 @@ class Engine:
         req.error, req.error_trace = message, trace
         return self.abort(request_id)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix of the runner's device cache (vLLM's
+        `LLM.reset_prefix_cache`: after a weights update, or between benchmark runs); True when
+        done. False, nothing changed, while a request runs or waits preempted with its cache
+        swapped out (their blocks are in use): finish or abort them first. Requests that wait
+        unadmitted stay queued and find no hit. The tiers below the device pool keep their
+        entries (their keys carry the descriptor's weights version)."""
+        return self.runner.reset_prefix_cache()
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

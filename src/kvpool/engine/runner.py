@@ -614,6 +614,15 @@ class ModelRunner:
     def num_computed_tokens(self, request_id: str) -> int:
         return self.cache.num_computed_tokens(request_id)
 
+    def reset_prefix_cache(self) -> bool:
+        """The cache's `reset_prefix_cache` (HybridCacheManager): every cached prefix of the
+        device pool forgotten. False, nothing changed, while the cache holds a request or a
+        swapped-out request waits to resume (its tail or state in the host tier); the tiers
+        below keep their entries."""
+        if self.bridge.swapped or self.bridge.swapped_states:
+            return False
+        return self.cache.reset_prefix_cache()
+
     # ---- the step -------------------------------------------------------------------------
 
     def execute(self, chunks: Sequence[ScheduledChunk], all_logits: bool = False) -> torch.Tensor:

@@ -675,14 +675,20 @@ class BlockPool:
                 del self._free_cached[block_id]
                 self._free_unhashed.append(block_id)
 
-    def reset_prefix_cache(self) -> int:
-        """Forget every free cached block (e.g. after a weights update); returns how many."""
-        num_dropped = 0
+    def _forget_cached(self) -> int:
+        """Drop every registration: each free cached block becomes an unhashed free block (in
+        LRU order, after the unhashed ones), so no walk of the index finds anything; returns
+        how many. Every block must be free. The coordinator's `reset_prefix_cache` only, which
+        has every group forget its own records of what the index held first: a group keeps
+        such records (V4's checkpoints, turn ends), which a reset of its pool behind its back
+        left pointing at nothing (its next admission failed an assertion)."""
+        assert not any(self._refcounts), "a prefix-cache reset with blocks held"
+        num_dropped = len(self._free_cached)
         while self._free_cached:
             block_id, _ = self._free_cached.popitem(last=False)
             self._drop(block_id)
             self._free_unhashed.append(block_id)
-            num_dropped += 1
+        assert not self._index, "every registered block was a free cached one"
         return num_dropped
 
     def metadata_bytes(self) -> int:

@@ -271,6 +271,23 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
             return JSONResponse({"integrity": "failed", "error": str(error)}, status_code=500)
         return JSONResponse(report)
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> Response:
+        """vLLM's POST /reset_prefix_cache, SGLang's /flush_cache: the engine forgets every cached
+        prefix between two steps; refused with SGLang's 400 while requests hold blocks."""
+        authorize(request)
+        try:
+            done = await asyncio.wrap_future(state.engine.call(lambda engine: engine.reset_prefix_cache()))
+        except RuntimeError as error:
+            raise _not_running(state, error) from None
+        if not done:
+            raise APIError(
+                400,
+                "the prefix cache was not reset: requests in flight hold blocks; retry once they finish",
+                code="requests_in_flight",
+            )
+        return JSONResponse({"reset": True})
+
     def tenant_of(request: Request, body: protocol.SamplingRequest, bound: str | None) -> str:
         header = request.headers.get(TENANT_HEADER)
         if bound is not None:
