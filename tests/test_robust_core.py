@@ -86,6 +86,25 @@ def test_a_step_of_a_request_whose_loads_are_pending_is_refused(exact, num_token
     assert m.num_computed_tokens("b") == 17
 
 
+@pytest.mark.parametrize("exact", [False, True])
+def test_the_tables_of_a_request_whose_loads_are_pending_are_refused(exact) -> None:
+    """step_tables and slot_mapping answered for "b" while its three tier blocks were in
+    flight (slots 4-15, the blocks being loaded: a forward given them would read or write
+    them before the load lands, and its commit is refused anyway); now a ValueError naming
+    the request, as every step call, nothing changed. After complete_loads they answer."""
+    m = _loading(exact)
+    before = snapshot(m)
+    refused = "request 'b' has lower-tier blocks to load \\(complete_loads first\\)"
+    for query in (lambda: m.step_tables(["b"], [4], [16]), lambda: m.slot_mapping("b", 4, 16)):
+        with pytest.raises(ValueError, match=refused):
+            query()
+        assert snapshot(m) == before
+    m.check_integrity()
+    m.complete_loads("b", 3)
+    assert m.slot_mapping("b", 16, 17) == [16]
+    assert m.step_tables(["b"], [16], [17]).csr.indices == m.block_ids("b")
+
+
 def _hybrid() -> HybridCacheManager:
     return HybridCacheManager([(AttentionGroupSpec("full", BS), 8), (RecurrentGroupSpec("rec", 4), 4)], DESC)
 

@@ -801,11 +801,17 @@ class HybridCacheManager:
         prefix (starts[i] is the request's computed count) within its reservation. A window
         group's table begins at its first block (the blocks before it left the window): each
         table covers [first_block * block_size, ends[i]), and a position before it is a
-        ValueError."""
+        ValueError. So is a request whose lower-tier loads are pending (complete_loads first,
+        as for every step call): its slots past the computed prefix are blocks still in flight,
+        which no forward may read or write (it could not commit them either)."""
         if not len(request_ids) == len(starts) == len(ends):
             raise ValueError(f"{len(request_ids)} requests, {len(starts)} starts, {len(ends)} ends")
         g = self._group(group, self._table_groups, "block-table")
         reqs = [self._get(r) for r in request_ids]
+        if self._loading:  # (a set test a step while nothing loads: a cache without a lower tier, always)
+            loading = next((req for req in reqs if req.num_loading), None)
+            if loading is not None:
+                raise ValueError(f"request {loading.request_id!r} has lower-tier blocks to load (complete_loads first)")
         if check:
             for req, start, end in zip(reqs, starts, ends, strict=True):
                 if start != req.num_computed or not start <= end <= req.end:
