@@ -5,6 +5,8 @@ observable as it was (free queues, refcounts, tables, counts, the prefix index).
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -123,6 +125,26 @@ def _computed_six(make) -> HybridCacheManager:
     m.commit_step(["a"], [6], [7])
     m.append_token_ids("a", [8, 9, 10, 11])
     return m
+
+
+@pytest.mark.parametrize("cache", sorted(CACHES))
+@pytest.mark.parametrize("bad", [None, 5, np.int64(5), b"a", ("a",), ["a"]])
+def test_a_request_id_that_is_no_str_is_refused(cache, bad) -> None:
+    """admit(None, ...), admit(5, ...) and fork("a", 7) were taken (a request 5 beside a
+    request "5"; a list id failed as "unhashable type"): the docs' ids are str. Now one
+    TypeError naming the id, and nothing changed; a str subclass is a str."""
+    m = _computed_six(CACHES[cache])
+    before = snapshot(m)
+    for call in (lambda: m.admit(bad, PROMPT), lambda: m.fork("a", bad)):
+        with pytest.raises(TypeError, match=f"a request id must be a str, got {re.escape(repr(bad))} "):
+            call()
+        assert snapshot(m) == before
+        m.check_integrity()
+
+    class Name(str):
+        pass
+
+    assert m.admit(Name("b"), [1, 2, 3]) is not None and "b" in m.request_ids
 
 
 @pytest.mark.parametrize("cache", sorted(CACHES))

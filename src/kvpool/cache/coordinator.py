@@ -1247,7 +1247,10 @@ class HybridCacheManager:
         and `rollback` are refused), no id up to its `num_computed + 1` changes or is removed
         while the request is admitted (an uncommitted id past it may go: the engine's undone
         take), and its ids are ints in [0, 2**32) (a commit does not check the ids it
-        names: they are in the list already). TypeError for a token_ids that is no list."""
+        names: they are in the list already). TypeError for a token_ids that is no list, and
+        for a request id that is no str (5, None and "5" were three requests)."""
+        if request_id.__class__ is not str:
+            _check_id(request_id)
         if share_ids and type(token_ids) is not list:
             raise TypeError(f"share_ids needs the caller's list of token ids, got {type(token_ids).__name__}")
         # (the counts move below: the new request's only, which is no row of the decode-step
@@ -2012,7 +2015,10 @@ class HybridCacheManager:
         the parent's into them). False, nothing changed, when one of them has no free slot.
         Not exact steps: the parent gives up its reservation past its computed tokens (the
         shared tail is read-only for both; each side copies it on its next write).
-        ValueError, nothing changed, when the parent's lower-tier loads are pending."""
+        ValueError, nothing changed, when the parent's lower-tier loads are pending; TypeError,
+        nothing changed, for a child id that is no str."""
+        if child_id.__class__ is not str:
+            _check_id(child_id)
         self._decode_step = None  # (the counts move below)
         parent = self._get(parent_id)
         if parent.num_loading:
@@ -2210,6 +2216,14 @@ class HybridCacheManager:
                         raise AssertionError(
                             f"shared pool: block {b} is held by groups {owner[b]!r} and {g.name!r} ({rid!r})"
                         )
+
+
+def _check_id(request_id: object) -> None:
+    """A request id is a str (a subclass too); TypeError naming it otherwise. A coordinator
+    stores the ids it is given: an int, None or a tuple was a request of its own beside the
+    str of the same look, and a list failed as "unhashable type"."""
+    if not isinstance(request_id, str):
+        raise TypeError(f"a request id must be a str, got {request_id!r} ({type(request_id).__name__})")
 
 
 def _all_ints(counts: Sequence[int]) -> bool:
