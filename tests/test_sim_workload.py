@@ -438,6 +438,19 @@ def test_trace_lines_are_split_at_newlines_only(tmp_path):
         load_trace(path, VOCAB)
 
 
+def test_a_trace_that_starts_with_a_byte_order_mark_loads(tmp_path):
+    """A UTF-8 BOM (Windows editors write one; JSON readers may ignore it) made line 1 "not JSON
+    (Unexpected UTF-8 BOM ...)": it is dropped, and the file loads as without it. A BOM
+    anywhere else is no whitespace of JSON: that line is refused, named."""
+    plain = write_trace(tmp_path, GOOD, {**GOOD, "timestamp": 2})
+    marked = tmp_path / "bom.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    assert load_trace(marked, VOCAB).sessions == load_trace(plain, VOCAB).sessions
+    marked.write_bytes(plain.read_bytes() + b"\xef\xbb\xbf" + json.dumps(GOOD).encode() + b"\n")
+    with pytest.raises(ValueError, match=r"bom.jsonl line 3: not JSON"):
+        load_trace(marked, VOCAB)
+
+
 def test_trace_arrivals_up_to_2_to_the_33_seconds(tmp_path):
     """Unix epoch seconds load as they are; the last float below 2^33 s is the latest arrival."""
     below = math.nextafter(2.0**33, 0)

@@ -57,7 +57,9 @@ def load_trace(path: str | os.PathLike[str], vocab_size: int, *, block_size: int
     if type(block_size) is not int or block_size < 1:
         raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        # (utf-8-sig: a leading byte-order mark, which Windows editors write and JSON readers
+        # may ignore (RFC 8259 section 8.1), is dropped; it made line 1 "not JSON")
+        text = Path(path).read_text(encoding="utf-8-sig")
     except FileNotFoundError:
         raise ValueError(f"{path}: no such trace file") from None
     except (OSError, UnicodeDecodeError) as e:
