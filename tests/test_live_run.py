@@ -201,8 +201,10 @@ def test_a_follow_up_that_outgrows_the_context_ends_its_conversation_and_the_run
 
     workload.follow_up = shorter_for_chat1
     params = SamplingParams(max_tokens=4, seed=0)
-    run = serve_live(engine, workload, params, turns=2, request_rate=float("inf"), rng=rng)
+    unsent: list[int] = []
+    run = serve_live(engine, workload, params, turns=2, request_rate=float("inf"), rng=rng, on_unsent=unsent.append)
     assert run.stopped is None and run.context_ended == ("chat0-t1", "chat2-t1")
+    assert unsent == [1, 1]  # (each its second, last turn)
     report = _report(engine, run)
     assert (report["num_requests"], report["num_finished"], report["num_context_ended"]) == (4, 4, 2)
     assert report["context_ended"] == ["chat0-t1", "chat2-t1"] and report["max_model_len"] == 330
@@ -310,6 +312,23 @@ def test_kvpool_run_gives_each_request_its_own_seed_from_seed(monkeypatch, capsy
     (engine,) = engines
     order = ["chat0-t0", "chat0-t1", "chat1-t0", "chat1-t1", "long0"]
     assert [engine.requests[rid].params.seed for rid in order] == [derived_seed(5, k) for k in range(5)]
+
+
+def test_the_progress_total_drops_the_turns_a_conversation_past_the_context_never_sends(capsys):
+    """`kvpool run --turns 100` over 2 conversations counted 200 requests in its progress, and
+    the conversations end at the context after 6 turns: the run ended at 12/200 (a bar that
+    stopped short, lines that never reached the total), saying nothing of why. Now each
+    conversation that ends takes its unsent turns off the total, and the line says so."""
+    from kvpool.cli.main import main
+
+    flags = ["--model", "tiny-dsv4", "--num-requests", "2", "--num-long", "0", "--threads", "1", "--json"]
+    flags += ["--turns", "100", "--max-tokens", "2", "--max-model-len", "400", "--request-rate", "inf"]
+    assert main(["run", *flags]) == 0
+    err = capsys.readouterr().err
+    assert "kvpool run: serving up to 200 requests on tiny-dsv4\n" in err
+    last = re.findall(r"kvpool run: (\d+)/(\d+) requests finished, [\d.]+ s(.*)\n", err)[-1]
+    done, total, why = int(last[0]), int(last[1]), last[2]
+    assert done == total == 12 and why == " (188 turns not sent: their conversations outgrew the context)"
 
 
 def test_the_serving_line_follows_the_length_check_and_says_up_to_when_turns_may_go_unsent(capsys):

@@ -175,10 +175,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 class Progress:
-    """A live bar on a terminal; otherwise (piped, CI) a line on stderr every few seconds."""
+    """A live bar on a terminal; otherwise (piped, CI) a line on stderr every few seconds. The
+    total is the requests the run may send; a conversation that outgrows the context takes its
+    unsent turns off it (`unsent`), and the line says how many were so."""
 
     def __init__(self, total: int, quiet: bool) -> None:
         self.total, self.done, self.last = total, 0, time.perf_counter()
+        self.num_unsent = 0  # turns taken off the total: their conversations outgrew the context
+        self.elapsed_s = 0.0
         self.bar = None
         if not quiet and sys.stdout.isatty():
             from rich.progress import Progress as RichProgress
@@ -189,12 +193,33 @@ class Progress:
 
     def advance(self, n: int, elapsed_s: float) -> None:
         self.done += n
-        now = time.perf_counter()
+        self.elapsed_s = elapsed_s
         if self.bar is not None:
             self.bar.advance(self.task, n)
-        elif now - self.last >= 5.0 or self.done == self.total:
+        else:
+            self._line()
+
+    def unsent(self, n: int) -> None:
+        """n turns counted in the total will not be sent (their conversation outgrew the context)."""
+        self.total -= n
+        self.num_unsent += n
+        if self.bar is not None:
+            self.bar.update(
+                self.task, total=self.total, description=f"serving ({self.num_unsent} turns past the context)"
+            )
+        else:
+            self._line()
+
+    def _line(self) -> None:
+        now = time.perf_counter()
+        if now - self.last >= 5.0 or self.done == self.total:
             self.last = now
-            print(f"kvpool run: {self.done}/{self.total} requests finished, {elapsed_s:.1f} s", file=sys.stderr)
+            why = ""
+            if self.num_unsent:
+                why = f" ({self.num_unsent} turns not sent: their conversations outgrew the context)"
+            print(
+                f"kvpool run: {self.done}/{self.total} requests finished, {self.elapsed_s:.1f} s{why}", file=sys.stderr
+            )
 
     def close(self) -> None:
         if self.bar is not None:
@@ -460,6 +485,7 @@ def _run(args: argparse.Namespace) -> int:
             note_bookkeeping=loaded is not None,
             tp_model=getattr(loaded, "model", None),
             on_start=serving,
+            on_unsent=progress.unsent,
         )
     finally:
         progress.close()

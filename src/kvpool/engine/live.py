@@ -80,15 +80,18 @@ def serve_live(
     note_bookkeeping: bool = False,
     tp_model: Any = None,
     on_start: Callable[[], None] | None = None,
+    on_unsent: Callable[[int], None] | None = None,
 ) -> LiveRun:
     """Serve `workload` (`turns` turns a conversation) through `engine` until every request
     finished or Ctrl-C. `on_progress(num_finished, elapsed_s)` after each step (the requests
     that step finished, the seconds since the start); `note_bookkeeping`: the runner notes its Python structures
     at their largest after each step (the memory ledger's); `tp_model`: this rank's model
     under tensor parallelism (None: one process); `on_start()` once every prompt known before
-    the first arrival passed the length check (kvpool run's "serving" line). The run moves the workload's
-    conversations on (their turns and histories): a workload served with follow-ups is
-    spent, and serving it again is refused."""
+    the first arrival passed the length check (kvpool run's "serving" line); `on_unsent(n)` when
+    a conversation outgrows the context: n of the turns counted (`num_live_requests`) will
+    never be sent, that turn and its later ones (kvpool run's progress total shrinks by them).
+    The run moves the workload's conversations on (their turns and histories): a workload
+    served with follow-ups is spent, and serving it again is refused."""
     if turns <= 0:
         raise ValueError(f"turns must be positive, got {turns}")
     if any(conv.turn for conv in workload.conversations):
@@ -164,6 +167,8 @@ def serve_live(
                         # --max-model-len): it ends here, as a chat client's would be refused;
                         # add_request's ValueError stopped the whole run, with no report
                         context_ended.append(nid)
+                        if on_unsent is not None:
+                            on_unsent(turns - conv.turn)  # (turns conv.turn .. turns - 1)
                         continue
                     engine.add_request(prompt, params_of(nid), nid)
                     conversation_of[nid] = c
