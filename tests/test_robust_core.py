@@ -127,6 +127,16 @@ def _computed_six(make) -> HybridCacheManager:
     return m
 
 
+@pytest.mark.parametrize("field", ["model_id", "weights_version", "layout_id"])
+@pytest.mark.parametrize("bad", [None, 5, b"m"])
+def test_a_descriptor_field_that_is_no_str_is_refused(field, bad) -> None:
+    """CacheDescriptor(5) and (None) were taken: a key apart from "5"'s and ""'s, no false
+    hit, but not the descriptor meant. Every field is text; anything else names the field."""
+    fields = {"model_id": "m", field: bad}
+    with pytest.raises(TypeError, match=f"^CacheDescriptor's {field} must be a str, got {re.escape(repr(bad))} "):
+        CacheDescriptor(**fields)
+
+
 @pytest.mark.parametrize("cache", sorted(CACHES))
 @pytest.mark.parametrize("bad", [None, 5, np.int64(5), b"a", ("a",), ["a"]])
 def test_a_request_id_that_is_no_str_is_refused(cache, bad) -> None:

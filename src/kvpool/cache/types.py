@@ -32,6 +32,13 @@ class CacheDescriptor:
     layout_id: str = ""
     rope_id: str = ""
 
+    def __post_init__(self) -> None:
+        # every field is text: CacheDescriptor(5) or (None) was taken, a descriptor whose key
+        # differed from "5"'s and ""'s (no false hit, but not the descriptor anyone meant)
+        for name, value in asdict(self).items():
+            if not isinstance(value, str):
+                raise TypeError(f"CacheDescriptor's {name} must be a str, got {value!r} ({type(value).__name__})")
+
     def key(self) -> bytes:
         """A canonical byte string of all fields (sorted JSON: stable across processes)."""
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
