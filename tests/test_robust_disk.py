@@ -739,10 +739,10 @@ def full_at(monkeypatch, num_bytes: int) -> None:
     entry files past it fails with ENOSPC, its temp file removed (as the kernel's would)."""
     real = DiskTier._store
 
-    def store(self, key, data, final):
+    def store(self, key, data, final, gate=None):
         if _entry_bytes(self.root) + len(data) > num_bytes:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.root / "tmp" / "x.tmp"))
-        return real(self, key, data, final)
+        return real(self, key, data, final, gate)
 
     monkeypatch.setattr(DiskTier, "_store", store)
 
@@ -753,10 +753,10 @@ def full_when(monkeypatch) -> list[bool]:
     full = [False]
     real = DiskTier._store
 
-    def store(self, key, data, final):
+    def store(self, key, data, final, gate=None):
         if full[0]:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.root / "tmp" / "x.tmp"))
-        return real(self, key, data, final)
+        return real(self, key, data, final, gate)
 
     monkeypatch.setattr(DiskTier, "_store", store)
     return full

@@ -59,6 +59,29 @@ of entries on the writer's thread held the lookups of the engine's thread for se
 
 Writes run on a background writer (writer.py): `put` encodes nothing and never waits; a
 full queue drops the write and counts it.
+
+Deadlines: a mount that stops answering (an NFS hard mount whose server is gone, a FUSE file
+system that hangs, a dying disk) stalled the engine's step for ever on a lookup's read. Every
+file operation now runs on a worker thread (deadline.py) and is waited for up to a deadline:
+`timeout_s` (1 s) for a read (a lookup's header, a get's entry), a stat, an unlink, a
+rename, an LRU refresh; `write_timeout_s` (10 s) for a whole write (an fsync waits for the
+disk's other dirty data too) and a scan of the directory. A read past it is a miss (cause
+"timeout": the engine computes those tokens, nothing wrong is served); a write past it is
+dropped and counted (num_write_errors), and never installed: once its writer gave up, the
+write removes its temp file instead of renaming it in. What an operation returns late is
+dropped with it: nothing is indexed from it. A lookup or get waits at most one deadline (two
+where a bad entry is moved to quarantine/); the engine's thread waits under the tier's lock,
+so the writer's index updates wait with it, one deadline at most. After `breaker_failures`
+(3) operations in a row past their deadline (any answer, an error too, starts the count
+again) a breaker opens, said in one line: every lookup and get is a miss ("unavailable") and
+every write is dropped (unavailable_puts), at no cost. Once its cool-down (`retry_s`, 1 s)
+has passed, the next call starts one probe, a read of the marker file, and does not wait for
+it; a probe that answered within `timeout_s` closes the breaker (said), a late one starts
+another cool-down, and one still stuck holds every later probe back: an outage holds at
+most `breaker_failures` worker threads and a probe, and costs the engine at most that many
+deadlines. The report says `available`, `outages`, `timeouts` (by what), `stuck_io` (the
+operations past their deadline still not returned) and `unavailable_puts`. A mount already
+hung when the tier opens hangs the open (the directory's checks and first scan).
 """
 
 from __future__ import annotations
@@ -67,6 +90,7 @@ import enum
 import errno
 import io
 import itertools
+import math
 import os
 import stat
 import sys
@@ -82,6 +106,7 @@ from torch import Tensor
 
 from kvpool.tiers import entry
 from kvpool.tiers.base import Tier, TierStats
+from kvpool.tiers.deadline import DeadlineRunner, Job, NoAnswer
 from kvpool.tiers.descriptor import BlockDescriptor
 from kvpool.tiers.writer import BackgroundWriter
 
@@ -104,11 +129,20 @@ _CACHE_FIELDS = (
 _NO_ROOM_BACKOFF_S = 60.0
 _NO_ROOM_BACKOFF_MAX_S = 3600.0
 _now = time.monotonic  # (the tests move it)
+# deadlines (module docstring): a read, a stat, an unlink, a rename, an LRU refresh ...
+DEFAULT_TIMEOUT_S = 1.0
+# ... and a whole write (temp file written and fsynced, renamed, the directory fsynced: an
+# fsync waits for the disk's other dirty data too) or a scan of the directory
+DEFAULT_WRITE_TIMEOUT_S = 10.0
+DEFAULT_BREAKER_FAILURES = 3  # operations in a row past their deadline that open the breaker
+DEFAULT_RETRY_S = 1.0  # the breaker's cool-down: how often, at most, the tier asks the disk again
 _WHAT = {  # what failed (io_errors' names, and "write"), as a fault line says it
     "write": "a write",
     "full": "a write (the filesystem is full)",
     "no room": "a write after making room (the filesystem is still full)",
     "read": "a read",
+    "stat": "a stat of an entry's file",
+    "scan": "a scan of the directory",
     "utime": "refreshing an entry's LRU time",
     "evict": "an eviction",
     "quarantine": "moving a bad entry to quarantine/",
@@ -124,6 +158,30 @@ class _Outcome(enum.Enum):
     DONE = "done"  # this process did it
     GONE = "gone"  # the file was not there: another process removed or moved it first
     FAILED = "failed"  # the OS refused (counted in io_errors, said once)
+    SILENT = "silent"  # no answer within the deadline, or not tried: the breaker open (counted)
+
+
+class _Gate:
+    """A write's rename, the step that installs it, taken only while its writer still waits
+    for it: a write the writer gave up on (past its deadline) before that step removes its
+    temp file instead, and never appears. (One whose rename had begun may still land: a
+    whole, checked entry, which a later lookup finds as another process's.)"""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self._committed = False
+
+    def commit(self) -> bool:
+        """In the write, before its rename: whether to go on (its writer still waits)."""
+        with self._lock:
+            self._committed = not self._abandoned
+            return self._committed
+
+    def abandon(self) -> None:
+        """The writer's deadline passed: no rename from now on."""
+        with self._lock:
+            self._abandoned = not self._committed
 
 
 class _Removed(NamedTuple):
@@ -163,6 +221,29 @@ def _open_entry(path: Path) -> io.BufferedReader:
     except BaseException:
         os.close(fd)
         raise
+
+
+def _read_head(path: Path) -> bytes:
+    """An entry's header (what a lookup checks), read on a deadline worker (no lock)."""
+    with _open_entry(path) as f:
+        n = entry.header_length(f.read(8))
+        header = f.read(n)
+    if len(header) < n:
+        raise entry.CorruptEntry(f"entry of {8 + len(header)} bytes is shorter than its header ({n} bytes)")
+    return header
+
+
+def _read_all(path: Path) -> bytes:
+    """A whole entry (what a get decodes), read on a deadline worker (no lock)."""
+    with _open_entry(path) as f:
+        return f.read()
+
+
+def _read_marker(path: Path) -> bytes:
+    """The breaker's probe: a read of the cache's marker file (the read path, not a stat
+    alone, which a FUSE file system may answer while its reads hang)."""
+    with _open_entry(path) as f:
+        return f.read(4096)
 
 
 def temp_file_owner_alive(path: Path) -> bool:
@@ -259,12 +340,38 @@ class DiskTier(Tier):
         max_pending_bytes: int = 64 << 20,
         fsync: bool = True,
         log: Callable[[str], None] | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S,
+        breaker_failures: int = DEFAULT_BREAKER_FAILURES,
+        retry_s: float = DEFAULT_RETRY_S,
     ) -> None:
         """capacity_bytes: the LRU byte limit of the entry files. max_pending_bytes: the
         background writer's queue bound. fsync: off only for benchmarks of the unsafe rate.
-        log: where the once-per-kind fault lines go (default: stderr)."""
+        log: where the once-per-kind fault lines go (default: stderr). timeout_s: the
+        deadline of a read (a lookup's header, a get's entry) and of a stat, unlink, rename
+        or LRU refresh; write_timeout_s: of a whole write, and of a scan of the directory.
+        breaker_failures: operations in a row past their deadline that open the breaker;
+        retry_s: its cool-down, after which the tier asks the disk again (module docstring)."""
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise ValueError(f"disk tier capacity must be a positive number of bytes, got {capacity_bytes!r}")
+        for name, value in (("timeout_s", timeout_s), ("write_timeout_s", write_timeout_s), ("retry_s", retry_s)):
+            # finite: an infinite deadline is none (a hung mount hangs a step for ever)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"disk tier {name} must be a finite positive number of seconds, got {value!r}")
+        if isinstance(breaker_failures, bool) or not isinstance(breaker_failures, int) or breaker_failures < 1:
+            raise ValueError(f"disk tier breaker_failures must be a positive integer, got {breaker_failures!r}")
+        self.timeout_s, self.write_timeout_s = float(timeout_s), float(write_timeout_s)
+        self.breaker_failures, self.retry_s = breaker_failures, float(retry_s)
+        # the breaker (module docstring); its own lock, never held while waiting, taken
+        # inside _lock (never the other way round)
+        self._runner = DeadlineRunner("disk")
+        self._breaker_lock = threading.Lock()
+        self._failures = 0  # operations in a row that got no answer within their deadline
+        self._open_until: float | None = None  # (_now()) open: the cool-down's end; None: closed
+        self._probe: Job | None = None  # the read that asks whether the disk answers again
+        self.num_outages = 0  # times the breaker opened
+        self.timeouts: Counter[str] = Counter()  # operations past their deadline, by what
+        self.num_unavailable_puts = 0  # writes dropped while the breaker was open
         self.root = open_directory(directory)
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
@@ -378,7 +485,10 @@ class DiskTier(Tier):
         kept while the file is the same one."""
         with self._lock:
             known = dict(self._entries)
-        found = scan_entries(self.root)  # (no lock: lookups go on meanwhile)
+        try:  # (no lock: lookups go on meanwhile)
+            found = self._io("scan", self.write_timeout_s, scan_entries, self.root)
+        except NoAnswer:
+            return 0  # (the index as it was: scanned again after the next 1/32 of the limit)
         entries: OrderedDict[tuple[str, bytes], _Entry] = OrderedDict()
         for path, st in found:
             try:
@@ -483,12 +593,16 @@ class DiskTier(Tier):
                 del self._keys[ident[1]]
         return found
 
-    def _file_op(self, what: str, op: Callable[..., object], *args: object) -> _Outcome:
+    def _file_op(self, what: str, op: Callable[..., object], *args: object, timeout_s: float | None = None) -> _Outcome:
         """op(*args) on an entry's file: DONE; GONE when the file is not there (another
         process removed it: not this one's doing, not counted as such); FAILED when the OS
-        refuses (a read-only disk, another user's file), counted in io_errors[what]."""
+        refuses (a read-only disk, another user's file), counted in io_errors[what]; SILENT
+        when it did not answer within `timeout_s` (the read deadline unless given), or the
+        breaker is open (counted in timeouts[what])."""
         try:
-            op(*args)
+            self._io(what, self.timeout_s if timeout_s is None else timeout_s, op, *args)
+        except NoAnswer:
+            return _Outcome.SILENT
         except FileNotFoundError:
             return _Outcome.GONE
         except OSError as error:
@@ -517,6 +631,89 @@ class DiskTier(Tier):
         )
         return True
 
+    # ---- deadlines and the breaker ----------------------------------------------------
+
+    def _io(self, what: str, timeout_s: float, fn: Callable[..., object], *args: object):
+        """fn(*args), file I/O, on a deadline worker: its result or its exception; NoAnswer
+        ("unavailable") at no cost while the breaker is open, NoAnswer("timeout") when it
+        did not return within `timeout_s` (counted in timeouts[what]; what it returns late
+        is dropped). An exception is an answer: the disk answered, the breaker's count of
+        failures in a row starts again."""
+        if self._unavailable():
+            raise NoAnswer("unavailable", what)
+        try:
+            result = self._runner.call(what, timeout_s, fn, *args)
+        except NoAnswer:
+            self._silent(what, timeout_s)
+            raise
+        except BaseException:
+            self._answered()
+            raise
+        self._answered()
+        return result
+
+    def _answered(self) -> None:
+        if self._failures:
+            with self._breaker_lock:
+                self._failures = 0
+
+    def _silent(self, what: str, timeout_s: float) -> None:
+        """An operation past its deadline: counted; the breaker opens at the
+        `breaker_failures`-th in a row, said in one line."""
+        with self._breaker_lock:
+            self.timeouts[what] += 1
+            self._failures += 1
+            if self._open_until is not None or self._failures < self.breaker_failures:
+                return
+            self._open_until = _now() + self.retry_s
+            self.num_outages += 1
+            failures = self._failures
+        self._log(
+            f"kvpool: disk cache {self.root}: {failures} operations in a row got no answer within their "
+            f"deadline (the last {_WHAT.get(what, what)}, {timeout_s:g} s; a hung mount? an NFS server gone, a FUSE "
+            "file system that stopped answering): serving without it, lookups are misses and writes are dropped, "
+            "counted in the report's disk_tier (timeouts, misses.unavailable, unavailable_puts); asking "
+            f"again every {self.retry_s:g} s"
+        )
+
+    def _unavailable(self) -> bool:
+        """Whether the breaker is open (never waits). Open, once its cool-down has passed,
+        one read of the marker file is started on a worker (never two at once: one still
+        stuck holds the next back); a probe that answered within the read deadline (an
+        error is an answer too: the disk is back, its faults are the usual misses) closes
+        the breaker (said), one that answered late starts another cool-down."""
+        if self._open_until is None:
+            return False
+        with self._breaker_lock:
+            if self._open_until is None:
+                return False
+            probe = self._probe
+            if probe is not None and probe.done.is_set():
+                self._probe = None
+                if probe.elapsed_s <= self.timeout_s:
+                    self._open_until, self._failures = None, 0
+                    back = True
+                else:  # (a late answer is no answer: the disk may hang again at once)
+                    self._open_until = _now() + self.retry_s
+                    back = False
+            elif probe is None and _now() >= self._open_until:
+                self._probe = self._runner.start(_read_marker, self.root / MARKER)
+                return True
+            else:
+                return True
+        if not back:
+            return True
+        self._log(
+            f"kvpool: disk cache {self.root} answers again (its marker read within {self.timeout_s:g} s): "
+            "serving from it"
+        )
+        return False
+
+    @property
+    def available(self) -> bool:
+        """Whether the breaker is closed (no probe started, no wait)."""
+        return self._open_until is None
+
     def _evict_over_limit(self) -> list[tuple[tuple[str, bytes], _Entry]]:
         """Drop least recently used entries from the index down to the limit (lock held):
         the victims, whose files `_remove_evicted` unlinks once the lock is released."""
@@ -528,11 +725,15 @@ class DiskTier(Tier):
             victims.append((ident, old))
         return victims
 
-    def _remove_evicted(self, victims: list[tuple[tuple[str, bytes], _Entry]], counted: bool = True) -> _Removed:
+    def _remove_evicted(
+        self, victims: list[tuple[tuple[str, bytes], _Entry]], counted: bool = True, timeout_s: float | None = None
+    ) -> _Removed:
         """Unlink the files of entries `_evict_over_limit` dropped (lock not held: lookups
         go on, and find those entries absent). Only the files this process removed count as
-        its evictions (unless not `counted`: `evict`'s)."""
-        outcomes = [self._file_op("evict", old.path.unlink) for _, old in victims]
+        its evictions (unless not `counted`: `evict`'s). timeout_s: each unlink's deadline
+        (the writer's thread: the write deadline; the engine's, `evict`: the read one)."""
+        timeout_s = self.write_timeout_s if timeout_s is None else timeout_s
+        outcomes = [self._file_op("evict", old.path.unlink, timeout_s=timeout_s) for _, old in victims]
         with self._lock:
             self._removing.difference_update(ident for ident, _ in victims)
             self.stats.num_evictions += outcomes.count(_Outcome.DONE) if counted else 0
@@ -547,7 +748,7 @@ class DiskTier(Tier):
         if found is None and ident not in self._removing:  # (evicted, its unlink under way)
             path = self._path(ident[1], expected)
             try:
-                st = path.stat()
+                st = self._io("stat", self.timeout_s, os.stat, path)
             except FileNotFoundError:
                 return None
             found = _Entry(path, st.st_size, None, st.st_ino)
@@ -562,9 +763,9 @@ class DiskTier(Tier):
         # a read-only disk: it stays, a miss each time it is met; gone: another process
         # moved or removed it first
         if self._file_op("quarantine", os.replace, found.path, target) is _Outcome.DONE:
-            try:
-                num_bytes = target.stat().st_size  # (the file moved, maybe not the one indexed)
-            except OSError:
+            try:  # (the file moved, maybe not the one indexed)
+                num_bytes = self._io("quarantine", self.timeout_s, os.stat, target).st_size
+            except (OSError, NoAnswer):
                 num_bytes = found.num_bytes
             self._quarantined.append(_Quarantined(at_ns, num_bytes, target))
             self._quarantine_bytes += num_bytes
@@ -581,8 +782,8 @@ class DiskTier(Tier):
         while len(self._quarantined) > 1 and self._quarantine_bytes > self.rescan_bytes:
             oldest = self._quarantined[0]
             done = self._file_op("trim", oldest.path.unlink)
-            if done is _Outcome.FAILED:
-                return  # (said once, counted; tried again at the next quarantine)
+            if done in (_Outcome.FAILED, _Outcome.SILENT):
+                return  # (said once, or a timeout counted; tried again at the next quarantine)
             self._quarantined.popleft()
             self._quarantine_bytes -= oldest.num_bytes
             if done is _Outcome.DONE:
@@ -596,11 +797,8 @@ class DiskTier(Tier):
             self.stats.num_reclaimed += 1
 
     def _header(self, ident: tuple[str, bytes], found: _Entry) -> BlockDescriptor:
-        with _open_entry(found.path) as f:
-            n = entry.header_length(f.read(8))
-            header = f.read(n)
-        if len(header) < n:
-            raise entry.CorruptEntry(f"entry of {found.num_bytes} bytes is shorter than its header")
+        """The entry's descriptor, its header read within the deadline (NoAnswer past it)."""
+        header = self._io("read", self.timeout_s, _read_head, found.path)
         descriptor, manifest = entry.read_header(header, ident[1])
         self._check_layout(ident[0], entry.tensor_layout(manifest))
         return descriptor
@@ -622,10 +820,17 @@ class DiskTier(Tier):
                 self._say(op, error)
 
     def _checked(self, key: bytes, expected: BlockDescriptor) -> _Entry | None:
-        """The entry, its descriptor checked against `expected` (lock held)."""
+        """The entry, its descriptor checked against `expected` (lock held). A miss while
+        the breaker is open, at no cost, and when the disk does not answer in time."""
+        if self._unavailable():
+            self.stats.misses["unavailable"] += 1
+            return None
         ident = self._id(key, expected)
         try:
             found = self._find(ident, expected)
+        except NoAnswer as silent:
+            self.stats.misses[silent.cause] += 1
+            return None
         except OSError:  # its path unreachable: a file where a directory should be, no permission
             self.io_errors["read"] += 1
             self.stats.misses["io_error"] += 1
@@ -636,6 +841,9 @@ class DiskTier(Tier):
         if found.descriptor is None:
             try:
                 found.descriptor = self._header(ident, found)
+            except NoAnswer as silent:  # (what the read returns late is dropped: never installed)
+                self.stats.misses[silent.cause] += 1
+                return None
             except (OSError, entry.CorruptEntry, entry.OtherVersion) as error:
                 self._failed(ident, found, error, "read")
                 return None
@@ -671,10 +879,13 @@ class DiskTier(Tier):
                 self.stats.num_get_misses += 1
                 return None
             try:
-                with _open_entry(found.path) as f:
-                    data = f.read()
+                data = self._io("read", self.timeout_s, _read_all, found.path)
                 descriptor, tensors = entry.decode(data, key)
                 self._check_layout(ident[0], entry.layout_of(tensors))
+            except NoAnswer as silent:  # (the payload read late is dropped: never handed out)
+                self.stats.misses[silent.cause] += 1
+                self.stats.num_get_misses += 1
+                return None
             except (OSError, entry.CorruptEntry, entry.OtherVersion) as error:
                 self._failed(ident, found, error, "read")
                 self.stats.num_get_misses += 1
@@ -699,6 +910,10 @@ class DiskTier(Tier):
         if num_bytes > self.capacity_bytes:
             self._refuse(num_bytes, descriptor)
             return False
+        if self._unavailable():  # the breaker open: dropped, counted
+            self.stats.num_dropped_puts += 1
+            self.num_unavailable_puts += 1
+            return False
         owned = {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
         if not self._writer.submit(lambda: self._write(key, descriptor, owned), num_bytes):
             self.stats.num_dropped_puts += 1
@@ -711,6 +926,10 @@ class DiskTier(Tier):
 
     def _write(self, key: bytes, descriptor: BlockDescriptor, tensors: dict[str, Tensor]) -> None:
         start = time.perf_counter()
+        if self._unavailable():  # (queued before the breaker opened)
+            self.stats.num_dropped_puts += 1
+            self.num_unavailable_puts += 1
+            return
         data = entry.encode(key, descriptor, tensors)
         if len(data) > self.capacity_bytes:
             # the header made the entry larger than the whole tier (put weighs the tensors
@@ -720,8 +939,17 @@ class DiskTier(Tier):
         if self._cut_pending:
             self._cut_to_limit()
         final = self._path(key, descriptor)
+        gate = _Gate()
         try:
-            inode = self._store_making_room(key, data, final)
+            inode = self._store_making_room(key, data, final, gate)
+        except NoAnswer as silent:
+            gate.abandon()  # (its temp file removed when the write gets there, never renamed in)
+            if silent.cause == "unavailable":
+                self.stats.num_dropped_puts += 1
+                self.num_unavailable_puts += 1
+            else:
+                self.stats.num_write_errors += 1  # (and timeouts["write"])
+            return
         except OSError as error:
             self.stats.num_write_errors += 1
             if error.errno in _FULL and self._no_room_until:
@@ -762,20 +990,21 @@ class DiskTier(Tier):
             "such blocks are not stored, counted in the report's disk_tier.num_rejected_puts; serving on (said once)"
         )
 
-    def _store_making_room(self, key: bytes, data: bytes, final: Path) -> int:
+    def _store_making_room(self, key: bytes, data: bytes, final: Path, gate: _Gate) -> int:
         """`_store`, and on a full filesystem, room made and the write tried once more (a
         full filesystem is a byte limit too). When that write finds it full again, the
         evictions freed nothing it could use (an entry file held open by another process,
         the quota of another user whose entries they were, another writer taking the space
         first): making room stops, the entries kept, until a write succeeds or the back-off
         ends (it drained the whole tier, one entry a write, and stored nothing)."""
+        store = self._store
         try:
-            inode = self._store(key, data, final)
+            inode = self._io("write", self.write_timeout_s, store, key, data, final, gate)
         except OSError as error:
             if error.errno not in _FULL or _now() < self._no_room_until or not self._make_room(len(data), error):
                 raise
             try:
-                inode = self._store(key, data, final)
+                inode = self._io("write", self.write_timeout_s, store, key, data, final, gate)
             except OSError as again:
                 if again.errno in _FULL:
                     self._stop_making_room(again)
@@ -840,9 +1069,11 @@ class DiskTier(Tier):
             )
         return freed > 0
 
-    def _store(self, key: bytes, data: bytes, final: Path) -> int:
+    def _store(self, key: bytes, data: bytes, final: Path, gate: _Gate | None = None) -> int:
         """Write `data` to `final` through a temp file (module docstring): its inode. The
-        OSError of a refused write, its temp file removed."""
+        OSError of a refused write, its temp file removed; so is a write whose writer gave
+        up on it before its rename (`gate`: past its deadline, never installed). On a
+        deadline worker: no lock."""
         tmp = self.root / "tmp" / f"{key.hex()}.{os.getpid()}.{next(self._tmp_names)}.tmp"
         try:
             self._stage("open")
@@ -859,6 +1090,8 @@ class DiskTier(Tier):
                     os.fsync(f.fileno())
                 self._stage("synced")
             final.parent.mkdir(parents=True, exist_ok=True)
+            if gate is not None and not gate.commit():
+                raise OSError(errno.ETIMEDOUT, "past its deadline, the write was given up: not installed", str(final))
             os.replace(tmp, final)
             self._stage("renamed")
             if self.fsync:
@@ -882,7 +1115,7 @@ class DiskTier(Tier):
             for ident, _ in victims:
                 self._drop(ident)
                 self._removing.add(ident)
-        self._remove_evicted(victims, counted=False)
+        self._remove_evicted(victims, counted=False, timeout_s=self.timeout_s)  # (the engine's thread)
         return bool(victims)
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -906,6 +1139,13 @@ class DiskTier(Tier):
             "quarantine_trimmed": self.num_quarantine_trimmed,
             "disk_full": self.num_full,  # writes that found the filesystem full and evicted to make room
             "disk_full_no_room": self.num_no_room,  # ... and found it full again: making room paused
+            "available": self._open_until is None,  # the breaker closed
+            "outages": self.num_outages,  # times it opened (operations in a row past their deadline)
+            "timeouts": dict(sorted(self.timeouts.items())),  # operations past their deadline, by what
+            "stuck_io": self._runner.num_stuck,  # ... still not returned (each holds a thread)
+            "unavailable_puts": self.num_unavailable_puts,  # writes dropped while it was open
+            "timeout_s": self.timeout_s,
+            "write_timeout_s": self.write_timeout_s,
             **self.stats.as_dict(),
             "io_errors": dict(sorted(self.io_errors.items())),
         }
@@ -927,3 +1167,8 @@ class DiskTier(Tier):
                 raise AssertionError(
                     f"disk tier: {sum(self._keys.values())} keys counted, {len(self._entries)} entries"
                 )
+        with self._breaker_lock:
+            if self._open_until is None and self._probe is not None:
+                raise AssertionError("disk tier: a probe in flight with the breaker closed")
+            if self._open_until is None and self._failures >= self.breaker_failures:
+                raise AssertionError(f"disk tier: {self._failures} failures in a row and the breaker closed")

@@ -1,0 +1,106 @@
+"""File operations with a deadline: what keeps a hung mount from hanging the disk tier's
+callers (an engine step, the background writer).
+
+A read or write stuck in the kernel (an NFS hard mount whose server is gone, a FUSE file
+system that stops answering, a dying disk) cannot be cancelled. So each operation runs on
+a worker thread of its own, and the caller waits for it up to a deadline: past it, the
+caller goes on without the answer (`NoAnswer`) and the worker is left to finish. What a
+late operation returns is dropped with its job: nobody reads it, so a late answer is never
+installed. A worker whose job is done goes back to a small idle set (no thread started per
+operation in the steady state: one or two threads); one still stuck is not handed more
+work, so a call never queues behind a hung one.
+
+The functions run here do file I/O only: no lock of the caller's is taken in them (the
+caller may hold its own while it waits, at most one deadline).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+_MAX_IDLE = 2  # workers kept for the next calls; more exit when their job ends
+
+
+class NoAnswer(Exception):  # noqa: N818 - not an error of the caller's: the file system's silence
+    """An operation that did not answer: past its deadline ("timeout"), or not tried
+    because the tier's breaker is open ("unavailable")."""
+
+    def __init__(self, cause: str, what: str) -> None:
+        super().__init__(f"{what}: {cause}")
+        self.cause = cause
+        self.what = what
+
+
+class Job:
+    """One operation handed to a worker, and what it came to."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        self.fn, self.args = fn, args
+        self.done = threading.Event()
+        self.started = time.monotonic()
+        self.elapsed_s = 0.0  # (set when done)
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn(*self.args)
+        except BaseException as error:  # noqa: BLE001 - handed to the caller, who re-raises it
+            self.error = error
+        self.elapsed_s = time.monotonic() - self.started
+        self.done.set()
+
+
+class DeadlineRunner:
+    """Runs `fn(*args)` on worker threads; `call` waits up to a deadline."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._lock = threading.Lock()
+        self._idle: list[queue.SimpleQueue[Job]] = []  # the inboxes of workers waiting for a job
+        self._late: set[Job] = set()  # jobs whose caller gave up, still running
+
+    @property
+    def num_stuck(self) -> int:
+        """Operations past their deadline that have not returned (each holds a thread)."""
+        with self._lock:
+            return len(self._late)
+
+    def start(self, fn: Callable[..., Any], *args: Any) -> Job:
+        """Hand `fn(*args)` to an idle worker (or a new one); never waits."""
+        job = Job(fn, args)
+        with self._lock:
+            inbox = self._idle.pop() if self._idle else None
+        if inbox is None:
+            threading.Thread(target=self._loop, args=(job,), name=f"kvpool-{self.name}-io", daemon=True).start()
+        else:
+            inbox.put(job)
+        return job
+
+    def call(self, what: str, timeout_s: float, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args)'s result (or its exception); NoAnswer("timeout", what) when it has not
+        returned within `timeout_s` (it goes on, and what it returns is dropped)."""
+        job = self.start(fn, *args)
+        if not job.done.wait(timeout_s):
+            with self._lock:
+                if not job.done.is_set():  # (it may have returned just now: then it answered)
+                    self._late.add(job)
+                    raise NoAnswer("timeout", what)
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def _loop(self, job: Job) -> None:
+        inbox: queue.SimpleQueue[Job] = queue.SimpleQueue()
+        while True:
+            job.run()
+            with self._lock:
+                self._late.discard(job)  # (a late one's answer is dropped with it)
+                if len(self._idle) >= _MAX_IDLE:
+                    return
+                self._idle.append(inbox)
+            job = inbox.get()

@@ -1,0 +1,350 @@
+"""The disk tier on a mount that stops answering (an NFS hard mount whose server is gone, a
+FUSE file system that hangs): every read and write has a deadline, as the Redis tier's
+calls do. A read past it is a miss (the engine computes those tokens), a write past it is
+dropped and counted, what either returns late is never installed, and after
+`breaker_failures` operations in a row past the deadline a breaker opens: misses and dropped
+writes at no cost, until a probe of the disk answers within the deadline after a cool-down.
+
+The hang is `os.open` blocking on an Event for paths under the cache directory (what a
+hung mount does to an open), armed and released by the test."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from kvpool.tiers import DiskTier
+from kvpool.tiers import disk as disk_module
+from test_disk_tier import descriptor, key, stored, tensors
+from test_robust_disk import engine_run, filled, same  # noqa: F401 - engine_run: a fixture
+
+MARGIN_S = 1.0  # a loaded 2-core machine's scheduling, on top of a deadline
+
+
+class Hang:
+    """A call on a path under `root` blocks, while armed, for the kinds in `ops` ("read":
+    os.open to read; "write": os.open to write; "meta": os.stat, os.unlink, os.replace,
+    os.utime), until `release` (a mount that stops answering, then comes back). `entered`
+    lists the paths that blocked."""
+
+    def __init__(self, monkeypatch, root: Path, ops: set[str]) -> None:
+        self.root, self.ops = str(root.resolve()) + os.sep, ops
+        self.armed, self.released = threading.Event(), threading.Event()
+        self.entered: list[Path] = []
+
+        def block(kind: str, path) -> None:
+            if self.armed.is_set() and kind in self.ops and not isinstance(path, int):
+                where = os.path.realpath(os.fsdecode(path))
+                if where.startswith(self.root):
+                    self.entered.append(Path(where))
+                    assert self.released.wait(60), "a hung call was never released"
+
+        real_open = os.open
+
+        def fake_open(path, flags, *args, **kwargs):
+            block("write" if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT) else "read", path)
+            return real_open(path, flags, *args, **kwargs)
+
+        def meta(real):
+            def fake(path, *args, **kwargs):
+                block("meta", path)
+                return real(path, *args, **kwargs)
+
+            return fake
+
+        monkeypatch.setattr(os, "open", fake_open)
+        if "meta" in ops:
+            for name in ("stat", "unlink", "replace", "utime"):
+                monkeypatch.setattr(os, name, meta(getattr(os, name)))
+
+    def arm(self) -> None:
+        self.released.clear()
+        self.armed.set()
+
+    def release(self) -> None:
+        self.armed.clear()
+        self.released.set()
+
+
+@pytest.fixture
+def hang_factory(monkeypatch):
+    made: list[Hang] = []
+
+    def make(root: Path, ops: set[str]) -> Hang:
+        made.append(Hang(monkeypatch, root, ops))
+        return made[-1]
+
+    yield make
+    for hang in made:  # (the stuck workers return, whatever the test did)
+        hang.release()
+
+
+def settled(tier: DiskTier) -> None:
+    """Wait until every operation past its deadline, and the probe, has returned."""
+    end = time.monotonic() + 30
+    while tier.report()["stuck_io"] or (tier._probe is not None and not tier._probe.done.is_set()):
+        assert time.monotonic() < end, "a released operation did not return"
+        time.sleep(0.01)
+
+
+def wait_for(condition) -> None:
+    end = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < end, "waited 30 s"
+        time.sleep(0.01)
+
+
+def timed(call):
+    start = time.perf_counter()
+    result = call()
+    return result, time.perf_counter() - start
+
+
+def test_hung_reads_are_misses_within_the_deadline_and_the_breaker_opens_and_closes(
+    tmp_path, monkeypatch, hang_factory
+) -> None:
+    filled(tmp_path, 5)
+    clock = [1000.0]
+    monkeypatch.setattr(disk_module, "_now", lambda: clock[0])
+    lines: list[str] = []
+    tier = DiskTier(tmp_path, 1 << 30, timeout_s=0.2, retry_s=4.0, breaker_failures=3, log=lines.append)
+    hang = hang_factory(tmp_path, {"read"})
+    hang.arm()
+    # two lookups past the deadline, then the disk answers once (a stat, another key: absent)
+    for i in (0, 1):
+        found, took = timed(lambda i=i: tier.lookup(key(i), descriptor(i)))
+        assert not found and took < 0.2 + MARGIN_S
+        tier.check_integrity()
+    assert not tier.lookup(key(9), descriptor(9))  # (no open: a stat answers FileNotFoundError)
+    assert tier.available and tier.timeouts == {"read": 2} and lines == []  # not in a row: no breaker
+    # three in a row: the breaker opens, said once
+    for i in (2, 3, 4):
+        found, took = timed(lambda i=i: tier.lookup(key(i), descriptor(i)))
+        assert not found and took < 0.2 + MARGIN_S
+        tier.check_integrity()
+    report = tier.report()
+    assert report["available"] is False and report["outages"] == 1 and report["timeouts"] == {"read": 5}
+    assert report["misses"] == {"timeout": 5, "absent": 1} and report["stuck_io"] == 5
+    assert len(lines) == 1 and "3 operations in a row got no answer" in lines[0] and "0.2 s" in lines[0]
+    # open: lookups, gets and puts at no cost, nothing started on the disk
+    for i in range(5):
+        found, took = timed(lambda i=i: tier.lookup(key(i), descriptor(i)))
+        assert not found and took < 0.1
+        got, took = timed(lambda i=i: tier.get(key(i), descriptor(i)))
+        assert got is None and took < 0.1
+    assert not tier.put(key(7), descriptor(7), tensors(7)) and tier.flush(30)
+    report = tier.report()
+    assert report["misses"]["unavailable"] == 10 and report["num_get_misses"] == 5
+    assert report["unavailable_puts"] == 1 and report["num_dropped_puts"] == 1 and report["num_puts"] == 0
+    assert len(hang.entered) == 5  # the five timed-out reads: nothing asked since
+    tier.check_integrity()
+    # the cool-down ends with the disk still hung: one probe (the marker's read), stuck; it
+    # holds every later probe back, however many cool-downs pass
+    clock[0] += 4
+    assert not tier.lookup(key(0), descriptor(0))
+    wait_for(lambda: len(hang.entered) == 6)
+    clock[0] += 50
+    assert not tier.lookup(key(0), descriptor(0)) and not tier.lookup(key(1), descriptor(1))
+    assert [p.name for p in hang.entered[5:]] == ["kvpool-disk-cache"] and not tier.available
+    tier.check_integrity()
+    # the mount comes back: the late reads' answers are dropped (nothing installed: the
+    # entries' headers unread, no hit counted), and the probe's came late: another cool-down
+    time.sleep(0.3)  # (the probe hung past its deadline)
+    hang.release()
+    settled(tier)
+    assert all(found.descriptor is None for found in tier._entries.values())
+    assert tier.stats.num_lookup_hits == 0 and not any(tier.holds(key(i), descriptor(i)) for i in range(5))
+    assert not tier.lookup(key(0), descriptor(0)) and not tier.available and len(lines) == 1
+    clock[0] += 3.5
+    assert not tier.lookup(key(0), descriptor(0))  # (still cooling down: no probe)
+    assert tier._probe is None
+    clock[0] += 0.5
+    assert not tier.lookup(key(0), descriptor(0))  # (a probe started; it answers at once)
+    settled(tier)
+    assert tier.lookup(key(0), descriptor(0)) and tier.available  # closed, said
+    assert lines[1] == f"kvpool: disk cache {tier.root} answers again (its marker read within 0.2 s): serving from it"
+    assert all(same(tier.get(key(i), descriptor(i)), i) for i in range(5))
+    assert tier.report()["outages"] == 1 and tier.report()["stuck_io"] == 0
+    tier.check_integrity()
+
+
+def test_a_get_that_hangs_is_a_miss_and_its_late_payload_is_never_handed_out(tmp_path, hang_factory) -> None:
+    filled(tmp_path, 2)
+    tier = DiskTier(tmp_path, 1 << 30, timeout_s=0.2)
+    assert tier.lookup(key(1), descriptor(1))  # (its header read: a hit)
+    hang = hang_factory(tmp_path, {"read"})
+    hang.arm()
+    got, took = timed(lambda: tier.get(key(1), descriptor(1)))
+    assert got is None and took < 0.2 + MARGIN_S
+    assert tier.stats.num_get_misses == 1 and tier.stats.misses == {"timeout": 1} and tier.timeouts == {"read": 1}
+    tier.check_integrity()
+    hang.release()
+    settled(tier)  # the payload read returned, late: dropped
+    assert tier.stats.num_gets == 0 and tier.stats.num_get_bytes == 0 and not tier.holds(key(1), descriptor(1))
+    assert tier.available and stored(tier, 1).exists() and tier.num_entries == 2  # kept: the entry is fine
+    assert same(tier.get(key(1), descriptor(1)), 1) and tier.holds(key(1), descriptor(1))
+    tier.check_integrity()
+
+
+def test_a_write_that_hangs_is_dropped_counted_and_never_installed(tmp_path, hang_factory) -> None:
+    tier = DiskTier(tmp_path, 1 << 30, timeout_s=0.2, write_timeout_s=0.3)
+    hang = hang_factory(tmp_path, {"write"})
+    hang.arm()
+    assert tier.put(key(1), descriptor(1), tensors(1))  # (queued: put never waits)
+    done, took = timed(lambda: tier.flush(30))
+    assert done and took < 0.3 + MARGIN_S  # the writer gave up on it: a flush (an exit) is not held
+    report = tier.report()
+    assert report["num_write_errors"] == 1 and report["timeouts"] == {"write": 1} and report["num_puts"] == 0
+    assert tier.num_entries == 0 and not tier.holds(key(1), descriptor(1))
+    tier.check_integrity()
+    hang.release()
+    settled(tier)  # the write went on to its rename, found its writer gone: its temp file removed
+    assert not stored(tier, 1).exists() and not list((tmp_path / "tmp").iterdir())
+    assert tier.num_entries == 0 and not tier.lookup(key(1), descriptor(1))
+    assert tier.put(key(1), descriptor(1), tensors(1)) and tier.flush(30)  # the disk answers: stored
+    assert same(DiskTier(tmp_path, 1 << 30).get(key(1), descriptor(1)), 1)
+    tier.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"timeout_s": 0}, {"timeout_s": float("inf")}, {"write_timeout_s": -1.0}, {"retry_s": "1"}, {"timeout_s": True}],
+)
+def test_a_deadline_that_is_not_a_finite_positive_number_is_refused(tmp_path, options) -> None:
+    name = next(iter(options))
+    with pytest.raises(ValueError, match=f"disk tier {name} must be a finite positive number of seconds"):
+        DiskTier(tmp_path, 1 << 30, **options)
+    with pytest.raises(ValueError, match="breaker_failures must be a positive integer, got 0"):
+        DiskTier(tmp_path, 1 << 30, breaker_failures=0)
+
+
+def test_the_engine_over_a_hung_mount_recomputes_within_the_deadline(
+    engine_run,  # noqa: F811 - the fixture imported above
+    fp64_model,
+    tmp_path,
+    hang_factory,
+) -> None:
+    """A prefix on a disk that stops answering (every open under it hangs): the admission's
+    lookup gives up at the deadline and the engine computes the prompt; its tokens are a run
+    without tiers' (the reference), each tier call returns within the deadline, and the
+    runner checks out after each step. The blocks it writes through time out too: three
+    failures in a row (the lookup's read, then, after the first write's scan answered, two
+    writes... the third) open the breaker, and the rest are dropped at no cost."""
+    from kvpool.engine.build import build_engine
+    from kvpool.engine.sampling import SamplingParams
+
+    source, follow, expected = engine_run
+    directory = tmp_path / "c"
+    shutil.copytree(source, directory)
+    engine = build_engine(fp64_model, num_blocks=16, disk_cache=directory)
+    (tier,) = engine.runner.persistent_tiers
+    tier.timeout_s, tier.write_timeout_s = 0.3, 0.3
+    calls: list[float] = []
+    for name in ("lookup", "get"):
+        real = getattr(tier, name)
+
+        def timed_call(*args, real=real):
+            result, took = timed(lambda: real(*args))
+            calls.append(took)
+            return result
+
+        setattr(tier, name, timed_call)
+    hang = hang_factory(directory, {"read", "write"})
+    hang.arm()
+    engine.add_request(follow, SamplingParams(max_tokens=4, ignore_eos=True), "b")
+    while engine.has_unfinished():
+        engine.step()
+        engine.runner.check_integrity()
+    assert list(engine.output("b").completions[0].token_ids) == expected
+    assert calls and max(calls) < 0.3 + MARGIN_S
+    assert tier.flush(30)
+    disk = engine.runner.tier_reports()["disk_tier"]
+    assert engine.output("b").num_cached_tokens == 0 and disk["num_gets"] == 0
+    assert disk["num_lookups"] == 1 and disk["misses"] == {"timeout": 1}
+    # the six blocks written through: three past the deadline (the breaker opens), three dropped
+    assert disk["timeouts"] == {"read": 1, "write": 3} and disk["num_write_errors"] == 3
+    assert disk["unavailable_puts"] == 3 and disk["num_puts"] == 0 and disk["outages"] == 1
+    assert disk["available"] is False
+    hang.release()
+    settled(tier)
+    assert not list((directory / "tmp").iterdir())  # the late writes' temp files removed, none renamed in
+    engine.runner.check_integrity()
+    engine.runner.close()
+
+
+_CALLS = st.tuples(st.sampled_from(["lookup", "get", "put", "evict"]), st.integers(0, 3))
+_ACTIONS = st.lists(  # (three calls to one change of the mount or the clock, on average)
+    st.one_of(_CALLS, _CALLS, _CALLS, st.sampled_from(["hang", "answer", "cool-down"]).map(lambda a: (a, 0))),
+    min_size=3,
+    max_size=20,
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(hung=st.booleans(), actions=_ACTIONS)
+@example(  # the breaker's round: opened by three calls, a probe stuck, the mount back, closed
+    hung=True,
+    actions=[("lookup", 0), ("get", 1), ("put", 2), ("cool-down", 0), ("lookup", 0), ("answer", 0), ("get", 0)],
+)
+def test_a_mount_that_hangs_and_answers_at_random_never_serves_a_wrong_block(
+    tmp_path, monkeypatch, hung, actions
+) -> None:
+    """Lookups, gets, puts and evictions while the mount hangs and answers again at random,
+    and the breaker's cool-downs pass: every call returns within its deadline, a get hands
+    back its block or nothing, the index checks out after each call; once the mount answers
+    for good, the breaker closes, nothing stays stuck, and every entry on disk is whole."""
+    root = Path(tempfile.mkdtemp(dir=tmp_path))
+    filled(root, 2)  # (by another tier: this one reads their headers)
+    clock = [0.0]
+    monkeypatch.setattr(disk_module, "_now", lambda: clock[0])
+    hang = Hang(monkeypatch, root, {"read", "write", "meta"})
+    tier = DiskTier(root, 1 << 30, timeout_s=0.05, write_timeout_s=0.05, retry_s=1.0, log=lambda line: None)
+    if hung:
+        hang.arm()
+    try:
+        for action, i in actions:
+            if action == "hang":
+                hang.arm()
+            elif action == "answer":
+                hang.release()
+            elif action == "cool-down":
+                clock[0] += 1.0
+            else:
+                result, took = timed(lambda a=action, i=i: getattr(tier, a)(key(i), *_args(a, i)))
+                assert took < 0.05 + MARGIN_S, f"{action} took {took:.2f} s"
+                if action == "get":
+                    assert result is None or same(result, i)
+                if action == "put":
+                    assert tier.flush(30)  # (the writer gives up within its deadline)
+            tier.check_integrity()
+        hang.release()
+        settled(tier)
+        end = time.monotonic() + 30
+        while not tier.available:  # cool-downs pass, a probe answers (in time, on a loaded machine)
+            assert time.monotonic() < end, "the breaker never closed"
+            clock[0] += 1.0
+            tier.lookup(key(0), descriptor(0))
+            settled(tier)
+            tier.lookup(key(0), descriptor(0))
+        assert tier.report()["stuck_io"] == 0 and not list((root / "tmp").iterdir())
+        for path in (root / "entries").rglob("*.safetensors"):  # whole entries only, each its key's block
+            i = next(i for i in range(4) if path.name == f"{key(i).hex()}.safetensors")
+            assert same(DiskTier(root, 1 << 30).get(key(i), descriptor(i)), i)
+        tier.check_integrity()
+    finally:
+        hang.release()
+        tier.close()
+
+
+def _args(action: str, i: int) -> tuple:
+    return {"lookup": (descriptor(i),), "get": (descriptor(i),), "put": (descriptor(i), tensors(i)), "evict": ()}[
+        action
+    ]
