@@ -348,3 +348,37 @@ def _args(action: str, i: int) -> tuple:
     return {"lookup": (descriptor(i),), "get": (descriptor(i),), "put": (descriptor(i), tensors(i)), "evict": ()}[
         action
     ]
+
+
+def test_the_cut_to_the_limit_waits_for_a_scan_that_answers(tmp_path, hang_factory) -> None:
+    """A tier opened over its limit cuts the directory at its first write, after scanning
+    it again: when that scan gets no answer, the cut waits for the next write (it was
+    marked done, the index stayed over the limit, and check_integrity failed)."""
+    filled(tmp_path, 5)
+    one = stored(DiskTier(tmp_path, 1 << 30), 0).stat().st_size
+    small = DiskTier(tmp_path, 2 * one + 100, write_timeout_s=0.2, log=lambda line: None)  # (sizes differ a little)
+    hang = hang_factory(tmp_path, {"meta", "write"})  # (a scan stats every entry)
+    hang.arm()
+    assert small.put(key(5), descriptor(5), tensors(5)) and small.flush(30)
+    assert small.timeouts == {"scan": 1, "write": 1} and small.available
+    assert small.num_entries == 5 and small.stats.num_evictions == 0
+    small.check_integrity()  # (over the limit: the cut still to come)
+    hang.release()
+    settled(small)
+    assert small.put(key(6), descriptor(6), tensors(6)) and small.flush(30)
+    assert small.num_entries == 2 and small.num_bytes <= 2 * one + 100 and small.stats.num_evictions == 4
+    assert same(small.get(key(6), descriptor(6)), 6)
+    small.check_integrity()
+
+
+def test_idle_workers_exit(tmp_path, monkeypatch) -> None:
+    """A tier no longer used holds no thread (the engine opens one per run; tests, hundreds)."""
+    from kvpool.tiers import deadline
+
+    monkeypatch.setattr(deadline, "_IDLE_S", 0.05)
+    filled(tmp_path, 2)
+    tier = DiskTier(tmp_path, 1 << 30)
+    assert same(tier.get(key(0), descriptor(0)), 0) and same(tier.get(key(1), descriptor(1)), 1)
+    wait_for(lambda: not [t for t in threading.enumerate() if t.name == "kvpool-disk-io"])
+    assert same(tier.get(key(1), descriptor(1)), 1)  # (a new worker for the next call)
+    tier.check_integrity()

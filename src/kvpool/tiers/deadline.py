@@ -7,8 +7,8 @@ a worker thread of its own, and the caller waits for it up to a deadline: past i
 caller goes on without the answer (`NoAnswer`) and the worker is left to finish. What a
 late operation returns is dropped with its job: nobody reads it, so a late answer is never
 installed. A worker whose job is done goes back to a small idle set (no thread started per
-operation in the steady state: one or two threads); one still stuck is not handed more
-work, so a call never queues behind a hung one.
+operation in the steady state: one or two threads, each gone after 10 s without a job); one
+still stuck is not handed more work, so a call never queues behind a hung one.
 
 The functions run here do file I/O only: no lock of the caller's is taken in them (the
 caller may hold its own while it waits, at most one deadline).
@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 _MAX_IDLE = 2  # workers kept for the next calls; more exit when their job ends
+_IDLE_S = 10.0  # a worker with no job for this long exits (a tier no longer used holds none)
 
 
 class NoAnswer(Exception):  # noqa: N818 - not an error of the caller's: the file system's silence
@@ -103,4 +104,11 @@ class DeadlineRunner:
                 if len(self._idle) >= _MAX_IDLE:
                     return
                 self._idle.append(inbox)
-            job = inbox.get()
+            try:
+                job = inbox.get(timeout=_IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if inbox in self._idle:  # (else `start` took it meanwhile: its job is coming)
+                        self._idle.remove(inbox)
+                        return
+                job = inbox.get()

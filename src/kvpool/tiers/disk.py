@@ -468,6 +468,9 @@ class DiskTier(Tier):
         # takes the least recently used entries as the directory holds them now
         before = self.stats.num_evictions
         freed = self._rescan()
+        if freed is None:  # the scan got no answer: the cut waits for the next write
+            self._cut_pending = True
+            return
         evicted = self.stats.num_evictions - before
         if freed:
             self._log(
@@ -477,18 +480,19 @@ class DiskTier(Tier):
                 "cache whole"
             )
 
-    def _rescan(self, evict: bool = True) -> int:
+    def _rescan(self, evict: bool = True) -> int | None:
         """Index the directory's entries as they are now (other processes' writes and
         evictions), least recently modified first, and evict down to the limit unless
         `evict` is False (the open: see _cut_to_limit) (the bytes this process freed are
-        returned). What this process knew of an entry (its descriptor, a checked payload) is
+        returned; None when the scan got no answer within the write deadline, the index
+        left as it was). What this process knew of an entry (its descriptor, a checked payload) is
         kept while the file is the same one."""
         with self._lock:
             known = dict(self._entries)
         try:  # (no lock: lookups go on meanwhile)
             found = self._io("scan", self.write_timeout_s, scan_entries, self.root)
         except NoAnswer:
-            return 0  # (the index as it was: scanned again after the next 1/32 of the limit)
+            return None  # (scanned again after the next 1/32 of the limit)
         entries: OrderedDict[tuple[str, bytes], _Entry] = OrderedDict()
         for path, st in found:
             try:
@@ -619,7 +623,7 @@ class DiskTier(Tier):
             return False
         self._said.add((what, name))
         where = f": {error.filename}" if error.filename else ""
-        if not then and what == "write" and not (self.root / "tmp").is_dir():
+        if not then and what == "write" and self._tmp_gone():
             then = "the cache directory was removed under this process? blocks are not stored there"
         if not then and what == "trim":
             then = "the file stays in quarantine/, removed at a later quarantine once it can be"
@@ -630,6 +634,14 @@ class DiskTier(Tier):
             f"{then}, counted in the report's disk_tier; serving on (said once)"
         )
         return True
+
+    def _tmp_gone(self) -> bool:
+        """Whether tmp/ is gone (the cache directory removed under this process); False
+        when the disk does not answer in time (it may be there)."""
+        try:
+            return not self._io("stat", self.timeout_s, os.path.isdir, self.root / "tmp")
+        except NoAnswer:
+            return False
 
     # ---- deadlines and the breaker ----------------------------------------------------
 
@@ -954,7 +966,7 @@ class DiskTier(Tier):
             self.stats.num_write_errors += 1
             if error.errno in _FULL and self._no_room_until:
                 return  # (said when making room stopped)
-            if self._say("write", error) and not (self.root / "tmp").is_dir():
+            if self._say("write", error) and self._tmp_gone():
                 # the directory removed under us: index what is left (nothing, usually), so
                 # that the report and the lookups stop counting the removed entries
                 self._rescan()
