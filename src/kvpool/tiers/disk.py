@@ -69,9 +69,9 @@ disk's other dirty data too) and a scan of the directory. A read past it is a mi
 "timeout": the engine computes those tokens, nothing wrong is served); a write past it is
 dropped and counted (num_write_errors), and never installed: once its writer gave up, the
 write removes its temp file instead of renaming it in. What an operation returns late is
-dropped with it: nothing is indexed from it. A lookup or get waits at most one deadline (two
-where a bad entry is moved to quarantine/); the engine's thread waits under the tier's lock,
-so the writer's index updates wait with it, one deadline at most. After `breaker_failures`
+dropped with it: nothing is indexed from it. A lookup or get waits for at most one operation
+past its deadline (two where a bad entry is moved to quarantine/: the move, the trim); the
+engine's thread waits under the tier's lock, so the writer's index updates wait with it. After `breaker_failures`
 (3) operations in a row past their deadline (any answer, an error too, starts the count
 again) a breaker opens, said in one line: every lookup and get is a miss ("unavailable") and
 every write is dropped (unavailable_puts), at no cost. Once its cool-down (`retry_s`, 1 s)
