@@ -382,3 +382,43 @@ def test_idle_workers_exit(tmp_path, monkeypatch) -> None:
     wait_for(lambda: not [t for t in threading.enumerate() if t.name == "kvpool-disk-io"])
     assert same(tier.get(key(1), descriptor(1)), 1)  # (a new worker for the next call)
     tier.check_integrity()
+
+
+def test_the_runner_hands_each_caller_its_own_answer_under_concurrent_calls(monkeypatch) -> None:
+    """Four threads calling at once, some operations past their deadline, workers coming and
+    going (a 10 ms idle exit): each call gets its own operation's result or NoAnswer, never
+    another's, and every late one returns."""
+    import random
+
+    from kvpool.tiers import deadline
+
+    monkeypatch.setattr(deadline, "_IDLE_S", 0.01)
+    runner = deadline.DeadlineRunner("test")
+    wrong: list[tuple[int, object]] = []
+    answered: list[int] = []
+    late: list[int] = []
+
+    def op(value: int, sleep_s: float) -> int:
+        time.sleep(sleep_s)
+        return value
+
+    def caller(seed: int) -> None:
+        rng = random.Random(seed)
+        for n in range(150):
+            value, slow = seed * 1000 + n, rng.random() < 0.1
+            try:
+                got = runner.call("op", 0.02, op, value, 0.05 if slow else 0.0)
+            except deadline.NoAnswer:
+                late.append(value)
+                continue
+            answered.append(value)
+            if got != value:
+                wrong.append((value, got))
+
+    threads = [threading.Thread(target=caller, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not wrong and len(answered) + len(late) == 600 and late
+    wait_for(lambda: runner.num_stuck == 0)
