@@ -250,3 +250,22 @@ def test_a_device_or_a_pipe_is_not_reported_as_missing(tmp_path):
             load_gguf(path)
     with pytest.raises(FileNotFoundError, match="GGUF file not found"):
         load_gguf(str(tmp_path / "missing.gguf"))
+
+
+def test_a_gguf_too_large_for_the_machine_is_refused_before_its_weights_are_read(tmp_path, monkeypatch, capsys):
+    """The config.json models were sized against the machine's memory, a GGUF's weights
+    were not: an 8B GGUF in fp32 (32 GB) on a 16 GB machine was dequantized for minutes
+    until the kernel killed the process. Here the machine has 8 KiB available, and the
+    2-layer model needs more."""
+    import kvpool.engine.memory as memory
+    from kvpool.engine.build import load_model
+
+    monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda device: 8 << 10)
+    path = write_gguf(tmp_path / "ok.gguf")
+    with pytest.raises(ValueError) as e:
+        load_model(path, device="cpu")
+    assert str(e.value).startswith(f"GGUF file {path} (2 layers of hidden 16) in float32 needs 0.0 GiB but this")
+    assert str(e.value).endswith("GiB of memory available; a smaller model, or --dtype bf16")
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda device: None)  # (unknown: no check)
+    assert load_model(path, device="cpu").model.config.num_layers == 2

@@ -29,6 +29,7 @@ from kvpool.engine.memory import check_fits, rss_bytes
 from kvpool.kernels import cpu_kernels
 from kvpool.models import weight_cache
 from kvpool.models.gguf import GGUFModel, check_gguf_file, default_gguf_path, file_digest, load_gguf
+from kvpool.models.hf_config import model_bytes
 from kvpool.models.llama import LlamaModel
 from kvpool.models.tiny_dsv4 import TinyDSV4
 from kvpool.models.tiny_hybrid import TinyHybrid
@@ -84,6 +85,16 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, devi
     else:
         gguf_file = load_gguf(path, dtype, digest)
         meta = gguf_file.meta
+        # the weights dequantized, refused in one line before the first tensor is read: an
+        # 8B GGUF in fp32 (32 GB) on a 16 GB machine was read for minutes until the kernel
+        # killed the process
+        name = torch.finfo(dtype).dtype if dtype.is_floating_point else dtype
+        check_fits(
+            model_bytes(meta.config, dtype),
+            device,
+            f"GGUF file {path} ({meta.config.num_layers} layers of hidden {meta.config.hidden_size}) in {name}",
+            "a smaller model" + (", or --dtype bf16" if dtype == torch.float32 else ""),
+        )
         model = LlamaModel.from_tensors(meta.config, gguf_file.tensors(dtype), device, kernels)
         del gguf_file
         source = "gguf"
