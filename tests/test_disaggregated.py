@@ -55,6 +55,51 @@ def test_every_field_that_cannot_be_converted_is_named() -> None:
         check_transfer(dataclasses.replace(base, end=16), base)
 
 
+def test_a_descriptor_header_reads_back_as_sent_and_anything_else_is_refused_naming_it() -> None:
+    """The wire's JSON header (engine/wire.py) holds data only: it reads back into the same
+    descriptor, and a header of another version, not JSON, not an object, with a field
+    missing, unknown, twice or of another type is refused in one line naming it."""
+    from kvpool.engine import wire
+    from kvpool.engine.disaggregated import descriptor_schema
+
+    desc = TransferDescriptor(
+        "smollm2.gguf", "w1", "t1", "c1", "rope", "float32", "float32", "é", 30, 3, 64, (0, 3), 16, 0, 32, "h"
+    )
+    desc = dataclasses.replace(desc, part_heads=(1, 2), part_bytes=12_345)
+    schema = descriptor_schema()
+    assert "part_bytes" not in schema  # it travels in the preamble
+    fields = {name: getattr(desc, name) for name in schema}
+    data = wire.encode_header(fields).numpy().tobytes()
+    pre = wire.Preamble(wire.WIRE_VERSION, len(data), desc.part_bytes)
+    assert TransferDescriptor(**wire.parse_header(pre, data, schema), part_bytes=12_345) == desc
+
+    def refused(text: str | bytes, version: int = wire.WIRE_VERSION) -> str:
+        raw = text.encode() if isinstance(text, str) else text
+        with pytest.raises(wire.HeaderError) as e:
+            wire.parse_header(wire.Preamble(version, len(raw), 0), raw, schema)
+        return str(e.value)
+
+    good = json.loads(data)
+    assert refused(data, version=2) == f"wire version 2, this rank reads version {wire.WIRE_VERSION}"
+    assert refused(b"\x80\x04]q").startswith("not a JSON header (UnicodeDecodeError")  # a pickle's bytes
+    assert refused("{").startswith("not a JSON header (JSONDecodeError")
+    assert refused("[" * 60_000 + "]" * 60_000).startswith("not a JSON header (RecursionError")
+    assert refused("[1, 2]") == "the header is a list, expected an object"
+    assert refused(json.dumps({**good, "code": "os.system"})) == "unknown field 'code'"
+    assert refused(json.dumps({k: v for k, v in good.items() if k != "tenant"})) == "field 'tenant' missing"
+    assert refused(data.decode()[:-1] + ',"end":32}') == "field 'end' given twice"
+    for name, value, message in [
+        ("start", "0", "field 'start' is a string, expected an integer"),
+        ("end", 32.0, "field 'end' is a number, expected an integer"),
+        ("num_layers", True, "field 'num_layers' is a boolean, expected an integer"),
+        ("model_id", None, "field 'model_id' is null, expected a string"),
+        ("dtype", {"a": 1}, "field 'dtype' is an object, expected a string"),
+        ("head_range", [0, 1, 2], "field 'head_range' is [0, 1, 2], expected a list of 2 integers"),
+        ("part_heads", [0, "3"], "field 'part_heads' is [0, \"3\"], expected a list of 2 integers"),
+    ]:
+        assert refused(json.dumps({**good, name: value})) == message
+
+
 @pytest.mark.parametrize(
     "flags, world",
     [
@@ -143,7 +188,7 @@ join_group()
 dis = Disaggregation(engine, [0], [1], landing=engine.runner.host_tier)
 try:
     outcome = "installed %d tokens" % dis.receive(list(range(1000, 1040)))[0]
-except TransferError as e:
+except (TransferError, RuntimeError) as e:  # RuntimeError: the wire out of step
     outcome = str(e)
 engine.runner.check_integrity()
 report = {"outcome": outcome, "landing_entries": engine.runner.host_tier.num_entries}
@@ -159,9 +204,9 @@ import torch.distributed as dist
 from kvpool.engine.disaggregated import TransferDescriptor, send_part, tokens_hash
 
 dist.init_process_group("gloo")
-msg = [None]
-dist.broadcast_object_list(msg, src=1)
-assert msg[0] == (0, 32, 16), msg  # the prompt's first two blocks
+from kvpool.engine.wire import broadcast_ints
+msg = broadcast_ints(None, 3, src=1)
+assert msg == [0, 32, 16], msg  # the prompt's first two blocks
 ids = list(range(1000, 1040))
 desc = TransferDescriptor(
     "other.gguf", "w", "t", "c", "rope", "float32", "float32", "", 30, 4, 64, (0, 4), 16, 0, 32, tokens_hash(ids, 32)
@@ -172,7 +217,7 @@ dist.destroy_process_group()
 """
 
 
-def _decode_against(prefill_script: str) -> dict:
+def _decode_against(prefill_script: str, sender_may_fail: bool = False) -> dict:
     """_DECODE_RANK's report against `prefill_script` as rank 0. (Both ranks are processes of
     their own: a group formed in the test process can hang after another test's failed one.)"""
     port = str(_free_port())
@@ -189,7 +234,7 @@ def _decode_against(prefill_script: str) -> dict:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    assert procs[0].returncode == 0, outs[0][1][-3000:]
+    assert procs[0].returncode == 0 or sender_may_fail, outs[0][1][-3000:]
     assert procs[1].returncode == 0, outs[1][1][-3000:]
     return json.loads(outs[1][0].strip().splitlines()[-1])
 
@@ -214,7 +259,8 @@ def test_the_transfer_time_covers_receiving_k_and_v() -> None:
     slow = _OTHER_PREFILL_RANK.replace(
         "send_part(desc, k, k, (0, 4), dst=1)",
         "import dataclasses, time\n"
-        "dist.send_object_list([dataclasses.replace(desc, part_heads=(0, 4), part_bytes=k.nbytes)], dst=1)\n"
+        "from kvpool.engine.disaggregated import send_descriptor\n"
+        "send_descriptor(dataclasses.replace(desc, part_heads=(0, 4), part_bytes=k.nbytes), dst=1)\n"
         "for part in (k, k):\n"
         "    time.sleep(0.6)\n"
         "    dist.send(part.contiguous(), dst=1)",
@@ -223,6 +269,67 @@ def test_the_transfer_time_covers_receiving_k_and_v() -> None:
     report = _decode_against(slow)
     assert report["outcome"].startswith("transfer rejected: model_id") and report["landing_entries"] == 0
     assert 1.0 <= report["transfer_s"] < 30, report
+
+
+# A prefill rank that sends a pickle where the descriptor goes, as torch's send_object_list
+# does: unpickling it would create MARKER (Path.touch), as it would run any code it names.
+_PICKLING_PREFILL_RANK = """
+import pathlib
+import torch.distributed as dist
+from kvpool.engine.wire import broadcast_ints
+
+class Payload:
+    def __reduce__(self):
+        return pathlib.Path.touch, (pathlib.Path(MARKER),)
+
+dist.init_process_group("gloo")
+broadcast_ints(None, 3, src=1)
+dist.send_object_list([Payload()], dst=1)
+"""
+
+
+def test_a_pickle_sent_as_a_descriptor_runs_nothing(tmp_path) -> None:
+    """P/D descriptors travelled by pickle (send_object_list): the decode rank unpickled what
+    its peer sent, so a peer could run any code there (here: create a file). Now a descriptor
+    is data (engine/wire.py): a pickle is no preamble, refused in one line, and runs nothing."""
+    marker = tmp_path / "unpickled"
+    report = _decode_against(_PICKLING_PREFILL_RANK.replace("MARKER", repr(str(marker))), sender_may_fail=True)
+    assert not marker.exists(), "the decode rank ran the sender's pickle"
+    assert report["outcome"].startswith("rank 0 sent no P/D preamble"), report
+    assert report["outcome"].endswith("the wire is out of step") and report["landing_entries"] == 0
+
+
+# ... and one whose descriptor header has a field of the wrong type, K and V following it
+_BAD_FIELD_PREFILL_RANK = """
+import dataclasses
+import torch
+import torch.distributed as dist
+from kvpool.engine import wire
+from kvpool.engine.disaggregated import TransferDescriptor, tokens_hash
+
+dist.init_process_group("gloo")
+wire.broadcast_ints(None, 3, src=1)
+desc = TransferDescriptor(
+    "x", "w", "t", "c", "rope", "float32", "float32", "", 30, 3, 64, (0, 3), 16, 0, 32, tokens_hash(range(1040), 32)
+)
+fields = {f.name: getattr(desc, f.name) for f in dataclasses.fields(desc) if f.name != "part_bytes"}
+fields.update(part_heads=(0, 3), start="0")
+k = torch.randn(30, 32, 3, 64)
+wire.send_header(fields, k.nbytes, dst=1)
+dist.send(k, dst=1)
+dist.send(k, dst=1)
+dist.destroy_process_group()
+"""
+
+
+def test_a_descriptor_field_of_another_type_is_refused_naming_it() -> None:
+    """A header whose "start" is a string: the part (K and V) still leaves the wire, the
+    transfer is rejected in one line naming the field, and nothing is installed."""
+    report = _decode_against(_BAD_FIELD_PREFILL_RANK)
+    assert report["outcome"] == (
+        "transfer rejected: rank 0's descriptor: field 'start' is a string, expected an integer"
+    ), report
+    assert report["landing_entries"] == 0
 
 
 def test_sides_that_cannot_work_are_refused_naming_the_ranks() -> None:

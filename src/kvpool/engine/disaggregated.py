@@ -15,6 +15,9 @@ exchanges, over point-to-point sends:
      block size, head range and layer and head counts, the token range and its ids' hash,
      the byte order, the wire layout, and the KV heads and bytes this message's K and V
      carry (the receiver sizes its buffers by them, then checks them against its own);
+     as data, never a pickle (engine/wire.py: an int64 preamble with the bytes of K and V,
+     then a JSON header whose field names and types the receiver checks, one line naming
+     a field it refuses);
   2. K and V of the overlapping heads, token-major [layers, tokens, heads, head_dim]:
      independent of either side's block size.
 
@@ -40,13 +43,14 @@ import dataclasses
 import math
 import sys
 import time
+import typing
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
 import xxhash
 
-from kvpool.engine import tier_bridge
+from kvpool.engine import tier_bridge, wire
 from kvpool.engine.engine import Engine
 from kvpool.tiers import HostTier
 
@@ -155,30 +159,47 @@ def check_transfer(got: TransferDescriptor, expected: TransferDescriptor) -> Non
         raise TransferError(f"transfer rejected: {details}")
 
 
+def descriptor_schema() -> wire.Schema:
+    """The descriptor's header fields and their types (part_bytes travels in the preamble)."""
+    hints = typing.get_type_hints(TransferDescriptor)
+    return {f.name: hints[f.name] for f in dataclasses.fields(TransferDescriptor) if f.name != "part_bytes"}
+
+
+def send_descriptor(desc: TransferDescriptor, dst: int) -> None:
+    """`desc` to rank `dst` as the wire's preamble (its part_bytes: what K, and V, will weigh)
+    and JSON header (every other field); never a pickle (engine/wire.py)."""
+    fields = {name: getattr(desc, name) for name in descriptor_schema()}
+    wire.send_header(fields, desc.part_bytes, dst)
+
+
 def send_part(desc: TransferDescriptor, k: torch.Tensor, v: torch.Tensor, part: tuple[int, int], dst: int) -> None:
     """The prefill side: `desc` for the KV heads `part` (global [first, last)), then K and V of
     those heads (k, v: [layers, tokens, heads of part, head_dim], desc.dtype), to rank `dst`."""
     assert k.shape == v.shape and k.shape[2] == part[1] - part[0], (k.shape, v.shape, part)
     k, v = k.contiguous(), v.contiguous()
-    dist.send_object_list([dataclasses.replace(desc, part_heads=part, part_bytes=k.nbytes)], dst=dst)
+    send_descriptor(dataclasses.replace(desc, part_heads=part, part_bytes=k.nbytes), dst)
     dist.send(k, dst=dst)
     dist.send(v, dst=dst)
 
 
 def recv_descriptor(src: int) -> TransferDescriptor:
-    """The decode side: the descriptor `send_part` sent first from rank `src`."""
-    got: list[object] = [None]
-    dist.recv_object_list(got, src=src)
-    desc = got[0]
-    if not isinstance(desc, TransferDescriptor):  # nothing tells how many bytes follow
-        raise RuntimeError(f"rank {src} sent {type(desc).__name__}, not a TransferDescriptor: the wire is out of step")
-    return desc
+    """The decode side: the descriptor `send_part` sent first from rank `src`. A header this
+    rank cannot read (another wire version, not JSON, a field missing, unknown or of another
+    type): K and V are taken off the wire all the same, then TransferError naming the field.
+    RuntimeError for a preamble that is not one (nothing tells how many bytes follow)."""
+    pre, data = wire.recv_header(src)
+    try:
+        fields = wire.parse_header(pre, data, descriptor_schema())
+    except wire.HeaderError as e:
+        recv_kv(pre.payload_bytes, src)  # the part leaves the wire whole, as an accepted one
+        raise TransferError(f"transfer rejected: rank {src}'s descriptor: {e}") from None
+    return TransferDescriptor(**fields, part_bytes=pre.payload_bytes)  # type: ignore[arg-type]
 
 
-def recv_kv(desc: TransferDescriptor, src: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The decode side: K and V that follow `desc` from rank `src`, as the raw bytes it
+def recv_kv(part_bytes: int, src: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode side: K and V that follow a descriptor from rank `src`, as the raw bytes it
     declared (uint8 [part_bytes] each; `unpack_part` checks and shapes them)."""
-    k = torch.empty(desc.part_bytes, dtype=torch.uint8)
+    k = torch.empty(part_bytes, dtype=torch.uint8)
     v = torch.empty_like(k)
     dist.recv(k, src=src)
     dist.recv(v, src=src)
@@ -367,9 +388,10 @@ class Disaggregation:
         descriptors (the tests' crashed prefill worker)."""
         from kvpool.engine.sampling import SamplingParams
 
-        msg = [None]
-        dist.broadcast_object_list(msg, src=self.decode_ranks[0])  # every rank hears the range
-        start, end, decode_bs = msg[0]  # type: ignore[misc]
+        # every rank hears the range (int64 [3] on the wire: start, end, the decode block size)
+        start, end, decode_bs = wire.broadcast_ints(None, 3, src=self.decode_ranks[0])
+        if not 0 <= start <= end or decode_bs < 1:
+            raise RuntimeError(f"the decode leader asked for tokens {start}..{end} in blocks of {decode_bs}")
         if start >= end:
             return
         params = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -394,8 +416,7 @@ class Disaggregation:
 
                 # (the descriptor send_part would send, its bytes declared: the peer then waits on
                 # them, broken off, not on 0 bytes)
-                sent = dataclasses.replace(desc, part_heads=part, part_bytes=k[:, :, lo:hi].nbytes)
-                dist.send_object_list([sent], dst=dst)
+                send_descriptor(dataclasses.replace(desc, part_heads=part, part_bytes=k[:, :, lo:hi].nbytes), dst)
                 os._exit(17)
             send_part(desc, k[:, :, lo:hi], v[:, :, lo:hi], part, dst)
 
@@ -409,9 +430,8 @@ class Disaggregation:
         self.stats.num_requests += 1
         start, end = needed_range(self.engine, self.landing, token_ids, self.tenant)
         bs = self.engine.runner.block_size
-        msg = [(start, end, bs)]
-        dist.broadcast_object_list(msg, src=self.decode_ranks[0])
-        start, end, _ = msg[0]  # the leader's range: every decode rank decided alike (checked per step)
+        # the leader's range: every decode rank decided alike (checked per step)
+        start, end, _ = wire.broadcast_ints([start, end, bs], 3, src=self.decode_ranks[0])
         if start >= end:
             return 0, 0
         mine = self.heads[self.rank]
@@ -424,10 +444,14 @@ class Disaggregation:
                 continue
             # every part is received whole, whatever it holds, before any is judged: the
             # senders' messages all leave their sockets, and nothing is installed half way
-            desc = recv_descriptor(src)
+            try:
+                desc = recv_descriptor(src)
+            except TransferError as e:  # a header it cannot read (its K and V drained)
+                problems.append(str(e))
+                continue
             # (the clock starts before K and V are received: they are what it times)
             began = began or time.perf_counter()
-            k_bytes, v_bytes = recv_kv(desc, src)
+            k_bytes, v_bytes = recv_kv(desc.part_bytes, src)
             # the sender may send less than asked (what its cache held, in whole blocks of ours)
             sent_end = desc.end if start <= desc.end <= end and desc.end % bs == 0 else end
             try:
