@@ -5,6 +5,7 @@ differ; a rank whose peer is killed mid-generation stops with one line naming it
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -529,3 +530,37 @@ def test_verify_ranks_given_different_arguments_stop_in_one_line() -> None:
             f"kvpool verify: error: rank {rank}: context-parallel ranks diverged: rank 1 differs from rank 0 in the "
             "command's arguments; every rank must be started with the same arguments"
         )
+
+
+# Two ranks learn each other's host and pid (gather_peers) with torch's unpickler disabled:
+# all_gather_object unpickled what each peer sent, a pickle that can run any code.
+_PEERS = """
+import json, os, socket
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from kvpool.models.tensor_parallel import gather_peers
+
+def refuse(*args, **kwargs):
+    raise AssertionError("a peer's bytes were unpickled")
+
+c10d._unpickler = refuse
+dist.init_process_group("gloo")
+peers = gather_peers()
+print(json.dumps([[p.rank, p.host, p.pid] for p in peers]))
+dist.destroy_process_group()
+"""
+
+
+def test_ranks_learn_their_peers_without_unpickling_what_they_sent() -> None:
+    port = str(_free_port())
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        env.update(OMP_NUM_THREADS="1")
+        cmd = [sys.executable, "-c", _PEERS]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = _finish(procs, timeout=120)
+    expected = [[rank, socket.gethostname(), p.pid] for rank, p in enumerate(procs)]
+    for code, out, err in results:
+        assert code == 0, err[-3000:]
+        assert json.loads(out) == expected

@@ -74,12 +74,25 @@ class Peer:
     pid: int
 
 
+HOST_BYTES = 255  # the longest host name DNS allows (Linux's own: 64)
+
+
 def gather_peers(group: dist.ProcessGroup | None = None) -> tuple[Peer, ...]:
-    """Every rank's (host, pid), gathered once when the model is sharded (a collective)."""
-    found: list[object] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(found, (socket.gethostname(), os.getpid()), group=group)
-    ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(len(found))]
-    return tuple(Peer(r, h, p) for r, (h, p) in zip(ranks, found, strict=True))  # type: ignore[misc]
+    """Every rank's (host, pid), gathered once when the model is sharded (a collective) as
+    int64 [2 + HOST_BYTES]: pid, the name's length, its UTF-8 bytes. Never all_gather_object:
+    it unpickles what each peer sent, and a pickle runs whatever code it names."""
+    host = socket.gethostname().encode()[:HOST_BYTES]
+    mine = torch.zeros(2 + HOST_BYTES, dtype=torch.int64)
+    mine[0], mine[1] = os.getpid(), len(host)
+    mine[2 : 2 + len(host)] = torch.tensor(list(host), dtype=torch.int64)
+    found = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(found, mine, group=group)
+    peers = []
+    for i, row in enumerate(found):
+        pid, n, *data = row.tolist()
+        name = bytes(b & 0xFF for b in data[: min(max(n, 0), HOST_BYTES)]).decode(errors="replace")
+        peers.append(Peer(dist.get_global_rank(group, i) if group is not None else i, name, pid))
+    return tuple(peers)
 
 
 def _alive(pid: int) -> bool:
