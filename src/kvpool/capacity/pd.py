@@ -3,10 +3,13 @@ deployment, each planned on its own GPUs (`kvpool plan --pd P,D`).
 
 The prefill pool holds prompts (`prompt_len` tokens a request), the decode pool whole
 requests (`context_len`). Each side is one tensor-parallel group over all its GPUs. When a
-prompt is prefilled, its full blocks (every KV head) move to the decode side:
-transfer_bytes_per_request = the whole model's KV bytes of a request of
-(prompt_len // block_size) * block_size tokens: every full-attention layer's entries for
-all of them, a sliding-window layer's for its window, and DeepSeek-V4's state block.
+prompt is prefilled, its full blocks before its last token (every KV head) move to the
+decode side, as kvpool's engine moves them (engine/disaggregated.py needed_range: the
+decode side's admission computes at least the last token, so a prompt of an exact number
+of blocks keeps its last block there): transfer_bytes_per_request = the whole model's KV
+bytes of a request of ((prompt_len - 1) // block_size) * block_size tokens: every
+full-attention layer's entries for all of them, a sliding-window layer's for its window,
+and DeepSeek-V4's state block.
 """
 
 from __future__ import annotations
@@ -68,12 +71,14 @@ def plan_pd(
             "fits": part.fits,
         }
         if side == "prefill":
-            # The prompt's full blocks, every KV head, move to the decode side: what the
+            # The prompt's full blocks before its last token, every KV head, move to the decode side: what the
             # decode side keeps of them, layer group by group (a sliding-window layer its
             # window, not the whole prompt), plus V4's state block (SWA window, compressor
             # tails), without which it cannot go on. Bytes a token x the prompt counted
             # every layer at the whole prompt and no state.
             bs = info["block_size"]
             whole = kv_layout(model, part.layout.kv_dtype, bs, 1, part.layout.indexer_format)
-            out["transfer_bytes_per_request"] = int(whole.kv_bytes_at_context((prompt // bs) * bs))
+            # the blocks before the last token: at an exact multiple, one fewer than prompt // bs
+            moved = (prompt - 1) // bs * bs
+            out["transfer_bytes_per_request"] = int(whole.kv_bytes_at_context(moved))
     return out
