@@ -285,7 +285,13 @@ def entry(argv: list[str] | None = None) -> None:
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     code = main(argv)
     dist = sys.modules.get("torch.distributed")
-    if code == 1 and dist is not None and dist.is_available() and dist.is_initialized():
+    lost = code == 1 and dist is not None and dist.is_available() and dist.is_initialized()
+    # ... and so does a rank that stops otherwise (Ctrl-C, a peer that left while the group
+    # formed: models/tensor_parallel.py join_group): the half-formed group's C++ objects, torn
+    # down by the exit as rank 0's store closed, aborted it ("terminate called without an
+    # active exception", status 134 for 130)
+    rank_stops = code != 0 and dist is not None and "RANK" in os.environ
+    if lost or rank_stops:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -295,20 +295,127 @@ def join_group() -> None:
     # and never answers (MASTER_PORT held by another program: a rank > 0 waited for ever); the
     # rendezvous and then the pairs' connections each take at most `timeout`
     deadline = time.monotonic() + 2 * timeout + 10
-    while thread.is_alive():
-        thread.join(0.05)
-        if time.monotonic() > deadline and thread.is_alive():  # (the thread is left to the exit)
-            raise RankError(
-                f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}: the process group at "
-                f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} did not form within {2 * timeout + 10:g} s, "
-                "and torch did not give up: is MASTER_PORT served by another program than rank 0? start the ranks "
-                f"on a free port ({TIMEOUT_ENV} sets the wait)"
-            )
+    lookout = _Lookout()  # this rank's client of the rendezvous store, to hear who left
+    next_look = time.monotonic() + LOOK_EVERY_S
+    try:
+        while thread.is_alive():
+            thread.join(0.05)
+            if thread.is_alive() and time.monotonic() >= next_look:
+                lookout.look()
+                next_look = time.monotonic() + LOOK_EVERY_S
+            if time.monotonic() > deadline and thread.is_alive():  # (the thread is left to the exit)
+                raise RankError(
+                    f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}: the process group at "
+                    f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} did not form within "
+                    f"{2 * timeout + 10:g} s, and torch did not give up: is MASTER_PORT served by another program "
+                    f"than rank 0? start the ranks on a free port ({TIMEOUT_ENV} sets the wait)"
+                )
+    except KeyboardInterrupt:  # (Ctrl-C, or SIGTERM where the command turns it into one)
+        lookout.say_left("was interrupted")
+        raise
+    finally:
+        lookout.close()
     if failure:
         error = failure[0]
         if isinstance(error, dist.DistError):
             raise _group_error(error, timeout) from error
         raise error
+
+
+# A rank interrupted while the group forms would leave the others waiting out the whole
+# timeout: torch's rendezvous only counts who arrived, and gloo's pairs wait for peers
+# that never connect. So each rank keeps a client of its own on the rendezvous store
+# (rank 0's, or torchrun's; the forming thread's client is busy in its waits), not counted
+# among the ranks; an interrupted rank writes LEFT_KEY there, and the others, looking every
+# LOOK_EVERY_S, stop with one line. A store that closes under a look (rank 0, which serves
+# it by hand, left) is the same news. (A rank killed outright writes nothing: the timeout.)
+LEFT_KEY = "kvpool/left-while-forming"
+LOOK_EVERY_S = 0.5
+
+
+def _store_client() -> dist.Store | None:
+    """A client of the rendezvous store that does not count as a rank; None while none answers
+    (not started yet: this call waits up to a second for it)."""
+    try:
+        return dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            None,
+            False,
+            datetime.timedelta(seconds=1),
+            wait_for_workers=False,
+        )
+    except (dist.DistError, RuntimeError):
+        return None
+
+
+def _store_closed_line(who: str, where: str) -> str:
+    return (
+        f"{who}: the rendezvous store at {where} closed while the process group formed: rank 0, which serves it, "
+        "left; start the ranks again"
+    )
+
+
+class _Lookout:
+    """One rank's watch on the rendezvous store while its group forms (LEFT_KEY above). Its
+    client connects in a thread of its own: torch's client waits for ever on a port whose
+    program accepts and never answers (join_group's deadline must still run)."""
+
+    def __init__(self) -> None:
+        self.store: dist.Store | None = None
+        # torchrun's store outlives a restart of its workers: a key of each attempt
+        self.key = f"{LEFT_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        self.closed = False
+        threading.Thread(target=self._connect, name="kvpool-lookout", daemon=True).start()
+
+    def _connect(self) -> None:
+        # a plain socket first, until something listens: each failed try of torch's client
+        # logs a C++ error and its frames where TORCH_CPP_LOG_LEVEL lets it (a script of the
+        # user's); then one try (a program that accepts and never answers is no store)
+        address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        while not self.closed:
+            try:
+                socket.create_connection(address, timeout=0.5).close()
+            except OSError:
+                time.sleep(0.2)
+                continue
+            store = _store_client()
+            self.store = None if self.closed else store
+            return
+
+    def look(self) -> None:
+        """RankError when another rank left while the group formed (its key, or the store
+        closed under this rank's client)."""
+        store = self.store
+        if store is None:  # not connected yet
+            return
+        who = f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}"
+        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        try:
+            left = store.get(self.key).decode(errors="replace")[:80] if store.check([self.key]) else None
+        except dist.DistError:
+            raise RankError(_store_closed_line(who, where)) from None
+        if left is not None:
+            raise RankError(f"{who}: {left} while the process group formed at {where}; start the ranks again")
+
+    def say_left(self, why: str) -> None:
+        """Tell the other ranks that this one leaves (best effort: a client not connected
+        within a second says nothing)."""
+        give_up = time.monotonic() + 1.0
+        while self.store is None and time.monotonic() < give_up:
+            time.sleep(0.02)
+        try:
+            if self.store is not None:
+                self.store.set(self.key, f"rank {os.environ['RANK']} {why}")
+        except dist.DistError:
+            pass
+
+    def close(self) -> None:
+        # now, not when the traceback that holds this object goes: a client still open as
+        # the interpreter exits, the group's thread in C++, aborted the process ("terminate
+        # called without an active exception", status 134 for 130)
+        self.closed = True
+        self.store = None
 
 
 def _group_error(error: Exception, timeout: float) -> Exception:
@@ -324,6 +431,8 @@ def _group_error(error: Exception, timeout: float) -> Exception:
             f"{who}: {joined[1]} of {joined[2]} ranks joined the process group at {where} within {timeout:g} s "
             f"({TIMEOUT_ENV} sets the wait); start every rank with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE"
         )
+    if "Connection was likely closed" in text:  # rank 0, whose store this rank waited on, left
+        return RankError(_store_closed_line(who, where))
     if "timed out" in text.lower():  # a rank > 0: nobody served the rendezvous
         return RankError(
             f"{who}: rank 0 did not answer at {where} within {timeout:g} s ({TIMEOUT_ENV} sets the wait); "
