@@ -19,9 +19,9 @@ TOKENS = [f"t{i}" for i in range(32)]
 def write_gguf(path, **over) -> str:
     """A 2-layer Llama GGUF (hidden 16, 4 heads, 2 KV heads, vocab 32); `over` replaces
     metadata (heads, kvh, hidden, key_length, ctx, theta, eps, vocab; template, merges,
-    token_types: the tokenizer's) or a tensor's dims (q_rows, embed_rows, tokens); `skip`
-    leaves tensors out; `poison` {tensor: [(index, value), ...]} writes values into a tensor
-    (numpy shape: [out, in]); `dtype` the tensors'."""
+    token_types: the tokenizer's; raw_kv {key: value} any key) or a tensor's dims (q_rows,
+    embed_rows, tokens); `skip` leaves tensors out; `poison` {tensor: [(index, value), ...]}
+    writes values into a tensor (numpy shape: [out, in]); `dtype` the tensors'."""
     o = {"layers": 2, "hidden": 16, "ff": 24, "heads": 4, "kvh": 2, "ctx": 64, "theta": 1e4, "eps": 1e-5, **over}
     head_dim = o.get("key_length") or 4
     tokens = o.get("tokens", TOKENS)
@@ -46,6 +46,8 @@ def write_gguf(path, **over) -> str:
         w.add_token_merges(o["merges"])
     if "token_types" in o:
         w.add_token_types(o["token_types"])
+    for key, value in o.get("raw_kv", {}).items():  # a key written with a value of any type
+        {str: w.add_string, float: w.add_float32, int: w.add_uint32, bool: w.add_bool}[type(value)](key, value)
     hidden, q, kv, ff = o["hidden"], 4 * head_dim, 2 * head_dim, o["ff"]
     shapes = {"token_embd.weight": (o.get("embed_rows", len(tokens)), hidden), "output_norm.weight": (hidden,)}
     for i in range(o["layers"]):

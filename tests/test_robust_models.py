@@ -136,6 +136,14 @@ def test_a_chat_template_that_fails_is_one_line_from_the_cli(tmp_path, capsys, m
         ({"token_types": [1, 1, 3]}, "tokenizer.ggml.token_type has 3 entries for 32 tokens"),
         ({"merges": ["t1 t2", "t3t4"]}, "tokenizer.ggml.merges[1] 't3t4' is not two tokens joined by a space"),
         ({"merges": [" t2"]}, "tokenizer.ggml.merges[0] ' t2' is not two tokens joined by a space"),
+        # bool("false") is True: the string added a BOS token to every prompt
+        (
+            {"raw_kv": {"tokenizer.ggml.add_bos_token": "false"}},
+            "tokenizer.ggml.add_bos_token must be true or false, got 'false'",
+        ),
+        # int() read 1.5 as 1, and "two" in its own words, without the key
+        ({"raw_kv": {"tokenizer.ggml.bos_token_id": 1.5}}, "tokenizer.ggml.bos_token_id must be a token id (an"),
+        ({"raw_kv": {"tokenizer.ggml.eos_token_id": "two"}}, "tokenizer.ggml.eos_token_id must be a token id (an"),
     ],
 )
 def test_tokenizer_metadata_of_the_wrong_shape_is_named_with_the_file(tmp_path, over, message):
@@ -144,7 +152,7 @@ def test_tokenizer_metadata_of_the_wrong_shape_is_named_with_the_file(tmp_path, 
     path = write_gguf(tmp_path / "tok.gguf", **over)
     with pytest.raises(ValueError) as e:
         load_gguf(path)
-    assert str(e.value) == f"GGUF file {path}: GGUF metadata {message}"
+    assert str(e.value).startswith(f"GGUF file {path}: GGUF metadata {message}")
 
 
 def test_a_merge_of_tokens_outside_the_vocabulary_is_one_line_from_the_cli(tmp_path, capsys, monkeypatch):

@@ -301,8 +301,16 @@ def read_tokenizer(reader: Any) -> TokenizerData:
         value = _field(reader, key)
         return tuple(int(x) for x in value) if value is not None else ()
 
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    def token_id(key: str) -> int | None:  # (a string id was int()'s words without the key; 1.5 was read as 1)
+        value = _field(reader, key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
+            raise ValueError(f"GGUF metadata {key} must be a token id (an integer), got {value!r}")
+        return None if value is None else int(value)
+
+    bos, eos = token_id("tokenizer.ggml.bos_token_id"), token_id("tokenizer.ggml.eos_token_id")
+    add_bos = _field(reader, "tokenizer.ggml.add_bos_token", False)
+    if not isinstance(add_bos, (bool, np.bool_)):  # bool("false") is True: a string added a BOS
+        raise ValueError(f"GGUF metadata tokenizer.ggml.add_bos_token must be true or false, got {add_bos!r}")
     tokens = tuple(_require(reader, "tokenizer.ggml.tokens"))
     merges = tuple(_field(reader, "tokenizer.ggml.merges", ()))
     token_types = ints("tokenizer.ggml.token_type")
@@ -325,9 +333,9 @@ def read_tokenizer(reader: Any) -> TokenizerData:
         tokens=tokens,
         merges=merges,
         token_types=token_types,
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_id=None if eos is None else int(eos),
-        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        bos_token_id=bos,
+        eos_token_id=eos,
+        add_bos_token=bool(add_bos),
         chat_template=_field(reader, "tokenizer.chat_template"),
     )
 
