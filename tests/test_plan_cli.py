@@ -428,3 +428,21 @@ def test_lengths_are_checked_up_front_without_building_the_planners_sample(
     argv = ["--model", "llama-3.1-8b", "--context", "8192", "--concurrency", "8", "--lengths", "lognormal:2000:1"]
     assert _json(capsys, *argv)["fragmentation"]["num_seqs"] == 8
     assert built == [8]  # the plan's own draw, alone
+
+
+def test_lengths_past_the_context_are_refused_not_measured(capsys: pytest.CaptureFixture[str]) -> None:
+    # `--lengths fixed:100000` at --context 4096 printed "measured 0 slots" for requests an
+    # engine refuses; a lognormal's tail past the context alike (4 of its 124 draws here)
+    base = ["plan", "--model", "llama-3.1-8b", "--gpu", "h100", "--context", "4096"]
+    for lengths, past, drawn, longest in (
+        ("fixed:100000", 124, 124, "100,000"),
+        ("lognormal:500:1.2", 4, 124, "5,527"),
+    ):
+        assert main([*base, "--lengths", lengths]) == 2
+        assert capsys.readouterr().err == (
+            f"kvpool plan: error: length distribution (--lengths) {lengths} draws requests past the context of "
+            f"4,096 tokens ({past} of the {drawn} drawn, the longest {longest}); draw lengths within it\n"
+        )
+    for lengths in ("uniform:1:4096", "fixed:4096"):  # exactly the context: measured
+        report = _json(capsys, "--model", "llama-3.1-8b", "--gpu", "h100", "--context", "4096", "--lengths", lengths)
+        assert report["fragmentation"]["num_seqs"] == 124

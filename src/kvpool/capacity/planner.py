@@ -253,7 +253,17 @@ def plan(
 
     num_sampled = min(concurrency or max(per_replica * replicas, 1), MAX_SAMPLED_SEQS)
     dist = length_distribution or f"uniform:1:{ctx}"
-    frag = measure_fragmentation(sample_lengths(dist, num_sampled, seed), layout.block_size)
+    lengths = sample_lengths(dist, num_sampled, seed)
+    longest = max(lengths, default=0)
+    if longest > ctx:
+        # (a request past the context is one an engine refuses: its tail measured nothing real;
+        # `fixed:100000` at --max-model-len 4096 printed its 0 slots as the measured waste)
+        past = sum(n > ctx for n in lengths)
+        raise ValueError(
+            f"length distribution (--lengths) {dist} draws requests past the context of {ctx:,} tokens "
+            f"({past:,} of the {len(lengths):,} drawn, the longest {longest:,}); draw lengths within it"
+        )
+    frag = measure_fragmentation(lengths, layout.block_size)
     # A token slot's bytes in the groups that page token by token (V4's tail lives in state).
     bytes_per_slot = sum(g.bytes_per_token for g in layout.groups if not g.complete_blocks_only)
 

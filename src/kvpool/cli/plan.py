@@ -129,7 +129,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--lengths",
         default=None,
         help="length distribution for measured fragmentation: uniform:LO:HI, "
-        "lognormal:MEDIAN:SIGMA or fixed:N (default: uniform:1:CONTEXT)",
+        "lognormal:MEDIAN:SIGMA or fixed:N, every draw within the context (default: uniform:1:CONTEXT)",
     )
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the sampled lengths")
     parser.add_argument(
