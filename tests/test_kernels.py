@@ -306,7 +306,7 @@ def test_one_openmp_runtime_in_the_process(kernels):
 @settings(max_examples=60, deadline=None)
 @given(
     kvh=st.integers(1, 3),
-    group=st.integers(1, 4),
+    group=st.sampled_from([1, 2, 3, 4, 8]),  # GQA 8: Llama-3-70B, Mistral-Large
     d=st.sampled_from([5, 8, 16, 33, 40, 64, 80, 128]),
     bs=st.sampled_from([1, 3, 8, 16, 32, 48]),
     lens=st.lists(st.integers(1, 70), min_size=1, max_size=4),
@@ -350,3 +350,70 @@ def test_native_decode_attention_matches_sdpa_for_any_shape(kernels, kvh, group,
     untouched = torch.ones(len(q), dtype=torch.bool)
     untouched[rows] = False
     assert (out[untouched] == 7.0).all()  # rows that hold no decode query are not written
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    kvh=st.integers(1, 2),
+    group=st.sampled_from([1, 4, 8]),
+    d=st.sampled_from([4, 6, 33, 64]),
+    bs=st.sampled_from([1, 3, 16]),
+    kind=st.sampled_from([torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]),
+    per_slot=st.booleans(),
+    lens=st.lists(st.tuples(st.integers(1, 50), st.booleans()), min_size=1, max_size=3),
+    seed=st.integers(0, 2**16),
+)
+def test_q8_decode_attention_matches_fp64_on_the_decoded_values_for_any_shape(
+    kernels, kvh, group, d, bs, kind, per_slot, lens, seed
+):
+    """kv_decode_attention_q8 over scattered 8-bit blocks, scales per slot or per block, and
+    a last block read from its fp32 tail slot where the sequence has one: the result is the
+    attention of the values the codes and scales stand for (torch's own casts, exact in
+    fp32) within the fp32 bound of the fp32 kernel's test (GQA groups up to 8, block sizes
+    off the 16-slot strip, lengths off the block boundary)."""
+    gen = torch.Generator().manual_seed(seed)
+    h = kvh * group
+    need = [-(-n // bs) for n, _ in lens]
+    num_blocks = sum(need) + 2
+    ids = torch.randperm(num_blocks, generator=gen)[: sum(need)].tolist()
+    indptr = [0]
+    for n in need:
+        indptr.append(indptr[-1] + n)
+    k_codes = (torch.randn(num_blocks, kvh, d, bs, generator=gen) * 40).clamp(-127, 127)
+    v_codes = (torch.randn(num_blocks, kvh, bs, d, generator=gen) * 40).clamp(-127, 127)
+    k_codes = k_codes.round().to(kind) if kind == torch.int8 else (k_codes / 8).to(kind)
+    v_codes = v_codes.round().to(kind) if kind == torch.int8 else (v_codes / 8).to(kind)
+    spb = bs if per_slot else 1
+    k_scales = torch.rand(num_blocks, kvh, spb, generator=gen) * 0.05 + 0.01
+    v_scales = torch.rand(num_blocks, kvh, spb, generator=gen) * 0.05 + 0.01
+    num_tails = sum(tail for _, tail in lens)
+    tail_k = torch.randn(num_tails, kvh, d, bs, generator=gen)
+    tail_v = torch.randn(num_tails, kvh, bs, d, generator=gen)
+    tails, t = [], 0
+    for _, tail in lens:
+        tails.append(t if tail else -1)
+        t += tail
+    q = torch.randn(len(lens), h, d, generator=gen)
+    out = torch.full_like(q, 7.0)
+    ctx = [n for n, _ in lens]
+    scale = d**-0.5
+    kernels.decode_attention_q8(
+        q, torch.arange(len(lens)), torch.tensor(indptr), torch.tensor(ids), torch.tensor(ctx),
+        k_codes, v_codes, k_scales, v_scales, torch.tensor(tails), tail_k, tail_v, scale, out,
+    )  # fmt: skip
+    # the values the codes stand for: K^T [num_blocks, kvh, d, bs] scaled per slot (last dim),
+    # V [num_blocks, kvh, bs, d] per slot (third dim); one scale a block broadcasts
+    k_values = k_codes.float() * k_scales[:, :, None, :]
+    v_values = v_codes.float() * v_scales[:, :, :, None]
+    for i, n in enumerate(ctx):
+        table = ids[indptr[i] : indptr[i + 1]]
+        kb, vb = k_values[table].clone(), v_values[table].clone()
+        if tails[i] >= 0:
+            kb[-1], vb[-1] = tail_k[tails[i]], tail_v[tails[i]]
+        k = kb.permute(1, 0, 3, 2).reshape(kvh, -1, d)[:, :n].repeat_interleave(group, 0)
+        v = vb.transpose(0, 1).reshape(kvh, -1, d)[:, :n].repeat_interleave(group, 0)
+        qi = q[i][:, None]
+        exact = F.scaled_dot_product_attention(qi.double(), k.double(), v.double(), scale=scale)[:, 0]
+        sdpa_err = (F.scaled_dot_product_attention(qi, k, v, scale=scale)[:, 0].double() - exact).abs().max()
+        tol = 4 * sdpa_err + 16 * U * v.abs().max()  # as the fp32 kernel's test, which says why
+        assert (out[i].double() - exact).abs().max() <= tol
