@@ -536,12 +536,15 @@ def _extend_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)  # key positions
         t_ok = t < hi
-        # Unquantized pages load by whole blocks (b_ok is constant over a block's slots): with
+        # Unquantized K^T loads by whole blocks (b_ok is constant over a block's slots): with
         # a mask per key the compiler loads K^T's rows of slots one element per instruction,
         # with this one as 16-byte vectors (sm_90 PTX, Triton 3.9). The slots read past `hi`
-        # in a block hold finite values (the pools start zeroed; stale ones later); their
-        # scores become -inf below. 8-bit codes keep the mask per key: masked by blocks, the
-        # compiler asks cp.async for 1-byte transfers and fails (Triton 3.9, sm_90).
+        # in a block hold whatever was written there last, maybe inf or NaN (a freed block's
+        # stale keys): their scores become -inf below, whatever they were. V is masked per
+        # key (its rows of head_dim are vectors whatever the mask): a stale inf or NaN value
+        # times its weight 0 would be NaN in p @ V. 8-bit codes keep the mask per key:
+        # masked by blocks, the compiler asks cp.async for 1-byte transfers and fails
+        # (Triton 3.9, sm_90).
         b_ok = t_ok if QUANT else (t // PAGE) * PAGE < hi
         entry = kv0 + t // PAGE  # each key's entry in the block table
         blk = tl.load(KvIndices + entry, mask=b_ok, other=0).to(tl.int64)
@@ -549,7 +552,7 @@ def _extend_kernel(
         k_at = blk[None, :] * s_kb + kvh * s_kh + dims[:, None] * s_kd + slot[None, :] * s_ks  # [BLOCK_D, BLOCK_N]
         v_at = blk[:, None] * s_vb + kvh * s_vh + slot[:, None] * s_vs + dims[None, :] * s_vd  # [BLOCK_N, BLOCK_D]
         k_mask = dim_ok[:, None] & b_ok[None, :]
-        v_mask = b_ok[:, None] & dim_ok[None, :]
+        v_mask = t_ok[:, None] & dim_ok[None, :]
         if QUANT:
             tail = tl.load(KvTails + entry, mask=b_ok, other=-1).to(tl.int64)
             coded = tail < 0
