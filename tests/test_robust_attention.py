@@ -127,3 +127,70 @@ def test_stale_non_finite_slots_past_the_end_change_nothing(value, num_splits) -
     ref = torch.cat(_reference(qs, k_cache, v_cache, tables, lens, d**-0.5, torch.float64))
     assert (clean - ref).abs().max() < 1e-12
     assert (outs[0][0][last_rows.long()] - ref[last_rows.long()]).abs().max() < 1e-12
+
+
+def _stale_step(storage, value):
+    """A step over a pool whose blocks an earlier owner filled with `value` (every slot,
+    through the storage's own write) and freed: a prefill from 0 (5 tokens in block 3), a
+    chunk over a 31-token prefix (40 tokens, blocks 7, 1, 6), a decode (23 tokens, blocks 0,
+    4). -> the step's metadata and its q, k, v [N, heads, D] fp64."""
+    from kvpool.attention.backends.paged_step import PagedStepMetadata
+
+    bs, kvh, d = storage.block_size, storage.num_kv_heads, storage.head_dim
+    lens, q_lens, tables = [5, 40, 23], [5, 9, 1], [[3], [7, 1, 6], [0, 4]]
+    g = torch.Generator().manual_seed(4)
+    if value is not None:  # the earlier owner's whole blocks
+        slots = torch.tensor([b * bs + s for t in tables for b in t for s in range(bs)])
+        stale = torch.full((len(slots), kvh, d), value, dtype=torch.float64).to(storage.k.dtype)
+        storage.write(0, storage.write_index(slots), stale, stale)
+    for table, n, q_len in zip(tables, lens, q_lens, strict=True):  # the prefixes, written earlier
+        if n > q_len:
+            slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(n - q_len)])
+            k, v = (torch.randn(n - q_len, kvh, d, generator=g, dtype=torch.float64) for _ in range(2))
+            storage.write(0, storage.write_index(slots), k.to(storage.k.dtype), v.to(storage.k.dtype))
+    slots = [t[p // bs] * bs + p % bs for t, n, ql in zip(tables, lens, q_lens, strict=True) for p in range(n - ql, n)]
+    indptr, indices = _csr(tables)
+    meta = PagedStepMetadata(q_lens, lens, slots, indptr, indices)
+    n = sum(q_lens)
+    q = torch.randn(n, 4 * kvh, d, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(n, kvh, d, generator=g, dtype=torch.float64) for _ in range(2))
+    return meta, q, k, v
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+@pytest.mark.parametrize("path", ["bags", "padded", "native", "dequant-bags", "dequant-padded", "q8-native"])
+def test_the_torch_and_c_paths_weigh_nothing_past_a_sequences_end(path, value, request) -> None:
+    """The CPU backends on the step of `_stale_step`: the same output over blocks an earlier
+    owner filled with inf or NaN as over fresh (zeroed) ones. The bags and padded decodes
+    read whole blocks and masked the slots past a length by adding -inf to their scores (inf
+    + -inf = NaN) and weighing their values by 0 (0 * inf = NaN): the decode row came out
+    NaN. (The quantized pool's partly written block is read from its tail, which the
+    earlier owner's codes never reach: held before the fix too.)"""
+    from kvpool.attention.backends.native import NativeBackend
+    from kvpool.attention.backends.quant import DequantBackend, QuantNativeBackend
+    from kvpool.attention.backends.torch_paged import TorchPagedBackend
+    from kvpool.spec.kv_formats import kv_schema
+    from kvpool.storage.kv import PagedKVStorage, QuantizedKVStorage
+
+    kernels = request.getfixturevalue("kernels") if "native" in path else None
+    dtype = torch.float32 if "native" in path else torch.float64  # (the C kernels' pools are fp32)
+    outs = []
+    for value_ in (None, value):
+        if path.startswith(("dequant", "q8")):
+            storage = QuantizedKVStorage(1, 8, 16, 2, 32, kv_schema("fp8_e4m3"), dtype, "cpu")
+        else:
+            storage = PagedKVStorage(1, 8, 16, 2, 32, dtype, "cpu", kernels if path == "native" else None)
+        meta, q, k, v = _stale_step(storage, value_)
+        if path == "native":
+            backend = NativeBackend(storage, 8, kernels, dtype)
+        elif path == "q8-native":
+            backend = QuantNativeBackend(storage, 8, kernels, dtype)
+        elif path.startswith("dequant"):
+            backend = DequantBackend(storage, 8, None, dtype, decode_path=path.split("-")[1])
+        else:
+            backend = TorchPagedBackend(storage, 8, None, dtype, decode_path=path)
+        outs.append(backend.begin_step(meta).attend(0, q.to(dtype), k.to(dtype), v.to(dtype)).clone())
+    assert torch.isfinite(outs[0]).all()
+    bad = (~torch.isfinite(outs[1])).any(-1).any(-1).nonzero().flatten().tolist()
+    assert not bad, f"rows {bad} read an earlier owner's {value} past their sequence's end"
+    assert torch.equal(outs[0], outs[1])

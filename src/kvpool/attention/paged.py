@@ -70,9 +70,9 @@ class BagPlan:
     k_offsets: torch.Tensor  # [B * H * nb + 1] int32/64: bag (b, h, j) is empty for j >= nb_b (padding)
     q_rows: torch.Tensor | None  # [B * H * sum(nb_b)] int64: row of q.view(B * H, D) weighting each
     # real bag; None when no sequence is padded (every row then weights nb bags in a row)
-    v_rows: torch.Tensor  # [B * H * sum(nb_b) * bs] int32/64: rows of v_cache.view(-1, D)
-    v_offsets: torch.Tensor  # [B * H + 1] int32/64: bag (b, h) holds the slots of b's blocks
-    p_index: torch.Tensor | None  # [len(v_rows)] int64 into probs.view(-1); None when no padding
+    v_rows: torch.Tensor  # [B * H * sum(len_b)] int32/64: rows of v_cache.view(-1, D), b's readable slots
+    v_offsets: torch.Tensor  # [B * H + 1] int32/64: bag (b, h) holds the slots [0, len_b) of b's blocks
+    p_index: torch.Tensor | None  # [len(v_rows)] int64 into probs.view(-1); None when no slot is padding
 
 
 @dataclass
@@ -173,7 +173,7 @@ def plan_step(
         bias.masked_fill_((torch.arange(nb * block_size)[None, :] >= lens[:, None]).view(b, 1, 1, -1), float("-inf"))
         bags = padded = None
         if decode_path == "bags":
-            bags = _plan_bags(tables, nb, block_size, num_heads, num_kv_heads, head_dim, device)
+            bags = _plan_bags(tables, lens, nb, block_size, num_heads, num_kv_heads, head_dim, device)
         else:
             ids = [t[j] if j < len(t) else t[0] for t in tables for j in range(nb)]
             padded = PaddedPlan(torch.tensor(ids, dtype=torch.long, device=device))
@@ -197,6 +197,7 @@ def plan_prefill(row: int, q_len: int, ctx_len: int, blocks: Sequence[int], devi
 
 def _plan_bags(
     tables: list[Sequence[int]],
+    lens: torch.Tensor,
     nb: int,
     block_size: int,
     num_heads: int,
@@ -204,7 +205,10 @@ def _plan_bags(
     head_dim: int,
     device: torch.device,
 ) -> BagPlan:
-    """Row indices of every bag, built with tensor ops (a 4k-context batch has ~10^6 rows)."""
+    """Row indices of every bag, built with tensor ops (a 4k-context batch has ~10^6 rows).
+    lens [B] int64: each sequence's context. The V bags hold its slots [0, len_b) only: a
+    slot past the end of a last block holds whatever its block's last owner wrote there (inf
+    or NaN too), and its weight 0 times an inf is NaN in the sum."""
     b, h, kvh, d, bs = len(tables), num_heads, num_kv_heads, head_dim, block_size
     g = h // kvh
     counts = torch.tensor([len(t) for t in tables], dtype=torch.long)  # nb_b
@@ -218,12 +222,13 @@ def _plan_bags(
     k_rows = (base * d)[:, None] + torch.arange(d)  # K^T rows [block, kvh, 0..D)
     k_offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(real.reshape(-1).long() * d, 0)])
     q_rows = seq * h + head if int(counts.min()) < nb else None
-    v_rows = (base * bs)[:, None] + torch.arange(bs)  # V rows [block, kvh, 0..bs)
-    v_offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum((counts * bs).repeat_interleave(h), 0)])
+    readable = (j * bs)[:, None] + torch.arange(bs) < lens[seq][:, None]  # [real bags, bs]: slot < len_b
+    v_rows = ((base * bs)[:, None] + torch.arange(bs))[readable]  # V rows [block, kvh, slot], readable ones
+    v_offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lens.repeat_interleave(h), 0)])
     p_index = None
-    if int(counts.min()) < nb:
-        # probs [B, H, nb * bs] in (b, h, j, slot) order: keep the slots of real blocks only
-        p_index = ((((seq * h + head) * nb + j) * bs)[:, None] + torch.arange(bs)).reshape(-1).to(device)
+    if int(lens.min()) < nb * bs:
+        # probs [B, H, nb * bs] in (b, h, j, slot) order: keep the readable slots only
+        p_index = ((((seq * h + head) * nb + j) * bs)[:, None] + torch.arange(bs))[readable].to(device)
     # largest row id or offset: rows of the pool's blocks up to the highest id read, bag sizes
     bound = max((int(table.max()) + 1) * kvh * max(d, bs), b * h * nb * max(d, bs))
     idx = torch.int32 if bound < 2**31 else torch.long
@@ -269,8 +274,10 @@ def decode_attention_bags(
     # a layer, every step); arguments: scale_grad_by_freq, mode 0 = sum, sparse,
     # per_sample_weights, include_last_offset. The plan built the indices, so they are valid.
     scores = torch.embedding_bag(k_cache.view(-1, bs), bags.k_rows, bags.k_offsets, False, 0, False, weights, True)[0]
-    # scores [B * H * nb, bs]; pad bags are zeros, masked by the bias
-    scores = scores.view(b, h, nb * bs) + plan.bias.view(b, 1, -1)
+    # scores [B * H * nb, bs]; pad bags are zeros, slots past a length whatever their stale
+    # keys make (inf, NaN: an added -inf would leave a NaN), both replaced by the bias's -inf
+    bias = plan.bias.view(b, 1, -1)
+    scores = scores.view(b, h, nb * bs).masked_fill(bias != 0, float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(-1)  # [B * H * nb * bs]
     if bags.p_index is not None:
         probs = probs.index_select(0, bags.p_index)
@@ -296,6 +303,10 @@ def decode_attention_padded(
         .reshape(b, kvh, nb * bs, d)
     )
     v = v_cache.index_select(0, padded.block_ids).view(b, nb, kvh, bs, d).transpose(1, 2).reshape(b, kvh, nb * bs, d)
+    # the copies' slots past each length (padding, or stale keys and values of a last block:
+    # inf or NaN too, which the mask's -inf would not cancel) zeroed
+    past = (plan.bias != 0).view(b, 1, nb * bs, 1)
+    k, v = k.masked_fill_(past, 0.0), v.masked_fill_(past, 0.0)
     out = F.scaled_dot_product_attention(q.view(b, kvh, h // kvh, d), k, v, attn_mask=plan.bias, scale=scale)
     return out.view(b, h, d)
 
