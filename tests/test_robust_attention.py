@@ -20,6 +20,8 @@ import importlib.util
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed (bash setup.sh test installs it)", allow_module_level=True)
@@ -158,10 +160,24 @@ def _stale_step(storage, value):
 
 
 @pytest.mark.parametrize("value", [float("inf"), float("nan")])
-@pytest.mark.parametrize("path", ["bags", "padded", "native", "dequant-bags", "dequant-padded", "q8-native"])
-def test_the_torch_and_c_paths_weigh_nothing_past_a_sequences_end(path, value, request) -> None:
-    """The CPU backends on the step of `_stale_step`: the same output over blocks an earlier
-    owner filled with inf or NaN as over fresh (zeroed) ones. The bags and padded decodes
+@pytest.mark.parametrize(
+    "path",
+    [
+        "bags",
+        "padded",
+        "native",
+        "dequant-bags",
+        "dequant-padded",
+        "q8-native",
+        "triton",
+        "triton-q8",
+        "triton-q8-token",
+    ],
+)
+def test_every_paged_backend_weighs_nothing_past_a_sequences_end(path, value, request) -> None:
+    """The paged backends (the CPU's, and the Triton ones interpreted) on the step of
+    `_stale_step`: the same output over blocks an earlier owner filled with inf or NaN as
+    over fresh (zeroed) ones. The bags and padded decodes
     read whole blocks and masked the slots past a length by adding -inf to their scores (inf
     + -inf = NaN) and weighing their values by 0 (0 * inf = NaN): the decode row came out
     NaN. (The quantized pool's partly written block is read from its tail, which the
@@ -169,6 +185,8 @@ def test_the_torch_and_c_paths_weigh_nothing_past_a_sequences_end(path, value, r
     from kvpool.attention.backends.native import NativeBackend
     from kvpool.attention.backends.quant import DequantBackend, QuantNativeBackend
     from kvpool.attention.backends.torch_paged import TorchPagedBackend
+    from kvpool.attention.backends.triton_paged import TritonPagedBackend
+    from kvpool.attention.backends.triton_quant import TritonQuantBackend
     from kvpool.spec.kv_formats import kv_schema
     from kvpool.storage.kv import PagedKVStorage, QuantizedKVStorage
 
@@ -176,8 +194,9 @@ def test_the_torch_and_c_paths_weigh_nothing_past_a_sequences_end(path, value, r
     dtype = torch.float32 if "native" in path else torch.float64  # (the C kernels' pools are fp32)
     outs = []
     for value_ in (None, value):
-        if path.startswith(("dequant", "q8")):
-            storage = QuantizedKVStorage(1, 8, 16, 2, 32, kv_schema("fp8_e4m3"), dtype, "cpu")
+        if path.startswith(("dequant", "q8", "triton-q8")):
+            fmt = "fp8_e4m3_token" if path.endswith("token") else "fp8_e4m3"
+            storage = QuantizedKVStorage(1, 8, 16, 2, 32, kv_schema(fmt), dtype, "cpu")
         else:
             storage = PagedKVStorage(1, 8, 16, 2, 32, dtype, "cpu", kernels if path == "native" else None)
         meta, q, k, v = _stale_step(storage, value_)
@@ -185,6 +204,10 @@ def test_the_torch_and_c_paths_weigh_nothing_past_a_sequences_end(path, value, r
             backend = NativeBackend(storage, 8, kernels, dtype)
         elif path == "q8-native":
             backend = QuantNativeBackend(storage, 8, kernels, dtype)
+        elif path == "triton":
+            backend = TritonPagedBackend(storage, 8, None, dtype, num_splits=2)
+        elif path.startswith("triton-q8"):
+            backend = TritonQuantBackend(storage, 8, None, dtype, num_splits=2)
         elif path.startswith("dequant"):
             backend = DequantBackend(storage, 8, None, dtype, decode_path=path.split("-")[1])
         else:
@@ -194,3 +217,266 @@ def test_the_torch_and_c_paths_weigh_nothing_past_a_sequences_end(path, value, r
     bad = (~torch.isfinite(outs[1])).any(-1).any(-1).nonzero().flatten().tolist()
     assert not bad, f"rows {bad} read an earlier owner's {value} past their sequence's end"
     assert torch.equal(outs[0], outs[1])
+
+
+def _tolerance(out, ref64, ref32, v_max) -> float:
+    """fp64: 1e-12; fp32: 4x the fp32 reference's own error against fp64 + 16 ulps of max|v|."""
+    if out.dtype == torch.float64:
+        return 1e-12
+    return 4 * (ref32 - ref64).abs().max().item() + 16 * 2.0**-24 * v_max
+
+
+@st.composite
+def _decode_case(draw):
+    """Sequences over a small pool whose block ids repeat within and across tables (a
+    kernel reads, so any table is legal), lengths at the block's edges (1, bs, bs + 1) or
+    anywhere, more splits than the shortest sequence has tokens."""
+    bs = draw(st.sampled_from([1, 3, 16, 32, 64]))
+    kvh = draw(st.sampled_from([1, 2]))
+    g = draw(st.sampled_from([1, 3, 4, 8]))
+    d = draw(st.sampled_from([64, 128, 40]))
+    num_blocks = draw(st.integers(1, 6))
+    edge = st.sampled_from([1, bs, bs + 1])
+    lens = draw(st.lists(st.one_of(edge, st.integers(1, 3 * bs + 2)), min_size=1, max_size=3))
+    tables = [draw(st.lists(st.integers(0, num_blocks - 1), min_size=-(-n // bs), max_size=-(-n // bs))) for n in lens]
+    splits = draw(st.sampled_from([1, 2, 3, 8, 64]))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    seed = draw(st.integers(0, 2**16))
+    return bs, kvh, g, d, num_blocks, lens, tables, splits, dtype, seed
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(case=_decode_case())
+def test_paged_decode_csr_and_dense_equal_a_plain_softmax(case) -> None:
+    """Both table forms of the decode kernel against the token-by-token reference, the
+    query rows scattered among rows the kernel must not write, the dense table's rows
+    holding junk entries past each sequence's blocks (never read)."""
+    bs, kvh, g, d, num_blocks, lens, tables, splits, dtype, seed = case
+    gen = torch.Generator().manual_seed(seed)
+    h, b = kvh * g, len(lens)
+    k_cache = torch.randn(num_blocks, kvh, d, bs, generator=gen, dtype=torch.float64)
+    v_cache = torch.randn(num_blocks, kvh, bs, d, generator=gen, dtype=torch.float64)
+    q = torch.randn(b, h, d, generator=gen, dtype=torch.float64)
+    scale = d**-0.5
+    ref64 = torch.cat(_reference(list(q[:, None]), k_cache, v_cache, tables, lens, scale, torch.float64))
+    ref32 = torch.cat(_reference(list(q[:, None]), k_cache, v_cache, tables, lens, scale, torch.float32)).double()
+    tol = _tolerance(q.to(dtype), ref64, ref32, v_cache.abs().max().item())
+    rows = torch.tensor([2 * i + 1 for i in range(b)], dtype=I32)
+    q_step = torch.zeros(2 * b + 1, h, d, dtype=dtype)
+    q_step[rows.long()] = q.to(dtype)
+    kc, vc = k_cache.to(dtype), v_cache.to(dtype)
+    indptr, indices = _csr(tables)
+    last_len = [n - (len(t) - 1) * bs for t, n in zip(tables, lens, strict=True)]
+    width = max(map(len, tables)) + 2
+    dense_tables = torch.tensor([t + [num_blocks + 99] * (width - len(t)) for t in reversed(tables)], dtype=I32)
+    seq_rows = torch.tensor(list(reversed(range(b))), dtype=I32)  # sequence i's row: b - 1 - i
+    for form in ("csr", "dense"):
+        out = torch.full_like(q_step, 7.0)
+        if form == "csr":
+            ptr, idx, last = (torch.tensor(x, dtype=I32) for x in (indptr, indices, last_len))
+            triton_decode.paged_decode(q_step, rows, ptr, idx, last, kc, vc, scale, out, splits)
+        else:
+            ctx = torch.tensor(lens, dtype=I32)
+            triton_decode.paged_decode_dense(q_step, rows, seq_rows, dense_tables, ctx, kc, vc, scale, out, splits)
+        assert (out[0::2] == 7.0).all(), f"{form}: a row that is not a decode was written"
+        err = (out[rows.long()].double() - ref64).abs().max().item()
+        assert err <= tol, (form, err, tol)
+
+
+@st.composite
+def _extend_case(draw):
+    """A step of prefills, chunks over a prefix and decodes over a small pool whose block ids
+    repeat (sequences sharing a prefix's blocks: a fork, a prefix hit), at block sizes 1,
+    odd and powers of two, heads and head dims that are not powers of two."""
+    bs = draw(st.sampled_from([1, 3, 16, 64]))
+    kvh = draw(st.sampled_from([1, 2]))
+    g = draw(st.sampled_from([1, 3, 4, 8]))
+    d = draw(st.sampled_from([64, 40, 128]))
+    num_blocks = draw(st.integers(1, 6))
+    edge = st.sampled_from([1, bs, bs + 1])
+    lens = draw(st.lists(st.one_of(edge, st.integers(1, 2 * bs + 70)), min_size=1, max_size=3))
+    q_lens = [draw(st.one_of(st.just(1), st.just(n), st.integers(1, n))) for n in lens]
+    tables = [draw(st.lists(st.integers(0, num_blocks - 1), min_size=-(-n // bs), max_size=-(-n // bs))) for n in lens]
+    splits = draw(st.sampled_from([1, 2, 3, 8]))
+    gaps = draw(st.lists(st.integers(0, 2), min_size=len(lens), max_size=len(lens)))  # rows between sequences
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    seed = draw(st.integers(0, 2**16))
+    return bs, kvh, g, d, num_blocks, lens, q_lens, tables, splits, gaps, dtype, seed
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(case=_extend_case())
+def test_extend_equals_a_plain_causal_softmax(case) -> None:
+    """The extend kernel (CSR tables, split or not, each sequence's rows placed with gaps
+    that must stay unwritten) against the token-by-token causal reference."""
+    bs, kvh, g, d, num_blocks, lens, q_lens, tables, splits, gaps, dtype, seed = case
+    gen = torch.Generator().manual_seed(seed)
+    h = kvh * g
+    k_cache = torch.randn(num_blocks, kvh, d, bs, generator=gen, dtype=torch.float64)
+    v_cache = torch.randn(num_blocks, kvh, bs, d, generator=gen, dtype=torch.float64)
+    qs = [torch.randn(n, h, d, generator=gen, dtype=torch.float64) for n in q_lens]
+    scale = d**-0.5
+    q_rows, row = [], 0
+    for gap, n in zip(gaps, q_lens, strict=True):
+        q_rows.append(row + gap)
+        row += gap + n
+    num_rows = row + 1
+    q = torch.zeros(num_rows, h, d, dtype=dtype)
+    for r, x in zip(q_rows, qs, strict=True):
+        q[r : r + x.shape[0]] = x.to(dtype)
+    indptr, indices = _csr(tables)
+    plan = triton_extend.plan_extend(
+        q_lens, lens, indptr, indices, bs, h, kvh, DEVICE, q_rows=q_rows, num_rows=num_rows, num_splits=splits
+    )
+    out = torch.full_like(q, 7.0)
+    triton_extend.extend_attention(q, k_cache.to(dtype), v_cache.to(dtype), plan, scale, out=out)
+    ref64 = _reference(qs, k_cache, v_cache, tables, lens, scale, torch.float64)
+    ref32 = _reference(qs, k_cache, v_cache, tables, lens, scale, torch.float32)
+    written = torch.zeros(num_rows, dtype=torch.bool)
+    for r, x64, x32 in zip(q_rows, ref64, ref32, strict=True):
+        n = x64.shape[0]
+        written[r : r + n] = True
+        tol = _tolerance(q, x64, x32.double(), v_cache.abs().max().item())
+        err = (out[r : r + n].double() - x64).abs().max().item()
+        assert err <= tol, (r, err, tol)
+    assert (out[~written] == 7.0).all(), "a row no sequence names was written"
+
+
+# ---- the batched sampler (engine/batch_sampler.py) against a plain fp64 sampler ----------
+
+
+def _plain_sample(logits, params, sample_index, position):
+    """One row by the documented rule, in fp64 and Python: temperature, the top-k largest,
+    the nucleus (by decreasing probability, a token kept while the mass before it is below
+    top_p), the first candidate whose cumulative weight exceeds u * total. -> (token, the
+    candidates with their cumulative weights, u * total), or None for greedy: argmax."""
+    from kvpool.engine.sampling import uniform_draw
+
+    row = logits.double().tolist()
+    if params.temperature < 1e-5:
+        return max(range(len(row)), key=lambda i: (row[i], -i)), None, None
+    scores = [x / params.temperature for x in row]
+    k = min(params.top_k, len(row)) if params.top_k else len(row)
+    # the candidates most likely first where top-k or top-p choose them (sampling.py's
+    # module docstring); the whole vocabulary in its own order otherwise
+    order = sorted(range(len(row)), key=lambda i: -scores[i])  # stable: ties by id
+    kept = order[:k] if k < len(row) or params.top_p < 1.0 else list(range(len(row)))
+    top = max(scores[i] for i in kept)
+    weights = [torch.tensor(scores[i] - top, dtype=torch.float64).exp().item() for i in kept]
+    total = sum(weights)
+    probs = [w / total for w in weights]
+    if params.top_p < 1.0:
+        mass, nucleus = 0.0, []
+        for i, p in zip(kept, probs, strict=True):
+            if nucleus and mass >= params.top_p:
+                break
+            nucleus.append((i, p))
+            mass += p
+        kept, probs = [i for i, _ in nucleus], [p for _, p in nucleus]
+    cdf, run = [], 0.0
+    for p in probs:
+        run += p
+        cdf.append(run)
+    target = uniform_draw(params.seed, sample_index, position) * run
+    j = next((j for j, c in enumerate(cdf) if c > target), len(cdf) - 1)
+    return kept[j], list(zip(kept, cdf, strict=True)), target
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_sample_batch_draws_what_a_plain_fp64_sampler_draws(data) -> None:
+    """Random rows (vocabularies of 1 to 40, logits spread over [-s, s] with s up to 30,
+    exact ties at times), each its own greedy / temperature / top-k (1, some, past the
+    vocabulary) / top-p (tiny, some, 1) and seed: the batch's token is the plain sampler's,
+    unless u * total lies within fp32's rounding of a boundary of the CDF (then either side
+    of it, and nothing else); and each row's token is the one it gets alone (a seed's draws
+    do not depend on the batch)."""
+    from kvpool.engine.batch_sampler import sample_batch
+    from kvpool.engine.sampling import SamplingParams
+
+    vocab = data.draw(st.integers(1, 40))
+    num_rows = data.draw(st.integers(1, 6))
+    spread = data.draw(st.sampled_from([0.0, 1.0, 8.0, 30.0]))
+    seed = data.draw(st.integers(0, 2**16))
+    logits = (torch.rand(num_rows, vocab, generator=torch.Generator().manual_seed(seed)) * 2 - 1) * spread
+    if data.draw(st.booleans()):  # rounded: exact ties between tokens
+        logits = logits.round()
+    params = [
+        SamplingParams(
+            temperature=data.draw(st.sampled_from([0.0, 1.2e-5, 0.3, 1.0, 2.5])),
+            top_k=data.draw(st.sampled_from([0, 1, 2, 5, vocab, vocab + 7, 2**70])),
+            top_p=data.draw(st.sampled_from([1.0, 0.9, 0.5, 1e-30])),
+            seed=data.draw(st.integers(-(2**63), 2**63 - 1)),
+        )
+        for _ in range(num_rows)
+    ]
+    indices = [data.draw(st.integers(0, 3)) for _ in range(num_rows)]
+    positions = [data.draw(st.integers(0, 10**6)) for _ in range(num_rows)]
+    tokens = sample_batch(logits, params, indices, positions)
+    for i, (token, p) in enumerate(zip(tokens, params, strict=True)):
+        assert sample_batch(logits[i : i + 1], [p], [indices[i]], [positions[i]]) == [token], "batch-dependent"
+        want, cdf, target = _plain_sample(logits[i], p, indices[i], positions[i])
+        if cdf is None:
+            assert token == want, (i, token, want)
+            continue
+        if token == want:
+            continue
+        # a tie in score between the two (topk and sort may order ties either way), or a
+        # boundary within fp32's rounding of u * total
+        scores = logits[i].double() / p.temperature
+        tied = scores[token] == scores[want]
+        slack = 1e-5 * cdf[-1][1]
+        near = [c for _, c in cdf if abs(c - target) <= slack]
+        assert tied or near, (i, token, want, cdf, target)
+        if not tied:  # the token is a candidate of the plain sampler, next to the boundary
+            assert token in [t for t, _ in cdf], (i, token, cdf)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_non_finite_rows_are_named_and_the_others_keep_their_tokens(data) -> None:
+    """Rows whose logits hold a NaN or +inf, or are -inf throughout, are the error's rows,
+    exactly; every other row's token is the one it gets alone, and a -inf logit (a banned
+    token) is never drawn, whatever the row's parameters."""
+    from kvpool.engine.batch_sampler import sample_batch
+    from kvpool.engine.sampling import NonFiniteLogitsError, SamplingParams
+
+    vocab, num_rows = data.draw(st.integers(2, 12)), data.draw(st.integers(1, 5))
+    logits = torch.randn(num_rows, vocab, generator=torch.Generator().manual_seed(data.draw(st.integers(0, 99))))
+    bad = []
+    for i in range(num_rows):
+        kind = data.draw(st.sampled_from(["ok", "banned", "nan", "inf", "all-inf"]))
+        j = data.draw(st.integers(0, vocab - 1))
+        if kind == "banned":  # all but one banned
+            logits[i, :] = float("-inf")
+            logits[i, j] = 0.0
+        elif kind == "nan":
+            logits[i, j] = float("nan")
+        elif kind == "inf":
+            logits[i, j] = float("inf")
+        elif kind == "all-inf":
+            logits[i, :] = float("-inf")
+        if kind in ("nan", "inf", "all-inf"):
+            bad.append(i)
+    params = [
+        SamplingParams(
+            temperature=data.draw(st.sampled_from([0.0, 0.7])),
+            top_k=data.draw(st.sampled_from([0, 1, 3])),
+            top_p=data.draw(st.sampled_from([1.0, 0.5])),
+            seed=data.draw(st.integers(0, 9)),
+        )
+        for _ in range(num_rows)
+    ]
+    indices, positions = [0] * num_rows, list(range(num_rows))
+    try:
+        tokens = sample_batch(logits, params, indices, positions)
+        refused = []
+    except NonFiniteLogitsError as e:
+        tokens, refused = e.tokens, e.rows
+    assert sorted(refused) == bad
+    for i, token in enumerate(tokens):
+        if i in bad:
+            assert token == -1
+            continue
+        assert logits[i, token] > float("-inf"), f"row {i} drew a banned token"
+        assert sample_batch(logits[i : i + 1], [params[i]], [0], [i]) == [token]
