@@ -480,3 +480,146 @@ def test_non_finite_rows_are_named_and_the_others_keep_their_tokens(data) -> Non
             continue
         assert logits[i, token] > float("-inf"), f"row {i} drew a banned token"
         assert sample_batch(logits[i : i + 1], [params[i]], [0], [i]) == [token]
+
+
+# ---- the persistent step buffers (attention/backends/step_buffers.py) against a rebuild ----
+
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule  # noqa: E402
+
+from kvpool.attention.backends.step_buffers import StepBuffers  # noqa: E402
+
+_BS, _WIDTH, _SEQS, _TOKENS, _DUMMY = 4, 10, 5, 24, 0
+
+
+class StepBuffersMachine(RuleBasedStateMachine):
+    """An engine's steps over one StepBuffers, in any order the rules allow: requests join
+    (prompts chunked), decode, sit steps out, roll tokens back, copy a shared tail on write,
+    leave or are preempted (forget), steps the buffers cannot hold (skip), decode steps
+    padded to a graph's bucket. After every step, what a kernel reads (each sequence's
+    table row up to its blocks, lengths, query starts, slots, positions) is a plain rebuild
+    of the step from the cache's tables, token by token; no padded row's slot is a real one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.b = StepBuffers(_SEQS, _TOKENS, _WIDTH, _BS, dummy_block=_DUMMY)
+        self.running: list[str] = []
+        self.computed: dict[str, int] = {}
+        self.prompt: dict[str, int] = {}
+        self.tables: dict[str, list[int]] = {}
+        self.blocks = iter(range(_DUMMY + 1, 10**6))  # (the dummy block is no request's)
+        self.cow: set[str] = set()  # requests whose tail was copied since their last step
+        self.num = 0
+        self.last: tuple | None = None  # the last step the buffers hold: ids, starts, ends
+
+    @precondition(lambda self: len(self.running) < _SEQS + 1)
+    @rule(prompt=st.integers(1, 14))
+    def join(self, prompt) -> None:  # (one more than the buffers' rows at most: a step they skip)
+        rid = f"r{self.num}"
+        self.num += 1
+        self.running.append(rid)
+        self.computed[rid], self.prompt[rid], self.tables[rid] = 0, prompt, []
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def leave(self, data) -> None:
+        rid = data.draw(st.sampled_from(self.running))
+        self.running.remove(rid)
+        del self.computed[rid], self.tables[rid]
+        self.prompt.pop(rid, None)
+        self.cow.discard(rid)
+        self.b.forget(rid)
+
+    @precondition(lambda self: any(c % _BS for c in self.computed.values()))
+    @rule(data=st.data())
+    def copy_on_write(self, data) -> None:
+        rid = data.draw(st.sampled_from([r for r in self.running if self.computed[r] % _BS]))
+        self.tables[rid][self.computed[rid] // _BS] = next(self.blocks)
+        self.cow.add(rid)
+
+    @precondition(lambda self: any(r not in self.prompt and self.computed[r] for r in self.running))
+    @rule(data=st.data(), back=st.integers(1, 5))
+    def roll_back(self, data, back) -> None:
+        rid = data.draw(st.sampled_from([r for r in self.running if r not in self.prompt and self.computed[r]]))
+        self.computed[rid] -= min(back, self.computed[rid])
+        del self.tables[rid][-(-self.computed[rid] // _BS) :]
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def step(self, data) -> None:
+        order = [r for r in self.running if data.draw(st.integers(0, 7), label="sits out") > 0]
+        if self.last is not None and data.draw(st.booleans(), label="steady"):  # the last step's again
+            order = [r for r in self.last[0] if r in self.computed]
+        elif data.draw(st.integers(0, 8), label="reorder") == 0:
+            order = data.draw(st.permutations(order))
+        starts, ends, ids = [], [], []
+        for rid in order:
+            if self.computed[rid] >= (_WIDTH - 1) * _BS:  # (the row's width: it would finish)
+                continue
+            left = self.prompt[rid] - self.computed[rid] if rid in self.prompt else 1
+            q = min(left, data.draw(st.integers(1, 6), label="chunk"))
+            ids.append(rid)
+            starts.append(self.computed[rid])
+            ends.append(self.computed[rid] + q)
+        if not ids:
+            return
+        for rid, end in zip(ids, ends, strict=True):
+            while len(self.tables[rid]) * _BS < end:
+                self.tables[rid].append(next(self.blocks))
+        num_tokens = sum(e - s for s, e in zip(starts, ends, strict=True))
+        if not self.b.fits(ids, num_tokens):
+            self.b.skip(ids)
+            self.last = None
+            return  # (the step ran elsewhere: its tokens are computed)
+        tables = [self.tables[r] for r in ids]
+        cow = any(r in self.cow for r in ids)
+        if cow or not self.b.advance(tuple(ids), starts, ends, lambda some: [self.tables[r] for r in some]):
+            self.b.update(ids, starts, ends, tables)
+        self.cow -= set(ids)
+        self.last = (tuple(ids), starts, ends)
+        self.check_step()
+        if num_tokens == len(ids) and data.draw(st.booleans(), label="pad"):
+            bucket = data.draw(st.integers(len(ids), _SEQS))
+            view = self.b.pad(bucket)
+            slots = view.slot_mapping.tolist()
+            real = {t[p // _BS] * _BS + p % _BS for t in self.tables.values() for p in range(len(t) * _BS)}
+            assert not set(slots[len(ids) :]) & real, "a padded row writes a real slot"
+            assert all(s == _DUMMY * _BS for s in slots[len(ids) :])
+            self.check_step()  # the real rows stand
+        self.b.clear()
+        for rid, end in zip(ids, ends, strict=True):
+            self.computed[rid] = end
+            if rid in self.prompt and end == self.prompt[rid]:
+                del self.prompt[rid]
+
+    def check_step(self) -> None:
+        """The buffers' step against the plain rebuild of self.last."""
+        ids, starts, ends = self.last
+        n = len(ids)
+        v = self.b.view(n, sum(e - s for s, e in zip(starts, ends, strict=True)))
+        assert self.b.num_seqs == n
+        assert v.ctx_lens.tolist() == list(ends)
+        q = [e - s for s, e in zip(starts, ends, strict=True)]
+        assert v.query_start.tolist() == [sum(q[:i]) for i in range(n + 1)]
+        positions = [p for s, e in zip(starts, ends, strict=True) for p in range(s, e)]
+        assert v.positions.tolist() == positions
+        slots = [
+            self.tables[r][p // _BS] * _BS + p % _BS
+            for r, s, e in zip(ids, starts, ends, strict=True)
+            for p in range(s, e)
+        ]
+        assert v.slot_mapping.tolist() == slots
+        rows = v.seq_rows.tolist()
+        assert len(set(rows)) == n and _SEQS not in rows  # (the padding row is no request's)
+        for rid, row, end in zip(ids, rows, ends, strict=True):
+            k = -(-end // _BS)
+            assert v.block_tables[row, :k].tolist() == self.tables[rid][:k], rid
+
+    @invariant()
+    def integrity(self) -> None:
+        self.b.check_integrity()
+
+
+StepBuffersMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+test_step_buffers_equal_a_rebuild_after_every_step = StepBuffersMachine.TestCase
