@@ -342,6 +342,24 @@ def test_extend_equals_a_plain_causal_softmax(case) -> None:
     assert (out[~written] == 7.0).all(), "a row no sequence names was written"
 
 
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_a_ranks_partial_decode_weighs_nothing_past_its_keys(value) -> None:
+    """Context-parallel decode (attention/context_parallel.py): a rank's last block holds an
+    earlier owner's inf or NaN past the sequence's keys; its partial output and log-sum-exp
+    are those of a clean pool, bit for bit (its gathered values were weighed by 0: NaN)."""
+    from kvpool.attention.context_parallel import partial_decode_attention
+
+    g = torch.Generator().manual_seed(2)
+    k = torch.randn(4, 2, 8, 4, generator=g, dtype=torch.float64)
+    v = torch.randn(4, 2, 4, 8, generator=g, dtype=torch.float64)
+    q = torch.randn(2, 4, 8, generator=g, dtype=torch.float64)
+    tables, num_keys = [[2, 0], [3]], [6, 1]  # block 0's slots 2, 3 and block 3's 1..3 are past the keys
+    clean = partial_decode_attention(q, k, v, tables, num_keys, 0.3)
+    k[0, :, :, 2:], v[0, :, 2:, :], k[3, :, :, 1:], v[3, :, 1:, :] = value, value, value, value
+    dirty = partial_decode_attention(q, k, v, tables, num_keys, 0.3)
+    assert torch.isfinite(dirty[0]).all() and torch.equal(clean[0], dirty[0]) and torch.equal(clean[1], dirty[1])
+
+
 # ---- the batched sampler (engine/batch_sampler.py) against a plain fp64 sampler ----------
 
 

@@ -76,6 +76,9 @@ def partial_decode_attention(
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [B, KVH, G]; -inf without keys
     probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).unsqueeze(-1))
+    # the values past num_keys (padding, or a last block's slots whatever its earlier owner
+    # wrote: inf or NaN too, which a weight of 0 would not cancel) zeroed in the gathered copy
+    v = v.masked_fill_(~valid[:, None, :, None], 0.0)
     out = torch.einsum("bkgt,bktd->bkgd", probs, v)  # zero without keys
     return out.reshape(b, h, d).to(q.dtype), lse.reshape(b, h).to(q.dtype)
 
