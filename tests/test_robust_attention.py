@@ -360,6 +360,30 @@ def test_a_ranks_partial_decode_weighs_nothing_past_its_keys(value) -> None:
     assert torch.isfinite(dirty[0]).all() and torch.equal(clean[0], dirty[0]) and torch.equal(clean[1], dirty[1])
 
 
+@pytest.mark.parametrize("num_heads", [3, 0, -2, 2.0, True])
+@pytest.mark.parametrize("backend", ["bags", "padded", "triton", "dequant", "triton-q8"])
+def test_query_heads_that_are_not_a_multiple_of_the_kv_heads_are_refused(backend, num_heads) -> None:
+    """3 query heads over 2 KV heads: the bags decode read a KV head past the pool's and the
+    Triton decode left a head unwritten (torch.empty's bytes), both without a word; now
+    every paged backend refuses the head count by name, as plan_extend did."""
+    from kvpool.attention.backends.quant import DequantBackend
+    from kvpool.attention.backends.torch_paged import TorchPagedBackend
+    from kvpool.attention.backends.triton_paged import TritonPagedBackend
+    from kvpool.attention.backends.triton_quant import TritonQuantBackend
+    from kvpool.spec.kv_formats import kv_schema
+    from kvpool.storage.kv import PagedKVStorage, QuantizedKVStorage
+
+    if backend in ("dequant", "triton-q8"):
+        storage = QuantizedKVStorage(1, 4, 16, 2, 32, kv_schema("fp8_e4m3"), torch.float32, "cpu")
+        cls, kw = (DequantBackend, {}) if backend == "dequant" else (TritonQuantBackend, {})
+    else:
+        storage = PagedKVStorage(1, 4, 16, 2, 32, torch.float32, "cpu")
+        cls, kw = (TritonPagedBackend, {}) if backend == "triton" else (TorchPagedBackend, {"decode_path": backend})
+    with pytest.raises(ValueError, match="num_heads must be a positive multiple of the pool's 2 KV heads"):
+        cls(storage, num_heads, None, torch.float32, **kw)
+    assert cls(storage, 4, None, torch.float32, **kw).num_heads == 4
+
+
 # ---- the batched sampler (engine/batch_sampler.py) against a plain fp64 sampler ----------
 
 

@@ -111,7 +111,13 @@ class PagedBackend:
         dtype: the compute dtype; before_read: called before the step first reads the pool
         (on CUDA the compute stream waits there for the tier loads in flight);
         decode_path: how the step's decodes read the pool (None: `default_decode_path`).
-        ValueError (from `_check`) when this backend cannot run it on `storage`."""
+        ValueError (from `_check`) when this backend cannot run it on `storage`, or when
+        num_heads is not a positive multiple of the pool's KV heads (each KV head serves a
+        group of query heads: 3 heads over 2 KV heads read a head past the pool's in the
+        bags decode, and left one head unwritten in the Triton decode, silently)."""
+        kvh = storage.num_kv_heads
+        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1 or num_heads % kvh:
+            raise ValueError(f"num_heads must be a positive multiple of the pool's {kvh} KV heads, got {num_heads!r}")
         if decode_path is None:
             decode_path = self.default_decode_path
         self._check(storage, kernels, decode_path)
