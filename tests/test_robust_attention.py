@@ -245,7 +245,7 @@ def _decode_case(draw):
     return bs, kvh, g, d, num_blocks, lens, tables, splits, dtype, seed
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(case=_decode_case())
 def test_paged_decode_csr_and_dense_equal_a_plain_softmax(case) -> None:
     """Both table forms of the decode kernel against the token-by-token reference, the
@@ -304,7 +304,7 @@ def _extend_case(draw):
     return bs, kvh, g, d, num_blocks, lens, q_lens, tables, splits, gaps, dtype, seed
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(case=_extend_case())
 def test_extend_equals_a_plain_causal_softmax(case) -> None:
     """The extend kernel (CSR tables, split or not, each sequence's rows placed with gaps
@@ -424,7 +424,7 @@ def _plain_sample(logits, params, sample_index, position):
     return kept[j], list(zip(kept, cdf, strict=True)), target
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(data=st.data())
 def test_sample_batch_draws_what_a_plain_fp64_sampler_draws(data) -> None:
     """Random rows (vocabularies of 1 to 40, logits spread over [-s, s] with s up to 30,
