@@ -102,6 +102,9 @@ class DecodePlan:
     bags: BagPlan | None  # exactly one of native / bags / padded is set
     padded: PaddedPlan | None
     native: NativePlan | None = None
+    # [B, 1, 1, nb * bs] bool: True past each length (the bias's -inf slots), whose stale keys
+    # and values the bags and padded paths replace (None on the native path)
+    past: torch.Tensor | None = None
 
 
 @dataclass
@@ -169,8 +172,8 @@ def plan_step(
         b = len(decode_seqs)
         nb = max(len(t) for t in tables)
         # [B, 1, 1, nb * bs]: slot t of sequence b readable iff t < len_b (pad blocks: never)
-        bias = torch.zeros(b, 1, 1, nb * block_size, dtype=dtype)
-        bias.masked_fill_((torch.arange(nb * block_size)[None, :] >= lens[:, None]).view(b, 1, 1, -1), float("-inf"))
+        past = (torch.arange(nb * block_size)[None, :] >= lens[:, None]).view(b, 1, 1, -1)
+        bias = torch.zeros(b, 1, 1, nb * block_size, dtype=dtype).masked_fill_(past, float("-inf"))
         bags = padded = None
         if decode_path == "bags":
             bags = _plan_bags(tables, lens, nb, block_size, num_heads, num_kv_heads, head_dim, device)
@@ -178,7 +181,13 @@ def plan_step(
             ids = [t[j] if j < len(t) else t[0] for t in tables for j in range(nb)]
             padded = PaddedPlan(torch.tensor(ids, dtype=torch.long, device=device))
         decode = DecodePlan(
-            torch.tensor(decode_rows, dtype=torch.long, device=device), b, nb, bias.to(device), bags, padded
+            torch.tensor(decode_rows, dtype=torch.long, device=device),
+            b,
+            nb,
+            bias.to(device),
+            bags,
+            padded,
+            past=past.to(device),
         )
     return StepPlan(slots, decode, prefills)
 
@@ -276,8 +285,8 @@ def decode_attention_bags(
     scores = torch.embedding_bag(k_cache.view(-1, bs), bags.k_rows, bags.k_offsets, False, 0, False, weights, True)[0]
     # scores [B * H * nb, bs]; pad bags are zeros, slots past a length whatever their stale
     # keys make (inf, NaN: an added -inf would leave a NaN), both replaced by the bias's -inf
-    bias = plan.bias.view(b, 1, -1)
-    scores = scores.view(b, h, nb * bs).masked_fill(bias != 0, float("-inf"))
+    # (in place: embedding_bag's output is this call's own)
+    scores = scores.view(b, h, nb * bs).masked_fill_(plan.past.view(b, 1, -1), float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(-1)  # [B * H * nb * bs]
     if bags.p_index is not None:
         probs = probs.index_select(0, bags.p_index)
@@ -305,7 +314,7 @@ def decode_attention_padded(
     v = v_cache.index_select(0, padded.block_ids).view(b, nb, kvh, bs, d).transpose(1, 2).reshape(b, kvh, nb * bs, d)
     # the copies' slots past each length (padding, or stale keys and values of a last block:
     # inf or NaN too, which the mask's -inf would not cancel) zeroed
-    past = (plan.bias != 0).view(b, 1, nb * bs, 1)
+    past = plan.past.view(b, 1, nb * bs, 1)
     k, v = k.masked_fill_(past, 0.0), v.masked_fill_(past, 0.0)
     out = F.scaled_dot_product_attention(q.view(b, kvh, h // kvh, d), k, v, attn_mask=plan.bias, scale=scale)
     return out.view(b, h, d)

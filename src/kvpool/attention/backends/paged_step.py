@@ -72,6 +72,8 @@ def make_step(plan: StepPlan, attend: Attend, block_size: int, num_kv_heads: int
         tables += [d.rows] + ([d.native.indptr, d.native.blocks, d.native.ctx_lens] if d.native else [])
         if d.bias is not None:
             tables.append(d.bias)
+        if d.past is not None:
+            tables.append(d.past)
         if d.bags is not None:
             b = d.bags
             tables += [t for t in (b.k_rows, b.k_offsets, b.q_rows, b.v_rows, b.v_offsets, b.p_index) if t is not None]
