@@ -384,6 +384,43 @@ def test_query_heads_that_are_not_a_multiple_of_the_kv_heads_are_refused(backend
     assert cls(storage, 4, None, torch.float32, **kw).num_heads == 4
 
 
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_buffered_decode_weighs_nothing_past_a_context(backend, value) -> None:
+    """The decode a CUDA graph captures (`begin_decode` over StepBuffers): the torch form
+    gathers a table row's whole width, so it reads the last block's slots past the context
+    and the row's entries past its blocks (an earlier request's, or other live requests'
+    blocks). Those holding inf or NaN change nothing (the torch form's masked -inf and
+    zero weights made them NaN); padded rows read the dummy block only."""
+    from kvpool.attention.backends.torch_paged import TorchPagedBackend
+    from kvpool.attention.backends.triton_paged import TritonPagedBackend
+    from kvpool.storage.kv import PagedKVStorage
+
+    bs, kvh, d, h = 4, 2, 8, 4
+    outs = []
+    for value_ in (None, value):
+        storage = PagedKVStorage(1, 10, bs, kvh, d, torch.float64, "cpu")
+        g = torch.Generator().manual_seed(0)
+        storage.k.copy_(torch.randn(storage.k.shape, generator=g, dtype=torch.float64))
+        storage.v.copy_(torch.randn(storage.v.shape, generator=g, dtype=torch.float64))
+        buffers = StepBuffers(3, 4, 4, bs, dummy_block=9)
+        buffers.update(["old"], [12], [13], [[6, 7, 8, 5]])  # an earlier request's row: entries 6, 7, 8, 5
+        buffers.forget("old")
+        if value_ is not None:
+            storage.k[0, 3, :, :, 2:] = storage.v[0, 3, :, 2:, :] = value_  # past a's end in its last block
+            storage.k[0, 8] = storage.v[0, 8] = value_  # a block the reused row still names
+        buffers.clear()
+        buffers.update(["a", "b"], [5, 2], [6, 3], [[1, 3], [2]])  # a takes the old row: entries 1, 3, 8, 5
+        buffers.pad(3)
+        cls = TritonPagedBackend if backend == "triton" else TorchPagedBackend
+        step = cls(storage, h, None, torch.float64).begin_decode(buffers, 3)
+        q = torch.randn(3, h, d, generator=g, dtype=torch.float64)
+        k, v = (torch.randn(3, kvh, d, generator=g, dtype=torch.float64) for _ in range(2))
+        outs.append(step.attend(0, q, k, v)[:2])
+    assert torch.isfinite(outs[0]).all() and torch.isfinite(outs[1]).all()
+    assert torch.equal(outs[0], outs[1])
+
+
 # ---- the batched sampler (engine/batch_sampler.py) against a plain fp64 sampler ----------
 
 
