@@ -856,7 +856,8 @@ class StepBuffers:
         the forgotten ones are the noted sequences (`forget`), each held one's row names its
         sequence (what `forget` reads); with `tables` (request id -> the cache's table),
         every request's row holds its table's entries up to its last step's blocks (the
-        entries a kernel reads), on the host and on the device."""
+        entries a kernel reads), on the host and on the device, and none of them is the
+        dummy block (padded rows write it)."""
         used = sorted(self._rows.values())
         assert len(set(used)) == len(used), "a row held twice"
         assert sorted(used + self._free_rows) == list(range(self.max_num_seqs)), "rows lost or duplicated"
@@ -884,6 +885,8 @@ class StepBuffers:
             rid = next(r for r, k in self._rows.items() if k == row)
             num_blocks = -(-int(self._vec_np[s + i]) // self.block_size)
             want = list(tables[rid][:num_blocks])
+            # (padded rows write the dummy block: a request that held it would be overwritten)
+            assert self.dummy_block is None or self.dummy_block not in want, f"{rid}: its table holds the dummy block"
             assert self._tables_np[row, :num_blocks].tolist() == want, f"{rid}: host row differs from its table"
             assert device_tables[row, :num_blocks].tolist() == want, f"{rid}: device row differs from its table"
 
