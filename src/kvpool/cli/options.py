@@ -514,7 +514,9 @@ def options_table() -> str:
     lines += [
         "",
         "Sizes (`--kv-memory`, `serve --max-request-bytes`) take " + SIZE_EXAMPLES.replace("(", "(").strip() + ".",
-        f"Model names: the engine's commands take `{DEFAULT_MODEL}` or a Llama-architecture GGUF file; `run` "
+        f"Model names: the engine's commands take `{DEFAULT_MODEL}` or a Llama-architecture GGUF file whose "
+        "tokenizer is byte-level BPE split as GPT-2 splits text or digit by digit first (`tokenizer.ggml.pre` "
+        "`gpt-2`, `smollm`, `starcoder`, ...; another, such as Llama 3's `llama-bpe`, is refused in one line); `run` "
         "also takes " + ", ".join(f"`{m}`" for m in ENGINE_MODELS[1:]) + ", `generate` and `eval kv-quant` take "
         "`tiny-dsv4`; `plan` and `simulate` take a preset name in any case "
         "(`kvpool plan -h` lists them) or a config.json. GPU presets are case-insensitive (`h200` = `H200`).",

@@ -33,7 +33,7 @@ from kvpool.models.hf_config import model_bytes
 from kvpool.models.llama import LlamaModel
 from kvpool.models.tiny_dsv4 import TinyDSV4
 from kvpool.models.tiny_hybrid import TinyHybrid
-from kvpool.models.tokenizer import ChatTokenizer, build_tokenizer
+from kvpool.models.tokenizer import ChatTokenizer, build_tokenizer, check_tokenizer
 from kvpool.spec.layout import CacheSpec
 from kvpool.storage.dsv4 import DSV4Pools
 from kvpool.storage.kv import PagedKVStorage, QuantizedKVStorage
@@ -85,6 +85,7 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, devi
     else:
         gguf_file = load_gguf(path, dtype, digest)
         meta = gguf_file.meta
+        check_tokenizer(meta.tokenizer)  # before the weights: a tokenizer we cannot build ends the load anyway
         # the weights dequantized, refused in one line before the first tensor is read: an
         # 8B GGUF in fp32 (32 GB) on a 16 GB machine was read for minutes until the kernel
         # killed the process

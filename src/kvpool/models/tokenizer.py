@@ -21,6 +21,8 @@ CONTROL_TOKEN_TYPE = 3
 USER_DEFINED_TOKEN_TYPE = 4
 # pre-tokenizer kinds that split digits one by one before the GPT-2 byte-level regex
 _INDIVIDUAL_DIGIT_PRES = frozenset({"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"})
+# pre-tokenizer kinds that are the GPT-2 byte-level regex alone ("default": a GGUF without the key)
+_GPT2_PRES = frozenset({"default", "gpt-2"})
 
 
 @dataclass
@@ -79,9 +81,24 @@ class ChatTokenizer:
         return self.encode(self.render_chat(messages))
 
 
-def build_tokenizer(data: TokenizerData) -> ChatTokenizer:
+def check_tokenizer(data: TokenizerData) -> None:
+    """ValueError naming the tokenizer model or pre-tokenizer kvpool does not build (cheap:
+    the loader asks before it reads the weights)."""
     if data.model != "gpt2":
         raise ValueError(f"unsupported GGUF tokenizer model {data.model!r}; kvpool builds byte-level BPE ('gpt2')")
+    if data.pre not in _GPT2_PRES | _INDIVIDUAL_DIGIT_PRES:
+        # another split of the text (Llama 3's "llama-bpe": digits in threes, a letter run
+        # taking the punctuation before it, contractions in any case) fell back to GPT-2's
+        # regex without a word, and the model was fed token ids its own tokenizer never makes
+        known = ", ".join(sorted(_GPT2_PRES | _INDIVIDUAL_DIGIT_PRES))
+        raise ValueError(
+            f"unsupported GGUF pre-tokenizer tokenizer.ggml.pre {data.pre!r}: kvpool splits text as {known}, "
+            "and another split would give token ids the model was not trained on"
+        )
+
+
+def build_tokenizer(data: TokenizerData) -> ChatTokenizer:
+    check_tokenizer(data)
     vocab = {token: index for index, token in enumerate(data.tokens)}
     merges = [tuple(m.split(" ", 1)) for m in data.merges]
     try:
