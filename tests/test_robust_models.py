@@ -296,3 +296,24 @@ def test_a_pre_tokenizer_kvpool_does_not_implement_is_refused_not_replaced_by_gp
         path = write_gguf(tmp_path / f"{pre}.gguf", raw_kv={"tokenizer.ggml.pre": pre})
         assert main(["generate", "t1", "--model", path, "--no-chat", "--max-tokens", "1"]) in (0, 2)
         assert "pre-tokenizer" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"num_kv_heads": 0}, "the tiny hybrid model's num_kv_heads must be a positive integer, got 0"),
+        ({"head_dim": 0}, "the tiny hybrid model's head_dim must be a positive integer, got 0"),
+        ({"hidden_size": -1}, "the tiny hybrid model's hidden_size must be a positive integer, got -1"),
+        ({"vocab_size": 0}, "the tiny hybrid model's vocab_size must be a positive integer, got 0"),
+        ({"num_heads": 4.0}, "the tiny hybrid model's num_heads must be a positive integer, got 4.0"),
+    ],
+)
+def test_a_tiny_hybrid_config_it_cannot_compute_with_is_named(change, message):
+    """build_engine takes a TinyHybrid: these were a ZeroDivisionError, torch's "negative
+    dimension", a model of no tokens, and (a missing key) a KeyError."""
+    from kvpool.models.tiny_hybrid import TINY_GEMMA2, TinyHybrid
+
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        TinyHybrid({**TINY_GEMMA2, **change})
+    with pytest.raises(ValueError, match=r"^the tiny hybrid model's config lacks \['num_heads'\]$"):
+        TinyHybrid({k: v for k, v in TINY_GEMMA2.items() if k != "num_heads"})

@@ -66,6 +66,8 @@ TINY_RECURRENT: dict[str, Any] = {
 }
 
 DTYPES = (torch.float32, torch.float64)
+_POSITIVE = ("vocab_size", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim")
+_REQUIRED = ("name", "layers", "rope_theta", "rms_norm_eps", "max_position_embeddings", *_POSITIVE)
 
 
 def group_of(kind: str) -> str:
@@ -94,6 +96,15 @@ class TinyHybrid:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
         cfg = dict(TINY_GEMMA2 if config is None else config)
+        # (a missing key was a KeyError, a head count of 0 a ZeroDivisionError, a size of -1
+        # torch's "negative dimension", a vocabulary of 0 a model that could take no token)
+        missing = [k for k in _REQUIRED if k not in cfg]
+        if missing:
+            raise ValueError(f"the tiny hybrid model's config lacks {missing}")
+        for key in _POSITIVE:
+            value = cfg[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"the tiny hybrid model's {key} must be a positive integer, got {value!r}")
         bad = [k for k in cfg["layers"] if k not in LAYER_KINDS]
         if bad:
             raise ValueError(f"unknown layer kinds {bad}; each layer is one of {LAYER_KINDS}")
