@@ -1,0 +1,412 @@
+"""A differential fuzz of the engine under hostile scheduling, on a tiny random Llama in fp64.
+
+Hypothesis draws a workload: prompts sharing prefixes of random lengths (exactly a block,
+a block +- 1 among them), max_tokens 1..8, n > 1, arrival steps, aborts at random steps,
+a pool just big enough to force preemption (by recompute or by swap), a token budget
+small enough to chunk prefills, block sizes 1 / 3 / 16, a host tier on or off, eager or
+step-buffered decodes. Every request must compute, at every position it computes, the
+logits the same request computes ALONE on a fresh engine with a roomy pool and no prefix
+cache (the reference), and its tokens must be the reference's (an aborted request's a
+prefix of them). The runner's own check_integrity() runs after every step.
+
+The logit rows are taken from the runner's `execute` (keyed by the token history a row
+predicts from), not from the engine's record_logits: that option turns the inline and
+column decode paths off, and those are among what is fuzzed here.
+
+Tolerance (fp64): every row is one forward of the same weights over the same history;
+only the summation order differs with the step's shape (batch rows, chunk split, paged
+vs contiguous gathers). The logits of this model are O(1) (|logit| <= ~5) and each goes
+through ~10 reductions of <= 64 terms, so the rounding is a few 1e-15 (measured: at most
+~4e-15 between engines, ~4e-15 against the contiguous recompute); TOL = 1e-12 leaves 250x
+over it and is ~1e12x below what one misread slot costs (an O(0.1..1) change)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvpool.attention.reference import reference_logits
+from kvpool.cache import CacheDescriptor
+from kvpool.engine.dsv4_runner import dsv4_runner
+from kvpool.engine.engine import Engine
+from kvpool.engine.hybrid_runner import hybrid_runner
+from kvpool.engine.llama_runner import llama_runner
+from kvpool.engine.sampling import SamplingParams
+from kvpool.models.gguf import LlamaConfig
+from kvpool.models.llama import LlamaModel
+from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG, TinyDSV4
+from kvpool.models.tiny_hybrid import TINY_GEMMA2, TINY_RECURRENT, TinyHybrid
+from kvpool.tiers import HostTier
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TOL = 1e-12
+EOS = 7  # the engines' end-of-sequence token (a request that does not ignore it may stop early)
+
+CONFIG = LlamaConfig(
+    num_layers=2,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=16,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    vocab_size=64,
+    max_position=512,
+    tie_embeddings=False,
+)
+DESCRIPTOR = CacheDescriptor("fuzz-llama", weights_version="seed3")
+
+
+def _model() -> LlamaModel:
+    g = torch.Generator().manual_seed(3)
+    c = CONFIG
+    kv = c.num_kv_heads * c.head_dim
+    shapes = {
+        "q": (c.num_heads * c.head_dim, c.hidden_size),
+        "k": (kv, c.hidden_size),
+        "v": (kv, c.hidden_size),
+        "o": (c.hidden_size, c.num_heads * c.head_dim),
+        "gate": (c.intermediate_size, c.hidden_size),
+        "up": (c.intermediate_size, c.hidden_size),
+        "down": (c.hidden_size, c.intermediate_size),
+    }
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    tensors = [
+        ("embed", randn(c.vocab_size, c.hidden_size)),
+        ("norm", 1 + 0.1 * randn(c.hidden_size)),
+        ("lm_head", randn(c.vocab_size, c.hidden_size) / c.hidden_size**0.5),
+    ]
+    for i in range(c.num_layers):
+        for part, shape in shapes.items():
+            tensors.append((f"layers.{i}.{part}", randn(*shape) / shape[1] ** 0.5))
+        for part in ("attn_norm", "ffn_norm"):
+            tensors.append((f"layers.{i}.{part}", 1 + 0.1 * randn(c.hidden_size)))
+    return LlamaModel.from_tensors(CONFIG, tensors, "cpu")
+
+
+MODEL = _model()
+# the hybrid models, their window cut to 5 tokens so that the prompts here pass it
+HYBRIDS = {
+    "gemma": TinyHybrid({**TINY_GEMMA2, "window": 5}, seed=1, dtype=torch.float64),
+    "recurrent": TinyHybrid(TINY_RECURRENT, seed=1, dtype=torch.float64),
+}
+# the small V4 (window 16, compression 4 and 16; classical blocks of 16 tokens)
+DSV4 = TinyDSV4(SMALL_DSV4_CONFIG, seed=1, dtype=torch.float64)
+VOCAB = min(CONFIG.vocab_size, *(m.config["vocab_size"] for m in HYBRIDS.values()))
+
+
+def _oracle(family: str, token_ids: list[int]) -> torch.Tensor:
+    if family == "llama":
+        return reference_logits(MODEL, token_ids, fused=False)
+    if family == "dsv4":
+        return DSV4.reference_logits(token_ids)
+    return HYBRIDS[family].reference_logits(token_ids)
+
+
+class Fault(Exception):
+    """An injected fault of one step's forward."""
+
+
+class Rows:
+    """Every logit row a runner computes, keyed by the token history it predicts from."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.rows: dict[tuple[int, ...], list[torch.Tensor]] = {}
+        runner, execute = engine.runner, engine.runner.execute
+        self.engine = engine
+        self.fault: str | None = None  # the next forward raises: "before" it runs, or "after" (its KV written)
+
+        def recording(chunks, all_logits: bool = False):
+            # the histories before the forward: the chunks' sequences as the cache holds them
+            histories = []
+            for c in chunks:
+                if c.needs_logits:
+                    prefix = runner.cache.token_ids(c.request_id)[: c.start]
+                    histories.append((*prefix, *c.token_ids))
+            fault, self.fault = self.fault, None
+            if fault == "before":
+                raise Fault
+            out = execute(chunks, all_logits)
+            if fault == "after":
+                raise Fault
+            if not all_logits:
+                assert out.shape[0] == len(histories)
+                for history, row in zip(histories, out, strict=True):
+                    self.rows.setdefault(history, []).append(row.detach().clone())
+            return out
+
+        runner.execute = recording
+
+
+def _engine(
+    family: str,
+    num_blocks: int,
+    block_size: int,
+    budget: int,
+    *,
+    prefix: bool,
+    host: bool = False,
+    swap: bool | str = False,
+    static: bool = False,
+    max_num_seqs: int = 64,
+    decode_path: str | None = None,
+    num_slots: int = 64,
+    interval: int = 4,
+    restore: str = "recompute",
+    turn_ends: bool = False,
+) -> Engine:
+    if family == "dsv4":  # block_size: 16, the model's
+        runner = dsv4_runner(
+            DSV4,
+            num_blocks,
+            num_slots,
+            restore=restore,
+            num_checkpoints=0 if restore == "recompute" else 4,
+            enable_prefix_caching=prefix,
+            host_tier=HostTier(1 << 24, pin_memory=False) if host else None,
+            turn_end_checkpoints=turn_ends,
+            preemption="swap" if swap else "recompute",
+        )
+        return Engine(runner, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, eos_token_ids=(EOS,))
+    if family != "llama":
+        runner = hybrid_runner(
+            HYBRIDS[family],
+            num_blocks,
+            num_slots,
+            block_size=block_size,
+            checkpoint_interval=interval,
+            enable_prefix_caching=prefix,
+        )
+        return Engine(runner, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, eos_token_ids=(EOS,))
+    block_bytes = 2 * CONFIG.num_layers * CONFIG.num_kv_heads * CONFIG.head_dim * block_size * 8
+    runner = llama_runner(
+        MODEL,
+        num_blocks,
+        block_size,
+        DESCRIPTOR,
+        enable_prefix_caching=prefix,
+        host_tier=HostTier(64 * block_bytes, pin_memory=False) if host else None,
+        preemption=swap or "recompute",
+        decode_path=decode_path,
+        decode_mode="static" if static else "eager",
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+    )
+    return Engine(runner, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, eos_token_ids=(EOS,))
+
+
+REFERENCES: dict[tuple, tuple[list[list[int]], dict]] = {}
+
+
+def _reference(family: str, prompt: list[int], params: SamplingParams) -> tuple[list[list[int]], dict]:
+    """The request alone on a fresh, roomy engine without prefix caching: each sample's
+    output and every logit row, checked once against the contiguous fp64 recompute."""
+    key = (family, tuple(prompt), repr(params))
+    if key in REFERENCES:
+        return REFERENCES[key]
+    engine = _engine(family, 64, 16, 512, prefix=False)
+    rows = Rows(engine)
+    rid = engine.add_request(list(prompt), params, "ref")
+    while engine.has_unfinished():
+        engine.step()
+    out = engine.pop_output(rid)
+    outputs = [(list(c.token_ids), c.finish_reason) for c in out.completions]
+    for output, _ in outputs:
+        seq = prompt + output
+        full = _oracle(family, seq[:-1])
+        for pos in range(len(prompt) - 1, len(seq) - 1):
+            got = rows.rows[tuple(seq[: pos + 1])][0]
+            assert (got - full[pos]).abs().max().item() <= TOL, f"the reference engine at {pos}"
+    REFERENCES[key] = (outputs, rows.rows)
+    return REFERENCES[key]
+
+
+@st.composite
+def workloads(draw, family: str = "llama"):
+    block_size = 16 if family == "dsv4" else draw(st.sampled_from([1, 3, 16]))
+    rng = random.Random(draw(st.integers(0, 2**32 - 1)))
+    # a shared prefix: exactly a block, a block +- 1, or anything up to ~2 blocks
+    base_len = draw(
+        st.one_of(st.sampled_from([block_size - 1, block_size, block_size + 1, 2 * block_size]), st.integers(0, 20))
+    )
+    base_len = max(0, min(base_len, 40))
+    base = [rng.randrange(VOCAB) for _ in range(base_len)]
+    num_requests = draw(st.integers(1, 5))
+    requests: list = []
+    lengths: list[int] = []  # each request's prompt length, its earlier turns' included
+    for _ in range(num_requests):
+        share = draw(st.one_of(st.just(base_len), st.integers(0, base_len)))  # the whole prefix, mostly
+        tail = draw(st.integers(0 if share else 1, 8))
+        prompt = base[:share] + [rng.randrange(VOCAB) for _ in range(tail)]
+        n = draw(st.sampled_from([1, 1, 2, 3]))
+        sampled = draw(st.booleans())
+        params = SamplingParams(
+            max_tokens=draw(st.integers(1, 8)),
+            n=n,
+            ignore_eos=draw(st.booleans()),
+            logprobs=draw(st.sampled_from([None, None, 2])),  # (a request with logprobs takes the checked path)
+            temperature=0.8 if sampled else 0.0,
+            seed=draw(st.integers(0, 3)) if sampled else None,
+        )
+        arrival = draw(st.sampled_from([0, 0, 1, 2, 3, 5, 8, 12]))
+        abort = draw(st.one_of(st.none(), st.integers(0, 12)))
+        # a later turn: an earlier request's prompt and (its first sample's) output, then this one's
+        follows = draw(st.one_of(st.none(), st.integers(0, len(requests) - 1))) if requests else None
+        length = len(prompt)
+        if follows is not None:
+            length += lengths[follows] + requests[follows][1].max_tokens
+        lengths.append(length)
+        tenant = draw(st.sampled_from(["", "", "t1"]))  # a tenant hits its own cache only
+        requests.append((prompt, params, arrival, abort, follows, tenant))
+    # steps whose forward raises (the engine undoes the step, or releases its sequences to
+    # be recomputed, and steps on), before the forward or after it wrote the step's KV
+    faults = draw(st.dictionaries(st.integers(0, 15), st.sampled_from(["before", "after"]), max_size=2))
+    # steps before which the prefix cache is reset (refused while a request runs)
+    faults["reset"] = draw(st.frozensets(st.integers(0, 15), max_size=2))
+    longest = max(n + r[1].max_tokens for n, r in zip(lengths, requests, strict=True))
+    # a pool that holds the longest request alone (one block more: a fork's copy-on-write),
+    # and not much else: preemption is forced where several run at once
+    least = -(-longest // block_size) + 1
+    if family == "dsv4":  # (its capacity: the blocks' spans and the window's 15 tokens)
+        least = max(1, -(-(longest - 15) // block_size))
+    num_blocks = least + draw(st.integers(0, 1 if family == "dsv4" else 3))
+    budget = draw(st.sampled_from([1, 2, 3, 5, 8, 64]))
+    max_num_seqs = draw(st.sampled_from([2, 3, 64]))
+    if family == "dsv4":
+        tiers = draw(st.sampled_from(["none", "prefix", "host", "swap"]))
+        options = {
+            "prefix": tiers != "none",
+            "host": tiers in ("host", "swap"),
+            "swap": tiers == "swap",
+            "max_num_seqs": max_num_seqs,
+            "num_slots": draw(st.sampled_from([1, 2, 3, 4, 4])),  # state blocks: one a running sequence
+            "restore": draw(st.sampled_from(["recompute", "checkpoint", "auto"])),
+            "turn_ends": draw(st.booleans()),
+        }
+        return family, block_size, num_blocks, budget, options, requests, faults
+    if family != "llama":  # no tier serves a hybrid cache
+        options = {
+            "prefix": draw(st.booleans()),
+            "max_num_seqs": max_num_seqs,
+            # state slots: each running sequence's live state and the checkpoints, few of them
+            "num_slots": draw(st.integers(2, 6)),
+            "interval": draw(st.sampled_from([1, 2, 3, 4, 7])),
+        }
+        return family, block_size, num_blocks, budget, options, requests, faults
+    # no prefix cache / prefix cache / a host tier below it / preemption by swap to that tier
+    # (auto: swap or recompute by the rates the runner measures)
+    tiers = draw(st.sampled_from(["none", "prefix", "host", "swap", "auto"]))
+    options = {
+        "prefix": tiers != "none",
+        "host": tiers in ("host", "swap", "auto"),
+        "swap": {"swap": "swap", "auto": "auto"}.get(tiers, False),
+        "static": draw(st.booleans()),  # pure-decode steps through the step buffers
+        "decode_path": draw(st.sampled_from(["bags", "padded"])),
+        "max_num_seqs": max_num_seqs,
+    }
+    return family, block_size, num_blocks, budget, options, requests, faults
+
+
+def _run(family, block_size, num_blocks, budget, options, requests, faults):
+    engine = _engine(family, num_blocks, block_size, budget, **options)
+    rows = Rows(engine)
+    ids: list[str | None] = [None] * len(requests)
+    aborted: set[int] = set()
+    step = 0
+    while step < 400:
+        for i, (prompt, params, arrival, _, tenant) in enumerate(requests):
+            if arrival == step and ids[i] is None:
+                ids[i] = engine.add_request(list(prompt), params, f"r{i}", tenant=tenant)
+        for i, (_, _, _, abort, _) in enumerate(requests):
+            if abort is not None and ids[i] is not None and abort == step and i not in aborted:
+                if engine.abort(ids[i]):
+                    aborted.add(i)
+        if not engine.has_unfinished() and all(i is not None for i in ids):
+            break
+        if step in faults["reset"]:
+            engine.reset_prefix_cache()
+            engine.runner.check_integrity()
+        rows.fault = faults.get(step)
+        try:
+            engine.step()
+        except Fault:
+            assert rows.fault is None, "the step raised before its forward"
+        rows.fault = None
+        engine.runner.check_integrity()
+        step += 1
+    assert not engine.has_unfinished(), "the workload did not finish in 400 steps"
+    engine.runner.check_integrity()
+    outputs = {}
+    for i, rid in enumerate(ids):
+        out = engine.pop_output(rid)
+        outputs[i] = [(list(c.token_ids), c.finish_reason) for c in out.completions]
+    return engine, rows, outputs, aborted
+
+
+def _check(family, block_size, num_blocks, budget, options, requests, faults) -> None:
+    resolved, refs = [], []
+    for prompt, params, arrival, abort, follows, tenant in requests:
+        if follows is not None:
+            prompt = resolved[follows][0] + refs[follows][0][0][0] + prompt
+        resolved.append((prompt, params, arrival, abort, tenant))
+        refs.append(_reference(family, prompt, params))
+    requests = resolved
+    engine, rows, outputs, aborted = _run(family, block_size, num_blocks, budget, options, requests, faults)
+    # every row the engine computed, against the reference's row of the same history
+    known: dict[tuple[int, ...], torch.Tensor] = {}
+    for _, ref_rows in refs:
+        for history, got in ref_rows.items():
+            known.setdefault(history, got[0])
+    for history, got in rows.rows.items():
+        assert history in known, f"a row of a history no reference computed ({len(history)} tokens)"
+        for row in got:
+            diff = (row - known[history]).abs().max().item()
+            assert diff <= TOL, f"logits of a {len(history)}-token history {diff} from the reference"
+    for i, (_, params, _, _, _) in enumerate(requests):
+        ref_outputs, _ = refs[i]
+        if i not in aborted:
+            assert len(outputs[i]) == params.n
+        for k, (tokens, reason) in enumerate(outputs[i]):
+            want, why = ref_outputs[k]
+            if i in aborted and reason == "abort":
+                assert tokens == want[: len(tokens)], f"r{i}/{k} (aborted): {tokens} vs alone {want}"
+            else:
+                assert (tokens, reason) == (want, why), f"r{i}/{k}: {tokens} ({reason}) != alone {want} ({why})"
+    usage = engine.runner.usage()
+    assert usage.num_free_blocks == usage.num_blocks and usage.num_held_blocks == 0, usage
+
+
+@settings(max_examples=60, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_every_request_computes_what_it_computes_alone(workload) -> None:
+    _check(*workload)
+
+
+@settings(max_examples=30, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(["gemma", "recurrent"]).flatmap(workloads))
+def test_every_hybrid_request_computes_what_it_computes_alone(workload) -> None:
+    _check(*workload)
+
+
+def test_the_tolerance_catches_one_misread_slot() -> None:
+    """TOL is far below what one wrong KV slot does to a logit row of this model."""
+    prompt = [random.Random(1).randrange(VOCAB) for _ in range(12)]
+    full = reference_logits(MODEL, prompt, fused=False)
+    wrong = reference_logits(MODEL, prompt[:5] + [(prompt[5] + 1) % CONFIG.vocab_size] + prompt[6:], fused=False)
+    assert (full[-1] - wrong[-1]).abs().max().item() > 1e6 * TOL
+
+
+
+@settings(max_examples=10, deadline=5000, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads("dsv4"))
+def test_every_v4_request_computes_what_it_computes_alone(workload) -> None:
+    _check(*workload)
