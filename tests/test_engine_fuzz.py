@@ -405,7 +405,6 @@ def test_the_tolerance_catches_one_misread_slot() -> None:
     assert (full[-1] - wrong[-1]).abs().max().item() > 1e6 * TOL
 
 
-
 @settings(max_examples=10, deadline=5000, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads("dsv4"))
 def test_every_v4_request_computes_what_it_computes_alone(workload) -> None:
