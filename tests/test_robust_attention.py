@@ -421,6 +421,55 @@ def test_a_buffered_decode_weighs_nothing_past_a_context(backend, value) -> None
     assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("num_slots", [2, 4])
+@pytest.mark.parametrize(
+    "path", ["bags", "padded", "native", "dequant-bags", "q8-native", "triton", "triton-q8", "triton-q8-token"]
+)
+def test_a_step_whose_slots_are_not_its_tokens_is_refused_before_anything_is_written(path, num_slots, request) -> None:
+    """PagedStepMetadata with 2 or 4 slots for a 3-token chunk: the Triton backend's write
+    read a slot past the tensor's end (a segfault in the interpreter; on a GPU a write
+    through whatever lay there), the torch path failed in index_copy_ with torch's words.
+    Now every backend names the counts when it plans the step, before the pool (or a
+    quantized pool's tails) is touched."""
+    from kvpool.attention.backends.native import NativeBackend
+    from kvpool.attention.backends.paged_step import PagedStepMetadata
+    from kvpool.attention.backends.quant import DequantBackend, QuantNativeBackend
+    from kvpool.attention.backends.torch_paged import TorchPagedBackend
+    from kvpool.attention.backends.triton_paged import TritonPagedBackend
+    from kvpool.attention.backends.triton_quant import TritonQuantBackend
+    from kvpool.spec.kv_formats import kv_schema
+    from kvpool.storage.kv import PagedKVStorage, QuantizedKVStorage
+
+    kernels = request.getfixturevalue("kernels") if "native" in path else None
+    if path.startswith(("dequant", "q8", "triton-q8")):
+        fmt = "fp8_e4m3_token" if path.endswith("token") else "fp8_e4m3"
+        storage = QuantizedKVStorage(1, 4, 16, 2, 32, kv_schema(fmt), torch.float32, "cpu")
+    else:
+        storage = PagedKVStorage(1, 4, 16, 2, 32, torch.float32, "cpu", kernels if path == "native" else None)
+    if path == "native":
+        backend = NativeBackend(storage, 4, kernels, torch.float32)
+    elif path == "q8-native":
+        backend = QuantNativeBackend(storage, 4, kernels, torch.float32)
+    elif path.startswith("dequant"):
+        backend = DequantBackend(storage, 4, None, torch.float32, decode_path="bags")
+    elif path == "triton":
+        backend = TritonPagedBackend(storage, 4, None, torch.float32)
+    elif path.startswith("triton-q8"):
+        backend = TritonQuantBackend(storage, 4, None, torch.float32)
+    else:
+        backend = TorchPagedBackend(storage, 4, None, torch.float32, decode_path=path)
+    before = [t.clone() for t in (storage.k, storage.v)]
+    tails = getattr(storage, "num_tails", None)
+    meta = PagedStepMetadata([3], [3], list(range(16, 16 + num_slots)), [0, 1], [1])
+    with pytest.raises(ValueError, match=f"the step has {num_slots} slots for 3 new tokens"):
+        backend.begin_step(meta)
+    assert torch.equal(storage.k, before[0]) and torch.equal(storage.v, before[1])
+    assert getattr(storage, "num_tails", None) == tails
+    # and the same step with its three slots runs
+    step = backend.begin_step(PagedStepMetadata([3], [3], [16, 17, 18], [0, 1], [1]))
+    assert torch.isfinite(step.attend(0, torch.randn(3, 4, 32), torch.randn(3, 2, 32), torch.randn(3, 2, 32))).all()
+
+
 # ---- the batched sampler (engine/batch_sampler.py) against a plain fp64 sampler ----------
 
 

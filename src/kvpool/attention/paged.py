@@ -151,6 +151,8 @@ def plan_step(
         else:
             prefills.append(plan_prefill(row, q_len, ctx_len, blocks, device))
         row += q_len
+    if len(slot_mapping) != row:  # (a kernel would write the step's K/V through slots that are not its own)
+        raise ValueError(f"the step has {len(slot_mapping)} slots for {row} new tokens (the sum of its q_lens)")
     decode = None
     if decode_rows and decode_path == "native":
         assert kernels is not None

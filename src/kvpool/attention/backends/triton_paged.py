@@ -203,6 +203,8 @@ class TritonPagedBackend(PagedBackend):
                 prefill_seqs.append(i)
                 prefill_rows.append(row)
             row += q_len
+        if len(meta.slots) != row:  # (write_kv reads a slot per new token: past the tensor's end, on any)
+            raise ValueError(f"the step has {len(meta.slots)} slots for {row} new tokens (the sum of its q_lens)")
         slots = torch.tensor(meta.slots, dtype=torch.long, device=device)
         decode = self._plan_decodes(meta, seqs, rows) if seqs else None
         extend = self._plan_extend(meta, prefill_seqs, prefill_rows, row) if prefill_seqs else None

@@ -85,6 +85,11 @@ class TritonQuantBackend(PagedBackend):
         for every layer."""
         st, scale, before_read, ops = self.storage, self.scale, self.before_read, self.ops
         device = st.k.device
+        num_tokens = sum(meta.q_lens)  # (checked before the write index, which takes tails)
+        if len(meta.slots) != num_tokens:
+            raise ValueError(
+                f"the step has {len(meta.slots)} slots for {num_tokens} new tokens (the sum of its q_lens)"
+            )
         slots = torch.tensor(meta.slots, dtype=torch.long, device=device)
         index = st.write_index(slots, host_slots=meta.slots)  # the list: no read back from the device
         plan = ops.plan_extend(
