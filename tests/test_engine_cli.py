@@ -148,6 +148,31 @@ def test_v4_turn_ends_are_off_without_prefix_caching(capsys):
     assert (report["v4_turn_ends"], report["state_adoptions"], report["prefix_hit_tokens"]) == (False, 0, 0)
 
 
+@pytest.mark.parametrize("command", ["run", "generate"])
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--host-cache-gib", "0.01"], "--host-cache-gib"),
+        (["--host-cache-gib", "0.01", "--preemption", "swap"], "--host-cache-gib"),
+        (["--disk-cache", "DIR"], "--disk-cache"),
+        (["--host-cache-gib", "0.01", "--disk-cache", "DIR"], "--host-cache-gib / --disk-cache"),
+    ],
+)
+def test_a_tier_without_prefix_caching_is_refused(capsys, tmp_path, command, flags, named):
+    """The runner drops every tier where prefix caching is off (tier_bridge.py): a tier
+    flag with --no-enable-prefix-caching was taken, the run went on, and nothing was ever
+    stored in the tier (no word of it in the report). The pair is refused in one line."""
+    flags = [str(tmp_path / "d") if f == "DIR" else f for f in flags]
+    tail = ["--", "1,2,3"] if command == "generate" else []
+    assert main([command, "--model", "tiny-dsv4", "--no-enable-prefix-caching", *flags, *tail]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"kvpool {command}: error: {named} with --no-enable-prefix-caching: a tier keeps and serves cached prefix "
+        "blocks, and without prefix caching nothing is stored in it (drop one of the two)"
+    )
+    assert not (tmp_path / "d").exists()
+
+
 def test_run_smollm2_report_follows_its_definitions(capsys):
     report = _run_json(
         capsys,

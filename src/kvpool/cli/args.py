@@ -527,6 +527,24 @@ def check_v4_turn_ends(args: argparse.Namespace) -> None:
         raise ValueError("--v4-turn-ends with --no-enable-prefix-caching: a turn-end state is found as a prefix hit")
 
 
+def check_tiers_need_caching(args: argparse.Namespace) -> None:
+    """ValueError for a tier flag with --no-enable-prefix-caching: the tiers keep and serve
+    cached prefix blocks (and swapped-out requests), so without prefix caching the runner
+    drops them; the flag was taken and nothing was ever stored in the tier or read from it."""
+    if getattr(args, "enable_prefix_caching", True) is not False:
+        return
+    given = [
+        flag
+        for flag, name in (("--host-cache-gib", "host_cache_gib"), ("--disk-cache", "disk_cache"), ("--redis", "redis"))
+        if getattr(args, name, None) is not None
+    ]
+    if given:
+        raise ValueError(
+            f"{' / '.join(given)} with --no-enable-prefix-caching: a tier keeps and serves cached prefix blocks, "
+            "and without prefix caching nothing is stored in it (drop one of the two)"
+        )
+
+
 class EngineFlags(NamedTuple):
     """What `check_engine_flags` read: --preemption, --kv-cache-dtype's storage format (None:
     the model's own) and build_engine's tier options (persistent_cache_options)."""
@@ -542,6 +560,7 @@ def check_engine_flags(args: argparse.Namespace) -> EngineFlags:
     --tensor-parallel-size cannot go with. ValueError naming the first that cannot work."""
     check_hisparse(args)
     check_v4_turn_ends(args)
+    check_tiers_need_caching(args)
     preemption = check_preemption(args)
     kv_format = check_kv_dtype(args)
     tiers = persistent_cache_options(args)
