@@ -944,42 +944,51 @@ class Engine:
         # admission appends its id to a copy of its own (only of a shared list: another is
         # the plan's own already)
         ids_shared = ids is self._decode_ids or (columns is not None and ids is columns.ids)
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            admitted = self._timed(
-                self.runner.admit,
-                seq.seq_id,
-                seq.token_ids,
-                budget,
-                tenant_salt=seq.request.tenant,
-                prompt=seq.prompt,
-                check_packing=False,  # (add_request checked seq.prompt's bytes)
-                # the cache reads the sequence's own list: each take appends a sampled id to it
-                # before the step's commit, which then appends nothing (no second copy of the
-                # ids to grow a row a step)
-                share_ids=True,
-            )
-            if admitted is None:
-                break
-            if ids_shared:
-                ids, ids_shared = ids.copy(), False
-                if scheduled is self._decode_rows or (columns is not None and scheduled is columns.seqs):
-                    scheduled = scheduled.copy()  # (shared with them alike: `_plan_running`)
-            self.waiting.popleft()
-            seq.prompt = None  # (a readmission after a preemption holds more tokens: packed anew)
-            seq.in_runner = True
-            seq._num_computed = admitted.num_cached_tokens
-            req = seq.request
-            if not req.first_admitted:
-                req.first_admitted = True
-                req.num_cached_tokens = min(admitted.num_cached_tokens, req.num_prompt_tokens)
-            self.running.append(seq)
-            scheduled.append(seq)
-            chunk = self._chunk(seq, admitted.num_scheduled_tokens)
-            chunks.append(chunk)
-            ids.append(seq.seq_id)
-            counts.append(len(chunk.token_ids))
-            budget -= admitted.num_scheduled_tokens
+        # An admission that raises (the runner's admit: a tier's load, a check) comes after the
+        # running sequences reserved the step, and those admitted before it: their reservations
+        # go as a faulted forward's do (`_after_a_fault`: a cache of exact steps refuses them
+        # reserved again, and every later step raised)
+        try:
+            while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+                seq = self.waiting[0]
+                admitted = self._timed(
+                    self.runner.admit,
+                    seq.seq_id,
+                    seq.token_ids,
+                    budget,
+                    tenant_salt=seq.request.tenant,
+                    prompt=seq.prompt,
+                    check_packing=False,  # (add_request checked seq.prompt's bytes)
+                    # the cache reads the sequence's own list: each take appends a sampled id to it
+                    # before the step's commit, which then appends nothing (no second copy of the
+                    # ids to grow a row a step)
+                    share_ids=True,
+                )
+                if admitted is None:
+                    break
+                if ids_shared:
+                    ids, ids_shared = ids.copy(), False
+                    if scheduled is self._decode_rows or (columns is not None and scheduled is columns.seqs):
+                        scheduled = scheduled.copy()  # (shared with them alike: `_plan_running`)
+                self.waiting.popleft()
+                seq.prompt = None  # (a readmission after a preemption holds more tokens: packed anew)
+                seq.in_runner = True
+                seq._num_computed = admitted.num_cached_tokens
+                req = seq.request
+                if not req.first_admitted:
+                    req.first_admitted = True
+                    req.num_cached_tokens = min(admitted.num_cached_tokens, req.num_prompt_tokens)
+                self.running.append(seq)
+                scheduled.append(seq)
+                chunk = self._chunk(seq, admitted.num_scheduled_tokens)
+                chunks.append(chunk)
+                ids.append(seq.seq_id)
+                counts.append(len(chunk.token_ids))
+                budget -= admitted.num_scheduled_tokens
+        except BaseException:
+            self._scheduled = scheduled
+            self._after_a_fault()
+            raise
         if self.waiting and not chunks:  # (waiting first: a StepChunks' len is a Python call)
             head = self.waiting[0]
             raise RuntimeError(
