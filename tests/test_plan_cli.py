@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpool.capacity.fragmentation import sample_lengths
 from kvpool.cli.main import main
 from kvpool.spec.models import load_preset_config
 
@@ -430,19 +431,30 @@ def test_lengths_are_checked_up_front_without_building_the_planners_sample(
     assert built == [8]  # the plan's own draw, alone
 
 
-def test_lengths_past_the_context_are_refused_not_measured(capsys: pytest.CaptureFixture[str]) -> None:
+def test_lengths_past_the_context_are_refused_or_left_out_not_measured(capsys: pytest.CaptureFixture[str]) -> None:
     # `--lengths fixed:100000` at --context 4096 printed "measured 0 slots" for requests an
-    # engine refuses; a lognormal's tail past the context alike (4 of its 124 draws here)
-    base = ["plan", "--model", "llama-3.1-8b", "--gpu", "h100", "--context", "4096"]
-    for lengths, past, drawn, longest in (
-        ("fixed:100000", 124, 124, "100,000"),
-        ("lognormal:500:1.2", 4, 124, "5,527"),
-    ):
-        assert main([*base, "--lengths", lengths]) == 2
+    # engine refuses. A bounded distribution past the context is refused; a lognormal's tail
+    # (no bound) has its draws past it left out and counted, the plan measured on the rest
+    base = ["--model", "llama-3.1-8b", "--gpu", "h100", "--context", "4096"]
+    for lengths in ("fixed:100000", "uniform:1:8192"):
+        drawn = sample_lengths(lengths, 124, 0)  # the plan's draws (124: the pool's requests at 4,096)
+        past = sum(n > 4096 for n in drawn)
+        assert past > 0
+        assert main(["plan", *base, "--lengths", lengths]) == 2
         assert capsys.readouterr().err == (
             f"kvpool plan: error: length distribution (--lengths) {lengths} draws requests past the context of "
-            f"4,096 tokens ({past} of the {drawn} drawn, the longest {longest}); draw lengths within it\n"
+            f"4,096 tokens ({past} of the 124 drawn, the longest {max(drawn):,}); draw lengths within it\n"
         )
-    for lengths in ("uniform:1:4096", "fixed:4096"):  # exactly the context: measured
-        report = _json(capsys, "--model", "llama-3.1-8b", "--gpu", "h100", "--context", "4096", "--lengths", lengths)
-        assert report["fragmentation"]["num_seqs"] == 124
+    frag = _json(capsys, *base, "--lengths", "lognormal:500:1.2")["fragmentation"]
+    drawn = sample_lengths("lognormal:500:1.2", 124, 0)
+    kept = [n for n in drawn if n <= 4096]
+    assert frag["lengths_past_context"] == 124 - len(kept) == 4 and frag["num_seqs"] == len(kept)
+    assert frag["measured_slots"] == sum(-n % 16 for n in kept)  # each kept request's tail, by hand
+    assert main(["plan", *base, "--lengths", "lognormal:500:1.2"]) == 0
+    row = [line.split("│")[1:3] for line in capsys.readouterr().out.splitlines() if "left out" in line]
+    assert [[cell.strip() for cell in cells] for cells in row] == [["draws past the context, left out", "4"]]
+    assert main(["plan", *base, "--lengths", "lognormal:1000000:0.1"]) == 2  # every draw past it
+    assert "(124 of the 124 drawn" in capsys.readouterr().err
+    for lengths in ("uniform:1:4096", "fixed:4096"):  # exactly the context: measured, nothing left out
+        frag = _json(capsys, *base, "--lengths", lengths)["fragmentation"]
+        assert frag["num_seqs"] == 124 and frag["lengths_past_context"] == 0

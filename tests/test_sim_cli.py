@@ -367,9 +367,9 @@ def test_bench_sim_says_on_stderr_which_phase_of_its_minutes_it_is_in(capsys, mo
     assert out == ""
     assert err.splitlines() == [
         "bench sim: loading SmolLM2-135M ...",
-        "bench sim: the engine's step times for the fit (1 of 3) ...",
-        "bench sim: the engine on the workload's 4 requests ...",
-        "bench sim: the engine's step times for the fit (2 of 3) ...",
+        "bench sim: the engine's step times for the fit, before the run (1 of 4) ...",
+        "bench sim: the engine on the workload's 4 requests (2 of 4) ...",
+        "bench sim: the engine's step times for the fit, after the run (3 of 4) ...",
         "kvpool bench sim: the step times fit no cost model",
     ]
 

@@ -134,17 +134,17 @@ def measure(loaded, workload, seed: int = 0, progress: Progress = no_progress) -
     model, gpu = load_preset("smollm2-135m"), cpu_preset()
     # The fit's steps are timed now, before and after the run (the VM's speed drifts), on
     # other steps than the workload's; the model is fitted to their mean.
-    progress("the engine's step times for the fit (1 of 3)")
+    progress("the engine's step times for the fit, before the run (1 of 4)")
     before = time_engine_steps(loaded, ENGINE, seed=seed)
-    progress(f"the engine on the workload's {len(workload.sessions)} requests")
+    progress(f"the engine on the workload's {len(workload.sessions)} requests (2 of 4)")
     measured = _run_engine(loaded, workload)
-    progress("the engine's step times for the fit (2 of 3)")
+    progress("the engine's step times for the fit, after the run (3 of 4)")
     after = time_engine_steps(loaded, ENGINE, seed=seed + 1)
     try:
         fit = fit_engine(EngineStepTimes.mean(before, after))
     except RuntimeError as error:
         raise FitFailed(str(error)) from error
-    progress("the simulator under the cpu preset and under the fit (3 of 3)")
+    progress("the simulator under the cpu preset and under the fit (4 of 4)")
     preset = _run_sim(model, workload, CostModel(model, gpu))
     fitted = _run_sim(model, workload, fit.cost_model(model, gpu))
     return {

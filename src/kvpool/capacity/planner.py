@@ -51,6 +51,7 @@ class Plan:
     fragmentation_bytes_per_slot: float
     length_distribution: str
     seed: int
+    lengths_past_context: int = 0  # a lognormal's draws past context_len, left out of the measurement
 
     @property
     def replicas(self) -> int:
@@ -115,6 +116,7 @@ class Plan:
                 "num_seqs": frag.num_seqs,
                 "length_distribution": self.length_distribution,
                 "seed": self.seed,
+                "lengths_past_context": self.lengths_past_context,
                 "bound_slots": frag.bound_slots,
                 "expected_slots": frag.expected_slots,
                 "measured_slots": frag.wasted_slots,
@@ -254,15 +256,18 @@ def plan(
     num_sampled = min(concurrency or max(per_replica * replicas, 1), MAX_SAMPLED_SEQS)
     dist = length_distribution or f"uniform:1:{ctx}"
     lengths = sample_lengths(dist, num_sampled, seed)
-    longest = max(lengths, default=0)
-    if longest > ctx:
-        # (a request past the context is one an engine refuses: its tail measured nothing real;
-        # `fixed:100000` at --max-model-len 4096 printed its 0 slots as the measured waste)
-        past = sum(n > ctx for n in lengths)
+    # A request past the context is one an engine refuses: its tail measures nothing real
+    # (`fixed:100000` at --max-model-len 4096 printed its 0 slots as the measured waste). A
+    # bounded distribution (fixed, uniform) past it is the caller's to correct; a lognormal's
+    # tail has no bound, and its draws past the context are left out and counted.
+    past = sum(n > ctx for n in lengths)
+    if past and (not dist.startswith("lognormal:") or past == len(lengths)):
         raise ValueError(
             f"length distribution (--lengths) {dist} draws requests past the context of {ctx:,} tokens "
-            f"({past:,} of the {len(lengths):,} drawn, the longest {longest:,}); draw lengths within it"
+            f"({past:,} of the {len(lengths):,} drawn, the longest {max(lengths):,}); draw lengths within it"
         )
+    if past:
+        lengths = [n for n in lengths if n <= ctx]
     frag = measure_fragmentation(lengths, layout.block_size)
     # A token slot's bytes in the groups that page token by token (V4's tail lives in state).
     bytes_per_slot = sum(g.bytes_per_token for g in layout.groups if not g.complete_blocks_only)
@@ -285,4 +290,5 @@ def plan(
         fragmentation_bytes_per_slot=bytes_per_slot,
         length_distribution=dist,
         seed=seed,
+        lengths_past_context=past,
     )

@@ -504,6 +504,8 @@ def print_plan(p: Plan) -> None:
         text = f"{slots:,.0f} slots" + (f" = {_gib(slots * per_slot)}" if per_slot else "")
         out.add_row(f"  {label}", text)
     out.add_row("  measured on", f"{f['length_distribution']}, seed {f['seed']}")
+    if f["lengths_past_context"]:  # (a lognormal's tail: see plan())
+        out.add_row("  draws past the context, left out", f"{f['lengths_past_context']:,}")
     out.add_row("  measured rate 1 - useful/allocated", f"{100 * f['measured_rate']:.3f} %")
     if not per_slot:
         out.add_row("  (V4: a request's unfinished tail lives in its state block)", "")
