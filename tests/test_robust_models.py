@@ -280,19 +280,19 @@ def test_a_gguf_too_large_for_the_machine_is_refused_before_its_weights_are_read
 
 
 def test_a_pre_tokenizer_kvpool_does_not_implement_is_refused_not_replaced_by_gpt2s(tmp_path, capsys, monkeypatch):
-    """A Llama 3 GGUF (tokenizer.ggml.pre "llama-bpe": digits split in threes, "(hello" one
-    piece) was tokenized with GPT-2's regex, without a word: token ids its own tokenizer never
-    makes ("12345" one piece for BPE to merge as its vocabulary allows)."""
+    """A GGUF split another way (DeepSeek's "deepseek-llm"; Llama 3's "llama-bpe" before kvpool
+    built it) was tokenized with GPT-2's regex, without a word: token ids its own tokenizer
+    never makes. The ones kvpool builds load (tests/test_tokenizer_pre.py holds their splits)."""
     monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path / "cache"))
-    path = write_gguf(tmp_path / "llama3.gguf", raw_kv={"tokenizer.ggml.pre": "llama-bpe"})
+    path = write_gguf(tmp_path / "deepseek.gguf", raw_kv={"tokenizer.ggml.pre": "deepseek-llm"})
     assert main(["generate", "12345", "--model", path, "--no-chat"]) == 2
     err = capsys.readouterr().err
     assert err == (
-        "kvpool generate: error: unsupported GGUF pre-tokenizer tokenizer.ggml.pre 'llama-bpe': kvpool splits "
-        "text as codeshell, command-r, default, exaone, gpt-2, minerva-7b, refact, smollm, starcoder, and another "
-        "split would give token ids the model was not trained on\n"
+        "kvpool generate: error: unsupported GGUF pre-tokenizer tokenizer.ggml.pre 'deepseek-llm': kvpool splits "
+        "text as codeshell, command-r, default, exaone, gpt-2, llama-bpe, minerva-7b, qwen2, refact, smollm, "
+        "starcoder, and another split would give token ids the model was not trained on\n"
     )
-    for pre in ("gpt-2", "smollm"):  # GPT-2's regex, and digit by digit before it
+    for pre in ("gpt-2", "smollm", "llama-bpe", "qwen2"):  # GPT-2's regex, digit by digit before it, their own
         path = write_gguf(tmp_path / f"{pre}.gguf", raw_kv={"tokenizer.ggml.pre": pre})
         assert main(["generate", "t1", "--model", path, "--no-chat", "--max-tokens", "1"]) in (0, 2)
         assert "pre-tokenizer" not in capsys.readouterr().err

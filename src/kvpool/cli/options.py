@@ -511,13 +511,17 @@ def options_table() -> str:
             flags += f" / `--no-{option.name[2:]}`"
         former = ", ".join(f"`{a}`" for a in option.aliases) or ""
         lines.append(f"| {option.concept} | {flags} | {former} | " + " | ".join(cells) + " |")
+    from kvpool.models.tokenizer import SUPPORTED_PRES  # (here, not at import: it loads the tokenizers library)
+
     lines += [
         "",
         "Sizes (`--kv-memory`, `serve --max-request-bytes`) take " + SIZE_EXAMPLES.replace("(", "(").strip() + ".",
         f"Model names: the engine's commands take `{DEFAULT_MODEL}` or a Llama-architecture GGUF file whose "
-        "tokenizer is byte-level BPE split as GPT-2 splits text or digit by digit first (`tokenizer.ggml.pre` "
-        "`gpt-2`, `smollm`, `starcoder`, ...; another, such as Llama 3's `llama-bpe`, is refused in one line); `run` "
-        "also takes " + ", ".join(f"`{m}`" for m in ENGINE_MODELS[1:]) + ", `generate` and `eval kv-quant` take "
+        "tokenizer is byte-level BPE split one of the ways kvpool builds (`tokenizer.ggml.pre` "
+        + ", ".join(f"`{pre}`" for pre in sorted(SUPPORTED_PRES))
+        + "; another, such as DeepSeek's `deepseek-llm`, is refused in one line); `run` also takes "
+        + ", ".join(f"`{m}`" for m in ENGINE_MODELS[1:])
+        + ", `generate` and `eval kv-quant` take "
         "`tiny-dsv4`; `plan` and `simulate` take a preset name in any case "
         "(`kvpool plan -h` lists them) or a config.json. GPU presets are case-insensitive (`h200` = `H200`).",
         "",

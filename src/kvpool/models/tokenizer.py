@@ -5,7 +5,10 @@ spelled in the byte-to-unicode alphabet and `tokenizer.ggml.merges` are "a b" pa
 Control tokens (token_type 3, e.g. `<|im_start|>`) become special added tokens so that
 they are matched whole. The pre-tokenizer follows `tokenizer.ggml.pre`: SmolLM splits
 every digit on its own before the GPT-2 regex (as its original tokenizer.json and
-llama.cpp do).
+llama.cpp do); Llama 3 ('llama-bpe') and Qwen2 ('qwen2') split with their own regex (the
+one in their tokenizer.json, which llama.cpp also runs), and Llama 3 takes a piece that is
+a whole vocabulary token as that token before any merge (HF's `ignore_merges`, llama.cpp's
+too for that pre-tokenizer).
 """
 
 from __future__ import annotations
@@ -23,6 +26,31 @@ USER_DEFINED_TOKEN_TYPE = 4
 _INDIVIDUAL_DIGIT_PRES = frozenset({"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"})
 # pre-tokenizer kinds that are the GPT-2 byte-level regex alone ("default": a GGUF without the key)
 _GPT2_PRES = frozenset({"default", "gpt-2"})
+
+
+def _split_regex(digits: str) -> str:
+    """The split regex Llama 3 and Qwen2 share (each match one piece), `digits` the one
+    alternative they differ in. Oniguruma syntax, as the tokenizers library runs it (Python's
+    re has no \\p{L} / \\p{N})."""
+    return "|".join(
+        (
+            r"(?i:'s|'t|'re|'ve|'m|'ll|'d)",  # a contraction, in any case
+            r"[^\r\n\p{L}\p{N}]?\p{L}+",  # a letter run, with one non-letter non-digit before it
+            digits,
+            r" ?[^\s\p{L}\p{N}]+[\r\n]*",  # a symbol run, the space before it, the newlines after
+            r"\s*[\r\n]+",  # whitespace through the last newline of a run
+            r"\s+(?!\S)",  # whitespace, less the space a following word takes
+            r"\s+",
+        )
+    )
+
+
+# pre-tokenizer kinds with their own split regex: tokenizer.ggml.pre -> (regex, ignore_merges)
+_REGEX_PRES = {
+    "llama-bpe": (_split_regex(r"\p{N}{1,3}"), True),  # Llama 3: digits in runs of at most three
+    "qwen2": (_split_regex(r"\p{N}"), False),  # Qwen2: every digit on its own
+}
+SUPPORTED_PRES = _GPT2_PRES | _INDIVIDUAL_DIGIT_PRES | frozenset(_REGEX_PRES)
 
 
 @dataclass
@@ -86,11 +114,10 @@ def check_tokenizer(data: TokenizerData) -> None:
     the loader asks before it reads the weights)."""
     if data.model != "gpt2":
         raise ValueError(f"unsupported GGUF tokenizer model {data.model!r}; kvpool builds byte-level BPE ('gpt2')")
-    if data.pre not in _GPT2_PRES | _INDIVIDUAL_DIGIT_PRES:
-        # another split of the text (Llama 3's "llama-bpe": digits in threes, a letter run
-        # taking the punctuation before it, contractions in any case) fell back to GPT-2's
+    if data.pre not in SUPPORTED_PRES:
+        # another split of the text (DeepSeek's "deepseek-llm", ...) fell back to GPT-2's
         # regex without a word, and the model was fed token ids its own tokenizer never makes
-        known = ", ".join(sorted(_GPT2_PRES | _INDIVIDUAL_DIGIT_PRES))
+        known = ", ".join(sorted(SUPPORTED_PRES))
         raise ValueError(
             f"unsupported GGUF pre-tokenizer tokenizer.ggml.pre {data.pre!r}: kvpool splits text as {known}, "
             "and another split would give token ids the model was not trained on"
@@ -101,15 +128,28 @@ def build_tokenizer(data: TokenizerData) -> ChatTokenizer:
     check_tokenizer(data)
     vocab = {token: index for index, token in enumerate(data.tokens)}
     merges = [tuple(m.split(" ", 1)) for m in data.merges]
+    split, ignore_merges = _REGEX_PRES.get(data.pre, (None, False))
     try:
         bpe = models.BPE(
-            vocab=vocab, merges=merges, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False
+            vocab=vocab,
+            merges=merges,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+            ignore_merges=ignore_merges,
         )
     except Exception as e:  # (the library raises a bare Exception, e.g. "Token `x` out of vocabulary")
         raise ValueError(f"the GGUF's tokenizer.ggml.merges do not fit its tokens: {e}") from None
     tok = Tokenizer(bpe)
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if data.pre in _INDIVIDUAL_DIGIT_PRES:
+    if split is not None:  # the regex splits; the byte-level step only maps bytes to its alphabet
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    elif data.pre in _INDIVIDUAL_DIGIT_PRES:
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"), byte_level]
         )
