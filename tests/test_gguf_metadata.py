@@ -20,8 +20,9 @@ def write_gguf(path, **over) -> str:
     """A 2-layer Llama GGUF (hidden 16, 4 heads, 2 KV heads, vocab 32); `over` replaces
     metadata (heads, kvh, hidden, key_length, ctx, theta, eps, vocab; template, merges,
     token_types: the tokenizer's; raw_kv {key: value} any key) or a tensor's dims (q_rows,
-    embed_rows, tokens); `skip` leaves tensors out; `poison` {tensor: [(index, value), ...]}
-    writes values into a tensor (numpy shape: [out, in]); `dtype` the tensors'."""
+    embed_rows, tokens); `skip` leaves tensors out; `extra` {name: array} adds tensors;
+    `poison` {tensor: [(index, value), ...]} writes values into a tensor (numpy shape:
+    [out, in]); `dtype` the tensors'."""
     o = {"layers": 2, "hidden": 16, "ff": 24, "heads": 4, "kvh": 2, "ctx": 64, "theta": 1e4, "eps": 1e-5, **over}
     head_dim = o.get("key_length") or 4
     tokens = o.get("tokens", TOKENS)
@@ -68,6 +69,8 @@ def write_gguf(path, **over) -> str:
             for index, value in o.get("poison", {}).get(name, ()):
                 data[index] = value
             w.add_tensor(name, data)
+    for name, data in o.get("extra", {}).items():  # a tensor the model does not use
+        w.add_tensor(name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -134,6 +137,30 @@ def test_the_cli_names_a_zero_head_count_without_a_traceback(tmp_path, capsys):
         f"kvpool generate: error: GGUF file {path}: GGUF metadata llama.attention.head_count "
         "must be a positive integer, got 0\n"
     )
+
+
+@pytest.mark.parametrize(
+    ("over", "message"),
+    [
+        (
+            {"extra": {"rope_freqs.weight": np.ones(2, dtype=np.float32)}},
+            "unsupported RoPE scaling (per-frequency factors in tensor 'rope_freqs.weight', as Llama 3.1 and later "
+            "write); kvpool runs plain RoPE",
+        ),
+        (
+            {"raw_kv": {"llama.rope.scaling.type": "linear"}},
+            "unsupported RoPE scaling llama.rope.scaling.type 'linear'; kvpool runs plain RoPE",
+        ),
+    ],
+)
+def test_a_scaled_rope_is_refused_not_run_as_plain_rope(tmp_path, over, message):
+    """Llama 3.1+'s rope_freqs.weight (and a rope.scaling.type) was left out without a word:
+    the model ran with plain RoPE, every position's attention not the model's."""
+    path = write_gguf(tmp_path / "scaled.gguf", **over)
+    with pytest.raises(ValueError) as e:
+        load_gguf(path)
+    assert str(e.value) == f"GGUF file {path}: {message}"
+    assert load_gguf(write_gguf(tmp_path / "plain.gguf", raw_kv={"llama.rope.scaling.type": "none"})).meta
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])

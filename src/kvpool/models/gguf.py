@@ -231,6 +231,18 @@ def read_config(reader: Any) -> LlamaConfig:
     if head_dim % 2:
         raise ValueError(f"GGUF metadata head dim {head_dim} must be even (rotate-half RoPE)")
     names = {t.name for t in reader.tensors}
+    # RoPE as kvpool computes it is plain rotate-half with rope.freq_base: a scaled RoPE
+    # (Llama 3.1+'s per-frequency factors in rope_freqs.weight, a rope.scaling.type such as
+    # linear or yarn) loaded, its scaling left out without a word, and every position's
+    # attention was not the model's
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling is not None and str(scaling) != "none":
+        raise ValueError(f"unsupported RoPE scaling {arch}.rope.scaling.type {str(scaling)!r}; kvpool runs plain RoPE")
+    if "rope_freqs.weight" in names:
+        raise ValueError(
+            "unsupported RoPE scaling (per-frequency factors in tensor 'rope_freqs.weight', as Llama 3.1 and "
+            "later write); kvpool runs plain RoPE"
+        )
     vocab_key = f"{arch}.vocab_size"
     vocab = _positive_int(reader, vocab_key) if _field(reader, vocab_key) is not None else None
     if vocab is None:
