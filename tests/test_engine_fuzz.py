@@ -462,3 +462,17 @@ def test_an_admission_that_raises_leaves_the_running_sequences_to_step_on(family
     ]
     faults = {"reset": frozenset(), "calls": {"admit": frozenset([1])}}
     _check(family, 16 if family == "dsv4" else 1, 8, 4, options, requests, faults)
+
+
+def test_a_reservation_that_raises_while_preempting_leaves_the_others_to_step_on() -> None:
+    """A step that does not fit reserves sequence by sequence (`_reserve_with_preemption`);
+    one reservation that raised left the ones before it in the cache, and the hybrid cache
+    refused them reserved again at every later step. They now go as a faulted forward's do.
+    (Found by the fuzz: the first forward raises, then the 8th reserve_step call.)"""
+    options = {"prefix": False, "max_num_seqs": 2, "num_slots": 2, "interval": 1}
+    requests = [
+        ([49], SamplingParams(max_tokens=3, temperature=0.8, seed=0), 5, None, None, ""),
+        ([53], SamplingParams(max_tokens=7, temperature=0.8, seed=0), 0, None, None, ""),
+    ]
+    faults = {0: "before", "reset": frozenset(), "calls": {"reserve_step": frozenset([7])}}
+    _check("gemma", 1, 9, 2, options, requests, faults)

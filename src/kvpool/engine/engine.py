@@ -901,19 +901,24 @@ class Engine:
         budget = self.max_num_batched_tokens
         plan: list[tuple[SequenceState, int]] = []
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(len(seq.token_ids) - seq._num_computed, budget)
-            while not self._timed(lambda seq=seq, n=n: self.runner.reserve_step([seq.seq_id], [n])):
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            if not seq.in_runner:
-                break  # it preempted itself: everything after it is gone too
-            plan.append((seq, n))
-            budget -= n
-            i += 1
+        try:
+            while i < len(self.running) and budget > 0:
+                seq = self.running[i]
+                n = min(len(seq.token_ids) - seq._num_computed, budget)
+                while not self._timed(lambda seq=seq, n=n: self.runner.reserve_step([seq.seq_id], [n])):
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    if victim is seq:
+                        break
+                if not seq.in_runner:
+                    break  # it preempted itself: everything after it is gone too
+                plan.append((seq, n))
+                budget -= n
+                i += 1
+        except BaseException:  # a reservation that raised: those made before it go as schedule's admissions' do
+            self._scheduled = [seq for seq, _ in plan]
+            self._after_a_fault()
+            raise
         return plan
 
     def schedule(self) -> list[ScheduledChunk] | StepChunks:
