@@ -163,6 +163,20 @@ def test_a_scaled_rope_is_refused_not_run_as_plain_rope(tmp_path, over, message)
     assert load_gguf(write_gguf(tmp_path / "plain.gguf", raw_kv={"llama.rope.scaling.type": "none"})).meta
 
 
+@pytest.mark.parametrize(
+    ("raw_kv", "adds_bos"),
+    [
+        ({"tokenizer.ggml.pre": "llama-bpe"}, True),  # a Llama 3 GGUF without the key: BOS, as llama.cpp
+        ({"tokenizer.ggml.pre": "llama-bpe", "tokenizer.ggml.add_bos_token": False}, False),  # the key decides
+        ({"tokenizer.ggml.pre": "qwen2"}, False),
+        ({}, False),
+        ({"tokenizer.ggml.add_bos_token": True}, True),
+    ],
+)
+def test_add_bos_is_the_key_or_else_the_pre_tokenizers_default(tmp_path, raw_kv, adds_bos):
+    assert load_gguf(write_gguf(tmp_path / "t.gguf", raw_kv=raw_kv)).meta.tokenizer.add_bos_token is adds_bos
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_a_non_finite_weight_is_named_with_the_file_and_tensor_when_read(tmp_path, dtype):
     """A NaN weight loaded, every logit came out NaN, and `kvpool generate` printed nothing

@@ -320,7 +320,10 @@ def read_tokenizer(reader: Any) -> TokenizerData:
         return None if value is None else int(value)
 
     bos, eos = token_id("tokenizer.ggml.bos_token_id"), token_id("tokenizer.ggml.eos_token_id")
-    add_bos = _field(reader, "tokenizer.ggml.add_bos_token", False)
+    pre = str(_field(reader, "tokenizer.ggml.pre", "default"))
+    # without the key, a Llama 3 tokenizer still starts with <|begin_of_text|> (its tokenizer.json's
+    # post-processor adds it; llama.cpp's default for this pre-tokenizer too)
+    add_bos = _field(reader, "tokenizer.ggml.add_bos_token", pre == "llama-bpe")
     if not isinstance(add_bos, (bool, np.bool_)):  # bool("false") is True: a string added a BOS
         raise ValueError(f"GGUF metadata tokenizer.ggml.add_bos_token must be true or false, got {add_bos!r}")
     tokens = tuple(_require(reader, "tokenizer.ggml.tokens"))
@@ -341,7 +344,7 @@ def read_tokenizer(reader: Any) -> TokenizerData:
             raise ValueError(f"GGUF metadata tokenizer.ggml.merges[{i}] {merge!r} is not two tokens joined by a space")
     return TokenizerData(
         model=str(_require(reader, "tokenizer.ggml.model")),
-        pre=str(_field(reader, "tokenizer.ggml.pre", "default")),
+        pre=pre,
         tokens=tokens,
         merges=merges,
         token_types=token_types,
