@@ -53,6 +53,7 @@ from kvpool.tiers import HostTier
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TOL = 1e-12
+MAX_STEPS = 1000  # (`_run`)
 EOS = 7  # the engines' end-of-sequence token (a request that does not ignore it may stop early)
 
 CONFIG = LlamaConfig(
@@ -126,8 +127,10 @@ class Fault(Exception):
 
 # The runner's calls a fault is injected into (before the call runs; the step raises, and the
 # engine steps on). Not `release`: a release that raises after the step's commit leaves its
-# sequence scheduled (logged in the efuzz findings, not fixed).
-CALL_FAULTS = ("admit", "reserve_step", "commit_step", "fork")
+# sequence scheduled (logged in the efuzz findings, not fixed). `_complete_admission` raises
+# after the cache admitted the request (where a tier's save, load or swap-in, or a state
+# restore, raises): the runner releases it again.
+CALL_FAULTS = ("admit", "_complete_admission", "reserve_step", "commit_step", "fork")
 
 
 class Rows:
@@ -357,7 +360,10 @@ def _run(family, block_size, num_blocks, budget, options, requests, faults):
     ids: list[str | None] = [None] * len(requests)
     aborted: set[int] = set()
     step = 0
-    while step < 400:
+    # (a budget of 1 token a step computes one token a step: 5 requests, two of them later
+    # turns of ~75 tokens, and a fault's recompute took 409 steps; a wedged engine steps on
+    # for nothing, and stops here)
+    while step < MAX_STEPS:
         for i, (prompt, params, arrival, _, tenant) in enumerate(requests):
             if arrival == step and ids[i] is None:
                 ids[i] = engine.add_request(list(prompt), params, f"r{i}", tenant=tenant)
@@ -378,7 +384,7 @@ def _run(family, block_size, num_blocks, budget, options, requests, faults):
         rows.fault = None
         engine.runner.check_integrity()
         step += 1
-    assert not engine.has_unfinished(), "the workload did not finish in 400 steps"
+    assert not engine.has_unfinished(), f"the workload did not finish in {MAX_STEPS} steps"
     engine.runner.check_integrity()
     outputs = {}
     for i, rid in enumerate(ids):
@@ -476,3 +482,22 @@ def test_a_reservation_that_raises_while_preempting_leaves_the_others_to_step_on
     ]
     faults = {0: "before", "reset": frozenset(), "calls": {"reserve_step": frozenset([7])}}
     _check("gemma", 1, 9, 2, options, requests, faults)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma", "recurrent", "dsv4"])
+@pytest.mark.parametrize("call", [0, 1])
+def test_an_admission_that_raises_after_the_cache_admitted_it_is_admitted_again(family, call) -> None:
+    """r1's admission raises after the cache admitted it (`_complete_admission`: a tier's save,
+    load or swap-in, a state restore), with r0 running (call 1) or alone (call 0). The cache
+    kept r1 while the engine kept it waiting, and every later step raised "request 'r1/0' is
+    already admitted" until it was aborted. Now the runner releases it as it raises, and both
+    requests compute what they compute alone."""
+    options = {"prefix": True, "max_num_seqs": 2}
+    if family != "llama":
+        options["num_slots"] = 2
+    requests = [
+        ([49, 50, 51], SamplingParams(max_tokens=3), 0, None, None, ""),
+        ([53], SamplingParams(max_tokens=3), 1, None, None, ""),
+    ]
+    faults = {"reset": frozenset(), "calls": {"_complete_admission": frozenset([call])}}
+    _check(family, 16 if family == "dsv4" else 1, 8, 4, options, requests, faults)

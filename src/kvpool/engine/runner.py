@@ -480,6 +480,20 @@ class ModelRunner:
         )
         if adm is None:
             return None
+        # All or nothing: what raises past the cache's admit (a tier's save, load or swap-in, a
+        # state restore) releases the request, its swap records and deferred replay with it, so
+        # the caller, which saw no admission, may admit it again (else: "already admitted")
+        try:
+            return self._complete_admission(request_id, adm, token_ids, defer_replay)
+        except BaseException:
+            self.release(request_id, "cancel")
+            raise
+
+    def _complete_admission(
+        self, request_id: str, adm: Admission, token_ids: Sequence[int], defer_replay: bool
+    ) -> Admission:
+        """What an admission the cache made still needs: the evicted blocks saved, the lower
+        tier's loads, a swapped-out tail or state back, the state restore."""
         if self.tier is not None:
             # The fresh blocks may be evicted cached ones: save what they held before the
             # loads (or the step) overwrite them.
