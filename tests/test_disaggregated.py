@@ -239,14 +239,47 @@ def _decode_against(prefill_script: str, sender_may_fail: bool = False) -> dict:
     return json.loads(outs[1][0].strip().splitlines()[-1])
 
 
+# ... the same of a model with SmolLM2's KV shape: its part is of the bytes asked for
+_SAME_SHAPE_PREFILL_RANK = (
+    _OTHER_PREFILL_RANK.replace("30, 4, 64, (0, 4)", "30, 3, 64, (0, 3)")
+    .replace("torch.randn(30, 32, 4, 64)", "torch.randn(30, 32, 3, 64)")
+    .replace("send_part(desc, k, k, (0, 4), dst=1)", "send_part(desc, k, k, (0, 3), dst=1)")
+)
+
+
 def test_a_prefill_rank_of_another_model_is_rejected_not_a_crash() -> None:
-    """A prefill rank of a model with 4 KV heads sends its part: more bytes than SmolLM2's 3
-    heads. The receiver sized its buffers by its own heads: gloo aborted its process
-    ("Received data size doesn't match expected size", SIGABRT). It must receive the part
-    whole, reject it naming the fields, and install nothing."""
-    report = _decode_against(_OTHER_PREFILL_RANK)
+    """A prefill rank of another model sends its part. The receiver sized its buffers by its
+    own heads: gloo aborted its process on a larger part ("Received data size doesn't match
+    expected size", SIGABRT). A part of the bytes asked for is received whole, rejected
+    naming the fields, nothing installed."""
+    assert _SAME_SHAPE_PREFILL_RANK.count("(0, 3)") == 2 and "randn(30, 32, 3, 64)" in _SAME_SHAPE_PREFILL_RANK
+    report = _decode_against(_SAME_SHAPE_PREFILL_RANK)
     assert report["outcome"].startswith("transfer rejected: model_id: 'other.gguf' != "), report
-    assert "num_kv_heads: 4 != 3" in report["outcome"] and report["landing_entries"] == 0
+    assert "num_kv_heads" not in report["outcome"] and report["landing_entries"] == 0
+
+
+@pytest.mark.parametrize("payload", ["k.nbytes", "2**62"])
+def test_a_part_larger_than_asked_for_is_refused_before_it_is_allocated(payload) -> None:
+    """A part of more bytes than the decode rank asked for: 4 KV heads where SmolLM2 takes 3
+    (another model), or a preamble declaring 2**62 bytes, which the receiver allocated
+    twice ("DefaultCPUAllocator: can't allocate memory: you tried to allocate
+    4611686018427387904 bytes"). It is refused before it is allocated, in one line naming
+    both counts and the fields that differ: out of step (its bytes stay on the wire)."""
+    script = _OTHER_PREFILL_RANK.replace(
+        "send_part(desc, k, k, (0, 4), dst=1)",
+        "import dataclasses\n"
+        "from kvpool.engine.disaggregated import send_descriptor\n"
+        f"send_descriptor(dataclasses.replace(desc, part_heads=(0, 4), part_bytes={payload}), dst=1)",
+    )
+    assert script != _OTHER_PREFILL_RANK
+    report = _decode_against(script, sender_may_fail=True)
+    declared = f"{30 * 32 * 4 * 64 * 4:,}" if payload == "k.nbytes" else f"{2**62:,}"
+    assert report["outcome"].startswith(
+        f"transfer rejected: rank 0 declared {declared} bytes each of K and V, at most {30 * 32 * 3 * 64 * 4:,} "
+        "expected (model_id: 'other.gguf' != "
+    ), report
+    assert "num_kv_heads: 4 != 3" in report["outcome"] and report["outcome"].endswith("): the wire is out of step")
+    assert "\n" not in report["outcome"] and report["landing_entries"] == 0
 
 
 def test_the_transfer_time_covers_receiving_k_and_v() -> None:
@@ -256,16 +289,16 @@ def test_the_transfer_time_covers_receiving_k_and_v() -> None:
     holds each of K and V back 0.6 s after its descriptor: at least 1 s must be counted (the
     clock starts when the receiver has the descriptor, up to its wake-up later than it was
     sent: 0.2 s of room for that on a loaded machine)."""
-    slow = _OTHER_PREFILL_RANK.replace(
-        "send_part(desc, k, k, (0, 4), dst=1)",
+    slow = _SAME_SHAPE_PREFILL_RANK.replace(
+        "send_part(desc, k, k, (0, 3), dst=1)",
         "import dataclasses, time\n"
         "from kvpool.engine.disaggregated import send_descriptor\n"
-        "send_descriptor(dataclasses.replace(desc, part_heads=(0, 4), part_bytes=k.nbytes), dst=1)\n"
+        "send_descriptor(dataclasses.replace(desc, part_heads=(0, 3), part_bytes=k.nbytes), dst=1)\n"
         "for part in (k, k):\n"
         "    time.sleep(0.6)\n"
         "    dist.send(part.contiguous(), dst=1)",
     )
-    assert slow != _OTHER_PREFILL_RANK
+    assert slow != _SAME_SHAPE_PREFILL_RANK
     report = _decode_against(slow)
     assert report["outcome"].startswith("transfer rejected: model_id") and report["landing_entries"] == 0
     assert 1.0 <= report["transfer_s"] < 30, report

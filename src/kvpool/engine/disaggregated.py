@@ -182,18 +182,40 @@ def send_part(desc: TransferDescriptor, k: torch.Tensor, v: torch.Tensor, part: 
     dist.send(v, dst=dst)
 
 
-def recv_descriptor(src: int) -> TransferDescriptor:
+def recv_descriptor(src: int, max_part_bytes: int) -> TransferDescriptor:
     """The decode side: the descriptor `send_part` sent first from rank `src`. A header this
     rank cannot read (another wire version, not JSON, a field missing, unknown or of another
     type): K and V are taken off the wire all the same, then TransferError naming the field.
-    RuntimeError for a preamble that is not one (nothing tells how many bytes follow)."""
+    RuntimeError for a preamble that is not one (nothing tells how many bytes follow), or
+    one whose unreadable header declares K (and V) of more than `max_part_bytes`, the most
+    this rank asked that rank for (`too_large`): not allocated, not taken off the wire."""
     pre, data = wire.recv_header(src)
     try:
         fields = wire.parse_header(pre, data, descriptor_schema())
     except wire.HeaderError as e:
+        if pre.payload_bytes > max_part_bytes:
+            raise too_large(src, pre.payload_bytes, max_part_bytes, f"its descriptor: {e}") from None
         recv_kv(pre.payload_bytes, src)  # the part leaves the wire whole, as an accepted one
         raise TransferError(f"transfer rejected: rank {src}'s descriptor: {e}") from None
     return TransferDescriptor(**fields, part_bytes=pre.payload_bytes)  # type: ignore[arg-type]
+
+
+def too_large(src: int, part_bytes: int, max_part_bytes: int, why: str) -> RuntimeError:
+    """A part of more bytes than the receiver asked for: refused before it is allocated (a
+    peer may declare 2**62 bytes), so it stays on the wire, out of step. `why`: what else is
+    wrong with it, when known (another model's descriptor)."""
+    return RuntimeError(
+        f"transfer rejected: rank {src} declared {part_bytes:,} bytes each of K and V, at most {max_part_bytes:,} "
+        f"expected ({why}): the wire is out of step"
+    )
+
+
+def max_part_bytes(engine: Engine, start: int, end: int, heads: tuple[int, int]) -> int:
+    """The bytes of K (or V) of tokens [start, end) of the KV heads `heads` in this side's
+    layout and dtype: the most a sender asked for that range sends (it may send fewer tokens)."""
+    model = engine.runner.model
+    itemsize = model.dtype.itemsize
+    return model.config.num_layers * (end - start) * (heads[1] - heads[0]) * model.config.head_dim * itemsize
 
 
 def recv_kv(part_bytes: int, src: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -444,18 +466,26 @@ class Disaggregation:
                 continue
             # every part is received whole, whatever it holds, before any is judged: the
             # senders' messages all leave their sockets, and nothing is installed half way
+            most = max_part_bytes(self.engine, start, end, part)
             try:
-                desc = recv_descriptor(src)
+                desc = recv_descriptor(src, most)
             except TransferError as e:  # a header it cannot read (its K and V drained)
                 problems.append(str(e))
                 continue
+            # the sender may send less than asked (what its cache held, in whole blocks of ours)
+            sent_end = desc.end if start <= desc.end <= end and desc.end % bs == 0 else end
+            expected = describe(self.engine, self.tenant, token_ids, start, sent_end)
+            if desc.part_bytes > most:  # (named with what else differs: another model's part, say)
+                try:
+                    check_transfer(desc, expected)
+                    why = f"KV heads {desc.part_heads}, expected {part}"
+                except TransferError as e:
+                    why = str(e).removeprefix("transfer rejected: ")
+                raise too_large(src, desc.part_bytes, most, why)
             # (the clock starts before K and V are received: they are what it times)
             began = began or time.perf_counter()
             k_bytes, v_bytes = recv_kv(desc.part_bytes, src)
-            # the sender may send less than asked (what its cache held, in whole blocks of ours)
-            sent_end = desc.end if start <= desc.end <= end and desc.end % bs == 0 else end
             try:
-                expected = describe(self.engine, self.tenant, token_ids, start, sent_end)
                 k, v = unpack_part(desc, k_bytes, v_bytes, expected, part)
             except TransferError as e:
                 problems.append(str(e))
