@@ -801,6 +801,31 @@ def test_an_engine_request_aborted_while_swapped_out_takes_its_tail_out_of_the_t
     assert rid not in bridge.swapped and not engine.runner.tier.contains(key)
 
 
+def test_a_prefix_cache_reset_waits_for_a_request_swapped_out(fp64_model) -> None:
+    # A Llama request swapped out waits with its KV in the host tier, as one that runs holds it
+    # in the pool: the reset (after a weights update, say) is refused until it has finished,
+    # by the runner's own check: the cache, which holds no request then, would forget at once
+    from kvpool.engine.build import build_engine
+    from kvpool.engine.sampling import SamplingParams
+
+    engine = build_engine(fp64_model, num_blocks=10, block_size=16, host_cache_bytes=1 << 28, preemption="swap")
+    for i in range(4):
+        engine.add_request(_prompt(20 + i, 10 + i), SamplingParams(max_tokens=30, ignore_eos=True), f"r{i}")
+    bridge = engine.runner.bridge
+    while not bridge.swapped:
+        engine.step()
+    swapped = next(iter(bridge.swapped)).rsplit("/", 1)[0]
+    for rid in {seq.request.request_id for seq in engine.running}:
+        assert engine.abort(rid)
+    assert not engine.runner.cache.request_ids and bridge.swapped  # only the swapped-out request is left
+    assert engine.reset_prefix_cache() is False
+    while engine.has_unfinished():
+        engine.step()
+    assert len(engine.pop_output(swapped).completions[0].token_ids) == 30
+    assert not bridge.swapped and engine.reset_prefix_cache() is True
+    engine.runner.check_integrity()
+
+
 def test_swap_needs_a_host_tier() -> None:
     from kvpool.engine.build import build_engine, load_model
 
