@@ -10,8 +10,10 @@ installed. A worker whose job is done goes back to a small idle set (no thread s
 operation in the steady state: one or two threads, each gone after 10 s without a job); one
 still stuck is not handed more work, so a call never queues behind a hung one.
 
-The functions run here do file I/O only: no lock of the caller's is taken in them (the
-caller may hold its own while it waits, at most one deadline).
+The functions run here do file I/O (and a get's checks of the bytes it read): no lock of
+the caller's is taken in them while the caller waits (it may hold its own meanwhile, at most
+one deadline). The one exception runs once its caller has given up: a disk write that lands
+after its deadline takes the tier's lock to index itself (disk.py's `_Gate`).
 """
 
 from __future__ import annotations
@@ -85,7 +87,11 @@ class DeadlineRunner:
     def call(self, what: str, timeout_s: float, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args)'s result (or its exception); NoAnswer("timeout", what) when it has not
         returned within `timeout_s` (it goes on, and what it returns is dropped)."""
-        job = self.start(fn, *args)
+        return self.wait(what, timeout_s, self.start(fn, *args))
+
+    def wait(self, what: str, timeout_s: float, job: Job) -> Any:
+        """`call`'s wait, for a job `start` handed out: a caller may wait on one job again
+        (a directory scan past its deadline is waited for by the next one, not started twice)."""
         if not job.done.wait(timeout_s):
             with self._lock:
                 if not job.done.is_set():  # (it may have returned just now: then it answered)

@@ -61,17 +61,24 @@ Writes run on a background writer (writer.py): `put` encodes nothing and never w
 full queue drops the write and counts it.
 
 Deadlines: a mount that stops answering (an NFS hard mount whose server is gone, a FUSE file
-system that hangs, a dying disk) stalled the engine's step for ever on a lookup's read. Every
-file operation now runs on a worker thread (deadline.py) and is waited for up to a deadline:
-`timeout_s` (1 s) for a read (a lookup's header, a get's entry), a stat, an unlink, a
-rename, an LRU refresh; `write_timeout_s` (10 s) for a whole write (an fsync waits for the
-disk's other dirty data too) and a scan of the directory. A read past it is a miss (cause
-"timeout": the engine computes those tokens, nothing wrong is served); a write past it is
-dropped and counted (num_write_errors), and never installed: once its writer gave up, the
-write removes its temp file instead of renaming it in. What an operation returns late is
-dropped with it: nothing is indexed from it. A lookup or get waits for at most one operation
-past its deadline (two where a bad entry is moved to quarantine/: the move, the trim); the
-engine's thread waits under the tier's lock, so the writer's index updates wait with it. After `breaker_failures`
+system that hangs, a dying disk) stalled the engine's step for ever on a lookup's read. File
+operations now run on a worker thread (deadline.py) and are waited for up to a deadline:
+`timeout_s` (1 s) for a lookup's read (the open, fstat and header of an entry not yet read
+here) and a get's (the whole entry read and checked, and its LRU refresh), each one worker job
+(a hand-off costs tens of microseconds: one per file operation made lookups and gets 1.5-3x
+slower, review 12), and for an unlink or a rename; `write_timeout_s` (10 s) for a whole write
+(an fsync waits for the disk's other dirty data too) and a rescan of the directory. A read past
+it is a miss (cause "timeout": the engine computes those tokens, nothing wrong is served); what
+it returns late is dropped with it, nothing indexed from it. A write past it is dropped and
+counted (num_write_errors): once its writer gave up, the write removes its temp file instead of
+renaming it in. One whose rename had begun (the rename, or the directory's fsync, was the call
+that hung) may land all the same: it is indexed as it lands (`_Gate`), counted in num_puts and
+no longer in num_write_errors. A rescan past its deadline is counted (timeouts["scan"]) and
+goes on: the next rescan waits for that same scan, never a second at once, and uses its answer
+however late (a large directory on a slow disk is not a hung mount: it does not count towards
+the breaker). A lookup or get waits for at most one operation past its deadline (two where a
+bad entry is moved to quarantine/: the move, the trim); the engine's thread waits under the
+tier's lock, so the writer's index updates wait with it. After `breaker_failures`
 (3) operations in a row past their deadline (any answer, an error too, starts the count
 again) a breaker opens, said in one line: every lookup and get is a miss ("unavailable") and
 every write is dropped (unavailable_puts), at no cost. Once its cool-down (`retry_s`, 1 s)
@@ -80,8 +87,10 @@ it; a probe that answered within `timeout_s` closes the breaker (said), a late o
 another cool-down, and one still stuck holds every later probe back: an outage holds at
 most `breaker_failures` worker threads and a probe, and costs the engine at most that many
 deadlines. The report says `available`, `outages`, `timeouts` (by what), `stuck_io` (the
-operations past their deadline still not returned) and `unavailable_puts`. A mount already
-hung when the tier opens hangs the open (the directory's checks and first scan).
+operations past their deadline still not returned) and `unavailable_puts`. The open's checks
+and its scan have no deadline: a directory that lists slowly is indexed whole (review 12: it
+opened with nothing indexed, its byte limit unenforced), and a mount already hung when the
+tier opens hangs the open.
 """
 
 from __future__ import annotations
@@ -164,13 +173,17 @@ class _Outcome(enum.Enum):
 class _Gate:
     """A write's rename, the step that installs it, taken only while its writer still waits
     for it: a write the writer gave up on (past its deadline) before that step removes its
-    temp file instead, and never appears. (One whose rename had begun may still land: a
-    whole, checked entry, which a later lookup finds as another process's.)"""
+    temp file instead, and never appears. One whose rename had begun when its writer gave up
+    may still land (the rename, or the directory's fsync after it, was the call that hung):
+    then `late` indexes it as it lands (review 12: it was on disk, found by lookups, counted
+    as a failed write and outside the byte limit)."""
 
-    def __init__(self) -> None:
+    def __init__(self, late: Callable[[int], None]) -> None:
         self._lock = threading.Lock()
-        self._abandoned = False
-        self._committed = False
+        self._late = late  # (the landed file's inode) on the write's worker, once its writer gave up
+        self._abandoned = False  # its writer gave up waiting
+        self._committed = False  # its rename began
+        self._landed: int | None = None  # the inode it landed as, while its writer waited
 
     def commit(self) -> bool:
         """In the write, before its rename: whether to go on (its writer still waits)."""
@@ -178,10 +191,20 @@ class _Gate:
             self._committed = not self._abandoned
             return self._committed
 
-    def abandon(self) -> None:
-        """The writer's deadline passed: no rename from now on."""
+    def landed(self, inode: int) -> None:
+        """In the write, once its file is in place: `late` if its writer gave up meanwhile."""
         with self._lock:
-            self._abandoned = not self._committed
+            late = self._abandoned
+            self._landed = inode
+        if late:
+            self._late(inode)
+
+    def abandon(self) -> int | None:
+        """The writer's deadline passed: no rename from now on; the inode when the write
+        landed all the same before this (then the writer installs it: `late` is not called)."""
+        with self._lock:
+            self._abandoned = True
+            return self._landed
 
 
 class _Removed(NamedTuple):
@@ -223,20 +246,69 @@ def _open_entry(path: Path) -> io.BufferedReader:
         raise
 
 
-def _read_head(path: Path) -> bytes:
-    """An entry's header (what a lookup checks), read on a deadline worker (no lock)."""
-    with _open_entry(path) as f:
-        n = entry.header_length(f.read(8))
-        header = f.read(n)
-    if len(header) < n:
-        raise entry.CorruptEntry(f"entry of {8 + len(header)} bytes is shorter than its header ({n} bytes)")
-    return header
+class _Read(NamedTuple):
+    """What one worker job made of an entry's file (`_read_entry`)."""
+
+    st: os.stat_result | None  # the file's, as opened (None: the open failed: `error`)
+    descriptor: BlockDescriptor | None  # its header's, checked (None: `error`)
+    tensors: dict[str, Tensor] | None  # a get's, every checksum checked (None: a lookup, `error`, `differ`)
+    num_bytes: int  # read
+    error: Exception | None  # OSError, CorruptEntry, OtherVersion: what ended the read
+    differ: list[str]  # the descriptor's fields that are not the expected ones (a get's: no payload read)
+    refresh_error: OSError | None  # the LRU refresh's (a get's hit)
 
 
-def _read_all(path: Path) -> bytes:
-    """A whole entry (what a get decodes), read on a deadline worker (no lock)."""
-    with _open_entry(path) as f:
-        return f.read()
+def _read_entry(path: Path, key: bytes, expected: BlockDescriptor, layout: dict | None, whole: bool) -> _Read:
+    """A lookup's or a get's whole file work, in one worker job under one deadline (review 12:
+    a hand-off each for the stat, the header, the payload and the refresh cost 52-68 us each,
+    lookups and gets 1.5-3x slower): the open (its fstat is the stat an entry not yet indexed
+    needs), the header read and checked (`layout`: the tensors its namespace must have), and for
+    a get (`whole`) the whole file read, its descriptor compared with `expected` (a mismatch
+    reads no further), every checksum checked, and the hit's LRU time refreshed. No lock: the
+    caller applies the outcome to the index. OSError from the open itself (FileNotFoundError:
+    not there)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # (a FIFO returns at once, refused below)
+    st = None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = "directory" if stat.S_ISDIR(st.st_mode) else "FIFO" if stat.S_ISFIFO(st.st_mode) else "special file"
+            raise entry.CorruptEntry(f"a {kind} at the entry's path, not a file")
+        with os.fdopen(fd, "rb") as f:
+            fd = -1  # (the file object closes it)
+            if whole:
+                data = f.read()
+            else:
+                n = entry.header_length(f.read(8))
+                data = f.read(n)
+                if len(data) < n:
+                    raise entry.CorruptEntry(f"entry of {8 + len(data)} bytes is shorter than its header ({n} bytes)")
+        peeked = entry.peek(data, key) if whole else entry.read_header(data, key)
+        descriptor, manifest = peeked
+        entry.check_layout(entry.tensor_layout(manifest), layout)
+        differ = descriptor.mismatches(expected) if whole else []
+        if differ:
+            return _Read(st, descriptor, None, len(data), None, differ, None)
+        tensors = None
+        if whole:
+            descriptor, tensors = entry.decode(data, key, peeked)
+            entry.check_layout(entry.layout_of(tensors), layout)
+    except (OSError, entry.CorruptEntry, entry.OtherVersion) as error:
+        if st is None:
+            raise  # (the open's fstat: as the open's own error)
+        return _Read(st, None, None, 0, error, [], None)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    refresh_error = None
+    if whole:
+        try:  # the LRU order, for the next process
+            os.utime(path)
+        except FileNotFoundError:  # (removed meanwhile by another process: nothing to refresh)
+            pass
+        except OSError as error:  # entries of another user, a read-only disk: still a hit
+            refresh_error = error
+    return _Read(st, descriptor, tensors, len(data), None, [], refresh_error)
 
 
 def _read_marker(path: Path) -> bytes:
@@ -405,6 +477,10 @@ class DiskTier(Tier):
         # the directory is scanned again (other processes' entries) after this many bytes
         self.rescan_bytes = max(1, capacity_bytes // 32)
         self._written_since_scan = 0
+        # a scan of the directory still running past its deadline, and the index it started
+        # from: the next rescan waits for it again (never a second scan at once) and uses
+        # its answer, however late (a large, slow directory is not a hung mount)
+        self._scan: tuple[Job, dict[tuple[str, bytes], _Entry]] | None = None
         self._writer = BackgroundWriter("disk", max_pending_bytes)
         self.num_stale_tmp_removed = self._remove_stale_tmp()
         # quarantine/ as it was at open, then as this process adds to it, oldest first: the
@@ -417,7 +493,7 @@ class DiskTier(Tier):
         # the runner's check_sizes refuses only once the tier is open) cut a shared cache to
         # nothing as it opened, and then was refused.
         self._cut_pending = True
-        self._rescan(evict=False)
+        self._rescan(evict=False, wait=False)
         # a crash test stops the writer here (the stage's name); None in normal use
         self.fault_hook = None
 
@@ -480,19 +556,52 @@ class DiskTier(Tier):
                 "cache whole"
             )
 
-    def _rescan(self, evict: bool = True) -> int | None:
+    def _rescan(self, evict: bool = True, wait: bool = True) -> int | None:
         """Index the directory's entries as they are now (other processes' writes and
         evictions), least recently modified first, and evict down to the limit unless
         `evict` is False (the open: see _cut_to_limit) (the bytes this process freed are
-        returned; None when the scan got no answer within the write deadline, the index
-        left as it was). What this process knew of an entry (its descriptor, a checked payload) is
-        kept while the file is the same one."""
-        with self._lock:
-            known = dict(self._entries)
-        try:  # (no lock: lookups go on meanwhile)
-            found = self._io("scan", self.write_timeout_s, scan_entries, self.root)
-        except NoAnswer:
-            return None  # (scanned again after the next 1/32 of the limit)
+        returned). What this process knew of an entry (its descriptor, a checked payload) is
+        kept while the file is the same one.
+
+        The open's scan (`wait` False) runs here, with no deadline: a mount hung at the open
+        hangs the open (module docstring), and a directory that takes long to list is indexed
+        whole (review 12: it opened with nothing indexed, its byte limit unenforced). A later
+        one runs on a worker, waited for up to the write deadline: past it, None (the index
+        left as it was), the scan goes on and is due again after the next 1/32 of the limit,
+        when that same scan is waited for again (never two at once) and its answer, however
+        late, is used. A scan's lateness is counted in timeouts["scan"], not in the breaker's
+        failures in a row (a listing answers late on a healthy, large directory too); its
+        answer within the deadline starts that count again, as any operation's does."""
+        if not wait:
+            with self._lock:
+                known = dict(self._entries)
+            found = scan_entries(self.root)
+        else:
+            if self._scan is None:
+                if self._unavailable():
+                    return None
+                with self._lock:
+                    known = dict(self._entries)
+                self._scan = (self._runner.start(scan_entries, self.root), known)  # (no lock: lookups go on)
+            job, known = self._scan
+            try:
+                found = self._runner.wait("scan", self.write_timeout_s, job)
+            except NoAnswer:
+                with self._breaker_lock:
+                    self.timeouts["scan"] += 1
+                with self._lock:
+                    self._written_since_scan = 0  # (waited for again after the next 1/32 of the limit)
+                return None
+            except OSError:  # (scan_entries skips what it cannot stat; the glob itself failed)
+                self._scan = None
+                with self._lock:
+                    self._written_since_scan = 0
+                return None
+            finally:
+                if job.done.is_set():
+                    self._scan = None
+            if job.elapsed_s <= self.write_timeout_s:
+                self._answered()  # (an answer in time, as any operation's, starts the count again)
         entries: OrderedDict[tuple[str, bytes], _Entry] = OrderedDict()
         for path, st in found:
             try:
@@ -754,19 +863,6 @@ class DiskTier(Tier):
             sum(old.num_bytes for (_, old), done in zip(victims, outcomes, strict=True) if done is _Outcome.GONE),
         )
 
-    def _find(self, ident: tuple[str, bytes], expected: BlockDescriptor) -> _Entry | None:
-        """The entry, known or just written by another process (lock held)."""
-        found = self._entries.get(ident)
-        if found is None and ident not in self._removing:  # (evicted, its unlink under way)
-            path = self._path(ident[1], expected)
-            try:
-                st = self._io("stat", self.timeout_s, os.stat, path)
-            except FileNotFoundError:
-                return None
-            found = _Entry(path, st.st_size, None, st.st_ino)
-            self._add(ident, found)
-        return found
-
     def _quarantine(self, ident: tuple[str, bytes], found: _Entry) -> None:
         """Move a bad entry aside (lock held): counted, a miss from now on."""
         self._drop(ident)
@@ -808,13 +904,6 @@ class DiskTier(Tier):
         if self._file_op("reclaim", found.path.unlink) is _Outcome.DONE:
             self.stats.num_reclaimed += 1
 
-    def _header(self, ident: tuple[str, bytes], found: _Entry) -> BlockDescriptor:
-        """The entry's descriptor, its header read within the deadline (NoAnswer past it)."""
-        header = self._io("read", self.timeout_s, _read_head, found.path)
-        descriptor, manifest = entry.read_header(header, ident[1])
-        self._check_layout(ident[0], entry.tensor_layout(manifest))
-        return descriptor
-
     def _failed(self, ident: tuple[str, bytes], found: _Entry, error: Exception, op: str) -> None:
         """A lookup or get that met `error` reading the entry: the miss it is (lock held)."""
         if isinstance(error, FileNotFoundError):
@@ -831,40 +920,59 @@ class DiskTier(Tier):
             if isinstance(error, OSError):
                 self._say(op, error)
 
-    def _checked(self, key: bytes, expected: BlockDescriptor) -> _Entry | None:
-        """The entry, its descriptor checked against `expected` (lock held). A miss while
-        the breaker is open, at no cost, and when the disk does not answer in time."""
+    def _checked(
+        self, key: bytes, expected: BlockDescriptor, whole: bool = False
+    ) -> tuple[_Entry, _Read | None] | None:
+        """The entry, its descriptor checked against `expected` (lock held), and what the read
+        of its file came to (None: a lookup of an entry whose descriptor was known, no I/O). A
+        lookup reads the header of an entry not yet read here (one not yet indexed: another
+        process's, written since the scan); a get (`whole`) the whole entry, its LRU time
+        refreshed: one worker job either way (`_read_entry`), under one deadline. A miss (counted)
+        while the breaker is open, at no cost, and when the disk does not answer in time."""
         if self._unavailable():
             self.stats.misses["unavailable"] += 1
             return None
         ident = self._id(key, expected)
-        try:
-            found = self._find(ident, expected)
-        except NoAnswer as silent:
-            self.stats.misses[silent.cause] += 1
-            return None
-        except OSError:  # its path unreachable: a file where a directory should be, no permission
-            self.io_errors["read"] += 1
-            self.stats.misses["io_error"] += 1
-            return None
-        if found is None:
+        found = self._entries.get(ident)
+        if found is None and ident in self._removing:  # (evicted, its unlink under way)
             self.stats.misses["absent"] += 1
             return None
-        if found.descriptor is None:
-            try:
-                found.descriptor = self._header(ident, found)
-            except NoAnswer as silent:  # (what the read returns late is dropped: never installed)
-                self.stats.misses[silent.cause] += 1
+        if found is not None and found.descriptor is not None:
+            differ = found.descriptor.mismatches(expected)
+            if differ:
+                self._reclaim(ident, found, differ)
                 return None
-            except (OSError, entry.CorruptEntry, entry.OtherVersion) as error:
-                self._failed(ident, found, error, "read")
-                return None
-        differ = found.descriptor.mismatches(expected)
+            if not whole:
+                self._entries.move_to_end(ident)
+                return found, None
+        path = found.path if found is not None else self._path(key, expected)
+        layout = self._expected.get(ident[0])
+        try:
+            read = self._io("read", self.timeout_s, _read_entry, path, key, expected, layout, whole)
+        except NoAnswer as silent:  # (what the read returns late is dropped: never installed)
+            self.stats.misses[silent.cause] += 1
+            return None
+        except FileNotFoundError:
+            self._drop(ident)
+            self.stats.misses["absent"] += 1
+            return None
+        except OSError as error:  # the open refused: a file where a directory should be, no permission
+            self._failed(ident, found, error, "read")
+            return None
+        assert read.st is not None  # (set whenever the open answered)
+        if found is None or found.inode != read.st.st_ino or found.num_bytes != read.st.st_size:
+            found = _Entry(path, read.st.st_size, None, read.st.st_ino)  # (new here, or rewritten by another process)
+            self._add(ident, found)
+        if read.error is not None:
+            self._failed(ident, found, read.error, "read")
+            return None
+        found.descriptor = read.descriptor
+        differ = read.differ if whole else found.descriptor.mismatches(expected) if found.descriptor else []
         if differ:
             self._reclaim(ident, found, differ)
             return None
         self._entries.move_to_end(ident)
-        return found
+        return found, read
 
     # ---- the interface ----------------------------------------------------------------
 
@@ -884,38 +992,21 @@ class DiskTier(Tier):
 
     def get(self, key: bytes, expected: BlockDescriptor) -> dict[str, Tensor] | None:
         start = time.perf_counter()
-        ident = self._id(key, expected)
         with self._lock:
-            found = self._checked(key, expected)
-            if found is None:
+            checked = self._checked(key, expected, whole=True)
+            if checked is None:
                 self.stats.num_get_misses += 1
                 return None
-            try:
-                data = self._io("read", self.timeout_s, _read_all, found.path)
-                descriptor, tensors = entry.decode(data, key)
-                self._check_layout(ident[0], entry.layout_of(tensors))
-            except NoAnswer as silent:  # (the payload read late is dropped: never handed out)
-                self.stats.misses[silent.cause] += 1
-                self.stats.num_get_misses += 1
-                return None
-            except (OSError, entry.CorruptEntry, entry.OtherVersion) as error:
-                self._failed(ident, found, error, "read")
-                self.stats.num_get_misses += 1
-                return None
-            if descriptor != found.descriptor:  # rewritten by another process since the header was read
-                differ = descriptor.mismatches(expected)
-                if differ:
-                    self._reclaim(ident, found, differ)
-                    self.stats.num_get_misses += 1
-                    return None
-                found.descriptor = descriptor
+            found, read = checked
+            assert read is not None and read.tensors is not None  # (a get's read: the whole entry)
             found.verified = True
-            # the LRU order, for the next process; entries of another user, a read-only disk: still a hit
-            self._file_op("utime", os.utime, found.path)
+            if read.refresh_error is not None:  # entries of another user, a read-only disk: still a hit
+                self.io_errors["utime"] += 1
+                self._say("utime", read.refresh_error)
             self.stats.num_gets += 1
-            self.stats.num_get_bytes += len(data)
+            self.stats.num_get_bytes += read.num_bytes
         self.stats.get_s += time.perf_counter() - start
-        return tensors
+        return read.tensors
 
     def put(self, key: bytes, descriptor: BlockDescriptor, tensors: dict[str, Tensor]) -> bool:
         num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -951,17 +1042,22 @@ class DiskTier(Tier):
         if self._cut_pending:
             self._cut_to_limit()
         final = self._path(key, descriptor)
-        gate = _Gate()
+        gate = _Gate(lambda inode: self._landed_late(key, descriptor, final, len(data), inode))
         try:
             inode = self._store_making_room(key, data, final, gate)
         except NoAnswer as silent:
-            gate.abandon()  # (its temp file removed when the write gets there, never renamed in)
-            if silent.cause == "unavailable":
-                self.stats.num_dropped_puts += 1
-                self.num_unavailable_puts += 1
-            else:
-                self.stats.num_write_errors += 1  # (and timeouts["write"])
-            return
+            with self._lock:  # (before a late landing's _landed_late, which takes the lock)
+                # its temp file removed when the write gets there, never renamed in; or, its
+                # rename begun, indexed when it lands (_landed_late); or landed meanwhile
+                landed = gate.abandon()
+                if landed is None and silent.cause == "unavailable":
+                    self.stats.num_dropped_puts += 1
+                    self.num_unavailable_puts += 1
+                elif landed is None:
+                    self.stats.num_write_errors += 1  # (and timeouts["write"])
+            if landed is None:
+                return
+            inode = landed
         except OSError as error:
             self.stats.num_write_errors += 1
             if error.errno in _FULL and self._no_room_until:
@@ -982,6 +1078,19 @@ class DiskTier(Tier):
         if rescan:  # (on the writer's thread, off the engine's path)
             self._rescan()
         self.stats.put_s += time.perf_counter() - start
+
+    def _landed_late(self, key: bytes, descriptor: BlockDescriptor, final: Path, num_bytes: int, inode: int) -> None:
+        """A write whose writer gave up on it (past its deadline, counted in num_write_errors)
+        landed all the same, its rename begun before: indexed now, as `_write` indexes one, its
+        write error taken back (timeouts["write"] keeps it). On the write's worker thread."""
+        with self._lock:
+            self.stats.num_write_errors -= 1
+            self._add(self._id(key, descriptor), _Entry(final, num_bytes, descriptor, inode, verified=True))
+            self.stats.num_puts += 1
+            self.stats.num_put_bytes += num_bytes
+            victims = self._evict_over_limit()
+            self._written_since_scan += num_bytes
+        self._remove_evicted(victims)
 
     def _refuse(self, num_bytes: int, descriptor: BlockDescriptor) -> None:
         """A block whose entry (`num_bytes`) the whole limit cannot hold: counted, and said
@@ -1109,13 +1218,16 @@ class DiskTier(Tier):
             if self.fsync:
                 fsync_path(final.parent)
             self._stage("dir synced")
-            return os.stat(final).st_ino
+            inode = os.stat(final).st_ino
         except OSError:
             try:
                 tmp.unlink()
             except OSError:  # not there, or not ours to remove (a directory, a read-only disk)
                 pass
             raise
+        if gate is not None:
+            gate.landed(inode)  # (its writer gave up meanwhile: indexed now)
+        return inode
 
     def evict(self, key: bytes) -> bool:
         """Drop the entries of `key` (under every namespace this process knows), as the LRU

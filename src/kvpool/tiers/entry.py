@@ -185,9 +185,12 @@ def peek(data: bytes, key: bytes) -> tuple[BlockDescriptor, dict]:
     return read_header(data[8 : 8 + n], key)
 
 
-def decode(data: bytes, key: bytes) -> tuple[BlockDescriptor, dict[str, Tensor]]:
-    """(descriptor, tensors) of an entry, every checksum verified; CorruptEntry otherwise."""
-    descriptor, manifest = peek(data, key)
+def decode(
+    data: bytes, key: bytes, peeked: tuple[BlockDescriptor, dict] | None = None
+) -> tuple[BlockDescriptor, dict[str, Tensor]]:
+    """(descriptor, tensors) of an entry, every checksum verified; CorruptEntry otherwise.
+    peeked: `peek(data, key)`'s answer, when the caller has it (its header not parsed twice)."""
+    descriptor, manifest = peek(data, key) if peeked is None else peeked
     try:
         tensors = st_load(data)
     except Exception as error:  # safetensors raises its own error type for a torn file
