@@ -27,9 +27,13 @@ CONFIG = LlamaConfig(
 DESCRIPTOR = CacheDescriptor("random-llama", weights_version="seed0", layout_id="L4:kvh2:d32:bs16:fp64")
 
 
-def random_llama(device: str = "cpu", dtype: torch.dtype = torch.float64, seed: int = 0) -> LlamaModel:
+def random_llama(
+    device: str = "cpu", dtype: torch.dtype = torch.float64, seed: int = 0, config: LlamaConfig = CONFIG
+) -> LlamaModel:
+    """`config`'s Llama (CONFIG's by default) with seeded random fp64 weights, in `dtype`: an
+    untied head is drawn after the final norm, before the layers."""
     g = torch.Generator().manual_seed(seed)
-    c = CONFIG
+    c = config
     kv = c.num_kv_heads * c.head_dim
     shapes = {
         "q": (c.num_heads * c.head_dim, c.hidden_size),
@@ -45,12 +49,14 @@ def random_llama(device: str = "cpu", dtype: torch.dtype = torch.float64, seed: 
         return torch.randn(*shape, generator=g, dtype=torch.float64)
 
     tensors = [("embed", randn(c.vocab_size, c.hidden_size)), ("norm", 1 + 0.1 * randn(c.hidden_size))]
+    if not c.tie_embeddings:
+        tensors.append(("lm_head", randn(c.vocab_size, c.hidden_size) / c.hidden_size**0.5))
     for i in range(c.num_layers):
         for part, shape in shapes.items():
             tensors.append((f"layers.{i}.{part}", randn(*shape) / shape[1] ** 0.5))
         for part in ("attn_norm", "ffn_norm"):
             tensors.append((f"layers.{i}.{part}", 1 + 0.1 * randn(c.hidden_size)))
-    return LlamaModel.from_tensors(CONFIG, [(n, t.to(dtype)) for n, t in tensors], device)
+    return LlamaModel.from_tensors(c, [(n, t.to(dtype)) for n, t in tensors], device)
 
 
 def random_ids(n: int, seed: int) -> list[int]:

@@ -45,10 +45,10 @@ from kvpool.engine.hybrid_runner import hybrid_runner
 from kvpool.engine.llama_runner import llama_runner
 from kvpool.engine.sampling import SamplingParams
 from kvpool.models.gguf import LlamaConfig
-from kvpool.models.llama import LlamaModel
 from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG, TinyDSV4
 from kvpool.models.tiny_hybrid import TINY_GEMMA2, TINY_RECURRENT, TinyHybrid
 from kvpool.tiers import HostTier
+from random_llama import random_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -73,37 +73,7 @@ CONFIG = LlamaConfig(
 DESCRIPTOR = CacheDescriptor("fuzz-llama", weights_version="seed3")
 
 
-def _model() -> LlamaModel:
-    g = torch.Generator().manual_seed(3)
-    c = CONFIG
-    kv = c.num_kv_heads * c.head_dim
-    shapes = {
-        "q": (c.num_heads * c.head_dim, c.hidden_size),
-        "k": (kv, c.hidden_size),
-        "v": (kv, c.hidden_size),
-        "o": (c.hidden_size, c.num_heads * c.head_dim),
-        "gate": (c.intermediate_size, c.hidden_size),
-        "up": (c.intermediate_size, c.hidden_size),
-        "down": (c.hidden_size, c.intermediate_size),
-    }
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g, dtype=torch.float64)
-
-    tensors = [
-        ("embed", randn(c.vocab_size, c.hidden_size)),
-        ("norm", 1 + 0.1 * randn(c.hidden_size)),
-        ("lm_head", randn(c.vocab_size, c.hidden_size) / c.hidden_size**0.5),
-    ]
-    for i in range(c.num_layers):
-        for part, shape in shapes.items():
-            tensors.append((f"layers.{i}.{part}", randn(*shape) / shape[1] ** 0.5))
-        for part in ("attn_norm", "ffn_norm"):
-            tensors.append((f"layers.{i}.{part}", 1 + 0.1 * randn(c.hidden_size)))
-    return LlamaModel.from_tensors(CONFIG, tensors, "cpu")
-
-
-MODEL = _model()
+MODEL = random_llama(seed=3, config=CONFIG)  # (fp64, its head untied)
 # the hybrid models, their window cut to 5 tokens so that the prompts here pass it
 HYBRIDS = {
     "gemma": TinyHybrid({**TINY_GEMMA2, "window": 5}, seed=1, dtype=torch.float64),
