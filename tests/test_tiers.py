@@ -783,17 +783,24 @@ def test_a_swapped_request_released_while_it_waits_leaves_no_tail_in_the_tier() 
     assert not tier.contains(tail_key) and tier.num_entries == 2 and "a" not in bridge.swapped
 
 
-def test_an_engine_request_aborted_while_swapped_out_takes_its_tail_out_of_the_tier(fp64_model) -> None:
-    # the runner's release of a request swapped out and not resumed drops its tail's entry
+def _engine_with_one_swapped_out(fp64_model):
+    """An engine over 10 blocks of 16 whose four 30-token answers make it swap one request
+    out to its host tier: stepped until the first swap-out."""
     from kvpool.engine.build import build_engine
     from kvpool.engine.sampling import SamplingParams
 
     engine = build_engine(fp64_model, num_blocks=10, block_size=16, host_cache_bytes=1 << 28, preemption="swap")
     for i in range(4):
         engine.add_request(_prompt(20 + i, 10 + i), SamplingParams(max_tokens=30, ignore_eos=True), f"r{i}")
-    bridge = engine.runner.bridge
-    while not bridge.swapped:
+    while not engine.runner.bridge.swapped:
         engine.step()
+    return engine
+
+
+def test_an_engine_request_aborted_while_swapped_out_takes_its_tail_out_of_the_tier(fp64_model) -> None:
+    # the runner's release of a request swapped out and not resumed drops its tail's entry
+    engine = _engine_with_one_swapped_out(fp64_model)
+    bridge = engine.runner.bridge
     rid, (_, _, key) = next(iter(bridge.swapped.items()))
     assert engine.runner.tier.contains(key)
     assert engine.abort(rid.rsplit("/", 1)[0])  # the cache holds sequence ids: request/index
@@ -805,15 +812,8 @@ def test_a_prefix_cache_reset_waits_for_a_request_swapped_out(fp64_model) -> Non
     # A Llama request swapped out waits with its KV in the host tier, as one that runs holds it
     # in the pool: the reset (after a weights update, say) is refused until it has finished,
     # by the runner's own check: the cache, which holds no request then, would forget at once
-    from kvpool.engine.build import build_engine
-    from kvpool.engine.sampling import SamplingParams
-
-    engine = build_engine(fp64_model, num_blocks=10, block_size=16, host_cache_bytes=1 << 28, preemption="swap")
-    for i in range(4):
-        engine.add_request(_prompt(20 + i, 10 + i), SamplingParams(max_tokens=30, ignore_eos=True), f"r{i}")
+    engine = _engine_with_one_swapped_out(fp64_model)
     bridge = engine.runner.bridge
-    while not bridge.swapped:
-        engine.step()
     swapped = next(iter(bridge.swapped)).rsplit("/", 1)[0]
     for rid in {seq.request.request_id for seq in engine.running}:
         assert engine.abort(rid)
