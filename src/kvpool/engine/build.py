@@ -29,11 +29,12 @@ from kvpool.engine.memory import check_fits, rss_bytes
 from kvpool.kernels import cpu_kernels
 from kvpool.models import weight_cache
 from kvpool.models.gguf import GGUFModel, check_gguf_file, default_gguf_path, file_digest, load_gguf
+from kvpool.models.gguf_header import check_header, read_header
 from kvpool.models.hf_config import model_bytes
 from kvpool.models.llama import LlamaModel
 from kvpool.models.tiny_dsv4 import TinyDSV4
 from kvpool.models.tiny_hybrid import TinyHybrid
-from kvpool.models.tokenizer import ChatTokenizer, build_tokenizer, check_tokenizer
+from kvpool.models.tokenizer import ChatTokenizer, build_tokenizer, check_tokenizer_kind
 from kvpool.spec.layout import CacheSpec
 from kvpool.storage.dsv4 import DSV4Pools
 from kvpool.storage.kv import PagedKVStorage, QuantizedKVStorage
@@ -62,6 +63,9 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, devi
     """The GGUF's weights, tokenizer and digest. On fp32 CPU the model runs the C kernels
     (kvpool.kernels) when they build; KVPOOL_NATIVE=0 keeps the plain torch path.
 
+    First the header is read and checked (models/gguf_header.py: architecture, shapes,
+    tokenizer kind, quantization types, memory), before the file is hashed: the digest reads
+    every byte, and a refused 40 GB file was read whole (~80 s) before it was refused.
     A cached copy of the weights in the model's layout (models/weight_cache.py) is used when
     one matches the GGUF's digest and the layout version: memory-mapped, no GGUF parse.
     Otherwise the tensors are dequantized and fused one layer at a time (the load holds the
@@ -71,9 +75,24 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, devi
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     path = path or default_gguf_path()
     check_gguf_file(path)
+    stat = _file_identity(path)
+    # everything the header alone refuses, before the digest reads the whole file (~80 s
+    # for 40 GB) and before the weight cache's metadata stands in for the file's
+    facts = check_header(read_header(path), path)
+    check_tokenizer_kind(facts.tokenizer_model, facts.tokenizer_pre)
+    # the weights dequantized, refused in one line before the first tensor is read: an 8B
+    # GGUF in fp32 (32 GB) on a 16 GB machine was read for minutes until the kernel killed
+    # the process
+    name = torch.finfo(dtype).dtype if dtype.is_floating_point else dtype
+    config = facts.config
+    check_fits(
+        model_bytes(config, dtype),
+        device,
+        f"GGUF file {path} ({config.num_layers} layers of hidden {config.hidden_size}) in {name}",
+        "a smaller model" + (", or --dtype bf16" if dtype == torch.float32 else ""),
+    )
     kernels = cpu_kernels() if torch.device(device).type == "cpu" and dtype == torch.float32 else None
     cache = weight_cache.WeightCache() if weight_cache.enabled() and torch.device(device).type == "cpu" else None
-    stat = _file_identity(path)
     digest = file_digest(path)
     key = weight_cache.entry_key(digest, dtype) if cache is not None else ""
     cached = cache.load(key) if cache is not None else None
@@ -85,17 +104,6 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, devi
     else:
         gguf_file = load_gguf(path, dtype, digest)
         meta = gguf_file.meta
-        check_tokenizer(meta.tokenizer)  # before the weights: a tokenizer we cannot build ends the load anyway
-        # the weights dequantized, refused in one line before the first tensor is read: an
-        # 8B GGUF in fp32 (32 GB) on a 16 GB machine was read for minutes until the kernel
-        # killed the process
-        name = torch.finfo(dtype).dtype if dtype.is_floating_point else dtype
-        check_fits(
-            model_bytes(meta.config, dtype),
-            device,
-            f"GGUF file {path} ({meta.config.num_layers} layers of hidden {meta.config.hidden_size}) in {name}",
-            "a smaller model" + (", or --dtype bf16" if dtype == torch.float32 else ""),
-        )
         model = LlamaModel.from_tensors(meta.config, gguf_file.tensors(dtype), device, kernels)
         del gguf_file
         source = "gguf"

@@ -355,6 +355,24 @@ def read_tokenizer(reader: Any) -> TokenizerData:
     )
 
 
+def check_tensor_types(types: dict[str, str], config: LlamaConfig) -> None:
+    """ValueError naming the tensor of a quantization type kvpool does not read, or the
+    tensors the model uses that are missing (`types`: GGUF tensor name -> type name)."""
+    for name, type_name in types.items():
+        if type_name not in SUPPORTED_QUANT_TYPES:
+            raise ValueError(
+                f"unsupported GGUF quantization type {type_name} in tensor {name!r}; "
+                f"supported: {sorted(SUPPORTED_QUANT_TYPES)}"
+            )
+    # every tensor the model uses, named with the file here (a layer's missing tensor was
+    # only found once the weights were read, in a message without the file)
+    wanted = ["token_embd.weight", "output_norm.weight"]
+    wanted += [f"blk.{i}.{part}.weight" for i in range(config.num_layers) for part in _RENAME]
+    missing = [n for n in wanted if n not in types]
+    if missing:
+        raise ValueError(f"lacks tensors {missing[:6]}" + (f" and {len(missing) - 6} more" if len(missing) > 6 else ""))
+
+
 def check_gguf_file(path: str) -> None:
     """FileNotFoundError for a missing file; ValueError naming the path for a directory, a
     device or pipe, an empty file or one that does not start with the GGUF magic."""
@@ -380,8 +398,8 @@ def check_gguf_file(path: str) -> None:
 # The least bytes one entry of each section takes: a metadata pair (key length, an empty key,
 # its type, a one-byte value), a tensor's description (name length, an empty name, its
 # dims count, no dims, its type, its offset).
-_MIN_KV_BYTES = 8 + 4 + 1
-_MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8
+MIN_KV_BYTES = 8 + 4 + 1
+MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8
 
 
 def check_gguf_counts(path: str) -> None:
@@ -396,7 +414,7 @@ def check_gguf_counts(path: str) -> None:
     # a file written on a big-endian machine holds its version (2 or 3) in the high half of a little-endian read
     order = ">" if struct.unpack_from("<I", head, 4)[0] & 0xFFFF == 0 else "<"
     num_tensors, num_kv = struct.unpack_from(f"{order}QQ", head, 8)
-    if num_tensors * _MIN_TENSOR_INFO_BYTES + num_kv * _MIN_KV_BYTES > size - 24:
+    if num_tensors * MIN_TENSOR_INFO_BYTES + num_kv * MIN_KV_BYTES > size - 24:
         raise ValueError(
             f"GGUF file {path} is corrupt or truncated: its header claims {num_tensors} tensors and {num_kv} metadata "
             f"keys, more than its {size} bytes can hold"
@@ -488,22 +506,7 @@ def load_gguf(path: str | None = None, dtype: torch.dtype = torch.float32, diges
         tokenizer = read_tokenizer(reader)
         check_shapes(reader, config, len(tokenizer.tokens))
         file_type = _field(reader, "general.file_type")
-        for tensor in reader.tensors:
-            if tensor.tensor_type.name not in SUPPORTED_QUANT_TYPES:
-                raise ValueError(
-                    f"unsupported GGUF quantization type {tensor.tensor_type.name} in tensor {tensor.name!r}; "
-                    f"supported: {sorted(SUPPORTED_QUANT_TYPES)}"
-                )
-        names = {t.name for t in reader.tensors}
-        # every tensor the model uses, named with the file here (a layer's missing tensor was
-        # only found once the weights were read, in a message without the file)
-        wanted = ["token_embd.weight", "output_norm.weight"]
-        wanted += [f"blk.{i}.{part}.weight" for i in range(config.num_layers) for part in _RENAME]
-        missing = [n for n in wanted if n not in names]
-        if missing:
-            raise ValueError(
-                f"lacks tensors {missing[:6]}" + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
-            )
+        check_tensor_types({t.name: t.tensor_type.name for t in reader.tensors}, config)
         infos = [
             TensorInfo(
                 t.name,

@@ -110,16 +110,21 @@ class ChatTokenizer:
 
 
 def check_tokenizer(data: TokenizerData) -> None:
-    """ValueError naming the tokenizer model or pre-tokenizer kvpool does not build (cheap:
-    the loader asks before it reads the weights)."""
-    if data.model != "gpt2":
-        raise ValueError(f"unsupported GGUF tokenizer model {data.model!r}; kvpool builds byte-level BPE ('gpt2')")
-    if data.pre not in SUPPORTED_PRES:
+    """ValueError naming the tokenizer model or pre-tokenizer kvpool does not build."""
+    check_tokenizer_kind(data.model, data.pre)
+
+
+def check_tokenizer_kind(model: str, pre: str) -> None:
+    """check_tokenizer from the two header keys (tokenizer.ggml.model and .pre) alone: the
+    loader asks before it hashes or reads the weights."""
+    if model != "gpt2":
+        raise ValueError(f"unsupported GGUF tokenizer model {model!r}; kvpool builds byte-level BPE ('gpt2')")
+    if pre not in SUPPORTED_PRES:
         # another split of the text (DeepSeek's "deepseek-llm", ...) fell back to GPT-2's
         # regex without a word, and the model was fed token ids its own tokenizer never makes
         known = ", ".join(sorted(SUPPORTED_PRES))
         raise ValueError(
-            f"unsupported GGUF pre-tokenizer tokenizer.ggml.pre {data.pre!r}: kvpool splits text as {known}, "
+            f"unsupported GGUF pre-tokenizer tokenizer.ggml.pre {pre!r}: kvpool splits text as {known}, "
             "and another split would give token ids the model was not trained on"
         )
 

@@ -1,0 +1,171 @@
+"""load_model refuses what a GGUF's header alone refuses before it hashes the file
+(models/gguf_header.py): the digest reads every byte, and a refused 40 GB file was read
+whole (~80 s) before its one-line refusal. The header reader, no gguf library, is checked
+against the library's reader on SmolLM2 and on tiny GGUFs of either byte order."""
+
+from __future__ import annotations
+
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from kvpool.engine import build
+from kvpool.models import gguf as kv_gguf
+from kvpool.models.gguf import default_gguf_path, load_gguf
+from kvpool.models.gguf_header import QUANT_TYPES, SkippedArray, check_header, read_header
+from test_gguf_metadata import write_gguf
+
+PADDED_BYTES = 1 << 30  # a refused file's size: sparse, so it takes no disk, but a digest reads it all
+
+
+def test_the_quantization_table_is_the_gguf_librarys():
+    for type_id, (name, block, block_bytes) in QUANT_TYPES.items():
+        quant = gguf.GGMLQuantizationType(type_id)
+        assert (quant.name, *gguf.GGML_QUANT_SIZES[quant]) == (name, block, block_bytes)
+    assert {name for name, _, _ in QUANT_TYPES.values()} == kv_gguf.SUPPORTED_QUANT_TYPES
+
+
+def _tiny(path, endianess=gguf.GGUFEndian.LITTLE) -> str:
+    """write_gguf's tiny Llama, in either byte order, with an array of numbers and of arrays."""
+    original = gguf.GGUFWriter.__init__
+
+    def writer(self, *args, **kwargs):
+        original(self, *args, **{**kwargs, "endianess": endianess})
+        self.add_array("test.nested", [[1, 2], [3]])
+        self.add_array("test.numbers", [1.5, 2.5, 3.5])
+
+    try:
+        gguf.GGUFWriter.__init__ = writer
+        return write_gguf(path, raw_kv={"tokenizer.ggml.pre": "smollm", "test.flag": True})
+    finally:
+        gguf.GGUFWriter.__init__ = original
+
+
+@pytest.mark.parametrize("which", ["smollm2", "tiny", "tiny big-endian"])
+def test_the_header_reads_what_the_gguf_reader_reads(tmp_path, which):
+    path = {
+        "smollm2": default_gguf_path,
+        "tiny": lambda: _tiny(tmp_path / "tiny.gguf"),
+        "tiny big-endian": lambda: _tiny(tmp_path / "big.gguf", gguf.GGUFEndian.BIG),
+    }[which]()
+    header = read_header(path)
+    reader = gguf.GGUFReader(path)
+    assert list(header.fields) == [k for k in reader.fields if not k.startswith("GGUF.")]
+    for key, field in header.fields.items():
+        theirs = reader.fields[key].contents()
+        if isinstance(field.value, SkippedArray):
+            assert len(field.value) == len(theirs), key
+        elif isinstance(field.value, tuple):  # an array of arrays (the library's answer flattens it)
+            assert [len(a) for a in field.value] == [2, 1] and len(theirs) == 3, key
+        else:
+            assert field.value == theirs and type(field.value) is type(theirs), key
+    assert header.data_offset == reader.data_offset
+    assert [(t.name, t.shape, t.type_id, t.offset) for t in header.tensors] == [
+        (t.name, tuple(int(x) for x in t.shape), int(t.tensor_type), int(t.field.parts[-1][0])) for t in reader.tensors
+    ]
+    facts = check_header(header, path)
+    assert facts.config == load_gguf(path).meta.config
+    assert (facts.tokenizer_model, facts.tokenizer_pre) == ("gpt2", "smollm")
+    assert header.bytes_read == min(os.path.getsize(path), 4 << 20)
+
+
+def _refusals(tmp_path) -> dict[str, tuple[str, str]]:
+    """Name -> (path, the end of its refusal)."""
+    deepseek = "unsupported GGUF pre-tokenizer tokenizer.ggml.pre 'deepseek-llm': kvpool splits text as"
+    cases = {
+        "pre-tokenizer": ({"raw_kv": {"tokenizer.ggml.pre": "deepseek-llm"}}, deepseek),
+        "RoPE scaling": (
+            {"raw_kv": {"llama.rope.scaling.type": "yarn"}},
+            "unsupported RoPE scaling llama.rope.scaling.type 'yarn'; kvpool runs plain RoPE",
+        ),
+        "quantization": ({"dtype": np.float64}, "unsupported GGUF quantization type F64 in tensor 'token_embd.weight'"),
+        "missing tensor": ({"skip": ("blk.1.attn_q.weight",)}, "lacks tensors ['blk.1.attn_q.weight']"),
+        "head count": ({"heads": 0}, "llama.attention.head_count must be a positive integer, got 0"),
+        "shape": ({"q_rows": 12}, "tensor 'blk.0.attn_q.weight' has dims [16, 12], but the metadata's architecture"),
+        "too large": ({}, "GiB of memory available; a smaller model, or --dtype bf16"),
+    }
+    return {
+        name: (write_gguf(tmp_path / f"{name.replace(' ', '_')}.gguf", **over), message)
+        for name, (over, message) in cases.items()
+    }
+
+
+def _bytes_read() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="counts the bytes read in /proc/self/io")
+@pytest.mark.parametrize(
+    "case", ["pre-tokenizer", "RoPE scaling", "quantization", "missing tensor", "head count", "shape", "too large"]
+)
+def test_a_refused_header_is_refused_before_the_file_is_hashed(tmp_path, monkeypatch, case):
+    """Each refusal as load_gguf words it (the pre-tokenizer's and the memory's are
+    load_model's), of a 1 GiB file, after reading its header: a few MiB, no digest."""
+    import kvpool.engine.memory as memory
+
+    monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path / "cache"))
+    path, message = _refusals(tmp_path)[case]
+    if case not in ("pre-tokenizer", "too large"):
+        with pytest.raises(ValueError) as theirs:
+            load_gguf(path)
+        assert str(theirs.value).endswith(message) or message in str(theirs.value)
+    if case == "too large":
+        monkeypatch.setattr(memory, "available_memory_bytes", lambda device: 8 << 10)
+    os.truncate(path, PADDED_BYTES)
+    digests = []
+    monkeypatch.setattr(build, "file_digest", lambda p: digests.append(p) or kv_gguf.file_digest(p))
+    before = _bytes_read()
+    with pytest.raises(ValueError) as e:
+        build.load_model(path, device="cpu")
+    read = _bytes_read() - before
+    assert message in str(e.value) and str(e.value).startswith(("GGUF file", "unsupported GGUF pre")), str(e.value)
+    if case not in ("pre-tokenizer", "too large"):
+        assert str(e.value) == str(theirs.value)
+    assert digests == [] and read < 8 << 20, (digests, read)
+
+
+def test_the_weight_cache_does_not_stand_in_for_a_check_the_header_fails(tmp_path, monkeypatch):
+    """An entry's metadata comes from the weight cache, so a check added after the entry was
+    stored was never made on a hit (mendC: entries from before 290ffce). The header is
+    checked on every load: here the cached file's F32 tensors stop being a supported type."""
+    monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "ok.gguf")
+    assert build.load_model(path, device="cpu").load_source.startswith("gguf (no entry")
+    assert build.load_model(path, device="cpu").load_source == "weight cache"
+    monkeypatch.setattr(kv_gguf, "SUPPORTED_QUANT_TYPES", frozenset({"F16"}))
+    with pytest.raises(ValueError, match=r"unsupported GGUF quantization type F32 in tensor 'token_embd.weight'"):
+        build.load_model(path, device="cpu")
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda b: b[:4] + (7).to_bytes(4, "little") + b[8:], "GGUF version 7; kvpool reads versions 2 and 3"),
+        (lambda b: b[:1000], "runs past the end of the file"),
+        (lambda b: b[:24] + (1 << 60).to_bytes(8, "little") + b[32:], "a string of 1152921504606846976 bytes"),
+    ],
+)
+def test_a_corrupt_header_is_named_in_one_line(tmp_path, damage, message):
+    path = write_gguf(tmp_path / "ok.gguf")
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(damage(data))
+    with pytest.raises(ValueError) as e:
+        check_header(read_header(path), path)
+    assert str(e.value).startswith(f"GGUF file {path} is corrupt or truncated: ") and message in str(e.value)
+
+
+def test_a_header_longer_than_the_first_read_is_read_on(tmp_path, monkeypatch):
+    import kvpool.models.gguf_header as header_module
+
+    path = write_gguf(tmp_path / "ok.gguf", tokens=[f"token{i}" for i in range(4000)], vocab=4000, embed_rows=4000)
+    monkeypatch.setattr(header_module, "FIRST_READ_BYTES", 1000)
+    header = read_header(path)
+    assert len(header.fields["tokenizer.ggml.tokens"].value) == 4000
+    assert header.bytes_read // 2 < header.data_offset <= header.bytes_read  # read on, doubling, no further
+    assert check_header(header, path).config == load_gguf(path, torch.float32).meta.config
