@@ -24,6 +24,8 @@ import math
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -275,6 +277,62 @@ def test_build_is_cached_and_a_failing_compiler_is_a_clear_error(kernels, tmp_pa
     with pytest.raises(KernelBuildError, match="failed to build"):
         build(tmp_path / "other")
     assert not any((tmp_path / "other").glob("*.so"))  # no half-written library left behind
+
+
+def _fake_compiler(path, body: str) -> str:
+    """A shell script standing in for cc: `--version` answers, a compile runs `body`."""
+    path.write_text(f'#!/bin/sh\nif [ "$1" = "--version" ]; then echo "fake cc 1"; exit 0; fi\n{body}\n')
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_a_cached_library_that_does_not_load_is_rebuilt_once(kernels, tmp_path, monkeypatch):
+    """A damaged kvpool_cpu_*.so was loaded, failed, and was never rebuilt: a warning at every
+    start until someone deleted it. Now it is compiled again, once; a library that still does
+    not load is the warning's reason, naming it."""
+    import kvpool.kernels as kvk
+
+    monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path / "real"))
+    path = build()
+    path.write_bytes(b"not a shared library")
+    loaded = kvk._load_or_error.__wrapped__()
+    assert isinstance(loaded, kvk.CpuKernels) and path.read_bytes()[:4] == b"\x7fELF"
+    # a compiler whose every library is garbage: compiled twice (the build, one rebuild), no more
+    log = tmp_path / "compiles"
+    write_junk = 'while [ "$1" != "-o" ]; do shift; done\necho junk > "$2"'  # to the -o file
+    cc = _fake_compiler(tmp_path / "garbage-cc", f"echo x >> {log}\n{write_junk}")
+    monkeypatch.setenv("CC", cc)
+    monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path / "fake"))
+    failed = kvk._load_or_error.__wrapped__()
+    assert isinstance(failed, KernelBuildError), failed
+    assert str(failed).startswith(f"cannot load the CPU kernels at {tmp_path / 'fake'}/kvpool_cpu_")
+    assert "rebuilt once after it failed to load" in str(failed)
+    assert log.read_text() == "x\nx\n"
+
+
+def test_a_hung_compiler_is_killed_not_waited_for(tmp_path):
+    """The compiler ran without a timeout: a hung cc hung kvpool's first use of the kernels.
+    The compile's whole process group is killed (its children held the pipes open), and the
+    kernels' first use warns and runs the torch path."""
+    pid_file = tmp_path / "child.pid"
+    cc = _fake_compiler(tmp_path / "hung-cc", f"sleep 60 &\necho $! > {pid_file}\nwait")
+    code = "import kvpool.kernels as k; k.COMPILE_TIMEOUT_S = 2; print(k.cpu_kernels())"
+    env = {**os.environ, "CC": cc, "KVPOOL_CACHE_DIR": str(tmp_path / "cache"), "KVPOOL_NATIVE": ""}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=40)
+    assert out.stdout.strip() == "None", out.stderr
+    assert f"kvpool runs the torch path: `{cc} -O3 ...` did not finish in 2 s: killed" in out.stderr
+    child = Path(f"/proc/{int(pid_file.read_text())}/stat")  # the compiler's child, killed too
+    deadline = time.monotonic() + 5
+    while child.exists() and _state(child) != "Z" and time.monotonic() < deadline:
+        time.sleep(0.1)  # (killed, then reaped by whoever inherits it; a zombie is dead)
+    assert not child.exists() or _state(child) == "Z"
+
+
+def _state(stat: Path) -> str:
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
 
 
 def test_kvpool_native_switch():

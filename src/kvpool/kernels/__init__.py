@@ -10,7 +10,8 @@ write into the pool, decode attention straight from the blocks, SiLU * up. Each 
 Building: the machine's C compiler (`$CC`, else cc / gcc / clang) compiles cpu.c with
 -O3 -march=native (FLAGS below) into `$KVPOOL_CACHE_DIR` (default ~/.cache/kvpool), under a name that
 hashes the source, the flags, the compiler and the CPU, so a rebuild happens only when one
-of them changes. About a second, once per machine.
+of them changes. About a second, once per machine. A cached library that does not load is
+compiled again, once; a compile is killed after COMPILE_TIMEOUT_S.
 
 KVPOOL_NATIVE selects: "0" never (the torch path), "1" always (an error when they cannot be
 built), unset: use them when they build, else warn once and run the torch path.
@@ -18,12 +19,14 @@ built), unset: use them when they build, else warn once and run the torch path.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import tempfile
 import warnings
@@ -94,15 +97,37 @@ def _cpu_id() -> str:
         return platform.processor() or platform.machine()
 
 
-def build(cache_dir: str | Path | None = None) -> Path:
-    """Compile cpu.c (once per source / compiler / CPU) and return the shared library's path."""
+# A compile takes ~1 s (~5 s at load 8 on 2 cores); a compiler that has not finished in this
+# long is hung (a wrapper waiting on a licence server, a stuck NFS include), and kvpool's first
+# use of the kernels waited for it without end. Its whole process group is killed.
+COMPILE_TIMEOUT_S = 120.0
+
+
+def _run(cmd: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+    """`cmd` with its output captured; KernelBuildError once it has run `timeout_s`. In its
+    own session, so that the kill reaches cc1 and as too: subprocess.run's timeout kills the
+    driver alone, then waits for the pipes its children still hold open."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise KernelBuildError(f"`{' '.join(cmd[:2])} ...` did not finish in {timeout_s:g} s: killed") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def build(cache_dir: str | Path | None = None, rebuild: bool = False) -> Path:
+    """Compile cpu.c (once per source / compiler / CPU) and return the shared library's path;
+    `rebuild` compiles again over a library that is there (one that does not load)."""
     cc = _compiler()
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    version = _run([cc, "--version"], COMPILE_TIMEOUT_S).stdout
     source = SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS + OPENMP).encode(), version.encode(), _cpu_id().encode()]))
     root = Path(cache_dir or os.environ.get("KVPOOL_CACHE_DIR") or Path.home() / ".cache" / "kvpool")
     target = root / f"kvpool_cpu_{key.hexdigest()[:16]}.so"
-    if target.exists():
+    if target.exists() and not rebuild:
         return target
     root.mkdir(parents=True, exist_ok=True)
     # Compile to a private name, then rename: concurrent builders never load a half-written file.
@@ -110,14 +135,9 @@ def build(cache_dir: str | Path | None = None) -> Path:
     os.close(fd)
     try:
         cmd = [cc, *FLAGS, *OPENMP, "-o", tmp, str(SOURCE), "-lm"]
-        with_omp = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        with_omp = _run(cmd, COMPILE_TIMEOUT_S)
         if with_omp.returncode != 0:  # no OpenMP here (clang without libomp): one thread
-            plain = subprocess.run(
-                [cc, *FLAGS, "-Wno-unknown-pragmas", "-o", tmp, str(SOURCE), "-lm"],
-                capture_output=True,
-                text=True,
-                check=False,
-            )
+            plain = _run([cc, *FLAGS, "-Wno-unknown-pragmas", "-o", tmp, str(SOURCE), "-lm"], COMPILE_TIMEOUT_S)
             if plain.returncode != 0:
                 raise KernelBuildError(
                     f"{cc} failed to build {SOURCE.name}:\n{plain.stderr.strip()}\n"
@@ -482,10 +502,23 @@ class CpuKernels:
 
 @functools.cache
 def _load_or_error() -> CpuKernels | KernelBuildError:
+    """The kernels, or why not. A cached library that does not load (truncated or damaged on
+    disk: dlopen's "file too short", "invalid ELF header"; a symbol missing) is compiled
+    again once: it was never rebuilt, and every start warned until someone deleted it."""
     try:
-        return CpuKernels(build())
+        path = build()
+        try:
+            return CpuKernels(path)
+        except (OSError, AttributeError) as first:
+            path = build(rebuild=True)
+            try:
+                return CpuKernels(path)
+            except (OSError, AttributeError) as second:
+                return KernelBuildError(
+                    f"cannot load the CPU kernels at {path}, rebuilt once after it failed to load ({first}): {second}"
+                )
     except (KernelBuildError, OSError) as e:
-        return e if isinstance(e, KernelBuildError) else KernelBuildError(f"cannot load the CPU kernels: {e}")
+        return e if isinstance(e, KernelBuildError) else KernelBuildError(f"cannot build the CPU kernels: {e}")
 
 
 def cpu_kernels() -> CpuKernels | None:
