@@ -885,63 +885,25 @@ class HybridCacheManager:
 
     def restore_refusal(self, request_id: str, num_tokens: int) -> str | None:
         """Why `num_tokens` positions after the computed prefix cannot be restored, or None."""
-        req = self._get(request_id)
-        num_tokens = _int_counts((num_tokens,), "a restore's token count", (request_id,))[0]
-        nc, bs = req.num_computed, self.block_size
-        if len(self._group_list) != 1:
-            return f"request {request_id!r}: a cache of {len(self._group_list)} groups restores no partial block"
-        if nc != req.admitted_at and not req.num_loading:  # (a step since: its tokens are computed)
-            return f"request {request_id!r}: a swapped tail is restored right after the admission, before any step"
-        if req.num_loading or nc % bs or not 0 < num_tokens < bs or nc + num_tokens >= len(req.token_ids):
-            return (
-                f"request {request_id!r}: cannot restore {num_tokens} tokens after {nc} computed "
-                f"({len(req.token_ids)} known, block size {bs})"
-            )
-        if nc + num_tokens >= req.end:  # (the first step must keep a token of its reservation: an exact step's end)
-            return f"request {request_id!r}: {num_tokens} restored tokens leave no reserved token to compute"
-        return None
+        return self._restore_refusal(request_id, num_tokens, state=False)
 
     def restore_tail(self, request_id: str, num_tokens: int) -> Admission:
         """The KV of `num_tokens` positions after the computed full blocks is loaded back into
         the request's fresh block (`CacheGroup.partial_block`) before its first step: they
         count as computed (a token is left to compute). Returns the admission the engine
         follows. ValueError, nothing changed, naming why they cannot be (`restore_refusal`)."""
-        self._decode_step = None  # (the counts move below)
-        num_tokens = _int_counts((num_tokens,), "a restore's token count", (request_id,))[0]
-        refusal = self.restore_refusal(request_id, num_tokens)
-        if refusal is not None:
-            raise ValueError(refusal)
-        req, g = self._requests[request_id], self._group_list[0]
+        req, g, num_tokens = self._checked_restore(request_id, num_tokens, state=False)
         nc = req.num_computed
         tail = g.partial_block(req.states[g.name], req.token_ids, req.mm_items, nc, nc + num_tokens)
         if tail is None:
             raise ValueError(f"request {request_id!r}: its group swaps no block")
         assert self.pool.refcount(tail[0]) == 1 and self.pool.block_hash(tail[0]) is None, "a fresh block"
-        req.num_computed += num_tokens
-        self._count_hit(req, num_tokens)
-        # the first step stays inside the admission's reservation (a block boundary past nc)
-        n = min(req.budget, len(req.token_ids) - req.num_computed, req.end - req.num_computed)
-        assert n > 0
-        return Admission(req.num_computed, n, self._admission_parts(req))
+        return self._restored(req, num_tokens)
 
     def swapped_state_refusal(self, request_id: str, num_tokens: int) -> str | None:
         """Why a swapped-out state `num_tokens` positions after the admission's hit cannot come
         back (`restore_swapped_state`), or None."""
-        req = self._get(request_id)
-        num_tokens = _int_counts((num_tokens,), "a restore's token count", (request_id,))[0]
-        nc, bs = req.num_computed, self.block_size
-        if len(self._group_list) != 1:
-            return f"request {request_id!r}: a cache of {len(self._group_list)} groups restores no swapped state"
-        if nc != req.admitted_at and not req.num_loading:  # (a step since: its tokens are computed)
-            return f"request {request_id!r}: a swapped state is restored right after the admission, before any step"
-        if req.num_loading or nc % bs or not 0 <= num_tokens < bs or not 0 < nc + num_tokens < len(req.token_ids):
-            return (
-                f"request {request_id!r}: cannot restore a state {num_tokens} tokens after {nc} computed "
-                f"({len(req.token_ids)} known, block size {bs})"
-            )
-        if nc + num_tokens >= req.end:  # (the first step must keep a token of its reservation)
-            return f"request {request_id!r}: a state {num_tokens} tokens on leaves no reserved token to compute"
-        return None
+        return self._restore_refusal(request_id, num_tokens, state=True)
 
     def restore_swapped_state(self, request_id: str, num_tokens: int) -> Admission:
         """A swapped-out request's state came back into its state block (the runner wrote it
@@ -950,13 +912,48 @@ class HybridCacheManager:
         token is left to compute) and the group's restore is done ("swap"). Returns the
         admission the engine follows. ValueError, nothing changed, naming why it cannot be
         (`swapped_state_refusal`)."""
-        self._decode_step = None  # (the counts move below)
+        req, g, num_tokens = self._checked_restore(request_id, num_tokens, state=True)
+        g.restore_swapped(req.states[g.name])
+        return self._restored(req, num_tokens)
+
+    def _restore_refusal(self, request_id: str, num_tokens: int, state: bool) -> str | None:
+        """`restore_refusal` (state False: a swapped partial block, 1 to bs - 1 tokens) and
+        `swapped_state_refusal` (state True: a swapped state, 0 to bs - 1 tokens on)."""
+        req = self._get(request_id)
         num_tokens = _int_counts((num_tokens,), "a restore's token count", (request_id,))[0]
-        refusal = self.swapped_state_refusal(request_id, num_tokens)
+        nc, bs = req.num_computed, self.block_size
+        if len(self._group_list) != 1:
+            what = "swapped state" if state else "partial block"
+            return f"request {request_id!r}: a cache of {len(self._group_list)} groups restores no {what}"
+        if nc != req.admitted_at and not req.num_loading:  # (a step since: its tokens are computed)
+            what = "state" if state else "tail"
+            return f"request {request_id!r}: a swapped {what} is restored right after the admission, before any step"
+        least = 0 if state else 1
+        if req.num_loading or nc % bs or not least <= num_tokens < bs or not 0 < nc + num_tokens < len(req.token_ids):
+            tokens = f"a state {num_tokens} tokens" if state else f"{num_tokens} tokens"
+            return (
+                f"request {request_id!r}: cannot restore {tokens} after {nc} computed "
+                f"({len(req.token_ids)} known, block size {bs})"
+            )
+        if nc + num_tokens >= req.end:  # (the first step must keep a token of its reservation: an exact step's end)
+            what = f"a state {num_tokens} tokens on leaves" if state else f"{num_tokens} restored tokens leave"
+            return f"request {request_id!r}: {what} no reserved token to compute"
+        return None
+
+    def _checked_restore(self, request_id: str, num_tokens: int, state: bool) -> tuple[_Request, CacheGroup, int]:
+        """The request, its one group and the count of a restore `_restore_refusal` has no
+        objection to; ValueError, nothing changed, naming the objection."""
+        num_tokens = _int_counts((num_tokens,), "a restore's token count", (request_id,))[0]
+        refusal = self._restore_refusal(request_id, num_tokens, state)
         if refusal is not None:
             raise ValueError(refusal)
-        req, g = self._requests[request_id], self._group_list[0]
-        g.restore_swapped(req.states[g.name])
+        return self._requests[request_id], self._group_list[0], num_tokens
+
+    def _restored(self, req: _Request, num_tokens: int) -> Admission:
+        """`num_tokens` more of the prefix came back: computed, counted as hit; the admission
+        the engine follows, its first step inside the admission's reservation (a block
+        boundary past the computed prefix)."""
+        self._decode_step = None  # (the counts move below)
         req.num_computed += num_tokens
         self._count_hit(req, num_tokens)
         n = min(req.budget, len(req.token_ids) - req.num_computed, req.end - req.num_computed)
@@ -1924,32 +1921,14 @@ class HybridCacheManager:
         for req, next_token_id in zip(reqs, next_token_ids, strict=True):  # (the arrays take them below)
             if next_token_id is not None:
                 _token_ids_array(req.request_id, (next_token_id,))  # ValueError naming a bad id
-        decode = num_tokens.count(1) == len(reqs)  # all decodes: the engine's common step
         bad = None
-        if self.exact_steps and decode:  # (the general check below with n = 1, without the zip: 2.5x faster)
-            bad = next((req for req in reqs if req.end - req.num_computed != 1), None)
-            if bad is not None:
-                raise ValueError(
-                    f"request {bad.request_id!r}: commit of 1 token, but the step reserved "
-                    f"{bad.end - bad.num_computed} (a recurrent state advances by whole steps)"
-                )
-        elif self.exact_steps:
+        if self.exact_steps:
             for req, n in zip(reqs, num_tokens, strict=True):
                 if n != req.end - req.num_computed:
                     raise ValueError(
-                        f"request {req.request_id!r}: commit of {n} tokens, but the step reserved "
+                        f"request {req.request_id!r}: commit of {n} token{'s' * (n != 1)}, but the step reserved "
                         f"{req.end - req.num_computed} (a recurrent state advances by whole steps)"
                     )
-        elif decode:
-            try:
-                for req in reqs:
-                    nc = req.num_computed
-                    if nc >= req.end:
-                        bad = req
-                        break
-                    req.token_ids[nc]  # the committed position's token id is known (IndexError if not)
-            except IndexError:
-                bad = req
         else:
             if min(num_tokens) < 0:
                 raise ValueError(f"a commit of {min(num_tokens)} tokens")
@@ -1978,32 +1957,18 @@ class HybridCacheManager:
                         f"request {req.request_id!r}: the commit names next token id {next_token_id} at position "
                         f"{at}, where the caller's list {held} (share_ids: append it to the list before the commit)"
                     )
-        fresh = self._fresh
-        if decode:
-            period = self._commit_period
-            changed = []
-            for req, next_token_id in zip(reqs, next_token_ids, strict=True):
-                nc = req.num_computed + 1
+        fresh, period = self._fresh, self._commit_period
+        changed = []
+        for req, n, next_token_id in zip(reqs, num_tokens, next_token_ids, strict=True):
+            if n:
+                nc = req.num_computed + n
                 req.num_computed = nc
-                if nc % period == 0:
+                # a one-token commit off the period of a request not fresh changes no group (`commit_period`)
+                if n != 1 or not nc % period or req.request_id in fresh:
                     changed.append(req)
-                if next_token_id is not None and not req.shared:
-                    req.token_ids.append(next_token_id)
-            if fresh:  # (in step order: the order groups publish in decides which copy is findable)
-                changed = [req for req in reqs if req.num_computed % period == 0 or req.request_id in fresh]
-        else:
-            period = self._commit_period
-            changed = []
-            for req, n, next_token_id in zip(reqs, num_tokens, next_token_ids, strict=True):
-                if n:
-                    nc = req.num_computed + n
-                    req.num_computed = nc
-                    # the decodes of a mixed step (a prefill chunk joined them) as the decode path's
-                    if n != 1 or not nc % period or req.request_id in fresh:
-                        changed.append(req)
-                if next_token_id is not None and not req.shared:
-                    req.token_ids.append(next_token_id)
-        if self.exact_steps and not decode:  # (a decode's end is num_computed + 1 already: checked above)
+            if next_token_id is not None and not req.shared:
+                req.token_ids.append(next_token_id)
+        if self.exact_steps:  # the whole reserved step is committed
             for req in reqs:
                 req.end = req.num_computed
         if changed:
