@@ -1088,15 +1088,9 @@ class HybridCacheManager:
             if bound < top:
                 top = bound
         extras = sorted({p for group, found in parts for p in group.extra_points(found) if 0 < p <= top}, reverse=True)
-        if len(parts) == 1:  # (one group, a V4 or a one-attention cache: its own test, no all())
-            serves, found = parts[0][0].serves, parts[0][1]
 
-            def served(p: int) -> bool:
-                return serves(found, p)
-        else:
-
-            def served(p: int) -> bool:
-                return all(group.serves(found, p) for group, found in parts)
+        def served(p: int) -> bool:
+            return all(group.serves(found, p) for group, found in parts)
 
         point, i = top // g * g, 0
         while point > 0:
