@@ -110,8 +110,7 @@ class RecurrentGroup(CacheGroup):
         top = min(len(token_ids) - 1, len(token_ids) if limit is None else limit)
         hits = chains.find_units(self.pool, root, token_ids, mm_items, c, top // c, packed)
         if self._turn_ends:
-            for k, parent in enumerate([root, *hits.chain]):
-                hits.turn_ends.update(self._turn_ends.find(parent, k * c, token_ids, mm_items, top, packed))
+            hits.turn_ends = self._turn_ends.find_along([root, *hits.chain], token_ids, mm_items, top, packed)
         return hits
 
     def upper_bound(self, hits: UnitHits) -> int:
