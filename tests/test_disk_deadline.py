@@ -441,7 +441,7 @@ def test_a_directory_that_scans_slower_than_the_deadline_is_indexed_and_kept_wit
     real_scan = disk_module.scan_entries
     running, started, most = [0], [0], [0]
 
-    def slow_scan(root):
+    def slow_scan(root, *args):
         started[0] += 1
         running[0] += 1
         most[0] = max(most[0], running[0])
@@ -509,4 +509,69 @@ def test_a_write_whose_rename_hung_and_then_landed_is_indexed(tmp_path, hang_fac
     assert tier.num_bytes == stored(tier, 1).stat().st_size
     assert tier.stats.num_puts == 1 and tier.stats.num_write_errors == 0 and tier.timeouts["write"] == 1
     assert tier.holds(key(1), descriptor(1)) and same(tier.get(key(1), descriptor(1)), 1)
+    tier.check_integrity()
+
+
+@pytest.mark.parametrize("where", ["marker", "tmp", "quarantine", "entries"])
+def test_a_mount_hung_as_the_tier_opens_is_an_error_naming_it_within_the_open_deadline(
+    tmp_path, hang_factory, where
+) -> None:
+    """A mount already hung when the tier opens, at each step of the open: its checks of the
+    directory (the marker's stat), the removal of a dead writer's temp file, quarantine/'s
+    listing, the scan of the entries. The open hung for ever (diskdl "Left"); now, one open
+    deadline after the directory's last answer, it is a ValueError naming the directory, what
+    it waited on and the deadline, and no tier is made. The mount back, the tier opens whole."""
+    filled(tmp_path, 3)
+    stale = tmp_path / "tmp" / f"{key(9).hex()}.999999999.0.tmp"  # (no such pid: a dead writer's)
+    stale.write_bytes(b"x")
+    quarantined = tmp_path / "quarantine" / f"{key(8).hex()}.123{disk_module.SUFFIX}"
+    quarantined.write_bytes(b"x")
+    waited = {
+        "marker": str(tmp_path / disk_module.MARKER),
+        "tmp": str(stale),
+        "quarantine": str(quarantined),
+        "entries": str(tmp_path / "entries"),  # (an entry's file in it: whichever is stat'd first)
+    }[where]
+    hang = hang_factory(tmp_path if where == "marker" else tmp_path / where, {"meta"})
+    hang.arm()
+    start = time.perf_counter()
+    with pytest.raises(ValueError) as raised:
+        DiskTier(tmp_path, 1 << 30, open_timeout_s=0.3)
+    assert time.perf_counter() - start < 0.3 + MARGIN_S
+    message = str(raised.value)
+    assert message.startswith(f"disk cache {str(tmp_path)!r} did not answer within 0.3 s as the disk tier opened")
+    assert f"(waiting on {waited}" in message and "a hung mount?" in message, message
+    assert len(hang.entered) == 1 and hang.entered[0].name in message
+    if where == "marker":  # (the CLI's check of --disk-cache, before the model loads)
+        with pytest.raises(
+            ValueError, match=r"did not answer within 0\.2 s as it was opened \(waiting on .*kvpool-disk-cache\)"
+        ):
+            disk_module.open_directory(tmp_path, timeout_s=0.2)
+    hang.release()
+    tier = DiskTier(tmp_path, 1 << 30)
+    # (the temp file removed by this open, or by the one given up on, which went on once released)
+    assert tier.num_entries == 3 and not stale.exists() and len(tier._quarantined) == 1
+    assert same(tier.get(key(2), descriptor(2)), 2)
+    tier.check_integrity()
+
+
+def test_an_open_that_answers_slowly_but_steadily_is_waited_for_whole(tmp_path, monkeypatch) -> None:
+    """The open's deadline is on each answer, not on the whole open: a large directory on a
+    slow disk (each entry's stat 0.1 s here, 1.2 s for the scan, four open deadlines) is
+    indexed whole (review 12: a directory that lists slowly must not open with nothing
+    indexed), and the open's steps were each within the deadline."""
+    filled(tmp_path, 12)
+    real_stat = os.stat
+    entries = str((tmp_path / "entries").resolve()) + os.sep
+
+    def slow_stat(path, *args, **kwargs):
+        if os.path.realpath(os.fsdecode(path)).startswith(entries):
+            time.sleep(0.1)
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", slow_stat)
+    tier, took = timed(lambda: DiskTier(tmp_path, 1 << 30, open_timeout_s=0.3))
+    assert took > 4 * 0.3 and tier.num_entries == 12
+    monkeypatch.setattr(os, "stat", real_stat)
+    assert same(tier.get(key(11), descriptor(11)), 11)
     tier.check_integrity()

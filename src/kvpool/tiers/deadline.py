@@ -14,6 +14,12 @@ The functions run here do file I/O (and a get's checks of the bytes it read): no
 the caller's is taken in them while the caller waits (it may hold its own meanwhile, at most
 one deadline). The one exception runs once its caller has given up: a disk write that lands
 after its deadline takes the tier's lock to index itself (disk.py's `_Gate`).
+
+A long job of many operations (the disk tier's open: its checks, the stale temp files, the
+quarantine listing, the scan of every entry; `kvpool cache`'s reads) reports each answer
+(`Progress.step`), and its caller waits while the answers keep coming (`wait_steady`): a
+large directory on a slow disk lists slowly and is waited for whole, a hung mount answers
+nothing and is given up on one deadline after its last answer.
 """
 
 from __future__ import annotations
@@ -36,6 +42,18 @@ class NoAnswer(Exception):  # noqa: N818 - not an error of the caller's: the fil
         super().__init__(f"{what}: {cause}")
         self.cause = cause
         self.what = what
+
+
+class Progress:
+    """What a long job has reached (`DeadlineRunner.wait_steady`): it calls `step` as each
+    file operation answers, naming what it works on next."""
+
+    def __init__(self, at: object = "") -> None:
+        self.at = str(at)  # what the job waits on now (a directory, an entry's file)
+        self.last = time.monotonic()  # when the file system last answered (the job's start)
+
+    def step(self, at: object) -> None:
+        self.at, self.last = str(at), time.monotonic()
 
 
 class Job:
@@ -100,6 +118,17 @@ class DeadlineRunner:
         if job.error is not None:
             raise job.error
         return job.result
+
+    def wait_steady(self, timeout_s: float, job: Job, progress: Progress) -> Any:
+        """`wait`, for a long job that reports its steps to `progress`: it takes as long as it
+        needs while each step comes within `timeout_s` of the last; NoAnswer("timeout",
+        progress.at, what it waited on) once none has for `timeout_s`."""
+        while not job.done.wait(max(0.0, progress.last + timeout_s - time.monotonic())):
+            with self._lock:
+                if not job.done.is_set() and time.monotonic() - progress.last >= timeout_s:
+                    self._late.add(job)
+                    raise NoAnswer("timeout", progress.at)
+        return self.wait("", 0.0, job)
 
     def _loop(self, job: Job) -> None:
         inbox: queue.SimpleQueue[Job] = queue.SimpleQueue()

@@ -87,10 +87,20 @@ it; a probe that answered within `timeout_s` closes the breaker (said), a late o
 another cool-down, and one still stuck holds every later probe back: an outage holds at
 most `breaker_failures` worker threads and a probe, and costs the engine at most that many
 deadlines. The report says `available`, `outages`, `timeouts` (by what), `stuck_io` (the
-operations past their deadline still not returned) and `unavailable_puts`. The open's checks
-and its scan have no deadline: a directory that lists slowly is indexed whole (review 12: it
-opened with nothing indexed, its byte limit unenforced), and a mount already hung when the
-tier opens hangs the open.
+operations past their deadline still not returned) and `unavailable_puts`.
+
+The open (the directory's checks, the stale temp files removed, quarantine/ listed, every
+entry scanned) is one worker job, waited for while the directory answers: `open_timeout_s`
+(10 s) is how long it waits for the next answer, not for the whole open, so a directory that
+lists slowly is indexed whole (review 12: it opened with nothing indexed, its byte limit
+unenforced), and a mount already hung when the tier opens (which hung the open for ever) is a
+ValueError naming the directory, what the open waited on and the deadline: no tier is made
+and the engine does not start (as a directory that cannot be reached). Not an outage to
+serve through, as a Redis server down at the start is: an outage's breaker assumes an
+opened, indexed tier (its byte limit, its quarantine list), and a tier asked for on the
+command line that never came up would serve without it after one line (LMCache's backend
+factory, too, lets its local disk backend's failure end the start; only plug-in backends
+are logged and skipped).
 """
 
 from __future__ import annotations
@@ -115,7 +125,7 @@ from torch import Tensor
 
 from kvpool.tiers import entry
 from kvpool.tiers.base import Tier, TierStats
-from kvpool.tiers.deadline import DeadlineRunner, Job, NoAnswer
+from kvpool.tiers.deadline import DeadlineRunner, Job, NoAnswer, Progress
 from kvpool.tiers.descriptor import BlockDescriptor
 from kvpool.tiers.writer import BackgroundWriter
 
@@ -143,6 +153,10 @@ DEFAULT_TIMEOUT_S = 1.0
 # ... and a whole write (temp file written and fsynced, renamed, the directory fsynced: an
 # fsync waits for the disk's other dirty data too) or a scan of the directory
 DEFAULT_WRITE_TIMEOUT_S = 10.0
+# ... and the open (its checks, stale temp files, quarantine/ listed, every entry scanned):
+# how long it waits for the directory's next answer (a slow, large directory is waited for
+# whole; a hung mount is given up on this long after its last answer)
+DEFAULT_OPEN_TIMEOUT_S = 10.0
 DEFAULT_BREAKER_FAILURES = 3  # operations in a row past their deadline that open the breaker
 DEFAULT_RETRY_S = 1.0  # the breaker's cool-down: how often, at most, the tier asks the disk again
 _WHAT = {  # what failed (io_errors' names, and "write"), as a fault line says it
@@ -348,20 +362,48 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def open_directory(directory: str | os.PathLike) -> Path:
-    """The cache directory, created if absent; ValueError naming the problem when it is a
-    file, is not writable, cannot be reached (a parent the user may not enter), or is a
-    directory that holds something other than a cache."""
+def cache_path(directory: str | os.PathLike) -> Path:
+    """The directory as given (`~` expanded); ValueError for an empty path."""
     if os.fspath(directory) == "":  # Path("") is "." (" " is a directory name, if an odd one)
         raise ValueError(f"disk cache {os.fspath(directory)!r}: an empty path (give the cache's directory)")
-    root = Path(directory).expanduser()
+    return Path(directory).expanduser()
+
+
+def bounded(root: Path, doing: str, timeout_s: float, fn: Callable[..., object], *args: object):
+    """fn(*args, progress) on a worker thread of its own, waited for while the directory
+    answers, each answer within `timeout_s` of the last (a large directory on a slow disk
+    takes as long as it needs: deadline.py's `wait_steady`); ValueError naming the directory,
+    what `doing`, what it waited on and the deadline once it stops answering (a hung mount:
+    the open hung for ever). Its exceptions are raised as they are."""
+    runner = DeadlineRunner("disk-open")
+    progress = Progress(root)
     try:
-        return _open_directory(root)
+        return runner.wait_steady(timeout_s, runner.start(fn, *args, progress), progress)
+    except NoAnswer as silent:
+        raise ValueError(
+            f"disk cache {str(root)!r} did not answer within {timeout_s:g} s {doing} (waiting on {silent.what}): "
+            "a hung mount? (an NFS server gone, a FUSE file system that stopped answering)"
+        ) from None
+
+
+def open_directory(directory: str | os.PathLike, timeout_s: float = DEFAULT_OPEN_TIMEOUT_S) -> Path:
+    """The cache directory, created if absent; ValueError naming the problem when it is a
+    file, is not writable, cannot be reached (a parent the user may not enter), is a
+    directory that holds something other than a cache, or does not answer within
+    `timeout_s` (a hung mount)."""
+    root = cache_path(directory)
+    return bounded(root, "as it was opened", timeout_s, _open_directory, root)
+
+
+def _open_directory(root: Path, progress: Progress) -> Path:
+    """open_directory's checks, each answer told to `progress`."""
+    try:
+        return _open_directory_checks(root, progress)
     except OSError as error:  # a parent the user may not enter (another user's home), a failing disk
         raise ValueError(f"disk cache {str(root)!r} cannot be reached: {error.strerror or error}") from None
 
 
-def _open_directory(root: Path) -> Path:
+def _open_directory_checks(root: Path, progress: Progress) -> Path:
     """open_directory's checks; OSError from a stat the system refuses (Path.exists raises
     all but ENOENT-like errors)."""
     if root.exists() and not root.is_dir():
@@ -371,34 +413,113 @@ def _open_directory(root: Path) -> Path:
     except OSError as error:
         raise ValueError(f"disk cache {str(root)!r} cannot be created: {error.strerror}") from None
     marker = root / MARKER
+    progress.step(marker)
     if not marker.exists():
         # (the marker itself: another process made the cache since the look above)
+        progress.step(root)
         if any(p.name not in ("entries", "tmp", "quarantine", MARKER) for p in root.iterdir()):
             raise ValueError(f"disk cache {str(root)!r} is a directory with other files in it (not a kvpool cache)")
+        progress.step(marker)
         try:
             marker.write_text(f"kvpool disk cache, entry format {entry.FORMAT}\n")
         except OSError as error:
             raise ValueError(f"disk cache {str(root)!r} is not writable: {error.strerror}") from None
     for sub in ("entries", "tmp", "quarantine"):
+        progress.step(root / sub)
         try:
             (root / sub).mkdir(exist_ok=True)
         except OSError as error:
             raise ValueError(f"disk cache {str(root)!r} is not writable: {error.strerror}") from None
+    progress.step(root / "tmp")
     if not os.access(root / "tmp", os.W_OK | os.X_OK) or not os.access(root / "entries", os.W_OK | os.X_OK):
         raise ValueError(f"disk cache {str(root)!r} is not writable")
+    progress.step(root)
     return root
 
 
-def scan_entries(root: Path) -> list[tuple[Path, os.stat_result]]:
-    """Every entry file under root/entries, least recently used (modified) first."""
+def scan_entries(root: Path, progress: Progress | None = None) -> list[tuple[Path, os.stat_result]]:
+    """Every entry file under root/entries (entries/<namespace>/<key prefix>/<key>.safetensors,
+    names not starting with '.', as the glob `*/*/*.safetensors` matches them), least
+    recently used (modified) first. A directory that cannot be listed is skipped (as a glob
+    does). progress: told of each answer, naming what is asked next (the open's scan,
+    `kvpool cache`'s: `bounded`)."""
+    progress = progress or Progress()
     found = []
-    for path in (root / "entries").glob(f"*/*/*{SUFFIX}"):
+    level = [root / "entries"]
+    for depth in range(3):  # entries/ | <namespace>/ | <key prefix>/
+        below = []
+        for directory in level:
+            progress.step(directory)
+            try:
+                with os.scandir(directory) as listing:
+                    # (is_dir follows a link, as the glob did; the last level's any type: a
+                    # directory at an entry's path is the tier's to quarantine)
+                    names = [e.name for e in listing if not e.name.startswith(".") and (depth == 2 or e.is_dir())]
+            except OSError:  # gone meanwhile, not a directory, or not listable
+                continue
+            below += [directory / name for name in names if depth < 2 or name.endswith(SUFFIX)]
+        level = below
+    for path in level:
+        progress.step(path)
         try:
             found.append((path, path.stat()))
         except OSError:  # another process evicted it meanwhile (or it cannot be reached)
             continue
     found.sort(key=lambda item: item[1].st_mtime_ns)
     return found
+
+
+def _remove_stale_tmp(root: Path, progress: Progress) -> tuple[int, int]:
+    """Temp files of writers that are gone (killed mid-write), removed: (how many, how many
+    could not be: a directory, a read-only disk, left there)."""
+    removed = failed = 0
+    progress.step(root / "tmp")
+    for path in (root / "tmp").glob("*.tmp"):
+        progress.step(path)
+        if not temp_file_owner_alive(path):
+            try:
+                path.unlink()
+                removed += 1
+            except FileNotFoundError:
+                pass
+            except OSError:
+                failed += 1
+    return removed, failed
+
+
+def _list_quarantine(root: Path, progress: Progress) -> deque[_Quarantined]:
+    """quarantine/'s files, oldest first (by the time in their names; the move keeps a
+    file's mtime)."""
+    found = []
+    progress.step(root / "quarantine")
+    for path in (root / "quarantine").glob(f"*{SUFFIX}"):
+        progress.step(path)
+        try:
+            num_bytes = path.stat().st_size
+        except OSError:  # (removed meanwhile, or unreachable: not ours to trim)
+            continue
+        when = path.name.split(".")[-2]  # <key>.<time_ns>.safetensors
+        found.append(_Quarantined(int(when) if when.isdigit() else 0, num_bytes, path))
+    return deque(sorted(found, key=lambda q: q.at_ns))
+
+
+class _Opened(NamedTuple):
+    """What the tier's open found (`_open_files`)."""
+
+    root: Path
+    num_stale_tmp_removed: int
+    num_tmp_errors: int  # stale temp files that could not be removed
+    quarantined: deque[_Quarantined]
+    found: list[tuple[Path, os.stat_result]]  # scan_entries'
+
+
+def _open_files(root: Path, progress: Progress) -> _Opened:
+    """The tier's open, one worker job under the open's deadline (`bounded`): the directory
+    checked (made if absent), the stale temp files removed, quarantine/ listed, every entry
+    scanned."""
+    root = _open_directory(root, progress)
+    removed, failed = _remove_stale_tmp(root, progress)
+    return _Opened(root, removed, failed, _list_quarantine(root, progress), scan_entries(root, progress))
 
 
 class DiskTier(Tier):
@@ -416,6 +537,7 @@ class DiskTier(Tier):
         write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S,
         breaker_failures: int = DEFAULT_BREAKER_FAILURES,
         retry_s: float = DEFAULT_RETRY_S,
+        open_timeout_s: float = DEFAULT_OPEN_TIMEOUT_S,
     ) -> None:
         """capacity_bytes: the LRU byte limit of the entry files. max_pending_bytes: the
         background writer's queue bound. fsync: off only for benchmarks of the unsafe rate.
@@ -423,10 +545,18 @@ class DiskTier(Tier):
         deadline of a read (a lookup's header, a get's entry) and of a stat, unlink, rename
         or LRU refresh; write_timeout_s: of a whole write, and of a scan of the directory.
         breaker_failures: operations in a row past their deadline that open the breaker;
-        retry_s: its cool-down, after which the tier asks the disk again (module docstring)."""
+        retry_s: its cool-down, after which the tier asks the disk again (module docstring).
+        open_timeout_s: the open's (its checks, stale temp files, quarantine/ listed, every
+        entry scanned): how long it waits for the directory's next answer, past which it is
+        a ValueError naming the directory and the deadline (a hung mount: the open hung)."""
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise ValueError(f"disk tier capacity must be a positive number of bytes, got {capacity_bytes!r}")
-        for name, value in (("timeout_s", timeout_s), ("write_timeout_s", write_timeout_s), ("retry_s", retry_s)):
+        for name, value in (
+            ("timeout_s", timeout_s),
+            ("write_timeout_s", write_timeout_s),
+            ("retry_s", retry_s),
+            ("open_timeout_s", open_timeout_s),
+        ):
             # finite: an infinite deadline is none (a hung mount hangs a step for ever)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ValueError(f"disk tier {name} must be a finite positive number of seconds, got {value!r}")
@@ -444,7 +574,11 @@ class DiskTier(Tier):
         self.num_outages = 0  # times the breaker opened
         self.timeouts: Counter[str] = Counter()  # operations past their deadline, by what
         self.num_unavailable_puts = 0  # writes dropped while the breaker was open
-        self.root = open_directory(directory)
+        # the open's file work first, on a worker, given up on when the directory stops
+        # answering (ValueError): no tier half open, nothing started
+        root = cache_path(directory)
+        opened = bounded(root, "as the disk tier opened", open_timeout_s, _open_files, root)
+        self.root = opened.root
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
         self.stats = TierStats()
@@ -482,18 +616,20 @@ class DiskTier(Tier):
         # its answer, however late (a large, slow directory is not a hung mount)
         self._scan: tuple[Job, dict[tuple[str, bytes], _Entry]] | None = None
         self._writer = BackgroundWriter("disk", max_pending_bytes)
-        self.num_stale_tmp_removed = self._remove_stale_tmp()
+        self.num_stale_tmp_removed = opened.num_stale_tmp_removed
+        if opened.num_tmp_errors:  # (a directory, a read-only disk: left there, counted)
+            self.io_errors["tmp"] = opened.num_tmp_errors
         # quarantine/ as it was at open, then as this process adds to it, oldest first: the
         # trim after each quarantine reads this, not the directory (a glob and a stat of every
         # file, under the lock, on the engine's lookup path, at each quarantine)
-        self._quarantined = self._list_quarantine()
+        self._quarantined = opened.quarantined
         self._quarantine_bytes = sum(q.num_bytes for q in self._quarantined)
         # the directory is indexed, not cut to the limit: that waits for the first write this
         # tier takes (_cut_to_limit). A limit that holds no entry (--disk-cache-gib 1e-9, which
         # the runner's check_sizes refuses only once the tier is open) cut a shared cache to
         # nothing as it opened, and then was refused.
         self._cut_pending = True
-        self._rescan(evict=False, wait=False)
+        self._index(opened.found, {}, evict=False)
         # a crash test stops the writer here (the stage's name); None in normal use
         self.fault_hook = None
 
@@ -506,33 +642,6 @@ class DiskTier(Tier):
     @staticmethod
     def _id(key: bytes, descriptor: BlockDescriptor) -> tuple[str, bytes]:
         return entry.namespace(descriptor), key
-
-    def _remove_stale_tmp(self) -> int:
-        """Temp files of writers that are gone (killed mid-write): removed."""
-        removed = 0
-        for path in (self.root / "tmp").glob("*.tmp"):
-            if not temp_file_owner_alive(path):
-                try:
-                    path.unlink()
-                    removed += 1
-                except FileNotFoundError:
-                    pass
-                except OSError:  # a directory, a read-only disk: left there, counted
-                    self.io_errors["tmp"] += 1
-        return removed
-
-    def _list_quarantine(self) -> deque[_Quarantined]:
-        """quarantine/'s files, oldest first (by the time in their names; the move keeps a
-        file's mtime)."""
-        found = []
-        for path in (self.root / "quarantine").glob(f"*{SUFFIX}"):
-            try:
-                num_bytes = path.stat().st_size
-            except OSError:  # (removed meanwhile, or unreachable: not ours to trim)
-                continue
-            when = path.name.split(".")[-2]  # <key>.<time_ns>.safetensors
-            found.append(_Quarantined(int(when) if when.isdigit() else 0, num_bytes, path))
-        return deque(sorted(found, key=lambda q: q.at_ns))
 
     def _cut_to_limit(self) -> None:
         """Before the first write this tier takes (its entry fits the limit): a shared cache
@@ -556,52 +665,55 @@ class DiskTier(Tier):
                 "cache whole"
             )
 
-    def _rescan(self, evict: bool = True, wait: bool = True) -> int | None:
+    def _rescan(self) -> int | None:
         """Index the directory's entries as they are now (other processes' writes and
-        evictions), least recently modified first, and evict down to the limit unless
-        `evict` is False (the open: see _cut_to_limit) (the bytes this process freed are
-        returned). What this process knew of an entry (its descriptor, a checked payload) is
-        kept while the file is the same one.
+        evictions) and evict down to the limit (`_index`; the bytes this process freed are
+        returned).
 
-        The open's scan (`wait` False) runs here, with no deadline: a mount hung at the open
-        hangs the open (module docstring), and a directory that takes long to list is indexed
-        whole (review 12: it opened with nothing indexed, its byte limit unenforced). A later
-        one runs on a worker, waited for up to the write deadline: past it, None (the index
-        left as it was), the scan goes on and is due again after the next 1/32 of the limit,
-        when that same scan is waited for again (never two at once) and its answer, however
-        late, is used. A scan's lateness is counted in timeouts["scan"], not in the breaker's
-        failures in a row (a listing answers late on a healthy, large directory too); its
-        answer within the deadline starts that count again, as any operation's does."""
-        if not wait:
+        (The open's scan is the open's: `_open_files`, waited for while the directory
+        answers, so a directory that takes long to list is indexed whole: review 12, it opened
+        with nothing indexed, its byte limit unenforced.) A rescan runs on a worker, waited
+        for up to the write deadline: past it, None (the index left as it was), the scan goes
+        on and is due again after the next 1/32 of the limit, when that same scan is waited
+        for again (never two at once) and its answer, however late, is used. A scan's
+        lateness is counted in timeouts["scan"], not in the breaker's failures in a row (a
+        listing answers late on a healthy, large directory too); its answer within the
+        deadline starts that count again, as any operation's does."""
+        if self._scan is None:
+            if self._unavailable():
+                return None
             with self._lock:
                 known = dict(self._entries)
-            found = scan_entries(self.root)
-        else:
-            if self._scan is None:
-                if self._unavailable():
-                    return None
-                with self._lock:
-                    known = dict(self._entries)
-                self._scan = (self._runner.start(scan_entries, self.root), known)  # (no lock: lookups go on)
-            job, known = self._scan
-            try:
-                found = self._runner.wait("scan", self.write_timeout_s, job)
-            except NoAnswer:
-                with self._breaker_lock:
-                    self.timeouts["scan"] += 1
-                with self._lock:
-                    self._written_since_scan = 0  # (waited for again after the next 1/32 of the limit)
-                return None
-            except OSError:  # (scan_entries skips what it cannot stat; the glob itself failed)
+            self._scan = (self._runner.start(scan_entries, self.root), known)  # (no lock: lookups go on)
+        job, known = self._scan
+        try:
+            found = self._runner.wait("scan", self.write_timeout_s, job)
+        except NoAnswer:
+            with self._breaker_lock:
+                self.timeouts["scan"] += 1
+            with self._lock:
+                self._written_since_scan = 0  # (waited for again after the next 1/32 of the limit)
+            return None
+        except OSError:  # (scan_entries skips what it cannot list or stat: a bug's, or a fake's)
+            self._scan = None
+            with self._lock:
+                self._written_since_scan = 0
+            return None
+        finally:
+            if job.done.is_set():
                 self._scan = None
-                with self._lock:
-                    self._written_since_scan = 0
-                return None
-            finally:
-                if job.done.is_set():
-                    self._scan = None
-            if job.elapsed_s <= self.write_timeout_s:
-                self._answered()  # (an answer in time, as any operation's, starts the count again)
+        if job.elapsed_s <= self.write_timeout_s:
+            self._answered()  # (an answer in time, as any operation's, starts the count again)
+        return self._index(found, known)
+
+    def _index(
+        self, found: list[tuple[Path, os.stat_result]], known: dict[tuple[str, bytes], _Entry], evict: bool = True
+    ) -> int:
+        """Index the entries a scan `found` (scan_entries'), least recently modified first,
+        and evict down to the limit unless `evict` is False (the open: see _cut_to_limit);
+        the bytes this process freed. What this process knew of an entry when the scan
+        started (`known`: its descriptor, a checked payload) is kept while the file is the
+        same one."""
         entries: OrderedDict[tuple[str, bytes], _Entry] = OrderedDict()
         for path, st in found:
             try:
