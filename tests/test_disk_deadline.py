@@ -575,3 +575,34 @@ def test_an_open_that_answers_slowly_but_steadily_is_waited_for_whole(tmp_path, 
     monkeypatch.setattr(os, "stat", real_stat)
     assert same(tier.get(key(11), descriptor(11)), 11)
     tier.check_integrity()
+
+
+@pytest.mark.parametrize(("action", "ops"), [("ls", {"read"}), ("stats", {"read"}), ("clear", {"meta"})])
+def test_kvpool_cache_over_a_hung_mount_is_one_error_line_naming_what_it_waited_on(
+    tmp_path, hang_factory, capsys, action, ops
+) -> None:
+    """`kvpool cache ls / stats` read every entry, `clear` removes them: on a mount that stops
+    answering (an entry's open hangs; an unlink hangs) the command hung for ever. Now, one
+    --timeout after the directory's last answer, it ends in one line naming the directory,
+    the entry it waited on and the deadline, status 2, no traceback."""
+    from kvpool.cli.main import main
+
+    filled(tmp_path, 2)
+    hang = hang_factory(tmp_path / "entries", ops)
+    hang.arm()
+    start = time.perf_counter()
+    assert main(["cache", action, str(tmp_path), "--timeout", "0.3"]) == 2
+    assert time.perf_counter() - start < 0.3 + MARGIN_S
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(
+        f"kvpool cache: error: disk cache {str(tmp_path)!r} did not answer within 0.3 s as `kvpool cache {action}` "
+        "read it (--timeout 0.3) (waiting on "
+    ), err
+    assert len(hang.entered) == 1 and f"{hang.entered[0].name}): a hung mount?" in err
+    hang.release()
+    if action == "clear":  # (the clear given up on went on once the mount answered: whole files)
+        wait_for(lambda: not list((tmp_path / "entries").iterdir()))
+    else:
+        assert main(["cache", action, str(tmp_path), "--json"]) == 0
+        assert "entries" in capsys.readouterr().out

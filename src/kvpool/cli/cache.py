@@ -7,6 +7,9 @@ another kvpool's entry format are counted apart ("other_version"), not as unread
 clear removes entries (all, or only the quarantined and the temp files with
 --quarantine); a temp file whose writer is alive is kept (removing it would only fail
 that write). Safe while engines use the directory: they treat a removed entry as a miss.
+Every file operation answers within --timeout of the last (10 s, the disk tier's open
+deadline), or the command ends in one line naming the directory and the entry or directory
+it waited on (a hung mount: it hung for ever), status 2.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
+
+from kvpool.cli.args import positive_float
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,12 +36,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="ls / stats: check each entry's header only (fast; a corrupted payload goes unseen)",
     )
+    parser.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=10.0,
+        metavar="S",
+        help="seconds to wait for each answer of the directory's file system (a hung mount ends the command in "
+        "one line naming what it waited on; a large directory on a slow disk is waited for whole; default: 10)",
+    )
 
 
-def _clear(root: Path, quarantine_only: bool) -> int:
-    from kvpool.tiers.disk_admin import clear_cache
+class _Read(NamedTuple):
+    """What the command found in the directory (`_read`), printed after."""
 
-    cleared = clear_cache(root, quarantine_only)
+    root: Path
+    infos: list  # ls / stats: disk_admin.EntryInfo, least recently used first
+    summary: dict | None  # stats'
+    unlisted: list  # ls / stats: the directories that could not be listed
+    cleared: object  # clear's disk_admin.Cleared
+
+
+def _read(args: argparse.Namespace, progress) -> _Read:
+    """The command's file work, on a worker under `bounded` (each answer told to `progress`)."""
+    from kvpool.tiers.disk_admin import clear_cache, existing_cache, inspect_cache, summarize_cache, unlisted_dirs
+
+    root = existing_cache(args.directory, progress)
+    if args.action == "clear":
+        return _Read(root, [], None, [], clear_cache(root, args.quarantine, progress))
+    infos = inspect_cache(root, verify=not args.headers_only, progress=progress)
+    if args.action == "stats":
+        summary = summarize_cache(root, infos, progress)
+        return _Read(root, infos, summary, summary["unlisted_dirs"], None)
+    return _Read(root, infos, None, unlisted_dirs(root, progress), None)
+
+
+def _clear(root: Path, quarantine_only: bool, cleared) -> int:
     kept = cleared.num_kept
     what = " (quarantine and temp files)" if quarantine_only else ""
     alive = f"; {kept} temp file of a live writer kept" if kept == 1 else ""
@@ -49,15 +84,10 @@ def _clear(root: Path, quarantine_only: bool) -> int:
     return 0
 
 
-def _unlisted(root: Path, unlisted: list | None = None) -> int:
+def _unlisted(unlisted: list) -> int:
     """A line on stderr naming the directories `kvpool cache ls / stats` could not list (their
     entries are missing from its output; Path.glob skipped them silently); the exit status:
-    1 when there are any. unlisted: those already found (stats' summary), so that the line
-    and the summary agree."""
-    from kvpool.tiers.disk_admin import unlisted_dirs
-
-    if unlisted is None:
-        unlisted = unlisted_dirs(root)
+    1 when there are any. (stats': those of its summary, so that the line and it agree.)"""
     if not unlisted:
         return 0
     what = "1 directory" if len(unlisted) == 1 else f"{len(unlisted)} directories"
@@ -70,7 +100,8 @@ def _unlisted(root: Path, unlisted: list | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpool.tiers.disk_admin import STRANDED, existing_cache, inspect_cache, summarize_cache
+    from kvpool.tiers.disk import bounded, cache_path
+    from kvpool.tiers.disk_admin import STRANDED
 
     # A flag of the other actions was dropped without a word: `ls --quarantine` listed every
     # entry, and `clear --json` / `clear --headers-only` removed every entry (a user who meant
@@ -80,12 +111,13 @@ def run(args: argparse.Namespace) -> int:
     if given:
         owner = "clear" if args.action != "clear" else "ls / stats"
         raise ValueError(f"{given[0]} is an option of {owner}, not of {args.action}; nothing was done")
-    root = existing_cache(args.directory)
+    # (a hung mount hung the command for ever: every answer within --timeout of the last)
+    doing = f"as `kvpool cache {args.action}` read it (--timeout {args.timeout:g})"
+    found = bounded(cache_path(args.directory), doing, args.timeout, _read, args)
+    root, infos, summary = found.root, found.infos, found.summary
     if args.action == "clear":
-        return _clear(root, args.quarantine)
-    infos = inspect_cache(root, verify=not args.headers_only)
-    if args.action == "stats":
-        summary = summarize_cache(root, infos)
+        return _clear(root, args.quarantine, found.cleared)
+    if summary is not None:
         if args.json:
             print(json.dumps(summary))
         else:
@@ -96,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
                         print(f"  {name}: {v['entries']} entries, {v['bytes'] / 2**20:.1f} MiB")
                 else:
                     print(f"{key}: {value}")
-        return _unlisted(root, summary["unlisted_dirs"])
+        return _unlisted(found.unlisted)
     rows = [
         {
             "key": i.path.name.split(".")[0],
@@ -114,11 +146,11 @@ def run(args: argparse.Namespace) -> int:
     ]
     if args.json:
         print(json.dumps({"directory": str(root), "entries": rows}))
-        return _unlisted(root)
+        return _unlisted(found.unlisted)
     print(f"{'key':32}  {'bytes':>9}  {'last used':19}  {'ends at':>7}  model")
     for r in rows:
         end = r["tokens"] if r["tokens"] is not None else "?"
         model = r["model"] or f"{'other version' if r['other_version'] else 'unreadable'}: {r['problem']}"
         model += f" ({STRANDED})" if r["stranded"] else ""
         print(f"{r['key']:32}  {r['bytes']:>9}  {r['last_used']:19}  {end:>7}  {model}")
-    return _unlisted(root)
+    return _unlisted(found.unlisted)

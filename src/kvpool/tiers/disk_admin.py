@@ -5,19 +5,24 @@ verified, or the headers alone), summarize them, and clear them.
 Each only reads, or removes whole files: safe while engines use the directory, which treat
 a removed entry as a miss. A temp file whose writer is alive is never removed (that would
 only fail its write).
+
+Each tells a `Progress` of every answer from the file system, naming what it asks next:
+`kvpool cache` runs them on a worker under disk.py's `bounded`, which waits while the
+answers come and, on a hung mount, ends the command with one line naming the directory, the
+entry or directory it waited on, and the deadline (it hung for ever).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvpool.tiers import entry
+from kvpool.tiers.deadline import Progress
 from kvpool.tiers.descriptor import BlockDescriptor
-from kvpool.tiers.disk import MARKER, SUFFIX, _open_entry, scan_entries, temp_file_owner_alive
+from kvpool.tiers.disk import MARKER, SUFFIX, _open_entry, cache_path, scan_entries, temp_file_owner_alive
 
 
 @dataclass(frozen=True)
@@ -37,16 +42,17 @@ class EntryInfo:
 STRANDED = "stranded: under a namespace not its own (written before it held the weights version), never found"
 
 
-def existing_cache(directory: str | os.PathLike) -> Path:
+def existing_cache(directory: str | os.PathLike, progress: Progress | None = None) -> Path:
     """A directory that holds a kvpool disk cache (nothing is created); ValueError otherwise."""
-    if os.fspath(directory) == "":  # Path("") is "." (" " is a directory name, if an odd one)
-        raise ValueError(f"disk cache {os.fspath(directory)!r}: an empty path (give the cache's directory)")
-    root = Path(directory).expanduser()
+    root = cache_path(directory)
+    progress = progress or Progress()
     try:
+        progress.step(root)
         if not root.exists():
             raise ValueError(f"disk cache {str(root)!r} does not exist")
         if not root.is_dir():
             raise ValueError(f"disk cache {str(root)!r} is a file, not a directory")
+        progress.step(root / MARKER)
         if not (root / MARKER).exists():
             raise ValueError(f"{str(root)!r} is not a kvpool disk cache (no {MARKER} marker)")
     except OSError as error:  # a parent the user may not enter (Path.exists raises all but ENOENT-like errors)
@@ -54,16 +60,18 @@ def existing_cache(directory: str | os.PathLike) -> Path:
     return root
 
 
-def unlisted_dirs(root: Path) -> list[Path]:
+def unlisted_dirs(root: Path, progress: Progress | None = None) -> list[Path]:
     """The directories of root/entries (itself, a namespace's, a key prefix's) this user may
     not list, in name order: Path.glob, which finds the entries, skips them without a word,
     so their entries are missing from what `inspect_cache` returns. Their own directories
     are not looked into."""
+    progress = progress or Progress()
     out: list[Path] = []
     level = [root / "entries"]
     for depth in range(3):  # entries/ | <namespace>/ | <key prefix>/ <key>.kvb
         below: list[Path] = []
         for directory in level:
+            progress.step(directory)
             try:
                 if not os.access(directory, os.R_OK | os.X_OK):  # (False for a path gone too)
                     if not os.path.lexists(directory):
@@ -79,12 +87,14 @@ def unlisted_dirs(root: Path) -> list[Path]:
     return out
 
 
-def inspect_cache(root: Path, *, verify: bool = True) -> list[EntryInfo]:
+def inspect_cache(root: Path, *, verify: bool = True, progress: Progress | None = None) -> list[EntryInfo]:
     """Every entry, checked without changing anything, least recently used first: read
     whole and every checksum verified (a corrupted payload found), or with verify=False
     its header only, as a lookup checks it."""
+    progress = progress or Progress()
     out = []
-    for path, st in scan_entries(root):
+    for path, st in scan_entries(root, progress):
+        progress.step(path)
         descriptor, problem, other_version = None, "", False
         try:
             key = bytes.fromhex(path.name.removesuffix(SUFFIX))
@@ -103,7 +113,7 @@ def inspect_cache(root: Path, *, verify: bool = True) -> list[EntryInfo]:
     return out
 
 
-def summarize_cache(root: Path, infos: list[EntryInfo]) -> dict[str, object]:
+def summarize_cache(root: Path, infos: list[EntryInfo], progress: Progress | None = None) -> dict[str, object]:
     """`kvpool cache stats`: entries and bytes in all and per model (model id, weights
     version, layout; stranded ones apart), the unreadable and other-version ones, tenants,
     and what waits in quarantine/ and tmp/. `infos`: inspect_cache(root)."""
@@ -121,7 +131,11 @@ def summarize_cache(root: Path, infos: list[EntryInfo]) -> dict[str, object]:
         bytes_by_model[name] += info.num_bytes
         if d is not None:
             tenants.add(d.tenant)
+    progress = progress or Progress()
+    progress.step(root / "quarantine")
     quarantined = list((root / "quarantine").glob("*"))
+    quarantined_bytes = sum(_size(p, progress) for p in quarantined)
+    progress.step(root / "tmp")
     temps = list((root / "tmp").glob("*.tmp"))
     return {
         "directory": str(root),
@@ -133,13 +147,14 @@ def summarize_cache(root: Path, infos: list[EntryInfo]) -> dict[str, object]:
         "tenants": len(tenants),
         "models": {name: {"entries": n, "bytes": bytes_by_model[name]} for name, n in sorted(by_model.items())},
         "quarantined": len(quarantined),
-        "quarantined_bytes": sum(_size(p) for p in quarantined),
+        "quarantined_bytes": quarantined_bytes,
         "temp_files": len(temps),
-        "unlisted_dirs": [str(p) for p in unlisted_dirs(root)],  # (their entries are not counted above)
+        "unlisted_dirs": [str(p) for p in unlisted_dirs(root, progress)],  # (their entries are not counted above)
     }
 
 
-def _size(path: Path) -> int:
+def _size(path: Path, progress: Progress) -> int:
+    progress.step(path)
     try:
         return path.lstat().st_size
     except FileNotFoundError:  # removed meanwhile
@@ -153,28 +168,48 @@ class Cleared:
     errors: tuple[OSError, ...]  # what could not be removed
 
 
-def clear_cache(root: Path, quarantine_only: bool = False) -> Cleared:
+def clear_cache(root: Path, quarantine_only: bool = False, progress: Progress | None = None) -> Cleared:
     """Remove every entry, quarantined entry and dead writer's temp file (quarantine_only:
     the last two only). A failed removal is collected, not raised: the others go on."""
+    progress = progress or Progress()
     removed, kept, failed = 0, 0, []
     targets = ["quarantine", "tmp"] if quarantine_only else ["entries", "quarantine", "tmp"]
     for sub in targets:
+        progress.step(root / sub)
         try:
             paths = sorted((root / sub).iterdir()) if (root / sub).is_dir() else []
         except OSError as error:  # a directory the user may not read or enter: said, the others go on
             failed.append(error)
             continue
         for path in paths:
+            progress.step(path)
             if sub == "tmp" and path.suffix == ".tmp" and temp_file_owner_alive(path):
                 kept += 1  # a write in progress: removing it would only make that write fail
                 continue
             try:
                 if path.is_dir() and not path.is_symlink():
-                    removed += sum(1 for p in path.rglob("*") if not p.is_dir())
-                    shutil.rmtree(path)
+                    removed += _remove_tree(path, progress)
                 else:
                     path.unlink(missing_ok=True)
                     removed += 1
             except OSError as error:
                 failed.append(error)
     return Cleared(removed, kept, tuple(failed))
+
+
+def _remove_tree(top: Path, progress: Progress) -> int:
+    """shutil.rmtree, each removal told to `progress` (a namespace of thousands of entries on
+    a slow disk takes long, and answers all along): the files removed. OSError as rmtree's."""
+    removed = 0
+    for below, dirs, files in os.walk(top, topdown=False, onerror=_raise):
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(below, d))]:
+            progress.step(os.path.join(below, name))
+            os.unlink(os.path.join(below, name))
+            removed += 1
+        progress.step(below)
+        os.rmdir(below)
+    return removed
+
+
+def _raise(error: OSError) -> None:
+    raise error
