@@ -89,6 +89,18 @@ most `breaker_failures` worker threads and a probe, and costs the engine at most
 deadlines. The report says `available`, `outages`, `timeouts` (by what), `stuck_io` (the
 operations past their deadline still not returned) and `unavailable_puts`.
 
+Its breaker is not the Redis tier's (redis_tier.py), for reasons of the medium, not of
+history: a single operation past its deadline is common on a healthy disk (an fsync behind
+the disk's other dirty data, a loaded NFS server), so it takes `breaker_failures` in a row,
+where a Redis connection refused or a socket timeout says the server is away; a probe on a
+hung mount never returns (a system call that cannot be cancelled), so it runs on a deadline
+worker and is never waited for, where Redis pings on its writer thread (a socket timeout
+always returns, and a server back means replaying the held writes on that thread); and the
+index and the files stay while it is open (a local mount keeps them), with writes dropped
+(held ones would go to the same hung mount), where Redis forgets what it believed stored (a
+server may come back empty) and holds its writes. What the two share, a count, an open flag
+and the outages, is a few lines; a common class would not shorten either.
+
 The open (the directory's checks, the stale temp files removed, quarantine/ listed, every
 entry scanned) is one worker job, waited for while the directory answers: `open_timeout_s`
 (10 s) is how long it waits for the next answer, not for the whole open, so a directory that

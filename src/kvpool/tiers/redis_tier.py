@@ -36,6 +36,17 @@ A fault is a miss, never a crash, a hang or a stall:
   - `holds` (the writer's "already stored, skip it") trusts only entries whose payload this
     process wrote or read back whole: a lookup checks the header only, so an entry with a
     corrupted payload is rewritten as soon as the engine computes its block again.
+
+Its breaker is not the disk tier's (disk.py), for reasons of the medium: one connection
+refused or one socket timeout opens it (the server is away; the disk tier waits for
+`breaker_failures` deadlines in a row, as one slow fsync or NFS answer is common on a healthy
+disk); its probe is a ping on the writer's thread (a socket timeout always returns, and the
+writes held during the outage are replayed there once it answers; a disk probe on a hung
+mount may never return, so the disk tier's runs on a deadline worker and is never waited
+for), and the same background check, while closed, asks whether the server lost its data
+(the generation key); opening forgets what this process believed stored and holds its
+writes (a server may come back empty; the disk tier keeps its index and drops writes, which
+would go to the same hung mount).
 """
 
 from __future__ import annotations
