@@ -33,18 +33,20 @@ class Hang:
     """A call on a path under `root` blocks, while armed, for the kinds in `ops` ("read":
     os.open to read; "write": os.open to write; "meta": os.stat, os.unlink, os.replace,
     os.utime), until `release` (a mount that stops answering, then comes back). `entered`
-    lists the paths that blocked."""
+    lists the paths that blocked, `entered_at` when (time.perf_counter)."""
 
     def __init__(self, monkeypatch, root: Path, ops: set[str]) -> None:
         self.root, self.ops = str(root.resolve()) + os.sep, ops
         self.armed, self.released = threading.Event(), threading.Event()
         self.entered: list[Path] = []
+        self.entered_at: list[float] = []
 
         def block(kind: str, path) -> None:
             if self.armed.is_set() and kind in self.ops and not isinstance(path, int):
                 where = os.path.realpath(os.fsdecode(path))
                 if where.startswith(self.root):
                     self.entered.append(Path(where))
+                    self.entered_at.append(time.perf_counter())
                     assert self.released.wait(60), "a hung call was never released"
 
         real_open = os.open
@@ -606,3 +608,71 @@ def test_kvpool_cache_over_a_hung_mount_is_one_error_line_naming_what_it_waited_
     else:
         assert main(["cache", action, str(tmp_path), "--json"]) == 0
         assert "entries" in capsys.readouterr().out
+
+
+def test_kvpool_run_on_a_mount_hung_at_the_start_is_one_error_line_before_the_model_loads(
+    tmp_path, hang_factory, capsys
+) -> None:
+    """`kvpool run --disk-cache DIR` on a mount already hung: the check of DIR before the
+    model loads hung for ever. Now one line naming DIR, what it waited on and the deadline
+    (--disk-open-timeout), status 2, within that deadline; no engine is built."""
+    from kvpool.cli.main import main
+
+    filled(tmp_path, 2)
+    hang = hang_factory(tmp_path, {"meta"})
+    hang.arm()
+    assert main(["run", "--disk-cache", str(tmp_path), "--disk-open-timeout", "0.3", "--json"]) == 2
+    assert time.perf_counter() - hang.entered_at[0] < 0.3 + MARGIN_S  # (building the parser takes seconds)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f"kvpool run: error: disk cache {str(tmp_path)!r} did not answer within 0.3 s as it was opened "
+        f"(waiting on {tmp_path / disk_module.MARKER}): a hung mount?"
+    ), err
+
+
+def test_the_engine_is_not_built_over_a_mount_hung_as_its_disk_tier_opens(fp64_model, tmp_path, hang_factory) -> None:
+    """build_engine with a disk tier whose directory stops answering while the tier opens (the
+    scan of its entries): a ValueError naming it within the open deadline, no engine."""
+    from kvpool.engine.build import build_engine
+    from kvpool.tiers import TierDeadlines
+
+    filled(tmp_path, 2)
+    hang = hang_factory(tmp_path / "entries", {"meta"})
+    hang.arm()
+    start = time.perf_counter()
+    with pytest.raises(
+        ValueError, match=r"did not answer within 0\.3 s as the disk tier opened \(waiting on .*entries"
+    ):
+        build_engine(fp64_model, num_blocks=16, disk_cache=tmp_path, tier_deadlines=TierDeadlines(disk_open_s=0.3))
+    assert time.perf_counter() - start < 0.3 + MARGIN_S
+
+
+def test_the_tier_deadline_flags_reach_the_tiers(fp64_model, tmp_path, redis_server) -> None:
+    """--disk-timeout, --disk-write-timeout, --disk-open-timeout and --redis-timeout (run,
+    generate and serve share them) become the tiers' deadlines; one without its tier's flag,
+    or not a finite positive number, is refused in one line."""
+    import argparse
+
+    from kvpool.cli.args import add_persistent_cache_arguments, persistent_cache_options
+    from kvpool.cli.main import build_parser, parse
+    from kvpool.engine.build import build_engine
+
+    redis_url = redis_server.url
+    parser = argparse.ArgumentParser()
+    add_persistent_cache_arguments(parser, swa=False)
+    given = ["--disk-timeout", "0.25", "--disk-write-timeout", "3", "--disk-open-timeout", "7", "--redis-timeout", "2"]
+    options = persistent_cache_options(parser.parse_args(["--disk-cache", str(tmp_path), "--redis", redis_url, *given]))
+    engine = build_engine(fp64_model, num_blocks=16, **options)
+    disk, redis = engine.runner.persistent_tiers
+    assert (disk.timeout_s, disk.write_timeout_s, redis.timeout_s) == (0.25, 3.0, 2.0)
+    assert options["tier_deadlines"].disk_open_s == 7.0
+    assert redis._client.connection_pool.connection_kwargs["socket_timeout"] == 2.0
+    engine.runner.close()
+    assert "tier_deadlines" not in persistent_cache_options(parser.parse_args(["--disk-cache", str(tmp_path)]))
+    with pytest.raises(ValueError, match="--redis-timeout needs --redis: it is that tier's deadline"):
+        persistent_cache_options(parser.parse_args(["--disk-cache", str(tmp_path), "--redis-timeout", "1"]))
+    with pytest.raises(ValueError, match="--disk-timeout needs --disk-cache"):
+        persistent_cache_options(parser.parse_args(["--disk-timeout", "1"]))
+    for command in ("run", "generate", "serve"):
+        with pytest.raises(SystemExit):
+            parse(build_parser(), [command, "--disk-cache", str(tmp_path), "--disk-timeout", "inf"])

@@ -387,9 +387,42 @@ def v4_kv_format(args: argparse.Namespace) -> dict[str, str]:
     return {"kv_format": "fp8" if fp8 else "exact", "indexer_format": getattr(args, "indexer_format", None) or "fp8"}
 
 
+# the persistent tiers' deadline flags: (flag, TierDeadlines field, the tier flag it needs, help)
+TIER_DEADLINE_FLAGS = (
+    (
+        "--disk-timeout",
+        "disk_s",
+        "--disk-cache",
+        "seconds a disk cache read, stat, unlink or rename may take; past it a miss (the engine computes those "
+        "tokens), and 3 in a row open a breaker that serves without the disk until it answers (default: 1)",
+    ),
+    (
+        "--disk-write-timeout",
+        "disk_write_s",
+        "--disk-cache",
+        "seconds a whole disk cache write (fsyncs included) or rescan may take; a write past it is dropped and "
+        "counted (default: 10)",
+    ),
+    (
+        "--disk-open-timeout",
+        "disk_open_s",
+        "--disk-cache",
+        "seconds the disk cache's open waits for each answer of the directory (its checks, every entry listed); a "
+        "mount that stops answering is one error line, and the engine does not start (default: 10)",
+    ),
+    (
+        "--redis-timeout",
+        "redis_s",
+        "--redis",
+        "seconds every Redis call may take; past it the breaker opens and lookups are misses until the server "
+        "answers (default: 0.5)",
+    ),
+)
+
+
 def add_persistent_cache_arguments(parser: argparse.ArgumentParser, *, swa: bool = True) -> None:
-    """--disk-cache, --disk-cache-gib, --redis; with `swa` also tiny-dsv4's --swa-strategy
-    and --swa-period (kvpool serve runs SmolLM2 only)."""
+    """--disk-cache, --disk-cache-gib, --redis, their deadlines (TIER_DEADLINE_FLAGS); with
+    `swa` also tiny-dsv4's --swa-strategy and --swa-period (kvpool serve runs SmolLM2 only)."""
     parser.add_argument(
         "--disk-cache",
         default=None,
@@ -410,6 +443,8 @@ def add_persistent_cache_arguments(parser: argparse.ArgumentParser, *, swa: bool
         help="a Redis tier shared by processes (redis://HOST:PORT[/DB]), below the disk cache: an outage "
         "degrades to misses with one warning line (default: none)",
     )
+    for flag, _, _, text in TIER_DEADLINE_FLAGS:
+        parser.add_argument(flag, type=positive_float, default=None, metavar="S", help=text)
     if not swa:
         return
     parser.add_argument(
@@ -438,6 +473,13 @@ def persistent_cache_options(args: argparse.Namespace) -> dict[str, object]:
     strategy, period = getattr(args, "swa_strategy", None), getattr(args, "swa_period", None)
     if gib is not None and disk is None:
         raise ValueError("--disk-cache-gib needs --disk-cache DIR")
+    from kvpool.tiers.stack import TierDeadlines
+
+    seconds = {field: getattr(args, flag[2:].replace("-", "_"), None) for flag, field, _, _ in TIER_DEADLINE_FLAGS}
+    for flag, field, tier, _ in TIER_DEADLINE_FLAGS:
+        if seconds[field] is not None and getattr(args, tier[2:].replace("-", "_"), None) is None:
+            raise ValueError(f"{flag} needs {tier}: it is that tier's deadline")
+    deadlines = TierDeadlines(**seconds)
     tiny = getattr(args, "model", None) == "tiny-dsv4"
     swa = None
     if strategy is not None or period is not None:
@@ -460,12 +502,15 @@ def persistent_cache_options(args: argparse.Namespace) -> dict[str, object]:
     if disk is not None:
         from kvpool.tiers.disk import open_directory
 
-        open_directory(disk)  # a file, an unwritable directory or a foreign one: said now, before the model loads
+        # a file, an unwritable directory, a foreign one or a hung mount: said now, before the model loads
+        open_directory(disk, **{"timeout_s": deadlines.disk_open_s} if deadlines.disk_open_s else {})
     if url is not None:
         from kvpool.tiers.redis_tier import check_url
 
         check_url(url)
     options: dict[str, object] = {"disk_cache": disk, "redis_url": url}
+    if deadlines != TierDeadlines():  # (only when given: a truthy option reads as "a tier asked for")
+        options["tier_deadlines"] = deadlines
     if swa is not None:
         options["swa"] = swa
     if gib is not None:

@@ -38,7 +38,7 @@ from kvpool.models.tokenizer import ChatTokenizer, build_tokenizer, check_tokeni
 from kvpool.spec.layout import CacheSpec
 from kvpool.storage.dsv4 import DSV4Pools
 from kvpool.storage.kv import PagedKVStorage, QuantizedKVStorage
-from kvpool.tiers import DEFAULT_DISK_CACHE_BYTES
+from kvpool.tiers import DEFAULT_DISK_CACHE_BYTES, TierDeadlines
 from kvpool.tiers.swa import SWAStrategy
 
 
@@ -209,12 +209,18 @@ def _num_blocks_for_memory(
     return int(num_blocks)
 
 
-def _tiers(host_cache_bytes: int | None, disk_cache, disk_cache_bytes: int, redis_url: str | None):
-    """(host tier or None, the persistent tiers) from the byte and location options."""
+def _tiers(
+    host_cache_bytes: int | None,
+    disk_cache,
+    disk_cache_bytes: int,
+    redis_url: str | None,
+    deadlines: TierDeadlines | None,
+):
+    """(host tier or None, the persistent tiers) from the byte, location and deadline options."""
     from kvpool.tiers import HostTier, open_persistent_tiers
 
     host = HostTier(host_cache_bytes) if host_cache_bytes is not None else None
-    return host, open_persistent_tiers(disk_cache, disk_cache_bytes, redis_url)
+    return host, open_persistent_tiers(disk_cache, disk_cache_bytes, redis_url, deadlines)
 
 
 def _llama_engine(loaded: LoadedModel, *, block_size: int = 16, kv_format: str | None = None, **options) -> Engine:
@@ -264,6 +270,7 @@ def _paged_engine(
     disk_cache: str | os.PathLike | None = None,
     disk_cache_bytes: int = DEFAULT_DISK_CACHE_BYTES,
     redis_url: str | None = None,
+    tier_deadlines: TierDeadlines | None = None,
     kv_format: str | None = None,
     decode_path: str | None = None,
     enforce_eager: bool = False,
@@ -280,7 +287,7 @@ def _paged_engine(
     pool_bytes = num_blocks * _bytes_per_block(model, block_size, kv_format)
     where = f"the KV pool of {num_blocks} blocks of {block_size} tokens"
     check_fits(pool_bytes, model.device, where, "lower --kv-memory or --num-blocks")
-    host, persistent = _tiers(host_cache_bytes, disk_cache, disk_cache_bytes, redis_url)
+    host, persistent = _tiers(host_cache_bytes, disk_cache, disk_cache_bytes, redis_url, tier_deadlines)
     runner = llama_runner(
         model,
         num_blocks,
@@ -326,6 +333,7 @@ def _dsv4_engine(
     disk_cache: str | os.PathLike | None = None,
     disk_cache_bytes: int = DEFAULT_DISK_CACHE_BYTES,
     redis_url: str | None = None,
+    tier_deadlines: TierDeadlines | None = None,
     swa: SWAStrategy | None = None,
     kv_format: str | None = None,
     indexer_format: str = "fp8",
@@ -358,7 +366,7 @@ def _dsv4_engine(
         f"the dual pool of {num_blocks} classical and {num_state} state blocks",
         "lower --kv-memory, --num-blocks or --max-num-seqs",
     )
-    host, persistent = _tiers(host_cache_bytes, disk_cache, disk_cache_bytes, redis_url)
+    host, persistent = _tiers(host_cache_bytes, disk_cache, disk_cache_bytes, redis_url, tier_deadlines)
     runner = dsv4_runner(
         model,
         num_blocks,
@@ -439,7 +447,8 @@ def build_engine(model: LoadedModel | LlamaModel | TinyDSV4 | TinyHybrid, **opti
     V4: kv_memory_bytes (the blocks those bytes hold, when num_blocks is None),
     host_cache_bytes (a host tier below the device pool, kvpool.tiers.HostTier),
     disk_cache / disk_cache_bytes (a crash-safe disk tier, LRU under the limit), redis_url
-    (a shared Redis tier; lookups go host -> disk -> Redis), kv_format (the KV storage
+    (a shared Redis tier; lookups go host -> disk -> Redis), tier_deadlines (the disk and
+    Redis tiers' deadlines, kvpool.tiers.TierDeadlines; None: theirs), kv_format (the KV storage
     format: kvpool.storage.quant's names for Llama, None: the model's dtype; "exact" or
     "fp8" for V4). Llama and V4: preemption ("recompute", "swap", "auto": ModelRunner;
     swap and auto need the host tier; V4 swaps its state too). Llama: block_size, decode_path (the attention backend's

@@ -7,7 +7,7 @@ from kvpool.tiers.base import Tier, TierStats
 from kvpool.tiers.descriptor import BlockDescriptor, TierIndex, descriptor_from_key
 from kvpool.tiers.disk import DiskTier
 from kvpool.tiers.host import HostTier
-from kvpool.tiers.stack import DEFAULT_DISK_CACHE_BYTES, TierStack, open_persistent_tiers
+from kvpool.tiers.stack import DEFAULT_DISK_CACHE_BYTES, TierDeadlines, TierStack, open_persistent_tiers
 
 # RedisTier lives in kvpool.tiers.redis_tier (imported where a --redis URL is given).
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "DiskTier",
     "HostTier",
     "Tier",
+    "TierDeadlines",
     "TierIndex",
     "TierStack",
     "TierStats",

@@ -63,11 +63,12 @@ full queue drops the write and counts it.
 Deadlines: a mount that stops answering (an NFS hard mount whose server is gone, a FUSE file
 system that hangs, a dying disk) stalled the engine's step for ever on a lookup's read. File
 operations now run on a worker thread (deadline.py) and are waited for up to a deadline:
-`timeout_s` (1 s) for a lookup's read (the open, fstat and header of an entry not yet read
-here) and a get's (the whole entry read and checked, and its LRU refresh), each one worker job
-(a hand-off costs tens of microseconds: one per file operation made lookups and gets 1.5-3x
-slower, review 12), and for an unlink or a rename; `write_timeout_s` (10 s) for a whole write
-(an fsync waits for the disk's other dirty data too) and a rescan of the directory. A read past
+`timeout_s` (1 s; --disk-timeout) for a lookup's read (the open, fstat and header of an
+entry not yet read here) and a get's (the whole entry read and checked, and its LRU
+refresh), each one worker job (a hand-off costs tens of microseconds: one per file operation
+made lookups and gets 1.5-3x slower, review 12), and for an unlink or a rename;
+`write_timeout_s` (10 s; --disk-write-timeout) for a whole write (an fsync waits for the
+disk's other dirty data too) and a rescan of the directory. A read past
 it is a miss (cause "timeout": the engine computes those tokens, nothing wrong is served); what
 it returns late is dropped with it, nothing indexed from it. A write past it is dropped and
 counted (num_write_errors): once its writer gave up, the write removes its temp file instead of
@@ -103,7 +104,7 @@ and the outages, is a few lines; a common class would not shorten either.
 
 The open (the directory's checks, the stale temp files removed, quarantine/ listed, every
 entry scanned) is one worker job, waited for while the directory answers: `open_timeout_s`
-(10 s) is how long it waits for the next answer, not for the whole open, so a directory that
+(10 s; --disk-open-timeout) is how long it waits for the next answer, not for the whole open, so a directory that
 lists slowly is indexed whole (review 12: it opened with nothing indexed, its byte limit
 unenforced), and a mount already hung when the tier opens (which hung the open for ever) is a
 ValueError naming the directory, what the open waited on and the deadline: no tier is made

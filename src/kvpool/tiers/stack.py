@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from torch import Tensor
 
@@ -26,22 +27,42 @@ from kvpool.tiers.descriptor import BlockDescriptor
 DEFAULT_DISK_CACHE_BYTES = 16 << 30  # --disk-cache-gib's default
 
 
+@dataclass(frozen=True)
+class TierDeadlines:
+    """The persistent tiers' deadlines in seconds (`kvpool run --disk-timeout ...`); None:
+    the tier's own default (DiskTier's timeout_s 1, write_timeout_s 10, open_timeout_s 10;
+    RedisTier's timeout_s 0.5)."""
+
+    disk_s: float | None = None  # a disk read, stat, unlink or rename (DiskTier timeout_s)
+    disk_write_s: float | None = None  # a whole disk write, a rescan (write_timeout_s)
+    disk_open_s: float | None = None  # the disk tier's open, each answer (open_timeout_s)
+    redis_s: float | None = None  # every Redis call (RedisTier timeout_s)
+
+    def disk(self) -> dict[str, float]:
+        """DiskTier's options for those given."""
+        given = {"timeout_s": self.disk_s, "write_timeout_s": self.disk_write_s, "open_timeout_s": self.disk_open_s}
+        return {name: value for name, value in given.items() if value is not None}
+
+
 def open_persistent_tiers(
     disk_cache: str | os.PathLike | None = None,
     disk_cache_bytes: int = DEFAULT_DISK_CACHE_BYTES,
     redis_url: str | None = None,
+    deadlines: TierDeadlines | None = None,
 ) -> list[Tier]:
     """The disk tier in `disk_cache` (LRU under `disk_cache_bytes`) and the Redis tier at
-    `redis_url`, in lookup order, for those given."""
+    `redis_url`, in lookup order, for those given; `deadlines` theirs (None: the defaults)."""
+    deadlines = deadlines or TierDeadlines()
     tiers: list[Tier] = []
     if disk_cache is not None:
         from kvpool.tiers.disk import DiskTier
 
-        tiers.append(DiskTier(disk_cache, disk_cache_bytes))
+        tiers.append(DiskTier(disk_cache, disk_cache_bytes, **deadlines.disk()))
     if redis_url is not None:
         from kvpool.tiers.redis_tier import RedisTier  # imports the redis client only when asked for
 
-        tiers.append(RedisTier(redis_url))
+        redis = {"timeout_s": deadlines.redis_s} if deadlines.redis_s is not None else {}
+        tiers.append(RedisTier(redis_url, **redis))
     return tiers
 
 
