@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=10.0,
         metavar="S",
         help="seconds to wait for each answer of the directory's file system (a hung mount ends the command in "
-        "one line naming what it waited on; a large directory on a slow disk is waited for whole; default: 10)",
+        "one line naming what it waited on; a large directory on a slow disk is waited for whole)",
     )
 
 
