@@ -265,7 +265,7 @@ def test_verify_cp_past_memory_is_one_line_before_the_group(monkeypatch, capsys)
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(
-        "kvpool verify: error: the paged check's --batch 100 x --context 1000000000 in blocks of --block-size 16 "
+        "kvpool verify cp: error: the paged check's --batch 100 x --context 1000000000 in blocks of --block-size 16 "
         "needs 429153.4 GiB but "
     ), err
     assert err.endswith("; lower --context, --batch or --block-size\n")
@@ -274,7 +274,7 @@ def test_verify_cp_past_memory_is_one_line_before_the_group(monkeypatch, capsys)
     assert main(["verify", "cp", "--block-size", "100000000", "--smollm2-prompt", "0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(
-        "kvpool verify: error: the paged check's --batch 4 x --context 32768 in blocks of --block-size 100000000 "
+        "kvpool verify cp: error: the paged check's --batch 4 x --context 32768 in blocks of --block-size 100000000 "
         "needs 1716.6 GiB but "
     ), err
 

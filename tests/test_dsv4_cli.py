@@ -72,7 +72,7 @@ def test_verify_refuses_a_length_past_its_pool_not_reports_a_failed_check(
     assert main(["verify", "dsv4", "--lengths", str(length)]) == 2
     err = capsys.readouterr().err
     assert err == (
-        f"kvpool verify: error: --lengths {length}: a prompt of {length:,} tokens does not fit the verifier's KV "
+        f"kvpool verify dsv4: error: --lengths {length}: a prompt of {length:,} tokens does not fit the verifier's KV "
         "pool; give shorter lengths\n"
     )
 
@@ -108,7 +108,7 @@ def test_verify_rejects_a_bad_tolerance(capsys: pytest.CaptureFixture[str], bad:
     assert main(["verify", "dsv4", "--lengths", "1", f"--tolerance={bad}"]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""  # nothing ran
-    assert captured.err == f"kvpool verify: error: --tolerance must be a finite number >= 0, got {float(bad)!r}\n"
+    assert captured.err == f"kvpool verify dsv4: error: --tolerance must be a finite number >= 0, got {float(bad)!r}\n"
 
 
 def test_verify_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:

@@ -200,6 +200,6 @@ def test_verify_hybrid_refuses_a_length_past_its_pool_not_reports_a_failed_check
     # 10**13 drew its ids before the pool's check: a traceback of torch's failed 80 TB allocation
     assert main(["verify", "hybrid", "--lengths", str(length)]) == 2
     assert capsys.readouterr().err == (
-        f"kvpool verify: error: --lengths {length}: a prompt of {length:,} tokens does not fit the verifier's KV "
-        "pool; give shorter lengths\n"
+        f"kvpool verify hybrid: error: --lengths {length}: a prompt of {length:,} tokens does not fit the verifier's "
+        "KV pool; give shorter lengths\n"
     )

@@ -216,7 +216,7 @@ def test_verify_cp_refuses_positions_past_smollm2s_before_the_group(capsys) -> N
 
     assert main(["verify", "cp", "--context", "64", "--batch", "1", "--smollm2-prompt", "8190", "--steps", "4"]) == 2
     assert capsys.readouterr().err == (
-        "kvpool verify: error: --smollm2-prompt 8190 and --steps 4 reach position 8,192, past SmolLM2's last "
+        "kvpool verify cp: error: --smollm2-prompt 8190 and --steps 4 reach position 8,192, past SmolLM2's last "
         "(8,191): --smollm2-prompt + --steps may be at most 8,193\n"
     )
     # at the bound, refused only for running outside torchrun
@@ -252,7 +252,7 @@ def test_rank_0_never_there_is_one_line_without_cpp_frames() -> None:
         [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
     )
     assert code == 1 and err == (
-        f"kvpool verify: error: rank 1 of 2: rank 0 did not answer at 127.0.0.1:{port} within 2 s "
+        f"kvpool verify cp: error: rank 1 of 2: rank 0 did not answer at 127.0.0.1:{port} within 2 s "
         "(KVPOOL_DIST_TIMEOUT_S sets the wait); start rank 0 there with the same MASTER_PORT and WORLD_SIZE\n"
     ), err[-3000:]
 
@@ -270,7 +270,7 @@ def test_rank_0_gone_while_the_group_forms_is_one_line_without_cpp_frames() -> N
     ((code, _, err),) = _finish([rank], timeout=120)
     store.wait(timeout=60)
     assert code == 1 and err == (
-        f"kvpool verify: error: rank 1 of 3: the rendezvous store at 127.0.0.1:{port} closed while the process "
+        f"kvpool verify cp: error: rank 1 of 3: the rendezvous store at 127.0.0.1:{port} closed while the process "
         "group formed: rank 0, which serves it, left; start the ranks again\n"
     ), err[-3000:]
 
@@ -288,7 +288,7 @@ def test_a_master_port_served_by_another_program_is_one_line_not_a_hang() -> Non
         rank = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         ((code, _, err),) = _finish([rank], timeout=90)
     assert code == 1 and err == (
-        f"kvpool verify: error: rank 1 of 2: the process group at 127.0.0.1:{port} did not form within 12 s, and "
+        f"kvpool verify cp: error: rank 1 of 2: the process group at 127.0.0.1:{port} did not form within 12 s, and "
         "torch did not give up: is MASTER_PORT served by another program than rank 0? start the ranks on a free "
         "port (KVPOOL_DIST_TIMEOUT_S sets the wait)\n"
     ), err[-3000:]
@@ -314,8 +314,8 @@ def test_a_bad_rendezvous_variable_is_named(monkeypatch, capsys, name, value, li
     for command in (["verify", "pd"], ["verify", "tp"], ["verify", "cp", "--context", "64", "--batch", "1"]):
         assert main(command) == 2
         assert capsys.readouterr().err == (
-            f"kvpool verify: error: {line} (torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; by hand, "
-            "set each)\n"
+            f"kvpool {' '.join(command[:2])}: error: {line} (torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and "
+            "MASTER_PORT; by hand, set each)\n"
         )
 
 
@@ -329,7 +329,7 @@ def test_a_taken_master_port_is_one_line(monkeypatch, capsys) -> None:
         _as_rank(monkeypatch, 0, 2, port)  # (rank 0 binds the port first: no wait for rank 1)
         assert main(["verify", "cp", "--context", "64", "--batch", "1", "--smollm2-prompt", "0"]) == 2
     assert capsys.readouterr().err == (
-        f"kvpool verify: error: MASTER_PORT is taken: 127.0.0.1:{port} is in use by another process; "
+        f"kvpool verify cp: error: MASTER_PORT is taken: 127.0.0.1:{port} is in use by another process; "
         "start the ranks on a free port\n"
     )
 
@@ -343,7 +343,7 @@ def test_a_rank_whose_peers_never_come_stops_at_the_named_timeout(monkeypatch, c
     assert main(["verify", "cp", "--context", "64", "--batch", "1", "--smollm2-prompt", "0"]) == 1
     assert time.monotonic() - start < 10  # not gloo's 30 minutes
     assert capsys.readouterr().err == (
-        f"kvpool verify: error: rank 0 of 2: 1 of 2 ranks joined the process group at 127.0.0.1:{port} within 1 s "
+        f"kvpool verify cp: error: rank 0 of 2: 1 of 2 ranks joined the process group at 127.0.0.1:{port} within 1 s "
         "(KVPOOL_DIST_TIMEOUT_S sets the wait); start every rank with the same MASTER_ADDR, MASTER_PORT and "
         "WORLD_SIZE\n"
     )
@@ -392,7 +392,7 @@ def test_a_tp_degree_the_heads_cannot_take_names_the_flag_that_set_it(smollm2_fo
     ):
         _as_rank(monkeypatch, 0, world, _free_port())
         assert main(argv) == 2
-        assert capsys.readouterr().err == f"kvpool verify: error: {flag} 2 {counts}; use {flag} 1 or 3\n"
+        assert capsys.readouterr().err == f"kvpool {' '.join(argv[:2])}: error: {flag} 2 {counts}; use {flag} 1 or 3\n"
 
 
 def test_verify_cp_refuses_a_context_too_short_for_its_batch(capsys) -> None:
@@ -401,7 +401,7 @@ def test_verify_cp_refuses_a_context_too_short_for_its_batch(capsys) -> None:
 
     assert main(["verify", "cp", "--context", "16", "--batch", "4"]) == 2
     assert capsys.readouterr().err == (
-        "kvpool verify: error: --context 16 is too short for --batch 4: the paged check's sequences are --context, "
+        "kvpool verify cp: error: --context 16 is too short for --batch 4: the paged check's sequences are --context, "
         "--context - 7, ... tokens (the last -5); give --context 22 or more, or a smaller --batch\n"
     )
 
@@ -432,7 +432,7 @@ def test_verify_cp_on_one_process_is_refused_not_passed(monkeypatch, capsys) -> 
     _as_rank(monkeypatch, 0, 1, _free_port())
     assert main(["verify", "cp", "--context", "64", "--batch", "1", "--smollm2-prompt", "0"]) == 2
     assert capsys.readouterr().err == (
-        "kvpool verify: error: kvpool verify cp under 1 process splits no sequence over ranks and verifies nothing "
+        "kvpool verify cp: error: kvpool verify cp under 1 process splits no sequence over ranks and verifies nothing "
         "of context parallelism: torchrun --nproc-per-node 4 -m kvpool verify cp\n"
     )
 
@@ -445,7 +445,7 @@ def test_verify_tp_on_one_process_is_refused_not_passed(monkeypatch, capsys) -> 
     _as_rank(monkeypatch, 0, 1, _free_port())
     assert main(["verify", "tp", "--max-tokens", "2"]) == 2
     assert capsys.readouterr().err == (
-        "kvpool verify: error: kvpool verify tp under 1 process compares the engine with itself and verifies "
+        "kvpool verify tp: error: kvpool verify tp under 1 process compares the engine with itself and verifies "
         "nothing: torchrun --nproc-per-node 3 -m kvpool verify tp\n"
     )
 
@@ -527,7 +527,7 @@ def test_verify_ranks_given_different_arguments_stop_in_one_line() -> None:
     for rank, (code, out, err) in enumerate(results):
         assert code == 1 and not out.strip(), (rank, code, err[-3000:])
         assert _error_line(err) == (
-            f"kvpool verify: error: rank {rank}: context-parallel ranks diverged: rank 1 differs from rank 0 in the "
+            f"kvpool verify cp: error: rank {rank}: context-parallel ranks diverged: rank 1 differs from rank 0 in the "
             "command's arguments; every rank must be started with the same arguments"
         )
 
@@ -611,7 +611,7 @@ def test_a_rank_interrupted_while_the_group_forms_stops_the_others_at_once(victi
     results = _finish(procs, timeout=30)
     assert time.monotonic() - start < 15
     other = 1 - victim
-    assert results[victim][0] == 130 and results[victim][2] == "kvpool verify: interrupted\n", results[victim]
+    assert results[victim][0] == 130 and results[victim][2] == "kvpool verify cp: interrupted\n", results[victim]
     where = f"127.0.0.1:{port}"
     line = (
         f"rank 0 of 3: rank 1 was interrupted while the process group formed at {where}; start the ranks again"
@@ -619,4 +619,4 @@ def test_a_rank_interrupted_while_the_group_forms_stops_the_others_at_once(victi
         else f"rank 1 of 3: the rendezvous store at {where} closed while the process group formed: rank 0, which "
         "serves it, left; start the ranks again"
     )
-    assert results[other][0] == 1 and results[other][2] == f"kvpool verify: error: {line}\n", results[other]
+    assert results[other][0] == 1 and results[other][2] == f"kvpool verify cp: error: {line}\n", results[other]

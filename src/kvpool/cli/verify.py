@@ -372,6 +372,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, (help_line, description, add_options, _) in TARGETS.items():
         target = sub.add_parser(name, help=help_line, description=description, formatter_class=HelpFormatter)
         add_options(target)
+        target.set_defaults(_name=f"verify {name}")  # its error lines name it: "kvpool verify pd: error: ..."
 
 
 def run(args: argparse.Namespace) -> int:
