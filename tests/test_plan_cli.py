@@ -458,3 +458,24 @@ def test_lengths_past_the_context_are_refused_or_left_out_not_measured(capsys: p
     for lengths in ("uniform:1:4096", "fixed:4096"):  # exactly the context: measured, nothing left out
         frag = _json(capsys, *base, "--lengths", lengths)["fragmentation"]
         assert frag["num_seqs"] == 124 and frag["lengths_past_context"] == 0
+
+
+@pytest.mark.parametrize("num_gpus", [1, 2])
+def test_more_requests_than_the_pool_holds_at_one_token_are_refused(capsys, num_gpus) -> None:
+    """--concurrency past the requests a pool holds at --max-model-len asks the context they
+    can each hold (docs/planner.md's first plan: 16 requests of 1M do not fit, of 429,823 tokens
+    do); past what it holds at one token each, there is none: that printed "max context at N
+    requests: 0 tokens" with status 0. It is refused, naming the most the pool holds."""
+    argv = ["--model", "llama-3.1-8b", "--gpu", "H100", "--num-gpus", str(num_gpus), "--tp", "1", "--context", "32768"]
+    out = _json(capsys, *argv)
+    one_block = out["block_size"] * out["kv_bytes_per_token_per_gpu"]  # a request of one token: a block
+    per_gpu = int(out["kv_pool_bytes_per_gpu"] // one_block)
+    most = per_gpu * num_gpus  # TP 1: a replica a GPU
+    assert _json(capsys, *argv, "--concurrency", str(most))["max_context_len"] == out["block_size"]
+    assert main(["plan", *argv, "--concurrency", str(most + 1)]) == 2
+    replicas = "1 replica" if num_gpus == 1 else f"{num_gpus} replicas"
+    assert capsys.readouterr().err == (
+        f"kvpool plan: error: --concurrency {most + 1:,} does not fit the KV pool at any context: its "
+        f"{out['kv_pool_bytes_per_gpu'] / 2**30:,.2f} GiB per GPU hold at most {per_gpu:,} requests of one token "
+        f"({int(one_block):,} B each: a block of every group), {most:,} over {replicas}; ask for {most:,} or fewer\n"
+    )

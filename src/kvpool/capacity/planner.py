@@ -250,6 +250,18 @@ def plan(
     max_ctx = max_ctx_mem = None
     if concurrency is not None:
         per_replica_requests = math.ceil(concurrency / replicas)
+        # More requests than the pool holds at any context: "max context at N requests: 0
+        # tokens" and status 0 read as an answer, not as N not fitting. (A pool that holds no
+        # request at all is the plan's own failure: it does not fit, status 1.)
+        most = max_concurrent(layout, pool, 1) if pool > 0 else 0
+        if 0 < most < per_replica_requests:
+            raise ValueError(
+                f"--concurrency {concurrency:,} does not fit the KV pool at any context: its "
+                f"{pool / 2**30:,.2f} GiB per GPU hold at most {most:,} requests of one token "
+                f"({layout.request_bytes(1):,} B each: a block of every group"
+                f"{' and its state' if layout.state_block_bytes else ''}), {most * replicas:,} over "
+                f"{replicas:,} replica{'s' if replicas > 1 else ''}; ask for {most * replicas:,} or fewer"
+            )
         max_ctx_mem = max_context(layout, pool, per_replica_requests)
         max_ctx = min(max_ctx_mem, model.max_position_embeddings)
 
