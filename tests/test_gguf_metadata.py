@@ -143,19 +143,26 @@ def test_the_cli_names_a_zero_head_count_without_a_traceback(tmp_path, capsys):
     ("over", "message"),
     [
         (
-            {"extra": {"rope_freqs.weight": np.ones(2, dtype=np.float32)}},
-            "unsupported RoPE scaling (per-frequency factors in tensor 'rope_freqs.weight', as Llama 3.1 and later "
-            "write); kvpool runs plain RoPE",
+            {"raw_kv": {"llama.rope.scaling.type": "yarn"}},
+            "unsupported RoPE scaling llama.rope.scaling.type 'yarn'; kvpool runs plain, linear and Llama 3 "
+            "(rope_freqs.weight) RoPE",
         ),
         (
-            {"raw_kv": {"llama.rope.scaling.type": "linear"}},
-            "unsupported RoPE scaling llama.rope.scaling.type 'linear'; kvpool runs plain RoPE",
+            {"raw_kv": {"llama.rope.scaling.type": "longrope"}},
+            "unsupported RoPE scaling llama.rope.scaling.type 'longrope'; kvpool runs plain, linear and Llama 3 "
+            "(rope_freqs.weight) RoPE",
+        ),
+        (  # Llama 3.1's factors are F32 [head_dim / 2] (llama.cpp asserts F32): another tensor is not them
+            {"extra": {"rope_freqs.weight": np.ones(2, dtype=np.float16)}},
+            "tensor 'rope_freqs.weight' is F16 [2]; Llama 3 RoPE factors are F32 [2] (one a rotated pair of the "
+            "head dim 4)",
         ),
     ],
 )
 def test_a_scaled_rope_is_refused_not_run_as_plain_rope(tmp_path, over, message):
-    """Llama 3.1+'s rope_freqs.weight (and a rope.scaling.type) was left out without a word:
-    the model ran with plain RoPE, every position's attention not the model's."""
+    """A scaled RoPE kvpool does not compute (YaRN, LongRoPE; Llama 3.1's rope_freqs.weight
+    and a linear rope.scaling.factor it does: tests/test_rope_scaling.py) was left out without
+    a word: the model ran with plain RoPE, every position's attention not the model's."""
     path = write_gguf(tmp_path / "scaled.gguf", **over)
     with pytest.raises(ValueError) as e:
         load_gguf(path)

@@ -92,13 +92,45 @@ def test_fp32_logits_within_transformers_own_fp32_error(tmp_path):
     assert (other - truth).abs().max() > 100 * hf_err
 
 
-def test_a_directory_defaults_and_ignored_keys(tmp_path):
+def test_a_directory_and_defaults(tmp_path):
     raw = {k: v for k, v in RAW.items() if k not in ("num_key_value_heads", "rope_theta", "max_position_embeddings")}
-    raw["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0}
     (tmp_path / "config.json").write_text(json.dumps(raw))
     hf = llama_config(tmp_path)
     assert (hf.config.num_kv_heads, hf.config.rope_theta, hf.config.max_position) == (4, 10000.0, 2048)
-    assert hf.ignored == ("rope_scaling 'llama3'",)
+    assert hf.config.rope_freq_divisors is None
+
+
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"rope_scaling": LLAMA3},  # transformers 4
+        {"rope_theta": 1.0, "rope_scaling": {**LLAMA3, "rope_theta": 10000.0}},
+        {"rope_theta": 1.0, "rope_parameters": {**LLAMA3, "rope_theta": 10000.0}},  # transformers 5: theta inside
+    ],
+    ids=["rope_scaling", "theta-inside", "rope_parameters"],
+)
+def test_llama3_and_linear_rope_are_read_as_divisors(tmp_path, changes):
+    """Llama 3.1's rope_scaling was left out (listed as ignored): the model ran plain RoPE.
+    Its divisors (models/rope.py): head dim 16 at theta 1e4 has wavelengths 6.3, 19.9, 62.8,
+    199, ...: kept under 64 / 4, divided by 8 over 64, blended between. (The logits against
+    transformers: tests/test_rope_scaling.py.)"""
+    c = llama_config(_config(tmp_path, **changes)).config
+    assert c.rope_theta == 10000.0
+    assert c.rope_freq_divisors[0] == 1.0 and c.rope_freq_divisors[3:] == (8.0,) * 5
+    assert all(1 < d < 8 for d in c.rope_freq_divisors[1:3])
+    linear = llama_config(_config(tmp_path, rope_scaling={"type": "linear", "factor": 2.0})).config
+    assert linear.rope_freq_divisors == (2.0,) * 8
+    plain = llama_config(_config(tmp_path, rope_parameters={"rope_type": "default", "rope_theta": 5e5})).config
+    assert (plain.rope_theta, plain.rope_freq_divisors) == (5e5, None)
 
 
 @pytest.mark.parametrize(
@@ -129,6 +161,18 @@ def test_a_directory_defaults_and_ignored_keys(tmp_path):
         # an OverflowError traceback when run sized the model in GiB
         ({"vocab_size": 10**400}, r"vocab_size 1000.* is past any tensor's size \(2\^63\)"),
         ({"num_hidden_layers": 2**63}, r"num_hidden_layers 9223372036854775808 is past any tensor's size"),
+        # a RoPE scaling models/rope.py does not compute: it was ignored, the model run with plain RoPE
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"rope_scaling type 'yarn' is not modelled \(only"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling type 'dynamic' is not modelled"),
+        ({"rope_parameters": {"rope_type": "longrope"}}, "rope_parameters type 'longrope' is not modelled"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling 'llama3' lacks 'low_freq_factor'"),
+        ({"rope_scaling": {**LLAMA3, "factor": "8"}}, "rope_scaling.factor must be a number, got '8'"),
+        ({"rope_scaling": {**LLAMA3, "high_freq_factor": 1.0}}, "high_freq_factor 1.0 must exceed low_freq_factor 1.0"),
+        ({"rope_scaling": {"rope_type": "linear"}}, "rope_scaling 'linear' lacks 'factor'"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 0}}, "rope_scaling.factor must be finite and positive"),
+        ({"rope_scaling": "llama3"}, "rope_scaling must be an object or null, got 'llama3'"),
+        ({"rope_scaling": LLAMA3, "rope_parameters": LLAMA3}, "both rope_scaling and rope_parameters are given"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 0}}, "rope_parameters.rope_theta must be finite"),
     ],
 )
 def test_a_config_the_model_cannot_compute_is_refused_naming_the_key(tmp_path, changes, match):

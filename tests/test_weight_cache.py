@@ -9,6 +9,7 @@ cache directory of their own (KVPOOL_CACHE_DIR), never the user's."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -65,6 +66,17 @@ def test_an_entry_reads_back_what_was_stored(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [key]  # no work directory left behind
 
 
+def test_an_entry_keeps_the_rope_scaling(tmp_path):
+    """Llama 3.1's RoPE divisors (read from the GGUF's rope_freqs.weight) come back from the
+    entry exactly, as a tuple: the model built from the cache rotates as the GGUF's."""
+    scaled = dataclasses.replace(CONFIG, rope_freq_divisors=(1.0, 1 / 3))
+    meta = dataclasses.replace(META_DATA, config=scaled)
+    cache = WeightCache(tmp_path)
+    key = entry_key(meta.digest, torch.float32)
+    cache.store(key, meta, tensors())
+    assert cache.load(key)[0] == meta
+
+
 def test_the_safetensors_files_agree_with_the_library(tmp_path):
     """Ours are written streaming and read as views of a mapping; the safetensors library
     reads what we write, and we read what it writes, every dtype we store, empty tensors too."""
@@ -100,6 +112,10 @@ def rewrite_meta(entry, change) -> None:
     (entry / ENTRY).write_text(json.dumps(info))
 
 
+def without_divisors(config: dict) -> dict:
+    return {k: v for k, v in config.items() if k != "rope_freq_divisors"}
+
+
 def flip_byte(path, offset_from_end: int = 5) -> None:
     data = bytearray(path.read_bytes())
     data[-offset_from_end] ^= 0x40
@@ -117,6 +133,8 @@ def flip_byte(path, offset_from_end: int = 5) -> None:
         (lambda e: (e / ENTRY).write_text("{"), f"no valid {ENTRY}"),
         (lambda e: (e / ENTRY).write_text("null"), f"no valid {ENTRY}"),
         (lambda e: rewrite_meta(e, lambda m: {**m, "config": {**m["config"], "new_field": 1}}), f"{WEIGHTS} or {META}"),
+        # an entry from before RoPE scaling was read: never a model with its scaling left out
+        (lambda e: rewrite_meta(e, lambda m: {**m, "config": without_divisors(m["config"])}), f"{WEIGHTS} or {META}"),
     ],
     ids=[
         "weights-bit",
@@ -127,6 +145,7 @@ def flip_byte(path, offset_from_end: int = 5) -> None:
         "entry-garbage",
         "entry-null",
         "schema",
+        "no-rope-divisors",
     ],
 )
 def test_a_damaged_entry_is_deleted_not_used(tmp_path, damage, reason):

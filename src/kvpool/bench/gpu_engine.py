@@ -48,16 +48,16 @@ FP32_BOUND = 1e-3  # the issue's: fp32 logits within 1e-3 of transformers', rela
 BF16_FACTOR = 2.0
 
 
-def model_config(model: str | None, device: str) -> tuple[str, LlamaConfig, tuple[str, ...]]:
-    """(name, config, keys read but not modelled) of `--model`: a preset or config.json
+def model_config(model: str | None, device: str) -> tuple[str, LlamaConfig]:
+    """(name, config) of `--model`: a preset or config.json
     (bench/gpu.py `config_path`); None: Llama-3.1-8B on CUDA, `TINY` on the CPU."""
     from kvpool.bench.gpu import config_path
     from kvpool.models.hf_config import llama_config
 
     if model is None and device != "cuda":
-        return "tiny (2 layers, hidden 256: the CPU's stand-in)", TINY, ()
+        return "tiny (2 layers, hidden 256: the CPU's stand-in)", TINY
     hf = llama_config(config_path(model or "llama-3.1-8b"))
-    return hf.name, hf.config, hf.ignored
+    return hf.name, hf.config
 
 
 def _random_model(name: str, config: LlamaConfig, dtype, device: str):
@@ -133,7 +133,7 @@ def engine_tpot(
     new_tokens = shapes[1] if new_tokens is None else new_tokens
     if new_tokens < 2:
         raise ValueError(f"new_tokens must be at least 2 (a decode step after the first token), got {new_tokens}")
-    name, config, ignored = model_config(model, device)
+    name, config = model_config(model, device)
     progress(f"random {name} weights")
     llama = _random_model(name, config, dtype, device)
     weight_bytes = llama.weight_bytes()
@@ -203,7 +203,6 @@ def engine_tpot(
         )
     head = {
         "model": name,
-        "ignored": list(ignored),
         "device": device,
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,
@@ -233,7 +232,7 @@ def prefill(
     from kvpool.engine.sampling import SamplingParams
 
     prompt_len = (GPU_SHAPES if device == "cuda" else CPU_SHAPES)[2] if prompt_len is None else prompt_len
-    name, config, _ = model_config(model, device)
+    name, config = model_config(model, device)
     if prompt_len + 1 > config.max_position:
         raise ValueError(f"a {prompt_len}-token prefill exceeds {name}'s {config.max_position} positions")
     progress(f"prefill of {prompt_len} tokens")

@@ -32,6 +32,7 @@ from kvpool.models.gguf import GGUFModel, check_gguf_file, default_gguf_path, fi
 from kvpool.models.gguf_header import check_header, read_header
 from kvpool.models.hf_config import model_bytes
 from kvpool.models.llama import LlamaModel
+from kvpool.models.rope import rope_id
 from kvpool.models.tiny_dsv4 import TinyDSV4
 from kvpool.models.tiny_hybrid import TinyHybrid
 from kvpool.models.tokenizer import ChatTokenizer, build_tokenizer, check_tokenizer_kind
@@ -141,7 +142,7 @@ def descriptor_for(loaded: LoadedModel, block_size: int, kv_format: str | None =
         tokenizer_version=loaded.tokenizer.version,
         template_version=xxhash.xxh3_64_hexdigest((loaded.tokenizer.chat_template or "").encode()),
         layout_id=f"L{cfg.num_layers}:kvh{cfg.num_kv_heads}:d{cfg.head_dim}:bs{block_size}:{PagedKVStorage.LAYOUT}:{dtype}",
-        rope_id=f"rope-half:theta{cfg.rope_theta}",
+        rope_id=rope_id(cfg.rope_theta, cfg.rope_freq_divisors),
     )
 
 

@@ -53,6 +53,19 @@ class LlamaConfig:
     vocab_size: int
     max_position: int
     tie_embeddings: bool
+    # RoPE scaling as a divisor of each rotated pair's inverse frequency, [head_dim / 2]
+    # (models/rope.py: linear and Llama 3 scaling); None: plain RoPE
+    rope_freq_divisors: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        d = self.rope_freq_divisors
+        if d is None:
+            return
+        if not isinstance(d, tuple) or len(d) != self.head_dim // 2 or not all(math.isfinite(x) and x > 0 for x in d):
+            raise ValueError(
+                f"rope_freq_divisors must be a tuple of {self.head_dim // 2} finite positive numbers (one a rotated "
+                f"pair of the head dim {self.head_dim}), got {d!r:.200}"
+            )
 
 
 @dataclass(frozen=True)
@@ -231,17 +244,11 @@ def read_config(reader: Any) -> LlamaConfig:
     if head_dim % 2:
         raise ValueError(f"GGUF metadata head dim {head_dim} must be even (rotate-half RoPE)")
     names = {t.name for t in reader.tensors}
-    # RoPE as kvpool computes it is plain rotate-half with rope.freq_base: a scaled RoPE
-    # (Llama 3.1+'s per-frequency factors in rope_freqs.weight, a rope.scaling.type such as
-    # linear or yarn) loaded, its scaling left out without a word, and every position's
-    # attention was not the model's
-    scaling = _field(reader, f"{arch}.rope.scaling.type")
-    if scaling is not None and str(scaling) != "none":
-        raise ValueError(f"unsupported RoPE scaling {arch}.rope.scaling.type {str(scaling)!r}; kvpool runs plain RoPE")
-    if "rope_freqs.weight" in names:
+    rotated = _field(reader, f"{arch}.rope.dimension_count", head_dim)
+    if rotated != head_dim:  # (partial RoPE: every dim was rotated without a word)
         raise ValueError(
-            "unsupported RoPE scaling (per-frequency factors in tensor 'rope_freqs.weight', as Llama 3.1 and "
-            "later write); kvpool runs plain RoPE"
+            f"GGUF metadata {arch}.rope.dimension_count {rotated!r} is not the head dim {head_dim}; kvpool rotates "
+            "whole heads"
         )
     vocab_key = f"{arch}.vocab_size"
     vocab = _positive_int(reader, vocab_key) if _field(reader, vocab_key) is not None else None
@@ -259,7 +266,51 @@ def read_config(reader: Any) -> LlamaConfig:
         vocab_size=vocab,
         max_position=_positive_int(reader, f"{arch}.context_length", 2048),
         tie_embeddings="output.weight" not in names,
+        rope_freq_divisors=rope_divisors(reader, arch, head_dim),
     )
+
+
+def rope_divisors(reader: Any, arch: str, head_dim: int) -> tuple[float, ...] | None:
+    """The RoPE scaling of a GGUF as per-pair divisors of the inverse frequencies
+    (models/rope.py), None for plain RoPE; the rules llama.cpp loads it by:
+      - tensor `rope_freqs.weight` [head_dim / 2] F32 (Llama 3.1+): its values are the divisors;
+      - `{arch}.rope.scaling.factor` (or the older `{arch}.rope.scale_linear`), 0 or absent
+        meaning 1, divides every frequency (linear scaling: positions / factor), on top of
+        rope_freqs when both are there, under `{arch}.rope.scaling.type` linear, none or
+        absent (llama.cpp reads an absent type as linear).
+    ValueError naming the key or tensor for another scaling type (yarn, longrope: not
+    divisors), a factor that is not finite and positive, or a rope_freqs tensor of another
+    shape or type or with a value that is not finite and positive (a divisor of 0 made an
+    infinite frequency; one left out ran the model with plain RoPE without a word)."""
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    if kind is not None and str(kind) not in ("none", "linear"):
+        raise ValueError(
+            f"unsupported RoPE scaling {arch}.rope.scaling.type {str(kind)!r}; kvpool runs plain, linear and "
+            "Llama 3 (rope_freqs.weight) RoPE"
+        )
+    factor_key = f"{arch}.rope.scaling.factor"
+    if _field(reader, factor_key) is None and _field(reader, f"{arch}.rope.scale_linear") is not None:
+        factor_key = f"{arch}.rope.scale_linear"
+    factor = 1.0
+    if _field(reader, factor_key) not in (None, 0):  # (llama.cpp's "no factor": absent or 0)
+        factor = _positive_float(reader, factor_key)
+    tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if tensor is None:
+        return None if factor == 1.0 else (factor,) * (head_dim // 2)
+    shape, kind = [int(x) for x in tensor.shape], tensor.tensor_type.name
+    if shape != [head_dim // 2] or kind != "F32":
+        raise ValueError(
+            f"tensor 'rope_freqs.weight' is {kind} {shape}; Llama 3 RoPE factors are F32 [{head_dim // 2}] "
+            f"(one a rotated pair of the head dim {head_dim})"
+        )
+    values = [float(x) for x in np.asarray(tensor.data, dtype=np.float32).reshape(-1)]
+    bad = next((i for i, x in enumerate(values) if not (math.isfinite(x) and x > 0)), None)
+    if bad is not None:
+        raise ValueError(
+            f"tensor 'rope_freqs.weight' holds {values[bad]} at [{bad}]: a RoPE frequency factor must be finite "
+            "and positive"
+        )
+    return tuple(x * factor for x in values)
 
 
 def expected_shape(gguf_name: str, config: LlamaConfig) -> tuple[int, ...] | None:
@@ -561,7 +612,8 @@ _TOP_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "norm", "outpu
 
 def _model_name(gguf_name: str, config: LlamaConfig) -> str | None:
     """The HF-style name of a tensor the model uses, None for one it does not (rope_freqs:
-    RoPE comes from rope.freq_base; output.weight of a model that ties it)."""
+    read into the config's rope_freq_divisors with the metadata; output.weight of a model
+    that ties it)."""
     parts = gguf_name.split(".")
     if parts[0] == "blk":
         kind = _RENAME.get(parts[2]) if len(parts) > 2 else None

@@ -23,18 +23,17 @@ import torch
 
 from kvpool.models.gguf import LlamaConfig
 from kvpool.models.llama import LlamaModel
+from kvpool.models.rope import llama3_divisors
 
 ARCHITECTURES = ("llama", "mistral")  # model_type values whose math models/llama.py computes
 
 
 @dataclass(frozen=True)
 class HFConfig:
-    """The engine's config of a config.json, its name, and the keys read but not modelled
-    (rope_scaling: the random model's RoPE is plain rotate-half with rope_theta)."""
+    """The engine's config of a config.json, and its name."""
 
     config: LlamaConfig
     name: str
-    ignored: tuple[str, ...]
 
 
 def llama_config(path: str | Path) -> HFConfig:
@@ -54,7 +53,7 @@ def llama_config(path: str | Path) -> HFConfig:
     if not isinstance(raw, dict):
         raise ValueError(f"{p}: not a JSON object")
     name = raw.get("_name_or_path") or (p.parent.name if p.name == "config.json" else p.stem)
-    return HFConfig(_parse(raw, str(p)), name, _ignored(raw))
+    return HFConfig(_parse(raw, str(p)), name)
 
 
 def _parse(raw: dict[str, Any], where: str) -> LlamaConfig:
@@ -92,20 +91,9 @@ def _parse(raw: dict[str, Any], where: str) -> LlamaConfig:
         raise ValueError(f"{where}: head_dim {head_dim} must be even (rotate-half RoPE)")
 
     def positive_number(key: str, default: float) -> float:
-        # a JSON number, finite (json reads 1e999 as inf: an inf RoPE base ran) and positive;
-        # a string or a list was float()'s bare message or a TypeError traceback
-        value = raw.get(key, default)
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise ValueError(f"{where}: {key} must be a number, got {value!r}")
-        try:
-            number = float(value)  # (an int past a double's range: OverflowError)
-        except OverflowError:
-            number = math.inf
-        if not (math.isfinite(number) and number > 0):
-            raise ValueError(f"{where}: {key} must be finite and positive, got {value!r}")
-        return number
+        return _positive_number(where, key, raw.get(key, default))
 
-    rope_theta = positive_number("rope_theta", 10000.0)
+    rope_theta, divisors = _rope(raw, where, head_dim)
     eps = positive_number("rms_norm_eps", 1e-6)
     max_position = positive("max_position_embeddings", 2048)
     if max_position < 2:  # a request needs one position for its prompt and one for its output token
@@ -128,12 +116,65 @@ def _parse(raw: dict[str, Any], where: str) -> LlamaConfig:
         vocab_size=positive("vocab_size"),
         max_position=max_position,
         tie_embeddings=tie,
+        rope_freq_divisors=divisors,
     )
 
 
-def _ignored(raw: dict[str, Any]) -> tuple[str, ...]:
-    scaling = raw.get("rope_scaling")
-    return (f"rope_scaling {scaling.get('rope_type') or scaling.get('type')!r}",) if isinstance(scaling, dict) else ()
+def _positive_number(where: str, key: str, value: Any) -> float:
+    """value as a float: a JSON number, finite (json reads 1e999 as inf: an inf RoPE base
+    ran) and positive; a string or a list was float()'s bare message or a TypeError
+    traceback."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"{where}: {key} must be a number, got {value!r}")
+    try:
+        number = float(value)  # (an int past a double's range: OverflowError)
+    except OverflowError:
+        number = math.inf
+    if not (math.isfinite(number) and number > 0):
+        raise ValueError(f"{where}: {key} must be finite and positive, got {value!r}")
+    return number
+
+
+ROPE_TYPES = ("default", "linear", "llama3")  # rope_type values whose RoPE models/rope.py computes
+
+
+def _rope(raw: dict[str, Any], where: str, head_dim: int) -> tuple[float, tuple[float, ...] | None]:
+    """(rope_theta, the per-pair divisors of models/rope.py or None) of a config.json: its
+    `rope_scaling` (transformers 4), or `rope_parameters` (transformers 5, which holds
+    rope_theta too). ValueError naming the key for another rope_type (yarn, dynamic,
+    longrope: not divisors of the frequencies) or a parameter that is missing or not a
+    finite positive number; left out, the model ran with plain RoPE without a word."""
+    scaling, key = raw.get("rope_scaling"), "rope_scaling"
+    if raw.get("rope_parameters") is not None:
+        if scaling is not None:
+            raise ValueError(f"{where}: both rope_scaling and rope_parameters are given; give one")
+        scaling, key = raw["rope_parameters"], "rope_parameters"
+    if scaling is None:
+        return _positive_number(where, "rope_theta", raw.get("rope_theta", 10000.0)), None
+    if not isinstance(scaling, dict):
+        raise ValueError(f"{where}: {key} must be an object or null, got {scaling!r}")
+    params = {"rope_theta": raw.get("rope_theta", 10000.0), **scaling}  # (rope_parameters' rope_theta wins)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"{where}: {key} type {rope_type!r} is not modelled (only {', '.join(ROPE_TYPES)})")
+
+    def number(name: str) -> float:
+        if name not in params:
+            raise ValueError(f"{where}: {key} {rope_type!r} lacks {name!r}")
+        shown = name if name == "rope_theta" and name not in scaling else f"{key}.{name}"
+        return _positive_number(where, shown, params[name])
+
+    theta = number("rope_theta")
+    if rope_type == "default":
+        return theta, None
+    factor = number("factor")
+    if rope_type == "linear":
+        return theta, (factor,) * (head_dim // 2)
+    low, high = number("low_freq_factor"), number("high_freq_factor")
+    if high <= low:  # (the blended band's width high - low divides: HF computes NaN at its edge)
+        raise ValueError(f"{where}: {key} high_freq_factor {high} must exceed low_freq_factor {low}")
+    original = number("original_max_position_embeddings")
+    return theta, llama3_divisors(head_dim, theta, factor, low, high, original)
 
 
 def model_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from kvpool.attention.backends.step import Attend, StepMetadata
 from kvpool.models.gguf import LlamaConfig
+from kvpool.models.rope import rope_tables
 
 if TYPE_CHECKING:
     from kvpool.kernels import CpuKernels
@@ -81,17 +82,15 @@ class LlamaModel:
         self.reduce: Callable[[torch.Tensor], None] | None = None
         self.shard: tuple[int, int] | None = None  # (rank, world size) of a sharded model
         self.tp_group = None  # its torch.distributed group (None: the default group)
-        # RoPE tables (rotate-half): cos / sin [max_position, head_dim], fp32
-        d = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-        t = torch.arange(config.max_position, dtype=torch.float64)
-        freqs = torch.outer(t, inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos = emb.cos().to(torch.float32).to(self.device)
-        # sin with the rotate-half sign folded in, [-sin | +sin]: see _rope
-        sin = emb.sin()
-        sin[:, : d // 2] = -sin[:, : d // 2]
-        self.sin_signed = sin.to(torch.float32).to(self.device)
+        # RoPE tables (rotate-half, models/rope.py: plain or scaled): cos / sin_signed
+        # [max_position, head_dim], computed in fp64 and rounded once to fp32 (kept in fp64
+        # for an fp64 model, the exactness oracle: fp32 tables put it ~1e-7 off at position
+        # 200); sin_signed is [-sin | +sin], the rotate-half sign folded in: see _rope
+        c = config
+        table_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        cos, sin_signed = rope_tables(c.head_dim, c.rope_theta, c.rope_freq_divisors, c.max_position)
+        self.cos = cos.to(table_dtype).to(self.device)
+        self.sin_signed = sin_signed.to(table_dtype).to(self.device)
 
     def _check_shapes(self) -> None:
         """ValueError naming the first weight whose shape is not the config's: the forward

@@ -141,7 +141,11 @@ class WeightCache:
         try:
             tensors = safetensors_views(mapped)
             meta = json.loads((entry / META).read_text())
-            config = LlamaConfig(**meta["config"])
+            # the RoPE divisors are required: an entry without them (written before RoPE
+            # scaling was read) is a miss, never a model with its scaling left out
+            divisors = meta["config"]["rope_freq_divisors"]
+            divisors = None if divisors is None else tuple(divisors)
+            config = LlamaConfig(**{**meta["config"], "rope_freq_divisors": divisors})
             tok = meta["tokenizer"]
             tokenizer = TokenizerData(**{**tok, **{k: tuple(tok[k]) for k in ("tokens", "merges", "token_types")}})
             model = GGUFModel(meta["path"], config, tokenizer, meta["file_type"], meta["digest"])
