@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from kvpool.models.gguf import LlamaConfig
 from kvpool.models.hf_config import hf_tensor_name, random_tensors
+from kvpool.models.rope import inv_freq
 
 if TYPE_CHECKING:
     from transformers import LlamaForCausalLM
@@ -30,8 +31,9 @@ if TYPE_CHECKING:
 
 def transformers_llama(config: LlamaConfig, seed: int, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
     """transformers' LlamaForCausalLM of `config` holding `random_tensors(config, seed)`:
-    the weights `random_llama(config, seed)` holds, in transformers' names (its RoPE plain
-    rotate-half with rope_theta, as the engine's model computes it: no rope_scaling)."""
+    the weights `random_llama(config, seed)` holds, in transformers' names, and the engine's
+    RoPE: rotate-half with rope_theta, its frequencies divided by the config's
+    rope_freq_divisors (a Llama 3.1 config's llama3 scaling, models/rope.py)."""
     import transformers
 
     c = config
@@ -58,6 +60,8 @@ def transformers_llama(config: LlamaConfig, seed: int, dtype: torch.dtype, devic
         model.tie_weights()
     # buffers made on the meta device (the RoPE frequencies) are made again on the real one
     model.model.rotary_emb = type(model.model.rotary_emb)(model.config).to(device)
+    if c.rope_freq_divisors is not None:  # (transformers' fp32 frequencies, as its own for plain RoPE)
+        model.model.rotary_emb.inv_freq = inv_freq(c.head_dim, c.rope_theta, c.rope_freq_divisors).float().to(device)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise ValueError(f"transformers' Llama has tensors with no values: {left}")
