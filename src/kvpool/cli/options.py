@@ -519,8 +519,8 @@ def options_table() -> str:
         f"Model names: the engine's commands take `{DEFAULT_MODEL}` or a Llama-architecture GGUF file whose "
         "tokenizer is byte-level BPE split one of the ways kvpool builds (`tokenizer.ggml.pre` "
         + ", ".join(f"`{pre}`" for pre in sorted(SUPPORTED_PRES))
-        + "; another, such as DeepSeek's `deepseek-llm`, is refused in one line) and whose RoPE is not scaled "
-        "(Llama 3.1 and later's `rope_freqs.weight` is refused); `run` also takes "
+        + "; another, such as DeepSeek's `deepseek-llm`, is refused in one line), its RoPE plain, linear-scaled "
+        "or Llama 3.1's (`rope_freqs.weight`: Llama 3.1 / 3.2 run; YaRN and LongRoPE are refused); `run` also takes "
         + ", ".join(f"`{m}`" for m in ENGINE_MODELS[1:])
         + ", `generate` and `eval kv-quant` take "
         "`tiny-dsv4`; `plan` and `simulate` take a preset name in any case "
