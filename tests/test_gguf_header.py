@@ -39,7 +39,9 @@ def _tiny(path, endianess=gguf.GGUFEndian.LITTLE) -> str:
 
     try:
         gguf.GGUFWriter.__init__ = writer
-        return write_gguf(path, raw_kv={"tokenizer.ggml.pre": "smollm", "test.flag": True})
+        # (and Llama 3.1's RoPE factors, whose values the header reads from the data section)
+        rope_freqs = {"rope_freqs.weight": np.array([1.0, 2.5], dtype=np.float32)}
+        return write_gguf(path, raw_kv={"tokenizer.ggml.pre": "smollm", "test.flag": True}, extra=rope_freqs)
     finally:
         gguf.GGUFWriter.__init__ = original
 
@@ -68,6 +70,8 @@ def test_the_header_reads_what_the_gguf_reader_reads(tmp_path, which):
     ]
     facts = check_header(header, path)
     assert facts.config == load_gguf(path).meta.config
+    if which != "smollm2":
+        assert facts.config.rope_freq_divisors == (1.0, 2.5)
     assert (facts.tokenizer_model, facts.tokenizer_pre) == ("gpt2", "smollm")
     assert header.bytes_read == min(os.path.getsize(path), 4 << 20)
 
@@ -79,7 +83,12 @@ def _refusals(tmp_path) -> dict[str, tuple[str, str]]:
         "pre-tokenizer": ({"raw_kv": {"tokenizer.ggml.pre": "deepseek-llm"}}, deepseek),
         "RoPE scaling": (
             {"raw_kv": {"llama.rope.scaling.type": "yarn"}},
-            "unsupported RoPE scaling llama.rope.scaling.type 'yarn'; kvpool runs plain RoPE",
+            "unsupported RoPE scaling llama.rope.scaling.type 'yarn'; kvpool runs plain, linear and Llama 3 "
+            "(rope_freqs.weight) RoPE",
+        ),
+        "RoPE factors": (
+            {"extra": {"rope_freqs.weight": np.array([1.0, 0.0], dtype=np.float32)}},
+            "tensor 'rope_freqs.weight' holds 0.0 at [1]: a RoPE frequency factor must be finite and positive",
         ),
         "quantization": ({"dtype": np.float64}, "unsupported GGUF quantization type F64 in tensor 'token_embd.weight'"),
         "missing tensor": ({"skip": ("blk.1.attn_q.weight",)}, "lacks tensors ['blk.1.attn_q.weight']"),
@@ -100,7 +109,17 @@ def _bytes_read() -> int:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="counts the bytes read in /proc/self/io")
 @pytest.mark.parametrize(
-    "case", ["pre-tokenizer", "RoPE scaling", "quantization", "missing tensor", "head count", "shape", "too large"]
+    "case",
+    [
+        "pre-tokenizer",
+        "RoPE scaling",
+        "RoPE factors",
+        "quantization",
+        "missing tensor",
+        "head count",
+        "shape",
+        "too large",
+    ],
 )
 def test_a_refused_header_is_refused_before_the_file_is_hashed(tmp_path, monkeypatch, case):
     """Each refusal as load_gguf words it (the pre-tokenizer's and the memory's are

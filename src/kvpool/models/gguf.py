@@ -68,6 +68,21 @@ class LlamaConfig:
             )
 
 
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1+'s RoPE factors (models/rope.py)
+ROPE_FREQS_MAX_ELEMENTS = 1 << 16  # the values read of an F32 rope_freqs (a head dim's half: 32 .. 256)
+
+
+@dataclass(frozen=True)
+class RopeFreqs:
+    """Tensor rope_freqs.weight as a file stores it, from either reader (gguf's, or
+    models/gguf_header.py's): its ggml type's name, its GGUF dims, and its values when it is
+    F32 of at most ROPE_FREQS_MAX_ELEMENTS (None otherwise: the tensor is refused)."""
+
+    type_name: str
+    dims: tuple[int, ...]
+    values: tuple[float, ...] | None
+
+
 @dataclass(frozen=True)
 class TokenizerData:
     """The `tokenizer.*` metadata needed to rebuild the tokenizer and chat template."""
@@ -220,10 +235,11 @@ def _positive_float(reader: Any, key: str, default: float | None = None) -> floa
     return float(value)
 
 
-def read_config(reader: Any) -> LlamaConfig:
-    """The architecture from the metadata; ValueError naming the key for a value the model
-    cannot compute with (a count that is not positive, KV heads that do not divide the
-    heads, an odd head dim, a RoPE base or epsilon that is not finite and positive)."""
+def read_config(reader: Any, rope_freqs: RopeFreqs | None) -> LlamaConfig:
+    """The architecture from the metadata and the file's rope_freqs tensor (None: it has
+    none); ValueError naming the key for a value the model cannot compute with (a count
+    that is not positive, KV heads that do not divide the heads, an odd head dim, a RoPE
+    base or epsilon that is not finite and positive, a RoPE scaling `rope_divisors` refuses)."""
     arch = _require(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; kvpool runs {sorted(SUPPORTED_ARCHITECTURES)}")
@@ -266,11 +282,11 @@ def read_config(reader: Any) -> LlamaConfig:
         vocab_size=vocab,
         max_position=_positive_int(reader, f"{arch}.context_length", 2048),
         tie_embeddings="output.weight" not in names,
-        rope_freq_divisors=rope_divisors(reader, arch, head_dim),
+        rope_freq_divisors=rope_divisors(reader, arch, head_dim, rope_freqs),
     )
 
 
-def rope_divisors(reader: Any, arch: str, head_dim: int) -> tuple[float, ...] | None:
+def rope_divisors(reader: Any, arch: str, head_dim: int, rope_freqs: RopeFreqs | None) -> tuple[float, ...] | None:
     """The RoPE scaling of a GGUF as per-pair divisors of the inverse frequencies
     (models/rope.py), None for plain RoPE; the rules llama.cpp loads it by:
       - tensor `rope_freqs.weight` [head_dim / 2] F32 (Llama 3.1+): its values are the divisors;
@@ -294,21 +310,18 @@ def rope_divisors(reader: Any, arch: str, head_dim: int) -> tuple[float, ...] | 
     factor = 1.0
     if _field(reader, factor_key) not in (None, 0):  # (llama.cpp's "no factor": absent or 0)
         factor = _positive_float(reader, factor_key)
-    tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    if tensor is None:
+    if rope_freqs is None:
         return None if factor == 1.0 else (factor,) * (head_dim // 2)
-    shape, kind = [int(x) for x in tensor.shape], tensor.tensor_type.name
-    if shape != [head_dim // 2] or kind != "F32":
+    values = rope_freqs.values
+    if list(rope_freqs.dims) != [head_dim // 2] or rope_freqs.type_name != "F32" or values is None:
         raise ValueError(
-            f"tensor 'rope_freqs.weight' is {kind} {shape}; Llama 3 RoPE factors are F32 [{head_dim // 2}] "
-            f"(one a rotated pair of the head dim {head_dim})"
+            f"tensor {ROPE_FREQS!r} is {rope_freqs.type_name} {list(rope_freqs.dims)}; Llama 3 RoPE factors are "
+            f"F32 [{head_dim // 2}] (one a rotated pair of the head dim {head_dim})"
         )
-    values = [float(x) for x in np.asarray(tensor.data, dtype=np.float32).reshape(-1)]
     bad = next((i for i, x in enumerate(values) if not (math.isfinite(x) and x > 0)), None)
     if bad is not None:
         raise ValueError(
-            f"tensor 'rope_freqs.weight' holds {values[bad]} at [{bad}]: a RoPE frequency factor must be finite "
-            "and positive"
+            f"tensor {ROPE_FREQS!r} holds {values[bad]} at [{bad}]: a RoPE frequency factor must be finite and positive"
         )
     return tuple(x * factor for x in values)
 
@@ -531,6 +544,16 @@ def check_tensor_extents(reader: Any) -> None:
             )
 
 
+def _reader_rope_freqs(reader: Any) -> RopeFreqs | None:
+    """gguf's reader's rope_freqs tensor (its data a view of the file's map)."""
+    t = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if t is None:
+        return None
+    dims, name = tuple(int(x) for x in t.shape), t.tensor_type.name
+    small = name == "F32" and math.prod(dims) <= ROPE_FREQS_MAX_ELEMENTS
+    return RopeFreqs(name, dims, tuple(float(x) for x in t.data.reshape(-1)) if small else None)
+
+
 def load_gguf(path: str | None = None, dtype: torch.dtype = torch.float32, digest: str | None = None) -> GGUFFile:
     """Open a Llama GGUF and read its metadata; its tensors are dequantized one at a time
     by `tensors()`. `path=None` takes the embedded SmolLM2-135M.
@@ -553,7 +576,7 @@ def load_gguf(path: str | None = None, dtype: torch.dtype = torch.float32, diges
     except _PARSE_ERRORS as e:
         raise ValueError(f"GGUF file {path} is corrupt or truncated: {type(e).__name__}: {e}") from e
     try:
-        config = read_config(reader)
+        config = read_config(reader, _reader_rope_freqs(reader))
         tokenizer = read_tokenizer(reader)
         check_shapes(reader, config, len(tokenizer.tokens))
         file_type = _field(reader, "general.file_type")

@@ -22,6 +22,7 @@ and the items.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import struct
@@ -31,7 +32,10 @@ from typing import Any
 from kvpool.models.gguf import (
     MIN_KV_BYTES,
     MIN_TENSOR_INFO_BYTES,
+    ROPE_FREQS,
+    ROPE_FREQS_MAX_ELEMENTS,
     LlamaConfig,
+    RopeFreqs,
     check_shapes,
     check_tensor_types,
     read_config,
@@ -108,18 +112,21 @@ class GGUFHeader:
     data_offset: int  # where the data section starts
     file_bytes: int
     bytes_read: int  # of the file, to read the header
+    rope_freqs: RopeFreqs | None = None  # tensor rope_freqs.weight, its values read (read_config needs them)
 
 
 def read_header(path: str) -> GGUFHeader:
     """The header of the GGUF at `path` (check_gguf_file has checked its magic), read in
-    doubling chunks from 1 MiB. ValueError naming the path for a header that is corrupt or
-    truncated, of a GGUF version other than 2 or 3, or longer than MAX_HEADER_BYTES."""
+    doubling chunks from 1 MiB, and the values of its rope_freqs tensor. ValueError naming the
+    path for a header that is corrupt or truncated, of a GGUF version other than 2 or 3, or
+    longer than MAX_HEADER_BYTES."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         buffer = f.read(min(size, FIRST_READ_BYTES))
         while True:
             try:
-                return _parse(buffer, size)
+                header, order = _parse(buffer, size)
+                break
             except _Short:
                 if len(buffer) >= size:
                     raise ValueError(
@@ -136,11 +143,35 @@ def read_header(path: str) -> GGUFHeader:
                 buffer += more
             except (ValueError, struct.error) as e:
                 raise ValueError(f"GGUF file {path} is corrupt or truncated: {e}") from None
+        return _with_rope_freqs(header, order, f, path)
 
 
-def _parse(buf: bytes, size: int) -> GGUFHeader:
-    """The header in `buf` (the file's first bytes; `size` the whole file's); _Short when it
-    runs past `buf`, ValueError for what no GGUF holds."""
+def _with_rope_freqs(header: GGUFHeader, order: str, f: Any, path: str) -> GGUFHeader:
+    """The header with its rope_freqs tensor (Llama 3.1+'s RoPE factors), whose values an F32
+    one of at most ROPE_FREQS_MAX_ELEMENTS has read from the file (a few hundred bytes).
+    ValueError naming the tensor when they lie past the end of the file."""
+    t = next((t for t in header.tensors if t.name == ROPE_FREQS), None)
+    if t is None:
+        return header
+    name, count = t.type_name, math.prod(t.shape)
+    values = None
+    if name == "F32" and count <= ROPE_FREQS_MAX_ELEMENTS:
+        start = header.data_offset + t.offset
+        f.seek(start)
+        data = f.read(4 * count)
+        if len(data) != 4 * count:
+            raise ValueError(
+                f"GGUF file {path} is corrupt or truncated: tensor {ROPE_FREQS!r}: {4 * count} bytes at offset "
+                f"{t.offset} of the data section run past the end of the file ({header.file_bytes} bytes)"
+            )
+        values = struct.unpack(f"{order}{count}f", data)
+    return dataclasses.replace(header, rope_freqs=RopeFreqs(name, t.shape, values))
+
+
+def _parse(buf: bytes, size: int) -> tuple[GGUFHeader, str]:
+    """The header in `buf` (the file's first bytes; `size` the whole file's) and the file's
+    byte order (struct's "<" or ">"); _Short when it runs past `buf`, ValueError for what no
+    GGUF holds."""
     if len(buf) < 24:
         if size < 24:
             raise ValueError(f"its header needs 24 bytes, the file has {size}")
@@ -172,7 +203,7 @@ def _parse(buf: bytes, size: int) -> GGUFHeader:
     if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0:
         raise ValueError(f"general.alignment must be a positive integer, got {alignment!r}")
     data_offset = reader.pos + (-reader.pos % alignment)
-    return GGUFHeader(fields, tensors, data_offset, size, len(buf))
+    return GGUFHeader(fields, tensors, data_offset, size, len(buf)), order
 
 
 class _Reader:
@@ -255,7 +286,7 @@ def check_header(header: GGUFHeader, path: str) -> HeaderFacts:
     architecture and its shapes (read_config, check_shapes), the quantization types and the
     tensors the model needs (check_tensor_types), and every tensor's data inside the file."""
     try:
-        config = read_config(header)
+        config = read_config(header, header.rope_freqs)
         tokens = header.fields.get("tokenizer.ggml.tokens")
         if tokens is None:
             raise ValueError("GGUF metadata lacks 'tokenizer.ggml.tokens'")
