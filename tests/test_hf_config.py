@@ -196,7 +196,7 @@ def test_model_bytes_counts_the_kept_weights_one_fp32_draw_and_the_rope_tables(t
     """Exactly its docstring's three terms: the weights and RoPE tables the model keeps, the
     largest weight drawn in fp32 before its cast (counted for fp32 too), and the RoPE tables'
     two fp64 temporaries; the fusing's copies are not counted."""
-    for tied, dtype in ((False, torch.float32), (True, torch.bfloat16)):
+    for tied, dtype in ((False, torch.float32), (True, torch.bfloat16), (False, torch.float64)):
         cfg = llama_config(_config(tmp_path, tie_word_embeddings=tied)).config
         model = random_llama(cfg, dtype=dtype)
         kept = model.weight_bytes() + model.cos.nbytes + model.sin_signed.nbytes

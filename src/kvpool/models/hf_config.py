@@ -186,7 +186,8 @@ def model_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:
     the same elements LlamaModel keeps fused); the largest of them (the embedding, a gate /
     up / down or a q matrix) once more in fp32, its draw before the cast (an fp32 model
     casts nothing: a margin then); and max_position x head_dim x 24 bytes of RoPE tables
-    (two fp64 tables, the angles and sines being built, and the fp32 cos and sin kept).
+    (two fp64 tables, the angles and sines being built, and the fp32 cos and sin kept; 32
+    for an fp64 model, whose kept tables are fp64).
     Not counted: a layer's parts and their fused copies while `fuse_layer` concatenates and
     transposes them (about two fused layers at the peak), the fp64 [max_position, head_dim
     / 2] frequencies, and the allocator's and Python's own overhead."""
@@ -197,7 +198,8 @@ def model_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:
     elements = embed * (1 if c.tie_embeddings else 2) + c.hidden_size * (1 + 2 * c.num_layers)
     elements += c.num_layers * sum(layer)
     largest = max(embed, c.intermediate_size * c.hidden_size, q * c.hidden_size)
-    rope = c.max_position * c.head_dim * (2 * 8 + 2 * 4)
+    table_bytes = 8 if dtype == torch.float64 else 4  # (an fp64 model keeps fp64 tables: models/llama.py)
+    rope = c.max_position * c.head_dim * (2 * 8 + 2 * table_bytes)
     return elements * dtype.itemsize + largest * 4 + rope
 
 
