@@ -8,6 +8,7 @@ and one line naming the option and the value, exit status 2, before any model is
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import os
 import re
@@ -243,6 +244,10 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return ", ".join(f"{s} {metavar}" if action.nargs != 0 else s for s in shown)
 
 
+# a choice a newcomer types for another (`--device gpu`, whose spelling is closest to cpu)
+_MEANT = {"gpu": "cuda"}
+
+
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose mistakes are one line on stderr, "kvpool run: error: ...",
     status 2 (the usage is for -h), naming an option with several names by the one the user
@@ -261,7 +266,7 @@ class Parser(argparse.ArgumentParser):
             name = next((n for n in names if n in {a.split("=", 1)[0] for a in typed}), names[0])
             message = f"argument {name}: {message[named.end() :]}"
         if message.startswith("the following arguments are required"):
-            message += self._dash_value_hint(typed)
+            message += self._choices_hint(message) + self._dash_value_hint(typed)
         # a value that begins with a short option's letters (`kvpool generate "-hello there"`
         # is -h with "ello there" attached): argparse's line named -h and no prompt
         glued = re.fullmatch(r"argument (-\w): ignored explicit argument .*", message, re.S)
@@ -271,6 +276,28 @@ class Parser(argparse.ArgumentParser):
         if word is not None and takes_values:
             message = f"{word!r} was read as the option {glued[1]}: {self._after_dashes(typed, word)}"
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        """A value outside an argument's choices (a command, a benchmark, --device) is named
+        with the closest choice when one is close (`kvpool genrate`: "did you mean generate?");
+        argparse listed the choices only."""
+        if action.choices is None or value in action.choices:
+            return
+        choices = [str(c) for c in action.choices]
+        meant = _MEANT.get(str(value).lower())
+        near = [meant] if meant in choices else difflib.get_close_matches(str(value).lower(), choices, n=1)
+        hint = f"; did you mean {near[0]}?" if near else ""
+        raise argparse.ArgumentError(action, f"invalid choice: {value!r} (choose from {', '.join(choices)}){hint}")
+
+    def _choices_hint(self, message: str) -> str:
+        """For a missing argument that takes one of a few names (`kvpool bench`, `kvpool cache`):
+        the names, which argparse's "the following arguments are required: bench" did not give."""
+        missing = message.split(": ", 1)[1].split(", ")
+        named = {a.metavar or a.dest: a for a in self._actions if not a.option_strings and a.choices}
+        lists = [(name, ", ".join(map(str, named[name].choices))) for name in missing if name in named]
+        if len(missing) == 1 and lists:
+            return f" (one of {lists[0][1]})"
+        return "".join(f" ({name}: one of {choices})" for name, choices in lists)
 
     def _dash_value_hint(self, typed: list[str]) -> str:
         """For a missing positional argument: where a word that begins with "-" and is no

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -355,15 +356,21 @@ def engine_model(text: str) -> str:
             f"{name!r} is a planner preset (a config, no weights); the engine runs {', '.join(ENGINE_MODELS)} or "
             "a Llama-architecture GGUF file (plan and simulate take presets)"
         )
-    if not os.path.exists(name) and os.sep not in name and not name.lower().endswith(".gguf"):
+    # a Hugging Face id as vLLM takes it ("HuggingFaceTB/SmolLM2-135M-Instruct"): no file here,
+    # and nothing is downloaded; the loader's "GGUF file not found" named no model that runs
+    hf_id = re.fullmatch(r"[\w.-]+/[\w.-]+", name) is not None and not name.startswith(".")
+    if not os.path.exists(name) and (os.sep not in name or hf_id) and not name.lower().endswith(".gguf"):
         # a bare word that is no file is a mistyped name, not a missing file: the loader's
         # "GGUF file not found: smollm2" pointed at the wrong problem
         import difflib
 
-        near = difflib.get_close_matches(name.lower(), ENGINE_MODELS, n=1, cutoff=0.5)
+        base = name.lower().rsplit("/", 1)[-1]
+        near = [m for m in ENGINE_MODELS if base.startswith(m)]  # smollm2-135m-instruct
+        near = near or difflib.get_close_matches(base, ENGINE_MODELS, n=1, cutoff=0.5)
         raise argparse.ArgumentTypeError(
             f"unknown model {name!r}" + (f" (did you mean {near[0]}?)" if near else "") + f": the engine runs "
             f"{', '.join(ENGINE_MODELS)} or a GGUF file (a path ending in .gguf)"
+            + ("; a Hugging Face id is not downloaded" if hf_id else "")
         )
     return name
 

@@ -168,7 +168,10 @@ def _gpu(args: argparse.Namespace) -> GPUSpec:
     if args.memory_gib is not None:
         gpu = _for_flag("--memory-gib", custom_gpu, args.memory_gib)
     else:
-        gpu = get_gpu(args.gpu)
+        try:
+            gpu = get_gpu(args.gpu)
+        except ValueError as e:  # (an A100, an L40S: planned by their memory)
+            raise ValueError(f"--gpu: {e}; --memory-gib GIB plans another GPU by its memory") from None
     usable = int(gpu.memory_bytes * args.gpu_memory_utilization)
     if usable < 1:  # GPUSpec's own error would name memory_bytes, no flag the user gave
         raise ValueError(

@@ -32,7 +32,9 @@ V4-Flash 284 B (tests compare several against transformers' own modules on the m
 
 from __future__ import annotations
 
+import difflib
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
@@ -856,7 +858,21 @@ def model_by_name(name: str) -> ModelSpec:
         return load_preset(name)
     if Path(name).exists():
         return load_config_file(name)
+    if name.lower().endswith(".json"):  # a file meant, not a preset: "not a config.json path" misled
+        raise ValueError(f"--model: config file {name!r} does not exist")
     raise ValueError(
-        f"--model: unknown model {name!r}: not a config.json path, and an unknown model preset "
-        f"(presets: {', '.join(PRESET_NAMES)})"
+        f"--model: unknown model {name!r}{_preset_hint(name)}: no config.json or folder of that name, and an "
+        f"unknown model preset (nothing is downloaded; presets: {', '.join(PRESET_NAMES)})"
     )
+
+
+def _preset_hint(name: str) -> str:
+    """ " (did you mean llama-3.1-8b?)" for a --model close to a preset: a Hugging Face id
+    ("meta-llama/Llama-3.1-8B-Instruct": a preset and a suffix) or a typo ("llama3.1-8b")."""
+    base = name.lower().rstrip("/").rsplit("/", 1)[-1]
+    longest_first = sorted(PRESET_NAMES, key=len, reverse=True)
+    near = [p for p in longest_first if base == p or base.startswith(p + "-")][:1]
+    # a typo keeps the model's numbers: llama-2-7b is no misspelt llama-3.1-70b
+    same_numbers = [p for p in PRESET_NAMES if re.findall(r"\d+", p) == re.findall(r"\d+", base)]
+    near = near or difflib.get_close_matches(base, same_numbers, n=1, cutoff=0.75)
+    return f" (did you mean {near[0]}?)" if near else ""
