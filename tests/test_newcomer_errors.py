@@ -111,11 +111,19 @@ def test_an_engine_model_given_as_a_hugging_face_id(capsys, command):
         f"kvpool {command}: error: argument --model: unknown model 'HuggingFaceTB/SmolLM2-135M-Instruct' "
         "(did you mean smollm2-135m?)"
     )
-    assert line.endswith("; a Hugging Face id is not downloaded"), line
+    assert line.endswith("; no file or folder of that name, and a Hugging Face id is not downloaded"), line
     # a path is still a path: the loader names the missing file
     assert _error(capsys, ["generate", "hi", "--model", "models/x.gguf"]) == (
         "kvpool generate: error: GGUF file not found: models/x.gguf"
     )
+
+
+def test_a_missing_config_json_of_run_is_named_by_its_loader(capsys):
+    """run takes a config.json as --model: "models/config.json", shaped like a Hugging Face id,
+    is a missing file, not a model name."""
+    assert main(["run", "--model", "models/config.json"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == "kvpool run: error: models/config.json: no such config.json", err
 
 
 def test_the_commands_page_quotes_these_hints(capsys):

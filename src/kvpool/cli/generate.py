@@ -75,7 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_host_cache_argument(parser)
     add_kv_cache_dtype_option(parser)
     add_indexer_format_argument(parser)
-    add_option(parser, PREFIX_CACHING, default=True, note="a prefix in --host-cache-gib, --disk-cache or --redis")
+    add_option(
+        parser,
+        PREFIX_CACHING,
+        default=True,
+        note="one prompt hits only a prefix an earlier process left in --disk-cache or --redis",
+    )
     add_persistent_cache_arguments(parser)
     add_preemption_argument(parser)
     add_hisparse_argument(parser)

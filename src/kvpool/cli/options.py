@@ -359,7 +359,8 @@ def engine_model(text: str) -> str:
     # a Hugging Face id as vLLM takes it ("HuggingFaceTB/SmolLM2-135M-Instruct"): no file here,
     # and nothing is downloaded; the loader's "GGUF file not found" named no model that runs
     hf_id = re.fullmatch(r"[\w.-]+/[\w.-]+", name) is not None and not name.startswith(".")
-    if not os.path.exists(name) and (os.sep not in name or hf_id) and not name.lower().endswith(".gguf"):
+    a_file = name.lower().endswith((".gguf", ".json"))  # (a missing one: its loader names it)
+    if not os.path.exists(name) and (os.sep not in name or hf_id) and not a_file:
         # a bare word that is no file is a mistyped name, not a missing file: the loader's
         # "GGUF file not found: smollm2" pointed at the wrong problem
         import difflib
@@ -370,7 +371,7 @@ def engine_model(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"unknown model {name!r}" + (f" (did you mean {near[0]}?)" if near else "") + f": the engine runs "
             f"{', '.join(ENGINE_MODELS)} or a GGUF file (a path ending in .gguf)"
-            + ("; a Hugging Face id is not downloaded" if hf_id else "")
+            + ("; no file or folder of that name, and a Hugging Face id is not downloaded" if hf_id else "")
         )
     return name
 
