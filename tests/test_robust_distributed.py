@@ -345,7 +345,7 @@ def test_a_rank_whose_peers_never_come_stops_at_the_named_timeout(monkeypatch, c
     assert capsys.readouterr().err == (
         f"kvpool verify cp: error: rank 0 of 2: 1 of 2 ranks joined the process group at 127.0.0.1:{port} within 1 s "
         "(KVPOOL_DIST_TIMEOUT_S sets the wait); start every rank with the same MASTER_ADDR, MASTER_PORT and "
-        "WORLD_SIZE\n"
+        "WORLD_SIZE (a rank that was started may have been killed before it joined)\n"
     )
 
 
@@ -585,6 +585,48 @@ def _wait_for_a_key(port: int, timeout: float = 120) -> None:
             pass
         time.sleep(0.2)
     raise AssertionError(f"no rank got into the group at port {port} within {timeout} s")
+
+
+def test_a_rank_killed_while_the_group_forms_stops_the_others_in_seconds() -> None:
+    """Ranks 0, 1 and 2 of 4 (rank 3 never comes); rank 2 is SIGKILLed once it is inside the
+    group's formation. It can say nothing, and the others waited out the whole timeout (600 s
+    by default), then blamed the rank that never came; now its beat stops, and they stop
+    SILENT_S (10 s) later, one line naming it, status 1."""
+    import datetime
+
+    import torch.distributed as dist
+
+    port = _free_port()
+    argv = [sys.executable, "-m", "kvpool", "verify", "cp", "--context", "64", "--batch", "1", "--smollm2-prompt", "0"]
+    procs = []
+    for rank in (0, 1, 2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        env.update(OMP_NUM_THREADS="1", KVPOOL_DIST_TIMEOUT_S="120")
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        _wait_for_a_key(port)
+        store = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=5), False)
+        give_up = time.monotonic() + 120
+        while not store.check([f"kvpool/forming-beat/0/{rank}" for rank in range(3)]):  # every one looking
+            assert time.monotonic() < give_up, "the ranks never beat"
+            time.sleep(0.1)
+    except BaseException:
+        for p in procs:
+            p.kill()
+            p.wait()
+        raise
+    procs[2].kill()
+    start = time.monotonic()
+    results = _finish(procs, timeout=90)
+    assert time.monotonic() - start < 45  # SILENT_S and the look's period, on a loaded machine
+    assert results[2][0] == -signal.SIGKILL
+    where = f"127.0.0.1:{port}"
+    for rank in (0, 1):
+        line = (
+            f"kvpool verify cp: error: rank {rank} of 4: rank 2 went silent (no word from it for 10 s: killed, by a "
+            f"SIGKILL or the OOM killer?) while the process group formed at {where}; start the ranks again\n"
+        )
+        assert results[rank][0] == 1 and results[rank][2] == line, results[rank]
 
 
 @pytest.mark.parametrize("victim", [1, 0])

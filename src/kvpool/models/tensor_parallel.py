@@ -313,6 +313,8 @@ def join_group() -> None:
     except KeyboardInterrupt:  # (Ctrl-C, or SIGTERM where the command turns it into one)
         lookout.say_left("was interrupted")
         raise
+    else:
+        lookout.say_done()
     finally:
         lookout.close()
     if failure:
@@ -328,9 +330,15 @@ def join_group() -> None:
 # (rank 0's, or torchrun's; the forming thread's client is busy in its waits), not counted
 # among the ranks; an interrupted rank writes LEFT_KEY there, and the others, looking every
 # LOOK_EVERY_S, stop with one line. A store that closes under a look (rank 0, which serves
-# it by hand, left) is the same news. (A rank killed outright writes nothing: the timeout.)
+# it by hand, left) is the same news. A rank killed outright (SIGKILL, the OOM killer)
+# writes nothing: so each rank also counts up a key of its own at every look (BEAT_KEY),
+# "done" once its group formed, and a rank whose count has not moved for SILENT_S is gone.
+# (A rank killed before its lookout connected is never heard of: the timeout, whose line
+# says that a missing rank may have been killed.)
 LEFT_KEY = "kvpool/left-while-forming"
+BEAT_KEY = "kvpool/forming-beat"
 LOOK_EVERY_S = 0.5
+SILENT_S = 10.0  # 20 looks missed: a process stalled that long on a loaded machine is not seen
 
 
 def _store_client() -> dist.Store | None:
@@ -364,7 +372,11 @@ class _Lookout:
     def __init__(self) -> None:
         self.store: dist.Store | None = None
         # torchrun's store outlives a restart of its workers: a key of each attempt
-        self.key = f"{LEFT_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.key = f"{LEFT_KEY}/{attempt}"
+        self.beat_keys = [f"{BEAT_KEY}/{attempt}/{rank}" for rank in range(int(os.environ["WORLD_SIZE"]))]
+        self.num_beats = 0
+        self.heard: dict[int, tuple[bytes, float]] = {}  # rank -> (its count, when it last moved)
         self.closed = False
         threading.Thread(target=self._connect, name="kvpool-lookout", daemon=True).start()
 
@@ -392,11 +404,43 @@ class _Lookout:
         who = f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}"
         where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
         try:
-            left = store.get(self.key).decode(errors="replace")[:80] if store.check([self.key]) else None
+            left = store.get(self.key).decode(errors="replace")[:200] if store.check([self.key]) else None
+            self.num_beats += 1
+            store.set(self.beat_keys[int(os.environ["RANK"])], str(self.num_beats))
+            silent = self._silent_rank(store)
+            if left is None and silent is not None:  # told to the others as a rank that left
+                left = f"rank {silent} went silent (no word from it for {SILENT_S:g} s: killed, by a SIGKILL or "
+                left += "the OOM killer?)"
+                store.set(self.key, left)
         except dist.DistError:
             raise RankError(_store_closed_line(who, where)) from None
         if left is not None:
+            if os.environ["RANK"] == "0":  # it serves the store: the others read why before it closes
+                time.sleep(2 * LOOK_EVERY_S)
             raise RankError(f"{who}: {left} while the process group formed at {where}; start the ranks again")
+
+    def _silent_rank(self, store: dist.Store) -> int | None:
+        """The first other rank whose beat, once heard, has not moved for SILENT_S."""
+        now = time.monotonic()
+        for rank, key in enumerate(self.beat_keys):
+            if rank == int(os.environ["RANK"]) or not store.check([key]):
+                continue
+            count = store.get(key)
+            if count == b"done":
+                continue
+            if rank not in self.heard or self.heard[rank][0] != count:
+                self.heard[rank] = (count, now)
+            elif now - self.heard[rank][1] > SILENT_S:
+                return rank
+        return None
+
+    def say_done(self) -> None:
+        """This rank's group formed: its beat stops without meaning it left."""
+        try:
+            if self.store is not None:
+                self.store.set(self.beat_keys[int(os.environ["RANK"])], "done")
+        except dist.DistError:
+            pass
 
     def say_left(self, why: str) -> None:
         """Tell the other ranks that this one leaves (best effort: a client not connected
@@ -429,10 +473,16 @@ def _group_error(error: Exception, timeout: float) -> Exception:
     if joined:  # rank 0, which serves the rendezvous, counted who came
         return RankError(
             f"{who}: {joined[1]} of {joined[2]} ranks joined the process group at {where} within {timeout:g} s "
-            f"({TIMEOUT_ENV} sets the wait); start every rank with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE"
+            f"({TIMEOUT_ENV} sets the wait); start every rank with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE "
+            "(a rank that was started may have been killed before it joined)"
         )
     if "Connection was likely closed" in text:  # rank 0, whose store this rank waited on, left
         return RankError(_store_closed_line(who, where))
+    if "wait timeout" in text:  # a key another rank was to post never came (gloo's addresses)
+        return RankError(
+            f"{who}: the process group at {where} did not form within {timeout:g} s: not every rank joined it "
+            f"(one not started, or killed before it joined; {TIMEOUT_ENV} sets the wait); start the ranks again"
+        )
     if "timed out" in text.lower():  # a rank > 0: nobody served the rendezvous
         return RankError(
             f"{who}: rank 0 did not answer at {where} within {timeout:g} s ({TIMEOUT_ENV} sets the wait); "
