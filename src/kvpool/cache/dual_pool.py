@@ -171,14 +171,11 @@ class DualPoolGroupSpec:
         check_int_fields(self, "span", "replay_len", "num_checkpoints", "checkpoint_blocks")
         if self.span <= 0:
             raise ValueError(f"group {self.name!r}: span must be positive, got {self.span}")
-        if self.replay_len < 0:
-            raise ValueError(f"group {self.name!r}: replay_len must be >= 0, got {self.replay_len}")
+        for what in ("replay_len", "num_checkpoints", "checkpoint_blocks"):
+            if getattr(self, what) < 0:
+                raise ValueError(f"group {self.name!r}: {what} must be >= 0, got {getattr(self, what)}")
         if self.restore not in RESTORE_METHODS:
             raise ValueError(f"restore must be one of {RESTORE_METHODS}, got {self.restore!r}")
-        if self.num_checkpoints < 0:
-            raise ValueError(f"num_checkpoints must be >= 0, got {self.num_checkpoints}")
-        if self.checkpoint_blocks < 0:
-            raise ValueError(f"checkpoint_blocks must be >= 0, got {self.checkpoint_blocks}")
         if self.checkpoint_blocks and self.num_checkpoints:
             raise ValueError("checkpoints in slots (num_checkpoints) or pooled (checkpoint_blocks), not both")
 
