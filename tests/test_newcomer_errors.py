@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.cli.main import build_parser, main, subcommands
+from kvpool.cli.main import build_parser, command_parsers, main, subcommands
 from kvpool.spec.models import PRESET_NAMES, model_by_name
 
 
@@ -137,3 +137,31 @@ def test_the_commands_page_quotes_these_hints(capsys):
     ):
         assert hint in _error(capsys, argv)
         assert argv[-1] in page and f'"{hint}"' in page, argv
+
+
+@pytest.mark.parametrize(
+    ("argv", "tail"),
+    [
+        # run's --request-rate is simulate's --rate: its value was read as simulate's mode
+        # ("argument mode: invalid choice: '10'"), and spelling alone guessed --requests
+        (["simulate", "--request-rate", "10"], "--request-rate 10; did you mean --rate?"),
+        (["simulate", "--request-rate=10"], "--request-rate=10; did you mean --rate?"),
+        (["generate", "hi", "--max-new-tokens", "5"], "--max-new-tokens 5; did you mean --max-tokens?"),
+        # vLLM's flags that serve lacks: "did you mean --dtype?" and "--trust-tenant-header?" were guesses
+        (["serve", "--trust-remote-code"], "--trust-remote-code"),
+    ],
+)
+def test_an_unknown_option_is_guessed_only_when_close(capsys, argv, tail):
+    line = _error(capsys, argv)
+    assert line == f"kvpool {argv[0]}: error: unrecognized arguments: {tail}", line
+
+
+@pytest.mark.parametrize("flag", ["-tp", "--tensor-parallel-size", "--gpu-memory-utilization"])
+def test_an_option_of_other_commands_names_them(capsys, flag):
+    has = [name for name, sub in command_parsers(build_parser()) if flag in sub._option_string_actions]
+    assert has and "serve" not in has
+    line = _error(capsys, ["serve", flag, "2"])
+    assert line.startswith(f"kvpool serve: error: unrecognized arguments: {flag} 2 ({flag} is an option of "), line
+    assert "did you mean" not in line and all(name in line for name in has) and "not of serve)" in line, line
+    # vLLM sizes the pool by a share of the GPU; kvpool serve by a size
+    assert line.endswith("; the KV pool's size is --kv-memory SIZE") == (flag == "--gpu-memory-utilization")

@@ -283,6 +283,17 @@ class Parser(argparse.ArgumentParser):
         argparse listed the choices only."""
         if action.choices is None or value in action.choices:
             return
+        typed = list(getattr(self, "_arg_strings", ()))
+        at = typed.index(value) if value in typed else -1
+        before = typed[at - 1].split("=")[0] if at > 0 else ""
+        if not action.option_strings and before.startswith("-") and before not in self._option_string_actions:
+            # the value of an option this command lacks, taken for a positional choice:
+            # `kvpool simulate --request-rate 10` read "argument mode: invalid choice: '10'"
+            from kvpool.cli.main import unknown_hint
+
+            raise argparse.ArgumentError(
+                None, f"unrecognized arguments: {typed[at - 1]} {value}{unknown_hint(self, typed[at - 1], typed)}"
+            )
         choices = [str(c) for c in action.choices]
         meant = _MEANT.get(str(value).lower())
         near = [meant] if meant in choices else difflib.get_close_matches(str(value).lower(), choices, n=1)

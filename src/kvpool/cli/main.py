@@ -87,6 +87,8 @@ def build_parser() -> Parser:
     )
     parser.add_argument("--version", action="version", version=f"kvpool {version()}")
     add_modules(parser.add_subparsers(dest="command", required=True), COMMANDS, "_run")  # bench sets "bench NAME"
+    for name, command_parser in command_parsers(parser):  # (unknown_hint names the commands with an option)
+        command_parser._kvpool_root, command_parser._kvpool_name = parser, name
     return parser
 
 
@@ -137,17 +139,43 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.N
         command = parser
         for word in getattr(args, "_name", "").split():  # "bench engine": kvpool's, then bench's subcommand
             command = subcommands(command).get(word, command)
-        # a former name (an alias) is suggested by the name that replaced it
-        known = {s: a.option_strings[0] for a in command._actions for s in a.option_strings}
-        close = difflib.get_close_matches(unknown[0].split("=")[0], list(known), n=1)
-        hint = f"; did you mean {known[close[0]]}?" if close and unknown[0].startswith("-") else ""
-        # an option after "--" is a value there (`kvpool generate -- "-hi" --max-tokens 3` read
-        # "did you mean --max-tokens?", the very option typed)
-        after = argv[argv.index("--") + 1 :] if "--" in argv else []
-        if unknown[0].split("=")[0] in known and unknown[0] in after:
-            hint = f" ({unknown[0]} comes after '--', where every word is a value: give the options before '--')"
-        command.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+        command.error(f"unrecognized arguments: {' '.join(unknown)}{unknown_hint(command, unknown[0], argv)}")
     return args
+
+
+def unknown_hint(command: argparse.ArgumentParser, word: str, argv: list[str]) -> str:
+    """What to say after "unrecognized arguments: WORD ...": the option of `command` meant
+    ("; did you mean --max-tokens?"), or the commands that have WORD (vLLM's `serve -tp 2`
+    read "did you mean --dtype?": serve shards nothing)."""
+    name = word.split("=")[0]
+    # a former name (an alias) is suggested by the name that replaced it
+    known = {s: a.option_strings[0] for a in command._actions for s in a.option_strings}
+    # an option after "--" is a value there (`kvpool generate -- "-hi" --max-tokens 3` read
+    # "did you mean --max-tokens?", the very option typed)
+    after = argv[argv.index("--") + 1 :] if "--" in argv else []
+    if name in known and word in after:
+        return f" ({word} comes after '--', where every word is a value: give the options before '--')"
+    if not word.startswith("-"):
+        return ""
+    # the same last word (run's --request-rate is simulate's --rate: spelling alone guessed
+    # --requests), or close in spelling (--max-nun-seqs); a looser match guessed wrong (-tp:
+    # --dtype, --trust-remote-code: --trust-tenant-header)
+    close = [k for k in known if k.startswith("--") and k[2:] == name.rsplit("-", 1)[-1] and k != name][:1]
+    close = close or difflib.get_close_matches(name, list(known), n=1, cutoff=0.7)
+    hint = f"; did you mean {known[close[0]]}?" if close else ""
+    root = getattr(command, "_kvpool_root", None)
+    if root is not None and not close:
+        has = [full for full, sub in command_parsers(root) if name in sub._option_string_actions]
+        if has:
+            own = getattr(command, "_kvpool_name", "this command")
+            hint = f" ({name} is an option of {_listed(has)}, not of {own})"
+        if name == "--gpu-memory-utilization" and "--kv-memory" in known:  # vLLM's way to size the pool
+            hint += "; the KV pool's size is --kv-memory SIZE"
+    return hint
+
+
+def _listed(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def lost_peer_line(error: RuntimeError) -> str | None:
