@@ -165,3 +165,22 @@ def test_an_option_of_other_commands_names_them(capsys, flag):
     assert "did you mean" not in line and all(name in line for name in has) and "not of serve)" in line, line
     # vLLM sizes the pool by a share of the GPU; kvpool serve by a size
     assert line.endswith("; the KV pool's size is --kv-memory SIZE") == (flag == "--gpu-memory-utilization")
+
+
+@pytest.mark.parametrize(
+    ("model", "tail"),
+    [
+        ("HuggingFaceTB/SmolLM2-135M-Instruct", " (did you mean 'smollm2-135m'?); nothing is downloaded"),
+        ("smollm", " (did you mean 'smollm2-135m'?); nothing is downloaded"),
+        ("meta-llama/Llama-3.2-1B", "; nothing is downloaded"),
+        ("missing.gguf", ""),  # a file meant: it is missing, no more
+    ],
+)
+def test_the_python_apis_model_names_the_embedded_one(model, tail):
+    """vLLM's `LLM(model="HuggingFaceTB/SmolLM2-135M-Instruct")` read "is neither
+    'smollm2-135m' nor a GGUF file" alone."""
+    from kvpool.llm import gguf_path
+
+    with pytest.raises(ValueError) as raised:
+        gguf_path(model)
+    assert str(raised.value) == f"model {model!r} is neither 'smollm2-135m' nor a GGUF file{tail}"

@@ -15,6 +15,7 @@ one left in the pool.
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 import os
@@ -42,7 +43,13 @@ def gguf_path(model: str | None) -> str | None:
     if model is None or (model.lower() == DEFAULT_MODEL and not os.path.exists(model)):
         return None
     if not os.path.isfile(model):
-        raise ValueError(f"model {model!r} is neither {DEFAULT_MODEL!r} nor a GGUF file")
+        # vLLM's LLM(model="HuggingFaceTB/SmolLM2-135M-Instruct") or a typo ("smollm2"): the
+        # embedded model named; a Hugging Face id is not fetched
+        base = model.lower().rstrip("/").rsplit("/", 1)[-1]
+        meant = base.startswith(DEFAULT_MODEL) or difflib.SequenceMatcher(None, base, DEFAULT_MODEL).ratio() >= 0.6
+        hint = f" (did you mean {DEFAULT_MODEL!r}?)" if meant else ""
+        where = "" if model.lower().endswith(".gguf") else "; nothing is downloaded"
+        raise ValueError(f"model {model!r} is neither {DEFAULT_MODEL!r} nor a GGUF file{hint}{where}")
     return model
 
 
