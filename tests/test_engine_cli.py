@@ -256,3 +256,6 @@ def test_ctrl_c_during_run_stops_cleanly_and_reports_what_finished(capsys, monke
     assert report["interrupted"] is True
     assert 0 < report["num_finished"] < report["num_requests"]
     assert "interrupted" in captured.err and "Traceback" not in captured.err
+    # (it read "the report covers the 1 requests that finished")
+    finished = f"the {report['num_finished']} of {report['num_requests']} requests that finished"
+    assert f"kvpool run: interrupted; the report covers {finished}" in captured.err

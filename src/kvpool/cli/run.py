@@ -529,7 +529,8 @@ def _run(args: argparse.Namespace) -> int:
         print_report(report, loads)
     if interrupted:
         print(
-            f"kvpool run: {interrupted}; the report covers the {report['num_finished']} requests that finished",
+            f"kvpool run: {interrupted}; the report covers the {report['num_finished']} of "
+            f"{report['num_requests']} requests that finished",
             file=sys.stderr,
         )
         return EXIT_TERMINATED if interrupted == "terminated" else EXIT_INTERRUPTED
