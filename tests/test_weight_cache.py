@@ -112,8 +112,8 @@ def rewrite_meta(entry, change) -> None:
     (entry / ENTRY).write_text(json.dumps(info))
 
 
-def without_divisors(config: dict) -> dict:
-    return {k: v for k, v in config.items() if k != "rope_freq_divisors"}
+def without(config: dict, key: str) -> dict:
+    return {k: v for k, v in config.items() if k != key}
 
 
 def flip_byte(path, offset_from_end: int = 5) -> None:
@@ -134,7 +134,15 @@ def flip_byte(path, offset_from_end: int = 5) -> None:
         (lambda e: (e / ENTRY).write_text("null"), f"no valid {ENTRY}"),
         (lambda e: rewrite_meta(e, lambda m: {**m, "config": {**m["config"], "new_field": 1}}), f"{WEIGHTS} or {META}"),
         # an entry from before RoPE scaling was read: never a model with its scaling left out
-        (lambda e: rewrite_meta(e, lambda m: {**m, "config": without_divisors(m["config"])}), f"{WEIGHTS} or {META}"),
+        (
+            lambda e: rewrite_meta(e, lambda m: {**m, "config": without(m["config"], "rope_freq_divisors")}),
+            f"{WEIGHTS} or {META}",
+        ),
+        # or before Qwen2's biases were: never a model run without them
+        (
+            lambda e: rewrite_meta(e, lambda m: {**m, "config": without(m["config"], "qkv_bias")}),
+            f"{WEIGHTS} or {META}",
+        ),
     ],
     ids=[
         "weights-bit",
@@ -146,6 +154,7 @@ def flip_byte(path, offset_from_end: int = 5) -> None:
         "entry-null",
         "schema",
         "no-rope-divisors",
+        "no-qkv-bias",
     ],
 )
 def test_a_damaged_entry_is_deleted_not_used(tmp_path, damage, reason):

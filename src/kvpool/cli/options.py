@@ -524,7 +524,7 @@ def options_table() -> str:
     lines += [
         "",
         "Sizes (`--kv-memory`, `serve --max-request-bytes`) take " + SIZE_EXAMPLES.replace("(", "(").strip() + ".",
-        f"Model names: the engine's commands take `{DEFAULT_MODEL}` or a Llama-architecture GGUF file whose "
+        f"Model names: the engine's commands take `{DEFAULT_MODEL}` or a Llama- or Qwen2-architecture GGUF file whose "
         "tokenizer is byte-level BPE split one of the ways kvpool builds (`tokenizer.ggml.pre` "
         + ", ".join(f"`{pre}`" for pre in sorted(SUPPORTED_PRES))
         + "; another, such as DeepSeek's `deepseek-llm`, is refused in one line), its RoPE plain, linear-scaled "

@@ -1,4 +1,4 @@
-"""Read a Llama-architecture GGUF file into fp32 (or bf16) torch tensors.
+"""Read a Llama- or Qwen2-architecture GGUF file into fp32 (or bf16) torch tensors.
 
 Everything that shapes the model (layers, heads, KV heads, RoPE base, eps, vocabulary) comes
 from the GGUF metadata, never from constants. llama.cpp's converter stores the Q and K
@@ -7,7 +7,9 @@ projection rows permuted for interleaved (GPT-J style) RoPE:
     gguf_w = hf_w.reshape(heads, 2, head_dim // 2, dim).swapaxes(1, 2).reshape(hf_w.shape)
 
 We undo that permutation here, so the model can use the rotate-half RoPE of the Hugging
-Face implementation and its weights line up with transformers' row for row.
+Face implementation and its weights line up with transformers' row for row. A "qwen2" GGUF
+(Llama with Q / K / V biases) holds its rows as they are: llama.cpp runs rotate-half RoPE on
+them.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import xxhash
 SUPPORTED_QUANT_TYPES = frozenset(
     {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
 )
-SUPPORTED_ARCHITECTURES = frozenset({"llama"})
+SUPPORTED_ARCHITECTURES = frozenset({"llama", "qwen2"})  # qwen2: Llama with Q / K / V biases
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_MAGIC = b"GGUF"
 # What gguf's reader and numpy raise on a corrupt or truncated file (an unknown value type,
@@ -56,6 +58,8 @@ class LlamaConfig:
     # RoPE scaling as a divisor of each rotated pair's inverse frequency, [head_dim / 2]
     # (models/rope.py: linear and Llama 3 scaling); None: plain RoPE
     rope_freq_divisors: tuple[float, ...] | None = None
+    # biases on the Q, K and V projections (Qwen2), held fused as bqkv [(H + 2 KVH) * D]
+    qkv_bias: bool = False
 
     def __post_init__(self) -> None:
         d = self.rope_freq_divisors
@@ -143,16 +147,18 @@ class GGUFFile:
     memory handed back to the OS; `tensors()` then reads each tensor's bytes with plain file
     reads, so no page of the file is held resident by a mapping while the model is built."""
 
-    def __init__(self, meta: GGUFModel, infos: list[TensorInfo]) -> None:
+    def __init__(self, meta: GGUFModel, infos: list[TensorInfo], permuted_qk: bool = True) -> None:
         self.meta = meta
         self.infos = infos
+        self.permuted_qk = permuted_qk  # Q / K rows in llama.cpp's interleaved order ("llama"; not "qwen2")
 
     def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF-style name, tensor) of every tensor the model uses, in file order, each made
         only when asked for: "embed", "norm", "lm_head" (untied models only), "layers.{i}.
-        {q,k,v,o,gate,up,down,attn_norm,ffn_norm}" (Q and K rows un-permuted for rotate-half
-        RoPE). ValueError naming the file and tensor for data that cannot be read."""
-        return _read_tensors(self.infos, self.meta.config, dtype, self.meta.path)
+        {q,k,v,o,gate,up,down,attn_norm,ffn_norm}", with qkv_bias "layers.{i}.{q,k,v}_bias"
+        (Q and K rows un-permuted for rotate-half RoPE). ValueError naming the file and tensor
+        for data that cannot be read."""
+        return _read_tensors(self.infos, self.meta.config, dtype, self.meta.path, self.permuted_qk)
 
 
 @functools.cache
@@ -283,6 +289,8 @@ def read_config(reader: Any, rope_freqs: RopeFreqs | None) -> LlamaConfig:
         max_position=_positive_int(reader, f"{arch}.context_length", 2048),
         tie_embeddings="output.weight" not in names,
         rope_freq_divisors=rope_divisors(reader, arch, head_dim, rope_freqs),
+        # Qwen2's are required (llama.cpp's too); a "llama" GGUF's are refused (expected_shape)
+        qkv_bias=arch == "qwen2",
     )
 
 
@@ -328,7 +336,9 @@ def rope_divisors(reader: Any, arch: str, head_dim: int, rope_freqs: RopeFreqs |
 
 def expected_shape(gguf_name: str, config: LlamaConfig) -> tuple[int, ...] | None:
     """The GGUF dims (in_features first) of a tensor the model uses, from the config; None
-    for a tensor it does not use. ValueError for a block index outside the model."""
+    for a tensor it does not use. ValueError for a block index outside the model, and for a
+    bias the model does not add (one on Q / K / V only with qkv_bias: Qwen2; left out, the
+    model ran without it, or it overwrote its weight)."""
     c = config
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     top = {"token_embd.weight": (c.hidden_size, c.vocab_size), "output_norm.weight": (c.hidden_size,)}
@@ -341,6 +351,11 @@ def expected_shape(gguf_name: str, config: LlamaConfig) -> tuple[int, ...] | Non
         return None
     if not parts[1].isdigit() or int(parts[1]) >= c.num_layers:
         raise ValueError(f"tensor {gguf_name!r} names a block outside the model's {c.num_layers} blocks")
+    if parts[3:] == ["bias"]:
+        biases = {"attn_q": (q,), "attn_k": (kv,), "attn_v": (kv,)} if c.qkv_bias else {}
+        if parts[2] not in biases:
+            raise ValueError(f"tensor {gguf_name!r} is a bias kvpool's model does not add (Q / K / V biases only)")
+        return biases[parts[2]]
     dims = {
         "attn_q": (c.hidden_size, q),
         "attn_k": (c.hidden_size, kv),
@@ -432,6 +447,8 @@ def check_tensor_types(types: dict[str, str], config: LlamaConfig) -> None:
     # only found once the weights were read, in a message without the file)
     wanted = ["token_embd.weight", "output_norm.weight"]
     wanted += [f"blk.{i}.{part}.weight" for i in range(config.num_layers) for part in _RENAME]
+    if config.qkv_bias:
+        wanted += [f"blk.{i}.attn_{x}.bias" for i in range(config.num_layers) for x in "qkv"]
     missing = [n for n in wanted if n not in types]
     if missing:
         raise ValueError(f"lacks tensors {missing[:6]}" + (f" and {len(missing) - 6} more" if len(missing) > 6 else ""))
@@ -577,6 +594,7 @@ def load_gguf(path: str | None = None, dtype: torch.dtype = torch.float32, diges
         raise ValueError(f"GGUF file {path} is corrupt or truncated: {type(e).__name__}: {e}") from e
     try:
         config = read_config(reader, _reader_rope_freqs(reader))
+        permuted_qk = _field(reader, "general.architecture") == "llama"
         tokenizer = read_tokenizer(reader)
         check_shapes(reader, config, len(tokenizer.tokens))
         file_type = _field(reader, "general.file_type")
@@ -599,7 +617,7 @@ def load_gguf(path: str | None = None, dtype: torch.dtype = torch.float32, diges
     gc.collect()  # the reader's fields are cyclic: free them now, then hand the pages back
     _release_freed_memory()
     digest = digest or file_digest(path)  # the caller's, when it hashed the file already
-    return GGUFFile(GGUFModel(path, config, tokenizer, str(file_type), digest), infos)
+    return GGUFFile(GGUFModel(path, config, tokenizer, str(file_type), digest), infos, permuted_qk)
 
 
 _DEQUANT_CHUNK_BYTES = 8 << 20  # fp32 output a dequantization step makes at most
@@ -640,15 +658,18 @@ def _model_name(gguf_name: str, config: LlamaConfig) -> str | None:
     parts = gguf_name.split(".")
     if parts[0] == "blk":
         kind = _RENAME.get(parts[2]) if len(parts) > 2 else None
-        return None if kind is None else f"layers.{parts[1]}.{kind}"
+        bias = "_bias" if parts[3:] == ["bias"] else ""  # (Q / K / V only: expected_shape refused the rest)
+        return None if kind is None else f"layers.{parts[1]}.{kind}{bias}"
     name = _TOP_NAMES.get(gguf_name)
     return None if name == "lm_head" and config.tie_embeddings else name
 
 
 def _read_tensors(
-    infos: list[TensorInfo], config: LlamaConfig, dtype: torch.dtype, path: str
+    infos: list[TensorInfo], config: LlamaConfig, dtype: torch.dtype, path: str, permuted_qk: bool
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Read and dequantize the tensors the model uses into `dtype`, one at a time."""
+    """Read and dequantize the tensors the model uses into `dtype`, one at a time; Q / K rows
+    un-permuted when `permuted_qk` (llama.cpp permutes them for "llama" only: its Qwen2 runs
+    rotate-half RoPE on the rows as they are)."""
     import gguf
 
     group = None
@@ -670,9 +691,9 @@ def _read_tensors(
                 raise ValueError(f"GGUF file {path} is corrupt or truncated: tensor {info.name!r}: {e}") from e
             del raw
             extremes = _check_finite(array, info.name, path)
-            if name.endswith(".q"):
+            if permuted_qk and name.endswith(".q"):
                 array = _unpermute_rows(array, config.num_heads)
-            elif name.endswith(".k"):
+            elif permuted_qk and name.endswith(".k"):
                 array = _unpermute_rows(array, config.num_kv_heads)
             if not array.flags.c_contiguous:
                 array = np.ascontiguousarray(array)

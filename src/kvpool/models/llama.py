@@ -31,10 +31,17 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 LAYER_PARTS = ("q", "k", "v", "o", "gate", "up", "down", "attn_norm", "ffn_norm")
+BIAS_PARTS = ("q_bias", "k_bias", "v_bias")  # a model with qkv_bias (Qwen2) has these too
+
+
+def layer_parts(config: LlamaConfig) -> tuple[str, ...]:
+    """The unfused tensors of one layer (GGUF / HF names' short forms)."""
+    return LAYER_PARTS + BIAS_PARTS if config.qkv_bias else LAYER_PARTS
 
 
 class LlamaModel:
-    """Fused layer weights stored transposed, [in, out]: wqkv [hidden, (H + 2 KVH) * D],
+    """Fused layer weights stored transposed, [in, out]: wqkv [hidden, (H + 2 KVH) * D]
+    (and its bias bqkv [(H + 2 KVH) * D] with config.qkv_bias: Qwen2),
     wo [H * D, hidden], w_gate_up [hidden, 2 * I], w_down [I, hidden]; the embedding
     [vocab, hidden] row-major, which also serves as the LM head when the two are tied
     (SmolLM2: no second copy; an untied `lm_head` is kept [vocab, hidden] too).
@@ -112,6 +119,8 @@ class LlamaModel:
             "w_gate_up": (hidden, 2 * c.intermediate_size),
             "w_down": (c.intermediate_size, hidden),
         }
+        if c.qkv_bias:
+            parts["bqkv"] = (qkv,)
         for i, layer in enumerate(self.layers):
             if set(layer) != set(parts):
                 raise ValueError(f"layer {i} holds {sorted(layer)}, not the fused parts {sorted(parts)}")
@@ -127,7 +136,8 @@ class LlamaModel:
     @staticmethod
     def fuse_layer(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One layer's GGUF tensors (HF names, [out, in]) in the fused [in, out] layout."""
-        return {
+        bias = {"bqkv": torch.cat([parts["q_bias"], parts["k_bias"], parts["v_bias"]])} if "q_bias" in parts else {}
+        return bias | {
             "attn_norm": parts["attn_norm"].contiguous(),
             "ffn_norm": parts["ffn_norm"].contiguous(),
             "wqkv": torch.cat([parts["q"], parts["k"], parts["v"]], dim=0).t().contiguous(),
@@ -148,6 +158,7 @@ class LlamaModel:
         "norm", "lm_head", "layers.{i}.{q,k,v,...}"), fusing each layer as soon as its parts
         are in: at most one layer's unfused tensors are held at a time (plus the file's
         order's stragglers). ValueError for a tensor missing from the stream."""
+        wanted = layer_parts(config)
         staged: dict[int, dict[str, torch.Tensor]] = {}
         layers: dict[int, dict[str, torch.Tensor]] = {}
         top: dict[str, torch.Tensor] = {}
@@ -156,11 +167,11 @@ class LlamaModel:
                 _, index, part = name.split(".")
                 i = int(index)
                 staged.setdefault(i, {})[part] = tensor
-                if len(staged[i]) == len(LAYER_PARTS):
+                if len(staged[i]) == len(wanted):
                     layers[i] = cls.fuse_layer(staged.pop(i))
             else:
                 top[name] = tensor
-        missing = [f"layers.{i}.{p}" for i, parts in staged.items() for p in LAYER_PARTS if p not in parts]
+        missing = [f"layers.{i}.{p}" for i, parts in staged.items() for p in wanted if p not in parts]
         missing += [f"layers.{i}" for i in range(config.num_layers) if i not in layers and i not in staged]
         missing += [n for n in ("embed", "norm") if n not in top]
         if missing:
@@ -193,7 +204,8 @@ class LlamaModel:
     ) -> LlamaModel:
         """The model from `state_tensors()`' names and layout (no copy: tensors are used as
         they are, e.g. memory-mapped from the weight cache)."""
-        layers = [{k: state[f"layers.{i}.{k}"] for k in cls.FUSED_PARTS} for i in range(config.num_layers)]
+        fused = cls.FUSED_PARTS + (("bqkv",) if config.qkv_bias else ())
+        layers = [{k: state[f"layers.{i}.{k}"] for k in fused} for i in range(config.num_layers)]
         lm_head = None if config.tie_embeddings else state["lm_head"]
         return cls(config, state["embed"], state["norm"], layers, lm_head, device, kernels)
 
@@ -268,6 +280,8 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             hs = _rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
             qkv = hs @ layer["wqkv"]  # [N, (H + 2 KVH) * D]
+            if "bqkv" in layer:
+                qkv = qkv + layer["bqkv"]
             # RoPE on q and k together: [N, H + KVH, D]
             qk = self._rope(qkv[:, : (h + kvh) * d].view(n, h + kvh, d), cos, sin)
             q, k = qk[:, :h], qk[:, h:]
@@ -317,7 +331,10 @@ class LlamaModel:
         norms = self._norm_ptrs  # attn_norm of each layer, then the final norm
         lib.kv_add_rms_norm(xp, None, norms[0], hsp, n, hidden, eps)
         for i, layer in enumerate(self.layers):
-            torch.mm(hs, layer["wqkv"], out=qkv)
+            if "bqkv" in layer:
+                torch.addmm(layer["bqkv"], hs, layer["wqkv"], out=qkv)
+            else:
+                torch.mm(hs, layer["wqkv"], out=qkv)
             if lib.kv_rope(qkvp, n, qkv.shape[1], h + kvh, d, posp, cosp, sinp, cfg.max_position):
                 # (a metadata.max_position below the true largest position skipped forward's check,
                 # and the kernel's refusal left q and k unrotated without a word)

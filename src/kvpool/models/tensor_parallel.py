@@ -173,6 +173,8 @@ def check_tp(config, tp: int, flag: str = "--tensor-parallel-size") -> None:
     --nproc-per-node), so the line names what to change."""
     if tp <= 0:
         raise ValueError(f"{flag} must be positive, got {tp}")
+    if tp > 1 and getattr(config, "qkv_bias", False):  # (shard_llama splits wqkv's columns, not a bias)
+        raise ValueError(f"{flag} {tp}: a model with Q / K / V biases (Qwen2) runs on one rank only")
     bad = [
         f"{n} {what}"
         for n, what in (

@@ -24,6 +24,7 @@ KVPOOL_WEIGHT_CACHE=0 turns the cache off.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -141,8 +142,12 @@ class WeightCache:
         try:
             tensors = safetensors_views(mapped)
             meta = json.loads((entry / META).read_text())
-            # the RoPE divisors are required: an entry without them (written before RoPE
-            # scaling was read) is a miss, never a model with its scaling left out
+            # every field of the config is required: an entry without one (written before
+            # RoPE scaling or Qwen2's biases were read) is a miss, never a model with its
+            # scaling or biases left out by a default
+            absent = [f.name for f in dataclasses.fields(LlamaConfig) if f.name not in meta["config"]]
+            if absent:
+                raise KeyError(f"config lacks {absent}")
             divisors = meta["config"]["rope_freq_divisors"]
             divisors = None if divisors is None else tuple(divisors)
             config = LlamaConfig(**{**meta["config"], "rope_freq_divisors": divisors})
