@@ -14,6 +14,7 @@ from kvpool.cache.coordinator import HybridCacheManager, pack_prompt
 from kvpool.cache.dual_pool import RestoreChoice, TokenCost, choose_restore
 from kvpool.engine import tier_bridge
 from kvpool.models.tiny_dsv4 import SMALL_DSV4_CONFIG
+from kvpool.pool.hashing import token_bytes
 from kvpool.spec.dsv4 import DSV4Spec
 
 SPEC = DSV4Spec.from_config(SMALL_DSV4_CONFIG)  # span 16, n_win 16, 4 layers
@@ -323,6 +324,7 @@ class Model:
         # turns (tenant, tokens)
         self.kept: dict[int, tuple] = {}
         self.turns: list[tuple[str, list[int]]] = []
+        self.num_spills = 0  # kept states spilled to pooled checkpoints
 
     def prefix(self, rid: str, end: int) -> tuple:
         return (self.tenant[rid], tuple(self.tokens[rid][:end]))
@@ -337,7 +339,10 @@ class Model:
         self.took_state(restore.state_slot, adopted=restore.method == "adopt")
         if restore.method == "swap":  # a swapped-out state came back: the op checked it
             pass
-        elif adm.num_cached_tokens % SPAN:  # only a kept turn end serves a point inside a span
+        elif adm.num_cached_tokens % SPAN and restore.method == "checkpoint":  # a spilled turn end
+            for slot in self.parts[restore.checkpoint_slot]:
+                assert self.slot_content[slot] == self.prefix(rid, adm.num_cached_tokens)
+        elif adm.num_cached_tokens % SPAN:  # else only a kept turn end serves a point inside a span
             assert restore.method == "adopt" and self.kept.pop(restore.state_slot) == self.prefix(
                 rid, adm.num_cached_tokens
             )
@@ -381,9 +386,28 @@ class Model:
     def took_state(self, slot: int, *, adopted: bool = False) -> None:
         """A state block taken by an admission or a fork: a kept turn end in it is gone, which
         an allocation does only when every free state block is a kept one, the oldest first."""
+        spills = self.m.take_spills()
         if slot in self.kept and not adopted:
             assert next(iter(self.kept)) == slot and self.m.usage().num_free_state_blocks + 1 == len(self.kept)
-            del self.kept[slot]
+            prefix = self.kept.pop(slot)
+            if spills:  # spilled: a pooled checkpoint of the state, in blocks nobody holds
+                ((spilled_slot, first),) = spills
+                g = self.m.groups["v4"]
+                assert spilled_slot == slot
+                self.num_spills += 1
+                # (the admission's first step may have taken its blocks again already: then it is gone)
+                live = [c for c in g._spilled.values() if c.slot == first and all(p.block_ids for p in c.parts)]
+                if live:
+                    ((ckpt,),) = (live,)  # (a block holds one live spill)
+                    ids = [part.block_ids[0] for part in ckpt.parts]
+                    assert len(ids) == g.spec.checkpoint_blocks and ckpt.block.token_bytes == token_bytes(
+                        list(prefix[1][len(prefix[1]) // SPAN * SPAN :])
+                    )
+                    assert not set(ids) & self.held()
+                    self.parts[first] = ids
+                    for block_id in ids:
+                        self.slot_content[block_id] = prefix
+        assert not spills or adopted is False and spills[0][0] == slot
 
     def finished(self, rid: str, slot: int) -> None:
         """A finish: the state block is kept exactly when turn ends are on, the turn ends
@@ -529,6 +553,7 @@ TURN_OPS = st.sampled_from(
 @given(
     checkpoints=st.sampled_from(
         [("recompute", {}), ("auto", {"num_checkpoints": 2}), ("auto", {"checkpoint_blocks": 1})]
+        + [("checkpoint", {"checkpoint_blocks": 2})]  # pooled: kept states spilled there when taken
     ),
     ops=st.lists(st.tuples(TURN_OPS, st.integers(0, 3), st.integers(1, 40), st.booleans()), min_size=10, max_size=60),
 )
@@ -1113,3 +1138,55 @@ def test_a_classical_block_shared_before_its_step_writes_it_is_named_as_v4s_writ
     named = rf"written once \(V4 never copies\): .* classical block {block} \(refcount 2"
     with pytest.raises(AssertionError, match=named):
         m.check_integrity()
+
+
+def test_a_kept_turn_end_whose_state_block_is_taken_spills_to_a_pooled_checkpoint_and_is_hit() -> None:
+    m = make(12, 2, restore="auto", checkpoint_blocks=1, turn_end_checkpoints=True)
+    g = m.groups["v4"]
+    m.admit("a", _ids(40), 0)
+    _compute(m, "a", 40)  # state block 0, spans in blocks 0 and 1 (checkpoints at 16, 32: blocks 2, 3)
+    m.release("a")  # its turn ends at 40: state block 0 kept
+    m.admit("x", _ids(32, 5))  # the unhashed state block 1
+    assert m.take_spills() == []
+    y = m.admit("y", _ids(32, 6))  # no unhashed state block left: the kept one is taken, and spilled
+    assert y is not None and y.groups["v4"].restore == StateRestore(0, "none")
+    assert m.take_spills() == [(0, 8)] and g.num_spills == 1  # the runner copies state block 0 into block 8
+    assert g.state_pool.block_hash(0) is None and m.pool.refcount(8) == 0  # a free cached block
+    m.check_integrity()
+    m.commit("x", 32)
+    m.commit("y", 32)
+    follow_up = _ids(40) + [1, 2, 3]
+    assert m.group_hit_points(follow_up) == {"v4": [0, 16, 32, 40]}  # 40: the spilled turn end
+    m.release("x")  # ends on a span boundary: nothing kept, state block 1 free
+    b = m.admit("b", follow_up)
+    assert b is not None and (b.num_cached_tokens, b.num_scheduled_tokens) == (40, 3)
+    assert b.groups["v4"].block_ids == (0, 1) and b.groups["v4"].restore == StateRestore(1, "checkpoint", 8)
+    assert g.num_spill_hits == 1 and m.stats.num_hit_tokens == 40
+    m.check_integrity()
+    m.release("y")
+    c = m.admit("c", _ids(32) + [9])  # a's checkpoint at 32 (block 3): a restore that is no spill's
+    assert c is not None and c.groups["v4"].restore == StateRestore(0, "checkpoint", 3)
+    assert g.num_spill_hits == 1
+    m.check_integrity()
+    # without turn ends spilled (recompute: no pooled checkpoints) the follow-up gets 32
+    r = make(12, 2, turn_end_checkpoints=True)
+    r.admit("a", _ids(40), 0)
+    _compute(r, "a", 40)
+    r.release("a")
+    r.admit("x", _ids(32, 5))
+    r.admit("y", _ids(32, 6))
+    assert r.take_spills() == [] and r.group_hit_points(follow_up) == {"v4": [0, 16, 32]}
+
+
+def test_a_spill_takes_only_free_blocks_and_is_skipped_without_them() -> None:
+    m = make(4, 2, restore="auto", checkpoint_blocks=1, turn_end_checkpoints=True)
+    g = m.groups["v4"]
+    m.admit("a", _ids(20), 0)
+    _compute(m, "a", 20)  # block 0; its turn ends at 20
+    m.release("a")
+    assert m.admit("x", _ids(64, 5), 63) is not None  # all 3 other blocks, and block 0 evicted: none free
+    assert m.num_free_blocks == 0
+    y = m.admit("y", [5, 6, 7], 3)  # takes the kept state block: no free block to spill it to
+    assert y is not None and m.take_spills() == [] and g.num_spills == 0
+    assert m.num_free_blocks == 0 and m.group_hit_points(_ids(20) + [1]) == {"v4": [0]}
+    m.check_integrity()

@@ -360,3 +360,43 @@ def test_add_request_takes_numpys_numbers_as_arrival_times() -> None:
         engine.add_request([1, 2, 3], SamplingParams(max_tokens=1), f"r{i}", arrival_time=when)
         arrival = engine.requests[f"r{i}"].arrival_time
         assert type(arrival) is float and arrival == float(when)
+
+
+@pytest.mark.parametrize("restore", ["checkpoint", "auto"])
+def test_turn_end_states_spilled_under_max_num_seqs_are_hit_and_equal_the_run_without_caching(restore: str) -> None:
+    """fp64, 2 state blocks and max_num_seqs 2: three conversations of three turns, each turn
+    of all three queued at once, so another conversation's turn takes a kept turn-end state's
+    block before its follow-up comes: the state is spilled to a pooled checkpoint (2
+    classical blocks) and the follow-up restores it from there, inside a span. Tokens and
+    logits equal the run without prefix caching; check_integrity after every step."""
+    model = TinyDSV4(dtype=torch.float64)  # span 128, n_win 128, 5 layers
+    g = torch.Generator().manual_seed(11)
+    first = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (130, 150, 170)]
+
+    def run(caching: bool) -> tuple[object, list[tuple[list[int], torch.Tensor]]]:
+        runner = dsv4_runner(
+            model, 24, 2, restore=restore, checkpoint_blocks=2, turn_end_checkpoints=True, enable_prefix_caching=caching
+        )
+        engine = Engine(runner, max_num_batched_tokens=256, max_num_seqs=2, record_logits=True)
+        convs, outputs = [list(p) for p in first], []
+        for turn in range(3):
+            rids = [engine.add_request(conv, SamplingParams(max_tokens=6)) for conv in convs]
+            while engine.has_unfinished():
+                engine.step()
+                runner.check_integrity()
+            for i, rid in enumerate(rids):
+                seq = engine.requests[rid].seqs[0]
+                out = seq.token_ids[len(convs[i]) :]
+                outputs.append((out, torch.stack(seq.logits)))
+                convs[i] = convs[i] + out + [turn, 7]  # the next turn: inside span 1
+        return runner, outputs
+
+    cached, got = run(True)
+    plain, want = run(False)
+    group = cached.cache.groups["v4"]
+    # every follow-up (6) restores a spilled state (none is adopted), at its turn end
+    assert (group.num_spills, group.num_spill_hits, group.num_adoptions) == (7, 6, 0)
+    assert plain.cache.groups["v4"].num_spills == 0 and plain.cache.stats.num_hit_tokens == 0
+    assert cached.cache.stats.num_hit_tokens == 954 and cached.num_replayed_tokens == 0
+    for (tokens, logits), (tokens_ref, logits_ref) in zip(got, want, strict=True):
+        assert tokens == tokens_ref and (logits - logits_ref).abs().max().item() <= FP64_TOLERANCE

@@ -484,6 +484,8 @@ def test_a_dual_pool_group_is_named_right():
         DualPoolGroupSpec("v4", 0)
     with pytest.raises(ValueError, match="replay_len must be >= 0"):
         DualPoolGroupSpec("v4", 8, replay_len=-1)
+    with pytest.raises(ValueError, match="group 'v4': spill_blocks must be >= 0, got -2"):
+        DualPoolGroupSpec("v4", 8, spill_blocks=-2)
     with pytest.raises(ValueError, match=r"needs \(classical blocks, state blocks\)"):
         HybridCacheManager([(DualPoolGroupSpec("v4", 8), 4)], DESC)
     with pytest.raises(ValueError, match=r"needs \(classical blocks, state blocks\)"):

@@ -274,6 +274,14 @@ class TurnEnds:
             self._sweep()
         return True
 
+    def relist(self, block: PrefixBlock) -> None:
+        """List `block` again where an undo registered it again (`BlockPool.unallocate` of
+        the allocation that evicted it), had a probe unlisted it as dead meanwhile."""
+        assert block.block_ids and block.parent is not None, f"turn end {block!r} is not registered"
+        if not self.listed(block):
+            self._by_parent.setdefault(block.parent.block_hash, []).append(block)
+            self._num_listed += 1
+
     def drop(self, block: PrefixBlock) -> None:
         """Unlist `block` (no longer in the pool's index: an admission adopted it)."""
         assert not block.block_ids, f"turn end {block!r} is still registered"

@@ -770,6 +770,12 @@ class HybridCacheManager:
             f"[{req.num_computed}, {req.end})"
         )
 
+    def take_spills(self) -> list[tuple[int, int]]:
+        """The (state slot, checkpoint slot) copies the dual-pool groups' spills of kept
+        turn-end states queued (cache/dual_pool.py): the runner makes them right after the
+        admission or fork that took those state blocks, before anything writes them."""
+        return [copy for g in self.dual_groups for copy in g.take_spills()] if self.dual_groups else []
+
     def take_copies(self) -> dict[str, list[BlockCopy]]:
         """Per group that queued any, the copies to apply before the next forward, in order."""
         out = {}

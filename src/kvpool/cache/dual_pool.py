@@ -45,6 +45,17 @@ only when no unhashed state block is left, so they never cost an admission a sta
 A follow-up that repeats the P tokens and whose P // span spans are cached hits at P and
 adopts the block: out of the index (it is about to change), no copy, no reset.
 
+Spills (pooled checkpoints only). When a state block allocation takes a kept turn-end
+state (every unhashed state block is held: `max_num_seqs` binds), the state is spilled
+rather than dropped, if the classical pool has `spill_blocks` free blocks: a pooled
+checkpoint of the whole state block, part 0 registered in the classical pool as the turn
+end's own block (listed in a `TurnEnds` of the classical pool), parts 1.. chained after
+it. Its blocks are freed at once as cached blocks (the LRU order of every cached block:
+the free queue's most recent end), so a spill takes no block a running request could
+need, and any allocation may evict it. The runner copies the state slot into the
+checkpoint (`take_spills`) before anything writes the slot. A follow-up that hits it
+restores by "checkpoint" (the copy back, priced as any checkpoint under "auto").
+
 Checkpoints ("checkpoint", "auto") snapshot a request's state at the span boundaries its
 steps complete. A checkpoint is blocks of a BlockPool registered in its prefix index under
 the boundary block (part i chained after it with `_STATE_EXTRA` i) and freed at once as
@@ -166,12 +177,15 @@ class DualPoolGroupSpec:
     num_checkpoints: int = 0
     checkpoint_blocks: int = 0
     restore_cost: RestoreCost | None = field(default=None, compare=False)  # None: TokenCost
+    # classical blocks a spilled turn-end state takes (a whole state block; pooled
+    # checkpoints only); 0: checkpoint_blocks (the engine's pooled snapshot is a whole state)
+    spill_blocks: int = 0
 
     def __post_init__(self) -> None:
-        check_int_fields(self, "span", "replay_len", "num_checkpoints", "checkpoint_blocks")
+        check_int_fields(self, "span", "replay_len", "num_checkpoints", "checkpoint_blocks", "spill_blocks")
         if self.span <= 0:
             raise ValueError(f"group {self.name!r}: span must be positive, got {self.span}")
-        for what in ("replay_len", "num_checkpoints", "checkpoint_blocks"):
+        for what in ("replay_len", "num_checkpoints", "checkpoint_blocks", "spill_blocks"):
             if getattr(self, what) < 0:
                 raise ValueError(f"group {self.name!r}: {what} must be >= 0, got {getattr(self, what)}")
         if self.restore not in RESTORE_METHODS:
@@ -233,8 +247,9 @@ _SWAP_EXTRA = b"v4-swap:"  # a swapped-out state's tier entry: never a span's or
 
 
 def _state_part(block: PrefixBlock) -> bool:
-    """Whether a prefix block is part of a pooled checkpoint (not a span of tokens)."""
-    return not block.token_bytes and block.extra.startswith(_STATE_EXTRA)
+    """Whether a classical prefix block is part of a pooled checkpoint or of a spilled
+    turn-end state (not a span of tokens)."""
+    return not block.token_bytes and block.extra.startswith(_STATE_EXTRA) or block.extra.startswith(b"turn")
 
 
 @dataclass(slots=True)
@@ -274,6 +289,7 @@ class DualPoolHits:
     turn_ends: dict[int, PrefixBlock] = field(default_factory=dict)
     turn_ids: list[int] = field(default_factory=list)
     turn_chain: list[PrefixBlock] = field(default_factory=list)
+    spilled: dict[int, _Checkpoint] = field(default_factory=dict)  # T -> a spilled turn end's checkpoint
 
 
 @dataclass(slots=True)
@@ -341,6 +357,16 @@ class DualPoolGroup(CacheGroup):
         self._checkpoints: dict[bytes, _Checkpoint] = {}  # boundary block hash -> findable checkpoint
         # each part's extra key, made once (a commit that completes a span registers every part)
         self._part_extras = tuple(_STATE_EXTRA + str(i).encode() for i in range(self._parts))
+        # Spilled turn-end states (the module docstring): part 0 filed in `_spills` (a TurnEnds
+        # of the classical pool), the record under its hash (dead ones dropped as met);
+        # `_spill_copies`: (state slot, checkpoint slot) copies the runner still has to make
+        self._spill_parts = (spec.spill_blocks or spec.checkpoint_blocks) if self.checkpointing and pooled else 0
+        self._spills = TurnEnds(self.pool, spec.span)
+        self._spilled: dict[bytes, _Checkpoint] = {}
+        self._spill_extras = tuple(_STATE_EXTRA + str(i).encode() for i in range(1, self._spill_parts))
+        self._spill_copies: list[tuple[int, int]] = []
+        self.num_spills = 0  # turn-end states spilled (for reports)
+        self.num_spill_hits = 0  # admissions restored from a spilled turn end
 
     # ---- prefix hits -------------------------------------------------------------------
 
@@ -371,7 +397,24 @@ class DualPoolGroup(CacheGroup):
             out.turn_ends.update(self._turn_ends.find_along([root, *chain], token_ids, mm_items, top, packed))
             if out.turn_ends:
                 out.turn_ids, out.turn_chain = block_ids, chain
+        if self._spills:  # spilled ones likewise, where no kept state block is found
+            top = len(token_ids) - 1 if limit is None else min(len(token_ids) - 1, limit)
+            for point, block in self._spills.find_along([root, *chain], token_ids, mm_items, top, packed).items():
+                ckpt = self._spilled.get(block.block_hash)
+                if point not in out.turn_ends and ckpt is not None and self._spill_pays(ckpt, point):
+                    out.spilled[point] = ckpt
+            if out.spilled:
+                out.turn_ids, out.turn_chain = block_ids, chain
         return out
+
+    def _spill_pays(self, ckpt: _Checkpoint, point: int) -> bool:
+        """Whether a spilled turn end at `point` is served: its checkpoint is whole (every
+        part findable), and under "auto" its copy is priced no dearer than a replay there."""
+        if not all(self.pool.is_published(part) for part in ckpt.parts):
+            return False
+        if self.spec.restore != "auto":
+            return True
+        return choose_restore(point, point, self.spec.replay_len, self.restore_cost).method == "checkpoint"
 
     def lookup_stamp(self) -> tuple[Hashable, ...] | None:
         """`hits` reads the classical pool's index (the run; the checkpoints' boundaries), the
@@ -400,7 +443,11 @@ class DualPoolGroup(CacheGroup):
         kept after one of them."""
         if point <= 0:
             return True
-        return self.pool.enable_caching and may_reach(self.pool, self._turn_ends, root, prompt, point, self.span)
+        if not self.pool.enable_caching:
+            return False
+        return may_reach(self.pool, self._turn_ends, root, prompt, point, self.span) or (
+            bool(self._spills) and may_reach(self.pool, self._spills, root, prompt, point, self.span)
+        )
 
     def _cut(self, block_ids: list[int], chain: list[PrefixBlock]) -> DualPoolHits:
         """The run of cached spans cut as the restore method chooses."""
@@ -447,17 +494,17 @@ class DualPoolGroup(CacheGroup):
 
     def upper_bound(self, hits: DualPoolHits) -> int:
         bound = len(hits.block_ids) * self.span
-        return max(bound, *hits.turn_ends) if hits.turn_ends else bound
+        return max(bound, *hits.turn_ends, *hits.spilled) if hits.turn_ends or hits.spilled else bound
 
     def extra_points(self, hits: DualPoolHits) -> list[int]:
-        return sorted(hits.turn_ends)
+        return sorted({*hits.turn_ends, *hits.spilled}) if hits.spilled else sorted(hits.turn_ends)
 
     def serves(self, hits: DualPoolHits, point: int) -> bool:
         """A span boundary whose spans before it are all cached (or the start); restoring
         by checkpoint only, one with a checkpoint. Inside a span: a kept turn end."""
         q, r = divmod(point, self.span)
         if r:
-            return point in hits.turn_ends
+            return point in hits.turn_ends or point in hits.spilled
         if q > len(hits.block_ids):
             return False
         if not q or self.spec.restore != "checkpoint":
@@ -472,9 +519,13 @@ class DualPoolGroup(CacheGroup):
         block out of the free queue all the same)."""
         q, r = divmod(point, self.span)
         if r:
-            assert hits is not None and point in hits.turn_ends, f"group {self.name!r} keeps no turn end at {point}"
-            (kept,) = hits.turn_ends[point].block_ids  # (filed once: `TurnEnds.new_block`)
-            plan = DualPoolAdmit(list(hits.turn_ids[:q]), list(hits.turn_chain[:q]), None, adopt=kept)
+            assert hits is not None, f"group {self.name!r} keeps no turn end at {point}"
+            if point in hits.turn_ends:
+                (kept,) = hits.turn_ends[point].block_ids  # (filed once: `TurnEnds.new_block`)
+                plan = DualPoolAdmit(list(hits.turn_ids[:q]), list(hits.turn_chain[:q]), None, adopt=kept)
+            else:  # a spilled one: its checkpoint copied into a state block of its own
+                ckpt = hits.spilled[point]
+                plan = DualPoolAdmit(list(hits.turn_ids[:q]), list(hits.turn_chain[:q]), None, checkpoint=ckpt)
             assert len(plan.hit_ids) == q, "a turn end follows cached spans"
         else:
             hit_ids = list(hits.block_ids[:q]) if hits is not None else []
@@ -517,13 +568,18 @@ class DualPoolGroup(CacheGroup):
             state = DualPoolState(root, plan.adopt, list(plan.hit_ids), list(plan.chain))
             state.restore = StateRestore(plan.adopt, "adopt")
             return state, ()
-        slot = self.state_pool.allocate(1)
-        assert slot is not None, "the coordinator checked the free counts"
-        state = DualPoolState(root, slot[0], list(plan.hit_ids), list(plan.chain))
+        # (a pooled checkpoint restored from is held while a spill allocates: the copy back reads it after)
+        restored = [p.block_ids[0] for p in plan.checkpoint.parts] if plan.checkpoint and self._spill_parts else []
+        self.pool.incref(restored)
+        slot = self._take_state_block()
+        self.pool.decref(reversed(restored))
+        state = DualPoolState(root, slot, list(plan.hit_ids), list(plan.chain))
         if plan.checkpoint is not None:
-            state.restore = StateRestore(slot[0], "checkpoint", plan.checkpoint.slot)
+            if plan.checkpoint.parts[0] is plan.checkpoint.block:  # (a spilled turn end's: part 0 is its block)
+                self.num_spill_hits += 1
+            state.restore = StateRestore(slot, "checkpoint", plan.checkpoint.slot)
         elif plan.replay_start is not None:
-            state.restore = StateRestore(slot[0], "recompute", replay_start=plan.replay_start)
+            state.restore = StateRestore(slot, "recompute", replay_start=plan.replay_start)
         return state, ()
 
     # ---- steps -------------------------------------------------------------------------
@@ -671,6 +727,10 @@ class DualPoolGroup(CacheGroup):
         else:
             self.pool.unallocate(new_ids, pending.evicted_blocks)
             self.checkpoint_pool.unallocate(snapshot_ids, pending.snapshot_evicted)
+        if self._spilled:  # spilled turn ends it evicted: findable again, so listed again
+            for _, block in pending.evicted_blocks:
+                if block.token_bytes and block.block_hash in self._spilled and self.pool.is_published(block):
+                    self._spills.relist(block)
         for block_hash, ckpt in pending.dropped:  # back unless a later allocation took another of its blocks
             if block_hash not in self._checkpoints and all(self.checkpoint_pool.is_published(p) for p in ckpt.parts):
                 self._checkpoints[block_hash] = ckpt
@@ -678,6 +738,56 @@ class DualPoolGroup(CacheGroup):
             undone = {block_id for block_id, _ in pending.evicted_blocks}
             self._evicted = [e for e in self._evicted if e[0] not in undone]
         state.pending = None
+
+    # ---- spilled turn ends ---------------------------------------------------------------
+
+    def _take_state_block(self) -> int:
+        """A state block for an admission or a fork (the coordinator checked there is one); a
+        kept turn-end state it takes is spilled to the classical pool where it fits."""
+        evicted: list[tuple[int, PrefixBlock]] = []
+        slot = self.state_pool.allocate(1, evicted if self._spill_parts else None)
+        assert slot is not None, "the coordinator checked the free counts"
+        for _, kept in evicted:
+            self._spill(slot[0], kept)
+        return slot[0]
+
+    def _spill(self, slot: int, kept: PrefixBlock) -> None:
+        """Spill the turn-end state `kept` that state block `slot` held (the module
+        docstring): `_spill_parts` free classical blocks, registered and freed at once as
+        cached blocks; the copy queued for the runner. Nothing when the blocks are not free,
+        its spans before it left the index, or the same turn end is spilled already."""
+        c, pool = self._spill_parts, self.pool
+        parent = kept.parent
+        assert parent is not None
+        if pool.num_free < c or not (parent.parent is None or parent.block_ids):
+            return
+        block = pool.chain(parent, kept.token_bytes, kept.extra)
+        if pool.lookup(block) is not None:
+            return
+        evicted: list[tuple[int, PrefixBlock]] = []
+        ids = pool.allocate(c, evicted)
+        assert ids is not None, "the free count was checked"
+        self._note_evicted(evicted, [])  # (an admission is never undone: nothing to put back)
+        # (the allocation may have evicted the spans before it: then it is not filed)
+        if not self._spills.file(ids[0], block, orphan_ok=False):
+            pool.decref(reversed(ids))
+            return
+        rest = pool.publish_parts(ids[1:], block, self._spill_extras, release=True) if c > 1 else ()
+        pool.decref(ids[:1])
+        if rest is None:  # (a collision: the parts left unpublished were freed unhashed)
+            return
+        if len(self._spilled) >= pool.num_blocks:  # dead records dropped (a live one holds its blocks)
+            self._spilled = {h: ck for h, ck in self._spilled.items() if all(map(pool.is_published, ck.parts))}
+        self._spilled[block.block_hash] = _Checkpoint(ids[0], block, (block, *rest))
+        self._spill_copies.append((slot, self._slot_base + ids[0]))
+        self.num_spills += 1
+
+    def take_spills(self) -> list[tuple[int, int]]:
+        """(state slot, checkpoint slot) copies the spills since the last call need, in order:
+        the runner makes them before anything writes those state slots (right after the
+        admission or fork that spilled)."""
+        out, self._spill_copies = self._spill_copies, []
+        return out
 
     # ---- checkpoints ---------------------------------------------------------------------
 
@@ -827,13 +937,12 @@ class DualPoolGroup(CacheGroup):
         copies the parent's state into it). A parent's pending replay is the child's too (a
         runner may defer it to the next step; replaying twice rebuilds the same state); a
         checkpoint copy is not (done at admission, and the slot may be reused since)."""
-        slot = self.state_pool.allocate(1)
-        assert slot is not None, "can_fork was checked"
         self.pool.incref(state.block_ids)
+        slot = self._take_state_block()
         restore = state.restore
         if restore is not None:
-            restore = replace(restore, state_slot=slot[0]) if restore.method == "recompute" else None
-        return DualPoolState(state.root, slot[0], list(state.block_ids), list(state.chain), restore)
+            restore = replace(restore, state_slot=slot) if restore.method == "recompute" else None
+        return DualPoolState(state.root, slot, list(state.block_ids), list(state.chain), restore)
 
     def can_forget_prefixes(self) -> bool:
         """Not while a swapped-out state waits in a tier: its resume needs the boundary kept."""
@@ -844,6 +953,8 @@ class DualPoolGroup(CacheGroup):
         empties them next: a checkpoint's parts and a kept state are free cached blocks)."""
         self._turn_ends.clear()
         self._checkpoints.clear()
+        self._spills.clear()
+        self._spilled.clear()
 
     def release(self, state: DualPoolState) -> None:
         """An uncommitted step dropped (it may have run: a checkpoint it pushed out is not
@@ -895,9 +1006,9 @@ class DualPoolGroup(CacheGroup):
             0 < num_computed
             and restore.state_slot == state.state_slot
             and (
-                restore.method in ("adopt", "swap")
+                restore.method in ("adopt", "swap", "checkpoint")
                 or num_computed % span == 0
-                and (restore.method == "checkpoint" or restore.replay_start == self.spec.replay_start(num_computed))
+                and restore.replay_start == self.spec.replay_start(num_computed)
             )
         ):
             raise AssertionError(f"{where}: a restore {restore} pending at {num_computed} computed")
@@ -931,6 +1042,20 @@ class DualPoolGroup(CacheGroup):
                 raise AssertionError(
                     f"group {self.name!r}: kept state block {b} is not findable once (copies {kept.block_ids})"
                 )
+        self._spills.check_integrity()
+        for block_hash, ckpt in self._spilled.items():  # (dead ones may wait to be dropped)
+            if (
+                ckpt.block.block_hash != block_hash
+                or len(ckpt.parts) != self._spill_parts
+                or ckpt.parts[0] is not ckpt.block
+            ):
+                raise AssertionError(f"spilled turn end {block_hash.hex()[:12]} is not {self._spill_parts} parts")
+            if all(self.pool.is_published(part) for part in ckpt.parts) and (
+                not self._spills.listed(ckpt.block)
+                or any(part.parent is not ckpt.block for part in ckpt.parts[1:])
+                or ckpt.slot != ckpt.block.block_ids[0] + self._slot_base
+            ):
+                raise AssertionError(f"spilled turn end {block_hash.hex()[:12]} is not findable as filed")
         pool = self.checkpoint_pool
         for block_hash, ckpt in self._checkpoints.items():
             if ckpt.block.block_hash != block_hash or len(ckpt.parts) != self._parts:
@@ -971,8 +1096,14 @@ class DSV4CacheManager(HybridCacheManager):
         lower_tier: LowerTier | None = None,
         record_published: bool = False,
         turn_end_checkpoints: bool = False,
+        spill_blocks: int = 0,
     ) -> None:
-        restores = dict(restore=restore, num_checkpoints=num_checkpoints, checkpoint_blocks=checkpoint_blocks)
+        restores = dict(
+            restore=restore,
+            num_checkpoints=num_checkpoints,
+            checkpoint_blocks=checkpoint_blocks,
+            spill_blocks=spill_blocks,
+        )
         group = DualPoolGroupSpec.from_dsv4("v4", spec, restore_cost=restore_cost, **restores)
         super().__init__(
             [(group, (num_classical_blocks, num_state_blocks))],

@@ -480,6 +480,7 @@ class ModelRunner:
         )
         if adm is None:
             return None
+        self._spill_states()
         # All or nothing: what raises past the cache's admit (a tier's save, load or swap-in, a
         # state restore) releases the request, its swap records and deferred replay with it, so
         # the caller, which saw no admission, may admit it again (else: "already admitted")
@@ -519,7 +520,8 @@ class ModelRunner:
             return
         if restore.method == "checkpoint":  # (the copy overwrites the whole slot)
             assert restore.checkpoint_slot is not None
-            self._copy_state(self.checkpoint_base + restore.checkpoint_slot, restore.state_slot)
+            whole = adm.num_cached_tokens % self.block_size != 0  # (a spilled turn end's)
+            self._copy_state(self.checkpoint_base + restore.checkpoint_slot, restore.state_slot, whole=whole)
             return
         self.executor.reset_state(restore.state_slot)
         if restore.method == "recompute":
@@ -549,10 +551,19 @@ class ModelRunner:
         self.restore_cost.num_replayed_tokens = self.num_replayed_tokens
         self.restore_cost.replay_s = self.replay_s
 
-    def _copy_state(self, src: int, dst: int) -> None:
-        """A checkpoint restored or taken: one state slot copied, timed for "auto"."""
+    def _spill_states(self) -> None:
+        """The kept turn-end states the cache spilled to pooled checkpoints (cache/dual_pool.py)
+        copied there, before the state blocks they leave are written."""
+        for state_slot, checkpoint_slot in self.cache.take_spills():
+            self._copy_state(state_slot, self.checkpoint_base + checkpoint_slot, whole=True)
+
+    def _copy_state(self, src: int, dst: int, *, whole: bool = False) -> None:
+        """A checkpoint restored or taken: one state slot copied, timed for "auto". whole: a
+        state off the span grid (a spilled turn end), which the simulator's executor prices as
+        a whole state block (`copy_whole_state`; the engine's copies are whole rows anyway)."""
         began = time.perf_counter()
-        self.executor.copy_state(src, dst)
+        copy = getattr(self.executor, "copy_whole_state", None) if whole else None
+        (copy or self.executor.copy_state)(src, dst)
         self.restore_cost.num_copies += 1
         self.restore_cost.copy_s += time.perf_counter() - began
 
@@ -597,6 +608,7 @@ class ModelRunner:
         state slot of its own; the engine then recomputes it like a preempted request."""
         if not self.cache.fork(parent_id, child_id):
             return False
+        self._spill_states()
         if self.executor.has_state:
             part = self.cache.part
             self.executor.copy_state(

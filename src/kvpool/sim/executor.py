@@ -104,6 +104,7 @@ class CostExecutor:
         num_state_blocks: int = 0,
         checkpoint_bytes: int = 0,
         has_state: bool = False,
+        state_bytes: int = 0,
         spec: Any = None,
         window_row_bytes: int = 0,
         boundary_bytes: int = 0,
@@ -124,6 +125,7 @@ class CostExecutor:
         self.kv_capacity_bytes = kv_capacity_bytes
         self.num_state_blocks = num_state_blocks
         self.checkpoint_bytes = checkpoint_bytes
+        self.state_bytes = state_bytes  # V4 dual: a whole state block (a spilled turn end's copy)
         self.has_state = has_state
         self.spec = spec
         self.window_row_bytes = window_row_bytes
@@ -390,6 +392,11 @@ class CostExecutor:
     def copy_state(self, src: int, dst: int) -> None:
         self.num_checkpoint_copies += 1
         self._moved += 2 * self.checkpoint_bytes
+
+    def copy_whole_state(self, src: int, dst: int) -> None:
+        """A state copy off the span grid (a spilled turn end, out or back): the whole block."""
+        self.num_checkpoint_copies += 1
+        self._moved += 2 * self.state_bytes
 
     def replay(
         self, token_ids: Sequence[int], start: int, block_ids: Sequence[int], state_slot: int, valid_from: int

@@ -159,6 +159,7 @@ def build_layout(
             restore=v4_restore,
             num_checkpoints=slots,
             checkpoint_blocks=-(-checkpoint // block) if pooled else 0,
+            spill_blocks=-(-state // block) if pooled else 0,  # a spilled turn end: the whole state block
             restore_cost=None if cost is None else RestoreCostModel(cost, checkpoint),
             turn_end_checkpoints=turn_ends,
         )

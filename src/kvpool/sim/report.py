@@ -192,6 +192,8 @@ def build_report(
         "v4_restore": config.v4_restore if dual else None,
         "v4_turn_ends": config.v4_turn_ends and config.enable_prefix_caching if dual else None,
         "state_adoptions": sum(g.num_adoptions for rep in replicas for g in rep.runner.cache.dual_groups),
+        "state_spills": sum(g.num_spills for rep in replicas for g in rep.runner.cache.dual_groups),
+        "spill_hits": sum(g.num_spill_hits for rep in replicas for g in rep.runner.cache.dual_groups),
         **p50_p99("alloc_latency_us", alloc_us, 2),
         "num_alloc_calls": sum(rep.engine.stats.num_alloc_calls for rep in replicas),
         "num_noop_alloc_calls": sum(rep.engine.stats.num_noop_calls for rep in replicas),

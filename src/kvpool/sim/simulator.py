@@ -209,6 +209,7 @@ def _make_replica(
         num_state_blocks=built.num_state_blocks,
         checkpoint_bytes=built.checkpoint_bytes,
         has_state=built.num_state_blocks > 0,
+        state_bytes=built.state_block_bytes,
     )
     runner = sim_runner(built, executor, max_len)
     answers = AnswerSampler(model.vocab_size, ints, executor=executor)
