@@ -184,3 +184,32 @@ def test_the_python_apis_model_names_the_embedded_one(model, tail):
     with pytest.raises(ValueError) as raised:
         gguf_path(model)
     assert str(raised.value) == f"model {model!r} is neither 'smollm2-135m' nor a GGUF file{tail}"
+
+
+def _help(capsys: pytest.CaptureFixture[str], command: str) -> str:
+    with pytest.raises(SystemExit) as stop:
+        main([command, "--help"])
+    assert stop.value.code == 0
+    return " ".join(capsys.readouterr().out.split())  # (argparse wraps the help at the terminal's width)
+
+
+def test_serves_help_names_only_what_serve_takes(capsys):
+    """serve's --kv-cache-dtype, --host-cache-gib and --preemption shared generate's help,
+    which describes tiny-dsv4 and --indexer-format: serve takes neither."""
+    served = _help(capsys, "serve")
+    assert "tiny-dsv4" not in served and "--indexer-format" not in served, served
+    for told in ("--kv-cache-dtype FORMAT", "kivi2-g16-r64", "fp16 saturates", "needs --host-cache-gib"):
+        assert told in served, told
+    generated = _help(capsys, "generate")  # the commands that take tiny-dsv4 still say what it does with them
+    for told in ("indexer keys by --indexer-format", "tiny-dsv4: its classical blocks", "tiny-dsv4: its spans"):
+        assert told in generated, told
+
+
+def test_serves_unknown_model_lists_only_what_serve_runs(capsys):
+    line = _error(capsys, ["serve", "--model", "smollm"])
+    assert "did you mean smollm2-135m?" in line and "runs smollm2-135m or a GGUF file" in line, line
+    assert "tiny-" not in line, line
+    assert "tiny-" not in _error(capsys, ["serve", "--model", "llama-3.1-8b"])  # a planner preset
+    # the tiny models are refused by name, and generate, which runs them, lists them
+    assert "tiny-gemma2 has no tokenizer" in _error(capsys, ["serve", "--model", "tiny-gemma2"])
+    assert "tiny-dsv4, tiny-gemma2, tiny-recurrent" in _error(capsys, ["generate", "hi", "--model", "smollm"])

@@ -335,13 +335,14 @@ class Parser(argparse.ArgumentParser):
         return f"give a value that begins with '-' after '--', as in {self.prog} {fixed}"
 
 
-def add_host_cache_argument(parser: argparse.ArgumentParser) -> None:
+def add_host_cache_argument(parser: argparse.ArgumentParser, *, dsv4: bool = True) -> None:
+    """--host-cache-gib; `dsv4`: the command takes tiny-dsv4 too (kvpool serve does not)."""
     parser.add_argument(
         "--host-cache-gib",
         type=positive_float,
         default=None,
         help="a host-memory tier of this many GiB below the KV pool: evicted prefix blocks are kept there "
-        "and loaded back on a hit (tiny-dsv4: its classical blocks; default: no host tier)",
+        f"and loaded back on a hit ({'tiny-dsv4: its classical blocks; ' if dsv4 else ''}default: no host tier)",
     )
 
 
@@ -374,12 +375,18 @@ PLANNER_KV_DTYPE_HELP = (
     + ", ".join(n for n in KV_SCHEMAS if n not in ("fp32", "bf16", "fp16"))
     + " (KIVI's G and R may follow: kivi2-g16-r64)"
 )
-ENGINE_KV_DTYPE_HELP = (
-    f"SmolLM2: auto (fp32) or one of {', '.join(KV_DTYPES)}; KIVI's group size and residual may follow, "
-    "kivi2-g16-r64 (see kvpool.spec.kv_formats). tiny-dsv4: auto or fp32 (exact), or fp8, DeepSeek-V4's layout "
-    "for the classical pool (FP8 with a scale per 64 dims, BF16 RoPE dims; indexer keys by --indexer-format). "
-    "Formats other than fp32 are lossy; fp16 saturates K / V values past +-65,504"
+_LLAMA_KV_DTYPE_HELP = (
+    f"auto (fp32) or one of {', '.join(KV_DTYPES)}; KIVI's group size and residual may follow, "
+    "kivi2-g16-r64 (see kvpool.spec.kv_formats). "
 )
+_DSV4_KV_DTYPE_HELP = (
+    "tiny-dsv4: auto or fp32 (exact), or fp8, DeepSeek-V4's layout "
+    "for the classical pool (FP8 with a scale per 64 dims, BF16 RoPE dims; indexer keys by --indexer-format). "
+)
+_LOSSY_KV_DTYPE_HELP = "Formats other than fp32 are lossy; fp16 saturates K / V values past +-65,504"
+ENGINE_KV_DTYPE_HELP = "SmolLM2: " + _LLAMA_KV_DTYPE_HELP + _DSV4_KV_DTYPE_HELP + _LOSSY_KV_DTYPE_HELP
+# kvpool serve's: it runs SmolLM2 or a Llama GGUF, never tiny-dsv4 (and takes no --indexer-format)
+SERVE_KV_DTYPE_HELP = _LLAMA_KV_DTYPE_HELP + _LOSSY_KV_DTYPE_HELP
 
 
 def add_indexer_format_argument(parser: argparse.ArgumentParser) -> None:
@@ -567,14 +574,16 @@ def add_hisparse_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_preemption_argument(parser: argparse.ArgumentParser) -> None:
+def add_preemption_argument(parser: argparse.ArgumentParser, *, dsv4: bool = True) -> None:
+    """--preemption; `dsv4`: the command takes tiny-dsv4 too (kvpool serve does not)."""
     parser.add_argument(
         "--preemption",
         choices=("recompute", "swap", "auto"),
         default="recompute",
         help="a preempted request's cache: recomputed (its full blocks stay findable), swapped to the host tier "
-        "and back (needs --host-cache-gib; tiny-dsv4: its spans and its state, so a resume at its span boundary "
-        "replays nothing), "
+        "and back (needs --host-cache-gib"
+        + ("; tiny-dsv4: its spans and its state, so a resume at its span boundary replays nothing" if dsv4 else "")
+        + "), "
         "or auto (swap when moving the bytes costs less than recomputing)",
     )
 

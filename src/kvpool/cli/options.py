@@ -27,6 +27,7 @@ from kvpool.cli.args import (
     ENGINE_KV_DTYPE_HELP,
     MODEL_DTYPES,
     PLANNER_KV_DTYPE_HELP,
+    SERVE_KV_DTYPE_HELP,
     SIZE_EXAMPLES,
     fraction,
     kv_dtype,
@@ -340,11 +341,13 @@ def add_option(
 # ---- model names ------------------------------------------------------------------------
 
 
-def engine_model(text: str) -> str:
+def engine_model(text: str, runs: tuple[str, ...] = ENGINE_MODELS) -> str:
     """A --model of the engine's commands: a name of ENGINE_MODELS (any case), else a path
     to a GGUF file (checked when it loads: the loader's message says what is wrong with it).
-    A planner preset (no weights) that is not a file is an error naming what runs."""
+    A planner preset (no weights) that is not a file is an error naming what runs: `runs`,
+    the built-in models of this command (each command refuses the others in its own words)."""
     name = text.strip()
+    who = "the engine" if runs == ENGINE_MODELS else "this command"
     if name.lower() in ENGINE_MODELS:
         return name.lower()
     if not name:
@@ -353,7 +356,7 @@ def engine_model(text: str) -> str:
 
     if name.lower() in PRESET_NAMES and not os.path.exists(name):
         raise argparse.ArgumentTypeError(
-            f"{name!r} is a planner preset (a config, no weights); the engine runs {', '.join(ENGINE_MODELS)} or "
+            f"{name!r} is a planner preset (a config, no weights); {who} runs {', '.join(runs)} or "
             "a Llama-architecture GGUF file (plan and simulate take presets)"
         )
     # a Hugging Face id as vLLM takes it ("HuggingFaceTB/SmolLM2-135M-Instruct"): no file here,
@@ -366,11 +369,11 @@ def engine_model(text: str) -> str:
         import difflib
 
         base = name.lower().rsplit("/", 1)[-1]
-        near = [m for m in ENGINE_MODELS if base.startswith(m)]  # smollm2-135m-instruct
-        near = near or difflib.get_close_matches(base, ENGINE_MODELS, n=1, cutoff=0.5)
+        near = [m for m in runs if base.startswith(m)]  # smollm2-135m-instruct
+        near = near or difflib.get_close_matches(base, runs, n=1, cutoff=0.5)
         raise argparse.ArgumentTypeError(
-            f"unknown model {name!r}" + (f" (did you mean {near[0]}?)" if near else "") + f": the engine runs "
-            f"{', '.join(ENGINE_MODELS)} or a GGUF file (a path ending in .gguf)"
+            f"unknown model {name!r}" + (f" (did you mean {near[0]}?)" if near else "") + f": {who} runs "
+            f"{', '.join(runs)} or a GGUF file (a path ending in .gguf)"
             + ("; no file or folder of that name, and a Hugging Face id is not downloaded" if hf_id else "")
         )
     return name
@@ -409,21 +412,31 @@ def add_planner_model_option(parser: argparse.ArgumentParser | Any, *, default: 
     )
 
 
-def add_engine_model_option(parser: argparse.ArgumentParser, note: str = "") -> None:
-    """--model of the engine's commands (default: the embedded SmolLM2-135M-Instruct)."""
+def add_engine_model_option(
+    parser: argparse.ArgumentParser, note: str = "", *, runs: tuple[str, ...] = ENGINE_MODELS
+) -> None:
+    """--model of the engine's commands (default: the embedded SmolLM2-135M-Instruct);
+    `runs`: the built-in models the command runs, which an unknown name's error lists."""
+
+    def model(text: str) -> str:
+        return engine_model(text, runs)
+
+    model.__name__ = "model"  # (argparse names a type by it)
     add_option(
         parser,
         MODEL,
         default=DEFAULT_MODEL,
-        type=engine_model,
+        type=model,
         note=f"{DEFAULT_MODEL} (the embedded SmolLM2-135M-Instruct) or a Llama-architecture GGUF file" + note,
     )
 
 
-def add_kv_cache_dtype_option(parser: argparse.ArgumentParser, planner: bool = False) -> None:
+def add_kv_cache_dtype_option(parser: argparse.ArgumentParser, planner: bool = False, *, dsv4: bool = True) -> None:
     """--kv-cache-dtype, default auto: the engine's formats (SmolLM2's storage formats,
-    tiny-dsv4's fp8 layout), or with `planner` the planner's (plan, simulate)."""
-    add_option(parser, KV_CACHE_DTYPE, default="auto", note=PLANNER_KV_DTYPE_HELP if planner else ENGINE_KV_DTYPE_HELP)
+    tiny-dsv4's fp8 layout unless not `dsv4`: kvpool serve), or with `planner` the
+    planner's (plan, simulate)."""
+    note = PLANNER_KV_DTYPE_HELP if planner else ENGINE_KV_DTYPE_HELP if dsv4 else SERVE_KV_DTYPE_HELP
+    add_option(parser, KV_CACHE_DTYPE, default="auto", note=note)
 
 
 def add_kv_memory_option(parser: argparse.ArgumentParser, *, default: str | None, note: str = "") -> None:

@@ -59,7 +59,7 @@ def port(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes it to the network)")
     parser.add_argument("--port", type=port, default=8000, help="TCP port; 0 lets the system pick a free one")
-    add_engine_model_option(parser)
+    add_engine_model_option(parser, runs=(DEFAULT_MODEL,))  # (the tiny models have no tokenizer)
     parser.add_argument(
         "--served-model-name", default=None, help="the name clients send as `model` (default: --model's name)"
     )
@@ -94,10 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-blocks", type=positive_int, default=None, help="KV blocks (default: from --kv-memory)")
     add_option(parser, BLOCK_SIZE, default=16)
     add_engine_batch_options(parser, max_num_batched_tokens=512, max_num_seqs=64)
-    add_kv_cache_dtype_option(parser)
-    add_host_cache_argument(parser)
+    add_kv_cache_dtype_option(parser, dsv4=False)
+    add_host_cache_argument(parser, dsv4=False)
     add_persistent_cache_arguments(parser, swa=False)
-    add_preemption_argument(parser)
+    add_preemption_argument(parser, dsv4=False)
     add_device_arguments(parser)
     add_threads_option(parser, probed=True)
     parser.add_argument(
