@@ -306,6 +306,8 @@ def test_gguf_linear_scaling_factor_on_its_own_and_on_top_of_rope_freqs(tmp_path
         ({"llama.rope.scaling.factor": 2.0}, 2.0),
         ({"llama.rope.scale_linear": 3.0}, 3.0),
         ({"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 0.0}, None),
+        # type none: llama.cpp reads the factor and runs unscaled
+        ({"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 4.0}, None),
     ]:
         divisors = load_gguf(write_gguf(tmp_path / "k.gguf", RAW, None, kv)).meta.config.rope_freq_divisors
         assert divisors == (None if divisor is None else (divisor,) * (HEAD_DIM // 2)), kv
@@ -313,6 +315,10 @@ def test_gguf_linear_scaling_factor_on_its_own_and_on_top_of_rope_freqs(tmp_path
     factors = converter_factors()
     both = load_gguf(write_gguf(tmp_path / "both.gguf", RAW, factors, linear)).meta.config
     assert both.rope_freq_divisors == tuple(float(x) * 4.0 for x in factors)
+    # type none with rope_freqs: the factors alone
+    none = {"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 4.0}
+    alone = load_gguf(write_gguf(tmp_path / "none.gguf", RAW, factors, none)).meta.config
+    assert alone.rope_freq_divisors == tuple(float(x) for x in factors)
 
 
 @pytest.mark.parametrize(

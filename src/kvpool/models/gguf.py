@@ -300,8 +300,9 @@ def rope_divisors(reader: Any, arch: str, head_dim: int, rope_freqs: RopeFreqs |
       - tensor `rope_freqs.weight` [head_dim / 2] F32 (Llama 3.1+): its values are the divisors;
       - `{arch}.rope.scaling.factor` (or the older `{arch}.rope.scale_linear`), 0 or absent
         meaning 1, divides every frequency (linear scaling: positions / factor), on top of
-        rope_freqs when both are there, under `{arch}.rope.scaling.type` linear, none or
-        absent (llama.cpp reads an absent type as linear).
+        rope_freqs when both are there, under `{arch}.rope.scaling.type` linear or absent
+        (llama.cpp reads an absent type as linear); under type none the factor is not applied
+        (llama.cpp: "never scale if scaling type is none"), rope_freqs still is.
     ValueError naming the key or tensor for another scaling type (yarn, longrope: not
     divisors), a factor that is not finite and positive, or a rope_freqs tensor of another
     shape or type or with a value that is not finite and positive (a divisor of 0 made an
@@ -318,6 +319,8 @@ def rope_divisors(reader: Any, arch: str, head_dim: int, rope_freqs: RopeFreqs |
     factor = 1.0
     if _field(reader, factor_key) not in (None, 0):  # (llama.cpp's "no factor": absent or 0)
         factor = _positive_float(reader, factor_key)
+    if kind is not None and str(kind) == "none":
+        factor = 1.0  # llama.cpp reads the factor and then runs unscaled
     if rope_freqs is None:
         return None if factor == 1.0 else (factor,) * (head_dim // 2)
     values = rope_freqs.values
