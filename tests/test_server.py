@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -17,6 +19,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from doc_blocks import ROOT, fenced_blocks
 from kvpool.cache.types import CacheUsage
 from kvpool.engine.engine import EngineStats
 from kvpool.server.loadgen import LoadConfig, run_load, summarize
@@ -106,6 +109,27 @@ def test_completion_and_streamed_chat_equal_the_unstreamed_and_kvpool_generate(s
     assert generated["prompt_tokens"] == greedy.usage.prompt_tokens
     assert greedy.choices[0].finish_reason == "length" and greedy.usage.completion_tokens == 24
     assert greedy.choices[0].text == generated["text"] and greedy.choices[0].text.strip()
+
+
+def test_the_serving_pages_curl_request_gets_the_answer_it_shows(server):
+    """docs/serving.md's curl example: its path and body, sent twice, get the answer the page
+    shows under it, and the same one both times (its "temperature": 0 decodes greedily)."""
+    [(command, shown)] = [
+        (body, out) for lang, body, out in fenced_blocks((ROOT / "docs" / "serving.md").read_text()) if "curl" in body
+    ]
+    words = shlex.split(command.replace("\\\n", " "))
+    url = next(w for w in words if w.startswith("http://127.0.0.1:8000/"))
+    body = json.loads(words[words.index("-d") + 1])
+    assert body["temperature"] == 0 and ("-H", "Content-Type: application/json") in zip(words, words[1:], strict=False)
+    path = url.removeprefix("http://127.0.0.1:8000")
+    answers = [httpx.post(server + path, json=body, headers=AUTH, timeout=120) for _ in range(2)]
+    assert [a.status_code for a in answers] == [200, 200], answers[0].text
+    got = [a.json() for a in answers]
+    assert got[0]["choices"] == got[1]["choices"]
+    page = {k: json.loads(re.search(rf'"{k}":(\{{.*?\}}|"[^"]*")', shown).group(1)) for k in ("message", "model")}
+    assert got[0]["choices"][0]["message"] == page["message"] and got[0]["model"] == page["model"]
+    for key in ("prompt_tokens", "completion_tokens"):
+        assert f'"{key}":{got[0]["usage"][key]},' in shown, key
 
 
 def test_a_shared_system_prompt_hits_and_another_tenant_does_not(server):
