@@ -179,6 +179,53 @@ def test_a_corrupt_header_is_named_in_one_line(tmp_path, damage, message):
     assert str(e.value).startswith(f"GGUF file {path} is corrupt or truncated: ") and message in str(e.value)
 
 
+def _huge_token_length(data: bytes) -> bytes:
+    """The first token's byte count set past 2^63: walking the strings went past what
+    struct can index (OverflowError, a traceback; review 13's fuzz)."""
+    key = b"tokenizer.ggml.tokens"
+    first = data.index(key) + len(key) + 4 + 4 + 8  # value type, item type, count
+    return data[:first] + (0xD70B_0000_0000_0001).to_bytes(8, "little") + data[first + 8 :]
+
+
+def _rope_freqs_offset_wrapped(data: bytes) -> bytes:
+    """rope_freqs.weight's data offset set to 2^64 - 1 (its seek raised OverflowError)."""
+    name = b"rope_freqs.weight"
+    at = data.index(name) + len(name) + 4 + 8 + 4  # dims count, one dim, type
+    return data[:at] + (2**64 - 1).to_bytes(8, "little") + data[at + 8 :]
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("tokens a number", "GGUF metadata tokenizer.ggml.tokens must be an array of strings"),
+        ("tokens a number, vocab_size given", "GGUF metadata tokenizer.ggml.tokens must be an array of strings"),
+        ("a token's length past 2^63", "is corrupt or truncated: the strings of the array at offset"),
+        ("rope_freqs offset wrapped", "is corrupt or truncated: tensor 'rope_freqs.weight': 8 bytes at offset"),
+    ],
+)
+def test_a_malformed_header_is_refused_in_one_line_not_a_traceback(tmp_path, monkeypatch, case, message):
+    """Whatever the malformed header makes the checks raise (TypeError, OverflowError, ...)
+    is load_model's one-line ValueError naming the file, as load_gguf's was (review 13: the
+    CLI printed a traceback, status 1)."""
+    monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path / "cache"))
+    if case.startswith("tokens a number"):
+        monkeypatch.setattr(
+            gguf.GGUFWriter, "add_token_list", lambda self, tokens: self.add_uint32("tokenizer.ggml.tokens", 32)
+        )
+        raw = {"llama.vocab_size": 32} if case.endswith("given") else {}
+        path = write_gguf(tmp_path / "bad.gguf", raw_kv=raw)
+    else:
+        path = _tiny(tmp_path / "bad.gguf")
+        with open(path, "rb") as f:
+            data = f.read()
+        damage = _huge_token_length if case.startswith("a token") else _rope_freqs_offset_wrapped
+        with open(path, "wb") as f:
+            f.write(damage(data))
+    with pytest.raises(ValueError) as e:
+        build.load_model(path, device="cpu")
+    assert str(e.value).startswith(f"GGUF file {path}") and message in str(e.value), str(e.value)
+
+
 def test_a_header_longer_than_the_first_read_is_read_on(tmp_path, monkeypatch):
     import kvpool.models.gguf_header as header_module
 

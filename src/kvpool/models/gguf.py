@@ -36,8 +36,9 @@ SUPPORTED_ARCHITECTURES = frozenset({"llama", "qwen2"})  # qwen2: Llama with Q /
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_MAGIC = b"GGUF"
 # What gguf's reader and numpy raise on a corrupt or truncated file (an unknown value type,
-# a string that is not UTF-8, an array cut short, a shape that does not match the bytes).
-_PARSE_ERRORS = (ValueError, IndexError, KeyError, TypeError, OverflowError, OSError)
+# a string that is not UTF-8, an array cut short, a shape that does not match the bytes);
+# gguf_header's checks turn the same into their one-line refusal.
+PARSE_ERRORS = (ValueError, IndexError, KeyError, TypeError, OverflowError, OSError)
 
 
 @dataclass(frozen=True)
@@ -275,7 +276,10 @@ def read_config(reader: Any, rope_freqs: RopeFreqs | None) -> LlamaConfig:
     vocab_key = f"{arch}.vocab_size"
     vocab = _positive_int(reader, vocab_key) if _field(reader, vocab_key) is not None else None
     if vocab is None:
-        vocab = len(_require(reader, "tokenizer.ggml.tokens"))
+        tokens = _require(reader, "tokenizer.ggml.tokens")
+        if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):  # (a number: "has no len()")
+            raise ValueError("GGUF metadata tokenizer.ggml.tokens must be an array of strings")
+        vocab = len(tokens)
     return LlamaConfig(
         num_layers=_positive_int(reader, f"{arch}.block_count"),
         hidden_size=hidden,
@@ -593,7 +597,7 @@ def load_gguf(path: str | None = None, dtype: torch.dtype = torch.float32, diges
         with np.errstate(over="ignore"):  # (a tensor offset that wraps: check_tensor_extents names it)
             reader = _checked_reader_class()(path)
         check_tensor_extents(reader)
-    except _PARSE_ERRORS as e:
+    except PARSE_ERRORS as e:
         raise ValueError(f"GGUF file {path} is corrupt or truncated: {type(e).__name__}: {e}") from e
     try:
         config = read_config(reader, _reader_rope_freqs(reader))
@@ -614,7 +618,7 @@ def load_gguf(path: str | None = None, dtype: torch.dtype = torch.float32, diges
             )
             for t in reader.tensors
         ]
-    except _PARSE_ERRORS as e:
+    except PARSE_ERRORS as e:
         raise ValueError(f"GGUF file {path}: {e}") from e
     del reader
     gc.collect()  # the reader's fields are cyclic: free them now, then hand the pages back
@@ -690,7 +694,7 @@ def _read_tensors(
                 if f.readinto(memoryview(raw)) != info.num_bytes:
                     raise ValueError(f"{info.num_bytes} bytes at offset {info.offset} run past the end of the file")
                 array = _dequantize(gguf, info, raw.view(info.data_dtype).reshape(info.data_shape))
-            except _PARSE_ERRORS as e:
+            except PARSE_ERRORS as e:
                 raise ValueError(f"GGUF file {path} is corrupt or truncated: tensor {info.name!r}: {e}") from e
             del raw
             extremes = _check_finite(array, info.name, path)

@@ -32,6 +32,7 @@ from typing import Any
 from kvpool.models.gguf import (
     MIN_KV_BYTES,
     MIN_TENSOR_INFO_BYTES,
+    PARSE_ERRORS,
     ROPE_FREQS,
     ROPE_FREQS_MAX_ELEMENTS,
     LlamaConfig,
@@ -117,9 +118,10 @@ class GGUFHeader:
 
 def read_header(path: str) -> GGUFHeader:
     """The header of the GGUF at `path` (check_gguf_file has checked its magic), read in
-    doubling chunks from 1 MiB, and the values of its rope_freqs tensor. ValueError naming the
-    path for a header that is corrupt or truncated, of a GGUF version other than 2 or 3, or
-    longer than MAX_HEADER_BYTES."""
+    doubling chunks from FIRST_READ_BYTES (4 MiB), and the values of its rope_freqs tensor.
+    ValueError naming the path for a header that is corrupt or truncated (whatever the parse
+    raised: PARSE_ERRORS, struct.error), of a GGUF version other than 2 or 3, or longer than
+    MAX_HEADER_BYTES."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         buffer = f.read(min(size, FIRST_READ_BYTES))
@@ -141,7 +143,7 @@ def read_header(path: str) -> GGUFHeader:
                 if not more:  # the file shrank under us
                     raise ValueError(f"GGUF file {path} is truncated: it ended while its header was read") from None
                 buffer += more
-            except (ValueError, struct.error) as e:
+            except (*PARSE_ERRORS, struct.error) as e:
                 raise ValueError(f"GGUF file {path} is corrupt or truncated: {e}") from None
         return _with_rope_freqs(header, order, f, path)
 
@@ -157,8 +159,10 @@ def _with_rope_freqs(header: GGUFHeader, order: str, f: Any, path: str) -> GGUFH
     values = None
     if name == "F32" and count <= ROPE_FREQS_MAX_ELEMENTS:
         start = header.data_offset + t.offset
-        f.seek(start)
-        data = f.read(4 * count)
+        data = b""
+        if start + 4 * count <= header.file_bytes:  # (an offset near 2^64 is past any seek)
+            f.seek(start)
+            data = f.read(4 * count)
         if len(data) != 4 * count:
             raise ValueError(
                 f"GGUF file {path} is corrupt or truncated: tensor {ROPE_FREQS!r}: {4 * count} bytes at offset "
@@ -263,7 +267,7 @@ class _Reader:
         try:
             for _ in range(count):
                 pos += 8 + unpack(buf, pos)[0]
-        except struct.error:  # a length at `pos` lies past the bytes read
+        except (struct.error, OverflowError):  # a length at `pos` lies past the bytes read, or `pos` past 2^63
             walked = False
         if pos + (0 if walked else 8) > self.size:
             raise ValueError(f"the strings of the array at offset {self.pos} run past the end of the file")
@@ -284,12 +288,16 @@ class HeaderFacts:
 def check_header(header: GGUFHeader, path: str) -> HeaderFacts:
     """The refusals load_gguf makes that need only the header, with its words: the
     architecture and its shapes (read_config, check_shapes), the quantization types and the
-    tensors the model needs (check_tensor_types), and every tensor's data inside the file."""
+    tensors the model needs (check_tensor_types), and every tensor's data inside the file.
+    ValueError naming the path for each, and for whatever else a malformed header makes them
+    raise (PARSE_ERRORS, as load_gguf catches: a tokens key that is not an array, ...)."""
     try:
         config = read_config(header, header.rope_freqs)
         tokens = header.fields.get("tokenizer.ggml.tokens")
         if tokens is None:
             raise ValueError("GGUF metadata lacks 'tokenizer.ggml.tokens'")
+        if not isinstance(tokens.value, SkippedArray):
+            raise ValueError("GGUF metadata tokenizer.ggml.tokens must be an array of strings")
         check_shapes(header, config, len(tokens.value))
         check_tensor_types({t.name: t.type_name for t in header.tensors}, config)
         model = header.fields.get("tokenizer.ggml.model")
@@ -297,7 +305,7 @@ def check_header(header: GGUFHeader, path: str) -> HeaderFacts:
             raise ValueError("GGUF metadata lacks 'tokenizer.ggml.model'")
         pre = header.fields.get("tokenizer.ggml.pre")
         facts = HeaderFacts(config, str(model.value), str(pre.value) if pre is not None else "default")
-    except ValueError as e:
+    except PARSE_ERRORS as e:
         raise ValueError(f"GGUF file {path}: {e}") from None
     for t in header.tensors:
         _, block, block_bytes = QUANT_TYPES[t.type_id]
