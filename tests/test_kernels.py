@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -308,6 +309,44 @@ def test_a_cached_library_that_does_not_load_is_rebuilt_once(kernels, tmp_path, 
     assert str(failed).startswith(f"cannot load the CPU kernels at {tmp_path / 'fake'}/kvpool_cpu_")
     assert "rebuilt once after it failed to load" in str(failed)
     assert log.read_text() == "x\nx\n"
+
+
+def test_a_cached_library_missing_a_symbol_is_rebuilt_and_the_rebuild_loaded(kernels, tmp_path, monkeypatch):
+    """A library that loads but lacks a symbol stays loaded (ctypes never closes it), and a
+    dlopen of the same path returns it: the rebuild over it was never read, and the kernels
+    failed as before (review 13 #3). The rebuilt library is loaded from a fresh name."""
+    import kvpool.kernels as kvk
+
+    monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path / "cache"))
+    path = build()
+    stub = tmp_path / "stub.c"
+    stub.write_text("int kv_openmp(void) { return 0; }\n")  # an older library: one symbol only
+    subprocess.run([kvk._compiler(), "-shared", "-fPIC", "-o", str(path), str(stub)], check=True)
+    loaded = kvk._load_or_error.__wrapped__()
+    assert isinstance(loaded, kvk.CpuKernels), loaded
+    assert loaded.path == path and path.read_bytes()[:4] == b"\x7fELF"
+    assert hasattr(loaded.lib, "kv_row_dots")
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # the fresh copy removed
+
+
+def test_ctrl_c_during_a_compile_kills_the_compiler(tmp_path):
+    """The compiler runs in its own session, out of reach of the terminal's SIGINT; a Ctrl-C
+    while kvpool waited for it left it running (review 13 #8)."""
+    pid_file = tmp_path / "child.pid"
+    cc = _fake_compiler(tmp_path / "slow-cc", f"sleep 60 &\necho $! > {pid_file}\nwait")
+    code = f"import kvpool.kernels as k; k._run([{cc!r}, '-c'], 60)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not (pid_file.exists() and pid_file.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert "KeyboardInterrupt" in err
+    child = Path(f"/proc/{int(pid_file.read_text())}/stat")
+    deadline = time.monotonic() + 5
+    while child.exists() and _state(child) != "Z" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not child.exists() or _state(child) == "Z"
 
 
 def test_a_hung_compiler_is_killed_not_waited_for(tmp_path):

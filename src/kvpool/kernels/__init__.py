@@ -106,7 +106,8 @@ COMPILE_TIMEOUT_S = 120.0
 def _run(cmd: list[str], timeout_s: float) -> subprocess.CompletedProcess:
     """`cmd` with its output captured; KernelBuildError once it has run `timeout_s`. In its
     own session, so that the kill reaches cc1 and as too: subprocess.run's timeout kills the
-    driver alone, then waits for the pipes its children still hold open."""
+    driver alone, then waits for the pipes its children still hold open. Killed too when the
+    wait is interrupted (Ctrl-C: the terminal's SIGINT does not reach another session)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout_s)
@@ -115,6 +116,11 @@ def _run(cmd: list[str], timeout_s: float) -> subprocess.CompletedProcess:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         raise KernelBuildError(f"`{' '.join(cmd[:2])} ...` did not finish in {timeout_s:g} s: killed") from None
+    except BaseException:  # Ctrl-C: in its own session the compiler gets no SIGINT from the terminal
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
@@ -500,11 +506,28 @@ class CpuKernels:
         return out
 
 
+def _load_fresh(path: Path) -> CpuKernels:
+    """The library at `path` loaded from a copy under a name this process has not loaded:
+    dlopen of a path already loaded returns the loaded object (ctypes never closes one), so a
+    rebuilt library that replaced one missing a symbol was never read, and failed the same way.
+    The copy is removed once loaded (the loaded mapping stays)."""
+    fd, fresh = tempfile.mkstemp(suffix=".so", prefix=f"{path.stem}.load-", dir=path.parent)
+    os.close(fd)
+    try:
+        shutil.copyfile(path, fresh)
+        kernels = CpuKernels(fresh)
+    finally:
+        os.unlink(fresh)
+    kernels.path = path
+    return kernels
+
+
 @functools.cache
 def _load_or_error() -> CpuKernels | KernelBuildError:
     """The kernels, or why not. A cached library that does not load (truncated or damaged on
     disk: dlopen's "file too short", "invalid ELF header"; a symbol missing) is compiled
-    again once: it was never rebuilt, and every start warned until someone deleted it."""
+    again once: it was never rebuilt, and every start warned until someone deleted it. One
+    missing a symbol was loaded, so the rebuilt one is loaded from a fresh name (_load_fresh)."""
     try:
         path = build()
         try:
@@ -512,7 +535,7 @@ def _load_or_error() -> CpuKernels | KernelBuildError:
         except (OSError, AttributeError) as first:
             path = build(rebuild=True)
             try:
-                return CpuKernels(path)
+                return _load_fresh(path) if isinstance(first, AttributeError) else CpuKernels(path)
             except (OSError, AttributeError) as second:
                 return KernelBuildError(
                     f"cannot load the CPU kernels at {path}, rebuilt once after it failed to load ({first}): {second}"
