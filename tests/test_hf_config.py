@@ -129,6 +129,9 @@ def test_llama3_and_linear_rope_are_read_as_divisors(tmp_path, changes):
     assert all(1 < d < 8 for d in c.rope_freq_divisors[1:3])
     linear = llama_config(_config(tmp_path, rope_scaling={"type": "linear", "factor": 2.0})).config
     assert linear.rope_freq_divisors == (2.0,) * 8
+    # high_freq_factor == low_freq_factor (Llama 4's): no blended band, a step (review 13 #5: refused)
+    step = llama_config(_config(tmp_path, rope_scaling={**LLAMA3, "low_freq_factor": 2.0, "high_freq_factor": 2.0}))
+    assert step.config.rope_freq_divisors == (1.0, 1.0) + (8.0,) * 6  # wavelengths 6.3, 19.9 under 64 / 2
     plain = llama_config(_config(tmp_path, rope_parameters={"rope_type": "default", "rope_theta": 5e5})).config
     assert (plain.rope_theta, plain.rope_freq_divisors) == (5e5, None)
 
@@ -167,7 +170,10 @@ def test_llama3_and_linear_rope_are_read_as_divisors(tmp_path, changes):
         ({"rope_parameters": {"rope_type": "longrope"}}, "rope_parameters type 'longrope' is not modelled"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling 'llama3' lacks 'low_freq_factor'"),
         ({"rope_scaling": {**LLAMA3, "factor": "8"}}, "rope_scaling.factor must be a number, got '8'"),
-        ({"rope_scaling": {**LLAMA3, "high_freq_factor": 1.0}}, "high_freq_factor 1.0 must exceed low_freq_factor 1.0"),
+        (
+            {"rope_scaling": {**LLAMA3, "high_freq_factor": 0.5}},
+            "high_freq_factor 0.5 must be at least low_freq_factor 1.0",
+        ),
         ({"rope_scaling": {"rope_type": "linear"}}, "rope_scaling 'linear' lacks 'factor'"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 0}}, "rope_scaling.factor must be finite and positive"),
         ({"rope_scaling": "llama3"}, "rope_scaling must be an object or null, got 'llama3'"),

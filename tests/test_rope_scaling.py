@@ -24,7 +24,9 @@ frequencies to F32 rounding separately."""
 from __future__ import annotations
 
 import json
+import math
 import re
+import warnings
 
 import gguf
 import numpy as np
@@ -160,6 +162,27 @@ def test_llama3_divisors_fall_in_all_three_bands():
         theirs, _ = modeling_rope_utils.ROPE_INIT_FUNCTIONS["llama3"](hf)
     ours = inv_freq(HEAD_DIM, 10000.0, divisors)
     assert theirs.dtype == torch.float64 and torch.allclose(ours, theirs, rtol=1e-15, atol=0)
+
+
+def test_llama3_with_high_freq_factor_equal_to_low_is_transformers_step():
+    """high == low (Llama 4's): no blended band, a step at L / low = 32 (between the
+    wavelengths 19.9 and 62.8); transformers computes it (with a warning), as does llama.cpp's
+    converter; refused before (review 13 #5)."""
+    divisors = llama3_divisors(HEAD_DIM, 10000.0, 8.0, 2.0, 2.0, 64)
+    assert divisors == (1.0, 1.0) + (8.0,) * 6
+    scaling = {**LLAMA3, "low_freq_factor": 2.0, "high_freq_factor": 2.0}
+    hf = transformers.LlamaConfig(
+        **{k: v for k, v in RAW.items() if k not in ("model_type", "rope_scaling")}, rope_scaling=scaling
+    )
+    with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        patch.setattr(modeling_rope_utils, "torch", _Fp64Torch())
+        theirs, _ = modeling_rope_utils.ROPE_INIT_FUNCTIONS["llama3"](hf)
+    ours = inv_freq(HEAD_DIM, 10000.0, divisors)
+    assert theirs.dtype == torch.float64 and torch.allclose(ours, theirs, rtol=1e-15, atol=0), (ours, theirs)
+    # a wavelength exactly at the step (the blend's 0 / 0: transformers' NaN, a ZeroDivisionError here): kept
+    edge = 2 * math.pi / inv_freq(HEAD_DIM, 10000.0, None)[2].item() * 2.0
+    assert llama3_divisors(HEAD_DIM, 10000.0, 8.0, 2.0, 2.0, edge) == (1.0,) * 3 + (8.0,) * 5
 
 
 @pytest.mark.parametrize("scaling", SCALINGS.values(), ids=SCALINGS.keys())

@@ -171,8 +171,8 @@ def _rope(raw: dict[str, Any], where: str, head_dim: int) -> tuple[float, tuple[
     if rope_type == "linear":
         return theta, (factor,) * (head_dim // 2)
     low, high = number("low_freq_factor"), number("high_freq_factor")
-    if high <= low:  # (the blended band's width high - low divides: HF computes NaN at its edge)
-        raise ValueError(f"{where}: {key} high_freq_factor {high} must exceed low_freq_factor {low}")
+    if high < low:  # (equal: no blended band, a step, as transformers and llama.cpp compute it; Llama 4's)
+        raise ValueError(f"{where}: {key} high_freq_factor {high} must be at least low_freq_factor {low}")
     original = number("original_max_position_embeddings")
     return theta, llama3_divisors(head_dim, theta, factor, low, high, original)
 

@@ -54,11 +54,11 @@ def llama3_divisors(
     divisors = []
     for freq in inv_freq(head_dim, theta, None).tolist():
         wavelen = 2 * math.pi / freq
-        if wavelen < high_wavelen:
-            divisors.append(1.0)
+        if wavelen < high_wavelen or (wavelen == high_wavelen and high_freq_factor == low_freq_factor):
+            divisors.append(1.0)  # (high == low: a step, no band; a wave exactly at its edge kept)
         elif wavelen > low_wavelen:
             divisors.append(factor)
-        else:  # (high_freq_factor > low_freq_factor here: the band is empty otherwise)
+        else:  # (high_freq_factor > low_freq_factor here)
             smooth = (original_max_position / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
             divisors.append(1.0 / ((1.0 - smooth) / factor + smooth))
     return tuple(divisors)
