@@ -6,6 +6,8 @@ against the library's reader on SmolLM2 and on tiny GGUFs of either byte order."
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import gguf
 import numpy as np
@@ -224,6 +226,32 @@ def test_a_malformed_header_is_refused_in_one_line_not_a_traceback(tmp_path, mon
     with pytest.raises(ValueError) as e:
         build.load_model(path, device="cpu")
     assert str(e.value).startswith(f"GGUF file {path}") and message in str(e.value), str(e.value)
+
+
+def test_a_huge_block_count_is_refused_without_exhausting_memory(tmp_path):
+    """block_count 2^31: the check of the tensors a model needs listed 2^31 x 9 names, a
+    MemoryError traceback (or the OOM killer) before any refusal (review 13). Run under a 4 GiB
+    address-space limit, so that a regression fails here instead of taking the machine."""
+    path = write_gguf(tmp_path / "blocks.gguf")
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    key = b"llama.block_count"
+    at = data.index(key) + len(key) + 4  # the u32 value after its type
+    data[at : at + 4] = (2**31).to_bytes(4, "little")
+    with open(path, "wb") as f:
+        f.write(data)
+    limit = "import resource; resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30)); "
+    code = limit + "import sys; from kvpool.cli.main import main; sys.exit(main(sys.argv[1:]))"
+    env = {**os.environ, "KVPOOL_CACHE_DIR": str(tmp_path / "cache"), "KVPOOL_NATIVE": "0"}
+    run = subprocess.run(
+        [sys.executable, "-c", code, "generate", "--model", str(path), "hi"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert "lacks tensors ['blk.2.attn_q.weight'" in run.stderr and " more" in run.stderr, run.stderr
 
 
 def test_a_header_longer_than_the_first_read_is_read_on(tmp_path, monkeypatch):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import gc
 import importlib.util
+import itertools
 import math
 import os
 import struct
@@ -451,14 +452,35 @@ def check_tensor_types(types: dict[str, str], config: LlamaConfig) -> None:
                 f"supported: {sorted(SUPPORTED_QUANT_TYPES)}"
             )
     # every tensor the model uses, named with the file here (a layer's missing tensor was
-    # only found once the weights were read, in a message without the file)
-    wanted = ["token_embd.weight", "output_norm.weight"]
-    wanted += [f"blk.{i}.{part}.weight" for i in range(config.num_layers) for part in _RENAME]
-    if config.qkv_bias:
-        wanted += [f"blk.{i}.attn_{x}.bias" for i in range(config.num_layers) for x in "qkv"]
-    missing = [n for n in wanted if n not in types]
+    # only found once the weights were read, in a message without the file). Walked lazily and
+    # counted, not listed: a block_count of 2^31 made a list of 2^31 x 9 names, all memory.
+    layers, biases = config.num_layers, ("attn_q", "attn_k", "attn_v") if config.qkv_bias else ()
+
+    def wanted():
+        yield from ("token_embd.weight", "output_norm.weight")
+        yield from (f"blk.{i}.{part}.weight" for i in range(layers) for part in _RENAME)
+        yield from (f"blk.{i}.{part}.bias" for i in range(layers) for part in biases)
+
+    def is_wanted(name: str) -> bool:
+        if name in ("token_embd.weight", "output_norm.weight"):
+            return True
+        parts = name.split(".")
+        if len(parts) != 4:
+            return False
+        blk, index, part, kind = parts
+        if (
+            blk != "blk"
+            or not (index.isascii() and index.isdigit())
+            or str(int(index)) != index
+            or int(index) >= layers
+        ):
+            return False
+        return part in _RENAME if kind == "weight" else kind == "bias" and part in biases
+
+    missing = list(itertools.islice((n for n in wanted() if n not in types), 6))
     if missing:
-        raise ValueError(f"lacks tensors {missing[:6]}" + (f" and {len(missing) - 6} more" if len(missing) > 6 else ""))
+        more = 2 + layers * (len(_RENAME) + len(biases)) - sum(map(is_wanted, types)) - len(missing)
+        raise ValueError(f"lacks tensors {missing}" + (f" and {more} more" if more else ""))
 
 
 def check_gguf_file(path: str) -> None:
