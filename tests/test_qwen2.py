@@ -206,11 +206,18 @@ def test_what_a_qwen2_gguf_lacks_or_adds_is_refused_naming_the_tensor(tmp_path):
     with pytest.raises(ValueError, match=re.escape("lacks tensors ['blk.1.attn_k.bias']")):
         load_gguf(lacking)
     extra = {"blk.0.attn_output.bias": torch.zeros(64, dtype=torch.float64)}
-    with pytest.raises(ValueError, match="tensor 'blk.0.attn_output.bias' is a bias kvpool's model does not add"):
+    with pytest.raises(
+        ValueError,
+        match=re.escape("'blk.0.attn_output.bias' is a bias kvpool's model does not add (Q / K / V biases only)"),
+    ):
         load_gguf(write_gguf(tmp_path / "obias.gguf", weights, extra=extra))
     # a "llama" GGUF's Q bias: refused (it failed as a shape mismatch of its weight's dims)
     llama_bias = write_gguf_llama_with_bias(tmp_path / "llama_bias.gguf")
-    with pytest.raises(ValueError, match="tensor 'blk.0.attn_q.bias' is a bias kvpool's model does not add"):
+    # (review 13 #11: it read "(Q / K / V biases only)", of a Q bias)
+    qwen2_only = "does not add (none on a llama GGUF's attention; Q / K / V of qwen2 GGUFs)"
+    with pytest.raises(
+        ValueError, match=re.escape(f"tensor 'blk.0.attn_q.bias' is a bias kvpool's model {qwen2_only}")
+    ):
         load_gguf(llama_bias)
     # tensor parallelism splits wqkv's columns, not its bias: refused, not run without it
     with pytest.raises(ValueError, match=r"--tensor-parallel-size 2: a model with Q / K / V biases \(Qwen2\)"):

@@ -362,7 +362,10 @@ def expected_shape(gguf_name: str, config: LlamaConfig) -> tuple[int, ...] | Non
     if parts[3:] == ["bias"]:
         biases = {"attn_q": (q,), "attn_k": (kv,), "attn_v": (kv,)} if c.qkv_bias else {}
         if parts[2] not in biases:
-            raise ValueError(f"tensor {gguf_name!r} is a bias kvpool's model does not add (Q / K / V biases only)")
+            only = (
+                "Q / K / V biases only" if c.qkv_bias else "none on a llama GGUF's attention; Q / K / V of qwen2 GGUFs"
+            )
+            raise ValueError(f"tensor {gguf_name!r} is a bias kvpool's model does not add ({only})")
         return biases[parts[2]]
     dims = {
         "attn_q": (c.hidden_size, q),
