@@ -676,3 +676,23 @@ def test_the_tier_deadline_flags_reach_the_tiers(fp64_model, tmp_path, redis_ser
     for command in ("run", "generate", "serve"):
         with pytest.raises(SystemExit):
             parse(build_parser(), [command, "--disk-cache", str(tmp_path), "--disk-timeout", "inf"])
+
+
+def test_the_scan_lists_what_the_glob_it_replaced_listed(tmp_path) -> None:
+    """scan_entries replaced `entries/*/*/*.safetensors` and skipped dot names, which the glob
+    matches: a dot-named namespace's entries were no longer counted against the limit nor
+    evicted (review 13 #4)."""
+    for name in (
+        "ns/ab/ab01.safetensors",
+        "ns/ab/.x.safetensors",
+        ".hid/ab/ab02.safetensors",
+        "ns/.cd/ab03.safetensors",
+        "ns/ab/notes.txt",
+        "ns/ab01.safetensors",
+        "ns/ab/deeper/ab04.safetensors",
+    ):
+        path = tmp_path / "entries" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x")
+    found = sorted(path for path, _ in disk_module.scan_entries(tmp_path))
+    assert found == sorted((tmp_path / "entries").glob("*/*/*.safetensors")) and len(found) == 4

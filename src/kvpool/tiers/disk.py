@@ -452,7 +452,7 @@ def _open_directory_checks(root: Path, progress: Progress) -> Path:
 
 def scan_entries(root: Path, progress: Progress | None = None) -> list[tuple[Path, os.stat_result]]:
     """Every entry file under root/entries (entries/<namespace>/<key prefix>/<key>.safetensors,
-    names not starting with '.', as the glob `*/*/*.safetensors` matches them), least
+    dot names too, as the glob `*/*/*.safetensors` it replaced matches them), least
     recently used (modified) first. A directory that cannot be listed is skipped (as a glob
     does). progress: told of each answer, naming what is asked next (the open's scan,
     `kvpool cache`'s: `bounded`)."""
@@ -467,7 +467,7 @@ def scan_entries(root: Path, progress: Progress | None = None) -> list[tuple[Pat
                 with os.scandir(directory) as listing:
                     # (is_dir follows a link, as the glob did; the last level's any type: a
                     # directory at an entry's path is the tier's to quarantine)
-                    names = [e.name for e in listing if not e.name.startswith(".") and (depth == 2 or e.is_dir())]
+                    names = [e.name for e in listing if depth == 2 or e.is_dir()]
             except OSError:  # gone meanwhile, not a directory, or not listable
                 continue
             below += [directory / name for name in names if depth < 2 or name.endswith(SUFFIX)]
