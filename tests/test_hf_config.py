@@ -177,7 +177,10 @@ def test_llama3_and_linear_rope_are_read_as_divisors(tmp_path, changes):
         ({"rope_scaling": {"rope_type": "linear"}}, "rope_scaling 'linear' lacks 'factor'"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 0}}, "rope_scaling.factor must be finite and positive"),
         ({"rope_scaling": "llama3"}, "rope_scaling must be an object or null, got 'llama3'"),
-        ({"rope_scaling": LLAMA3, "rope_parameters": LLAMA3}, "both rope_scaling and rope_parameters are given"),
+        (
+            {"rope_scaling": LLAMA3, "rope_parameters": LLAMA3},
+            r"both rope_scaling and rope_parameters are given; give one \(transformers 5 runs rope_scaling's",
+        ),
         ({"rope_parameters": {"rope_type": "default", "rope_theta": 0}}, "rope_parameters.rope_theta must be finite"),
     ],
 )

@@ -147,7 +147,10 @@ def _rope(raw: dict[str, Any], where: str, head_dim: int) -> tuple[float, tuple[
     scaling, key = raw.get("rope_scaling"), "rope_scaling"
     if raw.get("rope_parameters") is not None:
         if scaling is not None:
-            raise ValueError(f"{where}: both rope_scaling and rope_parameters are given; give one")
+            raise ValueError(  # (transformers 5.25: LlamaConfig(rope_scaling=a, rope_parameters=b) runs a)
+                f"{where}: both rope_scaling and rope_parameters are given; give one (transformers 5 runs "
+                "rope_scaling's and ignores rope_parameters)"
+            )
         scaling, key = raw["rope_parameters"], "rope_parameters"
     if scaling is None:
         return _positive_number(where, "rope_theta", raw.get("rope_theta", 10000.0)), None
