@@ -97,11 +97,12 @@ class Fault(Exception):
 
 
 # The runner's calls a fault is injected into (before the call runs; the step raises, and the
-# engine steps on). Not `release`: a release that raises after the step's commit leaves its
-# sequence scheduled (logged in the efuzz findings, not fixed). `_complete_admission` raises
-# after the cache admitted the request (where a tier's save, load or swap-in, or a state
-# restore, raises): the runner releases it again.
-CALL_FAULTS = ("admit", "_complete_admission", "reserve_step", "commit_step", "fork")
+# engine steps on). `_complete_admission` raises after the cache admitted the request (where a
+# tier's save, load or swap-in, or a state restore, raises): the runner releases it again.
+# `release` raises where a sequence finishes, is preempted or aborted, or is recomputed after a
+# fault (the engine's bookkeeping done: the release is done again at the next step), or in the
+# runner's own release of an admission that raised.
+CALL_FAULTS = ("admit", "_complete_admission", "reserve_step", "commit_step", "fork", "release")
 
 
 class Rows:
@@ -330,6 +331,7 @@ def _run(family, block_size, num_blocks, budget, options, requests, faults):
     rows.call_faults = faults.get("calls", {})
     ids: list[str | None] = [None] * len(requests)
     aborted: set[int] = set()
+    reported: list[str] = []  # the finished requests' ids the steps gave back
     step = 0
     # (a budget of 1 token a step computes one token a step: 5 requests, two of them later
     # turns of ~75 tokens, and a fault's recompute took 409 steps; a wedged engine steps on
@@ -340,16 +342,23 @@ def _run(family, block_size, num_blocks, budget, options, requests, faults):
                 ids[i] = engine.add_request(list(prompt), params, f"r{i}", tenant=tenant)
         for i, (_, _, _, abort, _) in enumerate(requests):
             if abort is not None and ids[i] is not None and abort == step and i not in aborted:
-                if engine.abort(ids[i]):
+                try:
+                    if engine.abort(ids[i]):
+                        aborted.add(i)
+                except Fault:  # a release raised: the request is aborted all the same
+                    assert engine.requests[ids[i]].finished
                     aborted.add(i)
         if not engine.has_unfinished() and all(i is not None for i in ids):
             break
         if step in faults["reset"]:
-            engine.reset_prefix_cache()
+            try:
+                engine.reset_prefix_cache()
+            except Fault:  # (a release left over from a fault, done first, raised again)
+                pass
             engine.runner.check_integrity()
         rows.fault = faults.get(step)
         try:
-            engine.step()
+            reported += engine.step()
         except Fault:
             pass
         rows.fault = None
@@ -357,6 +366,8 @@ def _run(family, block_size, num_blocks, budget, options, requests, faults):
         step += 1
     assert not engine.has_unfinished(), f"the workload did not finish in {MAX_STEPS} steps"
     engine.runner.check_integrity()
+    # every request that was not aborted reported finished by a step, once
+    assert sorted(reported) == sorted(rid for i, rid in enumerate(ids) if i not in aborted), reported
     outputs = {}
     for i, rid in enumerate(ids):
         out = engine.pop_output(rid)
@@ -364,7 +375,7 @@ def _run(family, block_size, num_blocks, budget, options, requests, faults):
     return engine, rows, outputs, aborted
 
 
-def _check(family, block_size, num_blocks, budget, options, requests, faults) -> None:
+def _check(family, block_size, num_blocks, budget, options, requests, faults) -> Engine:
     resolved, refs = [], []
     for prompt, params, arrival, abort, follows, tenant in requests:
         if follows is not None:
@@ -395,6 +406,7 @@ def _check(family, block_size, num_blocks, budget, options, requests, faults) ->
                 assert (tokens, reason) == (want, why), f"r{i}/{k}: {tokens} ({reason}) != alone {want} ({why})"
     usage = engine.runner.usage()
     assert usage.num_free_blocks == usage.num_blocks and usage.num_held_blocks == 0, usage
+    return engine
 
 
 @settings(max_examples=60, deadline=10000, suppress_health_check=[HealthCheck.too_slow])
@@ -472,3 +484,99 @@ def test_an_admission_that_raises_after_the_cache_admitted_it_is_admitted_again(
     ]
     faults = {"reset": frozenset(), "calls": {"_complete_admission": frozenset([call])}}
     _check(family, 16 if family == "dsv4" else 1, 8, 4, options, requests, faults)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma", "recurrent", "dsv4"])
+@pytest.mark.parametrize("lands", ["before", "after"])
+def test_a_release_that_raises_after_the_commit_is_done_at_the_next_step(family, lands) -> None:
+    """Ctrl-C lands in the release of b's parent (the step's commit done: a finishes on its
+    one token at step 0, b's two samples on theirs at step 1), before the runner's release ran
+    or after it. It used to leave b's sequences finished but running and in the runner: the
+    child, which the cache knew 1 token of, made every later step raise "request 'b/1': cannot
+    compute 1 tokens from 1". Now the step raises KeyboardInterrupt with b's sequences gone from
+    the running list; the next step does the releases left (a repeat of one that ran is a
+    no-op) and reports b, once; every block is free and a later request runs."""
+    options = {} if family == "llama" else {"num_slots": 3}
+    engine = _engine(family, 4, 16 if family == "dsv4" else 1, 1, prefix=False, max_num_seqs=2, **options)
+    real, calls = engine.runner.release, []
+
+    def release(seq_id, reason="finish"):
+        if len(calls) == 1 and lands == "before":
+            calls.append((seq_id, reason, None))
+            raise KeyboardInterrupt
+        calls.append((seq_id, reason, real(seq_id, reason)))
+        if len(calls) == 2 and lands == "after":
+            raise KeyboardInterrupt
+        return calls[-1][2]
+
+    engine.runner.release = release
+    engine.add_request([49], SamplingParams(max_tokens=1), "a")
+    engine.add_request([53], SamplingParams(max_tokens=1, n=2), "b")
+    assert engine.step() == ["a"]
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    b = engine.requests["b"]
+    assert b.finished and not engine.running and not engine.waiting
+    assert [s.finish_reason for s in b.seqs] == ["length", "length"]
+    engine.runner.check_integrity()
+    assert engine.has_unfinished()  # (the releases and the report left to do)
+    assert engine.step() == ["b"]
+    # b's parent released again (a no-op where its release had run), then the child
+    assert calls[1:] == [
+        ("b/0", "finish", None if lands == "before" else True),
+        *[("b/0", "finish", lands == "before"), ("b/1", "finish", True)],
+    ]
+    assert not engine.has_unfinished() and engine.step() == []
+    engine.runner.check_integrity()
+    usage = engine.runner.usage()
+    assert usage.num_free_blocks == usage.num_blocks and usage.num_held_blocks == 0, usage
+    assert len(engine.pop_output("b").completions) == 2
+    [out] = engine.generate([[1, 2]], SamplingParams(max_tokens=2))
+    assert len(out.completions[0].token_ids) == 2
+    usage = engine.runner.usage()
+    assert usage.num_free_blocks == usage.num_blocks, usage
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma", "recurrent"])
+@pytest.mark.parametrize("lands", ["before", "after"])
+def test_a_preemption_whose_release_raises_is_released_before_it_is_admitted_again(family, lands) -> None:
+    """The first release is b's preemption (9 blocks of 1 token: a and b, 6 tokens each, do not
+    both fit); Ctrl-C lands in it, before the runner's release ran or after. (After: b stayed
+    running while the runner held nothing of it, and every later step raised KeyError "unknown
+    request 'b/0'"; before: nothing had changed, and the step was tried again.) b is back in
+    the queue all the same, the next step releases it before anything is admitted, and both
+    requests give the tokens of a run without the fault."""
+    options = {} if family == "llama" else {"num_slots": 3}
+
+    def run(fault: bool) -> tuple[list[list[int]], int]:
+        engine = _engine(family, 9, 1, 4, prefix=False, max_num_seqs=2, **options)
+        real, calls = engine.runner.release, []
+
+        def release(seq_id, reason="finish"):
+            calls.append((seq_id, reason))
+            if fault and len(calls) == 1 and lands == "before":
+                raise KeyboardInterrupt
+            released = real(seq_id, reason)
+            if fault and len(calls) == 1:
+                raise KeyboardInterrupt
+            return released
+
+        engine.runner.release = release
+        for rid, prompt in (("a", [49]), ("b", [53])):
+            engine.add_request(prompt, SamplingParams(max_tokens=6), rid)
+        interrupted = 0
+        while engine.has_unfinished():
+            try:
+                engine.step()
+            except KeyboardInterrupt:
+                interrupted += 1
+                # (the hybrids' step is undone too: a, reserved before, recomputed)
+                assert calls[0] == ("b/0", "preempt") and "b/0" in [seq.seq_id for seq in engine.waiting]
+                assert "b/0" not in [seq.seq_id for seq in engine.running]
+            engine.runner.check_integrity()
+        usage = engine.runner.usage()
+        assert usage.num_free_blocks == usage.num_blocks and usage.num_held_blocks == 0, usage
+        tokens = [engine.pop_output(rid).completions[0].token_ids for rid in ("a", "b")]
+        return tokens, interrupted
+
+    assert run(fault=True) == (run(fault=False)[0], 1)

@@ -388,6 +388,16 @@ class Engine:
         # began (`_undo_take` reads them when that part raises); None between steps
         self._taking: list[ScheduledChunk] | StepChunks | None = None
         self._committing = False
+        # Sequences that left the running list and the queue (finished, preempted, a fault's
+        # recompute) whose cache the runner has not released yet: seq id -> the release's
+        # reason, in release order. The bookkeeping comes first, then `_release_pending`; a
+        # release that raises (Ctrl-C landing in it, a tier's fault) stays listed and is done
+        # again before the next step schedules anything (the runner's release is once only:
+        # a repeat of one that ran is False), so no sequence is half gone and no block leaks.
+        self._unreleased: dict[str, ReleaseReason] = {}
+        # the ids of requests a step finished whose releases raised: the next step reports
+        # them (each request reported once)
+        self._unreported: list[str] = []
 
     @property
     def num_preemptions(self) -> int:
@@ -584,7 +594,16 @@ class Engine:
         return prompt, LookupPrompt(prompt, (), data, hashes)
 
     def abort(self, request_id: str) -> bool:
-        """Cancel a request at any point; its cache is released once. False if unknown or done."""
+        """Cancel a request at any point; its cache is released once. False if unknown or done.
+        A release that raises (Ctrl-C) raises here with the request aborted all the same; the
+        release is done again at the next step."""
+        if not self._abort(request_id):
+            return False
+        self._release_pending()
+        return True
+
+    def _abort(self, request_id: str) -> bool:
+        """`abort` without the releases: they wait in `_unreleased`."""
         req = self.requests.get(request_id)
         if req is None or req.finished:
             return False
@@ -602,11 +621,18 @@ class Engine:
         cancel, its blocks released once, `message` in its output's `error` (what the client
         is told) and `trace` in the request's `error_trace` (what the operator's log shows).
         False if unknown or done."""
+        if not self._fail(request_id, message, trace):
+            return False
+        self._release_pending()
+        return True
+
+    def _fail(self, request_id: str, message: str, trace: str | None) -> bool:
+        """`fail` without the releases: they wait in `_unreleased`."""
         req = self.requests.get(request_id)
         if req is None or req.finished:
             return False
         req.error, req.error_trace = message, trace
-        return self.abort(request_id)
+        return self._abort(request_id)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix of the runner's device cache (vLLM's
@@ -615,10 +641,14 @@ class Engine:
         swapped out (their blocks are in use): finish or abort them first. Requests that wait
         unadmitted stay queued and find no hit. The tiers below the device pool keep their
         entries (their keys carry the descriptor's weights version)."""
+        self._release_pending()  # (a finished request whose release raised holds its blocks until then)
         return self.runner.reset_prefix_cache()
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Requests wait or run, or a step's work is left over from a fault: a release that
+        raised (`_unreleased`), finished requests not yet reported (`_unreported`); the next
+        step does it."""
+        return bool(self.waiting or self.running or self._unreleased or self._unreported)
 
     def output(self, request_id: str) -> RequestOutput:
         req = self.requests[request_id]
@@ -700,8 +730,10 @@ class Engine:
             stats.noop_call_s.append(elapsed)
         return result
 
-    def _preempt(self, seq: SequenceState, reason: ReleaseReason = "preempt") -> None:
-        self.runner.release(seq.seq_id, reason)
+    def _preempt(self, seq: SequenceState, reason: ReleaseReason = "preempt", release: bool = True) -> None:
+        """The sequence back to the queue's head, computed nothing, its cache released (with
+        release=False: listed in `_unreleased`, for the caller's `_release_pending`)."""
+        self._unreleased[seq.seq_id] = reason
         seq.in_runner = False
         seq._num_computed = 0
         running = self.running
@@ -714,11 +746,15 @@ class Engine:
             self.stats.num_preemptions += 1
         else:  # ("cancel": `_after_a_fault` releases a step's sequences to recompute them)
             self.stats.num_fault_recomputes += 1
+        if release:  # (the reservation that follows needs the blocks back)
+            self._release_pending()
 
     def _finish(self, seq: SequenceState, reason: str) -> None:
+        """The sequence finished and gone from the running list (or the queue); its release
+        waits in `_unreleased` for the caller's `_release_pending`."""
         seq.finish_reason = reason
         # Also for a sequence that waits (preempted): the runner forgets it, holding nothing.
-        self.runner.release(seq.seq_id, "cancel" if reason == "abort" else "finish")
+        self._unreleased[seq.seq_id] = "cancel" if reason == "abort" else "finish"
         seq.in_runner = False
         # (one scan of the running list, not a membership test and then the removal's own: a
         # sequence compares by identity, but every other one it passes costs a call to __eq__)
@@ -727,6 +763,25 @@ class Engine:
         except ValueError:  # not running: a sequence that waits (preempted, or a fork's child)
             if seq in self.waiting:  # (a running sequence never waits: no scan of the queue)
                 self.waiting.remove(seq)
+
+    def _release_pending(self) -> None:
+        """The runner releases each sequence listed in `_unreleased`, in order, each struck
+        off once its release returned. One that raises stays listed (and those after it): the
+        next step begins with them (`_step`)."""
+        unreleased = self._unreleased
+        release = self.runner.release
+        while unreleased:
+            seq_id = next(iter(unreleased))
+            release(seq_id, unreleased[seq_id])
+            del unreleased[seq_id]
+
+    def _report(self, finished: list[str]) -> list[str]:
+        """The step's finished request ids, after the releases left to do: those of an earlier
+        step whose releases raised first. If a release raises, the ids wait for the next step."""
+        self._unreported += finished
+        self._release_pending()
+        finished, self._unreported = self._unreported, []
+        return finished
 
     def _write_back_columns(self) -> None:
         """Each row of the columns the engine owns (`_owned`) given its computed count from
@@ -864,7 +919,8 @@ class Engine:
                 return
         for seq in reversed(self._scheduled):
             if seq.in_runner:
-                self._preempt(seq, "cancel")
+                self._preempt(seq, "cancel", release=False)
+        self._release_pending()  # (after every sequence's bookkeeping: one that raises leaves none half done)
 
     def _undo_take(self) -> None:
         """The step raised while it took its tokens (a row's sampler or stop check, the take's
@@ -1033,11 +1089,13 @@ class Engine:
             raise
 
     def _step(self) -> list[str]:
+        if self._unreleased:  # releases that raised (a fault, Ctrl-C): done before anything is admitted again
+            self._release_pending()
         chunks = self.schedule()
         counts = self._step_counts  # (counts[i] is len(chunks[i].token_ids))
         num_chunks = len(counts)  # (len(chunks): a StepChunks' len is a Python call, the list's is not)
         if not num_chunks:
-            return []
+            return self._report([]) if self._unreported else []
         stats = self.stats
         stats.num_steps += 1
         self._step_no += 1
@@ -1192,8 +1250,12 @@ class Engine:
                 req.finish_time = now
                 finished.append(req.request_id)
         for request_id, (message, trace) in failed.items():
-            self.fail(request_id, message, trace)
+            self._fail(request_id, message, trace)
             finished.append(request_id)
+        # The releases last, after every sequence left the running list: one that raises
+        # (Ctrl-C) leaves them to the next step, which reports these requests then
+        if self._unreleased or self._unreported:
+            return self._report(finished)
         return finished
 
     def _take_decode_tokens(
@@ -1583,12 +1645,13 @@ class Engine:
                     self.runner.append_token_ids(child_id, [child.token_ids[-1]])
         except BaseException:
             for child, _ in samples:
-                self.runner.release(child.seq_id, "cancel")  # (False where it holds none)
+                self._unreleased[child.seq_id] = "cancel"  # (the runner's release: False where it holds none)
                 if child.in_runner:
                     child.in_runner = False
                     self.running.remove(child)
             del req.seqs[num_seqs:]
             req.forked = False
+            self._release_pending()
             raise
         # The children that wait go first, in sample order (ahead of the queue, as preempted
         # ones); one that finishes on its first token leaves the queue again in _finish.

@@ -381,6 +381,9 @@ class ModelRunner:
         # deferred restores by recompute, by request, oldest first: (the hit's tokens, the
         # state slot, first position to recompute, first window position the state holds)
         self._replays: dict[str, tuple[int, int, int, int]] = {}
+        # requests whose admission raised and whose release then raised too (`_admit`): the
+        # cache may still hold them; their next admission (or release) releases them first
+        self._abandoned: set[str] = set()
         self.num_steps_run = 0  # engine steps executed (for per-step figures)
         self._prefill_tokens = 0  # tokens of the steps that carried a prefill chunk, and their seconds (auto)
         self._prefill_s = 0.0
@@ -467,6 +470,8 @@ class ModelRunner:
         check_packing: bool = True,
         share_ids: bool = False,
     ) -> Admission | None:
+        if self._abandoned and request_id in self._abandoned:  # an earlier try's release raised (below)
+            self.release(request_id, "cancel")
         if self.tier is not None:
             self.bridge.prefetch(self.cache, self.executor, token_ids, tenant_salt)
         adm = self.cache.admit(
@@ -487,6 +492,9 @@ class ModelRunner:
         try:
             return self._complete_admission(request_id, adm, token_ids, defer_replay)
         except BaseException:
+            # (listed until the release returned: one that raises too, Ctrl-C landing in it, is
+            # done at the request's next admission, which would otherwise find it admitted)
+            self._abandoned.add(request_id)
             self.release(request_id, "cancel")
             raise
 
@@ -620,15 +628,24 @@ class ModelRunner:
         """Free the request's cache: reason is "finish", "cancel" or "preempt"; a preempted
         request is swapped out first when the preemption mode says so, a restore still
         waiting to replay goes. Once only: False for a request the runner does not hold."""
+        released = self._release(request_id, reason)
+        self._abandoned.discard(request_id)  # (after the release: one that raises stays listed)
+        return released
+
+    def _release(self, request_id: str, reason: ReleaseReason) -> bool:
+        # (each part may be done again: the engine repeats a release that raised)
         self.bridge.drop_swapped(request_id, self.cache)
-        # a replay still deferred: the state block does not hold the request's state yet
-        replay_pending = self._replays.pop(request_id, None) is not None
         if self.step_buffers is not None:
             self.step_buffers.forget(request_id)
         if request_id not in self.cache:
+            self._replays.pop(request_id, None)
             return self.cache.release(request_id, reason)
+        # a replay still deferred: the state block does not hold the request's state yet
+        # (forgotten after the swap-out, so that a repeat swaps out as the first try would)
+        replay_pending = request_id in self._replays
         if reason == "preempt" and self._should_swap(request_id):
             self.bridge.swap_out(self.cache, self.executor, request_id, with_state=not replay_pending)
+        self._replays.pop(request_id, None)
         if not self.executor.keeps_block_state:
             return self.cache.release(request_id, reason)
         held = self.cache.block_ids(request_id)
