@@ -580,3 +580,72 @@ def test_a_preemption_whose_release_raises_is_released_before_it_is_admitted_aga
         return tokens, interrupted
 
     assert run(fault=True) == (run(fault=False)[0], 1)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma", "recurrent", "dsv4"])
+@pytest.mark.parametrize("call", [0, 1])
+def test_a_retried_admission_counts_its_request_once(family, call) -> None:
+    """r1 (r0's 3 tokens, then its own) is admitted, its admission raises after the cache
+    admitted it (`_complete_admission`) and it is admitted again: the cache's stats are the
+    run's without the fault (they counted r1 twice: num_requests 3, its queried and hit tokens
+    twice)."""
+    options = {"prefix": True, "max_num_seqs": 2}
+    if family != "llama":
+        options["num_slots"] = 2
+    if family in ("gemma", "recurrent"):  # (a recurrent state kept at every token: r1 hits r0's 3)
+        options |= {"num_slots": 4, "interval": 1}
+    block_size = 16 if family == "dsv4" else 1
+    prefix = list(range(40, 40 + (17 if family == "dsv4" else 3)))  # (V4: a full block to hit)
+    requests = [
+        (prefix, SamplingParams(max_tokens=2), 0, None, None, ""),
+        ([*prefix, 53], SamplingParams(max_tokens=2), 3, None, None, ""),
+    ]
+    calls = {"_complete_admission": frozenset([call])}
+    faulty = _check(family, block_size, 8, 64, options, requests, {"reset": frozenset(), "calls": calls})
+    clean = _check(family, block_size, 8, 64, options, requests, {"reset": frozenset(), "calls": {}})
+    assert faulty.runner.cache.stats.num_requests == 2
+    assert clean.runner.cache.stats.num_hit_tokens > 0
+    assert faulty.runner.cache.stats == clean.runner.cache.stats
+
+
+def test_an_admission_step_recomputed_after_a_fault_counts_its_request_once() -> None:
+    """The gemma cache (exact steps) releases a step's sequences when its forward raises, to
+    recompute them: a's admission step raised, and its admission again counted a twice."""
+    engine = _engine("gemma", 12, 1, 4, prefix=True, max_num_seqs=2, num_slots=3)
+    execute, calls = engine.runner.execute, []
+
+    def raising_once(chunks, all_logits=False):
+        calls.append(len(chunks))
+        if len(calls) == 1:
+            raise Fault("forward")
+        return execute(chunks, all_logits)
+
+    engine.runner.execute = raising_once
+    engine.add_request([49, 50, 51], SamplingParams(max_tokens=3), "a")
+    with pytest.raises(Fault):
+        engine.step()
+    assert engine.stats.num_fault_recomputes == 1
+    while engine.has_unfinished():
+        engine.step()
+    stats = engine.runner.cache.stats
+    assert (stats.num_requests, stats.num_queried_tokens, stats.num_readmissions) == (1, 3, 0)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_a_retried_readmission_counts_as_one_readmission(family) -> None:
+    """b is preempted (9 blocks of 1 token: a and b, 6 tokens each, do not both fit); its
+    readmission raises after the cache admitted it, and the cache's release of it forgot it
+    was preempted: admitted again, b counted as a second first admission. Now the stats are
+    the run's without the fault."""
+    options = {"prefix": True, "max_num_seqs": 2}
+    if family != "llama":
+        options |= {"num_slots": 3, "interval": 1}
+    requests = [
+        ([49], SamplingParams(max_tokens=6), 0, None, None, ""),
+        ([53], SamplingParams(max_tokens=6), 0, None, None, ""),
+    ]
+    calls = {"_complete_admission": frozenset([2])}  # (a's admission, b's, b's readmission)
+    faulty = _check(family, 1, 9, 4, options, requests, {"reset": frozenset(), "calls": calls})
+    clean = _check(family, 1, 9, 4, options, requests, {"reset": frozenset(), "calls": {}})
+    assert clean.runner.cache.stats.num_readmissions == 1 and clean.num_preemptions == 1
+    assert faulty.runner.cache.stats == clean.runner.cache.stats

@@ -222,6 +222,11 @@ class _Request:
     budget: int = 0  # the admission's max_new_tokens (or the rest of the prompt): for complete_loads
     num_loading: int = 0  # tokens of the hit a lower tier is still loading (complete_loads)
     readmitted: bool = False  # admitted after a preemption (its hits count apart)
+    # What its admission added to `stats` (prompt tokens queried, hit tokens, of those from a
+    # lower tier; loads and restores included) and its computed count then (-1: not counted, a
+    # fork's child): a cancel before it computed more undoes them (`release`)
+    counted: tuple[int, int, int] = (0, 0, 0)
+    counted_at: int = -1
     joined_at: int = 0  # the coordinator's `_requests_version` when it joined (`_add_request`)
     # The admission's hit point: a swap's restore (`restore_tail`, `restore_swapped_state`)
     # follows the admission, before any step; -1: none (a fork's child)
@@ -1369,6 +1374,8 @@ class HybridCacheManager:
         req.num_loading = 0
         self._loading.discard(request_id)
         self.stats.num_lower_tier_hit_tokens += loaded_tokens
+        queried, hits, loaded = req.counted
+        req.counted = (queried, hits, loaded + loaded_tokens)
         self._count_hit(req, loaded_tokens)
         # exact steps: the step reserved (the admission's, from the loads' start) is committed
         # whole: the tokens of the blocks not loaded join it, past the budget by them
@@ -1383,6 +1390,7 @@ class HybridCacheManager:
         else:
             self.stats.num_requests += 1
             self.stats.num_queried_tokens += len(req.token_ids)
+            req.counted = (len(req.token_ids), 0, 0)
         self._count_hit(req, req.num_computed)
 
     def _count_hit(self, req: _Request, num_tokens: int) -> None:
@@ -1391,6 +1399,24 @@ class HybridCacheManager:
             self.stats.num_readmitted_hit_tokens += num_tokens
         else:
             self.stats.num_hit_tokens += num_tokens
+        queried, hits, loaded = req.counted
+        req.counted, req.counted_at = (queried, hits + num_tokens, loaded), req.num_computed
+
+    def _uncount_admission(self, req: _Request) -> None:
+        """The request's admission as if never counted: cancelled before it computed anything
+        past its admission (its admission raised after the cache's part, or its first step did,
+        and the caller admits it again), each request counts once. A readmission is marked
+        preempted again, so that the next admission counts as one."""
+        stats, (queried, hits, loaded) = self.stats, req.counted
+        stats.num_lower_tier_hit_tokens -= loaded
+        if req.readmitted:
+            stats.num_readmissions -= 1
+            stats.num_readmitted_hit_tokens -= hits
+            self._preempted.add(req.request_id)
+        else:
+            stats.num_requests -= 1
+            stats.num_queried_tokens -= queried
+            stats.num_hit_tokens -= hits
 
     def _step_requests(
         self,
@@ -2071,7 +2097,9 @@ class HybridCacheManager:
             self._preempted.discard(request_id)
         if req is None:
             return False
-        if reason == "preempt":
+        if reason == "cancel" and req.num_computed == req.counted_at:  # (nothing computed since its admission)
+            self._uncount_admission(req)
+        elif reason == "preempt":
             self._preempted.add(request_id)
         elif reason == "finish" and self.turn_end_checkpoints and req.end == req.num_computed:
             for name, g in self.groups.items():
