@@ -442,8 +442,44 @@ def test_a_few_dense_sequences_name_bad_lengths_as_the_numpy_path() -> None:
                 plan_extend([3, 11], [10, 10], np.array([0, 40]), flat, 16, 8, 2, "cpu")
             with pytest.raises(ValueError, match="2 q_lens, 2 ctx_lens and 1 indptr entries disagree"):
                 plan_extend([3, 4], [10, 10], np.array([0]), flat, 16, 8, 2, "cpu")
-            with pytest.raises(ValueError, match=r"query rows \[0, 2\] with lengths \[3, 4\] do not fit 5 rows"):
-                plan_extend([3, 4], [10, 10], np.array([0, 40]), flat, 16, 8, 2, "cpu", q_rows=[0, 2], num_rows=5)
+            # (rows that do not overlap: rows [0, 2] overlap too, which is named first now)
+            with pytest.raises(ValueError, match=r"query rows \[0, 3\] with lengths \[3, 4\] do not fit 5 rows"):
+                plan_extend([3, 4], [10, 10], np.array([0, 40]), flat, 16, 8, 2, "cpu", q_rows=[0, 3], num_rows=5)
+
+
+@pytest.mark.parametrize(
+    ("q_rows", "message"),
+    [
+        ([0, 1, 9], r"sequences 0 and 1 overlap in query rows: \[0, 3\) and \[1, 5\)"),
+        ([9, 0, 2], r"sequences 1 and 2 overlap in query rows: \[0, 4\) and \[2, 4\)"),
+        ([4, 9, 3], r"sequences 0 and 2 overlap in query rows: \[4, 7\) and \[3, 5\)"),
+        ([5, 5, 0], r"sequences 0 and 1 overlap in query rows: \[5, 8\) and \[5, 9\)"),
+        ([0, 3, 7], None),  # (one after another)
+        ([8, 4, 0], None),  # (disjoint, in another order)
+    ],
+)
+def test_overlapping_query_rows_are_refused_by_name(q_rows, message) -> None:
+    """Two sequences whose query rows overlap would write the same output rows (the later
+    program winning, silently): every path refuses them, naming both sequences and their
+    rows (CSR tables, dense tables through numpy and through the few-sequence lists).
+    Disjoint rows in any order plan as before."""
+    q_lens, ctx_lens = [3, 4, 2], [10, 10, 10]
+    flat = torch.zeros(120, dtype=torch.int32)
+    plans = []
+    for kind in ("csr", "dense", "few"):
+        if kind == "csr":
+            args = (q_lens, ctx_lens, [0, 1, 2, 3], [0, 1, 2], 16, 8, 2, "cpu")
+        else:
+            args = (q_lens, ctx_lens, np.array([0, 40, 80]), flat, 16, 8, 2, "cpu")
+        with patch.object(triton_extend, "FEW_SEQS", triton_extend.FEW_SEQS if kind == "few" else -1):
+            if message is None:
+                plans.append(plan_extend(*args, q_rows=q_rows, num_rows=13))
+            else:
+                with pytest.raises(ValueError, match=message):
+                    plan_extend(*args, q_rows=q_rows, num_rows=13)
+    if plans:
+        assert plans[0].q_rows.tolist() == q_rows
+        assert _plan_fields(plans[1]) == _plan_fields(plans[2])
 
 
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e4m3_token"])

@@ -58,7 +58,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import accumulate
+from itertools import accumulate, islice
 from typing import NamedTuple
 
 import numpy as np
@@ -130,6 +130,21 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def _refuse_overlapping_rows(rows: Sequence[int], q_lens: Sequence[int]) -> None:
+    """ValueError naming two sequences whose query rows [rows[i], rows[i] + q_lens[i])
+    overlap (both would write the same output rows, the later program winning). For rows
+    given in an order other than increasing: sorted here, off the callers' path (theirs
+    increase, which one comparison a sequence checks)."""
+    order = sorted(range(len(rows)), key=rows.__getitem__)
+    for a, b in zip(order[:-1], order[1:], strict=True):
+        if rows[b] < rows[a] + q_lens[a]:
+            i, j = sorted((a, b))
+            raise ValueError(
+                f"sequences {i} and {j} overlap in query rows: [{rows[i]}, {rows[i] + q_lens[i]}) "
+                f"and [{rows[j]}, {rows[j] + q_lens[j]})"
+            )
+
+
 def plan_extend(
     q_lens: Sequence[int],
     ctx_lens: Sequence[int],
@@ -154,7 +169,8 @@ def plan_extend(
     num_splits: programs per (tile, KV head), each a range of the keys, merged by
     log-sum-exp; num_sms: choose it instead by triton_decode's rule for this GPU's SM count
     (split when the tiles x KV heads cannot give every SM two programs, no split shorter
-    than its MIN_SPLIT_TOKENS). ValueError naming the first inconsistency.
+    than its MIN_SPLIT_TOKENS). ValueError naming the first inconsistency (given q_rows:
+    also two sequences whose rows overlap).
 
     Dense tables (the persistent step buffers'): indices an int32 tensor on `device`, the
     flat table, and indptr [B] the offset of sequence i's table row in it (row *
@@ -222,7 +238,14 @@ def plan_extend(
         lowest, highest = first_row, int(firsts[-1]) + first_row
     else:
         rows = np.asarray(q_rows, dtype=np.int64)
-        lowest, highest = (int(rows.min()), int((rows + q).max())) if num_seqs else (0, 0)
+        ends = rows + q  # [B]
+        if not num_seqs:
+            lowest, highest = 0, 0
+        elif (rows[1:] >= ends[:-1]).all():  # each sequence's rows end where the next one's may start (the callers')
+            lowest, highest = int(rows[0]), int(ends[-1])  # (no reduction needed: the check costs none)
+        else:  # (sorted only where they do not increase)
+            _refuse_overlapping_rows(rows.tolist(), q.tolist())
+            lowest, highest = int(rows.min()), int(ends.max())
     if num_rows is None:
         num_rows = highest if num_seqs else 0
     if num_seqs and (lowest < 0 or highest > num_rows):
@@ -310,7 +333,13 @@ def _few_head(
         lowest, highest = first_row, firsts[-1] + first_row
     else:
         rows = q_rows
-        lowest, highest = (min(rows), max(map(int.__add__, rows, q))) if num_seqs else (0, 0)
+        if not num_seqs:
+            lowest, highest = 0, 0
+        elif all(map(operator.le, map(int.__add__, rows, q), islice(rows, 1, None))):  # (as the numpy path)
+            lowest, highest = rows[0], rows[-1] + q[-1]
+        else:
+            _refuse_overlapping_rows(rows, q)
+            lowest, highest = min(rows), max(map(int.__add__, rows, q))
     if num_rows is None:
         num_rows = highest if num_seqs else 0
     if num_seqs and (lowest < 0 or highest > num_rows):
