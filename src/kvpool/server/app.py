@@ -273,8 +273,10 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> Response:
-        """vLLM's POST /reset_prefix_cache, SGLang's /flush_cache: the engine forgets every cached
-        prefix between two steps; refused with SGLang's 400 while requests hold blocks."""
+        """vLLM's POST /reset_prefix_cache, SGLang's /flush_cache: the engine forgets every prefix
+        cached in the device pool between two steps; refused with SGLang's 400 while requests
+        hold blocks. The host, disk and Redis tiers keep their entries (vLLM's default,
+        reset_connector=False, keeps its connector's): a later request may still hit them."""
         authorize(request)
         try:
             done = await asyncio.wrap_future(state.engine.call(lambda engine: engine.reset_prefix_cache()))
