@@ -608,29 +608,6 @@ def test_a_retried_admission_counts_its_request_once(family, call) -> None:
     assert faulty.runner.cache.stats == clean.runner.cache.stats
 
 
-def test_an_admission_step_recomputed_after_a_fault_counts_its_request_once() -> None:
-    """The gemma cache (exact steps) releases a step's sequences when its forward raises, to
-    recompute them: a's admission step raised, and its admission again counted a twice."""
-    engine = _engine("gemma", 12, 1, 4, prefix=True, max_num_seqs=2, num_slots=3)
-    execute, calls = engine.runner.execute, []
-
-    def raising_once(chunks, all_logits=False):
-        calls.append(len(chunks))
-        if len(calls) == 1:
-            raise Fault("forward")
-        return execute(chunks, all_logits)
-
-    engine.runner.execute = raising_once
-    engine.add_request([49, 50, 51], SamplingParams(max_tokens=3), "a")
-    with pytest.raises(Fault):
-        engine.step()
-    assert engine.stats.num_fault_recomputes == 1
-    while engine.has_unfinished():
-        engine.step()
-    stats = engine.runner.cache.stats
-    assert (stats.num_requests, stats.num_queried_tokens, stats.num_readmissions) == (1, 3, 0)
-
-
 @pytest.mark.parametrize("family", ["llama", "gemma"])
 def test_a_retried_readmission_counts_as_one_readmission(family) -> None:
     """b is preempted (9 blocks of 1 token: a and b, 6 tokens each, do not both fit); its

@@ -223,10 +223,10 @@ class _Request:
     num_loading: int = 0  # tokens of the hit a lower tier is still loading (complete_loads)
     readmitted: bool = False  # admitted after a preemption (its hits count apart)
     # What its admission added to `stats` (prompt tokens queried, hit tokens, of those from a
-    # lower tier; loads and restores included) and its computed count then (-1: not counted, a
-    # fork's child): a cancel before it computed more undoes them (`release`)
+    # lower tier; loads and restores included): taken back at its release where the caller
+    # gave the admission up (`give_up_admission`: it admits the request again)
     counted: tuple[int, int, int] = (0, 0, 0)
-    counted_at: int = -1
+    given_up: bool = False
     joined_at: int = 0  # the coordinator's `_requests_version` when it joined (`_add_request`)
     # The admission's hit point: a swap's restore (`restore_tail`, `restore_swapped_state`)
     # follows the admission, before any step; -1: none (a fork's child)
@@ -1400,13 +1400,18 @@ class HybridCacheManager:
         else:
             self.stats.num_hit_tokens += num_tokens
         queried, hits, loaded = req.counted
-        req.counted, req.counted_at = (queried, hits + num_tokens, loaded), req.num_computed
+        req.counted = (queried, hits + num_tokens, loaded)
+
+    def give_up_admission(self, request_id: str) -> None:
+        """The caller gives the request's admission up and will admit it again (what its
+        admission needed past the cache's part raised: a tier's load, a state restore): its
+        release, next, takes back what the admission added to `stats`, so that each request
+        counts once, and a readmission stays marked preempted (admitted again, it counts as
+        one). KeyError for a request not admitted."""
+        self._requests[request_id].given_up = True
 
     def _uncount_admission(self, req: _Request) -> None:
-        """The request's admission as if never counted: cancelled before it computed anything
-        past its admission (its admission raised after the cache's part, or its first step did,
-        and the caller admits it again), each request counts once. A readmission is marked
-        preempted again, so that the next admission counts as one."""
+        """The request's admission as if never counted (`give_up_admission`)."""
         stats, (queried, hits, loaded) = self.stats, req.counted
         stats.num_lower_tier_hit_tokens -= loaded
         if req.readmitted:
@@ -2097,9 +2102,9 @@ class HybridCacheManager:
             self._preempted.discard(request_id)
         if req is None:
             return False
-        if reason == "cancel" and req.num_computed == req.counted_at:  # (nothing computed since its admission)
+        if req.given_up:
             self._uncount_admission(req)
-        elif reason == "preempt":
+        if reason == "preempt":
             self._preempted.add(request_id)
         elif reason == "finish" and self.turn_end_checkpoints and req.end == req.num_computed:
             for name, g in self.groups.items():

@@ -191,9 +191,9 @@ class Reservation(NamedTuple):
 @dataclass
 class PrefixStats:
     """Prefix-cache counters over first admissions. A request re-admitted after preemption
-    hits its own blocks again: those hits are counted apart, not in the hit rate. Each
-    request counts once: a cancel before it computed anything past its admission (an
-    admission that raised after the cache's part, to be retried) takes its counts back."""
+    hits its own blocks again: those hits are counted apart, not in the hit rate. An
+    admission the caller gives up to retry (`give_up_admission`) is taken back at its
+    release: each request counts once."""
 
     num_requests: int = 0
     num_queried_tokens: int = 0  # prompt tokens looked up at first admission

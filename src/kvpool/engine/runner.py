@@ -495,6 +495,7 @@ class ModelRunner:
             # (listed until the release returned: one that raises too, Ctrl-C landing in it, is
             # done at the request's next admission, which would otherwise find it admitted)
             self._abandoned.add(request_id)
+            self.cache.give_up_admission(request_id)  # (its stats taken back: admitted again, it counts once)
             self.release(request_id, "cancel")
             raise
 
