@@ -670,3 +670,24 @@ def test_the_turn_end_lists_stay_bounded_over_many_conversations():
             conv = conv + [rng.randrange(251) for _ in range(rng.randrange(1, 8))]
         m.check_integrity()
     assert m.groups["r"]._turn_ends.num_listed() > 0 and m.groups["full"]._turn_ends.num_listed() > 0
+
+
+def test_a_turn_end_list_of_few_live_entries_in_a_large_pool_stays_small():
+    # Spilled V4 states are turn ends of the classical pool: few live (31 blocks each) in a
+    # pool of many blocks. Dead entries keep their chains of prefix blocks alive, so the list
+    # is swept at twice its live entries (+ 64), not only at twice the pool's blocks.
+    from kvpool.cache.chains import TurnEnds
+    from kvpool.pool.block_pool import BlockPool
+
+    pool = BlockPool(100_000)
+    held = pool.allocate(100_000 - 8)  # 8 blocks cycle: each filing's block is cached, then taken
+    assert held is not None
+    turn_ends = TurnEnds(pool, 4)
+    root = pool.root(b"d")
+    for i in range(2_000):  # each under a parent of its own: no filing meets a dead one
+        parent = pool.chain(root, i.to_bytes(16, "little"))
+        (block_id,) = pool.allocate(1, [])
+        assert turn_ends.file(block_id, turn_ends.block(parent, [i, i + 1, 0, 0, 0, 0], (), 4, 6), orphan_ok=True)
+        pool.decref([block_id])  # a free cached block: alive until an allocation takes it
+        assert turn_ends.num_listed() <= 2 * 8 + 64 + 1, (i, turn_ends.num_listed())
+        turn_ends.check_integrity()

@@ -231,15 +231,19 @@ class TurnEnds:
     A kept block dies (leaves the pool's index) when an admission adopts it (`drop`) or when
     the pool takes it for an allocation, which tells nobody. Dead entries are dropped when a
     probe or a filing meets them under their parent, and all of them at once when a filing
-    finds more than twice the pool's blocks listed: the live ones (each holds a block of its
-    own) are at most the pool's blocks, so the list never exceeds twice that, and a sweep
-    comes at most once per `pool.num_blocks` filings (amortized O(1) per filing)."""
+    finds more listed than twice the live ones of the last sweep (+ 64), or than twice the
+    pool's blocks: the live ones (each holds a block of its own) are at most the pool's
+    blocks, so the list never exceeds twice that, and a sweep that leaves L live entries
+    comes at least L + 64 filings before the next (amortized O(1) per filing). So a list of
+    few live entries in a large pool (spilled V4 states, 31 blocks each) stays small: a
+    dead entry keeps its chain of prefix blocks alive."""
 
     def __init__(self, pool: BlockPool, unit: int) -> None:
         self.pool = pool
         self.unit = unit
         self._by_parent: dict[bytes, list[PrefixBlock]] = {}  # dead (evicted, adopted) entries dropped as met
         self._num_listed = 0  # entries over all parents, live or dead
+        self._sweep_at = min(64, 2 * pool.num_blocks)  # a filing past this many listed sweeps
 
     def __bool__(self) -> bool:
         return bool(self._by_parent)
@@ -270,7 +274,7 @@ class TurnEnds:
         assert block.parent is not None
         self._by_parent[block.parent.block_hash] = [*self._kept(block.parent.block_hash), block]
         self._num_listed += 1
-        if self._num_listed > 2 * self.pool.num_blocks:
+        if self._num_listed > self._sweep_at:
             self._sweep()
         return True
 
@@ -389,3 +393,4 @@ class TurnEnds:
         """Unlist every dead entry."""
         for parent_hash in list(self._by_parent):
             self._kept(parent_hash)
+        self._sweep_at = min(2 * self._num_listed + 64, 2 * self.pool.num_blocks)

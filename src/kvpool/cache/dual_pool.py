@@ -363,6 +363,7 @@ class DualPoolGroup(CacheGroup):
         self._spill_parts = (spec.spill_blocks or spec.checkpoint_blocks) if self.checkpointing and pooled else 0
         self._spills = TurnEnds(self.pool, spec.span)
         self._spilled: dict[bytes, _Checkpoint] = {}
+        self._spilled_prune_at = 64  # dead records dropped when this many are kept (2 x live + 64)
         self._spill_extras = tuple(_STATE_EXTRA + str(i).encode() for i in range(1, self._spill_parts))
         self._spill_copies: list[tuple[int, int]] = []
         self.num_spills = 0  # turn-end states spilled (for reports)
@@ -776,8 +777,9 @@ class DualPoolGroup(CacheGroup):
         pool.decref(ids[:1])
         if rest is None:  # (a collision: the parts left unpublished were freed unhashed)
             return
-        if len(self._spilled) >= pool.num_blocks:  # dead records dropped (a live one holds its blocks)
+        if len(self._spilled) >= self._spilled_prune_at:  # dead records dropped (a live one holds its blocks)
             self._spilled = {h: ck for h, ck in self._spilled.items() if all(map(pool.is_published, ck.parts))}
+            self._spilled_prune_at = 2 * len(self._spilled) + 64
         self._spilled[block.block_hash] = _Checkpoint(ids[0], block, (block, *rest))
         self._spill_copies.append((slot, self._slot_base + ids[0]))
         self.num_spills += 1
