@@ -25,6 +25,29 @@ CONFIG = LlamaConfig(
     tie_embeddings=True,
 )
 DESCRIPTOR = CacheDescriptor("random-llama", weights_version="seed0", layout_id="L4:kvh2:d32:bs16:fp64")
+# a tiny Hugging Face config.json of a Llama (transformers' field names), for the tests that
+# compare a model built from a config with transformers'; and Llama 3's RoPE scaling at a
+# small original context, so that positions of a few hundred cross all three bands
+TINY_HF_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 160,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 300,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+}
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 
 def random_llama(

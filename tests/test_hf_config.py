@@ -16,23 +16,12 @@ import torch
 
 from kvpool.attention.reference import reference_logits
 from kvpool.models.hf_config import hf_tensor_name, llama_config, model_bytes, random_llama, random_tensors
+from random_llama import LLAMA3_SCALING, TINY_HF_LLAMA
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.llama import modeling_llama  # noqa: E402
 
-RAW = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 160,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 300,
-    "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": False,
-}
+RAW = TINY_HF_LLAMA
 IDS = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(0)).tolist()
 
 
@@ -100,13 +89,7 @@ def test_a_directory_and_defaults(tmp_path):
     assert hf.config.rope_freq_divisors is None
 
 
-LLAMA3 = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 64,
-}
+LLAMA3 = LLAMA3_SCALING
 
 
 @pytest.mark.parametrize(

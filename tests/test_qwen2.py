@@ -21,6 +21,7 @@ from kvpool.engine.build import build_engine, load_model
 from kvpool.models.gguf import load_gguf
 from kvpool.models.llama import LlamaModel
 from kvpool.models.tensor_parallel import check_tp
+from random_llama import TINY_HF_LLAMA
 from test_rope_scaling import _engine_rows, _Fp64Torch, _norm_in_input_dtype, _rotary_fp64
 
 transformers = pytest.importorskip("transformers")
@@ -30,18 +31,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 TOL64 = 1e-10
 C_FP32 = 3.0  # as tests/test_model.py's
-HF = {
-    "hidden_size": 64,
-    "intermediate_size": 160,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 300,
-    "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 1e6,
-    "use_sliding_window": False,
-}
+# the tiny Llama's sizes, with Qwen2's norm epsilon and RoPE base
+HF = {k: v for k, v in TINY_HF_LLAMA.items() if k not in ("model_type", "tie_word_embeddings")}
+HF.update(rms_norm_eps=1e-6, rope_theta=1e6, use_sliding_window=False)
 IDS = torch.randint(0, 300, (120,), generator=torch.Generator().manual_seed(2)).tolist()
 
 

@@ -41,6 +41,7 @@ from kvpool.models.gguf import load_gguf
 from kvpool.models.hf_config import hf_tensor_name, llama_config, random_llama, random_tensors
 from kvpool.models.llama import LlamaModel
 from kvpool.models.rope import inv_freq, llama3_divisors
+from random_llama import LLAMA3_SCALING, TINY_HF_LLAMA
 
 transformers = pytest.importorskip("transformers")
 from transformers import modeling_rope_utils  # noqa: E402
@@ -52,27 +53,8 @@ TOL64 = 1e-10
 # our fp32 error over transformers' own (both round the same residual stream): measured at
 # most 0.93 (contiguous, both paths) and 0.82 (the engine); 3 as tests/test_model.py's C_FP32
 C_FP32 = 3.0
-LLAMA3 = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 64,
-}
-RAW = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 160,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 300,
-    "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": False,
-    "rope_scaling": LLAMA3,
-}
+LLAMA3 = LLAMA3_SCALING
+RAW = {**TINY_HF_LLAMA, "rope_scaling": LLAMA3}
 HEAD_DIM = 16
 SEED = 5
 IDS = torch.randint(0, 300, (210,), generator=torch.Generator().manual_seed(1)).tolist()
