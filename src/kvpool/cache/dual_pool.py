@@ -249,7 +249,7 @@ _SWAP_EXTRA = b"v4-swap:"  # a swapped-out state's tier entry: never a span's or
 def _state_part(block: PrefixBlock) -> bool:
     """Whether a classical prefix block is part of a pooled checkpoint or of a spilled
     turn-end state (not a span of tokens)."""
-    return not block.token_bytes and block.extra.startswith(_STATE_EXTRA) or block.extra.startswith(b"turn")
+    return (not block.token_bytes and block.extra.startswith(_STATE_EXTRA)) or block.extra.startswith(b"turn")
 
 
 @dataclass(slots=True)
