@@ -438,8 +438,9 @@ TIER_DEADLINE_FLAGS = (
         "--disk-timeout",
         "disk_s",
         "--disk-cache",
-        "seconds a disk cache read, stat, unlink or rename may take; past it a miss (the engine computes those "
-        "tokens), and 3 in a row open a breaker that serves without the disk until it answers (default: 1)",
+        "seconds a disk cache lookup's or get's read, an unlink or a rename may take; past it a miss (the engine "
+        "computes those tokens), and 3 in a row open a breaker that serves without the disk until it answers "
+        "(default: 1)",
     ),
     (
         "--disk-write-timeout",

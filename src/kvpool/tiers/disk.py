@@ -161,7 +161,7 @@ _CACHE_FIELDS = (
 _NO_ROOM_BACKOFF_S = 60.0
 _NO_ROOM_BACKOFF_MAX_S = 3600.0
 _now = time.monotonic  # (the tests move it)
-# deadlines (module docstring): a read, a stat, an unlink, a rename, an LRU refresh ...
+# deadlines (module docstring): a lookup's or a get's read (one job each), an unlink, a rename ...
 DEFAULT_TIMEOUT_S = 1.0
 # ... and a whole write (temp file written and fsynced, renamed, the directory fsynced: an
 # fsync waits for the disk's other dirty data too) or a scan of the directory
@@ -555,8 +555,9 @@ class DiskTier(Tier):
         """capacity_bytes: the LRU byte limit of the entry files. max_pending_bytes: the
         background writer's queue bound. fsync: off only for benchmarks of the unsafe rate.
         log: where the once-per-kind fault lines go (default: stderr). timeout_s: the
-        deadline of a read (a lookup's header, a get's entry) and of a stat, unlink, rename
-        or LRU refresh; write_timeout_s: of a whole write, and of a scan of the directory.
+        deadline of a lookup's read (an entry's open and header) and of a get's (the
+        entry read and checked, its LRU refresh: one job each), of an unlink or a rename;
+        write_timeout_s: of a whole write, and of a scan of the directory.
         breaker_failures: operations in a row past their deadline that open the breaker;
         retry_s: its cool-down, after which the tier asks the disk again (module docstring).
         open_timeout_s: the open's (its checks, stale temp files, quarantine/ listed, every
