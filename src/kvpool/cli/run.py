@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -169,7 +170,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser,
         note="; or the built-in tiny-dsv4 (the tiny DeepSeek-V4 model on its dual pool, token ids), tiny-gemma2 "
         "(window + full attention) or tiny-recurrent (recurrent + full layers); or an HF config.json of a "
-        "Llama-family model (seeded random weights, token ids: real shapes without the weights)",
+        "Llama-family model (Llama, Mistral, Qwen2: seeded random weights, token ids: real shapes without the "
+        "weights), or its directory with its safetensors (its weights, token ids)",
     )
     add_threads_option(parser, probed=True)
     add_tp_option(parser)
@@ -281,29 +283,38 @@ def hybrid_engine(args: argparse.Namespace):
 
 def config_engine(args: argparse.Namespace):
     """(engine, model name, vocabulary size) for --model CONFIG.json: a Llama-family model of
-    that HF config with weights drawn from --seed (models/hf_config.py), on --device in
+    that HF config with weights drawn from --seed (models/hf_config.py), or for --model DIR
+    (an HF model directory: config.json and safetensors) with its weights, on --device in
     --dtype, over --num-blocks blocks or what --kv-memory holds; token ids in and out (no
     tokenizer), no tiers."""
     from kvpool.cache import CacheDescriptor
     from kvpool.engine.build import build_engine
     from kvpool.engine.memory import check_fits
-    from kvpool.models.hf_config import llama_config, model_bytes, random_llama
+    from kvpool.models.gguf import file_digest
+    from kvpool.models.hf_config import hf_tensors, hf_weight_files, llama_config, model_bytes, random_llama
+    from kvpool.models.llama import LlamaModel
 
+    directory = os.path.isdir(args.model)
     if host_cache_bytes(args) is not None or any(persistent_cache_options(args).values()):
-        raise ValueError(
-            f"--model {args.model}: random weights serve no tiers (no --host-cache-gib, --disk-cache, --redis)"
-        )
+        what = "an HF directory's model" if directory else "random weights"
+        raise ValueError(f"--model {args.model}: {what} serve no tiers (no --host-cache-gib, --disk-cache, --redis)")
     if getattr(args, "preemption", "recompute") != "recompute":
         raise ValueError(f"--model {args.model}: preemption swap and auto need the host tier; use recompute")
     hf = llama_config(args.model)
     dtype, device = model_placement(args)
-    check_fits(
-        model_bytes(hf.config, dtype), device, f"--model {args.model} with random weights", "a smaller config.json"
-    )
-    model = random_llama(hf.config, seed=args.seed, dtype=dtype, device=device)
+    weights = "its safetensors" if directory else "random weights"
+    smaller = "a smaller model" if directory else "a smaller config.json"
+    check_fits(model_bytes(hf.config, dtype), device, f"--model {args.model} with {weights}", smaller)
+    if directory:  # an HF model directory: its own weights, named by their files' digest
+        files = hf_weight_files(args.model)
+        version = "safetensors:" + "-".join(file_digest(f) for f in files)
+        model = LlamaModel.from_tensors(hf.config, hf_tensors(args.model, hf.config, dtype), device)
+    else:
+        version = f"random-seed{args.seed}"
+        model = random_llama(hf.config, seed=args.seed, dtype=dtype, device=device)
     engine = build_engine(
         model,
-        descriptor=CacheDescriptor(hf.name, weights_version=f"random-seed{args.seed}"),
+        descriptor=CacheDescriptor(hf.name, weights_version=version),
         num_blocks=args.num_blocks,
         kv_memory_bytes=parse_bytes(args.kv_memory) if args.kv_memory else RUN_DEFAULTS.kv_memory_bytes,
         block_size=args.block_size,
@@ -331,7 +342,9 @@ def build(args: argparse.Namespace):
 
     check_hybrid(args)
     check_device_model(args, (TINY_MODEL, *HYBRID_MODELS))
-    if args.model is not None and args.model.endswith(".json"):
+    if args.model is not None and (
+        args.model.endswith(".json") or os.path.isfile(os.path.join(args.model, "config.json"))
+    ):
         engine, name, vocab_size = config_engine(args)
         limit_model_len(engine, args.max_model_len)
         return (
@@ -377,8 +390,6 @@ def build(args: argparse.Namespace):
             TINY_MODEL,
             None,
         )
-
-    import os
 
     from kvpool.engine.build import load_model
 

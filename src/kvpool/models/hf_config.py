@@ -25,7 +25,9 @@ from kvpool.models.gguf import LlamaConfig
 from kvpool.models.llama import LlamaModel
 from kvpool.models.rope import llama3_divisors
 
-ARCHITECTURES = ("llama", "mistral")  # model_type values whose math models/llama.py computes
+ARCHITECTURES = ("llama", "mistral", "qwen2")  # model_type values whose math models/llama.py computes
+# transformers' defaults that differ by model_type (Qwen2Config's context: 32,768)
+MAX_POSITION_DEFAULTS = {"qwen2": 32768}
 
 
 @dataclass(frozen=True)
@@ -60,10 +62,14 @@ def _parse(raw: dict[str, Any], where: str) -> LlamaConfig:
     model_type = raw.get("model_type")
     if model_type not in ARCHITECTURES:
         raise ValueError(f"{where}: model_type {model_type!r} is not a Llama-family model ({', '.join(ARCHITECTURES)})")
-    for key, allowed in (("hidden_act", ("silu",)), ("attention_bias", (False,)), ("mlp_bias", (False,))):
+    qwen2 = model_type == "qwen2"  # Q / K / V biases always (transformers' Qwen2Attention), none on O or the MLP
+    checked = [("hidden_act", ("silu",)), ("mlp_bias", (False,))]
+    if not qwen2:  # (Llama's attention_bias adds an O bias too)
+        checked.append(("attention_bias", (False,)))
+    for key, allowed in checked:
         if key in raw and raw[key] not in allowed:
             raise ValueError(f"{where}: {key} {raw[key]!r} is not modelled (only {allowed[0]!r})")
-    if raw.get("sliding_window") is not None:
+    if not qwen2 and raw.get("sliding_window") is not None:
         raise ValueError(f"{where}: sliding_window {raw['sliding_window']!r} is not modelled (full attention only)")
 
     def positive(key: str, default: int | None = None) -> int:
@@ -74,6 +80,9 @@ def _parse(raw: dict[str, Any], where: str) -> LlamaConfig:
             raise ValueError(f"{where}: {key} {value} is past any tensor's size (2^63)")
         return value
 
+    num_layers = positive("num_hidden_layers")
+    if qwen2:
+        _check_qwen2_full_attention(raw, where, num_layers)
     hidden = positive("hidden_size")
     num_heads = positive("num_attention_heads")
     num_kv_heads = positive("num_key_value_heads", num_heads)
@@ -95,7 +104,7 @@ def _parse(raw: dict[str, Any], where: str) -> LlamaConfig:
 
     rope_theta, divisors = _rope(raw, where, head_dim)
     eps = positive_number("rms_norm_eps", 1e-6)
-    max_position = positive("max_position_embeddings", 2048)
+    max_position = positive("max_position_embeddings", MAX_POSITION_DEFAULTS.get(model_type, 2048))
     if max_position < 2:  # a request needs one position for its prompt and one for its output token
         raise ValueError(
             f"{where}: max_position_embeddings must be 2 or more (a prompt token and the token it "
@@ -105,7 +114,7 @@ def _parse(raw: dict[str, Any], where: str) -> LlamaConfig:
     if not isinstance(tie, bool):  # bool("false") is True: a string tied an untied model
         raise ValueError(f"{where}: tie_word_embeddings must be true or false, got {tie!r}")
     return LlamaConfig(
-        num_layers=positive("num_hidden_layers"),
+        num_layers=num_layers,
         hidden_size=hidden,
         intermediate_size=positive("intermediate_size"),
         num_heads=num_heads,
@@ -117,7 +126,32 @@ def _parse(raw: dict[str, Any], where: str) -> LlamaConfig:
         max_position=max_position,
         tie_embeddings=tie,
         rope_freq_divisors=divisors,
+        qkv_bias=qwen2,
     )
+
+
+def _check_qwen2_full_attention(raw: dict[str, Any], where: str, num_layers: int) -> None:
+    """ValueError unless every layer of a Qwen2 config.json attends in full, as transformers'
+    Qwen2Config decides: its `layer_types` when given, else a sliding window on the layers
+    from `max_window_layers` on where `use_sliding_window` is true (Qwen2.5's config.json
+    names a sliding_window with use_sliding_window false: full attention)."""
+    types = raw.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+            raise ValueError(f"{where}: layer_types must be a list of strings, got {types!r:.200}")
+        other = sorted(set(types) - {"full_attention"})
+        if other:
+            raise ValueError(f"{where}: layer_types {other[0]!r} is not modelled (full_attention only)")
+        return
+    use = raw.get("use_sliding_window", False)
+    if not isinstance(use, bool):  # bool("false") is True
+        raise ValueError(f"{where}: use_sliding_window must be true or false, got {use!r}")
+    first = raw.get("max_window_layers", 28)
+    if use and raw.get("sliding_window") is not None and not (isinstance(first, int) and first >= num_layers):
+        raise ValueError(
+            f"{where}: use_sliding_window with sliding_window {raw['sliding_window']!r} is not modelled "
+            f"(full attention only; layers from max_window_layers {first!r} would slide)"
+        )
 
 
 def _positive_number(where: str, key: str, value: Any) -> float:
@@ -199,6 +233,8 @@ def model_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:
     embed = c.vocab_size * c.hidden_size
     layer = [q * c.hidden_size, 2 * kv * c.hidden_size, q * c.hidden_size, 3 * c.intermediate_size * c.hidden_size]
     elements = embed * (1 if c.tie_embeddings else 2) + c.hidden_size * (1 + 2 * c.num_layers)
+    if c.qkv_bias:
+        elements += c.num_layers * (q + 2 * kv)
     elements += c.num_layers * sum(layer)
     largest = max(embed, c.intermediate_size * c.hidden_size, q * c.hidden_size)
     table_bytes = 8 if dtype == torch.float64 else 4  # (an fp64 model keeps fp64 tables: models/llama.py)
@@ -239,6 +275,9 @@ def random_tensors(
             yield f"layers.{i}.{part}", draw(n_out, n_in, std=n_in**-0.5)
         for part in ("attn_norm", "ffn_norm"):
             yield f"layers.{i}.{part}", draw(c.hidden_size, std=0.1, mean=1.0)
+        if c.qkv_bias:  # (drawn last: a model without biases draws what it always drew)
+            for part in ("q", "k", "v"):
+                yield f"layers.{i}.{part}_bias", draw(shapes[part][0], std=1.0)
 
 
 def random_llama(
@@ -271,4 +310,121 @@ def hf_tensor_name(name: str) -> str:
     if name == "lm_head":
         return "lm_head.weight"
     _, index, part = name.split(".")
+    if part.endswith("_bias"):
+        return f"model.layers.{index}.{_HF_PARTS[part.removesuffix('_bias')]}.bias"
     return f"model.layers.{index}.{_HF_PARTS[part]}.weight"
+
+
+def _model_name(hf_name: str) -> str | None:
+    """The inverse of `hf_tensor_name`; None for a name it never makes."""
+    top = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
+    if hf_name in top:
+        return top[hf_name]
+    parts = hf_name.split(".")
+    if len(parts) < 5 or parts[:2] != ["model", "layers"] or not (parts[2].isascii() and parts[2].isdigit()):
+        return None
+    short = {v: k for k, v in _HF_PARTS.items()}.get(".".join(parts[3:-1]))
+    if short is None or parts[-1] not in ("weight", "bias"):
+        return None
+    return f"layers.{int(parts[2])}.{short}" + ("_bias" if parts[-1] == "bias" else "")
+
+
+SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+def hf_weight_files(directory: str | Path) -> list[Path]:
+    """The safetensors files of an HF model directory: model.safetensors, or the shards
+    model.safetensors.index.json names. ValueError naming the directory when it holds
+    neither, or naming the index when it is not one."""
+    d = Path(directory)
+    single, index = d / SAFETENSORS, d / SAFETENSORS_INDEX
+    if single.is_file():
+        return [single]
+    if not index.is_file():
+        raise ValueError(f"{d}: no {SAFETENSORS} nor {SAFETENSORS_INDEX} (kvpool reads an HF model's safetensors)")
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{index}: not a safetensors index (a weight_map of tensor -> file): {e}") from None
+    if not all(isinstance(n, str) and n and Path(n).name == n for n in names):
+        raise ValueError(f"{index}: its weight_map names files outside the directory: {names[:4]}")
+    missing = [n for n in names if not (d / n).is_file()]
+    if missing:
+        raise ValueError(f"{index} names {missing[0]}, which {d} lacks")
+    return [d / n for n in names]
+
+
+def hf_tensors(
+    directory: str | Path, config: LlamaConfig, dtype: torch.dtype = torch.float32
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every weight of an HF model directory's safetensors, in
+    `random_tensors`' names and HF layout ([out, in]), cast to `dtype`, one tensor read at a
+    time (LlamaModel.from_tensors fuses a layer once its parts are in). A tied model's
+    lm_head.weight, if the file holds one, is not read (transformers ties it to the
+    embedding). ValueError naming the file and tensor for one the model does not use (an O
+    bias, a Llama's Q bias, a layer past num_hidden_layers), of a shape the config does not
+    give, or not of a floating type."""
+    from safetensors import SafetensorError, safe_open
+
+    c = config
+    for path in hf_weight_files(directory):
+        try:
+            with safe_open(path, framework="pt") as f:
+                for hf_name in f.keys():  # noqa: SIM118 (safe_open is no mapping)
+                    if hf_name.endswith("rotary_emb.inv_freq"):  # (older checkpoints' buffer: computed here)
+                        continue
+                    if hf_name == "lm_head.weight" and c.tie_embeddings:
+                        continue
+                    name = _model_name(hf_name)
+                    shape = None if name is None else _shape(name, c)
+                    if shape is None:
+                        raise ValueError(f"{path}: tensor {hf_name!r} is no weight kvpool's model of this config uses")
+                    tensor = f.get_tensor(hf_name)
+                    if tuple(tensor.shape) != shape or not tensor.dtype.is_floating_point:
+                        raise ValueError(
+                            f"{path}: tensor {hf_name!r} is {list(tensor.shape)} {tensor.dtype}; the config needs "
+                            f"{list(shape)}, floating point"
+                        )
+                    yield name, tensor.to(dtype)
+        except SafetensorError as e:
+            raise ValueError(f"{path}: not a safetensors file ({e})") from None
+
+
+def _shape(name: str, config: LlamaConfig) -> tuple[int, ...] | None:
+    """The HF shape ([out, in]) of weight `name` (`random_tensors`' names) in `config`'s
+    model; None for a weight it does not hold (an untied head of a tied model, a bias of a
+    model without them, a layer past its last)."""
+    c = config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    top = {"embed": (c.vocab_size, c.hidden_size), "norm": (c.hidden_size,)}
+    if not c.tie_embeddings:
+        top["lm_head"] = (c.vocab_size, c.hidden_size)
+    if not name.startswith("layers."):
+        return top.get(name)
+    _, index, part = name.split(".")
+    if int(index) >= c.num_layers:
+        return None
+    parts = {
+        "q": (q, c.hidden_size),
+        "k": (kv, c.hidden_size),
+        "v": (kv, c.hidden_size),
+        "o": (c.hidden_size, q),
+        "gate": (c.intermediate_size, c.hidden_size),
+        "up": (c.intermediate_size, c.hidden_size),
+        "down": (c.hidden_size, c.intermediate_size),
+        "attn_norm": (c.hidden_size,),
+        "ffn_norm": (c.hidden_size,),
+    }
+    if c.qkv_bias:
+        parts.update(q_bias=(q,), k_bias=(kv,), v_bias=(kv,))
+    return parts.get(part)
+
+
+def load_hf(
+    directory: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> tuple[HFConfig, LlamaModel]:
+    """An HF model directory (config.json and its safetensors) as a LlamaModel: its config
+    read by `llama_config`, its weights by `hf_tensors` (no C kernels: the plain torch path)."""
+    hf = llama_config(directory)
+    return hf, LlamaModel.from_tensors(hf.config, hf_tensors(directory, hf.config, dtype), device)

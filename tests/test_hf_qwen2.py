@@ -1,0 +1,189 @@
+"""Qwen2 from a Hugging Face directory (models/hf_config.py): config.json with model_type
+"qwen2" (Q / K / V biases, tied or untied) and its safetensors, as transformers'
+Qwen2ForCausalLM.save_pretrained writes them (one file, or shards and their index), against
+that same transformers model: in fp64 to TOL64 of the largest logit (transformers' RoPE
+frequencies and angles in fp64 and its norms in the input's dtype, as tests/test_qwen2.py
+runs it for Qwen2 GGUFs). A config.json alone runs with seeded random weights, biases
+included, equal to transformers holding those weights. What the model does not compute
+(a sliding window in use, an O bias, a tensor of another shape) is refused naming it."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from kvpool.attention.reference import reference_logits
+from kvpool.cache import CacheDescriptor
+from kvpool.engine.build import build_engine
+from kvpool.models.hf_config import (
+    hf_tensor_name,
+    hf_weight_files,
+    llama_config,
+    load_hf,
+    model_bytes,
+    random_llama,
+    random_tensors,
+)
+from test_qwen2 import HF, IDS, TOL64, hf_logits, hf_model, hf_weights
+from test_rope_scaling import _engine_rows
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def save_dir(path, tied: bool, **save) -> tuple[object, object]:
+    """transformers' fp64 Qwen2 of test_qwen2's random weights, saved to `path` by
+    save_pretrained (safetensors): (the model, the path)."""
+    model = hf_model(hf_weights(tied), tied, torch.float64)
+    model.save_pretrained(path, **save)
+    return model, path
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_an_hf_qwen2_directory_loads_and_equals_transformers_in_fp64(tmp_path, tied):
+    hf, path = save_dir(tmp_path / "qwen2", tied)
+    raw = json.loads((path / "config.json").read_text())
+    assert raw["model_type"] == "qwen2" and hf_weight_files(path) == [path / "model.safetensors"]
+    config, model = load_hf(path, torch.float64)
+    cfg = config.config
+    assert (cfg.qkv_bias, cfg.tie_embeddings, cfg.rope_theta, cfg.head_dim) == (True, tied, 1e6, 16)
+    assert model.dtype == torch.float64 and (model.lm_head is None) == tied
+    want = hf_logits(hf, IDS)
+    got = reference_logits(model, IDS, fused=False).double()
+    assert want.abs().max() > 1.0
+    assert (got - want).abs().max() <= TOL64 * want.abs().max()
+    # the biases were read: zeroed, the logits are far off
+    for layer in model.layers:
+        layer["bqkv"].zero_()
+    assert (reference_logits(model, IDS, fused=False).double() - want).abs().max() > 1e-3 * want.abs().max()
+
+
+def test_sharded_safetensors_and_the_paged_engine(tmp_path):
+    """Shards named by model.safetensors.index.json load as the single file does; the paged
+    engine (a prefix hit on the second prompt) on the loaded model equals transformers."""
+    hf, path = save_dir(tmp_path / "qwen2", False, max_shard_size="40KB")
+    files = hf_weight_files(path)
+    assert len(files) > 2 and (path / "model.safetensors.index.json").is_file()
+    _, model = load_hf(path, torch.float64)
+    engine = build_engine(
+        model,
+        descriptor=CacheDescriptor("qwen2", weights_version="x"),
+        num_blocks=32,
+        block_size=16,
+        record_logits=True,
+    )
+    prompts = [IDS[:70], IDS[:70] + IDS[70:100]]
+    runs = _engine_rows(engine, prompts, new_tokens=6)
+    assert runs[1][2] >= 64
+    for (sequence, rows, _), prompt in zip(runs, prompts, strict=True):
+        want = hf_logits(hf, sequence[:-1])[len(prompt) - 1 :]
+        assert (rows - want).abs().max() <= TOL64 * want.abs().max()
+
+
+def test_a_qwen2_config_json_with_random_weights_equals_transformers_holding_them(tmp_path):
+    """The config.json path (`kvpool run --model config.json`, bench gpu): random_llama draws
+    the biases too, and hf_tensor_name names them as transformers does."""
+    (tmp_path / "config.json").write_text(json.dumps({**HF, "model_type": "qwen2", "tie_word_embeddings": False}))
+    cfg = llama_config(tmp_path).config
+    assert cfg.qkv_bias and cfg.max_position == HF["max_position_embeddings"]
+    weights = {hf_tensor_name(n): t for n, t in random_tensors(cfg, 5, torch.float64)}
+    assert weights["model.layers.1.self_attn.v_proj.bias"].shape == (32,)
+    hf = hf_model(weights, False, torch.float64)
+    want = hf_logits(hf, IDS)
+    got = reference_logits(random_llama(cfg, seed=5, dtype=torch.float64), IDS, fused=False).double()
+    assert (got - want).abs().max() <= TOL64 * want.abs().max()
+    # the estimate counts the biases: exactly their elements more than without them
+    plain = llama_config_of({**HF, "model_type": "llama", "tie_word_embeddings": False}, tmp_path)
+    extra = cfg.num_layers * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * 8
+    assert model_bytes(cfg, torch.float64) - model_bytes(plain, torch.float64) == extra
+
+
+def llama_config_of(raw: dict, tmp_path):
+    (tmp_path / "other.json").write_text(json.dumps(raw))
+    return llama_config(tmp_path / "other.json").config
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1}, "use_sliding_window with"),
+        ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types 'sliding_attention' is not modelled"),
+        ({"use_sliding_window": "false"}, "use_sliding_window must be true or false"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not modelled"),
+    ],
+)
+def test_a_qwen2_config_the_model_cannot_compute_is_refused(tmp_path, changes, match):
+    with pytest.raises(ValueError, match=match):
+        llama_config_of({**HF, "model_type": "qwen2", **changes}, tmp_path)
+
+
+def test_qwen2_configs_that_attend_in_full_are_read(tmp_path):
+    # Qwen2.5's: a window named, not used; or used from a layer past the last
+    for changes in (
+        {"use_sliding_window": False, "sliding_window": 131072, "max_window_layers": 21},
+        {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2},
+        {"layer_types": ["full_attention"] * 2, "attention_bias": True},
+    ):
+        assert llama_config_of({**HF, "model_type": "qwen2", **changes}, tmp_path).qkv_bias
+
+
+def test_what_an_hf_directory_lacks_or_adds_is_refused_naming_it(tmp_path):
+    _, path = save_dir(tmp_path / "qwen2", True)
+    good = dict(_tensors(path))
+    cases = {
+        "o_bias": ({**good, "model.layers.0.self_attn.o_proj.bias": torch.zeros(64)}, "o_proj.bias' is no weight"),
+        "layer2": ({**good, "model.layers.2.input_layernorm.weight": torch.ones(64)}, "layers.2.input_layernorm"),
+        "shape": (
+            {**good, "model.layers.1.self_attn.k_proj.bias": torch.zeros(16)},
+            r"is \[16\] torch.float32; the config needs \[32\]",
+        ),
+        "ints": ({**good, "model.norm.weight": torch.ones(64, dtype=torch.int32)}, "floating point"),
+    }
+    for tensors, match in cases.values():
+        save_file(tensors, str(path / "model.safetensors"))
+        with pytest.raises(ValueError, match=match):
+            load_hf(path, torch.float64)
+    save_file(
+        {k: v for k, v in good.items() if k != "model.layers.1.self_attn.q_proj.bias"}, str(path / "model.safetensors")
+    )
+    with pytest.raises(ValueError, match=re.escape("lacks tensors ['layers.1.q_bias']")):
+        load_hf(path, torch.float64)
+    (path / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        load_hf(path)
+    (path / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="no model.safetensors nor model.safetensors.index.json"):
+        load_hf(path)
+    # a Llama's Q bias: its model adds none
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**raw, "model_type": "llama"}))
+    save_file(good, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match="k_proj.bias' is no weight kvpool's model of this config uses"):
+        load_hf(path)
+
+
+def _tensors(path):
+    from safetensors import safe_open
+
+    with safe_open(path / "model.safetensors", framework="pt") as f:
+        return [(k, f.get_tensor(k)) for k in f.keys()]  # noqa: SIM118
+
+
+def test_kvpool_run_serves_an_hf_directory_with_its_weights(tmp_path, capsys):
+    from kvpool.cli.main import main
+
+    _, path = save_dir(tmp_path / "qwen2", False)
+    raw = json.loads((path / "config.json").read_text())  # (room for the workload's prompts)
+    (path / "config.json").write_text(json.dumps({**raw, "max_position_embeddings": 2048}))
+    argv = ["run", "--model", str(path), "--num-requests", "2", "--turns", "1", "--num-long", "0"]
+    assert main([*argv, "--request-rate", "inf", "--max-tokens", "3", "--kv-memory", "1MiB", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["num_finished"], report["num_generated_tokens"]) == (2, 6)
+    (path / "model.safetensors").unlink()  # a directory without its weights: refused, not run with random ones
+    assert main(argv) == 2
+    assert "no model.safetensors nor model.safetensors.index.json" in capsys.readouterr().err
