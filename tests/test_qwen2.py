@@ -20,7 +20,6 @@ from kvpool.cache import CacheDescriptor
 from kvpool.engine.build import build_engine, load_model
 from kvpool.models.gguf import load_gguf
 from kvpool.models.llama import LlamaModel
-from kvpool.models.tensor_parallel import check_tp
 from random_llama import TINY_HF_LLAMA
 from test_rope_scaling import _engine_rows, _Fp64Torch, _norm_in_input_dtype, _rotary_fp64
 
@@ -211,6 +210,3 @@ def test_what_a_qwen2_gguf_lacks_or_adds_is_refused_naming_the_tensor(tmp_path):
         ValueError, match=re.escape(f"tensor 'blk.0.attn_q.bias' is a bias kvpool's model {qwen2_only}")
     ):
         load_gguf(llama_bias)
-    # tensor parallelism splits wqkv's columns, not its bias: refused, not run without it
-    with pytest.raises(ValueError, match=r"--tensor-parallel-size 2: a model with Q / K / V biases \(Qwen2\)"):
-        check_tp(load_gguf(write_gguf(tmp_path / "ok.gguf", weights)).meta.config, 2)

@@ -1,10 +1,11 @@
 """Tensor parallelism for the Llama path (Megatron-style), over torch.distributed.
 
 Rank r of T keeps query heads [r H/T, (r+1) H/T), KV heads [r KVH/T, (r+1) KVH/T), and
-MLP columns [r I/T, (r+1) I/T): the fused wqkv and w_gate_up split by output columns, wo
-and w_down by input rows. Each rank's attention reads only its own KV heads, so its KV
-pool holds 1/T of every block (storage/kv.py on the sharded config): a block table, and so
-every cache decision, is the same on every rank. The partial products of wo and w_down are
+MLP columns [r I/T, (r+1) I/T): the fused wqkv and w_gate_up split by output columns (a
+Qwen2's Q / K / V bias bqkv with its heads' columns), wo and w_down by input rows. Each
+rank's attention reads only its own KV heads, so its KV pool holds 1/T of every block
+(storage/kv.py on the sharded config): a block table, and so every cache decision, is the
+same on every rank. The partial products of wo and w_down are
 summed over the ranks (an all-reduce) before the residual add; embedding, norms and the
 LM head are whole on every rank, so every rank computes the same logits and samples the
 same token.
@@ -173,8 +174,6 @@ def check_tp(config, tp: int, flag: str = "--tensor-parallel-size") -> None:
     --nproc-per-node), so the line names what to change."""
     if tp <= 0:
         raise ValueError(f"{flag} must be positive, got {tp}")
-    if tp > 1 and getattr(config, "qkv_bias", False):  # (shard_llama splits wqkv's columns, not a bias)
-        raise ValueError(f"{flag} {tp}: a model with Q / K / V biases (Qwen2) runs on one rank only")
     bad = [
         f"{n} {what}"
         for n, what in (
@@ -212,8 +211,11 @@ def shard_llama(model: LlamaModel, rank: int, world: int, group: dist.ProcessGro
         gate_up = layer["w_gate_up"]
         gate = slice(rank * inter, (rank + 1) * inter)
         up = slice(cfg.intermediate_size + rank * inter, cfg.intermediate_size + (rank + 1) * inter)
+        # Q / K / V biases (Qwen2) go with their heads' columns; wo's and w_down's rows take none
+        bias = layer.get("bqkv")
         layers.append(
-            {
+            ({} if bias is None else {"bqkv": torch.cat([bias[q_cols], bias[k_cols], bias[v_cols]]).contiguous()})
+            | {
                 "attn_norm": layer["attn_norm"],
                 "ffn_norm": layer["ffn_norm"],
                 "wqkv": torch.cat([wqkv[:, q_cols], wqkv[:, k_cols], wqkv[:, v_cols]], dim=1).contiguous(),
