@@ -263,3 +263,29 @@ def test_a_header_longer_than_the_first_read_is_read_on(tmp_path, monkeypatch):
     assert len(header.fields["tokenizer.ggml.tokens"].value) == 4000
     assert header.bytes_read // 2 < header.data_offset <= header.bytes_read  # read on, doubling, no further
     assert check_header(header, path).config == load_gguf(path, torch.float32).meta.config
+
+
+def test_a_cold_load_checks_the_header_once(tmp_path, monkeypatch):
+    """load_model checks the header before it hashes the file, and load_gguf took it up again:
+    read_config, check_shapes and check_tensor_types ran twice on every cold load (the second
+    time through gguf's reader). Now load_gguf takes load_model's result; alone, it checks."""
+    from kvpool.models import gguf_header
+
+    calls: dict[str, int] = {}
+    for name in ("read_config", "check_shapes", "check_tensor_types"):
+        original = getattr(kv_gguf, name)
+
+        def counted(*args, _name=name, _original=original):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _original(*args)
+
+        monkeypatch.setattr(kv_gguf, name, counted)
+        monkeypatch.setattr(gguf_header, name, counted)
+    monkeypatch.setenv("KVPOOL_WEIGHT_CACHE", "0")
+    path = write_gguf(tmp_path / "tiny.gguf")
+    loaded = build.load_model(path, device="cpu")
+    assert loaded.load_source == "gguf" and loaded.model.config.num_layers == 2
+    assert calls == {"read_config": 1, "check_shapes": 1, "check_tensor_types": 1}
+    calls.clear()
+    assert load_gguf(path).meta.config == loaded.model.config
+    assert calls == {"read_config": 1, "check_shapes": 1, "check_tensor_types": 1}

@@ -103,7 +103,7 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, devi
         model = LlamaModel.from_state(meta.config, state, device, kernels)
         source = "weight cache"
     else:
-        gguf_file = load_gguf(path, dtype, digest)
+        gguf_file = load_gguf(path, dtype, digest, facts)  # (the header checked above: not again)
         meta = gguf_file.meta
         model = LlamaModel.from_tensors(meta.config, gguf_file.tensors(dtype), device, kernels)
         del gguf_file

@@ -20,14 +20,16 @@ import importlib.util
 import itertools
 import math
 import os
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import xxhash
+
+if TYPE_CHECKING:
+    from kvpool.models.gguf_header import HeaderFacts
 
 # Quantization types we dequantize (through gguf.quants.dequantize) or read as they are.
 SUPPORTED_QUANT_TYPES = frozenset(
@@ -80,9 +82,9 @@ ROPE_FREQS_MAX_ELEMENTS = 1 << 16  # the values read of an F32 rope_freqs (a hea
 
 @dataclass(frozen=True)
 class RopeFreqs:
-    """Tensor rope_freqs.weight as a file stores it, from either reader (gguf's, or
-    models/gguf_header.py's): its ggml type's name, its GGUF dims, and its values when it is
-    F32 of at most ROPE_FREQS_MAX_ELEMENTS (None otherwise: the tensor is refused)."""
+    """Tensor rope_freqs.weight as a file stores it, read by models/gguf_header.py: its ggml
+    type's name, its GGUF dims, and its values when it is F32 of at most
+    ROPE_FREQS_MAX_ELEMENTS (None otherwise: the tensor is refused)."""
 
     type_name: str
     dims: tuple[int, ...]
@@ -149,10 +151,15 @@ class GGUFFile:
     memory handed back to the OS; `tensors()` then reads each tensor's bytes with plain file
     reads, so no page of the file is held resident by a mapping while the model is built."""
 
-    def __init__(self, meta: GGUFModel, infos: list[TensorInfo], permuted_qk: bool = True) -> None:
+    def __init__(self, meta: GGUFModel, infos: list[TensorInfo]) -> None:
         self.meta = meta
         self.infos = infos
-        self.permuted_qk = permuted_qk  # Q / K rows in llama.cpp's interleaved order ("llama"; not "qwen2")
+
+    @property
+    def permuted_qk(self) -> bool:
+        """Whether the Q / K rows are in llama.cpp's interleaved order: a "llama" GGUF's are;
+        a "qwen2" GGUF's (the architecture read_config gives qkv_bias) are as they are."""
+        return not self.meta.config.qkv_bias
 
     def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF-style name, tensor) of every tensor the model uses, in file order, each made
@@ -508,32 +515,6 @@ def check_gguf_file(path: str) -> None:
         raise ValueError(f"{path} is not a GGUF file: it starts with {head!r}, not {GGUF_MAGIC!r}")
 
 
-# The least bytes one entry of each section takes: a metadata pair (key length, an empty key,
-# its type, a one-byte value), a tensor's description (name length, an empty name, its
-# dims count, no dims, its type, its offset).
-MIN_KV_BYTES = 8 + 4 + 1
-MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8
-
-
-def check_gguf_counts(path: str) -> None:
-    """ValueError naming the count when the header's tensor or metadata count claims more
-    entries than the file's bytes can hold (a count of 2^63 parsed until the end of the file
-    before the reader failed, in numpy's words)."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(24)
-    if len(head) < 24:
-        raise ValueError(f"GGUF file {path} is truncated: its header needs 24 bytes, the file has {size}")
-    # a file written on a big-endian machine holds its version (2 or 3) in the high half of a little-endian read
-    order = ">" if struct.unpack_from("<I", head, 4)[0] & 0xFFFF == 0 else "<"
-    num_tensors, num_kv = struct.unpack_from(f"{order}QQ", head, 8)
-    if num_tensors * MIN_TENSOR_INFO_BYTES + num_kv * MIN_KV_BYTES > size - 24:
-        raise ValueError(
-            f"GGUF file {path} is corrupt or truncated: its header claims {num_tensors} tensors and {num_kv} metadata "
-            f"keys, more than its {size} bytes can hold"
-        )
-
-
 @functools.cache
 def _checked_reader_class() -> type:
     """gguf.GGUFReader that refuses, naming the offset, any read past the end of the file.
@@ -575,62 +556,40 @@ def _checked_reader_class() -> type:
     return CheckedReader
 
 
-def check_tensor_extents(reader: Any) -> None:
-    """ValueError naming the tensor whose data does not lie inside the file: the reader adds
-    a tensor's offset to the data section's start in uint64, so an offset near 2^64 wrapped
-    around into the file and its weights were read from the wrong bytes without a word; dims
-    whose product overflows 2^64 likewise."""
-    size = len(reader.data)
-    for t in reader.tensors:
-        offset = int(t.field.parts[-1][0])  # as stored, from the data section's start
-        elements = math.prod(int(x) for x in t.shape)
-        if elements != int(t.n_elements):
-            raise ValueError(f"tensor {t.name!r} has dims {[int(x) for x in t.shape]}, whose product overflows")
-        if reader.data_offset + offset + int(t.n_bytes) > size:
-            raise ValueError(
-                f"tensor {t.name!r}: {int(t.n_bytes)} bytes at offset {offset} of the data section run past the "
-                f"end of the file ({size} bytes, data from {reader.data_offset})"
-            )
-
-
-def _reader_rope_freqs(reader: Any) -> RopeFreqs | None:
-    """gguf's reader's rope_freqs tensor (its data a view of the file's map)."""
-    t = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
-    if t is None:
-        return None
-    dims, name = tuple(int(x) for x in t.shape), t.tensor_type.name
-    small = name == "F32" and math.prod(dims) <= ROPE_FREQS_MAX_ELEMENTS
-    return RopeFreqs(name, dims, tuple(float(x) for x in t.data.reshape(-1)) if small else None)
-
-
-def load_gguf(path: str | None = None, dtype: torch.dtype = torch.float32, digest: str | None = None) -> GGUFFile:
+def load_gguf(
+    path: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    digest: str | None = None,
+    facts: HeaderFacts | None = None,
+) -> GGUFFile:
     """Open a Llama GGUF and read its metadata; its tensors are dequantized one at a time
     by `tensors()`. `path=None` takes the embedded SmolLM2-135M.
 
     FileNotFoundError for a missing file; ValueError naming the path for anything else that
     keeps the file from loading: a directory, not a GGUF file, corrupt or truncated data, a
     non-Llama architecture, missing metadata, or an unsupported quantization type (named,
-    with the tensor that uses it).
+    with the tensor that uses it). The header's refusals are models/gguf_header.py's
+    `check_header` (counts, architecture, shapes, quantization types, every tensor's bytes
+    inside the file); `facts`, its result, when the caller has checked the header already
+    (load_model does, before it hashes the file): not checked twice.
     """
+    from kvpool.models.gguf_header import check_header, read_header
+
     # fp16 too: --dtype fp16 on run / generate / serve (cli/args.py MODEL_DTYPES) loads through here
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
     path = path or default_gguf_path()
     check_gguf_file(path)
-    check_gguf_counts(path)
+    if facts is None:
+        facts = check_header(read_header(path), path)
+    config = facts.config
     try:
-        with np.errstate(over="ignore"):  # (a tensor offset that wraps: check_tensor_extents names it)
-            reader = _checked_reader_class()(path)
-        check_tensor_extents(reader)
+        reader = _checked_reader_class()(path)
     except PARSE_ERRORS as e:
         raise ValueError(f"GGUF file {path} is corrupt or truncated: {type(e).__name__}: {e}") from e
     try:
-        config = read_config(reader, _reader_rope_freqs(reader))
-        permuted_qk = _field(reader, "general.architecture") == "llama"
         tokenizer = read_tokenizer(reader)
-        check_shapes(reader, config, len(tokenizer.tokens))
         file_type = _field(reader, "general.file_type")
-        check_tensor_types({t.name: t.tensor_type.name for t in reader.tensors}, config)
         infos = [
             TensorInfo(
                 t.name,
@@ -649,7 +608,7 @@ def load_gguf(path: str | None = None, dtype: torch.dtype = torch.float32, diges
     gc.collect()  # the reader's fields are cyclic: free them now, then hand the pages back
     _release_freed_memory()
     digest = digest or file_digest(path)  # the caller's, when it hashed the file already
-    return GGUFFile(GGUFModel(path, config, tokenizer, str(file_type), digest), infos, permuted_qk)
+    return GGUFFile(GGUFModel(path, config, tokenizer, str(file_type), digest), infos)
 
 
 _DEQUANT_CHUNK_BYTES = 8 << 20  # fp32 output a dequantization step makes at most

@@ -6,9 +6,11 @@ machine, was refused only after that.
 
 No gguf library here: its reader parses every token and merge into Python objects (2.4 s
 and ~160 MB for SmolLM2), where this walks past the string arrays (their lengths only) and
-keeps a count. The reader still parses the file on a cold load (models/gguf.py load_gguf);
-the checks here are the same functions (read_config, check_shapes, check_tensor_types),
-given a header that answers as the reader does (`fields[key].contents()`, `tensors`).
+keeps a count. These are the only checks of the header: load_gguf runs `check_header` too
+(or takes its result from load_model, which ran it before hashing the file), and the reader
+it then parses the file with reads the tokenizer and the tensors' offsets only. The checks
+are models/gguf.py's functions (read_config, check_shapes, check_tensor_types), given a
+header that answers as gguf's reader does (`fields[key].contents()`, `tensors`).
 
 Layout (GGUF v2 and v3; every integer in the file's byte order):
   magic "GGUF" | version u32 | tensor count u64 | metadata count u64
@@ -30,8 +32,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.models.gguf import (
-    MIN_KV_BYTES,
-    MIN_TENSOR_INFO_BYTES,
     PARSE_ERRORS,
     ROPE_FREQS,
     ROPE_FREQS_MAX_ELEMENTS,
@@ -60,6 +60,11 @@ QUANT_TYPES = {
     14: ("Q6_K", 256, 210),
     30: ("BF16", 1, 2),
 }
+# The least bytes one entry of each section takes: a metadata pair (key length, an empty key,
+# its type, a one-byte value), a tensor's description (name length, an empty name, its
+# dims count, no dims, its type, its offset).
+MIN_KV_BYTES = 8 + 4 + 1
+MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8
 FIRST_READ_BYTES = 4 << 20  # SmolLM2's header is 1.8 MB, Llama 3's ~8 MB: then twice as much, until it ends
 MAX_HEADER_BYTES = 256 << 20  # a vocabulary of 256k tokens and its merges take ~10 MB
 
@@ -251,7 +256,9 @@ class _Reader:
         item_type, count = self.unpack("IQ", 12)
         least = struct.calcsize(_SCALARS[item_type]) if item_type in _SCALARS else (8 if item_type == _STRING else 12)
         if count * least > self.size - self.pos:
-            raise ValueError(f"the array at offset {self.pos - 12} claims {count} items, more than the file holds")
+            raise ValueError(
+                f"the array at offset {self.pos - 12} claims {count} items, more than the file's {self.size} bytes hold"
+            )
         if item_type in _SCALARS:
             self.unpack(f"{count * least}x", count * least)
             return SkippedArray(count)
