@@ -281,7 +281,7 @@ class LlamaModel:
             hs = _rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
             qkv = hs @ layer["wqkv"]  # [N, (H + 2 KVH) * D]
             if "bqkv" in layer:
-                qkv = qkv + layer["bqkv"]
+                qkv += layer["bqkv"]  # (in place: the product is this step's own tensor)
             # RoPE on q and k together: [N, H + KVH, D]
             qk = self._rope(qkv[:, : (h + kvh) * d].view(n, h + kvh, d), cos, sin)
             q, k = qk[:, :h], qk[:, h:]

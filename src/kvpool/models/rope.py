@@ -30,12 +30,12 @@ import xxhash
 
 def inv_freq(head_dim: int, theta: float, divisors: tuple[float, ...] | None) -> torch.Tensor:
     """The inverse frequency of each rotated pair, fp64 [head_dim / 2]: theta^(-2i / D), each
-    divided by its divisor (None: plain RoPE)."""
+    divided by its divisor (None: plain RoPE; a LlamaConfig's rope_freq_divisors, one a pair:
+    LlamaConfig checks their count)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
     plain = 1.0 / (theta**exponents)
     if divisors is None:
         return plain
-    assert len(divisors) == head_dim // 2, f"{len(divisors)} RoPE divisors for head dim {head_dim}"
     return plain / torch.tensor(divisors, dtype=torch.float64)
 
 

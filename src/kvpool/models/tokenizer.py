@@ -109,14 +109,10 @@ class ChatTokenizer:
         return self.encode(self.render_chat(messages))
 
 
-def check_tokenizer(data: TokenizerData) -> None:
-    """ValueError naming the tokenizer model or pre-tokenizer kvpool does not build."""
-    check_tokenizer_kind(data.model, data.pre)
-
-
 def check_tokenizer_kind(model: str, pre: str) -> None:
-    """check_tokenizer from the two header keys (tokenizer.ggml.model and .pre) alone: the
-    loader asks before it hashes or reads the weights."""
+    """ValueError naming the tokenizer model or pre-tokenizer kvpool does not build, from the
+    two header keys (tokenizer.ggml.model and .pre) alone: the loader asks before it hashes
+    or reads the weights, and build_tokenizer again (a TokenizerData built by hand)."""
     if model != "gpt2":
         raise ValueError(f"unsupported GGUF tokenizer model {model!r}; kvpool builds byte-level BPE ('gpt2')")
     if pre not in SUPPORTED_PRES:
@@ -130,7 +126,7 @@ def check_tokenizer_kind(model: str, pre: str) -> None:
 
 
 def build_tokenizer(data: TokenizerData) -> ChatTokenizer:
-    check_tokenizer(data)
+    check_tokenizer_kind(data.model, data.pre)
     vocab = {token: index for index, token in enumerate(data.tokens)}
     merges = [tuple(m.split(" ", 1)) for m in data.merges]
     split, ignore_merges = _REGEX_PRES.get(data.pre, (None, False))
