@@ -242,10 +242,14 @@ def test_the_attention_figures_time_the_attention_over_a_plan_made_before(monkey
 SMALL = LlamaConfig(2, 64, 160, 4, 2, 16, 10000.0, 1e-5, 300, 256, False)
 
 
-@pytest.mark.parametrize(("tied", "scaled"), [(False, False), (True, False), (False, True)])
-def test_transformers_and_the_plain_forward_hold_the_engines_weights(tied, scaled):
+@pytest.mark.parametrize(
+    ("tied", "scaled", "qwen2"),
+    [(False, False, False), (True, False, False), (False, True, False), (True, False, True)],
+)
+def test_transformers_and_the_plain_forward_hold_the_engines_weights(tied, scaled, qwen2):
     """scaled: Llama 3.1's RoPE scaling (the llama-3.1-8b preset's kind; its original
-    context 64 here, so that 20 positions see it), which transformers' copy takes too."""
+    context 64 here, so that 20 positions see it), which transformers' copy takes too.
+    qwen2: Q / K / V biases (a qwen2 config.json), in transformers' Qwen2ForCausalLM."""
     pytest.importorskip("transformers")
     from dataclasses import replace
 
@@ -253,8 +257,9 @@ def test_transformers_and_the_plain_forward_hold_the_engines_weights(tied, scale
     from kvpool.models.rope import llama3_divisors
 
     divisors = llama3_divisors(16, 10000.0, 8.0, 1.0, 4.0, 64) if scaled else None
-    cfg = replace(SMALL, tie_embeddings=tied, rope_freq_divisors=divisors)
+    cfg = replace(SMALL, tie_embeddings=tied, rope_freq_divisors=divisors, qkv_bias=qwen2)
     hf = transformers_llama(cfg, 3, torch.float64, "cpu")  # fp64: equal but for summation order
+    assert type(hf).__name__ == ("Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM")
     ids = torch.randint(0, cfg.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = hf(ids).logits  # [2, 20, vocab]

@@ -30,14 +30,20 @@ if TYPE_CHECKING:
 
 
 def transformers_llama(config: LlamaConfig, seed: int, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
-    """transformers' LlamaForCausalLM of `config` holding `random_tensors(config, seed)`:
-    the weights `random_llama(config, seed)` holds, in transformers' names, and the engine's
-    RoPE: rotate-half with rope_theta, its frequencies divided by the config's
-    rope_freq_divisors (a Llama 3.1 config's llama3 scaling, models/rope.py)."""
+    """transformers' LlamaForCausalLM (Qwen2ForCausalLM for a config with Q / K / V biases) of
+    `config` holding `random_tensors(config, seed)`: the weights `random_llama(config, seed)`
+    holds, in transformers' names, and the engine's RoPE: rotate-half with rope_theta, its
+    frequencies divided by the config's rope_freq_divisors (a Llama 3.1 config's llama3
+    scaling, models/rope.py)."""
     import transformers
 
     c = config
-    hf_config = transformers.LlamaConfig(
+    config_class, model_class = (
+        (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)
+        if c.qkv_bias
+        else (transformers.LlamaConfig, transformers.LlamaForCausalLM)
+    )
+    hf_config = config_class(
         hidden_size=c.hidden_size,
         intermediate_size=c.intermediate_size,
         num_hidden_layers=c.num_layers,
@@ -51,7 +57,7 @@ def transformers_llama(config: LlamaConfig, seed: int, dtype: torch.dtype, devic
         tie_word_embeddings=c.tie_embeddings,
     )
     with torch.device("meta"):  # no random init of tensors that are loaded next
-        model = transformers.LlamaForCausalLM(hf_config)
+        model = model_class(hf_config)
     state = {hf_tensor_name(n): t for n, t in random_tensors(c, seed, dtype, device)}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if unexpected or set(missing) - {"lm_head.weight"}:
@@ -120,6 +126,8 @@ class ContiguousLlama:
         self.num_heads, self.num_kv_heads = c.num_attention_heads, c.num_key_value_heads
         self.head_dim = c.head_dim
         self.embed, self.norm, self.lm_head = p.embed_tokens.weight, p.norm.weight, model.lm_head.weight
+        # a Qwen2's Q / K / V biases (None on a Llama: nothing added)
+        self.biases = [tuple(getattr(layer.self_attn, f"{x}_proj").bias for x in "qkv") for layer in p.layers]
         self.layers = [
             {
                 "q": layer.self_attn.q_proj.weight,
@@ -157,9 +165,12 @@ class ContiguousLlama:
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         for i, w in enumerate(self.layers):
             hs = _rms_norm(x, w["attn_norm"], self.eps)
-            q = self._rope((hs @ w["q"].t()).view(b, t, h, d).transpose(1, 2), cos, sin)
-            k = self._rope((hs @ w["k"].t()).view(b, t, kvh, d).transpose(1, 2), cos, sin)
-            v = (hs @ w["v"].t()).view(b, t, kvh, d).transpose(1, 2)
+            q, k, v = (hs @ w[x].t() for x in "qkv")
+            if self.biases[i][0] is not None:
+                q, k, v = (y + bias for y, bias in zip((q, k, v), self.biases[i], strict=True))
+            q = self._rope(q.view(b, t, h, d).transpose(1, 2), cos, sin)
+            k = self._rope(k.view(b, t, kvh, d).transpose(1, 2), cos, sin)
+            v = v.view(b, t, kvh, d).transpose(1, 2)
             attn = attend(i, q, k, v)  # [B, H, T, D]
             x = x + attn.transpose(1, 2).reshape(b, t, h * d) @ w["o"].t()
             hs = _rms_norm(x, w["ffn_norm"], self.eps)
