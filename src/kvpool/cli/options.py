@@ -543,7 +543,8 @@ def options_table() -> str:
         + "; another, such as DeepSeek's `deepseek-llm`, is refused in one line), its RoPE plain, linear-scaled "
         "or Llama 3.1's (`rope_freqs.weight`: Llama 3.1 / 3.2 run; YaRN and LongRoPE are refused); `run` also takes "
         + ", ".join(f"`{m}`" for m in ENGINE_MODELS[1:])
-        + ", `generate` and `eval kv-quant` take "
+        + ", a Llama / Mistral / Qwen2 config.json (seeded random weights) or its Hugging Face directory with its "
+        "safetensors (its weights; token ids in and out), `generate` and `eval kv-quant` take "
         "`tiny-dsv4`; `plan` and `simulate` take a preset name in any case "
         "(`kvpool plan -h` lists them) or a config.json. GPU presets are case-insensitive (`h200` = `H200`).",
         "",
