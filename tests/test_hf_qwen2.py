@@ -143,6 +143,10 @@ def test_what_an_hf_directory_lacks_or_adds_is_refused_naming_it(tmp_path):
             r"is \[16\] torch.float32; the config needs \[32\]",
         ),
         "ints": ({**good, "model.norm.weight": torch.ones(64, dtype=torch.int32)}, "floating point"),
+        "nan": (
+            {**good, "model.layers.1.mlp.up_proj.weight": good["model.layers.1.mlp.up_proj.weight"] * torch.nan},
+            "up_proj.weight' holds a NaN",
+        ),
     }
     for tensors, match in cases.values():
         save_file(tensors, str(path / "model.safetensors"))

@@ -364,7 +364,7 @@ def hf_tensors(
     lm_head.weight, if the file holds one, is not read (transformers ties it to the
     embedding). ValueError naming the file and tensor for one the model does not use (an O
     bias, a Llama's Q bias, a layer past num_hidden_layers), of a shape the config does not
-    give, or not of a floating type."""
+    give, not of a floating type, or holding a value that is not finite in `dtype`."""
     from safetensors import SafetensorError, safe_open
 
     c = config
@@ -386,7 +386,13 @@ def hf_tensors(
                             f"{path}: tensor {hf_name!r} is {list(tensor.shape)} {tensor.dtype}; the config needs "
                             f"{list(shape)}, floating point"
                         )
-                    yield name, tensor.to(dtype)
+                    tensor = tensor.to(dtype)
+                    if not bool(torch.isfinite(tensor).all()):  # (every logit NaN, as a GGUF's: gguf._check_finite)
+                        raise ValueError(
+                            f"{path}: tensor {hf_name!r} holds a NaN or an infinity in {dtype}: the model cannot "
+                            "compute with it"
+                        )
+                    yield name, tensor
         except SafetensorError as e:
             raise ValueError(f"{path}: not a safetensors file ({e})") from None
 
